@@ -1,0 +1,154 @@
+"""The plan: batch, epoch, step and learning-rate arithmetic for one spec on one world. Pure; nothing else.
+
+The batch triad follows DeepSpeed's own rules (any two numbers determine the third, by floor division; with only
+micro or only global given, accumulation is 1) but never truncates: a triad DeepSpeed would reject at engine start
+is an error here, offline, with numbers that would work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from dstune.spec.load import SpecError, SpecIssue, SpecSource
+from dstune.spec.models import TrainSpec
+
+
+@dataclass(frozen=True)
+class Plan:
+    world_size: int  # data-parallel ranks
+    num_nodes: int
+    ranks_per_node: tuple[int, ...]
+    micro_batch_size: int  # samples per forward, per rank
+    gradient_accumulation_steps: int
+    global_batch_size: int  # samples per optimizer step, all ranks
+    num_samples: int  # dataset size (after repeats)
+    steps_per_epoch: int  # optimizer steps
+    samples_per_epoch: int  # samples an epoch really uses (drop_last)
+    dropped_per_epoch: int  # remainder left out of each epoch
+    micro_batches_per_epoch_per_rank: int
+    total_steps: int
+    epochs: float  # may be fractional when max_steps is given
+    samples_seen: int
+    times_each_sample_seen: float
+    warmup_steps: int
+    base_lr: float
+    lr_scale: float
+    effective_lr: float
+    gradient_clipping: float
+    warnings: tuple[SpecIssue, ...] = field(default=())
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["ranks_per_node"] = list(self.ranks_per_node)
+        out["warnings"] = [str(w) for w in self.warnings]
+        return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearby_multiples(value: int, step: int) -> str:
+    below = (value // step) * step
+    above = below + step
+    return " or ".join(str(v) for v in (below, above) if v > 0)
+
+
+def resolve_batch(train: TrainSpec, world_size: int, source: SpecSource) -> tuple[int, int, int]:
+    """Return (micro, accumulation, global) or raise SpecError saying which numbers would work."""
+    g, m, a, ws = train.global_batch_size, train.micro_batch_size, train.gradient_accumulation_steps, world_size
+    on = f"on {ws} rank{'s' if ws != 1 else ''}"
+    if g is None:  # micro given (the spec guarantees one of micro/global)
+        a = a or 1
+        return m, a, m * a * ws
+    if m is not None and a is not None:
+        if g != m * a * ws:
+            raise SpecError([source.issue(
+                "train.global_batch_size",
+                f"{g} != micro_batch_size {m} x gradient_accumulation_steps {a} x {ws} ranks = {m * a * ws}. "
+                f"Give only two of the three numbers, or set global_batch_size to {m * a * ws}.")])
+        return m, a, g
+    if g % ws:
+        raise SpecError([source.issue(
+            "train.global_batch_size",
+            f"{g} is not divisible by the {ws} data-parallel ranks: each rank must get whole samples. "
+            f"Use a multiple of {ws}, e.g. {_nearby_multiples(g, ws)}.")])
+    per_rank = g // ws  # = micro x accumulation
+    if m is not None:
+        if per_rank % m:
+            pairs = ", ".join(f"micro {d} x accum {per_rank // d}" for d in _divisors(per_rank))
+            raise SpecError([source.issue(
+                "train.micro_batch_size",
+                f"{m} does not divide global_batch_size {g} {on} ({g} = micro x accum x {ws} needs micro x accum = "
+                f"{per_rank}). Options: {pairs}; or global_batch_size {_nearby_multiples(g, m * ws)}.")])
+        return m, per_rank // m, g
+    a = a or 1
+    if per_rank % a:
+        options = ", ".join(str(d) for d in _divisors(per_rank))
+        raise SpecError([source.issue(
+            "train.gradient_accumulation_steps",
+            f"{a} does not divide global_batch_size {g} {on} (micro x accum must be {per_rank}). "
+            f"Accumulation steps that work: {options}.")])
+    return per_rank // a, a, g
+
+
+def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource) -> Plan:
+    """Everything `validate` prints and training obeys. `world` is a dstune.world.World (or anything with
+    world_size, num_nodes and ranks_per_node)."""
+    micro, accum, global_batch = resolve_batch(train, world.world_size, source)
+    if num_samples <= 0:
+        raise SpecError([source.issue("data.path", "the dataset is empty: no samples to train on")])
+    steps_per_epoch = num_samples // global_batch
+    if steps_per_epoch == 0:
+        raise SpecError([source.issue(
+            "train.global_batch_size",
+            f"{global_batch} is larger than the dataset ({num_samples} samples): not one full optimizer step fits in "
+            f"an epoch. Use a global batch of at most {num_samples}, or add data.")])
+    warnings: list[SpecIssue] = []
+    if train.max_steps is not None:
+        total_steps = train.max_steps
+    else:
+        total_steps = train.epochs * steps_per_epoch
+    samples_per_epoch = steps_per_epoch * global_batch
+    dropped = num_samples - samples_per_epoch
+    if dropped:
+        warnings.append(source.issue(
+            "train.global_batch_size",
+            f"each epoch leaves out {dropped} of {num_samples} samples (the remainder after {steps_per_epoch} full "
+            f"global batches of {global_batch}); a different set each epoch since the order is reshuffled",
+            severity="warning"))
+    warmup = train.scheduler.warmup_steps
+    if warmup >= total_steps and warmup:
+        warnings.append(source.issue(
+            "train.scheduler.warmup_steps",
+            f"{warmup} warmup steps >= {total_steps} total optimizer steps: the LR never reaches its peak",
+            severity="warning"))
+    scale = 1.0
+    if train.lr_scaling != "none":
+        ratio = global_batch / train.reference_batch_size
+        scale = ratio if train.lr_scaling == "linear" else math.sqrt(ratio)
+    samples_seen = total_steps * global_batch
+    return Plan(
+        world_size=world.world_size,
+        num_nodes=world.num_nodes,
+        ranks_per_node=tuple(world.ranks_per_node),
+        micro_batch_size=micro,
+        gradient_accumulation_steps=accum,
+        global_batch_size=global_batch,
+        num_samples=num_samples,
+        steps_per_epoch=steps_per_epoch,
+        samples_per_epoch=samples_per_epoch,
+        dropped_per_epoch=dropped,
+        micro_batches_per_epoch_per_rank=steps_per_epoch * accum,
+        total_steps=total_steps,
+        epochs=total_steps / steps_per_epoch,
+        samples_seen=samples_seen,
+        times_each_sample_seen=samples_seen / num_samples,
+        warmup_steps=warmup,
+        base_lr=train.optimizer.lr,
+        lr_scale=scale,
+        effective_lr=train.optimizer.lr * scale,
+        gradient_clipping=train.resolved_gradient_clipping,
+        warnings=tuple(warnings),
+    )

@@ -1,0 +1,262 @@
+"""The spec: what a user writes in YAML, as frozen pydantic models.
+
+Every field carries its documentation (`description`), from which `dstune init` and the spec reference are
+generated. This module imports neither torch nor deepspeed, so `dstune validate` stays fast.
+Cross-field rules that need the world size (batch divisibility) live in `dstune.plan`, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since
+# DeepSpeed 0.19.3) fights with it, so their automatic clipping is 0.0 (FIELD_NOTES row 11).
+ADAFACTOR_STYLE = frozenset({"adafactor"})
+
+
+class Section(BaseModel):
+    """Base for every spec section: frozen, and unknown keys are errors rather than silent defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+# --------------------------------------------------------------------------------------------------------- model
+
+
+class SdModel(Section):
+    family: Literal["sd"] = Field(description="Model family. `sd`: Stable Diffusion 1.x/2.x (UNet, one CLIP text encoder).")
+    pretrained: str = Field(
+        "builtin:tiny-sd",
+        description="A diffusers pipeline folder (model_index.json + unet/vae/text_encoder/tokenizer/scheduler), "
+        "a hub id already in the local Hugging Face cache, or `builtin:tiny-sd` (a tiny model built offline).",
+    )
+    prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
+        None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower."
+    )
+    min_snr_gamma: Optional[float] = Field(
+        None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023); 5.0 is the usual value. Omitted: plain MSE."
+    )
+    noise_offset: float = Field(0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images).")
+
+
+Model = Annotated[Union[SdModel], Field(discriminator="family")]
+FAMILIES = ("sd",)
+
+
+# ---------------------------------------------------------------------------------------------------------- data
+
+
+class DataSpec(Section):
+    path: str = Field(
+        "builtin:shapes",
+        description="Dataset folder, or `builtin:shapes` (synthetic coloured shapes with captions, generated offline).",
+    )
+    format: Literal["auto", "folder", "jsonl"] = Field(
+        "auto",
+        description="`folder`: images with same-name .txt captions (kohya layout, `N_name` subfolders repeat N times); "
+        "`jsonl`: metadata.jsonl with `file_name` and `text` (Hugging Face imagefolder). `auto`: jsonl when "
+        "metadata.jsonl exists, else folder.",
+    )
+    resolution: int = Field(32, gt=0, description="Images are resized (shorter side) and cropped to this square size, in pixels.")
+    center_crop: bool = Field(True, description="Crop the centre (true) or a random position (false).")
+    random_flip: bool = Field(False, description="Flip images horizontally at random (per sample, from the seed).")
+    caption_dropout: float = Field(0.0, ge=0, le=1, description="Probability of training a sample with an empty caption.")
+    caption_extension: str = Field(".txt", description="Caption file extension in `folder` format.")
+    skip_bad_files: bool = Field(
+        False, description="Unreadable images: false stops with the file named; true skips them and reports the count."
+    )
+    drop_last: bool = Field(
+        True,
+        description="Each epoch, samples that do not fill a whole global batch are left out (a different set each "
+        "epoch, since the order is reshuffled). False is not supported: every step must see a full global batch.",
+    )
+    num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
+
+    @field_validator("drop_last")
+    @classmethod
+    def _only_drop_last(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError(
+                "drop_last: false is not supported: a short last batch would change the global batch size and the "
+                "learning-rate arithmetic. Use a global batch that divides the dataset to lose nothing."
+            )
+        return value
+
+
+# --------------------------------------------------------------------------------------------------------- train
+
+
+class OptimizerSpec(Section):
+    type: Literal["adamw", "adam", "adafactor", "lion", "sgd"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(1e-4, gt=0, description="Learning rate at the reference batch size (see `train.lr_scaling`).")
+    weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay (adamw, lion) or L2 (adam, sgd).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam/Lion betas.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+        return betas
+
+
+class SchedulerSpec(Section):
+    type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = Field(
+        "constant", description="LR schedule over optimizer steps. linear/cosine decay to `min_lr_ratio` x lr at the last step."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0, in optimizer steps (not micro-batches).")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR of linear/cosine, as a fraction of the peak LR.")
+
+    @model_validator(mode="after")
+    def _warmup_needs_warmup_type(self) -> "SchedulerSpec":
+        if self.type == "constant" and self.warmup_steps:
+            raise ValueError("scheduler type 'constant' has no warmup; use 'constant_with_warmup'")
+        return self
+
+
+class TrainSpec(Section):
+    global_batch_size: Optional[int] = Field(
+        None, gt=0, description="Samples per optimizer step over all ranks = micro x accumulation x data-parallel ranks."
+    )
+    micro_batch_size: Optional[int] = Field(None, gt=0, description="Samples per forward pass on each GPU.")
+    gradient_accumulation_steps: Optional[int] = Field(
+        None, gt=0, description="Micro batches per optimizer step. Give any two of the three batch numbers."
+    )
+    epochs: Optional[int] = Field(None, gt=0, description="Passes over the whole dataset by all ranks together.")
+    max_steps: Optional[int] = Field(None, gt=0, description="Optimizer steps to train (instead of `epochs`).")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="Optimizer settings.")
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec, description="Learning-rate schedule.")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none", description="Scale `optimizer.lr` by (global batch / reference_batch_size), or its square root."
+    )
+    reference_batch_size: Optional[int] = Field(None, gt=0, description="The global batch size `optimizer.lr` was tuned for.")
+    gradient_clipping: Optional[float] = Field(
+        None, ge=0, description="Global gradient-norm clip. Omitted: 1.0 for Adam-family, 0.0 (off) for Adafactor."
+    )
+    allow_clipping_with_adafactor: bool = Field(
+        False, description="Opt in to gradient_clipping > 0 with Adafactor (it already clips its own updates)."
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Training precision. fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no fp16)."
+    )
+    seed: int = Field(0, ge=0, description="Seeds the data order, noise and timesteps (per sample, independent of the world size).")
+
+    @model_validator(mode="after")
+    def _one_length_and_a_batch(self) -> "TrainSpec":
+        if (self.epochs is None) == (self.max_steps is None):
+            raise ValueError("give exactly one of `epochs` or `max_steps`")
+        if self.global_batch_size is None and self.micro_batch_size is None:
+            raise ValueError("give `micro_batch_size` or `global_batch_size` (and optionally one more batch number)")
+        if self.lr_scaling != "none" and self.reference_batch_size is None:
+            raise ValueError(f"lr_scaling '{self.lr_scaling}' needs `reference_batch_size` (the batch the lr was tuned for)")
+        if self.optimizer.type in ADAFACTOR_STYLE and self.gradient_clipping and not self.allow_clipping_with_adafactor:
+            raise ValueError(
+                f"gradient_clipping {self.gradient_clipping} with adafactor: Adafactor already clips its own update "
+                "(RMS clipping), and clipping the gradient norm as well changes its step size. Remove "
+                "`gradient_clipping` (dstune then writes 0.0) or set `allow_clipping_with_adafactor: true`."
+            )
+        return self
+
+    @property
+    def resolved_gradient_clipping(self) -> float:
+        """Clipping always ends up explicit: DeepSpeed's own default changed from 0.0 to 1.0 in 0.19.3."""
+        if self.gradient_clipping is not None:
+            return float(self.gradient_clipping)
+        return 0.0 if self.optimizer.type in ADAFACTOR_STYLE else 1.0
+
+
+# ----------------------------------------------------------------------------------------------------- deepspeed
+
+
+class OffloadSpec(Section):
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where to keep it: none (GPU), cpu, or nvme.")
+    nvme_path: Optional[str] = Field(None, description="Folder on a fast local NVMe drive; required for device nvme.")
+    pin_memory: bool = Field(True, description="Pinned host memory for faster transfers.")
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> "OffloadSpec":
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("device 'nvme' needs `nvme_path` (a folder on a local NVMe drive)")
+        return self
+
+
+def _offload_shorthand(value):
+    """Accept `offload_optimizer: cpu` as well as `offload_optimizer: {device: cpu}`."""
+    return {"device": value} if isinstance(value, str) else value
+
+
+class ActivationCheckpointingSpec(Section):
+    partition_activations: bool = Field(False, description="Split checkpointed activations across ranks (DeepSpeed API).")
+    cpu_checkpointing: bool = Field(False, description="Keep checkpointed activations in CPU memory (DeepSpeed API).")
+    contiguous_memory_optimization: bool = Field(False, description="Copy checkpoints into one contiguous buffer.")
+    number_checkpoints: Optional[int] = Field(None, gt=0, description="Checkpoints per forward, for the contiguous buffer.")
+
+
+class DeepSpeedSpec(Section):
+    zero_stage: int = Field(2, ge=0, le=3, description="ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters.")
+    offload_optimizer: OffloadSpec = Field(default_factory=OffloadSpec, description="ZeRO optimizer-state offload (stage >= 1).")
+    offload_param: OffloadSpec = Field(default_factory=OffloadSpec, description="ZeRO parameter offload (stage 3 only).")
+    activation_checkpointing: ActivationCheckpointingSpec = Field(
+        default_factory=ActivationCheckpointingSpec,
+        description="DeepSpeed activation checkpointing; only used when partitioning or CPU checkpointing is asked "
+        "for. `model.gradient_checkpointing` alone uses torch's non-reentrant checkpointing.",
+    )
+    reduce_bucket_size: int = Field(50_000_000, gt=0, description="ZeRO gradient reduce bucket, in elements.")
+    allgather_bucket_size: int = Field(50_000_000, gt=0, description="ZeRO 1/2 all-gather bucket, in elements.")
+    overlap_comm: bool = Field(False, description="Overlap gradient reduction with backward (more memory, faster on GPUs).")
+    config: Optional[str] = Field(
+        None,
+        description="Path of a DeepSpeed JSON you already have (HF Trainer / accelerate style, \"auto\" allowed). "
+        "Its settings are used; \"auto\" is filled from this spec; conflicts with this spec are errors by key.",
+    )
+    timeout_minutes: int = Field(30, gt=0, description="Collective-operation timeout: a dead rank stops the others after this.")
+
+    _offload_opt = field_validator("offload_optimizer", mode="before")(classmethod(lambda cls, v: _offload_shorthand(v)))
+    _offload_par = field_validator("offload_param", mode="before")(classmethod(lambda cls, v: _offload_shorthand(v)))
+
+    @model_validator(mode="after")
+    def _offload_fits_stage(self) -> "DeepSpeedSpec":
+        if self.offload_param.device != "none" and self.zero_stage != 3:
+            raise ValueError(f"offload_param needs zero_stage 3 (it is {self.zero_stage}): only stage 3 partitions parameters")
+        if self.offload_optimizer.device != "none" and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage >= 1: stage 0 does not partition optimizer states")
+        return self
+
+
+# -------------------------------------------------------------------------------------------------------- output
+
+
+class OutputSpec(Section):
+    dir: str = Field("runs/dstune", description="Run folder: checkpoints, metrics.jsonl, samples, export.")
+    cache_dir: str = Field(".dstune-cache", description="Cache for built-in models (and later latents); shared between runs.")
+    save_every_steps: Optional[int] = Field(None, gt=0, description="Checkpoint every N optimizer steps (and always at the end).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted once a newer one is complete.")
+    log_every_steps: int = Field(1, ge=1, description="Write a metrics line every N optimizer steps.")
+    export: Literal["diffusers", "none"] = Field("diffusers", description="At the end, write a diffusers folder with safetensors.")
+
+
+class SampleSpec(Section):
+    prompts: list[str] = Field(default_factory=list, description="Prompts rendered into a PNG grid (none: no samples).")
+    every_steps: Optional[int] = Field(None, gt=0, description="Also sample every N optimizer steps (before and after always).")
+    steps: int = Field(20, gt=0, description="Denoising steps per sample.")
+    guidance: float = Field(5.0, ge=0, description="Classifier-free guidance scale.")
+    seed: int = Field(0, ge=0, description="Sampling seed, so grids from different steps are comparable.")
+
+
+# ---------------------------------------------------------------------------------------------------------- spec
+
+
+class Spec(Section):
+    model: Model = Field(description="What is trained.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
+    train: TrainSpec = Field(description="Batches, length, optimizer, precision.")
+    deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec, description="DeepSpeed ZeRO settings.")
+    output: OutputSpec = Field(default_factory=OutputSpec, description="Where results go.")
+    sample: SampleSpec = Field(default_factory=SampleSpec, description="Images rendered during training.")
