@@ -1,0 +1,259 @@
+"""The dataset index: which samples exist, their captions and repeat counts. No torch, no image decoding.
+
+`dstune validate` counts samples through this module, so it only lists files and reads small text files.
+A sample's identity (`sample_id`) is its path relative to the dataset root (`shapes/000123` for the built-in set):
+caches and logs key on it, never on a position.
+
+Layouts:
+  - folder (kohya-ss sd-scripts): images with same-stem caption files; a subfolder named `N_name` (N a positive
+    integer) repeats every image under it N times, the nearest such folder counting; other folders repeat once.
+  - jsonl (Hugging Face imagefolder): `metadata.jsonl` at the root, one `{"file_name": ..., "text": ...}` per line.
+  - builtin:shapes: synthetic coloured shapes (dstune.data.shapes), made on the fly from the sample number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from dstune.data.shapes import SHAPES_NUM_SAMPLES, shape_sample
+from dstune.spec.models import DataSpec
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+METADATA_FILE = "metadata.jsonl"
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_DATASETS = {"shapes": SHAPES_NUM_SAMPLES}  # name -> number of samples
+_REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
+_EXAMPLES_IN_WARNING = 3
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used. `key` is the dotted spec key to fix; `message` says what, where and how."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}")
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    sample_id: str  # path relative to the dataset root (posix), or "shapes/000123" for the built-in set
+    image_path: str | None  # None for built-in samples, which are generated rather than read
+    caption: str
+    repeats: int  # times the sample appears in one epoch (kohya `N_name` folders)
+
+
+@dataclass(frozen=True)
+class IndexResult:
+    records: list[SampleRecord]
+    warnings: list[str] = field(default_factory=list)  # one self-contained line each
+    skipped: list[str] = field(default_factory=list)  # "path: reason", only with data.skip_bad_files
+
+    @property
+    def num_samples(self) -> int:
+        """Samples one epoch draws from: every repeat counts."""
+        return sum(r.repeats for r in self.records)
+
+
+def builtin_name(path: str) -> str | None:
+    """`builtin:shapes` -> "shapes"; any other path -> None."""
+    return path[len(BUILTIN_PREFIX):] if path.startswith(BUILTIN_PREFIX) else None
+
+
+def list_samples(data: DataSpec) -> list[SampleRecord]:
+    return index_dataset(data).records
+
+
+def count_samples(data: DataSpec) -> int:
+    """The number of samples an epoch draws from (sum of repeats). Reads no caption and no image."""
+    return index_dataset(data, read_captions=False).num_samples
+
+
+def index_dataset(data: DataSpec, read_captions: bool = True) -> IndexResult:
+    """All samples in a deterministic (sorted) order, with warnings. Raises DataError for unusable datasets.
+
+    read_captions=False leaves every caption "" (counting only needs to know which files exist)."""
+    name = builtin_name(data.path)
+    if name is not None:
+        return _index_builtin(name)
+    root = _dataset_root(data.path)
+    has_metadata = (root / METADATA_FILE).is_file()
+    if data.format == "jsonl" or (data.format == "auto" and has_metadata):
+        if not has_metadata:
+            raise DataError("data.format", f"format 'jsonl' needs {root / METADATA_FILE} (one JSON object per line "
+                            "with `file_name` and `text`); it does not exist. For images with .txt captions use "
+                            "format 'folder' (or 'auto').")
+        result = _index_jsonl(root, data.skip_bad_files)
+    else:
+        result = _index_folder(root, _normalised_extension(data.caption_extension), read_captions)
+    if not result.records:
+        what = METADATA_FILE if data.format == "jsonl" or has_metadata else f"image files ({', '.join(IMAGE_EXTENSIONS)})"
+        raise DataError("data.path", f"no usable samples in {root}: looked for {what}. Point data.path at the folder "
+                        "holding the images (subfolders are searched too).")
+    return result
+
+
+def _index_builtin(name: str) -> IndexResult:
+    if name not in BUILTIN_DATASETS:
+        known = ", ".join(f"builtin:{n}" for n in sorted(BUILTIN_DATASETS))
+        raise DataError("data.path", f"unknown built-in dataset 'builtin:{name}'. Known built-ins: {known}.")
+    records = [
+        SampleRecord(sample_id=f"{name}/{i:06d}", image_path=None, caption=shape_sample(i).caption, repeats=1)
+        for i in range(BUILTIN_DATASETS[name])
+    ]
+    return IndexResult(records)
+
+
+def _dataset_root(path: str) -> Path:
+    root = Path(os.path.expanduser(path))
+    if not root.exists():
+        raise DataError("data.path", f"{path} does not exist. Give the folder holding your images, or "
+                        f"{BUILTIN_PREFIX}shapes for the built-in synthetic set.")
+    if not root.is_dir():
+        raise DataError("data.path", f"{path} is a file, not a folder. Give the folder holding the images "
+                        f"(with {METADATA_FILE} or same-name caption files).")
+    return root
+
+
+def _normalised_extension(extension: str) -> str:
+    if not extension.strip(". "):
+        raise DataError("data.caption_extension", f"{extension!r} is not a file extension; use e.g. '.txt' or '.caption'")
+    return extension if extension.startswith(".") else "." + extension
+
+
+# ------------------------------------------------------------------------------------------------ folder (kohya)
+
+
+def _repeats_of(folder_name: str, rel_folder: str) -> int | None:
+    """`5_dog` -> 5; a folder without the `N_` prefix -> None (inherits its parent's repeats)."""
+    match = _REPEAT_FOLDER.match(folder_name)
+    if match is None:
+        return None
+    repeats = int(match.group(1))
+    if repeats < 1:
+        raise DataError("data.path", f"folder {rel_folder}: repeat count {repeats} must be at least 1 (kohya "
+                        f"`N_name` folders repeat their images N times); rename it, e.g. to 1_{match.group(2)}.")
+    return repeats
+
+
+def _walk_images(root: Path):
+    """Yield (relative posix path, absolute path, repeats) for every image, sorted, following symlinked folders once."""
+    seen_real: set[str] = set()
+
+    def walk(folder: Path, rel: PurePosixPath, repeats: int):
+        real = os.path.realpath(folder)
+        if real in seen_real:  # a symlink loop, or the same folder linked twice
+            return
+        seen_real.add(real)
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        for entry in entries:
+            if entry.name.startswith("."):  # .ipynb_checkpoints, .DS_Store, editor files
+                continue
+            if entry.is_dir():
+                sub_rel = rel / entry.name
+                sub_repeats = _repeats_of(entry.name, str(sub_rel))
+                yield from walk(Path(entry.path), sub_rel, sub_repeats or repeats)
+            elif entry.is_file() and entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                yield str(rel / entry.name), entry.path, repeats
+
+    yield from walk(root, PurePosixPath(), 1)
+
+
+def _read_caption(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as err:
+        raise DataError("data.path", f"caption file {path} is not UTF-8 text ({err.reason} at byte {err.start}); "
+                        "save it as UTF-8.") from None
+    except OSError as err:
+        raise DataError("data.path", f"caption file {path} cannot be read: {err.strerror}") from None
+    # Multi-line captions are joined rather than cut to the first line, so no text is silently lost.
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _index_folder(root: Path, caption_extension: str, read_captions: bool) -> IndexResult:
+    records, uncaptioned = [], []
+    for rel, path, repeats in _walk_images(root):
+        caption_path = os.path.splitext(path)[0] + caption_extension
+        caption = ""
+        if not os.path.isfile(caption_path):
+            uncaptioned.append(rel)
+        elif read_captions:
+            caption = _read_caption(caption_path)
+        records.append(SampleRecord(sample_id=rel, image_path=path, caption=caption, repeats=repeats))
+    warnings = []
+    if uncaptioned:
+        examples = ", ".join(uncaptioned[:_EXAMPLES_IN_WARNING]) + (", ..." if len(uncaptioned) > _EXAMPLES_IN_WARNING else "")
+        warnings.append(f"{len(uncaptioned)} of {len(records)} images have no {caption_extension} caption file and "
+                        f"train with an empty caption ({examples})")
+    return IndexResult(records, warnings)
+
+
+# ------------------------------------------------------------------------------------------------ jsonl
+
+
+def _parse_metadata_line(line: str, where: str) -> tuple[str, str]:
+    """One metadata.jsonl line -> (file_name, text), or DataError naming file:line and the problem."""
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError("data.path", f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be "
+                        'one object like {"file_name": "a.png", "text": "a caption"}') from None
+    if not isinstance(entry, dict):
+        raise DataError("data.path", f"{where}: expected a JSON object with `file_name` and `text`, got "
+                        f"{type(entry).__name__}")
+    missing = [k for k in ("file_name", "text") if k not in entry]
+    if missing:
+        raise DataError("data.path", f"{where}: missing {' and '.join(f'`{k}`' for k in missing)} (keys present: "
+                        f"{', '.join(sorted(entry)) or 'none'})")
+    file_name, text = entry["file_name"], entry["text"]
+    if not isinstance(file_name, str) or not file_name.strip():
+        raise DataError("data.path", f"{where}: `file_name` must be a non-empty string, got {file_name!r}")
+    if not isinstance(text, str):
+        raise DataError("data.path", f"{where}: `text` must be a string, got {type(text).__name__} {text!r}")
+    return file_name, text
+
+
+def _relative_file(file_name: str, where: str) -> str:
+    rel = PurePosixPath(file_name.replace("\\", "/"))
+    if rel.is_absolute() or ".." in rel.parts:
+        raise DataError("data.path", f"{where}: file_name {file_name!r} must be a path inside the dataset folder "
+                        "(relative, no '..')")
+    return str(rel)
+
+
+def _index_jsonl(root: Path, skip_bad_files: bool) -> IndexResult:
+    metadata = root / METADATA_FILE
+    records, skipped, first_line_of = [], [], {}
+    try:
+        lines = metadata.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise DataError("data.path", f"{metadata} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{metadata}:{number}"
+        file_name, text = _parse_metadata_line(line, where)
+        rel = _relative_file(file_name, where)
+        if rel in first_line_of:
+            raise DataError("data.path", f"{where}: {rel} is already listed on line {first_line_of[rel]}; list each "
+                            "image once (copy the file to train it with a second caption)")
+        first_line_of[rel] = number
+        path = root / rel
+        if not path.is_file():
+            if not skip_bad_files:
+                raise DataError("data.path", f"{where}: image {path} does not exist. Fix the file_name, or set "
+                                "data.skip_bad_files: true to leave such lines out.")
+            skipped.append(f"{path}: listed on line {number} but does not exist")
+            continue
+        records.append(SampleRecord(sample_id=rel, image_path=str(path), caption=text.strip(), repeats=1))
+    warnings = []
+    if skipped:
+        warnings.append(f"{len(skipped)} lines of {metadata} name missing images and are left out "
+                        f"(data.skip_bad_files): {'; '.join(skipped[:_EXAMPLES_IN_WARNING])}")
+    return IndexResult(records, warnings, skipped)

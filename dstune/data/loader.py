@@ -1,0 +1,66 @@
+"""The training loader: dataset + global-epoch sampler + collate, wired so that epochs and resume are exact.
+
+Epoch to workers: workers are fresh processes every epoch (persistent_workers is off), and `EpochDataLoader`
+sets the dataset's epoch from the sampler just before it starts them, so each worker's copy of the dataset
+carries the right epoch. Consumption: the loader tells the sampler about every batch it hands to training
+(not the ones workers prefetched), so `sampler.state_dict()` is always the true position for a checkpoint.
+
+Usage (one epoch per `for` over the loader):
+    loader, sampler = build_loader(spec.data, plan, rank, spec.train.seed, records, start_epoch, start_step)
+    for epoch in range(start_epoch, epochs):
+        sampler.set_epoch(epoch)          # keeps the resume step for the start epoch
+        for batch in loader: ...
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader
+
+from dstune.data.images import ImageCaptionDataset, collate
+from dstune.data.index import SampleRecord
+from dstune.data.sampler import GlobalBatchSampler
+from dstune.spec.models import DataSpec
+
+
+def _one_thread_per_worker(worker_id: int) -> None:
+    # Workers only decode and resize; with several workers per rank, extra intra-op threads oversubscribe the cores.
+    torch.set_num_threads(1)
+
+
+class EpochDataLoader(DataLoader):
+    """A DataLoader over a GlobalBatchSampler that syncs the dataset's epoch and reports consumed batches."""
+
+    def __iter__(self):
+        sampler: GlobalBatchSampler = self.batch_sampler
+        self.dataset.set_epoch(sampler.epoch)  # before workers start, so their dataset copies see it
+        for batch in super().__iter__():
+            sampler.record_consumed(1)
+            yield batch
+
+
+def build_loader(
+    data: DataSpec,
+    plan,
+    rank: int,
+    seed: int,
+    records: list[SampleRecord],
+    start_epoch: int = 0,
+    start_step: int = 0,
+) -> tuple[EpochDataLoader, GlobalBatchSampler]:
+    """This rank's loader and its sampler, positioned at (start_epoch, start_step). `plan` is a dstune.plan.Plan
+    made for exactly these records (sum of repeats = plan.num_samples)."""
+    dataset = ImageCaptionDataset(data, records, seed)
+    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step)
+    loader = EpochDataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=data.num_workers,
+        persistent_workers=False,  # required: a persistent worker would keep the epoch it was started with
+        worker_init_fn=_one_thread_per_worker if data.num_workers > 0 else None,
+        pin_memory=torch.cuda.is_available(),
+        # The loader's own base seed comes from this generator, not from (and without advancing) global RNG state.
+        generator=torch.Generator().manual_seed(seed),
+    )
+    return loader, sampler

@@ -1,0 +1,154 @@
+"""The global-epoch batch sampler: one definition of an epoch, whatever the number of ranks.
+
+An epoch is one permutation of ALL samples, drawn from (seed, epoch) with numpy's PCG64 (`default_rng`), cut into
+`steps_per_epoch` global batches (the remainder is dropped). Global batch s is cut into
+`gradient_accumulation_steps x world_size` micro batches of `micro_batch_size`; rank r's k-th micro batch of that
+step is micro batch number k * world_size + r. So every optimizer step trains on the same set of samples for any
+split of the same global batch over ranks and accumulation, ranks never overlap, and no sample repeats in an epoch.
+
+Position: every iteration yields the epoch set last (constructor, `set_epoch`, `load_state_dict`) from its start
+step, like torch's DistributedSampler; nothing moves it implicitly, so peeking at a first batch is harmless.
+`len()` is the micro batches one iteration yields. Because a DataLoader with workers runs its sampler ahead of
+training, what training really used is reported separately with `record_consumed` (dstune's loader does it as it
+hands out each batch); `state_dict()` is that position rounded down to a whole optimizer step: a half-accumulated
+step was never applied to the weights, so it is redone on resume.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+from torch.utils.data import Sampler
+
+_ORDER_SALT = 0x0_5EED  # separates the order stream from per-sample streams built from the same seed
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields this rank's micro batches (lists of dataset indices) for one epoch per iteration.
+
+    plan_like: anything with micro_batch_size, gradient_accumulation_steps, global_batch_size, world_size and
+    steps_per_epoch (a dstune.plan.Plan)."""
+
+    def __init__(self, num_samples: int, plan_like, rank: int, seed: int, start_epoch: int = 0, start_step: int = 0):
+        self.num_samples = num_samples
+        self.micro_batch_size = plan_like.micro_batch_size
+        self.accumulation = plan_like.gradient_accumulation_steps
+        self.world_size = plan_like.world_size
+        self.global_batch_size = plan_like.global_batch_size
+        self.steps_per_epoch = plan_like.steps_per_epoch
+        self._planned_num_samples = getattr(plan_like, "num_samples", None)  # a Plan has it; a bare plan-like may not
+        self.rank = rank
+        self.seed = seed
+        self._check_plan()
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the plan's {self.world_size} ranks (0..{self.world_size - 1})")
+        self._order_cache: tuple[int, np.ndarray] | None = None
+        self._set_position(start_epoch, start_step)
+
+    def _check_plan(self) -> None:
+        planned = self._planned_num_samples
+        if planned is not None and planned != self.num_samples:
+            raise ValueError(f"the plan was made for {planned} samples but the dataset has {self.num_samples} (were "
+                             "files skipped after planning?). Plan on the final sample count.")
+        per_step = self.micro_batch_size * self.accumulation * self.world_size
+        if per_step != self.global_batch_size:
+            raise ValueError(f"plan global batch {self.global_batch_size} != micro {self.micro_batch_size} x accumulation "
+                             f"{self.accumulation} x {self.world_size} ranks = {per_step}")
+        if self.num_samples // self.global_batch_size != self.steps_per_epoch or self.steps_per_epoch < 1:
+            raise ValueError(
+                f"the plan has {self.steps_per_epoch} steps per epoch, but {self.num_samples} samples make "
+                f"{self.num_samples // self.global_batch_size} global batches of {self.global_batch_size}: the plan was "
+                "made for a different dataset size (were files skipped after planning?). Plan on the final sample count.")
+
+    # ------------------------------------------------------------------------------------------ position
+
+    def _set_position(self, epoch: int, step: int) -> None:
+        if epoch < 0 or not 0 <= step <= self.steps_per_epoch:
+            raise ValueError(f"position epoch {epoch}, step {step} is outside 0..{self.steps_per_epoch} steps per epoch")
+        if step == self.steps_per_epoch:  # a finished epoch is the start of the next one
+            epoch, step = epoch + 1, 0
+        self._epoch = epoch
+        self._start_step = step  # where iterations start
+        self._consumed = 0  # micro batches training has used since the last iteration started
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def start_step(self) -> int:
+        return self._start_step
+
+    def set_epoch(self, epoch: int, start_step: int | None = None) -> None:
+        """Iterations now yield `epoch` from `start_step`. Without start_step: from 0 for a new epoch, and no change
+        when `epoch` is the current one, so `for epoch in range(start_epoch, ...): sampler.set_epoch(epoch)` keeps
+        the resume step it was built with."""
+        if start_step is not None:
+            self._set_position(epoch, start_step)
+        elif epoch != self._epoch:
+            self._set_position(epoch, 0)
+
+    def record_consumed(self, micro_batches: int = 1) -> None:
+        """Training used this many more micro batches of the current iteration (for `state_dict`)."""
+        if self._consumed + micro_batches > len(self):
+            raise ValueError(f"{self._consumed + micro_batches} micro batches consumed, but the iteration from epoch "
+                             f"{self._epoch} step {self._start_step} has {len(self)}")
+        self._consumed += micro_batches
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, step) of the next optimizer step to train, from what training consumed; a finished epoch
+        counts as the start of the next one."""
+        step = self._start_step + self._consumed // self.accumulation
+        return (self._epoch + 1, 0) if step == self.steps_per_epoch else (self._epoch, step)
+
+    def state_dict(self) -> dict:
+        epoch, step = self.position()
+        return {
+            "epoch": epoch,
+            "step": step,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+            "global_batch_size": self.global_batch_size,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "num_samples", "global_batch_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"the checkpoint's data order was made with {key} {state[key]}, this run has {getattr(self, key)}: "
+                    "resuming would replay a different sample order. Restore the original value or start a new run.")
+        self._set_position(int(state["epoch"]), int(state["step"]))
+
+    # ------------------------------------------------------------------------------------------ order
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The permutation of all sample indices for `epoch` (the same on every rank)."""
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            order = np.random.default_rng([_ORDER_SALT, self.seed, epoch]).permutation(self.num_samples)
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def step_indices(self, epoch: int, step: int) -> list[int]:
+        """All samples of global batch `step` of `epoch`, over all ranks and accumulation micro batches."""
+        start = step * self.global_batch_size
+        return self.epoch_order(epoch)[start:start + self.global_batch_size].tolist()
+
+    def micro_batch(self, epoch: int, step: int, k: int) -> list[int]:
+        """This rank's k-th micro batch (0 <= k < accumulation) of global batch `step`."""
+        number = k * self.world_size + self.rank
+        start = step * self.global_batch_size + number * self.micro_batch_size
+        return self.epoch_order(epoch)[start:start + self.micro_batch_size].tolist()
+
+    def __len__(self) -> int:
+        """Micro batches the next iteration yields: the rest of the current epoch from its current step."""
+        return (self.steps_per_epoch - self._start_step) * self.accumulation
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self._consumed = 0  # a new iteration replays from the start position; consumption counts from here
+        return self._iterate(self._epoch, self._start_step)
+
+    def _iterate(self, epoch: int, first_step: int) -> Iterator[list[int]]:
+        for step in range(first_step, self.steps_per_epoch):
+            for k in range(self.accumulation):
+                yield self.micro_batch(epoch, step, k)
