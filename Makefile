@@ -1,0 +1,35 @@
+# dstune: make install | test | demo | ds-configs | docs
+# Python 3.11 is what CI uses. torch is installed first, pinned, so pip never picks a build for you.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: install test demo ds-configs docs check-generated
+
+install:
+	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
+		|| $(PIP) torch==$(TORCH_VERSION)
+	@$(PYTHON) -c "import dstune.cli, pytest, hypothesis" 2>/dev/null && $(PYTHON) -m pip show --quiet dstune >/dev/null 2>&1 \
+		|| $(PIP) -e '.[test]'
+
+# pytest exits 5 when a folder holds no tests yet (tests/dist before the training issue); that is not a failure.
+test: install
+	@$(PYTHON) -m pytest -q tests/unit tests/dist; status=$$?; \
+		if [ $$status -eq 5 ]; then echo "(no tests collected)"; exit 0; fi; exit $$status
+
+demo: install
+	$(PYTHON) -m dstune validate launch/sd-tiny-demo.yaml --num-gpus 2
+
+# The golden DeepSpeed JSON of every example spec, compiled with the flags on the spec's first line
+# ("# validate: dstune validate launch/X.yaml FLAGS"). tests/unit/test_launch_specs.py diffs them.
+ds-configs:
+	@for spec in $$(find launch -name '*.yaml' | sort); do \
+		flags=$$(sed -n '1s/^# validate: dstune validate [^ ]* *//p' $$spec); \
+		$(PYTHON) -m dstune compile $$spec $$flags -o ds_configs/$$(basename $$spec .yaml).json 2>/dev/null \
+			|| { $(PYTHON) -m dstune validate $$spec $$flags; exit 1; }; \
+		echo "ds_configs/$$(basename $$spec .yaml).json  <-  $$spec $$flags"; \
+	done
+
+docs:
+	$(PYTHON) -m dstune.reference > docs/spec-reference.md
+	@echo "docs/spec-reference.md regenerated from dstune/spec/models.py"

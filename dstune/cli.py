@@ -1,0 +1,303 @@
+"""The `dstune` command: validate, compile, schema, init. (Training runs under the DeepSpeed launcher:
+`deepspeed --num_gpus N dstune/train.py spec.yaml`.)
+
+Exit codes, the same for every subcommand:
+  0  done; for validate/compile: the spec is valid for that world (warnings allowed)
+  1  invalid: the spec, its dataset, its DeepSpeed JSON or the hostfile it is planned for has errors (all listed)
+  2  usage error: the command line itself is wrong (unknown flag, a --set without `=`, world flags that cannot be
+     combined, such as --num-gpus with --include, or world flags that describe no launchable world without a
+     hostfile, such as --num-nodes 2 without --hostfile; `init -o FILE` onto an existing file without --force).
+     Problems found reading a --hostfile (or applying --include/--exclude to it) are exit 1, like spec errors.
+  3  internal error: a bug in dstune (printed with its traceback; please report it)
+User errors never print a Python traceback. Imports are lazy: `dstune schema` and spec errors never load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    """The command line is wrong: reported like argparse reports, exit 2."""
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _add_world_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "world (who trains; DeepSpeed launcher semantics; none given: this machine's GPUs, 1 rank without GPUs)")
+    group.add_argument("--world-size", type=_positive_int, metavar="N", help="plan for N ranks in total")
+    group.add_argument("--num-gpus", "--num_gpus", dest="num_gpus", type=_positive_int, metavar="N",
+                       help="ranks per node, as `deepspeed --num_gpus N`")
+    group.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=_positive_int, metavar="M",
+                       help="nodes (with --hostfile: the first M hosts; with --world-size: N split over M nodes)")
+    group.add_argument("--hostfile", metavar="FILE", help="DeepSpeed hostfile: lines `HOST slots=N`")
+    group.add_argument("--include", metavar="S", help="hosts/slots to use, e.g. 'worker-0:0,1@worker-1'")
+    group.add_argument("--exclude", metavar="S", help="hosts/slots to leave out, same syntax as --include")
+
+
+def _add_spec_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", help="the spec YAML file")
+    _add_world_flags(parser)
+    parser.add_argument("--num-samples", type=_positive_int, metavar="N",
+                        help="dataset size to plan with when data.path is not on this machine")
+    parser.add_argument("--accelerator", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="what the run trains on (decides whether fp16 is possible); auto: this machine's")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(
+        prog="dstune", description="Fine-tune diffusion models on DeepSpeed ZeRO from one validated YAML spec.",
+        epilog="Training: deepspeed --num_gpus N dstune/train.py SPEC. Exit codes: 0 ok, 1 invalid, 2 usage error.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = {}
+    validate = subparsers["validate"] = commands.add_parser(
+        "validate", help="check a spec and show what a run on a given world will do",
+        description="Check a spec for a world (ranks, nodes) and show the plan: batches, epochs, steps, LR, ZeRO.")
+    _add_spec_flags(validate)
+    validate.add_argument("--json", action="store_true",
+                          help='print one JSON object {"plan", "ds_config", "warnings", "errors"} instead')
+    compile_ = subparsers["compile"] = commands.add_parser(
+        "compile", help="write the DeepSpeed JSON a run of this spec will use",
+        description="Compile the spec into the DeepSpeed JSON for a world (all three batch numbers, no \"auto\").")
+    _add_spec_flags(compile_)
+    compile_.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    subparsers["schema"] = commands.add_parser(
+        "schema", help="print the spec's JSON schema (for editor completion)")
+    init = subparsers["init"] = commands.add_parser(
+        "init", help="print a commented example spec that validates and runs as printed")
+    from dstune.spec.models import FAMILIES
+
+    init.add_argument("--family", choices=FAMILIES, default=FAMILIES[0], help="model family (default %(default)s)")
+    init.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    init.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    return parser, subparsers
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _check_overrides(overrides: list[str]) -> None:
+    from dstune.spec.load import SpecError, parse_override
+
+    for text in overrides:
+        try:
+            parse_override(text)
+        except SpecError as err:
+            raise UsageError("; ".join(issue.message for issue in err.issues)) from None
+
+
+def _check_world_flag_combinations(args) -> None:
+    """DeepSpeed's launcher rules for which flags go together; the rest is checked by dstune.world."""
+    def given(*names: str) -> str:
+        return " ".join(f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None)
+
+    if args.world_size is not None and given("num_gpus", "hostfile", "include", "exclude"):
+        raise UsageError(f"--world-size cannot be combined with {given('num_gpus', 'hostfile', 'include', 'exclude')}: "
+                         "it gives the rank count directly. Use --world-size N [--num-nodes M], or the "
+                         "DeepSpeed-style flags.")
+    if given("num_gpus", "num_nodes") and given("include", "exclude"):
+        raise UsageError(f"{given('num_gpus', 'num_nodes')} cannot be combined with {given('include', 'exclude')} "
+                         "(DeepSpeed: 'Cannot specify num_nodes/gpus with include/exclude'). Pick hosts and slots "
+                         "with --include/--exclude, or counts, not both.")
+    if args.include is not None and args.exclude is not None:
+        raise UsageError("--include and --exclude cannot be used together (DeepSpeed's rule); keep one.")
+
+
+def _world_factory(args) -> Callable:
+    def make_world():
+        from dstune.world import world_from_flags
+
+        return world_from_flags(world_size=args.world_size, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
+                                hostfile=args.hostfile, include=args.include, exclude=args.exclude)
+
+    return make_world
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool):
+    """While DeepSpeed runs, anything it prints (Python logging or C code) goes to stderr, so that stdout holds
+    exactly the JSON a script asked for."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _outcome(args, quiet_stdout: bool):
+    """Resolve the spec for the flags' world -> Outcome (errors included). WorldError passes through."""
+    from dstune.cli_render import Outcome
+    from dstune.data.index import DataError
+    from dstune.resolve import ResolveError, resolve
+    from dstune.spec.load import SpecError, SpecIssue
+
+    _check_world_flag_combinations(args)
+    _check_overrides(args.overrides)
+    try:
+        with _stdout_to_stderr(quiet_stdout):
+            resolved = resolve(args.spec, args.overrides, world=_world_factory(args), num_samples=args.num_samples,
+                               accelerator=args.accelerator)
+        return Outcome.of(resolved)
+    except ResolveError as err:
+        return Outcome(err.spec, err.world, err.plan, err.ds_config, err.num_samples_origin, err.warnings,
+                       tuple(err.issues))
+    except SpecError as err:  # the spec did not load: nothing else was worked out
+        return Outcome(errors=tuple(err.issues))
+    except DataError as err:
+        return Outcome(errors=(SpecIssue(err.key, err.message, args.spec),))
+
+
+def _world_error(args, err) -> tuple[int, str]:
+    """A hostfile that cannot be used is an invalid input (1); any other WorldError is about the flags (2)."""
+    return (EXIT_INVALID if args.hostfile is not None else EXIT_USAGE), str(err)
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+
+def cmd_validate(args) -> int:
+    from rich.console import Console
+
+    from dstune.cli_render import Outcome, print_report
+    from dstune.spec.load import SpecIssue
+    from dstune.world import WorldError
+
+    try:
+        outcome = _outcome(args, quiet_stdout=args.json)
+    except WorldError as err:
+        code, message = _world_error(args, err)
+        if code == EXIT_USAGE:
+            raise UsageError(message) from None
+        outcome = Outcome(errors=(SpecIssue("--hostfile", message),))
+    if args.json:
+        print(json.dumps(outcome.as_json(), indent=2))
+    else:
+        print_report(outcome, Console(highlight=False), title=f"dstune validate {args.spec}")
+    return EXIT_INVALID if outcome.errors else EXIT_OK
+
+
+def cmd_compile(args) -> int:
+    from rich.console import Console
+
+    from dstune.cli_render import print_issues
+    from dstune.world import WorldError
+
+    try:
+        outcome = _outcome(args, quiet_stdout=args.output is None)
+    except WorldError as err:
+        code, message = _world_error(args, err)
+        if code == EXIT_USAGE:
+            raise UsageError(message) from None
+        print(f"error: --hostfile: {message}", file=sys.stderr)
+        return EXIT_INVALID
+    print_issues(outcome, Console(stderr=True, highlight=False))
+    if outcome.errors:
+        print(f"not compiled: {len(outcome.errors)} error(s)", file=sys.stderr)
+        return EXIT_INVALID
+    text = json.dumps(outcome.ds_config, indent=2) + "\n"
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        _write(args.output, text)
+        print(f"wrote {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_schema(args) -> int:
+    from dstune.spec.models import Spec
+
+    print(json.dumps(Spec.model_json_schema(), indent=2))
+    return EXIT_OK
+
+
+def cmd_init(args) -> int:
+    from dstune.reference import example_spec
+
+    text = example_spec(args.family)
+    if args.output is None:
+        sys.stdout.write(text)
+        return EXIT_OK
+    if Path(args.output).exists() and not args.force:
+        raise UsageError(f"{args.output} already exists; pass --force to overwrite it, or choose another -o FILE")
+    _write(args.output, text)
+    print(f"wrote {args.output}; check it with: dstune validate {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+# Later issues add `cache` and `export` here; training is `deepspeed ... dstune/train.py`, not a subcommand.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "validate": cmd_validate,
+    "compile": cmd_compile,
+    "schema": cmd_schema,
+    "init": cmd_init,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, subparsers = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2, message already printed)
+        return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as err:
+        subparsers[args.command].print_usage(sys.stderr)
+        print(f"dstune {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `dstune schema | head`
+        return EXIT_OK
+    except Exception:  # noqa: BLE001 - anything else is a bug in dstune, and the traceback is what a report needs
+        import traceback
+
+        print("dstune: internal error (a bug in dstune, not in your spec). Please report it with this "
+              "traceback:", file=sys.stderr)
+        traceback.print_exc()
+        return EXIT_BUG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""What `dstune validate` prints (and training prints on rank 0 before step 1): the plan as a rich table, then the
+warnings, the errors and a one-line verdict.
+
+Issue lines are printed without wrapping, `where: key: message`, so they can be grepped and clicked in an editor.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Optional
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from dstune.spec.load import SpecIssue
+
+ZERO_STAGES = {
+    0: "off (plain data parallel)",
+    1: "optimizer states partitioned",
+    2: "optimizer states + gradients partitioned",
+    3: "optimizer states + gradients + parameters partitioned",
+}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Everything `validate` can show: a full resolution, or the parts that were worked out before the errors."""
+
+    spec: object = None  # dstune.spec.models.Spec
+    world: object = None  # dstune.world.World
+    plan: object = None  # dstune.plan.Plan
+    ds_config: Optional[dict] = None
+    num_samples_origin: str = ""
+    warnings: tuple[SpecIssue, ...] = ()
+    errors: tuple[SpecIssue, ...] = ()
+
+    @classmethod
+    def of(cls, resolved) -> "Outcome":
+        return cls(resolved.spec, resolved.world, resolved.plan, resolved.ds_config, resolved.num_samples_origin,
+                   tuple(resolved.warnings))
+
+    def as_json(self) -> dict:
+        plan = self.plan.as_dict() if self.plan is not None else None
+        if plan is not None:
+            plan.pop("warnings", None)  # listed once, at the top level
+        return {
+            "plan": plan,
+            "ds_config": self.ds_config if not self.errors else None,
+            "warnings": [str(w) for w in self.warnings],
+            "errors": [str(e) for e in self.errors],
+        }
+
+
+def _fmt(value: float) -> str:
+    """3 significant digits, no exponent for ordinary numbers: 2.5, 0.0001, 1.33e-05."""
+    return f"{value:.3g}"
+
+
+def _count(number: int, one: str, many: str) -> str:
+    return f"{number} {one if number == 1 else many}"
+
+
+def _world_rows(world) -> list[tuple[str, str]]:
+    per_node = ", ".join(f"{host}: {count}" for host, count in list(zip(world.hosts, world.ranks_per_node))[:4])
+    if world.num_nodes > 4:
+        per_node += f", ... ({world.num_nodes - 4} more)"
+    source = world.source
+    if world.assumed:
+        source += " (ASSUMED: plan for the real run with --num-gpus N, --world-size N or --hostfile FILE)"
+    return [("ranks", f"{world.world_size} data-parallel"), ("nodes", str(world.num_nodes)),
+            ("ranks per node", per_node), ("from", source)]
+
+
+def _batch_rows(plan, ds_config: Optional[dict], cross_checked: bool) -> list[tuple[str, str]]:
+    rows = [
+        ("micro batch", f"{plan.micro_batch_size} samples per rank per forward pass"),
+        ("accumulation",
+         f"{_count(plan.gradient_accumulation_steps, 'micro-batch', 'micro-batches')} per optimizer step"),
+        ("global batch", f"{plan.global_batch_size} samples per optimizer step = {plan.micro_batch_size} x "
+                         f"{plan.gradient_accumulation_steps} x {_count(plan.world_size, 'rank', 'ranks')}"),
+    ]
+    if ds_config is not None:
+        numbers = ", ".join(f"{key} {ds_config.get(key)}" for key in
+                            ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))
+        rows.append(("DeepSpeed JSON", numbers + (f" (agreed by {_deepspeed_name()})" if cross_checked else "")))
+    return rows
+
+
+def _deepspeed_name() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"DeepSpeed {version('deepspeed')}"
+    except PackageNotFoundError:
+        return "DeepSpeed"
+
+
+def _data_rows(plan, origin: str) -> list[tuple[str, str]]:
+    return [
+        ("samples", f"{plan.num_samples} ({origin})" if origin else str(plan.num_samples)),
+        ("steps per epoch", f"{plan.steps_per_epoch} optimizer steps ({plan.micro_batches_per_epoch_per_rank} "
+                            "micro-batches per rank)"),
+        ("each epoch", f"uses {plan.samples_per_epoch} samples, leaves out {plan.dropped_per_epoch} (drop_last)"),
+    ]
+
+
+def _length_rows(plan, train) -> list[tuple[str, str]]:
+    how = "train.max_steps" if train is not None and train.max_steps is not None else "epochs x steps per epoch"
+    return [
+        ("total", f"{plan.total_steps} optimizer steps ({how})"),
+        ("epochs", f"{_fmt(plan.epochs)} (passes over the whole dataset, all ranks together)"),
+        ("samples seen", f"{plan.samples_seen} (each sample {_fmt(plan.times_each_sample_seen)} times on average)"),
+    ]
+
+
+def _lr_rows(plan, train) -> list[tuple[str, str]]:
+    rows = [("base lr", _fmt(plan.base_lr))]
+    if train is not None and train.lr_scaling != "none":
+        rows.append(("scaling", f"{train.lr_scaling}: global {plan.global_batch_size} / reference "
+                                f"{train.reference_batch_size} -> x {_fmt(plan.lr_scale)}"))
+    else:
+        rows.append(("scaling", "none"))
+    rows.append(("effective lr", _fmt(plan.effective_lr)))
+    rows.append(("warmup", f"{plan.warmup_steps} optimizer steps"))
+    if train is not None:
+        sched = train.scheduler
+        decay = f", decays to {_fmt(sched.min_lr_ratio)} x lr at step {plan.total_steps}" \
+            if sched.type in ("linear", "cosine") else ""
+        rows.append(("schedule", f"{sched.type}{decay}"))
+        opt = train.optimizer
+        rows.append(("optimizer", f"{opt.type}, weight decay {_fmt(opt.weight_decay)}"))
+    return rows
+
+
+def _engine_rows(spec, plan) -> list[tuple[str, str]]:
+    ds, train = spec.deepspeed, spec.train
+    clipping = str(plan.gradient_clipping if plan is not None else train.resolved_gradient_clipping)
+    if train.gradient_clipping is None:
+        clipping += " (automatic: 1.0 for Adam-family, 0.0 for Adafactor)"
+    rows = [
+        ("precision", train.precision),
+        ("ZeRO", f"stage {ds.zero_stage}: {ZERO_STAGES[ds.zero_stage]}"),
+        ("offload", f"optimizer: {ds.offload_optimizer.device}, parameters: {ds.offload_param.device}"),
+        ("gradient clipping", clipping),
+    ]
+    if ds.config:
+        rows.append(("merged JSON", ds.config))
+    return rows
+
+
+def plan_table(outcome: Outcome) -> Optional[Table]:
+    """The plan as one three-column table (group, item, value); None when nothing was worked out."""
+    groups: list[tuple[str, list[tuple[str, str]]]] = []
+    spec, plan = outcome.spec, outcome.plan
+    train = spec.train if spec is not None else None
+    if outcome.world is not None:
+        groups.append(("World", _world_rows(outcome.world)))
+    if plan is not None:
+        cross_checked = outcome.ds_config is not None and not outcome.errors
+        groups += [("Batch", _batch_rows(plan, outcome.ds_config if not outcome.errors else None, cross_checked)),
+                   ("Data", _data_rows(plan, outcome.num_samples_origin)),
+                   ("Length", _length_rows(plan, train)),
+                   ("LR", _lr_rows(plan, train))]
+    if spec is not None and (plan is not None or outcome.world is not None):
+        groups.append(("DeepSpeed", _engine_rows(spec, plan)))
+    if not groups:
+        return None
+    table = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 0))
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")
+    for group, rows in groups:
+        table.add_row(Text(group, style="bold"), "")
+        for label, value in rows:
+            table.add_row(f"  {label}", Text(value))
+    return table
+
+
+def verdict(outcome: Outcome) -> Text:
+    warned = f", {len(outcome.warnings)} warning{'s' if len(outcome.warnings) != 1 else ''}" if outcome.warnings else ""
+    if outcome.errors:
+        count = len(outcome.errors)
+        return Text(f"invalid: {count} error{'s' if count != 1 else ''}{warned}", style="bold red")
+    plan = outcome.plan
+    return Text(f"valid: {_count(plan.world_size, 'rank', 'ranks')} x micro {plan.micro_batch_size} x accumulation "
+                f"{plan.gradient_accumulation_steps} = global batch {plan.global_batch_size}; "
+                f"{plan.total_steps} optimizer steps = {_fmt(plan.epochs)} epochs{warned}", style="bold green")
+
+
+def print_report(outcome: Outcome, console: Console, title: str = "") -> None:
+    if title:
+        console.print(Text(title, style="bold"), soft_wrap=True)
+    table = plan_table(outcome)
+    if table is not None:
+        console.print(table)
+    print_issues(outcome, console)
+    console.print(verdict(outcome), soft_wrap=True)
+
+
+def print_issues(outcome: Outcome, console: Console) -> None:
+    for kind, issues, style in (("warning", outcome.warnings, "yellow"), ("error", outcome.errors, "red")):
+        if issues:
+            console.print()
+        for issue in issues:
+            line = Text(f"{kind}: ", style=f"bold {style}")
+            line.append(str(issue))
+            console.print(line, soft_wrap=True)
+
+
+def plan_text(resolved, width: int = 120) -> str:
+    """The plan of a successful resolution as plain text (training prints this on rank 0)."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, no_color=True, highlight=False, force_terminal=False)
+    outcome = Outcome.of(resolved)
+    console.print(plan_table(outcome))
+    print_issues(outcome, console)
+    return buffer.getvalue().rstrip("\n")

@@ -1,0 +1,185 @@
+"""Spec file -> everything a run needs to know, checked: the one function `dstune validate` and training both call.
+
+    load_spec -> world -> number of samples -> make_plan -> compile_ds_config -> DeepSpeed cross-check
+
+Every stage that can still run does run, so one call reports every error it can find (a missing dataset and a bad
+DeepSpeed JSON together), then raises one ResolveError (a SpecError) holding all of them. Only a spec that does
+not load stops at once: later stages need it. deepspeed (and torch) are imported only by the stages that need
+them, so a spec error is reported without waiting for either.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Union
+
+from dstune.plan import Plan, make_plan, resolve_batch
+from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
+from dstune.spec.models import Spec
+from dstune.world import World, world_from_flags
+
+ACCELERATORS = ("auto", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    spec: Spec
+    source: SpecSource
+    world: World
+    plan: Plan
+    ds_config: dict
+    num_samples: int
+    num_samples_origin: str  # "counted in /data/x", "from --num-samples; ...", "builtin:shapes"
+    warnings: tuple[SpecIssue, ...]
+
+
+class ResolveError(SpecError):
+    """Every error found, plus whatever could still be worked out (for `validate` to show beside the errors)."""
+
+    def __init__(self, issues: list[SpecIssue], warnings: Iterable[SpecIssue] = (), spec: Optional[Spec] = None,
+                 world: Optional[World] = None, plan: Optional[Plan] = None, ds_config: Optional[dict] = None,
+                 num_samples_origin: str = ""):
+        super().__init__(issues)
+        self.warnings = tuple(warnings)
+        self.spec = spec
+        self.world = world
+        self.plan = plan
+        self.ds_config = ds_config
+        self.num_samples_origin = num_samples_origin
+
+
+@dataclass
+class _Found:
+    """What the stages have produced so far."""
+
+    errors: list[SpecIssue] = field(default_factory=list)
+    warnings: list[SpecIssue] = field(default_factory=list)
+
+    def add(self, issues: Iterable[SpecIssue]) -> None:
+        for issue in issues:
+            (self.warnings if issue.severity == "warning" else self.errors).append(issue)
+
+
+WorldArg = Union[None, World, Callable[[], World]]
+
+
+def resolve(spec_path, overrides: Iterable[str] = (), world: WorldArg = None, num_samples: Optional[int] = None,
+            accelerator: str = "auto", cross_check: bool = True) -> Resolved:
+    """Raise SpecError (a ResolveError) holding every error found; dstune.world.WorldError passes through.
+
+    `world`: a World, a function returning one (called only once the spec has loaded, so a spec error is reported
+    before a hostfile is read), or None for what this machine would launch (dstune.world.world_from_flags()).
+    `num_samples`: used when data.path does not exist here (planning offline)."""
+    spec, source = load_spec(spec_path, overrides)
+    world = _make_world(world)
+    found = _Found()
+    _check_accelerator(spec, source, accelerator, found)
+    count, origin = _count_samples(spec, source, num_samples, found)
+    plan = None
+    if count is not None:
+        try:
+            plan = make_plan(spec.train, world, count, source)
+            found.add(plan.warnings)
+        except SpecError as err:
+            found.add(err.issues)
+    # Without a plan, a stand-in still lets compile and the cross-check run; its batch errors count only when
+    # make_plan did not already report them.
+    checked_plan = plan or _stand_in_plan(spec, source, world, found if count is None else _Found())
+    ds_config = _compile_and_check(spec, source, checked_plan, found, cross_check, stand_in=plan is None)
+    if found.errors:
+        raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin)
+    return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings))
+
+
+def _make_world(world: WorldArg) -> World:
+    if world is None:
+        return world_from_flags()
+    return world() if callable(world) else world
+
+
+def _check_accelerator(spec: Spec, source: SpecSource, accelerator: str, found: _Found) -> None:
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {accelerator!r}")
+    if spec.train.precision != "fp16":
+        return  # only fp16 depends on the accelerator; do not import torch to find out which one this is
+    if accelerator == "auto":
+        accelerator = _this_machine_accelerator()
+    if accelerator == "cpu":
+        found.add([source.issue(
+            "train.precision",
+            "fp16 does not run on DeepSpeed's CPU accelerator (it has no fp16 support). Use bf16 or fp32 here, "
+            "or validate for the GPUs the run will use with --accelerator cuda.")])
+
+
+def _this_machine_accelerator() -> str:
+    wanted = os.environ.get("DS_ACCELERATOR")
+    if wanted in ("cpu", "cuda"):
+        return wanted
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
+                   found: _Found) -> tuple[Optional[int], str]:
+    """(number of samples or None when unknown, where it came from)."""
+    from dstune.data.index import DataError, builtin_name, index_dataset
+
+    path = spec.data.path
+    if builtin_name(path) is None and not os.path.exists(os.path.expanduser(path)):
+        if num_samples is not None:
+            return num_samples, "from --num-samples; data.path is not on this machine"
+        found.add([source.issue(
+            "data.path",
+            f"{path} does not exist here, so its samples cannot be counted. Fix the path, or pass "
+            "--num-samples N to plan offline for a dataset of N samples (repeats included).")])
+        return None, ""
+    try:
+        index = index_dataset(spec.data, read_captions=False)  # lists files; reads no image and no caption
+    except DataError as err:
+        found.add([source.issue(err.key or "data.path", err.message)])
+        return None, ""
+    found.add(source.issue("data.path", text, severity="warning") for text in index.warnings)
+    count = index.num_samples
+    origin = path if builtin_name(path) else f"counted in {path}"
+    if num_samples is not None and num_samples != count:
+        found.add([source.issue(
+            "data.path", f"--num-samples {num_samples} ignored: {path} is here and holds {count} samples",
+            severity="warning")])
+    return count, origin
+
+
+def _stand_in_plan(spec: Spec, source: SpecSource, world: World, found: _Found) -> Optional[Plan]:
+    """When the sample count is unknown, the batch triad is still checked, and a plan with one step per epoch
+    lets compile and the DeepSpeed cross-check report their own errors (a bad deepspeed.config) in the same run.
+    The stand-in is never shown."""
+    try:
+        _, _, global_batch = resolve_batch(spec.train, world.world_size, source)
+        return make_plan(spec.train, world, global_batch, source)
+    except SpecError as err:
+        found.add(err.issues)
+        return None
+
+
+def _compile_and_check(spec: Spec, source: SpecSource, plan: Optional[Plan], found: _Found, cross_check: bool,
+                       stand_in: bool) -> Optional[dict]:
+    if plan is None:
+        return None
+    from dstune.ds_config import compile_ds_config, user_config_path
+    from dstune.ds_config import cross_check as deepspeed_cross_check
+
+    report = _Found()
+    ds_config = None
+    try:
+        ds_config, compile_warnings = compile_ds_config(spec.train, spec.deepspeed, plan, source)
+        report.add(compile_warnings)
+        if cross_check:
+            user_path = user_config_path(spec.deepspeed.config, source) if spec.deepspeed.config else None
+            report.add(deepspeed_cross_check(ds_config, plan, source, user_path))
+    except SpecError as err:
+        report.add(err.issues)
+    found.errors += report.errors
+    if not stand_in:  # a stand-in plan's step counts are made up, and so would its warnings be
+        found.warnings += report.warnings
+    return ds_config
