@@ -17,8 +17,16 @@ test: install
 	@$(PYTHON) -m pytest -q tests/unit tests/dist; status=$$?; \
 		if [ $$status -eq 5 ]; then echo "(no tests collected)"; exit 0; fi; exit $$status
 
+# The demo: validate, then really train the built-in tiny model on the built-in shapes with 2 ranks (on the CPU
+# where there is no GPU), export it, and write sample grids before, during and after training. Each run gets a
+# fresh folder, so nothing of an earlier demo is overwritten.
+DEMO_RANKS ?= 2
+DEMO_DIR ?= runs/sd-tiny-demo-$(shell date +%Y%m%d-%H%M%S)
 demo: install
-	$(PYTHON) -m dstune validate launch/sd-tiny-demo.yaml --num-gpus 2
+	$(PYTHON) -m dstune validate launch/sd-tiny-demo.yaml --num-gpus $(DEMO_RANKS)
+	$(PYTHON) -m deepspeed.launcher.runner --num_gpus $(DEMO_RANKS) dstune/train.py launch/sd-tiny-demo.yaml \
+		--set output.dir=$(DEMO_DIR)
+	@echo "demo finished: samples in $(DEMO_DIR)/samples (step-000000.png is before training), model in $(DEMO_DIR)/export"
 
 # The golden DeepSpeed JSON of every example spec, compiled with the flags on the spec's first line
 # ("# validate: dstune validate launch/X.yaml FLAGS"). tests/unit/test_launch_specs.py diffs them.

@@ -92,6 +92,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     init.add_argument("--family", choices=FAMILIES, default=FAMILIES[0], help="model family (default %(default)s)")
     init.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     init.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    export = subparsers["export"] = commands.add_parser(
+        "export", help="consolidate a run's checkpoint into a diffusers folder (safetensors)",
+        description="Gather a checkpoint's ZeRO shards (any stage) into full fp32 weights and write a folder that "
+        "DiffusionPipeline.from_pretrained loads. Runs on one CPU process; no GPU or launcher needed.")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (output.dir of the spec)")
+    export.add_argument("--step", type=_positive_int, metavar="N", help="the checkpoint of step N (default: latest)")
+    export.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/export/step-N)")
     return parser, subparsers
 
 
@@ -262,12 +269,30 @@ def _write(path: str, text: str) -> None:
         raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
 
 
-# Later issues add `cache` and `export` here; training is `deepspeed ... dstune/train.py`, not a subcommand.
+def cmd_export(args) -> int:
+    from dstune.world import use_cpu_accelerator_if_no_cuda
+
+    use_cpu_accelerator_if_no_cuda()
+    from dstune.export import ExportError, export_checkpoint
+
+    if args.out and Path(args.out).exists():
+        raise UsageError(f"--out {args.out} already exists; choose a new folder (an export never overwrites)")
+    try:
+        out = export_checkpoint(Path(args.run_dir), step=args.step, out_dir=Path(args.out) if args.out else None)
+    except (ExportError, ValueError, OSError) as err:
+        print(f"dstune export: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"exported {out}")
+    return EXIT_OK
+
+
+# Later issues add `cache` here; training is `deepspeed ... dstune/train.py`, not a subcommand.
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate,
     "compile": cmd_compile,
     "schema": cmd_schema,
     "init": cmd_init,
+    "export": cmd_export,
 }
 
 

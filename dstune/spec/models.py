@@ -137,32 +137,51 @@ class TrainSpec(Section):
         "none", description="Scale `optimizer.lr` by (global batch / reference_batch_size), or its square root."
     )
     reference_batch_size: Optional[int] = Field(None, gt=0, description="The global batch size `optimizer.lr` was tuned for.")
-    gradient_clipping: Optional[float] = Field(
-        None, ge=0, description="Global gradient-norm clip. Omitted: 1.0 for Adam-family, 0.0 (off) for Adafactor."
-    )
     allow_clipping_with_adafactor: bool = Field(
         False, description="Opt in to gradient_clipping > 0 with Adafactor (it already clips its own updates)."
+    )
+    gradient_clipping: Optional[float] = Field(
+        None, ge=0, description="Global gradient-norm clip. Omitted: 1.0 for Adam-family, 0.0 (off) for Adafactor."
     )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="Training precision. fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no fp16)."
     )
     seed: int = Field(0, ge=0, description="Seeds the data order, noise and timesteps (per sample, independent of the world size).")
 
-    @model_validator(mode="after")
-    def _one_length_and_a_batch(self) -> "TrainSpec":
-        if (self.epochs is None) == (self.max_steps is None):
-            raise ValueError("give exactly one of `epochs` or `max_steps`")
-        if self.global_batch_size is None and self.micro_batch_size is None:
+    # Cross-field rules are field validators (fields are validated in order), so each error names its own key.
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _a_batch_number(cls, value, info):
+        if value is None and info.data.get("global_batch_size") is None and "global_batch_size" in info.data:
             raise ValueError("give `micro_batch_size` or `global_batch_size` (and optionally one more batch number)")
-        if self.lr_scaling != "none" and self.reference_batch_size is None:
-            raise ValueError(f"lr_scaling '{self.lr_scaling}' needs `reference_batch_size` (the batch the lr was tuned for)")
-        if self.optimizer.type in ADAFACTOR_STYLE and self.gradient_clipping and not self.allow_clipping_with_adafactor:
+        return value
+
+    @field_validator("max_steps")
+    @classmethod
+    def _one_length(cls, value, info):
+        if "epochs" in info.data and (info.data["epochs"] is None) == (value is None):
+            raise ValueError("give exactly one of `epochs` or `max_steps`")
+        return value
+
+    @field_validator("reference_batch_size")
+    @classmethod
+    def _reference_for_scaling(cls, value, info):
+        scaling = info.data.get("lr_scaling", "none")
+        if scaling != "none" and value is None:
+            raise ValueError(f"lr_scaling '{scaling}' needs `reference_batch_size` (the global batch the lr was tuned for)")
+        return value
+
+    @field_validator("gradient_clipping")
+    @classmethod
+    def _no_double_clipping(cls, value, info):
+        optimizer = info.data.get("optimizer")
+        if optimizer is not None and optimizer.type in ADAFACTOR_STYLE and value \
+                and not info.data.get("allow_clipping_with_adafactor", False):
             raise ValueError(
-                f"gradient_clipping {self.gradient_clipping} with adafactor: Adafactor already clips its own update "
-                "(RMS clipping), and clipping the gradient norm as well changes its step size. Remove "
-                "`gradient_clipping` (dstune then writes 0.0) or set `allow_clipping_with_adafactor: true`."
-            )
-        return self
+                f"{value} with adafactor: Adafactor already clips its own update (RMS clipping), and clipping the "
+                "gradient norm as well changes its step size. Remove `gradient_clipping` (dstune then writes 0.0) "
+                "or set `allow_clipping_with_adafactor: true`.")
+        return value
 
     @property
     def resolved_gradient_clipping(self) -> float:

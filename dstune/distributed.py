@@ -1,0 +1,135 @@
+"""Distributed set-up in one place: the only reader of RANK / LOCAL_RANK / WORLD_SIZE.
+
+`init_run` brings the process group up (gloo on CPU, nccl on CUDA) with an explicit timeout, learns which host each
+rank is on, and returns a frozen `Run` that every later stage receives. The helpers below make "all ranks agree"
+decisions: a rank never leaves a collective early, so a failure on one rank stops all of them instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+from dstune.world import World
+
+
+@dataclass(frozen=True)
+class Run:
+    rank: int
+    local_rank: int
+    world: World
+    device: str  # "cpu" or "cuda:N"
+    accelerator: str  # "cpu" or "cuda"
+    node_rank: int
+    launched: bool  # False for `python dstune/train.py spec.yaml` (a single process without the launcher)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it, before the process group exists (0 without a launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launcher_world_size() -> int:
+    """The world size the launcher promised, before the process group exists (1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_run(timeout_minutes: int) -> Run:
+    """Start the process group and describe this rank. Must run before deepspeed.initialize: DeepSpeed sizes its
+    batch config from the process group and silently assumes one rank when it is not up yet."""
+    import torch
+    import torch.distributed as dist
+    import deepspeed
+
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not launched:  # plain `python dstune/train.py`: a world of one, on a port nobody else uses
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ["WORLD_SIZE"])
+    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    else:
+        device = "cpu"
+        # Ranks share the cores: without this, each rank starts one thread per core and they thrash.
+        local_size = int(os.environ.get("LOCAL_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_size)))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
+    hosts = all_gather_object(socket.gethostname())
+    order: list[str] = []
+    for host in hosts:  # launch order: ranks are numbered node by node
+        if host not in order:
+            order.append(host)
+    world = World(
+        world_size=world_size,
+        num_nodes=len(order),
+        ranks_per_node=tuple(hosts.count(h) for h in order),
+        hosts=tuple(order),
+        source="launcher" if launched else "single process (no launcher)",
+    )
+    return Run(rank=rank, local_rank=local_rank, world=world, device=device, accelerator=accelerator,
+               node_rank=order.index(hosts[rank]), launched=launched)
+
+
+def all_gather_object(value) -> list:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on at least one: the basis of 'one fails, all stop'."""
+    return any(all_gather_object(bool(flag)))
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - tearing down after a failure must not raise a second error
+            pass
+
+
+def stop(run: Run | None, message: str, code: int = 1) -> "NoReturn":  # noqa: F821
+    """Print (rank 0 only, or every rank when the message is rank-specific) and exit on every rank with `code`.
+
+    Callers reach this on all ranks together (after an agreement step), so no rank is left waiting in a collective.
+    """
+    if run is None or run.is_main:
+        print(message, file=sys.stderr, flush=True)
+    shutdown()
+    sys.exit(code)

@@ -1,0 +1,121 @@
+"""`wrap_model`: the only call to deepspeed.initialize.
+
+Only the trainable module goes to DeepSpeed; frozen companions (VAE, text encoders, codecs) stay outside ZeRO
+(diffusers PR #3076, FIELD_NOTES row 8). dstune builds the optimizer and the LR schedule itself from the spec, except
+when DeepSpeed's own optimizer block is compiled in (Adam with optimizer offload uses DeepSpeed's fast CPU Adam).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dstune.ds_config import uses_deepspeed_optimizer
+from dstune.plan import Plan
+from dstune.spec.models import SchedulerSpec, TrainSpec
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023): sign of an interpolated momentum, decoupled weight decay."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                exp_avg = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = exp_avg.mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+        return loss
+
+
+def build_optimizer(train: TrainSpec, params, lr: float) -> torch.optim.Optimizer:
+    opt = train.optimizer
+    if opt.type == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    if opt.type == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    if opt.type == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+    if opt.type == "lion":
+        return Lion(params, lr=lr, betas=opt.betas, weight_decay=opt.weight_decay)
+    if opt.type == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # A fixed LR driven by our schedule: Adafactor's own relative-step schedule would fight train.scheduler.
+        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False,
+                         weight_decay=opt.weight_decay)
+    raise ValueError(f"unknown optimizer {opt.type!r}")  # unreachable: the spec restricts the type
+
+
+class LrMultiplier:
+    """LR multiplier per optimizer step (LambdaLR). A class, not a lambda, so it pickles with the checkpoint."""
+
+    def __init__(self, scheduler: SchedulerSpec, total_steps: int):
+        self.kind = scheduler.type
+        self.warmup_steps = scheduler.warmup_steps
+        self.min_ratio = scheduler.min_lr_ratio
+        self.total_steps = total_steps
+
+    def __call__(self, step: int) -> float:
+        # LambdaLR calls this with the number of optimizer steps taken so far; step 0 is the first update.
+        if self.warmup_steps and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind in ("constant", "constant_with_warmup"):
+            return 1.0
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        if self.kind == "linear":
+            shape = 1.0 - progress
+        else:  # cosine
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_ratio + (1.0 - self.min_ratio) * shape
+
+
+def promote_scalar_params(module: torch.nn.Module) -> list[str]:
+    """DeepSpeed 0.19.8 broadcasts parameters as byte views, which fails on 0-dim tensors ("self.dim() cannot be 0");
+    reshape them to (1,) here and back to () on export. Returns the dotted names changed."""
+    names = []
+    for module_name, sub in module.named_modules():
+        for param_name, param in list(sub._parameters.items()):
+            if param is not None and param.dim() == 0:
+                sub._parameters[param_name] = torch.nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad)
+                names.append(f"{module_name}.{param_name}" if module_name else param_name)
+    return names
+
+
+def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, plan: Plan):
+    """deepspeed.initialize on the trainable module only; returns the engine."""
+    import deepspeed
+
+    promote_scalar_params(trainable)
+    params = [p for p in trainable.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    multiplier = LrMultiplier(train.scheduler, plan.total_steps)
+    optimizer = None if uses_deepspeed_optimizer(ds_config) else build_optimizer(train, params, plan.effective_lr)
+    engine, _, _, _ = deepspeed.initialize(
+        model=trainable,
+        model_parameters=params,
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, multiplier),
+        config=ds_config,
+        dist_init_required=False,
+    )
+    return engine
+
+
+def current_lr(engine) -> float:
+    return float(engine.get_lr()[0])

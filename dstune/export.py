@@ -1,0 +1,82 @@
+"""Export: consolidate a checkpoint's ZeRO shards into full weights and write a folder the ecosystem loads.
+
+One path for both the end of training and `dstune export RUN_DIR`: read the checkpoint DeepSpeed wrote (stages 1-3
+through DeepSpeed's own zero_to_fp32, which recovers the fp32 master weights even from bf16 runs; stage 0 from the
+model-states file), then hand the state dict to the family, which writes a diffusers / transformers folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dstune.checkpoint import STATE_FILE, CheckpointError, checkpoint_root, list_complete, read_latest, tag_for
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def find_checkpoint(run_dir: Path, step: Optional[int]) -> tuple[Path, str]:
+    root = checkpoint_root(run_dir)
+    if step is None:
+        tag = read_latest(root)
+        if tag is None:
+            raise ExportError(f"{run_dir}: no complete checkpoint under {root} (is this a dstune run folder?)")
+        return root, tag
+    tag = tag_for(step)
+    if not (root / tag / STATE_FILE).is_file():
+        have = ", ".join(t.removeprefix("step-").lstrip("0") or "0" for t in list_complete(root)) or "none"
+        raise ExportError(f"{run_dir}: no complete checkpoint for step {step} (steps available: {have})")
+    return root, tag
+
+
+def consolidated_state_dict(root: Path, tag: str, zero_stage: int, scalar_params: list[str] = ()) -> dict:
+    """Full fp32 weights of the trainable module, with diffusers/transformers key names (no `module.` prefix)."""
+    folder = root / tag
+    if zero_stage == 0:
+        files = sorted(folder.glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise ExportError(f"{folder}: no mp_rank_*_model_states.pt (incomplete checkpoint?)")
+        # Our own checkpoint, written by this run; DeepSpeed stores non-tensor metadata beside the weights.
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints per-shard progress we do not want in our output
+            state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    for name in scalar_params:  # promoted to shape (1,) for DeepSpeed; the model expects a 0-dim tensor
+        if name in state:
+            state[name] = state[name].reshape(())
+    return state
+
+
+def export_checkpoint(run_dir: Path, step: Optional[int] = None, out_dir: Optional[Path] = None,
+                      built=None) -> Path:
+    """Write the export of one checkpoint; returns the folder. `built` may be passed to skip rebuilding the family."""
+    from dstune.families import get_family
+    from dstune.spec.load import validate_data, SpecSource
+
+    root, tag = find_checkpoint(Path(run_dir), step)
+    saved = json.loads((root / tag / STATE_FILE).read_text())
+    spec = validate_data(saved["spec"], SpecSource(str(root / tag / STATE_FILE)))
+    family = get_family(spec.model.family)
+    if built is None:
+        built = family.build(spec.model, spec.output.cache_dir, "cpu", torch.float32)
+    state = consolidated_state_dict(root, tag, saved["ds_config"]["zero_optimization"]["stage"]
+                                    if "zero_optimization" in saved["ds_config"] else 0,
+                                    saved.get("scalar_params", []))
+    out = Path(out_dir) if out_dir else Path(run_dir) / "export" / tag
+    try:
+        family.export(built, state, out)
+    except CheckpointError:
+        raise
+    except (ValueError, RuntimeError) as err:
+        raise ExportError(f"export of {root / tag} failed: {err}") from err
+    return out

@@ -1,0 +1,334 @@
+"""The `sd` family: Stable Diffusion 1.x / 2.x (UNet2DConditionModel, one CLIP text encoder, AutoencoderKL).
+
+The API the engine, loop and export call (see dstune.families.base for the shared contract):
+
+    build(model: SdModel, cache_dir, device, dtype_for_frozen) -> SdBuilt
+    encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", "encoder_hidden_states", "indices"}
+    loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (mean over the micro batch)
+    sample(built, unet_module, prompts, sample_spec, resolution) -> list[PIL.Image]
+    save_grid(images, prompts, path)
+    export(built, unet_state_dict, out_dir, pretrained_folder=None) -> Path
+
+The loss is diffusers' examples/text_to_image/train_text_to_image.py: epsilon or v target, optional offset
+noise, optional Min-SNR-gamma weighting. What differs is where randomness comes from: every draw of a sample
+(VAE posterior, noise, offset noise, timestep) comes from its own generator, seeded by (train.seed, optimizer
+step, dataset index, purpose), so results do not depend on the rank count or the accumulation split. That is also
+why encode_batch returns the VAE posterior (mean, std) and the loss draws the latent: encode_batch stays
+deterministic (cacheable), and the draw is per sample and per step like the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from dstune.families.base import (MODEL_INDEX, FamilyError, copy_component, per_sample_randint, per_sample_randn,
+                                  publish_folder, quiet_hf_libraries, read_model_index, resolve_pretrained,
+                                  sample_generator, save_grid, temporary_sibling)
+from dstune.spec.models import SampleSpec, SdModel
+
+__all__ = ["SdBuilt", "build", "encode_batch", "loss", "sample", "save_grid", "export", "check_sd_folder"]
+
+# component -> (accepted class names, or None for any diffusers scheduler; the file that must exist in it)
+_COMPONENTS = {
+    "unet": ({"UNet2DConditionModel"}, "config.json"),
+    "vae": ({"AutoencoderKL"}, "config.json"),
+    "text_encoder": ({"CLIPTextModel"}, "config.json"),
+    "tokenizer": ({"CLIPTokenizer", "CLIPTokenizerFast"}, "tokenizer_config.json"),
+    "scheduler": (None, "scheduler_config.json"),
+}
+_OTHER_PIPELINES = {
+    "StableDiffusionXLPipeline": "SDXL", "StableDiffusion3Pipeline": "SD3", "FluxPipeline": "Flux",
+    "PixArtSigmaPipeline": "PixArt", "PixArtAlphaPipeline": "PixArt", "SanaPipeline": "Sana",
+}
+
+
+@dataclass
+class SdBuilt:
+    """The loaded model. `trainable` is the UNet (train mode, requires_grad on) and the only part DeepSpeed wraps;
+    vae, text_encoder, tokenizer and noise_scheduler are frozen companions on `device` (eval, no grad)."""
+
+    folder: Path  # the resolved pipeline folder everything was loaded from
+    device: torch.device
+    trainable: torch.nn.Module  # UNet2DConditionModel
+    vae: torch.nn.Module
+    text_encoder: torch.nn.Module
+    tokenizer: object
+    noise_scheduler: object  # DDPMScheduler with the resolved prediction_type registered
+    prediction_type: str  # "epsilon" | "v_prediction"
+    min_snr_gamma: Optional[float]
+    noise_offset: float
+    unet_config: dict  # the source UNet's config: export builds a fresh UNet from it
+
+    @property
+    def frozen(self) -> dict[str, torch.nn.Module]:
+        return {"vae": self.vae, "text_encoder": self.text_encoder}
+
+
+# ---------------------------------------------------------------------------------------------------- build
+
+
+def check_sd_folder(folder: Path) -> None:
+    """Raise one FamilyError listing everything that keeps `folder` from being an SD 1.x/2.x pipeline."""
+    index = read_model_index(folder)
+    kind = index.get("_class_name")
+    if kind in _OTHER_PIPELINES:
+        raise FamilyError(f"{folder} holds a {kind} ({_OTHER_PIPELINES[kind]}) model; model.family 'sd' is for "
+                          "Stable Diffusion 1.x/2.x (StableDiffusionPipeline) only.")
+    problems = []
+    for name, (classes, required_file) in _COMPONENTS.items():
+        entry = index.get(name)
+        listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+        if listed is None:
+            problems.append(f"model_index.json has no `{name}` component")
+        elif classes is not None and listed not in classes:
+            problems.append(f"`{name}` is a {listed}; expected {' or '.join(sorted(classes))}")
+        if not (folder / name).is_dir():
+            problems.append(f"missing subfolder {name}/")
+        elif not (folder / name / required_file).is_file():
+            problems.append(f"missing {name}/{required_file}")
+    if not problems:
+        problems = _config_mismatches(folder)
+    if problems:
+        raise FamilyError(f"{folder} cannot be used as an `sd` (Stable Diffusion 1.x/2.x) model:\n"
+                          + "\n".join(f"  - {p}" for p in problems))
+
+
+def _config_mismatches(folder: Path) -> list[str]:
+    def config(name: str) -> dict:
+        try:
+            return json.loads((folder / name / "config.json").read_text())
+        except (OSError, ValueError) as err:
+            raise FamilyError(f"{folder / name / 'config.json'}: cannot read it as JSON ({err})") from None
+
+    unet, vae, text = config("unet"), config("vae"), config("text_encoder")
+    problems = []
+    if unet.get("addition_embed_type") is not None:
+        problems.append(f"the UNet has addition_embed_type {unet['addition_embed_type']!r} (an SDXL-style UNet)")
+    if unet.get("in_channels") != vae.get("latent_channels", 4):
+        problems.append(f"unet in_channels {unet.get('in_channels')} != vae latent_channels "
+                        f"{vae.get('latent_channels', 4)} (inpainting UNets are not supported)")
+    if unet.get("cross_attention_dim") != text.get("hidden_size"):
+        problems.append(f"unet cross_attention_dim {unet.get('cross_attention_dim')} != text_encoder hidden_size "
+                        f"{text.get('hidden_size')}")
+    return problems
+
+
+def _load(folder: Path, name: str, loader: Callable, **kwargs):
+    try:
+        with quiet_hf_libraries():
+            return loader(folder, subfolder=name, **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise FamilyError(f"{folder / name}: cannot load it ({first_line})") from None
+
+
+def _non_reentrant_checkpoint(module, *args):
+    # Explicit use_reentrant=False: reentrant checkpointing drops gradients when no input requires grad and warns;
+    # passing it explicitly also keeps torch's "use_reentrant should be passed" warning out of the logs.
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
+
+
+def build(model: SdModel, cache_dir, device, dtype_for_frozen: torch.dtype = torch.float32) -> SdBuilt:
+    """Load `model.pretrained`. The UNet is fp32 on `device` (DeepSpeed casts it for bf16 runs); the frozen parts
+    are cast to `dtype_for_frozen`. Never downloads; raises FamilyError for any unusable folder."""
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    folder = resolve_pretrained(model.pretrained, cache_dir)
+    check_sd_folder(folder)
+    device = torch.device(device)
+    noise_scheduler = _load(folder, "scheduler", DDPMScheduler.from_pretrained)
+    prediction_type = model.prediction or noise_scheduler.config.prediction_type
+    if prediction_type not in ("epsilon", "v_prediction"):
+        raise FamilyError(f"{folder / 'scheduler'}: prediction_type {prediction_type!r} is not supported; set "
+                          "model.prediction to epsilon or v_prediction")
+    if prediction_type == "epsilon" and float(noise_scheduler.alphas_cumprod[-1]) == 0.0:
+        raise FamilyError(f"{folder / 'scheduler'} has zero terminal SNR (rescale_betas_zero_snr), where an "
+                          "epsilon-predicting model cannot denoise its first sampling step (x_T holds no image). Use "
+                          "model.prediction: v_prediction (or leave it unset).")
+    noise_scheduler.register_to_config(prediction_type=prediction_type)
+    # diffusers models get their dtype at load time: ModelMixin.to(dtype) warns on every call (diffusers 0.42).
+    unet = _load(folder, "unet", UNet2DConditionModel.from_pretrained, torch_dtype=torch.float32).to(device)
+    if model.gradient_checkpointing:
+        unet.enable_gradient_checkpointing(gradient_checkpointing_func=_non_reentrant_checkpoint)
+    unet.train().requires_grad_(True)
+    vae = _load(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
+    text_encoder = _load(folder, "text_encoder", CLIPTextModel.from_pretrained).to(device, dtype_for_frozen)
+    for part in (vae, text_encoder):
+        part.eval().requires_grad_(False)
+    return SdBuilt(folder=folder, device=device, trainable=unet, vae=vae, text_encoder=text_encoder,
+                   tokenizer=_load(folder, "tokenizer", CLIPTokenizer.from_pretrained),
+                   noise_scheduler=noise_scheduler, prediction_type=prediction_type,
+                   min_snr_gamma=model.min_snr_gamma, noise_offset=model.noise_offset,
+                   unet_config=dict(unet.config))
+
+
+# --------------------------------------------------------------------------------------------- train step
+
+
+def _batch_field(batch: dict, *names: str):
+    for name in names:
+        if name in batch:
+            return batch[name]
+    raise KeyError(f"batch has none of the keys {names} (it has {sorted(batch)})")
+
+
+def encode_batch(built: SdBuilt, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
+    """The frozen encoders' view of a collated batch: the VAE posterior (mean, std; float32, unscaled), the text
+    embeddings (in `dtype`, the trainable's compute dtype) and the samples' dataset indices. No random draws."""
+    pixels = _batch_field(batch, "pixel_values").to(built.device, built.vae.dtype)
+    captions = list(_batch_field(batch, "captions", "caption"))
+    indices = torch.as_tensor(_batch_field(batch, "indices", "index"), dtype=torch.long)
+    max_length = min(built.tokenizer.model_max_length, built.text_encoder.config.max_position_embeddings)
+    token_ids = built.tokenizer(captions, padding="max_length", max_length=max_length, truncation=True,
+                                return_tensors="pt").input_ids.to(built.device)
+    with torch.no_grad():
+        posterior = built.vae.encode(pixels).latent_dist
+        hidden = built.text_encoder(token_ids, return_dict=False)[0]
+    return {"latent_mean": posterior.mean.float(), "latent_std": posterior.std.float(),
+            "encoder_hidden_states": hidden.to(dtype), "indices": indices}
+
+
+def min_snr_weights(noise_scheduler, timesteps: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
+    """Per-sample Min-SNR-gamma loss weights, as diffusers' train_text_to_image.py computes them; one difference:
+    with a zero-terminal-SNR schedule, epsilon's min(snr, gamma) / snr is 0 / 0 at the last timestep, where diffusers
+    gives NaN and this gives the limit, 1."""
+    from diffusers.training_utils import compute_snr
+
+    snr = compute_snr(noise_scheduler, timesteps)
+    weights = torch.stack([snr, gamma * torch.ones_like(snr)], dim=1).min(dim=1)[0]
+    if prediction_type == "epsilon":
+        return torch.where(snr > 0, weights / snr.clamp_min(torch.finfo(snr.dtype).tiny), torch.ones_like(snr))
+    return weights / (snr + 1)
+
+
+def loss(built: SdBuilt, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
+    """The diffusion loss of one micro batch (mean over its samples). `seed` is train.seed, `step` the optimizer
+    step; with the samples' dataset indices they fix every random draw (see dstune.families.base)."""
+    mean, std = encoded["latent_mean"], encoded["latent_std"]
+    indices, shape, device = encoded["indices"].tolist(), tuple(mean.shape[1:]), mean.device
+    draw = lambda purpose, size: per_sample_randn(size, seed, step, indices, purpose).to(device)  # noqa: E731
+    vae_config = built.vae.config
+    latents = mean + std * draw("vae_posterior", shape)
+    latents = (latents - (getattr(vae_config, "shift_factor", None) or 0.0)) * vae_config.scaling_factor
+    noise = draw("noise", shape)
+    if built.noise_offset:
+        noise = noise + built.noise_offset * draw("noise_offset", (shape[0], 1, 1))
+    scheduler = built.noise_scheduler
+    timesteps = per_sample_randint(scheduler.config.num_train_timesteps, seed, step, indices, "timestep").to(device)
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    target = noise if built.prediction_type == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
+    param_dtype = next(built.trainable.parameters()).dtype
+    prediction = trainable_forward(noisy.to(param_dtype), timesteps,
+                                   encoded["encoder_hidden_states"].to(param_dtype), return_dict=False)[0]
+    per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    if built.min_snr_gamma:
+        per_sample = per_sample * min_snr_weights(scheduler, timesteps, built.min_snr_gamma, built.prediction_type)
+    return per_sample.mean()
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+
+
+@contextmanager
+def _inputs_cast_to(module: torch.nn.Module, dtype: torch.dtype):
+    """Cast floating inputs to `dtype` while the pipeline runs: a bf16 UNet beside fp32 frozen parts."""
+    def cast(value):
+        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+
+    def hook(_module, args, kwargs):
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def sample(built: SdBuilt, unet_module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec,
+           resolution: int) -> list:
+    """Render one image per prompt with a StableDiffusionPipeline around `unet_module` (no weight copy) and a DDIM
+    scheduler. Prompt i always starts from the noise of sample_spec.seed and i, so grids of different steps are
+    comparable. The UNet's train/eval mode is restored afterwards. The side is rounded down to a multiple of 8
+    (the pipeline's requirement)."""
+    from diffusers import DDIMScheduler
+
+    if not prompts:
+        return []
+    with quiet_hf_libraries():
+        from diffusers import StableDiffusionPipeline
+
+        scheduler = DDIMScheduler.from_config(built.noise_scheduler.config, set_alpha_to_one=False)
+    pipeline = StableDiffusionPipeline(
+        vae=built.vae, text_encoder=built.text_encoder, tokenizer=built.tokenizer, unet=unet_module,
+        scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipeline.set_progress_bar_config(disable=True)
+    side = max(8, resolution // 8 * 8)
+    generators = [sample_generator(sample_spec.seed, 0, number, "sample") for number in range(len(prompts))]
+    was_training = unet_module.training
+    unet_module.eval()
+    try:
+        with _inputs_cast_to(unet_module, next(unet_module.parameters()).dtype):
+            result = pipeline(prompt=list(prompts), height=side, width=side, guidance_scale=sample_spec.guidance,
+                              num_inference_steps=sample_spec.steps, generator=generators, output_type="pil")
+    finally:
+        unet_module.train(was_training)
+    return result.images
+
+
+# --------------------------------------------------------------------------------------------------- export
+
+
+def _fresh_unet(built: SdBuilt, state_dict: dict):
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_config(built.unet_config)
+    expected, given = set(unet.state_dict()), set(state_dict)
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        raise FamilyError(f"the trained weights do not fit the UNet of {built.folder}: {len(missing)} missing "
+                          f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})")
+    unet.load_state_dict(state_dict, strict=True)
+    return unet
+
+
+def _set_prediction_type(scheduler_dir: Path, prediction_type: str) -> None:
+    """Record the trained prediction type, so inference with the export uses the right target."""
+    path = scheduler_dir / "scheduler_config.json"
+    config = json.loads(path.read_text())
+    if config.get("prediction_type") != prediction_type:
+        config["prediction_type"] = prediction_type
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def export(built: SdBuilt, unet_state_dict: dict, out_dir, pretrained_folder=None) -> Path:
+    """Write a complete diffusers pipeline folder at `out_dir`: the trained UNet (safetensors, loaded strictly into a
+    fresh UNet built from the source config) plus the source pipeline's other components copied unchanged.
+    Written beside `out_dir` and renamed into place, replacing an older export only once complete."""
+    source = Path(pretrained_folder) if pretrained_folder is not None else built.folder
+    index = read_model_index(source)
+    unet = _fresh_unet(built, unet_state_dict)
+    out = Path(out_dir)
+    work = temporary_sibling(out, "exporting")
+    try:
+        for name, entry in index.items():
+            listed = isinstance(entry, list) and len(entry) == 2 and entry[1] is not None
+            if listed and name != "unet" and (source / name).is_dir():
+                copy_component(source / name, work / name)
+        shutil.copy2(source / MODEL_INDEX, work / MODEL_INDEX)
+        with quiet_hf_libraries():
+            unet.save_pretrained(work / "unet", safe_serialization=True)
+        _set_prediction_type(work / "scheduler", built.prediction_type)
+        publish_folder(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out

@@ -1,0 +1,124 @@
+"""`train_loop`: next batch -> family.loss -> engine.backward -> engine.step -> log -> save. One function, no callbacks.
+
+Every rank runs the same number of micro batches (the sampler guarantees it), so every collective below is reached by
+all ranks. Once per optimizer step, before the update is applied, the ranks exchange their losses: a non-finite loss
+on any rank stops all of them at that step, with the rank named, and the weights of the last checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from dstune.checkpoint import TrainState, save_checkpoint
+from dstune.distributed import Run, all_gather_object
+from dstune.engine import current_lr
+from dstune.plan import Plan
+from dstune.progress import MetricsFile, ProgressDisplay
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+@dataclass
+class LoopContext:
+    run: Run
+    plan: Plan
+    engine: object  # the DeepSpeed engine
+    family: object  # module with encode_batch / loss
+    built: object  # the family's Built (trainable + frozen companions)
+    loader: object  # DataLoader over the GlobalBatchSampler
+    sampler: object  # GlobalBatchSampler (set_epoch / position)
+    run_dir: Path
+    seed: int
+    save_every_steps: Optional[int]
+    keep_last: int
+    log_every_steps: int
+    checkpoint_extra: dict
+    sample_every_steps: Optional[int] = None
+    render_samples: Optional[Callable[[int], None]] = None  # collective: called with the step number
+    compute_dtype: torch.dtype = torch.float32
+    timings: dict = field(default_factory=lambda: {"data_s": 0.0, "compute_s": 0.0})
+
+
+def _agree_on_loss(run: Run, loss_sum: float, micro_batches: int, step: int) -> float:
+    """Gather every rank's loss for this optimizer step; stop everyone if any is not finite. Returns the global mean."""
+    reports = all_gather_object((run.rank, loss_sum, micro_batches))
+    bad = [rank for rank, value, _ in reports if not math.isfinite(value)]
+    if bad:
+        raise NonFiniteLoss(
+            f"non-finite loss at optimizer step {step + 1} on rank {', '.join(map(str, bad))}; stopped before the "
+            "update was applied. The last checkpoint is intact. Lower the learning rate, use fp32/bf16 instead of "
+            "fp16, or check the data of that step.")
+    return sum(value for _, value, _ in reports) / sum(n for _, _, n in reports)
+
+
+def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, metrics: MetricsFile) -> TrainState:
+    run, plan, engine, family = ctx.run, ctx.plan, ctx.engine, ctx.family
+    accumulation = plan.gradient_accumulation_steps
+    while state.global_step < plan.total_steps:
+        ctx.sampler.set_epoch(state.epoch, start_step=state.step_in_epoch)
+        loss_sum, micro_in_step = 0.0, 0
+        step_started = time.perf_counter()
+        data_wait = 0.0
+        fetch_started = time.perf_counter()
+        for batch in ctx.loader:
+            data_wait += time.perf_counter() - fetch_started
+            encoded = family.encode_batch(ctx.built, batch, ctx.compute_dtype)
+            loss = family.loss(ctx.built, engine, encoded, ctx.seed, state.global_step)
+            engine.backward(loss)
+            loss_sum += float(loss.detach().float())
+            micro_in_step += 1
+            if micro_in_step < accumulation:
+                engine.step()  # DeepSpeed only counts the micro step here; the update happens at the boundary
+                fetch_started = time.perf_counter()
+                continue
+            mean_loss = _agree_on_loss(run, loss_sum, micro_in_step, state.global_step)
+            engine.step()
+            state.global_step += 1
+            state.step_in_epoch += 1
+            state.samples_seen += plan.global_batch_size
+            step_seconds = time.perf_counter() - step_started
+            ctx.timings["data_s"] += data_wait
+            ctx.timings["compute_s"] += step_seconds - data_wait
+            samples_per_s = plan.global_batch_size / max(step_seconds, 1e-9)
+            lr = current_lr(engine)
+            display.update(state.global_step, state.epoch, state.samples_seen, mean_loss, lr, samples_per_s)
+            if state.global_step % ctx.log_every_steps == 0 or state.global_step == plan.total_steps:
+                grad_norm = engine.get_global_grad_norm()
+                metrics.write({
+                    "step": state.global_step, "epoch": state.epoch, "samples": state.samples_seen,
+                    "loss": mean_loss, "lr": lr,
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "samples_per_s": samples_per_s, "data_s": data_wait, "compute_s": step_seconds - data_wait,
+                })
+            if ctx.save_every_steps and state.global_step % ctx.save_every_steps == 0 \
+                    and state.global_step < plan.total_steps:
+                save_checkpoint(engine, run, ctx.run_dir, _next_position(state, plan), ctx.checkpoint_extra,
+                                ctx.keep_last)
+            if ctx.sample_every_steps and ctx.render_samples and state.global_step % ctx.sample_every_steps == 0 \
+                    and state.global_step < plan.total_steps:
+                ctx.render_samples(state.global_step)
+            if state.global_step >= plan.total_steps:
+                break
+            loss_sum, micro_in_step, data_wait = 0.0, 0, 0.0
+            step_started = fetch_started = time.perf_counter()
+        else:  # the epoch ran out: the next one starts from its first step
+            state.epoch += 1
+            state.step_in_epoch = 0
+            continue
+        break
+    return _next_position(state, plan)
+
+
+def _next_position(state: TrainState, plan: Plan) -> TrainState:
+    """The position to resume from: an epoch whose steps are all done continues at the start of the next one."""
+    if state.step_in_epoch >= plan.steps_per_epoch:
+        return TrainState(state.global_step, state.epoch + 1, 0, state.samples_seen)
+    return TrainState(state.global_step, state.epoch, state.step_in_epoch, state.samples_seen)

@@ -1,0 +1,88 @@
+"""What the user sees and what gets recorded: rank 0's progress display and the metrics JSONL file.
+
+Other ranks stay quiet (FIELD_NOTES row 15). On a terminal rank 0 shows a rich progress bar; in a log file
+(CI, slurm) it prints one plain line every few steps instead of redrawing a bar nobody sees.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+
+class MetricsFile:
+    """Appends one JSON object per logged optimizer step; flushed each time so a crash loses nothing logged."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.enabled = enabled
+        self.handle = open(path, "a", encoding="utf-8") if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self.handle is not None:
+            self.handle.write(json.dumps(record) + "\n")
+            self.handle.flush()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
+class ProgressDisplay:
+    def __init__(self, enabled: bool, total_steps: int, total_epochs: float, start_step: int):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.total_epochs = total_epochs
+        self.interactive = enabled and sys.stdout.isatty()
+        self.print_every = max(1, total_steps // 20)
+        self.started = time.perf_counter()
+        self.start_step = start_step
+        self._progress = None
+        self._task = None
+        if self.interactive:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(), transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+
+    def update(self, step: int, epoch: int, samples_seen: int, loss: float, lr: float, samples_per_s: float) -> None:
+        if not self.enabled:
+            return
+        epochs_total = max(1, math.ceil(self.total_epochs - 1e-9))  # max_steps may end inside an epoch
+        info = (f"epoch {min(epoch + 1, epochs_total)}/{epochs_total}  "
+                f"samples {samples_seen}  loss {loss:.4f}  lr {lr:.3g}  {samples_per_s:.1f} samples/s")
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=info)
+        elif step % self.print_every == 0 or step == self.total_steps or step == self.start_step + 1:
+            print(f"step {step}/{self.total_steps}  {info}", flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def print_main(run_is_main: bool, text: str, file=None) -> None:
+    if run_is_main:
+        print(text, file=file or sys.stdout, flush=True)
+
+
+def fmt_seconds(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"

@@ -1,0 +1,50 @@
+"""Training entry point.
+
+    deepspeed --num_gpus N dstune/train.py spec.yaml [--set key=value]... [--resume latest|PATH]
+    deepspeed --num_gpus N --module dstune.train spec.yaml ...
+    python dstune/train.py spec.yaml          (one process, no launcher)
+
+The flow is the one `dstune validate` shows: spec -> plan (for the real world the launcher started) -> DeepSpeed
+JSON -> engine -> batch check -> loop -> checkpoint -> export. Exit codes: 0 ok, 1 invalid spec or failed check,
+2 usage error.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a script, Python puts dstune/ itself first on sys.path, where our module names could shadow others'.
+    # Replace it with the repository root so `import dstune` works even without `pip install -e .`.
+    _here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
+    sys.path.insert(0, str(_here.parent))
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="dstune/train.py", description="Train from a dstune spec under DeepSpeed.")
+    parser.add_argument("spec", help="the spec YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)")
+    parser.add_argument("--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # launcher
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from dstune.world import use_cpu_accelerator_if_no_cuda
+
+    use_cpu_accelerator_if_no_cuda()
+    from dstune.session import run_training
+
+    return run_training(args.spec, args.overrides, args.resume)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Launch real multi-process dstune runs for the tests in this folder (2 ranks on CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "dstune" / "train.py"
+# One cache for the whole test session: the built-in tiny model is built once and reused, as users' runs do.
+CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+LAUNCH_TIMEOUT_S = 600
+
+
+def base_spec(run_dir: Path, **sections) -> dict:
+    spec = {
+        "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+        "data": {"path": "builtin:shapes", "resolution": 32, "num_workers": 0},
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 4,
+                  "optimizer": {"type": "adamw", "lr": 1e-3}, "precision": "fp32", "seed": 7},
+        "deepspeed": {"zero_stage": 2},
+        "output": {"dir": str(run_dir), "cache_dir": str(CACHE_DIR), "export": "none"},
+    }
+    for name, values in sections.items():
+        spec.setdefault(name, {}).update(values)
+    return spec
+
+
+def write_spec(path: Path, spec: dict) -> Path:
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def env() -> dict:
+    out = dict(os.environ)
+    out.update(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    out["PYTHONPATH"] = f"{REPO}{os.pathsep}{out['PYTHONPATH']}" if out.get("PYTHONPATH") else str(REPO)
+    return out
+
+
+def launch(spec_path: Path, num_ranks: int = 2, args: tuple = (), script: Path = TRAIN,
+           script_args: tuple = ()) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N script spec` (or plain python for one rank without the launcher)."""
+    if num_ranks == 1:
+        cmd = [sys.executable, str(script), *script_args, str(spec_path), *args]
+    else:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
+               "--master_port", str(_free_port()), str(script), *script_args, str(spec_path), *args]
+    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"

@@ -1,0 +1,51 @@
+"""dstune's real training entry point with one deliberate bug injected, to prove the batch checker catches it.
+
+    train_with_bug.py double-shard SPEC ...   the loader shards already-sharded data again (GPT-SoVITS #1318: on N
+                                               ranks each one sees 1/N^2 of the batches)
+    train_with_bug.py micro-override SPEC ... the DeepSpeed config handed to the engine has another micro batch
+                                               than the plan (an override after compile, e.g. a hand-edited JSON)
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+import dstune.data.loader as loader_module  # noqa: E402
+import dstune.engine as engine_module  # noqa: E402
+from dstune.train import main  # noqa: E402
+
+MODES = ("double-shard", "micro-override")
+# The launcher puts --local_rank=N before our arguments, so find the mode by name.
+mode = next((arg for arg in sys.argv[1:] if arg in MODES), None)
+if mode is None:
+    raise SystemExit(f"usage: train_with_bug.py {{{'|'.join(MODES)}}} SPEC")
+sys.argv.remove(mode)
+
+if mode == "double-shard":
+    original_build_loader = loader_module.build_loader
+
+    def build_loader_sharded_twice(data, plan, rank, seed, records, start_epoch=0, start_step=0):
+        import torch.distributed as dist
+        from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+        loader, sampler = original_build_loader(data, plan, rank, seed, records, start_epoch, start_step)
+        my_share = [index for batch in sampler for index in batch]  # already this rank's 1/N
+        again = DistributedSampler(my_share, num_replicas=dist.get_world_size(), rank=rank, shuffle=False)
+        buggy = DataLoader(Subset(loader.dataset, my_share), batch_size=plan.micro_batch_size, sampler=again,
+                           collate_fn=loader.collate_fn, drop_last=True)
+        return buggy, sampler
+
+    loader_module.build_loader = build_loader_sharded_twice
+else:  # micro-override
+    original_wrap_model = engine_module.wrap_model
+
+    def wrap_model_overridden(trainable, train, ds_config, plan):
+        changed = dict(ds_config)
+        changed["train_micro_batch_size_per_gpu"] = ds_config["train_micro_batch_size_per_gpu"] // 2
+        changed["gradient_accumulation_steps"] = ds_config["gradient_accumulation_steps"] * 2
+        return original_wrap_model(trainable, train, changed, plan)
+
+    engine_module.wrap_model = wrap_model_overridden
+
+sys.exit(main())
