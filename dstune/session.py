@@ -86,17 +86,30 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None) -> in
         shutdown()
 
 
-def _build(run: Run, spec):
+def _deepspeed_checkpoint_fn(spec, ds_config):
+    """DeepSpeed's activation checkpointing, only when the spec asks for what torch's cannot do (partitioned or
+    CPU-held activations); otherwise None and the family uses torch's non-reentrant checkpointing."""
+    wanted = spec.deepspeed.activation_checkpointing
+    if not (wanted.partition_activations or wanted.cpu_checkpointing):
+        return None
+    import deepspeed
+
+    deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
+    return lambda module, *args: deepspeed.checkpointing.checkpoint(module.__call__, *args)
+
+
+def _build(run: Run, spec, ds_config):
     from dstune.families import get_family
 
     family = get_family(spec.model.family)
     frozen_dtype = torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
+    checkpoint_fn = _deepspeed_checkpoint_fn(spec, ds_config)
     # Rank 0 builds shared artefacts first (a built-in model is made once, into the cache), the others then load it.
     error, built = None, None
     for turn in (True, False):
         if run.is_main == turn:
             try:
-                built = family.build(spec.model, spec.output.cache_dir, run.device, frozen_dtype)
+                built = family.build(spec.model, spec.output.cache_dir, run.device, frozen_dtype, checkpoint_fn)
             except (ValueError, OSError) as err:
                 error = f"model.pretrained {spec.model.pretrained!r}: {err}"
         barrier()
@@ -132,7 +145,7 @@ def _train(run: Run, resolved, run_dir: Path, resume: str | None) -> int:
     from dstune.loop import LoopContext, NonFiniteLoss, train_loop
 
     spec, plan, ds_config = resolved.spec, resolved.plan, resolved.ds_config
-    family, built = _build(run, spec)
+    family, built = _build(run, spec, ds_config)
     scalar_params = promote_scalar_params(built.trainable)
     engine = wrap_model(built.trainable, spec.train, ds_config, plan)
     state, error = TrainState(), None

@@ -136,9 +136,12 @@ def _non_reentrant_checkpoint(module, *args):
     return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
 
 
-def build(model: SdModel, cache_dir, device, dtype_for_frozen: torch.dtype = torch.float32) -> SdBuilt:
+def build(model: SdModel, cache_dir, device, dtype_for_frozen: torch.dtype = torch.float32,
+          checkpoint_fn: Optional[Callable] = None) -> SdBuilt:
     """Load `model.pretrained`. The UNet is fp32 on `device` (DeepSpeed casts it for bf16 runs); the frozen parts
-    are cast to `dtype_for_frozen`. Never downloads; raises FamilyError for any unusable folder."""
+    are cast to `dtype_for_frozen`. Never downloads; raises FamilyError for any unusable folder.
+    `checkpoint_fn(module, *args)` replaces torch's non-reentrant checkpointing when gradient checkpointing is on
+    (the session passes DeepSpeed's partitioned / CPU activation checkpointing when the spec asks for it)."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -158,7 +161,7 @@ def build(model: SdModel, cache_dir, device, dtype_for_frozen: torch.dtype = tor
     # diffusers models get their dtype at load time: ModelMixin.to(dtype) warns on every call (diffusers 0.42).
     unet = _load(folder, "unet", UNet2DConditionModel.from_pretrained, torch_dtype=torch.float32).to(device)
     if model.gradient_checkpointing:
-        unet.enable_gradient_checkpointing(gradient_checkpointing_func=_non_reentrant_checkpoint)
+        unet.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_fn or _non_reentrant_checkpoint)
     unet.train().requires_grad_(True)
     vae = _load(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
     text_encoder = _load(folder, "text_encoder", CLIPTextModel.from_pretrained).to(device, dtype_for_frozen)

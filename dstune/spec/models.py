@@ -279,3 +279,12 @@ class Spec(Section):
     deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec, description="DeepSpeed ZeRO settings.")
     output: OutputSpec = Field(default_factory=OutputSpec, description="Where results go.")
     sample: SampleSpec = Field(default_factory=SampleSpec, description="Images rendered during training.")
+
+    @model_validator(mode="after")
+    def _deepspeed_checkpointing_needs_checkpointing(self) -> "Spec":
+        wanted = self.deepspeed.activation_checkpointing
+        if (wanted.partition_activations or wanted.cpu_checkpointing) and not self.model.gradient_checkpointing:
+            raise ValueError(
+                "deepspeed.activation_checkpointing (partition_activations / cpu_checkpointing) only changes how "
+                "checkpointed activations are kept: also set model.gradient_checkpointing: true")
+        return self

@@ -3,6 +3,7 @@ diffusers loads; a resumed run continues exactly; 1 rank x 2 accumulation equals
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from harness import CACHE_DIR, base_spec, explain, launch, metrics, write_spec
 pytestmark = pytest.mark.dist
 
 STEPS = 4
-CASES = {  # name -> (zero stage, gradient checkpointing)
+CASES = {  # name -> (zero stage, gradient checkpointing); zero1 also trains from a folder with a corrupt image
     "zero0": (0, False),
     "zero1": (1, False),
     "zero2": (2, False),
@@ -34,13 +35,33 @@ def _spec(run_dir: Path, stage: int, checkpointing: bool) -> dict:
     )
 
 
+def _image_folder(root: Path) -> Path:
+    """16 PNG images with captions in a repeat-2 folder, and one corrupt file: 34 samples, one unreadable."""
+    from dstune.data.shapes import render_shape
+
+    folder = root / "2_shapes"
+    folder.mkdir(parents=True)
+    for i in range(16):
+        image, caption = render_shape(i, 32)
+        image.save(folder / f"img{i:02d}.png")
+        (folder / f"img{i:02d}.txt").write_text(caption)
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
+    (folder / "broken.txt").write_text("a broken file")
+    return root
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """One real launch per case, shared by the tests below (each launch costs ~20-30 s on 2 cores)."""
     out = {}
     for name, (stage, checkpointing) in CASES.items():
         run_dir = tmp_path_factory.mktemp(name) / "run"
-        spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, stage, checkpointing))
+        spec = _spec(run_dir, stage, checkpointing)
+        if name == "zero1":  # a user's kohya-style folder, DeepSpeed's CPU activation checkpointing
+            spec["data"].update(path=str(_image_folder(run_dir.parent / "images")), skip_bad_files=True)
+            spec["model"]["gradient_checkpointing"] = True
+            spec["deepspeed"]["activation_checkpointing"] = {"cpu_checkpointing": True}
+        spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
     return out
 
@@ -56,6 +77,9 @@ def test_trains_checks_and_exports(runs, name):
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged)
     assert logged[-1]["samples"] == STEPS * 4
     assert "use_reentrant" not in proc.stdout + proc.stderr
+    if name == "zero1":
+        assert "1 unreadable image(s) skipped" in proc.stdout and "broken.png" in proc.stdout
+        assert re.search(r"samples\s+34 ", proc.stdout)  # 17 images x 2 repeats: the plan the loader was checked on
 
     from diffusers import DiffusionPipeline
 
@@ -116,3 +140,15 @@ def test_world_size_equivalence(runs, tmp_path):
     assert worst / scale < 1e-5, f"max |difference| / max |weight| = {worst / scale:.3g}"
     for a, b in zip(metrics(run_dir), metrics(single_dir)):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+def test_resume_on_another_world_size_is_refused_clearly(runs, tmp_path):
+    run_dir, spec_path, proc = runs["zero2"]
+    assert proc.returncode == 0, explain(proc)
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir / "checkpoints", copy / "checkpoints")
+    single = launch(spec_path, num_ranks=1, args=("--resume", "latest", "--set", f"output.dir={copy}"))
+    assert single.returncode == 1, explain(single)
+    assert "was written by 2 ranks; this run has 1" in single.stderr + single.stdout
+    assert "Traceback" not in single.stderr + single.stdout
+    assert (copy / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:08d}"  # nothing was touched

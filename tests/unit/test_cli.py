@@ -68,7 +68,7 @@ def test_validate_json_is_one_object_with_plan_config_warnings_errors(capsys):
     plan, ds_config = report["plan"], report["ds_config"]
     assert plan["world_size"] == 4
     assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"], plan["global_batch_size"]) == (4, 1, 16)
-    assert plan["total_steps"] == 8 * (256 // 16)
+    assert plan["total_steps"] == 16 * (256 // 16)  # the demo trains 16 epochs
     assert (ds_config["train_batch_size"], ds_config["train_micro_batch_size_per_gpu"],
             ds_config["gradient_accumulation_steps"]) == (16, 4, 1)
 

@@ -28,7 +28,9 @@ def build(train: dict | None = None, deepspeed: dict | None = None, world_size: 
     """(train spec, deepspeed spec, plan, source) through the real spec validation, as `dstune validate` does."""
     source = SpecSource("spec.yaml")
     train = {"micro_batch_size": 4, "max_steps": 10, **(train or {})}
-    spec = validate_data({"model": {"family": "sd"}, "train": train, "deepspeed": deepspeed or {}}, source)
+    # DeepSpeed's activation checkpointing only applies to checkpointed models, so the model always checkpoints here.
+    model = {"family": "sd", "gradient_checkpointing": True}
+    spec = validate_data({"model": model, "train": train, "deepspeed": deepspeed or {}}, source)
     plan = make_plan(spec.train, world(world_size), NUM_SAMPLES, source)
     return spec.train, spec.deepspeed, plan, source
 

@@ -61,9 +61,9 @@ CASES = {
                         args=["--world-size", "2", "--accelerator", "cpu"]),
     "adafactor with clipping": Case(
         "model:\n  family: sd\n" + GOOD_TRAIN + "  optimizer:\n    type: adafactor\n  gradient_clipping: 1.0\n",
-        ["spec.yaml:", "gradient_clipping 1.0 with adafactor", "allow_clipping_with_adafactor"]),
+        ["spec.yaml:8: train.gradient_clipping", "1.0 with adafactor", "allow_clipping_with_adafactor"]),
     "epochs and max_steps": Case("model:\n  family: sd\n" + GOOD_TRAIN + "  epochs: 3\n",
-                                 ["spec.yaml:3: train", "exactly one of `epochs` or `max_steps`"]),
+                                 ["spec.yaml:5: train.max_steps", "exactly one of `epochs` or `max_steps`"]),
     "missing data path": Case("model:\n  family: sd\ndata:\n  path: {tmp}/no-such-folder\n" + GOOD_TRAIN,
                               ["spec.yaml:4: data.path", "does not exist", "--num-samples"]),
     "empty dataset folder": Case("model:\n  family: sd\ndata:\n  path: {tmp}/empty\n" + GOOD_TRAIN,
