@@ -16,7 +16,7 @@ import torch
 
 from dstune.check import check_batches, expected_from_plan, rank_report
 from dstune.checkpoint import (CheckpointError, TrainState, checkpoint_root, list_complete, load_checkpoint,
-                               resolve_resume, save_checkpoint)
+                               read_latest, resolve_resume, save_checkpoint, tag_for)
 from dstune.distributed import Run, all_gather_object, any_rank, barrier, init_run, shutdown, stop
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds
 from dstune.spec.load import SpecError, load_spec
@@ -86,30 +86,17 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None) -> in
         shutdown()
 
 
-def _deepspeed_checkpoint_fn(spec, ds_config):
-    """DeepSpeed's activation checkpointing, only when the spec asks for what torch's cannot do (partitioned or
-    CPU-held activations); otherwise None and the family uses torch's non-reentrant checkpointing."""
-    wanted = spec.deepspeed.activation_checkpointing
-    if not (wanted.partition_activations or wanted.cpu_checkpointing):
-        return None
-    import deepspeed
-
-    deepspeed.checkpointing.configure(None, deepspeed_config=ds_config)
-    return lambda module, *args: deepspeed.checkpointing.checkpoint(module.__call__, *args)
-
-
-def _build(run: Run, spec, ds_config):
+def _build(run: Run, spec):
     from dstune.families import get_family
 
     family = get_family(spec.model.family)
     frozen_dtype = torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
-    checkpoint_fn = _deepspeed_checkpoint_fn(spec, ds_config)
     # Rank 0 builds shared artefacts first (a built-in model is made once, into the cache), the others then load it.
     error, built = None, None
     for turn in (True, False):
         if run.is_main == turn:
             try:
-                built = family.build(spec.model, spec.output.cache_dir, run.device, frozen_dtype, checkpoint_fn)
+                built = family.build(spec.model, spec.output.cache_dir, run.device, frozen_dtype)
             except (ValueError, OSError) as err:
                 error = f"model.pretrained {spec.model.pretrained!r}: {err}"
         barrier()
@@ -145,7 +132,7 @@ def _train(run: Run, resolved, run_dir: Path, resume: str | None) -> int:
     from dstune.loop import LoopContext, NonFiniteLoss, train_loop
 
     spec, plan, ds_config = resolved.spec, resolved.plan, resolved.ds_config
-    family, built = _build(run, spec, ds_config)
+    family, built = _build(run, spec)
     scalar_params = promote_scalar_params(built.trainable)
     engine = wrap_model(built.trainable, spec.train, ds_config, plan)
     state, error = TrainState(), None
@@ -207,7 +194,9 @@ def _train(run: Run, resolved, run_dir: Path, resume: str | None) -> int:
         display.close()
         metrics.close()
     elapsed = time.perf_counter() - started
-    tag = save_checkpoint(engine, run, run_dir, state, extra, spec.output.keep_last)
+    tag = tag_for(state.global_step)
+    if read_latest(checkpoint_root(run_dir)) != tag:  # resuming a finished run: its last checkpoint stays as it is
+        save_checkpoint(engine, run, run_dir, state, extra, spec.output.keep_last)
     render_samples(state.global_step)
     if run.is_main:
         timings = ctx.timings

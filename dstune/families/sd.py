@@ -136,12 +136,9 @@ def _non_reentrant_checkpoint(module, *args):
     return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
 
 
-def build(model: SdModel, cache_dir, device, dtype_for_frozen: torch.dtype = torch.float32,
-          checkpoint_fn: Optional[Callable] = None) -> SdBuilt:
+def build(model: SdModel, cache_dir, device, dtype_for_frozen: torch.dtype = torch.float32) -> SdBuilt:
     """Load `model.pretrained`. The UNet is fp32 on `device` (DeepSpeed casts it for bf16 runs); the frozen parts
-    are cast to `dtype_for_frozen`. Never downloads; raises FamilyError for any unusable folder.
-    `checkpoint_fn(module, *args)` replaces torch's non-reentrant checkpointing when gradient checkpointing is on
-    (the session passes DeepSpeed's partitioned / CPU activation checkpointing when the spec asks for it)."""
+    are cast to `dtype_for_frozen`. Never downloads; raises FamilyError for any unusable folder."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -161,7 +158,7 @@ def build(model: SdModel, cache_dir, device, dtype_for_frozen: torch.dtype = tor
     # diffusers models get their dtype at load time: ModelMixin.to(dtype) warns on every call (diffusers 0.42).
     unet = _load(folder, "unet", UNet2DConditionModel.from_pretrained, torch_dtype=torch.float32).to(device)
     if model.gradient_checkpointing:
-        unet.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_fn or _non_reentrant_checkpoint)
+        unet.enable_gradient_checkpointing(gradient_checkpointing_func=_non_reentrant_checkpoint)
     unet.train().requires_grad_(True)
     vae = _load(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
     text_encoder = _load(folder, "text_encoder", CLIPTextModel.from_pretrained).to(device, dtype_for_frozen)
@@ -186,18 +183,31 @@ def _batch_field(batch: dict, *names: str):
 
 def encode_batch(built: SdBuilt, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
     """The frozen encoders' view of a collated batch: the VAE posterior (mean, std; float32, unscaled), the text
-    embeddings (in `dtype`, the trainable's compute dtype) and the samples' dataset indices. No random draws."""
-    pixels = _batch_field(batch, "pixel_values").to(built.device, built.vae.dtype)
-    captions = list(_batch_field(batch, "captions", "caption"))
+    embeddings (in `dtype`, the trainable's compute dtype) and the samples' dataset indices. No random draws.
+    A batch from the cache (dstune.data.cached) already holds latent_mean/latent_std and/or encoder_hidden_states;
+    those are used as stored, and only the missing part is encoded here."""
     indices = torch.as_tensor(_batch_field(batch, "indices", "index"), dtype=torch.long)
+    if "latent_mean" in batch:
+        mean, std = batch["latent_mean"].to(built.device).float(), batch["latent_std"].to(built.device).float()
+    else:
+        pixels = _batch_field(batch, "pixel_values").to(built.device, built.vae.dtype)
+        with torch.no_grad():
+            posterior = built.vae.encode(pixels).latent_dist
+        mean, std = posterior.mean.float(), posterior.std.float()
+    if "encoder_hidden_states" in batch:
+        hidden = batch["encoder_hidden_states"].to(built.device)
+    else:
+        hidden = encode_captions(built, list(_batch_field(batch, "captions", "caption")))
+    return {"latent_mean": mean, "latent_std": std, "encoder_hidden_states": hidden.to(dtype), "indices": indices}
+
+
+def encode_captions(built: SdBuilt, captions: list[str]) -> torch.Tensor:
+    """The text encoder's last hidden state for `captions`, in the text encoder's dtype."""
     max_length = min(built.tokenizer.model_max_length, built.text_encoder.config.max_position_embeddings)
     token_ids = built.tokenizer(captions, padding="max_length", max_length=max_length, truncation=True,
                                 return_tensors="pt").input_ids.to(built.device)
     with torch.no_grad():
-        posterior = built.vae.encode(pixels).latent_dist
-        hidden = built.text_encoder(token_ids, return_dict=False)[0]
-    return {"latent_mean": posterior.mean.float(), "latent_std": posterior.std.float(),
-            "encoder_hidden_states": hidden.to(dtype), "indices": indices}
+        return built.text_encoder(token_ids, return_dict=False)[0]
 
 
 def min_snr_weights(noise_scheduler, timesteps: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:

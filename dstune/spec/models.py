@@ -51,6 +51,27 @@ FAMILIES = ("sd",)
 # ---------------------------------------------------------------------------------------------------------- data
 
 
+class CacheSpec(Section):
+    latents: bool = Field(
+        False,
+        description="Encode every image with the VAE once, before training, and train from the stored posteriors "
+        "(mean, std). Needs data.center_crop: true (a random crop cannot be cached). With data.random_flip both "
+        "orientations are cached. See docs/caching.md.",
+    )
+    text_embeddings: bool = Field(
+        False,
+        description="Encode every caption (and the empty caption, for caption_dropout) with the text encoder once.",
+    )
+    dir: Optional[str] = Field(
+        None,
+        description="Cache folder; default `<output.cache_dir>/encoded`. `{node}` / `{rank}` in it are replaced by "
+        "the node / rank number (node-local disks). Ranks that see the same folder split the build between them.",
+    )
+    barrier_timeout_minutes: int = Field(
+        60, gt=0, description="How long ranks wait for each other at the end of the cache build before stopping.",
+    )
+
+
 class DataSpec(Section):
     path: str = Field(
         "builtin:shapes",
@@ -76,6 +97,17 @@ class DataSpec(Section):
         "epoch, since the order is reshuffled). False is not supported: every step must see a full global batch.",
     )
     num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
+    cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")
+
+    @model_validator(mode="after")
+    def _cache_needs_fixed_crop(self) -> "DataSpec":
+        if self.cache.latents and not self.center_crop:
+            raise ValueError(
+                "data.cache.latents: true needs data.center_crop: true: a cached latent freezes one crop, so a "
+                "random crop would silently become the same crop every epoch. Set center_crop: true or turn "
+                "latent caching off."
+            )
+        return self
 
     @field_validator("drop_last")
     @classmethod
@@ -281,10 +313,13 @@ class Spec(Section):
     sample: SampleSpec = Field(default_factory=SampleSpec, description="Images rendered during training.")
 
     @model_validator(mode="after")
-    def _deepspeed_checkpointing_needs_checkpointing(self) -> "Spec":
+    def _no_deepspeed_activation_checkpointing_for_diffusers(self) -> "Spec":
         wanted = self.deepspeed.activation_checkpointing
-        if (wanted.partition_activations or wanted.cpu_checkpointing) and not self.model.gradient_checkpointing:
+        if wanted.partition_activations or wanted.cpu_checkpointing:
             raise ValueError(
-                "deepspeed.activation_checkpointing (partition_activations / cpu_checkpointing) only changes how "
-                "checkpointed activations are kept: also set model.gradient_checkpointing: true")
+                "deepspeed.activation_checkpointing (partition_activations / cpu_checkpointing) is not supported for "
+                f"model.family {self.model.family}: DeepSpeed 0.19.8 frees a checkpointed input's storage after "
+                "offloading it, and diffusers blocks reuse inputs (the time embedding) across layers, so training "
+                "fails in backward. Use model.gradient_checkpointing: true (torch's non-reentrant checkpointing); "
+                "partition_activations only splits activations across model-parallel ranks, which dstune does not use.")
         return self

@@ -15,6 +15,7 @@ from dstune.ds_config import (STEPS_PER_PRINT, compile_ds_config, cross_check, d
                               uses_deepspeed_optimizer)
 from dstune.plan import make_plan
 from dstune.spec.load import SpecError, SpecSource, validate_data
+from dstune.spec.models import DeepSpeedSpec
 from dstune.world import use_cpu_accelerator_if_no_cuda
 
 NUM_SAMPLES = 100_000
@@ -28,9 +29,7 @@ def build(train: dict | None = None, deepspeed: dict | None = None, world_size: 
     """(train spec, deepspeed spec, plan, source) through the real spec validation, as `dstune validate` does."""
     source = SpecSource("spec.yaml")
     train = {"micro_batch_size": 4, "max_steps": 10, **(train or {})}
-    # DeepSpeed's activation checkpointing only applies to checkpointed models, so the model always checkpoints here.
-    model = {"family": "sd", "gradient_checkpointing": True}
-    spec = validate_data({"model": model, "train": train, "deepspeed": deepspeed or {}}, source)
+    spec = validate_data({"model": {"family": "sd"}, "train": train, "deepspeed": deepspeed or {}}, source)
     plan = make_plan(spec.train, world(world_size), NUM_SAMPLES, source)
     return spec.train, spec.deepspeed, plan, source
 
@@ -159,9 +158,18 @@ def test_zero_blocks_by_stage():
 def test_activation_checkpointing_block_only_when_deepspeed_features_are_asked_for():
     plain, *_ = compiled(deepspeed={"activation_checkpointing": {"contiguous_memory_optimization": True}})
     assert "activation_checkpointing" not in plain
-    asked, *_ = compiled(deepspeed={"activation_checkpointing": {"cpu_checkpointing": True, "number_checkpoints": 4}})
+    # The sd family refuses DeepSpeed's activation checkpointing (see Spec); the compiler itself still writes the
+    # block for a deepspeed section that asks for it, as a future family will need.
+    train, _, plan, source = build()
+    deepspeed = DeepSpeedSpec(activation_checkpointing={"cpu_checkpointing": True, "number_checkpoints": 4})
+    asked, _ = compile_ds_config(train, deepspeed, plan, source)
     assert asked["activation_checkpointing"] == {"partition_activations": False, "cpu_checkpointing": True,
                                                  "contiguous_memory_optimization": False, "number_checkpoints": 4}
+
+
+def test_the_sd_family_refuses_deepspeed_activation_checkpointing():
+    with pytest.raises(SpecError, match="not supported for model.family sd"):
+        build(deepspeed={"activation_checkpointing": {"cpu_checkpointing": True}})
 
 
 def test_compile_imports_neither_torch_nor_deepspeed():
