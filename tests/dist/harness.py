@@ -51,13 +51,16 @@ def env() -> dict:
 
 
 def launch(spec_path: Path, num_ranks: int = 2, args: tuple = (), script: Path = TRAIN,
-           script_args: tuple = ()) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus N script spec` (or plain python for one rank without the launcher)."""
+           script_args: tuple = (), as_module: bool = False) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus N script spec` (or plain python for one rank without the launcher); with as_module,
+    `deepspeed --num_gpus N --module dstune.train spec`."""
     if num_ranks == 1:
         cmd = [sys.executable, str(script), *script_args, str(spec_path), *args]
     else:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
-               "--master_port", str(_free_port()), str(script), *script_args, str(spec_path), *args]
+               "--master_port", str(_free_port())]
+        cmd += ["--module", "dstune.train"] if as_module else [str(script), *script_args]
+        cmd += [str(spec_path), *args]
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
 
 

@@ -60,7 +60,8 @@ def runs(tmp_path_factory) -> dict:
         if name == "zero1":  # a user's kohya-style folder with a repeat count and a corrupt image
             spec["data"].update(path=str(_image_folder(run_dir.parent / "images")), skip_bad_files=True)
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
-        out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
+        # zero0 goes through `deepspeed --module dstune.train`, the others through `deepspeed dstune/train.py`
+        out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2, as_module=name == "zero0"))
     return out
 
 
@@ -158,3 +159,39 @@ def test_resume_on_another_world_size_is_refused_clearly(runs, tmp_path):
     assert "was written by 2 ranks; this run has 1" in single.stderr + single.stdout
     assert "Traceback" not in single.stderr + single.stdout
     assert (copy / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:08d}"  # nothing was touched
+
+
+def test_dstune_export_consolidates_any_checkpoint_offline(runs, tmp_path):
+    """`dstune export RUN --step 2` (one CPU process, no launcher) turns ZeRO-3 shards into a loadable pipeline."""
+    import subprocess
+    import sys
+
+    from harness import REPO, env
+
+    run_dir, _, proc = runs["zero3"]
+    assert proc.returncode == 0, explain(proc)
+    out = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "dstune", "export", str(run_dir), "--step", "2", "--out", str(out)],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, explain(done)
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(out)
+    image = pipe("a blue square", num_inference_steps=2, height=32, width=32, output_type="np").images[0]
+    assert image.shape == (32, 32, 3)
+    step2 = load_file(out / "unet" / "diffusion_pytorch_model.safetensors")
+    final = load_file(run_dir / "export" / f"step-{STEPS:08d}" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert max((step2[k] - final[k]).abs().max().item() for k in final) > 0  # step 2's weights, not the last ones
+    again = subprocess.run([sys.executable, "-m", "dstune", "export", str(run_dir), "--step", "3"], cwd=REPO,
+                           env=env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1 and "steps available: 2, 4" in again.stderr
+
+
+def test_a_run_folder_with_checkpoints_is_never_overwritten(runs):
+    run_dir, spec_path, proc = runs["zero2"]
+    assert proc.returncode == 0, explain(proc)
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    again = launch(spec_path, num_ranks=1)
+    assert again.returncode == 1, explain(again)
+    assert "already holds checkpoints" in again.stderr and "--resume latest" in again.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
