@@ -99,6 +99,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (output.dir of the spec)")
     export.add_argument("--step", type=_positive_int, metavar="N", help="the checkpoint of step N (default: latest)")
     export.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/export/step-N)")
+    cache = subparsers["cache"] = commands.add_parser(
+        "cache", help="build (or --verify) the latent / text-embedding cache of a spec, in this one process",
+        description="Encode every image and caption the spec trains on into data.cache.dir (entries that are "
+        "already complete are kept). Under the launcher: deepspeed --num_gpus N dstune/train.py SPEC --cache-only.")
+    cache.add_argument("spec", metavar="SPEC", help="the spec YAML")
+    cache.add_argument("--verify", action="store_true",
+                       help="check the existing cache and report, build nothing (exit 1 when incomplete)")
+    cache.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a spec key (repeatable)")
     return parser, subparsers
 
 
@@ -286,13 +295,24 @@ def cmd_export(args) -> int:
     return EXIT_OK
 
 
-# Later issues add `cache` here; training is `deepspeed ... dstune/train.py`, not a subcommand.
+def cmd_cache(args) -> int:
+    _check_overrides(args.overrides)
+    from dstune.world import use_cpu_accelerator_if_no_cuda
+
+    use_cpu_accelerator_if_no_cuda()
+    from dstune.cache_build import run_cache_command
+
+    return run_cache_command(args.spec, args.overrides, verify_only=args.verify)
+
+
+# Training is `deepspeed ... dstune/train.py`, not a subcommand.
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate,
     "compile": cmd_compile,
     "schema": cmd_schema,
     "init": cmd_init,
     "export": cmd_export,
+    "cache": cmd_cache,
 }
 
 

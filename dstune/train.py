@@ -3,6 +3,7 @@
     deepspeed --num_gpus N dstune/train.py spec.yaml [--set key=value]... [--resume latest|PATH]
     deepspeed --num_gpus N --module dstune.train spec.yaml ...
     python dstune/train.py spec.yaml          (one process, no launcher)
+    deepspeed --num_gpus N dstune/train.py spec.yaml --cache-only   (build data.cache on all ranks, then exit)
 
 The flow is the one `dstune validate` shows: spec -> plan (for the real world the launcher started) -> DeepSpeed
 JSON -> engine -> batch check -> loop -> checkpoint -> export. Exit codes: 0 ok, 1 invalid spec or failed check,
@@ -31,6 +32,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)")
     parser.add_argument("--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint")
+    parser.add_argument("--cache-only", action="store_true",
+                        help="build the latent / text-embedding cache (data.cache) on all ranks, then exit")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # launcher
     return parser.parse_args(argv)
 
@@ -40,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     from dstune.world import use_cpu_accelerator_if_no_cuda
 
     use_cpu_accelerator_if_no_cuda()
+    if args.cache_only:
+        from dstune.cache_build import run_cache_command
+
+        return run_cache_command(args.spec, args.overrides, verify_only=False)
     from dstune.session import run_training
 
     return run_training(args.spec, args.overrides, args.resume)

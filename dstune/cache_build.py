@@ -1,0 +1,369 @@
+"""Building and verifying the cache on every rank: share the work, write atomically, wait with a timeout, verify,
+report once.
+
+    cache = prepare_cache(run, spec, built, records)          # in training, before the batch check
+    run_cache_command(spec_path, overrides, verify_only)      # `dstune cache`, `train.py --cache-only`
+
+Who builds what. Each rank writes a probe file into its cache folder and looks which ranks' probes it sees: ranks
+that see each other share the folder (one node, or shared storage) and split that folder's entries between them;
+ranks with a folder of their own (node-local disks, `{node}`/`{rank}` in data.cache.dir) build it all, because
+the global-epoch sampler sends every sample to every rank over the epochs. Entries are grouped into fixed chunks of
+the one global entry list, and chunk j goes to member j % group_size, so the encoder sees the same batches whatever
+the rank count (entries are then identical, bit for bit, to a one-rank build).
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from dstune.cache import Entry, bytes_sha256, entry_problem, file_sha256, folder_fingerprint, plan_entries, write_entry
+from dstune.distributed import all_gather_object, stop
+
+CHUNK_ENTRIES = 8  # entries encoded in one forward pass
+
+
+@dataclass
+class CacheIndex:
+    """What training reads: the folder, and the entry of each (sample, flip) and caption."""
+
+    folder: Path
+    latents: bool
+    text: bool
+    latent_paths: dict[tuple[str, bool], Path] = field(default_factory=dict)
+    text_paths: dict[str, Path] = field(default_factory=dict)
+    failed_samples: set[str] = field(default_factory=set)  # unreadable images (with data.skip_bad_files)
+
+
+def resolve_cache_dir(cache_dir: str | None, output_cache_dir: str, rank: int, node_rank: int) -> Path:
+    text = cache_dir if cache_dir else str(Path(output_cache_dir) / "encoded")
+    return Path(text.replace("{rank}", str(rank)).replace("{node}", str(node_rank))).expanduser()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _fingerprints(folder: Path) -> dict[str, str]:
+    text = bytes_sha256((folder_fingerprint(folder / "text_encoder") + folder_fingerprint(folder / "tokenizer"))
+                        .encode())
+    return {"vae": folder_fingerprint(folder / "vae"), "text": text}
+
+
+def _content_hash(record, resolution: int) -> str:
+    if record.image_path is not None:
+        return file_sha256(record.image_path)
+    from dstune.data.shapes import render_shape  # built-in samples: the rendered pixels are the content
+
+    number = int(record.sample_id.rsplit("/", 1)[1])
+    return bytes_sha256(b"builtin-render\0" + render_shape(number, resolution)[0].tobytes())
+
+
+def _content_hashes(run, records, resolution: int) -> tuple[dict[str, str], dict[str, str]]:
+    """sample_id -> content sha256 for all records (each rank hashes a share), and sample_id -> reason for files
+    that could not be read."""
+    mine, bad = {}, {}
+    for record in records[run.rank::run.world_size]:
+        try:
+            mine[record.sample_id] = _content_hash(record, resolution)
+        except OSError as err:
+            bad[record.sample_id] = err.strerror or str(err)
+    hashes, unreadable = {}, {}
+    for share_hashes, share_bad in all_gather_object((mine, bad)):
+        hashes.update(share_hashes)
+        unreadable.update(share_bad)
+    return hashes, unreadable
+
+
+def _sharing_group(run, folder: Path) -> list[int]:
+    """The ranks that see the same cache folder as this one (this rank included), found with probe files."""
+    token = all_gather_object(secrets.token_hex(8))[0]  # not torch's RNG: that would shift training's draws
+    probes = folder / ".probes"
+    probes.mkdir(parents=True, exist_ok=True)
+    mine = probes / f"{token}-{run.rank}"
+    mine.write_text(str(run.rank))
+    all_gather_object(None)  # everyone has written before anyone looks
+    seen = sorted(int(p.name.rsplit("-", 1)[1]) for p in probes.glob(f"{token}-*"))
+    all_gather_object(None)  # everyone has looked before anyone deletes
+    mine.unlink()
+    return seen
+
+
+def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolution: int) -> tuple[dict, dict]:
+    from dstune.data.images import BadSampleError, resize_and_crop, to_tensor
+
+    pixels, ok, failed = [], [], {}
+    for entry in entries:
+        try:
+            image = dataset.load_image(by_id[entry.sample_id])
+        except BadSampleError as err:
+            failed[entry.name] = err.message
+            continue
+        pixels.append(to_tensor(resize_and_crop(image, resolution, 0.5, 0.5, entry.flip)))
+        ok.append(entry)
+    if not ok:
+        return {}, failed
+    with torch.no_grad():
+        posterior = built.vae.encode(torch.stack(pixels).to(built.device, built.vae.dtype)).latent_dist
+    mean, std = posterior.mean.float().cpu(), posterior.std.float().cpu()
+    return {e.key: {"latent_mean": mean[i], "latent_std": std[i]} for i, e in enumerate(ok)}, failed
+
+
+def _encode_texts(built, entries: list[Entry]) -> tuple[dict, dict]:
+    from dstune.families.sd import encode_captions
+
+    hidden = encode_captions(built, [e.caption for e in entries]).cpu()
+    return {e.key: {"encoder_hidden_states": hidden[i]} for i, e in enumerate(entries)}, {}
+
+
+def _chunks(entries: list[Entry]) -> list[list[Entry]]:
+    out = []
+    for kind in ("latent", "text"):
+        same = [e for e in entries if e.kind == kind]
+        out += [same[i:i + CHUNK_ENTRIES] for i in range(0, len(same), CHUNK_ENTRIES)]
+    return out
+
+
+def _build_share(built, dataset, by_id: dict, folder: Path, chunks, resolution: int) -> dict:
+    """Encode and write every entry of these chunks that is not already a complete, checksummed file.
+    A chunk is encoded whole (same batches as any other world size) but only its bad entries are written."""
+    counts = {"built": 0, "cached": 0, "failed": {}}
+    for chunk in chunks:
+        todo = [e for e in chunk if entry_problem(folder / e.relpath, e, full=True) is not None]
+        counts["cached"] += len(chunk) - len(todo)
+        if not todo:
+            continue
+        if chunk[0].kind == "latent":
+            tensors, failed = _encode_latents(built, dataset, by_id, chunk, resolution)
+        else:
+            tensors, failed = _encode_texts(built, chunk)
+        counts["failed"].update(failed)
+        for entry in todo:
+            if entry.key in tensors:
+                write_entry(folder / entry.relpath, entry, tensors[entry.key])
+                counts["built"] += 1
+    return counts
+
+
+def _monitored_barrier(run, timeout_minutes: int) -> str | None:
+    """Wait for every rank on a gloo side group with its own timeout (works beside nccl too); an error naming the
+    ranks that did not arrive, or None."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or run.world_size == 1:
+        return None
+    group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(minutes=timeout_minutes), wait_all_ranks=True)
+    except RuntimeError as err:
+        return (f"cache build: not every rank finished within data.cache.barrier_timeout_minutes={timeout_minutes} "
+                f"({str(err).splitlines()[0]}). Build the cache first (`dstune cache SPEC` or `--cache-only`) or "
+                "raise the timeout.")
+    return None
+
+
+def _verify_share(folder: Path, chunks) -> dict:
+    """--verify: fully check (checksums) this rank's share without building anything."""
+    counts = {"built": 0, "cached": 0, "failed": {}}
+    for chunk in chunks:
+        for entry in chunk:
+            problem = entry_problem(folder / entry.relpath, entry, full=True)
+            if problem:
+                counts["failed"][entry.name] = problem
+            else:
+                counts["cached"] += 1
+    return counts
+
+
+def _summary(folder_reports, entries_total: int, unreadable: dict, verify_only: bool,
+             seconds: float) -> tuple[str, list[str]]:
+    """One text over all ranks, per cache folder, and the failures."""
+    lines, failures = [], []
+    for folder, ranks, built, cached, failed in folder_reports:
+        lines.append(f"  {folder} (ranks {', '.join(map(str, ranks))}): {entries_total} entries, "
+                     f"{'checked' if verify_only else 'built now'} {cached if verify_only else built}, "
+                     f"{'' if verify_only else f'already cached {cached}, '}failed {len(failed)}")
+        failures += [f"  {folder}: {name}: {reason}" for name, reason in sorted(failed.items())]
+    failures += [f"  {sample_id}: cannot read the file ({reason})" for sample_id, reason in sorted(unreadable.items())]
+    head = "cache verify" if verify_only else "cache"
+    return f"{head}: {entries_total} entries per folder ({seconds:.2f} s)\n" + "\n".join(lines), failures
+
+
+def _index(folder: Path, entries: list[Entry], cache_spec, failed_samples: set[str]) -> CacheIndex:
+    index = CacheIndex(folder, cache_spec.latents, cache_spec.text_embeddings, failed_samples=failed_samples)
+    for entry in entries:
+        if entry.kind == "latent":
+            index.latent_paths[(entry.sample_id, entry.flip)] = folder / entry.relpath
+        else:
+            index.text_paths[entry.caption] = folder / entry.relpath
+    return index
+
+
+def prepare_cache(run, spec, built, records, folder_of_model: Path | None = None,
+                  verify_only: bool = False) -> tuple[CacheIndex | None, int]:
+    """Build (or with verify_only, check) every entry this run reads, on every rank together; print one summary.
+    Returns (index, 0) or, when incomplete, (None, exit code 1) after printing why. Never returns an index with a
+    missing entry: after the barrier each rank checks every entry it will read."""
+    from dstune.data.images import ImageCaptionDataset
+
+    data, cache_spec = spec.data, spec.data.cache
+    started = time.perf_counter()
+    folder = resolve_cache_dir(cache_spec.dir, spec.output.cache_dir, run.rank, run.node_rank)
+    error = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        error = f"data.cache.dir {folder}: cannot create it ({err.strerror or err}) on rank {run.rank}"
+    _agree(run, error)
+    group = _sharing_group(run, folder)
+    hashes, unreadable = _content_hashes(run, records, data.resolution)
+    dtype = _dtype_name(built.vae.dtype if built is not None else _frozen_dtype(spec))
+    fingerprints = _fingerprints(folder_of_model if folder_of_model is not None else built.folder)
+    entries = plan_entries(records, hashes, fingerprints, data.resolution, data.random_flip, data.caption_dropout,
+                           dtype, cache_spec.latents, cache_spec.text_embeddings)
+    mine = [c for j, c in enumerate(_chunks(entries)) if j % len(group) == group.index(run.rank)]
+    if verify_only:
+        counts = _verify_share(folder, mine)
+    else:
+        dataset = ImageCaptionDataset(data, records, spec.train.seed)
+        counts = _build_share(built, dataset, {r.sample_id: r for r in records}, folder, mine, data.resolution)
+    _agree(run, _monitored_barrier(run, cache_spec.barrier_timeout_minutes))
+    missing = {} if verify_only else {e.name: p for e in entries
+                                      if (p := entry_problem(folder / e.relpath, e, full=False))}
+    reports = all_gather_object((str(folder), tuple(group), counts, missing))
+    seconds = time.perf_counter() - started  # the same on every rank: the barrier waited for the slowest
+    return _conclude(run, spec, folder, entries, reports, unreadable, verify_only, seconds)
+
+
+def _conclude(run, spec, folder, entries, reports, unreadable, verify_only, seconds):
+    per_folder: dict[tuple, list] = {}
+    for folder_text, group, counts, missing in reports:
+        slot = per_folder.setdefault((folder_text, group), [0, 0, {}])
+        slot[0] += counts["built"]
+        slot[1] += counts["cached"]
+        slot[2].update(counts["failed"])
+        slot[2].update({name: f"{why} after the build" for name, why in missing.items() if name not in slot[2]})
+    folder_reports = [(f, g, b, c, failed) for (f, g), (b, c, failed) in per_folder.items()]
+    text, failures = _summary(folder_reports, len(entries), unreadable, verify_only, seconds)
+    usable = sum(b + c for _, _, b, c, _ in folder_reports)
+    bad_names = set(unreadable) | {name for *_, failed in folder_reports for name in failed}
+    failed_samples = {e.sample_id for e in entries if e.kind == "latent" and e.name in bad_names} | set(unreadable)
+    only_bad_images = all(e.kind == "latent" for e in entries if e.name in bad_names) and not any(
+        "after the build" in why or "checksum" in why for *_, failed in folder_reports for why in failed.values())
+    code = 0
+    if failures:
+        listing = "\n".join(failures[:20]) + (f"\n  ... and {len(failures) - 20} more" if len(failures) > 20 else "")
+        text += f"\nfailed:\n{listing}"
+        if verify_only or not (spec.data.skip_bad_files and only_bad_images):
+            code = 1
+    if not verify_only and (not entries or usable == 0):
+        text += "\nnothing could be cached: every entry failed (see above). Fix the data or the encoders."
+        code = 1
+    if run.is_main:
+        print(text, file=sys.stderr if code else sys.stdout, flush=True)
+    if code:
+        if run.is_main and not verify_only:
+            print("the cache is incomplete: stopped before training.", file=sys.stderr, flush=True)
+        return None, code
+    return _index(folder, entries, spec.data.cache, failed_samples), 0
+
+
+def _frozen_dtype(spec) -> torch.dtype:
+    return torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
+
+
+def _agree(run, error: str | None) -> None:
+    errors = [e for e in all_gather_object(error) if e]
+    if errors:
+        stop(run, "\n".join(dict.fromkeys(errors)), 1)
+
+
+def offload_frozen(built, index: CacheIndex) -> list[str]:
+    """Move the encoders the cache replaces off the accelerator (kept in host memory for sampling)."""
+    moved = []
+    for name, cached in (("vae", index.latents), ("text_encoder", index.text)):
+        if cached and built.device.type != "cpu":
+            getattr(built, name).to("cpu")
+            moved.append(name)
+    return moved
+
+
+@contextmanager
+def frozen_on_device(built, moved: list[str]):
+    """Bring offloaded encoders back to the device for the duration (sampling), then off again."""
+    for name in moved:
+        getattr(built, name).to(built.device)
+    try:
+        yield
+    finally:
+        for name in moved:
+            getattr(built, name).to("cpu")
+        if moved and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_cache_command(spec_path: str, overrides: list[str], verify_only: bool) -> int:
+    """`dstune cache SPEC [--verify]` (one process) and `train.py SPEC --cache-only` (under the launcher)."""
+    from dstune.distributed import init_run, launcher_rank, shutdown
+    from dstune.spec.load import SpecError, load_spec
+
+    try:
+        spec, _ = load_spec(spec_path, overrides)
+    except SpecError as err:
+        if launcher_rank() == 0:
+            print(f"invalid spec:\n{err}", file=sys.stderr)
+        return 1
+    if not (spec.data.cache.latents or spec.data.cache.text_embeddings):
+        if launcher_rank() == 0:
+            print(f"{spec_path}: data.cache: nothing to cache. Set data.cache.latents: true and/or "
+                  "data.cache.text_embeddings: true.", file=sys.stderr)
+        return 1
+    run = init_run(spec.deepspeed.timeout_minutes)
+    try:
+        return _cache_on_ranks(run, spec, verify_only)
+    finally:
+        shutdown()
+
+
+def _cache_on_ranks(run, spec, verify_only: bool) -> int:
+    from dstune.session import _checked_records
+
+    records = _checked_records(run, spec.data)
+    if verify_only:
+        from dstune.families.base import FamilyError, resolve_pretrained
+
+        error, folder = None, None
+        try:
+            folder = resolve_pretrained(spec.model.pretrained, spec.output.cache_dir)
+        except (FamilyError, OSError) as err:
+            error = f"model.pretrained {spec.model.pretrained!r}: {err}"
+        _agree(run, error)
+        _, code = prepare_cache(run, spec, None, records, folder_of_model=folder, verify_only=True)
+        return code
+    _, code = prepare_cache(run, spec, _build_encoders(run, spec), records)
+    return code
+
+
+def _build_encoders(run, spec):
+    """The family's model without DeepSpeed (only its frozen encoders are used); rank 0 first, as in training,
+    so a built-in model is made once."""
+    from dstune.distributed import barrier
+    from dstune.families import get_family
+
+    family, error, built = get_family(spec.model.family), None, None
+    for turn in (True, False):
+        if run.is_main == turn:
+            try:
+                built = family.build(spec.model, spec.output.cache_dir, run.device, _frozen_dtype(spec))
+            except (ValueError, OSError) as err:
+                error = f"model.pretrained {spec.model.pretrained!r}: {err}"
+        barrier()
+    _agree(run, error)
+    return built
