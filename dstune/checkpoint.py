@@ -9,9 +9,14 @@ of the same tag and never loaded (no dstune_state.json, which is written last).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
+import pickle
 import random
+import re
+import secrets
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +27,14 @@ import torch
 from dstune.distributed import Run, all_gather_object, barrier
 
 STATE_FILE = "dstune_state.json"
+# The only non-tensor objects DeepSpeed 0.19 pickles into its checkpoint files (found with
+# torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 0-3 checkpoints): plain data, no code on load.
+DEEPSPEED_CHECKPOINT_TYPES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
 
 
 @dataclass
@@ -34,6 +47,46 @@ class TrainState:
 
 class CheckpointError(RuntimeError):
     pass
+
+
+def _allowed_checkpoint_types() -> list:
+    allowed = []
+    for dotted in DEEPSPEED_CHECKPOINT_TYPES:
+        module, _, name = dotted.rpartition(".")
+        with contextlib.suppress(ImportError, AttributeError):
+            allowed.append(getattr(importlib.import_module(module), name))
+    return allowed
+
+
+@contextlib.contextmanager
+def only_tensors_unpickled(what: str):
+    """Every torch.load inside, DeepSpeed's own included (they pass weights_only=False), loads weights only: tensors,
+    containers and DEEPSPEED_CHECKPOINT_TYPES. A file that would import anything else (a malicious pickle runs code
+    that way) is refused with CheckpointError before any of it runs. `what` names the checkpoint in the message."""
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(_allowed_checkpoint_types()):
+            yield
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{what}: refused to load a file that is not plain weights ({_unpickling_reason(err)}). dstune "
+            "unpickles only tensors and DeepSpeed's own checkpoint types; a checkpoint that wants more was not "
+            "written by dstune or was tampered with. Use checkpoints from a source you trust.") from None
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+
+
+def _unpickling_reason(err: Exception) -> str:
+    """torch's weights-only refusal is many lines; keep the one naming what the file wanted to import."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+    if found:
+        return f"it would import {found.group(1)}"
+    lines = [line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line]
+    return lines[0] if lines else type(err).__name__
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -102,6 +155,63 @@ def save_checkpoint(engine, run: Run, run_dir: Path, state: TrainState, extra: d
     return tag
 
 
+# fp32 weights (4) + fp32 master copy (4) + two Adam moments (8): an upper bound for the optimizers dstune builds.
+BYTES_PER_PARAM = 16
+
+
+def checkpoint_bytes_estimate(engine) -> int:
+    """About how many bytes one checkpoint of this engine takes, all ranks' shards together (ZeRO-3 aware)."""
+    params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
+    return params * BYTES_PER_PARAM
+
+
+def space_problem(run_dir: Path, needed_bytes: int) -> Optional[str]:
+    """An error naming the folder when its filesystem cannot hold one more checkpoint, else None.
+
+    Checked before step 1 on every rank (nodes may write to different disks), so a full disk stops the run at start
+    instead of at the first save, hours later, with a half-written checkpoint."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError as err:
+        return f"output.dir {run_dir}: cannot read its free space ({err.strerror or err})."
+    if free >= needed_bytes:
+        return None
+    mib = 1024 * 1024
+    return (f"output.dir {run_dir}: {free / mib:.1f} MiB free on its filesystem, but one checkpoint of this model "
+            f"needs about {needed_bytes / mib:.1f} MiB (weights + optimizer state, {BYTES_PER_PARAM} bytes per "
+            "parameter). Free space there or choose another output.dir; nothing was trained.")
+
+
+def shared_folder_problem(run: Run, run_dir: Path) -> Optional[str]:
+    """Collective. An error (the same on every rank) when some rank does not see the output folder rank 0 sees.
+
+    A checkpoint is complete only with every rank's shards in one folder (resume and export read them all), so a
+    node-local output.dir must be found at start, not at the first save. Rank 0 writes a random token into its
+    folder; every rank looks for that token in its own output.dir."""
+    if run.world_size == 1:
+        return None
+    token = all_gather_object(secrets.token_hex(16) if run.is_main else None)[0]
+    probe = Path(run_dir) / f".dstune-shared-{token}"
+    if run.is_main:
+        probe.write_text(token)
+    barrier()
+    try:
+        sees = probe.read_text() == token
+    except OSError:
+        sees = False
+    seen = all_gather_object((sees, str(Path(run_dir).resolve()), run.world.hosts[run.node_rank]))
+    if run.is_main:
+        probe.unlink(missing_ok=True)
+    blind = [(rank, folder, host) for rank, (ok, folder, host) in enumerate(seen) if not ok]
+    if not blind:
+        return None
+    listing = "\n".join(f"  rank {rank} on {host}: output.dir {folder}" for rank, folder, host in blind)
+    return (f"output.dir is not shared by all ranks: rank 0 on {seen[0][2]} wrote a marker into {seen[0][1]}, and "
+            f"these ranks do not see it in their output.dir:\n{listing}\nA checkpoint needs every rank's shards in "
+            "one folder (resume and export read them all): put output.dir on storage every node mounts at the same "
+            "path (NFS, Lustre, ...), and give every node the same output.dir. Nothing was trained.")
+
+
 def _prune(root: Path, keep_last: int, keep: str) -> None:
     complete = list_complete(root)
     for old in complete[:-keep_last]:
@@ -138,10 +248,13 @@ def load_checkpoint(engine, run: Run, root: Path, tag: str) -> TrainState:
             "ZeRO partitions optimizer state per rank, so it cannot be loaded on a different number of ranks. "
             f"Relaunch with {saved['world_size']} ranks, or export the weights (`dstune export {root.parent}`) and "
             "start a new run from the exported folder (model.pretrained).")
-    path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    with only_tensors_unpickled(f"checkpoint {root / tag}"):
+        path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+        rng_file = root / tag / f"dstune_rank{run.rank}.pt"
+        rng_state = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {root / tag}")
-    rng_file = root / tag / f"dstune_rank{run.rank}.pt"
-    if rng_file.is_file():
-        _restore_rng(torch.load(rng_file, weights_only=True))
+    if rng_state is not None:
+        _restore_rng(rng_state)
     return TrainState(**saved["state"])

@@ -1,4 +1,4 @@
-"""Distributed set-up in one place: the only reader of RANK / LOCAL_RANK / WORLD_SIZE.
+"""Distributed set-up in one place: the only reader of RANK / LOCAL_RANK / WORLD_SIZE / CROSS_RANK (the node).
 
 `init_run` brings the process group up (gloo on CPU, nccl on CUDA) with an explicit timeout, learns which host each
 rank is on, and returns a frozen `Run` that every later stage receives. The helpers below make "all ranks agree"
@@ -41,13 +41,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# `deepspeed --launcher openmpi` runs mpirun, which names ranks only in OMPI_COMM_WORLD_*; DeepSpeed's
+# init_distributed then discovers the rest (MASTER_ADDR, via mpi4py) when RANK & co. are incomplete.
+_MPI_NAMES = {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+              "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_SIZE": "OMPI_COMM_WORLD_LOCAL_SIZE"}
+
+
+def _adopt_mpi_ranks() -> None:
+    if "RANK" not in os.environ and _MPI_NAMES["RANK"] in os.environ:
+        for ours, mpi in _MPI_NAMES.items():
+            if mpi in os.environ:
+                os.environ.setdefault(ours, os.environ[mpi])
+
+
 def launcher_rank() -> int:
     """This process's rank as the launcher set it, before the process group exists (0 without a launcher)."""
+    _adopt_mpi_ranks()
     return int(os.environ.get("RANK", "0"))
 
 
 def launcher_world_size() -> int:
     """The world size the launcher promised, before the process group exists (1 without a launcher)."""
+    _adopt_mpi_ranks()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -58,6 +73,7 @@ def init_run(timeout_minutes: int) -> Run:
     import torch.distributed as dist
     import deepspeed
 
+    _adopt_mpi_ranks()
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if not launched:  # plain `python dstune/train.py`: a world of one, on a port nobody else uses
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
@@ -76,20 +92,36 @@ def init_run(timeout_minutes: int) -> Run:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_size)))
     if not dist.is_initialized():
         deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
-    hosts = all_gather_object(socket.gethostname())
-    order: list[str] = []
-    for host in hosts:  # launch order: ranks are numbered node by node
-        if host not in order:
-            order.append(host)
+    nodes = all_gather_object(_node_identity())
+    order: list[tuple] = []
+    for node in nodes:  # launch order: ranks are numbered node by node
+        if node not in order:
+            order.append(node)
     world = World(
         world_size=world_size,
         num_nodes=len(order),
-        ranks_per_node=tuple(hosts.count(h) for h in order),
-        hosts=tuple(order),
+        ranks_per_node=tuple(nodes.count(n) for n in order),
+        hosts=_node_labels(order),
         source="launcher" if launched else "single process (no launcher)",
     )
     return Run(rank=rank, local_rank=local_rank, world=world, device=device, accelerator=accelerator,
-               node_rank=order.index(hosts[rank]), launched=launched)
+               node_rank=order.index(nodes[rank]), launched=launched)
+
+
+def _node_identity() -> tuple:
+    """(node rank, hostname). DeepSpeed's per-node launcher (deepspeed.launcher.launch, started on each node by pdsh,
+    openmpi or slurm) sets CROSS_RANK to its --node_rank; two nodes may share a hostname (containers, a test
+    on one machine), so the node rank decides, and the hostname only when no launcher said (torchrun, mpirun)."""
+    cross_rank = os.environ.get("CROSS_RANK")
+    return (int(cross_rank) if cross_rank is not None else -1, socket.gethostname())
+
+
+def _node_labels(order: list[tuple]) -> tuple[str, ...]:
+    hostnames = [host for _, host in order]
+    if len(set(hostnames)) == len(hostnames):
+        return tuple(hostnames)
+    return tuple(f"{host}#node{node_rank}" for node_rank, host in order)
+
 
 
 def all_gather_object(value) -> list:

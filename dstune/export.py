@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from dstune.checkpoint import STATE_FILE, CheckpointError, checkpoint_root, list_complete, read_latest, tag_for
+from dstune.checkpoint import (STATE_FILE, CheckpointError, checkpoint_root, list_complete, only_tensors_unpickled,
+                               read_latest, tag_for)
 
 
 class ExportError(RuntimeError):
@@ -38,22 +39,31 @@ def find_checkpoint(run_dir: Path, step: Optional[int]) -> tuple[Path, str]:
 
 def consolidated_state_dict(root: Path, tag: str, zero_stage: int, scalar_params: list[str] = ()) -> dict:
     """Full fp32 weights of the trainable module, with diffusers/transformers key names (no `module.` prefix)."""
+    try:
+        state = _load_weights(root, tag, zero_stage)
+    except CheckpointError as err:  # a file that is not plain weights: the CLI reports it like any export error
+        raise ExportError(str(err)) from None
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    for name in scalar_params:  # promoted to shape (1,) for DeepSpeed; the model expects a 0-dim tensor
+        if name in state:
+            state[name] = state[name].reshape(())
+    return state
+
+
+def _load_weights(root: Path, tag: str, zero_stage: int) -> dict:
     folder = root / tag
     if zero_stage == 0:
         files = sorted(folder.glob("mp_rank_*_model_states.pt"))
         if not files:
             raise ExportError(f"{folder}: no mp_rank_*_model_states.pt (incomplete checkpoint?)")
-        # Our own checkpoint, written by this run; DeepSpeed stores non-tensor metadata beside the weights.
-        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        with only_tensors_unpickled(f"checkpoint {folder}"):
+            state = torch.load(files[0], map_location="cpu", weights_only=True)["module"]
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with contextlib.redirect_stdout(io.StringIO()):  # it prints per-shard progress we do not want in our output
+        # zero_to_fp32 calls torch.load(weights_only=False); the guard makes those loads weights-only too.
+        with only_tensors_unpickled(f"checkpoint {folder}"), contextlib.redirect_stdout(io.StringIO()):
             state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    for name in scalar_params:  # promoted to shape (1,) for DeepSpeed; the model expects a 0-dim tensor
-        if name in state:
-            state[name] = state[name].reshape(())
     return state
 
 

@@ -15,8 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
-from dstune.checkpoint import TrainState, save_checkpoint
-from dstune.distributed import Run, all_gather_object
+from dstune.checkpoint import TrainState, checkpoint_bytes_estimate, save_checkpoint, space_problem
+from dstune.distributed import Run, all_gather_object, stop
 from dstune.engine import current_lr
 from dstune.plan import Plan
 from dstune.progress import MetricsFile, ProgressDisplay
@@ -59,8 +59,18 @@ def _agree_on_loss(run: Run, loss_sum: float, micro_batches: int, step: int) -> 
     return sum(value for _, value, _ in reports) / sum(n for _, _, n in reports)
 
 
+def _check_space_for_checkpoints(ctx: LoopContext) -> None:
+    """Before step 1, on every rank: stop all ranks together when some rank's disk cannot hold a checkpoint."""
+    needed = checkpoint_bytes_estimate(ctx.engine)
+    problems = [p for p in all_gather_object(space_problem(ctx.run_dir, needed)) if p]
+    if problems:
+        unique = list(dict.fromkeys(problems))
+        stop(ctx.run, "\n".join(unique), 1)
+
+
 def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, metrics: MetricsFile) -> TrainState:
     run, plan, engine, family = ctx.run, ctx.plan, ctx.engine, ctx.family
+    _check_space_for_checkpoints(ctx)
     accumulation = plan.gradient_accumulation_steps
     while state.global_step < plan.total_steps:
         ctx.sampler.set_epoch(state.epoch, start_step=state.step_in_epoch)

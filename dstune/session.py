@@ -48,6 +48,13 @@ def _prepare_run_dir(run_dir: Path, resume: str | None) -> str | None:
     return None
 
 
+def _shared_run_dir_problem(run: Run, run_dir: Path) -> str | None:
+    """Collective: every rank must see the same output folder (checkpoints need all shards in one place)."""
+    from dstune.checkpoint import shared_folder_problem
+
+    return shared_folder_problem(run, run_dir)
+
+
 def _plan_text(resolved) -> str:
     from dstune.cli_render import plan_text
 
@@ -75,6 +82,7 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None) -> in
     spec, plan, ds_config = resolved.spec, resolved.plan, resolved.ds_config
     run_dir = Path(spec.output.dir)
     _agree_or_stop(run, _prepare_run_dir(run_dir, resume))  # every rank: nodes may not share the folder
+    _agree_or_stop(run, _shared_run_dir_problem(run, run_dir))
     if run.is_main:
         print(_plan_text(resolved), flush=True)
         (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
@@ -151,8 +159,20 @@ def _train(run: Run, resolved, run_dir: Path, resume: str | None) -> int:
             print(f"resumed from {root / tag}: step {state.global_step}, epoch {state.epoch + 1}, "
                   f"step {state.step_in_epoch} of that epoch", flush=True)
     records = _checked_records(run, spec.data)
-    loader, sampler = build_loader(spec.data, plan, run.rank, spec.train.seed, records,
-                                   start_epoch=state.epoch, start_step=state.step_in_epoch)
+    offloaded: list[str] = []
+    if spec.data.cache.latents or spec.data.cache.text_embeddings:  # built (or checked) before the batch check
+        from dstune.cache_build import offload_frozen, prepare_cache
+        from dstune.data.cached import build_cached_loader
+
+        cache, code = prepare_cache(run, spec, built, records)
+        if cache is None:
+            stop(run, "", code)
+        offloaded = offload_frozen(built, cache)
+        loader, sampler = build_cached_loader(spec.data, plan, run.rank, spec.train.seed, records, cache,
+                                              start_epoch=state.epoch, start_step=state.step_in_epoch)
+    else:
+        loader, sampler = build_loader(spec.data, plan, run.rank, spec.train.seed, records,
+                                       start_epoch=state.epoch, start_step=state.step_in_epoch)
     first_batch = next(iter(loader))
     report = rank_report(run, engine, len(loader), len(first_batch["index"]), sampler.num_samples)
     ok, table, _ = check_batches(run, report, expected_from_plan(plan, state.step_in_epoch))
@@ -166,7 +186,10 @@ def _train(run: Run, resolved, run_dir: Path, resume: str | None) -> int:
     def render_samples(step: int) -> None:
         if not spec.sample.prompts:
             return
-        images = family.sample(built, engine.module, spec.sample.prompts, spec.sample, spec.data.resolution)
+        from dstune.cache_build import frozen_on_device
+
+        with frozen_on_device(built, offloaded):  # encoders the cache replaced come back just for sampling
+            images = family.sample(built, engine.module, spec.sample.prompts, spec.sample, spec.data.resolution)
         if run.is_main:
             path = run_dir / "samples" / f"step-{step:06d}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
