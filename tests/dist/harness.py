@@ -64,6 +64,12 @@ def launch(spec_path: Path, num_ranks: int = 2, args: tuple = (), script: Path =
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
 
 
+def shm_segments() -> set[str]:
+    """DeepSpeed's CPU all-reduce segments in /dev/shm (RAM): a run must not leave its own behind."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("deepspeed_allreduce_buffer_*")} if shm.is_dir() else set()
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
