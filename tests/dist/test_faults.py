@@ -109,6 +109,18 @@ def clean(tmp_path_factory) -> tuple[Path, Path]:
     return run_dir, spec_path
 
 
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _assert_same_trajectory(clean_dir: Path, run_dir: Path, steps: range) -> None:
     want, got = _losses(clean_dir), _losses(run_dir)
     for step in steps:
@@ -128,9 +140,9 @@ def test_sigkill_of_one_rank_stops_all_and_resume_continues_exactly(clean, tmp_p
     # survivors' next collective fails on the closed connection, or at the latest after deepspeed.timeout_minutes.
     print(f"the launcher stopped {ended - killed_at:.1f} s after rank 1 was killed")
     assert ended - killed_at < 90, f"the launcher took {ended - killed_at:.0f} s to stop after the kill"
-    for rank in (0, 1):
+    for rank in (0, 1):  # the launcher signals the survivors as it exits; give them a moment to be gone
         pid = int((marks / f"pid-rank{rank}").read_text())
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"rank {rank} lives"
+        assert _gone_within(pid, seconds=15), f"rank {rank} still runs 15 s after the launcher exited"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000004"
     assert max(_losses(run_dir)) == 4
 
