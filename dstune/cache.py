@@ -39,7 +39,9 @@ class Entry:
     name: str  # for people: "shapes/000003", "shapes/000003 (flipped)", or the caption
     sample_id: str | None = None  # latent entries
     flip: bool = False  # latent entries
+    size: tuple[int, int] | None = None  # latent entries with data.buckets: the bucket's (width, height)
     caption: str | None = None  # text entries
+    tensors: tuple[str, ...] = ()  # text entries: the family's TEXT_CACHE_TENSORS (empty: TEXT_TENSORS)
 
     @property
     def relpath(self) -> str:
@@ -47,7 +49,7 @@ class Entry:
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
-        return LATENT_TENSORS if self.kind == "latent" else TEXT_TENSORS
+        return LATENT_TENSORS if self.kind == "latent" else (self.tensors or TEXT_TENSORS)
 
 
 # ------------------------------------------------------------------------------------------------------ keys
@@ -83,40 +85,52 @@ def key_of(fields: dict) -> str:
 
 
 def latent_key(sample_id: str, content_sha256: str, vae_fingerprint: str, resolution: int, flip: bool,
-               dtype: str) -> str:
+               dtype: str, size: tuple[int, int] | None = None) -> str:
     """The key of one sample's latent: identity, image content, VAE weights, and the preprocessing (resolution,
-    the centre crop that is the only one cached, the flip, the dtype the VAE runs in)."""
-    return key_of({"kind": "latent", "sample_id": sample_id, "content": content_sha256, "vae": vae_fingerprint,
-                   "resolution": int(resolution), "crop": "center", "flip": bool(flip), "dtype": dtype})
+    the bucket's (width, height) with data.buckets, the centre crop that is the only one cached, the flip, the
+    dtype the VAE runs in). Without a bucket the key is what it was before buckets existed."""
+    fields = {"kind": "latent", "sample_id": sample_id, "content": content_sha256, "vae": vae_fingerprint,
+              "resolution": int(resolution), "crop": "center", "flip": bool(flip), "dtype": dtype}
+    if size is not None:
+        fields["size"] = [int(size[0]), int(size[1])]
+    return key_of(fields)
 
 
-def text_key(caption: str, text_fingerprint: str, dtype: str) -> str:
-    """The key of one caption's embedding: the text itself (so an edited caption misses), the tokenizer and text
-    encoder (config and weights), the dtype."""
-    return key_of({"kind": "text", "caption": caption, "text_encoder": text_fingerprint, "dtype": dtype})
+def text_key(caption: str, text_fingerprint: str, dtype: str, tensors: tuple[str, ...] = TEXT_TENSORS) -> str:
+    """The key of one caption's embedding: the text itself (so an edited caption misses), the tokenizers and text
+    encoders (config and weights), the dtype, and which tensors the family stores (its TEXT_CACHE_TENSORS; with
+    the default ones the key is what it was before families chose them)."""
+    fields = {"kind": "text", "caption": caption, "text_encoder": text_fingerprint, "dtype": dtype}
+    if tuple(tensors) != TEXT_TENSORS:
+        fields["tensors"] = list(tensors)
+    return key_of(fields)
 
 
 def plan_entries(records, content_hashes: dict[str, str], fingerprints: dict[str, str], resolution: int,
-                 random_flip: bool, caption_dropout: float, dtype: str, latents: bool, text: bool) -> list[Entry]:
+                 random_flip: bool, caption_dropout: float, dtype: str, latents: bool, text: bool,
+                 sizes: dict[str, tuple[int, int]] | None = None,
+                 text_tensors: tuple[str, ...] = TEXT_TENSORS) -> list[Entry]:
     """Every entry a run reads, in a fixed order (records in index order, then captions sorted): the same list on
-    every rank and for every world size, which is what makes the split and the chunks deterministic."""
+    every rank and for every world size, which is what makes the split and the chunks deterministic.
+    `sizes`: sample_id -> bucket (width, height) with data.buckets (dstune.data.buckets.sample_buckets)."""
     entries: list[Entry] = []
     if latents:
         for record in records:
             if record.sample_id not in content_hashes:
                 continue  # unreadable file (data.skip_bad_files): reported by the caller
             for flip in ((False, True) if random_flip else (False,)):
+                size = sizes[record.sample_id] if sizes else None
                 key = latent_key(record.sample_id, content_hashes[record.sample_id], fingerprints["vae"],
-                                 resolution, flip, dtype)
+                                 resolution, flip, dtype, size)
                 name = f"{record.sample_id} (flipped)" if flip else record.sample_id
-                entries.append(Entry("latent", key, name, sample_id=record.sample_id, flip=flip))
+                entries.append(Entry("latent", key, name, sample_id=record.sample_id, flip=flip, size=size))
     if text:
         captions = {record.caption for record in records}
         if caption_dropout > 0:
             captions.add("")
         for caption in sorted(captions):
-            entries.append(Entry("text", text_key(caption, fingerprints["text"], dtype), repr(caption),
-                                 caption=caption))
+            entries.append(Entry("text", text_key(caption, fingerprints["text"], dtype, text_tensors), repr(caption),
+                                 caption=caption, tensors=tuple(text_tensors)))
     return entries
 
 

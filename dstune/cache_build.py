@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -51,10 +52,38 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _fingerprints(folder: Path) -> dict[str, str]:
-    text = bytes_sha256((folder_fingerprint(folder / "text_encoder") + folder_fingerprint(folder / "tokenizer"))
-                        .encode())
+def _fingerprints(folder: Path, text_folders: tuple[str, ...]) -> dict[str, str]:
+    """The VAE's fingerprint, and one over every component that decides a caption's embedding (the family's
+    TEXT_CACHE_FOLDERS; for sd text_encoder + tokenizer, the same value as before families chose them)."""
+    text = bytes_sha256("".join(folder_fingerprint(folder / name) for name in text_folders).encode())
     return {"vae": folder_fingerprint(folder / "vae"), "text": text}
+
+
+@dataclass(frozen=True)
+class TextCacheHooks:
+    """A family's text cache (contract in dstune.families.base): the pipeline subfolders that decide a caption's
+    embedding, the tensor names stored per caption, and encode(built, captions) -> {name: Tensor[N, ...]}."""
+
+    folders: tuple[str, ...]
+    tensors: tuple[str, ...]
+    encode: Callable
+    settings: Callable | None = None  # model spec -> text of the family settings that shape the tensors
+
+
+def text_cache_hooks(family_name: str) -> TextCacheHooks:
+    from dstune.families import get_family
+
+    family = get_family(family_name)
+    if hasattr(family, "cache_text_tensors"):
+        return TextCacheHooks(tuple(family.TEXT_CACHE_FOLDERS), tuple(family.TEXT_CACHE_TENSORS),
+                              family.cache_text_tensors, getattr(family, "text_cache_settings", None))
+    if family_name == "sd":  # sd predates the hooks: its one encoder's last hidden state
+        def encode(built, captions):
+            return {"encoder_hidden_states": family.encode_captions(built, captions)}
+
+        return TextCacheHooks(("text_encoder", "tokenizer"), ("encoder_hidden_states",), encode)
+    raise ValueError(f"model.family {family_name}: no text-embedding cache (the family defines no "
+                     "cache_text_tensors); set data.cache.text_embeddings: false")
 
 
 def _content_hash(record, resolution: int) -> str:
@@ -102,11 +131,11 @@ def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolutio
     pixels, ok, failed = [], [], {}
     for entry in entries:
         try:
-            image = dataset.load_image(by_id[entry.sample_id])
+            image = dataset.load_image(by_id[entry.sample_id], entry.size)
         except BadSampleError as err:
             failed[entry.name] = err.message
             continue
-        pixels.append(to_tensor(resize_and_crop(image, resolution, 0.5, 0.5, entry.flip)))
+        pixels.append(to_tensor(resize_and_crop(image, entry.size or resolution, 0.5, 0.5, entry.flip)))
         ok.append(entry)
     if not ok:
         return {}, failed
@@ -116,22 +145,22 @@ def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolutio
     return {e.key: {"latent_mean": mean[i], "latent_std": std[i]} for i, e in enumerate(ok)}, failed
 
 
-def _encode_texts(built, entries: list[Entry]) -> tuple[dict, dict]:
-    from dstune.families.sd import encode_captions
-
-    hidden = encode_captions(built, [e.caption for e in entries]).cpu()
-    return {e.key: {"encoder_hidden_states": hidden[i]} for i, e in enumerate(entries)}, {}
+def _encode_texts(built, entries: list[Entry], encode: Callable) -> tuple[dict, dict]:
+    with torch.no_grad():
+        tensors = {name: value.cpu() for name, value in encode(built, [e.caption for e in entries]).items()}
+    return {e.key: {name: value[i] for name, value in tensors.items()} for i, e in enumerate(entries)}, {}
 
 
 def _chunks(entries: list[Entry]) -> list[list[Entry]]:
     out = []
     for kind in ("latent", "text"):
-        same = [e for e in entries if e.kind == kind]
-        out += [same[i:i + CHUNK_ENTRIES] for i in range(0, len(same), CHUNK_ENTRIES)]
+        for size in dict.fromkeys(e.size for e in entries if e.kind == kind):  # one size per encoder batch (buckets)
+            same = [e for e in entries if e.kind == kind and e.size == size]
+            out += [same[i:i + CHUNK_ENTRIES] for i in range(0, len(same), CHUNK_ENTRIES)]
     return out
 
 
-def _build_share(built, dataset, by_id: dict, folder: Path, chunks, resolution: int) -> dict:
+def _build_share(built, dataset, by_id: dict, folder: Path, chunks, resolution: int, encode_text: Callable) -> dict:
     """Encode and write every entry of these chunks that is not already a complete, checksummed file.
     A chunk is encoded whole (same batches as any other world size) but only its bad entries are written."""
     counts = {"built": 0, "cached": 0, "failed": {}}
@@ -143,7 +172,7 @@ def _build_share(built, dataset, by_id: dict, folder: Path, chunks, resolution: 
         if chunk[0].kind == "latent":
             tensors, failed = _encode_latents(built, dataset, by_id, chunk, resolution)
         else:
-            tensors, failed = _encode_texts(built, chunk)
+            tensors, failed = _encode_texts(built, chunk, encode_text)
         counts["failed"].update(failed)
         for entry in todo:
             if entry.key in tensors:
@@ -225,15 +254,22 @@ def prepare_cache(run, spec, built, records, folder_of_model: Path | None = None
     group = _sharing_group(run, folder)
     hashes, unreadable = _content_hashes(run, records, data.resolution)
     dtype = _dtype_name(built.vae.dtype if built is not None else _frozen_dtype(spec))
-    fingerprints = _fingerprints(folder_of_model if folder_of_model is not None else built.folder)
+    hooks = text_cache_hooks(spec.model.family)
+    fingerprints = _fingerprints(folder_of_model if folder_of_model is not None else built.folder, hooks.folders)
+    if hooks.settings is not None:  # e.g. flow's max_sequence_length: same encoders, other tensors
+        fingerprints["text"] = bytes_sha256((fingerprints["text"] + hooks.settings(spec.model)).encode())
+    from dstune.data.buckets import sample_buckets
+
     entries = plan_entries(records, hashes, fingerprints, data.resolution, data.random_flip, data.caption_dropout,
-                           dtype, cache_spec.latents, cache_spec.text_embeddings)
+                           dtype, cache_spec.latents, cache_spec.text_embeddings, sample_buckets(records, data),
+                           hooks.tensors)
     mine = [c for j, c in enumerate(_chunks(entries)) if j % len(group) == group.index(run.rank)]
     if verify_only:
         counts = _verify_share(folder, mine)
     else:
         dataset = ImageCaptionDataset(data, records, spec.train.seed)
-        counts = _build_share(built, dataset, {r.sample_id: r for r in records}, folder, mine, data.resolution)
+        counts = _build_share(built, dataset, {r.sample_id: r for r in records}, folder, mine, data.resolution,
+                              hooks.encode)
     _agree(run, _monitored_barrier(run, cache_spec.barrier_timeout_minutes))
     missing = {} if verify_only else {e.name: p for e in entries
                                       if (p := entry_problem(folder / e.relpath, e, full=False))}
@@ -286,9 +322,11 @@ def _agree(run, error: str | None) -> None:
 
 
 def offload_frozen(built, index: CacheIndex) -> list[str]:
-    """Move the encoders the cache replaces off the accelerator (kept in host memory for sampling)."""
+    """Move the encoders the cache replaces off the accelerator (kept in host memory for sampling): the VAE with
+    cached latents, every other frozen part (the text encoders, see dstune.families.base) with cached text."""
     moved = []
-    for name, cached in (("vae", index.latents), ("text_encoder", index.text)):
+    for name in built.frozen:
+        cached = index.latents if name == "vae" else index.text
         if cached and built.device.type != "cpu":
             getattr(built, name).to("cpu")
             moved.append(name)
@@ -320,6 +358,14 @@ def run_cache_command(spec_path: str, overrides: list[str], verify_only: bool) -
         if launcher_rank() == 0:
             print(f"invalid spec:\n{err}", file=sys.stderr)
         return 1
+    if spec.data.cache.codec_tokens:  # speech (tts_lm): its own entry kind, dstune.cache_audio
+        from dstune.cache_audio import run_codec_cache
+
+        run = init_run(spec.deepspeed.timeout_minutes)
+        try:
+            return run_codec_cache(run, spec, verify_only)
+        finally:
+            shutdown()
     if not (spec.data.cache.latents or spec.data.cache.text_embeddings):
         if launcher_rank() == 0:
             print(f"{spec_path}: data.cache: nothing to cache. Set data.cache.latents: true and/or "

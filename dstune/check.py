@@ -4,13 +4,22 @@ Before the first optimizer step, every rank reports what DeepSpeed really config
 global batch, data-parallel size), what its loader will really yield this epoch (micro batches, and the leading
 dimension of its first real batch), and which node it is on. All ranks gather all reports and reach the same verdict;
 on any mismatch every rank stops together with one table, so no rank is left hanging in a collective.
+
+With groups (data.buckets) each rank also walks its sampler's epoch (indices only, nothing loaded) and reports:
+steps where one of its micro batches holds a sample of another bucket than the step's (must be 0), the steps per
+bucket (must be the plan's), a digest of the step -> bucket sequence (must be the same on every rank, or ranks
+would train one step on different sizes), and whether its first real batch has the first step's bucket size.
 """
 
 from __future__ import annotations
 
+import hashlib
 import socket
+from collections import Counter
 from dataclasses import asdict, dataclass
 
+from dstune.data.groups import key_label
+from dstune.data.loader import size_matches_bucket
 from dstune.distributed import Run, all_gather_object
 from dstune.plan import Plan
 
@@ -26,6 +35,11 @@ class RankReport:
     loader_micro_batches: int  # micro batches this rank's loader yields in the epoch it starts in
     first_batch_size: int  # leading dimension of the first real batch
     num_samples: int  # the dataset size this rank sees
+    # Groups (data.buckets); defaults when ungrouped.
+    mixed_bucket_steps: int = 0  # steps of this epoch where a micro batch of this rank leaves the step's bucket
+    bucket_steps: str = ""  # "24x40: 2, 32x32: 1": steps per bucket in this epoch
+    bucket_sequence: str = ""  # digest of the bucket of every step from the start step
+    first_batch_in_bucket: bool = True  # the first real batch has the first step's bucket size
 
 
 @dataclass(frozen=True)
@@ -36,9 +50,33 @@ class Expected:
     data_parallel: int
     loader_micro_batches: int
     num_samples: int
+    bucket_steps: str = ""  # from the plan; "" without groups
 
 
-def rank_report(run: Run, engine, loader_micro_batches: int, first_batch_size: int, num_samples: int) -> RankReport:
+def _steps_text(steps_by_key: dict) -> str:
+    return ", ".join(f"{key}: {steps_by_key[key]}" for key in sorted(steps_by_key) if steps_by_key[key])
+
+
+def bucket_report(sampler, first_batch: dict) -> dict:
+    """This rank's group facts for RankReport (empty without groups). Walks indices only: no sample is loaded."""
+    grouped = getattr(sampler, "grouped", None)  # any sampler without groups reports nothing here
+    if grouped is None:
+        return {}
+    epoch, mixed, sequence = sampler.epoch, 0, hashlib.sha256()
+    for step in range(sampler.start_step, sampler.steps_per_epoch):
+        key = sampler.step_group(epoch, step)
+        micro_batches = [sampler.micro_batch(epoch, step, k) for k in range(sampler.accumulation)]
+        mixed += any(grouped.keys[i] != key for batch in micro_batches for i in batch)
+        sequence.update(f"{key_label(key)}\n".encode())
+    steps = Counter(key_label(key) for key in grouped.step_keys(epoch))
+    return {"mixed_bucket_steps": mixed, "bucket_steps": _steps_text(steps),
+            "bucket_sequence": sequence.hexdigest()[:16],
+            "first_batch_in_bucket": size_matches_bucket(first_batch, sampler.step_group(epoch, sampler.start_step))}
+
+
+def rank_report(run: Run, engine, loader_micro_batches: int, first_batch_size: int, num_samples: int,
+                buckets: dict | None = None) -> RankReport:
+    """`buckets`: bucket_report(sampler, first_batch) with data.buckets."""
     return RankReport(
         rank=run.rank,
         host=socket.gethostname(),
@@ -49,6 +87,7 @@ def rank_report(run: Run, engine, loader_micro_batches: int, first_batch_size: i
         loader_micro_batches=int(loader_micro_batches),
         first_batch_size=int(first_batch_size),
         num_samples=int(num_samples),
+        **(buckets or {}),
     )
 
 
@@ -61,6 +100,7 @@ def expected_from_plan(plan: Plan, start_step_in_epoch: int = 0) -> Expected:
         data_parallel=plan.world_size,
         loader_micro_batches=remaining_steps * plan.gradient_accumulation_steps,
         num_samples=plan.num_samples,
+        bucket_steps=_steps_text({group.key: group.steps for group in plan.groups}),
     )
 
 
@@ -83,6 +123,25 @@ def find_mismatches(reports: list[RankReport], expected: Expected) -> list[str]:
                 problems.append(f"rank {report.rank} ({report.host}): {label} is {got}, the plan says {want}")
     if len(reports) != expected.data_parallel:
         problems.append(f"{len(reports)} ranks reported, the plan has {expected.data_parallel}")
+    return problems + _bucket_mismatches(reports, expected)
+
+
+def _bucket_mismatches(reports: list[RankReport], expected: Expected) -> list[str]:
+    if not expected.bucket_steps and not any(r.bucket_steps for r in reports):
+        return []
+    problems = []
+    for r in reports:
+        where = f"rank {r.rank} ({r.host})"
+        if r.bucket_steps != expected.bucket_steps:
+            problems.append(f"{where}: steps per bucket are {r.bucket_steps or 'none'}, the plan says "
+                            f"{expected.bucket_steps or 'none'}")
+        if r.mixed_bucket_steps:
+            problems.append(f"{where}: {r.mixed_bucket_steps} step(s) have a micro batch mixing buckets")
+        if not r.first_batch_in_bucket:
+            problems.append(f"{where}: the first batch does not have the first step's bucket size")
+    if len({r.bucket_sequence for r in reports}) > 1:
+        problems.append("the ranks disagree on which bucket each step trains ("
+                        + ", ".join(f"rank {r.rank}: {r.bucket_sequence}" for r in reports) + ")")
     return problems
 
 
@@ -97,6 +156,11 @@ def render_table(reports: list[RankReport], expected: Expected) -> str:
         ("first batch size", "first_batch_size", expected.micro_batch),
         ("dataset samples", "num_samples", expected.num_samples),
     ]
+    if expected.bucket_steps:
+        rows += [("bucket steps", "bucket_steps", expected.bucket_steps),
+                 ("steps mixing buckets", "mixed_bucket_steps", 0),
+                 ("first batch in bucket", "first_batch_in_bucket", True),
+                 ("bucket order", "bucket_sequence", reports[0].bucket_sequence if reports else "")]
     header = ["", "plan"] + [f"rank {r.rank}" for r in reports]
     body = []
     for label, attr, want in rows:

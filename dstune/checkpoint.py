@@ -131,8 +131,19 @@ def _restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def leaves_frozen_out(module: torch.nn.Module) -> bool:
+    """True for a module with LoRA adapters: its frozen base weights are left out of checkpoints. They are the
+    pretrained folder's, rebuilt on resume and export, and would make a LoRA checkpoint model-sized."""
+    from dstune.lora import is_lora_key
+
+    return any(is_lora_key(name) for name, _ in module.named_parameters())
+
+
 def save_checkpoint(engine, run: Run, run_dir: Path, state: TrainState, extra: dict, keep_last: int) -> str:
-    """Collective. Returns the tag. `extra` (spec, ds_config, plan) is stored beside the state for export/resume."""
+    """Collective. Returns the tag. `extra` (spec, ds_config, plan) is stored beside the state for export/resume;
+    its "ema" entry, when present, is the run's dstune.ema.Ema, whose per-rank share is saved as ema_rank{R}.pt."""
+    ema = extra.get("ema")
+    extra = {key: value for key, value in extra.items() if key != "ema"}
     root = checkpoint_root(run_dir)
     tag = tag_for(state.global_step)
     if run.is_main:
@@ -140,10 +151,14 @@ def save_checkpoint(engine, run: Run, run_dir: Path, state: TrainState, extra: d
         if (root / tag).exists() and read_latest(root) != tag:
             shutil.rmtree(root / tag)  # leftovers of a save that crashed: never mixed with new shards
     barrier()
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    engine.save_checkpoint(str(root), tag=tag, save_latest=False,
+                           exclude_frozen_parameters=leaves_frozen_out(engine.module))
     torch.save(_rng_state(), root / tag / f"dstune_rank{run.rank}.pt")
+    if ema is not None:
+        ema.save(root / tag)
     # Each rank checks its own files (ranks may not share a filesystem); all must succeed before "latest" moves.
-    mine_ok = (root / tag / f"dstune_rank{run.rank}.pt").is_file()
+    mine_ok = (root / tag / f"dstune_rank{run.rank}.pt").is_file() and (
+        ema is None or (root / tag / f"ema_rank{run.rank}.pt").is_file())
     if not all(all_gather_object(mine_ok)):
         raise CheckpointError(f"checkpoint {tag} is incomplete on some rank; 'latest' still points to the previous one")
     if run.is_main:
@@ -161,8 +176,10 @@ BYTES_PER_PARAM = 16
 
 def checkpoint_bytes_estimate(engine) -> int:
     """About how many bytes one checkpoint of this engine takes, all ranks' shards together (ZeRO-3 aware)."""
-    params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
-    return params * BYTES_PER_PARAM
+    sizes = [(int(getattr(p, "ds_numel", p.numel())), p.requires_grad) for p in engine.module.parameters()]
+    trained = sum(n for n, grad in sizes if grad)
+    frozen = 0 if leaves_frozen_out(engine.module) else sum(n for n, grad in sizes if not grad)
+    return trained * BYTES_PER_PARAM + frozen * 4  # frozen weights that are saved: fp32, no optimizer state
 
 
 def space_problem(run_dir: Path, needed_bytes: int) -> Optional[str]:
@@ -239,8 +256,8 @@ def read_state(root: Path, tag: str) -> dict:
     return json.loads((root / tag / STATE_FILE).read_text())
 
 
-def load_checkpoint(engine, run: Run, root: Path, tag: str) -> TrainState:
-    """Collective. Restores weights, optimizer, LR schedule, RNG and the data position."""
+def load_checkpoint(engine, run: Run, root: Path, tag: str, ema=None) -> TrainState:
+    """Collective. Restores weights, optimizer, LR schedule, RNG, the data position and (given `ema`) the EMA."""
     saved = read_state(root, tag)
     if saved["world_size"] != run.world_size:
         raise CheckpointError(
@@ -249,12 +266,20 @@ def load_checkpoint(engine, run: Run, root: Path, tag: str) -> TrainState:
             f"Relaunch with {saved['world_size']} ranks, or export the weights (`dstune export {root.parent}`) and "
             "start a new run from the exported folder (model.pretrained).")
     with only_tensors_unpickled(f"checkpoint {root / tag}"):
+        # Frozen weights were left out (LoRA): they come from the pretrained folder, so the module load is not strict.
         path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
+                                         load_lr_scheduler_states=True,
+                                         load_module_strict=not leaves_frozen_out(engine.module))
         rng_file = root / tag / f"dstune_rank{run.rank}.pt"
         rng_state = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {root / tag}")
     if rng_state is not None:
         _restore_rng(rng_state)
+    if ema is not None:
+        try:
+            ema.load(root / tag)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{err}. Resume with the train.ema setting the checkpoint was written with.") \
+                from None
     return TrainState(**saved["state"])

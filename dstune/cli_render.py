@@ -98,12 +98,26 @@ def _deepspeed_name() -> str:
 
 
 def _data_rows(plan, origin: str) -> list[tuple[str, str]]:
+    summed = f", the sum over {_count(len(plan.groups), 'bucket', 'buckets')}" if plan.groups else ""
     return [
         ("samples", f"{plan.num_samples} ({origin})" if origin else str(plan.num_samples)),
         ("steps per epoch", f"{plan.steps_per_epoch} optimizer steps ({plan.micro_batches_per_epoch_per_rank} "
-                            "micro-batches per rank)"),
-        ("each epoch", f"uses {plan.samples_per_epoch} samples, leaves out {plan.dropped_per_epoch} (drop_last)"),
+                            f"micro-batches per rank{summed})"),
+        ("each epoch", f"uses {plan.samples_per_epoch} samples, leaves out {plan.dropped_per_epoch} (drop_last"
+                       f"{', per bucket' if plan.groups else ''})"),
     ]
+
+
+def _bucket_rows(plan) -> list[tuple[str, str]]:
+    """One row per bucket (group): its samples, the global batches it makes per epoch, its remainder."""
+    rows = []
+    for group in plan.groups:
+        never = "  (never trains: fewer samples than one global batch)" if group.steps == 0 else ""
+        rows.append((str(group.key), f"{group.samples} samples, {_count(group.steps, 'global batch', 'global batches')}"
+                                     f" per epoch, leaves out {group.dropped}{never}"))
+    rows.append(("total", f"{_count(len(plan.groups), 'bucket', 'buckets')}: {plan.num_samples} samples, "
+                          f"{plan.steps_per_epoch} optimizer steps per epoch, leaves out {plan.dropped_per_epoch}"))
+    return rows
 
 
 def _length_rows(plan, train) -> list[tuple[str, str]]:
@@ -161,6 +175,7 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
         cross_checked = outcome.ds_config is not None and not outcome.errors
         groups += [("Batch", _batch_rows(plan, outcome.ds_config if not outcome.errors else None, cross_checked)),
                    ("Data", _data_rows(plan, outcome.num_samples_origin)),
+                   *([("Buckets", _bucket_rows(plan))] if plan.groups else []),
                    ("Length", _length_rows(plan, train)),
                    ("LR", _lr_rows(plan, train))]
     if spec is not None and (plan is not None or outcome.world is not None):

@@ -84,9 +84,27 @@ def export_checkpoint(run_dir: Path, step: Optional[int] = None, out_dir: Option
                                     saved.get("scalar_params", []))
     out = Path(out_dir) if out_dir else Path(run_dir) / "export" / tag
     try:
-        family.export(built, state, out)
+        state, weights = _chosen_weights(root / tag, state, spec.train.ema)
+        if getattr(spec.model, "train", "full") == "lora":
+            from dstune.lora import export_lora
+
+            export_lora(family, built, state, out, spec.model, weights)
+        else:
+            family.export(built, state, out)
     except CheckpointError:
         raise
-    except (ValueError, RuntimeError) as err:
+    except (ValueError, RuntimeError, OSError) as err:
         raise ExportError(f"export of {root / tag} failed: {err}") from err
     return out
+
+
+def _chosen_weights(folder: Path, state: dict, ema_settings) -> tuple[dict, str]:
+    """The weights train.ema.export asks for: the EMA (from every rank's ema_rank*.pt) in place of the trained
+    weights, or the trained weights as they are. Returns (state dict, "ema" | "raw")."""
+    if ema_settings is None or ema_settings.export != "ema":
+        return state, "raw"
+    from dstune.ema import consolidated_ema, overlay_ema
+
+    with only_tensors_unpickled(f"checkpoint {folder}"):
+        ema = consolidated_ema(folder)
+    return overlay_ema(state, ema), "ema"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from dstune.data.groups import GroupBatches, group_batches
 from dstune.spec.load import SpecError, SpecIssue, SpecSource
 from dstune.spec.models import TrainSpec
 
@@ -37,6 +38,9 @@ class Plan:
     effective_lr: float
     gradient_clipping: float
     warnings: tuple[SpecIssue, ...] = field(default=())
+    # Grouped batching (data.buckets): every global batch comes from one group; per group, in display order.
+    # Empty without groups. steps_per_epoch is then the sum of the groups' steps.
+    groups: tuple[GroupBatches, ...] = field(default=())
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -93,26 +97,65 @@ def resolve_batch(train: TrainSpec, world_size: int, source: SpecSource) -> tupl
     return per_rank // a, a, g
 
 
-def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource) -> Plan:
+def _group_issues(rows: list[GroupBatches], global_batch: int, num_samples: int, source: SpecSource) -> list[SpecIssue]:
+    """Errors (no group fills a global batch) and warnings (groups that never train, remainders) of grouped plans."""
+    steps = sum(row.steps for row in rows)
+    if steps == 0:
+        largest = max(rows, key=lambda row: row.samples)
+        raise SpecError([source.issue(
+            "train.global_batch_size",
+            f"{global_batch} is larger than every bucket (data.buckets; the largest, {largest.key}, holds "
+            f"{largest.samples} samples): every global batch comes from one bucket, so not one optimizer step fits "
+            f"in an epoch. Use a global batch of at most {largest.samples}, fewer buckets, or more data.")])
+    issues = []
+    idle = [row for row in rows if row.steps == 0]
+    if idle:
+        listing = ", ".join(f"{row.key} ({row.samples})" for row in idle)
+        issues.append(source.issue(
+            "data.buckets",
+            f"{len(idle)} bucket(s) hold fewer samples than one global batch of {global_batch} and never train: "
+            f"{listing}. Use a smaller global batch, fewer buckets (min_aspect / max_aspect / sizes), or more data.",
+            severity="warning"))
+    dropped = num_samples - steps * global_batch
+    if dropped:
+        listing = ", ".join(f"{row.key}: {row.dropped}" for row in rows if row.dropped)
+        issues.append(source.issue(
+            "train.global_batch_size",
+            f"each epoch leaves out {dropped} of {num_samples} samples (each bucket's remainder after its full "
+            f"global batches of {global_batch}: {listing}); a different set each epoch since the order is reshuffled",
+            severity="warning"))
+    return issues
+
+
+def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource, groups: dict | None = None) -> Plan:
     """Everything `validate` prints and training obeys. `world` is a dstune.world.World (or anything with
-    world_size, num_nodes and ranks_per_node)."""
+    world_size, num_nodes and ranks_per_node). `groups`: {key: samples} when every global batch must come from one
+    group (data.buckets), in display order; the samples add up to num_samples."""
     micro, accum, global_batch = resolve_batch(train, world.world_size, source)
     if num_samples <= 0:
         raise SpecError([source.issue("data.path", "the dataset is empty: no samples to train on")])
-    steps_per_epoch = num_samples // global_batch
+    warnings: list[SpecIssue] = []
+    rows: list[GroupBatches] = []
+    if groups:
+        if sum(groups.values()) != num_samples:
+            raise ValueError(f"the groups hold {sum(groups.values())} samples, the dataset {num_samples}")
+        rows = group_batches(groups, global_batch)
+        warnings += _group_issues(rows, global_batch, num_samples, source)
+        steps_per_epoch = sum(row.steps for row in rows)
+    else:
+        steps_per_epoch = num_samples // global_batch
     if steps_per_epoch == 0:
         raise SpecError([source.issue(
             "train.global_batch_size",
             f"{global_batch} is larger than the dataset ({num_samples} samples): not one full optimizer step fits in "
             f"an epoch. Use a global batch of at most {num_samples}, or add data.")])
-    warnings: list[SpecIssue] = []
     if train.max_steps is not None:
         total_steps = train.max_steps
     else:
         total_steps = train.epochs * steps_per_epoch
     samples_per_epoch = steps_per_epoch * global_batch
     dropped = num_samples - samples_per_epoch
-    if dropped:
+    if dropped and not groups:
         warnings.append(source.issue(
             "train.global_batch_size",
             f"each epoch leaves out {dropped} of {num_samples} samples (the remainder after {steps_per_epoch} full "
@@ -151,4 +194,5 @@ def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource) -> 
         effective_lr=train.optimizer.lr * scale,
         gradient_clipping=train.resolved_gradient_clipping,
         warnings=tuple(warnings),
+        groups=tuple(rows),
     )

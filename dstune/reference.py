@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from dstune.spec.models import Spec
+from dstune.spec.models import AUDIO_FAMILIES, Spec
 
 # Values the `init` example uses where the default is not what a first run wants. The example must validate as
 # printed on any world size (micro + accumulation given, global derived) and name the built-in model and data.
@@ -60,6 +60,13 @@ def family_models() -> dict[str, type[BaseModel]]:
 
 def _section_class(annotation) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _optional_section_class(annotation) -> type[BaseModel] | None:
+    """X for `Optional[X]` with X a section (train.ema, model.lora): documented in full in the reference, though
+    `dstune init` leaves such sections out (absent means off)."""
+    members = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return _section_class(members[0]) if len(members) == 1 else None
 
 
 def _section_classes(family: str) -> dict[str, type[BaseModel]]:
@@ -145,10 +152,13 @@ def _section_markdown(key: str, model: type[BaseModel], description: str, title:
              "| key | type | default | description |", "|---|---|---|---|"]
     subsections = []
     for dotted, info, section in _walk(model, key):
+        optional = section is None and _optional_section_class(info.annotation) is not None
+        section = section or _optional_section_class(info.annotation)
         if section is not None:
             subsections.append((dotted, section, info.description or ""))
             link = f"[`{dotted}`](#{_anchor(dotted)})"
-            lines.append(f"| `{dotted}` | section | | {_cell(info.description)} See {link}. |")
+            shown = "omitted" if optional else ""
+            lines.append(f"| `{dotted}` | section | {shown} | {_cell(info.description)} See {link}. |")
             continue
         default = _default(info)
         if default is PydanticUndefined:
@@ -217,6 +227,8 @@ def _field_row(dotted: str, name: str, info: FieldInfo, pad: str, family: str) -
     comment = info.description or ""
     if dotted == "model.family":
         return f"{pad}family: {family}", comment
+    if dotted == "data.path" and family in AUDIO_FAMILIES:  # speech families need speech data
+        return f"{pad}{name}: builtin:tones", comment
     if dotted in EXAMPLE_VALUES:
         return f"{pad}{name}: {yaml_value(EXAMPLE_VALUES[dotted])}", comment
     default = _default(info)

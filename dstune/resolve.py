@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Optional, Union
 
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
-from dstune.spec.models import Spec
+from dstune.spec.models import AUDIO_FAMILIES, Spec
 from dstune.world import World, world_from_flags
 
 ACCELERATORS = ("auto", "cuda", "cpu")
@@ -75,11 +75,11 @@ def resolve(spec_path, overrides: Iterable[str] = (), world: WorldArg = None, nu
     world = _make_world(world)
     found = _Found()
     _check_accelerator(spec, source, accelerator, found)
-    count, origin = _count_samples(spec, source, num_samples, found)
+    count, origin, groups = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:
         try:
-            plan = make_plan(spec.train, world, count, source)
+            plan = make_plan(spec.train, world, count, source, groups)
             found.add(plan.warnings)
         except SpecError as err:
             found.add(err.issues)
@@ -122,24 +122,40 @@ def _this_machine_accelerator() -> str:
 
 
 def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
-                   found: _Found) -> tuple[Optional[int], str]:
-    """(number of samples or None when unknown, where it came from)."""
+                   found: _Found) -> tuple[Optional[int], str, Optional[dict]]:
+    """(number of samples or None when unknown, where it came from, {bucket: samples} with data.buckets)."""
     from dstune.data.index import DataError, builtin_name, index_dataset
 
     path = spec.data.path
     if builtin_name(path) is None and not os.path.exists(os.path.expanduser(path)):
         if num_samples is not None:
-            return num_samples, "from --num-samples; data.path is not on this machine"
+            if spec.data.buckets.enabled:
+                found.add([source.issue(
+                    "data.buckets", "the images are not on this machine, so their buckets are unknown: the plan "
+                    "below treats the dataset as one bucket and overstates the steps per epoch", severity="warning")])
+            if spec.data.duration_bucket_seconds:
+                found.add([source.issue(
+                    "data.duration_bucket_seconds", "the clips are not on this machine, so their durations are "
+                    "unknown: the plan below treats the dataset as one length bucket and overstates the steps per "
+                    "epoch a little (each bucket leaves out its remainder)", severity="warning")])
+            return num_samples, "from --num-samples; data.path is not on this machine", None
         found.add([source.issue(
             "data.path",
             f"{path} does not exist here, so its samples cannot be counted. Fix the path, or pass "
             "--num-samples N to plan offline for a dataset of N samples (repeats included).")])
-        return None, ""
+        return None, "", None
     try:
-        index = index_dataset(spec.data, read_captions=False)  # lists files; reads no image and no caption
+        if spec.model.family in AUDIO_FAMILIES:  # speech: clip headers give durations, length rules, length groups
+            from dstune.data.audio_index import duration_groups, index_audio
+
+            index = index_audio(spec.data)
+            groups = duration_groups(index.records, spec.data)
+        else:
+            index = index_dataset(spec.data, read_captions=False)  # lists files; reads no image and no caption
+            groups = _bucket_counts(spec, source, index.records, found) if spec.data.buckets.enabled else None
     except DataError as err:
         found.add([source.issue(err.key or "data.path", err.message)])
-        return None, ""
+        return None, "", None
     found.add(source.issue("data.path", text, severity="warning") for text in index.warnings)
     count = index.num_samples
     origin = path if builtin_name(path) else f"counted in {path}"
@@ -147,7 +163,20 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
         found.add([source.issue(
             "data.path", f"--num-samples {num_samples} ignored: {path} is here and holds {count} samples",
             severity="warning")])
-    return count, origin
+    return count, origin, groups
+
+
+def _bucket_counts(spec: Spec, source: SpecSource, records, found: _Found) -> dict:
+    """{"WxH": samples} from the image headers (no pixels decoded); unreadable files are a warning with
+    data.skip_bad_files (they train as a substitute in the square bucket), else a DataError."""
+    from dstune.data.buckets import assign_buckets, bucket_counts
+
+    record_buckets, unreadable = assign_buckets(records, spec.data)
+    if unreadable:
+        found.add([source.issue(
+            "data.path", f"{len(unreadable)} image(s) have unreadable headers and are skipped (data.skip_bad_files): "
+            f"{'; '.join(unreadable[:3])}", severity="warning")])
+    return bucket_counts(records, record_buckets)
 
 
 def _stand_in_plan(spec: Spec, source: SpecSource, world: World, found: _Found) -> Optional[Plan]:

@@ -6,6 +6,7 @@ before the next collective, so all ranks stop together with one message instead 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -14,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from dstune.check import check_batches, expected_from_plan, rank_report
+from dstune.check import bucket_report, check_batches, expected_from_plan, rank_report
 from dstune.checkpoint import (CheckpointError, TrainState, checkpoint_root, list_complete, load_checkpoint,
                                read_latest, resolve_resume, save_checkpoint, tag_for)
 from dstune.distributed import Run, all_gather_object, any_rank, barrier, init_run, shutdown, stop
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds
 from dstune.spec.load import SpecError, load_spec
+from dstune.spec.models import AUDIO_FAMILIES
 
 
 def _agree_or_stop(run: Run, error: str | None) -> None:
@@ -109,7 +111,29 @@ def _build(run: Run, spec):
                 error = f"model.pretrained {spec.model.pretrained!r}: {err}"
         barrier()
     _agree_or_stop(run, error)
+    from dstune.lora import apply_train_mode
+
+    try:  # before DeepSpeed sees the module: with LoRA only the adapters are trainable (dstune.lora)
+        summary = apply_train_mode(built.trainable, spec.model, spec.train.seed, family)
+    except ValueError as err:
+        summary, error = None, str(err)
+    _agree_or_stop(run, error)
+    if run.is_main:
+        print(summary, flush=True)
     return family, built
+
+
+def _start_ema(run: Run, settings, engine):
+    """The EMA of the trainable parameters (None when train.ema is off), updated after every optimizer update by
+    the LR scheduler's hook (dstune.engine.UpdateHookLR), so the loop itself needs no EMA code."""
+    if settings is None:
+        return None
+    from dstune.ema import Ema
+
+    trainable = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
+    ema = Ema(trainable, settings, run.rank, run.world_size)
+    engine.lr_scheduler.after_update.append(ema.on_optimizer_step)
+    return ema
 
 
 def _checked_records(run: Run, data):
@@ -143,6 +167,7 @@ def _train(run: Run, resolved, run_dir: Path, resume: str | None) -> int:
     family, built = _build(run, spec)
     scalar_params = promote_scalar_params(built.trainable)
     engine = wrap_model(built.trainable, spec.train, ds_config, plan)
+    ema = _start_ema(run, spec.train.ema, engine)
     state, error = TrainState(), None
     if resume:
         try:
@@ -151,16 +176,26 @@ def _train(run: Run, resolved, run_dir: Path, resume: str | None) -> int:
             error = str(err)
         _agree_or_stop(run, error)
         try:
-            state = load_checkpoint(engine, run, root, tag)
+            state = load_checkpoint(engine, run, root, tag, ema=ema)
         except CheckpointError as err:
             error = str(err)
         _agree_or_stop(run, error)
         if run.is_main:
             print(f"resumed from {root / tag}: step {state.global_step}, epoch {state.epoch + 1}, "
                   f"step {state.step_in_epoch} of that epoch", flush=True)
-    records = _checked_records(run, spec.data)
+    audio = spec.model.family in AUDIO_FAMILIES  # speech families: their own index, loader and codec cache
+    if audio:
+        from dstune.data.audio import speech_records_for_run
+
+        records = speech_records_for_run(run, spec.data)
+    else:
+        records = _checked_records(run, spec.data)
     offloaded: list[str] = []
-    if spec.data.cache.latents or spec.data.cache.text_embeddings:  # built (or checked) before the batch check
+    if audio:
+        from dstune.data.audio import speech_training_loader
+
+        loader, sampler = speech_training_loader(run, spec, plan, built, records, state.epoch, state.step_in_epoch)
+    elif spec.data.cache.latents or spec.data.cache.text_embeddings:  # built (or checked) before the batch check
         from dstune.cache_build import offload_frozen, prepare_cache
         from dstune.data.cached import build_cached_loader
 
@@ -174,7 +209,8 @@ def _train(run: Run, resolved, run_dir: Path, resume: str | None) -> int:
         loader, sampler = build_loader(spec.data, plan, run.rank, spec.train.seed, records,
                                        start_epoch=state.epoch, start_step=state.step_in_epoch)
     first_batch = next(iter(loader))
-    report = rank_report(run, engine, len(loader), len(first_batch["index"]), sampler.num_samples)
+    report = rank_report(run, engine, len(loader), len(first_batch["index"]), sampler.num_samples,
+                         buckets=bucket_report(sampler, first_batch))
     ok, table, _ = check_batches(run, report, expected_from_plan(plan, state.step_in_epoch))
     if not ok:
         stop(run, table, 1)
@@ -188,16 +224,22 @@ def _train(run: Run, resolved, run_dir: Path, resume: str | None) -> int:
             return
         from dstune.cache_build import frozen_on_device
 
-        with frozen_on_device(built, offloaded):  # encoders the cache replaced come back just for sampling
+        from dstune.families.base import write_contact_sheet
+
+        with_ema = ema is not None and ema.use_for_export  # samples show the weights the export will hold
+        with frozen_on_device(built, offloaded), (ema.weights_in_model() if with_ema else contextlib.nullcontext()):
             images = family.sample(built, engine.module, spec.sample.prompts, spec.sample, spec.data.resolution)
         if run.is_main:
             path = run_dir / "samples" / f"step-{step:06d}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
-            family.save_grid(images, spec.sample.prompts, path)
-            print(f"samples: {path}", flush=True)
+            path = family.save_grid(images, spec.sample.prompts, path) or path  # audio families: a WAV folder
+            sheet = write_contact_sheet(path.parent, spec.sample.prompts, "EMA" if with_ema else "trained")
+            print(f"samples: {path} (all steps: {sheet})", flush=True)
 
     extra = {"spec": spec.model_dump(mode="json"), "ds_config": ds_config, "plan": plan.as_dict(),
              "scalar_params": scalar_params}
+    if ema is not None:
+        extra["ema"] = ema  # not stored in the JSON: each rank saves its EMA share beside its shards
     ctx = LoopContext(run=run, plan=plan, engine=engine, family=family, built=built, loader=loader, sampler=sampler,
                       run_dir=run_dir, seed=spec.train.seed, save_every_steps=spec.output.save_every_steps,
                       keep_last=spec.output.keep_last, log_every_steps=spec.output.log_every_steps,

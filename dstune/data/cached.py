@@ -14,7 +14,7 @@ import operator
 import torch
 
 from dstune.cache import read_entry
-from dstune.data.images import BadSampleError, ImageCaptionDataset, sample_rng
+from dstune.data.images import BadSampleError, ImageCaptionDataset, crop_fields, decoded_size, sample_rng
 from dstune.data.loader import EpochDataLoader, _one_thread_per_worker
 from dstune.data.sampler import GlobalBatchSampler
 
@@ -25,10 +25,13 @@ class CachedDataset(ImageCaptionDataset):
         self.index = index  # dstune.cache_build.CacheIndex
 
     def _usable_record(self, position: int):
-        """As the image dataset does with data.skip_bad_files: an unreadable sample is replaced by the next one."""
+        """As the image dataset does with data.skip_bad_files: an unreadable sample is replaced by the next one
+        (of the same bucket with data.buckets, so the batch keeps one latent size)."""
+        size = self.target_size(position)
         for step in range(min(64, len(self))):
-            record = self.record_at((position + step) % len(self))
-            if record.sample_id not in self.index.failed_samples:
+            candidate = (position + step) % len(self)
+            record = self.record_at(candidate)
+            if record.sample_id not in self.index.failed_samples and self.target_size(candidate) == size:
                 return record
         raise BadSampleError(f"no cached sample among the 64 from index {position}")
 
@@ -45,16 +48,18 @@ class CachedDataset(ImageCaptionDataset):
             caption = "" if dropout_draw < self.data.caption_dropout else record.caption
             out = {"caption": caption, "sample_id": record.sample_id, "index": position}
             out.update(read_entry(self.index.latent_paths[(record.sample_id, flip)]))
+            size = self.target_size(position)  # the centre crop the cached latent was made from (header only)
+            decoded = decoded_size(record, size, self.data.resolution)
+            out.update(crop_fields(record, decoded, size, 0.5, 0.5, flip))
         if self.index.text:
             out.update(read_entry(self.index.text_paths[out["caption"]]))
         return out
 
 
-_STACKED = ("pixel_values", "latent_mean", "latent_std", "encoder_hidden_states")
-
-
 def collate_cached(samples: list[dict]) -> dict:
-    batch = {name: torch.stack([s[name] for s in samples]) for name in _STACKED if name in samples[0]}
+    """Every tensor of a sample (pixels or latents, the family's text tensors, the crop fields) stacked."""
+    batch = {name: torch.stack([s[name] for s in samples]) for name, value in samples[0].items()
+             if torch.is_tensor(value)}
     batch.update(caption=[s["caption"] for s in samples], sample_id=[s["sample_id"] for s in samples],
                  index=torch.tensor([s["index"] for s in samples], dtype=torch.long))
     return batch
@@ -64,7 +69,8 @@ def build_cached_loader(data, plan, rank: int, seed: int, records, index, start_
                         start_step: int = 0) -> tuple[EpochDataLoader, GlobalBatchSampler]:
     """dstune.data.loader.build_loader, reading the cache: same sampler, same epochs, same resume position."""
     dataset = CachedDataset(data, records, seed, index)
-    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step)
+    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step,
+                                 group_keys=dataset.group_keys())
     loader = EpochDataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate_cached, num_workers=data.num_workers,
         persistent_workers=False, worker_init_fn=_one_thread_per_worker if data.num_workers > 0 else None,

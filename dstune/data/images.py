@@ -62,10 +62,12 @@ def sample_rng(seed: int, epoch: int, index: int, stream: int = 0) -> np.random.
     return np.random.default_rng([_SAMPLE_SALT, stream, seed, epoch, index])
 
 
-def _open_rgb(path: str, resolution: int) -> Image.Image:
+def _open_rgb(path: str, resolution) -> Image.Image:
+    """`resolution`: the side of the square, or (width, height) of the bucket, the image will be cropped to."""
+    width, height = (resolution, resolution) if isinstance(resolution, int) else resolution
     with Image.open(path) as image:
         if image.format == "JPEG":
-            image.draft("RGB", (resolution, resolution))  # DCT downscale while decoding: much faster for big JPEGs
+            image.draft("RGB", (width, height))  # DCT downscale while decoding: much faster for big JPEGs
         image = ImageOps.exif_transpose(image)  # phone photos store their rotation in EXIF
         if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
             # Transparent pixels have arbitrary colours; composite onto white as an image viewer would show them.
@@ -75,17 +77,65 @@ def _open_rgb(path: str, resolution: int) -> Image.Image:
         return image.convert("RGB")
 
 
-def resize_and_crop(image: Image.Image, resolution: int, crop_x: float, crop_y: float, flip: bool) -> Image.Image:
-    """Shorter side to `resolution` (Lanczos), then a square crop at fractions crop_x, crop_y of the free room."""
-    width, height = image.size
-    scale = resolution / min(width, height)
-    new_size = (max(resolution, round(width * scale)), max(resolution, round(height * scale)))
+def resize_and_crop(image: Image.Image, resolution, crop_x: float, crop_y: float, flip: bool) -> Image.Image:
+    """Resize (Lanczos) to cover `resolution` - a square side, or a bucket's (width, height) - keeping the aspect
+    ratio, then crop that size at fractions crop_x, crop_y of the free room."""
+    new_size, (left, top, right, bottom) = crop_geometry(image.size, resolution, crop_x, crop_y)
     if new_size != image.size:
         image = image.resize(new_size, Image.Resampling.LANCZOS)
-    left = min(int(crop_x * (new_size[0] - resolution + 1)), new_size[0] - resolution)
-    top = min(int(crop_y * (new_size[1] - resolution + 1)), new_size[1] - resolution)
-    image = image.crop((left, top, left + resolution, top + resolution))
+    image = image.crop((left, top, right, bottom))
     return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else image
+
+
+def crop_geometry(size: tuple[int, int], resolution, crop_x: float, crop_y: float):
+    """resize_and_crop's arithmetic: (resized (width, height), crop box (left, top, right, bottom)) for an image
+    of `size` (width, height) cropped to `resolution` (a square side, or a bucket's (width, height))."""
+    target_w, target_h = (resolution, resolution) if isinstance(resolution, int) else resolution
+    width, height = size
+    scale = max(target_w / width, target_h / height)
+    new_size = (max(target_w, round(width * scale)), max(target_h, round(height * scale)))
+    left = min(int(crop_x * (new_size[0] - target_w + 1)), new_size[0] - target_w)
+    top = min(int(crop_y * (new_size[1] - target_h + 1)), new_size[1] - target_h)
+    return new_size, (left, top, left + target_w, top + target_h)
+
+
+# SDXL conditions its UNet on each sample's original size and crop position (diffusers' reference script
+# train_text_to_image_sdxl.py: original_sizes and crop_top_lefts). Every batch carries both, so the numbers are the
+# crop really made; families that do not use them ignore the two keys.
+def crop_fields(record: SampleRecord, decoded_size: tuple[int, int], resolution, crop_x: float, crop_y: float,
+                flip: bool) -> dict:
+    """{"original_size": LongTensor([height, width]) of the file as shown (before any resize or JPEG draft
+    decoding), "crop_top_left": LongTensor([top, left]) of the crop in the resized image}, for an image decoded at
+    `decoded_size` (width, height). A flipped crop's left is measured in the flipped image, where it really sits."""
+    new_size, (left, top, right, _) = crop_geometry(decoded_size, resolution, crop_x, crop_y)
+    if flip:
+        left = new_size[0] - right
+    if record.image_path is None:
+        original = decoded_size
+    else:
+        from dstune.data.buckets import header_size
+
+        original = header_size(record.image_path)
+    return {"original_size": torch.tensor([original[1], original[0]], dtype=torch.long),
+            "crop_top_left": torch.tensor([top, left], dtype=torch.long)}
+
+
+def decoded_size(record: SampleRecord, resolution, rendered_side: int) -> tuple[int, int]:
+    """The (width, height) `load_image(record, resolution)` decodes the record at, from the header alone (JPEG draft
+    scale included): what the cache's loader needs to know the crop without decoding the pixels. Built-in samples
+    are rendered at `rendered_side` (data.resolution) whatever the target size."""
+    if record.image_path is None:
+        return (rendered_side, rendered_side)
+    width, height = (resolution, resolution) if isinstance(resolution, int) else resolution
+    from dstune.data.buckets import header_size
+
+    shown = header_size(record.image_path)
+    with Image.open(record.image_path) as image:
+        stored = image.size
+        if image.format == "JPEG":
+            image.draft("RGB", (width, height))
+        decoded = image.size
+    return decoded if shown == stored else (decoded[1], decoded[0])
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
@@ -104,6 +154,11 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         self.epoch = 0
         self._ends = list(itertools.accumulate(r.repeats for r in self.records))  # expanded index -> record
         self._logged_bad: set[str] = set()
+        self.record_sizes = None  # data.buckets: (width, height) of each record's bucket, from its header
+        if data.buckets.enabled:
+            from dstune.data.buckets import assign_buckets
+
+            self.record_sizes = assign_buckets(self.records, data)[0]
 
     def __len__(self) -> int:
         return self._ends[-1]
@@ -114,13 +169,27 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
     def record_at(self, index: int) -> SampleRecord:
         return self.records[bisect.bisect_right(self._ends, index)]
 
-    def load_image(self, record: SampleRecord) -> Image.Image:
-        """The record's image as RGB; raises BadSampleError naming the file and the reason."""
+    def target_size(self, index: int):
+        """What sample `index` is cropped to: data.resolution, or its bucket's (width, height). Decided by the index,
+        not by a substitute for an unreadable file, so a batch of one bucket keeps one size."""
+        if self.record_sizes is None:
+            return self.data.resolution
+        return self.record_sizes[bisect.bisect_right(self._ends, index)]
+
+    def group_keys(self) -> list | None:
+        """The bucket of every index (for the grouped sampler), or None without data.buckets."""
+        if self.record_sizes is None:
+            return None
+        return [self.target_size(index) for index in range(len(self))]
+
+    def load_image(self, record: SampleRecord, size=None) -> Image.Image:
+        """The record's image as RGB; raises BadSampleError naming the file and the reason. `size`: what it will be
+        cropped to (default data.resolution), so JPEGs decode at a reduced scale that still covers it."""
         if record.image_path is None:
             number = int(record.sample_id.rsplit("/", 1)[1])
             return render_shape(number, self.data.resolution)[0]
         try:
-            return _open_rgb(record.image_path, self.data.resolution)
+            return _open_rgb(record.image_path, size or self.data.resolution)
         except _DECODE_ERRORS as err:
             reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise BadSampleError(
@@ -129,9 +198,9 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
 
     def _readable(self, index: int) -> tuple[SampleRecord, Image.Image]:
         """The record at `index` and its image; with skip_bad_files, the next readable one instead of a bad one."""
-        record = self.record_at(index)
+        record, size = self.record_at(index), self.target_size(index)
         try:
-            return record, self.load_image(record)
+            return record, self.load_image(record, size)
         except BadSampleError as first_error:
             if not self.data.skip_bad_files:
                 raise
@@ -141,9 +210,11 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             if record.image_path not in self._logged_bad:
                 self._logged_bad.add(record.image_path)
                 log.warning("skipping unreadable image (data.skip_bad_files): %s", last.message)
+            if self.target_size((index + step) % len(self)) != size:
+                continue  # with data.buckets the substitute comes from the same bucket, as from the cache
             record = self.record_at((index + step) % len(self))
             try:
-                return record, self.load_image(record)
+                return record, self.load_image(record, size)
             except BadSampleError as err:
                 last = err
         raise BadSampleError(f"no readable image among {tries} samples from index {index}; "
@@ -159,19 +230,24 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         if self.data.center_crop:
             crop_x = crop_y = 0.5
         flip = self.data.random_flip and flip_draw < 0.5
-        image = resize_and_crop(image, self.data.resolution, crop_x, crop_y, flip)
+        geometry = crop_fields(record, image.size, self.target_size(index), crop_x, crop_y, flip)
+        image = resize_and_crop(image, self.target_size(index), crop_x, crop_y, flip)
         caption = "" if dropout_draw < self.data.caption_dropout else record.caption
-        return {"pixel_values": to_tensor(image), "caption": caption, "sample_id": record.sample_id, "index": index}
+        return {"pixel_values": to_tensor(image), "caption": caption, "sample_id": record.sample_id, "index": index,
+                **geometry}
 
 
 def collate(samples: list[dict]) -> dict:
     """Samples -> one batch with the same keys as a sample (as torch's default_collate would name them):
-    pixel_values (B, 3, R, R) float32; caption and sample_id lists of str; index (B,) LongTensor."""
+    pixel_values (B, 3, R, R) float32; caption and sample_id lists of str; index (B,) LongTensor;
+    original_size and crop_top_left (B, 2) LongTensors (see crop_fields)."""
     return {
         "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
         "caption": [s["caption"] for s in samples],
         "sample_id": [s["sample_id"] for s in samples],
         "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
+        "original_size": torch.stack([s["original_size"] for s in samples]),
+        "crop_top_left": torch.stack([s["crop_top_left"] for s in samples]),
     }
 
 

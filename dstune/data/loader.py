@@ -28,13 +28,48 @@ def _one_thread_per_worker(worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
+SPATIAL_TENSORS = ("pixel_values", "latent_mean")  # batch tensors (B, C, H, W) whose H x W a bucket decides
+
+
+def batch_spatial_size(batch: dict) -> tuple[str, tuple[int, int]] | None:
+    """(tensor name, (height, width)) of the first image-like tensor of a batch, or None when it has none."""
+    for name in SPATIAL_TENSORS:
+        if name in batch:
+            height, width = batch[name].shape[-2:]
+            return name, (int(height), int(width))
+    return None
+
+
+def size_matches_bucket(batch: dict, bucket: tuple[int, int]) -> bool:
+    """Pixels must be exactly the bucket's (width, height); latents must have its aspect ratio (their scale is
+    the VAE's)."""
+    found = batch_spatial_size(batch)
+    if found is None:
+        return True
+    name, (height, width) = found
+    if name == "pixel_values":
+        return (width, height) == tuple(bucket)
+    return width * bucket[1] == height * bucket[0]
+
+
 class EpochDataLoader(DataLoader):
-    """A DataLoader over a GlobalBatchSampler that syncs the dataset's epoch and reports consumed batches."""
+    """A DataLoader over a GlobalBatchSampler that syncs the dataset's epoch and reports consumed batches.
+    With groups (data.buckets) it also checks that every batch has its step's bucket size: a batch of another
+    size stops training with the step and both sizes named, instead of training on a mixed step."""
 
     def __iter__(self):
         sampler: GlobalBatchSampler = self.batch_sampler
         self.dataset.set_epoch(sampler.epoch)  # before workers start, so their dataset copies see it
-        for batch in super().__iter__():
+        epoch, first_step = sampler.epoch, sampler.start_step
+        for number, batch in enumerate(super().__iter__()):
+            if sampler.grouped is not None:
+                step = first_step + number // sampler.accumulation
+                bucket = sampler.step_group(epoch, step)
+                if not size_matches_bucket(batch, bucket):
+                    raise RuntimeError(
+                        f"epoch {epoch} step {step}: the loader made a batch of {batch_spatial_size(batch)}, but the "
+                        f"step's bucket is {bucket[0]}x{bucket[1]} (width x height). Every micro batch of a step must "
+                        "have its bucket's size; this is a dstune bug, please report it.")
             sampler.record_consumed(1)
             yield batch
 
@@ -51,7 +86,8 @@ def build_loader(
     """This rank's loader and its sampler, positioned at (start_epoch, start_step). `plan` is a dstune.plan.Plan
     made for exactly these records (sum of repeats = plan.num_samples)."""
     dataset = ImageCaptionDataset(data, records, seed)
-    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step)
+    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step,
+                                 group_keys=dataset.group_keys())
     loader = EpochDataLoader(
         dataset,
         batch_sampler=sampler,

@@ -12,6 +12,10 @@ step, like torch's DistributedSampler; nothing moves it implicitly, so peeking a
 training, what training really used is reported separately with `record_consumed` (dstune's loader does it as it
 hands out each batch); `state_dict()` is that position rounded down to a whole optimizer step: a half-accumulated
 step was never applied to the weights, so it is redone on resume.
+
+Groups (aspect buckets, length buckets): with `group_keys` (one key per dataset index), each global batch comes from
+one group (dstune.data.groups.GroupedOrder: per-group permutations, whole global batches, remainders dropped, the
+batches shuffled together) and is cut into micro batches exactly as above, so all of the above holds per step.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Iterator
 import numpy as np
 from torch.utils.data import Sampler
 
+from dstune.data.groups import GroupedOrder, keys_fingerprint
+
 _ORDER_SALT = 0x0_5EED  # separates the order stream from per-sample streams built from the same seed
 
 
@@ -28,9 +34,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
     """Yields this rank's micro batches (lists of dataset indices) for one epoch per iteration.
 
     plan_like: anything with micro_batch_size, gradient_accumulation_steps, global_batch_size, world_size and
-    steps_per_epoch (a dstune.plan.Plan)."""
+    steps_per_epoch (a dstune.plan.Plan). group_keys: None (one flat permutation per epoch), or one key per
+    dataset index (every global batch then comes from one key's samples; see dstune.data.groups)."""
 
-    def __init__(self, num_samples: int, plan_like, rank: int, seed: int, start_epoch: int = 0, start_step: int = 0):
+    def __init__(self, num_samples: int, plan_like, rank: int, seed: int, start_epoch: int = 0, start_step: int = 0,
+                 group_keys=None):
         self.num_samples = num_samples
         self.micro_batch_size = plan_like.micro_batch_size
         self.accumulation = plan_like.gradient_accumulation_steps
@@ -40,6 +48,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self._planned_num_samples = getattr(plan_like, "num_samples", None)  # a Plan has it; a bare plan-like may not
         self.rank = rank
         self.seed = seed
+        self.grouped: GroupedOrder | None = None
+        if group_keys is not None:
+            if len(group_keys) != num_samples:
+                raise ValueError(f"{len(group_keys)} group keys for {num_samples} samples: give one key per index")
+            self.grouped = GroupedOrder(group_keys, self.global_batch_size, seed)
+        self.group_fingerprint = keys_fingerprint(group_keys) if group_keys is not None else None
         self._check_plan()
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the plan's {self.world_size} ranks (0..{self.world_size - 1})")
@@ -55,7 +69,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if per_step != self.global_batch_size:
             raise ValueError(f"plan global batch {self.global_batch_size} != micro {self.micro_batch_size} x accumulation "
                              f"{self.accumulation} x {self.world_size} ranks = {per_step}")
-        if self.num_samples // self.global_batch_size != self.steps_per_epoch or self.steps_per_epoch < 1:
+        if self.grouped is not None:
+            if self.grouped.steps_per_epoch != self.steps_per_epoch or self.steps_per_epoch < 1:
+                raise ValueError(
+                    f"the plan has {self.steps_per_epoch} steps per epoch, but the {len(self.grouped.groups)} groups "
+                    f"make {self.grouped.steps_per_epoch} whole global batches of {self.global_batch_size}: the plan "
+                    "was made for other groups (were images changed after planning?). Plan on the final groups.")
+        elif self.num_samples // self.global_batch_size != self.steps_per_epoch or self.steps_per_epoch < 1:
             raise ValueError(
                 f"the plan has {self.steps_per_epoch} steps per epoch, but {self.num_samples} samples make "
                 f"{self.num_samples // self.global_batch_size} global batches of {self.global_batch_size}: the plan was "
@@ -104,16 +124,20 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def state_dict(self) -> dict:
         epoch, step = self.position()
-        return {
+        state = {
             "epoch": epoch,
             "step": step,
             "seed": self.seed,
             "num_samples": self.num_samples,
             "global_batch_size": self.global_batch_size,
         }
+        if self.group_fingerprint is not None:
+            state["group_fingerprint"] = self.group_fingerprint
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "num_samples", "global_batch_size"):
+        state = {"group_fingerprint": None, **state}  # states saved before groups existed were ungrouped
+        for key in ("seed", "num_samples", "global_batch_size", "group_fingerprint"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"the checkpoint's data order was made with {key} {state[key]}, this run has {getattr(self, key)}: "
@@ -129,16 +153,24 @@ class GlobalBatchSampler(Sampler[list[int]]):
             self._order_cache = (epoch, order)
         return self._order_cache[1]
 
+    def _global_batch(self, epoch: int, step: int) -> np.ndarray:
+        if self.grouped is not None:
+            return self.grouped.global_batch(epoch, step)[1]
+        start = step * self.global_batch_size
+        return self.epoch_order(epoch)[start:start + self.global_batch_size]
+
     def step_indices(self, epoch: int, step: int) -> list[int]:
         """All samples of global batch `step` of `epoch`, over all ranks and accumulation micro batches."""
-        start = step * self.global_batch_size
-        return self.epoch_order(epoch)[start:start + self.global_batch_size].tolist()
+        return self._global_batch(epoch, step).tolist()
+
+    def step_group(self, epoch: int, step: int):
+        """The group key of global batch `step` of `epoch` (None without groups)."""
+        return None if self.grouped is None else self.grouped.global_batch(epoch, step)[0]
 
     def micro_batch(self, epoch: int, step: int, k: int) -> list[int]:
         """This rank's k-th micro batch (0 <= k < accumulation) of global batch `step`."""
-        number = k * self.world_size + self.rank
-        start = step * self.global_batch_size + number * self.micro_batch_size
-        return self.epoch_order(epoch)[start:start + self.micro_batch_size].tolist()
+        start = (k * self.world_size + self.rank) * self.micro_batch_size
+        return self._global_batch(epoch, step)[start:start + self.micro_batch_size].tolist()
 
     def __len__(self) -> int:
         """Micro batches the next iteration yields: the rest of the current epoch from its current step."""

@@ -20,6 +20,10 @@ from types import ModuleType
 
 FAMILY_BUILDERS: dict[str, str] = {
     "sd": "dstune.families.sd",
+    "sdxl": "dstune.families.sdxl",
+    "flow": "dstune.families.flow",
+    "tts_lm": "dstune.families.tts_lm",
+    "speecht5": "dstune.families.speecht5",
 }
 
 

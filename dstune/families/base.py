@@ -20,7 +20,24 @@ The contract. A family is a module (registered in `dstune.families.FAMILY_BUILDE
 
 A Built holds at least `trainable` (the one nn.Module DeepSpeed wraps: train mode, requires_grad on), `folder`
 (the resolved pretrained folder) and `device`; its frozen companions are built outside any zero.Init, are in
-eval mode with requires_grad off, and must never be passed to deepspeed.initialize.
+eval mode with requires_grad off, and must never be passed to deepspeed.initialize. `frozen` (a property) maps
+each companion's attribute name to the module: "vae" for the VAE, every other entry a text encoder.
+
+The cache hooks (dstune.cache_build; for data.cache.text_embeddings). A family module defines
+
+    TEXT_CACHE_FOLDERS: tuple[str, ...]   the pipeline subfolders that decide a caption's embedding (encoders and
+                                          tokenizers); their content fingerprint is part of every text entry's key
+    TEXT_CACHE_TENSORS: tuple[str, ...]   the tensor names stored per caption, which are the batch keys encode_batch
+                                          reads as they are when present (sd: encoder_hidden_states; sdxl: also
+                                          text_embeds, the pooled embedding)
+    cache_text_tensors(built, captions) -> dict[str, Tensor]   exactly those names, each (len(captions), ...),
+                                          deterministic, computed by the frozen text encoders
+
+Latents need no hook: every family's VAE posterior is stored as latent_mean / latent_std. With cached text the
+encoders in `frozen` other than "vae" are moved off the accelerator (and back for sampling). A family without the
+hooks cannot cache text (sd, which predates them, gets its own: text_encoder + tokenizer, encoder_hidden_states).
+Batches also carry each sample's `original_size` and `crop_top_left` (dstune.data.images.crop_fields), from the
+image loader and from the cache alike, for families that condition on them (sdxl).
 
 Randomness. A sample's noise, timestep and the like depend only on (run seed, optimizer step, dataset index,
 purpose): never on the global RNG, the rank, the micro-batch split or the device. So 1 rank x 4 accumulation
@@ -205,6 +222,36 @@ def save_grid(images: list, prompts: list[str], path: str | os.PathLike) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
     return path
+
+
+_SHEET_STEP = re.compile(r"step-(\d+)(\.png)?")
+
+
+def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weights: str) -> Path:
+    """(Re)write samples_dir/index.html: every `step-NNNNNN.png` grid of the run so far (resumed runs included),
+    oldest first, with its step number, under the prompts in grid order. `weights` says what the grids show
+    ("EMA" or "trained"). Written to a temporary file and renamed, so a browser never sees half a page."""
+    import html
+
+    folder = Path(samples_dir)
+    entries = sorted((int(m.group(1)), p.name) for p in folder.iterdir()
+                     if (m := _SHEET_STEP.fullmatch(p.name)))
+    prompt_items = "".join(f"<li>{html.escape(prompt or '(empty prompt)')}</li>" for prompt in prompts)
+    rows = "".join(
+        f'<section id="step-{step}"><h2>step {step}</h2>'
+        + (f'<img src="{html.escape(name)}" alt="samples at step {step}">' if name.endswith(".png")
+           else f'<a href="{html.escape(name)}/">{html.escape(name)}/</a>')
+        + "</section>\n" for step, name in entries)
+    page = ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>dstune samples</title>"
+            "<style>body{font-family:sans-serif;margin:1em}img{max-width:100%;image-rendering:pixelated}"
+            "section{margin-bottom:1.5em}</style></head><body>\n"
+            f"<h1>samples: {len(entries)} steps ({html.escape(weights)} weights)</h1>\n"
+            f"<p>Prompts, left to right, top to bottom:</p><ol>{prompt_items}</ol>\n{rows}</body></html>\n")
+    target = folder / "index.html"
+    tmp = folder / f".index.html.tmp{os.getpid()}"
+    tmp.write_text(page)
+    os.replace(tmp, target)
+    return target
 
 
 # ------------------------------------------------------------------------------------------- library chatter

@@ -34,7 +34,8 @@ from dstune.families.base import (MODEL_INDEX, FamilyError, copy_component, per_
                                   sample_generator, save_grid, temporary_sibling)
 from dstune.spec.models import SampleSpec, SdModel
 
-__all__ = ["SdBuilt", "build", "encode_batch", "loss", "sample", "save_grid", "export", "check_sd_folder"]
+__all__ = ["SdBuilt", "build", "encode_batch", "loss", "sample", "save_grid", "export", "save_lora_weights",
+           "check_sd_folder"]
 
 # component -> (accepted class names, or None for any diffusers scheduler; the file that must exist in it)
 _COMPONENTS = {
@@ -345,3 +346,11 @@ def export(built: SdBuilt, unet_state_dict: dict, out_dir, pretrained_folder=Non
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def save_lora_weights(built: SdBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:
+    """The UNet's LoRA as StableDiffusionPipeline writes it (dstune.lora builds the layers, in diffusers naming)."""
+    from diffusers import StableDiffusionPipeline
+
+    StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=lora_layers,
+                                              unet_lora_adapter_metadata=adapter_metadata, safe_serialization=True)

@@ -36,6 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from dstune.families.base import FamilyError, quiet_hf_libraries, temporary_sibling
+from dstune.families.tiny_flow import builtin_models as flow_builtin_models
+from dstune.families.tiny_sdxl import TINY_SDXL_ENTRY
+from dstune.families.tiny_tts import TINY_SPEECHT5_ENTRY, TINY_TTS_LM_ENTRY
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MARKER = "dstune_builtin.json"
@@ -334,4 +337,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         name="tiny-sd", folder_name="tiny-sd-v3", family="sd",
         description="Stable-Diffusion-1.x-shaped pipeline: 0.8 M-parameter UNet, 32 px images, trained tiny VAE",
         build=_build_tiny_sd),
+    **flow_builtin_models(),  # builtin:tiny-flow, builtin:tiny-flux
+    "tiny-sdxl": BuiltinModel(**TINY_SDXL_ENTRY),
+    "tiny-tts-lm": BuiltinModel(**TINY_TTS_LM_ENTRY),
+    "tiny-speecht5": BuiltinModel(**TINY_SPEECHT5_ENTRY),
 }

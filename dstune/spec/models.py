@@ -7,117 +7,22 @@ Cross-field rules that need the world size (batch divisibility) live in `dstune.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from dstune.spec.section import Section
+
+# The model and data sections live in their own modules; they are imported here (and re-exported) so the whole spec
+# is importable from one place.
+from dstune.spec.model_sections import (  # noqa: F401
+    AUDIO_FAMILIES, DEFAULT_LORA_TARGET_MODULES, FAMILIES, DenoiserModelBase, FlowModel, LoraSpec, Model, SdModel,
+    SdxlModel, SpeechT5Model, TtsLmModel)
+from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec  # noqa: F401
 
 # Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since
 # DeepSpeed 0.19.3) fights with it, so their automatic clipping is 0.0 (FIELD_NOTES row 11).
 ADAFACTOR_STYLE = frozenset({"adafactor"})
-
-
-class Section(BaseModel):
-    """Base for every spec section: frozen, and unknown keys are errors rather than silent defaults."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-
-# --------------------------------------------------------------------------------------------------------- model
-
-
-class SdModel(Section):
-    family: Literal["sd"] = Field(description="Model family. `sd`: Stable Diffusion 1.x/2.x (UNet, one CLIP text encoder).")
-    pretrained: str = Field(
-        "builtin:tiny-sd",
-        description="A diffusers pipeline folder (model_index.json + unet/vae/text_encoder/tokenizer/scheduler), "
-        "a hub id already in the local Hugging Face cache, or `builtin:tiny-sd` (a tiny model built offline).",
-    )
-    prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
-        None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
-    )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower."
-    )
-    min_snr_gamma: Optional[float] = Field(
-        None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023); 5.0 is the usual value. Omitted: plain MSE."
-    )
-    noise_offset: float = Field(0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images).")
-
-
-Model = Annotated[Union[SdModel], Field(discriminator="family")]
-FAMILIES = ("sd",)
-
-
-# ---------------------------------------------------------------------------------------------------------- data
-
-
-class CacheSpec(Section):
-    latents: bool = Field(
-        False,
-        description="Encode every image with the VAE once, before training, and train from the stored posteriors "
-        "(mean, std). Needs data.center_crop: true (a random crop cannot be cached). With data.random_flip both "
-        "orientations are cached. See docs/caching.md.",
-    )
-    text_embeddings: bool = Field(
-        False,
-        description="Encode every caption (and the empty caption, for caption_dropout) with the text encoder once.",
-    )
-    dir: Optional[str] = Field(
-        None,
-        description="Cache folder; default `<output.cache_dir>/encoded`. `{node}` / `{rank}` in it are replaced by "
-        "the node / rank number (node-local disks). Ranks that see the same folder split the build between them.",
-    )
-    barrier_timeout_minutes: int = Field(
-        60, gt=0, description="How long ranks wait for each other at the end of the cache build before stopping.",
-    )
-
-
-class DataSpec(Section):
-    path: str = Field(
-        "builtin:shapes",
-        description="Dataset folder, or `builtin:shapes` (synthetic coloured shapes with captions, generated offline).",
-    )
-    format: Literal["auto", "folder", "jsonl"] = Field(
-        "auto",
-        description="`folder`: images with same-name .txt captions (kohya layout, `N_name` subfolders repeat N times); "
-        "`jsonl`: metadata.jsonl with `file_name` and `text` (Hugging Face imagefolder). `auto`: jsonl when "
-        "metadata.jsonl exists, else folder.",
-    )
-    resolution: int = Field(32, gt=0, description="Images are resized (shorter side) and cropped to this square size, in pixels.")
-    center_crop: bool = Field(True, description="Crop the centre (true) or a random position (false).")
-    random_flip: bool = Field(False, description="Flip images horizontally at random (per sample, from the seed).")
-    caption_dropout: float = Field(0.0, ge=0, le=1, description="Probability of training a sample with an empty caption.")
-    caption_extension: str = Field(".txt", description="Caption file extension in `folder` format.")
-    skip_bad_files: bool = Field(
-        False, description="Unreadable images: false stops with the file named; true skips them and reports the count."
-    )
-    drop_last: bool = Field(
-        True,
-        description="Each epoch, samples that do not fill a whole global batch are left out (a different set each "
-        "epoch, since the order is reshuffled). False is not supported: every step must see a full global batch.",
-    )
-    num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
-    cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")
-
-    @model_validator(mode="after")
-    def _cache_needs_fixed_crop(self) -> "DataSpec":
-        if self.cache.latents and not self.center_crop:
-            raise ValueError(
-                "data.cache.latents: true needs data.center_crop: true: a cached latent freezes one crop, so a "
-                "random crop would silently become the same crop every epoch. Set center_crop: true or turn "
-                "latent caching off."
-            )
-        return self
-
-    @field_validator("drop_last")
-    @classmethod
-    def _only_drop_last(cls, value: bool) -> bool:
-        if not value:
-            raise ValueError(
-                "drop_last: false is not supported: a short last batch would change the global batch size and the "
-                "learning-rate arithmetic. Use a global batch that divides the dataset to lose nothing."
-            )
-        return value
 
 
 # --------------------------------------------------------------------------------------------------------- train
@@ -153,6 +58,27 @@ class SchedulerSpec(Section):
         return self
 
 
+class EmaSpec(Section):
+    decay: float = Field(
+        0.9999, gt=0, lt=1,
+        description="EMA decay per update: shadow = decay x shadow + (1 - decay) x weights. With `warmup` this is "
+        "the ceiling the decay grows toward.",
+    )
+    warmup: bool = Field(
+        True, description="Use min(decay, (1 + n) / (10 + n)) at the n-th update (diffusers' EMAModel default), so "
+        "a short run's EMA is not stuck near the starting weights.",
+    )
+    every_steps: int = Field(1, ge=1, description="Update the EMA every N optimizer steps (the decay is per update).")
+    device: Literal["cpu", "same"] = Field(
+        "cpu", description="Where the EMA copy lives: `cpu` (host memory, off the accelerator) or `same` (beside the "
+        "weights). Each rank keeps only its 1/world-size share of every trained weight.",
+    )
+    export: Literal["ema", "raw"] = Field(
+        "ema", description="Which weights the export holds, and which weights samples during training show: the "
+        "EMA (`ema`) or the trained weights as they are (`raw`). Checkpoints always hold both.",
+    )
+
+
 class TrainSpec(Section):
     global_batch_size: Optional[int] = Field(
         None, gt=0, description="Samples per optimizer step over all ranks = micro x accumulation x data-parallel ranks."
@@ -179,6 +105,11 @@ class TrainSpec(Section):
         "fp32", description="Training precision. fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no fp16)."
     )
     seed: int = Field(0, ge=0, description="Seeds the data order, noise and timesteps (per sample, independent of the world size).")
+    ema: Optional[EmaSpec] = Field(
+        None, description="Exponential moving average of the trained weights (all of them, or the LoRA adapters): "
+        "`decay` (0.9999), `warmup` (true), `every_steps` (1), `device` (cpu or same), `export` (ema or raw); `{}` "
+        "for those defaults. Omitted: no EMA. See docs/lora-and-ema.md.",
+    )
 
     # Cross-field rules are field validators (fields are validated in order), so each error names its own key.
     @field_validator("micro_batch_size")
@@ -311,6 +242,15 @@ class Spec(Section):
     deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec, description="DeepSpeed ZeRO settings.")
     output: OutputSpec = Field(default_factory=OutputSpec, description="Where results go.")
     sample: SampleSpec = Field(default_factory=SampleSpec, description="Images rendered during training.")
+
+    @model_validator(mode="after")
+    def _data_fits_family(self) -> "Spec":
+        from dstune.data.audio_index import data_family_problem  # no cycle: imported at validation time
+
+        problem = data_family_problem(self.model.family in AUDIO_FAMILIES, self.model.family, self.data)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _no_deepspeed_activation_checkpointing_for_diffusers(self) -> "Spec":

@@ -25,7 +25,7 @@ def test_registry_matches_the_spec_and_every_family_has_the_api():
 
 
 def test_unknown_family_names_the_known_ones():
-    with pytest.raises(ValueError, match="known families: sd"):
+    with pytest.raises(ValueError, match="known families: .*sd"):
         get_family("sdxl-typo")
 
 
@@ -102,5 +102,5 @@ def test_resolve_pretrained_explains_what_is_wrong(tmp_path):
         resolve_pretrained(str(tmp_path / "model.safetensors"), tmp_path)
     with pytest.raises(FamilyError, match="hf download dstune-tests/not-downloaded-anywhere"):
         resolve_pretrained("dstune-tests/not-downloaded-anywhere", tmp_path)
-    with pytest.raises(FamilyError, match="Known built-in models: builtin:tiny-sd"):
+    with pytest.raises(FamilyError, match="Known built-in models: .*builtin:tiny-sd"):
         resolve_pretrained("builtin:tiny-sdxxl", tmp_path)

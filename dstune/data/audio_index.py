@@ -1,0 +1,242 @@
+"""The speech dataset index: which clips exist, their text, speaker and duration. No torch, no audio decoding.
+
+`dstune validate` counts clips through this module: it lists files and reads only audio headers (soundfile's
+`info`), so it knows every clip's duration and can apply the length rules before training, with counts.
+
+Layouts (the audio families, DESIGN.md section 2):
+  - ljspeech: `metadata.csv` with `id|text|normalized` lines (normalized may be missing or empty: then `text`),
+    the audio in `wavs/<id>.wav`.
+  - jsonl: `metadata.jsonl`, one `{"audio": "rel/path.wav", "text": ..., "speaker": optional}` per line.
+  - builtin:tones: synthetic "speech": the text is a digit string, the audio one tone per digit (its pitch is the
+    digit), rendered on the fly from the sample number. Small enough that a CPU run shows the loss falling.
+
+Length rules: a clip shorter than data.min_clip_seconds or longer than data.max_clip_seconds is left out by rule
+(not an error); how many, and which, is reported as a warning by `validate` and at the start of training.
+Length grouping (data.duration_bucket_seconds): clip i's group key is its bucket's lower edge in seconds, used by the
+shared grouped-batching core (dstune.data.groups) exactly as image aspect buckets are.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+
+from dstune.data.index import BUILTIN_PREFIX, DataError, IndexResult, builtin_name
+from dstune.spec.models import DataSpec
+
+LJSPEECH_METADATA = "metadata.csv"
+JSONL_METADATA = "metadata.jsonl"
+TONES_NUM_SAMPLES = 256
+TONES_SAMPLE_RATE = 16000
+TONE_SECONDS, GAP_SECONDS = 0.1, 0.03
+_EXAMPLES = 3
+
+
+@dataclass(frozen=True)
+class AudioRecord:
+    sample_id: str  # path relative to the dataset root (posix), or "tones/000123"
+    audio_path: str | None  # None for built-in clips, which are rendered rather than read
+    caption: str  # the text spoken (named like the image records' field so shared code reads both)
+    speaker: str  # "" when the data names none
+    duration_seconds: float
+    repeats: int = 1
+
+
+# ---------------------------------------------------------------------------------------------- builtin:tones
+
+
+def tones_text(index: int) -> str:
+    """Sample `index`'s digit string (1 to 6 digits), a pure function of the index."""
+    rng = np.random.default_rng([0x70_4E5, index])
+    return "".join(str(d) for d in rng.integers(0, 10, size=int(rng.integers(1, 7))))
+
+
+def tones_duration(text: str) -> float:
+    return len(text) * (TONE_SECONDS + GAP_SECONDS)
+
+
+def render_tones(text: str, sample_rate: int = TONES_SAMPLE_RATE) -> np.ndarray:
+    """float32 mono waveform: per digit d a TONE_SECONDS tone at 300 + 150 * d Hz (Hann-shaped), then a gap."""
+    tone_n, gap_n = round(TONE_SECONDS * sample_rate), round(GAP_SECONDS * sample_rate)
+    t = np.arange(tone_n) / sample_rate
+    pieces = []
+    for digit in text:
+        pieces.append(0.5 * np.sin(2 * np.pi * (300 + 150 * int(digit)) * t) * np.hanning(tone_n))
+        pieces.append(np.zeros(gap_n))
+    return np.concatenate(pieces).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------------- index
+
+
+def index_audio(data: DataSpec) -> IndexResult:
+    """Every usable clip in a deterministic order, with warnings (length-rule and bad-file counts). Raises DataError
+    for an unusable dataset or, without data.skip_bad_files, a missing or unreadable audio file."""
+    name = builtin_name(data.path)
+    if name is not None:
+        if name != "tones":
+            raise DataError("data.path", f"unknown built-in speech dataset '{data.path}'. Known: {BUILTIN_PREFIX}tones.")
+        records = [_tones_record(i) for i in range(TONES_NUM_SAMPLES)]
+        return _apply_length_rules(records, data, [], [])
+    root = Path(os.path.expanduser(data.path))
+    if not root.is_dir():
+        raise DataError("data.path", f"{data.path} is not a folder. Give a speech dataset folder (LJSpeech layout: "
+                        f"{LJSPEECH_METADATA} + wavs/, or {JSONL_METADATA}), or {BUILTIN_PREFIX}tones.")
+    layout = _layout(root, data.format)
+    rows = _ljspeech_rows(root) if layout == "ljspeech" else _jsonl_rows(root)
+    records, skipped, warnings = [], [], []
+    for where, rel, text, speaker in rows:
+        record, problem = _record(root, where, rel, text, speaker)
+        if problem is None:
+            records.append(record)
+        elif data.skip_bad_files:
+            skipped.append(problem)
+        else:
+            raise DataError("data.path", f"{problem}. Fix or remove it, or set data.skip_bad_files: true to leave "
+                            "such clips out.")
+    if skipped:
+        warnings.append(f"{len(skipped)} clip(s) missing or unreadable and left out (data.skip_bad_files): "
+                        f"{'; '.join(skipped[:_EXAMPLES])}")
+    return _apply_length_rules(records, data, warnings, skipped)
+
+
+def _tones_record(index: int) -> AudioRecord:
+    text = tones_text(index)
+    return AudioRecord(f"tones/{index:06d}", None, text, "", tones_duration(text))
+
+
+def _layout(root: Path, fmt: str) -> str:
+    has = {"ljspeech": (root / LJSPEECH_METADATA).is_file(), "jsonl": (root / JSONL_METADATA).is_file()}
+    if fmt in has:
+        if not has[fmt]:
+            wanted = LJSPEECH_METADATA if fmt == "ljspeech" else JSONL_METADATA
+            raise DataError("data.format", f"format '{fmt}' needs {root / wanted}; it does not exist.")
+        return fmt
+    if fmt == "auto" and any(has.values()):
+        return "ljspeech" if has["ljspeech"] else "jsonl"
+    raise DataError("data.path", f"{root} holds neither {LJSPEECH_METADATA} (LJSpeech: `id|text|normalized` lines, "
+                    f"audio in wavs/<id>.wav) nor {JSONL_METADATA} (`audio`, `text`, optional `speaker`).")
+
+
+def _ljspeech_rows(root: Path):
+    path = root / LJSPEECH_METADATA
+    with open(path, encoding="utf-8", newline="") as handle:
+        for number, fields in enumerate(csv.reader(handle, delimiter="|", quoting=csv.QUOTE_NONE), start=1):
+            if not fields or not "".join(fields).strip():
+                continue
+            where = f"{path}:{number}"
+            if len(fields) < 2 or not fields[0].strip():
+                raise DataError("data.path", f"{where}: expected `id|text|normalized` (at least `id|text`), got "
+                                f"{'|'.join(fields)!r}")
+            text = fields[2] if len(fields) > 2 and fields[2].strip() else fields[1]
+            yield where, f"wavs/{fields[0].strip()}.wav", text.strip(), ""
+
+
+def _jsonl_rows(root: Path):
+    path = root / JSONL_METADATA
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError("data.path", f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must "
+                            'be one object like {"audio": "wavs/a.wav", "text": "hello", "speaker": "s1"}') from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("audio"), str) or not isinstance(entry.get("text"), str):
+            raise DataError("data.path", f"{where}: needs string fields `audio` and `text` (optional `speaker`), got "
+                            f"{line.strip()[:120]}")
+        rel = PurePosixPath(entry["audio"].replace("\\", "/"))
+        if rel.is_absolute() or ".." in rel.parts:
+            raise DataError("data.path", f"{where}: audio {entry['audio']!r} must be a path inside the dataset folder")
+        yield where, str(rel), entry["text"].strip(), str(entry.get("speaker") or "")
+
+
+def _record(root: Path, where: str, rel: str, text: str, speaker: str) -> tuple[AudioRecord | None, str | None]:
+    import soundfile
+
+    path = root / rel
+    if not path.is_file():
+        return None, f"{where}: audio {path} does not exist"
+    try:
+        info = soundfile.info(str(path))
+    except (RuntimeError, soundfile.LibsndfileError) as err:
+        return None, f"{where}: audio {path} cannot be read ({str(err).splitlines()[0]})"
+    if info.frames <= 0 or info.samplerate <= 0:
+        return None, f"{where}: audio {path} is empty"
+    return AudioRecord(rel, str(path), text, speaker, info.frames / info.samplerate), None
+
+
+def _apply_length_rules(records: list[AudioRecord], data: DataSpec, warnings: list[str],
+                        skipped: list[str]) -> IndexResult:
+    short = [r for r in records if r.duration_seconds < data.min_clip_seconds]
+    long = [r for r in records if r.duration_seconds > data.max_clip_seconds]
+    kept = [r for r in records if data.min_clip_seconds <= r.duration_seconds <= data.max_clip_seconds]
+    for rule, clips, limit in (("shorter", short, data.min_clip_seconds), ("longer", long, data.max_clip_seconds)):
+        if clips:
+            examples = ", ".join(f"{r.sample_id} ({r.duration_seconds:.2f} s)" for r in clips[:_EXAMPLES])
+            key = "min_clip_seconds" if rule == "shorter" else "max_clip_seconds"
+            warnings.append(f"{len(clips)} of {len(records)} clips are {rule} than {limit:g} s and are skipped "
+                            f"(data.{key}): {examples}")
+            skipped += [f"{r.sample_id}: {r.duration_seconds:.2f} s, {rule} than data.{key}" for r in clips]
+    if not kept:
+        raise DataError("data.path", f"no clips left in {data.path}: {len(records)} found, {len(short)} shorter than "
+                        f"data.min_clip_seconds {data.min_clip_seconds:g}, {len(long)} longer than "
+                        f"data.max_clip_seconds {data.max_clip_seconds:g}. Widen the limits.")
+    return IndexResult(kept, warnings, skipped)
+
+
+# ---------------------------------------------------------------------------------------------- length groups
+
+
+def duration_keys(records: list[AudioRecord], data: DataSpec) -> list[float] | None:
+    """One group key per clip: the lower edge of its duration bucket in seconds (floor(duration / width) * width,
+    shown as e.g. "0.5" in the plan), or None without grouping."""
+    width = data.duration_bucket_seconds
+    if width is None:
+        return None
+    return [round(math.floor(r.duration_seconds / width) * width, 6) for r in records for _ in range(r.repeats)]
+
+
+def duration_groups(records: list[AudioRecord], data: DataSpec) -> dict | None:
+    """{"bucket label": clips} for the plan (key_label of the int key), or None without grouping."""
+    keys = duration_keys(records, data)
+    if keys is None:
+        return None
+    from dstune.data.groups import group_counts, key_label
+
+    return {key_label(k): n for k, n in group_counts(keys).items()}
+
+
+# --------------------------------------------------------------------------------------------- spec rule
+
+
+def data_family_problem(audio: bool, family: str, data: DataSpec) -> str | None:
+    """Why `data` cannot feed `family` (speech data for speech families, images for image families), or None."""
+    name = builtin_name(data.path)
+    if audio:
+        if name is not None and name != "tones":
+            return (f"model.family {family} trains on speech, but data.path {data.path} is an image dataset: use "
+                    f"{BUILTIN_PREFIX}tones or a speech folder (data.format ljspeech or jsonl)")
+        if data.format == "folder":
+            return f"model.family {family} trains on speech: data.format must be ljspeech, jsonl or auto, not folder"
+        if data.buckets.enabled or data.cache.latents or data.cache.text_embeddings:
+            return (f"model.family {family} trains on speech: data.buckets, data.cache.latents and "
+                    "data.cache.text_embeddings are for images; use data.duration_bucket_seconds and "
+                    "data.cache.codec_tokens")
+        if data.cache.codec_tokens and family != "tts_lm":
+            return f"data.cache.codec_tokens is for model.family tts_lm (a codec-token LM), not {family}"
+        if data.min_clip_seconds >= data.max_clip_seconds:
+            return (f"data.min_clip_seconds {data.min_clip_seconds:g} must be below data.max_clip_seconds "
+                    f"{data.max_clip_seconds:g}")
+        return None
+    if name == "tones" or data.format == "ljspeech" or data.cache.codec_tokens or data.duration_bucket_seconds:
+        return (f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
+                "data.cache.codec_tokens and data.duration_bucket_seconds are for speech families (tts_lm, speecht5)")
+    return None

@@ -1,0 +1,126 @@
+"""Grouped batching: every GLOBAL batch (micro x accumulation x ranks) is drawn from one group of samples.
+
+Aspect-ratio buckets (images of one bucket share one width x height) and length-grouped audio batches (samples of
+one duration bucket pad to similar lengths) are the same problem: samples carry a group key, and a batch must not
+mix keys. This module is that core; it knows nothing about images or audio. numpy only, no torch, so the plan and
+`dstune validate` can use the same arithmetic the sampler obeys.
+
+API (for a new kind of group, e.g. audio duration buckets):
+
+    keys = [bucket_of(sample) for each dataset index]    # any hashable, sortable value: (w, h), 3, "short"
+    counts = group_counts(keys)                           # {key: samples}, sorted by key
+    rows = group_batches(counts, global_batch_size)       # [GroupBatches(key, samples, steps, dropped)]
+    plan = make_plan(train, world, len(keys), source, {key_label(k): n for k, n in counts.items()})  # dstune.plan
+    order = GroupedOrder(keys, global_batch_size, seed)   # the epochs
+    key, indices = order.global_batch(epoch, step)        # one global batch: its key and its sample indices
+
+    # a training loader: dstune.data.sampler.GlobalBatchSampler(num_samples, plan, rank, seed, group_keys=keys)
+    # cuts each global batch into this rank's micro batches exactly as it does without groups.
+
+Rules (the same for every key type):
+  - An epoch: each group's indices are permuted (one stream per (seed, epoch)), cut into whole global batches,
+    and the remainder of each group (fewer than a global batch) is left out of that epoch; since the permutation
+    changes every epoch, a different set is left out each time. The whole-batch lists of all groups are then
+    shuffled together (same stream), so groups interleave across the epoch instead of running one after another.
+  - steps per epoch = sum over groups of (group samples // global batch). A group smaller than one global batch
+    never trains: the plan reports it (dstune.plan warns).
+  - The order depends only on (seed, epoch, keys): never on the world size, the accumulation or the micro batch.
+    A global batch is split into micro batches by the sampler (micro batch number k * world_size + rank), so a
+    1-rank x 2-accumulation run and a 2-rank x 1-accumulation run train on the same samples at every step, and
+    every micro batch of a step (all ranks, all accumulation steps) has the step's key.
+  - Resume: `global_batch(epoch, step)` is a pure function of its arguments; start anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import numpy as np
+
+_GROUP_ORDER_SALT = 0x6_B0C5  # separates the grouped order stream from the flat order and per-sample streams
+
+
+@dataclass(frozen=True)
+class GroupBatches:
+    key: Hashable  # the group's key, e.g. (width, height)
+    samples: int  # samples in the group, repeats included
+    steps: int  # whole global batches per epoch (optimizer steps)
+    dropped: int  # samples left out of every epoch (the group's remainder)
+
+
+def key_label(key: Hashable) -> str:
+    """How a key is shown and planned: a (width, height) pair as "WxH", anything else as str(key)."""
+    if isinstance(key, tuple) and len(key) == 2 and all(isinstance(v, int) for v in key):
+        return f"{key[0]}x{key[1]}"
+    return str(key)
+
+
+def group_counts(keys: Sequence[Hashable]) -> dict:
+    """{key: number of indices with that key}, in sorted key order."""
+    counts: dict = {}
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
+    return {key: counts[key] for key in sorted(counts)}
+
+
+def group_batches(counts: dict, global_batch_size: int) -> list[GroupBatches]:
+    """Per group (in the order of `counts`): samples, whole global batches per epoch, remainder left out."""
+    if global_batch_size < 1:
+        raise ValueError(f"global batch size must be at least 1, got {global_batch_size}")
+    return [GroupBatches(key, count, count // global_batch_size, count % global_batch_size)
+            for key, count in counts.items()]
+
+
+def keys_fingerprint(keys: Sequence[Hashable]) -> str:
+    """A short digest of the key of every index: a checkpoint made with other groups must not resume here."""
+    digest = hashlib.sha256()
+    for key in keys:
+        digest.update(repr(key).encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+class GroupedOrder:
+    """The epochs of a grouped dataset: which global batch (key and indices) each optimizer step trains on."""
+
+    def __init__(self, keys: Sequence[Hashable], global_batch_size: int, seed: int):
+        self.keys = list(keys)
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.groups = sorted(set(self.keys))
+        self._members = {key: [] for key in self.groups}
+        for index, key in enumerate(self.keys):
+            self._members[key].append(index)
+        self._members = {key: np.asarray(members, dtype=np.int64) for key, members in self._members.items()}
+        self.rows = group_batches({key: len(self._members[key]) for key in self.groups}, global_batch_size)
+        self.steps_per_epoch = sum(row.steps for row in self.rows)
+        self._cache: tuple[int, list[int], np.ndarray] | None = None
+
+    def _epoch(self, epoch: int) -> tuple[list[int], np.ndarray]:
+        """(group number of each step, (steps, global batch) index array) for `epoch`, cached for the last one."""
+        if self._cache is None or self._cache[0] != epoch:
+            rng = np.random.default_rng([_GROUP_ORDER_SALT, self.seed, epoch])
+            batches, group_of_batch = [], []
+            for number, key in enumerate(self.groups):  # fixed group order: the stream is used identically
+                members = self._members[key]
+                whole = len(members) // self.global_batch_size * self.global_batch_size
+                shuffled = members[rng.permutation(len(members))][:whole]
+                batches.extend(shuffled.reshape(-1, self.global_batch_size))
+                group_of_batch += [number] * (whole // self.global_batch_size)
+            order = rng.permutation(len(batches))
+            stacked = np.stack(batches)[order] if batches else np.zeros((0, self.global_batch_size), np.int64)
+            self._cache = (epoch, [group_of_batch[i] for i in order], stacked)
+        return self._cache[1], self._cache[2]
+
+    def global_batch(self, epoch: int, step: int) -> tuple[Hashable, np.ndarray]:
+        """(key, indices) of global batch `step` of `epoch`; indices has global_batch_size entries."""
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step {step} is outside 0..{self.steps_per_epoch - 1} steps per epoch")
+        groups, batches = self._epoch(epoch)
+        return self.groups[groups[step]], batches[step]
+
+    def step_keys(self, epoch: int) -> list[Hashable]:
+        """The key of every step of `epoch`, in order."""
+        return [self.groups[g] for g in self._epoch(epoch)[0]]

@@ -1,0 +1,77 @@
+"""builtin:tiny-sdxl: a Stable-Diffusion-XL-shaped pipeline small enough for CPU tests, built offline.
+
+What makes it SDXL: a UNet with `addition_embed_type="text_time"` (pooled text embeddings plus six size/crop
+time ids), two CLIP text encoders (CLIPTextModel + CLIPTextModelWithProjection) whose penultimate hidden states
+are concatenated, and SDXL's own noise schedule (epsilon, scaled_linear, "leading" steps). The two encoders have
+different widths (32 and 48) on purpose, so a mix-up of which encoder feeds what fails loudly instead of passing.
+
+The VAE is builtin:tiny-sd's trained VAE, copied byte for byte from that model's folder in the same cache (built
+first if needed): same latents, and its training is not paid twice. Text encoders and UNet are random.
+tiny.py registers this model (BUILTIN_MODELS["tiny-sdxl"]) from TINY_SDXL_ENTRY; the registry's cache protocol
+(lock, marker, atomic rename) applies unchanged. Bump `folder_name` whenever the output changes.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+TINY_SDXL_SEED = 0
+TEXT_ENCODER_WIDTH, TEXT_ENCODER_2_WIDTH = 32, 48
+TIME_EMBED_DIM = 8  # per time id; 6 time ids (original size, crop top-left, target size)
+TINY_SDXL_UNET = dict(
+    sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    attention_head_dim=(2, 4), use_linear_projection=True, norm_num_groups=8, transformer_layers_per_block=(1, 1),
+    addition_embed_type="text_time", addition_time_embed_dim=TIME_EMBED_DIM,
+    # the UNet sees [te1 penultimate ; te2 penultimate] and [pooled te2 projection ; embedded time ids]
+    cross_attention_dim=TEXT_ENCODER_WIDTH + TEXT_ENCODER_2_WIDTH,
+    projection_class_embeddings_input_dim=6 * TIME_EMBED_DIM + TEXT_ENCODER_2_WIDTH)
+# SDXL base 1.0's scheduler_config.json (epsilon; steps "leading" with offset 1).
+TINY_SDXL_SCHEDULER = dict(
+    num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+    prediction_type="epsilon", timestep_spacing="leading", steps_offset=1)
+
+
+def _tiny_sd_vae_folder(out: Path) -> Path:
+    """builtin:tiny-sd's vae/ in the same cache. `out` is the temporary build folder that tiny._build_into makes
+    inside <cache_dir>/builtin/, so the cache root is two levels up."""
+    from dstune.families.tiny import ensure_builtin_model
+
+    return ensure_builtin_model("tiny-sd", out.parent.parent) / "vae"
+
+
+def build_tiny_sdxl(out: Path) -> dict:
+    """Write the pipeline into the empty folder `out`; returns facts for the builtin marker."""
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    from dstune.families.base import quiet_hf_libraries
+    from dstune.families.tiny import _BUILD_THREADS, _deterministic_cpu, tiny_clip_config, tiny_clip_tokenizer
+
+    with quiet_hf_libraries():
+        from diffusers import StableDiffusionXLPipeline
+
+    vae_folder = _tiny_sd_vae_folder(Path(out))
+    with _deterministic_cpu(TINY_SDXL_SEED, _BUILD_THREADS):
+        text_encoder = CLIPTextModel(tiny_clip_config(TEXT_ENCODER_WIDTH))
+        text_encoder_2 = CLIPTextModelWithProjection(tiny_clip_config(TEXT_ENCODER_2_WIDTH))
+        unet = UNet2DConditionModel(**TINY_SDXL_UNET)
+    with quiet_hf_libraries():
+        vae = AutoencoderKL.from_pretrained(vae_folder)
+    pipeline = StableDiffusionXLPipeline(
+        vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tiny_clip_tokenizer(),
+        tokenizer_2=tiny_clip_tokenizer(), unet=unet, scheduler=DDPMScheduler(**TINY_SDXL_SCHEDULER),
+        add_watermarker=False)
+    with quiet_hf_libraries():
+        pipeline.save_pretrained(out, safe_serialization=True)
+    shutil.rmtree(Path(out) / "vae")
+    shutil.copytree(vae_folder, Path(out) / "vae")  # the exact bytes: save_pretrained may re-serialise
+    return {"unet_parameters": sum(p.numel() for p in unet.parameters()),
+            "vae_from": "builtin:tiny-sd", "vae_scaling_factor": vae.config.scaling_factor}
+
+
+TINY_SDXL_ENTRY = dict(
+    name="tiny-sdxl", folder_name="tiny-sdxl-v1", family="sdxl",
+    description="Stable-Diffusion-XL-shaped pipeline: two CLIP encoders, text_time UNet, 32 px, tiny-sd's VAE",
+    build=build_tiny_sdxl)

@@ -1,0 +1,183 @@
+"""Built-in tiny TTS models, made offline from configs (registered in dstune.families.tiny.BUILTIN_MODELS).
+
+builtin:tiny-tts-lm: a 2-layer Llama causal LM over 256 byte-level text tokens followed by EnCodec tokens
+(2 codebooks of 32 codes, 50 frames per second at 8 kHz), plus the EnCodec model in `codec/` and the
+`dstune_tts.json` layout the tts_lm family reads. EnCodec's codebooks start as zeros in transformers (every frame
+would quantise to code 0), so they are filled with seeded random vectors: distinct sounds then get distinct codes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dstune.families.base import quiet_hf_libraries
+
+TTS_LAYOUT_FILE = "dstune_tts.json"
+_SEED = 0
+TINY_CODEC = dict(target_bandwidths=[1.0], sampling_rate=8000, audio_channels=1, num_filters=4,
+                  num_residual_layers=1, upsampling_ratios=[8, 5, 4], codebook_size=32, hidden_size=16,
+                  num_lstm_layers=1, codebook_dim=16, kernel_size=7, last_kernel_size=7, residual_kernel_size=3,
+                  compress=2)
+TINY_NUM_CODEBOOKS = 2
+TINY_TEXT_VOCAB = 256  # UTF-8 bytes
+DECODER_STEPS = 120
+
+
+def tts_layout(text: str, text_vocab_size: int, num_codebooks: int, codebook_size: int, codec: str,
+               sampling_rate: int, frame_rate: float) -> dict:
+    """The token layout of a tts_lm vocabulary: text ids, then num_codebooks blocks of codebook_size audio ids,
+    then audio BOS, audio EOS and padding."""
+    audio_offset = text_vocab_size
+    audio_end = audio_offset + num_codebooks * codebook_size
+    return {"text": text, "text_vocab_size": text_vocab_size, "audio_offset": audio_offset,
+            "num_codebooks": num_codebooks, "codebook_size": codebook_size, "audio_bos": audio_end,
+            "audio_eos": audio_end + 1, "pad": audio_end + 2, "vocab_size": audio_end + 3, "codec": codec,
+            "sampling_rate": sampling_rate, "frame_rate": frame_rate}
+
+
+def _build_tiny_tts_lm(out: Path) -> dict:
+    from transformers import EncodecConfig, EncodecModel, LlamaConfig, LlamaForCausalLM
+
+    from dstune.families.tiny import _deterministic_cpu
+
+    codec_config = EncodecConfig(**TINY_CODEC)
+    layout = tts_layout("bytes", TINY_TEXT_VOCAB, TINY_NUM_CODEBOOKS, codec_config.codebook_size, "encodec",
+                        codec_config.sampling_rate, codec_config.frame_rate)
+    with _deterministic_cpu(_SEED, 1):
+        codec = EncodecModel(codec_config).eval()
+        _fit_codebooks(codec)
+        facts = _fit_decoder(codec)
+        lm = LlamaForCausalLM(LlamaConfig(
+            vocab_size=layout["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+            pad_token_id=layout["pad"], bos_token_id=layout["audio_bos"], eos_token_id=layout["audio_eos"]))
+    with quiet_hf_libraries():
+        lm.save_pretrained(out)
+        codec.save_pretrained(out / "codec")
+    (out / TTS_LAYOUT_FILE).write_text(json.dumps(layout, indent=2) + "\n")
+    return {**facts, "lm_parameters": sum(p.numel() for p in lm.parameters()),
+            "codec_parameters": sum(p.numel() for p in codec.parameters())}
+
+
+def _fit_codebooks(codec, iterations: int = 10) -> None:
+    """Residual k-means of the (random) encoder's frames over builtin:tones, one codebook after another, as
+    EnCodec initialises its codebooks: codes then follow the sound (pitch) instead of all being one code."""
+    with torch.no_grad():
+        frames = torch.cat([codec.encoder(w.reshape(1, 1, -1))[0].t() for w in _tones_at(codec.config.sampling_rate, 4)])
+        frames = frames + 1e-3 * torch.randn_like(frames)  # silence frames are identical: keep centroids apart
+        residual = frames
+        for layer in codec.quantizer.layers:
+            size = layer.codebook.embed.shape[0]
+            centroids = residual[torch.randperm(len(residual))[:size]].clone()
+            for _ in range(iterations):
+                assignment = torch.cdist(residual, centroids).argmin(1)
+                for code in range(size):
+                    members = residual[assignment == code]
+                    if len(members):
+                        centroids[code] = members.mean(0)
+            layer.codebook.embed.copy_(centroids)
+            layer.codebook.embed_avg.copy_(centroids)
+            layer.codebook.cluster_size.fill_(1.0)
+            residual = residual - centroids[torch.cdist(residual, centroids).argmin(1)]
+
+
+def _tones_at(rate: int, step: int) -> list[torch.Tensor]:
+    from dstune.data.audio import resample
+    from dstune.data.audio_index import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
+
+    return [torch.from_numpy(resample(render_tones(tones_text(i)), TONES_SAMPLE_RATE, rate))
+            for i in range(0, TONES_NUM_SAMPLES, step)]
+
+
+def _spectral_l1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    window = torch.hann_window(256)
+    spec_a, spec_b = (torch.stft(x, 256, 64, window=window, return_complex=True).abs() for x in (a, b))
+    return (spec_a - spec_b).abs().mean() + (torch.log(spec_a + 1e-4) - torch.log(spec_b + 1e-4)).abs().mean()
+
+
+def _fit_decoder(codec, steps: int = DECODER_STEPS, batch: int = 4) -> dict:
+    """Train the decoder (only) to turn the quantised tones back into the tones: a random decoder makes nearly the
+    same noise whatever the codes, and samples could not be told apart by ear."""
+    waves = _tones_at(codec.config.sampling_rate, 4)
+    with torch.no_grad():
+        quantised = [codec.quantizer.decode(codec.encode(w.reshape(1, 1, -1)).audio_codes[0, :, :TINY_NUM_CODEBOOKS]
+                                            .transpose(0, 1)) for w in waves]
+    optimizer = torch.optim.Adam(codec.decoder.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(_SEED)
+    for _ in range(steps):
+        chosen = torch.randint(0, len(waves), (batch,), generator=generator).tolist()
+        loss = sum(_spectral_l1(codec.decoder(quantised[i])[0, 0, :len(waves[i])], waves[i]) for i in chosen) / batch
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    codec.eval().requires_grad_(False)
+    return {"codec_decoder_steps": steps, "codec_decoder_spectral_l1": round(loss.item(), 4)}
+
+
+TINY_TTS_LM_ENTRY = dict(
+    name="tiny-tts-lm", folder_name="tiny-tts-lm-v3", family="tts_lm",
+    description="Llama-shaped causal LM (~0.1 M parameters) over byte text + EnCodec tokens (2 x 32 codes, 8 kHz)",
+    build=_build_tiny_tts_lm)
+
+
+# ------------------------------------------------------------------------------------- builtin:tiny-speecht5
+
+TINY_SPEECHT5_RATE, TINY_SPEECHT5_MELS = 16000, 20
+_SPM_CORPUS = ["0 1 2 3 4 5 6 7 8 9", "the quick brown fox jumps over the lazy dog", ". , ! ? ' -",
+               "THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG"]
+
+
+def _char_tokenizer(out: Path):
+    """A character-level sentencepiece model trained in memory (SpeechT5Tokenizer needs an spm file)."""
+    import io
+
+    import sentencepiece
+    from transformers import SpeechT5Tokenizer
+
+    buffer = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_SPM_CORPUS), model_writer=buffer, model_type="char", vocab_size=80,
+        character_coverage=1.0, pad_id=1, unk_id=3, bos_id=0, eos_id=2, hard_vocab_limit=False, minloglevel=2)
+    (out / "spm_char.model").write_bytes(buffer.getvalue())
+    return SpeechT5Tokenizer(vocab_file=str(out / "spm_char.model"))
+
+
+def _build_tiny_speecht5(out: Path) -> dict:
+    from transformers import (SpeechT5Config, SpeechT5FeatureExtractor, SpeechT5ForTextToSpeech, SpeechT5HifiGan,
+                              SpeechT5HifiGanConfig, SpeechT5Processor)
+
+    from dstune.families.tiny import _deterministic_cpu
+
+    tokenizer = _char_tokenizer(out)
+    extractor = SpeechT5FeatureExtractor(sampling_rate=TINY_SPEECHT5_RATE, num_mel_bins=TINY_SPEECHT5_MELS,
+                                         hop_length=16, win_length=64, fmin=80, fmax=7600)
+    with _deterministic_cpu(_SEED, 1):
+        model = SpeechT5ForTextToSpeech(SpeechT5Config(
+            vocab_size=len(tokenizer), hidden_size=32, encoder_layers=1, encoder_attention_heads=2,
+            encoder_ffn_dim=64, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
+            num_mel_bins=TINY_SPEECHT5_MELS, reduction_factor=2, speech_decoder_prenet_layers=2,
+            speech_decoder_prenet_units=32, speech_decoder_postnet_layers=2, speech_decoder_postnet_units=32,
+            speech_decoder_postnet_kernel=5, speaker_embedding_dim=16, max_text_positions=128,
+            max_speech_positions=512, use_guided_attention_loss=True, guided_attention_loss_num_heads=2,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=2,
+            encoder_layerdrop=0.0, decoder_layerdrop=0.0))  # a dropped only layer leaves no cross attention
+        vocoder = SpeechT5HifiGan(SpeechT5HifiGanConfig(
+            model_in_dim=TINY_SPEECHT5_MELS, sampling_rate=TINY_SPEECHT5_RATE, upsample_initial_channel=32,
+            upsample_rates=[4, 4, 4, 4], upsample_kernel_sizes=[8, 8, 8, 8], resblock_kernel_sizes=[3],
+            resblock_dilation_sizes=[[1, 3]]))  # 4*4*4*4 = 256 samples = the 16 ms hop
+    with quiet_hf_libraries():
+        SpeechT5Processor(tokenizer=tokenizer, feature_extractor=extractor).save_pretrained(out)
+        model.save_pretrained(out)
+        vocoder.save_pretrained(out / "vocoder")
+    return {"model_parameters": sum(p.numel() for p in model.parameters()),
+            "vocoder_parameters": sum(p.numel() for p in vocoder.parameters())}
+
+
+TINY_SPEECHT5_ENTRY = dict(
+    name="tiny-speecht5", folder_name="tiny-speecht5-v1", family="speecht5",
+    description="SpeechT5 TTS (~40 k parameters, char tokenizer, 20 mel bins at 16 kHz) + tiny HiFi-GAN vocoder",
+    build=_build_tiny_speecht5)

@@ -1,0 +1,156 @@
+"""The `data` section: dataset, preprocessing, aspect-ratio / duration buckets and the encoder cache. Re-exported by
+dstune.spec.models; torch-free like the rest of the spec."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from dstune.spec.section import Section
+
+
+# ---------------------------------------------------------------------------------------------------------- data
+
+
+class CacheSpec(Section):
+    latents: bool = Field(
+        False,
+        description="Encode every image with the VAE once, before training, and train from the stored posteriors "
+        "(mean, std). Needs data.center_crop: true (a random crop cannot be cached). With data.random_flip both "
+        "orientations are cached. See docs/caching.md.",
+    )
+    text_embeddings: bool = Field(
+        False,
+        description="Encode every caption (and the empty caption, for caption_dropout) with the text encoder once.",
+    )
+    dir: Optional[str] = Field(
+        None,
+        description="Cache folder; default `<output.cache_dir>/encoded`. `{node}` / `{rank}` in it are replaced by "
+        "the node / rank number (node-local disks). Ranks that see the same folder split the build between them.",
+    )
+    codec_tokens: bool = Field(
+        False,
+        description="Audio families (tts_lm): encode every clip with the codec once, before training, and train from "
+        "the stored tokens (same cache folder, keys and guarantees as latents).",
+    )
+    barrier_timeout_minutes: int = Field(
+        60, gt=0, description="How long ranks wait for each other at the end of the cache build before stopping.",
+    )
+
+
+class BucketsSpec(Section):
+    enabled: bool = Field(
+        False,
+        description="Aspect-ratio buckets: each image trains at the (width, height) bucket nearest its aspect ratio "
+        "(resized to cover it, then cropped), and every global batch comes from one bucket. See "
+        "docs/batches-and-epochs.md.",
+    )
+    sizes: Optional[list[tuple[int, int]]] = Field(
+        None,
+        description="The buckets as [width, height] pairs in pixels, multiples of 8 (the VAE's latent grid). "
+        "Omitted: generated with (about) the pixel area of data.resolution^2 from min_aspect, max_aspect and step.",
+    )
+    min_aspect: float = Field(0.5, gt=0, description="Generated buckets: the narrowest width/height (0.5 = 1:2 portrait).")
+    max_aspect: float = Field(2.0, gt=0, description="Generated buckets: the widest width/height (2.0 = 2:1 landscape).")
+    step: int = Field(
+        64, gt=0, description="Generated buckets: both sides are multiples of this many pixels (a multiple of 8; "
+        "at most data.resolution). Smaller steps give more buckets, each with fewer images.",
+    )
+
+    @field_validator("sizes")
+    @classmethod
+    def _sizes_on_the_latent_grid(cls, sizes):
+        if sizes is not None:
+            if not sizes:
+                raise ValueError("give at least one [width, height] bucket, or leave `sizes` out to generate them")
+            bad = [list(size) for size in sizes if min(size) <= 0 or size[0] % 8 or size[1] % 8]
+            if bad:
+                raise ValueError(f"bucket sides must be positive multiples of 8 (the VAE's latent grid): {bad}")
+        return sizes
+
+    @field_validator("step")
+    @classmethod
+    def _step_on_the_latent_grid(cls, step: int) -> int:
+        if step % 8:
+            raise ValueError(f"{step} is not a multiple of 8 (the VAE's latent grid); use e.g. {max(8, step // 8 * 8)}")
+        return step
+
+    @field_validator("max_aspect")
+    @classmethod
+    def _aspect_range(cls, value: float, info):
+        if "min_aspect" in info.data and value < info.data["min_aspect"]:
+            raise ValueError(f"{value} is below min_aspect {info.data['min_aspect']}")
+        return value
+
+
+class DataSpec(Section):
+    path: str = Field(
+        "builtin:shapes",
+        description="Dataset folder, or `builtin:shapes` (synthetic coloured shapes with captions, generated offline), "
+        "or for audio families `builtin:tones` (digit strings spoken as tone sequences, generated offline).",
+    )
+    format: Literal["auto", "folder", "jsonl", "ljspeech"] = Field(
+        "auto",
+        description="`folder`: images with same-name .txt captions (kohya layout, `N_name` subfolders repeat N times); "
+        "`jsonl`: metadata.jsonl with `file_name` and `text` (Hugging Face imagefolder). `auto`: jsonl when "
+        "metadata.jsonl exists, else folder. Audio families: `ljspeech` (metadata.csv `id|text|normalized` + wavs/), "
+        "`jsonl` (metadata.jsonl with `audio`, `text`, optional `speaker`); `auto` picks by which file exists.",
+    )
+    resolution: int = Field(
+        32, gt=0, description="Images are resized (shorter side) and cropped to this square size, in pixels. With "
+        "data.buckets: the square bucket's side, and the pixel area (resolution^2) of generated buckets.")
+    center_crop: bool = Field(True, description="Crop the centre (true) or a random position (false).")
+    random_flip: bool = Field(False, description="Flip images horizontally at random (per sample, from the seed).")
+    caption_dropout: float = Field(0.0, ge=0, le=1, description="Probability of training a sample with an empty caption.")
+    caption_extension: str = Field(".txt", description="Caption file extension in `folder` format.")
+    skip_bad_files: bool = Field(
+        False, description="Unreadable images: false stops with the file named; true skips them and reports the count."
+    )
+    drop_last: bool = Field(
+        True,
+        description="Each epoch, samples that do not fill a whole global batch are left out (a different set each "
+        "epoch, since the order is reshuffled). False is not supported: every step must see a full global batch.",
+    )
+    num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
+    cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")
+    buckets: BucketsSpec = Field(default_factory=BucketsSpec, description="Aspect-ratio buckets (off by default: square crops).")
+    min_clip_seconds: float = Field(
+        0.0, ge=0, description="Audio: clips shorter than this are skipped (counted by `validate` and at start)."
+    )
+    max_clip_seconds: float = Field(
+        20.0, gt=0, description="Audio: clips longer than this are skipped (counted by `validate` and at start)."
+    )
+    duration_bucket_seconds: Optional[float] = Field(
+        None, gt=0,
+        description="Audio length grouping: clips fall into duration buckets this many seconds wide and every global "
+        "batch comes from one bucket (fixed micro batch of utterances), so padding stays small. Omitted: no grouping.",
+    )
+
+    @model_validator(mode="after")
+    def _bucket_step_fits(self) -> "DataSpec":
+        if self.buckets.enabled and not self.buckets.sizes and self.buckets.step > self.resolution:
+            raise ValueError(
+                f"data.buckets.step {self.buckets.step} is larger than data.resolution {self.resolution}: no bucket "
+                f"side fits. Use a step of at most {self.resolution} (a multiple of 8), or give data.buckets.sizes.")
+        return self
+
+    @model_validator(mode="after")
+    def _cache_needs_fixed_crop(self) -> "DataSpec":
+        if self.cache.latents and not self.center_crop:
+            raise ValueError(
+                "data.cache.latents: true needs data.center_crop: true: a cached latent freezes one crop, so a "
+                "random crop would silently become the same crop every epoch. Set center_crop: true or turn "
+                "latent caching off."
+            )
+        return self
+
+    @field_validator("drop_last")
+    @classmethod
+    def _only_drop_last(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError(
+                "drop_last: false is not supported: a short last batch would change the global batch size and the "
+                "learning-rate arithmetic. Use a global batch that divides the dataset to lose nothing."
+            )
+        return value

@@ -1,0 +1,232 @@
+"""The `model` section: one pydantic class per family (the discriminated union on `model.family`), and the LoRA
+settings every denoiser family shares. Re-exported by dstune.spec.models; torch-free like the rest of the spec."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from dstune.spec.section import Section
+
+
+# --------------------------------------------------------------------------------------------------------- model
+
+
+# LoRA's usual targets in diffusers UNets and transformers: the attention projections (diffusers' LoRA examples).
+DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+class LoraSpec(Section):
+    rank: int = Field(16, gt=0, description="LoRA rank r: the inner size of each adapter (A: r x in, B: out x r).")
+    alpha: Optional[float] = Field(
+        None, gt=0, description="LoRA alpha: the adapter's output is scaled by alpha / rank. Omitted: equal to rank "
+        "(scale 1).",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES),
+        description="Names (or dotted name suffixes, as peft matches them) of the linear/conv layers that get an "
+        "adapter. The default, the attention projections to_q, to_k, to_v, to_out.0, fits diffusers UNets and "
+        "transformers alike.",
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, value: list[str]) -> list[str]:
+        if not value or any(not name.strip() for name in value):
+            raise ValueError("give at least one module name, none empty (default: to_q, to_k, to_v, to_out.0)")
+        return value
+
+    @property
+    def resolved_alpha(self) -> float:
+        return float(self.alpha if self.alpha is not None else self.rank)
+
+
+class DenoiserModelBase(Section):
+    """What every diffusion family's model section shares (sd, sdxl, flow): full fine-tuning or LoRA of the
+    denoiser (the UNet or transformer the family trains). Subclass it for a new diffusion family's model section."""
+
+    train: Literal["full", "lora"] = Field(
+        "full",
+        description="`full`: every weight of the denoiser (UNet/transformer) is trained. `lora`: the denoiser is "
+        "frozen and only LoRA adapters (`lora`) are trained, checkpointed and exported (a diffusers LoRA file). "
+        "See docs/lora-and-ema.md.",
+    )
+    lora: Optional[LoraSpec] = Field(
+        None, description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
+        "([to_q, to_k, to_v, to_out.0]), `dropout` (0.0); omitted: those defaults. See docs/lora-and-ema.md."
+    )
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_needs_lora_training(cls, value, info):
+        if value is not None and info.data.get("train", "full") != "lora":
+            raise ValueError("LoRA settings are given but `train` is 'full' (every weight is trained, no adapters). "
+                             "Set `train: lora` to train adapters, or remove `lora`.")
+        return value
+
+    @property
+    def lora_settings(self) -> Optional[LoraSpec]:
+        """The LoRA settings in effect: None for full training, the given or default LoraSpec for `train: lora`."""
+        if self.train != "lora":
+            return None
+        return self.lora if self.lora is not None else LoraSpec()
+
+
+class SdModel(DenoiserModelBase):
+    family: Literal["sd"] = Field(description="Model family. `sd`: Stable Diffusion 1.x/2.x (UNet, one CLIP text encoder).")
+    pretrained: str = Field(
+        "builtin:tiny-sd",
+        description="A diffusers pipeline folder (model_index.json + unet/vae/text_encoder/tokenizer/scheduler), "
+        "a hub id already in the local Hugging Face cache, or `builtin:tiny-sd` (a tiny model built offline).",
+    )
+    prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
+        None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower."
+    )
+    min_snr_gamma: Optional[float] = Field(
+        None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023); 5.0 is the usual value. Omitted: plain MSE."
+    )
+    noise_offset: float = Field(0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images).")
+
+
+class SdxlModel(DenoiserModelBase):
+    family: Literal["sdxl"] = Field(
+        description="Model family. `sdxl`: Stable Diffusion XL (UNet with text_time conditioning, two CLIP text "
+        "encoders, pooled text embeddings and size/crop time ids)."
+    )
+    pretrained: str = Field(
+        "builtin:tiny-sdxl",
+        description="A diffusers StableDiffusionXLPipeline folder (model_index.json + unet/vae/text_encoder/"
+        "text_encoder_2/tokenizer/tokenizer_2/scheduler), a hub id already in the local Hugging Face cache, or "
+        "`builtin:tiny-sdxl` (a tiny model built offline).",
+    )
+    prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
+        None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower."
+    )
+    min_snr_gamma: Optional[float] = Field(
+        None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023); 5.0 is the usual value. Omitted: plain MSE."
+    )
+    noise_offset: float = Field(0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images).")
+
+
+class FlowModel(DenoiserModelBase):
+    family: Literal["flow"] = Field(
+        description="Model family. `flow`: flow-matching transformers, SD3-class (SD3Transformer2DModel, CLIP x2 + T5) "
+        "or Flux-class (FluxTransformer2DModel, CLIP + T5), told apart by the pipeline folder."
+    )
+    pretrained: str = Field(
+        "builtin:tiny-flow",
+        description="A diffusers StableDiffusion3Pipeline or FluxPipeline folder (model_index.json + transformer/vae/"
+        "text encoders/tokenizers/scheduler), a hub id already in the local Hugging Face cache, or `builtin:tiny-flow` "
+        "(tiny SD3-class) / `builtin:tiny-flux` (tiny Flux-class), built offline.",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
+    )
+    timestep_sampling: Literal["logit_normal", "uniform", "mode"] = Field(
+        "logit_normal",
+        description="How the training timestep is drawn (diffusers' compute_density_for_timestep_sampling): "
+        "logit_normal (SD3 paper; logit_mean, logit_std), uniform, or mode (mode_scale).",
+    )
+    logit_mean: Optional[float] = Field(
+        None, description="timestep_sampling logit_normal: mean of the normal before the sigmoid. Omitted: 0.0."
+    )
+    logit_std: Optional[float] = Field(
+        None, gt=0, description="timestep_sampling logit_normal: its standard deviation. Omitted: 1.0."
+    )
+    mode_scale: Optional[float] = Field(
+        None, description="timestep_sampling mode: how strongly mid timesteps are favoured. Omitted: 1.29."
+    )
+    shift: Optional[float] = Field(
+        None, gt=0,
+        description="Timestep shift for training (sigma -> shift*sigma / (1 + (shift-1)*sigma)). Omitted: the "
+        "scheduler's (SD3: its config shift; Flux with dynamic shifting: unshifted, as the reference scripts).",
+    )
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
+        "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3)."
+    )
+    guidance: float = Field(
+        3.5, ge=0, description="Flux-class transformers with guidance_embeds: the guidance value fed while training."
+    )
+    max_sequence_length: Optional[int] = Field(
+        None, gt=0, description="T5 tokens per caption. Omitted: 77 (SD3-class) / 512 (Flux-class), at most the "
+        "T5 tokenizer's model_max_length.",
+    )
+
+    @model_validator(mode="after")
+    def _no_unused_sampling_settings(self) -> "FlowModel":
+        used = {"logit_normal": {"logit_mean", "logit_std"}, "mode": {"mode_scale"}, "uniform": set()}
+        unused = sorted(name for name in {"logit_mean", "logit_std", "mode_scale"} - used[self.timestep_sampling]
+                        if getattr(self, name) is not None)
+        if unused:
+            raise ValueError(f"{', '.join(unused)} only apply to another timestep_sampling (it is "
+                             f"{self.timestep_sampling!r}): remove them or change timestep_sampling")
+        return self
+
+
+class TtsLmModel(Section):
+    family: Literal["tts_lm"] = Field(
+        description="Model family. `tts_lm`: a transformers causal LM (Llama/Qwen-class) over text tokens followed "
+        "by audio-codec tokens; a frozen codec (EnCodec, DAC or Mimi) turns audio into tokens and back. The loss is "
+        "on the audio tokens only. See docs/tts.md."
+    )
+    pretrained: str = Field(
+        "builtin:tiny-tts-lm",
+        description="A causal-LM folder (config.json + weights, optionally a tokenizer and a `codec/` subfolder and "
+        "the `dstune_tts.json` a dstune export writes), a hub id already in the local Hugging Face cache, or "
+        "`builtin:tiny-tts-lm` (a tiny model built offline). An LM without audio tokens gets them appended.",
+    )
+    codec: Literal["encodec", "dac", "mimi"] = Field(
+        "encodec", description="The codec class: EncodecModel, DacModel or MimiModel (transformers)."
+    )
+    codec_pretrained: Optional[str] = Field(
+        None, description="The codec folder or hub id (already downloaded). Omitted: `<pretrained>/codec`."
+    )
+    num_codebooks: Optional[int] = Field(
+        None, gt=0, description="Residual codebooks kept per audio frame (the first N: coarse to fine). Omitted: the "
+        "pretrained folder's dstune_tts.json, else every codebook the codec makes.",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute LM activations in backward (torch non-reentrant checkpointing)."
+    )
+    max_sample_seconds: float = Field(
+        2.0, gt=0, description="Samples during training: the longest audio generated per prompt, in seconds."
+    )
+    sample_temperature: float = Field(
+        0.8, ge=0, description="Samples: softmax temperature of the audio tokens (0: greedy)."
+    )
+
+
+class SpeechT5Model(Section):
+    family: Literal["speecht5"] = Field(
+        description="Model family. `speecht5`: SpeechT5ForTextToSpeech (text -> log-mel, L1 + stop-token loss), "
+        "with a SpeechT5HifiGan vocoder for samples. See docs/tts.md."
+    )
+    pretrained: str = Field(
+        "builtin:tiny-speecht5",
+        description="A SpeechT5 TTS folder (config.json + weights + processor files; `vocoder/` optional), a hub id "
+        "already in the local Hugging Face cache, or `builtin:tiny-speecht5` (a tiny model built offline).",
+    )
+    vocoder: Optional[str] = Field(
+        None, description="SpeechT5HifiGan folder or hub id (already downloaded). Omitted: `<pretrained>/vocoder`."
+    )
+    speaker_embeddings: Optional[str] = Field(
+        None,
+        description="A safetensors file of speaker vectors (one tensor per speaker name, the model's "
+        "speaker_embedding_dim; `default` for clips without a speaker). Omitted: every clip uses one fixed vector.",
+    )
+    max_sample_seconds: float = Field(
+        3.0, gt=0, description="Samples during training: the longest audio generated per prompt, in seconds."
+    )
+
+
+Model = Annotated[Union[SdModel, SdxlModel, FlowModel, TtsLmModel, SpeechT5Model], Field(discriminator="family")]
+FAMILIES = ("sd", "sdxl", "flow", "tts_lm", "speecht5")
+AUDIO_FAMILIES = ("tts_lm", "speecht5")  # families that train on speech: data is audio + text, not images

@@ -1,0 +1,11 @@
+"""The base of every spec section (kept apart so the section modules and models.py share it without a cycle)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Section(BaseModel):
+    """Base for every spec section: frozen, and unknown keys are errors rather than silent defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)

@@ -1,0 +1,170 @@
+"""Real 2-rank LoRA + EMA training on CPU: adapters alone train under ZeRO 2 and 3, checkpoints hold only them, the
+export is a diffusers LoRA file that StableDiffusionPipeline.load_lora_weights loads (and that changes the images),
+the EMA is exported and resumes exactly, and the samples contact sheet lists every sample step.
+
+Three launches in all (zero2, zero3, the zero2 resume), shared by every test through the module fixture."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness import REPO, base_spec, env, explain, launch, metrics, write_spec
+
+pytestmark = pytest.mark.dist
+
+STEPS = 4
+LORA = {"train": "lora", "lora": {"rank": 4, "alpha": 8}}
+CASES = {  # name -> (zero stage, EMA device, sample prompts)
+    "zero2": (2, "cpu", ["a red circle", "a blue square"]),
+    "zero3": (3, "same", ["a green triangle"]),
+}
+ADAPTER_TENSORS = 64  # 32 attention projections of the tiny UNet x (A, B)
+
+
+def _spec(run_dir: Path, stage: int, ema_device: str, prompts: list[str]) -> dict:
+    return base_spec(
+        run_dir, model=LORA,
+        train={"global_batch_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": None, "max_steps": STEPS,
+               "optimizer": {"type": "adamw", "lr": 0.01}, "ema": {"decay": 0.8, "device": ema_device}},
+        deepspeed={"zero_stage": stage},
+        output={"save_every_steps": 2, "keep_last": 5, "export": "diffusers"},
+        sample={"prompts": prompts, "every_steps": 2 if stage == 2 else None, "steps": 2},
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    out = {}
+    for name, case in CASES.items():
+        run_dir = tmp_path_factory.mktemp(name) / "run"
+        spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, *case))
+        out[name] = (run_dir, launch(spec_path))
+    run_dir, proc = out["zero2"]
+    resumed = run_dir.parent / "resumed"
+    if proc.returncode == 0:  # resume from the step-2 checkpoint into a fresh folder: steps 3-4 again
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
+        (resumed / "checkpoints" / "latest").write_text("step-00000002")
+        out["resumed"] = (resumed, launch(run_dir.parent / "spec.yaml", args=(
+            "--resume", "latest", "--set", f"output.dir={resumed}")))
+    return out
+
+
+def _ok(runs, name):
+    run_dir, proc = runs[name]
+    assert proc.returncode == 0, explain(proc)
+    return run_dir
+
+
+def _lora_file(folder: Path) -> dict:
+    return load_file(folder / "pytorch_lora_weights.safetensors")
+
+
+def _render(pipe) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    image = pipe("a red circle", num_inference_steps=2, height=32, width=32, output_type="np",
+                 generator=generator).images[0]
+    return torch.as_tensor(image)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lora_trains_only_the_adapters(runs, name):
+    run_dir = _ok(runs, name)
+    stdout = runs[name][1].stdout
+    assert "training: LoRA rank 4, alpha 8 on 32 layers" in stdout
+    logged = metrics(run_dir)
+    assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged)
+    # The consolidated checkpoint (what DeepSpeed's optimizer owned) is the adapters alone: the base UNet was
+    # neither optimized nor saved, so it is the pretrained folder's, bit for bit.
+    from dstune.export import consolidated_state_dict
+
+    state = consolidated_state_dict(run_dir / "checkpoints", f"step-{STEPS:08d}", CASES[name][0])
+    assert len(state) == ADAPTER_TENSORS
+    assert all(".lora_A.default." in k or ".lora_B.default." in k for k in state)
+    assert all(torch.any(v != 0) for k, v in state.items() if ".lora_B." in k)  # B starts at 0: it trained
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_loads_into_stable_diffusion_and_changes_the_images(runs, name):
+    from diffusers import StableDiffusionPipeline
+
+    export = _ok(runs, name) / "export" / f"step-{STEPS:08d}"
+    info = json.loads((export / "dstune_lora.json").read_text())
+    assert info["weights"] == "ema" and info["rank"] == 4
+    layers = _lora_file(export)
+    assert len(layers) == ADAPTER_TENSORS and all(k.startswith("unet.") and ".lora" in k for k in layers)
+    pipe = StableDiffusionPipeline.from_pretrained(info["base_folder"], safety_checker=None)
+    pipe.set_progress_bar_config(disable=True)
+    before = _render(pipe)
+    pipe.load_lora_weights(export)
+    assert (before - _render(pipe)).abs().max().item() > 1e-4
+
+
+def test_export_holds_the_ema_not_the_raw_adapters(runs):
+    from dstune.ema import consolidated_ema, overlay_ema
+    from dstune.export import consolidated_state_dict
+    from dstune.lora import diffusers_lora_layers
+
+    run_dir = _ok(runs, "zero2")
+    folder = run_dir / "checkpoints" / f"step-{STEPS:08d}"
+    raw = consolidated_state_dict(folder.parent, folder.name, 2)
+    ema = consolidated_ema(folder)
+    assert set(ema) == set(raw)
+    exported = {k.removeprefix("unet."): v for k, v in _lora_file(run_dir / "export" / folder.name).items()}
+    expected = diffusers_lora_layers(overlay_ema(raw, ema))
+    assert set(exported) == set(expected)
+    assert max((exported[k] - expected[k]).abs().max().item() for k in expected) == 0
+    assert max((ema[k] - raw[k]).abs().max().item() for k in raw) > 0  # EMA lags the trained adapters
+
+
+def test_ema_run_resumes_exactly(runs):
+    """Steps 3-4 after resuming from step 2 reproduce the losses, the EMA and the exported (EMA) LoRA."""
+    run_dir = _ok(runs, "zero2")
+    resumed = _ok(runs, "resumed")
+    assert "resumed from" in runs["resumed"][1].stdout
+    first, second = metrics(run_dir), metrics(resumed)
+    assert [m["step"] for m in second] == [3, 4]
+    for before, after in zip(first[2:], second):
+        assert after["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=1e-7)
+    tag = f"step-{STEPS:08d}"
+    for rank in (0, 1):
+        a = torch.load(run_dir / "checkpoints" / tag / f"ema_rank{rank}.pt", weights_only=True)
+        b = torch.load(resumed / "checkpoints" / tag / f"ema_rank{rank}.pt", weights_only=True)
+        assert (a["optimizer_steps"], a["updates"]) == (b["optimizer_steps"], b["updates"]) == (STEPS, STEPS)
+        assert max((a["shards"][k] - b["shards"][k]).abs().max().item() for k in a["shards"]) <= 1e-6
+    x, y = _lora_file(run_dir / "export" / tag), _lora_file(resumed / "export" / tag)
+    assert max((x[k] - y[k]).abs().max().item() for k in x) <= 1e-6
+
+
+def test_contact_sheet_lists_every_sample_step(runs):
+    for name, steps in (("zero2", (0, 2, 4)), ("zero3", (0, 4))):
+        samples = _ok(runs, name) / "samples"
+        page = (samples / "index.html").read_text()
+        for step in steps:
+            assert f"<h2>step {step}</h2>" in page and f'src="step-{step:06d}.png"' in page
+            assert (samples / f"step-{step:06d}.png").is_file()
+        assert page.count("<section") == len(steps)
+        assert "EMA weights" in page
+        for prompt in CASES[name][2]:
+            assert prompt in page
+
+
+def test_dstune_export_of_a_zero3_checkpoint_yields_the_lora_file(runs, tmp_path):
+    """Offline, one process: ZeRO-3 adapter shards and EMA shares are gathered into a loadable LoRA file."""
+    run_dir = _ok(runs, "zero3")
+    out = tmp_path / "step2"
+    done = subprocess.run([sys.executable, "-m", "dstune", "export", str(run_dir), "--step", "2", "--out", str(out)],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, explain(done)
+    step2, final = _lora_file(out), _lora_file(run_dir / "export" / f"step-{STEPS:08d}")
+    assert set(step2) == set(final)
+    assert max((step2[k] - final[k]).abs().max().item() for k in final) > 0  # step 2's adapters, not the last

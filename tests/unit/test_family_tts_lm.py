@@ -1,0 +1,124 @@
+"""The tts_lm family without a process group: the built-in model, the token layout and its label mask, the loss
+falling on builtin:tones, sampling to WAV, export + reload + synthesis, the DAC codec path, layout mismatches."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dstune.data.audio import SpeechDataset, collate_speech, speech_records
+from dstune.families import tts_lm
+from dstune.families.base import FamilyError
+from dstune.families.tiny import ensure_builtin_model
+from dstune.spec.models import DataSpec, SampleSpec, TtsLmModel
+
+soundfile = pytest.importorskip("soundfile")
+
+
+@pytest.fixture(scope="module")
+def cache_dir():
+    """The tests' shared model cache (as tests/dist/harness.py): the built-in model is built once (~20 s)."""
+    cache = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
+    ensure_builtin_model("builtin:tiny-tts-lm", cache)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def built(cache_dir):
+    torch.manual_seed(0)
+    return tts_lm.build(TtsLmModel(family="tts_lm", max_sample_seconds=0.5), cache_dir, "cpu")
+
+
+@pytest.fixture(scope="module")
+def batch(built):
+    records, _ = speech_records(DataSpec(path="builtin:tones", max_clip_seconds=0.6))
+    dataset = SpeechDataset(records, built.sample_rate)
+    return collate_speech([dataset[i] for i in range(8)])
+
+
+def test_builtin_is_tiny_and_codes_follow_the_sound(built):
+    assert sum(p.numel() for p in built.trainable.parameters()) < 300_000
+    from dstune.data.audio import resample
+    from dstune.data.audio_index import render_tones
+
+    codes = [tts_lm.encode_clip(built.codec, "encodec", torch.from_numpy(resample(render_tones(d), 16000, 8000)), 2)
+             for d in "09"]
+    assert codes[0].shape == (2, 7) and not torch.equal(codes[0], codes[1])
+
+
+def test_sequence_layout_masks_the_text_prefix(built, batch):
+    encoded = tts_lm.encode_batch(built, batch)
+    layout = built.layout
+    for row, text in enumerate(batch["texts"]):
+        prefix = len(text.encode()) + 1
+        ids, labels = encoded["input_ids"][row], encoded["labels"][row]
+        assert ids[prefix - 1] == layout["audio_bos"] and (labels[:prefix] == -100).all()
+        length = int(encoded["attention_mask"][row].sum())
+        audio = ids[prefix:length - 1]
+        assert ids[length - 1] == layout["audio_eos"] and torch.equal(labels[prefix:length], ids[prefix:length])
+        codebook = (audio - layout["audio_offset"]) // layout["codebook_size"]
+        assert torch.equal(codebook, torch.arange(len(audio)) % layout["num_codebooks"])
+        assert (labels[length:] == -100).all()
+
+
+def test_loss_falls_and_samples_change(built, batch, tmp_path):
+    lm = built.trainable
+    before = tts_lm.sample(built, lm, ["12"], SampleSpec(seed=3), None)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=3e-3)
+    encoded = tts_lm.encode_batch(built, batch)
+    losses = []
+    for step in range(25):
+        loss = tts_lm.loss(built, lm, encoded, 0, step)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
+    after = tts_lm.sample(built, lm, ["12"], SampleSpec(seed=3), None)
+    assert len(before[0].wave) != len(after[0].wave) or not np.array_equal(before[0].wave, after[0].wave)
+    folder = tts_lm.save_grid(after, ["12"], tmp_path / "samples" / "step-000008.png")
+    wave, rate = soundfile.read(folder / "00.wav")
+    assert rate == 8000 and len(wave) == len(after[0].wave)
+    assert "12" in (folder / "prompts.txt").read_text()
+
+
+def test_export_reloads_and_synthesizes(built, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tts_lm.export(built, built.trainable.state_dict(), tmp_path / "export")
+    assert json.loads((out / "dstune_tts.json").read_text()) == built.layout
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in built.trainable.state_dict().items())
+    clip = tts_lm.synthesize(out, "7", seconds=0.2, temperature=0.0)
+    assert clip.sample_rate == 8000 and 0 < clip.wave.size <= 0.2 * 8000 and np.isfinite(clip.wave).all()
+
+
+def test_plain_lm_with_a_dac_codec_gets_audio_tokens_appended(tmp_path):
+    """An LM without dstune_tts.json (text vocabulary only) + a DAC codec folder: the vocabulary is resized."""
+    from transformers import DacConfig, DacModel, LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "lm")
+    DacModel(DacConfig(encoder_hidden_size=8, downsampling_ratios=[2, 4], decoder_hidden_size=16, n_codebooks=3,
+                       codebook_size=16, codebook_dim=4, sampling_rate=16000)).save_pretrained(tmp_path / "dac")
+    built = tts_lm.build(TtsLmModel(family="tts_lm", pretrained=str(tmp_path / "lm"), codec="dac",
+                                    codec_pretrained=str(tmp_path / "dac"), num_codebooks=2), tmp_path, "cpu")
+    assert built.layout["audio_offset"] == 300 and built.layout["num_codebooks"] == 2
+    assert built.trainable.get_input_embeddings().num_embeddings == 300 + 2 * 16 + 3
+    encoded = tts_lm.encode_batch(built, {"index": [0], "texts": ["hi"], "audio": [torch.randn(1600) * 0.1]})
+    assert torch.isfinite(tts_lm.loss(built, built.trainable, encoded, 0, 0))
+    codes = tts_lm.encode_clip(built.codec, "dac", torch.randn(1600) * 0.1, 2)
+    assert codes.shape == (2, 200) and tts_lm.decode_codes(built.codec, "dac", codes).size == 1600
+
+
+def test_missing_codec_and_mismatched_layout_are_clear_errors(cache_dir, tmp_path):
+    folder = ensure_builtin_model("builtin:tiny-tts-lm", cache_dir)
+    with pytest.raises(FamilyError, match="cannot load it as EncodecModel"):
+        tts_lm.build(TtsLmModel(family="tts_lm", codec_pretrained=str(tmp_path)), cache_dir, "cpu")
+    with pytest.raises(FamilyError, match="num_codebooks 2 != model.num_codebooks 3"):
+        tts_lm.build(TtsLmModel(family="tts_lm", pretrained=str(folder), num_codebooks=3), cache_dir, "cpu")
