@@ -50,3 +50,15 @@ def test_no_module_shadows_the_standard_library_or_a_dependency():
 
 def test_the_check_would_catch_the_classic_mistakes():
     assert {"logging", "types", "io", "profile", "torch", "yaml", "PIL", "deepspeed"} <= shadowing_names()
+
+
+def test_test_files_have_unique_basenames():
+    """tests/ is not a package, so pytest imports each test file by its basename: two files of one name (one in
+    tests/unit, one in tests/dist) stop collection of the whole suite."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(REPO)} and {path.relative_to(REPO)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, "rename one of: " + "; ".join(clashes)
