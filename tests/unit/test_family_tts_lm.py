@@ -116,6 +116,27 @@ def test_plain_lm_with_a_dac_codec_gets_audio_tokens_appended(tmp_path):
     assert codes.shape == (2, 200) and tts_lm.decode_codes(built.codec, "dac", codes).size == 1600
 
 
+def test_a_mimi_codec_trains_and_round_trips(tmp_path):
+    """model.codec: mimi (Kyutai's codec, 12.5 frames/s, split RVQ): tokens for the LM and audio back."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MimiConfig, MimiModel
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "lm")
+    MimiModel(MimiConfig(hidden_size=64, num_filters=4, codebook_size=32, codebook_dim=16,
+                         vector_quantization_hidden_dimension=16, num_quantizers=4, num_semantic_quantizers=1,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                         intermediate_size=64, sliding_window=16, upsample_groups=64)).save_pretrained(tmp_path / "mimi")
+    built = tts_lm.build(TtsLmModel(family="tts_lm", pretrained=str(tmp_path / "lm"), codec="mimi",
+                                    codec_pretrained=str(tmp_path / "mimi"), num_codebooks=2), tmp_path, "cpu")
+    assert built.layout["num_codebooks"] == 2 and built.sample_rate == 24000
+    assert built.trainable.get_input_embeddings().num_embeddings == 300 + 2 * 32 + 3
+    wave = torch.randn(24000) * 0.1  # one second: 12.5 frames, rounded up
+    encoded = tts_lm.encode_batch(built, {"index": [0], "texts": ["hi"], "audio": [wave]})
+    assert torch.isfinite(tts_lm.loss(built, built.trainable, encoded, 0, 0))
+    codes = tts_lm.encode_clip(built.codec, "mimi", wave, 2)
+    assert codes.shape == (2, 13) and tts_lm.decode_codes(built.codec, "mimi", codes).size >= 24000
+
+
 def test_missing_codec_and_mismatched_layout_are_clear_errors(cache_dir, tmp_path):
     folder = ensure_builtin_model("builtin:tiny-tts-lm", cache_dir)
     with pytest.raises(FamilyError, match="cannot load it as EncodecModel"):
