@@ -14,7 +14,7 @@ Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import re
 import subprocess
@@ -24,18 +24,14 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import BENCH_CACHE as CACHE_DIR, REPO, env, machine, print_json, print_table, say as _say  # noqa: E402
+
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
-
-CACHE_DIR = REPO / ".dstune-cache" / "bench"
-
-
-def _say(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def _spec(work: Path, resolution: int, batch: int, latents: bool) -> dict:
@@ -77,7 +73,8 @@ def step_times(work: Path, resolution: int, batch: int, steps: int) -> dict:
     records = list_samples(spec.data)
     run = SimpleNamespace(rank=0, world_size=1, node_rank=0, is_main=True)
     _say("building the cache in this process")
-    index, code = prepare_cache(run, spec, built, records)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout holds only the table and the JSON line
+        index, code = prepare_cache(run, spec, built, records)
     assert code == 0
     order = torch.Generator().manual_seed(0)
     batches = torch.randperm(len(records), generator=order)[: (steps + 1) * batch].view(-1, batch).tolist()
@@ -98,7 +95,6 @@ def build_time(work: Path, resolution: int, ranks: int, attempt: int) -> float:
     spec_path = work / f"build{ranks}-{attempt}.yaml"
     spec = _spec(work / f"r{ranks}-{attempt}", resolution, 2, latents=True)
     spec_path.write_text(yaml.safe_dump(spec))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     train = str(REPO / "dstune" / "train.py")
     if ranks == 1:
         cmd = [sys.executable, train, str(spec_path), "--cache-only"]
@@ -106,7 +102,7 @@ def build_time(work: Path, resolution: int, ranks: int, attempt: int) -> float:
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), train, str(spec_path),
                "--cache-only"]
     _say(f"cache build with {ranks} rank(s)")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=900)
     found = re.search(r"entries per folder \(([\d.]+) s\)", proc.stdout)
     if proc.returncode != 0 or not found:
         raise SystemExit(f"build with {ranks} rank(s) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -123,16 +119,18 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        result = {"resolution": args.resolution, "batch": args.batch, "cpus": os.cpu_count(),
+        result = {"resolution": args.resolution, "batch": args.batch,
                   **step_times(work / "steps", args.resolution, args.batch, args.steps)}
         one = min(build_time(work, args.build_resolution, 1, i) for i in range(args.repeats))
         two = min(build_time(work, args.build_resolution, 2, i) for i in range(args.repeats))
     result.update(build_resolution=args.build_resolution, build_entries=256 + 18,
                   build_1_rank_s=one, build_2_ranks_s=two, build_speedup=one / two)
-    print(f"{'measure':32} {'value':>10}")
-    for name, value in result.items():
-        print(f"{name:32} {value:>10.3f}" if isinstance(value, float) else f"{name:32} {value:>10}")
-    print(json.dumps(result))
+    print_table(f"Cache: step time ({args.resolution} px, batch {args.batch}) and build time "
+                f"({args.build_resolution} px, {result['build_entries']} entries)",
+                ["measure", "dstune (cached / 2 ranks)", "baseline (on the fly / 1 rank)", "baseline / dstune"],
+                [["step time, s", result["cached_step_s"], result["on_the_fly_step_s"], result["step_speedup"]],
+                 ["cache build, s", two, one, one / two]])
+    print_json("cache", {**result, **machine()})
 
 
 if __name__ == "__main__":

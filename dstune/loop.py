@@ -44,6 +44,8 @@ class LoopContext:
     sample_every_steps: Optional[int] = None
     render_samples: Optional[Callable[[int], None]] = None  # collective: called with the step number
     compute_dtype: torch.dtype = torch.float32
+    # Seconds this rank spent blocked on the loader (data_s) and everything else in its steps (compute_s): the
+    # loop's own measure of whether data loading is the bottleneck (see progress.time_split_text).
     timings: dict = field(default_factory=lambda: {"data_s": 0.0, "compute_s": 0.0})
 
 
@@ -72,6 +74,7 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
     run, plan, engine, family = ctx.run, ctx.plan, ctx.engine, ctx.family
     _check_space_for_checkpoints(ctx)
     accumulation = plan.gradient_accumulation_steps
+    loop_started = time.perf_counter()  # metrics' elapsed_s: wall time including logging and checkpoints
     while state.global_step < plan.total_steps:
         ctx.sampler.set_epoch(state.epoch, start_step=state.step_in_epoch)
         loss_sum, micro_in_step = 0.0, 0
@@ -107,6 +110,8 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                     "loss": mean_loss, "lr": lr,
                     "grad_norm": None if grad_norm is None else float(grad_norm),
                     "samples_per_s": samples_per_s, "data_s": data_wait, "compute_s": step_seconds - data_wait,
+                    "data_wait_fraction": data_wait / max(step_seconds, 1e-9),
+                    "elapsed_s": time.perf_counter() - loop_started,
                 })
             if ctx.save_every_steps and state.global_step % ctx.save_every_steps == 0 \
                     and state.global_step < plan.total_steps:

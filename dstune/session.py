@@ -19,7 +19,7 @@ from dstune.check import bucket_report, check_batches, expected_from_plan, rank_
 from dstune.checkpoint import (CheckpointError, TrainState, checkpoint_root, list_complete, load_checkpoint,
                                read_latest, resolve_resume, save_checkpoint, tag_for)
 from dstune.distributed import Run, all_gather_object, any_rank, barrier, init_run, shutdown, stop
-from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds
+from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.spec.load import SpecError, load_spec
 from dstune.spec.models import AUDIO_FAMILIES
 
@@ -264,10 +264,8 @@ def _train(run: Run, resolved, run_dir: Path, resume: str | None) -> int:
         save_checkpoint(engine, run, run_dir, state, extra, spec.output.keep_last)
     render_samples(state.global_step)
     if run.is_main:
-        timings = ctx.timings
         print(f"trained {state.global_step} steps ({state.samples_seen} samples) in {fmt_seconds(elapsed)}; "
-              f"waiting for data {fmt_seconds(timings['data_s'])}, compute {fmt_seconds(timings['compute_s'])}; "
-              f"checkpoint {checkpoint_root(run_dir) / tag}", flush=True)
+              f"{time_split_text(ctx.timings)}; checkpoint {checkpoint_root(run_dir) / tag}", flush=True)
     error = None
     if spec.output.export != "none" and run.is_main:
         from dstune.export import ExportError, export_checkpoint

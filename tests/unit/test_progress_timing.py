@@ -1,0 +1,19 @@
+"""The end-of-run line on where step time went (dstune.progress.time_split_text, fed by the loop's timings)."""
+
+from dstune.progress import time_split_text
+
+
+def test_reports_data_wait_as_time_and_fraction_of_step_time():
+    text = time_split_text({"data_s": 0.5, "compute_s": 49.5})
+    assert text.startswith("waiting for data 0.5 s (1.0% of step time), compute 49.5 s")
+    assert "bottleneck" not in text
+
+
+def test_names_the_loader_as_the_bottleneck_with_what_helps():
+    text = time_split_text({"data_s": 30.0, "compute_s": 70.0})
+    assert "(30.0% of step time)" in text
+    assert "the loader is a bottleneck" in text and "data.num_workers" in text and "data.cache" in text
+
+
+def test_no_steps_is_not_a_division_by_zero():
+    assert "(0.0% of step time)" in time_split_text({"data_s": 0.0, "compute_s": 0.0})
