@@ -25,6 +25,9 @@ def main() -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
     args = parser.parse_args()
     deepspeed.init_distributed()
+    torch.distributed.barrier()  # every rank has mapped every shm segment: the names can go
+    from dstune.distributed import release_shm_allreduce_name
+    release_shm_allreduce_name(torch.distributed.get_rank())  # as dstune does: no 69 MB leak per rank
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel
 

@@ -94,7 +94,7 @@ def init_run(timeout_minutes: int) -> Run:
         deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
     nodes = all_gather_object(_node_identity())  # also a barrier: every rank is past init_distributed
     if accelerator == "cpu":
-        _release_shm_allreduce_name(rank)
+        release_shm_allreduce_name(rank)
     order: list[tuple] = []
     for node in nodes:  # launch order: ranks are numbered node by node
         if node not in order:
@@ -110,12 +110,13 @@ def init_run(timeout_minutes: int) -> Run:
                node_rank=order.index(nodes[rank]), launched=launched)
 
 
-def _release_shm_allreduce_name(rank: int) -> None:
+def release_shm_allreduce_name(rank: int) -> None:
     """On the CPU accelerator DeepSpeed's shm all-reduce gives each rank a ~69 MB POSIX shared-memory segment,
     /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>, maps every peer's during init_distributed and
     never unlinks them: each run, and each killed run, would leave 69 MB per rank in RAM until reboot. Once every
     rank is past init (the caller's collective), all mappings exist, so the name can go; the memory lives on while
-    the ranks run and is freed by the kernel when the last one exits, however it exits."""
+    the ranks run and is freed by the kernel when the last one exits, however it exits. Call it only after a
+    collective that every rank entered after init_distributed: a peer still in init would wait for the name forever."""
     name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
             f"{os.environ.get('MASTER_PORT', '')}_{rank}")
     try:

@@ -57,17 +57,25 @@ def launch(spec_path: Path, num_ranks: int = 2, args: tuple = (), script: Path =
     if num_ranks == 1:
         cmd = [sys.executable, str(script), *script_args, str(spec_path), *args]
     else:
+        port = _free_port()
+        LAUNCHED_PORTS.append(port)
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
-               "--master_port", str(_free_port())]
+               "--master_port", str(port)]
         cmd += ["--module", "dstune.train"] if as_module else [str(script), *script_args]
         cmd += [str(spec_path), *args]
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
 
 
-def shm_segments() -> set[str]:
-    """DeepSpeed's CPU all-reduce segments in /dev/shm (RAM): a run must not leave its own behind."""
+LAUNCHED_PORTS: list[int] = []  # the master port of every multi-rank launch, in order
+
+
+def shm_segments(ports: list[int]) -> set[str]:
+    """DeepSpeed's CPU all-reduce segments in /dev/shm (RAM) of the launches on these master ports (other programs on
+    the machine may hold their own): a run must not leave its own behind."""
     shm = Path("/dev/shm")
-    return {p.name for p in shm.glob("deepspeed_allreduce_buffer_*")} if shm.is_dir() else set()
+    if not shm.is_dir():
+        return set()
+    return {p.name for p in shm.glob("deepspeed_allreduce_buffer_*") if int(p.name.split("_")[-2]) in ports}
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import CACHE_DIR, base_spec, explain, launch, metrics, shm_segments, write_spec
+from harness import CACHE_DIR, LAUNCHED_PORTS, base_spec, explain, launch, metrics, shm_segments, write_spec
 
 pytestmark = pytest.mark.dist
 
@@ -53,7 +53,7 @@ def _image_folder(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """One real launch per case, shared by the tests below (each launch costs ~20-30 s on 2 cores)."""
-    out = {"shm_before": shm_segments()}
+    out = {"first_port": len(LAUNCHED_PORTS)}
     for name, (stage, checkpointing) in CASES.items():
         run_dir = tmp_path_factory.mktemp(name) / "run"
         spec = _spec(run_dir, stage, checkpointing)
@@ -62,7 +62,7 @@ def runs(tmp_path_factory) -> dict:
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         # zero0 goes through `deepspeed --module dstune.train`, the others through `deepspeed dstune/train.py`
         out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2, as_module=name == "zero0"))
-    out["shm_after"] = shm_segments()
+    out["shm_left"] = shm_segments(LAUNCHED_PORTS[out["first_port"]:])
     return out
 
 
@@ -70,7 +70,7 @@ def test_runs_leave_no_shared_memory_behind(runs):
     """DeepSpeed's CPU all-reduce never unlinks its 69 MB-per-rank /dev/shm segments; dstune does, or every run on
     the CPU would keep that much RAM until reboot (a day of test runs filled a 24 GB machine)."""
     assert all(runs[name][2].returncode == 0 for name in CASES)
-    assert runs["shm_after"] - runs["shm_before"] == set()
+    assert runs["shm_left"] == set()
 
 
 @pytest.mark.parametrize("name", list(CASES))

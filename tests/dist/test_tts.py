@@ -2,8 +2,9 @@
 buckets) and ZeRO 3 (an LJSpeech folder of 16 kHz WAVs resampled to the codec's 8 kHz, with clips the length
 rules skip and one unreadable file); both pass the batch check, write WAV samples and export a folder that
 transformers reloads and that generates audio. ZeRO 3 resumes exactly; the codec-token cache two ranks built is
-byte-for-byte what one process builds. The speecht5 family trains under ZeRO 3 (its 0-dim parameters and layerdrop
-are the pitfalls) and exports a folder SpeechT5ForTextToSpeech reloads and speaks with."""
+byte-for-byte what one process builds. The speecht5 family trains under ZeRO 2 and ZeRO 3 (its 0-dim parameters
+and layerdrop are the pitfalls), resumes exactly (its prenet dropout is always on, so its RNG must be restored) and
+exports a folder SpeechT5ForTextToSpeech reloads and speaks with."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.dist
 
 STEPS = 4
 CASES = {"zero2": 2, "zero3": 3}
-SPEECHT5 = "speecht5-zero3"
+SPEECHT5_CASES = {"speecht5-zero2": 2, "speecht5-zero3": 3}
 
 
 def _ljspeech_folder(root: Path) -> Path:
@@ -58,27 +59,27 @@ def _spec(run_dir: Path, stage: int) -> dict:
         sample={"prompts": ["123", "90"]})
 
 
-def _speecht5_spec(run_dir: Path) -> dict:
+def _speecht5_spec(run_dir: Path, stage: int) -> dict:
     spec = _spec(run_dir, 2)
     spec["model"] = {"family": "speecht5", "pretrained": "builtin:tiny-speecht5", "max_sample_seconds": 0.5}
     spec["data"] = {"path": "builtin:tones", "max_clip_seconds": 0.5, "num_workers": 0}
-    spec["deepspeed"] = {"zero_stage": 3}
+    spec["deepspeed"] = {"zero_stage": stage}
     return spec
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Three launches shared by the tests below (a fourth, the resume, is in its own test)."""
+    """Four launches shared by the tests below (the resumes are in their own tests)."""
     out = {}
-    for name, stage in [*CASES.items(), (SPEECHT5, 3)]:
+    for name, stage in [*CASES.items(), *SPEECHT5_CASES.items()]:
         run_dir = tmp_path_factory.mktemp(f"tts-{name}") / "run"
-        spec = _speecht5_spec(run_dir) if name == SPEECHT5 else _spec(run_dir, stage)
+        spec = _speecht5_spec(run_dir, stage) if name in SPEECHT5_CASES else _spec(run_dir, stage)
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
     return out
 
 
-@pytest.mark.parametrize("name", [*CASES, SPEECHT5])
+@pytest.mark.parametrize("name", [*CASES, *SPEECHT5_CASES])
 def test_trains_checks_samples_and_exports(runs, name):
     run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
@@ -92,7 +93,7 @@ def test_trains_checks_samples_and_exports(runs, name):
 
     before, rate = soundfile.read(first / "00.wav")
     after, _ = soundfile.read(last / "00.wav")
-    assert rate == (16000 if name == SPEECHT5 else 8000) and len(before) > 0 and len(after) > 0
+    assert rate == (16000 if name in SPEECHT5_CASES else 8000) and len(before) > 0 and len(after) > 0
     assert len(before) != len(after) or not np.array_equal(before, after)  # training changed what it says
 
 
@@ -121,8 +122,9 @@ def test_export_reloads_in_transformers_and_speaks(runs, name):
     assert clip.sample_rate == 8000 and clip.wave.size > 0 and np.isfinite(clip.wave).all()
 
 
-def test_zero3_resume_continues_exactly(runs, tmp_path):
-    run_dir, spec_path, proc = runs["zero3"]
+@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2"])
+def test_resume_continues_exactly(runs, name, tmp_path):
+    run_dir, spec_path, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)
@@ -167,12 +169,13 @@ def test_codec_cache_of_two_ranks_equals_one_process(runs, tmp_path):
         assert torch.equal(load_file(one / entry.relpath)["codes"], load_file(two_ranks / entry.relpath)["codes"])
 
 
-def test_speecht5_export_reloads_and_speaks(runs):
+@pytest.mark.parametrize("name", list(SPEECHT5_CASES))
+def test_speecht5_export_reloads_and_speaks(runs, name):
     from transformers import SpeechT5ForTextToSpeech
 
     from dstune.families.speecht5 import synthesize
 
-    run_dir, _, proc = runs[SPEECHT5]
+    run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
     folder = run_dir / "export" / f"step-{STEPS:08d}"
     model = SpeechT5ForTextToSpeech.from_pretrained(folder)
