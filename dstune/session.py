@@ -266,14 +266,20 @@ def _train(run: Run, resolved, run_dir: Path, resume: str | None) -> int:
     if run.is_main:
         print(f"trained {state.global_step} steps ({state.samples_seen} samples) in {fmt_seconds(elapsed)}; "
               f"{time_split_text(ctx.timings)}; checkpoint {checkpoint_root(run_dir) / tag}", flush=True)
-    error = None
-    if spec.output.export != "none" and run.is_main:
-        from dstune.export import ExportError, export_checkpoint
+    # Training is over on every rank. The export reads the checkpoint files and needs no other rank, so the others
+    # leave now rather than wait in a collective for as long as a large export takes (and against its timeout);
+    # an export failure on rank 0 still makes the launcher exit non-zero.
+    barrier()
+    shutdown()
+    if spec.output.export == "none" or not run.is_main:
+        return 0
+    from dstune.export import ExportError, export_checkpoint
 
-        try:
-            out = export_checkpoint(run_dir, built=built)
-            print(f"exported: {out}", flush=True)
-        except ExportError as err:
-            error = str(err)
-    _agree_or_stop(run, error)
+    try:
+        out = export_checkpoint(run_dir, built=built)
+    except ExportError as err:
+        print(f"export failed: {err}\nThe checkpoint {checkpoint_root(run_dir) / tag} is complete; retry with "
+              f"`dstune export {run_dir}`.", file=sys.stderr, flush=True)
+        return 1
+    print(f"exported: {out}", flush=True)
     return 0

@@ -54,4 +54,12 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    code = main()
+    if "RANK" in os.environ:
+        # Launched rank: everything is written, flushed and torn down by now. Leave without the interpreter's final
+        # clean-up, where torch/gloo threads being destroyed sometimes abort a finished rank ("terminate called
+        # without an active exception", seen on CPU under load), which the launcher would report as a failed run.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
