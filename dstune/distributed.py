@@ -181,4 +181,16 @@ def stop(run: Run | None, message: str, code: int = 1) -> "NoReturn":  # noqa: F
     if run is None or run.is_main:
         print(message, file=sys.stderr, flush=True)
     shutdown()
+    exit_rank(code)
+
+
+def exit_rank(code: int) -> "NoReturn":  # noqa: F821
+    """End this process with `code`. A launched rank skips the interpreter's final clean-up, where torch/gloo
+    threads being torn down sometimes abort a finished rank ("terminate called without an active exception", seen
+    on the CPU under load), which the launcher would report instead of `code`. Everything is written and flushed
+    (checkpoints and exports are complete before their callers return; metrics are flushed per line)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "RANK" in os.environ:
+        os._exit(code)
     sys.exit(code)

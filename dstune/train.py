@@ -55,11 +55,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     code = main()
-    if "RANK" in os.environ:
-        # Launched rank: everything is written, flushed and torn down by now. Leave without the interpreter's final
-        # clean-up, where torch/gloo threads being destroyed sometimes abort a finished rank ("terminate called
-        # without an active exception", seen on CPU under load), which the launcher would report as a failed run.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    from dstune.distributed import exit_rank
+
+    exit_rank(code)  # a launched rank leaves without the interpreter's clean-up (see exit_rank)

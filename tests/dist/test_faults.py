@@ -69,9 +69,10 @@ elif kind == "kill-in-save" and rank == 1:
 elif kind == "data-differs" and rank == 1:  # this "node" sees another copy of the data folder
     sys.argv += ["--set", f"data.path={{arg}}"]
 
+from dstune.distributed import exit_rank
 from dstune.train import main
 
-sys.exit(main())
+exit_rank(main())  # as dstune/train.py ends
 '''
 
 
