@@ -193,6 +193,39 @@ def publish_folder(finished: Path, final: Path) -> None:
         os.rename(finished, final)
 
 
+
+def read_component_config(folder: Path, name: str) -> dict:
+    """`folder/name/config.json` of a pipeline component; FamilyError naming the file when it is not JSON."""
+    path = folder / name / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise FamilyError(f"{path}: cannot read it as JSON ({err})") from None
+
+
+def export_pipeline_folder(source: Path, out_dir, trained_name: str, trained, finish=None) -> Path:
+    """Write a complete diffusers pipeline folder at `out_dir`: the trained component `trained_name` (a module,
+    saved as safetensors) plus every other component `source`'s model_index.json lists, copied unchanged.
+    `finish(work_folder)` may adjust the copy before it is published (sd: the scheduler's prediction type).
+    Written beside `out_dir` and renamed into place, replacing an older export only once complete."""
+    index = read_model_index(source)
+    out = Path(out_dir)
+    work = temporary_sibling(out, "exporting")
+    try:
+        for name, entry in index.items():
+            listed = isinstance(entry, list) and len(entry) == 2 and entry[1] is not None
+            if listed and name != trained_name and (source / name).is_dir():
+                copy_component(source / name, work / name)
+        shutil.copy2(source / MODEL_INDEX, work / MODEL_INDEX)
+        with quiet_hf_libraries():
+            trained.save_pretrained(work / trained_name, safe_serialization=True)
+        if finish is not None:
+            finish(work)
+        publish_folder(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
 # ------------------------------------------------------------------------------------------------------ grids
 
 _GRID_CELL_PX = 192  # small models render 32-px images; scale them up (nearest) so they can be seen

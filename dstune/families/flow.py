@@ -28,16 +28,14 @@ As in the sd family, every draw of a sample (VAE posterior, noise, u) comes from
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from dstune.families.base import (MODEL_INDEX, FamilyError, copy_component, per_sample_randn, publish_folder,
-                                  quiet_hf_libraries, read_model_index, resolve_pretrained, sample_generator,
-                                  save_grid, temporary_sibling)
+from dstune.families.base import (FamilyError, export_pipeline_folder, per_sample_randn, quiet_hf_libraries,
+                                  read_model_index, resolve_pretrained, sample_generator, save_grid)
 from dstune.families.sd import _batch_field, _inputs_cast_to, _load, _non_reentrant_checkpoint
 from dstune.spec.models import FlowModel, SampleSpec
 
@@ -422,22 +420,7 @@ def export(built: FlowBuilt, transformer_state_dict: dict, out_dir, pretrained_f
     into a fresh one built from the source config) plus the source pipeline's other components copied unchanged.
     Written beside `out_dir` and renamed into place (an older export is replaced only once this one is complete)."""
     source = Path(pretrained_folder) if pretrained_folder is not None else built.folder
-    index = read_model_index(source)
-    transformer = _fresh_transformer(built, transformer_state_dict)
-    out = Path(out_dir)
-    work = temporary_sibling(out, "exporting")
-    try:
-        for name, entry in index.items():
-            listed = isinstance(entry, list) and len(entry) == 2 and entry[1] is not None
-            if listed and name != "transformer" and (source / name).is_dir():
-                copy_component(source / name, work / name)
-        shutil.copy2(source / MODEL_INDEX, work / MODEL_INDEX)
-        with quiet_hf_libraries():
-            transformer.save_pretrained(work / "transformer", safe_serialization=True)
-        publish_folder(work, out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return out
+    return export_pipeline_folder(source, out_dir, "transformer", _fresh_transformer(built, transformer_state_dict))
 
 
 def save_lora_weights(built: FlowBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:

@@ -20,7 +20,6 @@ deterministic (cacheable), and the draw is per sample and per step like the rest
 from __future__ import annotations
 
 import json
-import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +28,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from dstune.families.base import (MODEL_INDEX, FamilyError, copy_component, per_sample_randint, per_sample_randn,
-                                  publish_folder, quiet_hf_libraries, read_model_index, resolve_pretrained,
-                                  sample_generator, save_grid, temporary_sibling)
+from dstune.families.base import (FamilyError, export_pipeline_folder, per_sample_randint, per_sample_randn,
+                                  quiet_hf_libraries, read_component_config, read_model_index, resolve_pretrained,
+                                  sample_generator, save_grid)
 from dstune.spec.models import SampleSpec, SdModel
 
 __all__ = ["SdBuilt", "build", "encode_batch", "loss", "sample", "save_grid", "export", "save_lora_weights",
@@ -104,10 +103,7 @@ def check_sd_folder(folder: Path) -> None:
 
 def _config_mismatches(folder: Path) -> list[str]:
     def config(name: str) -> dict:
-        try:
-            return json.loads((folder / name / "config.json").read_text())
-        except (OSError, ValueError) as err:
-            raise FamilyError(f"{folder / name / 'config.json'}: cannot read it as JSON ({err})") from None
+        return read_component_config(folder, name)
 
     unet, vae, text = config("unet"), config("vae"), config("text_encoder")
     problems = []
@@ -329,22 +325,8 @@ def export(built: SdBuilt, unet_state_dict: dict, out_dir, pretrained_folder=Non
     fresh UNet built from the source config) plus the source pipeline's other components copied unchanged.
     Written beside `out_dir` and renamed into place, replacing an older export only once complete."""
     source = Path(pretrained_folder) if pretrained_folder is not None else built.folder
-    index = read_model_index(source)
-    unet = _fresh_unet(built, unet_state_dict)
-    out = Path(out_dir)
-    work = temporary_sibling(out, "exporting")
-    try:
-        for name, entry in index.items():
-            listed = isinstance(entry, list) and len(entry) == 2 and entry[1] is not None
-            if listed and name != "unet" and (source / name).is_dir():
-                copy_component(source / name, work / name)
-        shutil.copy2(source / MODEL_INDEX, work / MODEL_INDEX)
-        with quiet_hf_libraries():
-            unet.save_pretrained(work / "unet", safe_serialization=True)
-        _set_prediction_type(work / "scheduler", built.prediction_type)
-        publish_folder(work, out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return export_pipeline_folder(source, out_dir, "unet", _fresh_unet(built, unet_state_dict),
+                                  finish=lambda work: _set_prediction_type(work / "scheduler", built.prediction_type))
     return out
 
 

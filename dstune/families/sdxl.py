@@ -20,7 +20,6 @@ Min-SNR and offset noise are the sd family's (dstune.families.sd.loss) with the 
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +28,8 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families import sd
-from dstune.families.base import (FamilyError, quiet_hf_libraries, read_model_index, resolve_pretrained,
-                                  sample_generator, save_grid)
+from dstune.families.base import (FamilyError, quiet_hf_libraries, read_component_config, read_model_index,
+                                  resolve_pretrained, sample_generator, save_grid)
 from dstune.families.sd import _load, _non_reentrant_checkpoint, export
 from dstune.spec.models import SampleSpec, SdxlModel
 
@@ -110,10 +109,7 @@ def check_sdxl_folder(folder: Path) -> None:
 
 def _config_mismatches(folder: Path) -> list[str]:
     def config(name: str) -> dict:
-        try:
-            return json.loads((folder / name / "config.json").read_text())
-        except (OSError, ValueError) as err:
-            raise FamilyError(f"{folder / name / 'config.json'}: cannot read it as JSON ({err})") from None
+        return read_component_config(folder, name)
 
     unet, vae, te1, te2 = config("unet"), config("vae"), config("text_encoder"), config("text_encoder_2")
     problems = []
