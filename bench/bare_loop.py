@@ -44,7 +44,7 @@ def encoded_dataset(folder: str, resolution: int, count: int, device) -> tuple[t
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    from dstune.data.shapes import SHAPES_NUM_SAMPLES, render_shape
+    from dstune.data.synthetic import SHAPES_NUM_SAMPLES, render_shape
 
     vae = AutoencoderKL.from_pretrained(folder, subfolder="vae").to(device).eval()
     text_encoder = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder").to(device).eval()

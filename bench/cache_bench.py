@@ -62,7 +62,7 @@ def _steps(family, built, loader, steps: int) -> float:
 def step_times(work: Path, resolution: int, batch: int, steps: int) -> dict:
     from dstune.cache_build import prepare_cache
     from dstune.data import list_samples
-    from dstune.data.cached import CachedDataset, collate_cached
+    from dstune.cache.datasets import CachedDataset, collate_cached
     from dstune.data.images import ImageCaptionDataset, collate
     from dstune.families import get_family
     from dstune.spec.models import Spec

@@ -126,7 +126,7 @@ def bench_model_folder(cache_dir: Path = BENCH_CACHE) -> Path:
     import torch
     from diffusers import UNet2DConditionModel
 
-    from dstune.families.tiny import ensure_builtin_model
+    from dstune.builtin import ensure_builtin_model
 
     base = ensure_builtin_model("builtin:tiny-sd", cache_dir)
     work = cache_dir / f".{BENCH_MODEL_NAME}-building-{os.getpid()}"

@@ -37,7 +37,7 @@ RANKS = 2
 
 def make_folder(root: Path, count: int, source_px: int) -> Path:
     """`count` JPEG images (quality 90) of `source_px` px with same-name .txt captions."""
-    from dstune.data.shapes import render_shape
+    from dstune.data.synthetic import render_shape
 
     root.mkdir(parents=True)
     for i in range(count):
@@ -73,7 +73,7 @@ def write_spec(path: Path, spec: dict) -> Path:
 def loader_rate(spec_path: Path, folder: Path, cached: bool) -> tuple[float, int, int]:
     """(samples/s, samples, num_workers) of rank 0's loader over one epoch of a 2-rank plan."""
     from dstune.data import build_loader, list_samples
-    from dstune.resolve import resolve
+    from dstune.validate import load_and_validate as resolve
     from dstune.world import world_from_flags
 
     resolved = resolve(str(spec_path), world=world_from_flags(world_size=RANKS))

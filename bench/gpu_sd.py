@@ -70,7 +70,7 @@ def build_pipeline(dry_run: bool) -> Path:
     from transformers import CLIPTextConfig, CLIPTextModel
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from dstune.families.tiny import tiny_clip_tokenizer
+    from dstune.builtin.common import tiny_clip_tokenizer
 
     tokenizer = tiny_clip_tokenizer()  # SD's 49408-token vocabulary would have to be downloaded
     text = dict(DRY_TEXT if dry_run else SD15_TEXT, bos_token_id=tokenizer.bos_token_id,

@@ -62,7 +62,7 @@ def example_specs(repeats: int) -> list[tuple[str, float]]:
 
 
 def bad_batch(work: Path, repeats: int) -> tuple[list[float], list[float], str, str]:
-    from dstune.families.tiny import ensure_builtin_model
+    from dstune.builtin import ensure_builtin_model
 
     pipeline = ensure_builtin_model("builtin:tiny-sd", BENCH_CACHE)
     good = work / "demo.json"

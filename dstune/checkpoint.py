@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 
 from dstune.distributed import Run, all_gather_object, barrier
+from dstune.ema import Ema
+from dstune.fsutil import write_text_atomic
 
 STATE_FILE = "dstune_state.json"
 # The only non-tensor objects DeepSpeed 0.19 pickles into its checkpoint files (found with
@@ -111,12 +113,6 @@ def list_complete(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and (p / STATE_FILE).is_file())
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
     if torch.cuda.is_available():
@@ -132,18 +128,16 @@ def _restore_rng(state: dict) -> None:
 
 
 def leaves_frozen_out(module: torch.nn.Module) -> bool:
-    """True for a module with LoRA adapters: its frozen base weights are left out of checkpoints. They are the
-    pretrained folder's, rebuilt on resume and export, and would make a LoRA checkpoint model-sized."""
-    from dstune.lora import is_lora_key
+    """True for a module with frozen parameters (the base weights under LoRA): they are left out of checkpoints.
+    They are the pretrained folder's, rebuilt on resume and export, and would make a LoRA checkpoint model-sized.
+    (A full fine-tune trains every parameter of the trainable module, so nothing is left out there.)"""
+    return any(not param.requires_grad for param in module.parameters())
 
-    return any(is_lora_key(name) for name, _ in module.named_parameters())
 
-
-def save_checkpoint(engine, run: Run, run_dir: Path, state: TrainState, extra: dict, keep_last: int) -> str:
-    """Collective. Returns the tag. `extra` (spec, ds_config, plan) is stored beside the state for export/resume;
-    its "ema" entry, when present, is the run's dstune.ema.Ema, whose per-rank share is saved as ema_rank{R}.pt."""
-    ema = extra.get("ema")
-    extra = {key: value for key, value in extra.items() if key != "ema"}
+def save_checkpoint(engine, run: Run, run_dir: Path, state: TrainState, extra: dict, keep_last: int,
+                    ema: Optional[Ema] = None) -> str:
+    """Collective. Returns the tag. `extra` (spec, ds_config, plan: JSON) is stored beside the state for export and
+    resume; the run's EMA, when there is one, saves its per-rank share as ema_rank{R}.pt."""
     root = checkpoint_root(run_dir)
     tag = tag_for(state.global_step)
     if run.is_main:
@@ -163,8 +157,8 @@ def save_checkpoint(engine, run: Run, run_dir: Path, state: TrainState, extra: d
         raise CheckpointError(f"checkpoint {tag} is incomplete on some rank; 'latest' still points to the previous one")
     if run.is_main:
         payload = {"state": asdict(state), "world_size": run.world_size, "tag": tag, **extra}
-        _write_atomic(root / tag / STATE_FILE, json.dumps(payload, indent=2, default=str))
-        _write_atomic(root / "latest", tag)
+        write_text_atomic(root / tag / STATE_FILE, json.dumps(payload, indent=2, default=str))
+        write_text_atomic(root / "latest", tag)
         _prune(root, keep_last, keep=tag)
     barrier()
     return tag
@@ -177,9 +171,7 @@ BYTES_PER_PARAM = 16
 def checkpoint_bytes_estimate(engine) -> int:
     """About how many bytes one checkpoint of this engine takes, all ranks' shards together (ZeRO-3 aware)."""
     sizes = [(int(getattr(p, "ds_numel", p.numel())), p.requires_grad) for p in engine.module.parameters()]
-    trained = sum(n for n, grad in sizes if grad)
-    frozen = 0 if leaves_frozen_out(engine.module) else sum(n for n, grad in sizes if not grad)
-    return trained * BYTES_PER_PARAM + frozen * 4  # frozen weights that are saved: fp32, no optimizer state
+    return sum(n for n, grad in sizes if grad) * BYTES_PER_PARAM  # frozen weights are never saved (leaves_frozen_out)
 
 
 def space_problem(run_dir: Path, needed_bytes: int) -> Optional[str]:

@@ -172,17 +172,17 @@ def _stdout_to_stderr(active: bool):
 
 def _outcome(args, quiet_stdout: bool):
     """Resolve the spec for the flags' world -> Outcome (errors included). WorldError passes through."""
-    from dstune.cli_render import Outcome
+    from dstune.report import Outcome
     from dstune.data.index import DataError
-    from dstune.resolve import ResolveError, resolve
+    from dstune.validate import ResolveError, load_and_validate
     from dstune.spec.load import SpecError, SpecIssue
 
     _check_world_flag_combinations(args)
     _check_overrides(args.overrides)
     try:
         with _stdout_to_stderr(quiet_stdout):
-            resolved = resolve(args.spec, args.overrides, world=_world_factory(args), num_samples=args.num_samples,
-                               accelerator=args.accelerator)
+            resolved = load_and_validate(args.spec, args.overrides, world=_world_factory(args),
+                                         num_samples=args.num_samples, accelerator=args.accelerator)
         return Outcome.of(resolved)
     except ResolveError as err:
         return Outcome(err.spec, err.world, err.plan, err.ds_config, err.num_samples_origin, err.warnings,
@@ -204,7 +204,7 @@ def _world_error(args, err) -> tuple[int, str]:
 def cmd_validate(args) -> int:
     from rich.console import Console
 
-    from dstune.cli_render import Outcome, print_report
+    from dstune.report import Outcome, print_report
     from dstune.spec.load import SpecIssue
     from dstune.world import WorldError
 
@@ -225,7 +225,7 @@ def cmd_validate(args) -> int:
 def cmd_compile(args) -> int:
     from rich.console import Console
 
-    from dstune.cli_render import print_issues
+    from dstune.report import print_issues
     from dstune.world import WorldError
 
     try:
@@ -300,7 +300,7 @@ def cmd_cache(args) -> int:
     from dstune.world import use_cpu_accelerator_if_no_cuda
 
     use_cpu_accelerator_if_no_cuda()
-    from dstune.cache_build import run_cache_command
+    from dstune.startup import run_cache_command
 
     return run_cache_command(args.spec, args.overrides, verify_only=args.verify)
 

@@ -11,9 +11,12 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 from datetime import timedelta
 
 from dstune.world import World
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,6 @@ def launcher_rank() -> int:
     """This process's rank as the launcher set it, before the process group exists (0 without a launcher)."""
     _adopt_mpi_ranks()
     return int(os.environ.get("RANK", "0"))
-
-
-def launcher_world_size() -> int:
-    """The world size the launcher promised, before the process group exists (1 without a launcher)."""
-    _adopt_mpi_ranks()
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def init_run(timeout_minutes: int) -> Run:
@@ -158,9 +155,29 @@ def barrier() -> None:
         dist.barrier()
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is true on at least one: the basis of 'one fails, all stop'."""
-    return any(all_gather_object(bool(flag)))
+def agree_or_stop(run: Run, error: str | None) -> None:
+    """Collective: stop every rank if any rank has an error. Rank 0 prints the message once when every rank
+    failed the same way, else each failing rank's message under its rank number."""
+    errors = all_gather_object(error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if failed:
+        same = len({e for _, e in failed}) == 1 and len(failed) == run.world_size
+        text = failed[0][1] if same else "\n".join(f"rank {rank}: {e}" for rank, e in failed)
+        stop(run, text, 1)
+
+
+def rank0_first(run: Run, work: Callable[[], T], catch: tuple = (ValueError, OSError)) -> tuple[T | None, str | None]:
+    """Run `work` on rank 0, then on the others (what rank 0 makes once, such as a built-in model in a shared
+    cache, the others then load). Collective. Returns (result, None) or (None, the error's text) for `catch`."""
+    result, error = None, None
+    for turn in (True, False):
+        if run.is_main == turn:
+            try:
+                result = work()
+            except catch as err:
+                error = str(err)
+        barrier()
+    return result, error
 
 
 def shutdown() -> None:

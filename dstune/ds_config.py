@@ -39,10 +39,11 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from dstune.ds_user_config import AUTO, DEEPSPEED_CHECKED, json_key_line, merge_user_ds_config, stage3_bucket_sizes
+from dstune.ds_user_config import AUTO, DEEPSPEED_CHECKED, merge_user_ds_config, stage3_bucket_sizes
 from dstune.plan import Plan
-from dstune.spec.load import SpecError, SpecIssue, SpecSource
+from dstune.spec.load import SpecError, SpecIssue, SpecSource, json_key_line
 from dstune.spec.models import ADAFACTOR_STYLE, DeepSpeedSpec, OffloadSpec, TrainSpec
+from dstune.world import use_cpu_accelerator_if_no_cuda
 
 STEPS_PER_PRINT = 1_000_000_000  # dstune prints its own progress; DeepSpeed's step log would interleave with it
 DEEPSPEED_OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW"}  # DeepSpeedCPUAdam under optimizer offload
@@ -246,8 +247,6 @@ class _OfflineDist:
 @contextlib.contextmanager
 def _deepspeed_offline(world_size: int):
     """DeepSpeed's config module with an offline `dist` and its logger silenced; both restored afterwards."""
-    from dstune.world import use_cpu_accelerator_if_no_cuda
-
     use_cpu_accelerator_if_no_cuda()  # before the first deepspeed import, which picks the accelerator
     from deepspeed.runtime import config as ds_config_module
     from deepspeed.utils import logger

@@ -11,13 +11,12 @@ from __future__ import annotations
 import difflib
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dstune.plan import Plan
-from dstune.spec.load import SpecIssue, SpecSource
+from dstune.spec.load import SpecIssue, SpecSource, json_key_line, line_of
 from dstune.spec.models import DeepSpeedSpec, TrainSpec
 
 DEEPSPEED_CHECKED = "0.19.8"
@@ -86,25 +85,11 @@ _ZERO_FIELD_ALIASES = {name: f"stage3_{name}" for name in
                        ("prefetch_bucket_size", "param_persistence_threshold", "gather_16bit_weights_on_model_save")}
 
 
-# ------------------------------------------------------------------------------------------- JSON helpers
-
-
-def json_key_line(text: str, dotted: str) -> int | None:
-    """Line of a dotted key in JSON text: each part is searched after its parent. Approximate, good for messages."""
-    pos = 0
-    for part in dotted.split("."):
-        match = re.compile(rf'"{re.escape(part)}"\s*:').search(text, pos)
-        if match is None:
-            return None
-        pos = match.end()
-    return text.count("\n", 0, pos) + 1
-
-
 # --------------------------------------------------------------------------------------------------- merging
 
 
 @dataclass
-class _Merge:
+class MergeContext:
     """What every check needs: where issues point, the spec's values, and the issues found so far."""
 
     train: TrainSpec
@@ -194,12 +179,12 @@ def _show(value: Any) -> str:
     return json.dumps(value)
 
 
-def _conflict(ctx: _Merge, dotted: str, value: Any, expected: Any, spec_key: str) -> None:
+def _conflict(ctx: MergeContext, dotted: str, value: Any, expected: Any, spec_key: str) -> None:
     ctx.add(dotted, f"{_show(value)} in the file, but dstune uses {_show(expected)} ({ctx.origin(spec_key)}). "
             f"Make them agree: change {spec_key} in the spec, or write {_show(expected)} or \"auto\" in the file.")
 
 
-def _check_concrete(ctx: _Merge, dotted: str, value: Any) -> Any:
+def _check_concrete(ctx: MergeContext, dotted: str, value: Any) -> Any:
     rule = OWNED.get(dotted)
     if rule is not None and dotted in ctx.reference and (rule.always or ctx.spec_wrote(rule.spec_key)):
         expected = ctx.reference[dotted]
@@ -214,7 +199,7 @@ def _check_concrete(ctx: _Merge, dotted: str, value: Any) -> Any:
     return value
 
 
-def _merge_dicts(ctx: _Merge, ours: dict, theirs: dict, prefix: str = "") -> dict:
+def _merge_dicts(ctx: MergeContext, ours: dict, theirs: dict, prefix: str = "") -> dict:
     out = dict(ours)
     for key, value in theirs.items():
         dotted = f"{prefix}{key}"
@@ -240,7 +225,7 @@ def _merge_dicts(ctx: _Merge, ours: dict, theirs: dict, prefix: str = "") -> dic
 # --------------------------------------------------------------------------------- file-level rules and blocks
 
 
-def _normalize_names(ctx: _Merge, user: dict) -> dict:
+def _normalize_names(ctx: MergeContext, user: dict) -> dict:
     """Old and alternative spellings DeepSpeed accepts, rewritten to the keys dstune writes (so they cannot clash)."""
     user = dict(user)
     if "bfloat16" in user:
@@ -278,7 +263,7 @@ def _normalize_names(ctx: _Merge, user: dict) -> dict:
     return user
 
 
-def _check_data_parallel_only(ctx: _Merge, user: dict) -> None:
+def _check_data_parallel_only(ctx: MergeContext, user: dict) -> None:
     """dstune's plan assumes every rank is a data-parallel rank (a full replica under ZeRO); these keys change that."""
     tensor_parallel = user.get("tensor_parallel")
     sizes = {"tensor_parallel.autotp_size": tensor_parallel.get("autotp_size") if isinstance(tensor_parallel, dict)
@@ -293,7 +278,7 @@ def _check_data_parallel_only(ctx: _Merge, user: dict) -> None:
                 "data-parallel ranks (every rank); remove the key")
 
 
-def _warn_unknown_top_level(ctx: _Merge, user: dict) -> None:
+def _warn_unknown_top_level(ctx: MergeContext, user: dict) -> None:
     for key in user:
         if key in KNOWN_TOP_LEVEL_KEYS or key.startswith("_"):  # "_comment" style keys are notes by convention
             continue
@@ -303,7 +288,7 @@ def _warn_unknown_top_level(ctx: _Merge, user: dict) -> None:
                 "warning")
 
 
-def _check_optimizer_type(ctx: _Merge, block: dict) -> None:
+def _check_optimizer_type(ctx: MergeContext, block: dict) -> None:
     """DeepSpeed's type names vs train.optimizer.type."""
     wanted = ctx.train.optimizer.type
     written = block.get("type", AUTO)
@@ -323,7 +308,7 @@ def _check_optimizer_type(ctx: _Merge, block: dict) -> None:
                 "Make them agree, or remove the optimizer block (dstune builds the optimizer from train.optimizer).")
 
 
-def _merge_optimizer(ctx: _Merge, block: Any, ours: dict | None) -> dict | None:
+def _merge_optimizer(ctx: MergeContext, block: Any, ours: dict | None) -> dict | None:
     if not isinstance(block, dict):
         ctx.add("optimizer", f"must be a JSON object with type and params, not {_show(block)}")
         return ours
@@ -357,7 +342,7 @@ def _merge_optimizer(ctx: _Merge, block: Any, ours: dict | None) -> dict | None:
     return {**others, "type": ours["type"], "params": {**extra, **ours["params"]}}
 
 
-def _check_scheduler(ctx: _Merge, block: Any) -> None:
+def _check_scheduler(ctx: MergeContext, block: Any) -> None:
     """DeepSpeed's scheduler is always replaced by dstune's; disagreeing concrete values are errors."""
     ours = ctx.train.scheduler
     if not isinstance(block, dict):
@@ -390,11 +375,6 @@ def _check_scheduler(ctx: _Merge, block: Any) -> None:
                 f"steps from 0, {p.total_steps} optimizer steps) in place of DeepSpeed's {kind}", "warning")
 
 
-def _line_of(issue: SpecIssue) -> int:
-    tail = issue.where.rsplit(":", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
-
-
 def merge_user_ds_config(user: dict, compiled: dict, train: TrainSpec, deepspeed: DeepSpeedSpec, plan: Plan,
                          source: SpecSource, path: Path, text: str = "") -> tuple[dict, list[SpecIssue]]:
     """The user's DeepSpeed JSON with "auto" filled from the spec, over the compiled config.
@@ -402,7 +382,7 @@ def merge_user_ds_config(user: dict, compiled: dict, train: TrainSpec, deepspeed
     Returns (merged config, issues); issues include errors (conflicts, "auto" without a value) for the caller to
     raise together with its own. `text` (the file's text) lets issues point at lines.
     """
-    ctx = _Merge(train, plan, source, Path(path), text, spec_values(compiled, deepspeed), _flatten(compiled))
+    ctx = MergeContext(train, plan, source, Path(path), text, spec_values(compiled, deepspeed), _flatten(compiled))
     user = _normalize_names(ctx, user)
     _check_data_parallel_only(ctx, user)
     _warn_unknown_top_level(ctx, user)
@@ -415,5 +395,5 @@ def merge_user_ds_config(user: dict, compiled: dict, train: TrainSpec, deepspeed
     merged = _merge_dicts(ctx, {k: v for k, v in compiled.items() if k != "optimizer"}, rest)
     if optimizer is not None:
         merged["optimizer"] = optimizer
-    ctx.issues.sort(key=_line_of)
+    ctx.issues.sort(key=lambda issue: line_of(issue.where))
     return merged, ctx.issues

@@ -11,8 +11,8 @@ optimizer state (same world size, which resume already requires).
 
 The EMA follows the module's weights as the forward pass sees them (fp32 runs: the fp32 weights; bf16 runs: the
 bf16 copy DeepSpeed writes back after each step), like diffusers' EMAModel, kept in fp32.
-When. DeepSpeed steps the LR scheduler right after every applied optimizer update, on every rank; dstune's scheduler
-(dstune.engine.UpdateHookLR) calls `Ema.on_optimizer_step` then, so the loop needs no EMA code.
+When. The training loop calls `Ema.on_optimizer_step` right after every optimizer step DeepSpeed really applied
+(`engine.was_step_applied()`: a skipped fp16 overflow step leaves the weights, and so the EMA, unchanged).
 """
 
 from __future__ import annotations
@@ -161,10 +161,6 @@ class Ema:
 
 
 # ------------------------------------------------------------------------------------------------------ export
-
-
-def has_ema(folder: Path) -> bool:
-    return any(_FILE_RE.fullmatch(p.name) for p in Path(folder).glob("ema_rank*.pt"))
 
 
 def consolidated_ema(folder: Path) -> dict[str, torch.Tensor]:

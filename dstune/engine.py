@@ -16,6 +16,15 @@ from dstune.plan import Plan
 from dstune.spec.models import SchedulerSpec, TrainSpec
 
 
+# spec train.precision -> (compute dtype of the trainable module's inputs, dtype of the frozen companions). fp16
+# keeps the frozen parts in fp32: DeepSpeed's fp16 loss scaling covers only the trainable module.
+PRECISION_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "fp16": (torch.float16, torch.float32),
+}
+
+
 class Lion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023): sign of an interpolated momentum, decoupled weight decay."""
 
@@ -84,27 +93,6 @@ class LrMultiplier:
         return self.min_ratio + (1.0 - self.min_ratio) * shape
 
 
-class UpdateHookLR(torch.optim.lr_scheduler.LambdaLR):
-    """LambdaLR that also calls `after_update` hooks (the EMA) whenever it is stepped. DeepSpeed steps the scheduler
-    right after every applied optimizer update (not after skipped fp16 overflow steps), on every rank, once the new
-    weights are in the module (ZeRO 1-3 included): the one point where every stage's weights are final.
-    The hooks are not part of the scheduler's state (checkpoints load weights-only)."""
-
-    def __init__(self, optimizer, multiplier):
-        self.after_update = []  # before super().__init__, whose initial step() is not an update
-        super().__init__(optimizer, multiplier)
-        self._initialised = True
-
-    def step(self, *args, **kwargs):
-        super().step(*args, **kwargs)
-        if getattr(self, "_initialised", False):
-            for hook in self.after_update:
-                hook()
-
-    def state_dict(self):
-        return {k: v for k, v in super().state_dict().items() if k not in ("after_update", "_initialised")}
-
-
 def promote_scalar_params(module: torch.nn.Module) -> list[str]:
     """DeepSpeed 0.19.8 broadcasts parameters as byte views, which fails on 0-dim tensors ("self.dim() cannot be 0");
     reshape them to (1,) here and back to () on export. Returns the dotted names changed."""
@@ -131,7 +119,7 @@ def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, pl
         model=trainable,
         model_parameters=params,
         optimizer=optimizer,
-        lr_scheduler=lambda opt: UpdateHookLR(opt, multiplier),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, multiplier),
         config=ds_config,
         dist_init_required=False,
     )

@@ -17,6 +17,11 @@ import torch
 
 from dstune.checkpoint import (STATE_FILE, CheckpointError, checkpoint_root, list_complete, only_tensors_unpickled,
                                read_latest, tag_for)
+from dstune.ema import consolidated_ema, overlay_ema
+from dstune.families import get_family
+from dstune.families.lora import export_lora
+from dstune.pretrained import build_model
+from dstune.spec.load import SpecSource, validate_data
 
 
 class ExportError(RuntimeError):
@@ -70,15 +75,12 @@ def _load_weights(root: Path, tag: str, zero_stage: int) -> dict:
 def export_checkpoint(run_dir: Path, step: Optional[int] = None, out_dir: Optional[Path] = None,
                       built=None) -> Path:
     """Write the export of one checkpoint; returns the folder. `built` may be passed to skip rebuilding the family."""
-    from dstune.families import get_family
-    from dstune.spec.load import validate_data, SpecSource
-
     root, tag = find_checkpoint(Path(run_dir), step)
     saved = json.loads((root / tag / STATE_FILE).read_text())
     spec = validate_data(saved["spec"], SpecSource(str(root / tag / STATE_FILE)))
     family = get_family(spec.model.family)
     if built is None:
-        built = family.build(spec.model, spec.output.cache_dir, "cpu", torch.float32)
+        built = build_model(spec.model, spec.output.cache_dir, "cpu", torch.float32)
     state = consolidated_state_dict(root, tag, saved["ds_config"]["zero_optimization"]["stage"]
                                     if "zero_optimization" in saved["ds_config"] else 0,
                                     saved.get("scalar_params", []))
@@ -86,8 +88,6 @@ def export_checkpoint(run_dir: Path, step: Optional[int] = None, out_dir: Option
     try:
         state, weights = _chosen_weights(root / tag, state, spec.train.ema)
         if getattr(spec.model, "train", "full") == "lora":
-            from dstune.lora import export_lora
-
             export_lora(family, built, state, out, spec.model, weights)
         else:
             family.export(built, state, out)
@@ -103,8 +103,6 @@ def _chosen_weights(folder: Path, state: dict, ema_settings) -> tuple[dict, str]
     weights, or the trained weights as they are. Returns (state dict, "ema" | "raw")."""
     if ema_settings is None or ema_settings.export != "ema":
         return state, "raw"
-    from dstune.ema import consolidated_ema, overlay_ema
-
     with only_tensors_unpickled(f"checkpoint {folder}"):
         ema = consolidated_ema(folder)
     return overlay_ema(state, ema), "ema"

@@ -1,4 +1,5 @@
-"""`train_loop`: next batch -> family.loss -> engine.backward -> engine.step -> log -> save. One function, no callbacks.
+"""`train_loop`: next batch -> family.loss -> engine.backward -> engine.step -> EMA -> log -> save -> samples. One
+function, no callbacks: every step it takes is written in it.
 
 Every rank runs the same number of micro batches (the sampler guarantees it), so every collective below is reached by
 all ranks. Once per optimizer step, before the update is applied, the ranks exchange their losses: a non-finite loss
@@ -7,19 +8,25 @@ on any rank stops all of them at that step, with the rank named, and the weights
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
+from dstune.cache.latents import frozen_on_device
 from dstune.checkpoint import TrainState, checkpoint_bytes_estimate, save_checkpoint, space_problem
 from dstune.distributed import Run, all_gather_object, stop
+from dstune.ema import Ema
 from dstune.engine import current_lr
+from dstune.families.base import Family
+from dstune.families.samples import write_contact_sheet
 from dstune.plan import Plan
 from dstune.progress import MetricsFile, ProgressDisplay
+from dstune.spec.models import SampleSpec
 
 
 class NonFiniteLoss(RuntimeError):
@@ -31,7 +38,7 @@ class LoopContext:
     run: Run
     plan: Plan
     engine: object  # the DeepSpeed engine
-    family: object  # module with encode_batch / loss
+    family: Family
     built: object  # the family's Built (trainable + frozen companions)
     loader: object  # DataLoader over the GlobalBatchSampler
     sampler: object  # GlobalBatchSampler (set_epoch / position)
@@ -40,13 +47,33 @@ class LoopContext:
     save_every_steps: Optional[int]
     keep_last: int
     log_every_steps: int
-    checkpoint_extra: dict
-    sample_every_steps: Optional[int] = None
-    render_samples: Optional[Callable[[int], None]] = None  # collective: called with the step number
+    checkpoint_extra: dict  # JSON stored with every checkpoint (spec, DeepSpeed config, plan, promoted scalars)
+    sample_spec: SampleSpec
+    resolution: int  # data.resolution (image families sample at it)
+    ema: Optional[Ema] = None
+    offloaded: list = field(default_factory=list)  # frozen encoders the cache moved off the accelerator
     compute_dtype: torch.dtype = torch.float32
     # Seconds this rank spent blocked on the loader (data_s) and everything else in its steps (compute_s): the
     # loop's own measure of whether data loading is the bottleneck (see progress.time_split_text).
     timings: dict = field(default_factory=lambda: {"data_s": 0.0, "compute_s": 0.0})
+
+
+def render_samples(ctx: LoopContext, step: int) -> None:
+    """Collective (ZeRO-3 gathers the weights): sample the prompts with the weights the export will hold (the EMA
+    when it is exported), then rank 0 writes them and the samples page."""
+    prompts = ctx.sample_spec.prompts
+    if not prompts:
+        return
+    with_ema = ctx.ema is not None and ctx.ema.use_for_export
+    with frozen_on_device(ctx.built, ctx.offloaded), (ctx.ema.weights_in_model() if with_ema
+                                                      else contextlib.nullcontext()):
+        outputs = ctx.family.sample(ctx.built, ctx.engine.module, prompts, ctx.sample_spec, ctx.resolution)
+    if ctx.run.is_main:
+        path = ctx.run_dir / "samples" / f"step-{step:06d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path = ctx.family.save_samples(outputs, prompts, path) or path  # audio families: a WAV folder
+        sheet = write_contact_sheet(path.parent, prompts, "EMA" if with_ema else "trained")
+        print(f"samples: {path} (all steps: {sheet})", flush=True)
 
 
 def _agree_on_loss(run: Run, loss_sum: float, micro_batches: int, step: int) -> float:
@@ -94,6 +121,8 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                 continue
             mean_loss = _agree_on_loss(run, loss_sum, micro_in_step, state.global_step)
             engine.step()
+            if ctx.ema is not None and engine.was_step_applied():  # not after a skipped (fp16 overflow) step
+                ctx.ema.on_optimizer_step()
             state.global_step += 1
             state.step_in_epoch += 1
             state.samples_seen += plan.global_batch_size
@@ -116,10 +145,10 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
             if ctx.save_every_steps and state.global_step % ctx.save_every_steps == 0 \
                     and state.global_step < plan.total_steps:
                 save_checkpoint(engine, run, ctx.run_dir, _next_position(state, plan), ctx.checkpoint_extra,
-                                ctx.keep_last)
-            if ctx.sample_every_steps and ctx.render_samples and state.global_step % ctx.sample_every_steps == 0 \
-                    and state.global_step < plan.total_steps:
-                ctx.render_samples(state.global_step)
+                                ctx.keep_last, ema=ctx.ema)
+            sample_every = ctx.sample_spec.every_steps
+            if sample_every and state.global_step % sample_every == 0 and state.global_step < plan.total_steps:
+                render_samples(ctx, state.global_step)
             if state.global_step >= plan.total_steps:
                 break
             loss_sum, micro_in_step, data_wait = 0.0, 0, 0.0

@@ -9,10 +9,47 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Hashable, Sequence
 
-from dstune.data.groups import GroupBatches, group_batches
 from dstune.spec.load import SpecError, SpecIssue, SpecSource
 from dstune.spec.models import TrainSpec
+
+
+# --- group arithmetic (dstune.data.groups makes the grouped order; the counts and batches are the plan's)
+
+
+@dataclass(frozen=True)
+class GroupBatches:
+    key: Hashable  # the group's key, e.g. (width, height)
+    samples: int  # samples in the group, repeats included
+    steps: int  # whole global batches per epoch (optimizer steps)
+    dropped: int  # samples left out of every epoch (the group's remainder)
+
+
+def key_label(key: Hashable) -> str:
+    """How a key is shown and planned: a (width, height) pair as "WxH", anything else as str(key)."""
+    if isinstance(key, tuple) and len(key) == 2 and all(isinstance(v, int) for v in key):
+        return f"{key[0]}x{key[1]}"
+    return str(key)
+
+
+def group_counts(keys: Sequence[Hashable]) -> dict:
+    """{key: number of indices with that key}, in sorted key order."""
+    counts: dict = {}
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
+    return {key: counts[key] for key in sorted(counts)}
+
+
+def group_batches(counts: dict, global_batch_size: int) -> list[GroupBatches]:
+    """Per group (in the order of `counts`): samples, whole global batches per epoch, remainder left out."""
+    if global_batch_size < 1:
+        raise ValueError(f"global batch size must be at least 1, got {global_batch_size}")
+    return [GroupBatches(key, count, count // global_batch_size, count % global_batch_size)
+            for key, count in counts.items()]
+
+
+# --- the plan
 
 
 @dataclass(frozen=True)
@@ -127,14 +164,9 @@ def _group_issues(rows: list[GroupBatches], global_batch: int, num_samples: int,
     return issues
 
 
-def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource, groups: dict | None = None) -> Plan:
-    """Everything `validate` prints and training obeys. `world` is a dstune.world.World (or anything with
-    world_size, num_nodes and ranks_per_node). `groups`: {key: samples} when every global batch must come from one
-    group (data.buckets), in display order; the samples add up to num_samples."""
-    micro, accum, global_batch = resolve_batch(train, world.world_size, source)
-    if num_samples <= 0:
-        raise SpecError([source.issue("data.path", "the dataset is empty: no samples to train on")])
-    warnings: list[SpecIssue] = []
+def _steps_per_epoch(global_batch: int, num_samples: int, groups: dict | None, source: SpecSource,
+                     warnings: list[SpecIssue]) -> tuple[list[GroupBatches], int]:
+    """(group rows, optimizer steps per epoch); appends the warnings about samples an epoch leaves out."""
     rows: list[GroupBatches] = []
     if groups:
         if sum(groups.values()) != num_samples:
@@ -149,18 +181,31 @@ def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource, gro
             "train.global_batch_size",
             f"{global_batch} is larger than the dataset ({num_samples} samples): not one full optimizer step fits in "
             f"an epoch. Use a global batch of at most {num_samples}, or add data.")])
-    if train.max_steps is not None:
-        total_steps = train.max_steps
-    else:
-        total_steps = train.epochs * steps_per_epoch
-    samples_per_epoch = steps_per_epoch * global_batch
-    dropped = num_samples - samples_per_epoch
+    dropped = num_samples - steps_per_epoch * global_batch
     if dropped and not groups:
         warnings.append(source.issue(
             "train.global_batch_size",
             f"each epoch leaves out {dropped} of {num_samples} samples (the remainder after {steps_per_epoch} full "
             f"global batches of {global_batch}); a different set each epoch since the order is reshuffled",
             severity="warning"))
+    return rows, steps_per_epoch
+
+
+def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource, groups: dict | None = None) -> Plan:
+    """Everything `validate` prints and training obeys. `world` is a dstune.world.World (or anything with
+    world_size, num_nodes and ranks_per_node). `groups`: {key: samples} when every global batch must come from one
+    group (data.buckets), in display order; the samples add up to num_samples."""
+    micro, accum, global_batch = resolve_batch(train, world.world_size, source)
+    if num_samples <= 0:
+        raise SpecError([source.issue("data.path", "the dataset is empty: no samples to train on")])
+    warnings: list[SpecIssue] = []
+    rows, steps_per_epoch = _steps_per_epoch(global_batch, num_samples, groups, source, warnings)
+    if train.max_steps is not None:
+        total_steps = train.max_steps
+    else:
+        total_steps = train.epochs * steps_per_epoch
+    samples_per_epoch = steps_per_epoch * global_batch
+    dropped = num_samples - samples_per_epoch
     warmup = train.scheduler.warmup_steps
     if warmup >= total_steps and warmup:
         warnings.append(source.issue(

@@ -44,10 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
     use_cpu_accelerator_if_no_cuda()
     if args.cache_only:
-        from dstune.cache_build import run_cache_command
+        from dstune.startup import run_cache_command
 
         return run_cache_command(args.spec, args.overrides, verify_only=False)
-    from dstune.session import run_training
+    from dstune.training import run_training
 
     return run_training(args.spec, args.overrides, args.resume)
 

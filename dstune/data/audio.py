@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from dstune.data.audio_index import AudioRecord, TONES_SAMPLE_RATE, duration_keys, index_audio, render_tones
+from dstune.data.audio_index import AudioRecord, index_audio
+from dstune.data.synthetic import TONES_SAMPLE_RATE, render_tones
 from dstune.data.index import DataError
 from dstune.spec.models import DataSpec
 
@@ -83,53 +84,3 @@ def speech_records(data: DataSpec) -> tuple[list[AudioRecord], list[str]]:
     """(records, warnings) for training: the same index `validate` counted, so the plan's numbers hold."""
     result = index_audio(data)
     return result.records, result.warnings
-
-
-def build_speech_loader(data: DataSpec, plan, rank: int, seed: int, records: list[AudioRecord], sample_rate: int,
-                        start_epoch: int = 0, start_step: int = 0, dataset: Dataset | None = None):
-    """This rank's loader and sampler, positioned at (start_epoch, start_step). `dataset` replaces the decoding
-    dataset (the codec-token cache); it must have the same indices."""
-    from dstune.data.loader import EpochDataLoader, _one_thread_per_worker
-    from dstune.data.sampler import GlobalBatchSampler
-
-    dataset = dataset if dataset is not None else SpeechDataset(records, sample_rate)
-    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step,
-                                 group_keys=duration_keys(records, data))
-    loader = EpochDataLoader(
-        dataset, batch_sampler=sampler, collate_fn=getattr(dataset, "collate", collate_speech),
-        num_workers=data.num_workers, persistent_workers=False,
-        worker_init_fn=_one_thread_per_worker if data.num_workers > 0 else None,
-        generator=torch.Generator().manual_seed(seed))
-    return loader, sampler
-
-
-def speech_records_for_run(run, data: DataSpec) -> list[AudioRecord]:
-    """Every rank indexes the clips (deterministic: all agree); rank 0 prints the skip counts; a bad dataset stops
-    all ranks with its message."""
-    from dstune.distributed import stop
-
-    try:
-        records, warnings = speech_records(data)
-    except DataError as err:
-        stop(run, str(err), 1)
-    if run.is_main and warnings:
-        print("data: " + "\ndata: ".join(warnings), flush=True)
-    return records
-
-
-def speech_training_loader(run, spec, plan, built, records: list[AudioRecord], start_epoch: int, start_step: int):
-    """The loader training uses: from the codec-token cache with data.cache.codec_tokens (built first, on all
-    ranks together), else decoding clips on the fly."""
-    dataset = None
-    if spec.data.cache.codec_tokens:
-        from dstune.cache_audio import CachedSpeechDataset, prepare_codec_cache
-        from dstune.distributed import stop
-
-        paths, text = prepare_codec_cache(run, spec, built, records)
-        if paths is None:
-            stop(run, text, 1)
-        if run.is_main:
-            print(text, flush=True)
-        dataset = CachedSpeechDataset(records, paths)
-    return build_speech_loader(spec.data, plan, run.rank, spec.train.seed, records, built.sample_rate,
-                               start_epoch, start_step, dataset)

@@ -25,16 +25,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-import numpy as np
 
-from dstune.data.index import BUILTIN_PREFIX, DataError, IndexResult, builtin_name
+from dstune.data.index import DataError, IndexResult, builtin_name
+from dstune.data.synthetic import TONES_NUM_SAMPLES, tones_duration, tones_text
+from dstune.plan import group_counts, key_label
 from dstune.spec.models import DataSpec
+from dstune.spec.section import BUILTIN_PREFIX
 
 LJSPEECH_METADATA = "metadata.csv"
 JSONL_METADATA = "metadata.jsonl"
-TONES_NUM_SAMPLES = 256
-TONES_SAMPLE_RATE = 16000
-TONE_SECONDS, GAP_SECONDS = 0.1, 0.03
 _EXAMPLES = 3
 
 
@@ -46,30 +45,6 @@ class AudioRecord:
     speaker: str  # "" when the data names none
     duration_seconds: float
     repeats: int = 1
-
-
-# ---------------------------------------------------------------------------------------------- builtin:tones
-
-
-def tones_text(index: int) -> str:
-    """Sample `index`'s digit string (1 to 6 digits), a pure function of the index."""
-    rng = np.random.default_rng([0x70_4E5, index])
-    return "".join(str(d) for d in rng.integers(0, 10, size=int(rng.integers(1, 7))))
-
-
-def tones_duration(text: str) -> float:
-    return len(text) * (TONE_SECONDS + GAP_SECONDS)
-
-
-def render_tones(text: str, sample_rate: int = TONES_SAMPLE_RATE) -> np.ndarray:
-    """float32 mono waveform: per digit d a TONE_SECONDS tone at 300 + 150 * d Hz (Hann-shaped), then a gap."""
-    tone_n, gap_n = round(TONE_SECONDS * sample_rate), round(GAP_SECONDS * sample_rate)
-    t = np.arange(tone_n) / sample_rate
-    pieces = []
-    for digit in text:
-        pieces.append(0.5 * np.sin(2 * np.pi * (300 + 150 * int(digit)) * t) * np.hanning(tone_n))
-        pieces.append(np.zeros(gap_n))
-    return np.concatenate(pieces).astype(np.float32)
 
 
 # ------------------------------------------------------------------------------------------------------- index
@@ -209,34 +184,4 @@ def duration_groups(records: list[AudioRecord], data: DataSpec) -> dict | None:
     keys = duration_keys(records, data)
     if keys is None:
         return None
-    from dstune.data.groups import group_counts, key_label
-
     return {key_label(k): n for k, n in group_counts(keys).items()}
-
-
-# --------------------------------------------------------------------------------------------- spec rule
-
-
-def data_family_problem(audio: bool, family: str, data: DataSpec) -> str | None:
-    """Why `data` cannot feed `family` (speech data for speech families, images for image families), or None."""
-    name = builtin_name(data.path)
-    if audio:
-        if name is not None and name != "tones":
-            return (f"model.family {family} trains on speech, but data.path {data.path} is an image dataset: use "
-                    f"{BUILTIN_PREFIX}tones or a speech folder (data.format ljspeech or jsonl)")
-        if data.format == "folder":
-            return f"model.family {family} trains on speech: data.format must be ljspeech, jsonl or auto, not folder"
-        if data.buckets.enabled or data.cache.latents or data.cache.text_embeddings:
-            return (f"model.family {family} trains on speech: data.buckets, data.cache.latents and "
-                    "data.cache.text_embeddings are for images; use data.duration_bucket_seconds and "
-                    "data.cache.codec_tokens")
-        if data.cache.codec_tokens and family != "tts_lm":
-            return f"data.cache.codec_tokens is for model.family tts_lm (a codec-token LM), not {family}"
-        if data.min_clip_seconds >= data.max_clip_seconds:
-            return (f"data.min_clip_seconds {data.min_clip_seconds:g} must be below data.max_clip_seconds "
-                    f"{data.max_clip_seconds:g}")
-        return None
-    if name == "tones" or data.format == "ljspeech" or data.cache.codec_tokens or data.duration_bucket_seconds:
-        return (f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
-                "data.cache.codec_tokens and data.duration_bucket_seconds are for speech families (tts_lm, speecht5)")
-    return None

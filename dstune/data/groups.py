@@ -8,8 +8,8 @@ mix keys. This module is that core; it knows nothing about images or audio. nump
 API (for a new kind of group, e.g. audio duration buckets):
 
     keys = [bucket_of(sample) for each dataset index]    # any hashable, sortable value: (w, h), 3, "short"
-    counts = group_counts(keys)                           # {key: samples}, sorted by key
-    rows = group_batches(counts, global_batch_size)       # [GroupBatches(key, samples, steps, dropped)]
+    counts = group_counts(keys)                           # {key: samples}, sorted by key (dstune.plan)
+    rows = group_batches(counts, global_batch_size)       # [GroupBatches(key, samples, steps, dropped)] (dstune.plan)
     plan = make_plan(train, world, len(keys), source, {key_label(k): n for k, n in counts.items()})  # dstune.plan
     order = GroupedOrder(keys, global_batch_size, seed)   # the epochs
     key, indices = order.global_batch(epoch, step)        # one global batch: its key and its sample indices
@@ -34,43 +34,13 @@ Rules (the same for every key type):
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import numpy as np
 
+from dstune.plan import GroupBatches, group_batches, group_counts, key_label  # noqa: F401 - the core's API
+
 _GROUP_ORDER_SALT = 0x6_B0C5  # separates the grouped order stream from the flat order and per-sample streams
-
-
-@dataclass(frozen=True)
-class GroupBatches:
-    key: Hashable  # the group's key, e.g. (width, height)
-    samples: int  # samples in the group, repeats included
-    steps: int  # whole global batches per epoch (optimizer steps)
-    dropped: int  # samples left out of every epoch (the group's remainder)
-
-
-def key_label(key: Hashable) -> str:
-    """How a key is shown and planned: a (width, height) pair as "WxH", anything else as str(key)."""
-    if isinstance(key, tuple) and len(key) == 2 and all(isinstance(v, int) for v in key):
-        return f"{key[0]}x{key[1]}"
-    return str(key)
-
-
-def group_counts(keys: Sequence[Hashable]) -> dict:
-    """{key: number of indices with that key}, in sorted key order."""
-    counts: dict = {}
-    for key in keys:
-        counts[key] = counts.get(key, 0) + 1
-    return {key: counts[key] for key in sorted(counts)}
-
-
-def group_batches(counts: dict, global_batch_size: int) -> list[GroupBatches]:
-    """Per group (in the order of `counts`): samples, whole global batches per epoch, remainder left out."""
-    if global_batch_size < 1:
-        raise ValueError(f"global batch size must be at least 1, got {global_batch_size}")
-    return [GroupBatches(key, count, count // global_batch_size, count % global_batch_size)
-            for key, count in counts.items()]
 
 
 def keys_fingerprint(keys: Sequence[Hashable]) -> str:

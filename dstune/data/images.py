@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from dstune.data.buckets import assign_buckets, header_size
 from dstune.data.index import DataError, SampleRecord
-from dstune.data.shapes import render_shape
+from dstune.data.synthetic import render_shape
 from dstune.spec.models import DataSpec
 
 log = logging.getLogger("dstune.data")
@@ -113,8 +114,6 @@ def crop_fields(record: SampleRecord, decoded_size: tuple[int, int], resolution,
     if record.image_path is None:
         original = decoded_size
     else:
-        from dstune.data.buckets import header_size
-
         original = header_size(record.image_path)
     return {"original_size": torch.tensor([original[1], original[0]], dtype=torch.long),
             "crop_top_left": torch.tensor([top, left], dtype=torch.long)}
@@ -127,8 +126,6 @@ def decoded_size(record: SampleRecord, resolution, rendered_side: int) -> tuple[
     if record.image_path is None:
         return (rendered_side, rendered_side)
     width, height = (resolution, resolution) if isinstance(resolution, int) else resolution
-    from dstune.data.buckets import header_size
-
     shown = header_size(record.image_path)
     with Image.open(record.image_path) as image:
         stored = image.size
@@ -156,8 +153,6 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         self._logged_bad: set[str] = set()
         self.record_sizes = None  # data.buckets: (width, height) of each record's bucket, from its header
         if data.buckets.enabled:
-            from dstune.data.buckets import assign_buckets
-
             self.record_sizes = assign_buckets(self.records, data)[0]
 
     def __len__(self) -> int:

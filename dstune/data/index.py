@@ -8,7 +8,7 @@ Layouts:
   - folder (kohya-ss sd-scripts): images with same-stem caption files; a subfolder named `N_name` (N a positive
     integer) repeats every image under it N times, the nearest such folder counting; other folders repeat once.
   - jsonl (Hugging Face imagefolder): `metadata.jsonl` at the root, one `{"file_name": ..., "text": ...}` per line.
-  - builtin:shapes: synthetic coloured shapes (dstune.data.shapes), made on the fly from the sample number.
+  - builtin:shapes: synthetic coloured shapes (dstune.data.synthetic), made on the fly from the sample number.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from dstune.data.shapes import SHAPES_NUM_SAMPLES, shape_sample
+from dstune.data.synthetic import SHAPES_NUM_SAMPLES, shape_sample
 from dstune.spec.models import DataSpec
+from dstune.spec.section import BUILTIN_PREFIX
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 METADATA_FILE = "metadata.jsonl"
-BUILTIN_PREFIX = "builtin:"
 BUILTIN_DATASETS = {"shapes": SHAPES_NUM_SAMPLES}  # name -> number of samples
 _REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 _EXAMPLES_IN_WARNING = 3

@@ -23,7 +23,7 @@ from dstune.data.sampler import GlobalBatchSampler
 from dstune.spec.models import DataSpec
 
 
-def _one_thread_per_worker(worker_id: int) -> None:
+def one_thread_per_worker(worker_id: int) -> None:
     # Workers only decode and resize; with several workers per rank, extra intra-op threads oversubscribe the cores.
     torch.set_num_threads(1)
 
@@ -74,29 +74,28 @@ class EpochDataLoader(DataLoader):
             yield batch
 
 
-def build_loader(
-    data: DataSpec,
-    plan,
-    rank: int,
-    seed: int,
-    records: list[SampleRecord],
-    start_epoch: int = 0,
-    start_step: int = 0,
-) -> tuple[EpochDataLoader, GlobalBatchSampler]:
-    """This rank's loader and its sampler, positioned at (start_epoch, start_step). `plan` is a dstune.plan.Plan
-    made for exactly these records (sum of repeats = plan.num_samples)."""
-    dataset = ImageCaptionDataset(data, records, seed)
-    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step,
-                                 group_keys=dataset.group_keys())
+def make_loader(dataset, collate_fn, group_keys, data: DataSpec, plan, rank: int, seed: int, start_epoch: int = 0,
+                start_step: int = 0) -> tuple[EpochDataLoader, GlobalBatchSampler]:
+    """This rank's loader and its sampler over any dataset kind (images, cached images, speech, cached speech),
+    positioned at (start_epoch, start_step). `plan` is a dstune.plan.Plan made for exactly this dataset
+    (len(dataset) = plan.num_samples); `group_keys` are the per-index bucket keys, or None."""
+    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step, group_keys=group_keys)
     loader = EpochDataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=collate,
+        collate_fn=collate_fn,
         num_workers=data.num_workers,
         persistent_workers=False,  # required: a persistent worker would keep the epoch it was started with
-        worker_init_fn=_one_thread_per_worker if data.num_workers > 0 else None,
+        worker_init_fn=one_thread_per_worker if data.num_workers > 0 else None,
         pin_memory=torch.cuda.is_available(),
         # The loader's own base seed comes from this generator, not from (and without advancing) global RNG state.
         generator=torch.Generator().manual_seed(seed),
     )
     return loader, sampler
+
+
+def build_loader(data: DataSpec, plan, rank: int, seed: int, records: list[SampleRecord], start_epoch: int = 0,
+                 start_step: int = 0) -> tuple[EpochDataLoader, GlobalBatchSampler]:
+    """make_loader over the image dataset (decoding the files) of these records."""
+    dataset = ImageCaptionDataset(data, records, seed)
+    return make_loader(dataset, collate, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step)

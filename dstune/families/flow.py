@@ -15,12 +15,11 @@ tables with it, x_t = (1 - sigma) x0 + sigma noise, target noise - x0, weighting
 As in the sd family, every draw of a sample (VAE posterior, noise, u) comes from its own generator seeded by
 (train.seed, optimizer step, dataset index, purpose), so results do not depend on the rank count.
 
-    build(model: FlowModel, cache_dir, device, dtype_for_frozen) -> FlowBuilt
+    build(model: FlowModel, folders, device, dtype_for_frozen) -> FlowBuilt
     encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", "encoder_hidden_states",
                                           "pooled_projections", "indices"}
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (mean over the micro batch)
     sample(built, transformer_module, prompts, sample_spec, resolution) -> list[PIL.Image]
-    save_grid(images, prompts, path)
     export(built, transformer_state_dict, out_dir, pretrained_folder=None) -> Path
     cache hooks: TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors (see dstune.families.base)
 """
@@ -34,12 +33,15 @@ from typing import Callable, Optional
 
 import torch
 
-from dstune.families.base import (FamilyError, export_pipeline_folder, per_sample_randn, quiet_hf_libraries,
-                                  read_model_index, resolve_pretrained, sample_generator, save_grid)
-from dstune.families.sd import _batch_field, _inputs_cast_to, _load, _non_reentrant_checkpoint
+from dstune.families.base import Family, FamilyError, TextCache, per_sample_randn, sample_generator
+from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
+                                       non_reentrant_checkpoint, read_model_index)
+from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
+from dstune.families.samples import save_grid
+from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import FlowModel, SampleSpec
 
-__all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "save_grid", "export", "detect_kind",
+__all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "detect_kind",
            "cache_text_tensors", "TEXT_CACHE_FOLDERS", "TEXT_CACHE_TENSORS", "timestep_density", "loss_weights",
            "pack_latents", "unpack_latents", "image_ids", "save_lora_weights"]
 
@@ -171,34 +173,34 @@ def _load_text_side(folder: Path, kind: str, device, dtype) -> tuple[dict, dict]
     encoders, tokenizers = {}, {}
     for name, expected in _KINDS[kind][2].items():
         if expected is None:
-            tokenizers[name] = _load(folder, name, AutoTokenizer.from_pretrained)
+            tokenizers[name] = load_component(folder, name, AutoTokenizer.from_pretrained)
         else:
-            module = _load(folder, name, classes[expected].from_pretrained).to(device, dtype)
+            module = load_component(folder, name, classes[expected].from_pretrained).to(device, dtype)
             encoders[name] = module.eval().requires_grad_(False)
     return encoders, tokenizers
 
 
-def build(model: FlowModel, cache_dir, device, dtype_for_frozen: torch.dtype = torch.float32) -> FlowBuilt:
+def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> FlowBuilt:
     """Load `model.pretrained`: the transformer fp32 on `device` (DeepSpeed casts it for bf16), the frozen parts
     in `dtype_for_frozen`. Never downloads; FamilyError for any folder that is not an SD3- or Flux-class pipeline."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
-    folder = resolve_pretrained(model.pretrained, cache_dir)
+    folder = folders["pretrained"]
     kind = detect_kind(folder)
     problems = _config_mismatches(folder, kind)
     if problems:
         raise FamilyError(f"{folder}: the components do not fit together:\n" + "\n".join(f"  - {p}" for p in problems))
     device = torch.device(device)
-    scheduler = _load(folder, "scheduler", FlowMatchEulerDiscreteScheduler.from_pretrained)
+    scheduler = load_component(folder, "scheduler", FlowMatchEulerDiscreteScheduler.from_pretrained)
     with quiet_hf_libraries():
         import diffusers
 
     transformer_class = getattr(diffusers, _KINDS[kind][0])
-    transformer = _load(folder, "transformer", transformer_class.from_pretrained, torch_dtype=torch.float32)
+    transformer = load_component(folder, "transformer", transformer_class.from_pretrained, torch_dtype=torch.float32)
     if model.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing(gradient_checkpointing_func=_non_reentrant_checkpoint)
+        transformer.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     transformer.to(device).train().requires_grad_(True)
-    vae = _load(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
+    vae = load_component(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
     vae.eval().requires_grad_(False)
     encoders, tokenizers = _load_text_side(folder, kind, device, dtype_for_frozen)
     t5_tokenizer = tokenizers["tokenizer_3" if kind == "sd3" else "tokenizer_2"]
@@ -264,11 +266,11 @@ def _check_cached_sequence(built: FlowBuilt, tokens: int) -> None:
 def encode_batch(built: FlowBuilt, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
     """The frozen encoders' view of a collated batch: the VAE posterior (mean, std; float32, unscaled), the prompt
     and pooled embeddings (in `dtype`) and the dataset indices. No random draws. Cached tensors are used as stored."""
-    indices = torch.as_tensor(_batch_field(batch, "indices", "index"), dtype=torch.long)
+    indices = torch.as_tensor(batch_field(batch, "indices", "index"), dtype=torch.long)
     if "latent_mean" in batch:
         mean, std = batch["latent_mean"].to(built.device).float(), batch["latent_std"].to(built.device).float()
     else:
-        pixels = _batch_field(batch, "pixel_values").to(built.device, built.vae.dtype)
+        pixels = batch_field(batch, "pixel_values").to(built.device, built.vae.dtype)
         with torch.no_grad():
             posterior = built.vae.encode(pixels).latent_dist
         mean, std = posterior.mean.float(), posterior.std.float()
@@ -280,53 +282,9 @@ def encode_batch(built: FlowBuilt, batch: dict, dtype: torch.dtype = torch.float
         embeds, pooled = batch["encoder_hidden_states"].to(built.device), batch["pooled_projections"].to(built.device)
         _check_cached_sequence(built, embeds.shape[1])
     else:
-        embeds, pooled = encode_captions(built, list(_batch_field(batch, "captions", "caption")))
+        embeds, pooled = encode_captions(built, list(batch_field(batch, "captions", "caption")))
     return {"latent_mean": mean, "latent_std": std, "encoder_hidden_states": embeds.to(dtype),
             "pooled_projections": pooled.to(dtype), "indices": indices}
-
-
-def timestep_density(settings: FlowModel, seed: int, step: int, indices: list[int]) -> torch.Tensor:
-    """u in [0, 1] per sample (float32, CPU), by diffusers' compute_density_for_timestep_sampling, each sample
-    drawing with its own generator."""
-    from diffusers.training_utils import compute_density_for_timestep_sampling
-
-    scheme = {"uniform": "none"}.get(settings.timestep_sampling, settings.timestep_sampling)
-    or_default = lambda value, default: default if value is None else value  # noqa: E731
-    options = dict(logit_mean=or_default(settings.logit_mean, 0.0), logit_std=or_default(settings.logit_std, 1.0),
-                   mode_scale=or_default(settings.mode_scale, 1.29))  # the scripts' defaults
-    draws = [compute_density_for_timestep_sampling(scheme, 1, **options,
-                                                   generator=sample_generator(seed, step, i, "timestep"))
-             for i in indices]
-    return torch.cat(draws).float()
-
-
-def loss_weights(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
-    """Per-sample loss weights (diffusers' compute_loss_weighting_for_sd3): none, sigma_sqrt or cosmap."""
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-    return compute_loss_weighting_for_sd3(scheme, sigmas).float()
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/2 * W/2, 4C): Flux's 2x2 patches as tokens."""
-    batch, channels, height, width = latents.shape
-    packed = latents.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return packed.reshape(batch, (height // 2) * (width // 2), channels * 4)
-
-
-def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Inverse of pack_latents; height and width are the latent sides."""
-    batch, _, features = packed.shape
-    latents = packed.view(batch, height // 2, width // 2, features // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return latents.reshape(batch, features // 4, height, width)
-
-
-def image_ids(height: int, width: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
-    """(H/2 * W/2, 3) positions of the packed latent tokens: (0, row, column), as FluxPipeline makes them."""
-    ids = torch.zeros(height // 2, width // 2, 3)
-    ids[..., 1] = torch.arange(height // 2)[:, None]
-    ids[..., 2] = torch.arange(width // 2)[None, :]
-    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
 def _predict(built: FlowBuilt, forward: Callable, noisy, timesteps, encoded: dict, dtype) -> torch.Tensor:
@@ -389,7 +347,7 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
     was_training = transformer_module.training
     transformer_module.eval()
     try:
-        with _inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype), quiet_hf_libraries():
+        with inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype), quiet_hf_libraries():
             result = pipeline(prompt=list(prompts), height=side, width=side, guidance_scale=sample_spec.guidance,
                               num_inference_steps=sample_spec.steps, generator=generators, output_type="pil",
                               max_sequence_length=built.max_sequence_length)
@@ -424,10 +382,16 @@ def export(built: FlowBuilt, transformer_state_dict: dict, out_dir, pretrained_f
 
 
 def save_lora_weights(built: FlowBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:
-    """The transformer's LoRA as StableDiffusion3Pipeline / FluxPipeline write it (dstune.lora builds the layers)."""
+    """The transformer's LoRA as StableDiffusion3Pipeline / FluxPipeline write it (dstune.families.lora builds the layers)."""
     with quiet_hf_libraries():
         import diffusers
 
         getattr(diffusers, _KINDS[built.kind][1]).save_lora_weights(
             folder, transformer_lora_layers=lora_layers, transformer_lora_adapter_metadata=adapter_metadata,
             safe_serialization=True)
+
+
+FAMILY = Family(
+    name="flow", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
+    loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
+    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors, text_cache_settings))

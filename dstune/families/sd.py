@@ -2,11 +2,10 @@
 
 The API the engine, loop and export call (see dstune.families.base for the shared contract):
 
-    build(model: SdModel, cache_dir, device, dtype_for_frozen) -> SdBuilt
+    build(model: SdModel, folders, device, dtype_for_frozen) -> SdBuilt
     encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", "encoder_hidden_states", "indices"}
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (mean over the micro batch)
     sample(built, unet_module, prompts, sample_spec, resolution) -> list[PIL.Image]
-    save_grid(images, prompts, path)
     export(built, unet_state_dict, out_dir, pretrained_folder=None) -> Path
 
 The loss is diffusers' examples/text_to_image/train_text_to_image.py: epsilon or v target, optional offset
@@ -20,7 +19,6 @@ deterministic (cacheable), and the draw is per sample and per step like the rest
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -28,13 +26,15 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from dstune.families.base import (FamilyError, export_pipeline_folder, per_sample_randint, per_sample_randn,
-                                  quiet_hf_libraries, read_component_config, read_model_index, resolve_pretrained,
-                                  sample_generator, save_grid)
+from dstune.families.base import Family, FamilyError, TextCache, per_sample_randint, per_sample_randn, sample_generator
+from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
+                                       non_reentrant_checkpoint, read_component_config, read_model_index)
+from dstune.families.samples import save_grid
+from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec, SdModel
 
-__all__ = ["SdBuilt", "build", "encode_batch", "loss", "sample", "save_grid", "export", "save_lora_weights",
-           "check_sd_folder"]
+__all__ = ["SdBuilt", "FAMILY", "build", "encode_batch", "loss", "sample", "export", "save_lora_weights",
+           "check_sd_folder", "cache_text_tensors"]
 
 # component -> (accepted class names, or None for any diffusers scheduler; the file that must exist in it)
 _COMPONENTS = {
@@ -118,31 +118,19 @@ def _config_mismatches(folder: Path) -> list[str]:
     return problems
 
 
-def _load(folder: Path, name: str, loader: Callable, **kwargs):
-    try:
-        with quiet_hf_libraries():
-            return loader(folder, subfolder=name, **kwargs)
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise FamilyError(f"{folder / name}: cannot load it ({first_line})") from None
 
 
-def _non_reentrant_checkpoint(module, *args):
-    # Explicit use_reentrant=False: reentrant checkpointing drops gradients when no input requires grad and warns;
-    # passing it explicitly also keeps torch's "use_reentrant should be passed" warning out of the logs.
-    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
 
-
-def build(model: SdModel, cache_dir, device, dtype_for_frozen: torch.dtype = torch.float32) -> SdBuilt:
+def build(model: SdModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> SdBuilt:
     """Load `model.pretrained`. The UNet is fp32 on `device` (DeepSpeed casts it for bf16 runs); the frozen parts
     are cast to `dtype_for_frozen`. Never downloads; raises FamilyError for any unusable folder."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    folder = resolve_pretrained(model.pretrained, cache_dir)
+    folder = folders["pretrained"]
     check_sd_folder(folder)
     device = torch.device(device)
-    noise_scheduler = _load(folder, "scheduler", DDPMScheduler.from_pretrained)
+    noise_scheduler = load_component(folder, "scheduler", DDPMScheduler.from_pretrained)
     prediction_type = model.prediction or noise_scheduler.config.prediction_type
     if prediction_type not in ("epsilon", "v_prediction"):
         raise FamilyError(f"{folder / 'scheduler'}: prediction_type {prediction_type!r} is not supported; set "
@@ -153,16 +141,16 @@ def build(model: SdModel, cache_dir, device, dtype_for_frozen: torch.dtype = tor
                           "model.prediction: v_prediction (or leave it unset).")
     noise_scheduler.register_to_config(prediction_type=prediction_type)
     # diffusers models get their dtype at load time: ModelMixin.to(dtype) warns on every call (diffusers 0.42).
-    unet = _load(folder, "unet", UNet2DConditionModel.from_pretrained, torch_dtype=torch.float32).to(device)
+    unet = load_component(folder, "unet", UNet2DConditionModel.from_pretrained, torch_dtype=torch.float32).to(device)
     if model.gradient_checkpointing:
-        unet.enable_gradient_checkpointing(gradient_checkpointing_func=_non_reentrant_checkpoint)
+        unet.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     unet.train().requires_grad_(True)
-    vae = _load(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
-    text_encoder = _load(folder, "text_encoder", CLIPTextModel.from_pretrained).to(device, dtype_for_frozen)
+    vae = load_component(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
+    text_encoder = load_component(folder, "text_encoder", CLIPTextModel.from_pretrained).to(device, dtype_for_frozen)
     for part in (vae, text_encoder):
         part.eval().requires_grad_(False)
     return SdBuilt(folder=folder, device=device, trainable=unet, vae=vae, text_encoder=text_encoder,
-                   tokenizer=_load(folder, "tokenizer", CLIPTokenizer.from_pretrained),
+                   tokenizer=load_component(folder, "tokenizer", CLIPTokenizer.from_pretrained),
                    noise_scheduler=noise_scheduler, prediction_type=prediction_type,
                    min_snr_gamma=model.min_snr_gamma, noise_offset=model.noise_offset,
                    unet_config=dict(unet.config))
@@ -171,30 +159,23 @@ def build(model: SdModel, cache_dir, device, dtype_for_frozen: torch.dtype = tor
 # --------------------------------------------------------------------------------------------- train step
 
 
-def _batch_field(batch: dict, *names: str):
-    for name in names:
-        if name in batch:
-            return batch[name]
-    raise KeyError(f"batch has none of the keys {names} (it has {sorted(batch)})")
-
-
 def encode_batch(built: SdBuilt, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
     """The frozen encoders' view of a collated batch: the VAE posterior (mean, std; float32, unscaled), the text
     embeddings (in `dtype`, the trainable's compute dtype) and the samples' dataset indices. No random draws.
     A batch from the cache (dstune.data.cached) already holds latent_mean/latent_std and/or encoder_hidden_states;
     those are used as stored, and only the missing part is encoded here."""
-    indices = torch.as_tensor(_batch_field(batch, "indices", "index"), dtype=torch.long)
+    indices = torch.as_tensor(batch_field(batch, "indices", "index"), dtype=torch.long)
     if "latent_mean" in batch:
         mean, std = batch["latent_mean"].to(built.device).float(), batch["latent_std"].to(built.device).float()
     else:
-        pixels = _batch_field(batch, "pixel_values").to(built.device, built.vae.dtype)
+        pixels = batch_field(batch, "pixel_values").to(built.device, built.vae.dtype)
         with torch.no_grad():
             posterior = built.vae.encode(pixels).latent_dist
         mean, std = posterior.mean.float(), posterior.std.float()
     if "encoder_hidden_states" in batch:
         hidden = batch["encoder_hidden_states"].to(built.device)
     else:
-        hidden = encode_captions(built, list(_batch_field(batch, "captions", "caption")))
+        hidden = encode_captions(built, list(batch_field(batch, "captions", "caption")))
     return {"latent_mean": mean, "latent_std": std, "encoder_hidden_states": hidden.to(dtype), "indices": indices}
 
 
@@ -248,22 +229,6 @@ def loss(built: SdBuilt, trainable_forward: Callable, encoded: dict, seed: int, 
 # ------------------------------------------------------------------------------------------------- sampling
 
 
-@contextmanager
-def _inputs_cast_to(module: torch.nn.Module, dtype: torch.dtype):
-    """Cast floating inputs to `dtype` while the pipeline runs: a bf16 UNet beside fp32 frozen parts."""
-    def cast(value):
-        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
-
-    def hook(_module, args, kwargs):
-        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-
-    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 def sample(built: SdBuilt, unet_module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec,
            resolution: int) -> list:
     """Render one image per prompt with a StableDiffusionPipeline around `unet_module` (no weight copy) and a DDIM
@@ -287,7 +252,7 @@ def sample(built: SdBuilt, unet_module: torch.nn.Module, prompts: list[str], sam
     was_training = unet_module.training
     unet_module.eval()
     try:
-        with _inputs_cast_to(unet_module, next(unet_module.parameters()).dtype):
+        with inputs_cast_to(unet_module, next(unet_module.parameters()).dtype):
             result = pipeline(prompt=list(prompts), height=side, width=side, guidance_scale=sample_spec.guidance,
                               num_inference_steps=sample_spec.steps, generator=generators, output_type="pil")
     finally:
@@ -327,12 +292,22 @@ def export(built: SdBuilt, unet_state_dict: dict, out_dir, pretrained_folder=Non
     source = Path(pretrained_folder) if pretrained_folder is not None else built.folder
     return export_pipeline_folder(source, out_dir, "unet", _fresh_unet(built, unet_state_dict),
                                   finish=lambda work: _set_prediction_type(work / "scheduler", built.prediction_type))
-    return out
 
 
 def save_lora_weights(built: SdBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:
-    """The UNet's LoRA as StableDiffusionPipeline writes it (dstune.lora builds the layers, in diffusers naming)."""
+    """The UNet's LoRA as StableDiffusionPipeline writes it (dstune.families.lora builds the layers, in diffusers naming)."""
     from diffusers import StableDiffusionPipeline
 
     StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=lora_layers,
                                               unet_lora_adapter_metadata=adapter_metadata, safe_serialization=True)
+
+
+def cache_text_tensors(built: SdBuilt, captions: list[str]) -> dict[str, torch.Tensor]:
+    """The text cache's tensors: the one encoder's last hidden state."""
+    return {"encoder_hidden_states": encode_captions(built, captions)}
+
+
+FAMILY = Family(
+    name="sd", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
+    loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
+    text_cache=TextCache(("text_encoder", "tokenizer"), ("encoder_hidden_states",), cache_text_tensors))

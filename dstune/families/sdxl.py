@@ -1,12 +1,11 @@
 """The `sdxl` family: Stable Diffusion XL (UNet2DConditionModel with text_time conditioning, two CLIP text
 encoders, AutoencoderKL).
 
-    build(model: SdxlModel, cache_dir, device, dtype_for_frozen) -> SdxlBuilt
+    build(model: SdxlModel, folders, device, dtype_for_frozen) -> SdxlBuilt
     encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", "encoder_hidden_states", "text_embeds",
                                           "time_ids", "indices"}
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (mean over the micro batch)
     sample(built, unet_module, prompts, sample_spec, resolution) -> list[PIL.Image]
-    save_grid(images, prompts, path)
     export(built, unet_state_dict, out_dir, pretrained_folder=None) -> Path
     cache hooks: TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors (see dstune.families.base)
 
@@ -20,7 +19,6 @@ Min-SNR and offset noise are the sd family's (dstune.families.sd.loss) with the 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -28,12 +26,15 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families import sd
-from dstune.families.base import (FamilyError, quiet_hf_libraries, read_component_config, read_model_index,
-                                  resolve_pretrained, sample_generator, save_grid)
-from dstune.families.sd import _load, _non_reentrant_checkpoint, export
+from dstune.families.base import Family, FamilyError, TextCache, sample_generator
+from dstune.families.diffusion import (inputs_cast_to, load_component, non_reentrant_checkpoint,
+                                       read_component_config, read_model_index)
+from dstune.families.samples import save_grid
+from dstune.families.sd import export
+from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec, SdxlModel
 
-__all__ = ["SdxlBuilt", "build", "encode_batch", "loss", "sample", "save_grid", "export", "save_lora_weights",
+__all__ = ["SdxlBuilt", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "save_lora_weights",
            "encode_captions", "time_ids", "check_sdxl_folder", "cache_text_tensors", "TEXT_CACHE_FOLDERS",
            "TEXT_CACHE_TENSORS"]
 
@@ -136,7 +137,7 @@ def _noise_scheduler(folder: Path, prediction: Optional[str]):
     """The training DDPMScheduler with the resolved prediction type registered (the same rules as sd.build)."""
     from diffusers import DDPMScheduler
 
-    noise_scheduler = _load(folder, "scheduler", DDPMScheduler.from_pretrained)
+    noise_scheduler = load_component(folder, "scheduler", DDPMScheduler.from_pretrained)
     prediction_type = prediction or noise_scheduler.config.prediction_type
     if prediction_type not in ("epsilon", "v_prediction"):
         raise FamilyError(f"{folder / 'scheduler'}: prediction_type {prediction_type!r} is not supported; set "
@@ -149,28 +150,28 @@ def _noise_scheduler(folder: Path, prediction: Optional[str]):
     return noise_scheduler, prediction_type
 
 
-def build(model: SdxlModel, cache_dir, device, dtype_for_frozen: torch.dtype = torch.float32) -> SdxlBuilt:
+def build(model: SdxlModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> SdxlBuilt:
     """Load `model.pretrained` as sd.build does (fp32 UNet on `device`, frozen parts in `dtype_for_frozen`)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    folder = resolve_pretrained(model.pretrained, cache_dir)
+    folder = folders["pretrained"]
     check_sdxl_folder(folder)
     device = torch.device(device)
     noise_scheduler, prediction_type = _noise_scheduler(folder, model.prediction)
-    unet = _load(folder, "unet", UNet2DConditionModel.from_pretrained, torch_dtype=torch.float32).to(device)
+    unet = load_component(folder, "unet", UNet2DConditionModel.from_pretrained, torch_dtype=torch.float32).to(device)
     if model.gradient_checkpointing:
-        unet.enable_gradient_checkpointing(gradient_checkpointing_func=_non_reentrant_checkpoint)
+        unet.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     unet.train().requires_grad_(True)
-    vae = _load(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
-    text_encoder = _load(folder, "text_encoder", CLIPTextModel.from_pretrained).to(device, dtype_for_frozen)
-    text_encoder_2 = _load(folder, "text_encoder_2", CLIPTextModelWithProjection.from_pretrained).to(
+    vae = load_component(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
+    text_encoder = load_component(folder, "text_encoder", CLIPTextModel.from_pretrained).to(device, dtype_for_frozen)
+    text_encoder_2 = load_component(folder, "text_encoder_2", CLIPTextModelWithProjection.from_pretrained).to(
         device, dtype_for_frozen)
     for part in (vae, text_encoder, text_encoder_2):
         part.eval().requires_grad_(False)
     return SdxlBuilt(folder=folder, device=device, trainable=unet, vae=vae, text_encoder=text_encoder,
-                     text_encoder_2=text_encoder_2, tokenizer=_load(folder, "tokenizer", CLIPTokenizer.from_pretrained),
-                     tokenizer_2=_load(folder, "tokenizer_2", CLIPTokenizer.from_pretrained),
+                     text_encoder_2=text_encoder_2, tokenizer=load_component(folder, "tokenizer", CLIPTokenizer.from_pretrained),
+                     tokenizer_2=load_component(folder, "tokenizer_2", CLIPTokenizer.from_pretrained),
                      noise_scheduler=noise_scheduler, prediction_type=prediction_type,
                      min_snr_gamma=model.min_snr_gamma, noise_offset=model.noise_offset, unet_config=dict(unet.config))
 
@@ -255,23 +256,6 @@ def loss(built: SdxlBuilt, trainable_forward: Callable, encoded: dict, seed: int
 # ------------------------------------------------------------------------------------------------- sampling
 
 
-@contextmanager
-def _inputs_cast_to(module: torch.nn.Module, dtype: torch.dtype):
-    """sd's cast hook, also reaching into added_cond_kwargs (a dict of tensors)."""
-    def cast(value):
-        if isinstance(value, dict):
-            return {k: cast(v) for k, v in value.items()}
-        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
-
-    handle = module.register_forward_pre_hook(
-        lambda _m, args, kwargs: (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}),
-        with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 def sample(built: SdxlBuilt, unet_module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec,
            resolution: int) -> list:
     """Render one image per prompt with a StableDiffusionXLPipeline around `unet_module` (no weight copy) and a DDIM
@@ -295,7 +279,7 @@ def sample(built: SdxlBuilt, unet_module: torch.nn.Module, prompts: list[str], s
     was_training = unet_module.training
     unet_module.eval()
     try:
-        with _inputs_cast_to(unet_module, next(unet_module.parameters()).dtype), quiet_hf_libraries():
+        with inputs_cast_to(unet_module, next(unet_module.parameters()).dtype), quiet_hf_libraries():
             result = pipeline(prompt=list(prompts), height=side, width=side, guidance_scale=sample_spec.guidance,
                               num_inference_steps=sample_spec.steps, generator=generators, output_type="pil")
     finally:
@@ -315,3 +299,9 @@ def save_lora_weights(built: SdxlBuilt, lora_layers: dict, adapter_metadata: dic
         StableDiffusionXLPipeline.save_lora_weights(folder, unet_lora_layers=lora_layers,
                                                     unet_lora_adapter_metadata=adapter_metadata,
                                                     safe_serialization=True)
+
+
+FAMILY = Family(
+    name="sdxl", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
+    loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
+    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors))

@@ -1,11 +1,11 @@
 """The `speecht5` family: SpeechT5ForTextToSpeech (text -> log-mel frames; transformers' own L1 + stop-token +
 guided-attention loss), a frozen SpeechT5HifiGan vocoder for samples.
 
-    build(model: SpeechT5Model, cache_dir, device, dtype_for_frozen) -> SpeechT5Built
+    build(model: SpeechT5Model, folders, device, dtype_for_frozen) -> SpeechT5Built
     encode_batch(built, batch, dtype) -> {"input_ids", "attention_mask", "labels", "speaker_embeddings", "indices"}
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor
     sample(built, module, prompts, sample_spec, resolution) -> list[Clip]   (every rank calls it: ZeRO-3)
-    save_grid(clips, prompts, path) / export(built, state_dict, out_dir)
+    save_samples(clips, prompts, path) (dstune.families.speech.save_wavs) / export(built, state_dict, out_dir)
 
 Its pitfalls, handled here (FIELD_NOTES / recipes section 2.7):
   - labels are the feature extractor's log-mels, padded with -100 (the loss ignores exactly -100) up to a multiple
@@ -30,11 +30,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dstune.families.base import FamilyError, publish_folder, quiet_hf_libraries, resolve_pretrained, temporary_sibling
-from dstune.families.tts_lm import Clip, save_grid
+from dstune.families.base import Family, FamilyError
+from dstune.families.speech import Clip, save_wavs
+from dstune.fsutil import publish_folder, temporary_sibling
+from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec, SpeechT5Model
 
-__all__ = ["SpeechT5Built", "build", "encode_batch", "loss", "sample", "save_grid", "export"]
+__all__ = ["SpeechT5Built", "FAMILY", "build", "encode_batch", "loss", "sample", "export", "synthesize"]
 
 SPEAKERS_FILE = "speaker_embeddings.safetensors"
 
@@ -85,14 +87,14 @@ def _speakers(model: SpeechT5Model, folder: Path, dim: int) -> dict[str, torch.T
     return speakers
 
 
-def build(model: SpeechT5Model, cache_dir, device, dtype_for_frozen: torch.dtype = torch.float32) -> SpeechT5Built:
+def build(model: SpeechT5Model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> SpeechT5Built:
     from transformers import SpeechT5ForTextToSpeech, SpeechT5HifiGan, SpeechT5Processor
 
-    folder = resolve_pretrained(model.pretrained, cache_dir)
+    folder = folders["pretrained"]
     processor = _load(SpeechT5Processor.from_pretrained, folder, "SpeechT5Processor (needs sentencepiece)")
     tts = _load(SpeechT5ForTextToSpeech.from_pretrained, folder, "SpeechT5ForTextToSpeech",
                 torch_dtype=torch.float32, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
-    vocoder_source = resolve_pretrained(model.vocoder, cache_dir) if model.vocoder else folder / "vocoder"
+    vocoder_source = folders["vocoder"] if folders.get("vocoder") is not None else folder / "vocoder"
     vocoder = _load(SpeechT5HifiGan.from_pretrained, vocoder_source, "SpeechT5HifiGan (model.vocoder)")
     if dtype_for_frozen == torch.bfloat16:
         # DeepSpeed's bf16 casts parameters only; SpeechT5's fp32 positional-encoding buffers would then make the
@@ -199,3 +201,8 @@ def synthesize(folder, text: str, seconds: float = 3.0, seed: int = 0) -> Clip:
         wave = model.generate_speech(ids, speaker_embeddings=speaker, vocoder=vocoder,
                                      maxlenratio=max(1.0, frames / ids.shape[1]), minlenratio=0.0)
     return Clip(np.asarray(wave.reshape(-1).float().numpy(), dtype=np.float32), processor.feature_extractor.sampling_rate)
+
+
+FAMILY = Family(
+    name="speecht5", modality="audio", pretrained_fields=("pretrained", "vocoder"), build=build,
+    encode_batch=encode_batch, loss=loss, sample=sample, save_samples=save_wavs, export=export)

@@ -1,11 +1,11 @@
 """The `tts_lm` family: a transformers causal LM over text tokens followed by audio-codec tokens (VALL-E /
 GPT-SoVITS-s1 style), with a frozen codec (EnCodec, DAC or Mimi) turning audio into tokens and back.
 
-    build(model: TtsLmModel, cache_dir, device, dtype_for_frozen) -> TtsLmBuilt
+    build(model: TtsLmModel, folders, device, dtype_for_frozen) -> TtsLmBuilt
     encode_batch(built, batch, dtype) -> {"input_ids", "attention_mask", "labels", "indices"}
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (token mean over the micro batch)
     sample(built, lm_module, prompts, sample_spec, resolution) -> list[Clip]   (every rank calls it: ZeRO-3)
-    save_grid(clips, prompts, path) -> folder of WAVs (path without its suffix)
+    save_samples(clips, prompts, path) -> folder of WAVs (path without its suffix; dstune.families.speech)
     export(built, state_dict, out_dir) -> transformers folder + codec/ + dstune_tts.json
     synthesize(folder, text) -> Clip   (from an exported folder, with transformers and the codec only)
 
@@ -30,20 +30,16 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from dstune.families.base import FamilyError, publish_folder, quiet_hf_libraries, resolve_pretrained, temporary_sibling
-from dstune.families.tiny_tts import TTS_LAYOUT_FILE, tts_layout
+from dstune.families.base import Family, FamilyError
+from dstune.families.speech import TTS_LAYOUT_FILE, Clip, save_wavs, tts_layout
+from dstune.fsutil import publish_folder, temporary_sibling
+from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec, TtsLmModel
 
-__all__ = ["TtsLmBuilt", "Clip", "build", "encode_batch", "loss", "sample", "save_grid", "export", "synthesize",
+__all__ = ["TtsLmBuilt", "Clip", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "synthesize",
            "encode_clip", "decode_codes"]
 
 _CODEC_CLASSES = {"encodec": "EncodecModel", "dac": "DacModel", "mimi": "MimiModel"}
-
-
-@dataclass
-class Clip:
-    wave: np.ndarray  # float32 mono
-    sample_rate: int
 
 
 @dataclass
@@ -55,7 +51,7 @@ class TtsLmBuilt:
     codec_folder: Path  # what the codec was loaded from (its fingerprint keys the codec-token cache)
     codec_kind: str
     tokenizer: object  # None: text is UTF-8 bytes (ids 0..255)
-    layout: dict  # see dstune.families.tiny_tts.tts_layout
+    layout: dict  # see dstune.families.speech.tts_layout
     max_sample_seconds: float = 2.0
     temperature: float = 0.8
 
@@ -79,10 +75,10 @@ def _codec_facts(codec, kind: str) -> tuple[int, int, float]:
     return int(codebooks), int(config.codebook_size), float(frame_rate)
 
 
-def _load_codec(model: TtsLmModel, folder: Path, cache_dir):
+def _load_codec(model: TtsLmModel, folder: Path, codec_folder: Optional[Path]):
     import transformers
 
-    source = resolve_pretrained(model.codec_pretrained, cache_dir) if model.codec_pretrained else folder / "codec"
+    source = codec_folder if codec_folder is not None else folder / "codec"
     if not source.is_dir():
         raise FamilyError(f"no codec: {source} does not exist. Set model.codec_pretrained to a {model.codec} folder "
                           f"({_CODEC_CLASSES[model.codec]}.save_pretrained) or put one in {folder / 'codec'}.")
@@ -119,11 +115,11 @@ def _layout_for(model: TtsLmModel, folder: Path, lm, codec, tokenizer) -> dict:
                       model.codec, codec.config.sampling_rate, frame_rate)
 
 
-def build(model: TtsLmModel, cache_dir, device, dtype_for_frozen: torch.dtype = torch.float32) -> TtsLmBuilt:
+def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> TtsLmBuilt:
     """Load the LM (fp32, train mode) and the codec (fp32 always: its tokens must not depend on the precision)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = resolve_pretrained(model.pretrained, cache_dir)
+    folder = folders["pretrained"]
     if not (folder / "config.json").is_file():
         raise FamilyError(f"{folder}: no config.json, so this is not a transformers causal-LM folder")
     try:
@@ -134,7 +130,7 @@ def build(model: TtsLmModel, cache_dir, device, dtype_for_frozen: torch.dtype = 
     tokenizer = None
     if (folder / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    codec, codec_folder = _load_codec(model, folder, cache_dir)
+    codec, codec_folder = _load_codec(model, folder, folders.get("codec_pretrained"))
     layout = _layout_for(model, folder, lm, codec, tokenizer)
     if lm.config.vocab_size < layout["vocab_size"]:
         lm.resize_token_embeddings(layout["vocab_size"])
@@ -176,7 +172,6 @@ def decode_codes(codec, kind: str, codes: torch.Tensor) -> np.ndarray:
 
 
 def text_ids(built_or_layout, text: str, tokenizer=None) -> list[int]:
-    layout = built_or_layout if isinstance(built_or_layout, dict) else built_or_layout.layout
     tokenizer = tokenizer if isinstance(built_or_layout, dict) else built_or_layout.tokenizer
     if tokenizer is None:
         return list(text.encode("utf-8"))
@@ -283,18 +278,6 @@ def sample(built: TtsLmBuilt, lm_module: torch.nn.Module, prompts: list[str], sa
     return clips
 
 
-def save_grid(clips: list[Clip], prompts: list[str], path) -> Path:
-    """WAVs in a folder named like `path` without its suffix (samples/step-000010/00.wav ...) + prompts.txt."""
-    import soundfile
-
-    folder = Path(path).with_suffix("")
-    folder.mkdir(parents=True, exist_ok=True)
-    for number, clip in enumerate(clips):
-        soundfile.write(str(folder / f"{number:02d}.wav"), clip.wave, clip.sample_rate, subtype="FLOAT")
-    (folder / "prompts.txt").write_text("".join(f"{n:02d}.wav\t{p}\n" for n, p in enumerate(prompts)))
-    return folder
-
-
 # --------------------------------------------------------------------------------------------------- export
 
 
@@ -340,3 +323,8 @@ def synthesize(folder, text: str, seconds: float = 2.0, temperature: float = 0.8
                                torch.Generator().manual_seed(seed))
     wave = decode_codes(codec, layout["codec"], codes) if codes.shape[1] else np.zeros(0, np.float32)
     return Clip(wave, int(layout["sampling_rate"]))
+
+
+FAMILY = Family(
+    name="tts_lm", modality="audio", pretrained_fields=("pretrained", "codec_pretrained"), build=build,
+    encode_batch=encode_batch, loss=loss, sample=sample, save_samples=save_wavs, export=export)

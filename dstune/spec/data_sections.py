@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from dstune.spec.section import Section
+from dstune.spec.section import BUILTIN_PREFIX, Section
 
 
 # ---------------------------------------------------------------------------------------------------------- data
@@ -154,3 +154,28 @@ class DataSpec(Section):
                 "learning-rate arithmetic. Use a global batch that divides the dataset to lose nothing."
             )
         return value
+
+
+def data_family_problem(audio: bool, family: str, data: "DataSpec") -> str | None:
+    """Why `data` cannot feed `family` (speech data for speech families, images for image families), or None."""
+    name = data.path[len(BUILTIN_PREFIX):] if data.path.startswith(BUILTIN_PREFIX) else None
+    if audio:
+        if name is not None and name != "tones":
+            return (f"model.family {family} trains on speech, but data.path {data.path} is an image dataset: use "
+                    f"{BUILTIN_PREFIX}tones or a speech folder (data.format ljspeech or jsonl)")
+        if data.format == "folder":
+            return f"model.family {family} trains on speech: data.format must be ljspeech, jsonl or auto, not folder"
+        if data.buckets.enabled or data.cache.latents or data.cache.text_embeddings:
+            return (f"model.family {family} trains on speech: data.buckets, data.cache.latents and "
+                    "data.cache.text_embeddings are for images; use data.duration_bucket_seconds and "
+                    "data.cache.codec_tokens")
+        if data.cache.codec_tokens and family != "tts_lm":
+            return f"data.cache.codec_tokens is for model.family tts_lm (a codec-token LM), not {family}"
+        if data.min_clip_seconds >= data.max_clip_seconds:
+            return (f"data.min_clip_seconds {data.min_clip_seconds:g} must be below data.max_clip_seconds "
+                    f"{data.max_clip_seconds:g}")
+        return None
+    if name == "tones" or data.format == "ljspeech" or data.cache.codec_tokens or data.duration_bucket_seconds:
+        return (f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
+                "data.cache.codec_tokens and data.duration_bucket_seconds are for speech families (tts_lm, speecht5)")
+    return None

@@ -7,6 +7,7 @@ Errors are `SpecIssue`s: the dotted key, the file:line it came from (or `--set`)
 from __future__ import annotations
 
 import difflib
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Iterable, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from dstune.spec.models import Spec
+from dstune.spec.models import FAMILIES, Spec
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,6 @@ def _model_at(loc: tuple) -> tuple[Optional[type[BaseModel]], list[str]]:
 
 
 def _is_union_tag(item: str) -> bool:
-    from dstune.spec.models import FAMILIES
-
     return item in FAMILIES
 
 
@@ -185,8 +184,6 @@ def _describe(err: dict, source: SpecSource) -> SpecIssue:
     if kind == "missing":
         return source.issue(key, "required key is missing")
     if kind == "union_tag_invalid" or kind == "union_tag_not_found":
-        from dstune.spec.models import FAMILIES
-
         got = err.get("input", {}).get("family") if isinstance(err.get("input"), dict) else None
         close = difflib.get_close_matches(str(got), FAMILIES, n=1, cutoff=0.5) if got else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -203,13 +200,25 @@ def validate_data(data: Any, source: SpecSource) -> Spec:
         return Spec.model_validate(data)
     except ValidationError as err:
         issues = [_describe(e, source) for e in err.errors()]
-        issues.sort(key=lambda i: _line_of(i.where))
+        issues.sort(key=lambda i: line_of(i.where))
         raise SpecError(issues) from None
 
 
-def _line_of(where: str) -> int:
+def line_of(where: str) -> int:
+    """The line number at the end of an issue's `where` ("file:12"), 0 when it has none (sorts first)."""
     tail = where.rsplit(":", 1)[-1]
     return int(tail) if tail.isdigit() else 0
+
+
+def json_key_line(text: str, dotted: str) -> int | None:
+    """Line of a dotted key in JSON text: each part is searched after its parent. Approximate, good for messages."""
+    pos = 0
+    for part in dotted.split("."):
+        match = re.compile(rf'"{re.escape(part)}"\s*:').search(text, pos)
+        if match is None:
+            return None
+        pos = match.end()
+    return text.count("\n", 0, pos) + 1
 
 
 def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> tuple[Spec, SpecSource]:

@@ -18,7 +18,7 @@ from dstune.spec.section import Section
 from dstune.spec.model_sections import (  # noqa: F401
     AUDIO_FAMILIES, DEFAULT_LORA_TARGET_MODULES, FAMILIES, DenoiserModelBase, FlowModel, LoraSpec, Model, SdModel,
     SdxlModel, SpeechT5Model, TtsLmModel)
-from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec  # noqa: F401
+from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, data_family_problem  # noqa: F401
 
 # Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since
 # DeepSpeed 0.19.3) fights with it, so their automatic clipping is 0.0 (FIELD_NOTES row 11).
@@ -245,8 +245,6 @@ class Spec(Section):
 
     @model_validator(mode="after")
     def _data_fits_family(self) -> "Spec":
-        from dstune.data.audio_index import data_family_problem  # no cycle: imported at validation time
-
         problem = data_family_problem(self.model.family in AUDIO_FAMILIES, self.model.family, self.data)
         if problem:
             raise ValueError(problem)

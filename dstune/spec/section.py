@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+# `builtin:NAME` in model.pretrained and data.path: a tiny model or a synthetic dataset dstune makes offline.
+BUILTIN_PREFIX = "builtin:"
+
 
 class Section(BaseModel):
     """Base for every spec section: frozen, and unknown keys are errors rather than silent defaults."""

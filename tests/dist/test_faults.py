@@ -186,7 +186,7 @@ def test_nan_loss_on_one_rank_stops_all_at_that_step(tmp_path, monkeypatch):
 
 
 def _image_folder(folder: Path, count: int) -> Path:
-    from dstune.data.shapes import render_shape
+    from dstune.data.synthetic import render_shape
 
     folder.mkdir(parents=True)
     for i in range(count):

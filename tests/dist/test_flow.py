@@ -40,7 +40,7 @@ def _spec(run_dir: Path, model: str, stage: int, checkpointing: bool, prompts: l
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    from dstune.families.tiny import ensure_builtin_model
+    from dstune.builtin import ensure_builtin_model
 
     for model, *_ in CASES.values():  # built here, in one process: both share one VAE build
         ensure_builtin_model(model, CACHE_DIR)

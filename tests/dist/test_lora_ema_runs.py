@@ -112,7 +112,7 @@ def test_export_loads_into_stable_diffusion_and_changes_the_images(runs, name):
 def test_export_holds_the_ema_not_the_raw_adapters(runs):
     from dstune.ema import consolidated_ema, overlay_ema
     from dstune.export import consolidated_state_dict
-    from dstune.lora import diffusers_lora_layers
+    from dstune.families.lora import diffusers_lora_layers
 
     run_dir = _ok(runs, "zero2")
     folder = run_dir / "checkpoints" / f"step-{STEPS:08d}"

@@ -21,7 +21,7 @@ SIZES = [(48, 32), (32, 56), (40, 40), (64, 36)]
 
 
 def _image_folder(root: Path) -> Path:
-    from dstune.data.shapes import render_shape
+    from dstune.data.synthetic import render_shape
 
     root.mkdir(parents=True)
     for i in range(8):

@@ -37,7 +37,7 @@ def _spec(run_dir: Path, stage: int, checkpointing: bool) -> dict:
 
 def _image_folder(root: Path) -> Path:
     """16 PNG images with captions in a repeat-2 folder, and one corrupt file: 34 samples, one unreadable."""
-    from dstune.data.shapes import render_shape
+    from dstune.data.synthetic import render_shape
 
     folder = root / "2_shapes"
     folder.mkdir(parents=True)

@@ -29,7 +29,7 @@ def _ljspeech_folder(root: Path) -> Path:
     """20 usable clips (0.2-0.7 s tone sequences at 16 kHz), one too short, one too long, one broken file."""
     import soundfile
 
-    from dstune.data.audio_index import render_tones
+    from dstune.data.synthetic import render_tones
 
     (root / "wavs").mkdir(parents=True)
     lines = []
@@ -144,10 +144,10 @@ def test_resume_continues_exactly(runs, name, tmp_path):
 
 def test_codec_cache_of_two_ranks_equals_one_process(runs, tmp_path):
     """Every entry the 2-rank build wrote has the key and the codes one process computes for the same clip."""
-    from dstune.cache import entry_problem
-    from dstune.cache_audio import encode_entries, plan_codec_entries
+    from dstune.cache.entries import entry_problem
+    from dstune.cache.codec_tokens import encode_entries, plan_codec_entries
     from dstune.data.audio import speech_records
-    from dstune.families.tts_lm import build
+    from dstune.pretrained import build_model
     from dstune.spec.models import DataSpec, TtsLmModel
 
     run_dir, _, proc = runs["zero2"]
@@ -158,7 +158,7 @@ def test_codec_cache_of_two_ranks_equals_one_process(runs, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the launched ranks (OMP_NUM_THREADS=1)
     try:
-        built = build(TtsLmModel(family="tts_lm"), CACHE_DIR, "cpu")
+        built = build_model(TtsLmModel(family="tts_lm"), CACHE_DIR, "cpu")
         entries = plan_codec_entries(records, built)
         assert all(entry_problem(two_ranks / e.relpath, e, full=True) is None for e in entries)
         one = tmp_path / "one"

@@ -8,9 +8,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from dstune.cache import (Entry, entry_problem, folder_fingerprint, latent_key, plan_entries, read_entry, text_key,
+from dstune.cache.entries import (Entry, entry_problem, folder_fingerprint, latent_key, plan_entries, read_entry, text_key,
                           write_entry)
-from dstune.cache_build import resolve_cache_dir
+from dstune.cache.share import cache_folder as resolve_cache_dir
 from dstune.data.index import SampleRecord
 from dstune.spec.models import DataSpec
 

@@ -246,7 +246,7 @@ def test_an_unknown_include_host_in_a_hostfile_is_invalid_not_usage(capsys, tmp_
 
 
 def test_resolve_collects_errors_from_every_stage_that_can_run(tmp_path):
-    from dstune.resolve import ResolveError, resolve
+    from dstune.validate import ResolveError, load_and_validate as resolve
     from dstune.spec.load import SpecError
     from dstune.world import world_from_flags
 
@@ -261,8 +261,8 @@ def test_resolve_collects_errors_from_every_stage_that_can_run(tmp_path):
 
 
 def test_resolve_plans_offline_with_num_samples_and_plan_text_is_plain(tmp_path):
-    from dstune.cli_render import plan_text
-    from dstune.resolve import resolve
+    from dstune.report import plan_text
+    from dstune.validate import load_and_validate as resolve
     from dstune.world import world_from_flags
 
     spec = write_spec(tmp_path, {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "epochs": 3},

@@ -11,16 +11,16 @@ import yaml
 from PIL import Image
 from pydantic import ValidationError
 
-from dstune.cache import latent_key, plan_entries
+from dstune.cache.entries import latent_key, plan_entries
 from dstune.check import Expected, RankReport, bucket_report, find_mismatches
 from dstune.cli import main
-from dstune.cli_render import plan_text
+from dstune.report import plan_text
 from dstune.data.buckets import assign_buckets, bucket_counts, generate_buckets, header_size, nearest_bucket
 from dstune.data.images import ImageCaptionDataset, resize_and_crop
 from dstune.data.index import DataError, list_samples
 from dstune.data.loader import build_loader
 from dstune.plan import make_plan
-from dstune.resolve import resolve
+from dstune.validate import load_and_validate as resolve
 from dstune.spec.load import SpecError, SpecSource
 from dstune.spec.models import DataSpec, TrainSpec
 from dstune.world import world_from_flags

@@ -19,7 +19,7 @@ from dstune.data.images import (
     without_samples,
 )
 from dstune.data.index import list_samples
-from dstune.data.shapes import render_shape
+from dstune.data.synthetic import render_shape
 from dstune.spec.models import DataSpec
 
 

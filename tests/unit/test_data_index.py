@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from dstune.data.index import DataError, count_samples, index_dataset, list_samples
-from dstune.data.shapes import SHAPES_NUM_SAMPLES
+from dstune.data.synthetic import SHAPES_NUM_SAMPLES
 from dstune.spec.models import DataSpec
 
 

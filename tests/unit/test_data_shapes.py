@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dstune.data.shapes import BACKGROUNDS, COLOURS, SHAPES, SHAPES_NUM_SAMPLES, render_shape, shape_sample
+from dstune.data.synthetic import BACKGROUNDS, COLOURS, SHAPES, SHAPES_NUM_SAMPLES, render_shape, shape_sample
 
 
 @pytest.mark.parametrize("resolution", [32, 64])

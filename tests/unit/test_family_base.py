@@ -8,20 +8,32 @@ import pytest
 import torch
 from PIL import Image
 
-from dstune.families import FAMILY_BUILDERS, get_family
-from dstune.families.base import (FamilyError, copy_component, per_sample_randint, per_sample_randn,
-                                  publish_folder, resolve_pretrained, sample_generator, save_grid)
-from dstune.spec.models import FAMILIES
+from dstune.families import FAMILY_MODULES, get_family
+from dstune.families.base import Family, FamilyError, per_sample_randint, per_sample_randn, sample_generator
+from dstune.families.diffusion import copy_component
+from dstune.families.samples import save_grid
+from dstune.fsutil import publish_folder
+from dstune.pretrained import resolve_pretrained
+from dstune.spec.model_sections import FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsLmModel
+from dstune.spec.models import AUDIO_FAMILIES, FAMILIES
 
-API = ("build", "encode_batch", "loss", "sample", "save_grid", "export")
+MODEL_SPECS = {"sd": SdModel, "sdxl": SdxlModel, "flow": FlowModel, "tts_lm": TtsLmModel, "speecht5": SpeechT5Model}
+
+API = ("build", "encode_batch", "loss", "sample", "save_samples", "export")
 
 
-def test_registry_matches_the_spec_and_every_family_has_the_api():
-    assert sorted(FAMILY_BUILDERS) == sorted(FAMILIES)
-    for name in FAMILY_BUILDERS:
+def test_registry_matches_the_spec_and_every_family_declares_the_contract():
+    assert sorted(FAMILY_MODULES) == sorted(FAMILIES)
+    for name in FAMILY_MODULES:
         family = get_family(name)
-        missing = [f for f in API if not callable(getattr(family, f, None))]
+        assert isinstance(family, Family) and family.name == name
+        missing = [f for f in API if not callable(getattr(family, f))]
         assert not missing, f"family {name} lacks {missing}"
+        assert (family.modality == "audio") == (name in AUDIO_FAMILIES)  # validate decides data rules by the spec
+        assert family.pretrained_fields[0] == "pretrained"
+        assert all(field in MODEL_SPECS[name].model_fields for field in family.pretrained_fields)
+        assert family.text_cache is None or family.modality == "image"
+        assert family.supports_lora == (family.modality == "image")  # LoRA export: diffusion families today
 
 
 def test_unknown_family_names_the_known_ones():

@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstune.data.shapes import render_shape
-from dstune.families import flow, tiny
+from dstune.pretrained import build_model
+from dstune.data.synthetic import render_shape
+from dstune import builtin as tiny
+from dstune.builtin.common import to_tensor
+from dstune.families import flow
 from dstune.families.base import FamilyError, sample_generator
 from dstune.spec.load import SpecError, SpecSource, validate_data
 from dstune.spec.models import FlowModel, SampleSpec
@@ -32,13 +35,13 @@ def folders() -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def built(folders) -> dict:
-    return {kind: flow.build(FlowModel(family="flow", pretrained=f"builtin:{name}"), CACHE_DIR, "cpu")
+    return {kind: build_model(FlowModel(family="flow", pretrained=f"builtin:{name}"), CACHE_DIR, "cpu")
             for kind, name in NAMES.items()}
 
 
 def _batch(indices: list[int]) -> dict:
     images = [render_shape(i, 32) for i in indices]
-    return {"pixel_values": tiny._to_tensor([image for image, _ in images]),
+    return {"pixel_values": to_tensor([image for image, _ in images]),
             "caption": [caption for _, caption in images], "index": torch.tensor(indices, dtype=torch.long)}
 
 
@@ -71,7 +74,7 @@ def test_unsupported_and_mismatched_folders_are_refused_clearly(folders, tmp_pat
         flow.detect_kind(other)
     config_path.write_text(json.dumps({**config, "joint_attention_dim": 48}))
     with pytest.raises(FamilyError, match=r"joint_attention_dim 48 != 64"):
-        flow.build(FlowModel(family="flow", pretrained=str(other)), tmp_path, "cpu")
+        build_model(FlowModel(family="flow", pretrained=str(other)), tmp_path, "cpu")
     unet_pipeline = tmp_path / "sd"
     unet_pipeline.mkdir()
     (unet_pipeline / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
@@ -180,10 +183,8 @@ def test_cached_text_tensors_train_like_encoded_ones(built, kind):
 
 def test_max_sequence_length_is_part_of_every_text_cache_key():
     """A cache built at one max_sequence_length misses at another (the same encoders, other tensors)."""
-    from dstune.cache import text_key
-    from dstune.cache_build import text_cache_hooks
-
-    hooks = text_cache_hooks("flow")
+    from dstune.cache.entries import text_key
+    hooks = flow.FAMILY.text_cache
     keys = {length: text_key("a red circle", hooks.settings(FlowModel(family="flow", max_sequence_length=length)),
                              "float32", hooks.tensors) for length in (32, 64)}
     assert keys[32] != keys[64]
@@ -206,7 +207,7 @@ def test_flux_guidance_and_shift_reach_the_model(built, folders):
             assert _loss(built["flux"], [2]).item() != reference.item()
         finally:
             built["flux"].settings = FlowModel(family="flow")
-    shifted = flow.build(FlowModel(family="flow", pretrained="builtin:tiny-flux", shift=1.0), CACHE_DIR, "cpu")
+    shifted = build_model(FlowModel(family="flow", pretrained="builtin:tiny-flux", shift=1.0), CACHE_DIR, "cpu")
     assert torch.allclose(shifted.train_sigmas, torch.arange(1000, 0, -1) / 1000)  # shift 1: unshifted
     assert torch.allclose(built["sd3"].train_sigmas[500], torch.tensor(3 * 0.5 / (1 + 2 * 0.5)), atol=1e-3)
 
@@ -243,18 +244,18 @@ def test_lora_export_loads_into_the_pipeline_with_the_trained_effect(kind, tmp_p
     reproduces the trained module's loss exactly (and differs from the base model's)."""
     from diffusers import DiffusionPipeline
 
-    from dstune.lora import apply_train_mode, export_lora
+    from dstune.families.lora import apply_train_mode, export_lora
 
     spec = FlowModel(family="flow", pretrained=f"builtin:{NAMES[kind]}", train="lora")
-    model = flow.build(spec, CACHE_DIR, "cpu")
-    assert "training: LoRA rank 16" in apply_train_mode(model.trainable, spec, seed=0)
+    model = build_model(spec, CACHE_DIR, "cpu")
+    assert "training: LoRA rank 16" in apply_train_mode(model.trainable, spec, seed=0, family=flow.FAMILY)
     with torch.no_grad():
         for name, param in model.trainable.named_parameters():
             if ".lora_B." in name:  # B starts at zero: "train" it
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
     encoded = flow.encode_batch(model, _batch([1]))
     state = {k: v.detach().clone() for k, v in model.trainable.state_dict().items()}
-    out = export_lora(flow, model, state, tmp_path / "lora", spec)
+    out = export_lora(flow.FAMILY, model, state, tmp_path / "lora", spec)
     pipe = DiffusionPipeline.from_pretrained(model.folder)
     with torch.no_grad():
         base_loss = flow.loss(model, pipe.transformer, encoded, 0, 1)

@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from dstune.data.shapes import render_shape
-from dstune.families import sd, tiny
+from dstune.pretrained import build_model
+from dstune.data.synthetic import render_shape
+from dstune import builtin as tiny
+from dstune.builtin.common import shapes_images, to_tensor
+from dstune.families import sd
 from dstune.families.base import FamilyError
 from dstune.spec.models import SampleSpec, SdModel
 
@@ -40,7 +43,7 @@ def tiny_folder(cache_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def built(cache_dir):
-    return sd.build(SdModel(family="sd"), cache_dir, "cpu", torch.float32)
+    return build_model(SdModel(family="sd"), cache_dir, "cpu", torch.float32)
 
 
 @pytest.fixture(scope="session")
@@ -57,12 +60,12 @@ def sd15_style_folder(tiny_folder, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def eps_built(sd15_style_folder):
-    return sd.build(SdModel(family="sd", pretrained=str(sd15_style_folder)), sd15_style_folder, "cpu", torch.float32)
+    return build_model(SdModel(family="sd", pretrained=str(sd15_style_folder)), sd15_style_folder, "cpu", torch.float32)
 
 
 def _batch(indices: list[int]) -> dict:
     images = [render_shape(i, 32) for i in indices]
-    return {"pixel_values": tiny._to_tensor([image for image, _ in images]),
+    return {"pixel_values": to_tensor([image for image, _ in images]),
             "captions": [caption for _, caption in images],
             "sample_ids": [f"shapes/{i:06d}" for i in indices],
             "indices": torch.tensor(indices, dtype=torch.long)}
@@ -96,7 +99,7 @@ def test_builtin_build_is_deterministic_and_never_uses_a_half_built_folder(tiny_
 def test_builtin_reuses_a_complete_folder_and_a_winner_of_the_race(tiny_folder, tmp_path, monkeypatch):
     model = tiny.BUILTIN_MODELS["tiny-sd"]
 
-    def must_not_build(work):
+    def must_not_build(work, needs):
         raise AssertionError("rebuilt a complete built-in model")
 
     monkeypatch.setitem(tiny.BUILTIN_MODELS, "tiny-sd", dataclasses.replace(model, build=must_not_build))
@@ -104,7 +107,7 @@ def test_builtin_reuses_a_complete_folder_and_a_winner_of_the_race(tiny_folder, 
 
     final = tmp_path / "builtin" / FOLDER
 
-    def another_process_finishes_first(work):
+    def another_process_finishes_first(work, needs):
         shutil.copytree(tiny_folder, final)  # e.g. a node without working file locks
         (work / "ours.txt").write_text("ours")
         return {}
@@ -117,7 +120,7 @@ def test_builtin_reuses_a_complete_folder_and_a_winner_of_the_race(tiny_folder, 
 
 
 def test_unknown_builtin_names_the_known_ones(tmp_path):
-    with pytest.raises(FamilyError, match=r"unknown built-in model 'builtin:tiny-xl'.*builtin:tiny-sd"):
+    with pytest.raises(tiny.BuiltinError, match=r"unknown built-in model 'builtin:tiny-xl'.*builtin:tiny-sd"):
         tiny.ensure_builtin_model("builtin:tiny-xl", tmp_path)
     assert not (tmp_path / "builtin").exists()
 
@@ -140,7 +143,7 @@ def test_builtin_vae_reconstructs_the_shapes_and_latents_have_unit_scale(tiny_fo
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL.from_pretrained(tiny_folder, subfolder="vae").eval()
-    images = tiny.shapes_images(32)
+    images = shapes_images(32)
     with torch.no_grad():
         means = vae.encode(images).latent_dist.mean
         error = torch.nn.functional.mse_loss(vae.decode(means).sample, images).item()
@@ -176,10 +179,10 @@ def test_every_draw_is_per_sample_so_any_batch_split_gives_the_same_loss(built):
 def test_prediction_type_override_and_min_snr(cache_dir, built, eps_built, sd15_style_folder):
     assert built.prediction_type == "v_prediction"  # the built-in model's scheduler (zero terminal SNR)
     with pytest.raises(FamilyError, match="zero terminal SNR.*v_prediction"):
-        sd.build(SdModel(family="sd", prediction="epsilon"), cache_dir, "cpu", torch.float32)
+        build_model(SdModel(family="sd", prediction="epsilon"), cache_dir, "cpu", torch.float32)
     eps = eps_built
     assert eps.prediction_type == eps.noise_scheduler.config.prediction_type == "epsilon"
-    v_override = sd.build(SdModel(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
+    v_override = build_model(SdModel(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
                           cache_dir, "cpu", torch.float32)
     assert v_override.noise_scheduler.config.prediction_type == "v_prediction"
     assert torch.isfinite(_loss(v_override, [0, 1]))
@@ -211,7 +214,7 @@ def test_noise_offset_changes_the_noise(built):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients_without_warnings(cache_dir, built):
-    checkpointed = sd.build(SdModel(family="sd", gradient_checkpointing=True), cache_dir, "cpu", torch.float32)
+    checkpointed = build_model(SdModel(family="sd", gradient_checkpointing=True), cache_dir, "cpu", torch.float32)
     assert checkpointed.trainable.is_gradient_checkpointing and not built.trainable.is_gradient_checkpointing
     gradients = []
     for model in (built, checkpointed):
@@ -244,7 +247,7 @@ def test_sample_renders_one_image_per_prompt_and_restores_the_mode(built):
 def test_export_writes_a_pipeline_that_diffusers_loads_and_runs(sd15_style_folder, tmp_path):
     from diffusers import DiffusionPipeline
 
-    v_built = sd.build(SdModel(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
+    v_built = build_model(SdModel(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
                        tmp_path, "cpu", torch.float32)
     state = {k: v + 0.01 for k, v in v_built.trainable.state_dict().items()}  # "trained" weights
     out = tmp_path / "export"
@@ -274,7 +277,7 @@ def test_export_writes_a_pipeline_that_diffusers_loads_and_runs(sd15_style_folde
 def test_a_user_folder_loads_through_the_same_path(tiny_folder, tmp_path):
     user = tmp_path / "my-model"
     shutil.copytree(tiny_folder, user)
-    built = sd.build(SdModel(family="sd", pretrained=str(user)), tmp_path / "cache", "cpu", torch.float32)
+    built = build_model(SdModel(family="sd", pretrained=str(user)), tmp_path / "cache", "cpu", torch.float32)
     assert built.folder == user and not (tmp_path / "cache").exists()
 
 
@@ -286,7 +289,7 @@ def test_user_folder_problems_are_named(tiny_folder, tmp_path):
         return str(folder)
 
     def build(pretrained: str):
-        return sd.build(SdModel(family="sd", pretrained=pretrained), tmp_path / "cache", "cpu", torch.float32)
+        return build_model(SdModel(family="sd", pretrained=pretrained), tmp_path / "cache", "cpu", torch.float32)
 
     no_unet = broken("no-unet", lambda f: shutil.rmtree(f / "unet"))
     with pytest.raises(FamilyError, match=r"no-unet cannot be used .*\n  - missing subfolder unet/"):

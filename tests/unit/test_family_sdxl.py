@@ -14,9 +14,11 @@ import pytest
 import torch
 from PIL import Image
 
+from dstune.pretrained import build_model
 from dstune.data.images import ImageCaptionDataset, collate, crop_fields, decoded_size
 from dstune.data.index import SampleRecord
-from dstune.families import sdxl, tiny
+from dstune import builtin as tiny
+from dstune.families import sdxl
 from dstune.families.base import FamilyError
 from dstune.spec.models import DataSpec, SampleSpec, SdxlModel
 
@@ -26,7 +28,7 @@ CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "t
 
 @pytest.fixture(scope="module")
 def built():
-    return sdxl.build(SdxlModel(family="sdxl"), CACHE_DIR, "cpu", torch.float32)
+    return build_model(SdxlModel(family="sdxl"), CACHE_DIR, "cpu", torch.float32)
 
 
 def _batch(pixels: torch.Tensor) -> dict:
@@ -120,7 +122,7 @@ def test_cached_tensors_give_the_same_encoding(built):
 
 
 def test_v_prediction_override(tmp_path):
-    built = sdxl.build(SdxlModel(family="sdxl", prediction="v_prediction"), CACHE_DIR, "cpu")
+    built = build_model(SdxlModel(family="sdxl", prediction="v_prediction"), CACHE_DIR, "cpu")
     assert built.prediction_type == "v_prediction" and built.noise_scheduler.config.prediction_type == "v_prediction"
     encoded = sdxl.encode_batch(built, _batch(torch.rand(2, 3, 32, 32) * 2 - 1))
     assert torch.isfinite(sdxl.loss(built, built.trainable, encoded, 0, 1))
@@ -144,7 +146,7 @@ def test_folder_problems_are_named(tmp_path):
     folder = tmp_path / "sd-shaped"
     shutil.copytree(tiny.ensure_builtin_model("tiny-sd", CACHE_DIR), folder)
     with pytest.raises(FamilyError, match="StableDiffusionPipeline.*model.family: sd"):
-        sdxl.build(SdxlModel(family="sdxl", pretrained=str(folder)), CACHE_DIR, "cpu")
+        build_model(SdxlModel(family="sdxl", pretrained=str(folder)), CACHE_DIR, "cpu")
     broken = tmp_path / "broken"
     shutil.copytree(tiny.ensure_builtin_model("tiny-sdxl", CACHE_DIR), broken)
     config = json.loads((broken / "unet" / "config.json").read_text())
@@ -158,12 +160,12 @@ def test_folder_problems_are_named(tmp_path):
 
 def test_text_cache_hooks_and_keys():
     """sdxl's text entries hold both tensors and are keyed by both encoders; sd's keys are what they always were."""
-    from dstune.cache import key_of, text_key
-    from dstune.cache_build import text_cache_hooks
+    from dstune.cache.entries import key_of, text_key
+    from dstune.families import get_family
 
-    hooks = text_cache_hooks("sdxl")
+    hooks = sdxl.FAMILY.text_cache
     assert hooks.tensors == ("encoder_hidden_states", "text_embeds") and "text_encoder_2" in hooks.folders
-    assert text_cache_hooks("sd").folders == ("text_encoder", "tokenizer")
+    assert get_family("sd").text_cache.folders == ("text_encoder", "tokenizer")
     sd_key = text_key("a cat", "f" * 64, "float32")
     assert sd_key == key_of({"kind": "text", "caption": "a cat", "text_encoder": "f" * 64, "dtype": "float32"})
     assert text_key("a cat", "f" * 64, "float32", hooks.tensors) != sd_key
@@ -172,17 +174,17 @@ def test_text_cache_hooks_and_keys():
 def test_lora_trains_only_adapters_and_exports_a_file_the_sdxl_pipeline_loads(tmp_path):
     from diffusers import StableDiffusionXLPipeline
 
-    from dstune.lora import LORA_WEIGHT_FILE, apply_train_mode, export_lora
+    from dstune.families.lora import LORA_WEIGHT_FILE, apply_train_mode, export_lora
 
     spec = SdxlModel(family="sdxl", train="lora", lora={"rank": 4})
-    built = sdxl.build(spec, CACHE_DIR, "cpu")
-    apply_train_mode(built.trainable, spec, seed=0)
+    built = build_model(spec, CACHE_DIR, "cpu")
+    apply_train_mode(built.trainable, spec, seed=0, family=sdxl.FAMILY)
     encoded = sdxl.encode_batch(built, _batch(torch.rand(2, 3, 32, 32) * 2 - 1))
     sdxl.loss(built, built.trainable, encoded, 0, 1).backward()
     trained = [name for name, p in built.trainable.named_parameters() if p.grad is not None]
     assert trained and all(".lora_" in name for name in trained)
     state = {k: v + 0.01 if ".lora_B." in k else v for k, v in built.trainable.state_dict().items()}
-    out = export_lora(sdxl, built, state, tmp_path / "lora", spec)
+    out = export_lora(sdxl.FAMILY, built, state, tmp_path / "lora", spec)
     assert (out / LORA_WEIGHT_FILE).is_file()
     pipeline = StableDiffusionXLPipeline.from_pretrained(tiny.ensure_builtin_model("tiny-sdxl", CACHE_DIR))
     pipeline.load_lora_weights(out)

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from dstune.pretrained import build_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
 from dstune.families import tts_lm
+from dstune.families.speech import save_wavs
 from dstune.families.base import FamilyError
-from dstune.families.tiny import ensure_builtin_model
+from dstune.builtin import ensure_builtin_model
 from dstune.spec.models import DataSpec, SampleSpec, TtsLmModel
 
 soundfile = pytest.importorskip("soundfile")
@@ -31,7 +33,7 @@ def cache_dir():
 @pytest.fixture(scope="module")
 def built(cache_dir):
     torch.manual_seed(0)
-    return tts_lm.build(TtsLmModel(family="tts_lm", max_sample_seconds=0.5), cache_dir, "cpu")
+    return build_model(TtsLmModel(family="tts_lm", max_sample_seconds=0.5), cache_dir, "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def batch(built):
 def test_builtin_is_tiny_and_codes_follow_the_sound(built):
     assert sum(p.numel() for p in built.trainable.parameters()) < 300_000
     from dstune.data.audio import resample
-    from dstune.data.audio_index import render_tones
+    from dstune.data.synthetic import render_tones
 
     codes = [tts_lm.encode_clip(built.codec, "encodec", torch.from_numpy(resample(render_tones(d), 16000, 8000)), 2)
              for d in "09"]
@@ -81,7 +83,7 @@ def test_loss_falls_and_samples_change(built, batch, tmp_path):
     assert losses[-1] < losses[0] - 1.0
     after = tts_lm.sample(built, lm, ["12"], SampleSpec(seed=3), None)
     assert len(before[0].wave) != len(after[0].wave) or not np.array_equal(before[0].wave, after[0].wave)
-    folder = tts_lm.save_grid(after, ["12"], tmp_path / "samples" / "step-000008.png")
+    folder = save_wavs(after, ["12"], tmp_path / "samples" / "step-000008.png")
     wave, rate = soundfile.read(folder / "00.wav")
     assert rate == 8000 and len(wave) == len(after[0].wave)
     assert "12" in (folder / "prompts.txt").read_text()
@@ -106,7 +108,7 @@ def test_plain_lm_with_a_dac_codec_gets_audio_tokens_appended(tmp_path):
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "lm")
     DacModel(DacConfig(encoder_hidden_size=8, downsampling_ratios=[2, 4], decoder_hidden_size=16, n_codebooks=3,
                        codebook_size=16, codebook_dim=4, sampling_rate=16000)).save_pretrained(tmp_path / "dac")
-    built = tts_lm.build(TtsLmModel(family="tts_lm", pretrained=str(tmp_path / "lm"), codec="dac",
+    built = build_model(TtsLmModel(family="tts_lm", pretrained=str(tmp_path / "lm"), codec="dac",
                                     codec_pretrained=str(tmp_path / "dac"), num_codebooks=2), tmp_path, "cpu")
     assert built.layout["audio_offset"] == 300 and built.layout["num_codebooks"] == 2
     assert built.trainable.get_input_embeddings().num_embeddings == 300 + 2 * 16 + 3
@@ -126,7 +128,7 @@ def test_a_mimi_codec_trains_and_round_trips(tmp_path):
                          vector_quantization_hidden_dimension=16, num_quantizers=4, num_semantic_quantizers=1,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
                          intermediate_size=64, sliding_window=16, upsample_groups=64)).save_pretrained(tmp_path / "mimi")
-    built = tts_lm.build(TtsLmModel(family="tts_lm", pretrained=str(tmp_path / "lm"), codec="mimi",
+    built = build_model(TtsLmModel(family="tts_lm", pretrained=str(tmp_path / "lm"), codec="mimi",
                                     codec_pretrained=str(tmp_path / "mimi"), num_codebooks=2), tmp_path, "cpu")
     assert built.layout["num_codebooks"] == 2 and built.sample_rate == 24000
     assert built.trainable.get_input_embeddings().num_embeddings == 300 + 2 * 32 + 3
@@ -140,6 +142,6 @@ def test_a_mimi_codec_trains_and_round_trips(tmp_path):
 def test_missing_codec_and_mismatched_layout_are_clear_errors(cache_dir, tmp_path):
     folder = ensure_builtin_model("builtin:tiny-tts-lm", cache_dir)
     with pytest.raises(FamilyError, match="cannot load it as EncodecModel"):
-        tts_lm.build(TtsLmModel(family="tts_lm", codec_pretrained=str(tmp_path)), cache_dir, "cpu")
+        build_model(TtsLmModel(family="tts_lm", codec_pretrained=str(tmp_path)), cache_dir, "cpu")
     with pytest.raises(FamilyError, match="num_codebooks 2 != model.num_codebooks 3"):
-        tts_lm.build(TtsLmModel(family="tts_lm", pretrained=str(folder), num_codebooks=3), cache_dir, "cpu")
+        build_model(TtsLmModel(family="tts_lm", pretrained=str(folder), num_codebooks=3), cache_dir, "cpu")

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from dstune.ema import Ema, consolidated_ema, decay_at, overlay_ema, shard_range
+from dstune.families import get_family
 from dstune.spec.models import EmaSpec, SdModel
+
+SD = get_family("sd")
 
 
 def _params(*shapes, seed=0) -> list[tuple[str, torch.nn.Parameter]]:
@@ -101,21 +104,6 @@ def test_overlay_puts_ema_in_place_with_the_state_shapes():
         overlay_ema(state, {"nope": torch.ones(1)})
 
 
-def test_update_hook_scheduler_calls_hooks_after_updates_only_and_keeps_them_out_of_its_state():
-    from dstune.engine import LrMultiplier, UpdateHookLR
-    from dstune.spec.models import SchedulerSpec
-
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    scheduler = UpdateHookLR(optimizer, LrMultiplier(SchedulerSpec(), 10))
-    calls = []
-    scheduler.after_update.append(lambda: calls.append(1))
-    assert calls == []  # the constructor's initial step is not an update
-    optimizer.step()
-    scheduler.step()
-    assert calls == [1]
-    assert "after_update" not in scheduler.state_dict()
-
-
 # ------------------------------------------------------------------------------------------------------ LoRA
 
 
@@ -129,11 +117,11 @@ def _tiny_unet():
 
 
 def test_lora_makes_only_seeded_adapters_trainable():
-    from dstune.lora import apply_train_mode
+    from dstune.families.lora import apply_train_mode
 
     spec = SdModel(family="sd", train="lora", lora={"rank": 2, "alpha": 4})
     unets = [_tiny_unet(), _tiny_unet()]
-    summaries = [apply_train_mode(unet, spec, seed=3) for unet in unets]
+    summaries = [apply_train_mode(unet, spec, seed=3, family=SD) for unet in unets]
     assert "LoRA rank 2, alpha 4" in summaries[0]
     trainable = {name: p for name, p in unets[0].named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable)
@@ -143,25 +131,25 @@ def test_lora_makes_only_seeded_adapters_trainable():
 
 
 def test_full_training_leaves_the_denoiser_as_it_is():
-    from dstune.lora import apply_train_mode
+    from dstune.families.lora import apply_train_mode
 
     unet = _tiny_unet()
-    assert apply_train_mode(unet, SdModel(family="sd"), seed=0).startswith("training: full")
+    assert apply_train_mode(unet, SdModel(family="sd"), seed=0, family=SD).startswith("training: full")
     assert all(p.requires_grad for p in unet.parameters())
 
 
 def test_lora_target_modules_that_match_nothing_are_a_clear_error():
     from dstune.families.base import FamilyError
-    from dstune.lora import apply_train_mode
+    from dstune.families.lora import apply_train_mode
 
     spec = SdModel(family="sd", train="lora", lora={"target_modules": ["no_such_layer"]})
     with pytest.raises(FamilyError, match=r"model.lora.target_modules \['no_such_layer'\]"):
-        apply_train_mode(_tiny_unet(), spec, seed=0)
+        apply_train_mode(_tiny_unet(), spec, seed=0, family=SD)
 
 
 def test_adapter_tensors_get_diffusers_lora_names():
     from dstune.families.base import FamilyError
-    from dstune.lora import adapter_state_dict, diffusers_lora_layers
+    from dstune.families.lora import adapter_state_dict, diffusers_lora_layers
 
     state = {"blocks.0.attn1.to_q.base_layer.weight": torch.ones(4, 4),
              "blocks.0.attn1.to_q.lora_A.default.weight": torch.ones(2, 4),
@@ -189,7 +177,7 @@ def test_lora_settings_without_lora_training_name_the_key():
 
 
 def test_contact_sheet_lists_every_step_in_order_with_escaped_prompts(tmp_path):
-    from dstune.families.base import write_contact_sheet
+    from dstune.families.samples import write_contact_sheet
 
     for step in (10, 0, 5):
         (tmp_path / f"step-{step:06d}.png").write_bytes(b"png")

@@ -39,7 +39,7 @@ def module_names() -> dict[str, Path]:
 
 
 def test_finds_the_modules():
-    assert {"cli", "plan", "resolve"} <= set(module_names())
+    assert {"cli", "plan", "validate", "startup"} <= set(module_names())
 
 
 def test_no_module_shadows_the_standard_library_or_a_dependency():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dstune.data.audio_index import (TONES_NUM_SAMPLES, duration_groups, index_audio, render_tones, tones_duration,
-                                     tones_text)
+from dstune.data.audio_index import duration_groups, index_audio
+from dstune.data.synthetic import TONES_NUM_SAMPLES, render_tones, tones_duration, tones_text
 from dstune.data.index import DataError
 from dstune.spec.models import DataSpec
 
@@ -87,7 +87,7 @@ def test_duration_groups_cover_every_clip():
 
 
 def test_validate_plans_audio_with_length_buckets(tmp_path):
-    from dstune.resolve import resolve
+    from dstune.validate import load_and_validate as resolve
     from dstune.world import world_from_flags
 
     spec = tmp_path / "spec.yaml"

@@ -1,34 +1,48 @@
-"""Building and verifying the cache on every rank: share the work, write atomically, wait with a timeout, verify,
-report once.
+"""The latent and text-embedding cache (data.cache.latents / text_embeddings): build or verify every entry a run
+reads, on every rank together, then report once.
 
-    cache = prepare_cache(run, spec, built, records)          # in training, before the batch check
-    run_cache_command(spec_path, overrides, verify_only)      # `dstune cache`, `train.py --cache-only`
+    index, code = prepare_cache(run, job, built, records)    # dstune.startup: training and `dstune cache` alike
 
-Who builds what. Each rank writes a probe file into its cache folder and looks which ranks' probes it sees: ranks
-that see each other share the folder (one node, or shared storage) and split that folder's entries between them;
-ranks with a folder of their own (node-local disks, `{node}`/`{rank}` in data.cache.dir) build it all, because
-the global-epoch sampler sends every sample to every rank over the epochs. Entries are grouped into fixed chunks of
-the one global entry list, and chunk j goes to member j % group_size, so the encoder sees the same batches whatever
-the rank count (entries are then identical, bit for bit, to a one-rank build).
+Ranks that share a folder split its entries (dstune.cache.share). Entries are grouped into fixed chunks of the one
+global entry list, and chunk j goes to member j % group_size, so the encoder sees the same batches whatever the
+rank count (entries are then identical, bit for bit, to a one-rank build).
 """
 
 from __future__ import annotations
 
-import secrets
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-from dstune.cache import Entry, bytes_sha256, entry_problem, file_sha256, folder_fingerprint, plan_entries, write_entry
-from dstune.distributed import all_gather_object, stop
+from dstune.cache.entries import (Entry, bytes_sha256, entry_problem, file_sha256, folder_fingerprint, plan_entries,
+                                  write_entry)
+from dstune.cache.share import monitored_barrier, sharing_group
+from dstune.data.buckets import sample_buckets
+from dstune.data.images import BadSampleError, ImageCaptionDataset, resize_and_crop, to_tensor
+from dstune.data.synthetic import render_shape
+from dstune.distributed import agree_or_stop, all_gather_object
+from dstune.families.base import TextCache
+from dstune.spec.models import DataSpec
 
 CHUNK_ENTRIES = 8  # entries encoded in one forward pass
+
+
+@dataclass(frozen=True)
+class LatentCacheJob:
+    """What one latent/text cache build or verify needs besides the ranks, the encoders and the records."""
+
+    data: DataSpec
+    folder: Path  # this rank's cache folder (dstune.cache.share.cache_folder)
+    model_folder: Path  # the pretrained folder whose encoders key the entries
+    text_cache: Optional[TextCache]  # the family's declared text cache; None: the family has none
+    text_settings: str  # family settings that shape the text tensors (flow: the sequence length), or ""
+    seed: int
+    dtype: torch.dtype  # the frozen encoders' dtype (dstune.engine.PRECISION_DTYPES)
 
 
 @dataclass
@@ -43,54 +57,21 @@ class CacheIndex:
     failed_samples: set[str] = field(default_factory=set)  # unreadable images (with data.skip_bad_files)
 
 
-def resolve_cache_dir(cache_dir: str | None, output_cache_dir: str, rank: int, node_rank: int) -> Path:
-    text = cache_dir if cache_dir else str(Path(output_cache_dir) / "encoded")
-    return Path(text.replace("{rank}", str(rank)).replace("{node}", str(node_rank))).expanduser()
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
 def _fingerprints(folder: Path, text_folders: tuple[str, ...]) -> dict[str, str]:
     """The VAE's fingerprint, and one over every component that decides a caption's embedding (the family's
-    TEXT_CACHE_FOLDERS; for sd text_encoder + tokenizer, the same value as before families chose them)."""
+    TextCache.folders; for sd text_encoder + tokenizer)."""
     text = bytes_sha256("".join(folder_fingerprint(folder / name) for name in text_folders).encode())
     return {"vae": folder_fingerprint(folder / "vae"), "text": text}
-
-
-@dataclass(frozen=True)
-class TextCacheHooks:
-    """A family's text cache (contract in dstune.families.base): the pipeline subfolders that decide a caption's
-    embedding, the tensor names stored per caption, and encode(built, captions) -> {name: Tensor[N, ...]}."""
-
-    folders: tuple[str, ...]
-    tensors: tuple[str, ...]
-    encode: Callable
-    settings: Callable | None = None  # model spec -> text of the family settings that shape the tensors
-
-
-def text_cache_hooks(family_name: str) -> TextCacheHooks:
-    from dstune.families import get_family
-
-    family = get_family(family_name)
-    if hasattr(family, "cache_text_tensors"):
-        return TextCacheHooks(tuple(family.TEXT_CACHE_FOLDERS), tuple(family.TEXT_CACHE_TENSORS),
-                              family.cache_text_tensors, getattr(family, "text_cache_settings", None))
-    if family_name == "sd":  # sd predates the hooks: its one encoder's last hidden state
-        def encode(built, captions):
-            return {"encoder_hidden_states": family.encode_captions(built, captions)}
-
-        return TextCacheHooks(("text_encoder", "tokenizer"), ("encoder_hidden_states",), encode)
-    raise ValueError(f"model.family {family_name}: no text-embedding cache (the family defines no "
-                     "cache_text_tensors); set data.cache.text_embeddings: false")
 
 
 def _content_hash(record, resolution: int) -> str:
     if record.image_path is not None:
         return file_sha256(record.image_path)
-    from dstune.data.shapes import render_shape  # built-in samples: the rendered pixels are the content
-
+    # built-in samples: the rendered pixels are the content
     number = int(record.sample_id.rsplit("/", 1)[1])
     return bytes_sha256(b"builtin-render\0" + render_shape(number, resolution)[0].tobytes())
 
@@ -111,23 +92,7 @@ def _content_hashes(run, records, resolution: int) -> tuple[dict[str, str], dict
     return hashes, unreadable
 
 
-def _sharing_group(run, folder: Path) -> list[int]:
-    """The ranks that see the same cache folder as this one (this rank included), found with probe files."""
-    token = all_gather_object(secrets.token_hex(8))[0]  # not torch's RNG: that would shift training's draws
-    probes = folder / ".probes"
-    probes.mkdir(parents=True, exist_ok=True)
-    mine = probes / f"{token}-{run.rank}"
-    mine.write_text(str(run.rank))
-    all_gather_object(None)  # everyone has written before anyone looks
-    seen = sorted(int(p.name.rsplit("-", 1)[1]) for p in probes.glob(f"{token}-*"))
-    all_gather_object(None)  # everyone has looked before anyone deletes
-    mine.unlink()
-    return seen
-
-
 def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolution: int) -> tuple[dict, dict]:
-    from dstune.data.images import BadSampleError, resize_and_crop, to_tensor
-
     pixels, ok, failed = [], [], {}
     for entry in entries:
         try:
@@ -181,23 +146,6 @@ def _build_share(built, dataset, by_id: dict, folder: Path, chunks, resolution: 
     return counts
 
 
-def _monitored_barrier(run, timeout_minutes: int) -> str | None:
-    """Wait for every rank on a gloo side group with its own timeout (works beside nccl too); an error naming the
-    ranks that did not arrive, or None."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or run.world_size == 1:
-        return None
-    group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
-    try:
-        dist.monitored_barrier(group=group, timeout=timedelta(minutes=timeout_minutes), wait_all_ranks=True)
-    except RuntimeError as err:
-        return (f"cache build: not every rank finished within data.cache.barrier_timeout_minutes={timeout_minutes} "
-                f"({str(err).splitlines()[0]}). Build the cache first (`dstune cache SPEC` or `--cache-only`) or "
-                "raise the timeout.")
-    return None
-
-
 def _verify_share(folder: Path, chunks) -> dict:
     """--verify: fully check (checksums) this rank's share without building anything."""
     counts = {"built": 0, "cached": 0, "failed": {}}
@@ -235,50 +183,43 @@ def _index(folder: Path, entries: list[Entry], cache_spec, failed_samples: set[s
     return index
 
 
-def prepare_cache(run, spec, built, records, folder_of_model: Path | None = None,
-                  verify_only: bool = False) -> tuple[CacheIndex | None, int]:
+def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = False) -> tuple[CacheIndex | None, int]:
     """Build (or with verify_only, check) every entry this run reads, on every rank together; print one summary.
     Returns (index, 0) or, when incomplete, (None, exit code 1) after printing why. Never returns an index with a
-    missing entry: after the barrier each rank checks every entry it will read."""
-    from dstune.data.images import ImageCaptionDataset
-
-    data, cache_spec = spec.data, spec.data.cache
+    missing entry: after the barrier each rank checks every entry it will read. `built` may be None to verify."""
+    data, cache_spec, folder = job.data, job.data.cache, job.folder
     started = time.perf_counter()
-    folder = resolve_cache_dir(cache_spec.dir, spec.output.cache_dir, run.rank, run.node_rank)
     error = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         error = f"data.cache.dir {folder}: cannot create it ({err.strerror or err}) on rank {run.rank}"
-    _agree(run, error)
-    group = _sharing_group(run, folder)
+    agree_or_stop(run, error)
+    group = sharing_group(run, folder)
     hashes, unreadable = _content_hashes(run, records, data.resolution)
-    dtype = _dtype_name(built.vae.dtype if built is not None else _frozen_dtype(spec))
-    hooks = text_cache_hooks(spec.model.family)
-    fingerprints = _fingerprints(folder_of_model if folder_of_model is not None else built.folder, hooks.folders)
-    if hooks.settings is not None:  # e.g. flow's max_sequence_length: same encoders, other tensors
-        fingerprints["text"] = bytes_sha256((fingerprints["text"] + hooks.settings(spec.model)).encode())
-    from dstune.data.buckets import sample_buckets
-
+    text = job.text_cache
+    fingerprints = _fingerprints(job.model_folder, text.folders if text else ())
+    if job.text_settings:  # e.g. flow's max_sequence_length: same encoders, other tensors
+        fingerprints["text"] = bytes_sha256((fingerprints["text"] + job.text_settings).encode())
     entries = plan_entries(records, hashes, fingerprints, data.resolution, data.random_flip, data.caption_dropout,
-                           dtype, cache_spec.latents, cache_spec.text_embeddings, sample_buckets(records, data),
-                           hooks.tensors)
+                           _dtype_name(job.dtype), cache_spec.latents, cache_spec.text_embeddings,
+                           sample_buckets(records, data), text.tensors if text else ())
     mine = [c for j, c in enumerate(_chunks(entries)) if j % len(group) == group.index(run.rank)]
     if verify_only:
         counts = _verify_share(folder, mine)
     else:
-        dataset = ImageCaptionDataset(data, records, spec.train.seed)
+        dataset = ImageCaptionDataset(data, records, job.seed)
         counts = _build_share(built, dataset, {r.sample_id: r for r in records}, folder, mine, data.resolution,
-                              hooks.encode)
-    _agree(run, _monitored_barrier(run, cache_spec.barrier_timeout_minutes))
+                              text.encode if text else None)
+    agree_or_stop(run, monitored_barrier(run, cache_spec.barrier_timeout_minutes))
     missing = {} if verify_only else {e.name: p for e in entries
                                       if (p := entry_problem(folder / e.relpath, e, full=False))}
     reports = all_gather_object((str(folder), tuple(group), counts, missing))
     seconds = time.perf_counter() - started  # the same on every rank: the barrier waited for the slowest
-    return _conclude(run, spec, folder, entries, reports, unreadable, verify_only, seconds)
+    return _conclude(run, data, folder, entries, reports, unreadable, verify_only, seconds)
 
 
-def _conclude(run, spec, folder, entries, reports, unreadable, verify_only, seconds):
+def _conclude(run, data: DataSpec, folder, entries, reports, unreadable, verify_only, seconds):
     per_folder: dict[tuple, list] = {}
     for folder_text, group, counts, missing in reports:
         slot = per_folder.setdefault((folder_text, group), [0, 0, {}])
@@ -297,7 +238,7 @@ def _conclude(run, spec, folder, entries, reports, unreadable, verify_only, seco
     if failures:
         listing = "\n".join(failures[:20]) + (f"\n  ... and {len(failures) - 20} more" if len(failures) > 20 else "")
         text += f"\nfailed:\n{listing}"
-        if verify_only or not (spec.data.skip_bad_files and only_bad_images):
+        if verify_only or not (data.skip_bad_files and only_bad_images):
             code = 1
     if not verify_only and (not entries or usable == 0):
         text += "\nnothing could be cached: every entry failed (see above). Fix the data or the encoders."
@@ -308,17 +249,7 @@ def _conclude(run, spec, folder, entries, reports, unreadable, verify_only, seco
         if run.is_main and not verify_only:
             print("the cache is incomplete: stopped before training.", file=sys.stderr, flush=True)
         return None, code
-    return _index(folder, entries, spec.data.cache, failed_samples), 0
-
-
-def _frozen_dtype(spec) -> torch.dtype:
-    return torch.bfloat16 if spec.train.precision == "bf16" else torch.float32
-
-
-def _agree(run, error: str | None) -> None:
-    errors = [e for e in all_gather_object(error) if e]
-    if errors:
-        stop(run, "\n".join(dict.fromkeys(errors)), 1)
+    return _index(folder, entries, data.cache, failed_samples), 0
 
 
 def offload_frozen(built, index: CacheIndex) -> list[str]:
@@ -347,69 +278,3 @@ def frozen_on_device(built, moved: list[str]):
             torch.cuda.empty_cache()
 
 
-def run_cache_command(spec_path: str, overrides: list[str], verify_only: bool) -> int:
-    """`dstune cache SPEC [--verify]` (one process) and `train.py SPEC --cache-only` (under the launcher)."""
-    from dstune.distributed import init_run, launcher_rank, shutdown
-    from dstune.spec.load import SpecError, load_spec
-
-    try:
-        spec, _ = load_spec(spec_path, overrides)
-    except SpecError as err:
-        if launcher_rank() == 0:
-            print(f"invalid spec:\n{err}", file=sys.stderr)
-        return 1
-    if spec.data.cache.codec_tokens:  # speech (tts_lm): its own entry kind, dstune.cache_audio
-        from dstune.cache_audio import run_codec_cache
-
-        run = init_run(spec.deepspeed.timeout_minutes)
-        try:
-            return run_codec_cache(run, spec, verify_only)
-        finally:
-            shutdown()
-    if not (spec.data.cache.latents or spec.data.cache.text_embeddings):
-        if launcher_rank() == 0:
-            print(f"{spec_path}: data.cache: nothing to cache. Set data.cache.latents: true and/or "
-                  "data.cache.text_embeddings: true.", file=sys.stderr)
-        return 1
-    run = init_run(spec.deepspeed.timeout_minutes)
-    try:
-        return _cache_on_ranks(run, spec, verify_only)
-    finally:
-        shutdown()
-
-
-def _cache_on_ranks(run, spec, verify_only: bool) -> int:
-    from dstune.session import _checked_records
-
-    records = _checked_records(run, spec.data)
-    if verify_only:
-        from dstune.families.base import FamilyError, resolve_pretrained
-
-        error, folder = None, None
-        try:
-            folder = resolve_pretrained(spec.model.pretrained, spec.output.cache_dir)
-        except (FamilyError, OSError) as err:
-            error = f"model.pretrained {spec.model.pretrained!r}: {err}"
-        _agree(run, error)
-        _, code = prepare_cache(run, spec, None, records, folder_of_model=folder, verify_only=True)
-        return code
-    _, code = prepare_cache(run, spec, _build_encoders(run, spec), records)
-    return code
-
-
-def _build_encoders(run, spec):
-    """The family's model without DeepSpeed (only its frozen encoders are used); rank 0 first, as in training,
-    so a built-in model is made once."""
-    from dstune.distributed import barrier
-    from dstune.families import get_family
-
-    family, error, built = get_family(spec.model.family), None, None
-    for turn in (True, False):
-        if run.is_main == turn:
-            try:
-                built = family.build(spec.model, spec.output.cache_dir, run.device, _frozen_dtype(spec))
-            except (ValueError, OSError) as err:
-                error = f"model.pretrained {spec.model.pretrained!r}: {err}"
-        barrier()
-    _agree(run, error)
-    return built

@@ -7,14 +7,18 @@ different widths (32 and 48) on purpose, so a mix-up of which encoder feeds what
 
 The VAE is builtin:tiny-sd's trained VAE, copied byte for byte from that model's folder in the same cache (built
 first if needed): same latents, and its training is not paid twice. Text encoders and UNet are random.
-tiny.py registers this model (BUILTIN_MODELS["tiny-sdxl"]) from TINY_SDXL_ENTRY; the registry's cache protocol
-(lock, marker, atomic rename) applies unchanged. Bump `folder_name` whenever the output changes.
+dstune.builtin registers TINY_SDXL, which names tiny-sd in `needs`; the registry's cache protocol (lock,
+marker, atomic rename) applies unchanged. Bump `folder_name` whenever the output changes.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+
+from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, deterministic_cpu, tiny_clip_config,
+                                   tiny_clip_tokenizer)
+from dstune.hf import quiet_hf_libraries
 
 TINY_SDXL_SEED = 0
 TEXT_ENCODER_WIDTH, TEXT_ENCODER_2_WIDTH = 32, 48
@@ -33,27 +37,16 @@ TINY_SDXL_SCHEDULER = dict(
     prediction_type="epsilon", timestep_spacing="leading", steps_offset=1)
 
 
-def _tiny_sd_vae_folder(out: Path) -> Path:
-    """builtin:tiny-sd's vae/ in the same cache. `out` is the temporary build folder that tiny._build_into makes
-    inside <cache_dir>/builtin/, so the cache root is two levels up."""
-    from dstune.families.tiny import ensure_builtin_model
-
-    return ensure_builtin_model("tiny-sd", out.parent.parent) / "vae"
-
-
-def build_tiny_sdxl(out: Path) -> dict:
+def build_tiny_sdxl(out: Path, needs: dict) -> dict:
     """Write the pipeline into the empty folder `out`; returns facts for the builtin marker."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    from dstune.families.base import quiet_hf_libraries
-    from dstune.families.tiny import _BUILD_THREADS, _deterministic_cpu, tiny_clip_config, tiny_clip_tokenizer
-
     with quiet_hf_libraries():
         from diffusers import StableDiffusionXLPipeline
 
-    vae_folder = _tiny_sd_vae_folder(Path(out))
-    with _deterministic_cpu(TINY_SDXL_SEED, _BUILD_THREADS):
+    vae_folder = needs["tiny-sd"] / "vae"
+    with deterministic_cpu(TINY_SDXL_SEED, BUILD_THREADS):
         text_encoder = CLIPTextModel(tiny_clip_config(TEXT_ENCODER_WIDTH))
         text_encoder_2 = CLIPTextModelWithProjection(tiny_clip_config(TEXT_ENCODER_2_WIDTH))
         unet = UNet2DConditionModel(**TINY_SDXL_UNET)
@@ -71,7 +64,7 @@ def build_tiny_sdxl(out: Path) -> dict:
             "vae_from": "builtin:tiny-sd", "vae_scaling_factor": vae.config.scaling_factor}
 
 
-TINY_SDXL_ENTRY = dict(
+TINY_SDXL = BuiltinModel(
     name="tiny-sdxl", folder_name="tiny-sdxl-v1", family="sdxl",
     description="Stable-Diffusion-XL-shaped pipeline: two CLIP encoders, text_time UNet, 32 px, tiny-sd's VAE",
-    build=build_tiny_sdxl)
+    build=build_tiny_sdxl, needs=("tiny-sd",))

@@ -1,6 +1,9 @@
-"""Spec file -> everything a run needs to know, checked: the one function `dstune validate` and training both call.
+"""A loaded spec + a world -> everything a run needs to know, checked: what `dstune validate` and training both call.
 
-    load_spec -> world -> number of samples -> make_plan -> compile_ds_config -> DeepSpeed cross-check
+    validate_spec(spec, source, world) -> Resolved       (training: the spec it loaded, the world it launched)
+    load_and_validate(spec_path, overrides, world)       (`dstune validate`: load, then the same)
+
+    world -> number of samples -> make_plan -> compile_ds_config -> DeepSpeed cross-check
 
 Every stage that can still run does run, so one call reports every error it can find (a missing dataset and a bad
 DeepSpeed JSON together), then raises one ResolveError (a SpecError) holding all of them. Only a spec that does
@@ -14,6 +17,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
 
+from dstune.data.audio_index import duration_groups, index_audio
+from dstune.data.buckets import assign_buckets, bucket_counts
+from dstune.data.index import DataError, builtin_name, index_dataset
+from dstune.ds_config import compile_ds_config, user_config_path
+from dstune.ds_config import cross_check as deepspeed_cross_check
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, Spec
@@ -50,7 +58,7 @@ class ResolveError(SpecError):
 
 
 @dataclass
-class _Found:
+class IssueList:
     """What the stages have produced so far."""
 
     errors: list[SpecIssue] = field(default_factory=list)
@@ -64,16 +72,20 @@ class _Found:
 WorldArg = Union[None, World, Callable[[], World]]
 
 
-def resolve(spec_path, overrides: Iterable[str] = (), world: WorldArg = None, num_samples: Optional[int] = None,
-            accelerator: str = "auto", cross_check: bool = True) -> Resolved:
-    """Raise SpecError (a ResolveError) holding every error found; dstune.world.WorldError passes through.
-
-    `world`: a World, a function returning one (called only once the spec has loaded, so a spec error is reported
-    before a hostfile is read), or None for what this machine would launch (dstune.world.world_from_flags()).
-    `num_samples`: used when data.path does not exist here (planning offline)."""
+def load_and_validate(spec_path, overrides: Iterable[str] = (), world: WorldArg = None,
+                      num_samples: Optional[int] = None, accelerator: str = "auto", cross_check: bool = True) -> Resolved:
+    """Load the spec, then validate_spec. `world`: a World, a function returning one (called only once the spec
+    has loaded, so a spec error is reported before a hostfile is read), or None for what this machine would launch
+    (dstune.world.world_from_flags())."""
     spec, source = load_spec(spec_path, overrides)
-    world = _make_world(world)
-    found = _Found()
+    return validate_spec(spec, source, _make_world(world), num_samples, accelerator, cross_check)
+
+
+def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Optional[int] = None,
+                  accelerator: str = "auto", cross_check: bool = True) -> Resolved:
+    """Raise SpecError (a ResolveError) holding every error found; dstune.world.WorldError passes through.
+    `num_samples`: used when data.path does not exist here (planning offline)."""
+    found = IssueList()
     _check_accelerator(spec, source, accelerator, found)
     count, origin, groups = _count_samples(spec, source, num_samples, found)
     plan = None
@@ -85,7 +97,7 @@ def resolve(spec_path, overrides: Iterable[str] = (), world: WorldArg = None, nu
             found.add(err.issues)
     # Without a plan, a stand-in still lets compile and the cross-check run; its batch errors count only when
     # make_plan did not already report them.
-    checked_plan = plan or _stand_in_plan(spec, source, world, found if count is None else _Found())
+    checked_plan = plan or _stand_in_plan(spec, source, world, found if count is None else IssueList())
     ds_config = _compile_and_check(spec, source, checked_plan, found, cross_check, stand_in=plan is None)
     if found.errors:
         raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin)
@@ -98,7 +110,7 @@ def _make_world(world: WorldArg) -> World:
     return world() if callable(world) else world
 
 
-def _check_accelerator(spec: Spec, source: SpecSource, accelerator: str, found: _Found) -> None:
+def _check_accelerator(spec: Spec, source: SpecSource, accelerator: str, found: IssueList) -> None:
     if accelerator not in ACCELERATORS:
         raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {accelerator!r}")
     if spec.train.precision != "fp16":
@@ -122,10 +134,8 @@ def _this_machine_accelerator() -> str:
 
 
 def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
-                   found: _Found) -> tuple[Optional[int], str, Optional[dict]]:
+                   found: IssueList) -> tuple[Optional[int], str, Optional[dict]]:
     """(number of samples or None when unknown, where it came from, {bucket: samples} with data.buckets)."""
-    from dstune.data.index import DataError, builtin_name, index_dataset
-
     path = spec.data.path
     if builtin_name(path) is None and not os.path.exists(os.path.expanduser(path)):
         if num_samples is not None:
@@ -146,8 +156,6 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
         return None, "", None
     try:
         if spec.model.family in AUDIO_FAMILIES:  # speech: clip headers give durations, length rules, length groups
-            from dstune.data.audio_index import duration_groups, index_audio
-
             index = index_audio(spec.data)
             groups = duration_groups(index.records, spec.data)
         else:
@@ -166,11 +174,9 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
     return count, origin, groups
 
 
-def _bucket_counts(spec: Spec, source: SpecSource, records, found: _Found) -> dict:
+def _bucket_counts(spec: Spec, source: SpecSource, records, found: IssueList) -> dict:
     """{"WxH": samples} from the image headers (no pixels decoded); unreadable files are a warning with
     data.skip_bad_files (they train as a substitute in the square bucket), else a DataError."""
-    from dstune.data.buckets import assign_buckets, bucket_counts
-
     record_buckets, unreadable = assign_buckets(records, spec.data)
     if unreadable:
         found.add([source.issue(
@@ -179,7 +185,7 @@ def _bucket_counts(spec: Spec, source: SpecSource, records, found: _Found) -> di
     return bucket_counts(records, record_buckets)
 
 
-def _stand_in_plan(spec: Spec, source: SpecSource, world: World, found: _Found) -> Optional[Plan]:
+def _stand_in_plan(spec: Spec, source: SpecSource, world: World, found: IssueList) -> Optional[Plan]:
     """When the sample count is unknown, the batch triad is still checked, and a plan with one step per epoch
     lets compile and the DeepSpeed cross-check report their own errors (a bad deepspeed.config) in the same run.
     The stand-in is never shown."""
@@ -191,14 +197,11 @@ def _stand_in_plan(spec: Spec, source: SpecSource, world: World, found: _Found) 
         return None
 
 
-def _compile_and_check(spec: Spec, source: SpecSource, plan: Optional[Plan], found: _Found, cross_check: bool,
+def _compile_and_check(spec: Spec, source: SpecSource, plan: Optional[Plan], found: IssueList, cross_check: bool,
                        stand_in: bool) -> Optional[dict]:
     if plan is None:
         return None
-    from dstune.ds_config import compile_ds_config, user_config_path
-    from dstune.ds_config import cross_check as deepspeed_cross_check
-
-    report = _Found()
+    report = IssueList()
     ds_config = None
     try:
         ds_config, compile_warnings = compile_ds_config(spec.train, spec.deepspeed, plan, source)

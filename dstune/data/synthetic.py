@@ -1,10 +1,15 @@
-"""`builtin:shapes`: a synthetic dataset of large flat-coloured shapes with captions ("a red circle").
+"""The built-in synthetic datasets, made on the fly from the sample number: no files, the same on every rank.
+
+`builtin:shapes`: a synthetic dataset of large flat-coloured shapes with captions ("a red circle").
 
 Sample i is a pure function of i (its own seeded RNG), so any rank or worker can make any sample without
 coordination and a run is reproducible without files. Colour and shape cycle through all 18 combinations
 (index % 18), so every combination appears equally often; background, size and position vary per sample.
 Shapes are large and flat so that a tiny diffusion model visibly learns colour and shape in a few hundred steps.
 PIL is imported only when rendering: the index (and `dstune validate`) needs captions, not pixels.
+
+`builtin:tones`: synthetic "speech": the text is a digit string, the audio one tone per digit (its pitch is the
+digit). Small enough that a CPU run shows a TTS loss falling.
 """
 
 from __future__ import annotations
@@ -12,7 +17,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
+
 SHAPES_NUM_SAMPLES = 256
+TONES_NUM_SAMPLES = 256
+TONES_SAMPLE_RATE = 16000
+TONE_SECONDS, GAP_SECONDS = 0.1, 0.03
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
     "green": (40, 190, 60),
@@ -88,3 +98,27 @@ def render_shape(index: int, resolution: int = 32):
     else:
         draw.polygon(points, fill=COLOURS[sample.colour])
     return canvas.resize((resolution, resolution), Image.Resampling.BOX), sample.caption
+
+
+# ---------------------------------------------------------------------------------------------- builtin:tones
+
+
+def tones_text(index: int) -> str:
+    """Sample `index`'s digit string (1 to 6 digits), a pure function of the index."""
+    rng = np.random.default_rng([0x70_4E5, index])
+    return "".join(str(d) for d in rng.integers(0, 10, size=int(rng.integers(1, 7))))
+
+
+def tones_duration(text: str) -> float:
+    return len(text) * (TONE_SECONDS + GAP_SECONDS)
+
+
+def render_tones(text: str, sample_rate: int = TONES_SAMPLE_RATE) -> np.ndarray:
+    """float32 mono waveform: per digit d a TONE_SECONDS tone at 300 + 150 * d Hz (Hann-shaped), then a gap."""
+    tone_n, gap_n = round(TONE_SECONDS * sample_rate), round(GAP_SECONDS * sample_rate)
+    t = np.arange(tone_n) / sample_rate
+    pieces = []
+    for digit in text:
+        pieces.append(0.5 * np.sin(2 * np.pi * (300 + 150 * int(digit)) * t) * np.hanning(tone_n))
+        pieces.append(np.zeros(gap_n))
+    return np.concatenate(pieces).astype(np.float32)

@@ -1,15 +1,15 @@
 """Built-in tiny flow-matching models: `builtin:tiny-flow` (SD3-class) and `builtin:tiny-flux` (Flux-class).
 
 Both are real diffusers pipeline folders written by `StableDiffusion3Pipeline` / `FluxPipeline.save_pretrained`,
-built offline from fixed configs and a fixed seed (registered in dstune.families.tiny.BUILTIN_MODELS, which also
+built offline from fixed configs and a fixed seed (registered in dstune.builtin.BUILTIN_MODELS, which also
 owns the build-once cache protocol). Sizes: 32 px images, 16x16x16 latents (a 2-block VAE, spatial factor 2),
 transformers of ~0.1 M parameters, CLIP and T5 text encoders of a few tens of k.
 
-The 16-channel VAE is trained exactly as builtin:tiny-sd's 4-channel one (dstune.families.tiny.train_tiny_vae:
+The 16-channel VAE is trained exactly as builtin:tiny-sd's 4-channel one (dstune.builtin.common.train_tiny_vae:
 shapes, first three latent channels follow the half-size RGB, channels centred through quant_conv), because a
 random VAE decodes every latent to noise. Real SD3/Flux VAEs have no quant convs and centre with `shift_factor`
 instead; the pipelines handle both layouts, so this VAE keeps its quant convs and a shift_factor of 0. Both models
-share one VAE build per process. The tokenizers are built in memory: CLIP byte-level BPE (tiny.tiny_clip_tokenizer)
+share one VAE build per process. The tokenizers are built in memory: CLIP byte-level BPE (common.tiny_clip_tokenizer)
 and a T5 Unigram vocabulary of single characters (no sentencepiece model file needed).
 """
 
@@ -19,10 +19,11 @@ import functools
 import string
 from pathlib import Path
 
-from dstune.families.base import quiet_hf_libraries
+from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, deterministic_cpu, tiny_clip_config,
+                                   tiny_clip_tokenizer, train_tiny_vae)
+from dstune.hf import quiet_hf_libraries
 
 _SEED = 0
-_BUILD_THREADS = 1  # as tiny.py: one thread gives the same bytes on any machine
 T5_MAX_LENGTH = 32  # model_max_length of the tiny T5 tokenizer: caps max_sequence_length, keeps sequences short
 FLOW_VAE = dict(
     in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 2,
@@ -68,9 +69,8 @@ def _trained_vae_state() -> tuple[dict, dict]:
     """(state dict, facts) of the trained 16-channel VAE; computed once per process for both built-in models."""
     from diffusers import AutoencoderKL
 
-    from dstune.families.tiny import _deterministic_cpu, train_tiny_vae
 
-    with _deterministic_cpu(_SEED, _BUILD_THREADS):
+    with deterministic_cpu(_SEED, BUILD_THREADS):
         vae = AutoencoderKL(**FLOW_VAE)
         facts = train_tiny_vae(vae)
     return {k: v.clone() for k, v in vae.state_dict().items()}, facts
@@ -93,17 +93,16 @@ def _save(pipeline, out: Path, transformer, facts: dict) -> dict:
     return facts
 
 
-def build_tiny_flow(out: Path) -> dict:
+def build_tiny_flow(out: Path, needs: dict) -> dict:
     """builtin:tiny-flow: an SD3-class pipeline (SD3Transformer2DModel, CLIP x2 with projection, T5)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextModelWithProjection
 
-    from dstune.families.tiny import _deterministic_cpu, tiny_clip_config, tiny_clip_tokenizer
 
     with quiet_hf_libraries():
         from diffusers import StableDiffusion3Pipeline
     vae, facts = _trained_vae()
-    with _deterministic_cpu(_SEED + 1, _BUILD_THREADS):
+    with deterministic_cpu(_SEED + 1, BUILD_THREADS):
         text_encoder = CLIPTextModelWithProjection(tiny_clip_config())
         text_encoder_2 = CLIPTextModelWithProjection(tiny_clip_config())
         text_encoder_3 = tiny_t5_encoder(d_model=64)
@@ -115,17 +114,16 @@ def build_tiny_flow(out: Path) -> dict:
     return _save(pipeline, out, transformer, facts)
 
 
-def build_tiny_flux(out: Path) -> dict:
+def build_tiny_flux(out: Path, needs: dict) -> dict:
     """builtin:tiny-flux: a Flux-class pipeline (FluxTransformer2DModel with guidance embedding, CLIP pooled, T5)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel
 
-    from dstune.families.tiny import _deterministic_cpu, tiny_clip_config, tiny_clip_tokenizer
 
     with quiet_hf_libraries():
         from diffusers import FluxPipeline
     vae, facts = _trained_vae()
-    with _deterministic_cpu(_SEED + 2, _BUILD_THREADS):
+    with deterministic_cpu(_SEED + 2, BUILD_THREADS):
         text_encoder = CLIPTextModel(tiny_clip_config())
         text_encoder_2 = tiny_t5_encoder(d_model=32)
         transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER)
@@ -136,18 +134,12 @@ def build_tiny_flux(out: Path) -> dict:
     return _save(pipeline, out, transformer, facts)
 
 
-def builtin_models() -> dict:
-    """The entries dstune.families.tiny.BUILTIN_MODELS registers for this module (bump folder_name on changes)."""
-    from dstune.families.tiny import BuiltinModel
-
-    return {
-        "tiny-flow": BuiltinModel(
-            name="tiny-flow", folder_name="tiny-flow-v1", family="flow",
-            description="SD3-class pipeline: ~0.1 M-parameter SD3 transformer, CLIP x2 + T5, trained 16-channel VAE",
-            build=build_tiny_flow),
-        "tiny-flux": BuiltinModel(
-            name="tiny-flux", folder_name="tiny-flux-v1", family="flow",
-            description="Flux-class pipeline: ~0.1 M-parameter Flux transformer with guidance embedding, CLIP + T5, "
-                        "trained 16-channel VAE",
-            build=build_tiny_flux),
-    }
+TINY_FLOW = BuiltinModel(
+    name="tiny-flow", folder_name="tiny-flow-v1", family="flow",
+    description="SD3-class pipeline: ~0.1 M-parameter SD3 transformer, CLIP x2 + T5, trained 16-channel VAE",
+    build=build_tiny_flow)
+TINY_FLUX = BuiltinModel(
+    name="tiny-flux", folder_name="tiny-flux-v1", family="flow",
+    description="Flux-class pipeline: ~0.1 M-parameter Flux transformer with guidance embedding, CLIP + T5, "
+                "trained 16-channel VAE",
+    build=build_tiny_flux)

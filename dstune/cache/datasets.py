@@ -1,4 +1,5 @@
-"""The dataset and loader that train from the cache (dstune.cache_build.CacheIndex) instead of the encoders.
+"""The datasets that train from the caches instead of the encoders: images (dstune.cache.latents.CacheIndex) and
+speech (codec tokens, dstune.cache.codec_tokens).
 
 A cached sample makes exactly the random choices the image dataset makes for the same (seed, epoch, index) - the
 flip and the caption dropout draw (the crop is always the centre) - and then reads the entries for what it chose:
@@ -10,19 +11,20 @@ the batch check treat them like any other batch.
 from __future__ import annotations
 
 import operator
+from pathlib import Path
 
 import torch
+from torch.utils.data import Dataset
 
-from dstune.cache import read_entry
+from dstune.cache.entries import read_entry
+from dstune.data.audio_index import AudioRecord
 from dstune.data.images import BadSampleError, ImageCaptionDataset, crop_fields, decoded_size, sample_rng
-from dstune.data.loader import EpochDataLoader, _one_thread_per_worker
-from dstune.data.sampler import GlobalBatchSampler
 
 
 class CachedDataset(ImageCaptionDataset):
     def __init__(self, data, records, seed: int, index):
         super().__init__(data, records, seed)
-        self.index = index  # dstune.cache_build.CacheIndex
+        self.index = index  # dstune.cache.latents.CacheIndex
 
     def _usable_record(self, position: int):
         """As the image dataset does with data.skip_bad_files: an unreadable sample is replaced by the next one
@@ -65,14 +67,27 @@ def collate_cached(samples: list[dict]) -> dict:
     return batch
 
 
-def build_cached_loader(data, plan, rank: int, seed: int, records, index, start_epoch: int = 0,
-                        start_step: int = 0) -> tuple[EpochDataLoader, GlobalBatchSampler]:
-    """dstune.data.loader.build_loader, reading the cache: same sampler, same epochs, same resume position."""
-    dataset = CachedDataset(data, records, seed, index)
-    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step,
-                                 group_keys=dataset.group_keys())
-    loader = EpochDataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collate_cached, num_workers=data.num_workers,
-        persistent_workers=False, worker_init_fn=_one_thread_per_worker if data.num_workers > 0 else None,
-        pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(seed))
-    return loader, sampler
+class CachedSpeechDataset(Dataset):
+    """Like dstune.data.audio.SpeechDataset, but each item carries its cached `codes` instead of the audio."""
+
+    def __init__(self, records: list[AudioRecord], paths: dict[str, Path]):
+        self.records = [r for r in records for _ in range(r.repeats)]
+        self.paths = paths
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict:
+        record = self.records[index]
+        codes = read_entry(self.paths[record.sample_id])["codes"].long()
+        return {"index": index, "sample_id": record.sample_id, "codes": codes, "text": record.caption,
+                "speaker": record.speaker}
+
+    @staticmethod
+    def collate(samples: list[dict]) -> dict:
+        return {"index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
+                "sample_ids": [s["sample_id"] for s in samples], "codes": [s["codes"] for s in samples],
+                "texts": [s["text"] for s in samples], "speakers": [s["speaker"] for s in samples]}

@@ -1,7 +1,7 @@
 """LoRA for every diffusion family: adapters on the denoiser, and the diffusers LoRA file the export writes.
 
 One code path for sd, sdxl and flow. A family tells only which module is the denoiser (`built.trainable`, as for
-full training) and how its pipeline saves LoRA weights:
+full training) and how its pipeline saves LoRA weights (its declared `Family.save_lora_weights`):
 
     save_lora_weights(built, lora_layers, adapter_metadata, folder)
         e.g. StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=lora_layers,
@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from dstune.families.base import FamilyError, publish_folder, quiet_hf_libraries, sample_generator, temporary_sibling
+from dstune.families.base import Family, FamilyError, sample_generator
+from dstune.fsutil import publish_folder, temporary_sibling
+from dstune.hf import quiet_hf_libraries
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter add_adapter creates; it appears in parameter names
 LORA_WEIGHT_FILE = "pytorch_lora_weights.safetensors"  # the name load_lora_weights looks for in a folder
@@ -46,9 +48,9 @@ def is_lora_key(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family=None) -> str:
-    """Make `denoiser` trainable as `model_spec.train` says; returns a one-line summary for the log. Given the
-    family module, a family that cannot write a LoRA file is refused here, before training, not at the export.
+def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: Family) -> str:
+    """Make `denoiser` trainable as `model_spec.train` says; returns a one-line summary for the log. A family
+    that cannot write a LoRA file is refused here, before training, not at the export.
 
     For LoRA the A matrices are re-drawn from a CPU generator seeded by train.seed: peft draws them from the global
     (and, on GPUs, the CUDA) RNG, which would make them differ between ranks, devices and runs."""
@@ -56,9 +58,9 @@ def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family=No
     total = sum(p.numel() for p in denoiser.parameters())
     if settings is None:
         return f"training: full, {total:,} parameters"
-    if family is not None and not hasattr(family, "save_lora_weights"):
-        raise FamilyError(f"model.train: lora is not supported by model.family {model_spec.family!r} yet (it has "
-                          "no save_lora_weights, so the adapters could not be exported). Use train: full.")
+    if not family.supports_lora:
+        raise FamilyError(f"model.train: lora is not supported by model.family {model_spec.family!r} yet (it "
+                          "cannot write a LoRA file, so the adapters could not be exported). Use train: full.")
     denoiser.requires_grad_(False)
     try:
         with quiet_hf_libraries():
@@ -101,21 +103,21 @@ def diffusers_lora_layers(state: dict) -> dict:
             for name, tensor in convert_state_dict_to_diffusers(peft_named).items()}
 
 
-def export_lora(family, built, state: dict, out_dir, model_spec, weights: str = "raw") -> Path:
+def export_lora(family: Family, built, state: dict, out_dir, model_spec, weights: str = "raw") -> Path:
     """Write `out_dir/pytorch_lora_weights.safetensors` (+ dstune_lora.json naming the base model), atomically.
     `weights` says which weights these are ("ema" or "raw"); it is recorded, not applied."""
     settings = model_spec.lora_settings
     layers = diffusers_lora_layers(state)
     metadata = lora_config(settings).to_dict()
     out = Path(out_dir)
+    if not family.supports_lora:
+        raise FamilyError(f"model.family {model_spec.family!r} cannot write a LoRA file")
     work = temporary_sibling(out, "exporting")
-    if not hasattr(family, "save_lora_weights"):
-        raise FamilyError(f"model.family {model_spec.family!r} cannot write a LoRA file (no save_lora_weights)")
     try:
         with quiet_hf_libraries():
             family.save_lora_weights(built, layers, metadata, work)
         if not (work / LORA_WEIGHT_FILE).is_file():
-            raise FamilyError(f"{family.__name__}.save_lora_weights wrote no {LORA_WEIGHT_FILE}")
+            raise FamilyError(f"model.family {family.name}: save_lora_weights wrote no {LORA_WEIGHT_FILE}")
         info = {"base_model": model_spec.pretrained, "base_folder": str(built.folder), "family": model_spec.family,
                 "rank": settings.rank, "alpha": settings.resolved_alpha,
                 "target_modules": list(settings.target_modules), "weights": weights,

@@ -1,4 +1,4 @@
-"""Built-in tiny TTS models, made offline from configs (registered in dstune.families.tiny.BUILTIN_MODELS).
+"""Built-in tiny TTS models, made offline from configs (registered in dstune.builtin.BUILTIN_MODELS).
 
 builtin:tiny-tts-lm: a 2-layer Llama causal LM over 256 byte-level text tokens followed by EnCodec tokens
 (2 codebooks of 32 codes, 50 frames per second at 8 kHz), plus the EnCodec model in `codec/` and the
@@ -13,9 +13,12 @@ from pathlib import Path
 
 import torch
 
-from dstune.families.base import quiet_hf_libraries
+from dstune.builtin.common import BuiltinModel, deterministic_cpu
+from dstune.data.audio import resample
+from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
+from dstune.families.speech import TTS_LAYOUT_FILE, tts_layout
+from dstune.hf import quiet_hf_libraries
 
-TTS_LAYOUT_FILE = "dstune_tts.json"
 _SEED = 0
 TINY_CODEC = dict(target_bandwidths=[1.0], sampling_rate=8000, audio_channels=1, num_filters=4,
                   num_residual_layers=1, upsampling_ratios=[8, 5, 4], codebook_size=32, hidden_size=16,
@@ -26,27 +29,14 @@ TINY_TEXT_VOCAB = 256  # UTF-8 bytes
 DECODER_STEPS = 120
 
 
-def tts_layout(text: str, text_vocab_size: int, num_codebooks: int, codebook_size: int, codec: str,
-               sampling_rate: int, frame_rate: float) -> dict:
-    """The token layout of a tts_lm vocabulary: text ids, then num_codebooks blocks of codebook_size audio ids,
-    then audio BOS, audio EOS and padding."""
-    audio_offset = text_vocab_size
-    audio_end = audio_offset + num_codebooks * codebook_size
-    return {"text": text, "text_vocab_size": text_vocab_size, "audio_offset": audio_offset,
-            "num_codebooks": num_codebooks, "codebook_size": codebook_size, "audio_bos": audio_end,
-            "audio_eos": audio_end + 1, "pad": audio_end + 2, "vocab_size": audio_end + 3, "codec": codec,
-            "sampling_rate": sampling_rate, "frame_rate": frame_rate}
-
-
-def _build_tiny_tts_lm(out: Path) -> dict:
+def build_tiny_tts_lm(out: Path, needs: dict) -> dict:
     from transformers import EncodecConfig, EncodecModel, LlamaConfig, LlamaForCausalLM
 
-    from dstune.families.tiny import _deterministic_cpu
 
     codec_config = EncodecConfig(**TINY_CODEC)
     layout = tts_layout("bytes", TINY_TEXT_VOCAB, TINY_NUM_CODEBOOKS, codec_config.codebook_size, "encodec",
                         codec_config.sampling_rate, codec_config.frame_rate)
-    with _deterministic_cpu(_SEED, 1):
+    with deterministic_cpu(_SEED, 1):
         codec = EncodecModel(codec_config).eval()
         _fit_codebooks(codec)
         facts = _fit_decoder(codec)
@@ -85,9 +75,6 @@ def _fit_codebooks(codec, iterations: int = 10) -> None:
 
 
 def _tones_at(rate: int, step: int) -> list[torch.Tensor]:
-    from dstune.data.audio import resample
-    from dstune.data.audio_index import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
-
     return [torch.from_numpy(resample(render_tones(tones_text(i)), TONES_SAMPLE_RATE, rate))
             for i in range(0, TONES_NUM_SAMPLES, step)]
 
@@ -117,10 +104,10 @@ def _fit_decoder(codec, steps: int = DECODER_STEPS, batch: int = 4) -> dict:
     return {"codec_decoder_steps": steps, "codec_decoder_spectral_l1": round(loss.item(), 4)}
 
 
-TINY_TTS_LM_ENTRY = dict(
+TINY_TTS_LM = BuiltinModel(
     name="tiny-tts-lm", folder_name="tiny-tts-lm-v3", family="tts_lm",
     description="Llama-shaped causal LM (~0.1 M parameters) over byte text + EnCodec tokens (2 x 32 codes, 8 kHz)",
-    build=_build_tiny_tts_lm)
+    build=build_tiny_tts_lm)
 
 
 # ------------------------------------------------------------------------------------- builtin:tiny-speecht5
@@ -145,16 +132,15 @@ def _char_tokenizer(out: Path):
     return SpeechT5Tokenizer(vocab_file=str(out / "spm_char.model"))
 
 
-def _build_tiny_speecht5(out: Path) -> dict:
+def build_tiny_speecht5(out: Path, needs: dict) -> dict:
     from transformers import (SpeechT5Config, SpeechT5FeatureExtractor, SpeechT5ForTextToSpeech, SpeechT5HifiGan,
                               SpeechT5HifiGanConfig, SpeechT5Processor)
 
-    from dstune.families.tiny import _deterministic_cpu
 
     tokenizer = _char_tokenizer(out)
     extractor = SpeechT5FeatureExtractor(sampling_rate=TINY_SPEECHT5_RATE, num_mel_bins=TINY_SPEECHT5_MELS,
                                          hop_length=16, win_length=64, fmin=80, fmax=7600)
-    with _deterministic_cpu(_SEED, 1):
+    with deterministic_cpu(_SEED, 1):
         model = SpeechT5ForTextToSpeech(SpeechT5Config(
             vocab_size=len(tokenizer), hidden_size=32, encoder_layers=1, encoder_attention_heads=2,
             encoder_ffn_dim=64, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
@@ -177,7 +163,7 @@ def _build_tiny_speecht5(out: Path) -> dict:
             "vocoder_parameters": sum(p.numel() for p in vocoder.parameters())}
 
 
-TINY_SPEECHT5_ENTRY = dict(
+TINY_SPEECHT5 = BuiltinModel(
     name="tiny-speecht5", folder_name="tiny-speecht5-v1", family="speecht5",
     description="SpeechT5 TTS (~40 k parameters, char tokenizer, 20 mel bins at 16 kHz) + tiny HiFi-GAN vocoder",
-    build=_build_tiny_speecht5)
+    build=build_tiny_speecht5)

@@ -8,7 +8,7 @@ resolution, the flip, the dtype or an encoder's weights simply misses the cache.
 
 Files are written to a temporary name beside the final one and renamed into place (`write_entry`), so a reader sees
 either no file or a complete one; a killed build leaves at most stray `.tmp-*` files, which are never read.
-The sharded build, the barrier and the summary are in dstune.cache_build.
+The sharded build, the barrier and the summary are in dstune.cache.latents and dstune.cache.share.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 CACHE_FORMAT = "1"  # bump when the entry layout changes: every key changes with it
@@ -200,8 +199,3 @@ def entry_problem(path: str | os.PathLike, entry: Entry, full: bool) -> str | No
 
 def read_entry(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return load_file(str(path))
-
-
-def entry_key_in_file(path: str | os.PathLike) -> str | None:
-    with safe_open(str(path), framework="pt") as handle:
-        return (handle.metadata() or {}).get(_KEY_META)

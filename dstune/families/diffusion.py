@@ -1,0 +1,131 @@
+"""What the diffusers-based families (sd, sdxl, flow) share: loading components from a pipeline folder, the
+folder's model_index.json, export of a complete pipeline folder, non-reentrant checkpointing and dtype casting."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dstune.families.base import FamilyError
+from dstune.fsutil import publish_folder, temporary_sibling
+from dstune.hf import quiet_hf_libraries
+
+MODEL_INDEX = "model_index.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".ckpt", ".pt", ".pth", ".msgpack", ".h5", ".onnx", ".pb", ".gguf")
+
+
+def read_model_index(folder: Path) -> dict:
+    """The parsed model_index.json of a diffusers pipeline folder, or FamilyError saying why not."""
+    path = folder / MODEL_INDEX
+    if not path.is_file():
+        raise FamilyError(
+            f"{folder}: no {MODEL_INDEX}, so this is not a diffusers pipeline folder. Give a folder written by "
+            "`pipeline.save_pretrained(...)` (model_index.json plus one subfolder per component), a hub id that is "
+            "already downloaded, or a built-in model (builtin:tiny-sd).")
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise FamilyError(f"{path}: cannot read it as JSON ({err})") from None
+    if not isinstance(index, dict):
+        raise FamilyError(f"{path}: expected a JSON object, found {type(index).__name__}")
+    return index
+
+
+def copy_component(source: Path, target: Path) -> None:
+    """Copy one component subfolder, following symlinks (hub cache snapshots are symlinks into blobs).
+
+    Only the weights `from_pretrained` loads by default are copied: files without a variant infix
+    (`model.safetensors`, `model-00001-of-00002.safetensors`, not `model.fp16.safetensors`), and of those only the
+    safetensors when there are any. A component holding only variant files is copied whole."""
+    files = [p for p in sorted(source.iterdir()) if p.is_file()]
+    weights = [p for p in files if p.name.endswith(WEIGHT_SUFFIXES)]
+    default = [p for p in weights if len(p.name.split(".")) == 2]
+    if any(p.suffix == ".safetensors" for p in default):
+        default = [p for p in default if p.suffix == ".safetensors"]
+    keep = [p for p in files if p not in weights] + (default or weights)
+    target.mkdir(parents=True, exist_ok=True)
+    for path in keep:
+        shutil.copy2(path, target / path.name)
+    for sub in sorted(p for p in source.iterdir() if p.is_dir()):
+        shutil.copytree(sub, target / sub.name, dirs_exist_ok=True)
+
+
+
+
+
+def read_component_config(folder: Path, name: str) -> dict:
+    """`folder/name/config.json` of a pipeline component; FamilyError naming the file when it is not JSON."""
+    path = folder / name / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise FamilyError(f"{path}: cannot read it as JSON ({err})") from None
+
+
+def export_pipeline_folder(source: Path, out_dir, trained_name: str, trained, finish=None) -> Path:
+    """Write a complete diffusers pipeline folder at `out_dir`: the trained component `trained_name` (a module,
+    saved as safetensors) plus every other component `source`'s model_index.json lists, copied unchanged.
+    `finish(work_folder)` may adjust the copy before it is published (sd: the scheduler's prediction type).
+    Written beside `out_dir` and renamed into place, replacing an older export only once complete."""
+    index = read_model_index(source)
+    out = Path(out_dir)
+    work = temporary_sibling(out, "exporting")
+    try:
+        for name, entry in index.items():
+            listed = isinstance(entry, list) and len(entry) == 2 and entry[1] is not None
+            if listed and name != trained_name and (source / name).is_dir():
+                copy_component(source / name, work / name)
+        shutil.copy2(source / MODEL_INDEX, work / MODEL_INDEX)
+        with quiet_hf_libraries():
+            trained.save_pretrained(work / trained_name, safe_serialization=True)
+        if finish is not None:
+            finish(work)
+        publish_folder(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def load_component(folder: Path, name: str, loader: Callable, **kwargs):
+    try:
+        with quiet_hf_libraries():
+            return loader(folder, subfolder=name, **kwargs)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise FamilyError(f"{folder / name}: cannot load it ({first_line})") from None
+
+
+def non_reentrant_checkpoint(module, *args):
+    # Explicit use_reentrant=False: reentrant checkpointing drops gradients when no input requires grad and warns;
+    # passing it explicitly also keeps torch's "use_reentrant should be passed" warning out of the logs.
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
+
+
+def batch_field(batch: dict, *names: str):
+    for name in names:
+        if name in batch:
+            return batch[name]
+    raise KeyError(f"batch has none of the keys {names} (it has {sorted(batch)})")
+
+
+@contextmanager
+def inputs_cast_to(module: torch.nn.Module, dtype: torch.dtype):
+    """Cast floating inputs (also inside dict arguments such as SDXL's added_cond_kwargs) to `dtype` while a
+    pipeline runs: a bf16 denoiser beside fp32 frozen parts."""
+    def cast(value):
+        if isinstance(value, dict):
+            return {k: cast(v) for k, v in value.items()}
+        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+
+    handle = module.register_forward_pre_hook(
+        lambda _m, args, kwargs: (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}),
+        with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()

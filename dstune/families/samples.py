@@ -1,0 +1,66 @@
+"""Sample outputs: an image grid per step and the samples page (index.html) over every step of a run."""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+from pathlib import Path
+
+from dstune.fsutil import write_text_atomic
+
+_GRID_CELL_PX = 192  # small models render 32-px images; scale them up (nearest) so they can be seen
+
+
+def save_grid(images: list, prompts: list[str], path: str | os.PathLike) -> Path:
+    """Write the images side by side (up to 4 per row) as one PNG with each prompt under its image."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    if len(images) != len(prompts):
+        raise ValueError(f"save_grid: {len(images)} images but {len(prompts)} prompts")
+    font = ImageFont.load_default()
+    line_px, chars_per_line, lines = 14, max(8, _GRID_CELL_PX // 7), 3
+    columns = min(4, max(1, len(images)))
+    rows = (len(images) + columns - 1) // columns
+    cell_h = _GRID_CELL_PX + lines * line_px + 8
+    grid = Image.new("RGB", (columns * (_GRID_CELL_PX + 8), max(1, rows) * cell_h), (255, 255, 255))
+    draw = ImageDraw.Draw(grid)
+    for number, (image, prompt) in enumerate(zip(images, prompts)):
+        x, y = (number % columns) * (_GRID_CELL_PX + 8) + 4, (number // columns) * cell_h + 4
+        scaled = image.convert("RGB").resize((_GRID_CELL_PX, _GRID_CELL_PX), Image.Resampling.NEAREST)
+        grid.paste(scaled, (x, y))
+        wrapped = textwrap.wrap(prompt or "(empty prompt)", chars_per_line)[:lines]
+        for line_number, line in enumerate(wrapped):
+            draw.text((x, y + _GRID_CELL_PX + 2 + line_number * line_px), line, fill=(0, 0, 0), font=font)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    return path
+
+
+_SHEET_STEP = re.compile(r"step-(\d+)(\.png)?")
+
+
+def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weights: str) -> Path:
+    """(Re)write samples_dir/index.html: every `step-NNNNNN.png` grid of the run so far (resumed runs included),
+    oldest first, with its step number, under the prompts in grid order. `weights` says what the grids show
+    ("EMA" or "trained"). Written to a temporary file and renamed, so a browser never sees half a page."""
+    import html
+
+    folder = Path(samples_dir)
+    entries = sorted((int(m.group(1)), p.name) for p in folder.iterdir()
+                     if (m := _SHEET_STEP.fullmatch(p.name)))
+    prompt_items = "".join(f"<li>{html.escape(prompt or '(empty prompt)')}</li>" for prompt in prompts)
+    rows = "".join(
+        f'<section id="step-{step}"><h2>step {step}</h2>'
+        + (f'<img src="{html.escape(name)}" alt="samples at step {step}">' if name.endswith(".png")
+           else f'<a href="{html.escape(name)}/">{html.escape(name)}/</a>')
+        + "</section>\n" for step, name in entries)
+    page = ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>dstune samples</title>"
+            "<style>body{font-family:sans-serif;margin:1em}img{max-width:100%;image-rendering:pixelated}"
+            "section{margin-bottom:1.5em}</style></head><body>\n"
+            f"<h1>samples: {len(entries)} steps ({html.escape(weights)} weights)</h1>\n"
+            f"<p>Prompts, left to right, top to bottom:</p><ol>{prompt_items}</ol>\n{rows}</body></html>\n")
+    target = folder / "index.html"
+    write_text_atomic(target, page)
+    return target

@@ -1,0 +1,199 @@
+"""What every rank does before step 1, shared by training and `dstune cache` / `train.py --cache-only`.
+
+    family, built = build_family(run, spec)          rank 0 first (a built-in model is made once), then the rest
+    records = checked_records(run, spec, family)     the dataset's samples, unreadable files named on every rank
+    caches = prepare_caches(run, spec, family, built, records)     build (or verify) what data.cache asks for
+    loader, sampler = make_training_loader(spec, plan, run.rank, family, built, records, caches, epoch, step)
+
+Whether a run reads a cache, and which, is decided here and only here (`Caches`): the data layer knows nothing of
+caches and the cache layer nothing of the spec as a whole. Every failure that can differ between ranks is agreed
+on (dstune.distributed.agree_or_stop) before the next collective, so all ranks stop together with one message.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from dstune.cache.codec_tokens import prepare_codec_cache, verify_codec_cache
+from dstune.cache.datasets import CachedDataset, CachedSpeechDataset, collate_cached
+from dstune.cache.latents import CacheIndex, LatentCacheJob, offload_frozen, prepare_cache
+from dstune.cache.share import cache_folder
+from dstune.data.audio import SpeechDataset, collate_speech, speech_records
+from dstune.data.audio_index import duration_keys
+from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
+from dstune.data.index import DataError, list_samples
+from dstune.data.loader import make_loader
+from dstune.distributed import Run, agree_or_stop, all_gather_object, init_run, launcher_rank, rank0_first, shutdown, stop
+from dstune.engine import PRECISION_DTYPES
+from dstune.families import get_family
+from dstune.families.base import Family
+from dstune.families.lora import apply_train_mode
+from dstune.pretrained import build_model, resolve_pretrained
+from dstune.spec.load import SpecError, load_spec
+from dstune.spec.models import Spec
+
+BAD_FILES_LISTED = 20  # unreadable files named one per line; the rest counted
+
+
+@dataclass
+class Caches:
+    """The caches a run reads: the latent/text index (image families), the codec-token entries (tts_lm), and the
+    frozen encoders moved off the accelerator because a cache replaces them (brought back for sampling)."""
+
+    images: Optional[CacheIndex] = None
+    codec_paths: Optional[dict[str, Path]] = None
+    offloaded: list[str] = field(default_factory=list)
+
+
+def build_family(run: Run, spec: Spec, train_mode: bool = True) -> tuple[Family, object]:
+    """The family and its model on this rank's device; with train_mode, made trainable as model.train says (LoRA
+    adapters added before DeepSpeed sees the module). Rank 0 first: a built-in model is made once, into the cache."""
+    family = get_family(spec.model.family)
+    frozen_dtype = PRECISION_DTYPES[spec.train.precision][1]
+
+    built, error = rank0_first(run, lambda: build_model(spec.model, spec.output.cache_dir, run.device, frozen_dtype))
+    agree_or_stop(run, error and f"model.pretrained {spec.model.pretrained!r}: {error}")
+    if not train_mode:
+        return family, built
+    summary, error = None, None
+    try:
+        summary = apply_train_mode(built.trainable, spec.model, spec.train.seed, family)
+    except ValueError as err:
+        error = str(err)
+    agree_or_stop(run, error)
+    if run.is_main:
+        print(summary, flush=True)
+    return family, built
+
+
+def checked_records(run: Run, spec: Spec, family: Family) -> list:
+    """The dataset's samples (the same index `validate` counted, so the plan's numbers hold), checked before
+    step 1: speech clips were filtered by the length rules; image files are opened, each rank a share.
+
+    Bad image files stop the run with their names, or with data.skip_bad_files are counted and replaced at load
+    time by the next readable sample, so the plan (and every number validate printed) stays the same."""
+    data = spec.data
+    if family.modality == "audio":
+        try:
+            records, warnings = speech_records(data)
+        except DataError as err:
+            stop(run, str(err), 1)
+        if run.is_main and warnings:
+            print("data: " + "\ndata: ".join(warnings), flush=True)
+        return records
+    records = list_samples(data)
+    mine = [(r.sample_id, reason) for r, reason in find_bad_images(records, run.rank, run.world_size)]
+    bad = [item for share in all_gather_object(mine) for item in share]
+    if bad:
+        listing = "\n".join(f"  {sample_id}: {reason}" for sample_id, reason in bad[:BAD_FILES_LISTED])
+        more = f"\n  ... and {len(bad) - BAD_FILES_LISTED} more" if len(bad) > BAD_FILES_LISTED else ""
+        if not data.skip_bad_files:
+            stop(run, f"data.path: {len(bad)} unreadable image(s):\n{listing}{more}\nFix or remove them, or set "
+                      "data.skip_bad_files: true to train without them.", 1)
+        if run.is_main:
+            print(f"data: {len(bad)} unreadable image(s) skipped (each replaced by the next readable sample):\n"
+                  f"{listing}{more}", flush=True)
+    return records
+
+
+def _latent_job(run: Run, spec: Spec, family: Family, model_folder: Path) -> LatentCacheJob:
+    text_cache = family.text_cache
+    if spec.data.cache.text_embeddings and text_cache is None:
+        stop(run, f"data.cache.text_embeddings: model.family {family.name} has no text-embedding cache; set "
+                  "data.cache.text_embeddings: false", 1)
+    settings = text_cache.settings(spec.model) if text_cache and text_cache.settings else ""
+    folder = cache_folder(spec.data.cache.dir, spec.output.cache_dir, run.rank, run.node_rank)
+    return LatentCacheJob(spec.data, folder, model_folder, text_cache, settings, spec.train.seed,
+                          PRECISION_DTYPES[spec.train.precision][1])
+
+
+def prepare_caches(run: Run, spec: Spec, family: Family, built, records: list, verify_only: bool = False,
+                   model_folder: Optional[Path] = None) -> tuple[Caches, int]:
+    """Collective. Build (or fully verify) every cache entry the run reads: (caches, 0), or (caches, 1) after rank 0
+    printed what is missing. `built` may be None when verifying latents (`model_folder`: the pretrained folder)."""
+    cache = spec.data.cache
+    caches = Caches()
+    if cache.codec_tokens:
+        folder = cache_folder(cache.dir, spec.output.cache_dir, run.rank, run.node_rank)
+        if verify_only:
+            complete, text = verify_codec_cache(run, folder, built, records)
+            caches.codec_paths = {} if complete else None
+        else:
+            caches.codec_paths, text = prepare_codec_cache(run, cache, folder, built, records)
+        if run.is_main:
+            print(text, file=sys.stdout if caches.codec_paths is not None else sys.stderr, flush=True)
+        return caches, 0 if caches.codec_paths is not None else 1
+    if cache.latents or cache.text_embeddings:  # the summary is printed by prepare_cache
+        job = _latent_job(run, spec, family, model_folder if model_folder is not None else built.folder)
+        caches.images, code = prepare_cache(run, job, built, records, verify_only)
+        if code == 0 and built is not None:
+            caches.offloaded = offload_frozen(built, caches.images)
+        return caches, code
+    return caches, 0
+
+
+def make_training_loader(spec: Spec, plan, rank: int, family: Family, built, records: list, caches: Caches,
+                         start_epoch: int, start_step: int):
+    """This rank's loader and sampler: one factory (dstune.data.loader.make_loader) over the dataset kind the
+    family's modality and the caches decide."""
+    data, seed = spec.data, spec.train.seed
+    if family.modality == "audio":
+        keys = duration_keys(records, data)
+        if caches.codec_paths is not None:
+            dataset = CachedSpeechDataset(records, caches.codec_paths)
+            return make_loader(dataset, dataset.collate, keys, data, plan, rank, seed, start_epoch, start_step)
+        dataset = SpeechDataset(records, built.sample_rate)
+        return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step)
+    if caches.images is not None:
+        dataset = CachedDataset(data, records, seed, caches.images)
+        return make_loader(dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch,
+                           start_step)
+    dataset = ImageCaptionDataset(data, records, seed)
+    return make_loader(dataset, collate, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step)
+
+
+# ------------------------------------------------------------------------------------- `dstune cache` command
+
+
+def load_spec_or_report(spec_path: str, overrides: list[str]) -> Optional[Spec]:
+    """The spec, or None after rank 0 printed why it is invalid (every rank reads the same file: same verdict)."""
+    try:
+        return load_spec(spec_path, overrides)[0]
+    except SpecError as err:
+        if launcher_rank() == 0:
+            print(f"invalid spec:\n{err}", file=sys.stderr)
+        return None
+
+
+def run_cache_command(spec_path: str, overrides: list[str], verify_only: bool) -> int:
+    """`dstune cache SPEC [--verify]` (one process) and `train.py SPEC --cache-only` (under the launcher): build
+    (or fully check, checksums included) every entry data.cache asks for, the ranks sharing the work."""
+    spec = load_spec_or_report(spec_path, overrides)
+    if spec is None:
+        return 1
+    cache = spec.data.cache
+    if not (cache.latents or cache.text_embeddings or cache.codec_tokens):
+        if launcher_rank() == 0:
+            print(f"{spec_path}: data.cache: nothing to cache. Set data.cache.latents: true and/or "
+                  "data.cache.text_embeddings: true (images), or data.cache.codec_tokens: true (tts_lm).",
+                  file=sys.stderr)
+        return 1
+    run = init_run(spec.deepspeed.timeout_minutes)
+    try:
+        family = get_family(spec.model.family)
+        records = checked_records(run, spec, family)
+        if verify_only and family.modality == "image":  # latents are checked against the folder: no encoders
+            folder, error = None, None
+            try:
+                folder = resolve_pretrained(spec.model.pretrained, spec.output.cache_dir)
+            except (ValueError, OSError) as err:
+                error = f"model.pretrained {spec.model.pretrained!r}: {err}"
+            agree_or_stop(run, error)
+            return prepare_caches(run, spec, family, None, records, verify_only=True, model_folder=folder)[1]
+        _, built = build_family(run, spec, train_mode=False)
+        return prepare_caches(run, spec, family, built, records, verify_only)[1]
+    finally:
+        shutdown()

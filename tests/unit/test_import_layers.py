@@ -1,0 +1,199 @@
+"""The import graph of dstune/ matches docs/architecture.md: no cycles, nothing imports a layer above its own, and no
+module reaches for another module's private names. Function-level imports count like module-level ones: a
+dstune import inside a function is allowed only in the entry points (which keep `dstune validate` free of torch);
+everywhere else an import inside a function names a heavy third-party module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "dstune"
+
+# Lowest first. A module may import modules of its own layer (without a cycle) or of lower layers. A name is a
+# module or a package (then it covers everything under it). Keep in step with docs/architecture.md.
+LAYERS = [
+    ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress"],
+    ["dstune.world", "dstune.plan"],
+    ["dstune.distributed", "dstune.ds_config", "dstune.ds_user_config", "dstune.data", "dstune.families",
+     "dstune.ema"],
+    ["dstune.builtin", "dstune.validate", "dstune.report", "dstune.reference"],
+    ["dstune.pretrained", "dstune.cache", "dstune.engine", "dstune.checkpoint", "dstune.check"],
+    ["dstune.loop", "dstune.export"],
+    ["dstune.startup"],
+    ["dstune.training", "dstune.cli", "dstune.train", "dstune.__main__", "dstune"],
+]
+# Packages that must stay apart from some layers below their own ceiling (docs/architecture.md, "rules").
+FORBIDDEN = {
+    "dstune.data": ("dstune.cache", "dstune.distributed", "dstune.families", "dstune.builtin"),
+    "dstune.families": ("dstune.builtin", "dstune.cache", "dstune.data", "dstune.distributed", "dstune.pretrained"),
+    "dstune.spec": ("dstune.data",),
+}
+ENTRY_POINTS = {"dstune.cli", "dstune.train", "dstune.__main__"}  # may import dstune modules inside functions
+HEAVY_THIRD_PARTY = {"torch", "deepspeed", "diffusers", "transformers", "peft", "PIL", "soundfile", "safetensors",
+                     "huggingface_hub", "sentencepiece", "rich", "numpy", "fcntl", "html", "io", "importlib"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _target(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _layer(module: str) -> int:
+    best, where = -1, None
+    for number, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, where = len(name), number
+    assert where is not None, f"{module} is in no layer of LAYERS: add it (and to docs/architecture.md)"
+    return where
+
+
+def _imports(module: str, path: Path):
+    """(imported dstune module, imported name, line, inside a function?) for every import in the file."""
+    tree = ast.parse(path.read_text())
+    in_function = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for node in ast.walk(fn)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dstune") and not node.level:
+            for alias in node.names:
+                target = _target(f"{node.module}.{alias.name}") or _target(node.module)
+                yield target, alias.name, node.lineno, id(node) in in_function
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("dstune"):
+                    yield _target(alias.name), "", node.lineno, id(node) in in_function
+
+
+def _third_party_in_functions(path: Path):
+    tree = ast.parse(path.read_text())
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    yield from ((alias.name, node.lineno) for alias in node.names)
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    yield node.module or "", node.lineno
+
+
+def _graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        for target, _, _, _ in _imports(module, path):
+            if target and target != module:
+                edges.setdefault(module, set()).add(target)
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative enough for this size)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(node):
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(MODULES):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_walk_sees_the_package():
+    assert len(MODULES) > 40 and "dstune.training" in MODULES and "dstune.cache.latents" in MODULES
+    assert any(inner for module, path in MODULES.items() for *_, inner in _imports(module, path)), \
+        "no function-level dstune import found at all: the walk is not looking inside functions"
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_no_import_points_up_a_layer():
+    wrong = []
+    for module, path in MODULES.items():
+        for target, _, line, _ in _imports(module, path):
+            if target and target != module and _layer(target) > _layer(module):
+                wrong.append(f"{path.relative_to(REPO)}:{line}: {module} (layer {_layer(module)}) imports "
+                             f"{target} (layer {_layer(target)})")
+    assert wrong == []
+
+
+def test_package_rules():
+    wrong = []
+    for module, path in MODULES.items():
+        for package, banned in FORBIDDEN.items():
+            if module == package or module.startswith(package + "."):
+                wrong += [f"{path.relative_to(REPO)}:{line}: {module} imports {target}"
+                          for target, _, line, _ in _imports(module, path)
+                          if target and any(target == b or target.startswith(b + ".") for b in banned)]
+    assert wrong == []
+
+
+def test_no_private_names_across_modules():
+    wrong = [f"{path.relative_to(REPO)}:{line}: {module} imports {target}.{name}"
+             for module, path in MODULES.items() for target, name, line, _ in _imports(module, path)
+             if name.startswith("_") and not name.startswith("__") and target != module]
+    assert wrong == []
+
+
+def test_function_level_imports_only_where_start_up_needs_them():
+    wrong = [f"{path.relative_to(REPO)}:{line}: {module} imports {target} inside a function"
+             for module, path in MODULES.items() for target, _, line, inner in _imports(module, path)
+             if inner and module not in ENTRY_POINTS]
+    wrong += [f"{path.relative_to(REPO)}:{line}: {name} imported inside a function (only heavy third-party modules "
+              f"are: {sorted(HEAVY_THIRD_PARTY)})"
+              for module, path in MODULES.items() if module not in ENTRY_POINTS
+              for name, line in _third_party_in_functions(path)
+              if not name.startswith("dstune") and name.split(".")[0] not in HEAVY_THIRD_PARTY]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("limit_lines, limit_function, limit_loop", [(400, 60, 150)])
+def test_size_budget(limit_lines, limit_function, limit_loop):
+    long_files, long_functions = [], []
+    for path in MODULES.values():
+        source = path.read_text()
+        if len(source.splitlines()) > limit_lines:
+            long_files.append(f"{path.relative_to(REPO)} ({len(source.splitlines())})")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > (limit_loop if node.name == "train_loop" else limit_function):
+                    long_functions.append(f"{path.relative_to(REPO)}:{node.name} ({length})")
+    assert (long_files, long_functions) == ([], [])
