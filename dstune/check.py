@@ -104,21 +104,24 @@ def expected_from_plan(plan: Plan, start_step_in_epoch: int = 0) -> Expected:
     )
 
 
+# What every rank reports and the plan fixes: (table row, message label, RankReport field, Expected field).
+QUANTITIES = (
+    ("micro batch", "DeepSpeed micro batch per rank", "ds_micro_batch", "micro_batch"),
+    ("accumulation", "DeepSpeed gradient accumulation", "ds_accumulation", "accumulation"),
+    ("global batch", "DeepSpeed global batch", "ds_global_batch", "global_batch"),
+    ("data-parallel", "DeepSpeed data-parallel size", "ds_data_parallel", "data_parallel"),
+    ("loader micro batches", "loader micro batches this epoch", "loader_micro_batches", "loader_micro_batches"),
+    ("first batch size", "first batch leading dimension", "first_batch_size", "micro_batch"),
+    ("dataset samples", "dataset size", "num_samples", "num_samples"),
+)
+
+
 def find_mismatches(reports: list[RankReport], expected: Expected) -> list[str]:
     """Every disagreement, one line each, naming the rank, the quantity and both numbers."""
     problems = []
-    checks = [
-        ("DeepSpeed micro batch per rank", "ds_micro_batch", expected.micro_batch),
-        ("DeepSpeed gradient accumulation", "ds_accumulation", expected.accumulation),
-        ("DeepSpeed global batch", "ds_global_batch", expected.global_batch),
-        ("DeepSpeed data-parallel size", "ds_data_parallel", expected.data_parallel),
-        ("loader micro batches this epoch", "loader_micro_batches", expected.loader_micro_batches),
-        ("first batch leading dimension", "first_batch_size", expected.micro_batch),
-        ("dataset size", "num_samples", expected.num_samples),
-    ]
     for report in reports:
-        for label, attr, want in checks:
-            got = getattr(report, attr)
+        for _, label, attr, planned in QUANTITIES:
+            got, want = getattr(report, attr), getattr(expected, planned)
             if got != want:
                 problems.append(f"rank {report.rank} ({report.host}): {label} is {got}, the plan says {want}")
     if len(reports) != expected.data_parallel:
@@ -147,15 +150,7 @@ def _bucket_mismatches(reports: list[RankReport], expected: Expected) -> list[st
 
 def render_table(reports: list[RankReport], expected: Expected) -> str:
     """Plain-text table (it goes to logs as well as terminals): one column per rank, plus the plan."""
-    rows = [
-        ("micro batch", "ds_micro_batch", expected.micro_batch),
-        ("accumulation", "ds_accumulation", expected.accumulation),
-        ("global batch", "ds_global_batch", expected.global_batch),
-        ("data-parallel", "ds_data_parallel", expected.data_parallel),
-        ("loader micro batches", "loader_micro_batches", expected.loader_micro_batches),
-        ("first batch size", "first_batch_size", expected.micro_batch),
-        ("dataset samples", "num_samples", expected.num_samples),
-    ]
+    rows = [(label, attr, getattr(expected, planned)) for label, _, attr, planned in QUANTITIES]
     if expected.bucket_steps:
         rows += [("bucket steps", "bucket_steps", expected.bucket_steps),
                  ("steps mixing buckets", "mixed_bucket_steps", 0),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -39,3 +40,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+@contextmanager
+def folder_written_atomically(final: Path, label: str = "writing"):
+    """Yield a fresh folder beside `final` to write into; when the block completes it becomes `final`
+    (publish_folder). On an error `final` is left as it was and the partial folder is removed."""
+    work = temporary_sibling(final, label)
+    try:
+        yield work
+        publish_folder(work, final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -77,11 +77,6 @@ class ProgressDisplay:
             self._progress = None
 
 
-def print_main(run_is_main: bool, text: str, file=None) -> None:
-    if run_is_main:
-        print(text, file=file or sys.stdout, flush=True)
-
-
 def fmt_seconds(seconds: Optional[float]) -> str:
     if seconds is None:
         return "-"

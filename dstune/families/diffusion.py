@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from dstune.families.base import FamilyError
-from dstune.fsutil import publish_folder, temporary_sibling
+from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 
 MODEL_INDEX = "model_index.json"
@@ -74,8 +74,7 @@ def export_pipeline_folder(source: Path, out_dir, trained_name: str, trained, fi
     Written beside `out_dir` and renamed into place, replacing an older export only once complete."""
     index = read_model_index(source)
     out = Path(out_dir)
-    work = temporary_sibling(out, "exporting")
-    try:
+    with folder_written_atomically(out, "exporting") as work:
         for name, entry in index.items():
             listed = isinstance(entry, list) and len(entry) == 2 and entry[1] is not None
             if listed and name != trained_name and (source / name).is_dir():
@@ -85,9 +84,6 @@ def export_pipeline_folder(source: Path, out_dir, trained_name: str, trained, fi
             trained.save_pretrained(work / trained_name, safe_serialization=True)
         if finish is not None:
             finish(work)
-        publish_folder(work, out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return out
 
 

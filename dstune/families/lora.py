@@ -22,13 +22,12 @@ What happens with `model.train: lora`:
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from dstune.families.base import Family, FamilyError, sample_generator
-from dstune.fsutil import publish_folder, temporary_sibling
+from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter add_adapter creates; it appears in parameter names
@@ -112,8 +111,7 @@ def export_lora(family: Family, built, state: dict, out_dir, model_spec, weights
     out = Path(out_dir)
     if not family.supports_lora:
         raise FamilyError(f"model.family {model_spec.family!r} cannot write a LoRA file")
-    work = temporary_sibling(out, "exporting")
-    try:
+    with folder_written_atomically(out, "exporting") as work:
         with quiet_hf_libraries():
             family.save_lora_weights(built, layers, metadata, work)
         if not (work / LORA_WEIGHT_FILE).is_file():
@@ -123,7 +121,4 @@ def export_lora(family: Family, built, state: dict, out_dir, model_spec, weights
                 "target_modules": list(settings.target_modules), "weights": weights,
                 "tensors": len(layers)}
         (work / LORA_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        publish_folder(work, out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return out

@@ -292,7 +292,7 @@ def sample(built: SdxlBuilt, unet_module: torch.nn.Module, prompts: list[str], s
 
 
 def save_lora_weights(built: SdxlBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:
-    """The UNet's LoRA as StableDiffusionXLPipeline writes it (model.train: lora; dstune.lora builds the layers)."""
+    """The UNet's LoRA as StableDiffusionXLPipeline writes it (model.train: lora; dstune.families.lora builds the layers)."""
     with quiet_hf_libraries():
         from diffusers import StableDiffusionXLPipeline
 

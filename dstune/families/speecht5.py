@@ -21,7 +21,6 @@ Its pitfalls, handled here (FIELD_NOTES / recipes section 2.7):
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 
 from dstune.families.base import Family, FamilyError
 from dstune.families.speech import Clip, save_wavs
-from dstune.fsutil import publish_folder, temporary_sibling
+from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec, SpeechT5Model
 
@@ -168,8 +167,7 @@ def export(built: SpeechT5Built, state_dict: dict, out_dir, pretrained_folder: O
     from transformers import SpeechT5ForTextToSpeech
 
     out_dir = Path(out_dir)
-    work = temporary_sibling(out_dir, "export")
-    try:
+    with folder_written_atomically(out_dir, "export") as work:
         with quiet_hf_libraries():
             model = SpeechT5ForTextToSpeech(built.trainable.config)
             model.load_state_dict(state_dict, strict=True)
@@ -177,9 +175,6 @@ def export(built: SpeechT5Built, state_dict: dict, out_dir, pretrained_folder: O
             built.processor.save_pretrained(work)
             built.vocoder.save_pretrained(work / "vocoder")
         save_file({k: v.contiguous() for k, v in built.speakers.items()}, str(work / SPEAKERS_FILE))
-        publish_folder(work, out_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return out_dir
 
 

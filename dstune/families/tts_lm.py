@@ -16,13 +16,12 @@ the EOS, which teaches the model when to stop). The layout (dstune_tts.json) tra
 without one gets the audio tokens appended to its vocabulary (resize_token_embeddings).
 
 Codec tokens are deterministic per clip (each clip is encoded alone, in fp32, never padded to a batch), so they
-are the same whatever the micro batch, the rank count or the device, and can be cached (dstune.cache_audio).
+are the same whatever the micro batch, the rank count or the device, and can be cached (dstune.cache.codec_tokens).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -32,7 +31,7 @@ import torch
 
 from dstune.families.base import Family, FamilyError
 from dstune.families.speech import TTS_LAYOUT_FILE, Clip, save_wavs, tts_layout
-from dstune.fsutil import publish_folder, temporary_sibling
+from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec, TtsLmModel
 
@@ -286,8 +285,7 @@ def export(built: TtsLmBuilt, state_dict: dict, out_dir, pretrained_folder: Opti
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    work = temporary_sibling(out_dir, "export")
-    try:
+    with folder_written_atomically(out_dir, "export") as work:
         with quiet_hf_libraries():
             lm = AutoModelForCausalLM.from_config(built.trainable.config)
             missing, unexpected = lm.load_state_dict(state_dict, strict=False)
@@ -300,9 +298,6 @@ def export(built: TtsLmBuilt, state_dict: dict, out_dir, pretrained_folder: Opti
             if built.tokenizer is not None:
                 built.tokenizer.save_pretrained(work)
         (work / TTS_LAYOUT_FILE).write_text(json.dumps(built.layout, indent=2) + "\n")
-        publish_folder(work, out_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return out_dir
 
 
