@@ -60,22 +60,24 @@ def _steps(family, built, loader, steps: int) -> float:
 
 
 def step_times(work: Path, resolution: int, batch: int, steps: int) -> dict:
-    from dstune.cache_build import prepare_cache
-    from dstune.data import list_samples
     from dstune.cache.datasets import CachedDataset, collate_cached
+    from dstune.data import list_samples
     from dstune.data.images import ImageCaptionDataset, collate
     from dstune.families import get_family
+    from dstune.pretrained import build_model
     from dstune.spec.models import Spec
+    from dstune.startup import prepare_caches
 
     spec = Spec.model_validate(_spec(work, resolution, batch, latents=True))
     family = get_family("sd")
-    built = family.build(spec.model, spec.output.cache_dir, "cpu", torch.float32)
+    built = build_model(spec.model, spec.output.cache_dir, "cpu", torch.float32)
     records = list_samples(spec.data)
     run = SimpleNamespace(rank=0, world_size=1, node_rank=0, is_main=True)
     _say("building the cache in this process")
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds only the table and the JSON line
-        index, code = prepare_cache(run, spec, built, records)
+        caches, code = prepare_caches(run, spec, family, built, records)
     assert code == 0
+    index = caches.images
     order = torch.Generator().manual_seed(0)
     batches = torch.randperm(len(records), generator=order)[: (steps + 1) * batch].view(-1, batch).tolist()
     fly = torch.utils.data.DataLoader(ImageCaptionDataset(spec.data, records, 7), batch_sampler=batches,

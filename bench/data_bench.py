@@ -80,15 +80,16 @@ def loader_rate(spec_path: Path, folder: Path, cached: bool) -> tuple[float, int
     spec, plan = resolved.spec, resolved.plan
     records = list_samples(spec.data)
     if cached:
-        from dstune.cache_build import prepare_cache
-        from dstune.data.cached import build_cached_loader
+        from dstune.families import get_family
+        from dstune.startup import make_training_loader, prepare_caches
 
         run = SimpleNamespace(rank=0, world_size=1, node_rank=0, is_main=True)
+        family = get_family(spec.model.family)
         with contextlib.redirect_stdout(sys.stderr):  # stdout holds only the table and the JSON line
-            index, _ = prepare_cache(run, spec, None, records, folder_of_model=folder, verify_only=True)
-        if index is None:
+            caches, code = prepare_caches(run, spec, family, None, records, verify_only=True, model_folder=folder)
+        if code:
             raise SystemExit("the cache the cached training run built is incomplete")
-        loader, _ = build_cached_loader(spec.data, plan, 0, spec.train.seed, records, index)
+        loader, _ = make_training_loader(spec, plan, 0, family, None, records, caches, 0, 0)
     else:
         loader, _ = build_loader(spec.data, plan, 0, spec.train.seed, records)
     samples, started = 0, time.perf_counter()
