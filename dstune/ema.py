@@ -7,7 +7,7 @@ So the EMA costs 4 bytes per trained parameter in total over all ranks, not per 
 would put (ranks per node) x 4 bytes x parameters into one node's host memory. Updating needs no collective; only
 sampling with the EMA under ZeRO 0-2 gathers the shares (once per sample grid), and the export concatenates the
 per-rank files offline. Checkpoints hold each rank's share (`ema_rank{R}.pt`), so exact resume holds as for the
-optimizer state (same world size, which resume already requires).
+optimizer state; a resume on another number of ranks concatenates the shares and cuts this world's (`load_resharded`).
 
 The EMA follows the module's weights as the forward pass sees them (fp32 runs: the fp32 weights; bf16 runs: the
 bf16 copy DeepSpeed writes back after each step), like diffusers' EMAModel, kept in fp32.
@@ -120,6 +120,26 @@ class Ema:
             raise FileNotFoundError(f"{path}: no EMA in this checkpoint (train.ema was off when it was written?)")
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), str(path))
 
+    def load_resharded(self, folder: Path) -> None:
+        """The EMA of a checkpoint written by another number of ranks: every rank's share concatenated (as the
+        export does), then this rank's share cut for this world (the padding of a ZeRO-3 partition stays 0)."""
+        states = _read_shares(folder)
+        full = _concatenated(folder, states)
+        if set(full) != set(self.shadow):
+            missing, extra = sorted(set(self.shadow) - set(full)), sorted(set(full) - set(self.shadow))
+            raise ValueError(f"{folder}: the EMA does not fit this model: {len(missing)} trained parameters missing "
+                             f"(e.g. {missing[:2]}), {len(extra)} unknown (e.g. {extra[:2]})")
+        for name, shadow in self.shadow.items():
+            flat = full[name].reshape(-1)
+            if flat.numel() != math.prod(self.shapes[name]):
+                raise ValueError(f"{folder}: EMA of {name} has {flat.numel()} elements, the model's "
+                                 f"{math.prod(self.shapes[name])}")
+            start, _ = shard_range(flat.numel(), self.rank, self.world_size)
+            piece = flat[start:start + shadow.numel()]
+            shadow.zero_()
+            shadow[:piece.numel()].copy_(piece)
+        self.optimizer_steps, self.updates = int(states[0]["optimizer_steps"]), int(states[0]["updates"])
+
     # ---------------------------------------------------------------------------------------------- sampling
 
     @contextmanager
@@ -163,8 +183,8 @@ class Ema:
 # ------------------------------------------------------------------------------------------------------ export
 
 
-def consolidated_ema(folder: Path) -> dict[str, torch.Tensor]:
-    """Full fp32 EMA tensors from every rank's share in a checkpoint folder (one process, no launcher)."""
+def _read_shares(folder: Path) -> list[dict]:
+    """Every rank's saved EMA share in a checkpoint folder, in rank order (all of them, or FileNotFoundError)."""
     files = {int(m.group(1)): p for p in Path(folder).glob("ema_rank*.pt") if (m := _FILE_RE.fullmatch(p.name))}
     if not files:
         raise FileNotFoundError(f"{folder}: no ema_rank*.pt (the run had train.ema off)")
@@ -172,6 +192,10 @@ def consolidated_ema(folder: Path) -> dict[str, torch.Tensor]:
     world_size = states[0]["world_size"]
     if sorted(files) != list(range(world_size)):
         raise FileNotFoundError(f"{folder}: EMA shares of ranks {sorted(files)}, expected 0..{world_size - 1}")
+    return states
+
+
+def _concatenated(folder: Path, states: list[dict]) -> dict[str, torch.Tensor]:
     full = {}
     for name, numel in states[0]["numels"].items():
         flat = torch.cat([state["shards"][name].float() for state in states])
@@ -179,6 +203,11 @@ def consolidated_ema(folder: Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{folder}: EMA shares of {name} hold {flat.numel()} of {numel} elements")
         full[name] = flat[:numel].reshape(states[0]["shapes"][name])
     return full
+
+
+def consolidated_ema(folder: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 EMA tensors from every rank's share in a checkpoint folder (one process, no launcher)."""
+    return _concatenated(folder, _read_shares(folder))
 
 
 def overlay_ema(state: dict, ema: dict) -> dict:

@@ -187,3 +187,44 @@ def test_contact_sheet_lists_every_step_in_order_with_escaped_prompts(tmp_path):
     assert 'src="step-000005.png"' in page and "notes.txt" not in page
     assert "a &lt;red&gt; circle" in page and "(empty prompt)" in page and "EMA weights" in page
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+
+
+def _zero3_param(full: torch.Tensor, rank: int, world: int) -> torch.nn.Parameter:
+    """A stand-in for a ZeRO-3 parameter: its own partition (ceil(numel / world), padded with 0) as ds_tensor."""
+    part = -(-full.numel() // world)
+    share = torch.zeros(part)
+    piece = full.reshape(-1)[rank * part:(rank + 1) * part]
+    share[:piece.numel()] = piece
+    param = torch.nn.Parameter(torch.empty(0))
+    param.ds_tensor, param.ds_shape = torch.nn.Parameter(share), full.shape
+    return param
+
+
+@pytest.mark.parametrize("zero3", [False, True])
+def test_ema_shares_are_recut_for_another_number_of_ranks(tmp_path, zero3):
+    """2 ranks' shares -> 1 and 3 ranks: each new rank holds its slice of the same full EMA (ZeRO-3: padded with 0)."""
+    full = {"p0": torch.arange(7.0), "p1": torch.arange(9.0).reshape(3, 3) + 100, "p2": torch.tensor([5.0])}
+
+    def emas(world):
+        out = []
+        for rank in range(world):
+            params = [(n, _zero3_param(t, rank, world) if zero3 else torch.nn.Parameter(t.clone()))
+                      for n, t in full.items()]
+            out.append(Ema(params, EmaSpec(decay=0.9), rank=rank, world_size=world))
+        return out
+
+    for ema in emas(2):
+        ema.optimizer_steps, ema.updates = 5, 5
+        ema.save(tmp_path)
+    for world in (1, 3):
+        recut = emas(world)
+        for ema in recut:
+            for shadow in ema.shadow.values():
+                shadow.fill_(-1.0)  # whatever the new ranks started with is replaced
+            ema.load_resharded(tmp_path)
+            assert (ema.optimizer_steps, ema.updates) == (5, 5)
+        for name, tensor in full.items():
+            shares = [ema.shadow[name] for ema in recut]
+            joined = torch.cat(shares)
+            assert torch.equal(joined[:tensor.numel()], tensor.reshape(-1))
+            assert torch.all(joined[tensor.numel():] == 0)  # ZeRO-3 padding of the last partition
