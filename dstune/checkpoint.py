@@ -248,30 +248,44 @@ def read_state(root: Path, tag: str) -> dict:
     return json.loads((root / tag / STATE_FILE).read_text())
 
 
-def load_checkpoint(engine, run: Run, root: Path, tag: str, ema=None) -> TrainState:
-    """Collective. Restores weights, optimizer, LR schedule, RNG, the data position and (given `ema`) the EMA."""
+def rng_file_for(folder: Path, rank: int, saved_world: int) -> Path:
+    """The RNG state a rank restores: its own rank's. A rank the checkpoint did not have (more ranks than before)
+    takes rank 0's. Nothing of the trajectory depends on these streams (every draw that decides a sample's
+    contribution comes from families.base.sample_generator), and every rank of a fresh run starts from the same
+    global state too; this keeps every restored state from the checkpoint, so resuming twice gives the same."""
+    return folder / f"dstune_rank{rank if rank < saved_world else 0}.pt"
+
+
+def load_checkpoint(engine, run: Run, root: Path, tag: str, ema=None,
+                    universal_root: Optional[Path] = None) -> TrainState:
+    """Collective. Restores weights, optimizer, LR schedule, RNG, the data position and (given `ema`) the EMA.
+
+    A checkpoint of another number of ranks loads its ZeRO state from `universal_root` (dstune.universal: the
+    converted copy; the engine was started with checkpoint.load_universal), or, when its optimizer state is not
+    partitioned (ZeRO 0, fp32), from the checkpoint itself. Its EMA shares are re-cut for this world."""
     saved = read_state(root, tag)
-    if saved["world_size"] != run.world_size:
-        raise CheckpointError(
-            f"checkpoint {root / tag} was written by {saved['world_size']} ranks; this run has {run.world_size}. "
-            "ZeRO partitions optimizer state per rank, so it cannot be loaded on a different number of ranks. "
-            f"Relaunch with {saved['world_size']} ranks, or export the weights (`dstune export {root.parent}`) and "
-            "start a new run from the exported folder (model.pretrained).")
+    other_world = saved["world_size"] != run.world_size
+    if other_world and universal_root is None and any((root / tag).glob("*zero_pp_rank_*_optim_states.pt")):
+        raise CheckpointError(f"checkpoint {root / tag} was written by {saved['world_size']} ranks; this run has "
+                              f"{run.world_size}, and its ZeRO partitions were not converted for it")
     with only_tensors_unpickled(f"checkpoint {root / tag}"):
         # Frozen weights were left out (LoRA): they come from the pretrained folder, so the module load is not strict.
-        path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+        path, _ = engine.load_checkpoint(str(universal_root or root), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True,
                                          load_module_strict=not leaves_frozen_out(engine.module))
-        rng_file = root / tag / f"dstune_rank{run.rank}.pt"
+        rng_file = rng_file_for(root / tag, run.rank, saved["world_size"])
         rng_state = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
+        if ema is not None:
+            _load_ema(ema, root / tag, other_world)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {root / tag}")
     if rng_state is not None:
         _restore_rng(rng_state)
-    if ema is not None:
-        try:
-            ema.load(root / tag)
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"{err}. Resume with the train.ema setting the checkpoint was written with.") \
-                from None
     return TrainState(**saved["state"])
+
+
+def _load_ema(ema: Ema, folder: Path, other_world: bool) -> None:
+    try:
+        ema.load_resharded(folder) if other_world else ema.load(folder)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{err}. Resume with the train.ema setting the checkpoint was written with.") from None

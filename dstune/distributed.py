@@ -63,6 +63,12 @@ def launcher_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def launcher_world_size() -> int:
+    """The number of ranks the launcher started, before the process group exists (1 without a launcher)."""
+    _adopt_mpi_ranks()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_run(timeout_minutes: int) -> Run:
     """Start the process group and describe this rank. Must run before deepspeed.initialize: DeepSpeed sizes its
     batch config from the process group and silently assumes one rank when it is not up yet."""

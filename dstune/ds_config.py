@@ -61,6 +61,14 @@ def find_auto(value: Any, prefix: str = "") -> list[str]:
     return [prefix[:-1]] if value == AUTO else []
 
 
+def with_universal_loading(ds_config: dict) -> dict:
+    """A copy that makes engine.load_checkpoint read DeepSpeed's universal checkpoint format (the checkpoint of
+    another number of ranks, converted by dstune.universal). Only the engine of that resume gets it."""
+    out = copy.deepcopy(ds_config)
+    out.setdefault("checkpoint", {})["load_universal"] = True
+    return out
+
+
 def uses_deepspeed_optimizer(ds_config: dict) -> bool:
     """True when DeepSpeed builds the optimizer from the config (the engine then passes no optimizer object)."""
     return "optimizer" in ds_config

@@ -126,5 +126,19 @@ def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, pl
     return engine
 
 
+def follow_plan_schedule(engine, train: TrainSpec, plan: Plan) -> None:
+    """After loading a checkpoint of another global batch (--allow-batch-change): the LR schedule becomes this plan's
+    (its total steps, its LR scaling) from the step the checkpoint reached. Loading restored the old multiplier's
+    settings and base LRs (LambdaLR saves both), which would otherwise keep the old schedule."""
+    scheduler = engine.lr_scheduler
+    multiplier = LrMultiplier(train.scheduler, plan.total_steps)
+    scheduler.lr_lambdas = [multiplier] * len(scheduler.lr_lambdas)
+    scheduler.base_lrs = [plan.effective_lr] * len(scheduler.base_lrs)
+    lrs = [base * multiplier(scheduler.last_epoch) for base in scheduler.base_lrs]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"], group["initial_lr"] = lr, plan.effective_lr
+    scheduler._last_lr = lrs
+
+
 def current_lr(engine) -> float:
     return float(engine.get_lr()[0])

@@ -1,6 +1,6 @@
 """Training entry point.
 
-    deepspeed --num_gpus N dstune/train.py spec.yaml [--set key=value]... [--resume latest|PATH]
+    deepspeed --num_gpus N dstune/train.py spec.yaml [--set key=value]... [--resume latest|PATH [--allow-batch-change]]
     deepspeed --num_gpus N --module dstune.train spec.yaml ...
     python dstune/train.py spec.yaml          (one process, no launcher)
     deepspeed --num_gpus N dstune/train.py spec.yaml --cache-only   (build data.cache on all ranks, then exit)
@@ -32,6 +32,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)")
     parser.add_argument("--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint")
+    parser.add_argument("--allow-batch-change", action="store_true",
+                        help="with --resume: continue even if this launch's global batch differs from the checkpoint's "
+                        "(the steps per epoch and the LR schedule then follow the new batch; printed at start)")
     parser.add_argument("--cache-only", action="store_true",
                         help="build the latent / text-embedding cache (data.cache) on all ranks, then exit")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # launcher
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_cache_command(args.spec, args.overrides, verify_only=False)
     from dstune.training import run_training
 
-    return run_training(args.spec, args.overrides, args.resume)
+    return run_training(args.spec, args.overrides, args.resume, args.allow_batch_change)
 
 
 if __name__ == "__main__":

@@ -13,20 +13,27 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from dstune.check import bucket_report, check_batches, expected_from_plan, rank_report
 from dstune.checkpoint import (CheckpointError, TrainState, checkpoint_root, list_complete, load_checkpoint,
-                               read_latest, resolve_resume, save_checkpoint, shared_folder_problem, tag_for)
-from dstune.distributed import Run, agree_or_stop, barrier, init_run, launcher_rank, shutdown, stop
+                               read_latest, read_state, resolve_resume, save_checkpoint, shared_folder_problem,
+                               tag_for)
+from dstune.distributed import (Run, agree_or_stop, barrier, init_run, launcher_rank, launcher_world_size, shutdown,
+                                stop)
+from dstune.ds_config import with_universal_loading
 from dstune.ema import Ema
-from dstune.engine import PRECISION_DTYPES, promote_scalar_params, wrap_model
+from dstune.engine import PRECISION_DTYPES, follow_plan_schedule, promote_scalar_params, wrap_model
 from dstune.export import ExportError, export_checkpoint
 from dstune.loop import LoopContext, NonFiniteLoss, render_samples, train_loop
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
+from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, rebatched, resume_kind
 from dstune.spec.load import SpecError, load_spec
 from dstune.startup import build_family, checked_records, make_training_loader, prepare_caches
+from dstune.universal import is_partitioned, remove_universal_copy, reshard_refusal, universal_copy
 from dstune.validate import Resolved, validate_spec
 
 
@@ -46,12 +53,17 @@ def _prepare_run_dir(run_dir: Path, resume: str | None) -> str | None:
     return None
 
 
-def run_training(spec_path: str, overrides: list[str], resume: str | None) -> int:
+def run_training(spec_path: str, overrides: list[str], resume: str | None, allow_batch_change: bool = False) -> int:
     try:  # spec errors need no process group: every rank reads the same file and reaches the same verdict
         spec, source = load_spec(spec_path, overrides)
     except SpecError as err:
         if launcher_rank() == 0:
             print(f"invalid spec:\n{err}", file=sys.stderr)
+        return 1
+    refusal = _resume_refusal(spec, source, resume, launcher_world_size(), allow_batch_change)
+    if refusal:  # likewise decided from files alone, before any process group
+        if launcher_rank() == 0:
+            print(f"cannot resume: {refusal}", file=sys.stderr)
         return 1
     run = init_run(spec.deepspeed.timeout_minutes)
     resolved, error = None, None
@@ -69,29 +81,92 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None) -> in
         (run_dir / "plan.json").write_text(json.dumps(resolved.plan.as_dict(), indent=2) + "\n")
         (run_dir / "spec.json").write_text(json.dumps(spec.model_dump(mode="json"), indent=2) + "\n")
     try:
-        return _train(run, resolved, run_dir, resume)
+        return _train(run, resolved, run_dir, resume, allow_batch_change)
     finally:
         shutdown()
 
 
-def _resume(run: Run, run_dir: Path, resume: str | None, engine, ema) -> TrainState:
-    """The position to continue from (a fresh TrainState without --resume); all ranks stop together on an error."""
+@dataclass(frozen=True)
+class Resuming:
+    """The checkpoint a run continues from, and how (docs/training.md, "Resume")."""
+
+    root: Path
+    tag: str
+    saved: SavedRun
+    universal_root: Optional[Path]  # the converted copy of a checkpoint of another number of ranks (ZeRO 1-3)
+    rebatched: Optional[Rebatched]  # --allow-batch-change with another global batch
+
+
+def _refusals(spec, source, root: Path, tag: str, saved: dict, world_size: int, allow_batch_change: bool):
+    return batch_refusal(spec.train, world_size, SavedRun.from_state(saved), source, f"checkpoint {root / tag}",
+                         allow_batch_change) or reshard_refusal(root / tag, saved["spec"]["train"]["optimizer"]["type"],
+                                                                saved["world_size"], world_size)
+
+
+def _resume_refusal(spec, source, resume: str | None, world_size: int, allow_batch_change: bool) -> str | None:
+    """Before any process group: why this launch cannot continue the checkpoint, or None. A checkpoint that cannot
+    be read here is left to _find_resume, where the ranks agree on the error."""
     if not resume:
-        return TrainState()
-    root = tag = state = None
+        return None
+    try:
+        root, tag = resolve_resume(Path(spec.output.dir), resume)
+        saved = read_state(root, tag)
+        return _refusals(spec, source, root, tag, saved, world_size, allow_batch_change)
+    except (CheckpointError, OSError, ValueError, KeyError):
+        return None
+
+
+def _find_resume(run: Run, resolved: Resolved, run_dir: Path, resume: str | None,
+                 allow_batch_change: bool) -> Optional[Resuming]:
+    """Collective. The checkpoint to continue, checked for this world; its ZeRO state converted when it was written
+    by another number of ranks. All ranks stop together on an error."""
+    if not resume:
+        return None
+    root = tag = saved = None
     error = None
     try:
         root, tag = resolve_resume(run_dir, resume)
-    except CheckpointError as err:
+        saved = read_state(root, tag)
+        error = _refusals(resolved.spec, resolved.source, root, tag, saved, run.world_size, allow_batch_change)
+    except (CheckpointError, OSError, ValueError) as err:
         error = str(err)
+    except KeyError as err:
+        error = f"checkpoint {root / tag}: its dstune_state.json has no {err} (not written by this dstune?)"
     agree_or_stop(run, error)
+    past = SavedRun.from_state(saved)
+    kind = resume_kind(past, run.world_size, resolved.plan.global_batch_size)
+    changed = rebatched(past, resolved.plan, resolved.spec.train) if kind == "rebatch" else None
+    universal_root = None
+    if past.world_size != run.world_size and is_partitioned(root / tag):
+        universal_root = universal_copy(run, run_dir, root, tag)
+    return Resuming(root, tag, past, universal_root, changed)
+
+
+def _resume(run: Run, resuming: Optional[Resuming], engine, ema, resolved: Resolved, plan) -> TrainState:
+    """The position to continue from (a fresh TrainState without --resume); all ranks stop together on an error."""
+    if resuming is None:
+        return TrainState()
+    state, error = None, None
     try:
-        state = load_checkpoint(engine, run, root, tag, ema=ema)
+        state = load_checkpoint(engine, run, resuming.root, resuming.tag, ema=ema,
+                                universal_root=resuming.universal_root)
     except CheckpointError as err:
         error = str(err)
     agree_or_stop(run, error)
+    if resuming.universal_root is not None:
+        remove_universal_copy(run, resuming.universal_root)
+    how = ""
+    if resuming.saved.world_size != run.world_size:
+        was = resuming.saved.world_size
+        how = f" (written by {was} rank{'s' if was != 1 else ''}, continued on {run.world_size})"
+    if resuming.rebatched is not None:
+        state = TrainState(state.global_step, resuming.rebatched.epoch, resuming.rebatched.step_in_epoch,
+                           state.samples_seen)
+        follow_plan_schedule(engine, resolved.spec.train, plan)
+        if run.is_main:
+            print(resuming.rebatched.text, flush=True)
     if run.is_main:
-        print(f"resumed from {root / tag}: step {state.global_step}, epoch {state.epoch + 1}, "
+        print(f"resumed from {resuming.root / resuming.tag}{how}: step {state.global_step}, epoch {state.epoch + 1}, "
               f"step {state.step_in_epoch} of that epoch", flush=True)
     return state
 
@@ -108,17 +183,23 @@ def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainStat
         print("batch check passed (spec / plan / DeepSpeed / loader agree on every rank):\n" + table, flush=True)
 
 
-def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | None) -> tuple[LoopContext, TrainState]:
+def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | None,
+                  allow_batch_change: bool) -> tuple[LoopContext, TrainState]:
     """Every stage between the validated spec and step 1: model, engine, EMA, resume, data, caches, batch check."""
     spec, plan, ds_config = resolved.spec, resolved.plan, resolved.ds_config
+    resuming = _find_resume(run, resolved, run_dir, resume, allow_batch_change)
+    if resuming is not None and resuming.rebatched is not None:
+        plan = resuming.rebatched.plan
     family, built = build_family(run, spec)
     scalar_params = promote_scalar_params(built.trainable)
-    engine = wrap_model(built.trainable, spec.train, ds_config, plan)
+    universal = resuming is not None and resuming.universal_root is not None
+    engine = wrap_model(built.trainable, spec.train, with_universal_loading(ds_config) if universal else ds_config,
+                        plan)
     ema = None
     if spec.train.ema is not None:
         trainable = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
         ema = Ema(trainable, spec.train.ema, run.rank, run.world_size)
-    state = _resume(run, run_dir, resume, engine, ema)
+    state = _resume(run, resuming, engine, ema, resolved, plan)
     records = checked_records(run, spec, family)
     caches, code = prepare_caches(run, spec, family, built, records)
     if code:
@@ -136,9 +217,9 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     return ctx, state
 
 
-def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None) -> int:
-    spec, plan = resolved.spec, resolved.plan
-    ctx, state = _prepare_loop(run, resolved, run_dir, resume)
+def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, allow_batch_change: bool) -> int:
+    ctx, state = _prepare_loop(run, resolved, run_dir, resume, allow_batch_change)
+    spec, plan = resolved.spec, ctx.plan
     if state.global_step == 0:
         render_samples(ctx, 0)
     display = ProgressDisplay(run.is_main, plan.total_steps, plan.epochs, state.global_step)
