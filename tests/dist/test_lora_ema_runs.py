@@ -2,7 +2,8 @@
 export is a diffusers LoRA file that StableDiffusionPipeline.load_lora_weights loads (and that changes the images),
 the EMA is exported and resumes exactly, and the samples contact sheet lists every sample step.
 
-Three launches in all (zero2, zero3, the zero2 resume), shared by every test through the module fixture."""
+Four launches in all (zero2, zero3, the zero2 resume, the zero3 resume on 1 rank), shared by every test through the
+module fixture."""
 
 from __future__ import annotations
 
@@ -55,6 +56,15 @@ def runs(tmp_path_factory) -> dict:
         (resumed / "checkpoints" / "latest").write_text("step-00000002")
         out["resumed"] = (resumed, launch(run_dir.parent / "spec.yaml", args=(
             "--resume", "latest", "--set", f"output.dir={resumed}")))
+    run_dir, proc = out["zero3"]
+    on_one = run_dir.parent / "on-one-rank"
+    if proc.returncode == 0:  # the ZeRO-3 step-2 checkpoint continued on 1 rank (micro 2 x accumulation 2)
+        (on_one / "checkpoints").mkdir(parents=True)
+        shutil.copytree(run_dir / "checkpoints" / "step-00000002", on_one / "checkpoints" / "step-00000002")
+        (on_one / "checkpoints" / "latest").write_text("step-00000002")
+        out["zero3-on-1"] = (on_one, launch(run_dir.parent / "spec.yaml", num_ranks=1, args=(
+            "--resume", "latest", "--set", f"output.dir={on_one}", "--set", "output.export=none",
+            "--set", "sample.prompts=[]")))
     return out
 
 
@@ -168,3 +178,28 @@ def test_dstune_export_of_a_zero3_checkpoint_yields_the_lora_file(runs, tmp_path
     step2, final = _lora_file(out), _lora_file(run_dir / "export" / f"step-{STEPS:08d}")
     assert set(step2) == set(final)
     assert max((step2[k] - final[k]).abs().max().item() for k in final) > 0  # step 2's adapters, not the last
+
+
+def test_zero3_lora_ema_run_continues_on_one_rank_exactly(runs):
+    """The 2-rank ZeRO-3 LoRA run's step-2 checkpoint (only the adapters, no frozen base) continued on 1 rank: the
+    adapters' optimizer state is re-partitioned (DeepSpeed's universal checkpoint) and the two EMA shares are joined
+    into one; steps 3-4 reproduce the losses, the adapters and the EMA of the uninterrupted run."""
+    from dstune.ema import consolidated_ema
+    from dstune.export import consolidated_state_dict
+
+    run_dir, on_one = _ok(runs, "zero3"), _ok(runs, "zero3-on-1")
+    assert "written by 2 ranks, continued on 1" in runs["zero3-on-1"][1].stdout
+    first, second = metrics(run_dir), metrics(on_one)
+    assert [m["step"] for m in second] == [3, 4]
+    for before, after in zip(first[2:], second):
+        assert after["loss"] == pytest.approx(before["loss"], rel=1e-5)
+    tag = f"step-{STEPS:08d}"
+    for load in (lambda d: consolidated_state_dict(d / "checkpoints", tag, 3),
+                 lambda d: consolidated_ema(d / "checkpoints" / tag)):
+        a, b = load(run_dir), load(on_one)
+        assert set(a) == set(b) and len(a) == ADAPTER_TENSORS
+        scale = max(v.abs().max().item() for v in a.values())
+        assert max((a[k] - b[k]).abs().max().item() for k in a) / scale < 1e-5
+    share = torch.load(on_one / "checkpoints" / tag / "ema_rank0.pt", weights_only=True)
+    assert (share["world_size"], share["optimizer_steps"], share["updates"]) == (1, STEPS, STEPS)
+    assert not (on_one / ".resume-universal").exists()
