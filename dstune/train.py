@@ -32,6 +32,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)")
     parser.add_argument("--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint")
+    parser.add_argument("--allow-spec-changes", action="store_true",
+                        help="with --resume: continue even though the spec changed in a way that breaks exact "
+                             "continuation (data, seed, model, batch, ...); the changes are listed")
     parser.add_argument("--cache-only", action="store_true",
                         help="build the latent / text-embedding cache (data.cache) on all ranks, then exit")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # launcher
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_cache_command(args.spec, args.overrides, verify_only=False)
     from dstune.training import run_training
 
-    return run_training(args.spec, args.overrides, args.resume)
+    return run_training(args.spec, args.overrides, args.resume, args.allow_spec_changes)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from dstune.check import bucket_report, check_batches, expected_from_plan, rank_report
 from dstune.checkpoint import (CheckpointError, TrainState, checkpoint_root, list_complete, load_checkpoint,
-                               read_latest, resolve_resume, save_checkpoint, shared_folder_problem, tag_for)
+                               read_latest, read_state, resolve_resume, save_checkpoint, shared_folder_problem,
+                               tag_for)
 from dstune.distributed import Run, agree_or_stop, barrier, init_run, launcher_rank, shutdown, stop
 from dstune.ema import Ema
 from dstune.engine import PRECISION_DTYPES, promote_scalar_params, wrap_model
@@ -25,7 +26,9 @@ from dstune.export import ExportError, export_checkpoint
 from dstune.loop import LoopContext, NonFiniteLoss, render_samples, train_loop
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
+from dstune.spec.diff import describe_changes, spec_changes
 from dstune.spec.load import SpecError, load_spec
+from dstune.spec.models import Spec
 from dstune.startup import build_family, checked_records, make_training_loader, prepare_caches
 from dstune.validate import Resolved, validate_spec
 
@@ -46,7 +49,7 @@ def _prepare_run_dir(run_dir: Path, resume: str | None) -> str | None:
     return None
 
 
-def run_training(spec_path: str, overrides: list[str], resume: str | None) -> int:
+def run_training(spec_path: str, overrides: list[str], resume: str | None, allow_spec_changes: bool = False) -> int:
     try:  # spec errors need no process group: every rank reads the same file and reaches the same verdict
         spec, source = load_spec(spec_path, overrides)
     except SpecError as err:
@@ -69,12 +72,26 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None) -> in
         (run_dir / "plan.json").write_text(json.dumps(resolved.plan.as_dict(), indent=2) + "\n")
         (run_dir / "spec.json").write_text(json.dumps(spec.model_dump(mode="json"), indent=2) + "\n")
     try:
-        return _train(run, resolved, run_dir, resume)
+        return _train(run, resolved, run_dir, resume, allow_spec_changes)
     finally:
         shutdown()
 
 
-def _resume(run: Run, run_dir: Path, resume: str | None, engine, ema) -> TrainState:
+def _check_spec_changes(run: Run, spec: Spec, saved_spec: dict, allow: bool) -> None:
+    """Rank 0 lists what changed since the checkpoint; changes that break exact continuation stop every rank unless
+    --allow-spec-changes (then they are listed as a warning)."""
+    safe_text, breaking_text = describe_changes(spec_changes(saved_spec, spec.model_dump(mode="json")),
+                                                spec.train.scheduler.type)
+    if breaking_text and not allow:
+        stop(run, breaking_text, 1)
+    if run.is_main:
+        for text in (safe_text, breaking_text and "--allow-spec-changes: continuing with " + breaking_text):
+            if text:
+                print(text, flush=True)
+
+
+def _resume(run: Run, spec: Spec, run_dir: Path, resume: str | None, engine, ema,
+            allow_spec_changes: bool) -> TrainState:
     """The position to continue from (a fresh TrainState without --resume); all ranks stop together on an error."""
     if not resume:
         return TrainState()
@@ -85,6 +102,7 @@ def _resume(run: Run, run_dir: Path, resume: str | None, engine, ema) -> TrainSt
     except CheckpointError as err:
         error = str(err)
     agree_or_stop(run, error)
+    _check_spec_changes(run, spec, read_state(root, tag).get("spec", {}), allow_spec_changes)
     try:
         state = load_checkpoint(engine, run, root, tag, ema=ema)
     except CheckpointError as err:
@@ -108,7 +126,8 @@ def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainStat
         print("batch check passed (spec / plan / DeepSpeed / loader agree on every rank):\n" + table, flush=True)
 
 
-def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | None) -> tuple[LoopContext, TrainState]:
+def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | None,
+                  allow_spec_changes: bool) -> tuple[LoopContext, TrainState]:
     """Every stage between the validated spec and step 1: model, engine, EMA, resume, data, caches, batch check."""
     spec, plan, ds_config = resolved.spec, resolved.plan, resolved.ds_config
     family, built = build_family(run, spec)
@@ -118,7 +137,7 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     if spec.train.ema is not None:
         trainable = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
         ema = Ema(trainable, spec.train.ema, run.rank, run.world_size)
-    state = _resume(run, run_dir, resume, engine, ema)
+    state = _resume(run, spec, run_dir, resume, engine, ema, allow_spec_changes)
     records = checked_records(run, spec, family)
     caches, code = prepare_caches(run, spec, family, built, records)
     if code:
@@ -136,9 +155,9 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     return ctx, state
 
 
-def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None) -> int:
+def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, allow_spec_changes: bool) -> int:
     spec, plan = resolved.spec, resolved.plan
-    ctx, state = _prepare_loop(run, resolved, run_dir, resume)
+    ctx, state = _prepare_loop(run, resolved, run_dir, resume, allow_spec_changes)
     if state.global_step == 0:
         render_samples(ctx, 0)
     display = ProgressDisplay(run.is_main, plan.total_steps, plan.epochs, state.global_step)

@@ -119,6 +119,7 @@ def test_resume_continues_exactly(runs, name, tmp_path):
     again = launch(spec_path, num_ranks=2, args=("--resume", "latest", "--set", f"output.dir={resumed_dir}"))
     assert again.returncode == 0, explain(again)
     assert "resumed from" in again.stdout
+    assert "spec changes since the checkpoint (allowed):\n  output.dir:" in again.stdout  # listed, not refused
     first, second = metrics(run_dir), metrics(resumed_dir)
     assert [m["step"] for m in second] == [3, 4]
     for before, after in zip(first[2:], second):
@@ -167,6 +168,21 @@ def test_resume_on_another_world_size_is_refused_clearly(runs, tmp_path):
     assert "was written by 2 ranks; this run has 1" in single.stderr + single.stdout
     assert "Traceback" not in single.stderr + single.stdout
     assert (copy / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:08d}"  # nothing was touched
+
+
+def test_a_resume_that_changes_the_seed_is_refused_with_the_fix(runs, tmp_path):
+    """A spec change that breaks exact continuation stops the resume before any weight is loaded; one rank is
+    enough (the check comes before the checkpoint is read)."""
+    run_dir, spec_path, proc = runs["zero2"]
+    assert proc.returncode == 0, explain(proc)
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir / "checkpoints", copy / "checkpoints")
+    changed = launch(spec_path, num_ranks=1, args=("--resume", "latest", "--set", f"output.dir={copy}",
+                                                   "--set", "train.seed=8"))
+    out = changed.stderr + changed.stdout
+    assert changed.returncode == 1, explain(changed)
+    assert "break exact continuation" in out and "train.seed: 7 -> 8" in out and "--allow-spec-changes" in out
+    assert "Traceback" not in out and "step 1/" not in out
 
 
 def test_dstune_export_consolidates_any_checkpoint_offline(runs, tmp_path):
