@@ -23,21 +23,23 @@ if mode is None:
 sys.argv.remove(mode)
 
 if mode == "double-shard":
-    original_build_loader = loader_module.build_loader
+    original_make_loader = loader_module.make_loader  # patched before dstune.startup imports it
 
-    def build_loader_sharded_twice(data, plan, rank, seed, records, start_epoch=0, start_step=0):
+    def make_loader_sharded_twice(dataset, collate_fn, group_keys, data, plan, rank, seed, start_epoch=0,
+                                  start_step=0):
         import torch.distributed as dist
         from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-        loader, sampler = original_build_loader(data, plan, rank, seed, records, start_epoch, start_step)
+        loader, sampler = original_make_loader(dataset, collate_fn, group_keys, data, plan, rank, seed, start_epoch,
+                                               start_step)
         my_share = [index for batch in sampler for index in batch]  # already this rank's 1/N
         again = DistributedSampler(my_share, num_replicas=dist.get_world_size(), rank=rank, shuffle=False)
         buggy = DataLoader(Subset(loader.dataset, my_share), batch_size=plan.micro_batch_size, sampler=again,
                            collate_fn=loader.collate_fn, drop_last=True)
         return buggy, sampler
 
-    loader_module.build_loader = build_loader_sharded_twice
-else:  # micro-override
+    loader_module.make_loader = make_loader_sharded_twice
+else:  # micro-override (patched before dstune.training imports it)
     original_wrap_model = engine_module.wrap_model
 
     def wrap_model_overridden(trainable, train, ds_config, plan):
