@@ -61,7 +61,15 @@ class ProgressDisplay:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, info=info)
         elif step % self.print_every == 0 or step == self.total_steps or step == self.start_step + 1:
-            print(f"step {step}/{self.total_steps}  {info}", flush=True)
+            print(f"step {step}/{self.total_steps}  {info}  {self.timing_text(step)}", flush=True)
+
+    def timing_text(self, step: int) -> str:
+        """Elapsed and ETA; the speed is measured over this process's own steps, so after a resume it is the speed
+        since the resume (the ETA never counts the steps the checkpoint already held as fast ones)."""
+        elapsed = time.perf_counter() - self.started
+        done = step - self.start_step
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else None
+        return f"elapsed {fmt_seconds(elapsed)}  eta {fmt_seconds(eta)}"
 
     def message(self, text: str) -> None:
         if not self.enabled:

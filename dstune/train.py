@@ -35,6 +35,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--allow-batch-change", action="store_true",
                         help="with --resume: continue even if this launch's global batch differs from the checkpoint's "
                         "(the steps per epoch and the LR schedule then follow the new batch; printed at start)")
+    parser.add_argument("--allow-spec-changes", action="store_true",
+                        help="with --resume: continue even though the spec changed in a way that breaks exact "
+                             "continuation (data, seed, model, ...); the changes are listed")
     parser.add_argument("--cache-only", action="store_true",
                         help="build the latent / text-embedding cache (data.cache) on all ranks, then exit")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # launcher
@@ -50,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         from dstune.startup import run_cache_command
 
         return run_cache_command(args.spec, args.overrides, verify_only=False)
-    from dstune.training import run_training
+    from dstune.training import ResumeOptions, run_training
 
-    return run_training(args.spec, args.overrides, args.resume, args.allow_batch_change)
+    return run_training(args.spec, args.overrides, args.resume,
+                        ResumeOptions(args.allow_batch_change, args.allow_spec_changes))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ from dstune.loop import LoopContext, NonFiniteLoss, render_samples, train_loop
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
 from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, rebatched, resume_kind
+from dstune.spec.diff import describe_changes, spec_changes
 from dstune.spec.load import SpecError, load_spec
+from dstune.spec.models import Spec
 from dstune.startup import build_family, checked_records, make_training_loader, prepare_caches
 from dstune.universal import is_partitioned, remove_universal_copy, reshard_refusal, universal_copy
 from dstune.validate import Resolved, validate_spec
@@ -53,14 +55,23 @@ def _prepare_run_dir(run_dir: Path, resume: str | None) -> str | None:
     return None
 
 
-def run_training(spec_path: str, overrides: list[str], resume: str | None, allow_batch_change: bool = False) -> int:
+@dataclass(frozen=True)
+class ResumeOptions:
+    """What a resume may change (train.py flags): the global batch, and spec keys that break exact continuation."""
+
+    allow_batch_change: bool = False
+    allow_spec_changes: bool = False
+
+
+def run_training(spec_path: str, overrides: list[str], resume: str | None,
+                 options: ResumeOptions = ResumeOptions()) -> int:
     try:  # spec errors need no process group: every rank reads the same file and reaches the same verdict
         spec, source = load_spec(spec_path, overrides)
     except SpecError as err:
         if launcher_rank() == 0:
             print(f"invalid spec:\n{err}", file=sys.stderr)
         return 1
-    refusal = _resume_refusal(spec, source, resume, launcher_world_size(), allow_batch_change)
+    refusal = _resume_refusal(spec, source, resume, launcher_world_size(), options.allow_batch_change)
     if refusal:  # likewise decided from files alone, before any process group
         if launcher_rank() == 0:
             print(f"cannot resume: {refusal}", file=sys.stderr)
@@ -81,7 +92,7 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None, allow
         (run_dir / "plan.json").write_text(json.dumps(resolved.plan.as_dict(), indent=2) + "\n")
         (run_dir / "spec.json").write_text(json.dumps(spec.model_dump(mode="json"), indent=2) + "\n")
     try:
-        return _train(run, resolved, run_dir, resume, allow_batch_change)
+        return _train(run, resolved, run_dir, resume, options)
     finally:
         shutdown()
 
@@ -116,8 +127,21 @@ def _resume_refusal(spec, source, resume: str | None, world_size: int, allow_bat
         return None
 
 
+def _check_spec_changes(run: Run, spec: Spec, saved_spec: dict, allow: bool) -> None:
+    """Rank 0 lists what changed since the checkpoint; changes that break exact continuation stop every rank unless
+    --allow-spec-changes (then they are listed as a warning)."""
+    safe_text, breaking_text = describe_changes(spec_changes(saved_spec, spec.model_dump(mode="json")),
+                                                spec.train.scheduler.type)
+    if breaking_text and not allow:
+        stop(run, breaking_text, 1)
+    if run.is_main:
+        for text in (safe_text, breaking_text and "--allow-spec-changes: continuing with " + breaking_text):
+            if text:
+                print(text, flush=True)
+
+
 def _find_resume(run: Run, resolved: Resolved, run_dir: Path, resume: str | None,
-                 allow_batch_change: bool) -> Optional[Resuming]:
+                 options: ResumeOptions) -> Optional[Resuming]:
     """Collective. The checkpoint to continue, checked for this world; its ZeRO state converted when it was written
     by another number of ranks. All ranks stop together on an error."""
     if not resume:
@@ -127,12 +151,13 @@ def _find_resume(run: Run, resolved: Resolved, run_dir: Path, resume: str | None
     try:
         root, tag = resolve_resume(run_dir, resume)
         saved = read_state(root, tag)
-        error = _refusals(resolved.spec, resolved.source, root, tag, saved, run.world_size, allow_batch_change)
+        error = _refusals(resolved.spec, resolved.source, root, tag, saved, run.world_size, options.allow_batch_change)
     except (CheckpointError, OSError, ValueError) as err:
         error = str(err)
     except KeyError as err:
         error = f"checkpoint {root / tag}: its dstune_state.json has no {err} (not written by this dstune?)"
     agree_or_stop(run, error)
+    _check_spec_changes(run, resolved.spec, saved.get("spec", {}), options.allow_spec_changes)
     past = SavedRun.from_state(saved)
     kind = resume_kind(past, run.world_size, resolved.plan.global_batch_size)
     changed = rebatched(past, resolved.plan, resolved.spec.train) if kind == "rebatch" else None
@@ -184,10 +209,10 @@ def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainStat
 
 
 def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | None,
-                  allow_batch_change: bool) -> tuple[LoopContext, TrainState]:
+                  options: ResumeOptions) -> tuple[LoopContext, TrainState]:
     """Every stage between the validated spec and step 1: model, engine, EMA, resume, data, caches, batch check."""
     spec, plan, ds_config = resolved.spec, resolved.plan, resolved.ds_config
-    resuming = _find_resume(run, resolved, run_dir, resume, allow_batch_change)
+    resuming = _find_resume(run, resolved, run_dir, resume, options)
     if resuming is not None and resuming.rebatched is not None:
         plan = resuming.rebatched.plan
     family, built = build_family(run, spec)
@@ -217,8 +242,8 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     return ctx, state
 
 
-def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, allow_batch_change: bool) -> int:
-    ctx, state = _prepare_loop(run, resolved, run_dir, resume, allow_batch_change)
+def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, options: ResumeOptions) -> int:
+    ctx, state = _prepare_loop(run, resolved, run_dir, resume, options)
     spec, plan = resolved.spec, ctx.plan
     if state.global_step == 0:
         render_samples(ctx, 0)

@@ -2,6 +2,8 @@
 
 Errors are `SpecIssue`s: the dotted key, the file:line it came from (or `--set`), what is wrong and how to fix it.
 `load_spec` raises `SpecError` holding all of them; callers print them and exit 1, never a traceback.
+YAML that would expand or silently drop part of a spec is refused at its line: aliases of sections and lists,
+keys written twice, merge keys (`<<`); so are files over 1 MB, 10,000 values or 32 levels (answered in about 1 s).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -64,36 +66,137 @@ class SpecSource:
 
 # ------------------------------------------------------------------------------------------------------ YAML
 
+MAX_SPEC_BYTES = 1 << 20  # a longer file is refused unread: a spec is settings, not data
+MAX_YAML_VALUES = 10_000  # keys, values and list items together; a real spec has a few hundred
+MAX_YAML_DEPTH = 32  # nested sections and lists; a real spec has four or five
+MAX_ISSUES = 100  # errors described in full; past them, one line says how many more there are
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
-def _compose(text: str, path: str) -> tuple[Any, dict[str, int]]:
-    """Parse YAML safely and record the line of every mapping key. Python tags are rejected by SafeLoader."""
+
+class _Refused(Exception):
+    """A YAML feature or size a spec may not use, met while composing: nothing past it is built."""
+
+    def __init__(self, line: int, message: str):
+        super().__init__(message)
+        self.line, self.message = line, message
+
+
+class _LimitedComposer(yaml.composer.Composer):
+    """PyYAML's composer, counting as it goes and refusing an alias of a section or list when it reads it.
+
+    Such an alias is what lets a few hundred bytes (`&a [*b, *b, ...]`, nine levels deep) stand for a billion
+    values: PyYAML shares the node, but everything that walks the spec (key lines, pydantic) expands it.
+    """
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        self.values += 1
+        if self.values > MAX_YAML_VALUES:
+            raise _Refused(line, f"more than {MAX_YAML_VALUES} keys and values; a spec is settings, not data "
+                                 "(it names files and folders for anything large)")
+        if isinstance(event, yaml.AliasEvent):
+            target = self.anchors.get(event.anchor)
+            if isinstance(target, yaml.CollectionNode):
+                raise _Refused(line, f"alias *{event.anchor} repeats the section or list anchored (&{event.anchor}) at "
+                                     f"line {target.start_mark.line + 1}; aliases of sections and lists are refused "
+                                     "(a few of them can stand for billions of values): write the keys out")
+            return super().compose_node(parent, index)  # an alias of a single value (or an undefined one: an error)
+        if self.depth >= MAX_YAML_DEPTH:
+            raise _Refused(line, f"nested more than {MAX_YAML_DEPTH} levels deep; a spec is a few sections of settings")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+_BASE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser when installed: 1 MB in well under 1 s
+
+
+class _SpecLoader(_LimitedComposer, _BASE_LOADER):
+    """Safe tags only (Python tags are refused by SafeConstructor), composed by `_LimitedComposer`."""
+
+    def __init__(self, stream: str):
+        _BASE_LOADER.__init__(self, stream)
+        yaml.composer.Composer.__init__(self)
+        self.values, self.depth = 0, 0
+
+
+def _parse(text: str, path: str) -> tuple[Any, dict[str, int]]:
+    """The data of one YAML document and the line of each dotted key, within the limits above.
+
+    Raises SpecError for what a spec refuses (at path:line, or at "--set"), YAMLError for what is not YAML.
+    """
+    where = (lambda line: path) if path == "--set" else (lambda line: f"{path}:{line}")
+    loader = _SpecLoader(text)
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.load(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-        line = f"{path}:{mark.line + 1}" if mark is not None else path
-        problem = getattr(err, "problem", None) or str(err)
-        hint = ""
-        if "python/" in str(err):
-            hint = " (specs are data: Python tags such as !!python/object are refused)"
-        raise SpecError([SpecIssue("", f"not valid YAML: {problem}{hint}", line)]) from None
+        try:
+            node = loader.get_single_node()
+        except _Refused as err:
+            raise SpecError([SpecIssue("", err.message, where(err.line))]) from None
+        if node is None:
+            return None, {}
+        lines, issues = _key_lines(node, where)  # before constructing, which merges `<<` keys into the node
+        if issues:
+            raise SpecError(_at_most(issues, len(issues), path))
+        return loader.construct_document(node), lines
+    finally:
+        loader.dispose()
+
+
+def _yaml_issue(err: yaml.YAMLError, path: str) -> SpecIssue:
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    line = f"{path}:{mark.line + 1}" if mark is not None else path
+    problem = getattr(err, "problem", None) or str(err)
+    hint = ""
+    if "python/" in str(err):
+        hint = " (specs are data: Python tags such as !!python/object are refused)"
+    return SpecIssue("", f"not valid YAML: {problem}{hint}", line)
+
+
+def _key_lines(node: yaml.Node, where: Callable[[int], str]) -> tuple[dict[str, int], list[SpecIssue]]:
+    """The line of every dotted key, and an issue for each key written twice and each merge key (`<<`).
+
+    PyYAML keeps the last of two equal keys and lets keys written beside `<<` win over the merged ones, silently
+    discarding the others; a spec refuses both so that what runs is what the file says.
+    """
     lines: dict[str, int] = {}
+    issues: list[SpecIssue] = []
 
     def walk(n: yaml.Node, prefix: str) -> None:
         if isinstance(n, yaml.MappingNode):
+            seen: dict[tuple[str, str], int] = {}
             for key_node, value_node in n.value:
                 dotted = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
-                lines[dotted] = key_node.start_mark.line + 1
+                line = key_node.start_mark.line + 1
+                if key_node.tag == _MERGE_TAG:
+                    issues.append(SpecIssue(prefix, "merge keys (<<) are refused: PyYAML silently drops the merged keys "
+                                                    "also written beside them; write the keys out", where(line)))
+                elif isinstance(key_node, yaml.ScalarNode) and (key_node.tag, key_node.value) in seen:
+                    first = seen[(key_node.tag, key_node.value)]
+                    at = f", at lines {first} and {line}" if first != line else ""
+                    issues.append(SpecIssue(dotted, f"written twice{at}; YAML would silently keep only the last: "
+                                                    "remove one", where(line)))
+                elif isinstance(key_node, yaml.ScalarNode):
+                    seen[(key_node.tag, key_node.value)] = line
+                lines[dotted] = line
                 walk(value_node, dotted)
         elif isinstance(n, yaml.SequenceNode):
             for i, item in enumerate(n.value):
                 lines[f"{prefix}.{i}"] = item.start_mark.line + 1
                 walk(item, f"{prefix}.{i}")
 
-    if node is not None:
-        walk(node, "")
-    return data, lines
+    walk(node, "")
+    return lines, issues
+
+
+def _compose(text: str, path: str) -> tuple[Any, dict[str, int]]:
+    """Parse YAML safely and record the line of every mapping key; every refusal names its line."""
+    try:
+        return _parse(text, path)
+    except yaml.YAMLError as err:
+        raise SpecError([_yaml_issue(err, path)]) from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -104,10 +207,15 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise SpecError([SpecIssue("", f"--set {text!r}: the key must be a dotted path such as train.optimizer.lr", "--set")])
+    if not raw.strip():
+        return key, ""
     try:
-        value = yaml.load(raw, Loader=yaml.SafeLoader) if raw.strip() else ""
+        value, _ = _parse(raw, "--set")
+    except SpecError as err:
+        raise SpecError([SpecIssue(key, f"--set {text!r}: {i.key + ': ' if i.key else ''}{i.message}", "--set")
+                         for i in err.issues]) from None
     except yaml.YAMLError:
-        value = raw  # not YAML: keep it as the plain string the user typed
+        return key, raw  # not YAML: keep it as the plain string the user typed
     return key, value
 
 
@@ -199,9 +307,20 @@ def validate_data(data: Any, source: SpecSource) -> Spec:
     try:
         return Spec.model_validate(data)
     except ValidationError as err:
-        issues = [_describe(e, source) for e in err.errors()]
+        errors = err.errors()
+        if len(errors) > MAX_ISSUES:  # the first lines' only: describing (and printing) thousands takes seconds
+            errors.sort(key=lambda e: line_of(source.where(".".join(str(part) for part in e["loc"]))))
+        issues = [_describe(e, source) for e in errors[:MAX_ISSUES]]
         issues.sort(key=lambda i: line_of(i.where))
-        raise SpecError(issues) from None
+        raise SpecError(_at_most(issues, len(errors), source.path)) from None
+
+
+def _at_most(issues: list[SpecIssue], total: int, path: str) -> list[SpecIssue]:
+    """The first MAX_ISSUES issues, and one saying how many more were found but not described."""
+    if total <= MAX_ISSUES:
+        return issues
+    more = SpecIssue("", f"{total - MAX_ISSUES} more errors not shown; fix the ones above and run again", path)
+    return issues[:MAX_ISSUES] + [more]
 
 
 def line_of(where: str) -> int:
@@ -225,7 +344,12 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> tuple[Spec, Sp
     """Read, override and validate a spec file; raise SpecError with every problem found."""
     path = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            raw = file.read(MAX_SPEC_BYTES + 1)  # never more: the path may be a device or a pipe
+        if len(raw) > MAX_SPEC_BYTES:
+            raise SpecError([SpecIssue("", f"the spec is over {MAX_SPEC_BYTES // (1 << 20)} MB; a spec is settings, "
+                                           "not data (it names files and folders for anything large)", path)])
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise SpecError([SpecIssue("", "spec file not found", path)]) from None
     except (OSError, UnicodeDecodeError) as err:

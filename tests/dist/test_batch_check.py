@@ -14,15 +14,18 @@ pytestmark = pytest.mark.dist
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_with_bug.py"
 
 
-def _launch_with_bug(tmp_path: Path, bug: str):
+@pytest.fixture(scope="module")
+def buggy(tmp_path_factory):
+    """One launch with both bugs injected: the checker must name every disagreement of one run at once."""
+    tmp_path = tmp_path_factory.mktemp("bugs")
     run_dir = tmp_path / "run"
     spec = base_spec(run_dir, train={"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 4})
     spec_path = write_spec(tmp_path / "spec.yaml", spec)
-    return run_dir, launch(spec_path, num_ranks=2, script=SCRIPT, script_args=(bug,))
+    return run_dir, launch(spec_path, num_ranks=2, script=SCRIPT, script_args=("double-shard", "micro-override"))
 
 
-def test_catches_a_loader_that_shards_twice(tmp_path):
-    run_dir, proc = _launch_with_bug(tmp_path, "double-shard")
+def test_catches_a_loader_that_shards_twice(buggy):
+    run_dir, proc = buggy
     assert proc.returncode == 1, explain(proc)
     out = proc.stdout + proc.stderr
     assert "batch check FAILED" in out
@@ -32,8 +35,8 @@ def test_catches_a_loader_that_shards_twice(tmp_path):
     assert not (run_dir / "metrics.jsonl").exists() or (run_dir / "metrics.jsonl").read_text() == ""
 
 
-def test_catches_a_deepspeed_micro_batch_override(tmp_path):
-    run_dir, proc = _launch_with_bug(tmp_path, "micro-override")
+def test_catches_a_deepspeed_micro_batch_override(buggy):
+    run_dir, proc = buggy
     assert proc.returncode == 1, explain(proc)
     out = proc.stdout + proc.stderr
     assert "batch check FAILED" in out

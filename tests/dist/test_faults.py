@@ -41,6 +41,8 @@ def die():
 
 
 if kind in ("kill-at-step", "nan-at-step") and rank == 1:
+    import dataclasses
+
     import dstune.families.sd as sd
 
     original_loss = sd.loss
@@ -53,7 +55,7 @@ if kind in ("kill-at-step", "nan-at-step") and rank == 1:
             return value * float("nan")
         return value
 
-    sd.loss = loss
+    sd.FAMILY = dataclasses.replace(sd.FAMILY, loss=loss)  # what dstune.families.get_family returns
 elif kind == "kill-in-save" and rank == 1:
     from deepspeed.runtime.engine import DeepSpeedEngine
 

@@ -18,11 +18,14 @@ pytestmark = pytest.mark.dist
 STEPS = 4
 CASES = {  # name -> (zero stage, gradient checkpointing); zero1 also trains from a folder with a corrupt image
     "zero0": (0, False),
-    "zero1": (1, False),
+    "zero1": (1, False),  # with SGD + momentum: also the 2-rank side of test_world_size_equivalence
     "zero2": (2, False),
-    "zero3": (3, False),
-    "zero3-gc": (3, True),
+    "zero3": (3, True),  # with gradient checkpointing (non-reentrant) under ZeRO-3
 }
+# SGD with momentum, not Adam, where runs are compared across world sizes: Adam divides each gradient element by its
+# own magnitude, so elements whose gradient is at rounding-noise level (different summation orders on 1 vs 2 ranks)
+# get full-size updates of random sign, which would hide whether two splits trained on the same samples and noise.
+SGD = {"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}
 
 
 def _spec(run_dir: Path, stage: int, checkpointing: bool) -> dict:
@@ -59,9 +62,12 @@ def runs(tmp_path_factory) -> dict:
         spec = _spec(run_dir, stage, checkpointing)
         if name == "zero1":  # a user's kohya-style folder with a repeat count and a corrupt image
             spec["data"].update(path=str(_image_folder(run_dir.parent / "images")), skip_bad_files=True)
+            spec["train"]["optimizer"] = dict(SGD)
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
-        # zero0 goes through `deepspeed --module dstune.train`, the others through `deepspeed dstune/train.py`
-        out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2, as_module=name == "zero0"))
+        # zero0 goes through `deepspeed --module dstune.train`, zero1 through `deepspeed dstune/train.py`, the
+        # others through DeepSpeed's per-node launcher directly (tests/dist/harness.py)
+        out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2, as_module=name == "zero0",
+                                                via_runner=name == "zero1"))
     out["shm_left"] = shm_segments(LAUNCHED_PORTS[out["first_port"]:])
     return out
 
@@ -119,6 +125,7 @@ def test_resume_continues_exactly(runs, name, tmp_path):
     again = launch(spec_path, num_ranks=2, args=("--resume", "latest", "--set", f"output.dir={resumed_dir}"))
     assert again.returncode == 0, explain(again)
     assert "resumed from" in again.stdout
+    assert "spec changes since the checkpoint (allowed):\n  output.dir:" in again.stdout  # listed, not refused
     first, second = metrics(run_dir), metrics(resumed_dir)
     assert [m["step"] for m in second] == [3, 4]
     for before, after in zip(first[2:], second):
@@ -131,23 +138,20 @@ def test_resume_continues_exactly(runs, name, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 
-def test_world_size_equivalence(tmp_path):
-    """Global batch 4 as 1 rank x 2 micro x 2 accumulation equals 2 ranks x 2 micro x 1 (fp32, same seed).
-
-    SGD with momentum, not Adam: Adam divides each gradient element by its own magnitude, so elements whose gradient
-    is at rounding-noise level (different summation orders on 1 vs 2 ranks) get full-size updates of random sign,
-    which would hide whether the two splits really trained on the same samples with the same noise."""
+def test_world_size_equivalence(runs, tmp_path):
+    """Global batch 4 as 1 rank x 2 micro x 2 accumulation equals 2 ranks x 2 micro x 1 (fp32, same seed, SGD with
+    momentum: see SGD). The 2-rank side is the zero1 run; the 1-rank run uses its spec unchanged but the folder."""
+    run_dir, spec_path, proc = runs["zero1"]
+    assert proc.returncode == 0, explain(proc)
+    single_dir = tmp_path / "ranks1"
+    single = launch(spec_path, num_ranks=1, args=("--set", f"output.dir={single_dir}"))
+    assert single.returncode == 0, explain(single)
     weights, logged = {}, {}
-    for ranks in (2, 1):
-        run_dir = tmp_path / f"ranks{ranks}"
-        spec = _spec(run_dir, 2, False)
-        spec["train"]["optimizer"] = {"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}
-        proc = launch(write_spec(tmp_path / f"spec{ranks}.yaml", spec), num_ranks=ranks)
-        assert proc.returncode == 0, explain(proc)
+    for ranks, folder, out in ((2, run_dir, proc.stdout), (1, single_dir, single.stdout)):
         accumulation = 2 if ranks == 1 else 1
-        assert re.search(rf"accumulation\s+{accumulation}\s", proc.stdout)  # same global batch, another split
-        unet = run_dir / "export" / f"step-{STEPS:08d}" / "unet" / "diffusion_pytorch_model.safetensors"
-        weights[ranks], logged[ranks] = load_file(unet), metrics(run_dir)
+        assert re.search(rf"accumulation\s+{accumulation}\s", out)  # same global batch, another split
+        unet = folder / "export" / f"step-{STEPS:08d}" / "unet" / "diffusion_pytorch_model.safetensors"
+        weights[ranks], logged[ranks] = load_file(unet), metrics(folder)
     start = load_file(next(CACHE_DIR.glob("builtin/tiny-sd*/unet/diffusion_pytorch_model.safetensors")))
     assert max((weights[2][k] - start[k]).abs().max().item() for k in start) > 1e-4  # it did train
     scale = max(w.abs().max().item() for w in weights[2].values())
@@ -190,6 +194,21 @@ def test_resume_on_one_rank_continues_the_two_rank_run(runs, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) / scale < 1e-5
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(read.iterdir())} == digest
     assert not (resumed / ".resume-universal").exists()
+
+
+def test_a_resume_that_changes_the_seed_is_refused_with_the_fix(runs, tmp_path):
+    """A spec change that breaks exact continuation stops the resume before any weight is loaded; one rank is
+    enough (the check comes before the checkpoint is read)."""
+    run_dir, spec_path, proc = runs["zero2"]
+    assert proc.returncode == 0, explain(proc)
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir / "checkpoints", copy / "checkpoints")
+    changed = launch(spec_path, num_ranks=1, args=("--resume", "latest", "--set", f"output.dir={copy}",
+                                                   "--set", "train.seed=8"))
+    out = changed.stderr + changed.stdout
+    assert changed.returncode == 1, explain(changed)
+    assert "break exact continuation" in out and "train.seed: 7 -> 8" in out and "--allow-spec-changes" in out
+    assert "Traceback" not in out and "step 1/" not in out
 
 
 def test_dstune_export_consolidates_any_checkpoint_offline(runs, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -23,6 +24,7 @@ from dstune.families import sd
 from dstune.families.base import FamilyError
 from dstune.spec.models import SampleSpec, SdModel
 
+CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
 MARKER = tiny.BUILTIN_MARKER
 FOLDER = tiny.BUILTIN_MODELS["tiny-sd"].folder_name  # "tiny-sd-vN"
 # Measured 0.0100 (mean over the 256 shapes, pixels in [-1, 1]); a random VAE gives ~0.3.
@@ -30,10 +32,11 @@ VAE_RECONSTRUCTION_MSE_MAX = 0.02
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
-    cache = tmp_path_factory.mktemp("dstune-cache")
-    tiny.ensure_builtin_model("builtin:tiny-sd", cache)
-    return cache
+def cache_dir() -> Path:
+    """The test session's model cache (shared with the 2-rank tests: the built-in model is built once per
+    session); test_builtin_build_is_deterministic_... makes an independent second build to compare with."""
+    tiny.ensure_builtin_model("builtin:tiny-sd", CACHE_DIR)
+    return CACHE_DIR
 
 
 @pytest.fixture(scope="session")

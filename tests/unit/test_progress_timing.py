@@ -17,3 +17,16 @@ def test_names_the_loader_as_the_bottleneck_with_what_helps():
 
 def test_no_steps_is_not_a_division_by_zero():
     assert "(0.0% of step time)" in time_split_text({"data_s": 0.0, "compute_s": 0.0})
+
+
+def test_eta_after_a_resume_comes_from_the_steps_since_the_resume(monkeypatch):
+    """A run resumed at step 90 of 100: 2 steps in 10 s since the resume means 8 more steps take 40 s, not the
+    2 s that 92 'done' steps in 10 s would suggest."""
+    import dstune.progress as progress
+
+    clock = [1000.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    display = progress.ProgressDisplay(enabled=False, total_steps=100, total_epochs=1.0, start_step=90)
+    clock[0] += 10.0
+    assert display.timing_text(92) == "elapsed 10.0 s  eta 40.0 s"
+    assert display.timing_text(90) == "elapsed 10.0 s  eta -"  # no step since the resume yet: no guess

@@ -1,4 +1,5 @@
-"""dstune's real training entry point with one deliberate bug injected, to prove the batch checker catches it.
+"""dstune's real training entry point with deliberate bugs injected, to prove the batch checker catches them
+(each mode named is injected; several may be given at once).
 
     train_with_bug.py double-shard SPEC ...   the loader shards already-sharded data again (GPT-SoVITS #1318: on N
                                                ranks each one sees 1/N^2 of the batches)
@@ -16,28 +17,31 @@ import dstune.engine as engine_module  # noqa: E402
 from dstune.train import main  # noqa: E402
 
 MODES = ("double-shard", "micro-override")
-# The launcher puts --local_rank=N before our arguments, so find the mode by name.
-mode = next((arg for arg in sys.argv[1:] if arg in MODES), None)
-if mode is None:
-    raise SystemExit(f"usage: train_with_bug.py {{{'|'.join(MODES)}}} SPEC")
-sys.argv.remove(mode)
+# The launcher puts --local_rank=N before our arguments, so find the modes by name.
+modes = [arg for arg in sys.argv[1:] if arg in MODES]
+if not modes:
+    raise SystemExit(f"usage: train_with_bug.py {{{'|'.join(MODES)}}}... SPEC")
+for mode in modes:
+    sys.argv.remove(mode)
 
-if mode == "double-shard":
-    original_build_loader = loader_module.build_loader
+if "double-shard" in modes:
+    original_make_loader = loader_module.make_loader  # patched before dstune.startup imports it
 
-    def build_loader_sharded_twice(data, plan, rank, seed, records, start_epoch=0, start_step=0):
+    def make_loader_sharded_twice(dataset, collate_fn, group_keys, data, plan, rank, seed, start_epoch=0,
+                                  start_step=0):
         import torch.distributed as dist
         from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-        loader, sampler = original_build_loader(data, plan, rank, seed, records, start_epoch, start_step)
+        loader, sampler = original_make_loader(dataset, collate_fn, group_keys, data, plan, rank, seed, start_epoch,
+                                               start_step)
         my_share = [index for batch in sampler for index in batch]  # already this rank's 1/N
         again = DistributedSampler(my_share, num_replicas=dist.get_world_size(), rank=rank, shuffle=False)
         buggy = DataLoader(Subset(loader.dataset, my_share), batch_size=plan.micro_batch_size, sampler=again,
                            collate_fn=loader.collate_fn, drop_last=True)
         return buggy, sampler
 
-    loader_module.build_loader = build_loader_sharded_twice
-else:  # micro-override
+    loader_module.make_loader = make_loader_sharded_twice
+if "micro-override" in modes:  # patched before dstune.training imports it
     original_wrap_model = engine_module.wrap_model
 
     def wrap_model_overridden(trainable, train, ds_config, plan):

@@ -1,0 +1,90 @@
+"""What changed between the spec a run was started with (saved in every checkpoint) and the spec it resumes with.
+
+A resumed run continues exactly (same samples, noise, weights, schedule) only if nothing that decides those
+changed. Changes to where and how often the run writes, to what the samples show, or to how long it runs are safe
+and listed; every other change breaks exact continuation and is refused unless the user asks for it explicitly.
+Pure: dictionaries in, changes out (no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_MISSING = object()
+
+# Dotted key (or prefix ending in ".") -> why changing it keeps the run's trajectory.
+SAFE_CHANGES = {
+    "output.": "where and how often the run writes checkpoints, metrics and the export",
+    "sample.": "only what the sample grids show",
+    "deepspeed.timeout_minutes": "only how long ranks wait for each other",
+    "data.num_workers": "only how many processes load the same batches",
+    "data.cache.": "only where encodings come from (cached and on-the-fly batches agree to float rounding)",
+    "train.micro_batch_size": "how the global batch is split (a changed global batch is decided on its own)",
+    "train.gradient_accumulation_steps": "how the global batch is split (a changed global batch is decided on its own)",
+    "train.global_batch_size": "a changed global batch is decided on its own (--allow-batch-change)",
+    "train.max_steps": "the run's length: the steps already taken stay as they were",
+    "train.epochs": "the run's length: the steps already taken stay as they were",
+}
+LENGTH_KEYS = ("train.max_steps", "train.epochs")
+
+
+def why_safe(key: str) -> str | None:
+    """Why changing `key` keeps the trajectory, or None when it does not."""
+    for known, why in SAFE_CHANGES.items():
+        if key == known or (known.endswith(".") and key.startswith(known)):
+            return why
+    return None
+
+
+@dataclass(frozen=True)
+class SpecChange:
+    key: str  # dotted, e.g. "train.seed"
+    before: Any
+    after: Any
+
+    @property
+    def safe(self) -> bool:
+        return why_safe(self.key) is not None
+
+    def text(self) -> str:
+        def show(value):
+            return "(unset)" if value is _MISSING else repr(value)
+        return f"{self.key}: {show(self.before)} -> {show(self.after)}"
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, inner in value.items():
+            out.update(_flatten(inner, f"{prefix}{key}."))
+        return out or {prefix.rstrip("."): {}}
+    return {prefix.rstrip("."): value}
+
+
+def spec_changes(saved: dict, current: dict) -> list[SpecChange]:
+    """Every leaf key whose value differs (lists compare whole), in the order the current spec lists them."""
+    before, after = _flatten(saved), _flatten(current)
+    keys = list(after) + [k for k in before if k not in after]
+    return [SpecChange(k, before.get(k, _MISSING), after.get(k, _MISSING)) for k in keys
+            if before.get(k, _MISSING) != after.get(k, _MISSING)]
+
+
+def describe_changes(changes: list[SpecChange], schedule: str) -> tuple[str, str]:
+    """(text listing the safe changes, text listing the breaking ones); either may be "". `schedule` is the spec's
+    train.scheduler.type: a decaying schedule is restored with the checkpoint, so a new length does not stretch it."""
+    safe = [c for c in changes if c.safe]
+    breaking = [c for c in changes if not c.safe]
+    safe_lines = [f"  {c.text()}  ({why_safe(c.key)})" for c in safe]
+    if schedule in ("linear", "cosine") and any(c.key in LENGTH_KEYS for c in safe):
+        safe_lines.append(f"  note: the {schedule} LR schedule resumes with the length the run started with; "
+                          "steps past it train at the schedule's final LR")
+    safe_text = "spec changes since the checkpoint (allowed):\n" + "\n".join(safe_lines) if safe else ""
+    breaking_text = ""
+    if breaking:
+        breaking_text = ("spec changes since the checkpoint that break exact continuation (the data, seed, model, "
+                         "precision, optimizer or schedule the checkpoint was trained with):\n"
+                         + "\n".join(f"  {c.text()}" for c in breaking)
+                         + "\nRevert them to continue the run exactly, start a new run (another output.dir), or "
+                         "pass --allow-spec-changes to continue with them anyway.")
+    return safe_text, breaking_text

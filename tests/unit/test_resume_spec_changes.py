@@ -1,0 +1,49 @@
+"""What a resume says about spec changes since the checkpoint (dstune.spec.diff): safe ones listed, the ones that
+break exact continuation refused with the fix."""
+
+from dstune.spec.diff import describe_changes, spec_changes
+from dstune.spec.models import Spec
+
+BASE = {"model": {"family": "sd"}, "data": {"path": "builtin:shapes", "resolution": 32},
+        "train": {"micro_batch_size": 2, "max_steps": 4, "seed": 7}, "output": {"dir": "runs/a"}}
+
+
+def _dump(**sections) -> dict:
+    raw = {name: dict(values) for name, values in BASE.items()}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return Spec.model_validate(raw).model_dump(mode="json")
+
+
+def test_an_unchanged_spec_has_no_changes():
+    assert spec_changes(_dump(), _dump()) == []
+    assert describe_changes([], "constant") == ("", "")
+
+
+def test_frequencies_folders_samples_caches_and_length_are_allowed_and_listed():
+    changes = spec_changes(_dump(), _dump(output={"dir": "runs/b", "save_every_steps": 2},
+                                          train={"max_steps": 8}, sample={"prompts": ["a red circle"]},
+                                          data={"num_workers": 3}))
+    assert {c.key for c in changes} == {"output.dir", "output.save_every_steps", "train.max_steps",
+                                        "sample.prompts", "data.num_workers"}
+    assert all(c.safe for c in changes)
+    safe, breaking = describe_changes(changes, "constant")
+    assert breaking == "" and "train.max_steps: 4 -> 8" in safe and "output.dir: 'runs/a' -> 'runs/b'" in safe
+    assert "schedule" not in safe  # a constant LR is not stretched
+    assert "cosine LR schedule resumes with the length the run started with" in describe_changes(changes, "cosine")[0]
+
+
+def test_data_seed_model_and_optimizer_changes_break_exact_continuation():
+    changes = spec_changes(_dump(), _dump(train={"seed": 8, "optimizer": {"type": "sgd", "lr": 0.1}},
+                                          data={"path": "other/folder"}, model={"prediction": "epsilon"}))
+    breaking = {c.key for c in changes if not c.safe}
+    assert {"train.seed", "train.optimizer.type", "data.path", "model.prediction"} <= breaking
+
+
+def test_a_new_split_of_the_same_global_batch_is_left_to_the_resume_plan():
+    """--set train.gradient_accumulation_steps=2 on half the ranks (what a resume on another world suggests) is no
+    spec problem; whether the global batch is kept is dstune.resume_plan's decision."""
+    changes = spec_changes(_dump(), _dump(train={"micro_batch_size": 1, "gradient_accumulation_steps": 2}))
+    assert changes and all(c.safe for c in changes)
+    _, text = describe_changes(changes, "constant")
+    assert "train.seed: 7 -> 8" in text and "--allow-spec-changes" in text and "another output.dir" in text
