@@ -38,6 +38,8 @@ def test_data_seed_model_and_optimizer_changes_break_exact_continuation():
                                           data={"path": "other/folder"}, model={"prediction": "epsilon"}))
     breaking = {c.key for c in changes if not c.safe}
     assert {"train.seed", "train.optimizer.type", "data.path", "model.prediction"} <= breaking
+    _, text = describe_changes(changes, "constant")
+    assert "train.seed: 7 -> 8" in text and "--allow-spec-changes" in text and "another output.dir" in text
 
 
 def test_a_new_split_of_the_same_global_batch_is_left_to_the_resume_plan():
@@ -45,5 +47,3 @@ def test_a_new_split_of_the_same_global_batch_is_left_to_the_resume_plan():
     spec problem; whether the global batch is kept is dstune.resume_plan's decision."""
     changes = spec_changes(_dump(), _dump(train={"micro_batch_size": 1, "gradient_accumulation_steps": 2}))
     assert changes and all(c.safe for c in changes)
-    _, text = describe_changes(changes, "constant")
-    assert "train.seed: 7 -> 8" in text and "--allow-spec-changes" in text and "another output.dir" in text
