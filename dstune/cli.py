@@ -78,6 +78,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     _add_spec_flags(validate)
     validate.add_argument("--json", action="store_true",
                           help='print one JSON object {"plan", "ds_config", "warnings", "errors"} instead')
+    validate.add_argument("--resume-from", metavar="RUN_DIR",
+                          help="also show what `--resume latest` of that run would do on this world (exit 1 when "
+                               "it would be refused)")
     compile_ = subparsers["compile"] = commands.add_parser(
         "compile", help="write the DeepSpeed JSON a run of this spec will use",
         description="Compile the spec into the DeepSpeed JSON for a world (all three batch numbers, no \"auto\").")
@@ -219,7 +222,32 @@ def cmd_validate(args) -> int:
         print(json.dumps(outcome.as_json(), indent=2))
     else:
         print_report(outcome, Console(highlight=False), title=f"dstune validate {args.spec}")
-    return EXIT_INVALID if outcome.errors else EXIT_OK
+    resumable = True
+    if args.resume_from and outcome.plan and not outcome.errors:
+        resumable = _print_resume_preview(args, outcome)
+    return EXIT_INVALID if outcome.errors or not resumable else EXIT_OK
+
+
+def _print_resume_preview(args, outcome) -> bool:
+    """--resume-from: the resume of RUN_DIR's latest checkpoint on the validated world (reads only JSON files)."""
+    from dstune.checkpoint import CheckpointError, read_state, resolve_resume
+    from dstune.resume_plan import resume_preview
+    from dstune.spec.load import SpecSource
+    from dstune.universal import reshard_refusal
+
+    try:
+        root, tag = resolve_resume(Path(args.resume_from), "latest")
+        saved = read_state(root, tag)
+    except (CheckpointError, OSError, ValueError) as err:
+        print(f"--resume-from {args.resume_from}: {err}", file=sys.stderr)
+        return False
+    plan = outcome.plan
+    reshard = reshard_refusal(root / tag, saved["spec"]["train"]["optimizer"]["type"], saved["world_size"],
+                              plan.world_size)
+    text, ok = resume_preview(outcome.spec.model_dump(mode="json"), outcome.spec.train, plan.world_size,
+                              plan.global_batch_size, saved, SpecSource(args.spec), f"checkpoint {root / tag}", reshard)
+    print(text, file=sys.stdout if ok and not args.json else sys.stderr)
+    return ok
 
 
 def cmd_compile(args) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dstune.plan import Plan, resolve_batch
+from dstune.spec.diff import describe_changes, spec_changes
 from dstune.spec.load import SpecError, SpecSource
 from dstune.spec.models import TrainSpec
 
@@ -162,3 +163,24 @@ def rebatched(saved: SavedRun, plan: Plan, train: TrainSpec) -> Rebatched:
             f"{epoch + 1} step {step}; the LR schedule is the new plan's ({total} steps, peak lr "
             f"{plan.effective_lr:g}) from step {saved.global_step} on")
     return Rebatched(new_plan, epoch, step, text)
+
+
+def resume_preview(spec_dump: dict, train: TrainSpec, world_size: int, global_batch: int, saved_state: dict,
+                   source: SpecSource, checkpoint: str, reshard_problem: Optional[str]) -> tuple[str, bool]:
+    """`dstune validate --resume-from RUN`: what a resume of `checkpoint` on this world would do, offline, and
+    whether it would start (False: refused, for the batch, the optimizer state or a spec change)."""
+    saved = SavedRun.from_state(saved_state)
+    written = _split(saved.micro_batch_size, saved.gradient_accumulation_steps, saved.world_size)
+    lines = [f"resume from {checkpoint}: step {saved.global_step} of {saved.total_steps}, epoch {saved.epoch + 1} "
+             f"(step {saved.step_in_epoch} of it), written by {written}"]
+    refusal = batch_refusal(train, world_size, saved, source, checkpoint, allow_change=False) or reshard_problem
+    if refusal:
+        return "\n".join(lines + [f"refused: {refusal}"]), False
+    if resume_kind(saved, world_size, global_batch) == "same":
+        lines.append("same world and global batch: DeepSpeed loads its own shards")
+    else:
+        lines.append(f"continues on {_ranks(world_size)} with the same global batch of {global_batch}: the ZeRO state "
+                     "is re-partitioned through DeepSpeed's universal checkpoint (docs/training.md, Resume)")
+    safe, breaking = describe_changes(spec_changes(saved_state.get("spec", {}), spec_dump), train.scheduler.type)
+    lines += [text for text in (safe, breaking) if text]
+    return "\n".join(lines), not breaking
