@@ -1,6 +1,6 @@
 """The user's DeepSpeed JSON (`deepspeed.config`) fills every spec key the spec leaves unset, before the plan is made.
 
-    apply_ds_file(spec, source) -> (spec, source, warnings)    the spec as the run uses it; raises SpecError
+    apply_ds_file(spec, source) -> (spec, source, conflicts)   the spec as the run uses it
     ds_value_sources(ds_config, spec, source) -> {key: where}   where each DeepSpeed value came from, for the plan
 
 The rule: a concrete value in the file is used for a spec key the spec does not write (ZeRO stage and its options,
@@ -194,13 +194,14 @@ def _attribute(issue: SpecIssue, reading: _Reading, source: SpecSource) -> SpecI
     return issue
 
 
-def apply_ds_file(spec: Spec, source: SpecSource) -> tuple[Spec, SpecSource]:
-    """The spec with the file's concrete values in the keys it leaves unset, and a source that knows their lines.
+def apply_ds_file(spec: Spec, source: SpecSource) -> tuple[Spec, SpecSource, list[SpecIssue]]:
+    """(the spec with the file's concrete values in the keys it leaves unset, a source that knows their lines, the
+    conflicts: keys written in both places to different values, where the spec's value stays for what follows).
 
-    Raises SpecError with every conflict (a key written in both places to different values) and every spec rule
-    the filled values break. Running it again on its own result changes nothing."""
+    Raises SpecError (conflicts included) when the file cannot be read or a filled value breaks a spec rule.
+    Running it again on its own result changes nothing."""
     if spec.deepspeed.config is None:
-        return spec, source
+        return spec, source, []
     path = user_config_path(spec.deepspeed.config, source)
     user, text = load_user_ds_config(path, source)
     reading = _Reading(user, text, path)
@@ -210,11 +211,10 @@ def apply_ds_file(spec: Spec, source: SpecSource) -> tuple[Spec, SpecSource]:
             reading.fills[spec_key] = (value, file_key)
         elif not same_value(value, _spec_value(spec, spec_key)):
             conflicts.append(SpecIssue(file_key, (
-                f"{_shown(user, file_key)} in the file, but the spec sets {spec_key}: "
-                f"{_shown_spec(_spec_value(spec, spec_key))} at {source.where(spec_key)}. A key written in both "
-                "places must agree: remove it from one of them, or make them equal."), reading.line(file_key)))
-    if conflicts:
-        raise SpecError(conflicts)
+                f"{json.dumps(_get(user, file_key))} in the file, but the spec sets {spec_key}: "
+                f"{_shown(_spec_value(spec, spec_key))} at {source.where(spec_key)}{_note(user, file_key)}. A key "
+                "written in both places must agree: remove it from one of them, or make them equal."),
+                reading.line(file_key)))
     data = spec.model_dump(mode="python", exclude_unset=True)
     for spec_key, (value, _) in reading.fills.items():
         _set(data, spec_key, value)
@@ -223,15 +223,25 @@ def apply_ds_file(spec: Spec, source: SpecSource) -> tuple[Spec, SpecSource]:
     try:
         merged = validate_data(data, merged_source, deepspeed_file_read=True)
     except SpecError as err:
-        raise SpecError([_attribute(issue, reading, merged_source) for issue in err.issues]) from None
-    return merged, merged_source
+        raise SpecError(conflicts + [_attribute(issue, reading, merged_source) for issue in err.issues]) from None
+    return merged, merged_source, conflicts
 
 
-def _shown(user: dict, file_key: str) -> str:
-    return json.dumps(_get(user, file_key))
+def merged_spec(spec: Spec, source: SpecSource) -> tuple[Spec, SpecSource]:
+    """apply_ds_file for the commands that stop at the first problem (training, caching): conflicts raise too."""
+    spec, source, conflicts = apply_ds_file(spec, source)
+    if conflicts:
+        raise SpecError(conflicts)
+    return spec, source
 
 
-def _shown_spec(value: Any) -> str:
+def _note(user: dict, file_key: str) -> str:
+    if file_key == "optimizer.type" and str(_get(user, file_key)).lower() == "adam":
+        return " (DeepSpeed's \"Adam\" runs AdamW unless optimizer.params.adam_w_mode is false)"
+    return ""
+
+
+def _shown(value: Any) -> str:
     return str(list(value)) if isinstance(value, tuple) else repr(value) if isinstance(value, str) else str(value)
 
 

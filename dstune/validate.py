@@ -89,10 +89,11 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     `num_samples`: used when data.path does not exist here (planning offline). Resolved.spec and .source are the
     spec as the run uses it: with the values of deepspeed.config's file in the keys the spec leaves unset."""
     try:
-        spec, source = apply_ds_file(spec, source)
+        spec, source, conflicts = apply_ds_file(spec, source)
     except SpecError as err:  # like a spec that does not load: the plan needs the merged values
         raise ResolveError(err.issues, world=world) from None
     found = IssueList()
+    found.add(conflicts)
     _check_accelerator(spec, source, accelerator, found)
     count, origin, groups = _count_samples(spec, source, num_samples, found)
     plan = None
@@ -106,10 +107,23 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     # make_plan did not already report them.
     checked_plan = plan or _stand_in_plan(spec, source, world, found if count is None else IssueList())
     ds_config = _compile_and_check(spec, source, checked_plan, found, cross_check, stand_in=plan is None)
+    found.errors = _once(found.errors)
     if found.errors:
         raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin)
     return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings),
                     ds_value_sources(ds_config, spec, source))
+
+
+def _once(errors: list[SpecIssue]) -> list[SpecIssue]:
+    """A key of the DeepSpeed file written in both places is reported by apply_ds_file and again by the merge
+    (which keeps the spec's value): the first, which names both places, stays."""
+    seen, out = set(), []
+    for issue in errors:
+        if issue.key and (issue.key, issue.where) in seen:
+            continue
+        seen.add((issue.key, issue.where))
+        out.append(issue)
+    return out
 
 
 def _make_world(world: WorldArg) -> World:
