@@ -7,6 +7,7 @@ Issue lines are printed without wrapping, `where: key: message`, so they can be 
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -174,7 +175,7 @@ def _engine_rows(spec, plan) -> list[tuple[str, str]]:
 def _source_rows(ds_config: dict, sources: dict) -> list[tuple[str, str]]:
     """One row per DeepSpeed value: `key = value  <- where it came from` (file:line, spec:line, default, plan)."""
     values = flatten(ds_config)
-    return [(key, f"{values.get(key)!r}  <- {where}") for key, where in sources.items()]
+    return [(key, f"{json.dumps(values.get(key))}  <- {where}") for key, where in sources.items()]
 
 
 def plan_table(outcome: Outcome) -> Optional[Table]:
