@@ -203,8 +203,11 @@ class DeepSpeedSpec(Section):
     overlap_comm: bool = Field(False, description="Overlap gradient reduction with backward (more memory, faster on GPUs).")
     config: Optional[str] = Field(
         None,
-        description="Path of a DeepSpeed JSON you already have (HF Trainer / accelerate style, \"auto\" allowed). "
-        "Its settings are used; \"auto\" is filled from this spec; conflicts with this spec are errors by key.",
+        description="Path of a DeepSpeed JSON you already have (HF Trainer / accelerate style, \"auto\" allowed), "
+        "relative to the spec's folder. Its values fill every key this spec leaves unset (ZeRO stage, offload, "
+        "precision, batch numbers, clipping, optimizer values, ...); \"auto\" takes this spec's value or dstune's "
+        "default; a key set in both places to different values is an error naming both lines. See "
+        "docs/deepspeed-config.md.",
     )
     timeout_minutes: int = Field(30, gt=0, description="Collective-operation timeout: a dead rank stops the others after this.")
 
