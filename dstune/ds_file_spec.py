@@ -250,10 +250,10 @@ def _shown(value: Any) -> str:
 # DeepSpeed keys the plan derives when the spec (or file) leaves them to it.
 _DERIVED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
 # Names a file may use for a key dstune writes under another name (ds_user_config normalizes them).
-_OLD_NAMES = {"bf16": "bfloat16", "zero_optimization.stage3_gather_16bit_weights_on_model_save":
-              "zero_optimization.stage3_gather_fp16_weights_on_model_save",
-              **{f"zero_optimization.stage3_{name}": f"zero_optimization.{name}" for name in
-                 ("prefetch_bucket_size", "param_persistence_threshold", "gather_16bit_weights_on_model_save")}}
+_OLD_NAMES = [("bf16", "bfloat16"), ("zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                                      "zero_optimization.stage3_gather_fp16_weights_on_model_save"),
+              *((f"zero_optimization.stage3_{name}", f"zero_optimization.{name}") for name in
+                ("prefetch_bucket_size", "param_persistence_threshold", "gather_16bit_weights_on_model_save"))]
 
 
 def _spec_origin(spec: Spec, source: SpecSource, spec_key: str, ds_key: str) -> str:
@@ -267,7 +267,7 @@ def _spec_origin(spec: Spec, source: SpecSource, spec_key: str, ds_key: str) -> 
 def _file_key(user_flat: dict, ds_key: str) -> str | None:
     if ds_key in user_flat:
         return ds_key
-    for new, old in _OLD_NAMES.items():
+    for new, old in _OLD_NAMES:
         if ds_key.startswith(new) and old + ds_key[len(new):] in user_flat:
             return old + ds_key[len(new):]
     return None
