@@ -88,12 +88,15 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     """Raise SpecError (a ResolveError) holding every error found; dstune.world.WorldError passes through.
     `num_samples`: used when data.path does not exist here (planning offline). Resolved.spec and .source are the
     spec as the run uses it: with the values of deepspeed.config's file in the keys the spec leaves unset."""
+    found, file_read = IssueList(), True
     try:
         spec, source, conflicts = apply_ds_file(spec, source)
-    except SpecError as err:  # like a spec that does not load: the plan needs the merged values
-        raise ResolveError(err.issues, world=world) from None
-    found = IssueList()
-    found.add(conflicts)
+        found.add(conflicts)
+    except SpecError as err:  # the file is unreadable or a value it fills breaks a rule: the rest is checked with
+        if spec.train.micro_batch_size is None and spec.train.global_batch_size is None:  # the spec alone, if it can
+            raise ResolveError(err.issues, world=world) from None
+        found.add(err.issues)
+        file_read = False
     _check_accelerator(spec, source, accelerator, found)
     count, origin, groups = _count_samples(spec, source, num_samples, found)
     plan = None
@@ -106,7 +109,8 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     # Without a plan, a stand-in still lets compile and the cross-check run; its batch errors count only when
     # make_plan did not already report them.
     checked_plan = plan or _stand_in_plan(spec, source, world, found if count is None else IssueList())
-    ds_config = _compile_and_check(spec, source, checked_plan, found, cross_check, stand_in=plan is None)
+    ds_config = _compile_and_check(spec, source, checked_plan if file_read else None, found, cross_check,
+                                   stand_in=plan is None)
     found.errors = _once(found.errors)
     if found.errors:
         raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin)

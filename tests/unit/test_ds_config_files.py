@@ -11,9 +11,10 @@ import pytest
 import yaml
 
 from dstune.cli import main
+from dstune.ds_file_spec import merged_spec
 from dstune.ds_user_config import flatten
 from dstune.report import plan_text
-from dstune.spec.load import SpecError, json_key_line
+from dstune.spec.load import SpecError, json_key_line, load_spec
 from dstune.validate import load_and_validate
 from dstune.world import world_from_flags
 
@@ -197,3 +198,24 @@ def test_a_filled_value_the_spec_refuses_is_named_at_the_file(tmp_path):
     [issue] = caught.value.issues
     assert issue.key == "zero_optimization.allgather_bucket_size" and issue.where == f"{config}:4"
     assert "greater than 0" in issue.message and "deepspeed.allgather_bucket_size" in issue.message
+
+
+def test_an_unreadable_file_is_reported_with_the_spec_errors(tmp_path):
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2,}}')
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(PROVENANCE_SPEC.replace("builtin:shapes", str(tmp_path / "no-such-data")))
+    with pytest.raises(SpecError) as caught:
+        validate(spec_path)
+    assert [issue.where for issue in caught.value.issues] == [f"{tmp_path / 'ds.json'}:1", f"{spec_path}:5"]
+
+
+def test_training_refuses_a_conflict_before_any_process_group(tmp_path):
+    (tmp_path / "ds.json").write_text(PROVENANCE_FILE)
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(PROVENANCE_SPEC.replace("deepspeed:\n", "deepspeed:\n  zero_stage: 2\n"))
+    with pytest.raises(SpecError) as caught:
+        merged_spec(*load_spec(spec_path))  # what train.py and `dstune cache` load
+    assert [issue.key for issue in caught.value.issues] == ["zero_optimization.stage"]
+    spec, source = merged_spec(*load_spec(tmp_path / "spec.yaml", ["deepspeed.zero_stage=3"]))
+    assert spec.deepspeed.zero_stage == 3 and spec.train.precision == "bf16"
+    assert source.where("train.precision") == f"{tmp_path / 'ds.json'}:7"
