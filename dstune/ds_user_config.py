@@ -1,11 +1,10 @@
 """A user's own DeepSpeed JSON (`deepspeed.config`), merged into the config compiled from the spec.
 
-The file keeps every setting the spec does not cover; "auto" is filled from the spec and plan (the keys HF Trainer
-and accelerate files write as "auto"); a concrete value that disagrees with the spec is an error naming the JSON key,
-both values and the fix. DeepSpeed's own `scheduler` is always replaced by dstune's schedule. Pure: no torch or
-deepspeed import; what DeepSpeed itself rejects is found later by `dstune.ds_config.cross_check`.
+By then the file's concrete values fill the spec keys the spec leaves unset (dstune.ds_file_spec), so what is
+left: the file keeps every setting the spec does not cover; "auto" takes the spec's value or dstune's default; a
+value dstune needs otherwise is an error naming the key and the fix. DeepSpeed's `scheduler` is always replaced by
+dstune's schedule. Pure (no torch or deepspeed); what DeepSpeed rejects is found by `dstune.ds_config.cross_check`.
 """
-
 from __future__ import annotations
 
 import difflib
@@ -121,15 +120,17 @@ class MergeContext:
         if spec_key == "train.optimizer.lr" and p.lr_scale != 1.0:
             return f"{spec_key} {p.base_lr:g} x lr_scaling {p.lr_scale:g} at {self.source.where(spec_key)}"
         value = f" is {self.train.precision!r}" if spec_key == "train.precision" else ""
+        if spec_key in self.source.filled:
+            return f"{spec_key}{value}, from {self.source.filled[spec_key]}"
         if not self.spec_wrote(spec_key):
             return f"{spec_key}{value}, not in {self.source.path}: its default"
         return f"{spec_key}{value} at {self.source.where(spec_key)}"
 
 
-def _flatten(value: dict, prefix: str = "") -> dict:
+def flatten(value: dict, prefix: str = "") -> dict:
     out = {}
     for key, v in value.items():
-        out.update(_flatten(v, f"{prefix}{key}.") if isinstance(v, dict) else {f"{prefix}{key}": v})
+        out.update(flatten(v, f"{prefix}{key}.") if isinstance(v, dict) else {f"{prefix}{key}": v})
     return out
 
 
@@ -163,39 +164,35 @@ def spec_values(compiled: dict, deepspeed: DeepSpeedSpec) -> dict:
             out[f"{zero}{name}.nvme_path"] = offload.nvme_path
     checkpointing = deepspeed.activation_checkpointing.model_dump(exclude_none=True)
     out.update({f"activation_checkpointing.{name}": value for name, value in checkpointing.items()})
-    out.update(_flatten(compiled))
+    out.update(flatten(compiled))
     return out
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return isinstance(a, bool) == isinstance(b, bool) and math.isclose(float(a), float(b), rel_tol=1e-9)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     return a == b
 
 
-def _show(value: Any) -> str:
-    return json.dumps(value)
-
-
 def _conflict(ctx: MergeContext, dotted: str, value: Any, expected: Any, spec_key: str) -> None:
-    ctx.add(dotted, f"{_show(value)} in the file, but dstune uses {_show(expected)} ({ctx.origin(spec_key)}). "
-            f"Make them agree: change {spec_key} in the spec, or write {_show(expected)} or \"auto\" in the file.")
+    ctx.add(dotted, f"{json.dumps(value)} in the file, but dstune uses {json.dumps(expected)} ({ctx.origin(spec_key)}). "
+            f"Make them agree: change {spec_key} in the spec, or write {json.dumps(expected)} or \"auto\" in the file.")
 
 
 def _check_concrete(ctx: MergeContext, dotted: str, value: Any) -> Any:
     rule = OWNED.get(dotted)
     if rule is not None and dotted in ctx.reference and (rule.always or ctx.spec_wrote(rule.spec_key)):
         expected = ctx.reference[dotted]
-        if not _same(value, expected):
+        if not same_value(value, expected):
             _conflict(ctx, dotted, value, expected, rule.spec_key)
             return value
         return expected  # the spec's type (int, not 2e8)
-    if dotted in REQUIRED and dotted in ctx.compiled_flat and not _same(value, ctx.compiled_flat[dotted]):
+    if dotted in REQUIRED and dotted in ctx.compiled_flat and not same_value(value, ctx.compiled_flat[dotted]):
         needed = ctx.compiled_flat[dotted]
-        ctx.add(dotted, f"{_show(value)} in the file, but dstune needs {_show(needed)}: {REQUIRED[dotted]}. "
-                f"Write {_show(needed)} or \"auto\", or remove the key.")
+        ctx.add(dotted, f"{json.dumps(value)} in the file, but dstune needs {json.dumps(needed)}: {REQUIRED[dotted]}. "
+                f"Write {json.dumps(needed)} or \"auto\", or remove the key.")
     return value
 
 
@@ -209,7 +206,7 @@ def _merge_dicts(ctx: MergeContext, ours: dict, theirs: dict, prefix: str = "") 
                 _conflict(ctx, dotted, value, ctx.reference.get(dotted), OWNED[dotted].spec_key)
             out[key] = _merge_dicts(ctx, mine if isinstance(mine, dict) else {}, value, dotted + ".")
         elif isinstance(mine, dict):
-            ctx.add(dotted, f"must be a JSON object like {_show(mine)}, not {_show(value)}")
+            ctx.add(dotted, f"must be a JSON object like {json.dumps(mine)}, not {json.dumps(value)}")
         elif value == AUTO:
             if dotted in ctx.reference:
                 out[key] = ctx.reference[dotted]
@@ -239,7 +236,7 @@ def _normalize_names(ctx: MergeContext, user: dict) -> dict:
     if zero is None:
         return user
     if not isinstance(zero, dict):
-        ctx.add("zero_optimization", f"must be a JSON object such as {{\"stage\": 2}}, not {_show(zero)} (the old "
+        ctx.add("zero_optimization", f"must be a JSON object such as {{\"stage\": 2}}, not {json.dumps(zero)} (the old "
                 "boolean form is not supported); set the stage with deepspeed.zero_stage in the spec")
         user.pop("zero_optimization")
         return user
@@ -265,16 +262,16 @@ def _normalize_names(ctx: MergeContext, user: dict) -> dict:
 
 def _check_data_parallel_only(ctx: MergeContext, user: dict) -> None:
     """dstune's plan assumes every rank is a data-parallel rank (a full replica under ZeRO); these keys change that."""
-    tensor_parallel = user.get("tensor_parallel")
-    sizes = {"tensor_parallel.autotp_size": tensor_parallel.get("autotp_size") if isinstance(tensor_parallel, dict)
-             else None, "sequence_parallel_size": user.get("sequence_parallel_size")}
+    sizes = {f"{block}.{name}": user[block].get(name) for block, name in (("tensor_parallel", "autotp_size"),
+             ("expert_parallel", "autoep_size")) if isinstance(user.get(block), dict)}
+    sizes["sequence_parallel_size"] = user.get("sequence_parallel_size")
     for key, size in sizes.items():
         if isinstance(size, (int, float)) and size > 1:
-            ctx.add(key, f"{_show(size)}: dstune trains data-parallel only; model parallelism would change the "
+            ctx.add(key, f"{json.dumps(size)}: dstune trains data-parallel only; model parallelism would change the "
                     "data-parallel size the batch plan uses. Remove the key.")
     size = user.get("data_parallel_size")
-    if size is not None and not _same(size, ctx.plan.world_size):
-        ctx.add("data_parallel_size", f"{_show(size)} in the file, but dstune plans for {ctx.plan.world_size} "
+    if size is not None and not same_value(size, ctx.plan.world_size):
+        ctx.add("data_parallel_size", f"{json.dumps(size)} in the file, but dstune plans for {ctx.plan.world_size} "
                 "data-parallel ranks (every rank); remove the key")
 
 
@@ -303,19 +300,23 @@ def _check_optimizer_type(ctx: MergeContext, block: dict) -> None:
         ctx.add("optimizer.type", f"\"Adam\" with adam_w_mode true (DeepSpeed's default) runs AdamW, but "
                 f"train.optimizer.type is 'adam' ({where}). Add \"adam_w_mode\": false to optimizer.params, or set "
                 "train.optimizer.type: adamw.")
+    elif name not in ("adam", "adamw", "lion"):
+        ctx.add("optimizer.type", f"{json.dumps(written)}: dstune builds the optimizer itself and has no {written} (it "
+                "has adamw, adam, adafactor, lion, sgd: train.optimizer.type). Remove the optimizer block and set "
+                "train.optimizer.")
     else:
-        ctx.add("optimizer.type", f"{_show(written)} in the file, but train.optimizer.type is {wanted!r} ({where}). "
+        ctx.add("optimizer.type", f"{json.dumps(written)} in the file, but train.optimizer.type is {wanted!r} ({where}). "
                 "Make them agree, or remove the optimizer block (dstune builds the optimizer from train.optimizer).")
 
 
 def _merge_optimizer(ctx: MergeContext, block: Any, ours: dict | None) -> dict | None:
     if not isinstance(block, dict):
-        ctx.add("optimizer", f"must be a JSON object with type and params, not {_show(block)}")
+        ctx.add("optimizer", f"must be a JSON object with type and params, not {json.dumps(block)}")
         return ours
     _check_optimizer_type(ctx, block)
     params = block.get("params", {})
     if not isinstance(params, dict):
-        ctx.add("optimizer.params", f"must be a JSON object, not {_show(params)}")
+        ctx.add("optimizer.params", f"must be a JSON object, not {json.dumps(params)}")
         params = {}
     opt = ctx.train.optimizer
     expected = {"lr": ctx.plan.effective_lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
@@ -326,7 +327,7 @@ def _merge_optimizer(ctx: MergeContext, block: Any, ours: dict | None) -> dict |
             ctx.add(dotted, "DeepSpeed refuses max_grad_norm as an optimizer parameter (engine.py "
                     "_configure_basic_optimizer); remove it and use train.gradient_clipping")
         elif name in expected:
-            if value != AUTO and not _same(value, expected[name]):
+            if value != AUTO and not same_value(value, expected[name]):
                 _conflict(ctx, dotted, value, expected[name], f"train.optimizer.{name}")
         elif value == AUTO:
             ctx.add(dotted, '"auto" has no value in dstune; write a value or remove the key')
@@ -346,12 +347,12 @@ def _check_scheduler(ctx: MergeContext, block: Any) -> None:
     """DeepSpeed's scheduler is always replaced by dstune's; disagreeing concrete values are errors."""
     ours = ctx.train.scheduler
     if not isinstance(block, dict):
-        ctx.add("scheduler", f"must be a JSON object with type and params, not {_show(block)}")
+        ctx.add("scheduler", f"must be a JSON object with type and params, not {json.dumps(block)}")
         return
     errors = len(ctx.issues)
     kind = block.get("type", AUTO)
     if kind != AUTO and ours.type not in SCHEDULER_EQUIVALENTS.get(kind, ()):
-        ctx.add("scheduler.type", f"{_show(kind)} in the file, but train.scheduler.type is {ours.type!r} "
+        ctx.add("scheduler.type", f"{json.dumps(kind)} in the file, but train.scheduler.type is {ours.type!r} "
                 f"({ctx.source.where('train.scheduler.type')}); dstune's own schedule replaces DeepSpeed's. Set "
                 "train.scheduler to the schedule you want and remove the scheduler block (or make it agree).")
     p = ctx.plan
@@ -368,7 +369,7 @@ def _check_scheduler(ctx: MergeContext, block: Any) -> None:
             continue
         want, spec_key = expected[name]
         # HF writes warmup_num_steps max(1, warmup) because DeepSpeed >= 0.19.6 refuses 0: same schedule.
-        if not _same(value, want) and not (name == "warmup_num_steps" and want == 0 and _same(value, 1)):
+        if not same_value(value, want) and not (name == "warmup_num_steps" and want == 0 and same_value(value, 1)):
             _conflict(ctx, f"scheduler.params.{name}", value, want, spec_key)
     if len(ctx.issues) == errors:
         ctx.add("scheduler", f"dropped: dstune steps its own schedule ({ours.type}, {p.warmup_steps} linear warmup "
@@ -382,7 +383,7 @@ def merge_user_ds_config(user: dict, compiled: dict, train: TrainSpec, deepspeed
     Returns (merged config, issues); issues include errors (conflicts, "auto" without a value) for the caller to
     raise together with its own. `text` (the file's text) lets issues point at lines.
     """
-    ctx = MergeContext(train, plan, source, Path(path), text, spec_values(compiled, deepspeed), _flatten(compiled))
+    ctx = MergeContext(train, plan, source, Path(path), text, spec_values(compiled, deepspeed), flatten(compiled))
     user = _normalize_names(ctx, user)
     _check_data_parallel_only(ctx, user)
     _warn_unknown_top_level(ctx, user)

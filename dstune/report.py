@@ -7,6 +7,7 @@ Issue lines are printed without wrapping, `where: key: message`, so they can be 
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from dstune.ds_user_config import flatten
 from dstune.spec.load import SpecIssue
 
 ZERO_STAGES = {
@@ -35,11 +37,12 @@ class Outcome:
     num_samples_origin: str = ""
     warnings: tuple[SpecIssue, ...] = ()
     errors: tuple[SpecIssue, ...] = ()
+    ds_sources: Optional[dict] = None  # DeepSpeed key -> where its value came from (dstune.ds_file_spec)
 
     @classmethod
     def of(cls, resolved) -> "Outcome":
         return cls(resolved.spec, resolved.world, resolved.plan, resolved.ds_config, resolved.num_samples_origin,
-                   tuple(resolved.warnings))
+                   tuple(resolved.warnings), ds_sources=resolved.ds_sources)
 
     def as_json(self) -> dict:
         plan = self.plan.as_dict() if self.plan is not None else None
@@ -48,6 +51,7 @@ class Outcome:
         return {
             "plan": plan,
             "ds_config": self.ds_config if not self.errors else None,
+            "ds_config_sources": self.ds_sources if not self.errors else None,
             "warnings": [str(w) for w in self.warnings],
             "errors": [str(e) for e in self.errors],
         }
@@ -160,8 +164,18 @@ def _engine_rows(spec, plan) -> list[tuple[str, str]]:
         ("gradient clipping", clipping),
     ]
     if ds.config:
-        rows.append(("merged JSON", ds.config))
+        rows.append(("merged JSON", f"{ds.config}: its values fill what the spec leaves unset; \"auto\" takes the "
+                                    "spec's value or dstune's default (where each value came from: below)"))
+        rows.append(("optimizer, schedule", f"dstune's own: {train.optimizer.type} from train.optimizer and the "
+                                            f"{train.scheduler.type} schedule from train.scheduler; a scheduler block "
+                                            "in the file is never run by DeepSpeed"))
     return rows
+
+
+def _source_rows(ds_config: dict, sources: dict) -> list[tuple[str, str]]:
+    """One row per DeepSpeed value: `key = value  <- where it came from` (file:line, spec:line, default, plan)."""
+    values = flatten(ds_config)
+    return [(key, f"{json.dumps(values.get(key))}  <- {where}") for key, where in sources.items()]
 
 
 def plan_table(outcome: Outcome) -> Optional[Table]:
@@ -180,6 +194,8 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
                    ("LR", _lr_rows(plan, train))]
     if spec is not None and (plan is not None or outcome.world is not None):
         groups.append(("DeepSpeed", _engine_rows(spec, plan)))
+    if outcome.ds_sources and outcome.ds_config is not None and not outcome.errors and spec.deepspeed.config:
+        groups.append(("DeepSpeed JSON values", _source_rows(outcome.ds_config, outcome.ds_sources)))
     if not groups:
         return None
     table = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 0))

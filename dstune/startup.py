@@ -27,6 +27,7 @@ from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
 from dstune.data.index import DataError, list_samples
 from dstune.data.loader import make_loader
 from dstune.distributed import Run, agree_or_stop, all_gather_object, init_run, launcher_rank, rank0_first, shutdown, stop
+from dstune.ds_file_spec import merged_spec
 from dstune.engine import PRECISION_DTYPES
 from dstune.families import get_family
 from dstune.families.base import Family
@@ -161,7 +162,7 @@ def make_training_loader(spec: Spec, plan, rank: int, family: Family, built, rec
 def load_spec_or_report(spec_path: str, overrides: list[str]) -> Optional[Spec]:
     """The spec, or None after rank 0 printed why it is invalid (every rank reads the same file: same verdict)."""
     try:
-        return load_spec(spec_path, overrides)[0]
+        return merged_spec(*load_spec(spec_path, overrides))[0]  # precision may come from deepspeed.config
     except SpecError as err:
         if launcher_rank() == 0:
             print(f"invalid spec:\n{err}", file=sys.stderr)

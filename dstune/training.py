@@ -24,6 +24,7 @@ from dstune.checkpoint import (CheckpointError, TrainState, checkpoint_root, lis
 from dstune.distributed import (Run, agree_or_stop, barrier, init_run, launcher_rank, launcher_world_size, shutdown,
                                 stop)
 from dstune.ds_config import with_universal_loading
+from dstune.ds_file_spec import merged_spec
 from dstune.ema import Ema
 from dstune.engine import PRECISION_DTYPES, follow_plan_schedule, promote_scalar_params, wrap_model
 from dstune.export import ExportError, export_checkpoint
@@ -66,7 +67,7 @@ class ResumeOptions:
 def run_training(spec_path: str, overrides: list[str], resume: str | None,
                  options: ResumeOptions = ResumeOptions()) -> int:
     try:  # spec errors need no process group: every rank reads the same file and reaches the same verdict
-        spec, source = load_spec(spec_path, overrides)
+        spec, source = merged_spec(*load_spec(spec_path, overrides))  # deepspeed.config fills unset keys
     except SpecError as err:
         if launcher_rank() == 0:
             print(f"invalid spec:\n{err}", file=sys.stderr)
@@ -90,7 +91,7 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None,
         print(plan_text(resolved), flush=True)
         (run_dir / "ds_config.json").write_text(json.dumps(resolved.ds_config, indent=2) + "\n")
         (run_dir / "plan.json").write_text(json.dumps(resolved.plan.as_dict(), indent=2) + "\n")
-        (run_dir / "spec.json").write_text(json.dumps(spec.model_dump(mode="json"), indent=2) + "\n")
+        (run_dir / "spec.json").write_text(json.dumps(resolved.spec.model_dump(mode="json"), indent=2) + "\n")
     try:
         return _train(run, resolved, run_dir, resume, options)
     finally:

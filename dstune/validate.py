@@ -22,6 +22,7 @@ from dstune.data.buckets import assign_buckets, bucket_counts
 from dstune.data.index import DataError, builtin_name, index_dataset
 from dstune.ds_config import compile_ds_config, user_config_path
 from dstune.ds_config import cross_check as deepspeed_cross_check
+from dstune.ds_file_spec import apply_ds_file, ds_value_sources
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, Spec
@@ -40,6 +41,7 @@ class Resolved:
     num_samples: int
     num_samples_origin: str  # "counted in /data/x", "from --num-samples; ...", "builtin:shapes"
     warnings: tuple[SpecIssue, ...]
+    ds_sources: dict = field(default_factory=dict)  # DeepSpeed key -> "ds.json:4" / "spec.yaml:7" / "default" ...
 
 
 class ResolveError(SpecError):
@@ -84,8 +86,17 @@ def load_and_validate(spec_path, overrides: Iterable[str] = (), world: WorldArg 
 def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Optional[int] = None,
                   accelerator: str = "auto", cross_check: bool = True) -> Resolved:
     """Raise SpecError (a ResolveError) holding every error found; dstune.world.WorldError passes through.
-    `num_samples`: used when data.path does not exist here (planning offline)."""
-    found = IssueList()
+    `num_samples`: used when data.path does not exist here (planning offline). Resolved.spec and .source are the
+    spec as the run uses it: with the values of deepspeed.config's file in the keys the spec leaves unset."""
+    found, file_read = IssueList(), True
+    try:
+        spec, source, conflicts = apply_ds_file(spec, source)
+        found.add(conflicts)
+    except SpecError as err:  # the file is unreadable or a value it fills breaks a rule: the rest is checked with
+        if spec.train.micro_batch_size is None and spec.train.global_batch_size is None:  # the spec alone, if it can
+            raise ResolveError(err.issues, world=world) from None
+        found.add(err.issues)
+        file_read = False
     _check_accelerator(spec, source, accelerator, found)
     count, origin, groups = _count_samples(spec, source, num_samples, found)
     plan = None
@@ -98,10 +109,25 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     # Without a plan, a stand-in still lets compile and the cross-check run; its batch errors count only when
     # make_plan did not already report them.
     checked_plan = plan or _stand_in_plan(spec, source, world, found if count is None else IssueList())
-    ds_config = _compile_and_check(spec, source, checked_plan, found, cross_check, stand_in=plan is None)
+    ds_config = _compile_and_check(spec, source, checked_plan if file_read else None, found, cross_check,
+                                   stand_in=plan is None)
+    found.errors = _once(found.errors)
     if found.errors:
         raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin)
-    return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings))
+    return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings),
+                    ds_value_sources(ds_config, spec, source))
+
+
+def _once(errors: list[SpecIssue]) -> list[SpecIssue]:
+    """A key of the DeepSpeed file written in both places is reported by apply_ds_file and again by the merge
+    (which keeps the spec's value): the first, which names both places, stays."""
+    seen, out = set(), []
+    for issue in errors:
+        if issue.key and (issue.key, issue.where) in seen:
+            continue
+        seen.add((issue.key, issue.where))
+        out.append(issue)
+    return out
 
 
 def _make_world(world: WorldArg) -> World:

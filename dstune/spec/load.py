@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from dstune.spec.models import FAMILIES, Spec
+from dstune.spec.models import BATCH_FROM_FILE, FAMILIES, Spec
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ class SpecSource:
     path: str
     lines: dict[str, int] = field(default_factory=dict)  # dotted key -> 1-based line
     overridden: set[str] = field(default_factory=set)  # keys set by --set
+    # Keys the spec leaves unset whose value came from the user's DeepSpeed JSON: key -> "ds.json:12" (its line there)
+    filled: dict[str, str] = field(default_factory=dict)
 
     def where(self, key: str) -> str:
         # The closest written ancestor: an error on train.micro_batch_size points at `train:` if the key is absent.
@@ -54,6 +56,8 @@ class SpecSource:
         while True:
             if probe in self.overridden:
                 return "--set"
+            if probe in self.filled:
+                return self.filled[probe]
             if probe in self.lines:
                 return f"{self.path}:{self.lines[probe]}"
             if "." not in probe:
@@ -301,11 +305,16 @@ def _describe(err: dict, source: SpecSource) -> SpecIssue:
     return source.issue(key, msg)
 
 
-def validate_data(data: Any, source: SpecSource) -> Spec:
+def validate_data(data: Any, source: SpecSource, deepspeed_file_read: bool = False) -> Spec:
+    """`deepspeed_file_read`: the user's DeepSpeed JSON has already filled what it could (dstune.ds_file_spec), so
+    keys it may give (the batch numbers) are required now; before that they may be missing."""
     if not isinstance(data, dict):
         raise SpecError([SpecIssue("", "a spec is a YAML mapping with sections model, data, train, deepspeed, output", source.path)])
+    deepspeed = data.get("deepspeed")
+    with_file = isinstance(deepspeed, dict) and bool(deepspeed.get("config"))
+    context = {BATCH_FROM_FILE: "read" if deepspeed_file_read else "pending"} if with_file else None
     try:
-        return Spec.model_validate(data)
+        return Spec.model_validate(data, context=context)
     except ValidationError as err:
         errors = err.errors()
         if len(errors) > MAX_ISSUES:  # the first lines' only: describing (and printing) thousands takes seconds

@@ -23,6 +23,8 @@ from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, data_fam
 # Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since
 # DeepSpeed 0.19.3) fights with it, so their automatic clipping is 0.0 (FIELD_NOTES row 11).
 ADAFACTOR_STYLE = frozenset({"adafactor"})
+# Validation context key: "pending" while deepspeed.config may still give the batch numbers, "read" once it has.
+BATCH_FROM_FILE = "batch_from_deepspeed_config"
 
 
 # --------------------------------------------------------------------------------------------------------- train
@@ -116,7 +118,13 @@ class TrainSpec(Section):
     @classmethod
     def _a_batch_number(cls, value, info):
         if value is None and info.data.get("global_batch_size") is None and "global_batch_size" in info.data:
-            raise ValueError("give `micro_batch_size` or `global_batch_size` (and optionally one more batch number)")
+            from_file = (info.context or {}).get(BATCH_FROM_FILE)
+            if from_file == "pending":
+                return value  # the DeepSpeed JSON may give them (train_micro_batch_size_per_gpu / train_batch_size)
+            hint = (" here or as train_micro_batch_size_per_gpu / train_batch_size in the deepspeed.config file"
+                    if from_file else "")
+            raise ValueError(f"give `micro_batch_size` or `global_batch_size`{hint} (and optionally one more batch "
+                             "number)")
         return value
 
     @field_validator("max_steps")
@@ -195,8 +203,11 @@ class DeepSpeedSpec(Section):
     overlap_comm: bool = Field(False, description="Overlap gradient reduction with backward (more memory, faster on GPUs).")
     config: Optional[str] = Field(
         None,
-        description="Path of a DeepSpeed JSON you already have (HF Trainer / accelerate style, \"auto\" allowed). "
-        "Its settings are used; \"auto\" is filled from this spec; conflicts with this spec are errors by key.",
+        description="Path of a DeepSpeed JSON you already have (HF Trainer / accelerate style, \"auto\" allowed), "
+        "relative to the spec's folder. Its values fill every key this spec leaves unset (ZeRO stage, offload, "
+        "precision, batch numbers, clipping, optimizer values, ...); \"auto\" takes this spec's value or dstune's "
+        "default; a key set in both places to different values is an error naming both lines. See "
+        "docs/deepspeed-config.md.",
     )
     timeout_minutes: int = Field(30, gt=0, description="Collective-operation timeout: a dead rank stops the others after this.")
 

@@ -1,5 +1,6 @@
-"""A user's own DeepSpeed JSON (`deepspeed.config`): "auto" filled, conflicts named by key, DeepSpeed's refusals
-in one line. Runs every file in /work/shared/data/ds_configs (accelerate, transformers tests, LLaMA-Factory)."""
+"""A user's own DeepSpeed JSON (`deepspeed.config`): its values fill what the spec leaves unset, "auto" filled,
+conflicts named by key, DeepSpeed's refusals in one line. Runs the accelerate, transformers-tests and LLaMA-Factory
+files of tests/data/deepspeed_configs (every file there: tests/unit/test_ds_config_files.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from dstune.ds_file_spec import apply_ds_file
 from dstune.ds_config import compile_ds_config, cross_check, find_auto, uses_deepspeed_optimizer
 from dstune.ds_user_config import KNOWN_TOP_LEVEL_KEYS, OWNED, json_key_line
 from dstune.plan import make_plan
 from dstune.spec.load import SpecError, SpecSource, validate_data
 from dstune.world import use_cpu_accelerator_if_no_cuda
 
-SHARED_CONFIGS = Path("/work/shared/data/ds_configs")
-CONFIG_FILES = sorted(SHARED_CONFIGS.glob("*.json"))
+SHARED_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "deepspeed_configs"
+CONFIG_FILES = sorted(p for p in SHARED_CONFIGS.glob("*.json")
+                      if p.name.split("__")[0] in ("accelerate", "transformers", "llamafactory"))
 SCHEDULES = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 
 
@@ -30,10 +33,16 @@ def compile_with(tmp_path: Path, user: dict | str | Path, train=None, deepspeed=
     source = SpecSource(str(tmp_path / "spec.yaml"), dict(lines or {}))
     data = {"model": {"family": "sd"}, "train": {"micro_batch_size": 4, "max_steps": 100, **(train or {})},
             "deepspeed": {**(deepspeed or {}), "config": str(path)}}
-    spec = validate_data(data, source)
+    spec, source, conflicts = apply_ds_file(validate_data(data, source), source)  # as dstune.validate does
     plan = make_plan(spec.train, types.SimpleNamespace(world_size=world_size, num_nodes=1,
                                                        ranks_per_node=(world_size,)), 100_000, source)
-    config, issues = compile_ds_config(spec.train, spec.deepspeed, plan, source)
+    try:
+        config, issues = compile_ds_config(spec.train, spec.deepspeed, plan, source)
+    except SpecError as err:  # a conflict is named by both stages; validate keeps the first (both places)
+        first = {(i.key, i.where) for i in conflicts}
+        raise SpecError(conflicts + [i for i in err.issues if (i.key, i.where) not in first]) from None
+    if conflicts:
+        raise SpecError(conflicts)
     return config, issues, plan, source, path
 
 
@@ -108,17 +117,16 @@ def test_shared_file_with_a_matching_spec_fills_every_auto_or_fails_in_one_line(
         [issue] = errors_of(tmp_path, path, train=train, deepspeed=deepspeed)
         assert issue.key == "tensor_parallel.autotp_size" and issue.where.startswith(str(path))
         return
-    config, issues, plan, source, _ = compile_with(tmp_path, path, train=train, deepspeed=deepspeed)
-    assert find_auto(config) == [] and "scheduler" not in config
-    assert all(issue.severity == "warning" for issue in issues)
-    rejected = cross_check(config, plan, source, str(path))
     if user.get("zero_optimization", {}).get("reduce_bucket_size") == 0:
-        # transformers' old zero3 test file: DeepSpeed 0.19.8 requires reduce_bucket_size > 0
-        [issue] = rejected
+        # transformers' old zero3 test file: the spec (and DeepSpeed 0.19.8) require reduce_bucket_size > 0
+        [issue] = errors_of(tmp_path, path, train=train, deepspeed=deepspeed)
         assert issue.key == "zero_optimization.reduce_bucket_size" and "greater than 0" in issue.message
         assert issue.where == f"{path}:{json_key_line(path.read_text(), issue.key)}" and "\n" not in str(issue)
         return
-    assert rejected == []
+    config, issues, plan, source, _ = compile_with(tmp_path, path, train=train, deepspeed=deepspeed)
+    assert find_auto(config) == [] and "scheduler" not in config
+    assert all(issue.severity == "warning" for issue in issues)
+    assert cross_check(config, plan, source, str(path)) == []
     merged = flat(config)
     for key, value in flat(user).items():  # keys the spec does not decide are kept as written
         top = key.split(".")[0]
@@ -148,20 +156,24 @@ def test_auto_is_filled_from_the_spec_and_plan(tmp_path):
 
 
 def test_every_conflict_is_reported_at_once_with_key_line_both_values_and_fix(tmp_path):
+    """Only keys written in both places conflict; the file's other values fill the spec (and meet its rules)."""
     user = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "bf16": {"enabled": True},
             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     issues = errors_of(tmp_path, user, train={"optimizer": {"type": "adafactor"}}, deepspeed={"zero_stage": 2},
                        lines={"deepspeed.zero_stage": 7})
     by_key = {issue.key: issue for issue in issues}
-    assert set(by_key) == {"train_micro_batch_size_per_gpu", "gradient_clipping", "bf16.enabled",
-                           "zero_optimization.stage", "zero_optimization.offload_optimizer.device"}
+    assert set(by_key) == {"train_micro_batch_size_per_gpu", "zero_optimization.stage", "gradient_clipping"}
+    text = (tmp_path / "ds.json").read_text()
+    for key, issue in by_key.items():
+        assert issue.where == f"{tmp_path / 'ds.json'}:{json_key_line(text, key)}" and "\n" not in str(issue)
     stage = by_key["zero_optimization.stage"]
-    assert stage.where == f"{tmp_path / 'ds.json'}:{json_key_line((tmp_path / 'ds.json').read_text(), stage.key)}"
-    assert "3 in the file" in stage.message and "dstune uses 2" in stage.message
-    assert "spec.yaml:7" in stage.message and "change deepspeed.zero_stage" in stage.message
-    assert "micro 4" in by_key["train_micro_batch_size_per_gpu"].message
-    assert "train.precision is 'fp32'" in by_key["bf16.enabled"].message
-    assert all("\n" not in str(issue) for issue in issues)
+    assert "3 in the file" in stage.message and "the spec sets deepspeed.zero_stage: 2 at" in stage.message
+    assert "spec.yaml:7" in stage.message
+    assert "train.micro_batch_size: 4" in by_key["train_micro_batch_size_per_gpu"].message
+    # clipping is unset in the spec: the file's 1.0 fills it, and the adafactor rule refuses it at the file's line
+    assert "adafactor" in by_key["gradient_clipping"].message
+    assert "fills train.gradient_clipping" in by_key["gradient_clipping"].message or \
+        "value for train.gradient_clipping" in by_key["gradient_clipping"].message
 
 
 def test_spec_defaults_yield_to_the_file_unless_the_spec_wrote_them(tmp_path):
@@ -301,8 +313,6 @@ def test_missing_file_names_the_path_relative_to_the_spec(tmp_path):
      "did you mean 'reduce_bucket_size'?"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": True}}},
      "zero_optimization.offload_optimizer.pin_memroy", "did you mean 'pin_memory'?"),
-    ({"zero_optimization": {"stage": 2, "allgather_bucket_size": -1}}, "zero_optimization.allgather_bucket_size",
-     "greater than or equal to 0"),
     ({"fp16": {"enabled": "auto", "loss_scale": -1}}, "fp16.loss_scale", "loss_scale must be >= 0"),
     ({"amp": {"enabled": True}}, "", "Apex AMP integration has been removed"),
 ])

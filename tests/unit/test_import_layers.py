@@ -18,8 +18,8 @@ PACKAGE = REPO / "dstune"
 LAYERS = [
     ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress"],
     ["dstune.world", "dstune.plan", "dstune.resume_plan"],
-    ["dstune.distributed", "dstune.ds_config", "dstune.ds_user_config", "dstune.data", "dstune.families",
-     "dstune.ema"],
+    ["dstune.distributed", "dstune.ds_config", "dstune.ds_user_config", "dstune.ds_file_spec", "dstune.data",
+     "dstune.families", "dstune.ema"],
     ["dstune.builtin", "dstune.validate", "dstune.report", "dstune.reference"],
     ["dstune.pretrained", "dstune.cache", "dstune.engine", "dstune.checkpoint", "dstune.check", "dstune.universal"],
     ["dstune.loop", "dstune.export"],
