@@ -9,12 +9,16 @@ PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 install:
 	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
 		|| $(PIP) torch==$(TORCH_VERSION)
-	@$(PYTHON) -c "import dstune.cli, pytest, hypothesis" 2>/dev/null && $(PYTHON) -m pip show --quiet dstune >/dev/null 2>&1 \
+	@$(PYTHON) -c "import dstune.cli, pytest, xdist, hypothesis" 2>/dev/null && $(PYTHON) -m pip show --quiet dstune >/dev/null 2>&1 \
 		|| $(PIP) -e '.[test]'
 
+# Two pytest workers (pytest-xdist), each running whole test modules (--dist loadfile: a module's shared launches
+# stay in one process): one 2-rank launch leaves a core idle much of its time (imports, rank 0 saving and exporting
+# while rank 1 waits), so two modules overlap well even on 2 cores. TEST_JOBS=1 runs everything in one process.
 # pytest exits 5 when a folder holds no tests yet (tests/dist before the training issue); that is not a failure.
+TEST_JOBS ?= 2
 test: install
-	@$(PYTHON) -m pytest -q tests/unit tests/dist; status=$$?; \
+	@$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests/unit tests/dist; status=$$?; \
 		if [ $$status -eq 5 ]; then echo "(no tests collected)"; exit 0; fi; exit $$status
 
 # The demo: validate, then really train the built-in tiny model on the built-in shapes with 2 ranks (on the CPU

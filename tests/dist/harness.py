@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -38,10 +39,28 @@ def write_spec(path: Path, spec: dict) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port() -> int:
+    """A free master port for one launch. `make test` runs test modules in parallel (pytest-xdist), so launches of
+    different workers run at the same time: each worker draws from its own slice of ports below Linux's ephemeral
+    range (32768+), where neither another worker's master port nor a running launch's gloo connections (which take
+    ephemeral ports) can collide with it. A port is never given twice in one session."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = 20000 + (index % 8) * 1500
+    while True:
+        port = random.randrange(low, low + 1500)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+
+
+_PORTS_GIVEN: set[int] = set()
 
 
 def env() -> dict:
@@ -61,7 +80,7 @@ def launch(spec_path: Path, num_ranks: int = 2, args: tuple = (), script: Path =
     if num_ranks == 1:
         cmd = [sys.executable, str(script), *script_args, str(spec_path), *args]
     else:
-        port = _free_port()
+        port = free_port()
         LAUNCHED_PORTS.append(port)
         if via_runner or as_module:
             cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),

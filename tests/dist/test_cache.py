@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from harness import REPO, TRAIN, _free_port, base_spec, env, explain, launch, metrics, write_spec
+from harness import REPO, TRAIN, base_spec, env, explain, free_port, launch, metrics, write_spec
 
 pytestmark = pytest.mark.dist
 
@@ -132,7 +132,7 @@ def test_ranks_with_separate_folders_both_build_and_train(tmp_path):
 
 def test_killed_build_resumes_and_completes(tmp_path):
     spec_path = write_spec(tmp_path / "spec.yaml", _spec(tmp_path, tmp_path / "cache", resolution=96))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
            str(TRAIN), str(spec_path), "--cache-only"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness import LAUNCH_TIMEOUT_S, REPO, TRAIN, _free_port, base_spec, env, metrics, write_spec
+from harness import LAUNCH_TIMEOUT_S, REPO, TRAIN, base_spec, env, free_port, metrics, write_spec
 
 pytestmark = pytest.mark.dist
 
@@ -37,7 +37,7 @@ def _world_info() -> str:
 
 
 def _launch_two_nodes(spec_path: Path, args: tuple = (), node_b_args: tuple = ()) -> list[subprocess.CompletedProcess]:
-    port, world_info = _free_port(), _world_info()
+    port, world_info = free_port(), _world_info()
     procs = []
     for node_rank in range(len(NODES)):
         extra = node_b_args if node_rank == 1 else ()
@@ -128,7 +128,7 @@ def test_a_rank_killed_on_one_node_stops_the_other_node(tmp_path):
     spec = _spec(run_dir)
     spec["train"]["max_steps"] = 500
     spec_path = write_spec(tmp_path / "spec.yaml", spec)
-    port, world_info = _free_port(), _world_info()
+    port, world_info = free_port(), _world_info()
     launchers = [subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.launch",
                                    f"--world_info={world_info}", f"--node_rank={k}", "--master_addr=127.0.0.1",
                                    f"--master_port={port}", str(TRAIN), str(spec_path)],
