@@ -30,6 +30,7 @@ class Panel:
     last_step: float
     low: float
     high: float
+    spacing: float  # between the value grid lines (low and high are multiples of it)
 
     @property
     def plot_left(self) -> float:
@@ -67,19 +68,37 @@ def series(records: list[dict], key: str) -> list[tuple[int, float]]:
     return out
 
 
+def nice_step(span: float, ticks: int = TICKS) -> float:
+    """A round tick spacing (1, 2 or 5 times a power of ten) giving about `ticks` ticks over `span`."""
+    if span <= 0 or not math.isfinite(span):
+        return 1.0
+    raw = span / max(ticks - 1, 1)
+    power = 10 ** math.floor(math.log10(raw))
+    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+
+
+def tick_values(low: float, high: float, spacing: float) -> list[float]:
+    """The multiples of `spacing` from `low` to `high` (both already multiples of it)."""
+    count = round((high - low) / spacing)
+    return [round(low + spacing * number, 12) for number in range(count + 1)]
+
+
 def _number(value: float) -> str:
-    return f"{value:.3g}"
+    return f"{value:.4g}"
 
 
 def _panel_svg(panel: Panel, title: str, lines: dict[str, list[tuple[int, float]]]) -> str:
     parts = [f'<text x="{panel.plot_left}" y="{panel.top_px + 18}" class="title">{html.escape(title)}</text>']
-    for tick in range(TICKS):  # horizontal grid lines with their values
-        value = panel.low + (panel.high - panel.low) * tick / (TICKS - 1)
+    for value in tick_values(panel.low, panel.high, panel.spacing):  # grid lines with their values
         _, y = panel.point(panel.first_step, value)
         parts.append(f'<line x1="{panel.plot_left}" y1="{y:.2f}" x2="{panel.plot_right}" y2="{y:.2f}" class="grid"/>'
                      f'<text x="{panel.plot_left - 6}" y="{y + 4:.2f}" class="tick" text-anchor="end">'
                      f'{_number(value)}</text>')
-    for step in sorted({int(panel.first_step), int(panel.last_step)}):
+    spacing = max(1, int(nice_step(panel.last_step - panel.first_step, 8)))
+    inner = range(math.ceil(panel.first_step / spacing) * spacing, int(panel.last_step), spacing)
+    steps = sorted({int(panel.first_step), int(panel.last_step), *inner})
+    for step in [s for s in steps if s in (panel.first_step, panel.last_step)
+                 or min(abs(s - panel.first_step), abs(s - panel.last_step)) >= spacing / 2]:
         x, _ = panel.point(step, panel.low)
         parts.append(f'<text x="{x:.2f}" y="{panel.plot_bottom + 16}" class="tick" text-anchor="middle">{step}</text>')
     parts.append(f'<text x="{(panel.plot_left + panel.plot_right) / 2}" y="{panel.plot_bottom + 30}" class="tick" '
@@ -102,7 +121,13 @@ def _panel_svg(panel: Panel, title: str, lines: dict[str, list[tuple[int, float]
 
 
 def _panel(top_px: float, steps: list[int], values: list[float]) -> Panel:
-    return Panel(top_px, min(steps), max(steps), min(values), max(values))
+    """The value range widened to round tick values, so the grid lines are labelled with round numbers."""
+    low, high = min(values), max(values)
+    if high == low:
+        low, high = low - (abs(low) or 1.0) * 0.1, high + (abs(high) or 1.0) * 0.1
+    spacing = nice_step(high - low)
+    return Panel(top_px, min(steps), max(steps), math.floor(low / spacing) * spacing,
+                 math.ceil(high / spacing) * spacing, spacing)
 
 
 def curves_svg(records: list[dict]) -> str:
