@@ -139,23 +139,23 @@ def tiny_sd():
 
 def test_the_held_out_loss_is_the_same_for_any_number_of_ranks_and_at_every_evaluation(tiny_sd):
     family, built = tiny_sd
-    data = DataSpec(eval={"fraction": 0.03}, random_flip=True, caption_dropout=0.5)  # ignored: evaluation is fixed
+    data = DataSpec(eval={"fraction": 0.015}, random_flip=True, caption_dropout=0.5)  # ignored: evaluation is fixed
     held_out = make_held_out(data, index_dataset(data).held_out, micro_batch_size=2, seed=7)
-    assert held_out.num_samples == 8 and len(held_out.batches) == 4
+    assert held_out.num_samples == 4 and len(held_out.batches) == 2
     results = {}
-    for world in (1, 2, 3):
+    for world in (1, 2):
         per_batch = [entry for rank in range(world) for entry in
                      batch_losses(family, built, built.trainable, held_out, rank_share(held_out.batches, rank, world),
                                   torch.float32)]
         results[world] = combine(per_batch)
-    assert results[1] == results[2] == results[3]  # exactly: the same batches, added in the same order
+    assert results[1] == results[2]  # exactly: the same batches, added in the same order
     mean, count = results[1]
-    assert count == 8 and 0 < mean < 10
+    assert count == 4 and 0 < mean < 10
     # Fixed draws: the loss is the mean of the samples' own losses, each with its (seed, EVAL_STEP, index) noise,
     # whatever the batch it is computed in.
     singles = make_held_out(data.model_copy(update={"eval": data.eval.model_copy(update={"batch_size": 1})}),
                             index_dataset(data).held_out, micro_batch_size=2, seed=7)
     one_by_one = combine(batch_losses(family, built, built.trainable, singles, rank_share(singles.batches, 0, 1),
                                       torch.float32))
-    assert one_by_one[1] == 8 and one_by_one[0] == pytest.approx(mean, rel=1e-5)
+    assert one_by_one[1] == 4 and one_by_one[0] == pytest.approx(mean, rel=1e-5)
     assert singles.dataset[0]["caption"] == singles.dataset.records[0].caption  # no caption dropout here
