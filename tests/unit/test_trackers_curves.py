@@ -103,3 +103,23 @@ def test_the_samples_page_carries_the_curves_above_the_grids(tmp_path):
     assert page.index("<svg") < page.index('id="step-4"')
     assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched from a network
     assert "<svg" not in write_contact_sheet(tmp_path, ["a circle"], "trained").read_text()
+
+
+def test_speech_samples_go_to_tensorboard_as_one_audio_clip_per_wav(tmp_path):
+    """Audio families save a folder of WAVs (dstune.families.speech.save_wavs); each becomes an audio summary."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("soundfile")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dstune.families.speech import Clip, save_wavs
+
+    tone = np.sin(np.linspace(0, 200 * np.pi, 1600)).astype("float32") * 0.5
+    folder = save_wavs([Clip(tone, 16000), Clip(tone[:800], 16000)], ["one", "two"], tmp_path / "samples" / "s.png")
+    trackers = open_trackers(tmp_path, tensorboard=True, wandb=False)
+    trackers.samples(3, folder)
+    trackers.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"audio": 0})
+    events.Reload()
+    assert sorted(events.Tags()["audio"]) == ["samples/00", "samples/01"]
+    [clip] = events.Audio("samples/00")
+    assert (clip.step, clip.sample_rate, clip.length_frames) == (3, 16000, 1600)
