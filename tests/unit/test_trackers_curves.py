@@ -123,3 +123,23 @@ def test_speech_samples_go_to_tensorboard_as_one_audio_clip_per_wav(tmp_path):
     assert sorted(events.Tags()["audio"]) == ["samples/00", "samples/01"]
     [clip] = events.Audio("samples/00")
     assert (clip.step, clip.sample_rate, clip.length_frames) == (3, 16000, 1600)
+
+
+def test_wandb_writes_an_offline_run_with_the_metrics_and_samples(tmp_path, monkeypatch):
+    """Only where `wandb` is installed (dstune does not depend on it; validate refuses output.wandb without it)."""
+    pytest.importorskip("wandb")
+    from PIL import Image
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    grid = tmp_path / "grid.png"
+    Image.new("RGB", (6, 4), (255, 0, 0)).save(grid)
+    trackers = open_trackers(tmp_path, tensorboard=False, wandb=True, config={"train": {"seed": 7}})
+    for record in RECORDS:
+        trackers.scalars(record)
+    trackers.samples(4, grid)
+    trackers.close()
+    [run] = (tmp_path / "wandb").glob("offline-run-*")
+    recorded = next(run.glob("run-*.wandb")).read_bytes()
+    assert b"train/loss" in recorded and b"eval/loss" in recorded
+    assert list((run / "files" / "media" / "images").glob("samples_4_*.png"))
+    assert not (tmp_path / "tensorboard").exists()
