@@ -159,3 +159,24 @@ def test_the_held_out_loss_is_the_same_for_any_number_of_ranks_and_at_every_eval
                                       torch.float32))
     assert one_by_one[1] == 4 and one_by_one[0] == pytest.approx(mean, rel=1e-5)
     assert singles.dataset[0]["caption"] == singles.dataset.records[0].caption  # no caption dropout here
+
+
+@pytest.mark.parametrize("family_name, pretrained", [("sdxl", "builtin:tiny-sdxl"), ("flow", "builtin:tiny-flow")])
+def test_the_other_image_families_evaluate_with_fixed_draws(family_name, pretrained):
+    """sdxl (added conditions from the batch's crop fields) and flow (flow matching, its own timestep densities)
+    through the same evaluation: two passes give the same held-out loss."""
+    from pydantic import TypeAdapter
+
+    from dstune.families import get_family
+    from dstune.pretrained import build_model
+    from dstune.spec.models import Model
+
+    model = TypeAdapter(Model).validate_python({"family": family_name, "pretrained": pretrained})
+    built = build_model(model, str(CACHE_DIR), "cpu", torch.float32)
+    family = get_family(family_name)
+    data = DataSpec(eval={"fraction": 0.008})
+    held_out = make_held_out(data, index_dataset(data).held_out, micro_batch_size=2, seed=3)
+    share = rank_share(held_out.batches, 0, 1)
+    first = combine(batch_losses(family, built, built.trainable, held_out, share, torch.float32))
+    again = combine(batch_losses(family, built, built.trainable, held_out, share, torch.float32))
+    assert first == again and first[1] == 2 and first[0] > 0
