@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +23,11 @@ from dstune.checkpoint import TrainState, checkpoint_bytes_estimate, save_checkp
 from dstune.distributed import Run, all_gather_object, stop
 from dstune.ema import Ema
 from dstune.engine import current_lr
+from dstune.evaluation import HeldOut, evaluate
 from dstune.families.base import Family
 from dstune.families.samples import write_contact_sheet
 from dstune.plan import Plan
-from dstune.progress import MetricsFile, ProgressDisplay
+from dstune.progress import MetricsFile, ProgressDisplay, read_metrics
 from dstune.spec.models import SampleSpec
 
 
@@ -53,14 +55,16 @@ class LoopContext:
     ema: Optional[Ema] = None
     offloaded: list = field(default_factory=list)  # frozen encoders the cache moved off the accelerator
     compute_dtype: torch.dtype = torch.float32
+    held_out: Optional[HeldOut] = None  # data.eval
     # Seconds this rank spent blocked on the loader (data_s) and everything else in its steps (compute_s): the
     # loop's own measure of whether data loading is the bottleneck (see progress.time_split_text).
     timings: dict = field(default_factory=lambda: {"data_s": 0.0, "compute_s": 0.0})
 
 
-def render_samples(ctx: LoopContext, step: int) -> None:
+def render_samples(ctx: LoopContext, step: int, metrics: MetricsFile) -> None:
     """Collective (ZeRO-3 gathers the weights): sample the prompts with the weights the export will hold (the EMA
-    when it is exported), then rank 0 writes them and the samples page."""
+    when it is exported), then rank 0 writes them (also to TensorBoard / W&B) and the samples page with the loss
+    and LR curves logged so far."""
     prompts = ctx.sample_spec.prompts
     if not prompts:
         return
@@ -72,7 +76,9 @@ def render_samples(ctx: LoopContext, step: int) -> None:
         path = ctx.run_dir / "samples" / f"step-{step:06d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         path = ctx.family.save_samples(outputs, prompts, path) or path  # audio families: a WAV folder
-        sheet = write_contact_sheet(path.parent, prompts, "EMA" if with_ema else "trained")
+        metrics.samples(step, path)
+        sheet = write_contact_sheet(path.parent, prompts, "EMA" if with_ema else "trained",
+                                    read_metrics(ctx.run_dir / "metrics.jsonl"))
         print(f"samples: {path} (all steps: {sheet})", flush=True)
 
 
@@ -95,6 +101,24 @@ def _check_space_for_checkpoints(ctx: LoopContext) -> None:
     if problems:
         unique = list(dict.fromkeys(problems))
         stop(ctx.run, "\n".join(unique), 1)
+
+
+def memory_fields(device: torch.device) -> dict:
+    """Rank 0's peak memory in GiB: the accelerator's allocated peak on CUDA, and the process's resident peak."""
+    fields = {"memory_host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # Linux: KiB
+    if device.type == "cuda":
+        fields["memory_accelerator_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return fields
+
+
+def held_out_fields(ctx: LoopContext, display: ProgressDisplay, step: int) -> dict:
+    """Collective when due: {"eval_loss", "eval_samples"} after the steps data.eval.every_steps names, else {}."""
+    if ctx.held_out is None or not ctx.held_out.due(step, ctx.plan.total_steps):
+        return {}
+    loss, count = evaluate(ctx.run, ctx.family, ctx.built, ctx.engine, ctx.held_out, ctx.compute_dtype,
+                           ctx.offloaded)
+    display.message(f"held-out loss at step {step}: {loss:.5f} ({count} samples, data.eval)")
+    return {"eval_loss": loss, "eval_samples": count}
 
 
 def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, metrics: MetricsFile) -> TrainState:
@@ -132,7 +156,8 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
             samples_per_s = plan.global_batch_size / max(step_seconds, 1e-9)
             lr = current_lr(engine)
             display.update(state.global_step, state.epoch, state.samples_seen, mean_loss, lr, samples_per_s)
-            if state.global_step % ctx.log_every_steps == 0 or state.global_step == plan.total_steps:
+            held_out = held_out_fields(ctx, display, state.global_step)
+            if held_out or state.global_step % ctx.log_every_steps == 0 or state.global_step == plan.total_steps:
                 grad_norm = engine.get_global_grad_norm()
                 metrics.write({
                     "step": state.global_step, "epoch": state.epoch, "samples": state.samples_seen,
@@ -140,7 +165,8 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                     "grad_norm": None if grad_norm is None else float(grad_norm),
                     "samples_per_s": samples_per_s, "data_s": data_wait, "compute_s": step_seconds - data_wait,
                     "data_wait_fraction": data_wait / max(step_seconds, 1e-9),
-                    "elapsed_s": time.perf_counter() - loop_started,
+                    "elapsed_s": time.perf_counter() - loop_started, **held_out,
+                    **(memory_fields(ctx.built.device) if run.is_main else {}),
                 })
             if ctx.save_every_steps and state.global_step % ctx.save_every_steps == 0 \
                     and state.global_step < plan.total_steps:
@@ -148,7 +174,7 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                                 ctx.keep_last, ema=ctx.ema)
             sample_every = ctx.sample_spec.every_steps
             if sample_every and state.global_step % sample_every == 0 and state.global_step < plan.total_steps:
-                render_samples(ctx, state.global_step)
+                render_samples(ctx, state.global_step, metrics)
             if state.global_step >= plan.total_steps:
                 break
             loss_sum, micro_in_step, data_wait = 0.0, 0, 0.0

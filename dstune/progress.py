@@ -15,20 +15,45 @@ from typing import Optional
 
 
 class MetricsFile:
-    """Appends one JSON object per logged optimizer step; flushed each time so a crash loses nothing logged."""
+    """Appends one JSON object per logged optimizer step; flushed each time so a crash loses nothing logged. The
+    same numbers (and the sample outputs) go to `trackers` (dstune.trackers: TensorBoard, W&B) when given."""
 
-    def __init__(self, path: Path, enabled: bool):
+    def __init__(self, path: Path, enabled: bool, trackers=None):
         self.enabled = enabled
         self.handle = open(path, "a", encoding="utf-8") if enabled else None
+        self.trackers = trackers if enabled else None
 
     def write(self, record: dict) -> None:
         if self.handle is not None:
             self.handle.write(json.dumps(record) + "\n")
             self.handle.flush()
+        if self.trackers is not None:
+            self.trackers.scalars(record)
+
+    def samples(self, step: int, path: Path) -> None:
+        if self.trackers is not None:
+            self.trackers.samples(step, path)
 
     def close(self) -> None:
         if self.handle is not None:
             self.handle.close()
+            self.handle = None
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl (a resumed run's earlier steps included); a torn last line is skipped."""
+    records = []
+    if not Path(path).is_file():
+        return records
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 class ProgressDisplay:
@@ -43,11 +68,13 @@ class ProgressDisplay:
         self._progress = None
         self._task = None
         if self.interactive:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
 
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(), transient=False,
+                TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                transient=False,
             )
             self._progress.start()
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")

@@ -24,7 +24,7 @@ from dstune.cache.share import cache_folder
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
 from dstune.data.audio_index import duration_keys
 from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
-from dstune.data.index import DataError, list_samples
+from dstune.data.index import DataError, index_dataset, list_samples
 from dstune.data.loader import make_loader
 from dstune.distributed import Run, agree_or_stop, all_gather_object, init_run, launcher_rank, rank0_first, shutdown, stop
 from dstune.ds_file_spec import merged_spec
@@ -97,6 +97,21 @@ def checked_records(run: Run, spec: Spec, family: Family) -> list:
         if run.is_main:
             print(f"data: {len(bad)} unreadable image(s) skipped (each replaced by the next readable sample):\n"
                   f"{listing}{more}", flush=True)
+    return records
+
+
+def held_out_records(run: Run, spec: Spec) -> list:
+    """data.eval's samples (index_dataset's `held_out`; none without data.eval), their images opened on every rank
+    like the training images: a bad one stops the run, or with data.skip_bad_files is replaced when read."""
+    if spec.data.eval is None:
+        return []
+    records = index_dataset(spec.data).held_out
+    mine = [(r.sample_id, reason) for r, reason in find_bad_images(records, run.rank, run.world_size)]
+    bad = [item for share in all_gather_object(mine) for item in share]
+    if bad and not spec.data.skip_bad_files:
+        listing = "\n".join(f"  {sample_id}: {reason}" for sample_id, reason in bad[:BAD_FILES_LISTED])
+        stop(run, f"data.eval: {len(bad)} unreadable held-out image(s):\n{listing}\nFix or remove them, or set "
+                  "data.skip_bad_files: true.", 1)
     return records
 
 

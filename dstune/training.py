@@ -27,6 +27,7 @@ from dstune.ds_config import with_universal_loading
 from dstune.ds_file_spec import merged_spec
 from dstune.ema import Ema
 from dstune.engine import PRECISION_DTYPES, follow_plan_schedule, promote_scalar_params, wrap_model
+from dstune.evaluation import make_held_out
 from dstune.export import ExportError, export_checkpoint
 from dstune.loop import LoopContext, NonFiniteLoss, render_samples, train_loop
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
@@ -35,7 +36,8 @@ from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, rebatched, re
 from dstune.spec.diff import describe_changes, spec_changes
 from dstune.spec.load import SpecError, load_spec
 from dstune.spec.models import Spec
-from dstune.startup import build_family, checked_records, make_training_loader, prepare_caches
+from dstune.startup import build_family, checked_records, held_out_records, make_training_loader, prepare_caches
+from dstune.trackers import open_trackers
 from dstune.universal import is_partitioned, remove_universal_copy, reshard_refusal, universal_copy
 from dstune.validate import Resolved, validate_spec
 
@@ -239,31 +241,37 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
                       run_dir=run_dir, seed=spec.train.seed, save_every_steps=spec.output.save_every_steps,
                       keep_last=spec.output.keep_last, log_every_steps=spec.output.log_every_steps,
                       checkpoint_extra=extra, sample_spec=spec.sample, resolution=spec.data.resolution, ema=ema,
-                      offloaded=caches.offloaded, compute_dtype=PRECISION_DTYPES[spec.train.precision][0])
+                      offloaded=caches.offloaded, compute_dtype=PRECISION_DTYPES[spec.train.precision][0],
+                      held_out=make_held_out(spec.data, held_out_records(run, spec), plan.micro_batch_size,
+                                             spec.train.seed))
     return ctx, state
 
 
 def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, options: ResumeOptions) -> int:
     ctx, state = _prepare_loop(run, resolved, run_dir, resume, options)
     spec, plan = resolved.spec, ctx.plan
+    trackers = None
+    if run.is_main:
+        trackers = open_trackers(run_dir, spec.output.tensorboard, spec.output.wandb, spec.model_dump(mode="json"))
+    metrics = MetricsFile(run_dir / "metrics.jsonl", run.is_main, trackers)
     if state.global_step == 0:
-        render_samples(ctx, 0)
+        render_samples(ctx, 0, metrics)
     display = ProgressDisplay(run.is_main, plan.total_steps, plan.epochs, state.global_step)
-    metrics = MetricsFile(run_dir / "metrics.jsonl", run.is_main)
     started = time.perf_counter()
     try:
         state = train_loop(ctx, state, display, metrics)
     except NonFiniteLoss as err:
         display.close()
+        metrics.close()
         stop(run, str(err), 1)
     finally:
         display.close()
-        metrics.close()
     elapsed = time.perf_counter() - started
     tag = tag_for(state.global_step)
     if read_latest(checkpoint_root(run_dir)) != tag:  # resuming a finished run: its last checkpoint stays as it is
         save_checkpoint(ctx.engine, run, run_dir, state, ctx.checkpoint_extra, spec.output.keep_last, ema=ctx.ema)
-    render_samples(ctx, state.global_step)
+    render_samples(ctx, state.global_step, metrics)
+    metrics.close()
     if run.is_main:
         print(f"trained {state.global_step} steps ({state.samples_seen} samples) in {fmt_seconds(elapsed)}; "
               f"{time_split_text(ctx.timings)}; checkpoint {checkpoint_root(run_dir) / tag}", flush=True)

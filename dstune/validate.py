@@ -26,6 +26,7 @@ from dstune.ds_file_spec import apply_ds_file, ds_value_sources
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, Spec
+from dstune.trackers import wandb_missing
 from dstune.world import World, world_from_flags
 
 ACCELERATORS = ("auto", "cuda", "cpu")
@@ -98,6 +99,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
         found.add(err.issues)
         file_read = False
     _check_accelerator(spec, source, accelerator, found)
+    _check_trackers(spec, source, found)
     count, origin, groups = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:
@@ -134,6 +136,12 @@ def _make_world(world: WorldArg) -> World:
     if world is None:
         return world_from_flags()
     return world() if callable(world) else world
+
+
+def _check_trackers(spec: Spec, source: SpecSource, found: IssueList) -> None:
+    problem = wandb_missing() if spec.output.wandb else None
+    if problem:
+        found.add([source.issue("output.wandb", problem)])
 
 
 def _check_accelerator(spec: Spec, source: SpecSource, accelerator: str, found: IssueList) -> None:
@@ -193,6 +201,10 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
     found.add(source.issue("data.path", text, severity="warning") for text in index.warnings)
     count = index.num_samples
     origin = path if builtin_name(path) else f"counted in {path}"
+    if spec.data.eval is not None:
+        where = (f"{spec.data.eval.fraction:g} of the images" if spec.data.eval.fraction is not None
+                 else spec.data.eval.path)
+        origin += f"; {len(index.held_out)} held out for data.eval ({where}), never trained on"
     if num_samples is not None and num_samples != count:
         found.add([source.issue(
             "data.path", f"--num-samples {num_samples} ignored: {path} is here and holds {count} samples",

@@ -13,6 +13,8 @@ Layouts:
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -52,6 +54,7 @@ class IndexResult:
     records: list[SampleRecord]
     warnings: list[str] = field(default_factory=list)  # one self-contained line each
     skipped: list[str] = field(default_factory=list)  # "path: reason", only with data.skip_bad_files
+    held_out: list[SampleRecord] = field(default_factory=list)  # data.eval's samples (never in `records`)
 
     @property
     def num_samples(self) -> int:
@@ -74,9 +77,43 @@ def count_samples(data: DataSpec) -> int:
 
 
 def index_dataset(data: DataSpec, read_captions: bool = True) -> IndexResult:
-    """All samples in a deterministic (sorted) order, with warnings. Raises DataError for unusable datasets.
+    """The training samples in a deterministic (sorted) order, with warnings, and data.eval's held-out samples
+    (`held_out`: each once, repeats 1). Raises DataError for unusable datasets.
 
     read_captions=False leaves every caption "" (counting only needs to know which files exist)."""
+    result = _index_all(data, read_captions)
+    if data.eval is None:
+        return result
+    if data.eval.fraction is not None:
+        records, held_out = held_out_split(result.records, data.eval.fraction)
+        return dataclasses.replace(result, records=records, held_out=held_out)
+    try:
+        held = _index_all(data.model_copy(update={"path": data.eval.path, "eval": None}), read_captions)
+    except DataError as err:
+        raise DataError("data.eval.path", err.message) from None
+    held_out = [dataclasses.replace(record, repeats=1) for record in held.records]
+    return dataclasses.replace(result, warnings=result.warnings + [f"data.eval.path: {w}" for w in held.warnings],
+                               held_out=held_out)
+
+
+def held_out_split(records: list[SampleRecord], fraction: float) -> tuple[list[SampleRecord], list[SampleRecord]]:
+    """(training records, held-out records): round(fraction x records) of them, at least one, held out, chosen by
+    the smallest hash of their sample id, so adding images to the folder never moves a held-out image back into
+    training (unless a new one hashes lower). Held-out records keep the dataset's order and are evaluated once
+    each (repeats 1)."""
+    if len(records) < 2:
+        raise DataError("data.eval.fraction", f"the dataset has {len(records)} image(s): holding some out would leave "
+                        "nothing to train on. Add images, or give a separate folder as data.eval.path.")
+    count = min(len(records) - 1, max(1, round(fraction * len(records))))
+    ranked = sorted(range(len(records)), key=lambda i: hashlib.blake2b(
+        f"dstune/eval/{records[i].sample_id}".encode(), digest_size=8).digest())
+    chosen = set(ranked[:count])
+    training = [record for i, record in enumerate(records) if i not in chosen]
+    held_out = [dataclasses.replace(record, repeats=1) for i, record in enumerate(records) if i in chosen]
+    return training, held_out
+
+
+def _index_all(data: DataSpec, read_captions: bool) -> IndexResult:
     name = builtin_name(data.path)
     if name is not None:
         return _index_builtin(name)

@@ -7,6 +7,7 @@ import re
 import textwrap
 from pathlib import Path
 
+from dstune.curves import curves_svg
 from dstune.fsutil import write_text_atomic
 
 _GRID_CELL_PX = 192  # small models render 32-px images; scale them up (nearest) so they can be seen
@@ -41,10 +42,12 @@ def save_grid(images: list, prompts: list[str], path: str | os.PathLike) -> Path
 _SHEET_STEP = re.compile(r"step-(\d+)(\.png)?")
 
 
-def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weights: str) -> Path:
-    """(Re)write samples_dir/index.html: every `step-NNNNNN.png` grid of the run so far (resumed runs included),
-    oldest first, with its step number, under the prompts in grid order. `weights` says what the grids show
-    ("EMA" or "trained"). Written to a temporary file and renamed, so a browser never sees half a page."""
+def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weights: str,
+                        metrics: list[dict] = ()) -> Path:
+    """(Re)write samples_dir/index.html: the loss and LR curves of `metrics` (metrics.jsonl records, inline SVG),
+    then every `step-NNNNNN.png` grid of the run so far (resumed runs included), oldest first, with its step number,
+    under the prompts in grid order. `weights` says what the grids show ("EMA" or "trained"). Written to a temporary
+    file and renamed, so a browser never sees half a page."""
     import html
 
     folder = Path(samples_dir)
@@ -56,11 +59,14 @@ def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weig
         + (f'<img src="{html.escape(name)}" alt="samples at step {step}">' if name.endswith(".png")
            else f'<a href="{html.escape(name)}/">{html.escape(name)}/</a>')
         + "</section>\n" for step, name in entries)
+    curves = curves_svg(list(metrics))
+    curves_section = f'<section id="curves">{curves}</section>\n' if curves else ""
     page = ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>dstune samples</title>"
             "<style>body{font-family:sans-serif;margin:1em}img{max-width:100%;image-rendering:pixelated}"
             "section{margin-bottom:1.5em}</style></head><body>\n"
             f"<h1>samples: {len(entries)} steps ({html.escape(weights)} weights)</h1>\n"
-            f"<p>Prompts, left to right, top to bottom:</p><ol>{prompt_items}</ol>\n{rows}</body></html>\n")
+            f"{curves_section}<p>Prompts, left to right, top to bottom:</p><ol>{prompt_items}</ol>\n{rows}"
+            "</body></html>\n")
     target = folder / "index.html"
     write_text_atomic(target, page)
     return target

@@ -84,6 +84,27 @@ class BucketsSpec(Section):
         return value
 
 
+class EvalSpec(Section):
+    path: Optional[str] = Field(
+        None, description="A held-out dataset folder in the layout of data.path (same format and caption rules). "
+        "Give this or `fraction`.")
+    fraction: Optional[float] = Field(
+        None, gt=0, lt=1, description="Hold out this fraction of data.path's images (at least one), chosen by a hash "
+        "of each sample's id (stable when the folder grows); they never train. Give this or `path`.")
+    every_steps: Optional[int] = Field(
+        None, gt=0, description="Compute the held-out loss every N optimizer steps; it is always computed after the "
+        "last step.")
+    batch_size: Optional[int] = Field(
+        None, gt=0, description="Samples per forward pass of the evaluation; default train.micro_batch_size (or 1).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EvalSpec":
+        if (self.path is None) == (self.fraction is None):
+            raise ValueError("data.eval needs exactly one of `path` (a held-out folder) or `fraction` (a share of "
+                             "data.path held out), e.g. `fraction: 0.05`")
+        return self
+
+
 class DataSpec(Section):
     path: str = Field(
         "builtin:shapes",
@@ -121,6 +142,10 @@ class DataSpec(Section):
     max_clip_seconds: float = Field(
         20.0, gt=0, description="Audio: clips longer than this are skipped (counted by `validate` and at start)."
     )
+    eval: Optional[EvalSpec] = Field(
+        None, description="Held-out loss: a folder or a fraction of data.path, evaluated every `every_steps` with "
+        "fixed noise and timesteps per sample (comparable across evaluations and numbers of ranks). Image families. "
+        "See docs/training.md.")
     duration_bucket_seconds: Optional[float] = Field(
         None, gt=0,
         description="Audio length grouping: clips fall into duration buckets this many seconds wide and every global "
@@ -171,6 +196,9 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec") -> str | Non
                     "data.cache.codec_tokens")
         if data.cache.codec_tokens and family != "tts_lm":
             return f"data.cache.codec_tokens is for model.family tts_lm (a codec-token LM), not {family}"
+        if data.eval is not None:
+            return (f"data.eval: the held-out loss is computed for the image families (sd, sdxl, flow); "
+                    f"model.family {family} has no evaluation pass yet. Remove data.eval")
         if data.min_clip_seconds >= data.max_clip_seconds:
             return (f"data.min_clip_seconds {data.min_clip_seconds:g} must be below data.max_clip_seconds "
                     f"{data.max_clip_seconds:g}")

@@ -20,6 +20,8 @@ SAFE_CHANGES = {
     "deepspeed.timeout_minutes": "only how long ranks wait for each other",
     "data.num_workers": "only how many processes load the same batches",
     "data.cache.": "only where encodings come from (cached and on-the-fly batches agree to float rounding)",
+    "data.eval.every_steps": "only how often the held-out loss is measured (the held-out images stay the same)",
+    "data.eval.batch_size": "only how the held-out loss is batched (the held-out images stay the same)",
     "train.micro_batch_size": "how the global batch is split (a changed global batch is decided on its own)",
     "train.gradient_accumulation_steps": "how the global batch is split (a changed global batch is decided on its own)",
     "train.global_batch_size": "a changed global batch is decided on its own (--allow-batch-change)",

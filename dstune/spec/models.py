@@ -233,6 +233,13 @@ class OutputSpec(Section):
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted once a newer one is complete.")
     log_every_steps: int = Field(1, ge=1, description="Write a metrics line every N optimizer steps.")
     export: Literal["diffusers", "none"] = Field("diffusers", description="At the end, write a diffusers folder with safetensors.")
+    tensorboard: bool = Field(
+        True, description="Also write the metrics (loss, LR, grad norm, samples/s, data wait, memory, held-out loss) and "
+        "the sample images/audio as TensorBoard event files in `<output.dir>/tensorboard` (rank 0). See "
+        "docs/training.md.")
+    wandb: bool = Field(
+        False, description="Also log them to a Weights & Biases run in offline mode under `<output.dir>/wandb` (rank 0; "
+        "nothing is uploaded: `wandb sync` does that later). Needs the `wandb` package, which dstune does not install.")
 
 
 class SampleSpec(Section):

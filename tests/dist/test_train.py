@@ -1,5 +1,6 @@
 """Real 2-rank DeepSpeed training on CPU: every ZeRO stage trains, passes the batch check and exports a pipeline that
-diffusers loads; a resumed run continues exactly, on 2 ranks and on 1; 1 rank x 2 accumulation equals 2 ranks x 1."""
+diffusers loads; a resumed run continues exactly, on 2 ranks and on 1; 1 rank x 2 accumulation equals 2 ranks x 1,
+held-out loss (data.eval) included; rank 0 writes TensorBoard event files and the samples page with the curves."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.dist
 STEPS = 4
 CASES = {  # name -> (zero stage, gradient checkpointing); zero1 also trains from a folder with a corrupt image
     "zero0": (0, False),
-    "zero1": (1, False),  # with SGD + momentum: also the 2-rank side of test_world_size_equivalence
+    "zero1": (1, False),  # with SGD + momentum, data.eval and samples: the 2-rank side of test_world_size_equivalence
     "zero2": (2, False),
     "zero3": (3, True),  # with gradient checkpointing (non-reentrant) under ZeRO-3
 }
@@ -26,6 +27,8 @@ CASES = {  # name -> (zero stage, gradient checkpointing); zero1 also trains fro
 # own magnitude, so elements whose gradient is at rounding-noise level (different summation orders on 1 vs 2 ranks)
 # get full-size updates of random sign, which would hide whether two splits trained on the same samples and noise.
 SGD = {"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}
+# 3 of the zero1 folder's 17 images held out (img03, img09, img14: by the hash of their ids); 14 x 2 repeats train.
+EVAL = {"fraction": 0.2, "every_steps": 2}
 
 
 def _spec(run_dir: Path, stage: int, checkpointing: bool) -> dict:
@@ -61,8 +64,10 @@ def runs(tmp_path_factory) -> dict:
         run_dir = tmp_path_factory.mktemp(name) / "run"
         spec = _spec(run_dir, stage, checkpointing)
         if name == "zero1":  # a user's kohya-style folder with a repeat count and a corrupt image
-            spec["data"].update(path=str(_image_folder(run_dir.parent / "images")), skip_bad_files=True)
+            spec["data"].update(path=str(_image_folder(run_dir.parent / "images")), skip_bad_files=True,
+                                eval=EVAL)
             spec["train"]["optimizer"] = dict(SGD)
+            spec["sample"] = {"prompts": ["a red circle"], "steps": 2}
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         # zero0 goes through `deepspeed --module dstune.train`, zero1 through `deepspeed dstune/train.py`, the
         # others through DeepSpeed's per-node launcher directly (tests/dist/harness.py)
@@ -92,7 +97,8 @@ def test_trains_checks_and_exports(runs, name):
     assert "use_reentrant" not in proc.stdout + proc.stderr
     if name == "zero1":
         assert "1 unreadable image(s) skipped" in proc.stdout and "broken.png" in proc.stdout
-        assert re.search(r"samples\s+34 ", proc.stdout)  # 17 images x 2 repeats: the plan the loader was checked on
+        # 17 images, 3 held out, x 2 repeats: the plan the loader was checked on
+        assert re.search(r"samples\s+28 \(.*3 held out for data.eval", proc.stdout)
 
     from diffusers import DiffusionPipeline
 
@@ -159,6 +165,47 @@ def test_world_size_equivalence(runs, tmp_path):
     assert worst / scale < 1e-5, f"max |difference| / max |weight| = {worst / scale:.3g}"
     for a, b in zip(logged[2], logged[1]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert ("eval_loss" in a) == ("eval_loss" in b) == (a["step"] % EVAL["every_steps"] == 0)
+        if "eval_loss" in a:  # the held-out loss of the same weights on any number of ranks
+            assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+            assert a["eval_samples"] == b["eval_samples"] == 3
+
+
+def test_rank_0_writes_tensorboard_events_with_the_logged_scalars_and_the_held_out_loss(runs):
+    """TensorBoard's own event reader finds every number of metrics.jsonl at its step (one writer: rank 0), the
+    held-out loss at the evaluated steps, and the sample grids."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dstune.trackers import scalar_items
+
+    run_dir, _, proc = runs["zero1"]
+    assert proc.returncode == 0, explain(proc)
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    logged = metrics(run_dir)
+    expected: dict = {}
+    for record in logged:
+        for tag, value in scalar_items(record):
+            expected.setdefault(tag, []).append((record["step"], value))
+    assert {"train/loss", "train/lr", "train/grad_norm", "perf/samples_per_s", "perf/data_wait_fraction",
+            "memory/host_peak_gib", "eval/loss", "eval/samples"} <= set(expected)
+    assert set(events.Tags()["scalars"]) == set(expected)
+    for tag, points in expected.items():
+        read = [(event.step, event.value) for event in events.Scalars(tag)]
+        assert [step for step, _ in read] == [step for step, _ in points], tag
+        assert [value for _, value in read] == pytest.approx([value for _, value in points], rel=1e-6), tag
+    assert [step for step, _ in expected["eval/loss"]] == [2, 4]
+    assert [image.step for image in events.Images("samples")] == [0, STEPS]
+
+
+def test_the_samples_page_shows_the_loss_lr_and_held_out_curves(runs):
+    run_dir, _, proc = runs["zero1"]
+    assert proc.returncode == 0, explain(proc)
+    page = (run_dir / "samples" / "index.html").read_text()
+    for series in ("loss", "eval_loss", "lr"):
+        points = re.search(rf'<polyline data-series="{series}" points="([^"]*)"', page).group(1).split()
+        assert len(points) == (2 if series == "eval_loss" else STEPS)
 
 
 def test_resume_on_one_rank_continues_the_two_rank_run(runs, tmp_path):

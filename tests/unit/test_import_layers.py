@@ -16,12 +16,13 @@ PACKAGE = REPO / "dstune"
 # Lowest first. A module may import modules of its own layer (without a cycle) or of lower layers. A name is a
 # module or a package (then it covers everything under it). Keep in step with docs/architecture.md.
 LAYERS = [
-    ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress"],
+    ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves"],
     ["dstune.world", "dstune.plan", "dstune.resume_plan"],
     ["dstune.distributed", "dstune.ds_config", "dstune.ds_user_config", "dstune.ds_file_spec", "dstune.data",
      "dstune.families", "dstune.ema"],
     ["dstune.builtin", "dstune.validate", "dstune.report", "dstune.reference"],
-    ["dstune.pretrained", "dstune.cache", "dstune.engine", "dstune.checkpoint", "dstune.check", "dstune.universal"],
+    ["dstune.pretrained", "dstune.cache", "dstune.engine", "dstune.checkpoint", "dstune.check", "dstune.universal",
+     "dstune.evaluation"],
     ["dstune.loop", "dstune.export"],
     ["dstune.startup"],
     ["dstune.training", "dstune.cli", "dstune.train", "dstune.__main__", "dstune"],
@@ -34,7 +35,8 @@ FORBIDDEN = {
 }
 ENTRY_POINTS = {"dstune.cli", "dstune.train", "dstune.__main__"}  # may import dstune modules inside functions
 HEAVY_THIRD_PARTY = {"torch", "deepspeed", "diffusers", "transformers", "peft", "PIL", "soundfile", "safetensors",
-                     "huggingface_hub", "sentencepiece", "rich", "numpy", "fcntl", "html", "io", "importlib"}
+                     "huggingface_hub", "sentencepiece", "rich", "numpy", "fcntl", "html", "io", "importlib",
+                     "wandb"}
 
 
 def _modules() -> dict[str, Path]:

@@ -47,3 +47,16 @@ def test_a_new_split_of_the_same_global_batch_is_left_to_the_resume_plan():
     spec problem; whether the global batch is kept is dstune.resume_plan's decision."""
     changes = spec_changes(_dump(), _dump(train={"micro_batch_size": 1, "gradient_accumulation_steps": 2}))
     assert changes and all(c.safe for c in changes)
+
+
+def test_a_new_held_out_share_breaks_continuation_but_how_often_it_is_measured_does_not():
+    """data.eval.fraction decides which images train; every_steps and batch_size only when and how the held-out
+    loss is measured; output.tensorboard / output.wandb only where metrics go."""
+    start = _dump(data={"eval": {"fraction": 0.1, "every_steps": 10}})
+    measured = spec_changes(start, _dump(data={"eval": {"fraction": 0.1, "every_steps": 5, "batch_size": 4}},
+                                         output={"tensorboard": False, "wandb": True}))
+    assert {c.key for c in measured} == {"data.eval.every_steps", "data.eval.batch_size", "output.tensorboard",
+                                         "output.wandb"}
+    assert all(c.safe for c in measured)
+    share = spec_changes(start, _dump(data={"eval": {"fraction": 0.2, "every_steps": 10}}))
+    assert [(c.key, c.safe) for c in share] == [("data.eval.fraction", False)]
