@@ -69,7 +69,13 @@ def spec_changes(saved: dict, current: dict) -> list[SpecChange]:
     before, after = _flatten(saved), _flatten(current)
     keys = list(after) + [k for k in before if k not in after]
     return [SpecChange(k, before.get(k, _MISSING), after.get(k, _MISSING)) for k in keys
-            if before.get(k, _MISSING) != after.get(k, _MISSING)]
+            if _unset_as_none(before.get(k, _MISSING)) != _unset_as_none(after.get(k, _MISSING))]
+
+
+def _unset_as_none(value: Any) -> Any:
+    """A key that a checkpoint's spec lacks (saved by a dstune without it) and one left unset (None) are the same
+    setting: an optional section added later must not make every older checkpoint look changed."""
+    return None if value is _MISSING else value
 
 
 def describe_changes(changes: list[SpecChange], schedule: str) -> tuple[str, str]:

@@ -60,3 +60,12 @@ def test_a_new_held_out_share_breaks_continuation_but_how_often_it_is_measured_d
     assert all(c.safe for c in measured)
     share = spec_changes(start, _dump(data={"eval": {"fraction": 0.2, "every_steps": 10}}))
     assert [(c.key, c.safe) for c in share] == [("data.eval.fraction", False)]
+
+
+def test_an_optional_section_added_since_the_checkpoint_is_no_change():
+    """A checkpoint saved by a dstune without data.eval lacks the key; unset now, it is the same setting. Set now,
+    it is a change like any other."""
+    saved = _dump()
+    del saved["data"]["eval"]
+    assert spec_changes(saved, _dump()) == []
+    assert [c.key for c in spec_changes(saved, _dump(data={"eval": {"fraction": 0.1}}))][:1] == ["data.eval.fraction"]
