@@ -88,7 +88,7 @@ def export_checkpoint(run_dir: Path, step: Optional[int] = None, out_dir: Option
     try:
         state, weights = _chosen_weights(root / tag, state, spec.train.ema)
         if getattr(spec.model, "train", "full") == "lora":
-            export_lora(family, built, state, out, spec.model, weights)
+            export_lora(family, built, state, out, spec.model, weights, spec.output.lora_format)
         else:
             family.export(built, state, out)
     except CheckpointError:

@@ -17,6 +17,43 @@ from dstune.spec.section import Section
 DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 
 
+# The LoRA file formats each LoRA family writes (output.lora_format), the default first, and the key scheme each one
+# is written in. `comfyui` names the scheme ComfyUI's LoRA loader maps every key of (no "lora key not loaded") that
+# diffusers' own loader reads back too: for the UNet families that is kohya's (ComfyUI maps diffusers' UNet LoRA
+# keys only in diffusers' old attention-processor naming), for flow (SD3, Flux) it is the diffusers file itself,
+# whose `transformer.` keys ComfyUI maps for both. The defaults are what most users load: SD 1.x/2.x and SDXL LoRAs
+# are exchanged and loaded (ComfyUI, A1111/Forge, diffusers) as kohya files; SD3/Flux LoRAs load as diffusers files
+# in ComfyUI and diffusers alike. See docs/lora-and-ema.md.
+LORA_FORMATS = {
+    "sd": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
+    "sdxl": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
+    "flow": {"diffusers": "diffusers", "comfyui": "diffusers"},
+}
+
+
+def lora_format_problem(family: str, train: str, lora_format) -> str | None:
+    """Why output.lora_format cannot be used with this model section, or None. Unset is always fine."""
+    if lora_format is None:
+        return None
+    if family not in LORA_FORMATS:
+        return f"model.family {family} has no LoRA training, so there is no LoRA file to format: remove it"
+    if train != "lora":
+        return f"applies to model.train: lora, but model.train is {train!r}: remove it or set model.train: lora"
+    choices = LORA_FORMATS[family]
+    if lora_format not in choices:
+        return (f"{lora_format!r} is not a LoRA format of model.family {family}; choices: {', '.join(choices)} "
+                f"(default {next(iter(choices))})")
+    return None
+
+
+def lora_file_scheme(family: str, lora_format) -> tuple[str, str]:
+    """(the format in effect, the key scheme it is written in) for a LoRA family: output.lora_format, or the
+    family's default when it is unset."""
+    choices = LORA_FORMATS[family]
+    chosen = lora_format or next(iter(choices))
+    return chosen, choices[chosen]
+
+
 class LoraSpec(Section):
     rank: int = Field(16, gt=0, description="LoRA rank r: the inner size of each adapter (A: r x in, B: out x r).")
     alpha: Optional[float] = Field(
@@ -50,7 +87,8 @@ class DenoiserModelBase(Section):
     train: Literal["full", "lora"] = Field(
         "full",
         description="`full`: every weight of the denoiser (UNet/transformer) is trained. `lora`: the denoiser is "
-        "frozen and only LoRA adapters (`lora`) are trained, checkpointed and exported (a diffusers LoRA file). "
+        "frozen and only LoRA adapters (`lora`) are trained, checkpointed and exported (a LoRA file in the key scheme "
+        "of `output.lora_format`). "
         "See docs/lora-and-ema.md.",
     )
     lora: Optional[LoraSpec] = Field(
