@@ -80,6 +80,14 @@ class LoraSpec(Section):
         return float(self.alpha if self.alpha is not None else self.rank)
 
 
+# A `model.pretrained` ending in one of these is a single checkpoint file (dstune.pretrained converts it).
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
+
+
+def is_single_file(pretrained: str) -> bool:
+    return pretrained.lower().endswith(SINGLE_FILE_SUFFIXES)
+
+
 class DenoiserModelBase(Section):
     """What every diffusion family's model section shares (sd, sdxl, flow): full fine-tuning or LoRA of the
     denoiser (the UNet or transformer the family trains). Subclass it for a new diffusion family's model section."""
@@ -96,6 +104,14 @@ class DenoiserModelBase(Section):
         "([to_q, to_k, to_v, to_out.0]), `dropout` (0.0); omitted: those defaults. See docs/lora-and-ema.md."
     )
 
+    base_pipeline: Optional[str] = Field(
+        None, description="Only when `pretrained` is a single checkpoint file (.safetensors/.ckpt in the original, "
+        "non-diffusers key layout, e.g. `model.diffusion_model.*`): the diffusers pipeline folder, hub id already "
+        "downloaded, or built-in model whose configs describe the file (nothing is downloaded) and which supplies "
+        "every component the file does not hold (a UNet-only file takes VAE and text encoders from here). "
+        "sd and sdxl load single files. See docs/lora-and-ema.md.",
+    )
+
     @field_validator("lora")
     @classmethod
     def _lora_needs_lora_training(cls, value, info):
@@ -103,6 +119,14 @@ class DenoiserModelBase(Section):
             raise ValueError("LoRA settings are given but `train` is 'full' (every weight is trained, no adapters). "
                              "Set `train: lora` to train adapters, or remove `lora`.")
         return value
+
+    @model_validator(mode="after")
+    def _base_pipeline_only_for_a_single_file(self):
+        pretrained = getattr(self, "pretrained", "")
+        if self.base_pipeline is not None and not is_single_file(pretrained):
+            raise ValueError(f"base_pipeline applies only when pretrained is a single checkpoint file "
+                             f"({', '.join(SINGLE_FILE_SUFFIXES)}); pretrained is {pretrained!r}: remove base_pipeline")
+        return self
 
     @property
     def lora_settings(self) -> Optional[LoraSpec]:
