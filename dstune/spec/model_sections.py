@@ -141,7 +141,8 @@ class SdModel(DenoiserModelBase):
     pretrained: str = Field(
         "builtin:tiny-sd",
         description="A diffusers pipeline folder (model_index.json + unet/vae/text_encoder/tokenizer/scheduler), "
-        "a hub id already in the local Hugging Face cache, or `builtin:tiny-sd` (a tiny model built offline).",
+        "a hub id already in the local Hugging Face cache, `builtin:tiny-sd` (a tiny model built offline), or a "
+        "single checkpoint file (.safetensors/.ckpt, original key layout) together with `base_pipeline`.",
     )
     prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
