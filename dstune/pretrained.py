@@ -31,14 +31,15 @@ from dstune.spec.section import BUILTIN_PREFIX
 
 SINGLE_FILE_CACHE = "single-file"  # under output.cache_dir: one converted pipeline folder per (file, base) pair
 SINGLE_FILE_INFO = "dstune_single_file.json"
-# Key prefixes of other models' original checkpoints, to say what a file is when it is not the family's.
-FOREIGN_LAYOUTS = {
-    "conditioner.embedders.": "an SDXL checkpoint (model.family sdxl)",
-    "model.diffusion_model.label_emb.": "an SDXL checkpoint (model.family sdxl)",
-    "model.diffusion_model.joint_blocks.": "an SD3 checkpoint (model.family flow, from its diffusers folder)",
-    "double_blocks.": "a Flux checkpoint (model.family flow, from its diffusers folder)",
-    "model.diffusion_model.double_blocks.": "a Flux checkpoint (model.family flow, from its diffusers folder)",
-    "unet.": "a diffusers-layout file (give its pipeline folder instead)",
+# Key prefixes of original checkpoints -> (the family that reads them, what they are), to say what a file is when it
+# is not the family's.
+KNOWN_LAYOUTS = {
+    "conditioner.embedders.": ("sdxl", "an SDXL checkpoint (model.family sdxl)"),
+    "model.diffusion_model.label_emb.": ("sdxl", "an SDXL checkpoint (model.family sdxl)"),
+    "model.diffusion_model.joint_blocks.": ("flow", "an SD3 checkpoint (model.family flow, from its diffusers folder)"),
+    "double_blocks.": ("flow", "a Flux checkpoint (model.family flow, from its diffusers folder)"),
+    "model.diffusion_model.double_blocks.": ("flow", "a Flux checkpoint (model.family flow, from its diffusers folder)"),
+    "unet.": ("", "a diffusers-layout file (give its pipeline folder instead)"),
 }
 
 
@@ -126,7 +127,8 @@ def checkpoint_keys(path: Path) -> list[str]:
 
 def _check_layout(path: Path, keys: list[str], family: Family) -> None:
     layout = family.single_file
-    hints = sorted({what for prefix, what in FOREIGN_LAYOUTS.items() for key in keys if key.startswith(prefix)})
+    hints = sorted({what for prefix, (owner, what) in KNOWN_LAYOUTS.items() if owner != family.name
+                    for key in keys if key.startswith(prefix)})
     if any(key.startswith(layout.denoiser_prefixes) for key in keys) and not hints:
         return
     seen = ", ".join(keys[:3]) or "no tensors"

@@ -164,8 +164,9 @@ class SdxlModel(DenoiserModelBase):
     pretrained: str = Field(
         "builtin:tiny-sdxl",
         description="A diffusers StableDiffusionXLPipeline folder (model_index.json + unet/vae/text_encoder/"
-        "text_encoder_2/tokenizer/tokenizer_2/scheduler), a hub id already in the local Hugging Face cache, or "
-        "`builtin:tiny-sdxl` (a tiny model built offline).",
+        "text_encoder_2/tokenizer/tokenizer_2/scheduler), a hub id already in the local Hugging Face cache, "
+        "`builtin:tiny-sdxl` (a tiny model built offline), or a single checkpoint file (.safetensors/.ckpt, original "
+        "key layout) together with `base_pipeline`.",
     )
     prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."

@@ -99,7 +99,27 @@ def test_unusable_files_are_refused_saying_what_is_possible(tmp_path, base):
     not_safetensors.write_bytes(b"not a checkpoint")
     with pytest.raises(FamilyError, match="cannot read it as a .safetensors checkpoint"):
         build_model(_sd(not_safetensors, base_pipeline=base), tmp_path, "cpu")
-    with pytest.raises(FamilyError, match="model.family tts_lm cannot load a single checkpoint file.*model.family sd"):
+    with pytest.raises(FamilyError, match="model.family tts_lm cannot load a single checkpoint file.*model.family sd or sdxl"):
         build_model(TtsLmModel(family="tts_lm", pretrained=str(good)), tmp_path, "cpu")
     with pytest.raises(ValueError, match="base_pipeline applies only when pretrained is a single checkpoint file"):
         SdxlModel(family="sdxl", base_pipeline="builtin:tiny-sd")
+
+
+def test_an_sdxl_unet_file_in_the_original_layout_builds_with_its_weights(tmp_path):
+    """SDXL's original layout (label_emb for the added conditioning); VAE and both text encoders from the base."""
+    from diffusers import UNet2DConditionModel
+
+    folder = tiny.ensure_builtin_model("tiny-sdxl", CACHE_DIR)
+    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet")
+    with torch.no_grad():
+        for param in unet.parameters():
+            param.add_(0.01)
+    path = tmp_path / "tiny-sdxl-unet.safetensors"
+    save_file(original_unet_state(unet), str(path))
+    assert any(".label_emb." in key for key in original_unet_state(unet))
+    built = build_model(SdxlModel(family="sdxl", pretrained=str(path), base_pipeline=str(folder)),
+                        tmp_path / "cache", "cpu")
+    info = json.loads((built.folder / SINGLE_FILE_INFO).read_text())
+    assert info["from_file"] == ["unet"] and info["from_base"] == ["text_encoder", "text_encoder_2", "vae"]
+    state = built.trainable.state_dict()
+    assert max((state[k] - v).abs().max().item() for k, v in unet.state_dict().items()) < 1e-6
