@@ -91,10 +91,6 @@ def single_file_folder(path: Path, model_spec, family: Family, cache_dir) -> Pat
         raise FamilyError(f"model.pretrained {path}: no such file. Give an existing .safetensors/.ckpt checkpoint "
                           "(original key layout, with model.base_pipeline), a diffusers pipeline folder, a hub id "
                           f"already downloaded, or a built-in model (builtin:tiny-{family.name}).")
-    if not getattr(model_spec, "base_pipeline", None):
-        raise FamilyError(f"model.pretrained {path} is a single checkpoint file: set model.base_pipeline to the "
-                          f"diffusers {family.name} pipeline (folder, downloaded hub id or builtin:tiny-{family.name}) "
-                          "whose configs describe it and which supplies the components the file does not hold.")
     base = resolve_pretrained(model_spec.base_pipeline, cache_dir, "model.base_pipeline")
     keys = checkpoint_keys(path)
     _check_layout(path, keys, family)

@@ -82,6 +82,8 @@ class LoraSpec(Section):
 
 # A `model.pretrained` ending in one of these is a single checkpoint file (dstune.pretrained converts it).
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
+# The families whose `model.pretrained` may be such a file (their Family.single_file says how it is laid out).
+SINGLE_FILE_FAMILIES = ("sd", "sdxl")
 
 
 def is_single_file(pretrained: str) -> bool:
@@ -121,11 +123,19 @@ class DenoiserModelBase(Section):
         return value
 
     @model_validator(mode="after")
-    def _base_pipeline_only_for_a_single_file(self):
+    def _base_pipeline_with_a_single_file(self):
         pretrained = getattr(self, "pretrained", "")
+        if is_single_file(pretrained) and self.family not in SINGLE_FILE_FAMILIES:
+            raise ValueError(f"pretrained {pretrained}: model.family {self.family} cannot load a single checkpoint file "
+                             "here; give its diffusers pipeline folder, a downloaded hub id or a built-in "
+                             f"({' and '.join(SINGLE_FILE_FAMILIES)} load single files)")
         if self.base_pipeline is not None and not is_single_file(pretrained):
             raise ValueError(f"base_pipeline applies only when pretrained is a single checkpoint file "
                              f"({', '.join(SINGLE_FILE_SUFFIXES)}); pretrained is {pretrained!r}: remove base_pipeline")
+        if self.base_pipeline is None and is_single_file(pretrained):
+            raise ValueError(f"pretrained {pretrained} is a single checkpoint file: set base_pipeline to the "
+                             f"diffusers {self.family} pipeline (folder, downloaded hub id or builtin:tiny-{self.family}) "
+                             "whose configs describe it and which supplies the components the file does not hold")
         return self
 
     @property

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from dstune import builtin as tiny
 from dstune.families.base import FamilyError
 from dstune.pretrained import SINGLE_FILE_INFO, build_model
-from dstune.spec.models import SdModel, SdxlModel, TtsLmModel
+from dstune.spec.models import FlowModel, SdModel, SdxlModel, TtsLmModel
 from original_layout import original_unet_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,8 +83,8 @@ def test_unusable_files_are_refused_saying_what_is_possible(tmp_path, base):
     write_sd_single_file(good)
     with pytest.raises(FamilyError, match=r"no such file\. Give an existing \.safetensors/\.ckpt checkpoint"):
         build_model(_sd(tmp_path / "missing.safetensors", base_pipeline=base), tmp_path, "cpu")
-    with pytest.raises(FamilyError, match="set model.base_pipeline to the diffusers sd pipeline"):
-        build_model(_sd(good), tmp_path, "cpu")
+    with pytest.raises(ValueError, match="is a single checkpoint file: set base_pipeline to the diffusers sd pipeline"):
+        _sd(good)
     foreign = tmp_path / "foreign.safetensors"
     save_file({"encoder.layer.0.weight": torch.ones(2)}, str(foreign))
     with pytest.raises(FamilyError, match=r"the unet under model\.diffusion_model\..*not in that layout \(e\.g\. "
@@ -101,6 +101,8 @@ def test_unusable_files_are_refused_saying_what_is_possible(tmp_path, base):
         build_model(_sd(not_safetensors, base_pipeline=base), tmp_path, "cpu")
     with pytest.raises(FamilyError, match="model.family tts_lm cannot load a single checkpoint file.*model.family sd or sdxl"):
         build_model(TtsLmModel(family="tts_lm", pretrained=str(good)), tmp_path, "cpu")
+    with pytest.raises(ValueError, match=r"model.family flow cannot load a single checkpoint file here.*\(sd and sdxl "):
+        FlowModel(family="flow", pretrained=str(good), base_pipeline=base)
     with pytest.raises(ValueError, match="base_pipeline applies only when pretrained is a single checkpoint file"):
         SdxlModel(family="sdxl", base_pipeline="builtin:tiny-sd")
 
