@@ -51,9 +51,10 @@ def is_lora_key(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: Family) -> str:
+def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: Family, lora_format=None) -> str:
     """Make `denoiser` trainable as `model_spec.train` says; returns a one-line summary for the log. A family
-    that cannot write a LoRA file is refused here, before training, not at the export.
+    that cannot write a LoRA file, or adapters the LoRA file's key scheme (`lora_format`, output.lora_format)
+    cannot name, are refused here, before training, not at the export.
 
     For LoRA the A matrices are re-drawn from a CPU generator seeded by train.seed: peft draws them from the global
     (and, on GPUs, the CUDA) RNG, which would make them differ between ranks, devices and runs."""
@@ -73,6 +74,7 @@ def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: F
         raise FamilyError(f"model.lora.target_modules {list(settings.target_modules)}: {first}. Name layers of "
                           f"{type(denoiser).__name__} (e.g. to_q, to_k, to_v, to_out.0).") from None
     adapters = [(name, p) for name, p in denoiser.named_parameters() if p.requires_grad]
+    _check_file_names(model_spec.family, lora_format, [name for name, _ in adapters])
     with torch.no_grad():
         for number, (name, param) in enumerate(adapters):
             if ".lora_A." in name:
@@ -119,6 +121,36 @@ def kohya_lora_tensors(state: dict, alpha: float) -> dict:
             tensor.detach().float().contiguous().cpu())
         tensors[f"{key}.alpha"] = torch.tensor(float(alpha))
     return tensors
+
+
+def kohya_names_lost(layers: list[str]) -> dict[str, str]:
+    """{layer: the name diffusers' kohya reader makes of it} for every layer it does not read back as itself.
+    kohya's scheme turns the layer path's dots into underscores, and readers guess them back from known UNet part
+    names; a layer such as SDXL's add_embedding.linear_1 comes back as another name and would be skipped on load."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    placeholders = {}
+    for layer in layers:
+        key = KOHYA_PREFIX + layer.replace(".", "_")
+        placeholders.update({f"{key}.lora_down.weight": torch.zeros(1, 1), f"{key}.lora_up.weight": torch.zeros(1, 1)})
+    with quiet_hf_libraries():
+        state, _ = StableDiffusionPipeline.lora_state_dict(placeholders)
+        read = sorted({name.removeprefix("unet.").rsplit(".lora_", 1)[0] for name in convert_unet_state_dict_to_peft(state)})
+    unread = sorted(set(read) - set(layers))
+    return {layer: (unread[0] if unread else "nothing") for layer in sorted(set(layers) - set(read))}
+
+
+def _check_file_names(family_name: str, lora_format, adapter_names: list[str]) -> None:
+    chosen, scheme = lora_file_scheme(family_name, lora_format)
+    if scheme != "kohya":
+        return
+    lost = kohya_names_lost(sorted({name.split(".lora_")[0] for name in adapter_names if ".lora_A." in name}))
+    if lost:
+        examples = ", ".join(f"{layer} (read back as {back})" for layer, back in list(lost.items())[:3])
+        raise FamilyError(f"output.lora_format {chosen}: kohya's key scheme cannot name {len(lost)} adapted layer(s) "
+                          f"so that LoRA loaders read them back: {examples}. Leave them out of "
+                          "model.lora.target_modules, or set output.lora_format: diffusers.")
 
 
 def save_kohya_file(tensors: dict, settings, folder: Path) -> None:

@@ -121,3 +121,19 @@ def test_validate_refuses_a_format_the_family_does_not_have(model, lora_format, 
         _validate(model, {"lora_format": lora_format})
     assert "spec.yaml:9: output.lora_format: " in str(err.value) and message in str(err.value)
     _validate({"family": "sd", "train": "lora"}, {"lora_format": "comfyui"})  # a format sd has
+
+
+def test_layers_kohya_names_cannot_carry_are_refused_before_training():
+    """SDXL's add_embedding.linear_1 becomes lora_unet_add_embedding_linear_1, which diffusers' kohya reader turns
+    into add.embedding.linear: the file would load without that adapter. Refused when the adapters are added."""
+    from dstune.families.base import FamilyError
+
+    spec = SdxlModel(family="sdxl", train="lora", lora={"rank": 2, "target_modules": ["to_q", "linear_1"]})
+    built = build_model(spec, CACHE_DIR, "cpu")
+    with pytest.raises(FamilyError, match=r"output.lora_format kohya: kohya's key scheme cannot name 1 adapted layer"
+                                          r"\(s\) .*add_embedding.linear_1 \(read back as add.embedding.linear\).*"
+                                          r"output.lora_format: diffusers"):
+        apply_train_mode(built.trainable, spec, seed=0, family=get_family("sdxl"))
+    again = build_model(spec, CACHE_DIR, "cpu")
+    assert "LoRA rank 2" in apply_train_mode(again.trainable, spec, seed=0, family=get_family("sdxl"),
+                                             lora_format="diffusers")
