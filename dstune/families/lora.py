@@ -15,7 +15,8 @@ What happens with `model.train: lora`:
      rebuilt on resume, so a LoRA checkpoint is the size of the adapters, not of the model.
   3. The export takes the adapter tensors from the consolidated checkpoint (ZeRO-3 shards are gathered offline by
      DeepSpeed's zero_to_fp32, the same path `dstune export` takes), names them as peft does (the naming diffusers'
-     loaders read for every family) and lets the family's pipeline class write `pytorch_lora_weights.safetensors`, which `pipe.load_lora_weights(folder)` loads.
+     loaders read for every family) and lets the family's pipeline class write `pytorch_lora_weights.safetensors`,
+     which `pipe.load_lora_weights(folder)` loads.
   4. `output.lora_format` picks the key scheme of that file (dstune.spec.model_sections.LORA_FORMATS): the
      diffusers scheme above, or kohya's (`lora_unet_<layer path, dots as underscores>.lora_down.weight` /
      `.lora_up.weight` / `.alpha`), which ComfyUI, A1111/Forge and diffusers' own kohya conversion all read. The file
@@ -123,30 +124,27 @@ def kohya_lora_tensors(state: dict, alpha: float) -> dict:
     return tensors
 
 
-def kohya_names_lost(layers: list[str]) -> dict[str, str]:
-    """{layer: the name diffusers' kohya reader makes of it} for every layer it does not read back as itself.
-    kohya's scheme turns the layer path's dots into underscores, and readers guess them back from known UNet part
-    names; a layer such as SDXL's add_embedding.linear_1 comes back as another name and would be skipped on load."""
+def kohya_read_back(layer: str) -> str:
+    """The layer name diffusers' kohya reader makes of `layer`'s kohya key (nothing read: "nothing"). kohya's
+    scheme turns the layer path's dots into underscores, and readers guess them back from known UNet part names."""
     from diffusers import StableDiffusionPipeline
     from diffusers.utils import convert_unet_state_dict_to_peft
 
-    placeholders = {}
-    for layer in layers:
-        key = KOHYA_PREFIX + layer.replace(".", "_")
-        placeholders.update({f"{key}.lora_down.weight": torch.zeros(1, 1), f"{key}.lora_up.weight": torch.zeros(1, 1)})
+    key = KOHYA_PREFIX + layer.replace(".", "_")
+    placeholders = {f"{key}.lora_down.weight": torch.zeros(1, 1), f"{key}.lora_up.weight": torch.zeros(1, 1)}
     with quiet_hf_libraries():
         state, _ = StableDiffusionPipeline.lora_state_dict(placeholders)
-        read = sorted({name.removeprefix("unet.").rsplit(".lora_", 1)[0] for name in convert_unet_state_dict_to_peft(state)})
-    unread = sorted(set(read) - set(layers))
-    return {layer: (unread[0] if unread else "nothing") for layer in sorted(set(layers) - set(read))}
+        read = {name.removeprefix("unet.").rsplit(".lora_", 1)[0] for name in convert_unet_state_dict_to_peft(state)}
+    return next(iter(read), "nothing")
 
 
 def _check_file_names(family_name: str, lora_format, adapter_names: list[str]) -> None:
     chosen, scheme = lora_file_scheme(family_name, lora_format)
     if scheme != "kohya":
         return
-    lost = kohya_names_lost(sorted({name.split(".lora_")[0] for name in adapter_names if ".lora_A." in name}))
-    if lost:
+    layers = sorted({name.split(".lora_")[0] for name in adapter_names if ".lora_A." in name})
+    lost = {layer: back for layer in layers if (back := kohya_read_back(layer)) != layer}
+    if lost:  # e.g. SDXL's add_embedding.linear_1 comes back as add.embedding.linear: skipped when loaded
         examples = ", ".join(f"{layer} (read back as {back})" for layer, back in list(lost.items())[:3])
         raise FamilyError(f"output.lora_format {chosen}: kohya's key scheme cannot name {len(lost)} adapted layer(s) "
                           f"so that LoRA loaders read them back: {examples}. Leave them out of "
