@@ -185,6 +185,24 @@ def test_dstune_export_of_a_zero3_checkpoint_yields_the_lora_file(runs, tmp_path
     assert max((step2[k] - final[k]).abs().max().item() for k in final) > 0  # step 2's adapters, not the last
 
 
+def test_dstune_export_rewrites_a_diffusers_run_as_a_comfyui_file(runs, tmp_path):
+    """--lora-format replaces the run's output.lora_format: the zero3 run (diffusers) exported again for ComfyUI
+    (sd: kohya's scheme) holds the same adapters under kohya names with alpha 8; a format sd lacks is refused."""
+    run_dir = _ok(runs, "zero3")
+    done = subprocess.run([sys.executable, "-m", "dstune", "export", str(run_dir), "--lora-format", "comfyui",
+                           "--out", str(tmp_path / "comfy")], cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, explain(done)
+    info = json.loads((tmp_path / "comfy" / "dstune_lora.json").read_text())
+    assert (info["format"], info["key_scheme"]) == ("comfyui", "kohya")
+    comfy, diffusers = _lora_file(tmp_path / "comfy"), _lora_file(run_dir / "export" / f"step-{STEPS:08d}")
+    assert len(comfy) == 96 and all(comfy[k].item() == 8 for k in comfy if k.endswith(".alpha"))
+    for key, tensor in diffusers.items():  # unet.<layer>.lora_A.weight <-> lora_unet_<layer>.lora_down.weight
+        layer, part = key.removeprefix("unet.").rsplit(".lora_", 1)
+        kohya = f"lora_unet_{layer.replace('.', '_')}.{'lora_down' if part == 'A.weight' else 'lora_up'}.weight"
+        assert torch.equal(comfy[kohya], tensor)
+
+
 def test_zero3_lora_ema_run_continues_on_one_rank_exactly(runs):
     """The 2-rank ZeRO-3 LoRA run's step-2 checkpoint (only the adapters, no frozen base) continued on 1 rank: the
     adapters' optimizer state is re-partitioned (DeepSpeed's universal checkpoint) and the two EMA shares are joined
