@@ -187,7 +187,7 @@ def test_dstune_export_of_a_zero3_checkpoint_yields_the_lora_file(runs, tmp_path
 
 def test_dstune_export_rewrites_a_diffusers_run_as_a_comfyui_file(runs, tmp_path):
     """--lora-format replaces the run's output.lora_format: the zero3 run (diffusers) exported again for ComfyUI
-    (sd: kohya's scheme) holds the same adapters under kohya names with alpha 8; a format sd lacks is refused."""
+    (sd: kohya's scheme) holds the same adapters under kohya names with alpha 8."""
     run_dir = _ok(runs, "zero3")
     done = subprocess.run([sys.executable, "-m", "dstune", "export", str(run_dir), "--lora-format", "comfyui",
                            "--out", str(tmp_path / "comfy")], cwd=REPO, env=env(), capture_output=True, text=True,
