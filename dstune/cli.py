@@ -102,6 +102,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (output.dir of the spec)")
     export.add_argument("--step", type=_positive_int, metavar="N", help="the checkpoint of step N (default: latest)")
     export.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/export/step-N)")
+    export.add_argument("--lora-format", choices=("diffusers", "kohya", "comfyui"), metavar="FORMAT",
+                        help="a LoRA run: write the LoRA file in this key scheme (diffusers, kohya or comfyui; "
+                        "default: the run's output.lora_format)")
     cache = subparsers["cache"] = commands.add_parser(
         "cache", help="build (or --verify) the latent / text-embedding cache of a spec, in this one process",
         description="Encode every image and caption the spec trains on into data.cache.dir (entries that are "
@@ -315,7 +318,8 @@ def cmd_export(args) -> int:
     if args.out and Path(args.out).exists():
         raise UsageError(f"--out {args.out} already exists; choose a new folder (an export never overwrites)")
     try:
-        out = export_checkpoint(Path(args.run_dir), step=args.step, out_dir=Path(args.out) if args.out else None)
+        out = export_checkpoint(Path(args.run_dir), step=args.step, out_dir=Path(args.out) if args.out else None,
+                                lora_format=args.lora_format)
     except (ExportError, ValueError, OSError) as err:
         print(f"dstune export: {err}", file=sys.stderr)
         return EXIT_INVALID

@@ -22,6 +22,7 @@ from dstune.families import get_family
 from dstune.families.lora import export_lora
 from dstune.pretrained import build_model
 from dstune.spec.load import SpecSource, validate_data
+from dstune.spec.models import lora_format_problem
 
 
 class ExportError(RuntimeError):
@@ -73,11 +74,16 @@ def _load_weights(root: Path, tag: str, zero_stage: int) -> dict:
 
 
 def export_checkpoint(run_dir: Path, step: Optional[int] = None, out_dir: Optional[Path] = None,
-                      built=None) -> Path:
-    """Write the export of one checkpoint; returns the folder. `built` may be passed to skip rebuilding the family."""
+                      built=None, lora_format: Optional[str] = None) -> Path:
+    """Write the export of one checkpoint; returns the folder. `built` may be passed to skip rebuilding the family;
+    `lora_format` (dstune export --lora-format) replaces the run's output.lora_format."""
     root, tag = find_checkpoint(Path(run_dir), step)
     saved = json.loads((root / tag / STATE_FILE).read_text())
     spec = validate_data(saved["spec"], SpecSource(str(root / tag / STATE_FILE)))
+    lora_format = lora_format or spec.output.lora_format
+    problem = lora_format_problem(spec.model.family, getattr(spec.model, "train", "full"), lora_format)
+    if problem:
+        raise ExportError(f"--lora-format {lora_format}: {problem}")
     family = get_family(spec.model.family)
     if built is None:
         built = build_model(spec.model, spec.output.cache_dir, "cpu", torch.float32)
@@ -88,7 +94,7 @@ def export_checkpoint(run_dir: Path, step: Optional[int] = None, out_dir: Option
     try:
         state, weights = _chosen_weights(root / tag, state, spec.train.ema)
         if getattr(spec.model, "train", "full") == "lora":
-            export_lora(family, built, state, out, spec.model, weights)
+            export_lora(family, built, state, out, spec.model, weights, lora_format)
         else:
             family.export(built, state, out)
     except CheckpointError:

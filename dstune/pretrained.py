@@ -3,20 +3,44 @@
 A `builtin:` name is built into the cache if needed (dstune.builtin), an existing folder is used as it is, and
 anything else is looked up as a hub id in the local Hugging Face cache only: dstune never downloads. Families
 receive the resolved folders and never build a built-in model themselves.
+
+A single checkpoint file (`model.pretrained: x.safetensors` / `.ckpt`, in the original non-diffusers key layout) is
+converted once into a diffusers pipeline folder in the cache, by diffusers' `from_single_file` with
+`config=` the `model.base_pipeline` folder (so nothing is downloaded); the components the file does not hold are
+taken from that folder. The family then builds from the converted folder like from any other.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import json
 import os
 from pathlib import Path
 
 import torch
 
 from dstune.builtin import ensure_builtin_model
-from dstune.families import get_family
+from dstune.families import FAMILY_MODULES, get_family
 from dstune.families.base import Family, FamilyError
-from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot
+from dstune.families.diffusion import read_model_index
+from dstune.fsutil import folder_written_atomically
+from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_libraries
+from dstune.spec.models import is_single_file
 from dstune.spec.section import BUILTIN_PREFIX
+
+SINGLE_FILE_CACHE = "single-file"  # under output.cache_dir: one converted pipeline folder per (file, base) pair
+SINGLE_FILE_INFO = "dstune_single_file.json"
+# Key prefixes of original checkpoints -> (the family that reads them, what they are), to say what a file is when it
+# is not the family's.
+KNOWN_LAYOUTS = {
+    "conditioner.embedders.": ("sdxl", "an SDXL checkpoint (model.family sdxl)"),
+    "model.diffusion_model.label_emb.": ("sdxl", "an SDXL checkpoint (model.family sdxl)"),
+    "model.diffusion_model.joint_blocks.": ("flow", "an SD3 checkpoint (model.family flow, from its diffusers folder)"),
+    "double_blocks.": ("flow", "a Flux checkpoint (model.family flow, from its diffusers folder)"),
+    "model.diffusion_model.double_blocks.": ("flow", "a Flux checkpoint (model.family flow, from its diffusers folder)"),
+    "unet.": ("", "a diffusers-layout file (give its pipeline folder instead)"),
+}
 
 
 def resolve_pretrained(pretrained: str, cache_dir: str | os.PathLike, key: str = "model.pretrained") -> Path:
@@ -29,9 +53,9 @@ def resolve_pretrained(pretrained: str, cache_dir: str | os.PathLike, key: str =
     path = Path(pretrained).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise FamilyError(f"{path} is a file; {key} must be a folder (a diffusers pipeline or transformers "
-                              "folder; single-file .safetensors/.ckpt checkpoints are not supported: convert them "
-                              "first)")
+            raise FamilyError(f"{path} is a file; {key} must be a folder here (a diffusers pipeline or transformers "
+                              f"folder). Single .safetensors/.ckpt checkpoints load as model.pretrained of "
+                              f"model.family {' or '.join(single_file_families())}, with model.base_pipeline.")
         return path.resolve()
     if not HUB_ID.fullmatch(pretrained):
         raise FamilyError(f"folder {path} does not exist ({key})")
@@ -46,8 +70,100 @@ def resolve_folders(model_spec, family: Family, cache_dir: str | os.PathLike) ->
     folders: dict[str, Path | None] = {}
     for field in family.pretrained_fields:
         value = getattr(model_spec, field, None)
-        folders[field] = resolve_pretrained(value, cache_dir, f"model.{field}") if value else None
+        if field == "pretrained" and value and is_single_file(value):
+            folders[field] = single_file_folder(Path(value).expanduser(), model_spec, family, cache_dir)
+        else:
+            folders[field] = resolve_pretrained(value, cache_dir, f"model.{field}") if value else None
     return folders
+
+
+def single_file_families() -> list[str]:
+    return [name for name in FAMILY_MODULES if get_family(name).single_file is not None]
+
+
+def single_file_folder(path: Path, model_spec, family: Family, cache_dir) -> Path:
+    """The diffusers pipeline folder converted from the checkpoint file `path` (once; then from the cache)."""
+    able = " or ".join(single_file_families())
+    if family.single_file is None:
+        raise FamilyError(f"model.pretrained {path}: model.family {family.name} cannot load a single checkpoint file; "
+                          f"give its folder (or hub id, or built-in). Single files load for model.family {able}.")
+    if not path.is_file():
+        raise FamilyError(f"model.pretrained {path}: no such file. Give an existing .safetensors/.ckpt checkpoint "
+                          "(original key layout, with model.base_pipeline), a diffusers pipeline folder, a hub id "
+                          f"already downloaded, or a built-in model (builtin:tiny-{family.name}).")
+    base = resolve_pretrained(model_spec.base_pipeline, cache_dir, "model.base_pipeline")
+    keys = checkpoint_keys(path)
+    _check_layout(path, keys, family)
+    stat = path.resolve().stat()
+    identity = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, str(base)])
+    out = (Path(cache_dir) / SINGLE_FILE_CACHE
+           / f"{path.stem}-{hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()}")
+    if not (out / SINGLE_FILE_INFO).is_file():
+        _convert_single_file(path, base, keys, family, out)
+    return out
+
+
+def checkpoint_keys(path: Path) -> list[str]:
+    """The tensor names of a .safetensors (from its header) or .ckpt (weights-only unpickling) checkpoint."""
+    try:
+        if path.suffix.lower() == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as handle:
+                return list(handle.keys())
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = state.get("state_dict", state) if isinstance(state, dict) else state
+        if not isinstance(state, dict):
+            raise ValueError(f"it holds a {type(state).__name__}, not a dict of tensors")
+        return [str(key) for key in state]
+    except Exception as err:  # safetensors and torch raise their own error types for a damaged or foreign file
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise FamilyError(f"model.pretrained {path}: cannot read it as a {path.suffix} checkpoint ({first})") from None
+
+
+def _check_layout(path: Path, keys: list[str], family: Family) -> None:
+    layout = family.single_file
+    hints = sorted({what for prefix, (owner, what) in KNOWN_LAYOUTS.items() if owner != family.name
+                    for key in keys if key.startswith(prefix)})
+    if any(key.startswith(layout.denoiser_prefixes) for key in keys) and not hints:
+        return
+    seen = ", ".join(keys[:3]) or "no tensors"
+    what = f"it looks like {hints[0]}" if hints else f"its keys are not in that layout (e.g. {seen})"
+    raise FamilyError(
+        f"model.pretrained {path}: model.family {family.name} reads a single file in the original key layout, the "
+        f"{layout.denoiser} under {' / '.join(layout.denoiser_prefixes)} (plus, optionally, "
+        f"{', '.join(f'{c} under {p[0]}' for c, p in layout.companions.items())}); {what}.")
+
+
+def _convert_single_file(path: Path, base: Path, keys: list[str], family: Family, out: Path) -> None:
+    """diffusers' from_single_file with the base folder as config; components the file lacks come from the base."""
+    index = read_model_index(base)
+    with quiet_hf_libraries():
+        import diffusers
+
+        pipeline_class = getattr(diffusers, str(index.get("_class_name")), None)
+        if pipeline_class is None or not hasattr(pipeline_class, "from_single_file"):
+            raise FamilyError(f"model.base_pipeline {base}: {index.get('_class_name')} cannot load single files")
+        components = {}
+        for name, prefixes in family.single_file.companions.items():
+            if not any(key.startswith(prefixes) for key in keys):
+                library, class_name = index[name]
+                loader = getattr(importlib.import_module(library), class_name)
+                components[name] = loader.from_pretrained(base, subfolder=name)
+        try:
+            pipeline = pipeline_class.from_single_file(str(path), config=str(base), local_files_only=True,
+                                                       **components)
+        except Exception as err:  # diffusers raises ValueError, KeyError, RuntimeError, its own errors by layout
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise FamilyError(f"model.pretrained {path}: diffusers could not load it with the configs of "
+                              f"model.base_pipeline {base} ({first}). Is it a {family.name} checkpoint of the same "
+                              "architecture as the base pipeline?") from None
+        with folder_written_atomically(out, "converting") as work:
+            pipeline.save_pretrained(work, safe_serialization=True)
+            info = {"file": str(path.resolve()), "base_pipeline": str(base),
+                    "from_file": sorted({family.single_file.denoiser, *family.single_file.companions} - set(components)),
+                    "from_base": sorted(components)}
+            (work / SINGLE_FILE_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
 def build_model(model_spec, cache_dir: str | os.PathLike, device, dtype_for_frozen: torch.dtype = torch.float32):

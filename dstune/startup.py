@@ -61,7 +61,7 @@ def build_family(run: Run, spec: Spec, train_mode: bool = True) -> tuple[Family,
         return family, built
     summary, error = None, None
     try:
-        summary = apply_train_mode(built.trainable, spec.model, spec.train.seed, family)
+        summary = apply_train_mode(built.trainable, spec.model, spec.train.seed, family, spec.output.lora_format)
     except ValueError as err:
         error = str(err)
     agree_or_stop(run, error)

@@ -25,7 +25,7 @@ from dstune.ds_config import cross_check as deepspeed_cross_check
 from dstune.ds_file_spec import apply_ds_file, ds_value_sources
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
-from dstune.spec.models import AUDIO_FAMILIES, Spec
+from dstune.spec.models import AUDIO_FAMILIES, Spec, lora_format_problem
 from dstune.trackers import wandb_missing
 from dstune.world import World, world_from_flags
 
@@ -100,6 +100,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
         file_read = False
     _check_accelerator(spec, source, accelerator, found)
     _check_trackers(spec, source, found)
+    _check_lora_format(spec, source, found)
     count, origin, groups = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:
@@ -165,6 +166,12 @@ def _this_machine_accelerator() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_lora_format(spec: Spec, source: SpecSource, found: IssueList) -> None:
+    problem = lora_format_problem(spec.model.family, getattr(spec.model, "train", "full"), spec.output.lora_format)
+    if problem:
+        found.add([source.issue("output.lora_format", problem)])
 
 
 def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],

@@ -31,7 +31,8 @@ attribute name to the module: "vae" for the VAE, every other entry a text encode
 
 Capabilities are declared, never probed: `modality` ("image" or "audio": which data path and cache kinds apply),
 `save_lora_weights` (None: the family cannot export a LoRA, so model.train: lora is refused before training), and
-`text_cache` (None: no data.cache.text_embeddings). Latents need no hook: every image family's VAE posterior is
+`text_cache` (None: no data.cache.text_embeddings), `single_file` (None: model.pretrained cannot be a single
+checkpoint file). Latents need no hook: every image family's VAE posterior is
 stored as latent_mean / latent_std. Batches also carry each sample's `original_size` and `crop_top_left`
 (dstune.data.images.crop_fields), from the image loader and from the cache alike (sdxl conditions on them).
 
@@ -64,6 +65,16 @@ class TextCache:
 
 
 @dataclass(frozen=True)
+class SingleFileLayout:
+    """How a family's single checkpoint file (original, non-diffusers key layout) is laid out, for
+    dstune.pretrained, which converts it with diffusers' `from_single_file` into a pipeline folder."""
+
+    denoiser: str  # the pipeline component the file must hold ("unet")
+    denoiser_prefixes: tuple[str, ...]  # key prefixes of the denoiser in the original layout
+    companions: dict  # component -> key prefixes that show the file holds it; a component it lacks comes from the base
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family: what the stages call, and what it can do (see the module docstring)."""
 
@@ -78,6 +89,7 @@ class Family:
     export: Callable
     save_lora_weights: Optional[Callable] = None  # (built, lora_layers, adapter_metadata, folder)
     text_cache: Optional[TextCache] = None
+    single_file: Optional[SingleFileLayout] = None  # None: model.pretrained must be a folder (or hub id, built-in)
 
     @property
     def supports_lora(self) -> bool:

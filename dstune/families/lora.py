@@ -14,9 +14,13 @@ What happens with `model.train: lora`:
   2. Checkpoints leave the frozen weights out (`exclude_frozen_parameters`): they are the pretrained folder's,
      rebuilt on resume, so a LoRA checkpoint is the size of the adapters, not of the model.
   3. The export takes the adapter tensors from the consolidated checkpoint (ZeRO-3 shards are gathered offline by
-     DeepSpeed's zero_to_fp32, the same path `dstune export` takes), renames them the way diffusers'
-     training examples do (peft names -> `convert_state_dict_to_diffusers`) and lets the family's pipeline class
-     write `pytorch_lora_weights.safetensors`, which `pipe.load_lora_weights(folder)` loads.
+     DeepSpeed's zero_to_fp32, the same path `dstune export` takes), names them as peft does (the naming diffusers'
+     loaders read for every family) and lets the family's pipeline class write `pytorch_lora_weights.safetensors`,
+     which `pipe.load_lora_weights(folder)` loads.
+  4. `output.lora_format` picks the key scheme of that file (dstune.spec.model_sections.LORA_FORMATS): the
+     diffusers scheme above, or kohya's (`lora_unet_<layer path, dots as underscores>.lora_down.weight` /
+     `.lora_up.weight` / `.alpha`), which ComfyUI, A1111/Forge and diffusers' own kohya conversion all read. The file
+     keeps its name either way, so `pipe.load_lora_weights(folder)` loads every format.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from dstune.families.base import Family, FamilyError, sample_generator
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
+from dstune.spec.models import lora_file_scheme
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter add_adapter creates; it appears in parameter names
 LORA_WEIGHT_FILE = "pytorch_lora_weights.safetensors"  # the name load_lora_weights looks for in a folder
@@ -47,9 +52,10 @@ def is_lora_key(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: Family) -> str:
+def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: Family, lora_format=None) -> str:
     """Make `denoiser` trainable as `model_spec.train` says; returns a one-line summary for the log. A family
-    that cannot write a LoRA file is refused here, before training, not at the export.
+    that cannot write a LoRA file, or adapters the LoRA file's key scheme (`lora_format`, output.lora_format)
+    cannot name, are refused here, before training, not at the export.
 
     For LoRA the A matrices are re-drawn from a CPU generator seeded by train.seed: peft draws them from the global
     (and, on GPUs, the CUDA) RNG, which would make them differ between ranks, devices and runs."""
@@ -69,6 +75,7 @@ def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: F
         raise FamilyError(f"model.lora.target_modules {list(settings.target_modules)}: {first}. Name layers of "
                           f"{type(denoiser).__name__} (e.g. to_q, to_k, to_v, to_out.0).") from None
     adapters = [(name, p) for name, p in denoiser.named_parameters() if p.requires_grad]
+    _check_file_names(model_spec.family, lora_format, [name for name, _ in adapters])
     with torch.no_grad():
         for number, (name, param) in enumerate(adapters):
             if ".lora_A." in name:
@@ -93,31 +100,88 @@ def adapter_state_dict(state: dict) -> dict:
 
 
 def diffusers_lora_layers(state: dict) -> dict:
-    """Adapter tensors in diffusers' LoRA naming (`<layer>.lora.down.weight` / `.lora.up.weight`), the form
-    `<Pipeline>.save_lora_weights` expects, as diffusers' train_*_lora.py examples produce it."""
-    from diffusers.utils import convert_state_dict_to_diffusers
+    """Adapter tensors as `<Pipeline>.save_lora_weights` takes them: peft's names (`<layer>.lora_A.weight` /
+    `.lora_B.weight`), which diffusers' loaders read as they are for every family. Not diffusers'
+    `convert_state_dict_to_diffusers`, which renames only attention projections (`to_q.lora.down.weight`): with any
+    other target (conv1, proj_in, ...) the file mixes both namings, and diffusers' loader, which picks one naming by
+    the first key, then silently drops every adapter of the other."""
+    return {name: tensor.detach().float().contiguous().cpu() for name, tensor in adapter_state_dict(state).items()}
 
-    peft_named = adapter_state_dict(state)
-    return {name: tensor.detach().float().contiguous().cpu()
-            for name, tensor in convert_state_dict_to_diffusers(peft_named).items()}
+
+KOHYA_PREFIX = "lora_unet_"  # kohya's prefix of the denoiser's LoRA layers (text encoders: lora_te_)
 
 
-def export_lora(family: Family, built, state: dict, out_dir, model_spec, weights: str = "raw") -> Path:
-    """Write `out_dir/pytorch_lora_weights.safetensors` (+ dstune_lora.json naming the base model), atomically.
+def kohya_lora_tensors(state: dict, alpha: float) -> dict:
+    """Adapter tensors in kohya's LoRA naming: `lora_unet_<layer path with . as _>.lora_down.weight` (A),
+    `.lora_up.weight` (B) and `.alpha` (a 0-dim tensor; the layer's output is scaled by alpha / rank, as peft's)."""
+    tensors = {}
+    for name, tensor in adapter_state_dict(state).items():
+        layer, part = name.rsplit(".lora_", 1)
+        key = KOHYA_PREFIX + layer.replace(".", "_")
+        tensors[f"{key}.lora_down.weight" if part == "A.weight" else f"{key}.lora_up.weight"] = (
+            tensor.detach().float().contiguous().cpu())
+        tensors[f"{key}.alpha"] = torch.tensor(float(alpha))
+    return tensors
+
+
+def kohya_read_back(layer: str) -> str:
+    """The layer name diffusers' kohya reader makes of `layer`'s kohya key (nothing read: "nothing"). kohya's
+    scheme turns the layer path's dots into underscores, and readers guess them back from known UNet part names."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    key = KOHYA_PREFIX + layer.replace(".", "_")
+    placeholders = {f"{key}.lora_down.weight": torch.zeros(1, 1), f"{key}.lora_up.weight": torch.zeros(1, 1)}
+    with quiet_hf_libraries():
+        state, _ = StableDiffusionPipeline.lora_state_dict(placeholders)
+        read = {name.removeprefix("unet.").rsplit(".lora_", 1)[0] for name in convert_unet_state_dict_to_peft(state)}
+    return next(iter(read), "nothing")
+
+
+def _check_file_names(family_name: str, lora_format, adapter_names: list[str]) -> None:
+    chosen, scheme = lora_file_scheme(family_name, lora_format)
+    if scheme != "kohya":
+        return
+    layers = sorted({name.split(".lora_")[0] for name in adapter_names if ".lora_A." in name})
+    lost = {layer: back for layer in layers if (back := kohya_read_back(layer)) != layer}
+    if lost:  # e.g. SDXL's add_embedding.linear_1 comes back as add.embedding.linear: skipped when loaded
+        examples = ", ".join(f"{layer} (read back as {back})" for layer, back in list(lost.items())[:3])
+        raise FamilyError(f"output.lora_format {chosen}: kohya's key scheme cannot name {len(lost)} adapted layer(s) "
+                          f"so that LoRA loaders read them back: {examples}. Leave them out of "
+                          "model.lora.target_modules, or set output.lora_format: diffusers.")
+
+
+def save_kohya_file(tensors: dict, settings, folder: Path) -> None:
+    """The kohya file, with the settings kohya's tools record in the safetensors metadata."""
+    from safetensors.torch import save_file
+
+    metadata = {"ss_network_module": "networks.lora", "ss_network_dim": str(settings.rank),
+                "ss_network_alpha": f"{settings.resolved_alpha:g}", "ss_network_dropout": f"{settings.dropout:g}"}
+    save_file(tensors, str(folder / LORA_WEIGHT_FILE), metadata=metadata)
+
+
+def export_lora(family: Family, built, state: dict, out_dir, model_spec, weights: str = "raw",
+                lora_format=None) -> Path:
+    """Write `out_dir/pytorch_lora_weights.safetensors` in the scheme of `lora_format` (output.lora_format; None:
+    the family's default) + dstune_lora.json naming the base model and the format, atomically.
     `weights` says which weights these are ("ema" or "raw"); it is recorded, not applied."""
     settings = model_spec.lora_settings
-    layers = diffusers_lora_layers(state)
-    metadata = lora_config(settings).to_dict()
-    out = Path(out_dir)
     if not family.supports_lora:
         raise FamilyError(f"model.family {model_spec.family!r} cannot write a LoRA file")
+    chosen, scheme = lora_file_scheme(model_spec.family, lora_format)
+    out = Path(out_dir)
     with folder_written_atomically(out, "exporting") as work:
-        with quiet_hf_libraries():
-            family.save_lora_weights(built, layers, metadata, work)
+        if scheme == "kohya":
+            layers = kohya_lora_tensors(state, settings.resolved_alpha)
+            save_kohya_file(layers, settings, work)
+        else:
+            layers = diffusers_lora_layers(state)
+            with quiet_hf_libraries():
+                family.save_lora_weights(built, layers, lora_config(settings).to_dict(), work)
         if not (work / LORA_WEIGHT_FILE).is_file():
             raise FamilyError(f"model.family {family.name}: save_lora_weights wrote no {LORA_WEIGHT_FILE}")
         info = {"base_model": model_spec.pretrained, "base_folder": str(built.folder), "family": model_spec.family,
-                "rank": settings.rank, "alpha": settings.resolved_alpha,
+                "format": chosen, "key_scheme": scheme, "rank": settings.rank, "alpha": settings.resolved_alpha,
                 "target_modules": list(settings.target_modules), "weights": weights,
                 "tensors": len(layers)}
         (work / LORA_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")

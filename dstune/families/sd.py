@@ -26,7 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from dstune.families.base import Family, FamilyError, TextCache, per_sample_randint, per_sample_randn, sample_generator
+from dstune.families.base import (Family, FamilyError, SingleFileLayout, TextCache, per_sample_randint, per_sample_randn,
+                                  sample_generator)
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
                                        non_reentrant_checkpoint, read_component_config, read_model_index)
 from dstune.families.samples import save_grid
@@ -307,7 +308,13 @@ def cache_text_tensors(built: SdBuilt, captions: list[str]) -> dict[str, torch.T
     return {"encoder_hidden_states": encode_captions(built, captions)}
 
 
+# The original Stable Diffusion checkpoint layout (what from_single_file reads): UNet under model.diffusion_model.,
+# VAE under first_stage_model., the CLIP text encoder under cond_stage_model. (SD 2.x: its OpenCLIP naming).
+SINGLE_FILE = SingleFileLayout("unet", ("model.diffusion_model.",),
+                               {"vae": ("first_stage_model.",), "text_encoder": ("cond_stage_model.",)})
+
 FAMILY = Family(
     name="sd", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
-    text_cache=TextCache(("text_encoder", "tokenizer"), ("encoder_hidden_states",), cache_text_tensors))
+    text_cache=TextCache(("text_encoder", "tokenizer"), ("encoder_hidden_states",), cache_text_tensors),
+    single_file=SINGLE_FILE)

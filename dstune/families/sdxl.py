@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families import sd
-from dstune.families.base import Family, FamilyError, TextCache, sample_generator
+from dstune.families.base import Family, FamilyError, SingleFileLayout, TextCache, sample_generator
 from dstune.families.diffusion import (inputs_cast_to, load_component, non_reentrant_checkpoint,
                                        read_component_config, read_model_index)
 from dstune.families.samples import save_grid
@@ -301,7 +301,13 @@ def save_lora_weights(built: SdxlBuilt, lora_layers: dict, adapter_metadata: dic
                                                     safe_serialization=True)
 
 
+# The original SDXL checkpoint layout (what from_single_file reads): UNet under model.diffusion_model., VAE under
+# first_stage_model., the two text encoders under conditioner.embedders.0. (CLIP ViT-L) and .1. (OpenCLIP ViT-bigG).
+SINGLE_FILE = SingleFileLayout("unet", ("model.diffusion_model.",), {
+    "vae": ("first_stage_model.",), "text_encoder": ("conditioner.embedders.0.",),
+    "text_encoder_2": ("conditioner.embedders.1.",)})
+
 FAMILY = Family(
     name="sdxl", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
-    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors))
+    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors), single_file=SINGLE_FILE)

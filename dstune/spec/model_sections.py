@@ -17,6 +17,43 @@ from dstune.spec.section import Section
 DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 
 
+# The LoRA file formats each LoRA family writes (output.lora_format), the default first, and the key scheme each one
+# is written in. `comfyui` names the scheme ComfyUI's LoRA loader maps every key of (no "lora key not loaded") that
+# diffusers' own loader reads back too: for the UNet families that is kohya's (ComfyUI maps diffusers' UNet LoRA
+# keys only in diffusers' old attention-processor naming), for flow (SD3, Flux) it is the diffusers file itself,
+# whose `transformer.` keys ComfyUI maps for both. The defaults are what most users load: SD 1.x/2.x and SDXL LoRAs
+# are exchanged and loaded (ComfyUI, A1111/Forge, diffusers) as kohya files; SD3/Flux LoRAs load as diffusers files
+# in ComfyUI and diffusers alike. See docs/lora-and-ema.md.
+LORA_FORMATS = {
+    "sd": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
+    "sdxl": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
+    "flow": {"diffusers": "diffusers", "comfyui": "diffusers"},
+}
+
+
+def lora_format_problem(family: str, train: str, lora_format) -> str | None:
+    """Why output.lora_format cannot be used with this model section, or None. Unset is always fine."""
+    if lora_format is None:
+        return None
+    if family not in LORA_FORMATS:
+        return f"model.family {family} has no LoRA training, so there is no LoRA file to format: remove it"
+    if train != "lora":
+        return f"applies to model.train: lora, but model.train is {train!r}: remove it or set model.train: lora"
+    choices = LORA_FORMATS[family]
+    if lora_format not in choices:
+        return (f"{lora_format!r} is not a LoRA format of model.family {family}; choices: {', '.join(choices)} "
+                f"(default {next(iter(choices))})")
+    return None
+
+
+def lora_file_scheme(family: str, lora_format) -> tuple[str, str]:
+    """(the format in effect, the key scheme it is written in) for a LoRA family: output.lora_format, or the
+    family's default when it is unset."""
+    choices = LORA_FORMATS[family]
+    chosen = lora_format or next(iter(choices))
+    return chosen, choices[chosen]
+
+
 class LoraSpec(Section):
     rank: int = Field(16, gt=0, description="LoRA rank r: the inner size of each adapter (A: r x in, B: out x r).")
     alpha: Optional[float] = Field(
@@ -43,6 +80,16 @@ class LoraSpec(Section):
         return float(self.alpha if self.alpha is not None else self.rank)
 
 
+# A `model.pretrained` ending in one of these is a single checkpoint file (dstune.pretrained converts it).
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
+# The families whose `model.pretrained` may be such a file (their Family.single_file says how it is laid out).
+SINGLE_FILE_FAMILIES = ("sd", "sdxl")
+
+
+def is_single_file(pretrained: str) -> bool:
+    return pretrained.lower().endswith(SINGLE_FILE_SUFFIXES)
+
+
 class DenoiserModelBase(Section):
     """What every diffusion family's model section shares (sd, sdxl, flow): full fine-tuning or LoRA of the
     denoiser (the UNet or transformer the family trains). Subclass it for a new diffusion family's model section."""
@@ -50,12 +97,21 @@ class DenoiserModelBase(Section):
     train: Literal["full", "lora"] = Field(
         "full",
         description="`full`: every weight of the denoiser (UNet/transformer) is trained. `lora`: the denoiser is "
-        "frozen and only LoRA adapters (`lora`) are trained, checkpointed and exported (a diffusers LoRA file). "
+        "frozen and only LoRA adapters (`lora`) are trained, checkpointed and exported (a LoRA file in the key scheme "
+        "of `output.lora_format`). "
         "See docs/lora-and-ema.md.",
     )
     lora: Optional[LoraSpec] = Field(
         None, description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
         "([to_q, to_k, to_v, to_out.0]), `dropout` (0.0); omitted: those defaults. See docs/lora-and-ema.md."
+    )
+
+    base_pipeline: Optional[str] = Field(
+        None, description="Only when `pretrained` is a single checkpoint file (.safetensors/.ckpt in the original, "
+        "non-diffusers key layout, e.g. `model.diffusion_model.*`): the diffusers pipeline folder, hub id already "
+        "downloaded, or built-in model whose configs describe the file (nothing is downloaded) and which supplies "
+        "every component the file does not hold (a UNet-only file takes VAE and text encoders from here). "
+        "sd and sdxl load single files. See docs/lora-and-ema.md.",
     )
 
     @field_validator("lora")
@@ -65,6 +121,22 @@ class DenoiserModelBase(Section):
             raise ValueError("LoRA settings are given but `train` is 'full' (every weight is trained, no adapters). "
                              "Set `train: lora` to train adapters, or remove `lora`.")
         return value
+
+    @model_validator(mode="after")
+    def _base_pipeline_with_a_single_file(self):
+        pretrained = getattr(self, "pretrained", "")
+        if is_single_file(pretrained) and self.family not in SINGLE_FILE_FAMILIES:
+            raise ValueError(f"pretrained {pretrained}: model.family {self.family} cannot load a single checkpoint file "
+                             "here; give its diffusers pipeline folder, a downloaded hub id or a built-in "
+                             f"({' and '.join(SINGLE_FILE_FAMILIES)} load single files)")
+        if self.base_pipeline is not None and not is_single_file(pretrained):
+            raise ValueError(f"base_pipeline applies only when pretrained is a single checkpoint file "
+                             f"({', '.join(SINGLE_FILE_SUFFIXES)}); pretrained is {pretrained!r}: remove base_pipeline")
+        if self.base_pipeline is None and is_single_file(pretrained):
+            raise ValueError(f"pretrained {pretrained} is a single checkpoint file: set base_pipeline to the "
+                             f"diffusers {self.family} pipeline (folder, downloaded hub id or builtin:tiny-{self.family}) "
+                             "whose configs describe it and which supplies the components the file does not hold")
+        return self
 
     @property
     def lora_settings(self) -> Optional[LoraSpec]:
@@ -79,7 +151,8 @@ class SdModel(DenoiserModelBase):
     pretrained: str = Field(
         "builtin:tiny-sd",
         description="A diffusers pipeline folder (model_index.json + unet/vae/text_encoder/tokenizer/scheduler), "
-        "a hub id already in the local Hugging Face cache, or `builtin:tiny-sd` (a tiny model built offline).",
+        "a hub id already in the local Hugging Face cache, `builtin:tiny-sd` (a tiny model built offline), or a "
+        "single checkpoint file (.safetensors/.ckpt, original key layout) together with `base_pipeline`.",
     )
     prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
@@ -101,8 +174,9 @@ class SdxlModel(DenoiserModelBase):
     pretrained: str = Field(
         "builtin:tiny-sdxl",
         description="A diffusers StableDiffusionXLPipeline folder (model_index.json + unet/vae/text_encoder/"
-        "text_encoder_2/tokenizer/tokenizer_2/scheduler), a hub id already in the local Hugging Face cache, or "
-        "`builtin:tiny-sdxl` (a tiny model built offline).",
+        "text_encoder_2/tokenizer/tokenizer_2/scheduler), a hub id already in the local Hugging Face cache, "
+        "`builtin:tiny-sdxl` (a tiny model built offline), or a single checkpoint file (.safetensors/.ckpt, original "
+        "key layout) together with `base_pipeline`.",
     )
     prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."

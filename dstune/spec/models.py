@@ -16,8 +16,9 @@ from dstune.spec.section import Section
 # The model and data sections live in their own modules; they are imported here (and re-exported) so the whole spec
 # is importable from one place.
 from dstune.spec.model_sections import (  # noqa: F401
-    AUDIO_FAMILIES, DEFAULT_LORA_TARGET_MODULES, FAMILIES, DenoiserModelBase, FlowModel, LoraSpec, Model, SdModel,
-    SdxlModel, SpeechT5Model, TtsLmModel)
+    AUDIO_FAMILIES, DEFAULT_LORA_TARGET_MODULES, FAMILIES, LORA_FORMATS, SINGLE_FILE_FAMILIES, DenoiserModelBase,
+    FlowModel, LoraSpec, Model, SdModel, SdxlModel, SpeechT5Model, TtsLmModel, is_single_file, lora_file_scheme,
+    lora_format_problem)
 from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, data_family_problem  # noqa: F401
 
 # Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since
@@ -240,6 +241,13 @@ class OutputSpec(Section):
     wandb: bool = Field(
         False, description="Also log them to a Weights & Biases run in offline mode under `<output.dir>/wandb` (rank 0; "
         "nothing is uploaded: `wandb sync` does that later). Needs the `wandb` package, which dstune does not install.")
+    lora_format: Optional[Literal["diffusers", "kohya", "comfyui"]] = Field(
+        None, description="With model.train: lora, the key scheme of the exported LoRA file: `kohya` (lora_unet_... "
+        "names with per-layer alpha), `comfyui` (a file ComfyUI loads without \"lora key not loaded\": kohya's "
+        "scheme for sd/sdxl, the diffusers file for flow) or `diffusers`. Omitted: kohya for sd and sdxl, diffusers "
+        "for flow (what most users load them with). sd/sdxl: kohya, comfyui, diffusers; flow: diffusers, comfyui. "
+        "See docs/lora-and-ema.md.",
+    )
 
 
 class SampleSpec(Section):

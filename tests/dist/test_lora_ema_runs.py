@@ -1,5 +1,6 @@
 """Real 2-rank LoRA + EMA training on CPU: adapters alone train under ZeRO 2 and 3, checkpoints hold only them, the
-export is a diffusers LoRA file that StableDiffusionPipeline.load_lora_weights loads (and that changes the images),
+export is a LoRA file (kohya's scheme, sd's default, from the zero2 run; diffusers' from the zero3 run) that
+StableDiffusionPipeline.load_lora_weights loads (and that changes the images),
 the EMA is exported and resumes exactly, and the samples contact sheet lists every sample step.
 
 Four launches in all (zero2, zero3, the zero2 resume, the zero3 resume on 1 rank), shared by every test through the
@@ -23,20 +24,22 @@ pytestmark = pytest.mark.dist
 
 STEPS = 4
 LORA = {"train": "lora", "lora": {"rank": 4, "alpha": 8}}
-CASES = {  # name -> (zero stage, EMA device, sample prompts)
-    "zero2": (2, "cpu", ["a red circle", "a blue square"]),
-    "zero3": (3, "same", ["a green triangle"]),
+CASES = {  # name -> (zero stage, EMA device, sample prompts, output.lora_format)
+    "zero2": (2, "cpu", ["a red circle", "a blue square"], None),  # sd's default: kohya
+    "zero3": (3, "same", ["a green triangle"], "diffusers"),
 }
 ADAPTER_TENSORS = 64  # 32 attention projections of the tiny UNet x (A, B)
+FILE_KEYS = {None: ("lora_unet_", 96), "diffusers": ("unet.", 64)}  # kohya adds one alpha per layer
 
 
-def _spec(run_dir: Path, stage: int, ema_device: str, prompts: list[str]) -> dict:
+def _spec(run_dir: Path, stage: int, ema_device: str, prompts: list[str], lora_format) -> dict:
     return base_spec(
         run_dir, model=LORA,
         train={"global_batch_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": None, "max_steps": STEPS,
                "optimizer": {"type": "adamw", "lr": 0.01}, "ema": {"decay": 0.8, "device": ema_device}},
         deepspeed={"zero_stage": stage},
-        output={"save_every_steps": 2, "keep_last": 5, "export": "diffusers"},
+        output={"save_every_steps": 2, "keep_last": 5, "export": "diffusers",
+                **({"lora_format": lora_format} if lora_format else {})},
         sample={"prompts": prompts, "every_steps": 2 if stage == 2 else None, "steps": 2},
     )
 
@@ -110,8 +113,10 @@ def test_export_loads_into_stable_diffusion_and_changes_the_images(runs, name):
     export = _ok(runs, name) / "export" / f"step-{STEPS:08d}"
     info = json.loads((export / "dstune_lora.json").read_text())
     assert info["weights"] == "ema" and info["rank"] == 4
+    assert info["format"] == (CASES[name][3] or "kohya")
     layers = _lora_file(export)
-    assert len(layers) == ADAPTER_TENSORS and all(k.startswith("unet.") and ".lora" in k for k in layers)
+    prefix, count = FILE_KEYS[CASES[name][3]]
+    assert len(layers) == count and all(k.startswith(prefix) for k in layers)
     pipe = StableDiffusionPipeline.from_pretrained(info["base_folder"], safety_checker=None)
     pipe.set_progress_bar_config(disable=True)
     before = _render(pipe)
@@ -122,15 +127,15 @@ def test_export_loads_into_stable_diffusion_and_changes_the_images(runs, name):
 def test_export_holds_the_ema_not_the_raw_adapters(runs):
     from dstune.ema import consolidated_ema, overlay_ema
     from dstune.export import consolidated_state_dict
-    from dstune.families.lora import diffusers_lora_layers
+    from dstune.families.lora import kohya_lora_tensors
 
-    run_dir = _ok(runs, "zero2")
+    run_dir = _ok(runs, "zero2")  # exported in sd's default format, kohya
     folder = run_dir / "checkpoints" / f"step-{STEPS:08d}"
     raw = consolidated_state_dict(folder.parent, folder.name, 2)
     ema = consolidated_ema(folder)
     assert set(ema) == set(raw)
-    exported = {k.removeprefix("unet."): v for k, v in _lora_file(run_dir / "export" / folder.name).items()}
-    expected = diffusers_lora_layers(overlay_ema(raw, ema))
+    exported = _lora_file(run_dir / "export" / folder.name)
+    expected = kohya_lora_tensors(overlay_ema(raw, ema), alpha=8)
     assert set(exported) == set(expected)
     assert max((exported[k] - expected[k]).abs().max().item() for k in expected) == 0
     assert max((ema[k] - raw[k]).abs().max().item() for k in raw) > 0  # EMA lags the trained adapters
@@ -178,6 +183,24 @@ def test_dstune_export_of_a_zero3_checkpoint_yields_the_lora_file(runs, tmp_path
     step2, final = _lora_file(out), _lora_file(run_dir / "export" / f"step-{STEPS:08d}")
     assert set(step2) == set(final)
     assert max((step2[k] - final[k]).abs().max().item() for k in final) > 0  # step 2's adapters, not the last
+
+
+def test_dstune_export_rewrites_a_diffusers_run_as_a_comfyui_file(runs, tmp_path):
+    """--lora-format replaces the run's output.lora_format: the zero3 run (diffusers) exported again for ComfyUI
+    (sd: kohya's scheme) holds the same adapters under kohya names with alpha 8."""
+    run_dir = _ok(runs, "zero3")
+    done = subprocess.run([sys.executable, "-m", "dstune", "export", str(run_dir), "--lora-format", "comfyui",
+                           "--out", str(tmp_path / "comfy")], cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, explain(done)
+    info = json.loads((tmp_path / "comfy" / "dstune_lora.json").read_text())
+    assert (info["format"], info["key_scheme"]) == ("comfyui", "kohya")
+    comfy, diffusers = _lora_file(tmp_path / "comfy"), _lora_file(run_dir / "export" / f"step-{STEPS:08d}")
+    assert len(comfy) == 96 and all(comfy[k].item() == 8 for k in comfy if k.endswith(".alpha"))
+    for key, tensor in diffusers.items():  # unet.<layer>.lora_A.weight <-> lora_unet_<layer>.lora_down.weight
+        layer, part = key.removeprefix("unet.").rsplit(".lora_", 1)
+        kohya = f"lora_unet_{layer.replace('.', '_')}.{'lora_down' if part == 'A.weight' else 'lora_up'}.weight"
+        assert torch.equal(comfy[kohya], tensor)
 
 
 def test_zero3_lora_ema_run_continues_on_one_rank_exactly(runs):

@@ -15,7 +15,7 @@ from dstune.families.samples import save_grid
 from dstune.fsutil import publish_folder
 from dstune.pretrained import resolve_pretrained
 from dstune.spec.model_sections import FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsLmModel
-from dstune.spec.models import AUDIO_FAMILIES, FAMILIES
+from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, LORA_FORMATS, SINGLE_FILE_FAMILIES
 
 MODEL_SPECS = {"sd": SdModel, "sdxl": SdxlModel, "flow": FlowModel, "tts_lm": TtsLmModel, "speecht5": SpeechT5Model}
 
@@ -34,6 +34,8 @@ def test_registry_matches_the_spec_and_every_family_declares_the_contract():
         assert all(field in MODEL_SPECS[name].model_fields for field in family.pretrained_fields)
         assert family.text_cache is None or family.modality == "image"
         assert family.supports_lora == (family.modality == "image")  # LoRA export: diffusion families today
+        assert family.supports_lora == (name in LORA_FORMATS)  # validate checks output.lora_format by the spec
+        assert (family.single_file is not None) == (name in SINGLE_FILE_FAMILIES)
 
 
 def test_unknown_family_names_the_known_ones():

@@ -147,17 +147,22 @@ def test_lora_target_modules_that_match_nothing_are_a_clear_error():
         apply_train_mode(_tiny_unet(), spec, seed=0, family=SD)
 
 
-def test_adapter_tensors_get_diffusers_lora_names():
+def test_adapter_tensors_get_peft_names_for_diffusers_and_kohya_names():
     from dstune.families.base import FamilyError
-    from dstune.families.lora import adapter_state_dict, diffusers_lora_layers
+    from dstune.families.lora import adapter_state_dict, diffusers_lora_layers, kohya_lora_tensors
 
     state = {"blocks.0.attn1.to_q.base_layer.weight": torch.ones(4, 4),
              "blocks.0.attn1.to_q.lora_A.default.weight": torch.ones(2, 4),
              "blocks.0.attn1.to_q.lora_B.default.weight": torch.zeros(4, 2)}
     assert set(adapter_state_dict(state)) == {"blocks.0.attn1.to_q.lora_A.weight", "blocks.0.attn1.to_q.lora_B.weight"}
     layers = diffusers_lora_layers(state)
-    assert set(layers) == {"blocks.0.attn1.to_q.lora.down.weight", "blocks.0.attn1.to_q.lora.up.weight"}
-    assert torch.equal(layers["blocks.0.attn1.to_q.lora.down.weight"], torch.ones(2, 4))
+    assert set(layers) == {"blocks.0.attn1.to_q.lora_A.weight", "blocks.0.attn1.to_q.lora_B.weight"}
+    assert torch.equal(layers["blocks.0.attn1.to_q.lora_A.weight"], torch.ones(2, 4))
+    kohya = kohya_lora_tensors(state, alpha=8)
+    assert set(kohya) == {f"lora_unet_blocks_0_attn1_to_q.{part}" for part in
+                          ("lora_down.weight", "lora_up.weight", "alpha")}
+    assert torch.equal(kohya["lora_unet_blocks_0_attn1_to_q.lora_down.weight"], torch.ones(2, 4))
+    assert kohya["lora_unet_blocks_0_attn1_to_q.alpha"].shape == () and kohya["lora_unet_blocks_0_attn1_to_q.alpha"] == 8
     with pytest.raises(FamilyError, match="no LoRA adapter weights"):
         adapter_state_dict({"conv.weight": torch.ones(1)})
 

@@ -1,0 +1,139 @@
+"""output.lora_format: every LoRA family x every format it offers, on the tiny built-in models (shared test cache).
+
+Each test builds the family, adds LoRA adapters with random A and B (B is zero after init, which would hide a
+swapped or dropped tensor), exports them, and loads the file back through diffusers' own loader
+(`pipe.load_lora_weights`, which runs diffusers' kohya/ComfyUI conversion for non-diffusers keys). Every adapter
+the loader put into the denoiser must be one we trained, every trained adapter must be there, and each must hold the
+same A and B with the same scale (alpha / rank), so the layer's update scale * B @ A is the trained one."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dstune.families import get_family
+from dstune.families.lora import LORA_WEIGHT_FILE, apply_train_mode, export_lora
+from dstune.pretrained import build_model
+from dstune.spec.load import SpecSource, validate_data
+from dstune.spec.models import LORA_FORMATS, FlowModel, SdModel, SdxlModel
+from dstune.validate import validate_spec
+from dstune.world import world_from_flags
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+MODELS = {  # name -> (model section, pipeline class)
+    "sd": (lambda: SdModel(family="sd", train="lora", lora={"rank": 2, "alpha": 6}), "StableDiffusionPipeline"),
+    "sdxl": (lambda: SdxlModel(family="sdxl", train="lora", lora={"rank": 3, "alpha": 1.5,
+                                                                   "target_modules": ["to_q", "to_v", "conv1"]}),
+             "StableDiffusionXLPipeline"),
+    "sd3": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-flow", train="lora", lora={"rank": 2}),
+            "StableDiffusion3Pipeline"),
+    "flux": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux", train="lora",
+                               lora={"rank": 2, "alpha": 4}), "FluxPipeline"),
+}
+CASES = [(name, fmt) for name, (make, _) in MODELS.items() for fmt in LORA_FORMATS[make().family]]
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict:
+    """name -> (model spec, built, adapter state dict with random A and B)."""
+    out = {}
+    for name, (make, _) in MODELS.items():
+        spec = make()
+        built = build_model(spec, CACHE_DIR, "cpu")
+        apply_train_mode(built.trainable, spec, seed=1, family=get_family(spec.family))
+        generator = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for param in built.trainable.parameters():
+                if param.requires_grad:
+                    param.copy_(torch.randn(param.shape, generator=generator))
+        state = {k: v.clone() for k, v in built.trainable.state_dict().items() if ".lora_" in k}
+        out[name] = (spec, built, state)
+    return out
+
+
+def _adapters(module: torch.nn.Module) -> dict:
+    """layer name -> (A, B, scale) of every peft LoRA layer in `module` (whatever its adapter's name)."""
+    found = {}
+    for name, layer in module.named_modules():
+        if hasattr(layer, "lora_A") and len(layer.lora_A):
+            (adapter,) = list(layer.lora_A)
+            found[name] = (layer.lora_A[adapter].weight.detach(), layer.lora_B[adapter].weight.detach(),
+                           float(layer.scaling[adapter]))
+    return found
+
+
+@pytest.mark.parametrize("name,lora_format", CASES)
+def test_exported_lora_loads_back_through_diffusers_with_every_adapter_weight(trained, tmp_path, name, lora_format):
+    import diffusers
+
+    spec, built, state = trained[name]
+    out = export_lora(get_family(spec.family), built, state, tmp_path / "lora", spec, "raw", lora_format)
+    info = json.loads((out / "dstune_lora.json").read_text())
+    assert info["format"] == lora_format and info["key_scheme"] == LORA_FORMATS[spec.family][lora_format]
+    with safe_open(str(out / LORA_WEIGHT_FILE), "pt") as handle:
+        keys = list(handle.keys())
+    if info["key_scheme"] == "kohya":
+        assert all(k.startswith("lora_unet_") and k.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))
+                   for k in keys)
+    else:
+        assert all(k.startswith(("unet.", "transformer.")) for k in keys)
+
+    pipe = getattr(diffusers, MODELS[name][1]).from_pretrained(built.folder)
+    pipe.load_lora_weights(out)
+    loaded = _adapters(pipe.unet if hasattr(pipe, "unet") else pipe.transformer)
+    expected = _adapters(built.trainable)
+    assert set(loaded) == set(expected) and len(expected) > 0
+    for layer, (a, b, scale) in expected.items():
+        got_a, got_b, got_scale = loaded[layer]
+        assert got_scale == pytest.approx(scale), layer
+        assert torch.equal(got_a, a) and torch.equal(got_b, b), layer
+
+
+def test_default_format_is_kohya_for_unet_families_and_diffusers_for_flow(trained, tmp_path):
+    for name, scheme in (("sd", "kohya"), ("sd3", "diffusers")):
+        spec, built, state = trained[name]
+        out = export_lora(get_family(spec.family), built, state, tmp_path / name, spec)
+        assert json.loads((out / "dstune_lora.json").read_text())["key_scheme"] == scheme
+
+
+def _validate(model: dict, output: dict):
+    data = {"model": model, "train": {"micro_batch_size": 1, "max_steps": 2}, "output": output,
+            "data": {"path": "builtin:tones" if model["family"] == "tts_lm" else "builtin:shapes"}}
+    source = SpecSource("spec.yaml", {"output.lora_format": 9})
+    return validate_spec(validate_data(data, source), source, world_from_flags(num_gpus=1))
+
+
+@pytest.mark.parametrize("model,lora_format,message", [
+    ({"family": "flow", "train": "lora"}, "kohya", "not a LoRA format of model.family flow; choices: diffusers, comfyui"),
+    ({"family": "sd"}, "kohya", "applies to model.train: lora, but model.train is 'full'"),
+    ({"family": "tts_lm"}, "diffusers", "model.family tts_lm has no LoRA training"),
+])
+def test_validate_refuses_a_format_the_family_does_not_have(model, lora_format, message):
+    from dstune.spec.load import SpecError
+
+    with pytest.raises(SpecError) as err:
+        _validate(model, {"lora_format": lora_format})
+    assert "spec.yaml:9: output.lora_format: " in str(err.value) and message in str(err.value)
+    _validate({"family": "sd", "train": "lora"}, {"lora_format": "comfyui"})  # a format sd has
+
+
+def test_layers_kohya_names_cannot_carry_are_refused_before_training():
+    """SDXL's add_embedding.linear_1 becomes lora_unet_add_embedding_linear_1, which diffusers' kohya reader turns
+    into add.embedding.linear: the file would load without that adapter. Refused when the adapters are added."""
+    from dstune.families.base import FamilyError
+
+    spec = SdxlModel(family="sdxl", train="lora", lora={"rank": 2, "target_modules": ["to_q", "linear_1"]})
+    built = build_model(spec, CACHE_DIR, "cpu")
+    with pytest.raises(FamilyError, match=r"output.lora_format kohya: kohya's key scheme cannot name 1 adapted layer"
+                                          r"\(s\) .*add_embedding.linear_1 \(read back as add.embedding.linear\).*"
+                                          r"output.lora_format: diffusers"):
+        apply_train_mode(built.trainable, spec, seed=0, family=get_family("sdxl"))
+    again = build_model(spec, CACHE_DIR, "cpu")
+    assert "LoRA rank 2" in apply_train_mode(again.trainable, spec, seed=0, family=get_family("sdxl"),
+                                             lora_format="diffusers")
