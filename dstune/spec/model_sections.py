@@ -16,6 +16,19 @@ from dstune.spec.section import Section
 # LoRA's usual targets in diffusers UNets and transformers: the attention projections (diffusers' LoRA examples).
 DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 
+# model.base_precision -> bytes per stored weight element of each quantized layer (nn.Linear weights of the denoiser;
+# biases, convolutions, norms and embeddings stay at train.precision), scales included: bitsandbytes int8 keeps one
+# fp32 scale per output row (1 + 4 / in_features, rounded to 1 here), nf4 one fp32 absmax per 64 weights
+# (0.5 + 4 / 64). "fp32"/"bf16" are the unquantized base at train.precision (base_precision omitted), for the
+# memory plan. dstune.families.quantized_base stores exactly these.
+BASE_PRECISION_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "nf4": 0.5625}
+QUANTIZED_BASE_PRECISIONS = ("int8", "nf4")  # what model.base_precision accepts (fp8 is refused with the reason)
+FP8_REFUSAL = (
+    "fp8 is not available: bitsandbytes (the library dstune quantizes with) stores no fp8 weights, and torchao's "
+    "quantized weights (its fp8 and int8 tensor subclasses) fail in deepspeed.initialize, whose parameter broadcast "
+    "views every weight as bytes (NotImplementedError: aten.view.dtype). Use int8 (about half of bf16) or nf4 "
+    "(about a quarter).")
+
 
 class LoraSpec(Section):
     rank: int = Field(16, gt=0, description="LoRA rank r: the inner size of each adapter (A: r x in, B: out x r).")
@@ -58,12 +71,33 @@ class DenoiserModelBase(Section):
         "([to_q, to_k, to_v, to_out.0]), `dropout` (0.0); omitted: those defaults. See docs/lora-and-ema.md."
     )
 
+    base_precision: Optional[Literal["int8", "nf4", "fp8"]] = Field(
+        None,
+        description="LoRA only: store the frozen denoiser's linear-layer weights quantized (QLoRA-style, with "
+        "bitsandbytes) while the adapters train in full precision. `int8`: 1 byte per weight (LLM.int8 with one "
+        "scale per row); `nf4`: 4-bit NormalFloat, 0.56 byte per weight. Both run on CPU and CUDA. ZeRO stage 0-2 "
+        "only: ZeRO-3 cannot partition quantized weights (validate refuses it); `fp8` is refused (no fp8 storage "
+        "that DeepSpeed accepts). Omitted: the base is kept at train.precision. The exported LoRA loads into the "
+        "full-precision pipeline. See docs/lora-and-ema.md.",
+    )
+
     @field_validator("lora")
     @classmethod
     def _lora_needs_lora_training(cls, value, info):
         if value is not None and info.data.get("train", "full") != "lora":
             raise ValueError("LoRA settings are given but `train` is 'full' (every weight is trained, no adapters). "
                              "Set `train: lora` to train adapters, or remove `lora`.")
+        return value
+
+    @field_validator("base_precision")
+    @classmethod
+    def _base_precision_needs_lora(cls, value, info):
+        if value == "fp8":
+            raise ValueError(FP8_REFUSAL)
+        if value is not None and info.data.get("train", "full") != "lora":
+            raise ValueError(f"base_precision {value!r} quantizes the frozen base under LoRA, but `train` is 'full': "
+                             "every weight is trained, and quantized weights cannot be. Set `train: lora`, or remove "
+                             "base_precision.")
         return value
 
     @property
