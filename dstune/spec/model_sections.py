@@ -22,7 +22,6 @@ DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 # (0.5 + 4 / 64). "fp32"/"bf16" are the unquantized base at train.precision (base_precision omitted), for the
 # memory plan. dstune.families.quantized_base stores exactly these.
 BASE_PRECISION_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "nf4": 0.5625}
-QUANTIZED_BASE_PRECISIONS = ("int8", "nf4")  # what model.base_precision accepts (fp8 is refused with the reason)
 FP8_REFUSAL = (
     "fp8 is not available: bitsandbytes (the library dstune quantizes with) stores no fp8 weights, and torchao's "
     "quantized weights (its fp8 and int8 tensor subclasses) fail in deepspeed.initialize, whose parameter broadcast "
