@@ -24,9 +24,9 @@ DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 BASE_PRECISION_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "nf4": 0.5625}
 FP8_REFUSAL = (
     "fp8 is not available: bitsandbytes (the library dstune quantizes with) stores no fp8 weights, and torchao's "
-    "quantized weights (its fp8 and int8 tensor subclasses) fail in deepspeed.initialize, whose parameter broadcast "
-    "views every weight as bytes (NotImplementedError: aten.view.dtype). Use int8 (about half of bf16) or nf4 "
-    "(about a quarter).")
+    "quantized weights are tensor subclasses that fail in deepspeed.initialize, whose parameter broadcast views "
+    "every weight as bytes (NotImplementedError: aten.view.dtype; seen with torchao 0.18's int8 weights, and its "
+    "fp8 weights are the same kind of tensor). Use int8 (about half of bf16) or nf4 (about a quarter).")
 
 
 class LoraSpec(Section):
