@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -166,8 +167,23 @@ def _convert_single_file(path: Path, base: Path, keys: list[str], family: Family
             (work / SINGLE_FILE_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
-def build_model(model_spec, cache_dir: str | os.PathLike, device, dtype_for_frozen: torch.dtype = torch.float32):
-    """The family's Built for this model spec: its folders resolved, then `family.build` (one process; training
-    goes through dstune.startup.build_family, which orders the ranks)."""
+def build_model(model_spec, cache_dir: str | os.PathLike, device, dtype_for_frozen: torch.dtype = torch.float32,
+                zero3_config: Optional[dict] = None, folders: Optional[dict] = None):
+    """The family's Built for this model spec: its folders resolved (unless given), then `family.build` (one
+    process; training goes through dstune.startup.build_family, which orders the ranks). `zero3_config` (a ZeRO-3
+    DeepSpeed JSON) is passed to families that build partitioned (`Family.builds_partitioned`); that build is then
+    collective."""
     family = get_family(model_spec.family)
-    return family.build(model_spec, resolve_folders(model_spec, family, cache_dir), device, dtype_for_frozen)
+    folders = folders if folders is not None else resolve_folders(model_spec, family, cache_dir)
+    if zero3_config is not None and family.builds_partitioned:
+        return family.build(model_spec, folders, device, dtype_for_frozen, zero3_config=zero3_config)
+    return family.build(model_spec, folders, device, dtype_for_frozen)
+
+
+def partitioned_build_config(model_spec, ds_config: Optional[dict]) -> Optional[dict]:
+    """The DeepSpeed JSON to build the trainable module partitioned with (ZeRO-3, a family that can, no quantized
+    base: bitsandbytes weights cannot be partitioned), else None: loaded whole, one copy per process."""
+    stage = (ds_config or {}).get("zero_optimization", {}).get("stage", 0)
+    if stage != 3 or not get_family(model_spec.family).builds_partitioned:
+        return None
+    return None if getattr(model_spec, "base_precision", None) else ds_config

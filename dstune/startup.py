@@ -32,7 +32,7 @@ from dstune.engine import PRECISION_DTYPES
 from dstune.families import get_family
 from dstune.families.base import Family
 from dstune.families.lora import apply_train_mode
-from dstune.pretrained import build_model, resolve_pretrained
+from dstune.pretrained import build_model, partitioned_build_config, resolve_folders, resolve_pretrained
 from dstune.spec.load import SpecError, load_spec
 from dstune.spec.models import Spec
 
@@ -49,14 +49,31 @@ class Caches:
     offloaded: list[str] = field(default_factory=list)
 
 
-def build_family(run: Run, spec: Spec, train_mode: bool = True) -> tuple[Family, object]:
+def build_family(run: Run, spec: Spec, train_mode: bool = True,
+                 ds_config: Optional[dict] = None) -> tuple[Family, object]:
     """The family and its model on this rank's device; with train_mode, made trainable as model.train says (LoRA
-    adapters added before DeepSpeed sees the module). Rank 0 first: a built-in model is made once, into the cache."""
+    adapters added before DeepSpeed sees the module). Rank 0 first: a built-in model is made once, into the cache.
+    Under ZeRO-3 (`ds_config`), a family that can builds its trainable module partitioned, all ranks together."""
     family = get_family(spec.model.family)
     frozen_dtype = PRECISION_DTYPES[spec.train.precision][1]
-
-    built, error = rank0_first(run, lambda: build_model(spec.model, spec.output.cache_dir, run.device, frozen_dtype))
+    zero3_config = partitioned_build_config(spec.model, ds_config) if train_mode else None
+    if zero3_config is None:
+        built, error = rank0_first(run, lambda: build_model(spec.model, spec.output.cache_dir, run.device,
+                                                            frozen_dtype))
+    else:  # the partitioned build is collective: folders first (rank 0 makes a built-in one), then every rank
+        folders, error = rank0_first(run, lambda: resolve_folders(spec.model, family, spec.output.cache_dir))
+        agree_or_stop(run, error and f"model.pretrained {spec.model.pretrained!r}: {error}")
+        built, error = None, None
+        try:
+            built = build_model(spec.model, spec.output.cache_dir, run.device, frozen_dtype, zero3_config, folders)
+        except (ValueError, OSError) as err:
+            error = str(err)
     agree_or_stop(run, error and f"model.pretrained {spec.model.pretrained!r}: {error}")
+    if zero3_config is not None and run.is_main:
+        params = list(built.trainable.parameters())
+        mine, total = sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params)
+        print(f"loading: {type(built.trainable).__name__} built partitioned (ZeRO-3, deepspeed.zero.Init): "
+              f"{mine:,} of its {total:,} parameters on this rank", flush=True)
     if not train_mode:
         return family, built
     summary, error = None, None

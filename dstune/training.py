@@ -218,7 +218,7 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     resuming = _find_resume(run, resolved, run_dir, resume, options)
     if resuming is not None and resuming.rebatched is not None:
         plan = resuming.rebatched.plan
-    family, built = build_family(run, spec)
+    family, built = build_family(run, spec, ds_config=resolved.ds_config)
     scalar_params = promote_scalar_params(built.trainable)
     universal = resuming is not None and resuming.universal_root is not None
     engine = wrap_model(built.trainable, spec.train, with_universal_loading(ds_config) if universal else ds_config,

@@ -115,6 +115,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     ds_config = _compile_and_check(spec, source, checked_plan if file_read else None, found, cross_check,
                                    stand_in=plan is None)
     found.errors = _once(found.errors)
+    found.add(quantized_base_issues(spec, source, ds_config))
     if found.errors:
         raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin)
     return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings),
@@ -131,6 +132,21 @@ def _once(errors: list[SpecIssue]) -> list[SpecIssue]:
         seen.add((issue.key, issue.where))
         out.append(issue)
     return out
+
+
+def quantized_base_issues(spec: Spec, source: SpecSource, ds_config: Optional[dict]) -> list[SpecIssue]:
+    """model.base_precision under ZeRO-3 (the spec's stage, or the one a deepspeed.config JSON sets): refused."""
+    precision = getattr(spec.model, "base_precision", None)
+    stage = (ds_config or {}).get("zero_optimization", {}).get("stage", spec.deepspeed.zero_stage)
+    if precision is None or stage != 3:
+        return []
+    return [source.issue(
+        "model.base_precision",
+        f"{precision} with ZeRO stage 3: DeepSpeed 0.19.8 cannot partition quantized weights. ZeRO-3 splits each "
+        "parameter's data across ranks and gathers it back as a plain tensor, while bitsandbytes keeps the scales "
+        "beside the data on the parameter object (int8: one per row; nf4: per block, with the packed shape), which "
+        "ZeRO-3 neither partitions nor gathers. Use deepspeed.zero_stage 2 (frozen weights are not partitioned "
+        "there, so the quantized base is one copy per GPU), or remove base_precision to train LoRA under ZeRO-3.")]
 
 
 def _make_world(world: WorldArg) -> World:

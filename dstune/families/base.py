@@ -90,6 +90,9 @@ class Family:
     save_lora_weights: Optional[Callable] = None  # (built, lora_layers, adapter_metadata, folder)
     text_cache: Optional[TextCache] = None
     single_file: Optional[SingleFileLayout] = None  # None: model.pretrained must be a folder (or hub id, built-in)
+    # build also takes zero3_config= (the run's DeepSpeed JSON under ZeRO-3) and then builds its trainable module
+    # partitioned (deepspeed.zero.Init), so no rank holds a whole copy of it
+    builds_partitioned: bool = False
 
     @property
     def supports_lora(self) -> bool:

@@ -7,7 +7,7 @@ import json
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -94,6 +94,65 @@ def load_component(folder: Path, name: str, loader: Callable, **kwargs):
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise FamilyError(f"{folder / name}: cannot load it ({first_line})") from None
+
+
+def load_trainable(folder: Path, name: str, model_class, device, zero3_config: Optional[dict] = None):
+    """The component a family trains, in fp32 on `device`, with one copy of its weights per process at most.
+
+    Without `zero3_config`: `from_pretrained` with low_cpu_mem_usage, which builds the module on the meta device and
+    fills it from the memory-mapped safetensors (no second, randomly initialised copy). With `zero3_config` (the
+    run's DeepSpeed JSON, ZeRO stage 3): built partitioned under deepspeed.zero.Init and filled one parameter at a
+    time, so no rank holds the whole model (issue 14; FIELD_NOTES row 18)."""
+    if zero3_config is None:
+        return load_component(folder, name, model_class.from_pretrained, torch_dtype=torch.float32,
+                              low_cpu_mem_usage=True).to(device)
+    return load_partitioned(folder, name, model_class, zero3_config)
+
+
+def default_safetensors(component: Path) -> list[Path]:
+    """The weight files from_pretrained reads by default: safetensors without a variant infix (sharded or not)."""
+    return sorted(p for p in component.glob("*.safetensors") if len(p.name.split(".")) == 2)
+
+
+def load_partitioned(folder: Path, name: str, model_class, zero3_config: dict):
+    """Collective (every rank, same order). The module built under deepspeed.zero.Init (each rank allocates only its
+    share of every parameter, in the config's precision), then each parameter gathered in turn, filled on rank 0
+    from the safetensors file (read one tensor at a time, memory-mapped) and re-partitioned. Buffers, which ZeRO
+    does not partition, are read on every rank."""
+    import deepspeed
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    files = default_safetensors(folder / name)
+    if not files:
+        raise FamilyError(f"{folder / name}: no .safetensors weights; ZeRO-3 builds the model partitioned and "
+                          "reads safetensors only. Convert the weights (save_pretrained(safe_serialization=True)).")
+    config = load_component(folder, name, model_class.load_config)
+    with quiet_hf_libraries(), deepspeed.zero.Init(config_dict_or_path=zero3_config):
+        model = model_class.from_config(config)
+    where: dict[str, Path] = {}
+    shapes: dict[str, tuple] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                where[key], shapes[key] = path, tuple(handle.get_slice(key).get_shape())
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    # Checked on every rank before any gather (same files, same verdict): a copy failing on rank 0 alone would hang.
+    wrong = sorted(key for key, param in params.items() if shapes.get(key) != tuple(param.ds_shape))
+    if wrong:
+        raise FamilyError(f"{folder / name}: {len(wrong)} parameter(s) of {model_class.__name__} are missing from "
+                          f"its weights or have another shape (e.g. {wrong[:3]}); was it written by this class's "
+                          "save_pretrained?")
+    is_source = dist.get_rank() == 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in [k for k in params if where[k] == path]:
+                with deepspeed.zero.GatheredParameters([params[key]], modifier_rank=0):
+                    if is_source:
+                        params[key].data.copy_(handle.get_tensor(key))
+            for key in [k for k in buffers if where.get(k) == path]:
+                buffers[key].copy_(handle.get_tensor(key))
+    return model
 
 
 def non_reentrant_checkpoint(module, *args):

@@ -35,7 +35,7 @@ import torch
 
 from dstune.families.base import Family, FamilyError, TextCache, per_sample_randn, sample_generator
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
-                                       non_reentrant_checkpoint, read_model_index)
+                                       load_trainable, non_reentrant_checkpoint, read_model_index)
 from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
 from dstune.families.samples import save_grid
 from dstune.hf import quiet_hf_libraries
@@ -180,8 +180,10 @@ def _load_text_side(folder: Path, kind: str, device, dtype) -> tuple[dict, dict]
     return encoders, tokenizers
 
 
-def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> FlowBuilt:
-    """Load `model.pretrained`: the transformer fp32 on `device` (DeepSpeed casts it for bf16), the frozen parts
+def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
+          zero3_config: Optional[dict] = None) -> FlowBuilt:
+    """Load `model.pretrained`: the transformer fp32 on `device` (DeepSpeed casts it for bf16; partitioned with
+    `zero3_config`, dstune.families.diffusion.load_trainable), the frozen parts
     in `dtype_for_frozen`. Never downloads; FamilyError for any folder that is not an SD3- or Flux-class pipeline."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
@@ -196,7 +198,7 @@ def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype
         import diffusers
 
     transformer_class = getattr(diffusers, _KINDS[kind][0])
-    transformer = load_component(folder, "transformer", transformer_class.from_pretrained, torch_dtype=torch.float32)
+    transformer = load_trainable(folder, "transformer", transformer_class, device, zero3_config)
     if model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     transformer.to(device).train().requires_grad_(True)
@@ -394,4 +396,5 @@ def save_lora_weights(built: FlowBuilt, lora_layers: dict, adapter_metadata: dic
 FAMILY = Family(
     name="flow", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
-    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors, text_cache_settings))
+    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors, text_cache_settings),
+    builds_partitioned=True)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from dstune.families.base import Family, FamilyError, sample_generator
+from dstune.families.quantized_base import quantize_linear_weights, stored_weight_bytes
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import lora_file_scheme
@@ -60,13 +61,14 @@ def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: F
     For LoRA the A matrices are re-drawn from a CPU generator seeded by train.seed: peft draws them from the global
     (and, on GPUs, the CUDA) RNG, which would make them differ between ranks, devices and runs."""
     settings = getattr(model_spec, "lora_settings", None)
-    total = sum(p.numel() for p in denoiser.parameters())
+    total = sum(int(getattr(p, "ds_numel", p.numel())) for p in denoiser.parameters())  # ZeRO-3 built: partitioned
     if settings is None:
         return f"training: full, {total:,} parameters"
     if not family.supports_lora:
         raise FamilyError(f"model.train: lora is not supported by model.family {model_spec.family!r} yet (it "
                           "cannot write a LoRA file, so the adapters could not be exported). Use train: full.")
     denoiser.requires_grad_(False)
+    base = quantized_base(denoiser, getattr(model_spec, "base_precision", None))
     try:
         with quiet_hf_libraries():
             denoiser.add_adapter(lora_config(settings))
@@ -84,7 +86,20 @@ def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: F
     trained = sum(p.numel() for _, p in adapters)
     layers = len([name for name, _ in adapters if ".lora_A." in name])
     return (f"training: LoRA rank {settings.rank}, alpha {settings.resolved_alpha:g} on {layers} layers "
-            f"({', '.join(settings.target_modules)}): {trained:,} trainable of {total + trained:,} parameters")
+            f"({', '.join(settings.target_modules)}): {trained:,} trainable of {total + trained:,} parameters{base}")
+
+
+def quantized_base(denoiser: torch.nn.Module, precision) -> str:
+    """Quantize the frozen denoiser's linear weights as model.base_precision says (before the adapters exist, so
+    they stay full precision); returns the summary's suffix ("" for an unquantized base)."""
+    if precision is None:
+        return ""
+    before = stored_weight_bytes(denoiser)
+    layers = quantize_linear_weights(denoiser, precision)
+    after = stored_weight_bytes(denoiser)
+    mib = 1024 * 1024
+    return (f"; frozen base {precision}: {layers} linear layers quantized, weights {before / mib:.1f} MiB -> "
+            f"{after / mib:.1f} MiB")
 
 
 def adapter_state_dict(state: dict) -> dict:

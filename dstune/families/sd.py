@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from dstune.families.base import (Family, FamilyError, SingleFileLayout, TextCache, per_sample_randint, per_sample_randn,
                                   sample_generator)
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
-                                       non_reentrant_checkpoint, read_component_config, read_model_index)
+                                       load_trainable, non_reentrant_checkpoint, read_component_config,
+                                       read_model_index)
 from dstune.families.samples import save_grid
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec, SdModel
@@ -122,9 +123,11 @@ def _config_mismatches(folder: Path) -> list[str]:
 
 
 
-def build(model: SdModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> SdBuilt:
-    """Load `model.pretrained`. The UNet is fp32 on `device` (DeepSpeed casts it for bf16 runs); the frozen parts
-    are cast to `dtype_for_frozen`. Never downloads; raises FamilyError for any unusable folder."""
+def build(model: SdModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
+          zero3_config: Optional[dict] = None) -> SdBuilt:
+    """Load `model.pretrained`. The UNet is fp32 on `device` (DeepSpeed casts it for bf16 runs), built partitioned
+    with `zero3_config` (dstune.families.diffusion.load_trainable); the frozen parts are cast to `dtype_for_frozen`.
+    Never downloads; raises FamilyError for any unusable folder."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -142,7 +145,7 @@ def build(model: SdModel, folders: dict, device, dtype_for_frozen: torch.dtype =
                           "model.prediction: v_prediction (or leave it unset).")
     noise_scheduler.register_to_config(prediction_type=prediction_type)
     # diffusers models get their dtype at load time: ModelMixin.to(dtype) warns on every call (diffusers 0.42).
-    unet = load_component(folder, "unet", UNet2DConditionModel.from_pretrained, torch_dtype=torch.float32).to(device)
+    unet = load_trainable(folder, "unet", UNet2DConditionModel, device, zero3_config)
     if model.gradient_checkpointing:
         unet.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     unet.train().requires_grad_(True)
@@ -317,4 +320,4 @@ FAMILY = Family(
     name="sd", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
     text_cache=TextCache(("text_encoder", "tokenizer"), ("encoder_hidden_states",), cache_text_tensors),
-    single_file=SINGLE_FILE)
+    single_file=SINGLE_FILE, builds_partitioned=True)

@@ -27,7 +27,7 @@ import torch
 
 from dstune.families import sd
 from dstune.families.base import Family, FamilyError, SingleFileLayout, TextCache, sample_generator
-from dstune.families.diffusion import (inputs_cast_to, load_component, non_reentrant_checkpoint,
+from dstune.families.diffusion import (inputs_cast_to, load_component, load_trainable, non_reentrant_checkpoint,
                                        read_component_config, read_model_index)
 from dstune.families.samples import save_grid
 from dstune.families.sd import export
@@ -150,8 +150,10 @@ def _noise_scheduler(folder: Path, prediction: Optional[str]):
     return noise_scheduler, prediction_type
 
 
-def build(model: SdxlModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> SdxlBuilt:
-    """Load `model.pretrained` as sd.build does (fp32 UNet on `device`, frozen parts in `dtype_for_frozen`)."""
+def build(model: SdxlModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
+          zero3_config: Optional[dict] = None) -> SdxlBuilt:
+    """Load `model.pretrained` as sd.build does (fp32 UNet on `device`, partitioned with `zero3_config`; frozen
+    parts in `dtype_for_frozen`)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
@@ -159,7 +161,7 @@ def build(model: SdxlModel, folders: dict, device, dtype_for_frozen: torch.dtype
     check_sdxl_folder(folder)
     device = torch.device(device)
     noise_scheduler, prediction_type = _noise_scheduler(folder, model.prediction)
-    unet = load_component(folder, "unet", UNet2DConditionModel.from_pretrained, torch_dtype=torch.float32).to(device)
+    unet = load_trainable(folder, "unet", UNet2DConditionModel, device, zero3_config)
     if model.gradient_checkpointing:
         unet.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     unet.train().requires_grad_(True)
@@ -310,4 +312,5 @@ SINGLE_FILE = SingleFileLayout("unet", ("model.diffusion_model.",), {
 FAMILY = Family(
     name="sdxl", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
-    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors), single_file=SINGLE_FILE)
+    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors), single_file=SINGLE_FILE,
+    builds_partitioned=True)

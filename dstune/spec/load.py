@@ -250,13 +250,19 @@ def _model_at(loc: tuple) -> tuple[Optional[type[BaseModel]], list[str]]:
     """
     model: Optional[type[BaseModel]] = Spec
     parts: list[str] = []
+    members: dict[str, type[BaseModel]] = {}  # tag -> section class, right after a discriminated-union field
     for item in loc:
+        if isinstance(item, str) and item in members:
+            model, members = members[item], {}  # the discriminator tag: errors inside continue in that class
+            continue
         if model is None:
             parts.append(str(item))
             continue
         if isinstance(item, str) and item in model.model_fields:
             parts.append(item)
-            model = _model_in(model.model_fields[item].annotation)
+            annotation = model.model_fields[item].annotation
+            model = _model_in(annotation)
+            members = _union_members(annotation) if model is None else {}
         elif isinstance(item, str) and parts and _is_union_tag(item):
             continue  # the discriminator tag
         else:
@@ -267,6 +273,19 @@ def _model_at(loc: tuple) -> tuple[Optional[type[BaseModel]], list[str]]:
 
 def _is_union_tag(item: str) -> bool:
     return item in FAMILIES
+
+
+def _union_members(annotation) -> dict[str, type[BaseModel]]:
+    """{tag: class} of a discriminated union of sections on `family` (the model section); {} for anything else."""
+    args = typing.get_args(annotation)
+    if args and typing.get_origin(annotation) is typing.Annotated:
+        args = typing.get_args(args[0])
+    members = {}
+    for arg in args:
+        family = getattr(arg, "model_fields", {}).get("family")
+        for tag in typing.get_args(family.annotation) if family is not None else ():
+            members[tag] = arg
+    return members
 
 
 def _model_in(annotation) -> Optional[type[BaseModel]]:

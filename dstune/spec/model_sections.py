@@ -16,6 +16,18 @@ from dstune.spec.section import Section
 # LoRA's usual targets in diffusers UNets and transformers: the attention projections (diffusers' LoRA examples).
 DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
 
+# model.base_precision -> bytes per stored weight element of each quantized layer (nn.Linear weights of the denoiser;
+# biases, convolutions, norms and embeddings stay at train.precision), scales included: bitsandbytes int8 keeps one
+# fp32 scale per output row (1 + 4 / in_features, rounded to 1 here), nf4 one fp32 absmax per 64 weights
+# (0.5 + 4 / 64). "fp32"/"bf16" are the unquantized base at train.precision (base_precision omitted), for the
+# memory plan. dstune.families.quantized_base stores exactly these.
+BASE_PRECISION_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "nf4": 0.5625}
+FP8_REFUSAL = (
+    "fp8 is not available: bitsandbytes (the library dstune quantizes with) stores no fp8 weights, and torchao's "
+    "quantized weights are tensor subclasses that fail in deepspeed.initialize, whose parameter broadcast views "
+    "every weight as bytes (NotImplementedError: aten.view.dtype; seen with torchao 0.18's int8 weights, and its "
+    "fp8 weights are the same kind of tensor). Use int8 (about half of bf16) or nf4 (about a quarter).")
+
 
 # The LoRA file formats each LoRA family writes (output.lora_format), the default first, and the key scheme each one
 # is written in. `comfyui` names the scheme ComfyUI's LoRA loader maps every key of (no "lora key not loaded") that
@@ -113,6 +125,15 @@ class DenoiserModelBase(Section):
         "every component the file does not hold (a UNet-only file takes VAE and text encoders from here). "
         "sd and sdxl load single files. See docs/lora-and-ema.md.",
     )
+    base_precision: Optional[Literal["int8", "nf4", "fp8"]] = Field(
+        None,
+        description="LoRA only: store the frozen denoiser's linear-layer weights quantized (QLoRA-style, with "
+        "bitsandbytes) while the adapters train in full precision. `int8`: 1 byte per weight (LLM.int8 with one "
+        "scale per row); `nf4`: 4-bit NormalFloat, 0.56 byte per weight. Both run on CPU and CUDA. ZeRO stage 0-2 "
+        "only: ZeRO-3 cannot partition quantized weights (validate refuses it); `fp8` is refused (no fp8 storage "
+        "that DeepSpeed accepts). Omitted: the base is kept at train.precision. The exported LoRA loads into the "
+        "full-precision pipeline. See docs/lora-and-ema.md.",
+    )
 
     @field_validator("lora")
     @classmethod
@@ -137,6 +158,17 @@ class DenoiserModelBase(Section):
                              f"diffusers {self.family} pipeline (folder, downloaded hub id or builtin:tiny-{self.family}) "
                              "whose configs describe it and which supplies the components the file does not hold")
         return self
+
+    @field_validator("base_precision")
+    @classmethod
+    def _base_precision_needs_lora(cls, value, info):
+        if value == "fp8":
+            raise ValueError(FP8_REFUSAL)
+        if value is not None and info.data.get("train", "full") != "lora":
+            raise ValueError(f"base_precision {value!r} quantizes the frozen base under LoRA, but `train` is 'full': "
+                             "every weight is trained, and quantized weights cannot be. Set `train: lora`, or remove "
+                             "base_precision.")
+        return value
 
     @property
     def lora_settings(self) -> Optional[LoraSpec]:

@@ -16,9 +16,9 @@ from dstune.spec.section import Section
 # The model and data sections live in their own modules; they are imported here (and re-exported) so the whole spec
 # is importable from one place.
 from dstune.spec.model_sections import (  # noqa: F401
-    AUDIO_FAMILIES, DEFAULT_LORA_TARGET_MODULES, FAMILIES, LORA_FORMATS, SINGLE_FILE_FAMILIES, DenoiserModelBase,
-    FlowModel, LoraSpec, Model, SdModel, SdxlModel, SpeechT5Model, TtsLmModel, is_single_file, lora_file_scheme,
-    lora_format_problem)
+    AUDIO_FAMILIES, BASE_PRECISION_BYTES, DEFAULT_LORA_TARGET_MODULES, FAMILIES, LORA_FORMATS, SINGLE_FILE_FAMILIES,
+    DenoiserModelBase, FlowModel, LoraSpec, Model, SdModel, SdxlModel, SpeechT5Model, TtsLmModel, is_single_file,
+    lora_file_scheme, lora_format_problem)
 from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, data_family_problem  # noqa: F401
 
 # Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since

@@ -174,7 +174,7 @@ def test_lora_settings_without_lora_training_name_the_key():
     from dstune.spec.load import SpecError, SpecSource, validate_data
 
     data = {"model": {"family": "sd", "lora": {"rank": 4}}, "train": {"micro_batch_size": 1, "max_steps": 2}}
-    with pytest.raises(SpecError, match=r"model\.sd\.lora: LoRA settings are given but `train` is 'full'"):
+    with pytest.raises(SpecError, match=r"model\.lora: LoRA settings are given but `train` is 'full'"):
         validate_data(data, SpecSource("spec.yaml"))
     data["model"]["train"] = "lora"
     assert validate_data(data, SpecSource("spec.yaml")).model.lora_settings.rank == 4
