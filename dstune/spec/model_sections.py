@@ -183,8 +183,15 @@ class TtsLmModel(Section):
         "the `dstune_tts.json` a dstune export writes), a hub id already in the local Hugging Face cache, or "
         "`builtin:tiny-tts-lm` (a tiny model built offline). An LM without audio tokens gets them appended.",
     )
-    codec: Literal["encodec", "dac", "mimi"] = Field(
-        "encodec", description="The codec class: EncodecModel, DacModel or MimiModel (transformers)."
+    codec: Literal["encodec", "dac", "mimi", "snac"] = Field(
+        "encodec", description="The codec class: EncodecModel, DacModel or MimiModel (transformers), or SNAC (the "
+        "`snac` package; Orpheus's codec, hierarchical codebooks)."
+    )
+    token_layout: Optional[Literal["dstune", "orpheus"]] = Field(
+        None, description="The token layout preset (docs/tts.md): `dstune` (text, BOS, flattened codes, EOS; loss on "
+        "audio) or `orpheus` (Orpheus's prompt tokens and SNAC 24 kHz codes, 7 per frame from id 128266; loss on "
+        "every token). Omitted: the pretrained folder's dstune_tts.json, else `dstune`. A folder's layout wins and "
+        "must agree with this key when both are given.",
     )
     codec_pretrained: Optional[str] = Field(
         None, description="The codec folder or hub id (already downloaded). Omitted: `<pretrained>/codec`."
@@ -202,6 +209,17 @@ class TtsLmModel(Section):
     sample_temperature: float = Field(
         0.8, ge=0, description="Samples: softmax temperature of the audio tokens (0: greedy)."
     )
+
+    @model_validator(mode="after")
+    def _layout_fits_codec(self) -> "TtsLmModel":
+        if self.token_layout == "orpheus" and self.codec != "snac":
+            raise ValueError(f"token_layout orpheus writes SNAC codes: set codec: snac (it is {self.codec!r})")
+        if self.token_layout == "dstune" and self.codec == "snac":
+            raise ValueError("token_layout dstune writes one code per codebook per frame, and SNAC's codebooks run at "
+                             "different rates: use token_layout: orpheus with codec: snac")
+        if self.token_layout == "orpheus" and self.num_codebooks not in (None, 7):
+            raise ValueError(f"num_codebooks {self.num_codebooks}: the orpheus layout writes 7 codes per frame")
+        return self
 
 
 class SpeechT5Model(Section):
