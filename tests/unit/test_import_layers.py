@@ -34,7 +34,8 @@ FORBIDDEN = {
 }
 ENTRY_POINTS = {"dstune.cli", "dstune.train", "dstune.__main__"}  # may import dstune modules inside functions
 HEAVY_THIRD_PARTY = {"torch", "deepspeed", "diffusers", "transformers", "peft", "PIL", "soundfile", "safetensors",
-                     "huggingface_hub", "sentencepiece", "rich", "numpy", "fcntl", "html", "io", "importlib"}
+                     "huggingface_hub", "sentencepiece", "tokenizers", "snac", "rich", "numpy", "fcntl", "html", "io",
+                     "importlib"}
 
 
 def _modules() -> dict[str, Path]:
