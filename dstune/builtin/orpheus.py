@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from dstune.builtin.common import BuiltinModel, deterministic_cpu
-from dstune.families.speech import TTS_LAYOUT_FILE
-from dstune.families.token_layouts import LLAMA3_TEXT_VOCAB, ORPHEUS_SNAC, orpheus_layout
+from dstune.token_layouts import LLAMA3_TEXT_VOCAB, ORPHEUS_SNAC, TTS_LAYOUT_FILE, orpheus_layout
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 0

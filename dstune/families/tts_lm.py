@@ -9,7 +9,7 @@ GPT-SoVITS-s1 / Orpheus style), with a frozen codec (EnCodec, DAC, Mimi or SNAC)
     export(built, state_dict, out_dir) -> transformers folder + codec/ + dstune_tts.json
     synthesize(folder, text) -> Clip   (from an exported folder, with transformers and the codec only)
 
-One utterance is a token sequence described by the layout (dstune.families.token_layouts): a prompt template of
+One utterance is a token sequence described by the layout (dstune.token_layouts): a prompt template of
 special tokens around the text ids, the audio ids frame by frame (code k at frame position p is the token
 audio_offset + p * codebook_size + k), and closing tokens. Preset `dstune`: [text] [audio BOS] [codebook 0..Q-1 per
 frame] [audio EOS] with the loss on the audio and EOS (VALL-E's "flattening" variant); preset `orpheus`: SNAC codes,
@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from dstune.families.base import Family, FamilyError
-from dstune.families.speech import TTS_LAYOUT_FILE, Clip, save_wavs
+from dstune.families.speech import Clip, save_wavs
 from dstune.families.speech_codecs import CODEC_CLASSES, codec_facts, decode_codes, encode_clip, load_codec, save_codec
-from dstune.families.token_layouts import (describe, dstune_layout, layout_problems, orpheus_layout, prompt_ids,
-                                           token, training_ids)
+from dstune.token_layouts import (TTS_LAYOUT_FILE, describe, dstune_layout, layout_problems, orpheus_layout,
+                                   prompt_ids, token, training_ids)
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec, TtsLmModel

@@ -17,7 +17,7 @@ PACKAGE = REPO / "dstune"
 # module or a package (then it covers everything under it). Keep in step with docs/architecture.md.
 LAYERS = [
     ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress"],
-    ["dstune.world", "dstune.plan", "dstune.resume_plan"],
+    ["dstune.world", "dstune.plan", "dstune.resume_plan", "dstune.token_layouts"],
     ["dstune.distributed", "dstune.ds_config", "dstune.ds_user_config", "dstune.data", "dstune.families",
      "dstune.ema"],
     ["dstune.builtin", "dstune.validate", "dstune.report", "dstune.reference"],

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dstune.families.token_layouts import (describe, dstune_layout, layout_problems, orpheus_layout, prompt_ids,
-                                           training_ids)
+from dstune.token_layouts import describe, dstune_layout, layout_problems, orpheus_layout, prompt_ids, training_ids
 
 
 def test_orpheus_preset_ids_are_orpheus_ids():
@@ -55,3 +54,27 @@ def test_special_tokens_outside_the_vocabulary_or_among_audio_ids_are_refused():
     assert "special token end_of_ai = 130000 falls among the audio ids 128266..156937" in problems
     assert "special token pad_token = 200000 is outside 0..156937" in problems
     assert "the LM has 128256 ids, fewer than the layout's vocab_size 156938" in problems
+
+
+def test_validate_checks_a_model_folders_layout_offline(tmp_path):
+    """`dstune validate` reads dstune_tts.json and config.json of a local tts_lm folder (no torch, no model load)."""
+    import json
+
+    from dstune.spec.load import SpecError
+    from dstune.validate import load_and_validate
+    from dstune.world import world_from_flags
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 128256}))
+    (folder / "dstune_tts.json").write_text(json.dumps({**orpheus_layout(), "frame_rate": 12.5}))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model: {{family: tts_lm, pretrained: '{folder}', codec: snac, token_layout: orpheus}}\n"
+                    "data: {path: 'builtin:tones', max_clip_seconds: 0.6}\n"
+                    "train: {global_batch_size: 8, micro_batch_size: 4, max_steps: 3}\n")
+    with pytest.raises(SpecError) as caught:
+        load_and_validate(str(spec), world=world_from_flags(world_size=2), cross_check=False)
+    message = str(caught.value)
+    assert "spec.yaml:1: model.token_layout: the token layout of" in message
+    assert "the LM has 128256 ids, fewer than the layout's vocab_size 156938" in message
+    assert "frame_rate 12.5 != sampling_rate 24000 / samples_per_frame 2048 = 11.71875" in message

@@ -17,14 +17,14 @@ codebooks (Orpheus: 1 + 2 + 4 codes per frame) the rows follow `frame_order`.
 
 Presets: `dstune` (text, BOS, the flattened residual codes, EOS; loss on audio) and `orpheus` (SNAC 24 kHz, 7 codes
 per frame, the added tokens after Llama-3's 128256 text tokens, as Orpheus's public fine-tuning and inference code
-lay them out). This module is torch-free: `dstune validate` checks layouts offline.
+lay them out). This module is torch-free (layer 1): `dstune validate` checks layouts offline.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
 
-from dstune.families.speech import tts_layout
+TTS_LAYOUT_FILE = "dstune_tts.json"
 
 PRESETS = ("dstune", "orpheus")
 
@@ -51,6 +51,18 @@ def orpheus_layout(text: str = "tokenizer") -> dict:
                                                               "start_of_speech"],
             "after_audio": ["end_of_speech", "end_of_ai"], "stop": "end_of_speech", "pad": "pad_token",
             "loss_on": "all", "vocab_size": audio_offset + len(positions) * size}
+
+
+def tts_layout(text: str, text_vocab_size: int, num_codebooks: int, codebook_size: int, codec: str,
+               sampling_rate: int, frame_rate: float) -> dict:
+    """dstune's layout as dstune_tts.json has always written it (`describe` spells out its template): text ids,
+    then num_codebooks blocks of codebook_size audio ids, then audio BOS, audio EOS and padding."""
+    audio_offset = text_vocab_size
+    audio_end = audio_offset + num_codebooks * codebook_size
+    return {"text": text, "text_vocab_size": text_vocab_size, "audio_offset": audio_offset,
+            "num_codebooks": num_codebooks, "codebook_size": codebook_size, "audio_bos": audio_end,
+            "audio_eos": audio_end + 1, "pad": audio_end + 2, "vocab_size": audio_end + 3, "codec": codec,
+            "sampling_rate": sampling_rate, "frame_rate": frame_rate}
 
 
 def dstune_layout(text: str, text_vocab_size: int, num_codebooks: int, codebook_size: int, codec: str,
