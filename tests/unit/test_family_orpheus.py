@@ -20,6 +20,7 @@ from dstune.pretrained import build_model
 from dstune.spec.models import DataSpec, TtsLmModel
 
 pytest.importorskip("snac")
+soundfile = pytest.importorskip("soundfile")
 
 # Orpheus's ids, written out here as its fine-tuning notebook defines them (not read from dstune)
 START_OF_TEXT, END_OF_TEXT, START_OF_SPEECH, END_OF_SPEECH = 128000, 128009, 128257, 128258
@@ -103,6 +104,12 @@ def test_export_synthesizes_with_snac(built, tmp_path):
     assert sorted(p.name for p in (out / "codec").iterdir()) == ["config.json", "pytorch_model.bin"]
     clip = tts_lm.synthesize(out, "7", seconds=0.3, temperature=0.0)
     assert clip.sample_rate == 24000 and 0 < clip.wave.size and np.isfinite(clip.wave).all()
+    from dstune.cli import main
+
+    assert main(["synthesize", str(out), "7", "-o", str(tmp_path / "seven.wav"), "--seconds", "0.3",
+                 "--temperature", "0"]) == 0
+    wave, rate = soundfile.read(tmp_path / "seven.wav")
+    assert rate == 24000 and np.array_equal(wave.astype(np.float32), clip.wave)
 
 
 def test_a_spec_layout_that_disagrees_with_the_folder_is_refused(cache_dir):
