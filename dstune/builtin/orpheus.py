@@ -2,8 +2,9 @@
 
 A 2-layer Llama with Orpheus's vocabulary of 156938 ids (Llama-3's 128256 text ids, 10 added control tokens, 7 x 4096
 audio ids) and tied embeddings, a byte-level tokenizer that puts its text bytes at ids 0..255, `<|begin_of_text|>`
-at 128000, `<|eot_id|>` at 128009 and `<custom_token_N>` at 128256 + N (the names Orpheus's tokenizer gives its
-added tokens), a tiny SNAC at 24 kHz (512 samples per hop, strides 4, 2, 1: 7 codes per 2048-sample frame) in
+at 128000, `<|eot_id|>` at 128009, `<custom_token_N>` at 128256 + N (the names Orpheus's tokenizer gives its
+added tokens) and `<reserved_N>` at every other id (so that, as with Orpheus's tokenizer, added tokens get ids from
+156938 on), a tiny SNAC at 24 kHz (512 samples per hop, strides 4, 2, 1: 7 codes per 2048-sample frame) in
 `codec/`, and the `orpheus` layout in dstune_tts.json. Everything is seeded; SNAC's decoder noise is off so
 decoding is deterministic.
 """
@@ -36,6 +37,8 @@ def orpheus_style_tokenizer(special_tokens: dict):
     vocab["<|eot_id|>"] = special_tokens["end_of_text"]
     layout = orpheus_layout()
     vocab.update({f"<custom_token_{n}>": LLAMA3_TEXT_VOCAB + n for n in range(layout["vocab_size"] - LLAMA3_TEXT_VOCAB)})
+    named = set(vocab.values())  # every other id gets a name too, so added tokens land after 156937, as in Orpheus's
+    vocab.update({f"<reserved_{n}>": n for n in range(layout["vocab_size"]) if n not in named})
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -71,6 +74,6 @@ def build_tiny_orpheus(out: Path, needs: dict) -> dict:
 
 
 TINY_ORPHEUS = BuiltinModel(
-    name="tiny-orpheus", folder_name="tiny-orpheus-v1", family="tts_lm",
+    name="tiny-orpheus", folder_name="tiny-orpheus-v2", family="tts_lm",
     description="Orpheus-format Llama (~2.5 M parameters, 156938 ids, tied) + tiny SNAC (24 kHz, 7 codes per frame)",
     build=build_tiny_orpheus)

@@ -126,6 +126,39 @@ def _text_vocab_size(folder: Path) -> int:
     return vocab
 
 
+def grow_vocabulary(lm, size: int) -> None:
+    """Resize the LM's embeddings (and untied head) to `size` ids, the new rows the mean of the old ones: the same
+    on every rank without any random draw (transformers' default draws them from the global RNG)."""
+    old = lm.config.vocab_size
+    lm.resize_token_embeddings(size, mean_resizing=False)
+    with torch.no_grad():
+        for layer in {id(m): m for m in (lm.get_input_embeddings(), lm.get_output_embeddings()) if m is not None}.values():
+            layer.weight[old:] = layer.weight[:old].mean(0)
+
+
+def _add_text_tokens(model: TtsLmModel, folder: Path, tokenizer, lm, layout: dict) -> dict:
+    """model.added_tokens (a new language's words or characters): added to the tokenizer, the LM's embeddings
+    grown to hold their ids (before DeepSpeed partitions anything, so ZeRO-3 sees the final shapes) and the
+    layout's vocab_size with them. Ids must not land on audio or special ids."""
+    if not model.added_tokens:
+        return layout
+    if tokenizer is None:
+        raise FamilyError(f"model.added_tokens: {folder} has no tokenizer to add text tokens to (its text is bytes)")
+    tokenizer.add_tokens(list(model.added_tokens))
+    ids = tokenizer.convert_tokens_to_ids(list(model.added_tokens))
+    audio_start = layout["audio_offset"]
+    audio_stop = audio_start + len(layout["frame_order"]) * layout["codebook_size"]
+    taken = set(layout["special_tokens"].values())
+    clashes = [f"{t!r} -> {i}" for t, i in zip(model.added_tokens, ids) if audio_start <= i < audio_stop or i in taken]
+    if clashes:
+        raise FamilyError(f"model.added_tokens: the tokenizer of {folder} gives {', '.join(clashes)}, ids the "
+                          "layout uses for audio or special tokens; extend a tokenizer whose ids end after them")
+    needed = max(max(ids) + 1, layout["vocab_size"])
+    if lm.config.vocab_size < needed:
+        grow_vocabulary(lm, needed)
+    return {**layout, "vocab_size": lm.config.vocab_size}
+
+
 def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> TtsLmBuilt:
     """Load the LM (fp32, train mode) and the codec (fp32 always: its tokens must not depend on the precision)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -147,7 +180,8 @@ def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtyp
         raise FamilyError(f"{folder / TTS_LAYOUT_FILE} does not match this model: vocab_size {layout['vocab_size']} != "
                           f"the LM's {lm.config.vocab_size}. Start from the LM this layout was written with.")
     if lm.config.vocab_size < layout["vocab_size"]:
-        lm.resize_token_embeddings(layout["vocab_size"])
+        grow_vocabulary(lm, layout["vocab_size"])
+    layout = _add_text_tokens(model, folder, tokenizer, lm, layout)
     if model.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = torch.device(device)

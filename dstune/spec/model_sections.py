@@ -200,6 +200,18 @@ class TtsLmModel(Section):
         None, gt=0, description="Residual codebooks kept per audio frame (the first N: coarse to fine). Omitted: the "
         "pretrained folder's dstune_tts.json, else every codebook the codec makes.",
     )
+    added_tokens: Optional[list[str]] = Field(
+        None, description="New text tokens for a new language (words or characters), added to the folder's tokenizer; "
+        "the LM's embeddings grow to hold their ids (before ZeRO partitions them) and they are trained with the rest. "
+        "The export's tokenizer and layout include them.",
+    )
+
+    @field_validator("added_tokens")
+    @classmethod
+    def _added_tokens_are_distinct_text(cls, value):
+        if value is not None and (any(not t.strip() for t in value) or len(set(value)) != len(value)):
+            raise ValueError(f"added_tokens {value}: each must be non-blank text, and listed once")
+        return value
     gradient_checkpointing: bool = Field(
         False, description="Recompute LM activations in backward (torch non-reentrant checkpointing)."
     )

@@ -117,3 +117,26 @@ def test_a_spec_layout_that_disagrees_with_the_folder_is_refused(cache_dir):
         TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", token_layout="dstune")
     with pytest.raises(FamilyError, match="codec 'snac' != model.codec 'encodec'|cannot load it as EncodecModel"):
         build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus"), cache_dir, "cpu")
+
+
+def test_added_text_tokens_grow_the_embeddings_and_survive_the_export(cache_dir, tmp_path):
+    spec = TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", added_tokens=["bir", "şey"])
+    built = build_model(spec, cache_dir, "cpu")
+    assert built.tokenizer.convert_tokens_to_ids(["bir", "şey"]) == [156938, 156939]
+    assert built.trainable.get_input_embeddings().num_embeddings == 156940 == built.layout["vocab_size"]
+    encoded = tts_lm.encode_batch(built, {"index": [0], "texts": ["bir şey"], "audio": [torch.randn(4096) * 0.1]})
+    assert 156939 in encoded["input_ids"][0].tolist()
+    loss = tts_lm.loss(built, built.trainable, encoded, 0, 0)
+    loss.backward()
+    assert built.trainable.get_input_embeddings().weight.grad[156939].abs().sum() > 0
+    out = tts_lm.export(built, built.trainable.state_dict(), tmp_path / "export")
+    again = build_model(TtsLmModel(family="tts_lm", pretrained=str(out), codec="snac", added_tokens=["şey"]),
+                        cache_dir, "cpu")
+    assert again.tokenizer.convert_tokens_to_ids("şey") == 156939 and again.layout["vocab_size"] == 156940
+
+
+def test_added_tokens_on_audio_ids_are_refused(cache_dir):
+    """A token the tokenizer already has among the audio ids cannot be a new text token."""
+    with pytest.raises(FamilyError, match="ids the layout uses for audio or special tokens"):
+        build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac",
+                               added_tokens=["<custom_token_20>"]), cache_dir, "cpu")
