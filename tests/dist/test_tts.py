@@ -74,7 +74,9 @@ def _orpheus_spec(run_dir: Path, stage: int) -> dict:
     new text tokens (a vocabulary extension: the embeddings grow from 156938 to 156940 ids before ZeRO-3)."""
     spec = _spec(run_dir, 2)
     spec["model"] = {"family": "tts_lm", "pretrained": "builtin:tiny-orpheus", "codec": "snac",
-                     "token_layout": "orpheus", "max_sample_seconds": 0.3, "added_tokens": ["12", "345"]}
+                     "token_layout": "orpheus", "max_sample_seconds": 0.3, "added_tokens": ["12", "345"],
+                     "sample_temperature": 0.0}  # greedy: the argmax moves with training; near-uniform draws may not
+    spec["train"]["optimizer"]["lr"] = 3e-2
     spec["data"] = {"path": "builtin:tones", "max_clip_seconds": 0.5,
                     "cache": {"codec_tokens": True, "dir": str(run_dir.parent / "codec-cache")}}
     spec["deepspeed"] = {"zero_stage": stage}
