@@ -174,8 +174,8 @@ class FlowModel(DenoiserModelBase):
 class TtsLmModel(Section):
     family: Literal["tts_lm"] = Field(
         description="Model family. `tts_lm`: a transformers causal LM (Llama/Qwen-class) over text tokens followed "
-        "by audio-codec tokens; a frozen codec (EnCodec, DAC or Mimi) turns audio into tokens and back. The loss is "
-        "on the audio tokens only. See docs/tts.md."
+        "by audio-codec tokens; a frozen codec (EnCodec, DAC, Mimi or SNAC) turns audio into tokens and back. The "
+        "token layout (model.token_layout) says the prompt, the interleave and the loss mask. See docs/tts.md."
     )
     pretrained: str = Field(
         "builtin:tiny-tts-lm",
