@@ -1,4 +1,4 @@
-"""The `dstune` command: validate, compile, schema, init. (Training runs under the DeepSpeed launcher:
+"""The `dstune` command: validate, compile, schema, init, export, synthesize, cache. (Training runs under the DeepSpeed launcher:
 `deepspeed --num_gpus N dstune/train.py spec.yaml`.)
 
 Exit codes, the same for every subcommand:
@@ -105,6 +105,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     export.add_argument("--lora-format", choices=("diffusers", "kohya", "comfyui"), metavar="FORMAT",
                         help="a LoRA run: write the LoRA file in this key scheme (diffusers, kohya or comfyui; "
                         "default: the run's output.lora_format)")
+    synthesize = subparsers["synthesize"] = commands.add_parser(
+        "synthesize", help="speak a text with an exported TTS folder (tts_lm, either token layout, or speecht5)",
+        description="Write a WAV of TEXT from a tts_lm export (dstune or orpheus token layout) or a speecht5 export.")
+    synthesize.add_argument("folder", metavar="FOLDER", help="an export folder (RUN_DIR/export/step-N)")
+    synthesize.add_argument("text", metavar="TEXT", help="what to say")
+    synthesize.add_argument("-o", "--output", metavar="WAV", required=True, help="the WAV file to write")
+    synthesize.add_argument("--seconds", type=float, default=4.0, help="longest audio generated (default 4)")
+    synthesize.add_argument("--temperature", type=float, default=0.8, help="tts_lm: audio-token temperature, 0 greedy")
+    synthesize.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     cache = subparsers["cache"] = commands.add_parser(
         "cache", help="build (or --verify) the latent / text-embedding cache of a spec, in this one process",
         description="Encode every image and caption the spec trains on into data.cache.dir (entries that are "
@@ -327,6 +336,20 @@ def cmd_export(args) -> int:
     return EXIT_OK
 
 
+def cmd_synthesize(args) -> int:
+    if not (Path(args.folder) / "config.json").is_file() or args.seconds <= 0:
+        raise UsageError(f"FOLDER {args.folder} must be an export folder (config.json) and --seconds above 0")
+    from dstune.export import speak
+
+    try:
+        clip = speak(Path(args.folder), args.text, Path(args.output), args.seconds, args.temperature, args.seed)
+    except (ValueError, OSError, KeyError, RuntimeError) as err:
+        print(f"dstune synthesize: {args.folder}: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"wrote {args.output} ({clip.wave.size / clip.sample_rate:.2f} s at {clip.sample_rate} Hz)")
+    return EXIT_OK
+
+
 def cmd_cache(args) -> int:
     _check_overrides(args.overrides)
     from dstune.world import use_cpu_accelerator_if_no_cuda
@@ -339,13 +362,8 @@ def cmd_cache(args) -> int:
 
 # Training is `deepspeed ... dstune/train.py`, not a subcommand.
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "validate": cmd_validate,
-    "compile": cmd_compile,
-    "schema": cmd_schema,
-    "init": cmd_init,
-    "export": cmd_export,
-    "cache": cmd_cache,
-}
+    "validate": cmd_validate, "compile": cmd_compile, "schema": cmd_schema, "init": cmd_init, "export": cmd_export,
+    "synthesize": cmd_synthesize, "cache": cmd_cache}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ them, so a spec error is reported without waiting for either.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
@@ -26,6 +27,7 @@ from dstune.ds_file_spec import apply_ds_file, ds_value_sources
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, Spec, lora_format_problem
+from dstune.token_layouts import TTS_LAYOUT_FILE, describe, layout_problems, orpheus_layout
 from dstune.trackers import wandb_missing
 from dstune.world import World, world_from_flags
 
@@ -101,6 +103,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_accelerator(spec, source, accelerator, found)
     _check_trackers(spec, source, found)
     _check_lora_format(spec, source, found)
+    _check_token_layout(spec, source, found)
     count, origin, groups = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:
@@ -173,6 +176,38 @@ def _check_accelerator(spec: Spec, source: SpecSource, accelerator: str, found: 
             "train.precision",
             "fp16 does not run on DeepSpeed's CPU accelerator (it has no fp16 support). Use bf16 or fp32 here, "
             "or validate for the GPUs the run will use with --accelerator cuda.")])
+
+
+def _check_token_layout(spec: Spec, source: SpecSource, found: IssueList) -> None:
+    """tts_lm: the token layout of a local model folder (its dstune_tts.json, else model.token_layout's preset)
+    against the folder's config.json vocabulary, offline: ids in range, codec frames vs sample rate, the template."""
+    model = spec.model
+    if model.family != "tts_lm" or model.pretrained.startswith("builtin:"):
+        return
+    folder = os.path.expanduser(model.pretrained)
+    layout_path, config_path = os.path.join(folder, TTS_LAYOUT_FILE), os.path.join(folder, "config.json")
+    try:
+        if os.path.isfile(layout_path):
+            with open(layout_path) as handle:
+                layout = describe(json.load(handle))
+        elif model.token_layout == "orpheus":
+            layout = orpheus_layout()
+        else:
+            return  # dstune's layout is made from the LM and codec when training starts
+        vocab_size = None
+        if os.path.isfile(config_path):
+            with open(config_path) as handle:
+                vocab_size = int(json.load(handle)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        found.add([source.issue("model.pretrained", f"{layout_path}: not a readable token layout ({err})")])
+        return
+    problems = layout_problems(layout, vocab_size if os.path.isfile(layout_path) else None)
+    if os.path.isfile(layout_path) and model.token_layout not in (None, layout["name"]):
+        problems.append(f"it holds the {layout['name']!r} layout, not model.token_layout {model.token_layout!r}")
+    if problems:
+        found.add([source.issue("model.token_layout" if model.token_layout else "model.pretrained",
+                                f"the token layout of {folder} does not hold: {'; '.join(problems)}. Fix "
+                                f"{TTS_LAYOUT_FILE} or start from the model it was written for.")])
 
 
 def _this_machine_accelerator() -> str:

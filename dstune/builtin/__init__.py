@@ -31,6 +31,7 @@ from pathlib import Path
 
 from dstune.builtin.common import BuiltinError, BuiltinModel  # noqa: F401 - BuiltinError is part of the API
 from dstune.builtin.flow import TINY_FLOW, TINY_FLUX
+from dstune.builtin.orpheus import TINY_ORPHEUS
 from dstune.builtin.sd import TINY_SD
 from dstune.builtin.sdxl import TINY_SDXL
 from dstune.builtin.tts import TINY_SPEECHT5, TINY_TTS_LM
@@ -116,4 +117,5 @@ def _exclusive(lock_path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5)}
+BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5,
+                                                                TINY_ORPHEUS)}

@@ -16,7 +16,7 @@ import torch
 from dstune.builtin.common import BuiltinModel, deterministic_cpu
 from dstune.data.audio import resample
 from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
-from dstune.families.speech import TTS_LAYOUT_FILE, tts_layout
+from dstune.token_layouts import TTS_LAYOUT_FILE, tts_layout
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 0

@@ -22,7 +22,7 @@ from dstune.cache.share import monitored_barrier, sharing_group
 from dstune.data.audio import load_clip
 from dstune.data.audio_index import AudioRecord
 from dstune.distributed import all_gather_object
-from dstune.families.tts_lm import encode_clip
+from dstune.families.speech_codecs import encode_clip
 from dstune.spec.models import CacheSpec
 
 CODEC_TENSORS = ("codes",)
@@ -58,7 +58,8 @@ def encode_entries(built, entries: list[Entry], by_id: dict[str, AudioRecord], f
             cached += 1
             continue
         wave = torch.from_numpy(load_clip(by_id[entry.sample_id], built.sample_rate))
-        codes = encode_clip(built.codec, built.codec_kind, wave, built.layout["num_codebooks"])
+        codes = encode_clip(built.codec, built.codec_kind, wave, built.layout["num_codebooks"],
+                            built.layout["frame_order"])
         write_entry(folder / entry.relpath, entry, {"codes": codes.to(torch.int32)})
         built_now += 1
     return built_now, cached

@@ -7,6 +7,9 @@ Layouts (the audio families, DESIGN.md section 2):
   - ljspeech: `metadata.csv` with `id|text|normalized` lines (normalized may be missing or empty: then `text`),
     the audio in `wavs/<id>.wav`.
   - jsonl: `metadata.jsonl`, one `{"audio": "rel/path.wav", "text": ..., "speaker": optional}` per line.
+  - gptsovits: a GPT-SoVITS annotation list, `metadata.list` (or data.path naming a `.list` file), lines
+    `audio path|speaker|language|text`; the path is absolute or relative to the list's folder.
+  - f5csv: F5-TTS's `metadata.csv` with the header `audio_file|text`, then `audio path|text` lines (paths as above).
   - builtin:tones: synthetic "speech": the text is a digit string, the audio one tone per digit (its pitch is the
     digit), rendered on the fly from the sample number. Small enough that a CPU run shows the loss falling.
 
@@ -34,6 +37,8 @@ from dstune.spec.section import BUILTIN_PREFIX
 
 LJSPEECH_METADATA = "metadata.csv"
 JSONL_METADATA = "metadata.jsonl"
+GPTSOVITS_METADATA = "metadata.list"
+F5_HEADER = "audio_file|text"
 _EXAMPLES = 3
 
 
@@ -59,12 +64,17 @@ def index_audio(data: DataSpec) -> IndexResult:
             raise DataError("data.path", f"unknown built-in speech dataset '{data.path}'. Known: {BUILTIN_PREFIX}tones.")
         records = [_tones_record(i) for i in range(TONES_NUM_SAMPLES)]
         return _apply_length_rules(records, data, [], [])
-    root = Path(os.path.expanduser(data.path))
-    if not root.is_dir():
-        raise DataError("data.path", f"{data.path} is not a folder. Give a speech dataset folder (LJSpeech layout: "
-                        f"{LJSPEECH_METADATA} + wavs/, or {JSONL_METADATA}), or {BUILTIN_PREFIX}tones.")
-    layout = _layout(root, data.format)
-    rows = _ljspeech_rows(root) if layout == "ljspeech" else _jsonl_rows(root)
+    given = Path(os.path.expanduser(data.path))
+    if given.is_file() and given.suffix == ".list":
+        root, rows = given.parent, _gptsovits_rows(given)
+    elif given.is_dir():
+        root, layout = given, _layout(given, data.format)
+        rows = {"ljspeech": _ljspeech_rows, "jsonl": _jsonl_rows, "f5csv": _f5_rows,
+                "gptsovits": lambda folder: _gptsovits_rows(folder / GPTSOVITS_METADATA)}[layout](root)
+    else:
+        raise DataError("data.path", f"{data.path} is neither a folder nor a .list file. Give a speech dataset folder "
+                        f"(LJSpeech: {LJSPEECH_METADATA} + wavs/; {JSONL_METADATA}; {GPTSOVITS_METADATA}; F5-TTS's "
+                        f"{LJSPEECH_METADATA} headed {F5_HEADER}), a GPT-SoVITS .list file, or {BUILTIN_PREFIX}tones.")
     records, skipped, warnings = [], [], []
     for where, rel, text, speaker in rows:
         record, problem = _record(root, where, rel, text, speaker)
@@ -87,16 +97,65 @@ def _tones_record(index: int) -> AudioRecord:
 
 
 def _layout(root: Path, fmt: str) -> str:
-    has = {"ljspeech": (root / LJSPEECH_METADATA).is_file(), "jsonl": (root / JSONL_METADATA).is_file()}
+    csv_path = root / LJSPEECH_METADATA
+    f5 = csv_path.is_file() and _first_line(csv_path) == F5_HEADER
+    has = {"ljspeech": csv_path.is_file() and not f5, "f5csv": f5, "jsonl": (root / JSONL_METADATA).is_file(),
+           "gptsovits": (root / GPTSOVITS_METADATA).is_file()}
+    wanted = {"ljspeech": LJSPEECH_METADATA, "f5csv": f"{LJSPEECH_METADATA} starting with the line {F5_HEADER}",
+              "jsonl": JSONL_METADATA, "gptsovits": GPTSOVITS_METADATA}
     if fmt in has:
         if not has[fmt]:
-            wanted = LJSPEECH_METADATA if fmt == "ljspeech" else JSONL_METADATA
-            raise DataError("data.format", f"format '{fmt}' needs {root / wanted}; it does not exist.")
+            raise DataError("data.format", f"format '{fmt}' needs {root / wanted[fmt].split(' ')[0]} "
+                            f"({wanted[fmt]}); there is none.")
         return fmt
     if fmt == "auto" and any(has.values()):
-        return "ljspeech" if has["ljspeech"] else "jsonl"
+        return next(name for name, present in has.items() if present)
     raise DataError("data.path", f"{root} holds neither {LJSPEECH_METADATA} (LJSpeech: `id|text|normalized` lines, "
-                    f"audio in wavs/<id>.wav) nor {JSONL_METADATA} (`audio`, `text`, optional `speaker`).")
+                    f"audio in wavs/<id>.wav, or F5-TTS's with the header {F5_HEADER}), {JSONL_METADATA} (`audio`, "
+                    f"`text`, optional `speaker`) nor {GPTSOVITS_METADATA} (`path|speaker|language|text`).")
+
+
+def _first_line(path: Path) -> str:
+    with open(path, encoding="utf-8-sig") as handle:
+        return handle.readline().strip()
+
+
+def _dataset_path(where: str, raw: str, what: str) -> str:
+    """An audio path of a list line: absolute, or relative to the list's folder (never climbing out of it)."""
+    path = PurePosixPath(raw.strip().replace("\\", "/"))
+    if not raw.strip():
+        raise DataError("data.path", f"{where}: the {what} field is empty")
+    if not path.is_absolute() and ".." in path.parts:
+        raise DataError("data.path", f"{where}: audio {raw.strip()!r} climbs out of the list's folder; give an "
+                        "absolute path or one inside it")
+    return str(path)
+
+
+def _gptsovits_rows(path: Path):
+    """GPT-SoVITS's annotation list: `audio path|speaker|language|text` (the text may itself hold `|`)."""
+    for number, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        fields = line.split("|", 3)
+        if len(fields) < 4 or not fields[3].strip():
+            raise DataError("data.path", f"{where}: expected `audio path|speaker|language|text` (GPT-SoVITS .list), "
+                            f"got {line.strip()[:120]!r}")
+        yield where, _dataset_path(where, fields[0], "audio path"), fields[3].strip(), fields[1].strip()
+
+
+def _f5_rows(root: Path):
+    """F5-TTS's metadata.csv: the header `audio_file|text`, then `audio path|text` lines."""
+    path = root / LJSPEECH_METADATA
+    lines = path.read_text(encoding="utf-8-sig").splitlines()
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        fields = line.split("|", 1)
+        if len(fields) < 2 or not fields[1].strip():
+            raise DataError("data.path", f"{where}: expected `audio_file|text` (F5-TTS csv), got {line.strip()[:120]!r}")
+        yield where, _dataset_path(where, fields[0], "audio_file"), fields[1].strip(), ""
 
 
 def _ljspeech_rows(root: Path):

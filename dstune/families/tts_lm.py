@@ -1,5 +1,5 @@
 """The `tts_lm` family: a transformers causal LM over text tokens followed by audio-codec tokens (VALL-E /
-GPT-SoVITS-s1 style), with a frozen codec (EnCodec, DAC or Mimi) turning audio into tokens and back.
+GPT-SoVITS-s1 / Orpheus style), with a frozen codec (EnCodec, DAC, Mimi or SNAC) turning audio into tokens and back.
 
     build(model: TtsLmModel, folders, device, dtype_for_frozen) -> TtsLmBuilt
     encode_batch(built, batch, dtype) -> {"input_ids", "attention_mask", "labels", "indices"}
@@ -9,11 +9,13 @@ GPT-SoVITS-s1 style), with a frozen codec (EnCodec, DAC or Mimi) turning audio i
     export(built, state_dict, out_dir) -> transformers folder + codec/ + dstune_tts.json
     synthesize(folder, text) -> Clip   (from an exported folder, with transformers and the codec only)
 
-One utterance is the sequence  [text ids] [audio BOS] [frame 0: codebook 0..Q-1] [frame 1: ...] ... [audio EOS],
-where codebook q's code c is the token audio_offset + q * codebook_size + c (the flattened residual codes, as in
-VALL-E's "flattening" variant). Labels are -100 over the text and the BOS, so the loss is on audio tokens (and
-the EOS, which teaches the model when to stop). The layout (dstune_tts.json) travels with the export; an LM
-without one gets the audio tokens appended to its vocabulary (resize_token_embeddings).
+One utterance is a token sequence described by the layout (dstune.token_layouts): a prompt template of
+special tokens around the text ids, the audio ids frame by frame (code k at frame position p is the token
+audio_offset + p * codebook_size + k), and closing tokens. Preset `dstune`: [text] [audio BOS] [codebook 0..Q-1 per
+frame] [audio EOS] with the loss on the audio and EOS (VALL-E's "flattening" variant); preset `orpheus`: SNAC codes,
+7 per frame, in Orpheus's prompt, with the loss on every token as Orpheus's fine-tuning script labels them. The
+layout (dstune_tts.json) travels with the export; an LM with fewer ids than the layout gets them appended
+(resize_token_embeddings).
 
 Codec tokens are deterministic per clip (each clip is encoded alone, in fp32, never padded to a batch), so they
 are the same whatever the micro batch, the rank count or the device, and can be cached (dstune.cache.codec_tokens).
@@ -30,16 +32,16 @@ import numpy as np
 import torch
 
 from dstune.families.base import Family, FamilyError
-from dstune.families.speech import TTS_LAYOUT_FILE, Clip, save_wavs, tts_layout
+from dstune.families.speech import Clip, save_wavs
+from dstune.families.speech_codecs import CODEC_CLASSES, codec_facts, decode_codes, encode_clip, load_codec, save_codec
+from dstune.token_layouts import (TTS_LAYOUT_FILE, describe, dstune_layout, layout_problems, orpheus_layout,
+                                   prompt_ids, token, training_ids)
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec, TtsLmModel
 
 __all__ = ["TtsLmBuilt", "Clip", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "synthesize",
            "encode_clip", "decode_codes"]
-
-_CODEC_CLASSES = {"encodec": "EncodecModel", "dac": "DacModel", "mimi": "MimiModel"}
-
 
 @dataclass
 class TtsLmBuilt:
@@ -66,52 +68,95 @@ class TtsLmBuilt:
 # ---------------------------------------------------------------------------------------------------- build
 
 
-def _codec_facts(codec, kind: str) -> tuple[int, int, float]:
-    """(codebooks, codebook size, frames per second) of a loaded codec."""
-    config = codec.config
-    codebooks = config.n_codebooks if kind == "dac" else config.num_quantizers
-    frame_rate = config.sampling_rate / config.hop_length if kind == "dac" else config.frame_rate
-    return int(codebooks), int(config.codebook_size), float(frame_rate)
-
-
 def _load_codec(model: TtsLmModel, folder: Path, codec_folder: Optional[Path]):
-    import transformers
-
     source = codec_folder if codec_folder is not None else folder / "codec"
     if not source.is_dir():
         raise FamilyError(f"no codec: {source} does not exist. Set model.codec_pretrained to a {model.codec} folder "
-                          f"({_CODEC_CLASSES[model.codec]}.save_pretrained) or put one in {folder / 'codec'}.")
-    try:
-        with quiet_hf_libraries():
-            codec = getattr(transformers, _CODEC_CLASSES[model.codec]).from_pretrained(source, torch_dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
-        raise FamilyError(f"{source}: cannot load it as {_CODEC_CLASSES[model.codec]} (model.codec: {model.codec}): "
-                          f"{(str(err).strip().splitlines() or [type(err).__name__])[0]}") from None
-    return codec.eval().requires_grad_(False), source
+                          f"({CODEC_CLASSES[model.codec]}) or put one in {folder / 'codec'}.")
+    return load_codec(model.codec, source), source
 
 
-def _layout_for(model: TtsLmModel, folder: Path, lm, codec, tokenizer) -> dict:
-    codebooks, codebook_size, frame_rate = _codec_facts(codec, model.codec)
-    path = folder / TTS_LAYOUT_FILE
+def _codec_problems(layout: dict, facts: dict) -> list[str]:
+    """Where a layout and the loaded codec disagree (the codec must make the codes the layout writes)."""
+    problems = [f"{name} {layout.get(name)!r} != the codec's {facts[name]!r}"
+                for name in ("codebook_size", "sampling_rate") if layout.get(name) != facts[name]]
+    per_frame = layout["codes_per_frame"]
+    if len(per_frame) > facts["codebooks"] or any(a != b for a, b in zip(per_frame, facts["codes_per_frame"])):
+        problems.append(f"codes_per_frame {per_frame} does not fit the codec's {facts['codes_per_frame']}")
+    if abs(float(layout["samples_per_frame"]) - float(facts["samples_per_frame"])) > 1e-6:
+        problems.append(f"samples_per_frame {layout['samples_per_frame']} != the codec's {facts['samples_per_frame']}")
+    return problems
+
+
+def _layout_for(model: TtsLmModel, folder: Path, codec, tokenizer) -> dict:
+    """The layout: the folder's dstune_tts.json, else the spec's preset, else dstune's layout over this LM and
+    codec; checked against the codec and the spec (FamilyError naming both)."""
+    facts, path = codec_facts(codec, model.codec), folder / TTS_LAYOUT_FILE
+    text = "tokenizer" if tokenizer is not None else "bytes"
     if path.is_file():
-        layout = json.loads(path.read_text())
-        problems = [f"{name} {layout.get(name)!r} != {value!r}" for name, value in
-                    (("codec", model.codec), ("codebook_size", codebook_size), ("vocab_size", lm.config.vocab_size))
-                    if layout.get(name) != value]
-        if model.num_codebooks not in (None, layout["num_codebooks"]):
-            problems.append(f"num_codebooks {layout['num_codebooks']} != model.num_codebooks {model.num_codebooks}")
-        if problems:
-            raise FamilyError(f"{path} does not match this model and codec: {'; '.join(problems)}. Use the codec this "
-                              "LM was trained with, or start from an LM without dstune_tts.json.")
+        layout = describe(json.loads(path.read_text()))
+        if model.token_layout not in (None, layout["name"]):
+            raise FamilyError(f"{path} holds the {layout['name']!r} layout, not model.token_layout "
+                              f"{model.token_layout!r}: drop model.token_layout or start from another model")
+    elif model.token_layout == "orpheus":
+        layout = orpheus_layout(text)
+    else:
+        wanted = model.num_codebooks or facts["codebooks"]
+        if wanted > facts["codebooks"]:
+            raise FamilyError(f"model.num_codebooks {wanted}: the codec in use makes only {facts['codebooks']}")
+        layout = dstune_layout(text, _text_vocab_size(folder), wanted, facts["codebook_size"], model.codec,
+                               facts["sampling_rate"], facts["sampling_rate"] / facts["samples_per_frame"])
+    problems = _codec_problems(layout, facts) + layout_problems(layout)
+    if layout.get("codec") != model.codec:
+        problems.append(f"codec {layout.get('codec')!r} != model.codec {model.codec!r}")
+    if model.num_codebooks not in (None, layout["num_codebooks"]):
+        problems.append(f"num_codebooks {layout['num_codebooks']} != model.num_codebooks {model.num_codebooks}")
+    if tokenizer is None and layout["text"] == "tokenizer":
+        problems.append("the layout reads text with a tokenizer and the folder has none")
+    if problems:
+        raise FamilyError(f"{path if path.is_file() else folder}: the {layout['name']} token layout does not fit this "
+                          f"model and codec: {'; '.join(problems)}. Use the codec this LM was trained with.")
+    return layout
+
+
+def _text_vocab_size(folder: Path) -> int:
+    vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+    if vocab < 256 and not (folder / "tokenizer_config.json").is_file():
+        raise FamilyError(f"{folder}: no tokenizer and a vocabulary of {vocab} < 256 byte ids")
+    return vocab
+
+
+def grow_vocabulary(lm, size: int) -> None:
+    """Resize the LM's embeddings (and untied head) to `size` ids, the new rows the mean of the old ones: the same
+    on every rank without any random draw (transformers' default draws them from the global RNG)."""
+    old = lm.config.vocab_size
+    lm.resize_token_embeddings(size, mean_resizing=False)
+    with torch.no_grad():
+        for layer in {id(m): m for m in (lm.get_input_embeddings(), lm.get_output_embeddings()) if m is not None}.values():
+            layer.weight[old:] = layer.weight[:old].mean(0)
+
+
+def _add_text_tokens(model: TtsLmModel, folder: Path, tokenizer, lm, layout: dict) -> dict:
+    """model.added_tokens (a new language's words or characters): added to the tokenizer, the LM's embeddings
+    grown to hold their ids (before DeepSpeed partitions anything, so ZeRO-3 sees the final shapes) and the
+    layout's vocab_size with them. Ids must not land on audio or special ids."""
+    if not model.added_tokens:
         return layout
-    wanted = model.num_codebooks or codebooks
-    if wanted > codebooks:
-        raise FamilyError(f"model.num_codebooks {wanted}: the codec in use makes only {codebooks}")
-    text_vocab = lm.config.vocab_size
-    if tokenizer is None and text_vocab < 256:
-        raise FamilyError(f"{folder}: no tokenizer and a vocabulary of {text_vocab} < 256 byte ids")
-    return tts_layout("tokenizer" if tokenizer is not None else "bytes", text_vocab, wanted, codebook_size,
-                      model.codec, codec.config.sampling_rate, frame_rate)
+    if tokenizer is None:
+        raise FamilyError(f"model.added_tokens: {folder} has no tokenizer to add text tokens to (its text is bytes)")
+    tokenizer.add_tokens(list(model.added_tokens))
+    ids = tokenizer.convert_tokens_to_ids(list(model.added_tokens))
+    audio_start = layout["audio_offset"]
+    audio_stop = audio_start + len(layout["frame_order"]) * layout["codebook_size"]
+    taken = set(layout["special_tokens"].values())
+    clashes = [f"{t!r} -> {i}" for t, i in zip(model.added_tokens, ids) if audio_start <= i < audio_stop or i in taken]
+    if clashes:
+        raise FamilyError(f"model.added_tokens: the tokenizer of {folder} gives {', '.join(clashes)}, ids the "
+                          "layout uses for audio or special tokens; extend a tokenizer whose ids end after them")
+    needed = max(max(ids) + 1, layout["vocab_size"])
+    if lm.config.vocab_size < needed:
+        grow_vocabulary(lm, needed)
+    return {**layout, "vocab_size": lm.config.vocab_size}
 
 
 def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> TtsLmBuilt:
@@ -130,9 +175,13 @@ def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtyp
     if (folder / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(folder)
     codec, codec_folder = _load_codec(model, folder, folders.get("codec_pretrained"))
-    layout = _layout_for(model, folder, lm, codec, tokenizer)
+    layout = _layout_for(model, folder, codec, tokenizer)
+    if (folder / TTS_LAYOUT_FILE).is_file() and lm.config.vocab_size != layout["vocab_size"]:
+        raise FamilyError(f"{folder / TTS_LAYOUT_FILE} does not match this model: vocab_size {layout['vocab_size']} != "
+                          f"the LM's {lm.config.vocab_size}. Start from the LM this layout was written with.")
     if lm.config.vocab_size < layout["vocab_size"]:
-        lm.resize_token_embeddings(layout["vocab_size"])
+        grow_vocabulary(lm, layout["vocab_size"])
+    layout = _add_text_tokens(model, folder, tokenizer, lm, layout)
     if model.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = torch.device(device)
@@ -144,32 +193,6 @@ def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtyp
 # ------------------------------------------------------------------------------------------------ codec
 
 
-def encode_clip(codec, kind: str, wave: torch.Tensor, num_codebooks: int) -> torch.Tensor:
-    """(num_codebooks, frames) int64 codes of one clip (1-D float tensor at the codec's rate)."""
-    x = wave.float().reshape(1, 1, -1).to(next(codec.parameters()).device)
-    with torch.no_grad():
-        if kind == "encodec":
-            codes = codec.encode(x, bandwidth=max(codec.config.target_bandwidths)).audio_codes[0, 0]
-        elif kind == "mimi":
-            codes = codec.encode(x, num_quantizers=num_codebooks).audio_codes[0]
-        else:
-            codes = codec.encode(x).audio_codes[0]
-    return codes[:num_codebooks].long().cpu()
-
-
-def decode_codes(codec, kind: str, codes: torch.Tensor) -> np.ndarray:
-    """float32 waveform of (codebooks, frames) codes."""
-    codes = codes.long().to(next(codec.parameters()).device)
-    with torch.no_grad():
-        if kind == "encodec":
-            audio = codec.decode(codes[None, None], [None]).audio_values
-        elif kind == "mimi":
-            audio = codec.decode(codes[None]).audio_values
-        else:
-            audio = codec.decode(audio_codes=codes[None]).audio_values
-    return audio.reshape(-1).float().cpu().numpy()
-
-
 def text_ids(built_or_layout, text: str, tokenizer=None) -> list[int]:
     tokenizer = tokenizer if isinstance(built_or_layout, dict) else built_or_layout.tokenizer
     if tokenizer is None:
@@ -178,7 +201,7 @@ def text_ids(built_or_layout, text: str, tokenizer=None) -> list[int]:
 
 
 def audio_tokens(layout: dict, codes: torch.Tensor) -> torch.Tensor:
-    """(codebooks, frames) codes -> flat frame-major audio token ids."""
+    """(positions, frames) codes -> flat frame-major audio token ids."""
     offsets = layout["audio_offset"] + layout["codebook_size"] * torch.arange(codes.shape[0]).unsqueeze(1)
     return (codes + offsets).t().reshape(-1)
 
@@ -190,16 +213,15 @@ def encode_batch(built: TtsLmBuilt, batch: dict, dtype: torch.dtype = torch.floa
     """Token sequences of a collated batch, right-padded. A cached batch holds "codes" already; otherwise every
     clip is encoded alone with the codec (no padding effects, no random draws)."""
     layout = built.layout
-    codes = batch.get("codes") or [encode_clip(built.codec, built.codec_kind, wave, layout["num_codebooks"])
-                                   for wave in batch["audio"]]
+    codes = batch.get("codes") or [encode_clip(built.codec, built.codec_kind, wave, layout["num_codebooks"],
+                                               layout["frame_order"]) for wave in batch["audio"]]
     sequences, label_rows = [], []
     for text, clip_codes in zip(batch["texts"], codes):
-        prefix = torch.tensor(text_ids(built, text) + [layout["audio_bos"]], dtype=torch.long)
-        audio = torch.cat([audio_tokens(layout, clip_codes), torch.tensor([layout["audio_eos"]])])
-        sequences.append(torch.cat([prefix, audio]))
-        label_rows.append(torch.cat([torch.full_like(prefix, -100), audio]))
+        ids, labels = training_ids(layout, text_ids(built, text), audio_tokens(layout, clip_codes).tolist())
+        sequences.append(torch.tensor(ids, dtype=torch.long))
+        label_rows.append(torch.tensor(labels, dtype=torch.long))
     length = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), length), layout["pad"], dtype=torch.long)
+    input_ids = torch.full((len(sequences), length), token(layout, layout["pad"]), dtype=torch.long)
     labels = torch.full((len(sequences), length), -100, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
     for row, (sequence, label) in enumerate(zip(sequences, label_rows)):
@@ -222,36 +244,37 @@ def loss(built: TtsLmBuilt, trainable_forward: Callable, encoded: dict, seed: in
 def _allowed_mask(layout: dict, position: int, vocab: int) -> torch.Tensor:
     """Audio token `position` (0-based after BOS) may only be a code of codebook position % Q, or EOS at a frame
     start: the output always decodes, whatever an undertrained model prefers."""
-    q, size = position % layout["num_codebooks"], layout["codebook_size"]
+    q, size = position % len(layout["frame_order"]), layout["codebook_size"]
     mask = torch.zeros(vocab, dtype=torch.bool)
     start = layout["audio_offset"] + q * size
     mask[start:start + size] = True
     if q == 0 and position > 0:
-        mask[layout["audio_eos"]] = True
+        mask[token(layout, layout["stop"])] = True
     return mask
 
 
-def generate_codes(lm, layout: dict, prompt_ids: list[int], max_frames: int, temperature: float,
+def generate_codes(lm, layout: dict, text_ids: list[int], max_frames: int, temperature: float,
                    generator: torch.Generator) -> torch.Tensor:
-    """(codebooks, frames) codes generated after `prompt_ids` + BOS. Always runs max_frames x Q forward steps
+    """(positions, frames) codes generated after the layout's prompt around `text_ids`. Always runs max_frames x Q forward steps
     (cut at EOS afterwards), so every rank makes the same number of calls (ZeRO-3 gathers parameters in them)."""
     device = next(lm.parameters()).device
-    ids = torch.tensor([prompt_ids + [layout["audio_bos"]]], dtype=torch.long, device=device)
-    nq, generated, past, ended = layout["num_codebooks"], [], None, False
+    ids = torch.tensor([prompt_ids(layout, text_ids)], dtype=torch.long, device=device)
+    nq, generated, past, ended = len(layout["frame_order"]), [], None, False
+    stop_id = token(layout, layout["stop"])
     for position in range(max_frames * nq):
         out = lm(input_ids=ids, past_key_values=past, use_cache=True)
         past = out.past_key_values
         logits = out.logits[0, -1].float().cpu()
         logits[~_allowed_mask(layout, position, logits.numel())] = float("-inf")
         if temperature > 0:
-            token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+            next_id = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
         else:
-            token = int(logits.argmax())
-        if token == layout["audio_eos"]:
+            next_id = int(logits.argmax())
+        if next_id == stop_id:
             ended = True
         if not ended:
-            generated.append(token)
-        ids = torch.tensor([[token]], dtype=torch.long, device=device)
+            generated.append(next_id)
+        ids = torch.tensor([[next_id]], dtype=torch.long, device=device)
     frames = len(generated) // nq
     flat = torch.tensor(generated[:frames * nq], dtype=torch.long).reshape(frames, nq).t()
     return flat - layout["audio_offset"] - layout["codebook_size"] * torch.arange(nq).unsqueeze(1)
@@ -270,7 +293,8 @@ def sample(built: TtsLmBuilt, lm_module: torch.nn.Module, prompts: list[str], sa
                 generator = torch.Generator().manual_seed(sample_spec.seed * 1000 + number)
                 codes = generate_codes(lm_module, built.layout, text_ids(built, prompt), max_frames,
                                        built.temperature, generator)
-                wave = decode_codes(built.codec, built.codec_kind, codes) if codes.shape[1] else np.zeros(0, np.float32)
+                wave = (decode_codes(built.codec, built.codec_kind, codes, built.layout["frame_order"])
+                        if codes.shape[1] else np.zeros(0, np.float32))
                 clips.append(Clip(wave, built.sample_rate))
     finally:
         lm_module.train(was_training)
@@ -294,7 +318,7 @@ def export(built: TtsLmBuilt, state_dict: dict, out_dir, pretrained_folder: Opti
                 raise ValueError(f"trained weights do not fit the LM: missing {sorted(set(missing) - tied)[:5]}, "
                                  f"unexpected {sorted(unexpected)[:5]}")
             lm.save_pretrained(work, safe_serialization=True)
-            built.codec.save_pretrained(work / "codec")
+            save_codec(built.codec, built.codec_kind, built.codec_folder, work / "codec")
             if built.tokenizer is not None:
                 built.tokenizer.save_pretrained(work)
         (work / TTS_LAYOUT_FILE).write_text(json.dumps(built.layout, indent=2) + "\n")
@@ -303,20 +327,19 @@ def export(built: TtsLmBuilt, state_dict: dict, out_dir, pretrained_folder: Opti
 
 def synthesize(folder, text: str, seconds: float = 2.0, temperature: float = 0.8, seed: int = 0) -> Clip:
     """Speech for `text` from an exported folder, using transformers and the codec only (no dstune state)."""
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(folder)
-    layout = json.loads((folder / TTS_LAYOUT_FILE).read_text())
+    layout = describe(json.loads((folder / TTS_LAYOUT_FILE).read_text()))
     with quiet_hf_libraries():
         lm = AutoModelForCausalLM.from_pretrained(folder).eval()
-        codec = getattr(transformers, _CODEC_CLASSES[layout["codec"]]).from_pretrained(folder / "codec").eval()
+    codec = load_codec(layout["codec"], folder / "codec")
     tokenizer = AutoTokenizer.from_pretrained(folder) if layout["text"] == "tokenizer" else None
     with torch.no_grad():
         codes = generate_codes(lm, layout, text_ids(layout, text, tokenizer),
                                max(1, int(seconds * layout["frame_rate"])), temperature,
                                torch.Generator().manual_seed(seed))
-    wave = decode_codes(codec, layout["codec"], codes) if codes.shape[1] else np.zeros(0, np.float32)
+    wave = decode_codes(codec, layout["codec"], codes, layout["frame_order"]) if codes.shape[1] else np.zeros(0, np.float32)
     return Clip(wave, int(layout["sampling_rate"]))
 
 

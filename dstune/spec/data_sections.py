@@ -111,12 +111,14 @@ class DataSpec(Section):
         description="Dataset folder, or `builtin:shapes` (synthetic coloured shapes with captions, generated offline), "
         "or for audio families `builtin:tones` (digit strings spoken as tone sequences, generated offline).",
     )
-    format: Literal["auto", "folder", "jsonl", "ljspeech"] = Field(
+    format: Literal["auto", "folder", "jsonl", "ljspeech", "gptsovits", "f5csv"] = Field(
         "auto",
         description="`folder`: images with same-name .txt captions (kohya layout, `N_name` subfolders repeat N times); "
         "`jsonl`: metadata.jsonl with `file_name` and `text` (Hugging Face imagefolder). `auto`: jsonl when "
         "metadata.jsonl exists, else folder. Audio families: `ljspeech` (metadata.csv `id|text|normalized` + wavs/), "
-        "`jsonl` (metadata.jsonl with `audio`, `text`, optional `speaker`); `auto` picks by which file exists.",
+        "`jsonl` (metadata.jsonl with `audio`, `text`, optional `speaker`), `gptsovits` (metadata.list lines "
+        "`path|speaker|language|text`; data.path may also name a .list file), `f5csv` (F5-TTS's metadata.csv headed "
+        "`audio_file|text`); `auto` picks by which file exists. See docs/tts.md.",
     )
     resolution: int = Field(
         32, gt=0, description="Images are resized (shorter side) and cropped to this square size, in pixels. With "
@@ -189,7 +191,8 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec") -> str | Non
             return (f"model.family {family} trains on speech, but data.path {data.path} is an image dataset: use "
                     f"{BUILTIN_PREFIX}tones or a speech folder (data.format ljspeech or jsonl)")
         if data.format == "folder":
-            return f"model.family {family} trains on speech: data.format must be ljspeech, jsonl or auto, not folder"
+            return (f"model.family {family} trains on speech: data.format must be ljspeech, jsonl, gptsovits, f5csv "
+                    "or auto, not folder")
         if data.buckets.enabled or data.cache.latents or data.cache.text_embeddings:
             return (f"model.family {family} trains on speech: data.buckets, data.cache.latents and "
                     "data.cache.text_embeddings are for images; use data.duration_bucket_seconds and "
@@ -203,7 +206,7 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec") -> str | Non
             return (f"data.min_clip_seconds {data.min_clip_seconds:g} must be below data.max_clip_seconds "
                     f"{data.max_clip_seconds:g}")
         return None
-    if name == "tones" or data.format == "ljspeech" or data.cache.codec_tokens or data.duration_bucket_seconds:
+    if name == "tones" or data.format in ("ljspeech", "gptsovits", "f5csv") or data.cache.codec_tokens or data.duration_bucket_seconds:
         return (f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
                 "data.cache.codec_tokens and data.duration_bucket_seconds are for speech families (tts_lm, speecht5)")
     return None

@@ -280,8 +280,8 @@ class FlowModel(DenoiserModelBase):
 class TtsLmModel(Section):
     family: Literal["tts_lm"] = Field(
         description="Model family. `tts_lm`: a transformers causal LM (Llama/Qwen-class) over text tokens followed "
-        "by audio-codec tokens; a frozen codec (EnCodec, DAC or Mimi) turns audio into tokens and back. The loss is "
-        "on the audio tokens only. See docs/tts.md."
+        "by audio-codec tokens; a frozen codec (EnCodec, DAC, Mimi or SNAC) turns audio into tokens and back. The "
+        "token layout (model.token_layout) says the prompt, the interleave and the loss mask. See docs/tts.md."
     )
     pretrained: str = Field(
         "builtin:tiny-tts-lm",
@@ -289,8 +289,15 @@ class TtsLmModel(Section):
         "the `dstune_tts.json` a dstune export writes), a hub id already in the local Hugging Face cache, or "
         "`builtin:tiny-tts-lm` (a tiny model built offline). An LM without audio tokens gets them appended.",
     )
-    codec: Literal["encodec", "dac", "mimi"] = Field(
-        "encodec", description="The codec class: EncodecModel, DacModel or MimiModel (transformers)."
+    codec: Literal["encodec", "dac", "mimi", "snac"] = Field(
+        "encodec", description="The codec class: EncodecModel, DacModel or MimiModel (transformers), or SNAC (the "
+        "`snac` package; Orpheus's codec, hierarchical codebooks)."
+    )
+    token_layout: Optional[Literal["dstune", "orpheus"]] = Field(
+        None, description="The token layout preset (docs/tts.md): `dstune` (text, BOS, flattened codes, EOS; loss on "
+        "audio) or `orpheus` (Orpheus's prompt tokens and SNAC 24 kHz codes, 7 per frame from id 128266; loss on "
+        "every token). Omitted: the pretrained folder's dstune_tts.json, else `dstune`. A folder's layout wins and "
+        "must agree with this key when both are given.",
     )
     codec_pretrained: Optional[str] = Field(
         None, description="The codec folder or hub id (already downloaded). Omitted: `<pretrained>/codec`."
@@ -299,6 +306,18 @@ class TtsLmModel(Section):
         None, gt=0, description="Residual codebooks kept per audio frame (the first N: coarse to fine). Omitted: the "
         "pretrained folder's dstune_tts.json, else every codebook the codec makes.",
     )
+    added_tokens: Optional[list[str]] = Field(
+        None, description="New text tokens for a new language (words or characters), added to the folder's tokenizer; "
+        "the LM's embeddings grow to hold their ids (before ZeRO partitions them) and they are trained with the rest. "
+        "The export's tokenizer and layout include them.",
+    )
+
+    @field_validator("added_tokens")
+    @classmethod
+    def _added_tokens_are_distinct_text(cls, value):
+        if value is not None and (any(not t.strip() for t in value) or len(set(value)) != len(value)):
+            raise ValueError(f"added_tokens {value}: each must be non-blank text, and listed once")
+        return value
     gradient_checkpointing: bool = Field(
         False, description="Recompute LM activations in backward (torch non-reentrant checkpointing)."
     )
@@ -308,6 +327,17 @@ class TtsLmModel(Section):
     sample_temperature: float = Field(
         0.8, ge=0, description="Samples: softmax temperature of the audio tokens (0: greedy)."
     )
+
+    @model_validator(mode="after")
+    def _layout_fits_codec(self) -> "TtsLmModel":
+        if self.token_layout == "orpheus" and self.codec != "snac":
+            raise ValueError(f"token_layout orpheus writes SNAC codes: set codec: snac (it is {self.codec!r})")
+        if self.token_layout == "dstune" and self.codec == "snac":
+            raise ValueError("token_layout dstune writes one code per codebook per frame, and SNAC's codebooks run at "
+                             "different rates: use token_layout: orpheus with codec: snac")
+        if self.token_layout == "orpheus" and self.num_codebooks not in (None, 7):
+            raise ValueError(f"num_codebooks {self.num_codebooks}: the orpheus layout writes 7 codes per frame")
+        return self
 
 
 class SpeechT5Model(Section):

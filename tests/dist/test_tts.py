@@ -4,7 +4,8 @@ rules skip and one unreadable file); both pass the batch check, write WAV sample
 transformers reloads and that generates audio. ZeRO 3 resumes exactly; the codec-token cache two ranks built is
 byte-for-byte what one process builds. The speecht5 family trains under ZeRO 2 and ZeRO 3 (its 0-dim parameters
 and layerdrop are the pitfalls), resumes exactly (its prenet dropout is always on, so its RNG must be restored) and
-exports a folder SpeechT5ForTextToSpeech reloads and speaks with."""
+exports a folder SpeechT5ForTextToSpeech reloads and speaks with. builtin:tiny-orpheus (the orpheus token layout,
+SNAC codes) trains fully under ZeRO 3, resumes exactly and exports a folder that synthesizes a 24 kHz WAV."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.dist
 STEPS = 4
 CASES = {"zero2": 2, "zero3": 3}
 SPEECHT5_CASES = {"speecht5-zero2": 2, "speecht5-zero3": 3}
+ORPHEUS_CASES = {"orpheus-zero3": 3}
 
 
 def _ljspeech_folder(root: Path) -> Path:
@@ -67,19 +69,39 @@ def _speecht5_spec(run_dir: Path, stage: int) -> dict:
     return spec
 
 
+def _orpheus_spec(run_dir: Path, stage: int) -> dict:
+    """Orpheus's format: SNAC codes (cached) in its token layout, read from the built-in model's folder, with two
+    new text tokens (a vocabulary extension: the embeddings grow from 156938 to 156940 ids before ZeRO-3)."""
+    spec = _spec(run_dir, 2)
+    spec["model"] = {"family": "tts_lm", "pretrained": "builtin:tiny-orpheus", "codec": "snac",
+                     "token_layout": "orpheus", "max_sample_seconds": 0.3, "added_tokens": ["12", "345"],
+                     "sample_temperature": 0.0}  # greedy: the argmax moves with training; near-uniform draws may not
+    spec["train"]["optimizer"]["lr"] = 3e-2
+    spec["data"] = {"path": "builtin:tones", "max_clip_seconds": 0.5,
+                    "cache": {"codec_tokens": True, "dir": str(run_dir.parent / "codec-cache")}}
+    spec["deepspeed"] = {"zero_stage": stage}
+    return spec
+
+
+def _case_spec(name: str, run_dir: Path, stage: int) -> dict:
+    if name in SPEECHT5_CASES:
+        return _speecht5_spec(run_dir, stage)
+    return _orpheus_spec(run_dir, stage) if name in ORPHEUS_CASES else _spec(run_dir, stage)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Four launches shared by the tests below (the resumes are in their own tests)."""
+    """Five launches shared by the tests below (the resumes are in their own tests)."""
     out = {}
-    for name, stage in [*CASES.items(), *SPEECHT5_CASES.items()]:
+    for name, stage in [*CASES.items(), *SPEECHT5_CASES.items(), *ORPHEUS_CASES.items()]:
         run_dir = tmp_path_factory.mktemp(f"tts-{name}") / "run"
-        spec = _speecht5_spec(run_dir, stage) if name in SPEECHT5_CASES else _spec(run_dir, stage)
+        spec = _case_spec(name, run_dir, stage)
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
     return out
 
 
-@pytest.mark.parametrize("name", [*CASES, *SPEECHT5_CASES])
+@pytest.mark.parametrize("name", [*CASES, *SPEECHT5_CASES, *ORPHEUS_CASES])
 def test_trains_checks_samples_and_exports(runs, name):
     run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
@@ -93,7 +115,8 @@ def test_trains_checks_samples_and_exports(runs, name):
 
     before, rate = soundfile.read(first / "00.wav")
     after, _ = soundfile.read(last / "00.wav")
-    assert rate == (16000 if name in SPEECHT5_CASES else 8000) and len(before) > 0 and len(after) > 0
+    expected_rate = 16000 if name in SPEECHT5_CASES else 24000 if name in ORPHEUS_CASES else 8000
+    assert rate == expected_rate and len(before) > 0 and len(after) > 0
     assert len(before) != len(after) or not np.array_equal(before, after)  # training changed what it says
 
 
@@ -122,7 +145,7 @@ def test_export_reloads_in_transformers_and_speaks(runs, name):
     assert clip.sample_rate == 8000 and clip.wave.size > 0 and np.isfinite(clip.wave).all()
 
 
-@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2"])
+@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2", "orpheus-zero3"])
 def test_resume_continues_exactly(runs, name, tmp_path):
     run_dir, spec_path, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
@@ -185,3 +208,35 @@ def test_speecht5_export_reloads_and_speaks(runs, name):
     assert any(not torch.equal(trained[k], v) for k, v in base.state_dict().items() if k in trained)
     clip = synthesize(folder, "42", seconds=0.3)
     assert clip.sample_rate == 16000 and clip.wave.size > 0 and np.isfinite(clip.wave).all()
+
+
+@pytest.mark.parametrize("name", list(ORPHEUS_CASES))
+def test_orpheus_export_keeps_its_format_and_speaks(runs, name):
+    """The export is Orpheus's kind of folder: its tokenizer with the named ids, the Llama at 156938 ids, SNAC's two
+    files in codec/ and the orpheus layout; it generates ids that decode with SNAC to a 24 kHz WAV."""
+    import json
+
+    import soundfile
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dstune.families.tts_lm import synthesize
+
+    run_dir, _, proc = runs[name]
+    assert proc.returncode == 0, explain(proc)
+    folder = run_dir / "export" / f"step-{STEPS:08d}"
+    assert json.loads((folder / "dstune_tts.json").read_text())["name"] == "orpheus"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.convert_tokens_to_ids(["<|begin_of_text|>", "<custom_token_4>", "12", "345"]) == [
+        128000, 128260, 156938, 156939]
+    assert 156938 in tokenizer("9123").input_ids  # the new token is what the text is read as
+    lm = AutoModelForCausalLM.from_pretrained(folder)
+    assert lm.config.vocab_size == 156940 == json.loads((folder / "dstune_tts.json").read_text())["vocab_size"]
+    base = AutoModelForCausalLM.from_pretrained(CACHE_DIR / "builtin" / "tiny-orpheus-v2").get_input_embeddings()
+    rows = lm.get_input_embeddings().weight.detach()
+    assert not torch.equal(rows[:156938], base.weight)
+    mean_start = base.weight.detach().mean(0)  # where the new rows started; "12" occurs in the data, so it moved
+    assert not torch.allclose(rows[156938], mean_start)
+    clip = synthesize(folder, "42", seconds=0.3)
+    assert clip.sample_rate == 24000 and clip.wave.size >= 2048 and np.isfinite(clip.wave).all()
+    soundfile.write(run_dir / "spoken.wav", clip.wave, clip.sample_rate)
+    assert soundfile.info(run_dir / "spoken.wav").samplerate == 24000

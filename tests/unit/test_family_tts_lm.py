@@ -98,6 +98,12 @@ def test_export_reloads_and_synthesizes(built, tmp_path):
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in built.trainable.state_dict().items())
     clip = tts_lm.synthesize(out, "7", seconds=0.2, temperature=0.0)
     assert clip.sample_rate == 8000 and 0 < clip.wave.size <= 0.2 * 8000 and np.isfinite(clip.wave).all()
+    from dstune.cli import main
+
+    assert main(["synthesize", str(out), "7", "-o", str(tmp_path / "seven.wav"), "--seconds", "0.2",
+                 "--temperature", "0"]) == 0
+    wave, rate = soundfile.read(tmp_path / "seven.wav")
+    assert rate == 8000 and np.array_equal(wave.astype(np.float32), clip.wave)
 
 
 def test_plain_lm_with_a_dac_codec_gets_audio_tokens_appended(tmp_path):

@@ -17,7 +17,7 @@ PACKAGE = REPO / "dstune"
 # module or a package (then it covers everything under it). Keep in step with docs/architecture.md.
 LAYERS = [
     ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves"],
-    ["dstune.world", "dstune.plan", "dstune.resume_plan"],
+    ["dstune.world", "dstune.plan", "dstune.resume_plan", "dstune.token_layouts"],
     ["dstune.distributed", "dstune.ds_config", "dstune.ds_user_config", "dstune.ds_file_spec", "dstune.data",
      "dstune.families", "dstune.ema"],
     ["dstune.builtin", "dstune.validate", "dstune.report", "dstune.reference"],
@@ -35,8 +35,8 @@ FORBIDDEN = {
 }
 ENTRY_POINTS = {"dstune.cli", "dstune.train", "dstune.__main__"}  # may import dstune modules inside functions
 HEAVY_THIRD_PARTY = {"torch", "deepspeed", "diffusers", "transformers", "peft", "PIL", "soundfile", "safetensors",
-                     "huggingface_hub", "sentencepiece", "rich", "numpy", "bitsandbytes", "fcntl", "html", "io",
-                     "importlib", "wandb"}
+                     "huggingface_hub", "sentencepiece", "tokenizers", "snac", "rich", "numpy", "bitsandbytes", "fcntl",
+                     "html", "io", "importlib", "wandb"}
 
 
 def _modules() -> dict[str, Path]:

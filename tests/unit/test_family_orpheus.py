@@ -1,0 +1,142 @@
+"""tts_lm with the orpheus layout on builtin:tiny-orpheus: SNAC codes in Orpheus's frame order, the loss equal to
+the causal-LM loss with labels built as Orpheus's fine-tuning script builds them, export and synthesis."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dstune.builtin import ensure_builtin_model
+from dstune.data.audio import SpeechDataset, collate_speech, speech_records
+from dstune.families import tts_lm
+from dstune.families.base import FamilyError
+from dstune.families.speech_codecs import decode_codes, encode_clip
+from dstune.pretrained import build_model
+from dstune.spec.models import DataSpec, TtsLmModel
+
+pytest.importorskip("snac")
+soundfile = pytest.importorskip("soundfile")
+
+# Orpheus's ids, written out here as its fine-tuning notebook defines them (not read from dstune)
+START_OF_TEXT, END_OF_TEXT, START_OF_SPEECH, END_OF_SPEECH = 128000, 128009, 128257, 128258
+START_OF_HUMAN, END_OF_HUMAN, START_OF_AI, END_OF_AI, AUDIO_START = 128259, 128260, 128261, 128262, 128266
+
+
+@pytest.fixture(scope="module")
+def cache_dir():
+    cache = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
+    ensure_builtin_model("builtin:tiny-orpheus", cache)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def built(cache_dir):
+    return build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac",
+                                  max_sample_seconds=0.4), cache_dir, "cpu")
+
+
+@pytest.fixture(scope="module")
+def batch(built):
+    records, _ = speech_records(DataSpec(path="builtin:tones", max_clip_seconds=0.6))
+    dataset = SpeechDataset(records, built.sample_rate)
+    return collate_speech([dataset[i] for i in range(3)])
+
+
+def orpheus_codes_list(levels) -> list[int]:
+    """Orpheus's interleave of SNAC's three levels (1, 2, 4 codes per frame), with a 4096 offset per position."""
+    out = []
+    for i in range(levels[0].shape[1]):
+        frame = [levels[0][0][i], levels[1][0][2 * i], levels[2][0][4 * i], levels[2][0][4 * i + 1],
+                 levels[1][0][2 * i + 1], levels[2][0][4 * i + 2], levels[2][0][4 * i + 3]]
+        out += [int(code) + AUDIO_START + position * 4096 for position, code in enumerate(frame)]
+    return out
+
+
+def orpheus_example(tokenizer, text: str, codes_list: list[int]) -> tuple[list[int], list[int]]:
+    """input_ids and labels as Orpheus's fine-tuning script makes them: labels are the input ids, unmasked."""
+    text_tokens = tokenizer.encode(text, add_special_tokens=True) + [END_OF_TEXT]
+    input_ids = ([START_OF_HUMAN] + text_tokens + [END_OF_HUMAN, START_OF_AI, START_OF_SPEECH] + codes_list
+                 + [END_OF_SPEECH, END_OF_AI])
+    return input_ids, list(input_ids)
+
+
+def test_layout_is_read_from_the_folder_and_codes_follow_orpheus_frame_order(built, batch):
+    assert built.layout["name"] == "orpheus" and built.sample_rate == 24000
+    wave = batch["audio"][0]
+    codes = encode_clip(built.codec, "snac", wave, 7, built.layout["frame_order"])
+    with torch.no_grad():
+        levels = built.codec.encode(wave.reshape(1, 1, -1).float())
+    assert tts_lm.audio_tokens(built.layout, codes).tolist() == orpheus_codes_list(levels)
+    wave_back = decode_codes(built.codec, "snac", codes, built.layout["frame_order"])
+    with torch.no_grad():
+        reference = built.codec.decode(levels).reshape(-1).numpy()
+    assert np.array_equal(wave_back, reference)
+
+
+def test_loss_equals_the_causal_lm_loss_on_orpheus_labels(built, batch):
+    """Loss parity: the batch padded as DataCollatorForSeq2Seq pads (labels -100), one token mean."""
+    encoded = tts_lm.encode_batch(built, batch)
+    rows = []
+    for text, wave in zip(batch["texts"], batch["audio"]):
+        with torch.no_grad():
+            levels = built.codec.encode(wave.reshape(1, 1, -1).float())
+        rows.append(orpheus_example(built.tokenizer, text, orpheus_codes_list(levels)))
+    length = max(len(ids) for ids, _ in rows)
+    input_ids = torch.tensor([ids + [0] * (length - len(ids)) for ids, _ in rows])
+    labels = torch.tensor([lab + [-100] * (length - len(lab)) for _, lab in rows])
+    mask = torch.tensor([[1] * len(ids) + [0] * (length - len(ids)) for ids, _ in rows])
+    lm = built.trainable
+    with torch.no_grad():
+        reference = lm(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        ours = tts_lm.loss(built, lm, encoded, 0, 0)
+    assert torch.equal(encoded["labels"], labels) and torch.equal(encoded["attention_mask"], mask)
+    assert abs(ours.item() - reference.item()) < 1e-5
+
+
+def test_export_synthesizes_with_snac(built, tmp_path):
+    out = tts_lm.export(built, built.trainable.state_dict(), tmp_path / "export")
+    assert json.loads((out / "dstune_tts.json").read_text())["name"] == "orpheus"
+    assert sorted(p.name for p in (out / "codec").iterdir()) == ["config.json", "pytorch_model.bin"]
+    clip = tts_lm.synthesize(out, "7", seconds=0.3, temperature=0.0)
+    assert clip.sample_rate == 24000 and 0 < clip.wave.size and np.isfinite(clip.wave).all()
+    from dstune.cli import main
+
+    assert main(["synthesize", str(out), "7", "-o", str(tmp_path / "seven.wav"), "--seconds", "0.3",
+                 "--temperature", "0"]) == 0
+    wave, rate = soundfile.read(tmp_path / "seven.wav")
+    assert rate == 24000 and np.array_equal(wave.astype(np.float32), clip.wave)
+
+
+def test_a_spec_layout_that_disagrees_with_the_folder_is_refused(cache_dir):
+    with pytest.raises(ValueError, match="token_layout dstune writes one code per codebook"):
+        TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", token_layout="dstune")
+    with pytest.raises(FamilyError, match="codec 'snac' != model.codec 'encodec'|cannot load it as EncodecModel"):
+        build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus"), cache_dir, "cpu")
+
+
+def test_added_text_tokens_grow_the_embeddings_and_survive_the_export(cache_dir, tmp_path):
+    spec = TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", added_tokens=["bir", "şey"])
+    built = build_model(spec, cache_dir, "cpu")
+    assert built.tokenizer.convert_tokens_to_ids(["bir", "şey"]) == [156938, 156939]
+    assert built.trainable.get_input_embeddings().num_embeddings == 156940 == built.layout["vocab_size"]
+    encoded = tts_lm.encode_batch(built, {"index": [0], "texts": ["bir şey"], "audio": [torch.randn(4096) * 0.1]})
+    assert 156939 in encoded["input_ids"][0].tolist()
+    loss = tts_lm.loss(built, built.trainable, encoded, 0, 0)
+    loss.backward()
+    assert built.trainable.get_input_embeddings().weight.grad[156939].abs().sum() > 0
+    out = tts_lm.export(built, built.trainable.state_dict(), tmp_path / "export")
+    again = build_model(TtsLmModel(family="tts_lm", pretrained=str(out), codec="snac", added_tokens=["şey"]),
+                        cache_dir, "cpu")
+    assert again.tokenizer.convert_tokens_to_ids("şey") == 156939 and again.layout["vocab_size"] == 156940
+
+
+def test_added_tokens_on_audio_ids_are_refused(cache_dir):
+    """A token the tokenizer already has among the audio ids cannot be a new text token."""
+    with pytest.raises(FamilyError, match="ids the layout uses for audio or special tokens"):
+        build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac",
+                               added_tokens=["<custom_token_20>"]), cache_dir, "cpu")
