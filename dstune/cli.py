@@ -87,10 +87,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         description="Check a spec for a world (ranks, nodes) and show the plan: batches, epochs, steps, LR, ZeRO.")
     _add_spec_flags(validate)
     validate.add_argument("--json", action="store_true",
-                          help='print one JSON object {"plan", "ds_config", "warnings", "errors"} instead')
-    validate.add_argument("--gpu-memory", type=_gpu_memory, metavar="SIZE",
-                          help="memory of one GPU (24GB, 80GB, 40GiB): say whether the run fits and, when it does "
-                               "not, the cheapest changes that make it fit")
+                          help='print one JSON object {"plan", "ds_config", "warnings", "errors", "memory"} instead')
+    validate.add_argument("--gpu-memory", type=_gpu_memory, metavar="SIZE", help="memory of one GPU (24GB, 80GB, "
+                          "40GiB): whether the run fits; if not, the cheapest changes that make it fit")
     validate.add_argument("--require-fit", action="store_true",
                           help="exit 1 when the run does not fit in --gpu-memory (default: a plan, exit 0)")
     validate.add_argument("--resume-from", metavar="RUN_DIR",

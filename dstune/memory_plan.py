@@ -152,7 +152,9 @@ def model_states(counts: ModelCounts, setup: Setup) -> tuple[float, float, float
         grads = (w * trainable if setup.zero_stage == 1 else w * trainable / ranks) + fp32_grad_partition
         return w * trainable, 0.0 if offloaded_optimizer else grads, 0.0 if offloaded_optimizer else states / ranks
     params = (0.0 if setup.offload_param != "none" else w * trainable / ranks) + w * layer
-    grads = w * layer + (0.0 if offloaded_optimizer else w * trainable / ranks + fp32_grad_partition)
+    # ZeRO-3 reduce-scatters each layer's 16-bit gradient straight into the fp32 partition (DeepSpeed's estimator
+    # counts no 16-bit gradient partition there); without mixed precision that partition is the gradient itself
+    grads = w * layer + (0.0 if offloaded_optimizer else fp32_grad_partition or w * trainable / ranks)
     return params, grads, 0.0 if offloaded_optimizer else states / ranks
 
 

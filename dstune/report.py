@@ -172,7 +172,8 @@ def count_text(number: int) -> str:
 
 
 def gb(value: float) -> str:
-    return f"{value / 1e9:.3g} GB"
+    """Bytes in GB (10^9), or MB below one GB."""
+    return f"{value / 1e9:.3g} GB" if value >= 1e9 else f"{value / 1e6:.3g} MB"
 
 
 def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:

@@ -63,7 +63,7 @@ def test_validate_json_is_one_object_with_plan_config_warnings_errors(capsys):
     code, out, _ = call(capsys, "validate", DEMO, "--world-size", "4", "--set", "train.global_batch_size=16", "--json")
     assert code == 0
     report = json.loads(out)
-    assert set(report) == {"plan", "ds_config", "warnings", "errors"}
+    assert set(report) == {"plan", "ds_config", "warnings", "errors", "memory"}
     assert report["errors"] == []
     plan, ds_config = report["plan"], report["ds_config"]
     assert plan["world_size"] == 4
