@@ -75,8 +75,11 @@ def count_component(config_path: str, lora_targets: tuple = (), lora_rank: int =
     import torch
 
     config = _read_json(Path(config_path))
-    with torch.device("meta"):
-        module = _instantiate(config, Path(config_path))
+    try:
+        with torch.device("meta"):
+            module = _instantiate(config, Path(config_path))
+    except (TypeError, ValueError, KeyError, AttributeError) as err:  # a config its class does not accept
+        raise SizesUnknown(f"{config_path}: cannot build its class from it ({type(err).__name__}: {err})") from None
     params = sum(dict((id(p), p.numel()) for p in module.parameters()).values())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules())
     lora = sum(_adapter_params(m, lora_rank) for name, m in module.named_modules()

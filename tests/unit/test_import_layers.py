@@ -19,7 +19,7 @@ LAYERS = [
     ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress"],
     ["dstune.world", "dstune.plan", "dstune.resume_plan", "dstune.memory_plan", "dstune.activations"],
     ["dstune.distributed", "dstune.ds_config", "dstune.ds_user_config", "dstune.data", "dstune.families",
-     "dstune.ema", "dstune.model_sizes"],
+     "dstune.ema", "dstune.model_sizes", "dstune.memory_record"],
     ["dstune.builtin", "dstune.validate", "dstune.report", "dstune.reference"],
     ["dstune.pretrained", "dstune.cache", "dstune.engine", "dstune.checkpoint", "dstune.check", "dstune.universal"],
     ["dstune.loop", "dstune.export"],
