@@ -11,6 +11,7 @@ their config.json files, so that `validate` plans them on a machine that has not
 
 from __future__ import annotations
 
+import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -68,10 +69,34 @@ def _read_json(path: Path) -> dict:
         raise SizesUnknown(f"{path}: cannot read it ({err})") from None
 
 
+STORED_COUNTS = STORE / "counts.json"  # the stored configs' counts, so that validate need not import diffusers
+
+
 @lru_cache(maxsize=64)
 def count_component(config_path: str, lora_targets: tuple = (), lora_rank: int = 0) -> tuple[int, int, int]:
     """(parameters, largest layer's parameters, LoRA adapter parameters for those targets) of the class the config
-    names, built on the meta device. Cached per process: validate counts each config once."""
+    names. A stored config (dstune/model_configs) with the default LoRA targets is looked up in counts.json (made
+    from the same meta-device count by write_stored_counts, checked by tests/unit/test_memory_plan.py); anything
+    else is built on the meta device here. Cached per process."""
+    stored = _stored_count(Path(config_path), lora_targets)
+    if stored is not None:
+        return stored["params"], stored["largest_layer_params"], stored["lora_params_per_rank"] * lora_rank
+    return meta_count(config_path, lora_targets, lora_rank)
+
+
+def _stored_count(path: Path, lora_targets: tuple) -> Optional[dict]:
+    if lora_targets not in ((), DEFAULT_LORA_TARGET_MODULES) or not path.resolve().is_relative_to(STORE):
+        return None
+    try:
+        table = json.loads(STORED_COUNTS.read_text())
+        entry = table[str(path.resolve().relative_to(STORE))]
+    except (OSError, ValueError, KeyError):
+        return None
+    return entry if entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() else None
+
+
+def meta_count(config_path: str, lora_targets: tuple = (), lora_rank: int = 0) -> tuple[int, int, int]:
+    """count_component, always on the meta device."""
     import torch
 
     config = _read_json(Path(config_path))
@@ -85,6 +110,22 @@ def count_component(config_path: str, lora_targets: tuple = (), lora_rank: int =
     lora = sum(_adapter_params(m, lora_rank) for name, m in module.named_modules()
                if lora_targets and any(name == t or name.endswith("." + t) for t in lora_targets))
     return params, largest, lora
+
+
+def stored_counts() -> dict:
+    """counts.json as it should be: every stored component config counted on the meta device."""
+    table = {}
+    for path in sorted(STORE.rglob("config.json")):
+        params, largest, per_rank = meta_count(str(path), DEFAULT_LORA_TARGET_MODULES, 1)
+        table[str(path.relative_to(STORE))] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                                               "params": params, "largest_layer_params": largest,
+                                               "lora_params_per_rank": per_rank}
+    return table
+
+
+def write_stored_counts() -> None:
+    """Regenerate dstune/model_configs/counts.json after adding or changing a stored config."""
+    STORED_COUNTS.write_text(json.dumps(stored_counts(), indent=1, sort_keys=True) + "\n")
 
 
 def _instantiate(config: dict, path: Path):

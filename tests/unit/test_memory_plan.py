@@ -153,9 +153,30 @@ PUBLISHED = [  # (stored config, parameters as published by the model's authors 
 
 @pytest.mark.parametrize("where, published", PUBLISHED, ids=[p[0] for p in PUBLISHED])
 def test_meta_device_counts_match_published_sizes(where, published):
-    from dstune.model_sizes import STORE, count_component
+    from dstune.model_sizes import STORE, count_component, meta_count
 
-    assert count_component(str(STORE / "hub" / where / "config.json"))[0] == published
+    path = str(STORE / "hub" / where / "config.json")
+    assert meta_count(path)[0] == published == count_component(path)[0]
+
+
+def test_stored_counts_are_the_meta_device_counts():
+    """validate reads the stored configs' counts from counts.json (no diffusers import); they must be what the
+    meta device gives for the same files."""
+    from dstune.model_sizes import STORED_COUNTS, stored_counts
+
+    assert json.loads(STORED_COUNTS.read_text()) == stored_counts(), \
+        "regenerate: python3 -c 'from dstune.model_sizes import write_stored_counts; write_stored_counts()'"
+
+
+def test_lora_adapters_are_counted_on_the_meta_module():
+    """Flux LoRA of launch/flux-lora-zero3-8gpu.yaml: rank 32 on the attention projections, 37.4 M adapters; another
+    target list is counted on the meta device."""
+    from dstune.model_sizes import STORE, count_component, meta_count
+
+    path = str(STORE / "hub" / "black-forest-labs/FLUX.1-dev/transformer/config.json")
+    default = ("to_q", "to_k", "to_v", "to_out.0")
+    assert count_component(path, default, 32)[2] == meta_count(path, default, 32)[2] == 37_355_520
+    assert 0 < meta_count(path, ("to_q",), 4)[2] < meta_count(path, default, 4)[2]
 
 
 def test_stored_builtin_configs_are_the_builders_configs():
