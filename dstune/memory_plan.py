@@ -91,7 +91,7 @@ class Setup:
             allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)),
             prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size", 5e7)),
             overlap_comm=bool(zero.get("overlap_comm", False)),
-            base_bytes_per_param=BASE_PRECISION_BYTES[base_precision] if base_precision else None,
+            base_bytes_per_param=BASE_PRECISION_BYTES.get(base_precision) if base_precision else None,
             accelerator=accelerator)
 
     @property
