@@ -194,3 +194,20 @@ def test_stored_builtin_configs_are_the_builders_configs():
             for relative in stored:
                 assert json.loads((built / folder / relative).read_text()) == \
                     json.loads((STORE / "builtin" / folder / relative).read_text()), f"{folder}/{relative}"
+
+
+def test_offload_moves_states_to_the_host_and_lora_counts_the_frozen_base(capsys):
+    """The Setup is read from the compiled DeepSpeed JSON: ZeRO-3 with optimizer and parameter offload keeps only
+    the largest layer on the GPU and the rest in host memory; Flux LoRA under ZeRO-3 partitions its frozen base."""
+    spec = str(REPO / "launch" / "sd15-zero3-offload.yaml")
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "20000", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    gpu, counts = memory["per_gpu"], memory["parameters"]
+    assert gpu["optimizer_bytes"] == 0 and gpu["parameters_bytes"] == 2 * counts["largest_layer_params"]
+    params = counts["module_params"]
+    assert memory["host_per_node_bytes"] >= 8 * (16 * params / 8 + 2 * params / 8)  # fp32 grads + states, params
+    spec = str(REPO / "launch" / "flux-lora-zero3-8gpu.yaml")
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "20000", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    frozen_base = memory["parameters"]["frozen_base_params"]
+    assert frozen_base > 11e9 and memory["per_gpu"]["frozen_bytes"] == pytest.approx(2 * frozen_base / 8, rel=1e-6)
