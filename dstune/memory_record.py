@@ -60,10 +60,9 @@ class MemoryRecorder:
         return record
 
     def peak_bytes(self) -> int:
-        """The figure to put beside the prediction: CUDA peak allocated on a GPU, else the RSS growth."""
-        record = self.phases[-1] if self.phases else self.mark("now")
-        cuda = record["cuda_peak_allocated_bytes"]
-        return cuda if cuda is not None else record["rss_growth_bytes"]
+        """The figure to put beside the prediction, now: CUDA peak allocated on a GPU, else the peak RSS growth."""
+        cuda = cuda_peak_bytes()
+        return cuda if cuda is not None else peak_rss_bytes() - self.baseline_rss_bytes
 
     def predicted_bytes(self) -> Optional[int]:
         """The predicted per-GPU total without the runtime reserve (what an allocator's peak can be held to)."""
