@@ -147,6 +147,26 @@ def _instantiate(config: dict, path: Path):
         return cls(transformers.AutoConfig.for_model(**config))
 
 
+def import_model_classes(spec) -> None:
+    """Import, without building, the class of every component config of the spec's model: a memory baseline taken
+    afterwards (dstune.memory_record) then holds the libraries' code, so that what grows after it is the model."""
+    try:
+        folder, _ = config_folder(spec.model.pretrained)
+    except SizesUnknown:
+        return
+    with quiet_hf_libraries():
+        for path in sorted(folder.glob("config.json")) + sorted(folder.glob("*/config.json")):
+            config = json.loads(path.read_text())
+            if "_class_name" in config:
+                import diffusers
+
+                getattr(diffusers, config["_class_name"], None)
+            elif config.get("architectures"):
+                import transformers
+
+                getattr(transformers, config["architectures"][0], None)
+
+
 def _adapter_params(module, rank: int) -> int:
     """A peft LoRA adapter on a Linear (A: r x in, B: out x r) or a Conv (A: r x in x kernel, B: out x r)."""
     import torch

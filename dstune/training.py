@@ -29,6 +29,7 @@ from dstune.engine import PRECISION_DTYPES, follow_plan_schedule, promote_scalar
 from dstune.export import ExportError, export_checkpoint
 from dstune.loop import LoopContext, NonFiniteLoss, render_samples, train_loop
 from dstune.memory_record import MemoryRecorder, summary_text
+from dstune.model_sizes import import_model_classes
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
 from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, rebatched, resume_kind
@@ -216,7 +217,9 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     resuming = _find_resume(run, resolved, run_dir, resume, options)
     if resuming is not None and resuming.rebatched is not None:
         plan = resuming.rebatched.plan
-    memory = MemoryRecorder(plan_memory(spec, plan, ds_config, accelerator=run.accelerator))
+    predicted = plan_memory(spec, plan, ds_config, accelerator=run.accelerator)
+    import_model_classes(spec)  # the baseline below then holds the libraries, and what grows after it is the model
+    memory = MemoryRecorder(predicted)
     family, built = build_family(run, spec)
     scalar_params = promote_scalar_params(built.trainable)
     universal = resuming is not None and resuming.universal_root is not None
