@@ -8,7 +8,8 @@
 Each mark keeps the peak so far: on a GPU torch.cuda.max_memory_allocated() (what the memory plan's per-GPU
 total predicts, less the runtime reserve), always the process's peak resident set size (VmHWM in /proc/self/status,
 else getrusage's ru_maxrss). On the CPU accelerator the model lives in host memory, so the RSS growth over the
-baseline is what compares with the prediction; the baseline already holds torch, DeepSpeed and the process group.
+baseline is what compares with the prediction; the baseline already holds torch, DeepSpeed, the process group and the model's classes
+(dstune.model_sizes.import_model_classes).
 """
 
 from __future__ import annotations
