@@ -54,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ds-config", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None)
     args = parser.parse_args()
     deepspeed.init_distributed()
@@ -64,18 +65,23 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     from diffusers import UNet2DConditionModel
 
+    from dstune.memory_record import peak_rss_bytes, rss_bytes
+
     before = live_tensor_bytes()
+    baseline_rss = rss_bytes()
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**BENCH_UNET).to(device)
     num_params = sum(p.numel() for p in unet.parameters())
     largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in unet.modules())
     config = json.loads(Path(args.ds_config).read_text())
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4) if args.optimizer == "adamw" else \
+        torch.optim.SGD(unet.parameters(), lr=1e-4, momentum=0.9)
     engine, _, _, _ = deepspeed.initialize(model=unet, model_parameters=unet.parameters(), optimizer=optimizer,
                                            config=config, dist_init_required=False)
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
     micro = config["train_micro_batch_size_per_gpu"]
     after_backward = after_step = 0
+    engine_rss = peak_rss_bytes() - baseline_rss
     for _ in range(2):
         noisy = torch.randn(micro, 4, 8, 8, device=device, dtype=dtype)
         text = torch.randn(micro, 77, BENCH_UNET["cross_attention_dim"], device=device, dtype=dtype)
@@ -89,6 +95,10 @@ def main() -> None:
     out = Path(args.out) / f"rank{rank}.json"
     out.write_text(json.dumps({"rank": rank, "after_backward_bytes": after_backward - before,
                                "after_step_bytes": after_step - before, "num_params": num_params,
+                               "engine_start_rss_growth_bytes": engine_rss,
+                               "peak_rss_growth_bytes": peak_rss_bytes() - baseline_rss,
+                               "cuda_peak_allocated_bytes": torch.cuda.max_memory_allocated()
+                               if torch.cuda.is_available() else None,
                                "largest_layer_params": largest_layer, "device": device.type}))
 
 

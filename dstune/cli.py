@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -40,6 +41,15 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+def _gpu_memory(text: str) -> int:
+    from dstune.memory_plan import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _add_world_flags(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +87,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         description="Check a spec for a world (ranks, nodes) and show the plan: batches, epochs, steps, LR, ZeRO.")
     _add_spec_flags(validate)
     validate.add_argument("--json", action="store_true",
-                          help='print one JSON object {"plan", "ds_config", "warnings", "errors"} instead')
+                          help='print one JSON object {"plan", "ds_config", "warnings", "errors", "memory"} instead')
+    validate.add_argument("--gpu-memory", type=_gpu_memory, metavar="SIZE", help="memory of one GPU (24GB, 80GB, "
+                          "40GiB): whether the run fits; if not, the cheapest changes that make it fit")
+    validate.add_argument("--require-fit", action="store_true",
+                          help="exit 1 when the run does not fit in --gpu-memory (default: a plan, exit 0)")
     validate.add_argument("--resume-from", metavar="RUN_DIR",
                           help="also show what `--resume latest` of that run would do on this world (exit 1 when "
                                "it would be refused)")
@@ -230,6 +244,15 @@ def cmd_validate(args) -> int:
         if code == EXIT_USAGE:
             raise UsageError(message) from None
         outcome = Outcome(errors=(SpecIssue("--hostfile", message),))
+    if args.require_fit and args.gpu_memory is None:
+        raise UsageError("--require-fit needs --gpu-memory SIZE (the memory of one GPU, e.g. 24GB)")
+    if outcome.plan is not None and not outcome.errors:  # the Memory section (imports torch: a valid spec has)
+        from dstune.validate import plan_memory
+
+        with _stdout_to_stderr(args.json):
+            outcome = dataclasses.replace(outcome, memory=plan_memory(
+                outcome.spec, outcome.plan, outcome.ds_config, args.gpu_memory,
+                "cpu" if args.accelerator == "cpu" else "cuda"))
     if args.json:
         print(json.dumps(outcome.as_json(), indent=2))
     else:
@@ -237,7 +260,8 @@ def cmd_validate(args) -> int:
     resumable = True
     if args.resume_from and outcome.plan and not outcome.errors:
         resumable = _print_resume_preview(args, outcome)
-    return EXIT_INVALID if outcome.errors or not resumable else EXIT_OK
+    unfit = args.require_fit and outcome.memory is not None and outcome.memory.get("fits") is not True
+    return EXIT_INVALID if outcome.errors or not resumable or unfit else EXIT_OK
 
 
 def _print_resume_preview(args, outcome) -> bool:

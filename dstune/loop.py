@@ -26,6 +26,7 @@ from dstune.engine import current_lr
 from dstune.evaluation import HeldOut, evaluate
 from dstune.families.base import Family
 from dstune.families.samples import write_contact_sheet
+from dstune.memory_record import MemoryRecorder
 from dstune.plan import Plan
 from dstune.progress import MetricsFile, ProgressDisplay, read_metrics
 from dstune.spec.models import SampleSpec
@@ -59,6 +60,7 @@ class LoopContext:
     # Seconds this rank spent blocked on the loader (data_s) and everything else in its steps (compute_s): the
     # loop's own measure of whether data loading is the bottleneck (see progress.time_split_text).
     timings: dict = field(default_factory=lambda: {"data_s": 0.0, "compute_s": 0.0})
+    memory: MemoryRecorder = field(default_factory=MemoryRecorder)  # peaks per phase beside the memory plan
 
 
 def render_samples(ctx: LoopContext, step: int, metrics: MetricsFile) -> None:
@@ -150,6 +152,8 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
             state.global_step += 1
             state.step_in_epoch += 1
             state.samples_seen += plan.global_batch_size
+            if not any(record["phase"] == "first_step" for record in ctx.memory.phases):
+                ctx.memory.mark("first_step")
             step_seconds = time.perf_counter() - step_started
             ctx.timings["data_s"] += data_wait
             ctx.timings["compute_s"] += step_seconds - data_wait
@@ -167,6 +171,7 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                     "data_wait_fraction": data_wait / max(step_seconds, 1e-9),
                     "elapsed_s": time.perf_counter() - loop_started, **held_out,
                     **(memory_fields(ctx.built.device) if run.is_main else {}),
+                    "peak_memory_bytes": ctx.memory.peak_bytes(), "predicted_memory_bytes": ctx.memory.predicted_bytes(),
                 })
             if ctx.save_every_steps and state.global_step % ctx.save_every_steps == 0 \
                     and state.global_step < plan.total_steps:

@@ -38,6 +38,7 @@ class Outcome:
     warnings: tuple[SpecIssue, ...] = ()
     errors: tuple[SpecIssue, ...] = ()
     ds_sources: Optional[dict] = None  # DeepSpeed key -> where its value came from (dstune.ds_file_spec)
+    memory: Optional[dict] = None  # dstune.validate.plan_memory (validate only)
 
     @classmethod
     def of(cls, resolved) -> "Outcome":
@@ -54,6 +55,7 @@ class Outcome:
             "ds_config_sources": self.ds_sources if not self.errors else None,
             "warnings": [str(w) for w in self.warnings],
             "errors": [str(e) for e in self.errors],
+            "memory": self.memory,
         }
 
 
@@ -178,6 +180,53 @@ def _source_rows(ds_config: dict, sources: dict) -> list[tuple[str, str]]:
     return [(key, f"{json.dumps(values.get(key))}  <- {where}") for key, where in sources.items()]
 
 
+def count_text(number: int) -> str:
+    """2567463684 -> "2.57 B", 37355520 -> "37.4 M"."""
+    return f"{number / 1e9:.3g} B" if number >= 1e9 else f"{number / 1e6:.3g} M"
+
+
+def gb(value: float) -> str:
+    """Bytes in GB (10^9), or MB below one GB."""
+    return f"{value / 1e9:.3g} GB" if value >= 1e9 else f"{value / 1e6:.3g} MB"
+
+
+def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
+    """The Memory group: what each GPU holds, host RAM and NVMe per node, the cache on disk, the verdict."""
+    if memory.get("per_gpu") is None:
+        return [("unknown", memory.get("unknown", ""))]
+    gpu, counts = memory["per_gpu"], memory["parameters"]
+    what = "full" if counts["trainable_params"] == counts["module_params"] else \
+        f"LoRA: {count_text(counts['trainable_params'])} adapters on a frozen base of " \
+        f"{count_text(counts['frozen_base_params'])}"
+    companions = ", ".join(f"{name} {count_text(n)}{' (cached: host)' if name in counts['cached_companions'] else ''}"
+                           for name, n in counts["companions"].items()) or "none"
+    checkpointing = "on" if getattr(spec.model, "gradient_checkpointing", False) else "off"
+    rows = [
+        ("model", f"{counts['module']} {count_text(counts['module_params'])} parameters ({what}); largest layer "
+                  f"{count_text(counts['largest_layer_params'])}; from {counts['origin']}"),
+        ("frozen parts", companions),
+        ("per GPU", f"{gb(gpu['total_bytes'])} in all"),
+        ("  parameters", gb(gpu["parameters_bytes"])), ("  gradients", gb(gpu["gradients_bytes"])),
+        ("  optimizer states", gb(gpu["optimizer_bytes"])), ("  frozen weights", gb(gpu["frozen_bytes"])),
+        ("  activations", f"{gb(gpu['activations_bytes'])} (estimate; gradient checkpointing {checkpointing})"),
+        ("  DeepSpeed buffers", gb(gpu["buffers_bytes"])),
+        ("  runtime reserve", gb(gpu["runtime_reserve_bytes"]) + " (CUDA context, NCCL, allocator)"),
+        ("host RAM per node", gb(memory["host_per_node_bytes"]) + " (model-related; add the processes' own)"),
+    ]
+    if memory.get("nvme_per_node_bytes"):
+        rows.append(("NVMe per node", gb(memory["nvme_per_node_bytes"])))
+    if memory.get("cache_disk_bytes"):
+        rows.append(("cache on disk", gb(memory["cache_disk_bytes"])))
+    if memory["fits"] is not None:
+        verdict = "fits" if memory["fits"] else "DOES NOT FIT"
+        rows.append(("--gpu-memory", f"{gb(memory['gpu_memory_bytes'])}: {verdict}"))
+        for item in memory["suggestions"]:
+            rows.append(("  would fit with", f"{item['change']} -> {gb(item['per_gpu_total_bytes'])} per GPU"))
+        if memory["fits"] is False and not memory["suggestions"]:
+            rows.append(("  would fit with", "no change dstune knows of: more GPUs, or GPUs with more memory"))
+    return rows
+
+
 def plan_table(outcome: Outcome) -> Optional[Table]:
     """The plan as one three-column table (group, item, value); None when nothing was worked out."""
     groups: list[tuple[str, list[tuple[str, str]]]] = []
@@ -196,6 +245,8 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
         groups.append(("DeepSpeed", _engine_rows(spec, plan)))
     if outcome.ds_sources and outcome.ds_config is not None and not outcome.errors and spec.deepspeed.config:
         groups.append(("DeepSpeed JSON values", _source_rows(outcome.ds_config, outcome.ds_sources)))
+    if outcome.memory is not None and not outcome.errors:
+        groups.append(("Memory", _memory_rows(outcome.memory, spec)))
     if not groups:
         return None
     table = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 0))

@@ -21,8 +21,8 @@ from dstune.check import bucket_report, check_batches, expected_from_plan, rank_
 from dstune.checkpoint import (CheckpointError, TrainState, checkpoint_root, list_complete, load_checkpoint,
                                read_latest, read_state, resolve_resume, save_checkpoint, shared_folder_problem,
                                tag_for)
-from dstune.distributed import (Run, agree_or_stop, barrier, init_run, launcher_rank, launcher_world_size, shutdown,
-                                stop)
+from dstune.distributed import (Run, agree_or_stop, all_gather_object, barrier, init_run, launcher_rank,
+                                launcher_world_size, shutdown, stop)
 from dstune.ds_config import with_universal_loading
 from dstune.ds_file_spec import merged_spec
 from dstune.ema import Ema
@@ -30,6 +30,8 @@ from dstune.engine import PRECISION_DTYPES, follow_plan_schedule, promote_scalar
 from dstune.evaluation import make_held_out
 from dstune.export import ExportError, export_checkpoint
 from dstune.loop import LoopContext, NonFiniteLoss, render_samples, train_loop
+from dstune.memory_record import MemoryRecorder, summary_text
+from dstune.model_sizes import import_model_classes
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
 from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, rebatched, resume_kind
@@ -39,7 +41,7 @@ from dstune.spec.models import Spec
 from dstune.startup import build_family, checked_records, held_out_records, make_training_loader, prepare_caches
 from dstune.trackers import open_trackers
 from dstune.universal import is_partitioned, remove_universal_copy, reshard_refusal, universal_copy
-from dstune.validate import Resolved, validate_spec
+from dstune.validate import Resolved, plan_memory, validate_spec
 
 
 def _prepare_run_dir(run_dir: Path, resume: str | None) -> str | None:
@@ -218,11 +220,15 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     resuming = _find_resume(run, resolved, run_dir, resume, options)
     if resuming is not None and resuming.rebatched is not None:
         plan = resuming.rebatched.plan
+    predicted = plan_memory(spec, plan, ds_config, accelerator=run.accelerator)
+    import_model_classes(spec)  # the baseline below then holds the libraries, and what grows after it is the model
+    memory = MemoryRecorder(predicted)
     family, built = build_family(run, spec, ds_config=resolved.ds_config)
     scalar_params = promote_scalar_params(built.trainable)
     universal = resuming is not None and resuming.universal_root is not None
     engine = wrap_model(built.trainable, spec.train, with_universal_loading(ds_config) if universal else ds_config,
                         plan)
+    memory.mark("engine_start")
     ema = None
     if spec.train.ema is not None:
         trainable = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
@@ -243,8 +249,20 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
                       checkpoint_extra=extra, sample_spec=spec.sample, resolution=spec.data.resolution, ema=ema,
                       offloaded=caches.offloaded, compute_dtype=PRECISION_DTYPES[spec.train.precision][0],
                       held_out=make_held_out(spec.data, held_out_records(run, spec), plan.micro_batch_size,
-                                             spec.train.seed))
+                                             spec.train.seed),
+                      memory=memory)
     return ctx, state
+
+
+def _write_memory_records(run: Run, run_dir: Path, memory: MemoryRecorder) -> None:
+    """Collective: every rank's peaks per phase, with the memory plan's prediction, into memory.json; one line."""
+    memory.mark("end")
+    records = all_gather_object(memory.as_dict(run.rank))
+    if run.is_main:
+        (run_dir / "memory.json").write_text(json.dumps(
+            {"predicted": memory.predicted, "predicted_per_rank_bytes": memory.predicted_bytes(), "ranks": records},
+            indent=2) + "\n")
+        print(summary_text(memory.predicted_bytes(), records), flush=True)
 
 
 def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, options: ResumeOptions) -> int:
@@ -271,6 +289,7 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
     if read_latest(checkpoint_root(run_dir)) != tag:  # resuming a finished run: its last checkpoint stays as it is
         save_checkpoint(ctx.engine, run, run_dir, state, ctx.checkpoint_extra, spec.output.keep_last, ema=ctx.ema)
     render_samples(ctx, state.global_step, metrics)
+    _write_memory_records(run, run_dir, ctx.memory)
     metrics.close()
     if run.is_main:
         print(f"trained {state.global_step} steps ({state.samples_seen} samples) in {fmt_seconds(elapsed)}; "

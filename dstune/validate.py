@@ -24,6 +24,8 @@ from dstune.data.index import DataError, builtin_name, index_dataset
 from dstune.ds_config import compile_ds_config, user_config_path
 from dstune.ds_config import cross_check as deepspeed_cross_check
 from dstune.ds_file_spec import apply_ds_file, ds_value_sources
+from dstune.memory_plan import Setup, memory_json
+from dstune.model_sizes import SizesUnknown, count_model
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, Spec, lora_format_problem
@@ -311,3 +313,18 @@ def _compile_and_check(spec: Spec, source: SpecSource, plan: Optional[Plan], fou
     if not stand_in:  # a stand-in plan's step counts are made up, and so would its warnings be
         found.warnings += report.warnings
     return ds_config
+
+
+def plan_memory(spec: Spec, plan: Plan, ds_config: dict, gpu_memory_bytes: Optional[float] = None,
+                accelerator: str = "cuda") -> dict:
+    """The memory plan of a validated run (`dstune validate`'s Memory section, the `memory` key of --json):
+    parameters counted on the meta device (dstune.model_sizes), bytes per GPU and node (dstune.memory_plan).
+    Without the model's config files every figure is null and `unknown` says why."""
+    try:
+        counts = count_model(spec, plan.num_samples)
+    except SizesUnknown as err:
+        return {"per_gpu": None, "host_per_node_bytes": None, "gpu_memory_bytes": gpu_memory_bytes, "fits": None,
+                "suggestions": [], "unknown": str(err)}
+    # model.base_precision (the quantized frozen base) sets the frozen base's bytes per parameter where it exists
+    setup = Setup.of(spec, plan, ds_config, getattr(spec.model, "base_precision", None), accelerator)
+    return memory_json(counts, setup, gpu_memory_bytes)

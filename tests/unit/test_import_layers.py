@@ -17,9 +17,10 @@ PACKAGE = REPO / "dstune"
 # module or a package (then it covers everything under it). Keep in step with docs/architecture.md.
 LAYERS = [
     ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves"],
-    ["dstune.world", "dstune.plan", "dstune.resume_plan", "dstune.token_layouts"],
+    ["dstune.world", "dstune.plan", "dstune.resume_plan", "dstune.token_layouts", "dstune.memory_plan",
+     "dstune.activations"],
     ["dstune.distributed", "dstune.ds_config", "dstune.ds_user_config", "dstune.ds_file_spec", "dstune.data",
-     "dstune.families", "dstune.ema"],
+     "dstune.families", "dstune.ema", "dstune.model_sizes", "dstune.memory_record"],
     ["dstune.builtin", "dstune.validate", "dstune.report", "dstune.reference"],
     ["dstune.pretrained", "dstune.cache", "dstune.engine", "dstune.checkpoint", "dstune.check", "dstune.universal",
      "dstune.evaluation"],

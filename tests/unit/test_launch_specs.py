@@ -39,6 +39,7 @@ def test_example_validates_and_matches_its_golden_ds_config(spec, tmp_path, caps
     out = capsys.readouterr().out
     assert code == 0, out
     assert "ASSUMED" not in out, "example headers name the world they are planned for"
+    assert "\nMemory" in out and "per GPU" in out and "unknown" not in out.split("\nMemory")[1][:80], out
     compiled = tmp_path / "ds.json"
     assert main(["compile", str(spec.relative_to(REPO)), *flags, "-o", str(compiled)]) == 0
     golden = REPO / "ds_configs" / f"{spec.stem}.json"

@@ -1,0 +1,331 @@
+"""How many bytes a run holds per GPU and per node, before it is launched: the arithmetic of the memory plan.
+
+    Setup.of(spec, plan, ds_config)      what the run does (ZeRO stage, offload, precision, optimizer, batch)
+    estimate(counts, setup) -> Estimate  per GPU: parameters, gradients, optimizer states, frozen weights,
+                                         activations, DeepSpeed buffers; per node: host RAM and NVMe
+    suggestions(counts, setup, gpu_bytes) the cheapest changes that make it fit, each with its per-GPU total
+
+Torch-free: the parameter counts come in as ModelCounts (dstune.model_sizes counts them on the meta device, or
+training counts the live model). The model-state part follows DeepSpeed's own estimators
+(`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`; tests/unit/test_memory_plan.py
+checks that they agree), mixed precision: 16-bit parameters and gradients, an fp32 gradient partition for the
+step, fp32 master weights and the optimizer's fp32 states. docs/memory.md derives every term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+MIXED = ("bf16", "fp16")
+# fp32 bytes of optimizer state per trainable parameter, beyond the master copy. Adafactor keeps a factored second
+# moment (a row and a column vector per matrix: far below a byte per parameter, counted as 0.1) when it sees whole
+# matrices (ZeRO 0); under ZeRO >= 1 it sees flat partitions and keeps a full one (4 bytes).
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "lion": 4.0}
+ADAFACTOR_FACTORED_BYTES = 0.1
+RUNTIME_RESERVE_BYTES = 1 << 30  # CUDA context, NCCL and allocator slack per GPU (not on the CPU accelerator)
+# Bytes per frozen base parameter for model.base_precision (quantized bases keep one fp32 scale per 64 weights
+# for nf4, per output row for int8/fp8: counted as 1/64 of a float for nf4, nothing for the per-row scales).
+BASE_PRECISION_BYTES = {"bf16": 2.0, "int8": 1.0, "fp8": 1.0, "nf4": 0.5 + 4 / 64}
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """Parameter counts of one model and its per-sample activation estimate (bytes at 2 bytes per element)."""
+
+    trainable_module: str  # "unet", "transformer", "lm", ...
+    module_params: int  # every parameter of the module DeepSpeed wraps
+    trainable_params: int  # module_params for full training; the adapters' count for LoRA
+    largest_layer_params: int  # the module's largest layer (ZeRO-3 gathers one at a time)
+    companions: dict = field(default_factory=dict)  # frozen components outside DeepSpeed: name -> parameters
+    cached_companions: tuple = ()  # those the encoder cache replaces on the GPU (kept in host memory)
+    activation_sample_bytes: int = 0  # one sample's activations without checkpointing, 16-bit
+    checkpointed_sample_bytes: int = 0  # the same with gradient checkpointing
+    default_lora_params: int = 0  # adapters of rank 16 on the default targets (the "LoRA" suggestion)
+    cache_bytes: int = 0  # the encoder cache on disk for the whole dataset
+    origin: str = ""
+
+    @property
+    def frozen_base_params(self) -> int:
+        return self.module_params - self.trainable_params if self.trainable_params < self.module_params else 0
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the run does, read from the compiled DeepSpeed JSON (so a user's deepspeed.config counts too)."""
+
+    world_size: int
+    ranks_per_node: int
+    zero_stage: int
+    offload_optimizer: str  # none | cpu | nvme
+    offload_param: str
+    precision: str  # fp32 | bf16 | fp16
+    optimizer: str
+    momentum: float
+    micro_batch: int
+    accumulation: int
+    gradient_checkpointing: bool
+    lora: bool
+    reduce_bucket: int
+    allgather_bucket: int
+    prefetch_bucket: int
+    overlap_comm: bool
+    base_bytes_per_param: Optional[float] = None  # frozen base of a LoRA module; None: the compute precision's
+    accelerator: str = "cuda"
+
+    @classmethod
+    def of(cls, spec, plan, ds_config: dict, base_precision: Optional[str] = None,
+           accelerator: str = "cuda") -> "Setup":
+        zero = ds_config.get("zero_optimization", {})
+        precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else \
+            "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
+        return cls(
+            world_size=plan.world_size, ranks_per_node=max(plan.ranks_per_node), zero_stage=int(zero.get("stage", 0)),
+            offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none"),
+            offload_param=zero.get("offload_param", {}).get("device", "none"), precision=precision,
+            optimizer=spec.train.optimizer.type, momentum=spec.train.optimizer.momentum,
+            micro_batch=plan.micro_batch_size, accumulation=plan.gradient_accumulation_steps,
+            gradient_checkpointing=bool(getattr(spec.model, "gradient_checkpointing", False)),
+            lora=getattr(spec.model, "train", "full") == "lora",
+            reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
+            allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)),
+            prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size", 5e7)),
+            overlap_comm=bool(zero.get("overlap_comm", False)),
+            base_bytes_per_param=BASE_PRECISION_BYTES.get(base_precision) if base_precision else None,
+            accelerator=accelerator)
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of one parameter or gradient element as the module holds it."""
+        return 2.0 if self.precision in MIXED else 4.0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    parameters: float
+    gradients: float
+    optimizer: float
+    frozen: float
+    activations: float
+    buffers: float
+    reserve: float
+    host_per_rank: float
+    ranks_per_node: int
+    nvme_per_node: float
+    cache_bytes: int
+
+    @property
+    def model_states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.frozen + self.activations + self.buffers + self.reserve
+
+    def per_gpu(self) -> dict:
+        return {"total_bytes": int(self.total), "parameters_bytes": int(self.parameters),
+                "gradients_bytes": int(self.gradients), "optimizer_bytes": int(self.optimizer),
+                "frozen_bytes": int(self.frozen), "activations_bytes": int(self.activations),
+                "buffers_bytes": int(self.buffers), "runtime_reserve_bytes": int(self.reserve)}
+
+
+def optimizer_state_bytes(setup: Setup) -> float:
+    """fp32 state bytes per trainable parameter, master weights included under mixed precision."""
+    master = 4.0 if setup.precision in MIXED else 0.0
+    if setup.optimizer == "sgd":
+        return master + (4.0 if setup.momentum > 0 else 0.0)
+    if setup.optimizer == "adafactor":
+        return master + (ADAFACTOR_FACTORED_BYTES if setup.zero_stage == 0 else 4.0)
+    return master + OPTIMIZER_STATE_BYTES[setup.optimizer]
+
+
+def model_states(counts: ModelCounts, setup: Setup) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer states) per GPU for the trainable parameters."""
+    trainable, ranks, w = counts.trainable_params, setup.world_size, setup.weight_bytes
+    layer = min(counts.largest_layer_params, trainable)
+    fp32_grad_partition = 4.0 * trainable / ranks if setup.precision in MIXED else 0.0
+    states = optimizer_state_bytes(setup) * trainable
+    offloaded_optimizer = setup.zero_stage >= 1 and setup.offload_optimizer != "none"
+    if setup.zero_stage == 0:
+        return w * trainable, w * trainable, states
+    if setup.zero_stage in (1, 2):
+        grads = (w * trainable if setup.zero_stage == 1 else w * trainable / ranks) + fp32_grad_partition
+        return w * trainable, 0.0 if offloaded_optimizer else grads, 0.0 if offloaded_optimizer else states / ranks
+    params = (0.0 if setup.offload_param != "none" else w * trainable / ranks) + w * layer
+    # ZeRO-3 reduce-scatters each layer's 16-bit gradient straight into the fp32 partition (DeepSpeed's estimator
+    # counts no 16-bit gradient partition there); without mixed precision that partition is the gradient itself
+    grads = w * layer + (0.0 if offloaded_optimizer else fp32_grad_partition or w * trainable / ranks)
+    return params, grads, 0.0 if offloaded_optimizer else states / ranks
+
+
+def frozen_on_gpu(counts: ModelCounts, setup: Setup) -> float:
+    """The frozen base of a LoRA module (partitioned under ZeRO-3, host-side with parameter offload) and the frozen
+    companions the cache does not replace, in the compute precision."""
+    base_bytes = setup.base_bytes_per_param if setup.base_bytes_per_param is not None else setup.weight_bytes
+    base = base_bytes * counts.frozen_base_params
+    if setup.zero_stage == 3:
+        base = 0.0 if setup.offload_param != "none" else base / setup.world_size
+    on_gpu = sum(n for name, n in counts.companions.items() if name not in counts.cached_companions)
+    return base + setup.weight_bytes * on_gpu
+
+
+def activations(counts: ModelCounts, setup: Setup) -> float:
+    per_sample = counts.checkpointed_sample_bytes if setup.gradient_checkpointing else counts.activation_sample_bytes
+    return setup.micro_batch * per_sample * setup.weight_bytes / 2.0
+
+
+def deepspeed_buffers(counts: ModelCounts, setup: Setup) -> float:
+    """The gradient reduce bucket (two with overlap_comm), the ZeRO 1/2 all-gather bucket, the ZeRO-3 prefetch
+    bucket: each at most the trainable parameters, in the module's precision."""
+    trainable, w = counts.trainable_params, setup.weight_bytes
+    reduce = min(setup.reduce_bucket, trainable) * w * (2 if setup.overlap_comm else 1)
+    if setup.zero_stage in (1, 2):
+        return reduce + min(setup.allgather_bucket, trainable) * w
+    if setup.zero_stage == 3:
+        return reduce + min(setup.prefetch_bucket, counts.module_params) * w
+    return reduce
+
+
+def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
+    """(host bytes per rank, NVMe bytes per node). A rank's host peak is the larger of loading (every weight read
+    in fp32 before it is cast and moved) and training (offloaded states and parameters, cache-replaced encoders,
+    offload's pinned buffers)."""
+    trainable, ranks, w = counts.trainable_params, setup.world_size, setup.weight_bytes
+    loading = 4.0 * (counts.module_params + sum(counts.companions.values()))
+    offloaded_states = (4.0 + optimizer_state_bytes(setup)) * trainable / ranks  # fp32 gradients + states
+    offloaded_params = w * trainable / ranks + frozen_base_bytes(counts, setup) / ranks
+    training = w * sum(counts.companions.get(name, 0) for name in counts.cached_companions)
+    nvme = 0.0
+    if setup.zero_stage >= 1 and setup.offload_optimizer == "cpu":
+        training += offloaded_states + min(setup.reduce_bucket, trainable) * 4.0  # pinned staging bucket
+    elif setup.offload_optimizer == "nvme":
+        nvme += offloaded_states
+    if setup.zero_stage == 3 and setup.offload_param == "cpu":
+        training += offloaded_params
+    elif setup.offload_param == "nvme":
+        nvme += offloaded_params
+    return max(loading, training), nvme * setup.ranks_per_node
+
+
+def frozen_base_bytes(counts: ModelCounts, setup: Setup) -> float:
+    base_bytes = setup.base_bytes_per_param if setup.base_bytes_per_param is not None else setup.weight_bytes
+    return base_bytes * counts.frozen_base_params
+
+
+def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
+    parameters, gradients, optimizer = model_states(counts, setup)
+    host, nvme = host_and_nvme(counts, setup)
+    reserve = RUNTIME_RESERVE_BYTES if setup.accelerator == "cuda" else 0
+    return Estimate(parameters, gradients, optimizer, frozen_on_gpu(counts, setup), activations(counts, setup),
+                    deepspeed_buffers(counts, setup), reserve, host, setup.ranks_per_node, nvme, counts.cache_bytes)
+
+
+# ------------------------------------------------------------------------------------------------ suggestions
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: str  # one suggestion per kind
+    text: str  # what to set, as `--set` keys
+    counts: ModelCounts
+    setup: Setup
+
+
+def _divisors_below(number: int) -> list[int]:
+    return [d for d in range(number - 1, 0, -1) if number % d == 0]
+
+
+def candidate_changes(counts: ModelCounts, setup: Setup) -> list[Change]:
+    """Single changes, cheapest first (what costs least speed, or changes least of what is trained); within a kind
+    the mildest first."""
+    changes = [Change("stage", f"deepspeed.zero_stage={stage}", counts, replace(setup, zero_stage=stage))
+               for stage in range(setup.zero_stage + 1, 4)]
+    if not setup.gradient_checkpointing and counts.checkpointed_sample_bytes < counts.activation_sample_bytes:
+        changes.append(Change("checkpointing", "model.gradient_checkpointing=true", counts,
+                              replace(setup, gradient_checkpointing=True)))
+    for micro in _divisors_below(setup.micro_batch):
+        accumulation = setup.accumulation * setup.micro_batch // micro
+        changes.append(Change("micro batch", f"train.micro_batch_size={micro} train.gradient_accumulation_steps="
+                              f"{accumulation} (same global batch)", counts,
+                              replace(setup, micro_batch=micro, accumulation=accumulation)))
+    if setup.lora:
+        changes += [Change("base precision", f"model.base_precision={name} (quantized frozen base)", counts,
+                           replace(setup, base_bytes_per_param=BASE_PRECISION_BYTES[name])) for name in ("int8", "nf4")]
+    if setup.offload_optimizer == "none":
+        stage = max(setup.zero_stage, 1)
+        extra = "" if stage == setup.zero_stage else f" deepspeed.zero_stage={stage}"
+        changes.append(Change("optimizer offload", "deepspeed.offload_optimizer=cpu" + extra, counts,
+                              replace(setup, zero_stage=stage, offload_optimizer="cpu")))
+    if setup.offload_param == "none":
+        extra = "" if setup.offload_optimizer != "none" else " deepspeed.offload_optimizer=cpu"
+        changes.append(Change("parameter offload", f"deepspeed.zero_stage=3 deepspeed.offload_param=cpu{extra}",
+                              counts, replace(setup, zero_stage=3, offload_param="cpu", offload_optimizer="cpu"
+                                              if extra else setup.offload_optimizer)))
+    if not setup.lora and counts.default_lora_params:
+        changes.append(Change("lora", "model.train=lora (rank 16 on the attention projections)",
+                              replace(counts, trainable_params=counts.default_lora_params), replace(setup, lora=True)))
+    return changes
+
+
+def suggestions(counts: ModelCounts, setup: Setup, gpu_bytes: float, limit: int = 5) -> list[dict]:
+    """The cheapest changes after which the run fits in gpu_bytes per GPU: the mildest single change of each kind
+    that fits, cheapest kind first; when no single change fits, the strongest change of each kind combined, in that
+    order, until the run fits (nothing when even all of them together do not)."""
+    found, kinds = [], set()
+    changes = candidate_changes(counts, setup)
+    for change in changes:
+        total = estimate(change.counts, change.setup).total
+        if total <= gpu_bytes and change.kind not in kinds:
+            kinds.add(change.kind)
+            found.append({"change": change.text, "per_gpu_total_bytes": int(total)})
+    if found:
+        return found[:limit]
+    strongest = {change.kind: change for change in changes}  # the last of each kind is the strongest
+    texts, current_counts, current = [], counts, setup
+    for change in strongest.values():
+        updates = {name: getattr(change.setup, name) for name in Setup.__dataclass_fields__
+                   if getattr(change.setup, name) != getattr(setup, name)}
+        if "zero_stage" in updates:
+            updates["zero_stage"] = max(updates["zero_stage"], current.zero_stage)
+        current = replace(current, **updates)
+        current_counts = change.counts if change.counts is not counts else current_counts
+        texts.append(change.text)
+        total = estimate(current_counts, current).total
+        if total <= gpu_bytes:
+            return [{"change": " + ".join(texts), "per_gpu_total_bytes": int(total)}]
+    return []
+
+
+def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -> dict:
+    """The `memory` object of `dstune validate --json` (names other tools read: docs/memory.md)."""
+    result = estimate(counts, setup)
+    fits = None if gpu_bytes is None else result.total <= gpu_bytes
+    return {
+        "per_gpu": result.per_gpu(),
+        "host_per_node_bytes": int(result.host_per_rank * result.ranks_per_node),
+        "nvme_per_node_bytes": int(result.nvme_per_node),
+        "cache_disk_bytes": int(result.cache_bytes),
+        "gpu_memory_bytes": None if gpu_bytes is None else int(gpu_bytes),
+        "fits": fits,
+        "suggestions": suggestions(counts, setup, gpu_bytes) if fits is False else [],
+        "parameters": {"module": counts.trainable_module, "module_params": counts.module_params,
+                       "trainable_params": counts.trainable_params, "frozen_base_params": counts.frozen_base_params,
+                       "largest_layer_params": counts.largest_layer_params, "companions": dict(counts.companions),
+                       "cached_companions": list(counts.cached_companions), "origin": counts.origin},
+    }
+
+
+def parse_size(text: str) -> int:
+    """"24GB", "80GiB", "24G", "24" (GB) -> bytes. GB and G are 10^9 (as GPU datasheets say), GiB 2^30."""
+    units = {"": 1e9, "g": 1e9, "gb": 1e9, "gib": 2 ** 30, "m": 1e6, "mb": 1e6, "mib": 2 ** 20, "t": 1e12,
+             "tb": 1e12, "tib": 2 ** 40}
+    stripped = text.strip().lower().replace(" ", "")
+    number = stripped.rstrip("abgimt")
+    unit = stripped[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: write e.g. 24GB, 80GB or 40GiB") from None
+    if unit not in units or value <= 0:
+        raise ValueError(f"{text!r} is not a size: write e.g. 24GB, 80GB or 40GiB (units: GB, GiB, MB, TB)")
+    return int(value * units[unit])

@@ -1,0 +1,282 @@
+"""Parameter counts of a spec's model without reading a weight: each component's class is built from its config
+file on torch's meta device (no memory, no data), then counted.
+
+    count_model(spec, data_samples) -> ModelCounts (dstune.memory_plan), or raises SizesUnknown with the reason
+
+Where the config files come from, first match wins: a `builtin:` model's stored configs (dstune/model_configs/
+builtin/<folder>, copies of what the builder writes; a test keeps them equal); a local folder; a hub id in the
+local Hugging Face cache; the stored configs of the example specs' hub models (dstune/model_configs/hub/<id>: only
+their config.json files, so that `validate` plans them on a machine that has not downloaded them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+from dstune.activations import (codec_frame_rate, flow_sample_bytes, lm_sample_bytes, speecht5_sample_bytes,
+                                tts_tokens, unet_sample_bytes)
+from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_libraries
+from dstune.memory_plan import ModelCounts
+from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
+from dstune.spec.section import BUILTIN_PREFIX
+
+STORE = Path(__file__).resolve().parent / "model_configs"
+# builtin name -> its versioned folder (dstune.builtin's BuiltinModel.folder_name; tests/unit/test_model_sizes.py
+# checks these agree, without this module importing the builders of layer 3)
+BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-flow": "tiny-flow-v1",
+                   "tiny-flux": "tiny-flux-v1", "tiny-tts-lm": "tiny-tts-lm-v3", "tiny-speecht5": "tiny-speecht5-v1"}
+DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer"}
+FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+class SizesUnknown(ValueError):
+    """The model's config files are not on this machine (nor stored with dstune)."""
+
+
+def config_folder(reference: str) -> tuple[Path, str]:
+    """A model reference (builtin:, folder, hub id) -> (folder holding its config files, where they came from)."""
+    if reference.startswith(BUILTIN_PREFIX):
+        name = reference[len(BUILTIN_PREFIX):]
+        if name in BUILTIN_FOLDERS:
+            return STORE / "builtin" / BUILTIN_FOLDERS[name], f"{reference} (its stored configs)"
+        raise SizesUnknown(f"{reference} is not a built-in model")
+    path = Path(reference).expanduser()
+    if path.is_dir():
+        return path, str(path)
+    if HUB_ID.fullmatch(reference):
+        try:
+            return hub_snapshot(reference), f"{reference} (local Hugging Face cache)"
+        except NotAvailableLocally:
+            stored = STORE / "hub" / reference
+            if (stored / "config.json").exists() or (stored / "model_index.json").exists():
+                return stored, f"{reference} (configs stored with dstune; not downloaded here)"
+    named = [folder for folder in (STORE / "hub").glob(f"*/{path.name}") if path.name]
+    if len(named) == 1:  # e.g. /models/stable-diffusion-xl-base-1.0 on a machine that does not have it
+        hub_id = f"{named[0].parent.name}/{named[0].name}"
+        return named[0], f"{reference} is not here: configs of {hub_id} (stored with dstune), matched by its name"
+    raise SizesUnknown(f"{reference}: no config files here (not a folder, not in the local Hugging Face cache, "
+                       "not stored with dstune), so its parameters cannot be counted")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise SizesUnknown(f"{path}: cannot read it ({err})") from None
+
+
+STORED_COUNTS = STORE / "counts.json"  # the stored configs' counts, so that validate need not import diffusers
+
+
+@lru_cache(maxsize=64)
+def count_component(config_path: str, lora_targets: tuple = (), lora_rank: int = 0) -> tuple[int, int, int]:
+    """(parameters, largest layer's parameters, LoRA adapter parameters for those targets) of the class the config
+    names. A stored config (dstune/model_configs) with the default LoRA targets is looked up in counts.json (made
+    from the same meta-device count by write_stored_counts, checked by tests/unit/test_memory_plan.py); anything
+    else is built on the meta device here. Cached per process."""
+    stored = _stored_count(Path(config_path), lora_targets)
+    if stored is not None:
+        return stored["params"], stored["largest_layer_params"], stored["lora_params_per_rank"] * lora_rank
+    return meta_count(config_path, lora_targets, lora_rank)
+
+
+def _stored_count(path: Path, lora_targets: tuple) -> Optional[dict]:
+    if lora_targets not in ((), DEFAULT_LORA_TARGET_MODULES) or not path.resolve().is_relative_to(STORE):
+        return None
+    try:
+        table = json.loads(STORED_COUNTS.read_text())
+        entry = table[str(path.resolve().relative_to(STORE))]
+    except (OSError, ValueError, KeyError):
+        return None
+    return entry if entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() else None
+
+
+def meta_count(config_path: str, lora_targets: tuple = (), lora_rank: int = 0) -> tuple[int, int, int]:
+    """count_component, always on the meta device."""
+    import torch
+
+    config = _read_json(Path(config_path))
+    try:
+        with torch.device("meta"):
+            module = _instantiate(config, Path(config_path))
+    except (TypeError, ValueError, KeyError, AttributeError) as err:  # a config its class does not accept
+        raise SizesUnknown(f"{config_path}: cannot build its class from it ({type(err).__name__}: {err})") from None
+    params = sum(dict((id(p), p.numel()) for p in module.parameters()).values())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules())
+    lora = sum(_adapter_params(m, lora_rank) for name, m in module.named_modules()
+               if lora_targets and any(name == t or name.endswith("." + t) for t in lora_targets))
+    return params, largest, lora
+
+
+def stored_counts() -> dict:
+    """counts.json as it should be: every stored component config counted on the meta device."""
+    table = {}
+    for path in sorted(STORE.rglob("config.json")):
+        params, largest, per_rank = meta_count(str(path), DEFAULT_LORA_TARGET_MODULES, 1)
+        table[str(path.relative_to(STORE))] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                                               "params": params, "largest_layer_params": largest,
+                                               "lora_params_per_rank": per_rank}
+    return table
+
+
+def write_stored_counts() -> None:
+    """Regenerate dstune/model_configs/counts.json after adding or changing a stored config."""
+    STORED_COUNTS.write_text(json.dumps(stored_counts(), indent=1, sort_keys=True) + "\n")
+
+
+def _instantiate(config: dict, path: Path):
+    """The diffusers class of `_class_name`, or the transformers class of `architectures[0]`."""
+    with quiet_hf_libraries():
+        if "_class_name" in config:
+            import diffusers
+
+            cls = getattr(diffusers, config["_class_name"], None)
+            if cls is None:
+                raise SizesUnknown(f"{path}: diffusers has no class {config['_class_name']}")
+            return cls.from_config(config)
+        import transformers
+
+        names = config.get("architectures") or []
+        cls = getattr(transformers, names[0], None) if names else None
+        if cls is None:
+            raise SizesUnknown(f"{path}: no transformers class named in `architectures`")
+        return cls(transformers.AutoConfig.for_model(**config))
+
+
+def import_model_classes(spec) -> None:
+    """Import, without building, the class of every component config of the spec's model: a memory baseline taken
+    afterwards (dstune.memory_record) then holds the libraries' code, so that what grows after it is the model."""
+    try:
+        folder, _ = config_folder(spec.model.pretrained)
+    except SizesUnknown:
+        return
+    with quiet_hf_libraries():
+        for path in sorted(folder.glob("config.json")) + sorted(folder.glob("*/config.json")):
+            config = json.loads(path.read_text())
+            if "_class_name" in config:
+                import diffusers
+
+                getattr(diffusers, config["_class_name"], None)
+            elif config.get("architectures"):
+                import transformers
+
+                getattr(transformers, config["architectures"][0], None)
+
+
+def _adapter_params(module, rank: int) -> int:
+    """A peft LoRA adapter on a Linear (A: r x in, B: out x r) or a Conv (A: r x in x kernel, B: out x r)."""
+    import torch
+
+    if isinstance(module, torch.nn.Linear):
+        return rank * (module.in_features + module.out_features)
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        kernel = 1
+        for side in module.kernel_size:
+            kernel *= side
+        return rank * (module.in_channels * kernel + module.out_channels)
+    return 0
+
+
+def count_model(spec, num_samples: int) -> ModelCounts:
+    """The spec's model: its trainable module, its frozen companions, activations per sample and cache size."""
+    family = spec.model.family
+    if family in DENOISERS:
+        return _count_denoiser(spec, num_samples)
+    if family == "tts_lm":
+        return _count_tts_lm(spec, num_samples)
+    return _count_speecht5(spec)
+
+
+def _lora(spec) -> tuple[tuple, int]:
+    settings = spec.model.lora_settings
+    return (tuple(settings.target_modules), settings.rank) if settings else ((), 0)
+
+
+def _count_denoiser(spec, num_samples: int) -> ModelCounts:
+    folder, origin = config_folder(spec.model.pretrained)
+    module = DENOISERS[spec.model.family]
+    index = _read_json(folder / "model_index.json")
+    targets, rank = _lora(spec)
+    config_path = folder / module / "config.json"
+    params, largest, lora = count_component(str(config_path), targets, rank)
+    default_lora = count_component(str(config_path), DEFAULT_LORA_TARGET_MODULES, 16)[2]
+    companions = {part: count_component(str(folder / part / "config.json"))[0]
+                  for part in FROZEN_PIPELINE_PARTS if (index.get(part) or [None])[0]}
+    cache = spec.data.cache
+    cached = tuple(part for part in companions if (cache.latents if part == "vae" else cache.text_embeddings))
+    config = _read_json(config_path)
+    resolution = spec.data.resolution
+    if module == "unet":
+        full, checkpointed = unet_sample_bytes(config, resolution)
+    else:
+        full, checkpointed = flow_sample_bytes(config, resolution, _text_tokens(spec, index))
+    return ModelCounts(module, params, lora or params, largest, companions, cached, int(full), int(checkpointed),
+                       default_lora, _image_cache_bytes(spec, folder, companions, num_samples), origin)
+
+
+def _text_tokens(spec, index: dict) -> int:
+    flux = (index.get("transformer") or [None, ""])[1] == "FluxTransformer2DModel"
+    t5 = spec.model.max_sequence_length or (512 if flux else 77)
+    return t5 if flux else 77 + t5
+
+
+def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int) -> int:
+    """Latents (VAE dtype, 2 bytes under mixed precision) and text embeddings per sample, times the samples."""
+    cache, width = spec.data.cache, 2 if spec.train.precision in ("bf16", "fp16") else 4
+    per_sample = 0
+    if cache.latents and "vae" in companions:
+        channels = _read_json(folder / "vae" / "config.json").get("latent_channels", 4)
+        per_sample += channels * (spec.data.resolution // 8) ** 2 * width
+    if cache.text_embeddings:
+        for part in companions:
+            if part.startswith("text_encoder"):
+                config = _read_json(folder / part / "config.json")
+                hidden = config.get("hidden_size") or config.get("d_model", 0)
+                tokens = spec.model.max_sequence_length or 77 if "t5" in config.get("model_type", "") else 77
+                per_sample += tokens * hidden * width
+    return per_sample * num_samples
+
+
+def _codec_reference(spec, folder: Path) -> Optional[str]:
+    if spec.model.codec_pretrained:
+        return spec.model.codec_pretrained
+    return str(folder / "codec") if (folder / "codec" / "config.json").exists() else None
+
+
+def _count_tts_lm(spec, num_samples: int) -> ModelCounts:
+    folder, origin = config_folder(spec.model.pretrained)
+    params, largest, _ = count_component(str(folder / "config.json"))
+    config = _read_json(folder / "config.json")
+    companions, frame_rate, codebooks = {}, 75.0, spec.model.num_codebooks or 8
+    codec_ref = _codec_reference(spec, folder)
+    if codec_ref:
+        codec_folder, _ = config_folder(codec_ref)
+        companions["codec"] = count_component(str(codec_folder / "config.json"))[0]
+        codec_config = _read_json(codec_folder / "config.json")
+        frame_rate = codec_frame_rate(codec_config)
+        if not spec.model.num_codebooks:
+            saved = folder / "dstune_tts.json"
+            codebooks = _read_json(saved).get("num_codebooks", 8) if saved.exists() else \
+                codec_config.get("num_quantizers", 8)
+    tokens = tts_tokens(spec.data.max_clip_seconds or 10.0, frame_rate, codebooks)
+    full, checkpointed = lm_sample_bytes(config, tokens)
+    cached = ("codec",) if spec.data.cache.codec_tokens and "codec" in companions else ()
+    cache_bytes = int(4 * frame_rate * codebooks * (spec.data.max_clip_seconds or 10.0) * num_samples) \
+        if spec.data.cache.codec_tokens else 0  # int32 codes; an upper bound (every clip at the longest length)
+    return ModelCounts("lm", params, params, largest, companions, cached, int(full), int(checkpointed), 0,
+                       cache_bytes, origin)
+
+
+def _count_speecht5(spec) -> ModelCounts:
+    folder, origin = config_folder(spec.model.pretrained)
+    params, largest, _ = count_component(str(folder / "config.json"))
+    companions = {}
+    vocoder = spec.model.vocoder or (str(folder / "vocoder") if (folder / "vocoder" / "config.json").exists() else None)
+    if vocoder:
+        companions["vocoder"] = count_component(str(config_folder(vocoder)[0] / "config.json"))[0]
+    full, checkpointed = speecht5_sample_bytes(_read_json(folder / "config.json"), spec.data.max_clip_seconds or 10.0)
+    return ModelCounts("speecht5", params, params, largest, companions, (), int(full), int(checkpointed), 0, 0, origin)

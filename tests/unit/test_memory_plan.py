@@ -1,0 +1,213 @@
+"""The memory plan: model states agree with DeepSpeed's own estimators, suggestions fit, `dstune validate` shows
+the Memory section and its JSON names, and the parameter counts on the meta device match the published sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from dstune.cli import main
+from dstune.memory_plan import (BASE_PRECISION_BYTES, ModelCounts, Setup, estimate, memory_json, model_states,
+                                parse_size, suggestions)
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = str(REPO / "launch" / "sd-tiny-demo.yaml")
+
+
+def setup_for(stage: int, world: int, per_node: int, offload_optimizer="none", offload_param="none", **extra) -> Setup:
+    values = dict(world_size=world, ranks_per_node=per_node, zero_stage=stage, offload_optimizer=offload_optimizer,
+                  offload_param=offload_param, precision="bf16", optimizer="adamw", momentum=0.0, micro_batch=2,
+                  accumulation=1, gradient_checkpointing=False, lora=False, reduce_bucket=50_000_000,
+                  allgather_bucket=50_000_000, prefetch_bucket=45_000_000, overlap_comm=False)
+    return Setup(**{**values, **extra})
+
+
+def counts_for(params: int, largest: int, **extra) -> ModelCounts:
+    return ModelCounts("unet", params, params, largest, **extra)
+
+
+# DeepSpeed's estimators assume mixed-precision Adam on every parameter; these are the cases they cover.
+SIZES = [(859_520_964, 29_492_480), (2_567_463_684, 29_492_480), (11_901_408_320, 56_641_536)]
+WORLDS = [(8, 8, 1), (16, 8, 2), (2, 2, 1)]  # (ranks, per node, nodes)
+
+
+@pytest.mark.parametrize("params, largest", SIZES)
+@pytest.mark.parametrize("world, per_node, nodes", WORLDS)
+@pytest.mark.parametrize("offload", [False, True])
+def test_zero2_model_states_agree_with_deepspeed(params, largest, world, per_node, nodes, offload):
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    _, gpu = estimate_zero2_model_states_mem_needs(params, per_node, nodes, cpu_offload=offload)
+    setup = setup_for(2, world, per_node, "cpu" if offload else "none")
+    assert sum(model_states(counts_for(params, largest), setup)) == pytest.approx(gpu, abs=2)
+
+
+@pytest.mark.parametrize("params, largest", SIZES)
+@pytest.mark.parametrize("world, per_node, nodes", WORLDS)
+@pytest.mark.parametrize("offload_optimizer, offload_param", [("none", "none"), ("cpu", "none"), ("cpu", "cpu")])
+def test_zero3_model_states_agree_with_deepspeed(params, largest, world, per_node, nodes, offload_optimizer,
+                                                 offload_param):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, per_node, nodes,
+                                                      cpu_offload=offload_optimizer != "none",
+                                                      cpu_offload_params=offload_param != "none")
+    setup = setup_for(3, world, per_node, offload_optimizer, offload_param)
+    assert sum(model_states(counts_for(params, largest), setup)) == pytest.approx(gpu, abs=2)
+
+
+def test_where_dstune_goes_beyond_deepspeeds_estimators():
+    """Stages 0 and 1 (DeepSpeed has no estimator) follow the ZeRO paper; fp32 has no master copy; SGD without
+    momentum has no state; a LoRA module's frozen base is counted apart from the trainable adapters."""
+    params, counts = 1_000_000, counts_for(1_000_000, 10_000)
+    assert sum(model_states(counts, setup_for(0, 4, 4))) == 16 * params
+    assert sum(model_states(counts, setup_for(1, 4, 4))) == 2 * params + 2 * params + 4 * params / 4 + 12 * params / 4
+    assert sum(model_states(counts, setup_for(0, 4, 4, precision="fp32"))) == 16 * params  # 4 + 4 + 8
+    assert model_states(counts, setup_for(0, 4, 4, optimizer="sgd"))[2] == 4 * params  # master weights only
+    lora = ModelCounts("unet", params, 10_000, 10_000)
+    full_bf16 = estimate(lora, setup_for(2, 4, 4, lora=True))
+    assert full_bf16.parameters == 2 * 10_000 and full_bf16.frozen == 2 * (params - 10_000)
+    int8 = estimate(lora, setup_for(2, 4, 4, lora=True, base_bytes_per_param=BASE_PRECISION_BYTES["int8"]))
+    assert int8.frozen == (params - 10_000) and int8.total < full_bf16.total
+
+
+def test_suggestions_fit_and_keep_the_global_batch():
+    counts = counts_for(2_567_463_684, 29_492_480, activation_sample_bytes=6_000_000_000,
+                        checkpointed_sample_bytes=800_000_000, default_lora_params=23_000_000)
+    setup = setup_for(0, 8, 8, micro_batch=4, accumulation=2)
+    budget = 24e9
+    assert estimate(counts, setup).total > budget
+    found = suggestions(counts, setup, budget)
+    assert found, "a full SDXL fine-tune on 24 GB has ways to fit"
+    assert all(item["per_gpu_total_bytes"] <= budget for item in found)
+    assert found[0]["change"].startswith("deepspeed.zero_stage=")  # the cheapest kind first
+    micro = [item for item in found if item["change"].startswith("train.micro_batch_size")]
+    for item in micro:  # micro x accumulation stays 8: the same global batch
+        words = dict(part.split("=") for part in item["change"].split()[:2])
+        assert int(words["train.micro_batch_size"]) * int(words["train.gradient_accumulation_steps"]) == 8
+    nothing = suggestions(counts, setup, 1e6)
+    assert nothing == []  # 1 MB per GPU: nothing fits, nothing is suggested
+
+
+def test_a_combination_is_suggested_when_no_single_change_fits():
+    counts = counts_for(2_567_463_684, 29_492_480, activation_sample_bytes=6_000_000_000,
+                        checkpointed_sample_bytes=800_000_000)
+    setup = setup_for(0, 8, 8, micro_batch=4, accumulation=2)
+    single = [estimate(counts, replace(setup, zero_stage=3)).total,
+              estimate(counts, replace(setup, gradient_checkpointing=True)).total]
+    budget = 9e9
+    assert min(single) > budget
+    found = suggestions(counts, setup, budget)
+    assert len(found) == 1 and " + " in found[0]["change"] and found[0]["per_gpu_total_bytes"] <= budget
+
+
+def test_memory_json_names():
+    result = memory_json(counts_for(1000, 100), setup_for(2, 2, 2), None)
+    assert set(result["per_gpu"]) >= {"total_bytes", "parameters_bytes", "gradients_bytes", "optimizer_bytes",
+                                      "frozen_bytes", "activations_bytes", "buffers_bytes"}
+    assert {"host_per_node_bytes", "gpu_memory_bytes", "fits", "suggestions"} <= set(result)
+    assert result["fits"] is None and result["gpu_memory_bytes"] is None
+
+
+@pytest.mark.parametrize("text, expected", [("24GB", 24e9), ("80G", 80e9), ("40GiB", 40 * 2 ** 30), ("512MB", 512e6),
+                                            ("24", 24e9)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == int(expected)
+
+
+@pytest.mark.parametrize("text", ["lots", "24XB", "-1GB", "0GB"])
+def test_parse_size_refuses(text):
+    with pytest.raises(ValueError, match="24GB"):
+        parse_size(text)
+
+
+def test_validate_json_memory_and_require_fit(capsys):
+    code = main(["validate", DEMO, "--num-gpus", "2", "--json", "--gpu-memory", "80GB"])
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert code == 0 and memory["fits"] is True and memory["gpu_memory_bytes"] == 80 * 10 ** 9
+    gpu = memory["per_gpu"]
+    assert gpu["total_bytes"] == sum(value for key, value in gpu.items() if key != "total_bytes")
+    assert memory["parameters"]["module_params"] == 792_964  # builtin:tiny-sd's UNet, counted on meta
+    assert main(["validate", DEMO, "--num-gpus", "2", "--gpu-memory", "1MB"]) == 0  # a plan, not an error
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out
+    assert main(["validate", DEMO, "--num-gpus", "2", "--gpu-memory", "1MB", "--require-fit"]) == 1
+    capsys.readouterr()
+    assert main(["validate", DEMO, "--num-gpus", "2", "--require-fit"]) == 2  # needs --gpu-memory
+    assert main(["validate", DEMO, "--num-gpus", "2", "--gpu-memory", "lots"]) == 2
+
+
+PUBLISHED = [  # (stored config, parameters as published by the model's authors / its Hugging Face page)
+    ("stable-diffusion-v1-5/stable-diffusion-v1-5/unet", 859_520_964),
+    ("stable-diffusion-v1-5/stable-diffusion-v1-5/text_encoder", 123_060_480),
+    ("stabilityai/stable-diffusion-xl-base-1.0/unet", 2_567_463_684),
+    ("black-forest-labs/FLUX.1-dev/transformer", 11_901_408_320),
+    ("black-forest-labs/FLUX.1-dev/text_encoder_2", 4_762_310_656),
+    ("meta-llama/Llama-3.2-1B", 1_235_814_400),
+]
+
+
+@pytest.mark.parametrize("where, published", PUBLISHED, ids=[p[0] for p in PUBLISHED])
+def test_meta_device_counts_match_published_sizes(where, published):
+    from dstune.model_sizes import STORE, count_component, meta_count
+
+    path = str(STORE / "hub" / where / "config.json")
+    assert meta_count(path)[0] == published == count_component(path)[0]
+
+
+def test_stored_counts_are_the_meta_device_counts():
+    """validate reads the stored configs' counts from counts.json (no diffusers import); they must be what the
+    meta device gives for the same files."""
+    from dstune.model_sizes import STORED_COUNTS, stored_counts
+
+    assert json.loads(STORED_COUNTS.read_text()) == stored_counts(), \
+        "regenerate: python3 -c 'from dstune.model_sizes import write_stored_counts; write_stored_counts()'"
+
+
+def test_lora_adapters_are_counted_on_the_meta_module():
+    """Flux LoRA of launch/flux-lora-zero3-8gpu.yaml: rank 32 on the attention projections, 37.4 M adapters; another
+    target list is counted on the meta device."""
+    from dstune.model_sizes import STORE, count_component, meta_count
+
+    path = str(STORE / "hub" / "black-forest-labs/FLUX.1-dev/transformer/config.json")
+    default = ("to_q", "to_k", "to_v", "to_out.0")
+    assert count_component(path, default, 32)[2] == meta_count(path, default, 32)[2] == 37_355_520
+    assert 0 < meta_count(path, ("to_q",), 4)[2] < meta_count(path, default, 4)[2]
+
+
+def test_stored_builtin_configs_are_the_builders_configs():
+    """dstune/model_configs/builtin holds copies of what each builtin writes: the same folder names as
+    dstune.builtin, and (where the tests' built models are at hand) the same config files."""
+    from dstune.builtin import BUILTIN_MODELS
+    from dstune.model_sizes import BUILTIN_FOLDERS, STORE
+
+    assert BUILTIN_FOLDERS == {name: model.folder_name for name, model in BUILTIN_MODELS.items()}
+    built = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests")) / "builtin"
+    for folder in BUILTIN_FOLDERS.values():
+        stored = sorted(p.relative_to(STORE / "builtin" / folder) for p in (STORE / "builtin" / folder).rglob("*.json"))
+        assert stored, folder
+        if (built / folder).is_dir():
+            for relative in stored:
+                assert json.loads((built / folder / relative).read_text()) == \
+                    json.loads((STORE / "builtin" / folder / relative).read_text()), f"{folder}/{relative}"
+
+
+def test_offload_moves_states_to_the_host_and_lora_counts_the_frozen_base(capsys):
+    """The Setup is read from the compiled DeepSpeed JSON: ZeRO-3 with optimizer and parameter offload keeps only
+    the largest layer on the GPU and the rest in host memory; Flux LoRA under ZeRO-3 partitions its frozen base."""
+    spec = str(REPO / "launch" / "sd15-zero3-offload.yaml")
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "20000", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    gpu, counts = memory["per_gpu"], memory["parameters"]
+    assert gpu["optimizer_bytes"] == 0 and gpu["parameters_bytes"] == 2 * counts["largest_layer_params"]
+    params = counts["module_params"]
+    assert memory["host_per_node_bytes"] >= 8 * (16 * params / 8 + 2 * params / 8)  # fp32 grads + states, params
+    spec = str(REPO / "launch" / "flux-lora-zero3-8gpu.yaml")
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "20000", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    frozen_base = memory["parameters"]["frozen_base_params"]
+    assert frozen_base > 11e9 and memory["per_gpu"]["frozen_bytes"] == pytest.approx(2 * frozen_base / 8, rel=1e-6)
