@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from dstune.spec.models import BASE_PRECISION_BYTES  # bytes per frozen base parameter, one table
+
 MIXED = ("bf16", "fp16")
 # fp32 bytes of optimizer state per trainable parameter, beyond the master copy. Adafactor keeps a factored second
 # moment (a row and a column vector per matrix: far below a byte per parameter, counted as 0.1) when it sees whole
@@ -24,9 +26,6 @@ MIXED = ("bf16", "fp16")
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "lion": 4.0}
 ADAFACTOR_FACTORED_BYTES = 0.1
 RUNTIME_RESERVE_BYTES = 1 << 30  # CUDA context, NCCL and allocator slack per GPU (not on the CPU accelerator)
-# Bytes per frozen base parameter for model.base_precision (quantized bases keep one fp32 scale per 64 weights
-# for nf4, per output row for int8/fp8: counted as 1/64 of a float for nf4, nothing for the per-row scales).
-BASE_PRECISION_BYTES = {"bf16": 2.0, "int8": 1.0, "fp8": 1.0, "nf4": 0.5 + 4 / 64}
 
 
 @dataclass(frozen=True)
@@ -248,7 +247,7 @@ def candidate_changes(counts: ModelCounts, setup: Setup) -> list[Change]:
         changes.append(Change("micro batch", f"train.micro_batch_size={micro} train.gradient_accumulation_steps="
                               f"{accumulation} (same global batch)", counts,
                               replace(setup, micro_batch=micro, accumulation=accumulation)))
-    if setup.lora:
+    if setup.lora and setup.zero_stage < 3:  # ZeRO-3 cannot partition quantized weights (validate refuses it)
         changes += [Change("base precision", f"model.base_precision={name} (quantized frozen base)", counts,
                            replace(setup, base_bytes_per_param=BASE_PRECISION_BYTES[name])) for name in ("int8", "nf4")]
     if setup.offload_optimizer == "none":

@@ -28,7 +28,8 @@ STORE = Path(__file__).resolve().parent / "model_configs"
 # builtin name -> its versioned folder (dstune.builtin's BuiltinModel.folder_name; tests/unit/test_model_sizes.py
 # checks these agree, without this module importing the builders of layer 3)
 BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-flow": "tiny-flow-v1",
-                   "tiny-flux": "tiny-flux-v1", "tiny-tts-lm": "tiny-tts-lm-v3", "tiny-speecht5": "tiny-speecht5-v1"}
+                   "tiny-flux": "tiny-flux-v1", "tiny-tts-lm": "tiny-tts-lm-v3", "tiny-speecht5": "tiny-speecht5-v1",
+                   "tiny-orpheus": "tiny-orpheus-v2"}
 DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer"}
 FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -252,10 +253,16 @@ def _count_tts_lm(spec, num_samples: int) -> ModelCounts:
     params, largest, _ = count_component(str(folder / "config.json"))
     config = _read_json(folder / "config.json")
     companions, frame_rate, codebooks = {}, 75.0, spec.model.num_codebooks or 8
+    layout = _read_json(folder / "dstune_tts.json") if (folder / "dstune_tts.json").exists() else {}
+    if layout.get("frame_rate"):  # a described layout (dstune.token_layouts) states its codec's frames and codes
+        frame_rate, codebooks = float(layout["frame_rate"]), spec.model.num_codebooks or layout.get("num_codebooks", 8)
     codec_ref = _codec_reference(spec, folder)
     if codec_ref:
         codec_folder, _ = config_folder(codec_ref)
-        companions["codec"] = count_component(str(codec_folder / "config.json"))[0]
+        try:
+            companions["codec"] = count_component(str(codec_folder / "config.json"))[0]
+        except SizesUnknown:  # SNAC's config names no class to build on meta; it is small (~20 M) and frozen
+            pass
         codec_config = _read_json(codec_folder / "config.json")
         frame_rate = codec_frame_rate(codec_config)
         if not spec.model.num_codebooks:
