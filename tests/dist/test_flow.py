@@ -68,10 +68,10 @@ def test_trains_checks_and_exports_a_pipeline_that_runs(runs, name):
 
     export = run_dir / "export" / f"step-{STEPS:08d}"
     base = next(CACHE_DIR.glob(f"builtin/{CASES[name][0]}-v*/"))
-    if CASES[name][4]:  # LoRA: the adapters alone (diffusers naming), trained (up = B starts at zero), loaded
-        adapters = load_file(export / "pytorch_lora_weights.safetensors")
-        assert adapters and all(k.startswith("transformer.") and ".lora." in k for k in adapters)
-        assert max(t.abs().max().item() for k, t in adapters.items() if ".lora.up." in k) > 0
+    if CASES[name][4]:  # LoRA: the adapters alone (flow's default format: diffusers, in peft naming), trained
+        adapters = load_file(export / "pytorch_lora_weights.safetensors")  # (B starts at zero), loaded
+        assert adapters and all(k.startswith("transformer.") and (".lora_A." in k or ".lora_B." in k) for k in adapters)
+        assert max(t.abs().max().item() for k, t in adapters.items() if ".lora_B." in k) > 0
         pipe = DiffusionPipeline.from_pretrained(base)
         pipe.load_lora_weights(export)
     else:
