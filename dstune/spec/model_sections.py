@@ -13,10 +13,9 @@ from dstune.spec.section import Section
 # --------------------------------------------------------------------------------------------------------- model
 
 
-# LoRA's usual targets in diffusers UNets and transformers: the attention projections (diffusers' LoRA examples).
+# LoRA's usual targets in diffusers UNets and transformers: the attention projections (diffusers' LoRA examples),
 DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
-# ... and in a Llama-class causal LM (tts_lm): its attention projections.
-LM_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+LM_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")  # and in a Llama-class causal LM (tts_lm)
 
 # model.base_precision -> bytes per stored weight element of each quantized layer (nn.Linear weights of the denoiser;
 # biases, convolutions, norms and embeddings stay at train.precision), scales included: bitsandbytes int8 keeps one
@@ -327,8 +326,7 @@ class TtsLmModel(Section):
 
     @field_validator("lora")
     @classmethod
-    def _lm_target_modules(cls, value):
-        """Unset target_modules are a Llama's attention projections, written into the spec (saved with the run)."""
+    def _lm_target_modules(cls, value):  # unset: a Llama's attention, written into the spec the run saves
         if value is not None and "target_modules" not in value.model_fields_set:
             return value.model_copy(update={"target_modules": list(LM_LORA_TARGET_MODULES)})
         return value
