@@ -175,11 +175,13 @@ def make_training_loader(spec: Spec, plan, rank: int, family: Family, built, rec
     data, seed = spec.data, spec.train.seed
     if family.modality == "audio":
         keys = duration_keys(records, data)
+        speakers = [r.speaker for r in records] if data.speaker_balance else None
         if caches.codec_paths is not None:
             dataset = CachedSpeechDataset(records, caches.codec_paths)
-            return make_loader(dataset, dataset.collate, keys, data, plan, rank, seed, start_epoch, start_step)
+            return make_loader(dataset, dataset.collate, keys, data, plan, rank, seed, start_epoch, start_step,
+                               speakers)
         dataset = SpeechDataset(records, built.sample_rate)
-        return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step)
+        return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step, speakers)
     if caches.images is not None:
         dataset = CachedDataset(data, records, seed, caches.images)
         return make_loader(dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch,

@@ -156,7 +156,7 @@ def test_export_reloads_in_transformers_and_speaks(runs, name):
     assert clip.sample_rate == 8000 and clip.wave.size > 0 and np.isfinite(clip.wave).all()
 
 
-@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2", "orpheus-zero3"])
+@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2", "orpheus-zero3", "orpheus-lora-zero2"])
 def test_resume_continues_exactly(runs, name, tmp_path):
     run_dir, spec_path, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
