@@ -82,3 +82,32 @@ def test_balance_and_length_groups_are_refused_together(tmp_path):
                     "duration_bucket_seconds: 0.25}\ntrain: {micro_batch_size: 1, max_steps: 1}\n")
     with pytest.raises(SpecError, match="speaker_balance and data.duration_bucket_seconds"):
         load_spec(str(spec), [])
+
+
+def test_a_gptsovits_list_validates_and_gives_one_speaker_per_index(tmp_path):
+    """The positive path: a .list naming speakers passes validate, and the loader's speakers (speaker_keys, repeats
+    expanded) fit the plan's sample count."""
+    import soundfile
+
+    from dstune.data.audio_index import index_audio, speaker_keys
+    from dstune.data.synthetic import render_tones
+    from dstune.spec.models import DataSpec
+    from dstune.validate import load_and_validate
+    from dstune.world import world_from_flags
+
+    (tmp_path / "wavs").mkdir()
+    lines = []
+    for number in range(12):
+        soundfile.write(tmp_path / "wavs" / f"{number}.wav", render_tones(str(10 + number)), 16000)
+        lines.append(f"wavs/{number}.wav|{'ann' if number < 9 else 'bob'}|en|{10 + number}")
+    (tmp_path / "metadata.list").write_text("\n".join(lines) + "\n")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model: {{family: tts_lm}}\ndata: {{path: '{tmp_path}', speaker_balance: true}}\n"
+                    "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 3}\n")
+    resolved = load_and_validate(str(spec), world=world_from_flags(world_size=2), cross_check=False)
+    records = index_audio(resolved.spec.data).records
+    speakers = speaker_keys(records, resolved.spec.data)
+    assert len(speakers) == resolved.num_samples == 12 and Counter(speakers) == {"ann": 9, "bob": 3}
+    assert speaker_keys(records, DataSpec(path=str(tmp_path))) is None
+    order = speaker_balanced_order(speakers, seed=0, epoch=0)
+    assert Counter(speakers[i] for i in order) == {"ann": 6, "bob": 6}
