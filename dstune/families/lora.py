@@ -21,6 +21,8 @@ What happens with `model.train: lora`:
      diffusers scheme above, or kohya's (`lora_unet_<layer path, dots as underscores>.lora_down.weight` /
      `.lora_up.weight` / `.alpha`), which ComfyUI, A1111/Forge and diffusers' own kohya conversion all read. The file
      keeps its name either way, so `pipe.load_lora_weights(folder)` loads every format.
+  5. tts_lm (key scheme "peft") writes no diffusers file: its save_lora_weights writes a peft adapter folder
+     (`adapter/`) and the merged transformers folder beside it (docs/tts.md).
 """
 
 from __future__ import annotations
