@@ -22,7 +22,7 @@ from dstune.cache.datasets import CachedDataset, CachedSpeechDataset, collate_ca
 from dstune.cache.latents import CacheIndex, LatentCacheJob, offload_frozen, prepare_cache
 from dstune.cache.share import cache_folder
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.data.audio_index import duration_keys
+from dstune.data.audio_index import duration_keys, speaker_keys
 from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
 from dstune.data.index import DataError, index_dataset, list_samples
 from dstune.data.loader import make_loader
@@ -175,11 +175,13 @@ def make_training_loader(spec: Spec, plan, rank: int, family: Family, built, rec
     data, seed = spec.data, spec.train.seed
     if family.modality == "audio":
         keys = duration_keys(records, data)
+        speakers = speaker_keys(records, data)
         if caches.codec_paths is not None:
             dataset = CachedSpeechDataset(records, caches.codec_paths)
-            return make_loader(dataset, dataset.collate, keys, data, plan, rank, seed, start_epoch, start_step)
+            return make_loader(dataset, dataset.collate, keys, data, plan, rank, seed, start_epoch, start_step,
+                               speakers)
         dataset = SpeechDataset(records, built.sample_rate)
-        return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step)
+        return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step, speakers)
     if caches.images is not None:
         dataset = CachedDataset(data, records, seed, caches.images)
         return make_loader(dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch,

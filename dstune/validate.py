@@ -252,6 +252,10 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
         if spec.model.family in AUDIO_FAMILIES:  # speech: clip headers give durations, length rules, length groups
             index = index_audio(spec.data)
             groups = duration_groups(index.records, spec.data)
+            if spec.data.speaker_balance and not any(r.speaker for r in index.records):
+                found.add([source.issue("data.speaker_balance", f"{path} names no speaker for any clip, so there is "
+                                        "nothing to balance: use a GPT-SoVITS .list or metadata.jsonl with `speaker`, "
+                                        "or remove data.speaker_balance")])
         else:
             index = index_dataset(spec.data, read_captions=False)  # lists files; reads no image and no caption
             groups = _bucket_counts(spec, source, index.records, found) if spec.data.buckets.enabled else None

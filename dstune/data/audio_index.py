@@ -229,6 +229,11 @@ def _apply_length_rules(records: list[AudioRecord], data: DataSpec, warnings: li
 # ---------------------------------------------------------------------------------------------- length groups
 
 
+def speaker_keys(records: list[AudioRecord], data: DataSpec) -> list[str] | None:
+    """One speaker per dataset index (repeats expanded, as duration_keys), or None without data.speaker_balance."""
+    return [r.speaker for r in records for _ in range(r.repeats)] if data.speaker_balance else None
+
+
 def duration_keys(records: list[AudioRecord], data: DataSpec) -> list[float] | None:
     """One group key per clip: the lower edge of its duration bucket in seconds (floor(duration / width) * width,
     shown as e.g. "0.5" in the plan), or None without grouping."""

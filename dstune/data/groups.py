@@ -94,3 +94,31 @@ class GroupedOrder:
     def step_keys(self, epoch: int) -> list[Hashable]:
         """The key of every step of `epoch`, in order."""
         return [self.groups[g] for g in self._epoch(epoch)[0]]
+
+
+_SPEAKER_ORDER_SALT = 0x5_B4A1  # separates the speaker-balanced order stream from the others
+
+
+def speaker_balanced_order(speakers: Sequence[str], seed: int, epoch: int) -> np.ndarray:
+    """data.speaker_balance: the epoch's order of dataset indices (one per index, so the plan's steps hold) in
+    which every speaker fills the same number of places. Rule, from one stream per (seed, epoch):
+      - N places, S speakers (sorted): each gets N // S places; the N % S left over go to the first speakers of a
+        permutation of the speakers;
+      - a speaker's places are its clips in a fresh permutation, then another permutation when they run out (a
+        speaker with few clips repeats within the epoch, one with many leaves some out, a different set each epoch);
+      - all places are then permuted together. Pure numpy, so every rank computes the same order."""
+    rng = np.random.default_rng([_SPEAKER_ORDER_SALT, seed, epoch])
+    names = sorted(set(speakers))
+    members = {name: [] for name in names}
+    for index, name in enumerate(speakers):
+        members[name].append(index)
+    share, left_over = divmod(len(speakers), len(names))
+    extra = set(rng.permutation(len(names))[:left_over].tolist())
+    places = []
+    for number, name in enumerate(names):
+        clips = np.asarray(members[name], dtype=np.int64)
+        wanted = share + (number in extra)
+        rounds = [clips[rng.permutation(len(clips))] for _ in range(-(-wanted // len(clips)))]
+        places.append(np.concatenate(rounds)[:wanted] if rounds else clips[:0])
+    order = np.concatenate(places)
+    return order[rng.permutation(len(order))]

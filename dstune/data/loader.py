@@ -75,11 +75,12 @@ class EpochDataLoader(DataLoader):
 
 
 def make_loader(dataset, collate_fn, group_keys, data: DataSpec, plan, rank: int, seed: int, start_epoch: int = 0,
-                start_step: int = 0) -> tuple[EpochDataLoader, GlobalBatchSampler]:
+                start_step: int = 0, speakers=None) -> tuple[EpochDataLoader, GlobalBatchSampler]:
     """This rank's loader and its sampler over any dataset kind (images, cached images, speech, cached speech),
     positioned at (start_epoch, start_step). `plan` is a dstune.plan.Plan made for exactly this dataset
     (len(dataset) = plan.num_samples); `group_keys` are the per-index bucket keys, or None."""
-    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step, group_keys=group_keys)
+    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step, group_keys=group_keys,
+                                 speakers=speakers)
     loader = EpochDataLoader(
         dataset,
         batch_sampler=sampler,

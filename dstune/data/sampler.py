@@ -16,6 +16,10 @@ step was never applied to the weights, so it is redone on resume.
 Groups (aspect buckets, length buckets): with `group_keys` (one key per dataset index), each global batch comes from
 one group (dstune.data.groups.GroupedOrder: per-group permutations, whole global batches, remainders dropped, the
 batches shuffled together) and is cut into micro batches exactly as above, so all of the above holds per step.
+
+Speaker balance (data.speaker_balance, `speakers`: one name per index): the epoch's permutation is replaced by
+dstune.data.groups.speaker_balanced_order (every speaker the same number of places; small speakers repeat), cut
+the same way; ranks get disjoint places of it (a clip repeats only when its speaker has fewer clips than places).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Iterator
 import numpy as np
 from torch.utils.data import Sampler
 
-from dstune.data.groups import GroupedOrder, keys_fingerprint
+from dstune.data.groups import GroupedOrder, keys_fingerprint, speaker_balanced_order
 
 _ORDER_SALT = 0x0_5EED  # separates the order stream from per-sample streams built from the same seed
 
@@ -38,7 +42,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     dataset index (every global batch then comes from one key's samples; see dstune.data.groups)."""
 
     def __init__(self, num_samples: int, plan_like, rank: int, seed: int, start_epoch: int = 0, start_step: int = 0,
-                 group_keys=None):
+                 group_keys=None, speakers=None):
         self.num_samples = num_samples
         self.micro_batch_size = plan_like.micro_batch_size
         self.accumulation = plan_like.gradient_accumulation_steps
@@ -54,6 +58,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 raise ValueError(f"{len(group_keys)} group keys for {num_samples} samples: give one key per index")
             self.grouped = GroupedOrder(group_keys, self.global_batch_size, seed)
         self.group_fingerprint = keys_fingerprint(group_keys) if group_keys is not None else None
+        self.speakers = list(speakers) if speakers is not None else None  # data.speaker_balance: one per index
+        if self.speakers is not None and (group_keys is not None or len(self.speakers) != num_samples):
+            raise ValueError(f"speaker balance needs one speaker per sample ({num_samples}; got {len(self.speakers)}) "
+                             "and no length groups")
+        self.speaker_fingerprint = keys_fingerprint(self.speakers) if self.speakers is not None else None
         self._check_plan()
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the plan's {self.world_size} ranks (0..{self.world_size - 1})")
@@ -133,11 +142,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
         }
         if self.group_fingerprint is not None:
             state["group_fingerprint"] = self.group_fingerprint
+        if self.speaker_fingerprint is not None:
+            state["speaker_fingerprint"] = self.speaker_fingerprint
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        state = {"group_fingerprint": None, **state}  # states saved before groups existed were ungrouped
-        for key in ("seed", "num_samples", "global_batch_size", "group_fingerprint"):
+        state = {"group_fingerprint": None, "speaker_fingerprint": None, **state}  # older states: neither
+        for key in ("seed", "num_samples", "global_batch_size", "group_fingerprint", "speaker_fingerprint"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"the checkpoint's data order was made with {key} {state[key]}, this run has {getattr(self, key)}: "
@@ -149,7 +160,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The permutation of all sample indices for `epoch` (the same on every rank)."""
         if self._order_cache is None or self._order_cache[0] != epoch:
-            order = np.random.default_rng([_ORDER_SALT, self.seed, epoch]).permutation(self.num_samples)
+            if self.speakers is not None:
+                order = speaker_balanced_order(self.speakers, self.seed, epoch)
+            else:
+                order = np.random.default_rng([_ORDER_SALT, self.seed, epoch]).permutation(self.num_samples)
             self._order_cache = (epoch, order)
         return self._order_cache[1]
 

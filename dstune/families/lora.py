@@ -1,4 +1,4 @@
-"""LoRA for every diffusion family: adapters on the denoiser, and the diffusers LoRA file the export writes.
+"""LoRA for every diffusion family and tts_lm: adapters on the trained module, and the LoRA file the export writes.
 
 One code path for sd, sdxl and flow. A family tells only which module is the denoiser (`built.trainable`, as for
 full training) and how its pipeline saves LoRA weights (its declared `Family.save_lora_weights`):
@@ -21,6 +21,8 @@ What happens with `model.train: lora`:
      diffusers scheme above, or kohya's (`lora_unet_<layer path, dots as underscores>.lora_down.weight` /
      `.lora_up.weight` / `.alpha`), which ComfyUI, A1111/Forge and diffusers' own kohya conversion all read. The file
      keeps its name either way, so `pipe.load_lora_weights(folder)` loads every format.
+  5. tts_lm (key scheme "peft") writes no diffusers file: its save_lora_weights writes a peft adapter folder
+     (`adapter/`) and the merged transformers folder beside it (docs/tts.md).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dstune.spec.models import lora_file_scheme
 ADAPTER_NAME = "default"  # peft's name for the one adapter add_adapter creates; it appears in parameter names
 LORA_WEIGHT_FILE = "pytorch_lora_weights.safetensors"  # the name load_lora_weights looks for in a folder
 LORA_INFO_FILE = "dstune_lora.json"
+PEFT_ADAPTER_FILE = "adapter/adapter_model.safetensors"  # the "peft" scheme (tts_lm): a peft adapter folder
 
 
 def lora_config(settings):
@@ -193,8 +196,9 @@ def export_lora(family: Family, built, state: dict, out_dir, model_spec, weights
             layers = diffusers_lora_layers(state)
             with quiet_hf_libraries():
                 family.save_lora_weights(built, layers, lora_config(settings).to_dict(), work)
-        if not (work / LORA_WEIGHT_FILE).is_file():
-            raise FamilyError(f"model.family {family.name}: save_lora_weights wrote no {LORA_WEIGHT_FILE}")
+        written = PEFT_ADAPTER_FILE if scheme == "peft" else LORA_WEIGHT_FILE
+        if not (work / written).is_file():
+            raise FamilyError(f"model.family {family.name}: save_lora_weights wrote no {written}")
         info = {"base_model": model_spec.pretrained, "base_folder": str(built.folder), "family": model_spec.family,
                 "format": chosen, "key_scheme": scheme, "rank": settings.rank, "alpha": settings.resolved_alpha,
                 "target_modules": list(settings.target_modules), "weights": weights,

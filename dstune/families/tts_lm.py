@@ -180,6 +180,9 @@ def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtyp
         raise FamilyError(f"{folder / TTS_LAYOUT_FILE} does not match this model: vocab_size {layout['vocab_size']} != "
                           f"the LM's {lm.config.vocab_size}. Start from the LM this layout was written with.")
     if lm.config.vocab_size < layout["vocab_size"]:
+        if model.train == "lora":  # the appended audio rows would stay at their start under LoRA: refuse
+            raise FamilyError(f"{folder}: train: lora needs an LM that already has the layout's {layout['vocab_size']} "
+                              f"ids (it has {lm.config.vocab_size}); train it fully first, then LoRA from its export")
         grow_vocabulary(lm, layout["vocab_size"])
     layout = _add_text_tokens(model, folder, tokenizer, lm, layout)
     if model.gradient_checkpointing:
@@ -317,12 +320,43 @@ def export(built: TtsLmBuilt, state_dict: dict, out_dir, pretrained_folder: Opti
             if set(missing) - tied or unexpected:
                 raise ValueError(f"trained weights do not fit the LM: missing {sorted(set(missing) - tied)[:5]}, "
                                  f"unexpected {sorted(unexpected)[:5]}")
-            lm.save_pretrained(work, safe_serialization=True)
-            save_codec(built.codec, built.codec_kind, built.codec_folder, work / "codec")
-            if built.tokenizer is not None:
-                built.tokenizer.save_pretrained(work)
-        (work / TTS_LAYOUT_FILE).write_text(json.dumps(built.layout, indent=2) + "\n")
+        _write_lm_folder(built, lm, work)
     return out_dir
+
+
+def _write_lm_folder(built: TtsLmBuilt, lm, work: Path) -> None:
+    """The LM, codec/, tokenizer and dstune_tts.json: a folder synthesize and the model's own recipe load."""
+    with quiet_hf_libraries():
+        lm.save_pretrained(work, safe_serialization=True)
+        save_codec(built.codec, built.codec_kind, built.codec_folder, work / "codec")
+        if built.tokenizer is not None:
+            built.tokenizer.save_pretrained(work)
+    (work / TTS_LAYOUT_FILE).write_text(json.dumps(built.layout, indent=2) + "\n")
+
+
+ADAPTER_FOLDER = "adapter"  # the peft adapter folder inside a LoRA export
+
+
+def save_lora_weights(built: TtsLmBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:
+    """A LoRA export (model.train: lora): the base LM (reloaded from its folder: the trained module may be
+    partitioned) with the adapters, written twice: `adapter/` as peft writes it (adapter_config.json naming the base
+    folder + adapter_model.safetensors; PeftModel.from_pretrained(base, folder/'adapter') loads it), and the merged
+    LM (merge_and_unload) as a full folder, so synthesize and the model's own inference code need nothing new."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    fields = {k: v for k, v in adapter_metadata.items() if k in LoraConfig.__dataclass_fields__ and k != "peft_type"}
+    with quiet_hf_libraries():
+        base = AutoModelForCausalLM.from_pretrained(built.folder, torch_dtype=torch.float32)
+        peft_lm = get_peft_model(base, LoraConfig(**{**fields, "init_lora_weights": False}))
+        result = set_peft_model_state_dict(peft_lm, {f"base_model.model.{k}": v for k, v in lora_layers.items()})
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"LoRA weights do not fit the LM: unexpected {sorted(result.unexpected_keys)[:5]}")
+        peft_lm.peft_config["default"].base_model_name_or_path = str(built.folder)
+        peft_lm.save_pretrained(folder / ADAPTER_FOLDER, safe_serialization=True)
+        merged = peft_lm.merge_and_unload()
+    _write_lm_folder(built, merged, folder)
 
 
 def synthesize(folder, text: str, seconds: float = 2.0, temperature: float = 0.8, seed: int = 0) -> Clip:
@@ -345,4 +379,5 @@ def synthesize(folder, text: str, seconds: float = 2.0, temperature: float = 0.8
 
 FAMILY = Family(
     name="tts_lm", modality="audio", pretrained_fields=("pretrained", "codec_pretrained"), build=build,
-    encode_batch=encode_batch, loss=loss, sample=sample, save_samples=save_wavs, export=export)
+    encode_batch=encode_batch, loss=loss, sample=sample, save_samples=save_wavs, export=export,
+    save_lora_weights=save_lora_weights)

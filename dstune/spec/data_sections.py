@@ -153,6 +153,11 @@ class DataSpec(Section):
         description="Audio length grouping: clips fall into duration buckets this many seconds wide and every global "
         "batch comes from one bucket (fixed micro batch of utterances), so padding stays small. Omitted: no grouping.",
     )
+    speaker_balance: bool = Field(
+        False, description="Audio datasets with speakers (GPT-SoVITS .list, metadata.jsonl `speaker`): every epoch "
+        "gives each speaker the same number of places (small speakers repeat, large ones leave clips out), drawn "
+        "from train.seed, the same on every rank. Not with duration_bucket_seconds. See docs/tts.md.",
+    )
 
     @model_validator(mode="after")
     def _bucket_step_fits(self) -> "DataSpec":
@@ -202,11 +207,16 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec") -> str | Non
         if data.eval is not None:
             return (f"data.eval: the held-out loss is computed for the image families (sd, sdxl, flow); "
                     f"model.family {family} has no evaluation pass yet. Remove data.eval")
+        if data.speaker_balance and data.duration_bucket_seconds:
+            return ("data.speaker_balance and data.duration_bucket_seconds both choose which clips form the batches: "
+                    "use one of them")
         if data.min_clip_seconds >= data.max_clip_seconds:
             return (f"data.min_clip_seconds {data.min_clip_seconds:g} must be below data.max_clip_seconds "
                     f"{data.max_clip_seconds:g}")
         return None
-    if name == "tones" or data.format in ("ljspeech", "gptsovits", "f5csv") or data.cache.codec_tokens or data.duration_bucket_seconds:
+    if (name == "tones" or data.format in ("ljspeech", "gptsovits", "f5csv") or data.cache.codec_tokens
+            or data.duration_bucket_seconds or data.speaker_balance):
         return (f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
-                "data.cache.codec_tokens and data.duration_bucket_seconds are for speech families (tts_lm, speecht5)")
+                "data.cache.codec_tokens, data.duration_bucket_seconds and data.speaker_balance are for speech families "
+                "(tts_lm, speecht5)")
     return None

@@ -13,8 +13,9 @@ from dstune.spec.section import Section
 # --------------------------------------------------------------------------------------------------------- model
 
 
-# LoRA's usual targets in diffusers UNets and transformers: the attention projections (diffusers' LoRA examples).
+# LoRA's usual targets in diffusers UNets and transformers: the attention projections (diffusers' LoRA examples),
 DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
+LM_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")  # and in a Llama-class causal LM (tts_lm)
 
 # model.base_precision -> bytes per stored weight element of each quantized layer (nn.Linear weights of the denoiser;
 # biases, convolutions, norms and embeddings stay at train.precision), scales included: bitsandbytes int8 keeps one
@@ -40,6 +41,7 @@ LORA_FORMATS = {
     "sd": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
     "sdxl": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
     "flow": {"diffusers": "diffusers", "comfyui": "diffusers"},
+    "tts_lm": {"peft": "peft"},  # a peft adapter folder beside the merged transformers folder (docs/tts.md)
 }
 
 
@@ -309,8 +311,25 @@ class TtsLmModel(Section):
     added_tokens: Optional[list[str]] = Field(
         None, description="New text tokens for a new language (words or characters), added to the folder's tokenizer; "
         "the LM's embeddings grow to hold their ids (before ZeRO partitions them) and they are trained with the rest. "
-        "The export's tokenizer and layout include them.",
+        "The export's tokenizer and layout include them. Not with `train: lora` (the new rows would stay untrained).",
     )
+    train: Literal["full", "lora"] = Field(
+        "full", description="`full`: every weight of the LM is trained. `lora`: the LM is frozen and peft LoRA "
+        "adapters on `lora.target_modules` are trained and checkpointed; the export is the merged transformers "
+        "folder (synthesize and the model's own inference code use it unchanged) with the peft adapter folder in "
+        "`adapter/` (PeftModel.from_pretrained onto the base folder). See docs/tts.md.",
+    )
+    lora: Optional[LoraSpec] = Field(
+        None, description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
+        "([q_proj, k_proj, v_proj, o_proj]: a Llama's attention projections), `dropout` (0.0); omitted: those defaults.",
+    )
+
+    @field_validator("lora")
+    @classmethod
+    def _lm_target_modules(cls, value):  # unset: a Llama's attention, written into the spec the run saves
+        if value is not None and "target_modules" not in value.model_fields_set:
+            return value.model_copy(update={"target_modules": list(LM_LORA_TARGET_MODULES)})
+        return value
 
     @field_validator("added_tokens")
     @classmethod
@@ -337,7 +356,20 @@ class TtsLmModel(Section):
                              "different rates: use token_layout: orpheus with codec: snac")
         if self.token_layout == "orpheus" and self.num_codebooks not in (None, 7):
             raise ValueError(f"num_codebooks {self.num_codebooks}: the orpheus layout writes 7 codes per frame")
+        if self.lora is not None and self.train != "lora":
+            raise ValueError("lora settings are given but `train` is 'full': set `train: lora`, or remove `lora`")
+        if self.train == "lora" and self.added_tokens:
+            raise ValueError("added_tokens with train: lora: the new tokens' embedding rows would not be trained (only "
+                             "adapters are), so the new language could not be learned. Use train: full for a "
+                             "vocabulary extension, then LoRA from its export.")
         return self
+
+    @property
+    def lora_settings(self) -> Optional[LoraSpec]:
+        """The LoRA settings in effect (None for full training); target_modules default to a Llama's attention."""
+        if self.train != "lora":
+            return None
+        return self.lora if self.lora is not None else LoraSpec(target_modules=list(LM_LORA_TARGET_MODULES))
 
 
 class SpeechT5Model(Section):

@@ -25,6 +25,7 @@ STEPS = 4
 CASES = {"zero2": 2, "zero3": 3}
 SPEECHT5_CASES = {"speecht5-zero2": 2, "speecht5-zero3": 3}
 ORPHEUS_CASES = {"orpheus-zero3": 3}
+LORA_CASES = {"orpheus-lora-zero2": 2}  # LoRA on the Llama's attention; its resume is the full case's path
 
 
 def _ljspeech_folder(root: Path) -> Path:
@@ -83,7 +84,17 @@ def _orpheus_spec(run_dir: Path, stage: int) -> dict:
     return spec
 
 
+def _lora_spec(run_dir: Path, stage: int) -> dict:
+    """The orpheus case as LoRA (train: lora, default targets q/k/v/o_proj) without added tokens (refused with LoRA)."""
+    spec = _orpheus_spec(run_dir, stage)
+    del spec["model"]["added_tokens"]
+    spec["model"].update({"train": "lora", "lora": {"rank": 4}})
+    return spec
+
+
 def _case_spec(name: str, run_dir: Path, stage: int) -> dict:
+    if name in LORA_CASES:
+        return _lora_spec(run_dir, stage)
     if name in SPEECHT5_CASES:
         return _speecht5_spec(run_dir, stage)
     return _orpheus_spec(run_dir, stage) if name in ORPHEUS_CASES else _spec(run_dir, stage)
@@ -91,9 +102,9 @@ def _case_spec(name: str, run_dir: Path, stage: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Five launches shared by the tests below (the resumes are in their own tests)."""
+    """Six launches shared by the tests below (the resumes are in their own tests)."""
     out = {}
-    for name, stage in [*CASES.items(), *SPEECHT5_CASES.items(), *ORPHEUS_CASES.items()]:
+    for name, stage in [*CASES.items(), *SPEECHT5_CASES.items(), *ORPHEUS_CASES.items(), *LORA_CASES.items()]:
         run_dir = tmp_path_factory.mktemp(f"tts-{name}") / "run"
         spec = _case_spec(name, run_dir, stage)
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
@@ -101,7 +112,7 @@ def runs(tmp_path_factory) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", [*CASES, *SPEECHT5_CASES, *ORPHEUS_CASES])
+@pytest.mark.parametrize("name", [*CASES, *SPEECHT5_CASES, *ORPHEUS_CASES, *LORA_CASES])
 def test_trains_checks_samples_and_exports(runs, name):
     run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
@@ -115,7 +126,7 @@ def test_trains_checks_samples_and_exports(runs, name):
 
     before, rate = soundfile.read(first / "00.wav")
     after, _ = soundfile.read(last / "00.wav")
-    expected_rate = 16000 if name in SPEECHT5_CASES else 24000 if name in ORPHEUS_CASES else 8000
+    expected_rate = 16000 if name in SPEECHT5_CASES else 24000 if name in {**ORPHEUS_CASES, **LORA_CASES} else 8000
     assert rate == expected_rate and len(before) > 0 and len(after) > 0
     assert len(before) != len(after) or not np.array_equal(before, after)  # training changed what it says
 
@@ -145,7 +156,7 @@ def test_export_reloads_in_transformers_and_speaks(runs, name):
     assert clip.sample_rate == 8000 and clip.wave.size > 0 and np.isfinite(clip.wave).all()
 
 
-@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2", "orpheus-zero3"])
+@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2", "orpheus-zero3", "orpheus-lora-zero2"])
 def test_resume_continues_exactly(runs, name, tmp_path):
     run_dir, spec_path, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
@@ -240,3 +251,33 @@ def test_orpheus_export_keeps_its_format_and_speaks(runs, name):
     assert clip.sample_rate == 24000 and clip.wave.size >= 2048 and np.isfinite(clip.wave).all()
     soundfile.write(run_dir / "spoken.wav", clip.wave, clip.sample_rate)
     assert soundfile.info(run_dir / "spoken.wav").samplerate == 24000
+
+
+@pytest.mark.parametrize("name", list(LORA_CASES))
+def test_orpheus_lora_trains_adapters_only_and_exports_both_ways(runs, name):
+    """Only adapters train (the checkpoint holds them alone; every non-attention weight of the merged export is the
+    base's); the export's adapter/ loads with peft onto the base folder and equals the merged folder, which
+    synthesizes a 24 kHz WAV."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from dstune.families.tts_lm import synthesize
+    from dstune.export import consolidated_state_dict
+
+    run_dir, _, proc = runs[name]
+    assert proc.returncode == 0, explain(proc)
+    assert "training: LoRA rank 4" in proc.stdout and "(q_proj, k_proj, v_proj, o_proj)" in proc.stdout
+    checkpointed = consolidated_state_dict(run_dir / "checkpoints", f"step-{STEPS:08d}", 2, [])
+    assert checkpointed and all(".lora_A." in k or ".lora_B." in k for k in checkpointed)
+    folder = run_dir / "export" / f"step-{STEPS:08d}"
+    base_folder = CACHE_DIR / "builtin" / "tiny-orpheus-v2"
+    base = AutoModelForCausalLM.from_pretrained(base_folder).state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(folder)
+    changed = {k for k, v in merged.state_dict().items() if not torch.equal(v, base[k])}
+    assert changed and all(k.rsplit(".", 2)[-2] in {"q_proj", "k_proj", "v_proj", "o_proj"} for k in changed)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_folder), folder / "adapter")
+    ids = torch.tensor([[128000, 128259, 20, 21, 128260, 128261, 128257]])
+    with torch.no_grad():
+        assert torch.allclose(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
+    clip = synthesize(folder, "42", seconds=0.3)
+    assert clip.sample_rate == 24000 and clip.wave.size >= 2048 and np.isfinite(clip.wave).all()

@@ -140,3 +140,17 @@ def test_added_tokens_on_audio_ids_are_refused(cache_dir):
     with pytest.raises(FamilyError, match="ids the layout uses for audio or special tokens"):
         build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac",
                                added_tokens=["<custom_token_20>"]), cache_dir, "cpu")
+
+
+def test_lora_settings_default_to_the_llama_attention_and_refuse_added_tokens():
+    from pydantic import ValidationError
+
+    lora = TtsLmModel(family="tts_lm", train="lora", lora={"rank": 4})
+    assert lora.lora_settings.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert TtsLmModel(**lora.model_dump()).lora_settings == lora.lora_settings  # as a checkpoint's spec reloads
+    assert TtsLmModel(family="tts_lm", train="lora").lora_settings.rank == 16
+    assert TtsLmModel(family="tts_lm").lora_settings is None
+    with pytest.raises(ValidationError, match="added_tokens with train: lora"):
+        TtsLmModel(family="tts_lm", train="lora", added_tokens=["12"])
+    with pytest.raises(ValidationError, match="lora settings are given but `train` is 'full'"):
+        TtsLmModel(family="tts_lm", lora={"rank": 4})
