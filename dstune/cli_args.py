@@ -95,7 +95,7 @@ def _add_run_folder_commands(commands, subparsers: dict) -> None:
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (output.dir of the spec)")
     export.add_argument("--step", type=_positive_int, metavar="N", help="the checkpoint of step N (default: latest)")
     export.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/export/step-N)")
-    export.add_argument("--lora-format", choices=("diffusers", "kohya", "comfyui"), metavar="FORMAT",
+    export.add_argument("--lora-format", choices=("diffusers", "kohya", "comfyui", "peft"), metavar="FORMAT",
                         help="a LoRA run: write the LoRA file in this key scheme (diffusers, kohya or comfyui; "
                         "default: the run's output.lora_format)")
     synthesize = subparsers["synthesize"] = commands.add_parser(

@@ -241,12 +241,12 @@ class OutputSpec(Section):
     wandb: bool = Field(
         False, description="Also log them to a Weights & Biases run in offline mode under `<output.dir>/wandb` (rank 0; "
         "nothing is uploaded: `wandb sync` does that later). Needs the `wandb` package, which dstune does not install.")
-    lora_format: Optional[Literal["diffusers", "kohya", "comfyui"]] = Field(
+    lora_format: Optional[Literal["diffusers", "kohya", "comfyui", "peft"]] = Field(
         None, description="With model.train: lora, the key scheme of the exported LoRA file: `kohya` (lora_unet_... "
         "names with per-layer alpha), `comfyui` (a file ComfyUI loads without \"lora key not loaded\": kohya's "
         "scheme for sd/sdxl, the diffusers file for flow) or `diffusers`. Omitted: kohya for sd and sdxl, diffusers "
-        "for flow (what most users load them with). sd/sdxl: kohya, comfyui, diffusers; flow: diffusers, comfyui. "
-        "See docs/lora-and-ema.md.",
+        "for flow (what most users load them with), peft for tts_lm. sd/sdxl: kohya, comfyui, diffusers; flow: "
+        "diffusers, comfyui; tts_lm: peft (an adapter folder beside the merged model). See docs/lora-and-ema.md.",
     )
 
 

@@ -33,7 +33,7 @@ def test_registry_matches_the_spec_and_every_family_declares_the_contract():
         assert family.pretrained_fields[0] == "pretrained"
         assert all(field in MODEL_SPECS[name].model_fields for field in family.pretrained_fields)
         assert family.text_cache is None or family.modality == "image"
-        assert family.supports_lora == (family.modality == "image")  # LoRA export: diffusion families today
+        assert family.supports_lora == (name != "speecht5")  # LoRA: the diffusion families and tts_lm
         assert family.supports_lora == (name in LORA_FORMATS)  # validate checks output.lora_format by the spec
         assert (family.single_file is not None) == (name in SINGLE_FILE_FAMILIES)
 

@@ -104,7 +104,7 @@ def test_default_format_is_kohya_for_unet_families_and_diffusers_for_flow(traine
 
 def _validate(model: dict, output: dict):
     data = {"model": model, "train": {"micro_batch_size": 1, "max_steps": 2}, "output": output,
-            "data": {"path": "builtin:tones" if model["family"] == "tts_lm" else "builtin:shapes"}}
+            "data": {"path": "builtin:tones" if model["family"] in ("tts_lm", "speecht5") else "builtin:shapes"}}
     source = SpecSource("spec.yaml", {"output.lora_format": 9})
     return validate_spec(validate_data(data, source), source, world_from_flags(num_gpus=1))
 
@@ -112,7 +112,8 @@ def _validate(model: dict, output: dict):
 @pytest.mark.parametrize("model,lora_format,message", [
     ({"family": "flow", "train": "lora"}, "kohya", "not a LoRA format of model.family flow; choices: diffusers, comfyui"),
     ({"family": "sd"}, "kohya", "applies to model.train: lora, but model.train is 'full'"),
-    ({"family": "tts_lm"}, "diffusers", "model.family tts_lm has no LoRA training"),
+    ({"family": "speecht5"}, "diffusers", "model.family speecht5 has no LoRA training"),
+    ({"family": "tts_lm", "train": "lora"}, "kohya", "not a LoRA format of model.family tts_lm; choices: peft"),
 ])
 def test_validate_refuses_a_format_the_family_does_not_have(model, lora_format, message):
     from dstune.spec.load import SpecError
