@@ -120,7 +120,12 @@ def launch(script: Path, args: list[str], num_ranks: int, timeout_s: int = LAUNC
 def bench_model_folder(cache_dir: Path = BENCH_CACHE) -> Path:
     """A diffusers pipeline folder: the built-in tiny-sd (trained VAE, text encoder, tokenizer, scheduler) with the
     UNet replaced by a random BENCH_UNET. Built once into `cache_dir`, reused after; usable as model.pretrained."""
-    final = cache_dir / BENCH_MODEL_NAME
+    return sd_pipeline_with_unet(cache_dir / BENCH_MODEL_NAME, BENCH_UNET, cache_dir)
+
+
+def sd_pipeline_with_unet(final: Path, unet_config: dict, cache_dir: Path) -> Path:
+    """The built-in tiny-sd pipeline (from `cache_dir`) with its UNet replaced by a random (seed 0) UNet of
+    `unet_config`, written once to `final` (built beside it, renamed into place), reused after."""
     if (final / "model_index.json").is_file() and (final / "unet" / "config.json").is_file():
         return final
     import torch
@@ -129,14 +134,14 @@ def bench_model_folder(cache_dir: Path = BENCH_CACHE) -> Path:
     from dstune.builtin import ensure_builtin_model
 
     base = ensure_builtin_model("builtin:tiny-sd", cache_dir)
-    work = cache_dir / f".{BENCH_MODEL_NAME}-building-{os.getpid()}"
+    work = final.with_name(f".{final.name}-building-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(base, work)
     shutil.rmtree(work / "unet")
     (work / "dstune_builtin.json").unlink(missing_ok=True)  # it is no longer the built-in model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        UNet2DConditionModel(**BENCH_UNET).save_pretrained(work / "unet", safe_serialization=True)
+        UNet2DConditionModel(**unet_config).save_pretrained(work / "unet", safe_serialization=True)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(work, final)
     return final

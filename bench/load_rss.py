@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import BENCH_CACHE, REPO, launch, machine, print_json, print_table, say  # noqa: E402
+from common import (BENCH_CACHE, REPO, launch, machine, print_json, print_table, say,  # noqa: E402
+                    sd_pipeline_with_unet)
 
 LOAD_UNET = dict(
     sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(160, 320, 640),
@@ -35,25 +35,7 @@ MB = 1e6
 
 def model_folder(target: Path) -> Path:
     """The tiny-sd pipeline with a random LOAD_UNET, written once (seeded) to `target`."""
-    if (target / "unet" / "diffusion_pytorch_model.safetensors").is_file():
-        return target
-    import torch
-    from diffusers import UNet2DConditionModel
-
-    from dstune.builtin import ensure_builtin_model
-
-    base = ensure_builtin_model("builtin:tiny-sd", Path(os.environ.get("DSTUNE_TEST_CACHE", BENCH_CACHE)))
-    work = target.with_name(target.name + f".building-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    shutil.copytree(base, work)
-    shutil.rmtree(work / "unet")
-    (work / "dstune_builtin.json").unlink(missing_ok=True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        UNet2DConditionModel(**LOAD_UNET).save_pretrained(work / "unet", safe_serialization=True)
-    shutil.rmtree(target, ignore_errors=True)
-    os.rename(work, target)
-    return target
+    return sd_pipeline_with_unet(target, LOAD_UNET, Path(os.environ.get("DSTUNE_TEST_CACHE", BENCH_CACHE)))
 
 
 def measure(folder: Path, mode: str, stage: int, ranks: int) -> list[dict]:
