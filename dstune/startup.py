@@ -1,6 +1,7 @@
 """What every rank does before step 1, shared by training and `dstune cache` / `train.py --cache-only`.
 
-    family, built = build_family(run, spec)          rank 0 first (a built-in model is made once), then the rest
+    folders = resolve_model_folders(run, spec)       rank 0 first (a built-in model is made once), then the rest
+    family, built = build_family(run, spec, folders=folders)
     records = checked_records(run, spec, family)     the dataset's samples, unreadable files named on every rank
     caches = prepare_caches(run, spec, family, built, records)     build (or verify) what data.cache asks for
     loader, sampler = make_training_loader(spec, plan, run.rank, family, built, records, caches, epoch, step)
@@ -49,25 +50,29 @@ class Caches:
     offloaded: list[str] = field(default_factory=list)
 
 
-def build_family(run: Run, spec: Spec, train_mode: bool = True,
-                 ds_config: Optional[dict] = None) -> tuple[Family, object]:
-    """The family and its model on this rank's device; with train_mode, made trainable as model.train says (LoRA
-    adapters added before DeepSpeed sees the module). Rank 0 first: a built-in model is made once, into the cache.
-    Under ZeRO-3 (`ds_config`), a family that can builds its trainable module partitioned, all ranks together."""
+def resolve_model_folders(run: Run, spec: Spec) -> dict:
+    """The model's folders on every rank, rank 0 first: a built-in model is made once into the cache, a single
+    checkpoint file converted once; then the other ranks find them there."""
     family = get_family(spec.model.family)
+    folders, error = rank0_first(run, lambda: resolve_folders(spec.model, family, spec.output.cache_dir))
+    agree_or_stop(run, error and f"model.pretrained {spec.model.pretrained!r}: {error}")
+    return folders
+
+
+def build_family(run: Run, spec: Spec, train_mode: bool = True, ds_config: Optional[dict] = None,
+                 folders: Optional[dict] = None) -> tuple[Family, object]:
+    """The family and its model on this rank's device; with train_mode, made trainable as model.train says (LoRA
+    adapters added before DeepSpeed sees the module). `folders` from resolve_model_folders (resolved here when not
+    given). Under ZeRO-3 (`ds_config`), a family that can builds its trainable module partitioned, all ranks together."""
+    family = get_family(spec.model.family)
+    folders = folders if folders is not None else resolve_model_folders(run, spec)
     frozen_dtype = PRECISION_DTYPES[spec.train.precision][1]
     zero3_config = partitioned_build_config(spec.model, ds_config) if train_mode else None
-    if zero3_config is None:
-        built, error = rank0_first(run, lambda: build_model(spec.model, spec.output.cache_dir, run.device,
-                                                            frozen_dtype))
-    else:  # the partitioned build is collective: folders first (rank 0 makes a built-in one), then every rank
-        folders, error = rank0_first(run, lambda: resolve_folders(spec.model, family, spec.output.cache_dir))
-        agree_or_stop(run, error and f"model.pretrained {spec.model.pretrained!r}: {error}")
-        built, error = None, None
-        try:
-            built = build_model(spec.model, spec.output.cache_dir, run.device, frozen_dtype, zero3_config, folders)
-        except (ValueError, OSError) as err:
-            error = str(err)
+    built, error = None, None
+    try:  # collective under ZeRO-3 (zero.Init), so every rank builds at once
+        built = build_model(spec.model, spec.output.cache_dir, run.device, frozen_dtype, zero3_config, folders)
+    except (ValueError, OSError) as err:
+        error = str(err)
     agree_or_stop(run, error and f"model.pretrained {spec.model.pretrained!r}: {error}")
     if zero3_config is not None and run.is_main:
         params = list(built.trainable.parameters())

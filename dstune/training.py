@@ -38,7 +38,8 @@ from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, rebatched, re
 from dstune.spec.diff import describe_changes, spec_changes
 from dstune.spec.load import SpecError, load_spec
 from dstune.spec.models import Spec
-from dstune.startup import build_family, checked_records, held_out_records, make_training_loader, prepare_caches
+from dstune.startup import (build_family, checked_records, held_out_records, make_training_loader, prepare_caches,
+                            resolve_model_folders)
 from dstune.trackers import open_trackers
 from dstune.universal import is_partitioned, remove_universal_copy, reshard_refusal, universal_copy
 from dstune.validate import Resolved, plan_memory, validate_spec
@@ -222,8 +223,9 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
         plan = resuming.rebatched.plan
     predicted = plan_memory(spec, plan, ds_config, accelerator=run.accelerator)
     import_model_classes(spec)  # the baseline below then holds the libraries, and what grows after it is the model
+    folders = resolve_model_folders(run, spec)  # before the baseline: making a built-in model is not training memory
     memory = MemoryRecorder(predicted)
-    family, built = build_family(run, spec, ds_config=resolved.ds_config)
+    family, built = build_family(run, spec, ds_config=resolved.ds_config, folders=folders)
     scalar_params = promote_scalar_params(built.trainable)
     universal = resuming is not None and resuming.universal_root is not None
     engine = wrap_model(built.trainable, spec.train, with_universal_loading(ds_config) if universal else ds_config,
