@@ -2,6 +2,7 @@
 
     recorder = MemoryRecorder(predicted)      before the model is built: the process's baseline
     recorder.mark("engine_start")             after deepspeed.initialize
+    recorder.mark("caches_ready")             after the caches are built or verified
     recorder.mark("first_step")               after the first optimizer step
     recorder.mark("end")                      after training
 
@@ -10,6 +11,9 @@ total predicts, less the runtime reserve), always the process's peak resident se
 else getrusage's ru_maxrss). On the CPU accelerator the model lives in host memory, so the RSS growth over the
 baseline is what compares with the prediction; the baseline already holds torch, DeepSpeed, the process group and the model's classes
 (dstune.model_sizes.import_model_classes).
+
+The folders are resolved before the baseline (dstune.startup.resolve_model_folders): making a built-in model or
+converting a single checkpoint file is not the training's memory.
 """
 
 from __future__ import annotations

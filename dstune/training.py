@@ -240,6 +240,7 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     caches, code = prepare_caches(run, spec, family, built, records)
     if code:
         stop(run, "", code)
+    memory.mark("caches_ready")
     loader, sampler = make_training_loader(spec, plan, run.rank, family, built, records, caches, state.epoch,
                                            state.step_in_epoch)
     _check_first_batch(run, engine, plan, loader, sampler, state)
