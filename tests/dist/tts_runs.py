@@ -1,0 +1,86 @@
+"""What the 2-rank tts runs share (tests/dist/test_tts.py: tts_lm and speecht5; test_tts_orpheus.py: the orpheus
+layout): the base spec, the LJSpeech-style folder, and the checks every run and every resume gets."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from harness import base_spec, explain, launch, metrics
+
+STEPS = 4
+
+
+def ljspeech_folder(root: Path) -> Path:
+    """20 usable clips (0.2-0.7 s tone sequences at 16 kHz), one too short, one too long, one broken file."""
+    import soundfile
+
+    from dstune.data.synthetic import render_tones
+
+    (root / "wavs").mkdir(parents=True)
+    lines = []
+    texts = [str(1000 + 37 * i)[: 2 + i % 4] for i in range(20)] + ["7", "12345678"]
+    for number, text in enumerate(texts):
+        soundfile.write(root / "wavs" / f"LJ{number:03d}.wav", render_tones(text), 16000)
+        lines.append(f"LJ{number:03d}|digits {text}|{text}")
+    (root / "wavs" / "LJ999.wav").write_bytes(b"RIFF not really a wav")
+    lines.append("LJ999|broken|broken")
+    (root / "metadata.csv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def tts_spec(run_dir: Path, stage: int) -> dict:
+    data = {"path": "builtin:tones", "max_clip_seconds": 0.5, "duration_bucket_seconds": 0.25,
+            "cache": {"codec_tokens": True, "dir": str(run_dir.parent / "codec-cache")}}
+    if stage == 3:
+        data = {"path": str(ljspeech_folder(run_dir.parent / "lj")), "format": "ljspeech",
+                "min_clip_seconds": 0.15, "max_clip_seconds": 0.8, "skip_bad_files": True}
+    return base_spec(
+        run_dir, model={"family": "tts_lm", "pretrained": "builtin:tiny-tts-lm", "max_sample_seconds": 0.3},
+        data=data,
+        train={"global_batch_size": 8, "micro_batch_size": 4, "gradient_accumulation_steps": None, "max_steps": STEPS,
+               "optimizer": {"type": "adamw", "lr": 1e-2}},
+        deepspeed={"zero_stage": stage},
+        output={"save_every_steps": 2, "keep_last": 5, "export": "diffusers"},
+        sample={"prompts": ["123", "90"]})
+
+
+def check_trains_and_samples(run_dir: Path, proc, sample_rate: int) -> None:
+    """The run passed the batch check, its loss fell over STEPS finite steps, and its WAV samples at `sample_rate`
+    changed between step 0 and the last step."""
+    import soundfile
+
+    assert proc.returncode == 0, explain(proc)
+    assert "batch check passed" in proc.stdout
+    logged = metrics(run_dir)
+    assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
+    assert all(np.isfinite(m["loss"]) for m in logged)
+    assert logged[-1]["loss"] < logged[0]["loss"]
+    first, last = run_dir / "samples" / "step-000000", run_dir / "samples" / f"step-{STEPS:06d}"
+    before, rate = soundfile.read(first / "00.wav")
+    after, _ = soundfile.read(last / "00.wav")
+    assert rate == sample_rate and len(before) > 0 and len(after) > 0
+    assert len(before) != len(after) or not np.array_equal(before, after)  # training changed what it says
+
+
+def check_resume_continues_exactly(run_dir: Path, spec_path: Path, proc, resumed_dir: Path) -> None:
+    """Resumed from step 2's checkpoint into `resumed_dir`, steps 3-4 see the same samples and losses and end at the
+    same weights as the uninterrupted run."""
+    assert proc.returncode == 0, explain(proc)
+    (resumed_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed_dir / "checkpoints" / "step-00000002")
+    (resumed_dir / "checkpoints" / "latest").write_text("step-00000002")
+    again = launch(spec_path, num_ranks=2, args=("--resume", "latest", "--set", f"output.dir={resumed_dir}"))
+    assert again.returncode == 0, explain(again)
+    first, second = metrics(run_dir), metrics(resumed_dir)
+    assert [m["step"] for m in second] == [3, 4]
+    for before, after in zip(first[2:], second):
+        assert after["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=1e-7)
+        assert after["samples"] == before["samples"]
+    a = load_file(run_dir / "export" / f"step-{STEPS:08d}" / "model.safetensors")
+    b = load_file(resumed_dir / "export" / f"step-{STEPS:08d}" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
