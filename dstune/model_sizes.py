@@ -21,7 +21,7 @@ from dstune.activations import (codec_frame_rate, flow_sample_bytes, lm_sample_b
                                 tts_tokens, unet_sample_bytes)
 from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_libraries
 from dstune.memory_plan import ModelCounts
-from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
+from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES
 from dstune.spec.section import BUILTIN_PREFIX
 
 STORE = Path(__file__).resolve().parent / "model_configs"
@@ -250,7 +250,9 @@ def _codec_reference(spec, folder: Path) -> Optional[str]:
 
 def _count_tts_lm(spec, num_samples: int) -> ModelCounts:
     folder, origin = config_folder(spec.model.pretrained)
-    params, largest, _ = count_component(str(folder / "config.json"))
+    targets, rank = _lora(spec)  # train: lora puts adapters on the Llama's attention (q/k/v/o_proj by default)
+    params, largest, lora = count_component(str(folder / "config.json"), targets, rank)
+    default_lora = count_component(str(folder / "config.json"), LM_LORA_TARGET_MODULES, 16)[2]
     config = _read_json(folder / "config.json")
     companions, frame_rate, codebooks = {}, 75.0, spec.model.num_codebooks or 8
     layout = _read_json(folder / "dstune_tts.json") if (folder / "dstune_tts.json").exists() else {}
@@ -274,8 +276,8 @@ def _count_tts_lm(spec, num_samples: int) -> ModelCounts:
     cached = ("codec",) if spec.data.cache.codec_tokens and "codec" in companions else ()
     cache_bytes = int(4 * frame_rate * codebooks * (spec.data.max_clip_seconds or 10.0) * num_samples) \
         if spec.data.cache.codec_tokens else 0  # int32 codes; an upper bound (every clip at the longest length)
-    return ModelCounts("lm", params, params, largest, companions, cached, int(full), int(checkpointed), 0,
-                       cache_bytes, origin)
+    return ModelCounts("lm", params, lora or params, largest, companions, cached, int(full), int(checkpointed),
+                       default_lora, cache_bytes, origin)
 
 
 def _count_speecht5(spec) -> ModelCounts:

@@ -211,3 +211,21 @@ def test_offload_moves_states_to_the_host_and_lora_counts_the_frozen_base(capsys
     memory = json.loads(capsys.readouterr().out)["memory"]
     frozen_base = memory["parameters"]["frozen_base_params"]
     assert frozen_base > 11e9 and memory["per_gpu"]["frozen_bytes"] == pytest.approx(2 * frozen_base / 8, rel=1e-6)
+
+
+def test_tts_lm_lora_counts_adapters_on_the_llama_attention(capsys):
+    """tts_lm with train: lora trains peft adapters on q/k/v/o_proj: the plan's trainable count is those adapters
+    (counted on the meta Llama), the rest is a frozen base; full training suggests that LoRA."""
+    from dstune.model_sizes import STORE, meta_count
+
+    spec = str(REPO / "launch" / "tts-lm-1b-zero3-8gpu.yaml")
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "13100", "--json",
+                 "--set", "model.train=lora", "--set", "model.lora.rank=8"]) == 0
+    counts = json.loads(capsys.readouterr().out)["memory"]["parameters"]
+    config = str(STORE / "hub" / "meta-llama/Llama-3.2-1B" / "config.json")
+    adapters = meta_count(config, ("q_proj", "k_proj", "v_proj", "o_proj"), 8)[2]
+    assert counts["trainable_params"] == adapters and 1e6 < adapters < 1e-2 * counts["module_params"]
+    assert counts["frozen_base_params"] + adapters == counts["module_params"]
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "13100", "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)["memory"]
+    assert full["parameters"]["trainable_params"] == full["parameters"]["module_params"]
