@@ -36,7 +36,8 @@ import torch
 from dstune.families.base import Family, FamilyError, TextCache, per_sample_randn, sample_generator
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
                                        load_trainable, non_reentrant_checkpoint, read_model_index)
-from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
+from dstune.families.flow_matching import (flow_loss_per_sample, image_ids, loss_weights, pack_latents,
+                                           timestep_density, unpack_latents)
 from dstune.families.samples import save_grid
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import FlowModel, SampleSpec
@@ -321,12 +322,11 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     timesteps = built.train_timesteps[positions].to(device)
     sigmas = built.train_sigmas[positions].to(device).view(-1, 1, 1, 1)
     noisy = (1.0 - sigmas) * latents + sigmas * noise
-    target = noise - latents
     param_dtype = next(built.trainable.parameters()).dtype
     prediction = _predict(built, trainable_forward, noisy, timesteps, encoded, param_dtype)
     weights = loss_weights(built.settings.loss_weighting, sigmas)
-    per_sample = (weights * (prediction.float() - target.float()) ** 2).reshape(len(indices), -1).mean(dim=1)
-    return per_sample.mean()
+    return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights,
+                                built.settings.precondition_outputs).mean()
 
 
 # ------------------------------------------------------------------------------------------------- sampling

@@ -31,6 +31,17 @@ def loss_weights(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
     return compute_loss_weighting_for_sd3(scheme, sigmas).float()
 
 
+def flow_loss_per_sample(prediction: torch.Tensor, noisy: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor,
+                         sigmas: torch.Tensor, weights: torch.Tensor, precondition_outputs: bool) -> torch.Tensor:
+    """Each sample's weighted squared error (float32), as diffusers' SD3/Flux scripts compute it: the velocity
+    prediction against noise - x0, or, preconditioned (EDM-style, the SD3 scripts' default), the x0 it implies
+    (x_t - sigma v) against x0, which is the velocity error times sigma^2."""
+    prediction, target = prediction.float(), noise.float() - latents.float()
+    if precondition_outputs:
+        prediction, target = prediction * (-sigmas) + noisy.float(), latents.float()
+    return (weights * (prediction - target) ** 2).reshape(len(prediction), -1).mean(dim=1)
+
+
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, H, W) -> (B, H/2 * W/2, 4C): Flux's 2x2 patches as tokens."""
     batch, channels, height, width = latents.shape

@@ -258,7 +258,13 @@ class FlowModel(DenoiserModelBase):
         "scheduler's (SD3: its config shift; Flux with dynamic shifting: unshifted, as the reference scripts).",
     )
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
-        "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3)."
+        "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3). sigma_sqrt (sigma^-2) "
+        "needs precondition_outputs: true, where it cancels the sigma^2 of the x0 error (docs/family-flow.md).",
+    )
+    precondition_outputs: bool = Field(
+        False, description="Compare x0 instead of the velocity: the prediction v becomes x_t - sigma v and the "
+        "target x0, which weights each sample's squared velocity error by sigma^2. diffusers' SD3 scripts default "
+        "to it (--precondition_outputs 1); false: the velocity loss of their Flux, Qwen-Image, Z-Image, FLUX.2 scripts.",
     )
     guidance: float = Field(
         3.5, ge=0, description="Flux-class transformers with guidance_embeds: the guidance value fed while training."
@@ -276,6 +282,12 @@ class FlowModel(DenoiserModelBase):
         if unused:
             raise ValueError(f"{', '.join(unused)} only apply to another timestep_sampling (it is "
                              f"{self.timestep_sampling!r}): remove them or change timestep_sampling")
+        if self.loss_weighting == "sigma_sqrt" and not self.precondition_outputs:
+            raise ValueError("loss_weighting sigma_sqrt weights each sample by sigma^-2 on the velocity loss: on "
+                             "SD3's schedule a mean weight of about 186 and up to about 1e5 near sigma 0, so a few "
+                             "samples dominate every step. diffusers' SD3 scripts pair it with their default "
+                             "--precondition_outputs 1, where it cancels to the plain velocity MSE: set "
+                             "precondition_outputs: true for that, or use loss_weighting none or cosmap")
         return self
 
 

@@ -1,0 +1,138 @@
+"""The flow family's loss equals the loss of diffusers' training examples on the same tiny model, batch and draws.
+
+The reference re-computes the loss lines of examples/dreambooth/train_dreambooth_sd3.py and
+train_dreambooth_flux.py (diffusers 0.42) with diffusers' own pieces: the scheduler copy's timestep table indexed by
+int(u * num_train_timesteps), the scripts' get_sigmas lookup, FluxPipeline's _pack_latents /
+_prepare_latent_image_ids / _unpack_latents, compute_loss_weighting_for_sd3, the SD3 scripts'
+--precondition_outputs, and each script's flag defaults. Only the random draws are dstune's (each sample's own
+generator, docs/family-flow.md): the reference takes the same posterior draw, noise and u, so the two losses must
+agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstune.builtin.common import to_tensor
+from dstune.data.synthetic import render_shape
+from dstune.families import flow
+from dstune.families.base import per_sample_randn
+from dstune.pretrained import build_model
+from dstune.spec.models import FlowModel
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+NAMES = {"sd3": "tiny-flow", "flux": "tiny-flux"}
+SEED, STEP, INDICES = 7, 5, [3, 11, 2]
+
+# (kind, dstune settings, the script's flags): each script's defaults first, then the combinations that matter
+CASES = {
+    "sd3-script-defaults": ("sd3", dict(timestep_sampling="logit_normal", precondition_outputs=True),
+                            dict(weighting_scheme="logit_normal", precondition_outputs=1)),
+    "sd3-velocity": ("sd3", dict(timestep_sampling="logit_normal"),
+                     dict(weighting_scheme="logit_normal", precondition_outputs=0)),
+    "sd3-sigma-sqrt": ("sd3", dict(timestep_sampling="uniform", loss_weighting="sigma_sqrt", precondition_outputs=True),
+                       dict(weighting_scheme="sigma_sqrt", precondition_outputs=1)),
+    "sd3-cosmap": ("sd3", dict(timestep_sampling="uniform", loss_weighting="cosmap"),
+                   dict(weighting_scheme="cosmap", precondition_outputs=0)),
+    "flux-script-defaults": ("flux", dict(timestep_sampling="uniform", guidance=3.5),
+                             dict(weighting_scheme="none", guidance_scale=3.5)),
+    "flux-logit-normal": ("flux", dict(timestep_sampling="logit_normal", guidance=1.0),
+                          dict(weighting_scheme="logit_normal", guidance_scale=1.0)),
+}
+
+
+@pytest.fixture(scope="module")
+def built() -> dict:
+    return {kind: build_model(FlowModel(family="flow", pretrained=f"builtin:{name}"), CACHE_DIR, "cpu")
+            for kind, name in NAMES.items()}
+
+
+def _batch() -> dict:
+    images = [render_shape(i, 32) for i in INDICES]
+    return {"pixel_values": to_tensor([image for image, _ in images]),
+            "caption": [caption for _, caption in images], "index": torch.tensor(INDICES, dtype=torch.long)}
+
+
+def _script_sigmas(scheduler, timesteps: torch.Tensor, n_dim: int) -> torch.Tensor:
+    """The scripts' get_sigmas: each timestep's position in the schedule, its sigma, shaped to broadcast."""
+    positions = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
+    sigma = scheduler.sigmas[positions].flatten()
+    return sigma.view(-1, *([1] * (n_dim - 1)))
+
+
+def _script_loss(built, encoded: dict, flags: dict, u: torch.Tensor) -> torch.Tensor:
+    """One micro batch's loss as the SD3 / Flux script computes it, from dstune's posterior draw, noise and u."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(built.folder / "scheduler")
+    mean, std = encoded["latent_mean"], encoded["latent_std"]
+    sample = mean + std * per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "vae_posterior")
+    config = built.vae.config
+    model_input = (sample - (config.shift_factor or 0.0)) * config.scaling_factor
+    noise = per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "noise")
+    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
+    sigmas = _script_sigmas(scheduler, timesteps, model_input.ndim)
+    noisy = (1.0 - sigmas) * model_input + sigmas * noise
+    embeds, pooled = encoded["encoder_hidden_states"], encoded["pooled_projections"]
+    with torch.no_grad():
+        if built.kind == "sd3":
+            model_pred = built.trainable(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=embeds,
+                                         pooled_projections=pooled, return_dict=False)[0]
+        else:
+            batch, channels, height, width = model_input.shape
+            factor = 2 ** (len(config.block_out_channels) - 1)
+            image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, "cpu", torch.float32)
+            guidance = torch.tensor([flags["guidance_scale"]]).expand(batch) \
+                if built.trainable.config.guidance_embeds else None
+            packed = FluxPipeline._pack_latents(noisy, batch, channels, height, width)
+            model_pred = built.trainable(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
+                                         pooled_projections=pooled, encoder_hidden_states=embeds,
+                                         txt_ids=torch.zeros(embeds.shape[1], 3), img_ids=image_ids,
+                                         return_dict=False)[0]
+            model_pred = FluxPipeline._unpack_latents(model_pred, height * factor, width * factor, factor)
+    if flags.get("precondition_outputs"):
+        model_pred = model_pred * (-sigmas) + noisy
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
+    target = model_input if flags.get("precondition_outputs") else noise - model_input
+    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1), 1)
+    return loss.mean()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_equals_the_diffusers_script(built, case):
+    kind, settings, flags = CASES[case]
+    model = replace(built[kind], settings=FlowModel(family="flow", pretrained=f"builtin:{NAMES[kind]}", **settings))
+    encoded = flow.encode_batch(model, _batch())
+    u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
+    with torch.no_grad():
+        ours = flow.loss(model, model.trainable, encoded, SEED, STEP)
+    reference = _script_loss(model, encoded, flags, u)
+    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+
+
+def test_preconditioning_weights_the_velocity_error_by_sigma_squared(built):
+    """precondition_outputs is not a rescaling of the whole loss: per sample it is sigma^2 x the velocity loss."""
+    from dstune.families.flow_matching import flow_loss_per_sample
+
+    torch.manual_seed(0)
+    latents, noise, prediction = (torch.randn(3, 4, 2, 2) for _ in range(3))
+    sigmas = torch.tensor([0.05, 0.5, 0.95]).view(-1, 1, 1, 1)
+    noisy = (1 - sigmas) * latents + sigmas * noise
+    ones = torch.ones_like(sigmas)
+    velocity = flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, ones, False)
+    x0 = flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, ones, True)
+    assert torch.allclose(x0, sigmas.flatten() ** 2 * velocity, rtol=1e-5)
+
+
+def test_sigma_sqrt_without_preconditioning_is_refused_with_the_numbers():
+    with pytest.raises(ValueError) as refused:
+        FlowModel(family="flow", timestep_sampling="uniform", loss_weighting="sigma_sqrt")
+    assert "about 186" in str(refused.value) and "precondition_outputs: true" in str(refused.value)
+    FlowModel(family="flow", timestep_sampling="uniform", loss_weighting="sigma_sqrt", precondition_outputs=True)
