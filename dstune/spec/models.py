@@ -7,7 +7,7 @@ Cross-field rules that need the world size (batch divisibility) live in `dstune.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -16,10 +16,15 @@ from dstune.spec.section import Section
 # The model and data sections live in their own modules; they are imported here (and re-exported) so the whole spec
 # is importable from one place.
 from dstune.spec.model_sections import (  # noqa: F401
-    AUDIO_FAMILIES, BASE_PRECISION_BYTES, DEFAULT_LORA_TARGET_MODULES, FAMILIES, LORA_FORMATS, SINGLE_FILE_FAMILIES,
-    DenoiserModelBase, FlowModel, LoraSpec, Model, SdModel, SdxlModel, SpeechT5Model, TtsLmModel, is_single_file,
-    lora_file_scheme, lora_format_problem)
+    BASE_PRECISION_BYTES, DEFAULT_LORA_TARGET_MODULES, LORA_FORMATS, SINGLE_FILE_FAMILIES, DenoiserModelBase,
+    FlowModel, LoraSpec, SdModel, SdxlModel, is_single_file, lora_file_scheme, lora_format_problem)
+from dstune.spec.speech_models import SpeechT5Model, TtsLmModel
 from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, data_family_problem  # noqa: F401
+
+Model = Annotated[Union[SdModel, SdxlModel, FlowModel, TtsLmModel, SpeechT5Model], Field(discriminator="family")]
+FAMILIES = ("sd", "sdxl", "flow", "tts_lm", "speecht5")
+AUDIO_FAMILIES = ("tts_lm", "speecht5")  # families that train on speech: data is audio + text, not images
+
 
 # Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since
 # DeepSpeed 0.19.3) fights with it, so their automatic clipping is 0.0 (FIELD_NOTES row 11).

@@ -14,7 +14,7 @@ from dstune.families.diffusion import copy_component
 from dstune.families.samples import save_grid
 from dstune.fsutil import publish_folder
 from dstune.pretrained import resolve_pretrained
-from dstune.spec.model_sections import FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsLmModel
+from dstune.spec.models import FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsLmModel
 from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, LORA_FORMATS, SINGLE_FILE_FAMILIES
 
 MODEL_SPECS = {"sd": SdModel, "sdxl": SdxlModel, "flow": FlowModel, "tts_lm": TtsLmModel, "speecht5": SpeechT5Model}
