@@ -29,7 +29,7 @@ STORE = Path(__file__).resolve().parent / "model_configs"
 # checks these agree, without this module importing the builders of layer 3)
 BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-flow": "tiny-flow-v1",
                    "tiny-flux": "tiny-flux-v1", "tiny-tts-lm": "tiny-tts-lm-v3", "tiny-speecht5": "tiny-speecht5-v1",
-                   "tiny-orpheus": "tiny-orpheus-v2"}
+                   "tiny-orpheus": "tiny-orpheus-v2", "tiny-qwen-image": "tiny-qwen-image-v1"}
 DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer"}
 FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -220,9 +220,11 @@ def _count_denoiser(spec, num_samples: int) -> ModelCounts:
 
 
 def _text_tokens(spec, index: dict) -> int:
-    flux = (index.get("transformer") or [None, ""])[1] == "FluxTransformer2DModel"
-    t5 = spec.model.max_sequence_length or (512 if flux else 77)
-    return t5 if flux else 77 + t5
+    """Text tokens per sample: SD3's 77 CLIP tokens + T5's (77 by default); every other flow model's
+    max_sequence_length (512 by default: the Flux and Qwen-Image training examples')."""
+    sd3 = (index.get("transformer") or [None, ""])[1] == "SD3Transformer2DModel"
+    tokens = spec.model.max_sequence_length or (77 if sd3 else 512)
+    return 77 + tokens if sd3 else tokens
 
 
 def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int) -> int:

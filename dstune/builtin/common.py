@@ -49,7 +49,7 @@ def deterministic_cpu(seed: int, threads: int):
             torch.set_num_threads(old_threads)
 
 
-def _bytes_to_unicode() -> list[str]:
+def bytes_to_unicode() -> list[str]:
     """GPT-2/CLIP byte-level alphabet: one printable character per byte value."""
     byte_values = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
                    + list(range(ord("®"), ord("ÿ") + 1)))
@@ -66,7 +66,7 @@ def tiny_clip_tokenizer(model_max_length: int = 77):
     """A byte-level CLIP BPE tokenizer built in memory (519 ids; every string is encodable, nothing downloaded)."""
     from transformers import CLIPTokenizer
 
-    chars = _bytes_to_unicode()
+    chars = bytes_to_unicode()
     vocab: dict[str, int] = {}
     for suffix in ("", "</w>"):
         for char in chars:

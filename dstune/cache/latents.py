@@ -27,6 +27,7 @@ from dstune.data.images import BadSampleError, ImageCaptionDataset, resize_and_c
 from dstune.data.synthetic import render_shape
 from dstune.distributed import agree_or_stop, all_gather_object
 from dstune.families.base import TextCache
+from dstune.families.diffusion import vae_posterior
 from dstune.spec.models import DataSpec
 
 CHUNK_ENTRIES = 8  # entries encoded in one forward pass
@@ -104,9 +105,8 @@ def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolutio
         ok.append(entry)
     if not ok:
         return {}, failed
-    with torch.no_grad():
-        posterior = built.vae.encode(torch.stack(pixels).to(built.device, built.vae.dtype)).latent_dist
-    mean, std = posterior.mean.float().cpu(), posterior.std.float().cpu()
+    mean, std = vae_posterior(built.vae, torch.stack(pixels).to(built.device, built.vae.dtype))
+    mean, std = mean.cpu(), std.cpu()
     return {e.key: {"latent_mean": mean[i], "latent_std": std[i]} for i, e in enumerate(ok)}, failed
 
 
@@ -203,7 +203,7 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
         fingerprints["text"] = bytes_sha256((fingerprints["text"] + job.text_settings).encode())
     entries = plan_entries(records, hashes, fingerprints, data.resolution, data.random_flip, data.caption_dropout,
                            _dtype_name(job.dtype), cache_spec.latents, cache_spec.text_embeddings,
-                           sample_buckets(records, data), text.tensors if text else ())
+                           sample_buckets(records, data), text.tensor_names(job.model_folder) if text else ())
     mine = [c for j, c in enumerate(_chunks(entries)) if j % len(group) == group.index(run.rank)]
     if verify_only:
         counts = _verify_share(folder, mine)
@@ -256,10 +256,10 @@ def offload_frozen(built, index: CacheIndex) -> list[str]:
     """Move the encoders the cache replaces off the accelerator (kept in host memory for sampling): the VAE with
     cached latents, every other frozen part (the text encoders, see dstune.families.base) with cached text."""
     moved = []
-    for name in built.frozen:
+    for name, module in built.frozen.items():
         cached = index.latents if name == "vae" else index.text
         if cached and built.device.type != "cpu":
-            getattr(built, name).to("cpu")
+            module.to("cpu")
             moved.append(name)
     return moved
 
@@ -268,12 +268,12 @@ def offload_frozen(built, index: CacheIndex) -> list[str]:
 def frozen_on_device(built, moved: list[str]):
     """Bring offloaded encoders back to the device for the duration (sampling), then off again."""
     for name in moved:
-        getattr(built, name).to(built.device)
+        built.frozen[name].to(built.device)
     try:
         yield
     finally:
         for name in moved:
-            getattr(built, name).to("cpu")
+            built.frozen[name].to("cpu")
         if moved and torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -62,6 +62,10 @@ class TextCache:
     tensors: tuple[str, ...]  # tensor names stored per caption: the batch keys encode_batch reads when present
     encode: Callable  # (built, captions) -> {name: Tensor[len(captions), ...]}, deterministic, frozen encoders
     settings: Optional[Callable] = None  # model spec -> text of the settings that shape the tensors (flow's length)
+    tensors_of: Optional[Callable] = None  # model folder -> tensor names, where a family's models differ (flow)
+
+    def tensor_names(self, model_folder) -> tuple[str, ...]:
+        return tuple(self.tensors_of(model_folder)) if self.tensors_of else self.tensors
 
 
 @dataclass(frozen=True)

@@ -184,3 +184,13 @@ def inputs_cast_to(module: torch.nn.Module, dtype: torch.dtype):
         yield
     finally:
         handle.remove()
+
+
+def vae_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) of the VAE posterior of images (B, 3, H, W), float32, (B, C, h, w). A video-style VAE (a
+    `temperal_downsample` config: Qwen-Image's, Wan's) encodes them as one-frame clips (B, 3, 1, H, W)."""
+    video = getattr(vae.config, "temperal_downsample", None) is not None
+    with torch.no_grad():
+        posterior = vae.encode(pixels.unsqueeze(2) if video else pixels).latent_dist
+    mean, std = posterior.mean.float(), posterior.std.float()
+    return (mean.squeeze(2), std.squeeze(2)) if video else (mean, std)

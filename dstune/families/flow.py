@@ -1,19 +1,14 @@
 """The `flow` family: flow-matching transformers (the `transformer` subfolder, FlowMatchEulerDiscreteScheduler).
 
-Two classes of pipeline folder, told apart by model_index.json and the transformer's config class:
-
-    SD3-class  SD3Transformer2DModel; CLIP x2 (CLIPTextModelWithProjection) + T5. Prompt embeds: both CLIPs'
-               penultimate hidden states side by side, zero-padded to the T5 width, then T5's along the sequence;
-               pooled: both CLIP projections side by side. 16-channel VAE with shift_factor and scaling_factor.
-    Flux-class FluxTransformer2DModel; CLIPTextModel (pooled only) + T5. Latents packed 2x2 into tokens, with
-               img_ids / txt_ids positions and a guidance embedding when the transformer has guidance_embeds.
-
-The text side is encoded by the pipeline's own `encode_prompt`, so training sees exactly what inference feeds.
-The loss is diffusers' examples/dreambooth/train_dreambooth_sd3.py / train_dreambooth_flux.py: sample u with
+One core for every model; what differs per model is a recipe (dstune.families.flow_recipe), found by the
+transformer's class in the folder: SD3-class and Flux-class (flow_sd3.py). The text side is encoded by the
+pipeline's own `encode_prompt`, so training sees exactly what inference feeds. The loss is the one of diffusers'
+examples/dreambooth/train_dreambooth_sd3.py / train_dreambooth_flux.py: sample u with
 compute_density_for_timestep_sampling (uniform, logit_normal, mode), index the scheduler's timestep and sigma
-tables with it, x_t = (1 - sigma) x0 + sigma noise, target noise - x0, weighting none / sigma_sqrt / cosmap.
-As in the sd family, every draw of a sample (VAE posterior, noise, u) comes from its own generator seeded by
-(train.seed, optimizer step, dataset index, purpose), so results do not depend on the rank count.
+tables with it, x_t = (1 - sigma) x0 + sigma noise, target noise - x0 (or x0, model.precondition_outputs),
+weighting none / sigma_sqrt / cosmap (tests/unit/test_flow_loss_parity.py). As in the sd family, every draw of a
+sample (VAE posterior, noise, u) comes from its own generator seeded by (train.seed, optimizer step, dataset index,
+purpose), so results do not depend on the rank count.
 
     build(model: FlowModel, folders, device, dtype_for_frozen) -> FlowBuilt
     encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", "encoder_hidden_states",
@@ -26,7 +21,6 @@ As in the sd family, every draw of a sample (VAE posterior, noise, u) comes from
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -35,9 +29,13 @@ import torch
 
 from dstune.families.base import Family, FamilyError, TextCache, per_sample_randn, sample_generator
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
-                                       load_trainable, non_reentrant_checkpoint, read_model_index)
+                                       load_trainable, non_reentrant_checkpoint, read_model_index, vae_posterior)
 from dstune.families.flow_matching import (flow_loss_per_sample, image_ids, loss_weights, pack_latents,
                                            timestep_density, unpack_latents)
+from dstune.families.flow_qwen import QWEN_IMAGE
+from dstune.families.flow_recipe import (FlowRecipe, load_text_side, normalised_latents, read_config,
+                                         vae_spatial_factor)
+from dstune.families.flow_sd3 import FLUX, SD3
 from dstune.families.samples import save_grid
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import FlowModel, SampleSpec
@@ -46,21 +44,12 @@ __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FA
            "cache_text_tensors", "TEXT_CACHE_FOLDERS", "TEXT_CACHE_TENSORS", "timestep_density", "loss_weights",
            "pack_latents", "unpack_latents", "image_ids", "save_lora_weights"]
 
-# kind -> (transformer class, pipeline class, {component: accepted classes}); tokenizers/scheduler checked loosely
-_KINDS = {
-    "sd3": ("SD3Transformer2DModel", "StableDiffusion3Pipeline", {
-        "text_encoder": "CLIPTextModelWithProjection", "text_encoder_2": "CLIPTextModelWithProjection",
-        "text_encoder_3": "T5EncoderModel", "tokenizer": None, "tokenizer_2": None, "tokenizer_3": None}),
-    "flux": ("FluxTransformer2DModel", "FluxPipeline", {
-        "text_encoder": "CLIPTextModel", "text_encoder_2": "T5EncoderModel", "tokenizer": None, "tokenizer_2": None}),
-}
-_DEFAULT_SEQUENCE = {"sd3": 77, "flux": 512}  # the dreambooth scripts' --max_sequence_length defaults
-_CLIP_TOKENS = 77  # SD3's CLIP part of the prompt embeds is always the CLIP tokenizers' 77 tokens
+RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE)}  # one line per model (dstune.families.flow_recipe)
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
 # Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
 TEXT_CACHE_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
-TEXT_CACHE_TENSORS = ("encoder_hidden_states", "pooled_projections")
+TEXT_CACHE_TENSORS = ("encoder_hidden_states", "pooled_projections")  # SD3 / Flux; each recipe states its own
 
 
 @dataclass
@@ -70,12 +59,10 @@ class FlowBuilt:
 
     folder: Path
     device: torch.device
-    kind: str  # "sd3" | "flux"
+    recipe: FlowRecipe
     trainable: torch.nn.Module
     vae: torch.nn.Module
-    text_encoder: torch.nn.Module  # CLIP (SD3: with projection)
-    text_encoder_2: torch.nn.Module  # SD3: the second CLIP; Flux: T5
-    text_encoder_3: Optional[torch.nn.Module]  # SD3: T5; Flux: None
+    text_encoders: dict  # component name -> frozen text encoder, as the pipeline names them
     tokenizers: dict  # component name -> tokenizer
     scheduler: object  # the folder's FlowMatchEulerDiscreteScheduler, as inference uses it
     train_timesteps: torch.Tensor  # the tables u indexes (with model.shift applied when given)
@@ -85,45 +72,32 @@ class FlowBuilt:
     transformer_config: dict
 
     @property
-    def text_encoders(self) -> dict[str, torch.nn.Module]:
-        names = ("text_encoder", "text_encoder_2", "text_encoder_3")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+    def kind(self) -> str:
+        return self.recipe.kind
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:
         return {"vae": self.vae, **self.text_encoders}
 
-    @property
-    def guidance_embeds(self) -> bool:
-        return bool(self.transformer_config.get("guidance_embeds", False))
-
 
 # ---------------------------------------------------------------------------------------------------- build
 
 
-def _config(folder: Path, name: str, file: str = "config.json") -> dict:
-    path = folder / name / file
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise FamilyError(f"{path}: cannot read it ({err})") from None
-
-
 def detect_kind(folder: Path) -> str:
-    """'sd3' or 'flux' from model_index.json and transformer/config.json; FamilyError naming what is unsupported."""
+    """The recipe's kind ('sd3', 'flux', ...) from model_index.json and transformer/config.json; FamilyError naming
+    what is unsupported or missing."""
     index = read_model_index(folder)
-    supported = ", ".join(f"{t} ({p})" for t, p, _ in _KINDS.values())
+    supported = ", ".join(f"{r.transformer_class} ({r.pipeline_class})" for r in RECIPES.values())
     if not (folder / "transformer").is_dir():
         hint = " (a UNet pipeline: use model.family sd)" if "unet" in index else ""
         raise FamilyError(f"{folder} has no transformer/ subfolder{hint}; model.family 'flow' trains {supported}.")
-    transformer_class = _config(folder, "transformer").get("_class_name")
-    kinds = [kind for kind, (cls, _, _) in _KINDS.items() if cls == transformer_class]
-    if not kinds:
+    transformer_class = read_config(folder, "transformer").get("_class_name")
+    recipes = [recipe for recipe in RECIPES.values() if recipe.transformer_class == transformer_class]
+    if not recipes:
         raise FamilyError(f"{folder / 'transformer'}: {transformer_class} is not supported by model.family 'flow'; "
                           f"supported transformers: {supported}.")
-    kind = kinds[0]
     problems = []
-    for name, expected in _KINDS[kind][2].items():
+    for name, expected in recipes[0].components.items():
         entry = index.get(name)
         listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
         if listed is None or not (folder / name).is_dir():
@@ -136,22 +110,7 @@ def detect_kind(folder: Path) -> str:
     if problems:
         raise FamilyError(f"{folder} cannot be used as a {transformer_class} pipeline:\n"
                           + "\n".join(f"  - {p}" for p in problems))
-    return kind
-
-
-def _config_mismatches(folder: Path, kind: str) -> list[str]:
-    transformer, vae = _config(folder, "transformer"), _config(folder, "vae")
-    channels = vae.get("latent_channels", 4)
-    if kind == "sd3":
-        t5, clips = _config(folder, "text_encoder_3"), [_config(folder, n) for n in ("text_encoder", "text_encoder_2")]
-        checks = [("in_channels", channels), ("joint_attention_dim", t5.get("d_model")),
-                  ("pooled_projection_dim", sum(c.get("projection_dim", 0) for c in clips))]
-    else:
-        t5, clip = _config(folder, "text_encoder_2"), _config(folder, "text_encoder")
-        checks = [("in_channels", 4 * channels), ("joint_attention_dim", t5.get("d_model")),
-                  ("pooled_projection_dim", clip.get("hidden_size"))]
-    return [f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
-            for key, want in checks if transformer.get(key) != want]
+    return recipes[0].kind
 
 
 def _train_tables(scheduler, shift) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,31 +125,16 @@ def _train_tables(scheduler, shift) -> tuple[torch.Tensor, torch.Tensor]:
     return scheduler.timesteps.clone().float(), scheduler.sigmas.clone().float()
 
 
-def _load_text_side(folder: Path, kind: str, device, dtype) -> tuple[dict, dict]:
-    from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
-
-    classes = {"CLIPTextModelWithProjection": CLIPTextModelWithProjection, "CLIPTextModel": CLIPTextModel,
-               "T5EncoderModel": T5EncoderModel}
-    encoders, tokenizers = {}, {}
-    for name, expected in _KINDS[kind][2].items():
-        if expected is None:
-            tokenizers[name] = load_component(folder, name, AutoTokenizer.from_pretrained)
-        else:
-            module = load_component(folder, name, classes[expected].from_pretrained).to(device, dtype)
-            encoders[name] = module.eval().requires_grad_(False)
-    return encoders, tokenizers
-
-
 def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
           zero3_config: Optional[dict] = None) -> FlowBuilt:
     """Load `model.pretrained`: the transformer fp32 on `device` (DeepSpeed casts it for bf16; partitioned with
     `zero3_config`, dstune.families.diffusion.load_trainable), the frozen parts
     in `dtype_for_frozen`. Never downloads; FamilyError for any folder that is not an SD3- or Flux-class pipeline."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
     folder = folders["pretrained"]
-    kind = detect_kind(folder)
-    problems = _config_mismatches(folder, kind)
+    recipe = RECIPES[detect_kind(folder)]
+    problems = recipe.config_mismatches(folder)
     if problems:
         raise FamilyError(f"{folder}: the components do not fit together:\n" + "\n".join(f"  - {p}" for p in problems))
     device = torch.device(device)
@@ -198,22 +142,22 @@ def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype
     with quiet_hf_libraries():
         import diffusers
 
-    transformer_class = getattr(diffusers, _KINDS[kind][0])
-    transformer = load_trainable(folder, "transformer", transformer_class, device, zero3_config)
+    transformer = load_trainable(folder, "transformer", getattr(diffusers, recipe.transformer_class), device,
+                                 zero3_config)
     if model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     transformer.to(device).train().requires_grad_(True)
-    vae = load_component(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
+    vae = load_component(folder, "vae", getattr(diffusers, recipe.vae_class).from_pretrained,
+                         torch_dtype=dtype_for_frozen).to(device)
     vae.eval().requires_grad_(False)
-    encoders, tokenizers = _load_text_side(folder, kind, device, dtype_for_frozen)
-    t5_tokenizer = tokenizers["tokenizer_3" if kind == "sd3" else "tokenizer_2"]
-    max_length = model.max_sequence_length or min(_DEFAULT_SEQUENCE[kind], t5_tokenizer.model_max_length)
+    encoders, tokenizers = load_text_side(folder, recipe, device, dtype_for_frozen)
+    longest = list(tokenizers.values())[-1].model_max_length  # the long-text tokenizer (T5, an LLM's) is listed last
+    max_length = model.max_sequence_length or min(recipe.default_max_sequence_length, longest)
     timesteps, sigmas = _train_tables(scheduler, model.shift)
-    return FlowBuilt(folder=folder, device=device, kind=kind, trainable=transformer, vae=vae,
-                     text_encoder=encoders["text_encoder"], text_encoder_2=encoders["text_encoder_2"],
-                     text_encoder_3=encoders.get("text_encoder_3"), tokenizers=tokenizers, scheduler=scheduler,
-                     train_timesteps=timesteps, train_sigmas=sigmas, settings=model,
-                     max_sequence_length=int(max_length), transformer_config=dict(transformer.config))
+    return FlowBuilt(folder=folder, device=device, recipe=recipe, trainable=transformer, vae=vae,
+                     text_encoders=encoders, tokenizers=tokenizers, scheduler=scheduler, train_timesteps=timesteps,
+                     train_sigmas=sigmas, settings=model, max_sequence_length=int(max_length),
+                     transformer_config=dict(transformer.config))
 
 
 def _pipeline(built: FlowBuilt, transformer=None, vae=None, scheduler=None):
@@ -222,7 +166,7 @@ def _pipeline(built: FlowBuilt, transformer=None, vae=None, scheduler=None):
     with quiet_hf_libraries():
         import diffusers
 
-        cls = getattr(diffusers, _KINDS[built.kind][1])
+        cls = getattr(diffusers, built.recipe.pipeline_class)
         pipeline = cls(transformer=transformer, vae=vae, scheduler=scheduler or built.scheduler,
                        **built.text_encoders, **built.tokenizers)
     pipeline.set_progress_bar_config(disable=True)
@@ -232,23 +176,14 @@ def _pipeline(built: FlowBuilt, transformer=None, vae=None, scheduler=None):
 # --------------------------------------------------------------------------------------------- train step
 
 
-def encode_captions(built: FlowBuilt, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt embeds (B, T, D), pooled (B, P)) for `captions`, from the pipeline's own encode_prompt."""
-    pipeline = _pipeline(built)
-    with torch.no_grad(), quiet_hf_libraries():
-        if built.kind == "sd3":
-            embeds, _, pooled, _ = pipeline.encode_prompt(
-                captions, captions, captions, device=built.device, do_classifier_free_guidance=False,
-                max_sequence_length=built.max_sequence_length)
-        else:
-            embeds, pooled, _ = pipeline.encode_prompt(captions, captions, device=built.device,
-                                                       max_sequence_length=built.max_sequence_length)
-    return embeds, pooled
+def encode_captions(built: FlowBuilt, captions: list[str]) -> dict[str, torch.Tensor]:
+    """The recipe's text tensors for `captions` (prompt embeds (B, T, D) and the rest), from the pipeline's own
+    encode_prompt."""
+    return built.recipe.encode_captions(_pipeline(built), built, captions)
 
 
 def cache_text_tensors(built: FlowBuilt, captions: list[str]) -> dict[str, torch.Tensor]:
-    embeds, pooled = encode_captions(built, captions)
-    return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+    return encode_captions(built, captions)
 
 
 def text_cache_settings(model: FlowModel) -> str:
@@ -259,7 +194,7 @@ def text_cache_settings(model: FlowModel) -> str:
 def _check_cached_sequence(built: FlowBuilt, tokens: int) -> None:
     """A second guard behind text_cache_settings (which puts max_sequence_length in the key): embeddings of the
     wrong length never reach the transformer, whatever wrote them."""
-    expected = built.max_sequence_length + (_CLIP_TOKENS if built.kind == "sd3" else 0)
+    expected = built.recipe.text_tokens(built)
     if tokens != expected:
         raise ValueError(f"the cached text embeddings have {tokens} tokens, but model.max_sequence_length "
                          f"{built.max_sequence_length} gives {expected}: they were cached with another "
@@ -267,44 +202,27 @@ def _check_cached_sequence(built: FlowBuilt, tokens: int) -> None:
 
 
 def encode_batch(built: FlowBuilt, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
-    """The frozen encoders' view of a collated batch: the VAE posterior (mean, std; float32, unscaled), the prompt
-    and pooled embeddings (in `dtype`) and the dataset indices. No random draws. Cached tensors are used as stored."""
+    """The frozen encoders' view of a collated batch: the VAE posterior (mean, std; float32, unscaled), the recipe's
+    text tensors (floating ones in `dtype`) and the dataset indices. No random draws. Cached tensors are used as
+    stored."""
+    recipe = built.recipe
     indices = torch.as_tensor(batch_field(batch, "indices", "index"), dtype=torch.long)
     if "latent_mean" in batch:
         mean, std = batch["latent_mean"].to(built.device).float(), batch["latent_std"].to(built.device).float()
     else:
-        pixels = batch_field(batch, "pixel_values").to(built.device, built.vae.dtype)
-        with torch.no_grad():
-            posterior = built.vae.encode(pixels).latent_dist
-        mean, std = posterior.mean.float(), posterior.std.float()
-    if built.kind == "flux" and (mean.shape[-1] % 2 or mean.shape[-2] % 2):
-        factor = 2 ** (len(built.vae.config.block_out_channels) - 1)
-        raise ValueError(f"Flux packs 2x2 latents, so image sides must be multiples of {2 * factor} px; got "
+        mean, std = vae_posterior(built.vae, batch_field(batch, "pixel_values").to(built.device, built.vae.dtype))
+    if mean.shape[-1] % recipe.packed_sides or mean.shape[-2] % recipe.packed_sides:
+        factor = vae_spatial_factor(built.vae.config)
+        raise ValueError(f"{recipe.transformer_class} packs {recipe.packed_sides}x{recipe.packed_sides} latents, so "
+                         f"image sides must be multiples of {recipe.packed_sides * factor} px; got "
                          f"{mean.shape[-1] * factor}x{mean.shape[-2] * factor}. Change data.resolution (or buckets).")
-    if "encoder_hidden_states" in batch:
-        embeds, pooled = batch["encoder_hidden_states"].to(built.device), batch["pooled_projections"].to(built.device)
-        _check_cached_sequence(built, embeds.shape[1])
+    if all(name in batch for name in recipe.text_tensors):
+        text = {name: batch[name].to(built.device) for name in recipe.text_tensors}
+        _check_cached_sequence(built, text["encoder_hidden_states"].shape[1])
     else:
-        embeds, pooled = encode_captions(built, list(batch_field(batch, "captions", "caption")))
-    return {"latent_mean": mean, "latent_std": std, "encoder_hidden_states": embeds.to(dtype),
-            "pooled_projections": pooled.to(dtype), "indices": indices}
-
-
-def _predict(built: FlowBuilt, forward: Callable, noisy, timesteps, encoded: dict, dtype) -> torch.Tensor:
-    embeds = encoded["encoder_hidden_states"].to(dtype)
-    pooled = encoded["pooled_projections"].to(dtype)
-    if built.kind == "sd3":
-        return forward(hidden_states=noisy.to(dtype), timestep=timesteps, encoder_hidden_states=embeds,
-                       pooled_projections=pooled, return_dict=False)[0]
-    batch, _, height, width = noisy.shape
-    guidance = None
-    if built.guidance_embeds:
-        guidance = torch.full((batch,), float(built.settings.guidance), device=noisy.device, dtype=dtype)
-    prediction = forward(hidden_states=pack_latents(noisy).to(dtype), timestep=(timesteps / 1000).to(dtype),
-                         guidance=guidance, pooled_projections=pooled, encoder_hidden_states=embeds,
-                         txt_ids=torch.zeros(embeds.shape[1], 3, device=noisy.device, dtype=dtype),
-                         img_ids=image_ids(height, width, dtype, noisy.device), return_dict=False)[0]
-    return unpack_latents(prediction, height, width)
+        text = encode_captions(built, list(batch_field(batch, "captions", "caption")))
+    text = {name: value.to(dtype) if value.is_floating_point() else value for name, value in text.items()}
+    return {"latent_mean": mean, "latent_std": std, **text, "indices": indices}
 
 
 def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
@@ -313,9 +231,7 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     mean, std = encoded["latent_mean"], encoded["latent_std"]
     indices, shape, device = encoded["indices"].tolist(), tuple(mean.shape[1:]), mean.device
     draw = lambda purpose: per_sample_randn(shape, seed, step, indices, purpose).to(device)  # noqa: E731
-    vae_config = built.vae.config
-    latents = mean + std * draw("vae_posterior")
-    latents = (latents - (getattr(vae_config, "shift_factor", None) or 0.0)) * vae_config.scaling_factor
+    latents = normalised_latents(built.vae.config, mean + std * draw("vae_posterior"))
     noise = draw("noise")
     positions = (timestep_density(built.settings, seed, step, indices) * len(built.train_sigmas)).long()
     positions = positions.clamp(0, len(built.train_sigmas) - 1)  # u == 1.0 (a float32 sigmoid can round up)
@@ -323,7 +239,9 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     sigmas = built.train_sigmas[positions].to(device).view(-1, 1, 1, 1)
     noisy = (1.0 - sigmas) * latents + sigmas * noise
     param_dtype = next(built.trainable.parameters()).dtype
-    prediction = _predict(built, trainable_forward, noisy, timesteps, encoded, param_dtype)
+    text = {name: encoded[name].to(param_dtype) if encoded[name].is_floating_point() else encoded[name]
+            for name in built.recipe.text_tensors}
+    prediction = built.recipe.predict(built, trainable_forward, noisy, timesteps, text, param_dtype)
     weights = loss_weights(built.settings.loss_weighting, sigmas)
     return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights,
                                 built.settings.precondition_outputs).mean()
@@ -341,7 +259,7 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
 
     if not prompts:
         return []
-    factor = 2 ** (len(built.vae.config.block_out_channels) - 1) * 2  # the pipelines need sides of this multiple
+    factor = vae_spatial_factor(built.vae.config) * 2  # the pipelines need sides of this multiple
     side = max(factor, resolution // factor * factor)
     pipeline = _pipeline(built, transformer_module, built.vae,
                          FlowMatchEulerDiscreteScheduler.from_config(built.scheduler.config))
@@ -350,7 +268,9 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
     transformer_module.eval()
     try:
         with inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype), quiet_hf_libraries():
-            result = pipeline(prompt=list(prompts), height=side, width=side, guidance_scale=sample_spec.guidance,
+            guidance = (built.recipe.sample_options(built, sample_spec, prompts) if built.recipe.sample_options
+                        else {"guidance_scale": sample_spec.guidance})
+            result = pipeline(prompt=list(prompts), height=side, width=side, **guidance,
                               num_inference_steps=sample_spec.steps, generator=generators, output_type="pil",
                               max_sequence_length=built.max_sequence_length)
     finally:
@@ -365,7 +285,7 @@ def _fresh_transformer(built: FlowBuilt, state_dict: dict):
     with quiet_hf_libraries():
         import diffusers
 
-    transformer = getattr(diffusers, _KINDS[built.kind][0]).from_config(built.transformer_config)
+    transformer = getattr(diffusers, built.recipe.transformer_class).from_config(built.transformer_config)
     expected, given = set(transformer.state_dict()), set(state_dict)
     missing, unexpected = sorted(expected - given), sorted(given - expected)
     if missing or unexpected:
@@ -388,7 +308,7 @@ def save_lora_weights(built: FlowBuilt, lora_layers: dict, adapter_metadata: dic
     with quiet_hf_libraries():
         import diffusers
 
-        getattr(diffusers, _KINDS[built.kind][1]).save_lora_weights(
+        getattr(diffusers, built.recipe.pipeline_class).save_lora_weights(
             folder, transformer_lora_layers=lora_layers, transformer_lora_adapter_metadata=adapter_metadata,
             safe_serialization=True)
 
@@ -396,5 +316,6 @@ def save_lora_weights(built: FlowBuilt, lora_layers: dict, adapter_metadata: dic
 FAMILY = Family(
     name="flow", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
-    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors, text_cache_settings),
+    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors, text_cache_settings,
+                         tensors_of=lambda folder: RECIPES[detect_kind(Path(folder))].text_tensors),
     builds_partitioned=True)
