@@ -43,6 +43,7 @@ class ModelCounts:
     default_lora_params: int = 0  # adapters of rank 16 on the default targets (the "LoRA" suggestion)
     cache_bytes: int = 0  # the encoder cache on disk for the whole dataset
     origin: str = ""
+    builds_partitioned: bool = False  # under ZeRO-3 each rank reads only its share of the module (deepspeed.zero.Init)
 
     @property
     def frozen_base_params(self) -> int:
@@ -186,11 +187,11 @@ def deepspeed_buffers(counts: ModelCounts, setup: Setup) -> float:
 
 
 def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
-    """(host bytes per rank, NVMe bytes per node). A rank's host peak is the larger of loading (every weight read
-    in fp32 before it is cast and moved) and training (offloaded states and parameters, cache-replaced encoders,
+    """(host bytes per rank, NVMe bytes per node). A rank's host peak is the larger of loading (the module read in
+    fp32 before it is cast and moved, the frozen parts in the run's precision) and training (offloaded states and parameters, cache-replaced encoders,
     offload's pinned buffers)."""
     trainable, ranks, w = counts.trainable_params, setup.world_size, setup.weight_bytes
-    loading = 4.0 * (counts.module_params + sum(counts.companions.values()))
+    loading = module_loading_bytes(counts, setup) + w * sum(counts.companions.values())  # frozen parts: w bytes
     offloaded_states = (4.0 + optimizer_state_bytes(setup)) * trainable / ranks  # fp32 gradients + states
     offloaded_params = w * trainable / ranks + frozen_base_bytes(counts, setup) / ranks
     training = w * sum(counts.companions.get(name, 0) for name in counts.cached_companions)
@@ -204,6 +205,14 @@ def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
     elif setup.offload_param == "nvme":
         nvme += offloaded_params
     return max(loading, training), nvme * setup.ranks_per_node
+
+
+def module_loading_bytes(counts: ModelCounts, setup: Setup) -> float:
+    """Host bytes a rank holds while it loads the module DeepSpeed wraps (read in fp32): all of it, or under a
+    ZeRO-3 partitioned build its share plus the largest tensor in flight (a quantized base is loaded whole)."""
+    if counts.builds_partitioned and setup.zero_stage == 3 and setup.base_bytes_per_param is None:
+        return 4.0 * (counts.module_params / setup.world_size + counts.largest_layer_params)
+    return 4.0 * counts.module_params
 
 
 def frozen_base_bytes(counts: ModelCounts, setup: Setup) -> float:

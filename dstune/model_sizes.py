@@ -216,7 +216,8 @@ def _count_denoiser(spec, num_samples: int) -> ModelCounts:
     else:
         full, checkpointed = flow_sample_bytes(config, resolution, _text_tokens(spec, index))
     return ModelCounts(module, params, lora or params, largest, companions, cached, int(full), int(checkpointed),
-                       default_lora, _image_cache_bytes(spec, folder, companions, num_samples), origin)
+                       default_lora, _image_cache_bytes(spec, folder, companions, num_samples), origin,
+                       builds_partitioned=True)  # sd, sdxl and flow build the denoiser partitioned under ZeRO-3
 
 
 def _text_tokens(spec, index: dict) -> int:
