@@ -229,20 +229,29 @@ def _text_tokens(spec, index: dict) -> int:
 
 
 def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int) -> int:
-    """Latents (VAE dtype, 2 bytes under mixed precision) and text embeddings per sample, times the samples."""
+    """The encoder cache on disk: per sample the VAE posterior's mean and std (float32, one latent each) and each
+    text encoder's embeddings (the frozen parts' dtype: 2 bytes under mixed precision), times the samples."""
     cache, width = spec.data.cache, 2 if spec.train.precision in ("bf16", "fp16") else 4
     per_sample = 0
     if cache.latents and "vae" in companions:
-        channels = _read_json(folder / "vae" / "config.json").get("latent_channels", 4)
-        per_sample += channels * (spec.data.resolution // 8) ** 2 * width
-    if cache.text_embeddings:
+        vae = _read_json(folder / "vae" / "config.json")
+        channels = vae.get("latent_channels") or vae.get("z_dim", 4)
+        per_sample += 2 * channels * (spec.data.resolution // _vae_factor(vae)) ** 2 * 4
+    if cache.text_embeddings and (folder / "transformer" / "config.json").exists():  # flow: what the transformer reads
+        transformer = _read_json(folder / "transformer" / "config.json")
+        tokens = _text_tokens(spec, _read_json(folder / "model_index.json"))
+        per_sample += (tokens * transformer["joint_attention_dim"] + transformer.get("pooled_projection_dim", 0)) * width
+    elif cache.text_embeddings:  # sd, sdxl: each CLIP's 77 hidden states
         for part in companions:
             if part.startswith("text_encoder"):
-                config = _read_json(folder / part / "config.json")
-                hidden = config.get("hidden_size") or config.get("d_model", 0)
-                tokens = spec.model.max_sequence_length or 77 if "t5" in config.get("model_type", "") else 77
-                per_sample += tokens * hidden * width
+                per_sample += 77 * _read_json(folder / part / "config.json").get("hidden_size", 0) * width
     return per_sample * num_samples
+
+
+def _vae_factor(vae_config: dict) -> int:
+    if "temperal_downsample" in vae_config:  # a video-style VAE (Qwen-Image's): one spatial halving per stage
+        return 2 ** len(vae_config["temperal_downsample"])
+    return 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1)
 
 
 def _codec_reference(spec, folder: Path) -> Optional[str]:

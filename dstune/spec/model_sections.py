@@ -226,14 +226,16 @@ class SdxlModel(DenoiserModelBase):
 
 class FlowModel(DenoiserModelBase):
     family: Literal["flow"] = Field(
-        description="Model family. `flow`: flow-matching transformers, SD3-class (SD3Transformer2DModel, CLIP x2 + T5) "
-        "or Flux-class (FluxTransformer2DModel, CLIP + T5), told apart by the pipeline folder."
+        description="Model family. `flow`: flow-matching transformers, SD3-class (SD3Transformer2DModel, CLIP x2 + T5), "
+        "Flux-class (FluxTransformer2DModel, CLIP + T5) or Qwen-Image (QwenImageTransformer2DModel, Qwen2.5-VL), "
+        "told apart by the pipeline folder."
     )
     pretrained: str = Field(
         "builtin:tiny-flow",
-        description="A diffusers StableDiffusion3Pipeline or FluxPipeline folder (model_index.json + transformer/vae/"
-        "text encoders/tokenizers/scheduler), a hub id already in the local Hugging Face cache, or `builtin:tiny-flow` "
-        "(tiny SD3-class) / `builtin:tiny-flux` (tiny Flux-class), built offline.",
+        description="A diffusers StableDiffusion3Pipeline, FluxPipeline or QwenImagePipeline folder (model_index.json + "
+        "transformer/vae/text encoders/tokenizers/scheduler), a hub id already in the local Hugging Face cache, or "
+        "`builtin:tiny-flow` (tiny SD3-class) / `builtin:tiny-flux` (tiny Flux-class) / `builtin:tiny-qwen-image`, "
+        "built offline.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
@@ -270,8 +272,8 @@ class FlowModel(DenoiserModelBase):
         3.5, ge=0, description="Flux-class transformers with guidance_embeds: the guidance value fed while training."
     )
     max_sequence_length: Optional[int] = Field(
-        None, gt=0, description="T5 tokens per caption. Omitted: 77 (SD3-class) / 512 (Flux-class), at most the "
-        "T5 tokenizer's model_max_length.",
+        None, gt=0, description="Text tokens per caption (T5's; Qwen-Image: the Qwen2.5-VL prompt's). Omitted: 77 "
+        "(SD3-class) / 512 (Flux-class, Qwen-Image), at most the tokenizer's model_max_length.",
     )
 
     @model_validator(mode="after")

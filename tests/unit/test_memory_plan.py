@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from dstune.cli import main
 from dstune.memory_plan import (BASE_PRECISION_BYTES, ModelCounts, Setup, estimate, memory_json, model_states,
@@ -245,3 +246,29 @@ def test_zero3_partitioned_build_reads_a_share_per_rank(capsys):
     assert memory["host_per_node_bytes"] == pytest.approx(8 * share, rel=1e-6)
     whole = 8 * 4 * (counts["module_params"] + frozen)
     assert memory["host_per_node_bytes"] < whole / 3
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen-image", "tiny-flux", "tiny-flow"])
+def test_cache_on_disk_is_what_the_cache_stores_per_sample(model):
+    """validate's "cache on disk" for one 32 px sample under fp32 equals the bytes of the tensors the cache writes:
+    the posterior's mean and std and the recipe's text tensors (a mask excepted: it is small). The tiny T5
+    tokenizers stop at 32 tokens, which the stored configs do not say, so the length is set within it."""
+    from dstune.families import flow
+    from dstune.families.diffusion import vae_posterior
+    from dstune.model_sizes import count_model
+    from dstune.pretrained import build_model
+    from dstune.spec.models import Spec
+
+    model_section = {"family": "flow", "pretrained": f"builtin:{model}", "max_sequence_length": 32}
+    spec = Spec.model_validate({"model": model_section,
+                                "data": {"path": "builtin:shapes", "resolution": 32,
+                                         "cache": {"latents": True, "text_embeddings": True}},
+                                "train": {"global_batch_size": 1, "max_steps": 1, "precision": "fp32",
+                                          "optimizer": {"type": "adamw", "lr": 1e-4}}})
+    cache_dir = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+    built = build_model(spec.model, cache_dir, "cpu")
+    mean, std = vae_posterior(built.vae, torch.zeros(1, 3, 32, 32))
+    text = flow.cache_text_tensors(built, ["a red circle"])
+    stored = 4 * (mean.numel() + std.numel()) + sum(t.numel() * t.element_size() for name, t in text.items()
+                                                     if t.is_floating_point())
+    assert count_model(spec, 1).cache_bytes == stored
