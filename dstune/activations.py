@@ -66,10 +66,15 @@ def unet_sample_bytes(config: dict, resolution: int) -> tuple[float, float]:
 
 
 def flow_sample_bytes(config: dict, resolution: int, text_tokens: int) -> tuple[float, float]:
-    """An SD3- or Flux-class transformer: image tokens are 2x2 latent patches (16 px), text tokens join them."""
+    """A flow transformer (SD3, Flux, Qwen-Image, Z-Image): image tokens are 2x2 latent patches (16 px), text tokens
+    join them."""
+    tokens = (resolution / 16) ** 2 + text_tokens
+    if "dim" in config:  # Z-Image: single stream, SwiGLU feed-forward (8/3 wide), refiner layers before it
+        hidden = config["dim"]
+        return transformer_stack(tokens, hidden, int(hidden * 8 / 3), True,
+                                 config["n_layers"] + config.get("n_refiner_layers", 0))
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
     layers = config.get("num_layers", 0) + config.get("num_single_layers", 0)
-    tokens = (resolution / 16) ** 2 + text_tokens
     return transformer_stack(tokens, hidden, 4 * hidden, False, layers)
 
 

@@ -29,7 +29,8 @@ STORE = Path(__file__).resolve().parent / "model_configs"
 # checks these agree, without this module importing the builders of layer 3)
 BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-flow": "tiny-flow-v1",
                    "tiny-flux": "tiny-flux-v1", "tiny-tts-lm": "tiny-tts-lm-v3", "tiny-speecht5": "tiny-speecht5-v1",
-                   "tiny-orpheus": "tiny-orpheus-v2", "tiny-qwen-image": "tiny-qwen-image-v1"}
+                   "tiny-orpheus": "tiny-orpheus-v2", "tiny-qwen-image": "tiny-qwen-image-v1",
+                   "tiny-z-image": "tiny-z-image-v1"}
 DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer"}
 FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -240,7 +241,8 @@ def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int) -
     if cache.text_embeddings and (folder / "transformer" / "config.json").exists():  # flow: what the transformer reads
         transformer = _read_json(folder / "transformer" / "config.json")
         tokens = _text_tokens(spec, _read_json(folder / "model_index.json"))
-        per_sample += (tokens * transformer["joint_attention_dim"] + transformer.get("pooled_projection_dim", 0)) * width
+        text_width = transformer.get("joint_attention_dim") or transformer.get("cap_feat_dim", 0)  # Z-Image's name
+        per_sample += (tokens * text_width + transformer.get("pooled_projection_dim", 0)) * width
     elif cache.text_embeddings:  # sd, sdxl: each CLIP's 77 hidden states
         for part in companions:
             if part.startswith("text_encoder"):

@@ -326,9 +326,11 @@ def plan_memory(spec: Spec, plan: Plan, ds_config: dict, gpu_memory_bytes: Optio
     Without the model's config files every figure is null and `unknown` says why."""
     try:
         counts = count_model(spec, plan.num_samples)
-    except SizesUnknown as err:
+    except (SizesUnknown, KeyError) as err:  # KeyError: a config layout the activation estimates do not know
+        why = str(err) if isinstance(err, SizesUnknown) else \
+            f"the memory plan does not know this model's config layout (no {err} in its config)"
         return {"per_gpu": None, "host_per_node_bytes": None, "gpu_memory_bytes": gpu_memory_bytes, "fits": None,
-                "suggestions": [], "unknown": str(err)}
+                "suggestions": [], "unknown": why}
     # model.base_precision (the quantized frozen base) sets the frozen base's bytes per parameter where it exists
     setup = Setup.of(spec, plan, ds_config, getattr(spec.model, "base_precision", None), accelerator)
     return memory_json(counts, setup, gpu_memory_bytes)

@@ -76,7 +76,7 @@ def _trained_vae_state() -> tuple[dict, dict]:
     return {k: v.clone() for k, v in vae.state_dict().items()}, facts
 
 
-def _trained_vae():
+def trained_flow_vae():
     from diffusers import AutoencoderKL
 
     state, facts = _trained_vae_state()
@@ -101,7 +101,7 @@ def build_tiny_flow(out: Path, needs: dict) -> dict:
 
     with quiet_hf_libraries():
         from diffusers import StableDiffusion3Pipeline
-    vae, facts = _trained_vae()
+    vae, facts = trained_flow_vae()
     with deterministic_cpu(_SEED + 1, BUILD_THREADS):
         text_encoder = CLIPTextModelWithProjection(tiny_clip_config())
         text_encoder_2 = CLIPTextModelWithProjection(tiny_clip_config())
@@ -122,7 +122,7 @@ def build_tiny_flux(out: Path, needs: dict) -> dict:
 
     with quiet_hf_libraries():
         from diffusers import FluxPipeline
-    vae, facts = _trained_vae()
+    vae, facts = trained_flow_vae()
     with deterministic_cpu(_SEED + 2, BUILD_THREADS):
         text_encoder = CLIPTextModel(tiny_clip_config())
         text_encoder_2 = tiny_t5_encoder(d_model=32)

@@ -36,6 +36,7 @@ from dstune.families.flow_qwen import QWEN_IMAGE
 from dstune.families.flow_recipe import (FlowRecipe, load_text_side, normalised_latents, read_config,
                                          vae_spatial_factor)
 from dstune.families.flow_sd3 import FLUX, SD3
+from dstune.families.flow_zimage import ZIMAGE
 from dstune.families.samples import save_grid
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import FlowModel, SampleSpec
@@ -44,7 +45,8 @@ __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FA
            "cache_text_tensors", "TEXT_CACHE_FOLDERS", "TEXT_CACHE_TENSORS", "timestep_density", "loss_weights",
            "pack_latents", "unpack_latents", "image_ids", "save_lora_weights"]
 
-RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE)}  # one line per model (dstune.families.flow_recipe)
+# kind -> recipe, one line per model (dstune.families.flow_recipe); detect_kind finds a folder's by its transformer
+RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, ZIMAGE)}
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
 # Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
@@ -231,7 +233,8 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     mean, std = encoded["latent_mean"], encoded["latent_std"]
     indices, shape, device = encoded["indices"].tolist(), tuple(mean.shape[1:]), mean.device
     draw = lambda purpose: per_sample_randn(shape, seed, step, indices, purpose).to(device)  # noqa: E731
-    latents = normalised_latents(built.vae.config, mean + std * draw("vae_posterior"))
+    sample = mean if built.recipe.posterior_mode else mean + std * draw("vae_posterior")
+    latents = normalised_latents(built.vae.config, sample)
     noise = draw("noise")
     positions = (timestep_density(built.settings, seed, step, indices) * len(built.train_sigmas)).long()
     positions = positions.clamp(0, len(built.train_sigmas) - 1)  # u == 1.0 (a float32 sigmoid can round up)
@@ -304,7 +307,7 @@ def export(built: FlowBuilt, transformer_state_dict: dict, out_dir, pretrained_f
 
 
 def save_lora_weights(built: FlowBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:
-    """The transformer's LoRA as StableDiffusion3Pipeline / FluxPipeline write it (dstune.families.lora builds the layers)."""
+    """The transformer's LoRA as the recipe's pipeline class writes it (dstune.families.lora builds the layers)."""
     with quiet_hf_libraries():
         import diffusers
 

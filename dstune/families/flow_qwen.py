@@ -47,7 +47,8 @@ def _captions(pipeline, built, captions: list[str]) -> dict:
 
 def _predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tensor:
     batch, _, height, width = noisy.shape
-    prediction = forward(hidden_states=pack_latents(noisy).to(dtype), encoder_hidden_states=text["encoder_hidden_states"],
+    prediction = forward(hidden_states=pack_latents(noisy).to(dtype),
+                         encoder_hidden_states=text["encoder_hidden_states"],
                          encoder_hidden_states_mask=text["encoder_attention_mask"],
                          timestep=(timesteps / 1000).to(dtype), img_shapes=[(1, height // 2, width // 2)] * batch,
                          return_dict=False)[0]

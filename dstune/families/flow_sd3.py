@@ -25,7 +25,8 @@ TEXT_TENSORS = ("encoder_hidden_states", "pooled_projections")
 
 def _sd3_mismatches(folder: Path) -> list[str]:
     transformer, vae = read_config(folder, "transformer"), read_config(folder, "vae")
-    t5, clips = read_config(folder, "text_encoder_3"), [read_config(folder, n) for n in ("text_encoder", "text_encoder_2")]
+    t5 = read_config(folder, "text_encoder_3")
+    clips = [read_config(folder, name) for name in ("text_encoder", "text_encoder_2")]
     checks = [("in_channels", vae.get("latent_channels", 4)), ("joint_attention_dim", t5.get("d_model")),
               ("pooled_projection_dim", sum(c.get("projection_dim", 0) for c in clips))]
     return [f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
@@ -57,8 +58,9 @@ def _flux_captions(pipeline, built, captions: list[str]) -> dict:
 
 
 def _sd3_predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tensor:
-    return forward(hidden_states=noisy.to(dtype), timestep=timesteps, encoder_hidden_states=text["encoder_hidden_states"],
-                   pooled_projections=text["pooled_projections"], return_dict=False)[0]
+    return forward(hidden_states=noisy.to(dtype), timestep=timesteps,
+                   encoder_hidden_states=text["encoder_hidden_states"], pooled_projections=text["pooled_projections"],
+                   return_dict=False)[0]
 
 
 def _flux_predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tensor:

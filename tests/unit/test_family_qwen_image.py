@@ -88,8 +88,9 @@ def _script_loss(built, encoded: dict, captions: list[str], flags: dict, u: torc
     packed = QwenImagePipeline._pack_latents(noisy.permute(0, 2, 1, 3, 4), batch, channels, height, width)
     embeds, mask = _script_text(built, captions)
     with torch.no_grad():
-        model_pred = built.trainable(hidden_states=packed, encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
-                                     timestep=timesteps / 1000, img_shapes=[(1, height // 2, width // 2)] * batch,
+        model_pred = built.trainable(hidden_states=packed, encoder_hidden_states=embeds,
+                                     encoder_hidden_states_mask=mask, timestep=timesteps / 1000,
+                                     img_shapes=[(1, height // 2, width // 2)] * batch,
                                      return_dict=False)[0]
     model_pred = QwenImagePipeline._unpack_latents(model_pred, height * 2, width * 2, 2)
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)

@@ -1,0 +1,89 @@
+"""What the 2-rank runs of the flow family's newer recipes share (tests/dist/test_flow_qwen.py,
+test_flow_zimage.py): the spec, and the checks a full run, a LoRA run and a resume get."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness import CACHE_DIR, base_spec, explain, launch, metrics
+
+STEPS = 4
+TRANSFORMER = Path("transformer") / "diffusion_pytorch_model.safetensors"
+
+
+def flow_spec(run_dir: Path, model: str, stage: int, train: str) -> dict:
+    """A full run reads cached latents and text and renders samples; a LoRA run checkpoints its activations."""
+    lora = train == "lora"
+    return base_spec(
+        run_dir,
+        model={"family": "flow", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora,
+               "timestep_sampling": "uniform"},
+        data={"cache": {"latents": not lora, "text_embeddings": not lora, "dir": str(run_dir.parent / "cache")}},
+        train={"global_batch_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": None, "max_steps": STEPS,
+               "optimizer": {"type": "adamw", "lr": 1e-3 if lora else 2e-4}},
+        deepspeed={"zero_stage": stage},
+        output={"save_every_steps": 2, "keep_last": 5, "export": "diffusers"},
+        sample={"prompts": [] if lora else ["a red circle"], "steps": 2, "guidance": 1.0},
+    )
+
+
+def base_folder(model: str) -> Path:
+    return next(CACHE_DIR.glob(f"builtin/{model}-v*/"))
+
+
+def check_trains(run_dir: Path, proc) -> None:
+    assert proc.returncode == 0, explain(proc)
+    assert "batch check passed" in proc.stdout and "rank 1" in proc.stdout
+    logged = metrics(run_dir)
+    assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged)
+    assert "use_reentrant" not in proc.stdout + proc.stderr
+
+
+def check_full_export(run_dir: Path, proc, model: str, pipeline_class, render) -> None:
+    """Caches built before step 1, the trained transformer exported in a folder `pipeline_class` loads and renders
+    with (`render(pipeline)` -> image tensor), samples written."""
+    assert proc.returncode == 0, explain(proc)
+    assert "entries, built now" in proc.stdout
+    export = run_dir / "export" / f"step-{STEPS:08d}"
+    trained, start = load_file(export / TRANSFORMER), load_file(base_folder(model) / TRANSFORMER)
+    assert set(trained) == set(start) and any(not torch.equal(trained[k], start[k]) for k in start)
+    image = render(pipeline_class.from_pretrained(export))
+    assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
+    assert (run_dir / "samples" / f"step-{STEPS:06d}.png").is_file()
+
+
+def check_lora_export(run_dir: Path, proc, model: str, pipeline_class, render) -> None:
+    """Only adapters trained (B moved off zero); the LoRA file loads with load_lora_weights and changes the image."""
+    assert proc.returncode == 0, explain(proc)
+    export = run_dir / "export" / f"step-{STEPS:08d}"
+    adapters = load_file(export / "pytorch_lora_weights.safetensors")
+    assert adapters and all(k.startswith("transformer.") and (".lora_A." in k or ".lora_B." in k) for k in adapters)
+    assert max(t.abs().max().item() for k, t in adapters.items() if ".lora_B." in k) > 0
+    pipeline = pipeline_class.from_pretrained(base_folder(model))
+    before = render(pipeline)
+    pipeline.load_lora_weights(export)
+    assert not torch.allclose(render(pipeline), before)
+
+
+def check_resume(run_dir: Path, spec_path: Path, proc, resumed: Path, compared: Path) -> None:
+    """Resumed from step 2 into `resumed`: steps 3-4 have the same losses, and the export's `compared` file (the
+    transformer, or the LoRA file) the same tensors, as the uninterrupted run."""
+    assert proc.returncode == 0, explain(proc)
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
+    (resumed / "checkpoints" / "latest").write_text("step-00000002")
+    again = launch(spec_path, num_ranks=2, args=("--resume", "latest", "--set", f"output.dir={resumed}"))
+    assert again.returncode == 0, explain(again)
+    first, second = metrics(run_dir), metrics(resumed)
+    assert [m["step"] for m in second] == [3, 4]
+    for before, after in zip(first[2:], second):
+        assert after["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=1e-7)
+    a = load_file(run_dir / "export" / f"step-{STEPS:08d}" / compared)
+    b = load_file(resumed / "export" / f"step-{STEPS:08d}" / compared)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
