@@ -32,6 +32,7 @@ from dstune.families.diffusion import (batch_field, export_pipeline_folder, inpu
                                        load_trainable, non_reentrant_checkpoint, read_model_index, vae_posterior)
 from dstune.families.flow_matching import (flow_loss_per_sample, image_ids, loss_weights, pack_latents,
                                            timestep_density, unpack_latents)
+from dstune.families.flow_flux2 import FLUX2_KLEIN
 from dstune.families.flow_qwen import QWEN_IMAGE
 from dstune.families.flow_recipe import (FlowRecipe, load_text_side, normalised_latents, read_config,
                                          vae_spatial_factor)
@@ -46,7 +47,7 @@ __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FA
            "pack_latents", "unpack_latents", "image_ids", "save_lora_weights"]
 
 # kind -> recipe, one line per model (dstune.families.flow_recipe); detect_kind finds a folder's by its transformer
-RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, ZIMAGE)}
+RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, ZIMAGE, FLUX2_KLEIN)}
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
 # Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
@@ -231,11 +232,13 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     """The flow-matching loss of one micro batch (mean over its samples); `seed` is train.seed, `step` the
     optimizer step: with the samples' dataset indices they fix every random draw."""
     mean, std = encoded["latent_mean"], encoded["latent_std"]
-    indices, shape, device = encoded["indices"].tolist(), tuple(mean.shape[1:]), mean.device
-    draw = lambda purpose: per_sample_randn(shape, seed, step, indices, purpose).to(device)  # noqa: E731
-    sample = mean if built.recipe.posterior_mode else mean + std * draw("vae_posterior")
-    latents = normalised_latents(built.vae.config, sample)
-    noise = draw("noise")
+    indices, device = encoded["indices"].tolist(), mean.device
+    draw = lambda shape, purpose: per_sample_randn(shape, seed, step, indices, purpose).to(device)  # noqa: E731
+    sample = mean if built.recipe.posterior_mode else mean + std * draw(mean.shape[1:], "vae_posterior")
+    recipe = built.recipe
+    latents = recipe.model_latents(built, sample) if recipe.model_latents else normalised_latents(built.vae.config,
+                                                                                                   sample)
+    noise = draw(latents.shape[1:], "noise")
     positions = (timestep_density(built.settings, seed, step, indices) * len(built.train_sigmas)).long()
     positions = positions.clamp(0, len(built.train_sigmas) - 1)  # u == 1.0 (a float32 sigmoid can round up)
     timesteps = built.train_timesteps[positions].to(device)

@@ -43,6 +43,8 @@ class FlowRecipe:
     vae_class: str = "AutoencoderKL"
     packed_sides: int = 1  # latent sides must be multiples of this (2: 2x2 patches packed into tokens)
     posterior_mode: bool = False  # the training example takes the VAE posterior's mode, not a sample
+    # (built, VAE sample (B, C, H, W)) -> the latents noise is added to; None: normalised_latents of the VAE config
+    model_latents: Optional[Callable] = None
     # (built, sample_spec, prompts) -> the pipeline call's guidance arguments; None: guidance_scale=sample_spec.guidance
     sample_options: Optional[Callable] = None
 

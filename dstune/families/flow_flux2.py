@@ -1,0 +1,83 @@
+"""The flow family's FLUX.2 [klein] recipe (dstune.families.flow_recipe), as diffusers'
+examples/dreambooth/train_dreambooth_lora_flux2_klein.py feeds Flux2Transformer2DModel:
+
+- text: Flux2KleinPipeline.encode_prompt (the Qwen3 text encoder's hidden states of layers 9, 18 and 27 of the
+  chat-templated caption, padded to max_sequence_length by the tokenizer, stacked side by side), one shape per
+  caption; the 4-axis text position ids come from the pipeline's _prepare_text_ids;
+- latents: the AutoencoderKLFlux2 posterior's mode (the example's latent_dist.mode()), patchified 2x2 into 4x the
+  channels and normalised with the VAE's batch-norm running mean and std: the model space of this family member is
+  (B, 4C, H/2, W/2), where noise, x_t and the target live;
+- the transformer sees those latents flattened into tokens with 4-axis position ids, timestep / 1000, and a
+  guidance value when it has a guidance embedding; its output is unpacked with the same ids.
+
+FLUX.2 [dev] (Mistral3 text encoder, Flux2Pipeline) trains the same way with another text side; it is not offered
+yet: its Pixtral processor cannot be built offline for a tiny model here, so nothing could test it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dstune.families.flow_recipe import FlowRecipe, read_config
+from dstune.hf import quiet_hf_libraries
+
+TEXT_TENSORS = ("encoder_hidden_states",)
+TEXT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default
+
+
+def _pipeline_class():
+    with quiet_hf_libraries():
+        from diffusers import Flux2KleinPipeline
+    return Flux2KleinPipeline
+
+
+def _mismatches(folder: Path) -> list[str]:
+    transformer, vae = read_config(folder, "transformer"), read_config(folder, "vae")
+    text = read_config(folder, "text_encoder")
+    checks = [("in_channels", 4 * vae.get("latent_channels", 32)),
+              ("joint_attention_dim", len(TEXT_LAYERS) * text.get("hidden_size", 0))]
+    problems = [f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
+                for key, want in checks if transformer.get(key) != want]
+    if text.get("num_hidden_layers", 0) < max(TEXT_LAYERS):
+        problems.append(f"text_encoder has {text.get('num_hidden_layers')} layers; the pipeline reads the hidden "
+                        f"states of layers {', '.join(map(str, TEXT_LAYERS))}")
+    return problems
+
+
+def _captions(pipeline, built, captions: list[str]) -> dict:
+    with torch.no_grad(), quiet_hf_libraries():
+        embeds, _ = pipeline.encode_prompt(list(captions), device=built.device,
+                                           max_sequence_length=built.max_sequence_length)
+    return {"encoder_hidden_states": embeds}
+
+
+def _model_latents(built, sample: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) posterior mode -> patchified, batch-norm-normalised (B, 4C, H/2, W/2)."""
+    vae = built.vae
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(sample.device, sample.dtype)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(sample.device, sample.dtype)
+    return (_pipeline_class()._patchify_latents(sample) - mean) / std
+
+
+def _predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tensor:
+    pipeline = _pipeline_class()
+    embeds = text["encoder_hidden_states"]
+    latent_ids = pipeline._prepare_latent_ids(noisy).to(noisy.device)
+    packed = pipeline._pack_latents(noisy).to(dtype)
+    guidance = None
+    if built.transformer_config.get("guidance_embeds", False):
+        guidance = torch.full((noisy.shape[0],), float(built.settings.guidance), device=noisy.device, dtype=dtype)
+    prediction = forward(hidden_states=packed, timestep=(timesteps / 1000).to(dtype), guidance=guidance,
+                         encoder_hidden_states=embeds, txt_ids=pipeline._prepare_text_ids(embeds).to(noisy.device),
+                         img_ids=latent_ids, return_dict=False)[0]
+    return pipeline._unpack_latents_with_ids(prediction[:, :packed.shape[1]], latent_ids)
+
+
+FLUX2_KLEIN = FlowRecipe(
+    kind="flux2_klein", transformer_class="Flux2Transformer2DModel", pipeline_class="Flux2KleinPipeline",
+    components={"text_encoder": "Qwen3ForCausalLM", "tokenizer": None}, default_max_sequence_length=512,
+    text_tensors=TEXT_TENSORS, encode_captions=_captions, predict=_predict,
+    text_tokens=lambda built: built.max_sequence_length, config_mismatches=_mismatches,
+    vae_class="AutoencoderKLFlux2", packed_sides=2, posterior_mode=True, model_latents=_model_latents)
