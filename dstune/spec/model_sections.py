@@ -227,15 +227,16 @@ class SdxlModel(DenoiserModelBase):
 class FlowModel(DenoiserModelBase):
     family: Literal["flow"] = Field(
         description="Model family. `flow`: flow-matching transformers, SD3-class (SD3Transformer2DModel, CLIP x2 + T5), "
-        "Flux-class (FluxTransformer2DModel, CLIP + T5) or Qwen-Image (QwenImageTransformer2DModel, Qwen2.5-VL), "
+        "Flux-class (FluxTransformer2DModel, CLIP + T5), Qwen-Image or Qwen-Image-Edit (QwenImageTransformer2DModel, "
+        "Qwen2.5-VL; the edit model trains on source/target pairs, see data.control_dir), Z-Image or FLUX.2 [klein], "
         "told apart by the pipeline folder."
     )
     pretrained: str = Field(
         "builtin:tiny-flow",
         description="A diffusers StableDiffusion3Pipeline, FluxPipeline or QwenImagePipeline folder (model_index.json + "
         "transformer/vae/text encoders/tokenizers/scheduler), a hub id already in the local Hugging Face cache, or "
-        "`builtin:tiny-flow` (tiny SD3-class) / `builtin:tiny-flux` (tiny Flux-class) / `builtin:tiny-qwen-image`, "
-        "built offline.",
+        "`builtin:tiny-flow` (tiny SD3-class) / `builtin:tiny-flux` (tiny Flux-class) / `builtin:tiny-qwen-image` / "
+        "`builtin:tiny-qwen-image-edit` / `builtin:tiny-z-image` / `builtin:tiny-flux2`, built offline.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
