@@ -265,6 +265,8 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
     found.add(source.issue("data.path", text, severity="warning") for text in index.warnings)
     count = index.num_samples
     origin = path if builtin_name(path) else f"counted in {path}"
+    if index.num_pairs:  # edit / control training: every target counted has its source
+        origin += f"; {index.num_pairs} source/target pairs"
     if spec.data.eval is not None:
         where = (f"{spec.data.eval.fraction:g} of the images" if spec.data.eval.fraction is not None
                  else spec.data.eval.path)
