@@ -233,7 +233,8 @@ class FlowModel(DenoiserModelBase):
     )
     pretrained: str = Field(
         "builtin:tiny-flow",
-        description="A diffusers StableDiffusion3Pipeline, FluxPipeline or QwenImagePipeline folder (model_index.json + "
+        description="A diffusers StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, QwenImageEditPipeline, "
+        "ZImagePipeline or Flux2KleinPipeline folder (model_index.json + "
         "transformer/vae/text encoders/tokenizers/scheduler), a hub id already in the local Hugging Face cache, or "
         "`builtin:tiny-flow` (tiny SD3-class) / `builtin:tiny-flux` (tiny Flux-class) / `builtin:tiny-qwen-image` / "
         "`builtin:tiny-qwen-image-edit` / `builtin:tiny-z-image` / `builtin:tiny-flux2`, built offline.",

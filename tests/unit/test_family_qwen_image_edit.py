@@ -143,3 +143,31 @@ def test_a_batch_without_sources_is_refused_with_the_fix(built):
         flow.encode_batch(built, batch)
     with pytest.raises(FamilyError, match="sample.prompts"):
         built.recipe.sample_options(built, None, ["x"])
+
+
+def test_validate_plans_an_edit_sample_as_two_images_and_the_source_in_the_text(tmp_path, capsys):
+    """At real size (configs stored with dstune), an edit sample holds the target's and the source's latent tokens,
+    the source's vision tokens in the text, and caches two latents: more activations and twice the latent cache of
+    Qwen-Image on the same data."""
+    import re
+
+    import yaml
+
+    from dstune.cli import main
+
+    found = {}
+    for model in ("Qwen/Qwen-Image", "Qwen/Qwen-Image-Edit"):
+        spec = {"model": {"family": "flow", "pretrained": model, "train": "lora", "gradient_checkpointing": True},
+                "data": {"path": "/data/not-here", "resolution": 1024, "cache": {"latents": True}},
+                "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "epochs": 1, "precision": "bf16"},
+                "deepspeed": {"zero_stage": 3}}
+        path = tmp_path / f"{model.replace('/', '-')}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        assert main(["validate", str(path), "--num-gpus", "8", "--num-samples", "1000"]) == 0
+        out = capsys.readouterr().out
+        numbers = {key: float(re.search(rf"{key}\s+([\d.]+) GB", out).group(1))
+                   for key in ("activations", "cache on disk")}
+        found[model] = numbers
+    plain, edit = found["Qwen/Qwen-Image"], found["Qwen/Qwen-Image-Edit"]
+    assert edit["cache on disk"] == pytest.approx(2 * plain["cache on disk"], rel=0.02)
+    assert edit["activations"] > 1.5 * plain["activations"]
