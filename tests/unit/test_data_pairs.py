@@ -111,3 +111,22 @@ def test_validate_counts_pairs_and_names_unpaired_files(tmp_path, capsys):
     assert main(["validate", str(path), "--num-gpus", "2"]) != 0
     captured = capsys.readouterr()
     assert "1 of 3 target images have no source (control) image: b.png" in captured.out + captured.err
+
+
+def test_validate_refuses_what_an_edit_model_cannot_do(tmp_path, capsys):
+    """Unpaired data, a text cache and samples during training are errors for an edit model before any launch."""
+    data = _pairs(tmp_path)
+    spec = {"model": {"family": "flow", "pretrained": "builtin:tiny-qwen-image-edit"},
+            "data": {"path": data.path, "resolution": 64, "cache": {"latents": True, "text_embeddings": True}},
+            "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "epochs": 1},
+            "sample": {"prompts": ["make it blue"]}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(path), "--num-gpus", "1"]) != 0
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert "data.control_dir" in text and "trains on (source, target) pairs" in text
+    assert "data.cache.text_embeddings" in text and "sample.prompts" in text
+    spec["model"]["pretrained"] = "builtin:tiny-qwen-image"  # the same data trains Qwen-Image as it is
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(path), "--num-gpus", "1"]) == 0
