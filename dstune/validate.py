@@ -230,8 +230,8 @@ def _check_lora_format(spec: Spec, source: SpecSource, found: IssueList) -> None
 
 def _check_edit_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
     """An edit model (QwenImageEditPipeline, told by its configs) trains on pairs, cannot cache its text (an
-    embedding belongs to a caption and its source image) and has no source images to sample with: said here, before
-    any GPU time, rather than at startup or at the first sample."""
+    embedding belongs to a caption and its source image) and samples from source images (sample.control_images): said
+    here, before any GPU time, rather than at startup or at the first sample."""
     if spec.model.family != "flow":
         return
     try:
@@ -240,15 +240,21 @@ def _check_edit_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
     except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
         return
     if pipeline_class not in EDIT_PIPELINES:
+        if spec.sample.control_images:
+            found.add([source.issue("sample.control_images", f"{pipeline_class} renders from the prompt alone: source "
+                                    "images are for edit models (Qwen-Image-Edit); remove them")])
         return
     data, issues = spec.data, []
     if data.cache.text_embeddings:
         issues.append(("data.cache.text_embeddings", f"{pipeline_class} encodes each instruction together with its "
                        "source image, so its text cannot be cached per caption: set it to false (data.cache.latents "
                        "still caches the target and source latents)"))
-    if spec.sample.prompts:
-        issues.append(("sample.prompts", f"{pipeline_class} renders from a source image, and samples during "
-                       "training have none: set sample.prompts: [] and render the export (docs/family-flow.md)"))
+    if spec.sample.prompts and not spec.sample.control_images:
+        issues.append(("sample.prompts", f"{pipeline_class} renders from a source image: give sample.control_images, "
+                       "one source image per prompt, or set sample.prompts: []"))
+    missing = [path for path in spec.sample.control_images if not os.path.isfile(os.path.expanduser(path))]
+    if missing:
+        issues.append(("sample.control_images", f"{len(missing)} source image(s) do not exist: {', '.join(missing)}"))
     root = os.path.expanduser(data.path)
     if data.control_dir is None and (builtin_name(data.path) or (os.path.isdir(root) and not os.path.isfile(
             os.path.join(root, METADATA_FILE)))):

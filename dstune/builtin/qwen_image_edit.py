@@ -78,5 +78,6 @@ def _name_the_processor_as_diffusers_does(out: Path) -> None:
 TINY_QWEN_IMAGE_EDIT = BuiltinModel(
     name="tiny-qwen-image-edit", folder_name="tiny-qwen-image-edit-v1", family="flow",
     description="Qwen-Image-Edit pipeline: 2-layer QwenImage transformer, Qwen2.5-VL text encoder (one 32-wide "
-                "layer, a one-block vision tower) with its processor, random 16-channel Qwen-Image VAE (8 px per latent)",
+                "layer, a one-block vision tower) with its processor, random 16-channel Qwen-Image VAE (8 px per "
+                "latent)",
     build=build_tiny_qwen_image_edit)

@@ -252,8 +252,8 @@ def collate(samples: list[dict]) -> dict:
     pixel_values (B, 3, R, R) float32; caption and sample_id lists of str; index (B,) LongTensor;
     original_size and crop_top_left (B, 2) LongTensors (see crop_fields); edit pairs add control_values like
     pixel_values."""
-    control = {"control_values": torch.stack([s["control_values"] for s in samples])} if "control_values" in samples[0] \
-        else {}
+    paired = "control_values" in samples[0]
+    control = {"control_values": torch.stack([s["control_values"] for s in samples])} if paired else {}
     return {**control,
         "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
         "caption": [s["caption"] for s in samples],

@@ -313,12 +313,32 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
         with inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype), quiet_hf_libraries():
             guidance = (built.recipe.sample_options(built, sample_spec, prompts) if built.recipe.sample_options
                         else {"guidance_scale": sample_spec.guidance})
-            result = pipeline(prompt=list(prompts), height=side, width=side, **guidance,
-                              num_inference_steps=sample_spec.steps, generator=generators, output_type="pil",
-                              max_sequence_length=built.max_sequence_length)
+            common = dict(height=side, width=side, **guidance, num_inference_steps=sample_spec.steps,
+                          output_type="pil", max_sequence_length=built.max_sequence_length)
+            if built.recipe.control:  # the edit pipeline takes one source image per call
+                return [pipeline(prompt=prompt, image=source, generator=generator, **common).images[0]
+                        for prompt, source, generator in zip(prompts, _sources(sample_spec), generators)]
+            result = pipeline(prompt=list(prompts), generator=generators, **common)
     finally:
         transformer_module.train(was_training)
     return result.images
+
+
+def _sources(sample_spec: SampleSpec) -> list:
+    """sample.control_images as RGB images; FamilyError naming the one that cannot be read."""
+    from PIL import Image
+
+    if not sample_spec.control_images:
+        raise FamilyError("sample.prompts: an edit model renders from a source image; give sample.control_images, one "
+                          "source image per prompt (or set sample.prompts: []).")
+    images = []
+    for path in sample_spec.control_images:
+        try:
+            with Image.open(Path(path).expanduser()) as image:
+                images.append(image.convert("RGB"))
+        except OSError as err:
+            raise FamilyError(f"sample.control_images: cannot read {path} ({err}). Fix the path.") from None
+    return images
 
 
 # --------------------------------------------------------------------------------------------------- export

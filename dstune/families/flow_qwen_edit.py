@@ -99,10 +99,12 @@ def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch
     return unpack_latents(prediction[:, :target_tokens], height, width)
 
 
-def _no_sampling_yet(built, sample_spec, prompts: list[str]) -> dict:
-    raise FamilyError("sample.prompts: Qwen-Image-Edit renders from a source image, and samples during training "
-                      "have none yet. Set sample.prompts: [] and render the export with QwenImageEditPipeline "
-                      "(docs/family-flow.md, Qwen-Image-Edit).")
+def _sample_guidance(built, sample_spec, prompts: list[str]) -> dict:
+    """As Qwen-Image (true classifier-free guidance against " " above 1), for the edit pipeline's one-prompt calls;
+    the sources are sample.control_images (dstune.families.flow.sample)."""
+    if sample_spec.guidance <= 1.0:
+        return {"true_cfg_scale": 1.0}
+    return {"true_cfg_scale": sample_spec.guidance, "negative_prompt": " "}
 
 
 def text_cache_refusal(folder: Path) -> str:
@@ -117,5 +119,5 @@ QWEN_IMAGE_EDIT = FlowRecipe(
     components={"text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": None, "processor": None},
     default_max_sequence_length=512, text_tensors=TEXT_TENSORS, encode_captions=_captions, predict=_predict,
     text_tokens=lambda built: None, config_mismatches=qwen_config_mismatches, vae_class="AutoencoderKLQwenImage",
-    packed_sides=2, sample_options=_no_sampling_yet, control=True,
+    packed_sides=2, sample_options=_sample_guidance, control=True,
     load_extras=lambda folder: {"processor": load_processor(folder)}, text_cache_refusal=text_cache_refusal)

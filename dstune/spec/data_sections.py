@@ -222,7 +222,8 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec") -> str | Non
             return (f"data.eval: the held-out loss is computed for the image families (sd, sdxl, flow); "
                     f"model.family {family} has no evaluation pass yet. Remove data.eval")
         if data.control_dir is not None:
-            return f"data.control_dir pairs source and target images (edit training); model.family {family} trains on speech"
+            return (f"data.control_dir pairs source and target images (edit training); model.family {family} "
+                    "trains on speech")
         if data.speaker_balance and data.duration_bucket_seconds:
             return ("data.speaker_balance and data.duration_bucket_seconds both choose which clips form the batches: "
                     "use one of them")

@@ -1,9 +1,9 @@
 """Real 2-rank DeepSpeed training of Qwen-Image-Edit (builtin:tiny-qwen-image-edit, the flow family's
 qwen_image_edit recipe) on CPU, from a folder of source/target pairs (data.control_dir): full fine-tuning under ZeRO 2
-from cached target and source latents (trains, resumes exactly, exports a folder QwenImageEditPipeline loads and
-renders from a source image) and LoRA under ZeRO 3 with gradient checkpointing (only adapters train; the LoRA file
-loads with QwenImageEditPipeline.load_lora_weights and changes the image). Three launches in all (helpers:
-flow_runs.py)."""
+from cached target and source latents (trains, renders samples from sample.control_images, resumes exactly, exports a
+folder QwenImageEditPipeline loads and renders from a source image) and LoRA under ZeRO 3 with gradient checkpointing
+(only adapters train; the LoRA file loads with QwenImageEditPipeline.load_lora_weights and changes the image). Three
+launches in all (helpers: flow_runs.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def runs(tmp_path_factory) -> dict:
         spec = flow_spec(run_dir, MODEL, stage, train)
         spec["data"].update(path=str(pairs / "target"), control_dir="../control", resolution=SIDE)
         spec["data"]["cache"]["text_embeddings"] = False  # an edit embedding belongs to a (caption, image) pair
-        spec["sample"]["prompts"] = []  # samples during training need source images (not offered yet)
+        if train == "full":  # samples edit a source image, before step 1 and after the last
+            spec["sample"].update(prompts=["turn it into a red circle"],
+                                  control_images=[str(pairs / "control" / "005.png")])
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
     return out
@@ -91,6 +93,7 @@ def test_full_export_loads_in_qwen_image_edit_pipeline_and_renders_from_a_source
     image = _render(pipeline)
     assert image.shape == (1, 3, SIDE, SIDE) and torch.isfinite(image).all()
     assert not torch.allclose(image, _render(EditPipeline.from_pretrained(base_folder(MODEL))))
+    assert (run_dir / "samples" / f"step-{STEPS:06d}.png").is_file()  # rendered from sample.control_images
 
 
 def test_lora_trains_adapters_only_and_loads_with_load_lora_weights(runs):

@@ -114,7 +114,7 @@ def test_validate_counts_pairs_and_names_unpaired_files(tmp_path, capsys):
 
 
 def test_validate_refuses_what_an_edit_model_cannot_do(tmp_path, capsys):
-    """Unpaired data, a text cache and samples during training are errors for an edit model before any launch."""
+    """Unpaired data, a text cache and prompts without source images are errors for an edit model before any launch."""
     data = _pairs(tmp_path)
     spec = {"model": {"family": "flow", "pretrained": "builtin:tiny-qwen-image-edit"},
             "data": {"path": data.path, "resolution": 64, "cache": {"latents": True, "text_embeddings": True}},
@@ -126,7 +126,15 @@ def test_validate_refuses_what_an_edit_model_cannot_do(tmp_path, capsys):
     captured = capsys.readouterr()
     text = captured.out + captured.err
     assert "data.control_dir" in text and "trains on (source, target) pairs" in text
-    assert "data.cache.text_embeddings" in text and "sample.prompts" in text
+    assert "data.cache.text_embeddings" in text and "sample.prompts" in text and "sample.control_images" in text
     spec["model"]["pretrained"] = "builtin:tiny-qwen-image"  # the same data trains Qwen-Image as it is
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(path), "--num-gpus", "1"]) == 0
+    spec["sample"]["control_images"] = [str(tmp_path / "control" / "a.png")]  # but sources are for edit models
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(path), "--num-gpus", "1"]) != 0
+    assert "source images are for edit models" in capsys.readouterr().out
+    spec["model"]["pretrained"] = "builtin:tiny-qwen-image-edit"  # an edit model with pairs and its sources
+    spec["data"].update(control_dir="../control", cache={"latents": True})
     path.write_text(yaml.safe_dump(spec))
     assert main(["validate", str(path), "--num-gpus", "1"]) == 0

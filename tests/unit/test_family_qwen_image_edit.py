@@ -26,7 +26,7 @@ from dstune.families import flow
 from dstune.families.base import FamilyError, per_sample_randn
 from dstune.families.flow_qwen_edit import control_images, load_processor
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel
+from dstune.spec.models import FlowModel, SampleSpec
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -141,8 +141,19 @@ def test_a_batch_without_sources_is_refused_with_the_fix(built):
     del batch["control_values"]
     with pytest.raises(ValueError, match="data.control_dir"):
         flow.encode_batch(built, batch)
-    with pytest.raises(FamilyError, match="sample.prompts"):
-        built.recipe.sample_options(built, None, ["x"])
+    with pytest.raises(FamilyError, match="sample.control_images"):
+        flow.sample(built, built.trainable, ["x"], SampleSpec(prompts=["x"], steps=1), SIDE)
+
+
+def test_samples_edit_their_source_images(built, tmp_path):
+    sources = []
+    for number in (3, 4):
+        sources.append(str(tmp_path / f"{number}.png"))
+        render_shape(number, SIDE)[0].save(sources[-1])
+    spec = SampleSpec(prompts=["make it red", "make it red"], control_images=sources, steps=2, guidance=1.0, seed=1)
+    images = flow.sample(built, built.trainable, spec.prompts, spec, SIDE)
+    assert [image.size for image in images] == [(SIDE, SIDE)] * 2
+    assert images[0].tobytes() != images[1].tobytes()  # same prompt, other source (and noise)
 
 
 def test_validate_plans_an_edit_sample_as_two_images_and_the_source_in_the_text(tmp_path, capsys):
