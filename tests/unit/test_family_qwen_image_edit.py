@@ -182,3 +182,17 @@ def test_validate_plans_an_edit_sample_as_two_images_and_the_source_in_the_text(
     plain, edit = found["Qwen/Qwen-Image"], found["Qwen/Qwen-Image-Edit"]
     assert edit["cache on disk"] == pytest.approx(2 * plain["cache on disk"], rel=0.02)
     assert edit["activations"] > 1.5 * plain["activations"]
+
+
+def test_a_qwen_transformer_in_another_pipeline_is_refused_not_trained_as_text_to_image(tmp_path):
+    import json
+    import shutil
+
+    folder = tiny.ensure_builtin_model("tiny-qwen-image-edit", CACHE_DIR)
+    copy = tmp_path / "edit-plus"
+    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    index = json.loads((copy / "model_index.json").read_text())
+    (copy / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
+    with pytest.raises(FamilyError, match="QwenImageEditPlusPipeline around a QwenImageTransformer2DModel is not "
+                                          "supported.*QwenImagePipeline, QwenImageEditPipeline"):
+        flow.detect_kind(copy)
