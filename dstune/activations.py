@@ -65,10 +65,10 @@ def unet_sample_bytes(config: dict, resolution: int) -> tuple[float, float]:
     return full, sum(kept for _, kept in blocks) + max(block for block, _ in blocks)
 
 
-def flow_sample_bytes(config: dict, resolution: int, text_tokens: int) -> tuple[float, float]:
+def flow_sample_bytes(config: dict, resolution: int, text_tokens: int, images: int = 1) -> tuple[float, float]:
     """A flow transformer (SD3, Flux, Qwen-Image, Z-Image, FLUX.2): image tokens are 2x2 latent patches (16 px), text tokens
-    join them."""
-    tokens = (resolution / 16) ** 2 + text_tokens
+    join them. `images`: 2 for an edit model, whose source image's tokens follow the target's."""
+    tokens = images * (resolution / 16) ** 2 + text_tokens
     if "dim" in config:  # Z-Image: single stream, SwiGLU feed-forward (8/3 wide), refiner layers before it
         hidden = config["dim"]
         return transformer_stack(tokens, hidden, int(hidden * 8 / 3), True,

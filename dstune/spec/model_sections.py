@@ -230,6 +230,8 @@ class FlowModel(DenoiserModelBase):
         "SD3-class (SD3Transformer2DModel; CLIP x2 + T5), "
         "Flux-class (FluxTransformer2DModel; CLIP + T5), "
         "Qwen-Image (QwenImageTransformer2DModel; Qwen2.5-VL), "
+        "Qwen-Image-Edit (QwenImageTransformer2DModel; Qwen2.5-VL with the source image; trains on source/target "
+        "pairs, see data.control_dir), "
         "Z-Image (ZImageTransformer2DModel; Qwen3), "
         "FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3). See docs/family-flow.md."
     )
@@ -237,11 +239,13 @@ class FlowModel(DenoiserModelBase):
         "builtin:tiny-flow",
         description="A diffusers pipeline folder (model_index.json + transformer/vae/text encoders/tokenizers/"
         "scheduler) of one of those models: "
-        "StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, ZImagePipeline, Flux2KleinPipeline; "
+        "StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, QwenImageEditPipeline, ZImagePipeline, "
+        "Flux2KleinPipeline; "
         "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
         "`builtin:tiny-flow` (SD3-class), "
         "`builtin:tiny-flux` (Flux-class), "
         "`builtin:tiny-qwen-image`, "
+        "`builtin:tiny-qwen-image-edit`, "
         "`builtin:tiny-z-image`, "
         "`builtin:tiny-flux2` (FLUX.2 [klein]).",
     )
