@@ -32,7 +32,7 @@ from dstune.families.diffusion import (batch_field, export_pipeline_folder, inpu
                                        load_trainable, non_reentrant_checkpoint, read_model_index, vae_posterior)
 from dstune.families.flow_matching import (flow_loss_per_sample, image_ids, loss_weights, pack_latents,
                                            timestep_density, unpack_latents)
-from dstune.families.flow_flux2 import FLUX2_KLEIN
+from dstune.families.flow_flux2 import FLUX2_DEV, FLUX2_KLEIN
 from dstune.families.flow_qwen import QWEN_IMAGE
 from dstune.families.flow_recipe import (FlowRecipe, load_text_side, normalised_latents, read_config,
                                          vae_spatial_factor)
@@ -47,7 +47,8 @@ __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FA
            "pack_latents", "unpack_latents", "image_ids", "save_lora_weights"]
 
 # kind -> recipe, one line per model (dstune.families.flow_recipe); detect_kind finds a folder's by its transformer
-RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, ZIMAGE, FLUX2_KLEIN)}
+# (and, where recipes share one, FLUX.2 [klein] and [dev], by the pipeline or text encoder class)
+RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, ZIMAGE, FLUX2_KLEIN, FLUX2_DEV)}
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
 # Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
@@ -99,8 +100,9 @@ def detect_kind(folder: Path) -> str:
     if not recipes:
         raise FamilyError(f"{folder / 'transformer'}: {transformer_class} is not supported by model.family 'flow'; "
                           f"supported transformers: {supported}.")
+    recipe = _recipe_of(index, recipes)
     problems = []
-    for name, expected in recipes[0].components.items():
+    for name, expected in recipe.components.items():
         entry = index.get(name)
         listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
         if listed is None or not (folder / name).is_dir():
@@ -111,9 +113,20 @@ def detect_kind(folder: Path) -> str:
         if not (folder / name).is_dir():
             problems.append(f"missing subfolder {name}/")
     if problems:
-        raise FamilyError(f"{folder} cannot be used as a {transformer_class} pipeline:\n"
+        raise FamilyError(f"{folder} cannot be used as a {transformer_class} pipeline ({recipe.pipeline_class}):\n"
                           + "\n".join(f"  - {p}" for p in problems))
-    return recipes[0].kind
+    return recipe.kind
+
+
+def _recipe_of(index: dict, recipes: list[FlowRecipe]) -> FlowRecipe:
+    """Among recipes that share a transformer class: the one of the folder's pipeline class, else the one of its
+    text encoder class, else the first (whose component check then lists every part that does not fit)."""
+    for recipe in recipes:
+        if recipe.pipeline_class == index.get("_class_name"):
+            return recipe
+    entry = index.get("text_encoder")
+    encoder = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+    return next((recipe for recipe in recipes if recipe.components.get("text_encoder") == encoder), recipes[0])
 
 
 def _train_tables(scheduler, shift) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +167,8 @@ def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype
                          torch_dtype=dtype_for_frozen).to(device)
     vae.eval().requires_grad_(False)
     encoders, tokenizers = load_text_side(folder, recipe, device, dtype_for_frozen)
-    longest = list(tokenizers.values())[-1].model_max_length  # the long-text tokenizer (T5, an LLM's) is listed last
+    last = list(tokenizers.values())[-1]  # the long-text tokenizer (T5, an LLM's) is listed last
+    longest = getattr(last, "tokenizer", last).model_max_length  # a processor (PixtralProcessor) holds its tokenizer
     max_length = model.max_sequence_length or min(recipe.default_max_sequence_length, longest)
     timesteps, sigmas = _train_tables(scheduler, model.shift)
     return FlowBuilt(folder=folder, device=device, recipe=recipe, trainable=transformer, vae=vae,

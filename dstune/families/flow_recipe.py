@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families.base import FamilyError
-from dstune.families.diffusion import load_component
+from dstune.families.diffusion import load_component, read_model_index
 
 
 @dataclass(frozen=True)
@@ -58,15 +58,20 @@ def read_config(folder: Path, name: str, file: str = "config.json") -> dict:
 
 
 def load_text_side(folder: Path, recipe: FlowRecipe, device, dtype) -> tuple[dict, dict]:
-    """The recipe's text encoders (frozen, eval, in `dtype` on `device`) and tokenizers, by their listed classes."""
+    """The recipe's text encoders (frozen, eval, in `dtype` on `device`) and tokenizers, by their listed classes. A
+    tokenizer listed as a processor (FLUX.2 [dev]'s PixtralProcessor) is loaded as one, as the pipeline loads it,
+    since its encode_prompt calls the processor's apply_chat_template."""
     import transformers
 
+    index = read_model_index(folder)
     encoders, tokenizers = {}, {}
     for name, expected in recipe.components.items():
         if not name.startswith(("text_encoder", "tokenizer")):
             continue
         if expected is None:
-            tokenizers[name] = load_component(folder, name, transformers.AutoTokenizer.from_pretrained)
+            listed = str((index.get(name) or [None, ""])[-1])
+            loader = transformers.AutoProcessor if listed.endswith("Processor") else transformers.AutoTokenizer
+            tokenizers[name] = load_component(folder, name, loader.from_pretrained)
         else:
             cls = getattr(transformers, expected)
             module = load_component(folder, name, cls.from_pretrained).to(device, dtype)
