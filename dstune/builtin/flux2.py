@@ -4,9 +4,13 @@ Flux2Transformer2DModel (one double-stream and one single-stream block, 32 wide,
 (8 latent channels, spatial factor 2, its batch-norm statistics at their initial values: the VAE is random, so
 renders are noise-like images, which is all the tests need), a Qwen3 causal LM of 27 layers 32 wide (the pipeline
 reads the hidden states of layers 9, 18 and 27) and the byte-level tokenizer of builtin:tiny-qwen-image with a
-Qwen3-style chat template, built offline from fixed configs and a fixed seed. The klein class is the one offered:
-its Qwen3 tokenizer can be built offline; FLUX.2 [dev]'s PixtralProcessor needs torchvision, which the
-tested environment cannot have (docs/family-flow.md).
+Qwen3-style chat template, built offline from fixed configs and a fixed seed.
+
+`builtin:tiny-flux2-dev` is FLUX.2 [dev]'s Flux2Pipeline folder: the same transformer shape with a guidance
+embedding and the same VAE, a tiny Mistral3ForConditionalGeneration, and as its `tokenizer` a byte-level fast
+tokenizer with Mistral's special tokens and chat template, standing where a real folder's PixtralProcessor goes:
+transformers 5 refuses to build that processor without torchvision, which the tested environment cannot import
+(docs/family-flow.md, FLUX.2 [dev]). Flux2Pipeline only calls its apply_chat_template, which both have.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The `flow` family: flow-matching transformers (the `transformer` subfolder, FlowMatchEulerDiscreteScheduler).
 
 One core for every model; what differs per model is a recipe (dstune.families.flow_recipe), found by the
-transformer's class in the folder: SD3-class and Flux-class (flow_sd3.py). The text side is encoded by the
+transformer's class in the folder (RECIPES: flow_sd3.py, flow_qwen.py, flow_zimage.py, flow_flux2.py; FLUX.2
+[klein] and [dev] share a transformer class and are told apart by the pipeline class). The text side is encoded by the
 pipeline's own `encode_prompt`, so training sees exactly what inference feeds. The loss is the one of diffusers'
 examples/dreambooth/train_dreambooth_sd3.py / train_dreambooth_flux.py: sample u with
 compute_density_for_timestep_sampling (uniform, logit_normal, mode), index the scheduler's timestep and sigma
