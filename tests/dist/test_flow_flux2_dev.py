@@ -2,15 +2,15 @@
 tiny Mistral3 and the stand-in fast tokenizer in a Flux2Pipeline folder) on CPU: LoRA under ZeRO 3 with gradient
 checkpointing (only adapters train; the LoRA file loads with Flux2Pipeline.load_lora_weights and changes the image)
 and full fine-tuning under ZeRO 2 from cached latents and text embeddings (samples, and an export that
-Flux2Pipeline.from_pretrained loads and renders with). Two launches (helpers: flow_runs.py); the transformer and
-the loss are klein's, whose resume test (test_flow_flux2.py) is not repeated here."""
+Flux2Pipeline.from_pretrained loads and renders with), which resumes exactly from step 2 with its cached Mistral3
+text (klein's module resumes a ZeRO-3 LoRA run). Three launches (helpers: flow_runs.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flow_runs import check_full_export, check_lora_export, check_trains, flow_spec
+from flow_runs import TRANSFORMER, check_full_export, check_lora_export, check_resume, check_trains, flow_spec
 from harness import CACHE_DIR, launch, write_spec
 
 pytestmark = pytest.mark.dist
@@ -54,3 +54,7 @@ def test_full_export_loads_in_flux2_pipeline_and_renders(runs):
     from diffusers import Flux2Pipeline
 
     check_full_export(runs["flux2-dev-zero2"][0], runs["flux2-dev-zero2"][2], MODEL, Flux2Pipeline, _render)
+
+
+def test_zero2_full_resume_continues_exactly(runs, tmp_path):
+    check_resume(*runs["flux2-dev-zero2"], tmp_path / "resumed", TRANSFORMER)
