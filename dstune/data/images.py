@@ -191,6 +191,10 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 f"cannot read image {record.image_path} (sample {record.sample_id}): {reason}. Replace or delete "
                 "the file, or set data.skip_bad_files: true to skip unreadable images.", record.image_path) from None
 
+    def cache_pixels(self, record: SampleRecord, size, flip: bool) -> torch.Tensor:
+        """What the latent cache encodes for the record: its centre crop at `size`, flipped or not."""
+        return to_tensor(resize_and_crop(self.load_image(record, size), size or self.data.resolution, 0.5, 0.5, flip))
+
     def _readable(self, index: int) -> tuple[SampleRecord, Image.Image]:
         """The record at `index` and its image; with skip_bad_files, the next readable one instead of a bad one."""
         record, size = self.record_at(index), self.target_size(index)
