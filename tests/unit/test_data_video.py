@@ -1,0 +1,92 @@
+"""Video datasets (dstune.data.video) on real MP4 files written with PyAV: indexing (folder and metadata.jsonl),
+frame choice (head / uniform, fps resampling), stills as one-frame clips, and the one message naming every video
+that cannot be decoded or is too short."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dstune.data.index import index_dataset, list_samples
+from dstune.data.video import VideoCaptionDataset, find_bad_clips, frame_positions
+from dstune.spec.models import DataSpec
+
+
+def write_mp4(path: Path, count: int, fps: int = 24, side: int = 32) -> Path:
+    """A real MP4 (H.264) whose frame n is a flat grey of level 10 n: the decoded frame tells which it was."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width = stream.height = side
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"qp": "0"}  # lossless enough that a frame's level survives
+        for number in range(count):
+            pixels = np.full((side, side, 3), 10 * number, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def _levels(clip) -> list[int]:  # which source frame each clip frame is, from its grey level
+    return [round(((frame.mean().item() + 1) * 127.5) / 10) for frame in clip.unbind(dim=1)]
+
+
+@pytest.fixture()
+def folder(tmp_path) -> Path:
+    root = tmp_path / "videos"
+    root.mkdir()
+    write_mp4(root / "a.mp4", 12)
+    (root / "a.txt").write_text("a grey fade")
+    return root
+
+
+def test_videos_are_indexed_for_video_families_only(folder):
+    data = DataSpec(path=str(folder))
+    assert [r.sample_id for r in list_samples(data, video=True)] == ["a.mp4"]
+    assert list_samples(data, video=True)[0].caption == "a grey fade"
+    assert index_dataset(data, read_captions=False, video=True).num_samples == 1  # validate counts clips
+    with pytest.raises(ValueError, match="no usable samples"):
+        list_samples(data)  # an image family sees no video
+
+
+def test_head_uniform_and_fps_choose_the_frames(folder):
+    for video, expected in (({"frames": 5}, [0, 1, 2, 3, 4]), ({"frames": 5, "sampling": "uniform"}, [0, 3, 6, 8, 11]),
+                            ({"frames": 5, "fps": 12}, [0, 2, 4, 6, 8])):
+        data = DataSpec(path=str(folder), video=video)
+        clip = VideoCaptionDataset(data, list_samples(data, video=True), 0)[0]["pixel_values"]
+        assert clip.shape == (3, 5, 32, 32) and _levels(clip) == expected, video
+    assert frame_positions(30, 30.0, 5, "uniform", 10) == [0, 6, 15, 21, 27]
+
+
+def test_stills_are_one_frame_clips_and_jsonl_lists_videos(folder):
+    from PIL import Image
+
+    Image.new("RGB", (40, 32), (200, 10, 10)).save(folder / "b.png")
+    (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "a.mp4", "text": "fade"}) + "\n"
+                                           + json.dumps({"file_name": "b.png", "text": "red"}) + "\n")
+    data = DataSpec(path=str(folder))
+    records = list_samples(data, video=True)
+    dataset = VideoCaptionDataset(data, records, 0)
+    assert [dataset[i]["pixel_values"].shape[1] for i in range(2)] == [5, 1]
+
+
+def test_bad_and_short_videos_are_named_in_one_message(folder):
+    write_mp4(folder / "short.mp4", 3)
+    (folder / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not really a video")
+    data = DataSpec(path=str(folder), video={"frames": 5})
+    bad = dict((record.sample_id, reason) for record, reason in find_bad_clips(list_samples(data, video=True), data))
+    assert sorted(bad) == ["broken.mp4", "short.mp4"]
+    assert "it has 3 frames, fewer than data.video.frames 5" in bad["short.mp4"] and str(folder) in bad["short.mp4"]
+    assert "cannot use video" in bad["broken.mp4"]
+    fps = DataSpec(path=str(folder), video={"frames": 5, "fps": 8})  # 12 frames at 24 fps: 4 at 8 fps
+    reasons = dict((r.sample_id, why) for r, why in find_bad_clips(list_samples(fps, video=True), fps))
+    assert "it has 4 frames at 8 fps (12 at the file's 24 fps)" in reasons["a.mp4"]
+
+
+def test_frames_must_be_four_k_plus_one():
+    with pytest.raises(ValueError, match="not 4k\\+1.*use 5 or 9"):
+        DataSpec(video={"frames": 6})
