@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from dstune.activations import (codec_frame_rate, flow_sample_bytes, lm_sample_bytes, speecht5_sample_bytes,
-                                tts_tokens, unet_sample_bytes)
+                                tts_tokens, unet_sample_bytes, wan_sample_bytes)
 from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_libraries
 from dstune.memory_plan import ModelCounts
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES
@@ -215,6 +215,8 @@ def _count_denoiser(spec, num_samples: int) -> ModelCounts:
     resolution = spec.data.resolution
     if module == "unet":
         full, checkpointed = unet_sample_bytes(config, resolution)
+    elif spec.model.family == "wan":
+        full, checkpointed = wan_sample_bytes(config, resolution, spec.data.video.frames, _text_tokens(spec, index))
     else:
         full, checkpointed = flow_sample_bytes(config, resolution, _text_tokens(spec, index))
     return ModelCounts(module, params, lora or params, largest, companions, cached, int(full), int(checkpointed),
@@ -238,11 +240,13 @@ def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int) -
     if cache.latents and "vae" in companions:
         vae = _read_json(folder / "vae" / "config.json")
         channels = vae.get("latent_channels") or vae.get("z_dim", 4)
-        per_sample += 2 * channels * (spec.data.resolution // _vae_factor(vae)) ** 2 * 4
+        latent_frames = 1 + (spec.data.video.frames - 1) // 4 if spec.model.family == "wan" else 1  # clips
+        per_sample += 2 * channels * latent_frames * (spec.data.resolution // _vae_factor(vae)) ** 2 * 4
     if cache.text_embeddings and (folder / "transformer" / "config.json").exists():  # flow: what the transformer reads
         transformer = _read_json(folder / "transformer" / "config.json")
         tokens = _text_tokens(spec, _read_json(folder / "model_index.json"))
-        text_width = transformer.get("joint_attention_dim") or transformer.get("cap_feat_dim", 0)  # Z-Image's name
+        text_width = (transformer.get("joint_attention_dim") or transformer.get("cap_feat_dim")  # Z-Image's name
+                      or transformer.get("text_dim", 0))  # Wan's
         per_sample += (tokens * text_width + transformer.get("pooled_projection_dim", 0)) * width
     elif cache.text_embeddings:  # sd, sdxl: each CLIP's 77 hidden states
         for part in companions:
