@@ -141,7 +141,7 @@ def _checked_clips(run: Run, spec: Spec) -> list:
         stop(run, f"data.path: {len(bad)} unusable video(s):\n{listing}{more}\nFix or remove them (video "
                   "datasets are checked whole before step 1; data.skip_bad_files does not apply to them).", 1)
     lengths = sorted({clip_frames(record, data) for record in records})
-    if len(lengths) > 1 and spec.train.micro_batch_size > 1:
+    if len(lengths) > 1 and (spec.train.micro_batch_size or 1) > 1:
         stop(run, f"data.path mixes still images (one-frame clips) with {data.video.frames}-frame videos, which "
                   "cannot share a micro batch: set train.micro_batch_size: 1 (with gradient accumulation for the "
                   "global batch), or train the stills and the videos separately.", 1)

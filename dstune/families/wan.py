@@ -172,6 +172,12 @@ def encode_batch(built: WanBuilt, batch: dict, dtype: torch.dtype = torch.float3
     if mean.ndim != 5:
         raise ValueError(f"model.family wan trains on clips (B, 3, frames, H, W); the batch's latents are "
                          f"{tuple(mean.shape)}")
+    patch = built.transformer_config["patch_size"]
+    if mean.shape[-1] % patch[2] or mean.shape[-2] % patch[1]:
+        factor = built.vae.config.scale_factor_spatial
+        raise ValueError(f"the Wan transformer takes {patch[1]}x{patch[2]} latent patches, so clip sides must be "
+                         f"multiples of {factor * patch[1]} px; got {mean.shape[-1] * factor}x{mean.shape[-2] * factor}"
+                         ". Change data.resolution.")
     if "encoder_hidden_states" in batch:
         text = batch["encoder_hidden_states"].to(built.device)
         if text.shape[1] != built.max_sequence_length:

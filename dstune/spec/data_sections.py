@@ -216,7 +216,7 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
     """Why `data` cannot feed `family` (speech data for speech families, images for image families, videos or
     images for video families), or None."""
     name = data.path[len(BUILTIN_PREFIX):] if data.path.startswith(BUILTIN_PREFIX) else None
-    if not video and (name == "moving-shapes" or "video" in data.model_fields_set):
+    if not video and (name == "moving-shapes" or data.video != VideoSpec()):  # the defaults alone are harmless
         return (f"model.family {family} trains on {'speech' if audio else 'images'}: data.path builtin:moving-shapes "
                 "and data.video are for video families (wan)")
     if video and (data.buckets.enabled or data.eval is not None or data.random_flip):
