@@ -129,7 +129,8 @@ class DataSpec(Section):
     path: str = Field(
         "builtin:shapes",
         description="Dataset folder, or `builtin:shapes` (synthetic coloured shapes with captions, generated offline), "
-        "or for audio families `builtin:tones` (digit strings spoken as tone sequences, generated offline).",
+        "for video families `builtin:moving-shapes` (the shapes moving, as clips), or for audio families "
+        "`builtin:tones` (digit strings spoken as tone sequences, generated offline).",
     )
     format: Literal["auto", "folder", "jsonl", "ljspeech", "gptsovits", "f5csv"] = Field(
         "auto",

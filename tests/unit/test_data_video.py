@@ -90,3 +90,17 @@ def test_bad_and_short_videos_are_named_in_one_message(folder):
 def test_frames_must_be_four_k_plus_one():
     with pytest.raises(ValueError, match="not 4k\\+1.*use 5 or 9"):
         DataSpec(video={"frames": 6})
+
+
+def test_video_data_belongs_to_video_families():
+    from dstune.spec.models import Spec
+
+    train = {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1}
+    with pytest.raises(ValueError, match="builtin:moving-shapes and data.video are for video families"):
+        Spec.model_validate({"model": {"family": "sd"}, "data": {"path": "builtin:moving-shapes"}, "train": train})
+    with pytest.raises(ValueError, match="data.video are for video families"):
+        Spec.model_validate({"model": {"family": "flow"}, "data": {"video": {"frames": 9}}, "train": train})
+    with pytest.raises(ValueError, match="random_flip are not offered for video"):
+        Spec.model_validate({"model": {"family": "wan"}, "data": {"random_flip": True}, "train": train})
+    spec = Spec.model_validate({"model": {"family": "wan"}, "data": {"path": "builtin:moving-shapes"}, "train": train})
+    assert spec.data.video.frames == 5 and spec.model.pretrained == "builtin:tiny-wan"
