@@ -104,3 +104,44 @@ def test_video_data_belongs_to_video_families():
         Spec.model_validate({"model": {"family": "wan"}, "data": {"random_flip": True}, "train": train})
     spec = Spec.model_validate({"model": {"family": "wan"}, "data": {"path": "builtin:moving-shapes"}, "train": train})
     assert spec.data.video.frames == 5 and spec.model.pretrained == "builtin:tiny-wan"
+
+
+def _one_process_run():
+    from dstune.distributed import Run
+    from dstune.world import World
+
+    world = World(world_size=1, num_nodes=1, ranks_per_node=(1,), hosts=("localhost",), source="test")
+    return Run(rank=0, local_rank=0, world=world, device="cpu", accelerator="cpu", node_rank=0, launched=False)
+
+
+def _startup_records(folder: Path, micro_batch_size: int = 1, **video):
+    from dstune.families import get_family
+    from dstune.spec.models import Spec
+    from dstune.startup import checked_records
+
+    spec = Spec.model_validate({"model": {"family": "wan"}, "data": {"path": str(folder), "video": video},
+                                "train": {"micro_batch_size": micro_batch_size, "gradient_accumulation_steps": 1,
+                                          "max_steps": 1}})
+    return checked_records(_one_process_run(), spec, get_family("wan"))
+
+
+def test_startup_stops_before_step_1_naming_every_unusable_video(folder, capsys):
+    write_mp4(folder / "short.mp4", 3)
+    (folder / "broken.mp4").write_bytes(b"not a video at all")
+    with pytest.raises(SystemExit) as stopped:
+        _startup_records(folder, frames=5)
+    message = capsys.readouterr().err
+    assert stopped.value.code == 1 and message.startswith("data.path: 2 unusable video(s):")
+    assert f"cannot use video {folder / 'broken.mp4'}" in message
+    assert f"cannot use video {folder / 'short.mp4'} (sample short.mp4): it has 3 frames" in message
+    assert "a.mp4" not in message  # 12 frames: usable
+
+
+def test_startup_refuses_stills_beside_videos_in_one_micro_batch(folder, capsys):
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (0, 0, 255)).save(folder / "still.png")
+    assert [r.sample_id for r in _startup_records(folder)] == ["a.mp4", "still.png"]  # micro batch 1: fine
+    with pytest.raises(SystemExit):
+        _startup_records(folder, micro_batch_size=2)
+    assert "mixes still images (one-frame clips) with 5-frame videos" in capsys.readouterr().err
