@@ -5,7 +5,8 @@ launches in all:
   trains, renders animated samples, exports a folder WanPipeline loads and renders frames with;
 - its resume from the step-2 checkpoint: steps 3-4 have the same losses and the export the same weights;
 - LoRA under ZeRO 3 with gradient checkpointing on a folder of real MP4 files (written here with PyAV, resampled to
-  12 fps): only adapters train, and the LoRA file loads with WanPipeline.load_lora_weights and changes the frames.
+  12 fps) and one still image (a one-frame clip, so one sample per micro batch), with only the text cache: only
+  adapters train, and the LoRA file loads with WanPipeline.load_lora_weights and changes the frames.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def _spec(run_dir: Path, stage: int, train: str, data: dict) -> dict:
         run_dir,
         model={"family": "wan", "pretrained": f"builtin:{MODEL}", "train": train, "gradient_checkpointing": lora},
         data=data,
-        train={"global_batch_size": 4, "micro_batch_size": 2, "gradient_accumulation_steps": None, "max_steps": STEPS,
+        train={"global_batch_size": 4, "micro_batch_size": 1 if lora else 2, "gradient_accumulation_steps": None,
+               "max_steps": STEPS,
                "optimizer": {"type": "adamw", "lr": 1e-2 if lora else 2e-4}},
         deepspeed={"zero_stage": stage},
         output={"save_every_steps": 2, "keep_last": 5, "export": "diffusers"},
@@ -41,8 +43,10 @@ def _spec(run_dir: Path, stage: int, train: str, data: dict) -> dict:
 
 
 def _write_mp4_folder(root: Path) -> Path:
-    """Eight moving-shapes clips as 24 fps H.264 MP4s of 12 frames, with same-stem captions."""
+    """Eight moving-shapes clips as 24 fps H.264 MP4s of 12 frames, and one still image, with same-stem captions."""
     import av
+
+    from dstune.data.synthetic import render_shape
 
     from dstune.data.synthetic import render_moving_shape
 
@@ -57,6 +61,9 @@ def _write_mp4_folder(root: Path) -> Path:
                 container.mux(stream.encode(av.VideoFrame.from_ndarray(np.asarray(frame), format="rgb24")))
             container.mux(stream.encode())
         (root / f"clip{number}.txt").write_text(caption)
+    still, caption = render_shape(3, 32)
+    still.save(root / "still.png")
+    (root / "still.txt").write_text(caption)
     return root
 
 
@@ -72,7 +79,8 @@ def runs(tmp_path_factory) -> dict:
     lora_dir = tmp_path_factory.mktemp("wan-lora-zero3") / "run"
     videos = _write_mp4_folder(lora_dir.parent / "videos")
     lora = write_spec(lora_dir.parent / "spec.yaml", _spec(lora_dir, 3, "lora", {
-        "path": str(videos), "video": {"frames": 5, "fps": 12, "sampling": "head"}}))
+        "path": str(videos), "video": {"frames": 5, "fps": 12, "sampling": "head"},
+        "cache": {"text_embeddings": True, "dir": str(lora_dir.parent / "cache")}}))
     out = {}
     for name, run_dir, spec_path in (("full", full_dir, full), ("lora", lora_dir, lora)):
         started = time.perf_counter()
@@ -119,5 +127,6 @@ def test_lora_on_mp4_files_loads_with_load_lora_weights_and_changes_frames(runs)
 
     run_dir, _, proc = runs["lora"]
     assert proc.returncode == 0, explain(proc)
-    assert "dataset samples       8" in proc.stdout  # the eight MP4 clips
+    assert "dataset samples       9" in proc.stdout  # the eight MP4 clips and the still
+    assert "entries, built now" in proc.stdout  # the captions' text entries
     check_lora_export(run_dir, proc, MODEL, WanPipeline, _render)
