@@ -133,3 +133,33 @@ def test_folders_of_other_wan_pipelines_are_refused_with_the_reason(tmp_path):
     (copy / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="two experts"):
         wan.build(WanModel(family="wan"), {"pretrained": copy}, "cpu")
+
+
+def test_cache_on_disk_is_what_the_cache_stores_per_clip(built):
+    """validate's "cache on disk" for one 9-frame 32 px clip under fp32 equals the bytes the cache writes: the
+    posterior's mean and std of its 3 latent frames and the caption's UMT5 embedding."""
+    from dstune.families.diffusion import vae_posterior
+    from dstune.model_sizes import count_model
+    from dstune.spec.models import Spec
+
+    spec = Spec.model_validate({"model": {"family": "wan", "max_sequence_length": 32},
+                                "data": {"path": "builtin:moving-shapes", "video": {"frames": 9},
+                                         "cache": {"latents": True, "text_embeddings": True}},
+                                "train": {"global_batch_size": 1, "max_steps": 1, "precision": "fp32"}})
+    mean, std = vae_posterior(built.vae, torch.zeros(1, 3, 9, 32, 32))
+    assert mean.shape == (1, 16, 3, 4, 4)
+    text = wan.encode_captions(built, ["a red circle moving left"])["encoder_hidden_states"]
+    assert count_model(spec, 1).cache_bytes == 4 * (mean.numel() + std.numel()) + text.numel() * text.element_size()
+
+
+def test_the_14b_launch_example_is_planned_from_the_stored_configs(capsys):
+    """Wan2.1-T2V-14B's stored configs count as published (14.3 B transformer, 5.68 B UMT5-XXL encoder, 127 M VAE);
+    rank-32 adapters on the four attention projections of both attentions of 40 blocks of width 5120."""
+    from dstune.cli import main
+
+    spec = str(REPO / "launch" / "wan21-t2v-14b-lora-zero3-8gpu.yaml")
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "2000", "--json"]) == 0
+    counts = json.loads(capsys.readouterr().out)["memory"]["parameters"]
+    assert 14.2e9 < counts["module_params"] < 14.4e9 and 5.6e9 < counts["companions"]["text_encoder"] < 5.75e9
+    assert 120e6 < counts["companions"]["vae"] < 130e6
+    assert counts["trainable_params"] == 40 * 2 * 4 * 32 * (5120 + 5120)
