@@ -71,14 +71,15 @@ def _fingerprints(folder: Path, text_folders: tuple[str, ...]) -> dict[str, str]
     return {"vae": folder_fingerprint(folder / "vae"), "text": text}
 
 
-def _content_hash(record, data: DataSpec, video: bool) -> str:
-    """The file's sha256, or for built-in samples the rendered pixels'; for clips data.video's choices (frames,
-    sampling, fps) are part of it, since they change what is encoded."""
+def _content_hash(record, data: DataSpec, clips) -> str:
+    """The file's sha256, or for built-in samples the rendered pixels'; for clips (`clips`: the video dataset that
+    reads them, None for images) data.video's choices (frames, sampling, fps) are part of it, since they change
+    what is encoded."""
+    video = clips is not None
     if record.image_path is not None:
         content = file_sha256(record.image_path)
     elif video:
-        clip = VideoCaptionDataset(data, [record], 0).load_clip(record)
-        content = bytes_sha256(b"builtin-clip\0" + clip.numpy().tobytes())
+        content = bytes_sha256(b"builtin-clip\0" + clips.load_clip(record).numpy().tobytes())
     else:
         number = int(record.sample_id.rsplit("/", 1)[1])
         content = bytes_sha256(b"builtin-render\0" + render_shape(number, data.resolution)[0].tobytes())
@@ -88,10 +89,11 @@ def _content_hash(record, data: DataSpec, video: bool) -> str:
 def _content_hashes(run, records, data: DataSpec, video: bool) -> tuple[dict[str, str], dict[str, str]]:
     """sample_id -> content sha256 for all records (each rank hashes a share), and sample_id -> reason for files
     that could not be read."""
-    mine, bad = {}, {}
-    for record in records[run.rank::run.world_size]:
+    mine, bad, share = {}, {}, records[run.rank::run.world_size]
+    clips = VideoCaptionDataset(data, share, 0) if video and share else None
+    for record in share:
         try:
-            mine[record.sample_id] = _content_hash(record, data, video)
+            mine[record.sample_id] = _content_hash(record, data, clips)
         except OSError as err:
             bad[record.sample_id] = err.strerror or str(err)
     hashes, unreadable = {}, {}

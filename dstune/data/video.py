@@ -55,17 +55,9 @@ def decode_video(path: str):
     return images, rate
 
 
-def read_clip(record: SampleRecord, data: DataSpec) -> list:
-    """The record's frames as RGB PIL images: a video's chosen frames, a still image alone, or the built-in clip.
-    BadSampleError naming the file and why it cannot be used."""
-    video = data.video
-    if record.image_path is None:
-        name, number = record.sample_id.rsplit("/", 1)
-        if name == "moving-shapes":
-            return render_moving_shape(int(number), data.resolution, video.frames)[0]
-        return [render_shape(int(number), data.resolution)[0]]
-    if not is_video_file(record.image_path):
-        return [ImageCaptionDataset(data, [record], 0).load_image(record)]
+def read_video(record: SampleRecord, video) -> list:
+    """The chosen frames (data.video: `video`) of the record's video file as RGB PIL images; BadSampleError naming
+    the file and why it cannot be used."""
     try:
         images, rate = decode_video(record.image_path)
         positions = frame_positions(len(images), rate, video.frames, video.sampling, video.fps)
@@ -84,8 +76,21 @@ def clip_tensor(images: list, resolution) -> torch.Tensor:
 class VideoCaptionDataset(ImageCaptionDataset):
     """Clips with captions; the same expanded-index, epoch and caption-dropout rules as the image dataset."""
 
+    def clip_images(self, record: SampleRecord) -> list:
+        """The record's frames as RGB PIL images: a video's chosen frames, a still image alone (the image dataset's
+        loader), or the built-in clip. BadSampleError naming the file and why it cannot be used."""
+        data = self.data
+        if record.image_path is None:
+            name, number = record.sample_id.rsplit("/", 1)
+            if name == "moving-shapes":
+                return render_moving_shape(int(number), data.resolution, data.video.frames)[0]
+            return [render_shape(int(number), data.resolution)[0]]
+        if not is_video_file(record.image_path):
+            return [self.load_image(record)]
+        return read_video(record, data.video)
+
     def load_clip(self, record: SampleRecord) -> torch.Tensor:
-        return clip_tensor(read_clip(record, self.data), self.data.resolution)
+        return clip_tensor(self.clip_images(record), self.data.resolution)
 
     def cache_pixels(self, record: SampleRecord, size, flip: bool) -> torch.Tensor:
         return self.load_clip(record)  # data.buckets and random_flip are refused for video: the one centre crop
@@ -119,12 +124,13 @@ def find_bad_clips(records: list[SampleRecord], data: DataSpec, rank: int = 0,
                    world_size: int = 1) -> list[tuple[SampleRecord, str]]:
     """(record, reason) for each file of this rank's share (records[rank::world_size]) that cannot give its clip:
     videos are decoded in full and their frames chosen, images opened. Gather all ranks' results."""
-    bad = []
-    for record in records[rank::world_size]:
+    bad, share = [], records[rank::world_size]
+    reader = VideoCaptionDataset(data, share, 0) if share else None
+    for record in share:
         if record.image_path is None:
             continue
         try:
-            read_clip(record, data)
+            reader.clip_images(record)
         except BadSampleError as err:
             bad.append((record, err.message))
     return bad
