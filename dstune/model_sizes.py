@@ -31,7 +31,7 @@ BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-f
                    "tiny-flux": "tiny-flux-v1", "tiny-tts-lm": "tiny-tts-lm-v3", "tiny-speecht5": "tiny-speecht5-v1",
                    "tiny-orpheus": "tiny-orpheus-v2", "tiny-qwen-image": "tiny-qwen-image-v1",
                    "tiny-z-image": "tiny-z-image-v1", "tiny-flux2": "tiny-flux2-v1",
-                   "tiny-wan": "tiny-wan-v1"}
+                   "tiny-wan": "tiny-wan-v1", "tiny-wan22": "tiny-wan22-v1"}
 DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer", "wan": "transformer"}
 FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 

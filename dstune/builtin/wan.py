@@ -5,6 +5,10 @@ width 3: 8x spatial and 4x temporal compression, 16 latent channels with per-cha
 untrained, so renders are noise-like clips), a UMT5 text encoder (two 32-wide layers) with the single-character T5
 tokenizer of builtin:tiny-flow built in memory, and the scheduler Wan2.1-T2V ships with (UniPCMultistepScheduler
 predicting flow with flow_shift 3.0). A 5-frame 32x32 clip is a (16, 2, 4, 4) latent, 8 transformer tokens.
+
+`builtin:tiny-wan22` is the Wan 2.2 A14B layout on the same parts: two experts (`transformer` for the high-noise
+timesteps, `transformer_2` for the low-noise ones, each like tiny-wan's, seeded apart) and boundary_ratio 0.875 (the
+A14B text-to-video value), with flow_shift 12.0 (Wan 2.2 A14B's text-to-video sample shift).
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ def tiny_umt5_encoder():
                                        eos_token_id=1, decoder_start_token_id=0))
 
 
-def build_tiny_wan(out: Path, needs: dict) -> dict:
-    """builtin:tiny-wan: a WanPipeline folder."""
+WAN22_BOUNDARY_RATIO = 0.875
+
+
+def _build(out: Path, two_experts: bool) -> dict:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 
     with quiet_hf_libraries():
@@ -46,12 +52,28 @@ def build_tiny_wan(out: Path, needs: dict) -> dict:
         text_encoder = tiny_umt5_encoder()
         vae = AutoencoderKLWan(**TINY_WAN_VAE)
         transformer = WanTransformer3DModel(**TINY_WAN_TRANSFORMER)
+    experts = {}
+    if two_experts:
+        with deterministic_cpu(_SEED + 1, BUILD_THREADS):
+            experts = dict(transformer_2=WanTransformer3DModel(**TINY_WAN_TRANSFORMER),
+                           boundary_ratio=WAN22_BOUNDARY_RATIO)
+    scheduler = UniPCMultistepScheduler(**{**WAN_SCHEDULER, "flow_shift": 12.0 if two_experts else 3.0})
     pipeline = WanPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
-                           transformer=transformer, scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER))
+                           transformer=transformer, scheduler=scheduler, **experts)
     with quiet_hf_libraries():
         pipeline.save_pretrained(out, safe_serialization=True)
     return {"transformer_parameters": sum(p.numel() for p in transformer.parameters()),
             "vae_parameters": sum(p.numel() for p in vae.parameters())}
+
+
+def build_tiny_wan(out: Path, needs: dict) -> dict:
+    """builtin:tiny-wan: a Wan 2.1 WanPipeline folder."""
+    return _build(out, two_experts=False)
+
+
+def build_tiny_wan22(out: Path, needs: dict) -> dict:
+    """builtin:tiny-wan22: a two-expert (Wan 2.2 A14B layout) WanPipeline folder."""
+    return _build(out, two_experts=True)
 
 
 TINY_WAN = BuiltinModel(
@@ -59,3 +81,8 @@ TINY_WAN = BuiltinModel(
     description="Wan 2.1 text-to-video pipeline: two-layer Wan transformer (24 wide), UMT5 text encoder (two "
                 "32-wide layers), a random AutoencoderKLWan with the real 8x spatial / 4x temporal factors",
     build=build_tiny_wan)
+TINY_WAN22 = BuiltinModel(
+    name="tiny-wan22", folder_name="tiny-wan22-v1", family="wan",
+    description="Wan 2.2 A14B layout: two tiny Wan experts (high and low noise, boundary_ratio 0.875) on tiny-wan's "
+                "VAE and UMT5",
+    build=build_tiny_wan22)

@@ -9,8 +9,10 @@ timestep and sigma tables of a FlowMatchEulerDiscreteScheduler with the model's 
 scheduler Wan ships with, or FlowMatchEuler's shift), x_t = (1 - sigma) x0 + sigma noise (what the scheduler's
 scale_noise computes), target noise - x0. Every draw comes from sample_generator(seed, step, index, purpose).
 
-Not offered yet: Wan 2.2 A14B's two experts (transformer_2, boundary_ratio) and image-to-video (image_encoder);
-such folders are refused at build with the reason.
+Two experts (Wan 2.2 A14B: `transformer` for the timesteps at or above boundary_ratio x 1000, `transformer_2` below):
+a run trains one of them (model.expert), drawing its timesteps from its own range of the tables only; the other
+stays frozen in host memory and joins for samples. Not offered yet: image-to-video (image_encoder) and Wan 2.2's
+TI2V (expand_timesteps); such folders are refused at build with the reason.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class WanBuilt:
     settings: WanModel
     max_sequence_length: int
     transformer_config: dict
+    trained_name: str = "transformer"  # the pipeline component trained: transformer, or transformer_2 (low noise)
+    other_expert: Optional[torch.nn.Module] = None  # two experts: the untrained one, frozen, in host memory
+    boundary_ratio: Optional[float] = None
+    positions: tuple[int, int] = (0, 0)  # (first table position, how many) this expert trains on; (0, 0): all
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:
@@ -61,10 +67,11 @@ class WanBuilt:
 # ---------------------------------------------------------------------------------------------------- build
 
 
-def folder_problems(folder: Path) -> list[str]:
-    """Why `folder` is not a Wan 2.1 text-to-video pipeline folder dstune trains (empty: it is)."""
+def folder_problems(folder: Path, expert: Optional[str] = None) -> list[str]:
+    """Why `folder` is not a Wan text-to-video pipeline folder dstune trains with model.expert `expert` (empty: it
+    is)."""
     index = read_model_index(folder)
-    problems = []
+    problems = _expert_problems(folder, index, expert)
     for name, expected in COMPONENTS.items():
         entry = index.get(name)
         listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
@@ -72,18 +79,37 @@ def folder_problems(folder: Path) -> list[str]:
             problems.append(f"no `{name}` component (model_index.json entry and {name}/ subfolder)")
         elif expected is not None and listed != expected:
             problems.append(f"`{name}` is a {listed}; expected {expected}")
-    if (index.get("transformer_2") or [None, None])[1] is not None:
-        problems.append("it has two experts (transformer_2: Wan 2.2 A14B), which dstune does not train yet")
     if (index.get("image_encoder") or [None, None])[1] is not None:
         problems.append("it has an image_encoder (image-to-video), which dstune does not train yet")
+    if index.get("expand_timesteps"):
+        problems.append("it expands timesteps per token (Wan 2.2 TI2V), which dstune does not train yet")
     if not problems:
-        transformer, vae = read_component_config(folder, "transformer"), read_component_config(folder, "vae")
-        text = read_component_config(folder, "text_encoder")
-        for key, want, source in (("in_channels", vae.get("z_dim"), "the VAE's z_dim"),
-                                  ("text_dim", text.get("d_model"), "the text encoder's d_model")):
-            if transformer.get(key) != want:
-                problems.append(f"transformer {key} {transformer.get(key)} != {want} ({source})")
+        vae, text = read_component_config(folder, "vae"), read_component_config(folder, "text_encoder")
+        for name in _experts(index):
+            transformer = read_component_config(folder, name)
+            for key, want, source in (("in_channels", vae.get("z_dim"), "the VAE's z_dim"),
+                                      ("text_dim", text.get("d_model"), "the text encoder's d_model")):
+                if transformer.get(key) != want:
+                    problems.append(f"{name} {key} {transformer.get(key)} != {want} ({source})")
     return problems
+
+
+def _experts(index: dict) -> list[str]:
+    return ["transformer"] + (["transformer_2"] if (index.get("transformer_2") or [None, None])[1] else [])
+
+
+def _expert_problems(folder: Path, index: dict, expert: Optional[str]) -> list[str]:
+    two = len(_experts(index)) == 2
+    if two and not (folder / "transformer_2").is_dir():
+        return ["model_index.json lists transformer_2 but there is no transformer_2/ subfolder"]
+    if two and index.get("boundary_ratio") is None:
+        return ["it has two experts (transformer, transformer_2) but no boundary_ratio in model_index.json"]
+    if two and expert is None:
+        return ["it has two experts (Wan 2.2 A14B): set model.expert to high_noise (transformer, timesteps at or "
+                f"above {index['boundary_ratio']} x 1000) or low_noise (transformer_2, below); a run trains one"]
+    if not two and expert is not None:
+        return [f"model.expert {expert} applies to two-expert folders (transformer_2); this one has one: remove it"]
+    return []
 
 
 def train_tables(scheduler_config, shift: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -108,9 +134,9 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
     folder = folders["pretrained"]
-    problems = folder_problems(folder)
+    problems = folder_problems(folder, model.expert)
     if problems:
-        raise FamilyError(f"{folder} cannot be used as a Wan 2.1 text-to-video pipeline (model.family wan):\n"
+        raise FamilyError(f"{folder} cannot be used as a Wan text-to-video pipeline (model.family wan):\n"
                           + "\n".join(f"  - {p}" for p in problems))
     device = torch.device(device)
     with quiet_hf_libraries():
@@ -118,7 +144,13 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
 
         scheduler_class = getattr(diffusers, read_model_index(folder)["scheduler"][1])
     scheduler = load_component(folder, "scheduler", scheduler_class.from_pretrained)
-    transformer = load_trainable(folder, "transformer", WanTransformer3DModel, device, zero3_config)
+    trained_name = "transformer_2" if model.expert == "low_noise" else "transformer"
+    transformer = load_trainable(folder, trained_name, WanTransformer3DModel, device, zero3_config)
+    other_expert, boundary = None, read_model_index(folder).get("boundary_ratio")
+    if model.expert is not None:  # on the host until samples need it (a 14 B expert is 28 GB in bf16)
+        other_name = "transformer" if trained_name == "transformer_2" else "transformer_2"
+        other_expert = load_component(folder, other_name, WanTransformer3DModel.from_pretrained,
+                                      torch_dtype=dtype_for_frozen).eval().requires_grad_(False)
     if model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     transformer.to(device).train().requires_grad_(True)
@@ -131,16 +163,32 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
     return WanBuilt(folder=folder, device=device, trainable=transformer, vae=vae.eval().requires_grad_(False),
                     text_encoder=text_encoder.eval().requires_grad_(False), tokenizer=tokenizer,
                     scheduler=scheduler, train_timesteps=timesteps, train_sigmas=sigmas, settings=model,
-                    max_sequence_length=int(max_length), transformer_config=dict(transformer.config))
+                    max_sequence_length=int(max_length), transformer_config=dict(transformer.config),
+                    trained_name=trained_name, other_expert=other_expert, boundary_ratio=boundary,
+                    positions=expert_positions(timesteps, model.expert, boundary, scheduler.config))
+
+
+def expert_positions(timesteps: torch.Tensor, expert: Optional[str], boundary_ratio, scheduler_config) -> tuple:
+    """(first table position, count) of the timesteps an expert trains on: WanPipeline runs `transformer` at
+    t >= boundary_ratio x num_train_timesteps and `transformer_2` below (the tables descend from 1000)."""
+    if expert is None:
+        return 0, len(timesteps)
+    high = int((timesteps >= boundary_ratio * scheduler_config.num_train_timesteps).sum())
+    return (0, high) if expert == "high_noise" else (high, len(timesteps) - high)
 
 
 def _pipeline(built: WanBuilt, transformer=None, vae=None):
-    """WanPipeline around the built parts (references, no copies); without transformer and VAE the text side."""
+    """WanPipeline around the built parts (references, no copies); without transformer and VAE the text side. With
+    two experts the trained one sits in its own slot and the other beside it."""
+    experts = {"transformer": transformer}
+    if transformer is not None and built.other_expert is not None:
+        other = "transformer" if built.trained_name == "transformer_2" else "transformer_2"
+        experts = {built.trained_name: transformer, other: built.other_expert}
     with quiet_hf_libraries():
         from diffusers import WanPipeline
 
         pipeline = WanPipeline(tokenizer=built.tokenizer, text_encoder=built.text_encoder, vae=vae,
-                               transformer=transformer, scheduler=built.scheduler)
+                               scheduler=built.scheduler, boundary_ratio=built.boundary_ratio, **experts)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 
@@ -203,8 +251,9 @@ def loss(built: WanBuilt, trainable_forward: Callable, encoded: dict, seed: int,
     draw = lambda shape, purpose: per_sample_randn(shape, seed, step, indices, purpose).to(device)  # noqa: E731
     latents = normalised_latents(built.vae.config, mean + std * draw(mean.shape[1:], "vae_posterior"))
     noise = draw(latents.shape[1:], "noise")
-    positions = (timestep_density(built.settings, seed, step, indices) * len(built.train_sigmas)).long()
-    positions = positions.clamp(0, len(built.train_sigmas) - 1)  # u == 1.0 (a float32 sigmoid can round up)
+    first, count = built.positions  # one expert's range of the tables (all of them with one expert)
+    positions = (timestep_density(built.settings, seed, step, indices) * count).long()
+    positions = first + positions.clamp(0, count - 1)  # u == 1.0 (a float32 sigmoid can round up)
     timesteps, sigmas, noisy, _ = noisy_and_target(built, latents, noise, positions)
     dtype = next(built.trainable.parameters()).dtype
     prediction = trainable_forward(hidden_states=noisy.to(dtype), timestep=timesteps.to(dtype),
@@ -229,6 +278,8 @@ def sample(built: WanBuilt, transformer_module: torch.nn.Module, prompts: list[s
     was_training = transformer_module.training
     transformer_module.eval()
     clips = []
+    if built.other_expert is not None:
+        built.other_expert.to(built.device)
     try:
         with inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype), quiet_hf_libraries():
             for number, prompt in enumerate(prompts):  # one generator per prompt (WanPipeline takes one)
@@ -239,6 +290,8 @@ def sample(built: WanBuilt, transformer_module: torch.nn.Module, prompts: list[s
                 clips.append(list(result.frames[0]))
     finally:
         transformer_module.train(was_training)
+        if built.other_expert is not None:
+            built.other_expert.to("cpu")
     return clips
 
 
@@ -257,11 +310,12 @@ def export(built: WanBuilt, transformer_state_dict: dict, out_dir, pretrained_fo
                           f"{sorted(expected - given)[:3]}, unexpected {sorted(given - expected)[:3]}")
     transformer.load_state_dict(transformer_state_dict, strict=True)
     source = Path(pretrained_folder) if pretrained_folder is not None else built.folder
-    return export_pipeline_folder(source, out_dir, "transformer", transformer)
+    return export_pipeline_folder(source, out_dir, built.trained_name, transformer)
 
 
 def save_lora_weights(built: WanBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:
-    """pytorch_lora_weights.safetensors as WanPipeline writes it (WanPipeline.load_lora_weights reads it)."""
+    """pytorch_lora_weights.safetensors as WanPipeline writes it (WanPipeline.load_lora_weights reads it; a
+    low-noise expert's with load_into_transformer_2=True)."""
     with quiet_hf_libraries():
         from diffusers import WanPipeline
 

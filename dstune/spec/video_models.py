@@ -47,6 +47,11 @@ class WanModel(DenoiserModelBase):
         "most the tokenizer's model_max_length.",
     )
 
+    expert: Optional[Literal["high_noise", "low_noise"]] = Field(
+        None, description="Two-expert folders only (Wan 2.2 A14B: `transformer` and `transformer_2` with a "
+        "boundary_ratio): which expert this run trains. `high_noise`: `transformer`, on the timesteps at or above "
+        "boundary_ratio x 1000; `low_noise`: `transformer_2`, on those below. The other expert stays frozen in host "
+        "memory and joins only for samples. Required for such folders, refused for one-expert ones.")
     sample_frames: int = Field(
         5, gt=0, description="Frames of each clip rendered for `sample.prompts` during training (4k+1; the samples "
         "page plays them as animated PNGs).")

@@ -124,42 +124,94 @@ def test_samples_are_animated_pngs(built, tmp_path):
 
 def test_folders_of_other_wan_pipelines_are_refused_with_the_reason(tmp_path):
     folder = tiny.ensure_builtin_model("tiny-wan", CACHE_DIR)
-    copy = tmp_path / "a14b"
+    copy = tmp_path / "i2v"
     import shutil
 
     shutil.copytree(folder, copy)
     index = json.loads((copy / "model_index.json").read_text())
-    index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]
+    index["image_encoder"] = ["transformers", "CLIPVisionModel"]  # image-to-video
+    index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]  # listed, but no folder
     (copy / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match="two experts"):
-        wan.build(WanModel(family="wan"), {"pretrained": copy}, "cpu")
+    with pytest.raises(ValueError, match="(?s)no transformer_2/ subfolder.*image_encoder \\(image-to-video\\)"):
+        wan.build(WanModel(family="wan", expert="high_noise"), {"pretrained": copy}, "cpu")
 
 
-def test_cache_on_disk_is_what_the_cache_stores_per_clip(built):
-    """validate's "cache on disk" for one 9-frame 32 px clip under fp32 equals the bytes the cache writes: the
-    posterior's mean and std of its 3 latent frames and the caption's UMT5 embedding."""
-    from dstune.families.diffusion import vae_posterior
-    from dstune.model_sizes import count_model
-    from dstune.spec.models import Spec
-
-    spec = Spec.model_validate({"model": {"family": "wan", "max_sequence_length": 32},
-                                "data": {"path": "builtin:moving-shapes", "video": {"frames": 9},
-                                         "cache": {"latents": True, "text_embeddings": True}},
-                                "train": {"global_batch_size": 1, "max_steps": 1, "precision": "fp32"}})
-    mean, std = vae_posterior(built.vae, torch.zeros(1, 3, 9, 32, 32))
-    assert mean.shape == (1, 16, 3, 4, 4)
-    text = wan.encode_captions(built, ["a red circle moving left"])["encoder_hidden_states"]
-    assert count_model(spec, 1).cache_bytes == 4 * (mean.numel() + std.numel()) + text.numel() * text.element_size()
+# ------------------------------------------------------------------------- two experts (Wan 2.2 A14B layout)
 
 
-def test_the_14b_launch_example_is_planned_from_the_stored_configs(capsys):
-    """Wan2.1-T2V-14B's stored configs count as published (14.3 B transformer, 5.68 B UMT5-XXL encoder, 127 M VAE);
-    rank-32 adapters on the four attention projections of both attentions of 40 blocks of width 5120."""
-    from dstune.cli import main
+@pytest.fixture(scope="module")
+def low_noise():
+    return build_model(WanModel(family="wan", pretrained="builtin:tiny-wan22", expert="low_noise"), CACHE_DIR, "cpu")
 
-    spec = str(REPO / "launch" / "wan21-t2v-14b-lora-zero3-8gpu.yaml")
-    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "2000", "--json"]) == 0
-    counts = json.loads(capsys.readouterr().out)["memory"]["parameters"]
-    assert 14.2e9 < counts["module_params"] < 14.4e9 and 5.6e9 < counts["companions"]["text_encoder"] < 5.75e9
-    assert 120e6 < counts["companions"]["vae"] < 130e6
-    assert counts["trainable_params"] == 40 * 2 * 4 * 32 * (5120 + 5120)
+
+def test_two_expert_folders_need_model_expert_and_one_expert_folders_refuse_it():
+    with pytest.raises(ValueError, match="set model.expert to high_noise .* or low_noise"):
+        build_model(WanModel(family="wan", pretrained="builtin:tiny-wan22"), CACHE_DIR, "cpu")
+    with pytest.raises(ValueError, match="model.expert high_noise applies to two-expert folders"):
+        build_model(WanModel(family="wan", expert="high_noise"), CACHE_DIR, "cpu")
+
+
+def test_an_expert_trains_its_own_component_on_its_own_timesteps(low_noise):
+    """low_noise trains transformer_2 on the table's timesteps below boundary_ratio x 1000 (WanPipeline runs it
+    there), high_noise transformer on the rest; the loss only draws positions from the expert's range."""
+    from safetensors.torch import load_file
+
+    assert low_noise.trained_name == "transformer_2" and low_noise.boundary_ratio == 0.875
+    weights = load_file(low_noise.folder / "transformer_2" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(weights[name], p) for name, p in low_noise.trainable.state_dict().items())
+    first, count = low_noise.positions
+    assert first + count == len(low_noise.train_timesteps) and count > 0
+    assert (low_noise.train_timesteps[first:] < 875).all() and (low_noise.train_timesteps[:first] >= 875).all()
+    assert wan.expert_positions(low_noise.train_timesteps, "high_noise", 0.875, low_noise.scheduler.config) == \
+        (0, first)
+    seen = []
+    encoded = wan.encode_batch(low_noise, _batch())
+
+    def forward(**inputs):
+        seen.extend(inputs["timestep"].tolist())
+        return low_noise.trainable(**inputs)
+
+    for step in range(5):
+        wan.loss(low_noise, forward, encoded, SEED, step)
+    assert len(seen) == 15 and max(seen) < 875
+
+
+def test_low_noise_expert_exports_and_its_lora_loads_into_transformer_2(low_noise, tmp_path):
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file
+
+    from dstune.families.lora import apply_train_mode, export_lora
+
+    state = {name: value + 0.01 for name, value in low_noise.trainable.state_dict().items()}
+    out = wan.export(low_noise, state, tmp_path / "full")
+    trained = load_file(out / "transformer_2" / "diffusion_pytorch_model.safetensors")
+    kept = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
+    start = load_file(low_noise.folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(trained[k], state[k]) for k in state) and all(torch.equal(kept[k], start[k]) for k in start)
+
+    spec = WanModel(family="wan", pretrained="builtin:tiny-wan22", expert="low_noise", train="lora")
+    model = build_model(spec, CACHE_DIR, "cpu")
+    apply_train_mode(model.trainable, spec, seed=0, family=wan.FAMILY)
+    with torch.no_grad():
+        for name, param in model.trainable.named_parameters():
+            if ".lora_B." in name:  # B starts at zero: "train" it
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    lora = export_lora(wan.FAMILY, model, {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
+                       tmp_path / "lora", spec)
+    encoded = wan.encode_batch(model, _batch([1]))
+    pipeline = WanPipeline.from_pretrained(model.folder)
+    with torch.no_grad():
+        base_loss = wan.loss(model, pipeline.transformer_2, encoded, 0, 1)
+    pipeline.load_lora_weights(lora, load_into_transformer_2=True)
+    with torch.no_grad():
+        trained_loss, loaded = (wan.loss(model, module, encoded, 0, 1) for module in (model.trainable,
+                                                                                      pipeline.transformer_2))
+    assert loaded.item() == pytest.approx(trained_loss.item(), rel=1e-6) and loaded.item() != base_loss.item()
+    calls = {"trained": 0, "other": 0}  # samples run both experts, each on its side of the boundary
+    hooks = [module.register_forward_hook(lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
+             for key, module in (("trained", model.trainable), ("other", model.other_expert))]
+    clips = wan.sample(model, model.trainable, ["a red circle moving left"], SampleSpec(steps=4), 32)
+    for hook in hooks:
+        hook.remove()
+    assert len(clips[0]) == 5 and calls["trained"] > 0 and calls["other"] > 0, calls
+    assert next(model.other_expert.parameters()).device.type == "cpu"
