@@ -38,34 +38,67 @@ def frame_positions(available: int, source_fps: float, frames: int, sampling: st
     return [timeline[nearest(i * (resampled - 1) / (frames - 1))] for i in range(frames)]
 
 
-def decode_video(path: str):
-    """(every frame as an RGB PIL image, the stream's average frame rate). OSError/ValueError from PyAV on bad data."""
+def _video_stream(container):
+    """The first video stream and its average frame rate; ValueError when there is none or it states no rate."""
+    if not container.streams.video:
+        raise ValueError("the file has no video stream")
+    stream = container.streams.video[0]
+    rate = float(stream.average_rate or stream.guessed_rate or 0)
+    if not rate:
+        raise ValueError("the video stream states no frame rate")
+    return stream, rate
+
+
+def frame_count(path: str, trust_header: bool = True) -> tuple[int, float]:
+    """(frames, frames per second) of the video: the container's stated count, or with trust_header=False (or when
+    it states none) the frames actually decoded, without converting any."""
     import av
 
     with av.open(path) as container:
-        if not container.streams.video:
-            raise ValueError("the file has no video stream")
-        stream = container.streams.video[0]
-        rate = float(stream.average_rate or stream.guessed_rate or 0) or None
-        images = [frame.to_image().convert("RGB") for frame in container.decode(stream)]
-    if not images:
-        raise ValueError("no frame could be decoded")
-    if rate is None:
-        raise ValueError("the video stream states no frame rate")
-    return images, rate
+        stream, rate = _video_stream(container)
+        if trust_header and stream.frames > 0:
+            return int(stream.frames), rate
+        return sum(1 for _ in container.decode(stream)), rate
+
+
+def decode_frames(path: str, positions: list[int]) -> list:
+    """The frames at `positions` (0-based, repeats allowed) as RGB PIL images, decoding no further than the last;
+    ValueError when the video ends (or breaks) before it."""
+    import av
+
+    wanted, images, decoded = set(positions), {}, 0
+    with av.open(path) as container:
+        stream, _ = _video_stream(container)
+        for number, frame in enumerate(container.decode(stream)):
+            decoded = number + 1
+            if number in wanted:
+                images[number] = frame.to_image().convert("RGB")
+            if number >= max(wanted):
+                break
+    if len(images) < len(wanted):
+        raise ValueError(f"only {decoded} frames could be decoded, frame {max(wanted)} is needed")
+    return [images[p] for p in positions]
 
 
 def read_video(record: SampleRecord, video) -> list:
-    """The chosen frames (data.video: `video`) of the record's video file as RGB PIL images; BadSampleError naming
-    the file and why it cannot be used."""
+    """The chosen frames (data.video: `video`) of the record's video file as RGB PIL images, decoding only as far as
+    the last of them (a long video is not decoded whole for its first frames); BadSampleError naming the file and
+    why it cannot be used."""
+    def chosen(trust_header: bool) -> list:
+        count, rate = frame_count(record.image_path, trust_header)
+        return decode_frames(record.image_path, frame_positions(count, rate, video.frames, video.sampling, video.fps))
+
     try:
-        images, rate = decode_video(record.image_path)
-        positions = frame_positions(len(images), rate, video.frames, video.sampling, video.fps)
+        try:
+            return chosen(trust_header=True)
+        except ValueError as err:
+            if str(err).startswith("only "):  # the header overstated the frames: count them and choose again
+                return chosen(trust_header=False)
+            raise
     except (OSError, ValueError) as err:  # PyAV's errors (InvalidDataError, ...) are OSError/ValueError subclasses
         reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
         raise BadSampleError(f"cannot use video {record.image_path} (sample {record.sample_id}): {reason}. Replace "
                              "or delete the file, or change data.video (frames, fps).", record.image_path) from None
-    return [images[i] for i in positions]
 
 
 def clip_tensor(images: list, resolution) -> torch.Tensor:

@@ -145,3 +145,13 @@ def test_startup_refuses_stills_beside_videos_in_one_micro_batch(folder, capsys)
     with pytest.raises(SystemExit):
         _startup_records(folder, micro_batch_size=2)
     assert "mixes still images (one-frame clips) with 5-frame videos" in capsys.readouterr().err
+
+
+def test_frames_are_decoded_only_as_far_as_needed_and_counted_either_way(folder):
+    from dstune.data.video import clip_tensor, decode_frames, frame_count
+
+    path = str(folder / "a.mp4")
+    assert frame_count(path) == frame_count(path, trust_header=False) == (12, 24.0)
+    assert _levels(clip_tensor(decode_frames(path, [0, 2, 2, 5]), 32)) == [0, 2, 2, 5]  # fps up-sampling repeats
+    with pytest.raises(ValueError, match="only 12 frames could be decoded, frame 20 is needed"):
+        decode_frames(path, [0, 20])
