@@ -18,7 +18,7 @@ install:
 # pytest exits 5 when a folder holds no tests yet (tests/dist before the training issue); that is not a failure.
 TEST_JOBS ?= 2
 test: install
-	@$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests/unit tests/dist; status=$$?; \
+	@$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 tests/unit tests/dist; status=$$?; \
 		if [ $$status -eq 5 ]; then echo "(no tests collected)"; exit 0; fi; exit $$status
 
 # The demo: validate, then really train the built-in tiny model on the built-in shapes with 2 ranks (on the CPU

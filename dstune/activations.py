@@ -65,17 +65,19 @@ def unet_sample_bytes(config: dict, resolution: int) -> tuple[float, float]:
     return full, sum(kept for _, kept in blocks) + max(block for block, _ in blocks)
 
 
-def flow_sample_bytes(config: dict, resolution: int, text_tokens: int) -> tuple[float, float]:
-    """A flow transformer (SD3, Flux, Qwen-Image, Z-Image): image tokens are 2x2 latent patches (16 px), text tokens
-    join them."""
-    tokens = (resolution / 16) ** 2 + text_tokens
+def flow_sample_bytes(config: dict, resolution: int, text_tokens: int, images: int = 1) -> tuple[float, float]:
+    """A flow transformer (SD3, Flux, Qwen-Image, Z-Image, FLUX.2): image tokens are 2x2 latent patches (16 px), text tokens
+    join them. `images`: 2 for an edit model, whose source image's tokens follow the target's."""
+    tokens = images * (resolution / 16) ** 2 + text_tokens
     if "dim" in config:  # Z-Image: single stream, SwiGLU feed-forward (8/3 wide), refiner layers before it
         hidden = config["dim"]
         return transformer_stack(tokens, hidden, int(hidden * 8 / 3), True,
                                  config["n_layers"] + config.get("n_refiner_layers", 0))
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
     layers = config.get("num_layers", 0) + config.get("num_single_layers", 0)
-    return transformer_stack(tokens, hidden, 4 * hidden, False, layers)
+    # FLUX.2's feed-forward is SwiGLU, mlp_ratio (3) wide; SD3, Flux and Qwen-Image use a plain 4x GELU MLP
+    gated = config.get("_class_name") == "Flux2Transformer2DModel"
+    return transformer_stack(tokens, hidden, int(hidden * config.get("mlp_ratio", 4.0)), gated, layers)
 
 
 def wan_sample_bytes(config: dict, resolution: int, frames: int, text_tokens: int) -> tuple[float, float]:

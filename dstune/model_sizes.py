@@ -30,9 +30,10 @@ STORE = Path(__file__).resolve().parent / "model_configs"
 BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-flow": "tiny-flow-v1",
                    "tiny-flux": "tiny-flux-v1", "tiny-tts-lm": "tiny-tts-lm-v3", "tiny-speecht5": "tiny-speecht5-v1",
                    "tiny-orpheus": "tiny-orpheus-v2", "tiny-qwen-image": "tiny-qwen-image-v1",
-                   "tiny-z-image": "tiny-z-image-v1", "tiny-flux2": "tiny-flux2-v1",
+                   "tiny-qwen-image-edit": "tiny-qwen-image-edit-v1", "tiny-z-image": "tiny-z-image-v1", "tiny-flux2": "tiny-flux2-v1",
                    "tiny-wan": "tiny-wan-v1", "tiny-wan22": "tiny-wan22-v1"}
 DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer", "wan": "transformer"}
+EDIT_PIPELINES = ("QwenImageEditPipeline",)  # trained on (source, target) pairs: twice the image tokens and latents
 FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
 
@@ -218,7 +219,8 @@ def _count_denoiser(spec, num_samples: int) -> ModelCounts:
     elif spec.model.family == "wan":
         full, checkpointed = wan_sample_bytes(config, resolution, spec.data.video.frames, _text_tokens(spec, index))
     else:
-        full, checkpointed = flow_sample_bytes(config, resolution, _text_tokens(spec, index))
+        full, checkpointed = flow_sample_bytes(config, resolution, _text_tokens(spec, index),
+                                               2 if index.get("_class_name") in EDIT_PIPELINES else 1)
     return ModelCounts(module, params, lora or params, largest, companions, cached, int(full), int(checkpointed),
                        default_lora, _image_cache_bytes(spec, folder, companions, num_samples), origin,
                        builds_partitioned=True)  # sd, sdxl and flow build the denoiser partitioned under ZeRO-3
@@ -229,6 +231,8 @@ def _text_tokens(spec, index: dict) -> int:
     max_sequence_length (512 by default: the Flux and Qwen-Image training examples')."""
     sd3 = (index.get("transformer") or [None, ""])[1] == "SD3Transformer2DModel"
     tokens = spec.model.max_sequence_length or (77 if sd3 else 512)
+    if index.get("_class_name") in EDIT_PIPELINES:  # the source image's vision tokens (28 px each) join the text
+        tokens += int((spec.data.resolution / 28) ** 2)
     return 77 + tokens if sd3 else tokens
 
 
@@ -240,8 +244,10 @@ def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int) -
     if cache.latents and "vae" in companions:
         vae = _read_json(folder / "vae" / "config.json")
         channels = vae.get("latent_channels") or vae.get("z_dim", 4)
+        pictures = 2 if _read_json(folder / "model_index.json").get("_class_name") in EDIT_PIPELINES else 1
         latent_frames = 1 + (spec.data.video.frames - 1) // 4 if spec.model.family == "wan" else 1  # clips
-        per_sample += 2 * channels * latent_frames * (spec.data.resolution // _vae_factor(vae)) ** 2 * 4
+        side = spec.data.resolution // _vae_factor(vae)
+        per_sample += pictures * 2 * channels * latent_frames * side ** 2 * 4  # edit: + the source's latents
     if cache.text_embeddings and (folder / "transformer" / "config.json").exists():  # flow: what the transformer reads
         transformer = _read_json(folder / "transformer" / "config.json")
         tokens = _text_tokens(spec, _read_json(folder / "model_index.json"))

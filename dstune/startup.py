@@ -168,6 +168,9 @@ def _latent_job(run: Run, spec: Spec, family: Family, model_folder: Path) -> Lat
     if spec.data.cache.text_embeddings and text_cache is None:
         stop(run, f"data.cache.text_embeddings: model.family {family.name} has no text-embedding cache; set "
                   "data.cache.text_embeddings: false", 1)
+    refusal = text_cache.refusal(model_folder) if spec.data.cache.text_embeddings and text_cache.refusal else None
+    if refusal:
+        stop(run, refusal, 1)
     settings = text_cache.settings(spec.model) if text_cache and text_cache.settings else ""
     folder = cache_folder(spec.data.cache.dir, spec.output.cache_dir, run.rank, run.node_rank)
     return LatentCacheJob(spec.data, folder, model_folder, text_cache, settings, spec.train.seed,

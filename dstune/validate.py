@@ -20,12 +20,12 @@ from typing import Callable, Iterable, Optional, Union
 
 from dstune.data.audio_index import duration_groups, index_audio
 from dstune.data.buckets import assign_buckets, bucket_counts
-from dstune.data.index import DataError, builtin_name, index_dataset
+from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset
 from dstune.ds_config import compile_ds_config, user_config_path
 from dstune.ds_config import cross_check as deepspeed_cross_check
 from dstune.ds_file_spec import apply_ds_file, ds_value_sources
 from dstune.memory_plan import Setup, memory_json
-from dstune.model_sizes import SizesUnknown, count_model
+from dstune.model_sizes import EDIT_PIPELINES, SizesUnknown, config_folder, count_model
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
@@ -106,6 +106,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_trackers(spec, source, found)
     _check_lora_format(spec, source, found)
     _check_token_layout(spec, source, found)
+    _check_edit_model(spec, source, found)
     count, origin, groups = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:
@@ -227,6 +228,42 @@ def _check_lora_format(spec: Spec, source: SpecSource, found: IssueList) -> None
         found.add([source.issue("output.lora_format", problem)])
 
 
+def _check_edit_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
+    """An edit model (QwenImageEditPipeline, told by its configs) trains on pairs, cannot cache its text (an
+    embedding belongs to a caption and its source image) and samples from source images (sample.control_images): said
+    here, before any GPU time, rather than at startup or at the first sample."""
+    if spec.model.family != "flow":
+        return
+    try:
+        folder, _ = config_folder(spec.model.pretrained)
+        pipeline_class = json.loads((folder / "model_index.json").read_text()).get("_class_name")
+    except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
+        return
+    if pipeline_class not in EDIT_PIPELINES:
+        if spec.sample.control_images:
+            found.add([source.issue("sample.control_images", f"{pipeline_class} renders from the prompt alone: source "
+                                    "images are for edit models (Qwen-Image-Edit); remove them")])
+        return
+    data, issues = spec.data, []
+    if data.cache.text_embeddings:
+        issues.append(("data.cache.text_embeddings", f"{pipeline_class} encodes each instruction together with its "
+                       "source image, so its text cannot be cached per caption: set it to false (data.cache.latents "
+                       "still caches the target and source latents)"))
+    if spec.sample.prompts and not spec.sample.control_images:
+        issues.append(("sample.prompts", f"{pipeline_class} renders from a source image: give sample.control_images, "
+                       "one source image per prompt, or set sample.prompts: []"))
+    missing = [path for path in spec.sample.control_images if not os.path.isfile(os.path.expanduser(path))]
+    if missing:
+        issues.append(("sample.control_images", f"{len(missing)} source image(s) do not exist: {', '.join(missing)}"))
+    root = os.path.expanduser(data.path)
+    if data.control_dir is None and (builtin_name(data.path) or (os.path.isdir(root) and not os.path.isfile(
+            os.path.join(root, METADATA_FILE)))):
+        issues.append(("data.control_dir", f"{pipeline_class} trains on (source, target) pairs: give the folder of "
+                       "source images (data.control_dir, e.g. ../control) or a `control_file_name` per "
+                       "metadata.jsonl line"))
+    found.add([source.issue(key, text) for key, text in issues])
+
+
 def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
                    found: IssueList) -> tuple[Optional[int], str, Optional[dict]]:
     """(number of samples or None when unknown, where it came from, {bucket: samples} with data.buckets)."""
@@ -251,7 +288,7 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
     try:
         if spec.model.family in AUDIO_FAMILIES:  # speech: clip headers give durations, length rules, length groups
             index = index_audio(spec.data)
-            groups = duration_groups(index.records, spec.data)
+            groups, pairs = duration_groups(index.records, spec.data), 0
             if spec.data.speaker_balance and not any(r.speaker for r in index.records):
                 found.add([source.issue("data.speaker_balance", f"{path} names no speaker for any clip, so there is "
                                         "nothing to balance: use a GPT-SoVITS .list or metadata.jsonl with `speaker`, "
@@ -260,12 +297,15 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
             index = index_dataset(spec.data, read_captions=False,  # lists files; reads no image, clip or caption
                                   video=spec.model.family in VIDEO_FAMILIES)
             groups = _bucket_counts(spec, source, index.records, found) if spec.data.buckets.enabled else None
+            pairs = index.num_pairs
     except DataError as err:
         found.add([source.issue(err.key or "data.path", err.message)])
         return None, "", None
     found.add(source.issue("data.path", text, severity="warning") for text in index.warnings)
     count = index.num_samples
     origin = path if builtin_name(path) else f"counted in {path}"
+    if pairs:  # edit / control training: every target counted has its source
+        origin += f"; {pairs} source/target pairs"
     if spec.data.eval is not None:
         where = (f"{spec.data.eval.fraction:g} of the images" if spec.data.eval.fraction is not None
                  else spec.data.eval.path)

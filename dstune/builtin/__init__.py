@@ -34,6 +34,7 @@ from dstune.builtin.flow import TINY_FLOW, TINY_FLUX
 from dstune.builtin.flux2 import TINY_FLUX2
 from dstune.builtin.orpheus import TINY_ORPHEUS
 from dstune.builtin.qwen_image import TINY_QWEN_IMAGE
+from dstune.builtin.qwen_image_edit import TINY_QWEN_IMAGE_EDIT
 from dstune.builtin.sd import TINY_SD
 from dstune.builtin.sdxl import TINY_SDXL
 from dstune.builtin.tts import TINY_SPEECHT5, TINY_TTS_LM
@@ -122,5 +123,5 @@ def _exclusive(lock_path: Path):
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
-    TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5, TINY_ORPHEUS, TINY_QWEN_IMAGE, TINY_Z_IMAGE,
-    TINY_FLUX2, TINY_WAN, TINY_WAN22)}
+    TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5, TINY_ORPHEUS, TINY_QWEN_IMAGE,
+    TINY_QWEN_IMAGE_EDIT, TINY_Z_IMAGE, TINY_FLUX2, TINY_WAN, TINY_WAN22)}

@@ -5,7 +5,8 @@ Flux2Transformer2DModel (one double-stream and one single-stream block, 32 wide,
 renders are noise-like images, which is all the tests need), a Qwen3 causal LM of 27 layers 32 wide (the pipeline
 reads the hidden states of layers 9, 18 and 27) and the byte-level tokenizer of builtin:tiny-qwen-image with a
 Qwen3-style chat template, built offline from fixed configs and a fixed seed. The klein class is the one offered:
-its Qwen3 tokenizer can be built offline; FLUX.2 [dev]'s Mistral3 / Pixtral processor cannot.
+its Qwen3 tokenizer can be built offline; FLUX.2 [dev]'s PixtralProcessor needs torchvision, which the
+tested environment cannot have (docs/family-flow.md).
 """
 
 from __future__ import annotations

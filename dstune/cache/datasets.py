@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from dstune.cache.entries import read_entry
 from dstune.data.audio_index import AudioRecord
 from dstune.data.images import BadSampleError, ImageCaptionDataset, crop_fields, decoded_size, sample_rng
+from dstune.data.pairs import CONTROL_SUFFIX
 from dstune.data.video import VideoCaptionDataset
 
 
@@ -54,6 +55,11 @@ class CachedDataset(ImageCaptionDataset):
             size = self.target_size(position)  # the centre crop the cached latent was made from (header only)
             decoded = decoded_size(record, size, self.data.resolution)
             out.update(crop_fields(record, decoded, size, 0.5, 0.5, flip))
+            if record.control_path is not None:  # edit pairs: the source's cached latents, and its pixels, which
+                # the text side needs (the instruction is encoded with the image)
+                source = read_entry(self.index.latent_paths[(record.sample_id + CONTROL_SUFFIX, flip)])
+                out.update({f"control_{name}": value for name, value in source.items()})
+                out.update(self.control_pixels(record, size, 0.5, 0.5, flip))
         if self.index.text:
             out.update(read_entry(self.index.text_paths[out["caption"]]))
         return out

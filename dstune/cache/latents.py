@@ -24,6 +24,8 @@ from dstune.cache.entries import (Entry, bytes_sha256, entry_problem, file_sha25
 from dstune.cache.share import monitored_barrier, sharing_group
 from dstune.data.buckets import sample_buckets
 from dstune.data.images import BadSampleError, ImageCaptionDataset
+from dstune.data.index import control_records
+from dstune.data.pairs import CONTROL_SUFFIX
 from dstune.data.synthetic import render_shape
 from dstune.data.video import VideoCaptionDataset
 from dstune.distributed import agree_or_stop, all_gather_object
@@ -101,6 +103,20 @@ def _content_hashes(run, records, data: DataSpec, video: bool) -> tuple[dict[str
         hashes.update(share_hashes)
         unreadable.update(share_bad)
     return hashes, unreadable
+
+
+def _with_sources(records) -> list:
+    """Edit pairs: each target's source image as a record of its own (dstune.data.index.control_records), so its
+    latents are cached beside the target's, keyed by its own content, at the target's size and flip."""
+    return list(records) + control_records(records)
+
+
+def _sizes(targets, data) -> dict | None:
+    """sample_id -> bucket with data.buckets; a source takes its target's bucket (the pair stays together)."""
+    sizes = sample_buckets(targets, data)
+    if sizes is None:
+        return None
+    return {**sizes, **{r.sample_id + CONTROL_SUFFIX: sizes[r.sample_id] for r in targets if r.control_path}}
 
 
 def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolution: int) -> tuple[dict, dict]:
@@ -207,6 +223,7 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
         error = f"data.cache.dir {folder}: cannot create it ({err.strerror or err}) on rank {run.rank}"
     agree_or_stop(run, error)
     group = sharing_group(run, folder)
+    targets, records = records, _with_sources(records) if cache_spec.latents else records
     hashes, unreadable = _content_hashes(run, records, data, job.video)
     text = job.text_cache
     fingerprints = _fingerprints(job.model_folder, text.folders if text else ())
@@ -214,12 +231,12 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
         fingerprints["text"] = bytes_sha256((fingerprints["text"] + job.text_settings).encode())
     entries = plan_entries(records, hashes, fingerprints, data.resolution, data.random_flip, data.caption_dropout,
                            _dtype_name(job.dtype), cache_spec.latents, cache_spec.text_embeddings,
-                           sample_buckets(records, data), text.tensor_names(job.model_folder) if text else ())
+                           _sizes(targets, data), text.tensor_names(job.model_folder) if text else ())
     mine = [c for j, c in enumerate(_chunks(entries)) if j % len(group) == group.index(run.rank)]
     if verify_only:
         counts = _verify_share(folder, mine)
     else:
-        dataset = (VideoCaptionDataset if job.video else ImageCaptionDataset)(data, records, job.seed)
+        dataset = (VideoCaptionDataset if job.video else ImageCaptionDataset)(data, targets, job.seed)
         counts = _build_share(built, dataset, {r.sample_id: r for r in records}, folder, mine, data.resolution,
                               text.encode if text else None)
     agree_or_stop(run, monitored_barrier(run, cache_spec.barrier_timeout_minutes))
@@ -242,7 +259,8 @@ def _conclude(run, data: DataSpec, folder, entries, reports, unreadable, verify_
     text, failures = _summary(folder_reports, len(entries), unreadable, verify_only, seconds)
     usable = sum(b + c for _, _, b, c, _ in folder_reports)
     bad_names = set(unreadable) | {name for *_, failed in folder_reports for name in failed}
-    failed_samples = {e.sample_id for e in entries if e.kind == "latent" and e.name in bad_names} | set(unreadable)
+    failed = {e.sample_id for e in entries if e.kind == "latent" and e.name in bad_names} | set(unreadable)
+    failed_samples = {sample_id.removesuffix(CONTROL_SUFFIX) for sample_id in failed}  # a bad source: its pair
     only_bad_images = all(e.kind == "latent" for e in entries if e.name in bad_names) and not any(
         "after the build" in why or "checksum" in why for *_, failed in folder_reports for why in failed.values())
     code = 0

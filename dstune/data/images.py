@@ -195,6 +195,20 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         """What the latent cache encodes for the record: its centre crop at `size`, flipped or not."""
         return to_tensor(resize_and_crop(self.load_image(record, size), size or self.data.resolution, 0.5, 0.5, flip))
 
+    def control_pixels(self, record: SampleRecord, size, crop_x: float, crop_y: float, flip: bool):
+        """Edit pairs: the record's source image resized and cropped exactly as its target (to the target's size:
+        data.resolution or its bucket, same crop fractions, same flip), as a (3, H, W) tensor; {} unpaired."""
+        if record.control_path is None:
+            return {}
+        try:
+            image = _open_rgb(record.control_path, size)
+        except _DECODE_ERRORS as err:
+            reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+            raise BadSampleError(f"cannot read source image {record.control_path} (of sample {record.sample_id}): "
+                                 f"{reason}. Replace or delete it, or set data.skip_bad_files: true.",
+                                 record.control_path) from None
+        return {"control_values": to_tensor(resize_and_crop(image, size, crop_x, crop_y, flip))}
+
     def _readable(self, index: int) -> tuple[SampleRecord, Image.Image]:
         """The record at `index` and its image; with skip_bad_files, the next readable one instead of a bad one."""
         record, size = self.record_at(index), self.target_size(index)
@@ -230,17 +244,21 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             crop_x = crop_y = 0.5
         flip = self.data.random_flip and flip_draw < 0.5
         geometry = crop_fields(record, image.size, self.target_size(index), crop_x, crop_y, flip)
+        control = self.control_pixels(record, self.target_size(index), crop_x, crop_y, flip)
         image = resize_and_crop(image, self.target_size(index), crop_x, crop_y, flip)
         caption = "" if dropout_draw < self.data.caption_dropout else record.caption
         return {"pixel_values": to_tensor(image), "caption": caption, "sample_id": record.sample_id, "index": index,
-                **geometry}
+                **geometry, **control}
 
 
 def collate(samples: list[dict]) -> dict:
     """Samples -> one batch with the same keys as a sample (as torch's default_collate would name them):
     pixel_values (B, 3, R, R) float32; caption and sample_id lists of str; index (B,) LongTensor;
-    original_size and crop_top_left (B, 2) LongTensors (see crop_fields)."""
-    return {
+    original_size and crop_top_left (B, 2) LongTensors (see crop_fields); edit pairs add control_values like
+    pixel_values."""
+    paired = "control_values" in samples[0]
+    control = {"control_values": torch.stack([s["control_values"] for s in samples])} if paired else {}
+    return {**control,
         "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
         "caption": [s["caption"] for s in samples],
         "sample_id": [s["sample_id"] for s in samples],
@@ -263,13 +281,18 @@ def find_bad_images(
     for record in records[rank::world_size]:
         if record.image_path is None:
             continue
-        try:
-            with Image.open(record.image_path) as image:
-                image.verify()
-            if full_decode:
-                _open_rgb(record.image_path, _VERIFY_DECODE_SIZE)
-        except _DECODE_ERRORS as err:
-            bad.append((record, getattr(err, "strerror", None) or str(err) or type(err).__name__))
+        for path in (record.image_path, record.control_path):  # a pair is bad when either image is
+            if path is None:
+                continue
+            try:
+                with Image.open(path) as image:
+                    image.verify()
+                if full_decode:
+                    _open_rgb(path, _VERIFY_DECODE_SIZE)
+            except _DECODE_ERRORS as err:
+                reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+                bad.append((record, f"source image {path}: {reason}" if path == record.control_path else reason))
+                break
     return bad
 
 

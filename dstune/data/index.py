@@ -11,6 +11,8 @@ Layouts:
   - builtin:shapes: synthetic coloured shapes (dstune.data.synthetic), made on the fly from the sample number;
     builtin:moving-shapes the same as clips (video families).
 Video families (index_dataset(..., video=True)) list video files as well as images, in either layout.
+Edit / control pairs (data.control_dir, metadata.jsonl `control_file_name`): dstune.data.pairs; a paired record
+carries its source image's path in `control_path`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from dstune.data.pairs import (CONTROL_FIELD, CONTROL_SUFFIX, control_root, list_controls, listing, orphans_warning,
+                                stem_of, unpaired_message)
 from dstune.data.synthetic import MOVING_SHAPES_NUM_SAMPLES, SHAPES_NUM_SAMPLES, moving_shape, shape_sample
 from dstune.spec.models import DataSpec
 from dstune.spec.section import BUILTIN_PREFIX
@@ -51,6 +55,7 @@ class SampleRecord:
     image_path: str | None  # None for built-in samples, which are generated rather than read
     caption: str
     repeats: int  # times the sample appears in one epoch (kohya `N_name` folders)
+    control_path: str | None = None  # edit / control training: the source image of this target (dstune.data.pairs)
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,18 @@ class IndexResult:
     def num_samples(self) -> int:
         """Samples one epoch draws from: every repeat counts."""
         return sum(r.repeats for r in self.records)
+
+    @property
+    def num_pairs(self) -> int:
+        """Targets with a source image (edit / control training); 0 for an unpaired dataset."""
+        return sum(1 for r in self.records if r.control_path is not None)
+
+
+def control_records(records: list[SampleRecord]) -> list[SampleRecord]:
+    """The source image of each paired record as a record of its own (id: the target's + CONTROL_SUFFIX, no
+    repeats), which is how the latent cache stores source latents beside the targets'."""
+    return [SampleRecord(sample_id=r.sample_id + CONTROL_SUFFIX, image_path=r.control_path, caption=r.caption,
+                         repeats=0) for r in records if r.control_path is not None]
 
 
 def builtin_name(path: str) -> str | None:
@@ -135,8 +152,10 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
                             "format 'folder' (or 'auto').")
         result = _index_jsonl(root, data.skip_bad_files)
     else:
+        _control_outside(root, data)
         extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ())
         result = _index_folder(root, _normalised_extension(data.caption_extension), read_captions, extensions)
+    result = _paired(result, root, data)
     if not result.records:
         kinds = "video or image" if video else "image"
         what = (METADATA_FILE if data.format == "jsonl" or has_metadata
@@ -248,8 +267,9 @@ def _index_folder(root: Path, caption_extension: str, read_captions: bool,
 # ------------------------------------------------------------------------------------------------ jsonl
 
 
-def _parse_metadata_line(line: str, where: str) -> tuple[str, str]:
-    """One metadata.jsonl line -> (file_name, text), or DataError naming file:line and the problem."""
+def _parse_metadata_line(line: str, where: str) -> tuple[str, str, str | None]:
+    """One metadata.jsonl line -> (file_name, text, control_file_name or None), or DataError naming file:line and
+    the problem."""
     try:
         entry = json.loads(line)
     except json.JSONDecodeError as err:
@@ -267,7 +287,11 @@ def _parse_metadata_line(line: str, where: str) -> tuple[str, str]:
         raise DataError("data.path", f"{where}: `file_name` must be a non-empty string, got {file_name!r}")
     if not isinstance(text, str):
         raise DataError("data.path", f"{where}: `text` must be a string, got {type(text).__name__} {text!r}")
-    return file_name, text
+    control = entry.get(CONTROL_FIELD)
+    if control is not None and (not isinstance(control, str) or not control.strip()):
+        raise DataError("data.path", f"{where}: `{CONTROL_FIELD}` (the source image of an edit pair) must be a "
+                        f"non-empty string, got {control!r}")
+    return file_name, text, control
 
 
 def _relative_file(file_name: str, where: str) -> str:
@@ -289,7 +313,7 @@ def _index_jsonl(root: Path, skip_bad_files: bool) -> IndexResult:
         if not line.strip():
             continue
         where = f"{metadata}:{number}"
-        file_name, text = _parse_metadata_line(line, where)
+        file_name, text, control = _parse_metadata_line(line, where)
         rel = _relative_file(file_name, where)
         if rel in first_line_of:
             raise DataError("data.path", f"{where}: {rel} is already listed on line {first_line_of[rel]}; list each "
@@ -302,9 +326,62 @@ def _index_jsonl(root: Path, skip_bad_files: bool) -> IndexResult:
                                 "data.skip_bad_files: true to leave such lines out.")
             skipped.append(f"{path}: listed on line {number} but does not exist")
             continue
-        records.append(SampleRecord(sample_id=rel, image_path=str(path), caption=text.strip(), repeats=1))
+        control_path = None if control is None else str(root / _relative_file(control, where))
+        records.append(SampleRecord(sample_id=rel, image_path=str(path), caption=text.strip(), repeats=1,
+                                    control_path=control_path))
     warnings = []
     if skipped:
         warnings.append(f"{len(skipped)} lines of {metadata} name missing images and are left out "
                         f"(data.skip_bad_files): {'; '.join(skipped[:_EXAMPLES_IN_WARNING])}")
     return IndexResult(records, warnings, skipped)
+
+
+# ------------------------------------------------------------------------------------------- edit / control pairs
+
+
+def _control_outside(root: Path, data: DataSpec) -> None:
+    """A folder-layout dataset takes every image under data.path as a target, so the sources must live elsewhere."""
+    if data.control_dir is None:
+        return
+    control = control_root(root, data.control_dir).resolve()
+    if control == root.resolve() or control.is_relative_to(root.resolve()):
+        raise DataError("data.control_dir", f"{control} is inside data.path {root}, whose images are all trained as "
+                        "targets. Keep the sources in a sibling folder (e.g. control_dir: ../control).")
+
+
+def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
+    """Each record's source image (metadata.jsonl `control_file_name`, else data.control_dir's file of the same
+    relative stem). Unpaired targets: DataError naming them (with data.skip_bad_files: left out, a warning)."""
+    named = any(r.control_path is not None for r in result.records)
+    if data.control_dir is None and not named:
+        return result
+    controls, where = {}, f"`{CONTROL_FIELD}` in {root / METADATA_FILE}"
+    if data.control_dir is not None:
+        folder = control_root(root, data.control_dir)
+        if not folder.is_dir():
+            raise DataError("data.control_dir", f"{folder} is not a folder. Give the folder of source images "
+                            "(absolute, or relative to data.path, e.g. ../control).")
+        controls, clashes = list_controls(folder, IMAGE_EXTENSIONS)
+        if clashes:
+            raise DataError("data.control_dir", f"{len(clashes)} source names in {folder} have two image files, so "
+                            f"the pairing is ambiguous: {listing(clashes)}. Keep one file per name.")
+        where = f"a file with the same relative path and name in {folder} (any of {', '.join(IMAGE_EXTENSIONS)})"
+    records, unpaired, used = [], [], set()
+    for record in result.records:
+        path = record.control_path or controls.get(stem_of(record.sample_id))
+        if path is None or not os.path.isfile(path):
+            unpaired.append(record.sample_id if path is None else f"{record.sample_id} ({path} does not exist)")
+            continue
+        used.add(path)
+        records.append(dataclasses.replace(record, control_path=path))
+    warnings = list(result.warnings)
+    if unpaired:
+        if not data.skip_bad_files:
+            raise DataError("data.control_dir" if data.control_dir else "data.path",
+                            unpaired_message(unpaired, len(result.records), where))
+        warnings.append("left out (data.skip_bad_files): " + unpaired_message(unpaired, len(result.records), where))
+    orphans = [os.path.relpath(path, control_root(root, data.control_dir)) for path in controls.values()
+               if path not in used]
+    if orphans:
+        warnings.append(orphans_warning(orphans, control_root(root, data.control_dir)))
+    return dataclasses.replace(result, records=records, warnings=warnings)

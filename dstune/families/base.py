@@ -64,6 +64,7 @@ class TextCache:
     encode: Callable  # (built, captions) -> {name: Tensor[len(captions), ...]}, deterministic, frozen encoders
     settings: Optional[Callable] = None  # model spec -> text of the settings that shape the tensors (flow's length)
     tensors_of: Optional[Callable] = None  # model folder -> tensor names, where a family's models differ (flow)
+    refusal: Optional[Callable] = None  # model folder -> why this model cannot cache text (an edit model), or None
 
     def tensor_names(self, model_folder) -> tuple[str, ...]:
         return tuple(self.tensors_of(model_folder)) if self.tensors_of else self.tensors

@@ -34,6 +34,7 @@ from dstune.families.flow_matching import (flow_loss_per_sample, image_ids, loss
                                            timestep_density, unpack_latents)
 from dstune.families.flow_flux2 import FLUX2_KLEIN
 from dstune.families.flow_qwen import QWEN_IMAGE
+from dstune.families.flow_qwen_edit import QWEN_IMAGE_EDIT
 from dstune.families.flow_recipe import (FlowRecipe, load_text_side, normalised_latents, read_config,
                                          vae_spatial_factor)
 from dstune.families.flow_sd3 import FLUX, SD3
@@ -47,7 +48,7 @@ __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FA
            "pack_latents", "unpack_latents", "image_ids", "save_lora_weights"]
 
 # kind -> recipe, one line per model (dstune.families.flow_recipe); detect_kind finds a folder's by its transformer
-RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, ZIMAGE, FLUX2_KLEIN)}
+RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, QWEN_IMAGE_EDIT, ZIMAGE, FLUX2_KLEIN)}
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
 # Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
@@ -66,7 +67,7 @@ class FlowBuilt:
     trainable: torch.nn.Module
     vae: torch.nn.Module
     text_encoders: dict  # component name -> frozen text encoder, as the pipeline names them
-    tokenizers: dict  # component name -> tokenizer
+    tokenizers: dict  # component name -> tokenizer (and a recipe's other non-module parts: an edit processor)
     scheduler: object  # the folder's FlowMatchEulerDiscreteScheduler, as inference uses it
     train_timesteps: torch.Tensor  # the tables u indexes (with model.shift applied when given)
     train_sigmas: torch.Tensor
@@ -99,6 +100,14 @@ def detect_kind(folder: Path) -> str:
     if not recipes:
         raise FamilyError(f"{folder / 'transformer'}: {transformer_class} is not supported by model.family 'flow'; "
                           f"supported transformers: {supported}.")
+    if len(recipes) > 1:  # one transformer, several pipelines (Qwen-Image, Qwen-Image-Edit): the pipeline decides
+        pipeline_class = index.get("_class_name")
+        matching = [recipe for recipe in recipes if recipe.pipeline_class == pipeline_class]
+        if not matching:
+            raise FamilyError(f"{folder / 'model_index.json'}: a {pipeline_class} around a {transformer_class} is not "
+                              "supported; model.family 'flow' trains that transformer in "
+                              f"{', '.join(r.pipeline_class for r in recipes)} folders.")
+        recipes = matching
     problems = []
     for name, expected in recipes[0].components.items():
         entry = index.get(name)
@@ -154,11 +163,13 @@ def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype
                          torch_dtype=dtype_for_frozen).to(device)
     vae.eval().requires_grad_(False)
     encoders, tokenizers = load_text_side(folder, recipe, device, dtype_for_frozen)
+    extras = recipe.load_extras(folder) if recipe.load_extras else {}
     longest = list(tokenizers.values())[-1].model_max_length  # the long-text tokenizer (T5, an LLM's) is listed last
     max_length = model.max_sequence_length or min(recipe.default_max_sequence_length, longest)
     timesteps, sigmas = _train_tables(scheduler, model.shift)
     return FlowBuilt(folder=folder, device=device, recipe=recipe, trainable=transformer, vae=vae,
-                     text_encoders=encoders, tokenizers=tokenizers, scheduler=scheduler, train_timesteps=timesteps,
+                     text_encoders=encoders, tokenizers={**tokenizers, **extras}, scheduler=scheduler,
+                     train_timesteps=timesteps,
                      train_sigmas=sigmas, settings=model, max_sequence_length=int(max_length),
                      transformer_config=dict(transformer.config))
 
@@ -179,10 +190,33 @@ def _pipeline(built: FlowBuilt, transformer=None, vae=None, scheduler=None):
 # --------------------------------------------------------------------------------------------- train step
 
 
-def encode_captions(built: FlowBuilt, captions: list[str]) -> dict[str, torch.Tensor]:
+def encode_captions(built: FlowBuilt, captions: list[str], controls=None) -> dict[str, torch.Tensor]:
     """The recipe's text tensors for `captions` (prompt embeds (B, T, D) and the rest), from the pipeline's own
-    encode_prompt."""
+    encode_prompt; an edit recipe encodes each caption with its control image (`controls`, pixels (B, 3, H, W))."""
+    if built.recipe.control:
+        return built.recipe.encode_captions(_pipeline(built), built, captions, controls=controls)
     return built.recipe.encode_captions(_pipeline(built), built, captions)
+
+
+def text_cache_refusal(folder) -> str | None:
+    """Why data.cache.text_embeddings cannot be used with the model in `folder` (an edit model), or None."""
+    recipe = RECIPES[detect_kind(Path(folder))]
+    return recipe.text_cache_refusal(folder) if recipe.text_cache_refusal else None
+
+
+def _control_inputs(built: FlowBuilt, batch: dict) -> dict:
+    """An edit recipe's source images: the pixels (the text side reads them) and the posterior mode of their latents
+    (cached, or encoded now), unscaled float32 (B, C, h, w)."""
+    if "control_values" not in batch:
+        raise ValueError(f"{built.recipe.pipeline_class} trains on pairs: every target image needs its source "
+                         "(control) image, but this batch has none. Give data.control_dir (or a `control_file_name` "
+                         "per metadata.jsonl line): see docs/family-flow.md, Qwen-Image-Edit.")
+    pixels = batch["control_values"].to(built.device)
+    if "control_latent_mean" in batch:
+        mean = batch["control_latent_mean"].to(built.device).float()
+    else:
+        mean = vae_posterior(built.vae, pixels.to(built.vae.dtype))[0]
+    return {"control_values": pixels.float(), "control_latent": mean}
 
 
 def cache_text_tensors(built: FlowBuilt, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -219,13 +253,14 @@ def encode_batch(built: FlowBuilt, batch: dict, dtype: torch.dtype = torch.float
         raise ValueError(f"{recipe.transformer_class} packs {recipe.packed_sides}x{recipe.packed_sides} latents, so "
                          f"image sides must be multiples of {recipe.packed_sides * factor} px; got "
                          f"{mean.shape[-1] * factor}x{mean.shape[-2] * factor}. Change data.resolution (or buckets).")
-    if all(name in batch for name in recipe.text_tensors):
+    control = _control_inputs(built, batch) if recipe.control else {}
+    if not recipe.control and all(name in batch for name in recipe.text_tensors):
         text = {name: batch[name].to(built.device) for name in recipe.text_tensors}
         _check_cached_sequence(built, text["encoder_hidden_states"].shape[1])
     else:
-        text = encode_captions(built, list(batch_field(batch, "captions", "caption")))
+        text = encode_captions(built, list(batch_field(batch, "captions", "caption")), control.get("control_values"))
     text = {name: value.to(dtype) if value.is_floating_point() else value for name, value in text.items()}
-    return {"latent_mean": mean, "latent_std": std, **text, "indices": indices}
+    return {"latent_mean": mean, "latent_std": std, **text, **control, "indices": indices}
 
 
 def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
@@ -247,6 +282,8 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     param_dtype = next(built.trainable.parameters()).dtype
     text = {name: encoded[name].to(param_dtype) if encoded[name].is_floating_point() else encoded[name]
             for name in built.recipe.text_tensors}
+    if recipe.control:  # the source's latents, normalised like the target's (no noise: it is the condition)
+        text["control_latents"] = normalised_latents(built.vae.config, encoded["control_latent"]).to(param_dtype)
     prediction = built.recipe.predict(built, trainable_forward, noisy, timesteps, text, param_dtype)
     weights = loss_weights(built.settings.loss_weighting, sigmas)
     return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights,
@@ -276,12 +313,32 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
         with inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype), quiet_hf_libraries():
             guidance = (built.recipe.sample_options(built, sample_spec, prompts) if built.recipe.sample_options
                         else {"guidance_scale": sample_spec.guidance})
-            result = pipeline(prompt=list(prompts), height=side, width=side, **guidance,
-                              num_inference_steps=sample_spec.steps, generator=generators, output_type="pil",
-                              max_sequence_length=built.max_sequence_length)
+            common = dict(height=side, width=side, **guidance, num_inference_steps=sample_spec.steps,
+                          output_type="pil", max_sequence_length=built.max_sequence_length)
+            if built.recipe.control:  # the edit pipeline takes one source image per call
+                return [pipeline(prompt=prompt, image=source, generator=generator, **common).images[0]
+                        for prompt, source, generator in zip(prompts, _sources(sample_spec), generators)]
+            result = pipeline(prompt=list(prompts), generator=generators, **common)
     finally:
         transformer_module.train(was_training)
     return result.images
+
+
+def _sources(sample_spec: SampleSpec) -> list:
+    """sample.control_images as RGB images; FamilyError naming the one that cannot be read."""
+    from PIL import Image
+
+    if not sample_spec.control_images:
+        raise FamilyError("sample.prompts: an edit model renders from a source image; give sample.control_images, one "
+                          "source image per prompt (or set sample.prompts: []).")
+    images = []
+    for path in sample_spec.control_images:
+        try:
+            with Image.open(Path(path).expanduser()) as image:
+                images.append(image.convert("RGB"))
+        except OSError as err:
+            raise FamilyError(f"sample.control_images: cannot read {path} ({err}). Fix the path.") from None
+    return images
 
 
 # --------------------------------------------------------------------------------------------------- export
@@ -323,5 +380,6 @@ FAMILY = Family(
     name="flow", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
     text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors, text_cache_settings,
-                         tensors_of=lambda folder: RECIPES[detect_kind(Path(folder))].text_tensors),
+                         tensors_of=lambda folder: RECIPES[detect_kind(Path(folder))].text_tensors,
+                         refusal=text_cache_refusal),
     builds_partitioned=True)

@@ -11,7 +11,8 @@ examples/dreambooth/train_dreambooth_lora_flux2_klein.py feeds Flux2Transformer2
   guidance value when it has a guidance embedding; its output is unpacked with the same ids.
 
 FLUX.2 [dev] (Mistral3 text encoder, Flux2Pipeline) trains the same way with another text side; it is not offered
-yet: its Pixtral processor cannot be built offline for a tiny model here, so nothing could test it.
+yet: its tokenizer is a PixtralProcessor, which transformers 5 refuses to build without torchvision, and no
+torchvision imports beside the CPU torch dstune is tested with (docs/family-flow.md says exactly what fails).
 """
 
 from __future__ import annotations

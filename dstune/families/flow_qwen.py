@@ -23,7 +23,9 @@ from dstune.hf import quiet_hf_libraries
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
 
 
-def _mismatches(folder: Path) -> list[str]:
+def qwen_config_mismatches(folder: Path) -> list[str]:
+    """The transformer's channels and text width against the VAE's and the text encoder's (shared with the edit
+    recipe, dstune.families.flow_qwen_edit)."""
     transformer, vae = read_config(folder, "transformer"), read_config(folder, "vae")
     text = read_config(folder, "text_encoder")
     width = (text.get("text_config") or {}).get("hidden_size", text.get("hidden_size"))
@@ -55,7 +57,7 @@ def _predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tenso
     return unpack_latents(prediction, height, width)
 
 
-def _sample_guidance(built, sample_spec, prompts: list[str]) -> dict:
+def qwen_sample_guidance(built, sample_spec, prompts: list[str]) -> dict:
     """Qwen-Image has no guidance embedding: sample.guidance > 1 is true classifier-free guidance against an empty
     negative prompt (QwenImagePipeline's true_cfg_scale), as its model card samples."""
     if sample_spec.guidance <= 1.0:
@@ -67,6 +69,6 @@ QWEN_IMAGE = FlowRecipe(
     kind="qwen_image", transformer_class="QwenImageTransformer2DModel", pipeline_class="QwenImagePipeline",
     components={"text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": None},
     default_max_sequence_length=512, text_tensors=TEXT_TENSORS, encode_captions=_captions, predict=_predict,
-    text_tokens=lambda built: built.max_sequence_length, config_mismatches=_mismatches,
+    text_tokens=lambda built: built.max_sequence_length, config_mismatches=qwen_config_mismatches,
     vae_class="AutoencoderKLQwenImage", packed_sides=2,
-    sample_options=_sample_guidance)
+    sample_options=qwen_sample_guidance)

@@ -37,7 +37,7 @@ class FlowRecipe:
     default_max_sequence_length: int  # the training example's --max_sequence_length default
     text_tensors: tuple[str, ...]  # what encode_captions returns, per caption (the text cache stores these)
     encode_captions: Callable  # (text-only pipeline, built, captions) -> {name: Tensor[len(captions), ...]}
-    predict: Callable  # (built, forward, noisy (B,C,H,W), timesteps (B,), text: dict, dtype) -> (B,C,H,W)
+    predict: Callable  # (built, forward, noisy (B,C,H,W), timesteps (B,), conditions: dict, dtype) -> (B,C,H,W)
     text_tokens: Callable  # (built) -> tokens per caption in text_tensors["encoder_hidden_states"]
     config_mismatches: Callable  # (folder) -> ["what disagrees", ...]
     vae_class: str = "AutoencoderKL"
@@ -47,6 +47,14 @@ class FlowRecipe:
     model_latents: Optional[Callable] = None
     # (built, sample_spec, prompts) -> the pipeline call's guidance arguments; None: guidance_scale=sample_spec.guidance
     sample_options: Optional[Callable] = None
+    # the model is conditioned on a source (control) image: batches carry `control_values` (pixels, which the text
+    # side needs) and cached `control_latent_mean` or the pixels to encode; encode_captions also gets controls=,
+    # predict finds the normalised control latents as conditions["control_latents"]
+    control: bool = False
+    # (folder) -> {pipeline component: object} for parts that are neither encoders nor tokenizers (a processor)
+    load_extras: Optional[Callable] = None
+    # (folder) -> why data.cache.text_embeddings cannot be used with this model; None: it can
+    text_cache_refusal: Optional[Callable] = None
 
 
 def read_config(folder: Path, name: str, file: str = "config.json") -> dict:

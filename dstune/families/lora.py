@@ -9,8 +9,8 @@ full training) and how its pipeline saves LoRA weights (its declared `Family.sav
 
 What happens with `model.train: lora`:
   1. `apply_train_mode` (after family.build, before DeepSpeed sees the module) freezes the denoiser and adds peft
-     LoRA layers through diffusers' `add_adapter`; only the adapters require grad, so `wrap_model` hands only them
-     to the optimizer and ZeRO partitions optimizer state for them alone.
+     LoRA layers (diffusers' `add_adapter`; peft's `inject_adapter_in_model` for tts_lm's LM); only the adapters
+     require grad, so `wrap_model` hands only them to the optimizer and ZeRO partitions optimizer state for them alone.
   2. Checkpoints leave the frozen weights out (`exclude_frozen_parameters`): they are the pretrained folder's,
      rebuilt on resume, so a LoRA checkpoint is the size of the adapters, not of the model.
   3. The export takes the adapter tensors from the consolidated checkpoint (ZeRO-3 shards are gathered offline by
@@ -74,9 +74,11 @@ def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: F
     base = quantized_base(denoiser, getattr(model_spec, "base_precision", None))
     try:
         with quiet_hf_libraries():
-            denoiser.add_adapter(lora_config(settings))
-    except ValueError as err:  # peft: no module matched target_modules
+            add_lora_adapter(denoiser, lora_config(settings))
+    except ValueError as err:
         first = (str(err).strip().splitlines() or ["no module matched"])[0]
+        if "target modules" not in first.lower():  # not about the names: say what peft said, and nothing more
+            raise FamilyError(f"model.train: lora: adding the LoRA adapters failed: {first}") from None
         raise FamilyError(f"model.lora.target_modules {list(settings.target_modules)}: {first}. Name layers of "
                           f"{type(denoiser).__name__} (e.g. to_q, to_k, to_v, to_out.0).") from None
     adapters = [(name, p) for name, p in denoiser.named_parameters() if p.requires_grad]
@@ -90,6 +92,19 @@ def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: F
     layers = len([name for name, _ in adapters if ".lora_A." in name])
     return (f"training: LoRA rank {settings.rank}, alpha {settings.resolved_alpha:g} on {layers} layers "
             f"({', '.join(settings.target_modules)}): {trained:,} trainable of {total + trained:,} parameters{base}")
+
+
+def add_lora_adapter(module: torch.nn.Module, config) -> None:
+    """peft LoRA layers named ADAPTER_NAME on `module`. A diffusers model adds them through its own add_adapter; a
+    transformers model (tts_lm's LM) through peft's inject_adapter_in_model, which is what transformers' add_adapter
+    calls too: transformers >= 5.24's add_adapter refuses every peft older than 0.22 first, and the peft releases
+    dstune installs with (0.17-0.21) add the same layers."""
+    from peft import inject_adapter_in_model
+
+    if type(module).__module__.startswith("diffusers."):
+        module.add_adapter(config)
+    else:
+        inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
 
 
 def quantized_base(denoiser: torch.nn.Module, precision) -> str:

@@ -156,6 +156,13 @@ class DataSpec(Section):
         description="Each epoch, samples that do not fill a whole global batch are left out (a different set each "
         "epoch, since the order is reshuffled). False is not supported: every step must see a full global batch.",
     )
+    control_dir: Optional[str] = Field(
+        None, description="Edit / control training (Qwen-Image-Edit): the folder of source (control) images, one per "
+        "target image in data.path with the same relative path and name, any image extension (`target/a.png` pairs "
+        "with `control/a.jpg`). Absolute, or relative to data.path (`../control`: the folder beside it). In "
+        "metadata.jsonl a line's `control_file_name` (relative to data.path) names its source instead. Each source is "
+        "resized and cropped with its target (same bucket, same crop and flip); `validate` counts the pairs and names "
+        "unpaired files. See docs/family-flow.md.")
     num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
     cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")
     video: VideoSpec = Field(
@@ -190,6 +197,13 @@ class DataSpec(Section):
             raise ValueError(
                 f"data.buckets.step {self.buckets.step} is larger than data.resolution {self.resolution}: no bucket "
                 f"side fits. Use a step of at most {self.resolution} (a multiple of 8), or give data.buckets.sizes.")
+        return self
+
+    @model_validator(mode="after")
+    def _control_needs_files(self) -> "DataSpec":
+        if self.control_dir is not None and self.path.startswith(BUILTIN_PREFIX):
+            raise ValueError(f"data.control_dir pairs source images with the target images of a folder; data.path "
+                             f"{self.path} is generated and has no files to pair. Point data.path at the targets.")
         return self
 
     @model_validator(mode="after")
@@ -239,6 +253,9 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
         if data.eval is not None:
             return (f"data.eval: the held-out loss is computed for the image families (sd, sdxl, flow); "
                     f"model.family {family} has no evaluation pass yet. Remove data.eval")
+        if data.control_dir is not None:
+            return (f"data.control_dir pairs source and target images (edit training); model.family {family} "
+                    "trains on speech")
         if data.speaker_balance and data.duration_bucket_seconds:
             return ("data.speaker_balance and data.duration_bucket_seconds both choose which clips form the batches: "
                     "use one of them")

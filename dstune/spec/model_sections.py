@@ -227,16 +227,28 @@ class SdxlModel(DenoiserModelBase):
 
 class FlowModel(DenoiserModelBase):
     family: Literal["flow"] = Field(
-        description="Model family. `flow`: flow-matching transformers, SD3-class (SD3Transformer2DModel, CLIP x2 + T5), "
-        "Flux-class (FluxTransformer2DModel, CLIP + T5) or Qwen-Image (QwenImageTransformer2DModel, Qwen2.5-VL), "
-        "told apart by the pipeline folder."
+        description="Model family. `flow`: flow-matching transformers, told apart by the pipeline folder: "
+        "SD3-class (SD3Transformer2DModel; CLIP x2 + T5), "
+        "Flux-class (FluxTransformer2DModel; CLIP + T5), "
+        "Qwen-Image (QwenImageTransformer2DModel; Qwen2.5-VL), "
+        "Qwen-Image-Edit (QwenImageTransformer2DModel; Qwen2.5-VL with the source image; trains on source/target "
+        "pairs, see data.control_dir), "
+        "Z-Image (ZImageTransformer2DModel; Qwen3), "
+        "FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3). See docs/family-flow.md."
     )
     pretrained: str = Field(
         "builtin:tiny-flow",
-        description="A diffusers StableDiffusion3Pipeline, FluxPipeline or QwenImagePipeline folder (model_index.json + "
-        "transformer/vae/text encoders/tokenizers/scheduler), a hub id already in the local Hugging Face cache, or "
-        "`builtin:tiny-flow` (tiny SD3-class) / `builtin:tiny-flux` (tiny Flux-class) / `builtin:tiny-qwen-image`, "
-        "built offline.",
+        description="A diffusers pipeline folder (model_index.json + transformer/vae/text encoders/tokenizers/"
+        "scheduler) of one of those models: "
+        "StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, QwenImageEditPipeline, ZImagePipeline, "
+        "Flux2KleinPipeline; "
+        "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
+        "`builtin:tiny-flow` (SD3-class), "
+        "`builtin:tiny-flux` (Flux-class), "
+        "`builtin:tiny-qwen-image`, "
+        "`builtin:tiny-qwen-image-edit`, "
+        "`builtin:tiny-z-image`, "
+        "`builtin:tiny-flux2` (FLUX.2 [klein]).",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
@@ -258,7 +270,8 @@ class FlowModel(DenoiserModelBase):
     shift: Optional[float] = Field(
         None, gt=0,
         description="Timestep shift for training (sigma -> shift*sigma / (1 + (shift-1)*sigma)). Omitted: the "
-        "scheduler's (SD3: its config shift; Flux with dynamic shifting: unshifted, as the reference scripts).",
+        "scheduler's: its config shift (SD3, Z-Image), or unshifted where it shifts dynamically (Flux, Qwen-Image, "
+        "FLUX.2), as the reference scripts train.",
     )
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
         "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3). sigma_sqrt (sigma^-2) "
@@ -270,11 +283,14 @@ class FlowModel(DenoiserModelBase):
         "to it (--precondition_outputs 1); false: the velocity loss of their Flux, Qwen-Image, Z-Image, FLUX.2 scripts.",
     )
     guidance: float = Field(
-        3.5, ge=0, description="Flux-class transformers with guidance_embeds: the guidance value fed while training."
+        3.5, ge=0, description="Transformers with a guidance embedding (guidance_embeds: FLUX.1-dev; FLUX.2 when its "
+        "transformer has one): the guidance value fed while training. Unused by the others.",
     )
     max_sequence_length: Optional[int] = Field(
-        None, gt=0, description="Text tokens per caption (T5's; Qwen-Image: the Qwen2.5-VL prompt's). Omitted: 77 "
-        "(SD3-class) / 512 (Flux-class, Qwen-Image), at most the tokenizer's model_max_length.",
+        None, gt=0, description="Text tokens per caption (SD3, Flux: T5's; the others: their LLM prompt's). Omitted: "
+        "the model's training example default, at most the tokenizer's model_max_length: "
+        "77 (SD3-class) / "
+        "512 (Flux-class, Qwen-Image, Z-Image, FLUX.2 [klein]).",
     )
 
     @model_validator(mode="after")

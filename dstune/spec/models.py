@@ -264,6 +264,16 @@ class SampleSpec(Section):
     steps: int = Field(20, gt=0, description="Denoising steps per sample.")
     guidance: float = Field(5.0, ge=0, description="Classifier-free guidance scale.")
     seed: int = Field(0, ge=0, description="Sampling seed, so grids from different steps are comparable.")
+    control_images: list[str] = Field(
+        default_factory=list, description="Edit models (Qwen-Image-Edit): the source image of each prompt, one path "
+        "per prompt in the same order; each sample edits its source as the prompt says. Other models: none.")
+
+    @model_validator(mode="after")
+    def _one_source_per_prompt(self) -> "SampleSpec":
+        if self.control_images and len(self.control_images) != len(self.prompts):
+            raise ValueError(f"sample.control_images has {len(self.control_images)} image(s) for "
+                             f"{len(self.prompts)} prompt(s): give one source image per prompt, in the prompts' order")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------------- spec

@@ -127,6 +127,25 @@ def test_spec_refuses_settings_of_another_sampling():
         validate_data(spec, SpecSource("spec.yaml"))
 
 
+def test_spec_descriptions_name_every_flow_model_and_builtin():
+    """`dstune init --family flow` and docs/spec-reference.md are generated from these descriptions: a recipe or a
+    built-in added without naming it there is invisible to users."""
+    fields = FlowModel.model_fields
+    family, pretrained = fields["family"].description, fields["pretrained"].description
+    lengths = fields["max_sequence_length"].description
+    for recipe in flow.RECIPES.values():
+        assert recipe.transformer_class in family, recipe.kind
+        assert recipe.pipeline_class in pretrained, recipe.kind
+        assert f"{recipe.default_max_sequence_length} (" in lengths, recipe.kind
+    flow_builtins = [name for name, model in tiny.BUILTIN_MODELS.items() if model.family == "flow"]
+    assert len(flow_builtins) >= len(flow.RECIPES)
+    for name in flow_builtins:
+        assert f"`builtin:{name}`" in pretrained, name
+    from dstune.reference import example_spec
+
+    assert "builtin:tiny-flux2" in example_spec("flow")
+
+
 # ------------------------------------------------------------------------------------------ Flux packing
 
 

@@ -154,3 +154,29 @@ def test_lora_settings_default_to_the_llama_attention_and_refuse_added_tokens():
         TtsLmModel(family="tts_lm", train="lora", added_tokens=["12"])
     with pytest.raises(ValidationError, match="lora settings are given but `train` is 'full'"):
         TtsLmModel(family="tts_lm", lora={"rank": 4})
+
+
+def test_lora_adapters_go_on_the_llama_with_the_installed_peft(cache_dir):
+    """The LoRA path of tts_lm with the transformers and peft installed here (transformers >= 5.24's own
+    add_adapter refuses peft < 0.22): adapters on q/k/v/o_proj only, only they trainable, untrained B = 0 so the
+    loss is the base model's; a target that names no layer is refused naming the LM's class."""
+    from dstune.families import get_family
+    from dstune.families.lora import apply_train_mode
+
+    spec = TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", train="lora",
+                      lora={"rank": 4})
+    lm = build_model(spec, cache_dir, "cpu").trainable
+    summary = apply_train_mode(lm, spec, seed=3, family=get_family("tts_lm"))
+    trainable = [name for name, p in lm.named_parameters() if p.requires_grad]
+    assert "training: LoRA rank 4" in summary and trainable
+    assert all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    assert {name.split(".lora_")[0].rsplit(".", 1)[1] for name in trainable} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    ids = torch.arange(1, 9).unsqueeze(0)
+    plain = build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac"), cache_dir, "cpu")
+    with torch.no_grad():
+        assert torch.allclose(lm(input_ids=ids).logits, plain.trainable(input_ids=ids).logits, atol=1e-6)
+
+    wrong = TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", train="lora",
+                       lora={"rank": 4, "target_modules": ["to_q"]})
+    with pytest.raises(FamilyError, match=r"model.lora.target_modules \['to_q'\]: .*Name layers of LlamaForCausalLM"):
+        apply_train_mode(build_model(wrong, cache_dir, "cpu").trainable, wrong, seed=3, family=get_family("tts_lm"))

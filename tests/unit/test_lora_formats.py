@@ -35,6 +35,12 @@ MODELS = {  # name -> (model section, pipeline class)
             "StableDiffusion3Pipeline"),
     "flux": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux", train="lora",
                                lora={"rank": 2, "alpha": 4}), "FluxPipeline"),
+    "qwen-image": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-qwen-image", train="lora",
+                                     lora={"rank": 2, "alpha": 3}), "QwenImagePipeline"),
+    "z-image": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-z-image", train="lora",
+                                  lora={"rank": 3, "alpha": 2}), "ZImagePipeline"),
+    "flux2": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux2", train="lora",
+                                lora={"rank": 2, "alpha": 8}), "Flux2KleinPipeline"),
 }
 CASES = [(name, fmt) for name, (make, _) in MODELS.items() for fmt in LORA_FORMATS[make().family]]
 

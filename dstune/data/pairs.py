@@ -1,0 +1,65 @@
+"""Edit / control training pairs: which source (control) image goes with each target image. No torch, no decoding.
+
+Two ways to name a target's source, both counted by `dstune validate`:
+  - `data.control_dir`: a folder of sources with the targets' relative paths and stems, any image extension
+    (`target/5_cats/a.png` pairs with `control/5_cats/a.jpg`); a relative control_dir is taken from data.path, so
+    `../control` is the folder beside it (and data.eval.path's own `../control` for a held-out folder);
+  - in metadata.jsonl, a `control_file_name` per line (relative to data.path), which wins over data.control_dir.
+
+Every target needs a source: unpaired targets stop the run with their names and count (or, with
+data.skip_bad_files, are left out with a warning); sources that no target uses are a warning with their names.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path, PurePosixPath
+
+CONTROL_FIELD = "control_file_name"  # the metadata.jsonl field naming a target's source image
+CONTROL_SUFFIX = "#control"  # a source's id in the latent cache: its target's sample_id + this
+_NAMES_LISTED = 5
+
+
+def control_root(data_root: Path, control_dir: str) -> Path:
+    """data.control_dir as a folder: absolute, or relative to the dataset folder."""
+    path = Path(os.path.expanduser(control_dir))
+    return Path(os.path.normpath(path if path.is_absolute() else data_root / path))
+
+
+def list_controls(root: Path, extensions: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """(relative path without extension -> file, [stems that two files share]) of every image under `root`."""
+    found: dict[str, str] = {}
+    clashes = []
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
+        for name in sorted(files):
+            if name.startswith(".") or not name.lower().endswith(extensions):
+                continue
+            path = os.path.join(folder, name)
+            stem = PurePosixPath(Path(path).relative_to(root).as_posix()).with_suffix("").as_posix()
+            if stem in found:
+                clashes.append(f"{stem} ({Path(found[stem]).name}, {name})")
+            else:
+                found[stem] = path
+    return found, clashes
+
+
+def stem_of(sample_id: str) -> str:
+    return PurePosixPath(sample_id).with_suffix("").as_posix()
+
+
+def listing(names: list[str]) -> str:
+    """The first few names, then how many more."""
+    shown = ", ".join(names[:_NAMES_LISTED])
+    return shown + (f", ... and {len(names) - _NAMES_LISTED} more" if len(names) > _NAMES_LISTED else "")
+
+
+def unpaired_message(unpaired: list[str], total: int, where: str) -> str:
+    return (f"{len(unpaired)} of {total} target images have no source (control) image: {listing(unpaired)}. Looked "
+            f"for {where}. Add their sources or remove the targets, or set data.skip_bad_files: true to train "
+            "without them.")
+
+
+def orphans_warning(orphans: list[str], root: Path) -> str:
+    return (f"{len(orphans)} source images in {root} have no target image and are not used: "
+            f"{listing(sorted(orphans))}")
