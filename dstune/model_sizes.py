@@ -30,7 +30,8 @@ STORE = Path(__file__).resolve().parent / "model_configs"
 BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-flow": "tiny-flow-v1",
                    "tiny-flux": "tiny-flux-v1", "tiny-tts-lm": "tiny-tts-lm-v3", "tiny-speecht5": "tiny-speecht5-v1",
                    "tiny-orpheus": "tiny-orpheus-v2", "tiny-qwen-image": "tiny-qwen-image-v1",
-                   "tiny-qwen-image-edit": "tiny-qwen-image-edit-v1", "tiny-z-image": "tiny-z-image-v1", "tiny-flux2": "tiny-flux2-v1",
+                   "tiny-qwen-image-edit": "tiny-qwen-image-edit-v1", "tiny-z-image": "tiny-z-image-v1",
+                   "tiny-flux2": "tiny-flux2-v1", "tiny-flux2-dev": "tiny-flux2-dev-v1",
                    "tiny-wan": "tiny-wan-v1", "tiny-wan22": "tiny-wan22-v1"}
 DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer", "wan": "transformer"}
 EDIT_PIPELINES = ("QwenImageEditPipeline",)  # trained on (source, target) pairs: twice the image tokens and latents

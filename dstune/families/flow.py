@@ -1,7 +1,8 @@
 """The `flow` family: flow-matching transformers (the `transformer` subfolder, FlowMatchEulerDiscreteScheduler).
 
 One core for every model; what differs per model is a recipe (dstune.families.flow_recipe), found by the
-transformer's class in the folder: SD3-class and Flux-class (flow_sd3.py). The text side is encoded by the
+transformer's class in the folder (RECIPES: flow_sd3.py, flow_qwen.py, flow_zimage.py, flow_flux2.py; FLUX.2
+[klein] and [dev] share a transformer class and are told apart by the pipeline class). The text side is encoded by the
 pipeline's own `encode_prompt`, so training sees exactly what inference feeds. The loss is the one of diffusers'
 examples/dreambooth/train_dreambooth_sd3.py / train_dreambooth_flux.py: sample u with
 compute_density_for_timestep_sampling (uniform, logit_normal, mode), index the scheduler's timestep and sigma
@@ -32,10 +33,10 @@ from dstune.families.diffusion import (batch_field, export_pipeline_folder, inpu
                                        load_trainable, non_reentrant_checkpoint, read_model_index, vae_posterior)
 from dstune.families.flow_matching import (flow_loss_per_sample, image_ids, loss_weights, pack_latents,
                                            timestep_density, unpack_latents)
-from dstune.families.flow_flux2 import FLUX2_KLEIN
+from dstune.families.flow_flux2 import FLUX2_DEV, FLUX2_KLEIN
 from dstune.families.flow_qwen import QWEN_IMAGE
 from dstune.families.flow_qwen_edit import QWEN_IMAGE_EDIT
-from dstune.families.flow_recipe import (FlowRecipe, load_text_side, normalised_latents, read_config,
+from dstune.families.flow_recipe import (FlowRecipe, load_text_side, pick_recipe, normalised_latents, read_config,
                                          vae_spatial_factor)
 from dstune.families.flow_sd3 import FLUX, SD3
 from dstune.families.flow_zimage import ZIMAGE
@@ -48,7 +49,8 @@ __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FA
            "pack_latents", "unpack_latents", "image_ids", "save_lora_weights"]
 
 # kind -> recipe, one line per model (dstune.families.flow_recipe); detect_kind finds a folder's by its transformer
-RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, QWEN_IMAGE_EDIT, ZIMAGE, FLUX2_KLEIN)}
+# (and, where recipes share one, by the pipeline class, or the text encoder class where that tells them apart)
+RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, QWEN_IMAGE_EDIT, ZIMAGE, FLUX2_KLEIN, FLUX2_DEV)}
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
 # Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
@@ -100,16 +102,9 @@ def detect_kind(folder: Path) -> str:
     if not recipes:
         raise FamilyError(f"{folder / 'transformer'}: {transformer_class} is not supported by model.family 'flow'; "
                           f"supported transformers: {supported}.")
-    if len(recipes) > 1:  # one transformer, several pipelines (Qwen-Image, Qwen-Image-Edit): the pipeline decides
-        pipeline_class = index.get("_class_name")
-        matching = [recipe for recipe in recipes if recipe.pipeline_class == pipeline_class]
-        if not matching:
-            raise FamilyError(f"{folder / 'model_index.json'}: a {pipeline_class} around a {transformer_class} is not "
-                              "supported; model.family 'flow' trains that transformer in "
-                              f"{', '.join(r.pipeline_class for r in recipes)} folders.")
-        recipes = matching
+    recipe = pick_recipe(folder, index, recipes)
     problems = []
-    for name, expected in recipes[0].components.items():
+    for name, expected in recipe.components.items():
         entry = index.get(name)
         listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
         if listed is None or not (folder / name).is_dir():
@@ -120,9 +115,9 @@ def detect_kind(folder: Path) -> str:
         if not (folder / name).is_dir():
             problems.append(f"missing subfolder {name}/")
     if problems:
-        raise FamilyError(f"{folder} cannot be used as a {transformer_class} pipeline:\n"
+        raise FamilyError(f"{folder} cannot be used as a {transformer_class} pipeline ({recipe.pipeline_class}):\n"
                           + "\n".join(f"  - {p}" for p in problems))
-    return recipes[0].kind
+    return recipe.kind
 
 
 def _train_tables(scheduler, shift) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +159,8 @@ def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype
     vae.eval().requires_grad_(False)
     encoders, tokenizers = load_text_side(folder, recipe, device, dtype_for_frozen)
     extras = recipe.load_extras(folder) if recipe.load_extras else {}
-    longest = list(tokenizers.values())[-1].model_max_length  # the long-text tokenizer (T5, an LLM's) is listed last
+    last = list(tokenizers.values())[-1]  # the long-text tokenizer (T5, an LLM's) is listed last
+    longest = getattr(last, "tokenizer", last).model_max_length  # a processor (PixtralProcessor) holds its tokenizer
     max_length = model.max_sequence_length or min(recipe.default_max_sequence_length, longest)
     timesteps, sigmas = _train_tables(scheduler, model.shift)
     return FlowBuilt(folder=folder, device=device, recipe=recipe, trainable=transformer, vae=vae,

@@ -10,9 +10,11 @@ examples/dreambooth/train_dreambooth_lora_flux2_klein.py feeds Flux2Transformer2
 - the transformer sees those latents flattened into tokens with 4-axis position ids, timestep / 1000, and a
   guidance value when it has a guidance embedding; its output is unpacked with the same ids.
 
-FLUX.2 [dev] (Mistral3 text encoder, Flux2Pipeline) trains the same way with another text side; it is not offered
-yet: its tokenizer is a PixtralProcessor, which transformers 5 refuses to build without torchvision, and no
-torchvision imports beside the CPU torch dstune is tested with (docs/family-flow.md says exactly what fails).
+FLUX.2 [dev] (FLUX2_DEV) trains the same way with another text side: Flux2Pipeline.encode_prompt (its `tokenizer`,
+a PixtralProcessor in a real folder, applies the Mistral chat template with FLUX.2's system message, padded to
+max_sequence_length; the Mistral3 hidden states of layers 10, 20 and 30 stacked side by side). Both recipes share
+the transformer class, so flow.detect_kind tells them apart by the pipeline class (model_index.json's _class_name)
+or, failing that, by the text encoder class.
 """
 
 from __future__ import annotations
@@ -26,24 +28,28 @@ from dstune.hf import quiet_hf_libraries
 
 TEXT_TENSORS = ("encoder_hidden_states",)
 TEXT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default
+DEV_TEXT_LAYERS = (10, 20, 30)  # Flux2Pipeline's (and train_dreambooth_lora_flux2.py's) default
 
 
 def _pipeline_class():
+    """Klein's and dev's pipelines share these static helpers (_patchify_latents, _pack_latents, ids)."""
     with quiet_hf_libraries():
         from diffusers import Flux2KleinPipeline
     return Flux2KleinPipeline
 
 
-def _mismatches(folder: Path) -> list[str]:
+def _config_mismatches(folder: Path, layers: tuple[int, ...]) -> list[str]:
+    """Channels and widths that must agree; `layers`: the text encoder hidden states the pipeline stacks."""
     transformer, vae = read_config(folder, "transformer"), read_config(folder, "vae")
     text = read_config(folder, "text_encoder")
+    text = text.get("text_config", text)  # Mistral3ForConditionalGeneration nests its language model's config
     checks = [("in_channels", 4 * vae.get("latent_channels", 32)),
-              ("joint_attention_dim", len(TEXT_LAYERS) * text.get("hidden_size", 0))]
+              ("joint_attention_dim", len(layers) * text.get("hidden_size", 0))]
     problems = [f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
                 for key, want in checks if transformer.get(key) != want]
-    if text.get("num_hidden_layers", 0) < max(TEXT_LAYERS):
+    if text.get("num_hidden_layers", 0) < max(layers):
         problems.append(f"text_encoder has {text.get('num_hidden_layers')} layers; the pipeline reads the hidden "
-                        f"states of layers {', '.join(map(str, TEXT_LAYERS))}")
+                        f"states of layers {', '.join(map(str, layers))}")
     return problems
 
 
@@ -80,5 +86,17 @@ FLUX2_KLEIN = FlowRecipe(
     kind="flux2_klein", transformer_class="Flux2Transformer2DModel", pipeline_class="Flux2KleinPipeline",
     components={"text_encoder": "Qwen3ForCausalLM", "tokenizer": None}, default_max_sequence_length=512,
     text_tensors=TEXT_TENSORS, encode_captions=_captions, predict=_predict,
-    text_tokens=lambda built: built.max_sequence_length, config_mismatches=_mismatches,
+    text_tokens=lambda built: built.max_sequence_length,
+    config_mismatches=lambda folder: _config_mismatches(folder, TEXT_LAYERS),
+    vae_class="AutoencoderKLFlux2", packed_sides=2, posterior_mode=True, model_latents=_model_latents)
+
+# FLUX.2 [dev]: klein's latents, prediction and loss; the text through Flux2Pipeline.encode_prompt at its defaults
+# (max_sequence_length 512, layers 10, 20, 30), which _captions calls without naming the layers. The tokenizer is
+# whatever the folder lists (a PixtralProcessor in a real folder), so it is checked loosely (None).
+FLUX2_DEV = FlowRecipe(
+    kind="flux2_dev", transformer_class="Flux2Transformer2DModel", pipeline_class="Flux2Pipeline",
+    components={"text_encoder": "Mistral3ForConditionalGeneration", "tokenizer": None},
+    default_max_sequence_length=512, text_tensors=TEXT_TENSORS, encode_captions=_captions, predict=_predict,
+    text_tokens=lambda built: built.max_sequence_length,
+    config_mismatches=lambda folder: _config_mismatches(folder, DEV_TEXT_LAYERS),
     vae_class="AutoencoderKLFlux2", packed_sides=2, posterior_mode=True, model_latents=_model_latents)

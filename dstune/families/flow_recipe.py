@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families.base import FamilyError
-from dstune.families.diffusion import load_component
+from dstune.families.diffusion import load_component, read_model_index
 
 
 @dataclass(frozen=True)
@@ -66,15 +66,20 @@ def read_config(folder: Path, name: str, file: str = "config.json") -> dict:
 
 
 def load_text_side(folder: Path, recipe: FlowRecipe, device, dtype) -> tuple[dict, dict]:
-    """The recipe's text encoders (frozen, eval, in `dtype` on `device`) and tokenizers, by their listed classes."""
+    """The recipe's text encoders (frozen, eval, in `dtype` on `device`) and tokenizers, by their listed classes. A
+    tokenizer listed as a processor (FLUX.2 [dev]'s PixtralProcessor) is loaded as one, as the pipeline loads it,
+    since its encode_prompt calls the processor's apply_chat_template."""
     import transformers
 
+    index = read_model_index(folder)
     encoders, tokenizers = {}, {}
     for name, expected in recipe.components.items():
         if not name.startswith(("text_encoder", "tokenizer")):
             continue
         if expected is None:
-            tokenizers[name] = load_component(folder, name, transformers.AutoTokenizer.from_pretrained)
+            listed = str((index.get(name) or [None, ""])[-1])
+            loader = transformers.AutoProcessor if listed.endswith("Processor") else transformers.AutoTokenizer
+            tokenizers[name] = load_component(folder, name, loader.from_pretrained)
         else:
             cls = getattr(transformers, expected)
             module = load_component(folder, name, cls.from_pretrained).to(device, dtype)
@@ -100,3 +105,25 @@ def vae_spatial_factor(vae_config) -> int:
     if getattr(vae_config, "temperal_downsample", None) is not None:
         return 2 ** len(vae_config.temperal_downsample)
     return 2 ** (len(vae_config.block_out_channels) - 1)
+
+
+def pick_recipe(folder: Path, index: dict, recipes: list[FlowRecipe]) -> FlowRecipe:
+    """Among the recipes of one transformer class: the one of the folder's pipeline class; else the one of its text
+    encoder class where that tells them apart (FLUX.2 [klein]: Qwen3, [dev]: Mistral3); else, for a transformer with
+    one recipe, that one (whose component check then lists every part that does not fit). Qwen-Image and
+    Qwen-Image-Edit share their text encoder class too, so another pipeline around that transformer (the 2509 edit
+    models' QwenImageEditPlusPipeline) is refused rather than trained as either."""
+    pipeline_class = index.get("_class_name")
+    for recipe in recipes:
+        if recipe.pipeline_class == pipeline_class:
+            return recipe
+    entry = index.get("text_encoder")
+    encoder = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+    by_encoder = [recipe for recipe in recipes if recipe.components.get("text_encoder") == encoder]
+    if len(by_encoder) == 1:
+        return by_encoder[0]
+    if len(recipes) == 1:
+        return recipes[0]
+    raise FamilyError(f"{folder / 'model_index.json'}: a {pipeline_class} around a {recipes[0].transformer_class} is "
+                      "not supported; model.family 'flow' trains that transformer in "
+                      f"{', '.join(r.pipeline_class for r in recipes)} folders.")

@@ -234,21 +234,23 @@ class FlowModel(DenoiserModelBase):
         "Qwen-Image-Edit (QwenImageTransformer2DModel; Qwen2.5-VL with the source image; trains on source/target "
         "pairs, see data.control_dir), "
         "Z-Image (ZImageTransformer2DModel; Qwen3), "
-        "FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3). See docs/family-flow.md."
+        "FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3), "
+        "FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3). See docs/family-flow.md."
     )
     pretrained: str = Field(
         "builtin:tiny-flow",
         description="A diffusers pipeline folder (model_index.json + transformer/vae/text encoders/tokenizers/"
         "scheduler) of one of those models: "
         "StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, QwenImageEditPipeline, ZImagePipeline, "
-        "Flux2KleinPipeline; "
+        "Flux2KleinPipeline, Flux2Pipeline; "
         "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
         "`builtin:tiny-flow` (SD3-class), "
         "`builtin:tiny-flux` (Flux-class), "
         "`builtin:tiny-qwen-image`, "
         "`builtin:tiny-qwen-image-edit`, "
         "`builtin:tiny-z-image`, "
-        "`builtin:tiny-flux2` (FLUX.2 [klein]).",
+        "`builtin:tiny-flux2` (FLUX.2 [klein]), "
+        "`builtin:tiny-flux2-dev` (FLUX.2 [dev]).",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
@@ -283,14 +285,14 @@ class FlowModel(DenoiserModelBase):
         "to it (--precondition_outputs 1); false: the velocity loss of their Flux, Qwen-Image, Z-Image, FLUX.2 scripts.",
     )
     guidance: float = Field(
-        3.5, ge=0, description="Transformers with a guidance embedding (guidance_embeds: FLUX.1-dev; FLUX.2 when its "
-        "transformer has one): the guidance value fed while training. Unused by the others.",
+        3.5, ge=0, description="Transformers with a guidance embedding (guidance_embeds: FLUX.1-dev, FLUX.2 [dev]; "
+        "FLUX.2 [klein] when its transformer has one): the guidance value fed while training. Unused by the others.",
     )
     max_sequence_length: Optional[int] = Field(
         None, gt=0, description="Text tokens per caption (SD3, Flux: T5's; the others: their LLM prompt's). Omitted: "
         "the model's training example default, at most the tokenizer's model_max_length: "
         "77 (SD3-class) / "
-        "512 (Flux-class, Qwen-Image, Z-Image, FLUX.2 [klein]).",
+        "512 (Flux-class, Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.2 [dev]).",
     )
 
     @model_validator(mode="after")

@@ -256,7 +256,8 @@ def test_zero3_partitioned_build_reads_a_share_per_rank(capsys):
     assert memory["host_per_node_bytes"] < whole / 3
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen-image", "tiny-z-image", "tiny-flux2", "tiny-flux", "tiny-flow"])
+@pytest.mark.parametrize("model", ["tiny-qwen-image", "tiny-z-image", "tiny-flux2", "tiny-flux2-dev", "tiny-flux",
+                                   "tiny-flow"])
 def test_cache_on_disk_is_what_the_cache_stores_per_sample(model):
     """validate's "cache on disk" for one 32 px sample under fp32 equals the bytes of the tensors the cache writes:
     the posterior's mean and std and the recipe's text tensors (a mask excepted: it is small). The tiny T5

@@ -1,0 +1,161 @@
+"""FLUX.2 [dev] in the flow family (recipe dstune.families.flow_flux2.FLUX2_DEV) on builtin:tiny-flux2-dev's real
+components: a Flux2Pipeline folder whose Mistral3 text encoder is tiny and whose tokenizer is a byte-level fast
+tokenizer with Mistral's chat template, standing where a real folder's PixtralProcessor (which needs torchvision)
+goes.
+
+The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_flux2.py with
+diffusers' own pieces: Flux2Pipeline.encode_prompt's embeddings and text ids at the script's defaults
+(max_sequence_length 512, text_encoder_out_layers 10, 20, 30), the posterior's mode patchified and normalised with
+the VAE's batch-norm statistics, _prepare_latent_ids, _pack_latents, the scheduler copy's tables, timestep / 1000,
+the guidance embedding fed the script's --guidance_scale, the output cut to the image tokens and unpacked with
+_unpack_latents_with_ids, compute_loss_weighting_for_sd3. The noise and u are dstune's per-sample draws.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstune import builtin as tiny
+from dstune.builtin.common import to_tensor
+from dstune.data.synthetic import render_shape
+from dstune.families import flow
+from dstune.families.base import FamilyError, per_sample_randn
+from dstune.pretrained import build_model
+from dstune.spec.models import FlowModel, SampleSpec
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+MODEL = "builtin:tiny-flux2-dev"
+SEED, STEP, INDICES = 9, 6, [2, 12, 4]
+CASES = {  # (dstune settings, the example's flags): its defaults (uniform u: --weighting_scheme none), then others
+    "script-defaults": (dict(timestep_sampling="uniform"), dict(weighting_scheme="none")),
+    "logit-normal": (dict(timestep_sampling="logit_normal"), dict(weighting_scheme="logit_normal")),
+}
+
+
+@pytest.fixture(scope="module")
+def built():
+    return build_model(FlowModel(family="flow", pretrained=MODEL), CACHE_DIR, "cpu")
+
+
+def _batch(indices=INDICES) -> dict:
+    images = [render_shape(i, 32) for i in indices]
+    return {"pixel_values": to_tensor([image for image, _ in images]),
+            "caption": [caption for _, caption in images], "index": torch.tensor(indices, dtype=torch.long)}
+
+
+def test_builtin_is_a_flux2_dev_pipeline_folder(built):
+    folder = tiny.ensure_builtin_model("tiny-flux2-dev", CACHE_DIR)
+    assert json.loads((folder / "model_index.json").read_text())["_class_name"] == "Flux2Pipeline"
+    assert flow.detect_kind(folder) == "flux2_dev" and built.kind == "flux2_dev"
+    assert type(built.text_encoders["text_encoder"]).__name__ == "Mistral3ForConditionalGeneration"
+    assert built.transformer_config["guidance_embeds"] and built.max_sequence_length == 512
+    # the chat template puts FLUX.2's system message and the caption in Mistral's control tokens
+    text = built.tokenizers["tokenizer"].apply_chat_template(
+        [[{"role": "system", "content": [{"type": "text", "text": "S"}]},
+          {"role": "user", "content": [{"type": "text", "text": "a red circle"}]}]], tokenize=False)
+    assert text == ["<s>[SYSTEM_PROMPT]S[/SYSTEM_PROMPT][INST]a red circle[/INST]"]
+
+
+def test_klein_and_dev_folders_are_told_apart_and_misfits_refused(tmp_path):
+    """Both share Flux2Transformer2DModel: the pipeline class picks the recipe, then every part is checked."""
+    klein = tiny.ensure_builtin_model("tiny-flux2", CACHE_DIR)
+    assert flow.detect_kind(klein) == "flux2_klein"
+    dev = tmp_path / "dev"
+    shutil.copytree(tiny.ensure_builtin_model("tiny-flux2-dev", CACHE_DIR), dev)
+    index = json.loads((dev / "model_index.json").read_text())
+    (dev / "model_index.json").write_text(json.dumps({**index, "_class_name": "SomethingElse"}))
+    assert flow.detect_kind(dev) == "flux2_dev"  # no pipeline class match: the text encoder class decides
+    shutil.rmtree(dev / "vae")
+    (dev / "model_index.json").write_text(json.dumps({**index, "text_encoder": ["transformers", "Qwen3ForCausalLM"]}))
+    with pytest.raises(FamilyError, match=r"\(Flux2Pipeline\):\n  - `text_encoder` is a Qwen3ForCausalLM; expected "
+                                          r"Mistral3ForConditionalGeneration\n  - missing subfolder vae/"):
+        flow.detect_kind(dev)
+
+
+def test_mismatched_text_width_is_refused(tmp_path):
+    dev = tmp_path / "dev"
+    shutil.copytree(tiny.ensure_builtin_model("tiny-flux2-dev", CACHE_DIR), dev)
+    path = dev / "transformer" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "joint_attention_dim": 64}))
+    with pytest.raises(FamilyError, match=r"joint_attention_dim 64 != 96"):
+        build_model(FlowModel(family="flow", pretrained=str(dev)), tmp_path, "cpu")
+
+
+def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict, u: torch.Tensor) -> torch.Tensor:
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(built.folder / "scheduler")
+    vae = built.vae
+    bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    pipeline = Flux2Pipeline(scheduler=scheduler, vae=None, transformer=None, **built.text_encoders,
+                             **built.tokenizers)
+    with torch.no_grad():
+        model_input = vae.encode(pixels).latent_dist.mode()
+        prompt_embeds, text_ids = pipeline.encode_prompt(prompt=list(captions), max_sequence_length=512,
+                                                         text_encoder_out_layers=[10, 20, 30])
+    model_input = (Flux2Pipeline._patchify_latents(model_input) - bn_mean) / bn_std
+    model_input_ids = Flux2Pipeline._prepare_latent_ids(model_input)
+    noise = per_sample_randn(model_input.shape[1:], SEED, STEP, INDICES, "noise")
+    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
+    positions = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
+    sigmas = scheduler.sigmas[positions].flatten().view(-1, 1, 1, 1)
+    noisy = (1.0 - sigmas) * model_input + sigmas * noise
+    packed = Flux2Pipeline._pack_latents(noisy)
+    guidance = torch.full([1], flags["guidance_scale"]).expand(model_input.shape[0])
+    with torch.no_grad():
+        model_pred = built.trainable(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
+                                     encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=model_input_ids,
+                                     return_dict=False)[0]
+    model_pred = Flux2Pipeline._unpack_latents_with_ids(model_pred[:, :packed.size(1):], model_input_ids)
+    weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
+    target = noise - model_input
+    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(len(captions), -1), 1)
+    return loss.mean()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_equals_the_diffusers_flux2_dev_script(built, case):
+    settings, flags = CASES[case]
+    model = replace(built, settings=FlowModel(family="flow", pretrained=MODEL, guidance=4.0, **settings))
+    batch = _batch()
+    u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
+    with torch.no_grad():
+        ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
+    reference = _script_loss(model, batch["pixel_values"], batch["caption"], {**flags, "guidance_scale": 4.0}, u)
+    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+    # the guidance embedding is live: another guidance value gives another loss
+    other = replace(model, settings=FlowModel(family="flow", pretrained=MODEL, guidance=1.0, **settings))
+    with torch.no_grad():
+        assert flow.loss(other, other.trainable, flow.encode_batch(other, batch), SEED, STEP).item() != ours.item()
+
+
+def test_cached_text_trains_like_encoded_text(built):
+    batch = _batch([4, 7])
+    cached = {**batch, **flow.cache_text_tensors(built, batch["caption"])}
+    assert cached["encoder_hidden_states"].shape == (2, 512, 96)
+    with torch.no_grad():
+        encoded = flow.loss(built, built.trainable, flow.encode_batch(built, batch), 0, 1)
+        from_cache = flow.loss(built, built.trainable, flow.encode_batch(built, cached), 0, 1)
+    assert from_cache.item() == encoded.item()
+
+
+def test_sample_and_export_reload_with_flux2_pipeline(built, tmp_path):
+    from diffusers import Flux2Pipeline
+
+    images = flow.sample(built, built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=4.0), 32)
+    assert [image.size for image in images] == [(32, 32)]
+    state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
+    reloaded = Flux2Pipeline.from_pretrained(flow.export(built, state, tmp_path / "export"))
+    name = next(iter(state))
+    assert torch.equal(reloaded.transformer.state_dict()[name], state[name])
+    assert reloaded(prompt="a red circle", height=32, width=32, num_inference_steps=2).images[0].size == (32, 32)
