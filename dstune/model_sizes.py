@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from dstune.activations import (codec_frame_rate, flow_sample_bytes, lm_sample_bytes, speecht5_sample_bytes,
-                                tts_tokens, unet_sample_bytes)
+                                tts_tokens, unet_sample_bytes, wan_sample_bytes)
 from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_libraries
 from dstune.memory_plan import ModelCounts
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES
@@ -31,8 +31,9 @@ BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-f
                    "tiny-flux": "tiny-flux-v1", "tiny-tts-lm": "tiny-tts-lm-v3", "tiny-speecht5": "tiny-speecht5-v1",
                    "tiny-orpheus": "tiny-orpheus-v2", "tiny-qwen-image": "tiny-qwen-image-v1",
                    "tiny-qwen-image-edit": "tiny-qwen-image-edit-v1", "tiny-z-image": "tiny-z-image-v1",
-                   "tiny-flux2": "tiny-flux2-v1", "tiny-flux2-dev": "tiny-flux2-dev-v1"}
-DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer"}
+                   "tiny-flux2": "tiny-flux2-v1", "tiny-flux2-dev": "tiny-flux2-dev-v1",
+                   "tiny-wan": "tiny-wan-v1", "tiny-wan22": "tiny-wan22-v1"}
+DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer", "wan": "transformer"}
 EDIT_PIPELINES = ("QwenImageEditPipeline",)  # trained on (source, target) pairs: twice the image tokens and latents
 FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -216,6 +217,8 @@ def _count_denoiser(spec, num_samples: int) -> ModelCounts:
     resolution = spec.data.resolution
     if module == "unet":
         full, checkpointed = unet_sample_bytes(config, resolution)
+    elif spec.model.family == "wan":
+        full, checkpointed = wan_sample_bytes(config, resolution, spec.data.video.frames, _text_tokens(spec, index))
     else:
         full, checkpointed = flow_sample_bytes(config, resolution, _text_tokens(spec, index),
                                                2 if index.get("_class_name") in EDIT_PIPELINES else 1)
@@ -243,11 +246,14 @@ def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int) -
         vae = _read_json(folder / "vae" / "config.json")
         channels = vae.get("latent_channels") or vae.get("z_dim", 4)
         pictures = 2 if _read_json(folder / "model_index.json").get("_class_name") in EDIT_PIPELINES else 1
-        per_sample += pictures * 2 * channels * (spec.data.resolution // _vae_factor(vae)) ** 2 * 4  # edit: + source
+        latent_frames = 1 + (spec.data.video.frames - 1) // 4 if spec.model.family == "wan" else 1  # clips
+        side = spec.data.resolution // _vae_factor(vae)
+        per_sample += pictures * 2 * channels * latent_frames * side ** 2 * 4  # edit: + the source's latents
     if cache.text_embeddings and (folder / "transformer" / "config.json").exists():  # flow: what the transformer reads
         transformer = _read_json(folder / "transformer" / "config.json")
         tokens = _text_tokens(spec, _read_json(folder / "model_index.json"))
-        text_width = transformer.get("joint_attention_dim") or transformer.get("cap_feat_dim", 0)  # Z-Image's name
+        text_width = (transformer.get("joint_attention_dim") or transformer.get("cap_feat_dim")  # Z-Image's name
+                      or transformer.get("text_dim", 0))  # Wan's
         per_sample += (tokens * text_width + transformer.get("pooled_projection_dim", 0)) * width
     elif cache.text_embeddings:  # sd, sdxl: each CLIP's 77 hidden states
         for part in companions:

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from dstune.spec.models import AUDIO_FAMILIES, Spec
+from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec
 
 # Values the `init` example uses where the default is not what a first run wants. The example must validate as
 # printed on any world size (micro + accumulation given, global derived) and name the built-in model and data.
@@ -229,6 +229,8 @@ def _field_row(dotted: str, name: str, info: FieldInfo, pad: str, family: str) -
         return f"{pad}family: {family}", comment
     if dotted == "data.path" and family in AUDIO_FAMILIES:  # speech families need speech data
         return f"{pad}{name}: builtin:tones", comment
+    if dotted == "data.path" and family in VIDEO_FAMILIES:  # video families: clips that move
+        return f"{pad}{name}: builtin:moving-shapes", comment
     if dotted in EXAMPLE_VALUES:
         return f"{pad}{name}: {yaml_value(EXAMPLE_VALUES[dotted])}", comment
     default = _default(info)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from dstune.cache.codec_tokens import prepare_codec_cache, verify_codec_cache
-from dstune.cache.datasets import CachedDataset, CachedSpeechDataset, collate_cached
+from dstune.cache.datasets import CachedDataset, CachedSpeechDataset, CachedVideoDataset, collate_cached
 from dstune.cache.latents import CacheIndex, LatentCacheJob, offload_frozen, prepare_cache
 from dstune.cache.share import cache_folder
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
@@ -27,6 +27,7 @@ from dstune.data.audio_index import duration_keys, speaker_keys
 from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
 from dstune.data.index import DataError, index_dataset, list_samples
 from dstune.data.loader import make_loader
+from dstune.data.video import VideoCaptionDataset, clip_frames, collate_video, find_bad_clips
 from dstune.distributed import Run, agree_or_stop, all_gather_object, init_run, launcher_rank, rank0_first, shutdown, stop
 from dstune.ds_file_spec import merged_spec
 from dstune.engine import PRECISION_DTYPES
@@ -107,6 +108,8 @@ def checked_records(run: Run, spec: Spec, family: Family) -> list:
         if run.is_main and warnings:
             print("data: " + "\ndata: ".join(warnings), flush=True)
         return records
+    if family.modality == "video":
+        return _checked_clips(run, spec)
     records = list_samples(data)
     mine = [(r.sample_id, reason) for r, reason in find_bad_images(records, run.rank, run.world_size)]
     bad = [item for share in all_gather_object(mine) for item in share]
@@ -119,6 +122,29 @@ def checked_records(run: Run, spec: Spec, family: Family) -> list:
         if run.is_main:
             print(f"data: {len(bad)} unreadable image(s) skipped (each replaced by the next readable sample):\n"
                   f"{listing}{more}", flush=True)
+    return records
+
+
+def _checked_clips(run: Run, spec: Spec) -> list:
+    """A video family's samples, every video decoded (each rank a share) before step 1: one message names every
+    video that cannot be decoded or is too short, and a micro batch cannot mix stills with clips."""
+    data = spec.data
+    try:
+        records = list_samples(data, video=True)
+    except DataError as err:
+        stop(run, str(err), 1)
+    mine = [(r.sample_id, reason) for r, reason in find_bad_clips(records, data, run.rank, run.world_size)]
+    bad = [item for share in all_gather_object(mine) for item in share]
+    if bad:
+        listing = "\n".join(f"  {reason}" for _, reason in bad[:BAD_FILES_LISTED])
+        more = f"\n  ... and {len(bad) - BAD_FILES_LISTED} more" if len(bad) > BAD_FILES_LISTED else ""
+        stop(run, f"data.path: {len(bad)} unusable video(s):\n{listing}{more}\nFix or remove them (video "
+                  "datasets are checked whole before step 1; data.skip_bad_files does not apply to them).", 1)
+    lengths = sorted({clip_frames(record, data) for record in records})
+    if len(lengths) > 1 and (spec.train.micro_batch_size or 1) > 1:
+        stop(run, f"data.path mixes still images (one-frame clips) with {data.video.frames}-frame videos, which "
+                  "cannot share a micro batch: set train.micro_batch_size: 1 (with gradient accumulation for the "
+                  "global batch), or train the stills and the videos separately.", 1)
     return records
 
 
@@ -148,7 +174,7 @@ def _latent_job(run: Run, spec: Spec, family: Family, model_folder: Path) -> Lat
     settings = text_cache.settings(spec.model) if text_cache and text_cache.settings else ""
     folder = cache_folder(spec.data.cache.dir, spec.output.cache_dir, run.rank, run.node_rank)
     return LatentCacheJob(spec.data, folder, model_folder, text_cache, settings, spec.train.seed,
-                          PRECISION_DTYPES[spec.train.precision][1])
+                          PRECISION_DTYPES[spec.train.precision][1], video=family.modality == "video")
 
 
 def prepare_caches(run: Run, spec: Spec, family: Family, built, records: list, verify_only: bool = False,
@@ -190,6 +216,12 @@ def make_training_loader(spec: Spec, plan, rank: int, family: Family, built, rec
                                speakers)
         dataset = SpeechDataset(records, built.sample_rate)
         return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step, speakers)
+    if family.modality == "video":
+        if caches.images is not None:
+            dataset = CachedVideoDataset(data, records, seed, caches.images)
+            return make_loader(dataset, collate_cached, None, data, plan, rank, seed, start_epoch, start_step)
+        dataset = VideoCaptionDataset(data, records, seed)
+        return make_loader(dataset, collate_video, None, data, plan, rank, seed, start_epoch, start_step)
     if caches.images is not None:
         dataset = CachedDataset(data, records, seed, caches.images)
         return make_loader(dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch,
@@ -228,7 +260,7 @@ def run_cache_command(spec_path: str, overrides: list[str], verify_only: bool) -
     try:
         family = get_family(spec.model.family)
         records = checked_records(run, spec, family)
-        if verify_only and family.modality == "image":  # latents are checked against the folder: no encoders
+        if verify_only and family.modality in ("image", "video"):  # latents are checked against the folder: no encoders
             folder, error = None, None
             try:
                 folder = resolve_pretrained(spec.model.pretrained, spec.output.cache_dir)

@@ -28,7 +28,7 @@ from dstune.memory_plan import Setup, memory_json
 from dstune.model_sizes import EDIT_PIPELINES, SizesUnknown, config_folder, count_model
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
-from dstune.spec.models import AUDIO_FAMILIES, Spec, lora_format_problem
+from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
 from dstune.token_layouts import TTS_LAYOUT_FILE, describe, layout_problems, orpheus_layout
 from dstune.trackers import wandb_missing
 from dstune.world import World, world_from_flags
@@ -294,7 +294,8 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
                                         "nothing to balance: use a GPT-SoVITS .list or metadata.jsonl with `speaker`, "
                                         "or remove data.speaker_balance")])
         else:
-            index = index_dataset(spec.data, read_captions=False)  # lists files; reads no image and no caption
+            index = index_dataset(spec.data, read_captions=False,  # lists files; reads no image, clip or caption
+                                  video=spec.model.family in VIDEO_FAMILIES)
             groups = _bucket_counts(spec, source, index.records, found) if spec.data.buckets.enabled else None
             pairs = index.num_pairs
     except DataError as err:

@@ -20,6 +20,7 @@ from dstune.cache.entries import read_entry
 from dstune.data.audio_index import AudioRecord
 from dstune.data.images import BadSampleError, ImageCaptionDataset, crop_fields, decoded_size, sample_rng
 from dstune.data.pairs import CONTROL_SUFFIX
+from dstune.data.video import VideoCaptionDataset
 
 
 class CachedDataset(ImageCaptionDataset):
@@ -59,6 +60,31 @@ class CachedDataset(ImageCaptionDataset):
                 source = read_entry(self.index.latent_paths[(record.sample_id + CONTROL_SUFFIX, flip)])
                 out.update({f"control_{name}": value for name, value in source.items()})
                 out.update(self.control_pixels(record, size, 0.5, 0.5, flip))
+        if self.index.text:
+            out.update(read_entry(self.index.text_paths[out["caption"]]))
+        return out
+
+
+class CachedVideoDataset(VideoCaptionDataset):
+    """Clips from the cache: the video dataset's caption-dropout draw, then the clip's latent entry (or its
+    pixels without data.cache.latents) and the caption's text entry."""
+
+    def __init__(self, data, records, seed: int, index):
+        super().__init__(data, records, seed)
+        self.index = index  # dstune.cache.latents.CacheIndex
+
+    def __getitem__(self, position: int) -> dict:
+        position = operator.index(position)
+        if not 0 <= position < len(self):
+            raise IndexError(f"sample index {position} out of range 0..{len(self) - 1}")
+        if not self.index.latents:
+            out = super().__getitem__(position)
+        else:
+            _, dropout_draw, _, _ = sample_rng(self.seed, self.epoch, position).random(4)
+            record = self.record_at(position)
+            caption = "" if dropout_draw < self.data.caption_dropout else record.caption
+            out = {"caption": caption, "sample_id": record.sample_id, "index": position}
+            out.update(read_entry(self.index.latent_paths[(record.sample_id, False)]))
         if self.index.text:
             out.update(read_entry(self.index.text_paths[out["caption"]]))
         return out

@@ -23,10 +23,11 @@ from dstune.cache.entries import (Entry, bytes_sha256, entry_problem, file_sha25
                                   write_entry)
 from dstune.cache.share import monitored_barrier, sharing_group
 from dstune.data.buckets import sample_buckets
-from dstune.data.images import BadSampleError, ImageCaptionDataset, resize_and_crop, to_tensor
+from dstune.data.images import BadSampleError, ImageCaptionDataset
 from dstune.data.index import control_records
 from dstune.data.pairs import CONTROL_SUFFIX
 from dstune.data.synthetic import render_shape
+from dstune.data.video import VideoCaptionDataset
 from dstune.distributed import agree_or_stop, all_gather_object
 from dstune.families.base import TextCache
 from dstune.families.diffusion import vae_posterior
@@ -46,6 +47,7 @@ class LatentCacheJob:
     text_settings: str  # family settings that shape the text tensors (flow: the sequence length), or ""
     seed: int
     dtype: torch.dtype  # the frozen encoders' dtype (dstune.engine.PRECISION_DTYPES)
+    video: bool = False  # a video family: entries are clips (dstune.data.video), keyed by data.video's choices too
 
 
 @dataclass
@@ -71,21 +73,29 @@ def _fingerprints(folder: Path, text_folders: tuple[str, ...]) -> dict[str, str]
     return {"vae": folder_fingerprint(folder / "vae"), "text": text}
 
 
-def _content_hash(record, resolution: int) -> str:
+def _content_hash(record, data: DataSpec, clips) -> str:
+    """The file's sha256, or for built-in samples the rendered pixels'; for clips (`clips`: the video dataset that
+    reads them, None for images) data.video's choices (frames, sampling, fps) are part of it, since they change
+    what is encoded."""
+    video = clips is not None
     if record.image_path is not None:
-        return file_sha256(record.image_path)
-    # built-in samples: the rendered pixels are the content
-    number = int(record.sample_id.rsplit("/", 1)[1])
-    return bytes_sha256(b"builtin-render\0" + render_shape(number, resolution)[0].tobytes())
+        content = file_sha256(record.image_path)
+    elif video:
+        content = bytes_sha256(b"builtin-clip\0" + clips.load_clip(record).numpy().tobytes())
+    else:
+        number = int(record.sample_id.rsplit("/", 1)[1])
+        content = bytes_sha256(b"builtin-render\0" + render_shape(number, data.resolution)[0].tobytes())
+    return bytes_sha256(f"{content}/{data.video!r}".encode()) if video else content
 
 
-def _content_hashes(run, records, resolution: int) -> tuple[dict[str, str], dict[str, str]]:
+def _content_hashes(run, records, data: DataSpec, video: bool) -> tuple[dict[str, str], dict[str, str]]:
     """sample_id -> content sha256 for all records (each rank hashes a share), and sample_id -> reason for files
     that could not be read."""
-    mine, bad = {}, {}
-    for record in records[run.rank::run.world_size]:
+    mine, bad, share = {}, {}, records[run.rank::run.world_size]
+    clips = VideoCaptionDataset(data, share, 0) if video and share else None
+    for record in share:
         try:
-            mine[record.sample_id] = _content_hash(record, resolution)
+            mine[record.sample_id] = _content_hash(record, data, clips)
         except OSError as err:
             bad[record.sample_id] = err.strerror or str(err)
     hashes, unreadable = {}, {}
@@ -113,17 +123,18 @@ def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolutio
     pixels, ok, failed = [], [], {}
     for entry in entries:
         try:
-            image = dataset.load_image(by_id[entry.sample_id], entry.size)
+            pixels.append(dataset.cache_pixels(by_id[entry.sample_id], entry.size or resolution, entry.flip))
         except BadSampleError as err:
             failed[entry.name] = err.message
             continue
-        pixels.append(to_tensor(resize_and_crop(image, entry.size or resolution, 0.5, 0.5, entry.flip)))
         ok.append(entry)
-    if not ok:
-        return {}, failed
-    mean, std = vae_posterior(built.vae, torch.stack(pixels).to(built.device, built.vae.dtype))
-    mean, std = mean.cpu(), std.cpu()
-    return {e.key: {"latent_mean": mean[i], "latent_std": std[i]} for i, e in enumerate(ok)}, failed
+    tensors = {}
+    for shape in dict.fromkeys(p.shape for p in pixels):  # one pass per shape: stills beside clips (video)
+        same = [i for i, p in enumerate(pixels) if p.shape == shape]
+        mean, std = vae_posterior(built.vae, torch.stack([pixels[i] for i in same]).to(built.device, built.vae.dtype))
+        tensors.update({ok[i].key: {"latent_mean": mean[j].cpu(), "latent_std": std[j].cpu()}
+                        for j, i in enumerate(same)})
+    return tensors, failed
 
 
 def _encode_texts(built, entries: list[Entry], encode: Callable) -> tuple[dict, dict]:
@@ -213,7 +224,7 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
     agree_or_stop(run, error)
     group = sharing_group(run, folder)
     targets, records = records, _with_sources(records) if cache_spec.latents else records
-    hashes, unreadable = _content_hashes(run, records, data.resolution)
+    hashes, unreadable = _content_hashes(run, records, data, job.video)
     text = job.text_cache
     fingerprints = _fingerprints(job.model_folder, text.folders if text else ())
     if job.text_settings:  # e.g. flow's max_sequence_length: same encoders, other tensors
@@ -225,7 +236,7 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
     if verify_only:
         counts = _verify_share(folder, mine)
     else:
-        dataset = ImageCaptionDataset(data, targets, job.seed)
+        dataset = (VideoCaptionDataset if job.video else ImageCaptionDataset)(data, targets, job.seed)
         counts = _build_share(built, dataset, {r.sample_id: r for r in records}, folder, mine, data.resolution,
                               text.encode if text else None)
     agree_or_stop(run, monitored_barrier(run, cache_spec.barrier_timeout_minutes))

@@ -191,6 +191,10 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 f"cannot read image {record.image_path} (sample {record.sample_id}): {reason}. Replace or delete "
                 "the file, or set data.skip_bad_files: true to skip unreadable images.", record.image_path) from None
 
+    def cache_pixels(self, record: SampleRecord, size, flip: bool) -> torch.Tensor:
+        """What the latent cache encodes for the record: its centre crop at `size`, flipped or not."""
+        return to_tensor(resize_and_crop(self.load_image(record, size), size or self.data.resolution, 0.5, 0.5, flip))
+
     def control_pixels(self, record: SampleRecord, size, crop_x: float, crop_y: float, flip: bool):
         """Edit pairs: the record's source image resized and cropped exactly as its target (to the target's size:
         data.resolution or its bucket, same crop fractions, same flip), as a (3, H, W) tensor; {} unpaired."""

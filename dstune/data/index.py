@@ -8,7 +8,9 @@ Layouts:
   - folder (kohya-ss sd-scripts): images with same-stem caption files; a subfolder named `N_name` (N a positive
     integer) repeats every image under it N times, the nearest such folder counting; other folders repeat once.
   - jsonl (Hugging Face imagefolder): `metadata.jsonl` at the root, one `{"file_name": ..., "text": ...}` per line.
-  - builtin:shapes: synthetic coloured shapes (dstune.data.synthetic), made on the fly from the sample number.
+  - builtin:shapes: synthetic coloured shapes (dstune.data.synthetic), made on the fly from the sample number;
+    builtin:moving-shapes the same as clips (video families).
+Video families (index_dataset(..., video=True)) list video files as well as images, in either layout.
 Edit / control pairs (data.control_dir, metadata.jsonl `control_file_name`): dstune.data.pairs; a paired record
 carries its source image's path in `control_path`.
 """
@@ -25,13 +27,15 @@ from pathlib import Path, PurePosixPath
 
 from dstune.data.pairs import (CONTROL_FIELD, CONTROL_SUFFIX, control_root, list_controls, listing, orphans_warning,
                                 stem_of, unpaired_message)
-from dstune.data.synthetic import SHAPES_NUM_SAMPLES, shape_sample
+from dstune.data.synthetic import MOVING_SHAPES_NUM_SAMPLES, SHAPES_NUM_SAMPLES, moving_shape, shape_sample
 from dstune.spec.models import DataSpec
 from dstune.spec.section import BUILTIN_PREFIX
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv")
 METADATA_FILE = "metadata.jsonl"
-BUILTIN_DATASETS = {"shapes": SHAPES_NUM_SAMPLES}  # name -> number of samples
+BUILTIN_DATASETS = {"shapes": SHAPES_NUM_SAMPLES, "moving-shapes": MOVING_SHAPES_NUM_SAMPLES}  # name -> samples
+BUILTIN_CAPTIONS = {"shapes": lambda i: shape_sample(i).caption, "moving-shapes": lambda i: moving_shape(i).caption}
 _REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 _EXAMPLES_IN_WARNING = 3
 
@@ -84,8 +88,12 @@ def builtin_name(path: str) -> str | None:
     return path[len(BUILTIN_PREFIX):] if path.startswith(BUILTIN_PREFIX) else None
 
 
-def list_samples(data: DataSpec) -> list[SampleRecord]:
-    return index_dataset(data).records
+def is_video_file(path: str) -> bool:
+    return path.lower().endswith(VIDEO_EXTENSIONS)
+
+
+def list_samples(data: DataSpec, video: bool = False) -> list[SampleRecord]:
+    return index_dataset(data, video=video).records
 
 
 def count_samples(data: DataSpec) -> int:
@@ -93,12 +101,13 @@ def count_samples(data: DataSpec) -> int:
     return index_dataset(data, read_captions=False).num_samples
 
 
-def index_dataset(data: DataSpec, read_captions: bool = True) -> IndexResult:
+def index_dataset(data: DataSpec, read_captions: bool = True, video: bool = False) -> IndexResult:
     """The training samples in a deterministic (sorted) order, with warnings, and data.eval's held-out samples
-    (`held_out`: each once, repeats 1). Raises DataError for unusable datasets.
+    (`held_out`: each once, repeats 1). Raises DataError for unusable datasets. `video`: a video family's dataset,
+    which lists video files (VIDEO_EXTENSIONS) beside the images.
 
     read_captions=False leaves every caption "" (counting only needs to know which files exist)."""
-    result = _index_all(data, read_captions)
+    result = _index_all(data, read_captions, video)
     if data.eval is None:
         return result
     if data.eval.fraction is not None:
@@ -130,7 +139,7 @@ def held_out_split(records: list[SampleRecord], fraction: float) -> tuple[list[S
     return training, held_out
 
 
-def _index_all(data: DataSpec, read_captions: bool) -> IndexResult:
+def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> IndexResult:
     name = builtin_name(data.path)
     if name is not None:
         return _index_builtin(name)
@@ -144,10 +153,13 @@ def _index_all(data: DataSpec, read_captions: bool) -> IndexResult:
         result = _index_jsonl(root, data.skip_bad_files)
     else:
         _control_outside(root, data)
-        result = _index_folder(root, _normalised_extension(data.caption_extension), read_captions)
+        extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ())
+        result = _index_folder(root, _normalised_extension(data.caption_extension), read_captions, extensions)
     result = _paired(result, root, data)
     if not result.records:
-        what = METADATA_FILE if data.format == "jsonl" or has_metadata else f"image files ({', '.join(IMAGE_EXTENSIONS)})"
+        kinds = "video or image" if video else "image"
+        what = (METADATA_FILE if data.format == "jsonl" or has_metadata
+                else f"{kinds} files ({', '.join(IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ()))})")
         raise DataError("data.path", f"no usable samples in {root}: looked for {what}. Point data.path at the folder "
                         "holding the images (subfolders are searched too).")
     return result
@@ -158,7 +170,7 @@ def _index_builtin(name: str) -> IndexResult:
         known = ", ".join(f"builtin:{n}" for n in sorted(BUILTIN_DATASETS))
         raise DataError("data.path", f"unknown built-in dataset 'builtin:{name}'. Known built-ins: {known}.")
     records = [
-        SampleRecord(sample_id=f"{name}/{i:06d}", image_path=None, caption=shape_sample(i).caption, repeats=1)
+        SampleRecord(sample_id=f"{name}/{i:06d}", image_path=None, caption=BUILTIN_CAPTIONS[name](i), repeats=1)
         for i in range(BUILTIN_DATASETS[name])
     ]
     return IndexResult(records)
@@ -196,8 +208,9 @@ def _repeats_of(folder_name: str, rel_folder: str) -> int | None:
     return repeats
 
 
-def _walk_images(root: Path):
-    """Yield (relative posix path, absolute path, repeats) for every image, sorted, following symlinked folders once."""
+def _walk_images(root: Path, extensions: tuple[str, ...] = IMAGE_EXTENSIONS):
+    """Yield (relative posix path, absolute path, repeats) for every file with one of `extensions` (images), sorted,
+    following symlinked folders once."""
     seen_real: set[str] = set()
 
     def walk(folder: Path, rel: PurePosixPath, repeats: int):
@@ -213,7 +226,7 @@ def _walk_images(root: Path):
                 sub_rel = rel / entry.name
                 sub_repeats = _repeats_of(entry.name, str(sub_rel))
                 yield from walk(Path(entry.path), sub_rel, sub_repeats or repeats)
-            elif entry.is_file() and entry.name.lower().endswith(IMAGE_EXTENSIONS):
+            elif entry.is_file() and entry.name.lower().endswith(extensions):
                 yield str(rel / entry.name), entry.path, repeats
 
     yield from walk(root, PurePosixPath(), 1)
@@ -232,9 +245,10 @@ def _read_caption(path: str) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def _index_folder(root: Path, caption_extension: str, read_captions: bool) -> IndexResult:
+def _index_folder(root: Path, caption_extension: str, read_captions: bool,
+                  extensions: tuple[str, ...] = IMAGE_EXTENSIONS) -> IndexResult:
     records, uncaptioned = [], []
-    for rel, path, repeats in _walk_images(root):
+    for rel, path, repeats in _walk_images(root, extensions):
         caption_path = os.path.splitext(path)[0] + caption_extension
         caption = ""
         if not os.path.isfile(caption_path):

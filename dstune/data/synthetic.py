@@ -8,6 +8,10 @@ coordination and a run is reproducible without files. Colour and shape cycle thr
 Shapes are large and flat so that a tiny diffusion model visibly learns colour and shape in a few hundred steps.
 PIL is imported only when rendering: the index (and `dstune validate`) needs captions, not pixels.
 
+`builtin:moving-shapes`: the same shapes as short clips: each sample's shape glides in one of four directions
+("a red circle moving left"); colour, shape and direction cycle through all 72 combinations, and the clip has as
+many frames as the video family asks for (data.video.frames), the motion spread over the whole clip.
+
 `builtin:tones`: synthetic "speech": the text is a digit string, the audio one tone per digit (its pitch is the
 digit). Small enough that a CPU run shows a TTS loss falling.
 """
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 SHAPES_NUM_SAMPLES = 256
+MOVING_SHAPES_NUM_SAMPLES = 144  # each of the 72 colour x shape x direction combinations twice
 TONES_NUM_SAMPLES = 256
 TONES_SAMPLE_RATE = 16000
 TONE_SECONDS, GAP_SECONDS = 0.1, 0.03
@@ -98,6 +103,59 @@ def render_shape(index: int, resolution: int = 32):
     else:
         draw.polygon(points, fill=COLOURS[sample.colour])
     return canvas.resize((resolution, resolution), Image.Resampling.BOX), sample.caption
+
+
+# -------------------------------------------------------------------------------------- builtin:moving-shapes
+
+DIRECTIONS: dict[str, tuple[float, float]] = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0),
+                                              "down": (0.0, 1.0)}
+_TRAVEL = 0.3  # how far the centre moves over a clip, as a fraction of the side
+
+
+@dataclass(frozen=True)
+class MovingShape:
+    still: ShapeSample  # the shape at the middle of the clip
+    direction: str
+
+    @property
+    def caption(self) -> str:
+        return f"{self.still.caption} moving {self.direction}"
+
+
+def moving_shape(index: int) -> MovingShape:
+    """What clip `index` shows; deterministic in `index` alone."""
+    if not 0 <= index < MOVING_SHAPES_NUM_SAMPLES:
+        raise IndexError(f"builtin:moving-shapes has samples 0..{MOVING_SHAPES_NUM_SAMPLES - 1}, not {index}")
+    combination = index % (len(COLOURS) * len(SHAPES) * len(DIRECTIONS))
+    rng = random.Random(_SEED_BASE + 0x1000 + index)
+    size = rng.uniform(0.35, 0.45)  # smaller than the stills, so the shape stays inside while it travels
+    return MovingShape(
+        still=ShapeSample(colour=list(COLOURS)[combination % len(COLOURS)],
+                          shape=SHAPES[(combination // len(COLOURS)) % len(SHAPES)],
+                          background=rng.choice(sorted(BACKGROUNDS)), size=size,
+                          centre_x=0.5 + rng.uniform(-0.05, 0.05), centre_y=0.5 + rng.uniform(-0.05, 0.05)),
+        direction=list(DIRECTIONS)[combination // (len(COLOURS) * len(SHAPES))])
+
+
+def render_moving_shape(index: int, resolution: int = 32, frames: int = 5):
+    """Clip `index` as a list of `frames` RGB PIL images (resolution x resolution), and its caption. The centre
+    moves linearly from -_TRAVEL/2 to +_TRAVEL/2 along the direction."""
+    from PIL import Image, ImageDraw
+
+    clip = moving_shape(index)
+    step_x, step_y = DIRECTIONS[clip.direction]
+    side = resolution * _SUPERSAMPLE
+    images = []
+    for number in range(frames):
+        offset = _TRAVEL * ((number / (frames - 1)) - 0.5) if frames > 1 else 0.0
+        sample = ShapeSample(**{**clip.still.__dict__, "centre_x": clip.still.centre_x + step_x * offset,
+                                "centre_y": clip.still.centre_y + step_y * offset})
+        canvas = Image.new("RGB", (side, side), BACKGROUNDS[sample.background])
+        draw = ImageDraw.Draw(canvas)
+        points = _outline(sample, side)
+        (draw.ellipse if sample.shape == "circle" else draw.polygon)(points, fill=COLOURS[sample.colour])
+        images.append(canvas.resize((resolution, resolution), Image.Resampling.BOX))
+    return images, clip.caption
 
 
 # ---------------------------------------------------------------------------------------------- builtin:tones

@@ -20,6 +20,7 @@ FAMILY_MODULES: dict[str, str] = {
     "sd": "dstune.families.sd",
     "sdxl": "dstune.families.sdxl",
     "flow": "dstune.families.flow",
+    "wan": "dstune.families.wan",
     "tts_lm": "dstune.families.tts_lm",
     "speecht5": "dstune.families.speecht5",
 }

@@ -29,7 +29,8 @@ A Built holds at least `trainable` (the one nn.Module DeepSpeed wraps: train mod
 mode with requires_grad off, and never reach deepspeed.initialize. `frozen` (a property) maps each companion's
 attribute name to the module: "vae" for the VAE, every other entry a text encoder (or a codec).
 
-Capabilities are declared, never probed: `modality` ("image" or "audio": which data path and cache kinds apply),
+Capabilities are declared, never probed: `modality` ("image", "video" or "audio": which data path and cache kinds
+apply; a video family's batches hold clips (B, 3, frames, H, W), dstune.data.video),
 `save_lora_weights` (None: the family cannot export a LoRA, so model.train: lora is refused before training), and
 `text_cache` (None: no data.cache.text_embeddings), `single_file` (None: model.pretrained cannot be a single
 checkpoint file). Latents need no hook: every image family's VAE posterior is
@@ -84,7 +85,7 @@ class Family:
     """One model family: what the stages call, and what it can do (see the module docstring)."""
 
     name: str
-    modality: Literal["image", "audio"]
+    modality: Literal["image", "video", "audio"]
     pretrained_fields: tuple[str, ...]  # model-spec keys naming folders dstune.pretrained resolves for build
     build: Callable
     encode_batch: Callable

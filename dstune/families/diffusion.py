@@ -188,8 +188,9 @@ def inputs_cast_to(module: torch.nn.Module, dtype: torch.dtype):
 
 def vae_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, std) of the VAE posterior of images (B, 3, H, W), float32, (B, C, h, w). A video-style VAE (a
-    `temperal_downsample` config: Qwen-Image's, Wan's) encodes them as one-frame clips (B, 3, 1, H, W)."""
-    video = getattr(vae.config, "temperal_downsample", None) is not None
+    `temperal_downsample` config: Qwen-Image's, Wan's) encodes them as one-frame clips (B, 3, 1, H, W); clips
+    (B, 3, frames, H, W) go in as they are and keep their latent frames (B, C, f, h, w)."""
+    video = getattr(vae.config, "temperal_downsample", None) is not None and pixels.ndim == 4
     with torch.no_grad():
         posterior = vae.encode(pixels.unsqueeze(2) if video else pixels).latent_dist
     mean, std = posterior.mean.float(), posterior.std.float()

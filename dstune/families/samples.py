@@ -1,4 +1,5 @@
-"""Sample outputs: an image grid per step and the samples page (index.html) over every step of a run."""
+"""Sample outputs: an image grid per step (an animated one for clips) and the samples page (index.html) over every
+step of a run."""
 
 from __future__ import annotations
 
@@ -11,14 +12,36 @@ from dstune.curves import curves_svg
 from dstune.fsutil import write_text_atomic
 
 _GRID_CELL_PX = 192  # small models render 32-px images; scale them up (nearest) so they can be seen
+_CLIP_FRAME_MS = 125  # 8 frames per second in the animated sample grids
 
 
 def save_grid(images: list, prompts: list[str], path: str | os.PathLike) -> Path:
     """Write the images side by side (up to 4 per row) as one PNG with each prompt under its image."""
-    from PIL import Image, ImageDraw, ImageFont
-
     if len(images) != len(prompts):
         raise ValueError(f"save_grid: {len(images)} images but {len(prompts)} prompts")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid_image(images, prompts).save(path)
+    return path
+
+
+def save_clip_grid(clips: list, prompts: list[str], path: str | os.PathLike) -> Path:
+    """Video families: the clips (lists of PIL frames) as one animated PNG (APNG, which browsers play in the
+    samples page's <img>), each frame a grid of every clip's frame with the prompts under them."""
+    if len(clips) != len(prompts):
+        raise ValueError(f"save_clip_grid: {len(clips)} clips but {len(prompts)} prompts")
+    frames = [grid_image([clip[min(number, len(clip) - 1)] for clip in clips], prompts)
+              for number in range(max(len(clip) for clip in clips))]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frames[0].save(path, format="PNG", save_all=True, append_images=frames[1:], duration=_CLIP_FRAME_MS, loop=0)
+    return path
+
+
+def grid_image(images: list, prompts: list[str]):
+    """The images side by side (up to 4 per row), each scaled up to a cell, with its prompt under it."""
+    from PIL import Image, ImageDraw, ImageFont
+
     font = ImageFont.load_default()
     line_px, chars_per_line, lines = 14, max(8, _GRID_CELL_PX // 7), 3
     columns = min(4, max(1, len(images)))
@@ -33,10 +56,7 @@ def save_grid(images: list, prompts: list[str], path: str | os.PathLike) -> Path
         wrapped = textwrap.wrap(prompt or "(empty prompt)", chars_per_line)[:lines]
         for line_number, line in enumerate(wrapped):
             draw.text((x, y + _GRID_CELL_PX + 2 + line_number * line_px), line, fill=(0, 0, 0), font=font)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
-    return path
+    return grid
 
 
 _SHEET_STEP = re.compile(r"step-(\d+)(\.png)?")

@@ -84,6 +84,26 @@ class BucketsSpec(Section):
         return value
 
 
+class VideoSpec(Section):
+    frames: int = Field(
+        5, gt=0, description="Frames per training clip: 4k+1 (the Wan VAE compresses time 4x after the first frame: "
+        "5, 9, ..., 81 at Wan 2.1's full length). A still image is a one-frame clip.")
+    sampling: Literal["head", "uniform"] = Field(
+        "head", description="Which frames of a longer video: `head` the first `frames` (after fps resampling), "
+        "`uniform` `frames` spread evenly over the whole video.")
+    fps: Optional[float] = Field(
+        None, gt=0, description="Resample videos to this frame rate before choosing frames (each output frame "
+        "takes the source frame nearest its time); Wan 2.1 trains at 16. Omitted: the file's own frame rate.")
+
+    @field_validator("frames")
+    @classmethod
+    def _four_k_plus_one(cls, value: int) -> int:
+        if (value - 1) % 4:
+            raise ValueError(f"{value} is not 4k+1 (the VAE keeps the first frame and compresses the rest 4x); use "
+                             f"{max(1, (value - 1) // 4 * 4 + 1)} or {(value - 1) // 4 * 4 + 5}")
+        return value
+
+
 class EvalSpec(Section):
     path: Optional[str] = Field(
         None, description="A held-out dataset folder in the layout of data.path (same format and caption rules). "
@@ -109,7 +129,8 @@ class DataSpec(Section):
     path: str = Field(
         "builtin:shapes",
         description="Dataset folder, or `builtin:shapes` (synthetic coloured shapes with captions, generated offline), "
-        "or for audio families `builtin:tones` (digit strings spoken as tone sequences, generated offline).",
+        "for video families `builtin:moving-shapes` (the shapes moving, as clips), or for audio families "
+        "`builtin:tones` (digit strings spoken as tone sequences, generated offline).",
     )
     format: Literal["auto", "folder", "jsonl", "ljspeech", "gptsovits", "f5csv"] = Field(
         "auto",
@@ -144,6 +165,10 @@ class DataSpec(Section):
         "unpaired files. See docs/family-flow.md.")
     num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
     cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")
+    video: VideoSpec = Field(
+        default_factory=VideoSpec, description="Video families (wan): frames per clip, which frames, frame rate. "
+        "Video datasets: `builtin:moving-shapes`, or folders of .mp4/.webm/.mov/.mkv (and still images) with "
+        "same-stem .txt captions or metadata.jsonl.")
     buckets: BucketsSpec = Field(default_factory=BucketsSpec, description="Aspect-ratio buckets (off by default: square crops).")
     min_clip_seconds: float = Field(
         0.0, ge=0, description="Audio: clips shorter than this are skipped (counted by `validate` and at start)."
@@ -202,9 +227,16 @@ class DataSpec(Section):
         return value
 
 
-def data_family_problem(audio: bool, family: str, data: "DataSpec") -> str | None:
-    """Why `data` cannot feed `family` (speech data for speech families, images for image families), or None."""
+def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool = False) -> str | None:
+    """Why `data` cannot feed `family` (speech data for speech families, images for image families, videos or
+    images for video families), or None."""
     name = data.path[len(BUILTIN_PREFIX):] if data.path.startswith(BUILTIN_PREFIX) else None
+    if not video and (name == "moving-shapes" or data.video != VideoSpec()):  # the defaults alone are harmless
+        return (f"model.family {family} trains on {'speech' if audio else 'images'}: data.path builtin:moving-shapes "
+                "and data.video are for video families (wan)")
+    if video and (data.buckets.enabled or data.eval is not None or data.random_flip):
+        return (f"model.family {family} trains on video clips: data.buckets, data.eval and data.random_flip are not "
+                "offered for video yet; remove them")
     if audio:
         if name is not None and name != "tones":
             return (f"model.family {family} trains on speech, but data.path {data.path} is an image dataset: use "

@@ -41,6 +41,7 @@ LORA_FORMATS = {
     "sd": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
     "sdxl": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
     "flow": {"diffusers": "diffusers", "comfyui": "diffusers"},
+    "wan": {"diffusers": "diffusers"},  # WanPipeline.save_lora_weights' file
     "tts_lm": {"peft": "peft"},  # a peft adapter folder beside the merged transformers folder (docs/tts.md)
 }
 

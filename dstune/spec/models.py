@@ -19,10 +19,13 @@ from dstune.spec.model_sections import (  # noqa: F401
     BASE_PRECISION_BYTES, DEFAULT_LORA_TARGET_MODULES, LORA_FORMATS, SINGLE_FILE_FAMILIES, DenoiserModelBase,
     FlowModel, LoraSpec, SdModel, SdxlModel, is_single_file, lora_file_scheme, lora_format_problem)
 from dstune.spec.speech_models import SpeechT5Model, TtsLmModel
-from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, data_family_problem  # noqa: F401
+from dstune.spec.video_models import WanModel
+from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, VideoSpec, data_family_problem  # noqa: F401
 
-Model = Annotated[Union[SdModel, SdxlModel, FlowModel, TtsLmModel, SpeechT5Model], Field(discriminator="family")]
-FAMILIES = ("sd", "sdxl", "flow", "tts_lm", "speecht5")
+Model = Annotated[Union[SdModel, SdxlModel, FlowModel, WanModel, TtsLmModel, SpeechT5Model],
+                  Field(discriminator="family")]
+FAMILIES = ("sd", "sdxl", "flow", "wan", "tts_lm", "speecht5")
+VIDEO_FAMILIES = ("wan",)  # families that train on clips (B, 3, frames, H, W): data.video applies
 AUDIO_FAMILIES = ("tts_lm", "speecht5")  # families that train on speech: data is audio + text, not images
 
 
@@ -286,7 +289,8 @@ class Spec(Section):
 
     @model_validator(mode="after")
     def _data_fits_family(self) -> "Spec":
-        problem = data_family_problem(self.model.family in AUDIO_FAMILIES, self.model.family, self.data)
+        problem = data_family_problem(self.model.family in AUDIO_FAMILIES, self.model.family, self.data,
+                                      self.model.family in VIDEO_FAMILIES)
         if problem:
             raise ValueError(problem)
         return self

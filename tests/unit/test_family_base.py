@@ -14,10 +14,11 @@ from dstune.families.diffusion import copy_component
 from dstune.families.samples import save_grid
 from dstune.fsutil import publish_folder
 from dstune.pretrained import resolve_pretrained
-from dstune.spec.models import FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsLmModel
-from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, LORA_FORMATS, SINGLE_FILE_FAMILIES
+from dstune.spec.models import FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsLmModel, WanModel
+from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, LORA_FORMATS, SINGLE_FILE_FAMILIES, VIDEO_FAMILIES
 
-MODEL_SPECS = {"sd": SdModel, "sdxl": SdxlModel, "flow": FlowModel, "tts_lm": TtsLmModel, "speecht5": SpeechT5Model}
+MODEL_SPECS = {"sd": SdModel, "sdxl": SdxlModel, "flow": FlowModel, "wan": WanModel, "tts_lm": TtsLmModel,
+               "speecht5": SpeechT5Model}
 
 API = ("build", "encode_batch", "loss", "sample", "save_samples", "export")
 
@@ -30,9 +31,10 @@ def test_registry_matches_the_spec_and_every_family_declares_the_contract():
         missing = [f for f in API if not callable(getattr(family, f))]
         assert not missing, f"family {name} lacks {missing}"
         assert (family.modality == "audio") == (name in AUDIO_FAMILIES)  # validate decides data rules by the spec
+        assert (family.modality == "video") == (name in VIDEO_FAMILIES)
         assert family.pretrained_fields[0] == "pretrained"
         assert all(field in MODEL_SPECS[name].model_fields for field in family.pretrained_fields)
-        assert family.text_cache is None or family.modality == "image"
+        assert family.text_cache is None or family.modality in ("image", "video")
         assert family.supports_lora == (name != "speecht5")  # LoRA: the diffusion families and tts_lm
         assert family.supports_lora == (name in LORA_FORMATS)  # validate checks output.lora_format by the spec
         assert (family.single_file is not None) == (name in SINGLE_FILE_FAMILIES)

@@ -37,7 +37,7 @@ FORBIDDEN = {
 ENTRY_POINTS = {"dstune.cli", "dstune.cli_args", "dstune.train", "dstune.__main__"}  # may import dstune modules inside functions
 HEAVY_THIRD_PARTY = {"torch", "deepspeed", "diffusers", "transformers", "peft", "PIL", "soundfile", "safetensors",
                      "huggingface_hub", "sentencepiece", "tokenizers", "snac", "rich", "numpy", "bitsandbytes", "fcntl",
-                     "html", "io", "importlib", "wandb"}
+                     "html", "io", "importlib", "wandb", "av"}  # av: PyAV, video decoding (wan)
 
 
 def _modules() -> dict[str, Path]:

@@ -1,0 +1,88 @@
+"""Built-in tiny Wan 2.1 text-to-video: `builtin:tiny-wan`, a real WanPipeline folder with tiny components.
+
+WanTransformer3DModel (two 24-wide layers, patch (1, 2, 2)), AutoencoderKLWan (the real 3D causal layout at base
+width 3: 8x spatial and 4x temporal compression, 16 latent channels with per-channel latents_mean / latents_std, left
+untrained, so renders are noise-like clips), a UMT5 text encoder (two 32-wide layers) with the single-character T5
+tokenizer of builtin:tiny-flow built in memory, and the scheduler Wan2.1-T2V ships with (UniPCMultistepScheduler
+predicting flow with flow_shift 3.0). A 5-frame 32x32 clip is a (16, 2, 4, 4) latent, 8 transformer tokens.
+
+`builtin:tiny-wan22` is the Wan 2.2 A14B layout on the same parts: two experts (`transformer` for the high-noise
+timesteps, `transformer_2` for the low-noise ones, each like tiny-wan's, seeded apart) and boundary_ratio 0.875 (the
+A14B text-to-video value), with flow_shift 12.0 (Wan 2.2 A14B's text-to-video sample shift).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu
+from dstune.builtin.flow import tiny_t5_tokenizer
+from dstune.hf import quiet_hf_libraries
+
+_SEED = 40
+TEXT_WIDTH = 32  # UMT5 d_model = the transformer's text_dim
+TINY_WAN_TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+                            out_channels=16, text_dim=TEXT_WIDTH, freq_dim=256, ffn_dim=32, num_layers=2,
+                            cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+# three down stages (8x spatial), the last two also halve time (4x): the real Wan 2.1 VAE's factors
+TINY_WAN_VAE = dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                    temperal_downsample=[False, True, True])
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers' scheduler_config.json (flow_shift 3.0, the 480p value)
+WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
+                     flow_shift=3.0)
+
+
+def tiny_umt5_encoder():
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(vocab_size=124, d_model=TEXT_WIDTH, d_kv=8, d_ff=64, num_layers=2,
+                                       num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
+                                       eos_token_id=1, decoder_start_token_id=0))
+
+
+WAN22_BOUNDARY_RATIO = 0.875
+
+
+def _build(out: Path, two_experts: bool) -> dict:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    with quiet_hf_libraries():
+        from diffusers import WanPipeline
+    with deterministic_cpu(_SEED, BUILD_THREADS):
+        text_encoder = tiny_umt5_encoder()
+        vae = AutoencoderKLWan(**TINY_WAN_VAE)
+        transformer = WanTransformer3DModel(**TINY_WAN_TRANSFORMER)
+    experts = {}
+    if two_experts:
+        with deterministic_cpu(_SEED + 1, BUILD_THREADS):
+            experts = dict(transformer_2=WanTransformer3DModel(**TINY_WAN_TRANSFORMER),
+                           boundary_ratio=WAN22_BOUNDARY_RATIO)
+    scheduler = UniPCMultistepScheduler(**{**WAN_SCHEDULER, "flow_shift": 12.0 if two_experts else 3.0})
+    pipeline = WanPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
+                           transformer=transformer, scheduler=scheduler, **experts)
+    with quiet_hf_libraries():
+        pipeline.save_pretrained(out, safe_serialization=True)
+    return {"transformer_parameters": sum(p.numel() for p in transformer.parameters()),
+            "vae_parameters": sum(p.numel() for p in vae.parameters())}
+
+
+def build_tiny_wan(out: Path, needs: dict) -> dict:
+    """builtin:tiny-wan: a Wan 2.1 WanPipeline folder."""
+    return _build(out, two_experts=False)
+
+
+def build_tiny_wan22(out: Path, needs: dict) -> dict:
+    """builtin:tiny-wan22: a two-expert (Wan 2.2 A14B layout) WanPipeline folder."""
+    return _build(out, two_experts=True)
+
+
+TINY_WAN = BuiltinModel(
+    name="tiny-wan", folder_name="tiny-wan-v1", family="wan",
+    description="Wan 2.1 text-to-video pipeline: two-layer Wan transformer (24 wide), UMT5 text encoder (two "
+                "32-wide layers), a random AutoencoderKLWan with the real 8x spatial / 4x temporal factors",
+    build=build_tiny_wan)
+TINY_WAN22 = BuiltinModel(
+    name="tiny-wan22", folder_name="tiny-wan22-v1", family="wan",
+    description="Wan 2.2 A14B layout: two tiny Wan experts (high and low noise, boundary_ratio 0.875) on tiny-wan's "
+                "VAE and UMT5",
+    build=build_tiny_wan22)

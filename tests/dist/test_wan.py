@@ -1,0 +1,133 @@
+"""Real 2-rank DeepSpeed training of Wan 2.1 text-to-video (model.family wan, builtin:tiny-wan) on CPU, three
+launches in all:
+
+- full fine-tuning under ZeRO 2 on builtin:moving-shapes from the latent and text caches (built before step 1):
+  trains, renders animated samples, exports a folder WanPipeline loads and renders frames with;
+- its resume from the step-2 checkpoint: steps 3-4 have the same losses and the export the same weights;
+- LoRA under ZeRO 3 with gradient checkpointing on a folder of real MP4 files (written here with PyAV, resampled to
+  12 fps) and one still image (a one-frame clip, so one sample per micro batch), with only the text cache: only
+  adapters train, and the LoRA file loads with WanPipeline.load_lora_weights and changes the frames.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flow_runs import STEPS, TRANSFORMER, base_folder, check_lora_export, check_resume, check_trains
+from harness import CACHE_DIR, base_spec, explain, launch, write_spec
+
+pytestmark = pytest.mark.dist
+
+MODEL = "tiny-wan"
+PROMPT = "a red circle moving left"
+
+
+def _spec(run_dir: Path, stage: int, train: str, data: dict) -> dict:
+    lora = train == "lora"
+    return base_spec(
+        run_dir,
+        model={"family": "wan", "pretrained": f"builtin:{MODEL}", "train": train, "gradient_checkpointing": lora},
+        data=data,
+        train={"global_batch_size": 4, "micro_batch_size": 1 if lora else 2, "gradient_accumulation_steps": None,
+               "max_steps": STEPS,
+               "optimizer": {"type": "adamw", "lr": 1e-2 if lora else 2e-4}},
+        deepspeed={"zero_stage": stage},
+        output={"save_every_steps": 2, "keep_last": 5, "export": "diffusers"},
+        sample={"prompts": [] if lora else [PROMPT], "steps": 2, "guidance": 1.0},
+    )
+
+
+def _write_mp4_folder(root: Path) -> Path:
+    """Eight moving-shapes clips as 24 fps H.264 MP4s of 12 frames, and one still image, with same-stem captions."""
+    import av
+
+    from dstune.data.synthetic import render_shape
+
+    from dstune.data.synthetic import render_moving_shape
+
+    root.mkdir(parents=True)
+    for number in range(8):
+        frames, caption = render_moving_shape(number * 9, 32, 12)
+        with av.open(str(root / f"clip{number}.mp4"), "w") as container:
+            stream = container.add_stream("libx264", rate=24)
+            stream.width = stream.height = 32
+            stream.pix_fmt = "yuv420p"
+            for frame in frames:
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(np.asarray(frame), format="rgb24")))
+            container.mux(stream.encode())
+        (root / f"clip{number}.txt").write_text(caption)
+    still, caption = render_shape(3, 32)
+    still.save(root / "still.png")
+    (root / "still.txt").write_text(caption)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    from dstune.builtin import ensure_builtin_model
+
+    ensure_builtin_model(MODEL, CACHE_DIR)  # built once here, not by both launches' rank 0
+    full_dir = tmp_path_factory.mktemp("wan-zero2") / "run"
+    cache = {"latents": True, "text_embeddings": True, "dir": str(full_dir.parent / "cache")}
+    full = write_spec(full_dir.parent / "spec.yaml", _spec(full_dir, 2, "full",
+                                                         {"path": "builtin:moving-shapes", "cache": cache}))
+    lora_dir = tmp_path_factory.mktemp("wan-lora-zero3") / "run"
+    videos = _write_mp4_folder(lora_dir.parent / "videos")
+    lora = write_spec(lora_dir.parent / "spec.yaml", _spec(lora_dir, 3, "lora", {
+        "path": str(videos), "video": {"frames": 5, "fps": 12, "sampling": "head"},
+        "cache": {"text_embeddings": True, "dir": str(lora_dir.parent / "cache")}}))
+    out = {}
+    for name, run_dir, spec_path in (("full", full_dir, full), ("lora", lora_dir, lora)):
+        started = time.perf_counter()
+        out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
+        print(f"launch {name}: {time.perf_counter() - started:.1f} s wall")
+    return out
+
+
+def _render(pipeline) -> torch.Tensor:
+    return pipeline(prompt=PROMPT, height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
+                    max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="pt").frames.float()
+
+
+@pytest.mark.parametrize("name", ["full", "lora"])
+def test_trains_checks_and_logs(runs, name):
+    check_trains(runs[name][0], runs[name][2])
+
+
+def test_full_run_from_caches_exports_a_folder_wan_pipeline_renders(runs):
+    from diffusers import WanPipeline
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    run_dir, _, proc = runs["full"]
+    assert proc.returncode == 0, explain(proc)
+    assert "entries, built now" in proc.stdout and "loader micro batches" in proc.stdout
+    export = run_dir / "export" / f"step-{STEPS:08d}"
+    trained, start = load_file(export / TRANSFORMER), load_file(base_folder(MODEL) / TRANSFORMER)
+    assert set(trained) == set(start) and any(not torch.equal(trained[k], start[k]) for k in start)
+    frames = _render(WanPipeline.from_pretrained(export))
+    assert frames.shape == (1, 5, 3, 32, 32) and torch.isfinite(frames).all()
+    with Image.open(run_dir / "samples" / f"step-{STEPS:06d}.png") as sample:
+        assert sample.is_animated and sample.n_frames == 5
+    assert f'<img src="step-{STEPS:06d}.png"' in (run_dir / "samples" / "index.html").read_text()  # the page plays it
+
+
+def test_zero2_full_resume_continues_exactly(runs, tmp_path):
+    started = time.perf_counter()
+    check_resume(*runs["full"], tmp_path / "resumed", TRANSFORMER)
+    print(f"launch resume: {time.perf_counter() - started:.1f} s wall")
+
+
+def test_lora_on_mp4_files_loads_with_load_lora_weights_and_changes_frames(runs):
+    from diffusers import WanPipeline
+
+    run_dir, _, proc = runs["lora"]
+    assert proc.returncode == 0, explain(proc)
+    assert "dataset samples       9" in proc.stdout  # the eight MP4 clips and the still
+    assert "entries, built now" in proc.stdout  # the captions' text entries
+    check_lora_export(run_dir, proc, MODEL, WanPipeline, _render)

@@ -1,0 +1,217 @@
+"""Wan 2.1 text-to-video (model.family wan) on builtin:tiny-wan's real components and builtin:moving-shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dstune import builtin as tiny
+from dstune.model_sizes import STORE
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+
+
+def test_builtin_tiny_wan_is_a_wan_pipeline_that_renders_frames():
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    folder = tiny.ensure_builtin_model("builtin:tiny-wan", CACHE_DIR)
+    pipeline = WanPipeline.from_pretrained(folder)
+    assert isinstance(pipeline.scheduler, UniPCMultistepScheduler) and pipeline.scheduler.config.flow_shift == 3.0
+    assert (pipeline.vae.config.scale_factor_spatial, pipeline.vae.config.scale_factor_temporal) == (8, 4)
+    frames = pipeline("a red circle moving left", height=32, width=32, num_frames=5, num_inference_steps=2,
+                      max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="np").frames
+    assert frames.shape == (1, 5, 32, 32, 3) and np.isfinite(frames).all() and frames.std() > 0
+    for config in sorted((STORE / "builtin" / "tiny-wan-v1").rglob("*.json")):  # what validate plans with
+        relative = config.relative_to(STORE / "builtin" / "tiny-wan-v1")
+        assert json.loads((folder / relative).read_text()) == json.loads(config.read_text()), relative
+
+
+# ------------------------------------------------------------------------------------------- family wan
+import pytest  # noqa: E402
+
+from dstune.data.synthetic import moving_shape  # noqa: E402
+from dstune.data.video import VideoCaptionDataset, collate_video  # noqa: E402
+from dstune.families import wan  # noqa: E402
+from dstune.families.base import per_sample_randn  # noqa: E402
+from dstune.pretrained import build_model  # noqa: E402
+from dstune.spec.models import DataSpec, SampleSpec, WanModel  # noqa: E402
+
+SEED, STEP, INDICES = 5, 2, [1, 8, 13]
+
+
+@pytest.fixture(scope="module")
+def built():
+    return build_model(WanModel(family="wan", gradient_checkpointing=True), CACHE_DIR, "cpu")
+
+
+def _batch(indices=INDICES, frames=5) -> dict:
+    data = DataSpec(path="builtin:moving-shapes", video={"frames": frames})
+    from dstune.data.index import list_samples
+
+    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED)
+    return collate_video([dataset[i] for i in indices])
+
+
+def test_moving_shapes_clips_move_and_their_captions_say_where():
+    batch = _batch([0, 18, 36, 54], frames=9)
+    assert batch["pixel_values"].shape == (4, 3, 9, 32, 32)
+    assert [moving_shape(i).direction for i in (0, 18, 36, 54)] == ["left", "right", "up", "down"]
+    assert batch["caption"][0] == "a red circle moving left"
+    for clip, axis, sign in zip(batch["pixel_values"], (1, 1, 0, 0), (-1, 1, -1, 1)):  # axis 1: x, 0: y
+        centres = []
+        for frame in clip.unbind(dim=1):  # (3, H, W); the corner shows the background
+            shape_pixels = ((frame - frame[:, :1, :1]).abs().sum(dim=0) > 0.3).nonzero().float()
+            centres.append(shape_pixels[:, axis].mean())
+        moves = torch.stack(centres).diff()
+        assert (moves * sign > 0).all(), (axis, sign, moves)
+
+
+def test_noisy_latent_and_target_are_what_the_scheduler_defines(built):
+    """x_t and the target at a table position equal FlowMatchEulerDiscreteScheduler(shift=flow_shift).scale_noise
+    on the same latents, timestep and noise, and noise - x0 (the velocity diffusers' flow scripts regress)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    assert built.scheduler.config.flow_shift == 3.0
+    reference = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    latents = per_sample_randn((16, 2, 4, 4), SEED, STEP, INDICES, "latents")
+    noise = per_sample_randn((16, 2, 4, 4), SEED, STEP, INDICES, "noise")
+    positions = torch.tensor([0, 417, 999])
+    timesteps, sigmas, noisy, target = wan.noisy_and_target(built, latents, noise, positions)
+    expected = torch.cat([reference.scale_noise(latents[i:i + 1], reference.timesteps[p:p + 1], noise[i:i + 1])
+                          for i, p in enumerate(positions.tolist())])
+    assert torch.equal(timesteps, reference.timesteps[positions].float())
+    assert torch.allclose(noisy, expected, atol=1e-6) and torch.allclose(target, noise - latents, atol=1e-6)
+    shifted = wan.train_tables({"shift": 5.0, "num_train_timesteps": 1000}, None)
+    assert shifted[2] == 5.0 and torch.allclose(shifted[1], FlowMatchEulerDiscreteScheduler(shift=5.0).sigmas)
+
+
+def test_loss_normalises_latents_with_the_vae_config_and_trains(built):
+    batch = _batch()
+    encoded = wan.encode_batch(built, batch)
+    assert encoded["latent_mean"].shape == (3, 16, 2, 4, 4)
+    assert encoded["encoder_hidden_states"].shape == (3, built.max_sequence_length, 32)
+    value = wan.loss(built, built.trainable, encoded, SEED, STEP)
+    assert value.ndim == 0 and torch.isfinite(value)
+    assert torch.equal(value, wan.loss(built, built.trainable, encoded, SEED, STEP))  # per-sample draws only
+    value.backward()
+    grads = [p.grad for p in built.trainable.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    built.trainable.zero_grad(set_to_none=True)
+    mean = torch.tensor(built.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(built.vae.config.latents_std).view(1, -1, 1, 1, 1)
+    from dstune.families.flow_recipe import normalised_latents
+
+    assert torch.allclose(normalised_latents(built.vae.config, encoded["latent_mean"]),
+                          (encoded["latent_mean"] - mean) / std)
+
+
+def test_samples_are_animated_pngs(built, tmp_path):
+    from PIL import Image
+
+    from dstune.families.samples import save_clip_grid
+
+    clips = wan.sample(built, built.trainable, ["a red circle moving left"], SampleSpec(steps=2), 32)
+    assert len(clips) == 1 and len(clips[0]) == 5 and clips[0][0].size == (32, 32)
+    path = save_clip_grid(clips, ["a red circle moving left"], tmp_path / "step-000001.png")
+    with Image.open(path) as image:
+        assert image.is_animated and image.n_frames == 5
+
+
+def test_folders_of_other_wan_pipelines_are_refused_with_the_reason(tmp_path):
+    folder = tiny.ensure_builtin_model("tiny-wan", CACHE_DIR)
+    copy = tmp_path / "i2v"
+    import shutil
+
+    shutil.copytree(folder, copy)
+    index = json.loads((copy / "model_index.json").read_text())
+    index["image_encoder"] = ["transformers", "CLIPVisionModel"]  # image-to-video
+    index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]  # listed, but no folder
+    (copy / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="(?s)no transformer_2/ subfolder.*image_encoder \\(image-to-video\\)"):
+        wan.build(WanModel(family="wan", expert="high_noise"), {"pretrained": copy}, "cpu")
+
+
+# ------------------------------------------------------------------------- two experts (Wan 2.2 A14B layout)
+
+
+@pytest.fixture(scope="module")
+def low_noise():
+    return build_model(WanModel(family="wan", pretrained="builtin:tiny-wan22", expert="low_noise"), CACHE_DIR, "cpu")
+
+
+def test_two_expert_folders_need_model_expert_and_one_expert_folders_refuse_it():
+    with pytest.raises(ValueError, match="set model.expert to high_noise .* or low_noise"):
+        build_model(WanModel(family="wan", pretrained="builtin:tiny-wan22"), CACHE_DIR, "cpu")
+    with pytest.raises(ValueError, match="model.expert high_noise applies to two-expert folders"):
+        build_model(WanModel(family="wan", expert="high_noise"), CACHE_DIR, "cpu")
+
+
+def test_an_expert_trains_its_own_component_on_its_own_timesteps(low_noise):
+    """low_noise trains transformer_2 on the table's timesteps below boundary_ratio x 1000 (WanPipeline runs it
+    there), high_noise transformer on the rest; the loss only draws positions from the expert's range."""
+    from safetensors.torch import load_file
+
+    assert low_noise.trained_name == "transformer_2" and low_noise.boundary_ratio == 0.875
+    weights = load_file(low_noise.folder / "transformer_2" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(weights[name], p) for name, p in low_noise.trainable.state_dict().items())
+    first, count = low_noise.positions
+    assert first + count == len(low_noise.train_timesteps) and count > 0
+    assert (low_noise.train_timesteps[first:] < 875).all() and (low_noise.train_timesteps[:first] >= 875).all()
+    assert wan.expert_positions(low_noise.train_timesteps, "high_noise", 0.875, low_noise.scheduler.config) == \
+        (0, first)
+    seen = []
+    encoded = wan.encode_batch(low_noise, _batch())
+
+    def forward(**inputs):
+        seen.extend(inputs["timestep"].tolist())
+        return low_noise.trainable(**inputs)
+
+    for step in range(5):
+        wan.loss(low_noise, forward, encoded, SEED, step)
+    assert len(seen) == 15 and max(seen) < 875
+
+
+def test_low_noise_expert_exports_and_its_lora_loads_into_transformer_2(low_noise, tmp_path):
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file
+
+    from dstune.families.lora import apply_train_mode, export_lora
+
+    state = {name: value + 0.01 for name, value in low_noise.trainable.state_dict().items()}
+    out = wan.export(low_noise, state, tmp_path / "full")
+    trained = load_file(out / "transformer_2" / "diffusion_pytorch_model.safetensors")
+    kept = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
+    start = load_file(low_noise.folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(trained[k], state[k]) for k in state) and all(torch.equal(kept[k], start[k]) for k in start)
+
+    spec = WanModel(family="wan", pretrained="builtin:tiny-wan22", expert="low_noise", train="lora")
+    model = build_model(spec, CACHE_DIR, "cpu")
+    apply_train_mode(model.trainable, spec, seed=0, family=wan.FAMILY)
+    with torch.no_grad():
+        for name, param in model.trainable.named_parameters():
+            if ".lora_B." in name:  # B starts at zero: "train" it
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    lora = export_lora(wan.FAMILY, model, {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
+                       tmp_path / "lora", spec)
+    encoded = wan.encode_batch(model, _batch([1]))
+    pipeline = WanPipeline.from_pretrained(model.folder)
+    with torch.no_grad():
+        base_loss = wan.loss(model, pipeline.transformer_2, encoded, 0, 1)
+    pipeline.load_lora_weights(lora, load_into_transformer_2=True)
+    with torch.no_grad():
+        trained_loss, loaded = (wan.loss(model, module, encoded, 0, 1) for module in (model.trainable,
+                                                                                      pipeline.transformer_2))
+    assert loaded.item() == pytest.approx(trained_loss.item(), rel=1e-6) and loaded.item() != base_loss.item()
+    calls = {"trained": 0, "other": 0}  # samples run both experts, each on its side of the boundary
+    hooks = [module.register_forward_hook(lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
+             for key, module in (("trained", model.trainable), ("other", model.other_expert))]
+    clips = wan.sample(model, model.trainable, ["a red circle moving left"], SampleSpec(steps=4), 32)
+    for hook in hooks:
+        hook.remove()
+    assert len(clips[0]) == 5 and calls["trained"] > 0 and calls["other"] > 0, calls
+    assert next(model.other_expert.parameters()).device.type == "cpu"
