@@ -1,12 +1,14 @@
-"""Real 2-rank DeepSpeed training of Wan 2.1 text-to-video (model.family wan, builtin:tiny-wan) on CPU, three
-launches in all:
+"""Real 2-rank DeepSpeed training of Wan text-to-video (model.family wan, builtin:tiny-wan and the two-expert
+builtin:tiny-wan22) on CPU, four launches in all:
 
 - full fine-tuning under ZeRO 2 on builtin:moving-shapes from the latent and text caches (built before step 1):
   trains, renders animated samples, exports a folder WanPipeline loads and renders frames with;
 - its resume from the step-2 checkpoint: steps 3-4 have the same losses and the export the same weights;
 - LoRA under ZeRO 3 with gradient checkpointing on a folder of real MP4 files (written here with PyAV, resampled to
   12 fps) and one still image (a one-frame clip, so one sample per micro batch), with only the text cache: only
-  adapters train, and the LoRA file loads with WanPipeline.load_lora_weights and changes the frames.
+  adapters train, and the LoRA file loads with WanPipeline.load_lora_weights and changes the frames;
+- the low-noise expert of the two-expert model (Wan 2.2 A14B layout), full under ZeRO 2: its export holds the
+  trained `transformer_2` and the other expert's weights bit-identical to the base folder's.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ from harness import CACHE_DIR, base_spec, explain, launch, write_spec
 pytestmark = pytest.mark.dist
 
 MODEL = "tiny-wan"
+TWO_EXPERTS = "tiny-wan22"  # Wan 2.2 A14B layout: transformer (high noise), transformer_2 (low noise)
 PROMPT = "a red circle moving left"
 
 
-def _spec(run_dir: Path, stage: int, train: str, data: dict) -> dict:
+def _spec(run_dir: Path, stage: int, train: str, data: dict, model: dict | None = None) -> dict:
     lora = train == "lora"
     return base_spec(
         run_dir,
-        model={"family": "wan", "pretrained": f"builtin:{MODEL}", "train": train, "gradient_checkpointing": lora},
+        model={"family": "wan", "pretrained": f"builtin:{MODEL}", "train": train, "gradient_checkpointing": lora,
+               **(model or {})},
         data=data,
         train={"global_batch_size": 4, "micro_batch_size": 1 if lora else 2, "gradient_accumulation_steps": None,
                "max_steps": STEPS,
@@ -46,9 +50,7 @@ def _write_mp4_folder(root: Path) -> Path:
     """Eight moving-shapes clips as 24 fps H.264 MP4s of 12 frames, and one still image, with same-stem captions."""
     import av
 
-    from dstune.data.synthetic import render_shape
-
-    from dstune.data.synthetic import render_moving_shape
+    from dstune.data.synthetic import render_moving_shape, render_shape
 
     root.mkdir(parents=True)
     for number in range(8):
@@ -81,8 +83,13 @@ def runs(tmp_path_factory) -> dict:
     lora = write_spec(lora_dir.parent / "spec.yaml", _spec(lora_dir, 3, "lora", {
         "path": str(videos), "video": {"frames": 5, "fps": 12, "sampling": "head"},
         "cache": {"text_embeddings": True, "dir": str(lora_dir.parent / "cache")}}))
+    ensure_builtin_model(TWO_EXPERTS, CACHE_DIR)
+    a14b_dir = tmp_path_factory.mktemp("wan22-low-noise") / "run"
+    a14b = _spec(a14b_dir, 2, "full", {"path": "builtin:moving-shapes"},
+                 {"pretrained": f"builtin:{TWO_EXPERTS}", "expert": "low_noise"})
+    a14b = write_spec(a14b_dir.parent / "spec.yaml", {**a14b, "sample": {"prompts": []}})
     out = {}
-    for name, run_dir, spec_path in (("full", full_dir, full), ("lora", lora_dir, lora)):
+    for name, run_dir, spec_path in (("full", full_dir, full), ("lora", lora_dir, lora), ("a14b", a14b_dir, a14b)):
         started = time.perf_counter()
         out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
         print(f"launch {name}: {time.perf_counter() - started:.1f} s wall")
@@ -131,3 +138,18 @@ def test_lora_on_mp4_files_loads_with_load_lora_weights_and_changes_frames(runs)
     assert "dataset samples       9" in proc.stdout  # the eight MP4 clips and the still
     assert "entries, built now" in proc.stdout  # the captions' text entries
     check_lora_export(run_dir, proc, MODEL, WanPipeline, _render)
+
+
+def test_two_expert_run_trains_one_expert_and_leaves_the_other_bit_identical(runs):
+    """model.expert low_noise: only transformer_2 trains (on the timesteps below the boundary); the export puts it in
+    its slot and carries the high-noise expert unchanged, every weight bit for bit."""
+    from safetensors.torch import load_file
+
+    run_dir, _, proc = runs["a14b"]
+    check_trains(run_dir, proc)
+    export, base = run_dir / "export" / f"step-{STEPS:08d}", base_folder(TWO_EXPERTS)
+    weights = "diffusion_pytorch_model.safetensors"
+    other, start = load_file(export / "transformer" / weights), load_file(base / "transformer" / weights)
+    assert set(other) == set(start) and all(torch.equal(other[k], start[k]) for k in start)
+    trained, before = load_file(export / "transformer_2" / weights), load_file(base / "transformer_2" / weights)
+    assert set(trained) == set(before) and any(not torch.equal(trained[k], before[k]) for k in before)
