@@ -1,5 +1,5 @@
-"""What the 2-rank runs of the flow family's newer recipes share (tests/dist/test_flow_qwen.py,
-test_flow_zimage.py): the spec, and the checks a full run, a LoRA run and a resume get."""
+"""What the 2-rank runs of the flow family's newer recipes share (tests/dist/test_flow_qwen.py, _qwen_edit,
+_zimage, _flux2, _flux2_dev): the spec, the launches, and the checks a full run, a LoRA run and a resume get."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import CACHE_DIR, base_spec, explain, launch, metrics
+from harness import CACHE_DIR, base_spec, explain, launch, metrics, write_spec
 
 STEPS = 4
 TRANSFORMER = Path("transformer") / "diffusion_pytorch_model.safetensors"
@@ -30,6 +30,24 @@ def flow_spec(run_dir: Path, model: str, stage: int, train: str) -> dict:
         output={"save_every_steps": 2, "keep_last": 5, "export": "diffusers"},
         sample={"prompts": [] if lora else ["a red circle"], "steps": 2, "guidance": 1.0},
     )
+
+
+def launch_cases(tmp_path_factory, model: str, cases: dict, adjust=None) -> dict:
+    """name -> (run_dir, spec_path, finished 2-rank launch) for each case (name -> (zero stage, train)) of
+    `flow_spec`, after building the built-in model once here (not by both launches' rank 0); `adjust(spec, train)`
+    edits a case's spec before it is written."""
+    from dstune.builtin import ensure_builtin_model
+
+    ensure_builtin_model(model, CACHE_DIR)
+    out = {}
+    for name, (stage, train) in cases.items():
+        run_dir = tmp_path_factory.mktemp(name) / "run"
+        spec = flow_spec(run_dir, model, stage, train)
+        if adjust is not None:
+            adjust(spec, train)
+        spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
+        out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
+    return out
 
 
 def base_folder(model: str) -> Path:

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flow_runs import check_full_export, check_lora_export, check_resume, check_trains, flow_spec
-from harness import CACHE_DIR, launch, write_spec
+from flow_runs import check_full_export, check_lora_export, check_resume, check_trains, launch_cases
 
 pytestmark = pytest.mark.dist
 
@@ -22,15 +21,7 @@ CASES = {"flux2-zero2": (2, "full"), "flux2-lora-zero3": (3, "lora")}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    from dstune.builtin import ensure_builtin_model
-
-    ensure_builtin_model(MODEL, CACHE_DIR)  # built once here, not by both launches' rank 0
-    out = {}
-    for name, (stage, train) in CASES.items():
-        run_dir = tmp_path_factory.mktemp(name) / "run"
-        spec_path = write_spec(run_dir.parent / "spec.yaml", flow_spec(run_dir, MODEL, stage, train))
-        out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
-    return out
+    return launch_cases(tmp_path_factory, MODEL, CASES)
 
 
 def _render(pipeline) -> torch.Tensor:

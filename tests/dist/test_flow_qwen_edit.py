@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flow_runs import STEPS, TRANSFORMER, base_folder, check_lora_export, check_resume, check_trains, flow_spec
-from harness import CACHE_DIR, explain, launch, write_spec
+from flow_runs import STEPS, TRANSFORMER, base_folder, check_lora_export, check_resume, check_trains, launch_cases
+from harness import explain
 
 pytestmark = pytest.mark.dist
 
@@ -36,23 +36,17 @@ def _write_pairs(root) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    from dstune.builtin import ensure_builtin_model
-
-    ensure_builtin_model(MODEL, CACHE_DIR)  # built once here, not by both launches' rank 0
     pairs = tmp_path_factory.mktemp("pairs")
     _write_pairs(pairs)
-    out = {}
-    for name, (stage, train) in CASES.items():
-        run_dir = tmp_path_factory.mktemp(name) / "run"
-        spec = flow_spec(run_dir, MODEL, stage, train)
+
+    def on_pairs(spec: dict, train: str) -> None:
         spec["data"].update(path=str(pairs / "target"), control_dir="../control", resolution=SIDE)
         spec["data"]["cache"]["text_embeddings"] = False  # an edit embedding belongs to a (caption, image) pair
         if train == "full":  # samples edit a source image, before step 1 and after the last
             spec["sample"].update(prompts=["turn it into a red circle"],
                                   control_images=[str(pairs / "control" / "005.png")])
-        spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
-        out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
-    return out
+
+    return launch_cases(tmp_path_factory, MODEL, CASES, on_pairs)
 
 
 class EditPipeline:
