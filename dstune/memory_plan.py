@@ -44,6 +44,9 @@ class ModelCounts:
     cache_bytes: int = 0  # the encoder cache on disk for the whole dataset
     origin: str = ""
     builds_partitioned: bool = False  # under ZeRO-3 each rank reads only its share of the module (deepspeed.zero.Init)
+    # frozen parts loaded only while samples render, whole on every rank (Wan 2.2's untrained expert): name -> params
+    sampling_companions: dict = field(default_factory=dict)
+    expert: Optional[dict] = None  # two-expert models: which expert trains over which timesteps (validate prints it)
 
     @property
     def frozen_base_params(self) -> int:
@@ -72,6 +75,7 @@ class Setup:
     overlap_comm: bool
     base_bytes_per_param: Optional[float] = None  # frozen base of a LoRA module; None: the compute precision's
     accelerator: str = "cuda"
+    samples: bool = False  # sample.prompts renders during training
 
     @classmethod
     def of(cls, spec, plan, ds_config: dict, base_precision: Optional[str] = None,
@@ -92,7 +96,7 @@ class Setup:
             prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size", 5e7)),
             overlap_comm=bool(zero.get("overlap_comm", False)),
             base_bytes_per_param=BASE_PRECISION_BYTES.get(base_precision) if base_precision else None,
-            accelerator=accelerator)
+            accelerator=accelerator, samples=bool(getattr(getattr(spec, "sample", None), "prompts", None)))
 
     @property
     def weight_bytes(self) -> float:
@@ -113,6 +117,7 @@ class Estimate:
     ranks_per_node: int
     nvme_per_node: float
     cache_bytes: int
+    sampling_extra: float = 0.0  # frozen parts on each GPU only while samples render (Wan 2.2's other expert)
 
     @property
     def model_states(self) -> float:
@@ -121,6 +126,12 @@ class Estimate:
     @property
     def total(self) -> float:
         return self.model_states + self.frozen + self.activations + self.buffers + self.reserve
+
+    @property
+    def peak(self) -> float:
+        """The larger of a training step and rendering samples (the step's activations freed, the sampling-only
+        parts on the GPU): what must fit."""
+        return max(self.total, self.total - self.activations + self.sampling_extra)
 
     def per_gpu(self) -> dict:
         return {"total_bytes": int(self.total), "parameters_bytes": int(self.parameters),
@@ -204,6 +215,8 @@ def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
         training += offloaded_params
     elif setup.offload_param == "nvme":
         nvme += offloaded_params
+    if setup.samples:  # read onto the host, then moved to the GPU, while samples render
+        training += w * sum(counts.sampling_companions.values())
     return max(loading, training), nvme * setup.ranks_per_node
 
 
@@ -224,8 +237,10 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
     parameters, gradients, optimizer = model_states(counts, setup)
     host, nvme = host_and_nvme(counts, setup)
     reserve = RUNTIME_RESERVE_BYTES if setup.accelerator == "cuda" else 0
+    sampling = setup.weight_bytes * sum(counts.sampling_companions.values()) if setup.samples else 0.0
     return Estimate(parameters, gradients, optimizer, frozen_on_gpu(counts, setup), activations(counts, setup),
-                    deepspeed_buffers(counts, setup), reserve, host, setup.ranks_per_node, nvme, counts.cache_bytes)
+                    deepspeed_buffers(counts, setup), reserve, host, setup.ranks_per_node, nvme, counts.cache_bytes,
+                    sampling)
 
 
 # ------------------------------------------------------------------------------------------------ suggestions
@@ -246,8 +261,13 @@ def _divisors_below(number: int) -> list[int]:
 def candidate_changes(counts: ModelCounts, setup: Setup) -> list[Change]:
     """Single changes, cheapest first (what costs least speed, or changes least of what is trained); within a kind
     the mildest first."""
-    changes = [Change("stage", f"deepspeed.zero_stage={stage}", counts, replace(setup, zero_stage=stage))
-               for stage in range(setup.zero_stage + 1, 4)]
+    changes = []
+    if setup.samples and counts.sampling_companions:  # first: costs no speed and changes nothing that trains
+        changes.append(Change("samples", "sample.prompts=[] (no samples during training: "
+                              f"{', '.join(counts.sampling_companions)} never loads)", counts,
+                              replace(setup, samples=False)))
+    changes += [Change("stage", f"deepspeed.zero_stage={stage}", counts, replace(setup, zero_stage=stage))
+                for stage in range(setup.zero_stage + 1, 4)]
     if not setup.gradient_checkpointing and counts.checkpointed_sample_bytes < counts.activation_sample_bytes:
         changes.append(Change("checkpointing", "model.gradient_checkpointing=true", counts,
                               replace(setup, gradient_checkpointing=True)))
@@ -282,7 +302,7 @@ def suggestions(counts: ModelCounts, setup: Setup, gpu_bytes: float, limit: int 
     found, kinds = [], set()
     changes = candidate_changes(counts, setup)
     for change in changes:
-        total = estimate(change.counts, change.setup).total
+        total = estimate(change.counts, change.setup).peak
         if total <= gpu_bytes and change.kind not in kinds:
             kinds.add(change.kind)
             found.append({"change": change.text, "per_gpu_total_bytes": int(total)})
@@ -298,7 +318,7 @@ def suggestions(counts: ModelCounts, setup: Setup, gpu_bytes: float, limit: int 
         current = replace(current, **updates)
         current_counts = change.counts if change.counts is not counts else current_counts
         texts.append(change.text)
-        total = estimate(current_counts, current).total
+        total = estimate(current_counts, current).peak
         if total <= gpu_bytes:
             return [{"change": " + ".join(texts), "per_gpu_total_bytes": int(total)}]
     return []
@@ -307,9 +327,10 @@ def suggestions(counts: ModelCounts, setup: Setup, gpu_bytes: float, limit: int 
 def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -> dict:
     """The `memory` object of `dstune validate --json` (names other tools read: docs/memory.md)."""
     result = estimate(counts, setup)
-    fits = None if gpu_bytes is None else result.total <= gpu_bytes
+    fits = None if gpu_bytes is None else result.peak <= gpu_bytes
     return {
         "per_gpu": result.per_gpu(),
+        "peak_per_gpu_bytes": int(result.peak),  # the larger of a training step and rendering samples
         "host_per_node_bytes": int(result.host_per_rank * result.ranks_per_node),
         "nvme_per_node_bytes": int(result.nvme_per_node),
         "cache_disk_bytes": int(result.cache_bytes),
@@ -319,7 +340,8 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
         "parameters": {"module": counts.trainable_module, "module_params": counts.module_params,
                        "trainable_params": counts.trainable_params, "frozen_base_params": counts.frozen_base_params,
                        "largest_layer_params": counts.largest_layer_params, "companions": dict(counts.companions),
-                       "cached_companions": list(counts.cached_companions), "origin": counts.origin},
+                       "cached_companions": list(counts.cached_companions), "origin": counts.origin,
+                       "sampling_companions": dict(counts.sampling_companions), "expert": counts.expert},
     }
 
 

@@ -23,6 +23,7 @@ from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_librar
 from dstune.memory_plan import ModelCounts
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES
 from dstune.spec.section import BUILTIN_PREFIX
+from dstune.spec.video_models import expert_range, expert_range_text, experts_in
 
 STORE = Path(__file__).resolve().parent / "model_configs"
 # builtin name -> its versioned folder (dstune.builtin's BuiltinModel.folder_name; tests/unit/test_model_sizes.py
@@ -32,7 +33,7 @@ BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-f
                    "tiny-orpheus": "tiny-orpheus-v2", "tiny-qwen-image": "tiny-qwen-image-v1",
                    "tiny-qwen-image-edit": "tiny-qwen-image-edit-v1", "tiny-z-image": "tiny-z-image-v1",
                    "tiny-flux2": "tiny-flux2-v1", "tiny-flux2-dev": "tiny-flux2-dev-v1",
-                   "tiny-wan": "tiny-wan-v1", "tiny-wan22": "tiny-wan22-v1"}
+                   "tiny-wan": "tiny-wan-v1", "tiny-wan-a14b": "tiny-wan-a14b-v1"}
 DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer", "wan": "transformer"}
 EDIT_PIPELINES = ("QwenImageEditPipeline",)  # trained on (source, target) pairs: twice the image tokens and latents
 FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -205,6 +206,12 @@ def _count_denoiser(spec, num_samples: int) -> ModelCounts:
     folder, origin = config_folder(spec.model.pretrained)
     module = DENOISERS[spec.model.family]
     index = _read_json(folder / "model_index.json")
+    expert, sampling_only = None, {}
+    if getattr(spec.model, "expert", None) is not None and "transformer_2" in experts_in(index):
+        module, other = ("transformer_2", "transformer") if spec.model.expert == "low_noise" else \
+            ("transformer", "transformer_2")
+        sampling_only = {other: count_component(str(folder / other / "config.json"))[0]}
+        expert = expert_summary(index, spec.model.expert, spec.model.timestep_range)
     targets, rank = _lora(spec)
     config_path = folder / module / "config.json"
     params, largest, lora = count_component(str(config_path), targets, rank)
@@ -224,7 +231,16 @@ def _count_denoiser(spec, num_samples: int) -> ModelCounts:
                                                2 if index.get("_class_name") in EDIT_PIPELINES else 1)
     return ModelCounts(module, params, lora or params, largest, companions, cached, int(full), int(checkpointed),
                        default_lora, _image_cache_bytes(spec, folder, companions, num_samples), origin,
-                       builds_partitioned=True)  # sd, sdxl and flow build the denoiser partitioned under ZeRO-3
+                       builds_partitioned=True,  # sd, sdxl, flow and wan build the denoiser partitioned under ZeRO-3
+                       sampling_companions=sampling_only, expert=expert)
+
+
+def expert_summary(index: dict, expert: str, timestep_range) -> dict:
+    """`memory.parameters.expert` of validate --json: the expert, its component and the timesteps it trains."""
+    low, high, inclusive = expert_range(index, expert, timestep_range)
+    return {"name": expert, "component": "transformer_2" if expert == "low_noise" else "transformer",
+            "boundary_ratio": index["boundary_ratio"], "timesteps": [low, high], "max_included": inclusive,
+            "text": expert_range_text(index, expert, timestep_range)}
 
 
 def _text_tokens(spec, index: dict) -> int:

@@ -213,6 +213,9 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         ("  runtime reserve", gb(gpu["runtime_reserve_bytes"]) + " (CUDA context, NCCL, allocator)"),
         ("host RAM per node", gb(memory["host_per_node_bytes"]) + " (model-related; add the processes' own)"),
     ]
+    if counts.get("expert"):
+        rows.insert(1, ("expert", counts["expert"]["text"]))
+    rows += _sampling_rows(counts.get("sampling_companions") or {}, memory, bool(spec.sample.prompts))
     if memory.get("nvme_per_node_bytes"):
         rows.append(("NVMe per node", gb(memory["nvme_per_node_bytes"])))
     if memory.get("cache_disk_bytes"):
@@ -225,6 +228,19 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         if memory["fits"] is False and not memory["suggestions"]:
             rows.append(("  would fit with", "no change dstune knows of: more GPUs, or GPUs with more memory"))
     return rows
+
+
+def _sampling_rows(sampling: dict, memory: dict, samples: bool) -> list[tuple[str, str]]:
+    """Parts that load only while samples render (Wan 2.2's untrained expert): whether they set the peak."""
+    if not sampling:
+        return []
+    what = f"{', '.join(sampling)} ({count_text(sum(sampling.values()))})"
+    if not samples:
+        return [("while sampling", f"{what} never loads: no sample.prompts")]
+    if memory["peak_per_gpu_bytes"] > memory["per_gpu"]["total_bytes"]:
+        return [("while sampling", f"{gb(memory['peak_per_gpu_bytes'])} per GPU: {what} joins on every GPU while samples "
+                                   "render (the peak; it counts in host RAM too)")]
+    return [("while sampling", f"{what} joins on every GPU while samples render: below the training step's peak")]
 
 
 def plan_table(outcome: Outcome) -> Optional[Table]:

@@ -29,6 +29,7 @@ from dstune.model_sizes import EDIT_PIPELINES, SizesUnknown, config_folder, coun
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
+from dstune.spec.video_models import expert_problems
 from dstune.token_layouts import TTS_LAYOUT_FILE, describe, layout_problems, orpheus_layout
 from dstune.trackers import wandb_missing
 from dstune.world import World, world_from_flags
@@ -107,6 +108,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_lora_format(spec, source, found)
     _check_token_layout(spec, source, found)
     _check_edit_model(spec, source, found)
+    _check_wan_experts(spec, source, found)
     count, origin, groups = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:
@@ -262,6 +264,21 @@ def _check_edit_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
                        "source images (data.control_dir, e.g. ../control) or a `control_file_name` per "
                        "metadata.jsonl line"))
     found.add([source.issue(key, text) for key, text in issues])
+
+
+def _check_wan_experts(spec: Spec, source: SpecSource, found: IssueList) -> None:
+    """model.expert and model.timestep_range against the Wan folder's own model_index.json (two experts need an
+    expert; a range stays on its expert's side of boundary_ratio), before any GPU time; startup checks again."""
+    if spec.model.family != "wan":
+        return
+    try:
+        folder, _ = config_folder(spec.model.pretrained)
+        index = json.loads((folder / "model_index.json").read_text())
+    except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
+        return
+    for problem in expert_problems(index, spec.model.expert, spec.model.timestep_range):
+        key = "model.timestep_range" if problem.startswith("model.timestep_range") else "model.expert"
+        found.add([source.issue(key, f"{spec.model.pretrained}: {problem}")])
 
 
 def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],

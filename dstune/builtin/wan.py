@@ -6,7 +6,7 @@ untrained, so renders are noise-like clips), a UMT5 text encoder (two 32-wide la
 tokenizer of builtin:tiny-flow built in memory, and the scheduler Wan2.1-T2V ships with (UniPCMultistepScheduler
 predicting flow with flow_shift 3.0). A 5-frame 32x32 clip is a (16, 2, 4, 4) latent, 8 transformer tokens.
 
-`builtin:tiny-wan22` is the Wan 2.2 A14B layout on the same parts: two experts (`transformer` for the high-noise
+`builtin:tiny-wan-a14b` is the Wan 2.2 A14B layout on the same parts: two experts (`transformer` for the high-noise
 timesteps, `transformer_2` for the low-noise ones, each like tiny-wan's, seeded apart) and boundary_ratio 0.875 (the
 A14B text-to-video value), with flow_shift 12.0 (Wan 2.2 A14B's text-to-video sample shift).
 """
@@ -71,8 +71,8 @@ def build_tiny_wan(out: Path, needs: dict) -> dict:
     return _build(out, two_experts=False)
 
 
-def build_tiny_wan22(out: Path, needs: dict) -> dict:
-    """builtin:tiny-wan22: a two-expert (Wan 2.2 A14B layout) WanPipeline folder."""
+def build_tiny_wan_a14b(out: Path, needs: dict) -> dict:
+    """builtin:tiny-wan-a14b: a two-expert (Wan 2.2 A14B layout) WanPipeline folder."""
     return _build(out, two_experts=True)
 
 
@@ -81,8 +81,8 @@ TINY_WAN = BuiltinModel(
     description="Wan 2.1 text-to-video pipeline: two-layer Wan transformer (24 wide), UMT5 text encoder (two "
                 "32-wide layers), a random AutoencoderKLWan with the real 8x spatial / 4x temporal factors",
     build=build_tiny_wan)
-TINY_WAN22 = BuiltinModel(
-    name="tiny-wan22", folder_name="tiny-wan22-v1", family="wan",
+TINY_WAN_A14B = BuiltinModel(
+    name="tiny-wan-a14b", folder_name="tiny-wan-a14b-v1", family="wan",
     description="Wan 2.2 A14B layout: two tiny Wan experts (high and low noise, boundary_ratio 0.875) on tiny-wan's "
                 "VAE and UMT5",
-    build=build_tiny_wan22)
+    build=build_tiny_wan_a14b)

@@ -10,13 +10,16 @@ scheduler Wan ships with, or FlowMatchEuler's shift), x_t = (1 - sigma) x0 + sig
 scale_noise computes), target noise - x0. Every draw comes from sample_generator(seed, step, index, purpose).
 
 Two experts (Wan 2.2 A14B: `transformer` for the timesteps at or above boundary_ratio x 1000, `transformer_2` below):
-a run trains one of them (model.expert), drawing its timesteps from its own range of the tables only; the other
-stays frozen in host memory and joins for samples. Not offered yet: image-to-video (image_encoder) and Wan 2.2's
-TI2V (expand_timesteps); such folders are refused at build with the reason.
+a run trains one of them (model.expert), drawing its timesteps from its own range of the tables only (narrowed by
+model.timestep_range); the other is never trained and is read from the folder only while samples render. Not
+offered yet: image-to-video (image_encoder) and Wan 2.2's TI2V (expand_timesteps); such folders are refused at build
+with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -32,6 +35,7 @@ from dstune.families.flow_recipe import normalised_latents
 from dstune.families.samples import save_clip_grid
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec, WanModel
+from dstune.spec.video_models import expert_problems, expert_range, experts_in
 
 COMPONENTS = {"transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan",
               "text_encoder": "UMT5EncoderModel", "tokenizer": None, "scheduler": None}
@@ -55,7 +59,9 @@ class WanBuilt:
     max_sequence_length: int
     transformer_config: dict
     trained_name: str = "transformer"  # the pipeline component trained: transformer, or transformer_2 (low noise)
-    other_expert: Optional[torch.nn.Module] = None  # two experts: the untrained one, frozen, in host memory
+    # two experts: the untrained one, loaded only while samples render (a 14 B expert is 28 GB in bf16, on every rank)
+    other_expert: Optional[torch.nn.Module] = None
+    frozen_dtype: torch.dtype = torch.float32
     boundary_ratio: Optional[float] = None
     positions: tuple[int, int] = (0, 0)  # (first table position, how many) this expert trains on; (0, 0): all
 
@@ -67,11 +73,13 @@ class WanBuilt:
 # ---------------------------------------------------------------------------------------------------- build
 
 
-def folder_problems(folder: Path, expert: Optional[str] = None) -> list[str]:
-    """Why `folder` is not a Wan text-to-video pipeline folder dstune trains with model.expert `expert` (empty: it
-    is)."""
+def folder_problems(folder: Path, expert: Optional[str] = None, timestep_range=None) -> list[str]:
+    """Why `folder` is not a Wan text-to-video pipeline folder dstune trains with model.expert `expert` and
+    model.timestep_range (empty: it is)."""
     index = read_model_index(folder)
-    problems = _expert_problems(folder, index, expert)
+    problems = expert_problems(index, expert, timestep_range)
+    if "transformer_2" in experts_in(index) and not (folder / "transformer_2").is_dir():
+        problems.append("model_index.json lists transformer_2 but there is no transformer_2/ subfolder")
     for name, expected in COMPONENTS.items():
         entry = index.get(name)
         listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
@@ -85,31 +93,13 @@ def folder_problems(folder: Path, expert: Optional[str] = None) -> list[str]:
         problems.append("it expands timesteps per token (Wan 2.2 TI2V), which dstune does not train yet")
     if not problems:
         vae, text = read_component_config(folder, "vae"), read_component_config(folder, "text_encoder")
-        for name in _experts(index):
+        for name in experts_in(index):
             transformer = read_component_config(folder, name)
             for key, want, source in (("in_channels", vae.get("z_dim"), "the VAE's z_dim"),
                                       ("text_dim", text.get("d_model"), "the text encoder's d_model")):
                 if transformer.get(key) != want:
                     problems.append(f"{name} {key} {transformer.get(key)} != {want} ({source})")
     return problems
-
-
-def _experts(index: dict) -> list[str]:
-    return ["transformer"] + (["transformer_2"] if (index.get("transformer_2") or [None, None])[1] else [])
-
-
-def _expert_problems(folder: Path, index: dict, expert: Optional[str]) -> list[str]:
-    two = len(_experts(index)) == 2
-    if two and not (folder / "transformer_2").is_dir():
-        return ["model_index.json lists transformer_2 but there is no transformer_2/ subfolder"]
-    if two and index.get("boundary_ratio") is None:
-        return ["it has two experts (transformer, transformer_2) but no boundary_ratio in model_index.json"]
-    if two and expert is None:
-        return ["it has two experts (Wan 2.2 A14B): set model.expert to high_noise (transformer, timesteps at or "
-                f"above {index['boundary_ratio']} x 1000) or low_noise (transformer_2, below); a run trains one"]
-    if not two and expert is not None:
-        return [f"model.expert {expert} applies to two-expert folders (transformer_2); this one has one: remove it"]
-    return []
 
 
 def train_tables(scheduler_config, shift: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -134,7 +124,7 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
     folder = folders["pretrained"]
-    problems = folder_problems(folder, model.expert)
+    problems = folder_problems(folder, model.expert, model.timestep_range)
     if problems:
         raise FamilyError(f"{folder} cannot be used as a Wan text-to-video pipeline (model.family wan):\n"
                           + "\n".join(f"  - {p}" for p in problems))
@@ -146,11 +136,7 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
     scheduler = load_component(folder, "scheduler", scheduler_class.from_pretrained)
     trained_name = "transformer_2" if model.expert == "low_noise" else "transformer"
     transformer = load_trainable(folder, trained_name, WanTransformer3DModel, device, zero3_config)
-    other_expert, boundary = None, read_model_index(folder).get("boundary_ratio")
-    if model.expert is not None:  # on the host until samples need it (a 14 B expert is 28 GB in bf16)
-        other_name = "transformer" if trained_name == "transformer_2" else "transformer_2"
-        other_expert = load_component(folder, other_name, WanTransformer3DModel.from_pretrained,
-                                      torch_dtype=dtype_for_frozen).eval().requires_grad_(False)
+    boundary = read_model_index(folder).get("boundary_ratio")
     if model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     transformer.to(device).train().requires_grad_(True)
@@ -164,17 +150,23 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
                     text_encoder=text_encoder.eval().requires_grad_(False), tokenizer=tokenizer,
                     scheduler=scheduler, train_timesteps=timesteps, train_sigmas=sigmas, settings=model,
                     max_sequence_length=int(max_length), transformer_config=dict(transformer.config),
-                    trained_name=trained_name, other_expert=other_expert, boundary_ratio=boundary,
-                    positions=expert_positions(timesteps, model.expert, boundary, scheduler.config))
+                    trained_name=trained_name, boundary_ratio=boundary, frozen_dtype=dtype_for_frozen,
+                    positions=expert_positions(timesteps, model, read_model_index(folder), scheduler.config))
 
 
-def expert_positions(timesteps: torch.Tensor, expert: Optional[str], boundary_ratio, scheduler_config) -> tuple:
-    """(first table position, count) of the timesteps an expert trains on: WanPipeline runs `transformer` at
-    t >= boundary_ratio x num_train_timesteps and `transformer_2` below (the tables descend from 1000)."""
-    if expert is None:
-        return 0, len(timesteps)
-    high = int((timesteps >= boundary_ratio * scheduler_config.num_train_timesteps).sum())
-    return (0, high) if expert == "high_noise" else (high, len(timesteps) - high)
+def expert_positions(timesteps: torch.Tensor, model: WanModel, index: dict, scheduler_config) -> tuple[int, int]:
+    """(first table position, count) of the timesteps a run trains on: the expert's side of the boundary
+    (WanPipeline runs `transformer` at t >= boundary_ratio x num_train_timesteps and `transformer_2` below),
+    narrowed by model.timestep_range. The tables descend from 1000, so they are one contiguous run."""
+    low, high, inclusive = expert_range(index, model.expert, model.timestep_range,
+                                        scheduler_config.num_train_timesteps)
+    inside = (timesteps >= low) & ((timesteps <= high) if inclusive else (timesteps < high))
+    if not inside.any():
+        raise FamilyError(f"no training timestep of the shifted table falls in model.timestep_range "
+                          f"{list(model.timestep_range)} (the tables' timesteps: {timesteps.min():.1f} to "
+                          f"{timesteps.max():.1f}); widen it")
+    first = int(inside.nonzero()[0])
+    return first, int(inside.sum())
 
 
 def _pipeline(built: WanBuilt, transformer=None, vae=None):
@@ -274,14 +266,13 @@ def sample(built: WanBuilt, transformer_module: torch.nn.Module, prompts: list[s
         return []
     factor = built.vae.config.scale_factor_spatial * built.transformer_config["patch_size"][1]
     side = max(factor, resolution // factor * factor)
-    pipeline = _pipeline(built, transformer_module, built.vae)
     was_training = transformer_module.training
     transformer_module.eval()
     clips = []
-    if built.other_expert is not None:
-        built.other_expert.to(built.device)
     try:
-        with inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype), quiet_hf_libraries():
+        with other_expert_loaded(built), quiet_hf_libraries(), \
+                inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype):
+            pipeline = _pipeline(built, transformer_module, built.vae)
             for number, prompt in enumerate(prompts):  # one generator per prompt (WanPipeline takes one)
                 result = pipeline(prompt=prompt, height=side, width=side, num_frames=built.settings.sample_frames,
                                   guidance_scale=sample_spec.guidance, num_inference_steps=sample_spec.steps,
@@ -290,9 +281,26 @@ def sample(built: WanBuilt, transformer_module: torch.nn.Module, prompts: list[s
                 clips.append(list(result.frames[0]))
     finally:
         transformer_module.train(was_training)
-        if built.other_expert is not None:
-            built.other_expert.to("cpu")
     return clips
+
+
+@contextlib.contextmanager
+def other_expert_loaded(built: WanBuilt):
+    """With two experts, the untrained one read from the folder onto the device for the duration (samples run both,
+    each on its side of the boundary), then released: it is never held while training steps run."""
+    if built.settings.expert is None:
+        yield
+        return
+    from diffusers import WanTransformer3DModel
+
+    name = "transformer" if built.trained_name == "transformer_2" else "transformer_2"
+    built.other_expert = load_component(built.folder, name, WanTransformer3DModel.from_pretrained,
+                                        torch_dtype=built.frozen_dtype).eval().requires_grad_(False).to(built.device)
+    try:
+        yield
+    finally:
+        built.other_expert = None
+        gc.collect()
 
 
 # --------------------------------------------------------------------------------------------------- export

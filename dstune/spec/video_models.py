@@ -52,6 +52,12 @@ class WanModel(DenoiserModelBase):
         "boundary_ratio): which expert this run trains. `high_noise`: `transformer`, on the timesteps at or above "
         "boundary_ratio x 1000; `low_noise`: `transformer_2`, on those below. The other expert stays frozen in host "
         "memory and joins only for samples. Required for such folders, refused for one-expert ones.")
+    timestep_range: Optional[tuple[float, float]] = Field(
+        None, description="[min, max]: train only on the scheduler timesteps t (0-1000, after the shift) with min <= "
+        "t <= max. With model.expert the range must lie on that expert's side of the folder's boundary "
+        "(high_noise: min >= boundary_ratio x 1000; low_noise: max <= boundary_ratio x 1000, and t == boundary "
+        "stays the high-noise expert's, as in WanPipeline). Omitted: every timestep (of the expert's side). "
+        "`dstune validate` prints the range a run trains.")
     sample_frames: int = Field(
         5, gt=0, description="Frames of each clip rendered for `sample.prompts` during training (4k+1; the samples "
         "page plays them as animated PNGs).")
@@ -64,7 +70,71 @@ class WanModel(DenoiserModelBase):
         if unused:
             raise ValueError(f"{', '.join(unused)} only apply to another timestep_sampling (it is "
                              f"{self.timestep_sampling!r}): remove them or change timestep_sampling")
+        if self.timestep_range is not None and not 0 <= self.timestep_range[0] < self.timestep_range[1]:
+            raise ValueError(f"timestep_range {list(self.timestep_range)} must be [min, max] with 0 <= min < max "
+                             "(scheduler timesteps, 0-1000)")
         if (self.sample_frames - 1) % 4:
             raise ValueError(f"sample_frames {self.sample_frames} is not 4k+1 (the VAE keeps the first frame and "
                              "compresses the rest 4x)")
         return self
+
+
+def experts_in(index: dict) -> list[str]:
+    """The denoiser components of a Wan pipeline folder's model_index.json: transformer, and transformer_2 when
+    the folder has two experts (Wan 2.2 A14B)."""
+    return ["transformer"] + (["transformer_2"] if (index.get("transformer_2") or [None, None])[1] else [])
+
+
+def expert_problems(index: dict, expert: Optional[str], timestep_range=None,
+                    num_train_timesteps: int = 1000) -> list[str]:
+    """Why model.expert / model.timestep_range do not fit a Wan folder's model_index.json (empty: they do)."""
+    two = len(experts_in(index)) == 2
+    if two and index.get("boundary_ratio") is None:
+        return ["it has two experts (transformer, transformer_2) but no boundary_ratio in model_index.json"]
+    if two and expert is None:
+        return ["it has two experts (Wan 2.2 A14B): set model.expert to high_noise (transformer, timesteps at or "
+                f"above {index['boundary_ratio']} x 1000) or low_noise (transformer_2, below); a run trains one"]
+    if not two and expert is not None:
+        return [f"model.expert {expert} applies to two-expert folders (transformer_2); this one has one: remove it"]
+    if not two or timestep_range is None:
+        return []
+    boundary = index["boundary_ratio"] * num_train_timesteps
+    low, high = timestep_range
+    if expert == "high_noise" and low < boundary:
+        return [f"model.timestep_range {list(timestep_range)} reaches below the boundary {boundary:g} (boundary_ratio "
+                f"{index['boundary_ratio']} x {num_train_timesteps} in model_index.json): the high_noise expert "
+                f"only runs at t >= {boundary:g}; raise min to {boundary:g} or more, or train low_noise"]
+    if expert == "low_noise" and high > boundary:
+        return [f"model.timestep_range {list(timestep_range)} reaches above the boundary {boundary:g} (boundary_ratio "
+                f"{index['boundary_ratio']} x {num_train_timesteps} in model_index.json): the low_noise expert "
+                f"only runs at t < {boundary:g}; lower max to {boundary:g} or less, or train high_noise"]
+    return []
+
+
+def expert_range(index: dict, expert: Optional[str], timestep_range=None,
+                 num_train_timesteps: int = 1000) -> tuple[float, float, bool]:
+    """(min, max, max included) of the timesteps a run trains: the expert's side of the boundary (high_noise
+    [boundary, 1000], low_noise [0, boundary) ), narrowed by model.timestep_range; [0, 1000] without either."""
+    low, high, inclusive = 0.0, float(num_train_timesteps), True
+    if expert is not None:
+        boundary = index["boundary_ratio"] * num_train_timesteps
+        low, high, inclusive = (boundary, high, True) if expert == "high_noise" else (0.0, boundary, False)
+    if timestep_range is not None:
+        low = max(low, timestep_range[0])
+        if timestep_range[1] < high or (timestep_range[1] == high and inclusive):
+            high, inclusive = timestep_range[1], True
+    return low, high, inclusive
+
+
+def expert_range_text(index: dict, expert: Optional[str], timestep_range=None,
+                      num_train_timesteps: int = 1000) -> str:
+    """What `dstune validate` prints of a Wan run's timesteps, e.g. "low_noise (transformer_2) trains timesteps
+    0 to < 875 of 1000; transformer (high noise) ... frozen"."""
+    low, high, inclusive = expert_range(index, expert, timestep_range, num_train_timesteps)
+    span = f"{low:g} to {'' if inclusive else '< '}{high:g} of {num_train_timesteps}"
+    if expert is None:
+        return f"transformer trains timesteps {span}"
+    trained, other = ("transformer", "transformer_2 (low noise)") if expert == "high_noise" else \
+        ("transformer_2", "transformer (high noise)")
+    return (f"{expert} ({trained}) trains timesteps {span} (boundary_ratio {index['boundary_ratio']} in "
+            f"model_index.json); {other} is never trained and loads only while samples render")

@@ -1,5 +1,5 @@
 """Real 2-rank DeepSpeed training of Wan text-to-video (model.family wan, builtin:tiny-wan and the two-expert
-builtin:tiny-wan22) on CPU, four launches in all:
+builtin:tiny-wan-a14b) on CPU, four launches in all:
 
 - full fine-tuning under ZeRO 2 on builtin:moving-shapes from the latent and text caches (built before step 1):
   trains, renders animated samples, exports a folder WanPipeline loads and renders frames with;
@@ -26,7 +26,7 @@ from harness import CACHE_DIR, base_spec, explain, launch, write_spec
 pytestmark = pytest.mark.dist
 
 MODEL = "tiny-wan"
-TWO_EXPERTS = "tiny-wan22"  # Wan 2.2 A14B layout: transformer (high noise), transformer_2 (low noise)
+TWO_EXPERTS = "tiny-wan-a14b"  # Wan 2.2 A14B layout: transformer (high noise), transformer_2 (low noise)
 PROMPT = "a red circle moving left"
 
 

@@ -40,6 +40,7 @@ from dstune.families import wan  # noqa: E402
 from dstune.families.base import per_sample_randn  # noqa: E402
 from dstune.pretrained import build_model  # noqa: E402
 from dstune.spec.models import DataSpec, SampleSpec, WanModel  # noqa: E402
+from dstune.spec.video_models import expert_problems, expert_range_text  # noqa: E402
 
 SEED, STEP, INDICES = 5, 2, [1, 8, 13]
 
@@ -141,12 +142,12 @@ def test_folders_of_other_wan_pipelines_are_refused_with_the_reason(tmp_path):
 
 @pytest.fixture(scope="module")
 def low_noise():
-    return build_model(WanModel(family="wan", pretrained="builtin:tiny-wan22", expert="low_noise"), CACHE_DIR, "cpu")
+    return build_model(WanModel(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise"), CACHE_DIR, "cpu")
 
 
 def test_two_expert_folders_need_model_expert_and_one_expert_folders_refuse_it():
     with pytest.raises(ValueError, match="set model.expert to high_noise .* or low_noise"):
-        build_model(WanModel(family="wan", pretrained="builtin:tiny-wan22"), CACHE_DIR, "cpu")
+        build_model(WanModel(family="wan", pretrained="builtin:tiny-wan-a14b"), CACHE_DIR, "cpu")
     with pytest.raises(ValueError, match="model.expert high_noise applies to two-expert folders"):
         build_model(WanModel(family="wan", expert="high_noise"), CACHE_DIR, "cpu")
 
@@ -162,8 +163,9 @@ def test_an_expert_trains_its_own_component_on_its_own_timesteps(low_noise):
     first, count = low_noise.positions
     assert first + count == len(low_noise.train_timesteps) and count > 0
     assert (low_noise.train_timesteps[first:] < 875).all() and (low_noise.train_timesteps[:first] >= 875).all()
-    assert wan.expert_positions(low_noise.train_timesteps, "high_noise", 0.875, low_noise.scheduler.config) == \
-        (0, first)
+    index = {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}
+    high = WanModel(family="wan", expert="high_noise")
+    assert wan.expert_positions(low_noise.train_timesteps, high, index, low_noise.scheduler.config) == (0, first)
     seen = []
     encoded = wan.encode_batch(low_noise, _batch())
 
@@ -174,6 +176,34 @@ def test_an_expert_trains_its_own_component_on_its_own_timesteps(low_noise):
     for step in range(5):
         wan.loss(low_noise, forward, encoded, SEED, step)
     assert len(seen) == 15 and max(seen) < 875
+
+
+def test_timestep_range_narrows_the_expert_and_must_stay_on_its_side_of_the_boundary(low_noise):
+    """model.timestep_range: the loss draws only timesteps in [min, max]; a range across the folder's boundary is
+    refused naming the boundary and the fix; the low-noise side never includes t == boundary (WanPipeline runs the
+    high-noise expert there)."""
+    index = {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}
+    table, config = low_noise.train_timesteps, low_noise.scheduler.config
+    narrow = WanModel(family="wan", expert="low_noise", timestep_range=(200, 600))
+    first, count = wan.expert_positions(table, narrow, index, config)
+    picked = table[first:first + count]
+    assert count > 0 and picked.min() >= 200 and picked.max() <= 600
+    assert ((table >= 200) & (table <= 600)).sum() == count
+    whole = wan.expert_positions(table, WanModel(family="wan", expert="low_noise", timestep_range=(0, 875)), index,
+                                 config)
+    assert whole == low_noise.positions  # max == boundary: still only t < 875
+    problems = expert_problems(index, "low_noise", (500, 900))
+    assert problems and "above the boundary 875" in problems[0] and "lower max to 875" in problems[0]
+    problems = expert_problems(index, "high_noise", (800, 1000))
+    assert problems and "below the boundary 875" in problems[0] and "raise min to 875" in problems[0]
+    with pytest.raises(ValueError, match="timestep_range .* above the boundary 875"):
+        build_model(WanModel(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise",
+                             timestep_range=(100, 900)), CACHE_DIR, "cpu")
+    with pytest.raises(ValueError, match="0 <= min < max"):
+        WanModel(family="wan", timestep_range=(600, 200))
+    assert "low_noise (transformer_2) trains timesteps 200 to 600 of 1000" in expert_range_text(
+        index, "low_noise", (200, 600))
+    assert "trains timesteps 0 to < 875 of 1000" in expert_range_text(index, "low_noise")
 
 
 def test_low_noise_expert_exports_and_its_lora_loads_into_transformer_2(low_noise, tmp_path):
@@ -189,7 +219,7 @@ def test_low_noise_expert_exports_and_its_lora_loads_into_transformer_2(low_nois
     start = load_file(low_noise.folder / "transformer" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(trained[k], state[k]) for k in state) and all(torch.equal(kept[k], start[k]) for k in start)
 
-    spec = WanModel(family="wan", pretrained="builtin:tiny-wan22", expert="low_noise", train="lora")
+    spec = WanModel(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise", train="lora")
     model = build_model(spec, CACHE_DIR, "cpu")
     apply_train_mode(model.trainable, spec, seed=0, family=wan.FAMILY)
     with torch.no_grad():
@@ -207,11 +237,20 @@ def test_low_noise_expert_exports_and_its_lora_loads_into_transformer_2(low_nois
         trained_loss, loaded = (wan.loss(model, module, encoded, 0, 1) for module in (model.trainable,
                                                                                       pipeline.transformer_2))
     assert loaded.item() == pytest.approx(trained_loss.item(), rel=1e-6) and loaded.item() != base_loss.item()
-    calls = {"trained": 0, "other": 0}  # samples run both experts, each on its side of the boundary
-    hooks = [module.register_forward_hook(lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
-             for key, module in (("trained", model.trainable), ("other", model.other_expert))]
-    clips = wan.sample(model, model.trainable, ["a red circle moving left"], SampleSpec(steps=4), 32)
-    for hook in hooks:
+    from diffusers import WanTransformer3DModel
+
+    # samples run both experts, each on its side of the boundary; the other one exists only while they render
+    assert model.other_expert is None
+    calls = {"trained": 0, "other": 0}
+
+    def count(module, *_):
+        if isinstance(module, WanTransformer3DModel):
+            calls["trained" if module is model.trainable else "other"] += 1
+
+    hook = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        clips = wan.sample(model, model.trainable, ["a red circle moving left"], SampleSpec(steps=4), 32)
+    finally:
         hook.remove()
     assert len(clips[0]) == 5 and calls["trained"] > 0 and calls["other"] > 0, calls
-    assert next(model.other_expert.parameters()).device.type == "cpu"
+    assert model.other_expert is None

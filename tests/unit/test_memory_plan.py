@@ -281,3 +281,44 @@ def test_cache_on_disk_is_what_the_cache_stores_per_sample(model):
     stored = 4 * (mean.numel() + std.numel()) + sum(t.numel() * t.element_size() for name, t in text.items()
                                                      if t.is_floating_point())
     assert count_model(spec, 1).cache_bytes == stored
+
+
+A14B = str(REPO / "launch" / "wan22-a14b-low-noise-full-zero3-2x8gpu.yaml")
+A14B_FLAGS = ["--hostfile", str(REPO / "launch" / "hostfile.example"), "--num-samples", "4000"]
+
+
+def test_two_expert_wan_counts_the_trained_expert_and_the_other_only_while_sampling(capsys):
+    """Wan 2.2 A14B low-noise expert (launch/wan22-a14b-...): the module is transformer_2 and validate says which
+    timesteps it trains; the high-noise expert is not on the GPU during steps but joins every GPU (and host) while
+    samples render, which sets the peak; without sample.prompts it never loads, and when only the samples do not fit
+    dropping them is suggested."""
+    assert main(["validate", A14B, *A14B_FLAGS, "--json"]) == 0
+    from dstune.model_sizes import STORE, count_component
+
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    params = memory["parameters"]
+    expert_params = count_component(str(STORE / "hub/Wan-AI/Wan2.1-T2V-14B-Diffusers/transformer/config.json"))[0]
+    assert params["module"] == "transformer_2" and params["module_params"] == expert_params  # same architecture
+    assert params["sampling_companions"] == {"transformer": expert_params} and expert_params > 14e9
+    expert = params["expert"]
+    assert expert["name"] == "low_noise" and expert["timesteps"] == [0.0, 875.0] and not expert["max_included"]
+    other_on_gpu = 2 * expert_params  # bf16
+    gpu_total = memory["per_gpu"]["total_bytes"]
+    assert memory["peak_per_gpu_bytes"] == gpu_total - memory["per_gpu"]["activations_bytes"] + other_on_gpu
+    assert main(["validate", A14B, *A14B_FLAGS, "--json", "--set", "sample.prompts=[]"]) == 0
+    quiet = json.loads(capsys.readouterr().out)["memory"]
+    assert quiet["peak_per_gpu_bytes"] == quiet["per_gpu"]["total_bytes"] == gpu_total
+    # host: each of a node's 8 ranks reads the other expert while sampling (beside its cached UMT5 copy)
+    assert memory["host_per_node_bytes"] > quiet["host_per_node_bytes"] and \
+        memory["host_per_node_bytes"] >= 8 * other_on_gpu
+    between = (gpu_total + memory["peak_per_gpu_bytes"]) // 2 // 10 ** 6
+    assert main(["validate", A14B, *A14B_FLAGS, "--json", "--gpu-memory", f"{between}MB"]) == 0
+    tight = json.loads(capsys.readouterr().out)["memory"]
+    assert tight["fits"] is False and tight["suggestions"][0]["change"].startswith("sample.prompts=[]")
+    assert main(["validate", A14B, *A14B_FLAGS]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "low_noise (transformer_2) trains timesteps 0 to < 875 of 1000" in out
+    assert "transformer (14.3 B) joins on every GPU while samples render" in out
+    assert main(["validate", A14B, *A14B_FLAGS, "--set", "model.timestep_range=[600,900]"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "model.timestep_range" in out and "above the boundary 875" in out and "lower max to 875" in out
