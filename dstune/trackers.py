@@ -68,11 +68,12 @@ class Trackers:
             self.wandb.log(dict(items), step=step)
 
     def samples(self, step: int, path: Path) -> None:
-        """Rank 0's sample output of `step`: a grid PNG (one image) or a folder of WAVs (one audio clip each)."""
+        """Rank 0's sample output of `step`: a grid PNG (one image), an animated WebP grid of clips (its first frame
+        to TensorBoard; its MP4 to W&B) or a folder of WAVs (one audio clip each)."""
         path = Path(path)
         if path.is_dir():
             self._audio(step, sorted(path.glob("*.wav")))
-        elif path.suffix == ".png":
+        elif path.suffix in (".png", ".webp"):
             self._image(step, path)
 
     def _image(self, step: int, path: Path) -> None:
@@ -87,7 +88,9 @@ class Trackers:
         if self.wandb is not None:
             import wandb
 
-            self.wandb.log({"samples": wandb.Image(str(path))}, step=step)
+            mp4 = path.with_suffix(".mp4")
+            media = wandb.Video(str(mp4)) if path.suffix == ".webp" and mp4.is_file() else wandb.Image(str(path))
+            self.wandb.log({"samples": media}, step=step)
 
     def _audio(self, step: int, wavs: list[Path]) -> None:
         import soundfile

@@ -26,15 +26,40 @@ def save_grid(images: list, prompts: list[str], path: str | os.PathLike) -> Path
 
 
 def save_clip_grid(clips: list, prompts: list[str], path: str | os.PathLike) -> Path:
-    """Video families: the clips (lists of PIL frames) as one animated PNG (APNG, which browsers play in the
-    samples page's <img>), each frame a grid of every clip's frame with the prompts under them."""
+    """Video families: the clips (lists of PIL frames) as one animated grid, each frame a grid of every clip's frame
+    with the prompts under them, written twice beside `path`: an animated WebP (lossless; the samples page plays it
+    in an <img>) and an H.264 MP4 (for players and trackers). Returns the WebP's path."""
     if len(clips) != len(prompts):
         raise ValueError(f"save_clip_grid: {len(clips)} clips but {len(prompts)} prompts")
     frames = [grid_image([clip[min(number, len(clip) - 1)] for clip in clips], prompts)
               for number in range(max(len(clip) for clip in clips))]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    frames[0].save(path, format="PNG", save_all=True, append_images=frames[1:], duration=_CLIP_FRAME_MS, loop=0)
+    webp = path.with_suffix(".webp")
+    frames[0].save(webp, format="WEBP", save_all=True, append_images=frames[1:], duration=_CLIP_FRAME_MS, loop=0,
+                   lossless=True)
+    write_mp4(frames, path.with_suffix(".mp4"), 1000 // _CLIP_FRAME_MS)
+    return webp
+
+
+def write_mp4(frames: list, path: Path, fps: int) -> Path:
+    """PIL frames -> an H.264 (yuv420p, which every player decodes) MP4 by PyAV; sides padded to even pixels, as
+    4:2:0 needs. Written to a temporary name and renamed, so a reader never sees half a file."""
+    import av
+    from PIL import Image
+
+    width, height = frames[0].size
+    even = (width + width % 2, height + height % 2)
+    partial = path.with_name(path.name + ".partial")
+    with av.open(str(partial), mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = even[0], even[1], "yuv420p"
+        for frame in frames:
+            canvas = Image.new("RGB", even, (255, 255, 255))
+            canvas.paste(frame.convert("RGB"), (0, 0))
+            container.mux(stream.encode(av.VideoFrame.from_image(canvas)))
+        container.mux(stream.encode())
+    os.replace(partial, path)
     return path
 
 
@@ -59,13 +84,13 @@ def grid_image(images: list, prompts: list[str]):
     return grid
 
 
-_SHEET_STEP = re.compile(r"step-(\d+)(\.png)?")
+_SHEET_STEP = re.compile(r"step-(\d+)(\.png|\.webp)?")
 
 
 def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weights: str,
                         metrics: list[dict] = ()) -> Path:
     """(Re)write samples_dir/index.html: the loss and LR curves of `metrics` (metrics.jsonl records, inline SVG),
-    then every `step-NNNNNN.png` grid of the run so far (resumed runs included), oldest first, with its step number,
+    then every `step-NNNNNN.png` grid (`.webp` for clips, with a link to its MP4) of the run so far (resumed runs included), oldest first, with its step number,
     under the prompts in grid order. `weights` says what the grids show ("EMA" or "trained"). Written to a temporary
     file and renamed, so a browser never sees half a page."""
     import html
@@ -76,8 +101,8 @@ def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weig
     prompt_items = "".join(f"<li>{html.escape(prompt or '(empty prompt)')}</li>" for prompt in prompts)
     rows = "".join(
         f'<section id="step-{step}"><h2>step {step}</h2>'
-        + (f'<img src="{html.escape(name)}" alt="samples at step {step}">' if name.endswith(".png")
-           else f'<a href="{html.escape(name)}/">{html.escape(name)}/</a>')
+        + (f'<img src="{html.escape(name)}" alt="samples at step {step}">{_mp4_link(folder, name)}'
+           if name.endswith((".png", ".webp")) else f'<a href="{html.escape(name)}/">{html.escape(name)}/</a>')
         + "</section>\n" for step, name in entries)
     curves = curves_svg(list(metrics))
     curves_section = f'<section id="curves">{curves}</section>\n' if curves else ""
@@ -90,3 +115,8 @@ def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weig
     target = folder / "index.html"
     write_text_atomic(target, page)
     return target
+
+
+def _mp4_link(folder: Path, name: str) -> str:
+    mp4 = Path(name).with_suffix(".mp4").name
+    return f' <a href="{mp4}">MP4</a>' if name.endswith(".webp") and (folder / mp4).is_file() else ""

@@ -60,7 +60,7 @@ class WanModel(DenoiserModelBase):
         "`dstune validate` prints the range a run trains.")
     sample_frames: int = Field(
         5, gt=0, description="Frames of each clip rendered for `sample.prompts` during training (4k+1; the samples "
-        "page plays them as animated PNGs).")
+        "page plays them as animated WebP, with an MP4 of each step beside it).")
 
     @model_validator(mode="after")
     def _no_unused_sampling_settings(self) -> "WanModel":

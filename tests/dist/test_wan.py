@@ -119,9 +119,10 @@ def test_full_run_from_caches_exports_a_folder_wan_pipeline_renders(runs):
     assert set(trained) == set(start) and any(not torch.equal(trained[k], start[k]) for k in start)
     frames = _render(WanPipeline.from_pretrained(export))
     assert frames.shape == (1, 5, 3, 32, 32) and torch.isfinite(frames).all()
-    with Image.open(run_dir / "samples" / f"step-{STEPS:06d}.png") as sample:
+    with Image.open(run_dir / "samples" / f"step-{STEPS:06d}.webp") as sample:
         assert sample.is_animated and sample.n_frames == 5
-    assert f'<img src="step-{STEPS:06d}.png"' in (run_dir / "samples" / "index.html").read_text()  # the page plays it
+    assert (run_dir / "samples" / f"step-{STEPS:06d}.mp4").stat().st_size > 0
+    assert f'<img src="step-{STEPS:06d}.webp"' in (run_dir / "samples" / "index.html").read_text()  # the page plays it
 
 
 def test_zero2_full_resume_continues_exactly(runs, tmp_path):

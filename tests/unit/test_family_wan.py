@@ -111,16 +111,29 @@ def test_loss_normalises_latents_with_the_vae_config_and_trains(built):
                           (encoded["latent_mean"] - mean) / std)
 
 
-def test_samples_are_animated_pngs(built, tmp_path):
+def test_samples_are_animated_webp_and_mp4_clips(built, tmp_path):
+    """A step's clips: an animated WebP grid (what the samples page shows) and an H.264 MP4 of the same frames that
+    PyAV decodes back; the page links the MP4 under the WebP."""
+    import av
     from PIL import Image
 
-    from dstune.families.samples import save_clip_grid
+    from dstune.families.samples import save_clip_grid, write_contact_sheet
 
     clips = wan.sample(built, built.trainable, ["a red circle moving left"], SampleSpec(steps=2), 32)
     assert len(clips) == 1 and len(clips[0]) == 5 and clips[0][0].size == (32, 32)
     path = save_clip_grid(clips, ["a red circle moving left"], tmp_path / "step-000001.png")
+    assert path.name == "step-000001.webp"
     with Image.open(path) as image:
-        assert image.is_animated and image.n_frames == 5
+        assert image.format == "WEBP" and image.is_animated and image.n_frames == 5
+        image.seek(4)
+        last = np.asarray(image.convert("RGB"))
+    with av.open(str(tmp_path / "step-000001.mp4")) as container:
+        stream = container.streams.video[0]
+        decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+    assert stream.codec_context.name == "h264" and len(decoded) == 5
+    assert np.abs(decoded[4][:last.shape[0], :last.shape[1]].astype(int) - last).mean() < 12  # lossy, same picture
+    page = write_contact_sheet(tmp_path, ["a red circle moving left"], "trained").read_text()
+    assert '<img src="step-000001.webp"' in page and '<a href="step-000001.mp4">MP4</a>' in page
 
 
 def test_folders_of_other_wan_pipelines_are_refused_with_the_reason(tmp_path):
