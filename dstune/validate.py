@@ -31,6 +31,7 @@ from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
 from dstune.token_layouts import TTS_LAYOUT_FILE, describe, layout_problems, orpheus_layout
 from dstune.trackers import wandb_missing
+from dstune.video_plan import clip_buckets, clip_plan
 from dstune.world import World, world_from_flags
 
 ACCELERATORS = ("auto", "cuda", "cpu")
@@ -47,6 +48,7 @@ class Resolved:
     num_samples_origin: str  # "counted in /data/x", "from --num-samples; ...", "builtin:shapes"
     warnings: tuple[SpecIssue, ...]
     ds_sources: dict = field(default_factory=dict)  # DeepSpeed key -> "ds.json:4" / "spec.yaml:7" / "default" ...
+    clips: Optional[dict] = None  # video families: dstune.video_plan's summary (frame and size buckets, tokens)
 
 
 class ResolveError(SpecError):
@@ -54,8 +56,9 @@ class ResolveError(SpecError):
 
     def __init__(self, issues: list[SpecIssue], warnings: Iterable[SpecIssue] = (), spec: Optional[Spec] = None,
                  world: Optional[World] = None, plan: Optional[Plan] = None, ds_config: Optional[dict] = None,
-                 num_samples_origin: str = ""):
+                 num_samples_origin: str = "", clips: Optional[dict] = None):
         super().__init__(issues)
+        self.clips = clips
         self.warnings = tuple(warnings)
         self.spec = spec
         self.world = world
@@ -107,7 +110,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_lora_format(spec, source, found)
     _check_token_layout(spec, source, found)
     _check_edit_model(spec, source, found)
-    count, origin, groups = _count_samples(spec, source, num_samples, found)
+    count, origin, groups, clips = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:
         try:
@@ -123,9 +126,9 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     found.errors = _once(found.errors)
     found.add(quantized_base_issues(spec, source, ds_config))
     if found.errors:
-        raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin)
+        raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin, clips)
     return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings),
-                    ds_value_sources(ds_config, spec, source))
+                    ds_value_sources(ds_config, spec, source), clips)
 
 
 def _once(errors: list[SpecIssue]) -> list[SpecIssue]:
@@ -265,8 +268,9 @@ def _check_edit_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
 
 
 def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
-                   found: IssueList) -> tuple[Optional[int], str, Optional[dict]]:
-    """(number of samples or None when unknown, where it came from, {bucket: samples} with data.buckets)."""
+                   found: IssueList) -> tuple[Optional[int], str, Optional[dict], Optional[dict]]:
+    """(number of samples or None when unknown, where it came from, {bucket: samples} with grouped batches, the
+    clip summary of a video family)."""
     path = spec.data.path
     if builtin_name(path) is None and not os.path.exists(os.path.expanduser(path)):
         if num_samples is not None:
@@ -279,12 +283,16 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
                     "data.duration_bucket_seconds", "the clips are not on this machine, so their durations are "
                     "unknown: the plan below treats the dataset as one length bucket and overstates the steps per "
                     "epoch a little (each bucket leaves out its remainder)", severity="warning")])
-            return num_samples, "from --num-samples; data.path is not on this machine", None
+            return num_samples, "from --num-samples; data.path is not on this machine", None, None
         found.add([source.issue(
             "data.path",
             f"{path} does not exist here, so its samples cannot be counted. Fix the path, or pass "
             "--num-samples N to plan offline for a dataset of N samples (repeats included).")])
-        return None, "", None
+        return None, "", None, None
+    if spec.model.family in VIDEO_FAMILIES:  # clips after frame extraction; videos that give none are errors
+        *counted, issues = clip_plan(spec, source, num_samples)
+        found.add(issues)
+        return tuple(counted)
     try:
         if spec.model.family in AUDIO_FAMILIES:  # speech: clip headers give durations, length rules, length groups
             index = index_audio(spec.data)
@@ -300,7 +308,7 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
             pairs = index.num_pairs
     except DataError as err:
         found.add([source.issue(err.key or "data.path", err.message)])
-        return None, "", None
+        return None, "", None, None
     found.add(source.issue("data.path", text, severity="warning") for text in index.warnings)
     count = index.num_samples
     origin = path if builtin_name(path) else f"counted in {path}"
@@ -314,7 +322,7 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
         found.add([source.issue(
             "data.path", f"--num-samples {num_samples} ignored: {path} is here and holds {count} samples",
             severity="warning")])
-    return count, origin, groups
+    return count, origin, groups, None
 
 
 def _bucket_counts(spec: Spec, source: SpecSource, records, found: IssueList) -> dict:
@@ -361,12 +369,13 @@ def _compile_and_check(spec: Spec, source: SpecSource, plan: Optional[Plan], fou
 
 
 def plan_memory(spec: Spec, plan: Plan, ds_config: dict, gpu_memory_bytes: Optional[float] = None,
-                accelerator: str = "cuda") -> dict:
+                accelerator: str = "cuda", clips: Optional[dict] = None) -> dict:
     """The memory plan of a validated run (`dstune validate`'s Memory section, the `memory` key of --json):
-    parameters counted on the meta device (dstune.model_sizes), bytes per GPU and node (dstune.memory_plan).
-    Without the model's config files every figure is null and `unknown` says why."""
+    parameters counted on the meta device (dstune.model_sizes), bytes per GPU and node (dstune.memory_plan);
+    `clips`: a video family's clip summary (Resolved.clips: the largest bucket's activations). Without the model's
+    config files every figure is null and `unknown` says why."""
     try:
-        counts = count_model(spec, plan.num_samples)
+        counts = count_model(spec, plan.num_samples, clip_buckets(clips))
     except (SizesUnknown, KeyError) as err:  # KeyError: a config layout the activation estimates do not know
         why = str(err) if isinstance(err, SizesUnknown) else \
             f"the memory plan does not know this model's config layout (no {err} in its config)"
