@@ -274,10 +274,13 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
     path = spec.data.path
     if builtin_name(path) is None and not os.path.exists(os.path.expanduser(path)):
         if num_samples is not None:
-            if spec.data.buckets.enabled:
+            video = spec.model.family in VIDEO_FAMILIES
+            if spec.data.buckets.enabled or video and len(spec.data.video.frame_counts) > 1:
                 found.add([source.issue(
-                    "data.buckets", "the images are not on this machine, so their buckets are unknown: the plan "
-                    "below treats the dataset as one bucket and overstates the steps per epoch", severity="warning")])
+                    "data.buckets" if spec.data.buckets.enabled else "data.video.frames", "the files are not on this "
+                    "machine, so their buckets are unknown: the plan below treats the dataset as one bucket and "
+                    "overstates the steps per epoch (for video, give --num-samples as clips)",
+                    severity="warning")])
             if spec.data.duration_bucket_seconds:
                 found.add([source.issue(
                     "data.duration_bucket_seconds", "the clips are not on this machine, so their durations are "
