@@ -196,8 +196,10 @@ def as_clip(record: SampleRecord, data) -> ClipRecord:
     if isinstance(record, ClipRecord):
         return record
     fields = {name: getattr(record, name) for name in ("sample_id", "image_path", "caption", "repeats")}
-    still = record.image_path is not None and not is_video_file(record.image_path) or \
-        record.image_path is None and not record.sample_id.startswith("moving-shapes/")
+    if record.image_path is None:
+        still = not record.sample_id.startswith("moving-shapes/")  # builtin:shapes renders one-frame clips
+    else:
+        still = not is_video_file(record.image_path)
     return ClipRecord(**fields, frames=1 if still else data.video.max_frames)
 
 

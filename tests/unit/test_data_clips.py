@@ -204,3 +204,29 @@ def test_memory_plan_uses_the_largest_bucket(folder, tmp_path):
     assert large.activation_sample_bytes == count_model(spec, 1, [(9, 48, 32, 1)]).activation_sample_bytes
     # the latent cache: 2 x 16 channels x latent frames x h x w x 4 bytes per clip, summed over the buckets
     assert large.cache_bytes == 2 * 16 * 4 * (2 * 4 * 4 + 3 * 4 * 6)
+
+
+def test_startup_lists_the_clips_validate_counted_and_stops_on_short_videos(folder, capsys):
+    from dstune.distributed import Run
+    from dstune.families import get_family
+    from dstune.spec.models import Spec
+    from dstune.startup import checked_records
+    from dstune.world import World
+
+    world = World(world_size=1, num_nodes=1, ranks_per_node=(1,), hosts=("localhost",), source="test")
+    run = Run(rank=0, local_rank=0, world=world, device="cpu", accelerator="cpu", node_rank=0, launched=False)
+
+    def startup(micro_batch_size: int):
+        spec = Spec.model_validate({"model": {"family": "wan"}, "data": {"path": str(folder), "video": SLIDING},
+                                    "train": {"micro_batch_size": micro_batch_size, "gradient_accumulation_steps": 1,
+                                              "max_steps": 1}})
+        return checked_records(run, spec, get_family("wan"))
+
+    with pytest.raises(SystemExit):
+        startup(2)
+    message = capsys.readouterr().err
+    assert message.startswith("data.path: 1 unusable video(s):") and "(sample short.mp4): it has 1 frames" in message
+    (folder / "short.mp4").unlink()
+    records = startup(2)  # grouped by frame count: stills beside clips are fine with micro batches of 2
+    assert [r.sample_id for r in records][:3] == ["long0.mp4#0", "long0.mp4#1", "long1.mp4#0"]
+    assert sum(r.repeats for r in records) == 12 and {r.frames for r in records} == {1, 5, 9}
