@@ -107,7 +107,7 @@ def _outcome(args, quiet_stdout: bool):
         return Outcome.of(resolved)
     except ResolveError as err:
         return Outcome(err.spec, err.world, err.plan, err.ds_config, err.num_samples_origin, err.warnings,
-                       tuple(err.issues))
+                       tuple(err.issues), clips=err.clips)
     except SpecError as err:  # the spec did not load: nothing else was worked out
         return Outcome(errors=tuple(err.issues))
     except DataError as err:
@@ -144,7 +144,7 @@ def cmd_validate(args) -> int:
         with _stdout_to_stderr(args.json):
             outcome = dataclasses.replace(outcome, memory=plan_memory(
                 outcome.spec, outcome.plan, outcome.ds_config, args.gpu_memory,
-                "cpu" if args.accelerator == "cpu" else "cuda"))
+                "cpu" if args.accelerator == "cpu" else "cuda", outcome.clips))
     if args.json:
         print(json.dumps(outcome.as_json(), indent=2))
     else:

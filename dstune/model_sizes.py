@@ -15,7 +15,7 @@ import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from dstune.activations import (codec_frame_rate, flow_sample_bytes, lm_sample_bytes, speecht5_sample_bytes,
                                 tts_tokens, unet_sample_bytes, wan_sample_bytes)
@@ -187,11 +187,14 @@ def _adapter_params(module, rank: int) -> int:
     return 0
 
 
-def count_model(spec, num_samples: int) -> ModelCounts:
-    """The spec's model: its trainable module, its frozen companions, activations per sample and cache size."""
+def count_model(spec, num_samples: int, clips: Sequence[tuple[int, int, int, int]] = ()) -> ModelCounts:
+    """The spec's model: its trainable module, its frozen companions, activations per sample and cache size.
+    `clips`: a video dataset's buckets [(frames, width, height, clips)] (dstune.video_plan.clip_buckets): the
+    activations are the largest bucket's, the cache the sum over the buckets; without them every clip is
+    data.video's longest count at data.resolution's square."""
     family = spec.model.family
     if family in DENOISERS:
-        return _count_denoiser(spec, num_samples)
+        return _count_denoiser(spec, num_samples, clips)
     if family == "tts_lm":
         return _count_tts_lm(spec, num_samples)
     return _count_speecht5(spec)
@@ -202,7 +205,7 @@ def _lora(spec) -> tuple[tuple, int]:
     return (tuple(settings.target_modules), settings.rank) if settings else ((), 0)
 
 
-def _count_denoiser(spec, num_samples: int) -> ModelCounts:
+def _count_denoiser(spec, num_samples: int, clips=()) -> ModelCounts:
     folder, origin = config_folder(spec.model.pretrained)
     module = DENOISERS[spec.model.family]
     index = _read_json(folder / "model_index.json")
@@ -225,12 +228,13 @@ def _count_denoiser(spec, num_samples: int) -> ModelCounts:
     if module == "unet":
         full, checkpointed = unet_sample_bytes(config, resolution)
     elif spec.model.family == "wan":
-        full, checkpointed = wan_sample_bytes(config, resolution, spec.data.video.frames, _text_tokens(spec, index))
+        frames, width, height, _ = max(_clip_buckets(spec, num_samples, clips), key=lambda b: _clip_volume(*b))
+        full, checkpointed = wan_sample_bytes(config, (width, height), frames, _text_tokens(spec, index))
     else:
         full, checkpointed = flow_sample_bytes(config, resolution, _text_tokens(spec, index),
                                                2 if index.get("_class_name") in EDIT_PIPELINES else 1)
     return ModelCounts(module, params, lora or params, largest, companions, cached, int(full), int(checkpointed),
-                       default_lora, _image_cache_bytes(spec, folder, companions, num_samples), origin,
+                       default_lora, _image_cache_bytes(spec, folder, companions, num_samples, clips), origin,
                        builds_partitioned=True,  # sd, sdxl, flow and wan build the denoiser partitioned under ZeRO-3
                        sampling_companions=sampling_only, expert=expert)
 
@@ -253,18 +257,33 @@ def _text_tokens(spec, index: dict) -> int:
     return 77 + tokens if sd3 else tokens
 
 
-def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int) -> int:
+def _clip_buckets(spec, num_samples: int, clips) -> list[tuple[int, int, int, int]]:
+    """A video family's (frames, width, height, clips) buckets, or all clips at the longest count and the square."""
+    side = spec.data.resolution
+    return list(clips) or [(spec.data.video.max_frames, side, side, num_samples)]
+
+
+def _clip_volume(frames: int, width: int, height: int, *_) -> int:
+    """Latent frames x pixels: what a clip's tokens and its cached latent grow with."""
+    return (1 + (frames - 1) // 4) * width * height
+
+
+def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int, clips=()) -> int:
     """The encoder cache on disk: per sample the VAE posterior's mean and std (float32, one latent each) and each
-    text encoder's embeddings (the frozen parts' dtype: 2 bytes under mixed precision), times the samples."""
+    text encoder's embeddings (the frozen parts' dtype: 2 bytes under mixed precision), times the samples (a video
+    dataset's latents summed over its buckets)."""
     cache, width = spec.data.cache, 2 if spec.train.precision in ("bf16", "fp16") else 4
-    per_sample = 0
+    per_sample, latents = 0, 0
     if cache.latents and "vae" in companions:
         vae = _read_json(folder / "vae" / "config.json")
-        channels = vae.get("latent_channels") or vae.get("z_dim", 4)
+        channels, factor = vae.get("latent_channels") or vae.get("z_dim", 4), _vae_factor(vae)
         pictures = 2 if _read_json(folder / "model_index.json").get("_class_name") in EDIT_PIPELINES else 1
-        latent_frames = 1 + (spec.data.video.frames - 1) // 4 if spec.model.family == "wan" else 1  # clips
-        side = spec.data.resolution // _vae_factor(vae)
-        per_sample += pictures * 2 * channels * latent_frames * side ** 2 * 4  # edit: + the source's latents
+        if spec.model.family == "wan":  # clips: (1 + (frames - 1) / 4) latent frames, per bucket
+            latents = sum(2 * channels * _clip_volume(f, w // factor, h // factor) * 4 * n
+                          for f, w, h, n in _clip_buckets(spec, num_samples, clips))
+        else:
+            side = spec.data.resolution // factor
+            per_sample += pictures * 2 * channels * side ** 2 * 4  # edit: + the source's latents
     if cache.text_embeddings and (folder / "transformer" / "config.json").exists():  # flow: what the transformer reads
         transformer = _read_json(folder / "transformer" / "config.json")
         tokens = _text_tokens(spec, _read_json(folder / "model_index.json"))
@@ -275,7 +294,7 @@ def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int) -
         for part in companions:
             if part.startswith("text_encoder"):
                 per_sample += 77 * _read_json(folder / part / "config.json").get("hidden_size", 0) * width
-    return per_sample * num_samples
+    return per_sample * num_samples + latents
 
 
 def _vae_factor(vae_config: dict) -> int:

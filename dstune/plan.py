@@ -27,9 +27,10 @@ class GroupBatches:
 
 
 def key_label(key: Hashable) -> str:
-    """How a key is shown and planned: a (width, height) pair as "WxH", anything else as str(key)."""
-    if isinstance(key, tuple) and len(key) == 2 and all(isinstance(v, int) for v in key):
-        return f"{key[0]}x{key[1]}"
+    """How a key is shown and planned: a (width, height) pair as "WxH", a clip's (frames, width, height) as
+    "Ff WxH", anything else as str(key)."""
+    if isinstance(key, tuple) and len(key) in (2, 3) and all(isinstance(v, int) for v in key):
+        return f"{key[0]}x{key[1]}" if len(key) == 2 else f"{key[0]}f {key[1]}x{key[2]}"
     return str(key)
 
 

@@ -17,6 +17,7 @@ from rich.text import Text
 
 from dstune.ds_user_config import flatten
 from dstune.spec.load import SpecIssue
+from dstune.video_plan import summary_rows
 
 ZERO_STAGES = {
     0: "off (plain data parallel)",
@@ -39,11 +40,12 @@ class Outcome:
     errors: tuple[SpecIssue, ...] = ()
     ds_sources: Optional[dict] = None  # DeepSpeed key -> where its value came from (dstune.ds_file_spec)
     memory: Optional[dict] = None  # dstune.validate.plan_memory (validate only)
+    clips: Optional[dict] = None  # video families: dstune.video_plan's clip summary
 
     @classmethod
     def of(cls, resolved) -> "Outcome":
         return cls(resolved.spec, resolved.world, resolved.plan, resolved.ds_config, resolved.num_samples_origin,
-                   tuple(resolved.warnings), ds_sources=resolved.ds_sources)
+                   tuple(resolved.warnings), ds_sources=resolved.ds_sources, clips=resolved.clips)
 
     def as_json(self) -> dict:
         plan = self.plan.as_dict() if self.plan is not None else None
@@ -56,6 +58,7 @@ class Outcome:
             "warnings": [str(w) for w in self.warnings],
             "errors": [str(e) for e in self.errors],
             "memory": self.memory,
+            "clips": self.clips,
         }
 
 
@@ -255,6 +258,7 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
         groups += [("Batch", _batch_rows(plan, outcome.ds_config if not outcome.errors else None, cross_checked)),
                    ("Data", _data_rows(plan, outcome.num_samples_origin)),
                    *([("Buckets", _bucket_rows(plan))] if plan.groups else []),
+                   *([("Clips", summary_rows(outcome.clips))] if outcome.clips else []),
                    ("Length", _length_rows(plan, train)),
                    ("LR", _lr_rows(plan, train))]
     if spec is not None and (plan is not None or outcome.world is not None):

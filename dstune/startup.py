@@ -24,10 +24,11 @@ from dstune.cache.latents import CacheIndex, LatentCacheJob, offload_frozen, pre
 from dstune.cache.share import cache_folder
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
 from dstune.data.audio_index import duration_keys, speaker_keys
+from dstune.data.clips import index_clips, is_grouped
 from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
 from dstune.data.index import DataError, index_dataset, list_samples
 from dstune.data.loader import make_loader
-from dstune.data.video import VideoCaptionDataset, clip_frames, collate_video, find_bad_clips
+from dstune.data.video import VideoCaptionDataset, collate_video, find_bad_clips
 from dstune.distributed import Run, agree_or_stop, all_gather_object, init_run, launcher_rank, rank0_first, shutdown, stop
 from dstune.ds_file_spec import merged_spec
 from dstune.engine import PRECISION_DTYPES
@@ -126,26 +127,28 @@ def checked_records(run: Run, spec: Spec, family: Family) -> list:
 
 
 def _checked_clips(run: Run, spec: Spec) -> list:
-    """A video family's samples, every video decoded (each rank a share) before step 1: one message names every
-    video that cannot be decoded or is too short, and a micro batch cannot mix stills with clips."""
+    """A video family's clips (dstune.data.clips.index_clips: what `validate` counted), every video decoded (each
+    rank a share of the files) before step 1: one message names every video that is too short, cannot be read or
+    cannot be decoded; without grouped batches a micro batch cannot mix stills with clips."""
     data = spec.data
     try:
-        records = list_samples(data, video=True)
+        clips = index_clips(data)
     except DataError as err:
         stop(run, str(err), 1)
-    mine = [(r.sample_id, reason) for r, reason in find_bad_clips(records, data, run.rank, run.world_size)]
-    bad = [item for share in all_gather_object(mine) for item in share]
+    mine = [reason for _, reason in find_bad_clips(clips.records, data, run.rank, run.world_size)]
+    bad = clips.problems + [item for share in all_gather_object(mine) for item in share]
     if bad:
-        listing = "\n".join(f"  {reason}" for _, reason in bad[:BAD_FILES_LISTED])
+        listing = "\n".join(f"  {reason}" for reason in bad[:BAD_FILES_LISTED])
         more = f"\n  ... and {len(bad) - BAD_FILES_LISTED} more" if len(bad) > BAD_FILES_LISTED else ""
         stop(run, f"data.path: {len(bad)} unusable video(s):\n{listing}{more}\nFix or remove them (video "
                   "datasets are checked whole before step 1; data.skip_bad_files does not apply to them).", 1)
-    lengths = sorted({clip_frames(record, data) for record in records})
-    if len(lengths) > 1 and (spec.train.micro_batch_size or 1) > 1:
-        stop(run, f"data.path mixes still images (one-frame clips) with {data.video.frames}-frame videos, which "
+    lengths = sorted({record.frames for record in clips.records})
+    if len(lengths) > 1 and not is_grouped(data) and (spec.train.micro_batch_size or 1) > 1:
+        stop(run, f"data.path mixes still images (one-frame clips) with {lengths[-1]}-frame videos, which "
                   "cannot share a micro batch: set train.micro_batch_size: 1 (with gradient accumulation for the "
-                  "global batch), or train the stills and the videos separately.", 1)
-    return records
+                  "global batch), turn on data.buckets (every global batch then comes from one frame count), or "
+                  "train the stills and the videos separately.", 1)
+    return clips.records
 
 
 def held_out_records(run: Run, spec: Spec) -> list:
@@ -219,9 +222,11 @@ def make_training_loader(spec: Spec, plan, rank: int, family: Family, built, rec
     if family.modality == "video":
         if caches.images is not None:
             dataset = CachedVideoDataset(data, records, seed, caches.images)
-            return make_loader(dataset, collate_cached, None, data, plan, rank, seed, start_epoch, start_step)
+            return make_loader(dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch,
+                               start_step)
         dataset = VideoCaptionDataset(data, records, seed)
-        return make_loader(dataset, collate_video, None, data, plan, rank, seed, start_epoch, start_step)
+        return make_loader(dataset, collate_video, dataset.group_keys(), data, plan, rank, seed, start_epoch,
+                           start_step)
     if caches.images is not None:
         dataset = CachedDataset(data, records, seed, caches.images)
         return make_loader(dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch,

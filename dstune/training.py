@@ -221,7 +221,7 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     resuming = _find_resume(run, resolved, run_dir, resume, options)
     if resuming is not None and resuming.rebatched is not None:
         plan = resuming.rebatched.plan
-    predicted = plan_memory(spec, plan, ds_config, accelerator=run.accelerator)
+    predicted = plan_memory(spec, plan, ds_config, accelerator=run.accelerator, clips=resolved.clips)
     import_model_classes(spec)  # the baseline below then holds the libraries, and what grows after it is the model
     folders = resolve_model_folders(run, spec)  # before the baseline: making a built-in model is not training memory
     memory = MemoryRecorder(predicted)

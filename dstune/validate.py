@@ -29,9 +29,9 @@ from dstune.model_sizes import EDIT_PIPELINES, SizesUnknown, config_folder, coun
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
-from dstune.spec.video_models import expert_problems
 from dstune.token_layouts import TTS_LAYOUT_FILE, describe, layout_problems, orpheus_layout
 from dstune.trackers import wandb_missing
+from dstune.video_plan import clip_buckets, clip_plan, wan_expert_issues
 from dstune.world import World, world_from_flags
 
 ACCELERATORS = ("auto", "cuda", "cpu")
@@ -48,6 +48,7 @@ class Resolved:
     num_samples_origin: str  # "counted in /data/x", "from --num-samples; ...", "builtin:shapes"
     warnings: tuple[SpecIssue, ...]
     ds_sources: dict = field(default_factory=dict)  # DeepSpeed key -> "ds.json:4" / "spec.yaml:7" / "default" ...
+    clips: Optional[dict] = None  # video families: dstune.video_plan's summary (frame and size buckets, tokens)
 
 
 class ResolveError(SpecError):
@@ -55,8 +56,9 @@ class ResolveError(SpecError):
 
     def __init__(self, issues: list[SpecIssue], warnings: Iterable[SpecIssue] = (), spec: Optional[Spec] = None,
                  world: Optional[World] = None, plan: Optional[Plan] = None, ds_config: Optional[dict] = None,
-                 num_samples_origin: str = ""):
+                 num_samples_origin: str = "", clips: Optional[dict] = None):
         super().__init__(issues)
+        self.clips = clips
         self.warnings = tuple(warnings)
         self.spec = spec
         self.world = world
@@ -108,8 +110,8 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_lora_format(spec, source, found)
     _check_token_layout(spec, source, found)
     _check_edit_model(spec, source, found)
-    _check_wan_experts(spec, source, found)
-    count, origin, groups = _count_samples(spec, source, num_samples, found)
+    found.add(wan_expert_issues(spec, source))
+    count, origin, groups, clips = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:
         try:
@@ -125,9 +127,9 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     found.errors = _once(found.errors)
     found.add(quantized_base_issues(spec, source, ds_config))
     if found.errors:
-        raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin)
+        raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin, clips)
     return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings),
-                    ds_value_sources(ds_config, spec, source))
+                    ds_value_sources(ds_config, spec, source), clips)
 
 
 def _once(errors: list[SpecIssue]) -> list[SpecIssue]:
@@ -266,42 +268,35 @@ def _check_edit_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
     found.add([source.issue(key, text) for key, text in issues])
 
 
-def _check_wan_experts(spec: Spec, source: SpecSource, found: IssueList) -> None:
-    """model.expert and model.timestep_range against the Wan folder's own model_index.json (two experts need an
-    expert; a range stays on its expert's side of boundary_ratio), before any GPU time; startup checks again."""
-    if spec.model.family != "wan":
-        return
-    try:
-        folder, _ = config_folder(spec.model.pretrained)
-        index = json.loads((folder / "model_index.json").read_text())
-    except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
-        return
-    for problem in expert_problems(index, spec.model.expert, spec.model.timestep_range):
-        key = "model.timestep_range" if problem.startswith("model.timestep_range") else "model.expert"
-        found.add([source.issue(key, f"{spec.model.pretrained}: {problem}")])
-
-
 def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
-                   found: IssueList) -> tuple[Optional[int], str, Optional[dict]]:
-    """(number of samples or None when unknown, where it came from, {bucket: samples} with data.buckets)."""
+                   found: IssueList) -> tuple[Optional[int], str, Optional[dict], Optional[dict]]:
+    """(number of samples or None when unknown, where it came from, {bucket: samples} with grouped batches, the
+    clip summary of a video family)."""
     path = spec.data.path
     if builtin_name(path) is None and not os.path.exists(os.path.expanduser(path)):
         if num_samples is not None:
-            if spec.data.buckets.enabled:
+            video = spec.model.family in VIDEO_FAMILIES
+            if spec.data.buckets.enabled or video and len(spec.data.video.frame_counts) > 1:
                 found.add([source.issue(
-                    "data.buckets", "the images are not on this machine, so their buckets are unknown: the plan "
-                    "below treats the dataset as one bucket and overstates the steps per epoch", severity="warning")])
+                    "data.buckets" if spec.data.buckets.enabled else "data.video.frames", "the files are not on this "
+                    "machine, so their buckets are unknown: the plan below treats the dataset as one bucket and "
+                    "overstates the steps per epoch (for video, give --num-samples as clips)",
+                    severity="warning")])
             if spec.data.duration_bucket_seconds:
                 found.add([source.issue(
                     "data.duration_bucket_seconds", "the clips are not on this machine, so their durations are "
                     "unknown: the plan below treats the dataset as one length bucket and overstates the steps per "
                     "epoch a little (each bucket leaves out its remainder)", severity="warning")])
-            return num_samples, "from --num-samples; data.path is not on this machine", None
+            return num_samples, "from --num-samples; data.path is not on this machine", None, None
         found.add([source.issue(
             "data.path",
             f"{path} does not exist here, so its samples cannot be counted. Fix the path, or pass "
             "--num-samples N to plan offline for a dataset of N samples (repeats included).")])
-        return None, "", None
+        return None, "", None, None
+    if spec.model.family in VIDEO_FAMILIES:  # clips after frame extraction; videos that give none are errors
+        *counted, issues = clip_plan(spec, source, num_samples)
+        found.add(issues)
+        return tuple(counted)
     try:
         if spec.model.family in AUDIO_FAMILIES:  # speech: clip headers give durations, length rules, length groups
             index = index_audio(spec.data)
@@ -317,7 +312,7 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
             pairs = index.num_pairs
     except DataError as err:
         found.add([source.issue(err.key or "data.path", err.message)])
-        return None, "", None
+        return None, "", None, None
     found.add(source.issue("data.path", text, severity="warning") for text in index.warnings)
     count = index.num_samples
     origin = path if builtin_name(path) else f"counted in {path}"
@@ -331,7 +326,7 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
         found.add([source.issue(
             "data.path", f"--num-samples {num_samples} ignored: {path} is here and holds {count} samples",
             severity="warning")])
-    return count, origin, groups
+    return count, origin, groups, None
 
 
 def _bucket_counts(spec: Spec, source: SpecSource, records, found: IssueList) -> dict:
@@ -378,12 +373,13 @@ def _compile_and_check(spec: Spec, source: SpecSource, plan: Optional[Plan], fou
 
 
 def plan_memory(spec: Spec, plan: Plan, ds_config: dict, gpu_memory_bytes: Optional[float] = None,
-                accelerator: str = "cuda") -> dict:
+                accelerator: str = "cuda", clips: Optional[dict] = None) -> dict:
     """The memory plan of a validated run (`dstune validate`'s Memory section, the `memory` key of --json):
-    parameters counted on the meta device (dstune.model_sizes), bytes per GPU and node (dstune.memory_plan).
-    Without the model's config files every figure is null and `unknown` says why."""
+    parameters counted on the meta device (dstune.model_sizes), bytes per GPU and node (dstune.memory_plan);
+    `clips`: a video family's clip summary (Resolved.clips: the largest bucket's activations). Without the model's
+    config files every figure is null and `unknown` says why."""
     try:
-        counts = count_model(spec, plan.num_samples)
+        counts = count_model(spec, plan.num_samples, clip_buckets(clips))
     except (SizesUnknown, KeyError) as err:  # KeyError: a config layout the activation estimates do not know
         why = str(err) if isinstance(err, SizesUnknown) else \
             f"the memory plan does not know this model's config layout (no {err} in its config)"

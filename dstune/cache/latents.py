@@ -73,13 +73,16 @@ def _fingerprints(folder: Path, text_folders: tuple[str, ...]) -> dict[str, str]
     return {"vae": folder_fingerprint(folder / "vae"), "text": text}
 
 
-def _content_hash(record, data: DataSpec, clips) -> str:
-    """The file's sha256, or for built-in samples the rendered pixels'; for clips (`clips`: the video dataset that
-    reads them, None for images) data.video's choices (frames, sampling, fps) are part of it, since they change
-    what is encoded."""
+def _content_hash(record, data: DataSpec, clips, file_hashes: dict) -> str:
+    """The file's sha256 (`file_hashes`: those already computed, by path: a video's sliding chunks share one), or
+    for built-in samples the rendered pixels'; for clips (`clips`: the video dataset that reads them, None for
+    images) data.video's choices (frames, sampling, fps, stride) are part of it, since they change what is encoded
+    (a chunk's own place is in its sample id)."""
     video = clips is not None
     if record.image_path is not None:
-        content = file_sha256(record.image_path)
+        if record.image_path not in file_hashes:
+            file_hashes[record.image_path] = file_sha256(record.image_path)
+        content = file_hashes[record.image_path]
     elif video:
         content = bytes_sha256(b"builtin-clip\0" + clips.load_clip(record).numpy().tobytes())
     else:
@@ -91,11 +94,11 @@ def _content_hash(record, data: DataSpec, clips) -> str:
 def _content_hashes(run, records, data: DataSpec, video: bool) -> tuple[dict[str, str], dict[str, str]]:
     """sample_id -> content sha256 for all records (each rank hashes a share), and sample_id -> reason for files
     that could not be read."""
-    mine, bad, share = {}, {}, records[run.rank::run.world_size]
+    mine, bad, share, file_hashes = {}, {}, records[run.rank::run.world_size], {}
     clips = VideoCaptionDataset(data, share, 0) if video and share else None
     for record in share:
         try:
-            mine[record.sample_id] = _content_hash(record, data, clips)
+            mine[record.sample_id] = _content_hash(record, data, clips, file_hashes)
         except OSError as err:
             bad[record.sample_id] = err.strerror or str(err)
     hashes, unreadable = {}, {}
@@ -111,8 +114,11 @@ def _with_sources(records) -> list:
     return list(records) + control_records(records)
 
 
-def _sizes(targets, data) -> dict | None:
-    """sample_id -> bucket with data.buckets; a source takes its target's bucket (the pair stays together)."""
+def _sizes(targets, data, video: bool) -> dict | None:
+    """sample_id -> bucket with data.buckets; a source takes its target's bucket (the pair stays together); a
+    clip's (dstune.data.clips.ClipRecord) was chosen from its header when the clips were listed."""
+    if video:
+        return {r.sample_id: r.size for r in targets} if data.buckets.enabled else None
     sizes = sample_buckets(targets, data)
     if sizes is None:
         return None
@@ -231,7 +237,7 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
         fingerprints["text"] = bytes_sha256((fingerprints["text"] + job.text_settings).encode())
     entries = plan_entries(records, hashes, fingerprints, data.resolution, data.random_flip, data.caption_dropout,
                            _dtype_name(job.dtype), cache_spec.latents, cache_spec.text_embeddings,
-                           _sizes(targets, data), text.tensor_names(job.model_folder) if text else ())
+                           _sizes(targets, data, job.video), text.tensor_names(job.model_folder) if text else ())
     mine = [c for j, c in enumerate(_chunks(entries)) if j % len(group) == group.index(run.rank)]
     if verify_only:
         counts = _verify_share(folder, mine)

@@ -151,9 +151,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         self.epoch = 0
         self._ends = list(itertools.accumulate(r.repeats for r in self.records))  # expanded index -> record
         self._logged_bad: set[str] = set()
-        self.record_sizes = None  # data.buckets: (width, height) of each record's bucket, from its header
-        if data.buckets.enabled:
-            self.record_sizes = assign_buckets(self.records, data)[0]
+        self.record_sizes = self.bucket_of_records()  # data.buckets: each record's (width, height), else None
 
     def __len__(self) -> int:
         return self._ends[-1]
@@ -163,6 +161,10 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
 
     def record_at(self, index: int) -> SampleRecord:
         return self.records[bisect.bisect_right(self._ends, index)]
+
+    def bucket_of_records(self) -> list | None:
+        """With data.buckets: the (width, height) of each record's bucket, from its image header; else None."""
+        return assign_buckets(self.records, self.data)[0] if self.data.buckets.enabled else None
 
     def target_size(self, index: int):
         """What sample `index` is cropped to: data.resolution, or its bucket's (width, height). Decided by the index,

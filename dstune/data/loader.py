@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
+from dstune.data.groups import key_label
 from dstune.data.images import ImageCaptionDataset, collate
 from dstune.data.index import SampleRecord
 from dstune.data.sampler import GlobalBatchSampler
@@ -28,28 +29,34 @@ def one_thread_per_worker(worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
-SPATIAL_TENSORS = ("pixel_values", "latent_mean")  # batch tensors (B, C, H, W) whose H x W a bucket decides
+SPATIAL_TENSORS = ("pixel_values", "latent_mean")  # batch tensors (B, C, H, W) or (B, C, frames, H, W)
+TEMPORAL_COMPRESSION = 4  # video latents: the first frame, then 4 frames per latent frame (dstune.data.clips)
 
 
-def batch_spatial_size(batch: dict) -> tuple[str, tuple[int, int]] | None:
-    """(tensor name, (height, width)) of the first image-like tensor of a batch, or None when it has none."""
+def batch_spatial_size(batch: dict) -> tuple[str, tuple[int, ...]] | None:
+    """(tensor name, (height, width)) of the first image-like tensor of a batch, (frames, height, width) of a clip
+    batch's, or None when it has none."""
     for name in SPATIAL_TENSORS:
         if name in batch:
-            height, width = batch[name].shape[-2:]
-            return name, (int(height), int(width))
+            return name, tuple(int(side) for side in batch[name].shape[2:])
     return None
 
 
-def size_matches_bucket(batch: dict, bucket: tuple[int, int]) -> bool:
-    """Pixels must be exactly the bucket's (width, height); latents must have its aspect ratio (their scale is
-    the VAE's)."""
+def size_matches_bucket(batch: dict, bucket: tuple[int, ...]) -> bool:
+    """Pixels must be exactly the bucket's (width, height) - a clip bucket's (frames, width, height) - ; latents must
+    have its aspect ratio (their scale is the VAE's) and a clip's latents its latent frames."""
     found = batch_spatial_size(batch)
     if found is None:
         return True
-    name, (height, width) = found
+    name, shape = found
+    frames, (width, height) = (bucket[0], bucket[1:]) if len(bucket) == 3 else (None, bucket)
+    if (frames is None) != (len(shape) == 2):
+        return False
     if name == "pixel_values":
-        return (width, height) == tuple(bucket)
-    return width * bucket[1] == height * bucket[0]
+        return shape == ((frames,) if frames else ()) + (height, width)
+    if frames is not None and shape[0] != 1 + (frames - 1) // TEMPORAL_COMPRESSION:
+        return False
+    return shape[-1] * height == shape[-2] * width
 
 
 class EpochDataLoader(DataLoader):
@@ -68,7 +75,7 @@ class EpochDataLoader(DataLoader):
                 if not size_matches_bucket(batch, bucket):
                     raise RuntimeError(
                         f"epoch {epoch} step {step}: the loader made a batch of {batch_spatial_size(batch)}, but the "
-                        f"step's bucket is {bucket[0]}x{bucket[1]} (width x height). Every micro batch of a step must "
+                        f"step's bucket is {key_label(bucket)}. Every micro batch of a step must "
                         "have its bucket's size; this is a dstune bug, please report it.")
             sampler.record_consumed(1)
             yield batch

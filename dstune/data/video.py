@@ -1,13 +1,15 @@
 """The video-caption torch Dataset of the video families (wan): clips (3, frames, H, W) in [-1, 1].
 
-A sample is a video file (decoded with PyAV), a still image (a one-frame clip), or a built-in clip
-(builtin:moving-shapes; builtin:shapes gives one-frame clips). Which frames a video gives is data.video's choice:
-the file's frames are first resampled to data.video.fps (each output frame takes the source frame nearest its time),
-then `head` takes the first `frames` of them and `uniform` spreads `frames` evenly over all of them. Every frame is
-resized and centre-cropped like an image (dstune.data.images.resize_and_crop).
+A sample is a clip (dstune.data.clips.ClipRecord: its frame count, a sliding chunk's start, its bucket size) of a
+video file (decoded with PyAV), a still image (a one-frame clip), or a built-in clip (builtin:moving-shapes;
+builtin:shapes gives one-frame clips). Which frames a clip takes is dstune.data.clips.frame_positions: the file's
+frames resampled to data.video.fps, then `head` the first ones, `uniform` spread over all, `sliding` the chunk's.
+Every frame is resized and centre-cropped like an image (dstune.data.images.resize_and_crop) to data.resolution's
+square, or with data.buckets to the clip's (width, height) bucket.
 
-Bad files are found before step 1: `find_bad_clips` decodes this rank's share and names every video that cannot be
-decoded or is shorter than data.video.frames (the caller gathers all ranks' findings and stops with one message).
+Bad files are found before step 1: `find_bad_clips` decodes this rank's share of the files (each once, as far as
+its last clip needs) and names every video that cannot be decoded (the caller gathers all ranks' findings and stops
+with one message); videos shorter than every frame count are named from their headers (dstune.data.clips).
 """
 
 from __future__ import annotations
@@ -16,26 +18,11 @@ import operator
 
 import torch
 
+from dstune.data.clips import ClipRecord, as_clip, clip_key, clips_by_file, frame_positions, is_grouped, unusable
 from dstune.data.images import BadSampleError, ImageCaptionDataset, resize_and_crop, sample_rng, to_tensor
 from dstune.data.index import SampleRecord, is_video_file
 from dstune.data.synthetic import render_moving_shape, render_shape
 from dstune.spec.models import DataSpec
-
-
-def frame_positions(available: int, source_fps: float, frames: int, sampling: str, fps=None) -> list[int]:
-    """Which source frames (0-based) make a clip of `frames`, from a video of `available` frames at `source_fps`.
-    ValueError saying how many frames the video has at the chosen rate when it is too short."""
-    rate = float(fps or source_fps)
-    resampled = available if fps is None else int(available * rate / source_fps + 1e-9)
-    nearest = lambda x: int(x + 0.5)  # noqa: E731 - round() would round halves to even
-    timeline = [min(available - 1, nearest(k * source_fps / rate)) for k in range(resampled)]
-    if resampled < frames:
-        at = f"{resampled} frames at {rate:g} fps ({available} at the file's {source_fps:g} fps)" if fps else \
-            f"{available} frames"
-        raise ValueError(f"it has {at}, fewer than data.video.frames {frames}")
-    if sampling == "head" or frames == 1:
-        return timeline[:frames]
-    return [timeline[nearest(i * (resampled - 1) / (frames - 1))] for i in range(frames)]
 
 
 def _video_stream(container):
@@ -81,12 +68,14 @@ def decode_frames(path: str, positions: list[int]) -> list:
 
 
 def read_video(record: SampleRecord, video) -> list:
-    """The chosen frames (data.video: `video`) of the record's video file as RGB PIL images, decoding only as far as
-    the last of them (a long video is not decoded whole for its first frames); BadSampleError naming the file and
-    why it cannot be used."""
+    """The chosen frames (data.video: `video`) of the record's clip as RGB PIL images, decoding only as far as the
+    last of them (a long video is not decoded whole for its first frames); BadSampleError naming the file and why it
+    cannot be used. A plain record (not a ClipRecord) is one clip of data.video's largest count from the start."""
+    frames, start = (record.frames, record.start) if isinstance(record, ClipRecord) else (max(video.frame_counts), 0)
+
     def chosen(trust_header: bool) -> list:
         count, rate = frame_count(record.image_path, trust_header)
-        return decode_frames(record.image_path, frame_positions(count, rate, video.frames, video.sampling, video.fps))
+        return decode_frames(record.image_path, frame_positions(count, rate, frames, video.sampling, video.fps, start))
 
     try:
         try:
@@ -97,8 +86,7 @@ def read_video(record: SampleRecord, video) -> list:
             raise
     except (OSError, ValueError) as err:  # PyAV's errors (InvalidDataError, ...) are OSError/ValueError subclasses
         reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
-        raise BadSampleError(f"cannot use video {record.image_path} (sample {record.sample_id}): {reason}. Replace "
-                             "or delete the file, or change data.video (frames, fps).", record.image_path) from None
+        raise BadSampleError(unusable(record, reason), record.image_path) from None
 
 
 def clip_tensor(images: list, resolution) -> torch.Tensor:
@@ -107,26 +95,42 @@ def clip_tensor(images: list, resolution) -> torch.Tensor:
 
 
 class VideoCaptionDataset(ImageCaptionDataset):
-    """Clips with captions; the same expanded-index, epoch and caption-dropout rules as the image dataset."""
+    """Clips with captions; the same expanded-index, epoch and caption-dropout rules as the image dataset. Records
+    are dstune.data.clips.ClipRecords (plain records become one clip each: dstune.data.clips.as_clip)."""
 
-    def clip_images(self, record: SampleRecord) -> list:
+    def __init__(self, data: DataSpec, records: list[SampleRecord], seed: int):
+        super().__init__(data, [as_clip(record, data) for record in records], seed)
+
+    def bucket_of_records(self) -> list | None:
+        """With data.buckets: each clip's (width, height), chosen from its header by dstune.data.clips."""
+        if not self.data.buckets.enabled:
+            return None
+        return [record.size or (self.data.resolution, self.data.resolution) for record in self.records]
+
+    def group_keys(self) -> list | None:
+        """(frames, width, height) of every index when batches are grouped (dstune.data.clips.is_grouped)."""
+        if not is_grouped(self.data):
+            return None
+        return [clip_key(record, self.data) for record in self.records for _ in range(record.repeats)]
+
+    def clip_images(self, record: ClipRecord) -> list:
         """The record's frames as RGB PIL images: a video's chosen frames, a still image alone (the image dataset's
         loader), or the built-in clip. BadSampleError naming the file and why it cannot be used."""
         data = self.data
         if record.image_path is None:
             name, number = record.sample_id.rsplit("/", 1)
             if name == "moving-shapes":
-                return render_moving_shape(int(number), data.resolution, data.video.frames)[0]
+                return render_moving_shape(int(number), data.resolution, record.frames)[0]
             return [render_shape(int(number), data.resolution)[0]]
         if not is_video_file(record.image_path):
-            return [self.load_image(record)]
+            return [self.load_image(record, record.size)]
         return read_video(record, data.video)
 
-    def load_clip(self, record: SampleRecord) -> torch.Tensor:
-        return clip_tensor(self.clip_images(record), self.data.resolution)
+    def load_clip(self, record: ClipRecord) -> torch.Tensor:
+        return clip_tensor(self.clip_images(record), record.size or self.data.resolution)
 
-    def cache_pixels(self, record: SampleRecord, size, flip: bool) -> torch.Tensor:
-        return self.load_clip(record)  # data.buckets and random_flip are refused for video: the one centre crop
+    def cache_pixels(self, record: ClipRecord, size, flip: bool) -> torch.Tensor:
+        return self.load_clip(record)  # random_flip is refused for video: the one centre crop, at the clip's size
 
     def __getitem__(self, index: int) -> dict:
         index = operator.index(index)
@@ -147,23 +151,23 @@ def collate_video(samples: list[dict]) -> dict:
 
 
 def clip_frames(record: SampleRecord, data: DataSpec) -> int:
-    """Frames the record's clip has: 1 for a still image (built-in shapes included), else data.video.frames."""
-    if record.image_path is None:
-        return data.video.frames if record.sample_id.startswith("moving-shapes/") else 1
-    return data.video.frames if is_video_file(record.image_path) else 1
+    """Frames the record's clip has: its own count (1 for a still image, built-in shapes included)."""
+    return as_clip(record, data).frames
 
 
 def find_bad_clips(records: list[SampleRecord], data: DataSpec, rank: int = 0,
                    world_size: int = 1) -> list[tuple[SampleRecord, str]]:
-    """(record, reason) for each file of this rank's share (records[rank::world_size]) that cannot give its clip:
-    videos are decoded in full and their frames chosen, images opened. Gather all ranks' results."""
-    bad, share = [], records[rank::world_size]
-    reader = VideoCaptionDataset(data, share, 0) if share else None
-    for record in share:
-        if record.image_path is None:
-            continue
+    """(record, reason) for each file of this rank's share of the files (every world_size-th, in dataset order)
+    that cannot give its clips: a video is decoded once, as far as its last clip needs (every frame before it
+    passes through the decoder), images are opened. Gather all ranks' results."""
+    files = list(clips_by_file([as_clip(record, data) for record in records]).values())[rank::world_size]
+    if not files:
+        return []
+    bad, reader = [], VideoCaptionDataset(data, [clips[0] for clips in files], 0)
+    for clips in files:
+        last = max(clips, key=lambda clip: clip.start + clip.frames)
         try:
-            reader.clip_images(record)
+            reader.clip_images(last)
         except BadSampleError as err:
-            bad.append((record, err.message))
+            bad.append((clips[0], err.message))
     return bad

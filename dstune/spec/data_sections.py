@@ -3,7 +3,7 @@ dstune.spec.models; torch-free like the rest of the spec."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -42,9 +42,9 @@ class CacheSpec(Section):
 class BucketsSpec(Section):
     enabled: bool = Field(
         False,
-        description="Aspect-ratio buckets: each image trains at the (width, height) bucket nearest its aspect ratio "
-        "(resized to cover it, then cropped), and every global batch comes from one bucket. See "
-        "docs/batches-and-epochs.md.",
+        description="Aspect-ratio buckets: each image (video clip) trains at the (width, height) bucket nearest its "
+        "aspect ratio (resized to cover it, then cropped), and every global batch comes from one bucket (for video, "
+        "one bucket of frame count and size). See docs/batches-and-epochs.md and docs/family-wan.md.",
     )
     sizes: Optional[list[tuple[int, int]]] = Field(
         None,
@@ -85,23 +85,58 @@ class BucketsSpec(Section):
 
 
 class VideoSpec(Section):
-    frames: int = Field(
-        5, gt=0, description="Frames per training clip: 4k+1 (the Wan VAE compresses time 4x after the first frame: "
-        "5, 9, ..., 81 at Wan 2.1's full length). A still image is a one-frame clip.")
-    sampling: Literal["head", "uniform"] = Field(
+    frames: Union[int, list[int]] = Field(
+        5, description="Frames per training clip: 4k+1 (the Wan VAE compresses time 4x after the first frame: "
+        "5, 9, ..., 81 at Wan 2.1's full length). A list of 4k+1 counts makes frame-count buckets: each video trains "
+        "at the largest count it can fill (after fps resampling), and every global batch comes from one count (and "
+        "one data.buckets size). A still image is a one-frame clip. See docs/family-wan.md.")
+    sampling: Literal["head", "uniform", "sliding"] = Field(
         "head", description="Which frames of a longer video: `head` the first `frames` (after fps resampling), "
-        "`uniform` `frames` spread evenly over the whole video.")
+        "`uniform` `frames` spread evenly over the whole video, `sliding` every chunk of `frames` consecutive "
+        "frames starting each `stride` frames (one long video gives several clips, each a sample of its own; the "
+        "frames after the last whole chunk are left out).")
     fps: Optional[float] = Field(
         None, gt=0, description="Resample videos to this frame rate before choosing frames (each output frame "
         "takes the source frame nearest its time); Wan 2.1 trains at 16. Omitted: the file's own frame rate.")
 
+    stride: Optional[int] = Field(
+        None, gt=0, description="sampling: sliding: frames (after fps resampling) from one chunk's first frame to "
+        "the next one's. Omitted: the clip's frame count (chunks that neither overlap nor leave gaps); smaller "
+        "overlaps them, larger skips frames between them.")
     @field_validator("frames")
     @classmethod
-    def _four_k_plus_one(cls, value: int) -> int:
-        if (value - 1) % 4:
-            raise ValueError(f"{value} is not 4k+1 (the VAE keeps the first frame and compresses the rest 4x); use "
-                             f"{max(1, (value - 1) // 4 * 4 + 1)} or {(value - 1) // 4 * 4 + 5}")
+    def _four_k_plus_one(cls, value):
+        counts = value if isinstance(value, list) else [value]
+        if not counts:
+            raise ValueError("give at least one frame count, e.g. 81 or [33, 49, 81]")
+        for count in counts:
+            if count < 1 or (count - 1) % 4:
+                raise ValueError(f"{count} is not 4k+1 (the VAE keeps the first frame and compresses the rest 4x); "
+                                 f"use {max(1, (count - 1) // 4 * 4 + 1)} or {max(0, count - 1) // 4 * 4 + 5}")
+        if len(set(counts)) != len(counts):
+            raise ValueError(f"{counts} names a frame count twice; give each once")
         return value
+
+    @model_validator(mode="after")
+    def _stride_is_for_sliding(self) -> "VideoSpec":
+        if self.stride is not None and self.sampling != "sliding":
+            raise ValueError(f"data.video.stride {self.stride} applies to sampling: sliding only (sampling is "
+                             f"{self.sampling}): set sampling: sliding, or remove stride")
+        return self
+
+    def __repr_args__(self):
+        # repr(data.video) is part of a clip's latent-cache key: without a stride it stays what it was before
+        # `stride` existed, so the caches of unchanged specs still match
+        return [(name, value) for name, value in super().__repr_args__() if not (name == "stride" and value is None)]
+
+    @property
+    def frame_counts(self) -> tuple[int, ...]:
+        """The frame-count buckets, shortest first (one for a single count)."""
+        return tuple(sorted(self.frames if isinstance(self.frames, list) else [self.frames]))
+
+    @property
+    def max_frames(self) -> int:
+        return self.frame_counts[-1]
 
 
 class EvalSpec(Section):
@@ -166,7 +201,8 @@ class DataSpec(Section):
     num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
     cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")
     video: VideoSpec = Field(
-        default_factory=VideoSpec, description="Video families (wan): frames per clip, which frames, frame rate. "
+        default_factory=VideoSpec, description="Video families (wan): frames per clip (or frame-count buckets), which "
+        "frames (head, uniform, sliding chunks), frame rate. "
         "Video datasets: `builtin:moving-shapes`, or folders of .mp4/.webm/.mov/.mkv (and still images) with "
         "same-stem .txt captions or metadata.jsonl.")
     buckets: BucketsSpec = Field(default_factory=BucketsSpec, description="Aspect-ratio buckets (off by default: square crops).")
@@ -234,9 +270,11 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
     if not video and (name == "moving-shapes" or data.video != VideoSpec()):  # the defaults alone are harmless
         return (f"model.family {family} trains on {'speech' if audio else 'images'}: data.path builtin:moving-shapes "
                 "and data.video are for video families (wan)")
-    if video and (data.buckets.enabled or data.eval is not None or data.random_flip):
-        return (f"model.family {family} trains on video clips: data.buckets, data.eval and data.random_flip are not "
-                "offered for video yet; remove them")
+    if video and (data.eval is not None or data.random_flip):
+        return (f"model.family {family} trains on video clips: data.eval and data.random_flip are not offered for "
+                "video yet; remove them")
+    if video and data.buckets.enabled:
+        return _video_bucket_problem(data)
     if audio:
         if name is not None and name != "tones":
             return (f"model.family {family} trains on speech, but data.path {data.path} is an image dataset: use "
@@ -268,4 +306,23 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
         return (f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
                 "data.cache.codec_tokens, data.duration_bucket_seconds and data.speaker_balance are for speech families "
                 "(tts_lm, speecht5)")
+    return None
+
+
+VIDEO_SIDE_MULTIPLE = 16  # Wan: the VAE's 8x spatial compression, then 2x2 patches
+
+
+def _video_bucket_problem(data: "DataSpec") -> str | None:
+    """data.buckets of a video family: every side a multiple of 16 pixels, or a clip's latent grid does not split
+    into the transformer's 2x2 patches."""
+    m = VIDEO_SIDE_MULTIPLE
+    if data.buckets.sizes:
+        bad = [list(size) for size in data.buckets.sizes if size[0] % m or size[1] % m]
+        if bad:
+            return (f"data.buckets.sizes {bad}: a video clip's sides must be multiples of {m} pixels (the VAE's 8x "
+                    f"compression, then 2x2 patches); round them to multiples of {m}")
+    elif data.buckets.step % m:
+        return (f"data.buckets.step {data.buckets.step}: video buckets need sides that are multiples of {m} pixels "
+                f"(the VAE's 8x compression, then 2x2 patches); use a step that is a multiple of {m}, e.g. "
+                f"{max(m, data.buckets.step // m * m)}")
     return None

@@ -5,14 +5,16 @@ builtin:tiny-wan-a14b) on CPU, four launches in all:
   trains, renders animated samples, exports a folder WanPipeline loads and renders frames with;
 - its resume from the step-2 checkpoint: steps 3-4 have the same losses and the export the same weights;
 - LoRA under ZeRO 3 with gradient checkpointing on a folder of real MP4 files (written here with PyAV, resampled to
-  12 fps) and one still image (a one-frame clip, so one sample per micro batch), with only the text cache: only
-  adapters train, and the LoRA file loads with WanPipeline.load_lora_weights and changes the frames;
+  12 fps) of two lengths and two aspect ratios and one still image, with frame-count buckets [5, 9], size buckets and
+  sliding chunks, with only the text cache: every step trains on one (frames, width, height) bucket (the batch
+  check), only adapters train, and the LoRA file loads with WanPipeline.load_lora_weights and changes the frames;
 - the low-noise expert of the two-expert model (Wan 2.2 A14B layout), full under ZeRO 2: its export holds the
   trained `transformer_2` and the other expert's weights bit-identical to the base folder's.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -46,23 +48,34 @@ def _spec(run_dir: Path, stage: int, train: str, data: dict, model: dict | None 
     )
 
 
-def _write_mp4_folder(root: Path) -> Path:
-    """Eight moving-shapes clips as 24 fps H.264 MP4s of 12 frames, and one still image, with same-stem captions."""
+def _write_mp4(path: Path, number: int, count: int, width: int = 32) -> None:
+    """A moving-shapes clip as a 24 fps H.264 MP4 of `count` frames, width x 32 (the centre of a square render)."""
     import av
 
-    from dstune.data.synthetic import render_moving_shape, render_shape
+    from dstune.data.synthetic import render_moving_shape
+
+    frames, caption = render_moving_shape(number, width, count)
+    top = (width - 32) // 2
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = width, 32, "yuv420p"
+        for frame in frames:
+            pixels = np.asarray(frame.crop((0, top, width, top + 32)))
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    path.with_suffix(".txt").write_text(caption)
+
+
+def _write_mp4_folder(root: Path) -> Path:
+    """Real MP4s at 24 fps (resampled to 12 by the spec) for three (frames, width, height) buckets of four clips:
+    four 12-frame 32 x 32 files (6 frames at 12 fps: 5-frame clips), two 36-frame 32 x 32 files (18 frames: two
+    sliding 9-frame chunks each) and four 12-frame 48 x 32 files; and one still image (a one-frame clip alone in its
+    bucket, which never trains). Same-stem captions."""
+    from dstune.data.synthetic import render_shape
 
     root.mkdir(parents=True)
-    for number in range(8):
-        frames, caption = render_moving_shape(number * 9, 32, 12)
-        with av.open(str(root / f"clip{number}.mp4"), "w") as container:
-            stream = container.add_stream("libx264", rate=24)
-            stream.width = stream.height = 32
-            stream.pix_fmt = "yuv420p"
-            for frame in frames:
-                container.mux(stream.encode(av.VideoFrame.from_ndarray(np.asarray(frame), format="rgb24")))
-            container.mux(stream.encode())
-        (root / f"clip{number}.txt").write_text(caption)
+    for number in range(10):
+        _write_mp4(root / f"clip{number}.mp4", number * 9, 36 if number in (4, 5) else 12, 48 if number > 5 else 32)
     still, caption = render_shape(3, 32)
     still.save(root / "still.png")
     (root / "still.txt").write_text(caption)
@@ -80,9 +93,12 @@ def runs(tmp_path_factory) -> dict:
                                                          {"path": "builtin:moving-shapes", "cache": cache}))
     lora_dir = tmp_path_factory.mktemp("wan-lora-zero3") / "run"
     videos = _write_mp4_folder(lora_dir.parent / "videos")
-    lora = write_spec(lora_dir.parent / "spec.yaml", _spec(lora_dir, 3, "lora", {
-        "path": str(videos), "video": {"frames": 5, "fps": 12, "sampling": "head"},
-        "cache": {"text_embeddings": True, "dir": str(lora_dir.parent / "cache")}}))
+    lora = _spec(lora_dir, 3, "lora", {
+        "path": str(videos), "video": {"frames": [5, 9], "fps": 12, "sampling": "sliding"},
+        "buckets": {"enabled": True, "sizes": [[32, 32], [48, 32]]},
+        "cache": {"text_embeddings": True, "dir": str(lora_dir.parent / "cache")}})
+    lora["train"].update(micro_batch_size=2)  # grouped: a micro batch stacks clips of one shape
+    lora = write_spec(lora_dir.parent / "spec.yaml", lora)
     ensure_builtin_model(TWO_EXPERTS, CACHE_DIR)
     a14b_dir = tmp_path_factory.mktemp("wan22-low-noise") / "run"
     a14b = _spec(a14b_dir, 2, "full", {"path": "builtin:moving-shapes"},
@@ -136,9 +152,23 @@ def test_lora_on_mp4_files_loads_with_load_lora_weights_and_changes_frames(runs)
 
     run_dir, _, proc = runs["lora"]
     assert proc.returncode == 0, explain(proc)
-    assert "dataset samples       9" in proc.stdout  # the eight MP4 clips and the still
     assert "entries, built now" in proc.stdout  # the captions' text entries
     check_lora_export(run_dir, proc, MODEL, WanPipeline, _render)
+
+
+def test_lora_run_trains_every_step_on_one_frame_and_size_bucket(runs):
+    """Frame-count buckets x size buckets and sliding chunks: 13 clips (the 36-frame files give two chunks each), the
+    plan's buckets printed with their tokens, and the batch check: on both ranks each step's micro batches come from
+    the step's bucket, the steps per bucket are the plan's and the ranks agree on the order."""
+    run_dir, _, proc = runs["lora"]
+    assert proc.returncode == 0, explain(proc)
+    out = proc.stdout
+    assert re.search(r"dataset samples\s+13\s+13\s+13", out)  # plan, rank 0, rank 1
+    assert "9f 32x32" in out and "12 tokens per sample" in out and "1f 32x32" in out
+    steps = "5f 32x32: 1, 5f 48x32: 1, 9f 32x32: 1"
+    assert re.search(rf"bucket steps\s+{steps}\s+{steps}\s+{steps}", out)
+    assert re.search(r"steps mixing buckets\s+0\s+0\s+0", out)
+    assert re.search(r"first batch in bucket\s+True\s+True\s+True", out)
 
 
 def test_two_expert_run_trains_one_expert_and_leaves_the_other_bit_identical(runs):

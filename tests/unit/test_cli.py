@@ -63,8 +63,8 @@ def test_validate_json_is_one_object_with_plan_config_warnings_errors(capsys):
     code, out, _ = call(capsys, "validate", DEMO, "--world-size", "4", "--set", "train.global_batch_size=16", "--json")
     assert code == 0
     report = json.loads(out)
-    assert set(report) == {"plan", "ds_config", "ds_config_sources", "warnings", "errors", "memory"}
-    assert report["errors"] == []
+    assert set(report) == {"plan", "ds_config", "ds_config_sources", "warnings", "errors", "memory", "clips"}
+    assert report["errors"] == [] and report["clips"] is None  # clips: video families' (tests/unit/test_data_clips)
     assert report["ds_config_sources"]["train_batch_size"] == "--set"  # where each DeepSpeed value came from
     plan, ds_config = report["plan"], report["ds_config"]
     assert plan["world_size"] == 4

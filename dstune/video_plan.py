@@ -1,0 +1,152 @@
+"""What `dstune validate` says about a video family's clips (torch-free): how many clips the files give once
+data.video has chosen their frames (dstune.data.clips), their frame-count and size buckets, and each bucket's
+transformer tokens per sample, the sequence length that drives activation memory.
+
+    count_clips(spec) -> ClipCount(count, origin, groups, summary, problems)
+    wan_expert_issues(spec, source)    model.expert / model.timestep_range against the folder's boundary
+
+`groups` ({"Ff WxH": clips}, display order) is what the plan divides into whole global batches when batches are
+grouped (dstune.data.clips.is_grouped); `summary` is the "Clips" section of validate's report and of --json.
+Tokens: latent frames (1 + (frames - 1) / 4) x (H / s / ph) x (W / s / pw), with the VAE's spatial factor s and
+the transformer's patch (pt, ph, pw) read from the model's stored configs (Wan's 8 and (1, 2, 2) when they are not
+here).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dstune.data.clips import clip_counts, index_clips, is_grouped, latent_tokens
+from dstune.data.index import DataError, builtin_name
+from dstune.model_sizes import SizesUnknown, config_folder
+from dstune.plan import key_label
+from dstune.spec.load import SpecIssue, SpecSource
+from dstune.spec.video_models import expert_problems
+
+WAN_SPATIAL, WAN_PATCH = 8, (1, 2, 2)
+PROBLEMS_LISTED = 20  # videos that give no clip named one per line; the rest counted
+
+
+@dataclass(frozen=True)
+class ClipCount:
+    count: int
+    origin: str
+    groups: Optional[dict]  # {"Ff WxH": clips} when batches are grouped, else None
+    summary: dict
+    problems: list[str] = field(default_factory=list)  # one line per video that gives no clip
+    warnings: list[str] = field(default_factory=list)
+
+
+def token_factors(pretrained: str) -> tuple[int, tuple[int, int, int], str]:
+    """(VAE spatial factor, transformer patch (t, h, w), where they came from) of a Wan model's stored configs."""
+    try:
+        folder, origin = config_folder(pretrained)
+        vae = json.loads((folder / "vae" / "config.json").read_text())
+        transformer = json.loads((folder / "transformer" / "config.json").read_text())
+    except (SizesUnknown, OSError, ValueError):
+        return WAN_SPATIAL, WAN_PATCH, "Wan's factors (8x VAE, 1x2x2 patches): the model's configs are not here"
+    spatial = 2 ** len(vae.get("temperal_downsample", [0, 0, 0]))
+    patch = tuple(transformer.get("patch_size", WAN_PATCH))
+    return spatial, patch, f"the VAE and transformer configs of {origin}"
+
+
+def count_clips(spec, show_progress: bool = False) -> ClipCount:
+    """The clips of spec.data for spec.model (DataError passes through)."""
+    data = spec.data
+    index = index_clips(data, read_captions=False, show_progress=show_progress)
+    counts = clip_counts(index.records, data)
+    spatial, patch, factors = token_factors(spec.model.pretrained)
+    stills = sum(r.repeats for r in index.records if r.frames == 1 and r.image_path is not None)
+    frames, sizes = {}, {}
+    for (count, width, height), clips in counts.items():
+        frames[str(count)] = frames.get(str(count), 0) + clips
+        sizes[f"{width}x{height}"] = sizes.get(f"{width}x{height}", 0) + clips
+    buckets = {key_label(key): {"frames": key[0], "width": key[1], "height": key[2], "clips": clips,
+                                "tokens": latent_tokens(key, spatial, patch)} for key, clips in counts.items()}
+    largest = max(buckets, key=lambda label: buckets[label]["tokens"]) if buckets else None
+    video = data.video
+    summary = {
+        "video_files": index.files, "clips": index.num_samples, "stills": stills, "unusable_videos": len(index.problems),
+        "counted_by_decoding": index.counted, "builtin": builtin_name(data.path), "sampling": video.sampling,
+        "stride": (video.stride or "frames") if video.sampling == "sliding" else None, "fps": video.fps,
+        "frame_counts": list(video.frame_counts), "grouped": is_grouped(data),
+        "frames": dict(sorted(frames.items(), key=lambda item: int(item[0]))), "sizes": sizes, "buckets": buckets,
+        "largest_bucket": largest, "tokens_per_sample_max": buckets[largest]["tokens"] if largest else 0,
+        "tokens_from": factors,
+    }
+    origin = data.path if builtin_name(data.path) else f"counted in {data.path}"
+    origin += f"; {index.num_samples} clips from {index.files} video files" + (f" and {stills} stills" if stills else "")
+    groups = {key_label(key): clips for key, clips in counts.items()} if is_grouped(data) else None
+    return ClipCount(index.num_samples, origin, groups, summary, list(index.problems), list(index.warnings))
+
+
+def clip_plan(spec, source, num_samples: Optional[int]) -> tuple:
+    """validate's count of a video family: (clips or None, origin, groups, summary, issues): the videos that give
+    no clip are one error (startup would stop on them), an unusable dataset another."""
+    try:
+        counted = count_clips(spec, show_progress=True)
+    except DataError as err:
+        return None, "", None, None, [source.issue(err.key or "data.path", err.message)]
+    issues = [source.issue("data.path", text, severity="warning") for text in counted.warnings]
+    if counted.problems:
+        issues.append(source.issue("data.path", problem_text(counted.problems)))
+    if num_samples is not None and num_samples != counted.count:
+        issues.append(source.issue("data.path", f"--num-samples {num_samples} ignored: {spec.data.path} is here "
+                                   f"and gives {counted.count} clips", severity="warning"))
+    return counted.count or None, counted.origin, counted.groups, counted.summary, issues
+
+
+def problem_text(problems: list[str]) -> str:
+    """The validate error naming every video that gives no clip (as startup would stop with)."""
+    listing = "\n  ".join(problems[:PROBLEMS_LISTED])
+    more = f"\n  ... and {len(problems) - PROBLEMS_LISTED} more" if len(problems) > PROBLEMS_LISTED else ""
+    return (f"{len(problems)} video(s) give no clip and would stop training before step 1 (the plan counts the "
+            f"others):\n  {listing}{more}")
+
+
+def clip_buckets(summary: Optional[dict]) -> list[tuple[int, int, int, int]]:
+    """[(frames, width, height, clips)] of a summary (for the memory plan), or [] without one."""
+    if not summary:
+        return []
+    return [(b["frames"], b["width"], b["height"], b["clips"]) for b in summary["buckets"].values()]
+
+
+def summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """The report's Clips section: the extraction, the files, frame and size buckets, tokens per bucket. (What each
+    epoch uses per bucket is the Buckets section's, from the plan.)"""
+    stride = {None: "", "frames": ", stride = each clip's frame count (chunks do not overlap)"}.get(
+        summary["stride"], f", stride {summary['stride']} frames")
+    fps = f" at {summary['fps']:g} fps" if summary["fps"] else " at each file's own fps"
+    decoded = f"; {summary['counted_by_decoding']} headers stated no frame count (counted by decoding)" \
+        if summary["counted_by_decoding"] else ""
+    unusable = f"; {summary['unusable_videos']} videos give no clip (see the error)" if summary["unusable_videos"] \
+        else ""
+    files = f"builtin:{summary['builtin']}: {summary['clips']} rendered clips" if summary["builtin"] else \
+        f"{summary['video_files']} videos and {summary['stills']} stills -> {summary['clips']} clips (repeats " \
+        f"included){unusable}{decoded}"
+    rows = [("extraction", f"{summary['sampling']}{stride}{fps}; frame counts {summary['frame_counts']}"),
+            ("files", files),
+            ("frame buckets", ", ".join(f"{frames} frames: {n}" for frames, n in summary["frames"].items())),
+            ("size buckets", ", ".join(f"{size}: {n}" for size, n in summary["sizes"].items()))]
+    rows += [(f"  {label}", f"{bucket['clips']} clips, {bucket['tokens']} tokens per sample")
+             for label, bucket in summary["buckets"].items()]
+    rows.append(("tokens", f"largest {summary['tokens_per_sample_max']} per sample ({summary['largest_bucket']}; "
+                           f"the memory plan's); from {summary['tokens_from']}"))
+    return rows
+
+
+def wan_expert_issues(spec, source: SpecSource) -> list[SpecIssue]:
+    """model.expert and model.timestep_range against the Wan folder's own model_index.json (two experts need an
+    expert; a range stays on its expert's side of boundary_ratio), before any GPU time; startup checks again."""
+    if spec.model.family != "wan":
+        return []
+    try:
+        folder, _ = config_folder(spec.model.pretrained)
+        index = json.loads((folder / "model_index.json").read_text())
+    except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
+        return []
+    return [source.issue("model.timestep_range" if problem.startswith("model.timestep_range") else "model.expert",
+                         f"{spec.model.pretrained}: {problem}")
+            for problem in expert_problems(index, spec.model.expert, spec.model.timestep_range)]
