@@ -32,7 +32,8 @@ BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-f
                    "tiny-orpheus": "tiny-orpheus-v2", "tiny-qwen-image": "tiny-qwen-image-v1",
                    "tiny-qwen-image-edit": "tiny-qwen-image-edit-v1", "tiny-z-image": "tiny-z-image-v1",
                    "tiny-flux2": "tiny-flux2-v1", "tiny-flux2-dev": "tiny-flux2-dev-v1",
-                   "tiny-wan": "tiny-wan-v1", "tiny-wan22": "tiny-wan22-v1"}
+                   "tiny-wan": "tiny-wan-v1", "tiny-wan22": "tiny-wan22-v1",
+                   "tiny-wan-i2v": "tiny-wan-i2v-v1", "tiny-wan22-ti2v": "tiny-wan22-ti2v-v1"}
 DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer", "wan": "transformer"}
 EDIT_PIPELINES = ("QwenImageEditPipeline",)  # trained on (source, target) pairs: twice the image tokens and latents
 FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
