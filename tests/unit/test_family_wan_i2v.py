@@ -145,8 +145,8 @@ def test_ti2v_image_to_video_replaces_the_first_latent_frame_and_zeroes_its_time
     hook = pipeline.transformer.register_forward_pre_hook(
         lambda _m, _a, kwargs: seen.setdefault("kwargs", kwargs) and None, with_kwargs=True)
     first_frame = wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0]
-    pipeline(image=first_frame, prompt_embeds=encoded["encoder_hidden_states"], latents=noisy.clone(), height=32, width=32, num_frames=9, num_inference_steps=1, guidance_scale=1.0,
-             output_type="latent")
+    pipeline(image=first_frame, prompt_embeds=encoded["encoder_hidden_states"], latents=noisy.clone(), height=32,
+             width=32, num_frames=9, num_inference_steps=1, guidance_scale=1.0, output_type="latent")
     hook.remove()
     t = pipeline.scheduler.timesteps[:1]
     hidden, timestep, _, first = wan_i2v.transformer_inputs(ti2v_image, noisy, t, encoded)
