@@ -19,6 +19,7 @@ from typing import Optional
 
 from dstune.activations import (codec_frame_rate, flow_sample_bytes, lm_sample_bytes, speecht5_sample_bytes,
                                 tts_tokens, unet_sample_bytes, wan_sample_bytes)
+from dstune.families import wan_modes
 from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_libraries
 from dstune.memory_plan import ModelCounts
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES
@@ -36,7 +37,7 @@ BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-f
                    "tiny-wan-i2v": "tiny-wan-i2v-v1", "tiny-wan22-ti2v": "tiny-wan22-ti2v-v1"}
 DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer", "wan": "transformer"}
 EDIT_PIPELINES = ("QwenImageEditPipeline",)  # trained on (source, target) pairs: twice the image tokens and latents
-FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
 
 
 class SizesUnknown(ValueError):
@@ -213,19 +214,43 @@ def _count_denoiser(spec, num_samples: int) -> ModelCounts:
     companions = {part: count_component(str(folder / part / "config.json"))[0]
                   for part in FROZEN_PIPELINE_PARTS if (index.get(part) or [None])[0]}
     cache = spec.data.cache
-    cached = tuple(part for part in companions if (cache.latents if part == "vae" else cache.text_embeddings))
+    image = _wan_image_to_video(spec, folder, index)
+    if not image:  # a text-to-video run of an image-to-video-capable folder never loads its image encoder
+        companions.pop("image_encoder", None)
+    # the image encoder's embeddings are stored beside the latents (dstune.families.wan_i2v)
+    cached = tuple(part for part in companions if (cache.latents if part in ("vae", "image_encoder")
+                                                   else cache.text_embeddings))
     config = _read_json(config_path)
     resolution = spec.data.resolution
     if module == "unet":
         full, checkpointed = unet_sample_bytes(config, resolution)
     elif spec.model.family == "wan":
-        full, checkpointed = wan_sample_bytes(config, resolution, spec.data.video.frames, _text_tokens(spec, index))
+        vae = _read_json(folder / "vae" / "config.json")
+        context = _text_tokens(spec, index) + (_image_tokens(folder) if image and "image_encoder" in companions else 0)
+        full, checkpointed = wan_sample_bytes(config, resolution, spec.data.video.frames, context, _vae_factor(vae))
     else:
         full, checkpointed = flow_sample_bytes(config, resolution, _text_tokens(spec, index),
                                                2 if index.get("_class_name") in EDIT_PIPELINES else 1)
     return ModelCounts(module, params, lora or params, largest, companions, cached, int(full), int(checkpointed),
                        default_lora, _image_cache_bytes(spec, folder, companions, num_samples), origin,
                        builds_partitioned=True)  # sd, sdxl and flow build the denoiser partitioned under ZeRO-3
+
+
+def _wan_image_to_video(spec, folder: Path, index: dict) -> bool:
+    """Whether a wan spec trains image-to-video on this folder (dstune.families.wan_modes); False for other
+    families and for folders whose channels fit no Wan layout (startup says why)."""
+    if spec.model.family != "wan":
+        return False
+    kind, _ = wan_modes.layout(index, _read_json(folder / "transformer" / "config.json"),
+                               _read_json(folder / "vae" / "config.json"))
+    return kind is not None and wan_modes.image_to_video(kind, spec.model.image_to_video)[0]
+
+
+def _image_tokens(folder: Path) -> int:
+    """Wan 2.1 I2V's image embedding in the cross-attention context: the CLIP vision tower's patches and class
+    token (257 for ViT-H/14 at 224 px)."""
+    config = _read_json(folder / "image_encoder" / "config.json")
+    return (config.get("image_size", 224) // config.get("patch_size", 14)) ** 2 + 1
 
 
 def _text_tokens(spec, index: dict) -> int:
@@ -250,6 +275,13 @@ def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int) -
         latent_frames = 1 + (spec.data.video.frames - 1) // 4 if spec.model.family == "wan" else 1  # clips
         side = spec.data.resolution // _vae_factor(vae)
         per_sample += pictures * 2 * channels * latent_frames * side ** 2 * 4  # edit: + the source's latents
+        index = _read_json(folder / "model_index.json")
+        if _wan_image_to_video(spec, folder, index):  # the condition's mode (TI2V: one latent frame), float32
+            frames = 1 if index.get("expand_timesteps") else latent_frames
+            per_sample += channels * frames * side ** 2 * 4
+            if "image_encoder" in companions:  # and the first frame's CLIP hidden states
+                clip = _read_json(folder / "image_encoder" / "config.json")
+                per_sample += _image_tokens(folder) * clip.get("hidden_size", 0) * width
     if cache.text_embeddings and (folder / "transformer" / "config.json").exists():  # flow: what the transformer reads
         transformer = _read_json(folder / "transformer" / "config.json")
         tokens = _text_tokens(spec, _read_json(folder / "model_index.json"))
@@ -264,8 +296,9 @@ def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int) -
 
 
 def _vae_factor(vae_config: dict) -> int:
-    if "temperal_downsample" in vae_config:  # a video-style VAE (Qwen-Image's): one spatial halving per stage
-        return 2 ** len(vae_config["temperal_downsample"])
+    if "temperal_downsample" in vae_config:  # a video-style VAE (Qwen-Image's, Wan's): one spatial halving per
+        # stage, times the pixel patches of Wan 2.2's VAE (2x2: 16x in all)
+        return 2 ** len(vae_config["temperal_downsample"]) * (vae_config.get("patch_size") or 1)
     return 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1)
 
 

@@ -24,6 +24,7 @@ from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_data
 from dstune.ds_config import compile_ds_config, user_config_path
 from dstune.ds_config import cross_check as deepspeed_cross_check
 from dstune.ds_file_spec import apply_ds_file, ds_value_sources
+from dstune.families.wan_modes import spec_problems as wan_spec_problems
 from dstune.memory_plan import Setup, memory_json
 from dstune.model_sizes import EDIT_PIPELINES, SizesUnknown, config_folder, count_model
 from dstune.plan import Plan, make_plan, resolve_batch
@@ -107,6 +108,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_lora_format(spec, source, found)
     _check_token_layout(spec, source, found)
     _check_edit_model(spec, source, found)
+    _check_wan_mode(spec, source, found)
     count, origin, groups = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:
@@ -226,6 +228,21 @@ def _check_lora_format(spec: Spec, source: SpecSource, found: IssueList) -> None
     problem = lora_format_problem(spec.model.family, getattr(spec.model, "train", "full"), spec.output.lora_format)
     if problem:
         found.add([source.issue("output.lora_format", problem)])
+
+
+def _check_wan_mode(spec: Spec, source: SpecSource, found: IssueList) -> None:
+    """Wan: the folder's layout against model.image_to_video, and image-to-video samples' first frames
+    (dstune.families.wan_modes), from the configs alone."""
+    if spec.model.family != "wan":
+        return
+    try:
+        folder, _ = config_folder(spec.model.pretrained)
+        configs = [json.loads((folder / name).read_text())
+                   for name in ("model_index.json", "transformer/config.json", "vae/config.json")]
+    except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
+        return
+    found.add([source.issue(key, text)
+               for key, text in wan_spec_problems(*configs, spec.model.image_to_video, spec.sample)])
 
 
 def _check_edit_model(spec: Spec, source: SpecSource, found: IssueList) -> None:

@@ -75,3 +75,27 @@ def describe(kind: str, image: bool) -> str:
         return "Wan 2.2 TI2V, " + ("image-to-video (first latent frame from the image)" if image else
                                    "text-to-video (per-token timesteps)")
     return "image-to-video (first-frame condition channels)" if image else "text-to-video"
+
+
+def spec_problems(index: dict, transformer: dict, vae: dict, setting: Optional[bool], sample) -> list[tuple[str, str]]:
+    """(dotted key, problem) of a spec on a folder with these configs: the layout, model.image_to_video, and samples
+    (image-to-video renders from sample.control_images, one first frame per prompt). `sample`: the SampleSpec."""
+    import os
+
+    kind, problems = layout(index, transformer, vae)
+    if kind is None or problems:
+        return [("model.pretrained", problem) for problem in problems]
+    image, problem = image_to_video(kind, setting)
+    if problem:
+        return [("model.image_to_video", problem)]
+    found = []
+    if image and sample.prompts and not sample.control_images:
+        found.append(("sample.prompts", "image-to-video renders each clip from a first frame: give "
+                      "sample.control_images, one image per prompt in the same order, or set sample.prompts: []"))
+    if not image and sample.control_images:
+        found.append(("sample.control_images", "a text-to-video run renders from the prompt alone: remove them, or "
+                      "set model.image_to_video: true (an image-to-video or Wan 2.2 TI2V folder)"))
+    missing = [path for path in sample.control_images if not os.path.isfile(os.path.expanduser(path))]
+    if image and missing:
+        found.append(("sample.control_images", f"{len(missing)} image(s) do not exist: {', '.join(missing)}"))
+    return found

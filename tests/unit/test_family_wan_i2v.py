@@ -236,3 +236,43 @@ def test_the_latent_cache_key_changes_with_the_mode_and_text_to_video_keeps_the_
         ("image_to_video/ti2v", ())
     assert wan.wan_i2v_cache_key(WanModel(family="wan", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)) \
         == ("image_to_video/i2v", ("image_encoder", "image_processor"))
+
+
+def _validate(tmp_path, capsys, model: dict, sample: dict, cache: bool = True) -> tuple[int, str]:
+    import yaml
+
+    from dstune.cli import main
+
+    spec = {"model": {"family": "wan", "train": "full", **model},
+            "data": {"path": "builtin:moving-shapes", "video": {"frames": 5},
+                     "cache": {"latents": cache, "text_embeddings": cache}},
+            "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 4}, "sample": sample}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    code = main(["validate", str(path), "--num-gpus", "2", "--json"])
+    return code, capsys.readouterr()
+
+
+def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tmp_path, capsys):
+    """The image encoder is a frozen companion (cached with the latents, whose entries grow by the condition and
+    the CLIP hidden states); TI2V's 16x VAE quarters the tokens; the mode and sample problems name their key."""
+    from dstune.activations import wan_sample_bytes
+    from dstune.model_sizes import STORE
+
+    code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": []})
+    assert code == 0, out
+    memory = json.loads(out.out)["memory"]
+    assert memory["parameters"]["companions"]["image_encoder"] > 0
+    assert "image_encoder" in memory["parameters"]["cached_companions"]
+    # per clip: posterior mean+std (2 x 16 x 2 x 4 x 4 float32), condition 16 x 2 x 4 x 4, CLIP 17 x 32 (fp32), text
+    per_clip = 4 * (2 * 16 * 32 + 16 * 32 + 17 * 32) + 512 * 32 * 4
+    assert memory["cache_disk_bytes"] == 144 * per_clip
+    config = json.loads((STORE / "builtin" / "tiny-wan22-ti2v-v1" / "transformer" / "config.json").read_text())
+    assert wan_sample_bytes(config, 64, 5, 0, 16)[0] == wan_sample_bytes(config, 32, 5, 0, 8)[0]
+    code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": ["a red circle moving left"]})
+    assert code != 0 and "sample.prompts: image-to-video renders each clip from a first frame" in out.err + out.out
+    code, out = _validate(tmp_path, capsys, {"image_to_video": True}, {"prompts": []})
+    assert code != 0 and "model.image_to_video: model.image_to_video is true, but this is a text-to-video" in \
+        out.err + out.out
+    code, out = _validate(tmp_path, capsys, {"pretrained": TI2V, "image_to_video": True}, {"prompts": []})
+    assert code == 0, out
