@@ -17,6 +17,7 @@ text); i2v folders need it true or unset, t2v folders false or unset.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 MASK_CHANNELS = 4  # WanImageToVideoPipeline's first-frame mask: the VAE's temporal factor, one channel per frame
