@@ -81,8 +81,6 @@ def describe(kind: str, image: bool) -> str:
 def spec_problems(index: dict, transformer: dict, vae: dict, setting: Optional[bool], sample) -> list[tuple[str, str]]:
     """(dotted key, problem) of a spec on a folder with these configs: the layout, model.image_to_video, and samples
     (image-to-video renders from sample.control_images, one first frame per prompt). `sample`: the SampleSpec."""
-    import os
-
     kind, problems = layout(index, transformer, vae)
     if kind is None or problems:
         return [("model.pretrained", problem) for problem in problems]
