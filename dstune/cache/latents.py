@@ -51,6 +51,7 @@ class LatentCacheJob:
     # the family's LatentExtras for this run: (settings, subfolders) key the latent entries, encode adds tensors
     latent_settings: str = ""
     latent_folders: tuple[str, ...] = ()
+    latent_tensors: tuple[str, ...] = ()  # the names encode adds to each latent entry
     latent_extras: Optional[Callable] = None  # (built, pixels) -> {name: Tensor[B, ...]}; None: the posterior only
 
 
@@ -243,7 +244,8 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
         fingerprints["vae"] = bytes_sha256((fingerprints["vae"] + job.latent_settings + extra).encode())
     entries = plan_entries(records, hashes, fingerprints, data.resolution, data.random_flip, data.caption_dropout,
                            _dtype_name(job.dtype), cache_spec.latents, cache_spec.text_embeddings,
-                           _sizes(targets, data), text.tensor_names(job.model_folder) if text else ())
+                           _sizes(targets, data), text.tensor_names(job.model_folder) if text else (),
+                           job.latent_tensors)
     mine = [c for j, c in enumerate(_chunks(entries)) if j % len(group) == group.index(run.rank)]
     if verify_only:
         counts = _verify_share(folder, mine)

@@ -79,8 +79,8 @@ class LatentExtras:
     the same pixels by the frozen parts (Wan image-to-video: the first frame's condition latents and image
     embedding), so that training from the cache needs no second VAE pass."""
 
-    key: Callable  # (model spec, model folder) -> (settings text, subfolders whose fingerprint keys the entries);
-    # ("", ()) when this run stores no extras (its entries are then the plain posterior's)
+    key: Callable  # (model spec, model folder) -> (settings text, subfolders whose fingerprint keys the entries,
+    # the tensor names encode returns); ("", (), ()) when this run stores no extras (the plain posterior's entries)
     encode: Callable  # (built, pixels (B, 3, frames, H, W) in [-1, 1]) -> {name: Tensor[B, ...]}, deterministic
 
 

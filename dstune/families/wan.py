@@ -224,14 +224,16 @@ def encode_captions(built: WanBuilt, captions: list[str]) -> dict[str, torch.Ten
     return {"encoder_hidden_states": embeds}
 
 
-def wan_i2v_cache_key(model: WanModel, folder: Path) -> tuple[str, tuple[str, ...]]:
+def wan_i2v_cache_key(model: WanModel, folder: Path) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     """What keys the latent entries of an image-to-video run beside the VAE: the mode (the condition stored with
-    the posterior) and the image encoder's folders; ("", ()) for text-to-video (the entries are the posterior's)."""
+    the posterior) and the image encoder's folders, and the tensors stored; ("", (), ()) for text-to-video (the
+    entries are the posterior's)."""
     kind, image = folder_mode(Path(folder), model.image_to_video)
     if not image:
-        return "", ()
-    encoder = read_component_config(folder, "transformer").get("image_dim") is not None
-    return f"image_to_video/{kind}", ("image_encoder", "image_processor") if encoder else ()
+        return "", (), ()
+    if read_component_config(folder, "transformer").get("image_dim") is None:
+        return f"image_to_video/{kind}", (), (wan_i2v.CONDITION,)
+    return f"image_to_video/{kind}", ("image_encoder", "image_processor"), (wan_i2v.CONDITION, wan_i2v.IMAGE_EMBEDS)
 
 
 def text_cache_settings(model: WanModel) -> str:
