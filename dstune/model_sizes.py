@@ -19,7 +19,7 @@ from typing import Optional
 
 from dstune.activations import (codec_frame_rate, flow_sample_bytes, lm_sample_bytes, speecht5_sample_bytes,
                                 tts_tokens, unet_sample_bytes, wan_sample_bytes)
-from dstune.families import wan_modes
+from dstune import wan_layouts
 from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_libraries
 from dstune.memory_plan import ModelCounts
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES
@@ -237,13 +237,13 @@ def _count_denoiser(spec, num_samples: int) -> ModelCounts:
 
 
 def _wan_image_to_video(spec, folder: Path, index: dict) -> bool:
-    """Whether a wan spec trains image-to-video on this folder (dstune.families.wan_modes); False for other
+    """Whether a wan spec trains image-to-video on this folder (dstune.wan_layouts); False for other
     families and for folders whose channels fit no Wan layout (startup says why)."""
     if spec.model.family != "wan":
         return False
-    kind, _ = wan_modes.layout(index, _read_json(folder / "transformer" / "config.json"),
+    kind, _ = wan_layouts.layout(index, _read_json(folder / "transformer" / "config.json"),
                                _read_json(folder / "vae" / "config.json"))
-    return kind is not None and wan_modes.image_to_video(kind, spec.model.image_to_video)[0]
+    return kind is not None and wan_layouts.image_to_video(kind, spec.model.image_to_video)[0]
 
 
 def _image_tokens(folder: Path) -> int:

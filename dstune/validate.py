@@ -24,7 +24,7 @@ from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_data
 from dstune.ds_config import compile_ds_config, user_config_path
 from dstune.ds_config import cross_check as deepspeed_cross_check
 from dstune.ds_file_spec import apply_ds_file, ds_value_sources
-from dstune.families.wan_modes import spec_problems as wan_spec_problems
+from dstune.wan_layouts import spec_problems as wan_spec_problems
 from dstune.memory_plan import Setup, memory_json
 from dstune.model_sizes import EDIT_PIPELINES, SizesUnknown, config_folder, count_model
 from dstune.plan import Plan, make_plan, resolve_batch
@@ -232,7 +232,7 @@ def _check_lora_format(spec: Spec, source: SpecSource, found: IssueList) -> None
 
 def _check_wan_mode(spec: Spec, source: SpecSource, found: IssueList) -> None:
     """Wan: the folder's layout against model.image_to_video, and image-to-video samples' first frames
-    (dstune.families.wan_modes), from the configs alone."""
+    (dstune.wan_layouts), from the configs alone."""
     if spec.model.family != "wan":
         return
     try:

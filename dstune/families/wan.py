@@ -23,7 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
-from dstune.families import wan_i2v, wan_modes
+from dstune import wan_layouts
+from dstune.families import wan_i2v
 from dstune.families.base import Family, FamilyError, LatentExtras, TextCache, per_sample_randn, sample_generator
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
                                        load_trainable, non_reentrant_checkpoint, read_component_config,
@@ -59,7 +60,7 @@ class WanBuilt:
     other_expert: Optional[torch.nn.Module] = None  # two experts: the untrained one, frozen, in host memory
     boundary_ratio: Optional[float] = None
     positions: tuple[int, int] = (0, 0)  # (first table position, how many) this expert trains on; (0, 0): all
-    kind: str = "t2v"  # the folder's layout (dstune.families.wan_modes): t2v, i2v or ti2v
+    kind: str = "t2v"  # the folder's layout (dstune.wan_layouts): t2v, i2v or ti2v
     image_to_video: bool = False  # this run denoises from first frames (model.image_to_video, or the folder's)
     image_encoder: Optional[torch.nn.Module] = None  # Wan 2.1 I2V's CLIPVisionModel, frozen
     image_processor: object = None  # its CLIPImageProcessor
@@ -89,13 +90,13 @@ def folder_problems(folder: Path, expert: Optional[str] = None, image_to_video: 
         vae, text = read_component_config(folder, "vae"), read_component_config(folder, "text_encoder")
         for name in _experts(index):
             transformer = read_component_config(folder, name)
-            kind, found = wan_modes.layout(index, transformer, vae)
+            kind, found = wan_layouts.layout(index, transformer, vae)
             problems += [f"{name}: {problem}" for problem in found]
             if transformer.get("text_dim") != text.get("d_model"):
                 problems.append(f"{name} text_dim {transformer.get('text_dim')} != {text.get('d_model')} (the text "
                                 "encoder's d_model)")
             if kind is not None and not found:
-                problem = wan_modes.image_to_video(kind, image_to_video)[1]
+                problem = wan_layouts.image_to_video(kind, image_to_video)[1]
                 problems += [problem] if problem and problem not in problems else []
     return problems
 
@@ -103,9 +104,9 @@ def folder_problems(folder: Path, expert: Optional[str] = None, image_to_video: 
 def folder_mode(folder: Path, image_to_video: Optional[bool]) -> tuple[str, bool]:
     """(layout, whether the run trains image-to-video) of a folder folder_problems accepted."""
     index = read_model_index(folder)
-    kind, _ = wan_modes.layout(index, read_component_config(folder, "transformer"),
+    kind, _ = wan_layouts.layout(index, read_component_config(folder, "transformer"),
                                read_component_config(folder, "vae"))
-    return kind, wan_modes.image_to_video(kind, image_to_video)[0]
+    return kind, wan_layouts.image_to_video(kind, image_to_video)[0]
 
 
 def _experts(index: dict) -> list[str]:

@@ -1,5 +1,5 @@
 """Image-to-video for the `wan` family: what WanImageToVideoPipeline (and WanPipeline with expand_timesteps) feeds
-the transformer, rebuilt from a training clip's own first frame (dstune.families.wan_modes tells the layouts).
+the transformer, rebuilt from a training clip's own first frame (dstune.wan_layouts tells the layouts).
 
 - Condition latents: the clip's first frame followed by zeros for the other frames (Wan 2.1 I2V, Wan 2.2 I2V A14B),
   or the first frame alone (Wan 2.2 TI2V), VAE-encoded with the posterior's mode (the pipeline's
@@ -24,7 +24,7 @@ import torch
 from dstune.families.base import FamilyError
 from dstune.families.diffusion import load_component
 from dstune.families.flow_recipe import normalised_latents
-from dstune.families.wan_modes import MASK_CHANNELS
+from dstune.wan_layouts import MASK_CHANNELS
 from dstune.hf import quiet_hf_libraries
 
 CONDITION = "condition_mean"  # the condition's VAE mode, unnormalised, float32 (B, z_dim, f, h, w)
