@@ -80,16 +80,20 @@ def flow_sample_bytes(config: dict, resolution: int, text_tokens: int, images: i
     return transformer_stack(tokens, hidden, int(hidden * config.get("mlp_ratio", 4.0)), gated, layers)
 
 
-def wan_sample_bytes(config: dict, resolution, frames: int, text_tokens: int) -> tuple[float, float]:
+def wan_sample_bytes(config: dict, resolution, frames: int, text_tokens: int,
+                     vae_factor: int = 8) -> tuple[float, float]:
     """A Wan transformer over one clip of `resolution` (a square side, or a bucket's (width, height)): its tokens
     are (1 + (frames - 1) / 4) latent frames x (height / 16) x (width / 16) (the VAE's 8x spatial and 4x temporal
-    compression, then 1x2x2 patches), so they grow with frames x height x width. Each block is a self-attention
-    layer with a plain (GELU) MLP of ffn_dim over those tokens, plus a cross-attention to the text (its query-side
-    norm, projections and output: ~8 bytes per token and width, as in the UNet estimate) and the text's key/value
+    compression, then 1x2x2 patches; Wan 2.2's 16x VAE: / 32), so they grow with frames x height x width.
+    `text_tokens`: the cross-attention context (Wan 2.1 I2V: the text and the image embedding's tokens); the
+    condition channels of image-to-video only widen the patch embedding. Each block is a self-attention layer with a
+    plain (GELU) MLP of ffn_dim over those tokens, plus a cross-attention to the text (its query-side norm,
+    projections and output: ~8 bytes per token and width, as in the UNet estimate) and the text's key/value
     projections (4 bytes per text token and width)."""
     patch = config.get("patch_size", [1, 2, 2])
     width, height = (resolution, resolution) if isinstance(resolution, int) else resolution
-    tokens = (1 + (frames - 1) // 4) / patch[0] * (height / (8 * patch[1])) * (width / (8 * patch[2]))
+    tokens = (1 + (frames - 1) // 4) / patch[0] * (height / (vae_factor * patch[1])) * \
+        (width / (vae_factor * patch[2]))
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
     extra = 8 * tokens * hidden + 4 * text_tokens * hidden
     layer = transformer_layer_bytes(tokens, hidden, config.get("ffn_dim", 4 * hidden), False) + extra

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from dstune.activations import (codec_frame_rate, flow_sample_bytes, lm_sample_bytes, speecht5_sample_bytes,
                                 tts_tokens, unet_sample_bytes, wan_sample_bytes)
+from dstune import wan_layouts
 from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_libraries
 from dstune.memory_plan import ModelCounts
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES
@@ -33,10 +34,11 @@ BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-f
                    "tiny-orpheus": "tiny-orpheus-v2", "tiny-qwen-image": "tiny-qwen-image-v1",
                    "tiny-qwen-image-edit": "tiny-qwen-image-edit-v1", "tiny-z-image": "tiny-z-image-v1",
                    "tiny-flux2": "tiny-flux2-v1", "tiny-flux2-dev": "tiny-flux2-dev-v1",
-                   "tiny-wan": "tiny-wan-v1", "tiny-wan-a14b": "tiny-wan-a14b-v1"}
+                   "tiny-wan": "tiny-wan-v1", "tiny-wan-a14b": "tiny-wan-a14b-v1",
+                   "tiny-wan-i2v": "tiny-wan-i2v-v1", "tiny-wan22-ti2v": "tiny-wan22-ti2v-v1"}
 DENOISERS = {"sd": "unet", "sdxl": "unet", "flow": "transformer", "wan": "transformer"}
 EDIT_PIPELINES = ("QwenImageEditPipeline",)  # trained on (source, target) pairs: twice the image tokens and latents
-FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
 
 
 class SizesUnknown(ValueError):
@@ -222,14 +224,21 @@ def _count_denoiser(spec, num_samples: int, clips=()) -> ModelCounts:
     companions = {part: count_component(str(folder / part / "config.json"))[0]
                   for part in FROZEN_PIPELINE_PARTS if (index.get(part) or [None])[0]}
     cache = spec.data.cache
-    cached = tuple(part for part in companions if (cache.latents if part == "vae" else cache.text_embeddings))
+    image = _wan_image_to_video(spec, folder, index)
+    if not image:  # a text-to-video run of an image-to-video-capable folder never loads its image encoder
+        companions.pop("image_encoder", None)
+    # the image encoder's embeddings are stored beside the latents (dstune.families.wan_i2v)
+    cached = tuple(part for part in companions if (cache.latents if part in ("vae", "image_encoder")
+                                                   else cache.text_embeddings))
     config = _read_json(config_path)
     resolution = spec.data.resolution
     if module == "unet":
         full, checkpointed = unet_sample_bytes(config, resolution)
     elif spec.model.family == "wan":
+        vae = _read_json(folder / "vae" / "config.json")
+        context = _text_tokens(spec, index) + (_image_tokens(folder) if image and "image_encoder" in companions else 0)
         frames, width, height, _ = max(_clip_buckets(spec, num_samples, clips), key=lambda b: _clip_volume(*b))
-        full, checkpointed = wan_sample_bytes(config, (width, height), frames, _text_tokens(spec, index))
+        full, checkpointed = wan_sample_bytes(config, (width, height), frames, context, _vae_factor(vae))
     else:
         full, checkpointed = flow_sample_bytes(config, resolution, _text_tokens(spec, index),
                                                2 if index.get("_class_name") in EDIT_PIPELINES else 1)
@@ -245,6 +254,23 @@ def expert_summary(index: dict, expert: str, timestep_range) -> dict:
     return {"name": expert, "component": "transformer_2" if expert == "low_noise" else "transformer",
             "boundary_ratio": index["boundary_ratio"], "timesteps": [low, high], "max_included": inclusive,
             "text": expert_range_text(index, expert, timestep_range)}
+
+
+def _wan_image_to_video(spec, folder: Path, index: dict) -> bool:
+    """Whether a wan spec trains image-to-video on this folder (dstune.wan_layouts); False for other
+    families and for folders whose channels fit no Wan layout (startup says why)."""
+    if spec.model.family != "wan":
+        return False
+    kind, _ = wan_layouts.layout(index, _read_json(folder / "transformer" / "config.json"),
+                               _read_json(folder / "vae" / "config.json"))
+    return kind is not None and wan_layouts.image_to_video(kind, spec.model.image_to_video)[0]
+
+
+def _image_tokens(folder: Path) -> int:
+    """Wan 2.1 I2V's image embedding in the cross-attention context: the CLIP vision tower's patches and class
+    token (257 for ViT-H/14 at 224 px)."""
+    config = _read_json(folder / "image_encoder" / "config.json")
+    return (config.get("image_size", 224) // config.get("patch_size", 14)) ** 2 + 1
 
 
 def _text_tokens(spec, index: dict) -> int:
@@ -281,6 +307,8 @@ def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int, c
         if spec.model.family == "wan":  # clips: (1 + (frames - 1) / 4) latent frames, per bucket
             latents = sum(2 * channels * _clip_volume(f, w // factor, h // factor) * 4 * n
                           for f, w, h, n in _clip_buckets(spec, num_samples, clips))
+            latents += _condition_cache_bytes(spec, folder, companions, channels, factor, width,
+                                              _clip_buckets(spec, num_samples, clips))
         else:
             side = spec.data.resolution // factor
             per_sample += pictures * 2 * channels * side ** 2 * 4  # edit: + the source's latents
@@ -297,9 +325,27 @@ def _image_cache_bytes(spec, folder: Path, companions: dict, num_samples: int, c
     return per_sample * num_samples + latents
 
 
+def _condition_cache_bytes(spec, folder: Path, companions: dict, channels: int, factor: int, width: int,
+                           buckets) -> int:
+    """Image-to-video's cached condition (dstune.families.wan_i2v): its latent mode in float32 (TI2V: one latent
+    frame), and Wan 2.1 I2V's first-frame CLIP hidden states in the frozen parts' dtype, summed over the buckets."""
+    index = _read_json(folder / "model_index.json")
+    if not _wan_image_to_video(spec, folder, index):
+        return 0
+    total = 0
+    for frames, clip_width, clip_height, count in buckets:
+        frames = 1 if index.get("expand_timesteps") else frames
+        total += channels * _clip_volume(frames, clip_width // factor, clip_height // factor) * 4 * count
+    if "image_encoder" in companions:
+        hidden = _read_json(folder / "image_encoder" / "config.json").get("hidden_size", 0)
+        total += _image_tokens(folder) * hidden * width * sum(count for *_, count in buckets)
+    return total
+
+
 def _vae_factor(vae_config: dict) -> int:
-    if "temperal_downsample" in vae_config:  # a video-style VAE (Qwen-Image's): one spatial halving per stage
-        return 2 ** len(vae_config["temperal_downsample"])
+    if "temperal_downsample" in vae_config:  # a video-style VAE (Qwen-Image's, Wan's): one spatial halving per
+        # stage, times the pixel patches of Wan 2.2's VAE (2x2: 16x in all)
+        return 2 ** len(vae_config["temperal_downsample"]) * (vae_config.get("patch_size") or 1)
     return 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1)
 
 

@@ -176,8 +176,14 @@ def _latent_job(run: Run, spec: Spec, family: Family, model_folder: Path) -> Lat
         stop(run, refusal, 1)
     settings = text_cache.settings(spec.model) if text_cache and text_cache.settings else ""
     folder = cache_folder(spec.data.cache.dir, spec.output.cache_dir, run.rank, run.node_rank)
+    extras = family.latent_extras
+    latent_settings, latent_folders, latent_tensors = extras.key(spec.model, model_folder) if extras else \
+        ("", (), ())
     return LatentCacheJob(spec.data, folder, model_folder, text_cache, settings, spec.train.seed,
-                          PRECISION_DTYPES[spec.train.precision][1], video=family.modality == "video")
+                          PRECISION_DTYPES[spec.train.precision][1], video=family.modality == "video",
+                          latent_settings=latent_settings, latent_folders=tuple(latent_folders),
+                          latent_tensors=tuple(latent_tensors),
+                          latent_extras=extras.encode if latent_settings else None)
 
 
 def prepare_caches(run: Run, spec: Spec, family: Family, built, records: list, verify_only: bool = False,

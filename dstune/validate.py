@@ -31,7 +31,7 @@ from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
 from dstune.token_layouts import TTS_LAYOUT_FILE, describe, layout_problems, orpheus_layout
 from dstune.trackers import wandb_missing
-from dstune.video_plan import clip_buckets, clip_plan, wan_expert_issues
+from dstune.video_plan import clip_buckets, clip_plan, wan_model_issues
 from dstune.world import World, world_from_flags
 
 ACCELERATORS = ("auto", "cuda", "cpu")
@@ -110,7 +110,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_lora_format(spec, source, found)
     _check_token_layout(spec, source, found)
     _check_edit_model(spec, source, found)
-    found.add(wan_expert_issues(spec, source))
+    found.add(wan_model_issues(spec, source))
     count, origin, groups, clips = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:

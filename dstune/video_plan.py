@@ -3,7 +3,7 @@ data.video has chosen their frames (dstune.data.clips), their frame-count and si
 transformer tokens per sample, the sequence length that drives activation memory.
 
     count_clips(spec) -> ClipCount(count, origin, groups, summary, problems)
-    wan_expert_issues(spec, source)    model.expert / model.timestep_range against the folder's boundary
+    wan_model_issues(spec, source)     model.expert, model.timestep_range, model.image_to_video against the folder
 
 `groups` ({"Ff WxH": clips}, display order) is what the plan divides into whole global batches when batches are
 grouped (dstune.data.clips.is_grouped); `summary` is the "Clips" section of validate's report and of --json.
@@ -24,6 +24,7 @@ from dstune.model_sizes import SizesUnknown, config_folder
 from dstune.plan import key_label
 from dstune.spec.load import SpecIssue, SpecSource
 from dstune.spec.video_models import expert_problems
+from dstune.wan_layouts import spec_problems as wan_spec_problems
 
 WAN_SPATIAL, WAN_PATCH = 8, (1, 2, 2)
 PROBLEMS_LISTED = 20  # videos that give no clip named one per line; the rest counted
@@ -137,16 +138,21 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def wan_expert_issues(spec, source: SpecSource) -> list[SpecIssue]:
-    """model.expert and model.timestep_range against the Wan folder's own model_index.json (two experts need an
-    expert; a range stays on its expert's side of boundary_ratio), before any GPU time; startup checks again."""
+def wan_model_issues(spec, source: SpecSource) -> list[SpecIssue]:
+    """A Wan spec against its folder's own configs, before any GPU time (startup checks again): model.expert and
+    model.timestep_range against model_index.json (two experts need an expert; a range stays on its expert's side
+    of boundary_ratio), the folder's layout against model.image_to_video, and image-to-video samples' first frames
+    (dstune.wan_layouts)."""
     if spec.model.family != "wan":
         return []
     try:
         folder, _ = config_folder(spec.model.pretrained)
-        index = json.loads((folder / "model_index.json").read_text())
+        configs = [json.loads((folder / name).read_text())
+                   for name in ("model_index.json", "transformer/config.json", "vae/config.json")]
     except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
         return []
-    return [source.issue("model.timestep_range" if problem.startswith("model.timestep_range") else "model.expert",
-                         f"{spec.model.pretrained}: {problem}")
-            for problem in expert_problems(index, spec.model.expert, spec.model.timestep_range)]
+    issues = [source.issue("model.timestep_range" if problem.startswith("model.timestep_range") else "model.expert",
+                           f"{spec.model.pretrained}: {problem}")
+              for problem in expert_problems(configs[0], spec.model.expert, spec.model.timestep_range)]
+    return issues + [source.issue(key, text) for key, text in
+                     wan_spec_problems(*configs, spec.model.image_to_video, spec.sample)]

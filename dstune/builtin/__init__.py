@@ -38,7 +38,7 @@ from dstune.builtin.qwen_image_edit import TINY_QWEN_IMAGE_EDIT
 from dstune.builtin.sd import TINY_SD
 from dstune.builtin.sdxl import TINY_SDXL
 from dstune.builtin.tts import TINY_SPEECHT5, TINY_TTS_LM
-from dstune.builtin.wan import TINY_WAN, TINY_WAN_A14B
+from dstune.builtin.wan import TINY_WAN, TINY_WAN_A14B, TINY_WAN22_TI2V, TINY_WAN_I2V
 from dstune.builtin.zimage import TINY_Z_IMAGE
 from dstune.fsutil import temporary_sibling
 from dstune.spec.section import BUILTIN_PREFIX
@@ -124,4 +124,5 @@ def _exclusive(lock_path: Path):
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
     TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5, TINY_ORPHEUS, TINY_QWEN_IMAGE,
-    TINY_QWEN_IMAGE_EDIT, TINY_Z_IMAGE, TINY_FLUX2, TINY_FLUX2_DEV, TINY_WAN, TINY_WAN_A14B)}
+    TINY_QWEN_IMAGE_EDIT, TINY_Z_IMAGE, TINY_FLUX2, TINY_FLUX2_DEV, TINY_WAN, TINY_WAN_A14B,
+    TINY_WAN_I2V, TINY_WAN22_TI2V)}

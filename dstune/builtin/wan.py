@@ -9,6 +9,15 @@ predicting flow with flow_shift 3.0). A 5-frame 32x32 clip is a (16, 2, 4, 4) la
 `builtin:tiny-wan-a14b` is the Wan 2.2 A14B layout on the same parts: two experts (`transformer` for the high-noise
 timesteps, `transformer_2` for the low-noise ones, each like tiny-wan's, seeded apart) and boundary_ratio 0.875 (the
 A14B text-to-video value), with flow_shift 12.0 (Wan 2.2 A14B's text-to-video sample shift).
+
+`builtin:tiny-wan-i2v` is the Wan 2.1 image-to-video layout (WanImageToVideoPipeline): the transformer takes 36
+input channels (16 noisy + 4 mask + 16 condition) and image embeddings (image_dim 32), beside a two-layer 32-wide
+CLIPVisionModel (32 px images in 8 px patches: 17 hidden states) and its CLIPImageProcessor (32 px).
+
+`builtin:tiny-wan22-ti2v` is the Wan 2.2 TI2V 5B layout (WanPipeline with expand_timesteps): the Wan 2.2 VAE
+(z_dim 48, residual, 2x2 pixel patches: 16x spatial, 4x temporal) at base width 8 with per-channel latents_mean /
+latents_std, and a transformer of 48 input channels; UniPC with flow_shift 5.0 (TI2V 5B's). A 5-frame 32x32 clip is
+a (48, 2, 2, 2) latent, 2 transformer tokens.
 """
 
 from __future__ import annotations
@@ -66,6 +75,66 @@ def _build(out: Path, two_experts: bool) -> dict:
             "vae_parameters": sum(p.numel() for p in vae.parameters())}
 
 
+def _tiny_clip():
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=CLIP_WIDTH, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=32, patch_size=8))
+    with quiet_hf_libraries():
+        processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return encoder, processor
+
+
+CLIP_WIDTH = 32
+# Wan2.1-I2V's transformer: 2 x 16 + 4 input channels, CLIP's image embeddings projected to the inner width
+TINY_WAN_I2V_TRANSFORMER = {**TINY_WAN_TRANSFORMER, "in_channels": 36, "image_dim": CLIP_WIDTH,
+                            "added_kv_proj_dim": 24}
+# Wan2.2's VAE layout (diffusers' TI2V 5B config at base width 8): residual blocks, 2x2 pixel patches in and out
+TINY_WAN22_VAE = dict(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                      temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                      patch_size=2, scale_factor_spatial=16,
+                      latents_mean=[round(0.05 * ((i * 7) % 11 - 5), 4) for i in range(48)],
+                      latents_std=[round(0.5 + 0.05 * ((i * 5) % 9), 4) for i in range(48)])
+
+
+def build_tiny_wan_i2v(out: Path, needs: dict) -> dict:
+    """builtin:tiny-wan-i2v: a Wan 2.1 image-to-video WanImageToVideoPipeline folder."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    with quiet_hf_libraries():
+        from diffusers import WanImageToVideoPipeline
+    with deterministic_cpu(_SEED + 2, BUILD_THREADS):
+        text_encoder = tiny_umt5_encoder()
+        vae = AutoencoderKLWan(**TINY_WAN_VAE)
+        transformer = WanTransformer3DModel(**TINY_WAN_I2V_TRANSFORMER)
+        image_encoder, image_processor = _tiny_clip()
+    pipeline = WanImageToVideoPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
+                                       scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER), image_encoder=image_encoder,
+                                       image_processor=image_processor, transformer=transformer)
+    with quiet_hf_libraries():
+        pipeline.save_pretrained(out, safe_serialization=True)
+    return {"transformer_parameters": sum(p.numel() for p in transformer.parameters())}
+
+
+def build_tiny_wan22_ti2v(out: Path, needs: dict) -> dict:
+    """builtin:tiny-wan22-ti2v: a Wan 2.2 TI2V (expand_timesteps) WanPipeline folder."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    with quiet_hf_libraries():
+        from diffusers import WanPipeline
+    with deterministic_cpu(_SEED + 3, BUILD_THREADS):
+        text_encoder = tiny_umt5_encoder()
+        vae = AutoencoderKLWan(**TINY_WAN22_VAE)
+        transformer = WanTransformer3DModel(**{**TINY_WAN_TRANSFORMER, "in_channels": 48, "out_channels": 48})
+    pipeline = WanPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
+                           scheduler=UniPCMultistepScheduler(**{**WAN_SCHEDULER, "flow_shift": 5.0}),
+                           expand_timesteps=True)
+    with quiet_hf_libraries():
+        pipeline.save_pretrained(out, safe_serialization=True)
+    return {"transformer_parameters": sum(p.numel() for p in transformer.parameters()),
+            "vae_parameters": sum(p.numel() for p in vae.parameters())}
+
+
 def build_tiny_wan(out: Path, needs: dict) -> dict:
     """builtin:tiny-wan: a Wan 2.1 WanPipeline folder."""
     return _build(out, two_experts=False)
@@ -86,3 +155,13 @@ TINY_WAN_A14B = BuiltinModel(
     description="Wan 2.2 A14B layout: two tiny Wan experts (high and low noise, boundary_ratio 0.875) on tiny-wan's "
                 "VAE and UMT5",
     build=build_tiny_wan_a14b)
+TINY_WAN_I2V = BuiltinModel(
+    name="tiny-wan-i2v", folder_name="tiny-wan-i2v-v1", family="wan",
+    description="Wan 2.1 image-to-video pipeline: tiny-wan's parts with a 36-channel transformer reading image "
+                "embeddings, and a two-layer 32-wide CLIPVisionModel with its CLIPImageProcessor",
+    build=build_tiny_wan_i2v)
+TINY_WAN22_TI2V = BuiltinModel(
+    name="tiny-wan22-ti2v", folder_name="tiny-wan22-ti2v-v1", family="wan",
+    description="Wan 2.2 TI2V layout (expand_timesteps): a tiny Wan 2.2 VAE (z_dim 48, 16x spatial) and a "
+                "48-channel Wan transformer, with tiny-wan's UMT5",
+    build=build_tiny_wan22_ti2v)

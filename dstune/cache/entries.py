@@ -40,7 +40,9 @@ class Entry:
     flip: bool = False  # latent entries
     size: tuple[int, int] | None = None  # latent entries with data.buckets: the bucket's (width, height)
     caption: str | None = None  # text entries
-    tensors: tuple[str, ...] = ()  # text entries: the family's TEXT_CACHE_TENSORS (empty: TEXT_TENSORS)
+    # text entries: the family's TEXT_CACHE_TENSORS (empty: TEXT_TENSORS); latent entries: the family's latent
+    # extras stored after LATENT_TENSORS (dstune.families.base.LatentExtras)
+    tensors: tuple[str, ...] = ()
 
     @property
     def relpath(self) -> str:
@@ -48,7 +50,7 @@ class Entry:
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
-        return LATENT_TENSORS if self.kind == "latent" else (self.tensors or TEXT_TENSORS)
+        return LATENT_TENSORS + self.tensors if self.kind == "latent" else (self.tensors or TEXT_TENSORS)
 
 
 # ------------------------------------------------------------------------------------------------------ keys
@@ -108,7 +110,7 @@ def text_key(caption: str, text_fingerprint: str, dtype: str, tensors: tuple[str
 def plan_entries(records, content_hashes: dict[str, str], fingerprints: dict[str, str], resolution: int,
                  random_flip: bool, caption_dropout: float, dtype: str, latents: bool, text: bool,
                  sizes: dict[str, tuple[int, int]] | None = None,
-                 text_tensors: tuple[str, ...] = TEXT_TENSORS) -> list[Entry]:
+                 text_tensors: tuple[str, ...] = TEXT_TENSORS, latent_tensors: tuple[str, ...] = ()) -> list[Entry]:
     """Every entry a run reads, in a fixed order (records in index order, then captions sorted): the same list on
     every rank and for every world size, which is what makes the split and the chunks deterministic.
     `sizes`: sample_id -> bucket (width, height) with data.buckets (dstune.data.buckets.sample_buckets)."""
@@ -122,7 +124,8 @@ def plan_entries(records, content_hashes: dict[str, str], fingerprints: dict[str
                 key = latent_key(record.sample_id, content_hashes[record.sample_id], fingerprints["vae"],
                                  resolution, flip, dtype, size)
                 name = f"{record.sample_id} (flipped)" if flip else record.sample_id
-                entries.append(Entry("latent", key, name, sample_id=record.sample_id, flip=flip, size=size))
+                entries.append(Entry("latent", key, name, sample_id=record.sample_id, flip=flip, size=size,
+                                     tensors=tuple(latent_tensors)))
     if text:
         captions = {record.caption for record in records}
         if caption_dropout > 0:

@@ -48,6 +48,11 @@ class LatentCacheJob:
     seed: int
     dtype: torch.dtype  # the frozen encoders' dtype (dstune.engine.PRECISION_DTYPES)
     video: bool = False  # a video family: entries are clips (dstune.data.video), keyed by data.video's choices too
+    # the family's LatentExtras for this run: (settings, subfolders) key the latent entries, encode adds tensors
+    latent_settings: str = ""
+    latent_folders: tuple[str, ...] = ()
+    latent_tensors: tuple[str, ...] = ()  # the names encode adds to each latent entry
+    latent_extras: Optional[Callable] = None  # (built, pixels) -> {name: Tensor[B, ...]}; None: the posterior only
 
 
 @dataclass
@@ -125,7 +130,8 @@ def _sizes(targets, data, video: bool) -> dict | None:
     return {**sizes, **{r.sample_id + CONTROL_SUFFIX: sizes[r.sample_id] for r in targets if r.control_path}}
 
 
-def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolution: int) -> tuple[dict, dict]:
+def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolution: int,
+                    extras: Optional[Callable] = None) -> tuple[dict, dict]:
     pixels, ok, failed = [], [], {}
     for entry in entries:
         try:
@@ -137,8 +143,11 @@ def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolutio
     tensors = {}
     for shape in dict.fromkeys(p.shape for p in pixels):  # one pass per shape: stills beside clips (video)
         same = [i for i, p in enumerate(pixels) if p.shape == shape]
-        mean, std = vae_posterior(built.vae, torch.stack([pixels[i] for i in same]).to(built.device, built.vae.dtype))
-        tensors.update({ok[i].key: {"latent_mean": mean[j].cpu(), "latent_std": std[j].cpu()}
+        stacked = torch.stack([pixels[i] for i in same]).to(built.device, built.vae.dtype)
+        mean, std = vae_posterior(built.vae, stacked)
+        more = extras(built, stacked) if extras is not None else {}
+        tensors.update({ok[i].key: {"latent_mean": mean[j].cpu(), "latent_std": std[j].cpu(),
+                                    **{name: value[j].cpu() for name, value in more.items()}}
                         for j, i in enumerate(same)})
     return tensors, failed
 
@@ -158,7 +167,8 @@ def _chunks(entries: list[Entry]) -> list[list[Entry]]:
     return out
 
 
-def _build_share(built, dataset, by_id: dict, folder: Path, chunks, resolution: int, encode_text: Callable) -> dict:
+def _build_share(built, dataset, by_id: dict, folder: Path, chunks, resolution: int, encode_text: Callable,
+                 extras: Optional[Callable] = None) -> dict:
     """Encode and write every entry of these chunks that is not already a complete, checksummed file.
     A chunk is encoded whole (same batches as any other world size) but only its bad entries are written."""
     counts = {"built": 0, "cached": 0, "failed": {}}
@@ -168,7 +178,7 @@ def _build_share(built, dataset, by_id: dict, folder: Path, chunks, resolution: 
         if not todo:
             continue
         if chunk[0].kind == "latent":
-            tensors, failed = _encode_latents(built, dataset, by_id, chunk, resolution)
+            tensors, failed = _encode_latents(built, dataset, by_id, chunk, resolution, extras)
         else:
             tensors, failed = _encode_texts(built, chunk, encode_text)
         counts["failed"].update(failed)
@@ -235,16 +245,20 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
     fingerprints = _fingerprints(job.model_folder, text.folders if text else ())
     if job.text_settings:  # e.g. flow's max_sequence_length: same encoders, other tensors
         fingerprints["text"] = bytes_sha256((fingerprints["text"] + job.text_settings).encode())
+    if job.latent_settings:  # e.g. Wan image-to-video: the condition (and its encoders) stored beside the posterior
+        extra = "".join(folder_fingerprint(job.model_folder / name) for name in job.latent_folders)
+        fingerprints["vae"] = bytes_sha256((fingerprints["vae"] + job.latent_settings + extra).encode())
     entries = plan_entries(records, hashes, fingerprints, data.resolution, data.random_flip, data.caption_dropout,
                            _dtype_name(job.dtype), cache_spec.latents, cache_spec.text_embeddings,
-                           _sizes(targets, data, job.video), text.tensor_names(job.model_folder) if text else ())
+                           _sizes(targets, data, job.video), text.tensor_names(job.model_folder) if text else (),
+                           job.latent_tensors)
     mine = [c for j, c in enumerate(_chunks(entries)) if j % len(group) == group.index(run.rank)]
     if verify_only:
         counts = _verify_share(folder, mine)
     else:
         dataset = (VideoCaptionDataset if job.video else ImageCaptionDataset)(data, targets, job.seed)
         counts = _build_share(built, dataset, {r.sample_id: r for r in records}, folder, mine, data.resolution,
-                              text.encode if text else None)
+                              text.encode if text else None, job.latent_extras)
     agree_or_stop(run, monitored_barrier(run, cache_spec.barrier_timeout_minutes))
     missing = {} if verify_only else {e.name: p for e in entries
                                       if (p := entry_problem(folder / e.relpath, e, full=False))}
@@ -288,11 +302,12 @@ def _conclude(run, data: DataSpec, folder, entries, reports, unreadable, verify_
 
 
 def offload_frozen(built, index: CacheIndex) -> list[str]:
-    """Move the encoders the cache replaces off the accelerator (kept in host memory for sampling): the VAE with
-    cached latents, every other frozen part (the text encoders, see dstune.families.base) with cached text."""
+    """Move the encoders the cache replaces off the accelerator (kept in host memory for sampling): the VAE (and an
+    image encoder, whose embeddings are latent extras) with cached latents, every other frozen part (the text
+    encoders, see dstune.families.base) with cached text."""
     moved = []
     for name, module in built.frozen.items():
-        cached = index.latents if name == "vae" else index.text
+        cached = index.latents if name in ("vae", "image_encoder") else index.text
         if cached and built.device.type != "cpu":
             module.to("cpu")
             moved.append(name)

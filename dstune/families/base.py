@@ -27,14 +27,17 @@ export(built, state_dict, out_dir, pretrained_folder=None)
 A Built holds at least `trainable` (the one nn.Module DeepSpeed wraps: train mode, requires_grad on), `folder`
 (the resolved pretrained folder) and `device`; its frozen companions are built outside any zero.Init, are in eval
 mode with requires_grad off, and never reach deepspeed.initialize. `frozen` (a property) maps each companion's
-attribute name to the module: "vae" for the VAE, every other entry a text encoder (or a codec).
+attribute name to the module: "vae" for the VAE, "image_encoder" for an image encoder, every other entry a text
+encoder (or a codec).
 
 Capabilities are declared, never probed: `modality` ("image", "video" or "audio": which data path and cache kinds
 apply; a video family's batches hold clips (B, 3, frames, H, W), dstune.data.video),
 `save_lora_weights` (None: the family cannot export a LoRA, so model.train: lora is refused before training), and
 `text_cache` (None: no data.cache.text_embeddings), `single_file` (None: model.pretrained cannot be a single
 checkpoint file). Latents need no hook: every image family's VAE posterior is
-stored as latent_mean / latent_std. Batches also carry each sample's `original_size` and `crop_top_left`
+stored as latent_mean / latent_std; `latent_extras` adds tensors made from the same pixels (Wan image-to-video's
+condition). `frozen`'s "vae" and "image_encoder" are replaced by data.cache.latents, the others by the text
+cache. Batches also carry each sample's `original_size` and `crop_top_left`
 (dstune.data.images.crop_fields), from the image loader and from the cache alike (sdxl conditions on them).
 
 Randomness. A sample's noise, timestep and the like depend only on (run seed, optimizer step, dataset index,
@@ -71,6 +74,17 @@ class TextCache:
 
 
 @dataclass(frozen=True)
+class LatentExtras:
+    """Tensors a family stores beside each clip's VAE posterior in the latent cache (data.cache.latents), made from
+    the same pixels by the frozen parts (Wan image-to-video: the first frame's condition latents and image
+    embedding), so that training from the cache needs no second VAE pass."""
+
+    key: Callable  # (model spec, model folder) -> (settings text, subfolders whose fingerprint keys the entries,
+    # the tensor names encode returns); ("", (), ()) when this run stores no extras (the plain posterior's entries)
+    encode: Callable  # (built, pixels (B, 3, frames, H, W) in [-1, 1]) -> {name: Tensor[B, ...]}, deterministic
+
+
+@dataclass(frozen=True)
 class SingleFileLayout:
     """How a family's single checkpoint file (original, non-diffusers key layout) is laid out, for
     dstune.pretrained, which converts it with diffusers' `from_single_file` into a pipeline folder."""
@@ -99,6 +113,7 @@ class Family:
     # build also takes zero3_config= (the run's DeepSpeed JSON under ZeRO-3) and then builds its trainable module
     # partitioned (deepspeed.zero.Init), so no rank holds a whole copy of it
     builds_partitioned: bool = False
+    latent_extras: Optional[LatentExtras] = None  # more tensors in each latent cache entry (None: the posterior only)
 
     @property
     def supports_lora(self) -> bool:

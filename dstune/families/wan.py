@@ -26,7 +26,9 @@ from typing import Callable, Optional
 
 import torch
 
-from dstune.families.base import Family, FamilyError, TextCache, per_sample_randn, sample_generator
+from dstune import wan_layouts
+from dstune.families import wan_i2v
+from dstune.families.base import Family, FamilyError, LatentExtras, TextCache, per_sample_randn, sample_generator
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
                                        load_trainable, non_reentrant_checkpoint, read_component_config,
                                        read_model_index, vae_posterior)
@@ -64,18 +66,24 @@ class WanBuilt:
     frozen_dtype: torch.dtype = torch.float32
     boundary_ratio: Optional[float] = None
     positions: tuple[int, int] = (0, 0)  # (first table position, how many) this expert trains on; (0, 0): all
+    kind: str = "t2v"  # the folder's layout (dstune.wan_layouts): t2v, i2v or ti2v
+    image_to_video: bool = False  # this run denoises from first frames (model.image_to_video, or the folder's)
+    image_encoder: Optional[torch.nn.Module] = None  # Wan 2.1 I2V's CLIPVisionModel, frozen
+    image_processor: object = None  # its CLIPImageProcessor
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:
-        return {"vae": self.vae, "text_encoder": self.text_encoder}
+        image = {"image_encoder": self.image_encoder} if self.image_encoder is not None else {}
+        return {"vae": self.vae, "text_encoder": self.text_encoder, **image}
 
 
 # ---------------------------------------------------------------------------------------------------- build
 
 
-def folder_problems(folder: Path, expert: Optional[str] = None, timestep_range=None) -> list[str]:
-    """Why `folder` is not a Wan text-to-video pipeline folder dstune trains with model.expert `expert` and
-    model.timestep_range (empty: it is)."""
+def folder_problems(folder: Path, expert: Optional[str] = None, image_to_video: Optional[bool] = None,
+                    timestep_range=None) -> list[str]:
+    """Why `folder` is not a Wan pipeline folder dstune trains with model.expert `expert`, model.image_to_video
+    `image_to_video` and model.timestep_range (empty: it is)."""
     index = read_model_index(folder)
     problems = expert_problems(index, expert, timestep_range)
     if "transformer_2" in experts_in(index) and not (folder / "transformer_2").is_dir():
@@ -87,19 +95,27 @@ def folder_problems(folder: Path, expert: Optional[str] = None, timestep_range=N
             problems.append(f"no `{name}` component (model_index.json entry and {name}/ subfolder)")
         elif expected is not None and listed != expected:
             problems.append(f"`{name}` is a {listed}; expected {expected}")
-    if (index.get("image_encoder") or [None, None])[1] is not None:
-        problems.append("it has an image_encoder (image-to-video), which dstune does not train yet")
-    if index.get("expand_timesteps"):
-        problems.append("it expands timesteps per token (Wan 2.2 TI2V), which dstune does not train yet")
     if not problems:
         vae, text = read_component_config(folder, "vae"), read_component_config(folder, "text_encoder")
         for name in experts_in(index):
             transformer = read_component_config(folder, name)
-            for key, want, source in (("in_channels", vae.get("z_dim"), "the VAE's z_dim"),
-                                      ("text_dim", text.get("d_model"), "the text encoder's d_model")):
-                if transformer.get(key) != want:
-                    problems.append(f"{name} {key} {transformer.get(key)} != {want} ({source})")
+            kind, found = wan_layouts.layout(index, transformer, vae)
+            problems += [f"{name}: {problem}" for problem in found]
+            if transformer.get("text_dim") != text.get("d_model"):
+                problems.append(f"{name} text_dim {transformer.get('text_dim')} != {text.get('d_model')} (the text "
+                                "encoder's d_model)")
+            if kind is not None and not found:
+                problem = wan_layouts.image_to_video(kind, image_to_video)[1]
+                problems += [problem] if problem and problem not in problems else []
     return problems
+
+
+def folder_mode(folder: Path, image_to_video: Optional[bool]) -> tuple[str, bool]:
+    """(layout, whether the run trains image-to-video) of a folder folder_problems accepted."""
+    index = read_model_index(folder)
+    kind, _ = wan_layouts.layout(index, read_component_config(folder, "transformer"),
+                               read_component_config(folder, "vae"))
+    return kind, wan_layouts.image_to_video(kind, image_to_video)[0]
 
 
 def train_tables(scheduler_config, shift: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -117,18 +133,19 @@ def train_tables(scheduler_config, shift: Optional[float]) -> tuple[torch.Tensor
 
 def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
           zero3_config: Optional[dict] = None) -> WanBuilt:
-    """The transformer fp32 on `device` (partitioned with `zero3_config`), the VAE and UMT5 frozen in
-    `dtype_for_frozen`. Never downloads; FamilyError listing every problem of a folder that is not a Wan 2.1 T2V
-    pipeline."""
+    """The transformer fp32 on `device` (partitioned with `zero3_config`), the VAE, UMT5 (and Wan 2.1 I2V's image
+    encoder) frozen in `dtype_for_frozen`. Never downloads; FamilyError listing every problem of a folder that is
+    not a Wan pipeline this spec can train."""
     import transformers
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
     folder = folders["pretrained"]
-    problems = folder_problems(folder, model.expert, model.timestep_range)
+    problems = folder_problems(folder, model.expert, model.image_to_video, model.timestep_range)
     if problems:
-        raise FamilyError(f"{folder} cannot be used as a Wan text-to-video pipeline (model.family wan):\n"
+        raise FamilyError(f"{folder} cannot be used as a Wan pipeline (model.family wan):\n"
                           + "\n".join(f"  - {p}" for p in problems))
     device = torch.device(device)
+    kind, image_to_video = folder_mode(folder, model.image_to_video)
     with quiet_hf_libraries():
         import diffusers
 
@@ -144,6 +161,9 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
     text_encoder = load_component(folder, "text_encoder", transformers.UMT5EncoderModel.from_pretrained,
                                   torch_dtype=dtype_for_frozen).to(device)
     tokenizer = load_component(folder, "tokenizer", transformers.AutoTokenizer.from_pretrained)
+    image_encoder, image_processor = None, None
+    if image_to_video and transformer.config.image_dim is not None:  # Wan 2.1 I2V: CLIP's image embedding
+        image_encoder, image_processor = wan_i2v.load_image_encoder(folder, dtype_for_frozen, device)
     max_length = model.max_sequence_length or min(DEFAULT_MAX_SEQUENCE_LENGTH, tokenizer.model_max_length)
     timesteps, sigmas, _ = train_tables(dict(scheduler.config), model.shift)
     return WanBuilt(folder=folder, device=device, trainable=transformer, vae=vae.eval().requires_grad_(False),
@@ -151,7 +171,9 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
                     scheduler=scheduler, train_timesteps=timesteps, train_sigmas=sigmas, settings=model,
                     max_sequence_length=int(max_length), transformer_config=dict(transformer.config),
                     trained_name=trained_name, boundary_ratio=boundary, frozen_dtype=dtype_for_frozen,
-                    positions=expert_positions(timesteps, model, read_model_index(folder), scheduler.config))
+                    positions=expert_positions(timesteps, model, read_model_index(folder), scheduler.config),
+                    kind=kind, image_to_video=image_to_video, image_encoder=image_encoder,
+                    image_processor=image_processor)
 
 
 def expert_positions(timesteps: torch.Tensor, model: WanModel, index: dict, scheduler_config) -> tuple[int, int]:
@@ -170,17 +192,17 @@ def expert_positions(timesteps: torch.Tensor, model: WanModel, index: dict, sche
 
 
 def _pipeline(built: WanBuilt, transformer=None, vae=None):
-    """WanPipeline around the built parts (references, no copies); without transformer and VAE the text side. With
-    two experts the trained one sits in its own slot and the other beside it."""
+    """WanPipeline (WanImageToVideoPipeline for image-to-video samples) around the built parts (references, no
+    copies); without transformer and VAE the text side. With two experts the trained one sits in its own slot and
+    the other beside it."""
     experts = {"transformer": transformer}
     if transformer is not None and built.other_expert is not None:
         other = "transformer" if built.trained_name == "transformer_2" else "transformer_2"
         experts = {built.trained_name: transformer, other: built.other_expert}
+    cls, extra = wan_i2v.pipeline_class(built, transformer)
     with quiet_hf_libraries():
-        from diffusers import WanPipeline
-
-        pipeline = WanPipeline(tokenizer=built.tokenizer, text_encoder=built.text_encoder, vae=vae,
-                               scheduler=built.scheduler, boundary_ratio=built.boundary_ratio, **experts)
+        pipeline = cls(tokenizer=built.tokenizer, text_encoder=built.text_encoder, vae=vae, scheduler=built.scheduler,
+                       boundary_ratio=built.boundary_ratio, **experts, **extra)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 
@@ -197,13 +219,26 @@ def encode_captions(built: WanBuilt, captions: list[str]) -> dict[str, torch.Ten
     return {"encoder_hidden_states": embeds}
 
 
+def wan_i2v_cache_key(model: WanModel, folder: Path) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """What keys the latent entries of an image-to-video run beside the VAE: the mode (the condition stored with
+    the posterior) and the image encoder's folders, and the tensors stored; ("", (), ()) for text-to-video (the
+    entries are the posterior's)."""
+    kind, image = folder_mode(Path(folder), model.image_to_video)
+    if not image:
+        return "", (), ()
+    if read_component_config(folder, "transformer").get("image_dim") is None:
+        return f"image_to_video/{kind}", (), (wan_i2v.CONDITION,)
+    return f"image_to_video/{kind}", ("image_encoder", "image_processor"), (wan_i2v.CONDITION, wan_i2v.IMAGE_EMBEDS)
+
+
 def text_cache_settings(model: WanModel) -> str:
     return f"max_sequence_length={model.max_sequence_length}"
 
 
 def encode_batch(built: WanBuilt, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
-    """The VAE posterior of the clips (mean, std: float32, (B, 16, f, h, w), unnormalised), the caption embeddings
-    (in `dtype`) and the dataset indices; cached tensors are used as stored. No random draws."""
+    """The VAE posterior of the clips (mean, std: float32, (B, z_dim, f, h, w), unnormalised), the caption embeddings
+    (in `dtype`), the dataset indices and, for image-to-video, the first frame's condition (dstune.families.wan_i2v);
+    cached tensors are used as stored. No random draws."""
     indices = torch.as_tensor(batch_field(batch, "indices", "index"), dtype=torch.long)
     if "latent_mean" in batch:
         mean, std = batch["latent_mean"].to(built.device).float(), batch["latent_std"].to(built.device).float()
@@ -225,7 +260,17 @@ def encode_batch(built: WanBuilt, batch: dict, dtype: torch.dtype = torch.float3
                              f"{built.max_sequence_length}: delete data.cache.dir (or choose another) to re-encode.")
     else:
         text = encode_captions(built, list(batch_field(batch, "captions", "caption")))["encoder_hidden_states"]
-    return {"latent_mean": mean, "latent_std": std, "encoder_hidden_states": text.to(dtype), "indices": indices}
+    out = {"latent_mean": mean, "latent_std": std, "encoder_hidden_states": text.to(dtype), "indices": indices}
+    if built.image_to_video:  # from the cache as stored, else from the clips' first frames
+        cached = {name: batch[name].to(built.device) for name in (wan_i2v.CONDITION, wan_i2v.IMAGE_EMBEDS)
+                  if name in batch}
+        out.update(cached or wan_i2v.condition_tensors(built, batch_field(batch, "pixel_values")))
+        problem = wan_i2v.needs_condition(built, out)
+        if problem:
+            raise ValueError(problem)
+        if wan_i2v.IMAGE_EMBEDS in out:
+            out[wan_i2v.IMAGE_EMBEDS] = out[wan_i2v.IMAGE_EMBEDS].to(dtype)
+    return out
 
 
 def noisy_and_target(built: WanBuilt, latents: torch.Tensor, noise: torch.Tensor, positions: torch.Tensor):
@@ -237,7 +282,8 @@ def noisy_and_target(built: WanBuilt, latents: torch.Tensor, noise: torch.Tensor
 
 
 def loss(built: WanBuilt, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
-    """The flow-matching loss of one micro batch (mean over its samples)."""
+    """The flow-matching loss of one micro batch (mean over its samples): velocity noise - x0 over the clip's
+    latents (Wan 2.2 TI2V image-to-video: over the latent frames after the first, which is the clean image)."""
     mean, std = encoded["latent_mean"], encoded["latent_std"]
     indices, device = encoded["indices"].tolist(), mean.device
     draw = lambda shape, purpose: per_sample_randn(shape, seed, step, indices, purpose).to(device)  # noqa: E731
@@ -248,11 +294,14 @@ def loss(built: WanBuilt, trainable_forward: Callable, encoded: dict, seed: int,
     positions = first + positions.clamp(0, count - 1)  # u == 1.0 (a float32 sigmoid can round up)
     timesteps, sigmas, noisy, _ = noisy_and_target(built, latents, noise, positions)
     dtype = next(built.trainable.parameters()).dtype
-    prediction = trainable_forward(hidden_states=noisy.to(dtype), timestep=timesteps.to(dtype),
+    hidden, timestep, extra, first = wan_i2v.transformer_inputs(built, noisy, timesteps, encoded)
+    prediction = trainable_forward(hidden_states=hidden.to(dtype), timestep=timestep.to(dtype),
                                    encoder_hidden_states=encoded["encoder_hidden_states"].to(dtype),
-                                   return_dict=False)[0]
+                                   return_dict=False, **{k: v.to(dtype) for k, v in extra.items()})[0]
     weights = loss_weights(built.settings.loss_weighting, sigmas)
-    return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights, False).mean()
+    # TI2V image-to-video: the first latent frame was given clean, so only the frames after it count
+    return flow_loss_per_sample(prediction[:, :, first:], noisy[:, :, first:], latents[:, :, first:],
+                                noise[:, :, first:], sigmas, weights, False).mean()
 
 
 # ------------------------------------------------------------------------------------------------- sampling
@@ -261,9 +310,11 @@ def loss(built: WanBuilt, trainable_forward: Callable, encoded: dict, seed: int,
 def sample(built: WanBuilt, transformer_module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec,
            resolution: int) -> list:
     """One clip (a list of PIL frames, model.sample_frames long) per prompt, by WanPipeline around
-    `transformer_module`; prompt i starts from the noise of (sample_spec.seed, i)."""
+    `transformer_module` (image-to-video: WanImageToVideoPipeline from sample.control_images[i], the clip's first
+    frame); prompt i starts from the noise of (sample_spec.seed, i)."""
     if not prompts:
         return []
+    images = wan_i2v.sample_images(sample_spec.control_images, prompts) if built.image_to_video else None
     factor = built.vae.config.scale_factor_spatial * built.transformer_config["patch_size"][1]
     side = max(factor, resolution // factor * factor)
     was_training = transformer_module.training
@@ -274,7 +325,9 @@ def sample(built: WanBuilt, transformer_module: torch.nn.Module, prompts: list[s
                 inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype):
             pipeline = _pipeline(built, transformer_module, built.vae)
             for number, prompt in enumerate(prompts):  # one generator per prompt (WanPipeline takes one)
-                result = pipeline(prompt=prompt, height=side, width=side, num_frames=built.settings.sample_frames,
+                inputs = {"prompt": prompt} if images is None else {"image": images[number], **wan_i2v.prompt_inputs(
+                    _pipeline(built), prompt, sample_spec.guidance, built.max_sequence_length, built.device)}
+                result = pipeline(**inputs, height=side, width=side, num_frames=built.settings.sample_frames,
                                   guidance_scale=sample_spec.guidance, num_inference_steps=sample_spec.steps,
                                   generator=sample_generator(sample_spec.seed, 0, number, "sample"),
                                   output_type="pil", max_sequence_length=built.max_sequence_length)
@@ -307,8 +360,9 @@ def other_expert_loaded(built: WanBuilt):
 
 
 def export(built: WanBuilt, transformer_state_dict: dict, out_dir, pretrained_folder=None) -> Path:
-    """A complete WanPipeline folder: the trained transformer (loaded strictly into a fresh one from the source
-    config) and the other components copied unchanged, written atomically."""
+    """A complete pipeline folder of the source's class (WanPipeline, WanImageToVideoPipeline): the trained
+    transformer (loaded strictly into a fresh one from the source config) and the other components copied
+    unchanged, written atomically."""
     from diffusers import WanTransformer3DModel
 
     transformer = WanTransformer3DModel.from_config(built.transformer_config)
@@ -335,4 +389,4 @@ FAMILY = Family(
     name="wan", modality="video", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_clip_grid, export=export, save_lora_weights=save_lora_weights,
     text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_TENSORS, encode_captions, text_cache_settings),
-    builds_partitioned=True)
+    builds_partitioned=True, latent_extras=LatentExtras(wan_i2v_cache_key, wan_i2v.condition_tensors))

@@ -266,7 +266,8 @@ class SampleSpec(Section):
     seed: int = Field(0, ge=0, description="Sampling seed, so grids from different steps are comparable.")
     control_images: list[str] = Field(
         default_factory=list, description="Edit models (Qwen-Image-Edit): the source image of each prompt, one path "
-        "per prompt in the same order; each sample edits its source as the prompt says. Other models: none.")
+        "per prompt in the same order; each sample edits its source as the prompt says. Wan image-to-video "
+        "(model.image_to_video): the first frame of each prompt's clip. Other models: none.")
 
     @model_validator(mode="after")
     def _one_source_per_prompt(self) -> "SampleSpec":

@@ -12,14 +12,17 @@ from dstune.spec.model_sections import DenoiserModelBase
 
 class WanModel(DenoiserModelBase):
     family: Literal["wan"] = Field(
-        description="Model family. `wan`: Wan 2.1 text-to-video (WanTransformer3DModel, AutoencoderKLWan, UMT5), "
-        "trained on clips by flow matching. See docs/family-wan.md."
+        description="Model family. `wan`: Wan 2.1 / 2.2 video (WanTransformer3DModel, AutoencoderKLWan, UMT5): "
+        "text-to-video, image-to-video (Wan 2.1 I2V with its CLIP image encoder, Wan 2.2 I2V A14B) and Wan 2.2 TI2V "
+        "5B, trained on clips by flow matching. See docs/family-wan.md."
     )
     pretrained: str = Field(
         "builtin:tiny-wan",
-        description="A diffusers WanPipeline folder (model_index.json + transformer/vae/text_encoder/tokenizer/"
-        "scheduler), e.g. Wan-AI/Wan2.1-T2V-14B-Diffusers already in the local Hugging Face cache, or "
-        "`builtin:tiny-wan` (a tiny model built offline).",
+        description="A diffusers WanPipeline or WanImageToVideoPipeline folder (model_index.json + transformer/vae/"
+        "text_encoder/tokenizer/scheduler, and image_encoder/image_processor for Wan 2.1 I2V), e.g. "
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers already in the local Hugging Face cache, or a tiny model built offline: "
+        "`builtin:tiny-wan`, `builtin:tiny-wan-a14b` (two experts), `builtin:tiny-wan-i2v` (Wan 2.1 I2V layout), "
+        "`builtin:tiny-wan22-ti2v` (Wan 2.2 TI2V layout).",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute each transformer block's activations in backward (torch non-reentrant "
@@ -58,6 +61,14 @@ class WanModel(DenoiserModelBase):
         "(high_noise: min >= boundary_ratio x 1000; low_noise: max <= boundary_ratio x 1000, and t == boundary "
         "stays the high-noise expert's, as in WanPipeline). Omitted: every timestep (of the expert's side). "
         "`dstune validate` prints the range a run trains.")
+    image_to_video: Optional[bool] = Field(
+        None, description="Train image-to-video: every clip is denoised from its own first frame, conditioned as "
+        "WanImageToVideoPipeline conditions it (Wan 2.1 I2V / 2.2 I2V A14B: the first frame and zeros VAE-encoded, "
+        "a first-frame mask, and Wan 2.1's CLIP image embedding; Wan 2.2 TI2V: the first latent frame replaced by "
+        "the clean image latent, its tokens at timestep 0, left out of the loss). Omitted: what the folder is "
+        "(image-to-video folders: true; text-to-video folders and Wan 2.2 TI2V: false). true on a text-to-video "
+        "folder and false on an image-to-video one are refused. Samples then render from sample.control_images "
+        "(one first frame per prompt).")
     sample_frames: int = Field(
         5, gt=0, description="Frames of each clip rendered for `sample.prompts` during training (4k+1; the samples "
         "page plays them as animated WebP, with an MP4 of each step beside it).")

@@ -9,7 +9,12 @@ builtin:tiny-wan-a14b) on CPU, four launches in all:
   sliding chunks, with only the text cache: every step trains on one (frames, width, height) bucket (the batch
   check), only adapters train, and the LoRA file loads with WanPipeline.load_lora_weights and changes the frames;
 - the low-noise expert of the two-expert model (Wan 2.2 A14B layout), full under ZeRO 2: its export holds the
-  trained `transformer_2` and the other expert's weights bit-identical to the base folder's.
+  trained `transformer_2` and the other expert's weights bit-identical to the base folder's;
+- image-to-video trains from first frames: builtin:tiny-wan-i2v (Wan 2.1 I2V layout) in full under ZeRO 2 from the
+  latent cache (condition latents and CLIP embedding stored beside each clip's posterior), samples rendered from a
+  first frame, the export rendered by WanImageToVideoPipeline from an image; builtin:tiny-wan22-ti2v (Wan 2.2 TI2V)
+  with LoRA under ZeRO 3 in image-to-video mode, the LoRA file loaded into WanImageToVideoPipeline (expand_timesteps)
+  changing the frames.
 """
 
 from __future__ import annotations
@@ -184,3 +189,96 @@ def test_two_expert_run_trains_one_expert_and_leaves_the_other_bit_identical(run
     assert set(other) == set(start) and all(torch.equal(other[k], start[k]) for k in start)
     trained, before = load_file(export / "transformer_2" / weights), load_file(base / "transformer_2" / weights)
     assert set(trained) == set(before) and any(not torch.equal(trained[k], before[k]) for k in before)
+
+
+# ------------------------------------------------------------------------------------------ image-to-video
+
+I2V, TI2V = "tiny-wan-i2v", "tiny-wan22-ti2v"
+
+
+def _first_frame(folder: Path) -> Path:
+    from dstune.data.synthetic import render_moving_shape
+
+    frames, _ = render_moving_shape(0, 32, 5)  # "a red circle moving left"
+    folder.mkdir(parents=True, exist_ok=True)
+    frames[0].save(folder / "first.png")
+    return folder / "first.png"
+
+
+@pytest.fixture(scope="module")
+def i2v_runs(tmp_path_factory) -> dict:
+    from dstune.builtin import ensure_builtin_model
+
+    out = {}
+    for name, model, stage, train in (("i2v", I2V, 2, "full"), ("ti2v", TI2V, 3, "lora")):
+        ensure_builtin_model(model, CACHE_DIR)
+        run_dir = tmp_path_factory.mktemp(name) / "run"
+        image = _first_frame(run_dir.parent / "images")
+        cache = {"latents": train == "full", "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
+        spec = _spec(run_dir, stage, train, {"path": "builtin:moving-shapes", "cache": cache},
+                     {"pretrained": f"builtin:{model}", **({"image_to_video": True} if model == TI2V else {})})
+        spec["sample"] = {**spec["sample"], "prompts": [PROMPT], "control_images": [str(image)]}
+        spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
+        started = time.perf_counter()
+        out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2), image)
+        print(f"launch {name}: {time.perf_counter() - started:.1f} s wall")
+    return out
+
+
+def _render_from_image(pipeline, image: Path) -> torch.Tensor:
+    """Frames from the first frame; the prompt embedded by WanPipeline.encode_prompt (WanImageToVideoPipeline's
+    own prompt cleaning needs ftfy, which dstune does not install)."""
+    from diffusers import WanPipeline
+    from PIL import Image
+
+    text = WanPipeline(tokenizer=pipeline.tokenizer, text_encoder=pipeline.text_encoder, vae=None, transformer=None,
+                       scheduler=pipeline.scheduler)
+    embeds, _ = text.encode_prompt(PROMPT, do_classifier_free_guidance=False, max_sequence_length=32)
+    with Image.open(image) as first:
+        return pipeline(image=first.convert("RGB"), prompt_embeds=embeds, height=32, width=32, num_frames=5,
+                        num_inference_steps=2, guidance_scale=1.0, generator=torch.Generator().manual_seed(0),
+                        output_type="pt").frames.float()
+
+
+def test_image_to_video_trains_from_first_frames_and_the_export_renders_from_an_image(i2v_runs):
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from dstune.cache.entries import read_entry
+
+    run_dir, _, proc, image = i2v_runs["i2v"]
+    check_trains(run_dir, proc)
+    assert "entries, built now" in proc.stdout
+    entries = [read_entry(path) for path in (run_dir.parent / "cache").rglob("*.safetensors")]
+    latent_entries = [entry for entry in entries if "latent_mean" in entry]
+    assert latent_entries and all(entry["condition_mean"].shape == (16, 2, 4, 4) and
+                                  entry["image_embeds"].shape == (17, 32) for entry in latent_entries)
+    export = run_dir / "export" / f"step-{STEPS:08d}"
+    trained, start = load_file(export / TRANSFORMER), load_file(base_folder(I2V) / TRANSFORMER)
+    assert set(trained) == set(start) and any(not torch.equal(trained[k], start[k]) for k in start)
+    pipeline = WanImageToVideoPipeline.from_pretrained(export)
+    frames = _render_from_image(pipeline, image)
+    assert frames.shape == (1, 5, 3, 32, 32) and torch.isfinite(frames).all()
+    assert not torch.allclose(frames, _render_from_image(WanImageToVideoPipeline.from_pretrained(base_folder(I2V)),
+                                                         image))
+    with Image.open(run_dir / "samples" / f"step-{STEPS:06d}.png") as sample:
+        assert sample.is_animated and sample.n_frames == 5
+
+
+def test_ti2v_image_to_video_lora_loads_and_changes_the_frames(i2v_runs):
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from safetensors.torch import load_file
+
+    run_dir, _, proc, image = i2v_runs["ti2v"]
+    check_trains(run_dir, proc)
+    export = run_dir / "export" / f"step-{STEPS:08d}"
+    adapters = load_file(export / "pytorch_lora_weights.safetensors")
+    assert adapters and max(t.abs().max().item() for k, t in adapters.items() if ".lora_B." in k) > 0
+    parts = WanPipeline.from_pretrained(base_folder(TI2V)).components
+    pipeline = WanImageToVideoPipeline(**{k: v for k, v in parts.items() if k != "transformer_2"},
+                                       expand_timesteps=True)
+    before = _render_from_image(pipeline, image)
+    pipeline.load_lora_weights(export)
+    after = _render_from_image(pipeline, image)
+    assert after.shape == (1, 5, 3, 32, 32) and torch.isfinite(after).all() and not torch.allclose(after, before)

@@ -17,7 +17,8 @@ PACKAGE = REPO / "dstune"
 # module or a package (then it covers everything under it). Keep in step with docs/architecture.md.
 LAYERS = [
     ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves"],
-    ["dstune.world", "dstune.plan", "dstune.resume_plan", "dstune.token_layouts", "dstune.memory_plan",
+    ["dstune.world", "dstune.plan", "dstune.resume_plan", "dstune.token_layouts", "dstune.wan_layouts",
+     "dstune.memory_plan",
      "dstune.activations"],
     ["dstune.distributed", "dstune.ds_config", "dstune.ds_user_config", "dstune.ds_file_spec", "dstune.data",
      "dstune.families", "dstune.ema", "dstune.model_sizes", "dstune.memory_record"],

@@ -1,0 +1,278 @@
+"""Image-to-video for model.family wan on builtin:tiny-wan-i2v (Wan 2.1 I2V layout) and builtin:tiny-wan22-ti2v (Wan 2.2
+TI2V layout): the transformer inputs dstune builds equal what diffusers' pipelines feed the same transformer, the
+loss equals the reference trainers' (musubi-tuner for Wan 2.1 I2V, DiffSynth-Studio for TI2V) on the same draws, and
+folders and settings that do not fit are refused with the key and the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstune import builtin as tiny
+from dstune.data.index import list_samples
+from dstune.data.video import VideoCaptionDataset, collate_video
+from dstune.families import wan, wan_i2v
+from dstune.families.base import FamilyError, per_sample_randn
+from dstune.families.flow_matching import timestep_density
+from dstune.pretrained import build_model
+from dstune.spec.models import DataSpec, SampleSpec, WanModel
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+SEED, STEP, INDICES = 5, 2, [1, 8, 13]
+I2V, TI2V = "builtin:tiny-wan-i2v", "builtin:tiny-wan22-ti2v"
+
+
+def _batch(indices=INDICES, frames=5) -> dict:
+    data = DataSpec(path="builtin:moving-shapes", video={"frames": frames})
+    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED)
+    return collate_video([dataset[i] for i in indices])
+
+
+@pytest.fixture(scope="module")
+def i2v():
+    return build_model(WanModel(family="wan", pretrained=I2V), CACHE_DIR, "cpu")
+
+
+@pytest.fixture(scope="module")
+def ti2v_image():
+    return build_model(WanModel(family="wan", pretrained=TI2V, image_to_video=True), CACHE_DIR, "cpu")
+
+
+def _captured(pipeline, transformer_name="transformer", **call) -> dict:
+    """The keyword arguments of the transformer's first call while `pipeline` renders one step."""
+    seen = {}
+    module = getattr(pipeline, transformer_name)
+    hook = module.register_forward_pre_hook(lambda _m, _a, kwargs: seen.setdefault("kwargs", kwargs) and None,
+                                            with_kwargs=True)
+    try:
+        pipeline(height=32, width=32, num_frames=5, num_inference_steps=1, guidance_scale=1.0, output_type="latent",
+                 **call)
+    finally:
+        hook.remove()
+    return seen["kwargs"]
+
+
+def test_wan21_i2v_inputs_are_what_wan_image_to_video_pipeline_feeds_the_transformer(i2v):
+    """mask + condition channels and the image embedding: the pipeline is given the clip's first frame as the image
+    and dstune's own noisy latents and text, and its transformer call is captured."""
+    from diffusers import WanImageToVideoPipeline
+
+    pipeline = WanImageToVideoPipeline.from_pretrained(i2v.folder)
+    batch = _batch([3])
+    encoded = wan.encode_batch(i2v, batch)
+    noisy = per_sample_randn((16, 2, 4, 4), SEED, STEP, [3], "noise")
+    seen = _captured(pipeline, image=wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0],
+                     prompt_embeds=encoded["encoder_hidden_states"], latents=noisy.clone())
+    t = pipeline.scheduler.timesteps[:1]
+    hidden, timestep, extra, first = wan_i2v.transformer_inputs(i2v, noisy, t, encoded)
+    assert hidden.shape == seen["hidden_states"].shape == (1, 36, 2, 4, 4) and first == 0
+    assert torch.allclose(hidden, seen["hidden_states"], atol=1e-6)
+    assert torch.equal(hidden[:, 16:20, 0], torch.ones(1, 4, 4, 4)) and not hidden[:, 16:20, 1:].any()
+    assert torch.equal(timestep, seen["timestep"])
+    assert torch.allclose(extra["encoder_hidden_states_image"], seen["encoder_hidden_states_image"], atol=1e-6)
+    image = wan_i2v.frame_images(batch["pixel_values"][:, :, 0])  # and the pipeline's own encode_image
+    assert torch.allclose(encoded["image_embeds"], pipeline.encode_image(image, "cpu"), atol=1e-6)
+    assert encoded["image_embeds"].shape == (1, 17, 32)  # CLIP's 16 patches + class token, hidden_states[-2]
+
+
+def test_wan21_i2v_loss_is_the_reference_trainers_on_the_same_draws(i2v):
+    """musubi-tuner's Wan I2V step: y = cat(mask, condition latents), clip_fea = CLIP's hidden_states[-2], the
+    transformer on cat(noisy, y), MSE against noise - latents over the whole clip. Rebuilt here from the pipeline's
+    own prepare_latents / encode_image on the same posterior draw, noise and timesteps."""
+    from diffusers import WanImageToVideoPipeline
+
+    pipeline = WanImageToVideoPipeline.from_pretrained(i2v.folder)
+    batch = _batch()
+    encoded = wan.encode_batch(i2v, batch)
+    mean, std = encoded["latent_mean"], encoded["latent_std"]
+    shift = torch.tensor(i2v.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    scale = torch.tensor(i2v.vae.config.latents_std).view(1, -1, 1, 1, 1)
+    latents = (mean + std * per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "vae_posterior") - shift) / scale
+    noise = per_sample_randn(latents.shape[1:], SEED, STEP, INDICES, "noise")
+    positions = (timestep_density(i2v.settings, SEED, STEP, INDICES) * 1000).long().clamp(0, 999)
+    t, sigma = i2v.train_timesteps[positions], i2v.train_sigmas[positions].view(-1, 1, 1, 1, 1)
+    noisy = (1 - sigma) * latents + sigma * noise
+    losses = []
+    for row, frame in enumerate(wan_i2v.frame_images(batch["pixel_values"][:, :, 0])):
+        image = pipeline.video_processor.preprocess(frame, height=32, width=32)
+        _, y = pipeline.prepare_latents(image, 1, 16, 32, 32, 5, torch.float32, "cpu")
+        clip_fea = pipeline.encode_image([frame], "cpu")
+        with torch.no_grad():
+            prediction = i2v.trainable(hidden_states=torch.cat([noisy[row:row + 1], y], dim=1), timestep=t[row:row + 1],
+                                       encoder_hidden_states=encoded["encoder_hidden_states"][row:row + 1],
+                                       encoder_hidden_states_image=clip_fea, return_dict=False)[0]
+        losses.append(torch.nn.functional.mse_loss(prediction, noise[row:row + 1] - latents[row:row + 1]))
+    with torch.no_grad():
+        value = wan.loss(i2v, i2v.trainable, encoded, SEED, STEP)
+    assert value.item() == pytest.approx(torch.stack(losses).mean().item(), rel=1e-6)
+
+
+def test_ti2v_text_to_video_timesteps_are_expanded_per_token_as_wan_pipeline_does():
+    from diffusers import WanPipeline
+
+    built = build_model(WanModel(family="wan", pretrained=TI2V), CACHE_DIR, "cpu")
+    assert (built.kind, built.image_to_video) == ("ti2v", False)
+    pipeline = WanPipeline.from_pretrained(built.folder)
+    assert pipeline.config.expand_timesteps and pipeline.vae.config.z_dim == 48
+    encoded = wan.encode_batch(built, _batch([2]))
+    assert encoded["latent_mean"].shape == (1, 48, 2, 2, 2) and "condition_mean" not in encoded
+    noisy = per_sample_randn((48, 2, 2, 2), SEED, STEP, [2], "noise")
+    seen = _captured(pipeline, prompt_embeds=encoded["encoder_hidden_states"], latents=noisy.clone())
+    hidden, timestep, _, first = wan_i2v.transformer_inputs(built, noisy, pipeline.scheduler.timesteps[:1], encoded)
+    assert torch.equal(hidden, seen["hidden_states"]) and first == 0
+    assert timestep.shape == seen["timestep"].shape == (1, 2) and torch.equal(timestep, seen["timestep"])
+
+
+def test_ti2v_image_to_video_replaces_the_first_latent_frame_and_zeroes_its_timesteps(ti2v_image):
+    """WanImageToVideoPipeline with expand_timesteps (built from the TI2V folder's parts, as diffusers documents for
+    Wan 2.2 TI2V image-to-video): the first latent frame is the image's VAE mode, its tokens at timestep 0."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    parts = WanPipeline.from_pretrained(ti2v_image.folder).components
+    pipeline = WanImageToVideoPipeline(**{k: v for k, v in parts.items() if k != "transformer_2"},
+                                       expand_timesteps=True)
+    batch = _batch([4], frames=9)
+    encoded = wan.encode_batch(ti2v_image, batch)
+    assert encoded["condition_mean"].shape == (1, 48, 1, 2, 2)
+    noisy = per_sample_randn((48, 3, 2, 2), SEED, STEP, [4], "noise")
+    seen = {}
+    hook = pipeline.transformer.register_forward_pre_hook(
+        lambda _m, _a, kwargs: seen.setdefault("kwargs", kwargs) and None, with_kwargs=True)
+    first_frame = wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0]
+    pipeline(image=first_frame, prompt_embeds=encoded["encoder_hidden_states"], latents=noisy.clone(), height=32,
+             width=32, num_frames=9, num_inference_steps=1, guidance_scale=1.0, output_type="latent")
+    hook.remove()
+    t = pipeline.scheduler.timesteps[:1]
+    hidden, timestep, _, first = wan_i2v.transformer_inputs(ti2v_image, noisy, t, encoded)
+    assert first == 1 and torch.allclose(hidden, seen["kwargs"]["hidden_states"], atol=1e-6)
+    assert torch.equal(hidden[:, :, 1:], noisy[:, :, 1:]) and not torch.equal(hidden[:, :, :1], noisy[:, :, :1])
+    assert torch.equal(timestep, seen["kwargs"]["timestep"])
+    assert timestep[0, :1].eq(0).all() and timestep[0, 1:].eq(t).all()
+
+
+def test_ti2v_image_to_video_loss_leaves_the_given_first_frame_out_as_diffsynth_does(ti2v_image):
+    """DiffSynth-Studio's TI2V step: the noisy latents' first frame replaced by the clean image latent, timestep 0 on
+    its tokens, and the MSE against noise - latents over the latent frames after the first."""
+    batch = _batch(INDICES, frames=9)
+    encoded = wan.encode_batch(ti2v_image, batch)
+    mean, std = encoded["latent_mean"], encoded["latent_std"]
+    config = ti2v_image.vae.config
+    shift, scale = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (config.latents_mean, config.latents_std))
+    latents = (mean + std * per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "vae_posterior") - shift) / scale
+    noise = per_sample_randn(latents.shape[1:], SEED, STEP, INDICES, "noise")
+    positions = (timestep_density(ti2v_image.settings, SEED, STEP, INDICES) * 1000).long().clamp(0, 999)
+    t, sigma = ti2v_image.train_timesteps[positions], ti2v_image.train_sigmas[positions].view(-1, 1, 1, 1, 1)
+    noisy = (1 - sigma) * latents + sigma * noise
+    noisy[:, :, :1] = (encoded["condition_mean"] - shift) / scale
+    per_token = torch.ones(3, 1, 1)
+    per_token[0] = 0
+    timestep = per_token.flatten()[None] * t[:, None]
+    with torch.no_grad():
+        prediction = ti2v_image.trainable(hidden_states=noisy, timestep=timestep, return_dict=False,
+                                          encoder_hidden_states=encoded["encoder_hidden_states"])[0]
+        value = wan.loss(ti2v_image, ti2v_image.trainable, encoded, SEED, STEP)
+    reference = torch.nn.functional.mse_loss(prediction[:, :, 1:], (noise - latents)[:, :, 1:])
+    assert value.item() == pytest.approx(reference.item(), rel=1e-6)
+    full = torch.nn.functional.mse_loss(prediction, noise - latents)  # the first frame's error is not in it
+    assert value.item() != pytest.approx(full.item(), rel=1e-3)
+
+
+def test_i2v_trains_and_samples_render_from_a_first_frame(i2v, tmp_path):
+    encoded = wan.encode_batch(i2v, _batch())
+    value = wan.loss(i2v, i2v.trainable, encoded, SEED, STEP)
+    value.backward()
+    grads = [p.grad for p in i2v.trainable.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    i2v.trainable.zero_grad(set_to_none=True)
+    frames = wan_i2v.frame_images(_batch([0, 1])["pixel_values"][:, :, 0])
+    paths = []
+    for number, frame in enumerate(frames):
+        paths.append(str(tmp_path / f"first{number}.png"))
+        frame.save(paths[-1])
+    prompts = ["a red circle moving left", "a red circle moving right"]
+    clips = wan.sample(i2v, i2v.trainable, prompts, SampleSpec(prompts=prompts, control_images=paths, steps=2), 32)
+    assert len(clips) == 2 and len(clips[0]) == 5 and clips[0][0].size == (32, 32)
+    other = wan.sample(i2v, i2v.trainable, prompts[:1], SampleSpec(prompts=prompts[:1], control_images=paths[1:],
+                                                                 steps=2), 32)
+    assert clips[0][0].tobytes() != other[0][0].tobytes()  # the image decides the clip
+    with pytest.raises(FamilyError, match="sample.control_images: image-to-video renders each clip from a first"):
+        wan.sample(i2v, i2v.trainable, prompts, SampleSpec(prompts=prompts, steps=2), 32)
+
+
+def test_settings_that_do_not_fit_the_folder_are_refused_with_the_key_and_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="model.image_to_video is false, but this is an image-to-video folder"):
+        build_model(WanModel(family="wan", pretrained=I2V, image_to_video=False), CACHE_DIR, "cpu")
+    with pytest.raises(ValueError, match="model.image_to_video is true, but this is a text-to-video folder"):
+        build_model(WanModel(family="wan", image_to_video=True), CACHE_DIR, "cpu")
+    copy = tmp_path / "no-processor"
+    shutil.copytree(tiny.ensure_builtin_model(I2V, CACHE_DIR), copy)
+    index = json.loads((copy / "model_index.json").read_text())
+    del index["image_processor"]
+    (copy / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="has an image_encoder but no image_processor"):
+        wan.build(WanModel(family="wan"), {"pretrained": copy}, "cpu")
+    config = json.loads((copy / "transformer" / "config.json").read_text())
+    (copy / "transformer" / "config.json").write_text(json.dumps({**config, "in_channels": 20}))
+    with pytest.raises(ValueError, match="in_channels 20 is neither the VAE's z_dim 16"):
+        wan.build(WanModel(family="wan"), {"pretrained": copy}, "cpu")
+
+
+def test_a_cache_without_the_condition_is_refused(i2v):
+    batch = {name: value for name, value in wan.encode_batch(i2v, _batch([1])).items() if name != "image_embeds"}
+    with pytest.raises(ValueError, match="no image_embeds for image-to-video.*Delete data.cache.dir"):
+        wan.encode_batch(i2v, {**batch, "index": batch["indices"], "caption": ["x"]})
+
+
+def test_the_latent_cache_key_changes_with_the_mode_and_text_to_video_keeps_the_plain_entries():
+    folder = tiny.ensure_builtin_model(TI2V, CACHE_DIR)
+    assert wan.wan_i2v_cache_key(WanModel(family="wan", pretrained=TI2V), folder) == ("", (), ())
+    assert wan.wan_i2v_cache_key(WanModel(family="wan", pretrained=TI2V, image_to_video=True), folder) == \
+        ("image_to_video/ti2v", (), ("condition_mean",))
+    assert wan.wan_i2v_cache_key(WanModel(family="wan", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)) \
+        == ("image_to_video/i2v", ("image_encoder", "image_processor"), ("condition_mean", "image_embeds"))
+
+
+def _validate(tmp_path, capsys, model: dict, sample: dict, cache: bool = True) -> tuple[int, str]:
+    import yaml
+
+    from dstune.cli import main
+
+    spec = {"model": {"family": "wan", "train": "full", **model},
+            "data": {"path": "builtin:moving-shapes", "video": {"frames": 5},
+                     "cache": {"latents": cache, "text_embeddings": cache}},
+            "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 4}, "sample": sample}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    code = main(["validate", str(path), "--num-gpus", "2", "--json"])
+    return code, capsys.readouterr()
+
+
+def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tmp_path, capsys):
+    """The image encoder is a frozen companion (cached with the latents, whose entries grow by the condition and
+    the CLIP hidden states); TI2V's 16x VAE quarters the tokens; the mode and sample problems name their key."""
+    from dstune.activations import wan_sample_bytes
+    from dstune.model_sizes import STORE
+
+    code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": []})
+    assert code == 0, out
+    memory = json.loads(out.out)["memory"]
+    assert memory["parameters"]["companions"]["image_encoder"] > 0
+    assert "image_encoder" in memory["parameters"]["cached_companions"]
+    # per clip: posterior mean+std (2 x 16 x 2 x 4 x 4 float32), condition 16 x 2 x 4 x 4, CLIP 17 x 32 (fp32), text
+    per_clip = 4 * (2 * 16 * 32 + 16 * 32 + 17 * 32) + 512 * 32 * 4
+    assert memory["cache_disk_bytes"] == 144 * per_clip
+    config = json.loads((STORE / "builtin" / "tiny-wan22-ti2v-v1" / "transformer" / "config.json").read_text())
+    assert wan_sample_bytes(config, 64, 5, 0, 16)[0] == wan_sample_bytes(config, 32, 5, 0, 8)[0]
+    code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": ["a red circle moving left"]})
+    assert code != 0 and "sample.prompts: image-to-video renders each clip from a first frame" in out.err + out.out
+    code, out = _validate(tmp_path, capsys, {"image_to_video": True}, {"prompts": []})
+    assert code != 0 and "model.image_to_video: model.image_to_video is true, but this is a text-to-video" in \
+        out.err + out.out
+    code, out = _validate(tmp_path, capsys, {"pretrained": TI2V, "image_to_video": True}, {"prompts": []})
+    assert code == 0, out
