@@ -262,7 +262,7 @@ def test_image_to_video_trains_from_first_frames_and_the_export_renders_from_an_
     assert frames.shape == (1, 5, 3, 32, 32) and torch.isfinite(frames).all()
     assert not torch.allclose(frames, _render_from_image(WanImageToVideoPipeline.from_pretrained(base_folder(I2V)),
                                                          image))
-    with Image.open(run_dir / "samples" / f"step-{STEPS:06d}.png") as sample:
+    with Image.open(run_dir / "samples" / f"step-{STEPS:06d}.webp") as sample:
         assert sample.is_animated and sample.n_frames == 5
 
 
