@@ -171,8 +171,8 @@ def pipeline_class(built, transformer) -> tuple:
 
 def prompt_inputs(text_pipeline, prompt: str, guidance: float, max_sequence_length: int, device) -> dict:
     """The prompt (and for guidance above 1 the empty negative prompt) as embeddings, by WanPipeline.encode_prompt:
-    WanImageToVideoPipeline's own prompt cleaning needs ftfy even where it is not installed (diffusers 0.42), and
-    the embeddings are the same."""
+    the same embeddings WanImageToVideoPipeline makes of a text prompt, without its ftfy-only prompt cleaning (for
+    environments without ftfy, which diffusers 0.42 does not depend on)."""
     with torch.no_grad(), quiet_hf_libraries():
         embeds, negative = text_pipeline.encode_prompt(prompt, do_classifier_free_guidance=guidance > 1.0,
                                                        max_sequence_length=max_sequence_length, device=device)

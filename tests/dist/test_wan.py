@@ -227,7 +227,7 @@ def i2v_runs(tmp_path_factory) -> dict:
 
 def _render_from_image(pipeline, image: Path) -> torch.Tensor:
     """Frames from the first frame; the prompt embedded by WanPipeline.encode_prompt (WanImageToVideoPipeline's
-    own prompt cleaning needs ftfy, which dstune does not install)."""
+    own text path needs ftfy; the embeddings are the same)."""
     from diffusers import WanPipeline
     from PIL import Image
 
