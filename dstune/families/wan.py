@@ -1,4 +1,4 @@
-"""The `wan` family: Wan 2.1 text-to-video (WanTransformer3DModel, AutoencoderKLWan, UMT5), by flow matching.
+"""The `wan` family: Wan 2.1 / 2.2 video models (WanTransformer3DModel, AutoencoderKLWan, UMT5), by flow matching.
 
 Clips (B, 3, frames, H, W) in [-1, 1] (dstune.data.video) are encoded by the causal 3D VAE into latents
 (B, 16, 1 + (frames - 1) / 4, H / 8, W / 8), normalised per channel with the VAE config's latents_mean /
@@ -11,9 +11,10 @@ scale_noise computes), target noise - x0. Every draw comes from sample_generator
 
 Two experts (Wan 2.2 A14B: `transformer` for the timesteps at or above boundary_ratio x 1000, `transformer_2` below):
 a run trains one of them (model.expert), drawing its timesteps from its own range of the tables only (narrowed by
-model.timestep_range); the other is never trained and is read from the folder only while samples render. Not
-offered yet: image-to-video (image_encoder) and Wan 2.2's TI2V (expand_timesteps); such folders are refused at build
-with the reason.
+model.timestep_range); the other is never trained and is read from the folder only while samples render.
+
+Image-to-video (Wan 2.1 I2V, Wan 2.2 I2V A14B) and Wan 2.2 TI2V (expand_timesteps): what a folder is comes from its
+configs (dstune.wan_layouts, model.image_to_video); the first-frame conditioning is dstune.families.wan_i2v's.
 """
 
 from __future__ import annotations

@@ -276,3 +276,69 @@ def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tm
         out.err + out.out
     code, out = _validate(tmp_path, capsys, {"pretrained": TI2V, "image_to_video": True}, {"prompts": []})
     assert code == 0, out
+
+
+@pytest.fixture(scope="module")
+def a14b_i2v_folder(tmp_path_factory):
+    """The Wan 2.2 I2V A14B layout at tiny size: WanImageToVideoPipeline with two 36-channel experts, no image
+    encoder (image_dim None) and boundary_ratio 0.9 (the A14B image-to-video value), on tiny-wan's VAE and UMT5."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+
+    from dstune.builtin.wan import TINY_WAN_TRANSFORMER, WAN_SCHEDULER
+
+    from diffusers import WanPipeline
+
+    parts = WanPipeline.from_pretrained(tiny.ensure_builtin_model("tiny-wan", CACHE_DIR))
+    experts = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        experts.append(WanTransformer3DModel(**{**TINY_WAN_TRANSFORMER, "in_channels": 36}))
+    pipeline = WanImageToVideoPipeline(tokenizer=parts.tokenizer, text_encoder=parts.text_encoder, vae=parts.vae,
+                                       scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER), transformer=experts[0],
+                                       transformer_2=experts[1], boundary_ratio=0.9)
+    folder = tmp_path_factory.mktemp("a14b-i2v") / "Wan2.2-I2V-A14B-tiny"
+    pipeline.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def test_wan22_i2v_a14b_layout_trains_one_expert_from_first_frames(a14b_i2v_folder, tmp_path):
+    """Two experts with condition channels and no image encoder: image-to-video is what the folder is; the
+    low-noise expert sees timesteps below 0.9 x 1000 only, and its inputs are what WanImageToVideoPipeline feeds
+    transformer_2 (mask + condition channels, no image embedding); samples run both experts from a first frame."""
+    from diffusers import WanImageToVideoPipeline
+
+    built = build_model(WanModel(family="wan", pretrained=str(a14b_i2v_folder), expert="low_noise"), CACHE_DIR, "cpu")
+    assert built.image_to_video and built.trained_name == "transformer_2" and built.image_encoder is None
+    first, count = built.positions
+    assert count > 0 and (built.train_timesteps[first:first + count] < 900).all()
+    assert (built.train_timesteps[:first] >= 900).all()
+    batch = _batch([3])
+    encoded = wan.encode_batch(built, batch)
+    assert "image_embeds" not in encoded or encoded["image_embeds"] is None
+    pipeline = WanImageToVideoPipeline.from_pretrained(a14b_i2v_folder)
+    pipeline.scheduler.set_timesteps(4)
+    low_t = [t for t in pipeline.scheduler.timesteps if t < 900][0]
+    noisy = per_sample_randn((16, 2, 4, 4), SEED, STEP, [3], "noise")
+    seen = {}
+    hook = pipeline.transformer_2.register_forward_pre_hook(
+        lambda _m, _a, kwargs: seen.setdefault("kwargs", kwargs) and None, with_kwargs=True)
+    try:  # the steps before low_t run `transformer`; the first transformer_2 call is at low_t on these latents
+        pipeline.scheduler.set_timesteps(4)
+        pipeline(image=wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0],
+                 prompt_embeds=encoded["encoder_hidden_states"], latents=noisy.clone(), height=32, width=32,
+                 num_frames=5, num_inference_steps=4, guidance_scale=1.0, output_type="latent")
+    finally:
+        hook.remove()
+    hidden, timestep, extra, _ = wan_i2v.transformer_inputs(built, seen["kwargs"]["hidden_states"][:, :16],
+                                                            low_t.reshape(1), encoded)
+    assert hidden.shape == (1, 36, 2, 4, 4) and torch.allclose(hidden, seen["kwargs"]["hidden_states"], atol=1e-6)
+    assert seen["kwargs"].get("encoder_hidden_states_image") is None and not extra.get("encoder_hidden_states_image")
+    value = wan.loss(built, built.trainable, encoded, SEED, STEP)
+    value.backward()
+    assert torch.isfinite(value) and any(p.grad is not None for p in built.trainable.parameters())
+    first_frame = tmp_path / "first.png"
+    wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0].save(first_frame)
+    prompt = ["a red circle moving left"]
+    clips = wan.sample(built, built.trainable, prompt, SampleSpec(prompts=prompt, control_images=[str(first_frame)],
+                                                                  steps=3), 32)
+    assert len(clips[0]) == 5 and built.other_expert is None  # both experts ran; the other one is released
