@@ -1,5 +1,6 @@
 """Real 2-rank DeepSpeed training of Wan text-to-video (model.family wan, builtin:tiny-wan and the two-expert
-builtin:tiny-wan-a14b) on CPU, four launches in all:
+builtin:tiny-wan-a14b) and image-to-video (builtin:tiny-wan-i2v, builtin:tiny-wan22-ti2v) on CPU, six launches in
+all, which between them train full and LoRA under ZeRO 2 and ZeRO 3:
 
 - full fine-tuning under ZeRO 2 on builtin:moving-shapes from the latent and text caches (built before step 1):
   trains, renders animated samples, exports a folder WanPipeline loads and renders frames with;
@@ -10,10 +11,10 @@ builtin:tiny-wan-a14b) on CPU, four launches in all:
   check), only adapters train, and the LoRA file loads with WanPipeline.load_lora_weights and changes the frames;
 - the low-noise expert of the two-expert model (Wan 2.2 A14B layout), full under ZeRO 2: its export holds the
   trained `transformer_2` and the other expert's weights bit-identical to the base folder's;
-- image-to-video trains from first frames: builtin:tiny-wan-i2v (Wan 2.1 I2V layout) in full under ZeRO 2 from the
-  latent cache (condition latents and CLIP embedding stored beside each clip's posterior), samples rendered from a
+- image-to-video trains from first frames: builtin:tiny-wan-i2v (Wan 2.1 I2V layout) in full under ZeRO 3 (the
+  transformer built partitioned) from the latent cache (condition latents and CLIP embedding stored beside each clip's posterior), samples rendered from a
   first frame, the export rendered by WanImageToVideoPipeline from an image; builtin:tiny-wan22-ti2v (Wan 2.2 TI2V)
-  with LoRA under ZeRO 3 in image-to-video mode, the LoRA file loaded into WanImageToVideoPipeline (expand_timesteps)
+  with LoRA under ZeRO 2 in image-to-video mode, the LoRA file loaded into WanImageToVideoPipeline (expand_timesteps)
   changing the frames.
 """
 
@@ -210,7 +211,7 @@ def i2v_runs(tmp_path_factory) -> dict:
     from dstune.builtin import ensure_builtin_model
 
     out = {}
-    for name, model, stage, train in (("i2v", I2V, 2, "full"), ("ti2v", TI2V, 3, "lora")):
+    for name, model, stage, train in (("i2v", I2V, 3, "full"), ("ti2v", TI2V, 2, "lora")):
         ensure_builtin_model(model, CACHE_DIR)
         run_dir = tmp_path_factory.mktemp(name) / "run"
         image = _first_frame(run_dir.parent / "images")
