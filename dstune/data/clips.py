@@ -100,6 +100,18 @@ def clip_length(resampled: int, counts: Sequence[int]) -> int | None:
     return max(fitting) if fitting else None
 
 
+def video_stream(container):
+    """The first video stream of an opened PyAV container and its average frame rate; ValueError when there is none
+    or it states no rate."""
+    if not container.streams.video:
+        raise ValueError("the file has no video stream")
+    stream = container.streams.video[0]
+    rate = float(stream.average_rate or stream.guessed_rate or 0)
+    if not rate:
+        raise ValueError("the video stream states no frame rate")
+    return stream, rate
+
+
 def read_header(path: str) -> VideoHeader:
     """The video's frame count, rate and size from its container header (decoding only to count frames when the
     header states none). Remembered per process by (path, mtime, size). OSError / ValueError (PyAV's errors are
@@ -110,12 +122,7 @@ def read_header(path: str) -> VideoHeader:
     key = (path, stat.st_mtime_ns, stat.st_size)
     if key not in _headers:
         with av.open(path) as container:
-            if not container.streams.video:
-                raise ValueError("the file has no video stream")
-            stream = container.streams.video[0]
-            rate = float(stream.average_rate or stream.guessed_rate or 0)
-            if not rate:
-                raise ValueError("the video stream states no frame rate")
+            stream, rate = video_stream(container)
             width, height = stream.codec_context.width, stream.codec_context.height
             counted = not stream.frames > 0
             frames = sum(1 for _ in container.decode(stream)) if counted else int(stream.frames)

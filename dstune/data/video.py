@@ -18,22 +18,12 @@ import operator
 
 import torch
 
-from dstune.data.clips import ClipRecord, as_clip, clip_key, clips_by_file, frame_positions, is_grouped, unusable
+from dstune.data.clips import (ClipRecord, as_clip, clip_key, clips_by_file, frame_positions, is_grouped, unusable,
+                               video_stream)
 from dstune.data.images import BadSampleError, ImageCaptionDataset, resize_and_crop, sample_rng, to_tensor
 from dstune.data.index import SampleRecord, is_video_file
 from dstune.data.synthetic import render_moving_shape, render_shape
 from dstune.spec.models import DataSpec
-
-
-def _video_stream(container):
-    """The first video stream and its average frame rate; ValueError when there is none or it states no rate."""
-    if not container.streams.video:
-        raise ValueError("the file has no video stream")
-    stream = container.streams.video[0]
-    rate = float(stream.average_rate or stream.guessed_rate or 0)
-    if not rate:
-        raise ValueError("the video stream states no frame rate")
-    return stream, rate
 
 
 def frame_count(path: str, trust_header: bool = True) -> tuple[int, float]:
@@ -42,7 +32,7 @@ def frame_count(path: str, trust_header: bool = True) -> tuple[int, float]:
     import av
 
     with av.open(path) as container:
-        stream, rate = _video_stream(container)
+        stream, rate = video_stream(container)
         if trust_header and stream.frames > 0:
             return int(stream.frames), rate
         return sum(1 for _ in container.decode(stream)), rate
@@ -55,7 +45,7 @@ def decode_frames(path: str, positions: list[int]) -> list:
 
     wanted, images, decoded = set(positions), {}, 0
     with av.open(path) as container:
-        stream, _ = _video_stream(container)
+        stream, _ = video_stream(container)
         for number, frame in enumerate(container.decode(stream)):
             decoded = number + 1
             if number in wanted:

@@ -40,7 +40,7 @@ from dstune.families.flow_recipe import (FlowRecipe, load_text_side, pick_recipe
                                          vae_spatial_factor)
 from dstune.families.flow_sd3 import FLUX, SD3
 from dstune.families.flow_zimage import ZIMAGE
-from dstune.families.samples import save_grid
+from dstune.families.samples import read_control_images, save_grid
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import FlowModel, SampleSpec
 
@@ -322,19 +322,13 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
 
 def _sources(sample_spec: SampleSpec) -> list:
     """sample.control_images as RGB images; FamilyError naming the one that cannot be read."""
-    from PIL import Image
-
     if not sample_spec.control_images:
         raise FamilyError("sample.prompts: an edit model renders from a source image; give sample.control_images, one "
                           "source image per prompt (or set sample.prompts: []).")
-    images = []
-    for path in sample_spec.control_images:
-        try:
-            with Image.open(Path(path).expanduser()) as image:
-                images.append(image.convert("RGB"))
-        except OSError as err:
-            raise FamilyError(f"sample.control_images: cannot read {path} ({err}). Fix the path.") from None
-    return images
+    try:
+        return read_control_images(sample_spec.control_images)
+    except ValueError as err:
+        raise FamilyError(str(err)) from None
 
 
 # --------------------------------------------------------------------------------------------------- export

@@ -15,6 +15,21 @@ _GRID_CELL_PX = 192  # small models render 32-px images; scale them up (nearest)
 _CLIP_FRAME_MS = 125  # 8 frames per second in the animated sample grids
 
 
+def read_control_images(paths) -> list:
+    """sample.control_images as RGB PIL images; ValueError naming the one that cannot be read (the families raise
+    it as their FamilyError)."""
+    from PIL import Image
+
+    images = []
+    for path in paths:
+        try:
+            with Image.open(Path(path).expanduser()) as image:
+                images.append(image.convert("RGB"))
+        except OSError as err:
+            raise ValueError(f"sample.control_images: cannot read {path} ({err}). Fix the path.") from None
+    return images
+
+
 def save_grid(images: list, prompts: list[str], path: str | os.PathLike) -> Path:
     """Write the images side by side (up to 4 per row) as one PNG with each prompt under its image."""
     if len(images) != len(prompts):

@@ -26,6 +26,7 @@ from dstune.families.diffusion import load_component
 from dstune.families.flow_recipe import normalised_latents
 from dstune.wan_layouts import MASK_CHANNELS
 from dstune.hf import quiet_hf_libraries
+from dstune.families.samples import read_control_images
 
 CONDITION = "condition_mean"  # the condition's VAE mode, unnormalised, float32 (B, z_dim, f, h, w)
 IMAGE_EMBEDS = "image_embeds"  # the image encoder's hidden_states[-2] of the first frame (Wan 2.1 I2V)
@@ -143,19 +144,13 @@ def needs_condition(built, encoded: dict) -> Optional[str]:
 def sample_images(paths: list[str], prompts: list[str]) -> list:
     """sample.control_images as RGB images, the first frame of each prompt's clip; FamilyError when they are missing
     or one cannot be read."""
-    from PIL import Image
-
     if len(paths) != len(prompts):
         raise FamilyError("sample.control_images: image-to-video renders each clip from a first frame: give one image "
                           f"per prompt ({len(prompts)} prompt(s), {len(paths)} image(s)), or set sample.prompts: []")
-    images = []
-    for path in paths:
-        try:
-            with Image.open(Path(path).expanduser()) as image:
-                images.append(image.convert("RGB"))
-        except OSError as err:
-            raise FamilyError(f"sample.control_images: cannot read {path} ({err}). Fix the path.") from None
-    return images
+    try:
+        return read_control_images(paths)
+    except ValueError as err:
+        raise FamilyError(str(err)) from None
 
 
 def pipeline_class(built, transformer) -> tuple:
