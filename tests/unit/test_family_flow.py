@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from dstune.pretrained import build_model
-from dstune.data.synthetic import render_shape
 from dstune import builtin as tiny
-from dstune.builtin.common import to_tensor
 from dstune.families import flow
 from dstune.families.base import FamilyError, sample_generator
 from dstune.spec.load import SpecError, SpecSource, validate_data
 from dstune.spec.models import FlowModel, SampleSpec
+from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -40,9 +39,7 @@ def built(folders) -> dict:
 
 
 def _batch(indices: list[int]) -> dict:
-    images = [render_shape(i, 32) for i in indices]
-    return {"pixel_values": to_tensor([image for image, _ in images]),
-            "caption": [caption for _, caption in images], "index": torch.tensor(indices, dtype=torch.long)}
+    return shape_batch(indices)
 
 
 def _loss(built, indices, seed=0, step=3):

@@ -23,12 +23,13 @@ import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.builtin.common import to_tensor
-from dstune.data.synthetic import render_shape
 from dstune.families import flow
-from dstune.families.base import FamilyError, per_sample_randn
+from dstune.families.base import FamilyError
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel, SampleSpec
+from dstune.spec.models import FlowModel
+from flux2_script import (check_cached_text_trains_like_encoded_text, check_sample_and_export_reload,
+                          flux2_script_loss)
+from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -43,12 +44,6 @@ CASES = {  # (dstune settings, the example's flags): its defaults (uniform u: --
 @pytest.fixture(scope="module")
 def built():
     return build_model(FlowModel(family="flow", pretrained=MODEL), CACHE_DIR, "cpu")
-
-
-def _batch(indices=INDICES) -> dict:
-    images = [render_shape(i, 32) for i in indices]
-    return {"pixel_values": to_tensor([image for image, _ in images]),
-            "caption": [caption for _, caption in images], "index": torch.tensor(indices, dtype=torch.long)}
 
 
 def test_builtin_is_a_flux2_dev_pipeline_folder(built):
@@ -89,49 +84,22 @@ def test_mismatched_text_width_is_refused(tmp_path):
         build_model(FlowModel(family="flow", pretrained=str(dev)), tmp_path, "cpu")
 
 
-def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict, u: torch.Tensor) -> torch.Tensor:
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(built.folder / "scheduler")
-    vae = built.vae
-    bn_mean = vae.bn.running_mean.view(1, -1, 1, 1)
-    bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    pipeline = Flux2Pipeline(scheduler=scheduler, vae=None, transformer=None, **built.text_encoders,
-                             **built.tokenizers)
-    with torch.no_grad():
-        model_input = vae.encode(pixels).latent_dist.mode()
-        prompt_embeds, text_ids = pipeline.encode_prompt(prompt=list(captions), max_sequence_length=512,
-                                                         text_encoder_out_layers=[10, 20, 30])
-    model_input = (Flux2Pipeline._patchify_latents(model_input) - bn_mean) / bn_std
-    model_input_ids = Flux2Pipeline._prepare_latent_ids(model_input)
-    noise = per_sample_randn(model_input.shape[1:], SEED, STEP, INDICES, "noise")
-    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
-    positions = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
-    sigmas = scheduler.sigmas[positions].flatten().view(-1, 1, 1, 1)
-    noisy = (1.0 - sigmas) * model_input + sigmas * noise
-    packed = Flux2Pipeline._pack_latents(noisy)
-    guidance = torch.full([1], flags["guidance_scale"]).expand(model_input.shape[0])
-    with torch.no_grad():
-        model_pred = built.trainable(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
-                                     encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=model_input_ids,
-                                     return_dict=False)[0]
-    model_pred = Flux2Pipeline._unpack_latents_with_ids(model_pred[:, :packed.size(1):], model_input_ids)
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
-    target = noise - model_input
-    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(len(captions), -1), 1)
-    return loss.mean()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_flux2_dev_script(built, case):
     settings, flags = CASES[case]
     model = replace(built, settings=FlowModel(family="flow", pretrained=MODEL, guidance=4.0, **settings))
-    batch = _batch()
+    from diffusers import Flux2Pipeline
+
+    batch = shape_batch(INDICES)
     u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
     with torch.no_grad():
         ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
-    reference = _script_loss(model, batch["pixel_values"], batch["caption"], {**flags, "guidance_scale": 4.0}, u)
+    # the script encodes through a Flux2Pipeline of the text parts, at its default text_encoder_out_layers
+    prompts = Flux2Pipeline(scheduler=model.scheduler, vae=None, transformer=None, **model.text_encoders,
+                            **model.tokenizers)
+    reference = flux2_script_loss(model, Flux2Pipeline, prompts, {"text_encoder_out_layers": [10, 20, 30]},
+                                  batch["pixel_values"], batch["caption"], {**flags, "guidance_scale": 4.0}, u,
+                                  (SEED, STEP, INDICES))
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
     # the guidance embedding is live: another guidance value gives another loss
     other = replace(model, settings=FlowModel(family="flow", pretrained=MODEL, guidance=1.0, **settings))
@@ -140,22 +108,10 @@ def test_loss_equals_the_diffusers_flux2_dev_script(built, case):
 
 
 def test_cached_text_trains_like_encoded_text(built):
-    batch = _batch([4, 7])
-    cached = {**batch, **flow.cache_text_tensors(built, batch["caption"])}
-    assert cached["encoder_hidden_states"].shape == (2, 512, 96)
-    with torch.no_grad():
-        encoded = flow.loss(built, built.trainable, flow.encode_batch(built, batch), 0, 1)
-        from_cache = flow.loss(built, built.trainable, flow.encode_batch(built, cached), 0, 1)
-    assert from_cache.item() == encoded.item()
+    check_cached_text_trains_like_encoded_text(built)
 
 
 def test_sample_and_export_reload_with_flux2_pipeline(built, tmp_path):
     from diffusers import Flux2Pipeline
 
-    images = flow.sample(built, built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=4.0), 32)
-    assert [image.size for image in images] == [(32, 32)]
-    state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
-    reloaded = Flux2Pipeline.from_pretrained(flow.export(built, state, tmp_path / "export"))
-    name = next(iter(state))
-    assert torch.equal(reloaded.transformer.state_dict()[name], state[name])
-    assert reloaded(prompt="a red circle", height=32, width=32, num_inference_steps=2).images[0].size == (32, 32)
+    check_sample_and_export_reload(built, Flux2Pipeline, 4.0, tmp_path)

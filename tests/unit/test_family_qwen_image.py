@@ -18,12 +18,11 @@ import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.builtin.common import to_tensor
-from dstune.data.synthetic import render_shape
 from dstune.families import flow
 from dstune.families.base import per_sample_randn
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel, SampleSpec
+from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -42,9 +41,7 @@ def built():
 
 
 def _batch(indices=INDICES) -> dict:
-    images = [render_shape(i, 32) for i in indices]
-    return {"pixel_values": to_tensor([image for image, _ in images]),
-            "caption": [caption for _, caption in images], "index": torch.tensor(indices, dtype=torch.long)}
+    return shape_batch(indices)
 
 
 def test_builtin_is_a_qwen_image_pipeline_folder(built):

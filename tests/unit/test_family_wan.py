@@ -35,12 +35,12 @@ def test_builtin_tiny_wan_is_a_wan_pipeline_that_renders_frames():
 import pytest  # noqa: E402
 
 from dstune.data.synthetic import moving_shape  # noqa: E402
-from dstune.data.video import VideoCaptionDataset, collate_video  # noqa: E402
 from dstune.families import wan  # noqa: E402
 from dstune.families.base import per_sample_randn  # noqa: E402
 from dstune.pretrained import build_model  # noqa: E402
-from dstune.spec.models import DataSpec, SampleSpec, WanModel  # noqa: E402
+from dstune.spec.models import SampleSpec, WanModel  # noqa: E402
 from dstune.spec.video_models import expert_problems, expert_range_text  # noqa: E402
+from tiny_batches import clip_batch  # noqa: E402
 
 SEED, STEP, INDICES = 5, 2, [1, 8, 13]
 
@@ -51,11 +51,7 @@ def built():
 
 
 def _batch(indices=INDICES, frames=5) -> dict:
-    data = DataSpec(path="builtin:moving-shapes", video={"frames": frames})
-    from dstune.data.index import list_samples
-
-    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED)
-    return collate_video([dataset[i] for i in indices])
+    return clip_batch(indices, SEED, frames)
 
 
 def test_moving_shapes_clips_move_and_their_captions_say_where():

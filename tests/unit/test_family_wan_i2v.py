@@ -14,13 +14,12 @@ import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.data.index import list_samples
-from dstune.data.video import VideoCaptionDataset, collate_video
 from dstune.families import wan, wan_i2v
 from dstune.families.base import FamilyError, per_sample_randn
 from dstune.families.flow_matching import timestep_density
 from dstune.pretrained import build_model
-from dstune.spec.models import DataSpec, SampleSpec, WanModel
+from dstune.spec.models import SampleSpec, WanModel
+from tiny_batches import clip_batch
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -29,9 +28,7 @@ I2V, TI2V = "builtin:tiny-wan-i2v", "builtin:tiny-wan22-ti2v"
 
 
 def _batch(indices=INDICES, frames=5) -> dict:
-    data = DataSpec(path="builtin:moving-shapes", video={"frames": frames})
-    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED)
-    return collate_video([dataset[i] for i in indices])
+    return clip_batch(indices, SEED, frames)
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstune.builtin.common import to_tensor
-from dstune.data.synthetic import render_shape
 from dstune.families import flow
 from dstune.families.base import per_sample_randn
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel
+from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -54,9 +53,7 @@ def built() -> dict:
 
 
 def _batch() -> dict:
-    images = [render_shape(i, 32) for i in INDICES]
-    return {"pixel_values": to_tensor([image for image, _ in images]),
-            "caption": [caption for _, caption in images], "index": torch.tensor(INDICES, dtype=torch.long)}
+    return shape_batch(INDICES)
 
 
 def _script_sigmas(scheduler, timesteps: torch.Tensor, n_dim: int) -> torch.Tensor:
