@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dstune.data.synthetic import SHAPES_NUM_SAMPLES, render_shape
+from dstune.hf import quiet_hf_libraries
 
 # The thread count changes float summation order; one thread gives the same bytes whatever the core count (and
 # cannot be starved by busy-waiting OpenMP threads when ranks share the cores).
@@ -47,6 +48,14 @@ def deterministic_cpu(seed: int, threads: int):
             yield
         finally:
             torch.set_num_threads(old_threads)
+
+
+def save_pipeline(pipeline, out, transformer, facts: dict | None = None) -> dict:
+    """Write a built-in's pipeline folder (safetensors, libraries quiet) and return its build facts with the
+    transformer's parameter count."""
+    with quiet_hf_libraries():
+        pipeline.save_pretrained(out, safe_serialization=True)
+    return {**(facts or {}), "transformer_parameters": sum(p.numel() for p in transformer.parameters())}
 
 
 def bytes_to_unicode() -> list[str]:

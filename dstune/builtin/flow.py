@@ -19,7 +19,7 @@ import functools
 import string
 from pathlib import Path
 
-from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, deterministic_cpu, tiny_clip_config,
+from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline, tiny_clip_config,
                                    tiny_clip_tokenizer, train_tiny_vae)
 from dstune.hf import quiet_hf_libraries
 
@@ -86,13 +86,6 @@ def trained_flow_vae():
     return vae.eval().requires_grad_(False), dict(facts)
 
 
-def _save(pipeline, out: Path, transformer, facts: dict) -> dict:
-    with quiet_hf_libraries():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    facts["transformer_parameters"] = sum(p.numel() for p in transformer.parameters())
-    return facts
-
-
 def build_tiny_flow(out: Path, needs: dict) -> dict:
     """builtin:tiny-flow: an SD3-class pipeline (SD3Transformer2DModel, CLIP x2 with projection, T5)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
@@ -111,7 +104,7 @@ def build_tiny_flow(out: Path, needs: dict) -> dict:
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**TINY_SD3_SCHEDULER), vae=vae,
         text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(), text_encoder_2=text_encoder_2,
         tokenizer_2=tiny_clip_tokenizer(), text_encoder_3=text_encoder_3, tokenizer_3=tiny_t5_tokenizer())
-    return _save(pipeline, out, transformer, facts)
+    return save_pipeline(pipeline, out, transformer, facts)
 
 
 def build_tiny_flux(out: Path, needs: dict) -> dict:
@@ -131,7 +124,7 @@ def build_tiny_flux(out: Path, needs: dict) -> dict:
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**TINY_FLUX_SCHEDULER), vae=vae,
         text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(), text_encoder_2=text_encoder_2,
         tokenizer_2=tiny_t5_tokenizer())
-    return _save(pipeline, out, transformer, facts)
+    return save_pipeline(pipeline, out, transformer, facts)
 
 
 TINY_FLOW = BuiltinModel(

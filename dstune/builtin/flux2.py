@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstune.builtin.common import BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu
+from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu,
+                                   save_pipeline)
 from dstune.builtin.qwen_image import tiny_qwen_tokenizer
 from dstune.builtin.zimage import QWEN3_CHAT_TEMPLATE
 from dstune.hf import quiet_hf_libraries
@@ -56,9 +57,7 @@ def build_tiny_flux2(out: Path, needs: dict) -> dict:
         transformer = Flux2Transformer2DModel(**TINY_FLUX2_TRANSFORMER)
     pipeline = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae,
                                   text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
-    with quiet_hf_libraries():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    return {"transformer_parameters": sum(p.numel() for p in transformer.parameters())}
+    return save_pipeline(pipeline, out, transformer)
 
 
 TINY_FLUX2 = BuiltinModel(
@@ -133,9 +132,7 @@ def build_tiny_flux2_dev(out: Path, needs: dict) -> dict:
         transformer = Flux2Transformer2DModel(**{**TINY_FLUX2_TRANSFORMER, "guidance_embeds": True})
     pipeline = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae,
                              text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
-    with quiet_hf_libraries():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    return {"transformer_parameters": sum(p.numel() for p in transformer.parameters())}
+    return save_pipeline(pipeline, out, transformer)
 
 
 TINY_FLUX2_DEV = BuiltinModel(

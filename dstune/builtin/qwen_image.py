@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstune.builtin.common import BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu
+from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu,
+                                   save_pipeline)
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 20
@@ -78,9 +79,7 @@ def build_tiny_qwen_image(out: Path, needs: dict) -> dict:
         transformer = QwenImageTransformer2DModel(**TINY_QWEN_TRANSFORMER)
     pipeline = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), vae=vae,
                                  text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
-    with quiet_hf_libraries():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    return {"transformer_parameters": sum(p.numel() for p in transformer.parameters())}
+    return save_pipeline(pipeline, out, transformer)
 
 
 TINY_QWEN_IMAGE = BuiltinModel(

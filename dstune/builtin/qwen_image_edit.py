@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu
+from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.qwen_image import (QWEN_SCHEDULER, TINY_QWEN_TRANSFORMER, tiny_qwen_tokenizer,
                                        tiny_qwen_vl_encoder)
 from dstune.families.flow_qwen_edit import image_only_processor
@@ -57,10 +57,9 @@ def build_tiny_qwen_image_edit(out: Path, needs: dict) -> dict:
     pipeline = QwenImageEditPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), vae=vae,
                                      text_encoder=text_encoder, tokenizer=tokenizer, processor=processor,
                                      transformer=transformer)
-    with quiet_hf_libraries():
-        pipeline.save_pretrained(out, safe_serialization=True)
+    facts = save_pipeline(pipeline, out, transformer)
     _name_the_processor_as_diffusers_does(out)
-    return {"transformer_parameters": sum(p.numel() for p in transformer.parameters())}
+    return facts
 
 
 def _name_the_processor_as_diffusers_does(out: Path) -> None:

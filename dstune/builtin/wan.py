@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu
+from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.flow import tiny_t5_tokenizer
 from dstune.hf import quiet_hf_libraries
 
@@ -69,10 +69,8 @@ def _build(out: Path, two_experts: bool) -> dict:
     scheduler = UniPCMultistepScheduler(**{**WAN_SCHEDULER, "flow_shift": 12.0 if two_experts else 3.0})
     pipeline = WanPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
                            transformer=transformer, scheduler=scheduler, **experts)
-    with quiet_hf_libraries():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    return {"transformer_parameters": sum(p.numel() for p in transformer.parameters()),
-            "vae_parameters": sum(p.numel() for p in vae.parameters())}
+    return save_pipeline(pipeline, out, transformer, 
+                         {"vae_parameters": sum(p.numel() for p in vae.parameters())})
 
 
 def _tiny_clip():
@@ -111,9 +109,7 @@ def build_tiny_wan_i2v(out: Path, needs: dict) -> dict:
     pipeline = WanImageToVideoPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
                                        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER), image_encoder=image_encoder,
                                        image_processor=image_processor, transformer=transformer)
-    with quiet_hf_libraries():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    return {"transformer_parameters": sum(p.numel() for p in transformer.parameters())}
+    return save_pipeline(pipeline, out, transformer)
 
 
 def build_tiny_wan22_ti2v(out: Path, needs: dict) -> dict:
@@ -129,10 +125,8 @@ def build_tiny_wan22_ti2v(out: Path, needs: dict) -> dict:
     pipeline = WanPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
                            scheduler=UniPCMultistepScheduler(**{**WAN_SCHEDULER, "flow_shift": 5.0}),
                            expand_timesteps=True)
-    with quiet_hf_libraries():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    return {"transformer_parameters": sum(p.numel() for p in transformer.parameters()),
-            "vae_parameters": sum(p.numel() for p in vae.parameters())}
+    return save_pipeline(pipeline, out, transformer, 
+                         {"vae_parameters": sum(p.numel() for p in vae.parameters())})
 
 
 def build_tiny_wan(out: Path, needs: dict) -> dict:

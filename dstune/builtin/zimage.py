@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu
+from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.flow import trained_flow_vae
 from dstune.builtin.qwen_image import tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
@@ -52,10 +52,7 @@ def build_tiny_z_image(out: Path, needs: dict) -> dict:
         transformer = ZImageTransformer2DModel(**TINY_ZIMAGE_TRANSFORMER)
     pipeline = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**ZIMAGE_SCHEDULER), vae=vae,
                               text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
-    with quiet_hf_libraries():
-        pipeline.save_pretrained(out, safe_serialization=True)
-    facts["transformer_parameters"] = sum(p.numel() for p in transformer.parameters())
-    return facts
+    return save_pipeline(pipeline, out, transformer, facts)
 
 
 TINY_Z_IMAGE = BuiltinModel(
