@@ -16,6 +16,11 @@ from dstune.families.base import per_sample_randn
 from dstune.spec.models import SampleSpec
 from tiny_batches import shape_batch
 
+CASES = {  # (dstune settings, the examples' flags): their defaults (uniform u: --weighting_scheme none), then others
+    "script-defaults": (dict(timestep_sampling="uniform"), dict(weighting_scheme="none")),
+    "logit-normal": (dict(timestep_sampling="logit_normal"), dict(weighting_scheme="logit_normal")),
+}
+
 
 def flux2_script_loss(built, pipeline_class, prompt_pipeline, encode_kwargs: dict, pixels: torch.Tensor,
                       captions: list[str], flags: dict, u: torch.Tensor, draws: tuple) -> torch.Tensor:

@@ -20,17 +20,13 @@ from dstune import builtin as tiny
 from dstune.families import flow
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel
-from flux2_script import (check_cached_text_trains_like_encoded_text, check_sample_and_export_reload,
+from flux2_script import (CASES, check_cached_text_trains_like_encoded_text, check_sample_and_export_reload,
                           flux2_script_loss)
 from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 SEED, STEP, INDICES = 9, 6, [2, 12, 4]
-CASES = {  # (dstune settings, the example's flags): its defaults (uniform u: --weighting_scheme none), then others
-    "script-defaults": (dict(timestep_sampling="uniform"), dict(weighting_scheme="none")),
-    "logit-normal": (dict(timestep_sampling="logit_normal"), dict(weighting_scheme="logit_normal")),
-}
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from dstune.families import flow
 from dstune.families.base import FamilyError
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel
-from flux2_script import (check_cached_text_trains_like_encoded_text, check_sample_and_export_reload,
+from flux2_script import (CASES, check_cached_text_trains_like_encoded_text, check_sample_and_export_reload,
                           flux2_script_loss)
 from tiny_batches import shape_batch
 
@@ -35,10 +35,6 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 MODEL = "builtin:tiny-flux2-dev"
 SEED, STEP, INDICES = 9, 6, [2, 12, 4]
-CASES = {  # (dstune settings, the example's flags): its defaults (uniform u: --weighting_scheme none), then others
-    "script-defaults": (dict(timestep_sampling="uniform"), dict(weighting_scheme="none")),
-    "logit-normal": (dict(timestep_sampling="logit_normal"), dict(weighting_scheme="logit_normal")),
-}
 
 
 @pytest.fixture(scope="module")
