@@ -145,16 +145,15 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
     if problems:
         raise FamilyError(f"{folder} cannot be used as a Wan pipeline (model.family wan):\n"
                           + "\n".join(f"  - {p}" for p in problems))
-    device = torch.device(device)
+    device, index = torch.device(device), read_model_index(folder)
     kind, image_to_video = folder_mode(folder, model.image_to_video)
     with quiet_hf_libraries():
         import diffusers
 
-        scheduler_class = getattr(diffusers, read_model_index(folder)["scheduler"][1])
+        scheduler_class = getattr(diffusers, index["scheduler"][1])
     scheduler = load_component(folder, "scheduler", scheduler_class.from_pretrained)
     trained_name = "transformer_2" if model.expert == "low_noise" else "transformer"
     transformer = load_trainable(folder, trained_name, WanTransformer3DModel, device, zero3_config)
-    boundary = read_model_index(folder).get("boundary_ratio")
     if model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     transformer.to(device).train().requires_grad_(True)
@@ -171,8 +170,9 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
                     text_encoder=text_encoder.eval().requires_grad_(False), tokenizer=tokenizer,
                     scheduler=scheduler, train_timesteps=timesteps, train_sigmas=sigmas, settings=model,
                     max_sequence_length=int(max_length), transformer_config=dict(transformer.config),
-                    trained_name=trained_name, boundary_ratio=boundary, frozen_dtype=dtype_for_frozen,
-                    positions=expert_positions(timesteps, model, read_model_index(folder), scheduler.config),
+                    trained_name=trained_name, boundary_ratio=index.get("boundary_ratio"),
+                    frozen_dtype=dtype_for_frozen,
+                    positions=expert_positions(timesteps, model, index, scheduler.config),
                     kind=kind, image_to_video=image_to_video, image_encoder=image_encoder,
                     image_processor=image_processor)
 
@@ -324,10 +324,10 @@ def sample(built: WanBuilt, transformer_module: torch.nn.Module, prompts: list[s
     try:
         with other_expert_loaded(built), quiet_hf_libraries(), \
                 inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype):
-            pipeline = _pipeline(built, transformer_module, built.vae)
+            pipeline, text_side = _pipeline(built, transformer_module, built.vae), _pipeline(built)
             for number, prompt in enumerate(prompts):  # one generator per prompt (WanPipeline takes one)
                 inputs = {"prompt": prompt} if images is None else {"image": images[number], **wan_i2v.prompt_inputs(
-                    _pipeline(built), prompt, sample_spec.guidance, built.max_sequence_length, built.device)}
+                    text_side, prompt, sample_spec.guidance, built.max_sequence_length, built.device)}
                 result = pipeline(**inputs, height=side, width=side, num_frames=built.settings.sample_frames,
                                   guidance_scale=sample_spec.guidance, num_inference_steps=sample_spec.steps,
                                   generator=sample_generator(sample_spec.seed, 0, number, "sample"),
