@@ -1,4 +1,5 @@
-"""Activation memory of one training sample, per family, from the model's config (torch-free arithmetic).
+"""Activation memory of one training sample: the generic formulas (a transformer layer, a UNet, a causal LM, SpeechT5)
+that the families' torch-free facts (dstune.families.<family>_facts) apply to their configs.
 
 Every figure is the bytes autograd keeps for backward at 2 bytes per element (bf16/fp16; dstune.memory_plan
 doubles them for fp32), for one sample: (without checkpointing, with gradient checkpointing). The basis,
@@ -63,42 +64,6 @@ def unet_sample_bytes(config: dict, resolution: int) -> tuple[float, float]:
         add(levels - 1 - position, per_block + 1, "CrossAttn" in kind)
     full = sum(block for block, _ in blocks)
     return full, sum(kept for _, kept in blocks) + max(block for block, _ in blocks)
-
-
-def flow_sample_bytes(config: dict, resolution: int, text_tokens: int, images: int = 1) -> tuple[float, float]:
-    """A flow transformer (SD3, Flux, Qwen-Image, Z-Image, FLUX.2): image tokens are 2x2 latent patches (16 px), text tokens
-    join them. `images`: 2 for an edit model, whose source image's tokens follow the target's."""
-    tokens = images * (resolution / 16) ** 2 + text_tokens
-    if "dim" in config:  # Z-Image: single stream, SwiGLU feed-forward (8/3 wide), refiner layers before it
-        hidden = config["dim"]
-        return transformer_stack(tokens, hidden, int(hidden * 8 / 3), True,
-                                 config["n_layers"] + config.get("n_refiner_layers", 0))
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    layers = config.get("num_layers", 0) + config.get("num_single_layers", 0)
-    # FLUX.2's feed-forward is SwiGLU, mlp_ratio (3) wide; SD3, Flux and Qwen-Image use a plain 4x GELU MLP
-    gated = config.get("_class_name") == "Flux2Transformer2DModel"
-    return transformer_stack(tokens, hidden, int(hidden * config.get("mlp_ratio", 4.0)), gated, layers)
-
-
-def wan_sample_bytes(config: dict, resolution, frames: int, text_tokens: int,
-                     vae_factor: int = 8) -> tuple[float, float]:
-    """A Wan transformer over one clip of `resolution` (a square side, or a bucket's (width, height)): its tokens
-    are (1 + (frames - 1) / 4) latent frames x (height / 16) x (width / 16) (the VAE's 8x spatial and 4x temporal
-    compression, then 1x2x2 patches; Wan 2.2's 16x VAE: / 32), so they grow with frames x height x width.
-    `text_tokens`: the cross-attention context (Wan 2.1 I2V: the text and the image embedding's tokens); the
-    condition channels of image-to-video only widen the patch embedding. Each block is a self-attention layer with a
-    plain (GELU) MLP of ffn_dim over those tokens, plus a cross-attention to the text (its query-side norm,
-    projections and output: ~8 bytes per token and width, as in the UNet estimate) and the text's key/value
-    projections (4 bytes per text token and width)."""
-    patch = config.get("patch_size", [1, 2, 2])
-    width, height = (resolution, resolution) if isinstance(resolution, int) else resolution
-    tokens = (1 + (frames - 1) // 4) / patch[0] * (height / (vae_factor * patch[1])) * \
-        (width / (vae_factor * patch[2]))
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    extra = 8 * tokens * hidden + 4 * text_tokens * hidden
-    layer = transformer_layer_bytes(tokens, hidden, config.get("ffn_dim", 4 * hidden), False) + extra
-    layers = config["num_layers"]
-    return layers * layer, layers * 2 * tokens * hidden + layer
 
 
 def lm_sample_bytes(config: dict, tokens: float) -> tuple[float, float]:

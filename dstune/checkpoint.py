@@ -251,7 +251,7 @@ def read_state(root: Path, tag: str) -> dict:
 def rng_file_for(folder: Path, rank: int, saved_world: int) -> Path:
     """The RNG state a rank restores: its own rank's. A rank the checkpoint did not have (more ranks than before)
     takes rank 0's. Nothing of the trajectory depends on these streams (every draw that decides a sample's
-    contribution comes from families.base.sample_generator), and every rank of a fresh run starts from the same
+    contribution comes from families.randomness.sample_generator), and every rank of a fresh run starts from the same
     global state too; this keeps every restored state from the checkpoint, so resuming twice gives the same."""
     return folder / f"dstune_rank{rank if rank < saved_world else 0}.pt"
 

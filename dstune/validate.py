@@ -13,7 +13,6 @@ them, so a spec error is reported without waiting for either.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
@@ -25,13 +24,13 @@ from dstune.ds_config import compile_ds_config, user_config_path
 from dstune.ds_config import cross_check as deepspeed_cross_check
 from dstune.ds_file_spec import apply_ds_file, ds_value_sources
 from dstune.memory_plan import Setup, memory_json
-from dstune.model_sizes import EDIT_PIPELINES, SizesUnknown, config_folder, count_model
+from dstune.families import get_facts
+from dstune.model_sizes import SizesUnknown
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
-from dstune.token_layouts import TTS_LAYOUT_FILE, describe, layout_problems, orpheus_layout
 from dstune.trackers import wandb_missing
-from dstune.video_plan import clip_buckets, clip_plan, wan_model_issues
+from dstune.video_plan import clip_buckets, clip_plan
 from dstune.world import World, world_from_flags
 
 ACCELERATORS = ("auto", "cuda", "cpu")
@@ -108,9 +107,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_accelerator(spec, source, accelerator, found)
     _check_trackers(spec, source, found)
     _check_lora_format(spec, source, found)
-    _check_token_layout(spec, source, found)
-    _check_edit_model(spec, source, found)
-    found.add(wan_model_issues(spec, source))
+    _check_model(spec, source, found)
     count, origin, groups, clips = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:
@@ -185,38 +182,6 @@ def _check_accelerator(spec: Spec, source: SpecSource, accelerator: str, found: 
             "or validate for the GPUs the run will use with --accelerator cuda.")])
 
 
-def _check_token_layout(spec: Spec, source: SpecSource, found: IssueList) -> None:
-    """tts_lm: the token layout of a local model folder (its dstune_tts.json, else model.token_layout's preset)
-    against the folder's config.json vocabulary, offline: ids in range, codec frames vs sample rate, the template."""
-    model = spec.model
-    if model.family != "tts_lm" or model.pretrained.startswith("builtin:"):
-        return
-    folder = os.path.expanduser(model.pretrained)
-    layout_path, config_path = os.path.join(folder, TTS_LAYOUT_FILE), os.path.join(folder, "config.json")
-    try:
-        if os.path.isfile(layout_path):
-            with open(layout_path) as handle:
-                layout = describe(json.load(handle))
-        elif model.token_layout == "orpheus":
-            layout = orpheus_layout()
-        else:
-            return  # dstune's layout is made from the LM and codec when training starts
-        vocab_size = None
-        if os.path.isfile(config_path):
-            with open(config_path) as handle:
-                vocab_size = int(json.load(handle)["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        found.add([source.issue("model.pretrained", f"{layout_path}: not a readable token layout ({err})")])
-        return
-    problems = layout_problems(layout, vocab_size if os.path.isfile(layout_path) else None)
-    if os.path.isfile(layout_path) and model.token_layout not in (None, layout["name"]):
-        problems.append(f"it holds the {layout['name']!r} layout, not model.token_layout {model.token_layout!r}")
-    if problems:
-        found.add([source.issue("model.token_layout" if model.token_layout else "model.pretrained",
-                                f"the token layout of {folder} does not hold: {'; '.join(problems)}. Fix "
-                                f"{TTS_LAYOUT_FILE} or start from the model it was written for.")])
-
-
 def _this_machine_accelerator() -> str:
     wanted = os.environ.get("DS_ACCELERATOR")
     if wanted in ("cpu", "cuda"):
@@ -232,37 +197,17 @@ def _check_lora_format(spec: Spec, source: SpecSource, found: IssueList) -> None
         found.add([source.issue("output.lora_format", problem)])
 
 
-def _check_edit_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
-    """An edit model (QwenImageEditPipeline, told by its configs) trains on pairs, cannot cache its text (an
-    embedding belongs to a caption and its source image) and samples from source images (sample.control_images): said
-    here, before any GPU time, rather than at startup or at the first sample."""
-    if spec.model.family != "flow":
-        return
-    try:
-        folder, _ = config_folder(spec.model.pretrained)
-        pipeline_class = json.loads((folder / "model_index.json").read_text()).get("_class_name")
-    except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
-        return
-    if pipeline_class not in EDIT_PIPELINES:
-        if spec.sample.control_images:
-            found.add([source.issue("sample.control_images", f"{pipeline_class} renders from the prompt alone: source "
-                                    "images are for edit models (Qwen-Image-Edit); remove them")])
-        return
-    data, issues = spec.data, []
-    if data.cache.text_embeddings:
-        issues.append(("data.cache.text_embeddings", f"{pipeline_class} encodes each instruction together with its "
-                       "source image, so its text cannot be cached per caption: set it to false (data.cache.latents "
-                       "still caches the target and source latents)"))
-    if spec.sample.prompts and not spec.sample.control_images:
-        issues.append(("sample.prompts", f"{pipeline_class} renders from a source image: give sample.control_images, "
-                       "one source image per prompt, or set sample.prompts: []"))
-    missing = [path for path in spec.sample.control_images if not os.path.isfile(os.path.expanduser(path))]
-    if missing:
-        issues.append(("sample.control_images", f"{len(missing)} source image(s) do not exist: {', '.join(missing)}"))
+def _check_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
+    """The spec against its model's own configs, offline (the family's facts: dstune.families.facts), and, for a
+    model that trains on (source, target) pairs, the data giving them."""
+    facts = get_facts(spec.model.family)
+    issues = facts.spec_issues(spec)
+    pairs = facts.pairs(spec)
+    data = spec.data
     root = os.path.expanduser(data.path)
-    if data.control_dir is None and (builtin_name(data.path) or (os.path.isdir(root) and not os.path.isfile(
+    if pairs and data.control_dir is None and (builtin_name(data.path) or (os.path.isdir(root) and not os.path.isfile(
             os.path.join(root, METADATA_FILE)))):
-        issues.append(("data.control_dir", f"{pipeline_class} trains on (source, target) pairs: give the folder of "
+        issues.append(("data.control_dir", f"{pairs} trains on (source, target) pairs: give the folder of "
                        "source images (data.control_dir, e.g. ../control) or a `control_file_name` per "
                        "metadata.jsonl line"))
     found.add([source.issue(key, text) for key, text in issues])
@@ -379,7 +324,7 @@ def plan_memory(spec: Spec, plan: Plan, ds_config: dict, gpu_memory_bytes: Optio
     `clips`: a video family's clip summary (Resolved.clips: the largest bucket's activations). Without the model's
     config files every figure is null and `unknown` says why."""
     try:
-        counts = count_model(spec, plan.num_samples, clip_buckets(clips))
+        counts = get_facts(spec.model.family).count(spec, plan.num_samples, clip_buckets(clips))
     except (SizesUnknown, KeyError) as err:  # KeyError: a config layout the activation estimates do not know
         why = str(err) if isinstance(err, SizesUnknown) else \
             f"the memory plan does not know this model's config layout (no {err} in its config)"

@@ -3,30 +3,23 @@ data.video has chosen their frames (dstune.data.clips), their frame-count and si
 transformer tokens per sample, the sequence length that drives activation memory.
 
     count_clips(spec) -> ClipCount(count, origin, groups, summary, problems)
-    wan_model_issues(spec, source)     model.expert, model.timestep_range, model.image_to_video against the folder
 
 `groups` ({"Ff WxH": clips}, display order) is what the plan divides into whole global batches when batches are
 grouped (dstune.data.clips.is_grouped); `summary` is the "Clips" section of validate's report and of --json.
-Tokens: latent frames (1 + (frames - 1) / 4) x (H / s / ph) x (W / s / pw), with the VAE's spatial factor s and
-the transformer's patch (pt, ph, pw) read from the model's stored configs (Wan's 8 and (1, 2, 2) when they are not
-here).
+Tokens per clip come from the model's token factors (its facts' `token_factors`: the VAE's spatial factor and the
+transformer's patch, read from the model's configs).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Optional
 
 from dstune.data.clips import clip_counts, index_clips, is_grouped, latent_tokens
 from dstune.data.index import DataError, builtin_name
-from dstune.model_sizes import SizesUnknown, config_folder
+from dstune.families import get_facts
 from dstune.plan import key_label
-from dstune.spec.load import SpecIssue, SpecSource
-from dstune.spec.video_models import expert_problems
-from dstune.wan_layouts import spec_problems as wan_spec_problems
 
-WAN_SPATIAL, WAN_PATCH = 8, (1, 2, 2)
 PROBLEMS_LISTED = 20  # videos that give no clip named one per line; the rest counted
 
 
@@ -40,25 +33,12 @@ class ClipCount:
     warnings: list[str] = field(default_factory=list)
 
 
-def token_factors(pretrained: str) -> tuple[int, tuple[int, int, int], str]:
-    """(VAE spatial factor, transformer patch (t, h, w), where they came from) of a Wan model's stored configs."""
-    try:
-        folder, origin = config_folder(pretrained)
-        vae = json.loads((folder / "vae" / "config.json").read_text())
-        transformer = json.loads((folder / "transformer" / "config.json").read_text())
-    except (SizesUnknown, OSError, ValueError):
-        return WAN_SPATIAL, WAN_PATCH, "Wan's factors (8x VAE, 1x2x2 patches): the model's configs are not here"
-    spatial = 2 ** len(vae.get("temperal_downsample", [0, 0, 0]))
-    patch = tuple(transformer.get("patch_size", WAN_PATCH))
-    return spatial, patch, f"the VAE and transformer configs of {origin}"
-
-
 def count_clips(spec, show_progress: bool = False) -> ClipCount:
     """The clips of spec.data for spec.model (DataError passes through)."""
     data = spec.data
     index = index_clips(data, read_captions=False, show_progress=show_progress)
     counts = clip_counts(index.records, data)
-    spatial, patch, factors = token_factors(spec.model.pretrained)
+    spatial, patch, factors = get_facts(spec.model.family).token_factors(spec.model.pretrained)
     stills = sum(r.repeats for r in index.records if r.frames == 1 and r.image_path is not None)
     frames, sizes = {}, {}
     for (count, width, height), clips in counts.items():
@@ -136,23 +116,3 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     rows.append(("tokens", f"largest {summary['tokens_per_sample_max']} per sample ({summary['largest_bucket']}; "
                            f"the memory plan's); from {summary['tokens_from']}"))
     return rows
-
-
-def wan_model_issues(spec, source: SpecSource) -> list[SpecIssue]:
-    """A Wan spec against its folder's own configs, before any GPU time (startup checks again): model.expert and
-    model.timestep_range against model_index.json (two experts need an expert; a range stays on its expert's side
-    of boundary_ratio), the folder's layout against model.image_to_video, and image-to-video samples' first frames
-    (dstune.wan_layouts)."""
-    if spec.model.family != "wan":
-        return []
-    try:
-        folder, _ = config_folder(spec.model.pretrained)
-        configs = [json.loads((folder / name).read_text())
-                   for name in ("model_index.json", "transformer/config.json", "vae/config.json")]
-    except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
-        return []
-    issues = [source.issue("model.timestep_range" if problem.startswith("model.timestep_range") else "model.expert",
-                           f"{spec.model.pretrained}: {problem}")
-              for problem in expert_problems(configs[0], spec.model.expert, spec.model.timestep_range)]
-    return issues + [source.issue(key, text) for key, text in
-                     wan_spec_problems(*configs, spec.model.image_to_video, spec.sample)]

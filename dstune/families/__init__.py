@@ -1,20 +1,25 @@
-"""The closed registry of model families: `model.family` in the spec -> its `Family` (dstune.families.base).
+"""The closed registry of model families: `model.family` in the spec -> its torch side (`Family`,
+dstune.families.base) and its torch-free facts (`ModelFacts`, dstune.families.facts).
 
-    family = get_family(spec.model.family)
+    facts = get_facts(spec.model.family)        # validate, the memory plan, the video planner: no torch
+    family = get_family(spec.model.family)      # training: build, encode, loss, sample, export
     built = family.build(spec.model, folders, device, dtype_for_frozen)   # folders: dstune.pretrained
     encoded = family.encode_batch(built, batch, compute_dtype)
     loss = family.loss(built, engine, encoded, train_seed, optimizer_step)
 
-Family modules import torch and their model libraries, so they are imported on first use: importing this package
-costs nothing (`dstune validate` never imports a family). The keys must match the spec's discriminated union
-(dstune.spec.models.FAMILIES); a test checks both lists agree. Adding a family: docs/architecture.md.
+Family modules import torch and their model libraries, so they are imported on first use; this package and the
+facts modules are torch-free (tests/unit/test_families_registry.py checks it), so `dstune validate` never imports a
+family's torch side. The keys must match the spec's discriminated union (dstune.spec.models.FAMILIES); a test checks
+the lists agree. Adding a family: docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from dstune.families import flow_facts, speecht5_facts, tts_lm_facts, unet_facts, wan_facts
 from dstune.families.base import Family
+from dstune.families.facts import ModelFacts
 
 FAMILY_MODULES: dict[str, str] = {
     "sd": "dstune.families.sd",
@@ -25,9 +30,24 @@ FAMILY_MODULES: dict[str, str] = {
     "speecht5": "dstune.families.speecht5",
 }
 
+FAMILY_FACTS: dict[str, ModelFacts] = {facts.family: facts for facts in (
+    unet_facts.SD_FACTS, unet_facts.SDXL_FACTS, flow_facts.FACTS, wan_facts.FACTS, tts_lm_facts.FACTS,
+    speecht5_facts.FACTS)}
+
+
+def _unknown(name: str) -> ValueError:
+    return ValueError(f"unknown model family {name!r}; known families: {', '.join(sorted(FAMILY_MODULES))}")
+
 
 def get_family(name: str) -> Family:
     """The family for `model.family` == name; ValueError listing the known ones otherwise."""
     if name not in FAMILY_MODULES:
-        raise ValueError(f"unknown model family {name!r}; known families: {', '.join(sorted(FAMILY_MODULES))}")
+        raise _unknown(name)
     return importlib.import_module(FAMILY_MODULES[name]).FAMILY
+
+
+def get_facts(name: str) -> ModelFacts:
+    """The torch-free facts of `model.family` == name; ValueError listing the known ones otherwise."""
+    if name not in FAMILY_FACTS:
+        raise _unknown(name)
+    return FAMILY_FACTS[name]

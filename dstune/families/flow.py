@@ -28,7 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
-from dstune.families.base import Family, FamilyError, TextCache, per_sample_randn, sample_generator
+from dstune.families.base import Family, FamilyError, TextCache
+from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
                                        load_trainable, non_reentrant_checkpoint, read_model_index, vae_posterior)
 from dstune.families.flow_matching import (flow_loss_per_sample, image_ids, loss_weights, pack_latents,

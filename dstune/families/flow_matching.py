@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dstune.families.base import sample_generator
+from dstune.families.randomness import sample_generator
 from dstune.spec.models import FlowModel
 
 

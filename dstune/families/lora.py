@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from dstune.families.base import Family, FamilyError, sample_generator
+from dstune.families.base import Family, FamilyError
+from dstune.families.randomness import sample_generator
 from dstune.families.quantized_base import quantize_linear_weights, stored_weight_bytes
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries

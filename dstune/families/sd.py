@@ -26,8 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from dstune.families.base import (Family, FamilyError, SingleFileLayout, TextCache, per_sample_randint, per_sample_randn,
-                                  sample_generator)
+from dstune.families.base import Family, FamilyError, SingleFileLayout, TextCache
+from dstune.families.randomness import per_sample_randint, per_sample_randn, sample_generator
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
                                        load_trainable, non_reentrant_checkpoint, read_component_config,
                                        read_model_index)

@@ -26,7 +26,8 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families import sd
-from dstune.families.base import Family, FamilyError, SingleFileLayout, TextCache, sample_generator
+from dstune.families.base import Family, FamilyError, SingleFileLayout, TextCache
+from dstune.families.randomness import sample_generator
 from dstune.families.diffusion import (inputs_cast_to, load_component, load_trainable, non_reentrant_checkpoint,
                                        read_component_config, read_model_index)
 from dstune.families.samples import save_grid

@@ -29,7 +29,8 @@ import torch
 
 from dstune import wan_layouts
 from dstune.families import wan_i2v
-from dstune.families.base import Family, FamilyError, LatentExtras, TextCache, per_sample_randn, sample_generator
+from dstune.families.base import Family, FamilyError, LatentExtras, TextCache
+from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
                                        load_trainable, non_reentrant_checkpoint, read_component_config,
                                        read_model_index, vae_posterior)

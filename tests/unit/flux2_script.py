@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dstune.families import flow
-from dstune.families.base import per_sample_randn
+from dstune.families.randomness import per_sample_randn
 from dstune.spec.models import SampleSpec
 from tiny_batches import shape_batch
 

@@ -194,7 +194,8 @@ def test_validate_counts_clips_prints_their_buckets_and_tokens_and_names_short_v
 
 
 def test_memory_plan_uses_the_largest_bucket(folder, tmp_path):
-    from dstune.model_sizes import count_model
+    from dstune.families import get_facts
+    count_model = get_facts("wan").count
     from dstune.spec.load import load_spec
 
     spec, _ = load_spec(_spec(tmp_path, {"path": str(folder), "video": SLIDING,

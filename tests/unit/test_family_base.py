@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from dstune.families import FAMILY_MODULES, get_family
-from dstune.families.base import Family, FamilyError, per_sample_randint, per_sample_randn, sample_generator
+from dstune.families import FAMILY_FACTS, FAMILY_MODULES, get_facts, get_family
+from dstune.families.base import Family, FamilyError
+from dstune.families.randomness import per_sample_randint, per_sample_randn, sample_generator
 from dstune.families.diffusion import copy_component
 from dstune.families.samples import save_grid
 from dstune.fsutil import publish_folder
@@ -17,6 +19,7 @@ from dstune.pretrained import resolve_pretrained
 from dstune.spec.models import FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsLmModel, WanModel
 from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, LORA_FORMATS, SINGLE_FILE_FAMILIES, VIDEO_FAMILIES
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_SPECS = {"sd": SdModel, "sdxl": SdxlModel, "flow": FlowModel, "wan": WanModel, "tts_lm": TtsLmModel,
                "speecht5": SpeechT5Model}
 
@@ -38,11 +41,29 @@ def test_registry_matches_the_spec_and_every_family_declares_the_contract():
         assert family.supports_lora == (name != "speecht5")  # LoRA: the diffusion families and tts_lm
         assert family.supports_lora == (name in LORA_FORMATS)  # validate checks output.lora_format by the spec
         assert (family.single_file is not None) == (name in SINGLE_FILE_FAMILIES)
+        facts = get_facts(name)  # the torch-free half declares the same family and modality
+        assert facts.family == name and facts.modality == family.modality
+        assert (facts.token_factors is not None) == (family.modality == "video")
+    assert sorted(FAMILY_FACTS) == sorted(FAMILY_MODULES)
 
 
 def test_unknown_family_names_the_known_ones():
     with pytest.raises(ValueError, match="known families: .*sd"):
         get_family("sdxl-typo")
+    with pytest.raises(ValueError, match="known families: .*sd"):
+        get_facts("sdxl-typo")
+
+
+def test_the_registry_and_every_family_facts_module_import_without_torch():
+    """validate reads the facts of every family; importing them (and so the registry) must not load torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dstune.families\n"
+            "from dstune.families import FAMILY_FACTS\n"
+            "assert FAMILY_FACTS and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
 
 
 def test_sample_generator_is_a_pure_function_of_its_arguments():

@@ -17,7 +17,8 @@ import torch
 from dstune.pretrained import build_model
 from dstune import builtin as tiny
 from dstune.families import flow
-from dstune.families.base import FamilyError, sample_generator
+from dstune.families.base import FamilyError
+from dstune.families.randomness import sample_generator
 from dstune.spec.load import SpecError, SpecSource, validate_data
 from dstune.spec.models import FlowModel, SampleSpec
 from tiny_batches import shape_batch

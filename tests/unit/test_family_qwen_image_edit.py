@@ -23,7 +23,8 @@ from dstune import builtin as tiny
 from dstune.builtin.common import to_tensor
 from dstune.data.synthetic import render_shape
 from dstune.families import flow
-from dstune.families.base import FamilyError, per_sample_randn
+from dstune.families.base import FamilyError
+from dstune.families.randomness import per_sample_randn
 from dstune.families.flow_qwen_edit import control_images, load_processor
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel, SampleSpec

@@ -36,7 +36,7 @@ import pytest  # noqa: E402
 
 from dstune.data.synthetic import moving_shape  # noqa: E402
 from dstune.families import wan  # noqa: E402
-from dstune.families.base import per_sample_randn  # noqa: E402
+from dstune.families.randomness import per_sample_randn  # noqa: E402
 from dstune.pretrained import build_model  # noqa: E402
 from dstune.spec.models import SampleSpec, WanModel  # noqa: E402
 from dstune.spec.video_models import expert_problems, expert_range_text  # noqa: E402

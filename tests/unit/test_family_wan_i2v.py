@@ -15,7 +15,8 @@ import torch
 
 from dstune import builtin as tiny
 from dstune.families import wan, wan_i2v
-from dstune.families.base import FamilyError, per_sample_randn
+from dstune.families.base import FamilyError
+from dstune.families.randomness import per_sample_randn
 from dstune.families.flow_matching import timestep_density
 from dstune.pretrained import build_model
 from dstune.spec.models import SampleSpec, WanModel
@@ -253,7 +254,7 @@ def _validate(tmp_path, capsys, model: dict, sample: dict, cache: bool = True) -
 def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tmp_path, capsys):
     """The image encoder is a frozen companion (cached with the latents, whose entries grow by the condition and
     the CLIP hidden states); TI2V's 16x VAE quarters the tokens; the mode and sample problems name their key."""
-    from dstune.activations import wan_sample_bytes
+    from dstune.families.wan_facts import sample_bytes as wan_sample_bytes
     from dstune.model_sizes import STORE
 
     code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": []})

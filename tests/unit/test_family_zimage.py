@@ -18,7 +18,7 @@ import torch
 
 from dstune import builtin as tiny
 from dstune.families import flow
-from dstune.families.base import per_sample_randn
+from dstune.families.randomness import per_sample_randn
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel, SampleSpec
 from tiny_batches import shape_batch

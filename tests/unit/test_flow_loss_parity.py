@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dstune.families import flow
-from dstune.families.base import per_sample_randn
+from dstune.families.randomness import per_sample_randn
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel
 from tiny_batches import shape_batch

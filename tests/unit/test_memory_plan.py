@@ -264,7 +264,7 @@ def test_cache_on_disk_is_what_the_cache_stores_per_sample(model):
     tokenizers stop at 32 tokens, which the stored configs do not say, so the length is set within it."""
     from dstune.families import flow
     from dstune.families.diffusion import vae_posterior
-    from dstune.model_sizes import count_model
+    from dstune.families import get_facts
     from dstune.pretrained import build_model
     from dstune.spec.models import Spec
 
@@ -280,7 +280,7 @@ def test_cache_on_disk_is_what_the_cache_stores_per_sample(model):
     text = flow.cache_text_tensors(built, ["a red circle"])
     stored = 4 * (mean.numel() + std.numel()) + sum(t.numel() * t.element_size() for name, t in text.items()
                                                      if t.is_floating_point())
-    assert count_model(spec, 1).cache_bytes == stored
+    assert get_facts("flow").count(spec, 1).cache_bytes == stored
 
 
 A14B = str(REPO / "launch" / "wan22-a14b-low-noise-full-zero3-2x8gpu.yaml")

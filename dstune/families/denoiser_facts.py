@@ -1,0 +1,115 @@
+"""What the diffusers pipeline families (sd, sdxl, flow, wan) share in their torch-free facts: a pipeline folder whose
+denoiser DeepSpeed trains beside frozen companions (VAE, text encoders, an image encoder), counted from its configs.
+
+    count_denoiser(spec, num_samples, clips, DenoiserRules(...)) -> ModelCounts
+
+A family's `<family>_facts.py` passes what differs as `DenoiserRules`: which component trains (a two-expert folder
+trains one of two), whether the image encoder is used, its activation formula and its encoder cache's bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from dstune.memory_plan import ModelCounts
+from dstune.model_sizes import config_folder, count_component, read_config, vae_factor
+from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
+
+FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
+
+
+@dataclass(frozen=True)
+class PipelineFolder:
+    """A pipeline folder's configs as the facts read them (JSON only)."""
+
+    path: Path
+    origin: str  # where the configs came from (dstune.model_sizes.config_folder)
+    index: dict  # model_index.json
+
+    def config(self, component: str) -> dict:
+        return read_config(self.path / component / "config.json")
+
+    def has(self, component: str) -> bool:
+        return (self.path / component / "config.json").exists()
+
+
+def trains_denoiser(module: str) -> Callable:
+    """A single-denoiser family's `trained`: (module, no sampling-only parts, no expert)."""
+    return lambda spec, folder: (module, {}, None)
+
+
+@dataclass(frozen=True)
+class DenoiserRules:
+    # (spec, PipelineFolder) -> (the trained component, {frozen component loaded only for samples: params}, the
+    # expert summary of validate --json or None)
+    trained: Callable
+    # (spec, PipelineFolder, denoiser config, clips) -> one sample's activation bytes (full, checkpointed)
+    activations: Callable
+    # (spec, PipelineFolder, companions, num_samples, clips) -> the encoder cache's bytes on disk
+    cache_bytes: Callable
+    # (spec, PipelineFolder) -> whether the run loads the folder's image encoder (image-to-video)
+    uses_image_encoder: Callable = lambda spec, folder: False
+
+
+def pipeline_folder(pretrained: str) -> PipelineFolder:
+    path, origin = config_folder(pretrained)
+    return PipelineFolder(path, origin, read_config(path / "model_index.json"))
+
+
+def lora_settings(spec) -> tuple[tuple, int]:
+    settings = spec.model.lora_settings
+    return (tuple(settings.target_modules), settings.rank) if settings else ((), 0)
+
+
+def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> ModelCounts:
+    """The denoiser, its companions, one sample's activations and the cache size of a pipeline folder's run."""
+    folder = pipeline_folder(spec.model.pretrained)
+    module, sampling_only, expert = rules.trained(spec, folder)
+    targets, rank = lora_settings(spec)
+    config_path = folder.path / module / "config.json"
+    params, largest, lora = count_component(str(config_path), targets, rank)
+    default_lora = count_component(str(config_path), DEFAULT_LORA_TARGET_MODULES, 16)[2]
+    companions = {part: count_component(str(folder.path / part / "config.json"))[0]
+                  for part in FROZEN_PIPELINE_PARTS if (folder.index.get(part) or [None])[0]}
+    cache = spec.data.cache
+    if not rules.uses_image_encoder(spec, folder):  # e.g. a text-to-video run of an image-to-video-capable folder
+        companions.pop("image_encoder", None)
+    # the image encoder's embeddings are stored beside the latents (dstune.families.wan_i2v)
+    cached = tuple(part for part in companions if (cache.latents if part in ("vae", "image_encoder")
+                                                   else cache.text_embeddings))
+    full, checkpointed = rules.activations(spec, folder, read_config(config_path), clips)
+    return ModelCounts(module, params, lora or params, largest, companions, cached, int(full), int(checkpointed),
+                       default_lora, rules.cache_bytes(spec, folder, companions, num_samples, clips), folder.origin,
+                       builds_partitioned=True,  # every pipeline family builds the denoiser partitioned under ZeRO-3
+                       sampling_companions=sampling_only, expert=expert)
+
+
+def latent_channels(folder: PipelineFolder) -> tuple[int, int]:
+    """(latent channels, spatial factor) of the folder's VAE."""
+    vae = folder.config("vae")
+    return vae.get("latent_channels") or vae.get("z_dim", 4), vae_factor(vae)
+
+
+def image_latent_bytes(spec, folder: PipelineFolder, companions: dict, pictures: int = 1) -> int:
+    """One sample's cached VAE posterior (mean and std, float32) at data.resolution's square; `pictures`: 2 for an
+    edit model (the source's latents too). 0 without data.cache.latents."""
+    if not (spec.data.cache.latents and "vae" in companions):
+        return 0
+    channels, factor = latent_channels(folder)
+    side = spec.data.resolution // factor
+    return pictures * 2 * channels * side ** 2 * 4
+
+
+def embedding_width_bytes(spec) -> int:
+    """Bytes per cached embedding element: the frozen parts' dtype (2 under mixed precision)."""
+    return 2 if spec.train.precision in ("bf16", "fp16") else 4
+
+
+def transformer_text_bytes(spec, folder: PipelineFolder, tokens: int, text_width: Optional[int]) -> int:
+    """One caption's cached text for a transformer denoiser: `tokens` x the width it reads, plus a pooled vector."""
+    if not spec.data.cache.text_embeddings or not folder.has("transformer"):
+        return 0
+    pooled = folder.config("transformer").get("pooled_projection_dim", 0)
+    return (tokens * (text_width or 0) + pooled) * embedding_width_bytes(spec)

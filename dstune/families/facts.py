@@ -1,0 +1,48 @@
+"""What dstune knows about a family's models without torch: the half of a model unit that `dstune validate`, the
+memory plan and the video planner read. Each family declares one `ModelFacts` value, `FACTS`, in its
+`<family>_facts.py` module beside its torch side (`<family>.py`); the registry (dstune.families) maps
+`model.family` to it. Nothing here imports torch, diffusers or transformers: configs are JSON, counts come from
+the stored table or the meta device (dstune.model_sizes, which imports torch only inside a function).
+
+    facts = get_facts(spec.model.family)
+    counts = facts.count(spec, num_samples, clips)       # ModelCounts: parameters, activations, cache bytes
+    issues = facts.spec_issues(spec)                      # [(dotted key, message)]: the spec against the folder
+    spatial, patch, temporal, origin = facts.token_factors(spec.model.pretrained)   # video families
+
+Central modules ask these; they never branch on a family's name or guess a model from its config keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional, Protocol, Sequence
+
+Clip = tuple[int, int, int, int]  # (frames, width, height, clips): one bucket of a video dataset
+SpecIssues = list[tuple[str, str]]  # (dotted key, message): an error about the spec, found from the model's configs
+
+
+class CountModel(Protocol):
+    def __call__(self, spec, num_samples: int, clips: Sequence[Clip] = ()):  # -> dstune.memory_plan.ModelCounts
+        ...
+
+
+def no_spec_issues(spec) -> SpecIssues:
+    return []
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """One family's torch-free facts (see the module docstring)."""
+
+    family: str  # model.family
+    modality: Literal["image", "video", "audio"]
+    # (spec, num_samples, clips) -> ModelCounts, or raises dstune.model_sizes.SizesUnknown with the reason
+    count: CountModel
+    # spec -> [(key, message)]: what startup would refuse about this spec on this folder, found offline from its
+    # configs (nothing when they are not on this machine: startup checks the folder itself)
+    spec_issues: Callable = no_spec_issues
+    # video: pretrained reference -> (VAE spatial factor, transformer patch (t, h, w), VAE temporal factor, origin)
+    token_factors: Optional[Callable] = None
+    # spec -> the pipeline class when the model trains on (source, target) pairs (an edit model), else None:
+    # validate then checks that the data gives the pairs
+    pairs: Callable = lambda spec: None

@@ -1,0 +1,153 @@
+"""The torch-free facts of the flow family's models (SD3, Flux.1, Qwen-Image, Qwen-Image-Edit, Z-Image, FLUX.2
+[klein] and [dev]): each is told by its folder's transformer class, as the torch side's recipes are
+(dstune.families.flow_recipe); dstune.families.facts describes the contract.
+
+Image tokens are 2x2 latent patches (16 px); text tokens join them. An edit model trains on (source, target)
+pairs: the source's tokens and latents double the target's, and the source image's vision tokens join the text.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from dstune.activations import transformer_stack
+from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image_latent_bytes, pipeline_folder,
+                                            trains_denoiser, transformer_text_bytes)
+from dstune.families.facts import ModelFacts, SpecIssues
+from dstune.model_sizes import SizesUnknown
+
+DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of the Flux and Qwen-Image training examples
+EDIT_VISION_PATCH_PX = 28  # Qwen-Image-Edit: the source image's vision tokens (28 px each) join the text
+
+
+def _two_stream_bytes(config: dict, tokens: float, gated: bool) -> tuple[float, float]:
+    """SD3, Flux, Qwen-Image, FLUX.2: joint (and single) blocks of heads x head_dim over all tokens."""
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    layers = config.get("num_layers", 0) + config.get("num_single_layers", 0)
+    return transformer_stack(tokens, hidden, int(hidden * config.get("mlp_ratio", 4.0)), gated, layers)
+
+
+def _plain_mlp_bytes(config: dict, tokens: float) -> tuple[float, float]:
+    return _two_stream_bytes(config, tokens, False)  # a plain 4x GELU MLP
+
+
+def _swiglu_bytes(config: dict, tokens: float) -> tuple[float, float]:
+    return _two_stream_bytes(config, tokens, True)  # FLUX.2: SwiGLU, mlp_ratio (3) wide
+
+
+def _single_stream_bytes(config: dict, tokens: float) -> tuple[float, float]:
+    """Z-Image: one stream, SwiGLU feed-forward (8/3 wide), refiner layers before it."""
+    hidden = config["dim"]
+    return transformer_stack(tokens, hidden, int(hidden * 8 / 3), True,
+                             config["n_layers"] + config.get("n_refiner_layers", 0))
+
+
+@dataclass(frozen=True)
+class FlowModel:
+    """One flow model's torch-free facts, told by its transformer class."""
+
+    name: str
+    activations: Callable  # (transformer config, tokens per sample) -> (full, checkpointed) bytes
+    text_width_key: str  # the transformer config's key for the text embeddings' width
+    clip_tokens: int = 0  # CLIP tokens before the long text encoder's (SD3: 77)
+    default_text_tokens: int = DEFAULT_TEXT_TOKENS
+    edit_pipelines: tuple[str, ...] = ()  # pipeline classes of this transformer that train on (source, target) pairs
+
+
+FLOW_MODELS = {
+    "SD3Transformer2DModel": FlowModel("SD3", _plain_mlp_bytes, "joint_attention_dim", clip_tokens=77,
+                                       default_text_tokens=77),
+    "FluxTransformer2DModel": FlowModel("Flux.1", _plain_mlp_bytes, "joint_attention_dim"),
+    "QwenImageTransformer2DModel": FlowModel("Qwen-Image", _plain_mlp_bytes, "joint_attention_dim",
+                                             edit_pipelines=("QwenImageEditPipeline",)),
+    "ZImageTransformer2DModel": FlowModel("Z-Image", _single_stream_bytes, "cap_feat_dim"),
+    "Flux2Transformer2DModel": FlowModel("FLUX.2", _swiglu_bytes, "joint_attention_dim"),
+}
+
+
+def flow_model(folder) -> FlowModel:
+    """The flow model a pipeline folder holds, by its transformer class; SizesUnknown naming the known ones."""
+    transformer = (folder.index.get("transformer") or [None, None])[1]
+    if transformer not in FLOW_MODELS:
+        raise SizesUnknown(f"{folder.origin}: its transformer {transformer} is none of the flow models dstune "
+                           f"trains ({', '.join(FLOW_MODELS)})")
+    return FLOW_MODELS[transformer]
+
+
+def edit_pipeline(folder) -> Optional[str]:
+    """The folder's pipeline class when it is an edit model (trained on pairs), else None."""
+    name = folder.index.get("_class_name")
+    return name if name in flow_model(folder).edit_pipelines else None
+
+
+def text_tokens(spec, folder) -> int:
+    """Text tokens per sample: SD3's 77 CLIP tokens + T5's (77 by default); every other model's max_sequence_length
+    (512 by default); an edit model adds the source image's vision tokens."""
+    model = flow_model(folder)
+    tokens = spec.model.max_sequence_length or model.default_text_tokens
+    if edit_pipeline(folder):
+        tokens += int((spec.data.resolution / EDIT_VISION_PATCH_PX) ** 2)
+    return model.clip_tokens + tokens
+
+
+def _activations(spec, folder, config: dict, clips) -> tuple[float, float]:
+    images = 2 if edit_pipeline(folder) else 1
+    tokens = images * (spec.data.resolution / 16) ** 2 + text_tokens(spec, folder)
+    return flow_model(folder).activations(config, tokens)
+
+
+def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int:
+    per_sample = image_latent_bytes(spec, folder, companions, 2 if edit_pipeline(folder) else 1)
+    if folder.has("transformer"):
+        width = folder.config("transformer").get(flow_model(folder).text_width_key)
+        per_sample += transformer_text_bytes(spec, folder, text_tokens(spec, folder), width)
+    return per_sample * num_samples
+
+
+RULES = DenoiserRules(trained=trains_denoiser("transformer"), activations=_activations, cache_bytes=_cache_bytes)
+
+
+def _count(spec, num_samples: int, clips=()):
+    return count_denoiser(spec, num_samples, clips, RULES)
+
+
+def _spec_issues(spec) -> SpecIssues:
+    """An edit model (QwenImageEditPipeline) trains on pairs, cannot cache its text (an embedding belongs to a
+    caption and its source image) and samples from source images (sample.control_images): said by validate, before
+    any GPU time, rather than at startup or at the first sample. Whether the data gives pairs is validate's check
+    (`pairs`)."""
+    try:
+        folder = pipeline_folder(spec.model.pretrained)
+        edit = edit_pipeline(folder)
+    except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
+        return []
+    pipeline_class = folder.index.get("_class_name")
+    if not edit:
+        if spec.sample.control_images:
+            return [("sample.control_images", f"{pipeline_class} renders from the prompt alone: source images are "
+                     "for edit models (Qwen-Image-Edit); remove them")]
+        return []
+    issues = []
+    if spec.data.cache.text_embeddings:
+        issues.append(("data.cache.text_embeddings", f"{pipeline_class} encodes each instruction together with its "
+                       "source image, so its text cannot be cached per caption: set it to false (data.cache.latents "
+                       "still caches the target and source latents)"))
+    if spec.sample.prompts and not spec.sample.control_images:
+        issues.append(("sample.prompts", f"{pipeline_class} renders from a source image: give sample.control_images, "
+                       "one source image per prompt, or set sample.prompts: []"))
+    missing = [path for path in spec.sample.control_images if not os.path.isfile(os.path.expanduser(path))]
+    if missing:
+        issues.append(("sample.control_images", f"{len(missing)} source image(s) do not exist: {', '.join(missing)}"))
+    return issues
+
+
+def _pairs(spec) -> Optional[str]:
+    try:
+        return edit_pipeline(pipeline_folder(spec.model.pretrained))
+    except (SizesUnknown, OSError, ValueError):
+        return None
+
+
+FACTS = ModelFacts(family="flow", modality="image", count=_count, spec_issues=_spec_issues, pairs=_pairs)

@@ -1,0 +1,36 @@
+"""The torch-free facts of the UNet families, sd (Stable Diffusion 1.x/2.x) and sdxl: a UNet2DConditionModel trained
+beside a VAE and one or two CLIP text encoders (dstune.families.facts describes the contract)."""
+
+from __future__ import annotations
+
+from dstune.activations import unet_sample_bytes
+from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, embedding_width_bytes, image_latent_bytes,
+                                            trains_denoiser)
+from dstune.families.facts import ModelFacts
+
+CLIP_TOKENS = 77  # every CLIP text encoder's context
+
+
+def _activations(spec, folder, config: dict, clips) -> tuple[float, float]:
+    return unet_sample_bytes(config, spec.data.resolution)
+
+
+def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int:
+    """Per image its posterior and each CLIP's 77 hidden states, times the images."""
+    per_sample = image_latent_bytes(spec, folder, companions)
+    if spec.data.cache.text_embeddings:
+        for part in companions:
+            if part.startswith("text_encoder"):
+                per_sample += CLIP_TOKENS * folder.config(part).get("hidden_size", 0) * embedding_width_bytes(spec)
+    return per_sample * num_samples
+
+
+RULES = DenoiserRules(trained=trains_denoiser("unet"), activations=_activations, cache_bytes=_cache_bytes)
+
+
+def _count(spec, num_samples: int, clips=()):
+    return count_denoiser(spec, num_samples, clips, RULES)
+
+
+SD_FACTS = ModelFacts(family="sd", modality="image", count=_count)
+SDXL_FACTS = ModelFacts(family="sdxl", modality="image", count=_count)
