@@ -43,5 +43,5 @@ ds-configs:
 	done
 
 docs:
-	$(PYTHON) -m dstune.reference > docs/spec-reference.md
+	$(PYTHON) -m dstune.spec.reference > docs/spec-reference.md
 	@echo "docs/spec-reference.md regenerated from dstune/spec/models.py"

@@ -8,7 +8,7 @@ bench/memory_rank.py under the launcher: one optimizer step, then a second backw
 Measured per rank: (a) model states at rest, the bytes of every live tensor after the second backward with the
 batch freed (CUDA: memory_allocated), and after the second step; (b) the peak RSS growth over the rank's baseline
 before the model was built (CUDA: max_memory_allocated), which holds every transient of the step. Predicted:
-dstune.memory_plan's model states (parameters + gradients + optimizer states, the peak of a step: DeepSpeed's
+dstune.memory.plan's model states (parameters + gradients + optimizer states, the peak of a step: DeepSpeed's
 estimators' figure, including the fp32 gradient partition that exists only during the step) and its per-rank total
 (model states + DeepSpeed buffers + the activation estimate), and DeepSpeed's own estimator where it has one.
 
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BENCH_UNET, REPO, env, launch, machine, print_json, print_table, say  # noqa: E402
 
 sys.path.insert(0, str(REPO))  # this checkout's dstune, not an installed one
-from dstune.activations import unet_sample_bytes  # noqa: E402
-from dstune.memory_plan import ModelCounts, Setup, estimate, model_states  # noqa: E402
+from dstune.memory.activations import unet_sample_bytes  # noqa: E402
+from dstune.memory.plan import ModelCounts, Setup, estimate, model_states  # noqa: E402
 
 DEMO = REPO / "launch" / "sd-tiny-demo.yaml"
 MB = 1e6
@@ -65,7 +65,7 @@ def compile_config(work: Path, name: str, stage: int, micro: int, offload: str, 
 
 
 def predicted(config: dict, optimizer: str, params: int, largest: int, ranks: int) -> tuple[float, float]:
-    """(model states, per-rank total) from dstune.memory_plan for this DeepSpeed JSON."""
+    """(model states, per-rank total) from dstune.memory.plan for this DeepSpeed JSON."""
     zero = config["zero_optimization"]
     full, _ = unet_sample_bytes(BENCH_UNET, 64)
     counts = ModelCounts("unet", params, params, largest, activation_sample_bytes=int(full))

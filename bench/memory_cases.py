@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, env  # noqa: E402
 
 sys.path.insert(0, str(REPO))  # this checkout's dstune, not an installed one
-from dstune.activations import transformer_stack  # noqa: E402
-from dstune.memory_plan import ModelCounts, Setup, memory_json  # noqa: E402
-from dstune.model_sizes import count_component  # noqa: E402
+from dstune.memory.activations import transformer_stack  # noqa: E402
+from dstune.memory.plan import ModelCounts, Setup, memory_json  # noqa: E402
+from dstune.memory.counts import count_component  # noqa: E402
 
 QWEN_IMAGE = {"_class_name": "QwenImageTransformer2DModel", "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56],
               "guidance_embeds": False, "in_channels": 64, "joint_attention_dim": 3584, "num_attention_heads": 24,

@@ -65,7 +65,7 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     from diffusers import UNet2DConditionModel
 
-    from dstune.memory_record import peak_rss_bytes, rss_bytes
+    from dstune.memory.record import peak_rss_bytes, rss_bytes
 
     before = live_tensor_bytes()
     baseline_rss = rss_bytes()

@@ -213,7 +213,7 @@ def cmd_schema(args) -> int:
 
 
 def cmd_init(args) -> int:
-    from dstune.reference import example_spec
+    from dstune.spec.reference import example_spec
 
     text = example_spec(args.family)
     if args.output is None:

@@ -17,7 +17,7 @@ def _positive_int(text: str) -> int:
 
 
 def _gpu_memory(text: str) -> int:
-    from dstune.memory_plan import parse_size
+    from dstune.memory.plan import parse_size
 
     try:
         return parse_size(text)

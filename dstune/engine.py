@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from dstune.ds_config import uses_deepspeed_optimizer
+from dstune.ds_json.blocks import uses_deepspeed_optimizer
 from dstune.plan import Plan
 from dstune.spec.models import SchedulerSpec, TrainSpec
 

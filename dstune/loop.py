@@ -25,7 +25,7 @@ from dstune.engine import current_lr
 from dstune.evaluation import HeldOut, evaluate
 from dstune.families.base import Family
 from dstune.families.samples import write_contact_sheet
-from dstune.memory_record import MemoryRecorder, cuda_peak_bytes, peak_rss_bytes
+from dstune.memory.record import MemoryRecorder, cuda_peak_bytes, peak_rss_bytes
 from dstune.plan import Plan
 from dstune.progress import MetricsFile, ProgressDisplay, read_metrics
 from dstune.spec.models import SampleSpec
@@ -106,7 +106,7 @@ def _check_space_for_checkpoints(ctx: LoopContext) -> None:
 
 def memory_fields(device: torch.device) -> dict:
     """Rank 0's peak memory in GiB: the accelerator's allocated peak on CUDA, and the process's resident peak (the
-    same readings dstune.memory_record takes for memory.json)."""
+    same readings dstune.memory.record takes for memory.json)."""
     fields = {"memory_host_peak_gib": peak_rss_bytes() / 2**30}
     if device.type == "cuda":
         fields["memory_accelerator_peak_gib"] = cuda_peak_bytes() / 2**30

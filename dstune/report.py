@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dstune.ds_user_config import flatten
+from dstune.ds_json.merge import flatten
 from dstune.spec.load import SpecIssue
 from dstune.video_plan import summary_rows
 
@@ -38,7 +38,7 @@ class Outcome:
     num_samples_origin: str = ""
     warnings: tuple[SpecIssue, ...] = ()
     errors: tuple[SpecIssue, ...] = ()
-    ds_sources: Optional[dict] = None  # DeepSpeed key -> where its value came from (dstune.ds_file_spec)
+    ds_sources: Optional[dict] = None  # DeepSpeed key -> where its value came from (dstune.ds_json.fill_spec)
     memory: Optional[dict] = None  # dstune.validate.plan_memory (validate only)
     clips: Optional[dict] = None  # video families: dstune.video_plan's clip summary
 

@@ -30,7 +30,7 @@ from dstune.data.index import DataError, index_dataset, list_samples
 from dstune.data.loader import make_loader
 from dstune.data.video import VideoCaptionDataset, collate_video, find_bad_clips
 from dstune.distributed import Run, agree_or_stop, all_gather_object, init_run, launcher_rank, rank0_first, shutdown, stop
-from dstune.ds_file_spec import merged_spec
+from dstune.ds_json.fill_spec import merged_spec
 from dstune.engine import PRECISION_DTYPES
 from dstune.families import get_family
 from dstune.families.base import Family

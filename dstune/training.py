@@ -17,21 +17,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dstune.check import bucket_report, check_batches, expected_from_plan, rank_report
+from dstune.batch_check import bucket_report, check_batches, expected_from_plan, rank_report
 from dstune.checkpoint import (CheckpointError, TrainState, checkpoint_root, list_complete, load_checkpoint,
                                read_latest, read_state, resolve_resume, save_checkpoint, shared_folder_problem,
                                tag_for)
 from dstune.distributed import (Run, agree_or_stop, all_gather_object, barrier, init_run, launcher_rank,
                                 launcher_world_size, shutdown, stop)
-from dstune.ds_config import with_universal_loading
-from dstune.ds_file_spec import merged_spec
+from dstune.ds_json.blocks import with_universal_loading
+from dstune.ds_json.fill_spec import merged_spec
 from dstune.ema import Ema
 from dstune.engine import PRECISION_DTYPES, follow_plan_schedule, promote_scalar_params, wrap_model
 from dstune.evaluation import make_held_out
 from dstune.export import ExportError, export_checkpoint
 from dstune.loop import LoopContext, NonFiniteLoss, render_samples, train_loop
-from dstune.memory_record import MemoryRecorder, summary_text
-from dstune.model_sizes import import_model_classes
+from dstune.memory.record import MemoryRecorder, summary_text
+from dstune.memory.counts import import_model_classes
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
 from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, rebatched, resume_kind
@@ -203,7 +203,7 @@ def _resume(run: Run, resuming: Optional[Resuming], engine, ema, resolved: Resol
 
 
 def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainState) -> None:
-    """The batch check (dstune.check) on every rank before step 1: stop all ranks when anything disagrees."""
+    """The batch check (dstune.batch_check) on every rank before step 1: stop all ranks when anything disagrees."""
     first_batch = next(iter(loader))
     report = rank_report(run, engine, len(loader), len(first_batch["index"]), sampler.num_samples,
                          buckets=bucket_report(sampler, first_batch))

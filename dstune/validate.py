@@ -20,12 +20,13 @@ from typing import Callable, Iterable, Optional, Union
 from dstune.data.audio_index import duration_groups, index_audio
 from dstune.data.buckets import assign_buckets, bucket_counts
 from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset
-from dstune.ds_config import compile_ds_config, user_config_path
-from dstune.ds_config import cross_check as deepspeed_cross_check
-from dstune.ds_file_spec import apply_ds_file, ds_value_sources
-from dstune.memory_plan import Setup, memory_json
+from dstune.ds_json.blocks import compile_ds_config
+from dstune.ds_json.user_file import user_config_path
+from dstune.ds_json.cross_check import cross_check as deepspeed_cross_check
+from dstune.ds_json.fill_spec import apply_ds_file, ds_value_sources
+from dstune.memory.plan import Setup, memory_json
 from dstune.families import get_facts
-from dstune.model_sizes import SizesUnknown
+from dstune.memory.counts import SizesUnknown
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
@@ -320,7 +321,7 @@ def _compile_and_check(spec: Spec, source: SpecSource, plan: Optional[Plan], fou
 def plan_memory(spec: Spec, plan: Plan, ds_config: dict, gpu_memory_bytes: Optional[float] = None,
                 accelerator: str = "cuda", clips: Optional[dict] = None) -> dict:
     """The memory plan of a validated run (`dstune validate`'s Memory section, the `memory` key of --json):
-    parameters counted on the meta device (dstune.model_sizes), bytes per GPU and node (dstune.memory_plan);
+    parameters counted on the meta device (dstune.memory.counts), bytes per GPU and node (dstune.memory.plan);
     `clips`: a video family's clip summary (Resolved.clips: the largest bucket's activations). Without the model's
     config files every figure is null and `unknown` says why."""
     try:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from dstune.memory_plan import ModelCounts
-from dstune.model_sizes import config_folder, count_component, read_config, vae_factor
+from dstune.memory.plan import ModelCounts
+from dstune.memory.counts import config_folder, count_component, read_config, vae_factor
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 
 FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
@@ -25,7 +25,7 @@ class PipelineFolder:
     """A pipeline folder's configs as the facts read them (JSON only)."""
 
     path: Path
-    origin: str  # where the configs came from (dstune.model_sizes.config_folder)
+    origin: str  # where the configs came from (dstune.memory.counts.config_folder)
     index: dict  # model_index.json
 
     def config(self, component: str) -> dict:

@@ -2,7 +2,7 @@
 memory plan and the video planner read. Each family declares one `ModelFacts` value, `FACTS`, in its
 `<family>_facts.py` module beside its torch side (`<family>.py`); the registry (dstune.families) maps
 `model.family` to it. Nothing here imports torch, diffusers or transformers: configs are JSON, counts come from
-the stored table or the meta device (dstune.model_sizes, which imports torch only inside a function).
+the stored table or the meta device (dstune.memory.counts, which imports torch only inside a function).
 
     facts = get_facts(spec.model.family)
     counts = facts.count(spec, num_samples, clips)       # ModelCounts: parameters, activations, cache bytes
@@ -22,7 +22,7 @@ SpecIssues = list[tuple[str, str]]  # (dotted key, message): an error about the 
 
 
 class CountModel(Protocol):
-    def __call__(self, spec, num_samples: int, clips: Sequence[Clip] = ()):  # -> dstune.memory_plan.ModelCounts
+    def __call__(self, spec, num_samples: int, clips: Sequence[Clip] = ()):  # -> dstune.memory.plan.ModelCounts
         ...
 
 
@@ -36,7 +36,7 @@ class ModelFacts:
 
     family: str  # model.family
     modality: Literal["image", "video", "audio"]
-    # (spec, num_samples, clips) -> ModelCounts, or raises dstune.model_sizes.SizesUnknown with the reason
+    # (spec, num_samples, clips) -> ModelCounts, or raises dstune.memory.counts.SizesUnknown with the reason
     count: CountModel
     # spec -> [(key, message)]: what startup would refuse about this spec on this folder, found offline from its
     # configs (nothing when they are not on this machine: startup checks the folder itself)

@@ -12,11 +12,11 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from dstune.activations import transformer_stack
+from dstune.memory.activations import transformer_stack
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image_latent_bytes, pipeline_folder,
                                             trains_denoiser, transformer_text_bytes)
 from dstune.families.facts import ModelFacts, SpecIssues
-from dstune.model_sizes import SizesUnknown
+from dstune.memory.counts import SizesUnknown
 
 DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of the Flux and Qwen-Image training examples
 EDIT_VISION_PATCH_PX = 28  # Qwen-Image-Edit: the source image's vision tokens (28 px each) join the text

@@ -3,10 +3,10 @@ one clip's activations; dstune.families.facts describes the contract."""
 
 from __future__ import annotations
 
-from dstune.activations import speecht5_sample_bytes
+from dstune.memory.activations import speecht5_sample_bytes
 from dstune.families.facts import ModelFacts
-from dstune.memory_plan import ModelCounts
-from dstune.model_sizes import config_folder, count_component, read_config
+from dstune.memory.plan import ModelCounts
+from dstune.memory.counts import config_folder, count_component, read_config
 
 DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
 

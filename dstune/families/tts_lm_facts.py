@@ -8,11 +8,11 @@ import json
 import os
 from typing import Optional
 
-from dstune.activations import codec_frame_rate, lm_sample_bytes, tts_tokens
+from dstune.memory.activations import codec_frame_rate, lm_sample_bytes, tts_tokens
 from dstune.families.denoiser_facts import lora_settings
 from dstune.families.facts import ModelFacts, SpecIssues
-from dstune.memory_plan import ModelCounts
-from dstune.model_sizes import SizesUnknown, config_folder, count_component, read_config
+from dstune.memory.plan import ModelCounts
+from dstune.memory.counts import SizesUnknown, config_folder, count_component, read_config
 from dstune.spec.model_sections import LM_LORA_TARGET_MODULES
 from dstune.token_layouts import TTS_LAYOUT_FILE, describe, layout_problems, orpheus_layout
 

@@ -3,7 +3,7 @@ beside a VAE and one or two CLIP text encoders (dstune.families.facts describes 
 
 from __future__ import annotations
 
-from dstune.activations import unet_sample_bytes
+from dstune.memory.activations import unet_sample_bytes
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, embedding_width_bytes, image_latent_bytes,
                                             trains_denoiser)
 from dstune.families.facts import ModelFacts

@@ -9,11 +9,11 @@ and the transformer's patch (pt, ph, pw) read from the model's configs (Wan's 8 
 from __future__ import annotations
 
 from dstune import wan_layouts
-from dstune.activations import transformer_layer_bytes
+from dstune.memory.activations import transformer_layer_bytes
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, embedding_width_bytes, latent_channels,
                                             pipeline_folder, transformer_text_bytes)
 from dstune.families.facts import ModelFacts, SpecIssues
-from dstune.model_sizes import SizesUnknown, count_component
+from dstune.memory.counts import SizesUnknown, count_component
 from dstune.spec.video_models import expert_problems, expert_range, expert_range_text, experts_in
 
 WAN_SPATIAL, WAN_PATCH = 8, (1, 2, 2)

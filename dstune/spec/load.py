@@ -325,7 +325,7 @@ def _describe(err: dict, source: SpecSource) -> SpecIssue:
 
 
 def validate_data(data: Any, source: SpecSource, deepspeed_file_read: bool = False) -> Spec:
-    """`deepspeed_file_read`: the user's DeepSpeed JSON has already filled what it could (dstune.ds_file_spec), so
+    """`deepspeed_file_read`: the user's DeepSpeed JSON has already filled what it could (dstune.ds_json.fill_spec), so
     keys it may give (the batch numbers) are required now; before that they may be missing."""
     if not isinstance(data, dict):
         raise SpecError([SpecIssue("", "a spec is a YAML mapping with sections model, data, train, deepspeed, output", source.path)])

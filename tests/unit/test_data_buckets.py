@@ -12,7 +12,7 @@ from PIL import Image
 from pydantic import ValidationError
 
 from dstune.cache.entries import latent_key, plan_entries
-from dstune.check import Expected, RankReport, bucket_report, find_mismatches
+from dstune.batch_check import Expected, RankReport, bucket_report, find_mismatches
 from dstune.cli import main
 from dstune.report import plan_text
 from dstune.data.buckets import assign_buckets, bucket_counts, generate_buckets, header_size, nearest_bucket

@@ -14,7 +14,7 @@ import yaml
 from PIL import Image
 
 from dstune.cache.entries import plan_entries
-from dstune.check import Expected, RankReport, bucket_report, expected_from_plan, find_mismatches
+from dstune.batch_check import Expected, RankReport, bucket_report, expected_from_plan, find_mismatches
 from dstune.cli import main
 from dstune.data.clips import chunk_starts, clip_counts, frame_positions, index_clips, is_grouped
 from dstune.data.loader import make_loader, size_matches_bucket

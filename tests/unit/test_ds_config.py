@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dstune.ds_config import (STEPS_PER_PRINT, compile_ds_config, cross_check, deepspeed_resolve, find_auto,
-                              uses_deepspeed_optimizer)
+from dstune.ds_json.blocks import STEPS_PER_PRINT, compile_ds_config, find_auto, uses_deepspeed_optimizer
+from dstune.ds_json.cross_check import cross_check, deepspeed_resolve
 from dstune.plan import make_plan
 from dstune.spec.load import SpecError, SpecSource, validate_data
 from dstune.spec.models import DeepSpeedSpec
@@ -176,7 +176,7 @@ def test_compile_imports_neither_torch_nor_deepspeed():
     import subprocess
     import sys
 
-    code = ("import sys, dstune.ds_config, dstune.ds_user_config; "
+    code = ("import sys, dstune.ds_json; "
             "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from dstune.cli import main
-from dstune.ds_file_spec import merged_spec
-from dstune.ds_user_config import flatten
+from dstune.ds_json.fill_spec import merged_spec
+from dstune.ds_json.merge import flatten
 from dstune.report import plan_text
 from dstune.spec.load import SpecError, json_key_line, load_spec
 from dstune.validate import load_and_validate

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dstune.ds_file_spec import apply_ds_file
-from dstune.ds_config import compile_ds_config, cross_check, find_auto, uses_deepspeed_optimizer
-from dstune.ds_user_config import KNOWN_TOP_LEVEL_KEYS, OWNED, json_key_line
+from dstune.ds_json.fill_spec import apply_ds_file
+from dstune.ds_json.blocks import compile_ds_config, find_auto, uses_deepspeed_optimizer
+from dstune.ds_json.cross_check import cross_check
+from dstune.ds_json.merge import KNOWN_TOP_LEVEL_KEYS, OWNED, json_key_line
 from dstune.plan import make_plan
 from dstune.spec.load import SpecError, SpecSource, validate_data
 from dstune.world import use_cpu_accelerator_if_no_cuda

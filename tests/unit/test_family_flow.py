@@ -139,7 +139,7 @@ def test_spec_descriptions_name_every_flow_model_and_builtin():
     assert len(flow_builtins) >= len(flow.RECIPES)
     for name in flow_builtins:
         assert f"`builtin:{name}`" in pretrained, name
-    from dstune.reference import example_spec
+    from dstune.spec.reference import example_spec
 
     assert "builtin:tiny-flux2" in example_spec("flow")
 

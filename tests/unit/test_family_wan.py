@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from dstune import builtin as tiny
-from dstune.model_sizes import STORE
+from dstune.memory.counts import STORE
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))

@@ -255,7 +255,7 @@ def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tm
     """The image encoder is a frozen companion (cached with the latents, whose entries grow by the condition and
     the CLIP hidden states); TI2V's 16x VAE quarters the tokens; the mode and sample problems name their key."""
     from dstune.families.wan_facts import sample_bytes as wan_sample_bytes
-    from dstune.model_sizes import STORE
+    from dstune.memory.counts import STORE
 
     code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": []})
     assert code == 0, out

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dstune.cli import main
-from dstune.memory_plan import (BASE_PRECISION_BYTES, ModelCounts, Setup, estimate, memory_json, model_states,
+from dstune.memory.plan import (BASE_PRECISION_BYTES, ModelCounts, Setup, estimate, memory_json, model_states,
                                 parse_size, suggestions)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,7 +154,7 @@ PUBLISHED = [  # (stored config, parameters as published by the model's authors 
 
 @pytest.mark.parametrize("where, published", PUBLISHED, ids=[p[0] for p in PUBLISHED])
 def test_meta_device_counts_match_published_sizes(where, published):
-    from dstune.model_sizes import STORE, count_component, meta_count
+    from dstune.memory.counts import STORE, count_component, meta_count
 
     path = str(STORE / "hub" / where / "config.json")
     assert meta_count(path)[0] == published == count_component(path)[0]
@@ -163,16 +163,16 @@ def test_meta_device_counts_match_published_sizes(where, published):
 def test_stored_counts_are_the_meta_device_counts():
     """validate reads the stored configs' counts from counts.json (no diffusers import); they must be what the
     meta device gives for the same files."""
-    from dstune.model_sizes import STORED_COUNTS, stored_counts
+    from dstune.memory.counts import STORED_COUNTS, stored_counts
 
     assert json.loads(STORED_COUNTS.read_text()) == stored_counts(), \
-        "regenerate: python3 -c 'from dstune.model_sizes import write_stored_counts; write_stored_counts()'"
+        "regenerate: python3 -c 'from dstune.memory.counts import write_stored_counts; write_stored_counts()'"
 
 
 def test_lora_adapters_are_counted_on_the_meta_module():
     """Flux LoRA of launch/flux-lora-zero3-8gpu.yaml: rank 32 on the attention projections, 37.4 M adapters; another
     target list is counted on the meta device."""
-    from dstune.model_sizes import STORE, count_component, meta_count
+    from dstune.memory.counts import STORE, count_component, meta_count
 
     path = str(STORE / "hub" / "black-forest-labs/FLUX.1-dev/transformer/config.json")
     default = ("to_q", "to_k", "to_v", "to_out.0")
@@ -192,7 +192,7 @@ def test_stored_builtin_configs_are_the_builders_configs():
     dstune.builtin, and (where the tests' built models are at hand) the same config files, apart from the version
     of transformers/diffusers that wrote them (a newer release on a fresh install changes only that stamp)."""
     from dstune.builtin import BUILTIN_MODELS
-    from dstune.model_sizes import BUILTIN_FOLDERS, STORE
+    from dstune.memory.counts import BUILTIN_FOLDERS, STORE
 
     assert BUILTIN_FOLDERS == {name: model.folder_name for name, model in BUILTIN_MODELS.items()}
     built = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests")) / "builtin"
@@ -225,7 +225,7 @@ def test_offload_moves_states_to_the_host_and_lora_counts_the_frozen_base(capsys
 def test_tts_lm_lora_counts_adapters_on_the_llama_attention(capsys):
     """tts_lm with train: lora trains peft adapters on q/k/v/o_proj: the plan's trainable count is those adapters
     (counted on the meta Llama), the rest is a frozen base; full training suggests that LoRA."""
-    from dstune.model_sizes import STORE, meta_count
+    from dstune.memory.counts import STORE, meta_count
 
     spec = str(REPO / "launch" / "tts-lm-1b-zero3-8gpu.yaml")
     assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "13100", "--json",
@@ -293,7 +293,7 @@ def test_two_expert_wan_counts_the_trained_expert_and_the_other_only_while_sampl
     samples render, which sets the peak; without sample.prompts it never loads, and when only the samples do not fit
     dropping them is suggested."""
     assert main(["validate", A14B, *A14B_FLAGS, "--json"]) == 0
-    from dstune.model_sizes import STORE, count_component
+    from dstune.memory.counts import STORE, count_component
 
     memory = json.loads(capsys.readouterr().out)["memory"]
     params = memory["parameters"]

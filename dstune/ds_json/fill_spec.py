@@ -5,24 +5,23 @@
 
 The rule: a concrete value in the file is used for a spec key the spec does not write (ZeRO stage and its options,
 offload, precision, batch numbers, clipping, activation checkpointing, optimizer values, the schedule's type and
-warmup); "auto" in the file takes the spec's value or dstune's default (dstune.ds_user_config fills it); a key
+warmup); "auto" in the file takes the spec's value or dstune's default (dstune.ds_json.merge fills it); a key
 written in both places to different values is an error at the file's line naming the spec's line. "Written" is
 pydantic's `model_fields_set`: the keys of the YAML and of --set. The filled keys are recorded in
 `SpecSource.filled`, so every later message about them (a batch that does not divide, a stage the family refuses)
-points at the file's line. dstune still builds the optimizer and steps its own schedule (ds_user_config).
+points at the file's line. dstune still builds the optimizer and steps its own schedule (dstune.ds_json.merge).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
 
-from dstune.ds_config import load_user_ds_config, user_config_path
-from dstune.ds_user_config import AUTO, OWNED, flatten, same_value
+from dstune.ds_json.user_file import load_user_ds_config, user_config_path
+from dstune.ds_json.merge import AUTO, OWNED, flatten, same_value
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, json_key_line, validate_data
 from dstune.spec.models import Spec
 
@@ -249,7 +248,7 @@ def _shown(value: Any) -> str:
 
 # DeepSpeed keys the plan derives when the spec (or file) leaves them to it.
 _DERIVED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
-# Names a file may use for a key dstune writes under another name (ds_user_config normalizes them).
+# Names a file may use for a key dstune writes under another name (dstune.ds_json.merge normalizes them).
 _OLD_NAMES = [("bf16", "bfloat16"), ("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                                       "zero_optimization.stage3_gather_fp16_weights_on_model_save"),
               *((f"zero_optimization.stage3_{name}", f"zero_optimization.{name}") for name in

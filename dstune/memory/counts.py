@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -24,16 +25,12 @@ from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_librar
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 from dstune.spec.section import BUILTIN_PREFIX
 
-STORE = Path(__file__).resolve().parent / "model_configs"
-# builtin name -> its versioned folder (dstune.builtin's BuiltinModel.folder_name; tests/unit/test_model_sizes.py
-# checks these agree, without this module importing the builders of layer 3)
-BUILTIN_FOLDERS = {"tiny-sd": "tiny-sd-v3", "tiny-sdxl": "tiny-sdxl-v1", "tiny-flow": "tiny-flow-v1",
-                   "tiny-flux": "tiny-flux-v1", "tiny-tts-lm": "tiny-tts-lm-v3", "tiny-speecht5": "tiny-speecht5-v1",
-                   "tiny-orpheus": "tiny-orpheus-v2", "tiny-qwen-image": "tiny-qwen-image-v1",
-                   "tiny-qwen-image-edit": "tiny-qwen-image-edit-v1", "tiny-z-image": "tiny-z-image-v1",
-                   "tiny-flux2": "tiny-flux2-v1", "tiny-flux2-dev": "tiny-flux2-dev-v1",
-                   "tiny-wan": "tiny-wan-v1", "tiny-wan-a14b": "tiny-wan-a14b-v1",
-                   "tiny-wan-i2v": "tiny-wan-i2v-v1", "tiny-wan22-ti2v": "tiny-wan22-ti2v-v1"}
+STORE = Path(__file__).resolve().parents[1] / "model_configs"
+# builtin name -> its versioned folder: the stored config folders are named as the built-in's folder
+# (dstune.builtin's BuiltinModel.folder_name, "tiny-sd-v3"); tests/unit/test_memory_plan.py checks they are exactly
+# the built-ins' folders, without this module importing the builders of layer 3
+BUILTIN_FOLDERS = {re.sub(r"-v\d+$", "", folder.name): folder.name
+                   for folder in sorted((STORE / "builtin").iterdir()) if folder.is_dir()}
 
 
 class SizesUnknown(ValueError):
@@ -153,7 +150,7 @@ def _instantiate(config: dict, path: Path):
 
 def import_model_classes(spec) -> None:
     """Import, without building, the class of every component config of the spec's model: a memory baseline taken
-    afterwards (dstune.memory_record) then holds the libraries' code, so that what grows after it is the model."""
+    afterwards (dstune.memory.record) then holds the libraries' code, so that what grows after it is the model."""
     try:
         folder, _ = config_folder(spec.model.pretrained)
     except SizesUnknown:

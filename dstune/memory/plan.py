@@ -5,7 +5,7 @@
                                          activations, DeepSpeed buffers; per node: host RAM and NVMe
     suggestions(counts, setup, gpu_bytes) the cheapest changes that make it fit, each with its per-GPU total
 
-Torch-free: the parameter counts come in as ModelCounts (dstune.model_sizes counts them on the meta device, or
+Torch-free: the parameter counts come in as ModelCounts (dstune.memory.counts counts them on the meta device, or
 training counts the live model). The model-state part follows DeepSpeed's own estimators
 (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`; tests/unit/test_memory_plan.py
 checks that they agree), mixed precision: 16-bit parameters and gradients, an fp32 gradient partition for the

@@ -1,9 +1,9 @@
 """A user's own DeepSpeed JSON (`deepspeed.config`), merged into the config compiled from the spec.
 
-By then the file's concrete values fill the spec keys the spec leaves unset (dstune.ds_file_spec), so what is
+By then the file's concrete values fill the spec keys the spec leaves unset (dstune.ds_json.fill_spec), so what is
 left: the file keeps every setting the spec does not cover; "auto" takes the spec's value or dstune's default; a
 value dstune needs otherwise is an error naming the key and the fix. DeepSpeed's `scheduler` is always replaced by
-dstune's schedule. Pure (no torch or deepspeed); what DeepSpeed rejects is found by `dstune.ds_config.cross_check`.
+dstune's schedule. Pure (no torch or deepspeed); what DeepSpeed rejects is found by `dstune.ds_json.cross_check`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Activation memory of one training sample: the generic formulas (a transformer layer, a UNet, a causal LM, SpeechT5)
 that the families' torch-free facts (dstune.families.<family>_facts) apply to their configs.
 
-Every figure is the bytes autograd keeps for backward at 2 bytes per element (bf16/fp16; dstune.memory_plan
+Every figure is the bytes autograd keeps for backward at 2 bytes per element (bf16/fp16; dstune.memory.plan
 doubles them for fp32), for one sample: (without checkpointing, with gradient checkpointing). The basis,
 derived in docs/memory.md:
 

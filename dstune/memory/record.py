@@ -10,7 +10,7 @@ Each mark keeps the peak so far: on a GPU torch.cuda.max_memory_allocated() (wha
 total predicts, less the runtime reserve), always the process's peak resident set size (VmHWM in /proc/self/status,
 else getrusage's ru_maxrss). On the CPU accelerator the model lives in host memory, so the RSS growth over the
 baseline is what compares with the prediction; the baseline already holds torch, DeepSpeed, the process group and the model's classes
-(dstune.model_sizes.import_model_classes).
+(dstune.memory.counts.import_model_classes).
 
 The folders are resolved before the baseline (dstune.startup.resolve_model_folders): making a built-in model or
 converting a single checkpoint file is not the training's memory.
@@ -53,7 +53,7 @@ def cuda_peak_bytes() -> Optional[int]:
 
 @dataclass
 class MemoryRecorder:
-    predicted: Optional[dict] = None  # dstune.memory_plan.memory_json of this run (None: no config files)
+    predicted: Optional[dict] = None  # dstune.memory.plan.memory_json of this run (None: no config files)
     baseline_rss_bytes: int = field(default_factory=rss_bytes)
     phases: list = field(default_factory=list)
 

@@ -1,7 +1,7 @@
 """Documentation generated from the spec's own field descriptions: the spec reference and the `dstune init` example.
 
 Both walk the pydantic models in dstune/spec/models.py, so a field added there shows up in `docs/spec-reference.md`
-and in `dstune init` without anyone writing it twice. `python -m dstune.reference > docs/spec-reference.md`.
+and in `dstune init` without anyone writing it twice. `python -m dstune.spec.reference > docs/spec-reference.md`.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def reference_markdown() -> str:
     lines = [
         "# Spec reference",
         "",
-        "<!-- Generated from the field descriptions in dstune/spec/models.py by `python -m dstune.reference`"
+        "<!-- Generated from the field descriptions in dstune/spec/models.py by `python -m dstune.spec.reference`"
         " (`make docs`). Do not edit by hand: a test regenerates it. -->",
         "",
         "A spec is one YAML file with the sections below. Unknown keys are errors (with a \"did you mean\"), every "
