@@ -3,7 +3,7 @@ speech_models.py, the union on `model.family` in models.py), and the LoRA settin
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -108,6 +108,8 @@ def is_single_file(pretrained: str) -> bool:
 class DenoiserModelBase(Section):
     """What every diffusion family's model section shares (sd, sdxl, flow): full fine-tuning or LoRA of the
     denoiser (the UNet or transformer the family trains). Subclass it for a new diffusion family's model section."""
+
+    modality: ClassVar[str] = "image"  # what the data is; a video family's section says "video"
 
     train: Literal["full", "lora"] = Field(
         "full",

@@ -7,6 +7,7 @@ Cross-field rules that need the world size (batch divisibility) live in `dstune.
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
@@ -22,11 +23,15 @@ from dstune.spec.speech_models import SpeechT5Model, TtsLmModel
 from dstune.spec.video_models import WanModel
 from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, VideoSpec, data_family_problem  # noqa: F401
 
-Model = Annotated[Union[SdModel, SdxlModel, FlowModel, WanModel, TtsLmModel, SpeechT5Model],
-                  Field(discriminator="family")]
-FAMILIES = ("sd", "sdxl", "flow", "wan", "tts_lm", "speecht5")
-VIDEO_FAMILIES = ("wan",)  # families that train on clips (B, 3, frames, H, W): data.video applies
-AUDIO_FAMILIES = ("tts_lm", "speecht5")  # families that train on speech: data is audio + text, not images
+# One model section per family; the family lists below are derived from them (each section's `family` literal and
+# its `modality`), so adding a family adds one section here and nothing else in this module.
+MODEL_SECTIONS = (SdModel, SdxlModel, FlowModel, WanModel, TtsLmModel, SpeechT5Model)
+Model = Annotated[Union[MODEL_SECTIONS], Field(discriminator="family")]
+FAMILIES = tuple(typing.get_args(section.model_fields["family"].annotation)[0] for section in MODEL_SECTIONS)
+# families that train on clips (B, 3, frames, H, W): data.video applies
+VIDEO_FAMILIES = tuple(f for f, section in zip(FAMILIES, MODEL_SECTIONS) if section.modality == "video")
+# families that train on speech: data is audio + text, not images
+AUDIO_FAMILIES = tuple(f for f, section in zip(FAMILIES, MODEL_SECTIONS) if section.modality == "audio")
 
 
 # Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since

@@ -3,7 +3,7 @@ Re-exported by dstune.spec.models; torch-free like the rest of the spec."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -12,6 +12,7 @@ from dstune.spec.section import Section
 
 
 class TtsLmModel(Section):
+    modality: ClassVar[str] = "audio"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
     family: Literal["tts_lm"] = Field(
         description="Model family. `tts_lm`: a transformers causal LM (Llama/Qwen-class) over text tokens followed "
         "by audio-codec tokens; a frozen codec (EnCodec, DAC, Mimi or SNAC) turns audio into tokens and back. The "
@@ -105,6 +106,7 @@ class TtsLmModel(Section):
 
 
 class SpeechT5Model(Section):
+    modality: ClassVar[str] = "audio"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
     family: Literal["speecht5"] = Field(
         description="Model family. `speecht5`: SpeechT5ForTextToSpeech (text -> log-mel, L1 + stop-token loss), "
         "with a SpeechT5HifiGan vocoder for samples. See docs/tts.md."
