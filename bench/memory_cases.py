@@ -2,7 +2,7 @@
 a 20B image model's LoRA on 8 x 80 GB (Qwen-Image's transformer) and Wan 2.1 14B full on 8 x 80 GB. dstune has no
 family for the last two yet, so their transformers are counted on the meta device from their published configs
 (inline below) and the memory plan's arithmetic is applied directly, with the activation formula of
-dstune/activations.py for their token counts. Nothing is downloaded; no weight exists anywhere in this.
+dstune/memory/activations.py for their token counts. Nothing is downloaded; no weight exists anywhere in this.
 
     python3 bench/memory_cases.py
 """
