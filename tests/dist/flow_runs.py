@@ -1,10 +1,13 @@
-"""What the 2-rank runs of the flow family's newer recipes share (tests/dist/test_flow_qwen.py, _qwen_edit,
-_zimage, _flux2, _flux2_dev): the spec, the launches, and the checks a full run, a LoRA run and a resume get."""
+"""What the 2-rank runs of the flow family's image models share (tests/dist/test_flow_models_a.py and _b.py: one
+table, ROWS; test_flow_qwen_edit.py): the spec, the launches, and the checks a full run, a LoRA run and a resume
+get."""
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -105,3 +108,50 @@ def check_resume(run_dir: Path, spec_path: Path, proc, resumed: Path, compared: 
     a = load_file(run_dir / "export" / f"step-{STEPS:08d}" / compared)
     b = load_file(resumed / "export" / f"step-{STEPS:08d}" / compared)
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------- the table of image models
+
+
+def _render_with(**guidance):
+    """`render(pipeline)`: one 32 px image of "a red circle" in 2 steps, seeded, with the pipeline's guidance key."""
+    def render(pipeline) -> torch.Tensor:
+        return pipeline(prompt="a red circle", height=32, width=32, num_inference_steps=2,
+                        generator=torch.Generator().manual_seed(0), output_type="pt", **guidance).images.float()
+    return render
+
+
+@dataclass(frozen=True)
+class FlowRow:
+    """One image model of the flow family in the 2-rank table (tests/dist/test_flow_models_*.py)."""
+
+    pipeline_class: str  # the diffusers pipeline its export and LoRA load in
+    render: Callable  # pipeline -> image tensor
+    resume_case: Optional[str] = None  # the case that also resumes from step 2 (None: no resume launch)
+    full_case: str = "zero2"
+    lora_case: str = "lora-zero3"
+
+    @property
+    def cases(self) -> dict:
+        return {self.full_case: (2, "full"), self.lora_case: (3, "lora")}
+
+    def pipeline(self):
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class)
+
+
+# Resume is a property of the flow core, not of a model: it is checked for a full ZeRO-2 run from caches
+# (Qwen-Image) and a ZeRO-3 LoRA run with checkpointing (Z-Image); FLUX.2's rows train and export only.
+ROWS = {
+    "tiny-qwen-image": FlowRow("QwenImagePipeline", _render_with(true_cfg_scale=1.0), resume_case="zero2"),
+    "tiny-z-image": FlowRow("ZImagePipeline", _render_with(guidance_scale=1.0), resume_case="lora-zero3"),
+    "tiny-flux2": FlowRow("Flux2KleinPipeline", _render_with(guidance_scale=1.0)),
+    # Flux2Pipeline feeds guidance_scale to the guidance embedding (no classifier-free pass)
+    "tiny-flux2-dev": FlowRow("Flux2Pipeline", _render_with(guidance_scale=4.0)),
+}
+
+
+def resumed_file(row: FlowRow, case: str) -> Path:
+    """The export file a resume compares: the transformer of a full run, the LoRA file of a LoRA run."""
+    return TRANSFORMER if row.cases[case][1] == "full" else Path("pytorch_lora_weights.safetensors")
