@@ -25,6 +25,7 @@ from dstune.ds_config import compile_ds_config, user_config_path
 from dstune.ds_config import cross_check as deepspeed_cross_check
 from dstune.ds_file_spec import apply_ds_file, ds_value_sources
 from dstune.memory_plan import Setup, memory_json
+from dstune.model_folders import model_folder_issues
 from dstune.model_sizes import EDIT_PIPELINES, SizesUnknown, config_folder, count_model
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
@@ -110,7 +111,10 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_lora_format(spec, source, found)
     _check_token_layout(spec, source, found)
     _check_edit_model(spec, source, found)
-    found.add(wan_model_issues(spec, source))
+    folder_issues = model_folder_issues(spec.model, source, offline=_planned_offline(spec, num_samples))
+    found.add(folder_issues)
+    if not any(issue.severity == "error" for issue in folder_issues):  # a Wan spec on another model's folder
+        found.add(wan_model_issues(spec, source))
     count, origin, groups, clips = _count_samples(spec, source, num_samples, found)
     plan = None
     if count is not None:
@@ -130,6 +134,12 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
         raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin, clips)
     return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings),
                     ds_value_sources(ds_config, spec, source), clips)
+
+
+def _planned_offline(spec: Spec, num_samples: Optional[int]) -> bool:
+    """Validating for another machine: --num-samples stands in for a data.path that is not here."""
+    path = spec.data.path
+    return num_samples is not None and builtin_name(path) is None and not os.path.exists(os.path.expanduser(path))
 
 
 def _once(errors: list[SpecIssue]) -> list[SpecIssue]:

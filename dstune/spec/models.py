@@ -7,6 +7,7 @@ Cross-field rules that need the world size (batch divisibility) live in `dstune.
 
 from __future__ import annotations
 
+import typing
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
@@ -25,6 +26,7 @@ from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, VideoSpe
 Model = Annotated[Union[SdModel, SdxlModel, FlowModel, WanModel, TtsLmModel, SpeechT5Model],
                   Field(discriminator="family")]
 FAMILIES = ("sd", "sdxl", "flow", "wan", "tts_lm", "speecht5")
+MODEL_SECTIONS = typing.get_args(typing.get_args(Model)[0])  # the section classes, in FAMILIES' order
 VIDEO_FAMILIES = ("wan",)  # families that train on clips (B, 3, frames, H, W): data.video applies
 AUDIO_FAMILIES = ("tts_lm", "speecht5")  # families that train on speech: data is audio + text, not images
 

@@ -3,7 +3,7 @@ Re-exported by dstune.spec.models; torch-free like the rest of the spec."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -12,6 +12,11 @@ from dstune.spec.section import Section
 
 
 class TtsLmModel(Section):
+    # What `dstune validate` checks of the folders offline: see DenoiserModelBase.
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("*ForCausalLM",)
+    MODEL_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = ("pretrained",)
+    COMPANION_FOLDERS: ClassVar[dict[str, str]] = {"codec_pretrained": "codec"}
+    FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
     family: Literal["tts_lm"] = Field(
         description="Model family. `tts_lm`: a transformers causal LM (Llama/Qwen-class) over text tokens followed "
         "by audio-codec tokens; a frozen codec (EnCodec, DAC, Mimi or SNAC) turns audio into tokens and back. The "
@@ -105,6 +110,10 @@ class TtsLmModel(Section):
 
 
 class SpeechT5Model(Section):
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("SpeechT5ForTextToSpeech",)
+    MODEL_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = ("pretrained",)
+    COMPANION_FOLDERS: ClassVar[dict[str, str]] = {"vocoder": "vocoder"}
+    FILE_FIELDS: ClassVar[tuple[str, ...]] = ("speaker_embeddings",)
     family: Literal["speecht5"] = Field(
         description="Model family. `speecht5`: SpeechT5ForTextToSpeech (text -> log-mel, L1 + stop-token loss), "
         "with a SpeechT5HifiGan vocoder for samples. See docs/tts.md."

@@ -3,7 +3,7 @@ the spec."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -11,6 +11,7 @@ from dstune.spec.model_sections import DenoiserModelBase
 
 
 class WanModel(DenoiserModelBase):
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("WanPipeline", "WanImageToVideoPipeline")
     family: Literal["wan"] = Field(
         description="Model family. `wan`: Wan 2.1 / 2.2 video (WanTransformer3DModel, AutoencoderKLWan, UMT5): "
         "text-to-video, image-to-video (Wan 2.1 I2V with its CLIP image encoder, Wan 2.2 I2V A14B) and Wan 2.2 TI2V "
