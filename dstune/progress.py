@@ -128,3 +128,23 @@ def time_split_text(timings: dict) -> str:
                   "data.resolution, or turn on data.cache")
     return (f"waiting for data {fmt_seconds(data_s)} ({100 * fraction:.1f}% of step time), "
             f"compute {fmt_seconds(compute_s)}{advice}")
+
+
+class CountProgress:
+    """Progress of a long count on stderr (stdout may be --json): silent while it takes less than `after_s`
+    seconds, then one line every `every_s` seconds and one when it is done, e.g. "data.path: checked 1200 of 5000
+    images (4 s)"."""
+
+    def __init__(self, doing: str, what: str, total: int, after_s: float = 2.0, every_s: float = 5.0):
+        self.doing, self.what, self.total = doing, what, total
+        self.after_s, self.every_s = after_s, every_s
+        self.started = time.monotonic()
+        self.shown: Optional[float] = None  # when the last line was printed
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        due = now - self.started >= self.after_s if self.shown is None else now - self.shown >= self.every_s
+        if due or (done == self.total and self.shown is not None):
+            self.shown = now
+            print(f"{self.doing} {done} of {self.total} {self.what} ({now - self.started:.0f} s)", file=sys.stderr,
+                  flush=True)

@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Optional, Union
 
 from dstune.data.audio_index import duration_groups, index_audio
 from dstune.data.buckets import assign_buckets, bucket_counts
+from dstune.data.image_check import image_file_issues
 from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset
 from dstune.ds_config import compile_ds_config, user_config_path
 from dstune.ds_config import cross_check as deepspeed_cross_check
@@ -84,19 +85,22 @@ WorldArg = Union[None, World, Callable[[], World]]
 
 
 def load_and_validate(spec_path, overrides: Iterable[str] = (), world: WorldArg = None,
-                      num_samples: Optional[int] = None, accelerator: str = "auto", cross_check: bool = True) -> Resolved:
+                      num_samples: Optional[int] = None, accelerator: str = "auto", cross_check: bool = True,
+                      check_files: bool = True) -> Resolved:
     """Load the spec, then validate_spec. `world`: a World, a function returning one (called only once the spec
     has loaded, so a spec error is reported before a hostfile is read), or None for what this machine would launch
     (dstune.world.world_from_flags())."""
     spec, source = load_spec(spec_path, overrides)
-    return validate_spec(spec, source, _make_world(world), num_samples, accelerator, cross_check)
+    return validate_spec(spec, source, _make_world(world), num_samples, accelerator, cross_check, check_files)
 
 
 def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Optional[int] = None,
-                  accelerator: str = "auto", cross_check: bool = True) -> Resolved:
+                  accelerator: str = "auto", cross_check: bool = True, check_files: bool = False) -> Resolved:
     """Raise SpecError (a ResolveError) holding every error found; dstune.world.WorldError passes through.
-    `num_samples`: used when data.path does not exist here (planning offline). Resolved.spec and .source are the
-    spec as the run uses it: with the values of deepspeed.config's file in the keys the spec leaves unset."""
+    `num_samples`: used when data.path does not exist here (planning offline). `check_files`: open every image of
+    an image dataset (dstune.data.image_check), as `dstune validate` does; training leaves it to start-up, where
+    each rank checks a share. Resolved.spec and .source are the spec as the run uses it: with the values of
+    deepspeed.config's file in the keys the spec leaves unset."""
     found, file_read = IssueList(), True
     try:
         spec, source, conflicts = apply_ds_file(spec, source)
@@ -115,7 +119,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     found.add(folder_issues)
     if not any(issue.severity == "error" for issue in folder_issues):  # a Wan spec on another model's folder
         found.add(wan_model_issues(spec, source))
-    count, origin, groups, clips = _count_samples(spec, source, num_samples, found)
+    count, origin, groups, clips = _count_samples(spec, source, num_samples, found, check_files)
     plan = None
     if count is not None:
         try:
@@ -278,8 +282,8 @@ def _check_edit_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
     found.add([source.issue(key, text) for key, text in issues])
 
 
-def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
-                   found: IssueList) -> tuple[Optional[int], str, Optional[dict], Optional[dict]]:
+def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int], found: IssueList,
+                   check_files: bool = False) -> tuple[Optional[int], str, Optional[dict], Optional[dict]]:
     """(number of samples or None when unknown, where it came from, {bucket: samples} with grouped batches, the
     clip summary of a video family)."""
     path = spec.data.path
@@ -320,6 +324,8 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
                                   video=spec.model.family in VIDEO_FAMILIES)
             groups = _bucket_counts(spec, source, index.records, found) if spec.data.buckets.enabled else None
             pairs = index.num_pairs
+            if check_files:
+                found.add(image_file_issues(spec.data, index.records + list(index.held_out), source))
     except DataError as err:
         found.add([source.issue(err.key or "data.path", err.message)])
         return None, "", None, None
