@@ -118,12 +118,16 @@ def fmt_seconds(seconds: Optional[float]) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
-def time_split_text(timings: dict) -> str:
-    """The end-of-run line on where step time went: `timings` holds the loop's data_s and compute_s totals."""
+def time_split_text(timings: dict, cached: bool = False) -> str:
+    """The end-of-run line on where step time went: `timings` holds the loop's data_s and compute_s totals;
+    `cached`: the run trained from data.cache (its entries, not the files, were read), which changes what helps."""
     data_s, compute_s = timings["data_s"], timings["compute_s"]
     fraction = data_s / max(data_s + compute_s, 1e-9)
     advice = ""
-    if fraction > 0.05:  # the loader, not the model, set the pace: say what helps
+    if fraction > 0.05 and cached:  # the loader, not the model, set the pace: say what helps
+        advice = (" - the loader is a bottleneck even reading the cache: raise data.num_workers, or put "
+                  "data.cache.dir on faster local storage")
+    elif fraction > 0.05:
         advice = (" - the loader is a bottleneck: raise data.num_workers, store the images pre-resized near "
                   "data.resolution, or turn on data.cache")
     return (f"waiting for data {fmt_seconds(data_s)} ({100 * fraction:.1f}% of step time), "

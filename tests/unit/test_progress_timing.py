@@ -15,6 +15,12 @@ def test_names_the_loader_as_the_bottleneck_with_what_helps():
     assert "the loader is a bottleneck" in text and "data.num_workers" in text and "data.cache" in text
 
 
+def test_a_cached_run_is_not_told_to_turn_on_the_cache():
+    text = time_split_text({"data_s": 30.0, "compute_s": 70.0}, cached=True)
+    assert "the loader is a bottleneck" in text and "data.num_workers" in text and "data.cache.dir" in text
+    assert "turn on data.cache" not in text
+
+
 def test_no_steps_is_not_a_division_by_zero():
     assert "(0.0% of step time)" in time_split_text({"data_s": 0.0, "compute_s": 0.0})
 
