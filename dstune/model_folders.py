@@ -122,9 +122,13 @@ def class_problem(model, field: str, folder: Path, shown: str) -> Optional[str]:
             f"{family} model.")
 
 
-def model_folder_issues(model, source: SpecSource, offline: bool = False) -> list[SpecIssue]:
-    """Every folder and file key of the model section, checked offline. `offline`: validating for another machine
-    (data.path is not here and --num-samples stands in for it), so a local path that is missing here is a warning."""
+def model_folder_issues(spec, source: SpecSource, num_samples: Optional[int] = None) -> list[SpecIssue]:
+    """Every folder and file key of spec.model, checked offline. When validating for another machine (data.path is
+    not here and --num-samples stands in for it), a local path that is missing here is a warning."""
+    data_path = spec.data.path
+    offline = num_samples is not None and not data_path.startswith(BUILTIN_PREFIX) and not os.path.exists(
+        os.path.expanduser(data_path))
+    model = spec.model
     section = type(model)
     issues: list[SpecIssue] = []
     for field in section.MODEL_FOLDER_FIELDS:

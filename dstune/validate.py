@@ -97,11 +97,11 @@ def load_and_validate(spec_path, overrides: Iterable[str] = (), world: WorldArg 
 def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Optional[int] = None,
                   accelerator: str = "auto", cross_check: bool = True, check_files: bool = False) -> Resolved:
     """Raise SpecError (a ResolveError) holding every error found; dstune.world.WorldError passes through.
-    `num_samples`: used when data.path does not exist here (planning offline). `check_files`: open every image of
-    an image dataset (dstune.data.image_check), as `dstune validate` does; training leaves it to start-up, where
-    each rank checks a share. Resolved.spec and .source are the spec as the run uses it: with the values of
-    deepspeed.config's file in the keys the spec leaves unset."""
+    `num_samples`: used when data.path does not exist here (planning offline). `check_files`: open every image
+    (dstune.data.image_check), as `dstune validate` does; training leaves it to start-up. Resolved.spec and .source
+    are the spec as the run uses it: with deepspeed.config's values in the keys the spec leaves unset."""
     found, file_read = IssueList(), True
+    found.add(source.warnings)
     try:
         spec, source, conflicts = apply_ds_file(spec, source)
         found.add(conflicts)
@@ -115,9 +115,9 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_lora_format(spec, source, found)
     _check_token_layout(spec, source, found)
     _check_edit_model(spec, source, found)
-    folder_issues = model_folder_issues(spec.model, source, offline=_planned_offline(spec, num_samples))
+    folder_issues = model_folder_issues(spec, source, num_samples)
     found.add(folder_issues)
-    if not any(issue.severity == "error" for issue in folder_issues):  # a Wan spec on another model's folder
+    if not any(issue.severity == "error" for issue in folder_issues):  # not on another model's folder
         found.add(wan_model_issues(spec, source))
     count, origin, groups, clips = _count_samples(spec, source, num_samples, found, check_files)
     plan = None
@@ -138,12 +138,6 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
         raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin, clips)
     return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings),
                     ds_value_sources(ds_config, spec, source), clips)
-
-
-def _planned_offline(spec: Spec, num_samples: Optional[int]) -> bool:
-    """Validating for another machine: --num-samples stands in for a data.path that is not here."""
-    path = spec.data.path
-    return num_samples is not None and builtin_name(path) is None and not os.path.exists(os.path.expanduser(path))
 
 
 def _once(errors: list[SpecIssue]) -> list[SpecIssue]:
