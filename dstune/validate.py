@@ -318,8 +318,7 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int], f
                                   video=spec.model.family in VIDEO_FAMILIES)
             groups = _bucket_counts(spec, source, index.records, found) if spec.data.buckets.enabled else None
             pairs = index.num_pairs
-            if check_files:
-                found.add(image_file_issues(spec.data, index.records + list(index.held_out), source))
+            found.add(image_file_issues(spec.data, index.records + index.held_out, source) if check_files else ())
     except DataError as err:
         found.add([source.issue(err.key or "data.path", err.message)])
         return None, "", None, None
