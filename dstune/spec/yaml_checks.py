@@ -16,7 +16,7 @@ FRAGMENT_WORDS = 2  # an unquoted item this short (words) is likely part of a pr
 
 def split_prompt_lists(node: yaml.Node) -> list[tuple[str, int, str]]:
     """(key, 1-based line, warning) for each flow-style prompt list (keys ending in `prompts`) of unquoted items
-    where one item looks like a fragment."""
+    only, where one item looks like a fragment."""
     found: list[tuple[str, int, str]] = []
 
     def walk(n: yaml.Node, key: str) -> None:
@@ -28,8 +28,9 @@ def split_prompt_lists(node: yaml.Node) -> list[tuple[str, int, str]]:
             return
         if not all(isinstance(item, yaml.ScalarNode) for item in n.value):
             return
-        plain = [item for item in n.value if not item.style]  # unquoted: style "" (libyaml) or None
-        if not any(len(item.value.split()) <= FRAGMENT_WORDS for item in plain):
+        if any(item.style for item in n.value):  # a quoted item: the writer knows how commas read (plain: "" or None)
+            return
+        if not any(len(item.value.split()) <= FRAGMENT_WORDS for item in n.value):
             return
         read = " | ".join(item.value for item in n.value)
         joined = f"{n.value[0].value}, {n.value[1].value}"
