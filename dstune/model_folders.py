@@ -65,7 +65,7 @@ def builtin_name_problem(reference: str) -> str:
     close = longer[:2] or difflib.get_close_matches(name, BUILTIN_FOLDERS, n=2, cutoff=0.6)
     hint = f" (did you mean {' or '.join(BUILTIN_PREFIX + c for c in close)}?)" if close else ""
     names = ", ".join(BUILTIN_PREFIX + n for n in sorted(BUILTIN_FOLDERS))
-    return f"{reference} is not a built-in model{hint}. The built-in models are: {names}."
+    return f"{reference} is not a built-in model{hint}. Known built-in models: {names}."
 
 
 def folder_classes(folder: Path) -> tuple[str, list[str]]:
