@@ -103,23 +103,26 @@ def trained_classes_text() -> str:
     return "; ".join(f"{family_of(section)}: {', '.join(section.TRAINED_CLASSES)}" for section in MODEL_SECTIONS)
 
 
-def class_problem(model, field: str, folder: Path, shown: str) -> Optional[str]:
-    """Why the model folder `folder` (shown as `shown`) is not one model.family trains, or None."""
+def class_problem(model, field: str, folder: Path, shown: str) -> Optional[tuple[str, str]]:
+    """(dotted key, why) when the model folder `folder` (shown as `shown`) is not one model.family trains: the key
+    is model.family when another family trains it, else model.<field>. None when it fits."""
+    key = f"model.{field}"
     try:
         file_name, classes = folder_classes(folder)
     except ValueError as err:
-        return f"{err}. dstune trains {trained_classes_text()}."
+        return key, f"{err}. dstune trains {trained_classes_text()}."
     family = model.family
     if any(family in families_training(name) for name in classes):
         return None
     what = " / ".join(classes)
     fits = sorted({other for name in classes for other in families_training(name)})
     if not fits:
-        return (f"{shown} is a {what} ({file_name}), which no dstune family trains. dstune trains "
-                f"{trained_classes_text()}. Point model.{field} at one of those.")
-    return (f"{shown} is a {what} ({file_name}), which model.family {' or '.join(fits)} trains, not {family} "
-            f"({', '.join(type(model).TRAINED_CLASSES)}). Set model.family: {fits[0]}, or point model.{field} at a "
-            f"{family} model.")
+        return key, (f"{shown} is a {what} ({file_name}), which no dstune family trains. dstune trains "
+                     f"{trained_classes_text()}. Point {key} at one of those.")
+    return "model.family", (
+        f"{shown} is a {what} ({file_name}), which model.family {' or '.join(fits)} trains, not {family} "
+        f"({', '.join(type(model).TRAINED_CLASSES)}). Set model.family: {fits[0]}, or point {key} at a {family} "
+        "model.")
 
 
 def model_folder_issues(spec, source: SpecSource, num_samples: Optional[int] = None) -> list[SpecIssue]:
@@ -154,9 +157,7 @@ def model_folder_issues(spec, source: SpecSource, num_samples: Optional[int] = N
 def _model_folder(model, field: str, reference: str, source: SpecSource, offline: bool) -> list[SpecIssue]:
     location = locate(reference)
     if field == "pretrained" and is_single_file(reference):  # a checkpoint file: its base_pipeline is the folder
-        missing = location.kind not in ("file", "folder")
-        return [_missing(field, "checkpoint file", reference, source, offline)] \
-            if missing else []
+        return [] if location.kind == "file" else [_missing(field, "checkpoint file", reference, source, offline)]
     issues = _reference_issues(field, reference, location, source, offline)
     if any(issue.severity == "error" for issue in issues):
         return issues
@@ -165,8 +166,7 @@ def _model_folder(model, field: str, reference: str, source: SpecSource, offline
     except SizesUnknown:
         return issues  # a hub id neither downloaded nor stored: start-up checks it once it is there
     problem = class_problem(model, field, folder, str(folder) if location.kind == "folder" else reference)
-    key = "model.family" if problem and "Set model.family" in problem else f"model.{field}"
-    return issues + ([source.issue(key, problem)] if problem else [])
+    return issues + ([source.issue(*problem)] if problem else [])
 
 
 def _reference_issues(field: str, reference: str, location: Location, source: SpecSource,
@@ -194,5 +194,5 @@ def _missing(field: str, what: str, reference: str, source: SpecSource, offline:
         return source.issue(f"model.{field}", f"{what} {path} is not on this machine (validating offline for another "
                             "one, as data.path is not here either): start-up checks it there", severity="warning")
     relative = "" if Path(reference).expanduser().is_absolute() else f" (relative to {os.getcwd()})"
-    return source.issue(f"model.{field}", f"{what} {path} does not exist{relative}. Fix the path, or use a hub id "
-                        "already downloaded or a built-in model.")
+    other = ", or use a hub id already downloaded or a built-in model" if what == "folder" else ""
+    return source.issue(f"model.{field}", f"{what} {path} does not exist{relative}. Fix the path{other}.")
