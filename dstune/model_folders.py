@@ -179,12 +179,16 @@ def _reference_issues(field: str, reference: str, location: Location, source: Sp
     if location.kind == "file":
         return [source.issue(key, f"{location.path} is a file; model.{field} must be a folder (or a hub id, or a "
                                   "built-in model)")]
+    download = f"`hf download {reference}` (or `huggingface-cli download {reference}`)"
+    if location.kind == "hub-missing" and offline:
+        return [source.issue(key, f"{reference} is not in this machine's Hugging Face cache. dstune never downloads: "
+                             f"on the machines that train, run {download} before launching, or start-up stops there.",
+                             severity="warning")]
     if location.kind == "hub-missing":
         return [source.issue(key, (
             f"{reference} is not in the local Hugging Face cache (nor a folder here: {location.path}). dstune never "
             f"downloads, so the run would stop at start-up on every rank, before step 1. Download it first: "
-            f"`hf download {reference}` (or `huggingface-cli download {reference}`), or set model.{field} to a "
-            "local folder."), severity="warning")]
+            f"{download}, or set model.{field} to a local folder."), severity="warning")]
     return []
 
 

@@ -257,3 +257,13 @@ def test_a_flow_style_prompt_list_split_at_a_comma_is_a_warning_at_its_line(caps
         spec.write_text(base + "sample:\n  prompts: " + fine + "\n")
         assert main(["validate", str(spec), "--num-gpus", "1"]) == 0
         assert "sample.prompts" not in capsys.readouterr().out, fine
+
+
+def test_a_hub_id_not_downloaded_when_planning_for_another_machine_says_where_to_download(capsys, tmp_path,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, text = validate(capsys, tmp_path, {"family": "sd", "pretrained": "dstune-tests/not-downloaded"},
+                          {"path": "/data/not-here"}, "--num-samples", "100")
+    assert code == 0, text
+    assert "dstune-tests/not-downloaded is not in this machine's Hugging Face cache" in text
+    assert "on the machines that train, run `hf download dstune-tests/not-downloaded`" in text
