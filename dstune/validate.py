@@ -302,7 +302,7 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int], f
             "--num-samples N to plan offline for a dataset of N samples (repeats included).")])
         return None, "", None, None
     if spec.model.family in VIDEO_FAMILIES:  # clips after frame extraction; videos that give none are errors
-        *counted, issues = clip_plan(spec, source, num_samples)
+        *counted, issues = clip_plan(spec, source, num_samples, check_files)
         found.add(issues)
         return tuple(counted)
     try:

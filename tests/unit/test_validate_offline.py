@@ -267,3 +267,25 @@ def test_a_hub_id_not_downloaded_when_planning_for_another_machine_says_where_to
     assert code == 0, text
     assert "dstune-tests/not-downloaded is not in this machine's Hugging Face cache" in text
     assert "on the machines that train, run `hf download dstune-tests/not-downloaded`" in text
+
+
+def test_a_truncated_still_in_a_video_dataset_is_refused(capsys, tmp_path):
+    """Video datasets are checked whole at start-up (data.skip_bad_files does not apply), so validate refuses it."""
+    data = tmp_path / "clips"
+    whole = write_images(data, count=2)
+    (data / "cut.jpg").write_bytes(whole[: len(whole) // 2])
+    code, text = validate(capsys, tmp_path, {"family": "wan"},
+                          {"path": str(data), "resolution": 32})
+    assert code == 1, text
+    [line] = error_lines(text)
+    assert "data.path: 1 still image(s) cannot be read" in line and "data.skip_bad_files does not apply" in line
+    assert f"{data / 'cut.jpg'}: image file is truncated" in text
+
+
+def test_the_classes_the_spec_declares_are_the_ones_the_families_build():
+    """FlowModel.TRAINED_CLASSES (what validate accepts) and the flow recipes (what start-up builds) agree, so a new
+    recipe cannot be refused by validate, nor a dropped one accepted."""
+    from dstune.families.flow import RECIPES
+    from dstune.spec.models import FlowModel
+
+    assert sorted(FlowModel.TRAINED_CLASSES) == sorted(recipe.pipeline_class for recipe in RECIPES.values())
