@@ -1,7 +1,7 @@
 """The model section's folders checked offline, torch-free: what `dstune validate` can say about them before launch.
 
     locate(reference) -> Location            where a folder key points (dstune.pretrained resolves the same way)
-    model_folder_issues(model, source, offline) -> [SpecIssue]
+    model_folder_issues(spec, source, num_samples) -> [SpecIssue]   (num_samples: --num-samples, for offline plans)
 
 Per key: a `builtin:` name must be a built-in (else the list of them and the nearest name); a local path must exist
 (shown as resolved); a hub id (`org/name`) missing from the local Hugging Face cache is a warning with the download

@@ -146,8 +146,8 @@ def fitting_batch_advice(limit: int, world_size: int, micro: int, what: str) -> 
         fitting = limit // world_size
         return (f"Even one micro batch per rank ({world_size} rank(s) x micro_batch_size {micro} = {unit}) is more "
                 f"than {what} holds: use micro_batch_size {fitting} with global_batch_size {fitting * world_size}")
-    return (f"{what[0].upper()}{what[1:]} holds {limit} samples, fewer than the {world_size} ranks, and every rank needs at least one "
-            f"sample per step: it is too small for this world. Train on at most {limit} GPU(s)")
+    return (f"{what[0].upper()}{what[1:]} holds {limit} samples, fewer than the {world_size} ranks, and every rank "
+            f"needs at least one sample per step: it is too small for this world. Train on at most {limit} GPU(s)")
 
 
 def _group_issues(rows: list[GroupBatches], global_batch: int, num_samples: int, source: SpecSource,
