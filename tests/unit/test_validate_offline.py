@@ -289,3 +289,17 @@ def test_the_classes_the_spec_declares_are_the_ones_the_families_build():
     from dstune.spec.models import FlowModel
 
     assert sorted(FlowModel.TRAINED_CLASSES) == sorted(recipe.pipeline_class for recipe in RECIPES.values())
+
+
+def test_a_global_batch_larger_than_every_bucket_gets_a_batch_the_largest_bucket_holds():
+    from dstune.plan import make_plan
+    from dstune.spec.load import SpecError, SpecSource
+    from dstune.spec.models import TrainSpec
+    from dstune.world import world_from_flags
+
+    groups, world = {"32x32": 3, "48x32": 2}, world_from_flags(num_gpus=2)
+    with pytest.raises(SpecError) as err:
+        make_plan(TrainSpec(micro_batch_size=2, global_batch_size=4, max_steps=1), world, 5, SpecSource("s"), groups)
+    assert "the largest bucket (32x32) holds: use micro_batch_size 1 with global_batch_size 2" in str(err.value)
+    advised = TrainSpec(micro_batch_size=1, global_batch_size=2, max_steps=1)
+    assert make_plan(advised, world, 5, SpecSource("s"), groups).steps_per_epoch == 2
