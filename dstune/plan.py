@@ -135,16 +135,33 @@ def resolve_batch(train: TrainSpec, world_size: int, source: SpecSource) -> tupl
     return per_rank // a, a, g
 
 
-def _group_issues(rows: list[GroupBatches], global_batch: int, num_samples: int, source: SpecSource) -> list[SpecIssue]:
+def fitting_batch_advice(limit: int, world_size: int, micro: int, what: str) -> str:
+    """What to do when a global batch does not fit in `limit` samples (`what`: the dataset, the largest bucket): a
+    global batch this world can run (a multiple of ranks x micro, at most `limit`), or why there is none."""
+    unit = world_size * micro
+    if unit <= limit:
+        return (f"Use a global batch of at most {limit} that is a multiple of {world_size} rank(s) x micro_batch_size "
+                f"{micro} = {unit}, e.g. global_batch_size: {limit // unit * unit}")
+    if world_size <= limit:
+        fitting = limit // world_size
+        return (f"Even one micro batch per rank ({world_size} rank(s) x micro_batch_size {micro} = {unit}) is more "
+                f"than {what} holds: use micro_batch_size {fitting} with global_batch_size {fitting * world_size}")
+    return (f"{what[0].upper()}{what[1:]} holds {limit} samples, fewer than the {world_size} ranks, and every rank "
+            f"needs at least one sample per step: it is too small for this world. Train on at most {limit} GPU(s)")
+
+
+def _group_issues(rows: list[GroupBatches], global_batch: int, num_samples: int, source: SpecSource,
+                  world_size: int, micro: int) -> list[SpecIssue]:
     """Errors (no group fills a global batch) and warnings (groups that never train, remainders) of grouped plans."""
     steps = sum(row.steps for row in rows)
     if steps == 0:
         largest = max(rows, key=lambda row: row.samples)
+        advice = fitting_batch_advice(largest.samples, world_size, micro, f"the largest bucket ({largest.key})")
         raise SpecError([source.issue(
             "train.global_batch_size",
             f"{global_batch} is larger than every bucket (data.buckets; the largest, {largest.key}, holds "
             f"{largest.samples} samples): every global batch comes from one bucket, so not one optimizer step fits "
-            f"in an epoch. Use a global batch of at most {largest.samples}, fewer buckets, or more data.")])
+            f"in an epoch. {advice}; or use fewer buckets, or more data.")])
     issues = []
     idle = [row for row in rows if row.steps == 0]
     if idle:
@@ -166,14 +183,14 @@ def _group_issues(rows: list[GroupBatches], global_batch: int, num_samples: int,
 
 
 def _steps_per_epoch(global_batch: int, num_samples: int, groups: dict | None, source: SpecSource,
-                     warnings: list[SpecIssue]) -> tuple[list[GroupBatches], int]:
+                     warnings: list[SpecIssue], world_size: int, micro: int) -> tuple[list[GroupBatches], int]:
     """(group rows, optimizer steps per epoch); appends the warnings about samples an epoch leaves out."""
     rows: list[GroupBatches] = []
     if groups:
         if sum(groups.values()) != num_samples:
             raise ValueError(f"the groups hold {sum(groups.values())} samples, the dataset {num_samples}")
         rows = group_batches(groups, global_batch)
-        warnings += _group_issues(rows, global_batch, num_samples, source)
+        warnings += _group_issues(rows, global_batch, num_samples, source, world_size, micro)
         steps_per_epoch = sum(row.steps for row in rows)
     else:
         steps_per_epoch = num_samples // global_batch
@@ -181,7 +198,7 @@ def _steps_per_epoch(global_batch: int, num_samples: int, groups: dict | None, s
         raise SpecError([source.issue(
             "train.global_batch_size",
             f"{global_batch} is larger than the dataset ({num_samples} samples): not one full optimizer step fits in "
-            f"an epoch. Use a global batch of at most {num_samples}, or add data.")])
+            f"an epoch. {fitting_batch_advice(num_samples, world_size, micro, 'the dataset')}; or add data.")])
     dropped = num_samples - steps_per_epoch * global_batch
     if dropped and not groups:
         warnings.append(source.issue(
@@ -200,7 +217,8 @@ def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource, gro
     if num_samples <= 0:
         raise SpecError([source.issue("data.path", "the dataset is empty: no samples to train on")])
     warnings: list[SpecIssue] = []
-    rows, steps_per_epoch = _steps_per_epoch(global_batch, num_samples, groups, source, warnings)
+    rows, steps_per_epoch = _steps_per_epoch(global_batch, num_samples, groups, source, warnings, world.world_size,
+                                             micro)
     if train.max_steps is not None:
         total_steps = train.max_steps
     else:

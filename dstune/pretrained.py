@@ -26,9 +26,9 @@ from dstune.families import FAMILY_MODULES, get_family
 from dstune.families.base import Family, FamilyError
 from dstune.families.diffusion import read_model_index
 from dstune.fsutil import folder_written_atomically
-from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_libraries
+from dstune.hf import quiet_hf_libraries
+from dstune.model_folders import builtin_name_problem, locate
 from dstune.spec.models import is_single_file
-from dstune.spec.section import BUILTIN_PREFIX
 
 SINGLE_FILE_CACHE = "single-file"  # under output.cache_dir: one converted pipeline folder per (file, base) pair
 SINGLE_FILE_INFO = "dstune_single_file.json"
@@ -45,25 +45,25 @@ KNOWN_LAYOUTS = {
 
 
 def resolve_pretrained(pretrained: str, cache_dir: str | os.PathLike, key: str = "model.pretrained") -> Path:
-    """One folder reference -> a local folder; FamilyError (a ValueError) naming `key` and what to do."""
-    if pretrained.startswith(BUILTIN_PREFIX):
+    """One folder reference -> a local folder; FamilyError (a ValueError) naming `key` and what to do. Where the
+    reference points is dstune.model_folders.locate's answer, the one `dstune validate` checked offline."""
+    location = locate(pretrained)
+    if location.kind == "unknown-builtin":
+        raise FamilyError(f"{builtin_name_problem(pretrained)} ({key})")
+    if location.kind == "builtin":
         try:
             return ensure_builtin_model(pretrained, cache_dir)
         except ValueError as err:
             raise FamilyError(str(err)) from None
-    path = Path(pretrained).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise FamilyError(f"{path} is a file; {key} must be a folder here (a diffusers pipeline or transformers "
-                              f"folder). Single .safetensors/.ckpt checkpoints load as model.pretrained of "
-                              f"model.family {' or '.join(single_file_families())}, with model.base_pipeline.")
-        return path.resolve()
-    if not HUB_ID.fullmatch(pretrained):
-        raise FamilyError(f"folder {path} does not exist ({key})")
-    try:
-        return hub_snapshot(pretrained)
-    except NotAvailableLocally as err:
-        raise FamilyError(f"{err} ({key})") from None
+    if location.kind == "file":
+        raise FamilyError(f"{location.path} is a file; {key} must be a folder here (a diffusers pipeline or "
+                          f"transformers folder). Single .safetensors/.ckpt checkpoints load as model.pretrained of "
+                          f"model.family {' or '.join(single_file_families())}, with model.base_pipeline.")
+    if location.kind == "missing":
+        raise FamilyError(f"folder {location.path} does not exist ({key})")
+    if location.kind == "hub-missing":
+        raise FamilyError(f"{location.problem} ({key})")
+    return location.path
 
 
 def resolve_folders(model_spec, family: Family, cache_dir: str | os.PathLike) -> dict[str, Path | None]:

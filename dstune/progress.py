@@ -118,13 +118,37 @@ def fmt_seconds(seconds: Optional[float]) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
-def time_split_text(timings: dict) -> str:
-    """The end-of-run line on where step time went: `timings` holds the loop's data_s and compute_s totals."""
+def time_split_text(timings: dict, cached: bool = False) -> str:
+    """The end-of-run line on where step time went: `timings` holds the loop's data_s and compute_s totals;
+    `cached`: the run trained from data.cache (its entries, not the files, were read), which changes what helps."""
     data_s, compute_s = timings["data_s"], timings["compute_s"]
     fraction = data_s / max(data_s + compute_s, 1e-9)
     advice = ""
-    if fraction > 0.05:  # the loader, not the model, set the pace: say what helps
+    if fraction > 0.05 and cached:  # the loader, not the model, set the pace: say what helps
+        advice = (" - the loader is a bottleneck even reading the cache: raise data.num_workers, or put "
+                  "data.cache.dir on faster local storage")
+    elif fraction > 0.05:
         advice = (" - the loader is a bottleneck: raise data.num_workers, store the images pre-resized near "
                   "data.resolution, or turn on data.cache")
     return (f"waiting for data {fmt_seconds(data_s)} ({100 * fraction:.1f}% of step time), "
             f"compute {fmt_seconds(compute_s)}{advice}")
+
+
+class CountProgress:
+    """Progress of a long count on stderr (stdout may be --json): silent while it takes less than `after_s`
+    seconds, then one line every `every_s` seconds and one when it is done, e.g. "data.path: checked 1200 of 5000
+    images (4 s)"."""
+
+    def __init__(self, doing: str, what: str, total: int, after_s: float = 2.0, every_s: float = 5.0):
+        self.doing, self.what, self.total = doing, what, total
+        self.after_s, self.every_s = after_s, every_s
+        self.started = time.monotonic()
+        self.shown: Optional[float] = None  # when the last line was printed
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        due = now - self.started >= self.after_s if self.shown is None else now - self.shown >= self.every_s
+        if due or (done == self.total and self.shown is not None):
+            self.shown = now
+            print(f"{self.doing} {done} of {self.total} {self.what} ({now - self.started:.0f} s)", file=sys.stderr,
+                  flush=True)

@@ -296,7 +296,8 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
     metrics.close()
     if run.is_main:
         print(f"trained {state.global_step} steps ({state.samples_seen} samples) in {fmt_seconds(elapsed)}; "
-              f"{time_split_text(ctx.timings)}; checkpoint {checkpoint_root(run_dir) / tag}", flush=True)
+              f"{time_split_text(ctx.timings, cached=spec.data.cache.latents or spec.data.cache.codec_tokens)}; "
+              f"checkpoint {checkpoint_root(run_dir) / tag}", flush=True)
     # Training is over on every rank. The export reads the checkpoint files and needs no other rank, so the others
     # leave now rather than wait in a collective for as long as a large export takes (and against its timeout);
     # an export failure on rank 0 still makes the launcher exit non-zero.

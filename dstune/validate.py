@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Optional, Union
 
 from dstune.data.audio_index import duration_groups, index_audio
 from dstune.data.buckets import assign_buckets, bucket_counts
+from dstune.data.image_check import image_file_issues
 from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset
 from dstune.ds_json.blocks import compile_ds_config
 from dstune.ds_json.user_file import user_config_path
@@ -27,6 +28,7 @@ from dstune.ds_json.fill_spec import apply_ds_file, ds_value_sources
 from dstune.memory.plan import Setup, memory_json
 from dstune.families import get_facts
 from dstune.memory.counts import SizesUnknown
+from dstune.model_folders import model_folder_issues
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
@@ -83,20 +85,23 @@ WorldArg = Union[None, World, Callable[[], World]]
 
 
 def load_and_validate(spec_path, overrides: Iterable[str] = (), world: WorldArg = None,
-                      num_samples: Optional[int] = None, accelerator: str = "auto", cross_check: bool = True) -> Resolved:
+                      num_samples: Optional[int] = None, accelerator: str = "auto", cross_check: bool = True,
+                      check_files: bool = True) -> Resolved:
     """Load the spec, then validate_spec. `world`: a World, a function returning one (called only once the spec
     has loaded, so a spec error is reported before a hostfile is read), or None for what this machine would launch
     (dstune.world.world_from_flags())."""
     spec, source = load_spec(spec_path, overrides)
-    return validate_spec(spec, source, _make_world(world), num_samples, accelerator, cross_check)
+    return validate_spec(spec, source, _make_world(world), num_samples, accelerator, cross_check, check_files)
 
 
 def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Optional[int] = None,
-                  accelerator: str = "auto", cross_check: bool = True) -> Resolved:
+                  accelerator: str = "auto", cross_check: bool = True, check_files: bool = False) -> Resolved:
     """Raise SpecError (a ResolveError) holding every error found; dstune.world.WorldError passes through.
-    `num_samples`: used when data.path does not exist here (planning offline). Resolved.spec and .source are the
-    spec as the run uses it: with the values of deepspeed.config's file in the keys the spec leaves unset."""
+    `num_samples`: used when data.path does not exist here (planning offline). `check_files`: open every image
+    (dstune.data.image_check), as `dstune validate` does; training leaves it to start-up. Resolved.spec and .source
+    are the spec as the run uses it: with deepspeed.config's values in the keys the spec leaves unset."""
     found, file_read = IssueList(), True
+    found.add(source.warnings)
     try:
         spec, source, conflicts = apply_ds_file(spec, source)
         found.add(conflicts)
@@ -108,8 +113,11 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_accelerator(spec, source, accelerator, found)
     _check_trackers(spec, source, found)
     _check_lora_format(spec, source, found)
-    _check_model(spec, source, found)
-    count, origin, groups, clips = _count_samples(spec, source, num_samples, found)
+    folder_issues = model_folder_issues(spec, source, num_samples)
+    found.add(folder_issues)
+    if not any(issue.severity == "error" for issue in folder_issues):  # not on another model's folder
+        _check_model(spec, source, found)
+    count, origin, groups, clips = _count_samples(spec, source, num_samples, found, check_files)
     plan = None
     if count is not None:
         try:
@@ -214,8 +222,8 @@ def _check_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
     found.add([source.issue(key, text) for key, text in issues])
 
 
-def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
-                   found: IssueList) -> tuple[Optional[int], str, Optional[dict], Optional[dict]]:
+def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int], found: IssueList,
+                   check_files: bool = False) -> tuple[Optional[int], str, Optional[dict], Optional[dict]]:
     """(number of samples or None when unknown, where it came from, {bucket: samples} with grouped batches, the
     clip summary of a video family)."""
     path = spec.data.path
@@ -240,7 +248,7 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
             "--num-samples N to plan offline for a dataset of N samples (repeats included).")])
         return None, "", None, None
     if spec.model.family in VIDEO_FAMILIES:  # clips after frame extraction; videos that give none are errors
-        *counted, issues = clip_plan(spec, source, num_samples)
+        *counted, issues = clip_plan(spec, source, num_samples, check_files)
         found.add(issues)
         return tuple(counted)
     try:
@@ -256,6 +264,7 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
                                   video=spec.model.family in VIDEO_FAMILIES)
             groups = _bucket_counts(spec, source, index.records, found) if spec.data.buckets.enabled else None
             pairs = index.num_pairs
+            found.add(image_file_issues(spec.data, index.records + index.held_out, source) if check_files else ())
     except DataError as err:
         found.add([source.issue(err.key or "data.path", err.message)])
         return None, "", None, None

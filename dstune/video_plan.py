@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dstune.data.clips import clip_counts, index_clips, is_grouped, latent_tokens
-from dstune.data.index import DataError, builtin_name
+from dstune.data.image_check import find_unreadable
+from dstune.data.index import DataError, builtin_name, is_video_file
 from dstune.families import get_facts
 from dstune.plan import key_label
 
@@ -31,6 +32,7 @@ class ClipCount:
     summary: dict
     problems: list[str] = field(default_factory=list)  # one line per video that gives no clip
     warnings: list[str] = field(default_factory=list)
+    stills: list = field(default_factory=list)  # the records of still images (one-frame clips read from image files)
 
 
 def count_clips(spec, show_progress: bool = False) -> ClipCount:
@@ -40,6 +42,7 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
     counts = clip_counts(index.records, data)
     spatial, patch, factors = get_facts(spec.model.family).token_factors(spec.model.pretrained)
     stills = sum(r.repeats for r in index.records if r.frames == 1 and r.image_path is not None)
+    still_records = [r for r in index.records if r.image_path is not None and not is_video_file(r.image_path)]
     frames, sizes = {}, {}
     for (count, width, height), clips in counts.items():
         frames[str(count)] = frames.get(str(count), 0) + clips
@@ -60,12 +63,14 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
     origin = data.path if builtin_name(data.path) else f"counted in {data.path}"
     origin += f"; {index.num_samples} clips from {index.files} video files" + (f" and {stills} stills" if stills else "")
     groups = {key_label(key): clips for key, clips in counts.items()} if is_grouped(data) else None
-    return ClipCount(index.num_samples, origin, groups, summary, list(index.problems), list(index.warnings))
+    return ClipCount(index.num_samples, origin, groups, summary, list(index.problems), list(index.warnings),
+                     still_records)
 
 
-def clip_plan(spec, source, num_samples: Optional[int]) -> tuple:
+def clip_plan(spec, source, num_samples: Optional[int], check_files: bool = False) -> tuple:
     """validate's count of a video family: (clips or None, origin, groups, summary, issues): the videos that give
-    no clip are one error (startup would stop on them), an unusable dataset another."""
+    no clip are one error (startup would stop on them), an unusable dataset another; with `check_files`, still
+    images that cannot be read (dstune.data.image_check) another."""
     try:
         counted = count_clips(spec, show_progress=True)
     except DataError as err:
@@ -73,6 +78,13 @@ def clip_plan(spec, source, num_samples: Optional[int]) -> tuple:
     issues = [source.issue("data.path", text, severity="warning") for text in counted.warnings]
     if counted.problems:
         issues.append(source.issue("data.path", problem_text(counted.problems)))
+    bad = find_unreadable(counted.stills, show_progress=True) if check_files else []
+    if bad:
+        listing = "\n  ".join(f"{record.image_path}: {reason}" for record, reason in bad[:PROBLEMS_LISTED])
+        more = f"\n  ... and {len(bad) - PROBLEMS_LISTED} more" if len(bad) > PROBLEMS_LISTED else ""
+        issues.append(source.issue("data.path", f"{len(bad)} still image(s) cannot be read and would stop training "
+                                   f"before step 1 (video datasets are checked whole; data.skip_bad_files does not "
+                                   f"apply to them):\n  {listing}{more}\nReplace or delete them."))
     if num_samples is not None and num_samples != counted.count:
         issues.append(source.issue("data.path", f"--num-samples {num_samples} ignored: {spec.data.path} is here "
                                    f"and gives {counted.count} clips", severity="warning"))

@@ -6,11 +6,12 @@ Every random choice for a sample (crop offset, flip, caption dropout) comes from
 world size. The epoch reaches worker processes because dstune's loader copies the dataset into fresh workers at
 the start of every epoch (persistent_workers is off; see dstune.data.loader).
 
-Bad files. Checking every image up front is too slow for big sets, so there are two layers:
-  1. `find_bad_images(records, rank, world_size)`: a quick PIL `verify()` (header and structure, PNG checksums)
-     of this rank's share, run once before training. The caller gathers the bad ids from all ranks and drops them
-     from every rank's records with `without_samples`, then plans on what is left, so all ranks agree.
-  2. Whatever slips through (JPEG `verify()` does not decode pixel data): with data.skip_bad_files the dataset
+Bad files, in two layers:
+  1. `find_bad_images(records, rank, world_size)`: dstune.data.image_check's check (PIL `verify()`, and JPEGs cut
+     short) of this rank's share, run once before training; `dstune validate` makes the same check of every file.
+     The caller gathers the bad files from all ranks: it stops naming them, or with data.skip_bad_files reports them
+     (the dataset then substitutes them, below), so the plan's numbers stay what validate printed.
+  2. Whatever slips through (pixel data broken inside a complete file): with data.skip_bad_files the dataset
      deterministically substitutes the next readable sample (index + 1, + 2, ...) and logs the file once per
      process, so an epoch never crashes; without it, `BadSampleError` names the file and the reason.
 """
@@ -27,6 +28,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from dstune.data.buckets import assign_buckets, header_size
+from dstune.data.image_check import find_unreadable
 from dstune.data.index import DataError, SampleRecord
 from dstune.data.synthetic import render_shape
 from dstune.spec.models import DataSpec
@@ -34,7 +36,6 @@ from dstune.spec.models import DataSpec
 log = logging.getLogger("dstune.data")
 _SAMPLE_SALT = 0x1_3A6E  # separates per-sample streams from the sampler's order stream (same seed)
 _MAX_SUBSTITUTE_TRIES = 64
-_VERIFY_DECODE_SIZE = 64  # JPEG draft size for full_decode checks: every byte is still read
 _DECODE_ERRORS = (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
@@ -270,32 +271,11 @@ def collate(samples: list[dict]) -> dict:
     }
 
 
-def find_bad_images(
-    records: list[SampleRecord], rank: int = 0, world_size: int = 1, full_decode: bool = False
-) -> list[tuple[SampleRecord, str]]:
-    """Check this rank's share (records[rank::world_size]): (record, reason) for each unreadable image.
-
-    Default: PIL `verify()`, which catches missing, non-image, unknown-format and structurally broken files (and
-    truncated PNGs) without decoding pixels. full_decode=True also decodes the pixels (JPEGs at reduced scale),
-    which catches truncated JPEG/BMP data too, at several times the cost. Gather all ranks' results before
-    excluding anything."""
-    bad = []
-    for record in records[rank::world_size]:
-        if record.image_path is None:
-            continue
-        for path in (record.image_path, record.control_path):  # a pair is bad when either image is
-            if path is None:
-                continue
-            try:
-                with Image.open(path) as image:
-                    image.verify()
-                if full_decode:
-                    _open_rgb(path, _VERIFY_DECODE_SIZE)
-            except _DECODE_ERRORS as err:
-                reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
-                bad.append((record, f"source image {path}: {reason}" if path == record.control_path else reason))
-                break
-    return bad
+def find_bad_images(records: list[SampleRecord], rank: int = 0, world_size: int = 1) -> list[tuple[SampleRecord, str]]:
+    """Check this rank's share (records[rank::world_size]): (record, reason) for each unreadable image, by the same
+    check `dstune validate` makes (dstune.data.image_check: PIL's verify(), plus a truncated JPEG caught by its
+    missing end-of-image marker and a 1/8-scale decode). Gather all ranks' results before excluding anything."""
+    return find_unreadable(records[rank::world_size])
 
 
 def without_samples(records: list[SampleRecord], sample_ids) -> list[SampleRecord]:

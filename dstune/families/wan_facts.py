@@ -140,9 +140,12 @@ def token_factors(pretrained: str) -> tuple[int, tuple[int, int, int], str]:
         vae, transformer = folder.config("vae"), folder.config("transformer")
     except (SizesUnknown, OSError, ValueError):
         return WAN_SPATIAL, WAN_PATCH, "Wan's factors (8x VAE, 1x2x2 patches): the model's configs are not here"
-    spatial = 2 ** len(vae.get("temperal_downsample", [0, 0, 0]))
-    patch = tuple(transformer.get("patch_size", WAN_PATCH))
-    return spatial, patch, f"the VAE and transformer configs of {folder.origin}"
+    downsample, patch = vae.get("temperal_downsample"), transformer.get("patch_size")
+    wan_like = isinstance(downsample, list) and isinstance(patch, list) and len(patch) == 3 and all(
+        isinstance(side, int) and side > 0 for side in patch)
+    if not wan_like:  # another model's folder (model.pretrained is refused for it): its configs say nothing of Wan's
+        return WAN_SPATIAL, WAN_PATCH, f"Wan's factors (8x VAE, 1x2x2 patches): {folder.origin} is not a Wan model"
+    return 2 ** len(downsample), tuple(patch), f"the VAE and transformer configs of {folder.origin}"
 
 
 def _spec_issues(spec) -> SpecIssues:

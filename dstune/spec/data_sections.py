@@ -184,7 +184,9 @@ class DataSpec(Section):
     caption_dropout: float = Field(0.0, ge=0, le=1, description="Probability of training a sample with an empty caption.")
     caption_extension: str = Field(".txt", description="Caption file extension in `folder` format.")
     skip_bad_files: bool = Field(
-        False, description="Unreadable images: false stops with the file named; true skips them and reports the count."
+        False, description="Unreadable images (`dstune validate` opens every one, truncated JPEGs included, and "
+        "every rank checks its share before step 1): false stops with the files named; true skips them (each is "
+        "replaced by the next readable sample) and reports the count."
     )
     drop_last: bool = Field(
         True,

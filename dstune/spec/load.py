@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from dstune.spec.models import BATCH_FROM_FILE, FAMILIES, Spec
+from dstune.spec.yaml_checks import split_prompt_lists
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class SpecSource:
     overridden: set[str] = field(default_factory=set)  # keys set by --set
     # Keys the spec leaves unset whose value came from the user's DeepSpeed JSON: key -> "ds.json:12" (its line there)
     filled: dict[str, str] = field(default_factory=dict)
+    warnings: list[SpecIssue] = field(default_factory=list)  # what loading noticed but did not refuse
 
     def where(self, key: str) -> str:
         # The closest written ancestor: an error on train.micro_batch_size points at `train:` if the key is absent.
@@ -127,8 +129,9 @@ class _SpecLoader(_LimitedComposer, _BASE_LOADER):
         self.values, self.depth = 0, 0
 
 
-def _parse(text: str, path: str) -> tuple[Any, dict[str, int]]:
-    """The data of one YAML document and the line of each dotted key, within the limits above.
+def _parse(text: str, path: str) -> tuple[Any, dict[str, int], list[SpecIssue]]:
+    """The data of one YAML document, the line of each dotted key and warnings (prompt lists split at commas),
+    within the limits above.
 
     Raises SpecError for what a spec refuses (at path:line, or at "--set"), YAMLError for what is not YAML.
     """
@@ -140,11 +143,12 @@ def _parse(text: str, path: str) -> tuple[Any, dict[str, int]]:
         except _Refused as err:
             raise SpecError([SpecIssue("", err.message, where(err.line))]) from None
         if node is None:
-            return None, {}
+            return None, {}, []
         lines, issues = _key_lines(node, where)  # before constructing, which merges `<<` keys into the node
         if issues:
             raise SpecError(_at_most(issues, len(issues), path))
-        return loader.construct_document(node), lines
+        warnings = [SpecIssue(key, text, where(line), "warning") for key, line, text in split_prompt_lists(node)]
+        return loader.construct_document(node), lines, warnings
     finally:
         loader.dispose()
 
@@ -195,7 +199,7 @@ def _key_lines(node: yaml.Node, where: Callable[[int], str]) -> tuple[dict[str, 
     return lines, issues
 
 
-def _compose(text: str, path: str) -> tuple[Any, dict[str, int]]:
+def _compose(text: str, path: str) -> tuple[Any, dict[str, int], list[SpecIssue]]:
     """Parse YAML safely and record the line of every mapping key; every refusal names its line."""
     try:
         return _parse(text, path)
@@ -214,7 +218,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not raw.strip():
         return key, ""
     try:
-        value, _ = _parse(raw, "--set")
+        value, _, _ = _parse(raw, "--set")
     except SpecError as err:
         raise SpecError([SpecIssue(key, f"--set {text!r}: {i.key + ': ' if i.key else ''}{i.message}", "--set")
                          for i in err.issues]) from None
@@ -382,8 +386,8 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> tuple[Spec, Sp
         raise SpecError([SpecIssue("", "spec file not found", path)]) from None
     except (OSError, UnicodeDecodeError) as err:
         raise SpecError([SpecIssue("", f"cannot read the spec: {err}", path)]) from None
-    data, lines = _compose(text, path)
-    source = SpecSource(path, lines)
+    data, lines, warnings = _compose(text, path)
+    source = SpecSource(path, lines, warnings=warnings)
     if data is None:
         data = {}
     if isinstance(data, dict):

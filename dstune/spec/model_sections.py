@@ -107,7 +107,18 @@ def is_single_file(pretrained: str) -> bool:
 
 class DenoiserModelBase(Section):
     """What every diffusion family's model section shares (sd, sdxl, flow): full fine-tuning or LoRA of the
-    denoiser (the UNet or transformer the family trains). Subclass it for a new diffusion family's model section."""
+    denoiser (the UNet or transformer the family trains). Subclass it for a new diffusion family's model section.
+
+    What `dstune validate` checks of the folders offline (dstune.model_folders), declared per section:
+    TRAINED_CLASSES: the pipeline classes (model_index.json `_class_name`) or transformers architectures (config.json
+    `architectures`) this family trains, as shell patterns; MODEL_FOLDER_FIELDS: the keys that name the model itself
+    (their folder's class must be one of those); COMPANION_FOLDERS: other folder keys -> the subfolder of
+    `pretrained` used when the key is unset; FILE_FIELDS: keys that name one file."""
+
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ()
+    MODEL_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = ("pretrained", "base_pipeline")
+    COMPANION_FOLDERS: ClassVar[dict[str, str]] = {}
+    FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     modality: ClassVar[str] = "image"  # what the data is; a video family's section says "video"
 
@@ -184,6 +195,7 @@ class DenoiserModelBase(Section):
 
 
 class SdModel(DenoiserModelBase):
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionPipeline",)
     family: Literal["sd"] = Field(description="Model family. `sd`: Stable Diffusion 1.x/2.x (UNet, one CLIP text encoder).")
     pretrained: str = Field(
         "builtin:tiny-sd",
@@ -204,6 +216,7 @@ class SdModel(DenoiserModelBase):
 
 
 class SdxlModel(DenoiserModelBase):
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
     family: Literal["sdxl"] = Field(
         description="Model family. `sdxl`: Stable Diffusion XL (UNet with text_time conditioning, two CLIP text "
         "encoders, pooled text embeddings and size/crop time ids)."
@@ -228,6 +241,9 @@ class SdxlModel(DenoiserModelBase):
 
 
 class FlowModel(DenoiserModelBase):
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = (  # one per recipe (dstune/families/flow_*.py)
+        "StableDiffusion3Pipeline", "FluxPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "ZImagePipeline",
+        "Flux2KleinPipeline", "Flux2Pipeline")
     family: Literal["flow"] = Field(
         description="Model family. `flow`: flow-matching transformers, told apart by the pipeline folder: "
         "SD3-class (SD3Transformer2DModel; CLIP x2 + T5), "

@@ -13,6 +13,11 @@ from dstune.spec.section import Section
 
 class TtsLmModel(Section):
     modality: ClassVar[str] = "audio"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
+    # What `dstune validate` checks of the folders offline: see DenoiserModelBase.
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("*ForCausalLM",)
+    MODEL_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = ("pretrained",)
+    COMPANION_FOLDERS: ClassVar[dict[str, str]] = {"codec_pretrained": "codec"}
+    FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
     family: Literal["tts_lm"] = Field(
         description="Model family. `tts_lm`: a transformers causal LM (Llama/Qwen-class) over text tokens followed "
         "by audio-codec tokens; a frozen codec (EnCodec, DAC, Mimi or SNAC) turns audio into tokens and back. The "
@@ -107,6 +112,10 @@ class TtsLmModel(Section):
 
 class SpeechT5Model(Section):
     modality: ClassVar[str] = "audio"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("SpeechT5ForTextToSpeech",)
+    MODEL_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = ("pretrained",)
+    COMPANION_FOLDERS: ClassVar[dict[str, str]] = {"vocoder": "vocoder"}
+    FILE_FIELDS: ClassVar[tuple[str, ...]] = ("speaker_embeddings",)
     family: Literal["speecht5"] = Field(
         description="Model family. `speecht5`: SpeechT5ForTextToSpeech (text -> log-mel, L1 + stop-token loss), "
         "with a SpeechT5HifiGan vocoder for samples. See docs/tts.md."

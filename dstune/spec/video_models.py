@@ -12,6 +12,7 @@ from dstune.spec.model_sections import DenoiserModelBase
 
 class WanModel(DenoiserModelBase):
     modality: ClassVar[str] = "video"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("WanPipeline", "WanImageToVideoPipeline")
     family: Literal["wan"] = Field(
         description="Model family. `wan`: Wan 2.1 / 2.2 video (WanTransformer3DModel, AutoencoderKLWan, UMT5): "
         "text-to-video, image-to-video (Wan 2.1 I2V with its CLIP image encoder, Wan 2.2 I2V A14B) and Wan 2.2 TI2V "

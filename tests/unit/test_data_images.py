@@ -160,15 +160,15 @@ def test_bad_file_skipped_by_substituting_the_next_readable_sample(with_bad_file
     assert sum("img3.jpg" in r.getMessage() for r in caplog.records) == 1  # logged once per file
 
 
-def test_find_bad_images_quick_and_full(with_bad_files):
+def test_find_bad_images_catches_truncated_jpegs_by_rank_share(with_bad_files):
+    """The start-up check is validate's (dstune.data.image_check): the JPEG cut short, which PIL's verify() passes,
+    is found before step 1 too."""
     records = list_samples(DataSpec(path=str(with_bad_files)))
-    quick = {r.sample_id for r, _ in find_bad_images(records)}
-    assert quick == {"img1.png", "img4.png"}
-    full = {r.sample_id: reason for r, reason in find_bad_images(records, full_decode=True)}
-    assert set(full) == {"img1.png", "img3.jpg", "img4.png"} and "truncated" in full["img3.jpg"]
-    shares = [find_bad_images(records, rank, 2, full_decode=True) for rank in range(2)]
-    assert sorted(r.sample_id for share in shares for r, _ in share) == sorted(full)
-    kept = without_samples(records, full)
+    found = {r.sample_id: reason for r, reason in find_bad_images(records)}
+    assert set(found) == {"img1.png", "img3.jpg", "img4.png"} and "truncated" in found["img3.jpg"]
+    shares = [find_bad_images(records, rank, 2) for rank in range(2)]
+    assert sorted(r.sample_id for share in shares for r, _ in share) == sorted(found)
+    kept = without_samples(records, found)
     assert [r.sample_id for r in kept] == ["img0.png", "img2.png"]
     assert find_bad_images(list_samples(DataSpec())) == []  # built-ins have no files
 
