@@ -4,12 +4,12 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install test demo ds-configs docs check-generated
+.PHONY: install test lint demo ds-configs docs check-generated
 
 install:
 	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
 		|| $(PIP) torch==$(TORCH_VERSION)
-	@$(PYTHON) -c "import dstune.cli, pytest, xdist, hypothesis, av, snac, peft, ftfy" 2>/dev/null && $(PYTHON) -m pip show --quiet dstune >/dev/null 2>&1 \
+	@$(PYTHON) -c "import dstune.cli, pytest, xdist, hypothesis, av, snac, peft, ftfy, ruff" 2>/dev/null && $(PYTHON) -m pip show --quiet dstune >/dev/null 2>&1 \
 		|| $(PIP) -e '.[test]'
 
 # Two pytest workers (pytest-xdist), each running whole test modules (--dist loadfile: a module's shared launches
@@ -17,9 +17,15 @@ install:
 # while rank 1 waits), so two modules overlap well even on 2 cores. TEST_JOBS=1 runs everything in one process.
 # pytest exits 5 when a folder holds no tests yet (tests/dist before the training issue); that is not a failure.
 TEST_JOBS ?= 2
-test: install
+test: install lint
 	@$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 tests/unit tests/dist; status=$$?; \
+		$(PYTHON) tests/tools/size_report.py; \
 		if [ $$status -eq 5 ]; then echo "(no tests collected)"; exit 0; fi; exit $$status
+
+# Lint (ruff, configured in pyproject.toml): the checks that find real mistakes (unused or undefined names,
+# syntax), before the tests run.
+lint: install
+	@$(PYTHON) -m ruff check dstune tests bench
 
 # The demo: validate, then really train the built-in tiny model on the built-in shapes with 2 ranks (on the CPU
 # where there is no GPU), export it, and write sample grids before, during and after training. Each run gets a

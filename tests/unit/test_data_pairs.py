@@ -8,7 +8,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 import yaml
 from PIL import Image
 
