@@ -123,9 +123,7 @@ def _world_error(args, err) -> tuple[int, str]:
 
 
 def cmd_validate(args) -> int:
-    from rich.console import Console
-
-    from dstune.report import Outcome, print_report
+    from dstune.report import Outcome, print_report, report_console
     from dstune.spec.load import SpecIssue
     from dstune.world import WorldError
 
@@ -148,7 +146,7 @@ def cmd_validate(args) -> int:
     if args.json:
         print(json.dumps(outcome.as_json(), indent=2))
     else:
-        print_report(outcome, Console(highlight=False), title=f"dstune validate {args.spec}")
+        print_report(outcome, report_console(), title=f"dstune validate {args.spec}")
     resumable = True
     if args.resume_from and outcome.plan and not outcome.errors:
         resumable = _print_resume_preview(args, outcome)
@@ -179,9 +177,7 @@ def _print_resume_preview(args, outcome) -> bool:
 
 
 def cmd_compile(args) -> int:
-    from rich.console import Console
-
-    from dstune.report import print_issues
+    from dstune.report import print_issues, report_console
     from dstune.world import WorldError
 
     try:
@@ -192,7 +188,7 @@ def cmd_compile(args) -> int:
             raise UsageError(message) from None
         print(f"error: --hostfile: {message}", file=sys.stderr)
         return EXIT_INVALID
-    print_issues(outcome, Console(stderr=True, highlight=False))
+    print_issues(outcome, report_console(stderr=True))
     if outcome.errors:
         print(f"not compiled: {len(outcome.errors)} error(s)", file=sys.stderr)
         return EXIT_INVALID
