@@ -287,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    from dstune.library_logs import set_library_verbosity
+
+    set_library_verbosity(args.verbose)
     try:
         return COMMANDS[args.command](args)
     except UsageError as err:

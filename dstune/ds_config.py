@@ -40,6 +40,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from dstune.ds_user_config import AUTO, DEEPSPEED_CHECKED, merge_user_ds_config, stage3_bucket_sizes
+from dstune.library_logs import library_logs_verbose
 from dstune.plan import Plan
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, json_key_line
 from dstune.spec.models import ADAFACTOR_STYLE, DeepSpeedSpec, OffloadSpec, TrainSpec
@@ -261,7 +262,7 @@ def _deepspeed_offline(world_size: int):
 
     saved_dist, saved_level = ds_config_module.dist, logger.level
     ds_config_module.dist = _OfflineDist(world_size)
-    logger.setLevel(logging.CRITICAL + 1)
+    logger.setLevel(saved_level if library_logs_verbose() else logging.CRITICAL + 1)
     try:
         yield ds_config_module
     finally:

@@ -50,3 +50,58 @@ def test_piped_validate_keeps_each_table_row_on_one_line_with_a_long_deepspeed_c
     assert row("global batch") == "128 samples per optimizer step = 4 x 4 x 8 ranks"
     assert row("DeepSpeed JSON").startswith(
         "train_batch_size 128, train_micro_batch_size_per_gpu 4, gradient_accumulation_steps 4 (agreed by DeepSpeed")
+
+
+# ------------------------------------------------------------------------------------------ the libraries' notices
+
+LIBRARY_NOTICES = """
+import sys, warnings
+from dstune.library_logs import set_library_verbosity
+
+set_library_verbosity(sys.argv[1] == "verbose")
+import bitsandbytes.backends.cpu.ops as bnb_cpu_ops  # the logger of its CPU-kernel notice (printed on CPUs with AVX512-BF16)
+from deepspeed.accelerator import get_accelerator
+
+get_accelerator()  # DeepSpeed's INFO line: "Setting ds_accelerator to cpu (override)"
+bnb_cpu_ops.logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: no module named kernels")
+warnings.warn_explicit("library-deprecation: torch.cuda.amp.custom_fwd is deprecated", FutureWarning, "zero.py", 1,
+                       module="deepspeed.runtime.zero.linear")
+warnings.warn_explicit("dstune-deprecation: this spec key is deprecated", FutureWarning, "validate.py", 1,
+                       module="dstune.validate")
+warnings.warn_explicit("library-user-warning: CUDA is not available", UserWarning, "grad_scaler.py", 1,
+                       module="torch.cuda.amp.grad_scaler")
+"""
+
+
+def run_notices(mode: str) -> str:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", LIBRARY_NOTICES, mode], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def test_library_notices_are_dropped_by_source_and_dstune_warnings_stay():
+    quiet = run_notices("quiet")
+    assert "Setting ds_accelerator" not in quiet and "[INFO]" not in quiet
+    assert "gemm_4bit_forward" not in quiet
+    assert "library-deprecation" not in quiet
+    assert "dstune-deprecation" in quiet  # dstune's own FutureWarnings are never hidden
+    assert "library-user-warning" in quiet  # nor other kinds of warnings from the libraries
+    verbose = run_notices("verbose")
+    for expected in ("[INFO]", "Setting ds_accelerator to cpu", "gemm_4bit_forward", "library-deprecation",
+                     "dstune-deprecation", "library-user-warning"):
+        assert expected in verbose, f"{expected!r} missing with --verbose:\n{verbose}"
+
+
+def test_validate_of_a_launch_spec_prints_no_library_lines_unless_verbose():
+    spec = REPO / "launch" / "sd-tiny-demo.yaml"
+    quiet = run_dstune("validate", spec, "--num-gpus", "2")
+    assert quiet.returncode == 0, quiet.stdout + quiet.stderr
+    for noise in ("[INFO]", "gemm_4bit_forward", "FutureWarning", "DeprecationWarning"):
+        assert noise not in quiet.stdout + quiet.stderr
+    assert quiet.stderr == ""
+    verbose = run_dstune("validate", spec, "--num-gpus", "2", "--verbose")
+    assert verbose.returncode == 0, verbose.stdout + verbose.stderr
+    assert "[INFO]" in verbose.stdout + verbose.stderr  # DeepSpeed's, e.g. its config parse
+    assert verbose.stdout.rstrip().splitlines()[-1].startswith("valid: 2 ranks")
