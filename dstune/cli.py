@@ -209,9 +209,19 @@ def cmd_schema(args) -> int:
 
 
 def cmd_init(args) -> int:
-    from dstune.reference import example_spec
+    from dstune.reference import example_spec, model_spec
+    from dstune.spec.presets import MODEL_PRESETS, PRESETS_BY_NAME
 
-    text = example_spec(args.family)
+    if args.model is not None and args.family is not None:
+        raise UsageError("give --model or --family, not both (a model names its family)")
+    if args.model is not None and args.model not in PRESETS_BY_NAME:
+        listing = "\n".join(f"  {p.name:<16} {p.family:<9} {p.pretrained:<48} {p.title}" for p in MODEL_PRESETS)
+        print(f"models (--model NAME, family, published checkpoint, what it is):\n{listing}",
+              file=sys.stdout if args.model == "list" else sys.stderr)
+        if args.model == "list":
+            return EXIT_OK
+        raise UsageError(f"unknown model {args.model!r}: choose one of the models listed above")
+    text = model_spec(args.model) if args.model is not None else example_spec(args.family or "sd")
     if args.output is None:
         sys.stdout.write(text)
         return EXIT_OK
