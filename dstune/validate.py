@@ -97,6 +97,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     `num_samples`: used when data.path does not exist here (planning offline). Resolved.spec and .source are the
     spec as the run uses it: with the values of deepspeed.config's file in the keys the spec leaves unset."""
     found, file_read = IssueList(), True
+    found.add(source.load_warnings)
     try:
         spec, source, conflicts = apply_ds_file(spec, source)
         found.add(conflicts)

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from dstune.spec.models import BATCH_FROM_FILE, FAMILIES, Spec
+from dstune.spec.paths import rebase_relative_paths
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class SpecSource:
     overridden: set[str] = field(default_factory=set)  # keys set by --set
     # Keys the spec leaves unset whose value came from the user's DeepSpeed JSON: key -> "ds.json:12" (its line there)
     filled: dict[str, str] = field(default_factory=dict)
+    load_warnings: list[SpecIssue] = field(default_factory=list)  # e.g. an ambiguous relative path (spec/paths.py)
 
     def where(self, key: str) -> str:
         # The closest written ancestor: an error on train.micro_batch_size points at `train:` if the key is absent.
@@ -63,6 +65,10 @@ class SpecSource:
             if "." not in probe:
                 return self.path
             probe = probe.rsplit(".", 1)[0]
+
+    def from_command_line(self, key: str) -> bool:
+        parts = key.split(".")  # --set gave this key, or a section above it
+        return any(".".join(parts[:n]) in self.overridden for n in range(1, len(parts) + 1))
 
     def issue(self, key: str, message: str, severity: str = "error") -> SpecIssue:
         return SpecIssue(key, message, self.where(key), severity)
@@ -388,4 +394,6 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> tuple[Spec, Sp
         data = {}
     if isinstance(data, dict):
         data = apply_overrides(data, overrides, source)
+        rebase_relative_paths(data, path, source.from_command_line,
+                              lambda key, message: source.load_warnings.append(source.issue(key, message, "warning")))
     return validate_data(data, source), source
