@@ -117,3 +117,13 @@ def test_validate_counts_the_images_beside_the_spec_from_another_directory(folde
     assert samples[1] == "8"
     where = f"{path}:{line_of(path, 'path: images')}"
     assert f"warning: {where}: data.path: 'images' names {specs / 'images'}" in out
+
+
+def test_dstune_cache_prints_the_ambiguous_path_warning_too(folders, capsys):
+    specs, cwd = folders
+    (cwd / "images").mkdir()
+    path = write_spec(specs, data={"path": "images"})
+    assert main(["cache", str(path), "--verify"]) == 1  # nothing to cache: this spec asks for no cache
+    err = capsys.readouterr().err
+    assert f"warning: {path}:{line_of(path, 'path: images')}: data.path: 'images' is taken from the spec" in err
+    assert str(cwd / "images") in err
