@@ -123,9 +123,7 @@ def _world_error(args, err) -> tuple[int, str]:
 
 
 def cmd_validate(args) -> int:
-    from rich.console import Console
-
-    from dstune.report import Outcome, print_report
+    from dstune.report import Outcome, print_report, report_console
     from dstune.spec.load import SpecIssue
     from dstune.world import WorldError
 
@@ -148,7 +146,7 @@ def cmd_validate(args) -> int:
     if args.json:
         print(json.dumps(outcome.as_json(), indent=2))
     else:
-        print_report(outcome, Console(highlight=False), title=f"dstune validate {args.spec}")
+        print_report(outcome, report_console(), title=f"dstune validate {args.spec}")
     resumable = True
     if args.resume_from and outcome.plan and not outcome.errors:
         resumable = _print_resume_preview(args, outcome)
@@ -179,9 +177,7 @@ def _print_resume_preview(args, outcome) -> bool:
 
 
 def cmd_compile(args) -> int:
-    from rich.console import Console
-
-    from dstune.report import print_issues
+    from dstune.report import print_issues, report_console
     from dstune.world import WorldError
 
     try:
@@ -192,7 +188,7 @@ def cmd_compile(args) -> int:
             raise UsageError(message) from None
         print(f"error: --hostfile: {message}", file=sys.stderr)
         return EXIT_INVALID
-    print_issues(outcome, Console(stderr=True, highlight=False))
+    print_issues(outcome, report_console(stderr=True))
     if outcome.errors:
         print(f"not compiled: {len(outcome.errors)} error(s)", file=sys.stderr)
         return EXIT_INVALID
@@ -213,9 +209,19 @@ def cmd_schema(args) -> int:
 
 
 def cmd_init(args) -> int:
-    from dstune.spec.reference import example_spec
+    from dstune.spec.reference import example_spec, model_spec
+    from dstune.spec.presets import MODEL_PRESETS, PRESETS_BY_NAME
 
-    text = example_spec(args.family)
+    if args.model is not None and args.family is not None:
+        raise UsageError("give --model or --family, not both (a model names its family)")
+    if args.model is not None and args.model not in PRESETS_BY_NAME:
+        listing = "\n".join(f"  {p.name:<16} {p.family:<9} {p.pretrained:<48} {p.title}" for p in MODEL_PRESETS)
+        print(f"models (--model NAME, family, published checkpoint, what it is):\n{listing}",
+              file=sys.stdout if args.model == "list" else sys.stderr)
+        if args.model == "list":
+            return EXIT_OK
+        raise UsageError(f"unknown model {args.model!r}: choose one of the models listed above")
+    text = model_spec(args.model) if args.model is not None else example_spec(args.family or "sd")
     if args.output is None:
         sys.stdout.write(text)
         return EXIT_OK
@@ -291,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    from dstune.library_logs import set_library_verbosity
+
+    set_library_verbosity(args.verbose)
     try:
         return COMMANDS[args.command](args)
     except UsageError as err:

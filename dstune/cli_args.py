@@ -79,11 +79,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "init", help="print a commented example spec that validates and runs as printed")
     from dstune.spec.models import FAMILIES
 
-    init.add_argument("--family", choices=FAMILIES, default=FAMILIES[0], help="model family (default %(default)s)")
+    init.add_argument("--family", choices=FAMILIES, default=None, help="model family: every key, the built-in tiny "
+                      f"model and data (default {FAMILIES[0]})")
+    init.add_argument("--model", metavar="NAME", help="a model's spec with its real defaults and only its family's "
+                      "keys; `--model list` lists them")
     init.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     init.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     _add_run_folder_commands(commands, subparsers)
+    for subparser in subparsers.values():
+        add_verbose_flag(subparser)
     return parser, subparsers
+
+
+def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print the libraries' own notices: DeepSpeed's INFO lines, bitsandbytes' import "
+                        "notices, torch/diffusers/transformers deprecation warnings (default: only their warnings "
+                        "and errors)")
 
 
 def _add_run_folder_commands(commands, subparsers: dict) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -290,12 +291,30 @@ def verdict(outcome: Outcome) -> Text:
                 f"{plan.total_steps} optimizer steps = {_fmt(plan.epochs)} epochs{warned}", style="bold green")
 
 
+# Wide enough that no row of the plan is ever broken when the output is not a terminal (a pipe, a file, a log):
+# rich assumes 80 columns there, and a long value (a deepspeed.config path) then squeezes every value column.
+UNWRAPPED_WIDTH = 4096
+
+
+def report_console(stderr: bool = False) -> Console:
+    """The console the plan and the issues are printed on: a terminal's own width, or, when the stream is piped
+    or redirected (and COLUMNS does not say otherwise), unwrapped lines that scripts and grep can read whole."""
+    console = Console(stderr=stderr, highlight=False)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(stderr=stderr, highlight=False, width=UNWRAPPED_WIDTH)
+    return console
+
+
 def print_report(outcome: Outcome, console: Console, title: str = "") -> None:
     if title:
         console.print(Text(title, style="bold"), soft_wrap=True)
     table = plan_table(outcome)
-    if table is not None:
+    if table is not None and console.is_terminal:
         console.print(table)
+    elif table is not None:  # piped: the same rows without the padding that fills each line to the table's width
+        with console.capture() as captured:
+            console.print(table)
+        console.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
     print_issues(outcome, console)
     console.print(verdict(outcome), soft_wrap=True)
 
@@ -310,11 +329,11 @@ def print_issues(outcome: Outcome, console: Console) -> None:
             console.print(line, soft_wrap=True)
 
 
-def plan_text(resolved, width: int = 120) -> str:
-    """The plan of a successful resolution as plain text (training prints this on rank 0)."""
+def plan_text(resolved, width: int = UNWRAPPED_WIDTH) -> str:
+    """The plan of a successful resolution as plain text, one line per row (training prints this on rank 0)."""
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, no_color=True, highlight=False, force_terminal=False)
     outcome = Outcome.of(resolved)
     console.print(plan_table(outcome))
     print_issues(outcome, console)
-    return buffer.getvalue().rstrip("\n")
+    return "\n".join(line.rstrip() for line in buffer.getvalue().rstrip("\n").splitlines())

@@ -247,7 +247,10 @@ def make_training_loader(spec: Spec, plan, rank: int, family: Family, built, rec
 def load_spec_or_report(spec_path: str, overrides: list[str]) -> Optional[Spec]:
     """The spec, or None after rank 0 printed why it is invalid (every rank reads the same file: same verdict)."""
     try:
-        return merged_spec(*load_spec(spec_path, overrides))[0]  # precision may come from deepspeed.config
+        spec, source = merged_spec(*load_spec(spec_path, overrides))  # precision may come from deepspeed.config
+        for warning in source.warnings if launcher_rank() == 0 else ():  # an ambiguous relative path
+            print(f"warning: {warning}", file=sys.stderr)
+        return spec
     except SpecError as err:
         if launcher_rank() == 0:
             print(f"invalid spec:\n{err}", file=sys.stderr)

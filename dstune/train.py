@@ -40,12 +40,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "continuation (data, seed, model, ...); the changes are listed")
     parser.add_argument("--cache-only", action="store_true",
                         help="build the latent / text-embedding cache (data.cache) on all ranks, then exit")
+    from dstune.cli_args import add_verbose_flag
+
+    add_verbose_flag(parser)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # launcher
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from dstune.library_logs import set_library_verbosity
+
+    set_library_verbosity(args.verbose)
     from dstune.world import use_cpu_accelerator_if_no_cuda
 
     use_cpu_accelerator_if_no_cuda()

@@ -16,6 +16,8 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
+from dstune.library_logs import library_logs_verbose
+
 _LINE_FORMAT = "each line must be 'HOST slots=N' (e.g. 'worker-0 slots=8'); '#' starts a comment"
 _FILTER_FORMAT = "HOST[:SLOT[,SLOT...]][@HOST[:SLOT[,SLOT...]]...], e.g. 'worker-0:0,1@worker-1'"
 
@@ -245,7 +247,7 @@ def _quiet_deepspeed():
     from deepspeed.utils import logger
 
     level = logger.level
-    logger.setLevel(logging.CRITICAL + 1)
+    logger.setLevel(logger.level if library_logs_verbose() else logging.CRITICAL + 1)
     try:
         yield
     except SystemExit as exit_:  # a ValueError, so each caller adds which file or flag it was reading

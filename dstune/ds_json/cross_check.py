@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from dstune.ds_json.merge import DEEPSPEED_CHECKED
+from dstune.library_logs import library_logs_verbose
 from dstune.plan import Plan
 from dstune.spec.load import SpecIssue, SpecSource, json_key_line
 from dstune.world import use_cpu_accelerator_if_no_cuda
@@ -42,7 +43,7 @@ def _deepspeed_offline(world_size: int):
 
     saved_dist, saved_level = ds_config_module.dist, logger.level
     ds_config_module.dist = _OfflineDist(world_size)
-    logger.setLevel(logging.CRITICAL + 1)
+    logger.setLevel(saved_level if library_logs_verbose() else logging.CRITICAL + 1)
     try:
         yield ds_config_module
     finally:

@@ -27,7 +27,8 @@ class CacheSpec(Section):
     dir: Optional[str] = Field(
         None,
         description="Cache folder; default `<output.cache_dir>/encoded`. `{node}` / `{rank}` in it are replaced by "
-        "the node / rank number (node-local disks). Ranks that see the same folder split the build between them.",
+        "the node / rank number (node-local disks). Ranks that see the same folder split the build between them."
+        " A relative path is taken from the spec file's folder (from the current directory when given with --set).",
     )
     codec_tokens: bool = Field(
         False,
@@ -142,7 +143,8 @@ class VideoSpec(Section):
 class EvalSpec(Section):
     path: Optional[str] = Field(
         None, description="A held-out dataset folder in the layout of data.path (same format and caption rules). "
-        "Give this or `fraction`.")
+        "Give this or `fraction`."
+        " A relative path is taken from the spec file's folder (from the current directory when given with --set).")
     fraction: Optional[float] = Field(
         None, gt=0, lt=1, description="Hold out this fraction of data.path's images (at least one), chosen by a hash "
         "of each sample's id (stable when the folder grows); they never train. Give this or `path`.")
@@ -165,7 +167,8 @@ class DataSpec(Section):
         "builtin:shapes",
         description="Dataset folder, or `builtin:shapes` (synthetic coloured shapes with captions, generated offline), "
         "for video families `builtin:moving-shapes` (the shapes moving, as clips), or for audio families "
-        "`builtin:tones` (digit strings spoken as tone sequences, generated offline).",
+        "`builtin:tones` (digit strings spoken as tone sequences, generated offline)."
+        " A relative path is taken from the spec file's folder (from the current directory when given with --set).",
     )
     format: Literal["auto", "folder", "jsonl", "ljspeech", "gptsovits", "f5csv"] = Field(
         "auto",

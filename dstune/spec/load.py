@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from dstune.spec.models import BATCH_FROM_FILE, FAMILIES, Spec
 from dstune.spec.yaml_checks import split_prompt_lists
+from dstune.spec.paths import rebase_relative_paths
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ class SpecSource:
             if "." not in probe:
                 return self.path
             probe = probe.rsplit(".", 1)[0]
+
+    def from_command_line(self, key: str) -> bool:
+        parts = key.split(".")  # --set gave this key, or a section above it
+        return any(".".join(parts[:n]) in self.overridden for n in range(1, len(parts) + 1))
 
     def issue(self, key: str, message: str, severity: str = "error") -> SpecIssue:
         return SpecIssue(key, message, self.where(key), severity)
@@ -392,4 +397,6 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> tuple[Spec, Sp
         data = {}
     if isinstance(data, dict):
         data = apply_overrides(data, overrides, source)
+        rebase_relative_paths(data, path, source.from_command_line,
+                              lambda key, message: source.warnings.append(source.issue(key, message, "warning")))
     return validate_data(data, source), source

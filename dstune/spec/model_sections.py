@@ -87,7 +87,8 @@ class LoraSpec(Section):
     @classmethod
     def _some_targets(cls, value: list[str]) -> list[str]:
         if not value or any(not name.strip() for name in value):
-            raise ValueError("give at least one module name, none empty (default: to_q, to_k, to_v, to_out.0)")
+            raise ValueError("give at least one module name, none empty (or leave target_modules out for the "
+                             "family's default)")
         return value
 
     @property

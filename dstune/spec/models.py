@@ -218,7 +218,8 @@ class DeepSpeedSpec(Section):
     config: Optional[str] = Field(
         None,
         description="Path of a DeepSpeed JSON you already have (HF Trainer / accelerate style, \"auto\" allowed), "
-        "relative to the spec's folder. Its values fill every key this spec leaves unset (ZeRO stage, offload, "
+        "relative to the spec's folder (to the current directory when given with --set). "
+        "Its values fill every key this spec leaves unset (ZeRO stage, offload, "
         "precision, batch numbers, clipping, optimizer values, ...); \"auto\" takes this spec's value or dstune's "
         "default; a key set in both places to different values is an error naming both lines. See "
         "docs/deepspeed-config.md.",
@@ -241,8 +242,12 @@ class DeepSpeedSpec(Section):
 
 
 class OutputSpec(Section):
-    dir: str = Field("runs/dstune", description="Run folder: checkpoints, metrics.jsonl, samples, export.")
-    cache_dir: str = Field(".dstune-cache", description="Cache for built-in models (and later latents); shared between runs.")
+    dir: str = Field("runs/dstune", description="Run folder: checkpoints, metrics.jsonl, samples, export."
+        " A relative path is taken from the spec file's folder (from the current directory when given with --set); "
+        "the default is under the current directory.")
+    cache_dir: str = Field(".dstune-cache", description="Cache for built-in models (and later latents); shared between runs."
+        " A relative path is taken from the spec file's folder (from the current directory when given with --set); "
+        "the default is under the current directory.")
     save_every_steps: Optional[int] = Field(None, gt=0, description="Checkpoint every N optimizer steps (and always at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted once a newer one is complete.")
     log_every_steps: int = Field(1, ge=1, description="Write a metrics line every N optimizer steps.")

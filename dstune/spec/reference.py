@@ -16,6 +16,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec
+from dstune.spec.presets import PRESETS_BY_NAME, ModelPreset
 
 # Values the `init` example uses where the default is not what a first run wants. The example must validate as
 # printed on any world size (micro + accumulation given, global derived) and name the built-in model and data.
@@ -42,6 +43,38 @@ COMMENTED_VALUES: dict[str, Any] = {
     "deepspeed.config": "my_ds_config.json",
     "output.save_every_steps": 500,
 }
+
+
+# What `dstune init --model` leaves out: the keys a family's data or samples never read, by what it trains on.
+SPEECH_ONLY_KEYS = ("data.min_clip_seconds", "data.max_clip_seconds", "data.duration_bucket_seconds",
+                    "data.speaker_balance", "data.cache.codec_tokens")
+PICTURE_ONLY_KEYS = ("data.resolution", "data.center_crop", "data.random_flip", "data.caption_dropout",
+                     "data.caption_extension", "data.cache.latents", "data.cache.text_embeddings", "data.buckets",
+                     "data.eval", "data.control_dir", "data.video", "sample.steps", "sample.guidance",
+                     "sample.control_images")
+# The shared values of a model's spec; its ModelPreset's values go over them.
+MODEL_EXAMPLE_VALUES: dict[str, Any] = {
+    "train.micro_batch_size": 1,
+    "train.gradient_accumulation_steps": 1,
+    "train.max_steps": 2000,
+    "train.precision": "bf16",
+    "train.scheduler.type": "constant_with_warmup",
+    "train.scheduler.warmup_steps": 100,
+    "sample.every_steps": 500,
+    "output.save_every_steps": 500,
+}
+
+
+def left_out_keys(family: str) -> set[str]:
+    """The dotted keys `dstune init --model` omits for a family (its data and samples never read them)."""
+    if family in AUDIO_FAMILIES:
+        return set(PICTURE_ONLY_KEYS) | ({"data.cache.codec_tokens"} if family != "tts_lm" else set())
+    left_out = set(SPEECH_ONLY_KEYS)
+    if family in VIDEO_FAMILIES:
+        return left_out | {"data.random_flip", "data.eval", "data.control_dir"}
+    if family != "flow":  # edit training (source images) is Qwen-Image-Edit's, a flow model
+        left_out |= {"data.control_dir", "sample.control_images"}
+    return left_out | {"data.video"}
 
 
 # ------------------------------------------------------------------------------------------------- introspection
@@ -203,36 +236,63 @@ def example_spec(family: str = "sd") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _section_yaml(model: type[BaseModel], key: str, indent: int, family: str) -> list[str]:
-    rows = _rows(model, key, indent, family)
+def model_spec(name: str) -> str:
+    """`dstune init --model NAME`: the spec of one model with its real defaults and only its family's keys."""
+    preset: ModelPreset = PRESETS_BY_NAME[name]
+    values = {**MODEL_EXAMPLE_VALUES, "output.dir": f"runs/{preset.name}", "model.pretrained": preset.pretrained,
+              **preset.values}
+    lines = [
+        f"# {preset.title}: written by `dstune init --model {preset.name}`.",
+        f"# model.pretrained is the published checkpoint, {preset.pretrained} (download it first: `hf download "
+        f"{preset.pretrained}`);",
+        f"# builtin:{preset.builtin} is a tiny model of the same layout that is built offline, for a first try.",
+        "# data.path is a placeholder: point it at your data. Plan a run:  dstune validate spec.yaml --num-gpus 8",
+        "# Keys left out take their defaults; commented lines are off by default. Reference: docs/spec-reference.md",
+    ]
+    left_out = left_out_keys(preset.family)
+    for section, model in _section_classes(preset.family).items():
+        lines += ["", f"# {Spec.model_fields[section].description}", f"{section}:"]
+        lines += _section_yaml(model, section, indent=1, family=preset.family, values=values, left_out=left_out)
+    return "\n".join(lines) + "\n"
+
+
+def _section_yaml(model: type[BaseModel], key: str, indent: int, family: str, values=None,
+                  left_out: set[str] = frozenset()) -> list[str]:
+    rows = _rows(model, key, indent, family, EXAMPLE_VALUES if values is None else values, left_out)
     width = max(len(text) for text, _ in rows)  # one comment column per top-level section
     return [f"{text.ljust(width)}  # {comment}" if comment else text for text, comment in rows]
 
 
-def _rows(model: type[BaseModel], key: str, indent: int, family: str) -> list[tuple[str, str]]:
+def _rows(model: type[BaseModel], key: str, indent: int, family: str, values: dict[str, Any],
+          left_out: set[str]) -> list[tuple[str, str]]:
     """(YAML text, description) for each field; a nested section adds its own rows, indented."""
     pad = "  " * indent
     rows: list[tuple[str, str]] = []
     for dotted, info, section in _walk(model, key):
         name = dotted.rsplit(".", 1)[1]
+        if dotted in left_out:
+            continue
         if section is not None:
             rows.append((f"{pad}{name}:", info.description or ""))
-            rows += _rows(section, dotted, indent + 1, family)
+            rows += _rows(section, dotted, indent + 1, family, values, left_out)
         else:
-            rows.append(_field_row(dotted, name, info, pad, family))
+            rows.append(_field_row(dotted, name, info, pad, family, values))
     return rows
 
 
-def _field_row(dotted: str, name: str, info: FieldInfo, pad: str, family: str) -> tuple[str, str]:
+def _field_row(dotted: str, name: str, info: FieldInfo, pad: str, family: str,
+               values: dict[str, Any]) -> tuple[str, str]:
     comment = info.description or ""
     if dotted == "model.family":
         return f"{pad}family: {family}", comment
+    if dotted in values and values is not EXAMPLE_VALUES:  # a model's own value comes first
+        return f"{pad}{name}: {yaml_value(values[dotted])}", comment
     if dotted == "data.path" and family in AUDIO_FAMILIES:  # speech families need speech data
         return f"{pad}{name}: builtin:tones", comment
     if dotted == "data.path" and family in VIDEO_FAMILIES:  # video families: clips that move
         return f"{pad}{name}: builtin:moving-shapes", comment
-    if dotted in EXAMPLE_VALUES:
-        return f"{pad}{name}: {yaml_value(EXAMPLE_VALUES[dotted])}", comment
+    if dotted in values:
+        return f"{pad}{name}: {yaml_value(values[dotted])}", comment
     default = _default(info)
     if default is None or default is PydanticUndefined:
         example = COMMENTED_VALUES.get(dotted)

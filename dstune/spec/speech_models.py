@@ -11,6 +11,17 @@ from dstune.spec.model_sections import LM_LORA_TARGET_MODULES, LoraSpec
 from dstune.spec.section import Section
 
 
+class LmLoraSpec(LoraSpec):
+    """LoRA on a causal LM: the same settings, with a Llama-class LM's attention projections as the targets."""
+
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LM_LORA_TARGET_MODULES),
+        description="Names (or dotted name suffixes, as peft matches them) of the LM's linear layers that get an "
+        "adapter. The default, the attention projections q_proj, k_proj, v_proj, o_proj, fits Llama- and "
+        "Qwen-class causal LMs.",
+    )
+
+
 class TtsLmModel(Section):
     modality: ClassVar[str] = "audio"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
     # What `dstune validate` checks of the folders offline: see DenoiserModelBase.
@@ -57,7 +68,7 @@ class TtsLmModel(Section):
         "folder (synthesize and the model's own inference code use it unchanged) with the peft adapter folder in "
         "`adapter/` (PeftModel.from_pretrained onto the base folder). See docs/tts.md.",
     )
-    lora: Optional[LoraSpec] = Field(
+    lora: Optional[LmLoraSpec] = Field(
         None, description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
         "([q_proj, k_proj, v_proj, o_proj]: a Llama's attention projections), `dropout` (0.0); omitted: those defaults.",
     )
@@ -107,7 +118,7 @@ class TtsLmModel(Section):
         """The LoRA settings in effect (None for full training); target_modules default to a Llama's attention."""
         if self.train != "lora":
             return None
-        return self.lora if self.lora is not None else LoraSpec(target_modules=list(LM_LORA_TARGET_MODULES))
+        return self.lora if self.lora is not None else LmLoraSpec()
 
 
 class SpeechT5Model(Section):

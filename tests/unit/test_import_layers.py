@@ -16,7 +16,8 @@ PACKAGE = REPO / "dstune"
 # Lowest first. A module may import modules of its own layer (without a cycle) or of lower layers. A name is a
 # module or a package (then it covers everything under it). Keep in step with docs/architecture.md.
 LAYERS = [
-    ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves"],
+    ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves",
+     "dstune.library_logs"],
     ["dstune.world", "dstune.plan", "dstune.resume_plan", "dstune.token_layouts", "dstune.wan_layouts",
      "dstune.memory", "dstune.memory.plan", "dstune.memory.activations"],
     ["dstune.distributed", "dstune.ds_json", "dstune.data",

@@ -1,0 +1,97 @@
+"""What the libraries dstune runs on may print: quiet unless the user asks for it with `--verbose`.
+
+Without --verbose, three kinds of lines are dropped, each at its source and nothing else:
+  - DeepSpeed's INFO records (logger "DeepSpeed"; its configuration dumps, launcher and engine notes): a filter on
+    that logger, which survives DeepSpeed setting the logger's level when it is imported. Its warnings and errors
+    still print.
+  - bitsandbytes' import-time notices (loggers under "bitsandbytes", e.g. that it could not fetch an optional CPU
+    gemm_4bit_forward kernel from the hub): below ERROR.
+  - FutureWarnings and DeprecationWarnings attributed to the libraries' own modules (torch, DeepSpeed, diffusers,
+    transformers, peft, bitsandbytes, ...: one library calling another's deprecated API). The same warnings raised
+    from dstune's code, and every other warning, still print.
+With --verbose, DeepSpeed logs at INFO and nothing is filtered. Torch-free: nothing here imports a library.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import warnings
+
+# The third-party packages whose deprecation notices are about their own internals, not about the user's spec.
+LIBRARY_PACKAGES = ("torch", "deepspeed", "diffusers", "transformers", "huggingface_hub", "peft", "bitsandbytes",
+                    "accelerate", "torchvision", "torchaudio", "snac", "av")
+LIBRARY_MODULES = re.compile(r"(%s)(\.|$)" % "|".join(re.escape(name) for name in LIBRARY_PACKAGES))
+DEEPSPEED_LOGGER = "DeepSpeed"
+
+
+class _DropBelow(logging.Filter):
+    """Drops a logger's records below `level` whatever level the library later sets on it."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level
+
+
+_QUIET_DEEPSPEED = _DropBelow(logging.WARNING)
+_verbose = False
+
+
+def set_library_verbosity(verbose: bool) -> None:
+    """Call once at the start of a command, before the libraries are imported (it works after too)."""
+    global _verbose
+    _verbose = verbose
+    deepspeed_logger = logging.getLogger(DEEPSPEED_LOGGER)
+    if verbose:
+        deepspeed_logger.removeFilter(_QUIET_DEEPSPEED)
+        logging.getLogger("bitsandbytes").setLevel(logging.NOTSET)
+        _deepspeed_at_info()
+        return
+    deepspeed_logger.addFilter(_QUIET_DEEPSPEED)
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=LIBRARY_MODULES.pattern)
+
+
+def library_logs_verbose() -> bool:
+    """Whether --verbose was given: dstune's own silencing of DeepSpeed (while it parses a config) then stays off."""
+    return _verbose
+
+
+def _deepspeed_at_info() -> None:
+    """DeepSpeed sets its logger to WARNING when it is first imported; --verbose wants its INFO lines. Importing it
+    here would load torch, so when it is not loaded yet the level is set right after its logging module loads."""
+    module = sys.modules.get("deepspeed.utils.logging")
+    if module is not None:
+        module.logger.setLevel(logging.INFO)
+        for handler in module.logger.handlers:
+            handler.setLevel(logging.INFO)
+        return
+    if not any(isinstance(finder, _AfterDeepSpeedLogging) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterDeepSpeedLogging())
+
+
+class _AfterDeepSpeedLogging:
+    """An import hook for one module: runs `_deepspeed_at_info` once deepspeed.utils.logging has executed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "deepspeed.utils.logging":
+            return None
+        sys.meta_path.remove(self)
+        from importlib.util import find_spec
+
+        spec = find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_raise_level(module):
+            exec_module(module)
+            _deepspeed_at_info()
+
+        spec.loader.exec_module = exec_then_raise_level
+        return spec

@@ -1,0 +1,72 @@
+"""The user docs stay in step with the code: the README names every model and every example spec, the spec
+reference states each family's own defaults, and no page leans on notes that are not in the repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dstune.builtin import BUILTIN_MODELS
+from dstune.reference import family_models, reference_markdown
+from dstune.spec.models import FAMILIES
+from dstune.spec.presets import MODEL_PRESETS
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text()
+
+
+def readme_section(title: str) -> str:
+    """The text of README's `## title` section, up to the next `## ` heading."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", README, re.S | re.M)
+    assert match, f"README.md has no '## {title}' section"
+    return match.group(1)
+
+
+def test_readme_names_every_model_family_init_name_and_builtin():
+    models = readme_section("Models")
+    rows = [line for line in models.splitlines() if line.startswith("| ") and "`" in line]
+    missing = [f"model.family `{family}`" for family in FAMILIES if f"| `{family}` |" not in models]
+    missing += [f"`builtin:{name}`" for name in BUILTIN_MODELS if f"`builtin:{name}`" not in models]
+    missing += [f"init --model `{p.name}` (builtin:{p.builtin})" for p in MODEL_PRESETS
+                if not any(f"| `{p.name}` |" in row and f"`builtin:{p.builtin}`" in row and f"| `{p.family}` |" in row
+                           for row in rows)]
+    assert not missing, "README.md's model table lacks: " + ", ".join(missing)
+
+
+def test_readme_lists_every_example_spec_and_only_existing_ones():
+    examples = readme_section("Example specs (`launch/`)")
+    named = set(re.findall(r"`(launch/[^`]+\.yaml)`", examples))
+    on_disk = {f"launch/{path.name}" for path in (REPO / "launch").glob("*.yaml")}
+    assert not on_disk - named, f"README.md's example list lacks {sorted(on_disk - named)}"
+    assert not named - on_disk, f"README.md lists examples that do not exist: {sorted(named - on_disk)}"
+
+
+def lora_target_default_in_reference(family: str) -> str:
+    """The Default cell of `model.lora.target_modules` in the `model.lora` section after family's `model` section."""
+    text = reference_markdown()
+    start = text.index(f"## `model` (family `{family}`)")
+    lora = text.index("## `model.lora`", start)
+    row = next(line for line in text[lora:].splitlines() if line.startswith("| `model.lora.target_modules` |"))
+    return row.split(" | ")[2]
+
+
+@pytest.mark.parametrize("family", [f for f, model in family_models().items() if "lora" in model.model_fields])
+def test_spec_reference_gives_each_familys_own_lora_targets(family):
+    section = family_models()[family]
+    parsed = section.model_validate({"family": family, "train": "lora", "lora": {"rank": 4}})
+    expected = "`[" + ", ".join(parsed.lora.target_modules) + "]`"
+    assert lora_target_default_in_reference(family) == expected
+
+
+# Notes the repository does not hold, and wording that points at them instead of stating the fact.
+OUTSIDE_REFERENCES = re.compile(r"FIELD_NOTES|DESIGN\.md|\bissues? #?\d+|the issue\b|another branch|\bengineers?\b"
+                                r"|#\d{3,}|\bsession\b", re.I)
+
+
+def test_user_docs_do_not_cite_notes_outside_the_repository():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    found = [f"{page.relative_to(REPO)}:{number}: {line.strip()}" for page in pages
+             for number, line in enumerate(page.read_text().splitlines(), 1) if OUTSIDE_REFERENCES.search(line)]
+    assert not found, "rewrite as self-contained statements:\n" + "\n".join(found)
