@@ -137,6 +137,41 @@ def preset_layout(name: str, text: str = "tokenizer") -> dict:
     return orpheus_layout(text)
 
 
+# Layout (preset name) -> how its prompt names the voice: Orpheus's multi-speaker prompts are "tara: Hello there.".
+# A layout without an entry has no place for a speaker: one model voice for every clip.
+SPEAKER_PROMPTS = {"orpheus": "{speaker}: {text}"}
+
+
+def layout_name(layout_file: dict | None, token_layout: str | None, codec: str) -> str:
+    """The layout a tts_lm run trains with, without building it: the folder's dstune_tts.json (`layout_file`), else
+    model.token_layout, else the default for the codec (SNAC's codes fit only the orpheus layout)."""
+    if layout_file is not None:
+        return describe(layout_file)["name"]
+    return token_layout or ("orpheus" if codec == "snac" else "dstune")
+
+
+def spoken_text(layout: dict, text: str, speaker: str) -> str:
+    """The text of one clip as the layout's prompt takes it: with its speaker named where the layout names voices
+    (a text that already starts with "speaker:" is left as it is)."""
+    template = SPEAKER_PROMPTS.get(layout.get("name", ""))
+    if not speaker or template is None or text.startswith(f"{speaker}:"):
+        return text
+    return template.format(speaker=speaker, text=text)
+
+
+def speakers_problem(name: str, speakers: list[str]) -> str | None:
+    """Why a dataset with these clip speakers ("" = none named) cannot train with layout `name`, or None: several
+    speakers and a layout with no place for one would train a single voice, a blend of them all."""
+    named = sorted(set(s for s in speakers if s))
+    if len(named) < 2 or name in SPEAKER_PROMPTS:
+        return None
+    shown = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+    return (f"the data names {len(named)} speakers ({shown}), but the {name!r} token layout has no place for a "
+            "speaker, so every clip would train the same voice, a blend of them all. Train one speaker's clips per "
+            "run (a .list or metadata.jsonl per speaker), or use a model whose layout names the voice "
+            f"({', '.join(f'model.token_layout: {n}' for n in SPEAKER_PROMPTS)}, prompts like \"ann: Hello.\").")
+
+
 def prompt_ids(layout: dict, text_ids: list[int]) -> list[int]:
     """What a model is given to speak `text_ids`: the template up to the first audio id."""
     return ([token(layout, n) for n in layout["before_text"]] + list(text_ids)

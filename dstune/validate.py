@@ -29,7 +29,8 @@ from dstune.model_sizes import EDIT_PIPELINES, SizesUnknown, config_folder, coun
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
-from dstune.token_layouts import TTS_LAYOUT_FILE, describe, layout_problems, orpheus_layout
+from dstune.token_layouts import (TTS_LAYOUT_FILE, describe, layout_name, layout_problems, orpheus_layout,
+                                  speakers_problem)
 from dstune.trackers import wandb_missing
 from dstune.video_plan import clip_buckets, clip_plan, wan_model_issues
 from dstune.world import World, world_from_flags
@@ -217,6 +218,21 @@ def _check_token_layout(spec: Spec, source: SpecSource, found: IssueList) -> Non
                                 f"{TTS_LAYOUT_FILE} or start from the model it was written for.")])
 
 
+def _speaker_issues(spec: Spec, source: SpecSource, records) -> list:
+    """tts_lm: a dataset naming several speakers needs a token layout that names the voice in its prompt."""
+    model = spec.model
+    if model.family != "tts_lm":
+        return []
+    layout_path = os.path.join(os.path.expanduser(model.pretrained), TTS_LAYOUT_FILE)
+    try:
+        with open(layout_path) as handle:
+            layout_file = json.load(handle)
+    except (OSError, ValueError):
+        layout_file = None  # a built-in or hub model, or no layout file: the spec's layout (_check_token_layout)
+    problem = speakers_problem(layout_name(layout_file, model.token_layout, model.codec), [r.speaker for r in records])
+    return [source.issue("data.path", problem)] if problem else []
+
+
 def _this_machine_accelerator() -> str:
     wanted = os.environ.get("DS_ACCELERATOR")
     if wanted in ("cpu", "cuda"):
@@ -305,6 +321,7 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int],
                 found.add([source.issue("data.speaker_balance", f"{path} names no speaker for any clip, so there is "
                                         "nothing to balance: use a GPT-SoVITS .list or metadata.jsonl with `speaker`, "
                                         "or remove data.speaker_balance")])
+            found.add(_speaker_issues(spec, source, index.records))
         else:
             index = index_dataset(spec.data, read_captions=False,  # lists files; reads no image, clip or caption
                                   video=spec.model.family in VIDEO_FAMILIES)
