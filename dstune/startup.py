@@ -35,6 +35,7 @@ from dstune.engine import PRECISION_DTYPES
 from dstune.families import get_family
 from dstune.families.base import Family
 from dstune.families.lora import apply_train_mode
+from dstune.model_defaults import with_model_defaults
 from dstune.pretrained import build_model, partitioned_build_config, resolve_folders, resolve_pretrained
 from dstune.spec.load import SpecError, load_spec
 from dstune.spec.models import Spec
@@ -247,7 +248,8 @@ def make_training_loader(spec: Spec, plan, rank: int, family: Family, built, rec
 def load_spec_or_report(spec_path: str, overrides: list[str]) -> Optional[Spec]:
     """The spec, or None after rank 0 printed why it is invalid (every rank reads the same file: same verdict)."""
     try:
-        return merged_spec(*load_spec(spec_path, overrides))[0]  # precision may come from deepspeed.config
+        spec = merged_spec(*load_spec(spec_path, overrides))[0]  # precision may come from deepspeed.config
+        return with_model_defaults(spec)[0]  # data.resolution left out: the model's native size, as in training
     except SpecError as err:
         if launcher_rank() == 0:
             print(f"invalid spec:\n{err}", file=sys.stderr)

@@ -22,6 +22,8 @@ lay them out). This module is torch-free (layer 1): `dstune validate` checks lay
 
 from __future__ import annotations
 
+import json
+import os
 from fractions import Fraction
 
 TTS_LAYOUT_FILE = "dstune_tts.json"
@@ -150,6 +152,17 @@ def layout_name(layout_file: dict | None, token_layout: str | None, codec: str) 
     return token_layout or ("orpheus" if codec == "snac" else "dstune")
 
 
+def _tts_layout_name(model) -> str:
+    """layout_name for a tts_lm model section (model.pretrained, token_layout, codec), reading the dstune_tts.json
+    of a local folder; a built-in or hub model without one here goes by the spec."""
+    try:
+        with open(os.path.join(os.path.expanduser(model.pretrained), TTS_LAYOUT_FILE)) as handle:
+            layout_file = json.load(handle)
+    except (OSError, ValueError):
+        layout_file = None
+    return layout_name(layout_file, model.token_layout, model.codec)
+
+
 def spoken_text(layout: dict, text: str, speaker: str) -> str:
     """The text of one clip as the layout's prompt takes it: with its speaker named where the layout names voices
     (a text that already starts with "speaker:" is left as it is)."""
@@ -159,11 +172,14 @@ def spoken_text(layout: dict, text: str, speaker: str) -> str:
     return template.format(speaker=speaker, text=text)
 
 
-def speakers_problem(name: str, speakers: list[str]) -> str | None:
-    """Why a dataset with these clip speakers ("" = none named) cannot train with layout `name`, or None: several
-    speakers and a layout with no place for one would train a single voice, a blend of them all."""
-    named = sorted(set(s for s in speakers if s))
-    if len(named) < 2 or name in SPEAKER_PROMPTS:
+def speakers_problem(model, records) -> str | None:
+    """Why a speech dataset (records with `.speaker`, "" = none named) cannot train the spec's `model`, or None:
+    several speakers and a tts_lm layout with no place for one would train a single voice, a blend of them all."""
+    named = sorted(set(r.speaker for r in records if r.speaker))
+    if model.family != "tts_lm" or len(named) < 2:
+        return None
+    name = _tts_layout_name(model)
+    if name in SPEAKER_PROMPTS:
         return None
     shown = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
     return (f"the data names {len(named)} speakers ({shown}), but the {name!r} token layout has no place for a "

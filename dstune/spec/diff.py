@@ -19,6 +19,7 @@ SAFE_CHANGES = {
     "sample.": "only what the sample grids show",
     "deepspeed.timeout_minutes": "only how long ranks wait for each other",
     "data.num_workers": "only how many processes load the same batches",
+    "data.allow_upscaling": "only whether images smaller than data.resolution are warned about",
     "data.cache.": "only where encodings come from (cached and on-the-fly batches agree to float rounding)",
     "data.eval.every_steps": "only how often the held-out loss is measured (the held-out images stay the same)",
     "data.eval.batch_size": "only how the held-out loss is batched (the held-out images stay the same)",

@@ -21,7 +21,7 @@ LAYERS = [
      "dstune.memory_plan",
      "dstune.activations"],
     ["dstune.distributed", "dstune.ds_config", "dstune.ds_user_config", "dstune.ds_file_spec", "dstune.data",
-     "dstune.families", "dstune.ema", "dstune.model_sizes", "dstune.memory_record"],
+     "dstune.families", "dstune.ema", "dstune.model_sizes", "dstune.model_defaults", "dstune.memory_record"],
     ["dstune.builtin", "dstune.video_plan", "dstune.validate", "dstune.report", "dstune.reference"],
     ["dstune.pretrained", "dstune.cache", "dstune.engine", "dstune.checkpoint", "dstune.check", "dstune.universal",
      "dstune.evaluation"],

@@ -1,0 +1,72 @@
+"""Spec values whose default depends on the model: data.resolution when the spec leaves it out (torch-free).
+
+    with_model_defaults(spec) -> (spec with data.resolution filled in, where the value came from)
+
+The model's own section (dstune/spec/) says how its pipeline picks its default size from the folder's config files;
+this module only finds those files (dstune.model_sizes.config_folder: a built-in model's stored configs, a local
+folder, the local Hugging Face cache, the configs stored with dstune) and applies the answer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from dstune.model_sizes import SizesUnknown, config_folder
+from dstune.spec.models import AUDIO_FAMILIES, Spec, is_single_file
+from dstune.spec.section import BUILTIN_PREFIX
+
+# The built-in tiny models are built and tested at 32 px (tiny VAEs and denoisers; the SD-style ones say so in
+# their configs, sample_size 16 x a 2x VAE, and every one of them trains at that size).
+BUILTIN_RESOLUTION = 32
+
+
+def _reader(folder: Path):
+    def read(name: str) -> Optional[dict]:
+        try:
+            return json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            return None
+    return read
+
+
+def native_resolution(spec: Spec) -> tuple[int, str]:
+    """(the model's native image size in pixels, how it was worked out), for a spec that leaves data.resolution
+    out: the model section's reading of its folder's configs, else its family's usual size."""
+    model = spec.model
+    reference = model.pretrained
+    if is_single_file(reference) and getattr(model, "base_pipeline", None):
+        reference = model.base_pipeline  # the folder whose configs describe the single file
+    if reference.startswith(BUILTIN_PREFIX):
+        return BUILTIN_RESOLUTION, f"{reference} is built for {BUILTIN_RESOLUTION} px"
+    try:
+        folder, where = config_folder(reference)
+    except SizesUnknown:
+        folder, where = None, ""
+    found = model.native_resolution(_reader(folder)) if folder is not None else None
+    if found:
+        return found[0], f"{model.pretrained}'s native size: {found[1]}"
+    unknown = "are not readable here" if folder is None else "do not say its size"
+    return model.PRESET_RESOLUTION, f"{model.PRESET_NAME}: {model.pretrained}'s configs {unknown}"
+
+
+def with_model_defaults(spec: Spec) -> tuple[Spec, str]:
+    """The spec with data.resolution set to the model's native size when the spec leaves it out, and where the
+    value in effect came from ("" for speech families, which have no image size)."""
+    if spec.model.family in AUDIO_FAMILIES:
+        return spec, ""
+    if "resolution" in spec.data.model_fields_set:
+        return spec, "set in the spec"
+    size, why = native_resolution(spec)
+    data = spec.data.model_copy(update={"resolution": size})
+    return spec.model_copy(update={"data": data}), f"{why}; not set in the spec"
+
+
+def bucket_step_problem(spec: Spec, origin: str) -> Optional[str]:
+    """The spec checks data.buckets.step against a data.resolution it sets; this checks it against the default."""
+    buckets, size = spec.data.buckets, spec.data.resolution
+    if not buckets.enabled or buckets.sizes or buckets.step <= size or spec.model.family in AUDIO_FAMILIES:
+        return None
+    return (f"{buckets.step} is larger than data.resolution {size} ({origin}): no bucket side fits. Use a step of "
+            "at most data.resolution (a multiple of 8), or give data.buckets.sizes.")
