@@ -1,6 +1,7 @@
-"""Spec values whose default depends on the model: data.resolution when the spec leaves it out (torch-free).
+"""Spec values whose default depends on the model: data.resolution and sample.guidance when the spec leaves them
+out (torch-free).
 
-    with_model_defaults(spec) -> (spec with data.resolution filled in, where the value came from)
+    with_model_defaults(spec) -> (spec with both filled in, where the resolution came from, where the guidance did)
 
 The model's own section (dstune/spec/) says how its pipeline picks its default size from the folder's config files;
 this module only finds those files (dstune.model_sizes.config_folder: a built-in model's stored configs, a local
@@ -51,16 +52,34 @@ def native_resolution(spec: Spec) -> tuple[int, str]:
     return model.PRESET_RESOLUTION, f"{model.PRESET_NAME}: {model.pretrained}'s configs {unknown}"
 
 
-def with_model_defaults(spec: Spec) -> tuple[Spec, str]:
-    """The spec with data.resolution set to the model's native size when the spec leaves it out, and where the
-    value in effect came from ("" for speech families, which have no image size)."""
+def _guidance(spec: Spec) -> tuple[float, str]:
+    model = spec.model
+    reference = model.pretrained
+    if is_single_file(reference) and getattr(model, "base_pipeline", None):
+        reference = model.base_pipeline  # the folder whose configs describe the single file
+    try:
+        folder = config_folder(reference)[0]
+    except SizesUnknown:
+        folder = None
+    value, why = model.native_guidance(_reader(folder) if folder is not None else lambda name: None)
+    return value, f"{why}; not set in the spec"
+
+
+def with_model_defaults(spec: Spec) -> tuple[Spec, str, str]:
+    """The spec with data.resolution set to the model's native size and sample.guidance to its pipeline's default
+    where the spec leaves them out, and where each value in effect came from ("" for speech families, which have
+    neither)."""
     if spec.model.family in AUDIO_FAMILIES:
-        return spec, ""
-    if "resolution" in spec.data.model_fields_set:
-        return spec, "set in the spec"
-    size, why = native_resolution(spec)
-    data = spec.data.model_copy(update={"resolution": size})
-    return spec.model_copy(update={"data": data}), f"{why}; not set in the spec"
+        return spec, "", ""
+    data, size_origin = spec.data, "set in the spec"
+    if "resolution" not in data.model_fields_set:
+        size, why = native_resolution(spec)
+        data, size_origin = data.model_copy(update={"resolution": size}), f"{why}; not set in the spec"
+    sample, guidance_origin = spec.sample, "set in the spec"
+    if "guidance" not in sample.model_fields_set:
+        value, guidance_origin = _guidance(spec)
+        sample = sample.model_copy(update={"guidance": value})
+    return spec.model_copy(update={"data": data, "sample": sample}), size_origin, guidance_origin
 
 
 def bucket_step_problem(spec: Spec, origin: str) -> Optional[str]:

@@ -249,7 +249,7 @@ def load_spec_or_report(spec_path: str, overrides: list[str]) -> Optional[Spec]:
     """The spec, or None after rank 0 printed why it is invalid (every rank reads the same file: same verdict)."""
     try:
         spec = merged_spec(*load_spec(spec_path, overrides))[0]  # precision may come from deepspeed.config
-        return with_model_defaults(spec)[0]  # data.resolution left out: the model's native size, as in training
+        return with_model_defaults(spec)[0]  # data.resolution, sample.guidance left out: the model's, as in training
     except SpecError as err:
         if launcher_rank() == 0:
             print(f"invalid spec:\n{err}", file=sys.stderr)

@@ -51,6 +51,7 @@ class Resolved:
     ds_sources: dict = field(default_factory=dict)  # DeepSpeed key -> "ds.json:4" / "spec.yaml:7" / "default" ...
     clips: Optional[dict] = None  # video families: dstune.video_plan's summary (frame and size buckets, tokens)
     resolution_origin: str = ""  # where data.resolution's value came from ("set in the spec", the model's size)
+    guidance_origin: str = ""  # where sample.guidance's value came from ("set in the spec", the pipeline's default)
 
 
 class ResolveError(SpecError):
@@ -107,7 +108,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
             raise ResolveError(err.issues, world=world) from None
         found.add(err.issues)
         file_read = False
-    spec, resolution_origin = with_model_defaults(spec)  # data.resolution left out: the model's native size
+    spec, resolution_origin, guidance_origin = with_model_defaults(spec)  # left out: the model's native values
     found.add(source.issue("data.buckets.step", p) for p in [bucket_step_problem(spec, resolution_origin)] if p)
     _check_accelerator(spec, source, accelerator, found)
     _check_trackers(spec, source, found)
@@ -133,7 +134,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     if found.errors:
         raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin, clips)
     return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings),
-                    ds_value_sources(ds_config, spec, source), clips, resolution_origin)
+                    ds_value_sources(ds_config, spec, source), clips, resolution_origin, guidance_origin)
 
 
 def _once(errors: list[SpecIssue]) -> list[SpecIssue]:

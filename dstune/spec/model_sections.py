@@ -154,6 +154,18 @@ class DenoiserModelBase(Section):
             return size, f"the denoiser's sample_size {denoiser['sample_size']} x the VAE's {factor}x: its pipeline's default"
         return None
 
+    # sample.guidance when the spec leaves it out: the pipeline class's own __call__ default, by model_index.json's
+    # _class_name (true_cfg_scale for Qwen-Image, the guidance embedding's value for FLUX), else the preset.
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {}
+    PRESET_GUIDANCE: ClassVar[float] = 5.0
+
+    def native_guidance(self, read: Callable[[str], Optional[dict]]) -> tuple[float, str]:
+        """The guidance the model's own pipeline samples with by default, and where that came from."""
+        pipeline = (read("model_index.json") or {}).get("_class_name", "")
+        if pipeline in self.PIPELINE_GUIDANCE:
+            return self.PIPELINE_GUIDANCE[pipeline], f"{pipeline}'s default"
+        return self.PRESET_GUIDANCE, f"{self.family}'s usual pipeline default (the folder's pipeline is unknown here)"
+
     base_precision: Optional[Literal["int8", "nf4", "fp8"]] = Field(
         None,
         description="LoRA only: store the frozen denoiser's linear-layer weights quantized (QLoRA-style, with "
@@ -210,6 +222,8 @@ class DenoiserModelBase(Section):
 class SdModel(DenoiserModelBase):
     PRESET_RESOLUTION: ClassVar[int] = 512
     PRESET_NAME: ClassVar[str] = "Stable Diffusion 1.x's size"
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionPipeline": 7.5}
+    PRESET_GUIDANCE: ClassVar[float] = 7.5
 
     family: Literal["sd"] = Field(description="Model family. `sd`: Stable Diffusion 1.x/2.x (UNet, one CLIP text encoder).")
     pretrained: str = Field(
@@ -232,6 +246,7 @@ class SdModel(DenoiserModelBase):
 
 class SdxlModel(DenoiserModelBase):
     PRESET_NAME: ClassVar[str] = "SDXL's size"
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionXLPipeline": 5.0}
 
     family: Literal["sdxl"] = Field(
         description="Model family. `sdxl`: Stable Diffusion XL (UNet with text_time conditioning, two CLIP text "
@@ -258,6 +273,9 @@ class SdxlModel(DenoiserModelBase):
 
 class FlowModel(DenoiserModelBase):
     PRESET_NAME: ClassVar[str] = "the size of SD3, FLUX, Qwen-Image and Z-Image"
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {
+        "StableDiffusion3Pipeline": 7.0, "FluxPipeline": 3.5, "QwenImagePipeline": 4.0, "QwenImageEditPipeline": 4.0,
+        "ZImagePipeline": 5.0, "Flux2Pipeline": 4.0, "Flux2KleinPipeline": 4.0}
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
         """SD3's pipeline: the transformer's sample_size x the VAE's factor. FLUX, FLUX.2 and Z-Image pipelines fix

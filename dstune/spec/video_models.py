@@ -13,6 +13,7 @@ from dstune.spec.model_sections import DenoiserModelBase
 class WanModel(DenoiserModelBase):
     PRESET_RESOLUTION: ClassVar[int] = 480
     PRESET_NAME: ClassVar[str] = "Wan's frame height"
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"WanPipeline": 5.0, "WanImageToVideoPipeline": 5.0}
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
         """WanPipeline's default frames are 480 x 832 (fixed in its code, whatever the folder): data.resolution is

@@ -77,3 +77,22 @@ def test_small_images_at_a_large_resolution_are_counted_and_warned_about(tmp_pat
     assert not _validate(tmp_path, model, f"{{path: '{images}', resolution: 64}}").warnings
     bucketed = [str(w) for w in _validate(tmp_path, model, f"{{path: '{images}', buckets: {{enabled: true}}}}").warnings]
     assert any("3 of 4 images are smaller than their buckets" in w for w in bucketed)
+
+
+@pytest.mark.parametrize("hub_id, family, guidance, pipeline", [
+    ("Qwen/Qwen-Image", "flow", 4.0, "QwenImagePipeline"),
+    ("stable-diffusion-v1-5/stable-diffusion-v1-5", "sd", 7.5, "StableDiffusionPipeline"),
+])
+def test_an_unset_sample_guidance_is_the_pipelines_default(tmp_path, hub_id, family, guidance, pipeline):
+    """sample.guidance left out: the model's own pipeline's __call__ default, shown by validate; a set one stays."""
+    folder = _model_folder(tmp_path, hub_id)
+    model = f"{{family: {family}, pretrained: '{folder}'}}"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model: {model}\ndata: {{path: 'builtin:shapes', resolution: 32}}\n"
+                    "train: {micro_batch_size: 1, max_steps: 2}\nsample: {prompts: [a red circle]}\n")
+    resolved = load_and_validate(str(spec), world=world_from_flags(world_size=1), cross_check=False)
+    assert resolved.spec.sample.guidance == guidance
+    assert f"guidance           {guidance:g} ({pipeline}'s default; not set in the spec)" in plan_text(resolved, 400)
+    spec.write_text(spec.read_text().replace("prompts: [a red circle]", "prompts: [a red circle], guidance: 2.5"))
+    resolved = load_and_validate(str(spec), world=world_from_flags(world_size=1), cross_check=False)
+    assert resolved.spec.sample.guidance == 2.5 and resolved.guidance_origin == "set in the spec"
