@@ -126,18 +126,43 @@ def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, pl
     return engine
 
 
-def follow_plan_schedule(engine, train: TrainSpec, plan: Plan) -> None:
-    """After loading a checkpoint of another global batch (--allow-batch-change): the LR schedule becomes this plan's
-    (its total steps, its LR scaling) from the step the checkpoint reached. Loading restored the old multiplier's
-    settings and base LRs (LambdaLR saves both), which would otherwise keep the old schedule."""
+# Optimizer hyperparameters from the spec that a checkpoint's param groups carry (torch's load_state_dict puts the
+# saved groups back): per optimizer type, spec field -> param-group key. The LR is the schedule's (below).
+_GROUP_SETTINGS = {
+    "adamw": {"betas": "betas", "eps": "eps", "weight_decay": "weight_decay"},
+    "adam": {"betas": "betas", "eps": "eps", "weight_decay": "weight_decay"},
+    "lion": {"betas": "betas", "weight_decay": "weight_decay"},
+    "sgd": {"momentum": "momentum", "weight_decay": "weight_decay"},
+    "adafactor": {"weight_decay": "weight_decay"},
+}
+
+
+def follow_plan_schedule(engine, train: TrainSpec, plan: Plan, schedule_steps: int | None = None) -> None:
+    """After loading a checkpoint: the spec's optimizer settings and LR schedule replace the checkpoint's.
+
+    Loading restored the saved param groups (LR, betas, weight decay, ...) and the old LambdaLR multiplier and base
+    LRs, so a resume with a new `train.optimizer.lr`, `train.scheduler` or LR scaling (--allow-spec-changes) or a new
+    global batch (--allow-batch-change) would otherwise keep training on the old ones. The schedule continues from the
+    step the checkpoint reached, over `schedule_steps` optimizer steps (None: this plan's total). With the spec the
+    checkpoint was written with, every value set here equals the loaded one, so an exact resume stays exact."""
     scheduler = engine.lr_scheduler
-    multiplier = LrMultiplier(train.scheduler, plan.total_steps)
+    multiplier = LrMultiplier(train.scheduler, plan.total_steps if schedule_steps is None else schedule_steps)
     scheduler.lr_lambdas = [multiplier] * len(scheduler.lr_lambdas)
     scheduler.base_lrs = [plan.effective_lr] * len(scheduler.base_lrs)
     lrs = [base * multiplier(scheduler.last_epoch) for base in scheduler.base_lrs]
+    settings = {key: getattr(train.optimizer, field)
+                for field, key in _GROUP_SETTINGS.get(train.optimizer.type, {}).items()}
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"], group["initial_lr"] = lr, plan.effective_lr
+        for key, value in settings.items():
+            if key in group:  # DeepSpeed's own optimizers name the same settings the same way
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
     scheduler._last_lr = lrs
+
+
+def saved_schedule_steps(engine) -> int:
+    """The number of optimizer steps the loaded LR schedule spans (the length the run was started with)."""
+    return int(engine.lr_scheduler.lr_lambdas[0].total_steps)
 
 
 def current_lr(engine) -> float:

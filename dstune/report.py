@@ -42,11 +42,14 @@ class Outcome:
     ds_sources: Optional[dict] = None  # DeepSpeed key -> where its value came from (dstune.ds_json.fill_spec)
     memory: Optional[dict] = None  # dstune.validate.plan_memory (validate only)
     clips: Optional[dict] = None  # video families: dstune.video_plan's clip summary
+    resolution_origin: str = ""  # images and video: where data.resolution came from ("" for speech)
+    guidance_origin: str = ""  # images and video: where sample.guidance came from ("" for speech)
 
     @classmethod
     def of(cls, resolved) -> "Outcome":
         return cls(resolved.spec, resolved.world, resolved.plan, resolved.ds_config, resolved.num_samples_origin,
-                   tuple(resolved.warnings), ds_sources=resolved.ds_sources, clips=resolved.clips)
+                   tuple(resolved.warnings), ds_sources=resolved.ds_sources, clips=resolved.clips,
+                   resolution_origin=resolved.resolution_origin, guidance_origin=resolved.guidance_origin)
 
     def as_json(self) -> dict:
         plan = self.plan.as_dict() if self.plan is not None else None
@@ -257,11 +260,15 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
     if plan is not None:
         cross_checked = outcome.ds_config is not None and not outcome.errors
         groups += [("Batch", _batch_rows(plan, outcome.ds_config if not outcome.errors else None, cross_checked)),
-                   ("Data", _data_rows(plan, outcome.num_samples_origin)),
+                   ("Data", _data_rows(plan, outcome.num_samples_origin)
+                    + ([("resolution", f"{spec.data.resolution} px ({outcome.resolution_origin})")]
+                       if outcome.resolution_origin else [])),
                    *([("Buckets", _bucket_rows(plan))] if plan.groups else []),
                    *([("Clips", summary_rows(outcome.clips))] if outcome.clips else []),
                    ("Length", _length_rows(plan, train)),
-                   ("LR", _lr_rows(plan, train))]
+                   ("LR", _lr_rows(plan, train)),
+                   *([("Samples", [("guidance", f"{spec.sample.guidance:g} ({outcome.guidance_origin})")])]
+                     if outcome.guidance_origin and spec.sample.prompts else [])]
     if spec is not None and (plan is not None or outcome.world is not None):
         groups.append(("DeepSpeed", _engine_rows(spec, plan)))
     if outcome.ds_sources and outcome.ds_config is not None and not outcome.errors and spec.deepspeed.config:

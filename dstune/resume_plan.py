@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dstune.plan import Plan, resolve_batch
-from dstune.spec.diff import describe_changes, spec_changes
+from dstune.spec.diff import NEW_RUN, describe_changes, refused_changes_text, spec_changes
 from dstune.spec.load import SpecError, SpecSource
 from dstune.spec.models import TrainSpec
 
@@ -181,6 +181,19 @@ def resume_preview(spec_dump: dict, train: TrainSpec, world_size: int, global_ba
     else:
         lines.append(f"continues on {_ranks(world_size)} with the same global batch of {global_batch}: the ZeRO state "
                      "is re-partitioned through DeepSpeed's universal checkpoint (docs/training.md, Resume)")
-    safe, breaking = describe_changes(spec_changes(saved_state.get("spec", {}), spec_dump), train.scheduler.type)
-    lines += [text for text in (safe, breaking) if text]
-    return "\n".join(lines), not breaking
+    changes = spec_changes(saved_state.get("spec", {}), spec_dump)
+    refused = refused_changes_text(changes, saved_state.get("spec", {}), spec_dump)
+    safe, breaking = describe_changes(changes, train.scheduler.type)
+    lines += [text for text in (refused, safe, breaking) if text]
+    return "\n".join(lines), not (breaking or refused)
+
+
+def position_refusal(saved: SavedRun, plan: Plan, checkpoint: str) -> Optional[str]:
+    """Why `saved`'s place in its epoch does not exist under `plan` (the data changed, the global batch did not:
+    another number of steps per epoch), or None. A new global batch moves the position itself (`rebatched`)."""
+    if saved.global_batch_size != plan.global_batch_size or saved.steps_per_epoch == plan.steps_per_epoch:
+        return None
+    return (f"{checkpoint} stopped at epoch {saved.epoch + 1}, step {saved.step_in_epoch} of its "
+            f"{saved.steps_per_epoch} steps per epoch; with this spec's data an epoch has {plan.steps_per_epoch} "
+            "steps (the data changed), so the run's place in its data order does not exist any more. "
+            "Revert the data changes to continue this run. " + NEW_RUN)

@@ -35,6 +35,7 @@ from dstune.engine import PRECISION_DTYPES
 from dstune.families import get_family
 from dstune.families.base import Family
 from dstune.families.lora import apply_train_mode
+from dstune.model_defaults import with_model_defaults
 from dstune.pretrained import build_model, partitioned_build_config, resolve_folders, resolve_pretrained
 from dstune.spec.load import SpecError, load_spec
 from dstune.spec.models import Spec
@@ -250,7 +251,7 @@ def load_spec_or_report(spec_path: str, overrides: list[str]) -> Optional[Spec]:
         spec, source = merged_spec(*load_spec(spec_path, overrides))  # precision may come from deepspeed.config
         for warning in source.warnings if launcher_rank() == 0 else ():  # an ambiguous relative path
             print(f"warning: {warning}", file=sys.stderr)
-        return spec
+        return with_model_defaults(spec)[0]  # data.resolution, sample.guidance left out: the model's, as in training
     except SpecError as err:
         if launcher_rank() == 0:
             print(f"invalid spec:\n{err}", file=sys.stderr)

@@ -22,6 +22,8 @@ lay them out). This module is torch-free (layer 1): `dstune validate` checks lay
 
 from __future__ import annotations
 
+import json
+import os
 from fractions import Fraction
 
 TTS_LAYOUT_FILE = "dstune_tts.json"
@@ -135,6 +137,55 @@ def preset_layout(name: str, text: str = "tokenizer") -> dict:
     if name != "orpheus":
         raise ValueError(f"layout preset {name!r} is not complete without a model; presets: {', '.join(PRESETS)}")
     return orpheus_layout(text)
+
+
+# Layout (preset name) -> how its prompt names the voice: Orpheus's multi-speaker prompts are "tara: Hello there.".
+# A layout without an entry has no place for a speaker: one model voice for every clip.
+SPEAKER_PROMPTS = {"orpheus": "{speaker}: {text}"}
+
+
+def layout_name(layout_file: dict | None, token_layout: str | None, codec: str) -> str:
+    """The layout a tts_lm run trains with, without building it: the folder's dstune_tts.json (`layout_file`), else
+    model.token_layout, else the default for the codec (SNAC's codes fit only the orpheus layout)."""
+    if layout_file is not None:
+        return describe(layout_file)["name"]
+    return token_layout or ("orpheus" if codec == "snac" else "dstune")
+
+
+def _tts_layout_name(model) -> str:
+    """layout_name for a tts_lm model section (model.pretrained, token_layout, codec), reading the dstune_tts.json
+    of a local folder; a built-in or hub model without one here goes by the spec."""
+    try:
+        with open(os.path.join(os.path.expanduser(model.pretrained), TTS_LAYOUT_FILE)) as handle:
+            layout_file = json.load(handle)
+    except (OSError, ValueError):
+        layout_file = None
+    return layout_name(layout_file, model.token_layout, model.codec)
+
+
+def spoken_text(layout: dict, text: str, speaker: str) -> str:
+    """The text of one clip as the layout's prompt takes it: with its speaker named where the layout names voices
+    (a text that already starts with "speaker:" is left as it is)."""
+    template = SPEAKER_PROMPTS.get(layout.get("name", ""))
+    if not speaker or template is None or text.startswith(f"{speaker}:"):
+        return text
+    return template.format(speaker=speaker, text=text)
+
+
+def speakers_problem(model, records) -> str | None:
+    """Why a speech dataset (records with `.speaker`, "" = none named) cannot train the spec's `model`, or None:
+    several speakers and a tts_lm layout with no place for one would train a single voice, a blend of them all."""
+    named = sorted(set(r.speaker for r in records if r.speaker))
+    if model.family != "tts_lm" or len(named) < 2:
+        return None
+    name = _tts_layout_name(model)
+    if name in SPEAKER_PROMPTS:
+        return None
+    shown = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+    return (f"the data names {len(named)} speakers ({shown}), but the {name!r} token layout has no place for a "
+            "speaker, so every clip would train the same voice, a blend of them all. Train one speaker's clips per "
+            "run (a .list or metadata.jsonl per speaker), or use a model whose layout names the voice "
+            f"({', '.join(f'model.token_layout: {n}' for n in SPEAKER_PROMPTS)}, prompts like \"ann: Hello.\").")
 
 
 def prompt_ids(layout: dict, text_ids: list[int]) -> list[int]:

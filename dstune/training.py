@@ -26,7 +26,8 @@ from dstune.distributed import (Run, agree_or_stop, all_gather_object, barrier, 
 from dstune.ds_json.blocks import with_universal_loading
 from dstune.ds_json.fill_spec import merged_spec
 from dstune.ema import Ema
-from dstune.engine import PRECISION_DTYPES, follow_plan_schedule, promote_scalar_params, wrap_model
+from dstune.engine import (PRECISION_DTYPES, follow_plan_schedule, promote_scalar_params, saved_schedule_steps,
+                           wrap_model)
 from dstune.evaluation import make_held_out
 from dstune.export import ExportError, export_checkpoint
 from dstune.loop import LoopContext, NonFiniteLoss, render_samples, train_loop
@@ -34,8 +35,8 @@ from dstune.memory.record import MemoryRecorder, summary_text
 from dstune.memory.counts import import_model_classes
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
-from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, rebatched, resume_kind
-from dstune.spec.diff import describe_changes, spec_changes
+from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, position_refusal, rebatched, resume_kind
+from dstune.spec.diff import describe_changes, refused_changes_text, spec_changes
 from dstune.spec.load import SpecError, load_spec
 from dstune.spec.models import Spec
 from dstune.startup import (build_family, checked_records, held_out_records, make_training_loader, prepare_caches,
@@ -135,9 +136,13 @@ def _resume_refusal(spec, source, resume: str | None, world_size: int, allow_bat
 
 def _check_spec_changes(run: Run, spec: Spec, saved_spec: dict, allow: bool) -> None:
     """Rank 0 lists what changed since the checkpoint; changes that break exact continuation stop every rank unless
-    --allow-spec-changes (then they are listed as a warning)."""
-    safe_text, breaking_text = describe_changes(spec_changes(saved_spec, spec.model_dump(mode="json")),
-                                                spec.train.scheduler.type)
+    --allow-spec-changes (then they are listed as a warning), and those no checkpoint can take stop them always."""
+    current = spec.model_dump(mode="json")
+    changes = spec_changes(saved_spec, current)
+    refused = refused_changes_text(changes, saved_spec, current)
+    if refused:
+        stop(run, refused, 1)
+    safe_text, breaking_text = describe_changes(changes, spec.train.scheduler.type)
     if breaking_text and not allow:
         stop(run, breaking_text, 1)
     if run.is_main:
@@ -165,6 +170,7 @@ def _find_resume(run: Run, resolved: Resolved, run_dir: Path, resume: str | None
     agree_or_stop(run, error)
     _check_spec_changes(run, resolved.spec, saved.get("spec", {}), options.allow_spec_changes)
     past = SavedRun.from_state(saved)
+    agree_or_stop(run, position_refusal(past, resolved.plan, f"checkpoint {root / tag}"))
     kind = resume_kind(past, run.world_size, resolved.plan.global_batch_size)
     changed = rebatched(past, resolved.plan, resolved.spec.train) if kind == "rebatch" else None
     universal_root = None
@@ -196,6 +202,8 @@ def _resume(run: Run, resuming: Optional[Resuming], engine, ema, resolved: Resol
         follow_plan_schedule(engine, resolved.spec.train, plan)
         if run.is_main:
             print(resuming.rebatched.text, flush=True)
+    else:  # the spec's LR, schedule and optimizer settings, not the checkpoint's (the same values without changes)
+        follow_plan_schedule(engine, resolved.spec.train, plan, saved_schedule_steps(engine))
     if run.is_main:
         print(f"resumed from {resuming.root / resuming.tag}{how}: step {state.global_step}, epoch {state.epoch + 1}, "
               f"step {state.step_in_epoch} of that epoch", flush=True)

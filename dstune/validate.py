@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
 
 from dstune.data.audio_index import duration_groups, index_audio
-from dstune.data.buckets import assign_buckets, bucket_counts
+from dstune.data.buckets import assign_buckets, bucket_counts, upscaling_warning
 from dstune.data.image_check import image_file_issues
 from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset
 from dstune.ds_json.blocks import compile_ds_config
@@ -28,10 +28,12 @@ from dstune.ds_json.fill_spec import apply_ds_file, ds_value_sources
 from dstune.memory.plan import Setup, memory_json
 from dstune.families import get_facts
 from dstune.memory.counts import SizesUnknown
+from dstune.model_defaults import bucket_step_problem, with_model_defaults
 from dstune.model_folders import model_folder_issues
 from dstune.plan import Plan, make_plan, resolve_batch
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
+from dstune.token_layouts import speakers_problem
 from dstune.trackers import wandb_missing
 from dstune.video_plan import clip_buckets, clip_plan
 from dstune.world import World, world_from_flags
@@ -51,6 +53,8 @@ class Resolved:
     warnings: tuple[SpecIssue, ...]
     ds_sources: dict = field(default_factory=dict)  # DeepSpeed key -> "ds.json:4" / "spec.yaml:7" / "default" ...
     clips: Optional[dict] = None  # video families: dstune.video_plan's summary (frame and size buckets, tokens)
+    resolution_origin: str = ""  # where data.resolution's value came from ("set in the spec", the model's size)
+    guidance_origin: str = ""  # where sample.guidance's value came from ("set in the spec", the pipeline's default)
 
 
 class ResolveError(SpecError):
@@ -110,6 +114,8 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
             raise ResolveError(err.issues, world=world) from None
         found.add(err.issues)
         file_read = False
+    spec, resolution_origin, guidance_origin = with_model_defaults(spec)  # left out: the model's native values
+    found.add(source.issue("data.buckets.step", p) for p in [bucket_step_problem(spec, resolution_origin)] if p)
     _check_accelerator(spec, source, accelerator, found)
     _check_trackers(spec, source, found)
     _check_lora_format(spec, source, found)
@@ -135,7 +141,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     if found.errors:
         raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin, clips)
     return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings),
-                    ds_value_sources(ds_config, spec, source), clips)
+                    ds_value_sources(ds_config, spec, source), clips, resolution_origin, guidance_origin)
 
 
 def _once(errors: list[SpecIssue]) -> list[SpecIssue]:
@@ -259,11 +265,11 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int], f
                 found.add([source.issue("data.speaker_balance", f"{path} names no speaker for any clip, so there is "
                                         "nothing to balance: use a GPT-SoVITS .list or metadata.jsonl with `speaker`, "
                                         "or remove data.speaker_balance")])
+            found.add(source.issue("data.path", text) for text in [speakers_problem(spec.model, index.records)] if text)
         else:
             index = index_dataset(spec.data, read_captions=False,  # lists files; reads no image, clip or caption
                                   video=spec.model.family in VIDEO_FAMILIES)
-            groups = _bucket_counts(spec, source, index.records, found) if spec.data.buckets.enabled else None
-            pairs = index.num_pairs
+            groups, pairs = _image_groups(spec, source, index.records, found), index.num_pairs
             found.add(image_file_issues(spec.data, index.records + index.held_out, source) if check_files else ())
     except DataError as err:
         found.add([source.issue(err.key or "data.path", err.message)])
@@ -284,9 +290,13 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int], f
     return count, origin, groups, None
 
 
-def _bucket_counts(spec: Spec, source: SpecSource, records, found: IssueList) -> dict:
-    """{"WxH": samples} from the image headers (no pixels decoded); unreadable files are a warning with
-    data.skip_bad_files (they train as a substitute in the square bucket), else a DataError."""
+def _image_groups(spec: Spec, source: SpecSource, records, found: IssueList) -> Optional[dict]:
+    """With data.buckets, {"WxH": samples} from the image headers (no pixels decoded); unreadable files are a warning
+    with data.skip_bad_files (they train as a substitute in the square bucket), else a DataError. Images smaller
+    than data.resolution (or their bucket) are a warning."""
+    found.add(source.issue("data.resolution", w, severity="warning") for w in [upscaling_warning(records, spec.data)] if w)
+    if not spec.data.buckets.enabled:
+        return None
     record_buckets, unreadable = assign_buckets(records, spec.data)
     if unreadable:
         found.add([source.issue(

@@ -81,6 +81,36 @@ def header_size(path: str) -> tuple[int, int]:
     return (height, width) if orientation in _SWAPPING_ORIENTATIONS else (width, height)
 
 
+def upscaling_warning(records: Sequence[SampleRecord], data) -> str | None:
+    """The warning for training images smaller than what they are cropped to (data.resolution's square, or their
+    bucket), which the loader upscales; None when there are none or data.allow_upscaling accepts them. Headers only
+    (no pixels decoded); unreadable files are left to the checks that report them."""
+    if data.allow_upscaling:
+        return None
+    sizes = bucket_sizes(data) if data.buckets.enabled else None
+    small, largest, example, total = 0, 1.0, "", 0
+    for record in records:
+        if record.image_path is None:  # built-in samples are rendered at data.resolution
+            continue
+        total += 1
+        try:
+            width, height = header_size(record.image_path)
+        except Exception:  # noqa: BLE001 - PIL raises many types for a bad header; other checks name the file
+            continue
+        target = nearest_bucket(width, height, sizes) if sizes else (data.resolution, data.resolution)
+        factor = max(target[0] / width, target[1] / height) if sizes else data.resolution / min(width, height)
+        if factor > 1.0:
+            small += 1
+            if factor > largest:
+                largest, example = factor, f"{record.sample_id} ({width}x{height})"
+    if not small:
+        return None
+    into = "their buckets" if sizes else f"data.resolution {data.resolution}"
+    return (f"{small} of {total} images are smaller than {into} and will be upscaled (up to {largest:.1f}x, e.g. "
+            f"{example}), which blurs what the model learns. Set data.allow_upscaling: true to accept this, or lower "
+            "data.resolution.")
+
+
 def _record_bucket(record: SampleRecord, sizes, square, skip_bad_files: bool) -> tuple[tuple[int, int], str | None]:
     """(bucket, problem or None) of one record."""
     if record.image_path is None:  # built-in samples are rendered square

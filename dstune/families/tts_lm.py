@@ -35,7 +35,7 @@ from dstune.families.base import Family, FamilyError
 from dstune.families.speech import Clip, save_wavs
 from dstune.families.speech_codecs import CODEC_CLASSES, codec_facts, decode_codes, encode_clip, load_codec, save_codec
 from dstune.token_layouts import (TTS_LAYOUT_FILE, describe, dstune_layout, layout_problems, orpheus_layout,
-                                   prompt_ids, token, training_ids)
+                                   prompt_ids, spoken_text, token, training_ids)
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec, TtsLmModel
@@ -219,8 +219,10 @@ def encode_batch(built: TtsLmBuilt, batch: dict, dtype: torch.dtype = torch.floa
     codes = batch.get("codes") or [encode_clip(built.codec, built.codec_kind, wave, layout["num_codebooks"],
                                                layout["frame_order"]) for wave in batch["audio"]]
     sequences, label_rows = [], []
-    for text, clip_codes in zip(batch["texts"], codes):
-        ids, labels = training_ids(layout, text_ids(built, text), audio_tokens(layout, clip_codes).tolist())
+    speakers = batch.get("speakers") or [""] * len(batch["texts"])
+    for text, speaker, clip_codes in zip(batch["texts"], speakers, codes):
+        spoken = spoken_text(layout, text, speaker)  # "ann: Hello." where the layout names voices (orpheus)
+        ids, labels = training_ids(layout, text_ids(built, spoken), audio_tokens(layout, clip_codes).tolist())
         sequences.append(torch.tensor(ids, dtype=torch.long))
         label_rows.append(torch.tensor(labels, dtype=torch.long))
     length = max(len(s) for s in sequences)

@@ -181,7 +181,12 @@ class DataSpec(Section):
     )
     resolution: int = Field(
         32, gt=0, description="Images are resized (shorter side) and cropped to this square size, in pixels. With "
-        "data.buckets: the square bucket's side, and the pixel area (resolution^2) of generated buckets.")
+        "data.buckets: the square bucket's side, and the pixel area (resolution^2) of generated buckets. Omitted: "
+        "the model's native size, from its folder's configs (e.g. 512 for SD 1.5, 1024 for SDXL, SD3, FLUX and "
+        "Qwen-Image, 480 for Wan; 32 for the built-in tiny models); `validate` prints the size chosen and why.")
+    allow_upscaling: bool = Field(
+        False, description="Accept training images smaller than data.resolution (they are upscaled, which blurs "
+        "them). Without it, `validate` and the run's start warn with the count and the largest factor.")
     center_crop: bool = Field(True, description="Crop the centre (true) or a random position (false).")
     random_flip: bool = Field(False, description="Flip images horizontally at random (per sample, from the seed).")
     caption_dropout: float = Field(0.0, ge=0, le=1, description="Probability of training a sample with an empty caption.")
@@ -234,7 +239,8 @@ class DataSpec(Section):
 
     @model_validator(mode="after")
     def _bucket_step_fits(self) -> "DataSpec":
-        if self.buckets.enabled and not self.buckets.sizes and self.buckets.step > self.resolution:
+        if self.buckets.enabled and not self.buckets.sizes and self.buckets.step > self.resolution \
+                and "resolution" in self.model_fields_set:  # unset: the model's native size, known to validate
             raise ValueError(
                 f"data.buckets.step {self.buckets.step} is larger than data.resolution {self.resolution}: no bucket "
                 f"side fits. Use a step of at most {self.resolution} (a multiple of 8), or give data.buckets.sizes.")

@@ -19,6 +19,7 @@ SAFE_CHANGES = {
     "sample.": "only what the sample grids show",
     "deepspeed.timeout_minutes": "only how long ranks wait for each other",
     "data.num_workers": "only how many processes load the same batches",
+    "data.allow_upscaling": "only whether images smaller than data.resolution are warned about",
     "data.cache.": "only where encodings come from (cached and on-the-fly batches agree to float rounding)",
     "data.eval.every_steps": "only how often the held-out loss is measured (the held-out images stay the same)",
     "data.eval.batch_size": "only how the held-out loss is batched (the held-out images stay the same)",
@@ -30,13 +31,45 @@ SAFE_CHANGES = {
 }
 LENGTH_KEYS = ("train.max_steps", "train.epochs")
 
+# Dotted key (or prefix ending in ".") -> why a checkpoint cannot be continued with it changed. Refused even with
+# --allow-spec-changes: what the checkpoint holds (its weights, its optimizer state) has no meaning under the new
+# value. Every other change takes effect from the resumed step (docs/training.md, "Resume").
+NOT_RESUMABLE = {
+    "model.family": "the checkpoint's weights belong to another model",
+    "model.train": "a full fine-tune saves every weight and a LoRA run only its adapters; one cannot continue the other",
+    "model.lora.rank": "the saved adapters have the old rank's shapes",
+    "model.lora.target_modules": "the saved adapters sit on the old modules",
+    "model.expert": "the checkpoint trained the other expert's weights",
+    "model.codec": "the checkpoint's audio-token embeddings belong to the old codec",
+    "model.num_codebooks": "the checkpoint's audio-token embeddings were sized for the old codebooks",
+    "model.token_layout": "the checkpoint's embeddings were trained on the old token layout",
+    "model.added_tokens": "the checkpoint's embeddings were sized for the old vocabulary",
+    "train.optimizer.type": "the saved optimizer state (its moments) belongs to the old optimizer",
+    "train.precision": "DeepSpeed saves the optimizer's master weights and state in the layout of the precision it "
+                       "trained in",
+    "deepspeed.zero_stage": "each ZeRO stage saves its optimizer state (stage 3 also its weights) in its own layout",
+    "deepspeed.offload_optimizer.device": "with optimizer offload DeepSpeed runs its own CPU Adam, another optimizer "
+                                          "than the one whose state the checkpoint holds",
+}
+NEW_RUN = ("Or start a new run in another output.dir, from this run's weights if you like (`dstune export RUN` "
+           "writes them; use that folder as model.pretrained).")
 
-def why_safe(key: str) -> str | None:
-    """Why changing `key` keeps the trajectory, or None when it does not."""
-    for known, why in SAFE_CHANGES.items():
+
+def _matching(table: dict[str, str], key: str) -> str | None:
+    for known, why in table.items():
         if key == known or (known.endswith(".") and key.startswith(known)):
             return why
     return None
+
+
+def why_safe(key: str) -> str | None:
+    """Why changing `key` keeps the trajectory, or None when it does not."""
+    return _matching(SAFE_CHANGES, key)
+
+
+def why_not_resumable(key: str) -> str | None:
+    """Why a checkpoint cannot continue with `key` changed, or None when the change can take effect."""
+    return _matching(NOT_RESUMABLE, key)
 
 
 @dataclass(frozen=True)
@@ -94,5 +127,20 @@ def describe_changes(changes: list[SpecChange], schedule: str) -> tuple[str, str
                          "precision, optimizer or schedule the checkpoint was trained with):\n"
                          + "\n".join(f"  {c.text()}" for c in breaking)
                          + "\nRevert them to continue the run exactly, start a new run (another output.dir), or "
-                         "pass --allow-spec-changes to continue with them anyway.")
+                         "pass --allow-spec-changes to continue with them anyway: each then takes effect from the "
+                         "resumed step (a new LR, schedule or optimizer setting replaces the checkpoint's).")
     return safe_text, breaking_text
+
+
+def refused_changes_text(changes: list[SpecChange], saved: dict, current: dict) -> str:
+    """The changes no resume can take (even with --allow-spec-changes), each with why, and the way on; "" if none.
+    `saved` and `current` are the two specs (dicts): an EMA switched on has no saved EMA to continue from."""
+    lines = [f"  {c.text()}: {why_not_resumable(c.key)}" for c in changes if why_not_resumable(c.key)]
+    ema_before = (saved.get("train") or {}).get("ema")
+    if ema_before is None and (current.get("train") or {}).get("ema") is not None:
+        lines.append("  train.ema: (unset) -> set: the checkpoint holds no EMA to continue (train.ema was off when it "
+                     "was written); remove train.ema to continue without one")
+    if not lines:
+        return ""
+    return ("spec changes since the checkpoint that no resume can take, even with --allow-spec-changes:\n"
+            + "\n".join(lines) + "\nRevert them to continue this run. " + NEW_RUN)

@@ -3,7 +3,7 @@ speech_models.py, the union on `model.family` in models.py), and the LoRA settin
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional
+from typing import Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -106,6 +106,16 @@ def is_single_file(pretrained: str) -> bool:
     return pretrained.lower().endswith(SINGLE_FILE_SUFFIXES)
 
 
+def vae_downscale(vae_config: dict) -> Optional[int]:
+    """Pixels per latent pixel of a VAE from its config (as the diffusers pipelines compute vae_scale_factor):
+    2^(stages - 1) for an AutoencoderKL, 2^(temporal stages) for Qwen-Image's and Wan's video-style VAEs."""
+    if "temperal_downsample" in vae_config:
+        return 2 ** len(vae_config["temperal_downsample"]) * int(vae_config.get("patch_size") or 1)
+    if vae_config.get("block_out_channels"):
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
+    return None
+
+
 class DenoiserModelBase(Section):
     """What every diffusion family's model section shares (sd, sdxl, flow): full fine-tuning or LoRA of the
     denoiser (the UNet or transformer the family trains). Subclass it for a new diffusion family's model section.
@@ -142,6 +152,34 @@ class DenoiserModelBase(Section):
         "every component the file does not hold (a UNet-only file takes VAE and text encoders from here). "
         "sd and sdxl load single files. See docs/lora-and-ema.md.",
     )
+    # The square side, in pixels, that data.resolution defaults to when the model's configs cannot be read here.
+    PRESET_RESOLUTION: ClassVar[int] = 1024
+    PRESET_NAME: ClassVar[str] = "this family's usual models"
+
+    def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
+        """The image size the model's own pipeline uses when no size is given, and how it was worked out, from its
+        folder's config files (`read("vae/config.json")` -> the parsed file or None); None when they do not say.
+        The diffusers pipelines compute it as the denoiser's sample_size (in latent pixels) x the VAE's
+        downscaling factor."""
+        denoiser, vae = read("unet/config.json") or read("transformer/config.json") or {}, read("vae/config.json") or {}
+        factor = vae_downscale(vae)
+        if denoiser.get("sample_size") and factor:
+            size = int(denoiser["sample_size"]) * factor
+            return size, f"the denoiser's sample_size {denoiser['sample_size']} x the VAE's {factor}x: its pipeline's default"
+        return None
+
+    # sample.guidance when the spec leaves it out: the pipeline class's own __call__ default, by model_index.json's
+    # _class_name (true_cfg_scale for Qwen-Image, the guidance embedding's value for FLUX), else the preset.
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {}
+    PRESET_GUIDANCE: ClassVar[float] = 5.0
+
+    def native_guidance(self, read: Callable[[str], Optional[dict]]) -> tuple[float, str]:
+        """The guidance the model's own pipeline samples with by default, and where that came from."""
+        pipeline = (read("model_index.json") or {}).get("_class_name", "")
+        if pipeline in self.PIPELINE_GUIDANCE:
+            return self.PIPELINE_GUIDANCE[pipeline], f"{pipeline}'s default"
+        return self.PRESET_GUIDANCE, f"{self.family}'s usual pipeline default (the folder's pipeline is unknown here)"
+
     base_precision: Optional[Literal["int8", "nf4", "fp8"]] = Field(
         None,
         description="LoRA only: store the frozen denoiser's linear-layer weights quantized (QLoRA-style, with "
@@ -197,6 +235,11 @@ class DenoiserModelBase(Section):
 
 class SdModel(DenoiserModelBase):
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionPipeline",)
+    PRESET_RESOLUTION: ClassVar[int] = 512
+    PRESET_NAME: ClassVar[str] = "Stable Diffusion 1.x's size"
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionPipeline": 7.5}
+    PRESET_GUIDANCE: ClassVar[float] = 7.5
+
     family: Literal["sd"] = Field(description="Model family. `sd`: Stable Diffusion 1.x/2.x (UNet, one CLIP text encoder).")
     pretrained: str = Field(
         "builtin:tiny-sd",
@@ -218,6 +261,9 @@ class SdModel(DenoiserModelBase):
 
 class SdxlModel(DenoiserModelBase):
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
+    PRESET_NAME: ClassVar[str] = "SDXL's size"
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionXLPipeline": 5.0}
+
     family: Literal["sdxl"] = Field(
         description="Model family. `sdxl`: Stable Diffusion XL (UNet with text_time conditioning, two CLIP text "
         "encoders, pooled text embeddings and size/crop time ids)."
@@ -245,6 +291,26 @@ class FlowModel(DenoiserModelBase):
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = (  # one per recipe (dstune/families/flow_*.py)
         "StableDiffusion3Pipeline", "FluxPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "ZImagePipeline",
         "Flux2KleinPipeline", "Flux2Pipeline")
+    PRESET_NAME: ClassVar[str] = "the size of SD3, FLUX, Qwen-Image and Z-Image"
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {
+        "StableDiffusion3Pipeline": 7.0, "FluxPipeline": 3.5, "QwenImagePipeline": 4.0, "QwenImageEditPipeline": 4.0,
+        "ZImagePipeline": 5.0, "Flux2Pipeline": 4.0, "Flux2KleinPipeline": 4.0}
+
+    def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
+        """SD3's pipeline: the transformer's sample_size x the VAE's factor. FLUX, FLUX.2 and Z-Image pipelines fix
+        their default in code (1024); their VAEs' sample_size says the same size. Qwen-Image's VAE has none: its
+        pipeline's default_sample_size 128 (latent pixels) x the VAE's 8x."""
+        found = super().native_resolution(read)
+        if found:
+            return found
+        vae = read("vae/config.json") or {}
+        if vae.get("sample_size"):
+            return int(vae["sample_size"]), f"the VAE's sample_size {vae['sample_size']}: the size it was made for"
+        factor = vae_downscale(vae)
+        if "temperal_downsample" in vae and factor:
+            return 128 * factor, f"Qwen-Image's pipeline default: 128 latent pixels x the VAE's {factor}x"
+        return None
+
     family: Literal["flow"] = Field(
         description="Model family. `flow`: flow-matching transformers, told apart by the pipeline folder: "
         "SD3-class (SD3Transformer2DModel; CLIP x2 + T5), "

@@ -272,7 +272,10 @@ class SampleSpec(Section):
     prompts: list[str] = Field(default_factory=list, description="Prompts rendered into a PNG grid (none: no samples).")
     every_steps: Optional[int] = Field(None, gt=0, description="Also sample every N optimizer steps (before and after always).")
     steps: int = Field(20, gt=0, description="Denoising steps per sample.")
-    guidance: float = Field(5.0, ge=0, description="Classifier-free guidance scale.")
+    guidance: float = Field(
+        5.0, ge=0, description="Classifier-free guidance scale (for FLUX: the guidance embedding's value; for "
+        "Qwen-Image: true_cfg_scale). Omitted: the default of the model's own pipeline (7.5 SD 1.x, 5.0 SDXL, 7.0 "
+        "SD3, 3.5 FLUX.1, 4.0 FLUX.2 and Qwen-Image, 5.0 Z-Image and Wan); `validate` prints the value and why.")
     seed: int = Field(0, ge=0, description="Sampling seed, so grids from different steps are comparable.")
     control_images: list[str] = Field(
         default_factory=list, description="Edit models (Qwen-Image-Edit): the source image of each prompt, one path "

@@ -3,7 +3,7 @@ the spec."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional
+from typing import Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -13,6 +13,15 @@ from dstune.spec.model_sections import DenoiserModelBase
 class WanModel(DenoiserModelBase):
     modality: ClassVar[str] = "video"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("WanPipeline", "WanImageToVideoPipeline")
+    PRESET_RESOLUTION: ClassVar[int] = 480
+    PRESET_NAME: ClassVar[str] = "Wan's frame height"
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"WanPipeline": 5.0, "WanImageToVideoPipeline": 5.0}
+
+    def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
+        """WanPipeline's default frames are 480 x 832 (fixed in its code, whatever the folder): data.resolution is
+        a square side (or, with buckets, the side of the pixel area), so its shorter side, 480."""
+        return 480, "Wan's pipeline default frames are 480x832; the shorter side"
+
     family: Literal["wan"] = Field(
         description="Model family. `wan`: Wan 2.1 / 2.2 video (WanTransformer3DModel, AutoencoderKLWan, UMT5): "
         "text-to-video, image-to-video (Wan 2.1 I2V with its CLIP image encoder, Wan 2.2 I2V A14B) and Wan 2.2 TI2V "

@@ -243,6 +243,43 @@ def test_resume_on_one_rank_continues_the_two_rank_run(runs, tmp_path):
     assert not (resumed / ".resume-universal").exists()
 
 
+def test_a_resume_with_a_new_lr_trains_at_the_new_lr(runs, tmp_path):
+    """--allow-spec-changes with a new train.optimizer.lr (and weight decay): DeepSpeed's load puts the checkpoint's
+    param groups and LR schedule back, and dstune then replaces them with the spec's, so steps 3-4 log and take steps
+    of the new LR (Adam's step is about lr per weight: ten times the LR moves the weights about ten times as far)."""
+    from dstune.export import consolidated_state_dict
+
+    run_dir, spec_path, proc = runs["zero2"]
+    assert proc.returncode == 0, explain(proc)
+    resumed = tmp_path / "new-lr"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
+    (resumed / "checkpoints" / "latest").write_text("step-00000002")
+    changed = launch(spec_path, num_ranks=2, args=(
+        "--resume", "latest", "--allow-spec-changes", "--set", f"output.dir={resumed}",
+        "--set", "train.optimizer.lr=0.01", "--set", "train.optimizer.weight_decay=0.5"))
+    assert changed.returncode == 0, explain(changed)
+    assert "--allow-spec-changes: continuing with" in changed.stdout
+    assert "train.optimizer.lr: 0.001 -> 0.01" in changed.stdout
+    first, second = metrics(run_dir), metrics(resumed)
+    assert [m["step"] for m in second] == [3, 4]
+    assert [m["lr"] for m in first] == pytest.approx([1e-3] * STEPS)
+    assert [m["lr"] for m in second] == pytest.approx([1e-2] * 2)
+    saved = torch.load(resumed / "checkpoints" / f"step-{STEPS:08d}" / "mp_rank_00_model_states.pt",
+                       map_location="cpu", weights_only=False)
+    assert saved["lr_scheduler"]["base_lrs"] == pytest.approx([1e-2])
+    optim = torch.load(next((resumed / "checkpoints" / f"step-{STEPS:08d}").glob("*optim_states.pt")),
+                       map_location="cpu", weights_only=False)
+    groups = optim["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == pytest.approx([(1e-2, 0.5)] * len(groups))
+    start = consolidated_state_dict(run_dir / "checkpoints", "step-00000002", 2)
+    old_lr = consolidated_state_dict(run_dir / "checkpoints", f"step-{STEPS:08d}", 2)
+    new_lr = consolidated_state_dict(resumed / "checkpoints", f"step-{STEPS:08d}", 2)
+    moved_old = sum((old_lr[k] - start[k]).abs().sum().item() for k in start)
+    moved_new = sum((new_lr[k] - start[k]).abs().sum().item() for k in start)
+    assert 5 < moved_new / moved_old < 15
+
+
 def test_a_resume_that_changes_the_seed_is_refused_with_the_fix(runs, tmp_path):
     """A spec change that breaks exact continuation stops the resume before any weight is loaded; one rank is
     enough (the check comes before the checkpoint is read)."""

@@ -98,6 +98,21 @@ def test_loss_equals_the_causal_lm_loss_on_orpheus_labels(built, batch):
     assert abs(ours.item() - reference.item()) < 1e-5
 
 
+def test_a_gptsovits_speaker_is_named_in_the_orpheus_prompt(built, tmp_path):
+    """The speaker column of a .list reaches the tokens as Orpheus's multi-speaker prompts write it ("ann: text");
+    a text that names its speaker already is left as it is."""
+    for number, name in enumerate(("a.wav", "b.wav")):
+        (tmp_path / "wavs").mkdir(exist_ok=True)
+        soundfile.write(tmp_path / "wavs" / name, np.zeros(4800 + 2400 * number, dtype=np.float32), 24000)
+    (tmp_path / "metadata.list").write_text("wavs/a.wav|ann|en|Hello there.\nwavs/b.wav|bob|en|bob: Hi.\n")
+    records, _ = speech_records(DataSpec(path=str(tmp_path / "metadata.list")))
+    dataset = SpeechDataset(records, built.sample_rate)
+    encoded = tts_lm.encode_batch(built, collate_speech([dataset[0], dataset[1]]))
+    for row, spoken in enumerate(("ann: Hello there.", "bob: Hi.")):
+        prompt = [START_OF_HUMAN] + built.tokenizer.encode(spoken, add_special_tokens=True) + [END_OF_TEXT]
+        assert encoded["input_ids"][row, :len(prompt)].tolist() == prompt
+
+
 def test_export_synthesizes_with_snac(built, tmp_path):
     out = tts_lm.export(built, built.trainable.state_dict(), tmp_path / "export")
     assert json.loads((out / "dstune_tts.json").read_text())["name"] == "orpheus"

@@ -21,7 +21,7 @@ LAYERS = [
     ["dstune.world", "dstune.plan", "dstune.resume_plan", "dstune.token_layouts", "dstune.wan_layouts",
      "dstune.memory", "dstune.memory.plan", "dstune.memory.activations"],
     ["dstune.distributed", "dstune.ds_json", "dstune.data",
-     "dstune.families", "dstune.ema", "dstune.memory.counts", "dstune.model_folders",
+     "dstune.families", "dstune.ema", "dstune.memory.counts", "dstune.model_folders", "dstune.model_defaults",
      "dstune.memory.record"],
     ["dstune.builtin", "dstune.video_plan", "dstune.validate", "dstune.report"],
     ["dstune.pretrained", "dstune.cache", "dstune.engine", "dstune.checkpoint", "dstune.batch_check", "dstune.universal",

@@ -162,3 +162,29 @@ def test_a_batch_change_puts_the_new_schedule_in_place_from_the_step_reached():
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(cosine[3]) and scheduler.get_last_lr()[0] == \
         pytest.approx(cosine[3])
+
+
+def test_a_resume_puts_the_specs_optimizer_settings_back_over_the_checkpoints():
+    """Loading a checkpoint puts its param groups back (LR, weight decay, betas); follow_plan_schedule with the
+    schedule's saved length makes them the spec's, and with the same spec leaves every value as loaded."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dstune.engine import LrMultiplier, follow_plan_schedule
+
+    old = TrainSpec(max_steps=4, micro_batch_size=2, scheduler={"type": "linear"})
+    new = TrainSpec(max_steps=8, micro_batch_size=2, scheduler={"type": "linear"},
+                    optimizer={"lr": 0.01, "weight_decay": 0.5, "betas": (0.8, 0.9)})
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LrMultiplier(old.scheduler, 4))
+    optimizer.step()
+    scheduler.step()
+    loaded = dict(optimizer.param_groups[0])
+    engine = SimpleNamespace(lr_scheduler=scheduler)
+    follow_plan_schedule(engine, old, make_plan(old, _world(1), 256, SOURCE), 4)
+    assert {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} == \
+        {k: v for k, v in loaded.items() if k != "params"}
+    follow_plan_schedule(engine, new, make_plan(new, _world(1), 256, SOURCE), 4)  # the length the run started with
+    group = optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(0.01 * 3 / 4) and group["weight_decay"] == 0.5 and group["betas"] == (0.8, 0.9)

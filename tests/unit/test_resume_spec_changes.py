@@ -69,3 +69,23 @@ def test_an_optional_section_added_since_the_checkpoint_is_no_change():
     del saved["data"]["eval"]
     assert spec_changes(saved, _dump()) == []
     assert [c.key for c in spec_changes(saved, _dump(data={"eval": {"fraction": 0.1}}))][:1] == ["data.eval.fraction"]
+
+
+def test_changes_no_checkpoint_can_take_are_refused_even_when_allowed():
+    """The optimizer type, precision and ZeRO stage decide what the checkpoint's optimizer state is; LoRA shapes and
+    an EMA switched on decide what its weights are. Each is named with why and the way on; an LR is not refused."""
+    from dstune.spec.diff import refused_changes_text
+
+    saved = _dump()
+    current = _dump(train={"optimizer": {"type": "sgd", "lr": 0.5}, "precision": "bf16", "ema": {}},
+                    deepspeed={"zero_stage": 3})
+    text = refused_changes_text(spec_changes(saved, current), saved, current)
+    for line in ("train.optimizer.type: 'adamw' -> 'sgd': the saved optimizer state",
+                 "train.precision: 'fp32' -> 'bf16'", "deepspeed.zero_stage: 2 -> 3",
+                 "train.ema: (unset) -> set: the checkpoint holds no EMA"):
+        assert line in text
+    assert "train.optimizer.lr" not in text and "Revert them" in text and "dstune export RUN" in text
+    lr_only = _dump(train={"optimizer": {"lr": 0.5}, "scheduler": {"type": "cosine"}})
+    assert refused_changes_text(spec_changes(saved, lr_only), saved, lr_only) == ""
+    _, breaking = describe_changes(spec_changes(saved, lr_only), "cosine")
+    assert "train.optimizer.lr: 0.0001 -> 0.5" in breaking and "takes effect from the resumed step" in breaking

@@ -102,7 +102,9 @@ def test_a_gptsovits_list_validates_and_gives_one_speaker_per_index(tmp_path):
         lines.append(f"wavs/{number}.wav|{'ann' if number < 9 else 'bob'}|en|{10 + number}")
     (tmp_path / "metadata.list").write_text("\n".join(lines) + "\n")
     spec = tmp_path / "spec.yaml"
-    spec.write_text(f"model: {{family: tts_lm}}\ndata: {{path: '{tmp_path}', speaker_balance: true}}\n"
+    # a tts_lm layout that names the voice (orpheus): dstune's own layout refuses several speakers
+    spec.write_text(f"model: {{family: tts_lm, pretrained: 'builtin:tiny-orpheus', codec: snac}}\n"
+                    f"data: {{path: '{tmp_path}', speaker_balance: true}}\n"
                     "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 3}\n")
     resolved = load_and_validate(str(spec), world=world_from_flags(world_size=2), cross_check=False)
     records = index_audio(resolved.spec.data).records

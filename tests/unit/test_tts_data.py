@@ -113,3 +113,32 @@ def test_speech_data_and_image_families_do_not_mix(tmp_path, model, data, expect
     spec.write_text(f"model: {model}\ndata: {data}\ntrain: {{micro_batch_size: 1, max_steps: 1}}\n")
     with pytest.raises(SpecError, match=expected):
         load_spec(str(spec), [])
+
+
+@pytest.mark.parametrize("model, refused", [
+    ("{family: tts_lm}", True),  # dstune's layout: text then audio, no place for a voice
+    ("{family: tts_lm, pretrained: 'builtin:tiny-orpheus', codec: snac}", False),  # "ann: text" prompts
+])
+def test_a_multi_speaker_list_needs_a_layout_that_names_the_voice(tmp_path, model, refused):
+    """A GPT-SoVITS .list of two speakers: refused (data.path, why, the fix) where the token layout has no place for
+    a speaker, so the run would not silently train one blended voice; taken where the prompt names the speaker."""
+    from dstune.spec.load import SpecError
+    from dstune.validate import load_and_validate as resolve
+    from dstune.world import world_from_flags
+
+    for name in ("a", "b", "c"):
+        _write(tmp_path / "wavs" / f"{name}.wav", 0.3)
+    (tmp_path / "metadata.list").write_text("wavs/a.wav|ann|en|Hello.\nwavs/b.wav|bob|en|Hi.\nwavs/c.wav|ann|en|Yes.\n")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model: {model}\ndata: {{path: '{tmp_path / 'metadata.list'}'}}\n"
+                    "train: {micro_batch_size: 1, max_steps: 1}\n")
+    if not refused:
+        assert resolve(str(spec), world=world_from_flags(world_size=1), cross_check=False).num_samples == 3
+        return
+    with pytest.raises(SpecError) as caught:
+        resolve(str(spec), world=world_from_flags(world_size=1), cross_check=False)
+    message = str(caught.value)
+    assert "data.path" in message and "2 speakers (ann, bob)" in message and "same voice" in message
+    assert "one speaker's clips per run" in message and "model.token_layout: orpheus" in message
+    (tmp_path / "metadata.list").write_text("wavs/a.wav|ann|en|Hello.\nwavs/c.wav|ann|en|Yes.\n")
+    assert resolve(str(spec), world=world_from_flags(world_size=1), cross_check=False).num_samples == 2

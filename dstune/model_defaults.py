@@ -1,0 +1,91 @@
+"""Spec values whose default depends on the model: data.resolution and sample.guidance when the spec leaves them
+out (torch-free).
+
+    with_model_defaults(spec) -> (spec with both filled in, where the resolution came from, where the guidance did)
+
+The model's own section (dstune/spec/) says how its pipeline picks its default size from the folder's config files;
+this module only finds those files (dstune.memory.counts.config_folder: a built-in model's stored configs, a local
+folder, the local Hugging Face cache, the configs stored with dstune) and applies the answer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from dstune.memory.counts import SizesUnknown, config_folder
+from dstune.spec.models import AUDIO_FAMILIES, Spec, is_single_file
+from dstune.spec.section import BUILTIN_PREFIX
+
+# The built-in tiny models are built and tested at 32 px (tiny VAEs and denoisers; the SD-style ones say so in
+# their configs, sample_size 16 x a 2x VAE, and every one of them trains at that size).
+BUILTIN_RESOLUTION = 32
+
+
+def _reader(folder: Path):
+    def read(name: str) -> Optional[dict]:
+        try:
+            return json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            return None
+    return read
+
+
+def native_resolution(spec: Spec) -> tuple[int, str]:
+    """(the model's native image size in pixels, how it was worked out), for a spec that leaves data.resolution
+    out: the model section's reading of its folder's configs, else its family's usual size."""
+    model = spec.model
+    reference = model.pretrained
+    if is_single_file(reference) and getattr(model, "base_pipeline", None):
+        reference = model.base_pipeline  # the folder whose configs describe the single file
+    if reference.startswith(BUILTIN_PREFIX):
+        return BUILTIN_RESOLUTION, f"{reference} is built for {BUILTIN_RESOLUTION} px"
+    try:
+        folder = config_folder(reference)[0]
+    except SizesUnknown:
+        folder = None
+    found = model.native_resolution(_reader(folder)) if folder is not None else None
+    if found:
+        return found[0], f"{model.pretrained}'s native size: {found[1]}"
+    unknown = "are not readable here" if folder is None else "do not say its size"
+    return model.PRESET_RESOLUTION, f"{model.PRESET_NAME}: {model.pretrained}'s configs {unknown}"
+
+
+def _guidance(spec: Spec) -> tuple[float, str]:
+    model = spec.model
+    reference = model.pretrained
+    if is_single_file(reference) and getattr(model, "base_pipeline", None):
+        reference = model.base_pipeline  # the folder whose configs describe the single file
+    try:
+        folder = config_folder(reference)[0]
+    except SizesUnknown:
+        folder = None
+    value, why = model.native_guidance(_reader(folder) if folder is not None else lambda name: None)
+    return value, f"{why}; not set in the spec"
+
+
+def with_model_defaults(spec: Spec) -> tuple[Spec, str, str]:
+    """The spec with data.resolution set to the model's native size and sample.guidance to its pipeline's default
+    where the spec leaves them out, and where each value in effect came from ("" for speech families, which have
+    neither)."""
+    if spec.model.family in AUDIO_FAMILIES:
+        return spec, "", ""
+    data, size_origin = spec.data, "set in the spec"
+    if "resolution" not in data.model_fields_set:
+        size, why = native_resolution(spec)
+        data, size_origin = data.model_copy(update={"resolution": size}), f"{why}; not set in the spec"
+    sample, guidance_origin = spec.sample, "set in the spec"
+    if "guidance" not in sample.model_fields_set:
+        value, guidance_origin = _guidance(spec)
+        sample = sample.model_copy(update={"guidance": value})
+    return spec.model_copy(update={"data": data, "sample": sample}), size_origin, guidance_origin
+
+
+def bucket_step_problem(spec: Spec, origin: str) -> Optional[str]:
+    """The spec checks data.buckets.step against a data.resolution it sets; this checks it against the default."""
+    buckets, size = spec.data.buckets, spec.data.resolution
+    if not buckets.enabled or buckets.sizes or buckets.step <= size or spec.model.family in AUDIO_FAMILIES:
+        return None
+    return (f"{buckets.step} is larger than data.resolution {size} ({origin}): no bucket side fits. Use a step of "
+            "at most data.resolution (a multiple of 8), or give data.buckets.sizes.")
