@@ -10,6 +10,8 @@ Exit codes, the same for every subcommand:
      hostfile, such as --num-nodes 2 without --hostfile; `init -o FILE` onto an existing file without --force).
      Problems found reading a --hostfile (or applying --include/--exclude to it) are exit 1, like spec errors.
   3  internal error: a bug in dstune (printed with its traceback; please report it)
+  dstune train also ends with 128 + the signal when stopped by one (130 SIGINT, 143 SIGTERM, 129 SIGHUP), and with
+  a failed rank's exit code when the run failed after it started.
 User errors never print a Python traceback. Imports are lazy: `dstune schema` and spec errors never load torch.
 """
 
