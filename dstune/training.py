@@ -83,8 +83,7 @@ def _earlier_checkpoints(run_dir: Path, resume: str | None) -> str | None:
 def interrupted_text(step: int | None, run_dir: Path | None) -> str:
     """Rank 0's one line after a stop signal: where it stopped, the last complete checkpoint, and (when `dstune
     train` is not there to say it once every rank is gone) the command that continues the run."""
-    where = f"interrupted at step {step}" if step is not None else \
-        "interrupted outside the training steps (start-up, the final checkpoint or the export)"
+    where = f"interrupted at step {step}" if step is not None else "interrupted"
     tag = read_latest(checkpoint_root(run_dir)) if run_dir is not None else None
     if tag is None:
         saved, again = "no checkpoint was written yet", "start again with"
