@@ -32,6 +32,7 @@ import psutil
 EXIT_OK, EXIT_FAILED = 0, 1
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DEFAULT_GRACE_S = 60
+RANK_SETTLE_S = 2.0  # a rank's Python start-up before it handles stop signals (dstune.interrupts)
 
 # dstune train's flags -> DeepSpeed runner flags (same meaning; DeepSpeed's spelling).
 RUNNER_FLAGS = (("hostfile", "--hostfile"), ("include", "--include"), ("exclude", "--exclude"),
@@ -190,10 +191,12 @@ class Supervisor:
                 _send(lambda: os.killpg(runner_proc.pid, signal.SIGINT))
             return
         # SIGINT also for SIGHUP: the ranks stop the same way. Ranks that start later (a stop during the launch)
-        # are found by the next look and signalled then.
+        # are found by the next look and signalled then; a rank younger than RANK_SETTLE_S may not have set up its
+        # handlers yet (dstune/train.py does that first thing) and is signalled at a later look.
         forwarded = signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT
+        settled_before = time.time() - RANK_SETTLE_S
         for pid, process in self.seen.items():
-            if pid not in self.signalled:
+            if pid not in self.signalled and _started_before(process, settled_before):
                 self.signalled.add(pid)
                 _send(lambda: process.send_signal(forwarded))
 
@@ -223,6 +226,13 @@ class Supervisor:
             self.say(f"dstune train: ranks {', '.join(str(p.pid) for p in alive)} outlived their launcher: killed "
                      "(SIGKILL).", flush=True)
         return [p.pid for p in alive]
+
+
+def _started_before(process: psutil.Process, moment: float) -> bool:
+    try:
+        return process.create_time() < moment
+    except psutil.Error:
+        return True  # gone: sending it a signal does nothing
 
 
 def _alive(process: psutil.Process) -> bool:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -192,3 +194,92 @@ def test_release_leaves_a_lock_that_is_not_ours(tmp_path):
     _write_lock(tmp_path, 999999, "elsewhere", 0.0)  # replaced behind our back (deleted by hand, then retaken)
     runlock.release_held()
     assert json.loads(runlock.lock_path(tmp_path).read_text())["host"] == "elsewhere"
+
+
+# ------------------------------------------------------------------------------------------------ a rank's side
+
+STOP_SCRIPT = """
+import os, signal
+from dstune.interrupts import at_step_boundaries, exit_code_for_stop, install_stop_handlers, stop_requested
+install_stop_handlers()
+with at_step_boundaries():
+    os.kill(os.getpid(), signal.SIGTERM)  # inside the loop: only noted, the step goes on
+    print("went on", stop_requested(), exit_code_for_stop())
+try:
+    os.kill(os.getpid(), signal.SIGINT)  # outside: stops at once
+    print("not stopped")
+except KeyboardInterrupt:
+    print("stopped at once")
+"""
+
+
+def test_a_rank_notes_a_stop_inside_the_loop_and_stops_at_once_outside():
+    result = subprocess.run([sys.executable, "-c", STOP_SCRIPT], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.stdout.split("\n")[:2] == ["went on True 143", "stopped at once"], result.stderr
+
+
+def test_a_rank_rebuilds_its_launch_command_with_resume_latest(monkeypatch):
+    from dstune.training import rank_resume_command
+
+    monkeypatch.setattr(sys, "argv", ["/x/dstune/train.py", "--local_rank=1", "spec.yaml", "--set", "a=b c",
+                                      "--resume", "runs/x/checkpoints/step-4"])
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    monkeypatch.delenv("CROSS_SIZE", raising=False)
+    assert rank_resume_command(resume=True) == \
+        "deepspeed --num_gpus 2 dstune/train.py spec.yaml --set 'a=b c' --resume latest"
+    assert rank_resume_command(resume=False) == "deepspeed --num_gpus 2 dstune/train.py spec.yaml --set 'a=b c'"
+    monkeypatch.setenv("CROSS_SIZE", "2")
+    assert rank_resume_command(resume=True).startswith("deepspeed --hostfile HOSTFILE --num_nodes 2 --num_gpus 2 ")
+
+
+STUCK_RANK = """
+import os, pathlib, signal, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)   # a rank that never reaches its next step
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+pathlib.Path(os.environ["STUCK_MARKS"], str(os.getpid())).touch()
+time.sleep(600)
+"""
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_ranks_that_do_not_stop_are_killed_after_the_grace_period(tmp_path):
+    """DeepSpeed's real runner and per-node launcher over two ranks that ignore SIGINT and SIGTERM: after a stop
+    signal to this process and --grace seconds, every process below it is gone (SIGKILL), and it says so."""
+    script = tmp_path / "dstune" / "train.py"  # named like the ranks dstune train looks for
+    script.parent.mkdir()
+    script.write_text(STUCK_RANK)
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--log_level", "error", "--num_gpus", "2",
+           "--master_port", str(launcher.free_port()), str(script)]
+    said = []
+    marks = tmp_path / "up"
+    marks.mkdir()
+    supervisor = launcher.Supervisor(cmd, {**os.environ, "DS_ACCELERATOR": "cpu", "STUCK_MARKS": str(marks)},
+                                     grace_s=3, multi_node=False,
+                                     say=lambda text, **_: said.append(text))
+    seen_ranks = []
+
+    def stop_when_ranks_run():
+        deadline = time.monotonic() + 120
+        while len(list(marks.iterdir())) < 2 and time.monotonic() < deadline:  # both ignore signals now
+            time.sleep(0.2)
+        seen_ranks.extend(supervisor.seen.values())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    stopper = threading.Thread(target=stop_when_ranks_run, daemon=True)
+    stopper.start()
+    started = time.monotonic()
+    outcome = supervisor.run()
+    stopper.join()
+    assert len(seen_ranks) == 2
+    assert outcome.stop_signal == signal.SIGINT and launcher.exit_code(outcome) == 130
+    assert all(p.pid in outcome.killed for p in seen_ranks)
+    assert not any(_running(p) for p in seen_ranks)
+    assert time.monotonic() - started < 100
+    assert any("still running after 3 s: killed the launcher and every rank (SIGKILL" in text for text in said), said
