@@ -88,8 +88,7 @@ def interrupted_text(step: int | None, run_dir: Path | None) -> str:
     if tag is None:
         saved, again = "no checkpoint was written yet", "start again with"
     else:
-        saved = f"last complete checkpoint step {read_state(checkpoint_root(run_dir), tag)['state']['global_step']} " \
-                f"({checkpoint_root(run_dir) / tag})"
+        saved = f"last complete checkpoint step {int(tag.rpartition('-')[2])} ({checkpoint_root(run_dir) / tag})"
         again = "continue with"
     text = f"{where} ({stop_signal_name()}); {saved}"
     if launched_by_dstune_train():
