@@ -143,7 +143,8 @@ class Supervisor:
     """Runs the launcher command and forwards stop signals (see the module docstring)."""
 
     def __init__(self, cmd: list[str], env: dict, grace_s: float, multi_node: bool, say=print):
-        self.cmd, self.env, self.grace_s, self.multi_node, self.say = cmd, env, grace_s, multi_node, say
+        self.cmd, self.env, self.grace_s, self.multi_node = cmd, env, grace_s, multi_node
+        self.say = _never_raising(say)
         self.received: list[int] = []
         self.seen: dict[int, psutil.Process] = {}  # every rank process seen, by pid
         self.signalled: set[int] = set()
@@ -304,8 +305,21 @@ def exit_code(outcome: RunEnd) -> int:
     return outcome.returncode if outcome.returncode >= 0 else 128 - outcome.returncode
 
 
+def _never_raising(say):
+    """A closed output (`dstune train ... | tee log`, and Ctrl-C ended tee too) must not end the supervision while
+    the ranks run: what cannot be printed is dropped."""
+    def say_or_drop(*args, **kwargs) -> None:
+        try:
+            say(*args, **kwargs)
+        except (OSError, ValueError):  # BrokenPipeError; ValueError: a closed file
+            pass
+
+    return say_or_drop
+
+
 def launch(args, run_dir: Path, world, say=print) -> int:
     """Start the ranks (args: the parsed `dstune train` flags; world: the validated World) and wait for them."""
+    say = _never_raising(say)
     if args.master_port is not None:
         if world.num_nodes == 1 and port_in_use(args.master_port):
             say(f"dstune train: {busy_port_message(args.master_port)}", file=sys.stderr)

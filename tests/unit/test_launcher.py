@@ -251,18 +251,24 @@ def _running(process: psutil.Process) -> bool:
 
 def test_ranks_that_do_not_stop_are_killed_after_the_grace_period(tmp_path):
     """DeepSpeed's real runner and per-node launcher over two ranks that ignore SIGINT and SIGTERM: after a stop
-    signal to this process and --grace seconds, every process below it is gone (SIGKILL), and it says so."""
+    signal to this process and --grace seconds, every process below it is gone (SIGKILL), and it says so; an output
+    that can no longer be written does not end the supervision early."""
     script = tmp_path / "dstune" / "train.py"  # named like the ranks dstune train looks for
     script.parent.mkdir()
     script.write_text(STUCK_RANK)
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--log_level", "error", "--num_gpus", "2",
            "--master_port", str(launcher.free_port()), str(script)]
     said = []
+
+    def say_into_a_closed_pipe(text, **_):  # `dstune train | tee log`, and Ctrl-C ended tee as well
+        said.append(text)
+        raise BrokenPipeError(32, "Broken pipe")
+
     marks = tmp_path / "up"
     marks.mkdir()
     supervisor = launcher.Supervisor(cmd, {**os.environ, "DS_ACCELERATOR": "cpu", "STUCK_MARKS": str(marks)},
                                      grace_s=3, multi_node=False,
-                                     say=lambda text, **_: said.append(text))
+                                     say=say_into_a_closed_pipe)
     seen_ranks = []
 
     def stop_when_ranks_run():
@@ -275,8 +281,13 @@ def test_ranks_that_do_not_stop_are_killed_after_the_grace_period(tmp_path):
     stopper = threading.Thread(target=stop_when_ranks_run, daemon=True)
     stopper.start()
     started = time.monotonic()
-    outcome = supervisor.run()
-    stopper.join()
+    try:
+        outcome = supervisor.run()
+    finally:  # whatever happened, leave no process that ignores signals behind
+        stopper.join()
+        for process in seen_ranks:
+            if _running(process):
+                process.kill()
     assert len(seen_ranks) == 2
     assert outcome.stop_signal == signal.SIGINT and launcher.exit_code(outcome) == 130
     assert all(p.pid in outcome.killed for p in seen_ranks)
