@@ -34,8 +34,7 @@ DEMO_RANKS ?= 2
 DEMO_DIR ?= runs/sd-tiny-demo-$(shell date +%Y%m%d-%H%M%S)
 demo: install
 	$(PYTHON) -m dstune validate launch/sd-tiny-demo.yaml --num-gpus $(DEMO_RANKS)
-	$(PYTHON) -m deepspeed.launcher.runner --num_gpus $(DEMO_RANKS) dstune/train.py launch/sd-tiny-demo.yaml \
-		--set output.dir=$(DEMO_DIR)
+	$(PYTHON) -m dstune train launch/sd-tiny-demo.yaml --num-gpus $(DEMO_RANKS) --set output.dir=$(DEMO_DIR)
 	@echo "demo finished: samples in $(DEMO_DIR)/samples (step-000000.png is before training), model in $(DEMO_DIR)/export"
 
 # The golden DeepSpeed JSON of every example spec, compiled with the flags on the spec's first line

@@ -1,4 +1,5 @@
-"""The `dstune` command: validate, compile, schema, init, export, synthesize, cache. (Training runs under the DeepSpeed launcher:
+"""The `dstune` command: validate, compile, schema, init, train, export, synthesize, cache. (`dstune train` runs
+DeepSpeed's launcher on `python -m dstune.train`: dstune/launcher.py; in a checkout the ranks can also be started with
 `deepspeed --num_gpus N dstune/train.py spec.yaml`.)
 
 Exit codes, the same for every subcommand:
@@ -9,6 +10,8 @@ Exit codes, the same for every subcommand:
      hostfile, such as --num-nodes 2 without --hostfile; `init -o FILE` onto an existing file without --force).
      Problems found reading a --hostfile (or applying --include/--exclude to it) are exit 1, like spec errors.
   3  internal error: a bug in dstune (printed with its traceback; please report it)
+  dstune train also ends with 128 + the signal when stopped by one (130 SIGINT, 143 SIGTERM, 129 SIGHUP), and with
+  a failed rank's exit code when the run failed after it started.
 User errors never print a Python traceback. Imports are lazy: `dstune schema` and spec errors never load torch.
 """
 
@@ -282,10 +285,40 @@ def cmd_cache(args) -> int:
     return run_cache_command(args.spec, args.overrides, verify_only=args.verify)
 
 
-# Training is `deepspeed ... dstune/train.py`, not a subcommand.
+def cmd_train(args) -> int:
+    """Validate for the flags' world (nothing starts on an error), refuse an output.dir in use, then launch."""
+    from rich.console import Console
+
+    from dstune.report import print_issues
+    from dstune.runlock import in_use_problem
+    from dstune.world import WorldError, use_cpu_accelerator_if_no_cuda
+
+    use_cpu_accelerator_if_no_cuda()  # the runner and the ranks inherit it
+    try:
+        outcome = _outcome(args, quiet_stdout=False)
+    except WorldError as err:
+        code, message = _world_error(args, err)
+        if code == EXIT_USAGE:
+            raise UsageError(message) from None
+        print(f"dstune train: --hostfile: {message}", file=sys.stderr)
+        return EXIT_INVALID
+    print_issues(outcome, Console(stderr=True, highlight=False))
+    if outcome.errors:
+        print(f"dstune train: not launched: {len(outcome.errors)} error(s) in {args.spec}", file=sys.stderr)
+        return EXIT_INVALID
+    run_dir = Path(outcome.spec.output.dir)
+    problem = None if args.cache_only else in_use_problem(run_dir)
+    if problem:
+        print(f"dstune train: not launched: {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    from dstune.launcher import launch
+
+    return launch(args, run_dir, outcome.world)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate, "compile": cmd_compile, "schema": cmd_schema, "init": cmd_init, "export": cmd_export,
-    "synthesize": cmd_synthesize, "cache": cmd_cache}
+    "synthesize": cmd_synthesize, "cache": cmd_cache, "train": cmd_train}
 
 
 def main(argv: list[str] | None = None) -> int:

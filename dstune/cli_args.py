@@ -52,7 +52,8 @@ def _add_spec_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="dstune", description="Fine-tune diffusion models on DeepSpeed ZeRO from one validated YAML spec.",
-        epilog="Training: deepspeed --num_gpus N dstune/train.py SPEC. Exit codes: 0 ok, 1 invalid, 2 usage error.")
+        epilog="Training: dstune train SPEC --num-gpus N (in a checkout also: deepspeed --num_gpus N dstune/train.py "
+               "SPEC). Exit codes: 0 ok, 1 invalid, 2 usage error; dstune train: 130 after Ctrl-C.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers = {}
     validate = subparsers["validate"] = commands.add_parser(
@@ -85,6 +86,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                       "keys; `--model list` lists them")
     init.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     init.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    _add_train_command(commands, subparsers)
     _add_run_folder_commands(commands, subparsers)
     for subparser in subparsers.values():
         add_verbose_flag(subparser)
@@ -96,6 +98,50 @@ def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
                         help="also print the libraries' own notices: DeepSpeed's INFO lines, bitsandbytes' import "
                         "notices, torch/diffusers/transformers deprecation warnings (default: only their warnings "
                         "and errors)")
+
+
+def _add_train_command(commands, subparsers: dict) -> None:
+    """`dstune train`: DeepSpeed's launcher on a validated spec (dstune/launcher.py); the flags of dstune/train.py."""
+    from dstune.launcher import DEFAULT_GRACE_S
+
+    train = subparsers["train"] = commands.add_parser(
+        "train", help="validate a spec, then train it on N ranks with DeepSpeed's launcher",
+        description="Validate SPEC for the world the flags describe (every error at once; nothing starts on an "
+        "error), then run DeepSpeed's launcher on it from any folder. Ctrl-C or SIGINT/SIGTERM to this process stops "
+        "every rank at its next step; the last line names the last complete checkpoint and the command that "
+        "continues the run. Exit codes: 0 finished, 1 invalid spec or failed check (busy --master-port, output.dir "
+        "in use), 2 usage error, 130 stopped by SIGINT (143 SIGTERM, 129 SIGHUP), else the exit code of a failed "
+        "rank.")
+    train.add_argument("spec", help="the spec YAML file")
+    group = train.add_argument_group("world (DeepSpeed launcher flags; none given: this machine's GPUs, 1 rank "
+                                     "without GPUs)")
+    group.add_argument("--num-gpus", "--num_gpus", dest="num_gpus", type=_positive_int, metavar="N",
+                       help="ranks per node")
+    group.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=_positive_int, metavar="M",
+                       help="with --hostfile: the first M hosts")
+    group.add_argument("--hostfile", metavar="FILE", help="DeepSpeed hostfile: lines `HOST slots=N`")
+    group.add_argument("--include", metavar="S", help="hosts/slots to use, e.g. 'worker-0:0,1@worker-1'")
+    group.add_argument("--exclude", metavar="S", help="hosts/slots to leave out, same syntax as --include")
+    group.add_argument("--master-port", "--master_port", dest="master_port", type=_positive_int, metavar="PORT",
+                       help="where the ranks meet (default: a free port on this machine, printed at start)")
+    group.add_argument("--master-addr", "--master_addr", dest="master_addr", metavar="HOST",
+                       help="multi-node: the address of the first host (default: DeepSpeed asks it over ssh)")
+    group.add_argument("--launcher", choices=("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm"),
+                       help="multi-node: DeepSpeed's backend that starts the other nodes (default pdsh)")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)")
+    train.add_argument("--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint")
+    train.add_argument("--allow-batch-change", action="store_true",
+                       help="with --resume: continue with another global batch (the schedule follows the new one)")
+    train.add_argument("--allow-spec-changes", action="store_true",
+                       help="with --resume: continue although the spec changed in a way that breaks exact "
+                            "continuation (the changes are listed)")
+    train.add_argument("--cache-only", action="store_true",
+                       help="build the latent / text-embedding cache (data.cache) on all ranks, then exit")
+    train.add_argument("--grace", type=_positive_int, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                       help="after a stop signal, how long the ranks may take to reach their next step before "
+                            "they are killed (default %(default)s)")
+    train.set_defaults(world_size=None, num_samples=None, accelerator="auto")
 
 
 def _add_run_folder_commands(commands, subparsers: dict) -> None:

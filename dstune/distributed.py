@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 from datetime import timedelta
 
+from dstune.runlock import release_held as release_run_lock
 from dstune.world import World
 
 T = TypeVar("T")
@@ -94,7 +95,15 @@ def init_run(timeout_minutes: int) -> Run:
         local_size = int(os.environ.get("LOCAL_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_size)))
     if not dist.is_initialized():
-        deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
+        try:
+            deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
+        except RuntimeError as err:  # torch's DistNetworkError is one
+            if "EADDRINUSE" not in str(err) and "address already in use" not in str(err).lower():
+                raise
+            if rank == 0:  # the rank that listens on the master port; the others only connect to it
+                print(busy_port_text(os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")),
+                      file=sys.stderr, flush=True)
+            exit_rank(1)
     nodes = all_gather_object(_node_identity())  # also a barrier: every rank is past init_distributed
     if accelerator == "cpu":
         release_shm_allreduce_name(rank)
@@ -111,6 +120,13 @@ def init_run(timeout_minutes: int) -> Run:
     )
     return Run(rank=rank, local_rank=local_rank, world=world, device=device, accelerator=accelerator,
                node_rank=order.index(nodes[rank]), launched=launched)
+
+
+def busy_port_text(address: str, port) -> str:
+    return (f"master port {port} on {address} is already in use (another run on this machine, or another program): "
+            "the ranks cannot meet there. Pick a free port: `dstune train ... --master-port N`, or leave "
+            "--master-port out and dstune train picks a free one; with the deepspeed command, "
+            "`deepspeed --master_port N ...`.")
 
 
 def release_shm_allreduce_name(rank: int) -> None:
@@ -212,6 +228,7 @@ def exit_rank(code: int) -> "NoReturn":  # noqa: F821
     threads being torn down sometimes abort a finished rank ("terminate called without an active exception", seen
     on the CPU under load), which the launcher would report instead of `code`. Everything is written and flushed
     (checkpoints and exports are complete before their callers return; metrics are flushed per line)."""
+    release_run_lock()  # before os._exit, which skips every `finally`
     sys.stdout.flush()
     sys.stderr.flush()
     if "RANK" in os.environ:

@@ -25,6 +25,7 @@ from dstune.engine import current_lr
 from dstune.evaluation import HeldOut, evaluate
 from dstune.families.base import Family
 from dstune.families.samples import write_contact_sheet
+from dstune.interrupts import stop_requested
 from dstune.memory.record import MemoryRecorder, cuda_peak_bytes, peak_rss_bytes
 from dstune.plan import Plan
 from dstune.progress import MetricsFile, ProgressDisplay, read_metrics
@@ -33,6 +34,14 @@ from dstune.spec.models import SampleSpec
 
 class NonFiniteLoss(RuntimeError):
     pass
+
+
+class TrainingInterrupted(Exception):
+    """Every rank agreed to stop (a stop signal reached one of them) after `step` optimizer steps."""
+
+    def __init__(self, step: int):
+        super().__init__(f"interrupted at step {step}")
+        self.step = step
 
 
 @dataclass
@@ -83,16 +92,18 @@ def render_samples(ctx: LoopContext, step: int, metrics: MetricsFile) -> None:
         print(f"samples: {path} (all steps: {sheet})", flush=True)
 
 
-def _agree_on_loss(run: Run, loss_sum: float, micro_batches: int, step: int) -> float:
-    """Gather every rank's loss for this optimizer step; stop everyone if any is not finite. Returns the global mean."""
-    reports = all_gather_object((run.rank, loss_sum, micro_batches))
-    bad = [rank for rank, value, _ in reports if not math.isfinite(value)]
+def _agree_on_loss(run: Run, loss_sum: float, micro_batches: int, step: int) -> tuple[float, bool]:
+    """Gather every rank's loss for this optimizer step; stop everyone if any is not finite. Returns the global mean
+    and whether any rank received a stop signal (then all of them stop after this step)."""
+    reports = all_gather_object((run.rank, loss_sum, micro_batches, stop_requested()))
+    bad = [rank for rank, value, _, _ in reports if not math.isfinite(value)]
     if bad:
         raise NonFiniteLoss(
             f"non-finite loss at optimizer step {step + 1} on rank {', '.join(map(str, bad))}; stopped before the "
             "update was applied. The last checkpoint is intact. Lower the learning rate, use fp32/bf16 instead of "
             "fp16, or check the data of that step.")
-    return sum(value for _, value, _ in reports) / sum(n for _, _, n in reports)
+    mean = sum(value for _, value, _, _ in reports) / sum(n for _, _, n, _ in reports)
+    return mean, any(stop for _, _, _, stop in reports)
 
 
 def _check_space_for_checkpoints(ctx: LoopContext) -> None:
@@ -145,7 +156,7 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                 engine.step()  # DeepSpeed only counts the micro step here; the update happens at the boundary
                 fetch_started = time.perf_counter()
                 continue
-            mean_loss = _agree_on_loss(run, loss_sum, micro_in_step, state.global_step)
+            mean_loss, stop_agreed = _agree_on_loss(run, loss_sum, micro_in_step, state.global_step)
             engine.step()
             if ctx.ema is not None and engine.was_step_applied():  # not after a skipped (fp16 overflow) step
                 ctx.ema.on_optimizer_step()
@@ -182,6 +193,8 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                 render_samples(ctx, state.global_step, metrics)
             if state.global_step >= plan.total_steps:
                 break
+            if stop_agreed:
+                raise TrainingInterrupted(state.global_step)
             loss_sum, micro_in_step, data_wait = 0.0, 0, 0.0
             step_started = fetch_started = time.perf_counter()
         else:  # the epoch ran out: the next one starts from its first step

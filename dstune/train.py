@@ -65,9 +65,43 @@ def main(argv: list[str] | None = None) -> int:
                         ResumeOptions(args.allow_batch_change, args.allow_spec_changes))
 
 
+def run_rank(argv: list[str] | None = None) -> int:
+    """`main` on a launched rank, with SIGINT / SIGTERM handled (dstune/interrupts.py): a stop before or after the
+    training loop ends here as one line on rank 0 and exit 130 (SIGINT) or 143 (SIGTERM), not a traceback per rank.
+    An error that follows a stop signal (a peer that stopped first breaks a collective) is part of the stop too."""
+    from dstune.interrupts import exit_code_for_stop, install_stop_handlers, stop_requested
+
+    install_stop_handlers()
+    try:
+        return main(argv)
+    except (KeyboardInterrupt, Exception):
+        if not stop_requested():
+            raise
+        from dstune.distributed import launcher_rank
+
+        if launcher_rank() == 0:
+            print(_interrupted_text(argv), file=sys.stderr, flush=True)
+        return exit_code_for_stop()
+
+
+def _interrupted_text(argv: list[str] | None) -> str:
+    from dstune.training import interrupted_text
+
+    run_dir = None
+    try:  # the run folder, for the last complete checkpoint; any problem here was reported before the stop
+        from dstune.ds_file_spec import merged_spec
+        from dstune.spec.load import load_spec
+
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        run_dir = Path(merged_spec(*load_spec(args.spec, args.overrides))[0].output.dir)
+    except Exception:  # noqa: BLE001 - the line is printed without it
+        pass
+    return interrupted_text(None, run_dir)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    code = main()
+    code = run_rank()
     from dstune.distributed import exit_rank
 
     exit_rank(code)  # a launched rank leaves without the interpreter's clean-up (see exit_rank)

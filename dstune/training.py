@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -30,11 +31,13 @@ from dstune.engine import (PRECISION_DTYPES, follow_plan_schedule, promote_scala
                            wrap_model)
 from dstune.evaluation import make_held_out
 from dstune.export import ExportError, export_checkpoint
-from dstune.loop import LoopContext, NonFiniteLoss, render_samples, train_loop
+from dstune.interrupts import at_step_boundaries, exit_code_for_stop, launched_by_dstune_train, stop_signal_name
+from dstune.loop import LoopContext, NonFiniteLoss, TrainingInterrupted, render_samples, train_loop
 from dstune.memory.record import MemoryRecorder, summary_text
 from dstune.memory.counts import import_model_classes
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
+from dstune.runlock import release_held as release_run_lock, take as take_run_lock
 from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, position_refusal, rebatched, resume_kind
 from dstune.spec.diff import describe_changes, refused_changes_text, spec_changes
 from dstune.spec.load import SpecError, load_spec
@@ -46,8 +49,8 @@ from dstune.universal import is_partitioned, remove_universal_copy, reshard_refu
 from dstune.validate import Resolved, plan_memory, validate_spec
 
 
-def _prepare_run_dir(run_dir: Path, resume: str | None) -> str | None:
-    """An error message, or None. Nothing already in the folder is overwritten without --resume."""
+def _prepare_run_dir(run_dir: Path) -> str | None:
+    """An error message, or None: the folder exists and this rank can write there."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-test-{os.getpid()}"
@@ -56,10 +59,69 @@ def _prepare_run_dir(run_dir: Path, resume: str | None) -> str | None:
     except OSError as err:
         return (f"output.dir {run_dir}: cannot write there ({err.strerror or err}). Choose a writable folder "
                 "(output.dir) before training starts.")
+    return None
+
+
+def _lock_run_dir(run: Run, run_dir: Path) -> str | None:
+    """Collective. Global rank 0 takes the run folder's lock (dstune/runlock.py); every rank returns its verdict,
+    so a refusal is printed once. Released when the rank exits (dstune.distributed.exit_rank)."""
+    error = None
+    if run.is_main:
+        error, note = take_run_lock(run_dir, shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]))
+        if note:
+            print(note, flush=True)
+    return all_gather_object(error)[0]
+
+
+def _earlier_checkpoints(run_dir: Path, resume: str | None) -> str | None:
+    """Nothing already in the folder is overwritten without --resume."""
     if resume is None and list_complete(checkpoint_root(run_dir)):
         return (f"output.dir {run_dir} already holds checkpoints of an earlier run. Continue it with "
                 "`--resume latest`, or choose another output.dir (nothing was overwritten).")
     return None
+
+
+def interrupted_text(step: int | None, run_dir: Path | None) -> str:
+    """Rank 0's one line after a stop signal: where it stopped, the last complete checkpoint, and (when `dstune
+    train` is not there to say it once every rank is gone) the command that continues the run."""
+    where = f"interrupted at step {step}" if step is not None else "interrupted"
+    tag = read_latest(checkpoint_root(run_dir)) if run_dir is not None else None
+    if tag is None:
+        saved, again = "no checkpoint was written yet", "start again with"
+    else:
+        saved = f"last complete checkpoint step {int(tag.rpartition('-')[2])} ({checkpoint_root(run_dir) / tag})"
+        again = "continue with"
+    text = f"{where} ({stop_signal_name()}); {saved}"
+    if launched_by_dstune_train():
+        return text
+    return f"{text}; {again}: {rank_resume_command(resume=tag is not None)}"
+
+
+def rank_resume_command(resume: bool) -> str:
+    """The launch command of this rank's run, rebuilt from its own arguments, with `--resume latest` (when there is
+    a checkpoint to continue). The deepspeed launcher's flags are not visible to a rank; the rank counts are."""
+    args = sys.argv[1:]
+    kept = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith(("--local_rank", "--local-rank", "--resume=")):
+            kept.append(arg)
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    target = ["--module", "dstune.train"] if main_spec is not None and main_spec.name == "dstune.train" \
+        else ["dstune/train.py"]
+    nodes, per_node = int(os.environ.get("CROSS_SIZE", "1")), os.environ.get("LOCAL_SIZE")
+    if per_node is None:  # one process, no launcher
+        launcher = ["python", "-m", "dstune.train"] if target[0] == "--module" else ["python", "dstune/train.py"]
+        target = []
+    elif nodes > 1:
+        launcher = ["deepspeed", "--hostfile", "HOSTFILE", "--num_nodes", str(nodes), "--num_gpus", per_node]
+    else:
+        launcher = ["deepspeed", "--num_gpus", per_node]
+    return shlex.join(launcher + target + kept + (["--resume", "latest"] if resume else []))
 
 
 @dataclass(frozen=True)
@@ -91,7 +153,9 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None,
         error = f"invalid spec for this launch ({run.world.source}, {run.world_size} ranks):\n{err}"
     agree_or_stop(run, error)
     run_dir = Path(spec.output.dir)
-    agree_or_stop(run, _prepare_run_dir(run_dir, resume))  # every rank: nodes may not share the folder
+    agree_or_stop(run, _prepare_run_dir(run_dir))  # every rank: nodes may not share the folder
+    agree_or_stop(run, _lock_run_dir(run, run_dir))  # before anything is written there
+    agree_or_stop(run, _earlier_checkpoints(run_dir, resume))
     agree_or_stop(run, shared_folder_problem(run, run_dir))
     if run.is_main:
         print(plan_text(resolved), flush=True)
@@ -102,6 +166,7 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None,
         return _train(run, resolved, run_dir, resume, options)
     finally:
         shutdown()
+        release_run_lock()
 
 
 @dataclass(frozen=True)
@@ -288,11 +353,19 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
     display = ProgressDisplay(run.is_main, plan.total_steps, plan.epochs, state.global_step)
     started = time.perf_counter()
     try:
-        state = train_loop(ctx, state, display, metrics)
+        with at_step_boundaries():
+            state = train_loop(ctx, state, display, metrics)
     except NonFiniteLoss as err:
         display.close()
         metrics.close()
         stop(run, str(err), 1)
+    except TrainingInterrupted as interrupted:
+        display.close()
+        metrics.close()
+        if run.is_main:
+            print(interrupted_text(interrupted.step, run_dir), file=sys.stderr, flush=True)
+        shutdown()
+        return exit_code_for_stop()
     finally:
         display.close()
     elapsed = time.perf_counter() - started

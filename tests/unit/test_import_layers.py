@@ -17,7 +17,7 @@ PACKAGE = REPO / "dstune"
 # module or a package (then it covers everything under it). Keep in step with docs/architecture.md.
 LAYERS = [
     ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves",
-     "dstune.library_logs"],
+     "dstune.library_logs", "dstune.interrupts", "dstune.runlock"],
     ["dstune.world", "dstune.plan", "dstune.resume_plan", "dstune.token_layouts", "dstune.wan_layouts",
      "dstune.memory", "dstune.memory.plan", "dstune.memory.activations"],
     ["dstune.distributed", "dstune.ds_json", "dstune.data",
@@ -28,7 +28,8 @@ LAYERS = [
      "dstune.evaluation"],
     ["dstune.loop", "dstune.export"],
     ["dstune.startup"],
-    ["dstune.training", "dstune.cli", "dstune.cli_args", "dstune.train", "dstune.__main__", "dstune"],
+    ["dstune.training", "dstune.cli", "dstune.cli_args", "dstune.train", "dstune.launcher", "dstune.__main__",
+     "dstune"],
 ]
 # Packages that must stay apart from some layers below their own ceiling (docs/architecture.md, "rules").
 FORBIDDEN = {
@@ -36,7 +37,7 @@ FORBIDDEN = {
     "dstune.families": ("dstune.builtin", "dstune.cache", "dstune.data", "dstune.distributed", "dstune.pretrained"),
     "dstune.spec": ("dstune.data",),
 }
-ENTRY_POINTS = {"dstune.cli", "dstune.cli_args", "dstune.train", "dstune.__main__"}  # may import dstune modules inside functions
+ENTRY_POINTS = {"dstune.cli", "dstune.cli_args", "dstune.train", "dstune.launcher", "dstune.__main__"}  # may import dstune modules inside functions
 HEAVY_THIRD_PARTY = {"torch", "deepspeed", "diffusers", "transformers", "peft", "PIL", "soundfile", "safetensors",
                      "huggingface_hub", "sentencepiece", "tokenizers", "snac", "rich", "numpy", "bitsandbytes", "fcntl",
                      "html", "io", "importlib", "wandb", "av"}  # av: PyAV, video decoding (wan)
