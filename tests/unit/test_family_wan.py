@@ -35,7 +35,7 @@ def test_builtin_tiny_wan_is_a_wan_pipeline_that_renders_frames():
 import pytest  # noqa: E402
 
 from dstune.data.synthetic import moving_shape  # noqa: E402
-from dstune.families import wan  # noqa: E402
+from dstune.families import flow_core, wan  # noqa: E402
 from dstune.families.base import per_sample_randn  # noqa: E402
 from dstune.pretrained import build_model  # noqa: E402
 from dstune.spec.models import SampleSpec, WanModel  # noqa: E402
@@ -68,9 +68,9 @@ def test_moving_shapes_clips_move_and_their_captions_say_where():
         assert (moves * sign > 0).all(), (axis, sign, moves)
 
 
-def test_noisy_latent_and_target_are_what_the_scheduler_defines(built):
-    """x_t and the target at a table position equal FlowMatchEulerDiscreteScheduler(shift=flow_shift).scale_noise
-    on the same latents, timestep and noise, and noise - x0 (the velocity diffusers' flow scripts regress)."""
+def test_noisy_latent_is_what_the_scheduler_defines(built):
+    """x_t at a table position equals FlowMatchEulerDiscreteScheduler(shift=flow_shift).scale_noise on the same
+    latents, timestep and noise, with sigmas shaped for the clip's 5-D latents (the core's noisy_latents)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     assert built.scheduler.config.flow_shift == 3.0
@@ -78,11 +78,11 @@ def test_noisy_latent_and_target_are_what_the_scheduler_defines(built):
     latents = per_sample_randn((16, 2, 4, 4), SEED, STEP, INDICES, "latents")
     noise = per_sample_randn((16, 2, 4, 4), SEED, STEP, INDICES, "noise")
     positions = torch.tensor([0, 417, 999])
-    timesteps, sigmas, noisy, target = wan.noisy_and_target(built, latents, noise, positions)
+    timesteps, sigmas, noisy = flow_core.noisy_latents(built, latents, noise, positions)
     expected = torch.cat([reference.scale_noise(latents[i:i + 1], reference.timesteps[p:p + 1], noise[i:i + 1])
                           for i, p in enumerate(positions.tolist())])
     assert torch.equal(timesteps, reference.timesteps[positions].float())
-    assert torch.allclose(noisy, expected, atol=1e-6) and torch.allclose(target, noise - latents, atol=1e-6)
+    assert sigmas.shape == (3, 1, 1, 1, 1) and torch.allclose(noisy, expected, atol=1e-6)
     shifted = wan.train_tables({"shift": 5.0, "num_train_timesteps": 1000}, None)
     assert shifted[2] == 5.0 and torch.allclose(shifted[1], FlowMatchEulerDiscreteScheduler(shift=5.0).sigmas)
 
@@ -170,7 +170,7 @@ def test_an_expert_trains_its_own_component_on_its_own_timesteps(low_noise):
     there), high_noise transformer on the rest; the loss only draws positions from the expert's range."""
     from safetensors.torch import load_file
 
-    assert low_noise.trained_name == "transformer_2" and low_noise.boundary_ratio == 0.875
+    assert low_noise.trained_name == "transformer_2" and low_noise.model_index["boundary_ratio"] == 0.875
     weights = load_file(low_noise.folder / "transformer_2" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(weights[name], p) for name, p in low_noise.trainable.state_dict().items())
     first, count = low_noise.positions
