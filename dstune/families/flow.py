@@ -91,8 +91,7 @@ def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype
     problems = recipe.config_mismatches(folder)
     if problems:
         raise FamilyError(f"{folder}: the components do not fit together:\n" + "\n".join(f"  - {p}" for p in problems))
-    return build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config,
-                      precondition_outputs=model.precondition_outputs)
+    return build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config)
 
 
 def text_cache_refusal(folder) -> str | None:

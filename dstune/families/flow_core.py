@@ -9,7 +9,7 @@ scale_noise computes), target noise - x0 (or x0, model.precondition_outputs), we
 Every draw of a sample (VAE posterior, noise, u) comes from its own generator seeded by (train.seed, optimizer step,
 dataset index, purpose), so results do not depend on the rank count.
 
-    build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config, precondition_outputs) -> FlowBuilt
+    build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config) -> FlowBuilt
     encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", text tensors, conditions, "indices"}
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (mean over the micro batch)
     sample(built, transformer_module, prompts, sample_spec, resolution) -> images, or clips (lists of frames)
@@ -52,7 +52,6 @@ class FlowBuilt:
     max_sequence_length: int
     transformer_config: dict
     model_index: dict = field(default_factory=dict)  # the folder's model_index.json
-    precondition_outputs: bool = False  # the loss compares x0 (model.precondition_outputs), not the velocity
     positions: tuple[int, int] = (0, 0)  # (first table position, how many) the run trains on
     trained_name: str = "transformer"  # the pipeline component trained (an expert: transformer_2)
     frozen_dtype: torch.dtype = torch.float32
@@ -86,7 +85,7 @@ def folder_train_tables(scheduler, shift) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_from(recipe: FlowRecipe, model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
-               zero3_config: Optional[dict] = None, precondition_outputs: bool = False) -> FlowBuilt:
+               zero3_config: Optional[dict] = None) -> FlowBuilt:
     """Load the recipe's parts of `folders["pretrained"]` (already checked by the family): the trained transformer
     fp32 on `device` (DeepSpeed casts it for bf16; partitioned with `zero3_config`), the frozen parts in
     `dtype_for_frozen`. Never downloads."""
@@ -120,7 +119,7 @@ def build_from(recipe: FlowRecipe, model, folders: dict, device, dtype_for_froze
                      text_encoders=encoders, tokenizers=tokenizers, scheduler=scheduler, train_timesteps=timesteps,
                      train_sigmas=sigmas, settings=model, max_sequence_length=int(max_length),
                      transformer_config=dict(transformer.config), model_index=index,
-                     precondition_outputs=precondition_outputs, positions=positions, trained_name=trained_name,
+                     positions=positions, trained_name=trained_name,
                      frozen_dtype=dtype_for_frozen, parts=parts, mode=mode)
 
 
@@ -244,7 +243,8 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     clean = conditioning.clean_frames(built) if conditioning else 0
     if clean:  # the first latent frames were given clean: only the frames after them are learned
         prediction, noisy, latents, noise = (t[:, :, clean:] for t in (prediction, noisy, latents, noise))
-    return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights, built.precondition_outputs).mean()
+    return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights,
+                                recipe.preconditioned(built.settings)).mean()
 
 
 # ------------------------------------------------------------------------------------------------- sampling

@@ -130,6 +130,8 @@ class FlowRecipe:
     # (scheduler, model.shift) -> (timesteps, sigmas) u indexes; None: the folder scheduler's tables (flow_core)
     train_tables: Optional[Callable] = None
     scheduler_class: Optional[str] = "FlowMatchEulerDiscreteScheduler"  # None: the class model_index.json lists
+    # (model spec) -> whether the loss compares the x0 the velocity implies (EDM-style) rather than the velocity
+    preconditioned: Callable = lambda model: model.precondition_outputs
 
     @property
     def text_tensors(self) -> tuple[str, ...]:

@@ -183,4 +183,5 @@ WAN = FlowRecipe(
                       side_multiple=lambda built: (built.vae.config.scale_factor_spatial
                                                    * built.transformer_config["patch_size"][1])),
     train_tables=lambda scheduler, shift: train_tables(dict(scheduler.config), shift)[:2],
-    scheduler_class=None)  # UniPCMultistepScheduler, as listed
+    scheduler_class=None,  # UniPCMultistepScheduler, as listed
+    preconditioned=lambda model: False)  # the velocity loss of Wan's trainers (model.family wan has no such key)
