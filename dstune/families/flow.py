@@ -22,7 +22,7 @@ import torch
 from dstune.families.base import Family, FamilyError, TextCache
 from dstune.families.diffusion import read_model_index
 from dstune.families.flow_core import (FlowBuilt, build_from, cache_text_tensors, encode_batch, encode_captions,
-                                       export, loss, sample, save_lora_weights, text_cache_settings)
+                                       export, loss, pipeline_of, sample, save_lora_weights, text_cache_settings)
 from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
 from dstune.families.flow_flux2 import FLUX2_DEV, FLUX2_KLEIN
 from dstune.families.flow_qwen import QWEN_IMAGE
@@ -35,7 +35,7 @@ from dstune.spec.models import FlowModel
 
 __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "detect_kind",
            "cache_text_tensors", "encode_captions", "TEXT_CACHE_FOLDERS", "TEXT_CACHE_TENSORS", "timestep_density",
-           "loss_weights", "pack_latents", "unpack_latents", "image_ids", "save_lora_weights"]
+           "loss_weights", "pack_latents", "unpack_latents", "image_ids", "save_lora_weights", "pipeline_of"]
 
 # kind -> recipe, one line per model (dstune.families.flow_recipe); detect_kind finds a folder's by its transformer
 # (and, where recipes share one, by the pipeline class, or the text encoder class where that tells them apart)
