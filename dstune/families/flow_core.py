@@ -173,14 +173,14 @@ def _check_latent_layout(built: FlowBuilt, mean: torch.Tensor) -> None:
     """Clips for a video model, images for an image one, and latent sides the transformer's patch divides."""
     space = built.recipe.latents
     if space.frames and mean.ndim != 5:
-        raise ValueError(f"model.family {built.settings.family} {built.kind} trains on clips (B, 3, frames, H, W); "
+        raise ValueError(f"model.family {built.settings.family} trains on clips (B, 3, frames, H, W); "
                          f"the batch's latents are {tuple(mean.shape)}")
     rows, columns = space.patch(built)
     if mean.shape[-1] % columns or mean.shape[-2] % rows:
         factor = space.spatial_factor(built.vae.config)
         what = "clip" if space.frames else "image"
-        raise ValueError(f"{built.recipe.transformer_class} takes {rows}x{columns} latent patches, so {what} sides "
-                         f"must be multiples of {rows * factor}x{columns * factor} px (height x width); got "
+        raise ValueError(f"{built.recipe.transformer_class} takes {rows}x{columns} latent patches, so {what} heights "
+                         f"must be multiples of {rows * factor} px and widths of {columns * factor} px; got "
                          f"{mean.shape[-1] * factor}x{mean.shape[-2] * factor} (width x height). Change "
                          "data.resolution (or buckets).")
 
@@ -289,9 +289,9 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
                 return pipeline(prompt=list(prompts), generator=generators, **common).images
             text_side = pipeline_of(built)
             outputs = []
-            for number, (prompt, generator) in enumerate(zip(prompts, generators)):
+            for prompt, generator, source in zip(prompts, generators, sources or [None] * len(prompts)):
                 inputs = ({"prompt": prompt} if sources is None else
-                          conditioning.sample_inputs(built, text_side, prompt, sources[number], sample_spec))
+                          conditioning.sample_inputs(built, text_side, prompt, source, sample_spec))
                 result = pipeline(**inputs, generator=generator, **common)
                 outputs.append(list(result.frames[0]) if recipe.latents.frames else result.images[0])
             return outputs

@@ -107,6 +107,20 @@ def test_loss_normalises_latents_with_the_vae_config_and_trains(built):
                           (encoded["latent_mean"] - mean) / std)
 
 
+def test_latents_of_images_or_of_sides_the_patch_does_not_divide_are_refused_with_the_fix(built):
+    """The core checks a batch's latents before any encoder runs: Wan trains on clips (5-D latents), and the
+    transformer's 2x2 patch needs even latent sides (16 px multiples); the message names both numbers and the key."""
+    cached = {"index": torch.tensor([1]), "caption": ["a red circle"]}
+    image = {**cached, "latent_mean": torch.zeros(1, 16, 4, 4), "latent_std": torch.ones(1, 16, 4, 4)}
+    with pytest.raises(ValueError, match=r"model.family wan trains on clips \(B, 3, frames, H, W\); the batch's latents are "
+                                         r"\(1, 16, 4, 4\)"):
+        wan.encode_batch(built, image)
+    odd = {**cached, "latent_mean": torch.zeros(1, 16, 2, 4, 5), "latent_std": torch.ones(1, 16, 2, 4, 5)}
+    with pytest.raises(ValueError, match=r"takes 2x2 latent patches, so clip heights must be multiples of 16 px and "
+                                         r"widths of 16 px; got 40x32 \(width x height\)\. Change data.resolution"):
+        wan.encode_batch(built, odd)
+
+
 def test_samples_are_animated_webp_and_mp4_clips(built, tmp_path):
     """A step's clips: an animated WebP grid (what the samples page shows) and an H.264 MP4 of the same frames that
     PyAV decodes back; the page links the MP4 under the WebP."""
