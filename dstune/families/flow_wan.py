@@ -27,7 +27,6 @@ import torch
 
 from dstune import wan_layouts
 from dstune.families import wan_i2v
-from dstune.families.wan_i2v import folder_mode
 from dstune.families.base import FamilyError
 from dstune.families.diffusion import load_component, read_component_config, read_model_index
 from dstune.families.flow_recipe import Conditioning, Experts, FlowRecipe, LatentSpace, Sampling, TextSide
