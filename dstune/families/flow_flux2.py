@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dstune.families.flow_recipe import FlowRecipe, read_config
+from dstune.families.flow_recipe import FlowRecipe, LatentSpace, TextSide, fixed_patch, read_config
 from dstune.hf import quiet_hf_libraries
 
 TEXT_TENSORS = ("encoder_hidden_states",)
@@ -82,13 +82,14 @@ def _predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tenso
     return pipeline._unpack_latents_with_ids(prediction[:, :packed.shape[1]], latent_ids)
 
 
+TEXT_SIDE = TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, 512)
+LATENT_SPACE = LatentSpace(vae_class="AutoencoderKLFlux2", patch=fixed_patch(2), posterior_mode=True,
+                           to_model=_model_latents)
+
 FLUX2_KLEIN = FlowRecipe(
     kind="flux2_klein", transformer_class="Flux2Transformer2DModel", pipeline_class="Flux2KleinPipeline",
-    components={"text_encoder": "Qwen3ForCausalLM", "tokenizer": None}, default_max_sequence_length=512,
-    text_tensors=TEXT_TENSORS, encode_captions=_captions, predict=_predict,
-    text_tokens=lambda built: built.max_sequence_length,
-    config_mismatches=lambda folder: _config_mismatches(folder, TEXT_LAYERS),
-    vae_class="AutoencoderKLFlux2", packed_sides=2, posterior_mode=True, model_latents=_model_latents)
+    components={"text_encoder": "Qwen3ForCausalLM", "tokenizer": None}, text=TEXT_SIDE, predict=_predict,
+    config_mismatches=lambda folder: _config_mismatches(folder, TEXT_LAYERS), latents=LATENT_SPACE)
 
 # FLUX.2 [dev]: klein's latents, prediction and loss; the text through Flux2Pipeline.encode_prompt at its defaults
 # (max_sequence_length 512, layers 10, 20, 30), which _captions calls without naming the layers. The tokenizer is
@@ -96,7 +97,5 @@ FLUX2_KLEIN = FlowRecipe(
 FLUX2_DEV = FlowRecipe(
     kind="flux2_dev", transformer_class="Flux2Transformer2DModel", pipeline_class="Flux2Pipeline",
     components={"text_encoder": "Mistral3ForConditionalGeneration", "tokenizer": None},
-    default_max_sequence_length=512, text_tensors=TEXT_TENSORS, encode_captions=_captions, predict=_predict,
-    text_tokens=lambda built: built.max_sequence_length,
-    config_mismatches=lambda folder: _config_mismatches(folder, DEV_TEXT_LAYERS),
-    vae_class="AutoencoderKLFlux2", packed_sides=2, posterior_mode=True, model_latents=_model_latents)
+    text=TEXT_SIDE, predict=_predict,
+    config_mismatches=lambda folder: _config_mismatches(folder, DEV_TEXT_LAYERS), latents=LATENT_SPACE)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from dstune.families.flow_matching import pack_latents, unpack_latents
-from dstune.families.flow_recipe import FlowRecipe, read_config
+from dstune.families.flow_recipe import FlowRecipe, LatentSpace, Sampling, TextSide, fixed_patch, read_config
 from dstune.hf import quiet_hf_libraries
 
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
@@ -68,7 +68,7 @@ def qwen_sample_guidance(built, sample_spec, prompts: list[str]) -> dict:
 QWEN_IMAGE = FlowRecipe(
     kind="qwen_image", transformer_class="QwenImageTransformer2DModel", pipeline_class="QwenImagePipeline",
     components={"text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": None},
-    default_max_sequence_length=512, text_tensors=TEXT_TENSORS, encode_captions=_captions, predict=_predict,
-    text_tokens=lambda built: built.max_sequence_length, config_mismatches=qwen_config_mismatches,
-    vae_class="AutoencoderKLQwenImage", packed_sides=2,
-    sample_options=qwen_sample_guidance)
+    text=TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, 512), predict=_predict,
+    config_mismatches=qwen_config_mismatches,
+    latents=LatentSpace(vae_class="AutoencoderKLQwenImage", patch=fixed_patch(2)),
+    sampling=Sampling(options=qwen_sample_guidance))

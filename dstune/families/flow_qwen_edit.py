@@ -21,9 +21,12 @@ from pathlib import Path
 import torch
 
 from dstune.families.base import FamilyError
+from dstune.families.diffusion import vae_posterior
 from dstune.families.flow_matching import pack_latents, unpack_latents
 from dstune.families.flow_qwen import TEXT_TENSORS, qwen_config_mismatches
-from dstune.families.flow_recipe import FlowRecipe
+from dstune.families.flow_recipe import (Conditioning, FlowRecipe, LatentSpace, Sampling, TextSide, fixed_patch,
+                                         normalised_latents)
+from dstune.families.samples import read_control_images
 from dstune.hf import quiet_hf_libraries
 
 PIPELINE_CLASS = "QwenImageEditPipeline"
@@ -101,7 +104,7 @@ def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch
 
 def _sample_guidance(built, sample_spec, prompts: list[str]) -> dict:
     """As Qwen-Image (true classifier-free guidance against " " above 1), for the edit pipeline's one-prompt calls;
-    the sources are sample.control_images (dstune.families.flow.sample)."""
+    the sources are sample.control_images (_sources)."""
     if sample_spec.guidance <= 1.0:
         return {"true_cfg_scale": 1.0}
     return {"true_cfg_scale": sample_spec.guidance, "negative_prompt": " "}
@@ -114,10 +117,45 @@ def text_cache_refusal(folder: Path) -> str:
             "data.cache.text_embeddings: false; data.cache.latents still caches the target and source latents.")
 
 
+def _control_inputs(built, batch: dict, dtype) -> dict:
+    """The source images: the pixels (the text side reads them) and the posterior mode of their latents (cached, or
+    encoded now), unscaled float32 (B, C, h, w)."""
+    if "control_values" not in batch:
+        raise ValueError(f"{PIPELINE_CLASS} trains on pairs: every target image needs its source (control) image, "
+                         "but this batch has none. Give data.control_dir (or a `control_file_name` per "
+                         "metadata.jsonl line): see docs/family-flow.md, Qwen-Image-Edit.")
+    pixels = batch["control_values"].to(built.device)
+    if "control_latent_mean" in batch:
+        mean = batch["control_latent_mean"].to(built.device).float()
+    else:
+        mean = vae_posterior(built.vae, pixels.to(built.vae.dtype))[0]
+    return {"control_values": pixels.float(), "control_latent": mean}
+
+
+def _control_latents(built, encoded: dict, dtype) -> dict:
+    """The source's latents, normalised like the target's (no noise: it is the condition)."""
+    return {"control_latents": normalised_latents(built.vae.config, encoded["control_latent"]).to(dtype)}
+
+
+def _sources(built, sample_spec, prompts: list[str]) -> list:
+    """sample.control_images as RGB images; FamilyError naming the one that cannot be read."""
+    if not sample_spec.control_images:
+        raise FamilyError("sample.prompts: an edit model renders from a source image; give sample.control_images, one "
+                          "source image per prompt (or set sample.prompts: []).")
+    try:
+        return read_control_images(sample_spec.control_images)
+    except ValueError as err:
+        raise FamilyError(str(err)) from None
+
+
 QWEN_IMAGE_EDIT = FlowRecipe(
     kind="qwen_image_edit", transformer_class="QwenImageTransformer2DModel", pipeline_class=PIPELINE_CLASS,
     components={"text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": None, "processor": None},
-    default_max_sequence_length=512, text_tensors=TEXT_TENSORS, encode_captions=_captions, predict=_predict,
-    text_tokens=lambda built: None, config_mismatches=qwen_config_mismatches, vae_class="AutoencoderKLQwenImage",
-    packed_sides=2, sample_options=_sample_guidance, control=True,
-    load_extras=lambda folder: {"processor": load_processor(folder)}, text_cache_refusal=text_cache_refusal)
+    text=TextSide(TEXT_TENSORS, _captions, lambda built: None, 512, cache_refusal=text_cache_refusal),
+    predict=_predict, config_mismatches=qwen_config_mismatches,
+    latents=LatentSpace(vae_class="AutoencoderKLQwenImage", patch=fixed_patch(2)),
+    conditioning=Conditioning(
+        load=lambda folder, model, transformer_config, device, dtype: ({"processor": load_processor(folder)}, None),
+        encode=_control_inputs, text_inputs=lambda conditions: {"controls": conditions["control_values"]},
+        model_inputs=_control_latents, sample_sources=_sources),
+    sampling=Sampling(options=_sample_guidance))

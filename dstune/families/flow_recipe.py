@@ -1,24 +1,30 @@
-"""What one model of the flow family is: a recipe that the flow core (dstune.families.flow) follows.
+"""What one model of the flow-matching core is: a recipe that dstune.families.flow_core follows, for images
+(B, C, H, W latents: model.family flow) and video (B, C, F, H, W: model.family wan) alike.
 
 The core does what every flow-matching transformer shares: load the folder, draw u, index the timestep and sigma
 tables, x_t = (1 - sigma) x0 + sigma noise, the loss against noise - x0, sampling with the folder's own pipeline,
-export and LoRA files. A recipe says what differs between models:
+export and LoRA files. A recipe says what differs between models, in a few required fields and four optional
+groups, each of which a model either needs whole or not at all:
 
     components         the pipeline folder's parts and their classes (model_index.json); tokenizers loosely
-    encode_captions    the text side, through the pipeline's own encode_prompt: {tensor name: (B, ...)}
+    text               TextSide: the caption tensors, through the pipeline's own encode_prompt, and their length
     predict            how the transformer is fed (packing, position ids, guidance, timestep scale) and its output
-                       turned back into the latent layout (B, C, H, W)
-    text_tokens        how many tokens per caption the text tensors hold (the guard behind the text cache's key)
+                       turned back into the latent layout
     config_mismatches  which config values of the parts must agree (channels, widths)
+    latents            LatentSpace: the VAE, the token geometry (patch, frames) and the model's latent scale
+    conditioning       Conditioning: what the transformer sees beside text (a source image, a clip's first frame)
+    experts            Experts: two transformers splitting the timesteps at a boundary, one trained per run
+    sampling           Sampling: the pipeline call that renders samples (guidance, scheduler, side multiple)
 
-Adding a model (HiDream, Chroma, Lumina 2, ...) is a recipe module, one line in flow.RECIPES, a built-in tiny model
-and a loss-parity test against the model's training example (docs/family-flow.md, "Adding a model").
+Adding an image model (HiDream, Chroma, Lumina 2, ...) is a recipe module, one line in flow.RECIPES, a built-in tiny
+model and a loss-parity test (docs/family-flow.md, "Adding a model"); a video model is the same with frames in its
+LatentSpace (docs/family-flow.md, "Adding a video model"; dstune.families.flow_wan is the example).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -28,33 +34,112 @@ from dstune.families.base import FamilyError
 from dstune.families.diffusion import load_component, read_model_index
 
 
+def vae_spatial_factor(vae_config) -> int:
+    """Pixels per latent along a side: 2 per down block of an AutoencoderKL, 2 per temporal-downsample entry (one per
+    down stage) of a video-style VAE (Qwen-Image's)."""
+    if getattr(vae_config, "temperal_downsample", None) is not None:
+        return 2 ** len(vae_config.temperal_downsample)
+    return 2 ** (len(vae_config.block_out_channels) - 1)
+
+
+@dataclass(frozen=True)
+class TextSide:
+    """Captions -> the transformer's text tensors (what the text cache stores per caption)."""
+
+    tensors: tuple[str, ...]  # what encode returns, per caption
+    encode: Callable  # (text-only pipeline, built, captions, **conditioning text inputs) -> {name: Tensor[B, ...]}
+    tokens: Callable  # (built) -> tokens per caption in tensors["encoder_hidden_states"]; None: no fixed length
+    default_max_sequence_length: int  # the training example's (or pipeline's) max_sequence_length default
+    # (folder, recipe, device, dtype) -> (encoders, tokenizers); None: load_text_side (the listed classes, then cast)
+    load: Optional[Callable] = None
+    cache_refusal: Optional[Callable] = None  # (folder) -> why data.cache.text_embeddings cannot be used; None: it can
+
+
+@dataclass(frozen=True)
+class LatentSpace:
+    """The VAE, the latents' layout and how they are cut into tokens (the token geometry)."""
+
+    vae_class: str = "AutoencoderKL"
+    frames: bool = False  # latents carry a frame axis: (B, C, F, H, W) from clips (B, 3, frames, H, W)
+    patch: Callable = lambda built: (1, 1)  # (built) -> latent (rows, columns) per token: sides must be multiples
+    spatial_factor: Callable = vae_spatial_factor  # (VAE config) -> pixels per latent along a side
+    posterior_mode: bool = False  # the training example takes the VAE posterior's mode, not a sample
+    # (built, VAE sample) -> the latents noise is added to; None: normalised_latents of the VAE config
+    to_model: Optional[Callable] = None
+
+
+def fixed_patch(side: int) -> Callable:
+    """A transformer that packs side x side latents into one token (Flux's 2x2)."""
+    return lambda built: (side, side)
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What the transformer reads beside the noisy latents and the text, made from the same sample (an edit model's
+    source image, a video model's first frame). Hooks left None do nothing."""
+
+    # (folder, model spec, transformer config, device, dtype) -> (parts, mode): extra pipeline parts (a processor, an
+    # image encoder: built.parts; nn.Modules among them are frozen companions) and the run's mode (built.mode)
+    load: Optional[Callable] = None
+    encode: Optional[Callable] = None  # (built, batch, dtype) -> {name: Tensor}: the encoded batch's conditions
+    text_inputs: Optional[Callable] = None  # (conditions) -> text.encode's keyword arguments (the text needs them)
+    model_inputs: Optional[Callable] = None  # (built, encoded, dtype) -> {name: Tensor} predict finds in conditions
+    clean_frames: Callable = lambda built: 0  # (built) -> leading latent frames given clean: outside the loss
+    # (built, sample_spec, prompts) -> one source per prompt (validated before rendering), or None
+    sample_sources: Optional[Callable] = None
+    # (built, text-only pipeline, prompt, source, sample_spec) -> that prompt's pipeline inputs
+    sample_inputs: Callable = lambda built, text_pipeline, prompt, source, sample_spec: {"prompt": prompt,
+                                                                                           "image": source}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Two transformers that split the timesteps at a boundary (model_index.json's boundary_ratio); a run trains
+    one of them, on its side of the boundary only."""
+
+    trained: Callable  # (model spec) -> the pipeline component trained ("transformer", "transformer_2")
+    positions: Callable  # (timesteps, model spec, model_index, scheduler config) -> (first table position, count)
+    other_loaded: Callable  # (built) -> context manager: the untrained expert in built.other_expert meanwhile
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How samples render with the folder's pipeline class."""
+
+    # (built, sample_spec, prompts) -> the pipeline call's guidance arguments; None: guidance_scale=sample.guidance
+    options: Optional[Callable] = None
+    # (built, transformer) -> (pipeline class, extra constructor arguments); None: recipe.pipeline_class with parts
+    pipeline: Optional[Callable] = None
+    scheduler: Optional[Callable] = None  # (built) -> the sampling scheduler; None: a FlowMatchEuler of the folder's
+    side_multiple: Optional[Callable] = None  # (built) -> pixels the sides are multiples of; None: 2 x VAE factor
+
+
 @dataclass(frozen=True)
 class FlowRecipe:
-    kind: str  # the name validate and the docs use ("sd3", "flux", ...)
+    kind: str  # the name validate and the docs use ("sd3", "flux", "wan", ...)
     transformer_class: str  # diffusers class in transformer/config.json: how a folder is recognised
     pipeline_class: str  # encode_prompt, sampling, save_lora_weights / load_lora_weights
     components: dict  # model_index component -> expected class name (None: a tokenizer, checked loosely)
-    default_max_sequence_length: int  # the training example's --max_sequence_length default
-    text_tensors: tuple[str, ...]  # what encode_captions returns, per caption (the text cache stores these)
-    encode_captions: Callable  # (text-only pipeline, built, captions) -> {name: Tensor[len(captions), ...]}
-    predict: Callable  # (built, forward, noisy (B,C,H,W), timesteps (B,), conditions: dict, dtype) -> (B,C,H,W)
-    text_tokens: Callable  # (built) -> tokens per caption in text_tensors["encoder_hidden_states"]
+    text: TextSide
+    predict: Callable  # (built, forward, noisy latents, timesteps (B,), conditions: dict, dtype) -> latent layout
     config_mismatches: Callable  # (folder) -> ["what disagrees", ...]
-    vae_class: str = "AutoencoderKL"
-    packed_sides: int = 1  # latent sides must be multiples of this (2: 2x2 patches packed into tokens)
-    posterior_mode: bool = False  # the training example takes the VAE posterior's mode, not a sample
-    # (built, VAE sample (B, C, H, W)) -> the latents noise is added to; None: normalised_latents of the VAE config
-    model_latents: Optional[Callable] = None
-    # (built, sample_spec, prompts) -> the pipeline call's guidance arguments; None: guidance_scale=sample_spec.guidance
-    sample_options: Optional[Callable] = None
-    # the model is conditioned on a source (control) image: batches carry `control_values` (pixels, which the text
-    # side needs) and cached `control_latent_mean` or the pixels to encode; encode_captions also gets controls=,
-    # predict finds the normalised control latents as conditions["control_latents"]
-    control: bool = False
-    # (folder) -> {pipeline component: object} for parts that are neither encoders nor tokenizers (a processor)
-    load_extras: Optional[Callable] = None
-    # (folder) -> why data.cache.text_embeddings cannot be used with this model; None: it can
-    text_cache_refusal: Optional[Callable] = None
+    latents: LatentSpace = field(default_factory=LatentSpace)
+    conditioning: Optional[Conditioning] = None
+    experts: Optional[Experts] = None
+    sampling: Sampling = field(default_factory=Sampling)
+    # (scheduler, model.shift) -> (timesteps, sigmas) u indexes; None: the folder scheduler's tables (flow_core)
+    train_tables: Optional[Callable] = None
+    scheduler_class: Optional[str] = "FlowMatchEulerDiscreteScheduler"  # None: the class model_index.json lists
+    # (model spec) -> whether the loss compares the x0 the velocity implies (EDM-style) rather than the velocity
+    preconditioned: Callable = lambda model: model.precondition_outputs
+
+    @property
+    def text_tensors(self) -> tuple[str, ...]:
+        return self.text.tensors
+
+    @property
+    def default_max_sequence_length(self) -> int:
+        return self.text.default_max_sequence_length
 
 
 def read_config(folder: Path, name: str, file: str = "config.json") -> dict:
@@ -97,14 +182,6 @@ def normalised_latents(vae_config, latents: torch.Tensor) -> torch.Tensor:
         std = torch.tensor(vae_config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
         return (latents - mean) / std
     return (latents - (getattr(vae_config, "shift_factor", None) or 0.0)) * vae_config.scaling_factor
-
-
-def vae_spatial_factor(vae_config) -> int:
-    """Pixels per latent along a side: 2 per down block of an AutoencoderKL, 2 per temporal-downsample entry (one per
-    down stage) of a video-style VAE (Qwen-Image's)."""
-    if getattr(vae_config, "temperal_downsample", None) is not None:
-        return 2 ** len(vae_config.temperal_downsample)
-    return 2 ** (len(vae_config.block_out_channels) - 1)
 
 
 def pick_recipe(folder: Path, index: dict, recipes: list[FlowRecipe]) -> FlowRecipe:

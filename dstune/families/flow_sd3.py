@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dstune.families.flow_matching import image_ids, pack_latents, unpack_latents
-from dstune.families.flow_recipe import FlowRecipe, read_config
+from dstune.families.flow_recipe import FlowRecipe, LatentSpace, TextSide, fixed_patch, read_config
 from dstune.hf import quiet_hf_libraries
 
 CLIP_TOKENS = 77  # SD3's CLIP part of the prompt embeds is always the CLIP tokenizers' 77 tokens
@@ -80,13 +80,12 @@ SD3 = FlowRecipe(
     kind="sd3", transformer_class="SD3Transformer2DModel", pipeline_class="StableDiffusion3Pipeline",
     components={"text_encoder": "CLIPTextModelWithProjection", "text_encoder_2": "CLIPTextModelWithProjection",
                 "text_encoder_3": "T5EncoderModel", "tokenizer": None, "tokenizer_2": None, "tokenizer_3": None},
-    default_max_sequence_length=77, text_tensors=TEXT_TENSORS, encode_captions=_sd3_captions, predict=_sd3_predict,
-    text_tokens=lambda built: CLIP_TOKENS + built.max_sequence_length, config_mismatches=_sd3_mismatches)
+    text=TextSide(TEXT_TENSORS, _sd3_captions, lambda built: CLIP_TOKENS + built.max_sequence_length, 77),
+    predict=_sd3_predict, config_mismatches=_sd3_mismatches)
 
 FLUX = FlowRecipe(
     kind="flux", transformer_class="FluxTransformer2DModel", pipeline_class="FluxPipeline",
     components={"text_encoder": "CLIPTextModel", "text_encoder_2": "T5EncoderModel", "tokenizer": None,
                 "tokenizer_2": None},
-    default_max_sequence_length=512, text_tensors=TEXT_TENSORS, encode_captions=_flux_captions,
-    predict=_flux_predict, text_tokens=lambda built: built.max_sequence_length, config_mismatches=_flux_mismatches,
-    packed_sides=2)
+    text=TextSide(TEXT_TENSORS, _flux_captions, lambda built: built.max_sequence_length, 512),
+    predict=_flux_predict, config_mismatches=_flux_mismatches, latents=LatentSpace(patch=fixed_patch(2)))

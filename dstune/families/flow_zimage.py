@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dstune.families.flow_recipe import FlowRecipe, read_config
+from dstune.families.flow_recipe import FlowRecipe, LatentSpace, TextSide, fixed_patch, read_config
 from dstune.hf import quiet_hf_libraries
 
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
@@ -53,7 +53,6 @@ def _predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tenso
 
 ZIMAGE = FlowRecipe(
     kind="z_image", transformer_class="ZImageTransformer2DModel", pipeline_class="ZImagePipeline",
-    components={"text_encoder": "Qwen3Model", "tokenizer": None}, default_max_sequence_length=512,
-    text_tensors=TEXT_TENSORS, encode_captions=_captions, predict=_predict,
-    text_tokens=lambda built: built.max_sequence_length, config_mismatches=_mismatches, packed_sides=2,
-    posterior_mode=True)
+    components={"text_encoder": "Qwen3Model", "tokenizer": None},
+    text=TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, 512), predict=_predict,
+    config_mismatches=_mismatches, latents=LatentSpace(patch=fixed_patch(2), posterior_mode=True))

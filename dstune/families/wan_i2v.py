@@ -16,13 +16,15 @@ the transformer, rebuilt from a training clip's own first frame (dstune.wan_layo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from dstune.families.base import FamilyError
-from dstune.families.diffusion import load_component
+from dstune import wan_layouts
+from dstune.families.diffusion import batch_field, load_component, read_component_config, read_model_index
 from dstune.families.flow_recipe import normalised_latents
 from dstune.wan_layouts import MASK_CHANNELS
 from dstune.hf import quiet_hf_libraries
@@ -30,6 +32,33 @@ from dstune.families.samples import read_control_images
 
 CONDITION = "condition_mean"  # the condition's VAE mode, unnormalised, float32 (B, z_dim, f, h, w)
 IMAGE_EMBEDS = "image_embeds"  # the image encoder's hidden_states[-2] of the first frame (Wan 2.1 I2V)
+
+
+@dataclass(frozen=True)
+class WanMode:
+    """What a Wan run is (built.mode): the folder's layout (dstune.wan_layouts: t2v, i2v, ti2v) and whether the run
+    denoises from first frames (model.image_to_video, or the folder's)."""
+
+    layout: str = "t2v"
+    image_to_video: bool = False
+
+
+def folder_mode(folder: Path, image_to_video: Optional[bool]) -> WanMode:
+    """The layout of a folder that flow_wan.folder_problems accepted, and whether the run trains image-to-video."""
+    index = read_model_index(folder)
+    layout, _ = wan_layouts.layout(index, read_component_config(folder, "transformer"),
+                                   read_component_config(folder, "vae"))
+    return WanMode(layout, wan_layouts.image_to_video(layout, image_to_video)[0])
+
+
+def load(folder: Path, model, transformer_config, device, dtype) -> tuple[dict, WanMode]:
+    """The conditioning's parts of this run (Wan 2.1 I2V image-to-video: CLIP's image encoder and processor) and its
+    mode."""
+    mode = folder_mode(folder, model.image_to_video)
+    if not (mode.image_to_video and transformer_config.image_dim is not None):
+        return {}, mode
+    encoder, processor = load_image_encoder(folder, dtype, device)
+    return {"image_encoder": encoder, "image_processor": processor}, mode
 
 
 def load_image_encoder(folder: Path, dtype: torch.dtype, device) -> tuple:
@@ -69,20 +98,21 @@ def condition_pixels(clips: torch.Tensor, first_frame_only: bool) -> torch.Tenso
 def condition_tensors(built, clips: torch.Tensor) -> dict[str, torch.Tensor]:
     """The condition of clips (B, 3, F, H, W) in [-1, 1]: {condition_mean: the VAE mode, float32} and, where the
     transformer reads one, {image_embeds}. Deterministic; the latent cache stores exactly this."""
-    pixels = condition_pixels(clips, built.kind == "ti2v").to(built.device, built.vae.dtype)
+    pixels = condition_pixels(clips, built.mode.layout == "ti2v").to(built.device, built.vae.dtype)
     with torch.no_grad():
         out = {CONDITION: built.vae.encode(pixels).latent_dist.mode().float()}
-        if built.image_encoder is not None:
+        if "image_encoder" in built.parts:
             out[IMAGE_EMBEDS] = image_embeddings(built, frame_images(clips[:, :, 0]))
     return out
 
 
 def image_embeddings(built, images: list) -> torch.Tensor:
     """WanImageToVideoPipeline.encode_image: the image encoder's second-to-last hidden states."""
-    inputs = built.image_processor(images=images, return_tensors="pt").to(built.device)
-    inputs["pixel_values"] = inputs["pixel_values"].to(built.image_encoder.dtype)
+    encoder = built.parts["image_encoder"]
+    inputs = built.parts["image_processor"](images=images, return_tensors="pt").to(built.device)
+    inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
     with torch.no_grad():
-        return built.image_encoder(**inputs, output_hidden_states=True).hidden_states[-2]
+        return encoder(**inputs, output_hidden_states=True).hidden_states[-2]
 
 
 def first_frame_mask(batch: int, latent_frames: int, height: int, width: int, temporal: int = MASK_CHANNELS,
@@ -109,28 +139,33 @@ def token_timesteps(timesteps: torch.Tensor, latents: torch.Tensor, patch, first
 def transformer_inputs(built, noisy: torch.Tensor, timesteps: torch.Tensor, encoded: dict) -> tuple:
     """(hidden_states, timestep, extra forward kwargs, first latent frame the loss counts) for this run's mode;
     text-to-video without expanded timesteps: (noisy, timesteps, {}, 0)."""
-    patch = built.transformer_config["patch_size"]
-    if built.kind == "ti2v":
-        if built.image_to_video:
+    patch, mode = built.transformer_config["patch_size"], built.mode
+    if mode.layout == "ti2v":
+        if mode.image_to_video:
             if noisy.shape[2] < 2:
                 raise ValueError("Wan 2.2 TI2V image-to-video: a one-frame clip (a still image) has no frame to "
                                  "learn, its only latent frame being the given image. Remove the stills or set "
                                  "model.image_to_video: false.")
             condition = normalised_latents(built.vae.config, encoded[CONDITION]).to(noisy.dtype)
             noisy = torch.cat([condition[:, :, :1], noisy[:, :, 1:]], dim=2)
-        return noisy, token_timesteps(timesteps, noisy, patch, built.image_to_video), {}, int(built.image_to_video)
-    if not built.image_to_video:
+        return noisy, token_timesteps(timesteps, noisy, patch, mode.image_to_video), {}, clean_frames(built)
+    if not mode.image_to_video:
         return noisy, timesteps, {}, 0
     condition = normalised_latents(built.vae.config, encoded[CONDITION]).to(noisy.dtype)
     mask = first_frame_mask(len(noisy), noisy.shape[2], noisy.shape[3], noisy.shape[4], device=noisy.device)
-    extra = {"encoder_hidden_states_image": encoded[IMAGE_EMBEDS]} if built.image_encoder is not None else {}
+    extra = {"encoder_hidden_states_image": encoded[IMAGE_EMBEDS]} if "image_encoder" in built.parts else {}
     return torch.cat([noisy, mask.to(noisy.dtype), condition], dim=1), timesteps, extra, 0
+
+
+def clean_frames(built) -> int:
+    """Latent frames given clean, outside the loss: TI2V image-to-video's first (the given image)."""
+    return int(built.mode.layout == "ti2v" and built.mode.image_to_video)
 
 
 def needs_condition(built, encoded: dict) -> Optional[str]:
     """Why `encoded` lacks what this run's mode needs (a latent cache built for text-to-video), or None."""
-    missing = [name for name, wanted in ((CONDITION, built.image_to_video),
-                                         (IMAGE_EMBEDS, built.image_to_video and built.image_encoder is not None))
+    image = built.mode.image_to_video
+    missing = [name for name, wanted in ((CONDITION, image), (IMAGE_EMBEDS, image and "image_encoder" in built.parts))
                if wanted and name not in encoded]
     if not missing:
         return None
@@ -138,12 +173,35 @@ def needs_condition(built, encoded: dict) -> Optional[str]:
             "data.cache.dir (or choose another) to re-encode.")
 
 
+def encode_conditions(built, batch: dict, dtype: torch.dtype) -> dict:
+    """Image-to-video's condition of a batch: from the latent cache as stored, else from the clips' first frames;
+    the image embedding in `dtype`. Text-to-video: nothing."""
+    if not built.mode.image_to_video:
+        return {}
+    cached = {name: batch[name].to(built.device) for name in (CONDITION, IMAGE_EMBEDS) if name in batch}
+    out = cached or condition_tensors(built, batch_field(batch, "pixel_values"))
+    problem = needs_condition(built, out)
+    if problem:
+        raise ValueError(problem)
+    if IMAGE_EMBEDS in out:
+        out[IMAGE_EMBEDS] = out[IMAGE_EMBEDS].to(dtype)
+    return out
+
+
+def model_inputs(built, encoded: dict, dtype: torch.dtype) -> dict:
+    """The condition tensors as encoded (transformer_inputs normalises and casts them)."""
+    return {name: encoded[name] for name in (CONDITION, IMAGE_EMBEDS) if name in encoded}
+
+
 # ------------------------------------------------------------------------------------------------- sampling
 
 
-def sample_images(paths: list[str], prompts: list[str]) -> list:
-    """sample.control_images as RGB images, the first frame of each prompt's clip; FamilyError when they are missing
-    or one cannot be read."""
+def sample_sources(built, sample_spec, prompts: list[str]) -> Optional[list]:
+    """Image-to-video: sample.control_images as RGB images, the first frame of each prompt's clip; FamilyError when
+    they are missing or one cannot be read. Text-to-video: None."""
+    if not built.mode.image_to_video:
+        return None
+    paths = sample_spec.control_images
     if len(paths) != len(prompts):
         raise FamilyError("sample.control_images: image-to-video renders each clip from a first frame: give one image "
                           f"per prompt ({len(prompts)} prompt(s), {len(paths)} image(s)), or set sample.prompts: []")
@@ -153,15 +211,21 @@ def sample_images(paths: list[str], prompts: list[str]) -> list:
         raise FamilyError(str(err)) from None
 
 
+def sample_inputs(built, text_pipeline, prompt: str, image, sample_spec) -> dict:
+    """One clip's first frame and its prompt as embeddings (prompt_inputs)."""
+    return {"image": image, **prompt_inputs(text_pipeline, prompt, sample_spec.guidance, built.max_sequence_length,
+                                            built.device)}
+
+
 def pipeline_class(built, transformer) -> tuple:
     """(the diffusers pipeline class that renders this run's samples, its extra constructor arguments)."""
     with quiet_hf_libraries():
         from diffusers import WanImageToVideoPipeline, WanPipeline
-    extra = {"expand_timesteps": built.kind == "ti2v"}
-    if transformer is None or not built.image_to_video:
+    extra = {"expand_timesteps": built.mode.layout == "ti2v"}
+    if transformer is None or not built.mode.image_to_video:
         return WanPipeline, extra
-    return WanImageToVideoPipeline, {**extra, "image_encoder": built.image_encoder,
-                                     "image_processor": built.image_processor}
+    return WanImageToVideoPipeline, {**extra, "image_encoder": built.parts.get("image_encoder"),
+                                     "image_processor": built.parts.get("image_processor")}
 
 
 def prompt_inputs(text_pipeline, prompt: str, guidance: float, max_sequence_length: int, device) -> dict:

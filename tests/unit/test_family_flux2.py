@@ -50,7 +50,7 @@ def test_loss_equals_the_diffusers_flux2_klein_script(built, case):
     u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
     with torch.no_grad():
         ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
-    reference = flux2_script_loss(model, Flux2KleinPipeline, flow._pipeline(model), {}, batch["pixel_values"],
+    reference = flux2_script_loss(model, Flux2KleinPipeline, flow.pipeline_of(model), {}, batch["pixel_values"],
                                   batch["caption"], flags, u, (SEED, STEP, INDICES))
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
 

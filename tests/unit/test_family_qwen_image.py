@@ -56,7 +56,7 @@ def test_builtin_is_a_qwen_image_pipeline_folder(built):
 
 def _script_text(built, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each caption alone through encode_prompt, then padded to the batch's longest (the script's cache path)."""
-    pipeline = flow._pipeline(built)
+    pipeline = flow.pipeline_of(built)
     pairs = [pipeline.encode_prompt([caption], device="cpu", max_sequence_length=512) for caption in captions]
     longest = max(embeds.shape[1] for embeds, _ in pairs)
     embeds = torch.cat([torch.cat([e, e.new_zeros(1, longest - e.shape[1], e.shape[2])], 1) for e, _ in pairs])

@@ -59,7 +59,7 @@ def _edit_pipeline(built):
     from diffusers import QwenImageEditPipeline
 
     return QwenImageEditPipeline(scheduler=built.scheduler, vae=built.vae, transformer=built.trainable,
-                                 **built.text_encoders, **built.tokenizers)
+                                 **built.text_encoders, **built.tokenizers, **built.parts)
 
 
 def test_builtin_is_a_qwen_image_edit_pipeline_folder(built):

@@ -35,7 +35,7 @@ def test_builtin_tiny_wan_is_a_wan_pipeline_that_renders_frames():
 import pytest  # noqa: E402
 
 from dstune.data.synthetic import moving_shape  # noqa: E402
-from dstune.families import wan  # noqa: E402
+from dstune.families import flow_core, wan  # noqa: E402
 from dstune.families.randomness import per_sample_randn  # noqa: E402
 from dstune.pretrained import build_model  # noqa: E402
 from dstune.spec.models import SampleSpec, WanModel  # noqa: E402
@@ -68,9 +68,9 @@ def test_moving_shapes_clips_move_and_their_captions_say_where():
         assert (moves * sign > 0).all(), (axis, sign, moves)
 
 
-def test_noisy_latent_and_target_are_what_the_scheduler_defines(built):
-    """x_t and the target at a table position equal FlowMatchEulerDiscreteScheduler(shift=flow_shift).scale_noise
-    on the same latents, timestep and noise, and noise - x0 (the velocity diffusers' flow scripts regress)."""
+def test_noisy_latent_is_what_the_scheduler_defines(built):
+    """x_t at a table position equals FlowMatchEulerDiscreteScheduler(shift=flow_shift).scale_noise on the same
+    latents, timestep and noise, with sigmas shaped for the clip's 5-D latents (the core's noisy_latents)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     assert built.scheduler.config.flow_shift == 3.0
@@ -78,11 +78,11 @@ def test_noisy_latent_and_target_are_what_the_scheduler_defines(built):
     latents = per_sample_randn((16, 2, 4, 4), SEED, STEP, INDICES, "latents")
     noise = per_sample_randn((16, 2, 4, 4), SEED, STEP, INDICES, "noise")
     positions = torch.tensor([0, 417, 999])
-    timesteps, sigmas, noisy, target = wan.noisy_and_target(built, latents, noise, positions)
+    timesteps, sigmas, noisy = flow_core.noisy_latents(built, latents, noise, positions)
     expected = torch.cat([reference.scale_noise(latents[i:i + 1], reference.timesteps[p:p + 1], noise[i:i + 1])
                           for i, p in enumerate(positions.tolist())])
     assert torch.equal(timesteps, reference.timesteps[positions].float())
-    assert torch.allclose(noisy, expected, atol=1e-6) and torch.allclose(target, noise - latents, atol=1e-6)
+    assert sigmas.shape == (3, 1, 1, 1, 1) and torch.allclose(noisy, expected, atol=1e-6)
     shifted = wan.train_tables({"shift": 5.0, "num_train_timesteps": 1000}, None)
     assert shifted[2] == 5.0 and torch.allclose(shifted[1], FlowMatchEulerDiscreteScheduler(shift=5.0).sigmas)
 
@@ -105,6 +105,20 @@ def test_loss_normalises_latents_with_the_vae_config_and_trains(built):
 
     assert torch.allclose(normalised_latents(built.vae.config, encoded["latent_mean"]),
                           (encoded["latent_mean"] - mean) / std)
+
+
+def test_latents_of_images_or_of_sides_the_patch_does_not_divide_are_refused_with_the_fix(built):
+    """The core checks a batch's latents before any encoder runs: Wan trains on clips (5-D latents), and the
+    transformer's 2x2 patch needs even latent sides (16 px multiples); the message names both numbers and the key."""
+    cached = {"index": torch.tensor([1]), "caption": ["a red circle"]}
+    image = {**cached, "latent_mean": torch.zeros(1, 16, 4, 4), "latent_std": torch.ones(1, 16, 4, 4)}
+    with pytest.raises(ValueError, match=r"model.family wan trains on clips \(B, 3, frames, H, W\); the batch's latents are "
+                                         r"\(1, 16, 4, 4\)"):
+        wan.encode_batch(built, image)
+    odd = {**cached, "latent_mean": torch.zeros(1, 16, 2, 4, 5), "latent_std": torch.ones(1, 16, 2, 4, 5)}
+    with pytest.raises(ValueError, match=r"takes 2x2 latent patches, so clip heights must be multiples of 16 px and "
+                                         r"widths of 16 px; got 40x32 \(width x height\)\. Change data.resolution"):
+        wan.encode_batch(built, odd)
 
 
 def test_samples_are_animated_webp_and_mp4_clips(built, tmp_path):
@@ -170,7 +184,7 @@ def test_an_expert_trains_its_own_component_on_its_own_timesteps(low_noise):
     there), high_noise transformer on the rest; the loss only draws positions from the expert's range."""
     from safetensors.torch import load_file
 
-    assert low_noise.trained_name == "transformer_2" and low_noise.boundary_ratio == 0.875
+    assert low_noise.trained_name == "transformer_2" and low_noise.model_index["boundary_ratio"] == 0.875
     weights = load_file(low_noise.folder / "transformer_2" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(weights[name], p) for name, p in low_noise.trainable.state_dict().items())
     first, count = low_noise.positions

@@ -115,7 +115,7 @@ def test_ti2v_text_to_video_timesteps_are_expanded_per_token_as_wan_pipeline_doe
     from diffusers import WanPipeline
 
     built = build_model(WanModel(family="wan", pretrained=TI2V), CACHE_DIR, "cpu")
-    assert (built.kind, built.image_to_video) == ("ti2v", False)
+    assert (built.mode.layout, built.mode.image_to_video) == ("ti2v", False)
     pipeline = WanPipeline.from_pretrained(built.folder)
     assert pipeline.config.expand_timesteps and pipeline.vae.config.z_dim == 48
     encoded = wan.encode_batch(built, _batch([2]))
@@ -306,7 +306,7 @@ def test_wan22_i2v_a14b_layout_trains_one_expert_from_first_frames(a14b_i2v_fold
     from diffusers import WanImageToVideoPipeline
 
     built = build_model(WanModel(family="wan", pretrained=str(a14b_i2v_folder), expert="low_noise"), CACHE_DIR, "cpu")
-    assert built.image_to_video and built.trained_name == "transformer_2" and built.image_encoder is None
+    assert built.mode.image_to_video and built.trained_name == "transformer_2" and "image_encoder" not in built.parts
     first, count = built.positions
     assert count > 0 and (built.train_timesteps[first:first + count] < 900).all()
     assert (built.train_timesteps[:first] >= 900).all()

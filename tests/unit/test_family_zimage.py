@@ -56,7 +56,7 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict, 
     with torch.no_grad():
         model_input = vae.encode(pixels).latent_dist.mode()
         model_input = (model_input - vae.config.shift_factor) * vae.config.scaling_factor
-        prompt_embeds, _ = flow._pipeline(built).encode_prompt(prompt=list(captions), max_sequence_length=512)
+        prompt_embeds, _ = flow.pipeline_of(built).encode_prompt(prompt=list(captions), max_sequence_length=512)
     noise = per_sample_randn(model_input.shape[1:], SEED, STEP, INDICES, "noise")
     timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
     positions = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]

@@ -1,0 +1,338 @@
+"""The flow-matching core that model.family flow (images) and model.family wan (video) both run: one build,
+encode_batch, loss, sample, export and LoRA file for every recipe (dstune.families.flow_recipe).
+
+Latents are (B, C, H, W) for images and (B, C, F, H, W) for clips: frames are a dimension of the latents, and
+every step below works on either. The loss is the one of diffusers' flow-matching training examples: sample u with
+compute_density_for_timestep_sampling (uniform, logit_normal, mode), index the timestep and sigma tables with it
+(one expert's range of them with two experts), x_t = (1 - sigma) x0 + sigma noise (what the scheduler's
+scale_noise computes), target noise - x0 (or x0, model.precondition_outputs), weighting none / sigma_sqrt / cosmap.
+Every draw of a sample (VAE posterior, noise, u) comes from its own generator seeded by (train.seed, optimizer step,
+dataset index, purpose), so results do not depend on the rank count.
+
+    build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config) -> FlowBuilt
+    encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", text tensors, conditions, "indices"}
+    loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (mean over the micro batch)
+    sample(built, transformer_module, prompts, sample_spec, resolution) -> images, or clips (lists of frames)
+    export(built, transformer_state_dict, out_dir, pretrained_folder=None) -> Path
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from dstune.families.base import FamilyError
+from dstune.families.randomness import per_sample_randn, sample_generator
+from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
+                                       load_trainable, non_reentrant_checkpoint, read_model_index, vae_posterior)
+from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
+from dstune.families.flow_recipe import FlowRecipe, load_text_side, normalised_latents, vae_spatial_factor
+from dstune.hf import quiet_hf_libraries
+
+
+@dataclass
+class FlowBuilt:
+    """The loaded model. `trainable` is the transformer (the only part DeepSpeed wraps); the VAE, the text encoders
+    and the conditioning's modules are frozen companions on `device`."""
+
+    folder: Path
+    device: torch.device
+    recipe: FlowRecipe
+    trainable: torch.nn.Module
+    vae: torch.nn.Module
+    text_encoders: dict  # component name -> frozen text encoder, as the pipeline names them
+    tokenizers: dict  # component name -> tokenizer
+    scheduler: object  # the folder's scheduler, as inference uses it
+    train_timesteps: torch.Tensor  # the tables u indexes (with model.shift applied when given)
+    train_sigmas: torch.Tensor
+    settings: object  # the model spec (FlowModel, WanModel)
+    max_sequence_length: int
+    transformer_config: dict
+    model_index: dict = field(default_factory=dict)  # the folder's model_index.json
+    positions: tuple[int, int] = (0, 0)  # (first table position, how many) the run trains on
+    trained_name: str = "transformer"  # the pipeline component trained (an expert: transformer_2)
+    frozen_dtype: torch.dtype = torch.float32
+    other_expert: Optional[torch.nn.Module] = None  # two experts: the untrained one, only while samples render
+    parts: dict = field(default_factory=dict)  # the conditioning's pipeline parts (a processor, an image encoder)
+    mode: object = None  # the recipe's mode of this run (Wan: its layout, image-to-video or not)
+
+    @property
+    def kind(self) -> str:
+        return self.recipe.kind
+
+    @property
+    def frozen(self) -> dict[str, torch.nn.Module]:
+        modules = {name: part for name, part in self.parts.items() if isinstance(part, torch.nn.Module)}
+        return {"vae": self.vae, **self.text_encoders, **modules}
+
+
+# ---------------------------------------------------------------------------------------------------- build
+
+
+def folder_train_tables(scheduler, shift) -> tuple[torch.Tensor, torch.Tensor]:
+    """The timestep and sigma tables u indexes, as the scripts take them from a fresh scheduler: shifted by the
+    config's shift, except with dynamic shifting (Flux), where the scripts train on unshifted sigmas. model.shift
+    replaces either with a fixed shift."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if shift is not None:
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler.config, shift=shift,
+                                                                use_dynamic_shifting=False)
+    return scheduler.timesteps.clone().float(), scheduler.sigmas.clone().float()
+
+
+def build_from(recipe: FlowRecipe, model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
+               zero3_config: Optional[dict] = None) -> FlowBuilt:
+    """Load the recipe's parts of `folders["pretrained"]` (already checked by the family): the trained transformer
+    fp32 on `device` (DeepSpeed casts it for bf16; partitioned with `zero3_config`), the frozen parts in
+    `dtype_for_frozen`. Never downloads."""
+    with quiet_hf_libraries():
+        import diffusers
+
+    folder, device = folders["pretrained"], torch.device(device)
+    index = read_model_index(folder)
+    scheduler_class = getattr(diffusers, recipe.scheduler_class or index["scheduler"][1])
+    scheduler = load_component(folder, "scheduler", scheduler_class.from_pretrained)
+    trained_name = recipe.experts.trained(model) if recipe.experts else "transformer"
+    transformer = load_trainable(folder, trained_name, getattr(diffusers, recipe.transformer_class), device,
+                                 zero3_config)
+    if model.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
+    transformer.to(device).train().requires_grad_(True)
+    vae = load_component(folder, "vae", getattr(diffusers, recipe.latents.vae_class).from_pretrained,
+                         torch_dtype=dtype_for_frozen).to(device)
+    vae.eval().requires_grad_(False)
+    encoders, tokenizers = (recipe.text.load or load_text_side)(folder, recipe, device, dtype_for_frozen)
+    parts, mode = {}, None
+    if recipe.conditioning and recipe.conditioning.load:
+        parts, mode = recipe.conditioning.load(folder, model, transformer.config, device, dtype_for_frozen)
+    last = list(tokenizers.values())[-1]  # the long-text tokenizer (T5, an LLM's) is listed last
+    longest = getattr(last, "tokenizer", last).model_max_length  # a processor (PixtralProcessor) holds its tokenizer
+    max_length = model.max_sequence_length or min(recipe.text.default_max_sequence_length, longest)
+    timesteps, sigmas = (recipe.train_tables or folder_train_tables)(scheduler, model.shift)
+    positions = (recipe.experts.positions(timesteps, model, index, scheduler.config) if recipe.experts
+                 else (0, len(sigmas)))
+    return FlowBuilt(folder=folder, device=device, recipe=recipe, trainable=transformer, vae=vae,
+                     text_encoders=encoders, tokenizers=tokenizers, scheduler=scheduler, train_timesteps=timesteps,
+                     train_sigmas=sigmas, settings=model, max_sequence_length=int(max_length),
+                     transformer_config=dict(transformer.config), model_index=index,
+                     positions=positions, trained_name=trained_name,
+                     frozen_dtype=dtype_for_frozen, parts=parts, mode=mode)
+
+
+def pipeline_of(built: FlowBuilt, transformer=None, vae=None, scheduler=None):
+    """The diffusers pipeline around the built parts (references, no copies); without transformer and VAE it is
+    the text side only, which is all encode_prompt needs."""
+    sampling = built.recipe.sampling
+    with quiet_hf_libraries():
+        import diffusers
+
+        if sampling.pipeline:  # its extra arguments may put the transformer in another slot (an expert's)
+            cls, extra = sampling.pipeline(built, transformer)
+        else:
+            cls, extra = getattr(diffusers, built.recipe.pipeline_class), built.parts
+        components = {"transformer": transformer, "vae": vae, "scheduler": scheduler or built.scheduler,
+                      **built.text_encoders, **built.tokenizers, **extra}
+        pipeline = cls(**components)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+# --------------------------------------------------------------------------------------------- train step
+
+
+def encode_captions(built: FlowBuilt, captions: list[str], **text_inputs) -> dict[str, torch.Tensor]:
+    """The recipe's text tensors for `captions` (prompt embeds (B, T, D) and the rest), from the pipeline's own
+    encode_prompt; `text_inputs` are what the conditioning adds (an edit model's source images)."""
+    return built.recipe.text.encode(pipeline_of(built), built, list(captions), **text_inputs)
+
+
+def cache_text_tensors(built: FlowBuilt, captions: list[str]) -> dict[str, torch.Tensor]:
+    return encode_captions(built, captions)
+
+
+def text_cache_settings(model) -> str:
+    """Part of every text entry's key: the same encoders give other tensors at another max_sequence_length."""
+    return f"max_sequence_length={model.max_sequence_length}"
+
+
+def _check_cached_sequence(built: FlowBuilt, tokens: int) -> None:
+    """A second guard behind text_cache_settings (which puts max_sequence_length in the key): embeddings of the
+    wrong length never reach the transformer, whatever wrote them."""
+    expected = built.recipe.text.tokens(built)
+    if tokens != expected:
+        raise ValueError(f"the cached text embeddings have {tokens} tokens, but model.max_sequence_length "
+                         f"{built.max_sequence_length} gives {expected}: they were cached with another "
+                         "max_sequence_length. Delete data.cache.dir (or choose another) to re-encode them.")
+
+
+def _check_latent_layout(built: FlowBuilt, mean: torch.Tensor) -> None:
+    """Clips for a video model, images for an image one, and latent sides the transformer's patch divides."""
+    space = built.recipe.latents
+    if space.frames and mean.ndim != 5:
+        raise ValueError(f"model.family {built.settings.family} trains on clips (B, 3, frames, H, W); "
+                         f"the batch's latents are {tuple(mean.shape)}")
+    rows, columns = space.patch(built)
+    if mean.shape[-1] % columns or mean.shape[-2] % rows:
+        factor = space.spatial_factor(built.vae.config)
+        what = "clip" if space.frames else "image"
+        raise ValueError(f"{built.recipe.transformer_class} takes {rows}x{columns} latent patches, so {what} heights "
+                         f"must be multiples of {rows * factor} px and widths of {columns * factor} px; got "
+                         f"{mean.shape[-1] * factor}x{mean.shape[-2] * factor} (width x height). Change "
+                         "data.resolution (or buckets).")
+
+
+def encode_batch(built: FlowBuilt, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
+    """The frozen encoders' view of a collated batch: the VAE posterior (mean, std; float32, unscaled), the recipe's
+    text tensors (floating ones in `dtype`), the conditioning's tensors and the dataset indices. No random draws.
+    Cached tensors are used as stored."""
+    recipe = built.recipe
+    indices = torch.as_tensor(batch_field(batch, "indices", "index"), dtype=torch.long)
+    if "latent_mean" in batch:
+        mean, std = batch["latent_mean"].to(built.device).float(), batch["latent_std"].to(built.device).float()
+    else:
+        mean, std = vae_posterior(built.vae, batch_field(batch, "pixel_values").to(built.device, built.vae.dtype))
+    _check_latent_layout(built, mean)
+    conditioning = recipe.conditioning
+    conditions = conditioning.encode(built, batch, dtype) if conditioning and conditioning.encode else {}
+    text_inputs = conditioning.text_inputs(conditions) if conditioning and conditioning.text_inputs else None
+    if text_inputs is None and all(name in batch for name in recipe.text.tensors):
+        text = {name: batch[name].to(built.device) for name in recipe.text.tensors}
+        _check_cached_sequence(built, text["encoder_hidden_states"].shape[1])
+    else:
+        text = encode_captions(built, list(batch_field(batch, "captions", "caption")), **(text_inputs or {}))
+    text = {name: value.to(dtype) if value.is_floating_point() else value for name, value in text.items()}
+    return {"latent_mean": mean, "latent_std": std, **text, **conditions, "indices": indices}
+
+
+def noisy_latents(built: FlowBuilt, latents: torch.Tensor, noise: torch.Tensor, positions: torch.Tensor):
+    """(timesteps, sigmas shaped to broadcast over the latents, x_t) at table positions: what
+    FlowMatchEulerDiscreteScheduler's scale_noise makes of (latents, timestep, noise)."""
+    timesteps = built.train_timesteps[positions].to(latents.device)
+    sigmas = built.train_sigmas[positions].to(latents.device).view(-1, *(1,) * (latents.ndim - 1))
+    return timesteps, sigmas, (1.0 - sigmas) * latents + sigmas * noise
+
+
+def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
+    """The flow-matching loss of one micro batch (mean over its samples); `seed` is train.seed, `step` the
+    optimizer step: with the samples' dataset indices they fix every random draw. Latent frames the conditioning
+    gives clean (a first frame) are not in it."""
+    recipe = built.recipe
+    mean, std = encoded["latent_mean"], encoded["latent_std"]
+    indices, device = encoded["indices"].tolist(), mean.device
+    draw = lambda shape, purpose: per_sample_randn(shape, seed, step, indices, purpose).to(device)  # noqa: E731
+    sample = mean if recipe.latents.posterior_mode else mean + std * draw(mean.shape[1:], "vae_posterior")
+    to_model = recipe.latents.to_model
+    latents = to_model(built, sample) if to_model else normalised_latents(built.vae.config, sample)
+    noise = draw(latents.shape[1:], "noise")
+    first, count = built.positions  # one expert's range of the tables (all of them otherwise)
+    positions = (timestep_density(built.settings, seed, step, indices) * count).long()
+    positions = first + positions.clamp(0, count - 1)  # u == 1.0 (a float32 sigmoid can round up)
+    timesteps, sigmas, noisy = noisy_latents(built, latents, noise, positions)
+    param_dtype = next(built.trainable.parameters()).dtype
+    conditions = {name: encoded[name].to(param_dtype) if encoded[name].is_floating_point() else encoded[name]
+                  for name in recipe.text.tensors}
+    conditioning = recipe.conditioning
+    if conditioning and conditioning.model_inputs:
+        conditions.update(conditioning.model_inputs(built, encoded, param_dtype))
+    prediction = recipe.predict(built, trainable_forward, noisy, timesteps, conditions, param_dtype)
+    weights = loss_weights(built.settings.loss_weighting, sigmas)
+    clean = conditioning.clean_frames(built) if conditioning else 0
+    if clean:  # the first latent frames were given clean: only the frames after them are learned
+        prediction, noisy, latents, noise = (t[:, :, clean:] for t in (prediction, noisy, latents, noise))
+    return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights,
+                                recipe.preconditioned(built.settings)).mean()
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+
+
+def _sample_scheduler(built: FlowBuilt):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if built.recipe.sampling.scheduler:
+        return built.recipe.sampling.scheduler(built)
+    return FlowMatchEulerDiscreteScheduler.from_config(built.scheduler.config)
+
+
+def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[str], sample_spec,
+           resolution: int) -> list:
+    """One image (a video model: one clip, a list of model.sample_frames PIL frames) per prompt with the folder's
+    own pipeline class around `transformer_module` (no weight copy). Prompt i starts from the noise of
+    (sample_spec.seed, i), so samples of different steps are comparable. A conditioned model renders each prompt
+    from its source (sample.control_images), one call per prompt; so does a video model (its pipeline takes one
+    generator)."""
+    if not prompts:
+        return []
+    recipe, sampling, conditioning = built.recipe, built.recipe.sampling, built.recipe.conditioning
+    sources = conditioning.sample_sources(built, sample_spec, prompts) if conditioning and \
+        conditioning.sample_sources else None
+    factor = sampling.side_multiple(built) if sampling.side_multiple else vae_spatial_factor(built.vae.config) * 2
+    side = max(factor, resolution // factor * factor)
+    generators = [sample_generator(sample_spec.seed, 0, number, "sample") for number in range(len(prompts))]
+    experts = recipe.experts.other_loaded(built) if recipe.experts else contextlib.nullcontext()
+    was_training = transformer_module.training
+    transformer_module.eval()
+    try:
+        with experts, inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype), \
+                quiet_hf_libraries():
+            pipeline = pipeline_of(built, transformer_module, built.vae, _sample_scheduler(built))
+            guidance = (sampling.options(built, sample_spec, prompts) if sampling.options
+                        else {"guidance_scale": sample_spec.guidance})
+            frames = {"num_frames": built.settings.sample_frames} if recipe.latents.frames else {}
+            common = dict(height=side, width=side, **frames, **guidance, num_inference_steps=sample_spec.steps,
+                          output_type="pil", max_sequence_length=built.max_sequence_length)
+            if sources is None and not recipe.latents.frames:
+                return pipeline(prompt=list(prompts), generator=generators, **common).images
+            text_side = pipeline_of(built)
+            outputs = []
+            for prompt, generator, source in zip(prompts, generators, sources or [None] * len(prompts)):
+                inputs = ({"prompt": prompt} if sources is None else
+                          conditioning.sample_inputs(built, text_side, prompt, source, sample_spec))
+                result = pipeline(**inputs, generator=generator, **common)
+                outputs.append(list(result.frames[0]) if recipe.latents.frames else result.images[0])
+            return outputs
+    finally:
+        transformer_module.train(was_training)
+
+
+# --------------------------------------------------------------------------------------------------- export
+
+
+def _fresh_transformer(built: FlowBuilt, state_dict: dict):
+    with quiet_hf_libraries():
+        import diffusers
+
+    transformer = getattr(diffusers, built.recipe.transformer_class).from_config(built.transformer_config)
+    expected, given = set(transformer.state_dict()), set(state_dict)
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        raise FamilyError(f"the trained weights do not fit the transformer of {built.folder}: {len(missing)} missing "
+                          f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})")
+    transformer.load_state_dict(state_dict, strict=True)
+    return transformer
+
+
+def export(built: FlowBuilt, transformer_state_dict: dict, out_dir, pretrained_folder=None) -> Path:
+    """Write a complete diffusers pipeline folder at `out_dir`: the trained transformer (safetensors, loaded strictly
+    into a fresh one built from the source config) in its component (an expert's: transformer_2) plus the source
+    pipeline's other components copied unchanged. Written beside `out_dir` and renamed into place (an older export
+    is replaced only once this one is complete)."""
+    source = Path(pretrained_folder) if pretrained_folder is not None else built.folder
+    return export_pipeline_folder(source, out_dir, built.trained_name,
+                                  _fresh_transformer(built, transformer_state_dict))
+
+
+def save_lora_weights(built: FlowBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:
+    """The transformer's LoRA as the recipe's pipeline class writes it (dstune.families.lora builds the layers; a
+    low-noise expert's LoRA loads with the pipeline's load_into_transformer_2=True)."""
+    with quiet_hf_libraries():
+        import diffusers
+
+        getattr(diffusers, built.recipe.pipeline_class).save_lora_weights(
+            folder, transformer_lora_layers=lora_layers, transformer_lora_adapter_metadata=adapter_metadata,
+            safe_serialization=True)
