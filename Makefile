@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install test demo ds-configs docs check-generated
+.PHONY: install test demo ds-configs validate-json docs check-generated
 
 install:
 	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
@@ -41,6 +41,19 @@ ds-configs:
 			|| { $(PYTHON) -m dstune validate $$spec $$flags; exit 1; }; \
 		echo "ds_configs/$$(basename $$spec .yaml).json  <-  $$spec $$flags"; \
 	done
+
+# The golden `dstune validate --json` of every example spec (same flags as ds-configs), which
+# tests/unit/test_launch_specs.py diffs. An empty Hugging Face cache: parameter counts always come from the configs
+# stored with dstune, never from whatever this machine downloaded.
+validate-json:
+	@mkdir -p tests/data/validate_json; empty=$$(mktemp -d); \
+	for spec in $$(find launch -name '*.yaml' | sort); do \
+		flags=$$(sed -n '1s/^# validate: dstune validate [^ ]* *//p' $$spec); \
+		HF_HUB_CACHE=$$empty $(PYTHON) -m dstune validate $$spec $$flags --json \
+			> tests/data/validate_json/$$(basename $$spec .yaml).json 2>/dev/null \
+			|| { rmdir $$empty; $(PYTHON) -m dstune validate $$spec $$flags; exit 1; }; \
+		echo "tests/data/validate_json/$$(basename $$spec .yaml).json  <-  $$spec $$flags"; \
+	done; rmdir $$empty
 
 docs:
 	$(PYTHON) -m dstune.reference > docs/spec-reference.md
