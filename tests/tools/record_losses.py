@@ -160,8 +160,9 @@ def run_model(name: str, work: Path) -> list[str]:
     return [float(m["loss"]).hex() for m in logged]
 
 
-def record(models: list[str]) -> tuple[dict, dict]:
-    """({model: [loss hex per step]}, {model: error text}) for the models that ran and those that failed."""
+def record(models: list[str], output: Path | None) -> tuple[dict, dict]:
+    """({model: [loss hex per step]}, {model: error text}) for the models that ran and those that failed; `output`
+    (if given) is rewritten after each model, so an interrupted recording keeps the models it finished."""
     losses, failed = {}, {}
     with tempfile.TemporaryDirectory(prefix="dstune-losses-") as work:
         for name in models:
@@ -172,6 +173,9 @@ def record(models: list[str]) -> tuple[dict, dict]:
             except RuntimeError as err:
                 failed[name] = str(err)
                 print(str(err), file=sys.stderr)
+            if output is not None:
+                output.parent.mkdir(parents=True, exist_ok=True)
+                output.write_text(json.dumps(losses, indent=1) + "\n")
     return losses, failed
 
 
@@ -228,10 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.recorded is not None:
         new, failed = json.loads(args.recorded.read_text()), {}
     else:
-        new, failed = record(models)
+        new, failed = record(models, args.output)
         if args.output is not None:
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(json.dumps(new, indent=1) + "\n")
             print(f"wrote {args.output} ({len(new)} models)", file=sys.stderr)
     if args.compare is None:
         return 1 if failed else 0
