@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install test demo ds-configs validate-json docs check-generated
+.PHONY: install test demo ds-configs validate-json golden-losses docs check-generated
 
 install:
 	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
@@ -54,6 +54,11 @@ validate-json:
 			|| { rmdir $$empty; $(PYTHON) -m dstune validate $$spec $$flags; exit 1; }; \
 		echo "tests/data/validate_json/$$(basename $$spec .yaml).json  <-  $$spec $$flags"; \
 	done; rmdir $$empty
+
+# The pinned 20-step loss trajectory of every built-in model (tests/data/golden_losses.json), which
+# tests/unit/test_golden_losses.py compares to 1e-6. Only for an intended numerics change: say so in the commit.
+golden-losses:
+	PYTHONPATH=$(CURDIR) $(PYTHON) tests/unit/test_golden_losses.py --regenerate
 
 docs:
 	$(PYTHON) -m dstune.reference > docs/spec-reference.md
