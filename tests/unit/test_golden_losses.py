@@ -43,28 +43,28 @@ IMAGE_LR, SPEECH_LR = 1e-3, 1e-2
 FLUX2_TEXT_TOKENS = 64  # the chat-templated captions fit; the default 512 makes the text encoder most of the time
 
 
-def _image_model(model_class, family: str, **options):
+def _model(model_class, family: str, **options):
     return lambda name: model_class(family=family, pretrained=f"builtin:{name}", **options)
 
 
 # built-in model -> (its model spec section, its data, the AdamW learning rate)
 CASES = {
-    "tiny-sd": (_image_model(SdModel, "sd"), "shapes", IMAGE_LR),
-    "tiny-sdxl": (_image_model(SdxlModel, "sdxl"), "shapes", IMAGE_LR),
-    "tiny-flow": (_image_model(FlowModel, "flow"), "shapes", IMAGE_LR),
-    "tiny-flux": (_image_model(FlowModel, "flow"), "shapes", IMAGE_LR),
-    "tiny-qwen-image": (_image_model(FlowModel, "flow"), "shapes", IMAGE_LR),
-    "tiny-qwen-image-edit": (_image_model(FlowModel, "flow"), "edit-pairs", IMAGE_LR),
-    "tiny-z-image": (_image_model(FlowModel, "flow"), "shapes", IMAGE_LR),
-    "tiny-flux2": (_image_model(FlowModel, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),
-    "tiny-flux2-dev": (_image_model(FlowModel, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),
-    "tiny-wan": (_image_model(WanModel, "wan"), "moving-shapes", IMAGE_LR),
-    "tiny-wan-a14b": (_image_model(WanModel, "wan", expert="low_noise"), "moving-shapes", IMAGE_LR),
-    "tiny-wan-i2v": (_image_model(WanModel, "wan"), "moving-shapes", IMAGE_LR),
-    "tiny-wan22-ti2v": (_image_model(WanModel, "wan", image_to_video=True), "moving-shapes", IMAGE_LR),
-    "tiny-tts-lm": (_image_model(TtsLmModel, "tts_lm"), "tones", SPEECH_LR),
-    "tiny-orpheus": (_image_model(TtsLmModel, "tts_lm", codec="snac"), "tones", SPEECH_LR),
-    "tiny-speecht5": (_image_model(SpeechT5Model, "speecht5"), "tones", SPEECH_LR),
+    "tiny-sd": (_model(SdModel, "sd"), "shapes", IMAGE_LR),
+    "tiny-sdxl": (_model(SdxlModel, "sdxl"), "shapes", IMAGE_LR),
+    "tiny-flow": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
+    "tiny-flux": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
+    "tiny-qwen-image": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
+    "tiny-qwen-image-edit": (_model(FlowModel, "flow"), "edit-pairs", IMAGE_LR),
+    "tiny-z-image": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
+    "tiny-flux2": (_model(FlowModel, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),
+    "tiny-flux2-dev": (_model(FlowModel, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),
+    "tiny-wan": (_model(WanModel, "wan"), "moving-shapes", IMAGE_LR),
+    "tiny-wan-a14b": (_model(WanModel, "wan", expert="low_noise"), "moving-shapes", IMAGE_LR),
+    "tiny-wan-i2v": (_model(WanModel, "wan"), "moving-shapes", IMAGE_LR),
+    "tiny-wan22-ti2v": (_model(WanModel, "wan", image_to_video=True), "moving-shapes", IMAGE_LR),
+    "tiny-tts-lm": (_model(TtsLmModel, "tts_lm"), "tones", SPEECH_LR),
+    "tiny-orpheus": (_model(TtsLmModel, "tts_lm", codec="snac"), "tones", SPEECH_LR),
+    "tiny-speecht5": (_model(SpeechT5Model, "speecht5"), "tones", SPEECH_LR),
 }
 
 
