@@ -187,7 +187,8 @@ def compare(old: dict, new: dict, failed: dict) -> bool:
     for name in sorted(set(old) | set(new) | set(failed)):
         a, b = old.get(name), new.get(name)
         if a is None or b is None:
-            why = "run failed" if name in failed else ("not recorded before" if a is None else "not run now")
+            why = "run failed" if name in failed else ("not in the old recording" if a is None
+                                                        else "not in the new recording")
             print(f"| {name} | | no: {why} | | | | |")
             same_everywhere = False
             continue
@@ -238,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare is None:
         return 1 if failed else 0
     old = json.loads(args.compare.read_text())
-    if args.models:
+    if args.models:  # only these models, on both sides
         old = {name: old[name] for name in models if name in old}
+        new = {name: new[name] for name in models if name in new}
     return 0 if compare(old, new, failed) else 1
 
 
