@@ -17,7 +17,8 @@ Usage (from the repository root; the built-in models are built into DSTUNE_TEST_
     ... --models tiny-sd,tiny-wan   # only these models
 
 --compare prints one row per model and exits 1 if any loss differs in any bit (or a run failed, or a model is
-missing on either side); 0 when all are bitwise equal. The numbers are this machine's: compare recordings made on
+missing on either side); 0 when all are bitwise equal. tiny-speecht5 is not reproducible from run to run at the
+recorded commit (NOT_REPRODUCIBLE below): its row is marked and does not fail the comparison. The numbers are this machine's: compare recordings made on
 the same machine with the same torch and DeepSpeed.
 """
 
@@ -143,6 +144,13 @@ CASES = {
 }
 
 
+# Models whose 2-rank losses differ from run to run at 7122d5d (two recordings differed from step 1 on, by ~0.3%):
+# SpeechT5's speech-decoder prenet applies dropout in training from the global torch RNG, which a run never seeds,
+# so they cannot be compared bitwise. --compare still shows them, marked, without failing on them. Remove the entry
+# once training seeds that RNG (and re-record).
+NOT_REPRODUCIBLE = {"tiny-speecht5": "prenet dropout from the unseeded global RNG"}
+
+
 def run_model(name: str, work: Path) -> list[str]:
     """STEPS losses (float.hex) of `name`'s 2-rank run; RuntimeError with the run's output if it failed."""
     from dstune.builtin import ensure_builtin_model
@@ -197,7 +205,10 @@ def compare(old: dict, new: dict, failed: dict) -> bool:
             differing = [min(len(a), len(b))]
         rel = max((abs(float.fromhex(x) - float.fromhex(y)) / max(abs(float.fromhex(x)), 1e-300)
                    for x, y in zip(a, b)), default=0.0)
-        if differing:
+        if differing and name in NOT_REPRODUCIBLE:
+            print(f"| {name} | {len(a)} / {len(b)} | not comparable ({NOT_REPRODUCIBLE[name]}) | {differing[0] + 1} "
+                  f"| | | {rel:.3g} |")
+        elif differing:
             same_everywhere = False
             i = differing[0]
             shown = [repr(float.fromhex(v[i])) if i < len(v) else "-" for v in (a, b)]
