@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install test lint demo ds-configs docs check-generated
+.PHONY: install test lint demo ds-configs validate-json golden-losses docs check-generated
 
 install:
 	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
@@ -46,6 +46,24 @@ ds-configs:
 			|| { $(PYTHON) -m dstune validate $$spec $$flags; exit 1; }; \
 		echo "ds_configs/$$(basename $$spec .yaml).json  <-  $$spec $$flags"; \
 	done
+
+# The golden `dstune validate --json` of every example spec (same flags as ds-configs), which
+# tests/unit/test_launch_specs.py diffs. An empty Hugging Face cache: parameter counts always come from the configs
+# stored with dstune, never from whatever this machine downloaded.
+validate-json:
+	@mkdir -p tests/data/validate_json; empty=$$(mktemp -d); \
+	for spec in $$(find launch -name '*.yaml' | sort); do \
+		flags=$$(sed -n '1s/^# validate: dstune validate [^ ]* *//p' $$spec); \
+		HF_HUB_CACHE=$$empty $(PYTHON) -m dstune validate $$spec $$flags --json \
+			> tests/data/validate_json/$$(basename $$spec .yaml).json 2>/dev/null \
+			|| { rmdir $$empty; $(PYTHON) -m dstune validate $$spec $$flags; exit 1; }; \
+		echo "tests/data/validate_json/$$(basename $$spec .yaml).json  <-  $$spec $$flags"; \
+	done; rmdir $$empty
+
+# The pinned 20-step loss trajectory of every built-in model (tests/data/golden_losses.json), which
+# tests/unit/test_golden_losses.py compares to 1e-6. Only for an intended numerics change: say so in the commit.
+golden-losses:
+	PYTHONPATH=$(CURDIR) $(PYTHON) tests/unit/test_golden_losses.py --regenerate
 
 docs:
 	$(PYTHON) -m dstune.spec.reference > docs/spec-reference.md
