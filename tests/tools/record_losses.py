@@ -190,7 +190,7 @@ def record(models: list[str], output: Path | None) -> tuple[dict, dict]:
 def compare(old: dict, new: dict, failed: dict) -> bool:
     """Print one row per model (old's and new's) and return whether every loss is bitwise equal."""
     same_everywhere = True
-    print(f"| model | steps | bitwise equal | first differing step | old loss | new loss | max rel. diff |")
+    print("| model | steps | bitwise equal | first differing step | old loss | new loss | max rel. diff |")
     print("|---|---|---|---|---|---|---|")
     for name in sorted(set(old) | set(new) | set(failed)):
         a, b = old.get(name), new.get(name)
