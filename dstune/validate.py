@@ -121,8 +121,8 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     _check_lora_format(spec, source, found)
     folder_issues = model_folder_issues(spec, source, num_samples)
     found.add(folder_issues)
-    if not any(issue.severity == "error" for issue in folder_issues):  # not on another model's folder
-        _check_model(spec, source, found)
+    if not any(issue.severity == "error" and issue.key == "model.family" for issue in folder_issues):
+        _check_model(spec, source, found)  # not on another model's folder, whose configs would give nonsense
     count, origin, groups, clips = _count_samples(spec, source, num_samples, found, check_files)
     plan = None
     if count is not None:
