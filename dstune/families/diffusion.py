@@ -58,6 +58,20 @@ def copy_component(source: Path, target: Path) -> None:
 
 
 
+def component_problems(folder: Path, index: dict, components: dict) -> list[str]:
+    """Why a pipeline folder lacks what a model needs: each component of `components` (name -> the class
+    model_index.json must list, or None for any) listed in model_index.json and present as a subfolder."""
+    problems = []
+    for name, expected in components.items():
+        entry = index.get(name)
+        listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+        if listed is None or not (folder / name).is_dir():
+            problems.append(f"no `{name}` component (model_index.json entry and {name}/ subfolder)")
+        elif expected is not None and listed != expected:
+            problems.append(f"`{name}` is a {listed}; expected {expected}")
+    return problems
+
+
 def read_component_config(folder: Path, name: str) -> dict:
     """`folder/name/config.json` of a pipeline component; FamilyError naming the file when it is not JSON."""
     path = folder / name / "config.json"

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from dstune.families.base import Family, FamilyError, TextCache
-from dstune.families.diffusion import read_model_index
+from dstune.families.diffusion import component_problems, read_model_index
 from dstune.families.flow_core import (FlowBuilt, build_from, cache_text_tensors, encode_batch, encode_captions,
                                        export, loss, pipeline_of, sample, save_lora_weights, text_cache_settings)
 from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
@@ -64,14 +64,7 @@ def detect_kind(folder: Path) -> str:
         raise FamilyError(f"{folder / 'transformer'}: {transformer_class} is not supported by model.family 'flow'; "
                           f"supported transformers: {supported}.")
     recipe = pick_recipe(folder, index, recipes)
-    problems = []
-    for name, expected in recipe.components.items():
-        entry = index.get(name)
-        listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
-        if listed is None or not (folder / name).is_dir():
-            problems.append(f"no `{name}` component (model_index.json entry and {name}/ subfolder)")
-        elif expected is not None and listed != expected:
-            problems.append(f"`{name}` is a {listed}; expected {expected}")
+    problems = component_problems(folder, index, recipe.components)
     for name in ("vae", "scheduler"):
         if not (folder / name).is_dir():
             problems.append(f"missing subfolder {name}/")

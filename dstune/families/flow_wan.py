@@ -28,7 +28,7 @@ import torch
 from dstune import wan_layouts
 from dstune.families import wan_i2v
 from dstune.families.base import FamilyError
-from dstune.families.diffusion import load_component, read_component_config, read_model_index
+from dstune.families.diffusion import component_problems, load_component, read_component_config, read_model_index
 from dstune.families.flow_recipe import Conditioning, Experts, FlowRecipe, LatentSpace, Sampling, TextSide
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import WanModel
@@ -51,13 +51,7 @@ def folder_problems(folder: Path, expert: Optional[str] = None, image_to_video: 
     problems = expert_problems(index, expert, timestep_range)
     if "transformer_2" in experts_in(index) and not (folder / "transformer_2").is_dir():
         problems.append("model_index.json lists transformer_2 but there is no transformer_2/ subfolder")
-    for name, expected in COMPONENTS.items():
-        entry = index.get(name)
-        listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
-        if listed is None or not (folder / name).is_dir():
-            problems.append(f"no `{name}` component (model_index.json entry and {name}/ subfolder)")
-        elif expected is not None and listed != expected:
-            problems.append(f"`{name}` is a {listed}; expected {expected}")
+    problems += component_problems(folder, index, COMPONENTS)
     if not problems:
         vae, text = read_component_config(folder, "vae"), read_component_config(folder, "text_encoder")
         for name in experts_in(index):
