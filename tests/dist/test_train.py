@@ -27,7 +27,8 @@ CASES = {  # name -> (zero stage, gradient checkpointing); zero1 also trains fro
 # own magnitude, so elements whose gradient is at rounding-noise level (different summation orders on 1 vs 2 ranks)
 # get full-size updates of random sign, which would hide whether two splits trained on the same samples and noise.
 SGD = {"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}
-# 3 of the zero1 folder's 17 images held out (img03, img09, img14: by the hash of their ids); 14 x 2 repeats train.
+# 4 of the zero1 folder's 18 files held out (img03, img09, img13, img14: by the hash of their ids); 14 x 2 repeats
+# train, the two unreadable files among them (each replaced by the next readable sample).
 EVAL = {"fraction": 0.2, "every_steps": 2}
 
 
@@ -42,7 +43,11 @@ def _spec(run_dir: Path, stage: int, checkpointing: bool) -> dict:
 
 
 def _image_folder(root: Path) -> Path:
-    """16 PNG images with captions in a repeat-2 folder, and one corrupt file: 34 samples, one unreadable."""
+    """16 PNG images with captions in a repeat-2 folder and two files that cannot be read: one not an image at all,
+    and a JPEG cut short, whose header is whole (PIL's verify() passes it) and whose pixels stop halfway."""
+    import numpy as np
+    from PIL import Image
+
     from dstune.data.synthetic import render_shape
 
     folder = root / "2_shapes"
@@ -53,6 +58,11 @@ def _image_folder(root: Path) -> Path:
         (folder / f"img{i:02d}.txt").write_text(caption)
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
     (folder / "broken.txt").write_text("a broken file")
+    noise = (np.random.default_rng(0).random((96, 128, 3)) * 255).astype("uint8")
+    Image.fromarray(noise).save(folder / "cut.jpg", quality=90)
+    whole = (folder / "cut.jpg").read_bytes()
+    (folder / "cut.jpg").write_bytes(whole[: len(whole) // 2])
+    (folder / "cut.txt").write_text("a photo cut short")
     return root
 
 
@@ -96,9 +106,11 @@ def test_trains_checks_and_exports(runs, name):
     assert logged[-1]["samples"] == STEPS * 4
     assert "use_reentrant" not in proc.stdout + proc.stderr
     if name == "zero1":
-        assert "1 unreadable image(s) skipped" in proc.stdout and "broken.png" in proc.stdout
-        # 17 images, 3 held out, x 2 repeats: the plan the loader was checked on
-        assert re.search(r"samples\s+28 \(.*3 held out for data.eval", proc.stdout)
+        # found on the ranks before step 1 and skipped: the JPEG cut short is caught although its header is whole
+        assert "2 unreadable image(s) skipped" in proc.stdout
+        assert "broken.png" in proc.stdout and "cut.jpg" in proc.stdout
+        # 18 files, 4 held out, x 2 repeats: the plan the loader was checked on
+        assert re.search(r"samples\s+28 \(.*4 held out for data.eval", proc.stdout)
 
     from diffusers import DiffusionPipeline
 
@@ -168,7 +180,7 @@ def test_world_size_equivalence(runs, tmp_path):
         assert ("eval_loss" in a) == ("eval_loss" in b) == (a["step"] % EVAL["every_steps"] == 0)
         if "eval_loss" in a:  # the held-out loss of the same weights on any number of ranks
             assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
-            assert a["eval_samples"] == b["eval_samples"] == 3
+            assert a["eval_samples"] == b["eval_samples"] == 4
 
 
 def test_rank_0_writes_tensorboard_events_with_the_logged_scalars_and_the_held_out_loss(runs):
