@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from dstune.batch_check import bucket_report, check_batches, expected_from_plan, rank_report
-from dstune.checkpoint import (CheckpointError, TrainState, checkpoint_root, list_complete, load_checkpoint,
+from dstune.checkpoints.store import (CheckpointError, TrainState, checkpoint_root, list_complete, load_checkpoint,
                                read_latest, read_state, resolve_resume, save_checkpoint, shared_folder_problem,
                                tag_for)
 from dstune.distributed import (Run, agree_or_stop, all_gather_object, barrier, init_run, launcher_rank,
@@ -38,14 +38,14 @@ from dstune.memory.counts import import_model_classes
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
 from dstune.runlock import release_held as release_run_lock, take as take_run_lock
-from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, position_refusal, rebatched, resume_kind
+from dstune.checkpoints.resume_plan import Rebatched, SavedRun, batch_refusal, position_refusal, rebatched, resume_kind
 from dstune.spec.diff import describe_changes, refused_changes_text, spec_changes
 from dstune.spec.load import SpecError, load_spec
 from dstune.spec.models import Spec
 from dstune.startup import (build_family, checked_records, held_out_records, make_training_loader, prepare_caches,
                             resolve_model_folders)
 from dstune.trackers import open_trackers
-from dstune.universal import is_partitioned, remove_universal_copy, reshard_refusal, universal_copy
+from dstune.checkpoints.reshard import is_partitioned, remove_universal_copy, reshard_refusal, universal_copy
 from dstune.validate import Resolved, plan_memory, validate_spec
 
 

@@ -260,7 +260,7 @@ def load_checkpoint(engine, run: Run, root: Path, tag: str, ema=None,
                     universal_root: Optional[Path] = None) -> TrainState:
     """Collective. Restores weights, optimizer, LR schedule, RNG, the data position and (given `ema`) the EMA.
 
-    A checkpoint of another number of ranks loads its ZeRO state from `universal_root` (dstune.universal: the
+    A checkpoint of another number of ranks loads its ZeRO state from `universal_root` (dstune.checkpoints.reshard: the
     converted copy; the engine was started with checkpoint.load_universal), or, when its optimizer state is not
     partitioned (ZeRO 0, fp32), from the checkpoint itself. Its EMA shares are re-cut for this world."""
     saved = read_state(root, tag)

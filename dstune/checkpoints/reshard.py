@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from dstune.checkpoint import CheckpointError, only_tensors_unpickled
+from dstune.checkpoints.store import CheckpointError, only_tensors_unpickled
 from dstune.distributed import Run, agree_or_stop, barrier
 
 UNIVERSAL_DIR = ".resume-universal"
