@@ -26,7 +26,7 @@ LAYERS = [
     ["dstune.builtin", "dstune.video_plan", "dstune.validate", "dstune.report"],
     ["dstune.pretrained", "dstune.cache", "dstune.engine", "dstune.checkpoints.store", "dstune.batch_check",
      "dstune.checkpoints.reshard", "dstune.evaluation"],
-    ["dstune.loop", "dstune.export"],
+    ["dstune.loop", "dstune.export", "dstune.checkpoints.resume"],
     ["dstune.startup"],
     ["dstune.training", "dstune.cli", "dstune.cli_args", "dstune.train", "dstune.launcher", "dstune.__main__",
      "dstune"],
