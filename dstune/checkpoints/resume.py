@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dstune.checkpoints.reshard import is_partitioned, remove_universal_copy, reshard_refusal, universal_copy
-from dstune.checkpoints.resume_plan import Rebatched, SavedRun, batch_refusal, position_refusal, rebatched, resume_kind
-from dstune.checkpoints.store import (CheckpointError, TrainState, checkpoint_root, list_complete, load_checkpoint,
-                                      read_state, resolve_resume)
+from dstune.checkpoints.reshard import remove_universal_copy, universal_copy
+from dstune.checkpoints.resume_plan import (Rebatched, SavedRun, batch_refusal, is_partitioned, position_refusal,
+                                            rebatched, reshard_refusal, resume_kind)
+from dstune.checkpoints.layout import (CheckpointError, TrainState, checkpoint_root, list_complete, read_state,
+                                       resolve_resume)
+from dstune.checkpoints.store import load_checkpoint
 from dstune.distributed import Run, agree_or_stop, stop
 from dstune.ds_json.blocks import with_universal_loading
 from dstune.engine import follow_plan_schedule, saved_schedule_steps

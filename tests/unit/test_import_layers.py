@@ -18,8 +18,8 @@ PACKAGE = REPO / "dstune"
 LAYERS = [
     ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves",
      "dstune.library_logs", "dstune.interrupts", "dstune.runlock"],
-    ["dstune.world", "dstune.plan", "dstune.checkpoints", "dstune.checkpoints.resume_plan", "dstune.token_layouts",
-     "dstune.wan_layouts", "dstune.memory", "dstune.memory.plan", "dstune.memory.activations"],
+    ["dstune.world", "dstune.plan", "dstune.checkpoints", "dstune.checkpoints.layout", "dstune.checkpoints.resume_plan",
+     "dstune.token_layouts", "dstune.wan_layouts", "dstune.memory", "dstune.memory.plan", "dstune.memory.activations"],
     ["dstune.distributed", "dstune.ds_json", "dstune.data",
      "dstune.families", "dstune.ema", "dstune.memory.counts", "dstune.model_folders", "dstune.model_defaults",
      "dstune.memory.record"],

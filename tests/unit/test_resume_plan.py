@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from dstune.plan import make_plan, resolve_batch
-from dstune.checkpoints.resume_plan import ALLOW_FLAG, SavedRun, batch_refusal, keep_batch_options, rebatched, resume_kind
+from dstune.checkpoints.resume_plan import (ALLOW_FLAG, SavedRun, batch_refusal, is_partitioned, keep_batch_options,
+                                            rebatched, reshard_refusal, resume_kind)
 from dstune.spec.load import SpecSource, load_spec
 from dstune.spec.models import TrainSpec
-from dstune.checkpoints.reshard import is_partitioned, reshard_refusal
 from dstune.world import World
 
 SOURCE = SpecSource("spec.yaml")
