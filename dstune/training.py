@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from dstune.batch_check import bucket_report, check_batches, expected_from_plan, rank_report
+from dstune.checkpoints.layout import TrainState, checkpoint_root, read_latest, tag_for
 from dstune.checkpoints.resume import (ResumeOptions, continue_from, engine_config, find_resume, overwrite_refusal,
                                        resume_refusal, resumed_plan)
-from dstune.checkpoints.layout import TrainState, checkpoint_root, read_latest, tag_for
 from dstune.checkpoints.store import save_checkpoint, shared_folder_problem
 from dstune.distributed import (Run, agree_or_stop, all_gather_object, barrier, init_run, launcher_rank,
                                 launcher_world_size, shutdown, stop)
