@@ -159,10 +159,9 @@ def cmd_validate(args) -> int:
 
 def _print_resume_preview(args, outcome) -> bool:
     """--resume-from: the resume of RUN_DIR's latest checkpoint on the validated world (reads only JSON files)."""
-    from dstune.checkpoint import CheckpointError, read_state, resolve_resume
-    from dstune.resume_plan import resume_preview
+    from dstune.checkpoints.layout import CheckpointError, read_state, resolve_resume
+    from dstune.checkpoints.resume_plan import reshard_refusal, resume_preview
     from dstune.spec.load import SpecSource
-    from dstune.universal import reshard_refusal
 
     try:
         root, tag = resolve_resume(Path(args.resume_from), "latest")

@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from dstune.checkpoint import (STATE_FILE, CheckpointError, checkpoint_root, list_complete, only_tensors_unpickled,
-                               read_latest, tag_for)
+from dstune.checkpoints.layout import STATE_FILE, CheckpointError, checkpoint_root, list_complete, read_latest, tag_for
+from dstune.checkpoints.store import only_tensors_unpickled
 from dstune.ema import consolidated_ema, overlay_ema
 from dstune.families import get_family, speecht5, tts_lm
 from dstune.families.lora import export_lora

@@ -5,7 +5,7 @@ Inside the training loop (`at_step_boundaries`) a signal only sets a flag: the r
 per-step loss exchange the loop already does, so all of them stop after the same step, and no rank leaves a
 collective its peers are still in. Anywhere else (start-up, the final save and export) a signal raises
 KeyboardInterrupt at once, which the entry point (dstune/train.py) turns into one line instead of a traceback per
-rank. Checkpoints are written atomically (dstune/checkpoint.py), so a rank killed at any moment leaves the last
+rank. Checkpoints are written atomically (dstune/checkpoints/store.py), so a rank killed at any moment leaves the last
 complete checkpoint as it was.
 """
 

@@ -277,7 +277,7 @@ def _importable_without_path(folder: str) -> bool:
 
 def final_line(outcome: RunEnd, run_dir: Path, args) -> str:
     """The last line: how the run ended, its newest complete checkpoint, and the command that continues it."""
-    from dstune.checkpoint import checkpoint_root, read_latest, read_state
+    from dstune.checkpoints.layout import checkpoint_root, read_latest, read_state
 
     root = checkpoint_root(run_dir)
     try:

@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from dstune.cache.latents import frozen_on_device
-from dstune.checkpoint import TrainState, checkpoint_bytes_estimate, save_checkpoint, space_problem
+from dstune.checkpoints.layout import TrainState
+from dstune.checkpoints.store import checkpoint_bytes_estimate, save_checkpoint, space_problem
 from dstune.distributed import Run, all_gather_object, stop
 from dstune.ema import Ema
 from dstune.engine import current_lr

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         from dstune.startup import run_cache_command
 
         return run_cache_command(args.spec, args.overrides, verify_only=False)
-    from dstune.training import ResumeOptions, run_training
+    from dstune.checkpoints.resume import ResumeOptions
+    from dstune.training import run_training
 
     return run_training(args.spec, args.overrides, args.resume,
                         ResumeOptions(args.allow_batch_change, args.allow_spec_changes))

@@ -14,21 +14,18 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from dstune.batch_check import bucket_report, check_batches, expected_from_plan, rank_report
-from dstune.checkpoint import (CheckpointError, TrainState, checkpoint_root, list_complete, load_checkpoint,
-                               read_latest, read_state, resolve_resume, save_checkpoint, shared_folder_problem,
-                               tag_for)
+from dstune.checkpoints.layout import TrainState, checkpoint_root, read_latest, tag_for
+from dstune.checkpoints.resume import (ResumeOptions, continue_from, engine_config, find_resume, overwrite_refusal,
+                                       resume_refusal, resumed_plan)
+from dstune.checkpoints.store import save_checkpoint, shared_folder_problem
 from dstune.distributed import (Run, agree_or_stop, all_gather_object, barrier, init_run, launcher_rank,
                                 launcher_world_size, shutdown, stop)
-from dstune.ds_json.blocks import with_universal_loading
 from dstune.ds_json.fill_spec import merged_spec
 from dstune.ema import Ema
-from dstune.engine import (PRECISION_DTYPES, follow_plan_schedule, promote_scalar_params, saved_schedule_steps,
-                           wrap_model)
+from dstune.engine import PRECISION_DTYPES, promote_scalar_params, wrap_model
 from dstune.evaluation import make_held_out
 from dstune.export import ExportError, export_checkpoint
 from dstune.interrupts import at_step_boundaries, exit_code_for_stop, launched_by_dstune_train, stop_signal_name
@@ -38,14 +35,10 @@ from dstune.memory.counts import import_model_classes
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
 from dstune.runlock import release_held as release_run_lock, take as take_run_lock
-from dstune.resume_plan import Rebatched, SavedRun, batch_refusal, position_refusal, rebatched, resume_kind
-from dstune.spec.diff import describe_changes, refused_changes_text, spec_changes
 from dstune.spec.load import SpecError, load_spec
-from dstune.spec.models import Spec
 from dstune.startup import (build_family, checked_records, held_out_records, make_training_loader, prepare_caches,
                             resolve_model_folders)
 from dstune.trackers import open_trackers
-from dstune.universal import is_partitioned, remove_universal_copy, reshard_refusal, universal_copy
 from dstune.validate import Resolved, plan_memory, validate_spec
 
 
@@ -71,14 +64,6 @@ def _lock_run_dir(run: Run, run_dir: Path) -> str | None:
         if note:
             print(note, flush=True)
     return all_gather_object(error)[0]
-
-
-def _earlier_checkpoints(run_dir: Path, resume: str | None) -> str | None:
-    """Nothing already in the folder is overwritten without --resume."""
-    if resume is None and list_complete(checkpoint_root(run_dir)):
-        return (f"output.dir {run_dir} already holds checkpoints of an earlier run. Continue it with "
-                "`--resume latest`, or choose another output.dir (nothing was overwritten).")
-    return None
 
 
 def interrupted_text(step: int | None, run_dir: Path | None) -> str:
@@ -124,14 +109,6 @@ def rank_resume_command(resume: bool) -> str:
     return shlex.join(launcher + target + kept + (["--resume", "latest"] if resume else []))
 
 
-@dataclass(frozen=True)
-class ResumeOptions:
-    """What a resume may change (train.py flags): the global batch, and spec keys that break exact continuation."""
-
-    allow_batch_change: bool = False
-    allow_spec_changes: bool = False
-
-
 def run_training(spec_path: str, overrides: list[str], resume: str | None,
                  options: ResumeOptions = ResumeOptions()) -> int:
     try:  # spec errors need no process group: every rank reads the same file and reaches the same verdict
@@ -140,7 +117,7 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None,
         if launcher_rank() == 0:
             print(f"invalid spec:\n{err}", file=sys.stderr)
         return 1
-    refusal = _resume_refusal(spec, source, resume, launcher_world_size(), options.allow_batch_change)
+    refusal = resume_refusal(spec, source, resume, launcher_world_size(), options.allow_batch_change)
     if refusal:  # likewise decided from files alone, before any process group
         if launcher_rank() == 0:
             print(f"cannot resume: {refusal}", file=sys.stderr)
@@ -155,7 +132,7 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None,
     run_dir = Path(spec.output.dir)
     agree_or_stop(run, _prepare_run_dir(run_dir))  # every rank: nodes may not share the folder
     agree_or_stop(run, _lock_run_dir(run, run_dir))  # before anything is written there
-    agree_or_stop(run, _earlier_checkpoints(run_dir, resume))
+    agree_or_stop(run, overwrite_refusal(run_dir, resume))
     agree_or_stop(run, shared_folder_problem(run, run_dir))
     if run.is_main:
         print(plan_text(resolved), flush=True)
@@ -167,112 +144,6 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None,
     finally:
         shutdown()
         release_run_lock()
-
-
-@dataclass(frozen=True)
-class Resuming:
-    """The checkpoint a run continues from, and how (docs/training.md, "Resume")."""
-
-    root: Path
-    tag: str
-    saved: SavedRun
-    universal_root: Optional[Path]  # the converted copy of a checkpoint of another number of ranks (ZeRO 1-3)
-    rebatched: Optional[Rebatched]  # --allow-batch-change with another global batch
-
-
-def _refusals(spec, source, root: Path, tag: str, saved: dict, world_size: int, allow_batch_change: bool):
-    return batch_refusal(spec.train, world_size, SavedRun.from_state(saved), source, f"checkpoint {root / tag}",
-                         allow_batch_change) or reshard_refusal(root / tag, saved["spec"]["train"]["optimizer"]["type"],
-                                                                saved["world_size"], world_size)
-
-
-def _resume_refusal(spec, source, resume: str | None, world_size: int, allow_batch_change: bool) -> str | None:
-    """Before any process group: why this launch cannot continue the checkpoint, or None. A checkpoint that cannot
-    be read here is left to _find_resume, where the ranks agree on the error."""
-    if not resume:
-        return None
-    try:
-        root, tag = resolve_resume(Path(spec.output.dir), resume)
-        saved = read_state(root, tag)
-        return _refusals(spec, source, root, tag, saved, world_size, allow_batch_change)
-    except (CheckpointError, OSError, ValueError, KeyError):
-        return None
-
-
-def _check_spec_changes(run: Run, spec: Spec, saved_spec: dict, allow: bool) -> None:
-    """Rank 0 lists what changed since the checkpoint; changes that break exact continuation stop every rank unless
-    --allow-spec-changes (then they are listed as a warning), and those no checkpoint can take stop them always."""
-    current = spec.model_dump(mode="json")
-    changes = spec_changes(saved_spec, current)
-    refused = refused_changes_text(changes, saved_spec, current)
-    if refused:
-        stop(run, refused, 1)
-    safe_text, breaking_text = describe_changes(changes, spec.train.scheduler.type)
-    if breaking_text and not allow:
-        stop(run, breaking_text, 1)
-    if run.is_main:
-        for text in (safe_text, breaking_text and "--allow-spec-changes: continuing with " + breaking_text):
-            if text:
-                print(text, flush=True)
-
-
-def _find_resume(run: Run, resolved: Resolved, run_dir: Path, resume: str | None,
-                 options: ResumeOptions) -> Optional[Resuming]:
-    """Collective. The checkpoint to continue, checked for this world; its ZeRO state converted when it was written
-    by another number of ranks. All ranks stop together on an error."""
-    if not resume:
-        return None
-    root = tag = saved = None
-    error = None
-    try:
-        root, tag = resolve_resume(run_dir, resume)
-        saved = read_state(root, tag)
-        error = _refusals(resolved.spec, resolved.source, root, tag, saved, run.world_size, options.allow_batch_change)
-    except (CheckpointError, OSError, ValueError) as err:
-        error = str(err)
-    except KeyError as err:
-        error = f"checkpoint {root / tag}: its dstune_state.json has no {err} (not written by this dstune?)"
-    agree_or_stop(run, error)
-    _check_spec_changes(run, resolved.spec, saved.get("spec", {}), options.allow_spec_changes)
-    past = SavedRun.from_state(saved)
-    agree_or_stop(run, position_refusal(past, resolved.plan, f"checkpoint {root / tag}"))
-    kind = resume_kind(past, run.world_size, resolved.plan.global_batch_size)
-    changed = rebatched(past, resolved.plan, resolved.spec.train) if kind == "rebatch" else None
-    universal_root = None
-    if past.world_size != run.world_size and is_partitioned(root / tag):
-        universal_root = universal_copy(run, run_dir, root, tag)
-    return Resuming(root, tag, past, universal_root, changed)
-
-
-def _resume(run: Run, resuming: Optional[Resuming], engine, ema, resolved: Resolved, plan) -> TrainState:
-    """The position to continue from (a fresh TrainState without --resume); all ranks stop together on an error."""
-    if resuming is None:
-        return TrainState()
-    state, error = None, None
-    try:
-        state = load_checkpoint(engine, run, resuming.root, resuming.tag, ema=ema,
-                                universal_root=resuming.universal_root)
-    except CheckpointError as err:
-        error = str(err)
-    agree_or_stop(run, error)
-    if resuming.universal_root is not None:
-        remove_universal_copy(run, resuming.universal_root)
-    how = ""
-    if resuming.saved.world_size != run.world_size:
-        was = resuming.saved.world_size
-        how = f" (written by {was} rank{'s' if was != 1 else ''}, continued on {run.world_size})"
-    if resuming.rebatched is not None:
-        state = TrainState(state.global_step, resuming.rebatched.epoch, resuming.rebatched.step_in_epoch,
-                           state.samples_seen)
-        follow_plan_schedule(engine, resolved.spec.train, plan)
-        if run.is_main:
-            print(resuming.rebatched.text, flush=True)
-    else:  # the spec's LR, schedule and optimizer settings, not the checkpoint's (the same values without changes)
-        follow_plan_schedule(engine, resolved.spec.train, plan, saved_schedule_steps(engine))
-    if run.is_main:
-        print(f"resumed from {resuming.root / resuming.tag}{how}: step {state.global_step}, epoch {state.epoch + 1}, "
-              f"step {state.step_in_epoch} of that epoch", flush=True)
-    return state
 
 
 def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainState) -> None:
@@ -291,24 +162,21 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
                   options: ResumeOptions) -> tuple[LoopContext, TrainState]:
     """Every stage between the validated spec and step 1: model, engine, EMA, resume, data, caches, batch check."""
     spec, plan, ds_config = resolved.spec, resolved.plan, resolved.ds_config
-    resuming = _find_resume(run, resolved, run_dir, resume, options)
-    if resuming is not None and resuming.rebatched is not None:
-        plan = resuming.rebatched.plan
+    resuming = find_resume(run, resolved, run_dir, resume, options)
+    plan = resumed_plan(resuming, plan)
     predicted = plan_memory(spec, plan, ds_config, accelerator=run.accelerator, clips=resolved.clips)
     import_model_classes(spec)  # the baseline below then holds the libraries, and what grows after it is the model
     folders = resolve_model_folders(run, spec)  # before the baseline: making a built-in model is not training memory
     memory = MemoryRecorder(predicted)
     family, built = build_family(run, spec, ds_config=resolved.ds_config, folders=folders)
     scalar_params = promote_scalar_params(built.trainable)
-    universal = resuming is not None and resuming.universal_root is not None
-    engine = wrap_model(built.trainable, spec.train, with_universal_loading(ds_config) if universal else ds_config,
-                        plan)
+    engine = wrap_model(built.trainable, spec.train, engine_config(resuming, ds_config), plan)
     memory.mark("engine_start")
     ema = None
     if spec.train.ema is not None:
         trainable = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
         ema = Ema(trainable, spec.train.ema, run.rank, run.world_size)
-    state = _resume(run, resuming, engine, ema, resolved, plan)
+    state = continue_from(run, resuming, engine, ema, resolved, plan)
     records = checked_records(run, spec, family)
     caches, code = prepare_caches(run, spec, family, built, records)
     if code:

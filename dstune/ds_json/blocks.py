@@ -55,7 +55,7 @@ def find_auto(value: Any, prefix: str = "") -> list[str]:
 
 def with_universal_loading(ds_config: dict) -> dict:
     """A copy that makes engine.load_checkpoint read DeepSpeed's universal checkpoint format (the checkpoint of
-    another number of ranks, converted by dstune.universal). Only the engine of that resume gets it."""
+    another number of ranks, converted by dstune.checkpoints.reshard). Only the engine of that resume gets it."""
     out = copy.deepcopy(ds_config)
     out.setdefault("checkpoint", {})["load_universal"] = True
     return out

@@ -81,6 +81,26 @@ def test_resume_command_repeats_the_launch_with_resume_latest():
     assert again.resume == "latest" and words.count("--resume") == 1
 
 
+def test_the_closing_line_names_the_last_checkpoint_and_reads_it_without_torch(tmp_path):
+    """`dstune train` itself never imports torch (the ranks do): its last line after a stop reads the newest complete
+    checkpoint's step from its dstune_state.json, and a checkpoint still being written (no state file) is skipped."""
+    root = tmp_path / "run" / "checkpoints"
+    for step, complete in ((4, True), (6, False)):
+        folder = root / f"step-{step:08d}"
+        folder.mkdir(parents=True)
+        if complete:
+            (folder / "dstune_state.json").write_text(json.dumps({"state": {"global_step": step}}))
+    (root / "latest").write_text("step-00000004")
+    script = ("import sys; from dstune import launcher; from dstune.cli_args import build_parser; "
+              "args = build_parser()[0].parse_args(['train', 'spec.yaml', '--num-gpus', '2']); "
+              f"print(launcher.final_line(launcher.RunEnd(130, stop_signal=2), launcher.Path({str(tmp_path / 'run')!r}),"
+              " args)); assert 'torch' not in sys.modules, 'the closing line imported torch'")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"last complete checkpoint {root / 'step-00000004'} (step 4)" in done.stdout
+    assert "interrupted (SIGINT, exit 130)" in done.stdout and done.stdout.strip().endswith("--resume latest")
+
+
 def test_port_check_sees_a_listening_port_and_not_a_free_one():
     with socket.socket() as server:
         server.bind(("", 0))

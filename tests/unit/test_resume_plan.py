@@ -4,16 +4,18 @@ of --allow-batch-change, which checkpoints need re-partitioning, and the refusal
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from dstune.plan import make_plan, resolve_batch
-from dstune.resume_plan import ALLOW_FLAG, SavedRun, batch_refusal, keep_batch_options, rebatched, resume_kind
+from dstune.checkpoints.resume_plan import (ALLOW_FLAG, SavedRun, batch_refusal, is_partitioned, keep_batch_options,
+                                            rebatched, reshard_refusal, resume_kind)
 from dstune.spec.load import SpecSource, load_spec
 from dstune.spec.models import TrainSpec
-from dstune.universal import is_partitioned, reshard_refusal
 from dstune.world import World
 
 SOURCE = SpecSource("spec.yaml")
@@ -188,3 +190,20 @@ def test_a_resume_puts_the_specs_optimizer_settings_back_over_the_checkpoints():
     follow_plan_schedule(engine, new, make_plan(new, _world(1), 256, SOURCE), 4)  # the length the run started with
     group = optimizer.param_groups[0]
     assert group["lr"] == pytest.approx(0.01 * 3 / 4) and group["weight_decay"] == 0.5 and group["betas"] == (0.8, 0.9)
+
+
+def test_the_resume_decision_reads_the_checkpoint_without_torch(tmp_path):
+    """`dstune validate --resume-from` decides from the checkpoint's files alone: finding it, reading its state and
+    the re-partitioning refusal import no torch (dstune.checkpoints.layout and resume_plan stay torch-free)."""
+    _checkpoint(tmp_path, 2, "sgd", partitioned=True)
+    script = ("import sys; from pathlib import Path; "
+              "from dstune.checkpoints.layout import read_state, resolve_resume; "
+              "from dstune.checkpoints.resume_plan import reshard_refusal; "
+              f"root, tag = resolve_resume(Path({str(tmp_path)!r}), 'latest'); saved = read_state(root, tag); "
+              "optimizer = saved['spec']['train']['optimizer']['type']; "
+              "print(reshard_refusal(root / tag, optimizer, saved['world_size'], 1)); "
+              "assert 'torch' not in sys.modules, 'the resume decision imported torch'")
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "written by 2 ranks; this run has 1" in done.stdout and "carries Adam's state only" in done.stdout

@@ -44,7 +44,7 @@ def test_data_seed_model_and_optimizer_changes_break_exact_continuation():
 
 def test_a_new_split_of_the_same_global_batch_is_left_to_the_resume_plan():
     """--set train.gradient_accumulation_steps=2 on half the ranks (what a resume on another world suggests) is no
-    spec problem; whether the global batch is kept is dstune.resume_plan's decision."""
+    spec problem; whether the global batch is kept is dstune.checkpoints.resume_plan's decision."""
     changes = spec_changes(_dump(), _dump(train={"micro_batch_size": 1, "gradient_accumulation_steps": 2}))
     assert changes and all(c.safe for c in changes)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstune.checkpoint import CheckpointError, only_tensors_unpickled
+from dstune.checkpoints.layout import CheckpointError
+from dstune.checkpoints.store import only_tensors_unpickled
 from dstune.export import ExportError, consolidated_state_dict
 from dstune.spec.load import SpecError, load_spec
 

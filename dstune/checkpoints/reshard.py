@@ -6,7 +6,8 @@ turns them into one folder per parameter (fp32 weights, exp_avg, exp_avg_sq, ste
 `checkpoint.load_universal` cuts its own partition out of those for any world. Tried here, on DeepSpeed 0.19.8 (CPU,
 gloo): ZeRO 2 and 3, torch AdamW as client optimizer, LoRA checkpoints without the frozen base, fp32 and bf16,
 2 -> 1 and 1 -> 2 ranks: the losses after resuming are those of the uninterrupted run. What it cannot carry:
-optimizers whose state is not Adam's (the converter reads exactly exp_avg and exp_avg_sq), so those are refused.
+optimizers whose state is not Adam's (the converter reads exactly exp_avg and exp_avg_sq), so those are refused
+(dstune.checkpoints.resume_plan.reshard_refusal, decided from the files before any process group).
 
 The converted copy is written by rank 0 into the resuming run's folder (RUN/.resume-universal/<tag>, through a
 temporary folder renamed at the end), never into the checkpoint it reads, and removed once every rank has loaded.
@@ -21,28 +22,12 @@ import io
 import secrets
 import shutil
 from pathlib import Path
-from typing import Optional
 
-from dstune.checkpoint import CheckpointError, only_tensors_unpickled
+from dstune.checkpoints.layout import CheckpointError
+from dstune.checkpoints.store import only_tensors_unpickled
 from dstune.distributed import Run, agree_or_stop, barrier
 
 UNIVERSAL_DIR = ".resume-universal"
-ADAM_STATE_OPTIMIZERS = ("adam", "adamw")  # the state DeepSpeed's converter reads: exp_avg, exp_avg_sq, step
-
-
-def is_partitioned(folder: Path) -> bool:
-    """True when the checkpoint's optimizer state is split per rank (ZeRO 1-3, bf16_zero_* files)."""
-    return any(Path(folder).glob("*zero_pp_rank_*_optim_states.pt"))
-
-
-def reshard_refusal(folder: Path, optimizer_type: str, saved_world: int, world_size: int) -> Optional[str]:
-    """Why a checkpoint written by `saved_world` ranks cannot be re-partitioned for `world_size`, or None."""
-    if saved_world == world_size or not is_partitioned(folder) or optimizer_type in ADAM_STATE_OPTIMIZERS:
-        return None
-    return (f"{folder} was written by {saved_world} ranks; this run has {world_size}. Resuming on another number of "
-            "ranks re-partitions the optimizer state through DeepSpeed's universal checkpoint, which carries Adam's "
-            f"state only (exp_avg, exp_avg_sq), not {optimizer_type}'s. Relaunch with {saved_world} ranks, or export "
-            "the weights (`dstune export RUN`) and start a new run from the exported folder (model.pretrained).")
 
 
 def convert(folder: Path, out: Path) -> None:

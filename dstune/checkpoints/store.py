@@ -1,10 +1,6 @@
-"""Checkpoints: DeepSpeed's shards plus dstune's own state, made "latest" only once complete on every rank.
-
-Layout under RUN/checkpoints/:
-    step-00000100/            DeepSpeed shards (mp_rank_*, zero_pp_rank_*), dstune_rank{R}.pt (RNG), dstune_state.json
-    latest                    the tag of the newest COMPLETE checkpoint (same format DeepSpeed and zero_to_fp32 read)
-A crash while saving leaves `latest` on the previous checkpoint; the half-written folder is removed at the next save
-of the same tag and never loaded (no dstune_state.json, which is written last).
+"""Checkpoints: DeepSpeed's shards plus dstune's own state, made "latest" only once complete on every rank; loading
+one into an engine, with only weights unpickled. The folder layout and reading it without torch:
+dstune.checkpoints.layout.
 """
 
 from __future__ import annotations
@@ -18,17 +14,18 @@ import random
 import re
 import secrets
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from dstune.checkpoints.layout import (STATE_FILE, CheckpointError, TrainState, checkpoint_root, list_complete,
+                                       read_latest, read_state, tag_for)
 from dstune.distributed import Run, all_gather_object, barrier
 from dstune.ema import Ema
 from dstune.fsutil import write_text_atomic
 
-STATE_FILE = "dstune_state.json"
 # The only non-tensor objects DeepSpeed 0.19 pickles into its checkpoint files (found with
 # torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 0-3 checkpoints): plain data, no code on load.
 DEEPSPEED_CHECKPOINT_TYPES = (
@@ -37,18 +34,6 @@ DEEPSPEED_CHECKPOINT_TYPES = (
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
 )
-
-
-@dataclass
-class TrainState:
-    global_step: int = 0  # optimizer steps done
-    epoch: int = 0  # the epoch the next micro batch comes from
-    step_in_epoch: int = 0  # optimizer steps already done in that epoch
-    samples_seen: int = 0  # global samples consumed
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def _allowed_checkpoint_types() -> list:
@@ -89,28 +74,6 @@ def _unpickling_reason(err: Exception) -> str:
         return f"it would import {found.group(1)}"
     lines = [line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line]
     return lines[0] if lines else type(err).__name__
-
-
-def checkpoint_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def tag_for(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def read_latest(root: Path) -> Optional[str]:
-    latest = root / "latest"
-    if not latest.is_file():
-        return None
-    tag = latest.read_text().strip()
-    return tag if (root / tag / STATE_FILE).is_file() else None
-
-
-def list_complete(root: Path) -> list[str]:
-    if not root.is_dir():
-        return []
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and (p / STATE_FILE).is_file())
 
 
 def _rng_state() -> dict:
@@ -228,26 +191,6 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
             shutil.rmtree(root / old, ignore_errors=True)
 
 
-def resolve_resume(run_dir: Path, resume: str) -> tuple[Path, str]:
-    """`latest` or a checkpoint folder path -> (checkpoints root, tag); CheckpointError with the fix otherwise."""
-    if resume == "latest":
-        root = checkpoint_root(run_dir)
-        tag = read_latest(root)
-        if tag is None:
-            raise CheckpointError(f"--resume latest: no complete checkpoint in {root} (nothing to resume; drop --resume "
-                                  "to start fresh)")
-        return root, tag
-    path = Path(resume)
-    if (path / STATE_FILE).is_file():
-        return path.parent, path.name
-    raise CheckpointError(f"--resume {resume}: not a complete dstune checkpoint folder (no {STATE_FILE}); "
-                          f"give `latest` or a folder like {checkpoint_root(run_dir)}/{tag_for(100)}")
-
-
-def read_state(root: Path, tag: str) -> dict:
-    return json.loads((root / tag / STATE_FILE).read_text())
-
-
 def rng_file_for(folder: Path, rank: int, saved_world: int) -> Path:
     """The RNG state a rank restores: its own rank's. A rank the checkpoint did not have (more ranks than before)
     takes rank 0's. Nothing of the trajectory depends on these streams (every draw that decides a sample's
@@ -260,7 +203,7 @@ def load_checkpoint(engine, run: Run, root: Path, tag: str, ema=None,
                     universal_root: Optional[Path] = None) -> TrainState:
     """Collective. Restores weights, optimizer, LR schedule, RNG, the data position and (given `ema`) the EMA.
 
-    A checkpoint of another number of ranks loads its ZeRO state from `universal_root` (dstune.universal: the
+    A checkpoint of another number of ranks loads its ZeRO state from `universal_root` (dstune.checkpoints.reshard: the
     converted copy; the engine was started with checkpoint.load_universal), or, when its optimizer state is not
     partitioned (ZeRO 0, fp32), from the checkpoint itself. Its EMA shares are re-cut for this world."""
     saved = read_state(root, tag)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from dstune.plan import Plan, resolve_batch
@@ -163,6 +164,24 @@ def rebatched(saved: SavedRun, plan: Plan, train: TrainSpec) -> Rebatched:
             f"{epoch + 1} step {step}; the LR schedule is the new plan's ({total} steps, peak lr "
             f"{plan.effective_lr:g}) from step {saved.global_step} on")
     return Rebatched(new_plan, epoch, step, text)
+
+
+ADAM_STATE_OPTIMIZERS = ("adam", "adamw")  # the state DeepSpeed's converter reads: exp_avg, exp_avg_sq, step
+
+
+def is_partitioned(folder: Path) -> bool:
+    """True when the checkpoint's optimizer state is split per rank (ZeRO 1-3, bf16_zero_* files)."""
+    return any(Path(folder).glob("*zero_pp_rank_*_optim_states.pt"))
+
+
+def reshard_refusal(folder: Path, optimizer_type: str, saved_world: int, world_size: int) -> Optional[str]:
+    """Why a checkpoint written by `saved_world` ranks cannot be re-partitioned for `world_size`, or None."""
+    if saved_world == world_size or not is_partitioned(folder) or optimizer_type in ADAM_STATE_OPTIMIZERS:
+        return None
+    return (f"{folder} was written by {saved_world} ranks; this run has {world_size}. Resuming on another number of "
+            "ranks re-partitions the optimizer state through DeepSpeed's universal checkpoint, which carries Adam's "
+            f"state only (exp_avg, exp_avg_sq), not {optimizer_type}'s. Relaunch with {saved_world} ranks, or export "
+            "the weights (`dstune export RUN`) and start a new run from the exported folder (model.pretrained).")
 
 
 def resume_preview(spec_dump: dict, train: TrainSpec, world_size: int, global_batch: int, saved_state: dict,
