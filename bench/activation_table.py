@@ -1,6 +1,6 @@
 """Measure the activation bytes of every model dstune trains and regenerate dstune/model_configs/activation_constants.json.
 
-    python3 bench/activation_table.py            # all models, bf16 and fp32 (a few minutes on 2 CPU cores)
+    python3 bench/activation_table.py            # all models, bf16 and fp32 (~20 min on 2 busy CPU cores)
     python3 bench/activation_table.py flux1 sd3  # only these keys (the others stay as stored)
 
 For each model (bench/activation_models.py: the real class, narrow) and precision, bench/activation_measure.py
