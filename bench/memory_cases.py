@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, env  # noqa: E402
 
 sys.path.insert(0, str(REPO))  # this checkout's dstune, not an installed one
-from dstune.memory.activations import transformer_stack  # noqa: E402
+from dstune.families.wan_facts import sample_bytes as wan_sample_bytes  # noqa: E402
+from dstune.memory.activations import ModelShape, measured_sample_bytes  # noqa: E402
 from dstune.memory.plan import ModelCounts, Setup, memory_json  # noqa: E402
 from dstune.memory.counts import count_component  # noqa: E402
 
@@ -82,17 +83,17 @@ def main() -> None:
         targets = ("to_q", "to_k", "to_v", "to_out.0")
         params, largest, lora = counted(QWEN_IMAGE, folder, targets, 32)
         hidden = QWEN_IMAGE["num_attention_heads"] * QWEN_IMAGE["attention_head_dim"]
-        tokens = (1024 / 16) ** 2 + 256  # 1024 px: 64 x 64 patches of 2x2 latents; a 256-token prompt
-        full, checkpointed = transformer_stack(tokens, hidden, 4 * hidden, False, QWEN_IMAGE["num_layers"])
+        # 1024 px: 64 x 64 patches of 2x2 latents; a 256-token prompt
+        full, checkpointed = measured_sample_bytes(  # the measured constants, as model.family: flow counts them
+            "qwen-image", ModelShape(hidden, {"transformer_blocks": QWEN_IMAGE["num_layers"]}), (1024 / 16) ** 2, 256)
         counts = ModelCounts("transformer", params, lora, largest, QWEN_COMPANIONS, ("text_encoder", "vae"),
                              int(full), int(checkpointed), lora, 0, "QwenImageTransformer2DModel config, meta device")
         show("20B image model (Qwen-Image) LoRA rank 32, 1024 px, micro 1, ZeRO 2, 8 x 80 GB", counts,
              setup(2, lora=True), 80e9)
         show("same on 8 x 48 GB", counts, setup(2, lora=True), 48e9)
         params, largest, _ = counted(WAN_14B, folder)
-        hidden = WAN_14B["num_attention_heads"] * WAN_14B["attention_head_dim"]
-        tokens = 21 * (480 // 16) * (832 // 16)  # 81 frames -> 21 latent frames; 480x832 -> 30 x 52 patches
-        full, checkpointed = transformer_stack(tokens, hidden, WAN_14B["ffn_dim"], False, WAN_14B["num_layers"])
+        # 81 frames -> 21 latent frames; 480x832 -> 30 x 52 patches; 512 umT5 tokens (model.family: wan's count)
+        full, checkpointed = wan_sample_bytes(WAN_14B, {}, (832, 480), 81, 512)
         counts = ModelCounts("transformer", params, params, largest, WAN_COMPANIONS, ("text_encoder", "vae"),
                              int(full), int(checkpointed), 0, 0, "WanTransformer3DModel config, meta device")
         show("Wan 2.1 14B full, 81 x 480 x 832, micro 1, ZeRO 2, 8 x 80 GB", counts, setup(2), 80e9)

@@ -8,11 +8,12 @@ pairs: the source's tokens and latents double the target's, and the source image
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from dstune.memory.activations import transformer_stack
+from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image_latent_bytes, pipeline_folder,
                                             trains_denoiser, transformer_text_bytes)
 from dstune.families.facts import ModelFacts, SpecIssues
@@ -22,26 +23,29 @@ DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of the Flux and Qwen-Image trai
 EDIT_VISION_PATCH_PX = 28  # Qwen-Image-Edit: the source image's vision tokens (28 px each) join the text
 
 
-def _two_stream_bytes(config: dict, tokens: float, gated: bool) -> tuple[float, float]:
-    """SD3, Flux, Qwen-Image, FLUX.2: joint (and single) blocks of heads x head_dim over all tokens."""
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    layers = config.get("num_layers", 0) + config.get("num_single_layers", 0)
-    return transformer_stack(tokens, hidden, int(hidden * config.get("mlp_ratio", 4.0)), gated, layers)
+def _two_streams(config: dict) -> ModelShape:
+    """SD3, Flux, Qwen-Image, FLUX.2: joint (and single) blocks of heads x head_dim."""
+    return ModelShape(config["num_attention_heads"] * config["attention_head_dim"],
+                      {"transformer_blocks": config.get("num_layers", 0),
+                       "single_transformer_blocks": config.get("num_single_layers", 0)})
 
 
-def _plain_mlp_bytes(config: dict, tokens: float) -> tuple[float, float]:
-    return _two_stream_bytes(config, tokens, False)  # a plain 4x GELU MLP
+def _joint_blocks(config: dict) -> ModelShape:
+    """SD3 and Qwen-Image: joint blocks only."""
+    return ModelShape(config["num_attention_heads"] * config["attention_head_dim"],
+                      {"transformer_blocks": config.get("num_layers", 0)})
 
 
-def _swiglu_bytes(config: dict, tokens: float) -> tuple[float, float]:
-    return _two_stream_bytes(config, tokens, True)  # FLUX.2: SwiGLU, mlp_ratio (3) wide
+def _single_stream(config: dict) -> ModelShape:
+    """Z-Image: one stream of n_layers, with refiners over the image tokens and over the caption before it."""
+    refiners = config.get("n_refiner_layers", 0)
+    return ModelShape(config["dim"], {"layers": config["n_layers"], "noise_refiner": refiners,
+                                      "context_refiner": refiners})
 
 
-def _single_stream_bytes(config: dict, tokens: float) -> tuple[float, float]:
-    """Z-Image: one stream, SwiGLU feed-forward (8/3 wide), refiner layers before it."""
-    hidden = config["dim"]
-    return transformer_stack(tokens, hidden, int(hidden * 8 / 3), True,
-                             config["n_layers"] + config.get("n_refiner_layers", 0))
+def _padded_to_32(tokens: float) -> float:
+    """Z-Image pads the image tokens and the caption's each to a multiple of 32."""
+    return math.ceil(tokens / 32) * 32
 
 
 @dataclass(frozen=True)
@@ -49,21 +53,24 @@ class FlowModel:
     """One flow model's torch-free facts, told by its transformer class."""
 
     name: str
-    activations: Callable  # (transformer config, tokens per sample) -> (full, checkpointed) bytes
+    constants: str  # its key in the measured activation constants (dstune/model_configs/activation_constants.json)
+    shape: Callable  # transformer config -> ModelShape: the width and blocks the constants are evaluated at
     text_width_key: str  # the transformer config's key for the text embeddings' width
     clip_tokens: int = 0  # CLIP tokens before the long text encoder's (SD3: 77)
     default_text_tokens: int = DEFAULT_TEXT_TOKENS
     edit_pipelines: tuple[str, ...] = ()  # pipeline classes of this transformer that train on (source, target) pairs
+    pad_tokens: Callable = lambda tokens: tokens  # what the transformer pads a sequence to
 
 
 FLOW_MODELS = {
-    "SD3Transformer2DModel": FlowModel("SD3", _plain_mlp_bytes, "joint_attention_dim", clip_tokens=77,
+    "SD3Transformer2DModel": FlowModel("SD3", "sd3", _joint_blocks, "joint_attention_dim", clip_tokens=77,
                                        default_text_tokens=77),
-    "FluxTransformer2DModel": FlowModel("Flux.1", _plain_mlp_bytes, "joint_attention_dim"),
-    "QwenImageTransformer2DModel": FlowModel("Qwen-Image", _plain_mlp_bytes, "joint_attention_dim",
+    "FluxTransformer2DModel": FlowModel("Flux.1", "flux1", _two_streams, "joint_attention_dim"),
+    "QwenImageTransformer2DModel": FlowModel("Qwen-Image", "qwen-image", _joint_blocks, "joint_attention_dim",
                                              edit_pipelines=("QwenImageEditPipeline",)),
-    "ZImageTransformer2DModel": FlowModel("Z-Image", _single_stream_bytes, "cap_feat_dim"),
-    "Flux2Transformer2DModel": FlowModel("FLUX.2", _swiglu_bytes, "joint_attention_dim"),
+    "ZImageTransformer2DModel": FlowModel("Z-Image", "z-image", _single_stream, "cap_feat_dim",
+                                          pad_tokens=_padded_to_32),
+    "Flux2Transformer2DModel": FlowModel("FLUX.2", "flux2", _two_streams, "joint_attention_dim"),
 }
 
 
@@ -93,9 +100,14 @@ def text_tokens(spec, folder) -> int:
 
 
 def _activations(spec, folder, config: dict, clips) -> tuple[float, float]:
+    """The model's measured constants over its image tokens (2x2 latent patches, 16 px; an edit model's source
+    image's too) and its text tokens."""
+    model = flow_model(folder)
     images = 2 if edit_pipeline(folder) else 1
-    tokens = images * (spec.data.resolution / 16) ** 2 + text_tokens(spec, folder)
-    return flow_model(folder).activations(config, tokens)
+    image_tokens = model.pad_tokens(images * (spec.data.resolution / 16) ** 2)
+    sample = measured_sample_bytes(model.constants, model.shape(config), image_tokens,
+                                   model.pad_tokens(text_tokens(spec, folder)), spec.train.precision)
+    return in_plan_units(sample, spec.train.precision)
 
 
 def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int:

@@ -3,12 +3,23 @@ one clip's activations; dstune.families.facts describes the contract."""
 
 from __future__ import annotations
 
-from dstune.memory.activations import speecht5_sample_bytes
+from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, ModelShape, in_plan_units, measured_sample_bytes
 from dstune.families.facts import ModelFacts
 from dstune.memory.plan import ModelCounts
 from dstune.memory.counts import config_folder, count_component, read_config
 
 DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
+
+
+def sample_bytes(config: dict, seconds: float, precision: str = "bf16") -> tuple[int, int]:
+    """One clip's activations from SpeechT5's measured constants: the encoder over the transcript's tokens, the
+    decoder over the mel frames (16 kHz, hop 256) in steps of reduction_factor, the attention scores (eager
+    attention) and the guided-attention loss included. dstune never checkpoints SpeechT5: one figure for both."""
+    hidden = config.get("hidden_size", 768)
+    steps = seconds * 16000 / 256 / config.get("reduction_factor", 2)
+    shape = ModelShape(hidden, {"encoder": config.get("encoder_layers", 12), "decoder": config.get("decoder_layers", 6)})
+    return in_plan_units(measured_sample_bytes("speecht5", shape, steps, seconds * TEXT_TOKENS_PER_SECOND, precision),
+                         precision)
 
 
 def _count(spec, num_samples: int, clips=()) -> ModelCounts:
@@ -18,8 +29,8 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     vocoder = spec.model.vocoder or (str(folder / "vocoder") if (folder / "vocoder" / "config.json").exists() else None)
     if vocoder:
         companions["vocoder"] = count_component(str(config_folder(vocoder)[0] / "config.json"))[0]
-    full, checkpointed = speecht5_sample_bytes(read_config(folder / "config.json"),
-                                               spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS)
+    full, checkpointed = sample_bytes(read_config(folder / "config.json"),
+                                      spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS, spec.train.precision)
     return ModelCounts("speecht5", params, params, largest, companions, (), int(full), int(checkpointed), 0, 0, origin)
 
 

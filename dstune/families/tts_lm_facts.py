@@ -8,7 +8,8 @@ import json
 import os
 from typing import Optional
 
-from dstune.memory.activations import codec_frame_rate, lm_sample_bytes, tts_tokens
+from dstune.memory.activations import (ModelShape, codec_frame_rate, in_plan_units, lm_sample_bytes,
+                                       measured_sample_bytes, tts_tokens)
 from dstune.families.denoiser_facts import lora_settings
 from dstune.families.facts import ModelFacts, SpecIssues
 from dstune.memory.plan import ModelCounts
@@ -49,12 +50,22 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
             codebooks = read_config(saved).get("num_codebooks", 8) if saved.exists() else \
                 codec_config.get("num_quantizers", 8)
     seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
-    full, checkpointed = lm_sample_bytes(config, tts_tokens(seconds, frame_rate, codebooks))
+    full, checkpointed = _activations(config, tts_tokens(seconds, frame_rate, codebooks), spec.train.precision)
     cached = ("codec",) if spec.data.cache.codec_tokens and "codec" in companions else ()
     cache_bytes = int(4 * frame_rate * codebooks * seconds * num_samples) \
         if spec.data.cache.codec_tokens else 0  # int32 codes; an upper bound (every clip at the longest length)
     return ModelCounts("lm", params, lora or params, largest, companions, cached, int(full), int(checkpointed),
                        default_lora, cache_bytes, origin)
+
+
+def _activations(config: dict, tokens: float, precision: str) -> tuple[int, int]:
+    """A Llama-class LM (Llama 3.2, Orpheus): the measured constants at its width, MLP width, vocabulary (the
+    logits and their fp32 copies for the loss) and layers; another architecture: the generic formula."""
+    if config.get("model_type") != "llama":
+        return lm_sample_bytes(config, tokens)
+    shape = ModelShape(config["hidden_size"], {"layers": config["num_hidden_layers"]},
+                       ffn=config["intermediate_size"], vocab=config["vocab_size"])
+    return in_plan_units(measured_sample_bytes("llama", shape, tokens, 0, precision), precision)
 
 
 def _spec_issues(spec) -> SpecIssues:

@@ -9,7 +9,7 @@ and the transformer's patch (pt, ph, pw) read from the model's configs (Wan's 8 
 from __future__ import annotations
 
 from dstune import wan_layouts
-from dstune.memory.activations import transformer_layer_bytes
+from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, embedding_width_bytes, latent_channels,
                                             pipeline_folder, transformer_text_bytes)
 from dstune.families.facts import ModelFacts, SpecIssues
@@ -21,24 +21,35 @@ TEMPORAL_COMPRESSION = 4  # the Wan VAE: the first frame, then 4 frames per late
 DEFAULT_TEXT_TOKENS = 512  # umT5's max_sequence_length in WanPipeline
 
 
-def sample_bytes(config: dict, resolution, frames: int, text_tokens: int, vae_factor: int = 8) -> tuple[float, float]:
-    """A Wan transformer over one clip of `resolution` (a square side, or a bucket's (width, height)): its tokens
-    are (1 + (frames - 1) / 4) latent frames x (height / 16) x (width / 16) (the VAE's 8x spatial and 4x temporal
-    compression, then 1x2x2 patches; Wan 2.2's 16x VAE: / 32), so they grow with frames x height x width.
-    `text_tokens`: the cross-attention context (Wan 2.1 I2V: the text and the image embedding's tokens); the
-    condition channels of image-to-video only widen the patch embedding. Each block is a self-attention layer with a
-    plain (GELU) MLP of ffn_dim over those tokens, plus a cross-attention to the text (its query-side norm,
-    projections and output: ~8 bytes per token and width, as in the UNet estimate) and the text's key/value
-    projections (4 bytes per text token and width)."""
+def clip_tokens(config: dict, resolution, frames: int, vae_factor: int = 8) -> float:
+    """A Wan transformer's tokens over one clip of `resolution` (a square side, or a bucket's (width, height)):
+    (1 + (frames - 1) / 4) latent frames x (height / 16) x (width / 16) (the VAE's 8x spatial and 4x temporal
+    compression, then 1x2x2 patches; Wan 2.2's 16x VAE: / 32), so they grow with frames x height x width."""
     patch = config.get("patch_size", [1, 2, 2])
     width, height = (resolution, resolution) if isinstance(resolution, int) else resolution
-    tokens = (1 + (frames - 1) // 4) / patch[0] * (height / (vae_factor * patch[1])) * \
+    return (1 + (frames - 1) // 4) / patch[0] * (height / (vae_factor * patch[1])) * \
         (width / (vae_factor * patch[2]))
-    hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    extra = 8 * tokens * hidden + 4 * text_tokens * hidden
-    layer = transformer_layer_bytes(tokens, hidden, config.get("ffn_dim", 4 * hidden), False) + extra
-    layers = config["num_layers"]
-    return layers * layer, layers * 2 * tokens * hidden + layer
+
+
+def constants_key(config: dict, index: dict) -> str:
+    """Which measured Wan block the transformer has: Wan 2.1 image-to-video's (the image's own key/value
+    projections in the cross-attention), TI2V's (a timestep, so a modulation, per token), or text-to-video's (Wan
+    2.2 A14B image-to-video too: its condition channels only widen the patch embedding)."""
+    if config.get("added_kv_proj_dim"):
+        return "wan-i2v"
+    return "wan-ti2v" if index.get("expand_timesteps") else "wan-t2v"
+
+
+def sample_bytes(config: dict, index: dict, resolution, frames: int, context_tokens: int, vae_factor: int = 8,
+                 precision: str = "bf16") -> tuple[float, float]:
+    """One clip's activation bytes (dstune.memory.plan's 2-byte units) from the measured constants of the
+    transformer's block, at its width, ffn_dim and num_layers; `context_tokens`: the cross-attention context
+    (Wan 2.1 I2V: the text and the image embedding's tokens)."""
+    shape = ModelShape(config["num_attention_heads"] * config["attention_head_dim"], {"blocks": config["num_layers"]},
+                       ffn=config.get("ffn_dim", 0))
+    sample = measured_sample_bytes(constants_key(config, index), shape,
+                                   clip_tokens(config, resolution, frames, vae_factor), context_tokens, precision)
+    return in_plan_units(sample, precision)
 
 
 def expert_summary(index: dict, expert: str, timestep_range) -> dict:
@@ -94,7 +105,7 @@ def _activations(spec, folder, config: dict, clips) -> tuple[float, float]:
     context = _text_tokens(spec) + (_image_tokens(folder) if with_encoder else 0)
     frames, width, height, _ = max(clip_buckets(spec, 0, clips), key=lambda b: clip_volume(*b))
     _, factor = latent_channels(folder)
-    return sample_bytes(config, (width, height), frames, context, factor)
+    return sample_bytes(config, folder.index, (width, height), frames, context, factor, spec.train.precision)
 
 
 def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int:

@@ -1,28 +1,100 @@
-"""Activation memory of one training sample: the generic formulas (a transformer layer, a UNet, a causal LM, SpeechT5)
-that the families' torch-free facts (dstune.families.<family>_facts) apply to their configs.
+"""Activation memory of one training sample, (without checkpointing, with gradient checkpointing), in two forms:
 
-Every figure is the bytes autograd keeps for backward at 2 bytes per element (bf16/fp16; dstune.memory.plan
-doubles them for fp32), for one sample: (without checkpointing, with gradient checkpointing). The basis,
-derived in docs/memory.md:
-
-- A transformer layer over s tokens of width h with an MLP of inner width i keeps s x (17h + m x i) bytes
+- measured: `measured_sample_bytes` evaluates the constants that bench/activation_table.py measured on the real
+  diffusers / transformers class of each model dstune trains (dstune/model_configs/activation_constants.json;
+  docs/memory.md says how they are measured and regenerated) at the real model's width, MLP width, vocabulary and
+  block counts. Each family's torch-free facts (dstune.families.<family>_facts) name their model's key.
+- generic formulas, only where no constants exist (a UNet of another block structure, as the built-in tiny ones; a
+  causal LM that is not Llama-class), at 2 bytes per element (dstune.memory.plan doubles them for fp32):
+  a transformer layer over s tokens of width h with an MLP of inner width i keeps s x (17h + m x i) bytes
   (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1 without dropout
   and without the s^2 attention scores, which fused attention (SDPA/flash) does not keep): m = 4 for a plain MLP,
-  8 for a gated one (SwiGLU/GEGLU keep both halves and their product). With checkpointing a layer keeps only its
-  input (2sh) and one layer at a time is recomputed in backward.
-- A UNet ResNet block over s latent pixels of c channels keeps ~7 tensors of s x c (two norms, two activations,
-  two convolution inputs, the residual): 14sc. A UNet transformer layer is the layer above with a GEGLU MLP of
-  4c plus cross-attention (8sc), each attention module adds its norm and projections (6sc). Checkpointing
-  (diffusers checkpoints every ResNet and attention module) keeps block inputs and recomputes one block at a time.
-- A causal LM also keeps its logits for the loss: bf16 logits, their fp32 copy and its gradient, 10 bytes per
-  token and vocabulary entry, not checkpointed.
+  8 for a gated one. With checkpointing a layer keeps only its input (2sh) and one layer at a time is recomputed.
+  A UNet ResNet block over s latent pixels of c channels keeps ~7 tensors of s x c: 14sc; a UNet transformer layer
+  is the layer above with a GEGLU MLP of 4c plus cross-attention (8sc), each attention module adds 6sc. A causal
+  LM also keeps its logits for the loss: 10 bytes per token and vocabulary entry, not checkpointed.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+from dataclasses import dataclass, field
+from pathlib import Path
 
 TEXT_TOKENS_PER_SECOND = 20  # tts: a transcript's tokens per second of speech (~15 characters/s, byte-level or BPE)
+CONSTANTS_FILE = Path(__file__).resolve().parents[1] / "model_configs" / "activation_constants.json"
+
+
+@functools.lru_cache(maxsize=1)
+def activation_constants() -> dict:
+    """The measured table: model key -> its constants (see docs/memory.md)."""
+    return json.loads(CONSTANTS_FILE.read_text())["models"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the measured constants are evaluated at: the real model's width (hidden size; a UNet's first block
+    channels), its MLP width where its configs set it apart, its vocabulary (LM logits) and blocks per kind."""
+
+    width: int
+    layers: dict = field(default_factory=dict)
+    ffn: int = 0
+    vocab: int = 0
+
+
+def _evaluate(coefficients: dict, tokens: float, context: float, width: float, ffn: float) -> float:
+    values = {"T": tokens * width, "C": context * width, "1": width, "TT": tokens * tokens * width,
+              "CC": context * context * width, "TC": tokens * context * width, "fT": ffn * tokens,
+              "fC": ffn * context, "f": ffn}
+    return sum(coefficient * values[name] for name, coefficient in coefficients.items())
+
+
+def measured_sample_bytes(key: str, shape: ModelShape, tokens: float, context: float = 0.0,
+                          precision: str = "bf16") -> tuple[float, float]:
+    """One sample's (full, checkpointed) activation bytes in the run's precision (fp32: 4-byte tensors; bf16/fp16:
+    the measured bf16 bytes, fp32 norms and modulation included), from the model's measured constants: per bucket
+    width x (a tokens + c context + b ...) + ffn x (...), the blocks times their count; with checkpointing the
+    inputs of every checkpointed block plus one recomputed block. A model that dstune never checkpoints has no
+    checkpointed figure: the full one."""
+    entry = activation_constants()[key]
+    table = entry["fp32" if precision == "fp32" else "bf16"]
+
+    def bucket(coefficients: dict) -> float:
+        return _evaluate(coefficients, tokens, context, shape.width, shape.ffn)
+
+    logits = shape.vocab * _evaluate(table["logits"], tokens, context, 1, 0) if "logits" in table else 0.0
+    full = bucket(table["outside"]) + logits + sum(
+        count * bucket(table["blocks"][kind]) for kind, count in shape.layers.items())
+    if not entry["checkpointing"]:
+        return full, full
+    checkpointed = bucket(table["ckpt_outside"]) + bucket(table["recompute"]) + logits + sum(
+        count * bucket(table["ckpt_inputs"][kind]) for kind, count in shape.layers.items())
+    return full, checkpointed
+
+
+def unet_structure(config: dict) -> dict:
+    """A UNet2DConditionModel's block structure and channel ratios: what its measured constants are for."""
+    channels = list(config["block_out_channels"])
+    levels = len(channels)
+    return {"down_block_types": list(config["down_block_types"]), "up_block_types": list(config["up_block_types"]),
+            "layers_per_block": config.get("layers_per_block", 2),
+            "transformer_layers_per_block": _per_level(config, "transformer_layers_per_block", levels),
+            "channel_ratios": [c / channels[0] for c in channels]}
+
+
+def measured_unet(config: dict):
+    """The measured UNet whose structure the config has (any width), or None (the generic formula applies)."""
+    structure = unet_structure(config)
+    return next((key for key, entry in activation_constants().items() if entry.get("structure") == structure), None)
+
+
+def in_plan_units(sample_bytes: tuple[float, float], precision: str) -> tuple[int, int]:
+    """dstune.memory.plan counts activations at 2 bytes per element and doubles them for fp32: a measured fp32
+    figure enters it halved."""
+    divisor = 2 if precision == "fp32" else 1
+    return int(sample_bytes[0] / divisor), int(sample_bytes[1] / divisor)
 
 
 def transformer_layer_bytes(tokens: float, hidden: int, inner: int, gated: bool) -> float:
@@ -74,18 +146,6 @@ def lm_sample_bytes(config: dict, tokens: float) -> tuple[float, float]:
     full, checkpointed = transformer_stack(tokens, hidden, inner, gated, config["num_hidden_layers"])
     logits = 10 * tokens * config["vocab_size"] / 2  # in the 2-byte units of the rest
     return full + logits, checkpointed + logits
-
-
-def speecht5_sample_bytes(config: dict, seconds: float) -> tuple[float, float]:
-    """SpeechT5: an encoder over the transcript and a decoder over mel frames (16 kHz, hop 256, reduction 2)."""
-    hidden = config.get("hidden_size", 768)
-    text = seconds * TEXT_TOKENS_PER_SECOND
-    frames = seconds * 16000 / 256 / config.get("reduction_factor", 2)
-    encoder = transformer_stack(text, hidden, config.get("encoder_ffn_dim", 4 * hidden), False,
-                                config.get("encoder_layers", 12))
-    decoder = transformer_stack(frames, hidden, config.get("decoder_ffn_dim", 4 * hidden), False,
-                                config.get("decoder_layers", 6))
-    return encoder[0] + decoder[0], encoder[1] + decoder[1]
 
 
 def codec_frame_rate(config: dict) -> float:

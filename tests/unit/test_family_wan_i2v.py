@@ -254,7 +254,7 @@ def _validate(tmp_path, capsys, model: dict, sample: dict, cache: bool = True) -
 def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tmp_path, capsys):
     """The image encoder is a frozen companion (cached with the latents, whose entries grow by the condition and
     the CLIP hidden states); TI2V's 16x VAE quarters the tokens; the mode and sample problems name their key."""
-    from dstune.families.wan_facts import sample_bytes as wan_sample_bytes
+    from dstune.families.wan_facts import clip_tokens
     from dstune.memory.counts import STORE
 
     code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": []})
@@ -266,7 +266,7 @@ def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tm
     per_clip = 4 * (2 * 16 * 32 + 16 * 32 + 17 * 32) + 512 * 32 * 4
     assert memory["cache_disk_bytes"] == 144 * per_clip
     config = json.loads((STORE / "builtin" / "tiny-wan22-ti2v-v1" / "transformer" / "config.json").read_text())
-    assert wan_sample_bytes(config, 64, 5, 0, 16)[0] == wan_sample_bytes(config, 32, 5, 0, 8)[0]
+    assert clip_tokens(config, 64, 5, 16) == clip_tokens(config, 32, 5, 8)
     code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": ["a red circle moving left"]})
     assert code != 0 and "sample.prompts: image-to-video renders each clip from a first frame" in out.err + out.out
     code, out = _validate(tmp_path, capsys, {"image_to_video": True}, {"prompts": []})

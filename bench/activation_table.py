@@ -1,0 +1,164 @@
+"""Measure the activation bytes of every model dstune trains and regenerate dstune/model_configs/activation_constants.json.
+
+    python3 bench/activation_table.py            # all models, bf16 and fp32 (~20 min on 2 busy CPU cores)
+    python3 bench/activation_table.py flux1 sd3  # only these keys (the others stay as stored)
+
+For each model (bench/activation_models.py: the real class, narrow) and precision, bench/activation_measure.py
+counts the bytes autograd saves in one training forward at each of the case's sizes, without and with gradient
+checkpointing, and a least-squares fit gives per bucket (outside the blocks, one block of each kind, the logits, the
+checkpoint inputs, the recomputed module) bytes = width x (a T + c C + b [+ T^2, C^2, T C terms]) [+ ffn x (...)],
+T the tokens and C the context tokens; dstune.memory.activations evaluates them for the real model's width, MLP
+width, vocabulary and block counts. Progress goes to stderr; stdout holds the table and one line of JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from activation_measure import count_checkpointed, count_saved, warm_up  # noqa: E402
+from activation_models import CASES, CASES_BY_KEY  # noqa: E402
+from common import print_json, print_table  # noqa: E402
+from dstune.memory.activations import CONSTANTS_FILE  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+WIDTH_FEATURES = ("T", "C", "1")
+QUADRATIC_FEATURES = ("TT", "CC", "TC")
+FFN_FEATURES = ("fT", "fC", "f")
+
+
+def _enable_checkpointing(model) -> None:
+    if hasattr(model, "gradient_checkpointing_enable"):  # transformers
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:  # diffusers, as dstune enables it
+        from dstune.families.diffusion import non_reentrant_checkpoint
+        model.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
+
+
+def _disable_checkpointing(model) -> None:
+    if hasattr(model, "gradient_checkpointing_disable"):
+        model.gradient_checkpointing_disable()
+    else:
+        model.disable_gradient_checkpointing()
+
+
+def measure(case, dtype: torch.dtype, tokens: int, context: int, heads: int = 0, ffn_mult: int = 1) -> dict:
+    """One size of one case: the buckets' bytes (see the module docstring) and the measured shape."""
+    torch.manual_seed(0)
+    model, width, ffn, vocab = case.build(heads or case.heads, ffn_mult)
+    model = model.to(dtype).train()
+    blocks = case.block_lists(model)
+    run = case.run(model, tokens, context, dtype)
+    warm_up(run)
+    record = {"tokens": case.pad(tokens), "context": case.pad(context), "width": width, "ffn": ffn, "vocab": vocab,
+              "layers": {kind: len(modules) for kind, modules in blocks.items()}}
+    checkpointed = []
+    if case.checkpointing:
+        _enable_checkpointing(model)
+        ckpt, checkpointed = count_checkpointed(model, run, blocks, vocab)
+        _disable_checkpointing(model)
+    full = count_saved(model, run, blocks, vocab, checkpointed)
+    per_block = {kind: full.block(kind) for kind in blocks}
+    record["blocks"] = per_block
+    record["outside"] = full.outside + sum(full.blocks.values()) - sum(
+        per_block[kind] * len(modules) for kind, modules in blocks.items())
+    record["logits"] = full.logits
+    record["total"] = full.total
+    if case.checkpointing:
+        inputs = {kind: ckpt.block(kind) for kind in blocks}
+        record["ckpt_inputs"] = inputs
+        record["ckpt_outside"] = ckpt.outside + ckpt.checkpoint_inputs + sum(ckpt.blocks.values()) - sum(
+            inputs[kind] * len(modules) for kind, modules in blocks.items())
+        record["recompute"] = full.largest_module
+        record["ckpt_total"] = ckpt.outside + ckpt.checkpoint_inputs + sum(ckpt.blocks.values()) + \
+            full.largest_module + ckpt.logits
+    return record
+
+
+def _features(case, records, with_ffn: bool) -> list[str]:
+    names = list(WIDTH_FEATURES) + (list(QUADRATIC_FEATURES) if case.quadratic else [])
+    if len({r["context"] for r in records}) == 1:  # a fixed context (a UNet's 77 CLIP tokens, an LM's none)
+        names = [n for n in names if "C" not in n]
+    if with_ffn:
+        names += [n for n in FFN_FEATURES if not ("C" in n and "C" not in names)]
+    return names
+
+
+def _value(name: str, record: dict) -> float:
+    t, c, f = record["tokens"], record["context"], record["ffn"]
+    return {"T": t, "C": c, "1": 1, "TT": t * t, "CC": c * c, "TC": t * c, "fT": f * t, "fC": f * c, "f": f}[name]
+
+
+def fit(records: list, features: list, target) -> dict:
+    """Least squares of target(record) on the features; width features per width unit (the measured width)."""
+    matrix = torch.tensor([[_value(n, r) for n in features] for r in records], dtype=torch.float64)
+    values = torch.tensor([[float(target(r))] for r in records], dtype=torch.float64)
+    solution = torch.linalg.lstsq(matrix, values, driver="gelsd").solution[:, 0].tolist()
+    width = records[0]["width"]
+    return {n: round(v / (1 if n.startswith("f") else width), 6) for n, v in zip(features, solution)}
+
+
+def constants_for(case, dtype: torch.dtype) -> tuple[dict, list]:
+    records = [measure(case, dtype, t, c) for t, c in case.sizes]
+    if case.ffn:
+        records += [measure(case, dtype, t, c, ffn_mult=2) for t, c in case.sizes]
+    plain, with_ffn = _features(case, records, False), _features(case, records, case.ffn)
+    kinds = list(records[0]["blocks"])
+    table = {"outside": fit(records, plain, lambda r: r["outside"]),
+             "blocks": {k: fit(records, with_ffn, lambda r, k=k: r["blocks"][k]) for k in kinds}}
+    if records[0]["vocab"]:
+        table["logits"] = {n: v * records[0]["width"] / records[0]["vocab"]
+                           for n, v in fit(records, ["T", "1"], lambda r: r["logits"]).items()}
+    if case.checkpointing:
+        table["ckpt_outside"] = fit(records, plain, lambda r: r["ckpt_outside"])
+        table["ckpt_inputs"] = {k: fit(records, plain, lambda r, k=k: r["ckpt_inputs"][k]) for k in kinds}
+        table["recompute"] = fit(records, with_ffn, lambda r: r["recompute"])
+    return table, records
+
+
+def _write(models: dict) -> None:
+    document = {"about": "bytes autograd keeps for backward per training sample, measured by "
+                         "bench/activation_table.py (docs/memory.md); do not edit by hand",
+                "versions": {"torch": torch.__version__.split("+")[0], "diffusers": _version("diffusers"),
+                             "transformers": _version("transformers")},
+                "models": dict(sorted(models.items()))}
+    CONSTANTS_FILE.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+    return version(package)
+
+
+def main(keys: list[str]) -> None:
+    stored = json.loads(CONSTANTS_FILE.read_text()) if CONSTANTS_FILE.exists() else {}
+    models = stored.get("models", {})
+    rows = []
+    for case in [CASES_BY_KEY[k] for k in keys] if keys else CASES:
+        started = time.monotonic()
+        entry = {"title": case.title, "checkpointing": case.checkpointing, **case.extra}
+        for name, dtype in DTYPES.items():
+            table, records = constants_for(case, dtype)
+            entry[name] = table
+            first = records[0]
+            entry["measured"] = {"heads": case.heads, "width": first["width"], "ffn": first["ffn"],
+                                 "vocab": first["vocab"], "layers": first["layers"],
+                                 "sizes": [list(s) for s in case.sizes]}
+            rows.append([case.key, name, first["total"], first.get("ckpt_total", "-")])
+        models[case.key] = entry
+        _write(models)  # after each model: a long run that stops keeps what it measured
+        print(f"{case.key}: {time.monotonic() - started:.1f} s", file=sys.stderr)
+    print_table("activation bytes at each model's first measured size", ["model", "dtype", "bytes", "checkpointed"],
+                rows)
+    print_json("activation_table", {"models": sorted(models)})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
