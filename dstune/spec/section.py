@@ -12,3 +12,9 @@ class Section(BaseModel):
     """Base for every spec section: frozen, and unknown keys are errors rather than silent defaults."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    def folder_defaults(self, read) -> dict:
+        """A model section's keys that the spec leaves unset and its pretrained folder decides: {key: value}, from
+        `read(name)` (one of the folder's JSON files, None when absent). None here; dstune.model_defaults applies
+        them for validate and start-up alike."""
+        return {}

@@ -3,12 +3,24 @@ Re-exported by dstune.spec.models; torch-free like the rest of the spec."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional
+from typing import Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
 from dstune.spec.model_sections import LM_LORA_TARGET_MODULES, LoraSpec
 from dstune.spec.section import Section
+
+
+
+TTS_LAYOUT_FILE = "dstune_tts.json"  # a tts_lm folder's token layout (dstune.token_layouts describes it)
+
+
+def default_codec(layout_file: Optional[dict], token_layout: Optional[str]) -> str:
+    """The codec of a tts_lm model whose spec leaves model.codec out: the one its folder's dstune_tts.json
+    (`layout_file`) names, else SNAC for the orpheus layout, else EnCodec (dstune's layout over a plain LM)."""
+    if layout_file is not None and layout_file.get("codec"):
+        return str(layout_file["codec"])
+    return "snac" if token_layout == "orpheus" else "encodec"
 
 
 class LmLoraSpec(LoraSpec):
@@ -40,9 +52,10 @@ class TtsLmModel(Section):
         "the `dstune_tts.json` a dstune export writes), a hub id already in the local Hugging Face cache, or "
         "`builtin:tiny-tts-lm` (a tiny model built offline). An LM without audio tokens gets them appended.",
     )
-    codec: Literal["encodec", "dac", "mimi", "snac"] = Field(
-        "encodec", description="The codec class: EncodecModel, DacModel or MimiModel (transformers), or SNAC (the "
-        "`snac` package; Orpheus's codec, hierarchical codebooks)."
+    codec: Optional[Literal["encodec", "dac", "mimi", "snac"]] = Field(
+        None, description="The codec class: EncodecModel, DacModel or MimiModel (transformers), or SNAC (the "
+        "`snac` package; Orpheus's codec, hierarchical codebooks). Omitted: the codec the pretrained folder's "
+        "dstune_tts.json names, else `snac` with token_layout orpheus, else `encodec`."
     )
     token_layout: Optional[Literal["dstune", "orpheus"]] = Field(
         None, description="The token layout preset (docs/tts.md): `dstune` (text, BOS, flattened codes, EOS; loss on "
@@ -95,6 +108,13 @@ class TtsLmModel(Section):
     sample_temperature: float = Field(
         0.8, ge=0, description="Samples: softmax temperature of the audio tokens (0: greedy)."
     )
+
+    def folder_defaults(self, read: Callable[[str], Optional[dict]]) -> dict:
+        """The keys this section leaves unset that the pretrained folder decides (`read(name)`: one of its JSON
+        files, None when absent): the codec its dstune_tts.json names, so that validate and start-up agree."""
+        if self.codec is not None:
+            return {}
+        return {"codec": default_codec(read(TTS_LAYOUT_FILE), self.token_layout)}
 
     @model_validator(mode="after")
     def _layout_fits_codec(self) -> "TtsLmModel":
