@@ -7,6 +7,9 @@ from pydantic import BaseModel, ConfigDict
 # `builtin:NAME` in model.pretrained and data.path: a tiny model or a synthetic dataset dstune makes offline.
 BUILTIN_PREFIX = "builtin:"
 
+# The families that train on codec codes, which data.cache.codec_tokens caches (the data and model sections ask).
+CODEC_TOKEN_FAMILIES = ("tts_lm", "tts_codebooks")
+
 
 class Section(BaseModel):
     """Base for every spec section: frozen, and unknown keys are errors rather than silent defaults."""
