@@ -8,10 +8,12 @@ started from the backbone's hidden state; both are Llama-shaped with gated MLPs 
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 
 from dstune.families.denoiser_facts import lora_settings
 from dstune.families.facts import ModelFacts, SpecIssues
+from dstune.hf import quiet_hf_libraries
 from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, codec_frame_rate, lm_sample_bytes
 from dstune.memory.counts import SizesUnknown, config_folder, read_config
 from dstune.memory.plan import ModelCounts
@@ -34,12 +36,8 @@ def architecture(config: dict) -> str:
 def _meta_counts(config_text: str, targets: tuple, rank: int) -> tuple[int, int, int, int]:
     """(trained parameters, largest trained layer, LoRA parameters, codec parameters) of the class on the meta
     device; the codec is not trained and gets no adapters."""
-    import json
-
     import torch
     import transformers
-
-    from dstune.hf import quiet_hf_libraries
 
     config = json.loads(config_text)
     cls = architecture(config)
@@ -75,8 +73,6 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
 
 
 def _config_text(config: dict) -> str:
-    import json
-
     return json.dumps(config, sort_keys=True)
 
 
