@@ -60,7 +60,7 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     params, largest, lora, codec_params = _meta_counts(_config_text(config), targets, rank)
     default_lora = _meta_counts(_config_text(config), LM_LORA_TARGET_MODULES, 16)[2]
     codec_config = config.get(CODEC_CONFIG[architecture(config)][0]) or {}
-    frame_rate, codebooks = codec_frame_rate(codec_config), int(config.get("num_codebooks", 32))
+    frame_rate, codebooks = _frame_rate(codec_config), int(config.get("num_codebooks", 32))
     seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
     frames = seconds * frame_rate
     backbone = lm_sample_bytes(config, frames + seconds * TEXT_TOKENS_PER_SECOND)
@@ -70,6 +70,17 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     cache_bytes = int(4 * frame_rate * codebooks * seconds * num_samples) if spec.data.cache.codec_tokens else 0
     return ModelCounts("model", params, lora or params, largest, {"codec": codec_params}, cached, int(full),
                        int(checkpointed), default_lora, cache_bytes, origin)
+
+
+def _frame_rate(codec_config: dict) -> float:
+    """Frames per second of the codec; Mimi halves its convolutions' rate with a last stride-2 downsampling
+    (24 kHz / (8 * 6 * 5 * 4 * 2) = 12.5 Hz), which its config does not store."""
+    if codec_config.get("model_type") == "mimi" and not codec_config.get("frame_rate"):
+        hop = 2
+        for ratio in codec_config.get("upsampling_ratios", [8, 6, 5, 4]):
+            hop *= ratio
+        return codec_config.get("sampling_rate", 24000) / hop
+    return codec_frame_rate(codec_config)
 
 
 def _config_text(config: dict) -> str:
