@@ -94,6 +94,15 @@ def folder_architecture(folder: Path) -> str:
     return known[0]
 
 
+def trains_folder(folder: Path) -> bool:
+    """Whether `folder` holds a class this family trains (a tts_codebooks export, for `dstune synthesize`)."""
+    try:
+        folder_architecture(folder)
+    except FamilyError:
+        return False
+    return True
+
+
 def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> CodebooksBuilt:
     """Load the class (fp32, train mode) and its processor, and take the codec out of the trained module."""
     import transformers

@@ -121,8 +121,10 @@ def test_export_loads_with_its_processor_and_generates_a_wav(folder, built, tmp_
     processor.save_audio(audio, str(tmp_path / "out.wav"))
     wave, rate = soundfile.read(tmp_path / "out.wav")
     assert rate == 24000 and len(wave) > 0 and np.isfinite(wave).all()
-    clip = tts_codebooks.synthesize(out, "12", seconds=0.3)
-    assert clip.sample_rate == 24000 and len(clip.wave) > 0
+    from dstune.export import speak
+
+    clip = speak(out, "12", tmp_path / "said.wav", seconds=0.3, temperature=0.8, seed=0)  # `dstune synthesize`
+    assert clip.sample_rate == 24000 and len(clip.wave) > 0 and soundfile.read(tmp_path / "said.wav")[1] == 24000
 
 
 def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
