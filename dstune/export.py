@@ -18,7 +18,7 @@ import torch
 from dstune.checkpoints.layout import STATE_FILE, CheckpointError, checkpoint_root, list_complete, read_latest, tag_for
 from dstune.checkpoints.store import only_tensors_unpickled
 from dstune.ema import consolidated_ema, overlay_ema
-from dstune.families import get_family, speecht5, tts_lm
+from dstune.families import get_family, speecht5, tts_codebooks, tts_lm
 from dstune.families.lora import export_lora
 from dstune.pretrained import build_model
 from dstune.spec.load import SpecSource, validate_data
@@ -117,11 +117,13 @@ def _chosen_weights(folder: Path, state: dict, ema_settings) -> tuple[dict, str]
 
 def speak(folder: Path, text: str, out_wav: Path, seconds: float, temperature: float, seed: int):
     """`dstune synthesize`: speech for `text` from a tts_lm export (either token layout; dstune_tts.json beside the
-    LM) or a speecht5 export, written to `out_wav`; returns the clip."""
+    LM), a tts_codebooks export (a CSM folder) or a speecht5 export, written to `out_wav`; returns the clip."""
     import soundfile
 
     if (folder / TTS_LAYOUT_FILE).is_file():
         clip = tts_lm.synthesize(folder, text, seconds=seconds, temperature=temperature, seed=seed)
+    elif tts_codebooks.trains_folder(folder):
+        clip = tts_codebooks.synthesize(folder, text, seconds=seconds, temperature=temperature, seed=seed)
     else:
         clip = speecht5.synthesize(folder, text, seconds=seconds, seed=seed)
     out_wav.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """Spec values whose default depends on the model: data.resolution and sample.guidance when the spec leaves them
-out (torch-free).
+out, and the model section's own folder-decided keys (a tts_lm codec) (torch-free).
 
     with_model_defaults(spec) -> (spec with both filled in, where the resolution came from, where the guidance did)
 
@@ -65,10 +65,23 @@ def _guidance(spec: Spec) -> tuple[float, str]:
     return value, f"{why}; not set in the spec"
 
 
+def _with_folder_defaults(spec: Spec) -> Spec:
+    """The model section's keys its folder decides (a tts_lm codec from dstune_tts.json), where the spec leaves them
+    out; a folder whose configs are not readable here leaves the section's own fallback."""
+    try:
+        folder = config_folder(spec.model.pretrained)[0]
+    except SizesUnknown:
+        folder = None
+    read = _reader(folder) if folder is not None else (lambda name: None)
+    updates = spec.model.folder_defaults(read)
+    return spec.model_copy(update={"model": spec.model.model_copy(update=updates)}) if updates else spec
+
+
 def with_model_defaults(spec: Spec) -> tuple[Spec, str, str]:
     """The spec with data.resolution set to the model's native size and sample.guidance to its pipeline's default
     where the spec leaves them out, and where each value in effect came from ("" for speech families, which have
     neither)."""
+    spec = _with_folder_defaults(spec)
     if spec.model.family in AUDIO_FAMILIES:
         return spec, "", ""
     data, size_origin = spec.data, "set in the spec"

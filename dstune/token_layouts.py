@@ -26,7 +26,7 @@ import json
 import os
 from fractions import Fraction
 
-TTS_LAYOUT_FILE = "dstune_tts.json"
+from dstune.spec.speech_models import TTS_LAYOUT_FILE  # the file name is the spec's: it decides model.codec
 
 PRESETS = ("dstune", "orpheus")
 

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dstune.builtin.common import BuiltinError, BuiltinModel  # noqa: F401 - BuiltinError is part of the API
+from dstune.builtin.csm import TINY_CSM
 from dstune.builtin.flow import TINY_FLOW, TINY_FLUX
 from dstune.builtin.flux2 import TINY_FLUX2, TINY_FLUX2_DEV
 from dstune.builtin.orpheus import TINY_ORPHEUS
@@ -123,6 +124,6 @@ def _exclusive(lock_path: Path):
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
-    TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5, TINY_ORPHEUS, TINY_QWEN_IMAGE,
+    TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5, TINY_ORPHEUS, TINY_CSM, TINY_QWEN_IMAGE,
     TINY_QWEN_IMAGE_EDIT, TINY_Z_IMAGE, TINY_FLUX2, TINY_FLUX2_DEV, TINY_WAN, TINY_WAN_A14B,
     TINY_WAN_I2V, TINY_WAN22_TI2V)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 
-from dstune.families import flow_facts, speecht5_facts, tts_lm_facts, unet_facts, wan_facts
+from dstune.families import flow_facts, speecht5_facts, tts_codebooks_facts, tts_lm_facts, unet_facts, wan_facts
 from dstune.families.base import Family
 from dstune.families.facts import ModelFacts
 
@@ -27,12 +27,13 @@ FAMILY_MODULES: dict[str, str] = {
     "flow": "dstune.families.flow",
     "wan": "dstune.families.wan",
     "tts_lm": "dstune.families.tts_lm",
+    "tts_codebooks": "dstune.families.tts_codebooks",
     "speecht5": "dstune.families.speecht5",
 }
 
 FAMILY_FACTS: dict[str, ModelFacts] = {facts.family: facts for facts in (
     unet_facts.SD_FACTS, unet_facts.SDXL_FACTS, flow_facts.FACTS, wan_facts.FACTS, tts_lm_facts.FACTS,
-    speecht5_facts.FACTS)}
+    tts_codebooks_facts.FACTS, speecht5_facts.FACTS)}
 
 
 def _unknown(name: str) -> ValueError:

@@ -117,7 +117,7 @@ def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weig
     rows = "".join(
         f'<section id="step-{step}"><h2>step {step}</h2>'
         + (f'<img src="{html.escape(name)}" alt="samples at step {step}">{_mp4_link(folder, name)}'
-           if name.endswith((".png", ".webp")) else f'<a href="{html.escape(name)}/">{html.escape(name)}/</a>')
+           if name.endswith((".png", ".webp")) else _wav_players(folder, name))
         + "</section>\n" for step, name in entries)
     curves = curves_svg(list(metrics))
     curves_section = f'<section id="curves">{curves}</section>\n' if curves else ""
@@ -130,6 +130,17 @@ def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weig
     target = folder / "index.html"
     write_text_atomic(target, page)
     return target
+
+
+def _wav_players(folder: Path, name: str) -> str:
+    """A speech step's folder of WAVs (00.wav, 01.wav ... in prompt order): one player per clip, then the folder."""
+    import html
+
+    wavs = sorted(p.name for p in (folder / name).glob("*.wav"))
+    players = "".join(f'<p>{int(Path(wav).stem) + 1 if Path(wav).stem.isdigit() else html.escape(wav)}. '
+                      f'<audio controls preload="none" src="{html.escape(name)}/{html.escape(wav)}"></audio></p>'
+                      for wav in wavs)
+    return f'{players}<a href="{html.escape(name)}/">{html.escape(name)}/</a>'
 
 
 def _mp4_link(folder: Path, name: str) -> str:

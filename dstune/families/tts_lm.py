@@ -159,6 +159,13 @@ def _add_text_tokens(model: TtsLmModel, folder: Path, tokenizer, lm, layout: dic
     return {**layout, "vocab_size": lm.config.vocab_size}
 
 
+def _json_reader(folder: Path) -> Callable[[str], Optional[dict]]:
+    def read(name: str) -> Optional[dict]:
+        path = folder / name
+        return json.loads(path.read_text()) if path.is_file() else None
+    return read
+
+
 def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> TtsLmBuilt:
     """Load the LM (fp32, train mode) and the codec (fp32 always: its tokens must not depend on the precision)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -166,6 +173,7 @@ def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtyp
     folder = folders["pretrained"]
     if not (folder / "config.json").is_file():
         raise FamilyError(f"{folder}: no config.json, so this is not a transformers causal-LM folder")
+    model = model.model_copy(update=model.folder_defaults(_json_reader(folder)))  # model.codec left out: the folder's
     try:
         with quiet_hf_libraries():
             lm = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)

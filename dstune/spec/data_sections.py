@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from dstune.spec.section import BUILTIN_PREFIX, Section
+from dstune.spec.section import BUILTIN_PREFIX, CODEC_TOKEN_FAMILIES, Section
 
 
 # ---------------------------------------------------------------------------------------------------------- data
@@ -297,8 +297,9 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
             return (f"model.family {family} trains on speech: data.buckets, data.cache.latents and "
                     "data.cache.text_embeddings are for images; use data.duration_bucket_seconds and "
                     "data.cache.codec_tokens")
-        if data.cache.codec_tokens and family != "tts_lm":
-            return f"data.cache.codec_tokens is for model.family tts_lm (a codec-token LM), not {family}"
+        if data.cache.codec_tokens and family not in CODEC_TOKEN_FAMILIES:
+            return (f"data.cache.codec_tokens is for the codec-token models (model.family "
+                    f"{' or '.join(CODEC_TOKEN_FAMILIES)}), not {family}")
         if data.eval is not None:
             return (f"data.eval: the held-out loss is computed for the image families (sd, sdxl, flow); "
                     f"model.family {family} has no evaluation pass yet. Remove data.eval")

@@ -43,6 +43,7 @@ LORA_FORMATS = {
     "flow": {"diffusers": "diffusers", "comfyui": "diffusers"},
     "wan": {"diffusers": "diffusers"},  # WanPipeline.save_lora_weights' file
     "tts_lm": {"peft": "peft"},  # a peft adapter folder beside the merged transformers folder (docs/tts.md)
+    "tts_codebooks": {"peft": "peft"},
 }
 
 

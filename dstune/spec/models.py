@@ -19,13 +19,13 @@ from dstune.spec.section import Section
 from dstune.spec.model_sections import (  # noqa: F401
     BASE_PRECISION_BYTES, DEFAULT_LORA_TARGET_MODULES, LORA_FORMATS, SINGLE_FILE_FAMILIES, DenoiserModelBase,
     FlowModel, LoraSpec, SdModel, SdxlModel, is_single_file, lora_file_scheme, lora_format_problem)
-from dstune.spec.speech_models import SpeechT5Model, TtsLmModel
+from dstune.spec.speech_models import SpeechT5Model, TtsCodebooksModel, TtsLmModel
 from dstune.spec.video_models import WanModel
 from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, VideoSpec, data_family_problem  # noqa: F401
 
 # One model section per family; the family lists below are derived from them (each section's `family` literal and
 # its `modality`), so adding a family adds one section here and nothing else in this module.
-MODEL_SECTIONS = (SdModel, SdxlModel, FlowModel, WanModel, TtsLmModel, SpeechT5Model)
+MODEL_SECTIONS = (SdModel, SdxlModel, FlowModel, WanModel, TtsLmModel, TtsCodebooksModel, SpeechT5Model)
 Model = Annotated[Union[MODEL_SECTIONS], Field(discriminator="family")]
 FAMILIES = tuple(typing.get_args(section.model_fields["family"].annotation)[0] for section in MODEL_SECTIONS)
 # families that train on clips (B, 3, frames, H, W): data.video applies

@@ -104,6 +104,10 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
                 _speech(**_lora(16, LM_LORA_TARGET_MODULES), **{
                     "model.codec": "snac", "model.token_layout": "orpheus",
                     "model.codec_pretrained": "hubertsiuzdak/snac_24khz"})),
+    ModelPreset("csm", "Sesame CSM 1B (backbone + depth decoder over 32 Mimi codebooks), LoRA on both", "tts_codebooks",
+                "sesame/csm-1b", "tiny-csm",
+                _speech(**_lora(16, LM_LORA_TARGET_MODULES), **{"model.gradient_checkpointing": True,
+                                                                "data.cache.codec_tokens": True})),
     ModelPreset("speecht5", "SpeechT5 TTS (encoder-decoder to mel frames, HiFi-GAN vocoder)", "speecht5",
                 "microsoft/speecht5_tts", "tiny-speecht5",
                 _speech(**{"model.vocoder": "microsoft/speecht5_hifigan", "train.optimizer.lr": 1.0e-5})),

@@ -16,6 +16,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec
+from dstune.spec.section import CODEC_TOKEN_FAMILIES
 from dstune.spec.presets import PRESETS_BY_NAME, ModelPreset
 
 # Values the `init` example uses where the default is not what a first run wants. The example must validate as
@@ -68,7 +69,7 @@ MODEL_EXAMPLE_VALUES: dict[str, Any] = {
 def left_out_keys(family: str) -> set[str]:
     """The dotted keys `dstune init --model` omits for a family (its data and samples never read them)."""
     if family in AUDIO_FAMILIES:
-        return set(PICTURE_ONLY_KEYS) | ({"data.cache.codec_tokens"} if family != "tts_lm" else set())
+        return set(PICTURE_ONLY_KEYS) | ({"data.cache.codec_tokens"} if family not in CODEC_TOKEN_FAMILIES else set())
     left_out = set(SPEECH_ONLY_KEYS)
     if family in VIDEO_FAMILIES:
         return left_out | {"data.random_flip", "data.eval", "data.control_dir"}

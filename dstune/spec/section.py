@@ -7,8 +7,17 @@ from pydantic import BaseModel, ConfigDict
 # `builtin:NAME` in model.pretrained and data.path: a tiny model or a synthetic dataset dstune makes offline.
 BUILTIN_PREFIX = "builtin:"
 
+# The families that train on codec codes, which data.cache.codec_tokens caches (the data and model sections ask).
+CODEC_TOKEN_FAMILIES = ("tts_lm", "tts_codebooks")
+
 
 class Section(BaseModel):
     """Base for every spec section: frozen, and unknown keys are errors rather than silent defaults."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    def folder_defaults(self, read) -> dict:
+        """A model section's keys that the spec leaves unset and its pretrained folder decides: {key: value}, from
+        `read(name)` (one of the folder's JSON files, None when absent). None here; dstune.model_defaults applies
+        them for validate and start-up alike."""
+        return {}

@@ -3,12 +3,24 @@ Re-exported by dstune.spec.models; torch-free like the rest of the spec."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional
+from typing import Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
 from dstune.spec.model_sections import LM_LORA_TARGET_MODULES, LoraSpec
 from dstune.spec.section import Section
+
+
+
+TTS_LAYOUT_FILE = "dstune_tts.json"  # a tts_lm folder's token layout (dstune.token_layouts describes it)
+
+
+def default_codec(layout_file: Optional[dict], token_layout: Optional[str]) -> str:
+    """The codec of a tts_lm model whose spec leaves model.codec out: the one its folder's dstune_tts.json
+    (`layout_file`) names, else SNAC for the orpheus layout, else EnCodec (dstune's layout over a plain LM)."""
+    if layout_file is not None and layout_file.get("codec"):
+        return str(layout_file["codec"])
+    return "snac" if token_layout == "orpheus" else "encodec"
 
 
 class LmLoraSpec(LoraSpec):
@@ -40,9 +52,10 @@ class TtsLmModel(Section):
         "the `dstune_tts.json` a dstune export writes), a hub id already in the local Hugging Face cache, or "
         "`builtin:tiny-tts-lm` (a tiny model built offline). An LM without audio tokens gets them appended.",
     )
-    codec: Literal["encodec", "dac", "mimi", "snac"] = Field(
-        "encodec", description="The codec class: EncodecModel, DacModel or MimiModel (transformers), or SNAC (the "
-        "`snac` package; Orpheus's codec, hierarchical codebooks)."
+    codec: Optional[Literal["encodec", "dac", "mimi", "snac"]] = Field(
+        None, description="The codec class: EncodecModel, DacModel or MimiModel (transformers), or SNAC (the "
+        "`snac` package; Orpheus's codec, hierarchical codebooks). Omitted: the codec the pretrained folder's "
+        "dstune_tts.json names, else `snac` with token_layout orpheus, else `encodec`."
     )
     token_layout: Optional[Literal["dstune", "orpheus"]] = Field(
         None, description="The token layout preset (docs/tts.md): `dstune` (text, BOS, flattened codes, EOS; loss on "
@@ -96,6 +109,13 @@ class TtsLmModel(Section):
         0.8, ge=0, description="Samples: softmax temperature of the audio tokens (0: greedy)."
     )
 
+    def folder_defaults(self, read: Callable[[str], Optional[dict]]) -> dict:
+        """The keys this section leaves unset that the pretrained folder decides (`read(name)`: one of its JSON
+        files, None when absent): the codec its dstune_tts.json names, so that validate and start-up agree."""
+        if self.codec is not None:
+            return {}
+        return {"codec": default_codec(read(TTS_LAYOUT_FILE), self.token_layout)}
+
     @model_validator(mode="after")
     def _layout_fits_codec(self) -> "TtsLmModel":
         if self.token_layout == "orpheus" and self.codec != "snac":
@@ -116,6 +136,64 @@ class TtsLmModel(Section):
     @property
     def lora_settings(self) -> Optional[LoraSpec]:
         """The LoRA settings in effect (None for full training); target_modules default to a Llama's attention."""
+        if self.train != "lora":
+            return None
+        return self.lora if self.lora is not None else LmLoraSpec()
+
+
+class TtsCodebooksModel(Section):
+    """A multi-codebook TTS model trained through its own transformers class (chosen by the folder's
+    `architectures`): Sesame CSM (CsmForConditionalGeneration: backbone + depth decoder over Mimi codebooks)."""
+
+    modality: ClassVar[str] = "audio"
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("CsmForConditionalGeneration",)
+    MODEL_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = ("pretrained",)
+    COMPANION_FOLDERS: ClassVar[dict[str, str]] = {}
+    FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    family: Literal["tts_codebooks"] = Field(
+        description="Model family. `tts_codebooks`: a TTS model that predicts several codec codebooks per audio "
+        "frame, trained through its own transformers class and loss (the folder's architecture says which: "
+        "CsmForConditionalGeneration). Its codec is the one inside the folder. See docs/tts.md."
+    )
+    pretrained: str = Field(
+        "builtin:tiny-csm",
+        description="The model's transformers folder (config.json naming its class, weights, its processor files), "
+        "a hub id already in the local Hugging Face cache, or `builtin:tiny-csm` (a tiny CSM built offline).",
+    )
+    train: Literal["full", "lora"] = Field(
+        "full", description="`full`: every weight but the codec's is trained. `lora`: peft LoRA adapters on "
+        "`lora.target_modules` (the backbone's and the depth decoder's attention by default) are trained; the "
+        "export is the merged folder with the peft adapter in `adapter/`.",
+    )
+    lora: Optional[LmLoraSpec] = Field(
+        None, description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
+        "([q_proj, k_proj, v_proj, o_proj]), `dropout` (0.0); omitted: those defaults.",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute the backbone's and depth decoder's activations in backward."
+    )
+    max_sample_seconds: float = Field(
+        2.0, gt=0, description="Samples during training: the longest audio generated per prompt, in seconds."
+    )
+    sample_temperature: float = Field(
+        0.8, ge=0, description="Samples: softmax temperature of the backbone and the depth decoder (0: greedy)."
+    )
+
+    @field_validator("lora")
+    @classmethod
+    def _lm_target_modules(cls, value):  # unset: the attention projections, written into the spec the run saves
+        if value is not None and "target_modules" not in value.model_fields_set:
+            return value.model_copy(update={"target_modules": list(LM_LORA_TARGET_MODULES)})
+        return value
+
+    @model_validator(mode="after")
+    def _lora_only_with_lora(self) -> "TtsCodebooksModel":
+        if self.lora is not None and self.train != "lora":
+            raise ValueError("lora settings are given but `train` is 'full': set `train: lora`, or remove `lora`")
+        return self
+
+    @property
+    def lora_settings(self) -> Optional[LoraSpec]:
         if self.train != "lora":
             return None
         return self.lora if self.lora is not None else LmLoraSpec()

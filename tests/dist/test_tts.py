@@ -17,12 +17,13 @@ import torch
 from safetensors.torch import load_file
 
 from harness import CACHE_DIR, explain, launch, write_spec
-from tts_runs import STEPS, check_resume_continues_exactly, check_trains_and_samples, tts_spec
+from tts_runs import STEPS, check_resume_continues_exactly, check_trains_and_samples, codebooks_spec, tts_spec
 
 pytestmark = pytest.mark.dist
 
 CASES = {"zero2": 2, "zero3": 3}
 SPEECHT5_CASES = {"speecht5-zero2": 2, "speecht5-zero3": 3}
+CODEBOOKS_CASES = {"csm-zero3-full": (3, "full"), "csm-zero2-lora": (2, "lora")}  # tts_codebooks: Sesame CSM
 
 
 def _speecht5_spec(run_dir: Path, stage: int) -> dict:
@@ -35,20 +36,24 @@ def _speecht5_spec(run_dir: Path, stage: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Four launches shared by the tests below (the resumes are in their own tests)."""
+    """Six launches shared by the tests below (the resumes are in their own tests)."""
     out = {}
-    for name, stage in [*CASES.items(), *SPEECHT5_CASES.items()]:
+    for name, stage in [*CASES.items(), *SPEECHT5_CASES.items(), *CODEBOOKS_CASES.items()]:
         run_dir = tmp_path_factory.mktemp(f"tts-{name}") / "run"
-        spec = _speecht5_spec(run_dir, stage) if name in SPEECHT5_CASES else tts_spec(run_dir, stage)
+        if name in CODEBOOKS_CASES:
+            spec = codebooks_spec(run_dir, *stage)
+        else:
+            spec = _speecht5_spec(run_dir, stage) if name in SPEECHT5_CASES else tts_spec(run_dir, stage)
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
     return out
 
 
-@pytest.mark.parametrize("name", [*CASES, *SPEECHT5_CASES])
+@pytest.mark.parametrize("name", [*CASES, *SPEECHT5_CASES, *CODEBOOKS_CASES])
 def test_trains_checks_samples_and_exports(runs, name):
     run_dir, _, proc = runs[name]
-    check_trains_and_samples(run_dir, proc, 16000 if name in SPEECHT5_CASES else 8000)
+    rate = 16000 if name in SPEECHT5_CASES else 24000 if name in CODEBOOKS_CASES else 8000
+    check_trains_and_samples(run_dir, proc, rate)
 
 
 def test_length_rules_and_bad_files_are_reported(runs):
@@ -76,7 +81,7 @@ def test_export_reloads_in_transformers_and_speaks(runs, name):
     assert clip.sample_rate == 8000 and clip.wave.size > 0 and np.isfinite(clip.wave).all()
 
 
-@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2"])
+@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2", *CODEBOOKS_CASES])
 def test_resume_continues_exactly(runs, name, tmp_path):
     check_resume_continues_exactly(*runs[name], tmp_path / "resumed")
 
@@ -124,3 +129,32 @@ def test_speecht5_export_reloads_and_speaks(runs, name):
     assert any(not torch.equal(trained[k], v) for k, v in base.state_dict().items() if k in trained)
     clip = synthesize(folder, "42", seconds=0.3)
     assert clip.sample_rate == 16000 and clip.wave.size > 0 and np.isfinite(clip.wave).all()
+
+
+@pytest.mark.parametrize("name", list(CODEBOOKS_CASES))
+def test_csm_export_loads_with_its_processor_and_generates_a_wav(runs, name, tmp_path):
+    """The export is a folder CsmForConditionalGeneration + AutoProcessor load (the codec inside), with the trained
+    weights, whose own generate + processor.save_audio write a WAV; a LoRA export also holds the peft adapter."""
+    import soundfile
+    from peft import PeftModel
+    from transformers import AutoProcessor, CsmForConditionalGeneration
+
+    from dstune.families.tts_codebooks import decodable_codes
+
+    run_dir, _, proc = runs[name]
+    assert proc.returncode == 0, explain(proc)
+    folder = run_dir / "export" / f"step-{STEPS:08d}"
+    model, processor = CsmForConditionalGeneration.from_pretrained(folder).eval(), AutoProcessor.from_pretrained(folder)
+    base = CsmForConditionalGeneration.from_pretrained(CACHE_DIR / "builtin" / "tiny-csm-v1")
+    changed = [k for k, v in base.state_dict().items() if not torch.equal(v, model.state_dict()[k])]
+    assert changed and not any(k.startswith("codec_model.") for k in changed)  # trained, the codec untouched
+    if name.endswith("lora"):
+        merged = PeftModel.from_pretrained(base, folder / "adapter").merge_and_unload()
+        assert all(torch.allclose(merged.state_dict()[k], model.state_dict()[k], atol=1e-6) for k in changed)
+    torch.manual_seed(0)
+    audio = model.generate(**processor("<|begin_of_text|>[0]42<|end_of_text|>"), output_audio=True,
+                           max_new_tokens=4, **decodable_codes(model.config.vocab_size,
+                                                               model.codec_model.config.codebook_size))
+    processor.save_audio(audio, str(tmp_path / "42.wav"))
+    wave, rate = soundfile.read(tmp_path / "42.wav")
+    assert rate == 24000 and wave.size > 0 and np.isfinite(wave).all()

@@ -49,6 +49,19 @@ def tts_spec(run_dir: Path, stage: int) -> dict:
         sample={"prompts": ["123", "90"]})
 
 
+def codebooks_spec(run_dir: Path, stage: int, train: str) -> dict:
+    """A tts_codebooks run (builtin:tiny-csm) on builtin:tones through the codec-token cache: ZeRO-3 full with
+    gradient checkpointing, or LoRA (any stage)."""
+    spec = tts_spec(run_dir, 2)
+    spec["model"] = {"family": "tts_codebooks", "pretrained": "builtin:tiny-csm", "max_sample_seconds": 0.3,
+                     "train": train, "gradient_checkpointing": stage == 3}
+    if train == "lora":  # rank-4 adapters start at B = 0: a larger step, so that 4 steps change what it says
+        spec["model"]["lora"] = {"rank": 4}
+        spec["train"]["optimizer"]["lr"] = 0.1
+    spec["deepspeed"] = {"zero_stage": stage}
+    return spec
+
+
 def check_trains_and_samples(run_dir: Path, proc, sample_rate: int) -> None:
     """The run passed the batch check, its loss fell over STEPS finite steps, and its WAV samples at `sample_rate`
     changed between step 0 and the last step."""

@@ -16,12 +16,12 @@ from dstune.families.diffusion import copy_component
 from dstune.families.samples import save_grid
 from dstune.fsutil import publish_folder
 from dstune.pretrained import resolve_pretrained
-from dstune.spec.models import FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsLmModel, WanModel
+from dstune.spec.models import FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsCodebooksModel, TtsLmModel, WanModel
 from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, LORA_FORMATS, SINGLE_FILE_FAMILIES, VIDEO_FAMILIES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_SPECS = {"sd": SdModel, "sdxl": SdxlModel, "flow": FlowModel, "wan": WanModel, "tts_lm": TtsLmModel,
-               "speecht5": SpeechT5Model}
+               "tts_codebooks": TtsCodebooksModel, "speecht5": SpeechT5Model}
 
 API = ("build", "encode_batch", "loss", "sample", "save_samples", "export")
 

@@ -29,7 +29,8 @@ import torch
 
 from dstune.families import get_family
 from dstune.pretrained import resolve_folders
-from dstune.spec.models import DataSpec, FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsLmModel, WanModel
+from dstune.spec.models import (DataSpec, FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsCodebooksModel, TtsLmModel,
+                                WanModel)
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -65,6 +66,7 @@ CASES = {
     "tiny-tts-lm": (_model(TtsLmModel, "tts_lm"), "tones", SPEECH_LR),
     "tiny-orpheus": (_model(TtsLmModel, "tts_lm", codec="snac"), "tones", SPEECH_LR),
     "tiny-speecht5": (_model(SpeechT5Model, "speecht5"), "tones", SPEECH_LR),
+    "tiny-csm": (_model(TtsCodebooksModel, "tts_codebooks"), "tones", SPEECH_LR),
 }
 
 

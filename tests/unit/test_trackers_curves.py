@@ -143,3 +143,14 @@ def test_wandb_writes_an_offline_run_with_the_metrics_and_samples(tmp_path, monk
     assert b"train/loss" in recorded and b"eval/loss" in recorded
     assert list((run / "files" / "media" / "images").glob("samples_4_*.png"))
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_speech_samples_get_a_player_per_wav(tmp_path):
+    """A speech run's steps are folders of WAVs (one per prompt): the page plays each of them."""
+    for step in (0, 4):
+        (tmp_path / f"step-{step:06d}").mkdir()
+        for number in range(2):
+            (tmp_path / f"step-{step:06d}" / f"{number:02d}.wav").write_bytes(b"RIFF")
+    page = write_contact_sheet(tmp_path, ["123", "90"], "trained").read_text()
+    assert page.count("<audio controls") == 4
+    assert '<audio controls preload="none" src="step-000004/01.wav"></audio>' in page

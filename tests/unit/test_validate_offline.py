@@ -19,7 +19,7 @@ from dstune.spec.models import FAMILIES
 
 CACHE = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
 DATA_OF = {"sd": "builtin:shapes", "sdxl": "builtin:shapes", "flow": "builtin:shapes", "wan": "builtin:moving-shapes",
-           "tts_lm": "builtin:tones", "speecht5": "builtin:tones"}
+           "tts_lm": "builtin:tones", "tts_codebooks": "builtin:tones", "speecht5": "builtin:tones"}
 
 
 def validate(capsys, tmp_path: Path, model: dict, data: dict | None = None, *flags: str, **sections):
