@@ -19,7 +19,7 @@ LAYERS = [
     ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves",
      "dstune.library_logs", "dstune.interrupts", "dstune.runlock"],
     ["dstune.world", "dstune.plan", "dstune.resume_plan", "dstune.token_layouts", "dstune.wan_layouts",
-     "dstune.memory", "dstune.memory.plan", "dstune.memory.activations"],
+     "dstune.memory", "dstune.memory.plan", "dstune.memory.phases", "dstune.memory.activations"],
     ["dstune.distributed", "dstune.ds_json", "dstune.data",
      "dstune.families", "dstune.ema", "dstune.memory.counts", "dstune.model_folders", "dstune.model_defaults",
      "dstune.memory.record"],
