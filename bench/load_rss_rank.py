@@ -51,7 +51,7 @@ def load(mode: str, folder: Path, ds_config: dict):
 
     if mode == "eager":
         return UNet2DConditionModel.from_pretrained(folder, subfolder="unet", low_cpu_mem_usage=False)
-    return load_trainable(folder, "unet", UNet2DConditionModel, "cpu", ds_config if mode == "partitioned" else None)
+    return load_trainable(folder, "unet", UNet2DConditionModel, ds_config if mode == "partitioned" else None)
 
 
 def main() -> None:

@@ -13,6 +13,8 @@ estimators' figure, including the fp32 gradient partition that exists only durin
 (model states + DeepSpeed buffers + the activation estimate), and DeepSpeed's own estimator where it has one.
 
     python3 bench/memory_bench.py [--ranks 2] [--quick]
+    python3 bench/memory_bench.py --phases [--ranks 2] [--quick]    per phase, through real training runs
+                                                                    (bench/memory_phases.py)
 """
 
 from __future__ import annotations
@@ -83,7 +85,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="two grid points only (ZeRO 0 and 2, micro 1)")
+    parser.add_argument("--phases", action="store_true", help="prediction and measurement per phase (load, cache, "
+                        "step, sample) from real training runs: bench/memory_phases.py")
     args = parser.parse_args()
+    if args.phases:
+        import memory_phases
+
+        sys.argv = [sys.argv[0], "--ranks", str(args.ranks), *(["--quick"] if args.quick else [])]
+        return memory_phases.main()
     rows, result = [], {}
     with tempfile.TemporaryDirectory(prefix="dstune-memory-bench-") as tmp:
         for stage, micro, offload, optimizer in (QUICK if args.quick else GRID):

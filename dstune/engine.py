@@ -105,6 +105,21 @@ def promote_scalar_params(module: torch.nn.Module) -> list[str]:
     return names
 
 
+def place_trainable(trainable: torch.nn.Module, device, precision: str) -> None:
+    """Move the trainable module (loaded in host memory) to `device`, its floating parameters first cast on the host
+    to the dtype DeepSpeed would cast them to (train.precision: bf16/fp16 parameters, buffers as they are, as
+    DeepSpeed's engine casts them), so the accelerator never holds the fp32 copy: the start-up's peak is the trained
+    dtype's bytes, not twice them. A module built partitioned (ZeRO-3, deepspeed.zero.Init) is already placed."""
+    if any(hasattr(p, "ds_id") for p in trainable.parameters()):
+        return
+    dtype = PRECISION_DTYPES[precision][0]
+    with torch.no_grad():
+        for param in trainable.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+    trainable.to(torch.device(device))
+
+
 def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, plan: Plan):
     """deepspeed.initialize on the trainable module only; returns the engine."""
     import deepspeed

@@ -77,12 +77,14 @@ def render_samples(ctx: LoopContext, step: int, metrics: MetricsFile) -> None:
     when it is exported), then rank 0 writes them (also to TensorBoard / W&B) and the samples page with the loss
     and LR curves logged so far."""
     prompts = ctx.sample_spec.prompts
+    ctx.memory.mark("step")  # the training since the last mark (a sample phase's peak is its own)
     if not prompts:
         return
     with_ema = ctx.ema is not None and ctx.ema.use_for_export
     with frozen_on_device(ctx.built, ctx.offloaded), (ctx.ema.weights_in_model() if with_ema
                                                       else contextlib.nullcontext()):
         outputs = ctx.family.sample(ctx.built, ctx.engine.module, prompts, ctx.sample_spec, ctx.resolution)
+    ctx.memory.mark("sample")
     if ctx.run.is_main:
         path = ctx.run_dir / "samples" / f"step-{step:06d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -212,14 +212,18 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         ("model", f"{counts['module']} {count_text(counts['module_params'])} parameters ({what}); largest layer "
                   f"{count_text(counts['largest_layer_params'])}; from {counts['origin']}"),
         ("frozen parts", companions),
-        ("per GPU", f"{gb(gpu['total_bytes'])} in all"),
+        ("per GPU, step", f"{gb(gpu['total_bytes'])} in all (a training step)"),
         ("  parameters", gb(gpu["parameters_bytes"])), ("  gradients", gb(gpu["gradients_bytes"])),
         ("  optimizer states", gb(gpu["optimizer_bytes"])), ("  frozen weights", gb(gpu["frozen_bytes"])),
         ("  activations", f"{gb(gpu['activations_bytes'])} (estimate; gradient checkpointing {checkpointing})"),
         ("  DeepSpeed buffers", gb(gpu["buffers_bytes"])),
+        *([("  EMA", gb(gpu["ema_bytes"]) + " (fp32 share)")] if gpu.get("ema_bytes") else []),
         ("  runtime reserve", gb(gpu["runtime_reserve_bytes"]) + " (CUDA context, NCCL, allocator)"),
+        *_phase_rows(memory),
         ("host RAM per node", gb(memory["host_per_node_bytes"]) + " (model-related; add the processes' own)"),
     ]
+    if memory.get("host_warning"):
+        rows.append(("  warning", memory["host_warning"]))
     if counts.get("expert"):
         rows.insert(1, ("expert", counts["expert"]["text"]))
     rows += _sampling_rows(counts.get("sampling_companions") or {}, memory, bool(spec.sample.prompts))
@@ -231,9 +235,27 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         verdict = "fits" if memory["fits"] else "DOES NOT FIT"
         rows.append(("--gpu-memory", f"{gb(memory['gpu_memory_bytes'])}: {verdict}"))
         for item in memory["suggestions"]:
-            rows.append(("  would fit with", f"{item['change']} -> {gb(item['per_gpu_total_bytes'])} per GPU"))
+            relieves = f" (relieves the {item['relieves']} phase)" if item.get("relieves") else ""
+            rows.append(("  would fit with", f"{item['change']} -> {gb(item['per_gpu_total_bytes'])} per GPU at the "
+                                             f"peak{relieves}"))
         if memory["fits"] is False and not memory["suggestions"]:
             rows.append(("  would fit with", "no change dstune knows of: more GPUs, or GPUs with more memory"))
+    return rows
+
+
+PHASE_TEXT = {"load": "start-up: the trainable module placed beside every frozen part",
+              "cache": "building the cache: every encoder in use, before DeepSpeed's states",
+              "step": "a training step", "sample": "rendering samples: the encoders back beside DeepSpeed's states"}
+
+
+def _phase_rows(memory: dict) -> list[tuple[str, str]]:
+    """Each phase's bytes per GPU, the peak marked: the peak is what --gpu-memory is held to."""
+    phases = memory.get("phases") or {}
+    rows = [("per GPU, peak", f"{gb(memory['peak_per_gpu_bytes'])} ({memory.get('peak_phase', 'step')} phase: what "
+                              "must fit)")]
+    for name, phase in phases.items():
+        mark = " <- peak" if name == memory.get("peak_phase") else ""
+        rows.append((f"  {name}", f"{gb(phase['per_gpu_bytes'])}: {PHASE_TEXT.get(name, name)}{mark}"))
     return rows
 
 
@@ -244,10 +266,10 @@ def _sampling_rows(sampling: dict, memory: dict, samples: bool) -> list[tuple[st
     what = f"{', '.join(sampling)} ({count_text(sum(sampling.values()))})"
     if not samples:
         return [("while sampling", f"{what} never loads: no sample.prompts")]
-    if memory["peak_per_gpu_bytes"] > memory["per_gpu"]["total_bytes"]:
-        return [("while sampling", f"{gb(memory['peak_per_gpu_bytes'])} per GPU: {what} joins on every GPU while samples "
-                                   "render (the peak; it counts in host RAM too)")]
-    return [("while sampling", f"{what} joins on every GPU while samples render: below the training step's peak")]
+    if memory.get("peak_phase") == "sample":
+        return [("while sampling", f"{what} joins on every GPU while samples render (the sample phase is the peak; "
+                                   "it counts in host RAM too)")]
+    return [("while sampling", f"{what} joins on every GPU while samples render: below the peak")]
 
 
 def plan_table(outcome: Outcome) -> Optional[Table]:

@@ -31,7 +31,7 @@ from dstune.data.loader import make_loader
 from dstune.data.video import VideoCaptionDataset, collate_video, find_bad_clips
 from dstune.distributed import Run, agree_or_stop, all_gather_object, init_run, launcher_rank, rank0_first, shutdown, stop
 from dstune.ds_json.fill_spec import merged_spec
-from dstune.engine import PRECISION_DTYPES
+from dstune.engine import PRECISION_DTYPES, place_trainable
 from dstune.families import get_family
 from dstune.families.base import Family
 from dstune.families.lora import apply_train_mode
@@ -65,7 +65,8 @@ def resolve_model_folders(run: Run, spec: Spec) -> dict:
 def build_family(run: Run, spec: Spec, train_mode: bool = True, ds_config: Optional[dict] = None,
                  folders: Optional[dict] = None) -> tuple[Family, object]:
     """The family and its model on this rank's device; with train_mode, made trainable as model.train says (LoRA
-    adapters added before DeepSpeed sees the module). `folders` from resolve_model_folders (resolved here when not
+    adapters added before DeepSpeed sees the module). The trainable module is loaded in host memory and reaches the
+    device only in its training dtype, after a quantized base is quantized (engine.place_trainable). `folders` from resolve_model_folders (resolved here when not
     given). Under ZeRO-3 (`ds_config`), a family that can builds its trainable module partitioned, all ranks together."""
     family = get_family(spec.model.family)
     folders = folders if folders is not None else resolve_model_folders(run, spec)
@@ -83,13 +84,16 @@ def build_family(run: Run, spec: Spec, train_mode: bool = True, ds_config: Optio
         print(f"loading: {type(built.trainable).__name__} built partitioned (ZeRO-3, deepspeed.zero.Init): "
               f"{mine:,} of its {total:,} parameters on this rank", flush=True)
     if not train_mode:
+        place_trainable(built.trainable, run.device, spec.train.precision)
         return family, built
     summary, error = None, None
-    try:
-        summary = apply_train_mode(built.trainable, spec.model, spec.train.seed, family, spec.output.lora_format)
+    try:  # on the host: a quantized base reaches the device quantized, layer by layer
+        summary = apply_train_mode(built.trainable, spec.model, spec.train.seed, family, spec.output.lora_format,
+                                   device=run.device)
     except ValueError as err:
         error = str(err)
     agree_or_stop(run, error)
+    place_trainable(built.trainable, run.device, spec.train.precision)  # cast on the host, then moved
     if run.is_main:
         print(summary, flush=True)
     return family, built

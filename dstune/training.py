@@ -30,7 +30,7 @@ from dstune.evaluation import make_held_out
 from dstune.export import ExportError, export_checkpoint
 from dstune.interrupts import at_step_boundaries, exit_code_for_stop, launched_by_dstune_train, stop_signal_name
 from dstune.loop import LoopContext, NonFiniteLoss, TrainingInterrupted, render_samples, train_loop
-from dstune.memory.record import MemoryRecorder, summary_text
+from dstune.memory.record import MemoryRecorder, phase_table, summary_text
 from dstune.memory.counts import import_model_classes
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
@@ -169,19 +169,21 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     folders = resolve_model_folders(run, spec)  # before the baseline: making a built-in model is not training memory
     memory = MemoryRecorder(predicted)
     family, built = build_family(run, spec, ds_config=resolved.ds_config, folders=folders)
+    memory.mark("load")
+    # The caches before the engine: the encoders they replace leave the device before DeepSpeed's states arrive.
+    records = checked_records(run, spec, family)
+    caches, code = prepare_caches(run, spec, family, built, records)
+    if code:
+        stop(run, "", code)
+    memory.mark("cache")
     scalar_params = promote_scalar_params(built.trainable)
     engine = wrap_model(built.trainable, spec.train, engine_config(resuming, ds_config), plan)
-    memory.mark("engine_start")
     ema = None
     if spec.train.ema is not None:
         trainable = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
         ema = Ema(trainable, spec.train.ema, run.rank, run.world_size)
     state = continue_from(run, resuming, engine, ema, resolved, plan)
-    records = checked_records(run, spec, family)
-    caches, code = prepare_caches(run, spec, family, built, records)
-    if code:
-        stop(run, "", code)
-    memory.mark("caches_ready")
+    memory.mark("engine")
     loader, sampler = make_training_loader(spec, plan, run.rank, family, built, records, caches, state.epoch,
                                            state.step_in_epoch)
     _check_first_batch(run, engine, plan, loader, sampler, state)
@@ -200,13 +202,13 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
 
 def _write_memory_records(run: Run, run_dir: Path, memory: MemoryRecorder) -> None:
     """Collective: every rank's peaks per phase, with the memory plan's prediction, into memory.json; one line."""
-    memory.mark("end")
     records = all_gather_object(memory.as_dict(run.rank))
     if run.is_main:
+        phases = phase_table(memory.predicted_phases(), records)
         (run_dir / "memory.json").write_text(json.dumps(
-            {"predicted": memory.predicted, "predicted_per_rank_bytes": memory.predicted_bytes(), "ranks": records},
-            indent=2) + "\n")
-        print(summary_text(memory.predicted_bytes(), records), flush=True)
+            {"predicted": memory.predicted, "predicted_per_rank_bytes": memory.predicted_bytes(), "phases": phases,
+             "ranks": records}, indent=2) + "\n")
+        print(summary_text(memory.predicted_bytes(), records, phases), flush=True)
 
 
 def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, options: ResumeOptions) -> int:
@@ -240,7 +242,7 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
     tag = tag_for(state.global_step)
     if read_latest(checkpoint_root(run_dir)) != tag:  # resuming a finished run: its last checkpoint stays as it is
         save_checkpoint(ctx.engine, run, run_dir, state, ctx.checkpoint_extra, spec.output.keep_last, ema=ctx.ema)
-    render_samples(ctx, state.global_step, metrics)
+    render_samples(ctx, state.global_step, metrics)  # closes the last step phase
     _write_memory_records(run, run_dir, ctx.memory)
     metrics.close()
     if run.is_main:

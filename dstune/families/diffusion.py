@@ -55,9 +55,6 @@ def copy_component(source: Path, target: Path) -> None:
         shutil.copytree(sub, target / sub.name, dirs_exist_ok=True)
 
 
-
-
-
 def component_problems(folder: Path, index: dict, components: dict) -> list[str]:
     """Why a pipeline folder lacks what a model needs: each component of `components` (name -> the class
     model_index.json must list, or None for any) listed in model_index.json and present as a subfolder."""
@@ -110,16 +107,19 @@ def load_component(folder: Path, name: str, loader: Callable, **kwargs):
         raise FamilyError(f"{folder / name}: cannot load it ({first_line})") from None
 
 
-def load_trainable(folder: Path, name: str, model_class, device, zero3_config: Optional[dict] = None):
-    """The component a family trains, in fp32 on `device`, with one copy of its weights per process at most.
+def load_trainable(folder: Path, name: str, model_class, zero3_config: Optional[dict] = None):
+    """The component a family trains, with one copy of its weights per process at most.
 
-    Without `zero3_config`: `from_pretrained` with low_cpu_mem_usage, which builds the module on the meta device and
-    fills it from the memory-mapped safetensors (no second, randomly initialised copy). With `zero3_config` (the
-    run's DeepSpeed JSON, ZeRO stage 3): built partitioned under deepspeed.zero.Init and filled one parameter at a
-    time, so no rank holds the whole model (issue 14; FIELD_NOTES row 18)."""
+    Without `zero3_config`: `from_pretrained` with low_cpu_mem_usage (built on the meta device and filled from the
+    memory-mapped safetensors, no second randomly initialised copy), in fp32 in host memory. It stays there: the
+    start-up (dstune.startup.build_family) quantizes a frozen base and adds LoRA adapters on the host, then casts the
+    module to its training dtype and only then moves it to the accelerator (dstune.engine.place_trainable), so the
+    accelerator never holds an fp32 copy DeepSpeed would cast anyway. With `zero3_config` (the run's DeepSpeed JSON,
+    ZeRO stage 3): built partitioned under deepspeed.zero.Init in the config's precision and filled one parameter at
+    a time, so no rank holds the whole model."""
     if zero3_config is None:
         return load_component(folder, name, model_class.from_pretrained, torch_dtype=torch.float32,
-                              low_cpu_mem_usage=True).to(device)
+                              low_cpu_mem_usage=True)
     return load_partitioned(folder, name, model_class, zero3_config)
 
 

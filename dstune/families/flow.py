@@ -76,7 +76,7 @@ def detect_kind(folder: Path) -> str:
 
 def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
           zero3_config: Optional[dict] = None) -> FlowBuilt:
-    """Load `model.pretrained`: the transformer fp32 on `device` (DeepSpeed casts it for bf16; partitioned with
+    """Load `model.pretrained`: the transformer fp32 in host memory (the start-up casts and moves it; partitioned with
     `zero3_config`, dstune.families.diffusion.load_trainable), the frozen parts in `dtype_for_frozen`. Never
     downloads; FamilyError for any folder that is not a pipeline of one of RECIPES."""
     folder = folders["pretrained"]

@@ -88,7 +88,7 @@ def folder_train_tables(scheduler, shift) -> tuple[torch.Tensor, torch.Tensor]:
 def build_from(recipe: FlowRecipe, model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
                zero3_config: Optional[dict] = None) -> FlowBuilt:
     """Load the recipe's parts of `folders["pretrained"]` (already checked by the family): the trained transformer
-    fp32 on `device` (DeepSpeed casts it for bf16; partitioned with `zero3_config`), the frozen parts in
+    fp32 in host memory (the start-up casts it and moves it to `device`; partitioned with `zero3_config`), the frozen parts in
     `dtype_for_frozen`. Never downloads."""
     with quiet_hf_libraries():
         import diffusers
@@ -98,11 +98,10 @@ def build_from(recipe: FlowRecipe, model, folders: dict, device, dtype_for_froze
     scheduler_class = getattr(diffusers, recipe.scheduler_class or index["scheduler"][1])
     scheduler = load_component(folder, "scheduler", scheduler_class.from_pretrained)
     trained_name = recipe.experts.trained(model) if recipe.experts else "transformer"
-    transformer = load_trainable(folder, trained_name, getattr(diffusers, recipe.transformer_class), device,
-                                 zero3_config)
+    transformer = load_trainable(folder, trained_name, getattr(diffusers, recipe.transformer_class), zero3_config)
     if model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
-    transformer.to(device).train().requires_grad_(True)
+    transformer.train().requires_grad_(True)
     vae = load_component(folder, "vae", getattr(diffusers, recipe.latents.vae_class).from_pretrained,
                          torch_dtype=dtype_for_frozen).to(device)
     vae.eval().requires_grad_(False)

@@ -57,8 +57,10 @@ def is_lora_key(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: Family, lora_format=None) -> str:
-    """Make `denoiser` trainable as `model_spec.train` says; returns a one-line summary for the log. A family
+def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: Family, lora_format=None,
+                     device=None) -> str:
+    """Make `denoiser` trainable as `model_spec.train` says; returns a one-line summary for the log. A quantized
+    base's layers are placed on `device` as they are quantized (None: where they are). A family
     that cannot write a LoRA file, or adapters the LoRA file's key scheme (`lora_format`, output.lora_format)
     cannot name, are refused here, before training, not at the export.
 
@@ -72,7 +74,7 @@ def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: F
         raise FamilyError(f"model.train: lora is not supported by model.family {model_spec.family!r} yet (it "
                           "cannot write a LoRA file, so the adapters could not be exported). Use train: full.")
     denoiser.requires_grad_(False)
-    base = quantized_base(denoiser, getattr(model_spec, "base_precision", None))
+    base = quantized_base(denoiser, getattr(model_spec, "base_precision", None), device)
     try:
         with quiet_hf_libraries():
             add_lora_adapter(denoiser, lora_config(settings))
@@ -108,13 +110,13 @@ def add_lora_adapter(module: torch.nn.Module, config) -> None:
         inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
 
 
-def quantized_base(denoiser: torch.nn.Module, precision) -> str:
+def quantized_base(denoiser: torch.nn.Module, precision, device=None) -> str:
     """Quantize the frozen denoiser's linear weights as model.base_precision says (before the adapters exist, so
     they stay full precision); returns the summary's suffix ("" for an unquantized base)."""
     if precision is None:
         return ""
     before = stored_weight_bytes(denoiser)
-    layers = quantize_linear_weights(denoiser, precision)
+    layers = quantize_linear_weights(denoiser, precision, device)
     after = stored_weight_bytes(denoiser)
     mib = 1024 * 1024
     return (f"; frozen base {precision}: {layers} linear layers quantized, weights {before / mib:.1f} MiB -> "

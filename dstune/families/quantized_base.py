@@ -9,8 +9,8 @@ optimum-quanto's.
 
 Only `nn.Linear` weights are quantized (the attention and feed-forward projections: most of a transformer's or a
 UNet's weights); biases stay in the original dtype, as do convolutions, norms and embeddings. Quantizing happens
-after the fp32 model is loaded and before the adapters are added, so peft wraps the quantized layers and the
-adapters (created afterwards) stay fp32.
+after the fp32 model is loaded in host memory and before the adapters are added, so peft wraps the quantized layers;
+each layer is quantized on its way to the accelerator, so the fp32 base never reaches it.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 NF4_BLOCK_SIZE = 64  # weights per fp32 absmax: 0.5 + 4 / 64 bytes per weight (spec.BASE_PRECISION_BYTES["nf4"])
 
 
-def _quantized_linear(linear: torch.nn.Linear, precision: str) -> torch.nn.Module:
-    """A bitsandbytes layer holding `linear`'s weight quantized, on the same device; frozen."""
+def _quantized_linear(linear: torch.nn.Linear, precision: str, device=None) -> torch.nn.Module:
+    """A bitsandbytes layer holding `linear`'s weight quantized, on `device` (None: the layer's own); frozen."""
     import bitsandbytes as bnb
 
-    device = linear.weight.device
+    device = linear.weight.device if device is None else torch.device(device)
     weight = linear.weight.detach().to("cpu", torch.float32)  # bitsandbytes quantizes when the layer is moved
     has_bias = linear.bias is not None
     if precision == "int8":
@@ -44,19 +44,20 @@ def _quantized_linear(linear: torch.nn.Linear, precision: str) -> torch.nn.Modul
     return layer.to(device).requires_grad_(False)
 
 
-def quantize_linear_weights(module: torch.nn.Module, precision: str) -> int:
-    """Replace every `nn.Linear` inside `module` by its quantized bitsandbytes counterpart (in place). Returns the
-    number of layers replaced."""
+def quantize_linear_weights(module: torch.nn.Module, precision: str, device=None) -> int:
+    """Replace every `nn.Linear` inside `module` by its quantized bitsandbytes counterpart (in place), each placed
+    on `device` as it is quantized (None: where the layer is), so a base loaded in host memory reaches the
+    accelerator quantized, one fp32 layer in flight at most. Returns the number of layers replaced."""
     if precision == "int8":
         # LLM.int8 casts activations to fp16 before quantizing them by design; bitsandbytes says so on every call.
         warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast from")
     replaced = 0
     for name, child in list(module.named_children()):
         if type(child) is torch.nn.Linear:  # exactly Linear: subclasses may carry behaviour a swap would drop
-            setattr(module, name, _quantized_linear(child, precision))
+            setattr(module, name, _quantized_linear(child, precision, device))
             replaced += 1
         else:
-            replaced += quantize_linear_weights(child, precision)
+            replaced += quantize_linear_weights(child, precision, device)
     return replaced
 
 

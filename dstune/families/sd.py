@@ -125,7 +125,7 @@ def _config_mismatches(folder: Path) -> list[str]:
 
 def build(model: SdModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
           zero3_config: Optional[dict] = None) -> SdBuilt:
-    """Load `model.pretrained`. The UNet is fp32 on `device` (DeepSpeed casts it for bf16 runs), built partitioned
+    """Load `model.pretrained`. The UNet is fp32 in host memory (the start-up casts and moves it), built partitioned
     with `zero3_config` (dstune.families.diffusion.load_trainable); the frozen parts are cast to `dtype_for_frozen`.
     Never downloads; raises FamilyError for any unusable folder."""
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
@@ -145,7 +145,7 @@ def build(model: SdModel, folders: dict, device, dtype_for_frozen: torch.dtype =
                           "model.prediction: v_prediction (or leave it unset).")
     noise_scheduler.register_to_config(prediction_type=prediction_type)
     # diffusers models get their dtype at load time: ModelMixin.to(dtype) warns on every call (diffusers 0.42).
-    unet = load_trainable(folder, "unet", UNet2DConditionModel, device, zero3_config)
+    unet = load_trainable(folder, "unet", UNet2DConditionModel, zero3_config)
     if model.gradient_checkpointing:
         unet.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     unet.train().requires_grad_(True)

@@ -153,7 +153,7 @@ def _noise_scheduler(folder: Path, prediction: Optional[str]):
 
 def build(model: SdxlModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
           zero3_config: Optional[dict] = None) -> SdxlBuilt:
-    """Load `model.pretrained` as sd.build does (fp32 UNet on `device`, partitioned with `zero3_config`; frozen
+    """Load `model.pretrained` as sd.build does (fp32 UNet in host memory, partitioned with `zero3_config`; frozen
     parts in `dtype_for_frozen`)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
@@ -162,7 +162,7 @@ def build(model: SdxlModel, folders: dict, device, dtype_for_frozen: torch.dtype
     check_sdxl_folder(folder)
     device = torch.device(device)
     noise_scheduler, prediction_type = _noise_scheduler(folder, model.prediction)
-    unet = load_trainable(folder, "unet", UNet2DConditionModel, device, zero3_config)
+    unet = load_trainable(folder, "unet", UNet2DConditionModel, zero3_config)
     if model.gradient_checkpointing:
         unet.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     unet.train().requires_grad_(True)

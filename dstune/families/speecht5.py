@@ -103,7 +103,7 @@ def build(model: SpeechT5Model, folders: dict, device, dtype_for_frozen: torch.d
                 if buffer is not None and buffer.is_floating_point():
                     module._buffers[name] = buffer.to(torch.bfloat16)
     device = torch.device(device)
-    return SpeechT5Built(folder=folder, device=device, trainable=tts.to(device).train().requires_grad_(True),
+    return SpeechT5Built(folder=folder, device=device, trainable=tts.train().requires_grad_(True),
                          vocoder=vocoder.to(device).eval().requires_grad_(False), processor=processor,
                          speakers=_speakers(model, folder, tts.config.speaker_embedding_dim),
                          max_sample_seconds=model.max_sample_seconds)

@@ -167,7 +167,7 @@ def _json_reader(folder: Path) -> Callable[[str], Optional[dict]]:
 
 
 def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> TtsLmBuilt:
-    """Load the LM (fp32, train mode) and the codec (fp32 always: its tokens must not depend on the precision)."""
+    """Load the LM (fp32 in host memory, train mode: the start-up casts and moves it) and the codec (fp32 always: its tokens must not depend on the precision)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = folders["pretrained"]
@@ -196,7 +196,7 @@ def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtyp
     if model.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = torch.device(device)
-    return TtsLmBuilt(folder=folder, device=device, trainable=lm.to(device).train().requires_grad_(True),
+    return TtsLmBuilt(folder=folder, device=device, trainable=lm.train().requires_grad_(True),
                       codec=codec.to(device), codec_folder=codec_folder, codec_kind=model.codec, tokenizer=tokenizer, layout=layout,
                       max_sample_seconds=model.max_sample_seconds, temperature=model.sample_temperature)
 

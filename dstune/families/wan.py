@@ -35,7 +35,7 @@ TEXT_CACHE_FOLDERS = ("text_encoder", "tokenizer")
 
 def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
           zero3_config: Optional[dict] = None) -> FlowBuilt:
-    """The transformer (model.expert's) fp32 on `device` (partitioned with `zero3_config`), the VAE, UMT5 (and Wan
+    """The transformer (model.expert's) fp32 in host memory (partitioned with `zero3_config`), the VAE, UMT5 (and Wan
     2.1 I2V's image encoder) frozen in `dtype_for_frozen`. Never downloads; FamilyError listing every problem of a
     folder that is not a Wan pipeline this spec can train."""
     folder = folders["pretrained"]

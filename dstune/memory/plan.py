@@ -2,8 +2,10 @@
 
     Setup.of(spec, plan, ds_config)      what the run does (ZeRO stage, offload, precision, optimizer, batch)
     estimate(counts, setup) -> Estimate  per GPU: parameters, gradients, optimizer states, frozen weights,
-                                         activations, DeepSpeed buffers; per node: host RAM and NVMe
-    suggestions(counts, setup, gpu_bytes) the cheapest changes that make it fit, each with its per-GPU total
+                                         activations, DeepSpeed buffers, EMA; per phase (load, cache, step,
+                                         sample: dstune.memory.phases) and their peak; per node: host RAM and NVMe
+    suggestions(counts, setup, gpu_bytes) the cheapest changes that make the peak fit, each with its per-GPU peak
+                                         and the phase it relieves
 
 Torch-free: the parameter counts come in as ModelCounts (dstune.memory.counts counts them on the meta device, or
 training counts the live model). The model-state part follows DeepSpeed's own estimators
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from dstune.memory.phases import Phase, host_warning, peak_phase, run_phases
 from dstune.spec.models import BASE_PRECISION_BYTES  # bytes per frozen base parameter, one table
 
 MIXED = ("bf16", "fp16")
@@ -26,6 +29,9 @@ MIXED = ("bf16", "fp16")
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "lion": 4.0}
 ADAFACTOR_FACTORED_BYTES = 0.1
 RUNTIME_RESERVE_BYTES = 1 << 30  # CUDA context, NCCL and allocator slack per GPU (not on the CPU accelerator)
+# DeepSpeed's ZeRO documentation: overlap_comm uses 4.5 x allgather_bucket_size and reduce_bucket_size (elements, in
+# the module's precision); its source allocates two reduce buffers where one serves without overlap.
+OVERLAP_COMM_FACTOR = 4.5
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,7 @@ class ModelCounts:
     """Parameter counts of one model and its per-sample activation estimate (bytes at 2 bytes per element)."""
 
     trainable_module: str  # "unet", "transformer", "lm", ...
-    module_params: int  # every parameter of the module DeepSpeed wraps
+    module_params: int  # the module's own parameters (LoRA adapters, added at start-up, not included)
     trainable_params: int  # module_params for full training; the adapters' count for LoRA
     largest_layer_params: int  # the module's largest layer (ZeRO-3 gathers one at a time)
     companions: dict = field(default_factory=dict)  # frozen components outside DeepSpeed: name -> parameters
@@ -50,7 +56,8 @@ class ModelCounts:
 
     @property
     def frozen_base_params(self) -> int:
-        return self.module_params - self.trainable_params if self.trainable_params < self.module_params else 0
+        """Under LoRA every parameter of the module stays, frozen, beside the adapters (counted apart)."""
+        return self.module_params if self.trainable_params < self.module_params else 0
 
 
 @dataclass(frozen=True)
@@ -76,11 +83,14 @@ class Setup:
     base_bytes_per_param: Optional[float] = None  # frozen base of a LoRA module; None: the compute precision's
     accelerator: str = "cuda"
     samples: bool = False  # sample.prompts renders during training
+    ema_device: Optional[str] = None  # train.ema.device (same | cpu); None: no EMA
+    ema_in_samples: bool = False  # samples show the EMA (train.ema.export: ema): swapped into the model
 
     @classmethod
     def of(cls, spec, plan, ds_config: dict, base_precision: Optional[str] = None,
            accelerator: str = "cuda") -> "Setup":
         zero = ds_config.get("zero_optimization", {})
+        ema = spec.train.ema
         precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else \
             "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
         return cls(
@@ -96,12 +106,20 @@ class Setup:
             prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size", 5e7)),
             overlap_comm=bool(zero.get("overlap_comm", False)),
             base_bytes_per_param=BASE_PRECISION_BYTES.get(base_precision) if base_precision else None,
-            accelerator=accelerator, samples=bool(getattr(getattr(spec, "sample", None), "prompts", None)))
+            accelerator=accelerator, samples=bool(getattr(getattr(spec, "sample", None), "prompts", None)),
+            ema_device=ema.device if ema is not None else None,
+            ema_in_samples=ema is not None and ema.export == "ema")
 
     @property
     def weight_bytes(self) -> float:
         """Bytes of one parameter or gradient element as the module holds it."""
         return 2.0 if self.precision in MIXED else 4.0
+
+    @property
+    def frozen_bytes(self) -> float:
+        """Bytes of one frozen companion parameter: bf16 under bf16, else fp32 (fp16 keeps them fp32: its loss
+        scaling covers only the trainable module; dstune.engine.PRECISION_DTYPES)."""
+        return 2.0 if self.precision == "bf16" else 4.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,8 @@ class Estimate:
     nvme_per_node: float
     cache_bytes: int
     sampling_extra: float = 0.0  # frozen parts on each GPU only while samples render (Wan 2.2's other expert)
+    ema: float = 0.0  # the EMA's fp32 share on each GPU (train.ema.device: same)
+    phases: dict = field(default_factory=dict)  # name -> dstune.memory.phases.Phase
 
     @property
     def model_states(self) -> float:
@@ -125,19 +145,24 @@ class Estimate:
 
     @property
     def total(self) -> float:
-        return self.model_states + self.frozen + self.activations + self.buffers + self.reserve
+        """The training step's bytes per GPU."""
+        return self.model_states + self.frozen + self.activations + self.buffers + self.ema + self.reserve
+
+    @property
+    def peak_phase(self) -> Phase:
+        return peak_phase(self.phases) if self.phases else Phase("step", {"step": self.total})
 
     @property
     def peak(self) -> float:
-        """The larger of a training step and rendering samples (the step's activations freed, the sampling-only
-        parts on the GPU): what must fit."""
-        return max(self.total, self.total - self.activations + self.sampling_extra)
+        """The largest phase (load, cache, step, sample): what must fit."""
+        return max(self.total, self.peak_phase.per_gpu)
 
     def per_gpu(self) -> dict:
         return {"total_bytes": int(self.total), "parameters_bytes": int(self.parameters),
                 "gradients_bytes": int(self.gradients), "optimizer_bytes": int(self.optimizer),
                 "frozen_bytes": int(self.frozen), "activations_bytes": int(self.activations),
-                "buffers_bytes": int(self.buffers), "runtime_reserve_bytes": int(self.reserve)}
+                "buffers_bytes": int(self.buffers), "ema_bytes": int(self.ema),
+                "runtime_reserve_bytes": int(self.reserve)}
 
 
 def optimizer_state_bytes(setup: Setup) -> float:
@@ -157,8 +182,8 @@ def model_states(counts: ModelCounts, setup: Setup) -> tuple[float, float, float
     fp32_grad_partition = 4.0 * trainable / ranks if setup.precision in MIXED else 0.0
     states = optimizer_state_bytes(setup) * trainable
     offloaded_optimizer = setup.zero_stage >= 1 and setup.offload_optimizer != "none"
-    if setup.zero_stage == 0:
-        return w * trainable, w * trainable, states
+    if setup.zero_stage == 0:  # mixed precision: DeepSpeed's bf16/fp16 optimizer keeps an fp32 gradient copy
+        return w * trainable, w * trainable + (4.0 * trainable if setup.precision in MIXED else 0.0), states
     if setup.zero_stage in (1, 2):
         grads = (w * trainable if setup.zero_stage == 1 else w * trainable / ranks) + fp32_grad_partition
         return w * trainable, 0.0 if offloaded_optimizer else grads, 0.0 if offloaded_optimizer else states / ranks
@@ -177,7 +202,7 @@ def frozen_on_gpu(counts: ModelCounts, setup: Setup) -> float:
     if setup.zero_stage == 3:
         base = 0.0 if setup.offload_param != "none" else base / setup.world_size
     on_gpu = sum(n for name, n in counts.companions.items() if name not in counts.cached_companions)
-    return base + setup.weight_bytes * on_gpu
+    return base + setup.frozen_bytes * on_gpu
 
 
 def activations(counts: ModelCounts, setup: Setup) -> float:
@@ -186,12 +211,16 @@ def activations(counts: ModelCounts, setup: Setup) -> float:
 
 
 def deepspeed_buffers(counts: ModelCounts, setup: Setup) -> float:
-    """The gradient reduce bucket (two with overlap_comm), the ZeRO 1/2 all-gather bucket, the ZeRO-3 prefetch
-    bucket: each at most the trainable parameters, in the module's precision."""
+    """The gradient reduce bucket (two with overlap_comm under ZeRO-3), the ZeRO 1/2 all-gather bucket (with
+    overlap_comm DeepSpeed's documented 4.5 x both), the ZeRO-3 prefetch bucket, in the module's precision. On a GPU
+    a reduce buffer is allocated at its full size; in host memory only the part gradients fill is resident (at most
+    the trainable parameters)."""
     trainable, w = counts.trainable_params, setup.weight_bytes
-    reduce = min(setup.reduce_bucket, trainable) * w * (2 if setup.overlap_comm else 1)
+    bucket = setup.reduce_bucket if setup.accelerator == "cuda" else min(setup.reduce_bucket, trainable)
     if setup.zero_stage in (1, 2):
-        return reduce + min(setup.allgather_bucket, trainable) * w
+        allgather = min(setup.allgather_bucket, trainable)
+        return (OVERLAP_COMM_FACTOR if setup.overlap_comm else 1.0) * (bucket + allgather) * w
+    reduce = bucket * w * (2 if setup.overlap_comm else 1)
     if setup.zero_stage == 3:
         return reduce + min(setup.prefetch_bucket, counts.module_params) * w
     return reduce
@@ -201,11 +230,13 @@ def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
     """(host bytes per rank, NVMe bytes per node). A rank's host peak is the larger of loading (the module read in
     fp32 before it is cast and moved, the frozen parts in the run's precision) and training (offloaded states and parameters, cache-replaced encoders,
     offload's pinned buffers)."""
-    trainable, ranks, w = counts.trainable_params, setup.world_size, setup.weight_bytes
-    loading = module_loading_bytes(counts, setup) + w * sum(counts.companions.values())  # frozen parts: w bytes
+    trainable, ranks, w, frozen = counts.trainable_params, setup.world_size, setup.weight_bytes, setup.frozen_bytes
+    loading = module_loading_bytes(counts, setup) + frozen * sum(counts.companions.values())
     offloaded_states = (4.0 + optimizer_state_bytes(setup)) * trainable / ranks  # fp32 gradients + states
     offloaded_params = w * trainable / ranks + frozen_base_bytes(counts, setup) / ranks
-    training = w * sum(counts.companions.get(name, 0) for name in counts.cached_companions)
+    training = frozen * sum(counts.companions.get(name, 0) for name in counts.cached_companions)
+    if setup.ema_device == "cpu":  # the rank's fp32 EMA share; sampling with it keeps the raw weights aside
+        training += 4.0 * trainable / ranks + (ema_swap_bytes(counts, setup) if setup.samples else 0.0)
     nvme = 0.0
     if setup.zero_stage >= 1 and setup.offload_optimizer == "cpu":
         training += offloaded_states + min(setup.reduce_bucket, trainable) * 4.0  # pinned staging bucket
@@ -216,7 +247,7 @@ def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
     elif setup.offload_param == "nvme":
         nvme += offloaded_params
     if setup.samples:  # read onto the host, then moved to the GPU, while samples render
-        training += w * sum(counts.sampling_companions.values())
+        training += frozen * sum(counts.sampling_companions.values())
     return max(loading, training), nvme * setup.ranks_per_node
 
 
@@ -233,14 +264,45 @@ def frozen_base_bytes(counts: ModelCounts, setup: Setup) -> float:
     return base_bytes * counts.frozen_base_params
 
 
+def ema_swap_bytes(counts: ModelCounts, setup: Setup) -> float:
+    """While samples show the EMA (dstune.ema.Ema.weights_in_model): under ZeRO 0-2 the raw weights kept aside, a
+    full copy (on the EMA's device), under ZeRO-3 this rank's partition of them (on the GPU)."""
+    if setup.ema_device is None or not setup.ema_in_samples:
+        return 0.0
+    trainable = counts.trainable_params
+    return setup.weight_bytes * (trainable / setup.world_size if setup.zero_stage == 3 else trainable)
+
+
+def module_on_load(counts: ModelCounts, setup: Setup) -> float:
+    """The trainable module on the GPU as the start-up places it, before DeepSpeed: in its training dtype, a
+    quantized base quantized (dstune.engine.place_trainable); a ZeRO-3 partitioned build holds its share and one
+    gathered layer; with parameter offload zero.Init keeps the shares in host memory. On the CPU accelerator the
+    device is the host, where the module is read in fp32 first (module_loading_bytes)."""
+    w = setup.weight_bytes
+    if setup.accelerator != "cuda":
+        return module_loading_bytes(counts, setup)
+    if counts.builds_partitioned and setup.zero_stage == 3 and setup.base_bytes_per_param is None:
+        share = 0.0 if setup.offload_param != "none" else w * counts.module_params / setup.world_size
+        return share + w * counts.largest_layer_params
+    return w * counts.trainable_params + frozen_base_bytes(counts, setup)
+
+
 def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
     parameters, gradients, optimizer = model_states(counts, setup)
     host, nvme = host_and_nvme(counts, setup)
     reserve = RUNTIME_RESERVE_BYTES if setup.accelerator == "cuda" else 0
-    sampling = setup.weight_bytes * sum(counts.sampling_companions.values()) if setup.samples else 0.0
-    return Estimate(parameters, gradients, optimizer, frozen_on_gpu(counts, setup), activations(counts, setup),
-                    deepspeed_buffers(counts, setup), reserve, host, setup.ranks_per_node, nvme, counts.cache_bytes,
-                    sampling)
+    sampling = setup.frozen_bytes * sum(counts.sampling_companions.values()) if setup.samples else 0.0
+    ema = 4.0 * counts.trainable_params / setup.world_size if setup.ema_device == "same" else 0.0
+    frozen, acts, buffers = frozen_on_gpu(counts, setup), activations(counts, setup), deepspeed_buffers(counts, setup)
+    swap = ema_swap_bytes(counts, setup)
+    base_on_gpu = frozen_on_gpu(replace(counts, companions={}), setup)
+    terms = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer, "frozen": frozen,
+             "frozen_base": base_on_gpu, "companions_all": setup.frozen_bytes * sum(counts.companions.values()),
+             "module_on_load": module_on_load(counts, setup), "activations": acts, "buffers": buffers,
+             "ema": ema, "ema_swap": swap if setup.ema_device == "same" or setup.zero_stage == 3 else 0.0,
+             "sampling_extra": sampling, "reserve": reserve}
+    return Estimate(parameters, gradients, optimizer, frozen, acts, buffers, reserve, host, setup.ranks_per_node,
+                    nvme, counts.cache_bytes, sampling, ema, run_phases(counts, setup, terms))
 
 
 # ------------------------------------------------------------------------------------------------ suggestions
@@ -262,9 +324,9 @@ def candidate_changes(counts: ModelCounts, setup: Setup) -> list[Change]:
     """Single changes, cheapest first (what costs least speed, or changes least of what is trained); within a kind
     the mildest first."""
     changes = []
-    if setup.samples and counts.sampling_companions:  # first: costs no speed and changes nothing that trains
-        changes.append(Change("samples", "sample.prompts=[] (no samples during training: "
-                              f"{', '.join(counts.sampling_companions)} never loads)", counts,
+    if setup.samples:  # first: costs no speed and changes nothing that trains
+        never = f": {', '.join(counts.sampling_companions)} never loads" if counts.sampling_companions else ""
+        changes.append(Change("samples", f"sample.prompts=[] (no samples during training{never})", counts,
                               replace(setup, samples=False)))
     changes += [Change("stage", f"deepspeed.zero_stage={stage}", counts, replace(setup, zero_stage=stage))
                 for stage in range(setup.zero_stage + 1, 4)]
@@ -300,12 +362,14 @@ def suggestions(counts: ModelCounts, setup: Setup, gpu_bytes: float, limit: int 
     that fits, cheapest kind first; when no single change fits, the strongest change of each kind combined, in that
     order, until the run fits (nothing when even all of them together do not)."""
     found, kinds = [], set()
+    relieved = estimate(counts, setup).peak_phase.name  # the phase that does not fit now
     changes = candidate_changes(counts, setup)
     for change in changes:
-        total = estimate(change.counts, change.setup).peak
-        if total <= gpu_bytes and change.kind not in kinds:
+        after = estimate(change.counts, change.setup)
+        if after.peak <= gpu_bytes and change.kind not in kinds:
             kinds.add(change.kind)
-            found.append({"change": change.text, "per_gpu_total_bytes": int(total)})
+            found.append({"change": change.text, "per_gpu_total_bytes": int(after.peak), "relieves": relieved,
+                          "peak_phase": after.peak_phase.name})
     if found:
         return found[:limit]
     strongest = {change.kind: change for change in changes}  # the last of each kind is the strongest
@@ -318,9 +382,10 @@ def suggestions(counts: ModelCounts, setup: Setup, gpu_bytes: float, limit: int 
         current = replace(current, **updates)
         current_counts = change.counts if change.counts is not counts else current_counts
         texts.append(change.text)
-        total = estimate(current_counts, current).peak
-        if total <= gpu_bytes:
-            return [{"change": " + ".join(texts), "per_gpu_total_bytes": int(total)}]
+        after = estimate(current_counts, current)
+        if after.peak <= gpu_bytes:
+            return [{"change": " + ".join(texts), "per_gpu_total_bytes": int(after.peak), "relieves": relieved,
+                     "peak_phase": after.peak_phase.name}]
     return []
 
 
@@ -328,10 +393,16 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
     """The `memory` object of `dstune validate --json` (names other tools read: docs/memory.md)."""
     result = estimate(counts, setup)
     fits = None if gpu_bytes is None else result.peak <= gpu_bytes
+    host = result.host_per_rank * result.ranks_per_node
     return {
-        "per_gpu": result.per_gpu(),
-        "peak_per_gpu_bytes": int(result.peak),  # the larger of a training step and rendering samples
-        "host_per_node_bytes": int(result.host_per_rank * result.ranks_per_node),
+        "per_gpu": result.per_gpu(),  # the training step
+        "phases": {name: {"per_gpu_bytes": int(phase.per_gpu),
+                          "parts": {label: int(value) for label, value in phase.parts.items() if value}}
+                   for name, phase in result.phases.items()},
+        "peak_per_gpu_bytes": int(result.peak),  # the largest phase: what must fit
+        "peak_phase": result.peak_phase.name,
+        "host_per_node_bytes": int(host),
+        "host_warning": host_warning(host, counts, setup),
         "nvme_per_node_bytes": int(result.nvme_per_node),
         "cache_disk_bytes": int(result.cache_bytes),
         "gpu_memory_bytes": None if gpu_bytes is None else int(gpu_bytes),

@@ -1,19 +1,25 @@
 """Measured memory of one rank, per phase, for the memory plan's "predicted next to measured".
 
     recorder = MemoryRecorder(predicted)      before the model is built: the process's baseline
-    recorder.mark("engine_start")             after deepspeed.initialize
-    recorder.mark("caches_ready")             after the caches are built or verified
-    recorder.mark("first_step")               after the first optimizer step
-    recorder.mark("end")                      after training
+    recorder.mark("load")                     the model built and placed (dstune.startup.build_family)
+    recorder.mark("cache")                    the caches built or verified (before the engine)
+    recorder.mark("engine")                   deepspeed.initialize, the EMA, a resume
+    recorder.mark("first_step")               the first optimizer step (a step phase of its own)
+    recorder.mark("step")                     training steps since the last mark (before samples, at the end)
+    recorder.mark("sample")                   samples rendered
 
-Each mark keeps the peak so far: on a GPU torch.cuda.max_memory_allocated() (what the memory plan's per-GPU
-total predicts, less the runtime reserve), always the process's peak resident set size (VmHWM in /proc/self/status,
-else getrusage's ru_maxrss). On the CPU accelerator the model lives in host memory, so the RSS growth over the
-baseline is what compares with the prediction; the baseline already holds torch, DeepSpeed, the process group and the model's classes
-(dstune.memory.counts.import_model_classes).
+Each mark closes a phase: it records the peak since the previous mark and resets the peak counters, so every
+record is that phase's own peak: on a GPU torch.cuda.max_memory_allocated() (what the memory plan's per-GPU
+phase predicts, less the runtime reserve), always the process's peak resident set size (VmHWM in
+/proc/self/status, reset through /proc/self/clear_refs; where that cannot be reset the peak is the run's so far,
+and `rss_peak_reset` says so). On the CPU accelerator the model lives in host memory, so the RSS growth over the
+baseline is what compares with the prediction; the baseline already holds torch, DeepSpeed, the process group and
+the model's classes (dstune.memory.counts.import_model_classes).
 
-The folders are resolved before the baseline (dstune.startup.resolve_model_folders): making a built-in model or
-converting a single checkpoint file is not the training's memory.
+`phase_peaks` maps the plan's phases (load, cache, step, sample) to the largest measured peak of each: the engine's
+set-up counts as the step's (DeepSpeed's states without activations). The folders are resolved before the baseline
+(dstune.startup.resolve_model_folders): making a built-in model or converting a single checkpoint file is not the
+training's memory.
 """
 
 from __future__ import annotations
@@ -51,44 +57,95 @@ def cuda_peak_bytes() -> Optional[int]:
     return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
 
 
+def reset_peaks() -> bool:
+    """Start a new peak: CUDA's peak statistics, and the process's peak RSS (Linux: writing 5 to clear_refs).
+    Returns whether the RSS peak was reset."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+PLAN_PHASE = {"load": "load", "cache": "cache", "engine": "step", "first_step": "step", "step": "step",
+              "sample": "sample"}
+
+
 @dataclass
 class MemoryRecorder:
     predicted: Optional[dict] = None  # dstune.memory.plan.memory_json of this run (None: no config files)
     baseline_rss_bytes: int = field(default_factory=rss_bytes)
     phases: list = field(default_factory=list)
+    rss_peak_reset: bool = True
 
     def mark(self, phase: str) -> dict:
+        """Close the phase `phase` (one of PLAN_PHASE): its peak since the previous mark, then a new peak."""
         record = {"phase": phase, "peak_rss_bytes": peak_rss_bytes(), "rss_bytes": rss_bytes(),
                   "cuda_peak_allocated_bytes": cuda_peak_bytes()}
         record["rss_growth_bytes"] = record["peak_rss_bytes"] - self.baseline_rss_bytes
         self.phases.append(record)
+        self.rss_peak_reset = reset_peaks() and self.rss_peak_reset
         return record
 
+    def phase_peaks(self) -> dict:
+        """The plan's phase -> the largest peak measured in it (CUDA allocated on a GPU, else RSS growth)."""
+        peaks: dict = {}
+        for record in self.phases:
+            name = PLAN_PHASE.get(record["phase"])
+            cuda = record["cuda_peak_allocated_bytes"]
+            value = cuda if cuda is not None else record["rss_growth_bytes"]
+            if name is not None:
+                peaks[name] = max(peaks.get(name, value), value)
+        return peaks
+
     def peak_bytes(self) -> int:
-        """The figure to put beside the prediction, now: CUDA peak allocated on a GPU, else the peak RSS growth."""
+        """The figure to put beside the prediction, now: the largest phase peak so far and the current one."""
         cuda = cuda_peak_bytes()
-        return cuda if cuda is not None else peak_rss_bytes() - self.baseline_rss_bytes
+        now = cuda if cuda is not None else peak_rss_bytes() - self.baseline_rss_bytes
+        return max([now, *self.phase_peaks().values()])
 
     def predicted_bytes(self) -> Optional[int]:
-        """The predicted per-GPU total without the runtime reserve (what an allocator's peak can be held to)."""
+        """The predicted per-GPU peak without the runtime reserve (what an allocator's peak can be held to)."""
         if not self.predicted or not self.predicted.get("per_gpu"):
             return None
-        gpu = self.predicted["per_gpu"]
-        return gpu["total_bytes"] - gpu.get("runtime_reserve_bytes", 0)
+        reserve = self.predicted["per_gpu"].get("runtime_reserve_bytes", 0)
+        return self.predicted.get("peak_per_gpu_bytes", self.predicted["per_gpu"]["total_bytes"]) - reserve
+
+    def predicted_phases(self) -> dict:
+        """The plan's phase -> its predicted per-GPU bytes without the runtime reserve."""
+        if not self.predicted or not self.predicted.get("phases"):
+            return {}
+        reserve = self.predicted["per_gpu"].get("runtime_reserve_bytes", 0)
+        return {name: phase["per_gpu_bytes"] - reserve for name, phase in self.predicted["phases"].items()}
 
     def as_dict(self, rank: int) -> dict:
-        return {"rank": rank, "baseline_rss_bytes": self.baseline_rss_bytes, "phases": self.phases}
+        return {"rank": rank, "baseline_rss_bytes": self.baseline_rss_bytes, "phases": self.phases,
+                "phase_peaks": self.phase_peaks(), "rss_peak_reset": self.rss_peak_reset}
 
 
-def summary_text(predicted: Optional[int], records: list[dict]) -> str:
-    """One line for the end of a run: predicted per GPU beside every rank's measured peak."""
+def phase_table(predicted: dict, records: list[dict]) -> dict:
+    """memory.json's `phases`: per plan phase, the prediction and the largest measured peak over the ranks."""
+    names = [name for name in ("load", "cache", "step", "sample")
+             if name in predicted or any(name in r["phase_peaks"] for r in records)]
+    return {name: {"predicted_bytes": predicted.get(name),
+                   "measured_max_bytes": max((r["phase_peaks"][name] for r in records if name in r["phase_peaks"]),
+                                             default=None)} for name in names}
+
+
+def summary_text(predicted: Optional[int], records: list[dict], phases: Optional[dict] = None) -> str:
+    """One line for the end of a run: the predicted peak per rank, then per phase predicted / measured (the largest
+    over the ranks: CUDA peak allocated on a GPU, else the RSS growth over each rank's baseline)."""
     def mb(value) -> str:
         return "?" if value is None else f"{value / 1e6:.0f} MB"
 
-    measured = []
-    for record in records:
-        last = record["phases"][-1]
-        cuda = last["cuda_peak_allocated_bytes"]
-        measured.append(f"rank {record['rank']} " + (f"CUDA peak {mb(cuda)}" if cuda is not None else
-                                                     f"peak RSS +{mb(last['rss_growth_bytes'])} over its baseline"))
-    return f"memory: predicted {mb(predicted)} per rank; measured {', '.join(measured)} (memory.json)"
+    cuda = any(r["phases"] and r["phases"][-1]["cuda_peak_allocated_bytes"] is not None for r in records)
+    what = "CUDA peak allocated" if cuda else "peak RSS growth"
+    per_phase = "; ".join(f"{name} {mb(row['predicted_bytes'])} / {mb(row['measured_max_bytes'])}"
+                          for name, row in (phases or {}).items())
+    return (f"memory: predicted {mb(predicted)} per rank at the peak; per phase predicted / measured ({what}, "
+            f"largest rank): {per_phase or 'none recorded'} (memory.json)")

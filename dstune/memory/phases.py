@@ -1,0 +1,80 @@
+"""The memory plan per phase of a run: what one GPU holds while the model loads, while the encoder cache is built,
+at a training step and while samples render. The run's peak is the largest of them, and that is what must fit.
+
+    load    the trainable module on the GPU in its training dtype (a quantized base already quantized; under ZeRO-3
+            a partitioned build holds its share and one gathered layer) beside every frozen part
+    cache   the same, while latents and text embeddings are encoded (only when data.cache replaces some encoders;
+            dstune.training builds the caches before deepspeed.initialize, and the encoders they replace leave the
+            GPU before DeepSpeed's states arrive)
+    step    the training step: model states, the frozen parts the cache does not replace, activations, DeepSpeed's
+            buffers, the EMA (deepspeed.initialize, the EMA and a resume hold less: the step without activations)
+    sample  DeepSpeed's states beside every frozen part again (the cache-replaced encoders come back), the parts
+            that load only for sampling (Wan 2.2's other expert) and, under ZeRO 0-2 with the EMA shown, the raw
+            weights kept aside while the EMA sits in the model
+
+Held-out evaluation (data.eval) runs the step's forward pass without gradients, so it stays below the step.
+Not modelled: the encoders' and the VAE decode's own working memory (no_grad, one layer at a time), which the
+runtime reserve covers on a GPU. Torch-free; the byte terms come from dstune.memory.plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PHASES = ("load", "cache", "step", "sample")
+HOST_WARNING_BYTES = 512e9  # per node: past this, the plan says which changes lower host memory
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    parts: dict  # what the GPU holds in this phase: label -> bytes per GPU
+
+    @property
+    def per_gpu(self) -> float:
+        return float(sum(self.parts.values()))
+
+
+def run_phases(counts, setup, terms: dict) -> dict[str, Phase]:
+    """The phases this run goes through (cache only with an encoder cache, sample only with sample.prompts), from
+    `terms`: the plan's per-GPU byte terms (see dstune.memory.plan.estimate)."""
+    states = terms["parameters"] + terms["gradients"] + terms["optimizer"]
+    every_frozen = terms["companions_all"]
+    loaded = {"trainable module (training dtype, or its ZeRO-3 share)": terms["module_on_load"],
+              "frozen parts (every encoder)": every_frozen, "runtime reserve": terms["reserve"]}
+    phases = {"load": Phase("load", loaded)}
+    if counts.cached_companions:  # built before the engine, so beside the placed module, not DeepSpeed's states
+        phases["cache"] = Phase("cache", dict(loaded))
+    phases["step"] = Phase("step", {"model states": states, "EMA": terms["ema"], "frozen weights": terms["frozen"],
+                                    "activations": terms["activations"], "DeepSpeed buffers": terms["buffers"],
+                                    "runtime reserve": terms["reserve"]})
+    if setup.samples:
+        phases["sample"] = Phase("sample", {
+            "model states": states, "EMA": terms["ema"], "EMA swap (raw weights kept aside)": terms["ema_swap"],
+            "frozen base": terms["frozen_base"], "frozen parts (encoders back)": every_frozen,
+            "sampling-only parts": terms["sampling_extra"], "runtime reserve": terms["reserve"]})
+    return phases
+
+
+def peak_phase(phases: dict[str, Phase]) -> Phase:
+    """The phase that holds the most; the step wins a tie (it is the one users look at first)."""
+    return max(phases.values(), key=lambda phase: (phase.per_gpu, phase.name == "step"))
+
+
+def host_warning(host_per_node: float, counts, setup) -> str | None:
+    """A sentence when a node's host RAM figure passes HOST_WARNING_BYTES, naming the changes that lower it."""
+    if host_per_node <= HOST_WARNING_BYTES:
+        return None
+    changes = []
+    if counts.builds_partitioned and setup.zero_stage < 3 and setup.base_bytes_per_param is None:
+        changes.append("deepspeed.zero_stage=3 (each rank then reads only its share of the module at load)")
+    if setup.offload_optimizer == "cpu":
+        changes.append("deepspeed.offload_optimizer=nvme (or none, with more GPUs)")
+    if setup.offload_param == "cpu":
+        changes.append("deepspeed.offload_param=nvme (or none)")
+    if setup.ema_device == "cpu":
+        changes.append("train.ema.device=same (the EMA share on the GPU)")
+    if setup.ranks_per_node > 1:
+        changes.append("fewer ranks per node (each rank loads the model in host memory)")
+    return (f"host RAM per node {host_per_node / 1e9:.0f} GB is above {HOST_WARNING_BYTES / 1e9:.0f} GB; what lowers "
+            "it: " + "; ".join(changes or ["more nodes with fewer ranks each"]))

@@ -1,0 +1,104 @@
+"""The memory plan per phase (dstune.memory.phases): load, cache build, step, samples; the peak is the largest and the
+verdict and every suggestion use it. Pure arithmetic on hand-made counts (torch-free, milliseconds), plus one real
+launch spec through `dstune validate --json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from dstune.memory.plan import (OVERLAP_COMM_FACTOR, RUNTIME_RESERVE_BYTES, ModelCounts, Setup, estimate,
+                                memory_json)
+
+REPO = Path(__file__).resolve().parents[2]
+P, ENCODER, VAE = 2_000_000_000, 8_000_000_000, 100_000_000  # a 2 B module, an 8 B text encoder, a VAE
+
+
+def setup(stage: int = 2, world: int = 8, **extra) -> Setup:
+    values = dict(world_size=world, ranks_per_node=world, zero_stage=stage, offload_optimizer="none",
+                  offload_param="none", precision="bf16", optimizer="adamw", momentum=0.0, micro_batch=1,
+                  accumulation=1, gradient_checkpointing=True, lora=False, reduce_bucket=50_000_000,
+                  allgather_bucket=50_000_000, prefetch_bucket=45_000_000, overlap_comm=False)
+    return Setup(**{**values, **extra})
+
+
+def counts(cached: tuple = ("text_encoder", "vae"), trainable: int = P, **extra) -> ModelCounts:
+    return ModelCounts("transformer", P, trainable, 50_000_000, {"text_encoder": ENCODER, "vae": VAE}, cached,
+                       activation_sample_bytes=4_000_000_000, checkpointed_sample_bytes=1_000_000_000, **extra)
+
+
+def test_the_cache_and_load_phases_hold_every_encoder_and_the_step_only_the_uncached():
+    result = estimate(counts(), setup())
+    encoders = 2 * (ENCODER + VAE)
+    assert result.frozen == 0  # both encoders replaced by the cache during steps
+    # built before deepspeed.initialize: the module in bf16 (2 bytes a parameter) beside every encoder
+    assert result.phases["load"].per_gpu == result.phases["cache"].per_gpu == 2 * P + encoders + RUNTIME_RESERVE_BYTES
+    assert result.peak == max(phase.per_gpu for phase in result.phases.values()) > result.total
+    uncached = estimate(counts(cached=()), setup())
+    assert "cache" not in uncached.phases and uncached.frozen == encoders
+    # ZeRO-3 builds the module partitioned: a share and one gathered layer at load
+    partitioned = estimate(counts(builds_partitioned=True), setup(3))
+    assert partitioned.phases["load"].parts["trainable module (training dtype, or its ZeRO-3 share)"] == \
+        2 * P / 8 + 2 * 50_000_000
+
+
+def test_the_verdict_uses_the_peak_and_a_suggestion_names_the_phase_it_relieves():
+    model = counts(builds_partitioned=True)
+    result = estimate(model, setup())
+    budget = result.peak - 1e9  # the step fits, the start-up does not; ZeRO-3 partitioned loading relieves it
+    memory = memory_json(model, setup(), budget)
+    assert memory["fits"] is False and memory["peak_phase"] == "load"
+    assert memory["phases"]["step"]["per_gpu_bytes"] == memory["per_gpu"]["total_bytes"] < budget
+    first = memory["suggestions"][0]
+    assert first["change"] == "deepspeed.zero_stage=3" and first["relieves"] == "load"
+    assert all(s["per_gpu_total_bytes"] <= budget and s["relieves"] == "load" for s in memory["suggestions"])
+
+
+def test_ema_is_counted_in_every_phase_after_the_engine_and_swapped_in_for_samples():
+    plain = estimate(counts(), setup(samples=True))
+    on_gpu = estimate(counts(), setup(samples=True, ema_device="same", ema_in_samples=True))
+    assert on_gpu.ema == 4 * P / 8 and on_gpu.total == pytest.approx(plain.total + 4 * P / 8)
+    # ZeRO 0-2: sampling with the EMA keeps the raw bf16 weights aside, a full copy on the EMA's device
+    assert on_gpu.phases["sample"].per_gpu == pytest.approx(plain.phases["sample"].per_gpu + 4 * P / 8 + 2 * P)
+    zero3 = estimate(counts(), setup(3, samples=True, ema_device="same", ema_in_samples=True))
+    assert zero3.phases["sample"].parts["EMA swap (raw weights kept aside)"] == 2 * P / 8
+    on_host = estimate(counts(), setup(samples=True, ema_device="cpu", ema_in_samples=True))
+    assert on_host.ema == 0 and on_host.phases["sample"].per_gpu == plain.phases["sample"].per_gpu
+    assert on_host.host_per_rank == pytest.approx(max(plain.host_per_rank, 2 * (ENCODER + VAE) + 4 * P / 8 + 2 * P))
+
+
+def test_overlap_comm_buffers_follow_deepspeeds_documented_factor():
+    lora = counts(trainable=10_000_000)
+    quiet, overlapped = estimate(lora, setup()), estimate(lora, setup(overlap_comm=True))
+    # on a GPU the reduce bucket is allocated whole (50 M elements) even for 10 M trainable parameters
+    assert quiet.buffers == 2 * (50_000_000 + 10_000_000)
+    assert overlapped.buffers == OVERLAP_COMM_FACTOR * 2 * (50_000_000 + 10_000_000)
+    on_cpu = estimate(lora, setup(accelerator="cpu"))
+    assert on_cpu.buffers == 2 * (10_000_000 + 10_000_000)  # untouched pages of a host buffer are not resident
+
+
+def test_a_quantized_lora_base_loads_quantized_and_the_host_warning_names_what_lowers_it():
+    lora = counts(trainable=10_000_000, builds_partitioned=True)
+    int8 = estimate(lora, setup(lora=True, base_bytes_per_param=1.0))
+    # the base reaches the GPU quantized: 1 byte a parameter beside the bf16 adapters
+    assert int8.phases["load"].parts["trainable module (training dtype, or its ZeRO-3 share)"] == P + 2 * 10_000_000
+    big = memory_json(replace(lora, module_params=20_000_000_000), setup(lora=True), None)
+    assert big["host_per_node_bytes"] > 512e9 and "deepspeed.zero_stage=3" in big["host_warning"]
+    assert memory_json(lora, setup(lora=True), None)["host_warning"] is None
+
+
+def test_validate_json_gives_each_phase_and_the_peak(capsys):
+    from dstune.cli import main
+
+    spec = str(REPO / "launch" / "qwen-image-lora-zero3-8gpu.yaml")
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "20000", "--json", "--gpu-memory", "16GB"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    phases = memory["phases"]
+    assert set(phases) == {"load", "cache", "step", "sample"}
+    assert memory["peak_per_gpu_bytes"] == max(p["per_gpu_bytes"] for p in phases.values())
+    # the step alone would fit 16 GB; the 8.3 B text encoder beside the module while the cache is built does not
+    assert phases["step"]["per_gpu_bytes"] < 16e9 < phases["cache"]["per_gpu_bytes"] and memory["fits"] is False
+    assert memory["peak_phase"] in ("load", "cache", "sample")
