@@ -126,7 +126,8 @@ def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.fl
     if model.gradient_checkpointing:
         whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = torch.device(device)
-    trainable = CodebookFramesModel(whole).to(device).train().requires_grad_(True)
+    # left in host memory in fp32: the start-up casts it to the training dtype, then moves it (engine.place_trainable)
+    trainable = CodebookFramesModel(whole).train().requires_grad_(True)
     return CodebooksBuilt(folder=folder, device=device, trainable=trainable, codec=codec.to(device),
                           codec_folder=folder, codec_kind=CODEC_KIND[architecture], architecture=architecture,
                           processor=processor, layout=layout, max_sample_seconds=model.max_sample_seconds,
