@@ -10,7 +10,7 @@ nothing downloaded. Each case runs `python dstune/train.py` (one process, no lau
 memory.json, where the run recorded each phase's own CUDA max_memory_allocated (dstune.memory.record) beside the
 plan's per-GPU phase less the runtime reserve.
 
-    python -m pytest -q -p no:cacheprovider -n0 tests/gpu/test_memory_phases.py
+    python -m pytest -q -p no:cacheprovider -n0 tests/gpu/test_gpu_memory_phases.py
 """
 
 from __future__ import annotations
