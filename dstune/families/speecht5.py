@@ -16,7 +16,8 @@ Its pitfalls, handled here (FIELD_NOTES / recipes section 2.7):
     them shape (1,) before initialize and dstune.export.consolidated_state_dict squeezes them back;
   - with bf16, the model's floating buffers are cast to bf16 too (DeepSpeed casts parameters only);
   - the speech-decoder prenet applies dropout even in eval (Tacotron-style), from the global RNG: sampling forks the
-    RNG and seeds it identically on every rank, so all ranks generate the same length (ZeRO-3 gathers agree).
+    RNG and seeds it identically on every rank, so all ranks generate the same length (ZeRO-3 gathers agree); the
+    loss forks it too and seeds it from (seed, step, first sample), so a resumed run draws what the first run drew.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from dstune.families.base import Family, FamilyError
+from dstune.families.randomness import sample_seed
 from dstune.families.speech import Clip, save_wavs
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
@@ -134,8 +136,14 @@ def encode_batch(built: SpeechT5Built, batch: dict, dtype: torch.dtype = torch.f
 
 
 def loss(built: SpeechT5Built, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
-    out = trainable_forward(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
-                            labels=encoded["labels"], speaker_embeddings=encoded["speaker_embeddings"])
+    """transformers' own loss. Its dropout (the prenet's and the layers') draws from the global RNG, so the draws are
+    seeded from (train.seed, step, the micro-batch's first sample) in a forked RNG: a resumed run makes the same
+    draws as the uninterrupted one, and the rest of the process's random state is left as it was."""
+    devices = [built.device] if built.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(sample_seed(seed, step, int(encoded["indices"][0]), "dropout"))
+        out = trainable_forward(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
+                                labels=encoded["labels"], speaker_embeddings=encoded["speaker_embeddings"])
     return out.loss.float()
 
 
