@@ -1,17 +1,45 @@
-"""What the speech families share: the clip type and sample WAV folders. (The tts_lm token layouts, written as
+"""What the speech families share: the clip type, sample WAV folders, and what a codec-token LM family builds. (The tts_lm token layouts, written as
 `dstune_tts.json` beside a model, are described in dstune.token_layouts.)"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 @dataclass
 class Clip:
     wave: np.ndarray  # float32 mono
     sample_rate: int
+
+
+@dataclass(kw_only=True)
+class CodecTokensBuilt:
+    """What a family that trains an LM over codec tokens builds (tts_lm, tts_codebooks): the trained module, the
+    frozen codec beside it, and the layout the codec-token cache and the samples read. Each family adds its own."""
+
+    folder: Path
+    device: torch.device
+    trainable: torch.nn.Module  # the only part DeepSpeed wraps
+    codec: torch.nn.Module  # frozen, fp32, eval
+    codec_folder: Path  # what keys the codec-token cache (its fingerprint)
+    codec_kind: str
+    layout: dict  # sampling_rate, num_codebooks, frame_order (and frame_rate): what the cache and samples read
+    max_sample_seconds: float = 2.0
+    temperature: float = 0.8
+
+    @property
+    def frozen(self) -> dict[str, torch.nn.Module]:
+        return {"codec": self.codec}
+
+    @property
+    def sample_rate(self) -> int:
+        return int(self.layout["sampling_rate"])
 
 
 def save_wavs(clips: list[Clip], prompts: list[str], path) -> Path:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from dstune.families.base import Family, FamilyError
-from dstune.families.speech import Clip, save_wavs
+from dstune.families.speech import Clip, CodecTokensBuilt, save_wavs
 from dstune.families.speech_codecs import decode_codes, encode_clip
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
@@ -58,27 +58,13 @@ class CodebookFramesModel(torch.nn.Module):
         return self.model(inputs_embeds=embeds, attention_mask=attention_mask, labels=labels)
 
 
-@dataclass
-class CodebooksBuilt:
-    folder: Path
-    device: torch.device
-    trainable: torch.nn.Module  # CodebookFramesModel: the only part DeepSpeed wraps
-    codec: torch.nn.Module  # frozen, fp32, eval
-    codec_folder: Path  # what keys the codec-token cache (the model folder: the codec's weights are in it)
-    codec_kind: str
+@dataclass(kw_only=True)
+class CodebooksBuilt(CodecTokensBuilt):
+    """`trainable` is the CodebookFramesModel; the codec folder is the model folder (the codec's weights are in
+    it)."""
+
     architecture: str
     processor: object
-    layout: dict  # what the codec cache and samples read: sampling_rate, num_codebooks, frame_order, frame_rate
-    max_sample_seconds: float = 2.0
-    temperature: float = 0.8
-
-    @property
-    def frozen(self) -> dict[str, torch.nn.Module]:
-        return {"codec": self.codec}
-
-    @property
-    def sample_rate(self) -> int:
-        return int(self.layout["sampling_rate"])
 
 
 def folder_architecture(folder: Path) -> str:

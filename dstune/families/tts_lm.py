@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from dstune.families.base import Family, FamilyError
-from dstune.families.speech import Clip, save_wavs
+from dstune.families.speech import Clip, CodecTokensBuilt, save_wavs
 from dstune.families.speech_codecs import CODEC_CLASSES, codec_facts, decode_codes, encode_clip, load_codec, save_codec
 from dstune.token_layouts import (TTS_LAYOUT_FILE, describe, dstune_layout, layout_problems, orpheus_layout,
                                    prompt_ids, spoken_text, token, training_ids)
@@ -43,26 +43,11 @@ from dstune.spec.models import SampleSpec, TtsLmModel
 __all__ = ["TtsLmBuilt", "Clip", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "synthesize",
            "encode_clip", "decode_codes"]
 
-@dataclass
-class TtsLmBuilt:
-    folder: Path
-    device: torch.device
-    trainable: torch.nn.Module  # the causal LM: the only part DeepSpeed wraps
-    codec: torch.nn.Module  # frozen, fp32, eval
-    codec_folder: Path  # what the codec was loaded from (its fingerprint keys the codec-token cache)
-    codec_kind: str
+@dataclass(kw_only=True)
+class TtsLmBuilt(CodecTokensBuilt):
+    """The causal LM (`trainable`), its codec and, beside them, the tokenizer; the codec folder is its own."""
+
     tokenizer: object  # None: text is UTF-8 bytes (ids 0..255)
-    layout: dict  # see dstune.families.speech.tts_layout
-    max_sample_seconds: float = 2.0
-    temperature: float = 0.8
-
-    @property
-    def frozen(self) -> dict[str, torch.nn.Module]:
-        return {"codec": self.codec}
-
-    @property
-    def sample_rate(self) -> int:
-        return int(self.layout["sampling_rate"])
 
 
 # ---------------------------------------------------------------------------------------------------- build
