@@ -34,7 +34,27 @@ class LmLoraSpec(LoraSpec):
     )
 
 
-class TtsLmModel(Section):
+class LmLoraSection(Section):
+    """What the speech sections that train a causal LM share about LoRA (tts_lm, tts_codebooks): `lora` left without
+    target_modules gets the attention projections, written into the spec the run saves, and the settings in
+    effect are LmLoraSpec's defaults when `lora` is left out."""
+
+    @field_validator("lora", check_fields=False)
+    @classmethod
+    def _lm_target_modules(cls, value):
+        if value is not None and "target_modules" not in value.model_fields_set:
+            return value.model_copy(update={"target_modules": list(LM_LORA_TARGET_MODULES)})
+        return value
+
+    @property
+    def lora_settings(self) -> Optional[LoraSpec]:
+        """The LoRA settings in effect (None for full training); target_modules default to the attention."""
+        if self.train != "lora":
+            return None
+        return self.lora if self.lora is not None else LmLoraSpec()
+
+
+class TtsLmModel(LmLoraSection):
     modality: ClassVar[str] = "audio"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
     # What `dstune validate` checks of the folders offline: see DenoiserModelBase.
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("*ForCausalLM",)
@@ -86,13 +106,6 @@ class TtsLmModel(Section):
         "([q_proj, k_proj, v_proj, o_proj]: a Llama's attention projections), `dropout` (0.0); omitted: those defaults.",
     )
 
-    @field_validator("lora")
-    @classmethod
-    def _lm_target_modules(cls, value):  # unset: a Llama's attention, written into the spec the run saves
-        if value is not None and "target_modules" not in value.model_fields_set:
-            return value.model_copy(update={"target_modules": list(LM_LORA_TARGET_MODULES)})
-        return value
-
     @field_validator("added_tokens")
     @classmethod
     def _added_tokens_are_distinct_text(cls, value):
@@ -133,15 +146,8 @@ class TtsLmModel(Section):
                              "vocabulary extension, then LoRA from its export.")
         return self
 
-    @property
-    def lora_settings(self) -> Optional[LoraSpec]:
-        """The LoRA settings in effect (None for full training); target_modules default to a Llama's attention."""
-        if self.train != "lora":
-            return None
-        return self.lora if self.lora is not None else LmLoraSpec()
 
-
-class TtsCodebooksModel(Section):
+class TtsCodebooksModel(LmLoraSection):
     """A multi-codebook TTS model trained through its own transformers class (chosen by the folder's
     `architectures`): Sesame CSM (CsmForConditionalGeneration: backbone + depth decoder over Mimi codebooks)."""
 
@@ -179,24 +185,11 @@ class TtsCodebooksModel(Section):
         0.8, ge=0, description="Samples: softmax temperature of the backbone and the depth decoder (0: greedy)."
     )
 
-    @field_validator("lora")
-    @classmethod
-    def _lm_target_modules(cls, value):  # unset: the attention projections, written into the spec the run saves
-        if value is not None and "target_modules" not in value.model_fields_set:
-            return value.model_copy(update={"target_modules": list(LM_LORA_TARGET_MODULES)})
-        return value
-
     @model_validator(mode="after")
     def _lora_only_with_lora(self) -> "TtsCodebooksModel":
         if self.lora is not None and self.train != "lora":
             raise ValueError("lora settings are given but `train` is 'full': set `train: lora`, or remove `lora`")
         return self
-
-    @property
-    def lora_settings(self) -> Optional[LoraSpec]:
-        if self.train != "lora":
-            return None
-        return self.lora if self.lora is not None else LmLoraSpec()
 
 
 class SpeechT5Model(Section):
