@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import base64
 import json
 import os
@@ -9,7 +10,9 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -71,12 +74,21 @@ def env() -> dict:
 
 
 def launch(spec_path: Path, num_ranks: int = 2, args: tuple = (), script: Path = TRAIN,
-           script_args: tuple = (), as_module: bool = False, via_runner: bool = False) -> subprocess.CompletedProcess:
-    """N ranks of `script spec` (plain python for one rank). By default through DeepSpeed's per-node launcher
-    (deepspeed.launcher.launch, what `deepspeed --num_gpus N` runs on each node) with the world info the runner would
-    encode: the same rank processes and environment, without a third process importing deepspeed only to start it
-    (~3 s a launch). `via_runner` (and `as_module`, `deepspeed --num_gpus N --module dstune.train spec`) goes
-    through the `deepspeed` command itself (deepspeed.launcher.runner), as users type it."""
+           script_args: tuple = (), as_module: bool = False, via_runner: bool = False,
+           real_launcher: bool = False) -> subprocess.CompletedProcess:
+    """N ranks of `script spec` (one rank: `python script spec`, no launcher).
+
+    By default the ranks are forked from this worker's warm process (tests/dist/warm_launcher.py): real processes with
+    the environment DeepSpeed's per-node launcher gives them, without each of them importing torch, DeepSpeed and
+    diffusers again (~28 of a tiny launch's ~33 CPU-seconds). The tests about launching itself ask for
+    `real_launcher` (deepspeed.launcher.launch, what `deepspeed --num_gpus N` runs on each node, with the world info
+    the runner would encode) or `via_runner` / `as_module` (the `deepspeed` command itself,
+    deepspeed.launcher.runner, as users type it: `deepspeed --num_gpus N [--module dstune.train] spec`)."""
+    if not (real_launcher or via_runner or as_module):
+        port = free_port() if num_ranks > 1 else 0
+        if port:
+            LAUNCHED_PORTS.append(port)
+        return warm_launch([str(script), *script_args, str(spec_path), *args], num_ranks, port)
     if num_ranks == 1:
         cmd = [sys.executable, str(script), *script_args, str(spec_path), *args]
     else:
@@ -91,6 +103,73 @@ def launch(spec_path: Path, num_ranks: int = 2, args: tuple = (), script: Path =
         cmd += ["--module", "dstune.train"] if as_module else [str(script), *script_args]
         cmd += [str(spec_path), *args]
     return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
+class _WarmProcess:
+    """This worker's warm launcher process, started on first use and again whenever the environment it imported
+    under changed in a way imports could read (anything but pytest's PYTEST_CURRENT_TEST, which names the running
+    test, and the DSTUNE_ variables tests set per launch)."""
+
+    process: Optional[subprocess.Popen] = None
+    imported_under: dict = {}
+
+
+def _import_env(environment: dict) -> dict:
+    return {k: v for k, v in environment.items() if not k.startswith(("DSTUNE_", "PYTEST_CURRENT_TEST"))}
+
+
+def _warm_process(environment: dict) -> subprocess.Popen:
+    warm = _WarmProcess
+    if warm.process is not None and (warm.process.poll() is not None
+                                     or warm.imported_under != _import_env(environment)):
+        warm.process.kill()
+        warm.process.wait()
+        warm.process = None
+    if warm.process is None:
+        warm.process = subprocess.Popen([sys.executable, "-u", str(Path(__file__).with_name("warm_launcher.py"))],
+                                        cwd=REPO, env=environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True)
+        warm.imported_under = _import_env(environment)
+        atexit.register(_close_warm_process, warm.process)
+        ready = warm.process.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"the warm launcher process failed to start (exit {warm.process.wait()}); run "
+                               f"{sys.executable} tests/dist/warm_launcher.py to see why")
+    return warm.process
+
+
+def _close_warm_process(process: subprocess.Popen) -> None:
+    """At the worker's exit: end of requests, and wait, so no process outlives the test session."""
+    if process.poll() is None:
+        process.stdin.close()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def warm_launch(argv: list[str], num_ranks: int, port: int) -> subprocess.CompletedProcess:
+    """Run `argv` (script and its arguments) as `num_ranks` ranks forked from the warm process; the ranks' output
+    (stdout and stderr, both ranks in one stream each, as under the launcher) comes back in the result."""
+    environment = env()
+    with tempfile.TemporaryDirectory(prefix="dstune-launch-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        out.touch()
+        err.touch()
+        request = {"script": argv[0], "args": argv[1:], "num_ranks": num_ranks, "port": port, "cwd": str(REPO),
+                   "env": environment, "stdout": str(out), "stderr": str(err), "timeout_s": LAUNCH_TIMEOUT_S}
+        process = _warm_process(environment)
+        process.stdin.write(json.dumps(request) + "\n")
+        process.stdin.flush()
+        line = process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the warm launcher process died during a launch (exit {process.wait()})")
+        reply = json.loads(line)
+        cmd = ["warm_launcher", f"--num_ranks={num_ranks}", *argv]
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(cmd, LAUNCH_TIMEOUT_S, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(cmd, reply["returncode"], out.read_text(), err.read_text())
 
 
 def _local_world(num_ranks: int) -> str:

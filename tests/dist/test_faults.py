@@ -91,10 +91,11 @@ def _script(tmp_path: Path) -> Path:
     return path
 
 
-def _launch_with_fault(monkeypatch, tmp_path: Path, spec_path: Path, fault: str, args: tuple = ()):
+def _launch_with_fault(monkeypatch, tmp_path: Path, spec_path: Path, fault: str, args: tuple = (),
+                       real_launcher: bool = False):
     monkeypatch.setenv("DSTUNE_TEST_FAULT", fault)
     monkeypatch.setenv("DSTUNE_TEST_MARKS", str(tmp_path / f"marks-{fault.replace(':', '-')}"))
-    proc = launch(spec_path, num_ranks=2, args=args, script=_script(tmp_path))
+    proc = launch(spec_path, num_ranks=2, args=args, script=_script(tmp_path), real_launcher=real_launcher)
     return proc, tmp_path / f"marks-{fault.replace(':', '-')}"
 
 
@@ -133,7 +134,8 @@ def _assert_same_trajectory(clean_dir: Path, run_dir: Path, steps: range) -> Non
 def test_sigkill_of_one_rank_stops_all_and_resume_continues_exactly(clean, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     spec_path = write_spec(tmp_path / "spec.yaml", _spec(run_dir))
-    proc, marks = _launch_with_fault(monkeypatch, tmp_path, spec_path, "kill-at-step:4")
+    # how DeepSpeed's own launcher reacts to a dead rank is part of what this checks
+    proc, marks = _launch_with_fault(monkeypatch, tmp_path, spec_path, "kill-at-step:4", real_launcher=True)
     ended = time.time()
     assert shm_segments(LAUNCHED_PORTS[-1:]) == set(), "a killed run left its shared-memory segments in /dev/shm"
     assert proc.returncode != 0, explain(proc)
