@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dstune.families.base import FamilyError
 from dstune.families.diffusion import load_component
 from dstune.families.flow_matching import timestep_density
 from dstune.families.flow_recipe import (FlowRecipe, LatentSpace, Sampling, TextSide, fixed_patch, read_config,
@@ -61,12 +62,27 @@ def _mismatches(folder: Path) -> list[str]:
     return problems
 
 
+def _caption_tokens(pipeline, caption: str) -> int:
+    """A caption's tokens as Ideogram4Pipeline.encode_prompt counts them: in the chat format, generation prompt on."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": caption}]}]
+    text = pipeline.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(pipeline.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def _captions(pipeline, built, captions: list[str]) -> dict:
     from diffusers.models.transformers.transformer_ideogram4 import LLM_TOKEN_INDICATOR
 
+    limit = built.max_sequence_length
+    for caption in captions:  # the pipeline's own refusal names neither the caption nor the setting
+        tokens = _caption_tokens(pipeline, caption)
+        if tokens > limit:
+            raise FamilyError(f"the caption {caption[:80]!r}{'...' if len(caption) > 80 else ''} is {tokens} tokens "
+                              f"in Ideogram 4's chat format, more than model.max_sequence_length {limit} (every "
+                              "caption is left-padded to it): raise model.max_sequence_length (the training example "
+                              "uses 2048) or shorten the caption")
     with torch.no_grad(), quiet_hf_libraries():
         embeds, _, _, indicator = pipeline.encode_prompt(list(captions), grid_h=0, grid_w=0, device=built.device,
-                                                         max_sequence_length=built.max_sequence_length)
+                                                         max_sequence_length=limit)
     return {"encoder_hidden_states": embeds, "encoder_attention_mask": (indicator == LLM_TOKEN_INDICATOR).long()}
 
 

@@ -179,3 +179,25 @@ def test_folder_whose_parts_do_not_fit_is_refused(tmp_path):
     config_path.write_text(json.dumps(config))
     with pytest.raises(FamilyError, match="unconditional_transformer llm_features_dim 99 != the transformer's 208"):
         build_model(FlowModel(family="flow", pretrained=str(folder)), CACHE_DIR, "cpu")
+
+
+def test_caption_longer_than_max_sequence_length_is_refused_naming_it(built):
+    short = replace(built, max_sequence_length=24)
+    with pytest.raises(FamilyError, match=r"the caption 'a red circle' is \d+ tokens .* model.max_sequence_length 24"):
+        flow.cache_text_tensors(short, ["a red circle"])
+
+
+def test_model_shift_is_refused_by_validate_and_at_build(tmp_path):
+    """Ideogram 4 draws sigma off the scheduler tables, so model.shift would be silently ignored: refused instead."""
+    from dstune.families.flow_facts import FACTS
+    from dstune.spec.load import load_spec
+
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(f"model: {{family: flow, pretrained: '{NAME}', shift: 3.0}}\n"
+                         "data: {path: 'builtin:shapes', resolution: 32}\n"
+                         "train: {micro_batch_size: 1, max_steps: 1}\n"
+                         f"output: {{dir: '{tmp_path / 'run'}'}}\n")
+    issues = FACTS.spec_issues(load_spec(spec_path)[0])
+    assert [key for key, _ in issues] == ["model.shift"] and "draws sigma itself" in issues[0][1]
+    with pytest.raises(FamilyError, match="model.shift"):
+        build_model(FlowModel(family="flow", pretrained=NAME, shift=3.0), CACHE_DIR, "cpu")
