@@ -205,6 +205,28 @@ def _flux2_run(model, tokens, context, dtype):
                               txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0])
 
 
+def _ideogram4(heads, ffn_mult):
+    from diffusers import Ideogram4Transformer2DModel
+    width = heads * 256
+    ffn = 2 * width * ffn_mult
+    return Ideogram4Transformer2DModel(in_channels=128, num_layers=2, attention_head_dim=256, num_attention_heads=heads,
+                                       intermediate_size=ffn, adaln_dim=width // 9, llm_features_dim=width * 104 // 9,
+                                       mrope_section=(24, 20, 20)), width, ffn, 0
+
+
+def _ideogram4_run(model, tokens, context, dtype):
+    """One sample's packed sequence: `context` text positions (the caption left-padded to them), then the image."""
+    from diffusers import Ideogram4Pipeline
+    side = _square(tokens)
+    position_ids, segment_ids, indicator = Ideogram4Pipeline._prepare_ids([context], side, side, context, "cpu")
+    hidden = torch.cat([torch.zeros(1, context, 128, dtype=dtype), _randn(1, side * side, 128, dtype=dtype)], dim=1)
+    text = torch.cat([_randn(1, context, model.config.llm_features_dim, dtype=dtype),
+                      torch.zeros(1, side * side, model.config.llm_features_dim, dtype=dtype)], dim=1)
+    return lambda: _mse(model(hidden_states=hidden, timestep=torch.tensor([0.5], dtype=dtype), encoder_hidden_states=text,
+                              position_ids=position_ids, segment_ids=segment_ids, indicator=indicator,
+                              return_dict=False)[0])
+
+
 # --------------------------------------------------------------------------------------------------- Wan
 
 def _wan(ffn_ratio: float, in_channels: int, image: bool):
@@ -311,6 +333,8 @@ CASES = [
          block_lists=_attr("layers", "noise_refiner", "context_refiner")),
     Case("flux2", "FLUX.2 [klein] and [dev] (one transformer class)", _flux2, _flux2_run, sizes=TRANSFORMER_SIZES,
          check_size=(25, 12), block_lists=_attr("transformer_blocks", "single_transformer_blocks")),
+    Case("ideogram4", "Ideogram 4 (one stream over the padded text and the image, head dim 256)", _ideogram4,
+         _ideogram4_run, sizes=TRANSFORMER_SIZES, check_size=(25, 12), block_lists=_attr("layers"), ffn=True),
     Case("wan-t2v", "Wan 2.1 / 2.2 text-to-video (and Wan 2.2 A14B image-to-video: channels only)",
          _wan(13824 / 5120, 16, False), _wan_run, sizes=((32, 8), (72, 8), (32, 24)), check_size=(50, 12),
          block_lists=_attr("blocks"), ffn=True),

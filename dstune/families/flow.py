@@ -25,6 +25,7 @@ from dstune.families.flow_core import (FlowBuilt, build_from, cache_text_tensors
                                        export, loss, pipeline_of, sample, save_lora_weights, text_cache_settings)
 from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
 from dstune.families.flow_flux2 import FLUX2_DEV, FLUX2_KLEIN
+from dstune.families.flow_ideogram4 import IDEOGRAM4
 from dstune.families.flow_qwen import QWEN_IMAGE
 from dstune.families.flow_qwen_edit import QWEN_IMAGE_EDIT
 from dstune.families.flow_recipe import pick_recipe, read_config
@@ -40,6 +41,7 @@ __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FA
 # kind -> recipe, one line per model (dstune.families.flow_recipe); detect_kind finds a folder's by its transformer
 # (and, where recipes share one, by the pipeline class, or the text encoder class where that tells them apart)
 RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, QWEN_IMAGE_EDIT, ZIMAGE, FLUX2_KLEIN, FLUX2_DEV)}
+RECIPES[IDEOGRAM4.kind] = IDEOGRAM4
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
 # Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
@@ -81,6 +83,9 @@ def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype
     downloads; FamilyError for any folder that is not a pipeline of one of RECIPES."""
     folder = folders["pretrained"]
     recipe = RECIPES[detect_kind(folder)]
+    if recipe.draw_sigmas and model.shift is not None:
+        raise FamilyError(f"model.shift: {recipe.pipeline_class}'s training example draws sigma itself, with no "
+                          "scheduler table to shift; remove model.shift (model.logit_mean / logit_std move the draw)")
     problems = recipe.config_mismatches(folder)
     if problems:
         raise FamilyError(f"{folder}: the components do not fit together:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -228,10 +228,15 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     to_model = recipe.latents.to_model
     latents = to_model(built, sample) if to_model else normalised_latents(built.vae.config, sample)
     noise = draw(latents.shape[1:], "noise")
-    first, count = built.positions  # one expert's range of the tables (all of them otherwise)
-    positions = (timestep_density(built.settings, seed, step, indices) * count).long()
-    positions = first + positions.clamp(0, count - 1)  # u == 1.0 (a float32 sigmoid can round up)
-    timesteps, sigmas, noisy = noisy_latents(built, latents, noise, positions)
+    if recipe.draw_sigmas:  # a model whose example draws sigma itself, off the tables
+        sigma = recipe.draw_sigmas(built, latents, seed, step, indices).to(device)
+        timesteps, sigmas = sigma * 1000, sigma.view(-1, *(1,) * (latents.ndim - 1))
+        noisy = (1.0 - sigmas) * latents + sigmas * noise
+    else:
+        first, count = built.positions  # one expert's range of the tables (all of them otherwise)
+        positions = (timestep_density(built.settings, seed, step, indices) * count).long()
+        positions = first + positions.clamp(0, count - 1)  # u == 1.0 (a float32 sigmoid can round up)
+        timesteps, sigmas, noisy = noisy_latents(built, latents, noise, positions)
     param_dtype = next(built.trainable.parameters()).dtype
     conditions = {name: encoded[name].to(param_dtype) if encoded[name].is_floating_point() else encoded[name]
                   for name in recipe.text.tensors}

@@ -17,7 +17,7 @@ from dstune.memory.activations import ModelShape, in_plan_units, measured_sample
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image_latent_bytes, pipeline_folder,
                                             trains_denoiser, transformer_text_bytes)
 from dstune.families.facts import ModelFacts, SpecIssues
-from dstune.memory.counts import SizesUnknown
+from dstune.memory.counts import SizesUnknown, count_component
 
 DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of the Flux and Qwen-Image training examples
 EDIT_VISION_PATCH_PX = 28  # Qwen-Image-Edit: the source image's vision tokens (28 px each) join the text
@@ -43,6 +43,12 @@ def _single_stream(config: dict) -> ModelShape:
                                       "context_refiner": refiners})
 
 
+def _one_stream(config: dict) -> ModelShape:
+    """Ideogram 4: one stream of blocks over the padded text and the image tokens, its MLP width its own key."""
+    return ModelShape(config["num_attention_heads"] * config["attention_head_dim"], {"layers": config["num_layers"]},
+                      ffn=config["intermediate_size"])
+
+
 def _padded_to_32(tokens: float) -> float:
     """Z-Image pads the image tokens and the caption's each to a multiple of 32."""
     return math.ceil(tokens / 32) * 32
@@ -60,6 +66,8 @@ class FlowModel:
     default_text_tokens: int = DEFAULT_TEXT_TOKENS
     edit_pipelines: tuple[str, ...] = ()  # pipeline classes of this transformer that train on (source, target) pairs
     pad_tokens: Callable = lambda tokens: tokens  # what the transformer pads a sequence to
+    sampling_parts: tuple[str, ...] = ()  # frozen components loaded only while samples render
+    draws_sigma: bool = False  # its example draws sigma itself (no scheduler tables, so no model.shift)
 
 
 FLOW_MODELS = {
@@ -72,6 +80,9 @@ FLOW_MODELS = {
                                           pad_tokens=_padded_to_32),
     "Flux2Transformer2DModel": FlowModel("FLUX.2", "flux2", _two_streams, "joint_attention_dim"),
 }
+FLOW_MODELS["Ideogram4Transformer2DModel"] = FlowModel(
+    "Ideogram 4", "ideogram4", _one_stream, "llm_features_dim", default_text_tokens=2048,
+    sampling_parts=("unconditional_transformer",), draws_sigma=True)
 
 
 def flow_model(folder) -> FlowModel:
@@ -118,7 +129,15 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
     return per_sample * num_samples
 
 
-RULES = DenoiserRules(trained=trains_denoiser("transformer"), activations=_activations, cache_bytes=_cache_bytes)
+def _trained(spec, folder):
+    """The transformer trains; a model's sampling-only parts (Ideogram 4's unconditional transformer) are loaded
+    while samples render."""
+    module, _, expert = trains_denoiser("transformer")(spec, folder)
+    parts = flow_model(folder).sampling_parts
+    return module, {part: count_component(str(folder.path / part / "config.json"))[0] for part in parts}, expert
+
+
+RULES = DenoiserRules(trained=_trained, activations=_activations, cache_bytes=_cache_bytes)
 
 
 def _count(spec, num_samples: int, clips=()):
@@ -136,6 +155,10 @@ def _spec_issues(spec) -> SpecIssues:
     except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
         return []
     pipeline_class = folder.index.get("_class_name")
+    if flow_model(folder).draws_sigma and spec.model.shift is not None:
+        return [("model.shift", f"{pipeline_class}'s training example draws sigma itself (logit-normal about a "
+                 "resolution-aware mean), with no scheduler table to shift: remove model.shift and move the "
+                 "draw with model.logit_mean / model.logit_std")]
     if not edit:
         if spec.sample.control_images:
             return [("sample.control_images", f"{pipeline_class} renders from the prompt alone: source images are "

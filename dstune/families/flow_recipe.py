@@ -132,6 +132,9 @@ class FlowRecipe:
     scheduler_class: Optional[str] = "FlowMatchEulerDiscreteScheduler"  # None: the class model_index.json lists
     # (model spec) -> whether the loss compares the x0 the velocity implies (EDM-style) rather than the velocity
     preconditioned: Callable = lambda model: model.precondition_outputs
+    # (built, model-space latents, seed, step, indices) -> sigma per sample (B,), drawn continuously as the model's
+    # example draws it (Ideogram 4); None: u indexes the tables (timesteps are then sigma x 1000)
+    draw_sigmas: Optional[Callable] = None
 
     @property
     def text_tensors(self) -> tuple[str, ...]:

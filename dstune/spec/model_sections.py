@@ -291,11 +291,13 @@ class SdxlModel(DenoiserModelBase):
 class FlowModel(DenoiserModelBase):
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = (  # one per recipe (dstune/families/flow_*.py)
         "StableDiffusion3Pipeline", "FluxPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "ZImagePipeline",
-        "Flux2KleinPipeline", "Flux2Pipeline")
+        "Flux2KleinPipeline", "Flux2Pipeline",
+        "Ideogram4Pipeline")
     PRESET_NAME: ClassVar[str] = "the size of SD3, FLUX, Qwen-Image and Z-Image"
     PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {
         "StableDiffusion3Pipeline": 7.0, "FluxPipeline": 3.5, "QwenImagePipeline": 4.0, "QwenImageEditPipeline": 4.0,
-        "ZImagePipeline": 5.0, "Flux2Pipeline": 4.0, "Flux2KleinPipeline": 4.0}
+        "ZImagePipeline": 5.0, "Flux2Pipeline": 4.0, "Flux2KleinPipeline": 4.0,
+        "Ideogram4Pipeline": 7.0}  # Ideogram 4: its guidance schedule's value for all but the last 3 steps
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
         """SD3's pipeline: the transformer's sample_size x the VAE's factor. FLUX, FLUX.2 and Z-Image pipelines fix
@@ -321,14 +323,16 @@ class FlowModel(DenoiserModelBase):
         "pairs, see data.control_dir), "
         "Z-Image (ZImageTransformer2DModel; Qwen3), "
         "FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3), "
-        "FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3). See docs/family-flow.md."
+        "FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3), "
+        "Ideogram 4 (Ideogram4Transformer2DModel; Qwen3-VL). See docs/family-flow.md."
     )
     pretrained: str = Field(
         "builtin:tiny-flow",
         description="A diffusers pipeline folder (model_index.json + transformer/vae/text encoders/tokenizers/"
         "scheduler) of one of those models: "
         "StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, QwenImageEditPipeline, ZImagePipeline, "
-        "Flux2KleinPipeline, Flux2Pipeline; "
+        "Flux2KleinPipeline, Flux2Pipeline, "
+        "Ideogram4Pipeline; "
         "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
         "`builtin:tiny-flow` (SD3-class), "
         "`builtin:tiny-flux` (Flux-class), "
@@ -336,7 +340,8 @@ class FlowModel(DenoiserModelBase):
         "`builtin:tiny-qwen-image-edit`, "
         "`builtin:tiny-z-image`, "
         "`builtin:tiny-flux2` (FLUX.2 [klein]), "
-        "`builtin:tiny-flux2-dev` (FLUX.2 [dev]).",
+        "`builtin:tiny-flux2-dev` (FLUX.2 [dev]), "
+        "`builtin:tiny-ideogram4`.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
@@ -347,10 +352,12 @@ class FlowModel(DenoiserModelBase):
         "logit_normal (SD3 paper; logit_mean, logit_std), uniform, or mode (mode_scale).",
     )
     logit_mean: Optional[float] = Field(
-        None, description="timestep_sampling logit_normal: mean of the normal before the sigmoid. Omitted: 0.0."
+        None, description="timestep_sampling logit_normal: mean of the normal before the sigmoid. Omitted: 0.0. "
+        "Ideogram 4 adds 0.5 log(pixels / 512^2) to it, as its training example does."
     )
     logit_std: Optional[float] = Field(
-        None, gt=0, description="timestep_sampling logit_normal: its standard deviation. Omitted: 1.0."
+        None, gt=0, description="timestep_sampling logit_normal: its standard deviation. Omitted: 1.0 "
+        "(Ideogram 4: 1.5, its training example's default)."
     )
     mode_scale: Optional[float] = Field(
         None, description="timestep_sampling mode: how strongly mid timesteps are favoured. Omitted: 1.29."
@@ -359,7 +366,7 @@ class FlowModel(DenoiserModelBase):
         None, gt=0,
         description="Timestep shift for training (sigma -> shift*sigma / (1 + (shift-1)*sigma)). Omitted: the "
         "scheduler's: its config shift (SD3, Z-Image), or unshifted where it shifts dynamically (Flux, Qwen-Image, "
-        "FLUX.2), as the reference scripts train.",
+        "FLUX.2), as the reference scripts train. Not for Ideogram 4, whose example draws sigma itself.",
     )
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
         "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3). sigma_sqrt (sigma^-2) "
@@ -378,7 +385,8 @@ class FlowModel(DenoiserModelBase):
         None, gt=0, description="Text tokens per caption (SD3, Flux: T5's; the others: their LLM prompt's). Omitted: "
         "the model's training example default, at most the tokenizer's model_max_length: "
         "77 (SD3-class) / "
-        "512 (Flux-class, Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.2 [dev]).",
+        "512 (Flux-class, Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.2 [dev]) / "
+        "2048 (Ideogram 4).",
     )
 
     @model_validator(mode="after")

@@ -150,6 +150,11 @@ ROWS = {
     # Flux2Pipeline feeds guidance_scale to the guidance embedding (no classifier-free pass)
     "tiny-flux2-dev": FlowRow("Flux2Pipeline", _render_with(guidance_scale=4.0)),
 }
+# Ideogram 4 draws sigma off the tables (FlowRecipe.draw_sigmas) and loads its unconditional transformer for samples
+# only: its LoRA run resumes too. A constant guidance_scale replaces the pipeline's default per-step schedule.
+ROWS["tiny-ideogram4"] = FlowRow("Ideogram4Pipeline", _render_with(guidance_scale=1.0, guidance_schedule=None,
+                                                                   max_sequence_length=128),
+                                 resume_case="lora-zero3")
 
 
 def resumed_file(row: FlowRow, case: str) -> Path:
