@@ -112,6 +112,9 @@ class Sampling:
     pipeline: Optional[Callable] = None
     scheduler: Optional[Callable] = None  # (built) -> the sampling scheduler; None: a FlowMatchEuler of the folder's
     side_multiple: Optional[Callable] = None  # (built) -> pixels the sides are multiples of; None: 2 x VAE factor
+    # (built, pipeline, sample_spec, call arguments) -> the arguments the pipeline's __call__ takes (a pipeline
+    # without max_sequence_length or guidance_scale, whose guider is a part); None: as they are
+    call: Optional[Callable] = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class FlowRecipe:
     scheduler_class: Optional[str] = "FlowMatchEulerDiscreteScheduler"  # None: the class model_index.json lists
     # (model spec) -> whether the loss compares the x0 the velocity implies (EDM-style) rather than the velocity
     preconditioned: Callable = lambda model: model.precondition_outputs
+    lora_class: Optional[str] = None  # whose save_lora_weights writes the LoRA file; None: pipeline_class
 
     @property
     def text_tensors(self) -> tuple[str, ...]:
