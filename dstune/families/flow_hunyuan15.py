@@ -167,4 +167,6 @@ HUNYUAN_VIDEO15 = FlowRecipe(
                                                    * built.transformer_config["patch_size"])),
     train_tables=train_tables,
     preconditioned=lambda model: False,  # the velocity loss of the official trainer
-    lora_class="HunyuanVideoLoraLoaderMixin")  # HunyuanVideo15Pipeline has no LoRA loader of its own (0.42)
+    # HunyuanVideo15Pipeline has no LoRA loader in diffusers 0.42: the file is written as HunyuanVideoPipeline's
+    # (HunyuanVideoLoraLoaderMixin: "transformer."-prefixed PEFT keys), which transformer.load_lora_adapter reads
+    lora_class="HunyuanVideoPipeline")

@@ -1,6 +1,7 @@
 """The torch-free facts of the wan family (Wan 2.1 / 2.2: text-to-video, image-to-video, TI2V, two experts; a
-HunyuanVideo 1.5 folder's are dstune.families.hunyuan15_facts, told by its transformer class): its folder's layout (dstune.wan_layouts), which expert trains over which timesteps (dstune.spec.video_models), tokens
-per clip, activations and cache bytes; dstune.families.facts describes the contract.
+HunyuanVideo 1.5 folder's are dstune.families.hunyuan15_facts, told by its transformer class): its folder's layout
+(dstune.wan_layouts), which expert trains over which timesteps (dstune.spec.video_models), tokens per clip,
+activations and cache bytes; dstune.families.facts describes the contract.
 
 Tokens of a clip: latent frames (1 + (frames - 1) / 4) x (H / s / ph) x (W / s / pw), with the VAE's spatial factor s
 and the transformer's patch (pt, ph, pw) read from the model's configs (Wan's 8 and (1, 2, 2) when they are not here).

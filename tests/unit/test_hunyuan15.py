@@ -101,3 +101,65 @@ def test_training_tables_are_the_trainers_shifted_timesteps(built):
     grid = torch.linspace(1000, 1, 1000)
     assert torch.allclose(built.train_timesteps, _reference_timestep_transform(grid, 1000, 3.0), atol=1e-3)
     assert torch.allclose(built.train_sigmas * 1000, built.train_timesteps, atol=1e-3)
+
+
+def test_samples_render_as_clips_at_sample_guidance(built, tmp_path):
+    """Samples: the folder's pipeline, its guider rebuilt at sample.guidance (1.0: one pass per step, 6.0 the
+    classifier-free two), model.sample_frames frames each, saved as an animated WebP with an MP4 beside it."""
+    import av
+
+    from dstune.families.samples import save_clip_grid
+    from dstune.spec.models import SampleSpec
+
+    passes = []
+    hook = built.trainable.register_forward_hook(lambda module, args, output: passes.append(1))
+    try:
+        guided = wan.sample(built, built.trainable, ["a red circle moving left"], SampleSpec(steps=2, guidance=6.0), 32)
+        count_guided = len(passes)
+        plain = wan.sample(built, built.trainable, ["a red circle moving left"], SampleSpec(steps=2, guidance=1.0), 32)
+    finally:
+        hook.remove()
+    assert (count_guided, len(passes) - count_guided) == (4, 2)
+    assert len(guided[0]) == 5 and guided[0][0].size == (32, 32) and len(plain[0]) == 5
+    assert save_clip_grid(guided, ["a red circle moving left"], tmp_path / "step-000001.png").suffix == ".webp"
+    with av.open(str(tmp_path / "step-000001.mp4")) as container:
+        assert len(list(container.decode(container.streams.video[0]))) == 5
+
+
+def test_export_loads_and_renders_and_the_lora_file_loads_into_the_pipelines_transformer(built, tmp_path):
+    """The full export is a HunyuanVideo15Pipeline folder that loads and renders; the LoRA file (written by the
+    HunyuanVideo LoRA loader's save_lora_weights: HunyuanVideo15Pipeline has no LoRA loader in diffusers 0.42) loads
+    into the pipeline's transformer with load_lora_adapter and gives the trained adapters' loss."""
+    from diffusers import HunyuanVideo15Pipeline
+    from safetensors.torch import load_file
+
+    from dstune.families.lora import apply_train_mode, export_lora
+
+    state = {name: value + 0.01 for name, value in built.trainable.state_dict().items()}
+    out = wan.export(built, state, tmp_path / "full")
+    saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(saved[k], state[k]) for k in state)
+    pipeline = HunyuanVideo15Pipeline.from_pretrained(out)
+    frames = pipeline("a red circle moving left", height=32, width=32, num_frames=5, num_inference_steps=2,
+                      generator=torch.Generator().manual_seed(0), output_type="np").frames
+    assert frames.shape == (1, 5, 32, 32, 3) and torch.isfinite(torch.as_tensor(frames)).all()
+
+    spec = WanModel(family="wan", pretrained=NAME, train="lora", max_sequence_length=TEXT_TOKENS)
+    model = build_model(spec, CACHE_DIR, "cpu")
+    apply_train_mode(model.trainable, spec, seed=0, family=wan.FAMILY)
+    with torch.no_grad():
+        for name, param in model.trainable.named_parameters():
+            if ".lora_B." in name:  # B starts at zero: "train" it
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    lora = export_lora(wan.FAMILY, model, {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
+                       tmp_path / "lora", spec)
+    encoded = wan.encode_batch(model, clip_batch([1], SEED))
+    pipeline = HunyuanVideo15Pipeline.from_pretrained(model.folder)
+    with torch.no_grad():
+        base_loss = wan.loss(model, pipeline.transformer, encoded, 0, 1)
+    pipeline.transformer.load_lora_adapter(str(lora), weight_name="pytorch_lora_weights.safetensors",
+                                           prefix="transformer")
+    with torch.no_grad():
+        trained_loss, loaded = (wan.loss(model, module, encoded, 0, 1) for module in (model.trainable,
+                                                                                      pipeline.transformer))
+    assert loaded.item() == pytest.approx(trained_loss.item(), rel=1e-6) and loaded.item() != base_loss.item()
