@@ -11,6 +11,10 @@ ByT5 glyph encoder (T5EncoderModel) with ByT5's byte tokenizer (built without fi
 scheduler with shift 5.0 and the ClassifierFreeGuidance guider at 6.0 of the 480p text-to-video model. A 5-frame
 32x32 clip is an (8, 2, 4, 4) latent, 32 transformer tokens.
 
+`builtin:tiny-hunyuan-video15-i2v` is the image-to-video layout (HunyuanVideo15ImageToVideoPipeline): the same parts
+with a transformer of task_type "i2v" (seeded apart), a one-layer 16-wide SiglipVisionModel (32 px images in 8 px
+patches: 16 image tokens) and its SiglipImageProcessor (32 px).
+
 The byte-level tokenizer has no merges, so the pipeline's system prompt takes ~600 tokens where Qwen's takes 108;
 the pipeline crops the first 108 either way, so the tiny model's embeddings keep the rest of the template.
 Training, sampling and the reference loss all go through the pipeline's own encode_prompt, so they agree on that.
@@ -91,8 +95,40 @@ def build_tiny_hunyuan_video15(out: Path, needs: dict) -> dict:
     return save_pipeline(HunyuanVideo15Pipeline(**parts), out, parts["transformer"])
 
 
+def tiny_siglip() -> tuple:
+    """(SiglipVisionModel one layer 16 wide over 32 px images in 8 px patches: 16 tokens, its SiglipImageProcessor
+    at 32 px)."""
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    encoder = SiglipVisionModel(SiglipVisionConfig(hidden_size=IMAGE_WIDTH, intermediate_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, image_size=32, patch_size=8))
+    return encoder, SiglipImageProcessor(size={"height": 32, "width": 32})
+
+
+def build_tiny_hunyuan_video15_i2v(out: Path, needs: dict) -> dict:
+    """builtin:tiny-hunyuan-video15-i2v: a HunyuanVideo15ImageToVideoPipeline folder (the text-to-video parts, an
+    "i2v" transformer seeded apart, the SigLIP image encoder and its processor)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    with quiet_hf_libraries():
+        from diffusers import HunyuanVideo15ImageToVideoPipeline
+    parts = text_to_video_parts()
+    with deterministic_cpu(_SEED + 1, BUILD_THREADS):
+        parts["transformer"] = HunyuanVideo15Transformer3DModel(**{**TINY_HV15_TRANSFORMER, "task_type": "i2v"})
+        image_encoder, feature_extractor = tiny_siglip()
+    pipeline = HunyuanVideo15ImageToVideoPipeline(**parts, image_encoder=image_encoder,
+                                                  feature_extractor=feature_extractor)
+    return save_pipeline(pipeline, out, parts["transformer"])
+
+
 TINY_HUNYUAN_VIDEO15 = BuiltinModel(
     name="tiny-hunyuan-video15", folder_name="tiny-hunyuan-video15-v1", family="wan",
     description="HunyuanVideo 1.5 text-to-video pipeline: 2-block 32-wide HunyuanVideo15 transformer, an 8-channel "
                 "causal 3D VAE, Qwen2.5-VL text model (two 32-wide layers) and a one-layer ByT5 glyph encoder",
     build=build_tiny_hunyuan_video15)
+
+TINY_HUNYUAN_VIDEO15_I2V = BuiltinModel(
+    name="tiny-hunyuan-video15-i2v", folder_name="tiny-hunyuan-video15-i2v-v1", family="wan",
+    description="HunyuanVideo 1.5 image-to-video pipeline: tiny-hunyuan-video15's parts with an i2v transformer and "
+                "a one-layer 16-wide SigLIP image encoder (32 px, 16 tokens)",
+    build=build_tiny_hunyuan_video15_i2v)

@@ -8,7 +8,8 @@ the folder's transformer class, HunyuanVideo15Transformer3DModel).
   the ByT5 glyph encoder over the quoted text of the caption (zeros and an empty mask when it quotes none), 256
   tokens: four tensors per caption, all of them cached by data.cache.text_embeddings;
 - the transformer reads cat([x_t, condition latents, mask]) and a SigLIP image embedding: text-to-video gives zeros
-  for all three, as HunyuanVideo15Pipeline does;
+  for all three, as HunyuanVideo15Pipeline does; image-to-video (HunyuanVideo15ImageToVideoPipeline folders) the
+  first frame's (dstune.families.hunyuan15_i2v);
 - tables: a FlowMatchEulerDiscreteScheduler with shift 3.0 (the official trainer's train_timestep_shift; the
   folder's scheduler shift, 5.0 to 9.0, is its sampling shift), model.shift replaces it;
 - samples: the folder's pipeline with its ClassifierFreeGuidance guider at sample.guidance.
@@ -19,11 +20,13 @@ is tests/unit/test_hunyuan15_loss_parity.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from dstune.families import hunyuan15_i2v
 from dstune.families.diffusion import component_problems, read_component_config, read_model_index
 from dstune.families.flow_recipe import Conditioning, FlowRecipe, LatentSpace, Sampling, TextSide
 from dstune.hf import quiet_hf_libraries
@@ -69,13 +72,12 @@ def folder_problems(folder: Path, expert: Optional[str] = None, image_to_video: 
     """Why `folder` is not a HunyuanVideo 1.5 pipeline folder dstune trains with these model keys (empty: it is)."""
     index = read_model_index(folder)
     problems = expert_problems(index, expert, timestep_range)
-    problems += component_problems(folder, index, COMPONENTS)
+    components = {**COMPONENTS, **(hunyuan15_i2v.COMPONENTS if hunyuan15_i2v.is_image_to_video(folder) else {})}
+    problems += component_problems(folder, index, components)
     if not problems:
         problems += config_mismatches(folder)
-    if image_to_video:
-        problems.append(f"model.image_to_video is true, but {index.get('_class_name')} is text-to-video: use a "
-                        "HunyuanVideo15ImageToVideoPipeline folder (480p_i2v, 720p_i2v) or remove the key")
-    return problems
+    mode = hunyuan15_i2v.mode_problem(folder, image_to_video)
+    return problems + ([mode] if mode else [])
 
 
 def train_tables(scheduler, shift: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,12 +131,15 @@ def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch
 
 def _call_arguments(built, pipeline, sample_spec, arguments: dict) -> dict:
     """HunyuanVideo15Pipeline takes neither max_sequence_length nor guidance_scale: the Qwen length is its
-    tokenizer_max_length, the guidance its guider's (rebuilt at sample.guidance from the folder's guider)."""
+    tokenizer_max_length, the guidance its guider's (rebuilt at sample.guidance from the folder's guider). The
+    image-to-video pipeline takes no size either: it renders at the transformer's target_size in the first frame's
+    aspect ratio."""
     pipeline.tokenizer_max_length = built.max_sequence_length
     if sample_spec.guidance is not None:
         pipeline.guider = type(pipeline.guider).from_config({**pipeline.guider.config,
                                                              "guidance_scale": float(sample_spec.guidance)})
-    return {k: v for k, v in arguments.items() if k not in ("max_sequence_length", "guidance_scale")}
+    dropped = ("max_sequence_length", "guidance_scale") + (("height", "width") if built.mode else ())
+    return {k: v for k, v in arguments.items() if k not in dropped}
 
 
 def _pipeline(built, transformer) -> tuple:
@@ -145,14 +150,6 @@ def _pipeline(built, transformer) -> tuple:
     return getattr(diffusers, built.recipe.pipeline_class), {**built.parts, "vae": built.vae}
 
 
-def _load_guider(folder: Path, model, transformer_config, device, dtype) -> tuple[dict, None]:
-    """The folder's guider (a ClassifierFreeGuidance: a pipeline part, not a module)."""
-    with quiet_hf_libraries():
-        from diffusers import ClassifierFreeGuidance
-
-        return {"guider": ClassifierFreeGuidance.from_pretrained(folder / "guider")}, None
-
-
 HUNYUAN_VIDEO15 = FlowRecipe(
     kind="hunyuan_video15", transformer_class=TRANSFORMER_CLASS, pipeline_class="HunyuanVideo15Pipeline",
     components=COMPONENTS,
@@ -161,7 +158,8 @@ HUNYUAN_VIDEO15 = FlowRecipe(
     latents=LatentSpace(vae_class="AutoencoderKLHunyuanVideo15", frames=True,
                         patch=lambda built: (built.transformer_config["patch_size"],) * 2,
                         spatial_factor=lambda vae_config: vae_config.spatial_compression_ratio),
-    conditioning=Conditioning(load=_load_guider),
+    conditioning=Conditioning(load=hunyuan15_i2v.load, encode=hunyuan15_i2v.encode_conditions,
+                              model_inputs=hunyuan15_i2v.model_inputs, sample_sources=hunyuan15_i2v.sample_sources),
     sampling=Sampling(options=lambda built, sample_spec, prompts: {}, pipeline=_pipeline, call=_call_arguments,
                       side_multiple=lambda built: (built.vae.config.spatial_compression_ratio
                                                    * built.transformer_config["patch_size"])),
@@ -170,3 +168,11 @@ HUNYUAN_VIDEO15 = FlowRecipe(
     # HunyuanVideo15Pipeline has no LoRA loader in diffusers 0.42: the file is written as HunyuanVideoPipeline's
     # (HunyuanVideoLoraLoaderMixin: "transformer."-prefixed PEFT keys), which transformer.load_lora_adapter reads
     lora_class="HunyuanVideoPipeline")
+
+HUNYUAN_VIDEO15_I2V = replace(HUNYUAN_VIDEO15, kind="hunyuan_video15_i2v", pipeline_class=hunyuan15_i2v.PIPELINE,
+                              components={**COMPONENTS, **hunyuan15_i2v.COMPONENTS})
+
+
+def recipe_of(folder: Path) -> FlowRecipe:
+    """The recipe of a HunyuanVideo 1.5 folder: text-to-video or image-to-video, by its pipeline class."""
+    return HUNYUAN_VIDEO15_I2V if hunyuan15_i2v.is_image_to_video(folder) else HUNYUAN_VIDEO15

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 
 TRANSFORMER_CLASS = "HunyuanVideo15Transformer3DModel"
+I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
 DEFAULT_TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length
 GLYPH_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
 VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens
@@ -62,13 +63,35 @@ def text_tokens_and_width(spec, folder) -> list[tuple[int, int]]:
             (GLYPH_TOKENS, config.get("text_embed_2_dim", 0))]
 
 
+def image_to_video(folder) -> bool:
+    """Whether the folder is HunyuanVideo 1.5's image-to-video pipeline (its runs are image-to-video)."""
+    return folder.index.get("_class_name") == I2V_PIPELINE
+
+
+def image_cache_bytes(spec, folder, num_samples: int) -> int:
+    """The latent cache's image-to-video extra: each clip's first-frame SigLIP hidden states (float32)."""
+    if not (spec.data.cache.latents and image_to_video(folder)):
+        return 0
+    encoder = folder.config("image_encoder")
+    tokens = (encoder.get("image_size", 384) // encoder.get("patch_size", 14)) ** 2
+    return tokens * encoder.get("hidden_size", 0) * 4 * num_samples
+
+
 def spec_issues(spec, folder) -> list[tuple[str, str]]:
-    """What a text-to-video HunyuanVideo 1.5 folder cannot train: image-to-video and first frames for samples."""
-    issues = []
-    if spec.model.image_to_video:
-        issues.append(("model.image_to_video", f"{spec.model.pretrained}: {folder.index.get('_class_name')} is "
-                       "text-to-video; use a HunyuanVideo15ImageToVideoPipeline folder or remove the key"))
-    if spec.sample.control_images:
+    """model.image_to_video against the folder's pipeline, and first frames for image-to-video samples (one per
+    prompt) or none for text-to-video."""
+    pipeline, issues = folder.index.get("_class_name"), []
+    if spec.model.image_to_video and not image_to_video(folder):
+        issues.append(("model.image_to_video", f"{spec.model.pretrained}: {pipeline} is text-to-video; use a "
+                       f"{I2V_PIPELINE} folder or remove the key"))
+    if spec.model.image_to_video is False and image_to_video(folder):
+        issues.append(("model.image_to_video", f"{spec.model.pretrained}: {pipeline}'s transformer is the image-to-"
+                       "video one; use a HunyuanVideo15Pipeline folder for text-to-video, or remove the key"))
+    if image_to_video(folder):
+        if len(spec.sample.control_images) != len(spec.sample.prompts):
+            issues.append(("sample.control_images", f"{pipeline} renders each sample from a first frame: give one "
+                           "image per sample.prompts entry, or set sample.prompts: []"))
+    elif spec.sample.control_images:
         issues.append(("sample.control_images", f"{spec.model.pretrained} renders from the prompt alone (text-to-"
                        "video): remove sample.control_images"))
     return issues

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from dstune.families import flow_hunyuan15, wan_i2v
+from dstune.families import flow_hunyuan15, hunyuan15_i2v, wan_i2v
 from dstune.families.base import Family, FamilyError, LatentExtras, TextCache
 from dstune.families.diffusion import read_component_config
 from dstune.families.flow_core import (FlowBuilt, build_from, encode_batch, encode_captions, export, loss, sample,
@@ -43,7 +43,7 @@ def is_hunyuan_video15(folder: Path) -> bool:
 
 
 def _recipe(folder: Path):
-    return flow_hunyuan15.HUNYUAN_VIDEO15 if is_hunyuan_video15(folder) else WAN
+    return flow_hunyuan15.recipe_of(Path(folder)) if is_hunyuan_video15(folder) else WAN
 
 
 def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
@@ -70,7 +70,10 @@ def wan_i2v_cache_key(model: WanModel, folder: Path) -> tuple[str, tuple[str, ..
     the posterior) and the image encoder's folders, and the tensors stored; ("", (), ()) for text-to-video (the
     entries are the posterior's)."""
     if is_hunyuan_video15(Path(folder)):
-        return "", (), ()
+        if not hunyuan15_i2v.is_image_to_video(Path(folder)):
+            return "", (), ()
+        return ("image_to_video/hunyuan_video15", ("image_encoder", "feature_extractor"),
+                (hunyuan15_i2v.IMAGE_EMBEDS,))
     mode = folder_mode(Path(folder), model.image_to_video)
     if not mode.image_to_video:
         return "", (), ()
@@ -80,9 +83,16 @@ def wan_i2v_cache_key(model: WanModel, folder: Path) -> tuple[str, tuple[str, ..
             (wan_i2v.CONDITION, wan_i2v.IMAGE_EMBEDS))
 
 
+def condition_tensors(built, clips: torch.Tensor) -> dict:
+    """What the latent cache stores beside an image-to-video clip's posterior, per the run's recipe."""
+    if built.recipe.transformer_class == flow_hunyuan15.TRANSFORMER_CLASS:
+        return hunyuan15_i2v.condition_tensors(built, clips)
+    return wan_i2v.condition_tensors(built, clips)
+
+
 FAMILY = Family(
     name="wan", modality="video", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_clip_grid, export=export, save_lora_weights=save_lora_weights,
     text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_TENSORS, encode_captions, text_cache_settings,
                          tensors_of=lambda folder: _recipe(Path(folder)).text_tensors),
-    builds_partitioned=True, latent_extras=LatentExtras(wan_i2v_cache_key, wan_i2v.condition_tensors))
+    builds_partitioned=True, latent_extras=LatentExtras(wan_i2v_cache_key, condition_tensors))

@@ -75,6 +75,8 @@ def _trained(spec, folder):
 def _image_to_video(spec, folder) -> bool:
     """Whether the spec trains image-to-video on this folder (dstune.wan_layouts); False for folders whose channels
     fit no Wan layout (startup says why)."""
+    if hunyuan15_facts.is_hunyuan15(folder):
+        return hunyuan15_facts.image_to_video(folder) and spec.model.image_to_video is not False
     kind, _ = wan_layouts.layout(folder.index, folder.config("transformer"), folder.config("vae"))
     return kind is not None and wan_layouts.image_to_video(kind, spec.model.image_to_video)[0]
 
@@ -124,7 +126,7 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
     if hunyuan15_facts.is_hunyuan15(folder):
         per_sample = sum(transformer_text_bytes(spec, folder, tokens, width)
                          for tokens, width in hunyuan15_facts.text_tokens_and_width(spec, folder))
-        return per_sample * num_samples + latents
+        return per_sample * num_samples + latents + hunyuan15_facts.image_cache_bytes(spec, folder, num_samples)
     width = folder.config("transformer").get("text_dim", 0) if folder.has("transformer") else 0
     per_sample = transformer_text_bytes(spec, folder, _text_tokens(spec), width)
     return per_sample * num_samples + latents
@@ -133,7 +135,7 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
 def _condition_cache_bytes(spec, folder, companions: dict, channels: int, factor: int, buckets) -> int:
     """Image-to-video's cached condition (dstune.families.wan_i2v): its latent mode in float32 (TI2V: one latent
     frame), and Wan 2.1 I2V's first-frame CLIP hidden states in the frozen parts' dtype, summed over the buckets."""
-    if not _image_to_video(spec, folder):
+    if not _image_to_video(spec, folder) or hunyuan15_facts.is_hunyuan15(folder):  # its extra: image_cache_bytes
         return 0
     total = 0
     for frames, clip_width, clip_height, count in buckets:

@@ -13,11 +13,12 @@ from dstune.spec.model_sections import DenoiserModelBase
 class WanModel(DenoiserModelBase):
     modality: ClassVar[str] = "video"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("WanPipeline", "WanImageToVideoPipeline",
-                                                  "HunyuanVideo15Pipeline")
+                                                  "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")
     PRESET_RESOLUTION: ClassVar[int] = 480
     PRESET_NAME: ClassVar[str] = "Wan's frame height"
     PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"WanPipeline": 5.0, "WanImageToVideoPipeline": 5.0,
-                                                     "HunyuanVideo15Pipeline": 6.0}
+                                                     "HunyuanVideo15Pipeline": 6.0,
+                                                     "HunyuanVideo15ImageToVideoPipeline": 6.0}
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
         """WanPipeline's default frames are 480 x 832 (fixed in its code, whatever the folder): data.resolution is

@@ -163,3 +163,84 @@ def test_export_loads_and_renders_and_the_lora_file_loads_into_the_pipelines_tra
         trained_loss, loaded = (wan.loss(model, module, encoded, 0, 1) for module in (model.trainable,
                                                                                       pipeline.transformer))
     assert loaded.item() == pytest.approx(trained_loss.item(), rel=1e-6) and loaded.item() != base_loss.item()
+
+
+# ------------------------------------------------------------------------------------------- image-to-video
+I2V_NAME = "builtin:tiny-hunyuan-video15-i2v"
+
+
+@pytest.fixture(scope="module")
+def i2v():
+    return build_model(WanModel(family="wan", pretrained=I2V_NAME, max_sequence_length=TEXT_TOKENS,
+                                timestep_sampling="logit_normal"), CACHE_DIR, "cpu")
+
+
+def test_image_to_video_loss_equals_the_trainers_i2v_lines(i2v):
+    """train.py's i2v task: get_condition(latents, "i2v") (the first latent frame and a mask channel of ones on it),
+    vision_states of the first frame, the loss over every frame. The condition is the first frame's posterior mean
+    (dstune; the pipeline's mode of the first frame encoded alone, which the causal VAE makes the same latents),
+    where train.py takes that frame of its posterior sample: the one difference, documented."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+
+    from dstune.families.hunyuan15_i2v import frame_images
+
+    batch = clip_batch(INDICES, SEED)
+    encoded = wan.encode_batch(i2v, batch)
+    mean, std = encoded["latent_mean"], encoded["latent_std"]
+    scale = i2v.vae.config.scaling_factor
+    first = [HunyuanVideo15ImageToVideoPipeline._get_image_latents(i2v.vae, pipeline_processor(i2v), image, 32, 32,
+                                                                   "cpu")
+             for image in frame_images(batch["pixel_values"][:, :, 0])]
+    assert torch.allclose(torch.cat(first), mean[:, :, :1] * scale, atol=1e-5)
+    embeds = torch.cat([HunyuanVideo15ImageToVideoPipeline._get_image_embeds(
+        i2v.parts["image_encoder"], i2v.parts["feature_extractor"], image, "cpu")
+        for image in frame_images(batch["pixel_values"][:, :, 0])])
+    assert torch.allclose(encoded["image_embeds"], embeds, atol=1e-6) and embeds.abs().sum() > 0
+
+    latents = (mean + std * per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "vae_posterior")) * scale
+    noise = per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "noise")
+    u = timestep_density(i2v.settings, SEED, STEP, INDICES)
+    timesteps = i2v.train_timesteps[(u * 1000).long()]
+    b, c, f, h, w = latents.shape
+    cond = torch.zeros([b, c + 1, f, h, w])
+    cond[:, :-1, :1] = mean[:, :, :1] * scale
+    cond[:, -1, 0] = 1
+    t = (timesteps / 1000).view(-1, 1, 1, 1, 1)
+    with torch.no_grad():
+        model_pred = i2v.trainable(hidden_states=torch.cat([(1 - t) * latents + t * noise, cond], dim=1),
+                                   timestep=timesteps, image_embeds=embeds, return_dict=False,
+                                   **{name: encoded[name] for name in ("encoder_hidden_states", "encoder_attention_mask",
+                                                                        "encoder_hidden_states_2",
+                                                                        "encoder_attention_mask_2")})[0]
+        ours = wan.loss(i2v, i2v.trainable, encoded, SEED, STEP)
+    reference = torch.nn.functional.mse_loss(model_pred, noise - latents)
+    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+
+
+def pipeline_processor(built):
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    return HunyuanVideo15ImageProcessor(vae_scale_factor=built.vae.config.spatial_compression_ratio)
+
+
+def test_image_to_video_caches_the_image_embedding_and_renders_from_first_frames(i2v, tmp_path):
+    """The latent cache's extras are the first frame's SigLIP embedding, keyed by the image encoder's folders;
+    samples render from sample.control_images; a text-to-video folder refuses model.image_to_video: true."""
+    from PIL import Image
+
+    from dstune.families.base import FamilyError
+    from dstune.spec.models import SampleSpec
+
+    clips = clip_batch(INDICES, SEED)["pixel_values"]
+    assert wan.FAMILY.latent_extras.key(i2v.settings, i2v.folder) == (
+        "image_to_video/hunyuan_video15", ("image_encoder", "feature_extractor"), ("image_embeds",))
+    stored = wan.FAMILY.latent_extras.encode(i2v, clips)
+    cached = wan.encode_batch(i2v, {**clip_batch(INDICES, SEED), **stored})
+    assert torch.equal(cached["image_embeds"], wan.encode_batch(i2v, clip_batch(INDICES, SEED))["image_embeds"])
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "first.png")
+    spec = SampleSpec(prompts=["a red circle moving left"], steps=2, guidance=1.0,
+                      control_images=[str(tmp_path / "first.png")])
+    clips = wan.sample(i2v, i2v.trainable, spec.prompts, spec, 32)
+    assert len(clips[0]) == 5 and clips[0][0].size == (32, 32)
+    with pytest.raises(FamilyError, match="image_to_video is true"):
+        build_model(WanModel(family="wan", pretrained=NAME, image_to_video=True), CACHE_DIR, "cpu")
