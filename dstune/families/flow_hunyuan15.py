@@ -14,7 +14,7 @@ the folder's transformer class, HunyuanVideo15Transformer3DModel).
   folder's scheduler shift, 5.0 to 9.0, is its sampling shift), model.shift replaces it;
 - samples: the folder's pipeline with its ClassifierFreeGuidance guider at sample.guidance.
 
-Differences from the official trainer's loss are listed in docs/family-wan.md (HunyuanVideo 1.5); the parity test
+Differences from the official trainer's loss are listed in docs/family-hunyuan-video15.md; the parity test
 is tests/unit/test_hunyuan15_loss_parity.py.
 """
 
