@@ -32,7 +32,8 @@ __all__ = ["build", "encode_batch", "encode_captions", "loss", "sample", "export
            "COMPONENTS", "folder_problems", "folder_mode", "train_tables", "expert_positions",
            "other_expert_loaded", "wan_i2v_cache_key"]
 
-TEXT_CACHE_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")  # a folder Wan lacks adds nothing
+TEXT_CACHE_FOLDERS = ("text_encoder", "tokenizer")  # Wan's UMT5; HunyuanVideo 1.5 adds its ByT5 glyph encoder's
+HV15_TEXT_CACHE_FOLDERS = TEXT_CACHE_FOLDERS + ("text_encoder_2", "tokenizer_2")
 
 
 def is_hunyuan_video15(folder: Path) -> bool:
@@ -94,5 +95,7 @@ FAMILY = Family(
     name="wan", modality="video", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_clip_grid, export=export, save_lora_weights=save_lora_weights,
     text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_TENSORS, encode_captions, text_cache_settings,
-                         tensors_of=lambda folder: _recipe(Path(folder)).text_tensors),
+                         tensors_of=lambda folder: _recipe(Path(folder)).text_tensors,
+                         folders_of=lambda folder: HV15_TEXT_CACHE_FOLDERS if is_hunyuan_video15(Path(folder))
+                         else TEXT_CACHE_FOLDERS),
     builds_partitioned=True, latent_extras=LatentExtras(wan_i2v_cache_key, condition_tensors))

@@ -244,3 +244,17 @@ def test_image_to_video_caches_the_image_embedding_and_renders_from_first_frames
     assert len(clips[0]) == 5 and clips[0][0].size == (32, 32)
     with pytest.raises(FamilyError, match="image_to_video is true"):
         build_model(WanModel(family="wan", pretrained=NAME, image_to_video=True), CACHE_DIR, "cpu")
+
+
+def test_text_cache_entries_are_keyed_by_both_text_encoders_and_wans_keys_stay_as_they_were(built):
+    """A cached caption's tensors depend on the Qwen and the ByT5 sides, so both folders key the entries; a Wan
+    folder's key is its UMT5 and tokenizer only, as before HunyuanVideo 1.5 joined the family."""
+    from dstune import builtin as tiny
+
+    text_cache = wan.FAMILY.text_cache
+    assert text_cache.folder_names(built.folder) == ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    assert text_cache.tensor_names(built.folder) == ("encoder_hidden_states", "encoder_attention_mask",
+                                                     "encoder_hidden_states_2", "encoder_attention_mask_2")
+    wan_folder = tiny.ensure_builtin_model("builtin:tiny-wan", CACHE_DIR)
+    assert text_cache.folder_names(wan_folder) == ("text_encoder", "tokenizer")
+    assert text_cache.tensor_names(wan_folder) == ("encoder_hidden_states",)
