@@ -242,7 +242,7 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
     targets, records = records, _with_sources(records) if cache_spec.latents else records
     hashes, unreadable = _content_hashes(run, records, data, job.video)
     text = job.text_cache
-    fingerprints = _fingerprints(job.model_folder, text.folders if text else ())
+    fingerprints = _fingerprints(job.model_folder, text.folder_names(job.model_folder) if text else ())
     if job.text_settings:  # e.g. flow's max_sequence_length: same encoders, other tensors
         fingerprints["text"] = bytes_sha256((fingerprints["text"] + job.text_settings).encode())
     if job.latent_settings:  # e.g. Wan image-to-video: the condition (and its encoders) stored beside the posterior

@@ -65,9 +65,13 @@ class TextCache:
     settings: Optional[Callable] = None  # model spec -> text of the settings that shape the tensors (flow's length)
     tensors_of: Optional[Callable] = None  # model folder -> tensor names, where a family's models differ (flow)
     refusal: Optional[Callable] = None  # model folder -> why this model cannot cache text (an edit model), or None
+    folders_of: Optional[Callable] = None  # model folder -> folder names, where a family's models differ (wan)
 
     def tensor_names(self, model_folder) -> tuple[str, ...]:
         return tuple(self.tensors_of(model_folder)) if self.tensors_of else self.tensors
+
+    def folder_names(self, model_folder) -> tuple[str, ...]:
+        return tuple(self.folders_of(model_folder)) if self.folders_of else self.folders
 
 
 @dataclass(frozen=True)

@@ -290,6 +290,7 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
             frames = {"num_frames": built.settings.sample_frames} if recipe.latents.frames else {}
             common = dict(height=side, width=side, **frames, **guidance, num_inference_steps=sample_spec.steps,
                           output_type="pil", max_sequence_length=built.max_sequence_length)
+            common = sampling.call(built, pipeline, sample_spec, common) if sampling.call else common
             if sources is None and not recipe.latents.frames:
                 return pipeline(prompt=list(prompts), generator=generators, **common).images
             text_side = pipeline_of(built)
@@ -337,6 +338,6 @@ def save_lora_weights(built: FlowBuilt, lora_layers: dict, adapter_metadata: dic
     with quiet_hf_libraries():
         import diffusers
 
-        getattr(diffusers, built.recipe.pipeline_class).save_lora_weights(
+        getattr(diffusers, built.recipe.lora_class or built.recipe.pipeline_class).save_lora_weights(
             folder, transformer_lora_layers=lora_layers, transformer_lora_adapter_metadata=adapter_metadata,
             safe_serialization=True)

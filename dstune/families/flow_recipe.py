@@ -112,6 +112,9 @@ class Sampling:
     pipeline: Optional[Callable] = None
     scheduler: Optional[Callable] = None  # (built) -> the sampling scheduler; None: a FlowMatchEuler of the folder's
     side_multiple: Optional[Callable] = None  # (built) -> pixels the sides are multiples of; None: 2 x VAE factor
+    # (built, pipeline, sample_spec, call arguments) -> the arguments the pipeline's __call__ takes (a pipeline
+    # without max_sequence_length or guidance_scale, whose guider is a part); None: as they are
+    call: Optional[Callable] = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class FlowRecipe:
     # (built, model-space latents, seed, step, indices) -> sigma per sample (B,), drawn continuously as the model's
     # example draws it (Ideogram 4); None: u indexes the tables (timesteps are then sigma x 1000)
     draw_sigmas: Optional[Callable] = None
+    lora_class: Optional[str] = None  # whose save_lora_weights writes the LoRA file; None: pipeline_class
 
     @property
     def text_tensors(self) -> tuple[str, ...]:

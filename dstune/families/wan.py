@@ -1,4 +1,6 @@
-"""The `wan` family: Wan 2.1 / 2.2 video models (WanTransformer3DModel, AutoencoderKLWan, UMT5), by flow matching.
+"""The `wan` family: the video models of the flow-matching core, by the folder's transformer class: Wan 2.1 / 2.2
+(WanTransformer3DModel, AutoencoderKLWan, UMT5) and HunyuanVideo 1.5 (HunyuanVideo15Transformer3DModel,
+dstune.families.flow_hunyuan15).
 
 Wan trains on the flow-matching core of the image models (dstune.families.flow_core): its clips' latents are
 (B, C, frames, H, W) and every step (posterior draw, noise, table positions, x_t, loss, sampling, export) is the
@@ -15,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from dstune.families import wan_i2v
+from dstune.families import flow_hunyuan15, hunyuan15_i2v, wan_i2v
 from dstune.families.base import Family, FamilyError, LatentExtras, TextCache
 from dstune.families.diffusion import read_component_config
 from dstune.families.flow_core import (FlowBuilt, build_from, encode_batch, encode_captions, export, loss, sample,
@@ -30,7 +32,19 @@ __all__ = ["build", "encode_batch", "encode_captions", "loss", "sample", "export
            "COMPONENTS", "folder_problems", "folder_mode", "train_tables", "expert_positions",
            "other_expert_loaded", "wan_i2v_cache_key"]
 
-TEXT_CACHE_FOLDERS = ("text_encoder", "tokenizer")
+TEXT_CACHE_FOLDERS = ("text_encoder", "tokenizer")  # Wan's UMT5; HunyuanVideo 1.5 adds its ByT5 glyph encoder's
+HV15_TEXT_CACHE_FOLDERS = TEXT_CACHE_FOLDERS + ("text_encoder_2", "tokenizer_2")
+
+
+def is_hunyuan_video15(folder: Path) -> bool:
+    """Whether the folder's transformer is HunyuanVideo 1.5's (its recipe), else Wan's."""
+    path = Path(folder) / "transformer" / "config.json"
+    return path.is_file() and \
+        read_component_config(Path(folder), "transformer").get("_class_name") == flow_hunyuan15.TRANSFORMER_CLASS
+
+
+def _recipe(folder: Path):
+    return flow_hunyuan15.recipe_of(Path(folder)) if is_hunyuan_video15(folder) else WAN
 
 
 def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
@@ -39,17 +53,28 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
     2.1 I2V's image encoder) frozen in `dtype_for_frozen`. Never downloads; FamilyError listing every problem of a
     folder that is not a Wan pipeline this spec can train."""
     folder = folders["pretrained"]
-    problems = folder_problems(folder, model.expert, model.image_to_video, model.timestep_range)
+    hunyuan = is_hunyuan_video15(folder)
+    check = flow_hunyuan15.folder_problems if hunyuan else folder_problems
+    problems = check(folder, model.expert, model.image_to_video, model.timestep_range)
     if problems:
-        raise FamilyError(f"{folder} cannot be used as a Wan pipeline (model.family wan):\n"
+        what = "HunyuanVideo 1.5" if hunyuan else "Wan"
+        raise FamilyError(f"{folder} cannot be used as a {what} pipeline (model.family wan):\n"
                           + "\n".join(f"  - {p}" for p in problems))
-    return build_from(WAN, model, folders, device, dtype_for_frozen, zero3_config)
+    built = build_from(_recipe(folder), model, folders, device, dtype_for_frozen, zero3_config)
+    if hunyuan:  # diffusers 0.42's HunyuanVideo 1.5 VAE attention mask fits one clip: encode a batch clip by clip
+        built.vae.enable_slicing()
+    return built
 
 
 def wan_i2v_cache_key(model: WanModel, folder: Path) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     """What keys the latent entries of an image-to-video run beside the VAE: the mode (the condition stored with
     the posterior) and the image encoder's folders, and the tensors stored; ("", (), ()) for text-to-video (the
     entries are the posterior's)."""
+    if is_hunyuan_video15(Path(folder)):
+        if not hunyuan15_i2v.is_image_to_video(Path(folder)):
+            return "", (), ()
+        return ("image_to_video/hunyuan_video15", ("image_encoder", "feature_extractor"),
+                (hunyuan15_i2v.IMAGE_EMBEDS,))
     mode = folder_mode(Path(folder), model.image_to_video)
     if not mode.image_to_video:
         return "", (), ()
@@ -59,8 +84,18 @@ def wan_i2v_cache_key(model: WanModel, folder: Path) -> tuple[str, tuple[str, ..
             (wan_i2v.CONDITION, wan_i2v.IMAGE_EMBEDS))
 
 
+def condition_tensors(built, clips: torch.Tensor) -> dict:
+    """What the latent cache stores beside an image-to-video clip's posterior, per the run's recipe."""
+    if built.recipe.transformer_class == flow_hunyuan15.TRANSFORMER_CLASS:
+        return hunyuan15_i2v.condition_tensors(built, clips)
+    return wan_i2v.condition_tensors(built, clips)
+
+
 FAMILY = Family(
     name="wan", modality="video", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_clip_grid, export=export, save_lora_weights=save_lora_weights,
-    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_TENSORS, encode_captions, text_cache_settings),
-    builds_partitioned=True, latent_extras=LatentExtras(wan_i2v_cache_key, wan_i2v.condition_tensors))
+    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_TENSORS, encode_captions, text_cache_settings,
+                         tensors_of=lambda folder: _recipe(Path(folder)).text_tensors,
+                         folders_of=lambda folder: HV15_TEXT_CACHE_FOLDERS if is_hunyuan_video15(Path(folder))
+                         else TEXT_CACHE_FOLDERS),
+    builds_partitioned=True, latent_extras=LatentExtras(wan_i2v_cache_key, condition_tensors))

@@ -1,6 +1,7 @@
-"""The torch-free facts of the wan family (Wan 2.1 / 2.2: text-to-video, image-to-video, TI2V, two experts): its
-folder's layout (dstune.wan_layouts), which expert trains over which timesteps (dstune.spec.video_models), tokens
-per clip, activations and cache bytes; dstune.families.facts describes the contract.
+"""The torch-free facts of the wan family (Wan 2.1 / 2.2: text-to-video, image-to-video, TI2V, two experts; a
+HunyuanVideo 1.5 folder's are dstune.families.hunyuan15_facts, told by its transformer class): its folder's layout
+(dstune.wan_layouts), which expert trains over which timesteps (dstune.spec.video_models), tokens per clip,
+activations and cache bytes; dstune.families.facts describes the contract.
 
 Tokens of a clip: latent frames (1 + (frames - 1) / 4) x (H / s / ph) x (W / s / pw), with the VAE's spatial factor s
 and the transformer's patch (pt, ph, pw) read from the model's configs (Wan's 8 and (1, 2, 2) when they are not here).
@@ -9,6 +10,7 @@ and the transformer's patch (pt, ph, pw) read from the model's configs (Wan's 8 
 from __future__ import annotations
 
 from dstune import wan_layouts
+from dstune.families import hunyuan15_facts
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, embedding_width_bytes, latent_channels,
                                             pipeline_folder, transformer_text_bytes)
@@ -73,6 +75,8 @@ def _trained(spec, folder):
 def _image_to_video(spec, folder) -> bool:
     """Whether the spec trains image-to-video on this folder (dstune.wan_layouts); False for folders whose channels
     fit no Wan layout (startup says why)."""
+    if hunyuan15_facts.is_hunyuan15(folder):
+        return hunyuan15_facts.image_to_video(folder) and spec.model.image_to_video is not False
     kind, _ = wan_layouts.layout(folder.index, folder.config("transformer"), folder.config("vae"))
     return kind is not None and wan_layouts.image_to_video(kind, spec.model.image_to_video)[0]
 
@@ -101,6 +105,9 @@ def clip_volume(frames: int, width: int, height: int, *_) -> int:
 
 def _activations(spec, folder, config: dict, clips) -> tuple[float, float]:
     """The largest bucket's clip; the context holds the text and, for Wan 2.1 I2V, the image embedding's tokens."""
+    if hunyuan15_facts.is_hunyuan15(folder):
+        frames, width, height, _ = max(clip_buckets(spec, 0, clips), key=lambda b: clip_volume(*b))
+        return hunyuan15_facts.sample_bytes(spec, folder, frames, width, height)
     with_encoder = (folder.index.get("image_encoder") or [None])[0] and _image_to_video(spec, folder)
     context = _text_tokens(spec) + (_image_tokens(folder) if with_encoder else 0)
     frames, width, height, _ = max(clip_buckets(spec, 0, clips), key=lambda b: clip_volume(*b))
@@ -116,6 +123,10 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
         buckets = clip_buckets(spec, num_samples, clips)
         latents = sum(2 * channels * clip_volume(f, w // factor, h // factor) * 4 * n for f, w, h, n in buckets)
         latents += _condition_cache_bytes(spec, folder, companions, channels, factor, buckets)
+    if hunyuan15_facts.is_hunyuan15(folder):
+        per_sample = sum(transformer_text_bytes(spec, folder, tokens, width)
+                         for tokens, width in hunyuan15_facts.text_tokens_and_width(spec, folder))
+        return per_sample * num_samples + latents + hunyuan15_facts.image_cache_bytes(spec, folder, num_samples)
     width = folder.config("transformer").get("text_dim", 0) if folder.has("transformer") else 0
     per_sample = transformer_text_bytes(spec, folder, _text_tokens(spec), width)
     return per_sample * num_samples + latents
@@ -124,7 +135,7 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
 def _condition_cache_bytes(spec, folder, companions: dict, channels: int, factor: int, buckets) -> int:
     """Image-to-video's cached condition (dstune.families.wan_i2v): its latent mode in float32 (TI2V: one latent
     frame), and Wan 2.1 I2V's first-frame CLIP hidden states in the frozen parts' dtype, summed over the buckets."""
-    if not _image_to_video(spec, folder):
+    if not _image_to_video(spec, folder) or hunyuan15_facts.is_hunyuan15(folder):  # its extra: image_cache_bytes
         return 0
     total = 0
     for frames, clip_width, clip_height, count in buckets:
@@ -151,6 +162,8 @@ def token_factors(pretrained: str) -> tuple[int, tuple[int, int, int], str]:
         vae, transformer = folder.config("vae"), folder.config("transformer")
     except (SizesUnknown, OSError, ValueError):
         return WAN_SPATIAL, WAN_PATCH, "Wan's factors (8x VAE, 1x2x2 patches): the model's configs are not here"
+    if hunyuan15_facts.is_hunyuan15(folder):
+        return hunyuan15_facts.token_factors(folder)
     downsample, patch = vae.get("temperal_downsample"), transformer.get("patch_size")
     wan_like = isinstance(downsample, list) and isinstance(patch, list) and len(patch) == 3 and all(
         isinstance(side, int) and side > 0 for side in patch)
@@ -172,6 +185,8 @@ def _spec_issues(spec) -> SpecIssues:
     issues = [("model.timestep_range" if problem.startswith("model.timestep_range") else "model.expert",
                f"{spec.model.pretrained}: {problem}")
               for problem in expert_problems(configs[0], spec.model.expert, spec.model.timestep_range)]
+    if hunyuan15_facts.is_hunyuan15(folder):
+        return issues + hunyuan15_facts.spec_issues(spec, folder)
     return issues + wan_layouts.spec_problems(*configs, spec.model.image_to_video, spec.sample)
 
 

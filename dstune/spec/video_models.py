@@ -12,10 +12,13 @@ from dstune.spec.model_sections import DenoiserModelBase
 
 class WanModel(DenoiserModelBase):
     modality: ClassVar[str] = "video"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("WanPipeline", "WanImageToVideoPipeline")
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("WanPipeline", "WanImageToVideoPipeline",
+                                                  "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")
     PRESET_RESOLUTION: ClassVar[int] = 480
     PRESET_NAME: ClassVar[str] = "Wan's frame height"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"WanPipeline": 5.0, "WanImageToVideoPipeline": 5.0}
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"WanPipeline": 5.0, "WanImageToVideoPipeline": 5.0,
+                                                     "HunyuanVideo15Pipeline": 6.0,
+                                                     "HunyuanVideo15ImageToVideoPipeline": 6.0}
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
         """WanPipeline's default frames are 480 x 832 (fixed in its code, whatever the folder): data.resolution is
@@ -23,9 +26,11 @@ class WanModel(DenoiserModelBase):
         return 480, "Wan's pipeline default frames are 480x832; the shorter side"
 
     family: Literal["wan"] = Field(
-        description="Model family. `wan`: Wan 2.1 / 2.2 video (WanTransformer3DModel, AutoencoderKLWan, UMT5): "
-        "text-to-video, image-to-video (Wan 2.1 I2V with its CLIP image encoder, Wan 2.2 I2V A14B) and Wan 2.2 TI2V "
-        "5B, trained on clips by flow matching. See docs/family-wan.md."
+        description="Model family. `wan`: the video models, chosen by the folder: Wan 2.1 / 2.2 "
+        "(WanTransformer3DModel, AutoencoderKLWan, UMT5): text-to-video, image-to-video (Wan 2.1 I2V with its CLIP "
+        "image encoder, Wan 2.2 I2V A14B) and Wan 2.2 TI2V 5B; HunyuanVideo 1.5 (HunyuanVideo15Transformer3DModel, "
+        "Qwen2.5-VL and ByT5): text- and image-to-video; trained on clips by flow matching. See docs/family-wan.md "
+        "and docs/family-hunyuan-video15.md."
     )
     pretrained: str = Field(
         "builtin:tiny-wan",
@@ -33,7 +38,9 @@ class WanModel(DenoiserModelBase):
         "text_encoder/tokenizer/scheduler, and image_encoder/image_processor for Wan 2.1 I2V), e.g. "
         "Wan-AI/Wan2.1-T2V-14B-Diffusers already in the local Hugging Face cache, or a tiny model built offline: "
         "`builtin:tiny-wan`, `builtin:tiny-wan-a14b` (two experts), `builtin:tiny-wan-i2v` (Wan 2.1 I2V layout), "
-        "`builtin:tiny-wan22-ti2v` (Wan 2.2 TI2V layout).",
+        "`builtin:tiny-wan22-ti2v` (Wan 2.2 TI2V layout); or a HunyuanVideo15Pipeline / "
+        "HunyuanVideo15ImageToVideoPipeline folder (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v, ...; "
+        "`builtin:tiny-hunyuan-video15`, `builtin:tiny-hunyuan-video15-i2v`).",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute each transformer block's activations in backward (torch non-reentrant "
@@ -52,13 +59,14 @@ class WanModel(DenoiserModelBase):
     shift: Optional[float] = Field(
         None, gt=0, description="Timestep shift of the training tables (sigma -> shift sigma / (1 + (shift - 1) "
         "sigma)). Omitted: the scheduler's: UniPC's flow_shift (Wan 2.1: 3.0 at 480p, 5.0 at 720p) or "
-        "FlowMatchEulerDiscreteScheduler's shift.",
+        "FlowMatchEulerDiscreteScheduler's shift; HunyuanVideo 1.5: 3.0, its official trainer's.",
     )
     loss_weighting: Literal["none", "cosmap"] = Field(
         "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3).")
     max_sequence_length: Optional[int] = Field(
         None, gt=0, description="UMT5 tokens per caption (zero-padded, as WanPipeline pads them). Omitted: 512, at "
-        "most the tokenizer's model_max_length.",
+        "most the tokenizer's model_max_length. HunyuanVideo 1.5: Qwen2.5-VL tokens after its template (omitted: "
+        "1000, the pipeline's); ByT5's glyph tokens stay 256.",
     )
 
     expert: Optional[Literal["high_noise", "low_noise"]] = Field(

@@ -1,6 +1,6 @@
 """Real 2-rank DeepSpeed training of Wan text-to-video (model.family wan, builtin:tiny-wan and the two-expert
-builtin:tiny-wan-a14b) and image-to-video (builtin:tiny-wan-i2v, builtin:tiny-wan22-ti2v) on CPU, six launches in
-all, which between them train full and LoRA under ZeRO 2 and ZeRO 3:
+builtin:tiny-wan-a14b) and image-to-video (builtin:tiny-wan-i2v, builtin:tiny-wan22-ti2v) on CPU, nine launches in
+all (HunyuanVideo 1.5's three among them), which between them train full and LoRA under ZeRO 2 and ZeRO 3:
 
 - full fine-tuning under ZeRO 2 on builtin:moving-shapes from the latent and text caches (built before step 1):
   trains, renders animated samples, exports a folder WanPipeline loads and renders frames with;
@@ -15,7 +15,12 @@ all, which between them train full and LoRA under ZeRO 2 and ZeRO 3:
   transformer built partitioned) from the latent cache (condition latents and CLIP embedding stored beside each clip's posterior), samples rendered from a
   first frame, the export rendered by WanImageToVideoPipeline from an image; builtin:tiny-wan22-ti2v (Wan 2.2 TI2V)
   with LoRA under ZeRO 2 in image-to-video mode, the LoRA file loaded into WanImageToVideoPipeline (expand_timesteps)
-  changing the frames.
+  changing the frames;
+- HunyuanVideo 1.5 on the same family (the folder chooses its recipe): builtin:tiny-hunyuan-video15 in full under
+  ZeRO 2 from the latent and text caches, its export rendered by HunyuanVideo15Pipeline; builtin:tiny-hunyuan-
+  video15-i2v image-to-video with LoRA under ZeRO 3 and gradient checkpointing (the SigLIP embedding stored in the
+  latent cache), resumed from its step-2 checkpoint with the same losses and LoRA file, which the pipeline's
+  transformer loads with load_lora_adapter and which changes the frames.
 """
 
 from __future__ import annotations
@@ -283,3 +288,84 @@ def test_ti2v_image_to_video_lora_loads_and_changes_the_frames(i2v_runs):
     pipeline.load_lora_weights(export)
     after = _render_from_image(pipeline, image)
     assert after.shape == (1, 5, 3, 32, 32) and torch.isfinite(after).all() and not torch.allclose(after, before)
+
+
+# ------------------------------------------------------------------------------------------ HunyuanVideo 1.5
+
+HV15, HV15_I2V = "tiny-hunyuan-video15", "tiny-hunyuan-video15-i2v"
+HV15_TEXT_TOKENS = 48  # the tiny model's Qwen side; the default 1000 tokens would make the text encoder most of a step
+
+
+@pytest.fixture(scope="module")
+def hv15_runs(tmp_path_factory) -> dict:
+    """ZeRO-2 full text-to-video from both caches; ZeRO-3 LoRA image-to-video with gradient checkpointing."""
+    from dstune.builtin import ensure_builtin_model
+
+    out = {}
+    for name, model, stage, train in (("full", HV15, 2, "full"), ("lora", HV15_I2V, 3, "lora")):
+        ensure_builtin_model(model, CACHE_DIR)
+        run_dir = tmp_path_factory.mktemp(f"hv15-{name}") / "run"
+        cache = {"latents": True, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
+        spec = _spec(run_dir, stage, train, {"path": "builtin:moving-shapes", "cache": cache},
+                     {"pretrained": f"builtin:{model}", "max_sequence_length": HV15_TEXT_TOKENS})
+        if model == HV15_I2V:
+            image = _first_frame(run_dir.parent / "images")
+            spec["sample"] = {**spec["sample"], "prompts": [PROMPT], "control_images": [str(image)]}
+        spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
+        started = time.perf_counter()
+        out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
+        print(f"launch hv15 {name}: {time.perf_counter() - started:.1f} s wall")
+    return out
+
+
+def _render_hv15(pipeline, image: Path | None = None) -> torch.Tensor:
+    from PIL import Image
+
+    pipeline.guider = type(pipeline.guider).from_config({**pipeline.guider.config, "guidance_scale": 1.0})
+    common = dict(prompt=PROMPT, num_frames=5, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+                  output_type="pt")
+    if image is None:
+        return pipeline(height=32, width=32, **common).frames.float()
+    with Image.open(image) as first:
+        return pipeline(image=first.convert("RGB"), **common).frames.float()
+
+
+def test_hunyuan_video15_full_run_from_caches_exports_a_folder_the_pipeline_renders(hv15_runs):
+    from diffusers import HunyuanVideo15Pipeline
+    from safetensors.torch import load_file
+
+    run_dir, _, proc = hv15_runs["full"]
+    check_trains(run_dir, proc)
+    assert "entries, built now" in proc.stdout
+    export = run_dir / "export" / f"step-{STEPS:08d}"
+    trained, start = load_file(export / TRANSFORMER), load_file(base_folder(HV15) / TRANSFORMER)
+    assert set(trained) == set(start) and any(not torch.equal(trained[k], start[k]) for k in start)
+    frames = _render_hv15(HunyuanVideo15Pipeline.from_pretrained(export))
+    assert frames.shape == (1, 5, 3, 32, 32) and torch.isfinite(frames).all()
+    assert (run_dir / "samples" / f"step-{STEPS:06d}.mp4").stat().st_size > 0
+
+
+def test_hunyuan_video15_i2v_lora_zero3_resumes_exactly_and_its_file_loads_into_the_transformer(hv15_runs, tmp_path):
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+    from safetensors.torch import load_file
+
+    from dstune.cache.entries import read_entry
+
+    run_dir, spec_path, proc = hv15_runs["lora"]
+    check_trains(run_dir, proc)
+    entries = [read_entry(path) for path in (run_dir.parent / "cache").rglob("*.safetensors")]
+    assert [entry["image_embeds"].shape for entry in entries if "latent_mean" in entry][0] == (16, 16)
+    export = run_dir / "export" / f"step-{STEPS:08d}"
+    adapters = load_file(export / "pytorch_lora_weights.safetensors")
+    assert adapters and all(k.startswith("transformer.") and ".lora_" in k for k in adapters)
+    assert max(t.abs().max().item() for k, t in adapters.items() if ".lora_B." in k) > 0
+    image = run_dir.parent / "images" / "first.png"
+    pipeline = HunyuanVideo15ImageToVideoPipeline.from_pretrained(base_folder(HV15_I2V))
+    before = _render_hv15(pipeline, image)
+    pipeline.transformer.load_lora_adapter(str(export), weight_name="pytorch_lora_weights.safetensors",
+                                           prefix="transformer")
+    after = _render_hv15(pipeline, image)
+    assert after.shape == (1, 5, 3, 32, 32) and torch.isfinite(after).all() and not torch.allclose(after, before)
+    started = time.perf_counter()
+    check_resume(run_dir, spec_path, proc, tmp_path / "resumed", Path("pytorch_lora_weights.safetensors"))
+    print(f"launch hv15 resume: {time.perf_counter() - started:.1f} s wall")

@@ -42,6 +42,7 @@ RELATIVE_TOLERANCE = 1e-6
 IMAGE_SIDE, EDIT_SIDE, CLIP_FRAMES = 32, 64, 5  # edit pairs: 8 px per latent, 8x8 latents
 IMAGE_LR, SPEECH_LR = 1e-3, 1e-2
 FLUX2_TEXT_TOKENS = 64  # the chat-templated captions fit; the default 512 makes the text encoder most of the time
+HV15_TEXT_TOKENS = 48  # HunyuanVideo 1.5's default 1000 Qwen tokens would make the text side most of the time
 
 
 def _model(model_class, family: str, **options):
@@ -68,6 +69,9 @@ CASES = {
     "tiny-orpheus": (_model(TtsLmModel, "tts_lm", codec="snac"), "tones", SPEECH_LR),
     "tiny-speecht5": (_model(SpeechT5Model, "speecht5"), "tones", SPEECH_LR),
     "tiny-csm": (_model(TtsCodebooksModel, "tts_codebooks"), "tones", SPEECH_LR),
+    "tiny-hunyuan-video15": (_model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS), "moving-shapes", IMAGE_LR),
+    "tiny-hunyuan-video15-i2v": (_model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS), "moving-shapes",
+                                 IMAGE_LR),
 }
 
 
