@@ -33,6 +33,7 @@ from dstune.builtin.common import BuiltinError, BuiltinModel  # noqa: F401 - Bui
 from dstune.builtin.csm import TINY_CSM
 from dstune.builtin.flow import TINY_FLOW, TINY_FLUX
 from dstune.builtin.flux2 import TINY_FLUX2, TINY_FLUX2_DEV
+from dstune.builtin.krea2 import TINY_KREA2, TINY_KREA2_TURBO
 from dstune.builtin.orpheus import TINY_ORPHEUS
 from dstune.builtin.qwen_image import TINY_QWEN_IMAGE
 from dstune.builtin.qwen_image_edit import TINY_QWEN_IMAGE_EDIT
@@ -127,3 +128,4 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
     TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5, TINY_ORPHEUS, TINY_CSM, TINY_QWEN_IMAGE,
     TINY_QWEN_IMAGE_EDIT, TINY_Z_IMAGE, TINY_FLUX2, TINY_FLUX2_DEV, TINY_WAN, TINY_WAN_A14B,
     TINY_WAN_I2V, TINY_WAN22_TI2V)}
+BUILTIN_MODELS.update({m.name: m for m in (TINY_KREA2, TINY_KREA2_TURBO)})

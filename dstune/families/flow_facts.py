@@ -1,5 +1,5 @@
 """The torch-free facts of the flow family's models (SD3, Flux.1, Qwen-Image, Qwen-Image-Edit, Z-Image, FLUX.2
-[klein] and [dev]): each is told by its folder's transformer class, as the torch side's recipes are
+[klein] and [dev], Krea 2): each is told by its folder's transformer class, as the torch side's recipes are
 (dstune.families.flow_recipe); dstune.families.facts describes the contract.
 
 Image tokens are 2x2 latent patches (16 px); text tokens join them. An edit model trains on (source, target)
@@ -60,6 +60,7 @@ class FlowModel:
     default_text_tokens: int = DEFAULT_TEXT_TOKENS
     edit_pipelines: tuple[str, ...] = ()  # pipeline classes of this transformer that train on (source, target) pairs
     pad_tokens: Callable = lambda tokens: tokens  # what the transformer pads a sequence to
+    text_layers_key: Optional[str] = None  # the config's count of text-encoder layers stacked per token (Krea 2)
 
 
 FLOW_MODELS = {
@@ -72,6 +73,8 @@ FLOW_MODELS = {
                                           pad_tokens=_padded_to_32),
     "Flux2Transformer2DModel": FlowModel("FLUX.2", "flux2", _two_streams, "joint_attention_dim"),
 }
+FLOW_MODELS["Krea2Transformer2DModel"] = FlowModel("Krea 2", "krea2", _joint_blocks, "text_hidden_dim",
+                                                   text_layers_key="num_text_layers")
 
 
 def flow_model(folder) -> FlowModel:
@@ -113,7 +116,9 @@ def _activations(spec, folder, config: dict, clips) -> tuple[float, float]:
 def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int:
     per_sample = image_latent_bytes(spec, folder, companions, 2 if edit_pipeline(folder) else 1)
     if folder.has("transformer"):
-        width = folder.config("transformer").get(flow_model(folder).text_width_key)
+        config, model = folder.config("transformer"), flow_model(folder)
+        stacked = config.get(model.text_layers_key, 1) if model.text_layers_key else 1  # layers per token
+        width = config.get(model.text_width_key) * stacked
         per_sample += transformer_text_bytes(spec, folder, text_tokens(spec, folder), width)
     return per_sample * num_samples
 

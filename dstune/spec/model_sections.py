@@ -291,11 +291,22 @@ class SdxlModel(DenoiserModelBase):
 class FlowModel(DenoiserModelBase):
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = (  # one per recipe (dstune/families/flow_*.py)
         "StableDiffusion3Pipeline", "FluxPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "ZImagePipeline",
-        "Flux2KleinPipeline", "Flux2Pipeline")
+        "Flux2KleinPipeline", "Flux2Pipeline",
+        "Krea2Pipeline")
     PRESET_NAME: ClassVar[str] = "the size of SD3, FLUX, Qwen-Image and Z-Image"
     PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {
         "StableDiffusion3Pipeline": 7.0, "FluxPipeline": 3.5, "QwenImagePipeline": 4.0, "QwenImageEditPipeline": 4.0,
-        "ZImagePipeline": 5.0, "Flux2Pipeline": 4.0, "Flux2KleinPipeline": 4.0}
+        "ZImagePipeline": 5.0, "Flux2Pipeline": 4.0, "Flux2KleinPipeline": 4.0,
+        "Krea2Pipeline": 4.5}
+    # a distilled folder (model_index.json's is_distilled: Krea 2 Turbo) samples without classifier-free guidance
+    DISTILLED_GUIDANCE: ClassVar[dict[str, float]] = {"Krea2Pipeline": 0.0}
+
+    def native_guidance(self, read: Callable[[str], Optional[dict]]) -> tuple[float, str]:
+        index = read("model_index.json") or {}
+        pipeline = index.get("_class_name", "")
+        if index.get("is_distilled") and pipeline in self.DISTILLED_GUIDANCE:
+            return self.DISTILLED_GUIDANCE[pipeline], f"{pipeline}'s value for a distilled (is_distilled) folder"
+        return super().native_guidance(read)
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
         """SD3's pipeline: the transformer's sample_size x the VAE's factor. FLUX, FLUX.2 and Z-Image pipelines fix
@@ -321,14 +332,15 @@ class FlowModel(DenoiserModelBase):
         "pairs, see data.control_dir), "
         "Z-Image (ZImageTransformer2DModel; Qwen3), "
         "FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3), "
-        "FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3). See docs/family-flow.md."
+        "FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3), "
+        "Krea 2 Raw and Turbo (Krea2Transformer2DModel; Qwen3-VL). See docs/family-flow.md."
     )
     pretrained: str = Field(
         "builtin:tiny-flow",
         description="A diffusers pipeline folder (model_index.json + transformer/vae/text encoders/tokenizers/"
         "scheduler) of one of those models: "
         "StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, QwenImageEditPipeline, ZImagePipeline, "
-        "Flux2KleinPipeline, Flux2Pipeline; "
+        "Flux2KleinPipeline, Flux2Pipeline, Krea2Pipeline; "
         "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
         "`builtin:tiny-flow` (SD3-class), "
         "`builtin:tiny-flux` (Flux-class), "
@@ -336,7 +348,8 @@ class FlowModel(DenoiserModelBase):
         "`builtin:tiny-qwen-image-edit`, "
         "`builtin:tiny-z-image`, "
         "`builtin:tiny-flux2` (FLUX.2 [klein]), "
-        "`builtin:tiny-flux2-dev` (FLUX.2 [dev]).",
+        "`builtin:tiny-flux2-dev` (FLUX.2 [dev]), "
+        "`builtin:tiny-krea2` (Krea 2 Raw), `builtin:tiny-krea2-turbo` (its Turbo layout).",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
