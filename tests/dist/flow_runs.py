@@ -149,6 +149,8 @@ ROWS = {
     "tiny-flux2": FlowRow("Flux2KleinPipeline", _render_with(guidance_scale=1.0)),
     # Flux2Pipeline feeds guidance_scale to the guidance embedding (no classifier-free pass)
     "tiny-flux2-dev": FlowRow("Flux2Pipeline", _render_with(guidance_scale=4.0)),
+    # Krea 2 (Raw): rendered without classifier-free guidance (Krea2Pipeline's guidance_scale 0)
+    "tiny-krea2": FlowRow("Krea2Pipeline", _render_with(guidance_scale=0.0), resume_case="lora-zero3"),
 }
 
 
