@@ -17,7 +17,7 @@ from dstune.memory.activations import ModelShape, in_plan_units, measured_sample
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image_latent_bytes, pipeline_folder,
                                             trains_denoiser, transformer_text_bytes)
 from dstune.families.facts import ModelFacts, SpecIssues
-from dstune.memory.counts import SizesUnknown
+from dstune.memory.counts import SizesUnknown, count_component
 
 DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of the Flux and Qwen-Image training examples
 EDIT_VISION_PATCH_PX = 28  # Qwen-Image-Edit: the source image's vision tokens (28 px each) join the text
@@ -123,7 +123,17 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
     return per_sample * num_samples
 
 
-RULES = DenoiserRules(trained=trains_denoiser("transformer"), activations=_activations, cache_bytes=_cache_bytes)
+def _trained(spec, folder) -> tuple:
+    """The transformer trains; with sample.pretrained (or a training adapter: the clean base) a second transformer
+    loads beside it for the samples (dstune.families.flow_distilled), which the sample phase counts."""
+    if not spec.sample.prompts or not (spec.sample.pretrained or getattr(spec.model, "training_adapter", None)):
+        return trains_denoiser("transformer")(spec, folder)
+    sampling = pipeline_folder(spec.sample.pretrained) if spec.sample.pretrained else folder
+    params = count_component(str(sampling.path / "transformer" / "config.json"))[0]
+    return "transformer", {"transformer (samples)": params}, None
+
+
+RULES = DenoiserRules(trained=_trained, activations=_activations, cache_bytes=_cache_bytes)
 
 
 def _count(spec, num_samples: int, clips=()):
@@ -131,6 +141,10 @@ def _count(spec, num_samples: int, clips=()):
 
 
 def _spec_issues(spec) -> SpecIssues:
+    return _edit_issues(spec) + _sample_folder_issues(spec)
+
+
+def _edit_issues(spec) -> SpecIssues:
     """An edit model (QwenImageEditPipeline) trains on pairs, cannot cache its text (an embedding belongs to a
     caption and its source image) and samples from source images (sample.control_images): said by validate, before
     any GPU time, rather than at startup or at the first sample. Whether the data gives pairs is validate's check
@@ -158,6 +172,43 @@ def _spec_issues(spec) -> SpecIssues:
     if missing:
         issues.append(("sample.control_images", f"{len(missing)} source image(s) do not exist: {', '.join(missing)}"))
     return issues
+
+
+_CONFIG_BOOKKEEPING = ("_name_or_path", "_diffusers_version", "_class_name")
+
+
+def sampling_folder_problems(trained_index: dict, trained: dict, other_index: dict, other: dict) -> list[str]:
+    """Why a folder (model_index.json, transformer config) cannot render the LoRA trained on another: another
+    pipeline or transformer class, or other shapes (any transformer config value but bookkeeping). Torch-free:
+    validate asks it of sample.pretrained, startup again of the folders it loads."""
+    problems = []
+    if trained_index.get("_class_name") != other_index.get("_class_name"):
+        problems.append(f"it is a {other_index.get('_class_name')} folder; the trained model is a "
+                        f"{trained_index.get('_class_name')}")
+    if trained.get("_class_name") != other.get("_class_name"):
+        problems.append(f"its transformer is a {other.get('_class_name')}; the trained one a "
+                        f"{trained.get('_class_name')}")
+        return problems
+    differ = sorted(key for key in set(trained) | set(other)
+                    if key not in _CONFIG_BOOKKEEPING and trained.get(key) != other.get(key))
+    if differ:
+        problems.append("its transformer has other shapes: " + ", ".join(
+            f"{key} {other.get(key)} (trained: {trained.get(key)})" for key in differ[:4]))
+    return problems
+
+
+def _sample_folder_issues(spec) -> SpecIssues:
+    """sample.pretrained against model.pretrained, from their configs (found here: checked again at startup)."""
+    if not spec.sample.pretrained:
+        return []
+    try:
+        trained, other = pipeline_folder(spec.model.pretrained), pipeline_folder(spec.sample.pretrained)
+        problems = sampling_folder_problems(trained.index, trained.config("transformer"), other.index,
+                                            other.config("transformer"))
+    except (SizesUnknown, OSError, ValueError):
+        return []
+    return [("sample.pretrained", f"{spec.sample.pretrained} cannot render the LoRA trained on "
+             f"{spec.model.pretrained}: " + "; ".join(problems))] if problems else []
 
 
 def _pairs(spec) -> Optional[str]:

@@ -393,6 +393,13 @@ class FlowModel(DenoiserModelBase):
         "77 (SD3-class) / "
         "512 (Flux-class, Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.2 [dev]).",
     )
+    training_adapter: Optional[str] = Field(
+        None, description="A LoRA file (diffusers' pytorch_lora_weights.safetensors layout) fused into the frozen "
+        "transformer for training only: train a LoRA through a distilled model (Krea 2 Turbo, Z-Image-Turbo) without "
+        "breaking its few-step behaviour. It is left out of the exported LoRA and of the samples (they render "
+        "`sample.pretrained`, or `pretrained` without it, with the trained LoRA). `train: lora` only, ZeRO stage 0-2. "
+        "See docs/family-flow.md, \"Distilled checkpoints\".",
+    )
 
     @model_validator(mode="after")
     def _no_unused_sampling_settings(self) -> "FlowModel":
@@ -402,6 +409,10 @@ class FlowModel(DenoiserModelBase):
         if unused:
             raise ValueError(f"{', '.join(unused)} only apply to another timestep_sampling (it is "
                              f"{self.timestep_sampling!r}): remove them or change timestep_sampling")
+        if self.training_adapter and self.train != "lora":
+            raise ValueError("training_adapter is fused into the frozen base while adapters train, and kept out of "
+                             "the exported LoRA; with train: full the exported transformer would carry it: set "
+                             "train: lora, or remove training_adapter")
         if self.loss_weighting == "sigma_sqrt" and not self.precondition_outputs:
             raise ValueError("loss_weighting sigma_sqrt weights each sample by sigma^-2 on the velocity loss: on "
                              "SD3's schedule a mean weight of about 186 and up to about 1e5 near sigma 0, so a few "
