@@ -275,7 +275,9 @@ class SampleSpec(Section):
     guidance: float = Field(
         5.0, ge=0, description="Classifier-free guidance scale (for FLUX: the guidance embedding's value; for "
         "Qwen-Image: true_cfg_scale). Omitted: the default of the model's own pipeline (7.5 SD 1.x, 5.0 SDXL, 7.0 "
-        "SD3, 3.5 FLUX.1, 4.0 FLUX.2 and Qwen-Image, 5.0 Z-Image and Wan); `validate` prints the value and why.")
+        "SD3, 3.5 FLUX.1, 4.0 FLUX.2 and Qwen-Image, 5.0 Z-Image and Wan, 4.5 Krea 2 and 0 for Krea 2 Turbo, whose "
+        "pipeline's guidance_scale g means cond + g (cond - uncond)); with sample.pretrained, that folder's pipeline "
+        "decides; `validate` prints the value and why.")
     seed: int = Field(0, ge=0, description="Sampling seed, so grids from different steps are comparable.")
     pretrained: Optional[str] = Field(
         None, description="model.family flow with train: lora: a second pipeline folder (or hub id, builtin:) of the "
