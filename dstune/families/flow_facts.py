@@ -61,6 +61,8 @@ class FlowModel:
     edit_pipelines: tuple[str, ...] = ()  # pipeline classes of this transformer that train on (source, target) pairs
     pad_tokens: Callable = lambda tokens: tokens  # what the transformer pads a sequence to
     text_layers_key: Optional[str] = None  # the config's count of text-encoder layers stacked per token (Krea 2)
+    # output.lora_format values whose tools are known to load this model's file (comfyui: diffusers' own keys)
+    lora_formats: tuple[str, ...] = ("diffusers", "comfyui")
 
 
 FLOW_MODELS = {
@@ -74,7 +76,7 @@ FLOW_MODELS = {
     "Flux2Transformer2DModel": FlowModel("FLUX.2", "flux2", _two_streams, "joint_attention_dim"),
 }
 FLOW_MODELS["Krea2Transformer2DModel"] = FlowModel("Krea 2", "krea2", _joint_blocks, "text_hidden_dim",
-                                                   text_layers_key="num_text_layers")
+                                                   text_layers_key="num_text_layers", lora_formats=("diffusers",))
 
 
 def flow_model(folder) -> FlowModel:
@@ -141,7 +143,21 @@ def _count(spec, num_samples: int, clips=()):
 
 
 def _spec_issues(spec) -> SpecIssues:
-    return _edit_issues(spec) + _sample_folder_issues(spec)
+    return _edit_issues(spec) + _sample_folder_issues(spec) + _lora_format_issues(spec)
+
+
+def _lora_format_issues(spec) -> SpecIssues:
+    """A LoRA file format whose tool is not known to map this model's keys (Krea 2 in ComfyUI)."""
+    chosen = spec.output.lora_format
+    try:
+        model = flow_model(pipeline_folder(spec.model.pretrained))
+    except (SizesUnknown, OSError, ValueError):
+        return []
+    if chosen is None or chosen in model.lora_formats:
+        return []
+    return [("output.lora_format", f"{chosen!r} writes diffusers' key names, which {chosen}'s {model.name} loader is "
+             f"not known to map; {model.name} LoRAs are written as {', '.join(model.lora_formats)} "
+             "(Krea2Pipeline.load_lora_weights): remove output.lora_format or set it to diffusers")]
 
 
 def _edit_issues(spec) -> SpecIssues:
