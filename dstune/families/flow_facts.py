@@ -18,6 +18,7 @@ from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image
                                             trains_denoiser, transformer_text_bytes)
 from dstune.families.facts import ModelFacts, SpecIssues
 from dstune.memory.counts import SizesUnknown, count_component
+from dstune.model_folders import builtin_name_problem, locate
 
 DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of the Flux and Qwen-Image training examples
 EDIT_VISION_PATCH_PX = 28  # Qwen-Image-Edit: the source image's vision tokens (28 px each) join the text
@@ -217,6 +218,12 @@ def _sample_folder_issues(spec) -> SpecIssues:
     """sample.pretrained against model.pretrained, from their configs (found here: checked again at startup)."""
     if not spec.sample.pretrained:
         return []
+    where = locate(spec.sample.pretrained)
+    if where.kind == "unknown-builtin":
+        return [("sample.pretrained", builtin_name_problem(spec.sample.pretrained))]
+    if where.kind == "missing":
+        return [("sample.pretrained", f"{where.path} does not exist: give a pipeline folder of the trained model "
+                 "(its distilled checkpoint), a hub id in the local cache, or builtin:NAME")]
     try:
         trained, other = pipeline_folder(spec.model.pretrained), pipeline_folder(spec.sample.pretrained)
         problems = sampling_folder_problems(trained.index, trained.config("transformer"), other.index,

@@ -174,9 +174,11 @@ def test_validate_says_what_trains_on_which_weights_and_what_the_samples_use(cap
      "model.train: lora"),
     ({"pretrained": "builtin:tiny-krea2-turbo", "training_adapter": "adapter.safetensors"},
      {"deepspeed": {"zero_stage": 3}}, "model.training_adapter is fused into the whole frozen transformer"),
+    ({"pretrained": "builtin:tiny-krea2"}, {"sample": {"prompts": ["x"], "pretrained": "builtin:tiny-krea3"}},
+     "sample.pretrained: builtin:tiny-krea3 is not a built-in model (did you mean builtin:tiny-krea2"),
     ({"pretrained": "builtin:tiny-krea2"}, {"output": {"lora_format": "comfyui"}},
      "output.lora_format: 'comfyui' writes diffusers' key names, which comfyui's Krea 2 loader is not known to map"),
-], ids=["another-model", "full-training", "adapter-under-zero3", "krea2-comfyui-format"])
+], ids=["another-model", "full-training", "adapter-under-zero3", "unknown-builtin", "krea2-comfyui-format"])
 def test_validate_refuses_mismatched_distilled_settings(capsys, tmp_path, model, sections, expected):
     code, text = _validate(capsys, tmp_path, model, **sections)
     assert code == 1 and expected in text, text
