@@ -227,6 +227,30 @@ def _ideogram4_run(model, tokens, context, dtype):
                               return_dict=False)[0])
 
 
+def _krea2(heads, ffn_mult):
+    """Krea 2: one stream of text + image tokens, GQA at the real 4:1, SwiGLU at 16384 / 6144 of the width; the
+    text arrives as 12 tapped layers of a text width narrowed like the width (20 heads, as Qwen3-VL-4B's 2560)."""
+    from diffusers import Krea2Transformer2DModel
+    width = heads * 128
+    text_width = 20 * max(1, width * 2560 // 6144 // 20)
+    return Krea2Transformer2DModel(in_channels=64, num_layers=2, attention_head_dim=128, num_attention_heads=heads,
+                                   num_key_value_heads=max(1, heads // 4), intermediate_size=width * 16384 // 6144,
+                                   text_hidden_dim=text_width, num_text_layers=12, text_num_attention_heads=20,
+                                   text_num_key_value_heads=20, text_intermediate_size=text_width * 6912 // 2560,
+                                   axes_dims_rope=(32, 48, 48)), width, 0, 0
+
+
+def _krea2_run(model, tokens, context, dtype):
+    from diffusers import Krea2Pipeline
+    side = _square(tokens)
+    packed = _randn(1, tokens, 64, dtype=dtype)
+    text = _randn(1, context, 12, model.config.text_hidden_dim, dtype=dtype)
+    mask = torch.ones(1, context, dtype=torch.bool)
+    ids = Krea2Pipeline.prepare_position_ids(context, side, side, "cpu")
+    return lambda: _mse(model(hidden_states=packed, encoder_hidden_states=text, timestep=torch.tensor([0.5], dtype=dtype),
+                              position_ids=ids, encoder_attention_mask=mask, return_dict=False)[0])
+
+
 # --------------------------------------------------------------------------------------------------- Wan
 
 def _wan(ffn_ratio: float, in_channels: int, image: bool):
@@ -335,6 +359,9 @@ CASES = [
          check_size=(25, 12), block_lists=_attr("transformer_blocks", "single_transformer_blocks")),
     Case("ideogram4", "Ideogram 4 (one stream over the padded text and the image, head dim 256)", _ideogram4,
          _ideogram4_run, sizes=TRANSFORMER_SIZES, check_size=(25, 12), block_lists=_attr("layers"), ffn=True),
+    Case("krea2", "Krea 2 Raw and Turbo (single stream, text fusion over 12 tapped layers)", _krea2, _krea2_run,
+         sizes=TRANSFORMER_SIZES, check_size=(25, 12), heads=4, check_heads=2,
+         block_lists=_attr("transformer_blocks")),
     Case("wan-t2v", "Wan 2.1 / 2.2 text-to-video (and Wan 2.2 A14B image-to-video: channels only)",
          _wan(13824 / 5120, 16, False), _wan_run, sizes=((32, 8), (72, 8), (32, 24)), check_size=(50, 12),
          block_lists=_attr("blocks"), ffn=True),

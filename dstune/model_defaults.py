@@ -57,6 +57,7 @@ def _guidance(spec: Spec) -> tuple[float, str]:
     reference = model.pretrained
     if is_single_file(reference) and getattr(model, "base_pipeline", None):
         reference = model.base_pipeline  # the folder whose configs describe the single file
+    reference = spec.sample.pretrained or reference  # the samples' own folder (a distilled one) decides
     try:
         folder = config_folder(reference)[0]
     except SizesUnknown:

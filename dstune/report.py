@@ -272,6 +272,23 @@ def _sampling_rows(sampling: dict, memory: dict, samples: bool) -> list[tuple[st
     return [("while sampling", f"{what} joins on every GPU while samples render: below the peak")]
 
 
+def _weights_rows(spec) -> list[tuple[str, str]]:
+    """What trains on which weights when a training adapter is fused into the frozen base."""
+    return [("trains on", f"{spec.model.pretrained} with model.training_adapter {spec.model.training_adapter} "
+                          "fused into the frozen transformer"),
+            ("exported LoRA", "the run's adapters only (the training adapter is left out)")]
+
+
+def _denoiser_rows(spec) -> list[tuple[str, str]]:
+    """Which transformer the samples render with, when it is not the trained one."""
+    if spec.sample.pretrained:
+        return [("denoiser", f"{spec.sample.pretrained}'s transformer with the trained LoRA (sample.pretrained)")]
+    if getattr(spec.model, "training_adapter", None):
+        return [("denoiser", f"{spec.model.pretrained}'s transformer with the trained LoRA, without the training "
+                             "adapter")]
+    return []
+
+
 def plan_table(outcome: Outcome) -> Optional[Table]:
     """The plan as one three-column table (group, item, value); None when nothing was worked out."""
     groups: list[tuple[str, list[tuple[str, str]]]] = []
@@ -289,8 +306,10 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
                    *([("Clips", summary_rows(outcome.clips))] if outcome.clips else []),
                    ("Length", _length_rows(plan, train)),
                    ("LR", _lr_rows(plan, train)),
-                   *([("Samples", [("guidance", f"{spec.sample.guidance:g} ({outcome.guidance_origin})")])]
+                   *([("Samples", [("guidance", f"{spec.sample.guidance:g} ({outcome.guidance_origin})")]
+                       + _denoiser_rows(spec))]
                      if outcome.guidance_origin and spec.sample.prompts else [])]
+        groups[-1:-1] = [("Weights", _weights_rows(spec))] if getattr(spec.model, "training_adapter", None) else []
     if spec is not None and (plan is not None or outcome.world is not None):
         groups.append(("DeepSpeed", _engine_rows(spec, plan)))
     if outcome.ds_sources and outcome.ds_config is not None and not outcome.errors and spec.deepspeed.config:

@@ -96,7 +96,30 @@ def build_family(run: Run, spec: Spec, train_mode: bool = True, ds_config: Optio
     place_trainable(built.trainable, run.device, spec.train.precision)  # cast on the host, then moved
     if run.is_main:
         print(summary, flush=True)
+    _attach_sampling_denoiser(run, spec, family, built, folders)
     return family, built
+
+
+def _attach_sampling_denoiser(run: Run, spec: Spec, family: Family, built, folders: dict) -> None:
+    """sample.pretrained (or, with model.training_adapter, the base folder without it): the transformer the samples
+    render with the trained LoRA on it, loaded beside the trained one (families/flow_distilled.py)."""
+    adapter = getattr(spec.model, "training_adapter", None)
+    if not spec.sample.prompts or not (spec.sample.pretrained or adapter):
+        return
+    key = "sample.pretrained" if spec.sample.pretrained else "model.pretrained"
+    if family.sampling_denoiser is None:
+        stop(run, f"{key}: model.family {family.name} cannot sample with another transformer than the trained one", 1)
+    folder, error = (rank0_first(run, lambda: resolve_pretrained(spec.sample.pretrained, spec.output.cache_dir, key))
+                     if spec.sample.pretrained else (folders["pretrained"], None))
+    agree_or_stop(run, error)
+    try:
+        family.sampling_denoiser(built, folder, spec.model, key)
+    except (ValueError, OSError) as err:
+        error = str(err)
+    agree_or_stop(run, error)
+    if run.is_main:
+        print(f"samples: {folder}'s transformer with the trained LoRA"
+              + (" (the training adapter left out)" if adapter else ""), flush=True)
 
 
 def checked_records(run: Run, spec: Spec, family: Family) -> list:

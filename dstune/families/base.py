@@ -115,6 +115,9 @@ class Family:
     # partitioned (deepspeed.zero.Init), so no rank holds a whole copy of it
     builds_partitioned: bool = False
     latent_extras: Optional[LatentExtras] = None  # more tensors in each latent cache entry (None: the posterior only)
+    # (built, folder, model spec, spec key): samples render that folder's transformer with the trained LoRA
+    # (sample.pretrained, model.training_adapter); None: the family samples with the trained module only
+    sampling_denoiser: Optional[Callable] = None
 
     @property
     def supports_lora(self) -> bool:

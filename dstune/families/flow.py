@@ -2,7 +2,7 @@
 
 The steps are the flow-matching core's (dstune.families.flow_core, shared with model.family wan); what differs per
 model is a recipe (dstune.families.flow_recipe), found by the transformer's class in the folder (RECIPES:
-flow_sd3.py, flow_qwen.py, flow_qwen_edit.py, flow_zimage.py, flow_flux2.py; FLUX.2 [klein] and [dev] share a
+flow_sd3.py, flow_qwen.py, flow_qwen_edit.py, flow_zimage.py, flow_flux2.py, flow_krea2.py; FLUX.2 [klein] and [dev] share a
 transformer class and are told apart by the pipeline class). The text side is encoded by the pipeline's own
 `encode_prompt`, so training sees exactly what inference feeds. The loss is the one of diffusers'
 examples/dreambooth/train_dreambooth_sd3.py / train_dreambooth_flux.py (tests/unit/test_flow_loss_parity.py).
@@ -24,8 +24,10 @@ from dstune.families.diffusion import component_problems, read_model_index
 from dstune.families.flow_core import (FlowBuilt, build_from, cache_text_tensors, encode_batch, encode_captions,
                                        export, loss, pipeline_of, sample, save_lora_weights, text_cache_settings)
 from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
+from dstune.families.flow_distilled import attach_sampling_denoiser
 from dstune.families.flow_flux2 import FLUX2_DEV, FLUX2_KLEIN
 from dstune.families.flow_ideogram4 import IDEOGRAM4
+from dstune.families.flow_krea2 import KREA2
 from dstune.families.flow_qwen import QWEN_IMAGE
 from dstune.families.flow_qwen_edit import QWEN_IMAGE_EDIT
 from dstune.families.flow_recipe import pick_recipe, read_config
@@ -42,6 +44,7 @@ __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FA
 # (and, where recipes share one, by the pipeline class, or the text encoder class where that tells them apart)
 RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, QWEN_IMAGE_EDIT, ZIMAGE, FLUX2_KLEIN, FLUX2_DEV)}
 RECIPES[IDEOGRAM4.kind] = IDEOGRAM4
+RECIPES[KREA2.kind] = KREA2  # Krea 2, Raw and Turbo folders alike (flow_krea2.py)
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
 # Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
@@ -104,4 +107,4 @@ FAMILY = Family(
     text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors, text_cache_settings,
                          tensors_of=lambda folder: RECIPES[detect_kind(Path(folder))].text_tensors,
                          refusal=text_cache_refusal),
-    builds_partitioned=True)
+    builds_partitioned=True, sampling_denoiser=attach_sampling_denoiser)

@@ -19,7 +19,7 @@ dataset index, purpose), so results do not depend on the rank count.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -29,6 +29,7 @@ from dstune.families.base import FamilyError
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
                                        load_trainable, non_reentrant_checkpoint, read_model_index, vae_posterior)
+from dstune.families.flow_distilled import fuse_training_adapter, with_trained_lora
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_recipe import FlowRecipe, load_text_side, normalised_latents, vae_spatial_factor
 from dstune.hf import quiet_hf_libraries
@@ -59,6 +60,7 @@ class FlowBuilt:
     other_expert: Optional[torch.nn.Module] = None  # two experts: the untrained one, only while samples render
     parts: dict = field(default_factory=dict)  # the conditioning's pipeline parts (a processor, an image encoder)
     mode: object = None  # the recipe's mode of this run (Wan: its layout, image-to-video or not)
+    sampling: object = None  # flow_distilled.SamplingDenoiser: samples use another transformer (None: the trained)
 
     @property
     def kind(self) -> str:
@@ -99,6 +101,8 @@ def build_from(recipe: FlowRecipe, model, folders: dict, device, dtype_for_froze
     scheduler = load_component(folder, "scheduler", scheduler_class.from_pretrained)
     trained_name = recipe.experts.trained(model) if recipe.experts else "transformer"
     transformer = load_trainable(folder, trained_name, getattr(diffusers, recipe.transformer_class), zero3_config)
+    if getattr(model, "training_adapter", None):  # fused into the frozen base, before any adapter of the run
+        fuse_training_adapter(transformer, model.training_adapter)
     if model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     transformer.train().requires_grad_(True)
@@ -279,6 +283,10 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
     side = max(factor, resolution // factor * factor)
     generators = [sample_generator(sample_spec.seed, 0, number, "sample") for number in range(len(prompts))]
     experts = recipe.experts.other_loaded(built) if recipe.experts else contextlib.nullcontext()
+    if built.sampling is not None:  # another folder's transformer with the trained LoRA (flow_distilled)
+        transformer_module = with_trained_lora(built.sampling, transformer_module)
+        built = replace(built, folder=built.sampling.folder, model_index=built.sampling.model_index,
+                        scheduler=built.sampling.scheduler, sampling=None)
     was_training = transformer_module.training
     transformer_module.eval()
     try:

@@ -1,5 +1,5 @@
 """The torch-free facts of the flow family's models (SD3, Flux.1, Qwen-Image, Qwen-Image-Edit, Z-Image, FLUX.2
-[klein] and [dev]): each is told by its folder's transformer class, as the torch side's recipes are
+[klein] and [dev], Krea 2): each is told by its folder's transformer class, as the torch side's recipes are
 (dstune.families.flow_recipe); dstune.families.facts describes the contract.
 
 Image tokens are 2x2 latent patches (16 px); text tokens join them. An edit model trains on (source, target)
@@ -18,6 +18,7 @@ from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image
                                             trains_denoiser, transformer_text_bytes)
 from dstune.families.facts import ModelFacts, SpecIssues
 from dstune.memory.counts import SizesUnknown, count_component
+from dstune.model_folders import builtin_name_problem, locate
 
 DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of the Flux and Qwen-Image training examples
 EDIT_VISION_PATCH_PX = 28  # Qwen-Image-Edit: the source image's vision tokens (28 px each) join the text
@@ -68,6 +69,9 @@ class FlowModel:
     pad_tokens: Callable = lambda tokens: tokens  # what the transformer pads a sequence to
     sampling_parts: tuple[str, ...] = ()  # frozen components loaded only while samples render
     draws_sigma: bool = False  # its example draws sigma itself (no scheduler tables, so no model.shift)
+    text_layers_key: Optional[str] = None  # the config's count of text-encoder layers stacked per token (Krea 2)
+    # output.lora_format values whose tools are known to load this model's file (comfyui: diffusers' own keys)
+    lora_formats: tuple[str, ...] = ("diffusers", "comfyui")
 
 
 FLOW_MODELS = {
@@ -83,6 +87,8 @@ FLOW_MODELS = {
 FLOW_MODELS["Ideogram4Transformer2DModel"] = FlowModel(
     "Ideogram 4", "ideogram4", _one_stream, "llm_features_dim", default_text_tokens=2048,
     sampling_parts=("unconditional_transformer",), draws_sigma=True)
+FLOW_MODELS["Krea2Transformer2DModel"] = FlowModel("Krea 2", "krea2", _joint_blocks, "text_hidden_dim",
+                                                   text_layers_key="num_text_layers", lora_formats=("diffusers",))
 
 
 def flow_model(folder) -> FlowModel:
@@ -124,17 +130,24 @@ def _activations(spec, folder, config: dict, clips) -> tuple[float, float]:
 def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int:
     per_sample = image_latent_bytes(spec, folder, companions, 2 if edit_pipeline(folder) else 1)
     if folder.has("transformer"):
-        width = folder.config("transformer").get(flow_model(folder).text_width_key)
+        config, model = folder.config("transformer"), flow_model(folder)
+        stacked = config.get(model.text_layers_key, 1) if model.text_layers_key else 1  # layers per token
+        width = config.get(model.text_width_key) * stacked
         per_sample += transformer_text_bytes(spec, folder, text_tokens(spec, folder), width)
     return per_sample * num_samples
 
 
-def _trained(spec, folder):
-    """The transformer trains; a model's sampling-only parts (Ideogram 4's unconditional transformer) are loaded
-    while samples render."""
+def _trained(spec, folder) -> tuple:
+    """The transformer trains. While samples render, the model's sampling-only parts (Ideogram 4's unconditional
+    transformer) load beside it, and with sample.pretrained (or a training adapter: the clean base) a second
+    transformer (dstune.families.flow_distilled); the sample phase counts them."""
     module, _, expert = trains_denoiser("transformer")(spec, folder)
-    parts = flow_model(folder).sampling_parts
-    return module, {part: count_component(str(folder.path / part / "config.json"))[0] for part in parts}, expert
+    sampling_only = {part: count_component(str(folder.path / part / "config.json"))[0]
+                     for part in flow_model(folder).sampling_parts}
+    if spec.sample.prompts and (spec.sample.pretrained or getattr(spec.model, "training_adapter", None)):
+        sampling = pipeline_folder(spec.sample.pretrained) if spec.sample.pretrained else folder
+        sampling_only["transformer (samples)"] = count_component(str(sampling.path / "transformer" / "config.json"))[0]
+    return module, sampling_only, expert
 
 
 RULES = DenoiserRules(trained=_trained, activations=_activations, cache_bytes=_cache_bytes)
@@ -145,6 +158,24 @@ def _count(spec, num_samples: int, clips=()):
 
 
 def _spec_issues(spec) -> SpecIssues:
+    return _edit_issues(spec) + _sample_folder_issues(spec) + _lora_format_issues(spec)
+
+
+def _lora_format_issues(spec) -> SpecIssues:
+    """A LoRA file format whose tool is not known to map this model's keys (Krea 2 in ComfyUI)."""
+    chosen = spec.output.lora_format
+    try:
+        model = flow_model(pipeline_folder(spec.model.pretrained))
+    except (SizesUnknown, OSError, ValueError):
+        return []
+    if chosen is None or chosen in model.lora_formats:
+        return []
+    return [("output.lora_format", f"{chosen!r} writes diffusers' key names, which {chosen}'s {model.name} loader is "
+             f"not known to map; {model.name} LoRAs are written as {', '.join(model.lora_formats)} "
+             "(Krea2Pipeline.load_lora_weights): remove output.lora_format or set it to diffusers")]
+
+
+def _edit_issues(spec) -> SpecIssues:
     """An edit model (QwenImageEditPipeline) trains on pairs, cannot cache its text (an embedding belongs to a
     caption and its source image) and samples from source images (sample.control_images): said by validate, before
     any GPU time, rather than at startup or at the first sample. Whether the data gives pairs is validate's check
@@ -176,6 +207,49 @@ def _spec_issues(spec) -> SpecIssues:
     if missing:
         issues.append(("sample.control_images", f"{len(missing)} source image(s) do not exist: {', '.join(missing)}"))
     return issues
+
+
+_CONFIG_BOOKKEEPING = ("_name_or_path", "_diffusers_version", "_class_name")
+
+
+def sampling_folder_problems(trained_index: dict, trained: dict, other_index: dict, other: dict) -> list[str]:
+    """Why a folder (model_index.json, transformer config) cannot render the LoRA trained on another: another
+    pipeline or transformer class, or other shapes (any transformer config value but bookkeeping). Torch-free:
+    validate asks it of sample.pretrained, startup again of the folders it loads."""
+    problems = []
+    if trained_index.get("_class_name") != other_index.get("_class_name"):
+        problems.append(f"it is a {other_index.get('_class_name')} folder; the trained model is a "
+                        f"{trained_index.get('_class_name')}")
+    if trained.get("_class_name") != other.get("_class_name"):
+        problems.append(f"its transformer is a {other.get('_class_name')}; the trained one a "
+                        f"{trained.get('_class_name')}")
+        return problems
+    differ = sorted(key for key in set(trained) | set(other)
+                    if key not in _CONFIG_BOOKKEEPING and trained.get(key) != other.get(key))
+    if differ:
+        problems.append("its transformer has other shapes: " + ", ".join(
+            f"{key} {other.get(key)} (trained: {trained.get(key)})" for key in differ[:4]))
+    return problems
+
+
+def _sample_folder_issues(spec) -> SpecIssues:
+    """sample.pretrained against model.pretrained, from their configs (found here: checked again at startup)."""
+    if not spec.sample.pretrained:
+        return []
+    where = locate(spec.sample.pretrained)
+    if where.kind == "unknown-builtin":
+        return [("sample.pretrained", builtin_name_problem(spec.sample.pretrained))]
+    if where.kind == "missing":
+        return [("sample.pretrained", f"{where.path} does not exist: give a pipeline folder of the trained model "
+                 "(its distilled checkpoint), a hub id in the local cache, or builtin:NAME")]
+    try:
+        trained, other = pipeline_folder(spec.model.pretrained), pipeline_folder(spec.sample.pretrained)
+        problems = sampling_folder_problems(trained.index, trained.config("transformer"), other.index,
+                                            other.config("transformer"))
+    except (SizesUnknown, OSError, ValueError):
+        return []
+    return [("sample.pretrained", f"{spec.sample.pretrained} cannot render the LoRA trained on "
+             f"{spec.model.pretrained}: " + "; ".join(problems))] if problems else []
 
 
 def _pairs(spec) -> Optional[str]:

@@ -292,12 +292,22 @@ class FlowModel(DenoiserModelBase):
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = (  # one per recipe (dstune/families/flow_*.py)
         "StableDiffusion3Pipeline", "FluxPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "ZImagePipeline",
         "Flux2KleinPipeline", "Flux2Pipeline",
-        "Ideogram4Pipeline")
+        "Ideogram4Pipeline", "Krea2Pipeline")
     PRESET_NAME: ClassVar[str] = "the size of SD3, FLUX, Qwen-Image and Z-Image"
     PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {
         "StableDiffusion3Pipeline": 7.0, "FluxPipeline": 3.5, "QwenImagePipeline": 4.0, "QwenImageEditPipeline": 4.0,
         "ZImagePipeline": 5.0, "Flux2Pipeline": 4.0, "Flux2KleinPipeline": 4.0,
-        "Ideogram4Pipeline": 7.0}  # Ideogram 4: its guidance schedule's value for all but the last 3 steps
+        "Ideogram4Pipeline": 7.0,  # Ideogram 4: its guidance schedule's value for all but the last 3 steps
+        "Krea2Pipeline": 4.5}
+    # a distilled folder (model_index.json's is_distilled: Krea 2 Turbo) samples without classifier-free guidance
+    DISTILLED_GUIDANCE: ClassVar[dict[str, float]] = {"Krea2Pipeline": 0.0}
+
+    def native_guidance(self, read: Callable[[str], Optional[dict]]) -> tuple[float, str]:
+        index = read("model_index.json") or {}
+        pipeline = index.get("_class_name", "")
+        if index.get("is_distilled") and pipeline in self.DISTILLED_GUIDANCE:
+            return self.DISTILLED_GUIDANCE[pipeline], f"{pipeline}'s value for a distilled (is_distilled) folder"
+        return super().native_guidance(read)
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
         """SD3's pipeline: the transformer's sample_size x the VAE's factor. FLUX, FLUX.2 and Z-Image pipelines fix
@@ -324,15 +334,15 @@ class FlowModel(DenoiserModelBase):
         "Z-Image (ZImageTransformer2DModel; Qwen3), "
         "FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3), "
         "FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3), "
-        "Ideogram 4 (Ideogram4Transformer2DModel; Qwen3-VL). See docs/family-flow.md."
+        "Ideogram 4 (Ideogram4Transformer2DModel; Qwen3-VL), "
+        "Krea 2 Raw and Turbo (Krea2Transformer2DModel; Qwen3-VL). See docs/family-flow.md."
     )
     pretrained: str = Field(
         "builtin:tiny-flow",
         description="A diffusers pipeline folder (model_index.json + transformer/vae/text encoders/tokenizers/"
         "scheduler) of one of those models: "
         "StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, QwenImageEditPipeline, ZImagePipeline, "
-        "Flux2KleinPipeline, Flux2Pipeline, "
-        "Ideogram4Pipeline; "
+        "Flux2KleinPipeline, Flux2Pipeline, Ideogram4Pipeline, Krea2Pipeline; "
         "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
         "`builtin:tiny-flow` (SD3-class), "
         "`builtin:tiny-flux` (Flux-class), "
@@ -341,7 +351,8 @@ class FlowModel(DenoiserModelBase):
         "`builtin:tiny-z-image`, "
         "`builtin:tiny-flux2` (FLUX.2 [klein]), "
         "`builtin:tiny-flux2-dev` (FLUX.2 [dev]), "
-        "`builtin:tiny-ideogram4`.",
+        "`builtin:tiny-ideogram4`, "
+        "`builtin:tiny-krea2` (Krea 2 Raw), `builtin:tiny-krea2-turbo` (its Turbo layout).",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
@@ -388,6 +399,13 @@ class FlowModel(DenoiserModelBase):
         "512 (Flux-class, Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.2 [dev]) / "
         "2048 (Ideogram 4).",
     )
+    training_adapter: Optional[str] = Field(
+        None, description="A LoRA file (diffusers' pytorch_lora_weights.safetensors layout) fused into the frozen "
+        "transformer for training only: train a LoRA through a distilled model (Krea 2 Turbo, Z-Image-Turbo) without "
+        "breaking its few-step behaviour. It is left out of the exported LoRA and of the samples (they render "
+        "`sample.pretrained`, or `pretrained` without it, with the trained LoRA). `train: lora` only, ZeRO stage 0-2. "
+        "See docs/family-flow.md, \"Distilled checkpoints\".",
+    )
 
     @model_validator(mode="after")
     def _no_unused_sampling_settings(self) -> "FlowModel":
@@ -397,6 +415,10 @@ class FlowModel(DenoiserModelBase):
         if unused:
             raise ValueError(f"{', '.join(unused)} only apply to another timestep_sampling (it is "
                              f"{self.timestep_sampling!r}): remove them or change timestep_sampling")
+        if self.training_adapter and self.train != "lora":
+            raise ValueError("training_adapter is fused into the frozen base while adapters train, and kept out of "
+                             "the exported LoRA; with train: full the exported transformer would carry it: set "
+                             "train: lora, or remove training_adapter")
         if self.loss_weighting == "sigma_sqrt" and not self.precondition_outputs:
             raise ValueError("loss_weighting sigma_sqrt weights each sample by sigma^-2 on the velocity loss: on "
                              "SD3's schedule a mean weight of about 186 and up to about 1e5 near sigma 0, so a few "

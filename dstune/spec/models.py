@@ -275,8 +275,15 @@ class SampleSpec(Section):
     guidance: float = Field(
         5.0, ge=0, description="Classifier-free guidance scale (for FLUX: the guidance embedding's value; for "
         "Qwen-Image: true_cfg_scale). Omitted: the default of the model's own pipeline (7.5 SD 1.x, 5.0 SDXL, 7.0 "
-        "SD3, 3.5 FLUX.1, 4.0 FLUX.2 and Qwen-Image, 5.0 Z-Image and Wan); `validate` prints the value and why.")
+        "SD3, 3.5 FLUX.1, 4.0 FLUX.2 and Qwen-Image, 5.0 Z-Image and Wan, 4.5 Krea 2 and 0 for Krea 2 Turbo, whose "
+        "pipeline's guidance_scale g means cond + g (cond - uncond)); with sample.pretrained, that folder's pipeline "
+        "decides; `validate` prints the value and why.")
     seed: int = Field(0, ge=0, description="Sampling seed, so grids from different steps are comparable.")
+    pretrained: Optional[str] = Field(
+        None, description="model.family flow with train: lora: a second pipeline folder (or hub id, builtin:) of the "
+        "same model whose transformer the samples use, with the trained LoRA on it: train on a base checkpoint "
+        "(Krea 2 Raw) and sample with its distilled one (Krea 2 Turbo). Its transformer must have the trained one's "
+        "class and shapes. Omitted: the trained transformer itself (without model.training_adapter).")
     control_images: list[str] = Field(
         default_factory=list, description="Edit models (Qwen-Image-Edit): the source image of each prompt, one path "
         "per prompt in the same order; each sample edits its source as the prompt says. Wan image-to-video "
@@ -307,6 +314,21 @@ class Spec(Section):
                                       self.model.family in VIDEO_FAMILIES)
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _distilled_checkpoints_fit(self) -> "Spec":
+        """sample.pretrained renders the trained LoRA on another folder's transformer; a training adapter is fused
+        into weights that ZeRO-3 would have partitioned before it could be."""
+        model = self.model
+        if self.sample.pretrained and (model.family != "flow" or getattr(model, "train", "full") != "lora"):
+            raise ValueError("sample.pretrained renders the trained LoRA on another folder's transformer: it needs "
+                             f"model.family flow with model.train: lora (here {model.family}, "
+                             f"{getattr(model, 'train', 'full')}); remove sample.pretrained")
+        if getattr(model, "training_adapter", None) and self.deepspeed.zero_stage == 3:
+            raise ValueError("model.training_adapter is fused into the whole frozen transformer before training, "
+                             "which ZeRO-3 partitions as it loads: use deepspeed.zero_stage 0-2 (a LoRA's frozen "
+                             "base is not partitioned by ZeRO-1/2 either way), or remove training_adapter")
         return self
 
     @model_validator(mode="after")

@@ -14,6 +14,11 @@ from typing import Any
 
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES
 
+# the Krea 2 training example's default LoRA layers (its authors' recommendation): attention with its gate, the MLP,
+# the image and text input projections, the text fusion's projector, the timestep MLP and modulation, the output
+KREA2_LORA_TARGETS = ("img_in", "final_layer.linear", "to_q", "to_k", "to_v", "to_out.0", "to_gate", "ff.up",
+                      "ff.down", "text_fusion.projector", "txt_in.linear_1", "txt_in.linear_2", "time_embed.linear_1",
+                      "time_embed.linear_2", "time_mod_proj")
 IMAGE_PROMPTS = ["a photo of a dog on the beach", "an oil painting of a lighthouse at dusk"]
 VIDEO_PROMPTS = ["a red fox running through fresh snow"]
 SPEECH_PROMPTS = ["Printing, in the only sense with which we are at present concerned.", "The quick brown fox."]
@@ -88,6 +93,14 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
                 "flow", "ideogram-ai/ideogram-v4", "tiny-ideogram4",
                 _image(1024, 7.0, 48, **_lora(targets=(*DEFAULT_LORA_TARGET_MODULES, "w1", "w2", "w3")),
                        **{"model.gradient_checkpointing": True})),
+    ModelPreset("krea2", "Krea 2 Raw (12 B single-stream transformer; Qwen3-VL text encoder; the base to train)",
+                "flow", "krea/Krea-2-Raw", "tiny-krea2",
+                _image(1024, 4.5, 28, **{**_lora(targets=KREA2_LORA_TARGETS), "train.optimizer.lr": 3.0e-4,
+                                         "model.gradient_checkpointing": True, "model.max_sequence_length": 512})),
+    ModelPreset("krea2-turbo", "Krea 2 Turbo (Krea 2 distilled to 8 steps without guidance)", "flow",
+                "krea/Krea-2-Turbo", "tiny-krea2-turbo",
+                _image(1024, 0.0, 8, **_lora(targets=KREA2_LORA_TARGETS), **{"model.gradient_checkpointing": True,
+                                                                              "model.max_sequence_length": 512})),
     ModelPreset("wan21", "Wan 2.1 text-to-video 14B", "wan", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "tiny-wan",
                 _video(480, 81, 16, 5.0, **_lora(), **{"model.max_sequence_length": 512})),
     ModelPreset("wan21-i2v", "Wan 2.1 image-to-video 14B 480P", "wan", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",

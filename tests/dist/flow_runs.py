@@ -92,6 +92,14 @@ def check_lora_export(run_dir: Path, proc, model: str, pipeline_class, render) -
     assert not torch.allclose(render(pipeline), before)
 
 
+def check_lora_samples_from(run_dir: Path, proc, folder: str) -> None:
+    """The LoRA run's samples were rendered by `folder`'s transformer with the trained LoRA, before and after."""
+    assert proc.returncode == 0, explain(proc)
+    name = folder.split(":", 1)[-1]
+    assert any(f"{name}-v" in line and "transformer with the trained LoRA" in line for line in proc.stdout.splitlines())
+    assert all((run_dir / "samples" / f"step-{step:06d}.png").is_file() for step in (0, STEPS))
+
+
 def check_resume(run_dir: Path, spec_path: Path, proc, resumed: Path, compared: Path) -> None:
     """Resumed from step 2 into `resumed`: steps 3-4 have the same losses, and the export's `compared` file (the
     transformer, or the LoRA file) the same tensors, as the uninterrupted run."""
@@ -130,10 +138,16 @@ class FlowRow:
     resume_case: Optional[str] = None  # the case that also resumes from step 2 (None: no resume launch)
     full_case: str = "zero2"
     lora_case: str = "lora-zero3"
+    sample_pretrained: Optional[str] = None  # the LoRA run samples with this folder's transformer (sample.pretrained)
 
     @property
     def cases(self) -> dict:
         return {self.full_case: (2, "full"), self.lora_case: (3, "lora")}
+
+    def adjust(self, spec: dict, train: str) -> None:
+        """The LoRA run of a row with sample_pretrained renders samples there (collective under ZeRO-3)."""
+        if self.sample_pretrained and train == "lora":
+            spec["sample"].update(prompts=["a red circle"], pretrained=self.sample_pretrained, guidance=0.0)
 
     def pipeline(self):
         import diffusers
@@ -149,6 +163,10 @@ ROWS = {
     "tiny-flux2": FlowRow("Flux2KleinPipeline", _render_with(guidance_scale=1.0)),
     # Flux2Pipeline feeds guidance_scale to the guidance embedding (no classifier-free pass)
     "tiny-flux2-dev": FlowRow("Flux2Pipeline", _render_with(guidance_scale=4.0)),
+    # Krea 2 (Raw): rendered without classifier-free guidance (Krea2Pipeline's guidance_scale 0)
+    # its LoRA run samples with the Turbo layout's transformer (sample.pretrained), gathering the adapters under ZeRO-3
+    "tiny-krea2": FlowRow("Krea2Pipeline", _render_with(guidance_scale=0.0), resume_case="lora-zero3",
+                          sample_pretrained="builtin:tiny-krea2-turbo"),
 }
 # Ideogram 4 draws sigma off the tables (FlowRecipe.draw_sigmas) and loads its unconditional transformer for samples
 # only: its LoRA run resumes too. A constant guidance_scale replaces the pipeline's default per-step schedule.

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from flow_runs import (ROWS, check_full_export, check_lora_export, check_resume, check_trains, launch_cases,
-                       resumed_file)
+from flow_runs import (ROWS, check_full_export, check_lora_export, check_lora_samples_from, check_resume,
+                       check_trains, launch_cases, resumed_file)
 
 pytestmark = pytest.mark.dist
 
@@ -22,7 +22,7 @@ def runs(tmp_path_factory) -> dict:
     """(model, case) -> (run dir, spec path, finished launch), every case of every model of this module."""
     out = {}
     for model in MODELS:
-        cases = launch_cases(tmp_path_factory, model, ROWS[model].cases)
+        cases = launch_cases(tmp_path_factory, model, ROWS[model].cases, ROWS[model].adjust)
         out.update({(model, name): run for name, run in cases.items()})
     return out
 
@@ -50,3 +50,11 @@ def test_lora_trains_adapters_only_and_loads_with_load_lora_weights(runs, model)
 def test_resume_continues_exactly(runs, model, tmp_path):
     row = ROWS[model]
     check_resume(*runs[model, row.resume_case], tmp_path / "resumed", resumed_file(ROWS[model], row.resume_case))
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if ROWS[m].sample_pretrained])
+def test_lora_samples_come_from_sample_pretrained(runs, model):
+    row = ROWS[model]
+    run_dir, _, proc = runs[model, row.lora_case]
+    check_lora_samples_from(run_dir, proc, row.sample_pretrained)
+
