@@ -24,8 +24,18 @@ if not modes:
 for mode in modes:
     sys.argv.remove(mode)
 
+
+def replace_everywhere(module, name: str, new) -> None:
+    """`module.name = new`, and the same in every dstune module that already imported the original by name (in a
+    rank forked from the tests' warm launcher, dstune.startup and dstune.training are imported before this runs)."""
+    original = getattr(module, name)
+    for other in list(sys.modules.values()):
+        if getattr(other, "__name__", "").startswith("dstune") and getattr(other, name, None) is original:
+            setattr(other, name, new)
+
+
 if "double-shard" in modes:
-    original_make_loader = loader_module.make_loader  # patched before dstune.startup imports it
+    original_make_loader = loader_module.make_loader
 
     def make_loader_sharded_twice(dataset, collate_fn, group_keys, data, plan, rank, seed, start_epoch=0,
                                   start_step=0):
@@ -40,8 +50,8 @@ if "double-shard" in modes:
                            collate_fn=loader.collate_fn, drop_last=True)
         return buggy, sampler
 
-    loader_module.make_loader = make_loader_sharded_twice
-if "micro-override" in modes:  # patched before dstune.training imports it
+    replace_everywhere(loader_module, "make_loader", make_loader_sharded_twice)
+if "micro-override" in modes:
     original_wrap_model = engine_module.wrap_model
 
     def wrap_model_overridden(trainable, train, ds_config, plan):
@@ -50,6 +60,6 @@ if "micro-override" in modes:  # patched before dstune.training imports it
         changed["gradient_accumulation_steps"] = ds_config["gradient_accumulation_steps"] * 2
         return original_wrap_model(trainable, train, changed, plan)
 
-    engine_module.wrap_model = wrap_model_overridden
+    replace_everywhere(engine_module, "wrap_model", wrap_model_overridden)
 
 sys.exit(main())
