@@ -37,6 +37,7 @@ from dstune.builtin.ideogram4 import TINY_IDEOGRAM4
 from dstune.builtin.orpheus import TINY_ORPHEUS
 from dstune.builtin.qwen_image import TINY_QWEN_IMAGE
 from dstune.builtin.qwen_image_edit import TINY_QWEN_IMAGE_EDIT
+from dstune.builtin.qwen_image_21 import TINY_QWEN_IMAGE_21
 from dstune.builtin.sd import TINY_SD
 from dstune.builtin.sdxl import TINY_SDXL
 from dstune.builtin.tts import TINY_SPEECHT5, TINY_TTS_LM
@@ -129,3 +130,4 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
     TINY_QWEN_IMAGE_EDIT, TINY_Z_IMAGE, TINY_FLUX2, TINY_FLUX2_DEV, TINY_WAN, TINY_WAN_A14B,
     TINY_WAN_I2V, TINY_WAN22_TI2V)}
 BUILTIN_MODELS[TINY_IDEOGRAM4.name] = TINY_IDEOGRAM4
+BUILTIN_MODELS[TINY_QWEN_IMAGE_21.name] = TINY_QWEN_IMAGE_21

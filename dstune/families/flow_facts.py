@@ -49,6 +49,12 @@ def _one_stream(config: dict) -> ModelShape:
                       ffn=config["intermediate_size"])
 
 
+def _one_stream_ratio(config: dict) -> ModelShape:
+    """Qwen-Image 2.1: one stream of blocks over the caption and the image tokens, its MLP mlp_ratio x the width."""
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    return ModelShape(width, {"transformer_blocks": config["num_layers"]}, ffn=config.get("mlp_ratio", 3) * width)
+
+
 def _padded_to_32(tokens: float) -> float:
     """Z-Image pads the image tokens and the caption's each to a multiple of 32."""
     return math.ceil(tokens / 32) * 32
@@ -83,6 +89,8 @@ FLOW_MODELS = {
 FLOW_MODELS["Ideogram4Transformer2DModel"] = FlowModel(
     "Ideogram 4", "ideogram4", _one_stream, "llm_features_dim", default_text_tokens=2048,
     sampling_parts=("unconditional_transformer",), draws_sigma=True)
+FLOW_MODELS["QwenImage21Transformer2DModel"] = FlowModel(
+    "Qwen-Image 2.1", "qwen-image-21", _one_stream_ratio, "context_in_dim")
 
 
 def flow_model(folder) -> FlowModel:
@@ -159,6 +167,10 @@ def _spec_issues(spec) -> SpecIssues:
         return [("model.shift", f"{pipeline_class}'s training example draws sigma itself (logit-normal about a "
                  "resolution-aware mean), with no scheduler table to shift: remove model.shift and move the "
                  "draw with model.logit_mean / model.logit_std")]
+    grid = folder.index.get("sample_sigmas")  # a Qwen-Image 2.1 Turbo folder's own sampling sigmas
+    if grid and spec.sample.prompts and spec.sample.steps != len(grid):
+        return [("sample.steps", f"{pipeline_class} samples this folder on its own {len(grid)} sigmas "
+                 f"(model_index.json sample_sigmas, a Turbo folder): set sample.steps: {len(grid)}")]
     if not edit:
         if spec.sample.control_images:
             return [("sample.control_images", f"{pipeline_class} renders from the prompt alone: source images are "

@@ -112,6 +112,7 @@ class Sampling:
     pipeline: Optional[Callable] = None
     scheduler: Optional[Callable] = None  # (built) -> the sampling scheduler; None: a FlowMatchEuler of the folder's
     side_multiple: Optional[Callable] = None  # (built) -> pixels the sides are multiples of; None: 2 x VAE factor
+    takes_max_sequence_length: bool = True  # the pipeline call has max_sequence_length (Qwen-Image 2.1's has not)
 
 
 @dataclass(frozen=True)

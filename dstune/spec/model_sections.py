@@ -292,12 +292,14 @@ class FlowModel(DenoiserModelBase):
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = (  # one per recipe (dstune/families/flow_*.py)
         "StableDiffusion3Pipeline", "FluxPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "ZImagePipeline",
         "Flux2KleinPipeline", "Flux2Pipeline",
-        "Ideogram4Pipeline")
+        "Ideogram4Pipeline",
+        "QwenImage21Pipeline")
     PRESET_NAME: ClassVar[str] = "the size of SD3, FLUX, Qwen-Image and Z-Image"
     PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {
         "StableDiffusion3Pipeline": 7.0, "FluxPipeline": 3.5, "QwenImagePipeline": 4.0, "QwenImageEditPipeline": 4.0,
         "ZImagePipeline": 5.0, "Flux2Pipeline": 4.0, "Flux2KleinPipeline": 4.0,
-        "Ideogram4Pipeline": 7.0}  # Ideogram 4: its guidance schedule's value for all but the last 3 steps
+        "Ideogram4Pipeline": 7.0,  # Ideogram 4: its guidance schedule's value for all but the last 3 steps
+        "QwenImage21Pipeline": 1.0}  # Qwen-Image 2.1 samples unguided (its pipeline's true_cfg_scale default)
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
         """SD3's pipeline: the transformer's sample_size x the VAE's factor. FLUX, FLUX.2 and Z-Image pipelines fix
@@ -324,7 +326,8 @@ class FlowModel(DenoiserModelBase):
         "Z-Image (ZImageTransformer2DModel; Qwen3), "
         "FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3), "
         "FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3), "
-        "Ideogram 4 (Ideogram4Transformer2DModel; Qwen3-VL). See docs/family-flow.md."
+        "Ideogram 4 (Ideogram4Transformer2DModel; Qwen3-VL), "
+        "Qwen-Image 2.1 and its Turbo (QwenImage21Transformer2DModel; Qwen3-VL). See docs/family-flow.md."
     )
     pretrained: str = Field(
         "builtin:tiny-flow",
@@ -332,7 +335,8 @@ class FlowModel(DenoiserModelBase):
         "scheduler) of one of those models: "
         "StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, QwenImageEditPipeline, ZImagePipeline, "
         "Flux2KleinPipeline, Flux2Pipeline, "
-        "Ideogram4Pipeline; "
+        "Ideogram4Pipeline, "
+        "QwenImage21Pipeline; "
         "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
         "`builtin:tiny-flow` (SD3-class), "
         "`builtin:tiny-flux` (Flux-class), "
@@ -341,7 +345,8 @@ class FlowModel(DenoiserModelBase):
         "`builtin:tiny-z-image`, "
         "`builtin:tiny-flux2` (FLUX.2 [klein]), "
         "`builtin:tiny-flux2-dev` (FLUX.2 [dev]), "
-        "`builtin:tiny-ideogram4`.",
+        "`builtin:tiny-ideogram4`, "
+        "`builtin:tiny-qwen-image-21`.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
@@ -386,7 +391,8 @@ class FlowModel(DenoiserModelBase):
         "the model's training example default, at most the tokenizer's model_max_length: "
         "77 (SD3-class) / "
         "512 (Flux-class, Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.2 [dev]) / "
-        "2048 (Ideogram 4).",
+        "2048 (Ideogram 4) / "
+        "512 (Qwen-Image 2.1: its example sets no limit; a longer caption is refused, naming it).",
     )
 
     @model_validator(mode="after")
