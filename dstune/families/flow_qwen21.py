@@ -71,6 +71,25 @@ def load_processor(folder: Path):
     return TextProcessor(load_component(folder, "processor", transformers.AutoTokenizer.from_pretrained))
 
 
+def pipeline_from_parts(folder: Path):
+    """QwenImage21Pipeline of a folder's components with load_processor's processor: for a folder whose processor is
+    a tokenizer, which from_pretrained cannot put in a QwenImage21Pipeline (its __init__ asks a processor)."""
+    with quiet_hf_libraries():
+        from diffusers import (AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline,
+                               QwenImage21Transformer2DModel)
+        from transformers import Qwen3VLForConditionalGeneration
+
+        pipeline = QwenImage21Pipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler"),
+            vae=AutoencoderKLQwenImage21.from_pretrained(folder, subfolder="vae"),
+            text_encoder=Qwen3VLForConditionalGeneration.from_pretrained(folder, subfolder="text_encoder"),
+            processor=load_processor(folder),
+            transformer=QwenImage21Transformer2DModel.from_pretrained(folder, subfolder="transformer"),
+            sample_sigmas=read_model_index(folder).get("sample_sigmas"))
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
 def _load_text_side(folder: Path, recipe, device, dtype) -> tuple[dict, dict]:
     from transformers import Qwen3VLForConditionalGeneration
 

@@ -130,6 +130,7 @@ class FlowRow:
     resume_case: Optional[str] = None  # the case that also resumes from step 2 (None: no resume launch)
     full_case: str = "zero2"
     lora_case: str = "lora-zero3"
+    loader: Optional[Callable] = None  # folder -> pipeline, where from_pretrained cannot load the folder itself
 
     @property
     def cases(self) -> dict:
@@ -138,6 +139,8 @@ class FlowRow:
     def pipeline(self):
         import diffusers
 
+        if self.loader is not None:  # what the checks call: from_pretrained(folder)
+            return type("Loader", (), {"from_pretrained": staticmethod(self.loader)})
         return getattr(diffusers, self.pipeline_class)
 
 
@@ -155,6 +158,22 @@ ROWS = {
 ROWS["tiny-ideogram4"] = FlowRow("Ideogram4Pipeline", _render_with(guidance_scale=1.0, guidance_schedule=None,
                                                                    max_sequence_length=128),
                                  resume_case="lora-zero3")
+
+
+# Qwen-Image 2.1: the tiny folder's processor is a tokenizer (no Qwen3VLProcessor without torchvision), so its
+# pipelines are built from the folder's parts; the pipeline renders RGBA, whose RGB the checks compare.
+def _qwen_image_21_pipeline(folder):
+    from dstune.families.flow_qwen21 import pipeline_from_parts
+
+    return pipeline_from_parts(folder)
+
+
+def _render_rgb(pipeline) -> torch.Tensor:
+    return _render_with()(pipeline)[:, :3]
+
+
+ROWS["tiny-qwen-image-21"] = FlowRow("QwenImage21Pipeline", _render_rgb, resume_case="zero2",
+                                     loader=_qwen_image_21_pipeline)
 
 
 def resumed_file(row: FlowRow, case: str) -> Path:

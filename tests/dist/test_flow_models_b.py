@@ -14,7 +14,7 @@ from flow_runs import (ROWS, check_full_export, check_lora_export, check_resume,
 
 pytestmark = pytest.mark.dist
 
-MODELS = ("tiny-z-image", "tiny-flux2-dev")
+MODELS = ("tiny-z-image", "tiny-flux2-dev", "tiny-qwen-image-21")
 
 
 @pytest.fixture(scope="module")

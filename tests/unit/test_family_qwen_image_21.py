@@ -22,7 +22,7 @@ import torch
 from dstune import builtin as tiny
 from dstune.families import flow
 from dstune.families.base import FamilyError
-from dstune.families.flow_qwen21 import load_processor
+from dstune.families.flow_qwen21 import pipeline_from_parts
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel, SampleSpec
@@ -42,23 +42,6 @@ CASES = {
     "cosmap": (dict(timestep_sampling="uniform", loss_weighting="cosmap"),
                dict(weighting_scheme="cosmap", logit_mean=0.0, logit_std=1.0)),
 }
-
-
-def _pipeline_from(folder: Path):
-    """QwenImage21Pipeline of a folder's components, its processor the tokenizer's TextProcessor (from_pretrained
-    checks a passed processor against the tokenizer class model_index.json lists, so it is built from parts)."""
-    from diffusers import (AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline,
-                           QwenImage21Transformer2DModel)
-    from transformers import Qwen3VLForConditionalGeneration
-
-    pipe = QwenImage21Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler"),
-        vae=AutoencoderKLQwenImage21.from_pretrained(folder, subfolder="vae"),
-        text_encoder=Qwen3VLForConditionalGeneration.from_pretrained(folder, subfolder="text_encoder"),
-        processor=load_processor(folder),
-        transformer=QwenImage21Transformer2DModel.from_pretrained(folder, subfolder="transformer"))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +135,7 @@ def test_sample_and_export_reload_with_qwen_image_21_pipeline(built, tmp_path):
     assert [image.size for image in images] == [(SIDE, SIDE)] and built.trainable.training
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
     export = flow.export(built, state, tmp_path / "export")
-    reloaded = _pipeline_from(export)
+    reloaded = pipeline_from_parts(export)
     name = next(iter(state))
     assert torch.equal(reloaded.transformer.state_dict()[name], state[name])
     image = reloaded(prompt="a red circle", height=SIDE, width=SIDE, num_inference_steps=2).images[0]
@@ -174,7 +157,7 @@ def test_lora_export_loads_with_load_lora_weights_and_changes_the_image(tmp_path
     encoded = flow.encode_batch(model, shape_batch([1], SIDE))
     state = {k: v.detach().clone() for k, v in model.trainable.state_dict().items()}
     out = export_lora(flow.FAMILY, model, state, tmp_path / "lora", spec)
-    pipe = _pipeline_from(model.folder)
+    pipe = pipeline_from_parts(model.folder)
     call = dict(prompt="a red circle", height=SIDE, width=SIDE, num_inference_steps=2, output_type="np")
     with torch.no_grad():
         base_image = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]
@@ -208,3 +191,25 @@ def test_turbo_folder_samples_on_its_own_sigmas(built, tmp_path):
     assert [image.size for image in images] == [(SIDE, SIDE)]
     with pytest.raises(FamilyError, match=r"sample.steps 5: .* own 2 sigmas .* set sample.steps: 2"):
         flow.sample(turbo, turbo.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=5), SIDE)
+
+
+def test_turbo_sample_steps_of_another_length_are_refused_by_validate(built, tmp_path):
+    """dstune validate names sample.steps for a Turbo folder before any GPU time (the folder's sample_sigmas)."""
+    import json
+    import shutil
+
+    from dstune.families.flow_facts import FACTS
+    from dstune.spec.load import load_spec
+
+    folder = tmp_path / "turbo"
+    shutil.copytree(built.folder, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "sample_sigmas": [1.0, 0.75, 0.4, 0.1]}))
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(f"model: {{family: flow, pretrained: '{folder}'}}\n"
+                         "data: {path: 'builtin:shapes', resolution: 64}\n"
+                         "train: {micro_batch_size: 1, max_steps: 1}\n"
+                         "sample: {prompts: ['a red circle'], steps: 30}\n"
+                         f"output: {{dir: '{tmp_path / 'run'}'}}\n")
+    issues = FACTS.spec_issues(load_spec(spec_path)[0])
+    assert [key for key, _ in issues] == ["sample.steps"] and "set sample.steps: 4" in issues[0][1]
