@@ -67,7 +67,13 @@ def load_processor(folder: Path):
 
     listed = str((read_model_index(folder).get("processor") or [None, ""])[-1])
     if listed.endswith("Processor"):
-        return load_component(folder, "processor", transformers.AutoProcessor.from_pretrained)
+        try:
+            return load_component(folder, "processor", transformers.AutoProcessor.from_pretrained)
+        except ImportError as err:  # Qwen3VLProcessor's video processor needs torchvision
+            first_line = (str(err).strip().splitlines() or ["ImportError"])[0]
+            raise FamilyError(f"{folder / 'processor'}: cannot load its {listed} ({first_line}): QwenImage21Pipeline "
+                              "encodes captions with it, and transformers builds it only with torchvision: install "
+                              "the torchvision release that matches your torch") from None
     return TextProcessor(load_component(folder, "processor", transformers.AutoTokenizer.from_pretrained))
 
 

@@ -22,7 +22,7 @@ import torch
 from dstune import builtin as tiny
 from dstune.families import flow
 from dstune.families.base import FamilyError
-from dstune.families.flow_qwen21 import pipeline_from_parts
+from dstune.families.flow_qwen21 import load_processor, pipeline_from_parts
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel, SampleSpec
@@ -213,3 +213,28 @@ def test_turbo_sample_steps_of_another_length_are_refused_by_validate(built, tmp
                          f"output: {{dir: '{tmp_path / 'run'}'}}\n")
     issues = FACTS.spec_issues(load_spec(spec_path)[0])
     assert [key for key, _ in issues] == ["sample.steps"] and "set sample.steps: 4" in issues[0][1]
+
+
+def test_a_real_processor_that_cannot_load_is_refused_naming_torchvision(built, tmp_path):
+    """A folder listing a Qwen3VLProcessor, on a machine without torchvision, stops with the folder, the class and
+    what to install rather than transformers' ImportError traceback."""
+    import json
+    import shutil
+
+    try:
+        import torchvision  # noqa: F401
+        pytest.skip("torchvision is installed here: the processor loads")
+    except ImportError:
+        pass
+    folder = tmp_path / "real-processor"
+    shutil.copytree(built.folder / "processor", folder / "processor")
+    (folder / "model_index.json").write_text(json.dumps({"processor": ["transformers", "Qwen3VLProcessor"]}))
+    configs = {"processor_config.json": {"processor_class": "Qwen3VLProcessor"},
+               "preprocessor_config.json": {"image_processor_type": "Qwen2VLImageProcessorFast",
+                                            "processor_class": "Qwen3VLProcessor"},
+               "video_preprocessor_config.json": {"video_processor_type": "Qwen3VLVideoProcessor",
+                                                  "processor_class": "Qwen3VLProcessor"}}
+    for name, config in configs.items():
+        (folder / "processor" / name).write_text(json.dumps(config))
+    with pytest.raises(FamilyError, match=r"processor: cannot load its Qwen3VLProcessor .* torchvision"):
+        load_processor(folder)
