@@ -74,6 +74,7 @@ class FlowModel:
     pad_tokens: Callable = lambda tokens: tokens  # what the transformer pads a sequence to
     sampling_parts: tuple[str, ...] = ()  # frozen components loaded only while samples render
     draws_sigma: bool = False  # its example draws sigma itself (no scheduler tables, so no model.shift)
+    side_px: int = 0  # image sides must be multiples of it, said by validate (0: left to the first batch's check)
 
 
 FLOW_MODELS = {
@@ -90,7 +91,7 @@ FLOW_MODELS["Ideogram4Transformer2DModel"] = FlowModel(
     "Ideogram 4", "ideogram4", _one_stream, "llm_features_dim", default_text_tokens=2048,
     sampling_parts=("unconditional_transformer",), draws_sigma=True)
 FLOW_MODELS["QwenImage21Transformer2DModel"] = FlowModel(
-    "Qwen-Image 2.1", "qwen-image-21", _one_stream_ratio, "context_in_dim")
+    "Qwen-Image 2.1", "qwen-image-21", _one_stream_ratio, "context_in_dim", side_px=32)
 
 
 def flow_model(folder) -> FlowModel:
@@ -152,6 +153,21 @@ def _count(spec, num_samples: int, clips=()):
     return count_denoiser(spec, num_samples, clips, RULES)
 
 
+def _side_issues(spec, model: FlowModel) -> SpecIssues:
+    """Image sides the model cannot take (Qwen-Image 2.1: 16 px latents in 2x2 slots, so multiples of 32 px)."""
+    side, buckets = model.side_px, spec.data.buckets
+    if not side:
+        return []
+    why = f"{model.name} takes image sides in multiples of {side} px"
+    if not buckets.enabled:
+        return [] if spec.data.resolution % side == 0 else [
+            ("data.resolution", f"{spec.data.resolution}: {why}; use {max(side, spec.data.resolution // side * side)}")]
+    if buckets.sizes:
+        wrong = [size for size in buckets.sizes if size[0] % side or size[1] % side]
+        return [("data.buckets.sizes", f"{wrong}: {why}")] if wrong else []
+    return [] if buckets.step % side == 0 else [("data.buckets.step", f"{buckets.step}: {why}")]
+
+
 def _spec_issues(spec) -> SpecIssues:
     """An edit model (QwenImageEditPipeline) trains on pairs, cannot cache its text (an embedding belongs to a
     caption and its source image) and samples from source images (sample.control_images): said by validate, before
@@ -167,6 +183,9 @@ def _spec_issues(spec) -> SpecIssues:
         return [("model.shift", f"{pipeline_class}'s training example draws sigma itself (logit-normal about a "
                  "resolution-aware mean), with no scheduler table to shift: remove model.shift and move the "
                  "draw with model.logit_mean / model.logit_std")]
+    side_issues = _side_issues(spec, flow_model(folder))
+    if side_issues:
+        return side_issues
     grid = folder.index.get("sample_sigmas")  # a Qwen-Image 2.1 Turbo folder's own sampling sigmas
     if grid and spec.sample.prompts and spec.sample.steps != len(grid):
         return [("sample.steps", f"{pipeline_class} samples this folder on its own {len(grid)} sigmas "

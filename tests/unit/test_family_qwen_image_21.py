@@ -238,3 +238,20 @@ def test_a_real_processor_that_cannot_load_is_refused_naming_torchvision(built, 
         (folder / "processor" / name).write_text(json.dumps(config))
     with pytest.raises(FamilyError, match=r"processor: cannot load its Qwen3VLProcessor .* torchvision"):
         load_processor(folder)
+
+
+@pytest.mark.parametrize("data, key", [("resolution: 48", "data.resolution"),
+                                       ("resolution: 64, buckets: {enabled: true, sizes: [[64, 48]]}",
+                                        "data.buckets.sizes")])
+def test_sides_off_the_32_px_grid_are_refused_by_validate(tmp_path, data, key):
+    """16 px latents in 2x2 slots: validate names the setting instead of the first batch failing on every rank."""
+    from dstune.families.flow_facts import FACTS
+    from dstune.spec.load import load_spec
+
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(f"model: {{family: flow, pretrained: '{NAME}'}}\n"
+                         f"data: {{path: 'builtin:shapes', {data}}}\n"
+                         "train: {micro_batch_size: 1, max_steps: 1}\n"
+                         f"output: {{dir: '{tmp_path / 'run'}'}}\n")
+    issues = FACTS.spec_issues(load_spec(spec_path)[0])
+    assert [k for k, _ in issues] == [key] and "multiples of 32 px" in issues[0][1]
