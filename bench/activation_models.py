@@ -251,6 +251,25 @@ def _krea2_run(model, tokens, context, dtype):
                               position_ids=ids, encoder_attention_mask=mask, return_dict=False)[0])
 
 
+def _qwen_image_21(heads, ffn_mult):
+    from diffusers import QwenImage21Transformer2DModel
+    width = heads * 128
+    return QwenImage21Transformer2DModel(in_channels=64, out_channels=64, num_layers=2, attention_head_dim=128,
+                                         num_attention_heads=heads, context_in_dim=width, mlp_ratio=3 * ffn_mult,
+                                         axes_dims_rope=(16, 56, 56)), width, 3 * ffn_mult * width, 0
+
+
+def _qwen_image_21_run(model, tokens, context, dtype):
+    """One sample's joint sequence: `context` caption tokens, then the image's latents unpatched (one img_mask slot
+    per 2x2 of them), as the recipe feeds it (the real model's text width equals its width)."""
+    side = _square(tokens)
+    img_mask = torch.cat([torch.zeros(1, context, dtype=torch.bool), torch.ones(1, tokens // 4, dtype=torch.bool)], 1)
+    hidden = _randn(1, tokens, 64, dtype=dtype)
+    text = _randn(1, context, model.config.context_in_dim, dtype=dtype)
+    return lambda: _mse(model(hidden_states=hidden, encoder_hidden_states=text, timestep=torch.tensor([0.5], dtype=dtype),
+                              img_shapes=[[(1, side, side)]], img_mask=img_mask, return_dict=False)[0])
+
+
 # --------------------------------------------------------------------------------------------------- Wan
 
 def _wan(ffn_ratio: float, in_channels: int, image: bool):
@@ -362,6 +381,9 @@ CASES = [
     Case("krea2", "Krea 2 Raw and Turbo (single stream, text fusion over 12 tapped layers)", _krea2, _krea2_run,
          sizes=TRANSFORMER_SIZES, check_size=(25, 12), heads=4, check_heads=2,
          block_lists=_attr("transformer_blocks")),
+    Case("qwen-image-21", "Qwen-Image 2.1 (one block-causal stream over the caption and the unpatched image, head dim "
+         "128)", _qwen_image_21, _qwen_image_21_run, sizes=TRANSFORMER_SIZES, check_size=(16, 12),
+         block_lists=_attr("transformer_blocks"), ffn=True),
     Case("wan-t2v", "Wan 2.1 / 2.2 text-to-video (and Wan 2.2 A14B image-to-video: channels only)",
          _wan(13824 / 5120, 16, False), _wan_run, sizes=((32, 8), (72, 8), (32, 24)), check_size=(50, 12),
          block_lists=_attr("blocks"), ffn=True),

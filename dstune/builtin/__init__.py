@@ -39,6 +39,7 @@ from dstune.builtin.krea2 import TINY_KREA2, TINY_KREA2_TURBO
 from dstune.builtin.orpheus import TINY_ORPHEUS
 from dstune.builtin.qwen_image import TINY_QWEN_IMAGE
 from dstune.builtin.qwen_image_edit import TINY_QWEN_IMAGE_EDIT
+from dstune.builtin.qwen_image_21 import TINY_QWEN_IMAGE_21
 from dstune.builtin.sd import TINY_SD
 from dstune.builtin.sdxl import TINY_SDXL
 from dstune.builtin.tts import TINY_SPEECHT5, TINY_TTS_LM
@@ -130,4 +131,5 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
     TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5, TINY_ORPHEUS, TINY_CSM, TINY_QWEN_IMAGE,
     TINY_QWEN_IMAGE_EDIT, TINY_Z_IMAGE, TINY_FLUX2, TINY_FLUX2_DEV, TINY_WAN, TINY_WAN_A14B,
     TINY_WAN_I2V, TINY_WAN22_TI2V,
-    TINY_HUNYUAN_VIDEO15, TINY_HUNYUAN_VIDEO15_I2V, TINY_IDEOGRAM4, TINY_KREA2, TINY_KREA2_TURBO)}
+    TINY_HUNYUAN_VIDEO15, TINY_HUNYUAN_VIDEO15_I2V, TINY_IDEOGRAM4, TINY_KREA2, TINY_KREA2_TURBO,
+    TINY_QWEN_IMAGE_21)}

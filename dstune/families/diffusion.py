@@ -205,6 +205,8 @@ def vae_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     `temperal_downsample` config: Qwen-Image's, Wan's) encodes them as one-frame clips (B, 3, 1, H, W); clips
     (B, 3, frames, H, W) go in as they are and keep their latent frames (B, C, f, h, w)."""
     video = getattr(vae.config, "temperal_downsample", None) is not None and pixels.ndim == 4
+    if getattr(vae.config, "in_channels", 3) == 4 and pixels.shape[1] == 3:  # an RGBA VAE (Qwen-Image 2.1's) reads
+        pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)  # the image opaque, as its example does
     with torch.no_grad():
         posterior = vae.encode(pixels.unsqueeze(2) if video else pixels).latent_dist
     mean, std = posterior.mean.float(), posterior.std.float()

@@ -30,6 +30,7 @@ from dstune.families.flow_ideogram4 import IDEOGRAM4
 from dstune.families.flow_krea2 import KREA2
 from dstune.families.flow_qwen import QWEN_IMAGE
 from dstune.families.flow_qwen_edit import QWEN_IMAGE_EDIT
+from dstune.families.flow_qwen21 import QWEN_IMAGE_21
 from dstune.families.flow_recipe import pick_recipe, read_config
 from dstune.families.flow_sd3 import FLUX, SD3
 from dstune.families.flow_zimage import ZIMAGE
@@ -45,10 +46,12 @@ __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FA
 RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, QWEN_IMAGE_EDIT, ZIMAGE, FLUX2_KLEIN, FLUX2_DEV)}
 RECIPES[IDEOGRAM4.kind] = IDEOGRAM4
 RECIPES[KREA2.kind] = KREA2  # Krea 2, Raw and Turbo folders alike (flow_krea2.py)
+RECIPES[QWEN_IMAGE_21.kind] = QWEN_IMAGE_21
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
 # Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
 TEXT_CACHE_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
+TEXT_CACHE_FOLDERS += ("processor",)  # Qwen-Image 2.1 tokenizes with its processor
 TEXT_CACHE_TENSORS = ("encoder_hidden_states", "pooled_projections")  # SD3 / Flux; each recipe states its own
 
 

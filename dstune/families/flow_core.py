@@ -297,7 +297,9 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
                         else {"guidance_scale": sample_spec.guidance})
             frames = {"num_frames": built.settings.sample_frames} if recipe.latents.frames else {}
             common = dict(height=side, width=side, **frames, **guidance, num_inference_steps=sample_spec.steps,
-                          output_type="pil", max_sequence_length=built.max_sequence_length)
+                          output_type="pil")
+            if sampling.takes_max_sequence_length:
+                common["max_sequence_length"] = built.max_sequence_length
             common = sampling.call(built, pipeline, sample_spec, common) if sampling.call else common
             if sources is None and not recipe.latents.frames:
                 return pipeline(prompt=list(prompts), generator=generators, **common).images

@@ -50,6 +50,12 @@ def _one_stream(config: dict) -> ModelShape:
                       ffn=config["intermediate_size"])
 
 
+def _one_stream_ratio(config: dict) -> ModelShape:
+    """Qwen-Image 2.1: one stream of blocks over the caption and the image tokens, its MLP mlp_ratio x the width."""
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    return ModelShape(width, {"transformer_blocks": config["num_layers"]}, ffn=config.get("mlp_ratio", 3) * width)
+
+
 def _padded_to_32(tokens: float) -> float:
     """Z-Image pads the image tokens and the caption's each to a multiple of 32."""
     return math.ceil(tokens / 32) * 32
@@ -72,6 +78,7 @@ class FlowModel:
     text_layers_key: Optional[str] = None  # the config's count of text-encoder layers stacked per token (Krea 2)
     # output.lora_format values whose tools are known to load this model's file (comfyui: diffusers' own keys)
     lora_formats: tuple[str, ...] = ("diffusers", "comfyui")
+    side_px: int = 0  # image sides must be multiples of it, said by validate (0: left to the first batch's check)
 
 
 FLOW_MODELS = {
@@ -89,6 +96,8 @@ FLOW_MODELS["Ideogram4Transformer2DModel"] = FlowModel(
     sampling_parts=("unconditional_transformer",), draws_sigma=True)
 FLOW_MODELS["Krea2Transformer2DModel"] = FlowModel("Krea 2", "krea2", _joint_blocks, "text_hidden_dim",
                                                    text_layers_key="num_text_layers", lora_formats=("diffusers",))
+FLOW_MODELS["QwenImage21Transformer2DModel"] = FlowModel(
+    "Qwen-Image 2.1", "qwen-image-21", _one_stream_ratio, "context_in_dim", side_px=32)
 
 
 def flow_model(folder) -> FlowModel:
@@ -157,6 +166,21 @@ def _count(spec, num_samples: int, clips=()):
     return count_denoiser(spec, num_samples, clips, RULES)
 
 
+def _side_issues(spec, model: FlowModel) -> SpecIssues:
+    """Image sides the model cannot take (Qwen-Image 2.1: 16 px latents in 2x2 slots, so multiples of 32 px)."""
+    side, buckets = model.side_px, spec.data.buckets
+    if not side:
+        return []
+    why = f"{model.name} takes image sides in multiples of {side} px"
+    if not buckets.enabled:
+        return [] if spec.data.resolution % side == 0 else [
+            ("data.resolution", f"{spec.data.resolution}: {why}; use {max(side, spec.data.resolution // side * side)}")]
+    if buckets.sizes:
+        wrong = [size for size in buckets.sizes if size[0] % side or size[1] % side]
+        return [("data.buckets.sizes", f"{wrong}: {why}")] if wrong else []
+    return [] if buckets.step % side == 0 else [("data.buckets.step", f"{buckets.step}: {why}")]
+
+
 def _spec_issues(spec) -> SpecIssues:
     return _edit_issues(spec) + _sample_folder_issues(spec) + _lora_format_issues(spec)
 
@@ -190,6 +214,13 @@ def _edit_issues(spec) -> SpecIssues:
         return [("model.shift", f"{pipeline_class}'s training example draws sigma itself (logit-normal about a "
                  "resolution-aware mean), with no scheduler table to shift: remove model.shift and move the "
                  "draw with model.logit_mean / model.logit_std")]
+    side_issues = _side_issues(spec, flow_model(folder))
+    if side_issues:
+        return side_issues
+    grid = folder.index.get("sample_sigmas")  # a Qwen-Image 2.1 Turbo folder's own sampling sigmas
+    if grid and spec.sample.prompts and spec.sample.steps != len(grid):
+        return [("sample.steps", f"{pipeline_class} samples this folder on its own {len(grid)} sigmas "
+                 f"(model_index.json sample_sigmas, a Turbo folder): set sample.steps: {len(grid)}")]
     if not edit:
         if spec.sample.control_images:
             return [("sample.control_images", f"{pipeline_class} renders from the prompt alone: source images are "

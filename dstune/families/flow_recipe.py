@@ -115,6 +115,7 @@ class Sampling:
     # (built, pipeline, sample_spec, call arguments) -> the arguments the pipeline's __call__ takes (a pipeline
     # without max_sequence_length or guidance_scale, whose guider is a part); None: as they are
     call: Optional[Callable] = None
+    takes_max_sequence_length: bool = True  # the pipeline call has max_sequence_length (Qwen-Image 2.1's has not)
 
 
 @dataclass(frozen=True)

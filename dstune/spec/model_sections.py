@@ -292,13 +292,14 @@ class FlowModel(DenoiserModelBase):
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = (  # one per recipe (dstune/families/flow_*.py)
         "StableDiffusion3Pipeline", "FluxPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "ZImagePipeline",
         "Flux2KleinPipeline", "Flux2Pipeline",
-        "Ideogram4Pipeline", "Krea2Pipeline")
+        "Ideogram4Pipeline", "Krea2Pipeline", "QwenImage21Pipeline")
     PRESET_NAME: ClassVar[str] = "the size of SD3, FLUX, Qwen-Image and Z-Image"
     PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {
         "StableDiffusion3Pipeline": 7.0, "FluxPipeline": 3.5, "QwenImagePipeline": 4.0, "QwenImageEditPipeline": 4.0,
         "ZImagePipeline": 5.0, "Flux2Pipeline": 4.0, "Flux2KleinPipeline": 4.0,
         "Ideogram4Pipeline": 7.0,  # Ideogram 4: its guidance schedule's value for all but the last 3 steps
-        "Krea2Pipeline": 4.5}
+        "Krea2Pipeline": 4.5,
+        "QwenImage21Pipeline": 1.0}  # Qwen-Image 2.1 samples unguided (its pipeline's true_cfg_scale default)
     # a distilled folder (model_index.json's is_distilled: Krea 2 Turbo) samples without classifier-free guidance
     DISTILLED_GUIDANCE: ClassVar[dict[str, float]] = {"Krea2Pipeline": 0.0}
 
@@ -335,14 +336,15 @@ class FlowModel(DenoiserModelBase):
         "FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3), "
         "FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3), "
         "Ideogram 4 (Ideogram4Transformer2DModel; Qwen3-VL), "
-        "Krea 2 Raw and Turbo (Krea2Transformer2DModel; Qwen3-VL). See docs/family-flow.md."
+        "Krea 2 Raw and Turbo (Krea2Transformer2DModel; Qwen3-VL), "
+        "Qwen-Image 2.1 and its Turbo (QwenImage21Transformer2DModel; Qwen3-VL). See docs/family-flow.md."
     )
     pretrained: str = Field(
         "builtin:tiny-flow",
         description="A diffusers pipeline folder (model_index.json + transformer/vae/text encoders/tokenizers/"
         "scheduler) of one of those models: "
         "StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, QwenImageEditPipeline, ZImagePipeline, "
-        "Flux2KleinPipeline, Flux2Pipeline, Ideogram4Pipeline, Krea2Pipeline; "
+        "Flux2KleinPipeline, Flux2Pipeline, Ideogram4Pipeline, Krea2Pipeline, QwenImage21Pipeline; "
         "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
         "`builtin:tiny-flow` (SD3-class), "
         "`builtin:tiny-flux` (Flux-class), "
@@ -352,7 +354,8 @@ class FlowModel(DenoiserModelBase):
         "`builtin:tiny-flux2` (FLUX.2 [klein]), "
         "`builtin:tiny-flux2-dev` (FLUX.2 [dev]), "
         "`builtin:tiny-ideogram4`, "
-        "`builtin:tiny-krea2` (Krea 2 Raw), `builtin:tiny-krea2-turbo` (its Turbo layout).",
+        "`builtin:tiny-krea2` (Krea 2 Raw), `builtin:tiny-krea2-turbo` (its Turbo layout), "
+        "`builtin:tiny-qwen-image-21`.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
@@ -397,7 +400,8 @@ class FlowModel(DenoiserModelBase):
         "the model's training example default, at most the tokenizer's model_max_length: "
         "77 (SD3-class) / "
         "512 (Flux-class, Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.2 [dev]) / "
-        "2048 (Ideogram 4).",
+        "2048 (Ideogram 4) / "
+        "512 (Qwen-Image 2.1: its example sets no limit; a longer caption is refused, naming it).",
     )
     training_adapter: Optional[str] = Field(
         None, description="A LoRA file (diffusers' pytorch_lora_weights.safetensors layout) fused into the frozen "

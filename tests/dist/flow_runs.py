@@ -139,6 +139,7 @@ class FlowRow:
     full_case: str = "zero2"
     lora_case: str = "lora-zero3"
     sample_pretrained: Optional[str] = None  # the LoRA run samples with this folder's transformer (sample.pretrained)
+    loader: Optional[Callable] = None  # folder -> pipeline, where from_pretrained cannot load the folder itself
 
     @property
     def cases(self) -> dict:
@@ -152,6 +153,8 @@ class FlowRow:
     def pipeline(self):
         import diffusers
 
+        if self.loader is not None:  # what the checks call: from_pretrained(folder)
+            return type("Loader", (), {"from_pretrained": staticmethod(self.loader)})
         return getattr(diffusers, self.pipeline_class)
 
 
@@ -173,6 +176,22 @@ ROWS = {
 ROWS["tiny-ideogram4"] = FlowRow("Ideogram4Pipeline", _render_with(guidance_scale=1.0, guidance_schedule=None,
                                                                    max_sequence_length=128),
                                  resume_case="lora-zero3")
+
+
+# Qwen-Image 2.1: the tiny folder's processor is a tokenizer (no Qwen3VLProcessor without torchvision), so its
+# pipelines are built from the folder's parts; the pipeline renders RGBA, whose RGB the checks compare.
+def _qwen_image_21_pipeline(folder):
+    from dstune.families.flow_qwen21 import pipeline_from_parts
+
+    return pipeline_from_parts(folder)
+
+
+def _render_rgb(pipeline) -> torch.Tensor:
+    return _render_with()(pipeline)[:, :3]
+
+
+ROWS["tiny-qwen-image-21"] = FlowRow("QwenImage21Pipeline", _render_rgb, resume_case="zero2",
+                                     loader=_qwen_image_21_pipeline)
 
 
 def resumed_file(row: FlowRow, case: str) -> Path:

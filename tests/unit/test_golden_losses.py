@@ -63,6 +63,7 @@ CASES = {
     "tiny-ideogram4": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
     "tiny-krea2": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
     "tiny-krea2-turbo": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
+    "tiny-qwen-image-21": (_model(FlowModel, "flow", timestep_sampling="uniform"), "shapes", IMAGE_LR),
     "tiny-wan": (_model(WanModel, "wan"), "moving-shapes", IMAGE_LR),
     "tiny-wan-a14b": (_model(WanModel, "wan", expert="low_noise"), "moving-shapes", IMAGE_LR),
     "tiny-wan-i2v": (_model(WanModel, "wan"), "moving-shapes", IMAGE_LR),
