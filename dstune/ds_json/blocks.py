@@ -155,6 +155,9 @@ def spec_ds_config(train: TrainSpec, deepspeed: DeepSpeedSpec, plan: Plan) -> di
         **_activation_checkpointing(deepspeed),
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
+        # DeepSpeed sizes its data-parallel world as ranks / sequence_parallel_size (config.py, with or without the
+        # sequence-parallel mpu dstune.engine passes); left out at 1 so that data-parallel runs' JSON is unchanged
+        **({"sequence_parallel_size": plan.sequence_parallel_size} if plan.sequence_parallel_size > 1 else {}),
     }
 
 

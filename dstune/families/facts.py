@@ -31,6 +31,16 @@ def no_spec_issues(spec) -> SpecIssues:
 
 
 @dataclass(frozen=True)
+class Attention:
+    """A transformer's attention as a sequence-parallel split needs it (dstune.sequence_parallel): its heads, their
+    width, and the configs they were read from."""
+
+    heads: int
+    head_dim: int
+    origin: str
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """One family's torch-free facts (see the module docstring)."""
 
@@ -46,3 +56,7 @@ class ModelFacts:
     # spec -> the pipeline class when the model trains on (source, target) pairs (an edit model), else None:
     # validate then checks that the data gives the pairs
     pairs: Callable = lambda spec: None
+    # pretrained reference -> Attention (heads, head width, origin) or None when the configs
+    # are not here; None (the field): the family has no sequence-parallel attention (deepspeed.sequence_parallel_size
+    # is refused for it)
+    attention: Optional[Callable] = None

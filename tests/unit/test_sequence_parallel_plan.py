@@ -1,0 +1,87 @@
+"""deepspeed.sequence_parallel_size as `dstune validate` plans it: the world as data-parallel x sequence-parallel,
+the batch numbers per data-parallel rank, the refusals (each naming the key and sizes that work), the DeepSpeed JSON,
+and the memory plan (activations divided by N, the all-to-all buffers added). Wan 2.1 T2V 14B from the configs
+stored with dstune, on 8 GPUs, planned offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dstune.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+WAN14B = str(REPO / "launch" / "wan21-t2v-14b-lora-zero3-8gpu.yaml")  # 81 frames of 480 x 480: 18,900 tokens
+
+
+def validate_json(capsys, size: int, *sets: str, spec: str = WAN14B, gpus: int = 8) -> tuple[int, dict]:
+    code = main(["validate", spec, "--num-gpus", str(gpus), "--num-samples", "2000", "--json",
+                 "--set", f"deepspeed.sequence_parallel_size={size}", *[a for s in sets for a in ("--set", s)]])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_the_batch_counts_data_parallel_ranks_and_deepspeed_agrees(capsys):
+    code, out = validate_json(capsys, 4)
+    assert code == 0, out["errors"]
+    plan = out["plan"]
+    assert (plan["world_size"], plan["sequence_parallel_size"], plan["data_parallel_size"]) == (8, 4, 2)
+    assert plan["global_batch_size"] == 1 * 1 * 2  # micro x accumulation x data-parallel ranks
+    assert plan["steps_per_epoch"] == 2000 // 2
+    ds = out["ds_config"]  # DeepSpeed's own config code agreed on these for 8 ranks (validate's cross-check)
+    assert (ds["sequence_parallel_size"], ds["train_batch_size"]) == (4, 2)
+
+
+def test_memory_divides_activations_by_n_and_adds_the_all_to_all_buffers(capsys):
+    _, one = validate_json(capsys, 1)
+    _, four = validate_json(capsys, 4)
+    acts_one, acts_four = (m["memory"]["per_gpu"]["activations_bytes"] for m in (one, four))
+    assert acts_four == pytest.approx(acts_one / 4, rel=1e-6)
+    assert one["memory"]["sequence_parallel"] == {"size": 1, "all_to_all_bytes": 0}
+    # 40 heads x 128 wide, 18,900 tokens / 4 per rank, bf16: q, k, v and the output, each sent and received
+    assert four["memory"]["sequence_parallel"]["all_to_all_bytes"] == 2 * 4 * (18900 // 4) * 40 * 128 * 2
+    buffers_one, buffers_four = (m["memory"]["per_gpu"]["buffers_bytes"] for m in (one, four))
+    assert buffers_four - buffers_one == four["memory"]["sequence_parallel"]["all_to_all_bytes"]
+    assert "ds_config" not in one or "sequence_parallel_size" not in one["ds_config"]  # N = 1: the JSON unchanged
+
+
+def test_validate_prints_both_degrees_and_the_tokens_per_rank(capsys):
+    assert main(["validate", WAN14B, "--num-gpus", "8", "--num-samples", "2000",
+                 "--set", "deepspeed.sequence_parallel_size=2"]) == 0
+    text = capsys.readouterr().out
+    assert "8 = 4 data-parallel x 2 sequence-parallel" in text
+    assert "4 data-parallel x 2 sequence-parallel (8 ranks)" in text
+    assert "18900 tokens per sample -> 9450 per rank" in text
+    assert "valid: 4 ranks (data-parallel; x 2 sequence-parallel)" in text
+
+
+REFUSALS = [
+    # (N, GPUs, --set, what the one error says)
+    (3, 8, (), ["does not divide the 8 ranks", "use one of 1, 2, 4, 8"]),
+    (16, 16, (), ["does not divide the transformer's 40 attention heads", "use one of 1, 2, 4, 5, 8, 10, 20, 40"]),
+    (8, 8, (), ["does not divide the tokens per sample of 1 bucket(s) (81f 480x480: 18900",
+                "Sizes that keep every rule on 8 rank(s): 1, 2, 4."]),
+]
+
+
+@pytest.mark.parametrize("size, gpus, sets, says", REFUSALS, ids=["world", "heads", "tokens"])
+def test_a_size_that_does_not_divide_is_refused_naming_the_key_and_sizes_that_work(capsys, size, gpus, sets, says):
+    code, out = validate_json(capsys, size, *sets, gpus=gpus)
+    assert code == 1
+    errors = [e for e in out["errors"] if "sequence_parallel_size" in e]
+    assert len(errors) == 1 and all(part in errors[0] for part in says), out["errors"]
+
+
+def test_a_family_without_the_split_is_refused_with_the_reason(capsys):
+    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "sd15-zero2.yaml"))
+    assert code == 1
+    assert any("deepspeed.sequence_parallel_size" in e and "model.family sd has no sequence-parallel attention" in e
+               for e in out["errors"]), out["errors"]
+
+
+def test_the_users_deepspeed_file_cannot_set_another_size(tmp_path, capsys):
+    (tmp_path / "ds.json").write_text(json.dumps({"sequence_parallel_size": 4}))
+    code, out = validate_json(capsys, 2, f"deepspeed.config={tmp_path / 'ds.json'}")
+    assert code == 1
+    assert any("sequence_parallel_size" in e and "deepspeed.sequence_parallel_size 2" in e for e in out["errors"])
