@@ -89,7 +89,10 @@ class Plan:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        out["data_parallel_size"] = self.data_parallel_size
+        if self.sequence_parallel_size == 1:  # data-parallel only: the JSON other tools read stays as it was
+            del out["sequence_parallel_size"]
+        else:
+            out["data_parallel_size"] = self.data_parallel_size
         out["ranks_per_node"] = list(self.ranks_per_node)
         out["warnings"] = [str(w) for w in self.warnings]
         return out

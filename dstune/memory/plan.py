@@ -414,7 +414,8 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
         "gpu_memory_bytes": None if gpu_bytes is None else int(gpu_bytes),
         "fits": fits,
         "suggestions": suggestions(counts, setup, gpu_bytes) if fits is False else [],
-        "sequence_parallel": {"size": setup.sequence_parallel, "all_to_all_bytes": int(setup.all_to_all_bytes)},
+        **({"sequence_parallel": {"size": setup.sequence_parallel, "all_to_all_bytes": int(setup.all_to_all_bytes)}}
+           if setup.sequence_parallel > 1 else {}),
         "parameters": {"module": counts.trainable_module, "module_params": counts.module_params,
                        "trainable_params": counts.trainable_params, "frozen_base_params": counts.frozen_base_params,
                        "largest_layer_params": counts.largest_layer_params, "companions": dict(counts.companions),
