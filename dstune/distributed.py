@@ -137,23 +137,22 @@ def init_run(timeout_minutes: int) -> Run:
 def with_sequence_groups(run: Run, sequence_parallel_size: int) -> Run:
     """Collective at N > 1: DeepSpeed's sequence-parallel process groups (deepspeed.runtime.sequence_parallel.
     parallel_state_sp: groups of N consecutive ranks, and all ranks as the group ZeRO partitions and reduces over),
-    which dstune.engine hands DeepSpeed as its mpu and the attention split (dstune.families.ulysses) reads. Returns
-    the run that knows its data-parallel rank."""
+    which dstune.engine hands DeepSpeed as its mpu. Made once per process. Returns the run that knows its
+    data-parallel rank."""
     if sequence_parallel_size == 1:
         return run
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
-    if not is_sequence_parallel():
+    if _sequence_groups_made.get("size") is None:
         parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size)
+        _sequence_groups_made["size"] = sequence_parallel_size
+    elif _sequence_groups_made["size"] != sequence_parallel_size:
+        raise RuntimeError(f"this process already has sequence-parallel groups of {_sequence_groups_made['size']} "
+                           f"ranks, not {sequence_parallel_size}")
     return replace(run, sequence_parallel_size=sequence_parallel_size)
 
 
-def is_sequence_parallel() -> bool:
-    """Whether this process has sequence-parallel groups (with_sequence_groups at N > 1)."""
-    import sys as _sys
-
-    state = _sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
-    return state is not None and getattr(state, "_SEQUENCE_PARALLEL_GROUP", None) is not None
+_sequence_groups_made: dict = {}  # {"size": N} once with_sequence_groups made DeepSpeed's groups in this process
 
 
 def busy_port_text(address: str, port) -> str:

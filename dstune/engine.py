@@ -130,12 +130,18 @@ def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, pl
         raise ValueError("the model has no trainable parameters")
     multiplier = LrMultiplier(train.scheduler, plan.total_steps)
     optimizer = None if uses_deepspeed_optimizer(ds_config) else build_optimizer(train, params, plan.effective_lr)
+    # Sequence parallelism: DeepSpeed's own sequence-parallel groups (dstune.distributed.with_sequence_groups made
+    # them) as its mpu, so ZeRO partitions and reduces over every rank and averages over the data-parallel groups only
+    mpu = None
+    if plan.sequence_parallel_size > 1:
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
     engine, _, _, _ = deepspeed.initialize(
         model=trainable,
         model_parameters=params,
         optimizer=optimizer,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, multiplier),
         config=ds_config,
+        mpu=mpu,
         dist_init_required=False,
     )
     return engine

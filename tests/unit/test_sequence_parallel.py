@@ -1,7 +1,8 @@
 """deepspeed.sequence_parallel_size as `dstune validate` plans it: the world as data-parallel x sequence-parallel,
 the batch numbers per data-parallel rank, the refusals (each naming the key and sizes that work), the DeepSpeed JSON,
-and the memory plan (activations divided by N, the all-to-all buffers added). Wan 2.1 T2V 14B from the configs
-stored with dstune, on 8 GPUs, planned offline."""
+and the memory plan (activations divided by N, the all-to-all buffers added), on Wan 2.1 T2V 14B from the configs
+stored with dstune, on 8 GPUs, planned offline; then the loader keyed by the data-parallel rank and the batch check
+of sequence groups. The training itself is tests/dist/test_sequence_parallel.py."""
 
 from __future__ import annotations
 
@@ -85,3 +86,59 @@ def test_the_users_deepspeed_file_cannot_set_another_size(tmp_path, capsys):
     code, out = validate_json(capsys, 2, f"deepspeed.config={tmp_path / 'ds.json'}")
     assert code == 1
     assert any("sequence_parallel_size" in e and "deepspeed.sequence_parallel_size 2" in e for e in out["errors"])
+
+
+# ---------------------------------------------------------------------------- the loader and the batch check
+
+
+class _World:
+    world_size, num_nodes, ranks_per_node = 4, 1, (4,)
+
+
+def _plan(size: int):
+    from dstune.plan import make_plan
+    from dstune.spec.load import SpecSource
+    from dstune.spec.models import TrainSpec
+
+    return make_plan(TrainSpec(micro_batch_size=2, max_steps=3), _World(), 24, SpecSource("spec.yaml"), None, size)
+
+
+def _reports(plan, rank_of_loader):
+    """Every rank's RankReport as training builds it, its loader keyed by rank_of_loader(global rank)."""
+    from dstune.batch_check import RankReport, sample_report
+    from dstune.data.sampler import GlobalBatchSampler
+    from dstune.distributed import Run
+    from dstune.world import World
+
+    world = World(4, 1, (4,), ("h",), "test")
+    reports = []
+    for rank in range(4):
+        run = Run(rank, rank, world, "cpu", "cpu", 0, True, sequence_parallel_size=plan.sequence_parallel_size)
+        sampler = GlobalBatchSampler(24, plan, rank_of_loader(run), seed=0)
+        reports.append(RankReport(rank=rank, host="h", ds_micro_batch=2, ds_accumulation=1, ds_global_batch=4,
+                                  ds_data_parallel=2, ds_sequence_parallel=2, loader_micro_batches=6,
+                                  first_batch_size=2, num_samples=24, **sample_report(run, sampler)))
+    return reports
+
+
+def test_the_ranks_of_a_sequence_group_share_samples_and_the_groups_do_not():
+    """4 ranks as 2 data-parallel x 2 sequence-parallel: the loader keyed by the data-parallel rank gives ranks 0, 1
+    one half of each global batch and ranks 2, 3 the other; the checker passes that, and names a loader keyed by the
+    global rank (each rank its own samples) and one that gives every group the same samples."""
+    from dstune.batch_check import expected_from_plan, find_mismatches
+
+    plan = _plan(2)
+    assert (plan.data_parallel_size, plan.global_batch_size, plan.steps_per_epoch) == (2, 4, 6)
+    expected = expected_from_plan(plan)
+    good = _reports(plan, lambda run: run.data_parallel_rank)
+    assert [r.data_parallel_rank for r in good] == [0, 0, 1, 1]
+    assert good[0].first_step_ids == good[1].first_step_ids and not set(good[0].first_step_ids) & set(
+        good[2].first_step_ids)
+    assert find_mismatches(good, expected) == []
+    by_sequence_rank = "\n".join(find_mismatches(_reports(plan, lambda run: run.rank % 2), expected))
+    assert "sequence group 0 (ranks 0, 1): its ranks receive different samples" in by_sequence_rank
+    same_everywhere = "\n".join(find_mismatches(_reports(plan, lambda run: 0), expected))
+    assert "sequence groups 0 and 1 both receive samples" in same_everywhere
+    wrong_degree = [r.__class__(**{**r.__dict__, "ds_sequence_parallel": 1}) for r in good]
+    assert "DeepSpeed sequence-parallel size is 1, the plan says 2" in "\n".join(find_mismatches(wrong_degree,
+                                                                                                 expected))
