@@ -135,6 +135,8 @@ def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, pl
     mpu = None
     if plan.sequence_parallel_size > 1:
         from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
+
+        ds_config = sequence_parallel_bucket(ds_config, params)
     engine, _, _, _ = deepspeed.initialize(
         model=trainable,
         model_parameters=params,
@@ -145,6 +147,19 @@ def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, pl
         dist_init_required=False,
     )
     return engine
+
+
+def sequence_parallel_bucket(ds_config: dict, params: list) -> dict:
+    """Under ZeRO-3 with sequence parallelism, the reduce bucket raised to the largest trainable parameter:
+    DeepSpeed reduces a bucket that holds more elements than reduce_bucket_size (one parameter larger than it)
+    through its reduce-scatter path, which averages over every rank instead of the data-parallel groups."""
+    zero = ds_config.get("zero_optimization", {})
+    if zero.get("stage") != 3:
+        return ds_config
+    largest = max(int(getattr(p, "ds_numel", p.numel())) for p in params)
+    if largest <= int(zero.get("reduce_bucket_size", 0)):
+        return ds_config
+    return {**ds_config, "zero_optimization": {**zero, "reduce_bucket_size": largest}}
 
 
 # Optimizer hyperparameters from the spec that a checkpoint's param groups carry (torch's load_state_dict puts the

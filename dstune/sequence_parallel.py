@@ -61,7 +61,8 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
         listing = ", ".join(f"{label}: {tokens}" for label, tokens in uneven.items())
         problems.append(f"it does not divide the tokens per sample of {len(uneven)} bucket(s) ({listing}; each rank "
                         "holds exactly tokens / N of a sequence, dstune pads none): change data.resolution / "
-                        "data.video.frames so that the tokens divide, or the size")
+                        "data.video.frames (model.sample_frames for the samples) so that the tokens divide, or the "
+                        "size")
     if not problems:
         return []
     working = [n for n in _divisors(world_size) if (attention is None or attention.heads % n == 0)
@@ -72,16 +73,22 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
 
 def bucket_tokens(spec, clips: Optional[dict]) -> dict[str, int]:
     """{bucket label: transformer tokens per sample}: a video family's clip buckets, or without them (the files are
-    not here) the clip the plan assumes, data.video's longest frame count at data.resolution square; {} for a
-    family without token factors."""
-    if clips:
-        return {label: bucket["tokens"] for label, bucket in clips["buckets"].items()}
+    not here) the clip the plan assumes, data.video's longest frame count at data.resolution square, and the
+    samples' clip (model.sample_frames) when sample.prompts render; {} for a family without token factors."""
     factors = get_facts(spec.model.family).token_factors
     if factors is None:
         return {}
     spatial, patch, _ = factors(spec.model.pretrained)
-    key = (spec.data.video.max_frames, spec.data.resolution, spec.data.resolution)
-    return {key_label(key): latent_tokens(key, spatial, patch)}
+    if clips:
+        tokens = {label: bucket["tokens"] for label, bucket in clips["buckets"].items()}
+    else:
+        key = (spec.data.video.max_frames, spec.data.resolution, spec.data.resolution)
+        tokens = {key_label(key): latent_tokens(key, spatial, patch)}
+    frames = getattr(spec.model, "sample_frames", None)
+    if spec.sample.prompts and frames:  # samples render split too, at data.resolution square
+        key = (frames, spec.data.resolution, spec.data.resolution)
+        tokens[f"samples ({key_label(key)})"] = latent_tokens(key, spatial, patch)
+    return tokens
 
 
 def all_to_all_bytes(micro_batch: int, tokens: int, attention: Attention, size: int, bytes_per_element: float) -> float:
@@ -96,7 +103,8 @@ def all_to_all_bytes(micro_batch: int, tokens: int, attention: Attention, size: 
 def with_all_to_all(setup, spec, clips: Optional[dict]):
     """The memory plan's Setup with the all-to-all buffers of the largest bucket's sample (unchanged at N = 1, or
     when the model's configs or the tokens are not known here)."""
-    attention, tokens = attention_of(spec), max(bucket_tokens(spec, clips).values(), default=0)
+    training = [tokens for label, tokens in bucket_tokens(spec, clips).items() if not label.startswith("samples")]
+    attention, tokens = attention_of(spec), max(training, default=0)
     if setup.sequence_parallel == 1 or attention is None or not tokens:
         return setup
     return replace(setup, all_to_all_bytes=all_to_all_bytes(setup.micro_batch, tokens, attention,

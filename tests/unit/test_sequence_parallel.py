@@ -142,3 +142,25 @@ def test_the_ranks_of_a_sequence_group_share_samples_and_the_groups_do_not():
     wrong_degree = [r.__class__(**{**r.__dict__, "ds_sequence_parallel": 1}) for r in good]
     assert "DeepSpeed sequence-parallel size is 1, the plan says 2" in "\n".join(find_mismatches(wrong_degree,
                                                                                                  expected))
+
+
+def test_zero3_reduces_over_the_data_parallel_groups_with_a_bucket_for_the_largest_parameter(capsys):
+    """DeepSpeed's ZeRO-3 reduce-scatter path averages gradients over every rank; its all-reduce path divides by the
+    data-parallel ranks only, as sequence parallelism needs: the JSON turns reduce_scatter off, and the engine's
+    bucket holds the largest trainable parameter (a bucket past its size takes the reduce-scatter path)."""
+    import torch
+
+    from dstune.engine import sequence_parallel_bucket
+
+    _, out = validate_json(capsys, 2)
+    zero = out["ds_config"]["zero_optimization"]
+    assert zero["stage"] == 3 and zero["reduce_scatter"] is False
+    _, data_parallel = validate_json(capsys, 1)
+    assert "reduce_scatter" not in data_parallel["ds_config"]["zero_optimization"]
+    params = [torch.nn.Parameter(torch.zeros(30, 40)), torch.nn.Parameter(torch.zeros(5))]
+    small = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}
+    assert sequence_parallel_bucket(small, params)["zero_optimization"]["reduce_bucket_size"] == 1200
+    assert sequence_parallel_bucket({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5000}}, params) == {
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 5000}}
+    assert sequence_parallel_bucket({"zero_optimization": {"stage": 2, "reduce_bucket_size": 10}}, params) == {
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 10}}
