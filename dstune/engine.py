@@ -134,8 +134,7 @@ def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, pl
     # them) as its mpu, so ZeRO partitions and reduces over every rank and averages over the data-parallel groups only
     mpu = None
     if plan.sequence_parallel_size > 1:
-        from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
-
+        mpu = SequenceGroups()
         ds_config = sequence_parallel_bucket(ds_config, params)
     engine, _, _, _ = deepspeed.initialize(
         model=trainable,
@@ -147,6 +146,50 @@ def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, pl
         dist_init_required=False,
     )
     return engine
+
+
+class SequenceGroups:
+    """DeepSpeed's sequence-parallel groups (deepspeed.runtime.sequence_parallel.parallel_state_sp, made by
+    dstune.distributed.with_sequence_groups) as the mpu deepspeed.initialize takes. That module also answers the
+    model-parallel questions with the sequence group, so DeepSpeed would record a checkpoint as tensor-parallel over
+    it and its universal-checkpoint converter (resume on another world) refuses the checkpoint; here the model is
+    whole on every rank. `initialize_sequence_parallel` is how DeepSpeed tells a sequence-parallel mpu."""
+
+    @staticmethod
+    def _state():
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        return parallel_state_sp
+
+    def initialize_sequence_parallel(self, size: int) -> None:
+        raise RuntimeError("dstune.distributed.with_sequence_groups makes the groups")
+
+    def get_sequence_parallel_group(self):
+        return self._state().get_sequence_parallel_group()
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self._state().get_sequence_parallel_world_size()
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._state().get_sequence_parallel_rank()
+
+    def get_sequence_data_parallel_group(self):
+        return self._state().get_sequence_data_parallel_group()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self._state().get_sequence_data_parallel_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self._state().get_sequence_data_parallel_rank()
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
 
 
 def sequence_parallel_bucket(ds_config: dict, params: list) -> dict:

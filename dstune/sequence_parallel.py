@@ -47,6 +47,9 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
                              "Remove the key (sequence_parallel_size: 1), or shrink activations with "
                              "model.gradient_checkpointing or a smaller micro batch.")]
     problems = []  # one issue for the key (validate keeps one per key and place), every broken rule in it
+    if spec.deepspeed.zero_stage == 0:
+        problems.append("it needs ZeRO (deepspeed.zero_stage 1, 2 or 3): without ZeRO, DeepSpeed's gradient clipping "
+                        "adds the norms of a sequence group's identical gradients")
     if world_size % size:
         problems.append(f"it does not divide the {world_size} ranks (the ranks form groups of {size} that share each "
                         f"sample): use one of {', '.join(map(str, _divisors(world_size)))}, or launch a multiple of "
@@ -66,7 +69,8 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
     if not problems:
         return []
     working = [n for n in _divisors(world_size) if (attention is None or attention.heads % n == 0)
-               and all(tokens % n == 0 for tokens in bucket_tokens.values())]
+               and all(tokens % n == 0 for tokens in bucket_tokens.values())
+               and (n == 1 or spec.deepspeed.zero_stage > 0)]
     return [source.issue(KEY, f"{size}: " + "; and ".join(problems) + ". Sizes that keep every rule on "
                          f"{world_size} rank(s): {', '.join(map(str, working))}.")]
 

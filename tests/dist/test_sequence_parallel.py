@@ -3,10 +3,12 @@ size 2 on 2 ranks (one sequence group: each rank holds half of every clip's toke
 all-to-alls) against 1 rank with size 1 on the same global batch, for
 
 - full fine-tuning under ZeRO 2, from the latent and text caches, rendering samples (split too);
-- LoRA under ZeRO 3 with gradient checkpointing (the recomputed forward repeats the all-to-alls).
+- LoRA under ZeRO 3 with gradient checkpointing (the recomputed forward repeats the all-to-alls);
+- the ZeRO 2 run resumed from its step-2 checkpoint on 1 rank with size 1 (the checkpoint re-partitioned for the
+  other world) continues the same trajectory.
 
 Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: two 2-rank launches and two 1-rank references.
+check: two 2-rank launches and two 1-rank references, and the 1-rank resume.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from flow_runs import STEPS, TRANSFORMER
+import shutil
+
 from harness import CACHE_DIR, base_spec, explain, launch, metrics, write_spec
 
 pytestmark = pytest.mark.dist
@@ -49,7 +53,7 @@ def _spec(run_dir: Path, size: int, stage: int, train: str) -> dict:
                # differences of 1e-7 into 1e-4 of its weight.
                "optimizer": {"type": "sgd", "lr": 0.5, "momentum": 0.9} if lora else {"type": "adamw", "lr": 2e-4}},
         deepspeed={"zero_stage": stage, "sequence_parallel_size": size},
-        output={"export": "diffusers"},
+        output={"export": "diffusers", "save_every_steps": 2, "keep_last": 5},
         sample={"prompts": [] if lora else ["a red circle moving left"], "steps": 2, "guidance": 1.0},
     )
 
@@ -64,6 +68,14 @@ def runs(tmp_path_factory) -> dict:
         run_dir = tmp_path_factory.mktemp(name) / "run"
         spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, size, stage, train))
         out[name] = (run_dir, launch(spec_path, num_ranks=ranks))
+    run_dir, proc = out["zero2-full-sp2"]
+    if proc.returncode == 0:  # the resume: its step-2 checkpoint, on 1 rank at size 1
+        resumed = run_dir.parent / "resumed"
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
+        (resumed / "checkpoints" / "latest").write_text("step-00000002")
+        out["resumed"] = (resumed, launch(run_dir.parent / "spec.yaml", num_ranks=1, args=(
+            "--resume", "latest", "--set", f"output.dir={resumed}", "--set", "deepspeed.sequence_parallel_size=1")))
     return out
 
 
@@ -101,3 +113,17 @@ def test_samples_render_split(runs):
     assert proc.returncode == 0, explain(proc)
     assert list((run_dir / "samples").glob(f"step-{STEPS:06d}.*"))  # an animated image of the frames
     assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()
+
+
+def test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_trajectory(runs):
+    (run_dir, proc), (resumed, again) = runs["zero2-full-sp2"], runs["resumed"]
+    assert proc.returncode == 0, explain(proc)
+    assert again.returncode == 0, explain(again)
+    assert "deepspeed.sequence_parallel_size: 2 -> 1" in again.stdout  # an allowed change, said
+    first, second = metrics(run_dir), metrics(resumed)
+    assert [m["step"] for m in second] == [3, 4]
+    for before, after in zip(first[2:], second):
+        assert after["loss"] == pytest.approx(before["loss"], rel=1e-5)
+    a = load_file(run_dir / "export" / f"step-{STEPS:08d}" / TRANSFORMER)
+    b = load_file(resumed / "export" / f"step-{STEPS:08d}" / TRANSFORMER)
+    assert max(((a[k] - b[k]).abs().max() / (a[k].abs().max() + 1e-12)).item() for k in a) <= 1e-5

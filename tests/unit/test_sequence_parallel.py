@@ -61,12 +61,14 @@ REFUSALS = [
     # (N, GPUs, --set, what the one error says)
     (3, 8, (), ["does not divide the 8 ranks", "use one of 1, 2, 4, 8"]),
     (16, 16, (), ["does not divide the transformer's 40 attention heads", "use one of 1, 2, 4, 5, 8, 10, 20, 40"]),
-    (8, 8, (), ["does not divide the tokens per sample of 1 bucket(s) (81f 480x480: 18900",
-                "Sizes that keep every rule on 8 rank(s): 1, 2, 4."]),
+    (8, 8, (), ["does not divide the tokens per sample of 2 bucket(s) (81f 480x480: 18900, samples (81f 480x480): "
+                "18900", "Sizes that keep every rule on 8 rank(s): 1, 2, 4."]),
+    (2, 8, ("deepspeed.zero_stage=0",), ["it needs ZeRO (deepspeed.zero_stage 1, 2 or 3)",
+                                         "Sizes that keep every rule on 8 rank(s): 1."]),
 ]
 
 
-@pytest.mark.parametrize("size, gpus, sets, says", REFUSALS, ids=["world", "heads", "tokens"])
+@pytest.mark.parametrize("size, gpus, sets, says", REFUSALS, ids=["world", "heads", "tokens", "zero0"])
 def test_a_size_that_does_not_divide_is_refused_naming_the_key_and_sizes_that_work(capsys, size, gpus, sets, says):
     code, out = validate_json(capsys, size, *sets, gpus=gpus)
     assert code == 1
