@@ -31,7 +31,7 @@ def _divisors(n: int) -> list[int]:
 def attention_of(spec) -> Optional[Attention]:
     """The model's attention heads from its configs, None when they are not on this machine."""
     read = get_facts(spec.model.family).attention
-    return read(spec.model.pretrained) if read is not None else None
+    return read(spec) if read is not None else None
 
 
 def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: dict[str, int]) -> list[SpecIssue]:
@@ -43,9 +43,9 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
     facts = get_facts(spec.model.family)
     if facts.attention is None:
         return [source.issue(KEY, f"{size}: model.family {spec.model.family} has no sequence-parallel attention in "
-                             "dstune (the split is made in the flow-matching core's attention: model.family wan). "
-                             "Remove the key (sequence_parallel_size: 1), or shrink activations with "
-                             "model.gradient_checkpointing or a smaller micro batch.")]
+                             "dstune (the split is made on the flow-matching transformers: model.family wan, and "
+                             "FLUX.2 under flow). Remove the key (sequence_parallel_size: 1), or shrink activations "
+                             "with model.gradient_checkpointing or a smaller micro batch.")]
     problems = []  # one issue for the key (validate keeps one per key and place), every broken rule in it
     if spec.deepspeed.zero_stage == 0:
         problems.append("it needs ZeRO (deepspeed.zero_stage 1, 2 or 3): without ZeRO, DeepSpeed's gradient clipping "
@@ -54,7 +54,10 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
         problems.append(f"it does not divide the {world_size} ranks (the ranks form groups of {size} that share each "
                         f"sample): use one of {', '.join(map(str, _divisors(world_size)))}, or launch a multiple of "
                         f"{size} ranks")
-    attention = facts.attention(spec.model.pretrained)
+    attention = facts.attention(spec)
+    if attention is not None and attention.refusal:
+        return [source.issue(KEY, f"{size}: {attention.refusal}. Remove the key (sequence_parallel_size: 1), or "
+                             "shrink activations with model.gradient_checkpointing or a smaller micro batch.")]
     if attention is not None and attention.heads % size:
         problems.append(f"it does not divide the transformer's {attention.heads} attention heads ({attention.origin}; "
                         "the all-to-all gives each rank heads / N whole heads): use one of "
@@ -75,11 +78,14 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
                          f"{world_size} rank(s): {', '.join(map(str, working))}.")]
 
 
-def bucket_tokens(spec, clips: Optional[dict]) -> dict[str, int]:
+def bucket_tokens(spec, clips: Optional[dict], image_groups: Optional[dict] = None) -> dict[str, int]:
     """{bucket label: transformer tokens per sample}: a video family's clip buckets, or without them (the files are
     not here) the clip the plan assumes, data.video's longest frame count at data.resolution square, and the
     samples' clip (model.sample_frames) when sample.prompts render; {} for a family without token factors."""
-    factors = get_facts(spec.model.family).token_factors
+    facts = get_facts(spec.model.family)
+    if facts.modality == "image" and facts.attention is not None:
+        return _image_tokens(spec, image_groups)
+    factors = facts.token_factors
     if factors is None:
         return {}
     spatial, patch, _ = factors(spec.model.pretrained)
@@ -95,6 +101,20 @@ def bucket_tokens(spec, clips: Optional[dict]) -> dict[str, int]:
     return tokens
 
 
+def _image_tokens(spec, image_groups: Optional[dict]) -> dict[str, int]:
+    """An image model's image tokens per bucket ({"WxH": samples} with data.buckets, else data.resolution square;
+    2x2 patches of the 8x latent: 16 px each) and the text tokens split with them."""
+    sizes = list(image_groups or {}) or [f"{spec.data.resolution}x{spec.data.resolution}"]
+    tokens = {}
+    for label in sizes:
+        width, height = (int(side) for side in str(label).split("x"))
+        tokens[label] = (width // 16) * (height // 16)
+    attention = attention_of(spec)
+    if attention is not None and attention.text_tokens:
+        tokens["text"] = attention.text_tokens
+    return tokens
+
+
 def all_to_all_bytes(micro_batch: int, tokens: int, attention: Attention, size: int, bytes_per_element: float) -> float:
     """Bytes one rank holds at once for an attention all-to-all: query, key, value and output of its micro batch,
     each a (tokens / N) x heads x head_dim slice sent and its re-laid-out copy received."""
@@ -107,7 +127,8 @@ def all_to_all_bytes(micro_batch: int, tokens: int, attention: Attention, size: 
 def with_all_to_all(setup, spec, clips: Optional[dict]):
     """The memory plan's Setup with the all-to-all buffers of the largest bucket's sample (unchanged at N = 1, or
     when the model's configs or the tokens are not known here)."""
-    training = [tokens for label, tokens in bucket_tokens(spec, clips).items() if not label.startswith("samples")]
+    training = [tokens for label, tokens in bucket_tokens(spec, clips).items()
+                if not label.startswith("samples") and label != "text"]
     attention, tokens = attention_of(spec), max(training, default=0)
     if setup.sequence_parallel == 1 or attention is None or not tokens:
         return setup
@@ -124,6 +145,7 @@ def report_rows(spec, plan, clips: Optional[dict]) -> list[tuple[str, str]]:
                             f"({plan.world_size} ranks)")]
     rows.append(("per data-parallel rank", f"{plan.micro_batch_size} sample(s) per forward pass, shared by the "
                                            f"{size} ranks of its sequence group"))
-    for label, tokens in bucket_tokens(spec, clips).items():
+    image_groups = {key_label(group.key): group.samples for group in plan.groups} or None
+    for label, tokens in bucket_tokens(spec, clips, image_groups).items():
         rows.append((f"  {label}", f"{tokens} tokens per sample -> {tokens // size} per rank"))
     return rows

@@ -125,7 +125,7 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     if not any(issue.severity == "error" and issue.key == "model.family" for issue in folder_issues):
         _check_model(spec, source, found)  # not on another model's folder, whose configs would give nonsense
     count, origin, groups, clips = _count_samples(spec, source, num_samples, found, check_files)
-    found.add(sequence_issues(spec, source, world.world_size, bucket_tokens(spec, clips)))
+    found.add(sequence_issues(spec, source, world.world_size, bucket_tokens(spec, clips, groups)))
     plan = None
     if count is not None:
         try:

@@ -175,11 +175,11 @@ def _spec_issues(spec) -> SpecIssues:
     return issues + wan_layouts.spec_problems(*configs, spec.model.image_to_video, spec.sample)
 
 
-def _attention(pretrained: str):
+def _attention(spec):
     """The transformer's attention heads (what a sequence-parallel split must divide), None when its config is not
     here. Wan 2.2 A14B's two experts have the same shape, so the high-noise one speaks for both."""
     try:
-        folder = pipeline_folder(pretrained)
+        folder = pipeline_folder(spec.model.pretrained)
         config = folder.config("transformer")
     except (SizesUnknown, OSError, ValueError):
         return None

@@ -5,10 +5,11 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
 - full fine-tuning under ZeRO 2, from the latent and text caches, rendering samples (split too);
 - LoRA under ZeRO 3 with gradient checkpointing (the recomputed forward repeats the all-to-alls);
 - the ZeRO 2 run resumed from its step-2 checkpoint on 1 rank with size 1 (the checkpoint re-partitioned for the
-  other world) continues the same trajectory.
+  other world) continues the same trajectory;
+- builtin:tiny-flux2 (FLUX.2, an image model whose plan splits the image and the text streams) full under ZeRO 2.
 
 Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: two 2-rank launches and two 1-rank references, and the 1-rank resume.
+check: three 2-rank launches and their three 1-rank references, and the 1-rank resume.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flow_runs import STEPS, TRANSFORMER
+from flow_runs import STEPS, TRANSFORMER, flow_spec
 import shutil
 
 from harness import CACHE_DIR, base_spec, explain, launch, metrics, write_spec
@@ -29,17 +30,28 @@ pytestmark = pytest.mark.dist
 MODEL = "tiny-wan"  # 2 attention heads; builtin:moving-shapes clips are 5 frames of 32 px: 2 x 2 x 2 = 8 tokens
 LORA_FILE = Path("pytorch_lora_weights.safetensors")
 
-# name -> (ranks, sequence_parallel_size, zero stage, train); each 2-rank case has its 1-rank reference
+IMAGE_MODEL = "tiny-flux2"  # 2 heads; 32 px images are 4 tokens, the text 512 (padded to max_sequence_length)
+
+# name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
 LAUNCHES = {
-    "zero2-full-sp2": (2, 2, 2, "full"),
-    "zero2-full-ref": (1, 1, 2, "full"),
-    "zero3-lora-sp2": (2, 2, 3, "lora"),
-    "zero3-lora-ref": (1, 1, 3, "lora"),
+    "zero2-full-sp2": (2, 2, 2, "full", MODEL),
+    "zero2-full-ref": (1, 1, 2, "full", MODEL),
+    "zero3-lora-sp2": (2, 2, 3, "lora", MODEL),
+    "zero3-lora-ref": (1, 1, 3, "lora", MODEL),
+    "flux2-zero2-full-sp2": (2, 2, 2, "full", IMAGE_MODEL),
+    "flux2-zero2-full-ref": (1, 1, 2, "full", IMAGE_MODEL),
 }
-PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "zero3-lora-ref", LORA_FILE)]
+PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "zero3-lora-ref", LORA_FILE),
+         ("flux2-zero2-full-sp2", "flux2-zero2-full-ref", TRANSFORMER)]
 
 
-def _spec(run_dir: Path, size: int, stage: int, train: str) -> dict:
+def _spec(run_dir: Path, size: int, stage: int, train: str, model: str = MODEL) -> dict:
+    if model == IMAGE_MODEL:  # the flow image runs' spec (latent and text caches, samples), on the same batch
+        spec = flow_spec(run_dir, model, stage, train)
+        spec["train"].update(global_batch_size=2, micro_batch_size=2)
+        spec["deepspeed"]["sequence_parallel_size"] = size
+        spec["output"].update(save_every_steps=None)
+        return spec
     lora = train == "lora"
     cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
     return base_spec(
@@ -63,10 +75,11 @@ def runs(tmp_path_factory) -> dict:
     from dstune.builtin import ensure_builtin_model
 
     ensure_builtin_model(MODEL, CACHE_DIR)  # built once here, not by the launches' rank 0
+    ensure_builtin_model(IMAGE_MODEL, CACHE_DIR)
     out = {}
-    for name, (ranks, size, stage, train) in LAUNCHES.items():
+    for name, (ranks, size, stage, train, model) in LAUNCHES.items():
         run_dir = tmp_path_factory.mktemp(name) / "run"
-        spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, size, stage, train))
+        spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, size, stage, train, model))
         out[name] = (run_dir, launch(spec_path, num_ranks=ranks))
     run_dir, proc = out["zero2-full-sp2"]
     if proc.returncode == 0:  # the resume: its step-2 checkpoint, on 1 rank at size 1

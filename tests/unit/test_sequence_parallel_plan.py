@@ -166,3 +166,20 @@ def test_zero3_reduces_over_the_data_parallel_groups_with_a_bucket_for_the_large
         "zero_optimization": {"stage": 3, "reduce_bucket_size": 5000}}
     assert sequence_parallel_bucket({"zero_optimization": {"stage": 2, "reduce_bucket_size": 10}}, params) == {
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 10}}
+
+
+def test_flux2_splits_its_image_and_text_and_the_other_flow_models_are_refused(capsys):
+    """FLUX.2's context-parallel plan splits the image and the text streams: validate lists both token counts per
+    rank; Qwen-Image (not enabled yet) is refused with the reason."""
+    assert main(["validate", str(REPO / "launch" / "flux2-klein-lora-zero2-8gpu.yaml"), "--num-gpus", "8",
+                 "--num-samples", "1000", "--set", "deepspeed.sequence_parallel_size=4"]) == 0
+    text = capsys.readouterr().out
+    assert "1024x1024             4096 tokens per sample -> 1024 per rank" in text
+    assert "text                  512 tokens per sample -> 128 per rank" in text
+    code, out = validate_json(capsys, 2, "model.max_sequence_length=511",
+                              spec=str(REPO / "launch" / "flux2-klein-lora-zero2-8gpu.yaml"))
+    assert code == 1 and any("text: 511" in e for e in out["errors"]), out["errors"]
+    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "qwen-image-lora-zero3-8gpu.yaml"))
+    assert code == 1
+    assert any("Qwen-Image's sequence split is not enabled in dstune yet (enabled: FLUX.2)" in e
+               for e in out["errors"]), out["errors"]
