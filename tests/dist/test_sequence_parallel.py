@@ -6,10 +6,13 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
 - LoRA under ZeRO 3 with gradient checkpointing (the recomputed forward repeats the all-to-alls);
 - the ZeRO 2 run resumed from its step-2 checkpoint on 1 rank with size 1 (the checkpoint re-partitioned for the
   other world) continues the same trajectory;
-- builtin:tiny-flux2 (FLUX.2, an image model whose plan splits the image and the text streams) full under ZeRO 2.
+- builtin:tiny-flux2 (FLUX.2, an image model whose plan splits the image and the text streams) full under ZeRO 2;
+- 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
+  receive different samples, each splitting its own.
 
 Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: three 2-rank launches and their three 1-rank references, and the 1-rank resume.
+check: three 2-rank launches and their three 1-rank references, a 4-rank launch and its 2-rank reference, and the
+1-rank resume (each launched when a test first needs it).
 """
 
 from __future__ import annotations
@@ -40,15 +43,18 @@ LAUNCHES = {
     "zero3-lora-ref": (1, 1, 3, "lora", MODEL),
     "flux2-zero2-full-sp2": (2, 2, 2, "full", IMAGE_MODEL),
     "flux2-zero2-full-ref": (1, 1, 2, "full", IMAGE_MODEL),
+    "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
+    "2-ranks-2x1": (2, 1, 2, "full", MODEL),  # 2 data-parallel ranks, micro 1 each
 }
 PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "zero3-lora-ref", LORA_FILE),
-         ("flux2-zero2-full-sp2", "flux2-zero2-full-ref", TRANSFORMER)]
+         ("flux2-zero2-full-sp2", "flux2-zero2-full-ref", TRANSFORMER), ("4-ranks-2x2", "2-ranks-2x1", TRANSFORMER)]
 
 
-def _spec(run_dir: Path, size: int, stage: int, train: str, model: str = MODEL) -> dict:
+def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
+    micro = 2 // (ranks // size)  # the same global batch of 2 on every world
     if model == IMAGE_MODEL:  # the flow image runs' spec (latent and text caches, samples), on the same batch
         spec = flow_spec(run_dir, model, stage, train)
-        spec["train"].update(global_batch_size=2, micro_batch_size=2)
+        spec["train"].update(global_batch_size=2, micro_batch_size=micro)
         spec["deepspeed"]["sequence_parallel_size"] = size
         spec["output"].update(save_every_steps=None)
         return spec
@@ -58,8 +64,8 @@ def _spec(run_dir: Path, size: int, stage: int, train: str, model: str = MODEL) 
         run_dir,
         model={"family": "wan", "pretrained": f"builtin:{MODEL}", "train": train, "gradient_checkpointing": lora},
         data={"path": "builtin:moving-shapes", "cache": cache},
-        # the same global batch of 2 on both worlds: 1 data-parallel rank of micro 2 (the 2-rank runs' one group)
-        train={"global_batch_size": 2, "micro_batch_size": 2, "gradient_accumulation_steps": None, "max_steps": STEPS,
+        train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,
+               "max_steps": STEPS,
                # SGD for LoRA: its update is linear in the gradient. Adam's first updates normalise each element,
                # so a LoRA A element whose gradient is near zero (just after B leaves zero) turns summation-order
                # differences of 1e-7 into 1e-4 of its weight.
@@ -70,36 +76,54 @@ def _spec(run_dir: Path, size: int, stage: int, train: str, model: str = MODEL) 
     )
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    from dstune.builtin import ensure_builtin_model
+class Runs:
+    """name -> (run folder, finished launch) of LAUNCHES (and "resumed"), each launched when a test first asks for
+    it, so that `-k` runs only the launches its tests need."""
 
-    ensure_builtin_model(MODEL, CACHE_DIR)  # built once here, not by the launches' rank 0
-    ensure_builtin_model(IMAGE_MODEL, CACHE_DIR)
-    out = {}
-    for name, (ranks, size, stage, train, model) in LAUNCHES.items():
-        run_dir = tmp_path_factory.mktemp(name) / "run"
-        spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, size, stage, train, model))
-        out[name] = (run_dir, launch(spec_path, num_ranks=ranks))
-    run_dir, proc = out["zero2-full-sp2"]
-    if proc.returncode == 0:  # the resume: its step-2 checkpoint, on 1 rank at size 1
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory, self.done = tmp_path_factory, {}
+
+    def __getitem__(self, name: str):
+        if name not in self.done:
+            self.done[name] = self._resume() if name == "resumed" else self._launch(name)
+        return self.done[name]
+
+    def _launch(self, name: str):
+        ranks, size, stage, train, model = LAUNCHES[name]
+        run_dir = self.tmp_path_factory.mktemp(name) / "run"
+        spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, ranks, size, stage, train, model))
+        return run_dir, launch(spec_path, num_ranks=ranks)
+
+    def _resume(self):
+        """The ZeRO 2 wan run's step-2 checkpoint, resumed on 1 rank at size 1."""
+        run_dir, proc = self["zero2-full-sp2"]
+        assert proc.returncode == 0, explain(proc)
         resumed = run_dir.parent / "resumed"
         (resumed / "checkpoints").mkdir(parents=True)
         shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
         (resumed / "checkpoints" / "latest").write_text("step-00000002")
-        out["resumed"] = (resumed, launch(run_dir.parent / "spec.yaml", num_ranks=1, args=(
-            "--resume", "latest", "--set", f"output.dir={resumed}", "--set", "deepspeed.sequence_parallel_size=1")))
-    return out
+        return resumed, launch(run_dir.parent / "spec.yaml", num_ranks=1, args=(
+            "--resume", "latest", "--set", f"output.dir={resumed}", "--set", "deepspeed.sequence_parallel_size=1"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    from dstune.builtin import ensure_builtin_model
+
+    for model in (MODEL, IMAGE_MODEL):
+        ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
+    return Runs(tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", [name for name, case in LAUNCHES.items() if case[1] > 1])
-def test_the_batch_check_sees_one_sequence_group(runs, name):
+def test_the_batch_check_sees_the_sequence_groups(runs, name):
+    ranks, size = LAUNCHES[name][:2]
     run_dir, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
     assert "batch check passed" in proc.stdout
     table = proc.stdout[proc.stdout.index("batch check passed"):]
-    assert "sequence-parallel     2" in table and "data-parallel         1" in table
-    assert "1 data-parallel x 2 sequence-parallel" in proc.stdout  # validate's plan, printed by rank 0
+    assert f"sequence-parallel     {size}" in table and f"data-parallel         {ranks // size}" in table
+    assert f"{ranks // size} data-parallel x {size} sequence-parallel" in proc.stdout  # validate's plan (rank 0)
 
 
 @pytest.mark.parametrize("split, whole, exported", PAIRS, ids=[pair[0] for pair in PAIRS])
