@@ -6,7 +6,8 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
 - LoRA under ZeRO 3 with gradient checkpointing (the recomputed forward repeats the all-to-alls);
 - the ZeRO 2 run resumed from its step-2 checkpoint on 1 rank with size 1 (the checkpoint re-partitioned for the
   other world) continues the same trajectory;
-- builtin:tiny-flux2 (FLUX.2, an image model whose plan splits the image and the text streams) full under ZeRO 2;
+- builtin:tiny-flux2 (FLUX.2, an image model whose plan splits the image and the text streams) full under ZeRO 2,
+  with its held-out loss (data.eval: a sequence group computes each batch together);
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
@@ -57,6 +58,7 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
         spec["train"].update(global_batch_size=2, micro_batch_size=micro)
         spec["deepspeed"]["sequence_parallel_size"] = size
         spec["output"].update(save_every_steps=None)
+        spec["data"]["eval"] = {"fraction": 0.2, "every_steps": 2}  # the held-out loss, split too
         return spec
     lora = train == "lora"
     cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
@@ -164,3 +166,13 @@ def test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_traject
     a = load_file(run_dir / "export" / f"step-{STEPS:08d}" / TRANSFORMER)
     b = load_file(resumed / "export" / f"step-{STEPS:08d}" / TRANSFORMER)
     assert max(((a[k] - b[k]).abs().max() / (a[k].abs().max() + 1e-12)).item() for k in a) <= 1e-5
+
+
+def test_the_held_out_loss_of_a_sequence_group_is_one_ranks(runs):
+    (split_dir, split_proc), (whole_dir, whole_proc) = runs["flux2-zero2-full-sp2"], runs["flux2-zero2-full-ref"]
+    assert split_proc.returncode == 0, explain(split_proc)
+    assert whole_proc.returncode == 0, explain(whole_proc)
+    split, whole = ([(m["step"], m["eval_loss"], m["eval_samples"]) for m in metrics(d) if "eval_loss" in m]
+                    for d in (split_dir, whole_dir))
+    assert [step for step, *_ in split] == [2, 4] and [n for *_, n in split] == [n for *_, n in whole]
+    assert [loss for _, loss, _ in split] == pytest.approx([loss for _, loss, _ in whole], rel=1e-5)
