@@ -9,6 +9,11 @@ With groups (data.buckets) each rank also walks its sampler's epoch (indices onl
 steps where one of its micro batches holds a sample of another bucket than the step's (must be 0), the steps per
 bucket (must be the plan's), a digest of the step -> bucket sequence (must be the same on every rank, or ranks
 would train one step on different sizes), and whether its first real batch has the first step's bucket size.
+
+Under sequence parallelism (deepspeed.sequence_parallel_size N) the N ranks of a sequence group share their
+samples: each rank reports its data-parallel rank, DeepSpeed's sequence-parallel size and a digest of every sample
+id its loader yields this epoch; the ranks of one group must agree on the digest, and the first step's samples of
+different groups must not overlap.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ class RankReport:
     bucket_steps: str = ""  # "24x40: 2, 32x32: 1": steps per bucket in this epoch
     bucket_sequence: str = ""  # digest of the bucket of every step from the start step
     first_batch_in_bucket: bool = True  # the first real batch has the first step's bucket size
+    # Sequence parallelism; defaults without it.
+    data_parallel_rank: int = 0  # the rank's sequence group
+    ds_sequence_parallel: int = 1  # DeepSpeed's sequence-parallel size
+    sample_digest: str = ""  # digest of every sample id the loader yields this epoch, in order
+    first_step_ids: tuple = ()  # the sample ids of this rank's micro batches of the first step
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class Expected:
     loader_micro_batches: int
     num_samples: int
     bucket_steps: str = ""  # from the plan; "" without groups
+    sequence_parallel: int = 1  # the ranks that report are data_parallel x sequence_parallel
 
 
 def _steps_text(steps_by_key: dict) -> str:
@@ -74,20 +85,44 @@ def bucket_report(sampler, first_batch: dict) -> dict:
             "first_batch_in_bucket": size_matches_bucket(first_batch, sampler.step_group(epoch, sampler.start_step))}
 
 
+def sample_report(run: Run, sampler) -> dict:
+    """This rank's sequence-parallel facts for RankReport (empty without sequence parallelism). Walks indices only."""
+    if run.sequence_parallel_size == 1:
+        return {}
+    epoch, digest = sampler.epoch, hashlib.sha256()
+    for step in range(sampler.start_step, sampler.steps_per_epoch):
+        for k in range(sampler.accumulation):
+            digest.update((",".join(map(str, sampler.micro_batch(epoch, step, k))) + "\n").encode())
+    first = [i for k in range(sampler.accumulation) for i in sampler.micro_batch(epoch, sampler.start_step, k)]
+    return {"data_parallel_rank": run.data_parallel_rank, "sample_digest": digest.hexdigest()[:16],
+            "first_step_ids": tuple(first)}
+
+
+def _data_parallel_size(engine) -> int:
+    """DeepSpeed's data-parallel size: with sequence-parallel groups as its mpu its dp_world_size is None, and ZeRO's
+    group (all ranks) divided by the sequence-parallel size is what its batch numbers count."""
+    sequence = int(getattr(engine, "sequence_parallel_size", 1) or 1)
+    if sequence == 1:
+        return int(engine.dp_world_size)
+    return int(engine.seq_dp_world_size) // sequence
+
+
 def rank_report(run: Run, engine, loader_micro_batches: int, first_batch_size: int, num_samples: int,
-                buckets: dict | None = None) -> RankReport:
-    """`buckets`: bucket_report(sampler, first_batch) with data.buckets."""
+                buckets: dict | None = None, samples: dict | None = None) -> RankReport:
+    """`buckets`: bucket_report(sampler, first_batch) with data.buckets; `samples`: sample_report(run, sampler)."""
     return RankReport(
         rank=run.rank,
         host=socket.gethostname(),
         ds_micro_batch=int(engine.train_micro_batch_size_per_gpu()),
         ds_accumulation=int(engine.gradient_accumulation_steps()),
         ds_global_batch=int(engine.train_batch_size()),
-        ds_data_parallel=int(engine.dp_world_size),
+        ds_data_parallel=_data_parallel_size(engine),
+        ds_sequence_parallel=int(getattr(engine, "sequence_parallel_size", 1) or 1),
         loader_micro_batches=int(loader_micro_batches),
         first_batch_size=int(first_batch_size),
         num_samples=int(num_samples),
         **(buckets or {}),
+        **(samples or {}),
     )
 
 
@@ -97,7 +132,8 @@ def expected_from_plan(plan: Plan, start_step_in_epoch: int = 0) -> Expected:
         micro_batch=plan.micro_batch_size,
         accumulation=plan.gradient_accumulation_steps,
         global_batch=plan.global_batch_size,
-        data_parallel=plan.world_size,
+        data_parallel=plan.data_parallel_size,
+        sequence_parallel=plan.sequence_parallel_size,
         loader_micro_batches=remaining_steps * plan.gradient_accumulation_steps,
         num_samples=plan.num_samples,
         bucket_steps=_steps_text({group.key: group.steps for group in plan.groups}),
@@ -110,6 +146,7 @@ QUANTITIES = (
     ("accumulation", "DeepSpeed gradient accumulation", "ds_accumulation", "accumulation"),
     ("global batch", "DeepSpeed global batch", "ds_global_batch", "global_batch"),
     ("data-parallel", "DeepSpeed data-parallel size", "ds_data_parallel", "data_parallel"),
+    ("sequence-parallel", "DeepSpeed sequence-parallel size", "ds_sequence_parallel", "sequence_parallel"),
     ("loader micro batches", "loader micro batches this epoch", "loader_micro_batches", "loader_micro_batches"),
     ("first batch size", "first batch leading dimension", "first_batch_size", "micro_batch"),
     ("dataset samples", "dataset size", "num_samples", "num_samples"),
@@ -124,9 +161,31 @@ def find_mismatches(reports: list[RankReport], expected: Expected) -> list[str]:
             got, want = getattr(report, attr), getattr(expected, planned)
             if got != want:
                 problems.append(f"rank {report.rank} ({report.host}): {label} is {got}, the plan says {want}")
-    if len(reports) != expected.data_parallel:
-        problems.append(f"{len(reports)} ranks reported, the plan has {expected.data_parallel}")
-    return problems + _bucket_mismatches(reports, expected)
+    ranks = expected.data_parallel * expected.sequence_parallel
+    if len(reports) != ranks:
+        problems.append(f"{len(reports)} ranks reported, the plan has {ranks}")
+    return problems + _bucket_mismatches(reports, expected) + _sequence_group_mismatches(reports, expected)
+
+
+def _sequence_group_mismatches(reports: list[RankReport], expected: Expected) -> list[str]:
+    """The ranks of a sequence group see the same samples; different groups see different ones."""
+    if expected.sequence_parallel == 1:
+        return []
+    problems, groups = [], {}
+    for r in reports:
+        groups.setdefault(r.data_parallel_rank, []).append(r)
+    for dp_rank, members in sorted(groups.items()):
+        if len({m.sample_digest for m in members}) > 1:
+            problems.append(f"sequence group {dp_rank} (ranks {', '.join(str(m.rank) for m in members)}): its ranks "
+                            "receive different samples (" + ", ".join(f"rank {m.rank}: {m.sample_digest}"
+                                                                       for m in members) + ")")
+    firsts = {dp_rank: set(members[0].first_step_ids) for dp_rank, members in groups.items()}
+    for a in sorted(firsts):
+        for b in sorted(firsts):
+            if a < b and firsts[a] & firsts[b]:
+                problems.append(f"sequence groups {a} and {b} both receive samples {sorted(firsts[a] & firsts[b])} "
+                                "in the first step: the groups must see different samples")
+    return problems
 
 
 def _bucket_mismatches(reports: list[RankReport], expected: Expected) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, TypeVar
 from datetime import timedelta
 
@@ -29,10 +29,22 @@ class Run:
     accelerator: str  # "cpu" or "cuda"
     node_rank: int
     launched: bool  # False for `python dstune/train.py spec.yaml` (a single process without the launcher)
+    # deepspeed.sequence_parallel_size (set once the spec is validated, with_sequence_groups): the N consecutive
+    # ranks dp * N .. dp * N + N - 1 share each sample, each holding 1/N of its tokens
+    sequence_parallel_size: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which sequence group this rank is in: what the loader, the held-out share and the batch check key on."""
+        return self.rank // self.sequence_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world.world_size // self.sequence_parallel_size
 
     @property
     def world_size(self) -> int:
@@ -120,6 +132,27 @@ def init_run(timeout_minutes: int) -> Run:
     )
     return Run(rank=rank, local_rank=local_rank, world=world, device=device, accelerator=accelerator,
                node_rank=order.index(nodes[rank]), launched=launched)
+
+
+def with_sequence_groups(run: Run, sequence_parallel_size: int) -> Run:
+    """Collective at N > 1: DeepSpeed's sequence-parallel process groups (deepspeed.runtime.sequence_parallel.
+    parallel_state_sp: groups of N consecutive ranks, and all ranks as the group ZeRO partitions and reduces over),
+    which dstune.engine hands DeepSpeed as its mpu. Made once per process. Returns the run that knows its
+    data-parallel rank."""
+    if sequence_parallel_size == 1:
+        return run
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    if _sequence_groups_made.get("size") is None:
+        parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size)
+        _sequence_groups_made["size"] = sequence_parallel_size
+    elif _sequence_groups_made["size"] != sequence_parallel_size:
+        raise RuntimeError(f"this process already has sequence-parallel groups of {_sequence_groups_made['size']} "
+                           f"ranks, not {sequence_parallel_size}")
+    return replace(run, sequence_parallel_size=sequence_parallel_size)
+
+
+_sequence_groups_made: dict = {}  # {"size": N} once with_sequence_groups made DeepSpeed's groups in this process
 
 
 def busy_port_text(address: str, port) -> str:

@@ -130,15 +130,79 @@ def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, pl
         raise ValueError("the model has no trainable parameters")
     multiplier = LrMultiplier(train.scheduler, plan.total_steps)
     optimizer = None if uses_deepspeed_optimizer(ds_config) else build_optimizer(train, params, plan.effective_lr)
+    # Sequence parallelism: DeepSpeed's own sequence-parallel groups (dstune.distributed.with_sequence_groups made
+    # them) as its mpu, so ZeRO partitions and reduces over every rank and averages over the data-parallel groups only
+    mpu = None
+    if plan.sequence_parallel_size > 1:
+        mpu = SequenceGroups()
+        ds_config = sequence_parallel_bucket(ds_config, params)
     engine, _, _, _ = deepspeed.initialize(
         model=trainable,
         model_parameters=params,
         optimizer=optimizer,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, multiplier),
         config=ds_config,
+        mpu=mpu,
         dist_init_required=False,
     )
     return engine
+
+
+class SequenceGroups:
+    """DeepSpeed's sequence-parallel groups (deepspeed.runtime.sequence_parallel.parallel_state_sp, made by
+    dstune.distributed.with_sequence_groups) as the mpu deepspeed.initialize takes. That module also answers the
+    model-parallel questions with the sequence group, so DeepSpeed would record a checkpoint as tensor-parallel over
+    it and its universal-checkpoint converter (resume on another world) refuses the checkpoint; here the model is
+    whole on every rank. `initialize_sequence_parallel` is how DeepSpeed tells a sequence-parallel mpu."""
+
+    @staticmethod
+    def _state():
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        return parallel_state_sp
+
+    def initialize_sequence_parallel(self, size: int) -> None:
+        raise RuntimeError("dstune.distributed.with_sequence_groups makes the groups")
+
+    def get_sequence_parallel_group(self):
+        return self._state().get_sequence_parallel_group()
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self._state().get_sequence_parallel_world_size()
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._state().get_sequence_parallel_rank()
+
+    def get_sequence_data_parallel_group(self):
+        return self._state().get_sequence_data_parallel_group()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self._state().get_sequence_data_parallel_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self._state().get_sequence_data_parallel_rank()
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+
+def sequence_parallel_bucket(ds_config: dict, params: list) -> dict:
+    """Under ZeRO-3 with sequence parallelism, the reduce bucket raised to the largest trainable parameter:
+    DeepSpeed reduces a bucket that holds more elements than reduce_bucket_size (one parameter larger than it)
+    through its reduce-scatter path, which averages over every rank instead of the data-parallel groups."""
+    zero = ds_config.get("zero_optimization", {})
+    if zero.get("stage") != 3:
+        return ds_config
+    largest = max(int(getattr(p, "ds_numel", p.numel())) for p in params)
+    if largest <= int(zero.get("reduce_bucket_size", 0)):
+        return ds_config
+    return {**ds_config, "zero_optimization": {**zero, "reduce_bucket_size": largest}}
 
 
 # Optimizer hyperparameters from the spec that a checkpoint's param groups carry (torch's load_state_dict puts the

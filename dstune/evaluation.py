@@ -106,7 +106,8 @@ def evaluate(run: Run, family: Family, built, engine, held_out: HeldOut, dtype: 
              offloaded: list[str]) -> tuple[float, int]:
     """Collective: the held-out loss with the current (trained, not EMA) weights, the same value on every rank.
     The model is in eval mode meanwhile (dropout off), and back in train mode after."""
-    share = rank_share(held_out.batches, run.rank, run.world_size)
+    # the ranks of a sequence group compute the same batches together (their forward is one split forward)
+    share = rank_share(held_out.batches, run.data_parallel_rank, run.data_parallel_size)
     modules = list(built.trainable.modules())
     training = [module.training for module in modules]  # restored as they were, frozen parts in eval included
     built.trainable.eval()
@@ -116,4 +117,5 @@ def evaluate(run: Run, family: Family, built, engine, held_out: HeldOut, dtype: 
     finally:
         for module, mode in zip(modules, training):
             module.training = mode
+    mine = mine if run.rank % run.sequence_parallel_size == 0 else []  # one result per sequence group
     return combine([entry for rank_entries in all_gather_object(mine) for entry in rank_entries])

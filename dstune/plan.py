@@ -55,7 +55,7 @@ def group_batches(counts: dict, global_batch_size: int) -> list[GroupBatches]:
 
 @dataclass(frozen=True)
 class Plan:
-    world_size: int  # data-parallel ranks
+    world_size: int  # all ranks (processes); data-parallel ranks = world_size / sequence_parallel_size
     num_nodes: int
     ranks_per_node: tuple[int, ...]
     micro_batch_size: int  # samples per forward, per rank
@@ -79,9 +79,20 @@ class Plan:
     # Grouped batching (data.buckets): every global batch comes from one group; per group, in display order.
     # Empty without groups. steps_per_epoch is then the sum of the groups' steps.
     groups: tuple[GroupBatches, ...] = field(default=())
+    # deepspeed.sequence_parallel_size: ranks that share each sample (dstune.sequence_parallel); the batch numbers
+    # above count data-parallel ranks (world_size / sequence_parallel_size)
+    sequence_parallel_size: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.sequence_parallel_size
 
     def as_dict(self) -> dict:
         out = asdict(self)
+        if self.sequence_parallel_size == 1:  # data-parallel only: the JSON other tools read stays as it was
+            del out["sequence_parallel_size"]
+        else:
+            out["data_parallel_size"] = self.data_parallel_size
         out["ranks_per_node"] = list(self.ranks_per_node)
         out["warnings"] = [str(w) for w in self.warnings]
         return out
@@ -209,15 +220,31 @@ def _steps_per_epoch(global_batch: int, num_samples: int, groups: dict | None, s
     return rows, steps_per_epoch
 
 
-def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource, groups: dict | None = None) -> Plan:
+def data_parallel_ranks(world_size: int, sequence_parallel_size: int, source: SpecSource) -> int:
+    """world_size / sequence_parallel_size, or SpecError naming deepspeed.sequence_parallel_size and sizes that work."""
+    if world_size % sequence_parallel_size:
+        options = ", ".join(str(d) for d in _divisors(world_size))
+        raise SpecError([source.issue(
+            "deepspeed.sequence_parallel_size",
+            f"{sequence_parallel_size} does not divide the {world_size} ranks: the ranks form groups of "
+            f"{sequence_parallel_size} that share each sample. Use one of {options}, or launch a multiple of "
+            f"{sequence_parallel_size} ranks.")])
+    return world_size // sequence_parallel_size
+
+
+def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource, groups: dict | None = None,
+              sequence_parallel_size: int = 1) -> Plan:
     """Everything `validate` prints and training obeys. `world` is a dstune.world.World (or anything with
     world_size, num_nodes and ranks_per_node). `groups`: {key: samples} when every global batch must come from one
-    group (data.buckets), in display order; the samples add up to num_samples."""
-    micro, accum, global_batch = resolve_batch(train, world.world_size, source)
+    group (data.buckets), in display order; the samples add up to num_samples. `sequence_parallel_size`
+    (deepspeed.sequence_parallel_size): the batch numbers count world_size / sequence_parallel_size
+    data-parallel ranks."""
+    data_parallel = data_parallel_ranks(world.world_size, sequence_parallel_size, source)
+    micro, accum, global_batch = resolve_batch(train, data_parallel, source)
     if num_samples <= 0:
         raise SpecError([source.issue("data.path", "the dataset is empty: no samples to train on")])
     warnings: list[SpecIssue] = []
-    rows, steps_per_epoch = _steps_per_epoch(global_batch, num_samples, groups, source, warnings, world.world_size,
+    rows, steps_per_epoch = _steps_per_epoch(global_batch, num_samples, groups, source, warnings, data_parallel,
                                              micro)
     if train.max_steps is not None:
         total_steps = train.max_steps
@@ -259,4 +286,5 @@ def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource, gro
         gradient_clipping=train.resolved_gradient_clipping,
         warnings=tuple(warnings),
         groups=tuple(rows),
+        sequence_parallel_size=sequence_parallel_size,
     )

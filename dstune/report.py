@@ -18,6 +18,7 @@ from rich.text import Text
 
 from dstune.ds_json.merge import flatten
 from dstune.spec.load import SpecIssue
+from dstune.sequence_parallel import report_rows as sequence_rows
 from dstune.video_plan import summary_rows
 
 ZERO_STAGES = {
@@ -75,14 +76,17 @@ def _count(number: int, one: str, many: str) -> str:
     return f"{number} {one if number == 1 else many}"
 
 
-def _world_rows(world) -> list[tuple[str, str]]:
+def _world_rows(world, sequence_parallel_size: int = 1) -> list[tuple[str, str]]:
     per_node = ", ".join(f"{host}: {count}" for host, count in list(zip(world.hosts, world.ranks_per_node))[:4])
     if world.num_nodes > 4:
         per_node += f", ... ({world.num_nodes - 4} more)"
     source = world.source
     if world.assumed:
         source += " (ASSUMED: plan for the real run with --num-gpus N, --world-size N or --hostfile FILE)"
-    return [("ranks", f"{world.world_size} data-parallel"), ("nodes", str(world.num_nodes)),
+    size = sequence_parallel_size
+    ranks = f"{world.world_size} data-parallel" if size == 1 or world.world_size % size else \
+        f"{world.world_size} = {world.world_size // size} data-parallel x {size} sequence-parallel"
+    return [("ranks", ranks), ("nodes", str(world.num_nodes)),
             ("ranks per node", per_node), ("from", source)]
 
 
@@ -92,7 +96,8 @@ def _batch_rows(plan, ds_config: Optional[dict], cross_checked: bool) -> list[tu
         ("accumulation",
          f"{_count(plan.gradient_accumulation_steps, 'micro-batch', 'micro-batches')} per optimizer step"),
         ("global batch", f"{plan.global_batch_size} samples per optimizer step = {plan.micro_batch_size} x "
-                         f"{plan.gradient_accumulation_steps} x {_count(plan.world_size, 'rank', 'ranks')}"),
+                         f"{plan.gradient_accumulation_steps} x {_count(plan.data_parallel_size, 'rank', 'ranks')}"
+                         + (" (data-parallel)" if plan.sequence_parallel_size > 1 else "")),
     ]
     if ds_config is not None:
         numbers = ", ".join(f"{key} {ds_config.get(key)}" for key in
@@ -216,7 +221,7 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         ("  parameters", gb(gpu["parameters_bytes"])), ("  gradients", gb(gpu["gradients_bytes"])),
         ("  optimizer states", gb(gpu["optimizer_bytes"])), ("  frozen weights", gb(gpu["frozen_bytes"])),
         ("  activations", f"{gb(gpu['activations_bytes'])} (estimate; gradient checkpointing {checkpointing})"),
-        ("  DeepSpeed buffers", gb(gpu["buffers_bytes"])),
+        ("  DeepSpeed buffers", gb(gpu["buffers_bytes"]) + _all_to_all_text(memory)),
         *([("  EMA", gb(gpu["ema_bytes"]) + " (fp32 share)")] if gpu.get("ema_bytes") else []),
         ("  runtime reserve", gb(gpu["runtime_reserve_bytes"]) + " (CUDA context, NCCL, allocator)"),
         *_phase_rows(memory),
@@ -241,6 +246,14 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         if memory["fits"] is False and not memory["suggestions"]:
             rows.append(("  would fit with", "no change dstune knows of: more GPUs, or GPUs with more memory"))
     return rows
+
+
+def _all_to_all_text(memory: dict) -> str:
+    sequence = memory.get("sequence_parallel") or {}
+    if sequence.get("size", 1) == 1:
+        return ""
+    return (f" (with {gb(sequence['all_to_all_bytes'])} of attention all-to-all buffers; activations are 1/"
+            f"{sequence['size']} of a sample's: sequence parallelism)")
 
 
 PHASE_TEXT = {"load": "start-up: the trainable module placed beside every frozen part",
@@ -295,10 +308,11 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
     spec, plan = outcome.spec, outcome.plan
     train = spec.train if spec is not None else None
     if outcome.world is not None:
-        groups.append(("World", _world_rows(outcome.world)))
+        groups.append(("World", _world_rows(outcome.world, spec.deepspeed.sequence_parallel_size if spec else 1)))
     if plan is not None:
         cross_checked = outcome.ds_config is not None and not outcome.errors
-        groups += [("Batch", _batch_rows(plan, outcome.ds_config if not outcome.errors else None, cross_checked)),
+        groups += [("Batch", _batch_rows(plan, outcome.ds_config if not outcome.errors else None, cross_checked)
+                    + sequence_rows(spec, plan, outcome.clips)),
                    ("Data", _data_rows(plan, outcome.num_samples_origin)
                     + ([("resolution", f"{spec.data.resolution} px ({outcome.resolution_origin})")]
                        if outcome.resolution_origin else [])),
@@ -334,7 +348,9 @@ def verdict(outcome: Outcome) -> Text:
         count = len(outcome.errors)
         return Text(f"invalid: {count} error{'s' if count != 1 else ''}{warned}", style="bold red")
     plan = outcome.plan
-    return Text(f"valid: {_count(plan.world_size, 'rank', 'ranks')} x micro {plan.micro_batch_size} x accumulation "
+    ranks = _count(plan.data_parallel_size, 'rank', 'ranks') + (
+        f" (data-parallel; x {plan.sequence_parallel_size} sequence-parallel)" if plan.sequence_parallel_size > 1 else "")
+    return Text(f"valid: {ranks} x micro {plan.micro_batch_size} x accumulation "
                 f"{plan.gradient_accumulation_steps} = global batch {plan.global_batch_size}; "
                 f"{plan.total_steps} optimizer steps = {_fmt(plan.epochs)} epochs{warned}", style="bold green")
 

@@ -16,14 +16,15 @@ import sys
 import time
 from pathlib import Path
 
-from dstune.batch_check import bucket_report, check_batches, expected_from_plan, rank_report
+from dstune.batch_check import bucket_report, check_batches, expected_from_plan, rank_report, sample_report
 from dstune.checkpoints.layout import TrainState, checkpoint_root, read_latest, tag_for
 from dstune.checkpoints.resume import (ResumeOptions, continue_from, engine_config, find_resume, overwrite_refusal,
                                        resume_refusal, resumed_plan)
 from dstune.checkpoints.store import save_checkpoint, shared_folder_problem
 from dstune.distributed import (Run, agree_or_stop, all_gather_object, barrier, init_run, launcher_rank,
-                                launcher_world_size, shutdown, stop)
+                                launcher_world_size, shutdown, stop, with_sequence_groups)
 from dstune.ds_json.fill_spec import merged_spec
+from dstune.families.ulysses import split_sequences
 from dstune.ema import Ema
 from dstune.engine import PRECISION_DTYPES, promote_scalar_params, wrap_model
 from dstune.evaluation import make_held_out
@@ -129,6 +130,7 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None,
     except SpecError as err:
         error = f"invalid spec for this launch ({run.world.source}, {run.world_size} ranks):\n{err}"
     agree_or_stop(run, error)
+    run = with_sequence_groups(run, resolved.plan.sequence_parallel_size)  # ranks sharing a sample, for DeepSpeed
     run_dir = Path(spec.output.dir)
     agree_or_stop(run, _prepare_run_dir(run_dir))  # every rank: nodes may not share the folder
     agree_or_stop(run, _lock_run_dir(run, run_dir))  # before anything is written there
@@ -150,7 +152,7 @@ def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainStat
     """The batch check (dstune.batch_check) on every rank before step 1: stop all ranks when anything disagrees."""
     first_batch = next(iter(loader))
     report = rank_report(run, engine, len(loader), len(first_batch["index"]), sampler.num_samples,
-                         buckets=bucket_report(sampler, first_batch))
+                         buckets=bucket_report(sampler, first_batch), samples=sample_report(run, sampler))
     ok, table, _ = check_batches(run, report, expected_from_plan(plan, state.step_in_epoch))
     if not ok:
         stop(run, table, 1)
@@ -177,6 +179,8 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
         stop(run, "", code)
     memory.mark("cache")
     scalar_params = promote_scalar_params(built.trainable)
+    if run.sequence_parallel_size > 1:  # before DeepSpeed: its ZeRO-3 hooks then wrap the split forward
+        split_sequences(built.trainable, run.rank, run.world_size, run.sequence_parallel_size)
     engine = wrap_model(built.trainable, spec.train, engine_config(resuming, ds_config), plan)
     ema = None
     if spec.train.ema is not None:
@@ -184,8 +188,8 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
         ema = Ema(trainable, spec.train.ema, run.rank, run.world_size)
     state = continue_from(run, resuming, engine, ema, resolved, plan)
     memory.mark("engine")
-    loader, sampler = make_training_loader(spec, plan, run.rank, family, built, records, caches, state.epoch,
-                                           state.step_in_epoch)
+    loader, sampler = make_training_loader(spec, plan, run.data_parallel_rank, family, built, records, caches,
+                                           state.epoch, state.step_in_epoch)
     _check_first_batch(run, engine, plan, loader, sampler, state)
     extra = {"spec": spec.model_dump(mode="json"), "ds_config": ds_config, "plan": plan.as_dict(),
              "scalar_params": scalar_params}

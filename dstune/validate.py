@@ -30,7 +30,8 @@ from dstune.families import get_facts
 from dstune.memory.counts import SizesUnknown
 from dstune.model_defaults import bucket_step_problem, with_model_defaults
 from dstune.model_folders import model_folder_issues
-from dstune.plan import Plan, make_plan, resolve_batch
+from dstune.plan import Plan, data_parallel_ranks, make_plan, resolve_batch
+from dstune.sequence_parallel import bucket_tokens, sequence_issues, with_all_to_all
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
 from dstune.token_layouts import speakers_problem
@@ -124,10 +125,11 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     if not any(issue.severity == "error" and issue.key == "model.family" for issue in folder_issues):
         _check_model(spec, source, found)  # not on another model's folder, whose configs would give nonsense
     count, origin, groups, clips = _count_samples(spec, source, num_samples, found, check_files)
+    found.add(sequence_issues(spec, source, world.world_size, bucket_tokens(spec, clips, groups)))
     plan = None
     if count is not None:
         try:
-            plan = make_plan(spec.train, world, count, source, groups)
+            plan = make_plan(spec.train, world, count, source, groups, spec.deepspeed.sequence_parallel_size)
             found.add(plan.warnings)
         except SpecError as err:
             found.add(err.issues)
@@ -310,8 +312,9 @@ def _stand_in_plan(spec: Spec, source: SpecSource, world: World, found: IssueLis
     lets compile and the DeepSpeed cross-check report their own errors (a bad deepspeed.config) in the same run.
     The stand-in is never shown."""
     try:
-        _, _, global_batch = resolve_batch(spec.train, world.world_size, source)
-        return make_plan(spec.train, world, global_batch, source)
+        size = spec.deepspeed.sequence_parallel_size
+        _, _, global_batch = resolve_batch(spec.train, data_parallel_ranks(world.world_size, size, source), source)
+        return make_plan(spec.train, world, global_batch, source, sequence_parallel_size=size)
     except SpecError as err:
         found.add(err.issues)
         return None
@@ -352,4 +355,4 @@ def plan_memory(spec: Spec, plan: Plan, ds_config: dict, gpu_memory_bytes: Optio
                 "suggestions": [], "unknown": why}
     # model.base_precision (the quantized frozen base) sets the frozen base's bytes per parameter where it exists
     setup = Setup.of(spec, plan, ds_config, getattr(spec.model, "base_precision", None), accelerator)
-    return memory_json(counts, setup, gpu_memory_bytes)
+    return memory_json(counts, with_all_to_all(setup, spec, clips), gpu_memory_bytes)

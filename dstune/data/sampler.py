@@ -46,7 +46,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.num_samples = num_samples
         self.micro_batch_size = plan_like.micro_batch_size
         self.accumulation = plan_like.gradient_accumulation_steps
-        self.world_size = plan_like.world_size
+        # the data-parallel ranks: under sequence parallelism the ranks of a group share one position (rank = the
+        # data-parallel rank; dstune.distributed.Run.data_parallel_rank)
+        self.world_size = getattr(plan_like, "data_parallel_size", plan_like.world_size)
         self.global_batch_size = plan_like.global_batch_size
         self.steps_per_epoch = plan_like.steps_per_epoch
         self._planned_num_samples = getattr(plan_like, "num_samples", None)  # a Plan has it; a bare plan-like may not

@@ -73,7 +73,7 @@ def _offload_block(offload: OffloadSpec) -> dict:
     return block
 
 
-def _zero_block(deepspeed: DeepSpeedSpec) -> dict:
+def _zero_block(deepspeed: DeepSpeedSpec, sequence_parallel_size: int = 1) -> dict:
     stage = deepspeed.zero_stage
     block: dict = {"stage": stage}
     if stage == 0:
@@ -86,6 +86,12 @@ def _zero_block(deepspeed: DeepSpeedSpec) -> dict:
         prefetch, persistence = stage3_bucket_sizes(deepspeed.reduce_bucket_size)
         block.update(stage3_prefetch_bucket_size=prefetch, stage3_param_persistence_threshold=persistence,
                      stage3_gather_16bit_weights_on_model_save=True)  # save_16bit_model writes nothing otherwise
+        if sequence_parallel_size > 1:
+            # stage3.py's reduce-scatter path averages gradients over every rank, its all-reduce path over the
+            # data-parallel groups only (ranks / sequence_parallel_size), which is what sequence parallelism needs
+            # (each rank's gradient is its tokens' share); the all-reduce path also needs a reduce bucket that holds
+            # the largest trainable parameter (dstune.engine.sequence_parallel_bucket).
+            block["reduce_scatter"] = False
     if deepspeed.offload_optimizer.device != "none":
         block["offload_optimizer"] = _offload_block(deepspeed.offload_optimizer)
     if deepspeed.offload_param.device != "none":
@@ -150,11 +156,14 @@ def spec_ds_config(train: TrainSpec, deepspeed: DeepSpeedSpec, plan: Plan) -> di
         # Always explicit: DeepSpeed's default changed from 0.0 to 1.0 in 0.19.3; Adafactor needs 0.0.
         "gradient_clipping": float(plan.gradient_clipping),
         **_precision_blocks(train.precision),
-        "zero_optimization": _zero_block(deepspeed),
+        "zero_optimization": _zero_block(deepspeed, plan.sequence_parallel_size),
         **_optimizer_settings(train, deepspeed, plan),
         **_activation_checkpointing(deepspeed),
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
+        # DeepSpeed sizes its data-parallel world as ranks / sequence_parallel_size (config.py, with or without the
+        # sequence-parallel mpu dstune.engine passes); left out at 1 so that data-parallel runs' JSON is unchanged
+        **({"sequence_parallel_size": plan.sequence_parallel_size} if plan.sequence_parallel_size > 1 else {}),
     }
 
 

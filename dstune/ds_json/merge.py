@@ -264,15 +264,20 @@ def _check_data_parallel_only(ctx: MergeContext, user: dict) -> None:
     """dstune's plan assumes every rank is a data-parallel rank (a full replica under ZeRO); these keys change that."""
     sizes = {f"{block}.{name}": user[block].get(name) for block, name in (("tensor_parallel", "autotp_size"),
              ("expert_parallel", "autoep_size")) if isinstance(user.get(block), dict)}
-    sizes["sequence_parallel_size"] = user.get("sequence_parallel_size")
     for key, size in sizes.items():
         if isinstance(size, (int, float)) and size > 1:
             ctx.add(key, f"{json.dumps(size)}: dstune trains data-parallel only; model parallelism would change the "
                     "data-parallel size the batch plan uses. Remove the key.")
+    size = user.get("sequence_parallel_size")
+    if size is not None and not same_value(size, ctx.plan.sequence_parallel_size):
+        ctx.add("sequence_parallel_size", f"{json.dumps(size)} in the file, but the spec plans "
+                f"deepspeed.sequence_parallel_size {ctx.plan.sequence_parallel_size}: set it in the spec "
+                "(deepspeed.sequence_parallel_size), which lays out the ranks and the batch plan, and remove the key")
     size = user.get("data_parallel_size")
-    if size is not None and not same_value(size, ctx.plan.world_size):
-        ctx.add("data_parallel_size", f"{json.dumps(size)} in the file, but dstune plans for {ctx.plan.world_size} "
-                "data-parallel ranks (every rank); remove the key")
+    if size is not None and not same_value(size, ctx.plan.data_parallel_size):
+        ctx.add("data_parallel_size", f"{json.dumps(size)} in the file, but dstune plans for "
+                f"{ctx.plan.data_parallel_size} data-parallel ranks (ranks / deepspeed.sequence_parallel_size); "
+                "remove the key")
 
 
 def _warn_unknown_top_level(ctx: MergeContext, user: dict) -> None:

@@ -31,6 +31,18 @@ def no_spec_issues(spec) -> SpecIssues:
 
 
 @dataclass(frozen=True)
+class Attention:
+    """A transformer's attention as a sequence-parallel split needs it (dstune.sequence_parallel): its heads, their
+    width, and the configs they were read from."""
+
+    heads: int
+    head_dim: int
+    origin: str
+    refusal: str = ""  # why this model's sequences cannot be split ("" when they can)
+    text_tokens: int = 0  # text tokens split with the image's (a joint sequence), 0 when the text stays whole
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """One family's torch-free facts (see the module docstring)."""
 
@@ -46,3 +58,7 @@ class ModelFacts:
     # spec -> the pipeline class when the model trains on (source, target) pairs (an edit model), else None:
     # validate then checks that the data gives the pairs
     pairs: Callable = lambda spec: None
+    # spec -> Attention (heads, head width, origin) or None when the configs
+    # are not here; None (the field): the family has no sequence-parallel attention (deepspeed.sequence_parallel_size
+    # is refused for it)
+    attention: Optional[Callable] = None

@@ -14,7 +14,7 @@ from dstune.families import hunyuan15_facts
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, embedding_width_bytes, latent_channels,
                                             pipeline_folder, transformer_text_bytes)
-from dstune.families.facts import ModelFacts, SpecIssues
+from dstune.families.facts import Attention, ModelFacts, SpecIssues
 from dstune.memory.counts import SizesUnknown, count_component
 from dstune.spec.video_models import expert_problems, expert_range, expert_range_text, experts_in
 
@@ -190,5 +190,19 @@ def _spec_issues(spec) -> SpecIssues:
     return issues + wan_layouts.spec_problems(*configs, spec.model.image_to_video, spec.sample)
 
 
+def _attention(spec):
+    """The transformer's attention heads (what a sequence-parallel split must divide), None when its config is not
+    here. Wan 2.2 A14B's two experts have the same shape, so the high-noise one speaks for both."""
+    try:
+        folder = pipeline_folder(spec.model.pretrained)
+        config = folder.config("transformer")
+    except (SizesUnknown, OSError, ValueError):
+        return None
+    if not isinstance(config.get("num_attention_heads"), int):
+        return None
+    return Attention(config["num_attention_heads"], config.get("attention_head_dim", 0),
+                     f"the transformer config of {folder.origin}")
+
+
 FACTS = ModelFacts(family="wan", modality="video", count=_count, spec_issues=_spec_issues,
-                   token_factors=token_factors)
+                   token_factors=token_factors, attention=_attention)

@@ -85,6 +85,8 @@ class Setup:
     samples: bool = False  # sample.prompts renders during training
     ema_device: Optional[str] = None  # train.ema.device (same | cpu); None: no EMA
     ema_in_samples: bool = False  # samples show the EMA (train.ema.export: ema): swapped into the model
+    sequence_parallel: int = 1  # deepspeed.sequence_parallel_size: each rank holds 1/N of a sample's tokens
+    all_to_all_bytes: float = 0.0  # the attention all-to-alls' buffers under sequence parallelism (validate's)
 
     @classmethod
     def of(cls, spec, plan, ds_config: dict, base_precision: Optional[str] = None,
@@ -108,7 +110,8 @@ class Setup:
             base_bytes_per_param=BASE_PRECISION_BYTES.get(base_precision) if base_precision else None,
             accelerator=accelerator, samples=bool(getattr(getattr(spec, "sample", None), "prompts", None)),
             ema_device=ema.device if ema is not None else None,
-            ema_in_samples=ema is not None and ema.export == "ema")
+            ema_in_samples=ema is not None and ema.export == "ema",
+            sequence_parallel=getattr(plan, "sequence_parallel_size", 1))
 
     @property
     def weight_bytes(self) -> float:
@@ -206,8 +209,10 @@ def frozen_on_gpu(counts: ModelCounts, setup: Setup) -> float:
 
 
 def activations(counts: ModelCounts, setup: Setup) -> float:
+    """The micro batch's activations on one rank: under sequence parallelism 1/N of each sample's (every
+    activation between the all-to-alls is split by token; the few whole-sequence tensors are the buffers')."""
     per_sample = counts.checkpointed_sample_bytes if setup.gradient_checkpointing else counts.activation_sample_bytes
-    return setup.micro_batch * per_sample * setup.weight_bytes / 2.0
+    return setup.micro_batch * per_sample * setup.weight_bytes / 2.0 / setup.sequence_parallel
 
 
 def deepspeed_buffers(counts: ModelCounts, setup: Setup) -> float:
@@ -293,7 +298,8 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
     reserve = RUNTIME_RESERVE_BYTES if setup.accelerator == "cuda" else 0
     sampling = setup.frozen_bytes * sum(counts.sampling_companions.values()) if setup.samples else 0.0
     ema = 4.0 * counts.trainable_params / setup.world_size if setup.ema_device == "same" else 0.0
-    frozen, acts, buffers = frozen_on_gpu(counts, setup), activations(counts, setup), deepspeed_buffers(counts, setup)
+    frozen, acts = frozen_on_gpu(counts, setup), activations(counts, setup)
+    buffers = deepspeed_buffers(counts, setup) + setup.all_to_all_bytes
     swap = ema_swap_bytes(counts, setup)
     base_on_gpu = frozen_on_gpu(replace(counts, companions={}), setup)
     terms = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer, "frozen": frozen,
@@ -408,6 +414,8 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
         "gpu_memory_bytes": None if gpu_bytes is None else int(gpu_bytes),
         "fits": fits,
         "suggestions": suggestions(counts, setup, gpu_bytes) if fits is False else [],
+        **({"sequence_parallel": {"size": setup.sequence_parallel, "all_to_all_bytes": int(setup.all_to_all_bytes)}}
+           if setup.sequence_parallel > 1 else {}),
         "parameters": {"module": counts.trainable_module, "module_params": counts.module_params,
                        "trainable_params": counts.trainable_params, "frozen_base_params": counts.frozen_base_params,
                        "largest_layer_params": counts.largest_layer_params, "companions": dict(counts.companions),

@@ -18,6 +18,8 @@ SAFE_CHANGES = {
     "output.": "where and how often the run writes checkpoints, metrics and the export",
     "sample.": "only what the sample grids show",
     "deepspeed.timeout_minutes": "only how long ranks wait for each other",
+    "deepspeed.sequence_parallel_size": "how many ranks share each sample (the same maths; a changed global batch is "
+    "decided on its own)",
     "data.num_workers": "only how many processes load the same batches",
     "data.allow_upscaling": "only whether images smaller than data.resolution are warned about",
     "data.cache.": "only where encodings come from (cached and on-the-fly batches agree to float rounding)",

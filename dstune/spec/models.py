@@ -225,6 +225,12 @@ class DeepSpeedSpec(Section):
         "docs/deepspeed-config.md.",
     )
     timeout_minutes: int = Field(30, gt=0, description="Collective-operation timeout: a dead rank stops the others after this.")
+    sequence_parallel_size: int = Field(
+        1, ge=1, description="Sequence parallelism (DeepSpeed Ulysses): N ranks share each sample, each holding 1/N of "
+        "its tokens between the attention all-to-alls, so activations per GPU shrink N-fold. The ranks form "
+        "world / N data-parallel groups; the batch numbers (micro, accumulation, global) count data-parallel ranks. N "
+        "must divide the number of ranks, the transformer's attention heads and every bucket's tokens per sample. "
+        "Flow-matching transformers only (model.family flow or wan). See docs/sequence-parallel.md.")
 
     _offload_opt = field_validator("offload_optimizer", mode="before")(classmethod(lambda cls, v: _offload_shorthand(v)))
     _offload_par = field_validator("offload_param", mode="before")(classmethod(lambda cls, v: _offload_shorthand(v)))

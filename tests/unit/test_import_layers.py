@@ -24,7 +24,7 @@ LAYERS = [
     ["dstune.distributed", "dstune.ds_json", "dstune.data",
      "dstune.families", "dstune.ema", "dstune.memory.counts", "dstune.model_folders", "dstune.model_defaults",
      "dstune.memory.record"],
-    ["dstune.builtin", "dstune.video_plan", "dstune.validate", "dstune.report"],
+    ["dstune.builtin", "dstune.video_plan", "dstune.sequence_parallel", "dstune.validate", "dstune.report"],
     ["dstune.pretrained", "dstune.cache", "dstune.engine", "dstune.checkpoints.store", "dstune.batch_check",
      "dstune.checkpoints.reshard", "dstune.evaluation"],
     ["dstune.loop", "dstune.export", "dstune.checkpoints.resume"],

@@ -1,0 +1,52 @@
+"""The attention split of sequence parallelism (deepspeed.sequence_parallel_size = N > 1), on a diffusers
+transformer, through the transformer's own context-parallel plan (`_cp_plan`: where its token sequence is split,
+which of its attention calls trade the sequence split for a head split by an all-to-all, and where the output is
+gathered back). docs/sequence-parallel.md says why this and not DeepSpeed's DistributedAttention.
+
+    split_sequences(transformer, rank, world_size, size)
+
+Afterwards every forward of `transformer` on the N ranks of a sequence group (ranks dp * N .. dp * N + N - 1, the
+layout of DeepSpeed's sequence-parallel groups that dstune.distributed sets up) must get the same inputs: each rank
+then holds 1/N of the tokens between the all-to-alls and returns the whole output. In backward, each rank's
+parameter gradients are its tokens' share; DeepSpeed's ZeRO (given the sequence-parallel groups as its mpu) sums
+them over the group and averages over the data-parallel groups, so a step is the step of one rank on the same
+global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+MESH_NAMES = ("data_parallel", "ring", "ulysses")  # diffusers' context-parallel mesh needs "ring" and "ulysses"
+
+
+def context_parallel_plan(transformer) -> Optional[dict]:
+    """The transformer's context-parallel plan, None when its class has none (it cannot be split)."""
+    return getattr(type(transformer), "_cp_plan", None)
+
+
+def split_sequences(transformer, rank: int, world_size: int, size: int) -> None:
+    """Collective (every rank; it makes the device mesh's process groups): split `transformer`'s sequences over
+    groups of `size` consecutive ranks. The transformer may be wrapped by PEFT (LoRA): the plan names its modules."""
+    import torch
+    from diffusers.hooks.context_parallel import apply_context_parallel
+    from diffusers import ContextParallelConfig, ParallelConfig
+
+    plan = context_parallel_plan(transformer)
+    if plan is None:
+        raise ValueError(f"{type(transformer).__name__} has no context-parallel plan (_cp_plan): its sequences cannot "
+                         "be split; train it with deepspeed.sequence_parallel_size: 1")
+    device = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda", torch.cuda.current_device())
+    mesh = torch.distributed.device_mesh.init_device_mesh(
+        device.type, (world_size // size, 1, size), mesh_dim_names=MESH_NAMES)
+    group_mesh = mesh["ring", "ulysses"]  # this rank's sequence group, as diffusers' attention dispatch reads it
+    config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=size, mesh=group_mesh))
+    # diffusers' own enable_parallelism would build a mesh over every rank and pick the device by
+    # torch.accelerator.device_count(), which is 0 on the CPU: the same configuration is set up here instead.
+    config.setup(rank, world_size, device, mesh=group_mesh)
+    transformer._parallel_config = config
+    for module in transformer.modules():
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(processor, "_parallel_config"):
+            processor._parallel_config = config  # the processors pass it to self-attention only
+    apply_context_parallel(transformer, config.context_parallel_config, plan)

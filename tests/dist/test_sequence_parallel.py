@@ -1,0 +1,178 @@
+"""Sequence parallelism (deepspeed.sequence_parallel_size) trains the same maths as one rank: builtin:tiny-wan with
+size 2 on 2 ranks (one sequence group: each rank holds half of every clip's tokens between the attention
+all-to-alls) against 1 rank with size 1 on the same global batch, for
+
+- full fine-tuning under ZeRO 2, from the latent and text caches, rendering samples (split too);
+- LoRA under ZeRO 3 with gradient checkpointing (the recomputed forward repeats the all-to-alls);
+- the ZeRO 2 run resumed from its step-2 checkpoint on 1 rank with size 1 (the checkpoint re-partitioned for the
+  other world) continues the same trajectory;
+- builtin:tiny-flux2 (FLUX.2, an image model whose plan splits the image and the text streams) full under ZeRO 2,
+  with its held-out loss (data.eval: a sequence group computes each batch together);
+- 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
+  receive different samples, each splitting its own.
+
+Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
+check: three 2-rank launches and their three 1-rank references, a 4-rank launch and its 2-rank reference, and the
+1-rank resume (each launched when a test first needs it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flow_runs import STEPS, TRANSFORMER, flow_spec
+import shutil
+
+from harness import CACHE_DIR, base_spec, explain, launch, metrics, write_spec
+
+pytestmark = pytest.mark.dist
+
+MODEL = "tiny-wan"  # 2 attention heads; builtin:moving-shapes clips are 5 frames of 32 px: 2 x 2 x 2 = 8 tokens
+LORA_FILE = Path("pytorch_lora_weights.safetensors")
+
+IMAGE_MODEL = "tiny-flux2"  # 2 heads; 32 px images are 4 tokens, the text 512 (padded to max_sequence_length)
+
+# name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
+LAUNCHES = {
+    "zero2-full-sp2": (2, 2, 2, "full", MODEL),
+    "zero2-full-ref": (1, 1, 2, "full", MODEL),
+    "zero3-lora-sp2": (2, 2, 3, "lora", MODEL),
+    "zero3-lora-ref": (1, 1, 3, "lora", MODEL),
+    "flux2-zero2-full-sp2": (2, 2, 2, "full", IMAGE_MODEL),
+    "flux2-zero2-full-ref": (1, 1, 2, "full", IMAGE_MODEL),
+    "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
+    "2-ranks-2x1": (2, 1, 2, "full", MODEL),  # 2 data-parallel ranks, micro 1 each
+}
+PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "zero3-lora-ref", LORA_FILE),
+         ("flux2-zero2-full-sp2", "flux2-zero2-full-ref", TRANSFORMER), ("4-ranks-2x2", "2-ranks-2x1", TRANSFORMER)]
+
+
+def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
+    micro = 2 // (ranks // size)  # the same global batch of 2 on every world
+    if model == IMAGE_MODEL:  # the flow image runs' spec (latent and text caches, samples), on the same batch
+        spec = flow_spec(run_dir, model, stage, train)
+        spec["train"].update(global_batch_size=2, micro_batch_size=micro)
+        spec["deepspeed"]["sequence_parallel_size"] = size
+        spec["output"].update(save_every_steps=None)
+        spec["data"]["eval"] = {"fraction": 0.2, "every_steps": 2}  # the held-out loss, split too
+        return spec
+    lora = train == "lora"
+    cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
+    return base_spec(
+        run_dir,
+        model={"family": "wan", "pretrained": f"builtin:{MODEL}", "train": train, "gradient_checkpointing": lora},
+        data={"path": "builtin:moving-shapes", "cache": cache},
+        train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,
+               "max_steps": STEPS,
+               # SGD for LoRA: its update is linear in the gradient. Adam's first updates normalise each element,
+               # so a LoRA A element whose gradient is near zero (just after B leaves zero) turns summation-order
+               # differences of 1e-7 into 1e-4 of its weight.
+               "optimizer": {"type": "sgd", "lr": 0.5, "momentum": 0.9} if lora else {"type": "adamw", "lr": 2e-4}},
+        deepspeed={"zero_stage": stage, "sequence_parallel_size": size},
+        output={"export": "diffusers", "save_every_steps": 2, "keep_last": 5},
+        sample={"prompts": [] if lora else ["a red circle moving left"], "steps": 2, "guidance": 1.0},
+    )
+
+
+class Runs:
+    """name -> (run folder, finished launch) of LAUNCHES (and "resumed"), each launched when a test first asks for
+    it, so that `-k` runs only the launches its tests need."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp_path_factory, self.done = tmp_path_factory, {}
+
+    def __getitem__(self, name: str):
+        if name not in self.done:
+            self.done[name] = self._resume() if name == "resumed" else self._launch(name)
+        return self.done[name]
+
+    def _launch(self, name: str):
+        ranks, size, stage, train, model = LAUNCHES[name]
+        run_dir = self.tmp_path_factory.mktemp(name) / "run"
+        spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, ranks, size, stage, train, model))
+        return run_dir, launch(spec_path, num_ranks=ranks)
+
+    def _resume(self):
+        """The ZeRO 2 wan run's step-2 checkpoint, resumed on 1 rank at size 1."""
+        run_dir, proc = self["zero2-full-sp2"]
+        assert proc.returncode == 0, explain(proc)
+        resumed = run_dir.parent / "resumed"
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
+        (resumed / "checkpoints" / "latest").write_text("step-00000002")
+        return resumed, launch(run_dir.parent / "spec.yaml", num_ranks=1, args=(
+            "--resume", "latest", "--set", f"output.dir={resumed}", "--set", "deepspeed.sequence_parallel_size=1"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    from dstune.builtin import ensure_builtin_model
+
+    for model in (MODEL, IMAGE_MODEL):
+        ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
+    return Runs(tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", [name for name, case in LAUNCHES.items() if case[1] > 1])
+def test_the_batch_check_sees_the_sequence_groups(runs, name):
+    ranks, size = LAUNCHES[name][:2]
+    run_dir, proc = runs[name]
+    assert proc.returncode == 0, explain(proc)
+    assert "batch check passed" in proc.stdout
+    table = proc.stdout[proc.stdout.index("batch check passed"):]
+    assert f"sequence-parallel     {size}" in table and f"data-parallel         {ranks // size}" in table
+    assert f"{ranks // size} data-parallel x {size} sequence-parallel" in proc.stdout  # validate's plan (rank 0)
+
+
+@pytest.mark.parametrize("split, whole, exported", PAIRS, ids=[pair[0] for pair in PAIRS])
+def test_two_ranks_of_one_sequence_group_train_what_one_rank_trains(runs, split, whole, exported):
+    (split_dir, split_proc), (whole_dir, whole_proc) = runs[split], runs[whole]
+    assert split_proc.returncode == 0, explain(split_proc)
+    assert whole_proc.returncode == 0, explain(whole_proc)
+    split_losses, whole_losses = ([m["loss"] for m in metrics(d)] for d in (split_dir, whole_dir))
+    assert len(split_losses) == STEPS
+    assert split_losses == pytest.approx(whole_losses, rel=1e-5)
+    # the gradient itself (Adam's update hides its scale; a group that averaged instead of summing would halve it)
+    assert [m["grad_norm"] for m in metrics(split_dir)] == pytest.approx([m["grad_norm"] for m in metrics(whole_dir)],
+                                                                         rel=1e-5)
+    a = load_file(split_dir / "export" / f"step-{STEPS:08d}" / exported)
+    b = load_file(whole_dir / "export" / f"step-{STEPS:08d}" / exported)
+    assert set(a) == set(b)
+    for key in b:
+        scale = b[key].abs().max().item() or 1.0
+        assert (a[key] - b[key]).abs().max().item() <= 1e-5 * scale, key
+
+
+def test_samples_render_split(runs):
+    run_dir, proc = runs["zero2-full-sp2"]
+    assert proc.returncode == 0, explain(proc)
+    assert list((run_dir / "samples").glob(f"step-{STEPS:06d}.*"))  # an animated image of the frames
+    assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()
+
+
+def test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_trajectory(runs):
+    (run_dir, proc), (resumed, again) = runs["zero2-full-sp2"], runs["resumed"]
+    assert proc.returncode == 0, explain(proc)
+    assert again.returncode == 0, explain(again)
+    assert "deepspeed.sequence_parallel_size: 2 -> 1" in again.stdout  # an allowed change, said
+    first, second = metrics(run_dir), metrics(resumed)
+    assert [m["step"] for m in second] == [3, 4]
+    for before, after in zip(first[2:], second):
+        assert after["loss"] == pytest.approx(before["loss"], rel=1e-5)
+    a = load_file(run_dir / "export" / f"step-{STEPS:08d}" / TRANSFORMER)
+    b = load_file(resumed / "export" / f"step-{STEPS:08d}" / TRANSFORMER)
+    assert max(((a[k] - b[k]).abs().max() / (a[k].abs().max() + 1e-12)).item() for k in a) <= 1e-5
+
+
+def test_the_held_out_loss_of_a_sequence_group_is_one_ranks(runs):
+    (split_dir, split_proc), (whole_dir, whole_proc) = runs["flux2-zero2-full-sp2"], runs["flux2-zero2-full-ref"]
+    assert split_proc.returncode == 0, explain(split_proc)
+    assert whole_proc.returncode == 0, explain(whole_proc)
+    split, whole = ([(m["step"], m["eval_loss"], m["eval_samples"]) for m in metrics(d) if "eval_loss" in m]
+                    for d in (split_dir, whole_dir))
+    assert [step for step, *_ in split] == [2, 4] and [n for *_, n in split] == [n for *_, n in whole]
+    assert [loss for _, loss, _ in split] == pytest.approx([loss for _, loss, _ in whole], rel=1e-5)

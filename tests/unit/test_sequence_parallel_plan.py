@@ -1,0 +1,185 @@
+"""deepspeed.sequence_parallel_size as `dstune validate` plans it: the world as data-parallel x sequence-parallel,
+the batch numbers per data-parallel rank, the refusals (each naming the key and sizes that work), the DeepSpeed JSON,
+and the memory plan (activations divided by N, the all-to-all buffers added), on Wan 2.1 T2V 14B from the configs
+stored with dstune, on 8 GPUs, planned offline; then the loader keyed by the data-parallel rank and the batch check
+of sequence groups. The training itself is tests/dist/test_sequence_parallel.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dstune.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+WAN14B = str(REPO / "launch" / "wan21-t2v-14b-lora-zero3-8gpu.yaml")  # 81 frames of 480 x 480: 18,900 tokens
+
+
+def validate_json(capsys, size: int, *sets: str, spec: str = WAN14B, gpus: int = 8) -> tuple[int, dict]:
+    code = main(["validate", spec, "--num-gpus", str(gpus), "--num-samples", "2000", "--json",
+                 "--set", f"deepspeed.sequence_parallel_size={size}", *[a for s in sets for a in ("--set", s)]])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_the_batch_counts_data_parallel_ranks_and_deepspeed_agrees(capsys):
+    code, out = validate_json(capsys, 4)
+    assert code == 0, out["errors"]
+    plan = out["plan"]
+    assert (plan["world_size"], plan["sequence_parallel_size"], plan["data_parallel_size"]) == (8, 4, 2)
+    assert plan["global_batch_size"] == 1 * 1 * 2  # micro x accumulation x data-parallel ranks
+    assert plan["steps_per_epoch"] == 2000 // 2
+    ds = out["ds_config"]  # DeepSpeed's own config code agreed on these for 8 ranks (validate's cross-check)
+    assert (ds["sequence_parallel_size"], ds["train_batch_size"]) == (4, 2)
+
+
+def test_memory_divides_activations_by_n_and_adds_the_all_to_all_buffers(capsys):
+    _, one = validate_json(capsys, 1)
+    _, four = validate_json(capsys, 4)
+    acts_one, acts_four = (m["memory"]["per_gpu"]["activations_bytes"] for m in (one, four))
+    assert acts_four == pytest.approx(acts_one / 4, rel=1e-6)
+    assert "sequence_parallel" not in one["memory"] and "sequence_parallel_size" not in one["plan"]  # N = 1: as before
+    # 40 heads x 128 wide, 18,900 tokens / 4 per rank, bf16: q, k, v and the output, each sent and received
+    assert four["memory"]["sequence_parallel"]["all_to_all_bytes"] == 2 * 4 * (18900 // 4) * 40 * 128 * 2
+    buffers_one, buffers_four = (m["memory"]["per_gpu"]["buffers_bytes"] for m in (one, four))
+    assert buffers_four - buffers_one == four["memory"]["sequence_parallel"]["all_to_all_bytes"]
+    assert "ds_config" not in one or "sequence_parallel_size" not in one["ds_config"]  # N = 1: the JSON unchanged
+
+
+def test_validate_prints_both_degrees_and_the_tokens_per_rank(capsys):
+    assert main(["validate", WAN14B, "--num-gpus", "8", "--num-samples", "2000",
+                 "--set", "deepspeed.sequence_parallel_size=2"]) == 0
+    text = capsys.readouterr().out
+    assert "8 = 4 data-parallel x 2 sequence-parallel" in text
+    assert "4 data-parallel x 2 sequence-parallel (8 ranks)" in text
+    assert "18900 tokens per sample -> 9450 per rank" in text
+    assert "valid: 4 ranks (data-parallel; x 2 sequence-parallel)" in text
+
+
+REFUSALS = [
+    # (N, GPUs, --set, what the one error says)
+    (3, 8, (), ["does not divide the 8 ranks", "use one of 1, 2, 4, 8"]),
+    (16, 16, (), ["does not divide the transformer's 40 attention heads", "use one of 1, 2, 4, 5, 8, 10, 20, 40"]),
+    (8, 8, (), ["does not divide the tokens per sample of 2 bucket(s) (81f 480x480: 18900, samples (81f 480x480): "
+                "18900", "Sizes that keep every rule on 8 rank(s): 1, 2, 4."]),
+    (2, 8, ("deepspeed.zero_stage=0",), ["it needs ZeRO (deepspeed.zero_stage 1, 2 or 3)",
+                                         "Sizes that keep every rule on 8 rank(s): 1."]),
+]
+
+
+@pytest.mark.parametrize("size, gpus, sets, says", REFUSALS, ids=["world", "heads", "tokens", "zero0"])
+def test_a_size_that_does_not_divide_is_refused_naming_the_key_and_sizes_that_work(capsys, size, gpus, sets, says):
+    code, out = validate_json(capsys, size, *sets, gpus=gpus)
+    assert code == 1
+    errors = [e for e in out["errors"] if "sequence_parallel_size" in e]
+    assert len(errors) == 1 and all(part in errors[0] for part in says), out["errors"]
+
+
+def test_a_family_without_the_split_is_refused_with_the_reason(capsys):
+    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "sd15-zero2.yaml"))
+    assert code == 1
+    assert any("deepspeed.sequence_parallel_size" in e and "model.family sd has no sequence-parallel attention" in e
+               for e in out["errors"]), out["errors"]
+
+
+def test_the_users_deepspeed_file_cannot_set_another_size(tmp_path, capsys):
+    (tmp_path / "ds.json").write_text(json.dumps({"sequence_parallel_size": 4}))
+    code, out = validate_json(capsys, 2, f"deepspeed.config={tmp_path / 'ds.json'}")
+    assert code == 1
+    assert any("sequence_parallel_size" in e and "deepspeed.sequence_parallel_size 2" in e for e in out["errors"])
+
+
+# ---------------------------------------------------------------------------- the loader and the batch check
+
+
+class _World:
+    world_size, num_nodes, ranks_per_node = 4, 1, (4,)
+
+
+def _plan(size: int):
+    from dstune.plan import make_plan
+    from dstune.spec.load import SpecSource
+    from dstune.spec.models import TrainSpec
+
+    return make_plan(TrainSpec(micro_batch_size=2, max_steps=3), _World(), 24, SpecSource("spec.yaml"), None, size)
+
+
+def _reports(plan, rank_of_loader):
+    """Every rank's RankReport as training builds it, its loader keyed by rank_of_loader(global rank)."""
+    from dstune.batch_check import RankReport, sample_report
+    from dstune.data.sampler import GlobalBatchSampler
+    from dstune.distributed import Run
+    from dstune.world import World
+
+    world = World(4, 1, (4,), ("h",), "test")
+    reports = []
+    for rank in range(4):
+        run = Run(rank, rank, world, "cpu", "cpu", 0, True, sequence_parallel_size=plan.sequence_parallel_size)
+        sampler = GlobalBatchSampler(24, plan, rank_of_loader(run), seed=0)
+        reports.append(RankReport(rank=rank, host="h", ds_micro_batch=2, ds_accumulation=1, ds_global_batch=4,
+                                  ds_data_parallel=2, ds_sequence_parallel=2, loader_micro_batches=6,
+                                  first_batch_size=2, num_samples=24, **sample_report(run, sampler)))
+    return reports
+
+
+def test_the_ranks_of_a_sequence_group_share_samples_and_the_groups_do_not():
+    """4 ranks as 2 data-parallel x 2 sequence-parallel: the loader keyed by the data-parallel rank gives ranks 0, 1
+    one half of each global batch and ranks 2, 3 the other; the checker passes that, and names a loader keyed by the
+    global rank (each rank its own samples) and one that gives every group the same samples."""
+    from dstune.batch_check import expected_from_plan, find_mismatches
+
+    plan = _plan(2)
+    assert (plan.data_parallel_size, plan.global_batch_size, plan.steps_per_epoch) == (2, 4, 6)
+    expected = expected_from_plan(plan)
+    good = _reports(plan, lambda run: run.data_parallel_rank)
+    assert [r.data_parallel_rank for r in good] == [0, 0, 1, 1]
+    assert good[0].first_step_ids == good[1].first_step_ids and not set(good[0].first_step_ids) & set(
+        good[2].first_step_ids)
+    assert find_mismatches(good, expected) == []
+    by_sequence_rank = "\n".join(find_mismatches(_reports(plan, lambda run: run.rank % 2), expected))
+    assert "sequence group 0 (ranks 0, 1): its ranks receive different samples" in by_sequence_rank
+    same_everywhere = "\n".join(find_mismatches(_reports(plan, lambda run: 0), expected))
+    assert "sequence groups 0 and 1 both receive samples" in same_everywhere
+    wrong_degree = [r.__class__(**{**r.__dict__, "ds_sequence_parallel": 1}) for r in good]
+    assert "DeepSpeed sequence-parallel size is 1, the plan says 2" in "\n".join(find_mismatches(wrong_degree,
+                                                                                                 expected))
+
+
+def test_zero3_reduces_over_the_data_parallel_groups_with_a_bucket_for_the_largest_parameter(capsys):
+    """DeepSpeed's ZeRO-3 reduce-scatter path averages gradients over every rank; its all-reduce path divides by the
+    data-parallel ranks only, as sequence parallelism needs: the JSON turns reduce_scatter off, and the engine's
+    bucket holds the largest trainable parameter (a bucket past its size takes the reduce-scatter path)."""
+    import torch
+
+    from dstune.engine import sequence_parallel_bucket
+
+    _, out = validate_json(capsys, 2)
+    zero = out["ds_config"]["zero_optimization"]
+    assert zero["stage"] == 3 and zero["reduce_scatter"] is False
+    _, data_parallel = validate_json(capsys, 1)
+    assert "reduce_scatter" not in data_parallel["ds_config"]["zero_optimization"]
+    params = [torch.nn.Parameter(torch.zeros(30, 40)), torch.nn.Parameter(torch.zeros(5))]
+    small = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}}
+    assert sequence_parallel_bucket(small, params)["zero_optimization"]["reduce_bucket_size"] == 1200
+    assert sequence_parallel_bucket({"zero_optimization": {"stage": 3, "reduce_bucket_size": 5000}}, params) == {
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 5000}}
+    assert sequence_parallel_bucket({"zero_optimization": {"stage": 2, "reduce_bucket_size": 10}}, params) == {
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 10}}
+
+
+def test_flux2_splits_its_image_and_text_and_the_other_flow_models_are_refused(capsys):
+    """FLUX.2's context-parallel plan splits the image and the text streams: validate lists both token counts per
+    rank; Qwen-Image (not enabled yet) is refused with the reason."""
+    assert main(["validate", str(REPO / "launch" / "flux2-klein-lora-zero2-8gpu.yaml"), "--num-gpus", "8",
+                 "--num-samples", "1000", "--set", "deepspeed.sequence_parallel_size=4"]) == 0
+    text = capsys.readouterr().out
+    assert "1024x1024             4096 tokens per sample -> 1024 per rank" in text
+    assert "text                  512 tokens per sample -> 128 per rank" in text
+    code, out = validate_json(capsys, 2, "model.max_sequence_length=511",
+                              spec=str(REPO / "launch" / "flux2-klein-lora-zero2-8gpu.yaml"))
+    assert code == 1 and any("text: 511" in e for e in out["errors"]), out["errors"]
+    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "qwen-image-lora-zero3-8gpu.yaml"))
+    assert code == 1
+    assert any("Qwen-Image's sequence split is not enabled in dstune yet (enabled: FLUX.2)" in e
+               for e in out["errors"]), out["errors"]
