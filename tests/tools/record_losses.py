@@ -123,6 +123,14 @@ def _speecht5_spec(run_dir: Path, name: str) -> dict:
                    {"global_batch_size": 8, "micro_batch_size": 4, "optimizer": {"type": "adamw", "lr": 1e-2}})
 
 
+def _codebooks_spec(run_dir: Path, name: str) -> dict:
+    """tts_codebooks (CSM) on builtin:tones from the codec-token cache (tests/dist/tts_runs.py's codebooks runs)."""
+    return _common(run_dir, {"family": "tts_codebooks", "pretrained": f"builtin:{name}"},
+                   {"path": "builtin:tones", "max_clip_seconds": 0.5,
+                    "cache": {"codec_tokens": True, "dir": str(run_dir.parent / "codec-cache")}},
+                   {"global_batch_size": 8, "micro_batch_size": 4, "optimizer": {"type": "adamw", "lr": 1e-2}})
+
+
 # built-in model -> its run's spec(run_dir, model name); one entry per dstune.builtin.BUILTIN_MODELS name
 CASES = {
     "tiny-sd": _image_spec("sd"),
@@ -134,13 +142,20 @@ CASES = {
     "tiny-z-image": _flow_spec,
     "tiny-flux2": _flow_spec,
     "tiny-flux2-dev": _flow_spec,
+    "tiny-ideogram4": _flow_spec,
+    "tiny-krea2": _flow_spec,
+    "tiny-krea2-turbo": _flow_spec,
+    "tiny-qwen-image-21": _flow_spec,
     "tiny-wan": _wan_spec({}, True, True),
     "tiny-wan-a14b": _wan_spec({"expert": "low_noise"}, False, False),
     "tiny-wan-i2v": _wan_spec({}, True, True),
     "tiny-wan22-ti2v": _wan_spec({"image_to_video": True}, True, True),
+    "tiny-hunyuan-video15": _wan_spec({"max_sequence_length": 48}, True, True),
+    "tiny-hunyuan-video15-i2v": _wan_spec({"max_sequence_length": 48}, True, True),
     "tiny-tts-lm": _tts_lm_spec({}, 1e-2),
     "tiny-orpheus": _tts_lm_spec({"codec": "snac", "token_layout": "orpheus", "added_tokens": ["12", "345"]}, 3e-2),
     "tiny-speecht5": _speecht5_spec,
+    "tiny-csm": _codebooks_spec,
 }
 
 
