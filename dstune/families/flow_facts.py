@@ -290,7 +290,7 @@ def _pairs(spec) -> Optional[str]:
         return None
 
 
-SPLIT_MODELS = ("FLUX.2",)  # sequence parallelism: the flow models whose split is tested (docs/sequence-parallel.md)
+SPLIT_MODELS = ("FLUX.2", "Qwen-Image")  # sequence parallelism: the flow models whose split is tested (docs/sequence-parallel.md)
 
 
 def _attention(spec) -> Optional[Attention]:

@@ -184,6 +184,21 @@ def test_flux2_splits_its_image_and_text_and_the_other_flow_models_are_refused(c
     assert any("Flux.1's sequence split is not enabled in dstune yet" in e for e in out["errors"]), out["errors"]
 
 
+def test_qwen_image_splits_its_packed_image_and_its_text_and_refuses_a_size_that_breaks_either(capsys):
+    """Qwen-Image's plan splits the packed image tokens (2x2 patches of the 8x latent) and the text (padded to
+    model.max_sequence_length): N must divide both; the edit model (its plan not run split) is refused."""
+    qwen = str(REPO / "launch" / "qwen-image-lora-zero3-8gpu.yaml")
+    code, out = validate_json(capsys, 4, spec=qwen)
+    assert code == 0, out["errors"]
+    code, out = validate_json(capsys, 4, "model.max_sequence_length=510", spec=qwen)
+    assert code == 1 and any("text: 510" in e and "model.max_sequence_length for the text" in e
+                             and "Sizes that keep every rule on 8 rank(s): 1, 2." in e for e in out["errors"])
+    code, out = validate_json(capsys, 2, "data.resolution=1008", spec=qwen)  # 63 x 63 patches: 3969 tokens
+    assert code == 1 and any("1008x1008: 3969" in e for e in out["errors"]), out["errors"]
+    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "qwen-image-edit-lora-zero3-8gpu.yaml"))
+    assert code == 1 and any("Qwen-Image's sequence split is not enabled in dstune yet" in e for e in out["errors"])
+
+
 # (the model, its family, its transformer class): the classes without a context-parallel plan in diffusers 0.42.1
 NO_PLAN = [("builtin:tiny-z-image", "flow", "ZImageTransformer2DModel"),
            ("builtin:tiny-flow", "flow", "SD3Transformer2DModel"),
