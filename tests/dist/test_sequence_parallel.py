@@ -8,13 +8,14 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
   other world) continues the same trajectory;
 - builtin:tiny-flux2 (FLUX.2, an image model whose plan splits the image and the text streams) full under ZeRO 2,
   with its held-out loss (data.eval: a sequence group computes each batch together);
+- builtin:tiny-flux2 LoRA under ZeRO 3 with gradient checkpointing;
 - builtin:tiny-qwen-image (Qwen-Image: its plan splits the packed image, the text and the text mask) full under
   ZeRO 2, rendering a sample whose prompt and negative prompt have odd token counts (padded, masked, to split);
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
 Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: four 2-rank launches and their four 1-rank references, a 4-rank launch and its 2-rank reference, and the
+check: five 2-rank launches and their five 1-rank references, a 4-rank launch and its 2-rank reference, and the
 1-rank resume (each launched when a test first needs it).
 """
 
@@ -47,6 +48,8 @@ LAUNCHES = {
     "zero3-lora-ref": (1, 1, 3, "lora", MODEL),
     "flux2-zero2-full-sp2": (2, 2, 2, "full", IMAGE_MODEL),
     "flux2-zero2-full-ref": (1, 1, 2, "full", IMAGE_MODEL),
+    "flux2-zero3-lora-sp2": (2, 2, 3, "lora", IMAGE_MODEL),  # gradient checkpointing on (flow_spec's LoRA runs)
+    "flux2-zero3-lora-ref": (1, 1, 3, "lora", IMAGE_MODEL),
     "qwen-zero2-full-sp2": (2, 2, 2, "full", QWEN_MODEL),
     "qwen-zero2-full-ref": (1, 1, 2, "full", QWEN_MODEL),
     "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
@@ -54,7 +57,8 @@ LAUNCHES = {
 }
 PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "zero3-lora-ref", LORA_FILE),
          ("flux2-zero2-full-sp2", "flux2-zero2-full-ref", TRANSFORMER), ("4-ranks-2x2", "2-ranks-2x1", TRANSFORMER),
-         ("qwen-zero2-full-sp2", "qwen-zero2-full-ref", TRANSFORMER)]
+         ("qwen-zero2-full-sp2", "qwen-zero2-full-ref", TRANSFORMER),
+         ("flux2-zero3-lora-sp2", "flux2-zero3-lora-ref", LORA_FILE)]
 
 
 def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
@@ -64,7 +68,9 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
         spec["train"].update(global_batch_size=2, micro_batch_size=micro)
         spec["deepspeed"]["sequence_parallel_size"] = size
         spec["output"].update(save_every_steps=None)
-        if model == IMAGE_MODEL:
+        if model == IMAGE_MODEL and train == "lora":  # SGD: see the wan LoRA runs below
+            spec["train"]["optimizer"] = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
+        elif model == IMAGE_MODEL:
             spec["data"]["eval"] = {"fraction": 0.2, "every_steps": 2}  # the held-out loss, split too
         else:  # the pipeline's own prompt encoding: 141 tokens, its true-CFG negative 129, both split unevenly
             spec["sample"].update(prompts=["a red circles"], guidance=2.0)
