@@ -11,11 +11,12 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
 - builtin:tiny-flux2 LoRA under ZeRO 3 with gradient checkpointing;
 - builtin:tiny-qwen-image (Qwen-Image: its plan splits the packed image, the text and the text mask) full under
   ZeRO 2, rendering a sample whose prompt and negative prompt have odd token counts (padded, masked, to split);
+- builtin:tiny-wan-i2v (Wan 2.1 image-to-video: condition latents and CLIP image tokens) full under ZeRO 2;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
 Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: five 2-rank launches and their five 1-rank references, a 4-rank launch and its 2-rank reference, and the
+check: six 2-rank launches and their six 1-rank references, a 4-rank launch and its 2-rank reference, and the
 1-rank resume (each launched when a test first needs it).
 """
 
@@ -38,6 +39,7 @@ MODEL = "tiny-wan"  # 2 attention heads; builtin:moving-shapes clips are 5 frame
 LORA_FILE = Path("pytorch_lora_weights.safetensors")
 
 IMAGE_MODEL = "tiny-flux2"  # 2 heads; 32 px images are 4 tokens, the text 512 (padded to max_sequence_length)
+I2V_MODEL = "tiny-wan-i2v"  # Wan 2.1 image-to-video: condition latents beside the clip's, CLIP image tokens
 QWEN_MODEL = "tiny-qwen-image"  # 2 heads; its 2x VAE makes a 32 px image 64 tokens, the text 512 (padded, masked)
 
 # name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
@@ -52,13 +54,16 @@ LAUNCHES = {
     "flux2-zero3-lora-ref": (1, 1, 3, "lora", IMAGE_MODEL),
     "qwen-zero2-full-sp2": (2, 2, 2, "full", QWEN_MODEL),
     "qwen-zero2-full-ref": (1, 1, 2, "full", QWEN_MODEL),
+    "i2v-zero2-full-sp2": (2, 2, 2, "full", I2V_MODEL),
+    "i2v-zero2-full-ref": (1, 1, 2, "full", I2V_MODEL),
     "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
     "2-ranks-2x1": (2, 1, 2, "full", MODEL),  # 2 data-parallel ranks, micro 1 each
 }
 PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "zero3-lora-ref", LORA_FILE),
          ("flux2-zero2-full-sp2", "flux2-zero2-full-ref", TRANSFORMER), ("4-ranks-2x2", "2-ranks-2x1", TRANSFORMER),
          ("qwen-zero2-full-sp2", "qwen-zero2-full-ref", TRANSFORMER),
-         ("flux2-zero3-lora-sp2", "flux2-zero3-lora-ref", LORA_FILE)]
+         ("flux2-zero3-lora-sp2", "flux2-zero3-lora-ref", LORA_FILE),
+         ("i2v-zero2-full-sp2", "i2v-zero2-full-ref", TRANSFORMER)]
 
 
 def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
@@ -79,7 +84,7 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
     cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
     return base_spec(
         run_dir,
-        model={"family": "wan", "pretrained": f"builtin:{MODEL}", "train": train, "gradient_checkpointing": lora},
+        model={"family": "wan", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora},
         data={"path": "builtin:moving-shapes", "cache": cache},
         train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,
                "max_steps": STEPS,
@@ -89,7 +94,8 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
                "optimizer": {"type": "sgd", "lr": 0.5, "momentum": 0.9} if lora else {"type": "adamw", "lr": 2e-4}},
         deepspeed={"zero_stage": stage, "sequence_parallel_size": size},
         output={"export": "diffusers", "save_every_steps": 2, "keep_last": 5},
-        sample={"prompts": [] if lora else ["a red circle moving left"], "steps": 2, "guidance": 1.0},
+        sample={"prompts": [] if lora or model == I2V_MODEL else ["a red circle moving left"], "steps": 2,
+                "guidance": 1.0},
     )
 
 
@@ -127,7 +133,7 @@ class Runs:
 def runs(tmp_path_factory) -> Runs:
     from dstune.builtin import ensure_builtin_model
 
-    for model in (MODEL, IMAGE_MODEL, QWEN_MODEL):
+    for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL):
         ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
     return Runs(tmp_path_factory)
 
