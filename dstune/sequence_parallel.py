@@ -44,8 +44,8 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
     if facts.attention is None:
         return [source.issue(KEY, f"{size}: model.family {spec.model.family} has no sequence-parallel attention in "
                              "dstune (the split is made on the flow-matching transformers: model.family wan, and "
-                             "FLUX.2 under flow). Remove the key (sequence_parallel_size: 1), or shrink activations "
-                             "with model.gradient_checkpointing or a smaller micro batch.")]
+                             "FLUX.2 and Qwen-Image under flow). Remove the key (sequence_parallel_size: 1), or "
+                             "shrink activations with model.gradient_checkpointing or a smaller micro batch.")]
     problems = []  # one issue for the key (validate keeps one per key and place), every broken rule in it
     if spec.deepspeed.zero_stage == 0:
         problems.append("it needs ZeRO (deepspeed.zero_stage 1, 2 or 3): without ZeRO, DeepSpeed's gradient clipping "
@@ -67,8 +67,8 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
         listing = ", ".join(f"{label}: {tokens}" for label, tokens in uneven.items())
         problems.append(f"it does not divide the tokens per sample of {len(uneven)} bucket(s) ({listing}; each rank "
                         "holds exactly tokens / N of a sequence, dstune pads none): change data.resolution / "
-                        "data.video.frames (model.sample_frames for the samples) so that the tokens divide, or the "
-                        "size")
+                        "data.video.frames (model.sample_frames for the samples; model.max_sequence_length for the "
+                        "text) so that the tokens divide, or the size")
     if not problems:
         return []
     working = [n for n in _divisors(world_size) if (attention is None or attention.heads % n == 0)

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image_latent_bytes, pipeline_folder,
                                             trains_denoiser, transformer_text_bytes)
-from dstune.families.facts import Attention, ModelFacts, SpecIssues
+from dstune.families.facts import Attention, ModelFacts, SpecIssues, no_plan_refusal
 from dstune.memory.counts import SizesUnknown, count_component
 from dstune.model_folders import builtin_name_problem, locate
 
@@ -290,22 +290,26 @@ def _pairs(spec) -> Optional[str]:
         return None
 
 
-SPLIT_MODELS = ("FLUX.2",)  # sequence parallelism: the flow models whose split is tested (docs/sequence-parallel.md)
+SPLIT_MODELS = ("FLUX.2", "Qwen-Image")  # sequence parallelism: the flow models whose split is tested (docs/sequence-parallel.md)
 
 
 def _attention(spec) -> Optional[Attention]:
     """The transformer's heads and the text tokens its context-parallel plan splits with the image's (FLUX.2
-    splits both streams; the text is padded to max_sequence_length); a refusal for the models not yet enabled."""
+    splits both streams; the text is padded to max_sequence_length); a refusal for a transformer class without a
+    context-parallel plan, and for the models whose split is not enabled yet."""
     try:
         folder = pipeline_folder(spec.model.pretrained)
         model, config = flow_model(folder), folder.config("transformer")
     except (SizesUnknown, OSError, ValueError):
         return None
     origin = f"the transformer config of {folder.origin}"
+    no_plan = no_plan_refusal(folder.index["transformer"][1])
+    if no_plan:  # whatever its config says of heads, nothing can split it
+        return Attention(0, 0, origin, no_plan)
     heads = config.get("num_attention_heads")
     if not isinstance(heads, int):
         return None
-    refusal = "" if model.name in SPLIT_MODELS else (
+    refusal = "" if model.name in SPLIT_MODELS and not edit_pipeline(folder) else (
         f"{model.name}'s sequence split is not enabled in dstune yet (enabled: {', '.join(SPLIT_MODELS)})")
     return Attention(heads, config.get("attention_head_dim", 0), origin, refusal, text_tokens(spec, folder))
 

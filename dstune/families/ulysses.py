@@ -49,4 +49,35 @@ def split_sequences(transformer, rank: int, world_size: int, size: int) -> None:
         processor = getattr(module, "processor", None)
         if processor is not None and hasattr(processor, "_parallel_config"):
             processor._parallel_config = config  # the processors pass it to self-attention only
+    if _masks_its_text(transformer):
+        transformer.register_forward_pre_hook(_text_padded_to(size), with_kwargs=True)  # before the plan's hooks
     apply_context_parallel(transformer, config.context_parallel_config, plan)
+
+
+def _masks_its_text(transformer) -> bool:
+    """Whether the plan splits the text stream together with a text mask (Qwen-Image): then a text of any length
+    can be padded with masked tokens to split evenly."""
+    return any("encoder_hidden_states_mask" in (inputs or {}) for inputs in context_parallel_plan(transformer).values()
+               if isinstance(inputs, dict))
+
+
+def _text_padded_to(size: int):
+    """A forward pre-hook padding encoder_hidden_states (and its mask, zeros over the padding) to a multiple of
+    `size` tokens: the split needs equal parts, and the samples' prompts (the pipeline's own encoding, not padded to
+    max_sequence_length as the training text is) have any length. The padding is masked out of every attention
+    (its keys), and the text stream never reaches the output, so the image's prediction is unchanged."""
+    import torch
+
+    def pad(module, args, kwargs):
+        text = kwargs.get("encoder_hidden_states")
+        if text is None or text.shape[1] % size == 0:
+            return None
+        extra = size - text.shape[1] % size
+        mask = kwargs.get("encoder_hidden_states_mask")
+        if mask is None:  # the pipeline drops a mask of all ones
+            mask = torch.ones(text.shape[:2], dtype=torch.long, device=text.device)
+        kwargs["encoder_hidden_states"] = torch.cat([text, text.new_zeros(text.shape[0], extra, text.shape[2])], 1)
+        kwargs["encoder_hidden_states_mask"] = torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], 1)
+        return args, kwargs
+
+    return pad

@@ -14,7 +14,7 @@ from dstune.families import hunyuan15_facts
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, embedding_width_bytes, latent_channels,
                                             pipeline_folder, transformer_text_bytes)
-from dstune.families.facts import Attention, ModelFacts, SpecIssues
+from dstune.families.facts import Attention, ModelFacts, SpecIssues, no_plan_refusal
 from dstune.memory.counts import SizesUnknown, count_component
 from dstune.spec.video_models import expert_problems, expert_range, expert_range_text, experts_in
 
@@ -192,16 +192,20 @@ def _spec_issues(spec) -> SpecIssues:
 
 def _attention(spec):
     """The transformer's attention heads (what a sequence-parallel split must divide), None when its config is not
-    here. Wan 2.2 A14B's two experts have the same shape, so the high-noise one speaks for both."""
+    here; a refusal for a transformer class without a context-parallel plan (HunyuanVideo 1.5). Wan 2.2 A14B's two
+    experts have the same shape, so the high-noise one speaks for both."""
     try:
         folder = pipeline_folder(spec.model.pretrained)
         config = folder.config("transformer")
     except (SizesUnknown, OSError, ValueError):
         return None
+    origin = f"the transformer config of {folder.origin}"
+    no_plan = no_plan_refusal((folder.index.get("transformer") or [None, "none"])[1])
+    if no_plan:
+        return Attention(0, 0, origin, no_plan)
     if not isinstance(config.get("num_attention_heads"), int):
         return None
-    return Attention(config["num_attention_heads"], config.get("attention_head_dim", 0),
-                     f"the transformer config of {folder.origin}")
+    return Attention(config["num_attention_heads"], config.get("attention_head_dim", 0), origin)
 
 
 FACTS = ModelFacts(family="wan", modality="video", count=_count, spec_issues=_spec_issues,

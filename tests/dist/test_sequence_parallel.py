@@ -8,11 +8,15 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
   other world) continues the same trajectory;
 - builtin:tiny-flux2 (FLUX.2, an image model whose plan splits the image and the text streams) full under ZeRO 2,
   with its held-out loss (data.eval: a sequence group computes each batch together);
+- builtin:tiny-flux2 LoRA under ZeRO 3 with gradient checkpointing;
+- builtin:tiny-qwen-image (Qwen-Image: its plan splits the packed image, the text and the text mask) full under
+  ZeRO 2, rendering a sample whose prompt and negative prompt have odd token counts (padded, masked, to split);
+- builtin:tiny-wan-i2v (Wan 2.1 image-to-video: condition latents and CLIP image tokens) full under ZeRO 2;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
 Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: three 2-rank launches and their three 1-rank references, a 4-rank launch and its 2-rank reference, and the
+check: six 2-rank launches and their six 1-rank references, a 4-rank launch and its 2-rank reference, and the
 1-rank resume (each launched when a test first needs it).
 """
 
@@ -35,6 +39,8 @@ MODEL = "tiny-wan"  # 2 attention heads; builtin:moving-shapes clips are 5 frame
 LORA_FILE = Path("pytorch_lora_weights.safetensors")
 
 IMAGE_MODEL = "tiny-flux2"  # 2 heads; 32 px images are 4 tokens, the text 512 (padded to max_sequence_length)
+I2V_MODEL = "tiny-wan-i2v"  # Wan 2.1 image-to-video: condition latents beside the clip's, CLIP image tokens
+QWEN_MODEL = "tiny-qwen-image"  # 2 heads; its 2x VAE makes a 32 px image 64 tokens, the text 512 (padded, masked)
 
 # name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
 LAUNCHES = {
@@ -44,27 +50,41 @@ LAUNCHES = {
     "zero3-lora-ref": (1, 1, 3, "lora", MODEL),
     "flux2-zero2-full-sp2": (2, 2, 2, "full", IMAGE_MODEL),
     "flux2-zero2-full-ref": (1, 1, 2, "full", IMAGE_MODEL),
+    "flux2-zero3-lora-sp2": (2, 2, 3, "lora", IMAGE_MODEL),  # gradient checkpointing on (flow_spec's LoRA runs)
+    "flux2-zero3-lora-ref": (1, 1, 3, "lora", IMAGE_MODEL),
+    "qwen-zero2-full-sp2": (2, 2, 2, "full", QWEN_MODEL),
+    "qwen-zero2-full-ref": (1, 1, 2, "full", QWEN_MODEL),
+    "i2v-zero2-full-sp2": (2, 2, 2, "full", I2V_MODEL),
+    "i2v-zero2-full-ref": (1, 1, 2, "full", I2V_MODEL),
     "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
     "2-ranks-2x1": (2, 1, 2, "full", MODEL),  # 2 data-parallel ranks, micro 1 each
 }
 PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "zero3-lora-ref", LORA_FILE),
-         ("flux2-zero2-full-sp2", "flux2-zero2-full-ref", TRANSFORMER), ("4-ranks-2x2", "2-ranks-2x1", TRANSFORMER)]
+         ("flux2-zero2-full-sp2", "flux2-zero2-full-ref", TRANSFORMER), ("4-ranks-2x2", "2-ranks-2x1", TRANSFORMER),
+         ("qwen-zero2-full-sp2", "qwen-zero2-full-ref", TRANSFORMER),
+         ("flux2-zero3-lora-sp2", "flux2-zero3-lora-ref", LORA_FILE),
+         ("i2v-zero2-full-sp2", "i2v-zero2-full-ref", TRANSFORMER)]
 
 
 def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
     micro = 2 // (ranks // size)  # the same global batch of 2 on every world
-    if model == IMAGE_MODEL:  # the flow image runs' spec (latent and text caches, samples), on the same batch
+    if model in (IMAGE_MODEL, QWEN_MODEL):  # the flow image runs' spec (latent and text caches, samples)
         spec = flow_spec(run_dir, model, stage, train)
         spec["train"].update(global_batch_size=2, micro_batch_size=micro)
         spec["deepspeed"]["sequence_parallel_size"] = size
         spec["output"].update(save_every_steps=None)
-        spec["data"]["eval"] = {"fraction": 0.2, "every_steps": 2}  # the held-out loss, split too
+        if model == IMAGE_MODEL and train == "lora":  # SGD: see the wan LoRA runs below
+            spec["train"]["optimizer"] = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
+        elif model == IMAGE_MODEL:
+            spec["data"]["eval"] = {"fraction": 0.2, "every_steps": 2}  # the held-out loss, split too
+        else:  # the pipeline's own prompt encoding: 141 tokens, its true-CFG negative 129, both split unevenly
+            spec["sample"].update(prompts=["a red circles"], guidance=2.0)
         return spec
     lora = train == "lora"
     cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
     return base_spec(
         run_dir,
-        model={"family": "wan", "pretrained": f"builtin:{MODEL}", "train": train, "gradient_checkpointing": lora},
+        model={"family": "wan", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora},
         data={"path": "builtin:moving-shapes", "cache": cache},
         train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,
                "max_steps": STEPS,
@@ -74,7 +94,8 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
                "optimizer": {"type": "sgd", "lr": 0.5, "momentum": 0.9} if lora else {"type": "adamw", "lr": 2e-4}},
         deepspeed={"zero_stage": stage, "sequence_parallel_size": size},
         output={"export": "diffusers", "save_every_steps": 2, "keep_last": 5},
-        sample={"prompts": [] if lora else ["a red circle moving left"], "steps": 2, "guidance": 1.0},
+        sample={"prompts": [] if lora or model == I2V_MODEL else ["a red circle moving left"], "steps": 2,
+                "guidance": 1.0},
     )
 
 
@@ -112,7 +133,7 @@ class Runs:
 def runs(tmp_path_factory) -> Runs:
     from dstune.builtin import ensure_builtin_model
 
-    for model in (MODEL, IMAGE_MODEL):
+    for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL):
         ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
     return Runs(tmp_path_factory)
 
@@ -147,10 +168,12 @@ def test_two_ranks_of_one_sequence_group_train_what_one_rank_trains(runs, split,
         assert (a[key] - b[key]).abs().max().item() <= 1e-5 * scale, key
 
 
-def test_samples_render_split(runs):
-    run_dir, proc = runs["zero2-full-sp2"]
+@pytest.mark.parametrize("name", ["zero2-full-sp2", "qwen-zero2-full-sp2"])
+def test_samples_render_split(runs, name):
+    """Wan's clip; Qwen-Image's prompt and negative prompt, whose odd token counts are padded (masked) to split."""
+    run_dir, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
-    assert list((run_dir / "samples").glob(f"step-{STEPS:06d}.*"))  # an animated image of the frames
+    assert list((run_dir / "samples").glob(f"step-{STEPS:06d}.*"))  # an animated image of the frames, or a grid
     assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()
 
 

@@ -170,7 +170,7 @@ def test_zero3_reduces_over_the_data_parallel_groups_with_a_bucket_for_the_large
 
 def test_flux2_splits_its_image_and_text_and_the_other_flow_models_are_refused(capsys):
     """FLUX.2's context-parallel plan splits the image and the text streams: validate lists both token counts per
-    rank; Qwen-Image (not enabled yet) is refused with the reason."""
+    rank; Flux.1 (its plan not enabled yet) is refused with the reason."""
     assert main(["validate", str(REPO / "launch" / "flux2-klein-lora-zero2-8gpu.yaml"), "--num-gpus", "8",
                  "--num-samples", "1000", "--set", "deepspeed.sequence_parallel_size=4"]) == 0
     text = capsys.readouterr().out
@@ -179,7 +179,84 @@ def test_flux2_splits_its_image_and_text_and_the_other_flow_models_are_refused(c
     code, out = validate_json(capsys, 2, "model.max_sequence_length=511",
                               spec=str(REPO / "launch" / "flux2-klein-lora-zero2-8gpu.yaml"))
     assert code == 1 and any("text: 511" in e for e in out["errors"]), out["errors"]
-    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "qwen-image-lora-zero3-8gpu.yaml"))
+    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "flux-lora-zero3-8gpu.yaml"))
     assert code == 1
-    assert any("Qwen-Image's sequence split is not enabled in dstune yet (enabled: FLUX.2)" in e
-               for e in out["errors"]), out["errors"]
+    assert any("Flux.1's sequence split is not enabled in dstune yet" in e for e in out["errors"]), out["errors"]
+
+
+def test_qwen_image_splits_its_packed_image_and_its_text_and_refuses_a_size_that_breaks_either(capsys):
+    """Qwen-Image's plan splits the packed image tokens (2x2 patches of the 8x latent) and the text (padded to
+    model.max_sequence_length): N must divide both; the edit model (its plan not run split) is refused."""
+    qwen = str(REPO / "launch" / "qwen-image-lora-zero3-8gpu.yaml")
+    code, out = validate_json(capsys, 4, spec=qwen)
+    assert code == 0, out["errors"]
+    code, out = validate_json(capsys, 4, "model.max_sequence_length=510", spec=qwen)
+    assert code == 1 and any("text: 510" in e and "model.max_sequence_length for the text" in e
+                             and "Sizes that keep every rule on 8 rank(s): 1, 2." in e for e in out["errors"])
+    code, out = validate_json(capsys, 2, "data.resolution=1008", spec=qwen)  # 63 x 63 patches: 3969 tokens
+    assert code == 1 and any("1008x1008: 3969" in e for e in out["errors"]), out["errors"]
+    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "qwen-image-edit-lora-zero3-8gpu.yaml"))
+    assert code == 1 and any("Qwen-Image's sequence split is not enabled in dstune yet" in e for e in out["errors"])
+
+
+# (the model, its family, its transformer class): the classes without a context-parallel plan in diffusers 0.42.1
+NO_PLAN = [("builtin:tiny-z-image", "flow", "ZImageTransformer2DModel"),
+           ("builtin:tiny-flow", "flow", "SD3Transformer2DModel"),
+           ("builtin:tiny-krea2", "flow", "Krea2Transformer2DModel"),
+           ("builtin:tiny-ideogram4", "flow", "Ideogram4Transformer2DModel"),
+           ("builtin:tiny-qwen-image-21", "flow", "QwenImage21Transformer2DModel"),
+           ("builtin:tiny-hunyuan-video15", "wan", "HunyuanVideo15Transformer3DModel"),  # wan, chosen by folder
+           ("hunyuanvideo-community/HunyuanVideo-1.5-720p_t2v", "wan", "HunyuanVideo15Transformer3DModel")]
+
+
+def _no_plan_spec(tmp_path, pretrained: str, family: str) -> Path:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model:\n  family: {family}\n  pretrained: {pretrained}\n  train: lora\n"
+                    f"data:\n  path: builtin:{'moving-shapes' if family == 'wan' else 'shapes'}\n"
+                    "train:\n  micro_batch_size: 1\n  max_steps: 2\n"
+                    "deepspeed:\n  zero_stage: 2\n  sequence_parallel_size: 2\noutput:\n  dir: out\n")
+    return spec
+
+
+def _says_no_plan(errors: list[str], transformer_class: str) -> None:
+    split = [e for e in errors if "sequence_parallel_size" in e]
+    assert len(split) == 1, errors
+    assert (f"deepspeed.sequence_parallel_size: 2: its transformer class {transformer_class} has no "
+            "context-parallel plan (_cp_plan) in the installed diffusers, so its sequence cannot be split. Remove "
+            "the key (sequence_parallel_size: 1)") in split[0]
+
+
+@pytest.mark.parametrize("pretrained, family, transformer_class", NO_PLAN, ids=[row[0] for row in NO_PLAN])
+def test_a_transformer_without_a_context_parallel_plan_is_refused_with_the_reason(tmp_path, capsys, pretrained,
+                                                                                  family, transformer_class):
+    """Offline, from the configs stored with dstune: one error naming the key, the class and the fix."""
+    code = main(["validate", str(_no_plan_spec(tmp_path, pretrained, family)), "--num-gpus", "2", "--json"])
+    assert code == 1
+    _says_no_plan(json.loads(capsys.readouterr().out)["errors"], transformer_class)
+
+
+def test_the_no_plan_refusal_imports_no_torch(tmp_path):
+    """validate's spec errors are torch-free: HunyuanVideo 1.5's refusal in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    pretrained, family, transformer_class = NO_PLAN[-1]
+    probe = ("import sys; from dstune.cli import main; code = main(['validate', sys.argv[1], '--num-gpus', '2', "
+             "'--json']); assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's dstune, whatever the interpreter has installed
+    done = subprocess.run([sys.executable, "-c", probe, str(_no_plan_spec(tmp_path, pretrained, family))],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr
+    _says_no_plan(json.loads(done.stdout)["errors"], transformer_class)
+
+
+def test_the_table_of_context_parallel_classes_is_the_installed_diffusers():
+    """validate decides torch-free from a table; the installed diffusers' classes are what the split reads."""
+    import diffusers
+
+    from dstune.families.facts import CONTEXT_PARALLEL_CLASSES
+
+    names = {row[2] for row in NO_PLAN} | set(CONTEXT_PARALLEL_CLASSES)
+    with_plan = {name for name in names if getattr(getattr(diffusers, name), "_cp_plan", None)}
+    assert with_plan == set(CONTEXT_PARALLEL_CLASSES)
