@@ -41,20 +41,27 @@ QWEN3_VL_CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def tiny_qwen3_vl_encoder(tokenizer):
-    """Qwen3VLModel: 36 text layers 16 wide and a one-block vision tower (text-to-image never calls it)."""
-    from transformers import Qwen3VLConfig, Qwen3VLModel
+def tiny_qwen3_vl_config(tokenizer, width: int, layers: int):
+    """A tiny Qwen3-VL configuration: `layers` text layers `width` wide and a one-block vision tower (text-to-image
+    never calls it); Ideogram 4's Qwen3VLModel and Qwen-Image 2.1's Qwen3VLForConditionalGeneration share it."""
+    from transformers import Qwen3VLConfig
 
     end_of_text, image_pad = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|image_pad|>"])
-    config = Qwen3VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, num_hidden_layers=TEXT_LAYERS,
+    return Qwen3VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=layers,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
                          max_position_embeddings=1024, rope_theta=10_000.0, bos_token_id=end_of_text,
                          eos_token_id=end_of_text, pad_token_id=end_of_text),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT_WIDTH,
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
                            patch_size=14, deepstack_visual_indexes=[]),
         image_token_id=image_pad)
-    return Qwen3VLModel(config)
+
+
+def tiny_qwen3_vl_encoder(tokenizer):
+    """Qwen3VLModel: 36 text layers 16 wide and a one-block vision tower (text-to-image never calls it)."""
+    from transformers import Qwen3VLModel
+
+    return Qwen3VLModel(tiny_qwen3_vl_config(tokenizer, TEXT_WIDTH, TEXT_LAYERS))
 
 
 def build_tiny_ideogram4(out: Path, needs: dict) -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.builtin.ideogram4 import QWEN3_VL_CHAT_TEMPLATE
+from dstune.builtin.ideogram4 import QWEN3_VL_CHAT_TEMPLATE, tiny_qwen3_vl_config
 from dstune.builtin.qwen_image import QWEN_SCHEDULER, tiny_qwen_tokenizer
 from dstune.families.flow_qwen21 import TextProcessor
 from dstune.hf import quiet_hf_libraries
@@ -45,18 +45,9 @@ TINY_QWEN21_VAE = dict(base_dim=8, decoder_base_dim=8, z_dim=LATENT_CHANNELS, di
 
 def tiny_qwen3_vl_generation(tokenizer):
     """Qwen3VLForConditionalGeneration: 2 text layers 16 wide and a one-block vision tower."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
-    end_of_text, image_pad = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|image_pad|>"])
-    config = Qwen3VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
-                         max_position_embeddings=1024, rope_theta=10_000.0, bos_token_id=end_of_text,
-                         eos_token_id=end_of_text, pad_token_id=end_of_text),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT_WIDTH,
-                           patch_size=14, deepstack_visual_indexes=[]),
-        image_token_id=image_pad)
-    return Qwen3VLForConditionalGeneration(config)
+    return Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tokenizer, TEXT_WIDTH, 2))
 
 
 def build_tiny_qwen_image_21(out: Path, needs: dict) -> dict:
