@@ -22,7 +22,7 @@ import torch
 from dstune.families.base import FamilyError
 from dstune.families.diffusion import batch_field, load_component, read_model_index
 from dstune.families.flow_recipe import normalised_latents
-from dstune.families.samples import read_control_images
+from dstune.families.samples import first_frames
 from dstune.hf import quiet_hf_libraries
 
 PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
@@ -115,11 +115,4 @@ def sample_sources(built, sample_spec, prompts: list[str]) -> Optional[list]:
     """Image-to-video: sample.control_images, one first frame per prompt; text-to-video: None."""
     if not built.mode:
         return None
-    paths = sample_spec.control_images
-    if len(paths) != len(prompts):
-        raise FamilyError("sample.control_images: image-to-video renders each clip from a first frame: give one image "
-                          f"per prompt ({len(prompts)} prompt(s), {len(paths)} image(s)), or set sample.prompts: []")
-    try:
-        return read_control_images(paths)
-    except ValueError as err:
-        raise FamilyError(str(err)) from None
+    return first_frames(sample_spec, prompts)

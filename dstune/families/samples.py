@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 from dstune.curves import curves_svg
+from dstune.families.base import FamilyError
 from dstune.fsutil import write_text_atomic
 
 _GRID_CELL_PX = 192  # small models render 32-px images; scale them up (nearest) so they can be seen
@@ -28,6 +29,19 @@ def read_control_images(paths) -> list:
         except OSError as err:
             raise ValueError(f"sample.control_images: cannot read {path} ({err}). Fix the path.") from None
     return images
+
+
+def first_frames(sample_spec, prompts: list[str]) -> list:
+    """An image-to-video model's sample sources: sample.control_images as RGB images, one first frame per prompt;
+    FamilyError when the counts differ or one cannot be read."""
+    paths = sample_spec.control_images
+    if len(paths) != len(prompts):
+        raise FamilyError("sample.control_images: image-to-video renders each clip from a first frame: give one image "
+                          f"per prompt ({len(prompts)} prompt(s), {len(paths)} image(s)), or set sample.prompts: []")
+    try:
+        return read_control_images(paths)
+    except ValueError as err:
+        raise FamilyError(str(err)) from None
 
 
 def save_grid(images: list, prompts: list[str], path: str | os.PathLike) -> Path:

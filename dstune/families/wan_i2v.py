@@ -28,7 +28,7 @@ from dstune.families.diffusion import batch_field, load_component, read_componen
 from dstune.families.flow_recipe import normalised_latents
 from dstune.wan_layouts import MASK_CHANNELS
 from dstune.hf import quiet_hf_libraries
-from dstune.families.samples import read_control_images
+from dstune.families.samples import first_frames
 
 CONDITION = "condition_mean"  # the condition's VAE mode, unnormalised, float32 (B, z_dim, f, h, w)
 IMAGE_EMBEDS = "image_embeds"  # the image encoder's hidden_states[-2] of the first frame (Wan 2.1 I2V)
@@ -201,14 +201,7 @@ def sample_sources(built, sample_spec, prompts: list[str]) -> Optional[list]:
     they are missing or one cannot be read. Text-to-video: None."""
     if not built.mode.image_to_video:
         return None
-    paths = sample_spec.control_images
-    if len(paths) != len(prompts):
-        raise FamilyError("sample.control_images: image-to-video renders each clip from a first frame: give one image "
-                          f"per prompt ({len(prompts)} prompt(s), {len(paths)} image(s)), or set sample.prompts: []")
-    try:
-        return read_control_images(paths)
-    except ValueError as err:
-        raise FamilyError(str(err)) from None
+    return first_frames(sample_spec, prompts)
 
 
 def sample_inputs(built, text_pipeline, prompt: str, image, sample_spec) -> dict:
