@@ -11,6 +11,7 @@ UNIT = ModelUnit(
     docs="docs/family-flow.md",
     names=r"flux\.?2|flux2",
     recipes={'flow': ('dstune.models.flux2.recipe:FLUX2_KLEIN', 'dstune.models.flux2.recipe:FLUX2_DEV')},
+    flow_models=('dstune.models.flux2.facts:FLOW_MODELS',),
     builtins=('dstune.models.flux2.builtin:TINY_FLUX2', 'dstune.models.flux2.builtin:TINY_FLUX2_DEV'),
     presets=(
         ModelPreset("flux2-klein", "FLUX.2 [klein] 4B (Flux2 transformer; Qwen3 text encoder; distilled)", "flow",

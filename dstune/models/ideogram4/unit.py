@@ -11,6 +11,7 @@ UNIT = ModelUnit(
     docs="docs/family-flow.md",
     names=r"ideogram",
     recipes={'flow': ('dstune.models.ideogram4.recipe:IDEOGRAM4',)},
+    flow_models=('dstune.models.ideogram4.facts:FLOW_MODELS',),
     builtins=('dstune.models.ideogram4.builtin:TINY_IDEOGRAM4',),
     presets=(
         ModelPreset("ideogram4", "Ideogram 4 (9 B transformer; Qwen3-VL text encoder; frozen unconditional transformer)",

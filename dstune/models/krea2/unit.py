@@ -16,6 +16,7 @@ UNIT = ModelUnit(
     docs="docs/family-flow.md",
     names=r"krea",
     recipes={'flow': ('dstune.models.krea2.recipe:KREA2',)},
+    flow_models=('dstune.models.krea2.facts:FLOW_MODELS',),
     builtins=('dstune.models.krea2.builtin:TINY_KREA2', 'dstune.models.krea2.builtin:TINY_KREA2_TURBO'),
     presets=(
         ModelPreset("krea2", "Krea 2 Raw (12 B single-stream transformer; Qwen3-VL text encoder; the base to train)",

@@ -10,6 +10,7 @@ UNIT = ModelUnit(
     docs="docs/family-flow.md",
     names=r"qwen-image(?![\s-]?2)|qwen_image(?!_?21)",
     recipes={'flow': ('dstune.models.qwen_image.recipe:QWEN_IMAGE', 'dstune.models.qwen_image.edit_recipe:QWEN_IMAGE_EDIT')},
+    flow_models=('dstune.models.qwen_image.facts:FLOW_MODELS',),
     builtins=('dstune.models.qwen_image.builtin:TINY_QWEN_IMAGE', 'dstune.models.qwen_image.builtin_edit:TINY_QWEN_IMAGE_EDIT'),
     presets=(
         ModelPreset("qwen-image", "Qwen-Image (20 B MMDiT; Qwen2.5-VL text encoder)", "flow", "Qwen/Qwen-Image",

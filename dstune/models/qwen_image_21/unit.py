@@ -10,6 +10,7 @@ UNIT = ModelUnit(
     docs="docs/family-flow.md",
     names=r"qwen-image[\s-]?2\.1|qwen_?image_?21",
     recipes={'flow': ('dstune.models.qwen_image_21.recipe:QWEN_IMAGE_21',)},
+    flow_models=('dstune.models.qwen_image_21.facts:FLOW_MODELS',),
     builtins=('dstune.models.qwen_image_21.builtin:TINY_QWEN_IMAGE_21',),
     presets=(
         ModelPreset("qwen-image-21", "Qwen-Image 2.1 (7 B single-stream transformer; Qwen3-VL text encoder; RGBA VAE)",

@@ -10,6 +10,7 @@ UNIT = ModelUnit(
     docs="docs/family-flow.md",
     names=r"sd3|flux(?![.\s-]?2)|flux\.1",
     recipes={'flow': ('dstune.models.sd3_flux.recipe:SD3', 'dstune.models.sd3_flux.recipe:FLUX')},
+    flow_models=('dstune.models.sd3_flux.facts:FLOW_MODELS',),
     builtins=('dstune.models.sd3_flux.builtin:TINY_FLOW', 'dstune.models.sd3_flux.builtin:TINY_FLUX'),
     presets=(
         ModelPreset("sd3", "Stable Diffusion 3 Medium (SD3 MMDiT; CLIP x2 + T5)", "flow",

@@ -10,6 +10,7 @@ UNIT = ModelUnit(
     docs="docs/family-flow.md",
     names=r"z-image|zimage",
     recipes={'flow': ('dstune.models.zimage.recipe:ZIMAGE',)},
+    flow_models=('dstune.models.zimage.facts:FLOW_MODELS',),
     builtins=('dstune.models.zimage.builtin:TINY_Z_IMAGE',),
     presets=(
         ModelPreset("z-image", "Z-Image (6 B single-stream transformer; Qwen3 text encoder)", "flow", "Tongyi-MAI/Z-Image",
