@@ -1,102 +1,98 @@
-"""The `wan` family: the video models of the flow-matching core, by the folder's transformer class: Wan 2.1 / 2.2
-(WanTransformer3DModel, AutoencoderKLWan, UMT5) and HunyuanVideo 1.5 (HunyuanVideo15Transformer3DModel,
-dstune.models.hunyuan_video15.recipe).
+"""The video family (`model.family wan` in the spec): the video models of the flow-matching core, each a model
+unit's `VideoModel` (dstune.models.registry.recipes("wan")), told apart by the folder's transformer class.
 
-Wan trains on the flow-matching core of the image models (dstune.families.flow_core): its clips' latents are
+Video trains on the flow-matching core of the image models (dstune.families.flow_core): a clip's latents are
 (B, C, frames, H, W) and every step (posterior draw, noise, table positions, x_t, loss, sampling, export) is the
-core's. What is Wan's is its recipe, dstune.models.wan.recipe (text through WanPipeline.encode_prompt, the scheduler's
-flow_shift, the two experts of Wan 2.2 A14B), with its first-frame conditioning in dstune.models.wan.i2v
-(image-to-video: Wan 2.1 I2V, Wan 2.2 I2V A14B; Wan 2.2 TI2V). This module is the family the stages call: the folder
-checks against the spec (model.expert, model.image_to_video, model.timestep_range), build, and the caches' keys.
+core's. What is a model's own is its recipe and its `VideoModel` (in its unit: the folder's checks against the
+spec, which recipe a folder takes, its first-frame conditioning's cache key and tensors, the text cache's folders).
+This module is the family the stages call: build, the caches' keys, over whichever video model the folder holds.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from dstune.models.hunyuan_video15 import i2v as hunyuan15_i2v, recipe as flow_hunyuan15
-from dstune.models.wan import i2v as wan_i2v
 from dstune.families.base import Family, FamilyError, LatentExtras, TextCache
 from dstune.families.diffusion import read_component_config
 from dstune.families.flow_core import (FlowBuilt, build_from, encode_batch, encode_captions, export, loss, sample,
                                        save_lora_weights, text_cache_settings)
-from dstune.models.wan.recipe import (COMPONENTS, TEXT_TENSORS, WAN, expert_positions, folder_problems,
-                                      other_expert_loaded, train_tables)
 from dstune.families.samples import save_clip_grid
-from dstune.models.wan.i2v import folder_mode
-from dstune.spec.models import WanModel
+from dstune.models import registry
+from dstune.models.unit import load
+from dstune.spec.video_models import WanModel
 
 __all__ = ["build", "encode_batch", "encode_captions", "loss", "sample", "export", "save_lora_weights", "FAMILY",
-           "COMPONENTS", "folder_problems", "folder_mode", "train_tables", "expert_positions",
-           "other_expert_loaded", "wan_i2v_cache_key"]
-
-TEXT_CACHE_FOLDERS = ("text_encoder", "tokenizer")  # Wan's UMT5; HunyuanVideo 1.5 adds its ByT5 glyph encoder's
-HV15_TEXT_CACHE_FOLDERS = TEXT_CACHE_FOLDERS + ("text_encoder_2", "tokenizer_2")
+           "VideoModel", "video_model_of", "latent_cache_key", "condition_tensors"]
 
 
-def is_hunyuan_video15(folder: Path) -> bool:
-    """Whether the folder's transformer is HunyuanVideo 1.5's (its recipe), else Wan's."""
+@dataclass(frozen=True)
+class VideoModel:
+    """What the video family asks one video model (declared in its unit, listed by the registry)."""
+
+    title: str  # the model's name in messages
+    transformer_class: str  # the folder's transformer/config.json _class_name that tells it
+    recipe_of: Callable  # folder -> its FlowRecipe (text-to-video, image-to-video, ...)
+    folder_problems: Callable  # (folder, model.expert, model.image_to_video, model.timestep_range) -> [why not]
+    text_cache_folders: tuple[str, ...]  # the subfolders that decide a caption's cached embeddings
+    # (model spec, folder) -> (settings text, subfolders that key the entries, tensor names) of the first-frame
+    # condition stored beside each clip's posterior; ("", (), ()) where this run stores none
+    cache_key: Callable
+    condition_tensors: Callable  # (built, clips) -> {name: tensor} that cache_key names
+    after_build: Optional[Callable] = None  # (built) -> None: what the model's parts need once loaded
+
+
+def _video_models() -> dict[str, VideoModel]:
+    return {model.transformer_class: model for model in map(load, registry.recipes("wan"))}
+
+
+def video_model_of(folder: Path) -> VideoModel:
+    """The video model a pipeline folder holds, by its transformer class; FamilyError naming the known ones."""
+    known = _video_models()
     path = Path(folder) / "transformer" / "config.json"
-    return path.is_file() and \
-        read_component_config(Path(folder), "transformer").get("_class_name") == flow_hunyuan15.TRANSFORMER_CLASS
-
-
-def _recipe(folder: Path):
-    return flow_hunyuan15.recipe_of(Path(folder)) if is_hunyuan_video15(folder) else WAN
+    transformer = read_component_config(Path(folder), "transformer").get("_class_name") if path.is_file() else None
+    if transformer not in known:
+        raise FamilyError(f"{folder} cannot be used as a video pipeline (model.family wan): its transformer "
+                          f"({transformer or 'no transformer/config.json'}) is none of the video models dstune trains "
+                          f"({', '.join(f'{m.title}: {name}' for name, m in known.items())})")
+    return known[transformer]
 
 
 def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
           zero3_config: Optional[dict] = None) -> FlowBuilt:
-    """The transformer (model.expert's) fp32 in host memory (partitioned with `zero3_config`), the VAE, UMT5 (and Wan
-    2.1 I2V's image encoder) frozen in `dtype_for_frozen`. Never downloads; FamilyError listing every problem of a
-    folder that is not a Wan pipeline this spec can train."""
+    """The transformer (model.expert's) fp32 in host memory (partitioned with `zero3_config`), the VAE and text (and
+    image) encoders frozen in `dtype_for_frozen`. Never downloads; FamilyError listing every problem of a folder
+    that is not a video pipeline this spec can train."""
     folder = folders["pretrained"]
-    hunyuan = is_hunyuan_video15(folder)
-    check = flow_hunyuan15.folder_problems if hunyuan else folder_problems
-    problems = check(folder, model.expert, model.image_to_video, model.timestep_range)
+    video = video_model_of(folder)
+    problems = video.folder_problems(folder, model.expert, model.image_to_video, model.timestep_range)
     if problems:
-        what = "HunyuanVideo 1.5" if hunyuan else "Wan"
-        raise FamilyError(f"{folder} cannot be used as a {what} pipeline (model.family wan):\n"
+        raise FamilyError(f"{folder} cannot be used as a {video.title} pipeline (model.family wan):\n"
                           + "\n".join(f"  - {p}" for p in problems))
-    built = build_from(_recipe(folder), model, folders, device, dtype_for_frozen, zero3_config)
-    if hunyuan:  # diffusers 0.42's HunyuanVideo 1.5 VAE attention mask fits one clip: encode a batch clip by clip
-        built.vae.enable_slicing()
+    built = build_from(video.recipe_of(Path(folder)), model, folders, device, dtype_for_frozen, zero3_config)
+    if video.after_build is not None:
+        video.after_build(built)
     return built
 
 
-def wan_i2v_cache_key(model: WanModel, folder: Path) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
-    """What keys the latent entries of an image-to-video run beside the VAE: the mode (the condition stored with
-    the posterior) and the image encoder's folders, and the tensors stored; ("", (), ()) for text-to-video (the
-    entries are the posterior's)."""
-    if is_hunyuan_video15(Path(folder)):
-        if not hunyuan15_i2v.is_image_to_video(Path(folder)):
-            return "", (), ()
-        return ("image_to_video/hunyuan_video15", ("image_encoder", "feature_extractor"),
-                (hunyuan15_i2v.IMAGE_EMBEDS,))
-    mode = folder_mode(Path(folder), model.image_to_video)
-    if not mode.image_to_video:
-        return "", (), ()
-    if read_component_config(folder, "transformer").get("image_dim") is None:
-        return f"image_to_video/{mode.layout}", (), (wan_i2v.CONDITION,)
-    return (f"image_to_video/{mode.layout}", ("image_encoder", "image_processor"),
-            (wan_i2v.CONDITION, wan_i2v.IMAGE_EMBEDS))
+def latent_cache_key(model: WanModel, folder: Path) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """What keys the latent entries of an image-to-video run beside the VAE (the folder's video model says)."""
+    return video_model_of(Path(folder)).cache_key(model, Path(folder))
 
 
 def condition_tensors(built, clips: torch.Tensor) -> dict:
-    """What the latent cache stores beside an image-to-video clip's posterior, per the run's recipe."""
-    if built.recipe.transformer_class == flow_hunyuan15.TRANSFORMER_CLASS:
-        return hunyuan15_i2v.condition_tensors(built, clips)
-    return wan_i2v.condition_tensors(built, clips)
+    """What the latent cache stores beside an image-to-video clip's posterior, per the run's video model."""
+    return _video_models()[built.recipe.transformer_class].condition_tensors(built, clips)
 
 
 FAMILY = Family(
     name="wan", modality="video", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_clip_grid, export=export, save_lora_weights=save_lora_weights,
-    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_TENSORS, encode_captions, text_cache_settings,
-                         tensors_of=lambda folder: _recipe(Path(folder)).text_tensors,
-                         folders_of=lambda folder: HV15_TEXT_CACHE_FOLDERS if is_hunyuan_video15(Path(folder))
-                         else TEXT_CACHE_FOLDERS),
-    builds_partitioned=True, latent_extras=LatentExtras(wan_i2v_cache_key, condition_tensors))
+    text_cache=TextCache(("text_encoder", "tokenizer"), ("encoder_hidden_states",), encode_captions,
+                         text_cache_settings,
+                         tensors_of=lambda folder: video_model_of(Path(folder)).recipe_of(Path(folder)).text_tensors,
+                         folders_of=lambda folder: video_model_of(Path(folder)).text_cache_folders),
+    builds_partitioned=True, latent_extras=LatentExtras(latent_cache_key, condition_tensors))

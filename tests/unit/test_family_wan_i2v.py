@@ -230,10 +230,10 @@ def test_a_cache_without_the_condition_is_refused(i2v):
 
 def test_the_latent_cache_key_changes_with_the_mode_and_text_to_video_keeps_the_plain_entries():
     folder = tiny.ensure_builtin_model(TI2V, CACHE_DIR)
-    assert wan.wan_i2v_cache_key(WanModel(family="wan", pretrained=TI2V), folder) == ("", (), ())
-    assert wan.wan_i2v_cache_key(WanModel(family="wan", pretrained=TI2V, image_to_video=True), folder) == \
+    assert wan.latent_cache_key(WanModel(family="wan", pretrained=TI2V), folder) == ("", (), ())
+    assert wan.latent_cache_key(WanModel(family="wan", pretrained=TI2V, image_to_video=True), folder) == \
         ("image_to_video/ti2v", (), ("condition_mean",))
-    assert wan.wan_i2v_cache_key(WanModel(family="wan", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)) \
+    assert wan.latent_cache_key(WanModel(family="wan", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)) \
         == ("image_to_video/i2v", ("image_encoder", "image_processor"), ("condition_mean", "image_embeds"))
 
 
