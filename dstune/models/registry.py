@@ -49,6 +49,11 @@ def flow_models() -> tuple[str, ...]:
     return tuple(where for unit in UNITS for where in unit.flow_models)
 
 
+def video_facts() -> tuple[str, ...]:
+    """The units' VideoFacts for the video core's torch-free facts, as "module:ATTRIBUTE"."""
+    return tuple(where for unit in UNITS for where in unit.video_facts)
+
+
 def builtins() -> tuple[str, ...]:
     """Every built-in tiny model, as "module:ATTRIBUTE" of its BuiltinModel."""
     return tuple(where for unit in UNITS for where in unit.builtins)

@@ -43,6 +43,7 @@ class ModelUnit:
     facts: tuple[str, ...] = ()  # ModelFacts of the families it owns
     recipes: dict[str, tuple[str, ...]] = field(default_factory=dict)  # shared core family -> its recipes on it
     flow_models: tuple[str, ...] = ()  # its rows of the flow core's torch-free table ({transformer class: FlowModel})
+    video_facts: tuple[str, ...] = ()  # its VideoFacts for the video core's torch-free facts
     builtins: tuple[str, ...] = ()  # its tiny built-in models (BuiltinModel)
     presets: tuple[ModelPreset, ...] = ()
 

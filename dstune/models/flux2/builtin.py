@@ -19,8 +19,8 @@ from pathlib import Path
 
 from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu,
                                    save_pipeline)
-from dstune.models.qwen_image.builtin import tiny_qwen_tokenizer
-from dstune.models.zimage.builtin import QWEN3_CHAT_TEMPLATE
+from dstune.builtin.parts import TINY_FLUX2_VAE, tiny_qwen_tokenizer
+from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 40
@@ -31,9 +31,6 @@ TEXT_WIDTH = 32
 TINY_FLUX2_TRANSFORMER = dict(patch_size=1, in_channels=32, num_layers=1, num_single_layers=1, attention_head_dim=16,
                               num_attention_heads=2, joint_attention_dim=3 * TEXT_WIDTH, timestep_guidance_channels=32,
                               axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
-TINY_FLUX2_VAE = dict(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                      up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=8,
-                      norm_num_groups=4, sample_size=32, mid_block_add_attention=False)
 FLUX2_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.qwen_image.builtin import tiny_qwen_tokenizer
-from dstune.models.zimage.builtin import QWEN3_CHAT_TEMPLATE
+from dstune.builtin.parts import tiny_qwen_tokenizer
+from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 50

@@ -10,6 +10,7 @@ UNIT = ModelUnit(
     docs="docs/family-hunyuan-video15.md",
     names=r"hunyuan\w*",
     recipes={'wan': ('dstune.models.hunyuan_video15.video:VIDEO_MODEL',)},
+    video_facts=('dstune.models.hunyuan_video15.facts:VIDEO_FACTS',),
     builtins=('dstune.models.hunyuan_video15.builtin:TINY_HUNYUAN_VIDEO15', 'dstune.models.hunyuan_video15.builtin:TINY_HUNYUAN_VIDEO15_I2V'),
     presets=(
         ModelPreset("hunyuan-video15", "HunyuanVideo 1.5 480p text-to-video (8.3 B; Qwen2.5-VL + ByT5)", "wan",

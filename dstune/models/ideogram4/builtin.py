@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.flux2.builtin import TINY_FLUX2_VAE
-from dstune.models.qwen_image.builtin import tiny_qwen_tokenizer
+from dstune.builtin.parts import QWEN3_VL_CHAT_TEMPLATE, TINY_FLUX2_VAE, tiny_qwen3_vl_config
+from dstune.builtin.parts import tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 50
@@ -34,27 +34,6 @@ TINY_IDEOGRAM4_TRANSFORMER = dict(in_channels=4 * TINY_FLUX2_VAE["latent_channel
                                   llm_features_dim=TAPPED_LAYERS * TEXT_WIDTH, rope_theta=10_000,
                                   mrope_section=(4, 2, 2))
 # A Qwen3-VL chat format: content given as a list of {"type": "text"} parts (what Ideogram4Pipeline writes) or text
-QWEN3_VL_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def tiny_qwen3_vl_config(tokenizer, width: int, layers: int):
-    """A tiny Qwen3-VL configuration: `layers` text layers `width` wide and a one-block vision tower (text-to-image
-    never calls it); Ideogram 4's Qwen3VLModel and Qwen-Image 2.1's Qwen3VLForConditionalGeneration share it."""
-    from transformers import Qwen3VLConfig
-
-    end_of_text, image_pad = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|image_pad|>"])
-    return Qwen3VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
-                         max_position_embeddings=1024, rope_theta=10_000.0, bos_token_id=end_of_text,
-                         eos_token_id=end_of_text, pad_token_id=end_of_text),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
-                           patch_size=14, deepstack_visual_indexes=[]),
-        image_token_id=image_pad)
 
 
 def tiny_qwen3_vl_encoder(tokenizer):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.qwen_image.builtin import TINY_QWEN_VAE, tiny_qwen_tokenizer
+from dstune.builtin.parts import TINY_QWEN_VAE, tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 60  # the VAE and the text encoder (the same in both folders) and the Raw transformer

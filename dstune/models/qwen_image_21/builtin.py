@@ -21,8 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.ideogram4.builtin import QWEN3_VL_CHAT_TEMPLATE, tiny_qwen3_vl_config
-from dstune.models.qwen_image.builtin import QWEN_SCHEDULER, tiny_qwen_tokenizer
+from dstune.builtin.parts import QWEN3_VL_CHAT_TEMPLATE, tiny_qwen3_vl_config
+from dstune.builtin.parts import QWEN_SCHEDULER, tiny_qwen_tokenizer
 from dstune.models.qwen_image_21.recipe import TextProcessor
 from dstune.hf import quiet_hf_libraries
 

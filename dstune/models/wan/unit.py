@@ -9,8 +9,8 @@ UNIT = ModelUnit(
     title="Wan 2.1 / 2.2 (text-to-video, image-to-video, TI2V, two experts)",
     docs="docs/family-wan.md",
     names=r"wan|wan2\.[12]|wan2[12]",
-    facts=('dstune.models.wan.facts:FACTS',),
     recipes={'wan': ('dstune.models.wan.video:VIDEO_MODEL',)},
+    video_facts=('dstune.models.wan.facts:VIDEO_FACTS',),
     builtins=('dstune.models.wan.builtin:TINY_WAN', 'dstune.models.wan.builtin:TINY_WAN_A14B', 'dstune.models.wan.builtin:TINY_WAN_I2V', 'dstune.models.wan.builtin:TINY_WAN22_TI2V'),
     presets=(
         ModelPreset("wan21", "Wan 2.1 text-to-video 14B", "wan", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "tiny-wan",
