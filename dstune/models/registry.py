@@ -34,6 +34,11 @@ def family_modules() -> dict[str, str]:
     return {family: module for unit in UNITS for family, module in unit.families.items()}
 
 
+def spec_sections() -> tuple[str, ...]:
+    """The `model` sections of the families the units own, as "module:ATTRIBUTE" (dstune.spec.models' union)."""
+    return tuple(where for unit in UNITS for where in unit.spec_sections)
+
+
 def facts() -> tuple[str, ...]:
     """Every unit's own families' ModelFacts, as "module:ATTRIBUTE"."""
     return tuple(where for unit in UNITS for where in unit.facts)

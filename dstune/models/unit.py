@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
+from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES
 
 IMAGE_PROMPTS = ["a photo of a dog on the beach", "an oil painting of a lighthouse at dusk"]
 VIDEO_PROMPTS = ["a red fox running through fresh snow"]
@@ -44,6 +44,7 @@ class ModelUnit:
     recipes: dict[str, tuple[str, ...]] = field(default_factory=dict)  # shared core family -> its recipes on it
     flow_models: tuple[str, ...] = ()  # its rows of the flow core's torch-free table ({transformer class: FlowModel})
     video_facts: tuple[str, ...] = ()  # its VideoFacts for the video core's torch-free facts
+    spec_sections: tuple[str, ...] = ()  # the `model` sections of the families it owns (spec.py, torch-free)
     builtins: tuple[str, ...] = ()  # its tiny built-in models (BuiltinModel)
     presets: tuple[ModelPreset, ...] = ()
 

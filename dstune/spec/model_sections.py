@@ -7,15 +7,12 @@ from typing import Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from dstune.spec.section import Section
+from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES, Section  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------------------------- model
 
 
-# LoRA's usual targets in diffusers UNets and transformers: the attention projections (diffusers' LoRA examples),
-DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
-LM_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")  # and in a Llama-class causal LM (tts_lm)
 
 # model.base_precision -> bytes per stored weight element of each quantized layer (nn.Linear weights of the denoiser;
 # biases, convolutions, norms and embeddings stay at train.precision), scales included: bitsandbytes int8 keeps one
@@ -28,46 +25,6 @@ FP8_REFUSAL = (
     "quantized weights are tensor subclasses that fail in deepspeed.initialize, whose parameter broadcast views "
     "every weight as bytes (NotImplementedError: aten.view.dtype; seen with torchao 0.18's int8 weights, and its "
     "fp8 weights are the same kind of tensor). Use int8 (about half of bf16) or nf4 (about a quarter).")
-
-
-# The LoRA file formats each LoRA family writes (output.lora_format), the default first, and the key scheme each one
-# is written in. `comfyui` names the scheme ComfyUI's LoRA loader maps every key of (no "lora key not loaded") that
-# diffusers' own loader reads back too: for the UNet families that is kohya's (ComfyUI maps diffusers' UNet LoRA
-# keys only in diffusers' old attention-processor naming), for flow (SD3, Flux) it is the diffusers file itself,
-# whose `transformer.` keys ComfyUI maps for both. The defaults are what most users load: SD 1.x/2.x and SDXL LoRAs
-# are exchanged and loaded (ComfyUI, A1111/Forge, diffusers) as kohya files; SD3/Flux LoRAs load as diffusers files
-# in ComfyUI and diffusers alike. See docs/lora-and-ema.md.
-LORA_FORMATS = {
-    "sd": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
-    "sdxl": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
-    "flow": {"diffusers": "diffusers", "comfyui": "diffusers"},
-    "wan": {"diffusers": "diffusers"},  # WanPipeline.save_lora_weights' file
-    "tts_lm": {"peft": "peft"},  # a peft adapter folder beside the merged transformers folder (docs/tts.md)
-    "tts_codebooks": {"peft": "peft"},
-}
-
-
-def lora_format_problem(family: str, train: str, lora_format) -> str | None:
-    """Why output.lora_format cannot be used with this model section, or None. Unset is always fine."""
-    if lora_format is None:
-        return None
-    if family not in LORA_FORMATS:
-        return f"model.family {family} has no LoRA training, so there is no LoRA file to format: remove it"
-    if train != "lora":
-        return f"applies to model.train: lora, but model.train is {train!r}: remove it or set model.train: lora"
-    choices = LORA_FORMATS[family]
-    if lora_format not in choices:
-        return (f"{lora_format!r} is not a LoRA format of model.family {family}; choices: {', '.join(choices)} "
-                f"(default {next(iter(choices))})")
-    return None
-
-
-def lora_file_scheme(family: str, lora_format) -> tuple[str, str]:
-    """(the format in effect, the key scheme it is written in) for a LoRA family: output.lora_format, or the
-    family's default when it is unset."""
-    choices = LORA_FORMATS[family]
-    chosen = lora_format or next(iter(choices))
-    return chosen, choices[chosen]
 
 
 class LoraSpec(Section):
@@ -99,8 +56,6 @@ class LoraSpec(Section):
 
 # A `model.pretrained` ending in one of these is a single checkpoint file (dstune.pretrained converts it).
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
-# The families whose `model.pretrained` may be such a file (their Family.single_file says how it is laid out).
-SINGLE_FILE_FAMILIES = ("sd", "sdxl")
 
 
 def is_single_file(pretrained: str) -> bool:
@@ -133,6 +88,12 @@ class DenoiserModelBase(Section):
     FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     modality: ClassVar[str] = "image"  # what the data is; a video family's section says "video"
+    # The LoRA file formats the family writes (output.lora_format, the default first) -> the key scheme each is
+    # written in; `comfyui` names the scheme ComfyUI's LoRA loader maps every key of and diffusers' loader reads back
+    # too (docs/lora-and-ema.md). Empty: no LoRA file to format.
+    LORA_FORMATS: ClassVar[dict[str, str]] = {}
+    # whether `pretrained` may be a single checkpoint file (the Family's single_file says how it is laid out)
+    SINGLE_FILE: ClassVar[bool] = False
 
     train: Literal["full", "lora"] = Field(
         "full",
@@ -202,10 +163,10 @@ class DenoiserModelBase(Section):
     @model_validator(mode="after")
     def _base_pipeline_with_a_single_file(self):
         pretrained = getattr(self, "pretrained", "")
-        if is_single_file(pretrained) and self.family not in SINGLE_FILE_FAMILIES:
+        if is_single_file(pretrained) and not self.SINGLE_FILE:
             raise ValueError(f"pretrained {pretrained}: model.family {self.family} cannot load a single checkpoint file "
-                             "here; give its diffusers pipeline folder, a downloaded hub id or a built-in "
-                             f"({' and '.join(SINGLE_FILE_FAMILIES)} load single files)")
+                             "here; give its diffusers pipeline folder, a downloaded hub id or a built-in (the UNet "
+                             "families load single files: docs/lora-and-ema.md)")
         if self.base_pipeline is not None and not is_single_file(pretrained):
             raise ValueError(f"base_pipeline applies only when pretrained is a single checkpoint file "
                              f"({', '.join(SINGLE_FILE_SUFFIXES)}); pretrained is {pretrained!r}: remove base_pipeline")
@@ -234,60 +195,6 @@ class DenoiserModelBase(Section):
         return self.lora if self.lora is not None else LoraSpec()
 
 
-class SdModel(DenoiserModelBase):
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionPipeline",)
-    PRESET_RESOLUTION: ClassVar[int] = 512
-    PRESET_NAME: ClassVar[str] = "Stable Diffusion 1.x's size"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionPipeline": 7.5}
-    PRESET_GUIDANCE: ClassVar[float] = 7.5
-
-    family: Literal["sd"] = Field(description="Model family. `sd`: Stable Diffusion 1.x/2.x (UNet, one CLIP text encoder).")
-    pretrained: str = Field(
-        "builtin:tiny-sd",
-        description="A diffusers pipeline folder (model_index.json + unet/vae/text_encoder/tokenizer/scheduler), "
-        "a hub id already in the local Hugging Face cache, `builtin:tiny-sd` (a tiny model built offline), or a "
-        "single checkpoint file (.safetensors/.ckpt, original key layout) together with `base_pipeline`.",
-    )
-    prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
-        None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
-    )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower."
-    )
-    min_snr_gamma: Optional[float] = Field(
-        None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023); 5.0 is the usual value. Omitted: plain MSE."
-    )
-    noise_offset: float = Field(0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images).")
-
-
-class SdxlModel(DenoiserModelBase):
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
-    PRESET_NAME: ClassVar[str] = "SDXL's size"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionXLPipeline": 5.0}
-
-    family: Literal["sdxl"] = Field(
-        description="Model family. `sdxl`: Stable Diffusion XL (UNet with text_time conditioning, two CLIP text "
-        "encoders, pooled text embeddings and size/crop time ids)."
-    )
-    pretrained: str = Field(
-        "builtin:tiny-sdxl",
-        description="A diffusers StableDiffusionXLPipeline folder (model_index.json + unet/vae/text_encoder/"
-        "text_encoder_2/tokenizer/tokenizer_2/scheduler), a hub id already in the local Hugging Face cache, "
-        "`builtin:tiny-sdxl` (a tiny model built offline), or a single checkpoint file (.safetensors/.ckpt, original "
-        "key layout) together with `base_pipeline`.",
-    )
-    prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
-        None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
-    )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower."
-    )
-    min_snr_gamma: Optional[float] = Field(
-        None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023); 5.0 is the usual value. Omitted: plain MSE."
-    )
-    noise_offset: float = Field(0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images).")
-
-
 class FlowModel(DenoiserModelBase):
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = (  # one per recipe (dstune/families/flow_*.py)
         "StableDiffusion3Pipeline", "FluxPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "ZImagePipeline",
@@ -300,7 +207,9 @@ class FlowModel(DenoiserModelBase):
         "Ideogram4Pipeline": 7.0,  # Ideogram 4: its guidance schedule's value for all but the last 3 steps
         "Krea2Pipeline": 4.5,
         "QwenImage21Pipeline": 1.0}  # Qwen-Image 2.1 samples unguided (its pipeline's true_cfg_scale default)
-    # a distilled folder (model_index.json's is_distilled: Krea 2 Turbo) samples without classifier-free guidance
+    LORA_FORMATS: ClassVar[dict[str, str]] = {"diffusers": "diffusers", "comfyui": "diffusers"}  # ComfyUI maps its
+    # `transformer.` keys
+    # a distilled folder (model_index.json's is_distilled) samples without classifier-free guidance
     DISTILLED_GUIDANCE: ClassVar[dict[str, float]] = {"Krea2Pipeline": 0.0}
 
     def native_guidance(self, read: Callable[[str], Optional[dict]]) -> tuple[float, str]:

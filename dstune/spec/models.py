@@ -12,26 +12,53 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
+from dstune.models import registry
+from dstune.models.unit import load
 from dstune.spec.section import Section
 
-# The model and data sections live in their own modules; they are imported here (and re-exported) so the whole spec
-# is importable from one place.
+# The shared sections live in their own modules; they are imported here (and re-exported) so the whole spec is
+# importable from one place.
 from dstune.spec.model_sections import (  # noqa: F401
-    BASE_PRECISION_BYTES, DEFAULT_LORA_TARGET_MODULES, LORA_FORMATS, SINGLE_FILE_FAMILIES, DenoiserModelBase,
-    FlowModel, LoraSpec, SdModel, SdxlModel, is_single_file, lora_file_scheme, lora_format_problem)
-from dstune.spec.speech_models import SpeechT5Model, TtsCodebooksModel, TtsLmModel
+    BASE_PRECISION_BYTES, DEFAULT_LORA_TARGET_MODULES, DenoiserModelBase, FlowModel, LoraSpec, is_single_file)
 from dstune.spec.video_models import WanModel
 from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, VideoSpec, data_family_problem  # noqa: F401
 
-# One model section per family; the family lists below are derived from them (each section's `family` literal and
-# its `modality`), so adding a family adds one section here and nothing else in this module.
-MODEL_SECTIONS = (SdModel, SdxlModel, FlowModel, WanModel, TtsLmModel, TtsCodebooksModel, SpeechT5Model)
+# One model section per family: the shared cores' (flow-matching images, video) and the model units' own sections
+# (dstune.models.registry), images first, then video, then speech. The family lists below are derived from them
+# (each section's `family` literal and its `modality`), so adding a family adds nothing to this module.
+_UNIT_SECTIONS = tuple(map(load, registry.spec_sections()))
+MODEL_SECTIONS = (*(s for s in _UNIT_SECTIONS if s.modality == "image"), FlowModel, WanModel,
+                  *(s for s in _UNIT_SECTIONS if s.modality != "image"))
 Model = Annotated[Union[MODEL_SECTIONS], Field(discriminator="family")]
 FAMILIES = tuple(typing.get_args(section.model_fields["family"].annotation)[0] for section in MODEL_SECTIONS)
 # families that train on clips (B, 3, frames, H, W): data.video applies
 VIDEO_FAMILIES = tuple(f for f, section in zip(FAMILIES, MODEL_SECTIONS) if section.modality == "video")
 # families that train on speech: data is audio + text, not images
 AUDIO_FAMILIES = tuple(f for f, section in zip(FAMILIES, MODEL_SECTIONS) if section.modality == "audio")
+SECTIONS_BY_FAMILY = dict(zip(FAMILIES, MODEL_SECTIONS))
+
+
+def lora_format_problem(family: str, train: str, lora_format) -> str | None:
+    """Why output.lora_format cannot be used with this model section, or None. Unset is always fine."""
+    if lora_format is None:
+        return None
+    choices = getattr(SECTIONS_BY_FAMILY[family], "LORA_FORMATS", {})
+    if not choices:
+        return f"model.family {family} has no LoRA training, so there is no LoRA file to format: remove it"
+    if train != "lora":
+        return f"applies to model.train: lora, but model.train is {train!r}: remove it or set model.train: lora"
+    if lora_format not in choices:
+        return (f"{lora_format!r} is not a LoRA format of model.family {family}; choices: {', '.join(choices)} "
+                f"(default {next(iter(choices))})")
+    return None
+
+
+def lora_file_scheme(family: str, lora_format) -> tuple[str, str]:
+    """(the format in effect, the key scheme it is written in) for a LoRA family: output.lora_format, or the
+    family's default when it is unset."""
+    choices = SECTIONS_BY_FAMILY[family].LORA_FORMATS
+    chosen = lora_format or next(iter(choices))
+    return chosen, choices[chosen]
 
 
 # Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since

@@ -15,6 +15,7 @@ class WanModel(DenoiserModelBase):
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("WanPipeline", "WanImageToVideoPipeline",
                                                   "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")
     PRESET_RESOLUTION: ClassVar[int] = 480
+    LORA_FORMATS: ClassVar[dict[str, str]] = {"diffusers": "diffusers"}  # the pipelines' save_lora_weights file
     PRESET_NAME: ClassVar[str] = "Wan's frame height"
     PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"WanPipeline": 5.0, "WanImageToVideoPipeline": 5.0,
                                                      "HunyuanVideo15Pipeline": 6.0,

@@ -17,7 +17,8 @@ from dstune.data.audio import SpeechDataset, collate_speech, speech_records
 from dstune.families import get_family, tts_codebooks
 from dstune.families.base import FamilyError
 from dstune.pretrained import build_model
-from dstune.spec.models import DataSpec, TtsCodebooksModel
+from dstune.spec.models import DataSpec
+from dstune.models.csm.spec import TtsCodebooksModel
 
 soundfile = pytest.importorskip("soundfile")
 

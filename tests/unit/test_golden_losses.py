@@ -29,8 +29,11 @@ import torch
 
 from dstune.families import get_family
 from dstune.pretrained import resolve_folders
-from dstune.spec.models import (DataSpec, FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsCodebooksModel, TtsLmModel,
-                                WanModel)
+from dstune.spec.models import DataSpec, FlowModel, WanModel
+from dstune.models.csm.spec import TtsCodebooksModel
+from dstune.models.sd.spec import SdModel, SdxlModel
+from dstune.models.speecht5.spec import SpeechT5Model
+from dstune.models.tts_lm.spec import TtsLmModel
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dstune.models.unit import ModelPreset, ModelUnit, lora, speech
-from dstune.spec.model_sections import LM_LORA_TARGET_MODULES
+from dstune.spec.section import LM_LORA_TARGET_MODULES
 
 UNIT = ModelUnit(
     name="csm",
     title="Sesame CSM (multi-codebook TTS through its transformers class)",
     docs="docs/tts.md",
     names=r"csm|sesame",
+    spec_sections=('dstune.models.csm.spec:TtsCodebooksModel',),
     families={'tts_codebooks': 'dstune.models.csm.family'},
     facts=('dstune.models.csm.facts:FACTS',),
     builtins=('dstune.models.csm.builtin:TINY_CSM',),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dstune.models.unit import ModelPreset, ModelUnit, image, lora
-from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
+from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES
 
 UNIT = ModelUnit(
     name="flux2",

@@ -33,7 +33,8 @@ from dstune.families.diffusion import (batch_field, export_pipeline_folder, inpu
                                        read_model_index)
 from dstune.families.samples import save_grid
 from dstune.hf import quiet_hf_libraries
-from dstune.spec.models import SampleSpec, SdModel
+from dstune.spec.models import SampleSpec
+from dstune.models.sd.spec import SdModel
 
 __all__ = ["SdBuilt", "FAMILY", "build", "encode_batch", "loss", "sample", "export", "save_lora_weights",
            "check_sd_folder", "cache_text_tensors"]

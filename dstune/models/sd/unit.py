@@ -9,6 +9,7 @@ UNIT = ModelUnit(
     title="Stable Diffusion 1.x / 2.x and SDXL (UNet)",
     docs="docs/family-sdxl.md",
     names=r"sdxl|sd15|sd 1\.x|stable diffusion",
+    spec_sections=('dstune.models.sd.spec:SdModel', 'dstune.models.sd.spec:SdxlModel'),
     families={'sd': 'dstune.models.sd.sd_family', 'sdxl': 'dstune.models.sd.sdxl_family'},
     facts=('dstune.models.sd.facts:SD_FACTS', 'dstune.models.sd.facts:SDXL_FACTS'),
     builtins=('dstune.models.sd.builtin_sd:TINY_SD', 'dstune.models.sd.builtin_sdxl:TINY_SDXL'),

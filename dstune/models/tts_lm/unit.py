@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dstune.models.unit import ModelPreset, ModelUnit, lora, speech
-from dstune.spec.model_sections import LM_LORA_TARGET_MODULES
+from dstune.spec.section import LM_LORA_TARGET_MODULES
 
 UNIT = ModelUnit(
     name="tts_lm",
     title="Codec-token TTS language models (Llama + EnCodec / DAC / SNAC; Orpheus)",
     docs="docs/tts.md",
     names=r"orpheus",
+    spec_sections=('dstune.models.tts_lm.spec:TtsLmModel',),
     families={'tts_lm': 'dstune.models.tts_lm.family'},
     facts=('dstune.models.tts_lm.facts:FACTS',),
     builtins=('dstune.models.tts_lm.builtin:TINY_TTS_LM', 'dstune.models.tts_lm.builtin_orpheus:TINY_ORPHEUS'),
