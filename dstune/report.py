@@ -273,7 +273,7 @@ def _phase_rows(memory: dict) -> list[tuple[str, str]]:
 
 
 def _sampling_rows(sampling: dict, memory: dict, samples: bool) -> list[tuple[str, str]]:
-    """Parts that load only while samples render (Wan 2.2's untrained expert): whether they set the peak."""
+    """Parts that load only while samples render (a two-expert model's untrained expert): whether they set the peak."""
     if not sampling:
         return []
     what = f"{', '.join(sampling)} ({count_text(sum(sampling.values()))})"

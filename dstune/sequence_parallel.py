@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from dstune.models.unit import VIDEO_FAMILY
 from dstune.families import get_facts
 from dstune.data.clips import latent_tokens
 from dstune.families.facts import Attention
@@ -43,8 +44,8 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
     facts = get_facts(spec.model.family)
     if facts.attention is None:
         return [source.issue(KEY, f"{size}: model.family {spec.model.family} has no sequence-parallel attention in "
-                             "dstune (the split is made on the flow-matching transformers: model.family wan, and "
-                             "FLUX.2 and Qwen-Image under flow). Remove the key (sequence_parallel_size: 1), or "
+                             f"dstune (the split is made on the flow-matching transformers: model.family "
+                             f"{VIDEO_FAMILY}, and the flow models docs/sequence-parallel.md lists). Remove the key (sequence_parallel_size: 1), or "
                              "shrink activations with model.gradient_checkpointing or a smaller micro batch.")]
     problems = []  # one issue for the key (validate keeps one per key and place), every broken rule in it
     if spec.deepspeed.zero_stage == 0:

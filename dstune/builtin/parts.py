@@ -1,12 +1,24 @@
 """Tiny components that several built-in models share (each unit's builtin*.py builds its model from them): a
-byte-level Qwen2 tokenizer with Qwen's chat tokens and its chat templates, a tiny Qwen3-VL configuration, two tiny
-VAE configurations and a flow-matching scheduler. Moving a part here changes no built model: the values are the
+byte-level Qwen2 tokenizer with Qwen's chat tokens and its chat templates, a tiny Qwen3-VL configuration, a T5
+tokenizer over single characters, a trained 16-channel VAE (so renders are images, not noise), two tiny VAE
+configurations and a flow-matching scheduler. Moving a part here changes no built model: the values are the
 ones the models were built with.
 """
 
 from __future__ import annotations
 
-from dstune.builtin.common import bytes_to_unicode
+import functools
+import string
+
+from dstune.builtin.common import BUILD_THREADS, bytes_to_unicode, deterministic_cpu, train_tiny_vae
+
+_SEED = 0
+T5_MAX_LENGTH = 32  # model_max_length of the tiny T5 tokenizer: caps max_sequence_length, keeps sequences short
+# the trained 16-channel VAE, as builtin:tiny-sd's 4-channel one is trained (common.train_tiny_vae)
+FLOW_VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=1,
+    sample_size=32, mid_block_add_attention=False, shift_factor=0.0)
 
 QWEN_CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 # len(dim_mult) == len(temperal_downsample) + 1; spatial factor 2 ** len(temperal_downsample) = 2
@@ -55,3 +67,35 @@ def tiny_qwen3_vl_config(tokenizer, width: int, layers: int):
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
                            patch_size=14, deepstack_visual_indexes=[]),
         image_token_id=image_pad)
+
+
+def tiny_t5_tokenizer(model_max_length: int = T5_MAX_LENGTH):
+    """A T5 tokenizer over single characters (Unigram, 124 ids; pad 0, eos 1, unk 2), built in memory."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(c, -3.0) for c in string.ascii_letters + string.digits + string.punctuation]
+    pieces += [("\u2581" + c, -2.5) for c in string.ascii_lowercase]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+@functools.lru_cache(maxsize=1)
+def _trained_vae_state() -> tuple[dict, dict]:
+    """(state dict, facts) of the trained 16-channel VAE; computed once per process for both built-in models."""
+    from diffusers import AutoencoderKL
+
+
+    with deterministic_cpu(_SEED, BUILD_THREADS):
+        vae = AutoencoderKL(**FLOW_VAE)
+        facts = train_tiny_vae(vae)
+    return {k: v.clone() for k, v in vae.state_dict().items()}, facts
+
+
+def trained_flow_vae():
+    from diffusers import AutoencoderKL
+
+    state, facts = _trained_vae_state()
+    vae = AutoencoderKL(**FLOW_VAE)
+    vae.load_state_dict(state)
+    vae.register_to_config(scaling_factor=facts["vae_scaling_factor"])
+    return vae.eval().requires_grad_(False), dict(facts)

@@ -41,17 +41,17 @@ __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FA
 RECIPES = {recipe.kind: recipe for recipe in map(load, registry.recipes("flow"))}
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
-# Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
+# a third text encoder, adds nothing to the fingerprint), and the tensors stored per caption.
 TEXT_CACHE_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
-TEXT_CACHE_FOLDERS += ("processor",)  # Qwen-Image 2.1 tokenizes with its processor
-TEXT_CACHE_TENSORS = ("encoder_hidden_states", "pooled_projections")  # SD3 / Flux; each recipe states its own
+TEXT_CACHE_FOLDERS += ("processor",)  # a recipe that tokenizes with its processor
+TEXT_CACHE_TENSORS = ("encoder_hidden_states", "pooled_projections")  # CLIP+T5 models; each recipe states its own
 
 
 # ---------------------------------------------------------------------------------------------------- build
 
 
 def detect_kind(folder: Path) -> str:
-    """The recipe's kind ('sd3', 'flux', ...) from model_index.json and transformer/config.json; FamilyError naming
+    """The recipe's kind (FlowRecipe.kind) from model_index.json and transformer/config.json; FamilyError naming
     what is unsupported or missing."""
     index = read_model_index(folder)
     supported = ", ".join(f"{r.transformer_class} ({r.pipeline_class})" for r in RECIPES.values())

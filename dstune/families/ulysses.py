@@ -55,7 +55,7 @@ def split_sequences(transformer, rank: int, world_size: int, size: int) -> None:
 
 
 def _masks_its_text(transformer) -> bool:
-    """Whether the plan splits the text stream together with a text mask (Qwen-Image): then a text of any length
+    """Whether the plan splits the text stream together with a text mask: then a text of any length
     can be padded with masked tokens to split evenly."""
     return any("encoder_hidden_states_mask" in (inputs or {}) for inputs in context_parallel_plan(transformer).values()
                if isinstance(inputs, dict))

@@ -1,4 +1,4 @@
-"""The torch-free facts of the video family (`model.family wan`): what validate, the memory plan and the video planner
+"""The torch-free facts of the video family (`model.family` VIDEO_FAMILY): what validate, the memory plan and the video planner
 know of a video folder without torch. What is common to the video models is here (two experts and the timesteps each
 trains, the clip buckets, the latent cache, the sequence-parallel attention); what is a model's own comes from its
 unit's `VideoFacts` (dstune.models.registry.video_facts), told by the folder's transformer class: its token factors,
@@ -19,7 +19,7 @@ from dstune.families.denoiser_facts import DenoiserRules, count_denoiser, latent
 from dstune.families.facts import Attention, ModelFacts, SpecIssues, no_plan_refusal
 from dstune.memory.counts import SizesUnknown, count_component
 from dstune.models import registry
-from dstune.models.unit import load
+from dstune.models.unit import VIDEO_FAMILY, load
 from dstune.spec.video_models import expert_problems, expert_range, expert_range_text, experts_in
 
 # Where a model's configs are not here (a hub id not downloaded, no stored copy), tokens are estimated with the
@@ -177,5 +177,5 @@ def _attention(spec):
     return Attention(config["num_attention_heads"], config.get("attention_head_dim", 0), origin)
 
 
-FACTS = ModelFacts(family="wan", modality="video", count=_count, spec_issues=_spec_issues,
+FACTS = ModelFacts(family=VIDEO_FAMILY, modality="video", count=_count, spec_issues=_spec_issues,
                    token_factors=token_factors, attention=_attention)

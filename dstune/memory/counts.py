@@ -184,7 +184,7 @@ def _adapter_params(module, rank: int) -> int:
 
 def vae_factor(vae_config: dict) -> int:
     """The spatial factor of a VAE from its config."""
-    if "temperal_downsample" in vae_config:  # a video-style VAE (Qwen-Image's, Wan's): one spatial halving per
-        # stage, times the pixel patches of Wan 2.2's VAE (2x2: 16x in all)
+    if "temperal_downsample" in vae_config:  # a video-style VAE: one spatial halving per stage, times the
+        # VAE's own pixel patches where it has them (2x2: 16x in all)
         return 2 ** len(vae_config["temperal_downsample"]) * (vae_config.get("patch_size") or 1)
     return 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1)

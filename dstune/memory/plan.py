@@ -50,7 +50,7 @@ class ModelCounts:
     cache_bytes: int = 0  # the encoder cache on disk for the whole dataset
     origin: str = ""
     builds_partitioned: bool = False  # under ZeRO-3 each rank reads only its share of the module (deepspeed.zero.Init)
-    # frozen parts loaded only while samples render, whole on every rank (Wan 2.2's untrained expert): name -> params
+    # frozen parts loaded only while samples render, whole on every rank (a two-expert model's untrained expert): name -> params
     sampling_companions: dict = field(default_factory=dict)
     expert: Optional[dict] = None  # two-expert models: which expert trains over which timesteps (validate prints it)
 
@@ -138,7 +138,7 @@ class Estimate:
     ranks_per_node: int
     nvme_per_node: float
     cache_bytes: int
-    sampling_extra: float = 0.0  # frozen parts on each GPU only while samples render (Wan 2.2's other expert)
+    sampling_extra: float = 0.0  # frozen parts on each GPU only while samples render (the other expert)
     ema: float = 0.0  # the EMA's fp32 share on each GPU (train.ema.device: same)
     phases: dict = field(default_factory=dict)  # name -> dstune.memory.phases.Phase
 

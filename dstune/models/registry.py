@@ -39,6 +39,16 @@ def spec_sections() -> tuple[str, ...]:
     return tuple(where for unit in UNITS for where in unit.spec_sections)
 
 
+def on_core(core: str) -> tuple[ModelUnit, ...]:
+    """The units whose models are recipes on the shared core family `core` ("flow", or the video family)."""
+    return tuple(unit for unit in UNITS if core in unit.recipes)
+
+
+def pipelines(core: str) -> dict[str, float]:
+    """{pipeline class: its default sampling guidance} of every model on the core family `core`."""
+    return {name: guidance for unit in on_core(core) for name, guidance in unit.pipelines.items()}
+
+
 def facts() -> tuple[str, ...]:
     """Every unit's own families' ModelFacts, as "module:ATTRIBUTE"."""
     return tuple(where for unit in UNITS for where in unit.facts)
@@ -61,7 +71,17 @@ def video_facts() -> tuple[str, ...]:
 
 def builtins() -> tuple[str, ...]:
     """Every built-in tiny model, as "module:ATTRIBUTE" of its BuiltinModel."""
-    return tuple(where for unit in UNITS for where in unit.builtins)
+    return tuple(where for unit in UNITS for where in unit.builtins.values())
+
+
+def builtin_names() -> tuple[str, ...]:
+    """Every built-in tiny model's name (`builtin:` + it), without loading any."""
+    return tuple(name for unit in UNITS for name in unit.builtins)
+
+
+def checkpoint_layouts() -> dict[str, tuple[str, str]]:
+    """Key prefixes of the units' original single-file checkpoints -> (family, what the file is)."""
+    return {prefix: layout for unit in UNITS for prefix, layout in unit.checkpoint_layouts.items()}
 
 
 def presets() -> tuple[ModelPreset, ...]:

@@ -7,6 +7,7 @@ from typing import Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
+from dstune.models import registry
 from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES, Section  # noqa: F401
 
 
@@ -64,7 +65,7 @@ def is_single_file(pretrained: str) -> bool:
 
 def vae_downscale(vae_config: dict) -> Optional[int]:
     """Pixels per latent pixel of a VAE from its config (as the diffusers pipelines compute vae_scale_factor):
-    2^(stages - 1) for an AutoencoderKL, 2^(temporal stages) for Qwen-Image's and Wan's video-style VAEs."""
+    2^(stages - 1) for an AutoencoderKL, 2^(temporal stages) for the video-style VAEs (`temperal_downsample`)."""
     if "temperal_downsample" in vae_config:
         return 2 ** len(vae_config["temperal_downsample"]) * int(vae_config.get("patch_size") or 1)
     if vae_config.get("block_out_channels"):
@@ -73,7 +74,7 @@ def vae_downscale(vae_config: dict) -> Optional[int]:
 
 
 class DenoiserModelBase(Section):
-    """What every diffusion family's model section shares (sd, sdxl, flow): full fine-tuning or LoRA of the
+    """What every diffusion family's model section shares: full fine-tuning or LoRA of the
     denoiser (the UNet or transformer the family trains). Subclass it for a new diffusion family's model section.
 
     What `dstune validate` checks of the folders offline (dstune.model_folders), declared per section:
@@ -112,7 +113,7 @@ class DenoiserModelBase(Section):
         "non-diffusers key layout, e.g. `model.diffusion_model.*`): the diffusers pipeline folder, hub id already "
         "downloaded, or built-in model whose configs describe the file (nothing is downloaded) and which supplies "
         "every component the file does not hold (a UNet-only file takes VAE and text encoders from here). "
-        "sd and sdxl load single files. See docs/lora-and-ema.md.",
+        "The UNet families load single files. See docs/lora-and-ema.md.",
     )
     # The square side, in pixels, that data.resolution defaults to when the model's configs cannot be read here.
     PRESET_RESOLUTION: ClassVar[int] = 1024
@@ -131,7 +132,7 @@ class DenoiserModelBase(Section):
         return None
 
     # sample.guidance when the spec leaves it out: the pipeline class's own __call__ default, by model_index.json's
-    # _class_name (true_cfg_scale for Qwen-Image, the guidance embedding's value for FLUX), else the preset.
+    # _class_name (true_cfg_scale, or a guidance embedding's value, as the pipeline calls it), else the preset.
     PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {}
     PRESET_GUIDANCE: ClassVar[float] = 5.0
 
@@ -195,22 +196,30 @@ class DenoiserModelBase(Section):
         return self.lora if self.lora is not None else LoraSpec()
 
 
+def core_models_text(core: str) -> str:
+    """One line per model on a shared core family, from the registry (its units' summaries)."""
+    return ", ".join(unit.summary for unit in registry.on_core(core))
+
+
+def core_default_builtin(core: str) -> str:
+    """`model.pretrained`'s default for a shared core family: the first built-in of its first model."""
+    return "builtin:" + next(name for unit in registry.on_core(core) for name in unit.builtins)
+
+
+def core_builtins_text(core: str) -> str:
+    """The built-in tiny models of the models on a shared core family, as the spec reference lists them."""
+    return ", ".join(f"`builtin:{name}`" for unit in registry.on_core(core) for name in unit.builtins)
+
+
 class FlowModel(DenoiserModelBase):
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = (  # one per recipe (dstune/families/flow_*.py)
-        "StableDiffusion3Pipeline", "FluxPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "ZImagePipeline",
-        "Flux2KleinPipeline", "Flux2Pipeline",
-        "Ideogram4Pipeline", "Krea2Pipeline", "QwenImage21Pipeline")
-    PRESET_NAME: ClassVar[str] = "the size of SD3, FLUX, Qwen-Image and Z-Image"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {
-        "StableDiffusion3Pipeline": 7.0, "FluxPipeline": 3.5, "QwenImagePipeline": 4.0, "QwenImageEditPipeline": 4.0,
-        "ZImagePipeline": 5.0, "Flux2Pipeline": 4.0, "Flux2KleinPipeline": 4.0,
-        "Ideogram4Pipeline": 7.0,  # Ideogram 4: its guidance schedule's value for all but the last 3 steps
-        "Krea2Pipeline": 4.5,
-        "QwenImage21Pipeline": 1.0}  # Qwen-Image 2.1 samples unguided (its pipeline's true_cfg_scale default)
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = tuple(registry.pipelines("flow"))  # each flow unit's pipelines
+    PRESET_NAME: ClassVar[str] = "the usual size of the flow-matching image models"
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = registry.pipelines("flow")
     LORA_FORMATS: ClassVar[dict[str, str]] = {"diffusers": "diffusers", "comfyui": "diffusers"}  # ComfyUI maps its
     # `transformer.` keys
     # a distilled folder (model_index.json's is_distilled) samples without classifier-free guidance
-    DISTILLED_GUIDANCE: ClassVar[dict[str, float]] = {"Krea2Pipeline": 0.0}
+    DISTILLED_GUIDANCE: ClassVar[dict[str, float]] = {
+        name: guidance for unit in registry.on_core("flow") for name, guidance in unit.distilled_guidance.items()}
 
     def native_guidance(self, read: Callable[[str], Optional[dict]]) -> tuple[float, str]:
         index = read("model_index.json") or {}
@@ -220,9 +229,9 @@ class FlowModel(DenoiserModelBase):
         return super().native_guidance(read)
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
-        """SD3's pipeline: the transformer's sample_size x the VAE's factor. FLUX, FLUX.2 and Z-Image pipelines fix
-        their default in code (1024); their VAEs' sample_size says the same size. Qwen-Image's VAE has none: its
-        pipeline's default_sample_size 128 (latent pixels) x the VAE's 8x."""
+        """The transformer's sample_size x the VAE's factor where the transformer states one; else the VAE's
+        sample_size (pipelines that fix their default in code made their VAEs for the same size); else, for a
+        video-style VAE with none, the pipelines' default_sample_size of 128 latent pixels x the VAE's factor."""
         found = super().native_resolution(read)
         if found:
             return found
@@ -231,40 +240,19 @@ class FlowModel(DenoiserModelBase):
             return int(vae["sample_size"]), f"the VAE's sample_size {vae['sample_size']}: the size it was made for"
         factor = vae_downscale(vae)
         if "temperal_downsample" in vae and factor:
-            return 128 * factor, f"Qwen-Image's pipeline default: 128 latent pixels x the VAE's {factor}x"
+            return 128 * factor, f"its pipeline's default: 128 latent pixels x the VAE's {factor}x"
         return None
 
     family: Literal["flow"] = Field(
         description="Model family. `flow`: flow-matching transformers, told apart by the pipeline folder: "
-        "SD3-class (SD3Transformer2DModel; CLIP x2 + T5), "
-        "Flux-class (FluxTransformer2DModel; CLIP + T5), "
-        "Qwen-Image (QwenImageTransformer2DModel; Qwen2.5-VL), "
-        "Qwen-Image-Edit (QwenImageTransformer2DModel; Qwen2.5-VL with the source image; trains on source/target "
-        "pairs, see data.control_dir), "
-        "Z-Image (ZImageTransformer2DModel; Qwen3), "
-        "FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3), "
-        "FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3), "
-        "Ideogram 4 (Ideogram4Transformer2DModel; Qwen3-VL), "
-        "Krea 2 Raw and Turbo (Krea2Transformer2DModel; Qwen3-VL), "
-        "Qwen-Image 2.1 and its Turbo (QwenImage21Transformer2DModel; Qwen3-VL). See docs/family-flow.md."
+        + core_models_text("flow") + ". See docs/family-flow.md."
     )
     pretrained: str = Field(
-        "builtin:tiny-flow",
+        core_default_builtin("flow"),
         description="A diffusers pipeline folder (model_index.json + transformer/vae/text encoders/tokenizers/"
-        "scheduler) of one of those models: "
-        "StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, QwenImageEditPipeline, ZImagePipeline, "
-        "Flux2KleinPipeline, Flux2Pipeline, Ideogram4Pipeline, Krea2Pipeline, QwenImage21Pipeline; "
+        "scheduler) of one of those models: " + ", ".join(registry.pipelines("flow")) + "; "
         "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
-        "`builtin:tiny-flow` (SD3-class), "
-        "`builtin:tiny-flux` (Flux-class), "
-        "`builtin:tiny-qwen-image`, "
-        "`builtin:tiny-qwen-image-edit`, "
-        "`builtin:tiny-z-image`, "
-        "`builtin:tiny-flux2` (FLUX.2 [klein]), "
-        "`builtin:tiny-flux2-dev` (FLUX.2 [dev]), "
-        "`builtin:tiny-ideogram4`, "
-        "`builtin:tiny-krea2` (Krea 2 Raw), `builtin:tiny-krea2-turbo` (its Turbo layout), "
-        "`builtin:tiny-qwen-image-21`.",
+        + core_builtins_text("flow") + ".",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
@@ -272,15 +260,15 @@ class FlowModel(DenoiserModelBase):
     timestep_sampling: Literal["logit_normal", "uniform", "mode"] = Field(
         "logit_normal",
         description="How the training timestep is drawn (diffusers' compute_density_for_timestep_sampling): "
-        "logit_normal (SD3 paper; logit_mean, logit_std), uniform, or mode (mode_scale).",
+        "logit_normal (logit_mean, logit_std), uniform, or mode (mode_scale).",
     )
     logit_mean: Optional[float] = Field(
         None, description="timestep_sampling logit_normal: mean of the normal before the sigmoid. Omitted: 0.0. "
-        "Ideogram 4 adds 0.5 log(pixels / 512^2) to it, as its training example does."
+        "A model whose training example shifts it with the image size adds that shift (docs/family-flow.md)."
     )
     logit_std: Optional[float] = Field(
-        None, gt=0, description="timestep_sampling logit_normal: its standard deviation. Omitted: 1.0 "
-        "(Ideogram 4: 1.5, its training example's default)."
+        None, gt=0, description="timestep_sampling logit_normal: its standard deviation. Omitted: 1.0, or the "
+        "model's training example's default where it has its own (docs/family-flow.md)."
     )
     mode_scale: Optional[float] = Field(
         None, description="timestep_sampling mode: how strongly mid timesteps are favoured. Omitted: 1.29."
@@ -288,8 +276,8 @@ class FlowModel(DenoiserModelBase):
     shift: Optional[float] = Field(
         None, gt=0,
         description="Timestep shift for training (sigma -> shift*sigma / (1 + (shift-1)*sigma)). Omitted: the "
-        "scheduler's: its config shift (SD3, Z-Image), or unshifted where it shifts dynamically (Flux, Qwen-Image, "
-        "FLUX.2), as the reference scripts train. Not for Ideogram 4, whose example draws sigma itself.",
+        "scheduler's: its config shift, or unshifted where it shifts dynamically, as the reference scripts train. "
+        "Not for a model whose training example draws sigma itself (validate says so).",
     )
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
         "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3). sigma_sqrt (sigma^-2) "
@@ -297,24 +285,22 @@ class FlowModel(DenoiserModelBase):
     )
     precondition_outputs: bool = Field(
         False, description="Compare x0 instead of the velocity: the prediction v becomes x_t - sigma v and the "
-        "target x0, which weights each sample's squared velocity error by sigma^2. diffusers' SD3 scripts default "
-        "to it (--precondition_outputs 1); false: the velocity loss of their Flux, Qwen-Image, Z-Image, FLUX.2 scripts.",
+        "target x0, which weights each sample's squared velocity error by sigma^2 (--precondition_outputs 1, the "
+        "default of diffusers' MMDiT scripts); false: the velocity loss of diffusers' other flow-matching scripts.",
     )
     guidance: float = Field(
-        3.5, ge=0, description="Transformers with a guidance embedding (guidance_embeds: FLUX.1-dev, FLUX.2 [dev]; "
-        "FLUX.2 [klein] when its transformer has one): the guidance value fed while training. Unused by the others.",
+        3.5, ge=0, description="Transformers with a guidance embedding (their config's guidance_embeds): the "
+        "guidance value fed while training. Unused by the others.",
     )
     max_sequence_length: Optional[int] = Field(
-        None, gt=0, description="Text tokens per caption (SD3, Flux: T5's; the others: their LLM prompt's). Omitted: "
-        "the model's training example default, at most the tokenizer's model_max_length: "
-        "77 (SD3-class) / "
-        "512 (Flux-class, Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.2 [dev]) / "
-        "2048 (Ideogram 4) / "
-        "512 (Qwen-Image 2.1: its example sets no limit; a longer caption is refused, naming it).",
+        None, gt=0, description="Text tokens per caption (the long text encoder's: T5's, or the LLM prompt's). "
+        "Omitted: the model's training example default, at most the tokenizer's model_max_length (each model's "
+        "default is on docs/family-flow.md; `dstune validate` counts with it). A longer caption is truncated, or "
+        "refused naming it where the model's pipeline refuses it.",
     )
     training_adapter: Optional[str] = Field(
         None, description="A LoRA file (diffusers' pytorch_lora_weights.safetensors layout) fused into the frozen "
-        "transformer for training only: train a LoRA through a distilled model (Krea 2 Turbo, Z-Image-Turbo) without "
+        "transformer for training only: train a LoRA through a distilled (few-step) model without "
         "breaking its few-step behaviour. It is left out of the exported LoRA and of the samples (they render "
         "`sample.pretrained`, or `pretrained` without it, with the trained LoRA). `train: lora` only, ZeRO stage 0-2. "
         "See docs/family-flow.md, \"Distilled checkpoints\".",
@@ -334,8 +320,8 @@ class FlowModel(DenoiserModelBase):
                              "train: lora, or remove training_adapter")
         if self.loss_weighting == "sigma_sqrt" and not self.precondition_outputs:
             raise ValueError("loss_weighting sigma_sqrt weights each sample by sigma^-2 on the velocity loss: on "
-                             "SD3's schedule a mean weight of about 186 and up to about 1e5 near sigma 0, so a few "
-                             "samples dominate every step. diffusers' SD3 scripts pair it with their default "
+                             "a logit-normal schedule a mean weight of about 186 and up to about 1e5 near sigma 0, so "
+                             "a few samples dominate every step. diffusers' MMDiT scripts pair it with their default "
                              "--precondition_outputs 1, where it cancels to the plain velocity MSE: set "
                              "precondition_outputs: true for that, or use loss_weighting none or cosmap")
         return self

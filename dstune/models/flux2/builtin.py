@@ -3,7 +3,7 @@
 Flux2Transformer2DModel (one double-stream and one single-stream block, 32 wide, 4-axis RoPE), AutoencoderKLFlux2
 (8 latent channels, spatial factor 2, its batch-norm statistics at their initial values: the VAE is random, so
 renders are noise-like images, which is all the tests need), a Qwen3 causal LM of 27 layers 32 wide (the pipeline
-reads the hidden states of layers 9, 18 and 27) and the byte-level tokenizer of builtin:tiny-qwen-image with a
+reads the hidden states of layers 9, 18 and 27) and the byte-level tokenizer of dstune.builtin.parts with a
 Qwen3-style chat template, built offline from fixed configs and a fixed seed.
 
 `builtin:tiny-flux2-dev` is FLUX.2 [dev]'s Flux2Pipeline folder: the same transformer shape with a guidance

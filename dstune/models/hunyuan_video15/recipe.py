@@ -1,4 +1,4 @@
-"""The HunyuanVideo 1.5 recipe of the flow-matching core (dstune.families.flow_recipe; model.family wan, chosen by
+"""The HunyuanVideo 1.5 recipe of the flow-matching core (dstune.families.flow_recipe; the video family, chosen by
 the folder's transformer class, HunyuanVideo15Transformer3DModel).
 
 - latents: clips (B, 3, frames, H, W) in [-1, 1] through AutoencoderKLHunyuanVideo15 (16x spatial, 4x temporal, 32

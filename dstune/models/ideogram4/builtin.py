@@ -1,10 +1,10 @@
 """Built-in tiny Ideogram 4: `builtin:tiny-ideogram4`, a real Ideogram4Pipeline folder with tiny components.
 
 Two Ideogram4Transformer2DModel (the trained `transformer` and the frozen `unconditional_transformer` the pipeline's
-asymmetric guidance blends in; one block each, 32 wide, 3-axis MRoPE), the random 8-channel AutoencoderKLFlux2 of
-builtin:tiny-flux2 (its batch-norm statistics at their initial values), a Qwen3VLModel of 36 text layers 16 wide
+asymmetric guidance blends in; one block each, 32 wide, 3-axis MRoPE), a random 8-channel AutoencoderKLFlux2
+(dstune.builtin.parts' config, its batch-norm statistics at their initial values), a Qwen3VLModel of 36 text layers 16 wide
 (the pipeline concatenates the hidden states of 13 of them, up to layer 35) with a one-block vision tower the
-text-to-image pipeline never calls, and the byte-level tokenizer of builtin:tiny-qwen-image with a Qwen3-VL style
+text-to-image pipeline never calls, and the byte-level tokenizer of dstune.builtin.parts with a Qwen3-VL style
 chat template that reads the `{"type": "text"}` content parts the pipeline writes. Built offline from fixed
 configs and a fixed seed.
 
@@ -66,5 +66,5 @@ def build_tiny_ideogram4(out: Path, needs: dict) -> dict:
 TINY_IDEOGRAM4 = BuiltinModel(
     name="tiny-ideogram4", folder_name="tiny-ideogram4-v1", family="flow",
     description="Ideogram 4 pipeline: two one-block Ideogram 4 transformers (conditional, unconditional), Qwen3-VL "
-                "(36 text layers 16 wide), random 8-channel FLUX.2 VAE",
+                "(36 text layers 16 wide), random 8-channel AutoencoderKLFlux2",
     build=build_tiny_ideogram4)

@@ -12,7 +12,9 @@ UNIT = ModelUnit(
     spec_sections=('dstune.models.speecht5.spec:SpeechT5Model',),
     families={'speecht5': 'dstune.models.speecht5.family'},
     facts=('dstune.models.speecht5.facts:FACTS',),
-    builtins=('dstune.models.speecht5.builtin:TINY_SPEECHT5',),
+    builtins={
+        'tiny-speecht5': 'dstune.models.speecht5.builtin:TINY_SPEECHT5',
+    },
     presets=(
         ModelPreset("speecht5", "SpeechT5 TTS (encoder-decoder to mel frames, HiFi-GAN vocoder)", "speecht5",
                     "microsoft/speecht5_tts", "tiny-speecht5",

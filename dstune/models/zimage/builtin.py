@@ -1,9 +1,9 @@
 """Built-in tiny Z-Image: `builtin:tiny-z-image`, a real ZImagePipeline folder with tiny components.
 
-ZImageTransformer2DModel (one 32-wide layer and one refiner layer each for noise and caption), the 16-channel VAE
-that builtin:tiny-flow and tiny-flux share (trained on shapes, so renders are images: dstune.models.sd3_flux.builtin), a Qwen3
-text encoder (two 32-wide layers: the pipeline reads the second-to-last hidden states) and the byte-level Qwen2
-tokenizer of builtin:tiny-qwen-image with a Qwen3-style chat template, built offline from fixed configs and a fixed
+ZImageTransformer2DModel (one 32-wide layer and one refiner layer each for noise and caption), the trained
+16-channel VAE of dstune.builtin.parts (trained on shapes, so renders are images), a Qwen3 text encoder (two 32-wide
+layers: the pipeline reads the second-to-last hidden states) and the byte-level Qwen2 tokenizer of
+dstune.builtin.parts with a Qwen3-style chat template, built offline from fixed configs and a fixed
 seed.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.sd3_flux.builtin import trained_flow_vae
+from dstune.builtin.parts import trained_flow_vae
 from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE, tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
 
