@@ -12,11 +12,14 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
 - builtin:tiny-qwen-image (Qwen-Image: its plan splits the packed image, the text and the text mask) full under
   ZeRO 2, rendering a sample whose prompt and negative prompt have odd token counts (padded, masked, to split);
 - builtin:tiny-wan-i2v (Wan 2.1 image-to-video: condition latents and CLIP image tokens) full under ZeRO 2;
+- builtin:tiny-wan-a14b (Wan 2.2 two-expert layout): its low-noise expert full under ZeRO 2;
+- builtin:tiny-wan22-ti2v (Wan 2.2 TI2V: per-token timesteps, the first frame's at 0, split with the tokens) LoRA
+  under ZeRO 3 with gradient checkpointing;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
 Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: six 2-rank launches and their six 1-rank references, a 4-rank launch and its 2-rank reference, and the
+check: eight 2-rank launches and their eight 1-rank references, a 4-rank launch and its 2-rank reference, and the
 1-rank resume (each launched when a test first needs it).
 """
 
@@ -37,9 +40,12 @@ pytestmark = pytest.mark.dist
 
 MODEL = "tiny-wan"  # 2 attention heads; builtin:moving-shapes clips are 5 frames of 32 px: 2 x 2 x 2 = 8 tokens
 LORA_FILE = Path("pytorch_lora_weights.safetensors")
+TRANSFORMER_2 = Path("transformer_2") / TRANSFORMER.name  # the two-expert export's trained low-noise expert
 
 IMAGE_MODEL = "tiny-flux2"  # 2 heads; 32 px images are 4 tokens, the text 512 (padded to max_sequence_length)
 I2V_MODEL = "tiny-wan-i2v"  # Wan 2.1 image-to-video: condition latents beside the clip's, CLIP image tokens
+TWO_EXPERTS = "tiny-wan-a14b"  # Wan 2.2 A14B layout: the low-noise expert (transformer_2) trains, below the boundary
+TI2V_MODEL = "tiny-wan22-ti2v"  # Wan 2.2 TI2V: the first frame's tokens at timestep 0, per-token timesteps split
 QWEN_MODEL = "tiny-qwen-image"  # 2 heads; its 2x VAE makes a 32 px image 64 tokens, the text 512 (padded, masked)
 
 # name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
@@ -56,6 +62,10 @@ LAUNCHES = {
     "qwen-zero2-full-ref": (1, 1, 2, "full", QWEN_MODEL),
     "i2v-zero2-full-sp2": (2, 2, 2, "full", I2V_MODEL),
     "i2v-zero2-full-ref": (1, 1, 2, "full", I2V_MODEL),
+    "a14b-zero2-full-sp2": (2, 2, 2, "full", TWO_EXPERTS),
+    "a14b-zero2-full-ref": (1, 1, 2, "full", TWO_EXPERTS),
+    "ti2v-zero3-lora-sp2": (2, 2, 3, "lora", TI2V_MODEL),  # gradient checkpointing on (the wan LoRA runs)
+    "ti2v-zero3-lora-ref": (1, 1, 3, "lora", TI2V_MODEL),
     "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
     "2-ranks-2x1": (2, 1, 2, "full", MODEL),  # 2 data-parallel ranks, micro 1 each
 }
@@ -63,7 +73,9 @@ PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "
          ("flux2-zero2-full-sp2", "flux2-zero2-full-ref", TRANSFORMER), ("4-ranks-2x2", "2-ranks-2x1", TRANSFORMER),
          ("qwen-zero2-full-sp2", "qwen-zero2-full-ref", TRANSFORMER),
          ("flux2-zero3-lora-sp2", "flux2-zero3-lora-ref", LORA_FILE),
-         ("i2v-zero2-full-sp2", "i2v-zero2-full-ref", TRANSFORMER)]
+         ("i2v-zero2-full-sp2", "i2v-zero2-full-ref", TRANSFORMER),
+         ("a14b-zero2-full-sp2", "a14b-zero2-full-ref", TRANSFORMER_2),
+         ("ti2v-zero3-lora-sp2", "ti2v-zero3-lora-ref", LORA_FILE)]
 
 
 def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
@@ -82,19 +94,24 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
         return spec
     lora = train == "lora"
     cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
+    layout = {TWO_EXPERTS: {"expert": "low_noise"}, TI2V_MODEL: {"image_to_video": True}}.get(model, {})
     return base_spec(
         run_dir,
-        model={"family": "wan", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora},
+        model={"family": "wan", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora,
+               **layout},
         data={"path": "builtin:moving-shapes", "cache": cache},
         train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,
                "max_steps": STEPS,
                # SGD for LoRA: its update is linear in the gradient. Adam's first updates normalise each element,
                # so a LoRA A element whose gradient is near zero (just after B leaves zero) turns summation-order
-               # differences of 1e-7 into 1e-4 of its weight.
-               "optimizer": {"type": "sgd", "lr": 0.5, "momentum": 0.9} if lora else {"type": "adamw", "lr": 2e-4}},
+               # differences of 1e-7 into 1e-4 of its weight. SGD for the low-noise expert too: with Adam, 1 of its
+               # 576 cross-attention key weights (moved 7e-5 where the others moved 5e-4: a near-zero gradient)
+               # ended 7.5e-6 apart (4e-5 of the tensor's largest) while the losses and gradient norms agreed.
+               "optimizer": {"type": "sgd", "lr": 0.5, "momentum": 0.9} if lora or model == TWO_EXPERTS
+               else {"type": "adamw", "lr": 2e-4}},
         deepspeed={"zero_stage": stage, "sequence_parallel_size": size},
         output={"export": "diffusers", "save_every_steps": 2, "keep_last": 5},
-        sample={"prompts": [] if lora or model == I2V_MODEL else ["a red circle moving left"], "steps": 2,
+        sample={"prompts": [] if lora or model != MODEL else ["a red circle moving left"], "steps": 2,
                 "guidance": 1.0},
     )
 
@@ -133,7 +150,7 @@ class Runs:
 def runs(tmp_path_factory) -> Runs:
     from dstune.builtin import ensure_builtin_model
 
-    for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL):
+    for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL, TWO_EXPERTS, TI2V_MODEL):
         ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
     return Runs(tmp_path_factory)
 
