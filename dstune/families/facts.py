@@ -55,6 +55,11 @@ class Attention:
     origin: str
     refusal: str = ""  # why this model's sequences cannot be split ("" when they can)
     text_tokens: int = 0  # text tokens split with the image's (a joint sequence), 0 when the text stays whole
+    # an image model's token geometry: pixels per image token along a side (the VAE's spatial factor x the latent
+    # patch a token packs, from the model's configs), and the pictures in one sample's sequence (an edit model's
+    # target and source: 2)
+    px_per_token: int = 0
+    pictures: int = 1
 
 
 @dataclass(frozen=True)

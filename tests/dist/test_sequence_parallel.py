@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flow_runs import STEPS, TRANSFORMER, flow_spec
+from flow_runs import STEPS, TRANSFORMER, flow_spec, write_pairs
 import shutil
 
 from harness import CACHE_DIR, base_spec, explain, launch, metrics, write_spec
@@ -47,6 +47,16 @@ I2V_MODEL = "tiny-wan-i2v"  # Wan 2.1 image-to-video: condition latents beside t
 TWO_EXPERTS = "tiny-wan-a14b"  # Wan 2.2 A14B layout: the low-noise expert (transformer_2) trains, below the boundary
 TI2V_MODEL = "tiny-wan22-ti2v"  # Wan 2.2 TI2V: the first frame's tokens at timestep 0, per-token timesteps split
 QWEN_MODEL = "tiny-qwen-image"  # 2 heads; its 2x VAE makes a 32 px image 64 tokens, the text 512 (padded, masked)
+FLUX1_MODEL = "tiny-flux"  # Flux.1: 2 heads; its 2x VAE makes a 32 px image 64 tokens, the T5 text 512
+EDIT_MODEL = "tiny-qwen-image-edit"  # 8x VAE: a 64 px target 16 tokens and its source 16 more; the text any length
+
+# SGD (its update is linear in the gradient) for the LoRA runs and these full ones. Adam's first updates normalise
+# each element, so an element whose gradient is near zero turns summation-order differences of 1e-7 into a visible
+# difference of its weight: a LoRA A element just after B leaves zero, and in these models' full runs 1 weight of
+# thousands (the two-expert's cross-attention key: 1 of 576; Flux.1's and Qwen-Image-Edit's timestep embedder: 1 of
+# 8192) ended 2e-5 to 4e-5 of its tensor's largest apart, while losses and gradient norms agreed within 1e-6.
+SGD = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
+SGD_FULL = (TWO_EXPERTS, FLUX1_MODEL, EDIT_MODEL)
 
 # name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
 LAUNCHES = {
@@ -62,6 +72,10 @@ LAUNCHES = {
     "qwen-zero2-full-ref": (1, 1, 2, "full", QWEN_MODEL),
     "i2v-zero2-full-sp2": (2, 2, 2, "full", I2V_MODEL),
     "i2v-zero2-full-ref": (1, 1, 2, "full", I2V_MODEL),
+    "flux1-zero2-full-sp2": (2, 2, 2, "full", FLUX1_MODEL),
+    "flux1-zero2-full-ref": (1, 1, 2, "full", FLUX1_MODEL),
+    "edit-zero2-full-sp2": (2, 2, 2, "full", EDIT_MODEL),
+    "edit-zero2-full-ref": (1, 1, 2, "full", EDIT_MODEL),
     "a14b-zero2-full-sp2": (2, 2, 2, "full", TWO_EXPERTS),
     "a14b-zero2-full-ref": (1, 1, 2, "full", TWO_EXPERTS),
     "ti2v-zero3-lora-sp2": (2, 2, 3, "lora", TI2V_MODEL),  # gradient checkpointing on (the wan LoRA runs)
@@ -74,23 +88,32 @@ PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "
          ("qwen-zero2-full-sp2", "qwen-zero2-full-ref", TRANSFORMER),
          ("flux2-zero3-lora-sp2", "flux2-zero3-lora-ref", LORA_FILE),
          ("i2v-zero2-full-sp2", "i2v-zero2-full-ref", TRANSFORMER),
+         ("flux1-zero2-full-sp2", "flux1-zero2-full-ref", TRANSFORMER),
+         ("edit-zero2-full-sp2", "edit-zero2-full-ref", TRANSFORMER),
          ("a14b-zero2-full-sp2", "a14b-zero2-full-ref", TRANSFORMER_2),
          ("ti2v-zero3-lora-sp2", "ti2v-zero3-lora-ref", LORA_FILE)]
 
 
 def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
     micro = 2 // (ranks // size)  # the same global batch of 2 on every world
-    if model in (IMAGE_MODEL, QWEN_MODEL):  # the flow image runs' spec (latent and text caches, samples)
+    if model in (IMAGE_MODEL, QWEN_MODEL, FLUX1_MODEL, EDIT_MODEL):  # the flow image runs' spec (caches, samples)
         spec = flow_spec(run_dir, model, stage, train)
         spec["train"].update(global_batch_size=2, micro_batch_size=micro)
         spec["deepspeed"]["sequence_parallel_size"] = size
         spec["output"].update(save_every_steps=None)
-        if model == IMAGE_MODEL and train == "lora":  # SGD: see the wan LoRA runs below
-            spec["train"]["optimizer"] = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
-        elif model == IMAGE_MODEL:
+        if train == "lora" or model in SGD_FULL:
+            spec["train"]["optimizer"] = SGD
+        if model == IMAGE_MODEL and train == "full":
             spec["data"]["eval"] = {"fraction": 0.2, "every_steps": 2}  # the held-out loss, split too
-        else:  # the pipeline's own prompt encoding: 141 tokens, its true-CFG negative 129, both split unevenly
-            spec["sample"].update(prompts=["a red circles"], guidance=2.0)
+        elif model == QWEN_MODEL:  # the pipeline's own prompt encoding: 141 tokens, its true-CFG negative 129,
+            spec["sample"].update(prompts=["a red circles"], guidance=2.0)  # both split unevenly
+        elif model == EDIT_MODEL:  # pairs; the instruction's length depends on the source's vision tokens
+            write_pairs(run_dir.parent / "pairs")
+            spec["data"].update(path=str(run_dir.parent / "pairs" / "target"), control_dir="../control",
+                                resolution=64)
+            spec["data"]["cache"]["text_embeddings"] = False  # an edit embedding belongs to a (caption, image) pair
+            spec["sample"].update(prompts=["turn it into a red circle"],
+                                  control_images=[str(run_dir.parent / "pairs" / "control" / "005.png")])
         return spec
     lora = train == "lora"
     cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
@@ -102,13 +125,7 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
         data={"path": "builtin:moving-shapes", "cache": cache},
         train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,
                "max_steps": STEPS,
-               # SGD for LoRA: its update is linear in the gradient. Adam's first updates normalise each element,
-               # so a LoRA A element whose gradient is near zero (just after B leaves zero) turns summation-order
-               # differences of 1e-7 into 1e-4 of its weight. SGD for the low-noise expert too: with Adam, 1 of its
-               # 576 cross-attention key weights (moved 7e-5 where the others moved 5e-4: a near-zero gradient)
-               # ended 7.5e-6 apart (4e-5 of the tensor's largest) while the losses and gradient norms agreed.
-               "optimizer": {"type": "sgd", "lr": 0.5, "momentum": 0.9} if lora or model == TWO_EXPERTS
-               else {"type": "adamw", "lr": 2e-4}},
+               "optimizer": SGD if lora or model in SGD_FULL else {"type": "adamw", "lr": 2e-4}},
         deepspeed={"zero_stage": stage, "sequence_parallel_size": size},
         output={"export": "diffusers", "save_every_steps": 2, "keep_last": 5},
         sample={"prompts": [] if lora or model != MODEL else ["a red circle moving left"], "steps": 2,
@@ -150,7 +167,7 @@ class Runs:
 def runs(tmp_path_factory) -> Runs:
     from dstune.builtin import ensure_builtin_model
 
-    for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL, TWO_EXPERTS, TI2V_MODEL):
+    for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL, TWO_EXPERTS, TI2V_MODEL, FLUX1_MODEL, EDIT_MODEL):
         ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
     return Runs(tmp_path_factory)
 
@@ -185,9 +202,11 @@ def test_two_ranks_of_one_sequence_group_train_what_one_rank_trains(runs, split,
         assert (a[key] - b[key]).abs().max().item() <= 1e-5 * scale, key
 
 
-@pytest.mark.parametrize("name", ["zero2-full-sp2", "qwen-zero2-full-sp2"])
+@pytest.mark.parametrize("name", ["zero2-full-sp2", "qwen-zero2-full-sp2", "flux1-zero2-full-sp2",
+                                  "edit-zero2-full-sp2"])
 def test_samples_render_split(runs, name):
-    """Wan's clip; Qwen-Image's prompt and negative prompt, whose odd token counts are padded (masked) to split."""
+    """Wan's clip; Qwen-Image's prompt and negative prompt, whose odd token counts are padded (masked) to split;
+    Flux.1's; Qwen-Image-Edit's from a source image (its tokens beside the target's, the instruction padded)."""
     run_dir, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
     assert list((run_dir / "samples").glob(f"step-{STEPS:06d}.*"))  # an animated image of the frames, or a grid

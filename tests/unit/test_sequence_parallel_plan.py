@@ -168,9 +168,9 @@ def test_zero3_reduces_over_the_data_parallel_groups_with_a_bucket_for_the_large
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 10}}
 
 
-def test_flux2_splits_its_image_and_text_and_the_other_flow_models_are_refused(capsys):
-    """FLUX.2's context-parallel plan splits the image and the text streams: validate lists both token counts per
-    rank; Flux.1 (its plan not enabled yet) is refused with the reason."""
+def test_flux2_and_flux1_split_their_image_and_text(capsys):
+    """FLUX.2's and Flux.1's context-parallel plans split the image and the text streams: validate lists both token
+    counts per rank, and a text length N does not divide is refused."""
     assert main(["validate", str(REPO / "launch" / "flux2-klein-lora-zero2-8gpu.yaml"), "--num-gpus", "8",
                  "--num-samples", "1000", "--set", "deepspeed.sequence_parallel_size=4"]) == 0
     text = capsys.readouterr().out
@@ -179,14 +179,21 @@ def test_flux2_splits_its_image_and_text_and_the_other_flow_models_are_refused(c
     code, out = validate_json(capsys, 2, "model.max_sequence_length=511",
                               spec=str(REPO / "launch" / "flux2-klein-lora-zero2-8gpu.yaml"))
     assert code == 1 and any("text: 511" in e for e in out["errors"]), out["errors"]
-    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "flux-lora-zero3-8gpu.yaml"))
-    assert code == 1
-    assert any("Flux.1's sequence split is not enabled in dstune yet" in e for e in out["errors"]), out["errors"]
+    flux = str(REPO / "launch" / "flux-lora-zero3-8gpu.yaml")
+    assert main(["validate", flux, "--num-gpus", "8", "--num-samples", "1000",
+                 "--set", "deepspeed.sequence_parallel_size=8"]) == 0
+    text = capsys.readouterr().out
+    assert "1024x1024             4096 tokens per sample -> 512 per rank" in text
+    assert "text                  512 tokens per sample -> 64 per rank" in text
+    code, out = validate_json(capsys, 2, "model.max_sequence_length=255", spec=flux)
+    assert code == 1 and any("text: 255" in e for e in out["errors"]), out["errors"]
 
 
 def test_qwen_image_splits_its_packed_image_and_its_text_and_refuses_a_size_that_breaks_either(capsys):
     """Qwen-Image's plan splits the packed image tokens (2x2 patches of the 8x latent) and the text (padded to
-    model.max_sequence_length): N must divide both; the edit model (its plan not run split) is refused."""
+    model.max_sequence_length): N must divide both. The edit model's sequence is its target's and its source's
+    tokens; its instruction (with the source's vision tokens) has no fixed length and is padded with masked tokens
+    to split, so it sets no rule."""
     qwen = str(REPO / "launch" / "qwen-image-lora-zero3-8gpu.yaml")
     code, out = validate_json(capsys, 4, spec=qwen)
     assert code == 0, out["errors"]
@@ -195,8 +202,17 @@ def test_qwen_image_splits_its_packed_image_and_its_text_and_refuses_a_size_that
                              and "Sizes that keep every rule on 8 rank(s): 1, 2." in e for e in out["errors"])
     code, out = validate_json(capsys, 2, "data.resolution=1008", spec=qwen)  # 63 x 63 patches: 3969 tokens
     assert code == 1 and any("1008x1008: 3969" in e for e in out["errors"]), out["errors"]
-    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "qwen-image-edit-lora-zero3-8gpu.yaml"))
-    assert code == 1 and any("Qwen-Image's sequence split is not enabled in dstune yet" in e for e in out["errors"])
+    edit = str(REPO / "launch" / "qwen-image-edit-lora-zero3-8gpu.yaml")
+    assert main(["validate", edit, "--num-gpus", "8", "--num-samples", "1000",
+                 "--set", "deepspeed.sequence_parallel_size=8"]) == 0
+    text = capsys.readouterr().out
+    assert any(line.split() == ["1024x1024", "(target", "and", "source)", "8192", "tokens", "per", "sample", "->",
+                                "1024", "per", "rank"] for line in text.splitlines()), text
+    assert "text " not in text[text.index("per data-parallel rank"):text.index("Memory")]
+    code, out = validate_json(capsys, 2, "data.resolution=1008", spec=edit)  # 2 x 3969: divides 2, not 4
+    assert code == 0, out["errors"]
+    code, out = validate_json(capsys, 4, "data.resolution=1008", spec=edit)
+    assert code == 1 and any("1008x1008 (target and source): 7938" in e for e in out["errors"]), out["errors"]
 
 
 # (the model, its family, its transformer class): the classes without a context-parallel plan in diffusers 0.42.1
