@@ -21,7 +21,7 @@ from dstune.families import flow_hunyuan15, hunyuan15_i2v, wan_i2v
 from dstune.families.base import Family, FamilyError, LatentExtras, TextCache
 from dstune.families.diffusion import read_component_config
 from dstune.families.flow_core import (FlowBuilt, build_from, encode_batch, encode_captions, export, loss, sample,
-                                       save_lora_weights, text_cache_settings)
+                                       save_lora_weights, split_plan, text_cache_settings)
 from dstune.families.flow_wan import (COMPONENTS, TEXT_TENSORS, WAN, expert_positions, folder_problems,
                                       other_expert_loaded, train_tables)
 from dstune.families.samples import save_clip_grid
@@ -98,4 +98,4 @@ FAMILY = Family(
                          tensors_of=lambda folder: _recipe(Path(folder)).text_tensors,
                          folders_of=lambda folder: HV15_TEXT_CACHE_FOLDERS if is_hunyuan_video15(Path(folder))
                          else TEXT_CACHE_FOLDERS),
-    builds_partitioned=True, latent_extras=LatentExtras(wan_i2v_cache_key, condition_tensors))
+    builds_partitioned=True, latent_extras=LatentExtras(wan_i2v_cache_key, condition_tensors), split_plan=split_plan)

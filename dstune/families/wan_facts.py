@@ -192,13 +192,15 @@ def _spec_issues(spec) -> SpecIssues:
 
 def _attention(spec):
     """The transformer's attention heads (what a sequence-parallel split must divide), None when its config is not
-    here; a refusal for a transformer class without a context-parallel plan (HunyuanVideo 1.5). Wan 2.2 A14B's two
+    here; a refusal for a transformer class without a context-parallel plan. Wan 2.2 A14B's two
     experts have the same shape, so the high-noise one speaks for both."""
     try:
         folder = pipeline_folder(spec.model.pretrained)
         config = folder.config("transformer")
     except (SizesUnknown, OSError, ValueError):
         return None
+    if hunyuan15_facts.is_hunyuan15(folder):  # its plan is dstune's
+        return hunyuan15_facts.attention(folder)
     origin = f"the transformer config of {folder.origin}"
     no_plan = no_plan_refusal((folder.index.get("transformer") or [None, "none"])[1])
     if no_plan:

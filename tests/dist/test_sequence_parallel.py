@@ -15,11 +15,15 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
 - builtin:tiny-wan-a14b (Wan 2.2 two-expert layout): its low-noise expert full under ZeRO 2;
 - builtin:tiny-wan22-ti2v (Wan 2.2 TI2V: per-token timesteps, the first frame's at 0, split with the tokens) LoRA
   under ZeRO 3 with gradient checkpointing;
+- builtin:tiny-flux (Flux.1) and builtin:tiny-qwen-image-edit (its source's tokens beside the target's, an
+  instruction of any length padded to split) full under ZeRO 2, rendering samples;
+- builtin:tiny-hunyuan-video15 (HunyuanVideo 1.5, split by dstune's plan: dstune.families.hunyuan15_split) LoRA
+  under ZeRO 3 with gradient checkpointing, rendering samples;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
 Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: eight 2-rank launches and their eight 1-rank references, a 4-rank launch and its 2-rank reference, and the
+check: eleven 2-rank launches and their eleven 1-rank references, a 4-rank launch and its 2-rank reference, and the
 1-rank resume (each launched when a test first needs it).
 """
 
@@ -45,6 +49,7 @@ TRANSFORMER_2 = Path("transformer_2") / TRANSFORMER.name  # the two-expert expor
 IMAGE_MODEL = "tiny-flux2"  # 2 heads; 32 px images are 4 tokens, the text 512 (padded to max_sequence_length)
 I2V_MODEL = "tiny-wan-i2v"  # Wan 2.1 image-to-video: condition latents beside the clip's, CLIP image tokens
 TWO_EXPERTS = "tiny-wan-a14b"  # Wan 2.2 A14B layout: the low-noise expert (transformer_2) trains, below the boundary
+HV15_MODEL = "tiny-hunyuan-video15"  # HunyuanVideo 1.5: dstune's plan (hunyuan15_split), its context padded to split
 TI2V_MODEL = "tiny-wan22-ti2v"  # Wan 2.2 TI2V: the first frame's tokens at timestep 0, per-token timesteps split
 QWEN_MODEL = "tiny-qwen-image"  # 2 heads; its 2x VAE makes a 32 px image 64 tokens, the text 512 (padded, masked)
 FLUX1_MODEL = "tiny-flux"  # Flux.1: 2 heads; its 2x VAE makes a 32 px image 64 tokens, the T5 text 512
@@ -56,6 +61,7 @@ EDIT_MODEL = "tiny-qwen-image-edit"  # 8x VAE: a 64 px target 16 tokens and its 
 # thousands (the two-expert's cross-attention key: 1 of 576; Flux.1's and Qwen-Image-Edit's timestep embedder: 1 of
 # 8192) ended 2e-5 to 4e-5 of its tensor's largest apart, while losses and gradient norms agreed within 1e-6.
 SGD = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
+SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora")}  # the video runs that render samples (split too)
 SGD_FULL = (TWO_EXPERTS, FLUX1_MODEL, EDIT_MODEL)
 
 # name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
@@ -80,6 +86,8 @@ LAUNCHES = {
     "a14b-zero2-full-ref": (1, 1, 2, "full", TWO_EXPERTS),
     "ti2v-zero3-lora-sp2": (2, 2, 3, "lora", TI2V_MODEL),  # gradient checkpointing on (the wan LoRA runs)
     "ti2v-zero3-lora-ref": (1, 1, 3, "lora", TI2V_MODEL),
+    "hv15-zero3-lora-sp2": (2, 2, 3, "lora", HV15_MODEL),  # gradient checkpointing on
+    "hv15-zero3-lora-ref": (1, 1, 3, "lora", HV15_MODEL),
     "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
     "2-ranks-2x1": (2, 1, 2, "full", MODEL),  # 2 data-parallel ranks, micro 1 each
 }
@@ -91,7 +99,8 @@ PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "
          ("flux1-zero2-full-sp2", "flux1-zero2-full-ref", TRANSFORMER),
          ("edit-zero2-full-sp2", "edit-zero2-full-ref", TRANSFORMER),
          ("a14b-zero2-full-sp2", "a14b-zero2-full-ref", TRANSFORMER_2),
-         ("ti2v-zero3-lora-sp2", "ti2v-zero3-lora-ref", LORA_FILE)]
+         ("ti2v-zero3-lora-sp2", "ti2v-zero3-lora-ref", LORA_FILE),
+         ("hv15-zero3-lora-sp2", "hv15-zero3-lora-ref", LORA_FILE)]
 
 
 def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
@@ -128,7 +137,7 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
                "optimizer": SGD if lora or model in SGD_FULL else {"type": "adamw", "lr": 2e-4}},
         deepspeed={"zero_stage": stage, "sequence_parallel_size": size},
         output={"export": "diffusers", "save_every_steps": 2, "keep_last": 5},
-        sample={"prompts": [] if lora or model != MODEL else ["a red circle moving left"], "steps": 2,
+        sample={"prompts": ["a red circle moving left"] if (model, train) in SAMPLED else [], "steps": 2,
                 "guidance": 1.0},
     )
 
@@ -167,7 +176,8 @@ class Runs:
 def runs(tmp_path_factory) -> Runs:
     from dstune.builtin import ensure_builtin_model
 
-    for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL, TWO_EXPERTS, TI2V_MODEL, FLUX1_MODEL, EDIT_MODEL):
+    for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL, TWO_EXPERTS, TI2V_MODEL, FLUX1_MODEL, EDIT_MODEL,
+                  HV15_MODEL):
         ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
     return Runs(tmp_path_factory)
 
@@ -203,10 +213,11 @@ def test_two_ranks_of_one_sequence_group_train_what_one_rank_trains(runs, split,
 
 
 @pytest.mark.parametrize("name", ["zero2-full-sp2", "qwen-zero2-full-sp2", "flux1-zero2-full-sp2",
-                                  "edit-zero2-full-sp2"])
+                                  "edit-zero2-full-sp2", "hv15-zero3-lora-sp2"])
 def test_samples_render_split(runs, name):
     """Wan's clip; Qwen-Image's prompt and negative prompt, whose odd token counts are padded (masked) to split;
-    Flux.1's; Qwen-Image-Edit's from a source image (its tokens beside the target's, the instruction padded)."""
+    Flux.1's; Qwen-Image-Edit's from a source image (its tokens beside the target's, the instruction padded);
+    HunyuanVideo 1.5's clip (its context padded to split) with the LoRA."""
     run_dir, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
     assert list((run_dir / "samples").glob(f"step-{STEPS:06d}.*"))  # an animated image of the frames, or a grid

@@ -216,13 +216,13 @@ def test_qwen_image_splits_its_packed_image_and_its_text_and_refuses_a_size_that
 
 
 # (the model, its family, its transformer class): the classes without a context-parallel plan in diffusers 0.42.1
+# (HunyuanVideo 1.5 has none either: dstune gives it one, below)
 NO_PLAN = [("builtin:tiny-z-image", "flow", "ZImageTransformer2DModel"),
            ("builtin:tiny-flow", "flow", "SD3Transformer2DModel"),
            ("builtin:tiny-krea2", "flow", "Krea2Transformer2DModel"),
            ("builtin:tiny-ideogram4", "flow", "Ideogram4Transformer2DModel"),
            ("builtin:tiny-qwen-image-21", "flow", "QwenImage21Transformer2DModel"),
-           ("builtin:tiny-hunyuan-video15", "wan", "HunyuanVideo15Transformer3DModel"),  # wan, chosen by folder
-           ("hunyuanvideo-community/HunyuanVideo-1.5-720p_t2v", "wan", "HunyuanVideo15Transformer3DModel")]
+           ("Tongyi-MAI/Z-Image", "flow", "ZImageTransformer2DModel")]
 
 
 def _no_plan_spec(tmp_path, pretrained: str, family: str) -> Path:
@@ -252,7 +252,7 @@ def test_a_transformer_without_a_context_parallel_plan_is_refused_with_the_reaso
 
 
 def test_the_no_plan_refusal_imports_no_torch(tmp_path):
-    """validate's spec errors are torch-free: HunyuanVideo 1.5's refusal in a fresh interpreter."""
+    """validate's spec errors are torch-free: Z-Image's refusal in a fresh interpreter."""
     import os
     import subprocess
     import sys
@@ -276,3 +276,19 @@ def test_the_table_of_context_parallel_classes_is_the_installed_diffusers():
     names = {row[2] for row in NO_PLAN} | set(CONTEXT_PARALLEL_CLASSES)
     with_plan = {name for name in names if getattr(getattr(diffusers, name), "_cp_plan", None)}
     assert with_plan == set(CONTEXT_PARALLEL_CLASSES)
+
+
+def test_hunyuan_video15_splits_by_dstunes_plan_its_clip_tokens_listed(capsys):
+    """HunyuanVideo 1.5's class has no diffusers plan; dstune's (dstune.families.hunyuan15_split) splits the clip and
+    the context, which it pads to split: validate plans it from the stored 720p configs, lists the clip's tokens per
+    rank and checks its 16 heads and the clip's tokens (the context, 1000 + 256 + 729 tokens, sets no rule)."""
+    spec = str(REPO / "launch" / "hunyuan-video15-720p-lora-zero3-8gpu.yaml")
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "2000", "--set", "data.resolution=768",
+                 "--set", "deepspeed.sequence_parallel_size=8"]) == 0
+    text = capsys.readouterr().out  # 31 latent frames x 48 x 48 (16x VAE, 1x1 patches)
+    assert "121f 768x768            71424 tokens per sample -> 8928 per rank" in text
+    assert "attention all-to-all buffers" in text
+    code, out = validate_json(capsys, 2, spec=spec)  # the launch spec's 720 x 720: 31 x 45 x 45 = 62775, odd
+    assert code == 1 and any("121f 720x720: 62775" in e for e in out["errors"]), out["errors"]
+    code, out = validate_json(capsys, 32, "data.resolution=768", spec=spec, gpus=32)
+    assert code == 1 and any("does not divide the transformer's 16 attention heads" in e for e in out["errors"])
