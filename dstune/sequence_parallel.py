@@ -44,8 +44,8 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
     facts = get_facts(spec.model.family)
     if facts.attention is None:
         return [source.issue(KEY, f"{size}: model.family {spec.model.family} has no sequence-parallel attention in "
-                             "dstune (the split is made on the flow-matching transformers: model.family wan, and "
-                             "Flux.1, FLUX.2, Qwen-Image and Qwen-Image-Edit under flow). Remove the key (sequence_parallel_size: 1), or "
+                             "dstune (the split is made on the flow-matching transformers of model.family flow and "
+                             "wan; docs/sequence-parallel.md lists them). Remove the key (sequence_parallel_size: 1), or "
                              "shrink activations with model.gradient_checkpointing or a smaller micro batch.")]
     problems = []  # one issue for the key (validate keeps one per key and place), every broken rule in it
     if spec.deepspeed.zero_stage == 0:

@@ -96,6 +96,15 @@ class SingleFileLayout:
 
 
 @dataclass(frozen=True)
+class Speaker:
+    """How `dstune synthesize` speaks from a speech family's export: whether a folder is one of its exports, and the
+    clip for a text (from the folder alone: transformers and the codec, none of dstune's training code)."""
+
+    recognizes: Callable  # folder -> bool
+    synthesize: Callable  # (folder, text, seconds=, temperature=, seed=) -> Clip (wave, sample_rate)
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family: what the stages call, and what it can do (see the module docstring)."""
 
@@ -122,6 +131,7 @@ class Family:
     # preparing the module for it (a model whose diffusers class has no _cp_plan); None (or a None result): the
     # class's own plan (dstune.families.ulysses)
     split_plan: Optional[Callable] = None
+    speaker: Optional[Speaker] = None  # speech families: `dstune synthesize` from their exports
 
     @property
     def supports_lora(self) -> bool:

@@ -18,7 +18,7 @@ groups, each of which a model either needs whole or not at all:
 
 Adding an image model (HiDream, Chroma, Lumina 2, ...) is a recipe module, one line in flow.RECIPES, a built-in tiny
 model and a loss-parity test (docs/family-flow.md, "Adding a model"); a video model is the same with frames in its
-LatentSpace (docs/family-flow.md, "Adding a video model"; dstune.families.flow_wan is the example).
+LatentSpace (docs/family-flow.md, "Adding a video model"; dstune.models.wan.recipe is the example).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class FlowRecipe:
     # (model spec) -> whether the loss compares the x0 the velocity implies (EDM-style) rather than the velocity
     preconditioned: Callable = lambda model: model.precondition_outputs
     # (transformer, sequence_parallel_size) -> the context-parallel plan that splits it, after preparing it (its
-    # diffusers class has no _cp_plan: HunyuanVideo 1.5); None: the class's own plan
+    # diffusers class has no _cp_plan); None: the class's own plan
     sequence_split: Optional[Callable] = None
     # (built, model-space latents, seed, step, indices) -> sigma per sample (B,), drawn continuously as the model's
     # example draws it (Ideogram 4); None: u indexes the tables (timesteps are then sigma x 1000)

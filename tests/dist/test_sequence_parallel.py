@@ -17,7 +17,7 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
   under ZeRO 3 with gradient checkpointing;
 - builtin:tiny-flux (Flux.1) and builtin:tiny-qwen-image-edit (its source's tokens beside the target's, an
   instruction of any length padded to split) full under ZeRO 2, rendering samples;
-- builtin:tiny-hunyuan-video15 (HunyuanVideo 1.5, split by dstune's plan: dstune.families.hunyuan15_split) LoRA
+- builtin:tiny-hunyuan-video15 (HunyuanVideo 1.5, split by dstune's plan: dstune.models.hunyuan_video15.split) LoRA
   under ZeRO 3 with gradient checkpointing, rendering samples;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.

@@ -279,7 +279,7 @@ def test_the_table_of_context_parallel_classes_is_the_installed_diffusers():
 
 
 def test_hunyuan_video15_splits_by_dstunes_plan_its_clip_tokens_listed(capsys):
-    """HunyuanVideo 1.5's class has no diffusers plan; dstune's (dstune.families.hunyuan15_split) splits the clip and
+    """HunyuanVideo 1.5's class has no diffusers plan; dstune's (dstune.models.hunyuan_video15.split) splits the clip and
     the context, which it pads to split: validate plans it from the stored 720p configs, lists the clip's tokens per
     rank and checks its 16 heads and the clip's tokens (the context, 1000 + 256 + 729 tokens, sets no rule)."""
     spec = str(REPO / "launch" / "hunyuan-video15-720p-lora-zero3-8gpu.yaml")
