@@ -292,3 +292,33 @@ def test_hunyuan_video15_splits_by_dstunes_plan_its_clip_tokens_listed(capsys):
     assert code == 1 and any("121f 720x720: 62775" in e for e in out["errors"]), out["errors"]
     code, out = validate_json(capsys, 32, "data.resolution=768", spec=spec, gpus=32)
     assert code == 1 and any("does not divide the transformer's 16 attention heads" in e for e in out["errors"])
+
+
+def test_zero3_memory_counts_the_reduce_bucket_raised_to_the_largest_trainable_parameter(capsys):
+    """Under ZeRO-3 with sequence parallelism the engine raises reduce_bucket_size to the largest trainable parameter
+    (test_zero3_reduces_over_the_data_parallel_groups_...): the memory plan counts that bucket, in the module's
+    precision (bf16: 2 bytes, fp32: 4). Wan 2.2 A14B's low-noise expert in full: its time projection (5120 x 30720
+    and its bias) is 3.1 x the JSON's 5e7 elements. Not raised at N = 1, under ZeRO 2, nor for LoRA's adapters."""
+    a14b = str(REPO / "launch" / "wan22-a14b-low-noise-full-zero3-2x8gpu.yaml")
+
+    def memory(size: int, *sets: str) -> dict:
+        code, out = validate_json(capsys, size, *sets, spec=a14b, gpus=16)
+        assert code == 0, out["errors"]
+        assert out["ds_config"]["zero_optimization"]["reduce_bucket_size"] == 50_000_000  # the JSON's, unraised
+        return out["memory"]
+
+    largest = 5120 * 30720 + 30720
+    for precision, element_bytes in (("bf16", 2), ("fp32", 4)):
+        one, two = memory(1, f"train.precision={precision}"), memory(2, f"train.precision={precision}")
+        assert two["parameters"]["largest_layer_params"] == largest
+        split = two["sequence_parallel"]
+        assert (split["reduce_bucket_elements"], split["reduce_bucket_raised"]) == (largest, True)
+        raised = (largest - 50_000_000) * element_bytes  # no overlap_comm: one bucket
+        buffers = [m["per_gpu"]["buffers_bytes"] for m in (one, two)]
+        assert buffers[1] - split["all_to_all_bytes"] - buffers[0] == raised
+    zero2 = memory(2, "deepspeed.zero_stage=2")["sequence_parallel"]
+    lora = memory(2, "model.train=lora")["sequence_parallel"]
+    assert not zero2["reduce_bucket_raised"] and not lora["reduce_bucket_raised"]
+    assert main(["validate", a14b, "--num-gpus", "16", "--num-samples", "2000",
+                 "--set", "deepspeed.sequence_parallel_size=2"]) == 0
+    assert f"the reduce bucket raised to the largest trainable parameter, {largest:,} elements" in capsys.readouterr().out
