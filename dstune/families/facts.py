@@ -32,7 +32,8 @@ def no_spec_issues(spec) -> SpecIssues:
 
 # The transformer classes that carry a context-parallel plan (`_cp_plan`) in diffusers 0.42.1, the plan sequence
 # parallelism splits their sequences with (dstune.families.ulysses); tests/unit/test_sequence_parallel_plan.py
-# checks this table against the installed diffusers. A transformer class outside it cannot be split.
+# checks this table against the installed diffusers. A transformer class outside it cannot be split unless its
+# model unit gives it a plan (FlowRecipe.sequence_split), whose facts then answer the attention facts.
 CONTEXT_PARALLEL_CLASSES = frozenset({"WanTransformer3DModel", "FluxTransformer2DModel",
                                       "QwenImageTransformer2DModel", "Flux2Transformer2DModel"})
 
