@@ -127,6 +127,10 @@ class Family:
     # (built, folder, model spec, spec key): samples render that folder's transformer with the trained LoRA
     # (sample.pretrained, model.training_adapter); None: the family samples with the trained module only
     sampling_denoiser: Optional[Callable] = None
+    # (built, sequence_parallel_size) -> the context-parallel plan that splits built.trainable's sequences, after
+    # preparing the module for it (a model whose diffusers class has no _cp_plan); None (or a None result): the
+    # class's own plan (dstune.families.ulysses)
+    split_plan: Optional[Callable] = None
     speaker: Optional[Speaker] = None  # speech families: `dstune synthesize` from their exports
 
     @property

@@ -22,7 +22,8 @@ import torch
 from dstune.families.base import Family, FamilyError, TextCache
 from dstune.families.diffusion import component_problems, read_model_index
 from dstune.families.flow_core import (FlowBuilt, build_from, cache_text_tensors, encode_batch, encode_captions,
-                                       export, loss, pipeline_of, sample, save_lora_weights, text_cache_settings)
+                                       export, loss, pipeline_of, sample, save_lora_weights, split_plan,
+                                       text_cache_settings)
 from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
 from dstune.families.flow_distilled import attach_sampling_denoiser
 from dstune.families.flow_recipe import pick_recipe, read_config
@@ -102,4 +103,4 @@ FAMILY = Family(
     text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors, text_cache_settings,
                          tensors_of=lambda folder: RECIPES[detect_kind(Path(folder))].text_tensors,
                          refusal=text_cache_refusal),
-    builds_partitioned=True, sampling_denoiser=attach_sampling_denoiser)
+    builds_partitioned=True, sampling_denoiser=attach_sampling_denoiser, split_plan=split_plan)

@@ -342,6 +342,11 @@ def export(built: FlowBuilt, transformer_state_dict: dict, out_dir, pretrained_f
                                   _fresh_transformer(built, transformer_state_dict))
 
 
+def split_plan(built: FlowBuilt, size: int) -> Optional[dict]:
+    """The context-parallel plan of the recipe's own (its transformer prepared for it), None: the class's plan."""
+    return built.recipe.sequence_split(built.trainable, size) if built.recipe.sequence_split else None
+
+
 def save_lora_weights(built: FlowBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:
     """The transformer's LoRA as the recipe's pipeline class writes it (dstune.families.lora builds the layers; a
     low-noise expert's LoRA loads with the pipeline's load_into_transformer_2=True)."""

@@ -2,7 +2,8 @@
 FlowModel row, dstune.models.registry.flow_models), as the torch side's recipes are (dstune.families.flow_recipe);
 dstune.families.facts describes the contract.
 
-Image tokens are 2x2 latent patches (16 px); text tokens join them. An edit model trains on (source, target)
+Image tokens are 2x2 latent patches (16 px at the real models' 8x VAEs; the sequence split reads the VAE config
+for its token counts); text tokens join them. An edit model trains on (source, target)
 pairs: the source's tokens and latents double the target's, and the source image's vision tokens join the text.
 """
 
@@ -17,7 +18,7 @@ from dstune.memory.activations import ModelShape, in_plan_units, measured_sample
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image_latent_bytes, pipeline_folder,
                                             trains_denoiser, transformer_text_bytes)
 from dstune.families.facts import Attention, ModelFacts, SpecIssues, no_plan_refusal
-from dstune.memory.counts import SizesUnknown, count_component
+from dstune.memory.counts import SizesUnknown, count_component, vae_factor
 from dstune.model_folders import builtin_name_problem, locate
 from dstune.models import registry
 from dstune.models.unit import load
@@ -57,10 +58,8 @@ class FlowModel:
     # output.lora_format values whose tools are known to load this model's file (comfyui: diffusers' own keys)
     lora_formats: tuple[str, ...] = ("diffusers", "comfyui")
     side_px: int = 0  # image sides must be multiples of it, said by validate (0: left to the first batch's check)
-    # sequence parallelism: its split through the transformer's context-parallel plan is tested, so it is enabled
-    # (docs/sequence-parallel.md)
-    sequence_split: bool = False
     lora_loader: str = ""  # what loads its LoRA files, where a format is refused (output.lora_format)
+    token_patch: int = 2  # latent rows (and columns) one image token packs: 2x2 for every flow model here
 
 
 @cache
@@ -261,12 +260,16 @@ def _pairs(spec) -> Optional[str]:
 
 
 def _attention(spec) -> Optional[Attention]:
-    """The transformer's heads and the text tokens its context-parallel plan splits with the image's (a plan that
-    splits both streams pads the text to max_sequence_length); a refusal for a transformer class without a
-    context-parallel plan, and for the models whose split is not enabled yet."""
+    """The transformer's heads, its image tokens' geometry (the VAE config's spatial factor x the 2x2 latent patch
+    a token packs) and the text tokens its context-parallel plan splits with the image's (a plan that splits both
+    streams pads the text to max_sequence_length); a refusal for a transformer class without a
+    context-parallel plan. An edit model's sequence holds the target's and the source's tokens; its text (the
+    instruction with the source's vision tokens) has no fixed length: the split pads it with masked tokens
+    (dstune.families.ulysses), so it sets no rule."""
     try:
         folder = pipeline_folder(spec.model.pretrained)
         model, config = flow_model(folder), folder.config("transformer")
+        px_per_token = vae_factor(folder.config("vae")) * model.token_patch
     except (SizesUnknown, OSError, ValueError):
         return None
     origin = f"the transformer config of {folder.origin}"
@@ -276,10 +279,9 @@ def _attention(spec) -> Optional[Attention]:
     heads = config.get("num_attention_heads")
     if not isinstance(heads, int):
         return None
-    enabled = [row.name for row in flow_models().values() if row.sequence_split]
-    refusal = "" if model.sequence_split and not edit_pipeline(folder) else (
-        f"{model.name}'s sequence split is not enabled in dstune yet (enabled: {', '.join(enabled)})")
-    return Attention(heads, config.get("attention_head_dim", 0), origin, refusal, text_tokens(spec, folder))
+    edit = edit_pipeline(folder) is not None
+    return Attention(heads, config.get("attention_head_dim", 0), origin, text_tokens=0 if edit else text_tokens(
+        spec, folder), px_per_token=px_per_token, pictures=2 if edit else 1)
 
 
 FACTS = ModelFacts(family="flow", modality="image", count=_count, spec_issues=_spec_issues, pairs=_pairs,

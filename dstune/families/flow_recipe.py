@@ -136,6 +136,9 @@ class FlowRecipe:
     scheduler_class: Optional[str] = "FlowMatchEulerDiscreteScheduler"  # None: the class model_index.json lists
     # (model spec) -> whether the loss compares the x0 the velocity implies (EDM-style) rather than the velocity
     preconditioned: Callable = lambda model: model.precondition_outputs
+    # (transformer, sequence_parallel_size) -> the context-parallel plan that splits it, after preparing it (its
+    # diffusers class has no _cp_plan); None: the class's own plan
+    sequence_split: Optional[Callable] = None
     # (built, model-space latents, seed, step, indices) -> sigma per sample (B,), drawn continuously as the model's
     # example draws it; None: u indexes the tables (timesteps are then sigma x 1000)
     draw_sigmas: Optional[Callable] = None

@@ -20,7 +20,7 @@ import torch
 from dstune.families.base import Family, FamilyError, LatentExtras, TextCache
 from dstune.families.diffusion import read_component_config
 from dstune.families.flow_core import (FlowBuilt, build_from, encode_batch, encode_captions, export, loss, sample,
-                                       save_lora_weights, text_cache_settings)
+                                       save_lora_weights, split_plan, text_cache_settings)
 from dstune.families.samples import save_clip_grid
 from dstune.models import registry
 from dstune.models.unit import VIDEO_FAMILY, load
@@ -96,4 +96,4 @@ FAMILY = Family(
                          text_cache_settings,
                          tensors_of=lambda folder: video_model_of(Path(folder)).recipe_of(Path(folder)).text_tensors,
                          folders_of=lambda folder: video_model_of(Path(folder)).text_cache_folders),
-    builds_partitioned=True, latent_extras=LatentExtras(latent_cache_key, condition_tensors))
+    builds_partitioned=True, latent_extras=LatentExtras(latent_cache_key, condition_tensors), split_plan=split_plan)

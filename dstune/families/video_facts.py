@@ -40,6 +40,9 @@ class VideoFacts:
     # (spec, folder, companions, channels, spatial factor, buckets, num_samples) -> the first-frame condition cache
     condition_cache_bytes: Callable
     spec_issues: Callable  # (spec, folder) -> [(dotted key, message)]: the spec against the folder's configs
+    # folder -> Attention, for a model whose sequence-parallel plan is dstune's (the transformer's own plan, or its
+    # class without one, decides otherwise)
+    attention: Optional[Callable] = None
 
 
 @cache
@@ -168,6 +171,9 @@ def _attention(spec):
         config = folder.config("transformer")
     except (SizesUnknown, OSError, ValueError):
         return None
+    facts = facts_of(folder)
+    if facts is not None and facts.attention is not None:  # its plan is dstune's
+        return facts.attention(folder)
     origin = f"the transformer config of {folder.origin}"
     no_plan = no_plan_refusal((folder.index.get("transformer") or [None, "none"])[1])
     if no_plan:

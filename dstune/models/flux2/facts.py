@@ -5,5 +5,5 @@ from __future__ import annotations
 from dstune.families.flow_facts import FlowModel, two_streams
 
 FLOW_MODELS = {
-    "Flux2Transformer2DModel": FlowModel("FLUX.2", "flux2", two_streams, "joint_attention_dim", sequence_split=True),
+    "Flux2Transformer2DModel": FlowModel("FLUX.2", "flux2", two_streams, "joint_attention_dim"),
 }

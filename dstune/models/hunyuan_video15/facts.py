@@ -10,7 +10,10 @@ and the 729 SigLIP image tokens (zeros and masked for text-to-video, but in the 
 
 from __future__ import annotations
 
+from typing import Optional
+
 from dstune.families.denoiser_facts import transformer_text_bytes
+from dstune.families.facts import Attention
 from dstune.families.video_facts import VideoFacts
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 
@@ -36,6 +39,16 @@ def token_factors(folder) -> tuple[int, tuple[int, int, int], str]:
     patch = transformer.get("patch_size", 1)
     return (vae.get("spatial_compression_ratio", 16), (transformer.get("patch_size_t", 1), patch, patch),
             f"the VAE and transformer configs of {folder.origin}")
+
+
+def attention(folder) -> Optional[Attention]:
+    """The heads a sequence-parallel split divides (its plan is dstune's: dstune.models.hunyuan_video15.split). The
+    context sets no rule on N: the split pads it with masked tokens to a multiple of N."""
+    config = folder.config("transformer")
+    if not isinstance(config.get("num_attention_heads"), int):
+        return None
+    return Attention(config["num_attention_heads"], config.get("attention_head_dim", 0),
+                     f"the transformer config of {folder.origin}")
 
 
 def context_tokens(spec) -> int:
@@ -115,4 +128,4 @@ def _condition_cache_bytes(spec, folder, companions, channels, factor, buckets, 
 VIDEO_FACTS = VideoFacts(
     transformer_class=TRANSFORMER_CLASS, token_factors=token_factors, image_to_video=_image_to_video,
     sample_bytes=sample_bytes, text_bytes=_text_bytes, condition_cache_bytes=_condition_cache_bytes,
-    spec_issues=spec_issues)
+    spec_issues=spec_issues, attention=attention)
