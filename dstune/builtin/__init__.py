@@ -36,6 +36,7 @@ from dstune.builtin.flux2 import TINY_FLUX2, TINY_FLUX2_DEV
 from dstune.builtin.hunyuan_video15 import TINY_HUNYUAN_VIDEO15, TINY_HUNYUAN_VIDEO15_I2V
 from dstune.builtin.ideogram4 import TINY_IDEOGRAM4
 from dstune.builtin.krea2 import TINY_KREA2, TINY_KREA2_TURBO
+from dstune.builtin.ltx2 import TINY_LTX2
 from dstune.builtin.orpheus import TINY_ORPHEUS
 from dstune.builtin.qwen_image import TINY_QWEN_IMAGE
 from dstune.builtin.qwen_image_edit import TINY_QWEN_IMAGE_EDIT
@@ -132,4 +133,4 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
     TINY_QWEN_IMAGE_EDIT, TINY_Z_IMAGE, TINY_FLUX2, TINY_FLUX2_DEV, TINY_WAN, TINY_WAN_A14B,
     TINY_WAN_I2V, TINY_WAN22_TI2V,
     TINY_HUNYUAN_VIDEO15, TINY_HUNYUAN_VIDEO15_I2V, TINY_IDEOGRAM4, TINY_KREA2, TINY_KREA2_TURBO,
-    TINY_QWEN_IMAGE_21)}
+    TINY_QWEN_IMAGE_21, TINY_LTX2)}

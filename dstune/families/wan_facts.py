@@ -1,5 +1,6 @@
 """The torch-free facts of the wan family (Wan 2.1 / 2.2: text-to-video, image-to-video, TI2V, two experts; a
-HunyuanVideo 1.5 folder's are dstune.families.hunyuan15_facts, told by its transformer class): its folder's layout
+HunyuanVideo 1.5 folder's are dstune.families.hunyuan15_facts, an LTX-2 folder's dstune.families.ltx2_facts, told
+by its transformer class): its folder's layout
 (dstune.wan_layouts), which expert trains over which timesteps (dstune.spec.video_models), tokens per clip,
 activations and cache bytes; dstune.families.facts describes the contract.
 
@@ -10,7 +11,7 @@ and the transformer's patch (pt, ph, pw) read from the model's configs (Wan's 8 
 from __future__ import annotations
 
 from dstune import wan_layouts
-from dstune.families import hunyuan15_facts
+from dstune.families import hunyuan15_facts, ltx2_facts
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, embedding_width_bytes, latent_channels,
                                             pipeline_folder, transformer_text_bytes)
@@ -63,7 +64,11 @@ def expert_summary(index: dict, expert: str, timestep_range) -> dict:
 
 
 def _trained(spec, folder):
-    """The expert a two-expert folder trains (the other loads only while samples render), else the transformer."""
+    """The expert a two-expert folder trains (the other loads only while samples render), else the transformer;
+    LTX-2's audio VAE and vocoder load for samples only."""
+    if ltx2_facts.is_ltx2(folder):
+        return "transformer", {part: count_component(str(folder.path / part / "config.json"))[0]
+                               for part in ltx2_facts.sampling_parts(folder)}, None
     if spec.model.expert is None or "transformer_2" not in experts_in(folder.index):
         return "transformer", {}, None
     module, other = ("transformer_2", "transformer") if spec.model.expert == "low_noise" else \
@@ -77,6 +82,8 @@ def _image_to_video(spec, folder) -> bool:
     fit no Wan layout (startup says why)."""
     if hunyuan15_facts.is_hunyuan15(folder):
         return hunyuan15_facts.image_to_video(folder) and spec.model.image_to_video is not False
+    if ltx2_facts.is_ltx2(folder):
+        return False
     kind, _ = wan_layouts.layout(folder.index, folder.config("transformer"), folder.config("vae"))
     return kind is not None and wan_layouts.image_to_video(kind, spec.model.image_to_video)[0]
 
@@ -105,9 +112,10 @@ def clip_volume(frames: int, width: int, height: int, *_) -> int:
 
 def _activations(spec, folder, config: dict, clips) -> tuple[float, float]:
     """The largest bucket's clip; the context holds the text and, for Wan 2.1 I2V, the image embedding's tokens."""
-    if hunyuan15_facts.is_hunyuan15(folder):
+    if hunyuan15_facts.is_hunyuan15(folder) or ltx2_facts.is_ltx2(folder):
         frames, width, height, _ = max(clip_buckets(spec, 0, clips), key=lambda b: clip_volume(*b))
-        return hunyuan15_facts.sample_bytes(spec, folder, frames, width, height)
+        facts = hunyuan15_facts if hunyuan15_facts.is_hunyuan15(folder) else ltx2_facts
+        return facts.sample_bytes(spec, folder, frames, width, height)
     with_encoder = (folder.index.get("image_encoder") or [None])[0] and _image_to_video(spec, folder)
     context = _text_tokens(spec) + (_image_tokens(folder) if with_encoder else 0)
     frames, width, height, _ = max(clip_buckets(spec, 0, clips), key=lambda b: clip_volume(*b))
@@ -127,6 +135,11 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
         per_sample = sum(transformer_text_bytes(spec, folder, tokens, width)
                          for tokens, width in hunyuan15_facts.text_tokens_and_width(spec, folder))
         return per_sample * num_samples + latents + hunyuan15_facts.image_cache_bytes(spec, folder, num_samples)
+    if ltx2_facts.is_ltx2(folder):
+        per_sample = sum(transformer_text_bytes(spec, folder, tokens, width)
+                         for tokens, width in ltx2_facts.text_tokens_and_width(spec, folder))
+        return per_sample * num_samples + ltx2_facts.latent_cache_bytes(spec, folder, companions,
+                                                                        clip_buckets(spec, num_samples, clips))
     width = folder.config("transformer").get("text_dim", 0) if folder.has("transformer") else 0
     per_sample = transformer_text_bytes(spec, folder, _text_tokens(spec), width)
     return per_sample * num_samples + latents
@@ -164,6 +177,8 @@ def token_factors(pretrained: str) -> tuple[int, tuple[int, int, int], str]:
         return WAN_SPATIAL, WAN_PATCH, "Wan's factors (8x VAE, 1x2x2 patches): the model's configs are not here"
     if hunyuan15_facts.is_hunyuan15(folder):
         return hunyuan15_facts.token_factors(folder)
+    if ltx2_facts.is_ltx2(folder):
+        return ltx2_facts.token_factors(folder)
     downsample, patch = vae.get("temperal_downsample"), transformer.get("patch_size")
     wan_like = isinstance(downsample, list) and isinstance(patch, list) and len(patch) == 3 and all(
         isinstance(side, int) and side > 0 for side in patch)
@@ -186,8 +201,18 @@ def _spec_issues(spec) -> SpecIssues:
                f"{spec.model.pretrained}: {problem}")
               for problem in expert_problems(configs[0], spec.model.expert, spec.model.timestep_range)]
     if hunyuan15_facts.is_hunyuan15(folder):
-        return issues + hunyuan15_facts.spec_issues(spec, folder)
-    return issues + wan_layouts.spec_problems(*configs, spec.model.image_to_video, spec.sample)
+        return issues + hunyuan15_facts.spec_issues(spec, folder) + _sampler_issues(spec)
+    if ltx2_facts.is_ltx2(folder):
+        return issues + ltx2_facts.spec_issues(spec, folder)
+    return issues + wan_layouts.spec_problems(*configs, spec.model.image_to_video, spec.sample) + \
+        _sampler_issues(spec)
+
+
+def _sampler_issues(spec) -> SpecIssues:
+    if spec.model.timestep_sampling != "shifted_logit_normal":
+        return []
+    return [("model.timestep_sampling", f"{spec.model.pretrained}: shifted_logit_normal is LTX-2's (ltx-trainer's "
+             "sampler); use uniform, logit_normal or mode")]
 
 
 def _attention(spec):
@@ -200,7 +225,8 @@ def _attention(spec):
     except (SizesUnknown, OSError, ValueError):
         return None
     origin = f"the transformer config of {folder.origin}"
-    no_plan = no_plan_refusal((folder.index.get("transformer") or [None, "none"])[1])
+    no_plan = ltx2_facts.attention_refusal() if ltx2_facts.is_ltx2(folder) else \
+        no_plan_refusal((folder.index.get("transformer") or [None, "none"])[1])
     if no_plan:
         return Attention(0, 0, origin, no_plan)
     if not isinstance(config.get("num_attention_heads"), int):

@@ -33,6 +33,11 @@ BUILTIN_FOLDERS = {re.sub(r"-v\d+$", "", folder.name): folder.name
                    for folder in sorted((STORE / "builtin").iterdir()) if folder.is_dir()}
 
 
+# components that diffusers keeps in their pipeline's module, not at its top level (model_index.json: ["ltx2", ...])
+PIPELINE_MODULE_CLASSES = {"LTX2TextConnectors": "diffusers.pipelines.ltx2",
+                           "LTX2Vocoder": "diffusers.pipelines.ltx2.vocoder"}
+
+
 class SizesUnknown(ValueError):
     """The model's config files are not on this machine (nor stored with dstune)."""
 
@@ -136,6 +141,11 @@ def _instantiate(config: dict, path: Path):
             import diffusers
 
             cls = getattr(diffusers, config["_class_name"], None)
+            if cls is None and config["_class_name"] in PIPELINE_MODULE_CLASSES:
+                import importlib
+
+                module = importlib.import_module(PIPELINE_MODULE_CLASSES[config["_class_name"]])
+                cls = getattr(module, config["_class_name"])
             if cls is None:
                 raise SizesUnknown(f"{path}: diffusers has no class {config['_class_name']}")
             return cls.from_config(config)

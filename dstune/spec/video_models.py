@@ -13,12 +13,14 @@ from dstune.spec.model_sections import DenoiserModelBase
 class WanModel(DenoiserModelBase):
     modality: ClassVar[str] = "video"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("WanPipeline", "WanImageToVideoPipeline",
-                                                  "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")
+                                                  "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline",
+                                                  "LTX2Pipeline")
     PRESET_RESOLUTION: ClassVar[int] = 480
     PRESET_NAME: ClassVar[str] = "Wan's frame height"
     PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"WanPipeline": 5.0, "WanImageToVideoPipeline": 5.0,
                                                      "HunyuanVideo15Pipeline": 6.0,
-                                                     "HunyuanVideo15ImageToVideoPipeline": 6.0}
+                                                     "HunyuanVideo15ImageToVideoPipeline": 6.0,
+                                                     "LTX2Pipeline": 3.0}
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
         """WanPipeline's default frames are 480 x 832 (fixed in its code, whatever the folder): data.resolution is
@@ -29,8 +31,9 @@ class WanModel(DenoiserModelBase):
         description="Model family. `wan`: the video models, chosen by the folder: Wan 2.1 / 2.2 "
         "(WanTransformer3DModel, AutoencoderKLWan, UMT5): text-to-video, image-to-video (Wan 2.1 I2V with its CLIP "
         "image encoder, Wan 2.2 I2V A14B) and Wan 2.2 TI2V 5B; HunyuanVideo 1.5 (HunyuanVideo15Transformer3DModel, "
-        "Qwen2.5-VL and ByT5): text- and image-to-video; trained on clips by flow matching. See docs/family-wan.md "
-        "and docs/family-hunyuan-video15.md."
+        "Qwen2.5-VL and ByT5): text- and image-to-video; LTX-2 (LTX2VideoTransformer3DModel, Gemma 3): text-to-video "
+        "on clips without sound; trained on clips by flow matching. See docs/family-wan.md, "
+        "docs/family-hunyuan-video15.md and docs/family-ltx2.md."
     )
     pretrained: str = Field(
         "builtin:tiny-wan",
@@ -40,17 +43,20 @@ class WanModel(DenoiserModelBase):
         "`builtin:tiny-wan`, `builtin:tiny-wan-a14b` (two experts), `builtin:tiny-wan-i2v` (Wan 2.1 I2V layout), "
         "`builtin:tiny-wan22-ti2v` (Wan 2.2 TI2V layout); or a HunyuanVideo15Pipeline / "
         "HunyuanVideo15ImageToVideoPipeline folder (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v, ...; "
-        "`builtin:tiny-hunyuan-video15`, `builtin:tiny-hunyuan-video15-i2v`).",
+        "`builtin:tiny-hunyuan-video15`, `builtin:tiny-hunyuan-video15-i2v`); or an LTX2Pipeline folder "
+        "(Lightricks/LTX-2; `builtin:tiny-ltx2`).",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute each transformer block's activations in backward (torch non-reentrant "
         "checkpointing): activations grow with frames x height x width tokens, so real clips need it."
     )
-    timestep_sampling: Literal["logit_normal", "uniform", "mode"] = Field(
+    timestep_sampling: Literal["logit_normal", "uniform", "mode", "shifted_logit_normal"] = Field(
         "uniform",
         description="How u in [0, 1] is drawn (diffusers' compute_density_for_timestep_sampling); u indexes the "
         "shifted timestep/sigma tables of the scheduler (see `shift`). uniform, logit_normal (logit_mean, "
-        "logit_std) or mode (mode_scale).",
+        "logit_std) or mode (mode_scale). LTX-2 draws sigma itself, as ltx-trainer: shifted_logit_normal (LTX-2 "
+        "only; ltx-trainer's default: logit-normal about a mean that follows the clip's tokens, stretched to [0, "
+        "1], 10% uniform) or uniform (sigma = u).",
     )
     logit_mean: Optional[float] = Field(None, description="logit_normal only: the normal's mean. Omitted: 0.0.")
     logit_std: Optional[float] = Field(None, gt=0, description="logit_normal only: its std. Omitted: 1.0.")
@@ -59,14 +65,16 @@ class WanModel(DenoiserModelBase):
     shift: Optional[float] = Field(
         None, gt=0, description="Timestep shift of the training tables (sigma -> shift sigma / (1 + (shift - 1) "
         "sigma)). Omitted: the scheduler's: UniPC's flow_shift (Wan 2.1: 3.0 at 480p, 5.0 at 720p) or "
-        "FlowMatchEulerDiscreteScheduler's shift; HunyuanVideo 1.5: 3.0, its official trainer's.",
+        "FlowMatchEulerDiscreteScheduler's shift; HunyuanVideo 1.5: 3.0, its official trainer's. Not used by LTX-2 "
+        "(its sampler draws sigma directly).",
     )
     loss_weighting: Literal["none", "cosmap"] = Field(
         "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3).")
     max_sequence_length: Optional[int] = Field(
         None, gt=0, description="UMT5 tokens per caption (zero-padded, as WanPipeline pads them). Omitted: 512, at "
         "most the tokenizer's model_max_length. HunyuanVideo 1.5: Qwen2.5-VL tokens after its template (omitted: "
-        "1000, the pipeline's); ByT5's glyph tokens stay 256.",
+        "1000, the pipeline's); ByT5's glyph tokens stay 256. LTX-2: Gemma 3 tokens, left-padded (omitted: 1024, "
+        "the pipeline's).",
     )
 
     expert: Optional[Literal["high_noise", "low_noise"]] = Field(
@@ -89,12 +97,13 @@ class WanModel(DenoiserModelBase):
         "folder and false on an image-to-video one are refused. Samples then render from sample.control_images "
         "(one first frame per prompt).")
     sample_frames: int = Field(
-        5, gt=0, description="Frames of each clip rendered for `sample.prompts` during training (4k+1; the samples "
+        5, gt=0, description="Frames of each clip rendered for `sample.prompts` during training (4k+1; LTX-2: 8k+1; the samples "
         "page plays them as animated WebP, with an MP4 of each step beside it).")
 
     @model_validator(mode="after")
     def _no_unused_sampling_settings(self) -> "WanModel":
-        used = {"logit_normal": {"logit_mean", "logit_std"}, "mode": {"mode_scale"}, "uniform": set()}
+        used = {"logit_normal": {"logit_mean", "logit_std"}, "mode": {"mode_scale"}, "uniform": set(),
+                "shifted_logit_normal": set()}
         unused = sorted(name for name in {"logit_mean", "logit_std", "mode_scale"} - used[self.timestep_sampling]
                         if getattr(self, name) is not None)
         if unused:
