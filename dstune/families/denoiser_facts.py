@@ -17,7 +17,7 @@ from dstune.memory.plan import ModelCounts
 from dstune.memory.counts import config_folder, count_component, read_config, vae_factor
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 
-# "connectors": LTX-2's text connectors, frozen beside its text encoder (their outputs are what the text cache holds)
+# "connectors": a stage after the text encoder (a pipeline's text connectors), frozen; the text cache holds its outputs
 FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "connectors")
 
 
@@ -77,7 +77,7 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
     cache = spec.data.cache
     if not rules.uses_image_encoder(spec, folder):  # e.g. a text-to-video run of an image-to-video-capable folder
         companions.pop("image_encoder", None)
-    # the image encoder's embeddings are stored beside the latents (dstune.families.wan_i2v)
+    # the image encoder's embeddings are stored beside the latents (dstune.models.wan.i2v)
     cached = tuple(part for part in companions if (cache.latents if part in ("vae", "image_encoder")
                                                    else cache.text_embeddings))
     full, checkpointed = rules.activations(spec, folder, read_config(config_path), clips)

@@ -58,6 +58,20 @@ class Attention:
 
 
 @dataclass(frozen=True)
+class VideoFacts:
+    """A video model's own torch-free facts, which the video family's facts ask for a folder of its transformer class
+    (declared by its unit: dstune.models.registry.video_facts). `folder` is a denoiser_facts.PipelineFolder."""
+
+    transformer_class: str  # the folder's transformer/config.json _class_name that tells it
+    token_factors: Callable  # folder -> (VAE spatial factor, transformer patch (t, h, w), origin)
+    sample_bytes: Callable  # (spec, folder, frames, width, height) -> one clip's (full, checkpointed) activations
+    cache_bytes: Callable  # (spec, folder, companions, num_samples, buckets) -> the caches' bytes on disk
+    spec_issues: Callable  # (spec, folder) -> SpecIssues
+    sampling_parts: Callable = lambda folder: ()  # folder -> frozen parts loaded only while samples render
+    attention_refusal: str = ""  # why its sequences cannot be split ("": the transformer class's plan decides)
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """One family's torch-free facts (see the module docstring)."""
 

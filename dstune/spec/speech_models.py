@@ -12,7 +12,7 @@ from dstune.spec.section import Section
 
 
 
-TTS_LAYOUT_FILE = "dstune_tts.json"  # a tts_lm folder's token layout (dstune.token_layouts describes it)
+TTS_LAYOUT_FILE = "dstune_tts.json"  # a tts_lm folder's token layout (dstune.models.tts_lm.token_layouts describes it)
 
 
 def default_codec(layout_file: Optional[dict], token_layout: Optional[str]) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstune.families import wan
+from dstune.families import video as wan
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.pretrained import build_model
 from dstune.spec.models import WanModel
@@ -203,7 +203,7 @@ def test_text_cache_is_keyed_by_gemma_and_the_connectors_and_refusals(built):
     assert cache.folders_of(built.folder) == ("text_encoder", "tokenizer", "connectors")
     assert cache.tensors_of(built.folder) == ("encoder_hidden_states", "audio_encoder_hidden_states",
                                               "encoder_attention_mask")
-    with pytest.raises(FamilyError, match="shifted_logit_normal is LTX-2's"):
+    with pytest.raises(FamilyError, match="shifted_logit_normal is the sampler of the video models that draw sigma"):
         build_model(WanModel(family="wan", pretrained="builtin:tiny-wan", timestep_sampling="shifted_logit_normal"),
                     CACHE_DIR, "cpu")
     with pytest.raises(FamilyError, match="image-to-video"):
