@@ -208,3 +208,44 @@ def test_text_cache_is_keyed_by_gemma_and_the_connectors_and_refusals(built):
                     CACHE_DIR, "cpu")
     with pytest.raises(FamilyError, match="image-to-video"):
         build_model(WanModel(family="wan", pretrained=NAME, image_to_video=True), CACHE_DIR, "cpu")
+
+
+# ------------------------------------------------------------------------------------------ dstune validate
+
+EXAMPLE = REPO / "launch" / "ltx2-lora-zero3-8gpu.yaml"
+
+
+def _validate(capsys, monkeypatch, tmp_path, *sets: str) -> tuple[int, dict]:
+    import json
+
+    import huggingface_hub.constants
+
+    from dstune.cli import main
+
+    monkeypatch.chdir(REPO)  # the stored Lightricks/LTX-2 configs, not a local download
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    code = main(["validate", str(EXAMPLE.relative_to(REPO)), "--num-gpus", "8", "--num-samples", "2000", "--json",
+                 *[arg for value in sets for arg in ("--set", value)]])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_train(capsys, monkeypatch, tmp_path):
+    """The real configs: the 18.9 B transformer, Gemma 3 and the connectors frozen (cached), the audio VAE and
+    vocoder joining only for samples, the caches at the VAE's 8x/32x (121 frames at 512 px: 16 x 16 x 16 latents);
+    frame counts that are 4k+1 (Wan's rule, which the spec checks) but not 8k+1, model.shift, a table-indexing sampler and a sequence split are refused, each at
+    its key."""
+    code, out = _validate(capsys, monkeypatch, tmp_path)
+    assert code == 0, out["errors"]
+    counts = out["memory"]["parameters"]
+    assert 18.5e9 < counts["module_params"] < 19.5e9
+    assert set(counts["companions"]) == {"vae", "text_encoder", "connectors"}
+    assert set(counts["sampling_companions"]) == {"audio_vae", "vocoder"}
+    code, out = _validate(capsys, monkeypatch, tmp_path, "data.video.frames=109", "model.sample_frames=117",
+                          "model.shift=3.0", "model.timestep_sampling=logit_normal")
+    errors = "\n".join(out["errors"])
+    assert code == 1
+    for key in ("data.video.frames", "model.sample_frames", "model.shift", "model.timestep_sampling"):
+        assert key in errors, (key, errors)
+    assert "109 frames: LTX-2's VAE takes 8k+1 frames" in errors and "117 is not 8k+1" in errors
+    code, out = _validate(capsys, monkeypatch, tmp_path, "deepspeed.sequence_parallel_size=2")
+    assert code == 1 and any("LTX-2's sequence split is not enabled" in e for e in out["errors"]), out["errors"]
