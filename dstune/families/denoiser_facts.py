@@ -17,7 +17,8 @@ from dstune.memory.plan import ModelCounts
 from dstune.memory.counts import config_folder, count_component, read_config, vae_factor
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 
-FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
+# "connectors": a stage after the text encoder (a pipeline's text connectors), frozen; the text cache holds its outputs
+FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "connectors")
 
 
 @dataclass(frozen=True)

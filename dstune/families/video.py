@@ -70,10 +70,15 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
     folder = folders["pretrained"]
     video = video_model_of(folder)
     problems = video.folder_problems(folder, model.expert, model.image_to_video, model.timestep_range)
+    recipe = video.recipe_of(Path(folder))
+    if model.timestep_sampling == "shifted_logit_normal" and recipe.draw_sigmas is None:
+        problems.append("model.timestep_sampling shifted_logit_normal is the sampler of the video models that draw "
+                        f"sigma themselves; {video.title} indexes the scheduler's tables: use uniform, logit_normal "
+                        "or mode")
     if problems:
         raise FamilyError(f"{folder} cannot be used as a {video.title} pipeline (model.family {VIDEO_FAMILY}):\n"
                           + "\n".join(f"  - {p}" for p in problems))
-    built = build_from(video.recipe_of(Path(folder)), model, folders, device, dtype_for_frozen, zero3_config)
+    built = build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config)
     if video.after_build is not None:
         video.after_build(built)
     return built

@@ -34,12 +34,16 @@ class VideoFacts:
 
     transformer_class: str  # the folder's transformer class that tells the model
     token_factors: Callable  # folder -> (VAE spatial factor, transformer patch (t, h, w), where they came from)
-    image_to_video: Callable  # (spec, folder) -> whether this run trains image-to-video
     sample_bytes: Callable  # (spec, folder, frames, width, height) -> one clip's activations (memory plan units)
-    text_bytes: Callable  # (spec, folder) -> one caption's cached text tensors, in bytes
-    # (spec, folder, companions, channels, spatial factor, buckets, num_samples) -> the first-frame condition cache
-    condition_cache_bytes: Callable
     spec_issues: Callable  # (spec, folder) -> [(dotted key, message)]: the spec against the folder's configs
+    image_to_video: Callable = lambda spec, folder: False  # (spec, folder) -> whether this run trains image-to-video
+    text_bytes: Callable = lambda spec, folder: 0  # (spec, folder) -> one caption's cached text tensors, in bytes
+    # (spec, folder, companions, channels, spatial factor, buckets, num_samples) -> the first-frame condition cache
+    condition_cache_bytes: Callable = lambda *args: 0
+    # (spec, folder, companions, num_samples, buckets) -> the whole cache's bytes, for a model whose VAE is not
+    # 4x in time (then text_bytes and condition_cache_bytes are not asked)
+    cache_bytes: Optional[Callable] = None
+    sampling_parts: Callable = lambda folder: ()  # folder -> frozen parts loaded only while samples render
     # folder -> Attention, for a model whose sequence-parallel plan is dstune's (the transformer's own plan, or its
     # class without one, decides otherwise)
     attention: Optional[Callable] = None
@@ -68,9 +72,12 @@ def expert_summary(index: dict, expert: str, timestep_range) -> dict:
 
 
 def _trained(spec, folder):
-    """The expert a two-expert folder trains (the other loads only while samples render), else the transformer."""
+    """The expert a two-expert folder trains (the other loads only while samples render), else the transformer
+    (with the parts the model loads for samples only)."""
     if spec.model.expert is None or "transformer_2" not in experts_in(folder.index):
-        return "transformer", {}, None
+        facts = facts_of(folder)
+        parts = facts.sampling_parts(folder) if facts is not None else ()
+        return "transformer", {part: count_component(str(folder.path / part / "config.json"))[0] for part in parts}, None
     module, other = ("transformer_2", "transformer") if spec.model.expert == "low_noise" else \
         ("transformer", "transformer_2")
     sampling_only = {other: count_component(str(folder.path / other / "config.json"))[0]}
@@ -109,6 +116,8 @@ def _activations(spec, folder, config: dict, clips) -> tuple[float, float]:
 def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int:
     """Each bucket's clips' posteriors (float32 mean and std), the first-frame condition, and the captions' text."""
     facts = _model_facts(folder)
+    if facts.cache_bytes is not None:
+        return facts.cache_bytes(spec, folder, companions, num_samples, clip_buckets(spec, num_samples, clips))
     latents = 0
     if spec.data.cache.latents and "vae" in companions:
         channels, factor = latent_channels(folder)

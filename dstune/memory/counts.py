@@ -135,7 +135,7 @@ def _instantiate(config: dict, path: Path):
         if "_class_name" in config:
             import diffusers
 
-            cls = getattr(diffusers, config["_class_name"], None)
+            cls = getattr(diffusers, config["_class_name"], None) or _pipeline_module_class(config["_class_name"], path)
             if cls is None:
                 raise SizesUnknown(f"{path}: diffusers has no class {config['_class_name']}")
             return cls.from_config(config)
@@ -146,6 +146,25 @@ def _instantiate(config: dict, path: Path):
         if cls is None:
             raise SizesUnknown(f"{path}: no transformers class named in `architectures`")
         return cls(transformers.AutoConfig.for_model(**config))
+
+
+def _pipeline_module_class(name: str, path: Path):
+    """A component class diffusers keeps in its pipeline's module rather than at its top level: model_index.json
+    beside the component's folder lists it as [pipeline module, class] (e.g. a pipeline's text connectors)."""
+    import importlib
+
+    index = path.parent.parent / "model_index.json"
+    listed = json.loads(index.read_text()) if index.is_file() else {}
+    modules = {entry[0] for entry in listed.values() if isinstance(entry, list) and len(entry) == 2 and
+               entry[1] == name and entry[0] not in (None, "diffusers", "transformers")}
+    for module in sorted(modules):
+        try:
+            found = getattr(importlib.import_module(f"diffusers.pipelines.{module}"), name, None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    return None
 
 
 def import_model_classes(spec) -> None:

@@ -14,6 +14,7 @@ from dstune.models.flux2.unit import UNIT as FLUX2
 from dstune.models.hunyuan_video15.unit import UNIT as HUNYUAN_VIDEO15
 from dstune.models.ideogram4.unit import UNIT as IDEOGRAM4
 from dstune.models.krea2.unit import UNIT as KREA2
+from dstune.models.ltx2.unit import UNIT as LTX2
 from dstune.models.qwen_image.unit import UNIT as QWEN_IMAGE
 from dstune.models.qwen_image_21.unit import UNIT as QWEN_IMAGE_21
 from dstune.models.sd.unit import UNIT as SD
@@ -26,7 +27,7 @@ from dstune.models.zimage.unit import UNIT as ZIMAGE
 
 # The order is the docs' and `dstune init`'s: images (UNet, then the flow-matching transformers), video, speech.
 UNITS: tuple[ModelUnit, ...] = (SD, SD3_FLUX, QWEN_IMAGE, ZIMAGE, FLUX2, IDEOGRAM4, KREA2, QWEN_IMAGE_21, WAN,
-                                HUNYUAN_VIDEO15, TTS_LM, CSM, SPEECHT5)
+                                HUNYUAN_VIDEO15, LTX2, TTS_LM, CSM, SPEECHT5)
 
 
 def family_modules() -> dict[str, str]:

@@ -48,11 +48,13 @@ class WanModel(DenoiserModelBase):
         False, description="Recompute each transformer block's activations in backward (torch non-reentrant "
         "checkpointing): activations grow with frames x height x width tokens, so real clips need it."
     )
-    timestep_sampling: Literal["logit_normal", "uniform", "mode"] = Field(
+    timestep_sampling: Literal["logit_normal", "uniform", "mode", "shifted_logit_normal"] = Field(
         "uniform",
         description="How u in [0, 1] is drawn (diffusers' compute_density_for_timestep_sampling); u indexes the "
         "shifted timestep/sigma tables of the scheduler (see `shift`). uniform, logit_normal (logit_mean, "
-        "logit_std) or mode (mode_scale).",
+        "logit_std) or mode (mode_scale). A model whose official trainer draws sigma itself takes "
+        "shifted_logit_normal (logit-normal about a mean that follows the clip's tokens, stretched to [0, 1], 10% "
+        "uniform; only such models) or uniform (sigma = u); its docs page says which it defaults to.",
     )
     logit_mean: Optional[float] = Field(None, description="logit_normal only: the normal's mean. Omitted: 0.0.")
     logit_std: Optional[float] = Field(None, gt=0, description="logit_normal only: its std. Omitted: 1.0.")
@@ -92,12 +94,13 @@ class WanModel(DenoiserModelBase):
         "folder and false on an image-to-video one are refused. Samples then render from sample.control_images "
         "(one first frame per prompt).")
     sample_frames: int = Field(
-        5, gt=0, description="Frames of each clip rendered for `sample.prompts` during training (4k+1; the samples "
+        5, gt=0, description="Frames of each clip rendered for `sample.prompts` during training (4k+1, or 8k+1 for a VAE 8x in time; the samples "
         "page plays them as animated WebP, with an MP4 of each step beside it).")
 
     @model_validator(mode="after")
     def _no_unused_sampling_settings(self) -> "WanModel":
-        used = {"logit_normal": {"logit_mean", "logit_std"}, "mode": {"mode_scale"}, "uniform": set()}
+        used = {"logit_normal": {"logit_mean", "logit_std"}, "mode": {"mode_scale"}, "uniform": set(),
+                "shifted_logit_normal": set()}
         unused = sorted(name for name in {"logit_mean", "logit_std", "mode_scale"} - used[self.timestep_sampling]
                         if getattr(self, name) is not None)
         if unused:

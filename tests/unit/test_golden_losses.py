@@ -46,6 +46,7 @@ IMAGE_SIDE, EDIT_SIDE, CLIP_FRAMES = 32, 64, 5  # edit pairs: 8 px per latent, 8
 IMAGE_LR, SPEECH_LR = 1e-3, 1e-2
 FLUX2_TEXT_TOKENS = 64  # the chat-templated captions fit; the default 512 makes the text encoder most of the time
 HV15_TEXT_TOKENS = 48  # HunyuanVideo 1.5's default 1000 Qwen tokens would make the text side most of the time
+LTX2_TEXT_TOKENS = 32  # LTX-2's default 1024 Gemma tokens likewise
 
 
 def _model(model_class, family: str, **options):
@@ -78,6 +79,8 @@ CASES = {
     "tiny-hunyuan-video15": (_model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS), "moving-shapes", IMAGE_LR),
     "tiny-hunyuan-video15-i2v": (_model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS), "moving-shapes",
                                  IMAGE_LR),
+    "tiny-ltx2": (_model(WanModel, "wan", max_sequence_length=LTX2_TEXT_TOKENS,
+                         timestep_sampling="shifted_logit_normal"), "moving-shapes", IMAGE_LR),
 }
 
 
