@@ -3,6 +3,7 @@ speech_models.py, the union on `model.family` in models.py), and the LoRA settin
 
 from __future__ import annotations
 
+import typing
 from typing import Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
@@ -57,6 +58,17 @@ class LoraSpec(Section):
 
 # A `model.pretrained` ending in one of these is a single checkpoint file (dstune.pretrained converts it).
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
+
+
+def single_file_families() -> list[str]:
+    """The families whose model section loads single checkpoint files (SINGLE_FILE), from the sections defined."""
+    found, pending = [], list(DenoiserModelBase.__subclasses__())
+    while pending:
+        section = pending.pop(0)
+        pending += section.__subclasses__()
+        if section.SINGLE_FILE and "family" in section.model_fields:
+            found += typing.get_args(section.model_fields["family"].annotation)
+    return found
 
 
 def is_single_file(pretrained: str) -> bool:
@@ -166,8 +178,8 @@ class DenoiserModelBase(Section):
         pretrained = getattr(self, "pretrained", "")
         if is_single_file(pretrained) and not self.SINGLE_FILE:
             raise ValueError(f"pretrained {pretrained}: model.family {self.family} cannot load a single checkpoint file "
-                             "here; give its diffusers pipeline folder, a downloaded hub id or a built-in (the UNet "
-                             "families load single files: docs/lora-and-ema.md)")
+                             "here; give its diffusers pipeline folder, a downloaded hub id or a built-in "
+                             f"({' and '.join(single_file_families())} load single files)")
         if self.base_pipeline is not None and not is_single_file(pretrained):
             raise ValueError(f"base_pipeline applies only when pretrained is a single checkpoint file "
                              f"({', '.join(SINGLE_FILE_SUFFIXES)}); pretrained is {pretrained!r}: remove base_pipeline")
