@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +39,14 @@ from dstune.models.unit import load
 from dstune.spec.section import BUILTIN_PREFIX
 
 BUILTIN_MARKER = "dstune_builtin.json"
+BUILD_FACTS = ".build_facts.json"  # what a build in its own process returns, beside the folder it wrote
+
+# Every built-in model is built in a process of its own with the CPU's instruction sets pinned to AVX2: some builds
+# train (a VAE, a codec's codebooks), and oneDNN's AVX-512 convolutions round differently from its AVX2 ones, which a
+# few hundred training steps carry to the third digit (tiny-flow's VAE scaling factor: 1.21625 with AVX2, 1.18615
+# with AVX-512). Pinned, a built-in is the same on every x86 CPU with AVX2, and so are the losses and configs pinned
+# to it (tests/unit/test_golden_losses.py runs its trajectories under the same pins).
+PINNED_ISA_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
 # ----------------------------------------------------------------------------------------- the cache protocol
@@ -86,7 +96,8 @@ def _build_into(model: BuiltinModel, final: Path, needs: dict[str, Path]) -> Non
     work = temporary_sibling(final, "building")
     try:
         started = time.perf_counter()
-        facts = model.build(work, needs=needs)
+        facts = _build_in_pinned_process(model.name, work, needs) if model.pinned_process else \
+            model.build(work, needs=needs)
         marker = {"name": model.name, "folder": model.folder_name, "family": model.family,
                   "build_seconds": round(time.perf_counter() - started, 2), **facts}
         (work / BUILTIN_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
@@ -97,6 +108,20 @@ def _build_into(model: BuiltinModel, final: Path, needs: dict[str, Path]) -> Non
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _build_in_pinned_process(name: str, work: Path, needs: dict[str, Path]) -> dict:
+    """Build `name` into `work` in a child process under PINNED_ISA_ENV (python -m dstune.builtin.build); its
+    facts for the marker. BuiltinError with the child's last output when it fails."""
+    args = [sys.executable, "-m", "dstune.builtin.build", name, str(work), json.dumps({k: str(v) for k, v in needs.items()})]
+    done = subprocess.run(args, env={**os.environ, **PINNED_ISA_ENV}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise BuiltinError(f"building {BUILTIN_PREFIX}{name} failed (exit {done.returncode}):\n"
+                           + (done.stderr or done.stdout)[-3000:])
+    facts_file = work / BUILD_FACTS
+    facts = json.loads(facts_file.read_text())
+    facts_file.unlink()
+    return facts
 
 
 @contextmanager

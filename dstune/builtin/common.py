@@ -35,6 +35,9 @@ class BuiltinModel:
     # built-in models named in `needs` (built first), by name: build(out, needs={name: folder}).
     build: Callable[..., dict]
     needs: tuple[str, ...] = ()  # other built-in models whose files this one reuses (e.g. another tiny model's trained VAE)
+    # built in a child process with the CPU's instruction sets pinned (dstune.builtin.PINNED_ISA_ENV), so that what the
+    # build trains is the same on every CPU; False builds in the calling process (a test's stand-in build)
+    pinned_process: bool = True
 
 
 @contextmanager

@@ -106,7 +106,8 @@ def test_builtin_reuses_a_complete_folder_and_a_winner_of_the_race(tiny_folder, 
     def must_not_build(work, needs):
         raise AssertionError("rebuilt a complete built-in model")
 
-    monkeypatch.setitem(tiny.BUILTIN_MODELS, "tiny-sd", dataclasses.replace(model, build=must_not_build))
+    monkeypatch.setitem(tiny.BUILTIN_MODELS, "tiny-sd", dataclasses.replace(model, build=must_not_build,
+                                                                                pinned_process=False))
     assert tiny.ensure_builtin_model("tiny-sd", tiny_folder.parent.parent) == tiny_folder
 
     final = tmp_path / "builtin" / FOLDER
@@ -116,7 +117,7 @@ def test_builtin_reuses_a_complete_folder_and_a_winner_of_the_race(tiny_folder, 
         (work / "ours.txt").write_text("ours")
         return {}
 
-    racing = dataclasses.replace(model, build=another_process_finishes_first)
+    racing = dataclasses.replace(model, build=another_process_finishes_first, pinned_process=False)
     monkeypatch.setitem(tiny.BUILTIN_MODELS, "tiny-sd", racing)
     assert tiny.ensure_builtin_model("tiny-sd", tmp_path) == final
     assert not (final / "ours.txt").exists()  # theirs is used, ours discarded

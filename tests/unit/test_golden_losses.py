@@ -8,8 +8,10 @@ trainable module is stepped by a plain torch.optim.AdamW on `family.loss` (fp32,
 step (data, frozen encoders, noise and timestep draws, the denoiser or LM, the loss, its gradient), so a change that
 moves any of them fails here, naming the model and the first step that moved.
 
-The pinned values are this machine's (torch 2.13 CPU, one thread): another CPU or torch version may differ in the
-last bits, which 20 AdamW steps can amplify past 1e-6. Regenerate ONLY for an intended numerics change (a new
+The trajectories run in a child process with the CPU's instruction sets pinned to AVX2 (dstune.builtin.PINNED_ISA_ENV,
+the pins every built-in model is built under), one thread: oneDNN's and MKL's AVX-512 kernels round differently from
+their AVX2 ones, which 20 AdamW steps carry past 1e-6, so unpinned the values would belong to one CPU. Pinned, they
+hold on every x86 CPU with AVX2 (checked on AVX-512 and AVX2 machines); another torch version may still differ. Regenerate ONLY for an intended numerics change (a new
 torch, a fixed loss, a changed built-in model), and say so in the commit, with the models whose losses moved:
 
     make golden-losses        # = python tests/unit/test_golden_losses.py --regenerate
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -166,11 +169,27 @@ def test_every_built_in_model_has_a_case():
     assert set(CASES) == set(BUILTIN_MODELS), "add the new built-in model to CASES and run `make golden-losses`"
 
 
+_computed: dict[str, list[float]] = {}
+
+
+def pinned_trajectories() -> dict[str, list[float]]:
+    """Every case's trajectory, computed once in a child process under dstune.builtin.PINNED_ISA_ENV."""
+    if not _computed:
+        from dstune.builtin import PINNED_ISA_ENV
+
+        env = {**os.environ, **PINNED_ISA_ENV, "PYTHONPATH": os.pathsep.join(
+            [str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        done = subprocess.run([sys.executable, __file__, "--print"], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, f"the pinned trajectories failed:\n{(done.stderr or done.stdout)[-3000:]}"
+        _computed.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    return _computed
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_loss_trajectory_matches_the_pinned_one(name):
     pinned = json.loads(GOLDEN.read_text()).get(name)
     assert pinned is not None, f"{GOLDEN.relative_to(REPO)} has no {name}: run `make golden-losses`"
-    losses = trajectory(name)
+    losses = pinned_trajectories()[name]
     moved = [step for step, (got, want) in enumerate(zip(losses, pinned))
              if abs(got - want) > RELATIVE_TOLERANCE * abs(want)]
     assert len(losses) == len(pinned) == STEPS and not moved, (
@@ -187,7 +206,7 @@ def regenerate() -> None:
         sys.exit(f"this would pin the losses of {Path(dstune.__file__).parent}, not of {REPO / 'dstune'}: run it as "
                  "`make golden-losses` (PYTHONPATH is the repository)")
     old = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
-    new = {name: trajectory(name) for name in CASES}
+    new = pinned_trajectories()
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)
     GOLDEN.write_text(json.dumps(new, indent=1) + "\n")
     for name, losses in new.items():
@@ -197,6 +216,9 @@ def regenerate() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--print"]:  # the child process of pinned_trajectories: one JSON line, last
+        print(json.dumps({name: trajectory(name) for name in CASES}))
+        sys.exit(0)
     if sys.argv[1:] != ["--regenerate"]:
         sys.exit(f"usage: python {Path(__file__).relative_to(REPO)} --regenerate   (rewrites "
                  f"{GOLDEN.relative_to(REPO)}: only for an intended numerics change)")
