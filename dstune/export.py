@@ -117,7 +117,7 @@ def _chosen_weights(folder: Path, state: dict, ema_settings) -> tuple[dict, str]
 
 def speak(folder: Path, text: str, out_wav: Path, seconds: float, temperature: float, seed: int):
     """`dstune synthesize`: speech for `text` from a tts_lm export (either token layout; dstune_tts.json beside the
-    LM), a tts_codebooks export (a CSM folder) or a speecht5 export, written to `out_wav`; returns the clip."""
+    LM), a tts_codebooks export (a CSM or Dia folder) or a speecht5 export, written to `out_wav`; returns the clip."""
     import soundfile
 
     if (folder / TTS_LAYOUT_FILE).is_file():

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from dstune.builtin.common import BuiltinError, BuiltinModel  # noqa: F401 - BuiltinError is part of the API
 from dstune.builtin.csm import TINY_CSM
+from dstune.builtin.dia import TINY_DIA
 from dstune.builtin.flow import TINY_FLOW, TINY_FLUX
 from dstune.builtin.flux2 import TINY_FLUX2, TINY_FLUX2_DEV
 from dstune.builtin.hunyuan_video15 import TINY_HUNYUAN_VIDEO15, TINY_HUNYUAN_VIDEO15_I2V
@@ -128,7 +129,7 @@ def _exclusive(lock_path: Path):
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
-    TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5, TINY_ORPHEUS, TINY_CSM, TINY_QWEN_IMAGE,
+    TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5, TINY_ORPHEUS, TINY_CSM, TINY_DIA, TINY_QWEN_IMAGE,
     TINY_QWEN_IMAGE_EDIT, TINY_Z_IMAGE, TINY_FLUX2, TINY_FLUX2_DEV, TINY_WAN, TINY_WAN_A14B,
     TINY_WAN_I2V, TINY_WAN22_TI2V,
     TINY_HUNYUAN_VIDEO15, TINY_HUNYUAN_VIDEO15_I2V, TINY_IDEOGRAM4, TINY_KREA2, TINY_KREA2_TURBO,

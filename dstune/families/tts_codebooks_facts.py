@@ -4,6 +4,9 @@ class; dstune.families.facts describes the contract): which class a folder holds
 
 CSM: the backbone sees one position per audio frame (plus the text), the depth decoder Q positions per frame, each
 started from the backbone's hidden state; both are Llama-shaped with gated MLPs and logits over the codebook ids.
+Dia: the encoder sees the transcript's bytes, the decoder one position per DAC frame (plus BOS, EOS and the delay
+pattern's longest delay) with logits over every codebook's ids at once; its DAC is outside the class, named by the
+processor (a stored or downloaded folder's `audio_tokenizer/`, else processor_config.json's path or hub id).
 """
 
 from __future__ import annotations
@@ -15,20 +18,23 @@ from dstune.families.denoiser_facts import lora_settings
 from dstune.families.facts import ModelFacts, SpecIssues
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, codec_frame_rate, lm_sample_bytes
-from dstune.memory.counts import SizesUnknown, config_folder, read_config
+from dstune.memory.counts import SizesUnknown, config_folder, count_component, read_config
 from dstune.memory.plan import ModelCounts
 from dstune.spec.model_sections import LM_LORA_TARGET_MODULES
 
 DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
 CODEC_CONFIG = {"CsmForConditionalGeneration": ("codec_config", "codec_model")}  # where a class keeps its codec
+DIA = "DiaForConditionalGeneration"  # its codec is the processor's DAC, outside the class
+ARCHITECTURES = (*CODEC_CONFIG, DIA)
+DIA_CODEC_FOLDER = "audio_tokenizer"  # where dstune's built-in and stored Dia folders keep the DAC's config
 
 
 def architecture(config: dict) -> str:
     """The class of a tts_codebooks folder's config.json; SizesUnknown when the family does not train it."""
-    names = [name for name in config.get("architectures") or [] if name in CODEC_CONFIG]
+    names = [name for name in config.get("architectures") or [] if name in ARCHITECTURES]
     if not names:
         raise SizesUnknown(f"its config.json names {config.get('architectures')}, not one of "
-                           f"{', '.join(CODEC_CONFIG)}")
+                           f"{', '.join(ARCHITECTURES)}")
     return names[0]
 
 
@@ -43,9 +49,10 @@ def _meta_counts(config_text: str, targets: tuple, rank: int) -> tuple[int, int,
     cls = architecture(config)
     with quiet_hf_libraries(), torch.device("meta"):
         model = getattr(transformers, cls)(transformers.AutoConfig.for_model(**config))
-    codec = getattr(model, CODEC_CONFIG[cls][1])
-    codec_params = sum(p.numel() for p in codec.parameters())
-    setattr(model, CODEC_CONFIG[cls][1], None)
+    codec_params = 0
+    if cls in CODEC_CONFIG:
+        codec_params = sum(p.numel() for p in getattr(model, CODEC_CONFIG[cls][1]).parameters())
+        setattr(model, CODEC_CONFIG[cls][1], None)
     params = sum(dict((id(p), p.numel()) for p in model.parameters()).values())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     lora = sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
@@ -59,6 +66,8 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     targets, rank = lora_settings(spec)
     params, largest, lora, codec_params = _meta_counts(_config_text(config), targets, rank)
     default_lora = _meta_counts(_config_text(config), LM_LORA_TARGET_MODULES, 16)[2]
+    if architecture(config) == DIA:
+        return _count_dia(spec, num_samples, folder, origin, config, (params, largest, lora, default_lora))
     codec_config = config.get(CODEC_CONFIG[architecture(config)][0]) or {}
     frame_rate, codebooks = _frame_rate(codec_config), int(config.get("num_codebooks", 32))
     seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
@@ -70,6 +79,37 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     cache_bytes = int(4 * frame_rate * codebooks * seconds * num_samples) if spec.data.cache.codec_tokens else 0
     return ModelCounts("model", params, lora or params, largest, {"codec": codec_params}, cached, int(full),
                        int(checkpointed), default_lora, cache_bytes, origin)
+
+
+def dia_codec_config(folder, config_origin: str):
+    """The path of the DAC config.json a Dia folder uses: its `audio_tokenizer/` (dstune's stored and built-in
+    folders), else what processor_config.json names (a folder, or a hub id found by config_folder)."""
+    own = folder / DIA_CODEC_FOLDER / "config.json"
+    if own.is_file():
+        return own
+    named = (read_config(folder / "processor_config.json").get("audio_tokenizer") or {}).get(
+        "audio_tokenizer_name_or_path") if (folder / "processor_config.json").is_file() else None
+    if not named:
+        raise SizesUnknown(f"{config_origin}: no {DIA_CODEC_FOLDER}/config.json and no audio tokenizer named in "
+                           "processor_config.json, so Dia's DAC cannot be counted")
+    return config_folder(named)[0] / "config.json"
+
+
+def _count_dia(spec, num_samples: int, folder, origin: str, config: dict, counted: tuple) -> ModelCounts:
+    params, largest, lora, default_lora = counted
+    codec_path = dia_codec_config(folder, origin)
+    codec_config = read_config(codec_path)
+    codec_params = count_component(str(codec_path))[0]
+    decoder, encoder = config["decoder_config"], config["encoder_config"]
+    channels, frame_rate = int(decoder["num_channels"]), codec_frame_rate(codec_config)
+    seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
+    positions = seconds * frame_rate + 2 + max(config.get("delay_pattern") or [0])  # BOS, EOS, the delay
+    text = lm_sample_bytes(encoder, seconds * TEXT_TOKENS_PER_SECOND)
+    audio = lm_sample_bytes({**decoder, "vocab_size": decoder["vocab_size"] * channels}, positions)
+    cached = ("codec",) if spec.data.cache.codec_tokens else ()
+    cache_bytes = int(4 * frame_rate * channels * seconds * num_samples) if spec.data.cache.codec_tokens else 0
+    return ModelCounts("model", params, lora or params, largest, {"codec": codec_params}, cached,
+                       int(text[0] + audio[0]), int(text[1] + audio[1]), default_lora, cache_bytes, origin)
 
 
 def _frame_rate(codec_config: dict) -> float:
@@ -94,7 +134,7 @@ def _spec_issues(spec) -> SpecIssues:
         architecture(read_config(folder / "config.json"))
     except SizesUnknown as err:
         return [("model.pretrained", f"{spec.model.pretrained}: {err}. model.family tts_codebooks trains "
-                 f"{', '.join(CODEC_CONFIG)} folders.")]
+                 f"{', '.join(ARCHITECTURES)} folders.")]
     return []
 
 

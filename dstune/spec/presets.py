@@ -136,6 +136,13 @@ MODEL_PRESETS: tuple[ModelPreset, ...] = (
                 "sesame/csm-1b", "tiny-csm",
                 _speech(**_lora(16, LM_LORA_TARGET_MODULES), **{"model.gradient_checkpointing": True,
                                                                 "data.cache.codec_tokens": True})),
+    ModelPreset("dia", "Dia 1.6B (text encoder + audio decoder over 9 DAC 44.1 kHz codebooks, delay pattern), LoRA on "
+                "its attention", "tts_codebooks", "nari-labs/Dia-1.6B-0626", "tiny-dia",
+                _speech(**_lora(16, LM_LORA_TARGET_MODULES), **{
+                    "model.gradient_checkpointing": True, "model.sample_temperature": 1.8,
+                    "data.cache.codec_tokens": True, "data.max_clip_seconds": 20.0,
+                    "sample.prompts": ["[S1] Printing, in the only sense with which we are at present concerned. "
+                                       "[S2] The quick brown fox."]})),
     ModelPreset("speecht5", "SpeechT5 TTS (encoder-decoder to mel frames, HiFi-GAN vocoder)", "speecht5",
                 "microsoft/speecht5_tts", "tiny-speecht5",
                 _speech(**{"model.vocoder": "microsoft/speecht5_hifigan", "train.optimizer.lr": 1.0e-5})),
