@@ -96,6 +96,15 @@ class SingleFileLayout:
 
 
 @dataclass(frozen=True)
+class Speaker:
+    """How `dstune synthesize` speaks from a speech family's export: whether a folder is one of its exports, and the
+    clip for a text (from the folder alone: transformers and the codec, none of dstune's training code)."""
+
+    recognizes: Callable  # folder -> bool
+    synthesize: Callable  # (folder, text, seconds=, temperature=, seed=) -> Clip (wave, sample_rate)
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family: what the stages call, and what it can do (see the module docstring)."""
 
@@ -118,6 +127,7 @@ class Family:
     # (built, folder, model spec, spec key): samples render that folder's transformer with the trained LoRA
     # (sample.pretrained, model.training_adapter); None: the family samples with the trained module only
     sampling_denoiser: Optional[Callable] = None
+    speaker: Optional[Speaker] = None  # speech families: `dstune synthesize` from their exports
 
     @property
     def supports_lora(self) -> bool:

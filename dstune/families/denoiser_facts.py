@@ -76,7 +76,7 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
     cache = spec.data.cache
     if not rules.uses_image_encoder(spec, folder):  # e.g. a text-to-video run of an image-to-video-capable folder
         companions.pop("image_encoder", None)
-    # the image encoder's embeddings are stored beside the latents (dstune.families.wan_i2v)
+    # the image encoder's embeddings are stored beside the latents (dstune.models.wan.i2v)
     cached = tuple(part for part in companions if (cache.latents if part in ("vae", "image_encoder")
                                                    else cache.text_embeddings))
     full, checkpointed = rules.activations(spec, folder, read_config(config_path), clips)

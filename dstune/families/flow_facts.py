@@ -8,9 +8,9 @@ pairs: the source's tokens and latents double the target's, and the source image
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
+from functools import cache
 from typing import Callable, Optional
 
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
@@ -19,94 +19,60 @@ from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image
 from dstune.families.facts import Attention, ModelFacts, SpecIssues, no_plan_refusal
 from dstune.memory.counts import SizesUnknown, count_component
 from dstune.model_folders import builtin_name_problem, locate
+from dstune.models import registry
+from dstune.models.unit import load
 
-DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of the Flux and Qwen-Image training examples
-EDIT_VISION_PATCH_PX = 28  # Qwen-Image-Edit: the source image's vision tokens (28 px each) join the text
+DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of most flow models' training examples
 
 
-def _two_streams(config: dict) -> ModelShape:
-    """SD3, Flux, Qwen-Image, FLUX.2: joint (and single) blocks of heads x head_dim."""
+def two_streams(config: dict) -> ModelShape:
+    """Joint (two-stream) and single-stream blocks of heads x head_dim."""
     return ModelShape(config["num_attention_heads"] * config["attention_head_dim"],
                       {"transformer_blocks": config.get("num_layers", 0),
                        "single_transformer_blocks": config.get("num_single_layers", 0)})
 
 
-def _joint_blocks(config: dict) -> ModelShape:
-    """SD3 and Qwen-Image: joint blocks only."""
+def joint_blocks(config: dict) -> ModelShape:
+    """Joint (two-stream) blocks only."""
     return ModelShape(config["num_attention_heads"] * config["attention_head_dim"],
                       {"transformer_blocks": config.get("num_layers", 0)})
 
 
-def _single_stream(config: dict) -> ModelShape:
-    """Z-Image: one stream of n_layers, with refiners over the image tokens and over the caption before it."""
-    refiners = config.get("n_refiner_layers", 0)
-    return ModelShape(config["dim"], {"layers": config["n_layers"], "noise_refiner": refiners,
-                                      "context_refiner": refiners})
-
-
-def _one_stream(config: dict) -> ModelShape:
-    """Ideogram 4: one stream of blocks over the padded text and the image tokens, its MLP width its own key."""
-    return ModelShape(config["num_attention_heads"] * config["attention_head_dim"], {"layers": config["num_layers"]},
-                      ffn=config["intermediate_size"])
-
-
-def _one_stream_ratio(config: dict) -> ModelShape:
-    """Qwen-Image 2.1: one stream of blocks over the caption and the image tokens, its MLP mlp_ratio x the width."""
-    width = config["num_attention_heads"] * config["attention_head_dim"]
-    return ModelShape(width, {"transformer_blocks": config["num_layers"]}, ffn=config.get("mlp_ratio", 3) * width)
-
-
-def _padded_to_32(tokens: float) -> float:
-    """Z-Image pads the image tokens and the caption's each to a multiple of 32."""
-    return math.ceil(tokens / 32) * 32
-
-
 @dataclass(frozen=True)
 class FlowModel:
-    """One flow model's torch-free facts, told by its transformer class."""
+    """One flow model's torch-free facts, told by its transformer class (each unit's facts.py declares its rows)."""
 
     name: str
     constants: str  # its key in the measured activation constants (dstune/model_configs/activation_constants.json)
     shape: Callable  # transformer config -> ModelShape: the width and blocks the constants are evaluated at
     text_width_key: str  # the transformer config's key for the text embeddings' width
-    clip_tokens: int = 0  # CLIP tokens before the long text encoder's (SD3: 77)
+    clip_tokens: int = 0  # CLIP tokens before the long text encoder's
     default_text_tokens: int = DEFAULT_TEXT_TOKENS
     edit_pipelines: tuple[str, ...] = ()  # pipeline classes of this transformer that train on (source, target) pairs
+    edit_vision_patch_px: int = 0  # an edit pipeline's source-image vision tokens (this many px a side each) join the text
     pad_tokens: Callable = lambda tokens: tokens  # what the transformer pads a sequence to
     sampling_parts: tuple[str, ...] = ()  # frozen components loaded only while samples render
     draws_sigma: bool = False  # its example draws sigma itself (no scheduler tables, so no model.shift)
-    text_layers_key: Optional[str] = None  # the config's count of text-encoder layers stacked per token (Krea 2)
+    text_layers_key: Optional[str] = None  # the config's count of text-encoder layers stacked per token
     # output.lora_format values whose tools are known to load this model's file (comfyui: diffusers' own keys)
     lora_formats: tuple[str, ...] = ("diffusers", "comfyui")
     side_px: int = 0  # image sides must be multiples of it, said by validate (0: left to the first batch's check)
 
 
-FLOW_MODELS = {
-    "SD3Transformer2DModel": FlowModel("SD3", "sd3", _joint_blocks, "joint_attention_dim", clip_tokens=77,
-                                       default_text_tokens=77),
-    "FluxTransformer2DModel": FlowModel("Flux.1", "flux1", _two_streams, "joint_attention_dim"),
-    "QwenImageTransformer2DModel": FlowModel("Qwen-Image", "qwen-image", _joint_blocks, "joint_attention_dim",
-                                             edit_pipelines=("QwenImageEditPipeline",)),
-    "ZImageTransformer2DModel": FlowModel("Z-Image", "z-image", _single_stream, "cap_feat_dim",
-                                          pad_tokens=_padded_to_32),
-    "Flux2Transformer2DModel": FlowModel("FLUX.2", "flux2", _two_streams, "joint_attention_dim"),
-}
-FLOW_MODELS["Ideogram4Transformer2DModel"] = FlowModel(
-    "Ideogram 4", "ideogram4", _one_stream, "llm_features_dim", default_text_tokens=2048,
-    sampling_parts=("unconditional_transformer",), draws_sigma=True)
-FLOW_MODELS["Krea2Transformer2DModel"] = FlowModel("Krea 2", "krea2", _joint_blocks, "text_hidden_dim",
-                                                   text_layers_key="num_text_layers", lora_formats=("diffusers",))
-FLOW_MODELS["QwenImage21Transformer2DModel"] = FlowModel(
-    "Qwen-Image 2.1", "qwen-image-21", _one_stream_ratio, "context_in_dim", side_px=32)
+@cache
+def flow_models() -> dict[str, FlowModel]:
+    """{transformer class: FlowModel}, every unit's rows (dstune.models.registry.flow_models)."""
+    return {name: row for where in registry.flow_models() for name, row in load(where).items()}
 
 
 def flow_model(folder) -> FlowModel:
     """The flow model a pipeline folder holds, by its transformer class; SizesUnknown naming the known ones."""
     transformer = (folder.index.get("transformer") or [None, None])[1]
-    if transformer not in FLOW_MODELS:
+    known = flow_models()
+    if transformer not in known:
         raise SizesUnknown(f"{folder.origin}: its transformer {transformer} is none of the flow models dstune "
-                           f"trains ({', '.join(FLOW_MODELS)})")
-    return FLOW_MODELS[transformer]
+                           f"trains ({', '.join(known)})")
+    return known[transformer]
 
 
 def edit_pipeline(folder) -> Optional[str]:
@@ -116,12 +82,12 @@ def edit_pipeline(folder) -> Optional[str]:
 
 
 def text_tokens(spec, folder) -> int:
-    """Text tokens per sample: SD3's 77 CLIP tokens + T5's (77 by default); every other model's max_sequence_length
-    (512 by default); an edit model adds the source image's vision tokens."""
+    """Text tokens per sample: the CLIP tokens before the long text encoder's, where the model has them, plus
+    max_sequence_length (the model's default where unset); an edit model adds the source image's vision tokens."""
     model = flow_model(folder)
     tokens = spec.model.max_sequence_length or model.default_text_tokens
     if edit_pipeline(folder):
-        tokens += int((spec.data.resolution / EDIT_VISION_PATCH_PX) ** 2)
+        tokens += int((spec.data.resolution / model.edit_vision_patch_px) ** 2)
     return model.clip_tokens + tokens
 
 

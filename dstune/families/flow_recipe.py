@@ -18,7 +18,7 @@ groups, each of which a model either needs whole or not at all:
 
 Adding an image model (HiDream, Chroma, Lumina 2, ...) is a recipe module, one line in flow.RECIPES, a built-in tiny
 model and a loss-parity test (docs/family-flow.md, "Adding a model"); a video model is the same with frames in its
-LatentSpace (docs/family-flow.md, "Adding a video model"; dstune.families.flow_wan is the example).
+LatentSpace (docs/family-flow.md, "Adding a video model"; dstune.models.wan.recipe is the example).
 """
 
 from __future__ import annotations

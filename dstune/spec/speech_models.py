@@ -12,7 +12,7 @@ from dstune.spec.section import Section
 
 
 
-TTS_LAYOUT_FILE = "dstune_tts.json"  # a tts_lm folder's token layout (dstune.token_layouts describes it)
+TTS_LAYOUT_FILE = "dstune_tts.json"  # a tts_lm folder's token layout (dstune.models.tts_lm.token_layouts describes it)
 
 
 def default_codec(layout_file: Optional[dict], token_layout: Optional[str]) -> str:
@@ -149,8 +149,8 @@ class TtsLmModel(LmLoraSection):
 
 class TtsCodebooksModel(LmLoraSection):
     """A multi-codebook TTS model trained through its own transformers class (chosen by the folder's
-    `architectures`): Sesame CSM (CsmForConditionalGeneration: backbone + depth decoder over Mimi codebooks) and Dia
-    (DiaForConditionalGeneration: text encoder + audio decoder over DAC codebooks with a delay pattern)."""
+    `architectures`): Sesame CSM (CsmForConditionalGeneration: backbone + depth decoder over Mimi codebooks) and
+    DiaForConditionalGeneration (text encoder + audio decoder over DAC codebooks with a delay pattern)."""
 
     modality: ClassVar[str] = "audio"
     TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("CsmForConditionalGeneration", "DiaForConditionalGeneration")
@@ -160,19 +160,19 @@ class TtsCodebooksModel(LmLoraSection):
     family: Literal["tts_codebooks"] = Field(
         description="Model family. `tts_codebooks`: a TTS model that predicts several codec codebooks per audio "
         "frame, trained through its own transformers class and loss (the folder's architecture says which: "
-        "CsmForConditionalGeneration, DiaForConditionalGeneration). Its codec is the folder's own (CSM: Mimi inside "
-        "the class; Dia: the DAC its processor names). See docs/tts.md."
+        "CsmForConditionalGeneration, DiaForConditionalGeneration). Its codec is the folder's own (Mimi inside "
+        "CSM's class; the DAC DiaProcessor names). See docs/tts.md."
     )
     pretrained: str = Field(
         "builtin:tiny-csm",
         description="The model's transformers folder (config.json naming its class, weights, its processor files), "
-        "a hub id already in the local Hugging Face cache, or `builtin:tiny-csm` / `builtin:tiny-dia` (a tiny CSM / "
-        "Dia built offline).",
+        "a hub id already in the local Hugging Face cache, or a built-in tiny model of the family (`builtin:tiny-csm`; "
+        "`dstune init --model NAME` names each model's).",
     )
     train: Literal["full", "lora"] = Field(
         "full", description="`full`: every weight but the codec's is trained. `lora`: peft LoRA adapters on "
         "`lora.target_modules` (the attention of every transformer in the class by default: CSM's backbone and "
-        "depth decoder, Dia's encoder and decoder, self- and cross-attention) are trained; the "
+        "depth decoder; an encoder-decoder's encoder and decoder, self- and cross-attention) are trained; the "
         "export is the merged folder with the peft adapter in `adapter/`.",
     )
     lora: Optional[LmLoraSpec] = Field(
@@ -181,14 +181,14 @@ class TtsCodebooksModel(LmLoraSection):
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute the transformers' activations in backward (CSM's backbone and depth decoder, "
-        "Dia's encoder and decoder)."
+        "an encoder-decoder's encoder and decoder)."
     )
     max_sample_seconds: float = Field(
         2.0, gt=0, description="Samples during training: the longest audio generated per prompt, in seconds."
     )
     sample_temperature: float = Field(
         0.8, ge=0, description="Samples: softmax temperature of the audio codes (CSM: backbone and depth decoder; "
-        "Dia: every codebook, with the folder's guidance, top-k and top-p) (0: greedy)."
+        "other classes: every codebook, with the folder's generation_config for the rest) (0: greedy)."
     )
 
     @model_validator(mode="after")

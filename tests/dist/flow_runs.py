@@ -181,7 +181,7 @@ ROWS["tiny-ideogram4"] = FlowRow("Ideogram4Pipeline", _render_with(guidance_scal
 # Qwen-Image 2.1: the tiny folder's processor is a tokenizer (no Qwen3VLProcessor without torchvision), so its
 # pipelines are built from the folder's parts; the pipeline renders RGBA, whose RGB the checks compare.
 def _qwen_image_21_pipeline(folder):
-    from dstune.families.flow_qwen21 import pipeline_from_parts
+    from dstune.models.qwen_image_21.recipe import pipeline_from_parts
 
     return pipeline_from_parts(folder)
 

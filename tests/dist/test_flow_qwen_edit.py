@@ -51,13 +51,13 @@ def runs(tmp_path_factory) -> dict:
 
 class EditPipeline:
     """QwenImageEditPipeline.from_pretrained with the folder's processor as dstune loads it (transformers builds a
-    Qwen2VLProcessor only with torchvision installed; dstune.families.flow_qwen_edit.load_processor)."""
+    Qwen2VLProcessor only with torchvision installed; dstune.models.qwen_image.edit_recipe.load_processor)."""
 
     @staticmethod
     def from_pretrained(folder):
         from diffusers import QwenImageEditPipeline
 
-        from dstune.families.flow_qwen_edit import load_processor
+        from dstune.models.qwen_image.edit_recipe import load_processor
 
         return QwenImageEditPipeline.from_pretrained(folder, processor=load_processor(folder))
 

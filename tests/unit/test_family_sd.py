@@ -20,7 +20,7 @@ from dstune.pretrained import build_model
 from dstune.data.synthetic import render_shape
 from dstune import builtin as tiny
 from dstune.builtin.common import shapes_images, to_tensor
-from dstune.families import sd
+from dstune.models.sd import sd_family as sd
 from dstune.families.base import FamilyError
 from dstune.spec.models import SampleSpec, SdModel
 

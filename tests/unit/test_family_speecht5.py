@@ -11,7 +11,7 @@ import torch
 
 from dstune.pretrained import build_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.families import speecht5
+from dstune.models.speecht5 import family as speecht5
 from dstune.families.base import FamilyError
 from dstune.builtin import ensure_builtin_model
 from dstune.spec.models import DataSpec, SpeechT5Model

@@ -13,7 +13,7 @@ import torch
 
 from dstune.pretrained import build_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.families import tts_lm
+from dstune.models.tts_lm import family as tts_lm
 from dstune.families.speech import save_wavs
 from dstune.families.base import FamilyError
 from dstune.builtin import ensure_builtin_model

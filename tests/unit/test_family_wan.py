@@ -35,7 +35,7 @@ def test_builtin_tiny_wan_is_a_wan_pipeline_that_renders_frames():
 import pytest  # noqa: E402
 
 from dstune.data.synthetic import moving_shape  # noqa: E402
-from dstune.families import flow_core, wan  # noqa: E402
+from dstune.families import flow_core, video as wan  # noqa: E402
 from dstune.families.randomness import per_sample_randn  # noqa: E402
 from dstune.pretrained import build_model  # noqa: E402
 from dstune.spec.models import SampleSpec, WanModel  # noqa: E402

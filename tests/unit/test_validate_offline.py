@@ -153,7 +153,7 @@ def test_companion_folders_and_files_that_do_not_exist_are_refused(capsys, tmp_p
 
 
 def test_the_wan_token_factors_of_another_models_folder_are_wans_defaults_not_a_crash():
-    from dstune.families.wan_facts import WAN_PATCH, WAN_SPATIAL, token_factors
+    from dstune.models.wan.facts import WAN_PATCH, WAN_SPATIAL, token_factors
 
     spatial, patch, origin = token_factors("builtin:tiny-flux")  # its transformer's patch_size is the int 1
     assert (spatial, patch) == (WAN_SPATIAL, WAN_PATCH) and "is not a Wan model" in origin
