@@ -28,6 +28,7 @@ class CodebooksModel:
     # (spec, num_samples, folder, where its configs came from, config.json, (params, largest layer, LoRA params,
     # default-target LoRA params) of the class) -> ModelCounts; the class counted without its codec
     count: Callable
+    takes_voice_prompts: bool = False  # its sample() continues sample.voice_prompts (reference clip + transcript)
 
 
 def codebooks_models() -> dict[str, CodebooksModel]:

@@ -55,6 +55,15 @@ def codebooks_spec(run_dir: Path, stage: int, train: str, pretrained: str = "bui
     spec = tts_spec(run_dir, 2)
     spec["model"] = {"family": "tts_codebooks", "pretrained": pretrained, "max_sample_seconds": 0.3,
                      "train": train, "gradient_checkpointing": stage == 3}
+    if pretrained == "builtin:tiny-dia" and stage == 3:  # Dia's samples after a reference clip (sample.voice_prompts)
+        import soundfile
+
+        from dstune.data.synthetic import render_tones
+
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        soundfile.write(str(run_dir.parent / "voice.wav"), render_tones("89"), 16000)
+        (run_dir.parent / "voice.txt").write_text("[S2] 89")
+        spec["sample"]["voice_prompts"] = [str(run_dir.parent / "voice.wav")] * len(spec["sample"]["prompts"])
     if train == "lora":  # rank-4 adapters start at B = 0: a larger step, so that 4 steps change what it says
         spec["model"]["lora"] = {"rank": 4}
         spec["train"]["optimizer"]["lr"] = 0.1

@@ -196,3 +196,63 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
     assert torch.allclose(merged.state_dict()[name], adapted.state_dict()[name], atol=1e-6)
     wave, rate = _generate_wav(tmp_path, tmp_path / "lora.wav")
     assert rate == 44100 and len(wave) > 0
+
+
+def _reference_clip(folder: Path) -> Path:
+    """A reference clip (the first tones clip at 16 kHz, resampled by the sampler) and its transcript beside it."""
+    from dstune.data.synthetic import render_tones
+
+    folder.mkdir(parents=True, exist_ok=True)
+    soundfile.write(str(folder / "voice.wav"), render_tones("89"), 16000)
+    (folder / "voice.txt").write_text("[S1] 89")
+    return folder / "voice.wav"
+
+
+def test_samples_continue_sample_voice_prompts(built, tmp_path):
+    """With sample.voice_prompts each training sample is generated after its reference clip and transcript (read,
+    resampled to the DAC's rate), which is what generate_codes does with that clip; without, from the text alone."""
+    from dstune.spec.models import SampleSpec
+
+    reference = _reference_clip(tmp_path / "voices")
+    spec = SampleSpec(prompts=["12"], voice_prompts=[str(reference)], seed=3)
+    module = built.trainable
+    prompted = tts_codebooks.sample(built, module, ["12"], spec)[0]
+    plain = tts_codebooks.sample(built, module, ["12"], SampleSpec(prompts=["12"], seed=3))[0]
+    audio, text = tts_dia.voice_prompt(reference, built.sample_rate)
+    assert text == "[S1] 89" and abs(len(audio) - 44100 * len(soundfile.read(reference)[0]) / 16000) <= 1
+    with torch.no_grad():
+        module.eval()
+        codes = tts_dia.generate_codes(module.model, built.processor, "12", int(0.2 * 44100 / 512), built.temperature,
+                                       3000, audio, text)
+        module.train()
+    assert np.array_equal(prompted.wave, tts_dia._wave(built.codec, codes))
+    assert prompted.wave.shape != plain.wave.shape or not np.array_equal(prompted.wave, plain.wave)
+
+
+def _validate(capsys, tmp_path, pretrained: str, sample: dict, family: str = "tts_codebooks"):
+    import yaml
+
+    from dstune.cli import main
+
+    spec = {"model": {"family": family, "pretrained": pretrained}, "data": {"path": "builtin:tones"},
+            "train": {"micro_batch_size": 1, "max_steps": 2}, "sample": sample}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    code = main(["validate", str(path), "--num-gpus", "1"])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_validate_checks_voice_prompts(capsys, tmp_path):
+    reference = _reference_clip(tmp_path / "voices")
+    assert _validate(capsys, tmp_path, "builtin:tiny-dia", {"prompts": ["12"], "voice_prompts": [str(reference)]})[0] == 0
+    reference.with_suffix(".txt").unlink()
+    code, out = _validate(capsys, tmp_path, "builtin:tiny-dia", {"prompts": ["12"], "voice_prompts": [str(reference)]})
+    assert code == 1 and "sample.voice_prompts.0" in out and "voice.txt is missing" in out
+    code, out = _validate(capsys, tmp_path, "builtin:tiny-dia", {"prompts": ["12", "3"], "voice_prompts": ["a.wav"]})
+    assert code == 1 and "sample.voice_prompts has 1 clip(s) for 2 prompt(s)" in out
+    code, out = _validate(capsys, tmp_path, "builtin:tiny-csm", {"prompts": ["12"], "voice_prompts": [str(reference)]})
+    assert code == 1 and "CsmForConditionalGeneration is not given a reference voice here" in out
+    code, out = _validate(capsys, tmp_path, "builtin:tiny-tts-lm", {"prompts": ["12"], "voice_prompts": ["a.wav"]},
+                          family="tts_lm")
+    assert code == 1 and "model.family tts_lm does not continue a reference voice" in out

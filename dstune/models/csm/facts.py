@@ -11,6 +11,7 @@ activations; the class itself is counted here, on the meta device, for all of th
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from functools import lru_cache
 
 from dstune.families.denoiser_facts import lora_settings
@@ -96,14 +97,33 @@ def _config_text(config: dict) -> str:
 
 
 def _spec_issues(spec) -> SpecIssues:
-    """The folder's class, offline: a folder this family cannot train is named before any download or launch."""
+    """The folder's class, offline: a folder this family cannot train is named before any download or launch; and
+    sample.voice_prompts only for a class that continues a voice, each clip readable with its transcript beside."""
     try:
         folder, _ = config_folder(spec.model.pretrained)
-        architecture(read_config(folder / "config.json"))
+        cls = architecture(read_config(folder / "config.json"))
     except SizesUnknown as err:
         return [("model.pretrained", f"{spec.model.pretrained}: {err}. model.family tts_codebooks trains "
                  f"{', '.join(ARCHITECTURES)} folders.")]
-    return []
+    return _voice_prompt_issues(spec.sample.voice_prompts, cls)
+
+
+def _voice_prompt_issues(paths: list[str], cls: str) -> SpecIssues:
+    if not paths:
+        return []
+    takers = [name for name, model in codebooks_models().items() if model.takes_voice_prompts]
+    if cls not in takers:
+        return [("sample.voice_prompts", f"{cls} is not given a reference voice here (classes that take one: "
+                 f"{', '.join(takers) or 'none'}); remove sample.voice_prompts")]
+    issues = []
+    for number, path in enumerate(paths):
+        clip = Path(path).expanduser()
+        if not clip.is_file():
+            issues.append((f"sample.voice_prompts.{number}", f"{path}: no such file"))
+        elif not clip.with_suffix(".txt").is_file():
+            issues.append((f"sample.voice_prompts.{number}", f"{path}: its transcript {clip.with_suffix('.txt')} "
+                           "is missing (the text the clip says, with its speaker tags)"))
+    return issues
 
 
 FACTS = ModelFacts(family="tts_codebooks", modality="audio", count=_count, spec_issues=_spec_issues)

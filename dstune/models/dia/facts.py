@@ -47,4 +47,4 @@ def count(spec, num_samples: int, folder, origin: str, config: dict, counted: tu
 
 
 CODEBOOKS_MODEL = CodebooksModel(title="Dia", architecture=ARCHITECTURE, torch_side="dstune.models.dia.model",
-                                 count=count)
+                                 count=count, takes_voice_prompts=True)

@@ -32,6 +32,7 @@ from dstune.families.speech import Clip, CodecTokensBuilt
 from dstune.families.speech_codecs import decode_codes, encode_clip
 from dstune.hf import NotAvailableLocally, hub_snapshot, quiet_hf_libraries
 from dstune.models.dia.facts import ARCHITECTURE
+from dstune.resampling import resample
 CODEC_KIND = "dac_hop_padded"  # dstune.families.speech_codecs: DAC on the clip zero-padded to a multiple of its hop
 SPEAKER_TAGS = ("[S1]", "[S2]")  # Dia's dialogue turns; a text must start with one
 
@@ -207,18 +208,35 @@ def _wave(codec, codes: torch.Tensor) -> np.ndarray:
     return decode_codes(codec, "dac", codes) if codes.shape[1] else np.zeros(0, np.float32)
 
 
+def voice_prompt(path, sample_rate: int) -> tuple[np.ndarray, str]:
+    """(wave at `sample_rate`, transcript) of a reference clip and the .txt of the same name beside it."""
+    import soundfile
+
+    path = Path(path).expanduser()
+    try:
+        wave, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+        text = path.with_suffix(".txt").read_text().strip()
+    except (OSError, RuntimeError) as err:
+        raise FamilyError(f"sample.voice_prompts: {path} (and its .txt transcript) cannot be read "
+                          f"({str(err).splitlines()[0]})") from None
+    return resample(wave.mean(axis=1), rate, sample_rate), text
+
+
 def sample(built: DiaBuilt, lm_module: torch.nn.Module, prompts: list[str], sample_spec, resolution=None) -> list[Clip]:
-    """One clip per prompt, from sample_spec.seed, through the class's own generate (every rank: ZeRO-3)."""
+    """One clip per prompt, from sample_spec.seed, through the class's own generate (every rank: ZeRO-3); after
+    its reference clip when sample.voice_prompts names one per prompt."""
     inner = getattr(lm_module, "model", lm_module)
     was_training = inner.training
     inner.eval()
     max_frames = max(1, int(built.max_sample_seconds * built.layout["frame_rate"]))
+    voices = [voice_prompt(path, built.sample_rate) for path in getattr(sample_spec, "voice_prompts", None) or []]
     clips = []
     try:
         with torch.no_grad():
             for number, prompt in enumerate(prompts):
+                audio, text = voices[number] if voices else (None, "")
                 codes = generate_codes(inner, built.processor, prompt, max_frames, built.temperature,
-                                       sample_spec.seed * 1000 + number)
+                                       sample_spec.seed * 1000 + number, audio, text)
                 clips.append(Clip(_wave(built.codec, codes), built.sample_rate))
     finally:
         inner.train(was_training)
