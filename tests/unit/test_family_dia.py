@@ -256,3 +256,41 @@ def test_validate_checks_voice_prompts(capsys, tmp_path):
     code, out = _validate(capsys, tmp_path, "builtin:tiny-tts-lm", {"prompts": ["12"], "voice_prompts": ["a.wav"]},
                           family="tts_lm")
     assert code == 1 and "model.family tts_lm does not continue a reference voice" in out
+
+
+def test_dialogue_jsonl_and_gptsovits_list_with_speaker_balance(built, capsys, tmp_path):
+    """The dataset formats with speakers: a metadata.jsonl of dialogue clips (transcripts tagged [S1]/[S2]) and a
+    GPT-SoVITS .list plan with data.speaker_balance for tiny-dia, and their clips become the class's inputs with
+    the tags as Dia's own ids (an untagged line spoken by [S1])."""
+    import json
+
+    import yaml
+
+    from dstune.cli import main
+    from dstune.data.synthetic import render_tones
+
+    root = tmp_path / "dialogues"
+    (root / "clips").mkdir(parents=True)
+    lines, rows = [], []
+    for number, (speaker, text) in enumerate([("ann", "[S1] 12 [S2] 34"), ("bob", "[S2] 5"), ("ann", "67"),
+                                              ("bob", "[S1] 8 [S2] 9")]):
+        soundfile.write(str(root / "clips" / f"{number}.wav"), render_tones(text[-2:].strip()), 16000)
+        lines.append(json.dumps({"audio": f"clips/{number}.wav", "text": text, "speaker": speaker}))
+        rows.append(f"clips/{number}.wav|{speaker}|en|{text}")
+    (root / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "metadata.list").write_text("\n".join(rows) + "\n")
+    for data_format in ("jsonl", "gptsovits"):
+        spec = {"model": {"family": "tts_codebooks", "pretrained": "builtin:tiny-dia"},
+                "data": {"path": str(root), "format": data_format, "speaker_balance": True},
+                "train": {"micro_batch_size": 2, "max_steps": 2}}
+        (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+        assert main(["validate", str(tmp_path / "spec.yaml"), "--num-gpus", "2"]) == 0, capsys.readouterr()
+        capsys.readouterr()
+        records, _ = speech_records(DataSpec(path=str(root), format=data_format, speaker_balance=True))
+        assert sorted({r.speaker for r in records}) == ["ann", "bob"]
+        dataset = SpeechDataset(records, built.sample_rate)
+        encoded = tts_codebooks.encode_batch(built, collate_speech([dataset[i] for i in range(4)]))
+        first_ids = encoded["input_ids"][:, 0].tolist()
+        assert first_ids == [1, 2, 1, 1]  # [S1], [S2], the untagged clip's [S1], [S1]
+        assert 2 in encoded["input_ids"][3].tolist() and torch.isfinite(tts_codebooks.loss(built, built.trainable,
+                                                                                               encoded, 0, 0))
