@@ -43,16 +43,17 @@ BUILTIN_MARKER = "dstune_builtin.json"
 
 
 def builtin_names() -> list[str]:
-    return [BUILTIN_PREFIX + name for name in sorted(BUILTIN_MODELS)]
+    return [BUILTIN_PREFIX + name for name in sorted(registry.builtin_names())]
 
 
 def ensure_builtin_model(name: str, cache_dir: str | os.PathLike) -> Path:
     """The folder of built-in model `name` ("tiny-sd" or "builtin:tiny-sd") under `cache_dir`, built if needed."""
     key = name[len(BUILTIN_PREFIX):] if name.startswith(BUILTIN_PREFIX) else name
-    if key not in BUILTIN_MODELS:
+    models = _builtin_models()
+    if key not in models:
         raise BuiltinError(f"unknown built-in model '{BUILTIN_PREFIX}{key}'. Known built-in models: "
                            f"{', '.join(builtin_names())}.")
-    model = BUILTIN_MODELS[key]
+    model = models[key]
     root = Path(cache_dir).expanduser() / "builtin"
     final = root / model.folder_name
     if _is_complete(final, key):
@@ -115,5 +116,16 @@ def _exclusive(lock_path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-# every unit's own (dstune/models/<name>/unit.py); importing them imports torch, as building does
-BUILTIN_MODELS: dict[str, BuiltinModel] = {model.name: model for model in map(load, registry.builtins())}
+def __getattr__(name: str):
+    """BUILTIN_MODELS, {name: BuiltinModel}: every unit's own (dstune/models/<name>/unit.py), loaded on first use,
+    so that a unit's builtin module can import dstune.builtin's helpers without a cycle (loading them imports torch,
+    as building does)."""
+    if name != "BUILTIN_MODELS":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    models = {model.name: model for model in map(load, registry.builtins())}
+    globals()["BUILTIN_MODELS"] = models
+    return models
+
+
+def _builtin_models() -> dict[str, BuiltinModel]:
+    return globals().get("BUILTIN_MODELS") or __getattr__("BUILTIN_MODELS")

@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import importlib
 
-from dstune.families import flow_facts
+from dstune.families import flow_facts, video_facts
 from dstune.families.base import Family
 from dstune.families.facts import ModelFacts
 from dstune.models import registry
-from dstune.models.unit import load
+from dstune.models.unit import VIDEO_FAMILY, load
 
 # The shared cores' families (their models are recipes the units add: dstune.models.registry.recipes), then the
 # families the model units own.
-CORE_FAMILY_MODULES = {"flow": "dstune.families.flow", "wan": "dstune.families.video"}
+CORE_FAMILY_MODULES = {"flow": "dstune.families.flow", VIDEO_FAMILY: "dstune.families.video"}
 FAMILY_MODULES: dict[str, str] = {**CORE_FAMILY_MODULES, **registry.family_modules()}
 
 FAMILY_FACTS: dict[str, ModelFacts] = {facts.family: facts for facts in (
-    flow_facts.FACTS, *map(load, registry.facts()))}
+    flow_facts.FACTS, video_facts.FACTS, *map(load, registry.facts()))}
 
 
 def _unknown(name: str) -> ValueError:

@@ -22,7 +22,8 @@ import torch
 from dstune.families.base import Family, FamilyError, TextCache
 from dstune.families.diffusion import component_problems, read_model_index
 from dstune.families.flow_core import (FlowBuilt, build_from, cache_text_tensors, encode_batch, encode_captions,
-                                       export, loss, pipeline_of, sample, save_lora_weights, text_cache_settings)
+                                       export, loss, pipeline_of, sample, save_lora_weights, split_plan,
+                                       text_cache_settings)
 from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
 from dstune.families.flow_distilled import attach_sampling_denoiser
 from dstune.families.flow_recipe import pick_recipe, read_config
@@ -41,17 +42,17 @@ __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FA
 RECIPES = {recipe.kind: recipe for recipe in map(load, registry.recipes("flow"))}
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
-# Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
+# a third text encoder, adds nothing to the fingerprint), and the tensors stored per caption.
 TEXT_CACHE_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
-TEXT_CACHE_FOLDERS += ("processor",)  # Qwen-Image 2.1 tokenizes with its processor
-TEXT_CACHE_TENSORS = ("encoder_hidden_states", "pooled_projections")  # SD3 / Flux; each recipe states its own
+TEXT_CACHE_FOLDERS += ("processor",)  # a recipe that tokenizes with its processor
+TEXT_CACHE_TENSORS = ("encoder_hidden_states", "pooled_projections")  # CLIP+T5 models; each recipe states its own
 
 
 # ---------------------------------------------------------------------------------------------------- build
 
 
 def detect_kind(folder: Path) -> str:
-    """The recipe's kind ('sd3', 'flux', ...) from model_index.json and transformer/config.json; FamilyError naming
+    """The recipe's kind (FlowRecipe.kind) from model_index.json and transformer/config.json; FamilyError naming
     what is unsupported or missing."""
     index = read_model_index(folder)
     supported = ", ".join(f"{r.transformer_class} ({r.pipeline_class})" for r in RECIPES.values())
@@ -102,4 +103,4 @@ FAMILY = Family(
     text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors, text_cache_settings,
                          tensors_of=lambda folder: RECIPES[detect_kind(Path(folder))].text_tensors,
                          refusal=text_cache_refusal),
-    builds_partitioned=True, sampling_denoiser=attach_sampling_denoiser)
+    builds_partitioned=True, sampling_denoiser=attach_sampling_denoiser, split_plan=split_plan)

@@ -1,8 +1,9 @@
-"""The torch-free facts of the flow family's models (SD3, Flux.1, Qwen-Image, Qwen-Image-Edit, Z-Image, FLUX.2
-[klein] and [dev], Krea 2): each is told by its folder's transformer class, as the torch side's recipes are
-(dstune.families.flow_recipe); dstune.families.facts describes the contract.
+"""The torch-free facts of the flow family's models: each is told by its folder's transformer class (its unit's
+FlowModel row, dstune.models.registry.flow_models), as the torch side's recipes are (dstune.families.flow_recipe);
+dstune.families.facts describes the contract.
 
-Image tokens are 2x2 latent patches (16 px); text tokens join them. An edit model trains on (source, target)
+Image tokens are 2x2 latent patches (16 px at the real models' 8x VAEs; the sequence split reads the VAE config
+for its token counts); text tokens join them. An edit model trains on (source, target)
 pairs: the source's tokens and latents double the target's, and the source image's vision tokens join the text.
 """
 
@@ -17,7 +18,7 @@ from dstune.memory.activations import ModelShape, in_plan_units, measured_sample
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image_latent_bytes, pipeline_folder,
                                             trains_denoiser, transformer_text_bytes)
 from dstune.families.facts import Attention, ModelFacts, SpecIssues, no_plan_refusal
-from dstune.memory.counts import SizesUnknown, count_component
+from dstune.memory.counts import SizesUnknown, count_component, vae_factor
 from dstune.model_folders import builtin_name_problem, locate
 from dstune.models import registry
 from dstune.models.unit import load
@@ -57,6 +58,8 @@ class FlowModel:
     # output.lora_format values whose tools are known to load this model's file (comfyui: diffusers' own keys)
     lora_formats: tuple[str, ...] = ("diffusers", "comfyui")
     side_px: int = 0  # image sides must be multiples of it, said by validate (0: left to the first batch's check)
+    lora_loader: str = ""  # what loads its LoRA files, where a format is refused (output.lora_format)
+    token_patch: int = 2  # latent rows (and columns) one image token packs: 2x2 for every flow model here
 
 
 @cache
@@ -113,7 +116,7 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
 
 
 def _trained(spec, folder) -> tuple:
-    """The transformer trains. While samples render, the model's sampling-only parts (Ideogram 4's unconditional
+    """The transformer trains. While samples render, the model's sampling-only parts (e.g. an unconditional
     transformer) load beside it, and with sample.pretrained (or a training adapter: the clean base) a second
     transformer (dstune.families.flow_distilled); the sample phase counts them."""
     module, _, expert = trains_denoiser("transformer")(spec, folder)
@@ -133,7 +136,7 @@ def _count(spec, num_samples: int, clips=()):
 
 
 def _side_issues(spec, model: FlowModel) -> SpecIssues:
-    """Image sides the model cannot take (Qwen-Image 2.1: 16 px latents in 2x2 slots, so multiples of 32 px)."""
+    """Image sides the model cannot take (FlowModel.side_px: e.g. 16 px latents in 2x2 slots, multiples of 32 px)."""
     side, buckets = model.side_px, spec.data.buckets
     if not side:
         return []
@@ -152,7 +155,7 @@ def _spec_issues(spec) -> SpecIssues:
 
 
 def _lora_format_issues(spec) -> SpecIssues:
-    """A LoRA file format whose tool is not known to map this model's keys (Krea 2 in ComfyUI)."""
+    """A LoRA file format whose tool is not known to map this model's keys (the model's FlowModel.lora_formats)."""
     chosen = spec.output.lora_format
     try:
         model = flow_model(pipeline_folder(spec.model.pretrained))
@@ -162,7 +165,7 @@ def _lora_format_issues(spec) -> SpecIssues:
         return []
     return [("output.lora_format", f"{chosen!r} writes diffusers' key names, which {chosen}'s {model.name} loader is "
              f"not known to map; {model.name} LoRAs are written as {', '.join(model.lora_formats)} "
-             "(Krea2Pipeline.load_lora_weights): remove output.lora_format or set it to diffusers")]
+             f"({model.lora_loader}): remove output.lora_format or set it to diffusers")]
 
 
 def _edit_issues(spec) -> SpecIssues:
@@ -183,14 +186,14 @@ def _edit_issues(spec) -> SpecIssues:
     side_issues = _side_issues(spec, flow_model(folder))
     if side_issues:
         return side_issues
-    grid = folder.index.get("sample_sigmas")  # a Qwen-Image 2.1 Turbo folder's own sampling sigmas
+    grid = folder.index.get("sample_sigmas")  # a distilled (Turbo) folder's own sampling sigmas
     if grid and spec.sample.prompts and spec.sample.steps != len(grid):
         return [("sample.steps", f"{pipeline_class} samples this folder on its own {len(grid)} sigmas "
                  f"(model_index.json sample_sigmas, a Turbo folder): set sample.steps: {len(grid)}")]
     if not edit:
         if spec.sample.control_images:
             return [("sample.control_images", f"{pipeline_class} renders from the prompt alone: source images are "
-                     "for edit models (Qwen-Image-Edit); remove them")]
+                     "for edit models; remove them")]
         return []
     issues = []
     if spec.data.cache.text_embeddings:
@@ -256,16 +259,17 @@ def _pairs(spec) -> Optional[str]:
         return None
 
 
-SPLIT_MODELS = ("FLUX.2", "Qwen-Image")  # sequence parallelism: the flow models whose split is tested (docs/sequence-parallel.md)
-
-
 def _attention(spec) -> Optional[Attention]:
-    """The transformer's heads and the text tokens its context-parallel plan splits with the image's (FLUX.2
-    splits both streams; the text is padded to max_sequence_length); a refusal for a transformer class without a
-    context-parallel plan, and for the models whose split is not enabled yet."""
+    """The transformer's heads, its image tokens' geometry (the VAE config's spatial factor x the 2x2 latent patch
+    a token packs) and the text tokens its context-parallel plan splits with the image's (a plan that splits both
+    streams pads the text to max_sequence_length); a refusal for a transformer class without a
+    context-parallel plan. An edit model's sequence holds the target's and the source's tokens; its text (the
+    instruction with the source's vision tokens) has no fixed length: the split pads it with masked tokens
+    (dstune.families.ulysses), so it sets no rule."""
     try:
         folder = pipeline_folder(spec.model.pretrained)
         model, config = flow_model(folder), folder.config("transformer")
+        px_per_token = vae_factor(folder.config("vae")) * model.token_patch
     except (SizesUnknown, OSError, ValueError):
         return None
     origin = f"the transformer config of {folder.origin}"
@@ -275,9 +279,9 @@ def _attention(spec) -> Optional[Attention]:
     heads = config.get("num_attention_heads")
     if not isinstance(heads, int):
         return None
-    refusal = "" if model.name in SPLIT_MODELS and not edit_pipeline(folder) else (
-        f"{model.name}'s sequence split is not enabled in dstune yet (enabled: {', '.join(SPLIT_MODELS)})")
-    return Attention(heads, config.get("attention_head_dim", 0), origin, refusal, text_tokens(spec, folder))
+    edit = edit_pipeline(folder) is not None
+    return Attention(heads, config.get("attention_head_dim", 0), origin, text_tokens=0 if edit else text_tokens(
+        spec, folder), px_per_token=px_per_token, pictures=2 if edit else 1)
 
 
 FACTS = ModelFacts(family="flow", modality="image", count=_count, spec_issues=_spec_issues, pairs=_pairs,

@@ -1,5 +1,6 @@
-"""The video family (`model.family wan` in the spec): the video models of the flow-matching core, each a model
-unit's `VideoModel` (dstune.models.registry.recipes("wan")), told apart by the folder's transformer class.
+"""The video family (`model.family` VIDEO_FAMILY in the spec): the video models of the flow-matching core, each a
+model unit's `VideoModel` (dstune.models.registry.recipes(VIDEO_FAMILY)), told apart by the folder's transformer
+class.
 
 Video trains on the flow-matching core of the image models (dstune.families.flow_core): a clip's latents are
 (B, C, frames, H, W) and every step (posterior draw, noise, table positions, x_t, loss, sampling, export) is the
@@ -19,10 +20,10 @@ import torch
 from dstune.families.base import Family, FamilyError, LatentExtras, TextCache
 from dstune.families.diffusion import read_component_config
 from dstune.families.flow_core import (FlowBuilt, build_from, encode_batch, encode_captions, export, loss, sample,
-                                       save_lora_weights, text_cache_settings)
+                                       save_lora_weights, split_plan, text_cache_settings)
 from dstune.families.samples import save_clip_grid
 from dstune.models import registry
-from dstune.models.unit import load
+from dstune.models.unit import VIDEO_FAMILY, load
 from dstune.spec.video_models import WanModel
 
 __all__ = ["build", "encode_batch", "encode_captions", "loss", "sample", "export", "save_lora_weights", "FAMILY",
@@ -46,7 +47,7 @@ class VideoModel:
 
 
 def _video_models() -> dict[str, VideoModel]:
-    return {model.transformer_class: model for model in map(load, registry.recipes("wan"))}
+    return {model.transformer_class: model for model in map(load, registry.recipes(VIDEO_FAMILY))}
 
 
 def video_model_of(folder: Path) -> VideoModel:
@@ -55,7 +56,7 @@ def video_model_of(folder: Path) -> VideoModel:
     path = Path(folder) / "transformer" / "config.json"
     transformer = read_component_config(Path(folder), "transformer").get("_class_name") if path.is_file() else None
     if transformer not in known:
-        raise FamilyError(f"{folder} cannot be used as a video pipeline (model.family wan): its transformer "
+        raise FamilyError(f"{folder} cannot be used as a video pipeline (model.family {VIDEO_FAMILY}): its transformer "
                           f"({transformer or 'no transformer/config.json'}) is none of the video models dstune trains "
                           f"({', '.join(f'{m.title}: {name}' for name, m in known.items())})")
     return known[transformer]
@@ -69,10 +70,15 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
     folder = folders["pretrained"]
     video = video_model_of(folder)
     problems = video.folder_problems(folder, model.expert, model.image_to_video, model.timestep_range)
+    recipe = video.recipe_of(Path(folder))
+    if model.timestep_sampling == "shifted_logit_normal" and recipe.draw_sigmas is None:
+        problems.append("model.timestep_sampling shifted_logit_normal is the sampler of the video models that draw "
+                        f"sigma themselves; {video.title} indexes the scheduler's tables: use uniform, logit_normal "
+                        "or mode")
     if problems:
-        raise FamilyError(f"{folder} cannot be used as a {video.title} pipeline (model.family wan):\n"
+        raise FamilyError(f"{folder} cannot be used as a {video.title} pipeline (model.family {VIDEO_FAMILY}):\n"
                           + "\n".join(f"  - {p}" for p in problems))
-    built = build_from(video.recipe_of(Path(folder)), model, folders, device, dtype_for_frozen, zero3_config)
+    built = build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config)
     if video.after_build is not None:
         video.after_build(built)
     return built
@@ -89,10 +95,10 @@ def condition_tensors(built, clips: torch.Tensor) -> dict:
 
 
 FAMILY = Family(
-    name="wan", modality="video", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
+    name=VIDEO_FAMILY, modality="video", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
     loss=loss, sample=sample, save_samples=save_clip_grid, export=export, save_lora_weights=save_lora_weights,
     text_cache=TextCache(("text_encoder", "tokenizer"), ("encoder_hidden_states",), encode_captions,
                          text_cache_settings,
                          tensors_of=lambda folder: video_model_of(Path(folder)).recipe_of(Path(folder)).text_tensors,
                          folders_of=lambda folder: video_model_of(Path(folder)).text_cache_folders),
-    builds_partitioned=True, latent_extras=LatentExtras(latent_cache_key, condition_tensors))
+    builds_partitioned=True, latent_extras=LatentExtras(latent_cache_key, condition_tensors), split_plan=split_plan)

@@ -50,7 +50,7 @@ class ModelCounts:
     cache_bytes: int = 0  # the encoder cache on disk for the whole dataset
     origin: str = ""
     builds_partitioned: bool = False  # under ZeRO-3 each rank reads only its share of the module (deepspeed.zero.Init)
-    # frozen parts loaded only while samples render, whole on every rank (Wan 2.2's untrained expert): name -> params
+    # frozen parts loaded only while samples render, whole on every rank (a two-expert model's untrained expert): name -> params
     sampling_companions: dict = field(default_factory=dict)
     expert: Optional[dict] = None  # two-expert models: which expert trains over which timesteps (validate prints it)
 
@@ -138,7 +138,7 @@ class Estimate:
     ranks_per_node: int
     nvme_per_node: float
     cache_bytes: int
-    sampling_extra: float = 0.0  # frozen parts on each GPU only while samples render (Wan 2.2's other expert)
+    sampling_extra: float = 0.0  # frozen parts on each GPU only while samples render (the other expert)
     ema: float = 0.0  # the EMA's fp32 share on each GPU (train.ema.device: same)
     phases: dict = field(default_factory=dict)  # name -> dstune.memory.phases.Phase
 
@@ -215,13 +215,25 @@ def activations(counts: ModelCounts, setup: Setup) -> float:
     return setup.micro_batch * per_sample * setup.weight_bytes / 2.0 / setup.sequence_parallel
 
 
+def reduce_bucket_elements(counts: ModelCounts, setup: Setup) -> int:
+    """The gradient reduce bucket in elements: the DeepSpeed JSON's, except under ZeRO-3 with sequence parallelism,
+    where dstune's engine raises it to the largest trainable parameter (dstune.engine.sequence_parallel_bucket: a
+    parameter past the bucket would take DeepSpeed's reduce-scatter path, which averages over every rank). Full
+    training counts the largest layer (its weight, and its bias beside it: a few elements over). LoRA's adapter
+    matrices (rank x one side of a layer) are counted at the JSON's bucket: they pass it only when it is set below
+    rank x the widest layer side."""
+    if setup.zero_stage == 3 and setup.sequence_parallel > 1 and not setup.lora:
+        return max(setup.reduce_bucket, counts.largest_layer_params)
+    return setup.reduce_bucket
+
+
 def deepspeed_buffers(counts: ModelCounts, setup: Setup) -> float:
     """The gradient reduce bucket (two with overlap_comm under ZeRO-3), the ZeRO 1/2 all-gather bucket (with
     overlap_comm DeepSpeed's documented 4.5 x both), the ZeRO-3 prefetch bucket, in the module's precision. On a GPU
     a reduce buffer is allocated at its full size; in host memory only the part gradients fill is resident (at most
     the trainable parameters)."""
-    trainable, w = counts.trainable_params, setup.weight_bytes
-    bucket = setup.reduce_bucket if setup.accelerator == "cuda" else min(setup.reduce_bucket, trainable)
+    trainable, w, reduce_bucket = counts.trainable_params, setup.weight_bytes, reduce_bucket_elements(counts, setup)
+    bucket = reduce_bucket if setup.accelerator == "cuda" else min(reduce_bucket, trainable)
     if setup.zero_stage in (1, 2):
         allgather = min(setup.allgather_bucket, trainable)
         return (OVERLAP_COMM_FACTOR if setup.overlap_comm else 1.0) * (bucket + allgather) * w
@@ -244,7 +256,7 @@ def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
         training += 4.0 * trainable / ranks + (ema_swap_bytes(counts, setup) if setup.samples else 0.0)
     nvme = 0.0
     if setup.zero_stage >= 1 and setup.offload_optimizer == "cpu":
-        training += offloaded_states + min(setup.reduce_bucket, trainable) * 4.0  # pinned staging bucket
+        training += offloaded_states + min(reduce_bucket_elements(counts, setup), trainable) * 4.0  # pinned staging
     elif setup.offload_optimizer == "nvme":
         nvme += offloaded_states
     if setup.zero_stage == 3 and setup.offload_param == "cpu":
@@ -414,7 +426,9 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
         "gpu_memory_bytes": None if gpu_bytes is None else int(gpu_bytes),
         "fits": fits,
         "suggestions": suggestions(counts, setup, gpu_bytes) if fits is False else [],
-        **({"sequence_parallel": {"size": setup.sequence_parallel, "all_to_all_bytes": int(setup.all_to_all_bytes)}}
+        **({"sequence_parallel": {"size": setup.sequence_parallel, "all_to_all_bytes": int(setup.all_to_all_bytes),
+                                  "reduce_bucket_elements": reduce_bucket_elements(counts, setup),
+                                  "reduce_bucket_raised": reduce_bucket_elements(counts, setup) > setup.reduce_bucket}}
            if setup.sequence_parallel > 1 else {}),
         "parameters": {"module": counts.trainable_module, "module_params": counts.module_params,
                        "trainable_params": counts.trainable_params, "frozen_base_params": counts.frozen_base_params,

@@ -15,6 +15,7 @@ from dstune.models.flux2.unit import UNIT as FLUX2
 from dstune.models.hunyuan_video15.unit import UNIT as HUNYUAN_VIDEO15
 from dstune.models.ideogram4.unit import UNIT as IDEOGRAM4
 from dstune.models.krea2.unit import UNIT as KREA2
+from dstune.models.ltx2.unit import UNIT as LTX2
 from dstune.models.qwen_image.unit import UNIT as QWEN_IMAGE
 from dstune.models.qwen_image_21.unit import UNIT as QWEN_IMAGE_21
 from dstune.models.sd.unit import UNIT as SD
@@ -27,12 +28,27 @@ from dstune.models.zimage.unit import UNIT as ZIMAGE
 
 # The order is the docs' and `dstune init`'s: images (UNet, then the flow-matching transformers), video, speech.
 UNITS: tuple[ModelUnit, ...] = (SD, SD3_FLUX, QWEN_IMAGE, ZIMAGE, FLUX2, IDEOGRAM4, KREA2, QWEN_IMAGE_21, WAN,
-                                HUNYUAN_VIDEO15, TTS_LM, CSM, DIA, SPEECHT5)
+                                HUNYUAN_VIDEO15, LTX2, TTS_LM, CSM, DIA, SPEECHT5)
 
 
 def family_modules() -> dict[str, str]:
     """model.family -> the module of its Family, for the families a unit owns (the cores are dstune.families')."""
     return {family: module for unit in UNITS for family, module in unit.families.items()}
+
+
+def spec_sections() -> tuple[str, ...]:
+    """The `model` sections of the families the units own, as "module:ATTRIBUTE" (dstune.spec.models' union)."""
+    return tuple(where for unit in UNITS for where in unit.spec_sections)
+
+
+def on_core(core: str) -> tuple[ModelUnit, ...]:
+    """The units whose models are recipes on the shared core family `core` ("flow", or the video family)."""
+    return tuple(unit for unit in UNITS if core in unit.recipes)
+
+
+def pipelines(core: str) -> dict[str, float]:
+    """{pipeline class: its default sampling guidance} of every model on the core family `core`."""
+    return {name: guidance for unit in on_core(core) for name, guidance in unit.pipelines.items()}
 
 
 def facts() -> tuple[str, ...]:
@@ -50,9 +66,24 @@ def flow_models() -> tuple[str, ...]:
     return tuple(where for unit in UNITS for where in unit.flow_models)
 
 
+def video_facts() -> tuple[str, ...]:
+    """The units' VideoFacts for the video core's torch-free facts, as "module:ATTRIBUTE"."""
+    return tuple(where for unit in UNITS for where in unit.video_facts)
+
+
 def builtins() -> tuple[str, ...]:
     """Every built-in tiny model, as "module:ATTRIBUTE" of its BuiltinModel."""
-    return tuple(where for unit in UNITS for where in unit.builtins)
+    return tuple(where for unit in UNITS for where in unit.builtins.values())
+
+
+def builtin_names() -> tuple[str, ...]:
+    """Every built-in tiny model's name (`builtin:` + it), without loading any."""
+    return tuple(name for unit in UNITS for name in unit.builtins)
+
+
+def checkpoint_layouts() -> dict[str, tuple[str, str]]:
+    """Key prefixes of the units' original single-file checkpoints -> (family, what the file is)."""
+    return {prefix: layout for unit in UNITS for prefix, layout in unit.checkpoint_layouts.items()}
 
 
 def presets() -> tuple[ModelPreset, ...]:

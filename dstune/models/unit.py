@@ -12,8 +12,10 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 
+# LoRA's usual targets in diffusers UNets and transformers: the attention projections (diffusers' LoRA examples),
+DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
+LM_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")  # and in a Llama-class causal LM
 IMAGE_PROMPTS = ["a photo of a dog on the beach", "an oil painting of a lighthouse at dusk"]
 VIDEO_PROMPTS = ["a red fox running through fresh snow"]
 SPEECH_PROMPTS = ["Printing, in the only sense with which we are at present concerned.", "The quick brown fox."]
@@ -43,8 +45,26 @@ class ModelUnit:
     facts: tuple[str, ...] = ()  # ModelFacts of the families it owns
     recipes: dict[str, tuple[str, ...]] = field(default_factory=dict)  # shared core family -> its recipes on it
     flow_models: tuple[str, ...] = ()  # its rows of the flow core's torch-free table ({transformer class: FlowModel})
-    builtins: tuple[str, ...] = ()  # its tiny built-in models (BuiltinModel)
+    video_facts: tuple[str, ...] = ()  # its VideoFacts for the video core's torch-free facts
+    spec_sections: tuple[str, ...] = ()  # the `model` sections of the families it owns (spec.py, torch-free)
+    # On a shared core: what the core's spec section says of it (one line of `model.family`'s description), the
+    # pipeline classes it trains with their own sampling guidance defaults (model_index.json's _class_name ->
+    # the pipeline's __call__ default), the guidance of a distilled (is_distilled) folder of a pipeline, and the
+    # frame size a pipeline fixes in its code when the folder's configs do not say it ({class: (side, why)}).
+    summary: str = ""
+    pipelines: dict[str, float] = field(default_factory=dict)
+    distilled_guidance: dict[str, float] = field(default_factory=dict)
+    native_sizes: dict[str, tuple[int, str]] = field(default_factory=dict)
+    builtins: dict[str, str] = field(default_factory=dict)  # its tiny built-in models: name -> its BuiltinModel
     presets: tuple[ModelPreset, ...] = ()
+    # key prefixes of its original single-file checkpoints -> (the family that reads them, what such a file is), so
+    # that a file given to another family is named (dstune.pretrained)
+    checkpoint_layouts: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+# The spec's `model.family` of the video core (dstune.families.video): named after the first video model it trained,
+# and kept so that every spec that says it keeps working. Other modules say VIDEO_FAMILY.
+VIDEO_FAMILY = "wan"
 
 
 def load(where: str) -> Any:

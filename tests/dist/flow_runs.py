@@ -35,6 +35,19 @@ def flow_spec(run_dir: Path, model: str, stage: int, train: str) -> dict:
     )
 
 
+def write_pairs(root: Path, pairs: int = 8, side: int = 64) -> None:
+    """An edit model's data: target/NNN.png (a shape) with its instruction, control/NNN.png (another shape)."""
+    from dstune.data.synthetic import render_shape
+
+    for folder in ("target", "control"):
+        (root / folder).mkdir(parents=True)
+    for number in range(pairs):
+        target, caption = render_shape(number, side)
+        target.save(root / "target" / f"{number:03d}.png")
+        (root / "target" / f"{number:03d}.txt").write_text(f"turn it into {caption}")
+        render_shape(number + 100, side)[0].save(root / "control" / f"{number:03d}.png")
+
+
 def launch_cases(tmp_path_factory, model: str, cases: dict, adjust=None) -> dict:
     """name -> (run_dir, spec_path, finished 2-rank launch) for each case (name -> (zero stage, train)) of
     `flow_spec`, after building the built-in model once here (not by both launches' rank 0); `adjust(spec, train)`

@@ -97,7 +97,8 @@ def test_codec_cache_of_two_ranks_equals_one_process(runs, tmp_path):
     from dstune.cache.codec_tokens import encode_entries, plan_codec_entries
     from dstune.data.audio import speech_records
     from dstune.pretrained import build_model
-    from dstune.spec.models import DataSpec, TtsLmModel
+    from dstune.spec.models import DataSpec
+    from dstune.models.tts_lm.spec import TtsLmModel
 
     run_dir, _, proc = runs["zero2"]
     assert proc.returncode == 0, explain(proc)

@@ -18,7 +18,8 @@ from dstune.families import get_family
 from dstune.models.csm import family as tts_codebooks
 from dstune.families.base import FamilyError
 from dstune.pretrained import build_model
-from dstune.spec.models import DataSpec, TtsCodebooksModel
+from dstune.spec.models import DataSpec
+from dstune.models.csm.spec import TtsCodebooksModel
 
 soundfile = pytest.importorskip("soundfile")
 

@@ -19,7 +19,8 @@ from dstune.families import get_family
 from dstune.models.csm import family as tts_codebooks
 from dstune.models.dia import model as tts_dia
 from dstune.pretrained import build_model
-from dstune.spec.models import DataSpec, TtsCodebooksModel
+from dstune.models.csm.spec import TtsCodebooksModel
+from dstune.spec.models import DataSpec
 
 soundfile = pytest.importorskip("soundfile")
 TEXT_KEYS = ("input_ids", "attention_mask")

@@ -20,7 +20,8 @@ from dstune.data.index import SampleRecord
 from dstune import builtin as tiny
 from dstune.models.sd import sdxl_family as sdxl
 from dstune.families.base import FamilyError
-from dstune.spec.models import DataSpec, SampleSpec, SdxlModel
+from dstune.spec.models import DataSpec, SampleSpec
+from dstune.models.sd.spec import SdxlModel
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))

@@ -66,7 +66,7 @@ def _target(name: str) -> str | None:
 # A model unit (dstune/models/<name>/) holds modules of several layers; a module's role, from its name, says which:
 # its registration (unit) with the spec's, its layouts with the plan's, its facts and torch side with the families',
 # its built-ins with dstune.builtin.
-UNIT_ROLES = {"unit": 0, "layouts": 1, "token_layouts": 1, "facts": 2, "builtin": 3}
+UNIT_ROLES = {"unit": 0, "spec": 0, "layouts": 1, "token_layouts": 1, "facts": 2, "builtin": 3}
 UNIT_TORCH_SIDE = 2
 
 

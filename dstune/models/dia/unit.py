@@ -3,8 +3,7 @@ transformers class): what dstune.models.registry lists of it. Torch-free."""
 
 from __future__ import annotations
 
-from dstune.models.unit import ModelPreset, ModelUnit, lora, speech
-from dstune.spec.model_sections import LM_LORA_TARGET_MODULES
+from dstune.models.unit import LM_LORA_TARGET_MODULES, ModelPreset, ModelUnit, lora, speech
 
 UNIT = ModelUnit(
     name="dia",
@@ -12,7 +11,9 @@ UNIT = ModelUnit(
     docs="docs/tts.md",
     names=r"dia|nari",
     recipes={"tts_codebooks": ("dstune.models.dia.facts:CODEBOOKS_MODEL",)},
-    builtins=("dstune.models.dia.builtin:TINY_DIA",),
+    # the class the family trains of it, with its generation_config's classifier-free guidance (Dia-1.6B: 3.0)
+    pipelines={"DiaForConditionalGeneration": 3.0},
+    builtins={"tiny-dia": "dstune.models.dia.builtin:TINY_DIA"},
     presets=(
         ModelPreset("dia", "Dia 1.6B (text encoder + audio decoder over 9 DAC 44.1 kHz codebooks, delay pattern), LoRA "
                     "on its attention", "tts_codebooks", "nari-labs/Dia-1.6B-0626", "tiny-dia",

@@ -3,7 +3,7 @@
 Flux2Transformer2DModel (one double-stream and one single-stream block, 32 wide, 4-axis RoPE), AutoencoderKLFlux2
 (8 latent channels, spatial factor 2, its batch-norm statistics at their initial values: the VAE is random, so
 renders are noise-like images, which is all the tests need), a Qwen3 causal LM of 27 layers 32 wide (the pipeline
-reads the hidden states of layers 9, 18 and 27) and the byte-level tokenizer of builtin:tiny-qwen-image with a
+reads the hidden states of layers 9, 18 and 27) and the byte-level tokenizer of dstune.builtin.parts with a
 Qwen3-style chat template, built offline from fixed configs and a fixed seed.
 
 `builtin:tiny-flux2-dev` is FLUX.2 [dev]'s Flux2Pipeline folder: the same transformer shape with a guidance
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu,
                                    save_pipeline)
-from dstune.models.qwen_image.builtin import tiny_qwen_tokenizer
-from dstune.models.zimage.builtin import QWEN3_CHAT_TEMPLATE
+from dstune.builtin.parts import TINY_FLUX2_VAE, tiny_qwen_tokenizer
+from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 40
@@ -31,9 +31,6 @@ TEXT_WIDTH = 32
 TINY_FLUX2_TRANSFORMER = dict(patch_size=1, in_channels=32, num_layers=1, num_single_layers=1, attention_head_dim=16,
                               num_attention_heads=2, joint_attention_dim=3 * TEXT_WIDTH, timestep_guidance_channels=32,
                               axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
-TINY_FLUX2_VAE = dict(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                      up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=8,
-                      norm_num_groups=4, sample_size=32, mid_block_add_attention=False)
 FLUX2_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
 

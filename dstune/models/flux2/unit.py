@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dstune.models.unit import ModelPreset, ModelUnit, image, lora
-from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
+from dstune.models.unit import DEFAULT_LORA_TARGET_MODULES, ModelPreset, ModelUnit, image, lora
 
 UNIT = ModelUnit(
     name="flux2",
@@ -12,7 +11,12 @@ UNIT = ModelUnit(
     names=r"flux\.?2|flux2",
     recipes={'flow': ('dstune.models.flux2.recipe:FLUX2_KLEIN', 'dstune.models.flux2.recipe:FLUX2_DEV')},
     flow_models=('dstune.models.flux2.facts:FLOW_MODELS',),
-    builtins=('dstune.models.flux2.builtin:TINY_FLUX2', 'dstune.models.flux2.builtin:TINY_FLUX2_DEV'),
+    summary='FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3), FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3)',
+    pipelines={'Flux2KleinPipeline': 4.0, 'Flux2Pipeline': 4.0},
+    builtins={
+        'tiny-flux2': 'dstune.models.flux2.builtin:TINY_FLUX2',
+        'tiny-flux2-dev': 'dstune.models.flux2.builtin:TINY_FLUX2_DEV',
+    },
     presets=(
         ModelPreset("flux2-klein", "FLUX.2 [klein] 4B (Flux2 transformer; Qwen3 text encoder; distilled)", "flow",
                     "black-forest-labs/FLUX.2-klein-4B", "tiny-flux2",

@@ -6,7 +6,7 @@ HunyuanVideo15Transformer3DModel (two 32-wide dual-stream blocks, one token-refi
 real causal 3D layout at widths 8-16 with 8 latent channels, 8x spatial and 4x temporal compression, untrained, so
 renders are noise-like clips; the real VAE is 16x with 32 channels), a Qwen2.5-VL text model (Qwen2_5_VLTextModel,
 the language model of Qwen2.5-VL: two 32-wide layers, since the pipeline reads the third hidden state from the end)
-with the byte-level Qwen2 tokenizer of builtin:tiny-qwen-image and a Qwen-style chat template, a one-layer 16-wide
+with the byte-level Qwen2 tokenizer of dstune.builtin.parts and a Qwen-style chat template, a one-layer 16-wide
 ByT5 glyph encoder (T5EncoderModel) with ByT5's byte tokenizer (built without files), the FlowMatchEulerDiscrete
 scheduler with shift 5.0 and the ClassifierFreeGuidance guider at 6.0 of the 480p text-to-video model. A 5-frame
 32x32 clip is an (8, 2, 4, 4) latent, 32 transformer tokens.
@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dstune.models.unit import VIDEO_FAMILY
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.qwen_image.builtin import tiny_qwen_tokenizer
-from dstune.models.zimage.builtin import QWEN3_CHAT_TEMPLATE
+from dstune.builtin.parts import tiny_qwen_tokenizer
+from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 50
@@ -122,13 +123,13 @@ def build_tiny_hunyuan_video15_i2v(out: Path, needs: dict) -> dict:
 
 
 TINY_HUNYUAN_VIDEO15 = BuiltinModel(
-    name="tiny-hunyuan-video15", folder_name="tiny-hunyuan-video15-v1", family="wan",
+    name="tiny-hunyuan-video15", folder_name="tiny-hunyuan-video15-v1", family=VIDEO_FAMILY,
     description="HunyuanVideo 1.5 text-to-video pipeline: 2-block 32-wide HunyuanVideo15 transformer, an 8-channel "
                 "causal 3D VAE, Qwen2.5-VL text model (two 32-wide layers) and a one-layer ByT5 glyph encoder",
     build=build_tiny_hunyuan_video15)
 
 TINY_HUNYUAN_VIDEO15_I2V = BuiltinModel(
-    name="tiny-hunyuan-video15-i2v", folder_name="tiny-hunyuan-video15-i2v-v1", family="wan",
+    name="tiny-hunyuan-video15-i2v", folder_name="tiny-hunyuan-video15-i2v-v1", family=VIDEO_FAMILY,
     description="HunyuanVideo 1.5 image-to-video pipeline: tiny-hunyuan-video15's parts with an i2v transformer and "
                 "a one-layer 16-wide SigLIP image encoder (32 px, 16 tokens)",
     build=build_tiny_hunyuan_video15_i2v)

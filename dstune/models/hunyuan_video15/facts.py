@@ -1,5 +1,5 @@
-"""The torch-free facts of HunyuanVideo 1.5 folders in the wan family (dstune.models.wan.facts asks them for a
-folder whose transformer is HunyuanVideo15Transformer3DModel): token factors, tokens per clip, the activation
+"""The torch-free facts of HunyuanVideo 1.5 folders for the video family's facts (dstune.families.video_facts asks
+them for a folder whose transformer is HunyuanVideo15Transformer3DModel): token factors, tokens per clip, the activation
 estimate and the text cache's bytes, from the folder's configs.
 
 Tokens of a clip: (1 + (frames - 1) / 4) / patch_size_t latent frames x (H / s / p) x (W / s / p), with the VAE's
@@ -10,6 +10,11 @@ and the 729 SigLIP image tokens (zeros and masked for text-to-video, but in the 
 
 from __future__ import annotations
 
+from typing import Optional
+
+from dstune.families.denoiser_facts import transformer_text_bytes
+from dstune.families.facts import Attention
+from dstune.families.video_facts import VideoFacts
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 
 TRANSFORMER_CLASS = "HunyuanVideo15Transformer3DModel"
@@ -18,7 +23,8 @@ DEFAULT_TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length
 GLYPH_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
 VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens
 # No constants were measured on HunyuanVideo 1.5: its dual-stream blocks (joint attention of the clip and the
-# context, mlp_ratio 4, head dim 128) are estimated with Flux.1's measured double-stream block.
+# context, mlp_ratio 4, head dim 128) are estimated with the measured double-stream block of the image models
+# (activation_constants.json's "flux1").
 ACTIVATION_CONSTANTS = "flux1"
 
 
@@ -33,6 +39,16 @@ def token_factors(folder) -> tuple[int, tuple[int, int, int], str]:
     patch = transformer.get("patch_size", 1)
     return (vae.get("spatial_compression_ratio", 16), (transformer.get("patch_size_t", 1), patch, patch),
             f"the VAE and transformer configs of {folder.origin}")
+
+
+def attention(folder) -> Optional[Attention]:
+    """The heads a sequence-parallel split divides (its plan is dstune's: dstune.models.hunyuan_video15.split). The
+    context sets no rule on N: the split pads it with masked tokens to a multiple of N."""
+    config = folder.config("transformer")
+    if not isinstance(config.get("num_attention_heads"), int):
+        return None
+    return Attention(config["num_attention_heads"], config.get("attention_head_dim", 0),
+                     f"the transformer config of {folder.origin}")
 
 
 def context_tokens(spec) -> int:
@@ -95,3 +111,21 @@ def spec_issues(spec, folder) -> list[tuple[str, str]]:
         issues.append(("sample.control_images", f"{spec.model.pretrained} renders from the prompt alone (text-to-"
                        "video): remove sample.control_images"))
     return issues
+
+
+def _image_to_video(spec, folder) -> bool:
+    return image_to_video(folder) and spec.model.image_to_video is not False
+
+
+def _text_bytes(spec, folder) -> int:
+    return sum(transformer_text_bytes(spec, folder, tokens, width) for tokens, width in text_tokens_and_width(spec, folder))
+
+
+def _condition_cache_bytes(spec, folder, companions, channels, factor, buckets, num_samples: int) -> int:
+    return image_cache_bytes(spec, folder, num_samples)
+
+
+VIDEO_FACTS = VideoFacts(
+    transformer_class=TRANSFORMER_CLASS, token_factors=token_factors, image_to_video=_image_to_video,
+    sample_bytes=sample_bytes, text_bytes=_text_bytes, condition_cache_bytes=_condition_cache_bytes,
+    spec_issues=spec_issues, attention=attention)

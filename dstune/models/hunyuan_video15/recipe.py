@@ -1,4 +1,4 @@
-"""The HunyuanVideo 1.5 recipe of the flow-matching core (dstune.families.flow_recipe; model.family wan, chosen by
+"""The HunyuanVideo 1.5 recipe of the flow-matching core (dstune.families.flow_recipe; the video family, chosen by
 the folder's transformer class, HunyuanVideo15Transformer3DModel).
 
 - latents: clips (B, 3, frames, H, W) in [-1, 1] through AutoencoderKLHunyuanVideo15 (16x spatial, 4x temporal, 32
@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from dstune.models.hunyuan_video15 import i2v as hunyuan15_i2v
+from dstune.models.hunyuan_video15 import split as hunyuan15_split
 from dstune.families.diffusion import component_problems, read_component_config, read_model_index
 from dstune.families.flow_recipe import Conditioning, FlowRecipe, LatentSpace, Sampling, TextSide
 from dstune.hf import quiet_hf_libraries
@@ -164,6 +165,7 @@ HUNYUAN_VIDEO15 = FlowRecipe(
                       side_multiple=lambda built: (built.vae.config.spatial_compression_ratio
                                                    * built.transformer_config["patch_size"])),
     train_tables=train_tables,
+    sequence_split=hunyuan15_split.prepare_split,  # diffusers 0.42 gives the class no context-parallel plan
     preconditioned=lambda model: False,  # the velocity loss of the official trainer
     # HunyuanVideo15Pipeline has no LoRA loader in diffusers 0.42: the file is written as HunyuanVideoPipeline's
     # (HunyuanVideoLoraLoaderMixin: "transformer."-prefixed PEFT keys), which transformer.load_lora_adapter reads

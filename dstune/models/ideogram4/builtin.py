@@ -1,10 +1,10 @@
 """Built-in tiny Ideogram 4: `builtin:tiny-ideogram4`, a real Ideogram4Pipeline folder with tiny components.
 
 Two Ideogram4Transformer2DModel (the trained `transformer` and the frozen `unconditional_transformer` the pipeline's
-asymmetric guidance blends in; one block each, 32 wide, 3-axis MRoPE), the random 8-channel AutoencoderKLFlux2 of
-builtin:tiny-flux2 (its batch-norm statistics at their initial values), a Qwen3VLModel of 36 text layers 16 wide
+asymmetric guidance blends in; one block each, 32 wide, 3-axis MRoPE), a random 8-channel AutoencoderKLFlux2
+(dstune.builtin.parts' config, its batch-norm statistics at their initial values), a Qwen3VLModel of 36 text layers 16 wide
 (the pipeline concatenates the hidden states of 13 of them, up to layer 35) with a one-block vision tower the
-text-to-image pipeline never calls, and the byte-level tokenizer of builtin:tiny-qwen-image with a Qwen3-VL style
+text-to-image pipeline never calls, and the byte-level tokenizer of dstune.builtin.parts with a Qwen3-VL style
 chat template that reads the `{"type": "text"}` content parts the pipeline writes. Built offline from fixed
 configs and a fixed seed.
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.flux2.builtin import TINY_FLUX2_VAE
-from dstune.models.qwen_image.builtin import tiny_qwen_tokenizer
+from dstune.builtin.parts import QWEN3_VL_CHAT_TEMPLATE, TINY_FLUX2_VAE, tiny_qwen3_vl_config
+from dstune.builtin.parts import tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 50
@@ -34,27 +34,6 @@ TINY_IDEOGRAM4_TRANSFORMER = dict(in_channels=4 * TINY_FLUX2_VAE["latent_channel
                                   llm_features_dim=TAPPED_LAYERS * TEXT_WIDTH, rope_theta=10_000,
                                   mrope_section=(4, 2, 2))
 # A Qwen3-VL chat format: content given as a list of {"type": "text"} parts (what Ideogram4Pipeline writes) or text
-QWEN3_VL_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def tiny_qwen3_vl_config(tokenizer, width: int, layers: int):
-    """A tiny Qwen3-VL configuration: `layers` text layers `width` wide and a one-block vision tower (text-to-image
-    never calls it); Ideogram 4's Qwen3VLModel and Qwen-Image 2.1's Qwen3VLForConditionalGeneration share it."""
-    from transformers import Qwen3VLConfig
-
-    end_of_text, image_pad = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|image_pad|>"])
-    return Qwen3VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
-                         max_position_embeddings=1024, rope_theta=10_000.0, bos_token_id=end_of_text,
-                         eos_token_id=end_of_text, pad_token_id=end_of_text),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
-                           patch_size=14, deepstack_visual_indexes=[]),
-        image_token_id=image_pad)
 
 
 def tiny_qwen3_vl_encoder(tokenizer):
@@ -87,5 +66,5 @@ def build_tiny_ideogram4(out: Path, needs: dict) -> dict:
 TINY_IDEOGRAM4 = BuiltinModel(
     name="tiny-ideogram4", folder_name="tiny-ideogram4-v1", family="flow",
     description="Ideogram 4 pipeline: two one-block Ideogram 4 transformers (conditional, unconditional), Qwen3-VL "
-                "(36 text layers 16 wide), random 8-channel FLUX.2 VAE",
+                "(36 text layers 16 wide), random 8-channel AutoencoderKLFlux2",
     build=build_tiny_ideogram4)

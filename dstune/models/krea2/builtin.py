@@ -1,10 +1,10 @@
 """Built-in tiny Krea 2: `builtin:tiny-krea2` (the base, "Raw" layout) and `builtin:tiny-krea2-turbo` (the few-step
 distilled layout), real Krea2Pipeline folders with tiny components.
 
-Krea2Transformer2DModel (two 32-wide blocks, one text-fusion block of each kind), the random 16-channel
-AutoencoderKLQwenImage of builtin:tiny-qwen-image, a Qwen3VLModel text encoder (three 32-wide text layers and a
+Krea2Transformer2DModel (two 32-wide blocks, one text-fusion block of each kind), a random 16-channel
+AutoencoderKLQwenImage (dstune.builtin.parts' config), a Qwen3VLModel text encoder (three 32-wide text layers and a
 one-block vision tower the pipeline never calls for text-to-image) and the byte-level Qwen2 tokenizer of
-tiny-qwen-image, built offline from fixed configs and fixed seeds. The pipeline stacks the text encoder's hidden
+dstune.builtin.parts, built offline from fixed configs and fixed seeds. The pipeline stacks the text encoder's hidden
 states of TEXT_LAYERS (the real model taps 12 of Qwen3-VL-4B's 37), so the transformer's num_text_layers is 2.
 
 The two folders differ as the released checkpoints do: the Turbo folder's model_index.json says is_distilled
@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.qwen_image.builtin import TINY_QWEN_VAE, tiny_qwen_tokenizer
+from dstune.builtin.parts import TINY_QWEN_VAE, tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 60  # the VAE and the text encoder (the same in both folders) and the Raw transformer
@@ -89,7 +89,7 @@ def build_tiny_krea2_turbo(out: Path, needs: dict) -> dict:
 TINY_KREA2 = BuiltinModel(
     name="tiny-krea2", folder_name="tiny-krea2-v1", family="flow",
     description="Krea 2 (Raw) pipeline: 2-block Krea 2 transformer, Qwen3-VL text encoder (three 32-wide layers, "
-                "two tapped), random 16-channel Qwen-Image VAE",
+                "two tapped), random 16-channel AutoencoderKLQwenImage",
     build=build_tiny_krea2)
 TINY_KREA2_TURBO = BuiltinModel(
     name="tiny-krea2-turbo", folder_name="tiny-krea2-turbo-v1", family="flow",

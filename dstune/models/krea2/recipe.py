@@ -6,7 +6,7 @@ they differ in their weights and in model_index.json's is_distilled, which only 
   text_encoder_select_layers, stacked per token: (B, T, layers, width), with the boolean mask of the caption's
   tokens; the pipeline pads every caption to one length itself, so the text cache stores them as they are);
 - latents: AutoencoderKLQwenImage's one-frame posterior, sampled (not its mode), normalised per channel with the
-  VAE's latents_mean / latents_std, as Qwen-Image's;
+  VAE's latents_mean / latents_std (as every AutoencoderKLQwenImage model does);
 - the transformer sees the latents packed 2x2 into tokens, the (t, h, w) position ids of Krea2Pipeline's
   prepare_position_ids for [text, image], and timestep / 1000; its output is unpacked back to (B, C, H, W).
 

@@ -14,10 +14,16 @@ UNIT = ModelUnit(
     name="krea2",
     title="Krea 2 Raw and Turbo",
     docs="docs/family-flow.md",
-    names=r"krea",
+    names=r"krea\w*",
     recipes={'flow': ('dstune.models.krea2.recipe:KREA2',)},
     flow_models=('dstune.models.krea2.facts:FLOW_MODELS',),
-    builtins=('dstune.models.krea2.builtin:TINY_KREA2', 'dstune.models.krea2.builtin:TINY_KREA2_TURBO'),
+    summary='Krea 2 Raw and Turbo (Krea2Transformer2DModel; Qwen3-VL)',
+    pipelines={'Krea2Pipeline': 4.5},
+    distilled_guidance={'Krea2Pipeline': 0.0},
+    builtins={
+        'tiny-krea2': 'dstune.models.krea2.builtin:TINY_KREA2',
+        'tiny-krea2-turbo': 'dstune.models.krea2.builtin:TINY_KREA2_TURBO',
+    },
     presets=(
         ModelPreset("krea2", "Krea 2 Raw (12 B single-stream transformer; Qwen3-VL text encoder; the base to train)",
                     "flow", "krea/Krea-2-Raw", "tiny-krea2",

@@ -16,33 +16,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu,
-                                   save_pipeline)
+from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
+from dstune.builtin.parts import QWEN_SCHEDULER, TINY_QWEN_VAE, tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 20
-QWEN_CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 TEXT_WIDTH = 32  # the text encoder's hidden size = the transformer's joint_attention_dim
 # in_channels == 4 x the VAE's z_dim (2x2 packing); sum(axes_dims_rope) == attention_head_dim
 TINY_QWEN_TRANSFORMER = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
                              num_attention_heads=2, joint_attention_dim=TEXT_WIDTH, axes_dims_rope=(4, 6, 6))
-# len(dim_mult) == len(temperal_downsample) + 1; spatial factor 2 ** len(temperal_downsample) = 2
-TINY_QWEN_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
-                     temperal_downsample=[False])
-# dynamic, exponential shifting as the real model's scheduler (its training tables are then unshifted)
-QWEN_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
-                      max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, time_shift_type="exponential")
-
-
-def tiny_qwen_tokenizer():
-    """A byte-level Qwen2 tokenizer (256 byte ids + Qwen's end-of-text and chat tokens), built in memory."""
-    from transformers import Qwen2Tokenizer
-
-    vocab = {char: number for number, char in enumerate(bytes_to_unicode())}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|endoftext|>",
-                               pad_token="<|endoftext|>", model_max_length=1024)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_CHAT_TOKENS)})
-    return tokenizer
 
 
 def tiny_qwen_vl_encoder(tokenizer):

@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.qwen_image.builtin import (QWEN_SCHEDULER, TINY_QWEN_TRANSFORMER, tiny_qwen_tokenizer,
-                                       tiny_qwen_vl_encoder)
+from dstune.builtin.parts import QWEN_SCHEDULER, tiny_qwen_tokenizer
+from dstune.models.qwen_image.builtin import TINY_QWEN_TRANSFORMER, tiny_qwen_vl_encoder
 from dstune.models.qwen_image.edit_recipe import image_only_processor
 from dstune.hf import quiet_hf_libraries
 

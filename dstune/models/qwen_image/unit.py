@@ -11,7 +11,12 @@ UNIT = ModelUnit(
     names=r"qwen-image(?![\s-]?2)|qwen_image(?!_?21)",
     recipes={'flow': ('dstune.models.qwen_image.recipe:QWEN_IMAGE', 'dstune.models.qwen_image.edit_recipe:QWEN_IMAGE_EDIT')},
     flow_models=('dstune.models.qwen_image.facts:FLOW_MODELS',),
-    builtins=('dstune.models.qwen_image.builtin:TINY_QWEN_IMAGE', 'dstune.models.qwen_image.builtin_edit:TINY_QWEN_IMAGE_EDIT'),
+    summary='Qwen-Image (QwenImageTransformer2DModel; Qwen2.5-VL), Qwen-Image-Edit (QwenImageTransformer2DModel; Qwen2.5-VL with the source image; trains on source/target pairs, see data.control_dir)',
+    pipelines={'QwenImagePipeline': 4.0, 'QwenImageEditPipeline': 4.0},
+    builtins={
+        'tiny-qwen-image': 'dstune.models.qwen_image.builtin:TINY_QWEN_IMAGE',
+        'tiny-qwen-image-edit': 'dstune.models.qwen_image.builtin_edit:TINY_QWEN_IMAGE_EDIT',
+    },
     presets=(
         ModelPreset("qwen-image", "Qwen-Image (20 B MMDiT; Qwen2.5-VL text encoder)", "flow", "Qwen/Qwen-Image",
                     "tiny-qwen-image", image(1328, 4.0, 30, **lora(), **{"model.max_sequence_length": 512})),

@@ -4,9 +4,9 @@ QwenImage21Transformer2DModel (2 single-stream blocks, 32 wide, unpatched latent
 one), a random AutoencoderKLQwenImage21 with the real VAE's 16x spatial factor (4 down stages, 8 wide, RGBA in and
 out, 16 latent channels with per-channel latents_mean / latents_std), a Qwen3VLForConditionalGeneration of 2 text
 layers 16 wide with a one-block vision tower the text-to-image pipeline never calls, and the dynamic-shifting
-scheduler of builtin:tiny-qwen-image. Built offline from fixed configs and a fixed seed.
+scheduler of dstune.builtin.parts. Built offline from fixed configs and a fixed seed.
 
-The folder's `processor` is the byte-level tokenizer of builtin:tiny-qwen-image with a Qwen3-VL style chat
+The folder's `processor` is the byte-level tokenizer of dstune.builtin.parts with a Qwen3-VL style chat
 template, not a Qwen3VLProcessor: transformers cannot build that processor without torchvision, which the tested
 environment cannot import. dstune loads it wrapped in dstune.models.qwen_image_21.recipe.TextProcessor, which does what
 the text-to-image pipeline asks of a processor; QwenImage21Pipeline.from_pretrained on this folder needs
@@ -21,8 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.ideogram4.builtin import QWEN3_VL_CHAT_TEMPLATE, tiny_qwen3_vl_config
-from dstune.models.qwen_image.builtin import QWEN_SCHEDULER, tiny_qwen_tokenizer
+from dstune.builtin.parts import QWEN3_VL_CHAT_TEMPLATE, tiny_qwen3_vl_config
+from dstune.builtin.parts import QWEN_SCHEDULER, tiny_qwen_tokenizer
 from dstune.models.qwen_image_21.recipe import TextProcessor
 from dstune.hf import quiet_hf_libraries
 

@@ -8,10 +8,14 @@ UNIT = ModelUnit(
     name="qwen_image_21",
     title="Qwen-Image 2.1 and its Turbo",
     docs="docs/family-flow.md",
-    names=r"qwen-image[\s-]?2\.1|qwen_?image_?21",
+    names=r"qwen-image[\s-]?2\.1|qwen_?image_?21\w*|qwen21",
     recipes={'flow': ('dstune.models.qwen_image_21.recipe:QWEN_IMAGE_21',)},
     flow_models=('dstune.models.qwen_image_21.facts:FLOW_MODELS',),
-    builtins=('dstune.models.qwen_image_21.builtin:TINY_QWEN_IMAGE_21',),
+    summary='Qwen-Image 2.1 and its Turbo (QwenImage21Transformer2DModel; Qwen3-VL)',
+    pipelines={'QwenImage21Pipeline': 1.0},
+    builtins={
+        'tiny-qwen-image-21': 'dstune.models.qwen_image_21.builtin:TINY_QWEN_IMAGE_21',
+    },
     presets=(
         ModelPreset("qwen-image-21", "Qwen-Image 2.1 (7 B single-stream transformer; Qwen3-VL text encoder; RGBA VAE)",
                     "flow", "Qwen/Qwen-Image-2.1", "tiny-qwen-image-21",

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from dstune.models import registry
 from dstune.families.base import Family, FamilyError, SingleFileLayout, TextCache
 from dstune.families.randomness import per_sample_randint, per_sample_randn, sample_generator
 from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
@@ -33,7 +34,8 @@ from dstune.families.diffusion import (batch_field, export_pipeline_folder, inpu
                                        read_model_index)
 from dstune.families.samples import save_grid
 from dstune.hf import quiet_hf_libraries
-from dstune.spec.models import SampleSpec, SdModel
+from dstune.spec.models import SampleSpec
+from dstune.models.sd.spec import SdModel
 
 __all__ = ["SdBuilt", "FAMILY", "build", "encode_batch", "loss", "sample", "export", "save_lora_weights",
            "check_sd_folder", "cache_text_tensors"]
@@ -46,10 +48,11 @@ _COMPONENTS = {
     "tokenizer": ({"CLIPTokenizer", "CLIPTokenizerFast"}, "tokenizer_config.json"),
     "scheduler": (None, "scheduler_config.json"),
 }
-_OTHER_PIPELINES = {
-    "StableDiffusionXLPipeline": "SDXL", "StableDiffusion3Pipeline": "SD3", "FluxPipeline": "Flux",
-    "PixArtSigmaPipeline": "PixArt", "PixArtAlphaPipeline": "PixArt", "SanaPipeline": "Sana",
-}
+# Pipelines people mistake for SD 1.x/2.x ones: SDXL's, every model on a shared core (its unit's title), and two
+# transformers dstune does not train
+_OTHER_PIPELINES = {"StableDiffusionXLPipeline": "SDXL",
+                    **{name: unit.title for unit in registry.UNITS for name in unit.pipelines},
+                    "PixArtSigmaPipeline": "PixArt", "PixArtAlphaPipeline": "PixArt", "SanaPipeline": "Sana"}
 
 
 @dataclass

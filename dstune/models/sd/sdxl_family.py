@@ -33,7 +33,8 @@ from dstune.families.diffusion import (inputs_cast_to, load_component, load_trai
 from dstune.families.samples import save_grid
 from dstune.models.sd.sd_family import export
 from dstune.hf import quiet_hf_libraries
-from dstune.spec.models import SampleSpec, SdxlModel
+from dstune.spec.models import SampleSpec
+from dstune.models.sd.spec import SdxlModel
 
 __all__ = ["SdxlBuilt", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "save_lora_weights",
            "encode_captions", "time_ids", "check_sdxl_folder", "cache_text_tensors", "TEXT_CACHE_FOLDERS",

@@ -8,10 +8,18 @@ UNIT = ModelUnit(
     name="sd",
     title="Stable Diffusion 1.x / 2.x and SDXL (UNet)",
     docs="docs/family-sdxl.md",
-    names=r"sdxl|sd15|sd 1\.x|stable diffusion",
+    names=r"sdxl|sd15|sd 1\.x|stable diffusion(?! 3)",
+    spec_sections=('dstune.models.sd.spec:SdModel', 'dstune.models.sd.spec:SdxlModel'),
     families={'sd': 'dstune.models.sd.sd_family', 'sdxl': 'dstune.models.sd.sdxl_family'},
     facts=('dstune.models.sd.facts:SD_FACTS', 'dstune.models.sd.facts:SDXL_FACTS'),
-    builtins=('dstune.models.sd.builtin_sd:TINY_SD', 'dstune.models.sd.builtin_sdxl:TINY_SDXL'),
+    builtins={
+        'tiny-sd': 'dstune.models.sd.builtin_sd:TINY_SD',
+        'tiny-sdxl': 'dstune.models.sd.builtin_sdxl:TINY_SDXL',
+    },
+    checkpoint_layouts={
+        "conditioner.embedders.": ("sdxl", "an SDXL checkpoint (model.family sdxl)"),
+        "model.diffusion_model.label_emb.": ("sdxl", "an SDXL checkpoint (model.family sdxl)"),
+    },
     presets=(
         ModelPreset("sd15", "Stable Diffusion 1.5 (UNet, CLIP ViT-L text encoder)", "sd",
                     "stable-diffusion-v1-5/stable-diffusion-v1-5", "tiny-sd",

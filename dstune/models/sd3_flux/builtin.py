@@ -15,20 +15,14 @@ and a T5 Unigram vocabulary of single characters (no sentencepiece model file ne
 
 from __future__ import annotations
 
-import functools
-import string
 from pathlib import Path
 
 from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline, tiny_clip_config,
-                                   tiny_clip_tokenizer, train_tiny_vae)
+                                   tiny_clip_tokenizer)
+from dstune.builtin.parts import tiny_t5_tokenizer, trained_flow_vae
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 0
-T5_MAX_LENGTH = 32  # model_max_length of the tiny T5 tokenizer: caps max_sequence_length, keeps sequences short
-FLOW_VAE = dict(
-    in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 2,
-    up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=1,
-    sample_size=32, mid_block_add_attention=False, shift_factor=0.0)
 # joint_attention_dim == T5 d_model (>= 2 x CLIP hidden: CLIP embeds are zero-padded to the T5 width);
 # pooled_projection_dim == the two CLIP projections concatenated.
 TINY_SD3_TRANSFORMER = dict(
@@ -46,44 +40,12 @@ TINY_FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shif
                            max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
 
 
-def tiny_t5_tokenizer(model_max_length: int = T5_MAX_LENGTH):
-    """A T5 tokenizer over single characters (Unigram, 124 ids; pad 0, eos 1, unk 2), built in memory."""
-    from transformers import T5Tokenizer
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [(c, -3.0) for c in string.ascii_letters + string.digits + string.punctuation]
-    pieces += [("\u2581" + c, -2.5) for c in string.ascii_lowercase]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
-
-
 def tiny_t5_encoder(d_model: int):
     from transformers import T5Config, T5EncoderModel
 
     return T5EncoderModel(T5Config(vocab_size=124, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2,
                                    num_heads=4, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
                                    decoder_start_token_id=0))
-
-
-@functools.lru_cache(maxsize=1)
-def _trained_vae_state() -> tuple[dict, dict]:
-    """(state dict, facts) of the trained 16-channel VAE; computed once per process for both built-in models."""
-    from diffusers import AutoencoderKL
-
-
-    with deterministic_cpu(_SEED, BUILD_THREADS):
-        vae = AutoencoderKL(**FLOW_VAE)
-        facts = train_tiny_vae(vae)
-    return {k: v.clone() for k, v in vae.state_dict().items()}, facts
-
-
-def trained_flow_vae():
-    from diffusers import AutoencoderKL
-
-    state, facts = _trained_vae_state()
-    vae = AutoencoderKL(**FLOW_VAE)
-    vae.load_state_dict(state)
-    vae.register_to_config(scaling_factor=facts["vae_scaling_factor"])
-    return vae.eval().requires_grad_(False), dict(facts)
 
 
 def build_tiny_flow(out: Path, needs: dict) -> dict:

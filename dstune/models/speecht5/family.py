@@ -36,7 +36,8 @@ from dstune.families.randomness import sample_seed
 from dstune.families.speech import Clip, save_wavs
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
-from dstune.spec.models import SampleSpec, SpeechT5Model
+from dstune.spec.models import SampleSpec
+from dstune.models.speecht5.spec import SpeechT5Model
 
 __all__ = ["SpeechT5Built", "FAMILY", "build", "encode_batch", "loss", "sample", "export", "synthesize"]
 

@@ -38,7 +38,8 @@ from dstune.models.tts_lm.token_layouts import (TTS_LAYOUT_FILE, describe, dstun
                                    prompt_ids, spoken_text, token, training_ids)
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
-from dstune.spec.models import SampleSpec, TtsLmModel
+from dstune.spec.models import SampleSpec
+from dstune.models.tts_lm.spec import TtsLmModel
 
 __all__ = ["TtsLmBuilt", "Clip", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "synthesize",
            "encode_clip", "decode_codes"]

@@ -26,7 +26,7 @@ import json
 import os
 from fractions import Fraction
 
-from dstune.spec.speech_models import TTS_LAYOUT_FILE  # the file name is the spec's: it decides model.codec
+from dstune.models.tts_lm.spec import TTS_LAYOUT_FILE
 
 PRESETS = ("dstune", "orpheus")
 

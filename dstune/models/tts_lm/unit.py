@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from dstune.models.unit import ModelPreset, ModelUnit, lora, speech
-from dstune.spec.model_sections import LM_LORA_TARGET_MODULES
+from dstune.models.unit import LM_LORA_TARGET_MODULES, ModelPreset, ModelUnit, lora, speech
 
 UNIT = ModelUnit(
     name="tts_lm",
     title="Codec-token TTS language models (Llama + EnCodec / DAC / SNAC; Orpheus)",
     docs="docs/tts.md",
-    names=r"orpheus",
+    names=r"orpheus\w*",
+    spec_sections=('dstune.models.tts_lm.spec:TtsLmModel',),
     families={'tts_lm': 'dstune.models.tts_lm.family'},
     facts=('dstune.models.tts_lm.facts:FACTS',),
-    builtins=('dstune.models.tts_lm.builtin:TINY_TTS_LM', 'dstune.models.tts_lm.builtin_orpheus:TINY_ORPHEUS'),
+    builtins={
+        'tiny-tts-lm': 'dstune.models.tts_lm.builtin:TINY_TTS_LM',
+        'tiny-orpheus': 'dstune.models.tts_lm.builtin_orpheus:TINY_ORPHEUS',
+    },
     presets=(
         ModelPreset("llama-tts", "Llama-3.2-1B learning speech as EnCodec 24 kHz tokens (4 codebooks)", "tts_lm",
                     "meta-llama/Llama-3.2-1B", "tiny-tts-lm",

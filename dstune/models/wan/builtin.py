@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.sd3_flux.builtin import tiny_t5_tokenizer
+from dstune.builtin.parts import tiny_t5_tokenizer
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 40

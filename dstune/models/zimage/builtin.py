@@ -1,9 +1,9 @@
 """Built-in tiny Z-Image: `builtin:tiny-z-image`, a real ZImagePipeline folder with tiny components.
 
-ZImageTransformer2DModel (one 32-wide layer and one refiner layer each for noise and caption), the 16-channel VAE
-that builtin:tiny-flow and tiny-flux share (trained on shapes, so renders are images: dstune.models.sd3_flux.builtin), a Qwen3
-text encoder (two 32-wide layers: the pipeline reads the second-to-last hidden states) and the byte-level Qwen2
-tokenizer of builtin:tiny-qwen-image with a Qwen3-style chat template, built offline from fixed configs and a fixed
+ZImageTransformer2DModel (one 32-wide layer and one refiner layer each for noise and caption), the trained
+16-channel VAE of dstune.builtin.parts (trained on shapes, so renders are images), a Qwen3 text encoder (two 32-wide
+layers: the pipeline reads the second-to-last hidden states) and the byte-level Qwen2 tokenizer of
+dstune.builtin.parts with a Qwen3-style chat template, built offline from fixed configs and a fixed
 seed.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.models.sd3_flux.builtin import trained_flow_vae
-from dstune.models.qwen_image.builtin import tiny_qwen_tokenizer
+from dstune.builtin.parts import trained_flow_vae
+from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE, tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 30
@@ -24,8 +24,7 @@ TINY_ZIMAGE_TRANSFORMER = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_ch
                                axes_dims=[4, 6, 6], axes_lens=[1024, 64, 64])
 ZIMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 # a user turn, then the assistant's opening: what Qwen3's template gives with add_generation_prompt
-QWEN3_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-                       "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
 
 
 def tiny_qwen3_encoder(tokenizer):

@@ -8,10 +8,14 @@ UNIT = ModelUnit(
     name="zimage",
     title="Z-Image",
     docs="docs/family-flow.md",
-    names=r"z-image|zimage",
+    names=r"z-image|zimage|z_image\w*",
     recipes={'flow': ('dstune.models.zimage.recipe:ZIMAGE',)},
     flow_models=('dstune.models.zimage.facts:FLOW_MODELS',),
-    builtins=('dstune.models.zimage.builtin:TINY_Z_IMAGE',),
+    summary='Z-Image (ZImageTransformer2DModel; Qwen3)',
+    pipelines={'ZImagePipeline': 5.0},
+    builtins={
+        'tiny-z-image': 'dstune.models.zimage.builtin:TINY_Z_IMAGE',
+    },
     presets=(
         ModelPreset("z-image", "Z-Image (6 B single-stream transformer; Qwen3 text encoder)", "flow", "Tongyi-MAI/Z-Image",
                     "tiny-z-image", image(1024, 4.0, 28, **{"train.optimizer.lr": 1.0e-5,
