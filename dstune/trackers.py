@@ -97,8 +97,10 @@ class Trackers:
         import torch
 
         for wav in wavs:
+            wave, rate = soundfile.read(str(wav), dtype="float32", always_2d=True)
+            if not len(wave):  # a model that ended at once (its EOS first) said nothing: TensorBoard cannot take it
+                continue
             if self.tensorboard is not None:
-                wave, rate = soundfile.read(str(wav), dtype="float32", always_2d=True)
                 clip = torch.from_numpy(wave.mean(axis=1)).clamp(-1, 1).unsqueeze(0)
                 self.tensorboard.add_audio(f"samples/{wav.stem}", clip, step, sample_rate=rate)
             if self.wandb is not None:

@@ -22,22 +22,9 @@ from torch.utils.data import Dataset
 
 from dstune.data.audio_index import AudioRecord, index_audio
 from dstune.data.synthetic import TONES_SAMPLE_RATE, render_tones
+from dstune.resampling import resample  # noqa: F401 - also this module's API (the built-ins resample with it)
 from dstune.data.index import DataError
 from dstune.spec.models import DataSpec
-
-
-def resample(wave: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
-    """Band-limited resampling by zero-padding / truncating the spectrum (what scipy.signal.resample does)."""
-    if from_rate == to_rate:
-        return wave.astype(np.float32, copy=False)
-    length = max(1, round(len(wave) * to_rate / from_rate))
-    spectrum = np.fft.rfft(wave.astype(np.float64))
-    bins = length // 2 + 1
-    if bins <= len(spectrum):
-        spectrum = spectrum[:bins]
-    else:
-        spectrum = np.concatenate([spectrum, np.zeros(bins - len(spectrum), dtype=spectrum.dtype)])
-    return (np.fft.irfft(spectrum, n=length) * (length / len(wave))).astype(np.float32)
 
 
 def load_clip(record: AudioRecord, sample_rate: int) -> np.ndarray:

@@ -66,8 +66,13 @@ def codec_facts(codec, kind: str) -> dict:
 
 def encode_clip(codec, kind: str, wave: torch.Tensor, num_codebooks: int, frame_order=None) -> torch.Tensor:
     """(positions, frames) int64 codes of one clip (1-D float tensor at the codec's rate). For EnCodec/DAC/Mimi the
-    positions are the first num_codebooks codebooks; for SNAC they follow `frame_order` ((codebook, index) pairs)."""
+    positions are the first num_codebooks codebooks; for SNAC they follow `frame_order` ((codebook, index) pairs).
+    `dac_hop_padded` is DAC on the clip zero-padded to a multiple of its hop (as DiaProcessor encodes; its last
+    frame differs from the unpadded clip's, which DAC cuts)."""
     x = wave.float().reshape(1, 1, -1).to(next(codec.parameters()).device)
+    if kind == "dac_hop_padded":  # as DiaProcessor encodes a clip: zero-padded to a multiple of the hop
+        x = torch.nn.functional.pad(x, (0, -x.shape[-1] % int(codec.config.hop_length)))
+        kind = "dac"
     with torch.no_grad():
         if kind == "snac":
             levels = codec.encode(x)

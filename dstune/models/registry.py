@@ -10,6 +10,7 @@ cheap: the units name their torch sides as "module:ATTRIBUTE" text, loaded on fi
 from __future__ import annotations
 
 from dstune.models.csm.unit import UNIT as CSM
+from dstune.models.dia.unit import UNIT as DIA
 from dstune.models.flux2.unit import UNIT as FLUX2
 from dstune.models.hunyuan_video15.unit import UNIT as HUNYUAN_VIDEO15
 from dstune.models.ideogram4.unit import UNIT as IDEOGRAM4
@@ -27,7 +28,7 @@ from dstune.models.zimage.unit import UNIT as ZIMAGE
 
 # The order is the docs' and `dstune init`'s: images (UNet, then the flow-matching transformers), video, speech.
 UNITS: tuple[ModelUnit, ...] = (SD, SD3_FLUX, QWEN_IMAGE, ZIMAGE, FLUX2, IDEOGRAM4, KREA2, QWEN_IMAGE_21, WAN,
-                                HUNYUAN_VIDEO15, LTX2, TTS_LM, CSM, SPEECHT5)
+                                HUNYUAN_VIDEO15, LTX2, TTS_LM, CSM, DIA, SPEECHT5)
 
 
 def family_modules() -> dict[str, str]:

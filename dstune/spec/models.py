@@ -321,12 +321,20 @@ class SampleSpec(Section):
         default_factory=list, description="Edit models: the source image of each prompt, one path per prompt in the "
         "same order; each sample edits its source as the prompt says. Image-to-video (model.image_to_video): the "
         "first frame of each prompt's clip. Other models: none.")
+    voice_prompts: list[str] = Field(
+        default_factory=list, description="Speech models that continue a reference voice (model.family "
+        "tts_codebooks, a class that takes one: docs/tts.md): one reference clip per prompt (WAV, FLAC, OGG), in "
+        "the prompts' order, its transcript in a .txt file of the same name beside it (speaker tags included); each "
+        "sample speaks its prompt after that clip, in its voice. Omitted: the prompts alone.")
 
     @model_validator(mode="after")
     def _one_source_per_prompt(self) -> "SampleSpec":
         if self.control_images and len(self.control_images) != len(self.prompts):
             raise ValueError(f"sample.control_images has {len(self.control_images)} image(s) for "
                              f"{len(self.prompts)} prompt(s): give one source image per prompt, in the prompts' order")
+        if self.voice_prompts and len(self.voice_prompts) != len(self.prompts):
+            raise ValueError(f"sample.voice_prompts has {len(self.voice_prompts)} clip(s) for {len(self.prompts)} "
+                             "prompt(s): give one reference clip per prompt, in the prompts' order")
         return self
 
 
@@ -347,6 +355,14 @@ class Spec(Section):
                                       self.model.family in VIDEO_FAMILIES)
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _voice_prompts_for_codebook_models(self) -> "Spec":
+        if self.sample.voice_prompts and self.model.family != "tts_codebooks":
+            raise ValueError(f"sample.voice_prompts: model.family {self.model.family} does not continue a reference "
+                             "voice (model.family tts_codebooks does, for the classes docs/tts.md names); remove "
+                             "sample.voice_prompts")
         return self
 
     @model_validator(mode="after")

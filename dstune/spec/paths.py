@@ -27,7 +27,7 @@ from dstune.spec.section import BUILTIN_PREFIX
 # Keys that always name a local file or folder ("*": every item of a list).
 LOCAL_PATH_KEYS = ("data.path", "data.eval.path", "data.cache.dir", "output.dir", "output.cache_dir",
                    "deepspeed.config", "deepspeed.offload_optimizer.nvme_path", "deepspeed.offload_param.nvme_path",
-                   "sample.control_images.*", "model.training_adapter")
+                   "sample.control_images.*", "sample.voice_prompts.*", "model.training_adapter")
 # Keys that name a local folder or file, or a Hugging Face hub id ("org/name" reads as a relative path too).
 MODEL_PATH_KEYS = ("model.pretrained", "model.base_pipeline", "model.codec_pretrained", "model.vocoder",
                    "model.speaker_embeddings", "sample.pretrained")

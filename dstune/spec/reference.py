@@ -69,8 +69,10 @@ MODEL_EXAMPLE_VALUES: dict[str, Any] = {
 def left_out_keys(family: str) -> set[str]:
     """The dotted keys `dstune init --model` omits for a family (its data and samples never read them)."""
     if family in AUDIO_FAMILIES:
-        return set(PICTURE_ONLY_KEYS) | ({"data.cache.codec_tokens"} if family not in CODEC_TOKEN_FAMILIES else set())
-    left_out = set(SPEECH_ONLY_KEYS)
+        voice = {"sample.voice_prompts"} if family != "tts_codebooks" else set()
+        return (set(PICTURE_ONLY_KEYS) | voice
+                | ({"data.cache.codec_tokens"} if family not in CODEC_TOKEN_FAMILIES else set()))
+    left_out = set(SPEECH_ONLY_KEYS) | {"sample.voice_prompts"}
     if family in VIDEO_FAMILIES:
         return left_out | {"data.random_flip", "data.eval", "data.control_dir"}
     if family != "flow":  # edit training (source images) is the flow edit models' only

@@ -124,7 +124,7 @@ def _speecht5_spec(run_dir: Path, name: str) -> dict:
 
 
 def _codebooks_spec(run_dir: Path, name: str) -> dict:
-    """tts_codebooks (CSM) on builtin:tones from the codec-token cache (tests/dist/tts_runs.py's codebooks runs)."""
+    """tts_codebooks (CSM, Dia) on builtin:tones from the codec-token cache (tests/dist/tts_runs.py's codebooks runs)."""
     return _common(run_dir, {"family": "tts_codebooks", "pretrained": f"builtin:{name}"},
                    {"path": "builtin:tones", "max_clip_seconds": 0.5,
                     "cache": {"codec_tokens": True, "dir": str(run_dir.parent / "codec-cache")}},
@@ -157,6 +157,7 @@ CASES = {
     "tiny-orpheus": _tts_lm_spec({"codec": "snac", "token_layout": "orpheus", "added_tokens": ["12", "345"]}, 3e-2),
     "tiny-speecht5": _speecht5_spec,
     "tiny-csm": _codebooks_spec,
+    "tiny-dia": _codebooks_spec,
 }
 
 

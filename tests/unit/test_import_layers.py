@@ -16,7 +16,7 @@ PACKAGE = REPO / "dstune"
 # Lowest first. A module may import modules of its own layer (without a cycle) or of lower layers. A name is a
 # module or a package (then it covers everything under it). Keep in step with docs/architecture.md.
 LAYERS = [
-    ["dstune.spec", "dstune.models", "dstune.models.unit", "dstune.models.registry", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves",
+    ["dstune.spec", "dstune.models", "dstune.models.unit", "dstune.models.registry", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves", "dstune.resampling",
      "dstune.library_logs", "dstune.interrupts", "dstune.runlock"],
     ["dstune.world", "dstune.plan", "dstune.checkpoints", "dstune.checkpoints.layout", "dstune.checkpoints.resume_plan",
      "dstune.models.tts_lm.token_layouts", "dstune.models.wan.layouts", "dstune.memory", "dstune.memory.plan",

@@ -4,31 +4,36 @@ class; dstune.families.facts describes the contract): which class a folder holds
 
 CSM: the backbone sees one position per audio frame (plus the text), the depth decoder Q positions per frame, each
 started from the backbone's hidden state; both are Llama-shaped with gated MLPs and logits over the codebook ids.
+The family's other classes (dstune.families.codebook_models: declared by their units) count their own codec and
+activations; the class itself is counted here, on the meta device, for all of them.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from functools import lru_cache
 
 from dstune.families.denoiser_facts import lora_settings
 from dstune.families.facts import ModelFacts, SpecIssues
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, codec_frame_rate, lm_sample_bytes
+from dstune.families.codebook_models import codebooks_models
 from dstune.memory.counts import SizesUnknown, config_folder, read_config
 from dstune.memory.plan import ModelCounts
 from dstune.spec.model_sections import LM_LORA_TARGET_MODULES
 
 DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
 CODEC_CONFIG = {"CsmForConditionalGeneration": ("codec_config", "codec_model")}  # where a class keeps its codec
+ARCHITECTURES = (*CODEC_CONFIG, *codebooks_models())  # CSM's own, then the units' (their codecs outside the class)
 
 
 def architecture(config: dict) -> str:
     """The class of a tts_codebooks folder's config.json; SizesUnknown when the family does not train it."""
-    names = [name for name in config.get("architectures") or [] if name in CODEC_CONFIG]
+    names = [name for name in config.get("architectures") or [] if name in ARCHITECTURES]
     if not names:
         raise SizesUnknown(f"its config.json names {config.get('architectures')}, not one of "
-                           f"{', '.join(CODEC_CONFIG)}")
+                           f"{', '.join(ARCHITECTURES)}")
     return names[0]
 
 
@@ -43,9 +48,10 @@ def _meta_counts(config_text: str, targets: tuple, rank: int) -> tuple[int, int,
     cls = architecture(config)
     with quiet_hf_libraries(), torch.device("meta"):
         model = getattr(transformers, cls)(transformers.AutoConfig.for_model(**config))
-    codec = getattr(model, CODEC_CONFIG[cls][1])
-    codec_params = sum(p.numel() for p in codec.parameters())
-    setattr(model, CODEC_CONFIG[cls][1], None)
+    codec_params = 0
+    if cls in CODEC_CONFIG:
+        codec_params = sum(p.numel() for p in getattr(model, CODEC_CONFIG[cls][1]).parameters())
+        setattr(model, CODEC_CONFIG[cls][1], None)
     params = sum(dict((id(p), p.numel()) for p in model.parameters()).values())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     lora = sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
@@ -59,6 +65,9 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     targets, rank = lora_settings(spec)
     params, largest, lora, codec_params = _meta_counts(_config_text(config), targets, rank)
     default_lora = _meta_counts(_config_text(config), LM_LORA_TARGET_MODULES, 16)[2]
+    if architecture(config) not in CODEC_CONFIG:
+        return codebooks_models()[architecture(config)].count(spec, num_samples, folder, origin, config,
+                                                              (params, largest, lora, default_lora))
     codec_config = config.get(CODEC_CONFIG[architecture(config)][0]) or {}
     frame_rate, codebooks = _frame_rate(codec_config), int(config.get("num_codebooks", 32))
     seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
@@ -88,14 +97,33 @@ def _config_text(config: dict) -> str:
 
 
 def _spec_issues(spec) -> SpecIssues:
-    """The folder's class, offline: a folder this family cannot train is named before any download or launch."""
+    """The folder's class, offline: a folder this family cannot train is named before any download or launch; and
+    sample.voice_prompts only for a class that continues a voice, each clip readable with its transcript beside."""
     try:
         folder, _ = config_folder(spec.model.pretrained)
-        architecture(read_config(folder / "config.json"))
+        cls = architecture(read_config(folder / "config.json"))
     except SizesUnknown as err:
         return [("model.pretrained", f"{spec.model.pretrained}: {err}. model.family tts_codebooks trains "
-                 f"{', '.join(CODEC_CONFIG)} folders.")]
-    return []
+                 f"{', '.join(ARCHITECTURES)} folders.")]
+    return _voice_prompt_issues(spec.sample.voice_prompts, cls)
+
+
+def _voice_prompt_issues(paths: list[str], cls: str) -> SpecIssues:
+    if not paths:
+        return []
+    takers = [name for name, model in codebooks_models().items() if model.takes_voice_prompts]
+    if cls not in takers:
+        return [("sample.voice_prompts", f"{cls} is not given a reference voice here (classes that take one: "
+                 f"{', '.join(takers) or 'none'}); remove sample.voice_prompts")]
+    issues = []
+    for number, path in enumerate(paths):
+        clip = Path(path).expanduser()
+        if not clip.is_file():
+            issues.append((f"sample.voice_prompts.{number}", f"{path}: no such file"))
+        elif not clip.with_suffix(".txt").is_file():
+            issues.append((f"sample.voice_prompts.{number}", f"{path}: its transcript {clip.with_suffix('.txt')} "
+                           "is missing (the text the clip says, with its speaker tags)"))
+    return issues
 
 
 FACTS = ModelFacts(family="tts_codebooks", modality="audio", count=_count, spec_issues=_spec_issues)

@@ -1,7 +1,9 @@
 """The `tts_codebooks` family: TTS models that predict several codec codebooks per audio frame, trained through
 their own transformers class and loss. The folder's `architectures` says which model it is: Sesame CSM
 (CsmForConditionalGeneration: a Llama-shaped backbone over text ids and Mimi frames predicts codebook 0 of the next
-frame; a depth decoder, started from the backbone's hidden state, predicts codebooks 1..Q-1 of that frame).
+frame; a depth decoder, started from the backbone's hidden state, predicts codebooks 1..Q-1 of that frame), and
+the classes other units declare on this family (dstune.families.codebook_models, told by the folder's
+architecture): the functions below hand a folder of theirs to their own torch side, and export theirs as CSM's.
 
     build(model, folders, device, dtype_for_frozen) -> CodebooksBuilt
     encode_batch(built, batch, dtype) -> {"input_ids", "frame_codes", "attention_mask", "labels", "indices"}
@@ -21,6 +23,7 @@ One utterance is what CSM's processor and chat template make of a (speaker, text
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +35,20 @@ import torch
 from dstune.families.base import Family, FamilyError, Speaker
 from dstune.families.speech import Clip, CodecTokensBuilt, save_wavs
 from dstune.families.speech_codecs import decode_codes, encode_clip
+from dstune.families.codebook_models import codebooks_models
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 
 CODEC_ATTRIBUTE = {"CsmForConditionalGeneration": "codec_model"}  # where each class keeps its codec
 CODEC_KIND = {"CsmForConditionalGeneration": "mimi"}  # dstune.families.speech_codecs' name for it
 DEFAULT_SPEAKER = "0"  # CSM's prompts name a speaker ("[0]Hello."); clips without one are speaker 0
+ARCHITECTURES = (*CODEC_ATTRIBUTE, *codebooks_models())  # the classes this family trains
+
+
+def _declared(architecture: str):
+    """The torch side of a class another unit declared on this family (None for CSM, this module's own)."""
+    model = codebooks_models().get(architecture)
+    return None if model is None else importlib.import_module(model.torch_side)
 
 
 class CodebookFramesModel(torch.nn.Module):
@@ -73,10 +84,10 @@ def folder_architecture(folder: Path) -> str:
         names = json.loads((folder / "config.json").read_text()).get("architectures") or []
     except (OSError, ValueError) as err:
         raise FamilyError(f"{folder}: no readable config.json ({err})") from None
-    known = [name for name in names if name in CODEC_ATTRIBUTE]
+    known = [name for name in names if name in ARCHITECTURES]
     if not known:
         raise FamilyError(f"{folder}: its config.json names {names or 'no class'}; model.family tts_codebooks trains "
-                          f"{', '.join(CODEC_ATTRIBUTE)}")
+                          f"{', '.join(ARCHITECTURES)}")
     return known[0]
 
 
@@ -96,6 +107,8 @@ def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.fl
 
     folder = folders["pretrained"]
     architecture = folder_architecture(folder)
+    if _declared(architecture) is not None:
+        return _declared(architecture).build(model, folders, device, dtype_for_frozen)
     try:
         with quiet_hf_libraries():
             whole = getattr(transformers, architecture).from_pretrained(folder, torch_dtype=torch.float32)
@@ -145,6 +158,8 @@ def utterance(config, prompt: list[int], codes: torch.Tensor) -> tuple[list[int]
 def encode_batch(built: CodebooksBuilt, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
     """The batch right-padded (pad = <|end_of_text|>, labels -100). A cached batch holds "codes"; otherwise each
     clip is encoded alone by the frozen codec."""
+    if _declared(built.architecture) is not None:
+        return _declared(built.architecture).encode_batch(built, batch, dtype)
     layout, config = built.layout, built.trainable.model.config
     codes = batch.get("codes") or [encode_clip(built.codec, built.codec_kind, wave, layout["num_codebooks"],
                                                layout["frame_order"]) for wave in batch["audio"]]
@@ -168,7 +183,9 @@ def encode_batch(built: CodebooksBuilt, batch: dict, dtype: torch.dtype = torch.
 
 def loss(built: CodebooksBuilt, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
     """The class's own loss: the backbone's cross-entropy on codebook 0 of each next frame plus the depth decoder's
-    on the frame's codebooks (every frame trains the depth decoder); no random draws."""
+    on the frame's codebooks (every frame trains the depth decoder); no random draws. Other classes: their own."""
+    if _declared(built.architecture) is not None:
+        return _declared(built.architecture).loss(built, trainable_forward, encoded, seed, step)
     out = trainable_forward(input_ids=encoded["input_ids"], frame_codes=encoded["frame_codes"],
                             attention_mask=encoded["attention_mask"], labels=encoded["labels"])
     return out.loss.float()
@@ -205,6 +222,8 @@ def generate_codes(model, processor, codebook_size: int, text: str, max_frames: 
 def sample(built: CodebooksBuilt, lm_module: torch.nn.Module, prompts: list[str], sample_spec,
            resolution=None) -> list[Clip]:
     """One clip per prompt, from sample_spec.seed, through the class's own generate (every rank: ZeRO-3)."""
+    if _declared(built.architecture) is not None:
+        return _declared(built.architecture).sample(built, lm_module, prompts, sample_spec, resolution)
     inner = getattr(lm_module, "model", lm_module)
     was_training = inner.training
     inner.eval()
@@ -234,8 +253,9 @@ def _whole_model(built: CodebooksBuilt, state_dict: dict):
         whole = getattr(transformers, built.architecture).from_pretrained(built.folder, torch_dtype=torch.float32)
     trained = {k[len("model."):]: v for k, v in state_dict.items() if k.startswith("model.")}
     missing, unexpected = whole.load_state_dict(trained, strict=False)
-    codec_prefix = CODEC_ATTRIBUTE[built.architecture] + "."
-    missing = [k for k in missing if not k.startswith(codec_prefix)]
+    if built.architecture in CODEC_ATTRIBUTE:  # CSM: the codec inside the class was not trained (others': outside)
+        codec_prefix = CODEC_ATTRIBUTE[built.architecture] + "."
+        missing = [k for k in missing if not k.startswith(codec_prefix)]
     if missing or unexpected or len(trained) != len(state_dict):
         raise ValueError(f"trained weights do not fit {built.architecture}: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
@@ -267,11 +287,12 @@ def save_lora_weights(built: CodebooksBuilt, lora_layers: dict, adapter_metadata
 
     folder = Path(folder)
     fields = {k: v for k, v in adapter_metadata.items() if k in LoraConfig.__dataclass_fields__ and k != "peft_type"}
-    codec_name = CODEC_ATTRIBUTE[built.architecture]
+    codec_name = CODEC_ATTRIBUTE.get(built.architecture)
+    # CSM's codec inside the class was never adapted
+    excluded = {"exclude_modules": rf"{codec_name}\..*"} if codec_name else {}
     with quiet_hf_libraries():
         base = getattr(transformers, built.architecture).from_pretrained(built.folder, torch_dtype=torch.float32)
-        config = LoraConfig(**{**fields, "init_lora_weights": False,
-                               "exclude_modules": rf"{codec_name}\..*"})  # the codec was never adapted
+        config = LoraConfig(**{**fields, "init_lora_weights": False, **excluded})
         peft_model = get_peft_model(base, config)
         renamed = {f"base_model.model.{k[len('model.'):]}": v for k, v in lora_layers.items()}
         result = set_peft_model_state_dict(peft_model, renamed)
@@ -291,6 +312,8 @@ def synthesize(folder, text: str, seconds: float = 2.0, temperature: float = 0.8
 
     folder = Path(folder)
     architecture = folder_architecture(folder)
+    if _declared(architecture) is not None:  # its own speaker convention (in the text, or none)
+        return _declared(architecture).synthesize(folder, text, seconds=seconds, temperature=temperature, seed=seed)
     with quiet_hf_libraries():
         model = getattr(transformers, architecture).from_pretrained(folder).eval()
         processor = AutoProcessor.from_pretrained(folder)
