@@ -54,7 +54,8 @@ def run_phases(counts, setup, terms: dict) -> dict[str, Phase]:
             "model states": states, "EMA": terms["ema"], "EMA swap (raw weights kept aside)": terms["ema_swap"],
             "frozen base": terms["frozen_base"], "frozen parts (encoders back)": every_frozen,
             "sampling-only parts": terms["sampling_extra"],
-            "ZeRO-3 gathered parameters": terms["zero3_gathered"], "runtime reserve": terms["reserve"]})
+            "ZeRO-3 gathered parameters and reduce bucket": terms["zero3_gathered"],
+            "runtime reserve": terms["reserve"]})
     return phases
 
 

@@ -258,6 +258,13 @@ def deepspeed_buffers(counts: ModelCounts, setup: Setup) -> float:
     return reduce
 
 
+def zero3_reduce_bucket(counts: ModelCounts, setup: Setup) -> float:
+    """ZeRO-3's gradient bucket (two with overlap_comm), allocated at start-up and kept for the run; in host memory
+    only the part gradients fill is resident."""
+    bucket = setup.reduce_bucket if setup.accelerator == "cuda" else min(setup.reduce_bucket, counts.trainable_params)
+    return bucket * setup.weight_bytes * (2 if setup.overlap_comm else 1)
+
+
 SMALL_TENSOR_NUMEL = 1 << 20  # ModelCounts.small_tensors holds tensors up to this many elements
 
 
@@ -269,7 +276,7 @@ def persistent_params(counts: ModelCounts, setup: Setup) -> int:
                setup.max_live_parameters)
 
 
-def zero3_gathered_bytes(counts: ModelCounts, setup: Setup) -> float:
+def zero3_gathered_bytes(counts: ModelCounts, setup: Setup, forward_only: bool = False) -> float:
     """What ZeRO-3 holds gathered beyond the partitions and the largest layer (DeepSpeed 0.19.8): the persistent
     tensors, whole on every rank for the whole run (GPU: not offloaded with the parameters either), and the
     parameters kept for reuse. Once the first step has traced the module, a gathered parameter is released only when
@@ -277,11 +284,18 @@ def zero3_gathered_bytes(counts: ModelCounts, setup: Setup) -> float:
     .__params_to_release); between a tensor's forward use and its backward use lie twice the parameters after it,
     so at the turn from forward to backward the last max_reuse_distance / 2 elements of the module stay gathered (a
     smaller module: all of it), at most stage3_max_live_parameters. The prefetch bucket fetches within that set.
-    The largest layer (2L in DeepSpeed's estimator, in `parameters`) is part of it, so it is not counted twice."""
+    The largest layer (2L in DeepSpeed's estimator, in `parameters`) is part of it, so it is not counted twice.
+    `forward_only` (samples: one denoising forward pass after another): a parameter's next use lies the whole
+    module ahead, so all of a module within max_reuse_distance stays gathered, of a larger one nothing beyond the
+    prefetch bucket."""
     persistent = persistent_params(counts, setup)
     module = counts.module_params + (counts.trainable_params if counts.frozen_base_params else 0)  # + adapters
-    kept = min(module - persistent, setup.max_reuse_distance / 2, setup.max_live_parameters - persistent)
-    kept = max(kept, min(setup.prefetch_bucket, module))
+    gathered = module - persistent
+    if forward_only:
+        kept = gathered if gathered < setup.max_reuse_distance else 0
+    else:
+        kept = min(gathered, setup.max_reuse_distance / 2)
+    kept = max(min(kept, setup.max_live_parameters - persistent), min(setup.prefetch_bucket, module))
     return setup.weight_bytes * (persistent + max(kept - counts.largest_layer_params, 0.0))
 
 
@@ -396,7 +410,10 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
              "frozen_base": base_on_gpu, "companions_all": setup.frozen_bytes * sum(counts.companions.values()),
              "module_on_load": module_on_load(counts, setup), "activations": acts, "buffers": buffers,
              "step_temporaries": temporaries,
-             "zero3_gathered": zero3_gathered_bytes(counts, setup) if setup.zero_stage == 3 else 0.0,
+             # samples under ZeRO-3: the forward passes' gathered parameters, and the reduce bucket, which stage 3
+             # allocates once at start-up (stage3.py: ipg bucket buffers) and keeps
+             "zero3_gathered": zero3_gathered_bytes(counts, setup, forward_only=True) + zero3_reduce_bucket(counts, setup)
+             if setup.zero_stage == 3 else 0.0,
              "ema": ema, "ema_swap": swap if setup.ema_device == "same" or setup.zero_stage == 3 else 0.0,
              "sampling_extra": sampling, "reserve": reserve,
              # a GPU holds its CUDA context from the start; the CPU's reserve is what the first step and samples add
