@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, env  # noqa: E402
 
 sys.path.insert(0, str(REPO))  # this checkout's dstune, not an installed one
-from dstune.families.wan_facts import sample_bytes as wan_sample_bytes  # noqa: E402
+from dstune.models.wan.facts import sample_bytes as wan_sample_bytes  # noqa: E402
 from dstune.memory.activations import ModelShape, measured_sample_bytes  # noqa: E402
 from dstune.memory.plan import ModelCounts, Setup, memory_json  # noqa: E402
 from dstune.memory.counts import count_component  # noqa: E402

@@ -157,9 +157,8 @@ def _add_run_folder_commands(commands, subparsers: dict) -> None:
                         help="a LoRA run: write the LoRA file in this key scheme (diffusers, kohya or comfyui; "
                         "default: the run's output.lora_format)")
     synthesize = subparsers["synthesize"] = commands.add_parser(
-        "synthesize", help="speak a text with an exported TTS folder (tts_lm, either token layout, tts_codebooks or "
-        "speecht5)", description="Write a WAV of TEXT from a tts_lm export (dstune or orpheus token layout), a "
-        "tts_codebooks export (CSM) or a speecht5 export.")
+        "synthesize", help="speak a text with an exported TTS folder (any speech family's export)", description="Write a WAV of TEXT from the export of a speech family's run (the family "
+        "whose export the folder is speaks it).")
     synthesize.add_argument("folder", metavar="FOLDER", help="an export folder (RUN_DIR/export/step-N)")
     synthesize.add_argument("text", metavar="TEXT", help="what to say")
     synthesize.add_argument("-o", "--output", metavar="WAV", required=True, help="the WAV file to write")

@@ -18,12 +18,12 @@ import torch
 from dstune.checkpoints.layout import STATE_FILE, CheckpointError, checkpoint_root, list_complete, read_latest, tag_for
 from dstune.checkpoints.store import only_tensors_unpickled
 from dstune.ema import consolidated_ema, overlay_ema
-from dstune.families import get_family, speecht5, tts_codebooks, tts_lm
+from dstune.families import FAMILY_MODULES, get_family
+from dstune.families.base import FamilyError
 from dstune.families.lora import export_lora
 from dstune.pretrained import build_model
 from dstune.spec.load import SpecSource, validate_data
 from dstune.spec.models import lora_format_problem
-from dstune.token_layouts import TTS_LAYOUT_FILE
 
 
 class ExportError(RuntimeError):
@@ -116,16 +116,17 @@ def _chosen_weights(folder: Path, state: dict, ema_settings) -> tuple[dict, str]
 
 
 def speak(folder: Path, text: str, out_wav: Path, seconds: float, temperature: float, seed: int):
-    """`dstune synthesize`: speech for `text` from a tts_lm export (either token layout; dstune_tts.json beside the
-    LM), a tts_codebooks export (a CSM folder) or a speecht5 export, written to `out_wav`; returns the clip."""
+    """`dstune synthesize`: speech for `text` from a speech family's export (the family whose `speaker` recognizes
+    the folder), written to `out_wav`; returns the clip. FamilyError naming the speech families otherwise."""
     import soundfile
 
-    if (folder / TTS_LAYOUT_FILE).is_file():
-        clip = tts_lm.synthesize(folder, text, seconds=seconds, temperature=temperature, seed=seed)
-    elif tts_codebooks.trains_folder(folder):
-        clip = tts_codebooks.synthesize(folder, text, seconds=seconds, temperature=temperature, seed=seed)
-    else:
-        clip = speecht5.synthesize(folder, text, seconds=seconds, seed=seed)
+    speakers = [family.speaker for family in map(get_family, FAMILY_MODULES) if family.speaker is not None]
+    speaker = next((s for s in speakers if s.recognizes(folder)), None)
+    if speaker is None:
+        names = ", ".join(name for name in FAMILY_MODULES if get_family(name).speaker is not None)
+        raise FamilyError(f"{folder} is not an export dstune can speak from: it holds no model of the speech "
+                          f"families ({names}). Point it at the export/ folder of a speech run.")
+    clip = speaker.synthesize(folder, text, seconds=seconds, temperature=temperature, seed=seed)
     out_wav.parent.mkdir(parents=True, exist_ok=True)
     soundfile.write(str(out_wav), clip.wave, clip.sample_rate, subtype="FLOAT")
     return clip

@@ -28,20 +28,15 @@ from dstune.families.diffusion import read_model_index
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 from dstune.model_folders import builtin_name_problem, locate
+from dstune.models import registry
 from dstune.spec.models import is_single_file
 
 SINGLE_FILE_CACHE = "single-file"  # under output.cache_dir: one converted pipeline folder per (file, base) pair
 SINGLE_FILE_INFO = "dstune_single_file.json"
 # Key prefixes of original checkpoints -> (the family that reads them, what they are), to say what a file is when it
-# is not the family's.
-KNOWN_LAYOUTS = {
-    "conditioner.embedders.": ("sdxl", "an SDXL checkpoint (model.family sdxl)"),
-    "model.diffusion_model.label_emb.": ("sdxl", "an SDXL checkpoint (model.family sdxl)"),
-    "model.diffusion_model.joint_blocks.": ("flow", "an SD3 checkpoint (model.family flow, from its diffusers folder)"),
-    "double_blocks.": ("flow", "a Flux checkpoint (model.family flow, from its diffusers folder)"),
-    "model.diffusion_model.double_blocks.": ("flow", "a Flux checkpoint (model.family flow, from its diffusers folder)"),
-    "unet.": ("", "a diffusers-layout file (give its pipeline folder instead)"),
-}
+# is not the family's: each model unit's own (dstune.models.registry), and diffusers' layout.
+KNOWN_LAYOUTS = {**registry.checkpoint_layouts(),
+                 "unet.": ("", "a diffusers-layout file (give its pipeline folder instead)")}
 
 
 def resolve_pretrained(pretrained: str, cache_dir: str | os.PathLike, key: str = "model.pretrained") -> Path:

@@ -252,8 +252,10 @@ def _all_to_all_text(memory: dict) -> str:
     sequence = memory.get("sequence_parallel") or {}
     if sequence.get("size", 1) == 1:
         return ""
+    raised = (f"; the reduce bucket raised to the largest trainable parameter, {sequence['reduce_bucket_elements']:,} "
+              "elements (ZeRO-3)") if sequence.get("reduce_bucket_raised") else ""
     return (f" (with {gb(sequence['all_to_all_bytes'])} of attention all-to-all buffers; activations are 1/"
-            f"{sequence['size']} of a sample's: sequence parallelism)")
+            f"{sequence['size']} of a sample's: sequence parallelism{raised})")
 
 
 PHASE_TEXT = {"load": "start-up: the trainable module placed beside every frozen part",
@@ -273,7 +275,7 @@ def _phase_rows(memory: dict) -> list[tuple[str, str]]:
 
 
 def _sampling_rows(sampling: dict, memory: dict, samples: bool) -> list[tuple[str, str]]:
-    """Parts that load only while samples render (Wan 2.2's untrained expert): whether they set the peak."""
+    """Parts that load only while samples render (a two-expert model's untrained expert): whether they set the peak."""
     if not sampling:
         return []
     what = f"{', '.join(sampling)} ({count_text(sum(sampling.values()))})"

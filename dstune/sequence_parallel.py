@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from dstune.models.unit import VIDEO_FAMILY
 from dstune.families import get_facts
 from dstune.data.clips import latent_tokens
 from dstune.families.facts import Attention
@@ -21,6 +22,7 @@ from dstune.plan import key_label
 from dstune.spec.load import SpecIssue, SpecSource
 
 KEY = "deepspeed.sequence_parallel_size"
+ASSUMED_PX_PER_TOKEN = 16  # an image model's configs not here: an 8x VAE and 2x2 latent patches per token
 ALL_TO_ALL_TENSORS = 4  # query, key and value in, the attention output back: each re-laid out through a buffer
 
 
@@ -43,8 +45,9 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
     facts = get_facts(spec.model.family)
     if facts.attention is None:
         return [source.issue(KEY, f"{size}: model.family {spec.model.family} has no sequence-parallel attention in "
-                             "dstune (the split is made on the flow-matching transformers: model.family wan, and "
-                             "FLUX.2 and Qwen-Image under flow). Remove the key (sequence_parallel_size: 1), or "
+                             "dstune (the split is made on the flow-matching transformers of model.family flow and "
+                             f"{VIDEO_FAMILY}; docs/sequence-parallel.md lists them). Remove the key "
+                             "(sequence_parallel_size: 1), or "
                              "shrink activations with model.gradient_checkpointing or a smaller micro batch.")]
     problems = []  # one issue for the key (validate keeps one per key and place), every broken rule in it
     if spec.deepspeed.zero_stage == 0:
@@ -102,14 +105,18 @@ def bucket_tokens(spec, clips: Optional[dict], image_groups: Optional[dict] = No
 
 
 def _image_tokens(spec, image_groups: Optional[dict]) -> dict[str, int]:
-    """An image model's image tokens per bucket ({"WxH": samples} with data.buckets, else data.resolution square;
-    2x2 patches of the 8x latent: 16 px each) and the text tokens split with them."""
+    """An image model's image tokens per bucket ({"WxH": samples} with data.buckets, else data.resolution square),
+    at the pixels per token of its configs (VAE factor x latent patch; 16 when the configs are not here: the 8x VAE
+    and 2x2 patches of most models), an edit model's target and source together, and the text tokens split with
+    them."""
+    attention = attention_of(spec)
+    px = (attention.px_per_token if attention is not None else 0) or ASSUMED_PX_PER_TOKEN
+    pictures = attention.pictures if attention is not None else 1
     sizes = list(image_groups or {}) or [f"{spec.data.resolution}x{spec.data.resolution}"]
     tokens = {}
     for label in sizes:
         width, height = (int(side) for side in str(label).split("x"))
-        tokens[label] = (width // 16) * (height // 16)
-    attention = attention_of(spec)
+        tokens[label if pictures == 1 else f"{label} (target and source)"] = pictures * (width // px) * (height // px)
     if attention is not None and attention.text_tokens:
         tokens["text"] = attention.text_tokens
     return tokens

@@ -180,7 +180,9 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     memory.mark("cache")
     scalar_params = promote_scalar_params(built.trainable)
     if run.sequence_parallel_size > 1:  # before DeepSpeed: its ZeRO-3 hooks then wrap the split forward
-        split_sequences(built.trainable, run.rank, run.world_size, run.sequence_parallel_size)
+        size = run.sequence_parallel_size
+        split_sequences(built.trainable, run.rank, run.world_size, size,
+                        family.split_plan(built, size) if family.split_plan else None)
     engine = wrap_model(built.trainable, spec.train, engine_config(resuming, ds_config), plan)
     ema = None
     if spec.train.ema is not None:

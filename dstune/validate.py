@@ -34,7 +34,7 @@ from dstune.plan import Plan, data_parallel_ranks, make_plan, resolve_batch
 from dstune.sequence_parallel import bucket_tokens, sequence_issues, with_all_to_all
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
-from dstune.token_layouts import speakers_problem
+from dstune.models.tts_lm.token_layouts import speakers_problem
 from dstune.trackers import wandb_missing
 from dstune.video_plan import clip_buckets, clip_plan
 from dstune.world import World, world_from_flags

@@ -4,7 +4,8 @@
 
 returns `cache_dir/builtin/<folder_name>/`, a normal diffusers pipeline folder that the family then loads through
 the same `from_pretrained(folder, subfolder=...)` path as a user's checkpoint. The first call builds it; later
-calls (any process, any run sharing the cache) reuse it. Building is safe under concurrency: one process builds
+calls (any process, any run sharing the cache) reuse it. Each model unit declares its own built-ins
+(dstune/models/<name>/builtin*.py, listed by dstune.models.registry). Building is safe under concurrency: one process builds
 while the others wait on a file lock, the folder is written beside its final name and renamed into place, and only
 a folder holding the completion marker (`dstune_builtin.json`, written last) is ever used; a leftover without it
 is deleted and rebuilt. Change a build and you must bump its `folder_name` version, or old caches are reused; the
@@ -30,22 +31,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dstune.builtin.common import BuiltinError, BuiltinModel  # noqa: F401 - BuiltinError is part of the API
-from dstune.builtin.csm import TINY_CSM
-from dstune.builtin.flow import TINY_FLOW, TINY_FLUX
-from dstune.builtin.flux2 import TINY_FLUX2, TINY_FLUX2_DEV
-from dstune.builtin.hunyuan_video15 import TINY_HUNYUAN_VIDEO15, TINY_HUNYUAN_VIDEO15_I2V
-from dstune.builtin.ideogram4 import TINY_IDEOGRAM4
-from dstune.builtin.krea2 import TINY_KREA2, TINY_KREA2_TURBO
-from dstune.builtin.orpheus import TINY_ORPHEUS
-from dstune.builtin.qwen_image import TINY_QWEN_IMAGE
-from dstune.builtin.qwen_image_edit import TINY_QWEN_IMAGE_EDIT
-from dstune.builtin.qwen_image_21 import TINY_QWEN_IMAGE_21
-from dstune.builtin.sd import TINY_SD
-from dstune.builtin.sdxl import TINY_SDXL
-from dstune.builtin.tts import TINY_SPEECHT5, TINY_TTS_LM
-from dstune.builtin.wan import TINY_WAN, TINY_WAN_A14B, TINY_WAN22_TI2V, TINY_WAN_I2V
-from dstune.builtin.zimage import TINY_Z_IMAGE
 from dstune.fsutil import temporary_sibling
+from dstune.models import registry
+from dstune.models.unit import load
 from dstune.spec.section import BUILTIN_PREFIX
 
 BUILTIN_MARKER = "dstune_builtin.json"
@@ -55,16 +43,17 @@ BUILTIN_MARKER = "dstune_builtin.json"
 
 
 def builtin_names() -> list[str]:
-    return [BUILTIN_PREFIX + name for name in sorted(BUILTIN_MODELS)]
+    return [BUILTIN_PREFIX + name for name in sorted(registry.builtin_names())]
 
 
 def ensure_builtin_model(name: str, cache_dir: str | os.PathLike) -> Path:
     """The folder of built-in model `name` ("tiny-sd" or "builtin:tiny-sd") under `cache_dir`, built if needed."""
     key = name[len(BUILTIN_PREFIX):] if name.startswith(BUILTIN_PREFIX) else name
-    if key not in BUILTIN_MODELS:
+    models = _builtin_models()
+    if key not in models:
         raise BuiltinError(f"unknown built-in model '{BUILTIN_PREFIX}{key}'. Known built-in models: "
                            f"{', '.join(builtin_names())}.")
-    model = BUILTIN_MODELS[key]
+    model = models[key]
     root = Path(cache_dir).expanduser() / "builtin"
     final = root / model.folder_name
     if _is_complete(final, key):
@@ -127,9 +116,16 @@ def _exclusive(lock_path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-BUILTIN_MODELS: dict[str, BuiltinModel] = {m.name: m for m in (
-    TINY_SD, TINY_FLOW, TINY_FLUX, TINY_SDXL, TINY_TTS_LM, TINY_SPEECHT5, TINY_ORPHEUS, TINY_CSM, TINY_QWEN_IMAGE,
-    TINY_QWEN_IMAGE_EDIT, TINY_Z_IMAGE, TINY_FLUX2, TINY_FLUX2_DEV, TINY_WAN, TINY_WAN_A14B,
-    TINY_WAN_I2V, TINY_WAN22_TI2V,
-    TINY_HUNYUAN_VIDEO15, TINY_HUNYUAN_VIDEO15_I2V, TINY_IDEOGRAM4, TINY_KREA2, TINY_KREA2_TURBO,
-    TINY_QWEN_IMAGE_21)}
+def __getattr__(name: str):
+    """BUILTIN_MODELS, {name: BuiltinModel}: every unit's own (dstune/models/<name>/unit.py), loaded on first use,
+    so that a unit's builtin module can import dstune.builtin's helpers without a cycle (loading them imports torch,
+    as building does)."""
+    if name != "BUILTIN_MODELS":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    models = {model.name: model for model in map(load, registry.builtins())}
+    globals()["BUILTIN_MODELS"] = models
+    return models
+
+
+def _builtin_models() -> dict[str, BuiltinModel]:
+    return globals().get("BUILTIN_MODELS") or __getattr__("BUILTIN_MODELS")

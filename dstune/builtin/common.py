@@ -34,7 +34,7 @@ class BuiltinModel:
     # Writes the pipeline into the (empty) folder; returns facts for the marker. Called with the folders of the
     # built-in models named in `needs` (built first), by name: build(out, needs={name: folder}).
     build: Callable[..., dict]
-    needs: tuple[str, ...] = ()  # other built-in models whose files this one reuses (tiny-sdxl: tiny-sd's VAE)
+    needs: tuple[str, ...] = ()  # other built-in models whose files this one reuses (e.g. another tiny model's trained VAE)
 
 
 @contextmanager

@@ -7,7 +7,7 @@ the clip is resampled to and how many codebooks are kept. A changed clip, codec 
 looked up by position. Ranks that see the same cache folder split the entries (every k-th of the fixed list);
 after a barrier every rank checks every entry it will read, so training never starts on a partial cache.
 
-Codes do not depend on the rank count: each clip is encoded alone, in fp32 (dstune.families.tts_lm.encode_clip).
+Codes do not depend on the rank count: each clip is encoded alone, in fp32 (dstune.models.tts_lm.family.encode_clip).
 """
 
 from __future__ import annotations

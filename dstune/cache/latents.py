@@ -245,7 +245,7 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
     fingerprints = _fingerprints(job.model_folder, text.folder_names(job.model_folder) if text else ())
     if job.text_settings:  # e.g. flow's max_sequence_length: same encoders, other tensors
         fingerprints["text"] = bytes_sha256((fingerprints["text"] + job.text_settings).encode())
-    if job.latent_settings:  # e.g. Wan image-to-video: the condition (and its encoders) stored beside the posterior
+    if job.latent_settings:  # e.g. image-to-video: the first frame's condition (and its encoders) stored beside the posterior
         extra = "".join(folder_fingerprint(job.model_folder / name) for name in job.latent_folders)
         fingerprints["vae"] = bytes_sha256((fingerprints["vae"] + job.latent_settings + extra).encode())
     entries = plan_entries(records, hashes, fingerprints, data.resolution, data.random_flip, data.caption_dropout,

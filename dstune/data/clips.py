@@ -28,7 +28,7 @@ from typing import Sequence
 from dstune.data.buckets import bucket_sizes, header_size, nearest_bucket
 from dstune.data.index import DataError, SampleRecord, index_dataset, is_video_file
 
-TEMPORAL_COMPRESSION = 4  # the Wan VAE: the first frame, then 4 frames per latent frame (frames are 4k+1)
+TEMPORAL_COMPRESSION = 4  # the video VAEs: the first frame, then 4 frames per latent frame (frames are 4k+1)
 CHUNK_SEPARATOR = "#"  # a sliding chunk's sample id: the file's id, "#", the chunk number
 PROGRESS_SECONDS = 5.0  # reading many headers: a line on stderr at most this often
 _headers: dict = {}  # (path, mtime, size) -> VideoHeader: validate and the loader of one process read each once
@@ -237,7 +237,7 @@ def clip_counts(records: Sequence[ClipRecord], data) -> dict[tuple[int, int, int
 
 def latent_tokens(key: tuple[int, int, int], spatial: int, patch: Sequence[int]) -> int:
     """Transformer tokens of one clip: latent frames (1 + (frames - 1) / 4) x latent height x width, divided by
-    the patch (t, h, w): for Wan (1 + (frames - 1) / 4) x (H / 16) x (W / 16)."""
+    the patch (t, h, w): with an 8x VAE and 1x2x2 patches (1 + (frames - 1) / 4) x (H / 16) x (W / 16)."""
     frames, width, height = key
     latent_frames = 1 + (frames - 1) // TEMPORAL_COMPRESSION
     return (latent_frames // patch[0]) * (height // spatial // patch[1]) * (width // spatial // patch[2])

@@ -101,7 +101,7 @@ def crop_geometry(size: tuple[int, int], resolution, crop_x: float, crop_y: floa
     return new_size, (left, top, left + target_w, top + target_h)
 
 
-# SDXL conditions its UNet on each sample's original size and crop position (diffusers' reference script
+# The UNet with size/crop time ids conditions on each sample's original size and crop position (diffusers' reference script
 # train_text_to_image_sdxl.py: original_sizes and crop_top_lefts). Every batch carries both, so the numbers are the
 # crop really made; families that do not use them ignore the two keys.
 def crop_fields(record: SampleRecord, decoded_size: tuple[int, int], resolution, crop_x: float, crop_y: float,

@@ -1,4 +1,4 @@
-"""The video-caption torch Dataset of the video families (wan): clips (3, frames, H, W) in [-1, 1].
+"""The video-caption torch Dataset of the video family: clips (3, frames, H, W) in [-1, 1].
 
 A sample is a clip (dstune.data.clips.ClipRecord: its frame count, a sliding chunk's start, its bucket size) of a
 video file (decoded with PyAV), a still image (a one-frame clip), or a built-in clip (builtin:moving-shapes;

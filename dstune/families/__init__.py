@@ -17,23 +17,19 @@ from __future__ import annotations
 
 import importlib
 
-from dstune.families import flow_facts, speecht5_facts, tts_codebooks_facts, tts_lm_facts, unet_facts, wan_facts
+from dstune.families import flow_facts, video_facts
 from dstune.families.base import Family
 from dstune.families.facts import ModelFacts
+from dstune.models import registry
+from dstune.models.unit import VIDEO_FAMILY, load
 
-FAMILY_MODULES: dict[str, str] = {
-    "sd": "dstune.families.sd",
-    "sdxl": "dstune.families.sdxl",
-    "flow": "dstune.families.flow",
-    "wan": "dstune.families.wan",
-    "tts_lm": "dstune.families.tts_lm",
-    "tts_codebooks": "dstune.families.tts_codebooks",
-    "speecht5": "dstune.families.speecht5",
-}
+# The shared cores' families (their models are recipes the units add: dstune.models.registry.recipes), then the
+# families the model units own.
+CORE_FAMILY_MODULES = {"flow": "dstune.families.flow", VIDEO_FAMILY: "dstune.families.video"}
+FAMILY_MODULES: dict[str, str] = {**CORE_FAMILY_MODULES, **registry.family_modules()}
 
 FAMILY_FACTS: dict[str, ModelFacts] = {facts.family: facts for facts in (
-    unet_facts.SD_FACTS, unet_facts.SDXL_FACTS, flow_facts.FACTS, wan_facts.FACTS, tts_lm_facts.FACTS,
-    tts_codebooks_facts.FACTS, speecht5_facts.FACTS)}
+    flow_facts.FACTS, video_facts.FACTS, *map(load, registry.facts()))}
 
 
 def _unknown(name: str) -> ValueError:

@@ -35,10 +35,10 @@ apply; a video family's batches hold clips (B, 3, frames, H, W), dstune.data.vid
 `save_lora_weights` (None: the family cannot export a LoRA, so model.train: lora is refused before training), and
 `text_cache` (None: no data.cache.text_embeddings), `single_file` (None: model.pretrained cannot be a single
 checkpoint file). Latents need no hook: every image family's VAE posterior is
-stored as latent_mean / latent_std; `latent_extras` adds tensors made from the same pixels (Wan image-to-video's
+stored as latent_mean / latent_std; `latent_extras` adds tensors made from the same pixels (image-to-video's
 condition). `frozen`'s "vae" and "image_encoder" are replaced by data.cache.latents, the others by the text
 cache. Batches also carry each sample's `original_size` and `crop_top_left`
-(dstune.data.images.crop_fields), from the image loader and from the cache alike (sdxl conditions on them).
+(dstune.data.images.crop_fields), from the image loader and from the cache alike (a UNet with size/crop time ids conditions on them).
 
 Randomness. A sample's noise, timestep and the like depend only on (run seed, optimizer step, dataset index,
 purpose; dstune.families.randomness): never on the global RNG, the rank, the micro-batch split or the device. So 1 rank x 4 accumulation
@@ -65,7 +65,7 @@ class TextCache:
     settings: Optional[Callable] = None  # model spec -> text of the settings that shape the tensors (flow's length)
     tensors_of: Optional[Callable] = None  # model folder -> tensor names, where a family's models differ (flow)
     refusal: Optional[Callable] = None  # model folder -> why this model cannot cache text (an edit model), or None
-    folders_of: Optional[Callable] = None  # model folder -> folder names, where a family's models differ (wan)
+    folders_of: Optional[Callable] = None  # model folder -> folder names, where a family's models differ (video)
 
     def tensor_names(self, model_folder) -> tuple[str, ...]:
         return tuple(self.tensors_of(model_folder)) if self.tensors_of else self.tensors
@@ -77,7 +77,7 @@ class TextCache:
 @dataclass(frozen=True)
 class LatentExtras:
     """Tensors a family stores beside each clip's VAE posterior in the latent cache (data.cache.latents), made from
-    the same pixels by the frozen parts (Wan image-to-video: the first frame's condition latents and image
+    the same pixels by the frozen parts (image-to-video: the first frame's condition latents and image
     embedding), so that training from the cache needs no second VAE pass."""
 
     key: Callable  # (model spec, model folder) -> (settings text, subfolders whose fingerprint keys the entries,
@@ -93,6 +93,15 @@ class SingleFileLayout:
     denoiser: str  # the pipeline component the file must hold ("unet")
     denoiser_prefixes: tuple[str, ...]  # key prefixes of the denoiser in the original layout
     companions: dict  # component -> key prefixes that show the file holds it; a component it lacks comes from the base
+
+
+@dataclass(frozen=True)
+class Speaker:
+    """How `dstune synthesize` speaks from a speech family's export: whether a folder is one of its exports, and the
+    clip for a text (from the folder alone: transformers and the codec, none of dstune's training code)."""
+
+    recognizes: Callable  # folder -> bool
+    synthesize: Callable  # (folder, text, seconds=, temperature=, seed=) -> Clip (wave, sample_rate)
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,11 @@ class Family:
     # (built, folder, model spec, spec key): samples render that folder's transformer with the trained LoRA
     # (sample.pretrained, model.training_adapter); None: the family samples with the trained module only
     sampling_denoiser: Optional[Callable] = None
+    # (built, sequence_parallel_size) -> the context-parallel plan that splits built.trainable's sequences, after
+    # preparing the module for it (a model whose diffusers class has no _cp_plan); None (or a None result): the
+    # class's own plan (dstune.families.ulysses)
+    split_plan: Optional[Callable] = None
+    speaker: Optional[Speaker] = None  # speech families: `dstune synthesize` from their exports
 
     @property
     def supports_lora(self) -> bool:

@@ -1,4 +1,4 @@
-"""What the diffusers pipeline families (sd, sdxl, flow, wan) share in their torch-free facts: a pipeline folder whose
+"""What the diffusers pipeline families share in their torch-free facts: a pipeline folder whose
 denoiser DeepSpeed trains beside frozen companions (VAE, text encoders, an image encoder), counted from its configs.
 
     count_denoiser(spec, num_samples, clips, DenoiserRules(...)) -> ModelCounts
@@ -17,7 +17,8 @@ from dstune.memory.plan import ModelCounts
 from dstune.memory.counts import config_folder, count_component, count_small_tensors, read_config, vae_factor
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 
-FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
+# "connectors": a stage after the text encoder (a pipeline's text connectors), frozen; the text cache holds its outputs
+FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "connectors")
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
     cache = spec.data.cache
     if not rules.uses_image_encoder(spec, folder):  # e.g. a text-to-video run of an image-to-video-capable folder
         companions.pop("image_encoder", None)
-    # the image encoder's embeddings are stored beside the latents (dstune.families.wan_i2v)
+    # the image encoder's embeddings are stored beside the latents (the video model's first-frame conditioning)
     cached = tuple(part for part in companions if (cache.latents if part in ("vae", "image_encoder")
                                                    else cache.text_embeddings))
     full, checkpointed = rules.activations(spec, folder, read_config(config_path), clips)

@@ -1,4 +1,4 @@
-"""What the diffusers-based families (sd, sdxl, flow) share: loading components from a pipeline folder, the
+"""What the diffusers-based families share: loading components from a pipeline folder, the
 folder's model_index.json, export of a complete pipeline folder, non-reentrant checkpointing and dtype casting."""
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def batch_field(batch: dict, *names: str):
 
 @contextmanager
 def inputs_cast_to(module: torch.nn.Module, dtype: torch.dtype):
-    """Cast floating inputs (also inside dict arguments such as SDXL's added_cond_kwargs) to `dtype` while a
+    """Cast floating inputs (also inside dict arguments such as a UNet's added_cond_kwargs) to `dtype` while a
     pipeline runs: a bf16 denoiser beside fp32 frozen parts."""
     def cast(value):
         if isinstance(value, dict):
@@ -202,10 +202,10 @@ def inputs_cast_to(module: torch.nn.Module, dtype: torch.dtype):
 
 def vae_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, std) of the VAE posterior of images (B, 3, H, W), float32, (B, C, h, w). A video-style VAE (a
-    `temperal_downsample` config: Qwen-Image's, Wan's) encodes them as one-frame clips (B, 3, 1, H, W); clips
+    `temperal_downsample` config) encodes them as one-frame clips (B, 3, 1, H, W); clips
     (B, 3, frames, H, W) go in as they are and keep their latent frames (B, C, f, h, w)."""
     video = getattr(vae.config, "temperal_downsample", None) is not None and pixels.ndim == 4
-    if getattr(vae.config, "in_channels", 3) == 4 and pixels.shape[1] == 3:  # an RGBA VAE (Qwen-Image 2.1's) reads
+    if getattr(vae.config, "in_channels", 3) == 4 and pixels.shape[1] == 3:  # an RGBA VAE reads
         pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)  # the image opaque, as its example does
     with torch.no_grad():
         posterior = vae.encode(pixels.unsqueeze(2) if video else pixels).latent_dist

@@ -32,7 +32,8 @@ def no_spec_issues(spec) -> SpecIssues:
 
 # The transformer classes that carry a context-parallel plan (`_cp_plan`) in diffusers 0.42.1, the plan sequence
 # parallelism splits their sequences with (dstune.families.ulysses); tests/unit/test_sequence_parallel_plan.py
-# checks this table against the installed diffusers. A transformer class outside it cannot be split.
+# checks this table against the installed diffusers. A transformer class outside it cannot be split unless its
+# model unit gives it a plan (FlowRecipe.sequence_split), whose facts then answer the attention facts.
 CONTEXT_PARALLEL_CLASSES = frozenset({"WanTransformer3DModel", "FluxTransformer2DModel",
                                       "QwenImageTransformer2DModel", "Flux2Transformer2DModel"})
 
@@ -55,6 +56,11 @@ class Attention:
     origin: str
     refusal: str = ""  # why this model's sequences cannot be split ("" when they can)
     text_tokens: int = 0  # text tokens split with the image's (a joint sequence), 0 when the text stays whole
+    # an image model's token geometry: pixels per image token along a side (the VAE's spatial factor x the latent
+    # patch a token packs, from the model's configs), and the pictures in one sample's sequence (an edit model's
+    # target and source: 2)
+    px_per_token: int = 0
+    pictures: int = 1
 
 
 @dataclass(frozen=True)

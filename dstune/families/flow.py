@@ -1,9 +1,9 @@
 """The `flow` family: flow-matching image transformers (the `transformer` subfolder, FlowMatchEulerDiscreteScheduler).
 
-The steps are the flow-matching core's (dstune.families.flow_core, shared with model.family wan); what differs per
-model is a recipe (dstune.families.flow_recipe), found by the transformer's class in the folder (RECIPES:
-flow_sd3.py, flow_qwen.py, flow_qwen_edit.py, flow_zimage.py, flow_flux2.py, flow_krea2.py; FLUX.2 [klein] and [dev] share a
-transformer class and are told apart by the pipeline class). The text side is encoded by the pipeline's own
+The steps are the flow-matching core's (dstune.families.flow_core, shared with the video family); what differs per
+model is a recipe (dstune.families.flow_recipe) in the model's unit (dstune/models/<name>/recipe.py, listed by
+dstune.models.registry), found by the transformer's class in the folder (recipes that share a transformer class are
+told apart by the pipeline class). The text side is encoded by the pipeline's own
 `encode_prompt`, so training sees exactly what inference feeds. The loss is the one of diffusers'
 examples/dreambooth/train_dreambooth_sd3.py / train_dreambooth_flux.py (tests/unit/test_flow_loss_parity.py).
 
@@ -22,44 +22,37 @@ import torch
 from dstune.families.base import Family, FamilyError, TextCache
 from dstune.families.diffusion import component_problems, read_model_index
 from dstune.families.flow_core import (FlowBuilt, build_from, cache_text_tensors, encode_batch, encode_captions,
-                                       export, loss, pipeline_of, sample, save_lora_weights, text_cache_settings)
+                                       export, loss, pipeline_of, sample, save_lora_weights, split_plan,
+                                       text_cache_settings)
 from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
 from dstune.families.flow_distilled import attach_sampling_denoiser
-from dstune.families.flow_flux2 import FLUX2_DEV, FLUX2_KLEIN
-from dstune.families.flow_ideogram4 import IDEOGRAM4
-from dstune.families.flow_krea2 import KREA2
-from dstune.families.flow_qwen import QWEN_IMAGE
-from dstune.families.flow_qwen_edit import QWEN_IMAGE_EDIT
-from dstune.families.flow_qwen21 import QWEN_IMAGE_21
 from dstune.families.flow_recipe import pick_recipe, read_config
-from dstune.families.flow_sd3 import FLUX, SD3
-from dstune.families.flow_zimage import ZIMAGE
 from dstune.families.samples import save_grid
+from dstune.models import registry
+from dstune.models.unit import load
 from dstune.spec.models import FlowModel
 
 __all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "detect_kind",
            "cache_text_tensors", "encode_captions", "TEXT_CACHE_FOLDERS", "TEXT_CACHE_TENSORS", "timestep_density",
            "loss_weights", "pack_latents", "unpack_latents", "image_ids", "save_lora_weights", "pipeline_of"]
 
-# kind -> recipe, one line per model (dstune.families.flow_recipe); detect_kind finds a folder's by its transformer
-# (and, where recipes share one, by the pipeline class, or the text encoder class where that tells them apart)
-RECIPES = {recipe.kind: recipe for recipe in (SD3, FLUX, QWEN_IMAGE, QWEN_IMAGE_EDIT, ZIMAGE, FLUX2_KLEIN, FLUX2_DEV)}
-RECIPES[IDEOGRAM4.kind] = IDEOGRAM4
-RECIPES[KREA2.kind] = KREA2  # Krea 2, Raw and Turbo folders alike (flow_krea2.py)
-RECIPES[QWEN_IMAGE_21.kind] = QWEN_IMAGE_21
+# kind -> recipe, each model unit's own (dstune.models.registry.recipes("flow")); detect_kind finds a folder's by its
+# transformer (and, where recipes share one, by the pipeline class, or the text encoder class where that tells them
+# apart)
+RECIPES = {recipe.kind: recipe for recipe in map(load, registry.recipes("flow"))}
 
 # Cache hooks (dstune.families.base): every folder that decides a caption's embeddings (a folder a kind lacks,
-# Flux's text_encoder_3, adds nothing to the fingerprint), and the tensors stored per caption.
+# a third text encoder, adds nothing to the fingerprint), and the tensors stored per caption.
 TEXT_CACHE_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
-TEXT_CACHE_FOLDERS += ("processor",)  # Qwen-Image 2.1 tokenizes with its processor
-TEXT_CACHE_TENSORS = ("encoder_hidden_states", "pooled_projections")  # SD3 / Flux; each recipe states its own
+TEXT_CACHE_FOLDERS += ("processor",)  # a recipe that tokenizes with its processor
+TEXT_CACHE_TENSORS = ("encoder_hidden_states", "pooled_projections")  # CLIP+T5 models; each recipe states its own
 
 
 # ---------------------------------------------------------------------------------------------------- build
 
 
 def detect_kind(folder: Path) -> str:
-    """The recipe's kind ('sd3', 'flux', ...) from model_index.json and transformer/config.json; FamilyError naming
+    """The recipe's kind (FlowRecipe.kind) from model_index.json and transformer/config.json; FamilyError naming
     what is unsupported or missing."""
     index = read_model_index(folder)
     supported = ", ".join(f"{r.transformer_class} ({r.pipeline_class})" for r in RECIPES.values())
@@ -110,4 +103,4 @@ FAMILY = Family(
     text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors, text_cache_settings,
                          tensors_of=lambda folder: RECIPES[detect_kind(Path(folder))].text_tensors,
                          refusal=text_cache_refusal),
-    builds_partitioned=True, sampling_denoiser=attach_sampling_denoiser)
+    builds_partitioned=True, sampling_denoiser=attach_sampling_denoiser, split_plan=split_plan)

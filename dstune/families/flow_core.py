@@ -1,4 +1,4 @@
-"""The flow-matching core that model.family flow (images) and model.family wan (video) both run: one build,
+"""The flow-matching core that model.family flow (images) and the video family both run: one build,
 encode_batch, loss, sample, export and LoRA file for every recipe (dstune.families.flow_recipe).
 
 Latents are (B, C, H, W) for images and (B, C, F, H, W) for clips: frames are a dimension of the latents, and
@@ -59,7 +59,7 @@ class FlowBuilt:
     frozen_dtype: torch.dtype = torch.float32
     other_expert: Optional[torch.nn.Module] = None  # two experts: the untrained one, only while samples render
     parts: dict = field(default_factory=dict)  # the conditioning's pipeline parts (a processor, an image encoder)
-    mode: object = None  # the recipe's mode of this run (Wan: its layout, image-to-video or not)
+    mode: object = None  # the recipe's mode of this run (video: its layout, image-to-video or not)
     sampling: object = None  # flow_distilled.SamplingDenoiser: samples use another transformer (None: the trained)
 
     @property
@@ -77,7 +77,7 @@ class FlowBuilt:
 
 def folder_train_tables(scheduler, shift) -> tuple[torch.Tensor, torch.Tensor]:
     """The timestep and sigma tables u indexes, as the scripts take them from a fresh scheduler: shifted by the
-    config's shift, except with dynamic shifting (Flux), where the scripts train on unshifted sigmas. model.shift
+    config's shift, except with dynamic shifting, where the scripts train on unshifted sigmas. model.shift
     replaces either with a fixed shift."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -340,6 +340,11 @@ def export(built: FlowBuilt, transformer_state_dict: dict, out_dir, pretrained_f
     source = Path(pretrained_folder) if pretrained_folder is not None else built.folder
     return export_pipeline_folder(source, out_dir, built.trained_name,
                                   _fresh_transformer(built, transformer_state_dict))
+
+
+def split_plan(built: FlowBuilt, size: int) -> Optional[dict]:
+    """The context-parallel plan of the recipe's own (its transformer prepared for it), None: the class's plan."""
+    return built.recipe.sequence_split(built.trainable, size) if built.recipe.sequence_split else None
 
 
 def save_lora_weights(built: FlowBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:

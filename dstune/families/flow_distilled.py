@@ -4,7 +4,7 @@
     attach_sampling_denoiser(built, folder, model)  sample.pretrained (or, with a training adapter, the clean base):
                                                     the transformer samples render with the trained LoRA on it
 
-A LoRA trained naively on a distilled model (Krea 2 Turbo, Z-Image-Turbo) breaks its few-step behaviour, so users
+A LoRA trained naively on a distilled (few-step) model breaks its few-step behaviour, so users
 train on the base ("Raw") weights and sample with the distilled ones, or train through the distilled model with a
 "training adapter" fused for training and left out of inference. Both need the samples to come from another
 transformer than the trained one, with the trained adapters copied onto it before each render (SamplingDenoiser).

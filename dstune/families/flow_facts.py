@@ -1,112 +1,81 @@
-"""The torch-free facts of the flow family's models (SD3, Flux.1, Qwen-Image, Qwen-Image-Edit, Z-Image, FLUX.2
-[klein] and [dev], Krea 2): each is told by its folder's transformer class, as the torch side's recipes are
-(dstune.families.flow_recipe); dstune.families.facts describes the contract.
+"""The torch-free facts of the flow family's models: each is told by its folder's transformer class (its unit's
+FlowModel row, dstune.models.registry.flow_models), as the torch side's recipes are (dstune.families.flow_recipe);
+dstune.families.facts describes the contract.
 
-Image tokens are 2x2 latent patches (16 px); text tokens join them. An edit model trains on (source, target)
+Image tokens are 2x2 latent patches (16 px at the real models' 8x VAEs; the sequence split reads the VAE config
+for its token counts); text tokens join them. An edit model trains on (source, target)
 pairs: the source's tokens and latents double the target's, and the source image's vision tokens join the text.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
+from functools import cache
 from typing import Callable, Optional
 
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image_latent_bytes, pipeline_folder,
                                             trains_denoiser, transformer_text_bytes)
 from dstune.families.facts import Attention, ModelFacts, SpecIssues, no_plan_refusal
-from dstune.memory.counts import SizesUnknown, count_component
+from dstune.memory.counts import SizesUnknown, count_component, vae_factor
 from dstune.model_folders import builtin_name_problem, locate
+from dstune.models import registry
+from dstune.models.unit import load
 
-DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of the Flux and Qwen-Image training examples
-EDIT_VISION_PATCH_PX = 28  # Qwen-Image-Edit: the source image's vision tokens (28 px each) join the text
+DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of most flow models' training examples
 
 
-def _two_streams(config: dict) -> ModelShape:
-    """SD3, Flux, Qwen-Image, FLUX.2: joint (and single) blocks of heads x head_dim."""
+def two_streams(config: dict) -> ModelShape:
+    """Joint (two-stream) and single-stream blocks of heads x head_dim."""
     return ModelShape(config["num_attention_heads"] * config["attention_head_dim"],
                       {"transformer_blocks": config.get("num_layers", 0),
                        "single_transformer_blocks": config.get("num_single_layers", 0)})
 
 
-def _joint_blocks(config: dict) -> ModelShape:
-    """SD3 and Qwen-Image: joint blocks only."""
+def joint_blocks(config: dict) -> ModelShape:
+    """Joint (two-stream) blocks only."""
     return ModelShape(config["num_attention_heads"] * config["attention_head_dim"],
                       {"transformer_blocks": config.get("num_layers", 0)})
 
 
-def _single_stream(config: dict) -> ModelShape:
-    """Z-Image: one stream of n_layers, with refiners over the image tokens and over the caption before it."""
-    refiners = config.get("n_refiner_layers", 0)
-    return ModelShape(config["dim"], {"layers": config["n_layers"], "noise_refiner": refiners,
-                                      "context_refiner": refiners})
-
-
-def _one_stream(config: dict) -> ModelShape:
-    """Ideogram 4: one stream of blocks over the padded text and the image tokens, its MLP width its own key."""
-    return ModelShape(config["num_attention_heads"] * config["attention_head_dim"], {"layers": config["num_layers"]},
-                      ffn=config["intermediate_size"])
-
-
-def _one_stream_ratio(config: dict) -> ModelShape:
-    """Qwen-Image 2.1: one stream of blocks over the caption and the image tokens, its MLP mlp_ratio x the width."""
-    width = config["num_attention_heads"] * config["attention_head_dim"]
-    return ModelShape(width, {"transformer_blocks": config["num_layers"]}, ffn=config.get("mlp_ratio", 3) * width)
-
-
-def _padded_to_32(tokens: float) -> float:
-    """Z-Image pads the image tokens and the caption's each to a multiple of 32."""
-    return math.ceil(tokens / 32) * 32
-
-
 @dataclass(frozen=True)
 class FlowModel:
-    """One flow model's torch-free facts, told by its transformer class."""
+    """One flow model's torch-free facts, told by its transformer class (each unit's facts.py declares its rows)."""
 
     name: str
     constants: str  # its key in the measured activation constants (dstune/model_configs/activation_constants.json)
     shape: Callable  # transformer config -> ModelShape: the width and blocks the constants are evaluated at
     text_width_key: str  # the transformer config's key for the text embeddings' width
-    clip_tokens: int = 0  # CLIP tokens before the long text encoder's (SD3: 77)
+    clip_tokens: int = 0  # CLIP tokens before the long text encoder's
     default_text_tokens: int = DEFAULT_TEXT_TOKENS
     edit_pipelines: tuple[str, ...] = ()  # pipeline classes of this transformer that train on (source, target) pairs
+    edit_vision_patch_px: int = 0  # an edit pipeline's source-image vision tokens (this many px a side each) join the text
     pad_tokens: Callable = lambda tokens: tokens  # what the transformer pads a sequence to
     sampling_parts: tuple[str, ...] = ()  # frozen components loaded only while samples render
     draws_sigma: bool = False  # its example draws sigma itself (no scheduler tables, so no model.shift)
-    text_layers_key: Optional[str] = None  # the config's count of text-encoder layers stacked per token (Krea 2)
+    text_layers_key: Optional[str] = None  # the config's count of text-encoder layers stacked per token
     # output.lora_format values whose tools are known to load this model's file (comfyui: diffusers' own keys)
     lora_formats: tuple[str, ...] = ("diffusers", "comfyui")
     side_px: int = 0  # image sides must be multiples of it, said by validate (0: left to the first batch's check)
+    lora_loader: str = ""  # what loads its LoRA files, where a format is refused (output.lora_format)
+    token_patch: int = 2  # latent rows (and columns) one image token packs: 2x2 for every flow model here
 
 
-FLOW_MODELS = {
-    "SD3Transformer2DModel": FlowModel("SD3", "sd3", _joint_blocks, "joint_attention_dim", clip_tokens=77,
-                                       default_text_tokens=77),
-    "FluxTransformer2DModel": FlowModel("Flux.1", "flux1", _two_streams, "joint_attention_dim"),
-    "QwenImageTransformer2DModel": FlowModel("Qwen-Image", "qwen-image", _joint_blocks, "joint_attention_dim",
-                                             edit_pipelines=("QwenImageEditPipeline",)),
-    "ZImageTransformer2DModel": FlowModel("Z-Image", "z-image", _single_stream, "cap_feat_dim",
-                                          pad_tokens=_padded_to_32),
-    "Flux2Transformer2DModel": FlowModel("FLUX.2", "flux2", _two_streams, "joint_attention_dim"),
-}
-FLOW_MODELS["Ideogram4Transformer2DModel"] = FlowModel(
-    "Ideogram 4", "ideogram4", _one_stream, "llm_features_dim", default_text_tokens=2048,
-    sampling_parts=("unconditional_transformer",), draws_sigma=True)
-FLOW_MODELS["Krea2Transformer2DModel"] = FlowModel("Krea 2", "krea2", _joint_blocks, "text_hidden_dim",
-                                                   text_layers_key="num_text_layers", lora_formats=("diffusers",))
-FLOW_MODELS["QwenImage21Transformer2DModel"] = FlowModel(
-    "Qwen-Image 2.1", "qwen-image-21", _one_stream_ratio, "context_in_dim", side_px=32)
+@cache
+def flow_models() -> dict[str, FlowModel]:
+    """{transformer class: FlowModel}, every unit's rows (dstune.models.registry.flow_models)."""
+    return {name: row for where in registry.flow_models() for name, row in load(where).items()}
 
 
 def flow_model(folder) -> FlowModel:
     """The flow model a pipeline folder holds, by its transformer class; SizesUnknown naming the known ones."""
     transformer = (folder.index.get("transformer") or [None, None])[1]
-    if transformer not in FLOW_MODELS:
+    known = flow_models()
+    if transformer not in known:
         raise SizesUnknown(f"{folder.origin}: its transformer {transformer} is none of the flow models dstune "
-                           f"trains ({', '.join(FLOW_MODELS)})")
-    return FLOW_MODELS[transformer]
+                           f"trains ({', '.join(known)})")
+    return known[transformer]
 
 
 def edit_pipeline(folder) -> Optional[str]:
@@ -116,12 +85,12 @@ def edit_pipeline(folder) -> Optional[str]:
 
 
 def text_tokens(spec, folder) -> int:
-    """Text tokens per sample: SD3's 77 CLIP tokens + T5's (77 by default); every other model's max_sequence_length
-    (512 by default); an edit model adds the source image's vision tokens."""
+    """Text tokens per sample: the CLIP tokens before the long text encoder's, where the model has them, plus
+    max_sequence_length (the model's default where unset); an edit model adds the source image's vision tokens."""
     model = flow_model(folder)
     tokens = spec.model.max_sequence_length or model.default_text_tokens
     if edit_pipeline(folder):
-        tokens += int((spec.data.resolution / EDIT_VISION_PATCH_PX) ** 2)
+        tokens += int((spec.data.resolution / model.edit_vision_patch_px) ** 2)
     return model.clip_tokens + tokens
 
 
@@ -147,7 +116,7 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
 
 
 def _trained(spec, folder) -> tuple:
-    """The transformer trains. While samples render, the model's sampling-only parts (Ideogram 4's unconditional
+    """The transformer trains. While samples render, the model's sampling-only parts (e.g. an unconditional
     transformer) load beside it, and with sample.pretrained (or a training adapter: the clean base) a second
     transformer (dstune.families.flow_distilled); the sample phase counts them."""
     module, _, expert = trains_denoiser("transformer")(spec, folder)
@@ -167,7 +136,7 @@ def _count(spec, num_samples: int, clips=()):
 
 
 def _side_issues(spec, model: FlowModel) -> SpecIssues:
-    """Image sides the model cannot take (Qwen-Image 2.1: 16 px latents in 2x2 slots, so multiples of 32 px)."""
+    """Image sides the model cannot take (FlowModel.side_px: e.g. 16 px latents in 2x2 slots, multiples of 32 px)."""
     side, buckets = model.side_px, spec.data.buckets
     if not side:
         return []
@@ -186,7 +155,7 @@ def _spec_issues(spec) -> SpecIssues:
 
 
 def _lora_format_issues(spec) -> SpecIssues:
-    """A LoRA file format whose tool is not known to map this model's keys (Krea 2 in ComfyUI)."""
+    """A LoRA file format whose tool is not known to map this model's keys (the model's FlowModel.lora_formats)."""
     chosen = spec.output.lora_format
     try:
         model = flow_model(pipeline_folder(spec.model.pretrained))
@@ -196,7 +165,7 @@ def _lora_format_issues(spec) -> SpecIssues:
         return []
     return [("output.lora_format", f"{chosen!r} writes diffusers' key names, which {chosen}'s {model.name} loader is "
              f"not known to map; {model.name} LoRAs are written as {', '.join(model.lora_formats)} "
-             "(Krea2Pipeline.load_lora_weights): remove output.lora_format or set it to diffusers")]
+             f"({model.lora_loader}): remove output.lora_format or set it to diffusers")]
 
 
 def _edit_issues(spec) -> SpecIssues:
@@ -217,14 +186,14 @@ def _edit_issues(spec) -> SpecIssues:
     side_issues = _side_issues(spec, flow_model(folder))
     if side_issues:
         return side_issues
-    grid = folder.index.get("sample_sigmas")  # a Qwen-Image 2.1 Turbo folder's own sampling sigmas
+    grid = folder.index.get("sample_sigmas")  # a distilled (Turbo) folder's own sampling sigmas
     if grid and spec.sample.prompts and spec.sample.steps != len(grid):
         return [("sample.steps", f"{pipeline_class} samples this folder on its own {len(grid)} sigmas "
                  f"(model_index.json sample_sigmas, a Turbo folder): set sample.steps: {len(grid)}")]
     if not edit:
         if spec.sample.control_images:
             return [("sample.control_images", f"{pipeline_class} renders from the prompt alone: source images are "
-                     "for edit models (Qwen-Image-Edit); remove them")]
+                     "for edit models; remove them")]
         return []
     issues = []
     if spec.data.cache.text_embeddings:
@@ -290,16 +259,17 @@ def _pairs(spec) -> Optional[str]:
         return None
 
 
-SPLIT_MODELS = ("FLUX.2", "Qwen-Image")  # sequence parallelism: the flow models whose split is tested (docs/sequence-parallel.md)
-
-
 def _attention(spec) -> Optional[Attention]:
-    """The transformer's heads and the text tokens its context-parallel plan splits with the image's (FLUX.2
-    splits both streams; the text is padded to max_sequence_length); a refusal for a transformer class without a
-    context-parallel plan, and for the models whose split is not enabled yet."""
+    """The transformer's heads, its image tokens' geometry (the VAE config's spatial factor x the 2x2 latent patch
+    a token packs) and the text tokens its context-parallel plan splits with the image's (a plan that splits both
+    streams pads the text to max_sequence_length); a refusal for a transformer class without a
+    context-parallel plan. An edit model's sequence holds the target's and the source's tokens; its text (the
+    instruction with the source's vision tokens) has no fixed length: the split pads it with masked tokens
+    (dstune.families.ulysses), so it sets no rule."""
     try:
         folder = pipeline_folder(spec.model.pretrained)
         model, config = flow_model(folder), folder.config("transformer")
+        px_per_token = vae_factor(folder.config("vae")) * model.token_patch
     except (SizesUnknown, OSError, ValueError):
         return None
     origin = f"the transformer config of {folder.origin}"
@@ -309,9 +279,9 @@ def _attention(spec) -> Optional[Attention]:
     heads = config.get("num_attention_heads")
     if not isinstance(heads, int):
         return None
-    refusal = "" if model.name in SPLIT_MODELS and not edit_pipeline(folder) else (
-        f"{model.name}'s sequence split is not enabled in dstune yet (enabled: {', '.join(SPLIT_MODELS)})")
-    return Attention(heads, config.get("attention_head_dim", 0), origin, refusal, text_tokens(spec, folder))
+    edit = edit_pipeline(folder) is not None
+    return Attention(heads, config.get("attention_head_dim", 0), origin, text_tokens=0 if edit else text_tokens(
+        spec, folder), px_per_token=px_per_token, pictures=2 if edit else 1)
 
 
 FACTS = ModelFacts(family="flow", modality="image", count=_count, spec_issues=_spec_issues, pairs=_pairs,

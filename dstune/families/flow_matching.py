@@ -1,5 +1,6 @@
 """The flow-matching pieces the flow family's models share: per-sample timestep densities, loss weights, and
-Flux-style 2x2 latent packing with its position ids. Pure tensor functions; the models' recipes are in flow.py."""
+2x2 latent packing (as the MMDiT pipelines pack) with its position ids. Pure tensor functions; the models' recipes
+are in their units (dstune/models/<name>/recipe.py)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def loss_weights(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
 
 def flow_loss_per_sample(prediction: torch.Tensor, noisy: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor,
                          sigmas: torch.Tensor, weights: torch.Tensor, precondition_outputs: bool) -> torch.Tensor:
-    """Each sample's weighted squared error (float32), as diffusers' SD3/Flux scripts compute it: the velocity
-    prediction against noise - x0, or, preconditioned (EDM-style, the SD3 scripts' default), the x0 it implies
+    """Each sample's weighted squared error (float32), as diffusers' flow-matching DreamBooth scripts compute it: the velocity
+    prediction against noise - x0, or, preconditioned (EDM-style, the MMDiT scripts' default), the x0 it implies
     (x_t - sigma v) against x0, which is the velocity error times sigma^2."""
     prediction, target = prediction.float(), noise.float() - latents.float()
     if precondition_outputs:
@@ -43,7 +44,7 @@ def flow_loss_per_sample(prediction: torch.Tensor, noisy: torch.Tensor, latents:
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/2 * W/2, 4C): Flux's 2x2 patches as tokens."""
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C): 2x2 patches as tokens."""
     batch, channels, height, width = latents.shape
     packed = latents.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
     return packed.reshape(batch, (height // 2) * (width // 2), channels * 4)

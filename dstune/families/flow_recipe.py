@@ -1,5 +1,5 @@
 """What one model of the flow-matching core is: a recipe that dstune.families.flow_core follows, for images
-(B, C, H, W latents: model.family flow) and video (B, C, F, H, W: model.family wan) alike.
+(B, C, H, W latents: model.family flow) and video (B, C, F, H, W: the video family) alike.
 
 The core does what every flow-matching transformer shares: load the folder, draw u, index the timestep and sigma
 tables, x_t = (1 - sigma) x0 + sigma noise, the loss against noise - x0, sampling with the folder's own pipeline,
@@ -18,7 +18,7 @@ groups, each of which a model either needs whole or not at all:
 
 Adding an image model (HiDream, Chroma, Lumina 2, ...) is a recipe module, one line in flow.RECIPES, a built-in tiny
 model and a loss-parity test (docs/family-flow.md, "Adding a model"); a video model is the same with frames in its
-LatentSpace (docs/family-flow.md, "Adding a video model"; dstune.families.flow_wan is the example).
+LatentSpace (docs/family-flow.md, "Adding a video model", names an example).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dstune.families.diffusion import load_component, read_model_index
 
 def vae_spatial_factor(vae_config) -> int:
     """Pixels per latent along a side: 2 per down block of an AutoencoderKL, 2 per temporal-downsample entry (one per
-    down stage) of a video-style VAE (Qwen-Image's)."""
+    down stage) of a video-style VAE."""
     if getattr(vae_config, "temperal_downsample", None) is not None:
         return 2 ** len(vae_config.temperal_downsample)
     return 2 ** (len(vae_config.block_out_channels) - 1)
@@ -69,7 +69,7 @@ class LatentSpace:
 
 
 def fixed_patch(side: int) -> Callable:
-    """A transformer that packs side x side latents into one token (Flux's 2x2)."""
+    """A transformer that packs side x side latents into one token (2x2 in most MMDiTs)."""
     return lambda built: (side, side)
 
 
@@ -115,12 +115,12 @@ class Sampling:
     # (built, pipeline, sample_spec, call arguments) -> the arguments the pipeline's __call__ takes (a pipeline
     # without max_sequence_length or guidance_scale, whose guider is a part); None: as they are
     call: Optional[Callable] = None
-    takes_max_sequence_length: bool = True  # the pipeline call has max_sequence_length (Qwen-Image 2.1's has not)
+    takes_max_sequence_length: bool = True  # the pipeline call has max_sequence_length (not every one has)
 
 
 @dataclass(frozen=True)
 class FlowRecipe:
-    kind: str  # the name validate and the docs use ("sd3", "flux", "wan", ...)
+    kind: str  # the name validate and the docs use (a short lower-case model name)
     transformer_class: str  # diffusers class in transformer/config.json: how a folder is recognised
     pipeline_class: str  # encode_prompt, sampling, save_lora_weights / load_lora_weights
     components: dict  # model_index component -> expected class name (None: a tokenizer, checked loosely)
@@ -136,8 +136,11 @@ class FlowRecipe:
     scheduler_class: Optional[str] = "FlowMatchEulerDiscreteScheduler"  # None: the class model_index.json lists
     # (model spec) -> whether the loss compares the x0 the velocity implies (EDM-style) rather than the velocity
     preconditioned: Callable = lambda model: model.precondition_outputs
+    # (transformer, sequence_parallel_size) -> the context-parallel plan that splits it, after preparing it (its
+    # diffusers class has no _cp_plan); None: the class's own plan
+    sequence_split: Optional[Callable] = None
     # (built, model-space latents, seed, step, indices) -> sigma per sample (B,), drawn continuously as the model's
-    # example draws it (Ideogram 4); None: u indexes the tables (timesteps are then sigma x 1000)
+    # example draws it; None: u indexes the tables (timesteps are then sigma x 1000)
     draw_sigmas: Optional[Callable] = None
     lora_class: Optional[str] = None  # whose save_lora_weights writes the LoRA file; None: pipeline_class
 
@@ -160,7 +163,7 @@ def read_config(folder: Path, name: str, file: str = "config.json") -> dict:
 
 def load_text_side(folder: Path, recipe: FlowRecipe, device, dtype) -> tuple[dict, dict]:
     """The recipe's text encoders (frozen, eval, in `dtype` on `device`) and tokenizers, by their listed classes. A
-    tokenizer listed as a processor (FLUX.2 [dev]'s PixtralProcessor) is loaded as one, as the pipeline loads it,
+    tokenizer listed as a processor (e.g. a PixtralProcessor) is loaded as one, as the pipeline loads it,
     since its encode_prompt calls the processor's apply_chat_template."""
     import transformers
 
@@ -182,7 +185,7 @@ def load_text_side(folder: Path, recipe: FlowRecipe, device, dtype) -> tuple[dic
 
 def normalised_latents(vae_config, latents: torch.Tensor) -> torch.Tensor:
     """The VAE sample in the transformer's scale: per channel (latents_mean, latents_std) where the VAE states them
-    (Qwen-Image's), else (sample - shift_factor) * scaling_factor (SD3, Flux)."""
+    (a video-style VAE's), else (sample - shift_factor) * scaling_factor."""
     means = getattr(vae_config, "latents_mean", None)
     if means is not None:
         shape = (1, len(means)) + (1,) * (latents.ndim - 2)
@@ -194,10 +197,10 @@ def normalised_latents(vae_config, latents: torch.Tensor) -> torch.Tensor:
 
 def pick_recipe(folder: Path, index: dict, recipes: list[FlowRecipe]) -> FlowRecipe:
     """Among the recipes of one transformer class: the one of the folder's pipeline class; else the one of its text
-    encoder class where that tells them apart (FLUX.2 [klein]: Qwen3, [dev]: Mistral3); else, for a transformer with
-    one recipe, that one (whose component check then lists every part that does not fit). Qwen-Image and
-    Qwen-Image-Edit share their text encoder class too, so another pipeline around that transformer (the 2509 edit
-    models' QwenImageEditPlusPipeline) is refused rather than trained as either."""
+    encoder class where that tells them apart (two models on one transformer class with different text encoders);
+    else, for a transformer with one recipe, that one (whose component check then lists every part that does not
+    fit). Where two recipes share the text encoder class too, another pipeline around that transformer (a newer
+    edit pipeline, say) is refused rather than trained as either."""
     pipeline_class = index.get("_class_name")
     for recipe in recipes:
         if recipe.pipeline_class == pipeline_class:

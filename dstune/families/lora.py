@@ -1,6 +1,6 @@
 """LoRA for every diffusion family and tts_lm: adapters on the trained module, and the LoRA file the export writes.
 
-One code path for sd, sdxl and flow. A family tells only which module is the denoiser (`built.trainable`, as for
+One code path for the diffusers families. A family tells only which module is the denoiser (`built.trainable`, as for
 full training) and how its pipeline saves LoRA weights (its declared `Family.save_lora_weights`):
 
     save_lora_weights(built, lora_layers, adapter_metadata, folder)
@@ -180,7 +180,7 @@ def _check_file_names(family_name: str, lora_format, adapter_names: list[str]) -
         return
     layers = sorted({name.split(".lora_")[0] for name in adapter_names if ".lora_A." in name})
     lost = {layer: back for layer in layers if (back := kohya_read_back(layer)) != layer}
-    if lost:  # e.g. SDXL's add_embedding.linear_1 comes back as add.embedding.linear: skipped when loaded
+    if lost:  # e.g. a UNet's add_embedding.linear_1 comes back as add.embedding.linear: skipped when loaded
         examples = ", ".join(f"{layer} (read back as {back})" for layer, back in list(lost.items())[:3])
         raise FamilyError(f"output.lora_format {chosen}: kohya's key scheme cannot name {len(lost)} adapted layer(s) "
                           f"so that LoRA loaders read them back: {examples}. Leave them out of "

@@ -1,5 +1,5 @@
 """What the speech families share: the clip type, sample WAV folders, and what a codec-token LM family builds. (The tts_lm token layouts, written as
-`dstune_tts.json` beside a model, are described in dstune.token_layouts.)"""
+`dstune_tts.json` beside a model, are described in dstune.models.tts_lm.token_layouts.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The frozen audio codecs of the tts_lm family: loading, their facts, clip -> codes -> waveform.
 
 EnCodec, DAC and Mimi are transformers classes with one code per codebook per frame; SNAC (the `snac` package,
-Orpheus's codec) has hierarchical codebooks at 1, 2, 4 ... codes per coarsest frame, which the layout's
+the codec of Llama-based TTS models) has hierarchical codebooks at 1, 2, 4 ... codes per coarsest frame, which the layout's
 `frame_order` writes as positions of a frame (dstune.families.token_layouts). Either way one clip's codes are a
 (positions, frames) int64 tensor.
 """

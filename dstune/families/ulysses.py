@@ -3,7 +3,8 @@ transformer, through the transformer's own context-parallel plan (`_cp_plan`: wh
 which of its attention calls trade the sequence split for a head split by an all-to-all, and where the output is
 gathered back). docs/sequence-parallel.md says why this and not DeepSpeed's DistributedAttention.
 
-    split_sequences(transformer, rank, world_size, size)
+    split_sequences(transformer, rank, world_size, size)          # the class's own plan (_cp_plan)
+    split_sequences(transformer, rank, world_size, size, plan)    # a plan dstune gives the model (Family.split_plan)
 
 Afterwards every forward of `transformer` on the N ranks of a sequence group (ranks dp * N .. dp * N + N - 1, the
 layout of DeepSpeed's sequence-parallel groups that dstune.distributed sets up) must get the same inputs: each rank
@@ -25,14 +26,15 @@ def context_parallel_plan(transformer) -> Optional[dict]:
     return getattr(type(transformer), "_cp_plan", None)
 
 
-def split_sequences(transformer, rank: int, world_size: int, size: int) -> None:
+def split_sequences(transformer, rank: int, world_size: int, size: int, plan: Optional[dict] = None) -> None:
     """Collective (every rank; it makes the device mesh's process groups): split `transformer`'s sequences over
-    groups of `size` consecutive ranks. The transformer may be wrapped by PEFT (LoRA): the plan names its modules."""
+    groups of `size` consecutive ranks by `plan`, or by its class's plan when None. The transformer may be wrapped
+    by PEFT (LoRA): the plan names its modules."""
     import torch
     from diffusers.hooks.context_parallel import apply_context_parallel
     from diffusers import ContextParallelConfig, ParallelConfig
 
-    plan = context_parallel_plan(transformer)
+    plan = plan if plan is not None else context_parallel_plan(transformer)
     if plan is None:
         raise ValueError(f"{type(transformer).__name__} has no context-parallel plan (_cp_plan): its sequences cannot "
                          "be split; train it with deepspeed.sequence_parallel_size: 1")
@@ -49,16 +51,15 @@ def split_sequences(transformer, rank: int, world_size: int, size: int) -> None:
         processor = getattr(module, "processor", None)
         if processor is not None and hasattr(processor, "_parallel_config"):
             processor._parallel_config = config  # the processors pass it to self-attention only
-    if _masks_its_text(transformer):
+    if _masks_its_text(plan):
         transformer.register_forward_pre_hook(_text_padded_to(size), with_kwargs=True)  # before the plan's hooks
     apply_context_parallel(transformer, config.context_parallel_config, plan)
 
 
-def _masks_its_text(transformer) -> bool:
-    """Whether the plan splits the text stream together with a text mask (Qwen-Image): then a text of any length
+def _masks_its_text(plan: dict) -> bool:
+    """Whether the plan splits the text stream together with a text mask: then a text of any length
     can be padded with masked tokens to split evenly."""
-    return any("encoder_hidden_states_mask" in (inputs or {}) for inputs in context_parallel_plan(transformer).values()
-               if isinstance(inputs, dict))
+    return any("encoder_hidden_states_mask" in (inputs or {}) for inputs in plan.values() if isinstance(inputs, dict))
 
 
 def _text_padded_to(size: int):

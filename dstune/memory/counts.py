@@ -183,7 +183,7 @@ def _instantiate(config: dict, path: Path):
         if "_class_name" in config:
             import diffusers
 
-            cls = getattr(diffusers, config["_class_name"], None)
+            cls = getattr(diffusers, config["_class_name"], None) or _pipeline_module_class(config["_class_name"], path)
             if cls is None:
                 raise SizesUnknown(f"{path}: diffusers has no class {config['_class_name']}")
             return cls.from_config(config)
@@ -194,6 +194,25 @@ def _instantiate(config: dict, path: Path):
         if cls is None:
             raise SizesUnknown(f"{path}: no transformers class named in `architectures`")
         return cls(transformers.AutoConfig.for_model(**config))
+
+
+def _pipeline_module_class(name: str, path: Path):
+    """A component class diffusers keeps in its pipeline's module rather than at its top level: model_index.json
+    beside the component's folder lists it as [pipeline module, class] (e.g. a pipeline's text connectors)."""
+    import importlib
+
+    index = path.parent.parent / "model_index.json"
+    listed = json.loads(index.read_text()) if index.is_file() else {}
+    modules = {entry[0] for entry in listed.values() if isinstance(entry, list) and len(entry) == 2 and
+               entry[1] == name and entry[0] not in (None, "diffusers", "transformers")}
+    for module in sorted(modules):
+        try:
+            found = getattr(importlib.import_module(f"diffusers.pipelines.{module}"), name, None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    return None
 
 
 def import_model_classes(spec) -> None:
@@ -246,7 +265,7 @@ def _adapter_params(module, rank: int) -> int:
 
 def vae_factor(vae_config: dict) -> int:
     """The spatial factor of a VAE from its config."""
-    if "temperal_downsample" in vae_config:  # a video-style VAE (Qwen-Image's, Wan's): one spatial halving per
-        # stage, times the pixel patches of Wan 2.2's VAE (2x2: 16x in all)
+    if "temperal_downsample" in vae_config:  # a video-style VAE: one spatial halving per stage, times the
+        # VAE's own pixel patches where it has them (2x2: 16x in all)
         return 2 ** len(vae_config["temperal_downsample"]) * (vae_config.get("patch_size") or 1)
     return 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1)

@@ -9,7 +9,7 @@ at a training step and while samples render. The run's peak is the largest of th
     step    the training step: model states, the frozen parts the cache does not replace, activations, DeepSpeed's
             buffers, the EMA (deepspeed.initialize, the EMA and a resume hold less: the step without activations)
     sample  DeepSpeed's states beside every frozen part again (the cache-replaced encoders come back), the parts
-            that load only for sampling (Wan 2.2's other expert) and, under ZeRO 0-2 with the EMA shown, the raw
+            that load only for sampling (a two-expert model's other expert) and, under ZeRO 0-2 with the EMA shown, the raw
             weights kept aside while the EMA sits in the model
 
 Held-out evaluation (data.eval) runs the step's forward pass without gradients, so it stays below the step.

@@ -64,7 +64,7 @@ class ModelCounts:
     cache_bytes: int = 0  # the encoder cache on disk for the whole dataset
     origin: str = ""
     builds_partitioned: bool = False  # under ZeRO-3 each rank reads only its share of the module (deepspeed.zero.Init)
-    # frozen parts loaded only while samples render, whole on every rank (Wan 2.2's untrained expert): name -> params
+    # frozen parts loaded only while samples render, whole on every rank (a two-expert model's untrained expert): name -> params
     sampling_companions: dict = field(default_factory=dict)
     expert: Optional[dict] = None  # two-expert models: which expert trains over which timesteps (validate prints it)
     # the module's parameter tensors up to SMALL_TENSOR_NUMEL elements (LoRA adapters included), as (numel, count)
@@ -161,7 +161,7 @@ class Estimate:
     ranks_per_node: int
     nvme_per_node: float
     cache_bytes: int
-    sampling_extra: float = 0.0  # frozen parts on each GPU only while samples render (Wan 2.2's other expert)
+    sampling_extra: float = 0.0  # frozen parts on each GPU only while samples render (the other expert)
     ema: float = 0.0  # the EMA's fp32 share on each GPU (train.ema.device: same)
     phases: dict = field(default_factory=dict)  # name -> dstune.memory.phases.Phase
     step_temporaries: float = 0.0  # the optimizer step's temporaries beyond the activations (freed before it)
@@ -240,13 +240,25 @@ def activations(counts: ModelCounts, setup: Setup) -> float:
     return setup.micro_batch * per_sample * setup.weight_bytes / 2.0 / setup.sequence_parallel
 
 
+def reduce_bucket_elements(counts: ModelCounts, setup: Setup) -> int:
+    """The gradient reduce bucket in elements: the DeepSpeed JSON's, except under ZeRO-3 with sequence parallelism,
+    where dstune's engine raises it to the largest trainable parameter (dstune.engine.sequence_parallel_bucket: a
+    parameter past the bucket would take DeepSpeed's reduce-scatter path, which averages over every rank). Full
+    training counts the largest layer (its weight, and its bias beside it: a few elements over). LoRA's adapter
+    matrices (rank x one side of a layer) are counted at the JSON's bucket: they pass it only when it is set below
+    rank x the widest layer side."""
+    if setup.zero_stage == 3 and setup.sequence_parallel > 1 and not setup.lora:
+        return max(setup.reduce_bucket, counts.largest_layer_params)
+    return setup.reduce_bucket
+
+
 def deepspeed_buffers(counts: ModelCounts, setup: Setup) -> float:
     """The gradient reduce bucket (two with overlap_comm under ZeRO-3), the ZeRO 1/2 all-gather bucket (with
     overlap_comm DeepSpeed's documented 4.5 x both), ZeRO-3's gathered parameters (zero3_gathered_bytes), in the
     module's precision. On a GPU a reduce buffer is allocated at its full size; in host memory only the part
     gradients fill is resident (at most the trainable parameters)."""
-    trainable, w = counts.trainable_params, setup.weight_bytes
-    bucket = setup.reduce_bucket if setup.accelerator == "cuda" else min(setup.reduce_bucket, trainable)
+    trainable, w, reduce_bucket = counts.trainable_params, setup.weight_bytes, reduce_bucket_elements(counts, setup)
+    bucket = reduce_bucket if setup.accelerator == "cuda" else min(reduce_bucket, trainable)
     if setup.zero_stage in (1, 2):
         allgather = min(setup.allgather_bucket, trainable)
         return (OVERLAP_COMM_FACTOR if setup.overlap_comm else 1.0) * (bucket + allgather) * w
@@ -254,14 +266,15 @@ def deepspeed_buffers(counts: ModelCounts, setup: Setup) -> float:
     if setup.zero_stage == 3:  # reduce_scatter_coalesced concatenates the bucket's gradients, interleaved per rank,
         # into a new flat tensor before the reduce-scatter (deepspeed/runtime/comm/coalesced_collectives.py): a copy
         # of the bucket's contents, at most the trainable parameters
-        return reduce + min(setup.reduce_bucket, trainable) * w + zero3_gathered_bytes(counts, setup)
+        return reduce + min(reduce_bucket, trainable) * w + zero3_gathered_bytes(counts, setup)
     return reduce
 
 
 def zero3_reduce_bucket(counts: ModelCounts, setup: Setup) -> float:
     """ZeRO-3's gradient bucket (two with overlap_comm), allocated at start-up and kept for the run; in host memory
     only the part gradients fill is resident."""
-    bucket = setup.reduce_bucket if setup.accelerator == "cuda" else min(setup.reduce_bucket, counts.trainable_params)
+    elements = reduce_bucket_elements(counts, setup)
+    bucket = elements if setup.accelerator == "cuda" else min(elements, counts.trainable_params)
     return bucket * setup.weight_bytes * (2 if setup.overlap_comm else 1)
 
 
@@ -323,7 +336,8 @@ def offloaded_to_host(counts: ModelCounts, setup: Setup) -> float:
     trainable, ranks = counts.trainable_params, setup.world_size
     held = 0.0
     if setup.zero_stage >= 1 and setup.offload_optimizer == "cpu":
-        held += (4.0 + optimizer_state_bytes(setup)) * trainable / ranks + min(setup.reduce_bucket, trainable) * 4.0
+        held += (4.0 + optimizer_state_bytes(setup)) * trainable / ranks \
+            + min(reduce_bucket_elements(counts, setup), trainable) * 4.0  # offload's pinned staging bucket
     if setup.zero_stage == 3 and setup.offload_param == "cpu":
         held += setup.weight_bytes * trainable / ranks + frozen_base_bytes(counts, setup) / ranks
     return held
@@ -525,7 +539,9 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
         "gpu_memory_bytes": None if gpu_bytes is None else int(gpu_bytes),
         "fits": fits,
         "suggestions": suggestions(counts, setup, gpu_bytes) if fits is False else [],
-        **({"sequence_parallel": {"size": setup.sequence_parallel, "all_to_all_bytes": int(setup.all_to_all_bytes)}}
+        **({"sequence_parallel": {"size": setup.sequence_parallel, "all_to_all_bytes": int(setup.all_to_all_bytes),
+                                  "reduce_bucket_elements": reduce_bucket_elements(counts, setup),
+                                  "reduce_bucket_raised": reduce_bucket_elements(counts, setup) > setup.reduce_bucket}}
            if setup.sequence_parallel > 1 else {}),
         "parameters": {"module": counts.trainable_module, "module_params": counts.module_params,
                        "trainable_params": counts.trainable_params, "frozen_base_params": counts.frozen_base_params,

@@ -7,6 +7,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
+from dstune.models.unit import VIDEO_FAMILY
 from dstune.spec.section import BUILTIN_PREFIX, CODEC_TOKEN_FAMILIES, Section
 
 
@@ -45,7 +46,7 @@ class BucketsSpec(Section):
         False,
         description="Aspect-ratio buckets: each image (video clip) trains at the (width, height) bucket nearest its "
         "aspect ratio (resized to cover it, then cropped), and every global batch comes from one bucket (for video, "
-        "one bucket of frame count and size). See docs/batches-and-epochs.md and docs/family-wan.md.",
+        "one bucket of frame count and size). See docs/batches-and-epochs.md.",
     )
     sizes: Optional[list[tuple[int, int]]] = Field(
         None,
@@ -87,10 +88,10 @@ class BucketsSpec(Section):
 
 class VideoSpec(Section):
     frames: Union[int, list[int]] = Field(
-        5, description="Frames per training clip: 4k+1 (the Wan VAE compresses time 4x after the first frame: "
-        "5, 9, ..., 81 at Wan 2.1's full length). A list of 4k+1 counts makes frame-count buckets: each video trains "
+        5, description="Frames per training clip: 4k+1 (the video VAEs compress time 4x after the first frame: "
+        "5, 9, ..., 81, ..., 121). A list of 4k+1 counts makes frame-count buckets: each video trains "
         "at the largest count it can fill (after fps resampling), and every global batch comes from one count (and "
-        "one data.buckets size). A still image is a one-frame clip. See docs/family-wan.md.")
+        "one data.buckets size). A still image is a one-frame clip. See docs/batches-and-epochs.md.")
     sampling: Literal["head", "uniform", "sliding"] = Field(
         "head", description="Which frames of a longer video: `head` the first `frames` (after fps resampling), "
         "`uniform` `frames` spread evenly over the whole video, `sliding` every chunk of `frames` consecutive "
@@ -98,7 +99,8 @@ class VideoSpec(Section):
         "frames after the last whole chunk are left out).")
     fps: Optional[float] = Field(
         None, gt=0, description="Resample videos to this frame rate before choosing frames (each output frame "
-        "takes the source frame nearest its time); Wan 2.1 trains at 16. Omitted: the file's own frame rate.")
+        "takes the source frame nearest its time); each video model's docs page gives the rate it was trained at. "
+        "Omitted: the file's own frame rate.")
 
     stride: Optional[int] = Field(
         None, gt=0, description="sampling: sliding: frames (after fps resampling) from one chunk's first frame to "
@@ -182,8 +184,8 @@ class DataSpec(Section):
     resolution: int = Field(
         32, gt=0, description="Images are resized (shorter side) and cropped to this square size, in pixels. With "
         "data.buckets: the square bucket's side, and the pixel area (resolution^2) of generated buckets. Omitted: "
-        "the model's native size, from its folder's configs (e.g. 512 for SD 1.5, 1024 for SDXL, SD3, FLUX and "
-        "Qwen-Image, 480 for Wan; 32 for the built-in tiny models); `validate` prints the size chosen and why.")
+        "the model's native size, from its folder's configs (512, 1024, or 480 for a 480p video model; 32 for the "
+        "built-in tiny models); `validate` prints the size chosen and why.")
     allow_upscaling: bool = Field(
         False, description="Accept training images smaller than data.resolution (they are upscaled, which blurs "
         "them). Without it, `validate` and the run's start warn with the count and the largest factor.")
@@ -202,7 +204,8 @@ class DataSpec(Section):
         "epoch, since the order is reshuffled). False is not supported: every step must see a full global batch.",
     )
     control_dir: Optional[str] = Field(
-        None, description="Edit / control training (Qwen-Image-Edit): the folder of source (control) images, one per "
+        None, description="Edit / control training (the edit models: docs/family-flow.md): the folder of source "
+        "(control) images, one per "
         "target image in data.path with the same relative path and name, any image extension (`target/a.png` pairs "
         "with `control/a.jpg`). Absolute, or relative to data.path (`../control`: the folder beside it). In "
         "metadata.jsonl a line's `control_file_name` (relative to data.path) names its source instead. Each source is "
@@ -211,7 +214,8 @@ class DataSpec(Section):
     num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
     cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")
     video: VideoSpec = Field(
-        default_factory=VideoSpec, description="Video families (wan): frames per clip (or frame-count buckets), which "
+        default_factory=VideoSpec, description=f"The video family (model.family {VIDEO_FAMILY}): frames per clip (or "
+        "frame-count buckets), which "
         "frames (head, uniform, sliding chunks), frame rate. "
         "Video datasets: `builtin:moving-shapes`, or folders of .mp4/.webm/.mov/.mkv (and still images) with "
         "same-stem .txt captions or metadata.jsonl.")
@@ -280,7 +284,7 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
     name = data.path[len(BUILTIN_PREFIX):] if data.path.startswith(BUILTIN_PREFIX) else None
     if not video and (name == "moving-shapes" or data.video != VideoSpec()):  # the defaults alone are harmless
         return (f"model.family {family} trains on {'speech' if audio else 'images'}: data.path builtin:moving-shapes "
-                "and data.video are for video families (wan)")
+                f"and data.video are for the video family ({VIDEO_FAMILY})")
     if video and (data.eval is not None or data.random_flip):
         return (f"model.family {family} trains on video clips: data.eval and data.random_flip are not offered for "
                 "video yet; remove them")
@@ -301,7 +305,7 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
             return (f"data.cache.codec_tokens is for the codec-token models (model.family "
                     f"{' or '.join(CODEC_TOKEN_FAMILIES)}), not {family}")
         if data.eval is not None:
-            return (f"data.eval: the held-out loss is computed for the image families (sd, sdxl, flow); "
+            return (f"data.eval: the held-out loss is computed for the image families; "
                     f"model.family {family} has no evaluation pass yet. Remove data.eval")
         if data.control_dir is not None:
             return (f"data.control_dir pairs source and target images (edit training); model.family {family} "
@@ -316,12 +320,12 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
     if (name == "tones" or data.format in ("ljspeech", "gptsovits", "f5csv") or data.cache.codec_tokens
             or data.duration_bucket_seconds or data.speaker_balance):
         return (f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
-                "data.cache.codec_tokens, data.duration_bucket_seconds and data.speaker_balance are for speech families "
-                "(tts_lm, speecht5)")
+                "data.cache.codec_tokens, data.duration_bucket_seconds and data.speaker_balance are for the speech "
+                "families")
     return None
 
 
-VIDEO_SIDE_MULTIPLE = 16  # Wan: the VAE's 8x spatial compression, then 2x2 patches
+VIDEO_SIDE_MULTIPLE = 16  # the common video layout: an 8x VAE, then 2x2 patches (a 16x VAE with 1x1 patches too)
 
 
 def _video_bucket_problem(data: "DataSpec") -> str | None:

@@ -3,19 +3,18 @@ speech_models.py, the union on `model.family` in models.py), and the LoRA settin
 
 from __future__ import annotations
 
+import typing
 from typing import Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from dstune.spec.section import Section
+from dstune.models import registry
+from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES, Section  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------------------------- model
 
 
-# LoRA's usual targets in diffusers UNets and transformers: the attention projections (diffusers' LoRA examples),
-DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
-LM_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")  # and in a Llama-class causal LM (tts_lm)
 
 # model.base_precision -> bytes per stored weight element of each quantized layer (nn.Linear weights of the denoiser;
 # biases, convolutions, norms and embeddings stay at train.precision), scales included: bitsandbytes int8 keeps one
@@ -28,46 +27,6 @@ FP8_REFUSAL = (
     "quantized weights are tensor subclasses that fail in deepspeed.initialize, whose parameter broadcast views "
     "every weight as bytes (NotImplementedError: aten.view.dtype; seen with torchao 0.18's int8 weights, and its "
     "fp8 weights are the same kind of tensor). Use int8 (about half of bf16) or nf4 (about a quarter).")
-
-
-# The LoRA file formats each LoRA family writes (output.lora_format), the default first, and the key scheme each one
-# is written in. `comfyui` names the scheme ComfyUI's LoRA loader maps every key of (no "lora key not loaded") that
-# diffusers' own loader reads back too: for the UNet families that is kohya's (ComfyUI maps diffusers' UNet LoRA
-# keys only in diffusers' old attention-processor naming), for flow (SD3, Flux) it is the diffusers file itself,
-# whose `transformer.` keys ComfyUI maps for both. The defaults are what most users load: SD 1.x/2.x and SDXL LoRAs
-# are exchanged and loaded (ComfyUI, A1111/Forge, diffusers) as kohya files; SD3/Flux LoRAs load as diffusers files
-# in ComfyUI and diffusers alike. See docs/lora-and-ema.md.
-LORA_FORMATS = {
-    "sd": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
-    "sdxl": {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"},
-    "flow": {"diffusers": "diffusers", "comfyui": "diffusers"},
-    "wan": {"diffusers": "diffusers"},  # WanPipeline.save_lora_weights' file
-    "tts_lm": {"peft": "peft"},  # a peft adapter folder beside the merged transformers folder (docs/tts.md)
-    "tts_codebooks": {"peft": "peft"},
-}
-
-
-def lora_format_problem(family: str, train: str, lora_format) -> str | None:
-    """Why output.lora_format cannot be used with this model section, or None. Unset is always fine."""
-    if lora_format is None:
-        return None
-    if family not in LORA_FORMATS:
-        return f"model.family {family} has no LoRA training, so there is no LoRA file to format: remove it"
-    if train != "lora":
-        return f"applies to model.train: lora, but model.train is {train!r}: remove it or set model.train: lora"
-    choices = LORA_FORMATS[family]
-    if lora_format not in choices:
-        return (f"{lora_format!r} is not a LoRA format of model.family {family}; choices: {', '.join(choices)} "
-                f"(default {next(iter(choices))})")
-    return None
-
-
-def lora_file_scheme(family: str, lora_format) -> tuple[str, str]:
-    """(the format in effect, the key scheme it is written in) for a LoRA family: output.lora_format, or the
-    family's default when it is unset."""
-    choices = LORA_FORMATS[family]
-    chosen = lora_format or next(iter(choices))
-    return chosen, choices[chosen]
 
 
 class LoraSpec(Section):
@@ -99,8 +58,17 @@ class LoraSpec(Section):
 
 # A `model.pretrained` ending in one of these is a single checkpoint file (dstune.pretrained converts it).
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt")
-# The families whose `model.pretrained` may be such a file (their Family.single_file says how it is laid out).
-SINGLE_FILE_FAMILIES = ("sd", "sdxl")
+
+
+def single_file_families() -> list[str]:
+    """The families whose model section loads single checkpoint files (SINGLE_FILE), from the sections defined."""
+    found, pending = [], list(DenoiserModelBase.__subclasses__())
+    while pending:
+        section = pending.pop(0)
+        pending += section.__subclasses__()
+        if section.SINGLE_FILE and "family" in section.model_fields:
+            found += typing.get_args(section.model_fields["family"].annotation)
+    return found
 
 
 def is_single_file(pretrained: str) -> bool:
@@ -109,7 +77,7 @@ def is_single_file(pretrained: str) -> bool:
 
 def vae_downscale(vae_config: dict) -> Optional[int]:
     """Pixels per latent pixel of a VAE from its config (as the diffusers pipelines compute vae_scale_factor):
-    2^(stages - 1) for an AutoencoderKL, 2^(temporal stages) for Qwen-Image's and Wan's video-style VAEs."""
+    2^(stages - 1) for an AutoencoderKL, 2^(temporal stages) for the video-style VAEs (`temperal_downsample`)."""
     if "temperal_downsample" in vae_config:
         return 2 ** len(vae_config["temperal_downsample"]) * int(vae_config.get("patch_size") or 1)
     if vae_config.get("block_out_channels"):
@@ -118,7 +86,7 @@ def vae_downscale(vae_config: dict) -> Optional[int]:
 
 
 class DenoiserModelBase(Section):
-    """What every diffusion family's model section shares (sd, sdxl, flow): full fine-tuning or LoRA of the
+    """What every diffusion family's model section shares: full fine-tuning or LoRA of the
     denoiser (the UNet or transformer the family trains). Subclass it for a new diffusion family's model section.
 
     What `dstune validate` checks of the folders offline (dstune.model_folders), declared per section:
@@ -133,6 +101,12 @@ class DenoiserModelBase(Section):
     FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     modality: ClassVar[str] = "image"  # what the data is; a video family's section says "video"
+    # The LoRA file formats the family writes (output.lora_format, the default first) -> the key scheme each is
+    # written in; `comfyui` names the scheme ComfyUI's LoRA loader maps every key of and diffusers' loader reads back
+    # too (docs/lora-and-ema.md). Empty: no LoRA file to format.
+    LORA_FORMATS: ClassVar[dict[str, str]] = {}
+    # whether `pretrained` may be a single checkpoint file (the Family's single_file says how it is laid out)
+    SINGLE_FILE: ClassVar[bool] = False
 
     train: Literal["full", "lora"] = Field(
         "full",
@@ -151,7 +125,7 @@ class DenoiserModelBase(Section):
         "non-diffusers key layout, e.g. `model.diffusion_model.*`): the diffusers pipeline folder, hub id already "
         "downloaded, or built-in model whose configs describe the file (nothing is downloaded) and which supplies "
         "every component the file does not hold (a UNet-only file takes VAE and text encoders from here). "
-        "sd and sdxl load single files. See docs/lora-and-ema.md.",
+        "The UNet families load single files. See docs/lora-and-ema.md.",
     )
     # The square side, in pixels, that data.resolution defaults to when the model's configs cannot be read here.
     PRESET_RESOLUTION: ClassVar[int] = 1024
@@ -170,7 +144,7 @@ class DenoiserModelBase(Section):
         return None
 
     # sample.guidance when the spec leaves it out: the pipeline class's own __call__ default, by model_index.json's
-    # _class_name (true_cfg_scale for Qwen-Image, the guidance embedding's value for FLUX), else the preset.
+    # _class_name (true_cfg_scale, or a guidance embedding's value, as the pipeline calls it), else the preset.
     PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {}
     PRESET_GUIDANCE: ClassVar[float] = 5.0
 
@@ -202,10 +176,10 @@ class DenoiserModelBase(Section):
     @model_validator(mode="after")
     def _base_pipeline_with_a_single_file(self):
         pretrained = getattr(self, "pretrained", "")
-        if is_single_file(pretrained) and self.family not in SINGLE_FILE_FAMILIES:
+        if is_single_file(pretrained) and not self.SINGLE_FILE:
             raise ValueError(f"pretrained {pretrained}: model.family {self.family} cannot load a single checkpoint file "
                              "here; give its diffusers pipeline folder, a downloaded hub id or a built-in "
-                             f"({' and '.join(SINGLE_FILE_FAMILIES)} load single files)")
+                             f"({' and '.join(single_file_families())} load single files)")
         if self.base_pipeline is not None and not is_single_file(pretrained):
             raise ValueError(f"base_pipeline applies only when pretrained is a single checkpoint file "
                              f"({', '.join(SINGLE_FILE_SUFFIXES)}); pretrained is {pretrained!r}: remove base_pipeline")
@@ -234,74 +208,30 @@ class DenoiserModelBase(Section):
         return self.lora if self.lora is not None else LoraSpec()
 
 
-class SdModel(DenoiserModelBase):
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionPipeline",)
-    PRESET_RESOLUTION: ClassVar[int] = 512
-    PRESET_NAME: ClassVar[str] = "Stable Diffusion 1.x's size"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionPipeline": 7.5}
-    PRESET_GUIDANCE: ClassVar[float] = 7.5
-
-    family: Literal["sd"] = Field(description="Model family. `sd`: Stable Diffusion 1.x/2.x (UNet, one CLIP text encoder).")
-    pretrained: str = Field(
-        "builtin:tiny-sd",
-        description="A diffusers pipeline folder (model_index.json + unet/vae/text_encoder/tokenizer/scheduler), "
-        "a hub id already in the local Hugging Face cache, `builtin:tiny-sd` (a tiny model built offline), or a "
-        "single checkpoint file (.safetensors/.ckpt, original key layout) together with `base_pipeline`.",
-    )
-    prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
-        None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
-    )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower."
-    )
-    min_snr_gamma: Optional[float] = Field(
-        None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023); 5.0 is the usual value. Omitted: plain MSE."
-    )
-    noise_offset: float = Field(0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images).")
+def core_models_text(core: str) -> str:
+    """One line per model on a shared core family, from the registry (its units' summaries)."""
+    return ", ".join(unit.summary for unit in registry.on_core(core))
 
 
-class SdxlModel(DenoiserModelBase):
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
-    PRESET_NAME: ClassVar[str] = "SDXL's size"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionXLPipeline": 5.0}
+def core_default_builtin(core: str) -> str:
+    """`model.pretrained`'s default for a shared core family: the first built-in of its first model."""
+    return "builtin:" + next(name for unit in registry.on_core(core) for name in unit.builtins)
 
-    family: Literal["sdxl"] = Field(
-        description="Model family. `sdxl`: Stable Diffusion XL (UNet with text_time conditioning, two CLIP text "
-        "encoders, pooled text embeddings and size/crop time ids)."
-    )
-    pretrained: str = Field(
-        "builtin:tiny-sdxl",
-        description="A diffusers StableDiffusionXLPipeline folder (model_index.json + unet/vae/text_encoder/"
-        "text_encoder_2/tokenizer/tokenizer_2/scheduler), a hub id already in the local Hugging Face cache, "
-        "`builtin:tiny-sdxl` (a tiny model built offline), or a single checkpoint file (.safetensors/.ckpt, original "
-        "key layout) together with `base_pipeline`.",
-    )
-    prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
-        None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
-    )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower."
-    )
-    min_snr_gamma: Optional[float] = Field(
-        None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023); 5.0 is the usual value. Omitted: plain MSE."
-    )
-    noise_offset: float = Field(0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images).")
+
+def core_builtins_text(core: str) -> str:
+    """The built-in tiny models of the models on a shared core family, as the spec reference lists them."""
+    return ", ".join(f"`builtin:{name}`" for unit in registry.on_core(core) for name in unit.builtins)
 
 
 class FlowModel(DenoiserModelBase):
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = (  # one per recipe (dstune/families/flow_*.py)
-        "StableDiffusion3Pipeline", "FluxPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "ZImagePipeline",
-        "Flux2KleinPipeline", "Flux2Pipeline",
-        "Ideogram4Pipeline", "Krea2Pipeline", "QwenImage21Pipeline")
-    PRESET_NAME: ClassVar[str] = "the size of SD3, FLUX, Qwen-Image and Z-Image"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {
-        "StableDiffusion3Pipeline": 7.0, "FluxPipeline": 3.5, "QwenImagePipeline": 4.0, "QwenImageEditPipeline": 4.0,
-        "ZImagePipeline": 5.0, "Flux2Pipeline": 4.0, "Flux2KleinPipeline": 4.0,
-        "Ideogram4Pipeline": 7.0,  # Ideogram 4: its guidance schedule's value for all but the last 3 steps
-        "Krea2Pipeline": 4.5,
-        "QwenImage21Pipeline": 1.0}  # Qwen-Image 2.1 samples unguided (its pipeline's true_cfg_scale default)
-    # a distilled folder (model_index.json's is_distilled: Krea 2 Turbo) samples without classifier-free guidance
-    DISTILLED_GUIDANCE: ClassVar[dict[str, float]] = {"Krea2Pipeline": 0.0}
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = tuple(registry.pipelines("flow"))  # each flow unit's pipelines
+    PRESET_NAME: ClassVar[str] = "the usual size of the flow-matching image models"
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = registry.pipelines("flow")
+    LORA_FORMATS: ClassVar[dict[str, str]] = {"diffusers": "diffusers", "comfyui": "diffusers"}  # ComfyUI maps its
+    # `transformer.` keys
+    # a distilled folder (model_index.json's is_distilled) samples without classifier-free guidance
+    DISTILLED_GUIDANCE: ClassVar[dict[str, float]] = {
+        name: guidance for unit in registry.on_core("flow") for name, guidance in unit.distilled_guidance.items()}
 
     def native_guidance(self, read: Callable[[str], Optional[dict]]) -> tuple[float, str]:
         index = read("model_index.json") or {}
@@ -311,9 +241,9 @@ class FlowModel(DenoiserModelBase):
         return super().native_guidance(read)
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
-        """SD3's pipeline: the transformer's sample_size x the VAE's factor. FLUX, FLUX.2 and Z-Image pipelines fix
-        their default in code (1024); their VAEs' sample_size says the same size. Qwen-Image's VAE has none: its
-        pipeline's default_sample_size 128 (latent pixels) x the VAE's 8x."""
+        """The transformer's sample_size x the VAE's factor where the transformer states one; else the VAE's
+        sample_size (pipelines that fix their default in code made their VAEs for the same size); else, for a
+        video-style VAE with none, the pipelines' default_sample_size of 128 latent pixels x the VAE's factor."""
         found = super().native_resolution(read)
         if found:
             return found
@@ -322,40 +252,19 @@ class FlowModel(DenoiserModelBase):
             return int(vae["sample_size"]), f"the VAE's sample_size {vae['sample_size']}: the size it was made for"
         factor = vae_downscale(vae)
         if "temperal_downsample" in vae and factor:
-            return 128 * factor, f"Qwen-Image's pipeline default: 128 latent pixels x the VAE's {factor}x"
+            return 128 * factor, f"its pipeline's default: 128 latent pixels x the VAE's {factor}x"
         return None
 
     family: Literal["flow"] = Field(
         description="Model family. `flow`: flow-matching transformers, told apart by the pipeline folder: "
-        "SD3-class (SD3Transformer2DModel; CLIP x2 + T5), "
-        "Flux-class (FluxTransformer2DModel; CLIP + T5), "
-        "Qwen-Image (QwenImageTransformer2DModel; Qwen2.5-VL), "
-        "Qwen-Image-Edit (QwenImageTransformer2DModel; Qwen2.5-VL with the source image; trains on source/target "
-        "pairs, see data.control_dir), "
-        "Z-Image (ZImageTransformer2DModel; Qwen3), "
-        "FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3), "
-        "FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3), "
-        "Ideogram 4 (Ideogram4Transformer2DModel; Qwen3-VL), "
-        "Krea 2 Raw and Turbo (Krea2Transformer2DModel; Qwen3-VL), "
-        "Qwen-Image 2.1 and its Turbo (QwenImage21Transformer2DModel; Qwen3-VL). See docs/family-flow.md."
+        + core_models_text("flow") + ". See docs/family-flow.md."
     )
     pretrained: str = Field(
-        "builtin:tiny-flow",
+        core_default_builtin("flow"),
         description="A diffusers pipeline folder (model_index.json + transformer/vae/text encoders/tokenizers/"
-        "scheduler) of one of those models: "
-        "StableDiffusion3Pipeline, FluxPipeline, QwenImagePipeline, QwenImageEditPipeline, ZImagePipeline, "
-        "Flux2KleinPipeline, Flux2Pipeline, Ideogram4Pipeline, Krea2Pipeline, QwenImage21Pipeline; "
+        "scheduler) of one of those models: " + ", ".join(registry.pipelines("flow")) + "; "
         "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
-        "`builtin:tiny-flow` (SD3-class), "
-        "`builtin:tiny-flux` (Flux-class), "
-        "`builtin:tiny-qwen-image`, "
-        "`builtin:tiny-qwen-image-edit`, "
-        "`builtin:tiny-z-image`, "
-        "`builtin:tiny-flux2` (FLUX.2 [klein]), "
-        "`builtin:tiny-flux2-dev` (FLUX.2 [dev]), "
-        "`builtin:tiny-ideogram4`, "
-        "`builtin:tiny-krea2` (Krea 2 Raw), `builtin:tiny-krea2-turbo` (its Turbo layout), "
-        "`builtin:tiny-qwen-image-21`.",
+        + core_builtins_text("flow") + ".",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
@@ -363,15 +272,15 @@ class FlowModel(DenoiserModelBase):
     timestep_sampling: Literal["logit_normal", "uniform", "mode"] = Field(
         "logit_normal",
         description="How the training timestep is drawn (diffusers' compute_density_for_timestep_sampling): "
-        "logit_normal (SD3 paper; logit_mean, logit_std), uniform, or mode (mode_scale).",
+        "logit_normal (logit_mean, logit_std), uniform, or mode (mode_scale).",
     )
     logit_mean: Optional[float] = Field(
         None, description="timestep_sampling logit_normal: mean of the normal before the sigmoid. Omitted: 0.0. "
-        "Ideogram 4 adds 0.5 log(pixels / 512^2) to it, as its training example does."
+        "A model whose training example shifts it with the image size adds that shift (docs/family-flow.md)."
     )
     logit_std: Optional[float] = Field(
-        None, gt=0, description="timestep_sampling logit_normal: its standard deviation. Omitted: 1.0 "
-        "(Ideogram 4: 1.5, its training example's default)."
+        None, gt=0, description="timestep_sampling logit_normal: its standard deviation. Omitted: 1.0, or the "
+        "model's training example's default where it has its own (docs/family-flow.md)."
     )
     mode_scale: Optional[float] = Field(
         None, description="timestep_sampling mode: how strongly mid timesteps are favoured. Omitted: 1.29."
@@ -379,8 +288,8 @@ class FlowModel(DenoiserModelBase):
     shift: Optional[float] = Field(
         None, gt=0,
         description="Timestep shift for training (sigma -> shift*sigma / (1 + (shift-1)*sigma)). Omitted: the "
-        "scheduler's: its config shift (SD3, Z-Image), or unshifted where it shifts dynamically (Flux, Qwen-Image, "
-        "FLUX.2), as the reference scripts train. Not for Ideogram 4, whose example draws sigma itself.",
+        "scheduler's: its config shift, or unshifted where it shifts dynamically, as the reference scripts train. "
+        "Not for a model whose training example draws sigma itself (validate says so).",
     )
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
         "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3). sigma_sqrt (sigma^-2) "
@@ -388,24 +297,22 @@ class FlowModel(DenoiserModelBase):
     )
     precondition_outputs: bool = Field(
         False, description="Compare x0 instead of the velocity: the prediction v becomes x_t - sigma v and the "
-        "target x0, which weights each sample's squared velocity error by sigma^2. diffusers' SD3 scripts default "
-        "to it (--precondition_outputs 1); false: the velocity loss of their Flux, Qwen-Image, Z-Image, FLUX.2 scripts.",
+        "target x0, which weights each sample's squared velocity error by sigma^2 (--precondition_outputs 1, the "
+        "default of diffusers' MMDiT scripts); false: the velocity loss of diffusers' other flow-matching scripts.",
     )
     guidance: float = Field(
-        3.5, ge=0, description="Transformers with a guidance embedding (guidance_embeds: FLUX.1-dev, FLUX.2 [dev]; "
-        "FLUX.2 [klein] when its transformer has one): the guidance value fed while training. Unused by the others.",
+        3.5, ge=0, description="Transformers with a guidance embedding (their config's guidance_embeds): the "
+        "guidance value fed while training. Unused by the others.",
     )
     max_sequence_length: Optional[int] = Field(
-        None, gt=0, description="Text tokens per caption (SD3, Flux: T5's; the others: their LLM prompt's). Omitted: "
-        "the model's training example default, at most the tokenizer's model_max_length: "
-        "77 (SD3-class) / "
-        "512 (Flux-class, Qwen-Image, Z-Image, FLUX.2 [klein], FLUX.2 [dev]) / "
-        "2048 (Ideogram 4) / "
-        "512 (Qwen-Image 2.1: its example sets no limit; a longer caption is refused, naming it).",
+        None, gt=0, description="Text tokens per caption (the long text encoder's: T5's, or the LLM prompt's). "
+        "Omitted: the model's training example default, at most the tokenizer's model_max_length (each model's "
+        "default is on docs/family-flow.md; `dstune validate` counts with it). A longer caption is truncated, or "
+        "refused naming it where the model's pipeline refuses it.",
     )
     training_adapter: Optional[str] = Field(
         None, description="A LoRA file (diffusers' pytorch_lora_weights.safetensors layout) fused into the frozen "
-        "transformer for training only: train a LoRA through a distilled model (Krea 2 Turbo, Z-Image-Turbo) without "
+        "transformer for training only: train a LoRA through a distilled (few-step) model without "
         "breaking its few-step behaviour. It is left out of the exported LoRA and of the samples (they render "
         "`sample.pretrained`, or `pretrained` without it, with the trained LoRA). `train: lora` only, ZeRO stage 0-2. "
         "See docs/family-flow.md, \"Distilled checkpoints\".",
@@ -425,8 +332,8 @@ class FlowModel(DenoiserModelBase):
                              "train: lora, or remove training_adapter")
         if self.loss_weighting == "sigma_sqrt" and not self.precondition_outputs:
             raise ValueError("loss_weighting sigma_sqrt weights each sample by sigma^-2 on the velocity loss: on "
-                             "SD3's schedule a mean weight of about 186 and up to about 1e5 near sigma 0, so a few "
-                             "samples dominate every step. diffusers' SD3 scripts pair it with their default "
+                             "a logit-normal schedule a mean weight of about 186 and up to about 1e5 near sigma 0, so "
+                             "a few samples dominate every step. diffusers' MMDiT scripts pair it with their default "
                              "--precondition_outputs 1, where it cancels to the plain velocity MSE: set "
                              "precondition_outputs: true for that, or use loss_weighting none or cosmap")
         return self

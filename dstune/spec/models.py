@@ -12,26 +12,53 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
+from dstune.models import registry
+from dstune.models.unit import VIDEO_FAMILY, load
 from dstune.spec.section import Section
 
-# The model and data sections live in their own modules; they are imported here (and re-exported) so the whole spec
-# is importable from one place.
+# The shared sections live in their own modules; they are imported here (and re-exported) so the whole spec is
+# importable from one place.
 from dstune.spec.model_sections import (  # noqa: F401
-    BASE_PRECISION_BYTES, DEFAULT_LORA_TARGET_MODULES, LORA_FORMATS, SINGLE_FILE_FAMILIES, DenoiserModelBase,
-    FlowModel, LoraSpec, SdModel, SdxlModel, is_single_file, lora_file_scheme, lora_format_problem)
-from dstune.spec.speech_models import SpeechT5Model, TtsCodebooksModel, TtsLmModel
+    BASE_PRECISION_BYTES, DEFAULT_LORA_TARGET_MODULES, DenoiserModelBase, FlowModel, LoraSpec, is_single_file)
 from dstune.spec.video_models import WanModel
 from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, VideoSpec, data_family_problem  # noqa: F401
 
-# One model section per family; the family lists below are derived from them (each section's `family` literal and
-# its `modality`), so adding a family adds one section here and nothing else in this module.
-MODEL_SECTIONS = (SdModel, SdxlModel, FlowModel, WanModel, TtsLmModel, TtsCodebooksModel, SpeechT5Model)
+# One model section per family: the shared cores' (flow-matching images, video) and the model units' own sections
+# (dstune.models.registry), images first, then video, then speech. The family lists below are derived from them
+# (each section's `family` literal and its `modality`), so adding a family adds nothing to this module.
+_UNIT_SECTIONS = tuple(map(load, registry.spec_sections()))
+MODEL_SECTIONS = (*(s for s in _UNIT_SECTIONS if s.modality == "image"), FlowModel, WanModel,
+                  *(s for s in _UNIT_SECTIONS if s.modality != "image"))
 Model = Annotated[Union[MODEL_SECTIONS], Field(discriminator="family")]
 FAMILIES = tuple(typing.get_args(section.model_fields["family"].annotation)[0] for section in MODEL_SECTIONS)
 # families that train on clips (B, 3, frames, H, W): data.video applies
 VIDEO_FAMILIES = tuple(f for f, section in zip(FAMILIES, MODEL_SECTIONS) if section.modality == "video")
 # families that train on speech: data is audio + text, not images
 AUDIO_FAMILIES = tuple(f for f, section in zip(FAMILIES, MODEL_SECTIONS) if section.modality == "audio")
+SECTIONS_BY_FAMILY = dict(zip(FAMILIES, MODEL_SECTIONS))
+
+
+def lora_format_problem(family: str, train: str, lora_format) -> str | None:
+    """Why output.lora_format cannot be used with this model section, or None. Unset is always fine."""
+    if lora_format is None:
+        return None
+    choices = getattr(SECTIONS_BY_FAMILY[family], "LORA_FORMATS", {})
+    if not choices:
+        return f"model.family {family} has no LoRA training, so there is no LoRA file to format: remove it"
+    if train != "lora":
+        return f"applies to model.train: lora, but model.train is {train!r}: remove it or set model.train: lora"
+    if lora_format not in choices:
+        return (f"{lora_format!r} is not a LoRA format of model.family {family}; choices: {', '.join(choices)} "
+                f"(default {next(iter(choices))})")
+    return None
+
+
+def lora_file_scheme(family: str, lora_format) -> tuple[str, str]:
+    """(the format in effect, the key scheme it is written in) for a LoRA family: output.lora_format, or the
+    family's default when it is unset."""
+    choices = SECTIONS_BY_FAMILY[family].LORA_FORMATS
+    chosen = lora_format or next(iter(choices))
+    return chosen, choices[chosen]
 
 
 # Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since
@@ -230,7 +257,7 @@ class DeepSpeedSpec(Section):
         "its tokens between the attention all-to-alls, so activations per GPU shrink N-fold. The ranks form "
         "world / N data-parallel groups; the batch numbers (micro, accumulation, global) count data-parallel ranks. N "
         "must divide the number of ranks, the transformer's attention heads and every bucket's tokens per sample. "
-        "Flow-matching transformers only (model.family flow or wan). See docs/sequence-parallel.md.")
+        f"Flow-matching transformers only (model.family flow or {VIDEO_FAMILY}). See docs/sequence-parallel.md.")
 
     _offload_opt = field_validator("offload_optimizer", mode="before")(classmethod(lambda cls, v: _offload_shorthand(v)))
     _offload_par = field_validator("offload_param", mode="before")(classmethod(lambda cls, v: _offload_shorthand(v)))
@@ -268,9 +295,10 @@ class OutputSpec(Section):
     lora_format: Optional[Literal["diffusers", "kohya", "comfyui", "peft"]] = Field(
         None, description="With model.train: lora, the key scheme of the exported LoRA file: `kohya` (lora_unet_... "
         "names with per-layer alpha), `comfyui` (a file ComfyUI loads without \"lora key not loaded\": kohya's "
-        "scheme for sd/sdxl, the diffusers file for flow) or `diffusers`. Omitted: kohya for sd and sdxl, diffusers "
-        "for flow (what most users load them with), peft for tts_lm. sd/sdxl: kohya, comfyui, diffusers; flow: "
-        "diffusers, comfyui; tts_lm: peft (an adapter folder beside the merged model). See docs/lora-and-ema.md.",
+        "scheme for the UNets, the diffusers file for the transformers), `diffusers` or `peft` (an adapter folder "
+        "beside the merged model). Each family's formats, the default (what most users load its LoRAs with) first: "
+        + "; ".join(f"{family}: {', '.join(section.LORA_FORMATS)}" for family, section in SECTIONS_BY_FAMILY.items()
+                    if getattr(section, "LORA_FORMATS", None)) + ". See docs/lora-and-ema.md.",
     )
 
 
@@ -279,21 +307,20 @@ class SampleSpec(Section):
     every_steps: Optional[int] = Field(None, gt=0, description="Also sample every N optimizer steps (before and after always).")
     steps: int = Field(20, gt=0, description="Denoising steps per sample.")
     guidance: float = Field(
-        5.0, ge=0, description="Classifier-free guidance scale (for FLUX: the guidance embedding's value; for "
-        "Qwen-Image: true_cfg_scale). Omitted: the default of the model's own pipeline (7.5 SD 1.x, 5.0 SDXL, 7.0 "
-        "SD3, 3.5 FLUX.1, 4.0 FLUX.2 and Qwen-Image, 5.0 Z-Image and Wan, 4.5 Krea 2 and 0 for Krea 2 Turbo, whose "
-        "pipeline's guidance_scale g means cond + g (cond - uncond)); with sample.pretrained, that folder's pipeline "
-        "decides; `validate` prints the value and why.")
+        5.0, ge=0, description="Classifier-free guidance scale (the pipeline's guidance_scale, true_cfg_scale or "
+        "guidance embedding value, as the model's pipeline calls it). Omitted: the default of the model's own "
+        "pipeline (each model's docs page gives it; 0 for a distilled folder that samples without guidance); with "
+        "sample.pretrained, that folder's pipeline decides; `validate` prints the value and why.")
     seed: int = Field(0, ge=0, description="Sampling seed, so grids from different steps are comparable.")
     pretrained: Optional[str] = Field(
         None, description="model.family flow with train: lora: a second pipeline folder (or hub id, builtin:) of the "
         "same model whose transformer the samples use, with the trained LoRA on it: train on a base checkpoint "
-        "(Krea 2 Raw) and sample with its distilled one (Krea 2 Turbo). Its transformer must have the trained one's "
+        "and sample with its distilled one. Its transformer must have the trained one's "
         "class and shapes. Omitted: the trained transformer itself (without model.training_adapter).")
     control_images: list[str] = Field(
-        default_factory=list, description="Edit models (Qwen-Image-Edit): the source image of each prompt, one path "
-        "per prompt in the same order; each sample edits its source as the prompt says. Wan image-to-video "
-        "(model.image_to_video): the first frame of each prompt's clip. Other models: none.")
+        default_factory=list, description="Edit models: the source image of each prompt, one path per prompt in the "
+        "same order; each sample edits its source as the prompt says. Image-to-video (model.image_to_video): the "
+        "first frame of each prompt's clip. Other models: none.")
 
     @model_validator(mode="after")
     def _one_source_per_prompt(self) -> "SampleSpec":

@@ -73,7 +73,7 @@ def left_out_keys(family: str) -> set[str]:
     left_out = set(SPEECH_ONLY_KEYS)
     if family in VIDEO_FAMILIES:
         return left_out | {"data.random_flip", "data.eval", "data.control_dir"}
-    if family != "flow":  # edit training (source images) is Qwen-Image-Edit's, a flow model
+    if family != "flow":  # edit training (source images) is the flow edit models' only
         left_out |= {"data.control_dir", "sample.control_images"}
     return left_out | {"data.video"}
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+# LoRA's usual targets: defined beside the model units' presets, which use them too
+from dstune.models.unit import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES  # noqa: F401
+
 # `builtin:NAME` in model.pretrained and data.path: a tiny model or a synthetic dataset dstune makes offline.
 BUILTIN_PREFIX = "builtin:"
 

@@ -1,5 +1,5 @@
-"""The `model` section of the video families (wan). Re-exported by dstune.spec.models; torch-free like the rest of
-the spec."""
+"""The `model` section of the video family (the video core's: dstune.families.video). Re-exported by
+dstune.spec.models; torch-free like the rest of the spec."""
 
 from __future__ import annotations
 
@@ -7,50 +7,54 @@ from typing import Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, model_validator
 
-from dstune.spec.model_sections import DenoiserModelBase
+from dstune.models import registry
+from dstune.models.unit import VIDEO_FAMILY
+from dstune.spec.model_sections import DenoiserModelBase, core_default_builtin
 
 
 class WanModel(DenoiserModelBase):
+    """The video family's `model` section (`model.family` VIDEO_FAMILY: the video core, dstune.families.video)."""
+
     modality: ClassVar[str] = "video"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("WanPipeline", "WanImageToVideoPipeline",
-                                                  "HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = tuple(registry.pipelines(VIDEO_FAMILY))  # each video unit's
     PRESET_RESOLUTION: ClassVar[int] = 480
-    PRESET_NAME: ClassVar[str] = "Wan's frame height"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"WanPipeline": 5.0, "WanImageToVideoPipeline": 5.0,
-                                                     "HunyuanVideo15Pipeline": 6.0,
-                                                     "HunyuanVideo15ImageToVideoPipeline": 6.0}
+    LORA_FORMATS: ClassVar[dict[str, str]] = {"diffusers": "diffusers"}  # the pipelines' save_lora_weights file
+    PRESET_NAME: ClassVar[str] = "the video models' usual frame height"
+    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = registry.pipelines(VIDEO_FAMILY)
+    NATIVE_SIZES: ClassVar[dict[str, tuple[int, str]]] = {
+        name: size for unit in registry.on_core(VIDEO_FAMILY) for name, size in unit.native_sizes.items()}
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
-        """WanPipeline's default frames are 480 x 832 (fixed in its code, whatever the folder): data.resolution is
-        a square side (or, with buckets, the side of the pixel area), so its shorter side, 480."""
-        return 480, "Wan's pipeline default frames are 480x832; the shorter side"
+        """The frame size the folder's pipeline fixes in its code (its unit says it), whatever the folder; else the
+        denoiser's sample_size x the VAE's factor where the configs say it. data.resolution is a square side (or,
+        with buckets, the side of the pixel area), so a pipeline's default frames give their shorter side."""
+        pipeline = (read("model_index.json") or {}).get("_class_name", "")
+        return self.NATIVE_SIZES.get(pipeline) or super().native_resolution(read)
 
-    family: Literal["wan"] = Field(
-        description="Model family. `wan`: the video models, chosen by the folder: Wan 2.1 / 2.2 "
-        "(WanTransformer3DModel, AutoencoderKLWan, UMT5): text-to-video, image-to-video (Wan 2.1 I2V with its CLIP "
-        "image encoder, Wan 2.2 I2V A14B) and Wan 2.2 TI2V 5B; HunyuanVideo 1.5 (HunyuanVideo15Transformer3DModel, "
-        "Qwen2.5-VL and ByT5): text- and image-to-video; trained on clips by flow matching. See docs/family-wan.md "
-        "and docs/family-hunyuan-video15.md."
+    family: Literal[VIDEO_FAMILY] = Field(
+        description=f"Model family. `{VIDEO_FAMILY}`: the video models, chosen by the folder: "
+        + "; ".join(unit.summary for unit in registry.on_core(VIDEO_FAMILY)) + "; trained on clips by flow "
+        "matching. See " + " and ".join(unit.docs for unit in registry.on_core(VIDEO_FAMILY)) + "."
     )
     pretrained: str = Field(
-        "builtin:tiny-wan",
-        description="A diffusers WanPipeline or WanImageToVideoPipeline folder (model_index.json + transformer/vae/"
-        "text_encoder/tokenizer/scheduler, and image_encoder/image_processor for Wan 2.1 I2V), e.g. "
-        "Wan-AI/Wan2.1-T2V-14B-Diffusers already in the local Hugging Face cache, or a tiny model built offline: "
-        "`builtin:tiny-wan`, `builtin:tiny-wan-a14b` (two experts), `builtin:tiny-wan-i2v` (Wan 2.1 I2V layout), "
-        "`builtin:tiny-wan22-ti2v` (Wan 2.2 TI2V layout); or a HunyuanVideo15Pipeline / "
-        "HunyuanVideo15ImageToVideoPipeline folder (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v, ...; "
-        "`builtin:tiny-hunyuan-video15`, `builtin:tiny-hunyuan-video15-i2v`).",
+        core_default_builtin(VIDEO_FAMILY),
+        description="A diffusers pipeline folder of one of those models (model_index.json + transformer/vae/text "
+        "encoders/tokenizers/scheduler, and the image encoder of an image-to-video pipeline): "
+        + ", ".join(registry.pipelines(VIDEO_FAMILY)) + "; a hub id already in the local Hugging Face cache; or a "
+        "tiny model built offline: " + ", ".join(f"`builtin:{name}`" for unit in registry.on_core(VIDEO_FAMILY)
+                                                 for name in unit.builtins) + ".",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute each transformer block's activations in backward (torch non-reentrant "
         "checkpointing): activations grow with frames x height x width tokens, so real clips need it."
     )
-    timestep_sampling: Literal["logit_normal", "uniform", "mode"] = Field(
+    timestep_sampling: Literal["logit_normal", "uniform", "mode", "shifted_logit_normal"] = Field(
         "uniform",
         description="How u in [0, 1] is drawn (diffusers' compute_density_for_timestep_sampling); u indexes the "
         "shifted timestep/sigma tables of the scheduler (see `shift`). uniform, logit_normal (logit_mean, "
-        "logit_std) or mode (mode_scale).",
+        "logit_std) or mode (mode_scale). A model whose official trainer draws sigma itself takes "
+        "shifted_logit_normal (logit-normal about a mean that follows the clip's tokens, stretched to [0, 1], 10% "
+        "uniform; only such models) or uniform (sigma = u); its docs page says which it defaults to.",
     )
     logit_mean: Optional[float] = Field(None, description="logit_normal only: the normal's mean. Omitted: 0.0.")
     logit_std: Optional[float] = Field(None, gt=0, description="logit_normal only: its std. Omitted: 1.0.")
@@ -58,19 +62,19 @@ class WanModel(DenoiserModelBase):
                                         "Omitted: 1.29.")
     shift: Optional[float] = Field(
         None, gt=0, description="Timestep shift of the training tables (sigma -> shift sigma / (1 + (shift - 1) "
-        "sigma)). Omitted: the scheduler's: UniPC's flow_shift (Wan 2.1: 3.0 at 480p, 5.0 at 720p) or "
-        "FlowMatchEulerDiscreteScheduler's shift; HunyuanVideo 1.5: 3.0, its official trainer's.",
+        "sigma)). Omitted: the scheduler's (UniPC's flow_shift or FlowMatchEulerDiscreteScheduler's shift), or "
+        "the model's official trainer's where it trains with its own (each model's docs page says which).",
     )
     loss_weighting: Literal["none", "cosmap"] = Field(
         "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3).")
     max_sequence_length: Optional[int] = Field(
-        None, gt=0, description="UMT5 tokens per caption (zero-padded, as WanPipeline pads them). Omitted: 512, at "
-        "most the tokenizer's model_max_length. HunyuanVideo 1.5: Qwen2.5-VL tokens after its template (omitted: "
-        "1000, the pipeline's); ByT5's glyph tokens stay 256.",
+        None, gt=0, description="Text tokens per caption of the model's main text encoder (after its prompt "
+        "template, zero-padded as its pipeline pads them). Omitted: the model's pipeline default, at most the "
+        "tokenizer's model_max_length (each model's docs page gives it); a second glyph encoder keeps its own.",
     )
 
     expert: Optional[Literal["high_noise", "low_noise"]] = Field(
-        None, description="Two-expert folders only (Wan 2.2 A14B: `transformer` and `transformer_2` with a "
+        None, description="Two-expert folders only (`transformer` and `transformer_2` with a "
         "boundary_ratio): which expert this run trains. `high_noise`: `transformer`, on the timesteps at or above "
         "boundary_ratio x 1000; `low_noise`: `transformer_2`, on those below. The other expert stays frozen in host "
         "memory and joins only for samples. Required for such folders, refused for one-expert ones.")
@@ -78,23 +82,25 @@ class WanModel(DenoiserModelBase):
         None, description="[min, max]: train only on the scheduler timesteps t (0-1000, after the shift) with min <= "
         "t <= max. With model.expert the range must lie on that expert's side of the folder's boundary "
         "(high_noise: min >= boundary_ratio x 1000; low_noise: max <= boundary_ratio x 1000, and t == boundary "
-        "stays the high-noise expert's, as in WanPipeline). Omitted: every timestep (of the expert's side). "
+        "stays the high-noise expert's, as in the two-expert pipelines). Omitted: every timestep (of the expert's side). "
         "`dstune validate` prints the range a run trains.")
     image_to_video: Optional[bool] = Field(
         None, description="Train image-to-video: every clip is denoised from its own first frame, conditioned as "
-        "WanImageToVideoPipeline conditions it (Wan 2.1 I2V / 2.2 I2V A14B: the first frame and zeros VAE-encoded, "
-        "a first-frame mask, and Wan 2.1's CLIP image embedding; Wan 2.2 TI2V: the first latent frame replaced by "
-        "the clean image latent, its tokens at timestep 0, left out of the loss). Omitted: what the folder is "
-        "(image-to-video folders: true; text-to-video folders and Wan 2.2 TI2V: false). true on a text-to-video "
+        "the model's image-to-video pipeline conditions it (the first frame VAE-encoded as a condition with a mask, "
+        "and an image embedding where the model has one; or, for a text-and-image model, the first latent frame "
+        "replaced by the clean image latent, its tokens at timestep 0, left out of the loss: each model's docs page "
+        "says which). Omitted: what the folder is (image-to-video folders: true; text-to-video and text-and-image "
+        "folders: false). true on a text-to-video "
         "folder and false on an image-to-video one are refused. Samples then render from sample.control_images "
         "(one first frame per prompt).")
     sample_frames: int = Field(
-        5, gt=0, description="Frames of each clip rendered for `sample.prompts` during training (4k+1; the samples "
+        5, gt=0, description="Frames of each clip rendered for `sample.prompts` during training (4k+1, or 8k+1 for a VAE 8x in time; the samples "
         "page plays them as animated WebP, with an MP4 of each step beside it).")
 
     @model_validator(mode="after")
     def _no_unused_sampling_settings(self) -> "WanModel":
-        used = {"logit_normal": {"logit_mean", "logit_std"}, "mode": {"mode_scale"}, "uniform": set()}
+        used = {"logit_normal": {"logit_mean", "logit_std"}, "mode": {"mode_scale"}, "uniform": set(),
+                "shifted_logit_normal": set()}
         unused = sorted(name for name in {"logit_mean", "logit_std", "mode_scale"} - used[self.timestep_sampling]
                         if getattr(self, name) is not None)
         if unused:
@@ -110,19 +116,19 @@ class WanModel(DenoiserModelBase):
 
 
 def experts_in(index: dict) -> list[str]:
-    """The denoiser components of a Wan pipeline folder's model_index.json: transformer, and transformer_2 when
-    the folder has two experts (Wan 2.2 A14B)."""
+    """The denoiser components of a video pipeline folder's model_index.json: transformer, and transformer_2 when
+    the folder has two experts (boundary_ratio splits the timesteps between them)."""
     return ["transformer"] + (["transformer_2"] if (index.get("transformer_2") or [None, None])[1] else [])
 
 
 def expert_problems(index: dict, expert: Optional[str], timestep_range=None,
                     num_train_timesteps: int = 1000) -> list[str]:
-    """Why model.expert / model.timestep_range do not fit a Wan folder's model_index.json (empty: they do)."""
+    """Why model.expert / model.timestep_range do not fit a video folder's model_index.json (empty: they do)."""
     two = len(experts_in(index)) == 2
     if two and index.get("boundary_ratio") is None:
         return ["it has two experts (transformer, transformer_2) but no boundary_ratio in model_index.json"]
     if two and expert is None:
-        return ["it has two experts (Wan 2.2 A14B): set model.expert to high_noise (transformer, timesteps at or "
+        return ["it has two experts: set model.expert to high_noise (transformer, timesteps at or "
                 f"above {index['boundary_ratio']} x 1000) or low_noise (transformer_2, below); a run trains one"]
     if not two and expert is not None:
         return [f"model.expert {expert} applies to two-expert folders (transformer_2); this one has one: remove it"]
@@ -158,7 +164,7 @@ def expert_range(index: dict, expert: Optional[str], timestep_range=None,
 
 def expert_range_text(index: dict, expert: Optional[str], timestep_range=None,
                       num_train_timesteps: int = 1000) -> str:
-    """What `dstune validate` prints of a Wan run's timesteps, e.g. "low_noise (transformer_2) trains timesteps
+    """What `dstune validate` prints of a two-expert run's timesteps, e.g. "low_noise (transformer_2) trains timesteps
     0 to < 875 of 1000; transformer (high noise) ... frozen"."""
     low, high, inclusive = expert_range(index, expert, timestep_range, num_train_timesteps)
     span = f"{low:g} to {'' if inclusive else '< '}{high:g} of {num_train_timesteps}"

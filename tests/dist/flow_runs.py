@@ -35,6 +35,19 @@ def flow_spec(run_dir: Path, model: str, stage: int, train: str) -> dict:
     )
 
 
+def write_pairs(root: Path, pairs: int = 8, side: int = 64) -> None:
+    """An edit model's data: target/NNN.png (a shape) with its instruction, control/NNN.png (another shape)."""
+    from dstune.data.synthetic import render_shape
+
+    for folder in ("target", "control"):
+        (root / folder).mkdir(parents=True)
+    for number in range(pairs):
+        target, caption = render_shape(number, side)
+        target.save(root / "target" / f"{number:03d}.png")
+        (root / "target" / f"{number:03d}.txt").write_text(f"turn it into {caption}")
+        render_shape(number + 100, side)[0].save(root / "control" / f"{number:03d}.png")
+
+
 def launch_cases(tmp_path_factory, model: str, cases: dict, adjust=None) -> dict:
     """name -> (run_dir, spec_path, finished 2-rank launch) for each case (name -> (zero stage, train)) of
     `flow_spec`, after building the built-in model once here (not by both launches' rank 0); `adjust(spec, train)`
@@ -181,7 +194,7 @@ ROWS["tiny-ideogram4"] = FlowRow("Ideogram4Pipeline", _render_with(guidance_scal
 # Qwen-Image 2.1: the tiny folder's processor is a tokenizer (no Qwen3VLProcessor without torchvision), so its
 # pipelines are built from the folder's parts; the pipeline renders RGBA, whose RGB the checks compare.
 def _qwen_image_21_pipeline(folder):
-    from dstune.families.flow_qwen21 import pipeline_from_parts
+    from dstune.models.qwen_image_21.recipe import pipeline_from_parts
 
     return pipeline_from_parts(folder)
 

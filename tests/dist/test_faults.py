@@ -43,7 +43,7 @@ def die():
 if kind in ("kill-at-step", "nan-at-step") and rank == 1:
     import dataclasses
 
-    import dstune.families.sd as sd
+    import dstune.models.sd.sd_family as sd
 
     original_loss = sd.loss
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flow_runs import STEPS, TRANSFORMER, base_folder, check_lora_export, check_resume, check_trains, launch_cases
+from flow_runs import (STEPS, TRANSFORMER, base_folder, check_lora_export, check_resume, check_trains, launch_cases,
+                       write_pairs)
 from harness import explain
 
 pytestmark = pytest.mark.dist
@@ -21,23 +22,10 @@ PAIRS, SIDE = 8, 64  # 8 px per latent: 8x8 latents
 CASES = {"edit-zero2": (2, "full"), "edit-lora-zero3": (3, "lora")}
 
 
-def _write_pairs(root) -> None:
-    """target/NNN.png (a shape) with its instruction, control/NNN.png (another shape) beside it."""
-    from dstune.data.synthetic import render_shape
-
-    for folder in ("target", "control"):
-        (root / folder).mkdir(parents=True)
-    for number in range(PAIRS):
-        target, caption = render_shape(number, SIDE)
-        target.save(root / "target" / f"{number:03d}.png")
-        (root / "target" / f"{number:03d}.txt").write_text(f"turn it into {caption}")
-        render_shape(number + 100, SIDE)[0].save(root / "control" / f"{number:03d}.png")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     pairs = tmp_path_factory.mktemp("pairs")
-    _write_pairs(pairs)
+    write_pairs(pairs, PAIRS, SIDE)
 
     def on_pairs(spec: dict, train: str) -> None:
         spec["data"].update(path=str(pairs / "target"), control_dir="../control", resolution=SIDE)
@@ -51,13 +39,13 @@ def runs(tmp_path_factory) -> dict:
 
 class EditPipeline:
     """QwenImageEditPipeline.from_pretrained with the folder's processor as dstune loads it (transformers builds a
-    Qwen2VLProcessor only with torchvision installed; dstune.families.flow_qwen_edit.load_processor)."""
+    Qwen2VLProcessor only with torchvision installed; dstune.models.qwen_image.edit_recipe.load_processor)."""
 
     @staticmethod
     def from_pretrained(folder):
         from diffusers import QwenImageEditPipeline
 
-        from dstune.families.flow_qwen_edit import load_processor
+        from dstune.models.qwen_image.edit_recipe import load_processor
 
         return QwenImageEditPipeline.from_pretrained(folder, processor=load_processor(folder))
 

@@ -12,11 +12,18 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
 - builtin:tiny-qwen-image (Qwen-Image: its plan splits the packed image, the text and the text mask) full under
   ZeRO 2, rendering a sample whose prompt and negative prompt have odd token counts (padded, masked, to split);
 - builtin:tiny-wan-i2v (Wan 2.1 image-to-video: condition latents and CLIP image tokens) full under ZeRO 2;
+- builtin:tiny-wan-a14b (Wan 2.2 two-expert layout): its low-noise expert full under ZeRO 2;
+- builtin:tiny-wan22-ti2v (Wan 2.2 TI2V: per-token timesteps, the first frame's at 0, split with the tokens) LoRA
+  under ZeRO 3 with gradient checkpointing;
+- builtin:tiny-flux (Flux.1) and builtin:tiny-qwen-image-edit (its source's tokens beside the target's, an
+  instruction of any length padded to split) full under ZeRO 2, rendering samples;
+- builtin:tiny-hunyuan-video15 (HunyuanVideo 1.5, split by dstune's plan: dstune.models.hunyuan_video15.split) LoRA
+  under ZeRO 3 with gradient checkpointing, rendering samples;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
 Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: six 2-rank launches and their six 1-rank references, a 4-rank launch and its 2-rank reference, and the
+check: eleven 2-rank launches and their eleven 1-rank references, a 4-rank launch and its 2-rank reference, and the
 1-rank resume (each launched when a test first needs it).
 """
 
@@ -28,7 +35,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flow_runs import STEPS, TRANSFORMER, flow_spec
+from flow_runs import STEPS, TRANSFORMER, flow_spec, write_pairs
 import shutil
 
 from harness import CACHE_DIR, base_spec, explain, launch, metrics, write_spec
@@ -37,10 +44,25 @@ pytestmark = pytest.mark.dist
 
 MODEL = "tiny-wan"  # 2 attention heads; builtin:moving-shapes clips are 5 frames of 32 px: 2 x 2 x 2 = 8 tokens
 LORA_FILE = Path("pytorch_lora_weights.safetensors")
+TRANSFORMER_2 = Path("transformer_2") / TRANSFORMER.name  # the two-expert export's trained low-noise expert
 
 IMAGE_MODEL = "tiny-flux2"  # 2 heads; 32 px images are 4 tokens, the text 512 (padded to max_sequence_length)
 I2V_MODEL = "tiny-wan-i2v"  # Wan 2.1 image-to-video: condition latents beside the clip's, CLIP image tokens
+TWO_EXPERTS = "tiny-wan-a14b"  # Wan 2.2 A14B layout: the low-noise expert (transformer_2) trains, below the boundary
+HV15_MODEL = "tiny-hunyuan-video15"  # HunyuanVideo 1.5: dstune's plan (hunyuan15_split), its context padded to split
+TI2V_MODEL = "tiny-wan22-ti2v"  # Wan 2.2 TI2V: the first frame's tokens at timestep 0, per-token timesteps split
 QWEN_MODEL = "tiny-qwen-image"  # 2 heads; its 2x VAE makes a 32 px image 64 tokens, the text 512 (padded, masked)
+FLUX1_MODEL = "tiny-flux"  # Flux.1: 2 heads; its 2x VAE makes a 32 px image 64 tokens, the T5 text 512
+EDIT_MODEL = "tiny-qwen-image-edit"  # 8x VAE: a 64 px target 16 tokens and its source 16 more; the text any length
+
+# SGD (its update is linear in the gradient) for the LoRA runs and these full ones. Adam's first updates normalise
+# each element, so an element whose gradient is near zero turns summation-order differences of 1e-7 into a visible
+# difference of its weight: a LoRA A element just after B leaves zero, and in these models' full runs 1 weight of
+# thousands (the two-expert's cross-attention key: 1 of 576; Flux.1's and Qwen-Image-Edit's timestep embedder: 1 of
+# 8192) ended 2e-5 to 4e-5 of its tensor's largest apart, while losses and gradient norms agreed within 1e-6.
+SGD = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
+SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora")}  # the video runs that render samples (split too)
+SGD_FULL = (TWO_EXPERTS, FLUX1_MODEL, EDIT_MODEL)
 
 # name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
 LAUNCHES = {
@@ -56,6 +78,16 @@ LAUNCHES = {
     "qwen-zero2-full-ref": (1, 1, 2, "full", QWEN_MODEL),
     "i2v-zero2-full-sp2": (2, 2, 2, "full", I2V_MODEL),
     "i2v-zero2-full-ref": (1, 1, 2, "full", I2V_MODEL),
+    "flux1-zero2-full-sp2": (2, 2, 2, "full", FLUX1_MODEL),
+    "flux1-zero2-full-ref": (1, 1, 2, "full", FLUX1_MODEL),
+    "edit-zero2-full-sp2": (2, 2, 2, "full", EDIT_MODEL),
+    "edit-zero2-full-ref": (1, 1, 2, "full", EDIT_MODEL),
+    "a14b-zero2-full-sp2": (2, 2, 2, "full", TWO_EXPERTS),
+    "a14b-zero2-full-ref": (1, 1, 2, "full", TWO_EXPERTS),
+    "ti2v-zero3-lora-sp2": (2, 2, 3, "lora", TI2V_MODEL),  # gradient checkpointing on (the wan LoRA runs)
+    "ti2v-zero3-lora-ref": (1, 1, 3, "lora", TI2V_MODEL),
+    "hv15-zero3-lora-sp2": (2, 2, 3, "lora", HV15_MODEL),  # gradient checkpointing on
+    "hv15-zero3-lora-ref": (1, 1, 3, "lora", HV15_MODEL),
     "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
     "2-ranks-2x1": (2, 1, 2, "full", MODEL),  # 2 data-parallel ranks, micro 1 each
 }
@@ -63,38 +95,49 @@ PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "
          ("flux2-zero2-full-sp2", "flux2-zero2-full-ref", TRANSFORMER), ("4-ranks-2x2", "2-ranks-2x1", TRANSFORMER),
          ("qwen-zero2-full-sp2", "qwen-zero2-full-ref", TRANSFORMER),
          ("flux2-zero3-lora-sp2", "flux2-zero3-lora-ref", LORA_FILE),
-         ("i2v-zero2-full-sp2", "i2v-zero2-full-ref", TRANSFORMER)]
+         ("i2v-zero2-full-sp2", "i2v-zero2-full-ref", TRANSFORMER),
+         ("flux1-zero2-full-sp2", "flux1-zero2-full-ref", TRANSFORMER),
+         ("edit-zero2-full-sp2", "edit-zero2-full-ref", TRANSFORMER),
+         ("a14b-zero2-full-sp2", "a14b-zero2-full-ref", TRANSFORMER_2),
+         ("ti2v-zero3-lora-sp2", "ti2v-zero3-lora-ref", LORA_FILE),
+         ("hv15-zero3-lora-sp2", "hv15-zero3-lora-ref", LORA_FILE)]
 
 
 def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
     micro = 2 // (ranks // size)  # the same global batch of 2 on every world
-    if model in (IMAGE_MODEL, QWEN_MODEL):  # the flow image runs' spec (latent and text caches, samples)
+    if model in (IMAGE_MODEL, QWEN_MODEL, FLUX1_MODEL, EDIT_MODEL):  # the flow image runs' spec (caches, samples)
         spec = flow_spec(run_dir, model, stage, train)
         spec["train"].update(global_batch_size=2, micro_batch_size=micro)
         spec["deepspeed"]["sequence_parallel_size"] = size
         spec["output"].update(save_every_steps=None)
-        if model == IMAGE_MODEL and train == "lora":  # SGD: see the wan LoRA runs below
-            spec["train"]["optimizer"] = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
-        elif model == IMAGE_MODEL:
+        if train == "lora" or model in SGD_FULL:
+            spec["train"]["optimizer"] = SGD
+        if model == IMAGE_MODEL and train == "full":
             spec["data"]["eval"] = {"fraction": 0.2, "every_steps": 2}  # the held-out loss, split too
-        else:  # the pipeline's own prompt encoding: 141 tokens, its true-CFG negative 129, both split unevenly
-            spec["sample"].update(prompts=["a red circles"], guidance=2.0)
+        elif model == QWEN_MODEL:  # the pipeline's own prompt encoding: 141 tokens, its true-CFG negative 129,
+            spec["sample"].update(prompts=["a red circles"], guidance=2.0)  # both split unevenly
+        elif model == EDIT_MODEL:  # pairs; the instruction's length depends on the source's vision tokens
+            write_pairs(run_dir.parent / "pairs")
+            spec["data"].update(path=str(run_dir.parent / "pairs" / "target"), control_dir="../control",
+                                resolution=64)
+            spec["data"]["cache"]["text_embeddings"] = False  # an edit embedding belongs to a (caption, image) pair
+            spec["sample"].update(prompts=["turn it into a red circle"],
+                                  control_images=[str(run_dir.parent / "pairs" / "control" / "005.png")])
         return spec
     lora = train == "lora"
     cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
+    layout = {TWO_EXPERTS: {"expert": "low_noise"}, TI2V_MODEL: {"image_to_video": True}}.get(model, {})
     return base_spec(
         run_dir,
-        model={"family": "wan", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora},
+        model={"family": "wan", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora,
+               **layout},
         data={"path": "builtin:moving-shapes", "cache": cache},
         train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,
                "max_steps": STEPS,
-               # SGD for LoRA: its update is linear in the gradient. Adam's first updates normalise each element,
-               # so a LoRA A element whose gradient is near zero (just after B leaves zero) turns summation-order
-               # differences of 1e-7 into 1e-4 of its weight.
-               "optimizer": {"type": "sgd", "lr": 0.5, "momentum": 0.9} if lora else {"type": "adamw", "lr": 2e-4}},
+               "optimizer": SGD if lora or model in SGD_FULL else {"type": "adamw", "lr": 2e-4}},
         deepspeed={"zero_stage": stage, "sequence_parallel_size": size},
         output={"export": "diffusers", "save_every_steps": 2, "keep_last": 5},
-        sample={"prompts": [] if lora or model == I2V_MODEL else ["a red circle moving left"], "steps": 2,
+        sample={"prompts": ["a red circle moving left"] if (model, train) in SAMPLED else [], "steps": 2,
                 "guidance": 1.0},
     )
 
@@ -133,7 +176,8 @@ class Runs:
 def runs(tmp_path_factory) -> Runs:
     from dstune.builtin import ensure_builtin_model
 
-    for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL):
+    for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL, TWO_EXPERTS, TI2V_MODEL, FLUX1_MODEL, EDIT_MODEL,
+                  HV15_MODEL):
         ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
     return Runs(tmp_path_factory)
 
@@ -168,9 +212,12 @@ def test_two_ranks_of_one_sequence_group_train_what_one_rank_trains(runs, split,
         assert (a[key] - b[key]).abs().max().item() <= 1e-5 * scale, key
 
 
-@pytest.mark.parametrize("name", ["zero2-full-sp2", "qwen-zero2-full-sp2"])
+@pytest.mark.parametrize("name", ["zero2-full-sp2", "qwen-zero2-full-sp2", "flux1-zero2-full-sp2",
+                                  "edit-zero2-full-sp2", "hv15-zero3-lora-sp2"])
 def test_samples_render_split(runs, name):
-    """Wan's clip; Qwen-Image's prompt and negative prompt, whose odd token counts are padded (masked) to split."""
+    """Wan's clip; Qwen-Image's prompt and negative prompt, whose odd token counts are padded (masked) to split;
+    Flux.1's; Qwen-Image-Edit's from a source image (its tokens beside the target's, the instruction padded);
+    HunyuanVideo 1.5's clip (its context padded to split) with the LoRA."""
     run_dir, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
     assert list((run_dir / "samples").glob(f"step-{STEPS:06d}.*"))  # an animated image of the frames, or a grid

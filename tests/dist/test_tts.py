@@ -68,7 +68,7 @@ def test_length_rules_and_bad_files_are_reported(runs):
 def test_export_reloads_in_transformers_and_speaks(runs, name):
     from transformers import AutoModelForCausalLM, EncodecModel
 
-    from dstune.families.tts_lm import synthesize
+    from dstune.models.tts_lm.family import synthesize
 
     run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
@@ -94,7 +94,8 @@ def test_codec_cache_of_two_ranks_equals_one_process(runs, tmp_path):
     from dstune.cache.codec_tokens import encode_entries, plan_codec_entries
     from dstune.data.audio import speech_records
     from dstune.pretrained import build_model
-    from dstune.spec.models import DataSpec, TtsLmModel
+    from dstune.spec.models import DataSpec
+    from dstune.models.tts_lm.spec import TtsLmModel
 
     run_dir, _, proc = runs["zero2"]
     assert proc.returncode == 0, explain(proc)
@@ -119,7 +120,7 @@ def test_codec_cache_of_two_ranks_equals_one_process(runs, tmp_path):
 def test_speecht5_export_reloads_and_speaks(runs, name):
     from transformers import SpeechT5ForTextToSpeech
 
-    from dstune.families.speecht5 import synthesize
+    from dstune.models.speecht5.family import synthesize
 
     run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
@@ -141,7 +142,7 @@ def test_csm_export_loads_with_its_processor_and_generates_a_wav(runs, name, tmp
     from peft import PeftModel
     from transformers import AutoProcessor, CsmForConditionalGeneration
 
-    from dstune.families.tts_codebooks import decodable_codes
+    from dstune.models.csm.family import decodable_codes
 
     run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)

@@ -74,7 +74,7 @@ def test_orpheus_export_keeps_its_format_and_speaks(runs, name):
     import soundfile
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dstune.families.tts_lm import synthesize
+    from dstune.models.tts_lm.family import synthesize
 
     run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
@@ -105,7 +105,7 @@ def test_orpheus_lora_trains_adapters_only_and_exports_both_ways(runs, name):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from dstune.families.tts_lm import synthesize
+    from dstune.models.tts_lm.family import synthesize
     from dstune.export import consolidated_state_dict
 
     run_dir, _, proc = runs[name]

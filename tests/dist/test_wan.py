@@ -20,7 +20,11 @@ all (HunyuanVideo 1.5's three among them), which between them train full and LoR
   ZeRO 2 from the latent and text caches, its export rendered by HunyuanVideo15Pipeline; builtin:tiny-hunyuan-
   video15-i2v image-to-video with LoRA under ZeRO 3 and gradient checkpointing (the SigLIP embedding stored in the
   latent cache), resumed from its step-2 checkpoint with the same losses and LoRA file, which the pipeline's
-  transformer loads with load_lora_adapter and which changes the frames.
+  transformer loads with load_lora_adapter and which changes the frames;
+- LTX-2 on the same family, in the same launch table: builtin:tiny-ltx2 in full under ZeRO 2 from the latent and
+  text caches (video only, ltx-trainer's sigma sampler), its export rendered by LTX2Pipeline with sound; LoRA under
+  ZeRO 3 with gradient checkpointing, resumed from its step-2 checkpoint with the same losses and LoRA file, which
+  LTX2Pipeline.load_lora_weights loads and which changes the frames.
 """
 
 from __future__ import annotations
@@ -292,29 +296,40 @@ def test_ti2v_image_to_video_lora_loads_and_changes_the_frames(i2v_runs):
 
 # ------------------------------------------------------------------------------------------ HunyuanVideo 1.5
 
-HV15, HV15_I2V = "tiny-hunyuan-video15", "tiny-hunyuan-video15-i2v"
+HV15, HV15_I2V, LTX2 = "tiny-hunyuan-video15", "tiny-hunyuan-video15-i2v", "tiny-ltx2"
 HV15_TEXT_TOKENS = 48  # the tiny model's Qwen side; the default 1000 tokens would make the text encoder most of a step
+LTX2_TEXT_TOKENS = 32  # the tiny model's Gemma side, likewise (default 1024)
+# the video models the folder chooses within model.family wan: run name -> (model, ZeRO stage, train, model keys)
+FOLDER_CHOSEN_RUNS = {
+    "full": (HV15, 2, "full", {"max_sequence_length": HV15_TEXT_TOKENS}),
+    "lora": (HV15_I2V, 3, "lora", {"max_sequence_length": HV15_TEXT_TOKENS}),
+    "ltx2-full": (LTX2, 2, "full", {"max_sequence_length": LTX2_TEXT_TOKENS,
+                                    "timestep_sampling": "shifted_logit_normal"}),
+    "ltx2-lora": (LTX2, 3, "lora", {"max_sequence_length": LTX2_TEXT_TOKENS,
+                                    "timestep_sampling": "shifted_logit_normal"}),
+}
 
 
 @pytest.fixture(scope="module")
 def hv15_runs(tmp_path_factory) -> dict:
-    """ZeRO-2 full text-to-video from both caches; ZeRO-3 LoRA image-to-video with gradient checkpointing."""
+    """Each model's ZeRO-2 full run from both caches and ZeRO-3 LoRA run with gradient checkpointing (HunyuanVideo
+    1.5's image-to-video, LTX-2's text-to-video)."""
     from dstune.builtin import ensure_builtin_model
 
     out = {}
-    for name, model, stage, train in (("full", HV15, 2, "full"), ("lora", HV15_I2V, 3, "lora")):
+    for name, (model, stage, train, keys) in FOLDER_CHOSEN_RUNS.items():
         ensure_builtin_model(model, CACHE_DIR)
-        run_dir = tmp_path_factory.mktemp(f"hv15-{name}") / "run"
+        run_dir = tmp_path_factory.mktemp(f"video-{name}") / "run"
         cache = {"latents": True, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
         spec = _spec(run_dir, stage, train, {"path": "builtin:moving-shapes", "cache": cache},
-                     {"pretrained": f"builtin:{model}", "max_sequence_length": HV15_TEXT_TOKENS})
+                     {"pretrained": f"builtin:{model}", **keys})
         if model == HV15_I2V:
             image = _first_frame(run_dir.parent / "images")
             spec["sample"] = {**spec["sample"], "prompts": [PROMPT], "control_images": [str(image)]}
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         started = time.perf_counter()
         out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
-        print(f"launch hv15 {name}: {time.perf_counter() - started:.1f} s wall")
+        print(f"launch {name}: {time.perf_counter() - started:.1f} s wall")
     return out
 
 
@@ -369,3 +384,54 @@ def test_hunyuan_video15_i2v_lora_zero3_resumes_exactly_and_its_file_loads_into_
     started = time.perf_counter()
     check_resume(run_dir, spec_path, proc, tmp_path / "resumed", Path("pytorch_lora_weights.safetensors"))
     print(f"launch hv15 resume: {time.perf_counter() - started:.1f} s wall")
+
+
+# ------------------------------------------------------------------------------------------ LTX-2
+
+
+def _render_ltx2(pipeline) -> tuple[torch.Tensor, torch.Tensor]:
+    result = pipeline(PROMPT, height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
+                      max_sequence_length=LTX2_TEXT_TOKENS, generator=torch.Generator().manual_seed(0),
+                      output_type="pt")
+    return result.frames.float(), result.audio.float()
+
+
+def test_ltx2_full_run_from_caches_exports_a_folder_the_pipeline_renders_with_sound(hv15_runs):
+    from diffusers import LTX2Pipeline
+    from safetensors.torch import load_file
+
+    from dstune.cache.entries import read_entry
+
+    run_dir, _, proc = hv15_runs["ltx2-full"]
+    check_trains(run_dir, proc)
+    assert "entries, built now" in proc.stdout
+    entries = [read_entry(path) for path in (run_dir.parent / "cache").rglob("*.safetensors")]
+    text = [entry for entry in entries if "audio_encoder_hidden_states" in entry]
+    assert text and text[0]["encoder_hidden_states"].shape == (LTX2_TEXT_TOKENS, 16)
+    export = run_dir / "export" / f"step-{STEPS:08d}"
+    trained, start = load_file(export / TRANSFORMER), load_file(base_folder(LTX2) / TRANSFORMER)
+    assert set(trained) == set(start) and any(not torch.equal(trained[k], start[k]) for k in start)
+    frames, audio = _render_ltx2(LTX2Pipeline.from_pretrained(export))
+    assert frames.shape == (1, 5, 3, 32, 32) and torch.isfinite(frames).all()
+    assert audio.shape[:2] == (1, 2) and audio.shape[2] > 0 and torch.isfinite(audio).all()
+    assert (run_dir / "samples" / f"step-{STEPS:06d}.mp4").stat().st_size > 0
+
+
+def test_ltx2_lora_zero3_resumes_exactly_and_its_file_loads_with_load_lora_weights(hv15_runs, tmp_path):
+    from diffusers import LTX2Pipeline
+    from safetensors.torch import load_file
+
+    run_dir, spec_path, proc = hv15_runs["ltx2-lora"]
+    check_trains(run_dir, proc)
+    export = run_dir / "export" / f"step-{STEPS:08d}"
+    adapters = load_file(export / "pytorch_lora_weights.safetensors")
+    assert adapters and all(k.startswith("transformer.") and ".lora_" in k for k in adapters)
+    assert max(t.abs().max().item() for k, t in adapters.items() if ".lora_B." in k) > 0
+    pipeline = LTX2Pipeline.from_pretrained(base_folder(LTX2))
+    before, _ = _render_ltx2(pipeline)
+    pipeline.load_lora_weights(str(export), weight_name="pytorch_lora_weights.safetensors")
+    after, _ = _render_ltx2(pipeline)
+    assert after.shape == (1, 5, 3, 32, 32) and torch.isfinite(after).all() and not torch.allclose(after, before)
+    started = time.perf_counter()
+    check_resume(run_dir, spec_path, proc, tmp_path / "resumed", Path("pytorch_lora_weights.safetensors"))
+    print(f"launch ltx2 resume: {time.perf_counter() - started:.1f} s wall")

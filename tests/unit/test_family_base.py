@@ -16,8 +16,12 @@ from dstune.families.diffusion import copy_component
 from dstune.families.samples import save_grid
 from dstune.fsutil import publish_folder
 from dstune.pretrained import resolve_pretrained
-from dstune.spec.models import FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsCodebooksModel, TtsLmModel, WanModel
-from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, LORA_FORMATS, SINGLE_FILE_FAMILIES, VIDEO_FAMILIES
+from dstune.spec.models import FlowModel, WanModel
+from dstune.models.csm.spec import TtsCodebooksModel
+from dstune.models.sd.spec import SdModel, SdxlModel
+from dstune.models.speecht5.spec import SpeechT5Model
+from dstune.models.tts_lm.spec import TtsLmModel
+from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, SECTIONS_BY_FAMILY, VIDEO_FAMILIES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_SPECS = {"sd": SdModel, "sdxl": SdxlModel, "flow": FlowModel, "wan": WanModel, "tts_lm": TtsLmModel,
@@ -39,8 +43,9 @@ def test_registry_matches_the_spec_and_every_family_declares_the_contract():
         assert all(field in MODEL_SPECS[name].model_fields for field in family.pretrained_fields)
         assert family.text_cache is None or family.modality in ("image", "video")
         assert family.supports_lora == (name != "speecht5")  # LoRA: the diffusion families and tts_lm
-        assert family.supports_lora == (name in LORA_FORMATS)  # validate checks output.lora_format by the spec
-        assert (family.single_file is not None) == (name in SINGLE_FILE_FAMILIES)
+        section = SECTIONS_BY_FAMILY[name]  # validate checks output.lora_format and single files by the spec
+        assert family.supports_lora == bool(getattr(section, "LORA_FORMATS", {}))
+        assert (family.single_file is not None) == bool(getattr(section, "SINGLE_FILE", False))
         facts = get_facts(name)  # the torch-free half declares the same family and modality
         assert facts.family == name and facts.modality == family.modality
         assert (facts.token_factors is not None) == (family.modality == "video")

@@ -1,4 +1,4 @@
-"""FLUX.2 [klein] in the flow family (recipe dstune.families.flow_flux2) on builtin:tiny-flux2's real components.
+"""FLUX.2 [klein] in the flow family (recipe dstune.models.flux2.recipe) on builtin:tiny-flux2's real components.
 
 The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_flux2_klein.py
 with diffusers' own pieces: Flux2KleinPipeline.encode_prompt's embeddings and text ids, the posterior's mode

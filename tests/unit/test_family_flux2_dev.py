@@ -1,4 +1,4 @@
-"""FLUX.2 [dev] in the flow family (recipe dstune.families.flow_flux2.FLUX2_DEV) on builtin:tiny-flux2-dev's real
+"""FLUX.2 [dev] in the flow family (recipe dstune.models.flux2.recipe.FLUX2_DEV) on builtin:tiny-flux2-dev's real
 components: a Flux2Pipeline folder whose Mistral3 text encoder is tiny and whose tokenizer is a byte-level fast
 tokenizer with Mistral's chat template, standing where a real folder's PixtralProcessor (which needs torchvision)
 goes.

@@ -1,4 +1,4 @@
-"""Ideogram 4 in the flow family (recipe dstune.families.flow_ideogram4) on builtin:tiny-ideogram4's real components.
+"""Ideogram 4 in the flow family (recipe dstune.models.ideogram4.recipe) on builtin:tiny-ideogram4's real components.
 
 The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_ideogram4.py
 with diffusers' own pieces: Ideogram4Pipeline.encode_prompt for the batch's image grid (the packed text features,

@@ -1,4 +1,4 @@
-"""Krea 2 in the flow family (recipe dstune.families.flow_krea2) on builtin:tiny-krea2's real components.
+"""Krea 2 in the flow family (recipe dstune.models.krea2.recipe) on builtin:tiny-krea2's real components.
 
 The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_krea2.py
 with diffusers' own pieces: the captions through the text-encoding Krea2Pipeline the example makes with

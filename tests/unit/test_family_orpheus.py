@@ -13,11 +13,12 @@ import torch
 
 from dstune.builtin import ensure_builtin_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.families import tts_lm
+from dstune.models.tts_lm import family as tts_lm
 from dstune.families.base import FamilyError
 from dstune.families.speech_codecs import decode_codes, encode_clip
 from dstune.pretrained import build_model
-from dstune.spec.models import DataSpec, TtsLmModel
+from dstune.spec.models import DataSpec
+from dstune.models.tts_lm.spec import TtsLmModel
 
 pytest.importorskip("snac")
 soundfile = pytest.importorskip("soundfile")

@@ -1,4 +1,4 @@
-"""Qwen-Image in the flow family (recipe dstune.families.flow_qwen) on builtin:tiny-qwen-image's real components.
+"""Qwen-Image in the flow family (recipe dstune.models.qwen_image.recipe) on builtin:tiny-qwen-image's real components.
 
 The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_qwen_image.py
 with diffusers' own pieces: each caption encoded alone by QwenImagePipeline.encode_prompt and the batch padded to

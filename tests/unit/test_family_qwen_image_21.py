@@ -1,4 +1,4 @@
-"""Qwen-Image 2.1 in the flow family (recipe dstune.families.flow_qwen21) on builtin:tiny-qwen-image-21's real
+"""Qwen-Image 2.1 in the flow family (recipe dstune.models.qwen_image_21.recipe) on builtin:tiny-qwen-image-21's real
 components.
 
 The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_qwenimage21.py
@@ -22,7 +22,7 @@ import torch
 from dstune import builtin as tiny
 from dstune.families import flow
 from dstune.families.base import FamilyError
-from dstune.families.flow_qwen21 import load_processor, pipeline_from_parts
+from dstune.models.qwen_image_21.recipe import load_processor, pipeline_from_parts
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel, SampleSpec

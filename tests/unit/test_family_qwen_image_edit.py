@@ -1,4 +1,4 @@
-"""Qwen-Image-Edit in the flow family (recipe dstune.families.flow_qwen_edit) on builtin:tiny-qwen-image-edit's real
+"""Qwen-Image-Edit in the flow family (recipe dstune.models.qwen_image.edit_recipe) on builtin:tiny-qwen-image-edit's real
 components.
 
 diffusers has no Qwen-Image-Edit training example, so the reference is the pipeline's own conditioning plus the loss
@@ -25,7 +25,7 @@ from dstune.data.synthetic import render_shape
 from dstune.families import flow
 from dstune.families.base import FamilyError
 from dstune.families.randomness import per_sample_randn
-from dstune.families.flow_qwen_edit import control_images, load_processor
+from dstune.models.qwen_image.edit_recipe import control_images, load_processor
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel, SampleSpec
 

@@ -20,9 +20,10 @@ from dstune.pretrained import build_model
 from dstune.data.synthetic import render_shape
 from dstune import builtin as tiny
 from dstune.builtin.common import shapes_images, to_tensor
-from dstune.families import sd
+from dstune.models.sd import sd_family as sd
 from dstune.families.base import FamilyError
-from dstune.spec.models import SampleSpec, SdModel
+from dstune.spec.models import SampleSpec
+from dstune.models.sd.spec import SdModel
 
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
 MARKER = tiny.BUILTIN_MARKER

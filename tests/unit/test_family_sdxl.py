@@ -18,9 +18,10 @@ from dstune.pretrained import build_model
 from dstune.data.images import ImageCaptionDataset, collate, crop_fields, decoded_size
 from dstune.data.index import SampleRecord
 from dstune import builtin as tiny
-from dstune.families import sdxl
+from dstune.models.sd import sdxl_family as sdxl
 from dstune.families.base import FamilyError
-from dstune.spec.models import DataSpec, SampleSpec, SdxlModel
+from dstune.spec.models import DataSpec, SampleSpec
+from dstune.models.sd.spec import SdxlModel
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))

@@ -11,10 +11,11 @@ import torch
 
 from dstune.pretrained import build_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.families import speecht5
+from dstune.models.speecht5 import family as speecht5
 from dstune.families.base import FamilyError
 from dstune.builtin import ensure_builtin_model
-from dstune.spec.models import DataSpec, SpeechT5Model
+from dstune.spec.models import DataSpec
+from dstune.models.speecht5.spec import SpeechT5Model
 
 pytest.importorskip("sentencepiece")
 

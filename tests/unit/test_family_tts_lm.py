@@ -13,11 +13,12 @@ import torch
 
 from dstune.pretrained import build_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.families import tts_lm
+from dstune.models.tts_lm import family as tts_lm
 from dstune.families.speech import save_wavs
 from dstune.families.base import FamilyError
 from dstune.builtin import ensure_builtin_model
-from dstune.spec.models import DataSpec, SampleSpec, TtsLmModel
+from dstune.spec.models import DataSpec, SampleSpec
+from dstune.models.tts_lm.spec import TtsLmModel
 
 soundfile = pytest.importorskip("soundfile")
 

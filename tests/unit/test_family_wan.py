@@ -35,7 +35,8 @@ def test_builtin_tiny_wan_is_a_wan_pipeline_that_renders_frames():
 import pytest  # noqa: E402
 
 from dstune.data.synthetic import moving_shape  # noqa: E402
-from dstune.families import flow_core, wan  # noqa: E402
+from dstune.families import flow_core, video as wan  # noqa: E402
+from dstune.models.wan.recipe import expert_positions, train_tables  # noqa: E402
 from dstune.families.randomness import per_sample_randn  # noqa: E402
 from dstune.pretrained import build_model  # noqa: E402
 from dstune.spec.models import SampleSpec, WanModel  # noqa: E402
@@ -83,7 +84,7 @@ def test_noisy_latent_is_what_the_scheduler_defines(built):
                           for i, p in enumerate(positions.tolist())])
     assert torch.equal(timesteps, reference.timesteps[positions].float())
     assert sigmas.shape == (3, 1, 1, 1, 1) and torch.allclose(noisy, expected, atol=1e-6)
-    shifted = wan.train_tables({"shift": 5.0, "num_train_timesteps": 1000}, None)
+    shifted = train_tables({"shift": 5.0, "num_train_timesteps": 1000}, None)
     assert shifted[2] == 5.0 and torch.allclose(shifted[1], FlowMatchEulerDiscreteScheduler(shift=5.0).sigmas)
 
 
@@ -192,7 +193,7 @@ def test_an_expert_trains_its_own_component_on_its_own_timesteps(low_noise):
     assert (low_noise.train_timesteps[first:] < 875).all() and (low_noise.train_timesteps[:first] >= 875).all()
     index = {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}
     high = WanModel(family="wan", expert="high_noise")
-    assert wan.expert_positions(low_noise.train_timesteps, high, index, low_noise.scheduler.config) == (0, first)
+    assert expert_positions(low_noise.train_timesteps, high, index, low_noise.scheduler.config) == (0, first)
     seen = []
     encoded = wan.encode_batch(low_noise, _batch())
 
@@ -212,11 +213,11 @@ def test_timestep_range_narrows_the_expert_and_must_stay_on_its_side_of_the_boun
     index = {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}
     table, config = low_noise.train_timesteps, low_noise.scheduler.config
     narrow = WanModel(family="wan", expert="low_noise", timestep_range=(200, 600))
-    first, count = wan.expert_positions(table, narrow, index, config)
+    first, count = expert_positions(table, narrow, index, config)
     picked = table[first:first + count]
     assert count > 0 and picked.min() >= 200 and picked.max() <= 600
     assert ((table >= 200) & (table <= 600)).sum() == count
-    whole = wan.expert_positions(table, WanModel(family="wan", expert="low_noise", timestep_range=(0, 875)), index,
+    whole = expert_positions(table, WanModel(family="wan", expert="low_noise", timestep_range=(0, 875)), index,
                                  config)
     assert whole == low_noise.positions  # max == boundary: still only t < 875
     problems = expert_problems(index, "low_noise", (500, 900))

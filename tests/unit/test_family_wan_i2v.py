@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.families import wan, wan_i2v
+from dstune.families import video as wan
+from dstune.models.wan import i2v as wan_i2v
 from dstune.families.base import FamilyError
 from dstune.families.randomness import per_sample_randn
 from dstune.families.flow_matching import timestep_density
@@ -229,10 +230,10 @@ def test_a_cache_without_the_condition_is_refused(i2v):
 
 def test_the_latent_cache_key_changes_with_the_mode_and_text_to_video_keeps_the_plain_entries():
     folder = tiny.ensure_builtin_model(TI2V, CACHE_DIR)
-    assert wan.wan_i2v_cache_key(WanModel(family="wan", pretrained=TI2V), folder) == ("", (), ())
-    assert wan.wan_i2v_cache_key(WanModel(family="wan", pretrained=TI2V, image_to_video=True), folder) == \
+    assert wan.latent_cache_key(WanModel(family="wan", pretrained=TI2V), folder) == ("", (), ())
+    assert wan.latent_cache_key(WanModel(family="wan", pretrained=TI2V, image_to_video=True), folder) == \
         ("image_to_video/ti2v", (), ("condition_mean",))
-    assert wan.wan_i2v_cache_key(WanModel(family="wan", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)) \
+    assert wan.latent_cache_key(WanModel(family="wan", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)) \
         == ("image_to_video/i2v", ("image_encoder", "image_processor"), ("condition_mean", "image_embeds"))
 
 
@@ -254,7 +255,7 @@ def _validate(tmp_path, capsys, model: dict, sample: dict, cache: bool = True) -
 def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tmp_path, capsys):
     """The image encoder is a frozen companion (cached with the latents, whose entries grow by the condition and
     the CLIP hidden states); TI2V's 16x VAE quarters the tokens; the mode and sample problems name their key."""
-    from dstune.families.wan_facts import clip_tokens
+    from dstune.models.wan.facts import clip_tokens
     from dstune.memory.counts import STORE
 
     code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": []})
@@ -282,7 +283,7 @@ def a14b_i2v_folder(tmp_path_factory):
     encoder (image_dim None) and boundary_ratio 0.9 (the A14B image-to-video value), on tiny-wan's VAE and UMT5."""
     from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
 
-    from dstune.builtin.wan import TINY_WAN_TRANSFORMER, WAN_SCHEDULER
+    from dstune.models.wan.builtin import TINY_WAN_TRANSFORMER, WAN_SCHEDULER
 
     from diffusers import WanPipeline
 

@@ -1,4 +1,4 @@
-"""Z-Image in the flow family (recipe dstune.families.flow_zimage) on builtin:tiny-z-image's real components.
+"""Z-Image in the flow family (recipe dstune.models.zimage.recipe) on builtin:tiny-z-image's real components.
 
 The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_z_image.py
 with diffusers' own pieces: the captions through ZImagePipeline.encode_prompt (a list of unpadded embeddings), the

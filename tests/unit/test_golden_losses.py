@@ -29,8 +29,11 @@ import torch
 
 from dstune.families import get_family
 from dstune.pretrained import resolve_folders
-from dstune.spec.models import (DataSpec, FlowModel, SdModel, SdxlModel, SpeechT5Model, TtsCodebooksModel, TtsLmModel,
-                                WanModel)
+from dstune.spec.models import DataSpec, FlowModel, WanModel
+from dstune.models.csm.spec import TtsCodebooksModel
+from dstune.models.sd.spec import SdModel, SdxlModel
+from dstune.models.speecht5.spec import SpeechT5Model
+from dstune.models.tts_lm.spec import TtsLmModel
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -43,6 +46,7 @@ IMAGE_SIDE, EDIT_SIDE, CLIP_FRAMES = 32, 64, 5  # edit pairs: 8 px per latent, 8
 IMAGE_LR, SPEECH_LR = 1e-3, 1e-2
 FLUX2_TEXT_TOKENS = 64  # the chat-templated captions fit; the default 512 makes the text encoder most of the time
 HV15_TEXT_TOKENS = 48  # HunyuanVideo 1.5's default 1000 Qwen tokens would make the text side most of the time
+LTX2_TEXT_TOKENS = 32  # LTX-2's default 1024 Gemma tokens likewise
 
 
 def _model(model_class, family: str, **options):
@@ -75,6 +79,8 @@ CASES = {
     "tiny-hunyuan-video15": (_model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS), "moving-shapes", IMAGE_LR),
     "tiny-hunyuan-video15-i2v": (_model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS), "moving-shapes",
                                  IMAGE_LR),
+    "tiny-ltx2": (_model(WanModel, "wan", max_sequence_length=LTX2_TEXT_TOKENS,
+                         timestep_sampling="shifted_logit_normal"), "moving-shapes", IMAGE_LR),
 }
 
 

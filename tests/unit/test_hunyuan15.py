@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstune.families import wan
-from dstune.families.flow_hunyuan15 import TRAIN_SHIFT, VISION_TOKENS
+from dstune.families import video as wan
+from dstune.models.hunyuan_video15.recipe import TRAIN_SHIFT, VISION_TOKENS
 from dstune.families.flow_matching import timestep_density
 from dstune.families.randomness import per_sample_randn
 from dstune.pretrained import build_model
@@ -182,7 +182,7 @@ def test_image_to_video_loss_equals_the_trainers_i2v_lines(i2v):
     where train.py takes that frame of its posterior sample: the one difference, documented."""
     from diffusers import HunyuanVideo15ImageToVideoPipeline
 
-    from dstune.families.hunyuan15_i2v import frame_images
+    from dstune.models.hunyuan_video15.i2v import frame_images
 
     batch = clip_batch(INDICES, SEED)
     encoded = wan.encode_batch(i2v, batch)

@@ -16,10 +16,10 @@ PACKAGE = REPO / "dstune"
 # Lowest first. A module may import modules of its own layer (without a cycle) or of lower layers. A name is a
 # module or a package (then it covers everything under it). Keep in step with docs/architecture.md.
 LAYERS = [
-    ["dstune.spec", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves",
+    ["dstune.spec", "dstune.models", "dstune.models.unit", "dstune.models.registry", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves",
      "dstune.library_logs", "dstune.interrupts", "dstune.runlock"],
     ["dstune.world", "dstune.plan", "dstune.checkpoints", "dstune.checkpoints.layout", "dstune.checkpoints.resume_plan",
-     "dstune.token_layouts", "dstune.wan_layouts", "dstune.memory", "dstune.memory.plan",
+     "dstune.models.tts_lm.token_layouts", "dstune.models.wan.layouts", "dstune.memory", "dstune.memory.plan",
      "dstune.memory.phases", "dstune.memory.activations"],
     ["dstune.distributed", "dstune.ds_json", "dstune.data",
      "dstune.families", "dstune.ema", "dstune.memory.counts", "dstune.model_folders", "dstune.model_defaults",
@@ -63,7 +63,25 @@ def _target(name: str) -> str | None:
     return name or None
 
 
+# A model unit (dstune/models/<name>/) holds modules of several layers; a module's role, from its name, says which:
+# its registration (unit) with the spec's, its layouts with the plan's, its facts and torch side with the families',
+# its built-ins with dstune.builtin.
+UNIT_ROLES = {"unit": 0, "spec": 0, "layouts": 1, "token_layouts": 1, "facts": 2, "builtin": 3}
+UNIT_TORCH_SIDE = 2
+
+
+def _unit_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) != 4 or parts[:2] != ["dstune", "models"] or parts[2] in ("unit", "registry"):
+        return None
+    role = parts[3]
+    return UNIT_ROLES.get(role, UNIT_ROLES["builtin"] if role.startswith("builtin") else UNIT_TORCH_SIDE)
+
+
 def _layer(module: str) -> int:
+    unit_layer = _unit_layer(module)
+    if unit_layer is not None:
+        return unit_layer
     best, where = -1, None
     for number, names in enumerate(LAYERS):
         for name in names:
@@ -161,11 +179,20 @@ def test_no_import_points_up_a_layer():
     assert wrong == []
 
 
+def _rules_of(module: str):
+    """The FORBIDDEN entries that hold for `module`: its package's, and for a unit's torch side the families'."""
+    for package, banned in FORBIDDEN.items():
+        if module == package or module.startswith(package + "."):
+            yield banned
+    if _unit_layer(module) == UNIT_TORCH_SIDE and module.split(".")[3] not in UNIT_ROLES:
+        yield FORBIDDEN["dstune.families"]
+
+
 def test_package_rules():
     wrong = []
     for module, path in MODULES.items():
-        for package, banned in FORBIDDEN.items():
-            if module == package or module.startswith(package + "."):
+        for banned in _rules_of(module):
+            if True:
                 wrong += [f"{path.relative_to(REPO)}:{line}: {module} imports {target}"
                           for target, _, line, _ in _imports(module, path)
                           if target and any(target == b or target.startswith(b + ".") for b in banned)]

@@ -7,7 +7,8 @@ import torch
 
 from dstune.ema import Ema, consolidated_ema, decay_at, overlay_ema, shard_range
 from dstune.families import get_family
-from dstune.spec.models import EmaSpec, SdModel
+from dstune.spec.models import EmaSpec
+from dstune.models.sd.spec import SdModel
 
 SD = get_family("sd")
 

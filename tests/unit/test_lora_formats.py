@@ -20,7 +20,8 @@ from dstune.families import get_family
 from dstune.families.lora import LORA_WEIGHT_FILE, apply_train_mode, export_lora
 from dstune.pretrained import build_model
 from dstune.spec.load import SpecSource, validate_data
-from dstune.spec.models import LORA_FORMATS, FlowModel, SdModel, SdxlModel
+from dstune.spec.models import SECTIONS_BY_FAMILY, FlowModel
+from dstune.models.sd.spec import SdModel, SdxlModel
 from dstune.validate import validate_spec
 from dstune.world import world_from_flags
 
@@ -42,7 +43,7 @@ MODELS = {  # name -> (model section, pipeline class)
     "flux2": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux2", train="lora",
                                 lora={"rank": 2, "alpha": 8}), "Flux2KleinPipeline"),
 }
-CASES = [(name, fmt) for name, (make, _) in MODELS.items() for fmt in LORA_FORMATS[make().family]]
+CASES = [(name, fmt) for name, (make, _) in MODELS.items() for fmt in SECTIONS_BY_FAMILY[make().family].LORA_FORMATS]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_exported_lora_loads_back_through_diffusers_with_every_adapter_weight(tr
     spec, built, state = trained[name]
     out = export_lora(get_family(spec.family), built, state, tmp_path / "lora", spec, "raw", lora_format)
     info = json.loads((out / "dstune_lora.json").read_text())
-    assert info["format"] == lora_format and info["key_scheme"] == LORA_FORMATS[spec.family][lora_format]
+    assert info["format"] == lora_format and info["key_scheme"] == SECTIONS_BY_FAMILY[spec.family].LORA_FORMATS[lora_format]
     with safe_open(str(out / LORA_WEIGHT_FILE), "pt") as handle:
         keys = list(handle.keys())
     if info["key_scheme"] == "kohya":

@@ -9,7 +9,8 @@ import torch
 
 from dstune.families import get_family
 from dstune.spec.load import SpecError
-from dstune.spec.models import BASE_PRECISION_BYTES, SdModel
+from dstune.spec.models import BASE_PRECISION_BYTES
+from dstune.models.sd.spec import SdModel
 
 SD = get_family("sd")
 LORA = {"train": "lora", "lora": {"rank": 2, "alpha": 2}}
@@ -101,7 +102,7 @@ def test_quantized_base_keeps_the_output_and_trains_only_fp32_adapters(precision
 
 def test_partitioned_build_only_under_zero3_for_families_that_can_and_without_a_quantized_base():
     from dstune.pretrained import partitioned_build_config
-    from dstune.spec.models import SpeechT5Model
+    from dstune.models.speecht5.spec import SpeechT5Model
 
     zero3, zero2 = {"zero_optimization": {"stage": 3}}, {"zero_optimization": {"stage": 2}}
     assert partitioned_build_config(SdModel(family="sd"), zero3) is zero3

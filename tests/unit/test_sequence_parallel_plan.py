@@ -168,9 +168,9 @@ def test_zero3_reduces_over_the_data_parallel_groups_with_a_bucket_for_the_large
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 10}}
 
 
-def test_flux2_splits_its_image_and_text_and_the_other_flow_models_are_refused(capsys):
-    """FLUX.2's context-parallel plan splits the image and the text streams: validate lists both token counts per
-    rank; Flux.1 (its plan not enabled yet) is refused with the reason."""
+def test_flux2_and_flux1_split_their_image_and_text(capsys):
+    """FLUX.2's and Flux.1's context-parallel plans split the image and the text streams: validate lists both token
+    counts per rank, and a text length N does not divide is refused."""
     assert main(["validate", str(REPO / "launch" / "flux2-klein-lora-zero2-8gpu.yaml"), "--num-gpus", "8",
                  "--num-samples", "1000", "--set", "deepspeed.sequence_parallel_size=4"]) == 0
     text = capsys.readouterr().out
@@ -179,14 +179,21 @@ def test_flux2_splits_its_image_and_text_and_the_other_flow_models_are_refused(c
     code, out = validate_json(capsys, 2, "model.max_sequence_length=511",
                               spec=str(REPO / "launch" / "flux2-klein-lora-zero2-8gpu.yaml"))
     assert code == 1 and any("text: 511" in e for e in out["errors"]), out["errors"]
-    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "flux-lora-zero3-8gpu.yaml"))
-    assert code == 1
-    assert any("Flux.1's sequence split is not enabled in dstune yet" in e for e in out["errors"]), out["errors"]
+    flux = str(REPO / "launch" / "flux-lora-zero3-8gpu.yaml")
+    assert main(["validate", flux, "--num-gpus", "8", "--num-samples", "1000",
+                 "--set", "deepspeed.sequence_parallel_size=8"]) == 0
+    text = capsys.readouterr().out
+    assert "1024x1024             4096 tokens per sample -> 512 per rank" in text
+    assert "text                  512 tokens per sample -> 64 per rank" in text
+    code, out = validate_json(capsys, 2, "model.max_sequence_length=255", spec=flux)
+    assert code == 1 and any("text: 255" in e for e in out["errors"]), out["errors"]
 
 
 def test_qwen_image_splits_its_packed_image_and_its_text_and_refuses_a_size_that_breaks_either(capsys):
     """Qwen-Image's plan splits the packed image tokens (2x2 patches of the 8x latent) and the text (padded to
-    model.max_sequence_length): N must divide both; the edit model (its plan not run split) is refused."""
+    model.max_sequence_length): N must divide both. The edit model's sequence is its target's and its source's
+    tokens; its instruction (with the source's vision tokens) has no fixed length and is padded with masked tokens
+    to split, so it sets no rule."""
     qwen = str(REPO / "launch" / "qwen-image-lora-zero3-8gpu.yaml")
     code, out = validate_json(capsys, 4, spec=qwen)
     assert code == 0, out["errors"]
@@ -195,18 +202,27 @@ def test_qwen_image_splits_its_packed_image_and_its_text_and_refuses_a_size_that
                              and "Sizes that keep every rule on 8 rank(s): 1, 2." in e for e in out["errors"])
     code, out = validate_json(capsys, 2, "data.resolution=1008", spec=qwen)  # 63 x 63 patches: 3969 tokens
     assert code == 1 and any("1008x1008: 3969" in e for e in out["errors"]), out["errors"]
-    code, out = validate_json(capsys, 2, spec=str(REPO / "launch" / "qwen-image-edit-lora-zero3-8gpu.yaml"))
-    assert code == 1 and any("Qwen-Image's sequence split is not enabled in dstune yet" in e for e in out["errors"])
+    edit = str(REPO / "launch" / "qwen-image-edit-lora-zero3-8gpu.yaml")
+    assert main(["validate", edit, "--num-gpus", "8", "--num-samples", "1000",
+                 "--set", "deepspeed.sequence_parallel_size=8"]) == 0
+    text = capsys.readouterr().out
+    assert any(line.split() == ["1024x1024", "(target", "and", "source)", "8192", "tokens", "per", "sample", "->",
+                                "1024", "per", "rank"] for line in text.splitlines()), text
+    assert "text " not in text[text.index("per data-parallel rank"):text.index("Memory")]
+    code, out = validate_json(capsys, 2, "data.resolution=1008", spec=edit)  # 2 x 3969: divides 2, not 4
+    assert code == 0, out["errors"]
+    code, out = validate_json(capsys, 4, "data.resolution=1008", spec=edit)
+    assert code == 1 and any("1008x1008 (target and source): 7938" in e for e in out["errors"]), out["errors"]
 
 
 # (the model, its family, its transformer class): the classes without a context-parallel plan in diffusers 0.42.1
+# (HunyuanVideo 1.5 has none either: dstune gives it one, below)
 NO_PLAN = [("builtin:tiny-z-image", "flow", "ZImageTransformer2DModel"),
            ("builtin:tiny-flow", "flow", "SD3Transformer2DModel"),
            ("builtin:tiny-krea2", "flow", "Krea2Transformer2DModel"),
            ("builtin:tiny-ideogram4", "flow", "Ideogram4Transformer2DModel"),
            ("builtin:tiny-qwen-image-21", "flow", "QwenImage21Transformer2DModel"),
-           ("builtin:tiny-hunyuan-video15", "wan", "HunyuanVideo15Transformer3DModel"),  # wan, chosen by folder
-           ("hunyuanvideo-community/HunyuanVideo-1.5-720p_t2v", "wan", "HunyuanVideo15Transformer3DModel")]
+           ("Tongyi-MAI/Z-Image", "flow", "ZImageTransformer2DModel")]
 
 
 def _no_plan_spec(tmp_path, pretrained: str, family: str) -> Path:
@@ -236,7 +252,7 @@ def test_a_transformer_without_a_context_parallel_plan_is_refused_with_the_reaso
 
 
 def test_the_no_plan_refusal_imports_no_torch(tmp_path):
-    """validate's spec errors are torch-free: HunyuanVideo 1.5's refusal in a fresh interpreter."""
+    """validate's spec errors are torch-free: Z-Image's refusal in a fresh interpreter."""
     import os
     import subprocess
     import sys
@@ -260,3 +276,49 @@ def test_the_table_of_context_parallel_classes_is_the_installed_diffusers():
     names = {row[2] for row in NO_PLAN} | set(CONTEXT_PARALLEL_CLASSES)
     with_plan = {name for name in names if getattr(getattr(diffusers, name), "_cp_plan", None)}
     assert with_plan == set(CONTEXT_PARALLEL_CLASSES)
+
+
+def test_hunyuan_video15_splits_by_dstunes_plan_its_clip_tokens_listed(capsys):
+    """HunyuanVideo 1.5's class has no diffusers plan; dstune's (dstune.models.hunyuan_video15.split) splits the clip and
+    the context, which it pads to split: validate plans it from the stored 720p configs, lists the clip's tokens per
+    rank and checks its 16 heads and the clip's tokens (the context, 1000 + 256 + 729 tokens, sets no rule)."""
+    spec = str(REPO / "launch" / "hunyuan-video15-720p-lora-zero3-8gpu.yaml")
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "2000", "--set", "data.resolution=768",
+                 "--set", "deepspeed.sequence_parallel_size=8"]) == 0
+    text = capsys.readouterr().out  # 31 latent frames x 48 x 48 (16x VAE, 1x1 patches)
+    assert "121f 768x768            71424 tokens per sample -> 8928 per rank" in text
+    assert "attention all-to-all buffers" in text
+    code, out = validate_json(capsys, 2, spec=spec)  # the launch spec's 720 x 720: 31 x 45 x 45 = 62775, odd
+    assert code == 1 and any("121f 720x720: 62775" in e for e in out["errors"]), out["errors"]
+    code, out = validate_json(capsys, 32, "data.resolution=768", spec=spec, gpus=32)
+    assert code == 1 and any("does not divide the transformer's 16 attention heads" in e for e in out["errors"])
+
+
+def test_zero3_memory_counts_the_reduce_bucket_raised_to_the_largest_trainable_parameter(capsys):
+    """Under ZeRO-3 with sequence parallelism the engine raises reduce_bucket_size to the largest trainable parameter
+    (test_zero3_reduces_over_the_data_parallel_groups_...): the memory plan counts that bucket, in the module's
+    precision (bf16: 2 bytes, fp32: 4). Wan 2.2 A14B's low-noise expert in full: its time projection (5120 x 30720
+    and its bias) is 3.1 x the JSON's 5e7 elements. Not raised at N = 1, under ZeRO 2, nor for LoRA's adapters."""
+    a14b = str(REPO / "launch" / "wan22-a14b-low-noise-full-zero3-2x8gpu.yaml")
+
+    def memory(size: int, *sets: str) -> dict:
+        code, out = validate_json(capsys, size, *sets, spec=a14b, gpus=16)
+        assert code == 0, out["errors"]
+        assert out["ds_config"]["zero_optimization"]["reduce_bucket_size"] == 50_000_000  # the JSON's, unraised
+        return out["memory"]
+
+    largest = 5120 * 30720 + 30720
+    for precision, element_bytes in (("bf16", 2), ("fp32", 4)):
+        one, two = memory(1, f"train.precision={precision}"), memory(2, f"train.precision={precision}")
+        assert two["parameters"]["largest_layer_params"] == largest
+        split = two["sequence_parallel"]
+        assert (split["reduce_bucket_elements"], split["reduce_bucket_raised"]) == (largest, True)
+        raised = (largest - 50_000_000) * element_bytes  # no overlap_comm: one bucket
+        buffers = [m["per_gpu"]["buffers_bytes"] for m in (one, two)]
+        assert buffers[1] - split["all_to_all_bytes"] - buffers[0] == raised
+    zero2 = memory(2, "deepspeed.zero_stage=2")["sequence_parallel"]
+    lora = memory(2, "model.train=lora")["sequence_parallel"]
+    assert not zero2["reduce_bucket_raised"] and not lora["reduce_bucket_raised"]
+    assert main(["validate", a14b, "--num-gpus", "16", "--num-samples", "2000",
+                 "--set", "deepspeed.sequence_parallel_size=2"]) == 0
+    assert f"the reduce bucket raised to the largest trainable parameter, {largest:,} elements" in capsys.readouterr().out

@@ -17,7 +17,9 @@ from safetensors.torch import save_file
 from dstune import builtin as tiny
 from dstune.families.base import FamilyError
 from dstune.pretrained import SINGLE_FILE_INFO, build_model
-from dstune.spec.models import FlowModel, SdModel, SdxlModel, TtsLmModel
+from dstune.spec.models import FlowModel
+from dstune.models.sd.spec import SdModel, SdxlModel
+from dstune.models.tts_lm.spec import TtsLmModel
 from original_layout import original_unet_state
 
 REPO = Path(__file__).resolve().parents[2]

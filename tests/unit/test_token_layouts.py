@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dstune.token_layouts import describe, dstune_layout, layout_problems, orpheus_layout, prompt_ids, training_ids
+from dstune.models.tts_lm.token_layouts import describe, dstune_layout, layout_problems, orpheus_layout, prompt_ids, training_ids
 
 
 def test_orpheus_preset_ids_are_orpheus_ids():

@@ -152,11 +152,11 @@ def test_companion_folders_and_files_that_do_not_exist_are_refused(capsys, tmp_p
         in text, text
 
 
-def test_the_wan_token_factors_of_another_models_folder_are_wans_defaults_not_a_crash():
-    from dstune.families.wan_facts import WAN_PATCH, WAN_SPATIAL, token_factors
+def test_the_video_token_factors_of_an_image_models_folder_are_assumed_and_say_so_not_a_crash():
+    from dstune.families.video_facts import ASSUMED_PATCH, ASSUMED_SPATIAL, token_factors
 
     spatial, patch, origin = token_factors("builtin:tiny-flux")  # its transformer's patch_size is the int 1
-    assert (spatial, patch) == (WAN_SPATIAL, WAN_PATCH) and "is not a Wan model" in origin
+    assert (spatial, patch) == (ASSUMED_SPATIAL, ASSUMED_PATCH) and "is none of the video models" in origin
     assert token_factors("builtin:tiny-wan")[2].startswith("the VAE and transformer configs of builtin:tiny-wan")
 
 

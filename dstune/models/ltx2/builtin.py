@@ -1,0 +1,128 @@
+"""Built-in tiny LTX-2: `builtin:tiny-ltx2`, a real LTX2Pipeline folder (video with its audio) with tiny components.
+
+- LTX2VideoTransformer3DModel: two blocks, video stream 2 heads x 8 (16 wide) and audio stream 2 heads x 8, patch
+  1x1x1; video in_channels 8 (the VAE's latent channels), audio in_channels 8 (2 audio latent channels x 4 latent
+  mel bins, as the real 128 = 8 x 16); RoPE's VAE factors (4, 8, 8) are the tiny VAE's;
+- AutoencoderKLLTX2Video: the real causal layout (a 2x2 pixel patch, then a spatial, a temporal and a
+  spatio-temporal down stage) at widths 8-16 with 8 latent channels: 8x spatial and 4x temporal compression (the
+  real VAE: 32x and 8x, 128 channels), so a 9-frame 32 x 32 clip is an (8, 3, 4, 4) latent, 48 tokens. Untrained:
+  renders are noise-like clips;
+- AutoencoderKLLTX2Audio: stereo mel spectrograms of 16 bins (the real: 64) at 16 kHz with a 160-sample hop, 2
+  latent channels, 4x down in time and in mel bins (the class's fixed factor); LTX2Vocoder: 32 mel channels in
+  (2 x 16), two 2x upsampling stages, stereo out at 16 kHz;
+- Gemma3ForConditionalGeneration (the pipeline's text encoder class): a two-layer 16-wide Gemma 3 text model with a
+  one-layer 16-wide SigLIP tower (never used for text), and a byte-fallback GemmaTokenizer (Gemma's special tokens
+  and the 256 byte tokens, built without files); the pipeline stacks all three hidden states, so a caption is
+  (tokens, 48) before the connectors;
+- LTX2TextConnectors: one 16-wide layer per modality with 8 learnable registers (the real: 128), turning the
+  stacked Gemma states into the video and audio text embeddings (16 wide = the transformer's caption_channels);
+- FlowMatchEulerDiscreteScheduler with LTX-2's resolution-dependent shift (base 0.95 at 1024 tokens to 2.05 at
+  4096), as the real folder's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dstune.models.unit import VIDEO_FAMILY
+from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
+from dstune.hf import quiet_hf_libraries
+
+_SEED = 70
+TEXT_WIDTH = 16  # Gemma 3's hidden size = the connectors' caption_channels = the transformer's caption_channels
+TEXT_LAYERS = 2  # the pipeline stacks the embeddings and every layer's states: 3 x 16 per token
+VIDEO_LATENT_CHANNELS = 8
+AUDIO_LATENT_CHANNELS, AUDIO_MEL_BINS = 2, 16  # packed audio tokens: 2 channels x 16 / 4 latent mel bins = 8 wide
+SPATIAL, TEMPORAL = 8, 4  # the tiny VAE's compression (the real one's: 32, 8)
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
+
+TINY_LTX2_TRANSFORMER = dict(
+    in_channels=VIDEO_LATENT_CHANNELS, out_channels=VIDEO_LATENT_CHANNELS, patch_size=1, patch_size_t=1,
+    num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, vae_scale_factors=(TEMPORAL, SPATIAL, SPATIAL),
+    audio_in_channels=AUDIO_LATENT_CHANNELS * AUDIO_MEL_BINS // 4,
+    audio_out_channels=AUDIO_LATENT_CHANNELS * AUDIO_MEL_BINS // 4, audio_num_attention_heads=2,
+    audio_attention_head_dim=8, audio_cross_attention_dim=16, num_layers=2, caption_channels=TEXT_WIDTH)
+TINY_LTX2_CONNECTORS = dict(
+    caption_channels=TEXT_WIDTH, text_proj_in_factor=TEXT_LAYERS + 1, video_connector_num_attention_heads=2,
+    video_connector_attention_head_dim=8, video_connector_num_layers=1, video_connector_num_learnable_registers=8,
+    audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+    audio_connector_num_learnable_registers=8, connector_rope_base_seq_len=64)
+TINY_LTX2_VAE = dict(
+    latent_channels=VIDEO_LATENT_CHANNELS, block_out_channels=(8, 16, 16), decoder_block_out_channels=(8, 16),
+    layers_per_block=(1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, True, True),
+    decoder_spatio_temporal_scaling=(True, True), decoder_inject_noise=(False, False, False),
+    downsample_type=("spatial", "temporal", "spatiotemporal"), upsample_type=("spatiotemporal", "spatiotemporal"),
+    upsample_residual=(True, True), upsample_factor=(2, 2), patch_size=2, patch_size_t=1,
+    spatial_compression_ratio=SPATIAL, temporal_compression_ratio=TEMPORAL)
+# base_channels = latent channels x latent mel bins: the size of the per-channel statistics the pipeline normalises by
+TINY_LTX2_AUDIO_VAE = dict(
+    base_channels=AUDIO_LATENT_CHANNELS * AUDIO_MEL_BINS // 4, output_channels=2, ch_mult=(1, 2, 2),
+    num_res_blocks=1, in_channels=2, resolution=32, latent_channels=AUDIO_LATENT_CHANNELS, mel_bins=AUDIO_MEL_BINS,
+    sample_rate=16000, mel_hop_length=160)
+TINY_LTX2_VOCODER = dict(
+    in_channels=2 * AUDIO_MEL_BINS, hidden_channels=16, out_channels=2, upsample_kernel_sizes=[4, 4],
+    upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3]], output_sampling_rate=16000)
+# LTX2Pipeline's resolution-dependent shift (calculate_shift over the video tokens), as the real folder's scheduler
+LTX2_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+                      max_image_seq_len=4096, shift_terminal=0.1)
+
+
+def tiny_gemma_tokenizer():
+    """A byte-fallback GemmaTokenizer: Gemma's special tokens, then one token per byte (<0x00>..<0xFF>)."""
+    from transformers import GemmaTokenizer
+
+    vocab = {token: number for number, token in enumerate(GEMMA_SPECIALS)}
+    vocab.update({f"<0x{byte:02X}>": len(GEMMA_SPECIALS) + byte for byte in range(256)})
+    return GemmaTokenizer(vocab=vocab, merges=[], model_max_length=1024)
+
+
+def tiny_gemma3(tokenizer):
+    """Gemma3ForConditionalGeneration: a two-layer 16-wide text model and a one-layer SigLIP tower."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    pad, eos, bos, unk = tokenizer.convert_tokens_to_ids(["<pad>", "<eos>", "<bos>", "<unk>"])
+    config = Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=32,
+                         num_hidden_layers=TEXT_LAYERS, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                         max_position_embeddings=2048, sliding_window=64, pad_token_id=pad, eos_token_id=eos,
+                         bos_token_id=bos),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        mm_tokens_per_image=4, boi_token_index=bos, eoi_token_index=eos, image_token_index=unk)
+    return Gemma3ForConditionalGeneration(config)
+
+
+def ltx2_parts() -> dict:
+    """Every component of the tiny LTX2Pipeline folder (seeded)."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    tokenizer = tiny_gemma_tokenizer()
+    with deterministic_cpu(_SEED, BUILD_THREADS):
+        text_encoder = tiny_gemma3(tokenizer)
+        connectors = LTX2TextConnectors(**TINY_LTX2_CONNECTORS)
+        vae = AutoencoderKLLTX2Video(**TINY_LTX2_VAE)
+        audio_vae = AutoencoderKLLTX2Audio(**TINY_LTX2_AUDIO_VAE)
+        vocoder = LTX2Vocoder(**TINY_LTX2_VOCODER)
+        transformer = LTX2VideoTransformer3DModel(**TINY_LTX2_TRANSFORMER)
+    return dict(transformer=transformer, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
+                tokenizer=tokenizer, connectors=connectors, vocoder=vocoder,
+                scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER))
+
+
+def build_tiny_ltx2(out: Path, needs: dict) -> dict:
+    """builtin:tiny-ltx2: an LTX2Pipeline folder."""
+    with quiet_hf_libraries():
+        from diffusers import LTX2Pipeline
+    parts = ltx2_parts()
+    return save_pipeline(LTX2Pipeline(**parts), out, parts["transformer"])
+
+
+TINY_LTX2 = BuiltinModel(
+    name="tiny-ltx2", folder_name="tiny-ltx2-v1", family=VIDEO_FAMILY,
+    description="LTX-2 audio+video pipeline: 2-block LTX2 transformer (16-wide video and audio streams), an 8-channel "
+                "causal video VAE (8x spatial, 4x temporal), a 16-bin stereo audio VAE and vocoder, a two-layer "
+                "16-wide Gemma 3 text encoder and one-layer text connectors",
+    build=build_tiny_ltx2)

@@ -1,0 +1,123 @@
+"""The torch-free facts of LTX-2 folders in the video family (VIDEO_FACTS: the video family's facts ask them, through
+the registry, for a folder whose transformer is LTX2VideoTransformer3DModel): token factors, tokens per clip, the
+activation estimate, the caches' bytes and the spec checks, from the folder's configs.
+
+Tokens of a clip: (1 + (frames - 1) / t) x (H / s) x (W / s), with the VAE's temporal_compression_ratio t (8) and
+spatial_compression_ratio s (32); the transformer's patch is 1x1x1. Video-only training runs the video stream of
+every block (self-attention, cross-attention to the caption's max_sequence_length tokens, a 4x feed-forward); the
+audio stream sees one token.
+"""
+
+from __future__ import annotations
+
+from dstune.families.denoiser_facts import transformer_text_bytes
+from dstune.families.facts import Attention
+from dstune.families.video_facts import VideoFacts
+from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
+
+TRANSFORMER_CLASS = "LTX2VideoTransformer3DModel"
+DEFAULT_TEXT_TOKENS = 1024  # LTX2Pipeline's max_sequence_length
+SPATIAL, TEMPORAL = 32, 8  # AutoencoderKLLTX2Video's compression when its config does not say
+# No constants were measured on LTX-2: its video stream (self-attention, cross-attention to the text, a 4x
+# gelu feed-forward, per-token modulation) is the block of the measured text-to-video constants below.
+ACTIVATION_CONSTANTS = "wan-t2v"
+SAMPLING_ONLY = ("audio_vae", "vocoder")  # loaded for the pipeline that renders samples; video-only training skips
+
+
+def compression(folder) -> tuple[int, int]:
+    """(spatial, temporal) compression of the folder's video VAE."""
+    vae = folder.config("vae")
+    return vae.get("spatial_compression_ratio") or SPATIAL, vae.get("temporal_compression_ratio") or TEMPORAL
+
+
+def token_factors(folder) -> tuple[int, tuple[int, int, int], str]:
+    """(VAE spatial factor, transformer patch (t, h, w), where they came from)."""
+    spatial, temporal = compression(folder)
+    transformer = folder.config("transformer")
+    patch = transformer.get("patch_size", 1)
+    note = "" if temporal == 4 else (f" (latent frames counted at 4x here; LTX-2's VAE is {temporal}x in time: the "
+                                     "memory plan counts its tokens at that)")
+    return (spatial, (transformer.get("patch_size_t", 1), patch, patch),
+            f"the VAE and transformer configs of {folder.origin}{note}")
+
+
+def clip_tokens(frames: int, width: int, height: int, spatial: int, temporal: int) -> int:
+    return (1 + (frames - 1) // temporal) * (height // spatial) * (width // spatial)
+
+
+def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[float, float]:
+    """One clip's activation bytes (dstune.memory.plan's units) at (frames, width, height)."""
+    config = folder.config("transformer")
+    width_hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    shape = ModelShape(width_hidden, {"blocks": config["num_layers"]}, ffn=4 * width_hidden)
+    tokens = clip_tokens(frames, width, height, *compression(folder))
+    sample = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, tokens, text_tokens(spec), spec.train.precision)
+    return in_plan_units(sample, spec.train.precision)
+
+
+def cache_bytes(spec, folder, companions: dict, num_samples: int, buckets) -> int:
+    """Each bucket's clips' posteriors (float32 mean and std) at the VAE's own compression, and each caption's
+    connector outputs."""
+    text = sum(transformer_text_bytes(spec, folder, tokens, width) for tokens, width in
+               text_tokens_and_width(spec, folder)) * num_samples
+    if not (spec.data.cache.latents and "vae" in companions):
+        return text
+    channels = folder.config("vae").get("latent_channels", 128)
+    spatial, temporal = compression(folder)
+    return text + sum(2 * channels * clip_tokens(frames, width, height, spatial, temporal) * 4 * count
+                      for frames, width, height, count in buckets)
+
+
+def text_tokens(spec) -> int:
+    return spec.model.max_sequence_length or DEFAULT_TEXT_TOKENS
+
+
+def text_tokens_and_width(spec, folder) -> list[tuple[int, int]]:
+    """(tokens, width) of each cached text tensor: the connectors' video and audio embeddings (caption_channels
+    wide each; the mask is a byte per token)."""
+    width = folder.config("transformer").get("caption_channels", 0) if folder.has("transformer") else 0
+    return [(text_tokens(spec), width), (text_tokens(spec), width)]
+
+
+def sampling_parts(folder) -> tuple[str, ...]:
+    return tuple(part for part in SAMPLING_ONLY if (folder.index.get(part) or [None])[0])
+
+
+def spec_issues(spec, folder) -> list[tuple[str, str]]:
+    """Image-to-video (not trained yet), frame counts the VAE takes (1 + t k), first frames for samples."""
+    issues = []
+    _, temporal = compression(folder)
+    if spec.model.image_to_video:
+        issues.append(("model.image_to_video", f"{spec.model.pretrained}: LTX-2 image-to-video "
+                       "(LTX2ImageToVideoPipeline) is not trained by dstune yet; remove the key"))
+    if spec.model.timestep_sampling not in ("shifted_logit_normal", "uniform"):
+        issues.append(("model.timestep_sampling", f"{spec.model.timestep_sampling}: LTX-2 draws sigma as ltx-trainer "
+                       "does: shifted_logit_normal (its default) or uniform"))
+    for key in ("shift", "timestep_range"):
+        if getattr(spec.model, key) is not None:
+            issues.append((f"model.{key}", "LTX-2 draws sigma directly (model.timestep_sampling), without the "
+                           "scheduler's tables this key acts on; remove it"))
+    if spec.sample.control_images:
+        issues.append(("sample.control_images", f"{spec.model.pretrained} renders from the prompt alone (text-to-"
+                       "video): remove sample.control_images"))
+    if (spec.model.sample_frames - 1) % temporal:
+        issues.append(("model.sample_frames", f"{spec.model.sample_frames} is not {temporal}k+1: LTX-2's VAE keeps "
+                       f"the first frame and compresses the rest {temporal}x (e.g. 9, 17, 25, 121)"))
+    uneven = [count for count in spec.data.video.frame_counts if (count - 1) % temporal]
+    if uneven:
+        issues.append(("data.video.frames", f"{', '.join(map(str, uneven))} frames: LTX-2's VAE takes {temporal}k+1 "
+                       f"frames (e.g. {temporal + 1}, {2 * temporal + 1}, 121)"))
+    return issues
+
+
+def attention(folder) -> Attention:
+    """Refused: its transformer has a context-parallel plan in diffusers, but dstune's split of the joint video and
+    audio streams is not written."""
+    return Attention(0, 0, f"the transformer config of {folder.origin}",
+                     "LTX-2's sequence split is not enabled in dstune yet (its transformer has a context-parallel "
+                     "plan in diffusers, but dstune's split of the joint video and audio streams is not written)")
+
+
+VIDEO_FACTS = VideoFacts(
+    transformer_class=TRANSFORMER_CLASS, token_factors=token_factors, sample_bytes=sample_bytes,
+    cache_bytes=cache_bytes, spec_issues=spec_issues, sampling_parts=sampling_parts, attention=attention)

@@ -1,0 +1,100 @@
+"""Built-in tiny flow-matching models: `builtin:tiny-flow` (SD3-class) and `builtin:tiny-flux` (Flux-class).
+
+Both are real diffusers pipeline folders written by `StableDiffusion3Pipeline` / `FluxPipeline.save_pretrained`,
+built offline from fixed configs and a fixed seed (registered in dstune.builtin.BUILTIN_MODELS, which also
+owns the build-once cache protocol). Sizes: 32 px images, 16x16x16 latents (a 2-block VAE, spatial factor 2),
+transformers of ~0.1 M parameters, CLIP and T5 text encoders of a few tens of k.
+
+The 16-channel VAE is trained exactly as builtin:tiny-sd's 4-channel one (dstune.builtin.common.train_tiny_vae:
+shapes, first three latent channels follow the half-size RGB, channels centred through quant_conv), because a
+random VAE decodes every latent to noise. Real SD3/Flux VAEs have no quant convs and centre with `shift_factor`
+instead; the pipelines handle both layouts, so this VAE keeps its quant convs and a shift_factor of 0. Both models
+share one VAE build per process. The tokenizers are built in memory: CLIP byte-level BPE (common.tiny_clip_tokenizer)
+and a T5 Unigram vocabulary of single characters (no sentencepiece model file needed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline, tiny_clip_config,
+                                   tiny_clip_tokenizer)
+from dstune.builtin.parts import tiny_t5_tokenizer, trained_flow_vae
+from dstune.hf import quiet_hf_libraries
+
+_SEED = 0
+# joint_attention_dim == T5 d_model (>= 2 x CLIP hidden: CLIP embeds are zero-padded to the T5 width);
+# pooled_projection_dim == the two CLIP projections concatenated.
+TINY_SD3_TRANSFORMER = dict(
+    sample_size=16, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+    num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+    pos_embed_max_size=32)
+TINY_SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
+# in_channels == 4 x latent channels (2x2 packing); sum(axes_dims_rope) == attention_head_dim;
+# joint_attention_dim == T5 d_model; pooled_projection_dim == CLIP hidden (pooler_output).
+TINY_FLUX_TRANSFORMER = dict(
+    patch_size=1, in_channels=64, out_channels=None, num_layers=1, num_single_layers=1, attention_head_dim=16,
+    num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6))
+TINY_FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                           max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+
+
+def tiny_t5_encoder(d_model: int):
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(vocab_size=124, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2,
+                                   num_heads=4, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+                                   decoder_start_token_id=0))
+
+
+def build_tiny_flow(out: Path, needs: dict) -> dict:
+    """builtin:tiny-flow: an SD3-class pipeline (SD3Transformer2DModel, CLIP x2 with projection, T5)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextModelWithProjection
+
+
+    with quiet_hf_libraries():
+        from diffusers import StableDiffusion3Pipeline
+    vae, facts = trained_flow_vae()
+    with deterministic_cpu(_SEED + 1, BUILD_THREADS):
+        text_encoder = CLIPTextModelWithProjection(tiny_clip_config())
+        text_encoder_2 = CLIPTextModelWithProjection(tiny_clip_config())
+        text_encoder_3 = tiny_t5_encoder(d_model=64)
+        transformer = SD3Transformer2DModel(**TINY_SD3_TRANSFORMER)
+    pipeline = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**TINY_SD3_SCHEDULER), vae=vae,
+        text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(), text_encoder_2=text_encoder_2,
+        tokenizer_2=tiny_clip_tokenizer(), text_encoder_3=text_encoder_3, tokenizer_3=tiny_t5_tokenizer())
+    return save_pipeline(pipeline, out, transformer, facts)
+
+
+def build_tiny_flux(out: Path, needs: dict) -> dict:
+    """builtin:tiny-flux: a Flux-class pipeline (FluxTransformer2DModel with guidance embedding, CLIP pooled, T5)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+
+    with quiet_hf_libraries():
+        from diffusers import FluxPipeline
+    vae, facts = trained_flow_vae()
+    with deterministic_cpu(_SEED + 2, BUILD_THREADS):
+        text_encoder = CLIPTextModel(tiny_clip_config())
+        text_encoder_2 = tiny_t5_encoder(d_model=32)
+        transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER)
+    pipeline = FluxPipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**TINY_FLUX_SCHEDULER), vae=vae,
+        text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(), text_encoder_2=text_encoder_2,
+        tokenizer_2=tiny_t5_tokenizer())
+    return save_pipeline(pipeline, out, transformer, facts)
+
+
+TINY_FLOW = BuiltinModel(
+    name="tiny-flow", folder_name="tiny-flow-v1", family="flow",
+    description="SD3-class pipeline: ~0.1 M-parameter SD3 transformer, CLIP x2 + T5, trained 16-channel VAE",
+    build=build_tiny_flow)
+TINY_FLUX = BuiltinModel(
+    name="tiny-flux", folder_name="tiny-flux-v1", family="flow",
+    description="Flux-class pipeline: ~0.1 M-parameter Flux transformer with guidance embedding, CLIP + T5, "
+                "trained 16-channel VAE",
+    build=build_tiny_flux)

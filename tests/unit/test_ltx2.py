@@ -1,0 +1,251 @@
+"""LTX-2 (model.family wan, chosen by the folder) on builtin:tiny-ltx2: the video loss against ltx-trainer's loss
+lines, samples, the export LTX2Pipeline loads, the LoRA file its loader reads, and the text cache's keys.
+
+The reference re-computes the lines of Lightricks' ltx-trainer (packages/ltx-trainer, TextToVideoStrategy with
+with_audio false and first_frame_conditioning_p 0): the video latents are the VAE's normalised posterior means
+((mean - latents_mean) / latents_std per channel), patchified "b c f h w -> b (f h w) c"; sigma from its
+ShiftedLogitNormalTimestepSampler (or UniformTimestepSampler) over the video's token count; noisy = (1 - sigma) x0 +
+sigma noise; target noise - x0; per-token timesteps sigma; the positions of _get_video_positions (each latent
+patch's [start, end) in pixels: frames x temporal factor with the causal fix, then / fps; rows and columns x spatial
+factor); the transformer without an audio modality; the loss per sample the mean of the squared error over tokens
+and channels, then the batch mean (trainer.py's output.loss.mean()). Its transformer is ltx-core's; the reference
+feeds diffusers' LTX2VideoTransformer3DModel the same inputs (timesteps x 1000, its timestep_scale_multiplier, and
+isolate_modalities for the missing audio modality). The draws are dstune's: each sample's generator for the noise
+and for the sampler's normal, uniform and mixing draws.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstune.families import video as wan
+from dstune.families.randomness import per_sample_randn, sample_generator
+from dstune.pretrained import build_model
+from dstune.spec.models import WanModel
+from tiny_batches import clip_batch
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+NAME = "builtin:tiny-ltx2"
+SEED, STEP, INDICES = 7, 5, [3, 11]
+TEXT_TOKENS = 32  # model.max_sequence_length: short to keep the test quick
+FRAMES = 9  # 4k + 1 for the tiny VAE: 3 latent frames
+FPS = 24.0  # ltx-trainer's DEFAULT_FPS
+
+
+@pytest.fixture(scope="module")
+def built():
+    return build_model(WanModel(family="wan", pretrained=NAME, max_sequence_length=TEXT_TOKENS,
+                                timestep_sampling="shifted_logit_normal"), CACHE_DIR, "cpu")
+
+
+def _draws(purpose: str, normal: bool = False, indices=INDICES) -> torch.Tensor:
+    make = torch.randn if normal else torch.rand
+    return torch.cat([make((1,), generator=sample_generator(SEED, STEP, i, purpose)) for i in indices])
+
+
+def _reference_sigmas(scheme: str, seq_length: int, indices=INDICES) -> torch.Tensor:
+    """ltx-trainer's timestep samplers, fed dstune's per-sample draws in place of torch.randn / torch.rand."""
+    draw = lambda purpose, normal=False: _draws(purpose, normal, indices)  # noqa: E731
+    if scheme == "uniform":
+        return draw("timestep") * (1.0 - 0.0) + 0.0
+    std, eps, uniform_prob = 1.0, 1e-3, 0.1
+    m = (2.05 - 0.95) / (4096 - 1024)
+    mu = m * seq_length + (0.95 - m * 1024)
+    logitnormal = torch.sigmoid(draw("timestep", normal=True) * std + mu)
+    p999, p005 = torch.sigmoid(torch.tensor(mu + 3.0902 * std)), torch.sigmoid(torch.tensor(mu - 2.5758 * std))
+    raw = (logitnormal - p005) / (p999 - p005)
+    stretched = torch.clamp(torch.where(raw >= eps, raw, 2 * eps - raw), 0, 1)
+    uniform = (1 - eps) * draw("timestep_uniform") + eps
+    return torch.where(draw("timestep_mix") > uniform_prob, stretched, uniform)
+
+
+def _reference_positions(frames: int, height: int, width: int, scale: tuple[int, int, int]) -> torch.Tensor:
+    """_get_video_positions: [B, 3, tokens, 2] pixel bounds of each latent patch, time in seconds."""
+    grid = torch.stack(torch.meshgrid(torch.arange(frames), torch.arange(height), torch.arange(width),
+                                      indexing="ij"))
+    bounds = torch.stack((grid, grid + 1), dim=-1).flatten(1, 3)  # [3, tokens, 2]
+    pixels = (bounds * torch.tensor(scale).view(3, 1, 1)).float()
+    pixels[0] = (pixels[0] + 1 - scale[0]).clamp(min=0) / FPS
+    return pixels.unsqueeze(0).repeat(len(INDICES), 1, 1, 1)
+
+
+def _reference_loss(built, encoded: dict, scheme: str) -> torch.Tensor:
+    mean = encoded["latent_mean"]
+    vae = built.vae
+    latents = (mean - vae.latents_mean.view(1, -1, 1, 1, 1)) * vae.config.scaling_factor \
+        / vae.latents_std.view(1, -1, 1, 1, 1)
+    b, c, f, h, w = latents.shape
+    video = latents.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c)
+    noise = per_sample_randn((c, f, h, w), SEED, STEP, INDICES, "noise").permute(0, 2, 3, 4, 1).reshape(b, -1, c)
+    sigmas = _reference_sigmas(scheme, video.shape[1])
+    noisy = (1 - sigmas.view(-1, 1, 1)) * video + sigmas.view(-1, 1, 1) * noise
+    targets = noise - video
+    timesteps = sigmas.view(-1, 1).expand(-1, video.shape[1])  # per-token, no conditioning tokens
+    scale = tuple(built.transformer_config["vae_scale_factors"])
+    with torch.no_grad():
+        video_pred, _ = built.trainable(
+            hidden_states=noisy, audio_hidden_states=torch.zeros(b, 1, built.transformer_config["audio_in_channels"]),
+            encoder_hidden_states=encoded["encoder_hidden_states"],
+            audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"], timestep=timesteps * 1000,
+            sigma=sigmas * 1000, encoder_attention_mask=encoded["encoder_attention_mask"],
+            audio_encoder_attention_mask=encoded["encoder_attention_mask"],
+            video_coords=_reference_positions(f, h, w, scale), audio_num_frames=1, isolate_modalities=True,
+            return_dict=False)
+    per_sample = (video_pred - targets).pow(2).mean(dim=[-2, -1])
+    return per_sample.mean()
+
+
+@pytest.mark.parametrize("scheme", ["shifted_logit_normal", "uniform"])
+def test_video_loss_equals_ltx_trainers_loss_lines(built, scheme):
+    model = replace(built, settings=built.settings.model_copy(update={"timestep_sampling": scheme}))
+    encoded = wan.encode_batch(model, clip_batch(INDICES, SEED, frames=FRAMES))
+    assert encoded["latent_mean"].shape[2:] == (3, 4, 4) and encoded["encoder_hidden_states"].shape[1] == TEXT_TOKENS
+    with torch.no_grad():
+        ours = wan.loss(model, model.trainable, encoded, SEED, STEP)
+    assert ours.item() == pytest.approx(_reference_loss(model, encoded, scheme).item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [48, 2000, 9000])
+def test_sigma_draws_are_ltx_trainers_samplers(built, tokens):
+    """Over 300 samples (about 30 of them the sampler's uniform fallback), at token counts below, inside and above
+    the shift's 1024-4096 range: dstune's sigma per sample is ltx-trainer's sampler fed the same draws."""
+    indices = list(range(300))
+    latents = torch.zeros(len(indices), 1, 1, 1, tokens)
+    for scheme in ("shifted_logit_normal", "uniform"):
+        model = replace(built, settings=built.settings.model_copy(update={"timestep_sampling": scheme}))
+        ours = model.recipe.draw_sigmas(model, latents, SEED, STEP, indices)
+        assert torch.allclose(ours, _reference_sigmas(scheme, tokens, indices), atol=1e-6), scheme
+    assert (_draws("timestep_mix", indices=indices) <= 0.1).sum() > 10
+
+
+def test_the_audio_stream_does_not_reach_the_video_loss(built):
+    """Video-only training cuts the audio stream off (isolate_modalities): the video prediction is the same
+    whatever audio tokens the transformer is given, as ltx-trainer's transformer without an audio modality."""
+    encoded = wan.encode_batch(built, clip_batch(INDICES[:1], SEED, frames=FRAMES))
+    tokens = torch.randn(1, 48, 8)
+    common = dict(hidden_states=tokens, encoder_hidden_states=encoded["encoder_hidden_states"],
+                  audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
+                  timestep=torch.tensor([500.0]), sigma=torch.tensor([500.0]),
+                  encoder_attention_mask=encoded["encoder_attention_mask"],
+                  audio_encoder_attention_mask=encoded["encoder_attention_mask"], num_frames=3, height=4, width=4,
+                  isolate_modalities=True, return_dict=False)
+    with torch.no_grad():
+        one, _ = built.trainable(audio_hidden_states=torch.zeros(1, 1, 8), audio_num_frames=1, **common)
+        other, _ = built.trainable(audio_hidden_states=torch.randn(1, 5, 8), audio_num_frames=5, **common)
+        crossed, _ = built.trainable(audio_hidden_states=torch.randn(1, 5, 8), audio_num_frames=5,
+                                     **{**common, "isolate_modalities": False})
+    assert torch.allclose(one, other, atol=1e-6) and not torch.allclose(one, crossed, atol=1e-4)
+
+
+def test_samples_render_clips_and_the_export_loads_and_renders(built, tmp_path):
+    """Samples: the folder's LTX2Pipeline around the live transformer, model.sample_frames frames each. The full
+    export is an LTX2Pipeline folder (the trained transformer, every other part copied) that loads and renders video
+    and audio."""
+    from diffusers import LTX2Pipeline
+    from safetensors.torch import load_file
+
+    from dstune.spec.models import SampleSpec
+
+    clips = wan.sample(built, built.trainable, ["a red circle moving left"], SampleSpec(steps=2, guidance=1.0), 32)
+    assert len(clips) == 1 and len(clips[0]) == 5 and clips[0][0].size == (32, 32)
+    state = {name: value + 0.01 for name, value in built.trainable.state_dict().items()}
+    out = wan.export(built, state, tmp_path / "full")
+    saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(saved[k], state[k]) for k in state)
+    pipeline = LTX2Pipeline.from_pretrained(out)
+    result = pipeline("a red circle moving left", height=32, width=32, num_frames=9, num_inference_steps=2,
+                      guidance_scale=1.0, max_sequence_length=TEXT_TOKENS, generator=torch.Generator().manual_seed(0),
+                      output_type="np")
+    assert result.frames.shape == (1, 9, 32, 32, 3) and torch.isfinite(torch.as_tensor(result.frames)).all()
+    assert result.audio.shape[:2] == (1, 2) and torch.isfinite(result.audio).all()
+
+
+def test_the_lora_file_loads_with_ltx2_pipelines_loader(tmp_path):
+    """train: lora writes pytorch_lora_weights.safetensors with LTX2Pipeline's own writer; load_lora_weights reads
+    it and gives the trained adapters' loss."""
+    from diffusers import LTX2Pipeline
+
+    from dstune.families.lora import apply_train_mode, export_lora
+
+    spec = WanModel(family="wan", pretrained=NAME, train="lora", max_sequence_length=TEXT_TOKENS,
+                    timestep_sampling="shifted_logit_normal")
+    model = build_model(spec, CACHE_DIR, "cpu")
+    apply_train_mode(model.trainable, spec, seed=0, family=wan.FAMILY)
+    with torch.no_grad():
+        for name, param in model.trainable.named_parameters():
+            if ".lora_B." in name:  # B starts at zero: "train" it
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    lora = export_lora(wan.FAMILY, model, {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
+                       tmp_path / "lora", spec)
+    encoded = wan.encode_batch(model, clip_batch([1], SEED, frames=FRAMES))
+    pipeline = LTX2Pipeline.from_pretrained(model.folder)
+    with torch.no_grad():
+        base_loss = wan.loss(model, pipeline.transformer, encoded, 0, 1)
+    pipeline.load_lora_weights(str(lora), weight_name="pytorch_lora_weights.safetensors")
+    with torch.no_grad():
+        trained_loss, loaded = (wan.loss(model, module, encoded, 0, 1) for module in (model.trainable,
+                                                                                      pipeline.transformer))
+    assert loaded.item() == pytest.approx(trained_loss.item(), rel=1e-6) and loaded.item() != base_loss.item()
+
+
+def test_text_cache_is_keyed_by_gemma_and_the_connectors_and_refusals(built):
+    """The cached text is the connectors' output, so their folder keys the entries beside Gemma's; Wan folders
+    refuse LTX-2's sampler; an LTX-2 folder refuses image-to-video (not trained yet)."""
+    from dstune.families.base import FamilyError
+
+    cache = wan.FAMILY.text_cache
+    assert cache.folders_of(built.folder) == ("text_encoder", "tokenizer", "connectors")
+    assert cache.tensors_of(built.folder) == ("encoder_hidden_states", "audio_encoder_hidden_states",
+                                              "encoder_attention_mask")
+    with pytest.raises(FamilyError, match="shifted_logit_normal is the sampler of the video models that draw sigma"):
+        build_model(WanModel(family="wan", pretrained="builtin:tiny-wan", timestep_sampling="shifted_logit_normal"),
+                    CACHE_DIR, "cpu")
+    with pytest.raises(FamilyError, match="image-to-video"):
+        build_model(WanModel(family="wan", pretrained=NAME, image_to_video=True), CACHE_DIR, "cpu")
+
+
+# ------------------------------------------------------------------------------------------ dstune validate
+
+EXAMPLE = REPO / "launch" / "ltx2-lora-zero3-8gpu.yaml"
+
+
+def _validate(capsys, monkeypatch, tmp_path, *sets: str) -> tuple[int, dict]:
+    import json
+
+    import huggingface_hub.constants
+
+    from dstune.cli import main
+
+    monkeypatch.chdir(REPO)  # the stored Lightricks/LTX-2 configs, not a local download
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    code = main(["validate", str(EXAMPLE.relative_to(REPO)), "--num-gpus", "8", "--num-samples", "2000", "--json",
+                 *[arg for value in sets for arg in ("--set", value)]])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_train(capsys, monkeypatch, tmp_path):
+    """The real configs: the 18.9 B transformer, Gemma 3 and the connectors frozen (cached), the audio VAE and
+    vocoder joining only for samples, the caches at the VAE's 8x/32x (121 frames at 512 px: 16 x 16 x 16 latents);
+    frame counts that are 4k+1 (Wan's rule, which the spec checks) but not 8k+1, model.shift, a table-indexing sampler and a sequence split are refused, each at
+    its key."""
+    code, out = _validate(capsys, monkeypatch, tmp_path)
+    assert code == 0, out["errors"]
+    counts = out["memory"]["parameters"]
+    assert 18.5e9 < counts["module_params"] < 19.5e9
+    assert set(counts["companions"]) == {"vae", "text_encoder", "connectors"}
+    assert set(counts["sampling_companions"]) == {"audio_vae", "vocoder"}
+    code, out = _validate(capsys, monkeypatch, tmp_path, "data.video.frames=109", "model.sample_frames=117",
+                          "model.shift=3.0", "model.timestep_sampling=logit_normal")
+    errors = "\n".join(out["errors"])
+    assert code == 1
+    for key in ("data.video.frames", "model.sample_frames", "model.shift", "model.timestep_sampling"):
+        assert key in errors, (key, errors)
+    assert "109 frames: LTX-2's VAE takes 8k+1 frames" in errors and "117 is not 8k+1" in errors
+    code, out = _validate(capsys, monkeypatch, tmp_path, "deepspeed.sequence_parallel_size=2")
+    assert code == 1 and any("LTX-2's sequence split is not enabled" in e for e in out["errors"]), out["errors"]
