@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from dstune.memory.plan import ModelCounts
-from dstune.memory.counts import config_folder, count_component, read_config, vae_factor
+from dstune.memory.counts import config_folder, count_component, count_small_tensors, read_config, vae_factor
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 
 # "connectors": a stage after the text encoder (a pipeline's text connectors), frozen; the text cache holds its outputs
@@ -84,7 +84,8 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
     return ModelCounts(module, params, lora or params, largest, companions, cached, int(full), int(checkpointed),
                        default_lora, rules.cache_bytes(spec, folder, companions, num_samples, clips), folder.origin,
                        builds_partitioned=True,  # every pipeline family builds the denoiser partitioned under ZeRO-3
-                       sampling_companions=sampling_only, expert=expert)
+                       sampling_companions=sampling_only, expert=expert,
+                       small_tensors=count_small_tensors(str(config_path), targets, rank))
 
 
 def latent_channels(folder: PipelineFolder) -> tuple[int, int]:

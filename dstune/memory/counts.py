@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot, quiet_hf_libraries
+from dstune.memory.plan import SMALL_TENSOR_NUMEL
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 from dstune.spec.section import BUILTIN_PREFIX
 
@@ -98,19 +99,61 @@ def _stored_count(path: Path, lora_targets: tuple) -> Optional[dict]:
 
 def meta_count(config_path: str, lora_targets: tuple = (), lora_rank: int = 0) -> tuple[int, int, int]:
     """count_component, always on the meta device."""
+    module = _meta_module(config_path)
+    params = sum(dict((id(p), p.numel()) for p in module.parameters()).values())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules())
+    lora = sum(_adapter_params(m, lora_rank) for name, m in _targets(module, lora_targets))
+    return params, largest, lora
+
+
+@lru_cache(maxsize=64)
+def count_small_tensors(config_path: str, lora_targets: tuple = (), lora_rank: int = 0) -> tuple:
+    """The parameter tensors of up to SMALL_TENSOR_NUMEL elements of the class the config names, with the LoRA
+    adapters' (rank x in, out x rank on every target), as sorted (numel, count) pairs: what ZeRO-3's persistence
+    threshold selects (dstune.memory.plan.persistent_params). Stored configs with the default targets from
+    counts.json, others on the meta device."""
+    stored = _stored_count(Path(config_path), lora_targets)
+    if stored is not None and "small_tensors" in stored:
+        module, dims = [tuple(pair) for pair in stored["small_tensors"]], stored["lora_dims"]
+    else:
+        module, dims = meta_small_tensors(config_path, lora_targets)
+    sizes: dict = dict(module)
+    for dim, count in (dims if lora_rank else ()):
+        if lora_rank * dim <= SMALL_TENSOR_NUMEL:
+            sizes[lora_rank * dim] = sizes.get(lora_rank * dim, 0) + count
+    return tuple(sorted(sizes.items()))
+
+
+def meta_small_tensors(config_path: str, lora_targets: tuple = ()) -> tuple[list, list]:
+    """([(numel, count)] of the module's tensors up to SMALL_TENSOR_NUMEL, [(dim, count)] of the LoRA adapters'
+    dimensions at rank 1 on those targets: each adapted layer's input (x kernel) and output width)."""
+    module = _meta_module(config_path)
+    sizes: dict = {}
+    for tensor in dict((id(p), p) for p in module.parameters()).values():
+        if tensor.numel() <= SMALL_TENSOR_NUMEL:
+            sizes[tensor.numel()] = sizes.get(tensor.numel(), 0) + 1
+    dims: dict = {}
+    for _, layer in _targets(module, lora_targets):
+        for dim in _adapter_dims(layer):
+            dims[dim] = dims.get(dim, 0) + 1
+    return sorted(sizes.items()), sorted(dims.items())
+
+
+def _meta_module(config_path: str):
     import torch
 
     config = read_config(Path(config_path))
     try:
         with torch.device("meta"):
-            module = _instantiate(config, Path(config_path))
+            return _instantiate(config, Path(config_path))
     except (TypeError, ValueError, KeyError, AttributeError) as err:  # a config its class does not accept
         raise SizesUnknown(f"{config_path}: cannot build its class from it ({type(err).__name__}: {err})") from None
-    params = sum(dict((id(p), p.numel()) for p in module.parameters()).values())
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules())
-    lora = sum(_adapter_params(m, lora_rank) for name, m in module.named_modules()
-               if lora_targets and any(name == t or name.endswith("." + t) for t in lora_targets))
-    return params, largest, lora
+
+
+def _targets(module, lora_targets: tuple) -> list:
+    """The (name, layer) pairs peft adapts for these target names."""
+    return [(name, m) for name, m in module.named_modules()
+            if lora_targets and any(name == t or name.endswith("." + t) for t in lora_targets)]
 
 
 def stored_counts() -> dict:
@@ -118,15 +161,20 @@ def stored_counts() -> dict:
     table = {}
     for path in sorted(STORE.rglob("config.json")):
         params, largest, per_rank = meta_count(str(path), DEFAULT_LORA_TARGET_MODULES, 1)
+        small, dims = meta_small_tensors(str(path), DEFAULT_LORA_TARGET_MODULES)
         table[str(path.relative_to(STORE))] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
                                                "params": params, "largest_layer_params": largest,
-                                               "lora_params_per_rank": per_rank}
+                                               "lora_params_per_rank": per_rank,
+                                               "small_tensors": [list(pair) for pair in small],
+                                               "lora_dims": [list(pair) for pair in dims]}
     return table
 
 
 def write_stored_counts() -> None:
     """Regenerate dstune/model_configs/counts.json after adding or changing a stored config."""
-    STORED_COUNTS.write_text(json.dumps(stored_counts(), indent=1, sort_keys=True) + "\n")
+    table = stored_counts()  # one line per config: the size lists would take thousands of lines indented
+    lines = [f" {json.dumps(name)}: {json.dumps(table[name], sort_keys=True)}" for name in sorted(table)]
+    STORED_COUNTS.write_text("{\n" + ",\n".join(lines) + "\n}\n")
 
 
 def _instantiate(config: dict, path: Path):
@@ -185,6 +233,20 @@ def import_model_classes(spec) -> None:
                 import transformers
 
                 getattr(transformers, config["architectures"][0], None)
+
+
+def _adapter_dims(module) -> tuple:
+    """The two widths of a LoRA adapter at rank 1 on this layer: A's input (x kernel), B's output; () elsewhere."""
+    import torch
+
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, torch.nn.modules.conv._ConvNd):
+        kernel = 1
+        for side in module.kernel_size:
+            kernel *= side
+        return module.in_channels * kernel, module.out_channels
+    return ()
 
 
 def _adapter_params(module, rank: int) -> int:

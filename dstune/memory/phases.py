@@ -41,18 +41,21 @@ def run_phases(counts, setup, terms: dict) -> dict[str, Phase]:
     states = terms["parameters"] + terms["gradients"] + terms["optimizer"]
     every_frozen = terms["companions_all"]
     loaded = {"trainable module (training dtype, or its ZeRO-3 share)": terms["module_on_load"],
-              "frozen parts (every encoder)": every_frozen, "runtime reserve": terms["reserve"]}
+              "frozen parts (every encoder)": every_frozen, "runtime reserve": terms["start_reserve"]}
     phases = {"load": Phase("load", loaded)}
     if counts.cached_companions:  # built before the engine, so beside the placed module, not DeepSpeed's states
         phases["cache"] = Phase("cache", dict(loaded))
     phases["step"] = Phase("step", {"model states": states, "EMA": terms["ema"], "frozen weights": terms["frozen"],
-                                    "activations": terms["activations"], "DeepSpeed buffers": terms["buffers"],
-                                    "runtime reserve": terms["reserve"]})
+                                    "activations": terms["activations"],
+                                    "optimizer step temporaries (beyond the activations)": terms["step_temporaries"],
+                                    "DeepSpeed buffers": terms["buffers"], "runtime reserve": terms["reserve"]})
     if setup.samples:
         phases["sample"] = Phase("sample", {
             "model states": states, "EMA": terms["ema"], "EMA swap (raw weights kept aside)": terms["ema_swap"],
             "frozen base": terms["frozen_base"], "frozen parts (encoders back)": every_frozen,
-            "sampling-only parts": terms["sampling_extra"], "runtime reserve": terms["reserve"]})
+            "sampling-only parts": terms["sampling_extra"],
+            "ZeRO-3 gathered parameters and reduce bucket": terms["zero3_gathered"],
+            "runtime reserve": terms["reserve"]})
     return phases
 
 

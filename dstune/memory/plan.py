@@ -28,7 +28,21 @@ MIXED = ("bf16", "fp16")
 # matrices (ZeRO 0); under ZeRO >= 1 it sees flat partitions and keeps a full one (4 bytes).
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "lion": 4.0}
 ADAFACTOR_FACTORED_BYTES = 0.1
-RUNTIME_RESERVE_BYTES = 1 << 30  # CUDA context, NCCL and allocator slack per GPU (not on the CPU accelerator)
+RUNTIME_RESERVE_BYTES = 1 << 30  # CUDA context, NCCL and allocator slack per GPU
+# DeepSpeed's CPU accelerator (--accelerator cpu: the host is the device), per rank: what a rank's resident memory
+# holds beyond the tensors the plan counts, measured on 2-rank runs at 0.8 M and 17.6 M parameters
+# (docs/performance.md section 5). From the first training step on (step and sample phases): library pages and
+# Python code loaded lazily by the first backward, optimizer step and samples (about 25-30 MB of file pages, 40-60 MB
+# anonymous), and the heap glibc keeps after a step's transients are freed, which grows with the module (about 4
+# bytes per module parameter between the two sizes; the RSS a phase starts from carries it). Before it (load and
+# cache build): the module objects and the loading and encoding code, 15-35 MB. DeepSpeed's shm all-reduce
+# workspace (66 MiB a rank) is mapped but never touched in training (its kernel serves only inference_all_reduce):
+# 0 bytes of RssShmem in every run measured. A GPU's allocator peak holds none of this.
+CPU_RUNTIME_RESERVE_BYTES = 96 << 20
+CPU_RESERVE_PER_MODULE_PARAM = 4.0
+CPU_STARTUP_RESERVE_BYTES = 48 << 20
+# DeepSpeed's ZeRO-3 defaults, where the JSON does not set them (deepspeed.runtime.zero.config)
+ZERO3_PERSISTENCE_THRESHOLD, ZERO3_MAX_REUSE_DISTANCE, ZERO3_MAX_LIVE_PARAMETERS = 100_000, 1_000_000_000, 1_000_000_000
 # DeepSpeed's ZeRO documentation: overlap_comm uses 4.5 x allgather_bucket_size and reduce_bucket_size (elements, in
 # the module's precision); its source allocates two reduce buffers where one serves without overlap.
 OVERLAP_COMM_FACTOR = 4.5
@@ -53,6 +67,9 @@ class ModelCounts:
     # frozen parts loaded only while samples render, whole on every rank (a two-expert model's untrained expert): name -> params
     sampling_companions: dict = field(default_factory=dict)
     expert: Optional[dict] = None  # two-expert models: which expert trains over which timesteps (validate prints it)
+    # the module's parameter tensors up to SMALL_TENSOR_NUMEL elements (LoRA adapters included), as (numel, count)
+    # pairs: ZeRO-3 keeps those under its persistence threshold whole on every rank; () where not counted
+    small_tensors: tuple = ()
 
     @property
     def frozen_base_params(self) -> int:
@@ -87,6 +104,9 @@ class Setup:
     ema_in_samples: bool = False  # samples show the EMA (train.ema.export: ema): swapped into the model
     sequence_parallel: int = 1  # deepspeed.sequence_parallel_size: each rank holds 1/N of a sample's tokens
     all_to_all_bytes: float = 0.0  # the attention all-to-alls' buffers under sequence parallelism (validate's)
+    persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD  # ZeRO-3: tensors this small stay whole on every rank
+    max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE  # ZeRO-3: a gathered parameter reused within this stays
+    max_live_parameters: int = ZERO3_MAX_LIVE_PARAMETERS  # ZeRO-3: the cap on gathered parameters
 
     @classmethod
     def of(cls, spec, plan, ds_config: dict, base_precision: Optional[str] = None,
@@ -111,7 +131,10 @@ class Setup:
             accelerator=accelerator, samples=bool(getattr(getattr(spec, "sample", None), "prompts", None)),
             ema_device=ema.device if ema is not None else None,
             ema_in_samples=ema is not None and ema.export == "ema",
-            sequence_parallel=getattr(plan, "sequence_parallel_size", 1))
+            sequence_parallel=getattr(plan, "sequence_parallel_size", 1),
+            persistence_threshold=int(zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)),
+            max_reuse_distance=int(zero.get("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE)),
+            max_live_parameters=int(zero.get("stage3_max_live_parameters", ZERO3_MAX_LIVE_PARAMETERS)))
 
     @property
     def weight_bytes(self) -> float:
@@ -141,6 +164,7 @@ class Estimate:
     sampling_extra: float = 0.0  # frozen parts on each GPU only while samples render (the other expert)
     ema: float = 0.0  # the EMA's fp32 share on each GPU (train.ema.device: same)
     phases: dict = field(default_factory=dict)  # name -> dstune.memory.phases.Phase
+    step_temporaries: float = 0.0  # the optimizer step's temporaries beyond the activations (freed before it)
 
     @property
     def model_states(self) -> float:
@@ -149,7 +173,8 @@ class Estimate:
     @property
     def total(self) -> float:
         """The training step's bytes per GPU."""
-        return self.model_states + self.frozen + self.activations + self.buffers + self.ema + self.reserve
+        return (self.model_states + self.frozen + self.activations + self.step_temporaries + self.buffers + self.ema
+                + self.reserve)
 
     @property
     def peak_phase(self) -> Phase:
@@ -164,8 +189,8 @@ class Estimate:
         return {"total_bytes": int(self.total), "parameters_bytes": int(self.parameters),
                 "gradients_bytes": int(self.gradients), "optimizer_bytes": int(self.optimizer),
                 "frozen_bytes": int(self.frozen), "activations_bytes": int(self.activations),
-                "buffers_bytes": int(self.buffers), "ema_bytes": int(self.ema),
-                "runtime_reserve_bytes": int(self.reserve)}
+                "step_temporaries_bytes": int(self.step_temporaries), "buffers_bytes": int(self.buffers),
+                "ema_bytes": int(self.ema), "runtime_reserve_bytes": int(self.reserve)}
 
 
 def optimizer_state_bytes(setup: Setup) -> float:
@@ -229,18 +254,93 @@ def reduce_bucket_elements(counts: ModelCounts, setup: Setup) -> int:
 
 def deepspeed_buffers(counts: ModelCounts, setup: Setup) -> float:
     """The gradient reduce bucket (two with overlap_comm under ZeRO-3), the ZeRO 1/2 all-gather bucket (with
-    overlap_comm DeepSpeed's documented 4.5 x both), the ZeRO-3 prefetch bucket, in the module's precision. On a GPU
-    a reduce buffer is allocated at its full size; in host memory only the part gradients fill is resident (at most
-    the trainable parameters)."""
+    overlap_comm DeepSpeed's documented 4.5 x both), ZeRO-3's gathered parameters (zero3_gathered_bytes), in the
+    module's precision. On a GPU a reduce buffer is allocated at its full size; in host memory only the part
+    gradients fill is resident (at most the trainable parameters)."""
     trainable, w, reduce_bucket = counts.trainable_params, setup.weight_bytes, reduce_bucket_elements(counts, setup)
     bucket = reduce_bucket if setup.accelerator == "cuda" else min(reduce_bucket, trainable)
     if setup.zero_stage in (1, 2):
         allgather = min(setup.allgather_bucket, trainable)
         return (OVERLAP_COMM_FACTOR if setup.overlap_comm else 1.0) * (bucket + allgather) * w
     reduce = bucket * w * (2 if setup.overlap_comm else 1)
-    if setup.zero_stage == 3:
-        return reduce + min(setup.prefetch_bucket, counts.module_params) * w
+    if setup.zero_stage == 3:  # reduce_scatter_coalesced concatenates the bucket's gradients, interleaved per rank,
+        # into a new flat tensor before the reduce-scatter (deepspeed/runtime/comm/coalesced_collectives.py): a copy
+        # of the bucket's contents, at most the trainable parameters
+        return reduce + min(reduce_bucket, trainable) * w + zero3_gathered_bytes(counts, setup)
     return reduce
+
+
+def zero3_reduce_bucket(counts: ModelCounts, setup: Setup) -> float:
+    """ZeRO-3's gradient bucket (two with overlap_comm), allocated at start-up and kept for the run; in host memory
+    only the part gradients fill is resident."""
+    elements = reduce_bucket_elements(counts, setup)
+    bucket = elements if setup.accelerator == "cuda" else min(elements, counts.trainable_params)
+    return bucket * setup.weight_bytes * (2 if setup.overlap_comm else 1)
+
+
+SMALL_TENSOR_NUMEL = 1 << 20  # ModelCounts.small_tensors holds tensors up to this many elements
+
+
+def persistent_params(counts: ModelCounts, setup: Setup) -> int:
+    """ZeRO-3's persistent parameters: every tensor of at most stage3_param_persistence_threshold elements (DeepSpeed
+    0.19.8, parameter_offload.mark_persistent_parameters), up to stage3_max_live_parameters in all; counted from the
+    configs' tensor shapes (ModelCounts.small_tensors; thresholds above SMALL_TENSOR_NUMEL count to that)."""
+    return min(sum(numel * count for numel, count in counts.small_tensors if numel <= setup.persistence_threshold),
+               setup.max_live_parameters)
+
+
+def zero3_gathered_bytes(counts: ModelCounts, setup: Setup, forward_only: bool = False) -> float:
+    """What ZeRO-3 holds gathered beyond the partitions and the largest layer (DeepSpeed 0.19.8): the persistent
+    tensors, whole on every rank for the whole run (GPU: not offloaded with the parameters either), and the
+    parameters kept for reuse. Once the first step has traced the module, a gathered parameter is released only when
+    its next use lies more than stage3_max_reuse_distance elements ahead (partitioned_param_coordinator
+    .__params_to_release); between a tensor's forward use and its backward use lie twice the parameters after it,
+    so at the turn from forward to backward the last max_reuse_distance / 2 elements of the module stay gathered (a
+    smaller module: all of it), at most stage3_max_live_parameters. The prefetch bucket fetches within that set.
+    The largest layer (2L in DeepSpeed's estimator, in `parameters`) is part of it, so it is not counted twice.
+    `forward_only` (samples: one denoising forward pass after another): a parameter's next use lies the whole
+    module ahead, so all of a module within max_reuse_distance stays gathered, of a larger one nothing beyond the
+    prefetch bucket."""
+    persistent = persistent_params(counts, setup)
+    module = counts.module_params + (counts.trainable_params if counts.frozen_base_params else 0)  # + adapters
+    gathered = module - persistent
+    if forward_only:
+        kept = gathered if gathered < setup.max_reuse_distance else 0
+    else:
+        kept = min(gathered, setup.max_reuse_distance / 2)
+    kept = max(min(kept, setup.max_live_parameters - persistent), min(setup.prefetch_bucket, module))
+    return setup.weight_bytes * (persistent + max(kept - counts.largest_layer_params, 0.0))
+
+
+def optimizer_step_temporaries(counts: ModelCounts, setup: Setup) -> float:
+    """Working memory of the optimizer step beyond its states (torch 2.13's Adam and AdamW, dstune's adam and
+    adamw): on a GPU the foreach implementation takes the square root of every second moment at once
+    (torch._foreach_sqrt: 4 bytes per element it steps); on the CPU the single-tensor one makes two temporaries of
+    the tensor it steps (the square root, then its quotient). DeepSpeed's ZeRO 1-3 and its bf16/fp16 optimizer step
+    flat fp32 partitions (P/N; P under ZeRO-0 with mixed precision); ZeRO-0 in fp32 steps the module's own tensors
+    (the largest at most a layer). The other optimizers update in place: 0; so does DeepSpeed's CPU Adam under
+    optimizer offload."""
+    if setup.optimizer not in ("adam", "adamw") or (setup.zero_stage >= 1 and setup.offload_optimizer != "none"):
+        return 0.0
+    trainable = counts.trainable_params
+    flat = trainable / setup.world_size if setup.zero_stage >= 1 else trainable
+    if setup.accelerator == "cuda":
+        return 4.0 * flat
+    own_tensors = setup.zero_stage == 0 and setup.precision not in MIXED
+    return 8.0 * (min(counts.largest_layer_params, trainable) if own_tensors else flat)
+
+
+def offloaded_to_host(counts: ModelCounts, setup: Setup) -> float:
+    """What CPU offload puts in a rank's host memory: the optimizer states with the fp32 gradient partition and
+    offload's pinned staging bucket (ZeRO >= 1), the parameter partitions (ZeRO-3)."""
+    trainable, ranks = counts.trainable_params, setup.world_size
+    held = 0.0
+    if setup.zero_stage >= 1 and setup.offload_optimizer == "cpu":
+        held += (4.0 + optimizer_state_bytes(setup)) * trainable / ranks \
+            + min(reduce_bucket_elements(counts, setup), trainable) * 4.0  # offload's pinned staging bucket
+    if setup.zero_stage == 3 and setup.offload_param == "cpu":
+        held += setup.weight_bytes * trainable / ranks + frozen_base_bytes(counts, setup) / ranks
+    return held
 
 
 def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
@@ -254,14 +354,11 @@ def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
     training = frozen * sum(counts.companions.get(name, 0) for name in counts.cached_companions)
     if setup.ema_device == "cpu":  # the rank's fp32 EMA share; sampling with it keeps the raw weights aside
         training += 4.0 * trainable / ranks + (ema_swap_bytes(counts, setup) if setup.samples else 0.0)
+    training += offloaded_to_host(counts, setup)
     nvme = 0.0
-    if setup.zero_stage >= 1 and setup.offload_optimizer == "cpu":
-        training += offloaded_states + min(reduce_bucket_elements(counts, setup), trainable) * 4.0  # pinned staging
-    elif setup.offload_optimizer == "nvme":
+    if setup.offload_optimizer == "nvme":
         nvme += offloaded_states
-    if setup.zero_stage == 3 and setup.offload_param == "cpu":
-        training += offloaded_params
-    elif setup.offload_param == "nvme":
+    if setup.offload_param == "nvme":
         nvme += offloaded_params
     if setup.samples:  # read onto the host, then moved to the GPU, while samples render
         training += frozen * sum(counts.sampling_companions.values())
@@ -296,31 +393,47 @@ def module_on_load(counts: ModelCounts, setup: Setup) -> float:
     gathered layer; with parameter offload zero.Init keeps the shares in host memory. On the CPU accelerator the
     device is the host, where the module is read in fp32 first (module_loading_bytes)."""
     w = setup.weight_bytes
-    if setup.accelerator != "cuda":
-        return module_loading_bytes(counts, setup)
-    if counts.builds_partitioned and setup.zero_stage == 3 and setup.base_bytes_per_param is None:
+    partitioned = counts.builds_partitioned and setup.zero_stage == 3 and setup.base_bytes_per_param is None
+    if setup.accelerator != "cuda":  # the host is the device: the module read in fp32; a partitioned build holds
+        # its share, and rank 0 maps the whole weight file while it fills every parameter in turn (memory-mapped
+        # safetensors, dstune.families.diffusion.load_partitioned): resident file pages until the file is closed
+        return module_loading_bytes(counts, setup) + (4.0 * counts.module_params if partitioned else 0.0)
+    if partitioned:
         share = 0.0 if setup.offload_param != "none" else w * counts.module_params / setup.world_size
         return share + w * counts.largest_layer_params
     return w * counts.trainable_params + frozen_base_bytes(counts, setup)
 
 
 def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
-    parameters, gradients, optimizer = model_states(counts, setup)
     host, nvme = host_and_nvme(counts, setup)
-    reserve = RUNTIME_RESERVE_BYTES if setup.accelerator == "cuda" else 0
+    parameters, gradients, optimizer = model_states(counts, setup)
+    on_gpu = setup.accelerator == "cuda"
+    if not on_gpu:  # the host is the device: what offload moves to the host stays in the rank's memory
+        optimizer += offloaded_to_host(counts, setup)
+    reserve = RUNTIME_RESERVE_BYTES if on_gpu else \
+        CPU_RUNTIME_RESERVE_BYTES + CPU_RESERVE_PER_MODULE_PARAM * counts.module_params
     sampling = setup.frozen_bytes * sum(counts.sampling_companions.values()) if setup.samples else 0.0
     ema = 4.0 * counts.trainable_params / setup.world_size if setup.ema_device == "same" else 0.0
     frozen, acts = frozen_on_gpu(counts, setup), activations(counts, setup)
+    # the activations are freed by the backward pass, before the optimizer step's temporaries exist
+    temporaries = max(optimizer_step_temporaries(counts, setup) - acts, 0.0)
     buffers = deepspeed_buffers(counts, setup) + setup.all_to_all_bytes
     swap = ema_swap_bytes(counts, setup)
     base_on_gpu = frozen_on_gpu(replace(counts, companions={}), setup)
     terms = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer, "frozen": frozen,
              "frozen_base": base_on_gpu, "companions_all": setup.frozen_bytes * sum(counts.companions.values()),
              "module_on_load": module_on_load(counts, setup), "activations": acts, "buffers": buffers,
+             "step_temporaries": temporaries,
+             # samples under ZeRO-3: the forward passes' gathered parameters, and the reduce bucket, which stage 3
+             # allocates once at start-up (stage3.py: ipg bucket buffers) and keeps
+             "zero3_gathered": zero3_gathered_bytes(counts, setup, forward_only=True) + zero3_reduce_bucket(counts, setup)
+             if setup.zero_stage == 3 else 0.0,
              "ema": ema, "ema_swap": swap if setup.ema_device == "same" or setup.zero_stage == 3 else 0.0,
-             "sampling_extra": sampling, "reserve": reserve}
+             "sampling_extra": sampling, "reserve": reserve,
+             # a GPU holds its CUDA context from the start; the CPU's reserve is what the first step and samples add
+             "start_reserve": reserve if on_gpu else CPU_STARTUP_RESERVE_BYTES}
     return Estimate(parameters, gradients, optimizer, frozen, acts, buffers, reserve, host, setup.ranks_per_node,
-                    nvme, counts.cache_bytes, sampling, ema, run_phases(counts, setup, terms))
+                    nvme, counts.cache_bytes, sampling, ema, run_phases(counts, setup, terms), temporaries)
 
 
 # ------------------------------------------------------------------------------------------------ suggestions

@@ -51,6 +51,13 @@ def peak_rss_bytes() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def rss_kinds() -> dict:
+    """The resident set now by kind (Linux): anonymous memory (tensors, the allocator's heap), file pages mapped
+    (libraries, memory-mapped weights) and shared memory (DeepSpeed's shm all-reduce workspaces); what explains a
+    phase's RSS beside the plan."""
+    return {f"rss_{kind.lower()}_bytes": _status_bytes(f"Rss{kind}") for kind in ("Anon", "File", "Shmem")}
+
+
 def cuda_peak_bytes() -> Optional[int]:
     import torch
 
@@ -82,11 +89,12 @@ class MemoryRecorder:
     baseline_rss_bytes: int = field(default_factory=rss_bytes)
     phases: list = field(default_factory=list)
     rss_peak_reset: bool = True
+    baseline_kinds: dict = field(default_factory=rss_kinds)
 
     def mark(self, phase: str) -> dict:
         """Close the phase `phase` (one of PLAN_PHASE): its peak since the previous mark, then a new peak."""
         record = {"phase": phase, "peak_rss_bytes": peak_rss_bytes(), "rss_bytes": rss_bytes(),
-                  "cuda_peak_allocated_bytes": cuda_peak_bytes()}
+                  "cuda_peak_allocated_bytes": cuda_peak_bytes(), **rss_kinds()}
         record["rss_growth_bytes"] = record["peak_rss_bytes"] - self.baseline_rss_bytes
         self.phases.append(record)
         self.rss_peak_reset = reset_peaks() and self.rss_peak_reset
@@ -109,22 +117,29 @@ class MemoryRecorder:
         now = cuda if cuda is not None else peak_rss_bytes() - self.baseline_rss_bytes
         return max([now, *self.phase_peaks().values()])
 
+    def _reserve_outside(self) -> int:
+        """The runtime reserve where the measurement cannot see it: on a GPU the CUDA context and NCCL lie outside
+        max_memory_allocated, so the prediction it is held to leaves the reserve out; on the CPU accelerator the
+        reserve is the host memory a rank's RSS gains beyond the tensors (dstune.memory.plan), which RSS sees."""
+        return self.predicted["per_gpu"].get("runtime_reserve_bytes", 0) if cuda_peak_bytes() is not None else 0
+
     def predicted_bytes(self) -> Optional[int]:
-        """The predicted per-GPU peak without the runtime reserve (what an allocator's peak can be held to)."""
+        """The predicted per-GPU peak as the measurement sees it (on a GPU without the runtime reserve)."""
         if not self.predicted or not self.predicted.get("per_gpu"):
             return None
-        reserve = self.predicted["per_gpu"].get("runtime_reserve_bytes", 0)
-        return self.predicted.get("peak_per_gpu_bytes", self.predicted["per_gpu"]["total_bytes"]) - reserve
+        peak = self.predicted.get("peak_per_gpu_bytes", self.predicted["per_gpu"]["total_bytes"])
+        return peak - self._reserve_outside()
 
     def predicted_phases(self) -> dict:
-        """The plan's phase -> its predicted per-GPU bytes without the runtime reserve."""
+        """The plan's phase -> its predicted per-GPU bytes as the measurement sees them (predicted_bytes)."""
         if not self.predicted or not self.predicted.get("phases"):
             return {}
-        reserve = self.predicted["per_gpu"].get("runtime_reserve_bytes", 0)
+        reserve = self._reserve_outside()
         return {name: phase["per_gpu_bytes"] - reserve for name, phase in self.predicted["phases"].items()}
 
     def as_dict(self, rank: int) -> dict:
-        return {"rank": rank, "baseline_rss_bytes": self.baseline_rss_bytes, "phases": self.phases,
+        return {"rank": rank, "baseline_rss_bytes": self.baseline_rss_bytes, "baseline": self.baseline_kinds,
+                "phases": self.phases,
                 "phase_peaks": self.phase_peaks(), "rss_peak_reset": self.rss_peak_reset}
 
 

@@ -195,3 +195,37 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+# The memory plan against a run's measurement, per phase (docs/performance.md section 5): memory.json holds, for each
+# phase, the plan's per-rank bytes and the largest rank's own peak (on the CPU accelerator the growth of the peak
+# RSS over the rank's baseline; the runtime reserve is part of both there).
+MEMORY_FLOOR = 0.9  # predicted >= 0.9 x measured in every phase: the plan may be low by at most 10 %
+
+
+def memory_phase_rows(run_dir: Path) -> list[tuple[str, float, float, float]]:
+    """(phase, predicted, measured, ceiling) of a run's memory.json. The ceiling is the upper tolerance stated in
+    docs/performance.md: measured + that phase's runtime reserve, and in the load and cache phases also the module's
+    fp32 weights (the plan counts them read whole; the CPU maps them from the file and reads them lazily). A run
+    without a cache marks a cache phase all the same: it holds what the load phase holds, and is held to that."""
+    report = json.loads((run_dir / "memory.json").read_text())
+    predicted_plan = report["predicted"]
+    step_reserve = predicted_plan["per_gpu"]["runtime_reserve_bytes"]
+    startup_reserve = predicted_plan["phases"]["load"]["parts"].get("runtime reserve", 0)
+    weights = 4 * predicted_plan["parameters"]["module_params"]
+    rows = []
+    for name, row in report["phases"].items():
+        predicted = row["predicted_bytes"] if row["predicted_bytes"] is not None else \
+            report["phases"]["load"]["predicted_bytes"]
+        measured = row["measured_max_bytes"]
+        slack = step_reserve if name in ("step", "sample") else startup_reserve + weights
+        rows.append((name, predicted, measured, measured + slack))
+    return rows
+
+
+def memory_problems(run_dir: Path) -> list[str]:
+    """Every phase where the plan is more than 10 % below the measured peak or above the stated ceiling."""
+    return [f"{name}: predicted {predicted / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB (floor "
+            f"{MEMORY_FLOOR * measured / 1e6:.1f}, ceiling {ceiling / 1e6:.1f})"
+            for name, predicted, measured, ceiling in memory_phase_rows(run_dir)
+            if not MEMORY_FLOOR * measured <= predicted <= ceiling]

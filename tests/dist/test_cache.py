@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from harness import REPO, TRAIN, base_spec, env, explain, free_port, launch, metrics, write_spec
+from harness import REPO, TRAIN, base_spec, env, explain, free_port, launch, memory_problems, metrics, write_spec
 
 pytestmark = pytest.mark.dist
 
@@ -100,6 +100,9 @@ def test_damaged_entries_are_rebuilt_and_cached_training_matches_on_the_fly(buil
     for name in built["damaged"]:
         _assert_same_entry(load_file(one[name]), load_file(_entries(built["root"] / "cache-two")[name]), name)
     cached, fly = metrics(built["root"] / "two" / "run"), metrics(built["plain_dir"])
+    # the memory plan per phase, with the cache and without (docs/performance.md section 5)
+    for run_dir in (built["root"] / "two" / "run", built["plain_dir"]):
+        assert not memory_problems(run_dir), (run_dir.name, memory_problems(run_dir))
     assert [m["step"] for m in cached] == list(range(1, STEPS + 1))
     for a, b in zip(cached, fly):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import REPO, base_spec, env, explain, launch, metrics, write_spec
+from harness import REPO, base_spec, env, explain, launch, memory_problems, metrics, write_spec
 
 pytestmark = pytest.mark.dist
 
@@ -91,6 +91,14 @@ def _render(pipe) -> torch.Tensor:
     image = pipe("a red circle", num_inference_steps=2, height=32, width=32, output_type="np",
                  generator=generator).images[0]
     return torch.as_tensor(image)
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_memory_plan_holds_with_lora_ema_and_samples(runs, name):
+    """Per phase, the plan within the tolerance of docs/performance.md section 5 (harness.memory_problems): ZeRO 2
+    with the EMA on the host, ZeRO 3 with the EMA beside the model, both rendering samples."""
+    run_dir = _ok(runs, name)
+    assert not memory_problems(run_dir), memory_problems(run_dir)
 
 
 @pytest.mark.parametrize("name", list(CASES))

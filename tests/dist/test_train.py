@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import CACHE_DIR, LAUNCHED_PORTS, base_spec, explain, launch, metrics, shm_segments, write_spec
+from harness import (CACHE_DIR, LAUNCHED_PORTS, base_spec, explain, launch, memory_phase_rows, memory_problems,
+                     metrics, shm_segments, write_spec)
 
 pytestmark = pytest.mark.dist
 
@@ -343,19 +344,15 @@ def test_a_run_folder_with_checkpoints_is_never_overwritten(runs):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
 
-# Measured against predicted (docs/memory.md): every rank records its peak RSS per phase; on the CPU accelerator
-# the model lives in host memory, so the RSS growth over the rank's own baseline (taken just before the model is
-# built, after torch, DeepSpeed and the process group) is compared with the memory plan's per-rank prediction.
+# Measured against predicted (docs/memory.md, docs/performance.md section 5): every rank records its peak RSS per
+# phase; on the CPU accelerator the model lives in host memory, so the RSS growth over the rank's own baseline (taken
+# just before the model is built, after torch, DeepSpeed and the process group) is compared with the memory plan's
+# per-rank prediction, which on the CPU includes the runtime reserve the accelerator's rank holds beyond the tensors.
 # The baseline follows the folders' resolution: making builtin:tiny-sd on a fresh machine (CI's first run) is not
 # training memory (it added 220 MB on rank 0 before the folders were resolved first).
-# Tolerance: predicted <= measured <= predicted + 100 MB. The 100 MB is the CPU accelerator's fixed cost that the plan
-# does not model (DeepSpeed's shared-memory all-reduce buffer touched at the first step, lazily imported modules):
-# 33-72 MB over the prediction in the runs of 2026-11-23. At 0.8 M parameters the model states (14-17 MB) are
-# smaller than that, so this catches gross errors (a plan that overstates, a second copy of the model); the 10 %
-# check on model states is bench/memory_bench.py's, at 17.6 M parameters (docs/performance.md).
-CPU_FIXED_COST_BYTES = 100e6
-
-
+# Tolerance (harness.memory_problems): in every phase predicted >= 0.9 x measured, and predicted <= measured + the
+# phase's reserve (+ the module's fp32 weights in the load and cache phases). The same check runs on the LoRA + EMA
+# runs (test_lora_ema_runs.py) and on the cached and uncached runs of test_cache.py.
 @pytest.mark.parametrize("name", list(CASES))
 def test_memory_records_predicted_next_to_measured(runs, name):
     import json
@@ -366,17 +363,15 @@ def test_memory_records_predicted_next_to_measured(runs, name):
     predicted = report["predicted_per_rank_bytes"]
     assert predicted and report["predicted"]["per_gpu"]["parameters_bytes"] > 0
     assert sorted(r["rank"] for r in report["ranks"]) == [0, 1]
-    step = report["phases"]["step"]["predicted_bytes"]
     for record in report["ranks"]:
         phases = [p["phase"] for p in record["phases"]]
         sample = ["sample"] if name == "zero1" else []  # step 0's samples and the last step's
         assert phases == ["load", "cache", "engine", "step", *sample, "first_step", "step", *sample], phases
         assert record["rss_peak_reset"] and record["phases"][0]["peak_rss_bytes"] > record["baseline_rss_bytes"] > 0
-        growth = record["phase_peaks"]["step"]  # each phase's own peak (reset at every mark)
-        print(f"{name} rank {record['rank']}: predicted step {step / 1e6:.1f} MB, measured {growth / 1e6:.1f} MB; "
-              f"load {report['phases']['load']}")
-        assert step <= growth <= step + CPU_FIXED_COST_BYTES, (growth, step)
-        assert record["phase_peaks"]["load"] <= report["phases"]["load"]["predicted_bytes"] + CPU_FIXED_COST_BYTES
+        assert record["phases"][-1]["rss_shmem_bytes"] is not None  # the resident set by kind, which explains it
+    for phase, planned, measured, ceiling in memory_phase_rows(run_dir):
+        print(f"{name} {phase}: predicted {planned / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB")
+    assert not memory_problems(run_dir), memory_problems(run_dir)
     assert predicted == max(row["predicted_bytes"] or 0 for row in report["phases"].values())  # no cache: None
     assert "memory: predicted" in proc.stdout and "per phase predicted / measured" in proc.stdout
     logged = metrics(run_dir)

@@ -102,3 +102,93 @@ def test_validate_json_gives_each_phase_and_the_peak(capsys):
     # the step alone would fit 16 GB; the 8.3 B text encoder beside the module while the cache is built does not
     assert phases["step"]["per_gpu_bytes"] < 16e9 < phases["cache"]["per_gpu_bytes"] and memory["fits"] is False
     assert memory["peak_phase"] in ("load", "cache", "sample")
+
+
+def test_zero3_keeps_the_persistent_tensors_and_the_parameters_it_reuses_gathered():
+    from dstune.memory.plan import persistent_params, zero3_gathered_bytes
+
+    small = ((3072, 400), (65_536, 10), (200_000, 5))  # biases and norms, one mid-size tensor kind
+    model = counts(small_tensors=small)
+    # tensors of at most stage3_param_persistence_threshold elements stay whole on every rank
+    assert persistent_params(model, setup(3, persistence_threshold=70_710)) == 3072 * 400 + 65_536 * 10
+    assert persistent_params(model, setup(3, persistence_threshold=1_000)) == 0
+    persistent = 3072 * 400 + 65_536 * 10
+    # a 2 B module is larger than half the reuse distance (1e9): its last 5e8 elements stay gathered from the
+    # forward pass to the backward pass; the largest layer is already in `parameters` (2L)
+    big = zero3_gathered_bytes(model, setup(3, persistence_threshold=70_710))
+    assert big == 2 * (persistent + 500_000_000 - 50_000_000)
+    # a module below that stays gathered whole; stage3_max_live_parameters caps it
+    smaller = replace(model, module_params=300_000_000, trainable_params=300_000_000)
+    assert zero3_gathered_bytes(smaller, setup(3, persistence_threshold=70_710)) == \
+        2 * (persistent + 300_000_000 - persistent - 50_000_000)
+    assert zero3_gathered_bytes(smaller, setup(3, persistence_threshold=70_710, max_live_parameters=100_000_000)) == \
+        2 * (persistent + 100_000_000 - persistent - 50_000_000)
+    # counted in the ZeRO-3 step's buffers beside the reduce bucket and its interleaved copy
+    result = estimate(model, setup(3, persistence_threshold=70_710))
+    assert result.buffers == 2 * 50_000_000 + 2 * 50_000_000 + big
+    # samples (forward passes only): a parameter's next use is a whole module away, so a module within the reuse
+    # distance stays gathered whole, a larger one keeps only its persistent tensors and the prefetch bucket
+    # (+ the reduce bucket, which stage 3 allocates once and keeps: 50 M elements in bf16)
+    key = "ZeRO-3 gathered parameters and reduce bucket"
+    sampled = estimate(model, setup(3, persistence_threshold=70_710, samples=True)).phases["sample"].parts
+    assert sampled[key] == 2 * persistent + 2 * 50_000_000  # prefetch bucket (45 M) < largest layer (50 M)
+    sampled = estimate(smaller, setup(3, persistence_threshold=70_710, samples=True)).phases["sample"].parts
+    assert sampled[key] == 2 * (300_000_000 - 50_000_000) + 2 * 50_000_000
+    assert estimate(model, setup(2, samples=True)).phases["sample"].parts[key] == 0
+
+
+def test_the_optimizer_steps_temporaries_count_where_they_exceed_the_freed_activations():
+    from dstune.memory.plan import optimizer_step_temporaries
+
+    # GPU: torch's foreach AdamW takes the square root of every second moment of the rank's flat partition at once
+    assert optimizer_step_temporaries(counts(), setup(2)) == 4 * P / 8
+    quiet = replace(counts(), checkpointed_sample_bytes=100_000_000)  # activations 100 MB, temporaries 1 GB
+    assert estimate(quiet, setup(2)).step_temporaries == 4 * P / 8 - 100_000_000
+    assert estimate(counts(), setup(2)).step_temporaries == 0  # 1 GB of activations, freed before the step, cover it
+    # CPU: the single-tensor AdamW makes two temporaries of the tensor it steps; SGD and offloaded Adam: in place
+    assert optimizer_step_temporaries(counts(), setup(2, accelerator="cpu")) == 8 * P / 8
+    assert optimizer_step_temporaries(counts(), setup(0, accelerator="cpu", precision="fp32")) == 8 * 50_000_000
+    assert optimizer_step_temporaries(counts(), setup(2, optimizer="sgd", momentum=0.9)) == 0
+    assert optimizer_step_temporaries(counts(), setup(2, offload_optimizer="cpu")) == 0
+
+
+def test_on_the_cpu_accelerator_the_reserve_comes_with_the_first_step_and_offload_stays_in_the_rank():
+    from dstune.memory.plan import CPU_RESERVE_PER_MODULE_PARAM, CPU_RUNTIME_RESERVE_BYTES, CPU_STARTUP_RESERVE_BYTES
+
+    result = estimate(counts(), setup(2, accelerator="cpu", samples=True))
+    reserve = CPU_RUNTIME_RESERVE_BYTES + CPU_RESERVE_PER_MODULE_PARAM * P  # the kept heap grows with the module
+    assert result.reserve == reserve
+    assert result.phases["step"].parts["runtime reserve"] == result.phases["sample"].parts["runtime reserve"] == \
+        reserve
+    # the libraries of the step load lazily, at the first step: before it, the loading code's own
+    assert result.phases["load"].parts["runtime reserve"] == CPU_STARTUP_RESERVE_BYTES
+    gpu = estimate(counts(), setup(2, samples=True))
+    assert gpu.phases["load"].parts["runtime reserve"] == RUNTIME_RESERVE_BYTES  # the CUDA context, from the start
+    # optimizer offload moves the states to the host: off a GPU, but on the CPU accelerator the same memory
+    offloaded = setup(2, offload_optimizer="cpu", optimizer="sgd", momentum=0.9)
+    assert estimate(counts(), offloaded).optimizer == 0
+    on_cpu = estimate(counts(), replace(offloaded, accelerator="cpu"))
+    assert on_cpu.optimizer == (4 + 4 + 4) * P / 8 + 4 * 50_000_000  # fp32 master, gradient and momentum, bucket
+
+
+def test_the_small_tensor_count_is_what_zero3_sees_on_the_real_module_with_adapters():
+    """count_small_tensors (from counts.json, as validate reads it) against the real tiny UNet built from the
+    same config with peft's adapters on the default targets: the same tensor sizes, adapters included."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from dstune.memory.counts import STORE, BUILTIN_FOLDERS, count_small_tensors
+    from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
+
+    config = STORE / "builtin" / BUILTIN_FOLDERS["tiny-sd"] / "unet" / "config.json"
+    counted = count_small_tensors(str(config), DEFAULT_LORA_TARGET_MODULES, 4)
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(config.parent)))
+    unet = inject_adapter_in_model(LoraConfig(r=4, target_modules=list(DEFAULT_LORA_TARGET_MODULES)), unet)
+    sizes: dict = {}
+    for tensor in unet.parameters():
+        if tensor.numel() <= 1 << 20:
+            sizes[tensor.numel()] = sizes.get(tensor.numel(), 0) + 1
+    assert dict(counted) == sizes
+    assert any(numel == 4 * 32 for numel, _ in counted)  # an adapter's A or B on a 32-wide projection

@@ -13,7 +13,7 @@ from dstune.memory.activations import (ModelShape, codec_frame_rate, in_plan_uni
 from dstune.families.denoiser_facts import lora_settings
 from dstune.families.facts import ModelFacts, SpecIssues
 from dstune.memory.plan import ModelCounts
-from dstune.memory.counts import SizesUnknown, config_folder, count_component, read_config
+from dstune.memory.counts import SizesUnknown, config_folder, count_component, count_small_tensors, read_config
 from dstune.spec.model_sections import LM_LORA_TARGET_MODULES
 from dstune.models.tts_lm.token_layouts import TTS_LAYOUT_FILE, describe, layout_problems, orpheus_layout
 
@@ -55,7 +55,8 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     cache_bytes = int(4 * frame_rate * codebooks * seconds * num_samples) \
         if spec.data.cache.codec_tokens else 0  # int32 codes; an upper bound (every clip at the longest length)
     return ModelCounts("lm", params, lora or params, largest, companions, cached, int(full), int(checkpointed),
-                       default_lora, cache_bytes, origin)
+                       default_lora, cache_bytes, origin,
+                       small_tensors=count_small_tensors(str(folder / "config.json"), targets, rank))
 
 
 def _activations(config: dict, tokens: float, precision: str) -> tuple[int, int]:
