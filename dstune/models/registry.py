@@ -51,6 +51,11 @@ def pipelines(core: str) -> dict[str, float]:
     return {name: guidance for unit in on_core(core) for name, guidance in unit.pipelines.items()}
 
 
+def spec_notes(core: str, key: str) -> str:
+    """What the units on the core family `core` say of their own default for `key`, one model after another."""
+    return " / ".join(unit.spec_notes[key] for unit in on_core(core) if key in unit.spec_notes)
+
+
 def facts() -> tuple[str, ...]:
     """Every unit's own families' ModelFacts, as "module:ATTRIBUTE"."""
     return tuple(where for unit in UNITS for where in unit.facts)

@@ -55,6 +55,9 @@ class ModelUnit:
     pipelines: dict[str, float] = field(default_factory=dict)
     distilled_guidance: dict[str, float] = field(default_factory=dict)
     native_sizes: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # What the core's spec reference says of this model's own defaults, per spec key (e.g. {"model.max_sequence_length":
+    # "77 (SD3-class)"}); tests check them against the recipes
+    spec_notes: dict[str, str] = field(default_factory=dict)
     builtins: dict[str, str] = field(default_factory=dict)  # its tiny built-in models: name -> its BuiltinModel
     presets: tuple[ModelPreset, ...] = ()
     # key prefixes of its original single-file checkpoints -> (the family that reads them, what such a file is), so

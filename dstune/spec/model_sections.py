@@ -252,7 +252,8 @@ class FlowModel(DenoiserModelBase):
             return int(vae["sample_size"]), f"the VAE's sample_size {vae['sample_size']}: the size it was made for"
         factor = vae_downscale(vae)
         if "temperal_downsample" in vae and factor:
-            return 128 * factor, f"its pipeline's default: 128 latent pixels x the VAE's {factor}x"
+            pipeline = (read("model_index.json") or {}).get("_class_name") or "its pipeline"
+            return 128 * factor, f"{pipeline}'s default: 128 latent pixels x the VAE's {factor}x"
         return None
 
     family: Literal["flow"] = Field(
@@ -306,9 +307,8 @@ class FlowModel(DenoiserModelBase):
     )
     max_sequence_length: Optional[int] = Field(
         None, gt=0, description="Text tokens per caption (the long text encoder's: T5's, or the LLM prompt's). "
-        "Omitted: the model's training example default, at most the tokenizer's model_max_length (each model's "
-        "default is on docs/family-flow.md; `dstune validate` counts with it). A longer caption is truncated, or "
-        "refused naming it where the model's pipeline refuses it.",
+        "Omitted: the model's training example default, at most the tokenizer's model_max_length: "
+        + registry.spec_notes("flow", "model.max_sequence_length") + ".",
     )
     training_adapter: Optional[str] = Field(
         None, description="A LoRA file (diffusers' pytorch_lora_weights.safetensors layout) fused into the frozen "

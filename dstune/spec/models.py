@@ -309,8 +309,10 @@ class SampleSpec(Section):
     guidance: float = Field(
         5.0, ge=0, description="Classifier-free guidance scale (the pipeline's guidance_scale, true_cfg_scale or "
         "guidance embedding value, as the model's pipeline calls it). Omitted: the default of the model's own "
-        "pipeline (each model's docs page gives it; 0 for a distilled folder that samples without guidance); with "
-        "sample.pretrained, that folder's pipeline decides; `validate` prints the value and why.")
+        "pipeline (" + ", ".join(f"{guidance:g} {pipeline}" for section in MODEL_SECTIONS
+                               for pipeline, guidance in getattr(section, "PIPELINE_GUIDANCE", {}).items())
+        + "; 0 for a distilled folder that samples without guidance); with sample.pretrained, that folder's "
+        "pipeline decides; `validate` prints the value and why.")
     seed: int = Field(0, ge=0, description="Sampling seed, so grids from different steps are comparable.")
     pretrained: Optional[str] = Field(
         None, description="model.family flow with train: lora: a second pipeline folder (or hub id, builtin:) of the "

@@ -70,7 +70,7 @@ class WanModel(DenoiserModelBase):
     max_sequence_length: Optional[int] = Field(
         None, gt=0, description="Text tokens per caption of the model's main text encoder (after its prompt "
         "template, zero-padded as its pipeline pads them). Omitted: the model's pipeline default, at most the "
-        "tokenizer's model_max_length (each model's docs page gives it); a second glyph encoder keeps its own.",
+        "tokenizer's model_max_length: " + registry.spec_notes(VIDEO_FAMILY, "model.max_sequence_length") + ".",
     )
 
     expert: Optional[Literal["high_noise", "low_noise"]] = Field(

@@ -96,9 +96,9 @@ def test_video_data_belongs_to_video_families():
     from dstune.spec.models import Spec
 
     train = {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1}
-    with pytest.raises(ValueError, match="builtin:moving-shapes and data.video are for video families"):
+    with pytest.raises(ValueError, match="builtin:moving-shapes and data.video are for the video family"):
         Spec.model_validate({"model": {"family": "sd"}, "data": {"path": "builtin:moving-shapes"}, "train": train})
-    with pytest.raises(ValueError, match="data.video are for video families"):
+    with pytest.raises(ValueError, match="data.video are for the video family"):
         Spec.model_validate({"model": {"family": "flow"}, "data": {"video": {"frames": 9}}, "train": train})
     with pytest.raises(ValueError, match="random_flip are not offered for video"):
         Spec.model_validate({"model": {"family": "wan"}, "data": {"random_flip": True}, "train": train})

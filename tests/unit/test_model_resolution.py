@@ -40,7 +40,7 @@ def _validate(tmp_path: Path, model: str, data: str):
 
 
 @pytest.mark.parametrize("hub_id, family, size, how", [
-    ("Qwen/Qwen-Image", "flow", 1024, "Qwen-Image's pipeline default: 128 latent pixels x the VAE's 8x"),
+    ("Qwen/Qwen-Image", "flow", 1024, "QwenImagePipeline's default: 128 latent pixels x the VAE's 8x"),
     ("stable-diffusion-v1-5/stable-diffusion-v1-5", "sd", 512, "the denoiser's sample_size 64 x the VAE's 8x"),
     ("stabilityai/stable-diffusion-xl-base-1.0", "sdxl", 1024, "the denoiser's sample_size 128 x the VAE's 8x"),
 ])

@@ -13,6 +13,7 @@ UNIT = ModelUnit(
     video_facts=('dstune.models.hunyuan_video15.facts:VIDEO_FACTS',),
     summary='HunyuanVideo 1.5 (HunyuanVideo15Transformer3DModel, Qwen2.5-VL and ByT5): text- and image-to-video',
     pipelines={'HunyuanVideo15Pipeline': 6.0, 'HunyuanVideo15ImageToVideoPipeline': 6.0},
+    spec_notes={"model.max_sequence_length": "1000 (HunyuanVideo 1.5: Qwen2.5-VL tokens after its template; ByT5's glyph tokens stay 256)"},
     builtins={
         'tiny-hunyuan-video15': 'dstune.models.hunyuan_video15.builtin:TINY_HUNYUAN_VIDEO15',
         'tiny-hunyuan-video15-i2v': 'dstune.models.hunyuan_video15.builtin:TINY_HUNYUAN_VIDEO15_I2V',

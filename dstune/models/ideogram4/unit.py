@@ -13,6 +13,7 @@ UNIT = ModelUnit(
     flow_models=('dstune.models.ideogram4.facts:FLOW_MODELS',),
     summary='Ideogram 4 (Ideogram4Transformer2DModel; Qwen3-VL)',
     pipelines={'Ideogram4Pipeline': 7.0},
+    spec_notes={"model.max_sequence_length": "2048 (Ideogram 4)"},
     builtins={
         'tiny-ideogram4': 'dstune.models.ideogram4.builtin:TINY_IDEOGRAM4',
     },

@@ -20,6 +20,7 @@ UNIT = ModelUnit(
     summary='Krea 2 Raw and Turbo (Krea2Transformer2DModel; Qwen3-VL)',
     pipelines={'Krea2Pipeline': 4.5},
     distilled_guidance={'Krea2Pipeline': 0.0},
+    spec_notes={"model.max_sequence_length": "512 (Krea 2)"},
     builtins={
         'tiny-krea2': 'dstune.models.krea2.builtin:TINY_KREA2',
         'tiny-krea2-turbo': 'dstune.models.krea2.builtin:TINY_KREA2_TURBO',

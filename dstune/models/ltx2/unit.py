@@ -13,6 +13,7 @@ UNIT = ModelUnit(
     video_facts=("dstune.models.ltx2.facts:VIDEO_FACTS",),
     summary="LTX-2 (LTX2VideoTransformer3DModel, Gemma 3 with its text connectors): text-to-video on clips without sound",
     pipelines={"LTX2Pipeline": 3.0},
+    spec_notes={"model.max_sequence_length": "1024 (LTX-2: Gemma 3 tokens)"},
     builtins={'tiny-ltx2': 'dstune.models.ltx2.builtin:TINY_LTX2'},
     presets=(
         ModelPreset("ltx2", "LTX-2 text-to-video (19 B audio+video transformer, trained on video; Gemma 3 12B)",

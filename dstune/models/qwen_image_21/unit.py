@@ -13,6 +13,7 @@ UNIT = ModelUnit(
     flow_models=('dstune.models.qwen_image_21.facts:FLOW_MODELS',),
     summary='Qwen-Image 2.1 and its Turbo (QwenImage21Transformer2DModel; Qwen3-VL)',
     pipelines={'QwenImage21Pipeline': 1.0},
+    spec_notes={"model.max_sequence_length": "512 (Qwen-Image 2.1: its example sets no limit; a longer caption is refused, naming it)"},
     builtins={
         'tiny-qwen-image-21': 'dstune.models.qwen_image_21.builtin:TINY_QWEN_IMAGE_21',
     },

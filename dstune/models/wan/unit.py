@@ -14,6 +14,7 @@ UNIT = ModelUnit(
     summary='Wan 2.1 / 2.2 (WanTransformer3DModel, AutoencoderKLWan, UMT5): text-to-video, image-to-video (Wan 2.1 I2V with its CLIP image encoder, Wan 2.2 I2V A14B) and Wan 2.2 TI2V 5B',
     pipelines={'WanPipeline': 5.0, 'WanImageToVideoPipeline': 5.0},
     native_sizes={'WanPipeline': (480, "WanPipeline's default frames are 480x832; the shorter side"), 'WanImageToVideoPipeline': (480, "WanImageToVideoPipeline's default frames are 480x832; the shorter side")},
+    spec_notes={"model.max_sequence_length": "512 (Wan: UMT5 tokens, zero-padded as WanPipeline pads them)"},
     builtins={
         'tiny-wan': 'dstune.models.wan.builtin:TINY_WAN',
         'tiny-wan-a14b': 'dstune.models.wan.builtin:TINY_WAN_A14B',

@@ -13,6 +13,7 @@ UNIT = ModelUnit(
     flow_models=('dstune.models.zimage.facts:FLOW_MODELS',),
     summary='Z-Image (ZImageTransformer2DModel; Qwen3)',
     pipelines={'ZImagePipeline': 5.0},
+    spec_notes={"model.max_sequence_length": "512 (Z-Image)"},
     builtins={
         'tiny-z-image': 'dstune.models.zimage.builtin:TINY_Z_IMAGE',
     },
