@@ -21,7 +21,8 @@ from common import REPO, env  # noqa: E402
 sys.path.insert(0, str(REPO))  # this checkout's dstune, not an installed one
 from dstune.models.wan.facts import sample_bytes as wan_sample_bytes  # noqa: E402
 from dstune.memory.activations import ModelShape, measured_sample_bytes  # noqa: E402
-from dstune.memory.plan import ModelCounts, Setup, memory_json  # noqa: E402
+from dstune.memory.plan import ModelCounts, Setup  # noqa: E402
+from dstune.memory.verdict import memory_json  # noqa: E402
 from dstune.memory.counts import count_component  # noqa: E402
 
 QWEN_IMAGE = {"_class_name": "QwenImageTransformer2DModel", "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56],

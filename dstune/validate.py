@@ -25,7 +25,8 @@ from dstune.ds_json.blocks import compile_ds_config
 from dstune.ds_json.user_file import user_config_path
 from dstune.ds_json.cross_check import cross_check as deepspeed_cross_check
 from dstune.ds_json.fill_spec import apply_ds_file, ds_value_sources
-from dstune.memory.plan import Setup, memory_json
+from dstune.memory.plan import Setup
+from dstune.memory.verdict import memory_json
 from dstune.families import get_facts
 from dstune.memory.counts import SizesUnknown
 from dstune.model_defaults import bucket_step_problem, with_model_defaults

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dstune.memory.plan import (OVERLAP_COMM_FACTOR, RUNTIME_RESERVE_BYTES, ModelCounts, Setup, estimate,
-                                memory_json)
+from dstune.memory.plan import OVERLAP_COMM_FACTOR, RUNTIME_RESERVE_BYTES, ModelCounts, Setup, estimate
+from dstune.memory.verdict import memory_json
 
 REPO = Path(__file__).resolve().parents[2]
 P, ENCODER, VAE = 2_000_000_000, 8_000_000_000, 100_000_000  # a 2 B module, an 8 B text encoder, a VAE

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dstune.cli import main
-from dstune.memory.plan import (BASE_PRECISION_BYTES, ModelCounts, Setup, estimate, memory_json, model_states,
-                                parse_size, suggestions)
+from dstune.memory.plan import BASE_PRECISION_BYTES, ModelCounts, Setup, estimate, model_states, parse_size
+from dstune.memory.verdict import memory_json, suggestions
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = str(REPO / "launch" / "sd-tiny-demo.yaml")
