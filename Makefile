@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install test lint demo ds-configs validate-json golden-losses docs check-generated
+.PHONY: install test lint format demo ds-configs validate-json golden-losses docs check-generated
 
 install:
 	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
@@ -22,10 +22,15 @@ test: install lint
 		$(PYTHON) tests/tools/size_report.py; \
 		if [ $$status -eq 5 ]; then echo "(no tests collected)"; exit 0; fi; exit $$status
 
-# Lint (ruff, configured in pyproject.toml): the checks that find real mistakes (unused or undefined names,
-# syntax), before the tests run.
+# Lint and formatting (ruff, configured in pyproject.toml): the checks that find real mistakes (unused or undefined
+# names, syntax), and `ruff format --check`: one layout for every file, so module sizes follow concepts, not
+# hand-wrapping (`make format` rewrites the files; the one formatting commit is in .git-blame-ignore-revs).
 lint: install
 	@$(PYTHON) -m ruff check dstune tests bench
+	@$(PYTHON) -m ruff format --check --quiet dstune tests bench || { echo "run 'make format' (ruff format)"; exit 1; }
+
+format: install
+	@$(PYTHON) -m ruff format dstune tests bench
 
 # The demo: validate, then really train the built-in tiny model on the built-in shapes with 2 ranks (on the CPU
 # where there is no GPU), export it, and write sample grids before, during and after training. Each run gets a

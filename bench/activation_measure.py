@@ -87,6 +87,7 @@ def warm_up(run_loss) -> None:
 
 def _flash_attention():
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
 

@@ -39,6 +39,7 @@ def _enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:  # diffusers, as dstune enables it
         from dstune.families.diffusion import non_reentrant_checkpoint
+
         model.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
 
 
@@ -57,8 +58,14 @@ def measure(case, dtype: torch.dtype, tokens: int, context: int, heads: int = 0,
     blocks = case.block_lists(model)
     run = case.run(model, tokens, context, dtype)
     warm_up(run)
-    record = {"tokens": case.pad(tokens), "context": case.pad(context), "width": width, "ffn": ffn, "vocab": vocab,
-              "layers": {kind: len(modules) for kind, modules in blocks.items()}}
+    record = {
+        "tokens": case.pad(tokens),
+        "context": case.pad(context),
+        "width": width,
+        "ffn": ffn,
+        "vocab": vocab,
+        "layers": {kind: len(modules) for kind, modules in blocks.items()},
+    }
     checkpointed = []
     if case.checkpointing:
         _enable_checkpointing(model)
@@ -67,18 +74,26 @@ def measure(case, dtype: torch.dtype, tokens: int, context: int, heads: int = 0,
     full = count_saved(model, run, blocks, vocab, checkpointed)
     per_block = {kind: full.block(kind) for kind in blocks}
     record["blocks"] = per_block
-    record["outside"] = full.outside + sum(full.blocks.values()) - sum(
-        per_block[kind] * len(modules) for kind, modules in blocks.items())
+    record["outside"] = (
+        full.outside
+        + sum(full.blocks.values())
+        - sum(per_block[kind] * len(modules) for kind, modules in blocks.items())
+    )
     record["logits"] = full.logits
     record["total"] = full.total
     if case.checkpointing:
         inputs = {kind: ckpt.block(kind) for kind in blocks}
         record["ckpt_inputs"] = inputs
-        record["ckpt_outside"] = ckpt.outside + ckpt.checkpoint_inputs + sum(ckpt.blocks.values()) - sum(
-            inputs[kind] * len(modules) for kind, modules in blocks.items())
+        record["ckpt_outside"] = (
+            ckpt.outside
+            + ckpt.checkpoint_inputs
+            + sum(ckpt.blocks.values())
+            - sum(inputs[kind] * len(modules) for kind, modules in blocks.items())
+        )
         record["recompute"] = full.largest_module
-        record["ckpt_total"] = ckpt.outside + ckpt.checkpoint_inputs + sum(ckpt.blocks.values()) + \
-            full.largest_module + ckpt.logits
+        record["ckpt_total"] = (
+            ckpt.outside + ckpt.checkpoint_inputs + sum(ckpt.blocks.values()) + full.largest_module + ckpt.logits
+        )
     return record
 
 
@@ -111,11 +126,15 @@ def constants_for(case, dtype: torch.dtype) -> tuple[dict, list]:
         records += [measure(case, dtype, t, c, ffn_mult=2) for t, c in case.sizes]
     plain, with_ffn = _features(case, records, False), _features(case, records, case.ffn)
     kinds = list(records[0]["blocks"])
-    table = {"outside": fit(records, plain, lambda r: r["outside"]),
-             "blocks": {k: fit(records, with_ffn, lambda r, k=k: r["blocks"][k]) for k in kinds}}
+    table = {
+        "outside": fit(records, plain, lambda r: r["outside"]),
+        "blocks": {k: fit(records, with_ffn, lambda r, k=k: r["blocks"][k]) for k in kinds},
+    }
     if records[0]["vocab"]:
-        table["logits"] = {n: v * records[0]["width"] / records[0]["vocab"]
-                           for n, v in fit(records, ["T", "1"], lambda r: r["logits"]).items()}
+        table["logits"] = {
+            n: v * records[0]["width"] / records[0]["vocab"]
+            for n, v in fit(records, ["T", "1"], lambda r: r["logits"]).items()
+        }
     if case.checkpointing:
         table["ckpt_outside"] = fit(records, plain, lambda r: r["ckpt_outside"])
         table["ckpt_inputs"] = {k: fit(records, plain, lambda r, k=k: r["ckpt_inputs"][k]) for k in kinds}
@@ -124,16 +143,22 @@ def constants_for(case, dtype: torch.dtype) -> tuple[dict, list]:
 
 
 def _write(models: dict) -> None:
-    document = {"about": "bytes autograd keeps for backward per training sample, measured by "
-                         "bench/activation_table.py (docs/memory.md); do not edit by hand",
-                "versions": {"torch": torch.__version__.split("+")[0], "diffusers": _version("diffusers"),
-                             "transformers": _version("transformers")},
-                "models": dict(sorted(models.items()))}
+    document = {
+        "about": "bytes autograd keeps for backward per training sample, measured by "
+        "bench/activation_table.py (docs/memory.md); do not edit by hand",
+        "versions": {
+            "torch": torch.__version__.split("+")[0],
+            "diffusers": _version("diffusers"),
+            "transformers": _version("transformers"),
+        },
+        "models": dict(sorted(models.items())),
+    }
     CONSTANTS_FILE.write_text(json.dumps(document, indent=1) + "\n")
 
 
 def _version(package: str) -> str:
     from importlib.metadata import version
+
     return version(package)
 
 
@@ -148,15 +173,21 @@ def main(keys: list[str]) -> None:
             table, records = constants_for(case, dtype)
             entry[name] = table
             first = records[0]
-            entry["measured"] = {"heads": case.heads, "width": first["width"], "ffn": first["ffn"],
-                                 "vocab": first["vocab"], "layers": first["layers"],
-                                 "sizes": [list(s) for s in case.sizes]}
+            entry["measured"] = {
+                "heads": case.heads,
+                "width": first["width"],
+                "ffn": first["ffn"],
+                "vocab": first["vocab"],
+                "layers": first["layers"],
+                "sizes": [list(s) for s in case.sizes],
+            }
             rows.append([case.key, name, first["total"], first.get("ckpt_total", "-")])
         models[case.key] = entry
         _write(models)  # after each model: a long run that stops keeps what it measured
         print(f"{case.key}: {time.monotonic() - started:.1f} s", file=sys.stderr)
-    print_table("activation bytes at each model's first measured size", ["model", "dtype", "bytes", "checkpointed"],
-                rows)
+    print_table(
+        "activation bytes at each model's first measured size", ["model", "dtype", "bytes", "checkpointed"], rows
+    )
     print_json("activation_table", {"models": sorted(models)})
 
 

@@ -54,8 +54,13 @@ def encoded_dataset(folder: str, resolution: int, count: int, device) -> tuple[t
     pixels = (pixels.permute(0, 3, 1, 2) / 127.5 - 1.0).to(device)
     with torch.no_grad():
         latents = torch.cat([vae.encode(chunk).latent_dist.sample() for chunk in pixels.split(64)])
-        ids = tokenizer(list(captions), padding="max_length", max_length=tokenizer.model_max_length,
-                        truncation=True, return_tensors="pt").input_ids.to(device)
+        ids = tokenizer(
+            list(captions),
+            padding="max_length",
+            max_length=tokenizer.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids.to(device)
         hidden = text_encoder(ids)[0]
     return latents * vae.config.scaling_factor, hidden
 
@@ -65,6 +70,7 @@ def main() -> None:
     deepspeed.init_distributed()
     torch.distributed.barrier()  # every rank has mapped every shm segment: the names can go
     from dstune.distributed import release_shm_allreduce_name
+
     release_shm_allreduce_name(torch.distributed.get_rank())  # as dstune does: no 69 MB leak per rank
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
@@ -76,8 +82,9 @@ def main() -> None:
     scheduler = DDPMScheduler.from_pretrained(args.pipeline, subfolder="scheduler")
     latents, hidden = encoded_dataset(args.pipeline, args.resolution, args.steps * world * micro, device)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=args.lr)
-    engine, _, _, _ = deepspeed.initialize(model=unet, model_parameters=unet.parameters(), optimizer=optimizer,
-                                           config=config, dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(
+        model=unet, model_parameters=unet.parameters(), optimizer=optimizer, config=config, dist_init_required=False
+    )
     dtype = next(engine.module.parameters()).dtype
     generator = torch.Generator().manual_seed(1000 + rank)
     ends = []
@@ -88,8 +95,9 @@ def main() -> None:
         noise = torch.randn(x0.shape, generator=generator).to(device)
         timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (micro,), generator=generator).to(device)
         noisy = scheduler.add_noise(x0, noise, timesteps)
-        target = noise if scheduler.config.prediction_type == "epsilon" else scheduler.get_velocity(x0, noise,
-                                                                                                     timesteps)
+        target = (
+            noise if scheduler.config.prediction_type == "epsilon" else scheduler.get_velocity(x0, noise, timesteps)
+        )
         prediction = engine(noisy.to(dtype), timesteps, text.to(dtype), return_dict=False)[0]
         loss = F.mse_loss(prediction.float(), target.float())
         engine.backward(loss)

@@ -37,10 +37,19 @@ import yaml  # noqa: E402
 def _spec(work: Path, resolution: int, batch: int, latents: bool) -> dict:
     return {
         "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
-        "data": {"path": "builtin:shapes", "resolution": resolution, "num_workers": 0,
-                 "cache": {"latents": latents, "text_embeddings": latents, "dir": str(work / "cache")}},
-        "train": {"micro_batch_size": batch, "max_steps": 10, "precision": "fp32", "seed": 7,
-                  "optimizer": {"type": "adamw", "lr": 1e-4}},
+        "data": {
+            "path": "builtin:shapes",
+            "resolution": resolution,
+            "num_workers": 0,
+            "cache": {"latents": latents, "text_embeddings": latents, "dir": str(work / "cache")},
+        },
+        "train": {
+            "micro_batch_size": batch,
+            "max_steps": 10,
+            "precision": "fp32",
+            "seed": 7,
+            "optimizer": {"type": "adamw", "lr": 1e-4},
+        },
         "output": {"dir": str(work / "run"), "cache_dir": str(CACHE_DIR), "export": "none"},
     }
 
@@ -80,10 +89,12 @@ def step_times(work: Path, resolution: int, batch: int, steps: int) -> dict:
     index = caches.images
     order = torch.Generator().manual_seed(0)
     batches = torch.randperm(len(records), generator=order)[: (steps + 1) * batch].view(-1, batch).tolist()
-    fly = torch.utils.data.DataLoader(ImageCaptionDataset(spec.data, records, 7), batch_sampler=batches,
-                                      collate_fn=collate)
-    cached = torch.utils.data.DataLoader(CachedDataset(spec.data, records, 7, index), batch_sampler=batches,
-                                         collate_fn=collate_cached)
+    fly = torch.utils.data.DataLoader(
+        ImageCaptionDataset(spec.data, records, 7), batch_sampler=batches, collate_fn=collate
+    )
+    cached = torch.utils.data.DataLoader(
+        CachedDataset(spec.data, records, 7, index), batch_sampler=batches, collate_fn=collate_cached
+    )
     state = {k: v.clone() for k, v in built.trainable.state_dict().items()}
     _say("steps on the fly")
     fly_s = _steps(family, built, fly, steps)
@@ -101,8 +112,16 @@ def build_time(work: Path, resolution: int, ranks: int, attempt: int) -> float:
     if ranks == 1:
         cmd = [sys.executable, train, str(spec_path), "--cache-only"]
     else:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), train, str(spec_path),
-               "--cache-only"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            str(ranks),
+            train,
+            str(spec_path),
+            "--cache-only",
+        ]
     _say(f"cache build with {ranks} rank(s)")
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=900)
     found = re.search(r"entries per folder \(([\d.]+) s\)", proc.stdout)
@@ -121,17 +140,29 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        result = {"resolution": args.resolution, "batch": args.batch,
-                  **step_times(work / "steps", args.resolution, args.batch, args.steps)}
+        result = {
+            "resolution": args.resolution,
+            "batch": args.batch,
+            **step_times(work / "steps", args.resolution, args.batch, args.steps),
+        }
         one = min(build_time(work, args.build_resolution, 1, i) for i in range(args.repeats))
         two = min(build_time(work, args.build_resolution, 2, i) for i in range(args.repeats))
-    result.update(build_resolution=args.build_resolution, build_entries=256 + 18,
-                  build_1_rank_s=one, build_2_ranks_s=two, build_speedup=one / two)
-    print_table(f"Cache: step time ({args.resolution} px, batch {args.batch}) and build time "
-                f"({args.build_resolution} px, {result['build_entries']} entries)",
-                ["measure", "dstune (cached / 2 ranks)", "baseline (on the fly / 1 rank)", "baseline / dstune"],
-                [["step time, s", result["cached_step_s"], result["on_the_fly_step_s"], result["step_speedup"]],
-                 ["cache build, s", two, one, one / two]])
+    result.update(
+        build_resolution=args.build_resolution,
+        build_entries=256 + 18,
+        build_1_rank_s=one,
+        build_2_ranks_s=two,
+        build_speedup=one / two,
+    )
+    print_table(
+        f"Cache: step time ({args.resolution} px, batch {args.batch}) and build time "
+        f"({args.build_resolution} px, {result['build_entries']} entries)",
+        ["measure", "dstune (cached / 2 ranks)", "baseline (on the fly / 1 rank)", "baseline / dstune"],
+        [
+            ["step time, s", result["cached_step_s"], result["on_the_fly_step_s"], result["step_speedup"]],
+            ["cache build, s", two, one, one / two],
+        ],
+    )
     print_json("cache", {**result, **machine()})
 
 

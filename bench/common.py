@@ -27,10 +27,17 @@ LAUNCH_TIMEOUT_S = 900
 # training step is dominated by the UNet's compute, as it is for real models, and not by fixed per-step costs.
 # Same latent channels and cross-attention width as the built-in VAE and text encoder, so they still fit.
 BENCH_UNET = dict(
-    sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(64, 128, 256),
+    sample_size=16,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=2,
+    block_out_channels=(64, 128, 256),
     down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32)
+    cross_attention_dim=32,
+    attention_head_dim=8,
+    norm_num_groups=32,
+)
 BENCH_MODEL_NAME = "bench-sd-v1"  # bump when BENCH_UNET changes
 
 
@@ -40,6 +47,7 @@ def say(text: str) -> None:
 
 def print_table(title: str, header: list[str], rows: list[list]) -> None:
     """A Markdown table (pastes into docs/performance.md as is); floats with 3 significant digits."""
+
     def cell(value) -> str:
         if isinstance(value, float):
             return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
@@ -101,19 +109,36 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(script: Path, args: list[str], num_ranks: int, timeout_s: int = LAUNCH_TIMEOUT_S,
-           check: bool = True, launcher: bool = False) -> subprocess.CompletedProcess:
+def launch(
+    script: Path,
+    args: list[str],
+    num_ranks: int,
+    timeout_s: int = LAUNCH_TIMEOUT_S,
+    check: bool = True,
+    launcher: bool = False,
+) -> subprocess.CompletedProcess:
     """`deepspeed --num_gpus N script args` (plain python for one rank unless `launcher`); stops the benchmark if
     it fails."""
     if num_ranks == 1 and not launcher:
         cmd = [sys.executable, str(script), *args]
     else:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_ranks),
-               "--master_port", str(_free_port()), str(script), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            str(num_ranks),
+            "--master_port",
+            str(_free_port()),
+            str(script),
+            *args,
+        ]
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout_s)
     if check and proc.returncode != 0:
-        raise SystemExit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                         f"--- stderr\n{proc.stderr[-4000:]}")
+        raise SystemExit(
+            f"failed (exit {proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n"
+            f"--- stderr\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 

@@ -26,8 +26,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (BENCH_CACHE, REPO, TRAIN, bench_model_folder, launch, machine, median,  # noqa: E402
-                    print_json, print_table, say)
+from common import (
+    BENCH_CACHE,
+    REPO,
+    TRAIN,
+    bench_model_folder,
+    launch,
+    machine,
+    median,  # noqa: E402
+    print_json,
+    print_table,
+    say,
+)
 
 sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
@@ -56,12 +66,21 @@ def spec_dict(work: Path, images: Path, folder: Path, args, cached: bool) -> dic
     return {
         "model": {"family": "sd", "pretrained": str(folder)},
         "data": data,
-        "train": {"micro_batch_size": args.micro_batch, "gradient_accumulation_steps": 1,
-                  "max_steps": args.warmup + args.steps, "precision": "fp32", "seed": 7,
-                  "optimizer": {"type": "adamw", "lr": 1e-4}, "scheduler": {"type": "constant"}},
+        "train": {
+            "micro_batch_size": args.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "max_steps": args.warmup + args.steps,
+            "precision": "fp32",
+            "seed": 7,
+            "optimizer": {"type": "adamw", "lr": 1e-4},
+            "scheduler": {"type": "constant"},
+        },
         "deepspeed": {"zero_stage": 2},
-        "output": {"dir": str(work / f"run-{'cached' if cached else 'fly'}"), "cache_dir": str(BENCH_CACHE),
-                   "export": "none"},
+        "output": {
+            "dir": str(work / f"run-{'cached' if cached else 'fly'}"),
+            "cache_dir": str(BENCH_CACHE),
+            "export": "none",
+        },
     }
 
 
@@ -102,8 +121,8 @@ def training_rate(spec_path: Path, run_dir: Path, args) -> tuple[float, float]:
     """(samples/s per rank over the window after warm-up, data wait fraction in that window) of a 2-rank run."""
     launch(TRAIN, [str(spec_path)], num_ranks=RANKS)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    window = lines[args.warmup:]
-    ends = [m["elapsed_s"] for m in lines[args.warmup - 1:]]
+    window = lines[args.warmup :]
+    ends = [m["elapsed_s"] for m in lines[args.warmup - 1 :]]
     step_s = median([b - a for a, b in zip(ends, ends[1:])])  # median: robust to bursts of other work
     wait = sum(m["data_s"] for m in window) / sum(m["data_s"] + m["compute_s"] for m in window)
     return args.micro_batch / step_s, wait
@@ -126,7 +145,7 @@ def main() -> None:
         work = Path(tmp)
         say(f"writing {args.images} JPEGs of {args.source_px} px")
         images = make_folder(work / "images", args.images, args.source_px)
-        for cached in ((False,) if args.loader_only else (False, True)):
+        for cached in (False,) if args.loader_only else (False, True):
             path = "cache reads" if cached else "decode + resize + collate"
             spec_path = write_spec(work / f"spec-{cached}.yaml", spec_dict(work, images, folder, args, cached))
             train_rate = wait = None
@@ -136,18 +155,43 @@ def main() -> None:
             say(f"loader alone, {path}")
             load_rate, samples, workers = loader_rate(spec_path, folder, cached)
             headroom = None if train_rate is None else load_rate / train_rate
-            rows.append([path, workers, load_rate, train_rate if train_rate else "-",
-                         headroom if headroom else "-", wait if wait is not None else "-"])
+            rows.append(
+                [
+                    path,
+                    workers,
+                    load_rate,
+                    train_rate if train_rate else "-",
+                    headroom if headroom else "-",
+                    wait if wait is not None else "-",
+                ]
+            )
             result["cached" if cached else "on_the_fly"] = {
-                "loader_samples_per_s": load_rate, "loader_samples": samples, "num_workers": workers,
-                "train_samples_per_s_per_rank": train_rate, "headroom": headroom, "data_wait_fraction": wait}
-    print_table(f"Data path, per rank: {args.images} JPEGs of {args.source_px} px -> {args.resolution} px, "
-                f"micro batch {args.micro_batch}, {RANKS} ranks, ZeRO 2",
-                ["path", "workers", "loader samples/s", "training samples/s", "headroom", "training's data wait"],
-                rows)
-    print_json("data", {"images": args.images, "source_px": args.source_px, "resolution": args.resolution,
-                        "micro_batch": args.micro_batch, "ranks": RANKS, **result, "target_headroom_min": 5,
-                        **machine()})
+                "loader_samples_per_s": load_rate,
+                "loader_samples": samples,
+                "num_workers": workers,
+                "train_samples_per_s_per_rank": train_rate,
+                "headroom": headroom,
+                "data_wait_fraction": wait,
+            }
+    print_table(
+        f"Data path, per rank: {args.images} JPEGs of {args.source_px} px -> {args.resolution} px, "
+        f"micro batch {args.micro_batch}, {RANKS} ranks, ZeRO 2",
+        ["path", "workers", "loader samples/s", "training samples/s", "headroom", "training's data wait"],
+        rows,
+    )
+    print_json(
+        "data",
+        {
+            "images": args.images,
+            "source_px": args.source_px,
+            "resolution": args.resolution,
+            "micro_batch": args.micro_batch,
+            "ranks": RANKS,
+            **result,
+            "target_headroom_min": 5,
+            **machine(),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ def main() -> int:
     deepspeed.init_distributed()
     torch.distributed.barrier()  # every rank has mapped every shm segment: the names can go
     from dstune.distributed import release_shm_allreduce_name
+
     release_shm_allreduce_name(torch.distributed.get_rank())  # as dstune does: no 69 MB leak per rank
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel
@@ -37,8 +38,9 @@ def main() -> int:
     config = json.loads(Path(args.ds_config).read_text())
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
     try:
-        deepspeed.initialize(model=unet, model_parameters=unet.parameters(), optimizer=optimizer, config=config,
-                             dist_init_required=False)
+        deepspeed.initialize(
+            model=unet, model_parameters=unet.parameters(), optimizer=optimizer, config=config, dist_init_required=False
+        )
     except Exception as err:  # noqa: BLE001 - whatever DeepSpeed raises is the report we time
         if torch.distributed.get_rank() == 0:
             print(f"DEEPSPEED ERROR: {type(err).__name__}: {err}", flush=True)

@@ -34,30 +34,96 @@ BASELINE = Path(__file__).resolve().parent / "gpu_sd_baseline.py"
 
 # Stable Diffusion 1.5's component configs (runwayml/stable-diffusion-v1-5 unet/vae/text_encoder/scheduler).
 SD15_UNET = dict(
-    sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
+    sample_size=64,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=2,
+    block_out_channels=(320, 640, 1280, 1280),
     down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=768, attention_head_dim=8, norm_num_groups=32, norm_eps=1e-5, act_fn="silu",
-    downsample_padding=1, flip_sin_to_cos=True, freq_shift=0, mid_block_scale_factor=1, center_input_sample=False)
+    cross_attention_dim=768,
+    attention_head_dim=8,
+    norm_num_groups=32,
+    norm_eps=1e-5,
+    act_fn="silu",
+    downsample_padding=1,
+    flip_sin_to_cos=True,
+    freq_shift=0,
+    mid_block_scale_factor=1,
+    center_input_sample=False,
+)
 SD15_VAE = dict(
-    in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
-    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2,
-    norm_num_groups=32, act_fn="silu", sample_size=512, scaling_factor=0.18215)
-SD15_TEXT = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                 max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu", vocab_size=49408)
-SD15_SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                      clip_sample=False, prediction_type="epsilon", steps_offset=1)
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    layers_per_block=2,
+    norm_num_groups=32,
+    act_fn="silu",
+    sample_size=512,
+    scaling_factor=0.18215,
+)
+SD15_TEXT = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    max_position_embeddings=77,
+    projection_dim=768,
+    hidden_act="quick_gelu",
+    vocab_size=49408,
+)
+SD15_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    clip_sample=False,
+    prediction_type="epsilon",
+    steps_offset=1,
+)
 # --dry-run: the same code path at a size any machine runs in seconds.
-DRY_UNET = dict(SD15_UNET, sample_size=16, layers_per_block=1, block_out_channels=(32, 64),
-                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32, norm_num_groups=8)
-DRY_VAE = dict(SD15_VAE, block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-               up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, norm_num_groups=8, sample_size=32)
-DRY_TEXT = dict(SD15_TEXT, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                projection_dim=32, vocab_size=600)
+DRY_UNET = dict(
+    SD15_UNET,
+    sample_size=16,
+    layers_per_block=1,
+    block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=32,
+    norm_num_groups=8,
+)
+DRY_VAE = dict(
+    SD15_VAE,
+    block_out_channels=(8, 16),
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    layers_per_block=1,
+    norm_num_groups=8,
+    sample_size=32,
+)
+DRY_TEXT = dict(
+    SD15_TEXT,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    projection_dim=32,
+    vocab_size=600,
+)
 # Dense bf16 peak TFLOPS by GPU name (vendor data sheets, without sparsity); first match wins.
-PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("GH200", 989.4), ("A100", 312.0),
-                    ("L40S", 362.1), ("A10G", 70.0), ("RTX 4090", 165.2))
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("GH200", 989.4),
+    ("A100", 312.0),
+    ("L40S", 362.1),
+    ("A10G", 70.0),
+    ("RTX 4090", 165.2),
+)
 
 
 def build_pipeline(dry_run: bool) -> Path:
@@ -73,17 +139,25 @@ def build_pipeline(dry_run: bool) -> Path:
     from dstune.builtin.common import tiny_clip_tokenizer
 
     tokenizer = tiny_clip_tokenizer()  # SD's 49408-token vocabulary would have to be downloaded
-    text = dict(DRY_TEXT if dry_run else SD15_TEXT, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    text = dict(
+        DRY_TEXT if dry_run else SD15_TEXT,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
     say(f"building the {'dry-run' if dry_run else 'SD-1.5-sized'} pipeline with random weights into {final}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         pipeline = StableDiffusionPipeline(
             unet=UNet2DConditionModel(**(DRY_UNET if dry_run else SD15_UNET)),
             vae=AutoencoderKL(**(DRY_VAE if dry_run else SD15_VAE)),
-            text_encoder=CLIPTextModel(CLIPTextConfig(**text)), tokenizer=tokenizer,
-            scheduler=DDPMScheduler(**SD15_SCHEDULER), safety_checker=None, feature_extractor=None,
-            requires_safety_checker=False)
+            text_encoder=CLIPTextModel(CLIPTextConfig(**text)),
+            tokenizer=tokenizer,
+            scheduler=DDPMScheduler(**SD15_SCHEDULER),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
     work = final.parent / f".{final.name}-building-{os.getpid()}"
     pipeline.save_pretrained(work, safe_serialization=True)
     os.replace(work, final)
@@ -118,19 +192,27 @@ def peak_tflops(override: float | None) -> float | None:
 
 def window_samples_per_s(ends: list[float], warmup: int, batch: int) -> float:
     """Samples/s of the median step after warm-up (the time between consecutive step ends)."""
-    return batch / median([b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])])
+    return batch / median([b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:])])
 
 
 def run_dstune(work: Path, folder: Path, args) -> float:
     work.mkdir(parents=True)
     spec = {
         "model": {"family": "sd", "pretrained": str(folder)},
-        "data": {"path": "builtin:shapes", "resolution": args.resolution,
-                 "cache": {"latents": True, "text_embeddings": True,
-                           "dir": str(BENCH_CACHE / f"{folder.name}-latents")}},
-        "train": {"micro_batch_size": args.micro_batch, "gradient_accumulation_steps": 1,
-                  "max_steps": args.warmup + args.steps, "precision": "bf16", "seed": 7,
-                  "optimizer": {"type": "adamw", "lr": 1e-5}, "scheduler": {"type": "constant"}},
+        "data": {
+            "path": "builtin:shapes",
+            "resolution": args.resolution,
+            "cache": {"latents": True, "text_embeddings": True, "dir": str(BENCH_CACHE / f"{folder.name}-latents")},
+        },
+        "train": {
+            "micro_batch_size": args.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "max_steps": args.warmup + args.steps,
+            "precision": "bf16",
+            "seed": 7,
+            "optimizer": {"type": "adamw", "lr": 1e-5},
+            "scheduler": {"type": "constant"},
+        },
         "deepspeed": {"zero_stage": 2},
         "output": {"dir": str(work / "run"), "cache_dir": str(BENCH_CACHE), "export": "none"},
     }
@@ -144,9 +226,23 @@ def run_dstune(work: Path, folder: Path, args) -> float:
 def run_baseline(work: Path, folder: Path, args) -> float:
     work.mkdir(parents=True)
     out = work / "baseline.json"
-    launch(BASELINE, ["--pipeline", str(folder), "--resolution", str(args.resolution), "--micro-batch",
-                      str(args.micro_batch), "--steps", str(args.warmup + args.steps), "--out", str(out)],
-           num_ranks=1, launcher=True)
+    launch(
+        BASELINE,
+        [
+            "--pipeline",
+            str(folder),
+            "--resolution",
+            str(args.resolution),
+            "--micro-batch",
+            str(args.micro_batch),
+            "--steps",
+            str(args.warmup + args.steps),
+            "--out",
+            str(out),
+        ],
+        num_ranks=1,
+        launcher=True,
+    )
     return window_samples_per_s(json.loads(out.read_text())["step_end_s"], args.warmup, args.micro_batch)
 
 
@@ -178,21 +274,41 @@ def main() -> None:
             theirs = run_baseline(Path(tmp) / f"baseline{repeat}", folder, args)
             say(f"  dstune {ours:.2f} samples/s, baseline {theirs:.2f} samples/s")
             pairs.append((ours, theirs))
-    mfu = (lambda rate: None if peak is None else rate * train_flops / (peak * 1e12))  # noqa: E731
+    mfu = lambda rate: None if peak is None else rate * train_flops / (peak * 1e12)  # noqa: E731
     ours, theirs = median([o for o, _ in pairs]), median([t for _, t in pairs])
     info = machine()
-    print_table(f"SD-1.5-sized UNet, {args.resolution} px, bf16, ZeRO 2, micro batch {args.micro_batch}, "
-                f"1 device ({info.get('gpu', 'CPU')}){' - DRY RUN, not a measurement' if args.dry_run else ''}",
-                ["loop", "samples/s (median)", "MFU", "per pair"],
-                [["dstune", ours, "-" if peak is None else mfu(ours), ", ".join(f"{o:.3g}" for o, _ in pairs)],
-                 ["accelerate + DeepSpeed", theirs, "-" if peak is None else mfu(theirs),
-                  ", ".join(f"{t:.3g}" for _, t in pairs)],
-                 ["dstune / baseline", ours / theirs, "", ""]])
-    print_json("gpu_sd", {"dry_run": args.dry_run, "resolution": args.resolution, "micro_batch": args.micro_batch,
-                          "unet_params": sum_params(unet_config), "train_flops_per_sample": train_flops,
-                          "peak_tflops": peak, "dstune_samples_per_s": [o for o, _ in pairs],
-                          "baseline_samples_per_s": [t for _, t in pairs], "ratio": ours / theirs,
-                          "dstune_mfu": mfu(ours), "baseline_mfu": mfu(theirs), **info})
+    print_table(
+        f"SD-1.5-sized UNet, {args.resolution} px, bf16, ZeRO 2, micro batch {args.micro_batch}, "
+        f"1 device ({info.get('gpu', 'CPU')}){' - DRY RUN, not a measurement' if args.dry_run else ''}",
+        ["loop", "samples/s (median)", "MFU", "per pair"],
+        [
+            ["dstune", ours, "-" if peak is None else mfu(ours), ", ".join(f"{o:.3g}" for o, _ in pairs)],
+            [
+                "accelerate + DeepSpeed",
+                theirs,
+                "-" if peak is None else mfu(theirs),
+                ", ".join(f"{t:.3g}" for _, t in pairs),
+            ],
+            ["dstune / baseline", ours / theirs, "", ""],
+        ],
+    )
+    print_json(
+        "gpu_sd",
+        {
+            "dry_run": args.dry_run,
+            "resolution": args.resolution,
+            "micro_batch": args.micro_batch,
+            "unet_params": sum_params(unet_config),
+            "train_flops_per_sample": train_flops,
+            "peak_tflops": peak,
+            "dstune_samples_per_s": [o for o, _ in pairs],
+            "baseline_samples_per_s": [t for _, t in pairs],
+            "ratio": ours / theirs,
+            "dstune_mfu": mfu(ours),
+            "baseline_mfu": mfu(theirs),
+            **info,
+        },
+    )
 
 
 def sum_params(unet_config: dict) -> int:

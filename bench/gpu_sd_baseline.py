@@ -43,26 +43,31 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     latents = torch.randn(256, unet.config.in_channels, latent_px, latent_px, generator=generator)
     hidden = torch.randn(256, 77, unet.config.cross_attention_dim, generator=generator)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(latents, hidden),
-                                         batch_size=args.micro_batch, shuffle=True, drop_last=True)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(latents, hidden), batch_size=args.micro_batch, shuffle=True, drop_last=True
+    )
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-5)
     unet, optimizer, loader = accelerator.prepare(unet, optimizer, loader)
     import deepspeed
 
     if not isinstance(unet, deepspeed.DeepSpeedEngine):  # accelerate falls back silently, e.g. without a launcher
-        raise SystemExit(f"accelerate did not wrap the UNet in DeepSpeed (distributed type "
-                         f"{accelerator.distributed_type}); this would not be the baseline the benchmark claims")
+        raise SystemExit(
+            f"accelerate did not wrap the UNet in DeepSpeed (distributed type "
+            f"{accelerator.distributed_type}); this would not be the baseline the benchmark claims"
+        )
     weight_dtype = torch.bfloat16
     ends, step = [], 0
     while step < args.steps:
         for batch_latents, batch_hidden in loader:
             with accelerator.accumulate(unet):
                 noise = torch.randn_like(batch_latents)
-                timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (len(batch_latents),),
-                                          device=batch_latents.device)
+                timesteps = torch.randint(
+                    0, noise_scheduler.config.num_train_timesteps, (len(batch_latents),), device=batch_latents.device
+                )
                 noisy = noise_scheduler.add_noise(batch_latents, noise, timesteps)
-                prediction = unet(noisy.to(weight_dtype), timesteps, batch_hidden.to(weight_dtype),
-                                  return_dict=False)[0]
+                prediction = unet(noisy.to(weight_dtype), timesteps, batch_hidden.to(weight_dtype), return_dict=False)[
+                    0
+                ]
                 loss = F.mse_loss(prediction.float(), noise.float(), reduction="mean")
                 accelerator.backward(loss)
                 optimizer.step()

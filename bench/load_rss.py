@@ -20,14 +20,29 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (BENCH_CACHE, REPO, launch, machine, print_json, print_table, say,  # noqa: E402
-                    sd_pipeline_with_unet)
+from common import (
+    BENCH_CACHE,
+    REPO,
+    launch,
+    machine,
+    print_json,
+    print_table,
+    say,  # noqa: E402
+    sd_pipeline_with_unet,
+)
 
 LOAD_UNET = dict(
-    sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(160, 320, 640),
+    sample_size=16,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=2,
+    block_out_channels=(160, 320, 640),
     down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32)
+    cross_attention_dim=32,
+    attention_head_dim=8,
+    norm_num_groups=32,
+)
 RUNS = [("eager", 3), ("whole", 2), ("whole", 3), ("partitioned", 3)]  # (load mode, ZeRO stage)
 BASELINE = ("whole", 3)
 MB = 1e6
@@ -40,8 +55,12 @@ def model_folder(target: Path) -> Path:
 
 def measure(folder: Path, mode: str, stage: int, ranks: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
-        launch(REPO / "bench" / "load_rss_rank.py", ["--mode", mode, "--stage", str(stage), "--folder", str(folder),
-                                                      "--out", out], ranks, launcher=True)
+        launch(
+            REPO / "bench" / "load_rss_rank.py",
+            ["--mode", mode, "--stage", str(stage), "--folder", str(folder), "--out", out],
+            ranks,
+            launcher=True,
+        )
         return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
@@ -62,14 +81,25 @@ def main() -> None:
         model = per_rank[0]["model_fp32_bytes"]
         for r in per_rank:
             ref = base[r["rank"]]
-            rows.append([mode, stage, ranks, r["rank"], f"{r['build_peak_bytes'] / MB:.0f}",
-                         f"{r['build_peak_bytes'] / model:.2f}", f"{r['after_init_bytes'] / MB:.0f}",
-                         f"{r['after_init_bytes'] / model:.2f}",
-                         f"{max(r['build_peak_bytes'], r['init_peak_bytes']) / max(ref['build_peak_bytes'], ref['init_peak_bytes']):.2f}"])
+            rows.append(
+                [
+                    mode,
+                    stage,
+                    ranks,
+                    r["rank"],
+                    f"{r['build_peak_bytes'] / MB:.0f}",
+                    f"{r['build_peak_bytes'] / model:.2f}",
+                    f"{r['after_init_bytes'] / MB:.0f}",
+                    f"{r['after_init_bytes'] / model:.2f}",
+                    f"{max(r['build_peak_bytes'], r['init_peak_bytes']) / max(ref['build_peak_bytes'], ref['init_peak_bytes']):.2f}",
+                ]
+            )
     model_mb = next(iter(results.values()))[0]["model_fp32_bytes"] / MB
-    print_table(f"host RSS per rank, UNet {model_mb:.0f} MB in fp32 (x: multiples of it)",
-                ["load", "ZeRO", "ranks", "rank", "load peak MB", "x", "after init MB", "x",
-                 "peak vs whole+ZeRO-3"], rows)
+    print_table(
+        f"host RSS per rank, UNet {model_mb:.0f} MB in fp32 (x: multiples of it)",
+        ["load", "ZeRO", "ranks", "rank", "load peak MB", "x", "after init MB", "x", "peak vs whole+ZeRO-3"],
+        rows,
+    )
     print_json("load_rss", {"machine": machine(), "unet": LOAD_UNET, "runs": [r for v in results.values() for r in v]})
 
 

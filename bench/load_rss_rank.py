@@ -65,9 +65,14 @@ def main() -> None:
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                 "train_batch_size": world, "zero_optimization": {"stage": args.stage}, "gradient_clipping": 0.0,
-                 "zero_allow_untested_optimizer": True}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        "zero_optimization": {"stage": args.stage},
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+    }
     dist.barrier()
     before = status_bytes("VmRSS")
     reset_peak()
@@ -78,14 +83,28 @@ def main() -> None:
     params = [p for p in unet.parameters()]
     model_bytes = sum(int(getattr(p, "ds_numel", p.numel())) * 4 for p in params)
     reset_peak()
-    engine, *_ = deepspeed.initialize(model=unet, model_parameters=params, config=ds_config,
-                                      optimizer=torch.optim.SGD(params, lr=1e-3), dist_init_required=False)
+    engine, *_ = deepspeed.initialize(
+        model=unet,
+        model_parameters=params,
+        config=ds_config,
+        optimizer=torch.optim.SGD(params, lr=1e-3),
+        dist_init_required=False,
+    )
     dist.barrier()
     init_peak, after_init = status_bytes("VmHWM") - before, status_bytes("VmRSS") - before
-    result = {"rank": rank, "world_size": world, "mode": args.mode, "stage": args.stage, "model_fp32_bytes": model_bytes,
-              "build_peak_bytes": build_peak, "after_build_bytes": after_build,
-              "after_build_trimmed_bytes": after_build_trimmed, "init_peak_bytes": init_peak,
-              "after_init_bytes": after_init, "after_init_trimmed_bytes": trimmed_rss() - before}
+    result = {
+        "rank": rank,
+        "world_size": world,
+        "mode": args.mode,
+        "stage": args.stage,
+        "model_fp32_bytes": model_bytes,
+        "build_peak_bytes": build_peak,
+        "after_build_bytes": after_build,
+        "after_build_trimmed_bytes": after_build_trimmed,
+        "init_peak_bytes": init_peak,
+        "after_init_bytes": after_init,
+        "after_init_trimmed_bytes": trimmed_rss() - before,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result) + "\n")
 

@@ -60,6 +60,7 @@ def main() -> None:
     deepspeed.init_distributed()
     torch.distributed.barrier()  # every rank has mapped every shm segment: the names can go
     from dstune.distributed import release_shm_allreduce_name
+
     release_shm_allreduce_name(torch.distributed.get_rank())  # as dstune does: no 69 MB leak per rank
     rank = torch.distributed.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -74,10 +75,14 @@ def main() -> None:
     num_params = sum(p.numel() for p in unet.parameters())
     largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in unet.modules())
     config = json.loads(Path(args.ds_config).read_text())
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4) if args.optimizer == "adamw" else \
-        torch.optim.SGD(unet.parameters(), lr=1e-4, momentum=0.9)
-    engine, _, _, _ = deepspeed.initialize(model=unet, model_parameters=unet.parameters(), optimizer=optimizer,
-                                           config=config, dist_init_required=False)
+    optimizer = (
+        torch.optim.AdamW(unet.parameters(), lr=1e-4)
+        if args.optimizer == "adamw"
+        else torch.optim.SGD(unet.parameters(), lr=1e-4, momentum=0.9)
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=unet, model_parameters=unet.parameters(), optimizer=optimizer, config=config, dist_init_required=False
+    )
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
     micro = config["train_micro_batch_size_per_gpu"]
     after_backward = after_step = 0
@@ -93,13 +98,21 @@ def main() -> None:
         engine.step()
         after_step = live_tensor_bytes()
     out = Path(args.out) / f"rank{rank}.json"
-    out.write_text(json.dumps({"rank": rank, "after_backward_bytes": after_backward - before,
-                               "after_step_bytes": after_step - before, "num_params": num_params,
-                               "engine_start_rss_growth_bytes": engine_rss,
-                               "peak_rss_growth_bytes": peak_rss_bytes() - baseline_rss,
-                               "cuda_peak_allocated_bytes": torch.cuda.max_memory_allocated()
-                               if torch.cuda.is_available() else None,
-                               "largest_layer_params": largest_layer, "device": device.type}))
+    out.write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "after_backward_bytes": after_backward - before,
+                "after_step_bytes": after_step - before,
+                "num_params": num_params,
+                "engine_start_rss_growth_bytes": engine_rss,
+                "peak_rss_growth_bytes": peak_rss_bytes() - baseline_rss,
+                "cuda_peak_allocated_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+                "largest_layer_params": largest_layer,
+                "device": device.type,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -80,9 +80,12 @@ def bucket_report(sampler, first_batch: dict) -> dict:
         mixed += any(grouped.keys[i] != key for batch in micro_batches for i in batch)
         sequence.update(f"{key_label(key)}\n".encode())
     steps = Counter(key_label(key) for key in grouped.step_keys(epoch))
-    return {"mixed_bucket_steps": mixed, "bucket_steps": _steps_text(steps),
-            "bucket_sequence": sequence.hexdigest()[:16],
-            "first_batch_in_bucket": size_matches_bucket(first_batch, sampler.step_group(epoch, sampler.start_step))}
+    return {
+        "mixed_bucket_steps": mixed,
+        "bucket_steps": _steps_text(steps),
+        "bucket_sequence": sequence.hexdigest()[:16],
+        "first_batch_in_bucket": size_matches_bucket(first_batch, sampler.step_group(epoch, sampler.start_step)),
+    }
 
 
 def sample_report(run: Run, sampler) -> dict:
@@ -94,8 +97,11 @@ def sample_report(run: Run, sampler) -> dict:
         for k in range(sampler.accumulation):
             digest.update((",".join(map(str, sampler.micro_batch(epoch, step, k))) + "\n").encode())
     first = [i for k in range(sampler.accumulation) for i in sampler.micro_batch(epoch, sampler.start_step, k)]
-    return {"data_parallel_rank": run.data_parallel_rank, "sample_digest": digest.hexdigest()[:16],
-            "first_step_ids": tuple(first)}
+    return {
+        "data_parallel_rank": run.data_parallel_rank,
+        "sample_digest": digest.hexdigest()[:16],
+        "first_step_ids": tuple(first),
+    }
 
 
 def _data_parallel_size(engine) -> int:
@@ -107,8 +113,15 @@ def _data_parallel_size(engine) -> int:
     return int(engine.seq_dp_world_size) // sequence
 
 
-def rank_report(run: Run, engine, loader_micro_batches: int, first_batch_size: int, num_samples: int,
-                buckets: dict | None = None, samples: dict | None = None) -> RankReport:
+def rank_report(
+    run: Run,
+    engine,
+    loader_micro_batches: int,
+    first_batch_size: int,
+    num_samples: int,
+    buckets: dict | None = None,
+    samples: dict | None = None,
+) -> RankReport:
     """`buckets`: bucket_report(sampler, first_batch) with data.buckets; `samples`: sample_report(run, sampler)."""
     return RankReport(
         rank=run.rank,
@@ -176,15 +189,18 @@ def _sequence_group_mismatches(reports: list[RankReport], expected: Expected) ->
         groups.setdefault(r.data_parallel_rank, []).append(r)
     for dp_rank, members in sorted(groups.items()):
         if len({m.sample_digest for m in members}) > 1:
-            problems.append(f"sequence group {dp_rank} (ranks {', '.join(str(m.rank) for m in members)}): its ranks "
-                            "receive different samples (" + ", ".join(f"rank {m.rank}: {m.sample_digest}"
-                                                                       for m in members) + ")")
+            problems.append(
+                f"sequence group {dp_rank} (ranks {', '.join(str(m.rank) for m in members)}): its ranks "
+                "receive different samples (" + ", ".join(f"rank {m.rank}: {m.sample_digest}" for m in members) + ")"
+            )
     firsts = {dp_rank: set(members[0].first_step_ids) for dp_rank, members in groups.items()}
     for a in sorted(firsts):
         for b in sorted(firsts):
             if a < b and firsts[a] & firsts[b]:
-                problems.append(f"sequence groups {a} and {b} both receive samples {sorted(firsts[a] & firsts[b])} "
-                                "in the first step: the groups must see different samples")
+                problems.append(
+                    f"sequence groups {a} and {b} both receive samples {sorted(firsts[a] & firsts[b])} "
+                    "in the first step: the groups must see different samples"
+                )
     return problems
 
 
@@ -195,15 +211,20 @@ def _bucket_mismatches(reports: list[RankReport], expected: Expected) -> list[st
     for r in reports:
         where = f"rank {r.rank} ({r.host})"
         if r.bucket_steps != expected.bucket_steps:
-            problems.append(f"{where}: steps per bucket are {r.bucket_steps or 'none'}, the plan says "
-                            f"{expected.bucket_steps or 'none'}")
+            problems.append(
+                f"{where}: steps per bucket are {r.bucket_steps or 'none'}, the plan says "
+                f"{expected.bucket_steps or 'none'}"
+            )
         if r.mixed_bucket_steps:
             problems.append(f"{where}: {r.mixed_bucket_steps} step(s) have a micro batch mixing buckets")
         if not r.first_batch_in_bucket:
             problems.append(f"{where}: the first batch does not have the first step's bucket size")
     if len({r.bucket_sequence for r in reports}) > 1:
-        problems.append("the ranks disagree on which bucket each step trains ("
-                        + ", ".join(f"rank {r.rank}: {r.bucket_sequence}" for r in reports) + ")")
+        problems.append(
+            "the ranks disagree on which bucket each step trains ("
+            + ", ".join(f"rank {r.rank}: {r.bucket_sequence}" for r in reports)
+            + ")"
+        )
     return problems
 
 
@@ -211,10 +232,12 @@ def render_table(reports: list[RankReport], expected: Expected) -> str:
     """Plain-text table (it goes to logs as well as terminals): one column per rank, plus the plan."""
     rows = [(label, attr, getattr(expected, planned)) for label, _, attr, planned in QUANTITIES]
     if expected.bucket_steps:
-        rows += [("bucket steps", "bucket_steps", expected.bucket_steps),
-                 ("steps mixing buckets", "mixed_bucket_steps", 0),
-                 ("first batch in bucket", "first_batch_in_bucket", True),
-                 ("bucket order", "bucket_sequence", reports[0].bucket_sequence if reports else "")]
+        rows += [
+            ("bucket steps", "bucket_steps", expected.bucket_steps),
+            ("steps mixing buckets", "mixed_bucket_steps", 0),
+            ("first batch in bucket", "first_batch_in_bucket", True),
+            ("bucket order", "bucket_sequence", reports[0].bucket_sequence if reports else ""),
+        ]
     header = ["", "plan"] + [f"rank {r.rank}" for r in reports]
     body = []
     for label, attr, want in rows:
@@ -239,6 +262,8 @@ def check_batches(run: Run, report: RankReport, expected: Expected) -> tuple[boo
     table = render_table(reports, expected)
     if problems:
         table += "\n\nbatch check FAILED before step 1:\n" + "\n".join(f"  - {p}" for p in problems)
-        table += ("\n\nThe loader or the DeepSpeed config does not do what the spec planned; training would silently "
-                  "see a different number of samples per step. Nothing was trained.")
+        table += (
+            "\n\nThe loader or the DeepSpeed config does not do what the spec planned; training would silently "
+            "see a different number of samples per step. Nothing was trained."
+        )
     return not problems, table, [asdict(r) for r in reports]

@@ -50,17 +50,22 @@ def _check_overrides(overrides: list[str]) -> None:
 
 def _check_world_flag_combinations(args) -> None:
     """DeepSpeed's launcher rules for which flags go together; the rest is checked by dstune.world."""
+
     def given(*names: str) -> str:
         return " ".join(f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None)
 
     if args.world_size is not None and given("num_gpus", "hostfile", "include", "exclude"):
-        raise UsageError(f"--world-size cannot be combined with {given('num_gpus', 'hostfile', 'include', 'exclude')}: "
-                         "it gives the rank count directly. Use --world-size N [--num-nodes M], or the "
-                         "DeepSpeed-style flags.")
+        raise UsageError(
+            f"--world-size cannot be combined with {given('num_gpus', 'hostfile', 'include', 'exclude')}: "
+            "it gives the rank count directly. Use --world-size N [--num-nodes M], or the "
+            "DeepSpeed-style flags."
+        )
     if given("num_gpus", "num_nodes") and given("include", "exclude"):
-        raise UsageError(f"{given('num_gpus', 'num_nodes')} cannot be combined with {given('include', 'exclude')} "
-                         "(DeepSpeed: 'Cannot specify num_nodes/gpus with include/exclude'). Pick hosts and slots "
-                         "with --include/--exclude, or counts, not both.")
+        raise UsageError(
+            f"{given('num_gpus', 'num_nodes')} cannot be combined with {given('include', 'exclude')} "
+            "(DeepSpeed: 'Cannot specify num_nodes/gpus with include/exclude'). Pick hosts and slots "
+            "with --include/--exclude, or counts, not both."
+        )
     if args.include is not None and args.exclude is not None:
         raise UsageError("--include and --exclude cannot be used together (DeepSpeed's rule); keep one.")
 
@@ -69,8 +74,14 @@ def _world_factory(args) -> Callable:
     def make_world():
         from dstune.world import world_from_flags
 
-        return world_from_flags(world_size=args.world_size, num_gpus=args.num_gpus, num_nodes=args.num_nodes,
-                                hostfile=args.hostfile, include=args.include, exclude=args.exclude)
+        return world_from_flags(
+            world_size=args.world_size,
+            num_gpus=args.num_gpus,
+            num_nodes=args.num_nodes,
+            hostfile=args.hostfile,
+            include=args.include,
+            exclude=args.exclude,
+        )
 
     return make_world
 
@@ -105,12 +116,25 @@ def _outcome(args, quiet_stdout: bool):
     _check_overrides(args.overrides)
     try:
         with _stdout_to_stderr(quiet_stdout):
-            resolved = load_and_validate(args.spec, args.overrides, world=_world_factory(args),
-                                         num_samples=args.num_samples, accelerator=args.accelerator)
+            resolved = load_and_validate(
+                args.spec,
+                args.overrides,
+                world=_world_factory(args),
+                num_samples=args.num_samples,
+                accelerator=args.accelerator,
+            )
         return Outcome.of(resolved)
     except ResolveError as err:
-        return Outcome(err.spec, err.world, err.plan, err.ds_config, err.num_samples_origin, err.warnings,
-                       tuple(err.issues), clips=err.clips)
+        return Outcome(
+            err.spec,
+            err.world,
+            err.plan,
+            err.ds_config,
+            err.num_samples_origin,
+            err.warnings,
+            tuple(err.issues),
+            clips=err.clips,
+        )
     except SpecError as err:  # the spec did not load: nothing else was worked out
         return Outcome(errors=tuple(err.issues))
     except DataError as err:
@@ -143,9 +167,17 @@ def cmd_validate(args) -> int:
         from dstune.validate import plan_memory
 
         with _stdout_to_stderr(args.json):
-            outcome = dataclasses.replace(outcome, memory=plan_memory(
-                outcome.spec, outcome.plan, outcome.ds_config, args.gpu_memory,
-                "cpu" if args.accelerator == "cpu" else "cuda", outcome.clips))
+            outcome = dataclasses.replace(
+                outcome,
+                memory=plan_memory(
+                    outcome.spec,
+                    outcome.plan,
+                    outcome.ds_config,
+                    args.gpu_memory,
+                    "cpu" if args.accelerator == "cpu" else "cuda",
+                    outcome.clips,
+                ),
+            )
     if args.json:
         print(json.dumps(outcome.as_json(), indent=2))
     else:
@@ -170,10 +202,19 @@ def _print_resume_preview(args, outcome) -> bool:
         print(f"--resume-from {args.resume_from}: {err}", file=sys.stderr)
         return False
     plan = outcome.plan
-    reshard = reshard_refusal(root / tag, saved["spec"]["train"]["optimizer"]["type"], saved["world_size"],
-                              plan.world_size)
-    text, ok = resume_preview(outcome.spec.model_dump(mode="json"), outcome.spec.train, plan.world_size,
-                              plan.global_batch_size, saved, SpecSource(args.spec), f"checkpoint {root / tag}", reshard)
+    reshard = reshard_refusal(
+        root / tag, saved["spec"]["train"]["optimizer"]["type"], saved["world_size"], plan.world_size
+    )
+    text, ok = resume_preview(
+        outcome.spec.model_dump(mode="json"),
+        outcome.spec.train,
+        plan.world_size,
+        plan.global_batch_size,
+        saved,
+        SpecSource(args.spec),
+        f"checkpoint {root / tag}",
+        reshard,
+    )
     print(text, file=sys.stdout if ok and not args.json else sys.stderr)
     return ok
 
@@ -218,8 +259,10 @@ def cmd_init(args) -> int:
         raise UsageError("give --model or --family, not both (a model names its family)")
     if args.model is not None and args.model not in PRESETS_BY_NAME:
         listing = "\n".join(f"  {p.name:<16} {p.family:<9} {p.pretrained:<48} {p.title}" for p in MODEL_PRESETS)
-        print(f"models (--model NAME, family, published checkpoint, what it is):\n{listing}",
-              file=sys.stdout if args.model == "list" else sys.stderr)
+        print(
+            f"models (--model NAME, family, published checkpoint, what it is):\n{listing}",
+            file=sys.stdout if args.model == "list" else sys.stderr,
+        )
         if args.model == "list":
             return EXIT_OK
         raise UsageError(f"unknown model {args.model!r}: choose one of the models listed above")
@@ -251,8 +294,12 @@ def cmd_export(args) -> int:
     if args.out and Path(args.out).exists():
         raise UsageError(f"--out {args.out} already exists; choose a new folder (an export never overwrites)")
     try:
-        out = export_checkpoint(Path(args.run_dir), step=args.step, out_dir=Path(args.out) if args.out else None,
-                                lora_format=args.lora_format)
+        out = export_checkpoint(
+            Path(args.run_dir),
+            step=args.step,
+            out_dir=Path(args.out) if args.out else None,
+            lora_format=args.lora_format,
+        )
     except (ExportError, ValueError, OSError) as err:
         print(f"dstune export: {err}", file=sys.stderr)
         return EXIT_INVALID
@@ -316,8 +363,15 @@ def cmd_train(args) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "validate": cmd_validate, "compile": cmd_compile, "schema": cmd_schema, "init": cmd_init, "export": cmd_export,
-    "synthesize": cmd_synthesize, "cache": cmd_cache, "train": cmd_train}
+    "validate": cmd_validate,
+    "compile": cmd_compile,
+    "schema": cmd_schema,
+    "init": cmd_init,
+    "export": cmd_export,
+    "synthesize": cmd_synthesize,
+    "cache": cmd_cache,
+    "train": cmd_train,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 - anything else is a bug in dstune, and the traceback is what a report needs
         import traceback
 
-        print("dstune: internal error (a bug in dstune, not in your spec). Please report it with this "
-              "traceback:", file=sys.stderr)
+        print(
+            "dstune: internal error (a bug in dstune, not in your spec). Please report it with this traceback:",
+            file=sys.stderr,
+        )
         traceback.print_exc()
         return EXIT_BUG
 

@@ -54,8 +54,10 @@ class Panel:
         value_span = self.high - self.low
         x_fraction = (step - self.first_step) / step_span if step_span else 0.5
         y_fraction = (value - self.low) / value_span if value_span else 0.5
-        return (self.plot_left + x_fraction * (self.plot_right - self.plot_left),
-                self.plot_bottom - y_fraction * (self.plot_bottom - self.plot_top))
+        return (
+            self.plot_left + x_fraction * (self.plot_right - self.plot_left),
+            self.plot_bottom - y_fraction * (self.plot_bottom - self.plot_top),
+        )
 
 
 def series(records: list[dict], key: str) -> list[tuple[int, float]]:
@@ -91,31 +93,46 @@ def _panel_svg(panel: Panel, title: str, lines: dict[str, list[tuple[int, float]
     parts = [f'<text x="{panel.plot_left}" y="{panel.top_px + 18}" class="title">{html.escape(title)}</text>']
     for value in tick_values(panel.low, panel.high, panel.spacing):  # grid lines with their values
         _, y = panel.point(panel.first_step, value)
-        parts.append(f'<line x1="{panel.plot_left}" y1="{y:.2f}" x2="{panel.plot_right}" y2="{y:.2f}" class="grid"/>'
-                     f'<text x="{panel.plot_left - 6}" y="{y + 4:.2f}" class="tick" text-anchor="end">'
-                     f'{_number(value)}</text>')
+        parts.append(
+            f'<line x1="{panel.plot_left}" y1="{y:.2f}" x2="{panel.plot_right}" y2="{y:.2f}" class="grid"/>'
+            f'<text x="{panel.plot_left - 6}" y="{y + 4:.2f}" class="tick" text-anchor="end">'
+            f"{_number(value)}</text>"
+        )
     spacing = max(1, int(nice_step(panel.last_step - panel.first_step, 8)))
     inner = range(math.ceil(panel.first_step / spacing) * spacing, int(panel.last_step), spacing)
     steps = sorted({int(panel.first_step), int(panel.last_step), *inner})
-    for step in [s for s in steps if s in (panel.first_step, panel.last_step)
-                 or min(abs(s - panel.first_step), abs(s - panel.last_step)) >= spacing / 2]:
+    for step in [
+        s
+        for s in steps
+        if s in (panel.first_step, panel.last_step)
+        or min(abs(s - panel.first_step), abs(s - panel.last_step)) >= spacing / 2
+    ]:
         x, _ = panel.point(step, panel.low)
         parts.append(f'<text x="{x:.2f}" y="{panel.plot_bottom + 16}" class="tick" text-anchor="middle">{step}</text>')
-    parts.append(f'<text x="{(panel.plot_left + panel.plot_right) / 2}" y="{panel.plot_bottom + 30}" class="tick" '
-                 'text-anchor="middle">optimizer step</text>')
-    parts.append(f'<rect x="{panel.plot_left}" y="{panel.plot_top}" width="{panel.plot_right - panel.plot_left}" '
-                 f'height="{panel.plot_bottom - panel.plot_top}" class="frame"/>')
+    parts.append(
+        f'<text x="{(panel.plot_left + panel.plot_right) / 2}" y="{panel.plot_bottom + 30}" class="tick" '
+        'text-anchor="middle">optimizer step</text>'
+    )
+    parts.append(
+        f'<rect x="{panel.plot_left}" y="{panel.plot_top}" width="{panel.plot_right - panel.plot_left}" '
+        f'height="{panel.plot_bottom - panel.plot_top}" class="frame"/>'
+    )
     legend_x = panel.plot_right
     for key, points in lines.items():
         colour = COLOURS[key]
         coordinates = " ".join(f"{x:.2f},{y:.2f}" for x, y in (panel.point(s, v) for s, v in points))
-        parts.append(f'<polyline data-series="{key}" points="{coordinates}" fill="none" stroke="{colour}" '
-                     'stroke-width="1.6"/>')
+        parts.append(
+            f'<polyline data-series="{key}" points="{coordinates}" fill="none" stroke="{colour}" stroke-width="1.6"/>'
+        )
         if key == "eval_loss" or len(points) == 1:  # sparse series: dots, so a single evaluation still shows
-            parts += [f'<circle cx="{x:.2f}" cy="{y:.2f}" r="3" fill="{colour}"/>'
-                      for x, y in (panel.point(s, v) for s, v in points)]
-        parts.append(f'<text x="{legend_x}" y="{panel.top_px + 18}" class="legend" text-anchor="end" '
-                     f'fill="{colour}">{html.escape(LABELS[key])}</text>')
+            parts += [
+                f'<circle cx="{x:.2f}" cy="{y:.2f}" r="3" fill="{colour}"/>'
+                for x, y in (panel.point(s, v) for s, v in points)
+            ]
+        parts.append(
+            f'<text x="{legend_x}" y="{panel.top_px + 18}" class="legend" text-anchor="end" '
+            f'fill="{colour}">{html.escape(LABELS[key])}</text>'
+        )
         legend_x -= 8 + 7 * len(LABELS[key])
     return "".join(parts)
 
@@ -126,8 +143,14 @@ def _panel(top_px: float, steps: list[int], values: list[float]) -> Panel:
     if high == low:
         low, high = low - (abs(low) or 1.0) * 0.1, high + (abs(high) or 1.0) * 0.1
     spacing = nice_step(high - low)
-    return Panel(top_px, min(steps), max(steps), math.floor(low / spacing) * spacing,
-                 math.ceil(high / spacing) * spacing, spacing)
+    return Panel(
+        top_px,
+        min(steps),
+        max(steps),
+        math.floor(low / spacing) * spacing,
+        math.ceil(high / spacing) * spacing,
+        spacing,
+    )
 
 
 def curves_svg(records: list[dict]) -> str:
@@ -145,8 +168,13 @@ def curves_svg(records: list[dict]) -> str:
     if not panels:
         return ""
     height = len(panels) * PANEL_HEIGHT_PX
-    style = ("<style>.grid{stroke:#e3e3e3}.frame{fill:none;stroke:#999}.tick{font:11px sans-serif;fill:#444}"
-             ".title{font:bold 13px sans-serif}.legend{font:12px sans-serif}</style>")
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH_PX}" height="{height}" '
-            f'viewBox="0 0 {WIDTH_PX} {height}" role="img" aria-label="loss and learning rate">{style}'
-            + "".join(panels) + "</svg>")
+    style = (
+        "<style>.grid{stroke:#e3e3e3}.frame{fill:none;stroke:#999}.tick{font:11px sans-serif;fill:#444}"
+        ".title{font:bold 13px sans-serif}.legend{font:12px sans-serif}</style>"
+    )
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH_PX}" height="{height}" '
+        f'viewBox="0 0 {WIDTH_PX} {height}" role="img" aria-label="loss and learning rate">{style}'
+        + "".join(panels)
+        + "</svg>"
+    )

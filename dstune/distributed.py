@@ -59,8 +59,12 @@ def _free_port() -> int:
 
 # `deepspeed --launcher openmpi` runs mpirun, which names ranks only in OMPI_COMM_WORLD_*; DeepSpeed's
 # init_distributed then discovers the rest (MASTER_ADDR, via mpi4py) when RANK & co. are incomplete.
-_MPI_NAMES = {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
-              "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_SIZE": "OMPI_COMM_WORLD_LOCAL_SIZE"}
+_MPI_NAMES = {
+    "RANK": "OMPI_COMM_WORLD_RANK",
+    "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+    "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK",
+    "LOCAL_SIZE": "OMPI_COMM_WORLD_LOCAL_SIZE",
+}
 
 
 def _adopt_mpi_ranks() -> None:
@@ -92,8 +96,14 @@ def init_run(timeout_minutes: int) -> Run:
     _adopt_mpi_ranks()
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if not launched:  # plain `python dstune/train.py`: a world of one, on a port nobody else uses
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
@@ -113,8 +123,11 @@ def init_run(timeout_minutes: int) -> Run:
             if "EADDRINUSE" not in str(err) and "address already in use" not in str(err).lower():
                 raise
             if rank == 0:  # the rank that listens on the master port; the others only connect to it
-                print(busy_port_text(os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")),
-                      file=sys.stderr, flush=True)
+                print(
+                    busy_port_text(os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")),
+                    file=sys.stderr,
+                    flush=True,
+                )
             exit_rank(1)
     nodes = all_gather_object(_node_identity())  # also a barrier: every rank is past init_distributed
     if accelerator == "cpu":
@@ -130,8 +143,15 @@ def init_run(timeout_minutes: int) -> Run:
         hosts=_node_labels(order),
         source="launcher" if launched else "single process (no launcher)",
     )
-    return Run(rank=rank, local_rank=local_rank, world=world, device=device, accelerator=accelerator,
-               node_rank=order.index(nodes[rank]), launched=launched)
+    return Run(
+        rank=rank,
+        local_rank=local_rank,
+        world=world,
+        device=device,
+        accelerator=accelerator,
+        node_rank=order.index(nodes[rank]),
+        launched=launched,
+    )
 
 
 def with_sequence_groups(run: Run, sequence_parallel_size: int) -> Run:
@@ -147,8 +167,10 @@ def with_sequence_groups(run: Run, sequence_parallel_size: int) -> Run:
         parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size)
         _sequence_groups_made["size"] = sequence_parallel_size
     elif _sequence_groups_made["size"] != sequence_parallel_size:
-        raise RuntimeError(f"this process already has sequence-parallel groups of {_sequence_groups_made['size']} "
-                           f"ranks, not {sequence_parallel_size}")
+        raise RuntimeError(
+            f"this process already has sequence-parallel groups of {_sequence_groups_made['size']} "
+            f"ranks, not {sequence_parallel_size}"
+        )
     return replace(run, sequence_parallel_size=sequence_parallel_size)
 
 
@@ -156,10 +178,12 @@ _sequence_groups_made: dict = {}  # {"size": N} once with_sequence_groups made D
 
 
 def busy_port_text(address: str, port) -> str:
-    return (f"master port {port} on {address} is already in use (another run on this machine, or another program): "
-            "the ranks cannot meet there. Pick a free port: `dstune train ... --master-port N`, or leave "
-            "--master-port out and dstune train picks a free one; with the deepspeed command, "
-            "`deepspeed --master_port N ...`.")
+    return (
+        f"master port {port} on {address} is already in use (another run on this machine, or another program): "
+        "the ranks cannot meet there. Pick a free port: `dstune train ... --master-port N`, or leave "
+        "--master-port out and dstune train picks a free one; with the deepspeed command, "
+        "`deepspeed --master_port N ...`."
+    )
 
 
 def release_shm_allreduce_name(rank: int) -> None:
@@ -169,8 +193,10 @@ def release_shm_allreduce_name(rank: int) -> None:
     rank is past init (the caller's collective), all mappings exist, so the name can go; the memory lives on while
     the ranks run and is freed by the kernel when the last one exits, however it exits. Call it only after a
     collective that every rank entered after init_distributed: a peer still in init would wait for the name forever."""
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    name = (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{rank}"
+    )
     try:
         os.unlink(os.path.join("/dev/shm", name))
     except OSError:  # no shm op built, ranks on several nodes (no segment), or not Linux
@@ -190,7 +216,6 @@ def _node_labels(order: list[tuple]) -> tuple[str, ...]:
     if len(set(hostnames)) == len(hostnames):
         return tuple(hostnames)
     return tuple(f"{host}#node{node_rank}" for node_rank, host in order)
-
 
 
 def all_gather_object(value) -> list:

@@ -64,8 +64,10 @@ class Ema:
         self.shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self.params.items()}
         first = _local_share(next(iter(self.params.values())), rank, world_size)
         self.device = torch.device("cpu") if settings.device == "cpu" else first.device
-        self.shadow = {name: _local_share(p, rank, world_size).detach().to(self.device, torch.float32, copy=True)
-                       for name, p in self.params.items()}
+        self.shadow = {
+            name: _local_share(p, rank, world_size).detach().to(self.device, torch.float32, copy=True)
+            for name, p in self.params.items()
+        }
         self.optimizer_steps = 0  # optimizer updates seen
         self.updates = 0  # EMA updates made (every `every_steps` optimizer updates)
 
@@ -87,25 +89,36 @@ class Ema:
 
     def state_dict(self) -> dict:
         """Plain tensors, ints and strings only (checkpoints load weights-only)."""
-        return {"format": 1, "rank": self.rank, "world_size": self.world_size,
-                "optimizer_steps": self.optimizer_steps, "updates": self.updates,
-                "numels": {name: math.prod(shape) for name, shape in self.shapes.items()},
-                "shapes": {name: list(shape) for name, shape in self.shapes.items()},
-                "shards": {name: shard.cpu() for name, shard in self.shadow.items()}}
+        return {
+            "format": 1,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "optimizer_steps": self.optimizer_steps,
+            "updates": self.updates,
+            "numels": {name: math.prod(shape) for name, shape in self.shapes.items()},
+            "shapes": {name: list(shape) for name, shape in self.shapes.items()},
+            "shards": {name: shard.cpu() for name, shard in self.shadow.items()},
+        }
 
     def load_state_dict(self, state: dict, where: str) -> None:
         if state.get("world_size") != self.world_size or state.get("rank") != self.rank:
-            raise ValueError(f"{where}: EMA share of rank {state.get('rank')} of {state.get('world_size')}, "
-                             f"this is rank {self.rank} of {self.world_size}")
+            raise ValueError(
+                f"{where}: EMA share of rank {state.get('rank')} of {state.get('world_size')}, "
+                f"this is rank {self.rank} of {self.world_size}"
+            )
         saved = state["shards"]
         if set(saved) != set(self.shadow):
             missing, extra = sorted(set(self.shadow) - set(saved)), sorted(set(saved) - set(self.shadow))
-            raise ValueError(f"{where}: the EMA does not fit this model: {len(missing)} trained parameters missing "
-                             f"(e.g. {missing[:2]}), {len(extra)} unknown (e.g. {extra[:2]})")
+            raise ValueError(
+                f"{where}: the EMA does not fit this model: {len(missing)} trained parameters missing "
+                f"(e.g. {missing[:2]}), {len(extra)} unknown (e.g. {extra[:2]})"
+            )
         for name, shard in saved.items():
             if shard.shape != self.shadow[name].shape:
-                raise ValueError(f"{where}: EMA share of {name} has shape {list(shard.shape)}, expected "
-                                 f"{list(self.shadow[name].shape)}")
+                raise ValueError(
+                    f"{where}: EMA share of {name} has shape {list(shard.shape)}, expected "
+                    f"{list(self.shadow[name].shape)}"
+                )
             self.shadow[name].copy_(shard)
         self.optimizer_steps, self.updates = int(state["optimizer_steps"]), int(state["updates"])
 
@@ -127,17 +140,20 @@ class Ema:
         full = _concatenated(folder, states)
         if set(full) != set(self.shadow):
             missing, extra = sorted(set(self.shadow) - set(full)), sorted(set(full) - set(self.shadow))
-            raise ValueError(f"{folder}: the EMA does not fit this model: {len(missing)} trained parameters missing "
-                             f"(e.g. {missing[:2]}), {len(extra)} unknown (e.g. {extra[:2]})")
+            raise ValueError(
+                f"{folder}: the EMA does not fit this model: {len(missing)} trained parameters missing "
+                f"(e.g. {missing[:2]}), {len(extra)} unknown (e.g. {extra[:2]})"
+            )
         for name, shadow in self.shadow.items():
             flat = full[name].reshape(-1)
             if flat.numel() != math.prod(self.shapes[name]):
-                raise ValueError(f"{folder}: EMA of {name} has {flat.numel()} elements, the model's "
-                                 f"{math.prod(self.shapes[name])}")
+                raise ValueError(
+                    f"{folder}: EMA of {name} has {flat.numel()} elements, the model's {math.prod(self.shapes[name])}"
+                )
             start, _ = shard_range(flat.numel(), self.rank, self.world_size)
-            piece = flat[start:start + shadow.numel()]
+            piece = flat[start : start + shadow.numel()]
             shadow.zero_()
-            shadow[:piece.numel()].copy_(piece)
+            shadow[: piece.numel()].copy_(piece)
         self.optimizer_steps, self.updates = int(states[0]["optimizer_steps"]), int(states[0]["updates"])
 
     # ---------------------------------------------------------------------------------------------- sampling
@@ -174,10 +190,10 @@ class Ema:
 
         part = math.ceil(param.numel() / self.world_size)
         padded = torch.zeros(part, device=param.device, dtype=param.dtype)
-        padded[:shard.numel()] = shard
+        padded[: shard.numel()] = shard
         pieces = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(pieces, padded)
-        return torch.cat(pieces)[:param.numel()]
+        return torch.cat(pieces)[: param.numel()]
 
 
 # ------------------------------------------------------------------------------------------------------ export

@@ -64,8 +64,9 @@ def build_optimizer(train: TrainSpec, params, lr: float) -> torch.optim.Optimize
         from transformers.optimization import Adafactor
 
         # A fixed LR driven by our schedule: Adafactor's own relative-step schedule would fight train.scheduler.
-        return Adafactor(params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False,
-                         weight_decay=opt.weight_decay)
+        return Adafactor(
+            params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False, weight_decay=opt.weight_decay
+        )
     raise ValueError(f"unknown optimizer {opt.type!r}")  # unreachable: the spec restricts the type
 
 
@@ -100,7 +101,9 @@ def promote_scalar_params(module: torch.nn.Module) -> list[str]:
     for module_name, sub in module.named_modules():
         for param_name, param in list(sub._parameters.items()):
             if param is not None and param.dim() == 0:
-                sub._parameters[param_name] = torch.nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad)
+                sub._parameters[param_name] = torch.nn.Parameter(
+                    param.detach().reshape(1), requires_grad=param.requires_grad
+                )
                 names.append(f"{module_name}.{param_name}" if module_name else param_name)
     return names
 
@@ -229,8 +232,9 @@ def follow_plan_schedule(engine, train: TrainSpec, plan: Plan, schedule_steps: i
     scheduler.lr_lambdas = [multiplier] * len(scheduler.lr_lambdas)
     scheduler.base_lrs = [plan.effective_lr] * len(scheduler.base_lrs)
     lrs = [base * multiplier(scheduler.last_epoch) for base in scheduler.base_lrs]
-    settings = {key: getattr(train.optimizer, field)
-                for field, key in _GROUP_SETTINGS.get(train.optimizer.type, {}).items()}
+    settings = {
+        key: getattr(train.optimizer, field) for field, key in _GROUP_SETTINGS.get(train.optimizer.type, {}).items()
+    }
     for group, lr in zip(scheduler.optimizer.param_groups, lrs):
         group["lr"], group["initial_lr"] = lr, plan.effective_lr
         for key, value in settings.items():

@@ -54,8 +54,11 @@ def eval_batches(group_keys: Optional[list], count: int, batch_size: int) -> lis
     groups: dict = {}
     for index in range(count):
         groups.setdefault(None if group_keys is None else group_keys[index], []).append(index)
-    return [members[start:start + batch_size] for members in groups.values()
-            for start in range(0, len(members), batch_size)]
+    return [
+        members[start : start + batch_size]
+        for members in groups.values()
+        for start in range(0, len(members), batch_size)
+    ]
 
 
 def rank_share(batches: list[list[int]], rank: int, world_size: int) -> list[tuple[int, list[int]]]:
@@ -77,8 +80,9 @@ def make_held_out(data: DataSpec, records: list, micro_batch_size: int, seed: in
     return HeldOut(dataset, batches, data.eval.every_steps, seed)
 
 
-def batch_losses(family: Family, built, forward, held_out: HeldOut, share: list[tuple[int, list[int]]],
-                 dtype: torch.dtype) -> list[tuple[int, float, int]]:
+def batch_losses(
+    family: Family, built, forward, held_out: HeldOut, share: list[tuple[int, list[int]]], dtype: torch.dtype
+) -> list[tuple[int, float, int]]:
     """(batch number, loss x samples, samples) for each real batch of `share`, under no_grad. The family's loss
     is the mean over its batch, so loss x samples is the batch's sum."""
     out = []
@@ -102,8 +106,9 @@ def combine(per_batch: list[tuple[int, float, int]]) -> tuple[float, int]:
     return total / max(count, 1), count
 
 
-def evaluate(run: Run, family: Family, built, engine, held_out: HeldOut, dtype: torch.dtype,
-             offloaded: list[str]) -> tuple[float, int]:
+def evaluate(
+    run: Run, family: Family, built, engine, held_out: HeldOut, dtype: torch.dtype, offloaded: list[str]
+) -> tuple[float, int]:
     """Collective: the held-out loss with the current (trained, not EMA) weights, the same value on every rank.
     The model is in eval mode meanwhile (dropout off), and back in train mode after."""
     # the ranks of a sequence group compute the same batches together (their forward is one split forward)

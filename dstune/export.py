@@ -74,8 +74,13 @@ def _load_weights(root: Path, tag: str, zero_stage: int) -> dict:
     return state
 
 
-def export_checkpoint(run_dir: Path, step: Optional[int] = None, out_dir: Optional[Path] = None,
-                      built=None, lora_format: Optional[str] = None) -> Path:
+def export_checkpoint(
+    run_dir: Path,
+    step: Optional[int] = None,
+    out_dir: Optional[Path] = None,
+    built=None,
+    lora_format: Optional[str] = None,
+) -> Path:
     """Write the export of one checkpoint; returns the folder. `built` may be passed to skip rebuilding the family;
     `lora_format` (dstune export --lora-format) replaces the run's output.lora_format."""
     root, tag = find_checkpoint(Path(run_dir), step)
@@ -88,9 +93,12 @@ def export_checkpoint(run_dir: Path, step: Optional[int] = None, out_dir: Option
     family = get_family(spec.model.family)
     if built is None:
         built = build_model(spec.model, spec.output.cache_dir, "cpu", torch.float32)
-    state = consolidated_state_dict(root, tag, saved["ds_config"]["zero_optimization"]["stage"]
-                                    if "zero_optimization" in saved["ds_config"] else 0,
-                                    saved.get("scalar_params", []))
+    state = consolidated_state_dict(
+        root,
+        tag,
+        saved["ds_config"]["zero_optimization"]["stage"] if "zero_optimization" in saved["ds_config"] else 0,
+        saved.get("scalar_params", []),
+    )
     out = Path(out_dir) if out_dir else Path(run_dir) / "export" / tag
     try:
         state, weights = _chosen_weights(root / tag, state, spec.train.ema)
@@ -124,8 +132,10 @@ def speak(folder: Path, text: str, out_wav: Path, seconds: float, temperature: f
     speaker = next((s for s in speakers if s.recognizes(folder)), None)
     if speaker is None:
         names = ", ".join(name for name in FAMILY_MODULES if get_family(name).speaker is not None)
-        raise FamilyError(f"{folder} is not an export dstune can speak from: it holds no model of the speech "
-                          f"families ({names}). Point it at the export/ folder of a speech run.")
+        raise FamilyError(
+            f"{folder} is not an export dstune can speak from: it holds no model of the speech "
+            f"families ({names}). Point it at the export/ folder of a speech run."
+        )
     clip = speaker.synthesize(folder, text, seconds=seconds, temperature=temperature, seed=seed)
     out_wav.parent.mkdir(parents=True, exist_ok=True)
     soundfile.write(str(out_wav), clip.wave, clip.sample_rate, subtype="FLOAT")

@@ -23,7 +23,8 @@ def hub_snapshot(repo_id: str) -> Path:
         raise NotAvailableLocally(
             f"'{repo_id}' is not a local folder and not in the local Hugging Face cache ({reason}). dstune never "
             f"downloads: run `hf download {repo_id}` (or `huggingface-cli download {repo_id}`) first, or set "
-            "model.pretrained to a local folder.") from None
+            "model.pretrained to a local folder."
+        ) from None
 
 
 @contextmanager
@@ -34,8 +35,9 @@ def quiet_hf_libraries():
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    saved = [(lib, lib.get_verbosity(), lib.is_progress_bar_enabled())
-             for lib in (transformers_logging, diffusers_logging)]
+    saved = [
+        (lib, lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in (transformers_logging, diffusers_logging)
+    ]
     for lib, _, _ in saved:
         lib.set_verbosity_error()
         lib.disable_progress_bar()

@@ -35,9 +35,15 @@ DEFAULT_GRACE_S = 60
 RANK_SETTLE_S = 2.0  # a rank's Python start-up before it handles stop signals (dstune.interrupts)
 
 # dstune train's flags -> DeepSpeed runner flags (same meaning; DeepSpeed's spelling).
-RUNNER_FLAGS = (("hostfile", "--hostfile"), ("include", "--include"), ("exclude", "--exclude"),
-                ("num_nodes", "--num_nodes"), ("num_gpus", "--num_gpus"), ("master_addr", "--master_addr"),
-                ("launcher", "--launcher"))
+RUNNER_FLAGS = (
+    ("hostfile", "--hostfile"),
+    ("include", "--include"),
+    ("exclude", "--exclude"),
+    ("num_nodes", "--num_nodes"),
+    ("num_gpus", "--num_gpus"),
+    ("master_addr", "--master_addr"),
+    ("launcher", "--launcher"),
+)
 
 
 def train_arguments(args) -> list[str]:
@@ -47,10 +53,16 @@ def train_arguments(args) -> list[str]:
         out += ["--set", override]
     if args.resume:
         out += ["--resume", args.resume]
-    out += [flag for flag, on in (("--allow-batch-change", args.allow_batch_change),
-                                  ("--allow-spec-changes", args.allow_spec_changes),
-                                  ("--cache-only", args.cache_only),
-                                  ("--verbose", getattr(args, "verbose", False))) if on]
+    out += [
+        flag
+        for flag, on in (
+            ("--allow-batch-change", args.allow_batch_change),
+            ("--allow-spec-changes", args.allow_spec_changes),
+            ("--cache-only", args.cache_only),
+            ("--verbose", getattr(args, "verbose", False)),
+        )
+        if on
+    ]
     return out
 
 
@@ -71,15 +83,28 @@ def runner_command(args, master_port: int, num_gpus: Optional[int] = None, pytho
 def resume_command(args) -> str:
     """The exact `dstune train` line that continues this run from its newest complete checkpoint."""
     words = ["dstune", "train", args.spec]
-    for name, flag in (("num_gpus", "--num-gpus"), ("num_nodes", "--num-nodes"), ("hostfile", "--hostfile"),
-                       ("include", "--include"), ("exclude", "--exclude"), ("master_addr", "--master-addr"),
-                       ("master_port", "--master-port"), ("launcher", "--launcher")):
+    for name, flag in (
+        ("num_gpus", "--num-gpus"),
+        ("num_nodes", "--num-nodes"),
+        ("hostfile", "--hostfile"),
+        ("include", "--include"),
+        ("exclude", "--exclude"),
+        ("master_addr", "--master-addr"),
+        ("master_port", "--master-port"),
+        ("launcher", "--launcher"),
+    ):
         if getattr(args, name, None) is not None:
             words += [flag, str(getattr(args, name))]
     for override in args.overrides:
         words += ["--set", override]
-    words += [flag for flag, on in (("--allow-batch-change", args.allow_batch_change),
-                                    ("--allow-spec-changes", args.allow_spec_changes)) if on]
+    words += [
+        flag
+        for flag, on in (
+            ("--allow-batch-change", args.allow_batch_change),
+            ("--allow-spec-changes", args.allow_spec_changes),
+        )
+        if on
+    ]
     return shlex.join(words + ["--resume", "latest"])
 
 
@@ -107,9 +132,11 @@ def free_port() -> int:
 
 
 def busy_port_message(port: int) -> str:
-    return (f"--master-port {port}: that port is already in use on this machine (another run, or another program), "
-            "so the ranks could not meet there; nothing was launched. Pick another port, or leave --master-port out "
-            "and dstune train picks a free one.")
+    return (
+        f"--master-port {port}: that port is already in use on this machine (another run, or another program), "
+        "so the ranks could not meet there; nothing was launched. Pick another port, or leave --master-port out "
+        "and dstune train picks a free one."
+    )
 
 
 # ------------------------------------------------------------------------------------------------ supervising
@@ -134,8 +161,9 @@ def _rank_processes(runner: psutil.Process) -> list[psutil.Process]:
             line = process.cmdline()
         except psutil.Error:
             continue
-        if any(word in ("dstune.train", "dstune/train.py") or word.endswith("/dstune/train.py") for word in line) \
-                and any(word.startswith("--local_rank") for word in line):
+        if any(
+            word in ("dstune.train", "dstune/train.py") or word.endswith("/dstune/train.py") for word in line
+        ) and any(word.startswith("--local_rank") for word in line):
             ranks.append(process)
     return ranks
 
@@ -173,8 +201,11 @@ class Supervisor:
                 if deadline is None:
                     outcome.stop_signal = self.received[0]
                     deadline = time.monotonic() + self.grace_s
-                    self.say(f"dstune train: {signal.Signals(self.received[0]).name}: stopping every rank at its next "
-                             f"step (at most {self.grace_s:g} s; Ctrl-C again to stop them at once)", flush=True)
+                    self.say(
+                        f"dstune train: {signal.Signals(self.received[0]).name}: stopping every rank at its next "
+                        f"step (at most {self.grace_s:g} s; Ctrl-C again to stop them at once)",
+                        flush=True,
+                    )
                 self._forward(runner_proc, self.received[0])
                 if len(self.received) > 1 or time.monotonic() > deadline:
                     outcome.killed = self._kill_all(runner)
@@ -213,9 +244,12 @@ class Supervisor:
         for process in targets:
             _send(process.kill)
         psutil.wait_procs(targets, timeout=10)
-        self.say(f"dstune train: {why}: killed the launcher and every rank (SIGKILL, pids "
-                 f"{', '.join(map(str, killed))}). Checkpoints are written atomically: the last complete one is "
-                 "intact.", flush=True)
+        self.say(
+            f"dstune train: {why}: killed the launcher and every rank (SIGKILL, pids "
+            f"{', '.join(map(str, killed))}). Checkpoints are written atomically: the last complete one is "
+            "intact.",
+            flush=True,
+        )
         return killed
 
     def _stop_leftovers(self, left: list[psutil.Process]) -> list[int]:
@@ -225,8 +259,11 @@ class Supervisor:
         for process in alive:
             _send(process.kill)
         if alive:
-            self.say(f"dstune train: ranks {', '.join(str(p.pid) for p in alive)} outlived their launcher: killed "
-                     "(SIGKILL).", flush=True)
+            self.say(
+                f"dstune train: ranks {', '.join(str(p.pid) for p in alive)} outlived their launcher: killed "
+                "(SIGKILL).",
+                flush=True,
+            )
         return [p.pid for p in alive]
 
 
@@ -288,15 +325,20 @@ def final_line(outcome: RunEnd, run_dir: Path, args) -> str:
     if outcome.stop_signal is not None:
         how = f"interrupted ({signal.Signals(outcome.stop_signal).name}, exit {outcome.returncode})"
     elif outcome.returncode == 0:
-        return f"dstune train: finished; last checkpoint {root / tag} (step {step})" if tag else \
-            "dstune train: finished"
+        return (
+            f"dstune train: finished; last checkpoint {root / tag} (step {step})" if tag else "dstune train: finished"
+        )
     else:
         how = f"failed (exit {outcome.returncode}; the ranks' messages above say why)"
     if tag is None:
-        return f"dstune train: {how}; no checkpoint was written yet; start again with: " \
-               f"{resume_command(args).removesuffix(' --resume latest')}"
-    return f"dstune train: {how}; last complete checkpoint {root / tag} (step {step}); continue with: " \
-           f"{resume_command(args)}"
+        return (
+            f"dstune train: {how}; no checkpoint was written yet; start again with: "
+            f"{resume_command(args).removesuffix(' --resume latest')}"
+        )
+    return (
+        f"dstune train: {how}; last complete checkpoint {root / tag} (step {step}); continue with: "
+        f"{resume_command(args)}"
+    )
 
 
 def exit_code(outcome: RunEnd) -> int:
@@ -309,6 +351,7 @@ def exit_code(outcome: RunEnd) -> int:
 def _never_raising(say):
     """A closed output (`dstune train ... | tee log`, and Ctrl-C ended tee too) must not end the supervision while
     the ranks run: what cannot be printed is dropped."""
+
     def say_or_drop(*args, **kwargs) -> None:
         try:
             say(*args, **kwargs)

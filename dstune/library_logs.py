@@ -20,8 +20,20 @@ import sys
 import warnings
 
 # The third-party packages whose deprecation notices are about their own internals, not about the user's spec.
-LIBRARY_PACKAGES = ("torch", "deepspeed", "diffusers", "transformers", "huggingface_hub", "peft", "bitsandbytes",
-                    "accelerate", "torchvision", "torchaudio", "snac", "av")
+LIBRARY_PACKAGES = (
+    "torch",
+    "deepspeed",
+    "diffusers",
+    "transformers",
+    "huggingface_hub",
+    "peft",
+    "bitsandbytes",
+    "accelerate",
+    "torchvision",
+    "torchaudio",
+    "snac",
+    "av",
+)
 LIBRARY_MODULES = re.compile(r"(%s)(\.|$)" % "|".join(re.escape(name) for name in LIBRARY_PACKAGES))
 DEEPSPEED_LOGGER = "DeepSpeed"
 

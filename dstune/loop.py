@@ -81,8 +81,10 @@ def render_samples(ctx: LoopContext, step: int, metrics: MetricsFile) -> None:
     if not prompts:
         return
     with_ema = ctx.ema is not None and ctx.ema.use_for_export
-    with frozen_on_device(ctx.built, ctx.offloaded), (ctx.ema.weights_in_model() if with_ema
-                                                      else contextlib.nullcontext()):
+    with (
+        frozen_on_device(ctx.built, ctx.offloaded),
+        ctx.ema.weights_in_model() if with_ema else contextlib.nullcontext(),
+    ):
         outputs = ctx.family.sample(ctx.built, ctx.engine.module, prompts, ctx.sample_spec, ctx.resolution)
     ctx.memory.mark("sample")
     if ctx.run.is_main:
@@ -90,8 +92,9 @@ def render_samples(ctx: LoopContext, step: int, metrics: MetricsFile) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path = ctx.family.save_samples(outputs, prompts, path) or path  # audio families: a WAV folder
         metrics.samples(step, path)
-        sheet = write_contact_sheet(path.parent, prompts, "EMA" if with_ema else "trained",
-                                    read_metrics(ctx.run_dir / "metrics.jsonl"))
+        sheet = write_contact_sheet(
+            path.parent, prompts, "EMA" if with_ema else "trained", read_metrics(ctx.run_dir / "metrics.jsonl")
+        )
         print(f"samples: {path} (all steps: {sheet})", flush=True)
 
 
@@ -104,7 +107,8 @@ def _agree_on_loss(run: Run, loss_sum: float, micro_batches: int, step: int) -> 
         raise NonFiniteLoss(
             f"non-finite loss at optimizer step {step + 1} on rank {', '.join(map(str, bad))}; stopped before the "
             "update was applied. The last checkpoint is intact. Lower the learning rate, use fp32/bf16 instead of "
-            "fp16, or check the data of that step.")
+            "fp16, or check the data of that step."
+        )
     mean = sum(value for _, value, _, _ in reports) / sum(n for _, _, n, _ in reports)
     return mean, any(stop for _, _, _, stop in reports)
 
@@ -131,8 +135,7 @@ def held_out_fields(ctx: LoopContext, display: ProgressDisplay, step: int) -> di
     """Collective when due: {"eval_loss", "eval_samples"} after the steps data.eval.every_steps names, else {}."""
     if ctx.held_out is None or not ctx.held_out.due(step, ctx.plan.total_steps):
         return {}
-    loss, count = evaluate(ctx.run, ctx.family, ctx.built, ctx.engine, ctx.held_out, ctx.compute_dtype,
-                           ctx.offloaded)
+    loss, count = evaluate(ctx.run, ctx.family, ctx.built, ctx.engine, ctx.held_out, ctx.compute_dtype, ctx.offloaded)
     display.message(f"held-out loss at step {step}: {loss:.5f} ({count} samples, data.eval)")
     return {"eval_loss": loss, "eval_samples": count}
 
@@ -177,20 +180,39 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
             held_out = held_out_fields(ctx, display, state.global_step)
             if held_out or state.global_step % ctx.log_every_steps == 0 or state.global_step == plan.total_steps:
                 grad_norm = engine.get_global_grad_norm()
-                metrics.write({
-                    "step": state.global_step, "epoch": state.epoch, "samples": state.samples_seen,
-                    "loss": mean_loss, "lr": lr,
-                    "grad_norm": None if grad_norm is None else float(grad_norm),
-                    "samples_per_s": samples_per_s, "data_s": data_wait, "compute_s": step_seconds - data_wait,
-                    "data_wait_fraction": data_wait / max(step_seconds, 1e-9),
-                    "elapsed_s": time.perf_counter() - loop_started, **held_out,
-                    **(memory_fields(ctx.built.device) if run.is_main else {}),
-                    "peak_memory_bytes": ctx.memory.peak_bytes(), "predicted_memory_bytes": ctx.memory.predicted_bytes(),
-                })
-            if ctx.save_every_steps and state.global_step % ctx.save_every_steps == 0 \
-                    and state.global_step < plan.total_steps:
-                save_checkpoint(engine, run, ctx.run_dir, _next_position(state, plan), ctx.checkpoint_extra,
-                                ctx.keep_last, ema=ctx.ema)
+                metrics.write(
+                    {
+                        "step": state.global_step,
+                        "epoch": state.epoch,
+                        "samples": state.samples_seen,
+                        "loss": mean_loss,
+                        "lr": lr,
+                        "grad_norm": None if grad_norm is None else float(grad_norm),
+                        "samples_per_s": samples_per_s,
+                        "data_s": data_wait,
+                        "compute_s": step_seconds - data_wait,
+                        "data_wait_fraction": data_wait / max(step_seconds, 1e-9),
+                        "elapsed_s": time.perf_counter() - loop_started,
+                        **held_out,
+                        **(memory_fields(ctx.built.device) if run.is_main else {}),
+                        "peak_memory_bytes": ctx.memory.peak_bytes(),
+                        "predicted_memory_bytes": ctx.memory.predicted_bytes(),
+                    }
+                )
+            if (
+                ctx.save_every_steps
+                and state.global_step % ctx.save_every_steps == 0
+                and state.global_step < plan.total_steps
+            ):
+                save_checkpoint(
+                    engine,
+                    run,
+                    ctx.run_dir,
+                    _next_position(state, plan),
+                    ctx.checkpoint_extra,
+                    ctx.keep_last,
+                    ema=ctx.ema,
+                )
             sample_every = ctx.sample_spec.every_steps
             if sample_every and state.global_step % sample_every == 0 and state.global_step < plan.total_steps:
                 render_samples(ctx, state.global_step, metrics)

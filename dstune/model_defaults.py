@@ -29,6 +29,7 @@ def _reader(folder: Path):
             return json.loads((folder / name).read_text())
         except (OSError, ValueError):
             return None
+
     return read
 
 
@@ -101,5 +102,7 @@ def bucket_step_problem(spec: Spec, origin: str) -> Optional[str]:
     buckets, size = spec.data.buckets, spec.data.resolution
     if not buckets.enabled or buckets.sizes or buckets.step <= size or spec.model.family in AUDIO_FAMILIES:
         return None
-    return (f"{buckets.step} is larger than data.resolution {size} ({origin}): no bucket side fits. Use a step of "
-            "at most data.resolution (a multiple of 8), or give data.buckets.sizes.")
+    return (
+        f"{buckets.step} is larger than data.resolution {size} ({origin}): no bucket side fits. Use a step of "
+        "at most data.resolution (a multiple of 8), or give data.buckets.sizes."
+    )

@@ -45,7 +45,7 @@ class Location:
 def locate(reference: str) -> Location:
     """Where a model reference points, without building or downloading anything."""
     if reference.startswith(BUILTIN_PREFIX):
-        known = reference[len(BUILTIN_PREFIX):] in BUILTIN_FOLDERS
+        known = reference[len(BUILTIN_PREFIX) :] in BUILTIN_FOLDERS
         return Location("builtin" if known else "unknown-builtin")
     path = Path(reference).expanduser()
     if path.exists():
@@ -60,7 +60,7 @@ def locate(reference: str) -> Location:
 
 def builtin_name_problem(reference: str) -> str:
     """Why `builtin:NAME` is not a built-in model: the list of them and the nearest names."""
-    name = reference[len(BUILTIN_PREFIX):]
+    name = reference[len(BUILTIN_PREFIX) :]
     longer = sorted(known for known in BUILTIN_FOLDERS if name and known.startswith(name))  # tiny-qwen: -image...
     close = longer[:2] or difflib.get_close_matches(name, BUILTIN_FOLDERS, n=2, cutoff=0.6)
     hint = f" (did you mean {' or '.join(BUILTIN_PREFIX + c for c in close)}?)" if close else ""
@@ -83,8 +83,10 @@ def folder_classes(folder: Path) -> tuple[str, list[str]]:
         if not classes:
             raise ValueError(f"{path} names no {key}")
         return name, classes
-    raise ValueError(f"{folder} holds neither {MODEL_INDEX} (a diffusers pipeline) nor {CONFIG} (a transformers "
-                     "model), so it is not a model folder")
+    raise ValueError(
+        f"{folder} holds neither {MODEL_INDEX} (a diffusers pipeline) nor {CONFIG} (a transformers "
+        "model), so it is not a model folder"
+    )
 
 
 def family_of(section) -> str:
@@ -94,8 +96,11 @@ def family_of(section) -> str:
 
 def families_training(class_name: str) -> list[str]:
     """The model.family values whose section declares `class_name` among its TRAINED_CLASSES."""
-    return [family_of(section) for section in MODEL_SECTIONS
-            if any(fnmatchcase(class_name, pattern) for pattern in section.TRAINED_CLASSES)]
+    return [
+        family_of(section)
+        for section in MODEL_SECTIONS
+        if any(fnmatchcase(class_name, pattern) for pattern in section.TRAINED_CLASSES)
+    ]
 
 
 def trained_classes_text() -> str:
@@ -117,20 +122,26 @@ def class_problem(model, field: str, folder: Path, shown: str) -> Optional[tuple
     what = " / ".join(classes)
     fits = sorted({other for name in classes for other in families_training(name)})
     if not fits:
-        return key, (f"{shown} is a {what} ({file_name}), which no dstune family trains. dstune trains "
-                     f"{trained_classes_text()}. Point {key} at one of those.")
+        return key, (
+            f"{shown} is a {what} ({file_name}), which no dstune family trains. dstune trains "
+            f"{trained_classes_text()}. Point {key} at one of those."
+        )
     return "model.family", (
         f"{shown} is a {what} ({file_name}), which model.family {' or '.join(fits)} trains, not {family} "
         f"({', '.join(type(model).TRAINED_CLASSES)}). Set model.family: {fits[0]}, or point {key} at a {family} "
-        "model.")
+        "model."
+    )
 
 
 def model_folder_issues(spec, source: SpecSource, num_samples: Optional[int] = None) -> list[SpecIssue]:
     """Every folder and file key of spec.model, checked offline. When validating for another machine (data.path is
     not here and --num-samples stands in for it), a local path that is missing here is a warning."""
     data_path = spec.data.path
-    offline = num_samples is not None and not data_path.startswith(BUILTIN_PREFIX) and not os.path.exists(
-        os.path.expanduser(data_path))
+    offline = (
+        num_samples is not None
+        and not data_path.startswith(BUILTIN_PREFIX)
+        and not os.path.exists(os.path.expanduser(data_path))
+    )
     model = spec.model
     section = type(model)
     issues: list[SpecIssue] = []
@@ -144,9 +155,14 @@ def model_folder_issues(spec, source: SpecSource, num_samples: Optional[int] = N
         if reference:
             issues += _reference_issues(field, reference, locate(reference), source, offline)
         elif pretrained.kind in ("folder", "hub") and not (pretrained.path / subfolder).is_dir():
-            issues.append(source.issue(f"model.{field}", f"unset, so it is read from {pretrained.path / subfolder}, "
-                                       f"which does not exist: set model.{field} to its folder (or hub id), or put "
-                                       f"it in {subfolder}/ of model.pretrained"))
+            issues.append(
+                source.issue(
+                    f"model.{field}",
+                    f"unset, so it is read from {pretrained.path / subfolder}, "
+                    f"which does not exist: set model.{field} to its folder (or hub id), or put "
+                    f"it in {subfolder}/ of model.pretrained",
+                )
+            )
     for field in section.FILE_FIELDS:
         reference = getattr(model, field, None)
         if reference and not Path(reference).expanduser().is_file():
@@ -169,34 +185,54 @@ def _model_folder(model, field: str, reference: str, source: SpecSource, offline
     return issues + ([source.issue(*problem)] if problem else [])
 
 
-def _reference_issues(field: str, reference: str, location: Location, source: SpecSource,
-                      offline: bool) -> list[SpecIssue]:
+def _reference_issues(
+    field: str, reference: str, location: Location, source: SpecSource, offline: bool
+) -> list[SpecIssue]:
     key = f"model.{field}"
     if location.kind == "unknown-builtin":
         return [source.issue(key, builtin_name_problem(reference))]
     if location.kind == "missing":
         return [_missing(field, "folder", reference, source, offline)]
     if location.kind == "file":
-        return [source.issue(key, f"{location.path} is a file; model.{field} must be a folder (or a hub id, or a "
-                                  "built-in model)")]
+        return [
+            source.issue(
+                key, f"{location.path} is a file; model.{field} must be a folder (or a hub id, or a built-in model)"
+            )
+        ]
     download = f"`hf download {reference}` (or `huggingface-cli download {reference}`)"
     if location.kind == "hub-missing" and offline:
-        return [source.issue(key, f"{reference} is not in this machine's Hugging Face cache. dstune never downloads: "
-                             f"on the machines that train, run {download} before launching, or start-up stops there.",
-                             severity="warning")]
+        return [
+            source.issue(
+                key,
+                f"{reference} is not in this machine's Hugging Face cache. dstune never downloads: "
+                f"on the machines that train, run {download} before launching, or start-up stops there.",
+                severity="warning",
+            )
+        ]
     if location.kind == "hub-missing":
-        return [source.issue(key, (
-            f"{reference} is not in the local Hugging Face cache (nor a folder here: {location.path}). dstune never "
-            f"downloads, so the run would stop at start-up on every rank, before step 1. Download it first: "
-            f"{download}, or set model.{field} to a local folder."), severity="warning")]
+        return [
+            source.issue(
+                key,
+                (
+                    f"{reference} is not in the local Hugging Face cache (nor a folder here: {location.path}). dstune never "
+                    f"downloads, so the run would stop at start-up on every rank, before step 1. Download it first: "
+                    f"{download}, or set model.{field} to a local folder."
+                ),
+                severity="warning",
+            )
+        ]
     return []
 
 
 def _missing(field: str, what: str, reference: str, source: SpecSource, offline: bool) -> SpecIssue:
     path = Path(reference).expanduser().absolute()
     if offline:
-        return source.issue(f"model.{field}", f"{what} {path} is not on this machine (validating offline for another "
-                            "one, as data.path is not here either): start-up checks it there", severity="warning")
+        return source.issue(
+            f"model.{field}",
+            f"{what} {path} is not on this machine (validating offline for another "
+            "one, as data.path is not here either): start-up checks it there",
+            severity="warning",
+        )
     relative = "" if Path(reference).expanduser().is_absolute() else f" (relative to {os.getcwd()})"
     other = ", or use a hub id already downloaded or a built-in model" if what == "folder" else ""
     return source.issue(f"model.{field}", f"{what} {path} does not exist{relative}. Fix the path{other}.")

@@ -46,8 +46,9 @@ def group_batches(counts: dict, global_batch_size: int) -> list[GroupBatches]:
     """Per group (in the order of `counts`): samples, whole global batches per epoch, remainder left out."""
     if global_batch_size < 1:
         raise ValueError(f"global batch size must be at least 1, got {global_batch_size}")
-    return [GroupBatches(key, count, count // global_batch_size, count % global_batch_size)
-            for key, count in counts.items()]
+    return [
+        GroupBatches(key, count, count // global_batch_size, count % global_batch_size) for key, count in counts.items()
+    ]
 
 
 # --- the plan
@@ -117,32 +118,52 @@ def resolve_batch(train: TrainSpec, world_size: int, source: SpecSource) -> tupl
         return m, a, m * a * ws
     if m is not None and a is not None:
         if g != m * a * ws:
-            raise SpecError([source.issue(
-                "train.global_batch_size",
-                f"{g} != micro_batch_size {m} x gradient_accumulation_steps {a} x {ws} ranks = {m * a * ws}. "
-                f"Give only two of the three numbers, or set global_batch_size to {m * a * ws}.")])
+            raise SpecError(
+                [
+                    source.issue(
+                        "train.global_batch_size",
+                        f"{g} != micro_batch_size {m} x gradient_accumulation_steps {a} x {ws} ranks = {m * a * ws}. "
+                        f"Give only two of the three numbers, or set global_batch_size to {m * a * ws}.",
+                    )
+                ]
+            )
         return m, a, g
     if g % ws:
-        raise SpecError([source.issue(
-            "train.global_batch_size",
-            f"{g} is not divisible by the {ws} data-parallel ranks: each rank must get whole samples. "
-            f"Use a multiple of {ws}, e.g. {_nearby_multiples(g, ws)}.")])
+        raise SpecError(
+            [
+                source.issue(
+                    "train.global_batch_size",
+                    f"{g} is not divisible by the {ws} data-parallel ranks: each rank must get whole samples. "
+                    f"Use a multiple of {ws}, e.g. {_nearby_multiples(g, ws)}.",
+                )
+            ]
+        )
     per_rank = g // ws  # = micro x accumulation
     if m is not None:
         if per_rank % m:
             pairs = ", ".join(f"micro {d} x accum {per_rank // d}" for d in _divisors(per_rank))
-            raise SpecError([source.issue(
-                "train.micro_batch_size",
-                f"{m} does not divide global_batch_size {g} {on} ({g} = micro x accum x {ws} needs micro x accum = "
-                f"{per_rank}). Options: {pairs}; or global_batch_size {_nearby_multiples(g, m * ws)}.")])
+            raise SpecError(
+                [
+                    source.issue(
+                        "train.micro_batch_size",
+                        f"{m} does not divide global_batch_size {g} {on} ({g} = micro x accum x {ws} needs micro x accum = "
+                        f"{per_rank}). Options: {pairs}; or global_batch_size {_nearby_multiples(g, m * ws)}.",
+                    )
+                ]
+            )
         return m, per_rank // m, g
     a = a or 1
     if per_rank % a:
         options = ", ".join(str(d) for d in _divisors(per_rank))
-        raise SpecError([source.issue(
-            "train.gradient_accumulation_steps",
-            f"{a} does not divide global_batch_size {g} {on} (micro x accum must be {per_rank}). "
-            f"Accumulation steps that work: {options}.")])
+        raise SpecError(
+            [
+                source.issue(
+                    "train.gradient_accumulation_steps",
+                    f"{a} does not divide global_batch_size {g} {on} (micro x accum must be {per_rank}). "
+                    f"Accumulation steps that work: {options}.",
+                )
+            ]
+        )
     return per_rank // a, a, g
 
 
@@ -151,50 +172,75 @@ def fitting_batch_advice(limit: int, world_size: int, micro: int, what: str) -> 
     global batch this world can run (a multiple of ranks x micro, at most `limit`), or why there is none."""
     unit = world_size * micro
     if unit <= limit:
-        return (f"Use a global batch of at most {limit} that is a multiple of {world_size} rank(s) x micro_batch_size "
-                f"{micro} = {unit}, e.g. global_batch_size: {limit // unit * unit}")
+        return (
+            f"Use a global batch of at most {limit} that is a multiple of {world_size} rank(s) x micro_batch_size "
+            f"{micro} = {unit}, e.g. global_batch_size: {limit // unit * unit}"
+        )
     if world_size <= limit:
         fitting = limit // world_size
-        return (f"Even one micro batch per rank ({world_size} rank(s) x micro_batch_size {micro} = {unit}) is more "
-                f"than {what} holds: use micro_batch_size {fitting} with global_batch_size {fitting * world_size}")
-    return (f"{what[0].upper()}{what[1:]} holds {limit} samples, fewer than the {world_size} ranks, and every rank "
-            f"needs at least one sample per step: it is too small for this world. Train on at most {limit} GPU(s)")
+        return (
+            f"Even one micro batch per rank ({world_size} rank(s) x micro_batch_size {micro} = {unit}) is more "
+            f"than {what} holds: use micro_batch_size {fitting} with global_batch_size {fitting * world_size}"
+        )
+    return (
+        f"{what[0].upper()}{what[1:]} holds {limit} samples, fewer than the {world_size} ranks, and every rank "
+        f"needs at least one sample per step: it is too small for this world. Train on at most {limit} GPU(s)"
+    )
 
 
-def _group_issues(rows: list[GroupBatches], global_batch: int, num_samples: int, source: SpecSource,
-                  world_size: int, micro: int) -> list[SpecIssue]:
+def _group_issues(
+    rows: list[GroupBatches], global_batch: int, num_samples: int, source: SpecSource, world_size: int, micro: int
+) -> list[SpecIssue]:
     """Errors (no group fills a global batch) and warnings (groups that never train, remainders) of grouped plans."""
     steps = sum(row.steps for row in rows)
     if steps == 0:
         largest = max(rows, key=lambda row: row.samples)
         advice = fitting_batch_advice(largest.samples, world_size, micro, f"the largest bucket ({largest.key})")
-        raise SpecError([source.issue(
-            "train.global_batch_size",
-            f"{global_batch} is larger than every bucket (data.buckets; the largest, {largest.key}, holds "
-            f"{largest.samples} samples): every global batch comes from one bucket, so not one optimizer step fits "
-            f"in an epoch. {advice}; or use fewer buckets, or more data.")])
+        raise SpecError(
+            [
+                source.issue(
+                    "train.global_batch_size",
+                    f"{global_batch} is larger than every bucket (data.buckets; the largest, {largest.key}, holds "
+                    f"{largest.samples} samples): every global batch comes from one bucket, so not one optimizer step fits "
+                    f"in an epoch. {advice}; or use fewer buckets, or more data.",
+                )
+            ]
+        )
     issues = []
     idle = [row for row in rows if row.steps == 0]
     if idle:
         listing = ", ".join(f"{row.key} ({row.samples})" for row in idle)
-        issues.append(source.issue(
-            "data.buckets",
-            f"{len(idle)} bucket(s) hold fewer samples than one global batch of {global_batch} and never train: "
-            f"{listing}. Use a smaller global batch, fewer buckets (min_aspect / max_aspect / sizes), or more data.",
-            severity="warning"))
+        issues.append(
+            source.issue(
+                "data.buckets",
+                f"{len(idle)} bucket(s) hold fewer samples than one global batch of {global_batch} and never train: "
+                f"{listing}. Use a smaller global batch, fewer buckets (min_aspect / max_aspect / sizes), or more data.",
+                severity="warning",
+            )
+        )
     dropped = num_samples - steps * global_batch
     if dropped:
         listing = ", ".join(f"{row.key}: {row.dropped}" for row in rows if row.dropped)
-        issues.append(source.issue(
-            "train.global_batch_size",
-            f"each epoch leaves out {dropped} of {num_samples} samples (each bucket's remainder after its full "
-            f"global batches of {global_batch}: {listing}); a different set each epoch since the order is reshuffled",
-            severity="warning"))
+        issues.append(
+            source.issue(
+                "train.global_batch_size",
+                f"each epoch leaves out {dropped} of {num_samples} samples (each bucket's remainder after its full "
+                f"global batches of {global_batch}: {listing}); a different set each epoch since the order is reshuffled",
+                severity="warning",
+            )
+        )
     return issues
 
 
-def _steps_per_epoch(global_batch: int, num_samples: int, groups: dict | None, source: SpecSource,
-                     warnings: list[SpecIssue], world_size: int, micro: int) -> tuple[list[GroupBatches], int]:
+def _steps_per_epoch(
+    global_batch: int,
+    num_samples: int,
+    groups: dict | None,
+    source: SpecSource,
+    warnings: list[SpecIssue],
+    world_size: int,
+    micro: int,
+) -> tuple[list[GroupBatches], int]:
     """(group rows, optimizer steps per epoch); appends the warnings about samples an epoch leaves out."""
     rows: list[GroupBatches] = []
     if groups:
@@ -206,17 +252,25 @@ def _steps_per_epoch(global_batch: int, num_samples: int, groups: dict | None, s
     else:
         steps_per_epoch = num_samples // global_batch
     if steps_per_epoch == 0:
-        raise SpecError([source.issue(
-            "train.global_batch_size",
-            f"{global_batch} is larger than the dataset ({num_samples} samples): not one full optimizer step fits in "
-            f"an epoch. {fitting_batch_advice(num_samples, world_size, micro, 'the dataset')}; or add data.")])
+        raise SpecError(
+            [
+                source.issue(
+                    "train.global_batch_size",
+                    f"{global_batch} is larger than the dataset ({num_samples} samples): not one full optimizer step fits in "
+                    f"an epoch. {fitting_batch_advice(num_samples, world_size, micro, 'the dataset')}; or add data.",
+                )
+            ]
+        )
     dropped = num_samples - steps_per_epoch * global_batch
     if dropped and not groups:
-        warnings.append(source.issue(
-            "train.global_batch_size",
-            f"each epoch leaves out {dropped} of {num_samples} samples (the remainder after {steps_per_epoch} full "
-            f"global batches of {global_batch}); a different set each epoch since the order is reshuffled",
-            severity="warning"))
+        warnings.append(
+            source.issue(
+                "train.global_batch_size",
+                f"each epoch leaves out {dropped} of {num_samples} samples (the remainder after {steps_per_epoch} full "
+                f"global batches of {global_batch}); a different set each epoch since the order is reshuffled",
+                severity="warning",
+            )
+        )
     return rows, steps_per_epoch
 
 
@@ -224,16 +278,27 @@ def data_parallel_ranks(world_size: int, sequence_parallel_size: int, source: Sp
     """world_size / sequence_parallel_size, or SpecError naming deepspeed.sequence_parallel_size and sizes that work."""
     if world_size % sequence_parallel_size:
         options = ", ".join(str(d) for d in _divisors(world_size))
-        raise SpecError([source.issue(
-            "deepspeed.sequence_parallel_size",
-            f"{sequence_parallel_size} does not divide the {world_size} ranks: the ranks form groups of "
-            f"{sequence_parallel_size} that share each sample. Use one of {options}, or launch a multiple of "
-            f"{sequence_parallel_size} ranks.")])
+        raise SpecError(
+            [
+                source.issue(
+                    "deepspeed.sequence_parallel_size",
+                    f"{sequence_parallel_size} does not divide the {world_size} ranks: the ranks form groups of "
+                    f"{sequence_parallel_size} that share each sample. Use one of {options}, or launch a multiple of "
+                    f"{sequence_parallel_size} ranks.",
+                )
+            ]
+        )
     return world_size // sequence_parallel_size
 
 
-def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource, groups: dict | None = None,
-              sequence_parallel_size: int = 1) -> Plan:
+def make_plan(
+    train: TrainSpec,
+    world,
+    num_samples: int,
+    source: SpecSource,
+    groups: dict | None = None,
+    sequence_parallel_size: int = 1,
+) -> Plan:
     """Everything `validate` prints and training obeys. `world` is a dstune.world.World (or anything with
     world_size, num_nodes and ranks_per_node). `groups`: {key: samples} when every global batch must come from one
     group (data.buckets), in display order; the samples add up to num_samples. `sequence_parallel_size`
@@ -244,8 +309,7 @@ def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource, gro
     if num_samples <= 0:
         raise SpecError([source.issue("data.path", "the dataset is empty: no samples to train on")])
     warnings: list[SpecIssue] = []
-    rows, steps_per_epoch = _steps_per_epoch(global_batch, num_samples, groups, source, warnings, data_parallel,
-                                             micro)
+    rows, steps_per_epoch = _steps_per_epoch(global_batch, num_samples, groups, source, warnings, data_parallel, micro)
     if train.max_steps is not None:
         total_steps = train.max_steps
     else:
@@ -254,10 +318,13 @@ def make_plan(train: TrainSpec, world, num_samples: int, source: SpecSource, gro
     dropped = num_samples - samples_per_epoch
     warmup = train.scheduler.warmup_steps
     if warmup >= total_steps and warmup:
-        warnings.append(source.issue(
-            "train.scheduler.warmup_steps",
-            f"{warmup} warmup steps >= {total_steps} total optimizer steps: the LR never reaches its peak",
-            severity="warning"))
+        warnings.append(
+            source.issue(
+                "train.scheduler.warmup_steps",
+                f"{warmup} warmup steps >= {total_steps} total optimizer steps: the LR never reaches its peak",
+                severity="warning",
+            )
+        )
     scale = 1.0
     if train.lr_scaling != "none":
         ratio = global_batch / train.reference_batch_size

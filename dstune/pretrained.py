@@ -35,8 +35,10 @@ SINGLE_FILE_CACHE = "single-file"  # under output.cache_dir: one converted pipel
 SINGLE_FILE_INFO = "dstune_single_file.json"
 # Key prefixes of original checkpoints -> (the family that reads them, what they are), to say what a file is when it
 # is not the family's: each model unit's own (dstune.models.registry), and diffusers' layout.
-KNOWN_LAYOUTS = {**registry.checkpoint_layouts(),
-                 "unet.": ("", "a diffusers-layout file (give its pipeline folder instead)")}
+KNOWN_LAYOUTS = {
+    **registry.checkpoint_layouts(),
+    "unet.": ("", "a diffusers-layout file (give its pipeline folder instead)"),
+}
 
 
 def resolve_pretrained(pretrained: str, cache_dir: str | os.PathLike, key: str = "model.pretrained") -> Path:
@@ -51,9 +53,11 @@ def resolve_pretrained(pretrained: str, cache_dir: str | os.PathLike, key: str =
         except ValueError as err:
             raise FamilyError(str(err)) from None
     if location.kind == "file":
-        raise FamilyError(f"{location.path} is a file; {key} must be a folder here (a diffusers pipeline or "
-                          f"transformers folder). Single .safetensors/.ckpt checkpoints load as model.pretrained of "
-                          f"model.family {' or '.join(single_file_families())}, with model.base_pipeline.")
+        raise FamilyError(
+            f"{location.path} is a file; {key} must be a folder here (a diffusers pipeline or "
+            f"transformers folder). Single .safetensors/.ckpt checkpoints load as model.pretrained of "
+            f"model.family {' or '.join(single_file_families())}, with model.base_pipeline."
+        )
     if location.kind == "missing":
         raise FamilyError(f"folder {location.path} does not exist ({key})")
     if location.kind == "hub-missing":
@@ -81,19 +85,26 @@ def single_file_folder(path: Path, model_spec, family: Family, cache_dir) -> Pat
     """The diffusers pipeline folder converted from the checkpoint file `path` (once; then from the cache)."""
     able = " or ".join(single_file_families())
     if family.single_file is None:
-        raise FamilyError(f"model.pretrained {path}: model.family {family.name} cannot load a single checkpoint file; "
-                          f"give its folder (or hub id, or built-in). Single files load for model.family {able}.")
+        raise FamilyError(
+            f"model.pretrained {path}: model.family {family.name} cannot load a single checkpoint file; "
+            f"give its folder (or hub id, or built-in). Single files load for model.family {able}."
+        )
     if not path.is_file():
-        raise FamilyError(f"model.pretrained {path}: no such file. Give an existing .safetensors/.ckpt checkpoint "
-                          "(original key layout, with model.base_pipeline), a diffusers pipeline folder, a hub id "
-                          f"already downloaded, or a built-in model (builtin:tiny-{family.name}).")
+        raise FamilyError(
+            f"model.pretrained {path}: no such file. Give an existing .safetensors/.ckpt checkpoint "
+            "(original key layout, with model.base_pipeline), a diffusers pipeline folder, a hub id "
+            f"already downloaded, or a built-in model (builtin:tiny-{family.name})."
+        )
     base = resolve_pretrained(model_spec.base_pipeline, cache_dir, "model.base_pipeline")
     keys = checkpoint_keys(path)
     _check_layout(path, keys, family)
     stat = path.resolve().stat()
     identity = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, str(base)])
-    out = (Path(cache_dir) / SINGLE_FILE_CACHE
-           / f"{path.stem}-{hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()}")
+    out = (
+        Path(cache_dir)
+        / SINGLE_FILE_CACHE
+        / f"{path.stem}-{hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()}"
+    )
     if not (out / SINGLE_FILE_INFO).is_file():
         _convert_single_file(path, base, keys, family, out)
     return out
@@ -119,8 +130,15 @@ def checkpoint_keys(path: Path) -> list[str]:
 
 def _check_layout(path: Path, keys: list[str], family: Family) -> None:
     layout = family.single_file
-    hints = sorted({what for prefix, (owner, what) in KNOWN_LAYOUTS.items() if owner != family.name
-                    for key in keys if key.startswith(prefix)})
+    hints = sorted(
+        {
+            what
+            for prefix, (owner, what) in KNOWN_LAYOUTS.items()
+            if owner != family.name
+            for key in keys
+            if key.startswith(prefix)
+        }
+    )
     if any(key.startswith(layout.denoiser_prefixes) for key in keys) and not hints:
         return
     seen = ", ".join(keys[:3]) or "no tensors"
@@ -128,7 +146,8 @@ def _check_layout(path: Path, keys: list[str], family: Family) -> None:
     raise FamilyError(
         f"model.pretrained {path}: model.family {family.name} reads a single file in the original key layout, the "
         f"{layout.denoiser} under {' / '.join(layout.denoiser_prefixes)} (plus, optionally, "
-        f"{', '.join(f'{c} under {p[0]}' for c, p in layout.companions.items())}); {what}.")
+        f"{', '.join(f'{c} under {p[0]}' for c, p in layout.companions.items())}); {what}."
+    )
 
 
 def _convert_single_file(path: Path, base: Path, keys: list[str], family: Family, out: Path) -> None:
@@ -147,23 +166,33 @@ def _convert_single_file(path: Path, base: Path, keys: list[str], family: Family
                 loader = getattr(importlib.import_module(library), class_name)
                 components[name] = loader.from_pretrained(base, subfolder=name)
         try:
-            pipeline = pipeline_class.from_single_file(str(path), config=str(base), local_files_only=True,
-                                                       **components)
+            pipeline = pipeline_class.from_single_file(str(path), config=str(base), local_files_only=True, **components)
         except Exception as err:  # diffusers raises ValueError, KeyError, RuntimeError, its own errors by layout
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise FamilyError(f"model.pretrained {path}: diffusers could not load it with the configs of "
-                              f"model.base_pipeline {base} ({first}). Is it a {family.name} checkpoint of the same "
-                              "architecture as the base pipeline?") from None
+            raise FamilyError(
+                f"model.pretrained {path}: diffusers could not load it with the configs of "
+                f"model.base_pipeline {base} ({first}). Is it a {family.name} checkpoint of the same "
+                "architecture as the base pipeline?"
+            ) from None
         with folder_written_atomically(out, "converting") as work:
             pipeline.save_pretrained(work, safe_serialization=True)
-            info = {"file": str(path.resolve()), "base_pipeline": str(base),
-                    "from_file": sorted({family.single_file.denoiser, *family.single_file.companions} - set(components)),
-                    "from_base": sorted(components)}
+            info = {
+                "file": str(path.resolve()),
+                "base_pipeline": str(base),
+                "from_file": sorted({family.single_file.denoiser, *family.single_file.companions} - set(components)),
+                "from_base": sorted(components),
+            }
             (work / SINGLE_FILE_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
-def build_model(model_spec, cache_dir: str | os.PathLike, device, dtype_for_frozen: torch.dtype = torch.float32,
-                zero3_config: Optional[dict] = None, folders: Optional[dict] = None):
+def build_model(
+    model_spec,
+    cache_dir: str | os.PathLike,
+    device,
+    dtype_for_frozen: torch.dtype = torch.float32,
+    zero3_config: Optional[dict] = None,
+    folders: Optional[dict] = None,
+):
     """The family's Built for this model spec: its folders resolved (unless given), then `family.build` (one
     process; training goes through dstune.startup.build_family, which orders the ranks). `zero3_config` (a ZeRO-3
     DeepSpeed JSON) is passed to families that build partitioned (`Family.builds_partitioned`); that build is then

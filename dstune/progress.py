@@ -68,12 +68,24 @@ class ProgressDisplay:
         self._progress = None
         self._task = None
         if self.interactive:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TextColumn("elapsed"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
                 transient=False,
             )
             self._progress.start()
@@ -83,8 +95,10 @@ class ProgressDisplay:
         if not self.enabled:
             return
         epochs_total = max(1, math.ceil(self.total_epochs - 1e-9))  # max_steps may end inside an epoch
-        info = (f"epoch {min(epoch + 1, epochs_total)}/{epochs_total}  "
-                f"samples {samples_seen}  loss {loss:.4f}  lr {lr:.3g}  {samples_per_s:.1f} samples/s")
+        info = (
+            f"epoch {min(epoch + 1, epochs_total)}/{epochs_total}  "
+            f"samples {samples_seen}  loss {loss:.4f}  lr {lr:.3g}  {samples_per_s:.1f} samples/s"
+        )
         if self._progress is not None:
             self._progress.update(self._task, completed=step, info=info)
         elif step % self.print_every == 0 or step == self.total_steps or step == self.start_step + 1:
@@ -125,13 +139,19 @@ def time_split_text(timings: dict, cached: bool = False) -> str:
     fraction = data_s / max(data_s + compute_s, 1e-9)
     advice = ""
     if fraction > 0.05 and cached:  # the loader, not the model, set the pace: say what helps
-        advice = (" - the loader is a bottleneck even reading the cache: raise data.num_workers, or put "
-                  "data.cache.dir on faster local storage")
+        advice = (
+            " - the loader is a bottleneck even reading the cache: raise data.num_workers, or put "
+            "data.cache.dir on faster local storage"
+        )
     elif fraction > 0.05:
-        advice = (" - the loader is a bottleneck: raise data.num_workers, store the images pre-resized near "
-                  "data.resolution, or turn on data.cache")
-    return (f"waiting for data {fmt_seconds(data_s)} ({100 * fraction:.1f}% of step time), "
-            f"compute {fmt_seconds(compute_s)}{advice}")
+        advice = (
+            " - the loader is a bottleneck: raise data.num_workers, store the images pre-resized near "
+            "data.resolution, or turn on data.cache"
+        )
+    return (
+        f"waiting for data {fmt_seconds(data_s)} ({100 * fraction:.1f}% of step time), "
+        f"compute {fmt_seconds(compute_s)}{advice}"
+    )
 
 
 class CountProgress:
@@ -150,5 +170,8 @@ class CountProgress:
         due = now - self.started >= self.after_s if self.shown is None else now - self.shown >= self.every_s
         if due or (done == self.total and self.shown is not None):
             self.shown = now
-            print(f"{self.doing} {done} of {self.total} {self.what} ({now - self.started:.0f} s)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{self.doing} {done} of {self.total} {self.what} ({now - self.started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )

@@ -48,9 +48,18 @@ class Outcome:
 
     @classmethod
     def of(cls, resolved) -> "Outcome":
-        return cls(resolved.spec, resolved.world, resolved.plan, resolved.ds_config, resolved.num_samples_origin,
-                   tuple(resolved.warnings), ds_sources=resolved.ds_sources, clips=resolved.clips,
-                   resolution_origin=resolved.resolution_origin, guidance_origin=resolved.guidance_origin)
+        return cls(
+            resolved.spec,
+            resolved.world,
+            resolved.plan,
+            resolved.ds_config,
+            resolved.num_samples_origin,
+            tuple(resolved.warnings),
+            ds_sources=resolved.ds_sources,
+            clips=resolved.clips,
+            resolution_origin=resolved.resolution_origin,
+            guidance_origin=resolved.guidance_origin,
+        )
 
     def as_json(self) -> dict:
         plan = self.plan.as_dict() if self.plan is not None else None
@@ -84,24 +93,33 @@ def _world_rows(world, sequence_parallel_size: int = 1) -> list[tuple[str, str]]
     if world.assumed:
         source += " (ASSUMED: plan for the real run with --num-gpus N, --world-size N or --hostfile FILE)"
     size = sequence_parallel_size
-    ranks = f"{world.world_size} data-parallel" if size == 1 or world.world_size % size else \
-        f"{world.world_size} = {world.world_size // size} data-parallel x {size} sequence-parallel"
-    return [("ranks", ranks), ("nodes", str(world.num_nodes)),
-            ("ranks per node", per_node), ("from", source)]
+    ranks = (
+        f"{world.world_size} data-parallel"
+        if size == 1 or world.world_size % size
+        else f"{world.world_size} = {world.world_size // size} data-parallel x {size} sequence-parallel"
+    )
+    return [("ranks", ranks), ("nodes", str(world.num_nodes)), ("ranks per node", per_node), ("from", source)]
 
 
 def _batch_rows(plan, ds_config: Optional[dict], cross_checked: bool) -> list[tuple[str, str]]:
     rows = [
         ("micro batch", f"{plan.micro_batch_size} samples per rank per forward pass"),
-        ("accumulation",
-         f"{_count(plan.gradient_accumulation_steps, 'micro-batch', 'micro-batches')} per optimizer step"),
-        ("global batch", f"{plan.global_batch_size} samples per optimizer step = {plan.micro_batch_size} x "
-                         f"{plan.gradient_accumulation_steps} x {_count(plan.data_parallel_size, 'rank', 'ranks')}"
-                         + (" (data-parallel)" if plan.sequence_parallel_size > 1 else "")),
+        (
+            "accumulation",
+            f"{_count(plan.gradient_accumulation_steps, 'micro-batch', 'micro-batches')} per optimizer step",
+        ),
+        (
+            "global batch",
+            f"{plan.global_batch_size} samples per optimizer step = {plan.micro_batch_size} x "
+            f"{plan.gradient_accumulation_steps} x {_count(plan.data_parallel_size, 'rank', 'ranks')}"
+            + (" (data-parallel)" if plan.sequence_parallel_size > 1 else ""),
+        ),
     ]
     if ds_config is not None:
-        numbers = ", ".join(f"{key} {ds_config.get(key)}" for key in
-                            ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))
+        numbers = ", ".join(
+            f"{key} {ds_config.get(key)}"
+            for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        )
         rows.append(("DeepSpeed JSON", numbers + (f" (agreed by {_deepspeed_name()})" if cross_checked else "")))
     return rows
 
@@ -119,10 +137,16 @@ def _data_rows(plan, origin: str) -> list[tuple[str, str]]:
     summed = f", the sum over {_count(len(plan.groups), 'bucket', 'buckets')}" if plan.groups else ""
     return [
         ("samples", f"{plan.num_samples} ({origin})" if origin else str(plan.num_samples)),
-        ("steps per epoch", f"{plan.steps_per_epoch} optimizer steps ({plan.micro_batches_per_epoch_per_rank} "
-                            f"micro-batches per rank{summed})"),
-        ("each epoch", f"uses {plan.samples_per_epoch} samples, leaves out {plan.dropped_per_epoch} (drop_last"
-                       f"{', per bucket' if plan.groups else ''})"),
+        (
+            "steps per epoch",
+            f"{plan.steps_per_epoch} optimizer steps ({plan.micro_batches_per_epoch_per_rank} "
+            f"micro-batches per rank{summed})",
+        ),
+        (
+            "each epoch",
+            f"uses {plan.samples_per_epoch} samples, leaves out {plan.dropped_per_epoch} (drop_last"
+            f"{', per bucket' if plan.groups else ''})",
+        ),
     ]
 
 
@@ -131,10 +155,20 @@ def _bucket_rows(plan) -> list[tuple[str, str]]:
     rows = []
     for group in plan.groups:
         never = "  (never trains: fewer samples than one global batch)" if group.steps == 0 else ""
-        rows.append((str(group.key), f"{group.samples} samples, {_count(group.steps, 'global batch', 'global batches')}"
-                                     f" per epoch, leaves out {group.dropped}{never}"))
-    rows.append(("total", f"{_count(len(plan.groups), 'bucket', 'buckets')}: {plan.num_samples} samples, "
-                          f"{plan.steps_per_epoch} optimizer steps per epoch, leaves out {plan.dropped_per_epoch}"))
+        rows.append(
+            (
+                str(group.key),
+                f"{group.samples} samples, {_count(group.steps, 'global batch', 'global batches')}"
+                f" per epoch, leaves out {group.dropped}{never}",
+            )
+        )
+    rows.append(
+        (
+            "total",
+            f"{_count(len(plan.groups), 'bucket', 'buckets')}: {plan.num_samples} samples, "
+            f"{plan.steps_per_epoch} optimizer steps per epoch, leaves out {plan.dropped_per_epoch}",
+        )
+    )
     return rows
 
 
@@ -150,16 +184,24 @@ def _length_rows(plan, train) -> list[tuple[str, str]]:
 def _lr_rows(plan, train) -> list[tuple[str, str]]:
     rows = [("base lr", _fmt(plan.base_lr))]
     if train is not None and train.lr_scaling != "none":
-        rows.append(("scaling", f"{train.lr_scaling}: global {plan.global_batch_size} / reference "
-                                f"{train.reference_batch_size} -> x {_fmt(plan.lr_scale)}"))
+        rows.append(
+            (
+                "scaling",
+                f"{train.lr_scaling}: global {plan.global_batch_size} / reference "
+                f"{train.reference_batch_size} -> x {_fmt(plan.lr_scale)}",
+            )
+        )
     else:
         rows.append(("scaling", "none"))
     rows.append(("effective lr", _fmt(plan.effective_lr)))
     rows.append(("warmup", f"{plan.warmup_steps} optimizer steps"))
     if train is not None:
         sched = train.scheduler
-        decay = f", decays to {_fmt(sched.min_lr_ratio)} x lr at step {plan.total_steps}" \
-            if sched.type in ("linear", "cosine") else ""
+        decay = (
+            f", decays to {_fmt(sched.min_lr_ratio)} x lr at step {plan.total_steps}"
+            if sched.type in ("linear", "cosine")
+            else ""
+        )
         rows.append(("schedule", f"{sched.type}{decay}"))
         opt = train.optimizer
         rows.append(("optimizer", f"{opt.type}, weight decay {_fmt(opt.weight_decay)}"))
@@ -178,11 +220,21 @@ def _engine_rows(spec, plan) -> list[tuple[str, str]]:
         ("gradient clipping", clipping),
     ]
     if ds.config:
-        rows.append(("merged JSON", f"{ds.config}: its values fill what the spec leaves unset; \"auto\" takes the "
-                                    "spec's value or dstune's default (where each value came from: below)"))
-        rows.append(("optimizer, schedule", f"dstune's own: {train.optimizer.type} from train.optimizer and the "
-                                            f"{train.scheduler.type} schedule from train.scheduler; a scheduler block "
-                                            "in the file is never run by DeepSpeed"))
+        rows.append(
+            (
+                "merged JSON",
+                f'{ds.config}: its values fill what the spec leaves unset; "auto" takes the '
+                "spec's value or dstune's default (where each value came from: below)",
+            )
+        )
+        rows.append(
+            (
+                "optimizer, schedule",
+                f"dstune's own: {train.optimizer.type} from train.optimizer and the "
+                f"{train.scheduler.type} schedule from train.scheduler; a scheduler block "
+                "in the file is never run by DeepSpeed",
+            )
+        )
     return rows
 
 
@@ -207,19 +259,32 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
     if memory.get("per_gpu") is None:
         return [("unknown", memory.get("unknown", ""))]
     gpu, counts = memory["per_gpu"], memory["parameters"]
-    what = "full" if counts["trainable_params"] == counts["module_params"] else \
-        f"LoRA: {count_text(counts['trainable_params'])} adapters on a frozen base of " \
+    what = (
+        "full"
+        if counts["trainable_params"] == counts["module_params"]
+        else f"LoRA: {count_text(counts['trainable_params'])} adapters on a frozen base of "
         f"{count_text(counts['frozen_base_params'])}"
-    companions = ", ".join(f"{name} {count_text(n)}{' (cached: host)' if name in counts['cached_companions'] else ''}"
-                           for name, n in counts["companions"].items()) or "none"
+    )
+    companions = (
+        ", ".join(
+            f"{name} {count_text(n)}{' (cached: host)' if name in counts['cached_companions'] else ''}"
+            for name, n in counts["companions"].items()
+        )
+        or "none"
+    )
     checkpointing = "on" if getattr(spec.model, "gradient_checkpointing", False) else "off"
     rows = [
-        ("model", f"{counts['module']} {count_text(counts['module_params'])} parameters ({what}); largest layer "
-                  f"{count_text(counts['largest_layer_params'])}; from {counts['origin']}"),
+        (
+            "model",
+            f"{counts['module']} {count_text(counts['module_params'])} parameters ({what}); largest layer "
+            f"{count_text(counts['largest_layer_params'])}; from {counts['origin']}",
+        ),
         ("frozen parts", companions),
         ("per GPU, step", f"{gb(gpu['total_bytes'])} in all (a training step)"),
-        ("  parameters", gb(gpu["parameters_bytes"])), ("  gradients", gb(gpu["gradients_bytes"])),
-        ("  optimizer states", gb(gpu["optimizer_bytes"])), ("  frozen weights", gb(gpu["frozen_bytes"])),
+        ("  parameters", gb(gpu["parameters_bytes"])),
+        ("  gradients", gb(gpu["gradients_bytes"])),
+        ("  optimizer states", gb(gpu["optimizer_bytes"])),
+        ("  frozen weights", gb(gpu["frozen_bytes"])),
         ("  activations", f"{gb(gpu['activations_bytes'])} (estimate; gradient checkpointing {checkpointing})"),
         ("  DeepSpeed buffers", gb(gpu["buffers_bytes"]) + _all_to_all_text(memory)),
         *([("  EMA", gb(gpu["ema_bytes"]) + " (fp32 share)")] if gpu.get("ema_bytes") else []),
@@ -241,8 +306,12 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         rows.append(("--gpu-memory", f"{gb(memory['gpu_memory_bytes'])}: {verdict}"))
         for item in memory["suggestions"]:
             relieves = f" (relieves the {item['relieves']} phase)" if item.get("relieves") else ""
-            rows.append(("  would fit with", f"{item['change']} -> {gb(item['per_gpu_total_bytes'])} per GPU at the "
-                                             f"peak{relieves}"))
+            rows.append(
+                (
+                    "  would fit with",
+                    f"{item['change']} -> {gb(item['per_gpu_total_bytes'])} per GPU at the peak{relieves}",
+                )
+            )
         if memory["fits"] is False and not memory["suggestions"]:
             rows.append(("  would fit with", "no change dstune knows of: more GPUs, or GPUs with more memory"))
     return rows
@@ -252,22 +321,37 @@ def _all_to_all_text(memory: dict) -> str:
     sequence = memory.get("sequence_parallel") or {}
     if sequence.get("size", 1) == 1:
         return ""
-    raised = (f"; the reduce bucket raised to the largest trainable parameter, {sequence['reduce_bucket_elements']:,} "
-              "elements (ZeRO-3)") if sequence.get("reduce_bucket_raised") else ""
-    return (f" (with {gb(sequence['all_to_all_bytes'])} of attention all-to-all buffers; activations are 1/"
-            f"{sequence['size']} of a sample's: sequence parallelism{raised})")
+    raised = (
+        (
+            f"; the reduce bucket raised to the largest trainable parameter, {sequence['reduce_bucket_elements']:,} "
+            "elements (ZeRO-3)"
+        )
+        if sequence.get("reduce_bucket_raised")
+        else ""
+    )
+    return (
+        f" (with {gb(sequence['all_to_all_bytes'])} of attention all-to-all buffers; activations are 1/"
+        f"{sequence['size']} of a sample's: sequence parallelism{raised})"
+    )
 
 
-PHASE_TEXT = {"load": "start-up: the trainable module placed beside every frozen part",
-              "cache": "building the cache: every encoder in use, before DeepSpeed's states",
-              "step": "a training step", "sample": "rendering samples: the encoders back beside DeepSpeed's states"}
+PHASE_TEXT = {
+    "load": "start-up: the trainable module placed beside every frozen part",
+    "cache": "building the cache: every encoder in use, before DeepSpeed's states",
+    "step": "a training step",
+    "sample": "rendering samples: the encoders back beside DeepSpeed's states",
+}
 
 
 def _phase_rows(memory: dict) -> list[tuple[str, str]]:
     """Each phase's bytes per GPU, the peak marked: the peak is what --gpu-memory is held to."""
     phases = memory.get("phases") or {}
-    rows = [("per GPU, peak", f"{gb(memory['peak_per_gpu_bytes'])} ({memory.get('peak_phase', 'step')} phase: what "
-                              "must fit)")]
+    rows = [
+        (
+            "per GPU, peak",
+            f"{gb(memory['peak_per_gpu_bytes'])} ({memory.get('peak_phase', 'step')} phase: what must fit)",
+        )
+    ]
     for name, phase in phases.items():
         mark = " <- peak" if name == memory.get("peak_phase") else ""
         rows.append((f"  {name}", f"{gb(phase['per_gpu_bytes'])}: {PHASE_TEXT.get(name, name)}{mark}"))
@@ -282,16 +366,26 @@ def _sampling_rows(sampling: dict, memory: dict, samples: bool) -> list[tuple[st
     if not samples:
         return [("while sampling", f"{what} never loads: no sample.prompts")]
     if memory.get("peak_phase") == "sample":
-        return [("while sampling", f"{what} joins on every GPU while samples render (the sample phase is the peak; "
-                                   "it counts in host RAM too)")]
+        return [
+            (
+                "while sampling",
+                f"{what} joins on every GPU while samples render (the sample phase is the peak; "
+                "it counts in host RAM too)",
+            )
+        ]
     return [("while sampling", f"{what} joins on every GPU while samples render: below the peak")]
 
 
 def _weights_rows(spec) -> list[tuple[str, str]]:
     """What trains on which weights when a training adapter is fused into the frozen base."""
-    return [("trains on", f"{spec.model.pretrained} with model.training_adapter {spec.model.training_adapter} "
-                          "fused into the frozen transformer"),
-            ("exported LoRA", "the run's adapters only (the training adapter is left out)")]
+    return [
+        (
+            "trains on",
+            f"{spec.model.pretrained} with model.training_adapter {spec.model.training_adapter} "
+            "fused into the frozen transformer",
+        ),
+        ("exported LoRA", "the run's adapters only (the training adapter is left out)"),
+    ]
 
 
 def _denoiser_rows(spec) -> list[tuple[str, str]]:
@@ -299,8 +393,9 @@ def _denoiser_rows(spec) -> list[tuple[str, str]]:
     if spec.sample.pretrained:
         return [("denoiser", f"{spec.sample.pretrained}'s transformer with the trained LoRA (sample.pretrained)")]
     if getattr(spec.model, "training_adapter", None):
-        return [("denoiser", f"{spec.model.pretrained}'s transformer with the trained LoRA, without the training "
-                             "adapter")]
+        return [
+            ("denoiser", f"{spec.model.pretrained}'s transformer with the trained LoRA, without the training adapter")
+        ]
     return []
 
 
@@ -313,18 +408,36 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
         groups.append(("World", _world_rows(outcome.world, spec.deepspeed.sequence_parallel_size if spec else 1)))
     if plan is not None:
         cross_checked = outcome.ds_config is not None and not outcome.errors
-        groups += [("Batch", _batch_rows(plan, outcome.ds_config if not outcome.errors else None, cross_checked)
-                    + sequence_rows(spec, plan, outcome.clips)),
-                   ("Data", _data_rows(plan, outcome.num_samples_origin)
-                    + ([("resolution", f"{spec.data.resolution} px ({outcome.resolution_origin})")]
-                       if outcome.resolution_origin else [])),
-                   *([("Buckets", _bucket_rows(plan))] if plan.groups else []),
-                   *([("Clips", summary_rows(outcome.clips))] if outcome.clips else []),
-                   ("Length", _length_rows(plan, train)),
-                   ("LR", _lr_rows(plan, train)),
-                   *([("Samples", [("guidance", f"{spec.sample.guidance:g} ({outcome.guidance_origin})")]
-                       + _denoiser_rows(spec))]
-                     if outcome.guidance_origin and spec.sample.prompts else [])]
+        groups += [
+            (
+                "Batch",
+                _batch_rows(plan, outcome.ds_config if not outcome.errors else None, cross_checked)
+                + sequence_rows(spec, plan, outcome.clips),
+            ),
+            (
+                "Data",
+                _data_rows(plan, outcome.num_samples_origin)
+                + (
+                    [("resolution", f"{spec.data.resolution} px ({outcome.resolution_origin})")]
+                    if outcome.resolution_origin
+                    else []
+                ),
+            ),
+            *([("Buckets", _bucket_rows(plan))] if plan.groups else []),
+            *([("Clips", summary_rows(outcome.clips))] if outcome.clips else []),
+            ("Length", _length_rows(plan, train)),
+            ("LR", _lr_rows(plan, train)),
+            *(
+                [
+                    (
+                        "Samples",
+                        [("guidance", f"{spec.sample.guidance:g} ({outcome.guidance_origin})")] + _denoiser_rows(spec),
+                    )
+                ]
+                if outcome.guidance_origin and spec.sample.prompts
+                else []
+            ),
+        ]
         groups[-1:-1] = [("Weights", _weights_rows(spec))] if getattr(spec.model, "training_adapter", None) else []
     if spec is not None and (plan is not None or outcome.world is not None):
         groups.append(("DeepSpeed", _engine_rows(spec, plan)))
@@ -350,11 +463,17 @@ def verdict(outcome: Outcome) -> Text:
         count = len(outcome.errors)
         return Text(f"invalid: {count} error{'s' if count != 1 else ''}{warned}", style="bold red")
     plan = outcome.plan
-    ranks = _count(plan.data_parallel_size, 'rank', 'ranks') + (
-        f" (data-parallel; x {plan.sequence_parallel_size} sequence-parallel)" if plan.sequence_parallel_size > 1 else "")
-    return Text(f"valid: {ranks} x micro {plan.micro_batch_size} x accumulation "
-                f"{plan.gradient_accumulation_steps} = global batch {plan.global_batch_size}; "
-                f"{plan.total_steps} optimizer steps = {_fmt(plan.epochs)} epochs{warned}", style="bold green")
+    ranks = _count(plan.data_parallel_size, "rank", "ranks") + (
+        f" (data-parallel; x {plan.sequence_parallel_size} sequence-parallel)"
+        if plan.sequence_parallel_size > 1
+        else ""
+    )
+    return Text(
+        f"valid: {ranks} x micro {plan.micro_batch_size} x accumulation "
+        f"{plan.gradient_accumulation_steps} = global batch {plan.global_batch_size}; "
+        f"{plan.total_steps} optimizer steps = {_fmt(plan.epochs)} epochs{warned}",
+        style="bold green",
+    )
 
 
 # Wide enough that no row of the plan is ever broken when the output is not a terminal (a pipe, a file, a log):

@@ -38,9 +38,14 @@ def lock_path(run_dir: Path) -> Path:
 
 def this_process(command: str) -> LockHolder:
     launcher = os.environ.get("DSTUNE_TRAIN_PID")
-    return LockHolder(os.getpid(), socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                      psutil.Process().create_time(), int(launcher) if launcher and launcher.isdigit() else None,
-                      command)
+    return LockHolder(
+        os.getpid(),
+        socket.gethostname(),
+        time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        psutil.Process().create_time(),
+        int(launcher) if launcher and launcher.isdigit() else None,
+        command,
+    )
 
 
 def read_holder(run_dir: Path) -> Optional[LockHolder]:
@@ -80,14 +85,18 @@ def in_use_problem(run_dir: Path) -> Optional[str]:
         return None
     folder = Path(run_dir)
     if alive is None:
-        return (f"output.dir {folder} is locked by a run on another host: {_who(holder)}; dstune cannot check a "
-                f"process on another host. If that run is still going, stop it first or choose another output.dir "
-                f"(--set output.dir=...). If it is over (its node went down), delete {lock_path(folder)} and start "
-                "again.")
+        return (
+            f"output.dir {folder} is locked by a run on another host: {_who(holder)}; dstune cannot check a "
+            f"process on another host. If that run is still going, stop it first or choose another output.dir "
+            f"(--set output.dir=...). If it is over (its node went down), delete {lock_path(folder)} and start "
+            "again."
+        )
     stop_pid = holder.launcher_pid or holder.pid
-    return (f"output.dir {folder} is in use by a run that is still going: {_who(holder)}. Two runs in one folder "
-            f"would overwrite each other's checkpoints. Stop that run first (kill -INT {stop_pid}; it stops at "
-            "its next step and says how to continue), or choose another output.dir (--set output.dir=...).")
+    return (
+        f"output.dir {folder} is in use by a run that is still going: {_who(holder)}. Two runs in one folder "
+        f"would overwrite each other's checkpoints. Stop that run first (kill -INT {stop_pid}; it stops at "
+        "its next step and says how to continue), or choose another output.dir (--set output.dir=...)."
+    )
 
 
 _held: list[tuple[Path, str]] = []  # (lock file, its text) taken by this process
@@ -103,8 +112,10 @@ def take(run_dir: Path, command: str) -> tuple[Optional[str], Optional[str]]:
     stale = read_holder(run_dir)
     if stale is not None:
         path.unlink(missing_ok=True)
-        note = (f"output.dir {Path(run_dir)}: the earlier run that held it ({_who(stale)}) is gone without "
-                "releasing it; took it over. Its complete checkpoints are kept (continue them with --resume latest).")
+        note = (
+            f"output.dir {Path(run_dir)}: the earlier run that held it ({_who(stale)}) is gone without "
+            "releasing it; took it over. Its complete checkpoints are kept (continue them with --resume latest)."
+        )
     holder = this_process(command)
     text = json.dumps(asdict(holder), indent=2) + "\n"
     try:

@@ -44,41 +44,68 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
         return []
     facts = get_facts(spec.model.family)
     if facts.attention is None:
-        return [source.issue(KEY, f"{size}: model.family {spec.model.family} has no sequence-parallel attention in "
-                             "dstune (the split is made on the flow-matching transformers of model.family flow and "
-                             f"{VIDEO_FAMILY}; docs/sequence-parallel.md lists them). Remove the key "
-                             "(sequence_parallel_size: 1), or "
-                             "shrink activations with model.gradient_checkpointing or a smaller micro batch.")]
+        return [
+            source.issue(
+                KEY,
+                f"{size}: model.family {spec.model.family} has no sequence-parallel attention in "
+                "dstune (the split is made on the flow-matching transformers of model.family flow and "
+                f"{VIDEO_FAMILY}; docs/sequence-parallel.md lists them). Remove the key "
+                "(sequence_parallel_size: 1), or "
+                "shrink activations with model.gradient_checkpointing or a smaller micro batch.",
+            )
+        ]
     problems = []  # one issue for the key (validate keeps one per key and place), every broken rule in it
     if spec.deepspeed.zero_stage == 0:
-        problems.append("it needs ZeRO (deepspeed.zero_stage 1, 2 or 3): without ZeRO, DeepSpeed's gradient clipping "
-                        "adds the norms of a sequence group's identical gradients")
+        problems.append(
+            "it needs ZeRO (deepspeed.zero_stage 1, 2 or 3): without ZeRO, DeepSpeed's gradient clipping "
+            "adds the norms of a sequence group's identical gradients"
+        )
     if world_size % size:
-        problems.append(f"it does not divide the {world_size} ranks (the ranks form groups of {size} that share each "
-                        f"sample): use one of {', '.join(map(str, _divisors(world_size)))}, or launch a multiple of "
-                        f"{size} ranks")
+        problems.append(
+            f"it does not divide the {world_size} ranks (the ranks form groups of {size} that share each "
+            f"sample): use one of {', '.join(map(str, _divisors(world_size)))}, or launch a multiple of "
+            f"{size} ranks"
+        )
     attention = facts.attention(spec)
     if attention is not None and attention.refusal:
-        return [source.issue(KEY, f"{size}: {attention.refusal}. Remove the key (sequence_parallel_size: 1), or "
-                             "shrink activations with model.gradient_checkpointing or a smaller micro batch.")]
+        return [
+            source.issue(
+                KEY,
+                f"{size}: {attention.refusal}. Remove the key (sequence_parallel_size: 1), or "
+                "shrink activations with model.gradient_checkpointing or a smaller micro batch.",
+            )
+        ]
     if attention is not None and attention.heads % size:
-        problems.append(f"it does not divide the transformer's {attention.heads} attention heads ({attention.origin}; "
-                        "the all-to-all gives each rank heads / N whole heads): use one of "
-                        f"{', '.join(map(str, _divisors(attention.heads)))}")
+        problems.append(
+            f"it does not divide the transformer's {attention.heads} attention heads ({attention.origin}; "
+            "the all-to-all gives each rank heads / N whole heads): use one of "
+            f"{', '.join(map(str, _divisors(attention.heads)))}"
+        )
     uneven = {label: tokens for label, tokens in bucket_tokens.items() if tokens % size}
     if uneven:
         listing = ", ".join(f"{label}: {tokens}" for label, tokens in uneven.items())
-        problems.append(f"it does not divide the tokens per sample of {len(uneven)} bucket(s) ({listing}; each rank "
-                        "holds exactly tokens / N of a sequence, dstune pads none): change data.resolution / "
-                        "data.video.frames (model.sample_frames for the samples; model.max_sequence_length for the "
-                        "text) so that the tokens divide, or the size")
+        problems.append(
+            f"it does not divide the tokens per sample of {len(uneven)} bucket(s) ({listing}; each rank "
+            "holds exactly tokens / N of a sequence, dstune pads none): change data.resolution / "
+            "data.video.frames (model.sample_frames for the samples; model.max_sequence_length for the "
+            "text) so that the tokens divide, or the size"
+        )
     if not problems:
         return []
-    working = [n for n in _divisors(world_size) if (attention is None or attention.heads % n == 0)
-               and all(tokens % n == 0 for tokens in bucket_tokens.values())
-               and (n == 1 or spec.deepspeed.zero_stage > 0)]
-    return [source.issue(KEY, f"{size}: " + "; and ".join(problems) + ". Sizes that keep every rule on "
-                         f"{world_size} rank(s): {', '.join(map(str, working))}.")]
+    working = [
+        n
+        for n in _divisors(world_size)
+        if (attention is None or attention.heads % n == 0)
+        and all(tokens % n == 0 for tokens in bucket_tokens.values())
+        and (n == 1 or spec.deepspeed.zero_stage > 0)
+    ]
+    return [
+        source.issue(
+            KEY,
+            f"{size}: " + "; and ".join(problems) + ". Sizes that keep every rule on "
+            f"{world_size} rank(s): {', '.join(map(str, working))}.",
+        )
+    ]
 
 
 def bucket_tokens(spec, clips: Optional[dict], image_groups: Optional[dict] = None) -> dict[str, int]:
@@ -134,13 +161,20 @@ def all_to_all_bytes(micro_batch: int, tokens: int, attention: Attention, size: 
 def with_all_to_all(setup, spec, clips: Optional[dict]):
     """The memory plan's Setup with the all-to-all buffers of the largest bucket's sample (unchanged at N = 1, or
     when the model's configs or the tokens are not known here)."""
-    training = [tokens for label, tokens in bucket_tokens(spec, clips).items()
-                if not label.startswith("samples") and label != "text"]
+    training = [
+        tokens
+        for label, tokens in bucket_tokens(spec, clips).items()
+        if not label.startswith("samples") and label != "text"
+    ]
     attention, tokens = attention_of(spec), max(training, default=0)
     if setup.sequence_parallel == 1 or attention is None or not tokens:
         return setup
-    return replace(setup, all_to_all_bytes=all_to_all_bytes(setup.micro_batch, tokens, attention,
-                                                             setup.sequence_parallel, setup.weight_bytes))
+    return replace(
+        setup,
+        all_to_all_bytes=all_to_all_bytes(
+            setup.micro_batch, tokens, attention, setup.sequence_parallel, setup.weight_bytes
+        ),
+    )
 
 
 def report_rows(spec, plan, clips: Optional[dict]) -> list[tuple[str, str]]:
@@ -148,10 +182,15 @@ def report_rows(spec, plan, clips: Optional[dict]) -> list[tuple[str, str]]:
     size = plan.sequence_parallel_size
     if size == 1:  # data-parallel only: the World and Batch rows say it all
         return []
-    rows = [("parallelism", f"{plan.data_parallel_size} data-parallel x {size} sequence-parallel "
-                            f"({plan.world_size} ranks)")]
-    rows.append(("per data-parallel rank", f"{plan.micro_batch_size} sample(s) per forward pass, shared by the "
-                                           f"{size} ranks of its sequence group"))
+    rows = [
+        ("parallelism", f"{plan.data_parallel_size} data-parallel x {size} sequence-parallel ({plan.world_size} ranks)")
+    ]
+    rows.append(
+        (
+            "per data-parallel rank",
+            f"{plan.micro_batch_size} sample(s) per forward pass, shared by the {size} ranks of its sequence group",
+        )
+    )
     image_groups = {key_label(group.key): group.samples for group in plan.groups} or None
     for label, tokens in bucket_tokens(spec, clips, image_groups).items():
         rows.append((f"  {label}", f"{tokens} tokens per sample -> {tokens // size} per rank"))

@@ -29,7 +29,16 @@ from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
 from dstune.data.index import DataError, index_dataset, list_samples
 from dstune.data.loader import make_loader
 from dstune.data.video import VideoCaptionDataset, collate_video, find_bad_clips
-from dstune.distributed import Run, agree_or_stop, all_gather_object, init_run, launcher_rank, rank0_first, shutdown, stop
+from dstune.distributed import (
+    Run,
+    agree_or_stop,
+    all_gather_object,
+    init_run,
+    launcher_rank,
+    rank0_first,
+    shutdown,
+    stop,
+)
 from dstune.ds_json.fill_spec import merged_spec
 from dstune.engine import PRECISION_DTYPES, place_trainable
 from dstune.families import get_family
@@ -62,8 +71,9 @@ def resolve_model_folders(run: Run, spec: Spec) -> dict:
     return folders
 
 
-def build_family(run: Run, spec: Spec, train_mode: bool = True, ds_config: Optional[dict] = None,
-                 folders: Optional[dict] = None) -> tuple[Family, object]:
+def build_family(
+    run: Run, spec: Spec, train_mode: bool = True, ds_config: Optional[dict] = None, folders: Optional[dict] = None
+) -> tuple[Family, object]:
     """The family and its model on this rank's device; with train_mode, made trainable as model.train says (LoRA
     adapters added before DeepSpeed sees the module). The trainable module is loaded in host memory and reaches the
     device only in its training dtype, after a quantized base is quantized (engine.place_trainable). `folders` from resolve_model_folders (resolved here when not
@@ -81,15 +91,19 @@ def build_family(run: Run, spec: Spec, train_mode: bool = True, ds_config: Optio
     if zero3_config is not None and run.is_main:
         params = list(built.trainable.parameters())
         mine, total = sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params)
-        print(f"loading: {type(built.trainable).__name__} built partitioned (ZeRO-3, deepspeed.zero.Init): "
-              f"{mine:,} of its {total:,} parameters on this rank", flush=True)
+        print(
+            f"loading: {type(built.trainable).__name__} built partitioned (ZeRO-3, deepspeed.zero.Init): "
+            f"{mine:,} of its {total:,} parameters on this rank",
+            flush=True,
+        )
     if not train_mode:
         place_trainable(built.trainable, run.device, spec.train.precision)
         return family, built
     summary, error = None, None
     try:  # on the host: a quantized base reaches the device quantized, layer by layer
-        summary = apply_train_mode(built.trainable, spec.model, spec.train.seed, family, spec.output.lora_format,
-                                   device=run.device)
+        summary = apply_train_mode(
+            built.trainable, spec.model, spec.train.seed, family, spec.output.lora_format, device=run.device
+        )
     except ValueError as err:
         error = str(err)
     agree_or_stop(run, error)
@@ -109,8 +123,11 @@ def _attach_sampling_denoiser(run: Run, spec: Spec, family: Family, built, folde
     key = "sample.pretrained" if spec.sample.pretrained else "model.pretrained"
     if family.sampling_denoiser is None:
         stop(run, f"{key}: model.family {family.name} cannot sample with another transformer than the trained one", 1)
-    folder, error = (rank0_first(run, lambda: resolve_pretrained(spec.sample.pretrained, spec.output.cache_dir, key))
-                     if spec.sample.pretrained else (folders["pretrained"], None))
+    folder, error = (
+        rank0_first(run, lambda: resolve_pretrained(spec.sample.pretrained, spec.output.cache_dir, key))
+        if spec.sample.pretrained
+        else (folders["pretrained"], None)
+    )
     agree_or_stop(run, error)
     try:
         family.sampling_denoiser(built, folder, spec.model, key)
@@ -118,8 +135,11 @@ def _attach_sampling_denoiser(run: Run, spec: Spec, family: Family, built, folde
         error = str(err)
     agree_or_stop(run, error)
     if run.is_main:
-        print(f"samples: {folder}'s transformer with the trained LoRA"
-              + (" (the training adapter left out)" if adapter else ""), flush=True)
+        print(
+            f"samples: {folder}'s transformer with the trained LoRA"
+            + (" (the training adapter left out)" if adapter else ""),
+            flush=True,
+        )
 
 
 def checked_records(run: Run, spec: Spec, family: Family) -> list:
@@ -146,11 +166,18 @@ def checked_records(run: Run, spec: Spec, family: Family) -> list:
         listing = "\n".join(f"  {sample_id}: {reason}" for sample_id, reason in bad[:BAD_FILES_LISTED])
         more = f"\n  ... and {len(bad) - BAD_FILES_LISTED} more" if len(bad) > BAD_FILES_LISTED else ""
         if not data.skip_bad_files:
-            stop(run, f"data.path: {len(bad)} unreadable image(s):\n{listing}{more}\nFix or remove them, or set "
-                      "data.skip_bad_files: true to train without them.", 1)
+            stop(
+                run,
+                f"data.path: {len(bad)} unreadable image(s):\n{listing}{more}\nFix or remove them, or set "
+                "data.skip_bad_files: true to train without them.",
+                1,
+            )
         if run.is_main:
-            print(f"data: {len(bad)} unreadable image(s) skipped (each replaced by the next readable sample):\n"
-                  f"{listing}{more}", flush=True)
+            print(
+                f"data: {len(bad)} unreadable image(s) skipped (each replaced by the next readable sample):\n"
+                f"{listing}{more}",
+                flush=True,
+            )
     return records
 
 
@@ -168,14 +195,22 @@ def _checked_clips(run: Run, spec: Spec) -> list:
     if bad:
         listing = "\n".join(f"  {reason}" for reason in bad[:BAD_FILES_LISTED])
         more = f"\n  ... and {len(bad) - BAD_FILES_LISTED} more" if len(bad) > BAD_FILES_LISTED else ""
-        stop(run, f"data.path: {len(bad)} unusable video(s):\n{listing}{more}\nFix or remove them (video "
-                  "datasets are checked whole before step 1; data.skip_bad_files does not apply to them).", 1)
+        stop(
+            run,
+            f"data.path: {len(bad)} unusable video(s):\n{listing}{more}\nFix or remove them (video "
+            "datasets are checked whole before step 1; data.skip_bad_files does not apply to them).",
+            1,
+        )
     lengths = sorted({record.frames for record in clips.records})
     if len(lengths) > 1 and not is_grouped(data) and (spec.train.micro_batch_size or 1) > 1:
-        stop(run, f"data.path mixes still images (one-frame clips) with {lengths[-1]}-frame videos, which "
-                  "cannot share a micro batch: set train.micro_batch_size: 1 (with gradient accumulation for the "
-                  "global batch), turn on data.buckets (every global batch then comes from one frame count), or "
-                  "train the stills and the videos separately.", 1)
+        stop(
+            run,
+            f"data.path mixes still images (one-frame clips) with {lengths[-1]}-frame videos, which "
+            "cannot share a micro batch: set train.micro_batch_size: 1 (with gradient accumulation for the "
+            "global batch), turn on data.buckets (every global batch then comes from one frame count), or "
+            "train the stills and the videos separately.",
+            1,
+        )
     return clips.records
 
 
@@ -189,33 +224,56 @@ def held_out_records(run: Run, spec: Spec) -> list:
     bad = [item for share in all_gather_object(mine) for item in share]
     if bad and not spec.data.skip_bad_files:
         listing = "\n".join(f"  {sample_id}: {reason}" for sample_id, reason in bad[:BAD_FILES_LISTED])
-        stop(run, f"data.eval: {len(bad)} unreadable held-out image(s):\n{listing}\nFix or remove them, or set "
-                  "data.skip_bad_files: true.", 1)
+        stop(
+            run,
+            f"data.eval: {len(bad)} unreadable held-out image(s):\n{listing}\nFix or remove them, or set "
+            "data.skip_bad_files: true.",
+            1,
+        )
     return records
 
 
 def _latent_job(run: Run, spec: Spec, family: Family, model_folder: Path) -> LatentCacheJob:
     text_cache = family.text_cache
     if spec.data.cache.text_embeddings and text_cache is None:
-        stop(run, f"data.cache.text_embeddings: model.family {family.name} has no text-embedding cache; set "
-                  "data.cache.text_embeddings: false", 1)
+        stop(
+            run,
+            f"data.cache.text_embeddings: model.family {family.name} has no text-embedding cache; set "
+            "data.cache.text_embeddings: false",
+            1,
+        )
     refusal = text_cache.refusal(model_folder) if spec.data.cache.text_embeddings and text_cache.refusal else None
     if refusal:
         stop(run, refusal, 1)
     settings = text_cache.settings(spec.model) if text_cache and text_cache.settings else ""
     folder = cache_folder(spec.data.cache.dir, spec.output.cache_dir, run.rank, run.node_rank)
     extras = family.latent_extras
-    latent_settings, latent_folders, latent_tensors = extras.key(spec.model, model_folder) if extras else \
-        ("", (), ())
-    return LatentCacheJob(spec.data, folder, model_folder, text_cache, settings, spec.train.seed,
-                          PRECISION_DTYPES[spec.train.precision][1], video=family.modality == "video",
-                          latent_settings=latent_settings, latent_folders=tuple(latent_folders),
-                          latent_tensors=tuple(latent_tensors),
-                          latent_extras=extras.encode if latent_settings else None)
+    latent_settings, latent_folders, latent_tensors = extras.key(spec.model, model_folder) if extras else ("", (), ())
+    return LatentCacheJob(
+        spec.data,
+        folder,
+        model_folder,
+        text_cache,
+        settings,
+        spec.train.seed,
+        PRECISION_DTYPES[spec.train.precision][1],
+        video=family.modality == "video",
+        latent_settings=latent_settings,
+        latent_folders=tuple(latent_folders),
+        latent_tensors=tuple(latent_tensors),
+        latent_extras=extras.encode if latent_settings else None,
+    )
 
 
-def prepare_caches(run: Run, spec: Spec, family: Family, built, records: list, verify_only: bool = False,
-                   model_folder: Optional[Path] = None) -> tuple[Caches, int]:
+def prepare_caches(
+    run: Run,
+    spec: Spec,
+    family: Family,
+    built,
+    records: list,
+    verify_only: bool = False,
+    model_folder: Optional[Path] = None,
+) -> tuple[Caches, int]:
     """Collective. Build (or fully verify) every cache entry the run reads: (caches, 0), or (caches, 1) after rank 0
     printed what is missing. `built` may be None when verifying latents (`model_folder`: the pretrained folder)."""
     cache = spec.data.cache
@@ -239,8 +297,9 @@ def prepare_caches(run: Run, spec: Spec, family: Family, built, records: list, v
     return caches, 0
 
 
-def make_training_loader(spec: Spec, plan, rank: int, family: Family, built, records: list, caches: Caches,
-                         start_epoch: int, start_step: int):
+def make_training_loader(
+    spec: Spec, plan, rank: int, family: Family, built, records: list, caches: Caches, start_epoch: int, start_step: int
+):
     """This rank's loader and sampler: one factory (dstune.data.loader.make_loader) over the dataset kind the
     family's modality and the caches decide."""
     data, seed = spec.data, spec.train.seed
@@ -249,22 +308,26 @@ def make_training_loader(spec: Spec, plan, rank: int, family: Family, built, rec
         speakers = speaker_keys(records, data)
         if caches.codec_paths is not None:
             dataset = CachedSpeechDataset(records, caches.codec_paths)
-            return make_loader(dataset, dataset.collate, keys, data, plan, rank, seed, start_epoch, start_step,
-                               speakers)
+            return make_loader(
+                dataset, dataset.collate, keys, data, plan, rank, seed, start_epoch, start_step, speakers
+            )
         dataset = SpeechDataset(records, built.sample_rate)
         return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step, speakers)
     if family.modality == "video":
         if caches.images is not None:
             dataset = CachedVideoDataset(data, records, seed, caches.images)
-            return make_loader(dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch,
-                               start_step)
+            return make_loader(
+                dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
+            )
         dataset = VideoCaptionDataset(data, records, seed)
-        return make_loader(dataset, collate_video, dataset.group_keys(), data, plan, rank, seed, start_epoch,
-                           start_step)
+        return make_loader(
+            dataset, collate_video, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
+        )
     if caches.images is not None:
         dataset = CachedDataset(data, records, seed, caches.images)
-        return make_loader(dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch,
-                           start_step)
+        return make_loader(
+            dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
+        )
     dataset = ImageCaptionDataset(data, records, seed)
     return make_loader(dataset, collate, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step)
 
@@ -294,9 +357,11 @@ def run_cache_command(spec_path: str, overrides: list[str], verify_only: bool) -
     cache = spec.data.cache
     if not (cache.latents or cache.text_embeddings or cache.codec_tokens):
         if launcher_rank() == 0:
-            print(f"{spec_path}: data.cache: nothing to cache. Set data.cache.latents: true and/or "
-                  "data.cache.text_embeddings: true (images), or data.cache.codec_tokens: true (tts_lm).",
-                  file=sys.stderr)
+            print(
+                f"{spec_path}: data.cache: nothing to cache. Set data.cache.latents: true and/or "
+                "data.cache.text_embeddings: true (images), or data.cache.codec_tokens: true (tts_lm).",
+                file=sys.stderr,
+            )
         return 1
     run = init_run(spec.deepspeed.timeout_minutes)
     try:

@@ -26,27 +26,32 @@ PROGRESS_KEYS = ("epoch", "samples")
 def scalar_tag(key: str) -> str:
     """The TensorBoard / W&B tag of a metrics.jsonl key."""
     if key.startswith("eval_"):
-        return "eval/" + key[len("eval_"):]
+        return "eval/" + key[len("eval_") :]
     if key in TRAIN_KEYS:
         return "train/" + key
     if key in PROGRESS_KEYS:
         return "progress/" + key
     if key.startswith("memory_"):
-        return "memory/" + key[len("memory_"):]
+        return "memory/" + key[len("memory_") :]
     return "perf/" + key
 
 
 def scalar_items(record: dict) -> list[tuple[str, float]]:
     """(tag, value) for every finite-or-not number of the record except its step (bools and None are left out)."""
-    return [(scalar_tag(key), float(value)) for key, value in record.items()
-            if key != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool)]
+    return [
+        (scalar_tag(key), float(value))
+        for key, value in record.items()
+        if key != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ]
 
 
 def wandb_missing() -> Optional[str]:
     """Why output.wandb cannot work on this machine, or None."""
     if importlib.util.find_spec("wandb") is None:
-        return ("the `wandb` package is not installed here. Install it (`pip install wandb`; dstune runs it offline "
-                "and never uploads) or set output.wandb: false (TensorBoard, output.tensorboard, needs nothing extra)")
+        return (
+            "the `wandb` package is not installed here. Install it (`pip install wandb`; dstune runs it offline "
+            "and never uploads) or set output.wandb: false (TensorBoard, output.tensorboard, needs nothing extra)"
+        )
     return None
 
 
@@ -133,6 +138,7 @@ def open_trackers(run_dir: Path, tensorboard: bool, wandb: bool, config: Optiona
             raise RuntimeError(f"output.wandb: {problem}")
         import wandb as wandb_module
 
-        run = wandb_module.init(mode="offline", dir=str(run_dir), project="dstune", name=Path(run_dir).name,
-                                config=config or {})
+        run = wandb_module.init(
+            mode="offline", dir=str(run_dir), project="dstune", name=Path(run_dir).name, config=config or {}
+        )
     return Trackers(writer, run)

@@ -29,17 +29,32 @@ import os  # noqa: E402
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dstune/train.py", description="Train from a dstune spec under DeepSpeed.")
     parser.add_argument("spec", help="the spec YAML")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)",
+    )
     parser.add_argument("--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint")
-    parser.add_argument("--allow-batch-change", action="store_true",
-                        help="with --resume: continue even if this launch's global batch differs from the checkpoint's "
-                        "(the steps per epoch and the LR schedule then follow the new batch; printed at start)")
-    parser.add_argument("--allow-spec-changes", action="store_true",
-                        help="with --resume: continue even though the spec changed in a way that breaks exact "
-                             "continuation (data, seed, model, ...); the changes are listed")
-    parser.add_argument("--cache-only", action="store_true",
-                        help="build the latent / text-embedding cache (data.cache) on all ranks, then exit")
+    parser.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="with --resume: continue even if this launch's global batch differs from the checkpoint's "
+        "(the steps per epoch and the LR schedule then follow the new batch; printed at start)",
+    )
+    parser.add_argument(
+        "--allow-spec-changes",
+        action="store_true",
+        help="with --resume: continue even though the spec changed in a way that breaks exact "
+        "continuation (data, seed, model, ...); the changes are listed",
+    )
+    parser.add_argument(
+        "--cache-only",
+        action="store_true",
+        help="build the latent / text-embedding cache (data.cache) on all ranks, then exit",
+    )
     from dstune.cli_args import add_verbose_flag
 
     add_verbose_flag(parser)
@@ -62,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     from dstune.checkpoints.resume import ResumeOptions
     from dstune.training import run_training
 
-    return run_training(args.spec, args.overrides, args.resume,
-                        ResumeOptions(args.allow_batch_change, args.allow_spec_changes))
+    return run_training(
+        args.spec, args.overrides, args.resume, ResumeOptions(args.allow_batch_change, args.allow_spec_changes)
+    )
 
 
 def run_rank(argv: list[str] | None = None) -> int:

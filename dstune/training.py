@@ -18,11 +18,28 @@ from pathlib import Path
 
 from dstune.batch_check import bucket_report, check_batches, expected_from_plan, rank_report, sample_report
 from dstune.checkpoints.layout import TrainState, checkpoint_root, read_latest, tag_for
-from dstune.checkpoints.resume import (ResumeOptions, continue_from, engine_config, find_resume, overwrite_refusal,
-                                       resume_refusal, resumed_plan)
+from dstune.checkpoints.resume import (
+    ResumeOptions,
+    continue_from,
+    engine_config,
+    find_resume,
+    overwrite_refusal,
+    resume_refusal,
+    resumed_plan,
+)
 from dstune.checkpoints.store import save_checkpoint, shared_folder_problem
-from dstune.distributed import (Run, agree_or_stop, all_gather_object, barrier, init_run, launcher_rank,
-                                launcher_world_size, shutdown, stop, with_sequence_groups)
+from dstune.distributed import (
+    Run,
+    agree_or_stop,
+    all_gather_object,
+    barrier,
+    init_run,
+    launcher_rank,
+    launcher_world_size,
+    shutdown,
+    stop,
+    with_sequence_groups,
+)
 from dstune.ds_json.fill_spec import merged_spec
 from dstune.families.ulysses import split_sequences
 from dstune.ema import Ema
@@ -37,8 +54,14 @@ from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_spli
 from dstune.report import plan_text
 from dstune.runlock import release_held as release_run_lock, take as take_run_lock
 from dstune.spec.load import SpecError, load_spec
-from dstune.startup import (build_family, checked_records, held_out_records, make_training_loader, prepare_caches,
-                            resolve_model_folders)
+from dstune.startup import (
+    build_family,
+    checked_records,
+    held_out_records,
+    make_training_loader,
+    prepare_caches,
+    resolve_model_folders,
+)
 from dstune.trackers import open_trackers
 from dstune.validate import Resolved, plan_memory, validate_spec
 
@@ -51,8 +74,10 @@ def _prepare_run_dir(run_dir: Path) -> str | None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
-        return (f"output.dir {run_dir}: cannot write there ({err.strerror or err}). Choose a writable folder "
-                "(output.dir) before training starts.")
+        return (
+            f"output.dir {run_dir}: cannot write there ({err.strerror or err}). Choose a writable folder "
+            "(output.dir) before training starts."
+        )
     return None
 
 
@@ -97,8 +122,11 @@ def rank_resume_command(resume: bool) -> str:
         elif not arg.startswith(("--local_rank", "--local-rank", "--resume=")):
             kept.append(arg)
     main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    target = ["--module", "dstune.train"] if main_spec is not None and main_spec.name == "dstune.train" \
+    target = (
+        ["--module", "dstune.train"]
+        if main_spec is not None and main_spec.name == "dstune.train"
         else ["dstune/train.py"]
+    )
     nodes, per_node = int(os.environ.get("CROSS_SIZE", "1")), os.environ.get("LOCAL_SIZE")
     if per_node is None:  # one process, no launcher
         launcher = ["python", "-m", "dstune.train"] if target[0] == "--module" else ["python", "dstune/train.py"]
@@ -110,8 +138,9 @@ def rank_resume_command(resume: bool) -> str:
     return shlex.join(launcher + target + kept + (["--resume", "latest"] if resume else []))
 
 
-def run_training(spec_path: str, overrides: list[str], resume: str | None,
-                 options: ResumeOptions = ResumeOptions()) -> int:
+def run_training(
+    spec_path: str, overrides: list[str], resume: str | None, options: ResumeOptions = ResumeOptions()
+) -> int:
     try:  # spec errors need no process group: every rank reads the same file and reaches the same verdict
         spec, source = merged_spec(*load_spec(spec_path, overrides))  # deepspeed.config fills unset keys
     except SpecError as err:
@@ -151,8 +180,15 @@ def run_training(spec_path: str, overrides: list[str], resume: str | None,
 def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainState) -> None:
     """The batch check (dstune.batch_check) on every rank before step 1: stop all ranks when anything disagrees."""
     first_batch = next(iter(loader))
-    report = rank_report(run, engine, len(loader), len(first_batch["index"]), sampler.num_samples,
-                         buckets=bucket_report(sampler, first_batch), samples=sample_report(run, sampler))
+    report = rank_report(
+        run,
+        engine,
+        len(loader),
+        len(first_batch["index"]),
+        sampler.num_samples,
+        buckets=bucket_report(sampler, first_batch),
+        samples=sample_report(run, sampler),
+    )
     ok, table, _ = check_batches(run, report, expected_from_plan(plan, state.step_in_epoch))
     if not ok:
         stop(run, table, 1)
@@ -160,8 +196,9 @@ def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainStat
         print("batch check passed (spec / plan / DeepSpeed / loader agree on every rank):\n" + table, flush=True)
 
 
-def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | None,
-                  options: ResumeOptions) -> tuple[LoopContext, TrainState]:
+def _prepare_loop(
+    run: Run, resolved: Resolved, run_dir: Path, resume: str | None, options: ResumeOptions
+) -> tuple[LoopContext, TrainState]:
     """Every stage between the validated spec and step 1: model, engine, EMA, resume, data, caches, batch check."""
     spec, plan, ds_config = resolved.spec, resolved.plan, resolved.ds_config
     resuming = find_resume(run, resolved, run_dir, resume, options)
@@ -181,8 +218,13 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
     scalar_params = promote_scalar_params(built.trainable)
     if run.sequence_parallel_size > 1:  # before DeepSpeed: its ZeRO-3 hooks then wrap the split forward
         size = run.sequence_parallel_size
-        split_sequences(built.trainable, run.rank, run.world_size, size,
-                        family.split_plan(built, size) if family.split_plan else None)
+        split_sequences(
+            built.trainable,
+            run.rank,
+            run.world_size,
+            size,
+            family.split_plan(built, size) if family.split_plan else None,
+        )
     engine = wrap_model(built.trainable, spec.train, engine_config(resuming, ds_config), plan)
     ema = None
     if spec.train.ema is not None:
@@ -190,19 +232,38 @@ def _prepare_loop(run: Run, resolved: Resolved, run_dir: Path, resume: str | Non
         ema = Ema(trainable, spec.train.ema, run.rank, run.world_size)
     state = continue_from(run, resuming, engine, ema, resolved, plan)
     memory.mark("engine")
-    loader, sampler = make_training_loader(spec, plan, run.data_parallel_rank, family, built, records, caches,
-                                           state.epoch, state.step_in_epoch)
+    loader, sampler = make_training_loader(
+        spec, plan, run.data_parallel_rank, family, built, records, caches, state.epoch, state.step_in_epoch
+    )
     _check_first_batch(run, engine, plan, loader, sampler, state)
-    extra = {"spec": spec.model_dump(mode="json"), "ds_config": ds_config, "plan": plan.as_dict(),
-             "scalar_params": scalar_params}
-    ctx = LoopContext(run=run, plan=plan, engine=engine, family=family, built=built, loader=loader, sampler=sampler,
-                      run_dir=run_dir, seed=spec.train.seed, save_every_steps=spec.output.save_every_steps,
-                      keep_last=spec.output.keep_last, log_every_steps=spec.output.log_every_steps,
-                      checkpoint_extra=extra, sample_spec=spec.sample, resolution=spec.data.resolution, ema=ema,
-                      offloaded=caches.offloaded, compute_dtype=PRECISION_DTYPES[spec.train.precision][0],
-                      held_out=make_held_out(spec.data, held_out_records(run, spec), plan.micro_batch_size,
-                                             spec.train.seed),
-                      memory=memory)
+    extra = {
+        "spec": spec.model_dump(mode="json"),
+        "ds_config": ds_config,
+        "plan": plan.as_dict(),
+        "scalar_params": scalar_params,
+    }
+    ctx = LoopContext(
+        run=run,
+        plan=plan,
+        engine=engine,
+        family=family,
+        built=built,
+        loader=loader,
+        sampler=sampler,
+        run_dir=run_dir,
+        seed=spec.train.seed,
+        save_every_steps=spec.output.save_every_steps,
+        keep_last=spec.output.keep_last,
+        log_every_steps=spec.output.log_every_steps,
+        checkpoint_extra=extra,
+        sample_spec=spec.sample,
+        resolution=spec.data.resolution,
+        ema=ema,
+        offloaded=caches.offloaded,
+        compute_dtype=PRECISION_DTYPES[spec.train.precision][0],
+        held_out=make_held_out(spec.data, held_out_records(run, spec), plan.micro_batch_size, spec.train.seed),
+        memory=memory,
+    )
     return ctx, state
 
 
@@ -211,9 +272,18 @@ def _write_memory_records(run: Run, run_dir: Path, memory: MemoryRecorder) -> No
     records = all_gather_object(memory.as_dict(run.rank))
     if run.is_main:
         phases = phase_table(memory.predicted_phases(), records)
-        (run_dir / "memory.json").write_text(json.dumps(
-            {"predicted": memory.predicted, "predicted_per_rank_bytes": memory.predicted_bytes(), "phases": phases,
-             "ranks": records}, indent=2) + "\n")
+        (run_dir / "memory.json").write_text(
+            json.dumps(
+                {
+                    "predicted": memory.predicted,
+                    "predicted_per_rank_bytes": memory.predicted_bytes(),
+                    "phases": phases,
+                    "ranks": records,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         print(summary_text(memory.predicted_bytes(), records, phases), flush=True)
 
 
@@ -252,9 +322,12 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
     _write_memory_records(run, run_dir, ctx.memory)
     metrics.close()
     if run.is_main:
-        print(f"trained {state.global_step} steps ({state.samples_seen} samples) in {fmt_seconds(elapsed)}; "
-              f"{time_split_text(ctx.timings, cached=spec.data.cache.latents or spec.data.cache.codec_tokens)}; "
-              f"checkpoint {checkpoint_root(run_dir) / tag}", flush=True)
+        print(
+            f"trained {state.global_step} steps ({state.samples_seen} samples) in {fmt_seconds(elapsed)}; "
+            f"{time_split_text(ctx.timings, cached=spec.data.cache.latents or spec.data.cache.codec_tokens)}; "
+            f"checkpoint {checkpoint_root(run_dir) / tag}",
+            flush=True,
+        )
     # Training is over on every rank. The export reads the checkpoint files and needs no other rank, so the others
     # leave now rather than wait in a collective for as long as a large export takes (and against its timeout);
     # an export failure on rank 0 still makes the launcher exit non-zero.
@@ -265,8 +338,12 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
     try:
         out = export_checkpoint(run_dir, built=ctx.built)
     except ExportError as err:
-        print(f"export failed: {err}\nThe checkpoint {checkpoint_root(run_dir) / tag} is complete; retry with "
-              f"`dstune export {run_dir}`.", file=sys.stderr, flush=True)
+        print(
+            f"export failed: {err}\nThe checkpoint {checkpoint_root(run_dir) / tag} is complete; retry with "
+            f"`dstune export {run_dir}`.",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     print(f"exported: {out}", flush=True)
     return 0

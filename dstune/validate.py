@@ -62,9 +62,17 @@ class Resolved:
 class ResolveError(SpecError):
     """Every error found, plus whatever could still be worked out (for `validate` to show beside the errors)."""
 
-    def __init__(self, issues: list[SpecIssue], warnings: Iterable[SpecIssue] = (), spec: Optional[Spec] = None,
-                 world: Optional[World] = None, plan: Optional[Plan] = None, ds_config: Optional[dict] = None,
-                 num_samples_origin: str = "", clips: Optional[dict] = None):
+    def __init__(
+        self,
+        issues: list[SpecIssue],
+        warnings: Iterable[SpecIssue] = (),
+        spec: Optional[Spec] = None,
+        world: Optional[World] = None,
+        plan: Optional[Plan] = None,
+        ds_config: Optional[dict] = None,
+        num_samples_origin: str = "",
+        clips: Optional[dict] = None,
+    ):
         super().__init__(issues)
         self.clips = clips
         self.warnings = tuple(warnings)
@@ -90,9 +98,15 @@ class IssueList:
 WorldArg = Union[None, World, Callable[[], World]]
 
 
-def load_and_validate(spec_path, overrides: Iterable[str] = (), world: WorldArg = None,
-                      num_samples: Optional[int] = None, accelerator: str = "auto", cross_check: bool = True,
-                      check_files: bool = True) -> Resolved:
+def load_and_validate(
+    spec_path,
+    overrides: Iterable[str] = (),
+    world: WorldArg = None,
+    num_samples: Optional[int] = None,
+    accelerator: str = "auto",
+    cross_check: bool = True,
+    check_files: bool = True,
+) -> Resolved:
     """Load the spec, then validate_spec. `world`: a World, a function returning one (called only once the spec
     has loaded, so a spec error is reported before a hostfile is read), or None for what this machine would launch
     (dstune.world.world_from_flags())."""
@@ -100,8 +114,15 @@ def load_and_validate(spec_path, overrides: Iterable[str] = (), world: WorldArg 
     return validate_spec(spec, source, _make_world(world), num_samples, accelerator, cross_check, check_files)
 
 
-def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Optional[int] = None,
-                  accelerator: str = "auto", cross_check: bool = True, check_files: bool = False) -> Resolved:
+def validate_spec(
+    spec: Spec,
+    source: SpecSource,
+    world: World,
+    num_samples: Optional[int] = None,
+    accelerator: str = "auto",
+    cross_check: bool = True,
+    check_files: bool = False,
+) -> Resolved:
     """Raise SpecError (a ResolveError) holding every error found; dstune.world.WorldError passes through.
     `num_samples`: used when data.path does not exist here (planning offline). `check_files`: open every image
     (dstune.data.image_check), as `dstune validate` does; training leaves it to start-up. Resolved.spec and .source
@@ -137,14 +158,27 @@ def validate_spec(spec: Spec, source: SpecSource, world: World, num_samples: Opt
     # Without a plan, a stand-in still lets compile and the cross-check run; its batch errors count only when
     # make_plan did not already report them.
     checked_plan = plan or _stand_in_plan(spec, source, world, found if count is None else IssueList())
-    ds_config = _compile_and_check(spec, source, checked_plan if file_read else None, found, cross_check,
-                                   stand_in=plan is None)
+    ds_config = _compile_and_check(
+        spec, source, checked_plan if file_read else None, found, cross_check, stand_in=plan is None
+    )
     found.errors = _once(found.errors)
     found.add(quantized_base_issues(spec, source, ds_config))
     if found.errors:
         raise ResolveError(found.errors, found.warnings, spec, world, plan, ds_config if plan else None, origin, clips)
-    return Resolved(spec, source, world, plan, ds_config, count, origin, tuple(found.warnings),
-                    ds_value_sources(ds_config, spec, source), clips, resolution_origin, guidance_origin)
+    return Resolved(
+        spec,
+        source,
+        world,
+        plan,
+        ds_config,
+        count,
+        origin,
+        tuple(found.warnings),
+        ds_value_sources(ds_config, spec, source),
+        clips,
+        resolution_origin,
+        guidance_origin,
+    )
 
 
 def _once(errors: list[SpecIssue]) -> list[SpecIssue]:
@@ -165,13 +199,16 @@ def quantized_base_issues(spec: Spec, source: SpecSource, ds_config: Optional[di
     stage = (ds_config or {}).get("zero_optimization", {}).get("stage", spec.deepspeed.zero_stage)
     if precision is None or stage != 3:
         return []
-    return [source.issue(
-        "model.base_precision",
-        f"{precision} with ZeRO stage 3: DeepSpeed 0.19.8 cannot partition quantized weights. ZeRO-3 splits each "
-        "parameter's data across ranks and gathers it back as a plain tensor, while bitsandbytes keeps the scales "
-        "beside the data on the parameter object (int8: one per row; nf4: per block, with the packed shape), which "
-        "ZeRO-3 neither partitions nor gathers. Use deepspeed.zero_stage 2 (frozen weights are not partitioned "
-        "there, so the quantized base is one copy per GPU), or remove base_precision to train LoRA under ZeRO-3.")]
+    return [
+        source.issue(
+            "model.base_precision",
+            f"{precision} with ZeRO stage 3: DeepSpeed 0.19.8 cannot partition quantized weights. ZeRO-3 splits each "
+            "parameter's data across ranks and gathers it back as a plain tensor, while bitsandbytes keeps the scales "
+            "beside the data on the parameter object (int8: one per row; nf4: per block, with the packed shape), which "
+            "ZeRO-3 neither partitions nor gathers. Use deepspeed.zero_stage 2 (frozen weights are not partitioned "
+            "there, so the quantized base is one copy per GPU), or remove base_precision to train LoRA under ZeRO-3.",
+        )
+    ]
 
 
 def _make_world(world: WorldArg) -> World:
@@ -194,10 +231,15 @@ def _check_accelerator(spec: Spec, source: SpecSource, accelerator: str, found: 
     if accelerator == "auto":
         accelerator = _this_machine_accelerator()
     if accelerator == "cpu":
-        found.add([source.issue(
-            "train.precision",
-            "fp16 does not run on DeepSpeed's CPU accelerator (it has no fp16 support). Use bf16 or fp32 here, "
-            "or validate for the GPUs the run will use with --accelerator cuda.")])
+        found.add(
+            [
+                source.issue(
+                    "train.precision",
+                    "fp16 does not run on DeepSpeed's CPU accelerator (it has no fp16 support). Use bf16 or fp32 here, "
+                    "or validate for the GPUs the run will use with --accelerator cuda.",
+                )
+            ]
+        )
 
 
 def _this_machine_accelerator() -> str:
@@ -223,16 +265,25 @@ def _check_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
     pairs = facts.pairs(spec)
     data = spec.data
     root = os.path.expanduser(data.path)
-    if pairs and data.control_dir is None and (builtin_name(data.path) or (os.path.isdir(root) and not os.path.isfile(
-            os.path.join(root, METADATA_FILE)))):
-        issues.append(("data.control_dir", f"{pairs} trains on (source, target) pairs: give the folder of "
-                       "source images (data.control_dir, e.g. ../control) or a `control_file_name` per "
-                       "metadata.jsonl line"))
+    if (
+        pairs
+        and data.control_dir is None
+        and (builtin_name(data.path) or (os.path.isdir(root) and not os.path.isfile(os.path.join(root, METADATA_FILE))))
+    ):
+        issues.append(
+            (
+                "data.control_dir",
+                f"{pairs} trains on (source, target) pairs: give the folder of "
+                "source images (data.control_dir, e.g. ../control) or a `control_file_name` per "
+                "metadata.jsonl line",
+            )
+        )
     found.add([source.issue(key, text) for key, text in issues])
 
 
-def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int], found: IssueList,
-                   check_files: bool = False) -> tuple[Optional[int], str, Optional[dict], Optional[dict]]:
+def _count_samples(
+    spec: Spec, source: SpecSource, num_samples: Optional[int], found: IssueList, check_files: bool = False
+) -> tuple[Optional[int], str, Optional[dict], Optional[dict]]:
     """(number of samples or None when unknown, where it came from, {bucket: samples} with grouped batches, the
     clip summary of a video family)."""
     path = spec.data.path
@@ -240,21 +291,39 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int], f
         if num_samples is not None:
             video = spec.model.family in VIDEO_FAMILIES
             if spec.data.buckets.enabled or video and len(spec.data.video.frame_counts) > 1:
-                found.add([source.issue(
-                    "data.buckets" if spec.data.buckets.enabled else "data.video.frames", "the files are not on this "
-                    "machine, so their buckets are unknown: the plan below treats the dataset as one bucket and "
-                    "overstates the steps per epoch (for video, give --num-samples as clips)",
-                    severity="warning")])
+                found.add(
+                    [
+                        source.issue(
+                            "data.buckets" if spec.data.buckets.enabled else "data.video.frames",
+                            "the files are not on this "
+                            "machine, so their buckets are unknown: the plan below treats the dataset as one bucket and "
+                            "overstates the steps per epoch (for video, give --num-samples as clips)",
+                            severity="warning",
+                        )
+                    ]
+                )
             if spec.data.duration_bucket_seconds:
-                found.add([source.issue(
-                    "data.duration_bucket_seconds", "the clips are not on this machine, so their durations are "
-                    "unknown: the plan below treats the dataset as one length bucket and overstates the steps per "
-                    "epoch a little (each bucket leaves out its remainder)", severity="warning")])
+                found.add(
+                    [
+                        source.issue(
+                            "data.duration_bucket_seconds",
+                            "the clips are not on this machine, so their durations are "
+                            "unknown: the plan below treats the dataset as one length bucket and overstates the steps per "
+                            "epoch a little (each bucket leaves out its remainder)",
+                            severity="warning",
+                        )
+                    ]
+                )
             return num_samples, "from --num-samples; data.path is not on this machine", None, None
-        found.add([source.issue(
-            "data.path",
-            f"{path} does not exist here, so its samples cannot be counted. Fix the path, or pass "
-            "--num-samples N to plan offline for a dataset of N samples (repeats included).")])
+        found.add(
+            [
+                source.issue(
+                    "data.path",
+                    f"{path} does not exist here, so its samples cannot be counted. Fix the path, or pass "
+                    "--num-samples N to plan offline for a dataset of N samples (repeats included).",
+                )
+            ]
+        )
         return None, "", None, None
     if spec.model.family in VIDEO_FAMILIES:  # clips after frame extraction; videos that give none are errors
         *counted, issues = clip_plan(spec, source, num_samples, check_files)
@@ -265,13 +334,23 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int], f
             index = index_audio(spec.data)
             groups, pairs = duration_groups(index.records, spec.data), 0
             if spec.data.speaker_balance and not any(r.speaker for r in index.records):
-                found.add([source.issue("data.speaker_balance", f"{path} names no speaker for any clip, so there is "
-                                        "nothing to balance: use a GPT-SoVITS .list or metadata.jsonl with `speaker`, "
-                                        "or remove data.speaker_balance")])
+                found.add(
+                    [
+                        source.issue(
+                            "data.speaker_balance",
+                            f"{path} names no speaker for any clip, so there is "
+                            "nothing to balance: use a GPT-SoVITS .list or metadata.jsonl with `speaker`, "
+                            "or remove data.speaker_balance",
+                        )
+                    ]
+                )
             found.add(source.issue("data.path", text) for text in [speakers_problem(spec.model, index.records)] if text)
         else:
-            index = index_dataset(spec.data, read_captions=False,  # lists files; reads no image, clip or caption
-                                  video=spec.model.family in VIDEO_FAMILIES)
+            index = index_dataset(
+                spec.data,
+                read_captions=False,  # lists files; reads no image, clip or caption
+                video=spec.model.family in VIDEO_FAMILIES,
+            )
             groups, pairs = _image_groups(spec, source, index.records, found), index.num_pairs
             found.add(image_file_issues(spec.data, index.records + index.held_out, source) if check_files else ())
     except DataError as err:
@@ -283,13 +362,20 @@ def _count_samples(spec: Spec, source: SpecSource, num_samples: Optional[int], f
     if pairs:  # edit / control training: every target counted has its source
         origin += f"; {pairs} source/target pairs"
     if spec.data.eval is not None:
-        where = (f"{spec.data.eval.fraction:g} of the images" if spec.data.eval.fraction is not None
-                 else spec.data.eval.path)
+        where = (
+            f"{spec.data.eval.fraction:g} of the images" if spec.data.eval.fraction is not None else spec.data.eval.path
+        )
         origin += f"; {len(index.held_out)} held out for data.eval ({where}), never trained on"
     if num_samples is not None and num_samples != count:
-        found.add([source.issue(
-            "data.path", f"--num-samples {num_samples} ignored: {path} is here and holds {count} samples",
-            severity="warning")])
+        found.add(
+            [
+                source.issue(
+                    "data.path",
+                    f"--num-samples {num_samples} ignored: {path} is here and holds {count} samples",
+                    severity="warning",
+                )
+            ]
+        )
     return count, origin, groups, None
 
 
@@ -297,14 +383,23 @@ def _image_groups(spec: Spec, source: SpecSource, records, found: IssueList) -> 
     """With data.buckets, {"WxH": samples} from the image headers (no pixels decoded); unreadable files are a warning
     with data.skip_bad_files (they train as a substitute in the square bucket), else a DataError. Images smaller
     than data.resolution (or their bucket) are a warning."""
-    found.add(source.issue("data.resolution", w, severity="warning") for w in [upscaling_warning(records, spec.data)] if w)
+    found.add(
+        source.issue("data.resolution", w, severity="warning") for w in [upscaling_warning(records, spec.data)] if w
+    )
     if not spec.data.buckets.enabled:
         return None
     record_buckets, unreadable = assign_buckets(records, spec.data)
     if unreadable:
-        found.add([source.issue(
-            "data.path", f"{len(unreadable)} image(s) have unreadable headers and are skipped (data.skip_bad_files): "
-            f"{'; '.join(unreadable[:3])}", severity="warning")])
+        found.add(
+            [
+                source.issue(
+                    "data.path",
+                    f"{len(unreadable)} image(s) have unreadable headers and are skipped (data.skip_bad_files): "
+                    f"{'; '.join(unreadable[:3])}",
+                    severity="warning",
+                )
+            ]
+        )
     return bucket_counts(records, record_buckets)
 
 
@@ -321,8 +416,9 @@ def _stand_in_plan(spec: Spec, source: SpecSource, world: World, found: IssueLis
         return None
 
 
-def _compile_and_check(spec: Spec, source: SpecSource, plan: Optional[Plan], found: IssueList, cross_check: bool,
-                       stand_in: bool) -> Optional[dict]:
+def _compile_and_check(
+    spec: Spec, source: SpecSource, plan: Optional[Plan], found: IssueList, cross_check: bool, stand_in: bool
+) -> Optional[dict]:
     if plan is None:
         return None
     report = IssueList()
@@ -341,8 +437,14 @@ def _compile_and_check(spec: Spec, source: SpecSource, plan: Optional[Plan], fou
     return ds_config
 
 
-def plan_memory(spec: Spec, plan: Plan, ds_config: dict, gpu_memory_bytes: Optional[float] = None,
-                accelerator: str = "cuda", clips: Optional[dict] = None) -> dict:
+def plan_memory(
+    spec: Spec,
+    plan: Plan,
+    ds_config: dict,
+    gpu_memory_bytes: Optional[float] = None,
+    accelerator: str = "cuda",
+    clips: Optional[dict] = None,
+) -> dict:
     """The memory plan of a validated run (`dstune validate`'s Memory section, the `memory` key of --json):
     parameters counted on the meta device (dstune.memory.counts), bytes per GPU and node (dstune.memory.plan);
     `clips`: a video family's clip summary (Resolved.clips: the largest bucket's activations). Without the model's
@@ -350,10 +452,19 @@ def plan_memory(spec: Spec, plan: Plan, ds_config: dict, gpu_memory_bytes: Optio
     try:
         counts = get_facts(spec.model.family).count(spec, plan.num_samples, clip_buckets(clips))
     except (SizesUnknown, KeyError) as err:  # KeyError: a config layout the activation estimates do not know
-        why = str(err) if isinstance(err, SizesUnknown) else \
-            f"the memory plan does not know this model's config layout (no {err} in its config)"
-        return {"per_gpu": None, "host_per_node_bytes": None, "gpu_memory_bytes": gpu_memory_bytes, "fits": None,
-                "suggestions": [], "unknown": why}
+        why = (
+            str(err)
+            if isinstance(err, SizesUnknown)
+            else f"the memory plan does not know this model's config layout (no {err} in its config)"
+        )
+        return {
+            "per_gpu": None,
+            "host_per_node_bytes": None,
+            "gpu_memory_bytes": gpu_memory_bytes,
+            "fits": None,
+            "suggestions": [],
+            "unknown": why,
+        }
     # model.base_precision (the quantized frozen base) sets the frozen base's bytes per parameter where it exists
     setup = Setup.of(spec, plan, ds_config, getattr(spec.model, "base_precision", None), accelerator)
     return memory_json(counts, with_all_to_all(setup, spec, clips), gpu_memory_bytes)

@@ -47,24 +47,45 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
     for (count, width, height), clips in counts.items():
         frames[str(count)] = frames.get(str(count), 0) + clips
         sizes[f"{width}x{height}"] = sizes.get(f"{width}x{height}", 0) + clips
-    buckets = {key_label(key): {"frames": key[0], "width": key[1], "height": key[2], "clips": clips,
-                                "tokens": latent_tokens(key, spatial, patch)} for key, clips in counts.items()}
+    buckets = {
+        key_label(key): {
+            "frames": key[0],
+            "width": key[1],
+            "height": key[2],
+            "clips": clips,
+            "tokens": latent_tokens(key, spatial, patch),
+        }
+        for key, clips in counts.items()
+    }
     largest = max(buckets, key=lambda label: buckets[label]["tokens"]) if buckets else None
     video = data.video
     summary = {
-        "video_files": index.files, "clips": index.num_samples, "stills": stills, "unusable_videos": len(index.problems),
-        "counted_by_decoding": index.counted, "builtin": builtin_name(data.path), "sampling": video.sampling,
-        "stride": (video.stride or "frames") if video.sampling == "sliding" else None, "fps": video.fps,
-        "frame_counts": list(video.frame_counts), "grouped": is_grouped(data),
-        "frames": dict(sorted(frames.items(), key=lambda item: int(item[0]))), "sizes": sizes, "buckets": buckets,
-        "largest_bucket": largest, "tokens_per_sample_max": buckets[largest]["tokens"] if largest else 0,
+        "video_files": index.files,
+        "clips": index.num_samples,
+        "stills": stills,
+        "unusable_videos": len(index.problems),
+        "counted_by_decoding": index.counted,
+        "builtin": builtin_name(data.path),
+        "sampling": video.sampling,
+        "stride": (video.stride or "frames") if video.sampling == "sliding" else None,
+        "fps": video.fps,
+        "frame_counts": list(video.frame_counts),
+        "grouped": is_grouped(data),
+        "frames": dict(sorted(frames.items(), key=lambda item: int(item[0]))),
+        "sizes": sizes,
+        "buckets": buckets,
+        "largest_bucket": largest,
+        "tokens_per_sample_max": buckets[largest]["tokens"] if largest else 0,
         "tokens_from": factors,
     }
     origin = data.path if builtin_name(data.path) else f"counted in {data.path}"
-    origin += f"; {index.num_samples} clips from {index.files} video files" + (f" and {stills} stills" if stills else "")
+    origin += f"; {index.num_samples} clips from {index.files} video files" + (
+        f" and {stills} stills" if stills else ""
+    )
     groups = {key_label(key): clips for key, clips in counts.items()} if is_grouped(data) else None
-    return ClipCount(index.num_samples, origin, groups, summary, list(index.problems), list(index.warnings),
-                     still_records)
+    return ClipCount(
+        index.num_samples, origin, groups, summary, list(index.problems), list(index.warnings), still_records
+    )
 
 
 def clip_plan(spec, source, num_samples: Optional[int], check_files: bool = False) -> tuple:
@@ -82,12 +103,22 @@ def clip_plan(spec, source, num_samples: Optional[int], check_files: bool = Fals
     if bad:
         listing = "\n  ".join(f"{record.image_path}: {reason}" for record, reason in bad[:PROBLEMS_LISTED])
         more = f"\n  ... and {len(bad) - PROBLEMS_LISTED} more" if len(bad) > PROBLEMS_LISTED else ""
-        issues.append(source.issue("data.path", f"{len(bad)} still image(s) cannot be read and would stop training "
-                                   f"before step 1 (video datasets are checked whole; data.skip_bad_files does not "
-                                   f"apply to them):\n  {listing}{more}\nReplace or delete them."))
+        issues.append(
+            source.issue(
+                "data.path",
+                f"{len(bad)} still image(s) cannot be read and would stop training "
+                f"before step 1 (video datasets are checked whole; data.skip_bad_files does not "
+                f"apply to them):\n  {listing}{more}\nReplace or delete them.",
+            )
+        )
     if num_samples is not None and num_samples != counted.count:
-        issues.append(source.issue("data.path", f"--num-samples {num_samples} ignored: {spec.data.path} is here "
-                                   f"and gives {counted.count} clips", severity="warning"))
+        issues.append(
+            source.issue(
+                "data.path",
+                f"--num-samples {num_samples} ignored: {spec.data.path} is here and gives {counted.count} clips",
+                severity="warning",
+            )
+        )
     return counted.count or None, counted.origin, counted.groups, counted.summary, issues
 
 
@@ -95,8 +126,10 @@ def problem_text(problems: list[str]) -> str:
     """The validate error naming every video that gives no clip (as startup would stop with)."""
     listing = "\n  ".join(problems[:PROBLEMS_LISTED])
     more = f"\n  ... and {len(problems) - PROBLEMS_LISTED} more" if len(problems) > PROBLEMS_LISTED else ""
-    return (f"{len(problems)} video(s) give no clip and would stop training before step 1 (the plan counts the "
-            f"others):\n  {listing}{more}")
+    return (
+        f"{len(problems)} video(s) give no clip and would stop training before step 1 (the plan counts the "
+        f"others):\n  {listing}{more}"
+    )
 
 
 def clip_buckets(summary: Optional[dict]) -> list[tuple[int, int, int, int]]:
@@ -110,21 +143,38 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     """The report's Clips section: the extraction, the files, frame and size buckets, tokens per bucket. (What each
     epoch uses per bucket is the Buckets section's, from the plan.)"""
     stride = {None: "", "frames": ", stride = each clip's frame count (chunks do not overlap)"}.get(
-        summary["stride"], f", stride {summary['stride']} frames")
+        summary["stride"], f", stride {summary['stride']} frames"
+    )
     fps = f" at {summary['fps']:g} fps" if summary["fps"] else " at each file's own fps"
-    decoded = f"; {summary['counted_by_decoding']} headers stated no frame count (counted by decoding)" \
-        if summary["counted_by_decoding"] else ""
-    unusable = f"; {summary['unusable_videos']} videos give no clip (see the error)" if summary["unusable_videos"] \
+    decoded = (
+        f"; {summary['counted_by_decoding']} headers stated no frame count (counted by decoding)"
+        if summary["counted_by_decoding"]
         else ""
-    files = f"builtin:{summary['builtin']}: {summary['clips']} rendered clips" if summary["builtin"] else \
-        f"{summary['video_files']} videos and {summary['stills']} stills -> {summary['clips']} clips (repeats " \
+    )
+    unusable = (
+        f"; {summary['unusable_videos']} videos give no clip (see the error)" if summary["unusable_videos"] else ""
+    )
+    files = (
+        f"builtin:{summary['builtin']}: {summary['clips']} rendered clips"
+        if summary["builtin"]
+        else f"{summary['video_files']} videos and {summary['stills']} stills -> {summary['clips']} clips (repeats "
         f"included){unusable}{decoded}"
-    rows = [("extraction", f"{summary['sampling']}{stride}{fps}; frame counts {summary['frame_counts']}"),
-            ("files", files),
-            ("frame buckets", ", ".join(f"{frames} frames: {n}" for frames, n in summary["frames"].items())),
-            ("size buckets", ", ".join(f"{size}: {n}" for size, n in summary["sizes"].items()))]
-    rows += [(f"  {label}", f"{bucket['clips']} clips, {bucket['tokens']} tokens per sample")
-             for label, bucket in summary["buckets"].items()]
-    rows.append(("tokens", f"largest {summary['tokens_per_sample_max']} per sample ({summary['largest_bucket']}; "
-                           f"the memory plan's); from {summary['tokens_from']}"))
+    )
+    rows = [
+        ("extraction", f"{summary['sampling']}{stride}{fps}; frame counts {summary['frame_counts']}"),
+        ("files", files),
+        ("frame buckets", ", ".join(f"{frames} frames: {n}" for frames, n in summary["frames"].items())),
+        ("size buckets", ", ".join(f"{size}: {n}" for size, n in summary["sizes"].items())),
+    ]
+    rows += [
+        (f"  {label}", f"{bucket['clips']} clips, {bucket['tokens']} tokens per sample")
+        for label, bucket in summary["buckets"].items()
+    ]
+    rows.append(
+        (
+            "tokens",
+            f"largest {summary['tokens_per_sample_max']} per sample ({summary['largest_bucket']}; "
+            f"the memory plan's); from {summary['tokens_from']}",
+        )
+    )
     return rows

@@ -37,8 +37,9 @@ class World:
 
     def __post_init__(self) -> None:
         if not (len(self.hosts) == len(self.ranks_per_node) == self.num_nodes >= 1):
-            raise WorldError(f"{self.source}: {self.num_nodes} nodes, but hosts {self.hosts} "
-                             f"and ranks {self.ranks_per_node}")
+            raise WorldError(
+                f"{self.source}: {self.num_nodes} nodes, but hosts {self.hosts} and ranks {self.ranks_per_node}"
+            )
         if sum(self.ranks_per_node) != self.world_size or min(self.ranks_per_node) < 1:
             raise WorldError(f"{self.source}: ranks per node {self.ranks_per_node} do not add up to {self.world_size}")
 
@@ -64,8 +65,15 @@ def world_from_resources(resources: dict[str, int], source: str) -> World:
     return World(sum(counts), len(counts), counts, tuple(resources), source)
 
 
-def world_from_flags(*, world_size: int | None = None, num_gpus: int | None = None, num_nodes: int | None = None,
-                     hostfile: str | None = None, include: str | None = None, exclude: str | None = None) -> World:
+def world_from_flags(
+    *,
+    world_size: int | None = None,
+    num_gpus: int | None = None,
+    num_nodes: int | None = None,
+    hostfile: str | None = None,
+    include: str | None = None,
+    exclude: str | None = None,
+) -> World:
     """The world a `deepspeed` launch with these flags would start (see the module docstring)."""
     for flag, value in (("--world-size", world_size), ("--num-gpus", num_gpus), ("--num-nodes", num_nodes)):
         if value is not None and value < 1:
@@ -75,25 +83,33 @@ def world_from_flags(*, world_size: int | None = None, num_gpus: int | None = No
         return _world_of_size(world_size, num_nodes, num_gpus, hostfile, include, exclude)
     counted = _flags(num_gpus=num_gpus, num_nodes=num_nodes)
     if counted and (include or exclude):
-        raise WorldError(f"{counted} cannot be combined with {_flags(include=include, exclude=exclude)} "
-                         "(DeepSpeed: 'Cannot specify num_nodes/gpus with include/exclude'). Pick hosts and slots "
-                         "with --include/--exclude, or take the first N with --num-nodes/--num-gpus, not both.")
+        raise WorldError(
+            f"{counted} cannot be combined with {_flags(include=include, exclude=exclude)} "
+            "(DeepSpeed: 'Cannot specify num_nodes/gpus with include/exclude'). Pick hosts and slots "
+            "with --include/--exclude, or take the first N with --num-nodes/--num-gpus, not both."
+        )
     if include and exclude:
-        raise WorldError("--include and --exclude cannot be used together (DeepSpeed: 'include_str and exclude_str "
-                         "are mutually exclusive.'). Keep one of them.")
+        raise WorldError(
+            "--include and --exclude cannot be used together (DeepSpeed: 'include_str and exclude_str "
+            "are mutually exclusive.'). Keep one of them."
+        )
     if hostfile is not None:
         return _world_from_hostfile(hostfile, include, exclude, num_nodes, num_gpus)
     if num_nodes is not None and num_nodes > 1:
-        raise WorldError(f"--num-nodes {num_nodes} needs a hostfile: without --hostfile DeepSpeed launches on this "
-                         "machine only ('Num nodes is >1 but no extra nodes available via hostfile'). Pass --hostfile "
-                         f"listing the nodes, or plan offline with --world-size N --num-nodes {num_nodes}.")
+        raise WorldError(
+            f"--num-nodes {num_nodes} needs a hostfile: without --hostfile DeepSpeed launches on this "
+            "machine only ('Num nodes is >1 but no extra nodes available via hostfile'). Pass --hostfile "
+            f"listing the nodes, or plan offline with --world-size N --num-nodes {num_nodes}."
+        )
     if num_gpus is not None:  # apply_num_nodes_and_gpus replaces the local slot count with range(num_gpus)
         return world_from_resources({"localhost": num_gpus}, f"{counted} (this machine; no --hostfile)")
     local = _local_gpu_count()
     if include or exclude:
         if local == 0:
-            raise WorldError(f"{_flags(include=include, exclude=exclude)} without --hostfile selects GPUs on this "
-                             "machine, and it has none. Pass --hostfile, or --num-gpus N to plan for N GPUs.")
+            raise WorldError(
+                f"{_flags(include=include, exclude=exclude)} without --hostfile selects GPUs on this "
+                "machine, and it has none. Pass --hostfile, or --num-gpus N to plan for N GPUs."
+            )
         pool = {"localhost": local}
         source = f"this machine ({local} CUDA GPUs; {_flags(include=include, exclude=exclude)})"
         active = _filter(pool, include, exclude, "this machine")
@@ -106,18 +122,23 @@ def world_from_flags(*, world_size: int | None = None, num_gpus: int | None = No
     return replace(world, assumed=True)
 
 
-def _world_of_size(world_size: int, num_nodes: int | None, num_gpus: int | None, hostfile: str | None,
-                   include: str, exclude: str) -> World:
+def _world_of_size(
+    world_size: int, num_nodes: int | None, num_gpus: int | None, hostfile: str | None, include: str, exclude: str
+) -> World:
     others = _flags(num_gpus=num_gpus, hostfile=hostfile, include=include, exclude=exclude)
     if others:
-        raise WorldError(f"--world-size gives the rank count directly, so it cannot be combined with {others}. "
-                         "Use --world-size N [--num-nodes M] to plan offline, or the DeepSpeed-style flags, not both.")
+        raise WorldError(
+            f"--world-size gives the rank count directly, so it cannot be combined with {others}. "
+            "Use --world-size N [--num-nodes M] to plan offline, or the DeepSpeed-style flags, not both."
+        )
     if num_nodes is None or num_nodes == 1:
         return world_from_resources({"localhost": world_size}, _flags(world_size=world_size, num_nodes=num_nodes))
     if world_size % num_nodes:
-        raise WorldError(f"--world-size {world_size} does not split evenly over --num-nodes {num_nodes}, and "
-                         "these flags plan the same number of ranks on every node. Use a multiple of "
-                         f"{num_nodes}, or describe uneven nodes in a --hostfile.")
+        raise WorldError(
+            f"--world-size {world_size} does not split evenly over --num-nodes {num_nodes}, and "
+            "these flags plan the same number of ranks on every node. Use a multiple of "
+            f"{num_nodes}, or describe uneven nodes in a --hostfile."
+        )
     per_node = world_size // num_nodes
     resources = {f"node-{i}": per_node for i in range(num_nodes)}
     return world_from_resources(resources, _flags(world_size=world_size, num_nodes=num_nodes))
@@ -135,8 +156,10 @@ def _world_from_hostfile(path: str, include: str, exclude: str, num_nodes: int |
         notes.append(f"only {len(pool)} hosts listed, DeepSpeed uses them all")
     over = [host for host in active if num_gpus is not None and num_gpus > pool[host]]
     if over:
-        notes.append(f"--num-gpus {num_gpus} exceeds the slots of {', '.join(over)}; DeepSpeed starts "
-                     f"{num_gpus} ranks there anyway")
+        notes.append(
+            f"--num-gpus {num_gpus} exceeds the slots of {', '.join(over)}; DeepSpeed starts "
+            f"{num_gpus} ranks there anyway"
+        )
     detail = "".join(f"; {note}" for note in notes if note)
     source = f"hostfile {path} ({len(pool)} nodes, {sum(pool.values())} slots{detail})"
     if not active:
@@ -156,13 +179,17 @@ def _read_hostfile(runner, path: str) -> dict[str, int]:
         raise WorldError(_blame_hostfile_line(runner, path, err)) from None
     if pool is None:  # DeepSpeed warns and falls back to this machine; a named hostfile that is missing is an error
         what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
-        raise WorldError(f"hostfile {path} {what} (DeepSpeed would fall back to this machine only). Pass the path "
-                         "of a file with lines like 'worker-0 slots=8', or drop --hostfile to use this machine.")
+        raise WorldError(
+            f"hostfile {path} {what} (DeepSpeed would fall back to this machine only). Pass the path "
+            "of a file with lines like 'worker-0 slots=8', or drop --hostfile to use this machine."
+        )
     for number, text, hosts in _parsed_lines(runner, path):
         for host, slots in hosts.items():
             if slots < 1:  # DeepSpeed accepts slots=0 and would start no rank there
-                raise WorldError(f"{path}:{number}: {text!r}: slots={slots} gives {host} no ranks. "
-                                 "Give it slots=1 or more, or delete the line.")
+                raise WorldError(
+                    f"{path}:{number}: {text!r}: slots={slots} gives {host} no ranks. "
+                    "Give it slots=1 or more, or delete the line."
+                )
     return dict(pool)
 
 
@@ -173,8 +200,10 @@ def _blame_hostfile_line(runner, path: str, err: ValueError) -> str:
             return f"{path}:{number}: {text!r} is not a hostfile line: {_LINE_FORMAT}."
         for host in hosts:
             if host in first_seen:
-                return (f"{path}:{number}: {text!r} lists host {host} again (first on line {first_seen[host]}). "
-                        "List each host once, with all its slots.")
+                return (
+                    f"{path}:{number}: {text!r} lists host {host} again (first on line {first_seen[host]}). "
+                    "List each host once, with all its slots."
+                )
             first_seen[host] = number
     if not first_seen:
         return f"hostfile {path} lists no hosts (only blank lines or comments); {_LINE_FORMAT}."
@@ -233,8 +262,9 @@ def _runner():
     try:
         from deepspeed.launcher import runner
     except (Exception, SystemExit) as err:  # e.g. a bad DS_ACCELERATOR value; a user error, not a traceback
-        raise WorldError(f"cannot load DeepSpeed's launcher ({err}); check the DeepSpeed install and "
-                         "DS_ACCELERATOR.") from None
+        raise WorldError(
+            f"cannot load DeepSpeed's launcher ({err}); check the DeepSpeed install and DS_ACCELERATOR."
+        ) from None
     return runner
 
 

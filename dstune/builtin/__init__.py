@@ -58,11 +58,12 @@ def builtin_names() -> list[str]:
 
 def ensure_builtin_model(name: str, cache_dir: str | os.PathLike) -> Path:
     """The folder of built-in model `name` ("tiny-sd" or "builtin:tiny-sd") under `cache_dir`, built if needed."""
-    key = name[len(BUILTIN_PREFIX):] if name.startswith(BUILTIN_PREFIX) else name
+    key = name[len(BUILTIN_PREFIX) :] if name.startswith(BUILTIN_PREFIX) else name
     models = _builtin_models()
     if key not in models:
-        raise BuiltinError(f"unknown built-in model '{BUILTIN_PREFIX}{key}'. Known built-in models: "
-                           f"{', '.join(builtin_names())}.")
+        raise BuiltinError(
+            f"unknown built-in model '{BUILTIN_PREFIX}{key}'. Known built-in models: {', '.join(builtin_names())}."
+        )
     model = models[key]
     root = Path(cache_dir).expanduser() / "builtin"
     final = root / model.folder_name
@@ -71,8 +72,9 @@ def ensure_builtin_model(name: str, cache_dir: str | os.PathLike) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise BuiltinError(f"cannot create the model cache {root} ({err.strerror or err}); set output.cache_dir "
-                           "to a writable folder") from None
+        raise BuiltinError(
+            f"cannot create the model cache {root} ({err.strerror or err}); set output.cache_dir to a writable folder"
+        ) from None
     with _exclusive(root / f".{model.folder_name}.lock"):
         if _is_complete(final, key):  # another process finished it while we waited for the lock
             return final
@@ -96,10 +98,18 @@ def _build_into(model: BuiltinModel, final: Path, needs: dict[str, Path]) -> Non
     work = temporary_sibling(final, "building")
     try:
         started = time.perf_counter()
-        facts = _build_in_pinned_process(model.name, work, needs) if model.pinned_process else \
-            model.build(work, needs=needs)
-        marker = {"name": model.name, "folder": model.folder_name, "family": model.family,
-                  "build_seconds": round(time.perf_counter() - started, 2), **facts}
+        facts = (
+            _build_in_pinned_process(model.name, work, needs)
+            if model.pinned_process
+            else model.build(work, needs=needs)
+        )
+        marker = {
+            "name": model.name,
+            "folder": model.folder_name,
+            "family": model.family,
+            "build_seconds": round(time.perf_counter() - started, 2),
+            **facts,
+        }
         (work / BUILTIN_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         try:
             os.rename(work, final)
@@ -113,11 +123,19 @@ def _build_into(model: BuiltinModel, final: Path, needs: dict[str, Path]) -> Non
 def _build_in_pinned_process(name: str, work: Path, needs: dict[str, Path]) -> dict:
     """Build `name` into `work` in a child process under PINNED_ISA_ENV (python -m dstune.builtin.build); its
     facts for the marker. BuiltinError with the child's last output when it fails."""
-    args = [sys.executable, "-m", "dstune.builtin.build", name, str(work), json.dumps({k: str(v) for k, v in needs.items()})]
+    args = [
+        sys.executable,
+        "-m",
+        "dstune.builtin.build",
+        name,
+        str(work),
+        json.dumps({k: str(v) for k, v in needs.items()}),
+    ]
     done = subprocess.run(args, env={**os.environ, **PINNED_ISA_ENV}, capture_output=True, text=True)
     if done.returncode != 0:
-        raise BuiltinError(f"building {BUILTIN_PREFIX}{name} failed (exit {done.returncode}):\n"
-                           + (done.stderr or done.stdout)[-3000:])
+        raise BuiltinError(
+            f"building {BUILTIN_PREFIX}{name} failed (exit {done.returncode}):\n" + (done.stderr or done.stdout)[-3000:]
+        )
     facts_file = work / BUILD_FACTS
     facts = json.loads(facts_file.read_text())
     facts_file.unlink()

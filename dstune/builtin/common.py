@@ -34,7 +34,9 @@ class BuiltinModel:
     # Writes the pipeline into the (empty) folder; returns facts for the marker. Called with the folders of the
     # built-in models named in `needs` (built first), by name: build(out, needs={name: folder}).
     build: Callable[..., dict]
-    needs: tuple[str, ...] = ()  # other built-in models whose files this one reuses (e.g. another tiny model's trained VAE)
+    needs: tuple[
+        str, ...
+    ] = ()  # other built-in models whose files this one reuses (e.g. another tiny model's trained VAE)
     # built in a child process with the CPU's instruction sets pinned (dstune.builtin.PINNED_ISA_ENV), so that what the
     # build trains is the same on every CPU; False builds in the calling process (a test's stand-in build)
     pinned_process: bool = True
@@ -63,8 +65,9 @@ def save_pipeline(pipeline, out, transformer, facts: dict | None = None) -> dict
 
 def bytes_to_unicode() -> list[str]:
     """GPT-2/CLIP byte-level alphabet: one printable character per byte value."""
-    byte_values = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                   + list(range(ord("®"), ord("ÿ") + 1)))
+    byte_values = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = byte_values[:], 0
     for value in range(256):
         if value not in byte_values:
@@ -95,10 +98,19 @@ def tiny_clip_tokenizer(model_max_length: int = 77):
 def tiny_clip_config(hidden_size: int = 32):
     from transformers import CLIPTextConfig
 
-    return CLIPTextConfig(vocab_size=_CLIP_EOS + 1, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=77,
-                          projection_dim=hidden_size, bos_token_id=_CLIP_BOS, eos_token_id=_CLIP_EOS,
-                          pad_token_id=_CLIP_EOS, hidden_act="quick_gelu")
+    return CLIPTextConfig(
+        vocab_size=_CLIP_EOS + 1,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        projection_dim=hidden_size,
+        bos_token_id=_CLIP_BOS,
+        eos_token_id=_CLIP_EOS,
+        pad_token_id=_CLIP_EOS,
+        hidden_act="quick_gelu",
+    )
 
 
 # ------------------------------------------------------------------------------------------ tiny VAE training
@@ -158,7 +170,7 @@ def _vae_batch(images: torch.Tensor, step: int, generator: torch.Generator) -> t
     if step >= VAE_TRAIN_STEPS * (1 - VAE_FULL_FRACTION):
         return batch[: VAE_BATCH // 2]  # whole images cost 4x: halve the batch
     x, y = torch.randint(0, VAE_IMAGE_PX - VAE_CROP_PX + 1, (2,), generator=generator).tolist()
-    return batch[:, :, y:y + VAE_CROP_PX, x:x + VAE_CROP_PX]
+    return batch[:, :, y : y + VAE_CROP_PX, x : x + VAE_CROP_PX]
 
 
 def train_tiny_vae(vae) -> dict:
@@ -168,8 +180,9 @@ def train_tiny_vae(vae) -> dict:
     generator = torch.Generator().manual_seed(VAE_SEED)
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
     optimizer = torch.optim.Adam(vae.parameters(), lr=VAE_LR)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=VAE_LR, total_steps=VAE_TRAIN_STEPS,
-                                                   pct_start=0.15)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=VAE_LR, total_steps=VAE_TRAIN_STEPS, pct_start=0.15
+    )
     vae.train()
     for step in range(VAE_TRAIN_STEPS):
         x = _vae_batch(images, step, generator)
@@ -189,8 +202,11 @@ def train_tiny_vae(vae) -> dict:
         _center_latents(vae, vae.encode(shapes).latent_dist.mean.mean(dim=(0, 2, 3)))
         means = vae.encode(shapes).latent_dist.mean
         error = F.mse_loss(vae.decode(means).sample, shapes).item()
-    return {"vae_scaling_factor": round(1.0 / means.std().item(), 5), "vae_reconstruction_mse": round(error, 6),
-            "vae_train_steps": VAE_TRAIN_STEPS}
+    return {
+        "vae_scaling_factor": round(1.0 / means.std().item(), 5),
+        "vae_reconstruction_mse": round(error, 6),
+        "vae_train_steps": VAE_TRAIN_STEPS,
+    }
 
 
 def _center_latents(vae, channel_means: torch.Tensor) -> None:
@@ -200,5 +216,3 @@ def _center_latents(vae, channel_means: torch.Tensor) -> None:
     channels = channel_means.numel()
     vae.quant_conv.bias[:channels] -= channel_means
     vae.post_quant_conv.bias += vae.post_quant_conv.weight[:, :, 0, 0] @ channel_means
-
-

@@ -16,21 +16,46 @@ _SEED = 0
 T5_MAX_LENGTH = 32  # model_max_length of the tiny T5 tokenizer: caps max_sequence_length, keeps sequences short
 # the trained 16-channel VAE, as builtin:tiny-sd's 4-channel one is trained (common.train_tiny_vae)
 FLOW_VAE = dict(
-    in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 2,
-    up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=1,
-    sample_size=32, mid_block_add_attention=False, shift_factor=0.0)
+    in_channels=3,
+    out_channels=3,
+    latent_channels=16,
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    block_out_channels=(8, 16),
+    layers_per_block=1,
+    norm_num_groups=1,
+    sample_size=32,
+    mid_block_add_attention=False,
+    shift_factor=0.0,
+)
 
 QWEN_CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 # len(dim_mult) == len(temperal_downsample) + 1; spatial factor 2 ** len(temperal_downsample) = 2
-TINY_QWEN_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
-                     temperal_downsample=[False])
+TINY_QWEN_VAE = dict(
+    base_dim=8, z_dim=16, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[False]
+)
 # dynamic, exponential shifting as the real model's scheduler (its training tables are then unshifted)
-QWEN_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
-                      max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, time_shift_type="exponential")
+QWEN_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=0.9,
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
+    time_shift_type="exponential",
+)
 # a KL VAE that patchifies 2x2 (AutoencoderKLFlux2's layout)
-TINY_FLUX2_VAE = dict(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                      up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=8,
-                      norm_num_groups=4, sample_size=32, mid_block_add_attention=False)
+TINY_FLUX2_VAE = dict(
+    block_out_channels=(8, 16),
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    layers_per_block=1,
+    latent_channels=8,
+    norm_num_groups=4,
+    sample_size=32,
+    mid_block_add_attention=False,
+)
 
 
 def tiny_qwen_tokenizer():
@@ -38,19 +63,28 @@ def tiny_qwen_tokenizer():
     from transformers import Qwen2Tokenizer
 
     vocab = {char: number for number, char in enumerate(bytes_to_unicode())}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|endoftext|>",
-                               pad_token="<|endoftext|>", model_max_length=1024)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=None,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=1024,
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_CHAT_TOKENS)})
     return tokenizer
 
 
-QWEN3_CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-                       "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 QWEN3_VL_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def tiny_qwen3_vl_config(tokenizer, width: int, layers: int):
@@ -60,13 +94,31 @@ def tiny_qwen3_vl_config(tokenizer, width: int, layers: int):
 
     end_of_text, image_pad = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|image_pad|>"])
     return Qwen3VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
-                         max_position_embeddings=1024, rope_theta=10_000.0, bos_token_id=end_of_text,
-                         eos_token_id=end_of_text, pad_token_id=end_of_text),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
-                           patch_size=14, deepstack_visual_indexes=[]),
-        image_token_id=image_pad)
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=32,
+            max_position_embeddings=1024,
+            rope_theta=10_000.0,
+            bos_token_id=end_of_text,
+            eos_token_id=end_of_text,
+            pad_token_id=end_of_text,
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=width,
+            patch_size=14,
+            deepstack_visual_indexes=[],
+        ),
+        image_token_id=image_pad,
+    )
 
 
 def tiny_t5_tokenizer(model_max_length: int = T5_MAX_LENGTH):
@@ -83,7 +135,6 @@ def tiny_t5_tokenizer(model_max_length: int = T5_MAX_LENGTH):
 def _trained_vae_state() -> tuple[dict, dict]:
     """(state dict, facts) of the trained 16-channel VAE; computed once per process for both built-in models."""
     from diffusers import AutoencoderKL
-
 
     with deterministic_cpu(_SEED, BUILD_THREADS):
         vae = AutoencoderKL(**FLOW_VAE)

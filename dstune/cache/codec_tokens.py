@@ -17,7 +17,15 @@ from pathlib import Path
 
 import torch
 
-from dstune.cache.entries import Entry, bytes_sha256, entry_problem, file_sha256, folder_fingerprint, key_of, write_entry
+from dstune.cache.entries import (
+    Entry,
+    bytes_sha256,
+    entry_problem,
+    file_sha256,
+    folder_fingerprint,
+    key_of,
+    write_entry,
+)
 from dstune.cache.share import monitored_barrier, sharing_group
 from dstune.data.audio import load_clip
 from dstune.data.audio_index import AudioRecord
@@ -29,10 +37,20 @@ CODEC_TENSORS = ("codes",)
 _TONES_RENDERER = "tones-v1"  # bump when dstune.data.synthetic.render_tones changes
 
 
-def codec_key(sample_id: str, content_sha256: str, codec_fingerprint: str, sample_rate: int, num_codebooks: int,
-              codec_kind: str) -> str:
-    return key_of({"kind": "codec", "sample_id": sample_id, "content": content_sha256, "codec": codec_fingerprint,
-                   "codec_kind": codec_kind, "sample_rate": int(sample_rate), "num_codebooks": int(num_codebooks)})
+def codec_key(
+    sample_id: str, content_sha256: str, codec_fingerprint: str, sample_rate: int, num_codebooks: int, codec_kind: str
+) -> str:
+    return key_of(
+        {
+            "kind": "codec",
+            "sample_id": sample_id,
+            "content": content_sha256,
+            "codec": codec_fingerprint,
+            "codec_kind": codec_kind,
+            "sample_rate": int(sample_rate),
+            "num_codebooks": int(num_codebooks),
+        }
+    )
 
 
 def content_sha256(record: AudioRecord) -> str:
@@ -45,9 +63,23 @@ def plan_codec_entries(records: list[AudioRecord], built) -> list[Entry]:
     """One entry per clip, in record order: the same list on every rank and for every world size."""
     fingerprint = folder_fingerprint(built.codec_folder)
     layout = built.layout
-    return [Entry("codec", codec_key(r.sample_id, content_sha256(r), fingerprint, layout["sampling_rate"],
-                                     layout["num_codebooks"], built.codec_kind),
-                  r.sample_id, sample_id=r.sample_id, tensors=CODEC_TENSORS) for r in records]
+    return [
+        Entry(
+            "codec",
+            codec_key(
+                r.sample_id,
+                content_sha256(r),
+                fingerprint,
+                layout["sampling_rate"],
+                layout["num_codebooks"],
+                built.codec_kind,
+            ),
+            r.sample_id,
+            sample_id=r.sample_id,
+            tensors=CODEC_TENSORS,
+        )
+        for r in records
+    ]
 
 
 def encode_entries(built, entries: list[Entry], by_id: dict[str, AudioRecord], folder: Path) -> tuple[int, int]:
@@ -58,21 +90,23 @@ def encode_entries(built, entries: list[Entry], by_id: dict[str, AudioRecord], f
             cached += 1
             continue
         wave = torch.from_numpy(load_clip(by_id[entry.sample_id], built.sample_rate))
-        codes = encode_clip(built.codec, built.codec_kind, wave, built.layout["num_codebooks"],
-                            built.layout["frame_order"])
+        codes = encode_clip(
+            built.codec, built.codec_kind, wave, built.layout["num_codebooks"], built.layout["frame_order"]
+        )
         write_entry(folder / entry.relpath, entry, {"codes": codes.to(torch.int32)})
         built_now += 1
     return built_now, cached
 
 
-def prepare_codec_cache(run, cache_spec: CacheSpec, folder: Path, built,
-                        records: list[AudioRecord]) -> tuple[dict[str, Path] | None, str]:
+def prepare_codec_cache(
+    run, cache_spec: CacheSpec, folder: Path, built, records: list[AudioRecord]
+) -> tuple[dict[str, Path] | None, str]:
     """Collective. ({sample_id: entry path}, summary) when every entry is complete, else (None, the error)."""
     started = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
     group = sharing_group(run, folder)
     entries = plan_codec_entries(records, built)
-    mine = entries[group.index(run.rank)::len(group)]
+    mine = entries[group.index(run.rank) :: len(group)]
     built_now, cached = encode_entries(built, mine, {r.sample_id: r for r in records}, folder)
     error = monitored_barrier(run, cache_spec.barrier_timeout_minutes)
     missing = [f"{e.name}: {p}" for e in entries if (p := entry_problem(folder / e.relpath, e, full=False))]
@@ -81,17 +115,20 @@ def prepare_codec_cache(run, cache_spec: CacheSpec, folder: Path, built,
     if problems:
         return None, "codec-token cache incomplete:\n  " + "\n  ".join(problems[:20])
     total_built = sum(r[0] for r in reports)
-    summary = (f"codec-token cache {folder}: {len(entries)} clips, built now {total_built}, already cached "
-               f"{len(entries) - total_built} ({time.perf_counter() - started:.2f} s)")
+    summary = (
+        f"codec-token cache {folder}: {len(entries)} clips, built now {total_built}, already cached "
+        f"{len(entries) - total_built} ({time.perf_counter() - started:.2f} s)"
+    )
     return {e.sample_id: folder / e.relpath for e in entries}, summary
 
 
 def verify_codec_cache(run, folder: Path, built, records: list[AudioRecord]) -> tuple[bool, str]:
     """Collective: fully check (checksums included) every entry, each rank a share. (complete, report text)."""
     entries = plan_codec_entries(records, built)
-    mine = entries[run.rank::run.world_size]
+    mine = entries[run.rank :: run.world_size]
     problems = [f"{e.name}: {p}" for e in mine if (p := entry_problem(folder / e.relpath, e, full=True))]
     problems = [p for share in all_gather_object(problems) for p in share]
-    text = (f"codec-token cache verify {folder}: {len(entries)} clips, {len(problems)} bad or missing"
-            + "".join(f"\n  {p}" for p in problems[:20]))
+    text = f"codec-token cache verify {folder}: {len(entries)} clips, {len(problems)} bad or missing" + "".join(
+        f"\n  {p}" for p in problems[:20]
+    )
     return not problems, text

@@ -92,10 +92,14 @@ class CachedVideoDataset(VideoCaptionDataset):
 
 def collate_cached(samples: list[dict]) -> dict:
     """Every tensor of a sample (pixels or latents, the family's text tensors, the crop fields) stacked."""
-    batch = {name: torch.stack([s[name] for s in samples]) for name, value in samples[0].items()
-             if torch.is_tensor(value)}
-    batch.update(caption=[s["caption"] for s in samples], sample_id=[s["sample_id"] for s in samples],
-                 index=torch.tensor([s["index"] for s in samples], dtype=torch.long))
+    batch = {
+        name: torch.stack([s[name] for s in samples]) for name, value in samples[0].items() if torch.is_tensor(value)
+    }
+    batch.update(
+        caption=[s["caption"] for s in samples],
+        sample_id=[s["sample_id"] for s in samples],
+        index=torch.tensor([s["index"] for s in samples], dtype=torch.long),
+    )
     return batch
 
 
@@ -115,11 +119,20 @@ class CachedSpeechDataset(Dataset):
     def __getitem__(self, index: int) -> dict:
         record = self.records[index]
         codes = read_entry(self.paths[record.sample_id])["codes"].long()
-        return {"index": index, "sample_id": record.sample_id, "codes": codes, "text": record.caption,
-                "speaker": record.speaker}
+        return {
+            "index": index,
+            "sample_id": record.sample_id,
+            "codes": codes,
+            "text": record.caption,
+            "speaker": record.speaker,
+        }
 
     @staticmethod
     def collate(samples: list[dict]) -> dict:
-        return {"index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
-                "sample_ids": [s["sample_id"] for s in samples], "codes": [s["codes"] for s in samples],
-                "texts": [s["text"] for s in samples], "speakers": [s["speaker"] for s in samples]}
+        return {
+            "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
+            "sample_ids": [s["sample_id"] for s in samples],
+            "codes": [s["codes"] for s in samples],
+            "texts": [s["text"] for s in samples],
+            "speakers": [s["speaker"] for s in samples],
+        }

@@ -85,13 +85,28 @@ def key_of(fields: dict) -> str:
     return bytes_sha256(json.dumps({"format": CACHE_FORMAT, **fields}, sort_keys=True).encode())
 
 
-def latent_key(sample_id: str, content_sha256: str, vae_fingerprint: str, resolution: int, flip: bool,
-               dtype: str, size: tuple[int, int] | None = None) -> str:
+def latent_key(
+    sample_id: str,
+    content_sha256: str,
+    vae_fingerprint: str,
+    resolution: int,
+    flip: bool,
+    dtype: str,
+    size: tuple[int, int] | None = None,
+) -> str:
     """The key of one sample's latent: identity, image content, VAE weights, and the preprocessing (resolution,
     the bucket's (width, height) with data.buckets, the centre crop that is the only one cached, the flip, the
     dtype the VAE runs in). Without a bucket the key is what it was before buckets existed."""
-    fields = {"kind": "latent", "sample_id": sample_id, "content": content_sha256, "vae": vae_fingerprint,
-              "resolution": int(resolution), "crop": "center", "flip": bool(flip), "dtype": dtype}
+    fields = {
+        "kind": "latent",
+        "sample_id": sample_id,
+        "content": content_sha256,
+        "vae": vae_fingerprint,
+        "resolution": int(resolution),
+        "crop": "center",
+        "flip": bool(flip),
+        "dtype": dtype,
+    }
     if size is not None:
         fields["size"] = [int(size[0]), int(size[1])]
     return key_of(fields)
@@ -107,10 +122,20 @@ def text_key(caption: str, text_fingerprint: str, dtype: str, tensors: tuple[str
     return key_of(fields)
 
 
-def plan_entries(records, content_hashes: dict[str, str], fingerprints: dict[str, str], resolution: int,
-                 random_flip: bool, caption_dropout: float, dtype: str, latents: bool, text: bool,
-                 sizes: dict[str, tuple[int, int]] | None = None,
-                 text_tensors: tuple[str, ...] = TEXT_TENSORS, latent_tensors: tuple[str, ...] = ()) -> list[Entry]:
+def plan_entries(
+    records,
+    content_hashes: dict[str, str],
+    fingerprints: dict[str, str],
+    resolution: int,
+    random_flip: bool,
+    caption_dropout: float,
+    dtype: str,
+    latents: bool,
+    text: bool,
+    sizes: dict[str, tuple[int, int]] | None = None,
+    text_tensors: tuple[str, ...] = TEXT_TENSORS,
+    latent_tensors: tuple[str, ...] = (),
+) -> list[Entry]:
     """Every entry a run reads, in a fixed order (records in index order, then captions sorted): the same list on
     every rank and for every world size, which is what makes the split and the chunks deterministic.
     `sizes`: sample_id -> bucket (width, height) with data.buckets (dstune.data.buckets.sample_buckets)."""
@@ -119,20 +144,43 @@ def plan_entries(records, content_hashes: dict[str, str], fingerprints: dict[str
         for record in records:
             if record.sample_id not in content_hashes:
                 continue  # unreadable file (data.skip_bad_files): reported by the caller
-            for flip in ((False, True) if random_flip else (False,)):
+            for flip in (False, True) if random_flip else (False,):
                 size = sizes[record.sample_id] if sizes else None
-                key = latent_key(record.sample_id, content_hashes[record.sample_id], fingerprints["vae"],
-                                 resolution, flip, dtype, size)
+                key = latent_key(
+                    record.sample_id,
+                    content_hashes[record.sample_id],
+                    fingerprints["vae"],
+                    resolution,
+                    flip,
+                    dtype,
+                    size,
+                )
                 name = f"{record.sample_id} (flipped)" if flip else record.sample_id
-                entries.append(Entry("latent", key, name, sample_id=record.sample_id, flip=flip, size=size,
-                                     tensors=tuple(latent_tensors)))
+                entries.append(
+                    Entry(
+                        "latent",
+                        key,
+                        name,
+                        sample_id=record.sample_id,
+                        flip=flip,
+                        size=size,
+                        tensors=tuple(latent_tensors),
+                    )
+                )
     if text:
         captions = {record.caption for record in records}
         if caption_dropout > 0:
             captions.add("")
         for caption in sorted(captions):
-            entries.append(Entry("text", text_key(caption, fingerprints["text"], dtype, text_tensors), repr(caption),
-                                 caption=caption, tensors=tuple(text_tensors)))
+            entries.append(
+                Entry(
+                    "text",
+                    text_key(caption, fingerprints["text"], dtype, text_tensors),
+                    repr(caption),
+                    caption=caption,
+                    tensors=tuple(text_tensors),
+                )
+            )
     return entries
 
 
@@ -189,7 +237,8 @@ def entry_problem(path: str | os.PathLike, entry: Entry, full: bool) -> str | No
             return f"truncated or padded ({size} bytes, header promises {8 + header_bytes + max(ends, default=0)})"
         metadata = header.get("__metadata__") or {}
         if metadata.get(_KEY_META) != entry.key or sorted(k for k in header if k != "__metadata__") != sorted(
-                entry.tensor_names):
+            entry.tensor_names
+        ):
             return "written for another key"
         if full:
             tensors = load_file(str(path))

@@ -19,8 +19,15 @@ from typing import Callable, Optional
 
 import torch
 
-from dstune.cache.entries import (Entry, bytes_sha256, entry_problem, file_sha256, folder_fingerprint, plan_entries,
-                                  write_entry)
+from dstune.cache.entries import (
+    Entry,
+    bytes_sha256,
+    entry_problem,
+    file_sha256,
+    folder_fingerprint,
+    plan_entries,
+    write_entry,
+)
 from dstune.cache.share import monitored_barrier, sharing_group
 from dstune.data.buckets import sample_buckets
 from dstune.data.images import BadSampleError, ImageCaptionDataset
@@ -99,7 +106,7 @@ def _content_hash(record, data: DataSpec, clips, file_hashes: dict) -> str:
 def _content_hashes(run, records, data: DataSpec, video: bool) -> tuple[dict[str, str], dict[str, str]]:
     """sample_id -> content sha256 for all records (each rank hashes a share), and sample_id -> reason for files
     that could not be read."""
-    mine, bad, share, file_hashes = {}, {}, records[run.rank::run.world_size], {}
+    mine, bad, share, file_hashes = {}, {}, records[run.rank :: run.world_size], {}
     clips = VideoCaptionDataset(data, share, 0) if video and share else None
     for record in share:
         try:
@@ -130,8 +137,9 @@ def _sizes(targets, data, video: bool) -> dict | None:
     return {**sizes, **{r.sample_id + CONTROL_SUFFIX: sizes[r.sample_id] for r in targets if r.control_path}}
 
 
-def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolution: int,
-                    extras: Optional[Callable] = None) -> tuple[dict, dict]:
+def _encode_latents(
+    built, dataset, by_id: dict, entries: list[Entry], resolution: int, extras: Optional[Callable] = None
+) -> tuple[dict, dict]:
     pixels, ok, failed = [], [], {}
     for entry in entries:
         try:
@@ -146,9 +154,16 @@ def _encode_latents(built, dataset, by_id: dict, entries: list[Entry], resolutio
         stacked = torch.stack([pixels[i] for i in same]).to(built.device, built.vae.dtype)
         mean, std = vae_posterior(built.vae, stacked)
         more = extras(built, stacked) if extras is not None else {}
-        tensors.update({ok[i].key: {"latent_mean": mean[j].cpu(), "latent_std": std[j].cpu(),
-                                    **{name: value[j].cpu() for name, value in more.items()}}
-                        for j, i in enumerate(same)})
+        tensors.update(
+            {
+                ok[i].key: {
+                    "latent_mean": mean[j].cpu(),
+                    "latent_std": std[j].cpu(),
+                    **{name: value[j].cpu() for name, value in more.items()},
+                }
+                for j, i in enumerate(same)
+            }
+        )
     return tensors, failed
 
 
@@ -163,12 +178,20 @@ def _chunks(entries: list[Entry]) -> list[list[Entry]]:
     for kind in ("latent", "text"):
         for size in dict.fromkeys(e.size for e in entries if e.kind == kind):  # one size per encoder batch (buckets)
             same = [e for e in entries if e.kind == kind and e.size == size]
-            out += [same[i:i + CHUNK_ENTRIES] for i in range(0, len(same), CHUNK_ENTRIES)]
+            out += [same[i : i + CHUNK_ENTRIES] for i in range(0, len(same), CHUNK_ENTRIES)]
     return out
 
 
-def _build_share(built, dataset, by_id: dict, folder: Path, chunks, resolution: int, encode_text: Callable,
-                 extras: Optional[Callable] = None) -> dict:
+def _build_share(
+    built,
+    dataset,
+    by_id: dict,
+    folder: Path,
+    chunks,
+    resolution: int,
+    encode_text: Callable,
+    extras: Optional[Callable] = None,
+) -> dict:
     """Encode and write every entry of these chunks that is not already a complete, checksummed file.
     A chunk is encoded whole (same batches as any other world size) but only its bad entries are written."""
     counts = {"built": 0, "cached": 0, "failed": {}}
@@ -202,14 +225,17 @@ def _verify_share(folder: Path, chunks) -> dict:
     return counts
 
 
-def _summary(folder_reports, entries_total: int, unreadable: dict, verify_only: bool,
-             seconds: float) -> tuple[str, list[str]]:
+def _summary(
+    folder_reports, entries_total: int, unreadable: dict, verify_only: bool, seconds: float
+) -> tuple[str, list[str]]:
     """One text over all ranks, per cache folder, and the failures."""
     lines, failures = [], []
     for folder, ranks, built, cached, failed in folder_reports:
-        lines.append(f"  {folder} (ranks {', '.join(map(str, ranks))}): {entries_total} entries, "
-                     f"{'checked' if verify_only else 'built now'} {cached if verify_only else built}, "
-                     f"{'' if verify_only else f'already cached {cached}, '}failed {len(failed)}")
+        lines.append(
+            f"  {folder} (ranks {', '.join(map(str, ranks))}): {entries_total} entries, "
+            f"{'checked' if verify_only else 'built now'} {cached if verify_only else built}, "
+            f"{'' if verify_only else f'already cached {cached}, '}failed {len(failed)}"
+        )
         failures += [f"  {folder}: {name}: {reason}" for name, reason in sorted(failed.items())]
     failures += [f"  {sample_id}: cannot read the file ({reason})" for sample_id, reason in sorted(unreadable.items())]
     head = "cache verify" if verify_only else "cache"
@@ -245,23 +271,44 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
     fingerprints = _fingerprints(job.model_folder, text.folder_names(job.model_folder) if text else ())
     if job.text_settings:  # e.g. flow's max_sequence_length: same encoders, other tensors
         fingerprints["text"] = bytes_sha256((fingerprints["text"] + job.text_settings).encode())
-    if job.latent_settings:  # e.g. image-to-video: the first frame's condition (and its encoders) stored beside the posterior
+    if (
+        job.latent_settings
+    ):  # e.g. image-to-video: the first frame's condition (and its encoders) stored beside the posterior
         extra = "".join(folder_fingerprint(job.model_folder / name) for name in job.latent_folders)
         fingerprints["vae"] = bytes_sha256((fingerprints["vae"] + job.latent_settings + extra).encode())
-    entries = plan_entries(records, hashes, fingerprints, data.resolution, data.random_flip, data.caption_dropout,
-                           _dtype_name(job.dtype), cache_spec.latents, cache_spec.text_embeddings,
-                           _sizes(targets, data, job.video), text.tensor_names(job.model_folder) if text else (),
-                           job.latent_tensors)
+    entries = plan_entries(
+        records,
+        hashes,
+        fingerprints,
+        data.resolution,
+        data.random_flip,
+        data.caption_dropout,
+        _dtype_name(job.dtype),
+        cache_spec.latents,
+        cache_spec.text_embeddings,
+        _sizes(targets, data, job.video),
+        text.tensor_names(job.model_folder) if text else (),
+        job.latent_tensors,
+    )
     mine = [c for j, c in enumerate(_chunks(entries)) if j % len(group) == group.index(run.rank)]
     if verify_only:
         counts = _verify_share(folder, mine)
     else:
         dataset = (VideoCaptionDataset if job.video else ImageCaptionDataset)(data, targets, job.seed)
-        counts = _build_share(built, dataset, {r.sample_id: r for r in records}, folder, mine, data.resolution,
-                              text.encode if text else None, job.latent_extras)
+        counts = _build_share(
+            built,
+            dataset,
+            {r.sample_id: r for r in records},
+            folder,
+            mine,
+            data.resolution,
+            text.encode if text else None,
+            job.latent_extras,
+        )
     agree_or_stop(run, monitored_barrier(run, cache_spec.barrier_timeout_minutes))
-    missing = {} if verify_only else {e.name: p for e in entries
-                                      if (p := entry_problem(folder / e.relpath, e, full=False))}
+    missing = (
+        {} if verify_only else {e.name: p for e in entries if (p := entry_problem(folder / e.relpath, e, full=False))}
+    )
     reports = all_gather_object((str(folder), tuple(group), counts, missing))
     seconds = time.perf_counter() - started  # the same on every rank: the barrier waited for the slowest
     return _conclude(run, data, folder, entries, reports, unreadable, verify_only, seconds)
@@ -282,7 +329,8 @@ def _conclude(run, data: DataSpec, folder, entries, reports, unreadable, verify_
     failed = {e.sample_id for e in entries if e.kind == "latent" and e.name in bad_names} | set(unreadable)
     failed_samples = {sample_id.removesuffix(CONTROL_SUFFIX) for sample_id in failed}  # a bad source: its pair
     only_bad_images = all(e.kind == "latent" for e in entries if e.name in bad_names) and not any(
-        "after the build" in why or "checksum" in why for *_, failed in folder_reports for why in failed.values())
+        "after the build" in why or "checksum" in why for *_, failed in folder_reports for why in failed.values()
+    )
     code = 0
     if failures:
         listing = "\n".join(failures[:20]) + (f"\n  ... and {len(failures) - 20} more" if len(failures) > 20 else "")
@@ -326,5 +374,3 @@ def frozen_on_device(built, moved: list[str]):
             built.frozen[name].to("cpu")
         if moved and torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-

@@ -46,7 +46,9 @@ def monitored_barrier(run, timeout_minutes: int) -> str | None:
     try:
         dist.monitored_barrier(group=group, timeout=timedelta(minutes=timeout_minutes), wait_all_ranks=True)
     except RuntimeError as err:
-        return (f"cache build: not every rank finished within data.cache.barrier_timeout_minutes={timeout_minutes} "
-                f"({str(err).splitlines()[0]}). Build the cache first (`dstune cache SPEC` or `--cache-only`) or "
-                "raise the timeout.")
+        return (
+            f"cache build: not every rank finished within data.cache.barrier_timeout_minutes={timeout_minutes} "
+            f"({str(err).splitlines()[0]}). Build the cache first (`dstune cache SPEC` or `--cache-only`) or "
+            "raise the timeout."
+        )
     return None

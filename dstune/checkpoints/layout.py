@@ -59,16 +59,18 @@ def resolve_resume(run_dir: Path, resume: str) -> tuple[Path, str]:
         root = checkpoint_root(run_dir)
         tag = read_latest(root)
         if tag is None:
-            raise CheckpointError(f"--resume latest: no complete checkpoint in {root} (nothing to resume; drop --resume "
-                                  "to start fresh)")
+            raise CheckpointError(
+                f"--resume latest: no complete checkpoint in {root} (nothing to resume; drop --resume to start fresh)"
+            )
         return root, tag
     path = Path(resume)
     if (path / STATE_FILE).is_file():
         return path.parent, path.name
-    raise CheckpointError(f"--resume {resume}: not a complete dstune checkpoint folder (no {STATE_FILE}); "
-                          f"give `latest` or a folder like {checkpoint_root(run_dir)}/{tag_for(100)}")
+    raise CheckpointError(
+        f"--resume {resume}: not a complete dstune checkpoint folder (no {STATE_FILE}); "
+        f"give `latest` or a folder like {checkpoint_root(run_dir)}/{tag_for(100)}"
+    )
 
 
 def read_state(root: Path, tag: str) -> dict:
     return json.loads((root / tag / STATE_FILE).read_text())
-

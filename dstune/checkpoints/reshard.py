@@ -38,13 +38,22 @@ def convert(folder: Path, out: Path) -> None:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f"{out.name}.partial-{secrets.token_hex(4)}"
-    args = argparse.Namespace(input_folder=str(folder), output_folder=str(partial), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=True)  # dstune's checkpoints carry no universal_checkpoint_info
+    args = argparse.Namespace(
+        input_folder=str(folder),
+        output_folder=str(partial),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )  # dstune's checkpoints carry no universal_checkpoint_info
     log = io.StringIO()
     try:
-        with only_tensors_unpickled(f"checkpoint {folder}"), contextlib.redirect_stdout(log), \
-                contextlib.redirect_stderr(log):
+        with (
+            only_tensors_unpickled(f"checkpoint {folder}"),
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+        ):
             ds_to_universal(args)
     except CheckpointError:
         shutil.rmtree(partial, ignore_errors=True)
@@ -52,8 +61,9 @@ def convert(folder: Path, out: Path) -> None:
     except Exception as err:  # DeepSpeed's converter asserts and raises anything; report it with its output
         shutil.rmtree(partial, ignore_errors=True)
         tail = "\n".join(log.getvalue().splitlines()[-10:])
-        raise CheckpointError(f"converting {folder} for another number of ranks failed: {type(err).__name__}: "
-                              f"{err}\n{tail}") from err
+        raise CheckpointError(
+            f"converting {folder} for another number of ranks failed: {type(err).__name__}: {err}\n{tail}"
+        ) from err
     if out.exists():
         shutil.rmtree(out)  # a copy left by an earlier resume that stopped before loading: ours, made again
     partial.rename(out)
@@ -66,8 +76,10 @@ def universal_copy(run: Run, run_dir: Path, root: Path, tag: str) -> Path:
     error = None
     if run.is_main:
         ranks = f"{run.world_size} rank{'s' if run.world_size != 1 else ''}"
-        print(f"converting {root / tag} to DeepSpeed's universal checkpoint for {ranks} (into {universal_root / tag})",
-              flush=True)
+        print(
+            f"converting {root / tag} to DeepSpeed's universal checkpoint for {ranks} (into {universal_root / tag})",
+            flush=True,
+        )
         try:
             convert(root / tag, universal_root / tag)
         except (CheckpointError, OSError) as err:

@@ -22,10 +22,24 @@ from pathlib import Path
 from typing import Optional
 
 from dstune.checkpoints.reshard import remove_universal_copy, universal_copy
-from dstune.checkpoints.resume_plan import (Rebatched, SavedRun, batch_refusal, is_partitioned, position_refusal,
-                                            rebatched, reshard_refusal, resume_kind)
-from dstune.checkpoints.layout import (CheckpointError, TrainState, checkpoint_root, list_complete, read_state,
-                                       resolve_resume)
+from dstune.checkpoints.resume_plan import (
+    Rebatched,
+    SavedRun,
+    batch_refusal,
+    is_partitioned,
+    position_refusal,
+    rebatched,
+    reshard_refusal,
+    resume_kind,
+)
+from dstune.checkpoints.layout import (
+    CheckpointError,
+    TrainState,
+    checkpoint_root,
+    list_complete,
+    read_state,
+    resolve_resume,
+)
 from dstune.checkpoints.store import load_checkpoint
 from dstune.distributed import Run, agree_or_stop, stop
 from dstune.ds_json.blocks import with_universal_loading
@@ -56,9 +70,9 @@ class Resuming:
 
 
 def _refusals(spec, source, root: Path, tag: str, saved: dict, world_size: int, allow_batch_change: bool):
-    return batch_refusal(spec.train, world_size, SavedRun.from_state(saved), source, f"checkpoint {root / tag}",
-                         allow_batch_change) or reshard_refusal(root / tag, saved["spec"]["train"]["optimizer"]["type"],
-                                                                saved["world_size"], world_size)
+    return batch_refusal(
+        spec.train, world_size, SavedRun.from_state(saved), source, f"checkpoint {root / tag}", allow_batch_change
+    ) or reshard_refusal(root / tag, saved["spec"]["train"]["optimizer"]["type"], saved["world_size"], world_size)
 
 
 def resume_refusal(spec, source, resume: str | None, world_size: int, allow_batch_change: bool) -> str | None:
@@ -77,8 +91,10 @@ def resume_refusal(spec, source, resume: str | None, world_size: int, allow_batc
 def overwrite_refusal(run_dir: Path, resume: str | None) -> str | None:
     """Nothing already in the folder is overwritten without --resume."""
     if resume is None and list_complete(checkpoint_root(run_dir)):
-        return (f"output.dir {run_dir} already holds checkpoints of an earlier run. Continue it with "
-                "`--resume latest`, or choose another output.dir (nothing was overwritten).")
+        return (
+            f"output.dir {run_dir} already holds checkpoints of an earlier run. Continue it with "
+            "`--resume latest`, or choose another output.dir (nothing was overwritten)."
+        )
     return None
 
 
@@ -99,8 +115,9 @@ def _check_spec_changes(run: Run, spec: Spec, saved_spec: dict, allow: bool) -> 
                 print(text, flush=True)
 
 
-def find_resume(run: Run, resolved: Resolved, run_dir: Path, resume: str | None,
-                options: ResumeOptions) -> Optional[Resuming]:
+def find_resume(
+    run: Run, resolved: Resolved, run_dir: Path, resume: str | None, options: ResumeOptions
+) -> Optional[Resuming]:
     """Collective. The checkpoint to continue, checked for this world; its ZeRO state converted when it was written
     by another number of ranks. All ranks stop together on an error."""
     if not resume:
@@ -147,8 +164,9 @@ def continue_from(run: Run, resuming: Optional[Resuming], engine, ema, resolved:
         return TrainState()
     state, error = None, None
     try:
-        state = load_checkpoint(engine, run, resuming.root, resuming.tag, ema=ema,
-                                universal_root=resuming.universal_root)
+        state = load_checkpoint(
+            engine, run, resuming.root, resuming.tag, ema=ema, universal_root=resuming.universal_root
+        )
     except CheckpointError as err:
         error = str(err)
     agree_or_stop(run, error)
@@ -159,14 +177,18 @@ def continue_from(run: Run, resuming: Optional[Resuming], engine, ema, resolved:
         was = resuming.saved.world_size
         how = f" (written by {was} rank{'s' if was != 1 else ''}, continued on {run.world_size})"
     if resuming.rebatched is not None:
-        state = TrainState(state.global_step, resuming.rebatched.epoch, resuming.rebatched.step_in_epoch,
-                           state.samples_seen)
+        state = TrainState(
+            state.global_step, resuming.rebatched.epoch, resuming.rebatched.step_in_epoch, state.samples_seen
+        )
         follow_plan_schedule(engine, resolved.spec.train, plan)
         if run.is_main:
             print(resuming.rebatched.text, flush=True)
     else:  # the spec's LR, schedule and optimizer settings, not the checkpoint's (the same values without changes)
         follow_plan_schedule(engine, resolved.spec.train, plan, saved_schedule_steps(engine))
     if run.is_main:
-        print(f"resumed from {resuming.root / resuming.tag}{how}: step {state.global_step}, epoch {state.epoch + 1}, "
-              f"step {state.step_in_epoch} of that epoch", flush=True)
+        print(
+            f"resumed from {resuming.root / resuming.tag}{how}: step {state.global_step}, epoch {state.epoch + 1}, "
+            f"step {state.step_in_epoch} of that epoch",
+            flush=True,
+        )
     return state

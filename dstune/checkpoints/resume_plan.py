@@ -44,9 +44,18 @@ class SavedRun:
     @classmethod
     def from_state(cls, saved: dict) -> "SavedRun":
         plan, state = saved["plan"], saved["state"]
-        return cls(saved["world_size"], plan["micro_batch_size"], plan["gradient_accumulation_steps"],
-                   plan["global_batch_size"], plan["steps_per_epoch"], plan["total_steps"], state["global_step"],
-                   state["epoch"], state["step_in_epoch"], state["samples_seen"])
+        return cls(
+            saved["world_size"],
+            plan["micro_batch_size"],
+            plan["gradient_accumulation_steps"],
+            plan["global_batch_size"],
+            plan["steps_per_epoch"],
+            plan["total_steps"],
+            state["global_step"],
+            state["epoch"],
+            state["step_in_epoch"],
+            state["samples_seen"],
+        )
 
 
 def _ranks(n: int) -> str:
@@ -58,7 +67,7 @@ def _split(micro: int, accumulation: int, world_size: int) -> str:
 
 
 def resume_kind(saved: SavedRun, world_size: int, global_batch: int) -> str:
-    """"same", "reshard" (another world, the same global batch) or "rebatch" (another global batch)."""
+    """ "same", "reshard" (another world, the same global batch) or "rebatch" (another global batch)."""
     if global_batch != saved.global_batch_size:
         return "rebatch"
     return "same" if world_size == saved.world_size else "reshard"
@@ -74,8 +83,14 @@ def _planned(train: TrainSpec, world_size: int, source: SpecSource) -> Optional[
 def _candidate_overrides(train: TrainSpec, global_batch: int, micro: int, accumulation: int) -> list[dict]:
     """Override sets, smallest first, that might make the spec plan (micro, accumulation, global_batch)."""
     keys_g, keys_m, keys_a = "global_batch_size", "micro_batch_size", "gradient_accumulation_steps"
-    sets = [{keys_g: global_batch}, {keys_a: accumulation}, {keys_m: micro}, {keys_m: micro, keys_a: accumulation},
-            {keys_g: global_batch, keys_m: micro}, {keys_g: global_batch, keys_m: micro, keys_a: accumulation}]
+    sets = [
+        {keys_g: global_batch},
+        {keys_a: accumulation},
+        {keys_m: micro},
+        {keys_m: micro, keys_a: accumulation},
+        {keys_g: global_batch, keys_m: micro},
+        {keys_g: global_batch, keys_m: micro, keys_a: accumulation},
+    ]
     return [values for values in sets if any(getattr(train, k) != v for k, v in values.items())]
 
 
@@ -85,13 +100,17 @@ def keep_batch_options(train: TrainSpec, world_size: int, global_batch: int, sou
     if global_batch % world_size:
         return []
     per_rank = global_batch // world_size
-    micros = sorted((m for m in range(1, per_rank + 1) if per_rank % m == 0),
-                    key=lambda m: (m != train.micro_batch_size, -m))
+    micros = sorted(
+        (m for m in range(1, per_rank + 1) if per_rank % m == 0), key=lambda m: (m != train.micro_batch_size, -m)
+    )
     options = []
     for micro in micros:
         for values in _candidate_overrides(train, global_batch, micro, per_rank // micro):
-            if _planned(train.model_copy(update=values), world_size, source) == (micro, per_rank // micro,
-                                                                                  global_batch):
+            if _planned(train.model_copy(update=values), world_size, source) == (
+                micro,
+                per_rank // micro,
+                global_batch,
+            ):
                 flags = " ".join(f"--set train.{k}={v}" for k, v in values.items() if getattr(train, k) != v)
                 options.append(f"{flags}   ({_split(micro, per_rank // micro, world_size)})")
                 break
@@ -100,8 +119,9 @@ def keep_batch_options(train: TrainSpec, world_size: int, global_batch: int, sou
     return options
 
 
-def batch_refusal(train: TrainSpec, world_size: int, saved: SavedRun, source: SpecSource, checkpoint: str,
-                  allow_change: bool) -> Optional[str]:
+def batch_refusal(
+    train: TrainSpec, world_size: int, saved: SavedRun, source: SpecSource, checkpoint: str, allow_change: bool
+) -> Optional[str]:
     """The message refusing to resume `saved` with this spec on `world_size` ranks, or None when the global batch
     is kept, when --allow-batch-change was given, or when the spec does not fit this world at all (validation
     reports that, with its own fix)."""
@@ -109,22 +129,28 @@ def batch_refusal(train: TrainSpec, world_size: int, saved: SavedRun, source: Sp
     if planned is None or planned[2] == saved.global_batch_size or allow_change:
         return None
     g = saved.global_batch_size
-    lines = [f"{checkpoint} was trained with a global batch of {g} "
-             f"({_split(saved.micro_batch_size, saved.gradient_accumulation_steps, saved.world_size)}); this launch "
-             f"would train with a global batch of {planned[2]} ({_split(planned[0], planned[1], world_size)}). A run continues the same "
-             "trajectory on another number of ranks only with the same global batch. Options:"]
+    lines = [
+        f"{checkpoint} was trained with a global batch of {g} "
+        f"({_split(saved.micro_batch_size, saved.gradient_accumulation_steps, saved.world_size)}); this launch "
+        f"would train with a global batch of {planned[2]} ({_split(planned[0], planned[1], world_size)}). A run continues the same "
+        "trajectory on another number of ranks only with the same global batch. Options:"
+    ]
     options = keep_batch_options(train, world_size, g, source)
     if options:
         lines.append(f"  - keep the global batch of {g} on {_ranks(world_size)}:")
         lines += [f"      {option}" for option in options]
     else:
         fits = [n for n in range(1, g + 1) if g % n == 0]
-        lines.append(f"  - {g} samples cannot be split evenly over {_ranks(world_size)}; launch a number of ranks "
-                     f"that divides {g} ({', '.join(map(str, fits))})")
+        lines.append(
+            f"  - {g} samples cannot be split evenly over {_ranks(world_size)}; launch a number of ranks "
+            f"that divides {g} ({', '.join(map(str, fits))})"
+        )
     if _planned(train, saved.world_size, source) == (saved.micro_batch_size, saved.gradient_accumulation_steps, g):
         lines.append(f"  - launch {_ranks(saved.world_size)}, as the checkpoint was written")
-    lines.append(f"  - {ALLOW_FLAG}: continue with a global batch of {planned[2]}; the steps per epoch, the total "
-                 "steps and the LR schedule follow the new batch from this step on (printed at start)")
+    lines.append(
+        f"  - {ALLOW_FLAG}: continue with a global batch of {planned[2]}; the steps per epoch, the total "
+        "steps and the LR schedule follow the new batch from this step on (printed at start)"
+    )
     lines.append("Nothing was trained.")
     return "\n".join(lines)
 
@@ -153,16 +179,22 @@ def rebatched(saved: SavedRun, plan: Plan, train: TrainSpec) -> Rebatched:
         total = saved.global_step + (train.epochs - epoch) * plan.steps_per_epoch - step
     total = max(total, saved.global_step)
     samples = saved.samples_seen + (total - saved.global_step) * plan.global_batch_size
-    new_plan = dataclasses.replace(plan, total_steps=total, samples_seen=samples,
-                                   epochs=samples / plan.samples_per_epoch,
-                                   times_each_sample_seen=samples / plan.num_samples)
-    text = (f"{ALLOW_FLAG}: global batch {saved.global_batch_size} -> {plan.global_batch_size} "
-            f"({_split(plan.micro_batch_size, plan.gradient_accumulation_steps, plan.world_size)}); steps per epoch "
-            f"{saved.steps_per_epoch} -> {plan.steps_per_epoch}; total optimizer steps {saved.total_steps} -> {total} "
-            f"({'train.max_steps' if train.max_steps is not None else 'train.epochs'}; {total - saved.global_step} "
-            f"more from step {saved.global_step}); data: epoch {saved.epoch + 1} step {saved.step_in_epoch} -> epoch "
-            f"{epoch + 1} step {step}; the LR schedule is the new plan's ({total} steps, peak lr "
-            f"{plan.effective_lr:g}) from step {saved.global_step} on")
+    new_plan = dataclasses.replace(
+        plan,
+        total_steps=total,
+        samples_seen=samples,
+        epochs=samples / plan.samples_per_epoch,
+        times_each_sample_seen=samples / plan.num_samples,
+    )
+    text = (
+        f"{ALLOW_FLAG}: global batch {saved.global_batch_size} -> {plan.global_batch_size} "
+        f"({_split(plan.micro_batch_size, plan.gradient_accumulation_steps, plan.world_size)}); steps per epoch "
+        f"{saved.steps_per_epoch} -> {plan.steps_per_epoch}; total optimizer steps {saved.total_steps} -> {total} "
+        f"({'train.max_steps' if train.max_steps is not None else 'train.epochs'}; {total - saved.global_step} "
+        f"more from step {saved.global_step}); data: epoch {saved.epoch + 1} step {saved.step_in_epoch} -> epoch "
+        f"{epoch + 1} step {step}; the LR schedule is the new plan's ({total} steps, peak lr "
+        f"{plan.effective_lr:g}) from step {saved.global_step} on"
+    )
     return Rebatched(new_plan, epoch, step, text)
 
 
@@ -178,28 +210,42 @@ def reshard_refusal(folder: Path, optimizer_type: str, saved_world: int, world_s
     """Why a checkpoint written by `saved_world` ranks cannot be re-partitioned for `world_size`, or None."""
     if saved_world == world_size or not is_partitioned(folder) or optimizer_type in ADAM_STATE_OPTIMIZERS:
         return None
-    return (f"{folder} was written by {saved_world} ranks; this run has {world_size}. Resuming on another number of "
-            "ranks re-partitions the optimizer state through DeepSpeed's universal checkpoint, which carries Adam's "
-            f"state only (exp_avg, exp_avg_sq), not {optimizer_type}'s. Relaunch with {saved_world} ranks, or export "
-            "the weights (`dstune export RUN`) and start a new run from the exported folder (model.pretrained).")
+    return (
+        f"{folder} was written by {saved_world} ranks; this run has {world_size}. Resuming on another number of "
+        "ranks re-partitions the optimizer state through DeepSpeed's universal checkpoint, which carries Adam's "
+        f"state only (exp_avg, exp_avg_sq), not {optimizer_type}'s. Relaunch with {saved_world} ranks, or export "
+        "the weights (`dstune export RUN`) and start a new run from the exported folder (model.pretrained)."
+    )
 
 
-def resume_preview(spec_dump: dict, train: TrainSpec, world_size: int, global_batch: int, saved_state: dict,
-                   source: SpecSource, checkpoint: str, reshard_problem: Optional[str]) -> tuple[str, bool]:
+def resume_preview(
+    spec_dump: dict,
+    train: TrainSpec,
+    world_size: int,
+    global_batch: int,
+    saved_state: dict,
+    source: SpecSource,
+    checkpoint: str,
+    reshard_problem: Optional[str],
+) -> tuple[str, bool]:
     """`dstune validate --resume-from RUN`: what a resume of `checkpoint` on this world would do, offline, and
     whether it would start (False: refused, for the batch, the optimizer state or a spec change)."""
     saved = SavedRun.from_state(saved_state)
     written = _split(saved.micro_batch_size, saved.gradient_accumulation_steps, saved.world_size)
-    lines = [f"resume from {checkpoint}: step {saved.global_step} of {saved.total_steps}, epoch {saved.epoch + 1} "
-             f"(step {saved.step_in_epoch} of it), written by {written}"]
+    lines = [
+        f"resume from {checkpoint}: step {saved.global_step} of {saved.total_steps}, epoch {saved.epoch + 1} "
+        f"(step {saved.step_in_epoch} of it), written by {written}"
+    ]
     refusal = batch_refusal(train, world_size, saved, source, checkpoint, allow_change=False) or reshard_problem
     if refusal:
         return "\n".join(lines + [f"refused: {refusal}"]), False
     if resume_kind(saved, world_size, global_batch) == "same":
         lines.append("same world and global batch: DeepSpeed loads its own shards")
     else:
-        lines.append(f"continues on {_ranks(world_size)} with the same global batch of {global_batch}: the ZeRO state "
-                     "is re-partitioned through DeepSpeed's universal checkpoint (docs/training.md, Resume)")
+        lines.append(
+            f"continues on {_ranks(world_size)} with the same global batch of {global_batch}: the ZeRO state "
+            "is re-partitioned through DeepSpeed's universal checkpoint (docs/training.md, Resume)"
+        )
     changes = spec_changes(saved_state.get("spec", {}), spec_dump)
     refused = refused_changes_text(changes, saved_state.get("spec", {}), spec_dump)
     safe, breaking = describe_changes(changes, train.scheduler.type)
@@ -212,7 +258,9 @@ def position_refusal(saved: SavedRun, plan: Plan, checkpoint: str) -> Optional[s
     another number of steps per epoch), or None. A new global batch moves the position itself (`rebatched`)."""
     if saved.global_batch_size != plan.global_batch_size or saved.steps_per_epoch == plan.steps_per_epoch:
         return None
-    return (f"{checkpoint} stopped at epoch {saved.epoch + 1}, step {saved.step_in_epoch} of its "
-            f"{saved.steps_per_epoch} steps per epoch; with this spec's data an epoch has {plan.steps_per_epoch} "
-            "steps (the data changed), so the run's place in its data order does not exist any more. "
-            "Revert the data changes to continue this run. " + NEW_RUN)
+    return (
+        f"{checkpoint} stopped at epoch {saved.epoch + 1}, step {saved.step_in_epoch} of its "
+        f"{saved.steps_per_epoch} steps per epoch; with this spec's data an epoch has {plan.steps_per_epoch} "
+        "steps (the data changed), so the run's place in its data order does not exist any more. "
+        "Revert the data changes to continue this run. " + NEW_RUN
+    )

@@ -20,8 +20,16 @@ from typing import Optional
 
 import torch
 
-from dstune.checkpoints.layout import (STATE_FILE, CheckpointError, TrainState, checkpoint_root, list_complete,
-                                       read_latest, read_state, tag_for)
+from dstune.checkpoints.layout import (
+    STATE_FILE,
+    CheckpointError,
+    TrainState,
+    checkpoint_root,
+    list_complete,
+    read_latest,
+    read_state,
+    tag_for,
+)
 from dstune.distributed import Run, all_gather_object, barrier
 from dstune.ema import Ema
 from dstune.fsutil import write_text_atomic
@@ -59,7 +67,8 @@ def only_tensors_unpickled(what: str):
         raise CheckpointError(
             f"{what}: refused to load a file that is not plain weights ({_unpickling_reason(err)}). dstune "
             "unpickles only tensors and DeepSpeed's own checkpoint types; a checkpoint that wants more was not "
-            "written by dstune or was tampered with. Use checkpoints from a source you trust.") from None
+            "written by dstune or was tampered with. Use checkpoints from a source you trust."
+        ) from None
     finally:
         if previous is None:
             os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
@@ -97,8 +106,9 @@ def leaves_frozen_out(module: torch.nn.Module) -> bool:
     return any(not param.requires_grad for param in module.parameters())
 
 
-def save_checkpoint(engine, run: Run, run_dir: Path, state: TrainState, extra: dict, keep_last: int,
-                    ema: Optional[Ema] = None) -> str:
+def save_checkpoint(
+    engine, run: Run, run_dir: Path, state: TrainState, extra: dict, keep_last: int, ema: Optional[Ema] = None
+) -> str:
     """Collective. Returns the tag. `extra` (spec, ds_config, plan: JSON) is stored beside the state for export and
     resume; the run's EMA, when there is one, saves its per-rank share as ema_rank{R}.pt."""
     root = checkpoint_root(run_dir)
@@ -108,14 +118,16 @@ def save_checkpoint(engine, run: Run, run_dir: Path, state: TrainState, extra: d
         if (root / tag).exists() and read_latest(root) != tag:
             shutil.rmtree(root / tag)  # leftovers of a save that crashed: never mixed with new shards
     barrier()
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False,
-                           exclude_frozen_parameters=leaves_frozen_out(engine.module))
+    engine.save_checkpoint(
+        str(root), tag=tag, save_latest=False, exclude_frozen_parameters=leaves_frozen_out(engine.module)
+    )
     torch.save(_rng_state(), root / tag / f"dstune_rank{run.rank}.pt")
     if ema is not None:
         ema.save(root / tag)
     # Each rank checks its own files (ranks may not share a filesystem); all must succeed before "latest" moves.
     mine_ok = (root / tag / f"dstune_rank{run.rank}.pt").is_file() and (
-        ema is None or (root / tag / f"ema_rank{run.rank}.pt").is_file())
+        ema is None or (root / tag / f"ema_rank{run.rank}.pt").is_file()
+    )
     if not all(all_gather_object(mine_ok)):
         raise CheckpointError(f"checkpoint {tag} is incomplete on some rank; 'latest' still points to the previous one")
     if run.is_main:
@@ -149,9 +161,11 @@ def space_problem(run_dir: Path, needed_bytes: int) -> Optional[str]:
     if free >= needed_bytes:
         return None
     mib = 1024 * 1024
-    return (f"output.dir {run_dir}: {free / mib:.1f} MiB free on its filesystem, but one checkpoint of this model "
-            f"needs about {needed_bytes / mib:.1f} MiB (weights + optimizer state, {BYTES_PER_PARAM} bytes per "
-            "parameter). Free space there or choose another output.dir; nothing was trained.")
+    return (
+        f"output.dir {run_dir}: {free / mib:.1f} MiB free on its filesystem, but one checkpoint of this model "
+        f"needs about {needed_bytes / mib:.1f} MiB (weights + optimizer state, {BYTES_PER_PARAM} bytes per "
+        "parameter). Free space there or choose another output.dir; nothing was trained."
+    )
 
 
 def shared_folder_problem(run: Run, run_dir: Path) -> Optional[str]:
@@ -178,10 +192,12 @@ def shared_folder_problem(run: Run, run_dir: Path) -> Optional[str]:
     if not blind:
         return None
     listing = "\n".join(f"  rank {rank} on {host}: output.dir {folder}" for rank, folder, host in blind)
-    return (f"output.dir is not shared by all ranks: rank 0 on {seen[0][2]} wrote a marker into {seen[0][1]}, and "
-            f"these ranks do not see it in their output.dir:\n{listing}\nA checkpoint needs every rank's shards in "
-            "one folder (resume and export read them all): put output.dir on storage every node mounts at the same "
-            "path (NFS, Lustre, ...), and give every node the same output.dir. Nothing was trained.")
+    return (
+        f"output.dir is not shared by all ranks: rank 0 on {seen[0][2]} wrote a marker into {seen[0][1]}, and "
+        f"these ranks do not see it in their output.dir:\n{listing}\nA checkpoint needs every rank's shards in "
+        "one folder (resume and export read them all): put output.dir on storage every node mounts at the same "
+        "path (NFS, Lustre, ...), and give every node the same output.dir. Nothing was trained."
+    )
 
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:
@@ -199,8 +215,9 @@ def rng_file_for(folder: Path, rank: int, saved_world: int) -> Path:
     return folder / f"dstune_rank{rank if rank < saved_world else 0}.pt"
 
 
-def load_checkpoint(engine, run: Run, root: Path, tag: str, ema=None,
-                    universal_root: Optional[Path] = None) -> TrainState:
+def load_checkpoint(
+    engine, run: Run, root: Path, tag: str, ema=None, universal_root: Optional[Path] = None
+) -> TrainState:
     """Collective. Restores weights, optimizer, LR schedule, RNG, the data position and (given `ema`) the EMA.
 
     A checkpoint of another number of ranks loads its ZeRO state from `universal_root` (dstune.checkpoints.reshard: the
@@ -209,13 +226,19 @@ def load_checkpoint(engine, run: Run, root: Path, tag: str, ema=None,
     saved = read_state(root, tag)
     other_world = saved["world_size"] != run.world_size
     if other_world and universal_root is None and any((root / tag).glob("*zero_pp_rank_*_optim_states.pt")):
-        raise CheckpointError(f"checkpoint {root / tag} was written by {saved['world_size']} ranks; this run has "
-                              f"{run.world_size}, and its ZeRO partitions were not converted for it")
+        raise CheckpointError(
+            f"checkpoint {root / tag} was written by {saved['world_size']} ranks; this run has "
+            f"{run.world_size}, and its ZeRO partitions were not converted for it"
+        )
     with only_tensors_unpickled(f"checkpoint {root / tag}"):
         # Frozen weights were left out (LoRA): they come from the pretrained folder, so the module load is not strict.
-        path, _ = engine.load_checkpoint(str(universal_root or root), tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True,
-                                         load_module_strict=not leaves_frozen_out(engine.module))
+        path, _ = engine.load_checkpoint(
+            str(universal_root or root),
+            tag=tag,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=not leaves_frozen_out(engine.module),
+        )
         rng_file = rng_file_for(root / tag, run.rank, saved["world_size"])
         rng_state = torch.load(rng_file, weights_only=True) if rng_file.is_file() else None
         if ema is not None:

@@ -36,7 +36,9 @@ def load_clip(record: AudioRecord, sample_rate: int) -> np.ndarray:
     try:
         wave, rate = soundfile.read(record.audio_path, dtype="float32", always_2d=True)
     except (RuntimeError, soundfile.LibsndfileError) as err:
-        raise DataError("data.path", f"audio {record.audio_path} cannot be decoded ({str(err).splitlines()[0]})") from None
+        raise DataError(
+            "data.path", f"audio {record.audio_path} cannot be decoded ({str(err).splitlines()[0]})"
+        ) from None
     return resample(wave.mean(axis=1), rate, sample_rate)
 
 
@@ -56,15 +58,24 @@ class SpeechDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         record = self.records[index]
-        return {"index": index, "sample_id": record.sample_id, "audio": torch.from_numpy(load_clip(record, self.sample_rate)),
-                "text": record.caption, "speaker": record.speaker}
+        return {
+            "index": index,
+            "sample_id": record.sample_id,
+            "audio": torch.from_numpy(load_clip(record, self.sample_rate)),
+            "text": record.caption,
+            "speaker": record.speaker,
+        }
 
 
 def collate_speech(samples: list[dict]) -> dict:
     """Clips stay a list (their lengths differ); the family pads what it derives from them."""
-    return {"index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
-            "sample_ids": [s["sample_id"] for s in samples], "audio": [s["audio"] for s in samples],
-            "texts": [s["text"] for s in samples], "speakers": [s["speaker"] for s in samples]}
+    return {
+        "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
+        "sample_ids": [s["sample_id"] for s in samples],
+        "audio": [s["audio"] for s in samples],
+        "texts": [s["text"] for s in samples],
+        "speakers": [s["speaker"] for s in samples],
+    }
 
 
 def speech_records(data: DataSpec) -> tuple[list[AudioRecord], list[str]]:

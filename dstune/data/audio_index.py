@@ -61,7 +61,9 @@ def index_audio(data: DataSpec) -> IndexResult:
     name = builtin_name(data.path)
     if name is not None:
         if name != "tones":
-            raise DataError("data.path", f"unknown built-in speech dataset '{data.path}'. Known: {BUILTIN_PREFIX}tones.")
+            raise DataError(
+                "data.path", f"unknown built-in speech dataset '{data.path}'. Known: {BUILTIN_PREFIX}tones."
+            )
         records = [_tones_record(i) for i in range(TONES_NUM_SAMPLES)]
         return _apply_length_rules(records, data, [], [])
     given = Path(os.path.expanduser(data.path))
@@ -69,12 +71,19 @@ def index_audio(data: DataSpec) -> IndexResult:
         root, rows = given.parent, _gptsovits_rows(given)
     elif given.is_dir():
         root, layout = given, _layout(given, data.format)
-        rows = {"ljspeech": _ljspeech_rows, "jsonl": _jsonl_rows, "f5csv": _f5_rows,
-                "gptsovits": lambda folder: _gptsovits_rows(folder / GPTSOVITS_METADATA)}[layout](root)
+        rows = {
+            "ljspeech": _ljspeech_rows,
+            "jsonl": _jsonl_rows,
+            "f5csv": _f5_rows,
+            "gptsovits": lambda folder: _gptsovits_rows(folder / GPTSOVITS_METADATA),
+        }[layout](root)
     else:
-        raise DataError("data.path", f"{data.path} is neither a folder nor a .list file. Give a speech dataset folder "
-                        f"(LJSpeech: {LJSPEECH_METADATA} + wavs/; {JSONL_METADATA}; {GPTSOVITS_METADATA}; F5-TTS's "
-                        f"{LJSPEECH_METADATA} headed {F5_HEADER}), a GPT-SoVITS .list file, or {BUILTIN_PREFIX}tones.")
+        raise DataError(
+            "data.path",
+            f"{data.path} is neither a folder nor a .list file. Give a speech dataset folder "
+            f"(LJSpeech: {LJSPEECH_METADATA} + wavs/; {JSONL_METADATA}; {GPTSOVITS_METADATA}; F5-TTS's "
+            f"{LJSPEECH_METADATA} headed {F5_HEADER}), a GPT-SoVITS .list file, or {BUILTIN_PREFIX}tones.",
+        )
     records, skipped, warnings = [], [], []
     for where, rel, text, speaker in rows:
         record, problem = _record(root, where, rel, text, speaker)
@@ -83,11 +92,14 @@ def index_audio(data: DataSpec) -> IndexResult:
         elif data.skip_bad_files:
             skipped.append(problem)
         else:
-            raise DataError("data.path", f"{problem}. Fix or remove it, or set data.skip_bad_files: true to leave "
-                            "such clips out.")
+            raise DataError(
+                "data.path", f"{problem}. Fix or remove it, or set data.skip_bad_files: true to leave such clips out."
+            )
     if skipped:
-        warnings.append(f"{len(skipped)} clip(s) missing or unreadable and left out (data.skip_bad_files): "
-                        f"{'; '.join(skipped[:_EXAMPLES])}")
+        warnings.append(
+            f"{len(skipped)} clip(s) missing or unreadable and left out (data.skip_bad_files): "
+            f"{'; '.join(skipped[:_EXAMPLES])}"
+        )
     return _apply_length_rules(records, data, warnings, skipped)
 
 
@@ -99,20 +111,33 @@ def _tones_record(index: int) -> AudioRecord:
 def _layout(root: Path, fmt: str) -> str:
     csv_path = root / LJSPEECH_METADATA
     f5 = csv_path.is_file() and _first_line(csv_path) == F5_HEADER
-    has = {"ljspeech": csv_path.is_file() and not f5, "f5csv": f5, "jsonl": (root / JSONL_METADATA).is_file(),
-           "gptsovits": (root / GPTSOVITS_METADATA).is_file()}
-    wanted = {"ljspeech": LJSPEECH_METADATA, "f5csv": f"{LJSPEECH_METADATA} starting with the line {F5_HEADER}",
-              "jsonl": JSONL_METADATA, "gptsovits": GPTSOVITS_METADATA}
+    has = {
+        "ljspeech": csv_path.is_file() and not f5,
+        "f5csv": f5,
+        "jsonl": (root / JSONL_METADATA).is_file(),
+        "gptsovits": (root / GPTSOVITS_METADATA).is_file(),
+    }
+    wanted = {
+        "ljspeech": LJSPEECH_METADATA,
+        "f5csv": f"{LJSPEECH_METADATA} starting with the line {F5_HEADER}",
+        "jsonl": JSONL_METADATA,
+        "gptsovits": GPTSOVITS_METADATA,
+    }
     if fmt in has:
         if not has[fmt]:
-            raise DataError("data.format", f"format '{fmt}' needs {root / wanted[fmt].split(' ')[0]} "
-                            f"({wanted[fmt]}); there is none.")
+            raise DataError(
+                "data.format",
+                f"format '{fmt}' needs {root / wanted[fmt].split(' ')[0]} ({wanted[fmt]}); there is none.",
+            )
         return fmt
     if fmt == "auto" and any(has.values()):
         return next(name for name, present in has.items() if present)
-    raise DataError("data.path", f"{root} holds neither {LJSPEECH_METADATA} (LJSpeech: `id|text|normalized` lines, "
-                    f"audio in wavs/<id>.wav, or F5-TTS's with the header {F5_HEADER}), {JSONL_METADATA} (`audio`, "
-                    f"`text`, optional `speaker`) nor {GPTSOVITS_METADATA} (`path|speaker|language|text`).")
+    raise DataError(
+        "data.path",
+        f"{root} holds neither {LJSPEECH_METADATA} (LJSpeech: `id|text|normalized` lines, "
+        f"audio in wavs/<id>.wav, or F5-TTS's with the header {F5_HEADER}), {JSONL_METADATA} (`audio`, "
+        f"`text`, optional `speaker`) nor {GPTSOVITS_METADATA} (`path|speaker|language|text`).",
+    )
 
 
 def _first_line(path: Path) -> str:
@@ -126,8 +151,10 @@ def _dataset_path(where: str, raw: str, what: str) -> str:
     if not raw.strip():
         raise DataError("data.path", f"{where}: the {what} field is empty")
     if not path.is_absolute() and ".." in path.parts:
-        raise DataError("data.path", f"{where}: audio {raw.strip()!r} climbs out of the list's folder; give an "
-                        "absolute path or one inside it")
+        raise DataError(
+            "data.path",
+            f"{where}: audio {raw.strip()!r} climbs out of the list's folder; give an absolute path or one inside it",
+        )
     return str(path)
 
 
@@ -139,8 +166,10 @@ def _gptsovits_rows(path: Path):
         where = f"{path}:{number}"
         fields = line.split("|", 3)
         if len(fields) < 4 or not fields[3].strip():
-            raise DataError("data.path", f"{where}: expected `audio path|speaker|language|text` (GPT-SoVITS .list), "
-                            f"got {line.strip()[:120]!r}")
+            raise DataError(
+                "data.path",
+                f"{where}: expected `audio path|speaker|language|text` (GPT-SoVITS .list), got {line.strip()[:120]!r}",
+            )
         yield where, _dataset_path(where, fields[0], "audio path"), fields[3].strip(), fields[1].strip()
 
 
@@ -154,7 +183,9 @@ def _f5_rows(root: Path):
         where = f"{path}:{number}"
         fields = line.split("|", 1)
         if len(fields) < 2 or not fields[1].strip():
-            raise DataError("data.path", f"{where}: expected `audio_file|text` (F5-TTS csv), got {line.strip()[:120]!r}")
+            raise DataError(
+                "data.path", f"{where}: expected `audio_file|text` (F5-TTS csv), got {line.strip()[:120]!r}"
+            )
         yield where, _dataset_path(where, fields[0], "audio_file"), fields[1].strip(), ""
 
 
@@ -166,8 +197,10 @@ def _ljspeech_rows(root: Path):
                 continue
             where = f"{path}:{number}"
             if len(fields) < 2 or not fields[0].strip():
-                raise DataError("data.path", f"{where}: expected `id|text|normalized` (at least `id|text`), got "
-                                f"{'|'.join(fields)!r}")
+                raise DataError(
+                    "data.path",
+                    f"{where}: expected `id|text|normalized` (at least `id|text`), got {'|'.join(fields)!r}",
+                )
             text = fields[2] if len(fields) > 2 and fields[2].strip() else fields[1]
             yield where, f"wavs/{fields[0].strip()}.wav", text.strip(), ""
 
@@ -181,11 +214,20 @@ def _jsonl_rows(root: Path):
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as err:
-            raise DataError("data.path", f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must "
-                            'be one object like {"audio": "wavs/a.wav", "text": "hello", "speaker": "s1"}') from None
-        if not isinstance(entry, dict) or not isinstance(entry.get("audio"), str) or not isinstance(entry.get("text"), str):
-            raise DataError("data.path", f"{where}: needs string fields `audio` and `text` (optional `speaker`), got "
-                            f"{line.strip()[:120]}")
+            raise DataError(
+                "data.path",
+                f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must "
+                'be one object like {"audio": "wavs/a.wav", "text": "hello", "speaker": "s1"}',
+            ) from None
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("audio"), str)
+            or not isinstance(entry.get("text"), str)
+        ):
+            raise DataError(
+                "data.path",
+                f"{where}: needs string fields `audio` and `text` (optional `speaker`), got {line.strip()[:120]}",
+            )
         rel = PurePosixPath(entry["audio"].replace("\\", "/"))
         if rel.is_absolute() or ".." in rel.parts:
             raise DataError("data.path", f"{where}: audio {entry['audio']!r} must be a path inside the dataset folder")
@@ -207,8 +249,9 @@ def _record(root: Path, where: str, rel: str, text: str, speaker: str) -> tuple[
     return AudioRecord(rel, str(path), text, speaker, info.frames / info.samplerate), None
 
 
-def _apply_length_rules(records: list[AudioRecord], data: DataSpec, warnings: list[str],
-                        skipped: list[str]) -> IndexResult:
+def _apply_length_rules(
+    records: list[AudioRecord], data: DataSpec, warnings: list[str], skipped: list[str]
+) -> IndexResult:
     short = [r for r in records if r.duration_seconds < data.min_clip_seconds]
     long = [r for r in records if r.duration_seconds > data.max_clip_seconds]
     kept = [r for r in records if data.min_clip_seconds <= r.duration_seconds <= data.max_clip_seconds]
@@ -216,13 +259,18 @@ def _apply_length_rules(records: list[AudioRecord], data: DataSpec, warnings: li
         if clips:
             examples = ", ".join(f"{r.sample_id} ({r.duration_seconds:.2f} s)" for r in clips[:_EXAMPLES])
             key = "min_clip_seconds" if rule == "shorter" else "max_clip_seconds"
-            warnings.append(f"{len(clips)} of {len(records)} clips are {rule} than {limit:g} s and are skipped "
-                            f"(data.{key}): {examples}")
+            warnings.append(
+                f"{len(clips)} of {len(records)} clips are {rule} than {limit:g} s and are skipped "
+                f"(data.{key}): {examples}"
+            )
             skipped += [f"{r.sample_id}: {r.duration_seconds:.2f} s, {rule} than data.{key}" for r in clips]
     if not kept:
-        raise DataError("data.path", f"no clips left in {data.path}: {len(records)} found, {len(short)} shorter than "
-                        f"data.min_clip_seconds {data.min_clip_seconds:g}, {len(long)} longer than "
-                        f"data.max_clip_seconds {data.max_clip_seconds:g}. Widen the limits.")
+        raise DataError(
+            "data.path",
+            f"no clips left in {data.path}: {len(records)} found, {len(short)} shorter than "
+            f"data.min_clip_seconds {data.min_clip_seconds:g}, {len(long)} longer than "
+            f"data.max_clip_seconds {data.max_clip_seconds:g}. Widen the limits.",
+        )
     return IndexResult(kept, warnings, skipped)
 
 

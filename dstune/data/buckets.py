@@ -30,7 +30,7 @@ _memo: dict = {}
 
 
 def bucket_name(size: tuple[int, int]) -> str:
-    """"WxH": how plans and reports name a bucket (dstune.data.groups.key_label of the (width, height) key)."""
+    """ "WxH": how plans and reports name a bucket (dstune.data.groups.key_label of the (width, height) key)."""
     return key_label(tuple(size))
 
 
@@ -106,9 +106,11 @@ def upscaling_warning(records: Sequence[SampleRecord], data) -> str | None:
     if not small:
         return None
     into = "their buckets" if sizes else f"data.resolution {data.resolution}"
-    return (f"{small} of {total} images are smaller than {into} and will be upscaled (up to {largest:.1f}x, e.g. "
-            f"{example}), which blurs what the model learns. Set data.allow_upscaling: true to accept this, or lower "
-            "data.resolution.")
+    return (
+        f"{small} of {total} images are smaller than {into} and will be upscaled (up to {largest:.1f}x, e.g. "
+        f"{example}), which blurs what the model learns. Set data.allow_upscaling: true to accept this, or lower "
+        "data.resolution."
+    )
 
 
 def _record_bucket(record: SampleRecord, sizes, square, skip_bad_files: bool) -> tuple[tuple[int, int], str | None]:
@@ -122,9 +124,12 @@ def _record_bucket(record: SampleRecord, sizes, square, skip_bad_files: bool) ->
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
         reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
         if not skip_bad_files:
-            raise DataError("data.path", f"cannot read the size of image {record.image_path} (sample "
-                            f"{record.sample_id}): {reason}. Replace or delete the file, or set "
-                            "data.skip_bad_files: true to skip unreadable images.") from None
+            raise DataError(
+                "data.path",
+                f"cannot read the size of image {record.image_path} (sample "
+                f"{record.sample_id}): {reason}. Replace or delete the file, or set "
+                "data.skip_bad_files: true to skip unreadable images.",
+            ) from None
         return square, f"{record.sample_id}: {reason}"
     return nearest_bucket(width, height, sizes), None
 
@@ -134,8 +139,11 @@ def assign_buckets(records: Sequence[SampleRecord], data) -> tuple[list[tuple[in
     DataError for an unreadable header without data.skip_bad_files. Remembered per process: validate and the
     loader of the same run read each header once."""
     sizes = bucket_sizes(data)
-    memo_key = (tuple(sizes), data.skip_bad_files,
-                tuple((r.sample_id, r.image_path, _mtime(r.image_path)) for r in records))
+    memo_key = (
+        tuple(sizes),
+        data.skip_bad_files,
+        tuple((r.sample_id, r.image_path, _mtime(r.image_path)) for r in records),
+    )
     if memo_key not in _memo:
         square = nearest_bucket(1, 1, sizes)
         results = [_record_bucket(r, sizes, square, data.skip_bad_files) for r in records]

@@ -68,8 +68,9 @@ def resampled_count(available: int, source_fps: float, fps=None) -> int:
     return available if fps is None else int(available * float(fps) / source_fps + 1e-9)
 
 
-def frame_positions(available: int, source_fps: float, frames: int, sampling: str, fps=None,
-                    start: int = 0) -> list[int]:
+def frame_positions(
+    available: int, source_fps: float, frames: int, sampling: str, fps=None, start: int = 0
+) -> list[int]:
     """Which source frames (0-based) make a clip of `frames`, from a video of `available` frames at `source_fps`;
     `start`: a sliding chunk's first frame in the resampled timeline. ValueError saying how many frames the video
     has at the chosen rate when it is too short."""
@@ -78,12 +79,15 @@ def frame_positions(available: int, source_fps: float, frames: int, sampling: st
     nearest = lambda x: int(x + 0.5)  # noqa: E731 - round() would round halves to even
     timeline = [min(available - 1, nearest(k * source_fps / rate)) for k in range(resampled)]
     if resampled < start + frames:
-        at = f"{resampled} frames at {rate:g} fps ({available} at the file's {source_fps:g} fps)" if fps else \
-            f"{available} frames"
+        at = (
+            f"{resampled} frames at {rate:g} fps ({available} at the file's {source_fps:g} fps)"
+            if fps
+            else f"{available} frames"
+        )
         need = f"frames {start}..{start + frames - 1} (chunk of {frames})" if start else f"data.video.frames {frames}"
         raise ValueError(f"it has {at}, fewer than {need}")
     if sampling in ("head", "sliding") or frames == 1:
-        return timeline[start:start + frames]
+        return timeline[start : start + frames]
     return [timeline[nearest(i * (resampled - 1) / (frames - 1))] for i in range(frames)]
 
 
@@ -132,8 +136,10 @@ def read_header(path: str) -> VideoHeader:
 
 def unusable(record: SampleRecord, reason: str) -> str:
     """The one line that names a video which gives no clip (validate and startup print the same line)."""
-    return (f"cannot use video {record.image_path} (sample {record.sample_id}): {reason}. Replace or delete the file, "
-            "or change data.video (frames, fps).")
+    return (
+        f"cannot use video {record.image_path} (sample {record.sample_id}): {reason}. Replace or delete the file, "
+        "or change data.video (frames, fps)."
+    )
 
 
 def _video_clips(record: SampleRecord, data, sizes) -> tuple[list[ClipRecord], VideoHeader]:
@@ -146,22 +152,32 @@ def _video_clips(record: SampleRecord, data, sizes) -> tuple[list[ClipRecord], V
         frame_positions(header.frames, header.fps, video.frame_counts[0], video.sampling, video.fps)
     size = nearest_bucket(header.width, header.height, sizes) if sizes else None
     starts = chunk_starts(resampled, frames, video.sampling, video.stride)
-    base = dict(sample_id=record.sample_id, image_path=record.image_path, caption=record.caption,
-                repeats=record.repeats, frames=frames, size=size)
+    base = dict(
+        sample_id=record.sample_id,
+        image_path=record.image_path,
+        caption=record.caption,
+        repeats=record.repeats,
+        frames=frames,
+        size=size,
+    )
     if video.sampling != "sliding":
         return [ClipRecord(**base)], header
-    return [ClipRecord(**{**base, "sample_id": f"{record.sample_id}{CHUNK_SEPARATOR}{number}"}, start=start)
-            for number, start in enumerate(starts)], header
+    return [
+        ClipRecord(**{**base, "sample_id": f"{record.sample_id}{CHUNK_SEPARATOR}{number}"}, start=start)
+        for number, start in enumerate(starts)
+    ], header
 
 
 def _other_clip(record: SampleRecord, data, sizes) -> ClipRecord:
     """A still image (a one-frame clip, its bucket from the image header) or a built-in clip (rendered square)."""
-    base = dict(sample_id=record.sample_id, image_path=record.image_path, caption=record.caption,
-                repeats=record.repeats)
+    base = dict(
+        sample_id=record.sample_id, image_path=record.image_path, caption=record.caption, repeats=record.repeats
+    )
     if record.image_path is None:
         moving = record.sample_id.startswith("moving-shapes/")
-        return ClipRecord(**base, frames=data.video.max_frames if moving else 1,
-                          size=nearest_bucket(1, 1, sizes) if sizes else None)
+        return ClipRecord(
+            **base, frames=data.video.max_frames if moving else 1, size=nearest_bucket(1, 1, sizes) if sizes else None
+        )
     size = nearest_bucket(*header_size(record.image_path), sizes) if sizes else None
     return ClipRecord(**base, frames=1, size=size)
 
@@ -180,8 +196,11 @@ def index_clips(data, read_captions: bool = True, show_progress: bool = False) -
             try:
                 records.append(_other_clip(record, data, sizes))
             except (OSError, ValueError, SyntaxError) as err:
-                raise DataError("data.path", f"cannot read the size of image {record.image_path} (sample "
-                                f"{record.sample_id}): {err}. Replace or delete the file.") from None
+                raise DataError(
+                    "data.path",
+                    f"cannot read the size of image {record.image_path} (sample "
+                    f"{record.sample_id}): {err}. Replace or delete the file.",
+                ) from None
             continue
         try:
             clips, header = _video_clips(record, data, sizes)
@@ -192,8 +211,12 @@ def index_clips(data, read_captions: bool = True, show_progress: bool = False) -
         counted, read = counted + header.counted, read + 1
         if show_progress and time.monotonic() - shown > PROGRESS_SECONDS:
             shown = time.monotonic()
-            print(f"data.path: read {read + len(problems)} of {len(videos)} video headers "
-                  f"({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+            print(
+                f"data.path: read {read + len(problems)} of {len(videos)} video headers "
+                f"({time.monotonic() - started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     return ClipIndex(records, problems, list(index.warnings), len(videos), counted)
 
 

@@ -87,9 +87,19 @@ def image_file_issues(data, records: list, source: SpecSource, show_progress: bo
     listing = "\n  ".join(f"{record.image_path}: {reason}" for record, reason in bad[:BAD_FILES_LISTED])
     more = f"\n  ... and {len(bad) - BAD_FILES_LISTED} more" if len(bad) > BAD_FILES_LISTED else ""
     if data.skip_bad_files:
-        return [source.issue("data.skip_bad_files", f"{len(bad)} of {len(records)} image(s) cannot be read and are "
-                             f"skipped (each replaced by the next readable sample):\n  {listing}{more}",
-                             severity="warning")]
-    return [source.issue("data.path", f"{len(bad)} of {len(records)} image(s) cannot be read, and training would "
-                         f"stop on them before step 1:\n  {listing}{more}\nReplace or delete them, or set "
-                         "data.skip_bad_files: true to train without them.")]
+        return [
+            source.issue(
+                "data.skip_bad_files",
+                f"{len(bad)} of {len(records)} image(s) cannot be read and are "
+                f"skipped (each replaced by the next readable sample):\n  {listing}{more}",
+                severity="warning",
+            )
+        ]
+    return [
+        source.issue(
+            "data.path",
+            f"{len(bad)} of {len(records)} image(s) cannot be read, and training would "
+            f"stop on them before step 1:\n  {listing}{more}\nReplace or delete them, or set "
+            "data.skip_bad_files: true to train without them.",
+        )
+    ]

@@ -54,7 +54,7 @@ def _without_worker_traceback(message: str, key: str) -> str:
     if message.startswith("Caught ") and marker in message:
         message = message.rsplit(marker, 1)[1].rstrip("\n")
         if message.startswith(f"{key}: "):
-            message = message[len(key) + 2:]
+            message = message[len(key) + 2 :]
     return message
 
 
@@ -104,8 +104,9 @@ def crop_geometry(size: tuple[int, int], resolution, crop_x: float, crop_y: floa
 # The UNet with size/crop time ids conditions on each sample's original size and crop position (diffusers' reference script
 # train_text_to_image_sdxl.py: original_sizes and crop_top_lefts). Every batch carries both, so the numbers are the
 # crop really made; families that do not use them ignore the two keys.
-def crop_fields(record: SampleRecord, decoded_size: tuple[int, int], resolution, crop_x: float, crop_y: float,
-                flip: bool) -> dict:
+def crop_fields(
+    record: SampleRecord, decoded_size: tuple[int, int], resolution, crop_x: float, crop_y: float, flip: bool
+) -> dict:
     """{"original_size": LongTensor([height, width]) of the file as shown (before any resize or JPEG draft
     decoding), "crop_top_left": LongTensor([top, left]) of the crop in the resized image}, for an image decoded at
     `decoded_size` (width, height). A flipped crop's left is measured in the flipped image, where it really sits."""
@@ -116,8 +117,10 @@ def crop_fields(record: SampleRecord, decoded_size: tuple[int, int], resolution,
         original = decoded_size
     else:
         original = header_size(record.image_path)
-    return {"original_size": torch.tensor([original[1], original[0]], dtype=torch.long),
-            "crop_top_left": torch.tensor([top, left], dtype=torch.long)}
+    return {
+        "original_size": torch.tensor([original[1], original[0]], dtype=torch.long),
+        "crop_top_left": torch.tensor([top, left], dtype=torch.long),
+    }
 
 
 def decoded_size(record: SampleRecord, resolution, rendered_side: int) -> tuple[int, int]:
@@ -192,7 +195,9 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise BadSampleError(
                 f"cannot read image {record.image_path} (sample {record.sample_id}): {reason}. Replace or delete "
-                "the file, or set data.skip_bad_files: true to skip unreadable images.", record.image_path) from None
+                "the file, or set data.skip_bad_files: true to skip unreadable images.",
+                record.image_path,
+            ) from None
 
     def cache_pixels(self, record: SampleRecord, size, flip: bool) -> torch.Tensor:
         """What the latent cache encodes for the record: its centre crop at `size`, flipped or not."""
@@ -207,9 +212,11 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             image = _open_rgb(record.control_path, size)
         except _DECODE_ERRORS as err:
             reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
-            raise BadSampleError(f"cannot read source image {record.control_path} (of sample {record.sample_id}): "
-                                 f"{reason}. Replace or delete it, or set data.skip_bad_files: true.",
-                                 record.control_path) from None
+            raise BadSampleError(
+                f"cannot read source image {record.control_path} (of sample {record.sample_id}): "
+                f"{reason}. Replace or delete it, or set data.skip_bad_files: true.",
+                record.control_path,
+            ) from None
         return {"control_values": to_tensor(resize_and_crop(image, size, crop_x, crop_y, flip))}
 
     def _readable(self, index: int) -> tuple[SampleRecord, Image.Image]:
@@ -233,8 +240,9 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 return record, self.load_image(record, size)
             except BadSampleError as err:
                 last = err
-        raise BadSampleError(f"no readable image among {tries} samples from index {index}; "
-                             f"last problem: {last.message}")
+        raise BadSampleError(
+            f"no readable image among {tries} samples from index {index}; last problem: {last.message}"
+        )
 
     def __getitem__(self, index: int) -> dict:
         index = operator.index(index)
@@ -250,8 +258,14 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         control = self.control_pixels(record, self.target_size(index), crop_x, crop_y, flip)
         image = resize_and_crop(image, self.target_size(index), crop_x, crop_y, flip)
         caption = "" if dropout_draw < self.data.caption_dropout else record.caption
-        return {"pixel_values": to_tensor(image), "caption": caption, "sample_id": record.sample_id, "index": index,
-                **geometry, **control}
+        return {
+            "pixel_values": to_tensor(image),
+            "caption": caption,
+            "sample_id": record.sample_id,
+            "index": index,
+            **geometry,
+            **control,
+        }
 
 
 def collate(samples: list[dict]) -> dict:
@@ -261,7 +275,8 @@ def collate(samples: list[dict]) -> dict:
     pixel_values."""
     paired = "control_values" in samples[0]
     control = {"control_values": torch.stack([s["control_values"] for s in samples])} if paired else {}
-    return {**control,
+    return {
+        **control,
         "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
         "caption": [s["caption"] for s in samples],
         "sample_id": [s["sample_id"] for s in samples],

@@ -25,8 +25,16 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from dstune.data.pairs import (CONTROL_FIELD, CONTROL_SUFFIX, control_root, list_controls, listing, orphans_warning,
-                                stem_of, unpaired_message)
+from dstune.data.pairs import (
+    CONTROL_FIELD,
+    CONTROL_SUFFIX,
+    control_root,
+    list_controls,
+    listing,
+    orphans_warning,
+    stem_of,
+    unpaired_message,
+)
 from dstune.data.synthetic import MOVING_SHAPES_NUM_SAMPLES, SHAPES_NUM_SAMPLES, moving_shape, shape_sample
 from dstune.spec.models import DataSpec
 from dstune.spec.section import BUILTIN_PREFIX
@@ -79,13 +87,16 @@ class IndexResult:
 def control_records(records: list[SampleRecord]) -> list[SampleRecord]:
     """The source image of each paired record as a record of its own (id: the target's + CONTROL_SUFFIX, no
     repeats), which is how the latent cache stores source latents beside the targets'."""
-    return [SampleRecord(sample_id=r.sample_id + CONTROL_SUFFIX, image_path=r.control_path, caption=r.caption,
-                         repeats=0) for r in records if r.control_path is not None]
+    return [
+        SampleRecord(sample_id=r.sample_id + CONTROL_SUFFIX, image_path=r.control_path, caption=r.caption, repeats=0)
+        for r in records
+        if r.control_path is not None
+    ]
 
 
 def builtin_name(path: str) -> str | None:
     """`builtin:shapes` -> "shapes"; any other path -> None."""
-    return path[len(BUILTIN_PREFIX):] if path.startswith(BUILTIN_PREFIX) else None
+    return path[len(BUILTIN_PREFIX) :] if path.startswith(BUILTIN_PREFIX) else None
 
 
 def is_video_file(path: str) -> bool:
@@ -118,8 +129,9 @@ def index_dataset(data: DataSpec, read_captions: bool = True, video: bool = Fals
     except DataError as err:
         raise DataError("data.eval.path", err.message) from None
     held_out = [dataclasses.replace(record, repeats=1) for record in held.records]
-    return dataclasses.replace(result, warnings=result.warnings + [f"data.eval.path: {w}" for w in held.warnings],
-                               held_out=held_out)
+    return dataclasses.replace(
+        result, warnings=result.warnings + [f"data.eval.path: {w}" for w in held.warnings], held_out=held_out
+    )
 
 
 def held_out_split(records: list[SampleRecord], fraction: float) -> tuple[list[SampleRecord], list[SampleRecord]]:
@@ -128,11 +140,16 @@ def held_out_split(records: list[SampleRecord], fraction: float) -> tuple[list[S
     training (unless a new one hashes lower). Held-out records keep the dataset's order and are evaluated once
     each (repeats 1)."""
     if len(records) < 2:
-        raise DataError("data.eval.fraction", f"the dataset has {len(records)} image(s): holding some out would leave "
-                        "nothing to train on. Add images, or give a separate folder as data.eval.path.")
+        raise DataError(
+            "data.eval.fraction",
+            f"the dataset has {len(records)} image(s): holding some out would leave "
+            "nothing to train on. Add images, or give a separate folder as data.eval.path.",
+        )
     count = min(len(records) - 1, max(1, round(fraction * len(records))))
-    ranked = sorted(range(len(records)), key=lambda i: hashlib.blake2b(
-        f"dstune/eval/{records[i].sample_id}".encode(), digest_size=8).digest())
+    ranked = sorted(
+        range(len(records)),
+        key=lambda i: hashlib.blake2b(f"dstune/eval/{records[i].sample_id}".encode(), digest_size=8).digest(),
+    )
     chosen = set(ranked[:count])
     training = [record for i, record in enumerate(records) if i not in chosen]
     held_out = [dataclasses.replace(record, repeats=1) for i, record in enumerate(records) if i in chosen]
@@ -147,9 +164,12 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
     has_metadata = (root / METADATA_FILE).is_file()
     if data.format == "jsonl" or (data.format == "auto" and has_metadata):
         if not has_metadata:
-            raise DataError("data.format", f"format 'jsonl' needs {root / METADATA_FILE} (one JSON object per line "
-                            "with `file_name` and `text`); it does not exist. For images with .txt captions use "
-                            "format 'folder' (or 'auto').")
+            raise DataError(
+                "data.format",
+                f"format 'jsonl' needs {root / METADATA_FILE} (one JSON object per line "
+                "with `file_name` and `text`); it does not exist. For images with .txt captions use "
+                "format 'folder' (or 'auto').",
+            )
         result = _index_jsonl(root, data.skip_bad_files)
     else:
         _control_outside(root, data)
@@ -158,10 +178,16 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
     result = _paired(result, root, data)
     if not result.records:
         kinds = "video or image" if video else "image"
-        what = (METADATA_FILE if data.format == "jsonl" or has_metadata
-                else f"{kinds} files ({', '.join(IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ()))})")
-        raise DataError("data.path", f"no usable samples in {root}: looked for {what}. Point data.path at the folder "
-                        "holding the images (subfolders are searched too).")
+        what = (
+            METADATA_FILE
+            if data.format == "jsonl" or has_metadata
+            else f"{kinds} files ({', '.join(IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ()))})"
+        )
+        raise DataError(
+            "data.path",
+            f"no usable samples in {root}: looked for {what}. Point data.path at the folder "
+            "holding the images (subfolders are searched too).",
+        )
     return result
 
 
@@ -179,17 +205,25 @@ def _index_builtin(name: str) -> IndexResult:
 def _dataset_root(path: str) -> Path:
     root = Path(os.path.expanduser(path))
     if not root.exists():
-        raise DataError("data.path", f"{path} does not exist. Give the folder holding your images, or "
-                        f"{BUILTIN_PREFIX}shapes for the built-in synthetic set.")
+        raise DataError(
+            "data.path",
+            f"{path} does not exist. Give the folder holding your images, or "
+            f"{BUILTIN_PREFIX}shapes for the built-in synthetic set.",
+        )
     if not root.is_dir():
-        raise DataError("data.path", f"{path} is a file, not a folder. Give the folder holding the images "
-                        f"(with {METADATA_FILE} or same-name caption files).")
+        raise DataError(
+            "data.path",
+            f"{path} is a file, not a folder. Give the folder holding the images "
+            f"(with {METADATA_FILE} or same-name caption files).",
+        )
     return root
 
 
 def _normalised_extension(extension: str) -> str:
     if not extension.strip(". "):
-        raise DataError("data.caption_extension", f"{extension!r} is not a file extension; use e.g. '.txt' or '.caption'")
+        raise DataError(
+            "data.caption_extension", f"{extension!r} is not a file extension; use e.g. '.txt' or '.caption'"
+        )
     return extension if extension.startswith(".") else "." + extension
 
 
@@ -203,8 +237,11 @@ def _repeats_of(folder_name: str, rel_folder: str) -> int | None:
         return None
     repeats = int(match.group(1))
     if repeats < 1:
-        raise DataError("data.path", f"folder {rel_folder}: repeat count {repeats} must be at least 1 (kohya "
-                        f"`N_name` folders repeat their images N times); rename it, e.g. to 1_{match.group(2)}.")
+        raise DataError(
+            "data.path",
+            f"folder {rel_folder}: repeat count {repeats} must be at least 1 (kohya "
+            f"`N_name` folders repeat their images N times); rename it, e.g. to 1_{match.group(2)}.",
+        )
     return repeats
 
 
@@ -237,16 +274,18 @@ def _read_caption(path: str) -> str:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
     except UnicodeDecodeError as err:
-        raise DataError("data.path", f"caption file {path} is not UTF-8 text ({err.reason} at byte {err.start}); "
-                        "save it as UTF-8.") from None
+        raise DataError(
+            "data.path", f"caption file {path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8."
+        ) from None
     except OSError as err:
         raise DataError("data.path", f"caption file {path} cannot be read: {err.strerror}") from None
     # Multi-line captions are joined rather than cut to the first line, so no text is silently lost.
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def _index_folder(root: Path, caption_extension: str, read_captions: bool,
-                  extensions: tuple[str, ...] = IMAGE_EXTENSIONS) -> IndexResult:
+def _index_folder(
+    root: Path, caption_extension: str, read_captions: bool, extensions: tuple[str, ...] = IMAGE_EXTENSIONS
+) -> IndexResult:
     records, uncaptioned = [], []
     for rel, path, repeats in _walk_images(root, extensions):
         caption_path = os.path.splitext(path)[0] + caption_extension
@@ -258,9 +297,13 @@ def _index_folder(root: Path, caption_extension: str, read_captions: bool,
         records.append(SampleRecord(sample_id=rel, image_path=path, caption=caption, repeats=repeats))
     warnings = []
     if uncaptioned:
-        examples = ", ".join(uncaptioned[:_EXAMPLES_IN_WARNING]) + (", ..." if len(uncaptioned) > _EXAMPLES_IN_WARNING else "")
-        warnings.append(f"{len(uncaptioned)} of {len(records)} images have no {caption_extension} caption file and "
-                        f"train with an empty caption ({examples})")
+        examples = ", ".join(uncaptioned[:_EXAMPLES_IN_WARNING]) + (
+            ", ..." if len(uncaptioned) > _EXAMPLES_IN_WARNING else ""
+        )
+        warnings.append(
+            f"{len(uncaptioned)} of {len(records)} images have no {caption_extension} caption file and "
+            f"train with an empty caption ({examples})"
+        )
     return IndexResult(records, warnings)
 
 
@@ -273,15 +316,22 @@ def _parse_metadata_line(line: str, where: str) -> tuple[str, str, str | None]:
     try:
         entry = json.loads(line)
     except json.JSONDecodeError as err:
-        raise DataError("data.path", f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be "
-                        'one object like {"file_name": "a.png", "text": "a caption"}') from None
+        raise DataError(
+            "data.path",
+            f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be "
+            'one object like {"file_name": "a.png", "text": "a caption"}',
+        ) from None
     if not isinstance(entry, dict):
-        raise DataError("data.path", f"{where}: expected a JSON object with `file_name` and `text`, got "
-                        f"{type(entry).__name__}")
+        raise DataError(
+            "data.path", f"{where}: expected a JSON object with `file_name` and `text`, got {type(entry).__name__}"
+        )
     missing = [k for k in ("file_name", "text") if k not in entry]
     if missing:
-        raise DataError("data.path", f"{where}: missing {' and '.join(f'`{k}`' for k in missing)} (keys present: "
-                        f"{', '.join(sorted(entry)) or 'none'})")
+        raise DataError(
+            "data.path",
+            f"{where}: missing {' and '.join(f'`{k}`' for k in missing)} (keys present: "
+            f"{', '.join(sorted(entry)) or 'none'})",
+        )
     file_name, text = entry["file_name"], entry["text"]
     if not isinstance(file_name, str) or not file_name.strip():
         raise DataError("data.path", f"{where}: `file_name` must be a non-empty string, got {file_name!r}")
@@ -289,16 +339,21 @@ def _parse_metadata_line(line: str, where: str) -> tuple[str, str, str | None]:
         raise DataError("data.path", f"{where}: `text` must be a string, got {type(text).__name__} {text!r}")
     control = entry.get(CONTROL_FIELD)
     if control is not None and (not isinstance(control, str) or not control.strip()):
-        raise DataError("data.path", f"{where}: `{CONTROL_FIELD}` (the source image of an edit pair) must be a "
-                        f"non-empty string, got {control!r}")
+        raise DataError(
+            "data.path",
+            f"{where}: `{CONTROL_FIELD}` (the source image of an edit pair) must be a "
+            f"non-empty string, got {control!r}",
+        )
     return file_name, text, control
 
 
 def _relative_file(file_name: str, where: str) -> str:
     rel = PurePosixPath(file_name.replace("\\", "/"))
     if rel.is_absolute() or ".." in rel.parts:
-        raise DataError("data.path", f"{where}: file_name {file_name!r} must be a path inside the dataset folder "
-                        "(relative, no '..')")
+        raise DataError(
+            "data.path",
+            f"{where}: file_name {file_name!r} must be a path inside the dataset folder (relative, no '..')",
+        )
     return str(rel)
 
 
@@ -316,23 +371,34 @@ def _index_jsonl(root: Path, skip_bad_files: bool) -> IndexResult:
         file_name, text, control = _parse_metadata_line(line, where)
         rel = _relative_file(file_name, where)
         if rel in first_line_of:
-            raise DataError("data.path", f"{where}: {rel} is already listed on line {first_line_of[rel]}; list each "
-                            "image once (copy the file to train it with a second caption)")
+            raise DataError(
+                "data.path",
+                f"{where}: {rel} is already listed on line {first_line_of[rel]}; list each "
+                "image once (copy the file to train it with a second caption)",
+            )
         first_line_of[rel] = number
         path = root / rel
         if not path.is_file():
             if not skip_bad_files:
-                raise DataError("data.path", f"{where}: image {path} does not exist. Fix the file_name, or set "
-                                "data.skip_bad_files: true to leave such lines out.")
+                raise DataError(
+                    "data.path",
+                    f"{where}: image {path} does not exist. Fix the file_name, or set "
+                    "data.skip_bad_files: true to leave such lines out.",
+                )
             skipped.append(f"{path}: listed on line {number} but does not exist")
             continue
         control_path = None if control is None else str(root / _relative_file(control, where))
-        records.append(SampleRecord(sample_id=rel, image_path=str(path), caption=text.strip(), repeats=1,
-                                    control_path=control_path))
+        records.append(
+            SampleRecord(
+                sample_id=rel, image_path=str(path), caption=text.strip(), repeats=1, control_path=control_path
+            )
+        )
     warnings = []
     if skipped:
-        warnings.append(f"{len(skipped)} lines of {metadata} name missing images and are left out "
-                        f"(data.skip_bad_files): {'; '.join(skipped[:_EXAMPLES_IN_WARNING])}")
+        warnings.append(
+            f"{len(skipped)} lines of {metadata} name missing images and are left out "
+            f"(data.skip_bad_files): {'; '.join(skipped[:_EXAMPLES_IN_WARNING])}"
+        )
     return IndexResult(records, warnings, skipped)
 
 
@@ -345,8 +411,11 @@ def _control_outside(root: Path, data: DataSpec) -> None:
         return
     control = control_root(root, data.control_dir).resolve()
     if control == root.resolve() or control.is_relative_to(root.resolve()):
-        raise DataError("data.control_dir", f"{control} is inside data.path {root}, whose images are all trained as "
-                        "targets. Keep the sources in a sibling folder (e.g. control_dir: ../control).")
+        raise DataError(
+            "data.control_dir",
+            f"{control} is inside data.path {root}, whose images are all trained as "
+            "targets. Keep the sources in a sibling folder (e.g. control_dir: ../control).",
+        )
 
 
 def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
@@ -359,12 +428,18 @@ def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
     if data.control_dir is not None:
         folder = control_root(root, data.control_dir)
         if not folder.is_dir():
-            raise DataError("data.control_dir", f"{folder} is not a folder. Give the folder of source images "
-                            "(absolute, or relative to data.path, e.g. ../control).")
+            raise DataError(
+                "data.control_dir",
+                f"{folder} is not a folder. Give the folder of source images "
+                "(absolute, or relative to data.path, e.g. ../control).",
+            )
         controls, clashes = list_controls(folder, IMAGE_EXTENSIONS)
         if clashes:
-            raise DataError("data.control_dir", f"{len(clashes)} source names in {folder} have two image files, so "
-                            f"the pairing is ambiguous: {listing(clashes)}. Keep one file per name.")
+            raise DataError(
+                "data.control_dir",
+                f"{len(clashes)} source names in {folder} have two image files, so "
+                f"the pairing is ambiguous: {listing(clashes)}. Keep one file per name.",
+            )
         where = f"a file with the same relative path and name in {folder} (any of {', '.join(IMAGE_EXTENSIONS)})"
     records, unpaired, used = [], [], set()
     for record in result.records:
@@ -377,11 +452,14 @@ def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
     warnings = list(result.warnings)
     if unpaired:
         if not data.skip_bad_files:
-            raise DataError("data.control_dir" if data.control_dir else "data.path",
-                            unpaired_message(unpaired, len(result.records), where))
+            raise DataError(
+                "data.control_dir" if data.control_dir else "data.path",
+                unpaired_message(unpaired, len(result.records), where),
+            )
         warnings.append("left out (data.skip_bad_files): " + unpaired_message(unpaired, len(result.records), where))
-    orphans = [os.path.relpath(path, control_root(root, data.control_dir)) for path in controls.values()
-               if path not in used]
+    orphans = [
+        os.path.relpath(path, control_root(root, data.control_dir)) for path in controls.values() if path not in used
+    ]
     if orphans:
         warnings.append(orphans_warning(orphans, control_root(root, data.control_dir)))
     return dataclasses.replace(result, records=records, warnings=warnings)

@@ -76,18 +76,30 @@ class EpochDataLoader(DataLoader):
                     raise RuntimeError(
                         f"epoch {epoch} step {step}: the loader made a batch of {batch_spatial_size(batch)}, but the "
                         f"step's bucket is {key_label(bucket)}. Every micro batch of a step must "
-                        "have its bucket's size; this is a dstune bug, please report it.")
+                        "have its bucket's size; this is a dstune bug, please report it."
+                    )
             sampler.record_consumed(1)
             yield batch
 
 
-def make_loader(dataset, collate_fn, group_keys, data: DataSpec, plan, rank: int, seed: int, start_epoch: int = 0,
-                start_step: int = 0, speakers=None) -> tuple[EpochDataLoader, GlobalBatchSampler]:
+def make_loader(
+    dataset,
+    collate_fn,
+    group_keys,
+    data: DataSpec,
+    plan,
+    rank: int,
+    seed: int,
+    start_epoch: int = 0,
+    start_step: int = 0,
+    speakers=None,
+) -> tuple[EpochDataLoader, GlobalBatchSampler]:
     """This rank's loader and its sampler over any dataset kind (images, cached images, speech, cached speech),
     positioned at (start_epoch, start_step). `plan` is a dstune.plan.Plan made for exactly this dataset
     (len(dataset) = plan.num_samples); `group_keys` are the per-index bucket keys, or None."""
-    sampler = GlobalBatchSampler(len(dataset), plan, rank, seed, start_epoch, start_step, group_keys=group_keys,
-                                 speakers=speakers)
+    sampler = GlobalBatchSampler(
+        len(dataset), plan, rank, seed, start_epoch, start_step, group_keys=group_keys, speakers=speakers
+    )
     loader = EpochDataLoader(
         dataset,
         batch_sampler=sampler,
@@ -102,8 +114,9 @@ def make_loader(dataset, collate_fn, group_keys, data: DataSpec, plan, rank: int
     return loader, sampler
 
 
-def build_loader(data: DataSpec, plan, rank: int, seed: int, records: list[SampleRecord], start_epoch: int = 0,
-                 start_step: int = 0) -> tuple[EpochDataLoader, GlobalBatchSampler]:
+def build_loader(
+    data: DataSpec, plan, rank: int, seed: int, records: list[SampleRecord], start_epoch: int = 0, start_step: int = 0
+) -> tuple[EpochDataLoader, GlobalBatchSampler]:
     """make_loader over the image dataset (decoding the files) of these records."""
     dataset = ImageCaptionDataset(data, records, seed)
     return make_loader(dataset, collate, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step)

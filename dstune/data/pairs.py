@@ -55,11 +55,12 @@ def listing(names: list[str]) -> str:
 
 
 def unpaired_message(unpaired: list[str], total: int, where: str) -> str:
-    return (f"{len(unpaired)} of {total} target images have no source (control) image: {listing(unpaired)}. Looked "
-            f"for {where}. Add their sources or remove the targets, or set data.skip_bad_files: true to train "
-            "without them.")
+    return (
+        f"{len(unpaired)} of {total} target images have no source (control) image: {listing(unpaired)}. Looked "
+        f"for {where}. Add their sources or remove the targets, or set data.skip_bad_files: true to train "
+        "without them."
+    )
 
 
 def orphans_warning(orphans: list[str], root: Path) -> str:
-    return (f"{len(orphans)} source images in {root} have no target image and are not used: "
-            f"{listing(sorted(orphans))}")
+    return f"{len(orphans)} source images in {root} have no target image and are not used: {listing(sorted(orphans))}"

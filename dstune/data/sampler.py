@@ -41,8 +41,17 @@ class GlobalBatchSampler(Sampler[list[int]]):
     steps_per_epoch (a dstune.plan.Plan). group_keys: None (one flat permutation per epoch), or one key per
     dataset index (every global batch then comes from one key's samples; see dstune.data.groups)."""
 
-    def __init__(self, num_samples: int, plan_like, rank: int, seed: int, start_epoch: int = 0, start_step: int = 0,
-                 group_keys=None, speakers=None):
+    def __init__(
+        self,
+        num_samples: int,
+        plan_like,
+        rank: int,
+        seed: int,
+        start_epoch: int = 0,
+        start_step: int = 0,
+        group_keys=None,
+        speakers=None,
+    ):
         self.num_samples = num_samples
         self.micro_batch_size = plan_like.micro_batch_size
         self.accumulation = plan_like.gradient_accumulation_steps
@@ -62,8 +71,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.group_fingerprint = keys_fingerprint(group_keys) if group_keys is not None else None
         self.speakers = list(speakers) if speakers is not None else None  # data.speaker_balance: one per index
         if self.speakers is not None and (group_keys is not None or len(self.speakers) != num_samples):
-            raise ValueError(f"speaker balance needs one speaker per sample ({num_samples}; got {len(self.speakers)}) "
-                             "and no length groups")
+            raise ValueError(
+                f"speaker balance needs one speaker per sample ({num_samples}; got {len(self.speakers)}) "
+                "and no length groups"
+            )
         self.speaker_fingerprint = keys_fingerprint(self.speakers) if self.speakers is not None else None
         self._check_plan()
         if not 0 <= rank < self.world_size:
@@ -74,29 +85,37 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def _check_plan(self) -> None:
         planned = self._planned_num_samples
         if planned is not None and planned != self.num_samples:
-            raise ValueError(f"the plan was made for {planned} samples but the dataset has {self.num_samples} (were "
-                             "files skipped after planning?). Plan on the final sample count.")
+            raise ValueError(
+                f"the plan was made for {planned} samples but the dataset has {self.num_samples} (were "
+                "files skipped after planning?). Plan on the final sample count."
+            )
         per_step = self.micro_batch_size * self.accumulation * self.world_size
         if per_step != self.global_batch_size:
-            raise ValueError(f"plan global batch {self.global_batch_size} != micro {self.micro_batch_size} x accumulation "
-                             f"{self.accumulation} x {self.world_size} ranks = {per_step}")
+            raise ValueError(
+                f"plan global batch {self.global_batch_size} != micro {self.micro_batch_size} x accumulation "
+                f"{self.accumulation} x {self.world_size} ranks = {per_step}"
+            )
         if self.grouped is not None:
             if self.grouped.steps_per_epoch != self.steps_per_epoch or self.steps_per_epoch < 1:
                 raise ValueError(
                     f"the plan has {self.steps_per_epoch} steps per epoch, but the {len(self.grouped.groups)} groups "
                     f"make {self.grouped.steps_per_epoch} whole global batches of {self.global_batch_size}: the plan "
-                    "was made for other groups (were images changed after planning?). Plan on the final groups.")
+                    "was made for other groups (were images changed after planning?). Plan on the final groups."
+                )
         elif self.num_samples // self.global_batch_size != self.steps_per_epoch or self.steps_per_epoch < 1:
             raise ValueError(
                 f"the plan has {self.steps_per_epoch} steps per epoch, but {self.num_samples} samples make "
                 f"{self.num_samples // self.global_batch_size} global batches of {self.global_batch_size}: the plan was "
-                "made for a different dataset size (were files skipped after planning?). Plan on the final sample count.")
+                "made for a different dataset size (were files skipped after planning?). Plan on the final sample count."
+            )
 
     # ------------------------------------------------------------------------------------------ position
 
     def _set_position(self, epoch: int, step: int) -> None:
         if epoch < 0 or not 0 <= step <= self.steps_per_epoch:
-            raise ValueError(f"position epoch {epoch}, step {step} is outside 0..{self.steps_per_epoch} steps per epoch")
+            raise ValueError(
+                f"position epoch {epoch}, step {step} is outside 0..{self.steps_per_epoch} steps per epoch"
+            )
         if step == self.steps_per_epoch:  # a finished epoch is the start of the next one
             epoch, step = epoch + 1, 0
         self._epoch = epoch
@@ -123,8 +142,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def record_consumed(self, micro_batches: int = 1) -> None:
         """Training used this many more micro batches of the current iteration (for `state_dict`)."""
         if self._consumed + micro_batches > len(self):
-            raise ValueError(f"{self._consumed + micro_batches} micro batches consumed, but the iteration from epoch "
-                             f"{self._epoch} step {self._start_step} has {len(self)}")
+            raise ValueError(
+                f"{self._consumed + micro_batches} micro batches consumed, but the iteration from epoch "
+                f"{self._epoch} step {self._start_step} has {len(self)}"
+            )
         self._consumed += micro_batches
 
     def position(self) -> tuple[int, int]:
@@ -154,7 +175,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"the checkpoint's data order was made with {key} {state[key]}, this run has {getattr(self, key)}: "
-                    "resuming would replay a different sample order. Restore the original value or start a new run.")
+                    "resuming would replay a different sample order. Restore the original value or start a new run."
+                )
         self._set_position(int(state["epoch"]), int(state["step"]))
 
     # ------------------------------------------------------------------------------------------ order
@@ -173,7 +195,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if self.grouped is not None:
             return self.grouped.global_batch(epoch, step)[1]
         start = step * self.global_batch_size
-        return self.epoch_order(epoch)[start:start + self.global_batch_size]
+        return self.epoch_order(epoch)[start : start + self.global_batch_size]
 
     def step_indices(self, epoch: int, step: int) -> list[int]:
         """All samples of global batch `step` of `epoch`, over all ranks and accumulation micro batches."""
@@ -186,7 +208,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def micro_batch(self, epoch: int, step: int, k: int) -> list[int]:
         """This rank's k-th micro batch (0 <= k < accumulation) of global batch `step`."""
         start = (k * self.world_size + self.rank) * self.micro_batch_size
-        return self._global_batch(epoch, step)[start:start + self.micro_batch_size].tolist()
+        return self._global_batch(epoch, step)[start : start + self.micro_batch_size].tolist()
 
     def __len__(self) -> int:
         """Micro batches the next iteration yields: the rest of the current epoch from its current step."""

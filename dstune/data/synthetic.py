@@ -107,8 +107,12 @@ def render_shape(index: int, resolution: int = 32):
 
 # -------------------------------------------------------------------------------------- builtin:moving-shapes
 
-DIRECTIONS: dict[str, tuple[float, float]] = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0),
-                                              "down": (0.0, 1.0)}
+DIRECTIONS: dict[str, tuple[float, float]] = {
+    "left": (-1.0, 0.0),
+    "right": (1.0, 0.0),
+    "up": (0.0, -1.0),
+    "down": (0.0, 1.0),
+}
 _TRAVEL = 0.3  # how far the centre moves over a clip, as a fraction of the side
 
 
@@ -130,11 +134,16 @@ def moving_shape(index: int) -> MovingShape:
     rng = random.Random(_SEED_BASE + 0x1000 + index)
     size = rng.uniform(0.35, 0.45)  # smaller than the stills, so the shape stays inside while it travels
     return MovingShape(
-        still=ShapeSample(colour=list(COLOURS)[combination % len(COLOURS)],
-                          shape=SHAPES[(combination // len(COLOURS)) % len(SHAPES)],
-                          background=rng.choice(sorted(BACKGROUNDS)), size=size,
-                          centre_x=0.5 + rng.uniform(-0.05, 0.05), centre_y=0.5 + rng.uniform(-0.05, 0.05)),
-        direction=list(DIRECTIONS)[combination // (len(COLOURS) * len(SHAPES))])
+        still=ShapeSample(
+            colour=list(COLOURS)[combination % len(COLOURS)],
+            shape=SHAPES[(combination // len(COLOURS)) % len(SHAPES)],
+            background=rng.choice(sorted(BACKGROUNDS)),
+            size=size,
+            centre_x=0.5 + rng.uniform(-0.05, 0.05),
+            centre_y=0.5 + rng.uniform(-0.05, 0.05),
+        ),
+        direction=list(DIRECTIONS)[combination // (len(COLOURS) * len(SHAPES))],
+    )
 
 
 def render_moving_shape(index: int, resolution: int = 32, frames: int = 5):
@@ -148,8 +157,13 @@ def render_moving_shape(index: int, resolution: int = 32, frames: int = 5):
     images = []
     for number in range(frames):
         offset = _TRAVEL * ((number / (frames - 1)) - 0.5) if frames > 1 else 0.0
-        sample = ShapeSample(**{**clip.still.__dict__, "centre_x": clip.still.centre_x + step_x * offset,
-                                "centre_y": clip.still.centre_y + step_y * offset})
+        sample = ShapeSample(
+            **{
+                **clip.still.__dict__,
+                "centre_x": clip.still.centre_x + step_x * offset,
+                "centre_y": clip.still.centre_y + step_y * offset,
+            }
+        )
         canvas = Image.new("RGB", (side, side), BACKGROUNDS[sample.background])
         draw = ImageDraw.Draw(canvas)
         points = _outline(sample, side)

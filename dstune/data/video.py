@@ -18,8 +18,16 @@ import operator
 
 import torch
 
-from dstune.data.clips import (ClipRecord, as_clip, clip_key, clips_by_file, frame_positions, is_grouped, unusable,
-                               video_stream)
+from dstune.data.clips import (
+    ClipRecord,
+    as_clip,
+    clip_key,
+    clips_by_file,
+    frame_positions,
+    is_grouped,
+    unusable,
+    video_stream,
+)
 from dstune.data.images import BadSampleError, ImageCaptionDataset, resize_and_crop, sample_rng, to_tensor
 from dstune.data.index import SampleRecord, is_video_file
 from dstune.data.synthetic import render_moving_shape, render_shape
@@ -129,15 +137,22 @@ class VideoCaptionDataset(ImageCaptionDataset):
         _, dropout_draw, _, _ = sample_rng(self.seed, self.epoch, index).random(4)  # the image dataset's draws
         record = self.record_at(index)
         caption = "" if dropout_draw < self.data.caption_dropout else record.caption
-        return {"pixel_values": self.load_clip(record), "caption": caption, "sample_id": record.sample_id,
-                "index": index}
+        return {
+            "pixel_values": self.load_clip(record),
+            "caption": caption,
+            "sample_id": record.sample_id,
+            "index": index,
+        }
 
 
 def collate_video(samples: list[dict]) -> dict:
     """pixel_values (B, 3, frames, H, W); caption and sample_id lists; index (B,)."""
-    return {"pixel_values": torch.stack([s["pixel_values"] for s in samples]),
-            "caption": [s["caption"] for s in samples], "sample_id": [s["sample_id"] for s in samples],
-            "index": torch.tensor([s["index"] for s in samples], dtype=torch.long)}
+    return {
+        "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
+        "caption": [s["caption"] for s in samples],
+        "sample_id": [s["sample_id"] for s in samples],
+        "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
+    }
 
 
 def clip_frames(record: SampleRecord, data: DataSpec) -> int:
@@ -145,8 +160,9 @@ def clip_frames(record: SampleRecord, data: DataSpec) -> int:
     return as_clip(record, data).frames
 
 
-def find_bad_clips(records: list[SampleRecord], data: DataSpec, rank: int = 0,
-                   world_size: int = 1) -> list[tuple[SampleRecord, str]]:
+def find_bad_clips(
+    records: list[SampleRecord], data: DataSpec, rank: int = 0, world_size: int = 1
+) -> list[tuple[SampleRecord, str]]:
     """(record, reason) for each file of this rank's share of the files (every world_size-th, in dataset order)
     that cannot give its clips: a video is decoded once, as far as its last clip needs (every frame before it
     passes through the decoder), images are opened. Gather all ranks' results."""

@@ -40,8 +40,13 @@ from dstune.spec.models import ADAFACTOR_STYLE, DeepSpeedSpec, OffloadSpec, Trai
 STEPS_PER_PRINT = 1_000_000_000  # dstune prints its own progress; DeepSpeed's step log would interleave with it
 DEEPSPEED_OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW"}  # DeepSpeedCPUAdam under optimizer offload
 ZERO_TESTED_CLIENT_OPTIMIZERS = frozenset({"adam", "adamw"})  # torch.optim.Adam/AdamW are in ZERO_SUPPORTED_OPTIMIZERS
-FP16_DYNAMIC_LOSS_SCALING = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
-                             "min_loss_scale": 1}  # loss_scale 0 = dynamic, starting at 2**16
+FP16_DYNAMIC_LOSS_SCALING = {
+    "loss_scale": 0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}  # loss_scale 0 = dynamic, starting at 2**16
 
 
 def find_auto(value: Any, prefix: str = "") -> list[str]:
@@ -78,14 +83,18 @@ def _zero_block(deepspeed: DeepSpeedSpec, sequence_parallel_size: int = 1) -> di
     block: dict = {"stage": stage}
     if stage == 0:
         return block
-    block.update(contiguous_gradients=True, overlap_comm=deepspeed.overlap_comm,
-                 reduce_bucket_size=deepspeed.reduce_bucket_size)
+    block.update(
+        contiguous_gradients=True, overlap_comm=deepspeed.overlap_comm, reduce_bucket_size=deepspeed.reduce_bucket_size
+    )
     if stage < 3:
         block["allgather_bucket_size"] = deepspeed.allgather_bucket_size
     else:
         prefetch, persistence = stage3_bucket_sizes(deepspeed.reduce_bucket_size)
-        block.update(stage3_prefetch_bucket_size=prefetch, stage3_param_persistence_threshold=persistence,
-                     stage3_gather_16bit_weights_on_model_save=True)  # save_16bit_model writes nothing otherwise
+        block.update(
+            stage3_prefetch_bucket_size=prefetch,
+            stage3_param_persistence_threshold=persistence,
+            stage3_gather_16bit_weights_on_model_save=True,
+        )  # save_16bit_model writes nothing otherwise
         if sequence_parallel_size > 1:
             # stage3.py's reduce-scatter path averages gradients over every rank, its all-reduce path over the
             # data-parallel groups only (ranks / sequence_parallel_size), which is what sequence parallelism needs
@@ -112,9 +121,18 @@ def _optimizer_settings(train: TrainSpec, deepspeed: DeepSpeedSpec, plan: Plan) 
     opt = train.optimizer
     offloaded = deepspeed.zero_stage >= 1 and deepspeed.offload_optimizer.device in ("cpu", "nvme")
     if offloaded and opt.type in DEEPSPEED_OPTIMIZER_TYPES:
-        return {"optimizer": {"type": DEEPSPEED_OPTIMIZER_TYPES[opt.type], "params": {
-            "lr": plan.effective_lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay,
-            "adam_w_mode": opt.type == "adamw"}}}
+        return {
+            "optimizer": {
+                "type": DEEPSPEED_OPTIMIZER_TYPES[opt.type],
+                "params": {
+                    "lr": plan.effective_lr,
+                    "betas": list(opt.betas),
+                    "eps": opt.eps,
+                    "weight_decay": opt.weight_decay,
+                    "adam_w_mode": opt.type == "adamw",
+                },
+            }
+        }
     out = {}
     if deepspeed.zero_stage >= 1 and opt.type not in ZERO_TESTED_CLIENT_OPTIMIZERS:
         out["zero_allow_untested_optimizer"] = True
@@ -134,16 +152,29 @@ def _optimizer_notes(train: TrainSpec, deepspeed: DeepSpeedSpec, source: SpecSou
     opt_type = train.optimizer.type
     notes = []
     if opt_type in ADAFACTOR_STYLE and deepspeed.zero_stage >= 1:
-        notes.append(source.issue("train.optimizer.type", (
-            f"adafactor under ZeRO stage {deepspeed.zero_stage}: ZeRO hands the optimizer flattened 1-D partitions of "
-            "the parameters, so Adafactor's factored second moment (its memory advantage) is lost and its "
-            "per-parameter update clipping becomes per-partition (results depend on the number of ranks). Use "
-            "zero_stage 0, or adamw."), severity="warning"))
+        notes.append(
+            source.issue(
+                "train.optimizer.type",
+                (
+                    f"adafactor under ZeRO stage {deepspeed.zero_stage}: ZeRO hands the optimizer flattened 1-D partitions of "
+                    "the parameters, so Adafactor's factored second moment (its memory advantage) is lost and its "
+                    "per-parameter update clipping becomes per-partition (results depend on the number of ranks). Use "
+                    "zero_stage 0, or adamw."
+                ),
+                severity="warning",
+            )
+        )
     if opt_type not in DEEPSPEED_OPTIMIZER_TYPES and deepspeed.offload_optimizer.device != "none":
-        notes.append(source.issue("deepspeed.offload_optimizer", (
-            f"{opt_type} with offload_optimizer {deepspeed.offload_optimizer.device}: its step runs on the CPU in "
-            "plain PyTorch (DeepSpeed's fast CPU kernels cover only its own Adam/AdamW); expect slow steps."),
-            severity="warning"))
+        notes.append(
+            source.issue(
+                "deepspeed.offload_optimizer",
+                (
+                    f"{opt_type} with offload_optimizer {deepspeed.offload_optimizer.device}: its step runs on the CPU in "
+                    "plain PyTorch (DeepSpeed's fast CPU kernels cover only its own Adam/AdamW); expect slow steps."
+                ),
+                severity="warning",
+            )
+        )
     return notes
 
 
@@ -167,8 +198,9 @@ def spec_ds_config(train: TrainSpec, deepspeed: DeepSpeedSpec, plan: Plan) -> di
     }
 
 
-def compile_ds_config(train: TrainSpec, deepspeed: DeepSpeedSpec, plan: Plan,
-                      source: SpecSource) -> tuple[dict, list[SpecIssue]]:
+def compile_ds_config(
+    train: TrainSpec, deepspeed: DeepSpeedSpec, plan: Plan, source: SpecSource
+) -> tuple[dict, list[SpecIssue]]:
     """(DeepSpeed config dict, warnings). Raises SpecError with every error found (user file included)."""
     config = spec_ds_config(train, deepspeed, plan)
     issues = _optimizer_notes(train, deepspeed, source)

@@ -63,7 +63,9 @@ def deepspeed_resolve(ds_config: dict, world_size: int):
         return module.DeepSpeedConfig(copy.deepcopy(ds_config))
 
 
-def cross_check(ds_config: dict, plan: Plan, source: SpecSource, user_file: str | Path | None = None) -> list[SpecIssue]:
+def cross_check(
+    ds_config: dict, plan: Plan, source: SpecSource, user_file: str | Path | None = None
+) -> list[SpecIssue]:
     """Errors (one line each) where DeepSpeed's config code refuses `ds_config` or resolves other batch numbers
     than the plan. `user_file`: the user's DeepSpeed JSON (deepspeed.config), so messages can point into it."""
     try:
@@ -75,10 +77,16 @@ def cross_check(ds_config: dict, plan: Plan, source: SpecSource, user_file: str 
     ours = (plan.global_batch_size, plan.micro_batch_size, plan.gradient_accumulation_steps)
     theirs = (resolved.train_batch_size, resolved.train_micro_batch_size_per_gpu, resolved.gradient_accumulation_steps)
     if tuple(theirs) != ours:
-        return [source.issue("train", (
-            f"DeepSpeed {DEEPSPEED_CHECKED} resolves train_batch_size {theirs[0]} = micro {theirs[1]} x accumulation "
-            f"{theirs[2]} x {resolved.world_size} ranks, but the plan has global batch {ours[0]} = micro {ours[1]} x "
-            f"accumulation {ours[2]} x {plan.world_size} ranks"))]
+        return [
+            source.issue(
+                "train",
+                (
+                    f"DeepSpeed {DEEPSPEED_CHECKED} resolves train_batch_size {theirs[0]} = micro {theirs[1]} x accumulation "
+                    f"{theirs[2]} x {resolved.world_size} ranks, but the plan has global batch {ours[0]} = micro {ours[1]} x "
+                    f"accumulation {ours[2]} x {plan.world_size} ranks"
+                ),
+            )
+        ]
     return []
 
 
@@ -86,8 +94,9 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _rejection_issues(err: Exception, ds_config: dict, source: SpecSource,
-                      user_path: str | Path | None) -> list[SpecIssue]:
+def _rejection_issues(
+    err: Exception, ds_config: dict, source: SpecSource, user_path: str | Path | None
+) -> list[SpecIssue]:
     text = ""
     if user_path is not None:
         with contextlib.suppress(OSError, UnicodeDecodeError):
@@ -110,8 +119,11 @@ def _rejection_issues(err: Exception, ds_config: dict, source: SpecSource,
 
 
 # Where DeepSpeed's main pydantic models sit in the JSON, to place an error when a location fits several blocks.
-_MODEL_BLOCKS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16",
-                 "DeepSpeedBF16Config": "bf16"}
+_MODEL_BLOCKS = {
+    "DeepSpeedZeroConfig": "zero_optimization",
+    "DeepSpeedFP16Config": "fp16",
+    "DeepSpeedBF16Config": "bf16",
+}
 
 
 def _describe_validation_error(detail: dict, model_name: str, ds_config: dict) -> tuple[str, str]:
@@ -161,8 +173,9 @@ def _accepted_names(model_name: str, loc: list[str]) -> list[str]:
     for part in loc:
         fields = {n: f for name, f in (model.model_fields.items() if model else ()) for n in (name, f.alias) if n}
         annotation = fields[part].annotation if part in fields else None
-        candidates = [a for a in (annotation, *typing.get_args(annotation)) if isinstance(a, type)
-                      and issubclass(a, BaseModel)]
+        candidates = [
+            a for a in (annotation, *typing.get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
         model = candidates[0] if candidates else None
     if model is None:
         return []

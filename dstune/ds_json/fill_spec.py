@@ -33,20 +33,38 @@ SPEC_KEY_OF = {
     "gradient_accumulation_steps": "train.gradient_accumulation_steps",
     "gradient_clipping": "train.gradient_clipping",
     "zero_optimization.stage": "deepspeed.zero_stage",
-    **{f"zero_optimization.{name}": f"deepspeed.{name}"
-       for name in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm")},
-    **{f"zero_optimization.{block}.{name}": f"deepspeed.{block}.{name}"
-       for block in ("offload_optimizer", "offload_param") for name in ("device", "nvme_path", "pin_memory")},
-    **{f"activation_checkpointing.{name}": f"deepspeed.activation_checkpointing.{name}"
-       for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                    "number_checkpoints")},
+    **{
+        f"zero_optimization.{name}": f"deepspeed.{name}"
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm")
+    },
+    **{
+        f"zero_optimization.{block}.{name}": f"deepspeed.{block}.{name}"
+        for block in ("offload_optimizer", "offload_param")
+        for name in ("device", "nvme_path", "pin_memory")
+    },
+    **{
+        f"activation_checkpointing.{name}": f"deepspeed.activation_checkpointing.{name}"
+        for name in (
+            "partition_activations",
+            "cpu_checkpointing",
+            "contiguous_memory_optimization",
+            "number_checkpoints",
+        )
+    },
     **{f"optimizer.params.{name}": f"train.optimizer.{name}" for name in ("lr", "betas", "eps", "weight_decay")},
     "scheduler.params.warmup_num_steps": "train.scheduler.warmup_steps",
     "scheduler.params.cos_min_ratio": "train.scheduler.min_lr_ratio",
 }
-_INTEGER_KEYS = {"train.global_batch_size", "train.micro_batch_size", "train.gradient_accumulation_steps",
-                 "deepspeed.zero_stage", "deepspeed.reduce_bucket_size", "deepspeed.allgather_bucket_size",
-                 "deepspeed.activation_checkpointing.number_checkpoints", "train.scheduler.warmup_steps"}
+_INTEGER_KEYS = {
+    "train.global_batch_size",
+    "train.micro_batch_size",
+    "train.gradient_accumulation_steps",
+    "deepspeed.zero_stage",
+    "deepspeed.reduce_bucket_size",
+    "deepspeed.allgather_bucket_size",
+    "deepspeed.activation_checkpointing.number_checkpoints",
+    "train.scheduler.warmup_steps",
+}
 # DeepSpeed's optimizer and scheduler type names (it lowercases them) -> dstune's; others have no dstune equivalent.
 OPTIMIZER_TYPES = {"adamw": "adamw", "lion": "lion"}  # "adam": adamw unless params.adam_w_mode is false
 SCHEDULER_TYPES = {"warmupdecaylr": "linear", "warmupcosinelr": "cosine"}  # warmuplr: constant(_with_warmup)
@@ -90,8 +108,11 @@ def _precision(user: dict) -> tuple[str, str] | None:
     """(precision, file key) the fp16/bf16 blocks ask for, or None when they leave it to the spec."""
     bf16 = user.get("bf16", user.get("bfloat16"))
     bf16_key = "bf16" if "bf16" in user else "bfloat16"
-    enabled = {name: block.get("enabled") for name, block in (("fp16", user.get("fp16")), (bf16_key, bf16))
-               if isinstance(block, dict)}
+    enabled = {
+        name: block.get("enabled")
+        for name, block in (("fp16", user.get("fp16")), (bf16_key, bf16))
+        if isinstance(block, dict)
+    }
     on = [name for name, value in enabled.items() if value is True]
     if on:
         return ("fp16" if on[0] == "fp16" else "bf16"), f"{on[0]}.enabled"
@@ -179,8 +200,12 @@ def _attribute(issue: SpecIssue, reading: _Reading, source: SpecSource) -> SpecI
     """A spec error about a value the file filled names the file's key (and where stays the file's line)."""
     filled = {spec_key: file_key for spec_key, (_, file_key) in reading.fills.items()}
     if issue.key in filled:
-        return SpecIssue(filled[issue.key], f"{issue.message} (the file's value for {issue.key}, which the spec "
-                         "leaves unset)", reading.line(filled[issue.key]), issue.severity)
+        return SpecIssue(
+            filled[issue.key],
+            f"{issue.message} (the file's value for {issue.key}, which the spec leaves unset)",
+            reading.line(filled[issue.key]),
+            issue.severity,
+        )
     # A section's or the whole spec's rule: the filled key whose name it mentions (the most specific name first).
     under = [spec_key for spec_key in filled if not issue.key or spec_key.startswith(issue.key + ".")]
     for depth in (-1, -2):
@@ -188,8 +213,12 @@ def _attribute(issue: SpecIssue, reading: _Reading, source: SpecSource) -> SpecI
             parts = spec_key.split(".")
             if len(parts) >= -depth and re.search(rf"\b{re.escape(parts[depth])}\b", issue.message):
                 file_key = filled[spec_key]
-                return SpecIssue(file_key, f"{issue.message} (from the file's {file_key}: it fills {spec_key}, which "
-                                 "the spec leaves unset)", reading.line(file_key), issue.severity)
+                return SpecIssue(
+                    file_key,
+                    f"{issue.message} (from the file's {file_key}: it fills {spec_key}, which the spec leaves unset)",
+                    reading.line(file_key),
+                    issue.severity,
+                )
     return issue
 
 
@@ -209,11 +238,17 @@ def apply_ds_file(spec: Spec, source: SpecSource) -> tuple[Spec, SpecSource, lis
         if spec_key in source.filled or not spec_sets(spec, spec_key):
             reading.fills[spec_key] = (value, file_key)
         elif not same_value(value, _spec_value(spec, spec_key)):
-            conflicts.append(SpecIssue(file_key, (
-                f"{json.dumps(_get(user, file_key))} in the file, but the spec sets {spec_key}: "
-                f"{_shown(_spec_value(spec, spec_key))} at {source.where(spec_key)}{_note(user, file_key)}. A key "
-                "written in both places must agree: remove it from one of them, or make them equal."),
-                reading.line(file_key)))
+            conflicts.append(
+                SpecIssue(
+                    file_key,
+                    (
+                        f"{json.dumps(_get(user, file_key))} in the file, but the spec sets {spec_key}: "
+                        f"{_shown(_spec_value(spec, spec_key))} at {source.where(spec_key)}{_note(user, file_key)}. A key "
+                        "written in both places must agree: remove it from one of them, or make them equal."
+                    ),
+                    reading.line(file_key),
+                )
+            )
     data = spec.model_dump(mode="python", exclude_unset=True)
     for spec_key, (value, _) in reading.fills.items():
         _set(data, spec_key, value)
@@ -236,7 +271,7 @@ def merged_spec(spec: Spec, source: SpecSource) -> tuple[Spec, SpecSource]:
 
 def _note(user: dict, file_key: str) -> str:
     if file_key == "optimizer.type" and str(_get(user, file_key)).lower() == "adam":
-        return " (DeepSpeed's \"Adam\" runs AdamW unless optimizer.params.adam_w_mode is false)"
+        return ' (DeepSpeed\'s "Adam" runs AdamW unless optimizer.params.adam_w_mode is false)'
     return ""
 
 
@@ -249,10 +284,17 @@ def _shown(value: Any) -> str:
 # DeepSpeed keys the plan derives when the spec (or file) leaves them to it.
 _DERIVED = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
 # Names a file may use for a key dstune writes under another name (dstune.ds_json.merge normalizes them).
-_OLD_NAMES = [("bf16", "bfloat16"), ("zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                                      "zero_optimization.stage3_gather_fp16_weights_on_model_save"),
-              *((f"zero_optimization.stage3_{name}", f"zero_optimization.{name}") for name in
-                ("prefetch_bucket_size", "param_persistence_threshold", "gather_16bit_weights_on_model_save"))]
+_OLD_NAMES = [
+    ("bf16", "bfloat16"),
+    (
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.stage3_gather_fp16_weights_on_model_save",
+    ),
+    *(
+        (f"zero_optimization.stage3_{name}", f"zero_optimization.{name}")
+        for name in ("prefetch_bucket_size", "param_persistence_threshold", "gather_16bit_weights_on_model_save")
+    ),
+]
 
 
 def _spec_origin(spec: Spec, source: SpecSource, spec_key: str, ds_key: str) -> str:
@@ -267,8 +309,8 @@ def _file_key(user_flat: dict, ds_key: str) -> str | None:
     if ds_key in user_flat:
         return ds_key
     for new, old in _OLD_NAMES:
-        if ds_key.startswith(new) and old + ds_key[len(new):] in user_flat:
-            return old + ds_key[len(new):]
+        if ds_key.startswith(new) and old + ds_key[len(new) :] in user_flat:
+            return old + ds_key[len(new) :]
     return None
 
 

@@ -5,6 +5,7 @@ left: the file keeps every setting the spec does not cover; "auto" takes the spe
 value dstune needs otherwise is an error naming the key and the fix. DeepSpeed's `scheduler` is always replaced by
 dstune's schedule. Pure (no torch or deepspeed); what DeepSpeed rejects is found by `dstune.ds_json.cross_check`.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -25,7 +26,8 @@ _MISSING = object()
 # Every top-level key DeepSpeedConfig 0.19.8 reads (recorded from DeepSpeedConfig.__init__, kept in sync by
 # tests/unit/test_ds_config_user.py), plus two that deepspeed.initialize reads. DeepSpeed ignores any other top-level
 # key without a word, so a typo such as `gradient_clip` would be lost: dstune warns with a "did you mean".
-KNOWN_TOP_LEVEL_KEYS = frozenset("""
+KNOWN_TOP_LEVEL_KEYS = frozenset(
+    """
     activation_checkpointing aio amp autotuning bf16 bfloat16 checkpoint comet comms_logger communication_data_type
     compile compression_training csv_monitor curriculum_learning data_efficiency data_types dataloader_drop_last
     datastates_ckpt disable_allgather disable_python_gc dump_state eigenvalue elasticity expert_parallel flops_profiler
@@ -36,7 +38,8 @@ KNOWN_TOP_LEVEL_KEYS = frozenset("""
     train_micro_batch_size_per_gpu use_data_before_expert_parallelism vocabulary_size wall_clock_breakdown wandb
     weight_quantization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer zero_optimization
     sequence_parallel_size data_parallel_size
-""".split())  # the last two: read by deepspeed.initialize (mesh setup)
+""".split()
+)  # the last two: read by deepspeed.initialize (mesh setup)
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,24 @@ OWNED = {
     "fp16.enabled": _Rule("train.precision", True),
     "bf16.enabled": _Rule("train.precision", True),
     "zero_optimization.stage": _Rule("deepspeed.zero_stage", True),
-    **{f"zero_optimization.{block}.{name}": _Rule(f"deepspeed.{block}.{name}", name == "device")
-       for block in ("offload_optimizer", "offload_param") for name in ("device", "nvme_path", "pin_memory")},
-    **{f"zero_optimization.{name}": _Rule(f"deepspeed.{name}", False)
-       for name in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm")},
-    **{f"activation_checkpointing.{name}": _Rule(f"deepspeed.activation_checkpointing.{name}", False)
-       for name in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                    "number_checkpoints")},
+    **{
+        f"zero_optimization.{block}.{name}": _Rule(f"deepspeed.{block}.{name}", name == "device")
+        for block in ("offload_optimizer", "offload_param")
+        for name in ("device", "nvme_path", "pin_memory")
+    },
+    **{
+        f"zero_optimization.{name}": _Rule(f"deepspeed.{name}", False)
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm")
+    },
+    **{
+        f"activation_checkpointing.{name}": _Rule(f"deepspeed.activation_checkpointing.{name}", False)
+        for name in (
+            "partition_activations",
+            "cpu_checkpointing",
+            "contiguous_memory_optimization",
+            "number_checkpoints",
+        )
+    },
 }
 
 # Keys dstune needs at a given value whenever the compiled config writes them (why, for the message).
@@ -76,12 +90,17 @@ REQUIRED = {
 _BATCH_SPEC_KEYS = ("train.global_batch_size", "train.micro_batch_size", "train.gradient_accumulation_steps")
 
 # DeepSpeed scheduler types and the dstune schedules that behave like them.
-SCHEDULER_EQUIVALENTS = {"WarmupLR": ("constant", "constant_with_warmup"), "WarmupDecayLR": ("linear",),
-                         "WarmupCosineLR": ("cosine",)}
+SCHEDULER_EQUIVALENTS = {
+    "WarmupLR": ("constant", "constant_with_warmup"),
+    "WarmupDecayLR": ("linear",),
+    "WarmupCosineLR": ("cosine",),
+}
 
 # Field names DeepSpeed's ZeRO model also accepts (populate_by_name) for keys dstune writes under their stage3_ alias.
-_ZERO_FIELD_ALIASES = {name: f"stage3_{name}" for name in
-                       ("prefetch_bucket_size", "param_persistence_threshold", "gather_16bit_weights_on_model_save")}
+_ZERO_FIELD_ALIASES = {
+    name: f"stage3_{name}"
+    for name in ("prefetch_bucket_size", "param_persistence_threshold", "gather_16bit_weights_on_model_save")
+}
 
 
 # --------------------------------------------------------------------------------------------------- merging
@@ -114,9 +133,11 @@ class MergeContext:
         """How the spec arrives at its value, for conflict messages."""
         p = self.plan
         if spec_key in _BATCH_SPEC_KEYS:
-            return (f"the plan: global batch {p.global_batch_size} = micro {p.micro_batch_size} x accumulation "
-                    f"{p.gradient_accumulation_steps} x {p.world_size} ranks; {spec_key} at "
-                    f"{self.source.where(spec_key)}")
+            return (
+                f"the plan: global batch {p.global_batch_size} = micro {p.micro_batch_size} x accumulation "
+                f"{p.gradient_accumulation_steps} x {p.world_size} ranks; {spec_key} at "
+                f"{self.source.where(spec_key)}"
+            )
         if spec_key == "train.optimizer.lr" and p.lr_scale != 1.0:
             return f"{spec_key} {p.base_lr:g} x lr_scaling {p.lr_scale:g} at {self.source.where(spec_key)}"
         value = f" is {self.train.precision!r}" if spec_key == "train.precision" else ""
@@ -149,12 +170,15 @@ def spec_values(compiled: dict, deepspeed: DeepSpeedSpec) -> dict:
     prefetch, persistence = stage3_bucket_sizes(deepspeed.reduce_bucket_size)
     zero = "zero_optimization."
     out = {
-        f"{zero}contiguous_gradients": True, f"{zero}overlap_comm": deepspeed.overlap_comm,
+        f"{zero}contiguous_gradients": True,
+        f"{zero}overlap_comm": deepspeed.overlap_comm,
         f"{zero}reduce_bucket_size": deepspeed.reduce_bucket_size,
         f"{zero}allgather_bucket_size": deepspeed.allgather_bucket_size,
-        f"{zero}stage3_prefetch_bucket_size": prefetch, f"{zero}stage3_param_persistence_threshold": persistence,
+        f"{zero}stage3_prefetch_bucket_size": prefetch,
+        f"{zero}stage3_param_persistence_threshold": persistence,
         f"{zero}stage3_gather_16bit_weights_on_model_save": True,
-        "zero_allow_untested_optimizer": False, "zero_force_ds_cpu_optimizer": True,  # DeepSpeed's defaults
+        "zero_allow_untested_optimizer": False,
+        "zero_force_ds_cpu_optimizer": True,  # DeepSpeed's defaults
     }
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(deepspeed, name)
@@ -177,8 +201,11 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 def _conflict(ctx: MergeContext, dotted: str, value: Any, expected: Any, spec_key: str) -> None:
-    ctx.add(dotted, f"{json.dumps(value)} in the file, but dstune uses {json.dumps(expected)} ({ctx.origin(spec_key)}). "
-            f"Make them agree: change {spec_key} in the spec, or write {json.dumps(expected)} or \"auto\" in the file.")
+    ctx.add(
+        dotted,
+        f"{json.dumps(value)} in the file, but dstune uses {json.dumps(expected)} ({ctx.origin(spec_key)}). "
+        f'Make them agree: change {spec_key} in the spec, or write {json.dumps(expected)} or "auto" in the file.',
+    )
 
 
 def _check_concrete(ctx: MergeContext, dotted: str, value: Any) -> Any:
@@ -191,8 +218,11 @@ def _check_concrete(ctx: MergeContext, dotted: str, value: Any) -> Any:
         return expected  # the spec's type (int, not 2e8)
     if dotted in REQUIRED and dotted in ctx.compiled_flat and not same_value(value, ctx.compiled_flat[dotted]):
         needed = ctx.compiled_flat[dotted]
-        ctx.add(dotted, f"{json.dumps(value)} in the file, but dstune needs {json.dumps(needed)}: {REQUIRED[dotted]}. "
-                f"Write {json.dumps(needed)} or \"auto\", or remove the key.")
+        ctx.add(
+            dotted,
+            f"{json.dumps(value)} in the file, but dstune needs {json.dumps(needed)}: {REQUIRED[dotted]}. "
+            f'Write {json.dumps(needed)} or "auto", or remove the key.',
+        )
     return value
 
 
@@ -212,8 +242,11 @@ def _merge_dicts(ctx: MergeContext, ours: dict, theirs: dict, prefix: str = "") 
                 out[key] = ctx.reference[dotted]
             else:
                 out.pop(key, None)
-                ctx.add(dotted, '"auto" has no value in dstune (the spec does not set this key). Write a value, or '
-                        "remove the key to get DeepSpeed's default.")
+                ctx.add(
+                    dotted,
+                    '"auto" has no value in dstune (the spec does not set this key). Write a value, or '
+                    "remove the key to get DeepSpeed's default.",
+                )
         else:
             out[key] = _check_concrete(ctx, dotted, value)
     return out
@@ -236,16 +269,22 @@ def _normalize_names(ctx: MergeContext, user: dict) -> dict:
     if zero is None:
         return user
     if not isinstance(zero, dict):
-        ctx.add("zero_optimization", f"must be a JSON object such as {{\"stage\": 2}}, not {json.dumps(zero)} (the old "
-                "boolean form is not supported); set the stage with deepspeed.zero_stage in the spec")
+        ctx.add(
+            "zero_optimization",
+            f'must be a JSON object such as {{"stage": 2}}, not {json.dumps(zero)} (the old '
+            "boolean form is not supported); set the stage with deepspeed.zero_stage in the spec",
+        )
         user.pop("zero_optimization")
         return user
     zero = dict(zero)
     for name in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
         if name in zero:
             zero.pop(name)
-            ctx.add(f"zero_optimization.{name}", "deprecated DeepSpeed key; remove it and set "
-                    "deepspeed.offload_optimizer / deepspeed.offload_param in the spec")
+            ctx.add(
+                f"zero_optimization.{name}",
+                "deprecated DeepSpeed key; remove it and set "
+                "deepspeed.offload_optimizer / deepspeed.offload_param in the spec",
+            )
     old, new = "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"
     if old in zero and new in zero:
         ctx.add(f"zero_optimization.{old}", f"DeepSpeed refuses the deprecated {old} together with {new}; remove it")
@@ -262,22 +301,34 @@ def _normalize_names(ctx: MergeContext, user: dict) -> dict:
 
 def _check_data_parallel_only(ctx: MergeContext, user: dict) -> None:
     """dstune's plan assumes every rank is a data-parallel rank (a full replica under ZeRO); these keys change that."""
-    sizes = {f"{block}.{name}": user[block].get(name) for block, name in (("tensor_parallel", "autotp_size"),
-             ("expert_parallel", "autoep_size")) if isinstance(user.get(block), dict)}
+    sizes = {
+        f"{block}.{name}": user[block].get(name)
+        for block, name in (("tensor_parallel", "autotp_size"), ("expert_parallel", "autoep_size"))
+        if isinstance(user.get(block), dict)
+    }
     for key, size in sizes.items():
         if isinstance(size, (int, float)) and size > 1:
-            ctx.add(key, f"{json.dumps(size)}: dstune trains data-parallel only; model parallelism would change the "
-                    "data-parallel size the batch plan uses. Remove the key.")
+            ctx.add(
+                key,
+                f"{json.dumps(size)}: dstune trains data-parallel only; model parallelism would change the "
+                "data-parallel size the batch plan uses. Remove the key.",
+            )
     size = user.get("sequence_parallel_size")
     if size is not None and not same_value(size, ctx.plan.sequence_parallel_size):
-        ctx.add("sequence_parallel_size", f"{json.dumps(size)} in the file, but the spec plans "
-                f"deepspeed.sequence_parallel_size {ctx.plan.sequence_parallel_size}: set it in the spec "
-                "(deepspeed.sequence_parallel_size), which lays out the ranks and the batch plan, and remove the key")
+        ctx.add(
+            "sequence_parallel_size",
+            f"{json.dumps(size)} in the file, but the spec plans "
+            f"deepspeed.sequence_parallel_size {ctx.plan.sequence_parallel_size}: set it in the spec "
+            "(deepspeed.sequence_parallel_size), which lays out the ranks and the batch plan, and remove the key",
+        )
     size = user.get("data_parallel_size")
     if size is not None and not same_value(size, ctx.plan.data_parallel_size):
-        ctx.add("data_parallel_size", f"{json.dumps(size)} in the file, but dstune plans for "
-                f"{ctx.plan.data_parallel_size} data-parallel ranks (ranks / deepspeed.sequence_parallel_size); "
-                "remove the key")
+        ctx.add(
+            "data_parallel_size",
+            f"{json.dumps(size)} in the file, but dstune plans for "
+            f"{ctx.plan.data_parallel_size} data-parallel ranks (ranks / deepspeed.sequence_parallel_size); "
+            "remove the key",
+        )
 
 
 def _warn_unknown_top_level(ctx: MergeContext, user: dict) -> None:
@@ -286,8 +337,11 @@ def _warn_unknown_top_level(ctx: MergeContext, user: dict) -> None:
             continue
         close = difflib.get_close_matches(key, sorted(KNOWN_TOP_LEVEL_KEYS), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        ctx.add(key, f"DeepSpeed {DEEPSPEED_CHECKED} does not know this top-level key and ignores it silently{hint}",
-                "warning")
+        ctx.add(
+            key,
+            f"DeepSpeed {DEEPSPEED_CHECKED} does not know this top-level key and ignores it silently{hint}",
+            "warning",
+        )
 
 
 def _check_optimizer_type(ctx: MergeContext, block: dict) -> None:
@@ -302,16 +356,25 @@ def _check_optimizer_type(ctx: MergeContext, block: dict) -> None:
         return
     where = ctx.source.where("train.optimizer.type")
     if wanted == "adam" and name == "adam":
-        ctx.add("optimizer.type", f"\"Adam\" with adam_w_mode true (DeepSpeed's default) runs AdamW, but "
-                f"train.optimizer.type is 'adam' ({where}). Add \"adam_w_mode\": false to optimizer.params, or set "
-                "train.optimizer.type: adamw.")
+        ctx.add(
+            "optimizer.type",
+            f'"Adam" with adam_w_mode true (DeepSpeed\'s default) runs AdamW, but '
+            f"train.optimizer.type is 'adam' ({where}). Add \"adam_w_mode\": false to optimizer.params, or set "
+            "train.optimizer.type: adamw.",
+        )
     elif name not in ("adam", "adamw", "lion"):
-        ctx.add("optimizer.type", f"{json.dumps(written)}: dstune builds the optimizer itself and has no {written} (it "
-                "has adamw, adam, adafactor, lion, sgd: train.optimizer.type). Remove the optimizer block and set "
-                "train.optimizer.")
+        ctx.add(
+            "optimizer.type",
+            f"{json.dumps(written)}: dstune builds the optimizer itself and has no {written} (it "
+            "has adamw, adam, adafactor, lion, sgd: train.optimizer.type). Remove the optimizer block and set "
+            "train.optimizer.",
+        )
     else:
-        ctx.add("optimizer.type", f"{json.dumps(written)} in the file, but train.optimizer.type is {wanted!r} ({where}). "
-                "Make them agree, or remove the optimizer block (dstune builds the optimizer from train.optimizer).")
+        ctx.add(
+            "optimizer.type",
+            f"{json.dumps(written)} in the file, but train.optimizer.type is {wanted!r} ({where}). "
+            "Make them agree, or remove the optimizer block (dstune builds the optimizer from train.optimizer).",
+        )
 
 
 def _merge_optimizer(ctx: MergeContext, block: Any, ours: dict | None) -> dict | None:
@@ -329,8 +392,11 @@ def _merge_optimizer(ctx: MergeContext, block: Any, ours: dict | None) -> dict |
     for name, value in params.items():
         dotted = f"optimizer.params.{name}"
         if name == "max_grad_norm":
-            ctx.add(dotted, "DeepSpeed refuses max_grad_norm as an optimizer parameter (engine.py "
-                    "_configure_basic_optimizer); remove it and use train.gradient_clipping")
+            ctx.add(
+                dotted,
+                "DeepSpeed refuses max_grad_norm as an optimizer parameter (engine.py "
+                "_configure_basic_optimizer); remove it and use train.gradient_clipping",
+            )
         elif name in expected:
             if value != AUTO and not same_value(value, expected[name]):
                 _conflict(ctx, dotted, value, expected[name], f"train.optimizer.{name}")
@@ -340,9 +406,13 @@ def _merge_optimizer(ctx: MergeContext, block: Any, ours: dict | None) -> dict |
             extra[name] = value
     if ours is None:
         ignored = f" Params not applied: {', '.join(sorted(extra))}." if extra else ""
-        ctx.add("optimizer", f"not used: dstune builds the {opt.type} optimizer itself from train.optimizer and passes "
-                "it to DeepSpeed; DeepSpeed's own optimizer is used only for adam/adamw with offload_optimizer "
-                f"cpu/nvme (its fast CPU Adam).{ignored}", "warning")
+        ctx.add(
+            "optimizer",
+            f"not used: dstune builds the {opt.type} optimizer itself from train.optimizer and passes "
+            "it to DeepSpeed; DeepSpeed's own optimizer is used only for adam/adamw with offload_optimizer "
+            f"cpu/nvme (its fast CPU Adam).{ignored}",
+            "warning",
+        )
         return None
     others = {k: v for k, v in block.items() if k not in ("type", "params")}
     return {**others, "type": ours["type"], "params": {**extra, **ours["params"]}}
@@ -357,14 +427,20 @@ def _check_scheduler(ctx: MergeContext, block: Any) -> None:
     errors = len(ctx.issues)
     kind = block.get("type", AUTO)
     if kind != AUTO and ours.type not in SCHEDULER_EQUIVALENTS.get(kind, ()):
-        ctx.add("scheduler.type", f"{json.dumps(kind)} in the file, but train.scheduler.type is {ours.type!r} "
-                f"({ctx.source.where('train.scheduler.type')}); dstune's own schedule replaces DeepSpeed's. Set "
-                "train.scheduler to the schedule you want and remove the scheduler block (or make it agree).")
+        ctx.add(
+            "scheduler.type",
+            f"{json.dumps(kind)} in the file, but train.scheduler.type is {ours.type!r} "
+            f"({ctx.source.where('train.scheduler.type')}); dstune's own schedule replaces DeepSpeed's. Set "
+            "train.scheduler to the schedule you want and remove the scheduler block (or make it agree).",
+        )
     p = ctx.plan
     warmup = "train.scheduler.warmup_steps"
     expected = {  # DeepSpeed scheduler param -> (dstune's value, the spec key that sets it)
-        "warmup_min_lr": (0.0, warmup), "warmup_min_ratio": (0.0, warmup), "warmup_num_steps": (p.warmup_steps, warmup),
-        "warmup_max_lr": (p.effective_lr, "train.optimizer.lr"), "warmup_type": ("linear", "train.scheduler.type"),
+        "warmup_min_lr": (0.0, warmup),
+        "warmup_min_ratio": (0.0, warmup),
+        "warmup_num_steps": (p.warmup_steps, warmup),
+        "warmup_max_lr": (p.effective_lr, "train.optimizer.lr"),
+        "warmup_type": ("linear", "train.scheduler.type"),
         "total_num_steps": (p.total_steps, "train.max_steps" if ctx.train.max_steps else "train.epochs"),
         "cos_min_ratio": (ours.min_lr_ratio, "train.scheduler.min_lr_ratio"),
     }
@@ -377,12 +453,24 @@ def _check_scheduler(ctx: MergeContext, block: Any) -> None:
         if not same_value(value, want) and not (name == "warmup_num_steps" and want == 0 and same_value(value, 1)):
             _conflict(ctx, f"scheduler.params.{name}", value, want, spec_key)
     if len(ctx.issues) == errors:
-        ctx.add("scheduler", f"dropped: dstune steps its own schedule ({ours.type}, {p.warmup_steps} linear warmup "
-                f"steps from 0, {p.total_steps} optimizer steps) in place of DeepSpeed's {kind}", "warning")
+        ctx.add(
+            "scheduler",
+            f"dropped: dstune steps its own schedule ({ours.type}, {p.warmup_steps} linear warmup "
+            f"steps from 0, {p.total_steps} optimizer steps) in place of DeepSpeed's {kind}",
+            "warning",
+        )
 
 
-def merge_user_ds_config(user: dict, compiled: dict, train: TrainSpec, deepspeed: DeepSpeedSpec, plan: Plan,
-                         source: SpecSource, path: Path, text: str = "") -> tuple[dict, list[SpecIssue]]:
+def merge_user_ds_config(
+    user: dict,
+    compiled: dict,
+    train: TrainSpec,
+    deepspeed: DeepSpeedSpec,
+    plan: Plan,
+    source: SpecSource,
+    path: Path,
+    text: str = "",
+) -> tuple[dict, list[SpecIssue]]:
     """The user's DeepSpeed JSON with "auto" filled from the spec, over the compiled config.
 
     Returns (merged config, issues); issues include errors (conflicts, "auto" without a value) for the caller to

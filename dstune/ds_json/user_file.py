@@ -37,19 +37,40 @@ def load_user_ds_config(path: Path, source: SpecSource) -> tuple[dict, str]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SpecError([source.issue("deepspeed.config", f"DeepSpeed config file not found: {path} (a relative "
-                                      "path is taken from the spec file's folder)")]) from None
+        raise SpecError(
+            [
+                source.issue(
+                    "deepspeed.config",
+                    f"DeepSpeed config file not found: {path} (a relative path is taken from the spec file's folder)",
+                )
+            ]
+        ) from None
     except (OSError, UnicodeDecodeError) as err:
         raise SpecError([source.issue("deepspeed.config", f"cannot read the DeepSpeed config {path}: {err}")]) from None
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as err:
-        raise SpecError([SpecIssue("", f"not valid JSON: {err.msg} (column {err.colno}); DeepSpeed configs for dstune "
-                                   "are plain JSON, without comments", f"{path}:{err.lineno}")]) from None
+        raise SpecError(
+            [
+                SpecIssue(
+                    "",
+                    f"not valid JSON: {err.msg} (column {err.colno}); DeepSpeed configs for dstune "
+                    "are plain JSON, without comments",
+                    f"{path}:{err.lineno}",
+                )
+            ]
+        ) from None
     except _DuplicateKey as err:
         line = _last_line_of_key(text, err.key)
-        raise SpecError([SpecIssue(err.key, "appears twice in the same object; DeepSpeed refuses duplicate keys",
-                                   f"{path}:{line}" if line else str(path))]) from None
+        raise SpecError(
+            [
+                SpecIssue(
+                    err.key,
+                    "appears twice in the same object; DeepSpeed refuses duplicate keys",
+                    f"{path}:{line}" if line else str(path),
+                )
+            ]
+        ) from None
     if not isinstance(data, dict):
         raise SpecError([SpecIssue("", "a DeepSpeed config must be a JSON object ({...})", str(path))])
     return data, text

@@ -28,8 +28,9 @@ from dstune.models.unit import VIDEO_FAMILY, load
 CORE_FAMILY_MODULES = {"flow": "dstune.families.flow", VIDEO_FAMILY: "dstune.families.video"}
 FAMILY_MODULES: dict[str, str] = {**CORE_FAMILY_MODULES, **registry.family_modules()}
 
-FAMILY_FACTS: dict[str, ModelFacts] = {facts.family: facts for facts in (
-    flow_facts.FACTS, video_facts.FACTS, *map(load, registry.facts()))}
+FAMILY_FACTS: dict[str, ModelFacts] = {
+    facts.family: facts for facts in (flow_facts.FACTS, video_facts.FACTS, *map(load, registry.facts()))
+}
 
 
 def _unknown(name: str) -> ValueError:

@@ -72,20 +72,36 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
     config_path = folder.path / module / "config.json"
     params, largest, lora = count_component(str(config_path), targets, rank)
     default_lora = count_component(str(config_path), DEFAULT_LORA_TARGET_MODULES, 16)[2]
-    companions = {part: count_component(str(folder.path / part / "config.json"))[0]
-                  for part in FROZEN_PIPELINE_PARTS if (folder.index.get(part) or [None])[0]}
+    companions = {
+        part: count_component(str(folder.path / part / "config.json"))[0]
+        for part in FROZEN_PIPELINE_PARTS
+        if (folder.index.get(part) or [None])[0]
+    }
     cache = spec.data.cache
     if not rules.uses_image_encoder(spec, folder):  # e.g. a text-to-video run of an image-to-video-capable folder
         companions.pop("image_encoder", None)
     # the image encoder's embeddings are stored beside the latents (the video model's first-frame conditioning)
-    cached = tuple(part for part in companions if (cache.latents if part in ("vae", "image_encoder")
-                                                   else cache.text_embeddings))
+    cached = tuple(
+        part for part in companions if (cache.latents if part in ("vae", "image_encoder") else cache.text_embeddings)
+    )
     full, checkpointed = rules.activations(spec, folder, read_config(config_path), clips)
-    return ModelCounts(module, params, lora or params, largest, companions, cached, int(full), int(checkpointed),
-                       default_lora, rules.cache_bytes(spec, folder, companions, num_samples, clips), folder.origin,
-                       builds_partitioned=True,  # every pipeline family builds the denoiser partitioned under ZeRO-3
-                       sampling_companions=sampling_only, expert=expert,
-                       small_tensors=count_small_tensors(str(config_path), targets, rank))
+    return ModelCounts(
+        module,
+        params,
+        lora or params,
+        largest,
+        companions,
+        cached,
+        int(full),
+        int(checkpointed),
+        default_lora,
+        rules.cache_bytes(spec, folder, companions, num_samples, clips),
+        folder.origin,
+        builds_partitioned=True,  # every pipeline family builds the denoiser partitioned under ZeRO-3
+        sampling_companions=sampling_only,
+        expert=expert,
+        small_tensors=count_small_tensors(str(config_path), targets, rank),
+    )
 
 
 def latent_channels(folder: PipelineFolder) -> tuple[int, int]:
@@ -101,7 +117,7 @@ def image_latent_bytes(spec, folder: PipelineFolder, companions: dict, pictures:
         return 0
     channels, factor = latent_channels(folder)
     side = spec.data.resolution // factor
-    return pictures * 2 * channels * side ** 2 * 4
+    return pictures * 2 * channels * side**2 * 4
 
 
 def embedding_width_bytes(spec) -> int:

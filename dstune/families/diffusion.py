@@ -26,7 +26,8 @@ def read_model_index(folder: Path) -> dict:
         raise FamilyError(
             f"{folder}: no {MODEL_INDEX}, so this is not a diffusers pipeline folder. Give a folder written by "
             "`pipeline.save_pretrained(...)` (model_index.json plus one subfolder per component), a hub id that is "
-            "already downloaded, or a built-in model (builtin:tiny-sd).")
+            "already downloaded, or a built-in model (builtin:tiny-sd)."
+        )
     try:
         index = json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -118,8 +119,9 @@ def load_trainable(folder: Path, name: str, model_class, zero3_config: Optional[
     ZeRO stage 3): built partitioned under deepspeed.zero.Init in the config's precision and filled one parameter at
     a time, so no rank holds the whole model."""
     if zero3_config is None:
-        return load_component(folder, name, model_class.from_pretrained, torch_dtype=torch.float32,
-                              low_cpu_mem_usage=True)
+        return load_component(
+            folder, name, model_class.from_pretrained, torch_dtype=torch.float32, low_cpu_mem_usage=True
+        )
     return load_partitioned(folder, name, model_class, zero3_config)
 
 
@@ -139,8 +141,10 @@ def load_partitioned(folder: Path, name: str, model_class, zero3_config: dict):
 
     files = default_safetensors(folder / name)
     if not files:
-        raise FamilyError(f"{folder / name}: no .safetensors weights; ZeRO-3 builds the model partitioned and "
-                          "reads safetensors only. Convert the weights (save_pretrained(safe_serialization=True)).")
+        raise FamilyError(
+            f"{folder / name}: no .safetensors weights; ZeRO-3 builds the model partitioned and "
+            "reads safetensors only. Convert the weights (save_pretrained(safe_serialization=True))."
+        )
     config = load_component(folder, name, model_class.load_config)
     with quiet_hf_libraries(), deepspeed.zero.Init(config_dict_or_path=zero3_config):
         model = model_class.from_config(config)
@@ -154,9 +158,11 @@ def load_partitioned(folder: Path, name: str, model_class, zero3_config: dict):
     # Checked on every rank before any gather (same files, same verdict): a copy failing on rank 0 alone would hang.
     wrong = sorted(key for key, param in params.items() if shapes.get(key) != tuple(param.ds_shape))
     if wrong:
-        raise FamilyError(f"{folder / name}: {len(wrong)} parameter(s) of {model_class.__name__} are missing from "
-                          f"its weights or have another shape (e.g. {wrong[:3]}); was it written by this class's "
-                          "save_pretrained?")
+        raise FamilyError(
+            f"{folder / name}: {len(wrong)} parameter(s) of {model_class.__name__} are missing from "
+            f"its weights or have another shape (e.g. {wrong[:3]}); was it written by this class's "
+            "save_pretrained?"
+        )
     is_source = dist.get_rank() == 0
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
@@ -186,6 +192,7 @@ def batch_field(batch: dict, *names: str):
 def inputs_cast_to(module: torch.nn.Module, dtype: torch.dtype):
     """Cast floating inputs (also inside dict arguments such as a UNet's added_cond_kwargs) to `dtype` while a
     pipeline runs: a bf16 denoiser beside fp32 frozen parts."""
+
     def cast(value):
         if isinstance(value, dict):
             return {k: cast(v) for k, v in value.items()}
@@ -193,7 +200,8 @@ def inputs_cast_to(module: torch.nn.Module, dtype: torch.dtype):
 
     handle = module.register_forward_pre_hook(
         lambda _m, args, kwargs: (tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}),
-        with_kwargs=True)
+        with_kwargs=True,
+    )
     try:
         yield
     finally:

@@ -34,16 +34,19 @@ def no_spec_issues(spec) -> SpecIssues:
 # parallelism splits their sequences with (dstune.families.ulysses); tests/unit/test_sequence_parallel_plan.py
 # checks this table against the installed diffusers. A transformer class outside it cannot be split unless its
 # model unit gives it a plan (FlowRecipe.sequence_split), whose facts then answer the attention facts.
-CONTEXT_PARALLEL_CLASSES = frozenset({"WanTransformer3DModel", "FluxTransformer2DModel",
-                                      "QwenImageTransformer2DModel", "Flux2Transformer2DModel"})
+CONTEXT_PARALLEL_CLASSES = frozenset(
+    {"WanTransformer3DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel", "Flux2Transformer2DModel"}
+)
 
 
 def no_plan_refusal(transformer_class: str) -> str:
     """Why a transformer class outside CONTEXT_PARALLEL_CLASSES cannot be split ("" when it can)."""
     if transformer_class in CONTEXT_PARALLEL_CLASSES:
         return ""
-    return (f"its transformer class {transformer_class} has no context-parallel plan (_cp_plan) in the installed "
-            "diffusers, so its sequence cannot be split")
+    return (
+        f"its transformer class {transformer_class} has no context-parallel plan (_cp_plan) in the installed "
+        "diffusers, so its sequence cannot be split"
+    )
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,20 @@ import torch
 
 from dstune.families.base import Family, FamilyError, TextCache
 from dstune.families.diffusion import component_problems, read_model_index
-from dstune.families.flow_core import (FlowBuilt, build_from, cache_text_tensors, encode_batch, encode_captions,
-                                       export, loss, pipeline_of, sample, save_lora_weights, split_plan,
-                                       text_cache_settings)
+from dstune.families.flow_core import (
+    FlowBuilt,
+    build_from,
+    cache_text_tensors,
+    encode_batch,
+    encode_captions,
+    export,
+    loss,
+    pipeline_of,
+    sample,
+    save_lora_weights,
+    split_plan,
+    text_cache_settings,
+)
 from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
 from dstune.families.flow_distilled import attach_sampling_denoiser
 from dstune.families.flow_recipe import pick_recipe, read_config
@@ -32,9 +43,27 @@ from dstune.models import registry
 from dstune.models.unit import load
 from dstune.spec.models import FlowModel
 
-__all__ = ["FlowBuilt", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "detect_kind",
-           "cache_text_tensors", "encode_captions", "TEXT_CACHE_FOLDERS", "TEXT_CACHE_TENSORS", "timestep_density",
-           "loss_weights", "pack_latents", "unpack_latents", "image_ids", "save_lora_weights", "pipeline_of"]
+__all__ = [
+    "FlowBuilt",
+    "build",
+    "encode_batch",
+    "loss",
+    "sample",
+    "export",
+    "FAMILY",
+    "detect_kind",
+    "cache_text_tensors",
+    "encode_captions",
+    "TEXT_CACHE_FOLDERS",
+    "TEXT_CACHE_TENSORS",
+    "timestep_density",
+    "loss_weights",
+    "pack_latents",
+    "unpack_latents",
+    "image_ids",
+    "save_lora_weights",
+    "pipeline_of",
+]
 
 # kind -> recipe, each model unit's own (dstune.models.registry.recipes("flow")); detect_kind finds a folder's by its
 # transformer (and, where recipes share one, by the pipeline class, or the text encoder class where that tells them
@@ -62,29 +91,40 @@ def detect_kind(folder: Path) -> str:
     transformer_class = read_config(folder, "transformer").get("_class_name")
     recipes = [recipe for recipe in RECIPES.values() if recipe.transformer_class == transformer_class]
     if not recipes:
-        raise FamilyError(f"{folder / 'transformer'}: {transformer_class} is not supported by model.family 'flow'; "
-                          f"supported transformers: {supported}.")
+        raise FamilyError(
+            f"{folder / 'transformer'}: {transformer_class} is not supported by model.family 'flow'; "
+            f"supported transformers: {supported}."
+        )
     recipe = pick_recipe(folder, index, recipes)
     problems = component_problems(folder, index, recipe.components)
     for name in ("vae", "scheduler"):
         if not (folder / name).is_dir():
             problems.append(f"missing subfolder {name}/")
     if problems:
-        raise FamilyError(f"{folder} cannot be used as a {transformer_class} pipeline ({recipe.pipeline_class}):\n"
-                          + "\n".join(f"  - {p}" for p in problems))
+        raise FamilyError(
+            f"{folder} cannot be used as a {transformer_class} pipeline ({recipe.pipeline_class}):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
     return recipe.kind
 
 
-def build(model: FlowModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
-          zero3_config: Optional[dict] = None) -> FlowBuilt:
+def build(
+    model: FlowModel,
+    folders: dict,
+    device,
+    dtype_for_frozen: torch.dtype = torch.float32,
+    zero3_config: Optional[dict] = None,
+) -> FlowBuilt:
     """Load `model.pretrained`: the transformer fp32 in host memory (the start-up casts and moves it; partitioned with
     `zero3_config`, dstune.families.diffusion.load_trainable), the frozen parts in `dtype_for_frozen`. Never
     downloads; FamilyError for any folder that is not a pipeline of one of RECIPES."""
     folder = folders["pretrained"]
     recipe = RECIPES[detect_kind(folder)]
     if recipe.draw_sigmas and model.shift is not None:
-        raise FamilyError(f"model.shift: {recipe.pipeline_class}'s training example draws sigma itself, with no "
-                          "scheduler table to shift; remove model.shift (model.logit_mean / logit_std move the draw)")
+        raise FamilyError(
+            f"model.shift: {recipe.pipeline_class}'s training example draws sigma itself, with no "
+            "scheduler table to shift; remove model.shift (model.logit_mean / logit_std move the draw)"
+        )
     problems = recipe.config_mismatches(folder)
     if problems:
         raise FamilyError(f"{folder}: the components do not fit together:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -98,9 +138,25 @@ def text_cache_refusal(folder) -> str | None:
 
 
 FAMILY = Family(
-    name="flow", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
-    loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
-    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors, text_cache_settings,
-                         tensors_of=lambda folder: RECIPES[detect_kind(Path(folder))].text_tensors,
-                         refusal=text_cache_refusal),
-    builds_partitioned=True, sampling_denoiser=attach_sampling_denoiser, split_plan=split_plan)
+    name="flow",
+    modality="image",
+    pretrained_fields=("pretrained",),
+    build=build,
+    encode_batch=encode_batch,
+    loss=loss,
+    sample=sample,
+    save_samples=save_grid,
+    export=export,
+    save_lora_weights=save_lora_weights,
+    text_cache=TextCache(
+        TEXT_CACHE_FOLDERS,
+        TEXT_CACHE_TENSORS,
+        cache_text_tensors,
+        text_cache_settings,
+        tensors_of=lambda folder: RECIPES[detect_kind(Path(folder))].text_tensors,
+        refusal=text_cache_refusal,
+    ),
+    builds_partitioned=True,
+    sampling_denoiser=attach_sampling_denoiser,
+    split_plan=split_plan,
+)

@@ -27,8 +27,16 @@ import torch
 
 from dstune.families.base import FamilyError
 from dstune.families.randomness import per_sample_randn, sample_generator
-from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
-                                       load_trainable, non_reentrant_checkpoint, read_model_index, vae_posterior)
+from dstune.families.diffusion import (
+    batch_field,
+    export_pipeline_folder,
+    inputs_cast_to,
+    load_component,
+    load_trainable,
+    non_reentrant_checkpoint,
+    read_model_index,
+    vae_posterior,
+)
 from dstune.families.flow_distilled import fuse_training_adapter, with_trained_lora
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_recipe import FlowRecipe, load_text_side, normalised_latents, vae_spatial_factor
@@ -82,13 +90,20 @@ def folder_train_tables(scheduler, shift) -> tuple[torch.Tensor, torch.Tensor]:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     if shift is not None:
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler.config, shift=shift,
-                                                                use_dynamic_shifting=False)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            scheduler.config, shift=shift, use_dynamic_shifting=False
+        )
     return scheduler.timesteps.clone().float(), scheduler.sigmas.clone().float()
 
 
-def build_from(recipe: FlowRecipe, model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
-               zero3_config: Optional[dict] = None) -> FlowBuilt:
+def build_from(
+    recipe: FlowRecipe,
+    model,
+    folders: dict,
+    device,
+    dtype_for_frozen: torch.dtype = torch.float32,
+    zero3_config: Optional[dict] = None,
+) -> FlowBuilt:
     """Load the recipe's parts of `folders["pretrained"]` (already checked by the family): the trained transformer
     fp32 in host memory (the start-up casts it and moves it to `device`; partitioned with `zero3_config`), the frozen parts in
     `dtype_for_frozen`. Never downloads."""
@@ -106,8 +121,9 @@ def build_from(recipe: FlowRecipe, model, folders: dict, device, dtype_for_froze
     if model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
     transformer.train().requires_grad_(True)
-    vae = load_component(folder, "vae", getattr(diffusers, recipe.latents.vae_class).from_pretrained,
-                         torch_dtype=dtype_for_frozen).to(device)
+    vae = load_component(
+        folder, "vae", getattr(diffusers, recipe.latents.vae_class).from_pretrained, torch_dtype=dtype_for_frozen
+    ).to(device)
     vae.eval().requires_grad_(False)
     encoders, tokenizers = (recipe.text.load or load_text_side)(folder, recipe, device, dtype_for_frozen)
     parts, mode = {}, None
@@ -117,14 +133,30 @@ def build_from(recipe: FlowRecipe, model, folders: dict, device, dtype_for_froze
     longest = getattr(last, "tokenizer", last).model_max_length  # a processor (PixtralProcessor) holds its tokenizer
     max_length = model.max_sequence_length or min(recipe.text.default_max_sequence_length, longest)
     timesteps, sigmas = (recipe.train_tables or folder_train_tables)(scheduler, model.shift)
-    positions = (recipe.experts.positions(timesteps, model, index, scheduler.config) if recipe.experts
-                 else (0, len(sigmas)))
-    return FlowBuilt(folder=folder, device=device, recipe=recipe, trainable=transformer, vae=vae,
-                     text_encoders=encoders, tokenizers=tokenizers, scheduler=scheduler, train_timesteps=timesteps,
-                     train_sigmas=sigmas, settings=model, max_sequence_length=int(max_length),
-                     transformer_config=dict(transformer.config), model_index=index,
-                     positions=positions, trained_name=trained_name,
-                     frozen_dtype=dtype_for_frozen, parts=parts, mode=mode)
+    positions = (
+        recipe.experts.positions(timesteps, model, index, scheduler.config) if recipe.experts else (0, len(sigmas))
+    )
+    return FlowBuilt(
+        folder=folder,
+        device=device,
+        recipe=recipe,
+        trainable=transformer,
+        vae=vae,
+        text_encoders=encoders,
+        tokenizers=tokenizers,
+        scheduler=scheduler,
+        train_timesteps=timesteps,
+        train_sigmas=sigmas,
+        settings=model,
+        max_sequence_length=int(max_length),
+        transformer_config=dict(transformer.config),
+        model_index=index,
+        positions=positions,
+        trained_name=trained_name,
+        frozen_dtype=dtype_for_frozen,
+        parts=parts,
+        mode=mode,
+    )
 
 
 def pipeline_of(built: FlowBuilt, transformer=None, vae=None, scheduler=None):
@@ -138,8 +170,14 @@ def pipeline_of(built: FlowBuilt, transformer=None, vae=None, scheduler=None):
             cls, extra = sampling.pipeline(built, transformer)
         else:
             cls, extra = getattr(diffusers, built.recipe.pipeline_class), built.parts
-        components = {"transformer": transformer, "vae": vae, "scheduler": scheduler or built.scheduler,
-                      **built.text_encoders, **built.tokenizers, **extra}
+        components = {
+            "transformer": transformer,
+            "vae": vae,
+            "scheduler": scheduler or built.scheduler,
+            **built.text_encoders,
+            **built.tokenizers,
+            **extra,
+        }
         pipeline = cls(**components)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
@@ -168,25 +206,31 @@ def _check_cached_sequence(built: FlowBuilt, tokens: int) -> None:
     wrong length never reach the transformer, whatever wrote them."""
     expected = built.recipe.text.tokens(built)
     if tokens != expected:
-        raise ValueError(f"the cached text embeddings have {tokens} tokens, but model.max_sequence_length "
-                         f"{built.max_sequence_length} gives {expected}: they were cached with another "
-                         "max_sequence_length. Delete data.cache.dir (or choose another) to re-encode them.")
+        raise ValueError(
+            f"the cached text embeddings have {tokens} tokens, but model.max_sequence_length "
+            f"{built.max_sequence_length} gives {expected}: they were cached with another "
+            "max_sequence_length. Delete data.cache.dir (or choose another) to re-encode them."
+        )
 
 
 def _check_latent_layout(built: FlowBuilt, mean: torch.Tensor) -> None:
     """Clips for a video model, images for an image one, and latent sides the transformer's patch divides."""
     space = built.recipe.latents
     if space.frames and mean.ndim != 5:
-        raise ValueError(f"model.family {built.settings.family} trains on clips (B, 3, frames, H, W); "
-                         f"the batch's latents are {tuple(mean.shape)}")
+        raise ValueError(
+            f"model.family {built.settings.family} trains on clips (B, 3, frames, H, W); "
+            f"the batch's latents are {tuple(mean.shape)}"
+        )
     rows, columns = space.patch(built)
     if mean.shape[-1] % columns or mean.shape[-2] % rows:
         factor = space.spatial_factor(built.vae.config)
         what = "clip" if space.frames else "image"
-        raise ValueError(f"{built.recipe.transformer_class} takes {rows}x{columns} latent patches, so {what} heights "
-                         f"must be multiples of {rows * factor} px and widths of {columns * factor} px; got "
-                         f"{mean.shape[-1] * factor}x{mean.shape[-2] * factor} (width x height). Change "
-                         "data.resolution (or buckets).")
+        raise ValueError(
+            f"{built.recipe.transformer_class} takes {rows}x{columns} latent patches, so {what} heights "
+            f"must be multiples of {rows * factor} px and widths of {columns * factor} px; got "
+            f"{mean.shape[-1] * factor}x{mean.shape[-2] * factor} (width x height). Change "
+            "data.resolution (or buckets)."
+        )
 
 
 def encode_batch(built: FlowBuilt, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
@@ -242,8 +286,10 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
         positions = first + positions.clamp(0, count - 1)  # u == 1.0 (a float32 sigmoid can round up)
         timesteps, sigmas, noisy = noisy_latents(built, latents, noise, positions)
     param_dtype = next(built.trainable.parameters()).dtype
-    conditions = {name: encoded[name].to(param_dtype) if encoded[name].is_floating_point() else encoded[name]
-                  for name in recipe.text.tensors}
+    conditions = {
+        name: encoded[name].to(param_dtype) if encoded[name].is_floating_point() else encoded[name]
+        for name in recipe.text.tensors
+    }
     conditioning = recipe.conditioning
     if conditioning and conditioning.model_inputs:
         conditions.update(conditioning.model_inputs(built, encoded, param_dtype))
@@ -252,8 +298,9 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     clean = conditioning.clean_frames(built) if conditioning else 0
     if clean:  # the first latent frames were given clean: only the frames after them are learned
         prediction, noisy, latents, noise = (t[:, :, clean:] for t in (prediction, noisy, latents, noise))
-    return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights,
-                                recipe.preconditioned(built.settings)).mean()
+    return flow_loss_per_sample(
+        prediction, noisy, latents, noise, sigmas, weights, recipe.preconditioned(built.settings)
+    ).mean()
 
 
 # ------------------------------------------------------------------------------------------------- sampling
@@ -267,8 +314,9 @@ def _sample_scheduler(built: FlowBuilt):
     return FlowMatchEulerDiscreteScheduler.from_config(built.scheduler.config)
 
 
-def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[str], sample_spec,
-           resolution: int) -> list:
+def sample(
+    built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[str], sample_spec, resolution: int
+) -> list:
     """One image (a video model: one clip, a list of model.sample_frames PIL frames) per prompt with the folder's
     own pipeline class around `transformer_module` (no weight copy). Prompt i starts from the noise of
     (sample_spec.seed, i), so samples of different steps are comparable. A conditioned model renders each prompt
@@ -277,27 +325,42 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
     if not prompts:
         return []
     recipe, sampling, conditioning = built.recipe, built.recipe.sampling, built.recipe.conditioning
-    sources = conditioning.sample_sources(built, sample_spec, prompts) if conditioning and \
-        conditioning.sample_sources else None
+    sources = (
+        conditioning.sample_sources(built, sample_spec, prompts)
+        if conditioning and conditioning.sample_sources
+        else None
+    )
     factor = sampling.side_multiple(built) if sampling.side_multiple else vae_spatial_factor(built.vae.config) * 2
     side = max(factor, resolution // factor * factor)
     generators = [sample_generator(sample_spec.seed, 0, number, "sample") for number in range(len(prompts))]
     experts = recipe.experts.other_loaded(built) if recipe.experts else contextlib.nullcontext()
     if built.sampling is not None:  # another folder's transformer with the trained LoRA (flow_distilled)
         transformer_module = with_trained_lora(built.sampling, transformer_module)
-        built = replace(built, folder=built.sampling.folder, model_index=built.sampling.model_index,
-                        scheduler=built.sampling.scheduler, sampling=None)
+        built = replace(
+            built,
+            folder=built.sampling.folder,
+            model_index=built.sampling.model_index,
+            scheduler=built.sampling.scheduler,
+            sampling=None,
+        )
     was_training = transformer_module.training
     transformer_module.eval()
     try:
-        with experts, inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype), \
-                quiet_hf_libraries():
+        with (
+            experts,
+            inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype),
+            quiet_hf_libraries(),
+        ):
             pipeline = pipeline_of(built, transformer_module, built.vae, _sample_scheduler(built))
-            guidance = (sampling.options(built, sample_spec, prompts) if sampling.options
-                        else {"guidance_scale": sample_spec.guidance})
+            guidance = (
+                sampling.options(built, sample_spec, prompts)
+                if sampling.options
+                else {"guidance_scale": sample_spec.guidance}
+            )
             frames = {"num_frames": built.settings.sample_frames} if recipe.latents.frames else {}
-            common = dict(height=side, width=side, **frames, **guidance, num_inference_steps=sample_spec.steps,
-                          output_type="pil")
+            common = dict(
+                height=side, width=side, **frames, **guidance, num_inference_steps=sample_spec.steps, output_type="pil"
+            )
             if sampling.takes_max_sequence_length:
                 common["max_sequence_length"] = built.max_sequence_length
             common = sampling.call(built, pipeline, sample_spec, common) if sampling.call else common
@@ -306,8 +369,11 @@ def sample(built: FlowBuilt, transformer_module: torch.nn.Module, prompts: list[
             text_side = pipeline_of(built)
             outputs = []
             for prompt, generator, source in zip(prompts, generators, sources or [None] * len(prompts)):
-                inputs = ({"prompt": prompt} if sources is None else
-                          conditioning.sample_inputs(built, text_side, prompt, source, sample_spec))
+                inputs = (
+                    {"prompt": prompt}
+                    if sources is None
+                    else conditioning.sample_inputs(built, text_side, prompt, source, sample_spec)
+                )
                 result = pipeline(**inputs, generator=generator, **common)
                 outputs.append(list(result.frames[0]) if recipe.latents.frames else result.images[0])
             return outputs
@@ -326,8 +392,10 @@ def _fresh_transformer(built: FlowBuilt, state_dict: dict):
     expected, given = set(transformer.state_dict()), set(state_dict)
     missing, unexpected = sorted(expected - given), sorted(given - expected)
     if missing or unexpected:
-        raise FamilyError(f"the trained weights do not fit the transformer of {built.folder}: {len(missing)} missing "
-                          f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})")
+        raise FamilyError(
+            f"the trained weights do not fit the transformer of {built.folder}: {len(missing)} missing "
+            f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})"
+        )
     transformer.load_state_dict(state_dict, strict=True)
     return transformer
 
@@ -338,8 +406,9 @@ def export(built: FlowBuilt, transformer_state_dict: dict, out_dir, pretrained_f
     pipeline's other components copied unchanged. Written beside `out_dir` and renamed into place (an older export
     is replaced only once this one is complete)."""
     source = Path(pretrained_folder) if pretrained_folder is not None else built.folder
-    return export_pipeline_folder(source, out_dir, built.trained_name,
-                                  _fresh_transformer(built, transformer_state_dict))
+    return export_pipeline_folder(
+        source, out_dir, built.trained_name, _fresh_transformer(built, transformer_state_dict)
+    )
 
 
 def split_plan(built: FlowBuilt, size: int) -> Optional[dict]:
@@ -354,5 +423,8 @@ def save_lora_weights(built: FlowBuilt, lora_layers: dict, adapter_metadata: dic
         import diffusers
 
         getattr(diffusers, built.recipe.lora_class or built.recipe.pipeline_class).save_lora_weights(
-            folder, transformer_lora_layers=lora_layers, transformer_lora_adapter_metadata=adapter_metadata,
-            safe_serialization=True)
+            folder,
+            transformer_lora_layers=lora_layers,
+            transformer_lora_adapter_metadata=adapter_metadata,
+            safe_serialization=True,
+        )

@@ -53,23 +53,30 @@ def fuse_training_adapter(transformer: torch.nn.Module, path) -> int:
     prefixed = {key: value for key, value in state.items() if key.startswith("transformer.")}
     layers = {key.split(".lora_A.")[0] for key in (prefixed or state) if ".lora_A." in key}
     if not layers:
-        raise FamilyError(f"model.training_adapter {path}: no LoRA layers in it (keys like transformer.<layer>."
-                          f"lora_A.weight; found e.g. {sorted(state)[:3]})")
+        raise FamilyError(
+            f"model.training_adapter {path}: no LoRA layers in it (keys like transformer.<layer>."
+            f"lora_A.weight; found e.g. {sorted(state)[:3]})"
+        )
     before = {name: p.detach().clone() for name, p in transformer.named_parameters()}
     try:
         with quiet_hf_libraries():
-            transformer.load_lora_adapter(state, prefix="transformer" if prefixed else None,
-                                          adapter_name=TRAINING_ADAPTER)
+            transformer.load_lora_adapter(
+                state, prefix="transformer" if prefixed else None, adapter_name=TRAINING_ADAPTER
+            )
             transformer.fuse_lora(adapter_names=[TRAINING_ADAPTER])
             transformer.unload_lora()
     except (ValueError, KeyError, RuntimeError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise FamilyError(f"model.training_adapter {path}: it does not fit {type(transformer).__name__} ({first}); "
-                          "it must be a LoRA of this model's transformer") from None
+        raise FamilyError(
+            f"model.training_adapter {path}: it does not fit {type(transformer).__name__} ({first}); "
+            "it must be a LoRA of this model's transformer"
+        ) from None
     changed = sum(not torch.equal(p, before[name]) for name, p in transformer.named_parameters() if name in before)
     if changed == 0 or any(is_lora_key(name) for name, _ in transformer.named_parameters()):
-        raise FamilyError(f"model.training_adapter {path}: fusing it changed no weight of the transformer; is it a "
-                          "LoRA of this model with non-zero lora_B?")
+        raise FamilyError(
+            f"model.training_adapter {path}: fusing it changed no weight of the transformer; is it a "
+            "LoRA of this model with non-zero lora_B?"
+        )
     return changed
 
 
@@ -79,11 +86,17 @@ def attach_sampling_denoiser(built, folder: Path, model_spec, key: str = "sample
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     folder = Path(folder)
-    problems = sampling_folder_problems(read_model_index(built.folder), read_config(built.folder, "transformer"),
-                                        read_model_index(folder), read_config(folder, "transformer"))
+    problems = sampling_folder_problems(
+        read_model_index(built.folder),
+        read_config(built.folder, "transformer"),
+        read_model_index(folder),
+        read_config(folder, "transformer"),
+    )
     if problems:
-        raise FamilyError(f"{key} {folder} cannot render the LoRA trained on {built.folder}:\n"
-                          + "\n".join(f"  - {p}" for p in problems))
+        raise FamilyError(
+            f"{key} {folder} cannot render the LoRA trained on {built.folder}:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
     with quiet_hf_libraries():
         import diffusers
 
@@ -115,8 +128,9 @@ def with_trained_lora(sampling: SamplingDenoiser, trained: torch.nn.Module) -> t
     targets = dict(sampling.module.named_parameters())
     missing = [name for name in names if name not in targets]
     if missing:
-        raise FamilyError(f"the sampling transformer of {sampling.folder} has no layer for the trained adapters "
-                          f"{missing[:3]}")
+        raise FamilyError(
+            f"the sampling transformer of {sampling.folder} has no layer for the trained adapters {missing[:3]}"
+        )
     params = dict(trained.named_parameters())
     with gathered(trained, names), torch.no_grad():
         for name in names:

@@ -15,8 +15,14 @@ from functools import cache
 from typing import Callable, Optional
 
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
-from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, image_latent_bytes, pipeline_folder,
-                                            trains_denoiser, transformer_text_bytes)
+from dstune.families.denoiser_facts import (
+    DenoiserRules,
+    count_denoiser,
+    image_latent_bytes,
+    pipeline_folder,
+    trains_denoiser,
+    transformer_text_bytes,
+)
 from dstune.families.facts import Attention, ModelFacts, SpecIssues, no_plan_refusal
 from dstune.memory.counts import SizesUnknown, count_component, vae_factor
 from dstune.model_folders import builtin_name_problem, locate
@@ -28,15 +34,21 @@ DEFAULT_TEXT_TOKENS = 512  # max_sequence_length of most flow models' training e
 
 def two_streams(config: dict) -> ModelShape:
     """Joint (two-stream) and single-stream blocks of heads x head_dim."""
-    return ModelShape(config["num_attention_heads"] * config["attention_head_dim"],
-                      {"transformer_blocks": config.get("num_layers", 0),
-                       "single_transformer_blocks": config.get("num_single_layers", 0)})
+    return ModelShape(
+        config["num_attention_heads"] * config["attention_head_dim"],
+        {
+            "transformer_blocks": config.get("num_layers", 0),
+            "single_transformer_blocks": config.get("num_single_layers", 0),
+        },
+    )
 
 
 def joint_blocks(config: dict) -> ModelShape:
     """Joint (two-stream) blocks only."""
-    return ModelShape(config["num_attention_heads"] * config["attention_head_dim"],
-                      {"transformer_blocks": config.get("num_layers", 0)})
+    return ModelShape(
+        config["num_attention_heads"] * config["attention_head_dim"],
+        {"transformer_blocks": config.get("num_layers", 0)},
+    )
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,9 @@ class FlowModel:
     clip_tokens: int = 0  # CLIP tokens before the long text encoder's
     default_text_tokens: int = DEFAULT_TEXT_TOKENS
     edit_pipelines: tuple[str, ...] = ()  # pipeline classes of this transformer that train on (source, target) pairs
-    edit_vision_patch_px: int = 0  # an edit pipeline's source-image vision tokens (this many px a side each) join the text
+    edit_vision_patch_px: int = (
+        0  # an edit pipeline's source-image vision tokens (this many px a side each) join the text
+    )
     pad_tokens: Callable = lambda tokens: tokens  # what the transformer pads a sequence to
     sampling_parts: tuple[str, ...] = ()  # frozen components loaded only while samples render
     draws_sigma: bool = False  # its example draws sigma itself (no scheduler tables, so no model.shift)
@@ -73,8 +87,10 @@ def flow_model(folder) -> FlowModel:
     transformer = (folder.index.get("transformer") or [None, None])[1]
     known = flow_models()
     if transformer not in known:
-        raise SizesUnknown(f"{folder.origin}: its transformer {transformer} is none of the flow models dstune "
-                           f"trains ({', '.join(known)})")
+        raise SizesUnknown(
+            f"{folder.origin}: its transformer {transformer} is none of the flow models dstune "
+            f"trains ({', '.join(known)})"
+        )
     return known[transformer]
 
 
@@ -100,8 +116,13 @@ def _activations(spec, folder, config: dict, clips) -> tuple[float, float]:
     model = flow_model(folder)
     images = 2 if edit_pipeline(folder) else 1
     image_tokens = model.pad_tokens(images * (spec.data.resolution / 16) ** 2)
-    sample = measured_sample_bytes(model.constants, model.shape(config), image_tokens,
-                                   model.pad_tokens(text_tokens(spec, folder)), spec.train.precision)
+    sample = measured_sample_bytes(
+        model.constants,
+        model.shape(config),
+        image_tokens,
+        model.pad_tokens(text_tokens(spec, folder)),
+        spec.train.precision,
+    )
     return in_plan_units(sample, spec.train.precision)
 
 
@@ -120,8 +141,9 @@ def _trained(spec, folder) -> tuple:
     transformer) load beside it, and with sample.pretrained (or a training adapter: the clean base) a second
     transformer (dstune.families.flow_distilled); the sample phase counts them."""
     module, _, expert = trains_denoiser("transformer")(spec, folder)
-    sampling_only = {part: count_component(str(folder.path / part / "config.json"))[0]
-                     for part in flow_model(folder).sampling_parts}
+    sampling_only = {
+        part: count_component(str(folder.path / part / "config.json"))[0] for part in flow_model(folder).sampling_parts
+    }
     if spec.sample.prompts and (spec.sample.pretrained or getattr(spec.model, "training_adapter", None)):
         sampling = pipeline_folder(spec.sample.pretrained) if spec.sample.pretrained else folder
         sampling_only["transformer (samples)"] = count_component(str(sampling.path / "transformer" / "config.json"))[0]
@@ -142,8 +164,16 @@ def _side_issues(spec, model: FlowModel) -> SpecIssues:
         return []
     why = f"{model.name} takes image sides in multiples of {side} px"
     if not buckets.enabled:
-        return [] if spec.data.resolution % side == 0 else [
-            ("data.resolution", f"{spec.data.resolution}: {why}; use {max(side, spec.data.resolution // side * side)}")]
+        return (
+            []
+            if spec.data.resolution % side == 0
+            else [
+                (
+                    "data.resolution",
+                    f"{spec.data.resolution}: {why}; use {max(side, spec.data.resolution // side * side)}",
+                )
+            ]
+        )
     if buckets.sizes:
         wrong = [size for size in buckets.sizes if size[0] % side or size[1] % side]
         return [("data.buckets.sizes", f"{wrong}: {why}")] if wrong else []
@@ -163,9 +193,14 @@ def _lora_format_issues(spec) -> SpecIssues:
         return []
     if chosen is None or chosen in model.lora_formats:
         return []
-    return [("output.lora_format", f"{chosen!r} writes diffusers' key names, which {chosen}'s {model.name} loader is "
-             f"not known to map; {model.name} LoRAs are written as {', '.join(model.lora_formats)} "
-             f"({model.lora_loader}): remove output.lora_format or set it to diffusers")]
+    return [
+        (
+            "output.lora_format",
+            f"{chosen!r} writes diffusers' key names, which {chosen}'s {model.name} loader is "
+            f"not known to map; {model.name} LoRAs are written as {', '.join(model.lora_formats)} "
+            f"({model.lora_loader}): remove output.lora_format or set it to diffusers",
+        )
+    ]
 
 
 def _edit_issues(spec) -> SpecIssues:
@@ -180,29 +215,53 @@ def _edit_issues(spec) -> SpecIssues:
         return []
     pipeline_class = folder.index.get("_class_name")
     if flow_model(folder).draws_sigma and spec.model.shift is not None:
-        return [("model.shift", f"{pipeline_class}'s training example draws sigma itself (logit-normal about a "
-                 "resolution-aware mean), with no scheduler table to shift: remove model.shift and move the "
-                 "draw with model.logit_mean / model.logit_std")]
+        return [
+            (
+                "model.shift",
+                f"{pipeline_class}'s training example draws sigma itself (logit-normal about a "
+                "resolution-aware mean), with no scheduler table to shift: remove model.shift and move the "
+                "draw with model.logit_mean / model.logit_std",
+            )
+        ]
     side_issues = _side_issues(spec, flow_model(folder))
     if side_issues:
         return side_issues
     grid = folder.index.get("sample_sigmas")  # a distilled (Turbo) folder's own sampling sigmas
     if grid and spec.sample.prompts and spec.sample.steps != len(grid):
-        return [("sample.steps", f"{pipeline_class} samples this folder on its own {len(grid)} sigmas "
-                 f"(model_index.json sample_sigmas, a Turbo folder): set sample.steps: {len(grid)}")]
+        return [
+            (
+                "sample.steps",
+                f"{pipeline_class} samples this folder on its own {len(grid)} sigmas "
+                f"(model_index.json sample_sigmas, a Turbo folder): set sample.steps: {len(grid)}",
+            )
+        ]
     if not edit:
         if spec.sample.control_images:
-            return [("sample.control_images", f"{pipeline_class} renders from the prompt alone: source images are "
-                     "for edit models; remove them")]
+            return [
+                (
+                    "sample.control_images",
+                    f"{pipeline_class} renders from the prompt alone: source images are for edit models; remove them",
+                )
+            ]
         return []
     issues = []
     if spec.data.cache.text_embeddings:
-        issues.append(("data.cache.text_embeddings", f"{pipeline_class} encodes each instruction together with its "
-                       "source image, so its text cannot be cached per caption: set it to false (data.cache.latents "
-                       "still caches the target and source latents)"))
+        issues.append(
+            (
+                "data.cache.text_embeddings",
+                f"{pipeline_class} encodes each instruction together with its "
+                "source image, so its text cannot be cached per caption: set it to false (data.cache.latents "
+                "still caches the target and source latents)",
+            )
+        )
     if spec.sample.prompts and not spec.sample.control_images:
-        issues.append(("sample.prompts", f"{pipeline_class} renders from a source image: give sample.control_images, "
-                       "one source image per prompt, or set sample.prompts: []"))
+        issues.append(
+            (
+                "sample.prompts",
+                f"{pipeline_class} renders from a source image: give sample.control_images, "
+                "one source image per prompt, or set sample.prompts: []",
+            )
+        )
     missing = [path for path in spec.sample.control_images if not os.path.isfile(os.path.expanduser(path))]
     if missing:
         issues.append(("sample.control_images", f"{len(missing)} source image(s) do not exist: {', '.join(missing)}"))
@@ -218,17 +277,25 @@ def sampling_folder_problems(trained_index: dict, trained: dict, other_index: di
     validate asks it of sample.pretrained, startup again of the folders it loads."""
     problems = []
     if trained_index.get("_class_name") != other_index.get("_class_name"):
-        problems.append(f"it is a {other_index.get('_class_name')} folder; the trained model is a "
-                        f"{trained_index.get('_class_name')}")
+        problems.append(
+            f"it is a {other_index.get('_class_name')} folder; the trained model is a "
+            f"{trained_index.get('_class_name')}"
+        )
     if trained.get("_class_name") != other.get("_class_name"):
-        problems.append(f"its transformer is a {other.get('_class_name')}; the trained one a "
-                        f"{trained.get('_class_name')}")
+        problems.append(
+            f"its transformer is a {other.get('_class_name')}; the trained one a {trained.get('_class_name')}"
+        )
         return problems
-    differ = sorted(key for key in set(trained) | set(other)
-                    if key not in _CONFIG_BOOKKEEPING and trained.get(key) != other.get(key))
+    differ = sorted(
+        key
+        for key in set(trained) | set(other)
+        if key not in _CONFIG_BOOKKEEPING and trained.get(key) != other.get(key)
+    )
     if differ:
-        problems.append("its transformer has other shapes: " + ", ".join(
-            f"{key} {other.get(key)} (trained: {trained.get(key)})" for key in differ[:4]))
+        problems.append(
+            "its transformer has other shapes: "
+            + ", ".join(f"{key} {other.get(key)} (trained: {trained.get(key)})" for key in differ[:4])
+        )
     return problems
 
 
@@ -240,16 +307,31 @@ def _sample_folder_issues(spec) -> SpecIssues:
     if where.kind == "unknown-builtin":
         return [("sample.pretrained", builtin_name_problem(spec.sample.pretrained))]
     if where.kind == "missing":
-        return [("sample.pretrained", f"{where.path} does not exist: give a pipeline folder of the trained model "
-                 "(its distilled checkpoint), a hub id in the local cache, or builtin:NAME")]
+        return [
+            (
+                "sample.pretrained",
+                f"{where.path} does not exist: give a pipeline folder of the trained model "
+                "(its distilled checkpoint), a hub id in the local cache, or builtin:NAME",
+            )
+        ]
     try:
         trained, other = pipeline_folder(spec.model.pretrained), pipeline_folder(spec.sample.pretrained)
-        problems = sampling_folder_problems(trained.index, trained.config("transformer"), other.index,
-                                            other.config("transformer"))
+        problems = sampling_folder_problems(
+            trained.index, trained.config("transformer"), other.index, other.config("transformer")
+        )
     except (SizesUnknown, OSError, ValueError):
         return []
-    return [("sample.pretrained", f"{spec.sample.pretrained} cannot render the LoRA trained on "
-             f"{spec.model.pretrained}: " + "; ".join(problems))] if problems else []
+    return (
+        [
+            (
+                "sample.pretrained",
+                f"{spec.sample.pretrained} cannot render the LoRA trained on "
+                f"{spec.model.pretrained}: " + "; ".join(problems),
+            )
+        ]
+        if problems
+        else []
+    )
 
 
 def _pairs(spec) -> Optional[str]:
@@ -280,9 +362,16 @@ def _attention(spec) -> Optional[Attention]:
     if not isinstance(heads, int):
         return None
     edit = edit_pipeline(folder) is not None
-    return Attention(heads, config.get("attention_head_dim", 0), origin, text_tokens=0 if edit else text_tokens(
-        spec, folder), px_per_token=px_per_token, pictures=2 if edit else 1)
+    return Attention(
+        heads,
+        config.get("attention_head_dim", 0),
+        origin,
+        text_tokens=0 if edit else text_tokens(spec, folder),
+        px_per_token=px_per_token,
+        pictures=2 if edit else 1,
+    )
 
 
-FACTS = ModelFacts(family="flow", modality="image", count=_count, spec_issues=_spec_issues, pairs=_pairs,
-                   attention=_attention)
+FACTS = ModelFacts(
+    family="flow", modality="image", count=_count, spec_issues=_spec_issues, pairs=_pairs, attention=_attention
+)

@@ -17,11 +17,17 @@ def timestep_density(settings: FlowModel, seed: int, step: int, indices: list[in
 
     scheme = {"uniform": "none"}.get(settings.timestep_sampling, settings.timestep_sampling)
     or_default = lambda value, default: default if value is None else value  # noqa: E731
-    options = dict(logit_mean=or_default(settings.logit_mean, 0.0), logit_std=or_default(settings.logit_std, 1.0),
-                   mode_scale=or_default(settings.mode_scale, 1.29))  # the scripts' defaults
-    draws = [compute_density_for_timestep_sampling(scheme, 1, **options,
-                                                   generator=sample_generator(seed, step, i, "timestep"))
-             for i in indices]
+    options = dict(
+        logit_mean=or_default(settings.logit_mean, 0.0),
+        logit_std=or_default(settings.logit_std, 1.0),
+        mode_scale=or_default(settings.mode_scale, 1.29),
+    )  # the scripts' defaults
+    draws = [
+        compute_density_for_timestep_sampling(
+            scheme, 1, **options, generator=sample_generator(seed, step, i, "timestep")
+        )
+        for i in indices
+    ]
     return torch.cat(draws).float()
 
 
@@ -32,8 +38,15 @@ def loss_weights(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
     return compute_loss_weighting_for_sd3(scheme, sigmas).float()
 
 
-def flow_loss_per_sample(prediction: torch.Tensor, noisy: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor,
-                         sigmas: torch.Tensor, weights: torch.Tensor, precondition_outputs: bool) -> torch.Tensor:
+def flow_loss_per_sample(
+    prediction: torch.Tensor,
+    noisy: torch.Tensor,
+    latents: torch.Tensor,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    weights: torch.Tensor,
+    precondition_outputs: bool,
+) -> torch.Tensor:
     """Each sample's weighted squared error (float32), as diffusers' flow-matching DreamBooth scripts compute it: the velocity
     prediction against noise - x0, or, preconditioned (EDM-style, the MMDiT scripts' default), the x0 it implies
     (x_t - sigma v) against x0, which is the velocity error times sigma^2."""

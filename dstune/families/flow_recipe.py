@@ -88,8 +88,10 @@ class Conditioning:
     # (built, sample_spec, prompts) -> one source per prompt (validated before rendering), or None
     sample_sources: Optional[Callable] = None
     # (built, text-only pipeline, prompt, source, sample_spec) -> that prompt's pipeline inputs
-    sample_inputs: Callable = lambda built, text_pipeline, prompt, source, sample_spec: {"prompt": prompt,
-                                                                                           "image": source}
+    sample_inputs: Callable = lambda built, text_pipeline, prompt, source, sample_spec: {
+        "prompt": prompt,
+        "image": source,
+    }
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,8 @@ def pick_recipe(folder: Path, index: dict, recipes: list[FlowRecipe]) -> FlowRec
         return by_encoder[0]
     if len(recipes) == 1:
         return recipes[0]
-    raise FamilyError(f"{folder / 'model_index.json'}: a {pipeline_class} around a {recipes[0].transformer_class} is "
-                      "not supported; model.family 'flow' trains that transformer in "
-                      f"{', '.join(r.pipeline_class for r in recipes)} folders.")
+    raise FamilyError(
+        f"{folder / 'model_index.json'}: a {pipeline_class} around a {recipes[0].transformer_class} is "
+        "not supported; model.family 'flow' trains that transformer in "
+        f"{', '.join(r.pipeline_class for r in recipes)} folders."
+    )

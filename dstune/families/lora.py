@@ -49,16 +49,22 @@ def lora_config(settings):
     """The peft LoraConfig for a spec's LoraSpec. Gaussian A and zero B: the untrained adapter changes nothing."""
     from peft import LoraConfig
 
-    return LoraConfig(r=settings.rank, lora_alpha=settings.resolved_alpha, lora_dropout=settings.dropout,
-                      target_modules=list(settings.target_modules), init_lora_weights="gaussian")
+    return LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.resolved_alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        init_lora_weights="gaussian",
+    )
 
 
 def is_lora_key(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: Family, lora_format=None,
-                     device=None) -> str:
+def apply_train_mode(
+    denoiser: torch.nn.Module, model_spec, seed: int, family: Family, lora_format=None, device=None
+) -> str:
     """Make `denoiser` trainable as `model_spec.train` says; returns a one-line summary for the log. A quantized
     base's layers are placed on `device` as they are quantized (None: where they are). A family
     that cannot write a LoRA file, or adapters the LoRA file's key scheme (`lora_format`, output.lora_format)
@@ -71,8 +77,10 @@ def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: F
     if settings is None:
         return f"training: full, {total:,} parameters"
     if not family.supports_lora:
-        raise FamilyError(f"model.train: lora is not supported by model.family {model_spec.family!r} yet (it "
-                          "cannot write a LoRA file, so the adapters could not be exported). Use train: full.")
+        raise FamilyError(
+            f"model.train: lora is not supported by model.family {model_spec.family!r} yet (it "
+            "cannot write a LoRA file, so the adapters could not be exported). Use train: full."
+        )
     denoiser.requires_grad_(False)
     base = quantized_base(denoiser, getattr(model_spec, "base_precision", None), device)
     try:
@@ -82,8 +90,10 @@ def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: F
         first = (str(err).strip().splitlines() or ["no module matched"])[0]
         if "target modules" not in first.lower():  # not about the names: say what peft said, and nothing more
             raise FamilyError(f"model.train: lora: adding the LoRA adapters failed: {first}") from None
-        raise FamilyError(f"model.lora.target_modules {list(settings.target_modules)}: {first}. Name layers of "
-                          f"{type(denoiser).__name__} (e.g. to_q, to_k, to_v, to_out.0).") from None
+        raise FamilyError(
+            f"model.lora.target_modules {list(settings.target_modules)}: {first}. Name layers of "
+            f"{type(denoiser).__name__} (e.g. to_q, to_k, to_v, to_out.0)."
+        ) from None
     adapters = [(name, p) for name, p in denoiser.named_parameters() if p.requires_grad]
     _check_file_names(model_spec.family, lora_format, [name for name, _ in adapters])
     with torch.no_grad():
@@ -93,8 +103,10 @@ def apply_train_mode(denoiser: torch.nn.Module, model_spec, seed: int, family: F
                 param.copy_(draw / settings.rank)  # peft's gaussian init: std 1 / r
     trained = sum(p.numel() for _, p in adapters)
     layers = len([name for name, _ in adapters if ".lora_A." in name])
-    return (f"training: LoRA rank {settings.rank}, alpha {settings.resolved_alpha:g} on {layers} layers "
-            f"({', '.join(settings.target_modules)}): {trained:,} trainable of {total + trained:,} parameters{base}")
+    return (
+        f"training: LoRA rank {settings.rank}, alpha {settings.resolved_alpha:g} on {layers} layers "
+        f"({', '.join(settings.target_modules)}): {trained:,} trainable of {total + trained:,} parameters{base}"
+    )
 
 
 def add_lora_adapter(module: torch.nn.Module, config) -> None:
@@ -119,8 +131,10 @@ def quantized_base(denoiser: torch.nn.Module, precision, device=None) -> str:
     layers = quantize_linear_weights(denoiser, precision, device)
     after = stored_weight_bytes(denoiser)
     mib = 1024 * 1024
-    return (f"; frozen base {precision}: {layers} linear layers quantized, weights {before / mib:.1f} MiB -> "
-            f"{after / mib:.1f} MiB")
+    return (
+        f"; frozen base {precision}: {layers} linear layers quantized, weights {before / mib:.1f} MiB -> "
+        f"{after / mib:.1f} MiB"
+    )
 
 
 def adapter_state_dict(state: dict) -> dict:
@@ -130,8 +144,10 @@ def adapter_state_dict(state: dict) -> dict:
     adapters = {name.replace(marker, "."): tensor for name, tensor in state.items() if is_lora_key(name)}
     if not adapters:
         some = ", ".join(sorted(state)[:3]) or "none"
-        raise FamilyError(f"the checkpoint holds no LoRA adapter weights (keys like ...to_q.lora_A.{ADAPTER_NAME}."
-                          f"weight; found e.g. {some}): was it trained with model.train: lora?")
+        raise FamilyError(
+            f"the checkpoint holds no LoRA adapter weights (keys like ...to_q.lora_A.{ADAPTER_NAME}."
+            f"weight; found e.g. {some}): was it trained with model.train: lora?"
+        )
     return adapters
 
 
@@ -155,7 +171,8 @@ def kohya_lora_tensors(state: dict, alpha: float) -> dict:
         layer, part = name.rsplit(".lora_", 1)
         key = KOHYA_PREFIX + layer.replace(".", "_")
         tensors[f"{key}.lora_down.weight" if part == "A.weight" else f"{key}.lora_up.weight"] = (
-            tensor.detach().float().contiguous().cpu())
+            tensor.detach().float().contiguous().cpu()
+        )
         tensors[f"{key}.alpha"] = torch.tensor(float(alpha))
     return tensors
 
@@ -182,22 +199,29 @@ def _check_file_names(family_name: str, lora_format, adapter_names: list[str]) -
     lost = {layer: back for layer in layers if (back := kohya_read_back(layer)) != layer}
     if lost:  # e.g. a UNet's add_embedding.linear_1 comes back as add.embedding.linear: skipped when loaded
         examples = ", ".join(f"{layer} (read back as {back})" for layer, back in list(lost.items())[:3])
-        raise FamilyError(f"output.lora_format {chosen}: kohya's key scheme cannot name {len(lost)} adapted layer(s) "
-                          f"so that LoRA loaders read them back: {examples}. Leave them out of "
-                          "model.lora.target_modules, or set output.lora_format: diffusers.")
+        raise FamilyError(
+            f"output.lora_format {chosen}: kohya's key scheme cannot name {len(lost)} adapted layer(s) "
+            f"so that LoRA loaders read them back: {examples}. Leave them out of "
+            "model.lora.target_modules, or set output.lora_format: diffusers."
+        )
 
 
 def save_kohya_file(tensors: dict, settings, folder: Path) -> None:
     """The kohya file, with the settings kohya's tools record in the safetensors metadata."""
     from safetensors.torch import save_file
 
-    metadata = {"ss_network_module": "networks.lora", "ss_network_dim": str(settings.rank),
-                "ss_network_alpha": f"{settings.resolved_alpha:g}", "ss_network_dropout": f"{settings.dropout:g}"}
+    metadata = {
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": str(settings.rank),
+        "ss_network_alpha": f"{settings.resolved_alpha:g}",
+        "ss_network_dropout": f"{settings.dropout:g}",
+    }
     save_file(tensors, str(folder / LORA_WEIGHT_FILE), metadata=metadata)
 
 
-def export_lora(family: Family, built, state: dict, out_dir, model_spec, weights: str = "raw",
-                lora_format=None) -> Path:
+def export_lora(
+    family: Family, built, state: dict, out_dir, model_spec, weights: str = "raw", lora_format=None
+) -> Path:
     """Write `out_dir/pytorch_lora_weights.safetensors` in the scheme of `lora_format` (output.lora_format; None:
     the family's default) + dstune_lora.json naming the base model and the format, atomically.
     `weights` says which weights these are ("ema" or "raw"); it is recorded, not applied."""
@@ -217,9 +241,17 @@ def export_lora(family: Family, built, state: dict, out_dir, model_spec, weights
         written = PEFT_ADAPTER_FILE if scheme == "peft" else LORA_WEIGHT_FILE
         if not (work / written).is_file():
             raise FamilyError(f"model.family {family.name}: save_lora_weights wrote no {written}")
-        info = {"base_model": model_spec.pretrained, "base_folder": str(built.folder), "family": model_spec.family,
-                "format": chosen, "key_scheme": scheme, "rank": settings.rank, "alpha": settings.resolved_alpha,
-                "target_modules": list(settings.target_modules), "weights": weights,
-                "tensors": len(layers)}
+        info = {
+            "base_model": model_spec.pretrained,
+            "base_folder": str(built.folder),
+            "family": model_spec.family,
+            "format": chosen,
+            "key_scheme": scheme,
+            "rank": settings.rank,
+            "alpha": settings.resolved_alpha,
+            "target_modules": list(settings.target_modules),
+            "weights": weights,
+            "tensors": len(layers),
+        }
         (work / LORA_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out

@@ -31,14 +31,17 @@ def _quantized_linear(linear: torch.nn.Linear, precision: str, device=None) -> t
     has_bias = linear.bias is not None
     if precision == "int8":
         # threshold 0: no fp16 outlier columns, every weight is int8 (LLM.int8's outlier path needs fp16 copies).
-        layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False,
-                                    threshold=0.0)
+        layer = bnb.nn.Linear8bitLt(
+            linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False, threshold=0.0
+        )
         layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
     else:  # nf4; compute dtype follows the input (train.precision)
-        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias, quant_type="nf4",
-                                  compress_statistics=False)
-        layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK_SIZE,
-                                         compress_statistics=False)
+        layer = bnb.nn.Linear4bit(
+            linear.in_features, linear.out_features, bias=has_bias, quant_type="nf4", compress_statistics=False
+        )
+        layer.weight = bnb.nn.Params4bit(
+            weight, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK_SIZE, compress_statistics=False
+        )
     if has_bias:
         layer.bias = torch.nn.Parameter(linear.bias.detach().to("cpu").clone(), requires_grad=False)
     return layer.to(device).requires_grad_(False)

@@ -36,8 +36,10 @@ def first_frames(sample_spec, prompts: list[str]) -> list:
     FamilyError when the counts differ or one cannot be read."""
     paths = sample_spec.control_images
     if len(paths) != len(prompts):
-        raise FamilyError("sample.control_images: image-to-video renders each clip from a first frame: give one image "
-                          f"per prompt ({len(prompts)} prompt(s), {len(paths)} image(s)), or set sample.prompts: []")
+        raise FamilyError(
+            "sample.control_images: image-to-video renders each clip from a first frame: give one image "
+            f"per prompt ({len(prompts)} prompt(s), {len(paths)} image(s)), or set sample.prompts: []"
+        )
     try:
         return read_control_images(paths)
     except ValueError as err:
@@ -60,13 +62,16 @@ def save_clip_grid(clips: list, prompts: list[str], path: str | os.PathLike) -> 
     in an <img>) and an H.264 MP4 (for players and trackers). Returns the WebP's path."""
     if len(clips) != len(prompts):
         raise ValueError(f"save_clip_grid: {len(clips)} clips but {len(prompts)} prompts")
-    frames = [grid_image([clip[min(number, len(clip) - 1)] for clip in clips], prompts)
-              for number in range(max(len(clip) for clip in clips))]
+    frames = [
+        grid_image([clip[min(number, len(clip) - 1)] for clip in clips], prompts)
+        for number in range(max(len(clip) for clip in clips))
+    ]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     webp = path.with_suffix(".webp")
-    frames[0].save(webp, format="WEBP", save_all=True, append_images=frames[1:], duration=_CLIP_FRAME_MS, loop=0,
-                   lossless=True)
+    frames[0].save(
+        webp, format="WEBP", save_all=True, append_images=frames[1:], duration=_CLIP_FRAME_MS, loop=0, lossless=True
+    )
     write_mp4(frames, path.with_suffix(".mp4"), 1000 // _CLIP_FRAME_MS)
     return webp
 
@@ -116,8 +121,9 @@ def grid_image(images: list, prompts: list[str]):
 _SHEET_STEP = re.compile(r"step-(\d+)(\.png|\.webp)?")
 
 
-def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weights: str,
-                        metrics: list[dict] = ()) -> Path:
+def write_contact_sheet(
+    samples_dir: str | os.PathLike, prompts: list[str], weights: str, metrics: list[dict] = ()
+) -> Path:
     """(Re)write samples_dir/index.html: the loss and LR curves of `metrics` (metrics.jsonl records, inline SVG),
     then every `step-NNNNNN.png` grid (`.webp` for clips, with a link to its MP4) of the run so far (resumed runs included), oldest first, with its step number,
     under the prompts in grid order. `weights` says what the grids show ("EMA" or "trained"). Written to a temporary
@@ -125,22 +131,28 @@ def write_contact_sheet(samples_dir: str | os.PathLike, prompts: list[str], weig
     import html
 
     folder = Path(samples_dir)
-    entries = sorted((int(m.group(1)), p.name) for p in folder.iterdir()
-                     if (m := _SHEET_STEP.fullmatch(p.name)))
+    entries = sorted((int(m.group(1)), p.name) for p in folder.iterdir() if (m := _SHEET_STEP.fullmatch(p.name)))
     prompt_items = "".join(f"<li>{html.escape(prompt or '(empty prompt)')}</li>" for prompt in prompts)
     rows = "".join(
         f'<section id="step-{step}"><h2>step {step}</h2>'
-        + (f'<img src="{html.escape(name)}" alt="samples at step {step}">{_mp4_link(folder, name)}'
-           if name.endswith((".png", ".webp")) else _wav_players(folder, name))
-        + "</section>\n" for step, name in entries)
+        + (
+            f'<img src="{html.escape(name)}" alt="samples at step {step}">{_mp4_link(folder, name)}'
+            if name.endswith((".png", ".webp"))
+            else _wav_players(folder, name)
+        )
+        + "</section>\n"
+        for step, name in entries
+    )
     curves = curves_svg(list(metrics))
     curves_section = f'<section id="curves">{curves}</section>\n' if curves else ""
-    page = ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>dstune samples</title>"
-            "<style>body{font-family:sans-serif;margin:1em}img{max-width:100%;image-rendering:pixelated}"
-            "section{margin-bottom:1.5em}</style></head><body>\n"
-            f"<h1>samples: {len(entries)} steps ({html.escape(weights)} weights)</h1>\n"
-            f"{curves_section}<p>Prompts, left to right, top to bottom:</p><ol>{prompt_items}</ol>\n{rows}"
-            "</body></html>\n")
+    page = (
+        '<!doctype html>\n<html><head><meta charset="utf-8"><title>dstune samples</title>'
+        "<style>body{font-family:sans-serif;margin:1em}img{max-width:100%;image-rendering:pixelated}"
+        "section{margin-bottom:1.5em}</style></head><body>\n"
+        f"<h1>samples: {len(entries)} steps ({html.escape(weights)} weights)</h1>\n"
+        f"{curves_section}<p>Prompts, left to right, top to bottom:</p><ol>{prompt_items}</ol>\n{rows}"
+        "</body></html>\n"
+    )
     target = folder / "index.html"
     write_text_atomic(target, page)
     return target
@@ -151,9 +163,11 @@ def _wav_players(folder: Path, name: str) -> str:
     import html
 
     wavs = sorted(p.name for p in (folder / name).glob("*.wav"))
-    players = "".join(f'<p>{int(Path(wav).stem) + 1 if Path(wav).stem.isdigit() else html.escape(wav)}. '
-                      f'<audio controls preload="none" src="{html.escape(name)}/{html.escape(wav)}"></audio></p>'
-                      for wav in wavs)
+    players = "".join(
+        f"<p>{int(Path(wav).stem) + 1 if Path(wav).stem.isdigit() else html.escape(wav)}. "
+        f'<audio controls preload="none" src="{html.escape(name)}/{html.escape(wav)}"></audio></p>'
+        for wav in wavs
+    )
     return f'{players}<a href="{html.escape(name)}/">{html.escape(name)}/</a>'
 
 

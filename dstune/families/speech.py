@@ -12,6 +12,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+
 @dataclass
 class Clip:
     wave: np.ndarray  # float32 mono

@@ -34,8 +34,10 @@ def load_codec(kind: str, source: Path) -> torch.nn.Module:
             with quiet_hf_libraries():
                 codec = getattr(transformers, CODEC_CLASSES[kind]).from_pretrained(source, torch_dtype=torch.float32)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
-        raise FamilyError(f"{source}: cannot load it as {CODEC_CLASSES[kind]} (model.codec: {kind}): "
-                          f"{(str(err).strip().splitlines() or [type(err).__name__])[0]}") from None
+        raise FamilyError(
+            f"{source}: cannot load it as {CODEC_CLASSES[kind]} (model.codec: {kind}): "
+            f"{(str(err).strip().splitlines() or [type(err).__name__])[0]}"
+        ) from None
     return codec.float().eval().requires_grad_(False)
 
 
@@ -53,15 +55,23 @@ def codec_facts(codec, kind: str) -> dict:
     """Codebooks, codebook size, sampling rate, samples per (coarsest) frame and codes per frame of each codebook."""
     if kind == "snac":
         strides = [int(s) for s in codec.vq_strides]
-        return {"codebooks": len(strides), "codebook_size": int(codec.codebook_size),
-                "sampling_rate": int(codec.sampling_rate), "samples_per_frame": int(codec.hop_length) * max(strides),
-                "codes_per_frame": [max(strides) // s for s in strides]}
+        return {
+            "codebooks": len(strides),
+            "codebook_size": int(codec.codebook_size),
+            "sampling_rate": int(codec.sampling_rate),
+            "samples_per_frame": int(codec.hop_length) * max(strides),
+            "codes_per_frame": [max(strides) // s for s in strides],
+        }
     config = codec.config
     codebooks = config.n_codebooks if kind == "dac" else config.num_quantizers
     frame_rate = config.sampling_rate / config.hop_length if kind == "dac" else config.frame_rate
-    return {"codebooks": int(codebooks), "codebook_size": int(config.codebook_size),
-            "sampling_rate": int(config.sampling_rate), "samples_per_frame": config.sampling_rate / frame_rate,
-            "codes_per_frame": [1] * int(codebooks)}
+    return {
+        "codebooks": int(codebooks),
+        "codebook_size": int(config.codebook_size),
+        "sampling_rate": int(config.sampling_rate),
+        "samples_per_frame": config.sampling_rate / frame_rate,
+        "codes_per_frame": [1] * int(codebooks),
+    }
 
 
 def encode_clip(codec, kind: str, wave: torch.Tensor, num_codebooks: int, frame_order=None) -> torch.Tensor:

@@ -36,11 +36,14 @@ def split_sequences(transformer, rank: int, world_size: int, size: int, plan: Op
 
     plan = plan if plan is not None else context_parallel_plan(transformer)
     if plan is None:
-        raise ValueError(f"{type(transformer).__name__} has no context-parallel plan (_cp_plan): its sequences cannot "
-                         "be split; train it with deepspeed.sequence_parallel_size: 1")
+        raise ValueError(
+            f"{type(transformer).__name__} has no context-parallel plan (_cp_plan): its sequences cannot "
+            "be split; train it with deepspeed.sequence_parallel_size: 1"
+        )
     device = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda", torch.cuda.current_device())
     mesh = torch.distributed.device_mesh.init_device_mesh(
-        device.type, (world_size // size, 1, size), mesh_dim_names=MESH_NAMES)
+        device.type, (world_size // size, 1, size), mesh_dim_names=MESH_NAMES
+    )
     group_mesh = mesh["ring", "ulysses"]  # this rank's sequence group, as diffusers' attention dispatch reads it
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=size, mesh=group_mesh))
     # diffusers' own enable_parallelism would build a mesh over every rank and pick the device by

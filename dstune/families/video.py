@@ -19,15 +19,37 @@ import torch
 
 from dstune.families.base import Family, FamilyError, LatentExtras, TextCache
 from dstune.families.diffusion import read_component_config
-from dstune.families.flow_core import (FlowBuilt, build_from, encode_batch, encode_captions, export, loss, sample,
-                                       save_lora_weights, split_plan, text_cache_settings)
+from dstune.families.flow_core import (
+    FlowBuilt,
+    build_from,
+    encode_batch,
+    encode_captions,
+    export,
+    loss,
+    sample,
+    save_lora_weights,
+    split_plan,
+    text_cache_settings,
+)
 from dstune.families.samples import save_clip_grid
 from dstune.models import registry
 from dstune.models.unit import VIDEO_FAMILY, load
 from dstune.spec.video_models import WanModel
 
-__all__ = ["build", "encode_batch", "encode_captions", "loss", "sample", "export", "save_lora_weights", "FAMILY",
-           "VideoModel", "video_model_of", "latent_cache_key", "condition_tensors"]
+__all__ = [
+    "build",
+    "encode_batch",
+    "encode_captions",
+    "loss",
+    "sample",
+    "export",
+    "save_lora_weights",
+    "FAMILY",
+    "VideoModel",
+    "video_model_of",
+    "latent_cache_key",
+    "condition_tensors",
+]
 
 
 @dataclass(frozen=True)
@@ -56,14 +78,21 @@ def video_model_of(folder: Path) -> VideoModel:
     path = Path(folder) / "transformer" / "config.json"
     transformer = read_component_config(Path(folder), "transformer").get("_class_name") if path.is_file() else None
     if transformer not in known:
-        raise FamilyError(f"{folder} cannot be used as a video pipeline (model.family {VIDEO_FAMILY}): its transformer "
-                          f"({transformer or 'no transformer/config.json'}) is none of the video models dstune trains "
-                          f"({', '.join(f'{m.title}: {name}' for name, m in known.items())})")
+        raise FamilyError(
+            f"{folder} cannot be used as a video pipeline (model.family {VIDEO_FAMILY}): its transformer "
+            f"({transformer or 'no transformer/config.json'}) is none of the video models dstune trains "
+            f"({', '.join(f'{m.title}: {name}' for name, m in known.items())})"
+        )
     return known[transformer]
 
 
-def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
-          zero3_config: Optional[dict] = None) -> FlowBuilt:
+def build(
+    model: WanModel,
+    folders: dict,
+    device,
+    dtype_for_frozen: torch.dtype = torch.float32,
+    zero3_config: Optional[dict] = None,
+) -> FlowBuilt:
     """The transformer (model.expert's) fp32 in host memory (partitioned with `zero3_config`), the VAE and text (and
     image) encoders frozen in `dtype_for_frozen`. Never downloads; FamilyError listing every problem of a folder
     that is not a video pipeline this spec can train."""
@@ -72,12 +101,16 @@ def build(model: WanModel, folders: dict, device, dtype_for_frozen: torch.dtype 
     problems = video.folder_problems(folder, model.expert, model.image_to_video, model.timestep_range)
     recipe = video.recipe_of(Path(folder))
     if model.timestep_sampling == "shifted_logit_normal" and recipe.draw_sigmas is None:
-        problems.append("model.timestep_sampling shifted_logit_normal is the sampler of the video models that draw "
-                        f"sigma themselves; {video.title} indexes the scheduler's tables: use uniform, logit_normal "
-                        "or mode")
+        problems.append(
+            "model.timestep_sampling shifted_logit_normal is the sampler of the video models that draw "
+            f"sigma themselves; {video.title} indexes the scheduler's tables: use uniform, logit_normal "
+            "or mode"
+        )
     if problems:
-        raise FamilyError(f"{folder} cannot be used as a {video.title} pipeline (model.family {VIDEO_FAMILY}):\n"
-                          + "\n".join(f"  - {p}" for p in problems))
+        raise FamilyError(
+            f"{folder} cannot be used as a {video.title} pipeline (model.family {VIDEO_FAMILY}):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
     built = build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config)
     if video.after_build is not None:
         video.after_build(built)
@@ -95,10 +128,25 @@ def condition_tensors(built, clips: torch.Tensor) -> dict:
 
 
 FAMILY = Family(
-    name=VIDEO_FAMILY, modality="video", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
-    loss=loss, sample=sample, save_samples=save_clip_grid, export=export, save_lora_weights=save_lora_weights,
-    text_cache=TextCache(("text_encoder", "tokenizer"), ("encoder_hidden_states",), encode_captions,
-                         text_cache_settings,
-                         tensors_of=lambda folder: video_model_of(Path(folder)).recipe_of(Path(folder)).text_tensors,
-                         folders_of=lambda folder: video_model_of(Path(folder)).text_cache_folders),
-    builds_partitioned=True, latent_extras=LatentExtras(latent_cache_key, condition_tensors), split_plan=split_plan)
+    name=VIDEO_FAMILY,
+    modality="video",
+    pretrained_fields=("pretrained",),
+    build=build,
+    encode_batch=encode_batch,
+    loss=loss,
+    sample=sample,
+    save_samples=save_clip_grid,
+    export=export,
+    save_lora_weights=save_lora_weights,
+    text_cache=TextCache(
+        ("text_encoder", "tokenizer"),
+        ("encoder_hidden_states",),
+        encode_captions,
+        text_cache_settings,
+        tensors_of=lambda folder: video_model_of(Path(folder)).recipe_of(Path(folder)).text_tensors,
+        folders_of=lambda folder: video_model_of(Path(folder)).text_cache_folders,
+    ),
+    builds_partitioned=True,
+    latent_extras=LatentExtras(latent_cache_key, condition_tensors),
+    split_plan=split_plan,
+)

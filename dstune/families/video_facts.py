@@ -66,9 +66,14 @@ def _known() -> str:
 def expert_summary(index: dict, expert: str, timestep_range) -> dict:
     """`memory.parameters.expert` of validate --json: the expert, its component and the timesteps it trains."""
     low, high, inclusive = expert_range(index, expert, timestep_range)
-    return {"name": expert, "component": "transformer_2" if expert == "low_noise" else "transformer",
-            "boundary_ratio": index["boundary_ratio"], "timesteps": [low, high], "max_included": inclusive,
-            "text": expert_range_text(index, expert, timestep_range)}
+    return {
+        "name": expert,
+        "component": "transformer_2" if expert == "low_noise" else "transformer",
+        "boundary_ratio": index["boundary_ratio"],
+        "timesteps": [low, high],
+        "max_included": inclusive,
+        "text": expert_range_text(index, expert, timestep_range),
+    }
 
 
 def _trained(spec, folder):
@@ -77,9 +82,14 @@ def _trained(spec, folder):
     if spec.model.expert is None or "transformer_2" not in experts_in(folder.index):
         facts = facts_of(folder)
         parts = facts.sampling_parts(folder) if facts is not None else ()
-        return "transformer", {part: count_component(str(folder.path / part / "config.json"))[0] for part in parts}, None
-    module, other = ("transformer_2", "transformer") if spec.model.expert == "low_noise" else \
-        ("transformer", "transformer_2")
+        return (
+            "transformer",
+            {part: count_component(str(folder.path / part / "config.json"))[0] for part in parts},
+            None,
+        )
+    module, other = (
+        ("transformer_2", "transformer") if spec.model.expert == "low_noise" else ("transformer", "transformer_2")
+    )
     sampling_only = {other: count_component(str(folder.path / other / "config.json"))[0]}
     return module, sampling_only, expert_summary(folder.index, spec.model.expert, spec.model.timestep_range)
 
@@ -127,8 +137,9 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
     return facts.text_bytes(spec, folder) * num_samples + latents
 
 
-RULES = DenoiserRules(trained=_trained, activations=_activations, cache_bytes=_cache_bytes,
-                      uses_image_encoder=_image_to_video)
+RULES = DenoiserRules(
+    trained=_trained, activations=_activations, cache_bytes=_cache_bytes, uses_image_encoder=_image_to_video
+)
 
 
 def _count(spec, num_samples: int, clips=()):
@@ -145,8 +156,11 @@ def token_factors(pretrained: str) -> tuple[int, tuple[int, int, int], str]:
         return ASSUMED_SPATIAL, ASSUMED_PATCH, f"assumed ({assumed}): the model's configs are not here"
     facts = facts_of(folder)
     if facts is None:  # model.pretrained is refused for it (spec_issues): its configs say nothing of a video model
-        return ASSUMED_SPATIAL, ASSUMED_PATCH, (f"assumed ({assumed}): {folder.origin} is none of the video models "
-                                                f"dstune trains")
+        return (
+            ASSUMED_SPATIAL,
+            ASSUMED_PATCH,
+            (f"assumed ({assumed}): {folder.origin} is none of the video models dstune trains"),
+        )
     return facts.token_factors(folder)
 
 
@@ -163,11 +177,20 @@ def _spec_issues(spec) -> SpecIssues:
     facts = facts_of(folder)
     if facts is None:
         transformer = (index.get("transformer") or [None, "none"])[1]
-        return [("model.pretrained", f"{spec.model.pretrained}: its transformer ({transformer}) is none of the video "
-                 f"models dstune trains ({_known()})")]
-    issues = [("model.timestep_range" if problem.startswith("model.timestep_range") else "model.expert",
-               f"{spec.model.pretrained}: {problem}")
-              for problem in expert_problems(index, spec.model.expert, spec.model.timestep_range)]
+        return [
+            (
+                "model.pretrained",
+                f"{spec.model.pretrained}: its transformer ({transformer}) is none of the video "
+                f"models dstune trains ({_known()})",
+            )
+        ]
+    issues = [
+        (
+            "model.timestep_range" if problem.startswith("model.timestep_range") else "model.expert",
+            f"{spec.model.pretrained}: {problem}",
+        )
+        for problem in expert_problems(index, spec.model.expert, spec.model.timestep_range)
+    ]
     return issues + facts.spec_issues(spec, folder)
 
 
@@ -192,5 +215,11 @@ def _attention(spec):
     return Attention(config["num_attention_heads"], config.get("attention_head_dim", 0), origin)
 
 
-FACTS = ModelFacts(family=VIDEO_FAMILY, modality="video", count=_count, spec_issues=_spec_issues,
-                   token_factors=token_factors, attention=_attention)
+FACTS = ModelFacts(
+    family=VIDEO_FAMILY,
+    modality="video",
+    count=_count,
+    spec_issues=_spec_issues,
+    token_factors=token_factors,
+    attention=_attention,
+)

@@ -45,14 +45,23 @@ class ModelShape:
 
 
 def _evaluate(coefficients: dict, tokens: float, context: float, width: float, ffn: float) -> float:
-    values = {"T": tokens * width, "C": context * width, "1": width, "TT": tokens * tokens * width,
-              "CC": context * context * width, "TC": tokens * context * width, "fT": ffn * tokens,
-              "fC": ffn * context, "f": ffn}
+    values = {
+        "T": tokens * width,
+        "C": context * width,
+        "1": width,
+        "TT": tokens * tokens * width,
+        "CC": context * context * width,
+        "TC": tokens * context * width,
+        "fT": ffn * tokens,
+        "fC": ffn * context,
+        "f": ffn,
+    }
     return sum(coefficient * values[name] for name, coefficient in coefficients.items())
 
 
-def measured_sample_bytes(key: str, shape: ModelShape, tokens: float, context: float = 0.0,
-                          precision: str = "bf16") -> tuple[float, float]:
+def measured_sample_bytes(
+    key: str, shape: ModelShape, tokens: float, context: float = 0.0, precision: str = "bf16"
+) -> tuple[float, float]:
     """One sample's (full, checkpointed) activation bytes in the run's precision (fp32: 4-byte tensors; bf16/fp16:
     the measured bf16 bytes, fp32 norms and modulation included), from the model's measured constants: per bucket
     width x (a tokens + c context + b ...) + ffn x (...), the blocks times their count; with checkpointing the
@@ -65,12 +74,19 @@ def measured_sample_bytes(key: str, shape: ModelShape, tokens: float, context: f
         return _evaluate(coefficients, tokens, context, shape.width, shape.ffn)
 
     logits = shape.vocab * _evaluate(table["logits"], tokens, context, 1, 0) if "logits" in table else 0.0
-    full = bucket(table["outside"]) + logits + sum(
-        count * bucket(table["blocks"][kind]) for kind, count in shape.layers.items())
+    full = (
+        bucket(table["outside"])
+        + logits
+        + sum(count * bucket(table["blocks"][kind]) for kind, count in shape.layers.items())
+    )
     if not entry["checkpointing"]:
         return full, full
-    checkpointed = bucket(table["ckpt_outside"]) + bucket(table["recompute"]) + logits + sum(
-        count * bucket(table["ckpt_inputs"][kind]) for kind, count in shape.layers.items())
+    checkpointed = (
+        bucket(table["ckpt_outside"])
+        + bucket(table["recompute"])
+        + logits
+        + sum(count * bucket(table["ckpt_inputs"][kind]) for kind, count in shape.layers.items())
+    )
     return full, checkpointed
 
 
@@ -78,10 +94,13 @@ def unet_structure(config: dict) -> dict:
     """A UNet2DConditionModel's block structure and channel ratios: what its measured constants are for."""
     channels = list(config["block_out_channels"])
     levels = len(channels)
-    return {"down_block_types": list(config["down_block_types"]), "up_block_types": list(config["up_block_types"]),
-            "layers_per_block": config.get("layers_per_block", 2),
-            "transformer_layers_per_block": _per_level(config, "transformer_layers_per_block", levels),
-            "channel_ratios": [c / channels[0] for c in channels]}
+    return {
+        "down_block_types": list(config["down_block_types"]),
+        "up_block_types": list(config["up_block_types"]),
+        "layers_per_block": config.get("layers_per_block", 2),
+        "transformer_layers_per_block": _per_level(config, "transformer_layers_per_block", levels),
+        "channel_ratios": [c / channels[0] for c in channels],
+    }
 
 
 def measured_unet(config: dict):
@@ -121,7 +140,7 @@ def unet_sample_bytes(config: dict, resolution: int) -> tuple[float, float]:
     blocks = []  # (bytes of the block, bytes of its input)
 
     def add(level: int, resnets: int, attention: bool) -> None:
-        pixels, width = (side / 2 ** level) ** 2, channels[level]
+        pixels, width = (side / 2**level) ** 2, channels[level]
         for _ in range(resnets):
             blocks.append((14 * pixels * width, 2 * pixels * width))
             if attention:

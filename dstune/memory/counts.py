@@ -30,8 +30,11 @@ STORE = Path(__file__).resolve().parents[1] / "model_configs"
 # builtin name -> its versioned folder: the stored config folders are named as the built-in's folder
 # (dstune.builtin's BuiltinModel.folder_name, "tiny-sd-v3"); tests/unit/test_memory_plan.py checks they are exactly
 # the built-ins' folders, without this module importing the builders of layer 3
-BUILTIN_FOLDERS = {re.sub(r"-v\d+$", "", folder.name): folder.name
-                   for folder in sorted((STORE / "builtin").iterdir()) if folder.is_dir()}
+BUILTIN_FOLDERS = {
+    re.sub(r"-v\d+$", "", folder.name): folder.name
+    for folder in sorted((STORE / "builtin").iterdir())
+    if folder.is_dir()
+}
 
 
 class SizesUnknown(ValueError):
@@ -41,7 +44,7 @@ class SizesUnknown(ValueError):
 def config_folder(reference: str) -> tuple[Path, str]:
     """A model reference (builtin:, folder, hub id) -> (folder holding its config files, where they came from)."""
     if reference.startswith(BUILTIN_PREFIX):
-        name = reference[len(BUILTIN_PREFIX):]
+        name = reference[len(BUILTIN_PREFIX) :]
         if name in BUILTIN_FOLDERS:
             return STORE / "builtin" / BUILTIN_FOLDERS[name], f"{reference} (its stored configs)"
         raise SizesUnknown(f"{reference} is not a built-in model")
@@ -59,8 +62,10 @@ def config_folder(reference: str) -> tuple[Path, str]:
     if len(named) == 1:  # e.g. /models/stable-diffusion-xl-base-1.0 on a machine that does not have it
         hub_id = f"{named[0].parent.name}/{named[0].name}"
         return named[0], f"{reference} is not here: configs of {hub_id} (stored with dstune), matched by its name"
-    raise SizesUnknown(f"{reference}: no config files here (not a folder, not in the local Hugging Face cache, "
-                       "not stored with dstune), so its parameters cannot be counted")
+    raise SizesUnknown(
+        f"{reference}: no config files here (not a folder, not in the local Hugging Face cache, "
+        "not stored with dstune), so its parameters cannot be counted"
+    )
 
 
 def read_config(path: Path) -> dict:
@@ -118,7 +123,7 @@ def count_small_tensors(config_path: str, lora_targets: tuple = (), lora_rank: i
     else:
         module, dims = meta_small_tensors(config_path, lora_targets)
     sizes: dict = dict(module)
-    for dim, count in (dims if lora_rank else ()):
+    for dim, count in dims if lora_rank else ():
         if lora_rank * dim <= SMALL_TENSOR_NUMEL:
             sizes[lora_rank * dim] = sizes.get(lora_rank * dim, 0) + count
     return tuple(sorted(sizes.items()))
@@ -152,8 +157,11 @@ def _meta_module(config_path: str):
 
 def _targets(module, lora_targets: tuple) -> list:
     """The (name, layer) pairs peft adapts for these target names."""
-    return [(name, m) for name, m in module.named_modules()
-            if lora_targets and any(name == t or name.endswith("." + t) for t in lora_targets)]
+    return [
+        (name, m)
+        for name, m in module.named_modules()
+        if lora_targets and any(name == t or name.endswith("." + t) for t in lora_targets)
+    ]
 
 
 def stored_counts() -> dict:
@@ -162,11 +170,14 @@ def stored_counts() -> dict:
     for path in sorted(STORE.rglob("config.json")):
         params, largest, per_rank = meta_count(str(path), DEFAULT_LORA_TARGET_MODULES, 1)
         small, dims = meta_small_tensors(str(path), DEFAULT_LORA_TARGET_MODULES)
-        table[str(path.relative_to(STORE))] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-                                               "params": params, "largest_layer_params": largest,
-                                               "lora_params_per_rank": per_rank,
-                                               "small_tensors": [list(pair) for pair in small],
-                                               "lora_dims": [list(pair) for pair in dims]}
+        table[str(path.relative_to(STORE))] = {
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "params": params,
+            "largest_layer_params": largest,
+            "lora_params_per_rank": per_rank,
+            "small_tensors": [list(pair) for pair in small],
+            "lora_dims": [list(pair) for pair in dims],
+        }
     return table
 
 
@@ -203,8 +214,14 @@ def _pipeline_module_class(name: str, path: Path):
 
     index = path.parent.parent / "model_index.json"
     listed = json.loads(index.read_text()) if index.is_file() else {}
-    modules = {entry[0] for entry in listed.values() if isinstance(entry, list) and len(entry) == 2 and
-               entry[1] == name and entry[0] not in (None, "diffusers", "transformers")}
+    modules = {
+        entry[0]
+        for entry in listed.values()
+        if isinstance(entry, list)
+        and len(entry) == 2
+        and entry[1] == name
+        and entry[0] not in (None, "diffusers", "transformers")
+    }
     for module in sorted(modules):
         try:
             found = getattr(importlib.import_module(f"diffusers.pipelines.{module}"), name, None)

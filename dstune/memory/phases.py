@@ -40,22 +40,40 @@ def run_phases(counts, setup, terms: dict) -> dict[str, Phase]:
     `terms`: the plan's per-GPU byte terms (see dstune.memory.plan.estimate)."""
     states = terms["parameters"] + terms["gradients"] + terms["optimizer"]
     every_frozen = terms["companions_all"]
-    loaded = {"trainable module (training dtype, or its ZeRO-3 share)": terms["module_on_load"],
-              "frozen parts (every encoder)": every_frozen, "runtime reserve": terms["start_reserve"]}
+    loaded = {
+        "trainable module (training dtype, or its ZeRO-3 share)": terms["module_on_load"],
+        "frozen parts (every encoder)": every_frozen,
+        "runtime reserve": terms["start_reserve"],
+    }
     phases = {"load": Phase("load", loaded)}
     if counts.cached_companions:  # built before the engine, so beside the placed module, not DeepSpeed's states
         phases["cache"] = Phase("cache", dict(loaded))
-    phases["step"] = Phase("step", {"model states": states, "EMA": terms["ema"], "frozen weights": terms["frozen"],
-                                    "activations": terms["activations"],
-                                    "optimizer step temporaries (beyond the activations)": terms["step_temporaries"],
-                                    "DeepSpeed buffers": terms["buffers"], "runtime reserve": terms["reserve"]})
+    phases["step"] = Phase(
+        "step",
+        {
+            "model states": states,
+            "EMA": terms["ema"],
+            "frozen weights": terms["frozen"],
+            "activations": terms["activations"],
+            "optimizer step temporaries (beyond the activations)": terms["step_temporaries"],
+            "DeepSpeed buffers": terms["buffers"],
+            "runtime reserve": terms["reserve"],
+        },
+    )
     if setup.samples:
-        phases["sample"] = Phase("sample", {
-            "model states": states, "EMA": terms["ema"], "EMA swap (raw weights kept aside)": terms["ema_swap"],
-            "frozen base": terms["frozen_base"], "frozen parts (encoders back)": every_frozen,
-            "sampling-only parts": terms["sampling_extra"],
-            "ZeRO-3 gathered parameters and reduce bucket": terms["zero3_gathered"],
-            "runtime reserve": terms["reserve"]})
+        phases["sample"] = Phase(
+            "sample",
+            {
+                "model states": states,
+                "EMA": terms["ema"],
+                "EMA swap (raw weights kept aside)": terms["ema_swap"],
+                "frozen base": terms["frozen_base"],
+                "frozen parts (encoders back)": every_frozen,
+                "sampling-only parts": terms["sampling_extra"],
+                "ZeRO-3 gathered parameters and reduce bucket": terms["zero3_gathered"],
+                "runtime reserve": terms["reserve"],
+            },
+        )
     return phases
 
 
@@ -79,5 +97,7 @@ def host_warning(host_per_node: float, counts, setup) -> str | None:
         changes.append("train.ema.device=same (the EMA share on the GPU)")
     if setup.ranks_per_node > 1:
         changes.append("fewer ranks per node (each rank loads the model in host memory)")
-    return (f"host RAM per node {host_per_node / 1e9:.0f} GB is above {HOST_WARNING_BYTES / 1e9:.0f} GB; what lowers "
-            "it: " + "; ".join(changes or ["more nodes with fewer ranks each"]))
+    return (
+        f"host RAM per node {host_per_node / 1e9:.0f} GB is above {HOST_WARNING_BYTES / 1e9:.0f} GB; what lowers "
+        "it: " + "; ".join(changes or ["more nodes with fewer ranks each"])
+    )

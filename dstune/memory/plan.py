@@ -108,18 +108,29 @@ class Setup:
     max_live_parameters: int = ZERO3_MAX_LIVE_PARAMETERS  # ZeRO-3: the cap on gathered parameters
 
     @classmethod
-    def of(cls, spec, plan, ds_config: dict, base_precision: Optional[str] = None,
-           accelerator: str = "cuda") -> "Setup":
+    def of(
+        cls, spec, plan, ds_config: dict, base_precision: Optional[str] = None, accelerator: str = "cuda"
+    ) -> "Setup":
         zero = ds_config.get("zero_optimization", {})
         ema = spec.train.ema
-        precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else \
-            "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
+        precision = (
+            "bf16"
+            if ds_config.get("bf16", {}).get("enabled")
+            else "fp16"
+            if ds_config.get("fp16", {}).get("enabled")
+            else "fp32"
+        )
         return cls(
-            world_size=plan.world_size, ranks_per_node=max(plan.ranks_per_node), zero_stage=int(zero.get("stage", 0)),
+            world_size=plan.world_size,
+            ranks_per_node=max(plan.ranks_per_node),
+            zero_stage=int(zero.get("stage", 0)),
             offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none"),
-            offload_param=zero.get("offload_param", {}).get("device", "none"), precision=precision,
-            optimizer=spec.train.optimizer.type, momentum=spec.train.optimizer.momentum,
-            micro_batch=plan.micro_batch_size, accumulation=plan.gradient_accumulation_steps,
+            offload_param=zero.get("offload_param", {}).get("device", "none"),
+            precision=precision,
+            optimizer=spec.train.optimizer.type,
+            momentum=spec.train.optimizer.momentum,
+            micro_batch=plan.micro_batch_size,
+            accumulation=plan.gradient_accumulation_steps,
             gradient_checkpointing=bool(getattr(spec.model, "gradient_checkpointing", False)),
             lora=getattr(spec.model, "train", "full") == "lora",
             reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
@@ -127,13 +138,15 @@ class Setup:
             prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size", 5e7)),
             overlap_comm=bool(zero.get("overlap_comm", False)),
             base_bytes_per_param=BASE_PRECISION_BYTES.get(base_precision) if base_precision else None,
-            accelerator=accelerator, samples=bool(getattr(getattr(spec, "sample", None), "prompts", None)),
+            accelerator=accelerator,
+            samples=bool(getattr(getattr(spec, "sample", None), "prompts", None)),
             ema_device=ema.device if ema is not None else None,
             ema_in_samples=ema is not None and ema.export == "ema",
             sequence_parallel=getattr(plan, "sequence_parallel_size", 1),
             persistence_threshold=int(zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)),
             max_reuse_distance=int(zero.get("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE)),
-            max_live_parameters=int(zero.get("stage3_max_live_parameters", ZERO3_MAX_LIVE_PARAMETERS)))
+            max_live_parameters=int(zero.get("stage3_max_live_parameters", ZERO3_MAX_LIVE_PARAMETERS)),
+        )
 
     @property
     def weight_bytes(self) -> float:
@@ -172,8 +185,15 @@ class Estimate:
     @property
     def total(self) -> float:
         """The training step's bytes per GPU."""
-        return (self.model_states + self.frozen + self.activations + self.step_temporaries + self.buffers + self.ema
-                + self.reserve)
+        return (
+            self.model_states
+            + self.frozen
+            + self.activations
+            + self.step_temporaries
+            + self.buffers
+            + self.ema
+            + self.reserve
+        )
 
     @property
     def peak_phase(self) -> Phase:
@@ -185,11 +205,18 @@ class Estimate:
         return max(self.total, self.peak_phase.per_gpu)
 
     def per_gpu(self) -> dict:
-        return {"total_bytes": int(self.total), "parameters_bytes": int(self.parameters),
-                "gradients_bytes": int(self.gradients), "optimizer_bytes": int(self.optimizer),
-                "frozen_bytes": int(self.frozen), "activations_bytes": int(self.activations),
-                "step_temporaries_bytes": int(self.step_temporaries), "buffers_bytes": int(self.buffers),
-                "ema_bytes": int(self.ema), "runtime_reserve_bytes": int(self.reserve)}
+        return {
+            "total_bytes": int(self.total),
+            "parameters_bytes": int(self.parameters),
+            "gradients_bytes": int(self.gradients),
+            "optimizer_bytes": int(self.optimizer),
+            "frozen_bytes": int(self.frozen),
+            "activations_bytes": int(self.activations),
+            "step_temporaries_bytes": int(self.step_temporaries),
+            "buffers_bytes": int(self.buffers),
+            "ema_bytes": int(self.ema),
+            "runtime_reserve_bytes": int(self.reserve),
+        }
 
 
 def optimizer_state_bytes(setup: Setup) -> float:
@@ -284,8 +311,10 @@ def persistent_params(counts: ModelCounts, setup: Setup) -> int:
     """ZeRO-3's persistent parameters: every tensor of at most stage3_param_persistence_threshold elements (DeepSpeed
     0.19.8, parameter_offload.mark_persistent_parameters), up to stage3_max_live_parameters in all; counted from the
     configs' tensor shapes (ModelCounts.small_tensors; thresholds above SMALL_TENSOR_NUMEL count to that)."""
-    return min(sum(numel * count for numel, count in counts.small_tensors if numel <= setup.persistence_threshold),
-               setup.max_live_parameters)
+    return min(
+        sum(numel * count for numel, count in counts.small_tensors if numel <= setup.persistence_threshold),
+        setup.max_live_parameters,
+    )
 
 
 def zero3_gathered_bytes(counts: ModelCounts, setup: Setup, forward_only: bool = False) -> float:
@@ -335,8 +364,9 @@ def offloaded_to_host(counts: ModelCounts, setup: Setup) -> float:
     trainable, ranks = counts.trainable_params, setup.world_size
     held = 0.0
     if setup.zero_stage >= 1 and setup.offload_optimizer == "cpu":
-        held += (4.0 + optimizer_state_bytes(setup)) * trainable / ranks \
-            + min(reduce_bucket_elements(counts, setup), trainable) * 4.0  # offload's pinned staging bucket
+        held += (4.0 + optimizer_state_bytes(setup)) * trainable / ranks + min(
+            reduce_bucket_elements(counts, setup), trainable
+        ) * 4.0  # offload's pinned staging bucket
     if setup.zero_stage == 3 and setup.offload_param == "cpu":
         held += setup.weight_bytes * trainable / ranks + frozen_base_bytes(counts, setup) / ranks
     return held
@@ -409,8 +439,11 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
     on_gpu = setup.accelerator == "cuda"
     if not on_gpu:  # the host is the device: what offload moves to the host stays in the rank's memory
         optimizer += offloaded_to_host(counts, setup)
-    reserve = RUNTIME_RESERVE_BYTES if on_gpu else \
-        CPU_RUNTIME_RESERVE_BYTES + CPU_RESERVE_PER_MODULE_PARAM * counts.module_params
+    reserve = (
+        RUNTIME_RESERVE_BYTES
+        if on_gpu
+        else CPU_RUNTIME_RESERVE_BYTES + CPU_RESERVE_PER_MODULE_PARAM * counts.module_params
+    )
     sampling = setup.frozen_bytes * sum(counts.sampling_companions.values()) if setup.samples else 0.0
     ema = 4.0 * counts.trainable_params / setup.world_size if setup.ema_device == "same" else 0.0
     frozen, acts = frozen_on_gpu(counts, setup), activations(counts, setup)
@@ -419,29 +452,65 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
     buffers = deepspeed_buffers(counts, setup) + setup.all_to_all_bytes
     swap = ema_swap_bytes(counts, setup)
     base_on_gpu = frozen_on_gpu(replace(counts, companions={}), setup)
-    terms = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer, "frozen": frozen,
-             "frozen_base": base_on_gpu, "companions_all": setup.frozen_bytes * sum(counts.companions.values()),
-             "module_on_load": module_on_load(counts, setup), "activations": acts, "buffers": buffers,
-             "step_temporaries": temporaries,
-             # samples under ZeRO-3: the forward passes' gathered parameters, and the reduce bucket, which stage 3
-             # allocates once at start-up (stage3.py: ipg bucket buffers) and keeps
-             "zero3_gathered": zero3_gathered_bytes(counts, setup, forward_only=True) + zero3_reduce_bucket(counts, setup)
-             if setup.zero_stage == 3 else 0.0,
-             "ema": ema, "ema_swap": swap if setup.ema_device == "same" or setup.zero_stage == 3 else 0.0,
-             "sampling_extra": sampling, "reserve": reserve,
-             # a GPU holds its CUDA context from the start; the CPU's reserve is what the first step and samples add
-             "start_reserve": reserve if on_gpu else CPU_STARTUP_RESERVE_BYTES}
-    return Estimate(parameters, gradients, optimizer, frozen, acts, buffers, reserve, host, setup.ranks_per_node,
-                    nvme, counts.cache_bytes, sampling, ema, run_phases(counts, setup, terms), temporaries)
+    terms = {
+        "parameters": parameters,
+        "gradients": gradients,
+        "optimizer": optimizer,
+        "frozen": frozen,
+        "frozen_base": base_on_gpu,
+        "companions_all": setup.frozen_bytes * sum(counts.companions.values()),
+        "module_on_load": module_on_load(counts, setup),
+        "activations": acts,
+        "buffers": buffers,
+        "step_temporaries": temporaries,
+        # samples under ZeRO-3: the forward passes' gathered parameters, and the reduce bucket, which stage 3
+        # allocates once at start-up (stage3.py: ipg bucket buffers) and keeps
+        "zero3_gathered": zero3_gathered_bytes(counts, setup, forward_only=True) + zero3_reduce_bucket(counts, setup)
+        if setup.zero_stage == 3
+        else 0.0,
+        "ema": ema,
+        "ema_swap": swap if setup.ema_device == "same" or setup.zero_stage == 3 else 0.0,
+        "sampling_extra": sampling,
+        "reserve": reserve,
+        # a GPU holds its CUDA context from the start; the CPU's reserve is what the first step and samples add
+        "start_reserve": reserve if on_gpu else CPU_STARTUP_RESERVE_BYTES,
+    }
+    return Estimate(
+        parameters,
+        gradients,
+        optimizer,
+        frozen,
+        acts,
+        buffers,
+        reserve,
+        host,
+        setup.ranks_per_node,
+        nvme,
+        counts.cache_bytes,
+        sampling,
+        ema,
+        run_phases(counts, setup, terms),
+        temporaries,
+    )
 
 
 def parse_size(text: str) -> int:
-    """"24GB", "80GiB", "24G", "24" (GB) -> bytes. GB and G are 10^9 (as GPU datasheets say), GiB 2^30."""
-    units = {"": 1e9, "g": 1e9, "gb": 1e9, "gib": 2 ** 30, "m": 1e6, "mb": 1e6, "mib": 2 ** 20, "t": 1e12,
-             "tb": 1e12, "tib": 2 ** 40}
+    """ "24GB", "80GiB", "24G", "24" (GB) -> bytes. GB and G are 10^9 (as GPU datasheets say), GiB 2^30."""
+    units = {
+        "": 1e9,
+        "g": 1e9,
+        "gb": 1e9,
+        "gib": 2**30,
+        "m": 1e6,
+        "mb": 1e6,
+        "mib": 2**20,
+        "t": 1e12,
+        "tb": 1e12,
+        "tib": 2**40,
+    }
     stripped = text.strip().lower().replace(" ", "")
     number = stripped.rstrip("abgimt")
-    unit = stripped[len(number):]
+    unit = stripped[len(number) :]
     try:
         value = float(number)
     except ValueError:

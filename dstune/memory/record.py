@@ -79,8 +79,14 @@ def reset_peaks() -> bool:
         return False
 
 
-PLAN_PHASE = {"load": "load", "cache": "cache", "engine": "step", "first_step": "step", "step": "step",
-              "sample": "sample"}
+PLAN_PHASE = {
+    "load": "load",
+    "cache": "cache",
+    "engine": "step",
+    "first_step": "step",
+    "step": "step",
+    "sample": "sample",
+}
 
 
 @dataclass
@@ -93,8 +99,13 @@ class MemoryRecorder:
 
     def mark(self, phase: str) -> dict:
         """Close the phase `phase` (one of PLAN_PHASE): its peak since the previous mark, then a new peak."""
-        record = {"phase": phase, "peak_rss_bytes": peak_rss_bytes(), "rss_bytes": rss_bytes(),
-                  "cuda_peak_allocated_bytes": cuda_peak_bytes(), **rss_kinds()}
+        record = {
+            "phase": phase,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "rss_bytes": rss_bytes(),
+            "cuda_peak_allocated_bytes": cuda_peak_bytes(),
+            **rss_kinds(),
+        }
         record["rss_growth_bytes"] = record["peak_rss_bytes"] - self.baseline_rss_bytes
         self.phases.append(record)
         self.rss_peak_reset = reset_peaks() and self.rss_peak_reset
@@ -138,29 +149,47 @@ class MemoryRecorder:
         return {name: phase["per_gpu_bytes"] - reserve for name, phase in self.predicted["phases"].items()}
 
     def as_dict(self, rank: int) -> dict:
-        return {"rank": rank, "baseline_rss_bytes": self.baseline_rss_bytes, "baseline": self.baseline_kinds,
-                "phases": self.phases,
-                "phase_peaks": self.phase_peaks(), "rss_peak_reset": self.rss_peak_reset}
+        return {
+            "rank": rank,
+            "baseline_rss_bytes": self.baseline_rss_bytes,
+            "baseline": self.baseline_kinds,
+            "phases": self.phases,
+            "phase_peaks": self.phase_peaks(),
+            "rss_peak_reset": self.rss_peak_reset,
+        }
 
 
 def phase_table(predicted: dict, records: list[dict]) -> dict:
     """memory.json's `phases`: per plan phase, the prediction and the largest measured peak over the ranks."""
-    names = [name for name in ("load", "cache", "step", "sample")
-             if name in predicted or any(name in r["phase_peaks"] for r in records)]
-    return {name: {"predicted_bytes": predicted.get(name),
-                   "measured_max_bytes": max((r["phase_peaks"][name] for r in records if name in r["phase_peaks"]),
-                                             default=None)} for name in names}
+    names = [
+        name
+        for name in ("load", "cache", "step", "sample")
+        if name in predicted or any(name in r["phase_peaks"] for r in records)
+    ]
+    return {
+        name: {
+            "predicted_bytes": predicted.get(name),
+            "measured_max_bytes": max(
+                (r["phase_peaks"][name] for r in records if name in r["phase_peaks"]), default=None
+            ),
+        }
+        for name in names
+    }
 
 
 def summary_text(predicted: Optional[int], records: list[dict], phases: Optional[dict] = None) -> str:
     """One line for the end of a run: the predicted peak per rank, then per phase predicted / measured (the largest
     over the ranks: CUDA peak allocated on a GPU, else the RSS growth over each rank's baseline)."""
+
     def mb(value) -> str:
         return "?" if value is None else f"{value / 1e6:.0f} MB"
 
     cuda = any(r["phases"] and r["phases"][-1]["cuda_peak_allocated_bytes"] is not None for r in records)
     what = "CUDA peak allocated" if cuda else "peak RSS growth"
-    per_phase = "; ".join(f"{name} {mb(row['predicted_bytes'])} / {mb(row['measured_max_bytes'])}"
-                          for name, row in (phases or {}).items())
-    return (f"memory: predicted {mb(predicted)} per rank at the peak; per phase predicted / measured ({what}, "
-            f"largest rank): {per_phase or 'none recorded'} (memory.json)")
+    per_phase = "; ".join(
+        f"{name} {mb(row['predicted_bytes'])} / {mb(row['measured_max_bytes'])}" for name, row in (phases or {}).items()
+    )
+    return (
+        f"memory: predicted {mb(predicted)} per rank at the peak; per phase predicted / measured ({what}, "
+        f"largest rank): {per_phase or 'none recorded'} (memory.json)"
+    )

@@ -31,34 +31,82 @@ def candidate_changes(counts: ModelCounts, setup: Setup) -> list[Change]:
     changes = []
     if setup.samples:  # first: costs no speed and changes nothing that trains
         never = f": {', '.join(counts.sampling_companions)} never loads" if counts.sampling_companions else ""
-        changes.append(Change("samples", f"sample.prompts=[] (no samples during training{never})", counts,
-                              replace(setup, samples=False)))
-    changes += [Change("stage", f"deepspeed.zero_stage={stage}", counts, replace(setup, zero_stage=stage))
-                for stage in range(setup.zero_stage + 1, 4)]
+        changes.append(
+            Change(
+                "samples",
+                f"sample.prompts=[] (no samples during training{never})",
+                counts,
+                replace(setup, samples=False),
+            )
+        )
+    changes += [
+        Change("stage", f"deepspeed.zero_stage={stage}", counts, replace(setup, zero_stage=stage))
+        for stage in range(setup.zero_stage + 1, 4)
+    ]
     if not setup.gradient_checkpointing and counts.checkpointed_sample_bytes < counts.activation_sample_bytes:
-        changes.append(Change("checkpointing", "model.gradient_checkpointing=true", counts,
-                              replace(setup, gradient_checkpointing=True)))
+        changes.append(
+            Change(
+                "checkpointing",
+                "model.gradient_checkpointing=true",
+                counts,
+                replace(setup, gradient_checkpointing=True),
+            )
+        )
     for micro in _divisors_below(setup.micro_batch):
         accumulation = setup.accumulation * setup.micro_batch // micro
-        changes.append(Change("micro batch", f"train.micro_batch_size={micro} train.gradient_accumulation_steps="
-                              f"{accumulation} (same global batch)", counts,
-                              replace(setup, micro_batch=micro, accumulation=accumulation)))
+        changes.append(
+            Change(
+                "micro batch",
+                f"train.micro_batch_size={micro} train.gradient_accumulation_steps={accumulation} (same global batch)",
+                counts,
+                replace(setup, micro_batch=micro, accumulation=accumulation),
+            )
+        )
     if setup.lora and setup.zero_stage < 3:  # ZeRO-3 cannot partition quantized weights (validate refuses it)
-        changes += [Change("base precision", f"model.base_precision={name} (quantized frozen base)", counts,
-                           replace(setup, base_bytes_per_param=BASE_PRECISION_BYTES[name])) for name in ("int8", "nf4")]
+        changes += [
+            Change(
+                "base precision",
+                f"model.base_precision={name} (quantized frozen base)",
+                counts,
+                replace(setup, base_bytes_per_param=BASE_PRECISION_BYTES[name]),
+            )
+            for name in ("int8", "nf4")
+        ]
     if setup.offload_optimizer == "none":
         stage = max(setup.zero_stage, 1)
         extra = "" if stage == setup.zero_stage else f" deepspeed.zero_stage={stage}"
-        changes.append(Change("optimizer offload", "deepspeed.offload_optimizer=cpu" + extra, counts,
-                              replace(setup, zero_stage=stage, offload_optimizer="cpu")))
+        changes.append(
+            Change(
+                "optimizer offload",
+                "deepspeed.offload_optimizer=cpu" + extra,
+                counts,
+                replace(setup, zero_stage=stage, offload_optimizer="cpu"),
+            )
+        )
     if setup.offload_param == "none":
         extra = "" if setup.offload_optimizer != "none" else " deepspeed.offload_optimizer=cpu"
-        changes.append(Change("parameter offload", f"deepspeed.zero_stage=3 deepspeed.offload_param=cpu{extra}",
-                              counts, replace(setup, zero_stage=3, offload_param="cpu", offload_optimizer="cpu"
-                                              if extra else setup.offload_optimizer)))
+        changes.append(
+            Change(
+                "parameter offload",
+                f"deepspeed.zero_stage=3 deepspeed.offload_param=cpu{extra}",
+                counts,
+                replace(
+                    setup,
+                    zero_stage=3,
+                    offload_param="cpu",
+                    offload_optimizer="cpu" if extra else setup.offload_optimizer,
+                ),
+            )
+        )
     if not setup.lora and counts.default_lora_params:
-        changes.append(Change("lora", "model.train=lora (rank 16 on the attention projections)",
-                              replace(counts, trainable_params=counts.default_lora_params), replace(setup, lora=True)))
+        changes.append(
+            Change(
+                "lora",
+                "model.train=lora (rank 16 on the attention projections)",
+                replace(counts, trainable_params=counts.default_lora_params),
+                replace(setup, lora=True),
+            )
+        )
     return changes
 
 
@@ -73,15 +121,24 @@ def suggestions(counts: ModelCounts, setup: Setup, gpu_bytes: float, limit: int 
         after = estimate(change.counts, change.setup)
         if after.peak <= gpu_bytes and change.kind not in kinds:
             kinds.add(change.kind)
-            found.append({"change": change.text, "per_gpu_total_bytes": int(after.peak), "relieves": relieved,
-                          "peak_phase": after.peak_phase.name})
+            found.append(
+                {
+                    "change": change.text,
+                    "per_gpu_total_bytes": int(after.peak),
+                    "relieves": relieved,
+                    "peak_phase": after.peak_phase.name,
+                }
+            )
     if found:
         return found[:limit]
     strongest = {change.kind: change for change in changes}  # the last of each kind is the strongest
     texts, current_counts, current = [], counts, setup
     for change in strongest.values():
-        updates = {name: getattr(change.setup, name) for name in Setup.__dataclass_fields__
-                   if getattr(change.setup, name) != getattr(setup, name)}
+        updates = {
+            name: getattr(change.setup, name)
+            for name in Setup.__dataclass_fields__
+            if getattr(change.setup, name) != getattr(setup, name)
+        }
         if "zero_stage" in updates:
             updates["zero_stage"] = max(updates["zero_stage"], current.zero_stage)
         current = replace(current, **updates)
@@ -89,8 +146,14 @@ def suggestions(counts: ModelCounts, setup: Setup, gpu_bytes: float, limit: int 
         texts.append(change.text)
         after = estimate(current_counts, current)
         if after.peak <= gpu_bytes:
-            return [{"change": " + ".join(texts), "per_gpu_total_bytes": int(after.peak), "relieves": relieved,
-                     "peak_phase": after.peak_phase.name}]
+            return [
+                {
+                    "change": " + ".join(texts),
+                    "per_gpu_total_bytes": int(after.peak),
+                    "relieves": relieved,
+                    "peak_phase": after.peak_phase.name,
+                }
+            ]
     return []
 
 
@@ -101,9 +164,13 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
     host = result.host_per_rank * result.ranks_per_node
     return {
         "per_gpu": result.per_gpu(),  # the training step
-        "phases": {name: {"per_gpu_bytes": int(phase.per_gpu),
-                          "parts": {label: int(value) for label, value in phase.parts.items() if value}}
-                   for name, phase in result.phases.items()},
+        "phases": {
+            name: {
+                "per_gpu_bytes": int(phase.per_gpu),
+                "parts": {label: int(value) for label, value in phase.parts.items() if value},
+            }
+            for name, phase in result.phases.items()
+        },
         "peak_per_gpu_bytes": int(result.peak),  # the largest phase: what must fit
         "peak_phase": result.peak_phase.name,
         "host_per_node_bytes": int(host),
@@ -113,13 +180,28 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
         "gpu_memory_bytes": None if gpu_bytes is None else int(gpu_bytes),
         "fits": fits,
         "suggestions": suggestions(counts, setup, gpu_bytes) if fits is False else [],
-        **({"sequence_parallel": {"size": setup.sequence_parallel, "all_to_all_bytes": int(setup.all_to_all_bytes),
-                                  "reduce_bucket_elements": reduce_bucket_elements(counts, setup),
-                                  "reduce_bucket_raised": reduce_bucket_elements(counts, setup) > setup.reduce_bucket}}
-           if setup.sequence_parallel > 1 else {}),
-        "parameters": {"module": counts.trainable_module, "module_params": counts.module_params,
-                       "trainable_params": counts.trainable_params, "frozen_base_params": counts.frozen_base_params,
-                       "largest_layer_params": counts.largest_layer_params, "companions": dict(counts.companions),
-                       "cached_companions": list(counts.cached_companions), "origin": counts.origin,
-                       "sampling_companions": dict(counts.sampling_companions), "expert": counts.expert},
+        **(
+            {
+                "sequence_parallel": {
+                    "size": setup.sequence_parallel,
+                    "all_to_all_bytes": int(setup.all_to_all_bytes),
+                    "reduce_bucket_elements": reduce_bucket_elements(counts, setup),
+                    "reduce_bucket_raised": reduce_bucket_elements(counts, setup) > setup.reduce_bucket,
+                }
+            }
+            if setup.sequence_parallel > 1
+            else {}
+        ),
+        "parameters": {
+            "module": counts.trainable_module,
+            "module_params": counts.module_params,
+            "trainable_params": counts.trainable_params,
+            "frozen_base_params": counts.frozen_base_params,
+            "largest_layer_params": counts.largest_layer_params,
+            "companions": dict(counts.companions),
+            "cached_companions": list(counts.cached_companions),
+            "origin": counts.origin,
+            "sampling_companions": dict(counts.sampling_companions),
+            "expert": counts.expert,
+        },
     }

@@ -27,8 +27,23 @@ from dstune.models.wan.unit import UNIT as WAN
 from dstune.models.zimage.unit import UNIT as ZIMAGE
 
 # The order is the docs' and `dstune init`'s: images (UNet, then the flow-matching transformers), video, speech.
-UNITS: tuple[ModelUnit, ...] = (SD, SD3_FLUX, QWEN_IMAGE, ZIMAGE, FLUX2, IDEOGRAM4, KREA2, QWEN_IMAGE_21, WAN,
-                                HUNYUAN_VIDEO15, LTX2, TTS_LM, CSM, DIA, SPEECHT5)
+UNITS: tuple[ModelUnit, ...] = (
+    SD,
+    SD3_FLUX,
+    QWEN_IMAGE,
+    ZIMAGE,
+    FLUX2,
+    IDEOGRAM4,
+    KREA2,
+    QWEN_IMAGE_21,
+    WAN,
+    HUNYUAN_VIDEO15,
+    LTX2,
+    TTS_LM,
+    CSM,
+    DIA,
+    SPEECHT5,
+)
 
 
 def family_modules() -> dict[str, str]:

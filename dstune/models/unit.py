@@ -77,22 +77,45 @@ def load(where: str) -> Any:
 
 
 def lora(rank: int = 32, targets=DEFAULT_LORA_TARGET_MODULES) -> dict[str, Any]:
-    return {"model.train": "lora", "model.lora": {"rank": rank, "alpha": rank, "target_modules": list(targets)},
-            "train.optimizer.lr": 1.0e-4}
+    return {
+        "model.train": "lora",
+        "model.lora": {"rank": rank, "alpha": rank, "target_modules": list(targets)},
+        "train.optimizer.lr": 1.0e-4,
+    }
 
 
 def image(resolution: int, guidance: float, steps: int, **values) -> dict[str, Any]:
-    return {"data.path": "/data/my-images", "data.resolution": resolution, "sample.prompts": IMAGE_PROMPTS,
-            "sample.guidance": guidance, "sample.steps": steps, **values}
+    return {
+        "data.path": "/data/my-images",
+        "data.resolution": resolution,
+        "sample.prompts": IMAGE_PROMPTS,
+        "sample.guidance": guidance,
+        "sample.steps": steps,
+        **values,
+    }
 
 
 def video(resolution: int, frames: int, fps: int, guidance: float, **values) -> dict[str, Any]:
-    return {"data.path": "/data/my-videos", "data.resolution": resolution,
-            "data.video.frames": frames, "data.video.fps": fps, "model.sample_frames": frames,
-            "model.gradient_checkpointing": True, "sample.prompts": VIDEO_PROMPTS, "sample.guidance": guidance,
-            "sample.steps": 40, **values}
+    return {
+        "data.path": "/data/my-videos",
+        "data.resolution": resolution,
+        "data.video.frames": frames,
+        "data.video.fps": fps,
+        "model.sample_frames": frames,
+        "model.gradient_checkpointing": True,
+        "sample.prompts": VIDEO_PROMPTS,
+        "sample.guidance": guidance,
+        "sample.steps": 40,
+        **values,
+    }
 
 
 def speech(**values) -> dict[str, Any]:
-    return {"data.path": "/data/LJSpeech-1.1", "data.format": "ljspeech", "train.micro_batch_size": 4,
-            "train.optimizer.lr": 2.0e-4, "sample.prompts": SPEECH_PROMPTS, **values}
+    return {
+        "data.path": "/data/LJSpeech-1.1",
+        "data.format": "ljspeech",
+        "train.micro_batch_size": 4,
+        "train.optimizer.lr": 2.0e-4,
+        "sample.prompts": SPEECH_PROMPTS,
+        **values,
+    }

@@ -37,7 +37,9 @@ class CacheSpec(Section):
         "the stored tokens (same cache folder, keys and guarantees as latents).",
     )
     barrier_timeout_minutes: int = Field(
-        60, gt=0, description="How long ranks wait for each other at the end of the cache build before stopping.",
+        60,
+        gt=0,
+        description="How long ranks wait for each other at the end of the cache build before stopping.",
     )
 
 
@@ -53,10 +55,16 @@ class BucketsSpec(Section):
         description="The buckets as [width, height] pairs in pixels, multiples of 8 (the VAE's latent grid). "
         "Omitted: generated with (about) the pixel area of data.resolution^2 from min_aspect, max_aspect and step.",
     )
-    min_aspect: float = Field(0.5, gt=0, description="Generated buckets: the narrowest width/height (0.5 = 1:2 portrait).")
-    max_aspect: float = Field(2.0, gt=0, description="Generated buckets: the widest width/height (2.0 = 2:1 landscape).")
+    min_aspect: float = Field(
+        0.5, gt=0, description="Generated buckets: the narrowest width/height (0.5 = 1:2 portrait)."
+    )
+    max_aspect: float = Field(
+        2.0, gt=0, description="Generated buckets: the widest width/height (2.0 = 2:1 landscape)."
+    )
     step: int = Field(
-        64, gt=0, description="Generated buckets: both sides are multiples of this many pixels (a multiple of 8; "
+        64,
+        gt=0,
+        description="Generated buckets: both sides are multiples of this many pixels (a multiple of 8; "
         "at most data.resolution). Smaller steps give more buckets, each with fewer images.",
     )
 
@@ -88,24 +96,35 @@ class BucketsSpec(Section):
 
 class VideoSpec(Section):
     frames: Union[int, list[int]] = Field(
-        5, description="Frames per training clip: 4k+1 (the video VAEs compress time 4x after the first frame: "
+        5,
+        description="Frames per training clip: 4k+1 (the video VAEs compress time 4x after the first frame: "
         "5, 9, ..., 81, ..., 121). A list of 4k+1 counts makes frame-count buckets: each video trains "
         "at the largest count it can fill (after fps resampling), and every global batch comes from one count (and "
-        "one data.buckets size). A still image is a one-frame clip. See docs/batches-and-epochs.md.")
+        "one data.buckets size). A still image is a one-frame clip. See docs/batches-and-epochs.md.",
+    )
     sampling: Literal["head", "uniform", "sliding"] = Field(
-        "head", description="Which frames of a longer video: `head` the first `frames` (after fps resampling), "
+        "head",
+        description="Which frames of a longer video: `head` the first `frames` (after fps resampling), "
         "`uniform` `frames` spread evenly over the whole video, `sliding` every chunk of `frames` consecutive "
         "frames starting each `stride` frames (one long video gives several clips, each a sample of its own; the "
-        "frames after the last whole chunk are left out).")
+        "frames after the last whole chunk are left out).",
+    )
     fps: Optional[float] = Field(
-        None, gt=0, description="Resample videos to this frame rate before choosing frames (each output frame "
+        None,
+        gt=0,
+        description="Resample videos to this frame rate before choosing frames (each output frame "
         "takes the source frame nearest its time); each video model's docs page gives the rate it was trained at. "
-        "Omitted: the file's own frame rate.")
+        "Omitted: the file's own frame rate.",
+    )
 
     stride: Optional[int] = Field(
-        None, gt=0, description="sampling: sliding: frames (after fps resampling) from one chunk's first frame to "
+        None,
+        gt=0,
+        description="sampling: sliding: frames (after fps resampling) from one chunk's first frame to "
         "the next one's. Omitted: the clip's frame count (chunks that neither overlap nor leave gaps); smaller "
-        "overlaps them, larger skips frames between them.")
+        "overlaps them, larger skips frames between them.",
+    )
+
     @field_validator("frames")
     @classmethod
     def _four_k_plus_one(cls, value):
@@ -114,8 +133,10 @@ class VideoSpec(Section):
             raise ValueError("give at least one frame count, e.g. 81 or [33, 49, 81]")
         for count in counts:
             if count < 1 or (count - 1) % 4:
-                raise ValueError(f"{count} is not 4k+1 (the VAE keeps the first frame and compresses the rest 4x); "
-                                 f"use {max(1, (count - 1) // 4 * 4 + 1)} or {max(0, count - 1) // 4 * 4 + 5}")
+                raise ValueError(
+                    f"{count} is not 4k+1 (the VAE keeps the first frame and compresses the rest 4x); "
+                    f"use {max(1, (count - 1) // 4 * 4 + 1)} or {max(0, count - 1) // 4 * 4 + 5}"
+                )
         if len(set(counts)) != len(counts):
             raise ValueError(f"{counts} names a frame count twice; give each once")
         return value
@@ -123,8 +144,10 @@ class VideoSpec(Section):
     @model_validator(mode="after")
     def _stride_is_for_sliding(self) -> "VideoSpec":
         if self.stride is not None and self.sampling != "sliding":
-            raise ValueError(f"data.video.stride {self.stride} applies to sampling: sliding only (sampling is "
-                             f"{self.sampling}): set sampling: sliding, or remove stride")
+            raise ValueError(
+                f"data.video.stride {self.stride} applies to sampling: sliding only (sampling is "
+                f"{self.sampling}): set sampling: sliding, or remove stride"
+            )
         return self
 
     def __repr_args__(self):
@@ -144,23 +167,34 @@ class VideoSpec(Section):
 
 class EvalSpec(Section):
     path: Optional[str] = Field(
-        None, description="A held-out dataset folder in the layout of data.path (same format and caption rules). "
+        None,
+        description="A held-out dataset folder in the layout of data.path (same format and caption rules). "
         "Give this or `fraction`."
-        " A relative path is taken from the spec file's folder (from the current directory when given with --set).")
+        " A relative path is taken from the spec file's folder (from the current directory when given with --set).",
+    )
     fraction: Optional[float] = Field(
-        None, gt=0, lt=1, description="Hold out this fraction of data.path's images (at least one), chosen by a hash "
-        "of each sample's id (stable when the folder grows); they never train. Give this or `path`.")
+        None,
+        gt=0,
+        lt=1,
+        description="Hold out this fraction of data.path's images (at least one), chosen by a hash "
+        "of each sample's id (stable when the folder grows); they never train. Give this or `path`.",
+    )
     every_steps: Optional[int] = Field(
-        None, gt=0, description="Compute the held-out loss every N optimizer steps; it is always computed after the "
-        "last step.")
+        None,
+        gt=0,
+        description="Compute the held-out loss every N optimizer steps; it is always computed after the last step.",
+    )
     batch_size: Optional[int] = Field(
-        None, gt=0, description="Samples per forward pass of the evaluation; default train.micro_batch_size (or 1).")
+        None, gt=0, description="Samples per forward pass of the evaluation; default train.micro_batch_size (or 1)."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "EvalSpec":
         if (self.path is None) == (self.fraction is None):
-            raise ValueError("data.eval needs exactly one of `path` (a held-out folder) or `fraction` (a share of "
-                             "data.path held out), e.g. `fraction: 0.05`")
+            raise ValueError(
+                "data.eval needs exactly one of `path` (a held-out folder) or `fraction` (a share of "
+                "data.path held out), e.g. `fraction: 0.05`"
+            )
         return self
 
 
@@ -182,21 +216,29 @@ class DataSpec(Section):
         "`audio_file|text`); `auto` picks by which file exists. See docs/tts.md.",
     )
     resolution: int = Field(
-        32, gt=0, description="Images are resized (shorter side) and cropped to this square size, in pixels. With "
+        32,
+        gt=0,
+        description="Images are resized (shorter side) and cropped to this square size, in pixels. With "
         "data.buckets: the square bucket's side, and the pixel area (resolution^2) of generated buckets. Omitted: "
         "the model's native size, from its folder's configs (512, 1024, or 480 for a 480p video model; 32 for the "
-        "built-in tiny models); `validate` prints the size chosen and why.")
+        "built-in tiny models); `validate` prints the size chosen and why.",
+    )
     allow_upscaling: bool = Field(
-        False, description="Accept training images smaller than data.resolution (they are upscaled, which blurs "
-        "them). Without it, `validate` and the run's start warn with the count and the largest factor.")
+        False,
+        description="Accept training images smaller than data.resolution (they are upscaled, which blurs "
+        "them). Without it, `validate` and the run's start warn with the count and the largest factor.",
+    )
     center_crop: bool = Field(True, description="Crop the centre (true) or a random position (false).")
     random_flip: bool = Field(False, description="Flip images horizontally at random (per sample, from the seed).")
-    caption_dropout: float = Field(0.0, ge=0, le=1, description="Probability of training a sample with an empty caption.")
+    caption_dropout: float = Field(
+        0.0, ge=0, le=1, description="Probability of training a sample with an empty caption."
+    )
     caption_extension: str = Field(".txt", description="Caption file extension in `folder` format.")
     skip_bad_files: bool = Field(
-        False, description="Unreadable images (`dstune validate` opens every one, truncated JPEGs included, and "
+        False,
+        description="Unreadable images (`dstune validate` opens every one, truncated JPEGs included, and "
         "every rank checks its share before step 1): false stops with the files named; true skips them (each is "
-        "replaced by the next readable sample) and reports the count."
+        "replaced by the next readable sample) and reports the count.",
     )
     drop_last: bool = Field(
         True,
@@ -204,22 +246,28 @@ class DataSpec(Section):
         "epoch, since the order is reshuffled). False is not supported: every step must see a full global batch.",
     )
     control_dir: Optional[str] = Field(
-        None, description="Edit / control training (the edit models: docs/family-flow.md): the folder of source "
+        None,
+        description="Edit / control training (the edit models: docs/family-flow.md): the folder of source "
         "(control) images, one per "
         "target image in data.path with the same relative path and name, any image extension (`target/a.png` pairs "
         "with `control/a.jpg`). Absolute, or relative to data.path (`../control`: the folder beside it). In "
         "metadata.jsonl a line's `control_file_name` (relative to data.path) names its source instead. Each source is "
         "resized and cropped with its target (same bucket, same crop and flip); `validate` counts the pairs and names "
-        "unpaired files. See docs/family-flow.md.")
+        "unpaired files. See docs/family-flow.md.",
+    )
     num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
     cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")
     video: VideoSpec = Field(
-        default_factory=VideoSpec, description=f"The video family (model.family {VIDEO_FAMILY}): frames per clip (or "
+        default_factory=VideoSpec,
+        description=f"The video family (model.family {VIDEO_FAMILY}): frames per clip (or "
         "frame-count buckets), which "
         "frames (head, uniform, sliding chunks), frame rate. "
         "Video datasets: `builtin:moving-shapes`, or folders of .mp4/.webm/.mov/.mkv (and still images) with "
-        "same-stem .txt captions or metadata.jsonl.")
-    buckets: BucketsSpec = Field(default_factory=BucketsSpec, description="Aspect-ratio buckets (off by default: square crops).")
+        "same-stem .txt captions or metadata.jsonl.",
+    )
+    buckets: BucketsSpec = Field(
+        default_factory=BucketsSpec, description="Aspect-ratio buckets (off by default: square crops)."
+    )
     min_clip_seconds: float = Field(
         0.0, ge=0, description="Audio: clips shorter than this are skipped (counted by `validate` and at start)."
     )
@@ -227,34 +275,45 @@ class DataSpec(Section):
         20.0, gt=0, description="Audio: clips longer than this are skipped (counted by `validate` and at start)."
     )
     eval: Optional[EvalSpec] = Field(
-        None, description="Held-out loss: a folder or a fraction of data.path, evaluated every `every_steps` with "
+        None,
+        description="Held-out loss: a folder or a fraction of data.path, evaluated every `every_steps` with "
         "fixed noise and timesteps per sample (comparable across evaluations and numbers of ranks). Image families. "
-        "See docs/training.md.")
+        "See docs/training.md.",
+    )
     duration_bucket_seconds: Optional[float] = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="Audio length grouping: clips fall into duration buckets this many seconds wide and every global "
         "batch comes from one bucket (fixed micro batch of utterances), so padding stays small. Omitted: no grouping.",
     )
     speaker_balance: bool = Field(
-        False, description="Audio datasets with speakers (GPT-SoVITS .list, metadata.jsonl `speaker`): every epoch "
+        False,
+        description="Audio datasets with speakers (GPT-SoVITS .list, metadata.jsonl `speaker`): every epoch "
         "gives each speaker the same number of places (small speakers repeat, large ones leave clips out), drawn "
         "from train.seed, the same on every rank. Not with duration_bucket_seconds. See docs/tts.md.",
     )
 
     @model_validator(mode="after")
     def _bucket_step_fits(self) -> "DataSpec":
-        if self.buckets.enabled and not self.buckets.sizes and self.buckets.step > self.resolution \
-                and "resolution" in self.model_fields_set:  # unset: the model's native size, known to validate
+        if (
+            self.buckets.enabled
+            and not self.buckets.sizes
+            and self.buckets.step > self.resolution
+            and "resolution" in self.model_fields_set
+        ):  # unset: the model's native size, known to validate
             raise ValueError(
                 f"data.buckets.step {self.buckets.step} is larger than data.resolution {self.resolution}: no bucket "
-                f"side fits. Use a step of at most {self.resolution} (a multiple of 8), or give data.buckets.sizes.")
+                f"side fits. Use a step of at most {self.resolution} (a multiple of 8), or give data.buckets.sizes."
+            )
         return self
 
     @model_validator(mode="after")
     def _control_needs_files(self) -> "DataSpec":
         if self.control_dir is not None and self.path.startswith(BUILTIN_PREFIX):
-            raise ValueError(f"data.control_dir pairs source images with the target images of a folder; data.path "
-                             f"{self.path} is generated and has no files to pair. Point data.path at the targets.")
+            raise ValueError(
+                f"data.control_dir pairs source images with the target images of a folder; data.path "
+                f"{self.path} is generated and has no files to pair. Point data.path at the targets."
+            )
         return self
 
     @model_validator(mode="after")
@@ -281,47 +340,74 @@ class DataSpec(Section):
 def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool = False) -> str | None:
     """Why `data` cannot feed `family` (speech data for speech families, images for image families, videos or
     images for video families), or None."""
-    name = data.path[len(BUILTIN_PREFIX):] if data.path.startswith(BUILTIN_PREFIX) else None
+    name = data.path[len(BUILTIN_PREFIX) :] if data.path.startswith(BUILTIN_PREFIX) else None
     if not video and (name == "moving-shapes" or data.video != VideoSpec()):  # the defaults alone are harmless
-        return (f"model.family {family} trains on {'speech' if audio else 'images'}: data.path builtin:moving-shapes "
-                f"and data.video are for the video family ({VIDEO_FAMILY})")
+        return (
+            f"model.family {family} trains on {'speech' if audio else 'images'}: data.path builtin:moving-shapes "
+            f"and data.video are for the video family ({VIDEO_FAMILY})"
+        )
     if video and (data.eval is not None or data.random_flip):
-        return (f"model.family {family} trains on video clips: data.eval and data.random_flip are not offered for "
-                "video yet; remove them")
+        return (
+            f"model.family {family} trains on video clips: data.eval and data.random_flip are not offered for "
+            "video yet; remove them"
+        )
     if video and data.buckets.enabled:
         return _video_bucket_problem(data)
     if audio:
         if name is not None and name != "tones":
-            return (f"model.family {family} trains on speech, but data.path {data.path} is an image dataset: use "
-                    f"{BUILTIN_PREFIX}tones or a speech folder (data.format ljspeech or jsonl)")
+            return (
+                f"model.family {family} trains on speech, but data.path {data.path} is an image dataset: use "
+                f"{BUILTIN_PREFIX}tones or a speech folder (data.format ljspeech or jsonl)"
+            )
         if data.format == "folder":
-            return (f"model.family {family} trains on speech: data.format must be ljspeech, jsonl, gptsovits, f5csv "
-                    "or auto, not folder")
+            return (
+                f"model.family {family} trains on speech: data.format must be ljspeech, jsonl, gptsovits, f5csv "
+                "or auto, not folder"
+            )
         if data.buckets.enabled or data.cache.latents or data.cache.text_embeddings:
-            return (f"model.family {family} trains on speech: data.buckets, data.cache.latents and "
-                    "data.cache.text_embeddings are for images; use data.duration_bucket_seconds and "
-                    "data.cache.codec_tokens")
+            return (
+                f"model.family {family} trains on speech: data.buckets, data.cache.latents and "
+                "data.cache.text_embeddings are for images; use data.duration_bucket_seconds and "
+                "data.cache.codec_tokens"
+            )
         if data.cache.codec_tokens and family not in CODEC_TOKEN_FAMILIES:
-            return (f"data.cache.codec_tokens is for the codec-token models (model.family "
-                    f"{' or '.join(CODEC_TOKEN_FAMILIES)}), not {family}")
+            return (
+                f"data.cache.codec_tokens is for the codec-token models (model.family "
+                f"{' or '.join(CODEC_TOKEN_FAMILIES)}), not {family}"
+            )
         if data.eval is not None:
-            return (f"data.eval: the held-out loss is computed for the image families; "
-                    f"model.family {family} has no evaluation pass yet. Remove data.eval")
+            return (
+                f"data.eval: the held-out loss is computed for the image families; "
+                f"model.family {family} has no evaluation pass yet. Remove data.eval"
+            )
         if data.control_dir is not None:
-            return (f"data.control_dir pairs source and target images (edit training); model.family {family} "
-                    "trains on speech")
+            return (
+                f"data.control_dir pairs source and target images (edit training); model.family {family} "
+                "trains on speech"
+            )
         if data.speaker_balance and data.duration_bucket_seconds:
-            return ("data.speaker_balance and data.duration_bucket_seconds both choose which clips form the batches: "
-                    "use one of them")
+            return (
+                "data.speaker_balance and data.duration_bucket_seconds both choose which clips form the batches: "
+                "use one of them"
+            )
         if data.min_clip_seconds >= data.max_clip_seconds:
-            return (f"data.min_clip_seconds {data.min_clip_seconds:g} must be below data.max_clip_seconds "
-                    f"{data.max_clip_seconds:g}")
+            return (
+                f"data.min_clip_seconds {data.min_clip_seconds:g} must be below data.max_clip_seconds "
+                f"{data.max_clip_seconds:g}"
+            )
         return None
-    if (name == "tones" or data.format in ("ljspeech", "gptsovits", "f5csv") or data.cache.codec_tokens
-            or data.duration_bucket_seconds or data.speaker_balance):
-        return (f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
-                "data.cache.codec_tokens, data.duration_bucket_seconds and data.speaker_balance are for the speech "
-                "families")
+    if (
+        name == "tones"
+        or data.format in ("ljspeech", "gptsovits", "f5csv")
+        or data.cache.codec_tokens
+        or data.duration_bucket_seconds
+        or data.speaker_balance
+    ):
+        return (
+            f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
+            "data.cache.codec_tokens, data.duration_bucket_seconds and data.speaker_balance are for the speech "
+            "families"
+        )
     return None
 
 
@@ -335,10 +421,14 @@ def _video_bucket_problem(data: "DataSpec") -> str | None:
     if data.buckets.sizes:
         bad = [list(size) for size in data.buckets.sizes if size[0] % m or size[1] % m]
         if bad:
-            return (f"data.buckets.sizes {bad}: a video clip's sides must be multiples of {m} pixels (the VAE's 8x "
-                    f"compression, then 2x2 patches); round them to multiples of {m}")
+            return (
+                f"data.buckets.sizes {bad}: a video clip's sides must be multiples of {m} pixels (the VAE's 8x "
+                f"compression, then 2x2 patches); round them to multiples of {m}"
+            )
     elif data.buckets.step % m:
-        return (f"data.buckets.step {data.buckets.step}: video buckets need sides that are multiples of {m} pixels "
-                f"(the VAE's 8x compression, then 2x2 patches); use a step that is a multiple of {m}, e.g. "
-                f"{max(m, data.buckets.step // m * m)}")
+        return (
+            f"data.buckets.step {data.buckets.step}: video buckets need sides that are multiples of {m} pixels "
+            f"(the VAE's 8x compression, then 2x2 patches); use a step that is a multiple of {m}, e.g. "
+            f"{max(m, data.buckets.step // m * m)}"
+        )
     return None

@@ -48,13 +48,15 @@ NOT_RESUMABLE = {
     "model.added_tokens": "the checkpoint's embeddings were sized for the old vocabulary",
     "train.optimizer.type": "the saved optimizer state (its moments) belongs to the old optimizer",
     "train.precision": "DeepSpeed saves the optimizer's master weights and state in the layout of the precision it "
-                       "trained in",
+    "trained in",
     "deepspeed.zero_stage": "each ZeRO stage saves its optimizer state (stage 3 also its weights) in its own layout",
     "deepspeed.offload_optimizer.device": "with optimizer offload DeepSpeed runs its own CPU Adam, another optimizer "
-                                          "than the one whose state the checkpoint holds",
+    "than the one whose state the checkpoint holds",
 }
-NEW_RUN = ("Or start a new run in another output.dir, from this run's weights if you like (`dstune export RUN` "
-           "writes them; use that folder as model.pretrained).")
+NEW_RUN = (
+    "Or start a new run in another output.dir, from this run's weights if you like (`dstune export RUN` "
+    "writes them; use that folder as model.pretrained)."
+)
 
 
 def _matching(table: dict[str, str], key: str) -> str | None:
@@ -87,6 +89,7 @@ class SpecChange:
     def text(self) -> str:
         def show(value):
             return "(unset)" if value is _MISSING else repr(value)
+
         return f"{self.key}: {show(self.before)} -> {show(self.after)}"
 
 
@@ -103,8 +106,11 @@ def spec_changes(saved: dict, current: dict) -> list[SpecChange]:
     """Every leaf key whose value differs (lists compare whole), in the order the current spec lists them."""
     before, after = _flatten(saved), _flatten(current)
     keys = list(after) + [k for k in before if k not in after]
-    return [SpecChange(k, before.get(k, _MISSING), after.get(k, _MISSING)) for k in keys
-            if _unset_as_none(before.get(k, _MISSING)) != _unset_as_none(after.get(k, _MISSING))]
+    return [
+        SpecChange(k, before.get(k, _MISSING), after.get(k, _MISSING))
+        for k in keys
+        if _unset_as_none(before.get(k, _MISSING)) != _unset_as_none(after.get(k, _MISSING))
+    ]
 
 
 def _unset_as_none(value: Any) -> Any:
@@ -120,17 +126,21 @@ def describe_changes(changes: list[SpecChange], schedule: str) -> tuple[str, str
     breaking = [c for c in changes if not c.safe]
     safe_lines = [f"  {c.text()}  ({why_safe(c.key)})" for c in safe]
     if schedule in ("linear", "cosine") and any(c.key in LENGTH_KEYS for c in safe):
-        safe_lines.append(f"  note: the {schedule} LR schedule resumes with the length the run started with; "
-                          "steps past it train at the schedule's final LR")
+        safe_lines.append(
+            f"  note: the {schedule} LR schedule resumes with the length the run started with; "
+            "steps past it train at the schedule's final LR"
+        )
     safe_text = "spec changes since the checkpoint (allowed):\n" + "\n".join(safe_lines) if safe else ""
     breaking_text = ""
     if breaking:
-        breaking_text = ("spec changes since the checkpoint that break exact continuation (the data, seed, model, "
-                         "precision, optimizer or schedule the checkpoint was trained with):\n"
-                         + "\n".join(f"  {c.text()}" for c in breaking)
-                         + "\nRevert them to continue the run exactly, start a new run (another output.dir), or "
-                         "pass --allow-spec-changes to continue with them anyway: each then takes effect from the "
-                         "resumed step (a new LR, schedule or optimizer setting replaces the checkpoint's).")
+        breaking_text = (
+            "spec changes since the checkpoint that break exact continuation (the data, seed, model, "
+            "precision, optimizer or schedule the checkpoint was trained with):\n"
+            + "\n".join(f"  {c.text()}" for c in breaking)
+            + "\nRevert them to continue the run exactly, start a new run (another output.dir), or "
+            "pass --allow-spec-changes to continue with them anyway: each then takes effect from the "
+            "resumed step (a new LR, schedule or optimizer setting replaces the checkpoint's)."
+        )
     return safe_text, breaking_text
 
 
@@ -140,9 +150,15 @@ def refused_changes_text(changes: list[SpecChange], saved: dict, current: dict) 
     lines = [f"  {c.text()}: {why_not_resumable(c.key)}" for c in changes if why_not_resumable(c.key)]
     ema_before = (saved.get("train") or {}).get("ema")
     if ema_before is None and (current.get("train") or {}).get("ema") is not None:
-        lines.append("  train.ema: (unset) -> set: the checkpoint holds no EMA to continue (train.ema was off when it "
-                     "was written); remove train.ema to continue without one")
+        lines.append(
+            "  train.ema: (unset) -> set: the checkpoint holds no EMA to continue (train.ema was off when it "
+            "was written); remove train.ema to continue without one"
+        )
     if not lines:
         return ""
-    return ("spec changes since the checkpoint that no resume can take, even with --allow-spec-changes:\n"
-            + "\n".join(lines) + "\nRevert them to continue this run. " + NEW_RUN)
+    return (
+        "spec changes since the checkpoint that no resume can take, even with --allow-spec-changes:\n"
+        + "\n".join(lines)
+        + "\nRevert them to continue this run. "
+        + NEW_RUN
+    )

@@ -104,14 +104,20 @@ class _LimitedComposer(yaml.composer.Composer):
         line = event.start_mark.line + 1
         self.values += 1
         if self.values > MAX_YAML_VALUES:
-            raise _Refused(line, f"more than {MAX_YAML_VALUES} keys and values; a spec is settings, not data "
-                                 "(it names files and folders for anything large)")
+            raise _Refused(
+                line,
+                f"more than {MAX_YAML_VALUES} keys and values; a spec is settings, not data "
+                "(it names files and folders for anything large)",
+            )
         if isinstance(event, yaml.AliasEvent):
             target = self.anchors.get(event.anchor)
             if isinstance(target, yaml.CollectionNode):
-                raise _Refused(line, f"alias *{event.anchor} repeats the section or list anchored (&{event.anchor}) at "
-                                     f"line {target.start_mark.line + 1}; aliases of sections and lists are refused "
-                                     "(a few of them can stand for billions of values): write the keys out")
+                raise _Refused(
+                    line,
+                    f"alias *{event.anchor} repeats the section or list anchored (&{event.anchor}) at "
+                    f"line {target.start_mark.line + 1}; aliases of sections and lists are refused "
+                    "(a few of them can stand for billions of values): write the keys out",
+                )
             return super().compose_node(parent, index)  # an alias of a single value (or an undefined one: an error)
         if self.depth >= MAX_YAML_DEPTH:
             raise _Refused(line, f"nested more than {MAX_YAML_DEPTH} levels deep; a spec is a few sections of settings")
@@ -184,13 +190,24 @@ def _key_lines(node: yaml.Node, where: Callable[[int], str]) -> tuple[dict[str, 
                 dotted = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
                 line = key_node.start_mark.line + 1
                 if key_node.tag == _MERGE_TAG:
-                    issues.append(SpecIssue(prefix, "merge keys (<<) are refused: PyYAML silently drops the merged keys "
-                                                    "also written beside them; write the keys out", where(line)))
+                    issues.append(
+                        SpecIssue(
+                            prefix,
+                            "merge keys (<<) are refused: PyYAML silently drops the merged keys "
+                            "also written beside them; write the keys out",
+                            where(line),
+                        )
+                    )
                 elif isinstance(key_node, yaml.ScalarNode) and (key_node.tag, key_node.value) in seen:
                     first = seen[(key_node.tag, key_node.value)]
                     at = f", at lines {first} and {line}" if first != line else ""
-                    issues.append(SpecIssue(dotted, f"written twice{at}; YAML would silently keep only the last: "
-                                                    "remove one", where(line)))
+                    issues.append(
+                        SpecIssue(
+                            dotted,
+                            f"written twice{at}; YAML would silently keep only the last: remove one",
+                            where(line),
+                        )
+                    )
                 elif isinstance(key_node, yaml.ScalarNode):
                     seen[(key_node.tag, key_node.value)] = line
                 lines[dotted] = line
@@ -215,18 +232,23 @@ def _compose(text: str, path: str) -> tuple[Any, dict[str, int], list[SpecIssue]
 def parse_override(text: str) -> tuple[str, Any]:
     """`train.micro_batch_size=4` -> ("train.micro_batch_size", 4); the value is read as a YAML scalar or list."""
     if "=" not in text:
-        raise SpecError([SpecIssue("", f"--set {text!r}: expected KEY=VALUE, e.g. --set train.micro_batch_size=4", "--set")])
+        raise SpecError(
+            [SpecIssue("", f"--set {text!r}: expected KEY=VALUE, e.g. --set train.micro_batch_size=4", "--set")]
+        )
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise SpecError([SpecIssue("", f"--set {text!r}: the key must be a dotted path such as train.optimizer.lr", "--set")])
+        raise SpecError(
+            [SpecIssue("", f"--set {text!r}: the key must be a dotted path such as train.optimizer.lr", "--set")]
+        )
     if not raw.strip():
         return key, ""
     try:
         value, _, _ = _parse(raw, "--set")
     except SpecError as err:
-        raise SpecError([SpecIssue(key, f"--set {text!r}: {i.key + ': ' if i.key else ''}{i.message}", "--set")
-                         for i in err.issues]) from None
+        raise SpecError(
+            [SpecIssue(key, f"--set {text!r}: {i.key + ': ' if i.key else ''}{i.message}", "--set") for i in err.issues]
+        ) from None
     except yaml.YAMLError:
         return key, raw  # not YAML: keep it as the plain string the user typed
     return key, value
@@ -316,7 +338,9 @@ def _describe(err: dict, source: SpecSource) -> SpecIssue:
         key = ".".join(parts + [name])
         allowed = sorted(parent.model_fields) if parent else []
         close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.5)
-        hint = f"; did you mean {close[0]!r}?" if close else (f"; allowed here: {', '.join(allowed)}" if allowed else "")
+        hint = (
+            f"; did you mean {close[0]!r}?" if close else (f"; allowed here: {', '.join(allowed)}" if allowed else "")
+        )
         return source.issue(key, f"unknown key {name!r}{hint}")
     _, parts = _model_at(loc)
     key = ".".join(parts)
@@ -327,7 +351,9 @@ def _describe(err: dict, source: SpecSource) -> SpecIssue:
         got = err.get("input", {}).get("family") if isinstance(err.get("input"), dict) else None
         close = difflib.get_close_matches(str(got), FAMILIES, n=1, cutoff=0.5) if got else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        return source.issue(f"{key}.family" if key else "family", f"{got!r} is not a model family (one of: {', '.join(FAMILIES)}){hint}")
+        return source.issue(
+            f"{key}.family" if key else "family", f"{got!r} is not a model family (one of: {', '.join(FAMILIES)}){hint}"
+        )
     if "input" in err and kind not in ("value_error", "assertion_error") and not isinstance(err["input"], dict):
         msg = f"{err['input']!r} is invalid: {msg}"
     return source.issue(key, msg)
@@ -337,7 +363,9 @@ def validate_data(data: Any, source: SpecSource, deepspeed_file_read: bool = Fal
     """`deepspeed_file_read`: the user's DeepSpeed JSON has already filled what it could (dstune.ds_json.fill_spec), so
     keys it may give (the batch numbers) are required now; before that they may be missing."""
     if not isinstance(data, dict):
-        raise SpecError([SpecIssue("", "a spec is a YAML mapping with sections model, data, train, deepspeed, output", source.path)])
+        raise SpecError(
+            [SpecIssue("", "a spec is a YAML mapping with sections model, data, train, deepspeed, output", source.path)]
+        )
     deepspeed = data.get("deepspeed")
     with_file = isinstance(deepspeed, dict) and bool(deepspeed.get("config"))
     context = {BATCH_FROM_FILE: "read" if deepspeed_file_read else "pending"} if with_file else None
@@ -384,8 +412,16 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> tuple[Spec, Sp
         with open(path, "rb") as file:
             raw = file.read(MAX_SPEC_BYTES + 1)  # never more: the path may be a device or a pipe
         if len(raw) > MAX_SPEC_BYTES:
-            raise SpecError([SpecIssue("", f"the spec is over {MAX_SPEC_BYTES // (1 << 20)} MB; a spec is settings, "
-                                           "not data (it names files and folders for anything large)", path)])
+            raise SpecError(
+                [
+                    SpecIssue(
+                        "",
+                        f"the spec is over {MAX_SPEC_BYTES // (1 << 20)} MB; a spec is settings, "
+                        "not data (it names files and folders for anything large)",
+                        path,
+                    )
+                ]
+            )
         text = raw.decode("utf-8")
     except FileNotFoundError:
         raise SpecError([SpecIssue("", "spec file not found", path)]) from None
@@ -397,6 +433,10 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> tuple[Spec, Sp
         data = {}
     if isinstance(data, dict):
         data = apply_overrides(data, overrides, source)
-        rebase_relative_paths(data, path, source.from_command_line,
-                              lambda key, message: source.warnings.append(source.issue(key, message, "warning")))
+        rebase_relative_paths(
+            data,
+            path,
+            source.from_command_line,
+            lambda key, message: source.warnings.append(source.issue(key, message, "warning")),
+        )
     return validate_data(data, source), source

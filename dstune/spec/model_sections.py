@@ -15,7 +15,6 @@ from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODU
 # --------------------------------------------------------------------------------------------------------- model
 
 
-
 # model.base_precision -> bytes per stored weight element of each quantized layer (nn.Linear weights of the denoiser;
 # biases, convolutions, norms and embeddings stay at train.precision), scales included: bitsandbytes int8 keeps one
 # fp32 scale per output row (1 + 4 / in_features, rounded to 1 here), nf4 one fp32 absmax per 64 weights
@@ -26,14 +25,16 @@ FP8_REFUSAL = (
     "fp8 is not available: bitsandbytes (the library dstune quantizes with) stores no fp8 weights, and torchao's "
     "quantized weights are tensor subclasses that fail in deepspeed.initialize, whose parameter broadcast views "
     "every weight as bytes (NotImplementedError: aten.view.dtype; seen with torchao 0.18's int8 weights, and its "
-    "fp8 weights are the same kind of tensor). Use int8 (about half of bf16) or nf4 (about a quarter).")
+    "fp8 weights are the same kind of tensor). Use int8 (about half of bf16) or nf4 (about a quarter)."
+)
 
 
 class LoraSpec(Section):
     rank: int = Field(16, gt=0, description="LoRA rank r: the inner size of each adapter (A: r x in, B: out x r).")
     alpha: Optional[float] = Field(
-        None, gt=0, description="LoRA alpha: the adapter's output is scaled by alpha / rank. Omitted: equal to rank "
-        "(scale 1).",
+        None,
+        gt=0,
+        description="LoRA alpha: the adapter's output is scaled by alpha / rank. Omitted: equal to rank (scale 1).",
     )
     target_modules: list[str] = Field(
         default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES),
@@ -47,8 +48,9 @@ class LoraSpec(Section):
     @classmethod
     def _some_targets(cls, value: list[str]) -> list[str]:
         if not value or any(not name.strip() for name in value):
-            raise ValueError("give at least one module name, none empty (or leave target_modules out for the "
-                             "family's default)")
+            raise ValueError(
+                "give at least one module name, none empty (or leave target_modules out for the family's default)"
+            )
         return value
 
     @property
@@ -116,12 +118,14 @@ class DenoiserModelBase(Section):
         "See docs/lora-and-ema.md.",
     )
     lora: Optional[LoraSpec] = Field(
-        None, description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
-        "([to_q, to_k, to_v, to_out.0]), `dropout` (0.0); omitted: those defaults. See docs/lora-and-ema.md."
+        None,
+        description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
+        "([to_q, to_k, to_v, to_out.0]), `dropout` (0.0); omitted: those defaults. See docs/lora-and-ema.md.",
     )
 
     base_pipeline: Optional[str] = Field(
-        None, description="Only when `pretrained` is a single checkpoint file (.safetensors/.ckpt in the original, "
+        None,
+        description="Only when `pretrained` is a single checkpoint file (.safetensors/.ckpt in the original, "
         "non-diffusers key layout, e.g. `model.diffusion_model.*`): the diffusers pipeline folder, hub id already "
         "downloaded, or built-in model whose configs describe the file (nothing is downloaded) and which supplies "
         "every component the file does not hold (a UNet-only file takes VAE and text encoders from here). "
@@ -140,7 +144,10 @@ class DenoiserModelBase(Section):
         factor = vae_downscale(vae)
         if denoiser.get("sample_size") and factor:
             size = int(denoiser["sample_size"]) * factor
-            return size, f"the denoiser's sample_size {denoiser['sample_size']} x the VAE's {factor}x: its pipeline's default"
+            return (
+                size,
+                f"the denoiser's sample_size {denoiser['sample_size']} x the VAE's {factor}x: its pipeline's default",
+            )
         return None
 
     # sample.guidance when the spec leaves it out: the pipeline class's own __call__ default, by model_index.json's
@@ -169,24 +176,32 @@ class DenoiserModelBase(Section):
     @classmethod
     def _lora_needs_lora_training(cls, value, info):
         if value is not None and info.data.get("train", "full") != "lora":
-            raise ValueError("LoRA settings are given but `train` is 'full' (every weight is trained, no adapters). "
-                             "Set `train: lora` to train adapters, or remove `lora`.")
+            raise ValueError(
+                "LoRA settings are given but `train` is 'full' (every weight is trained, no adapters). "
+                "Set `train: lora` to train adapters, or remove `lora`."
+            )
         return value
 
     @model_validator(mode="after")
     def _base_pipeline_with_a_single_file(self):
         pretrained = getattr(self, "pretrained", "")
         if is_single_file(pretrained) and not self.SINGLE_FILE:
-            raise ValueError(f"pretrained {pretrained}: model.family {self.family} cannot load a single checkpoint file "
-                             "here; give its diffusers pipeline folder, a downloaded hub id or a built-in "
-                             f"({' and '.join(single_file_families())} load single files)")
+            raise ValueError(
+                f"pretrained {pretrained}: model.family {self.family} cannot load a single checkpoint file "
+                "here; give its diffusers pipeline folder, a downloaded hub id or a built-in "
+                f"({' and '.join(single_file_families())} load single files)"
+            )
         if self.base_pipeline is not None and not is_single_file(pretrained):
-            raise ValueError(f"base_pipeline applies only when pretrained is a single checkpoint file "
-                             f"({', '.join(SINGLE_FILE_SUFFIXES)}); pretrained is {pretrained!r}: remove base_pipeline")
+            raise ValueError(
+                f"base_pipeline applies only when pretrained is a single checkpoint file "
+                f"({', '.join(SINGLE_FILE_SUFFIXES)}); pretrained is {pretrained!r}: remove base_pipeline"
+            )
         if self.base_pipeline is None and is_single_file(pretrained):
-            raise ValueError(f"pretrained {pretrained} is a single checkpoint file: set base_pipeline to the "
-                             f"diffusers {self.family} pipeline (folder, downloaded hub id or builtin:tiny-{self.family}) "
-                             "whose configs describe it and which supplies the components the file does not hold")
+            raise ValueError(
+                f"pretrained {pretrained} is a single checkpoint file: set base_pipeline to the "
+                f"diffusers {self.family} pipeline (folder, downloaded hub id or builtin:tiny-{self.family}) "
+                "whose configs describe it and which supplies the components the file does not hold"
+            )
         return self
 
     @field_validator("base_precision")
@@ -195,9 +210,11 @@ class DenoiserModelBase(Section):
         if value == "fp8":
             raise ValueError(FP8_REFUSAL)
         if value is not None and info.data.get("train", "full") != "lora":
-            raise ValueError(f"base_precision {value!r} quantizes the frozen base under LoRA, but `train` is 'full': "
-                             "every weight is trained, and quantized weights cannot be. Set `train: lora`, or remove "
-                             "base_precision.")
+            raise ValueError(
+                f"base_precision {value!r} quantizes the frozen base under LoRA, but `train` is 'full': "
+                "every weight is trained, and quantized weights cannot be. Set `train: lora`, or remove "
+                "base_precision."
+            )
         return value
 
     @property
@@ -231,7 +248,8 @@ class FlowModel(DenoiserModelBase):
     # `transformer.` keys
     # a distilled folder (model_index.json's is_distilled) samples without classifier-free guidance
     DISTILLED_GUIDANCE: ClassVar[dict[str, float]] = {
-        name: guidance for unit in registry.on_core("flow") for name, guidance in unit.distilled_guidance.items()}
+        name: guidance for unit in registry.on_core("flow") for name, guidance in unit.distilled_guidance.items()
+    }
 
     def native_guidance(self, read: Callable[[str], Optional[dict]]) -> tuple[float, str]:
         index = read("model_index.json") or {}
@@ -258,14 +276,16 @@ class FlowModel(DenoiserModelBase):
 
     family: Literal["flow"] = Field(
         description="Model family. `flow`: flow-matching transformers, told apart by the pipeline folder: "
-        + core_models_text("flow") + ". See docs/family-flow.md."
+        + core_models_text("flow")
+        + ". See docs/family-flow.md."
     )
     pretrained: str = Field(
         core_default_builtin("flow"),
         description="A diffusers pipeline folder (model_index.json + transformer/vae/text encoders/tokenizers/"
         "scheduler) of one of those models: " + ", ".join(registry.pipelines("flow")) + "; "
         "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
-        + core_builtins_text("flow") + ".",
+        + core_builtins_text("flow")
+        + ".",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
@@ -276,64 +296,85 @@ class FlowModel(DenoiserModelBase):
         "logit_normal (logit_mean, logit_std), uniform, or mode (mode_scale).",
     )
     logit_mean: Optional[float] = Field(
-        None, description="timestep_sampling logit_normal: mean of the normal before the sigmoid. Omitted: 0.0. "
-        "A model whose training example shifts it with the image size adds that shift (docs/family-flow.md)."
+        None,
+        description="timestep_sampling logit_normal: mean of the normal before the sigmoid. Omitted: 0.0. "
+        "A model whose training example shifts it with the image size adds that shift (docs/family-flow.md).",
     )
     logit_std: Optional[float] = Field(
-        None, gt=0, description="timestep_sampling logit_normal: its standard deviation. Omitted: 1.0, or the "
-        "model's training example's default where it has its own (docs/family-flow.md)."
+        None,
+        gt=0,
+        description="timestep_sampling logit_normal: its standard deviation. Omitted: 1.0, or the "
+        "model's training example's default where it has its own (docs/family-flow.md).",
     )
     mode_scale: Optional[float] = Field(
         None, description="timestep_sampling mode: how strongly mid timesteps are favoured. Omitted: 1.29."
     )
     shift: Optional[float] = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="Timestep shift for training (sigma -> shift*sigma / (1 + (shift-1)*sigma)). Omitted: the "
         "scheduler's: its config shift, or unshifted where it shifts dynamically, as the reference scripts train. "
         "Not for a model whose training example draws sigma itself (validate says so).",
     )
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
-        "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3). sigma_sqrt (sigma^-2) "
+        "none",
+        description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3). sigma_sqrt (sigma^-2) "
         "needs precondition_outputs: true, where it cancels the sigma^2 of the x0 error (docs/family-flow.md).",
     )
     precondition_outputs: bool = Field(
-        False, description="Compare x0 instead of the velocity: the prediction v becomes x_t - sigma v and the "
+        False,
+        description="Compare x0 instead of the velocity: the prediction v becomes x_t - sigma v and the "
         "target x0, which weights each sample's squared velocity error by sigma^2 (--precondition_outputs 1, the "
         "default of diffusers' MMDiT scripts); false: the velocity loss of diffusers' other flow-matching scripts.",
     )
     guidance: float = Field(
-        3.5, ge=0, description="Transformers with a guidance embedding (their config's guidance_embeds): the "
+        3.5,
+        ge=0,
+        description="Transformers with a guidance embedding (their config's guidance_embeds): the "
         "guidance value fed while training. Unused by the others.",
     )
     max_sequence_length: Optional[int] = Field(
-        None, gt=0, description="Text tokens per caption (the long text encoder's: T5's, or the LLM prompt's). "
+        None,
+        gt=0,
+        description="Text tokens per caption (the long text encoder's: T5's, or the LLM prompt's). "
         "Omitted: the model's training example default, at most the tokenizer's model_max_length: "
-        + registry.spec_notes("flow", "model.max_sequence_length") + ".",
+        + registry.spec_notes("flow", "model.max_sequence_length")
+        + ".",
     )
     training_adapter: Optional[str] = Field(
-        None, description="A LoRA file (diffusers' pytorch_lora_weights.safetensors layout) fused into the frozen "
+        None,
+        description="A LoRA file (diffusers' pytorch_lora_weights.safetensors layout) fused into the frozen "
         "transformer for training only: train a LoRA through a distilled (few-step) model without "
         "breaking its few-step behaviour. It is left out of the exported LoRA and of the samples (they render "
         "`sample.pretrained`, or `pretrained` without it, with the trained LoRA). `train: lora` only, ZeRO stage 0-2. "
-        "See docs/family-flow.md, \"Distilled checkpoints\".",
+        'See docs/family-flow.md, "Distilled checkpoints".',
     )
 
     @model_validator(mode="after")
     def _no_unused_sampling_settings(self) -> "FlowModel":
         used = {"logit_normal": {"logit_mean", "logit_std"}, "mode": {"mode_scale"}, "uniform": set()}
-        unused = sorted(name for name in {"logit_mean", "logit_std", "mode_scale"} - used[self.timestep_sampling]
-                        if getattr(self, name) is not None)
+        unused = sorted(
+            name
+            for name in {"logit_mean", "logit_std", "mode_scale"} - used[self.timestep_sampling]
+            if getattr(self, name) is not None
+        )
         if unused:
-            raise ValueError(f"{', '.join(unused)} only apply to another timestep_sampling (it is "
-                             f"{self.timestep_sampling!r}): remove them or change timestep_sampling")
+            raise ValueError(
+                f"{', '.join(unused)} only apply to another timestep_sampling (it is "
+                f"{self.timestep_sampling!r}): remove them or change timestep_sampling"
+            )
         if self.training_adapter and self.train != "lora":
-            raise ValueError("training_adapter is fused into the frozen base while adapters train, and kept out of "
-                             "the exported LoRA; with train: full the exported transformer would carry it: set "
-                             "train: lora, or remove training_adapter")
+            raise ValueError(
+                "training_adapter is fused into the frozen base while adapters train, and kept out of "
+                "the exported LoRA; with train: full the exported transformer would carry it: set "
+                "train: lora, or remove training_adapter"
+            )
         if self.loss_weighting == "sigma_sqrt" and not self.precondition_outputs:
-            raise ValueError("loss_weighting sigma_sqrt weights each sample by sigma^-2 on the velocity loss: on "
-                             "a logit-normal schedule a mean weight of about 186 and up to about 1e5 near sigma 0, so "
-                             "a few samples dominate every step. diffusers' MMDiT scripts pair it with their default "
-                             "--precondition_outputs 1, where it cancels to the plain velocity MSE: set "
-                             "precondition_outputs: true for that, or use loss_weighting none or cosmap")
+            raise ValueError(
+                "loss_weighting sigma_sqrt weights each sample by sigma^-2 on the velocity loss: on "
+                "a logit-normal schedule a mean weight of about 186 and up to about 1e5 near sigma 0, so "
+                "a few samples dominate every step. diffusers' MMDiT scripts pair it with their default "
+                "--precondition_outputs 1, where it cancels to the plain velocity MSE: set "
+                "precondition_outputs: true for that, or use loss_weighting none or cosmap"
+            )
         return self

@@ -19,7 +19,13 @@ from dstune.spec.section import Section
 # The shared sections live in their own modules; they are imported here (and re-exported) so the whole spec is
 # importable from one place.
 from dstune.spec.model_sections import (  # noqa: F401
-    BASE_PRECISION_BYTES, DEFAULT_LORA_TARGET_MODULES, DenoiserModelBase, FlowModel, LoraSpec, is_single_file)
+    BASE_PRECISION_BYTES,
+    DEFAULT_LORA_TARGET_MODULES,
+    DenoiserModelBase,
+    FlowModel,
+    LoraSpec,
+    is_single_file,
+)
 from dstune.spec.video_models import WanModel
 from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, VideoSpec, data_family_problem  # noqa: F401
 
@@ -27,8 +33,12 @@ from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, VideoSpe
 # (dstune.models.registry), images first, then video, then speech. The family lists below are derived from them
 # (each section's `family` literal and its `modality`), so adding a family adds nothing to this module.
 _UNIT_SECTIONS = tuple(map(load, registry.spec_sections()))
-MODEL_SECTIONS = (*(s for s in _UNIT_SECTIONS if s.modality == "image"), FlowModel, WanModel,
-                  *(s for s in _UNIT_SECTIONS if s.modality != "image"))
+MODEL_SECTIONS = (
+    *(s for s in _UNIT_SECTIONS if s.modality == "image"),
+    FlowModel,
+    WanModel,
+    *(s for s in _UNIT_SECTIONS if s.modality != "image"),
+)
 Model = Annotated[Union[MODEL_SECTIONS], Field(discriminator="family")]
 FAMILIES = tuple(typing.get_args(section.model_fields["family"].annotation)[0] for section in MODEL_SECTIONS)
 # families that train on clips (B, 3, frames, H, W): data.video applies
@@ -48,8 +58,10 @@ def lora_format_problem(family: str, train: str, lora_format) -> str | None:
     if train != "lora":
         return f"applies to model.train: lora, but model.train is {train!r}: remove it or set model.train: lora"
     if lora_format not in choices:
-        return (f"{lora_format!r} is not a LoRA format of model.family {family}; choices: {', '.join(choices)} "
-                f"(default {next(iter(choices))})")
+        return (
+            f"{lora_format!r} is not a LoRA format of model.family {family}; choices: {', '.join(choices)} "
+            f"(default {next(iter(choices))})"
+        )
     return None
 
 
@@ -89,7 +101,8 @@ class OptimizerSpec(Section):
 
 class SchedulerSpec(Section):
     type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = Field(
-        "constant", description="LR schedule over optimizer steps. linear/cosine decay to `min_lr_ratio` x lr at the last step."
+        "constant",
+        description="LR schedule over optimizer steps. linear/cosine decay to `min_lr_ratio` x lr at the last step.",
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0, in optimizer steps (not micro-batches).")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR of linear/cosine, as a fraction of the peak LR.")
@@ -103,28 +116,35 @@ class SchedulerSpec(Section):
 
 class EmaSpec(Section):
     decay: float = Field(
-        0.9999, gt=0, lt=1,
+        0.9999,
+        gt=0,
+        lt=1,
         description="EMA decay per update: shadow = decay x shadow + (1 - decay) x weights. With `warmup` this is "
         "the ceiling the decay grows toward.",
     )
     warmup: bool = Field(
-        True, description="Use min(decay, (1 + n) / (10 + n)) at the n-th update (diffusers' EMAModel default), so "
+        True,
+        description="Use min(decay, (1 + n) / (10 + n)) at the n-th update (diffusers' EMAModel default), so "
         "a short run's EMA is not stuck near the starting weights.",
     )
     every_steps: int = Field(1, ge=1, description="Update the EMA every N optimizer steps (the decay is per update).")
     device: Literal["cpu", "same"] = Field(
-        "cpu", description="Where the EMA copy lives: `cpu` (host memory, off the accelerator) or `same` (beside the "
+        "cpu",
+        description="Where the EMA copy lives: `cpu` (host memory, off the accelerator) or `same` (beside the "
         "weights). Each rank keeps only its 1/world-size share of every trained weight.",
     )
     export: Literal["ema", "raw"] = Field(
-        "ema", description="Which weights the export holds, and which weights samples during training show: the "
+        "ema",
+        description="Which weights the export holds, and which weights samples during training show: the "
         "EMA (`ema`) or the trained weights as they are (`raw`). Checkpoints always hold both.",
     )
 
 
 class TrainSpec(Section):
     global_batch_size: Optional[int] = Field(
-        None, gt=0, description="Samples per optimizer step over all ranks = micro x accumulation x data-parallel ranks."
+        None,
+        gt=0,
+        description="Samples per optimizer step over all ranks = micro x accumulation x data-parallel ranks.",
     )
     micro_batch_size: Optional[int] = Field(None, gt=0, description="Samples per forward pass on each GPU.")
     gradient_accumulation_steps: Optional[int] = Field(
@@ -137,7 +157,9 @@ class TrainSpec(Section):
     lr_scaling: Literal["none", "linear", "sqrt"] = Field(
         "none", description="Scale `optimizer.lr` by (global batch / reference_batch_size), or its square root."
     )
-    reference_batch_size: Optional[int] = Field(None, gt=0, description="The global batch size `optimizer.lr` was tuned for.")
+    reference_batch_size: Optional[int] = Field(
+        None, gt=0, description="The global batch size `optimizer.lr` was tuned for."
+    )
     allow_clipping_with_adafactor: bool = Field(
         False, description="Opt in to gradient_clipping > 0 with Adafactor (it already clips its own updates)."
     )
@@ -147,9 +169,12 @@ class TrainSpec(Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="Training precision. fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator has no fp16)."
     )
-    seed: int = Field(0, ge=0, description="Seeds the data order, noise and timesteps (per sample, independent of the world size).")
+    seed: int = Field(
+        0, ge=0, description="Seeds the data order, noise and timesteps (per sample, independent of the world size)."
+    )
     ema: Optional[EmaSpec] = Field(
-        None, description="Exponential moving average of the trained weights (all of them, or the LoRA adapters): "
+        None,
+        description="Exponential moving average of the trained weights (all of them, or the LoRA adapters): "
         "`decay` (0.9999), `warmup` (true), `every_steps` (1), `device` (cpu or same), `export` (ema or raw); `{}` "
         "for those defaults. Omitted: no EMA. See docs/lora-and-ema.md.",
     )
@@ -162,10 +187,14 @@ class TrainSpec(Section):
             from_file = (info.context or {}).get(BATCH_FROM_FILE)
             if from_file == "pending":
                 return value  # the DeepSpeed JSON may give them (train_micro_batch_size_per_gpu / train_batch_size)
-            hint = (" here or as train_micro_batch_size_per_gpu / train_batch_size in the deepspeed.config file"
-                    if from_file else "")
-            raise ValueError(f"give `micro_batch_size` or `global_batch_size`{hint} (and optionally one more batch "
-                             "number)")
+            hint = (
+                " here or as train_micro_batch_size_per_gpu / train_batch_size in the deepspeed.config file"
+                if from_file
+                else ""
+            )
+            raise ValueError(
+                f"give `micro_batch_size` or `global_batch_size`{hint} (and optionally one more batch number)"
+            )
         return value
 
     @field_validator("max_steps")
@@ -180,19 +209,26 @@ class TrainSpec(Section):
     def _reference_for_scaling(cls, value, info):
         scaling = info.data.get("lr_scaling", "none")
         if scaling != "none" and value is None:
-            raise ValueError(f"lr_scaling '{scaling}' needs `reference_batch_size` (the global batch the lr was tuned for)")
+            raise ValueError(
+                f"lr_scaling '{scaling}' needs `reference_batch_size` (the global batch the lr was tuned for)"
+            )
         return value
 
     @field_validator("gradient_clipping")
     @classmethod
     def _no_double_clipping(cls, value, info):
         optimizer = info.data.get("optimizer")
-        if optimizer is not None and optimizer.type in ADAFACTOR_STYLE and value \
-                and not info.data.get("allow_clipping_with_adafactor", False):
+        if (
+            optimizer is not None
+            and optimizer.type in ADAFACTOR_STYLE
+            and value
+            and not info.data.get("allow_clipping_with_adafactor", False)
+        ):
             raise ValueError(
                 f"{value} with adafactor: Adafactor already clips its own update (RMS clipping), and clipping the "
                 "gradient norm as well changes its step size. Remove `gradient_clipping` (dstune then writes 0.0) "
-                "or set `allow_clipping_with_adafactor: true`.")
+                "or set `allow_clipping_with_adafactor: true`."
+            )
         return value
 
     @property
@@ -224,16 +260,26 @@ def _offload_shorthand(value):
 
 
 class ActivationCheckpointingSpec(Section):
-    partition_activations: bool = Field(False, description="Split checkpointed activations across ranks (DeepSpeed API).")
+    partition_activations: bool = Field(
+        False, description="Split checkpointed activations across ranks (DeepSpeed API)."
+    )
     cpu_checkpointing: bool = Field(False, description="Keep checkpointed activations in CPU memory (DeepSpeed API).")
     contiguous_memory_optimization: bool = Field(False, description="Copy checkpoints into one contiguous buffer.")
-    number_checkpoints: Optional[int] = Field(None, gt=0, description="Checkpoints per forward, for the contiguous buffer.")
+    number_checkpoints: Optional[int] = Field(
+        None, gt=0, description="Checkpoints per forward, for the contiguous buffer."
+    )
 
 
 class DeepSpeedSpec(Section):
-    zero_stage: int = Field(2, ge=0, le=3, description="ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters.")
-    offload_optimizer: OffloadSpec = Field(default_factory=OffloadSpec, description="ZeRO optimizer-state offload (stage >= 1).")
-    offload_param: OffloadSpec = Field(default_factory=OffloadSpec, description="ZeRO parameter offload (stage 3 only).")
+    zero_stage: int = Field(
+        2, ge=0, le=3, description="ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters."
+    )
+    offload_optimizer: OffloadSpec = Field(
+        default_factory=OffloadSpec, description="ZeRO optimizer-state offload (stage >= 1)."
+    )
+    offload_param: OffloadSpec = Field(
+        default_factory=OffloadSpec, description="ZeRO parameter offload (stage 3 only)."
+    )
     activation_checkpointing: ActivationCheckpointingSpec = Field(
         default_factory=ActivationCheckpointingSpec,
         description="DeepSpeed activation checkpointing; only used when partitioning or CPU checkpointing is asked "
@@ -241,31 +287,42 @@ class DeepSpeedSpec(Section):
     )
     reduce_bucket_size: int = Field(50_000_000, gt=0, description="ZeRO gradient reduce bucket, in elements.")
     allgather_bucket_size: int = Field(50_000_000, gt=0, description="ZeRO 1/2 all-gather bucket, in elements.")
-    overlap_comm: bool = Field(False, description="Overlap gradient reduction with backward (more memory, faster on GPUs).")
+    overlap_comm: bool = Field(
+        False, description="Overlap gradient reduction with backward (more memory, faster on GPUs)."
+    )
     config: Optional[str] = Field(
         None,
-        description="Path of a DeepSpeed JSON you already have (HF Trainer / accelerate style, \"auto\" allowed), "
+        description='Path of a DeepSpeed JSON you already have (HF Trainer / accelerate style, "auto" allowed), '
         "relative to the spec's folder (to the current directory when given with --set). "
         "Its values fill every key this spec leaves unset (ZeRO stage, offload, "
         "precision, batch numbers, clipping, optimizer values, ...); \"auto\" takes this spec's value or dstune's "
         "default; a key set in both places to different values is an error naming both lines. See "
         "docs/deepspeed-config.md.",
     )
-    timeout_minutes: int = Field(30, gt=0, description="Collective-operation timeout: a dead rank stops the others after this.")
+    timeout_minutes: int = Field(
+        30, gt=0, description="Collective-operation timeout: a dead rank stops the others after this."
+    )
     sequence_parallel_size: int = Field(
-        1, ge=1, description="Sequence parallelism (DeepSpeed Ulysses): N ranks share each sample, each holding 1/N of "
+        1,
+        ge=1,
+        description="Sequence parallelism (DeepSpeed Ulysses): N ranks share each sample, each holding 1/N of "
         "its tokens between the attention all-to-alls, so activations per GPU shrink N-fold. The ranks form "
         "world / N data-parallel groups; the batch numbers (micro, accumulation, global) count data-parallel ranks. N "
         "must divide the number of ranks, the transformer's attention heads and every bucket's tokens per sample. "
-        f"Flow-matching transformers only (model.family flow or {VIDEO_FAMILY}). See docs/sequence-parallel.md.")
+        f"Flow-matching transformers only (model.family flow or {VIDEO_FAMILY}). See docs/sequence-parallel.md.",
+    )
 
-    _offload_opt = field_validator("offload_optimizer", mode="before")(classmethod(lambda cls, v: _offload_shorthand(v)))
+    _offload_opt = field_validator("offload_optimizer", mode="before")(
+        classmethod(lambda cls, v: _offload_shorthand(v))
+    )
     _offload_par = field_validator("offload_param", mode="before")(classmethod(lambda cls, v: _offload_shorthand(v)))
 
     @model_validator(mode="after")
     def _offload_fits_stage(self) -> "DeepSpeedSpec":
         if self.offload_param.device != "none" and self.zero_stage != 3:
-            raise ValueError(f"offload_param needs zero_stage 3 (it is {self.zero_stage}): only stage 3 partitions parameters")
+            raise ValueError(
+                f"offload_param needs zero_stage 3 (it is {self.zero_stage}): only stage 3 partitions parameters"
+            )
         if self.offload_optimizer.device != "none" and self.zero_stage == 0:
             raise ValueError("offload_optimizer needs zero_stage >= 1: stage 0 does not partition optimizer states")
         return self
@@ -275,68 +332,108 @@ class DeepSpeedSpec(Section):
 
 
 class OutputSpec(Section):
-    dir: str = Field("runs/dstune", description="Run folder: checkpoints, metrics.jsonl, samples, export."
+    dir: str = Field(
+        "runs/dstune",
+        description="Run folder: checkpoints, metrics.jsonl, samples, export."
         " A relative path is taken from the spec file's folder (from the current directory when given with --set); "
-        "the default is under the current directory.")
-    cache_dir: str = Field(".dstune-cache", description="Cache for built-in models (and later latents); shared between runs."
+        "the default is under the current directory.",
+    )
+    cache_dir: str = Field(
+        ".dstune-cache",
+        description="Cache for built-in models (and later latents); shared between runs."
         " A relative path is taken from the spec file's folder (from the current directory when given with --set); "
-        "the default is under the current directory.")
-    save_every_steps: Optional[int] = Field(None, gt=0, description="Checkpoint every N optimizer steps (and always at the end).")
-    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted once a newer one is complete.")
+        "the default is under the current directory.",
+    )
+    save_every_steps: Optional[int] = Field(
+        None, gt=0, description="Checkpoint every N optimizer steps (and always at the end)."
+    )
+    keep_last: int = Field(
+        2, ge=1, description="Checkpoints kept; older ones are deleted once a newer one is complete."
+    )
     log_every_steps: int = Field(1, ge=1, description="Write a metrics line every N optimizer steps.")
-    export: Literal["diffusers", "none"] = Field("diffusers", description="At the end, write a diffusers folder with safetensors.")
+    export: Literal["diffusers", "none"] = Field(
+        "diffusers", description="At the end, write a diffusers folder with safetensors."
+    )
     tensorboard: bool = Field(
-        True, description="Also write the metrics (loss, LR, grad norm, samples/s, data wait, memory, held-out loss) and "
+        True,
+        description="Also write the metrics (loss, LR, grad norm, samples/s, data wait, memory, held-out loss) and "
         "the sample images/audio as TensorBoard event files in `<output.dir>/tensorboard` (rank 0). See "
-        "docs/training.md.")
+        "docs/training.md.",
+    )
     wandb: bool = Field(
-        False, description="Also log them to a Weights & Biases run in offline mode under `<output.dir>/wandb` (rank 0; "
-        "nothing is uploaded: `wandb sync` does that later). Needs the `wandb` package, which dstune does not install.")
+        False,
+        description="Also log them to a Weights & Biases run in offline mode under `<output.dir>/wandb` (rank 0; "
+        "nothing is uploaded: `wandb sync` does that later). Needs the `wandb` package, which dstune does not install.",
+    )
     lora_format: Optional[Literal["diffusers", "kohya", "comfyui", "peft"]] = Field(
-        None, description="With model.train: lora, the key scheme of the exported LoRA file: `kohya` (lora_unet_... "
-        "names with per-layer alpha), `comfyui` (a file ComfyUI loads without \"lora key not loaded\": kohya's "
+        None,
+        description="With model.train: lora, the key scheme of the exported LoRA file: `kohya` (lora_unet_... "
+        'names with per-layer alpha), `comfyui` (a file ComfyUI loads without "lora key not loaded": kohya\'s '
         "scheme for the UNets, the diffusers file for the transformers), `diffusers` or `peft` (an adapter folder "
         "beside the merged model). Each family's formats, the default (what most users load its LoRAs with) first: "
-        + "; ".join(f"{family}: {', '.join(section.LORA_FORMATS)}" for family, section in SECTIONS_BY_FAMILY.items()
-                    if getattr(section, "LORA_FORMATS", None)) + ". See docs/lora-and-ema.md.",
+        + "; ".join(
+            f"{family}: {', '.join(section.LORA_FORMATS)}"
+            for family, section in SECTIONS_BY_FAMILY.items()
+            if getattr(section, "LORA_FORMATS", None)
+        )
+        + ". See docs/lora-and-ema.md.",
     )
 
 
 class SampleSpec(Section):
     prompts: list[str] = Field(default_factory=list, description="Prompts rendered into a PNG grid (none: no samples).")
-    every_steps: Optional[int] = Field(None, gt=0, description="Also sample every N optimizer steps (before and after always).")
+    every_steps: Optional[int] = Field(
+        None, gt=0, description="Also sample every N optimizer steps (before and after always)."
+    )
     steps: int = Field(20, gt=0, description="Denoising steps per sample.")
     guidance: float = Field(
-        5.0, ge=0, description="Classifier-free guidance scale (the pipeline's guidance_scale, true_cfg_scale or "
+        5.0,
+        ge=0,
+        description="Classifier-free guidance scale (the pipeline's guidance_scale, true_cfg_scale or "
         "guidance embedding value, as the model's pipeline calls it). Omitted: the default of the model's own "
-        "pipeline (" + ", ".join(f"{guidance:g} {pipeline}" for section in MODEL_SECTIONS
-                               for pipeline, guidance in getattr(section, "PIPELINE_GUIDANCE", {}).items())
+        "pipeline ("
+        + ", ".join(
+            f"{guidance:g} {pipeline}"
+            for section in MODEL_SECTIONS
+            for pipeline, guidance in getattr(section, "PIPELINE_GUIDANCE", {}).items()
+        )
         + "; 0 for a distilled folder that samples without guidance); with sample.pretrained, that folder's "
-        "pipeline decides; `validate` prints the value and why.")
+        "pipeline decides; `validate` prints the value and why.",
+    )
     seed: int = Field(0, ge=0, description="Sampling seed, so grids from different steps are comparable.")
     pretrained: Optional[str] = Field(
-        None, description="model.family flow with train: lora: a second pipeline folder (or hub id, builtin:) of the "
+        None,
+        description="model.family flow with train: lora: a second pipeline folder (or hub id, builtin:) of the "
         "same model whose transformer the samples use, with the trained LoRA on it: train on a base checkpoint "
         "and sample with its distilled one. Its transformer must have the trained one's "
-        "class and shapes. Omitted: the trained transformer itself (without model.training_adapter).")
+        "class and shapes. Omitted: the trained transformer itself (without model.training_adapter).",
+    )
     control_images: list[str] = Field(
-        default_factory=list, description="Edit models: the source image of each prompt, one path per prompt in the "
+        default_factory=list,
+        description="Edit models: the source image of each prompt, one path per prompt in the "
         "same order; each sample edits its source as the prompt says. Image-to-video (model.image_to_video): the "
-        "first frame of each prompt's clip. Other models: none.")
+        "first frame of each prompt's clip. Other models: none.",
+    )
     voice_prompts: list[str] = Field(
-        default_factory=list, description="Speech models that continue a reference voice (model.family "
+        default_factory=list,
+        description="Speech models that continue a reference voice (model.family "
         "tts_codebooks, a class that takes one: docs/tts.md): one reference clip per prompt (WAV, FLAC, OGG), in "
         "the prompts' order, its transcript in a .txt file of the same name beside it (speaker tags included); each "
-        "sample speaks its prompt after that clip, in its voice. Omitted: the prompts alone.")
+        "sample speaks its prompt after that clip, in its voice. Omitted: the prompts alone.",
+    )
 
     @model_validator(mode="after")
     def _one_source_per_prompt(self) -> "SampleSpec":
         if self.control_images and len(self.control_images) != len(self.prompts):
-            raise ValueError(f"sample.control_images has {len(self.control_images)} image(s) for "
-                             f"{len(self.prompts)} prompt(s): give one source image per prompt, in the prompts' order")
+            raise ValueError(
+                f"sample.control_images has {len(self.control_images)} image(s) for "
+                f"{len(self.prompts)} prompt(s): give one source image per prompt, in the prompts' order"
+            )
         if self.voice_prompts and len(self.voice_prompts) != len(self.prompts):
-            raise ValueError(f"sample.voice_prompts has {len(self.voice_prompts)} clip(s) for {len(self.prompts)} "
-                             "prompt(s): give one reference clip per prompt, in the prompts' order")
+            raise ValueError(
+                f"sample.voice_prompts has {len(self.voice_prompts)} clip(s) for {len(self.prompts)} "
+                "prompt(s): give one reference clip per prompt, in the prompts' order"
+            )
         return self
 
 
@@ -353,8 +450,9 @@ class Spec(Section):
 
     @model_validator(mode="after")
     def _data_fits_family(self) -> "Spec":
-        problem = data_family_problem(self.model.family in AUDIO_FAMILIES, self.model.family, self.data,
-                                      self.model.family in VIDEO_FAMILIES)
+        problem = data_family_problem(
+            self.model.family in AUDIO_FAMILIES, self.model.family, self.data, self.model.family in VIDEO_FAMILIES
+        )
         if problem:
             raise ValueError(problem)
         return self
@@ -362,9 +460,11 @@ class Spec(Section):
     @model_validator(mode="after")
     def _voice_prompts_for_codebook_models(self) -> "Spec":
         if self.sample.voice_prompts and self.model.family != "tts_codebooks":
-            raise ValueError(f"sample.voice_prompts: model.family {self.model.family} does not continue a reference "
-                             "voice (model.family tts_codebooks does, for the classes docs/tts.md names); remove "
-                             "sample.voice_prompts")
+            raise ValueError(
+                f"sample.voice_prompts: model.family {self.model.family} does not continue a reference "
+                "voice (model.family tts_codebooks does, for the classes docs/tts.md names); remove "
+                "sample.voice_prompts"
+            )
         return self
 
     @model_validator(mode="after")
@@ -373,13 +473,17 @@ class Spec(Section):
         into weights that ZeRO-3 would have partitioned before it could be."""
         model = self.model
         if self.sample.pretrained and (model.family != "flow" or getattr(model, "train", "full") != "lora"):
-            raise ValueError("sample.pretrained renders the trained LoRA on another folder's transformer: it needs "
-                             f"model.family flow with model.train: lora (here {model.family}, "
-                             f"{getattr(model, 'train', 'full')}); remove sample.pretrained")
+            raise ValueError(
+                "sample.pretrained renders the trained LoRA on another folder's transformer: it needs "
+                f"model.family flow with model.train: lora (here {model.family}, "
+                f"{getattr(model, 'train', 'full')}); remove sample.pretrained"
+            )
         if getattr(model, "training_adapter", None) and self.deepspeed.zero_stage == 3:
-            raise ValueError("model.training_adapter is fused into the whole frozen transformer before training, "
-                             "which ZeRO-3 partitions as it loads: use deepspeed.zero_stage 0-2 (a LoRA's frozen "
-                             "base is not partitioned by ZeRO-1/2 either way), or remove training_adapter")
+            raise ValueError(
+                "model.training_adapter is fused into the whole frozen transformer before training, "
+                "which ZeRO-3 partitions as it loads: use deepspeed.zero_stage 0-2 (a LoRA's frozen "
+                "base is not partitioned by ZeRO-1/2 either way), or remove training_adapter"
+            )
         return self
 
     @model_validator(mode="after")
@@ -391,5 +495,6 @@ class Spec(Section):
                 f"model.family {self.model.family}: DeepSpeed 0.19.8 frees a checkpointed input's storage after "
                 "offloading it, and diffusers blocks reuse inputs (the time embedding) across layers, so training "
                 "fails in backward. Use model.gradient_checkpointing: true (torch's non-reentrant checkpointing); "
-                "partition_activations only splits activations across model-parallel ranks, which dstune does not use.")
+                "partition_activations only splits activations across model-parallel ranks, which dstune does not use."
+            )
         return self

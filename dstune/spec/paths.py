@@ -25,17 +25,38 @@ from typing import Any, Callable
 from dstune.spec.section import BUILTIN_PREFIX
 
 # Keys that always name a local file or folder ("*": every item of a list).
-LOCAL_PATH_KEYS = ("data.path", "data.eval.path", "data.cache.dir", "output.dir", "output.cache_dir",
-                   "deepspeed.config", "deepspeed.offload_optimizer.nvme_path", "deepspeed.offload_param.nvme_path",
-                   "sample.control_images.*", "sample.voice_prompts.*", "model.training_adapter")
+LOCAL_PATH_KEYS = (
+    "data.path",
+    "data.eval.path",
+    "data.cache.dir",
+    "output.dir",
+    "output.cache_dir",
+    "deepspeed.config",
+    "deepspeed.offload_optimizer.nvme_path",
+    "deepspeed.offload_param.nvme_path",
+    "sample.control_images.*",
+    "sample.voice_prompts.*",
+    "model.training_adapter",
+)
 # Keys that name a local folder or file, or a Hugging Face hub id ("org/name" reads as a relative path too).
-MODEL_PATH_KEYS = ("model.pretrained", "model.base_pipeline", "model.codec_pretrained", "model.vocoder",
-                   "model.speaker_embeddings", "sample.pretrained")
+MODEL_PATH_KEYS = (
+    "model.pretrained",
+    "model.base_pipeline",
+    "model.codec_pretrained",
+    "model.vocoder",
+    "model.speaker_embeddings",
+    "sample.pretrained",
+)
 
 
 def _is_relative_path(value: Any) -> bool:
-    return (isinstance(value, str) and value.strip() != "" and not value.startswith(BUILTIN_PREFIX)
-            and not value.startswith("~") and not Path(value).is_absolute())
+    return (
+        isinstance(value, str)
+        and value.strip() != ""
+        and not value.startswith(BUILTIN_PREFIX)
+        and not value.startswith("~")
+        and not Path(value).is_absolute()
+    )
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -66,8 +87,13 @@ def _entries(data: dict, pattern: str) -> list[tuple[str, dict | list, Any]]:
     return found
 
 
-def rebase_relative_paths(data: dict, spec_path: str, from_command_line: Callable[[str], bool],
-                          warn: Callable[[str, str], None], cwd: Path | None = None) -> None:
+def rebase_relative_paths(
+    data: dict,
+    spec_path: str,
+    from_command_line: Callable[[str], bool],
+    warn: Callable[[str, str], None],
+    cwd: Path | None = None,
+) -> None:
     """Rewrite, in place, each relative path written in the spec file to the path from the spec's folder (absolute),
     and each `--set deepspeed.config` to the path from the current directory. `from_command_line(key)`: whether
     --set gave that key (or a section above it); `warn(key, message)` reports an ambiguity."""
@@ -87,23 +113,33 @@ def rebase_relative_paths(data: dict, spec_path: str, from_command_line: Callabl
             container[slot] = _from_spec_folder(key, value, spec_dir, cwd, pattern in MODEL_PATH_KEYS, warn)
 
 
-def _from_spec_folder(key: str, value: str, spec_dir: Path, cwd: Path, may_be_hub_id: bool,
-                      warn: Callable[[str, str], None]) -> str:
+def _from_spec_folder(
+    key: str, value: str, spec_dir: Path, cwd: Path, may_be_hub_id: bool, warn: Callable[[str, str], None]
+) -> str:
     in_spec_dir, in_cwd = spec_dir / value, cwd / value
     rebased = os.path.normpath(in_spec_dir)
     if in_spec_dir.exists():
         if in_cwd.exists() and not _same(in_spec_dir, in_cwd):
-            warn(key, f"{value!r} names {rebased} (from the spec file's folder, which is what is used) and also "
-                      f"{os.path.normpath(in_cwd)} under the current directory; a relative path in a spec is taken "
-                      "from the spec's folder. Write the path you mean as an absolute path to make it explicit.")
+            warn(
+                key,
+                f"{value!r} names {rebased} (from the spec file's folder, which is what is used) and also "
+                f"{os.path.normpath(in_cwd)} under the current directory; a relative path in a spec is taken "
+                "from the spec's folder. Write the path you mean as an absolute path to make it explicit.",
+            )
         return rebased
     if in_cwd.exists():
         if may_be_hub_id:
-            warn(key, f"{value!r} is not under the spec file's folder ({spec_dir}), so it is taken from the current "
-                      f"directory: {os.path.normpath(in_cwd)}. Write it relative to the spec's folder or as an "
-                      "absolute path, so the spec means the same from any directory.")
+            warn(
+                key,
+                f"{value!r} is not under the spec file's folder ({spec_dir}), so it is taken from the current "
+                f"directory: {os.path.normpath(in_cwd)}. Write it relative to the spec's folder or as an "
+                "absolute path, so the spec means the same from any directory.",
+            )
             return value
-        warn(key, f"{value!r} is taken from the spec file's folder: {rebased}, which does not exist; the current "
-                  f"directory has {os.path.normpath(in_cwd)}. To use that one, write its absolute path (or "
-                  f"{os.path.relpath(in_cwd, spec_dir)!r}, relative to the spec's folder).")
+        warn(
+            key,
+            f"{value!r} is taken from the spec file's folder: {rebased}, which does not exist; the current "
+            f"directory has {os.path.normpath(in_cwd)}. To use that one, write its absolute path (or "
+            f"{os.path.relpath(in_cwd, spec_dir)!r}, relative to the spec's folder).",
+        )
     return value if may_be_hub_id else rebased

@@ -47,12 +47,29 @@ COMMENTED_VALUES: dict[str, Any] = {
 
 
 # What `dstune init --model` leaves out: the keys a family's data or samples never read, by what it trains on.
-SPEECH_ONLY_KEYS = ("data.min_clip_seconds", "data.max_clip_seconds", "data.duration_bucket_seconds",
-                    "data.speaker_balance", "data.cache.codec_tokens")
-PICTURE_ONLY_KEYS = ("data.resolution", "data.center_crop", "data.random_flip", "data.caption_dropout",
-                     "data.caption_extension", "data.cache.latents", "data.cache.text_embeddings", "data.buckets",
-                     "data.eval", "data.control_dir", "data.video", "sample.steps", "sample.guidance",
-                     "sample.control_images")
+SPEECH_ONLY_KEYS = (
+    "data.min_clip_seconds",
+    "data.max_clip_seconds",
+    "data.duration_bucket_seconds",
+    "data.speaker_balance",
+    "data.cache.codec_tokens",
+)
+PICTURE_ONLY_KEYS = (
+    "data.resolution",
+    "data.center_crop",
+    "data.random_flip",
+    "data.caption_dropout",
+    "data.caption_extension",
+    "data.cache.latents",
+    "data.cache.text_embeddings",
+    "data.buckets",
+    "data.eval",
+    "data.control_dir",
+    "data.video",
+    "sample.steps",
+    "sample.guidance",
+    "sample.control_images",
+)
 # The shared values of a model's spec; its ModelPreset's values go over them.
 MODEL_EXAMPLE_VALUES: dict[str, Any] = {
     "train.micro_batch_size": 1,
@@ -70,8 +87,11 @@ def left_out_keys(family: str) -> set[str]:
     """The dotted keys `dstune init --model` omits for a family (its data and samples never read them)."""
     if family in AUDIO_FAMILIES:
         voice = {"sample.voice_prompts"} if family != "tts_codebooks" else set()
-        return (set(PICTURE_ONLY_KEYS) | voice
-                | ({"data.cache.codec_tokens"} if family not in CODEC_TOKEN_FAMILIES else set()))
+        return (
+            set(PICTURE_ONLY_KEYS)
+            | voice
+            | ({"data.cache.codec_tokens"} if family not in CODEC_TOKEN_FAMILIES else set())
+        )
     left_out = set(SPEECH_ONLY_KEYS) | {"sample.voice_prompts"}
     if family in VIDEO_FAMILIES:
         return left_out | {"data.random_flip", "data.eval", "data.control_dir"}
@@ -106,8 +126,10 @@ def _optional_section_class(annotation) -> type[BaseModel] | None:
 
 
 def _section_classes(family: str) -> dict[str, type[BaseModel]]:
-    return {name: family_models()[family] if name == "model" else _section_class(info.annotation)
-            for name, info in Spec.model_fields.items()}
+    return {
+        name: family_models()[family] if name == "model" else _section_class(info.annotation)
+        for name, info in Spec.model_fields.items()
+    }
 
 
 def _walk(model: type[BaseModel], prefix: str) -> Iterator[tuple[str, FieldInfo, type[BaseModel] | None]]:
@@ -166,7 +188,7 @@ def reference_markdown() -> str:
         "<!-- Generated from the field descriptions in dstune/spec/models.py by `python -m dstune.spec.reference`"
         " (`make docs`). Do not edit by hand: a test regenerates it. -->",
         "",
-        "A spec is one YAML file with the sections below. Unknown keys are errors (with a \"did you mean\"), every "
+        'A spec is one YAML file with the sections below. Unknown keys are errors (with a "did you mean"), every '
         "error is reported at once with its file:line, and any key can be overridden from the command line with "
         "`--set section.key=value`. `dstune init` prints a commented example; `dstune schema` prints the JSON "
         "schema for editor completion. How the batch numbers, epochs and steps fit together: "
@@ -174,8 +196,9 @@ def reference_markdown() -> str:
         "",
     ]
     for family, model in family_models().items():
-        lines += _section_markdown("model", model, Spec.model_fields["model"].description or "",
-                                   title=f"`model` (family `{family}`)")
+        lines += _section_markdown(
+            "model", model, Spec.model_fields["model"].description or "", title=f"`model` (family `{family}`)"
+        )
     for name, info in Spec.model_fields.items():
         section = _section_class(info.annotation)
         if name != "model" and section is not None:
@@ -184,8 +207,14 @@ def reference_markdown() -> str:
 
 
 def _section_markdown(key: str, model: type[BaseModel], description: str, title: str = "") -> list[str]:
-    lines = [f"## {title or f'`{key}`'}", "", description, "",
-             "| key | type | default | description |", "|---|---|---|---|"]
+    lines = [
+        f"## {title or f'`{key}`'}",
+        "",
+        description,
+        "",
+        "| key | type | default | description |",
+        "|---|---|---|---|",
+    ]
     subsections = []
     for dotted, info, section in _walk(model, key):
         optional = section is None and _optional_section_class(info.annotation) is not None
@@ -203,8 +232,10 @@ def _section_markdown(key: str, model: type[BaseModel], description: str, title:
             shown = "omitted" if default is None else f"`{yaml_value(default)}`"
         kind = _type_name(info.annotation)
         limits = _constraints(info)
-        lines.append(f"| `{dotted}` | {_cell(kind)}{f' ({limits})' if limits else ''} | {_cell(shown)} | "
-                     f"{_cell(info.description)} |")
+        lines.append(
+            f"| `{dotted}` | {_cell(kind)}{f' ({limits})' if limits else ''} | {_cell(shown)} | "
+            f"{_cell(info.description)} |"
+        )
     lines.append("")
     for dotted, section, text in subsections:
         lines += _section_markdown(dotted, section, text)
@@ -242,8 +273,12 @@ def example_spec(family: str = "sd") -> str:
 def model_spec(name: str) -> str:
     """`dstune init --model NAME`: the spec of one model with its real defaults and only its family's keys."""
     preset: ModelPreset = PRESETS_BY_NAME[name]
-    values = {**MODEL_EXAMPLE_VALUES, "output.dir": f"runs/{preset.name}", "model.pretrained": preset.pretrained,
-              **preset.values}
+    values = {
+        **MODEL_EXAMPLE_VALUES,
+        "output.dir": f"runs/{preset.name}",
+        "model.pretrained": preset.pretrained,
+        **preset.values,
+    }
     lines = [
         f"# {preset.title}: written by `dstune init --model {preset.name}`.",
         f"# model.pretrained is the published checkpoint, {preset.pretrained} (download it first: `hf download "
@@ -259,15 +294,17 @@ def model_spec(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _section_yaml(model: type[BaseModel], key: str, indent: int, family: str, values=None,
-                  left_out: set[str] = frozenset()) -> list[str]:
+def _section_yaml(
+    model: type[BaseModel], key: str, indent: int, family: str, values=None, left_out: set[str] = frozenset()
+) -> list[str]:
     rows = _rows(model, key, indent, family, EXAMPLE_VALUES if values is None else values, left_out)
     width = max(len(text) for text, _ in rows)  # one comment column per top-level section
     return [f"{text.ljust(width)}  # {comment}" if comment else text for text, comment in rows]
 
 
-def _rows(model: type[BaseModel], key: str, indent: int, family: str, values: dict[str, Any],
-          left_out: set[str]) -> list[tuple[str, str]]:
+def _rows(
+    model: type[BaseModel], key: str, indent: int, family: str, values: dict[str, Any], left_out: set[str]
+) -> list[tuple[str, str]]:
     """(YAML text, description) for each field; a nested section adds its own rows, indented."""
     pad = "  " * indent
     rows: list[tuple[str, str]] = []
@@ -283,8 +320,9 @@ def _rows(model: type[BaseModel], key: str, indent: int, family: str, values: di
     return rows
 
 
-def _field_row(dotted: str, name: str, info: FieldInfo, pad: str, family: str,
-               values: dict[str, Any]) -> tuple[str, str]:
+def _field_row(
+    dotted: str, name: str, info: FieldInfo, pad: str, family: str, values: dict[str, Any]
+) -> tuple[str, str]:
     comment = info.description or ""
     if dotted == "model.family":
         return f"{pad}family: {family}", comment

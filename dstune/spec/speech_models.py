@@ -11,7 +11,6 @@ from dstune.spec.model_sections import LM_LORA_TARGET_MODULES, LoraSpec
 from dstune.spec.section import Section
 
 
-
 class LmLoraSpec(LoraSpec):
     """LoRA on a causal LM: the same settings, with a Llama-class LM's attention projections as the targets."""
 
@@ -43,5 +42,3 @@ class LmLoraSection(Section):
         if self.train != "lora":
             return None
         return self.lora if self.lora is not None else LmLoraSpec()
-
-

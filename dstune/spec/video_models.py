@@ -22,7 +22,8 @@ class WanModel(DenoiserModelBase):
     PRESET_NAME: ClassVar[str] = "the video models' usual frame height"
     PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = registry.pipelines(VIDEO_FAMILY)
     NATIVE_SIZES: ClassVar[dict[str, tuple[int, str]]] = {
-        name: size for unit in registry.on_core(VIDEO_FAMILY) for name, size in unit.native_sizes.items()}
+        name: size for unit in registry.on_core(VIDEO_FAMILY) for name, size in unit.native_sizes.items()
+    }
 
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
         """The frame size the folder's pipeline fixes in its code (its unit says it), whatever the folder; else the
@@ -33,20 +34,24 @@ class WanModel(DenoiserModelBase):
 
     family: Literal[VIDEO_FAMILY] = Field(
         description=f"Model family. `{VIDEO_FAMILY}`: the video models, chosen by the folder: "
-        + "; ".join(unit.summary for unit in registry.on_core(VIDEO_FAMILY)) + "; trained on clips by flow "
+        + "; ".join(unit.summary for unit in registry.on_core(VIDEO_FAMILY))
+        + "; trained on clips by flow "
         "matching. See " + " and ".join(unit.docs for unit in registry.on_core(VIDEO_FAMILY)) + "."
     )
     pretrained: str = Field(
         core_default_builtin(VIDEO_FAMILY),
         description="A diffusers pipeline folder of one of those models (model_index.json + transformer/vae/text "
         "encoders/tokenizers/scheduler, and the image encoder of an image-to-video pipeline): "
-        + ", ".join(registry.pipelines(VIDEO_FAMILY)) + "; a hub id already in the local Hugging Face cache; or a "
-        "tiny model built offline: " + ", ".join(f"`builtin:{name}`" for unit in registry.on_core(VIDEO_FAMILY)
-                                                 for name in unit.builtins) + ".",
+        + ", ".join(registry.pipelines(VIDEO_FAMILY))
+        + "; a hub id already in the local Hugging Face cache; or a "
+        "tiny model built offline: "
+        + ", ".join(f"`builtin:{name}`" for unit in registry.on_core(VIDEO_FAMILY) for name in unit.builtins)
+        + ".",
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute each transformer block's activations in backward (torch non-reentrant "
-        "checkpointing): activations grow with frames x height x width tokens, so real clips need it."
+        False,
+        description="Recompute each transformer block's activations in backward (torch non-reentrant "
+        "checkpointing): activations grow with frames x height x width tokens, so real clips need it.",
     )
     timestep_sampling: Literal["logit_normal", "uniform", "mode", "shifted_logit_normal"] = Field(
         "uniform",
@@ -58,60 +63,88 @@ class WanModel(DenoiserModelBase):
     )
     logit_mean: Optional[float] = Field(None, description="logit_normal only: the normal's mean. Omitted: 0.0.")
     logit_std: Optional[float] = Field(None, gt=0, description="logit_normal only: its std. Omitted: 1.0.")
-    mode_scale: Optional[float] = Field(None, description="mode only: how strongly mid timesteps are favoured. "
-                                        "Omitted: 1.29.")
+    mode_scale: Optional[float] = Field(
+        None, description="mode only: how strongly mid timesteps are favoured. Omitted: 1.29."
+    )
     shift: Optional[float] = Field(
-        None, gt=0, description="Timestep shift of the training tables (sigma -> shift sigma / (1 + (shift - 1) "
+        None,
+        gt=0,
+        description="Timestep shift of the training tables (sigma -> shift sigma / (1 + (shift - 1) "
         "sigma)). Omitted: the scheduler's (UniPC's flow_shift or FlowMatchEulerDiscreteScheduler's shift), or "
         "the model's official trainer's where it trains with its own (each model's docs page says which).",
     )
     loss_weighting: Literal["none", "cosmap"] = Field(
-        "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3).")
+        "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3)."
+    )
     max_sequence_length: Optional[int] = Field(
-        None, gt=0, description="Text tokens per caption of the model's main text encoder (after its prompt "
+        None,
+        gt=0,
+        description="Text tokens per caption of the model's main text encoder (after its prompt "
         "template, zero-padded as its pipeline pads them). Omitted: the model's pipeline default, at most the "
         "tokenizer's model_max_length: " + registry.spec_notes(VIDEO_FAMILY, "model.max_sequence_length") + ".",
     )
 
     expert: Optional[Literal["high_noise", "low_noise"]] = Field(
-        None, description="Two-expert folders only (`transformer` and `transformer_2` with a "
+        None,
+        description="Two-expert folders only (`transformer` and `transformer_2` with a "
         "boundary_ratio): which expert this run trains. `high_noise`: `transformer`, on the timesteps at or above "
         "boundary_ratio x 1000; `low_noise`: `transformer_2`, on those below. The other expert stays frozen in host "
-        "memory and joins only for samples. Required for such folders, refused for one-expert ones.")
+        "memory and joins only for samples. Required for such folders, refused for one-expert ones.",
+    )
     timestep_range: Optional[tuple[float, float]] = Field(
-        None, description="[min, max]: train only on the scheduler timesteps t (0-1000, after the shift) with min <= "
+        None,
+        description="[min, max]: train only on the scheduler timesteps t (0-1000, after the shift) with min <= "
         "t <= max. With model.expert the range must lie on that expert's side of the folder's boundary "
         "(high_noise: min >= boundary_ratio x 1000; low_noise: max <= boundary_ratio x 1000, and t == boundary "
         "stays the high-noise expert's, as in the two-expert pipelines). Omitted: every timestep (of the expert's side). "
-        "`dstune validate` prints the range a run trains.")
+        "`dstune validate` prints the range a run trains.",
+    )
     image_to_video: Optional[bool] = Field(
-        None, description="Train image-to-video: every clip is denoised from its own first frame, conditioned as "
+        None,
+        description="Train image-to-video: every clip is denoised from its own first frame, conditioned as "
         "the model's image-to-video pipeline conditions it (the first frame VAE-encoded as a condition with a mask, "
         "and an image embedding where the model has one; or, for a text-and-image model, the first latent frame "
         "replaced by the clean image latent, its tokens at timestep 0, left out of the loss: each model's docs page "
         "says which). Omitted: what the folder is (image-to-video folders: true; text-to-video and text-and-image "
         "folders: false). true on a text-to-video "
         "folder and false on an image-to-video one are refused. Samples then render from sample.control_images "
-        "(one first frame per prompt).")
+        "(one first frame per prompt).",
+    )
     sample_frames: int = Field(
-        5, gt=0, description="Frames of each clip rendered for `sample.prompts` during training (4k+1, or 8k+1 for a VAE 8x in time; the samples "
-        "page plays them as animated WebP, with an MP4 of each step beside it).")
+        5,
+        gt=0,
+        description="Frames of each clip rendered for `sample.prompts` during training (4k+1, or 8k+1 for a VAE 8x in time; the samples "
+        "page plays them as animated WebP, with an MP4 of each step beside it).",
+    )
 
     @model_validator(mode="after")
     def _no_unused_sampling_settings(self) -> "WanModel":
-        used = {"logit_normal": {"logit_mean", "logit_std"}, "mode": {"mode_scale"}, "uniform": set(),
-                "shifted_logit_normal": set()}
-        unused = sorted(name for name in {"logit_mean", "logit_std", "mode_scale"} - used[self.timestep_sampling]
-                        if getattr(self, name) is not None)
+        used = {
+            "logit_normal": {"logit_mean", "logit_std"},
+            "mode": {"mode_scale"},
+            "uniform": set(),
+            "shifted_logit_normal": set(),
+        }
+        unused = sorted(
+            name
+            for name in {"logit_mean", "logit_std", "mode_scale"} - used[self.timestep_sampling]
+            if getattr(self, name) is not None
+        )
         if unused:
-            raise ValueError(f"{', '.join(unused)} only apply to another timestep_sampling (it is "
-                             f"{self.timestep_sampling!r}): remove them or change timestep_sampling")
+            raise ValueError(
+                f"{', '.join(unused)} only apply to another timestep_sampling (it is "
+                f"{self.timestep_sampling!r}): remove them or change timestep_sampling"
+            )
         if self.timestep_range is not None and not 0 <= self.timestep_range[0] < self.timestep_range[1]:
-            raise ValueError(f"timestep_range {list(self.timestep_range)} must be [min, max] with 0 <= min < max "
-                             "(scheduler timesteps, 0-1000)")
+            raise ValueError(
+                f"timestep_range {list(self.timestep_range)} must be [min, max] with 0 <= min < max "
+                "(scheduler timesteps, 0-1000)"
+            )
         if (self.sample_frames - 1) % 4:
-            raise ValueError(f"sample_frames {self.sample_frames} is not 4k+1 (the VAE keeps the first frame and "
-                             "compresses the rest 4x)")
+            raise ValueError(
+                f"sample_frames {self.sample_frames} is not 4k+1 (the VAE keeps the first frame and "
+                "compresses the rest 4x)"
+            )
         return self
 
 
@@ -121,15 +154,18 @@ def experts_in(index: dict) -> list[str]:
     return ["transformer"] + (["transformer_2"] if (index.get("transformer_2") or [None, None])[1] else [])
 
 
-def expert_problems(index: dict, expert: Optional[str], timestep_range=None,
-                    num_train_timesteps: int = 1000) -> list[str]:
+def expert_problems(
+    index: dict, expert: Optional[str], timestep_range=None, num_train_timesteps: int = 1000
+) -> list[str]:
     """Why model.expert / model.timestep_range do not fit a video folder's model_index.json (empty: they do)."""
     two = len(experts_in(index)) == 2
     if two and index.get("boundary_ratio") is None:
         return ["it has two experts (transformer, transformer_2) but no boundary_ratio in model_index.json"]
     if two and expert is None:
-        return ["it has two experts: set model.expert to high_noise (transformer, timesteps at or "
-                f"above {index['boundary_ratio']} x 1000) or low_noise (transformer_2, below); a run trains one"]
+        return [
+            "it has two experts: set model.expert to high_noise (transformer, timesteps at or "
+            f"above {index['boundary_ratio']} x 1000) or low_noise (transformer_2, below); a run trains one"
+        ]
     if not two and expert is not None:
         return [f"model.expert {expert} applies to two-expert folders (transformer_2); this one has one: remove it"]
     if not two or timestep_range is None:
@@ -137,18 +173,23 @@ def expert_problems(index: dict, expert: Optional[str], timestep_range=None,
     boundary = index["boundary_ratio"] * num_train_timesteps
     low, high = timestep_range
     if expert == "high_noise" and low < boundary:
-        return [f"model.timestep_range {list(timestep_range)} reaches below the boundary {boundary:g} (boundary_ratio "
-                f"{index['boundary_ratio']} x {num_train_timesteps} in model_index.json): the high_noise expert "
-                f"only runs at t >= {boundary:g}; raise min to {boundary:g} or more, or train low_noise"]
+        return [
+            f"model.timestep_range {list(timestep_range)} reaches below the boundary {boundary:g} (boundary_ratio "
+            f"{index['boundary_ratio']} x {num_train_timesteps} in model_index.json): the high_noise expert "
+            f"only runs at t >= {boundary:g}; raise min to {boundary:g} or more, or train low_noise"
+        ]
     if expert == "low_noise" and high > boundary:
-        return [f"model.timestep_range {list(timestep_range)} reaches above the boundary {boundary:g} (boundary_ratio "
-                f"{index['boundary_ratio']} x {num_train_timesteps} in model_index.json): the low_noise expert "
-                f"only runs at t < {boundary:g}; lower max to {boundary:g} or less, or train high_noise"]
+        return [
+            f"model.timestep_range {list(timestep_range)} reaches above the boundary {boundary:g} (boundary_ratio "
+            f"{index['boundary_ratio']} x {num_train_timesteps} in model_index.json): the low_noise expert "
+            f"only runs at t < {boundary:g}; lower max to {boundary:g} or less, or train high_noise"
+        ]
     return []
 
 
-def expert_range(index: dict, expert: Optional[str], timestep_range=None,
-                 num_train_timesteps: int = 1000) -> tuple[float, float, bool]:
+def expert_range(
+    index: dict, expert: Optional[str], timestep_range=None, num_train_timesteps: int = 1000
+) -> tuple[float, float, bool]:
     """(min, max, max included) of the timesteps a run trains: the expert's side of the boundary (high_noise
     [boundary, 1000], low_noise [0, boundary) ), narrowed by model.timestep_range; [0, 1000] without either."""
     low, high, inclusive = 0.0, float(num_train_timesteps), True
@@ -162,15 +203,19 @@ def expert_range(index: dict, expert: Optional[str], timestep_range=None,
     return low, high, inclusive
 
 
-def expert_range_text(index: dict, expert: Optional[str], timestep_range=None,
-                      num_train_timesteps: int = 1000) -> str:
+def expert_range_text(index: dict, expert: Optional[str], timestep_range=None, num_train_timesteps: int = 1000) -> str:
     """What `dstune validate` prints of a two-expert run's timesteps, e.g. "low_noise (transformer_2) trains timesteps
     0 to < 875 of 1000; transformer (high noise) ... frozen"."""
     low, high, inclusive = expert_range(index, expert, timestep_range, num_train_timesteps)
     span = f"{low:g} to {'' if inclusive else '< '}{high:g} of {num_train_timesteps}"
     if expert is None:
         return f"transformer trains timesteps {span}"
-    trained, other = ("transformer", "transformer_2 (low noise)") if expert == "high_noise" else \
-        ("transformer_2", "transformer (high noise)")
-    return (f"{expert} ({trained}) trains timesteps {span} (boundary_ratio {index['boundary_ratio']} in "
-            f"model_index.json); {other} is never trained and loads only while samples render")
+    trained, other = (
+        ("transformer", "transformer_2 (low noise)")
+        if expert == "high_noise"
+        else ("transformer_2", "transformer (high noise)")
+    )
+    return (
+        f"{expert} ({trained}) trains timesteps {span} (boundary_ratio {index['boundary_ratio']} in "
+        f"model_index.json); {other} is never trained and loads only while samples render"
+    )

@@ -34,11 +34,18 @@ def split_prompt_lists(node: yaml.Node) -> list[tuple[str, int, str]]:
             return
         read = " | ".join(item.value for item in n.value)
         joined = f"{n.value[0].value}, {n.value[1].value}"
-        found.append((key, n.start_mark.line + 1, (
-            f"a flow-style list ([...]) of unquoted text is split at every comma: YAML reads {len(n.value)} prompts "
-            f"here ({read}). If a prompt holds a comma, write the list in block style, one prompt per line "
-            f"(`- {joined}` under `{key.rsplit('.', 1)[-1]}:`), or quote each prompt (\"{joined}\"); if these are "
-            "the prompts you meant, quote them to say so")))
+        found.append(
+            (
+                key,
+                n.start_mark.line + 1,
+                (
+                    f"a flow-style list ([...]) of unquoted text is split at every comma: YAML reads {len(n.value)} prompts "
+                    f"here ({read}). If a prompt holds a comma, write the list in block style, one prompt per line "
+                    f'(`- {joined}` under `{key.rsplit(".", 1)[-1]}:`), or quote each prompt ("{joined}"); if these are '
+                    "the prompts you meant, quote them to say so"
+                ),
+            )
+        )
 
     walk(node, "")
     return found

@@ -32,8 +32,11 @@ SD15_UNET = REPO / "dstune" / "model_configs" / "hub" / "stable-diffusion-v1-5" 
 TOLERANCE = 0.15  # measured must reach at least 85 % of predicted: a plan far above the GPU would waste it
 CASES = {  # name -> spec overrides on top of SPEC
     "zero2-full-cache-samples": {"deepspeed": {"zero_stage": 2}},
-    "zero2-lora-ema-samples": {"deepspeed": {"zero_stage": 2}, "model": {"train": "lora", "lora": {"rank": 16}},
-                               "train": {"ema": {"device": "same"}}},
+    "zero2-lora-ema-samples": {
+        "deepspeed": {"zero_stage": 2},
+        "model": {"train": "lora", "lora": {"rank": 16}},
+        "train": {"ema": {"device": "same"}},
+    },
     "zero0-full-cache-samples": {"deepspeed": {"zero_stage": 0}},
 }
 
@@ -46,21 +49,34 @@ def _real_width_pipeline() -> Path:
 
     tiny = ensure_builtin_model("builtin:tiny-sd", CACHE_DIR)
     text_width = json.loads((tiny / "text_encoder" / "config.json").read_text())["hidden_size"]
-    config = {key: value for key, value in json.loads((SD15_UNET / "config.json").read_text()).items()
-              if not key.startswith("_")}
+    config = {
+        key: value
+        for key, value in json.loads((SD15_UNET / "config.json").read_text()).items()
+        if not key.startswith("_")
+    }
     config["cross_attention_dim"] = text_width
     return sd_pipeline_with_unet(CACHE_DIR / "gpu-sd15-width", config, CACHE_DIR)
 
 
 def _spec(run_dir: Path, model: Path, overrides: dict) -> dict:
-    spec = {"model": {"family": "sd", "pretrained": str(model), "gradient_checkpointing": True},
-            "data": {"path": "builtin:shapes", "resolution": 512,
-                     "cache": {"latents": True, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}},
-            "train": {"micro_batch_size": 1, "global_batch_size": 1, "max_steps": 2, "precision": "bf16",
-                      "optimizer": {"type": "adamw", "lr": 1e-5}},
-            "deepspeed": {"zero_stage": 2},
-            "output": {"dir": str(run_dir), "export": "none", "cache_dir": str(CACHE_DIR)},
-            "sample": {"prompts": ["a red circle"], "steps": 2, "every_steps": 1000}}
+    spec = {
+        "model": {"family": "sd", "pretrained": str(model), "gradient_checkpointing": True},
+        "data": {
+            "path": "builtin:shapes",
+            "resolution": 512,
+            "cache": {"latents": True, "text_embeddings": True, "dir": str(run_dir.parent / "cache")},
+        },
+        "train": {
+            "micro_batch_size": 1,
+            "global_batch_size": 1,
+            "max_steps": 2,
+            "precision": "bf16",
+            "optimizer": {"type": "adamw", "lr": 1e-5},
+        },
+        "deepspeed": {"zero_stage": 2},
+        "output": {"dir": str(run_dir), "export": "none", "cache_dir": str(CACHE_DIR)},
+        "sample": {"prompts": ["a red circle"], "steps": 2, "every_steps": 1000},
+    }
     for section, values in overrides.items():
         spec[section] = {**spec[section], **values}
     return spec
@@ -75,12 +91,21 @@ def test_each_phase_is_predicted_at_or_above_the_cuda_peak_and_within_15_percent
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(_spec(run_dir, model, CASES[name])))
     env = {**os.environ, "PYTHONPATH": str(REPO), "DSTUNE_TEST_CACHE": str(CACHE_DIR)}
-    proc = subprocess.run([sys.executable, str(REPO / "dstune" / "train.py"), str(spec_path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "dstune" / "train.py"), str(spec_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((run_dir / "memory.json").read_text())
-    rows = {phase: row for phase, row in report["phases"].items()
-            if row["predicted_bytes"] is not None and row["measured_max_bytes"] is not None}
+    rows = {
+        phase: row
+        for phase, row in report["phases"].items()
+        if row["predicted_bytes"] is not None and row["measured_max_bytes"] is not None
+    }
     assert {"load", "cache", "step", "sample"} <= set(rows), report["phases"]
     # the phase's figure (what --gpu-memory is held to) includes the runtime reserve, which also covers the working
     # memory the plan leaves unmodelled (encoding, a sampling forward pass); the CUDA context is outside
@@ -88,7 +113,9 @@ def test_each_phase_is_predicted_at_or_above_the_cuda_peak_and_within_15_percent
     reserve = report["predicted"]["per_gpu"]["runtime_reserve_bytes"]
     for phase, row in rows.items():
         predicted, measured = row["predicted_bytes"], row["measured_max_bytes"]
-        print(f"{name} {phase}: predicted {predicted / 1e9:.2f} GB (+ reserve {reserve / 1e9:.2f}), CUDA peak "
-              f"{measured / 1e9:.2f} GB")
+        print(
+            f"{name} {phase}: predicted {predicted / 1e9:.2f} GB (+ reserve {reserve / 1e9:.2f}), CUDA peak "
+            f"{measured / 1e9:.2f} GB"
+        )
         assert measured <= predicted + reserve, (phase, measured, predicted)
         assert measured >= (1 - TOLERANCE) * predicted, (phase, measured, predicted)

@@ -44,9 +44,14 @@ SIDE_EDIT = 64  # the edit pairs' side: 8 px per latent, 8x8 latents (as tests/d
 
 def _common(run_dir: Path, model: dict, data: dict, train: dict) -> dict:
     """base_spec (fp32, seed 7, num_workers 0, export none) with STEPS steps under ZeRO STAGE and no samples."""
-    return base_spec(run_dir, model=model, data=data,
-                     train={"gradient_accumulation_steps": None, "max_steps": STEPS, **train},
-                     deepspeed={"zero_stage": STAGE}, sample={"prompts": []})
+    return base_spec(
+        run_dir,
+        model=model,
+        data=data,
+        train={"gradient_accumulation_steps": None, "max_steps": STEPS, **train},
+        deepspeed={"zero_stage": STAGE},
+        sample={"prompts": []},
+    )
 
 
 def _caches(run_dir: Path, latents: bool, text: bool) -> dict:
@@ -55,18 +60,26 @@ def _caches(run_dir: Path, latents: bool, text: bool) -> dict:
 
 def _image_spec(family: str):
     """sd / sdxl: builtin:shapes at 32 px, encoded every step (tests/dist/test_train.py's base spec)."""
+
     def spec(run_dir: Path, name: str) -> dict:
-        return _common(run_dir, {"family": family, "pretrained": f"builtin:{name}"}, {},
-                       {"global_batch_size": 4, "micro_batch_size": 2})
+        return _common(
+            run_dir,
+            {"family": family, "pretrained": f"builtin:{name}"},
+            {},
+            {"global_batch_size": 4, "micro_batch_size": 2},
+        )
+
     return spec
 
 
 def _flow_spec(run_dir: Path, name: str) -> dict:
     """Full fine-tuning from cached latents and text (tests/dist/flow_runs.py's full case)."""
-    return _common(run_dir, {"family": "flow", "pretrained": f"builtin:{name}", "train": "full",
-                             "timestep_sampling": "uniform"},
-                   {"cache": _caches(run_dir, True, True)},
-                   {"global_batch_size": 4, "micro_batch_size": 2, "optimizer": {"type": "adamw", "lr": 2e-4}})
+    return _common(
+        run_dir,
+        {"family": "flow", "pretrained": f"builtin:{name}", "train": "full", "timestep_sampling": "uniform"},
+        {"cache": _caches(run_dir, True, True)},
+        {"global_batch_size": 4, "micro_batch_size": 2, "optimizer": {"type": "adamw", "lr": 2e-4}},
+    )
 
 
 def _write_edit_pairs(root: Path) -> Path:
@@ -86,49 +99,73 @@ def _write_edit_pairs(root: Path) -> Path:
 def _flow_edit_spec(run_dir: Path, name: str) -> dict:
     """Edit pairs from cached target and source latents; no text cache (an edit embedding belongs to a pair)."""
     spec = _flow_spec(run_dir, name)
-    spec["data"].update(path=str(_write_edit_pairs(run_dir.parent / "pairs")), control_dir="../control",
-                        resolution=SIDE_EDIT)
+    spec["data"].update(
+        path=str(_write_edit_pairs(run_dir.parent / "pairs")), control_dir="../control", resolution=SIDE_EDIT
+    )
     spec["data"]["cache"]["text_embeddings"] = False
     return spec
 
 
 def _wan_spec(model_options: dict, latents: bool, text: bool):
     """Wan on builtin:moving-shapes, full (tests/dist/test_wan.py's full, low-noise expert and image-to-video runs)."""
+
     def spec(run_dir: Path, name: str) -> dict:
         data = {"path": "builtin:moving-shapes"}
         if latents or text:
             data["cache"] = _caches(run_dir, latents, text)
-        return _common(run_dir, {"family": "wan", "pretrained": f"builtin:{name}", "train": "full", **model_options},
-                       data, {"global_batch_size": 4, "micro_batch_size": 2,
-                              "optimizer": {"type": "adamw", "lr": 2e-4}})
+        return _common(
+            run_dir,
+            {"family": "wan", "pretrained": f"builtin:{name}", "train": "full", **model_options},
+            data,
+            {"global_batch_size": 4, "micro_batch_size": 2, "optimizer": {"type": "adamw", "lr": 2e-4}},
+        )
+
     return spec
 
 
 def _tts_lm_spec(model_options: dict, lr: float):
     """tts_lm on builtin:tones from the codec-token cache (tests/dist/tts_runs.py, test_tts_orpheus.py)."""
+
     def spec(run_dir: Path, name: str) -> dict:
-        data = {"path": "builtin:tones", "max_clip_seconds": 0.5,
-                "cache": {"codec_tokens": True, "dir": str(run_dir.parent / "codec-cache")}}
+        data = {
+            "path": "builtin:tones",
+            "max_clip_seconds": 0.5,
+            "cache": {"codec_tokens": True, "dir": str(run_dir.parent / "codec-cache")},
+        }
         if name == "tiny-tts-lm":
             data["duration_bucket_seconds"] = 0.25
-        return _common(run_dir, {"family": "tts_lm", "pretrained": f"builtin:{name}", **model_options}, data,
-                       {"global_batch_size": 8, "micro_batch_size": 4, "optimizer": {"type": "adamw", "lr": lr}})
+        return _common(
+            run_dir,
+            {"family": "tts_lm", "pretrained": f"builtin:{name}", **model_options},
+            data,
+            {"global_batch_size": 8, "micro_batch_size": 4, "optimizer": {"type": "adamw", "lr": lr}},
+        )
+
     return spec
 
 
 def _speecht5_spec(run_dir: Path, name: str) -> dict:
     """speecht5 on builtin:tones (tests/dist/test_tts.py's speecht5 runs)."""
-    return _common(run_dir, {"family": "speecht5", "pretrained": f"builtin:{name}"},
-                   {"path": "builtin:tones", "max_clip_seconds": 0.5},
-                   {"global_batch_size": 8, "micro_batch_size": 4, "optimizer": {"type": "adamw", "lr": 1e-2}})
+    return _common(
+        run_dir,
+        {"family": "speecht5", "pretrained": f"builtin:{name}"},
+        {"path": "builtin:tones", "max_clip_seconds": 0.5},
+        {"global_batch_size": 8, "micro_batch_size": 4, "optimizer": {"type": "adamw", "lr": 1e-2}},
+    )
 
 
 def _codebooks_spec(run_dir: Path, name: str) -> dict:
     """tts_codebooks (CSM, Dia) on builtin:tones from the codec-token cache (tests/dist/tts_runs.py's codebooks runs)."""
-    return _common(run_dir, {"family": "tts_codebooks", "pretrained": f"builtin:{name}"},
-                   {"path": "builtin:tones", "max_clip_seconds": 0.5,
-                    "cache": {"codec_tokens": True, "dir": str(run_dir.parent / "codec-cache")}},
-                   {"global_batch_size": 8, "micro_batch_size": 4, "optimizer": {"type": "adamw", "lr": 1e-2}})
+    return _common(
+        run_dir,
+        {"family": "tts_codebooks", "pretrained": f"builtin:{name}"},
+        {
+            "path": "builtin:tones",
+            "max_clip_seconds": 0.5,
+            "cache": {"codec_tokens": True, "dir": str(run_dir.parent / "codec-cache")},
+        },
+        {"global_batch_size": 8, "micro_batch_size": 4, "optimizer": {"type": "adamw", "lr": 1e-2}},
+    )
 
 
 # built-in model -> its run's spec(run_dir, model name); one entry per dstune.builtin.BUILTIN_MODELS name
@@ -214,19 +251,26 @@ def compare(old: dict, new: dict, failed: dict) -> bool:
     for name in sorted(set(old) | set(new) | set(failed)):
         a, b = old.get(name), new.get(name)
         if a is None or b is None:
-            why = "run failed" if name in failed else ("not in the old recording" if a is None
-                                                        else "not in the new recording")
+            why = (
+                "run failed"
+                if name in failed
+                else ("not in the old recording" if a is None else "not in the new recording")
+            )
             print(f"| {name} | | no: {why} | | | | |")
             same_everywhere = False
             continue
         differing = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
         if len(a) != len(b) and not differing:
             differing = [min(len(a), len(b))]
-        rel = max((abs(float.fromhex(x) - float.fromhex(y)) / max(abs(float.fromhex(x)), 1e-300)
-                   for x, y in zip(a, b)), default=0.0)
+        rel = max(
+            (abs(float.fromhex(x) - float.fromhex(y)) / max(abs(float.fromhex(x)), 1e-300) for x, y in zip(a, b)),
+            default=0.0,
+        )
         if differing and name in NOT_REPRODUCIBLE:
-            print(f"| {name} | {len(a)} / {len(b)} | not comparable ({NOT_REPRODUCIBLE[name]}) | {differing[0] + 1} "
-                  f"| | | {rel:.3g} |")
+            print(
+                f"| {name} | {len(a)} / {len(b)} | not comparable ({NOT_REPRODUCIBLE[name]}) | {differing[0] + 1} "
+                f"| | | {rel:.3g} |"
+            )
         elif differing:
             same_everywhere = False
             i = differing[0]
@@ -240,10 +284,15 @@ def compare(old: dict, new: dict, failed: dict) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-o", "--output", type=Path, help="write the recording here (JSON)")
-    parser.add_argument("--compare", type=Path, metavar="OLD", help="compare with this recording; exit 1 on any "
-                        "bitwise difference")
-    parser.add_argument("--recorded", type=Path, metavar="NEW", help="with --compare: compare with this recording "
-                        "instead of running now")
+    parser.add_argument(
+        "--compare", type=Path, metavar="OLD", help="compare with this recording; exit 1 on any bitwise difference"
+    )
+    parser.add_argument(
+        "--recorded",
+        type=Path,
+        metavar="NEW",
+        help="with --compare: compare with this recording instead of running now",
+    )
     parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(CASES)}")
     args = parser.parse_args(argv)
     if args.output is None and args.compare is None:
@@ -253,8 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     from dstune.builtin import BUILTIN_MODELS
 
     if set(CASES) != set(BUILTIN_MODELS):
-        print(f"CASES here and dstune.builtin.BUILTIN_MODELS differ: add a case for {sorted(set(BUILTIN_MODELS) - set(CASES))}"
-              f", drop {sorted(set(CASES) - set(BUILTIN_MODELS))}", file=sys.stderr)
+        print(
+            f"CASES here and dstune.builtin.BUILTIN_MODELS differ: add a case for {sorted(set(BUILTIN_MODELS) - set(CASES))}"
+            f", drop {sorted(set(CASES) - set(BUILTIN_MODELS))}",
+            file=sys.stderr,
+        )
         return 2
     models = args.models.split(",") if args.models else list(CASES)
     unknown = [m for m in models if m not in CASES]

@@ -35,11 +35,15 @@ def main() -> int:
     files, functions = sizes()
     long_files = sorted((item for item in files if item[0] > AIM_FILE_LINES), reverse=True)
     long_functions = sorted((item for item in functions if item[0] > item[1]), reverse=True)
-    print(f"size report: {len(files)} modules, {sum(n for n, _ in files)} lines; {len(functions)} functions, "
-          f"median {sorted(n for n, _, _ in functions)[len(functions) // 2]} lines")
+    print(
+        f"size report: {len(files)} modules, {sum(n for n, _ in files)} lines; {len(functions)} functions, "
+        f"median {sorted(n for n, _, _ in functions)[len(functions) // 2]} lines"
+    )
     print(f"  modules over {AIM_FILE_LINES} lines: " + (", ".join(f"{name} ({n})" for n, name in long_files) or "none"))
-    print(f"  functions over their aim ({AIM_FUNCTION_LINES}; train_loop {AIM_LOOP_LINES}): "
-          + (", ".join(f"{name} ({n})" for n, _, name in long_functions) or "none"))
+    print(
+        f"  functions over their aim ({AIM_FUNCTION_LINES}; train_loop {AIM_LOOP_LINES}): "
+        + (", ".join(f"{name} ({n})" for n, _, name in long_functions) or "none")
+    )
     return 0
 
 

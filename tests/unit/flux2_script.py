@@ -22,8 +22,17 @@ CASES = {  # (dstune settings, the examples' flags): their defaults (uniform u: 
 }
 
 
-def flux2_script_loss(built, pipeline_class, prompt_pipeline, encode_kwargs: dict, pixels: torch.Tensor,
-                      captions: list[str], flags: dict, u: torch.Tensor, draws: tuple) -> torch.Tensor:
+def flux2_script_loss(
+    built,
+    pipeline_class,
+    prompt_pipeline,
+    encode_kwargs: dict,
+    pixels: torch.Tensor,
+    captions: list[str],
+    flags: dict,
+    u: torch.Tensor,
+    draws: tuple,
+) -> torch.Tensor:
     """The example's loss on `pixels` / `captions` at dstune's u and noise draws (`draws`: seed, step, indices):
     the posterior's mode patchified and normalised with the VAE's batch-norm statistics, _prepare_latent_ids,
     _pack_latents, the scheduler copy's tables, timestep / 1000, guidance = flags["guidance_scale"] (None when the
@@ -37,8 +46,9 @@ def flux2_script_loss(built, pipeline_class, prompt_pipeline, encode_kwargs: dic
     bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
     with torch.no_grad():
         model_input = vae.encode(pixels).latent_dist.mode()
-        prompt_embeds, text_ids = prompt_pipeline.encode_prompt(prompt=list(captions), max_sequence_length=512,
-                                                                **encode_kwargs)
+        prompt_embeds, text_ids = prompt_pipeline.encode_prompt(
+            prompt=list(captions), max_sequence_length=512, **encode_kwargs
+        )
     model_input = (pipeline_class._patchify_latents(model_input) - bn_mean) / bn_std
     model_input_ids = pipeline_class._prepare_latent_ids(model_input)
     noise = per_sample_randn(model_input.shape[1:], *draws, "noise")
@@ -47,13 +57,20 @@ def flux2_script_loss(built, pipeline_class, prompt_pipeline, encode_kwargs: dic
     sigmas = scheduler.sigmas[positions].flatten().view(-1, 1, 1, 1)
     noisy = (1.0 - sigmas) * model_input + sigmas * noise
     packed = pipeline_class._pack_latents(noisy)
-    guidance = None if "guidance_scale" not in flags else \
-        torch.full([1], flags["guidance_scale"]).expand(model_input.shape[0])
+    guidance = (
+        None if "guidance_scale" not in flags else torch.full([1], flags["guidance_scale"]).expand(model_input.shape[0])
+    )
     with torch.no_grad():
-        model_pred = built.trainable(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
-                                     encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=model_input_ids,
-                                     return_dict=False)[0]
-    model_pred = pipeline_class._unpack_latents_with_ids(model_pred[:, :packed.size(1):], model_input_ids)
+        model_pred = built.trainable(
+            hidden_states=packed,
+            timestep=timesteps / 1000,
+            guidance=guidance,
+            encoder_hidden_states=prompt_embeds,
+            txt_ids=text_ids,
+            img_ids=model_input_ids,
+            return_dict=False,
+        )[0]
+    model_pred = pipeline_class._unpack_latents_with_ids(model_pred[:, : packed.size(1) :], model_input_ids)
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
     target = noise - model_input
     loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(len(captions), -1), 1)
@@ -72,12 +89,12 @@ def check_cached_text_trains_like_encoded_text(built) -> None:
 
 def check_sample_and_export_reload(built, pipeline_class, guidance: float, out_dir) -> None:
     """Samples render at 32 px; the export loads in `pipeline_class` with the trained weights and renders."""
-    images = flow.sample(built, built.trainable, ["a red circle"],
-                         SampleSpec(prompts=["x"], steps=2, guidance=guidance), 32)
+    images = flow.sample(
+        built, built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=guidance), 32
+    )
     assert [image.size for image in images] == [(32, 32)]
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
     reloaded = pipeline_class.from_pretrained(flow.export(built, state, out_dir / "export"))
     name = next(iter(state))
     assert torch.equal(reloaded.transformer.state_dict()[name], state[name])
     assert reloaded(prompt="a red circle", height=32, width=32, num_inference_steps=2).images[0].size == (32, 32)
-

@@ -35,12 +35,16 @@ def test_measured_constants_predict_a_third_size(case):
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[case.check_precision]
     record = measure(case, dtype, tokens, context, heads=case.check_heads)
     shape = ModelShape(record["width"], record["layers"], ffn=record["ffn"], vocab=record["vocab"])
-    full, checkpointed = measured_sample_bytes(case.key, shape, record["tokens"], record["context"],
-                                               case.check_precision)
+    full, checkpointed = measured_sample_bytes(
+        case.key, shape, record["tokens"], record["context"], case.check_precision
+    )
     assert full == pytest.approx(record["total"], rel=TOLERANCE), (case.key, full, record["total"])
     if case.checkpointing:
-        assert checkpointed == pytest.approx(record["ckpt_total"], rel=TOLERANCE), \
-            (case.key, checkpointed, record["ckpt_total"])
+        assert checkpointed == pytest.approx(record["ckpt_total"], rel=TOLERANCE), (
+            case.key,
+            checkpointed,
+            record["ckpt_total"],
+        )
         assert checkpointed < full
     else:
         assert checkpointed == full
@@ -52,8 +56,12 @@ def test_every_model_has_both_precisions_and_fp32_keeps_more():
     table = activation_constants()
     assert sorted(table) == sorted(case.key for case in CASES)
     for case in CASES:
-        shape = ModelShape(3072, {kind: 10 for kind in table[case.key]["bf16"]["blocks"]}, ffn=8192,
-                           vocab=32000 if table[case.key]["measured"]["vocab"] else 0)
+        shape = ModelShape(
+            3072,
+            {kind: 10 for kind in table[case.key]["bf16"]["blocks"]},
+            ffn=8192,
+            vocab=32000 if table[case.key]["measured"]["vocab"] else 0,
+        )
         bf16 = measured_sample_bytes(case.key, shape, 4096, 77, "bf16")[0]
         fp32 = measured_sample_bytes(case.key, shape, 4096, 77, "fp32")[0]
         assert bf16 < fp32 <= 2.05 * bf16, case.key

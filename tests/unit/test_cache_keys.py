@@ -8,19 +8,36 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from dstune.cache.entries import (Entry, entry_problem, folder_fingerprint, latent_key, plan_entries, read_entry, text_key,
-                          write_entry)
+from dstune.cache.entries import (
+    Entry,
+    entry_problem,
+    folder_fingerprint,
+    latent_key,
+    plan_entries,
+    read_entry,
+    text_key,
+    write_entry,
+)
 from dstune.cache.share import cache_folder as resolve_cache_dir
 from dstune.data.index import SampleRecord
 from dstune.spec.models import DataSpec
 
-BASE = dict(sample_id="a/1.png", content_sha256="c" * 64, vae_fingerprint="v" * 64, resolution=32, flip=False,
-            dtype="float32")
+BASE = dict(
+    sample_id="a/1.png", content_sha256="c" * 64, vae_fingerprint="v" * 64, resolution=32, flip=False, dtype="float32"
+)
 
 
-@pytest.mark.parametrize("field,value", [("sample_id", "a/2.png"), ("content_sha256", "d" * 64),
-                                         ("vae_fingerprint", "w" * 64), ("resolution", 64), ("flip", True),
-                                         ("dtype", "bfloat16")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("sample_id", "a/2.png"),
+        ("content_sha256", "d" * 64),
+        ("vae_fingerprint", "w" * 64),
+        ("resolution", 64),
+        ("flip", True),
+        ("dtype", "bfloat16"),
+    ],
+)
 def test_latent_key_changes_with_everything_that_decides_the_content(field, value):
     assert latent_key(**BASE) == latent_key(**BASE)
     assert latent_key(**{**BASE, field: value}) != latent_key(**BASE)
@@ -39,7 +56,8 @@ def test_plan_entries_flip_dropout_and_order_do_not_depend_on_position():
     fps = {"vae": "v", "text": "t"}
     entries = plan_entries(records, hashes, fps, 32, True, 0.1, "float32", latents=True, text=True)
     assert [(e.sample_id, e.flip) for e in entries if e.kind == "latent"] == [
-        (f"s/{i}", flip) for i in range(3) for flip in (False, True)]
+        (f"s/{i}", flip) for i in range(3) for flip in (False, True)
+    ]
     assert sorted(e.caption for e in entries if e.kind == "text") == ["", "cap 0", "cap 1"]  # "" for dropout
     reordered = plan_entries(records[::-1], hashes, fps, 32, True, 0.1, "float32", latents=True, text=True)
     key_of = {(e.sample_id, e.flip, e.caption): e.key for e in entries}

@@ -27,8 +27,9 @@ def call(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def run_dstune(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dstune", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dstune", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def write_spec(tmp_path: Path, train: dict, name: str = "spec.yaml", **sections) -> Path:
@@ -45,9 +46,22 @@ def test_validate_demo_as_a_process_prints_the_plan_and_a_verdict():
     proc = run_dstune("validate", DEMO, "--num-gpus", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout
-    for expected in ("World", "ranks", "2 data-parallel", "--num-gpus 2", "global batch", "8 samples per optimizer "
-                     "step = 4 x 1 x 2 ranks", "steps per epoch", "32 optimizer steps", "samples seen",
-                     "effective lr", "ZeRO", "stage 2", "gradient clipping", "agreed by DeepSpeed"):
+    for expected in (
+        "World",
+        "ranks",
+        "2 data-parallel",
+        "--num-gpus 2",
+        "global batch",
+        "8 samples per optimizer step = 4 x 1 x 2 ranks",
+        "steps per epoch",
+        "32 optimizer steps",
+        "samples seen",
+        "effective lr",
+        "ZeRO",
+        "stage 2",
+        "gradient clipping",
+        "agreed by DeepSpeed",
+    ):
         assert expected in text, f"{expected!r} missing from:\n{text}"
     assert text.rstrip().splitlines()[-1].startswith("valid: 2 ranks x micro 4 x accumulation 1 = global batch 8")
     assert "Traceback" not in proc.stderr
@@ -70,8 +84,11 @@ def test_validate_json_is_one_object_with_plan_config_warnings_errors(capsys):
     assert plan["world_size"] == 4
     assert (plan["micro_batch_size"], plan["gradient_accumulation_steps"], plan["global_batch_size"]) == (4, 1, 16)
     assert plan["total_steps"] == 16 * (256 // 16)  # the demo trains 16 epochs
-    assert (ds_config["train_batch_size"], ds_config["train_micro_batch_size_per_gpu"],
-            ds_config["gradient_accumulation_steps"]) == (16, 4, 1)
+    assert (
+        ds_config["train_batch_size"],
+        ds_config["train_micro_batch_size_per_gpu"],
+        ds_config["gradient_accumulation_steps"],
+    ) == (16, 4, 1)
 
 
 def test_json_of_an_invalid_spec_keeps_stdout_clean_after_deepspeed_ran(tmp_path):
@@ -88,8 +105,18 @@ def test_json_of_an_invalid_spec_keeps_stdout_clean_after_deepspeed_ran(tmp_path
 
 
 def test_set_overrides_any_key_and_is_repeatable(capsys):
-    code, out, _ = call(capsys, "validate", DEMO, "--world-size", "2", "--json",
-                        "--set", "train.micro_batch_size=2", "--set", "deepspeed.zero_stage=3")
+    code, out, _ = call(
+        capsys,
+        "validate",
+        DEMO,
+        "--world-size",
+        "2",
+        "--json",
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "deepspeed.zero_stage=3",
+    )
     assert code == 0
     report = json.loads(out)
     assert report["plan"]["micro_batch_size"] == 2
@@ -103,16 +130,19 @@ def test_an_override_error_points_at_set(capsys):
     assert "error: --set: train.micro_batch_size:" in out
 
 
-@pytest.mark.parametrize("args", [
-    ["--no-such-flag"],
-    ["--set", "train.micro_batch_size"],  # no '='
-    ["--num-gpus", "2", "--include", "localhost:0"],
-    ["--world-size", "2", "--hostfile", "hosts"],
-    ["--include", "a", "--exclude", "b", "--hostfile", "hosts"],
-    ["--num-nodes", "2"],  # no hostfile: DeepSpeed launches on this machine only
-    ["--num-samples", "0"],
-    ["--accelerator", "tpu"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--no-such-flag"],
+        ["--set", "train.micro_batch_size"],  # no '='
+        ["--num-gpus", "2", "--include", "localhost:0"],
+        ["--world-size", "2", "--hostfile", "hosts"],
+        ["--include", "a", "--exclude", "b", "--hostfile", "hosts"],
+        ["--num-nodes", "2"],  # no hostfile: DeepSpeed launches on this machine only
+        ["--num-samples", "0"],
+        ["--accelerator", "tpu"],
+    ],
+)
 def test_usage_errors_exit_2_before_anything_is_read(capsys, args):
     code, out, err = call(capsys, "validate", DEMO, *args)
     assert code == 2
@@ -251,8 +281,11 @@ def test_resolve_collects_errors_from_every_stage_that_can_run(tmp_path):
     from dstune.spec.load import SpecError
     from dstune.world import world_from_flags
 
-    spec = write_spec(tmp_path, {"micro_batch_size": 3, "global_batch_size": 8, "max_steps": 5,
-                                 "precision": "fp16"}, data={"path": str(tmp_path / "missing")})
+    spec = write_spec(
+        tmp_path,
+        {"micro_batch_size": 3, "global_batch_size": 8, "max_steps": 5, "precision": "fp16"},
+        data={"path": str(tmp_path / "missing")},
+    )
     with pytest.raises(SpecError) as caught:
         resolve(spec, world=world_from_flags(world_size=2), accelerator="cpu")
     assert isinstance(caught.value, ResolveError)
@@ -266,8 +299,11 @@ def test_resolve_plans_offline_with_num_samples_and_plan_text_is_plain(tmp_path)
     from dstune.validate import load_and_validate as resolve
     from dstune.world import world_from_flags
 
-    spec = write_spec(tmp_path, {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "epochs": 3},
-                      data={"path": "/not/on/this/machine"})
+    spec = write_spec(
+        tmp_path,
+        {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "epochs": 3},
+        data={"path": "/not/on/this/machine"},
+    )
     resolved = resolve(spec, world=lambda: world_from_flags(num_gpus=4), num_samples=1000)
     plan = resolved.plan
     assert (plan.global_batch_size, plan.steps_per_epoch, plan.dropped_per_epoch) == (16, 62, 8)

@@ -16,8 +16,14 @@ REPO = Path(__file__).resolve().parents[2]
 def run_dstune(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m dstune ...` with stdout and stderr captured (pipes, so no terminal) and no COLUMNS set."""
     environment = {k: v for k, v in os.environ.items() if k != "COLUMNS"} if env is None else env
-    return subprocess.run([sys.executable, "-m", "dstune", *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env=environment)
+    return subprocess.run(
+        [sys.executable, "-m", "dstune", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+    )
 
 
 def test_piped_validate_keeps_each_table_row_on_one_line_with_a_long_deepspeed_config_path(tmp_path):
@@ -26,11 +32,17 @@ def test_piped_validate_keeps_each_table_row_on_one_line_with_a_long_deepspeed_c
     ds_file = folder / "my-deepspeed-zero2-configuration-with-overlapping-communication.json"
     ds_file.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}}))
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({
-        "model": {"family": "sd", "pretrained": "stable-diffusion-v1-5/stable-diffusion-v1-5"},
-        "data": {"path": str(tmp_path / "not-here"), "resolution": 512},
-        "train": {"micro_batch_size": 4, "global_batch_size": 128, "max_steps": 2000, "precision": "bf16"},
-        "deepspeed": {"config": str(ds_file)}}, sort_keys=False))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": "sd", "pretrained": "stable-diffusion-v1-5/stable-diffusion-v1-5"},
+                "data": {"path": str(tmp_path / "not-here"), "resolution": 512},
+                "train": {"micro_batch_size": 4, "global_batch_size": 128, "max_steps": 2000, "precision": "bf16"},
+                "deepspeed": {"config": str(ds_file)},
+            },
+            sort_keys=False,
+        )
+    )
     proc = run_dstune("validate", spec, "--num-gpus", "8", "--num-samples", "20000")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
@@ -42,14 +54,15 @@ def test_piped_validate_keeps_each_table_row_on_one_line_with_a_long_deepspeed_c
 
     def row(label: str) -> str:
         (found,) = [line for line in lines if line.strip().startswith(label + "  ")]
-        return found.strip()[len(label):].strip()
+        return found.strip()[len(label) :].strip()
 
     assert row("merged JSON").startswith(f"{ds_file}: its values fill what the spec leaves unset")
     assert row("zero_optimization.stage") == f"2  <- {ds_file}:1"
     assert row("zero_optimization.overlap_comm") == f"true  <- {ds_file}:1"
     assert row("global batch") == "128 samples per optimizer step = 4 x 4 x 8 ranks"
     assert row("DeepSpeed JSON").startswith(
-        "train_batch_size 128, train_micro_batch_size_per_gpu 4, gradient_accumulation_steps 4 (agreed by DeepSpeed")
+        "train_batch_size 128, train_micro_batch_size_per_gpu 4, gradient_accumulation_steps 4 (agreed by DeepSpeed"
+    )
 
 
 # ------------------------------------------------------------------------------------------ the libraries' notices
@@ -75,8 +88,9 @@ warnings.warn_explicit("library-user-warning: CUDA is not available", UserWarnin
 
 def run_notices(mode: str) -> str:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", LIBRARY_NOTICES, mode], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", LIBRARY_NOTICES, mode], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout + proc.stderr
 
@@ -89,8 +103,14 @@ def test_library_notices_are_dropped_by_source_and_dstune_warnings_stay():
     assert "dstune-deprecation" in quiet  # dstune's own FutureWarnings are never hidden
     assert "library-user-warning" in quiet  # nor other kinds of warnings from the libraries
     verbose = run_notices("verbose")
-    for expected in ("[INFO]", "Setting ds_accelerator to cpu", "gemm_4bit_forward", "library-deprecation",
-                     "dstune-deprecation", "library-user-warning"):
+    for expected in (
+        "[INFO]",
+        "Setting ds_accelerator to cpu",
+        "gemm_4bit_forward",
+        "library-deprecation",
+        "dstune-deprecation",
+        "library-user-warning",
+    ):
         assert expected in verbose, f"{expected!r} missing with --verbose:\n{verbose}"
 
 

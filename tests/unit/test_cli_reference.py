@@ -65,9 +65,15 @@ def test_init_rejects_an_unknown_family():
         example_spec("sdxl-nope")
 
 
-@given(st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(), st.booleans(),
-                 st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"))),
-                 st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), max_size=3)))
+@given(
+    st.one_of(
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.integers(),
+        st.booleans(),
+        st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"))),
+        st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), max_size=3),
+    )
+)
 def test_yaml_value_reads_back_as_the_same_value_before_a_comment(value):
     """1e-05 must not become the string '1e-05' (YAML 1.1), nor 'a # b' lose its tail to the comment."""
     back = yaml.safe_load(f"key: {yaml_value(value)}  # the description")["key"]

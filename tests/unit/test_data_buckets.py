@@ -101,9 +101,17 @@ def test_dataset_and_loader_make_one_size_per_step(tmp_path):
     records = list_samples(data)
     dataset = ImageCaptionDataset(data, records, seed=1)
     assert {tuple(dataset[i]["pixel_values"].shape) for i in range(len(dataset))} == {
-        (3, 40, 24), (3, 32, 32), (3, 24, 40)}
-    plan = make_plan(TrainSpec(micro_batch_size=1, gradient_accumulation_steps=2, max_steps=3), WORLD2,
-                     len(records), SOURCE, bucket_counts(records, assign_buckets(records, data)[0]))
+        (3, 40, 24),
+        (3, 32, 32),
+        (3, 24, 40),
+    }
+    plan = make_plan(
+        TrainSpec(micro_batch_size=1, gradient_accumulation_steps=2, max_steps=3),
+        WORLD2,
+        len(records),
+        SOURCE,
+        bucket_counts(records, assign_buckets(records, data)[0]),
+    )
     assert plan.steps_per_epoch == 1 + 1 + 1  # 4, 4 and 5 samples in buckets of a global batch of 4
     for rank in range(2):
         loader, sampler = build_loader(data, plan, rank, 1, records)
@@ -119,7 +127,10 @@ def test_grouped_plan_numbers_warnings_and_errors():
     train = TrainSpec(micro_batch_size=2, epochs=2)
     plan = make_plan(train, WORLD2, 30, SOURCE, {"24x40": 9, "32x32": 18, "40x24": 3})
     assert [(g.key, g.samples, g.steps, g.dropped) for g in plan.groups] == [
-        ("24x40", 9, 2, 1), ("32x32", 18, 4, 2), ("40x24", 3, 0, 3)]
+        ("24x40", 9, 2, 1),
+        ("32x32", 18, 4, 2),
+        ("40x24", 3, 0, 3),
+    ]
     assert (plan.steps_per_epoch, plan.samples_per_epoch, plan.dropped_per_epoch, plan.total_steps) == (6, 24, 6, 12)
     assert plan.micro_batches_per_epoch_per_rank == 6
     texts = [str(w) for w in plan.warnings]
@@ -143,8 +154,9 @@ def test_spec_errors_name_the_bucket_keys():
 
 
 def test_latent_key_includes_the_bucket_and_stays_the_same_without_one():
-    base = dict(sample_id="a.png", content_sha256="c" * 64, vae_fingerprint="v" * 64, resolution=32, flip=False,
-                dtype="float32")
+    base = dict(
+        sample_id="a.png", content_sha256="c" * 64, vae_fingerprint="v" * 64, resolution=32, flip=False, dtype="float32"
+    )
     assert latent_key(**base) == latent_key(**base, size=None)
     assert len({latent_key(**base), latent_key(**base, size=(40, 24)), latent_key(**base, size=(24, 40))}) == 3
     records = list_samples(DataSpec(path="builtin:shapes"))[:2]
@@ -156,12 +168,25 @@ def test_latent_key_includes_the_bucket_and_stays_the_same_without_one():
 
 def test_checker_names_mixed_steps_wrong_counts_and_disagreeing_ranks():
     expected = Expected(2, 1, 4, 2, 3, 12, bucket_steps="24x40: 1, 32x32: 2")
-    good = dict(host="h", ds_micro_batch=2, ds_accumulation=1, ds_global_batch=4, ds_data_parallel=2,
-                loader_micro_batches=3, first_batch_size=2, num_samples=12, bucket_steps="24x40: 1, 32x32: 2",
-                bucket_sequence="abc")
+    good = dict(
+        host="h",
+        ds_micro_batch=2,
+        ds_accumulation=1,
+        ds_global_batch=4,
+        ds_data_parallel=2,
+        loader_micro_batches=3,
+        first_batch_size=2,
+        num_samples=12,
+        bucket_steps="24x40: 1, 32x32: 2",
+        bucket_sequence="abc",
+    )
     assert find_mismatches([RankReport(rank=r, **good) for r in range(2)], expected) == []
-    bad = [RankReport(rank=0, **good), RankReport(rank=1, **{**good, "mixed_bucket_steps": 1,
-                                                             "bucket_sequence": "abd", "first_batch_in_bucket": False})]
+    bad = [
+        RankReport(rank=0, **good),
+        RankReport(
+            rank=1, **{**good, "mixed_bucket_steps": 1, "bucket_sequence": "abd", "first_batch_in_bucket": False}
+        ),
+    ]
     problems = "\n".join(find_mismatches(bad, expected))
     assert "rank 1 (h): 1 step(s) have a micro batch mixing buckets" in problems
     assert "first batch does not have the first step's bucket size" in problems
@@ -171,8 +196,15 @@ def test_checker_names_mixed_steps_wrong_counts_and_disagreeing_ranks():
 def test_validate_prints_the_bucket_plan(capsys, tmp_path):
     root = image_folder(tmp_path / "data", [(60, 100), (64, 64), (100, 60)] * 3 + [(64, 64)])
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({"model": {"family": "sd"}, "train": {"micro_batch_size": 1, "epochs": 1},
-                                    "data": {"path": root, "buckets": BUCKETS}}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": "sd"},
+                "train": {"micro_batch_size": 1, "epochs": 1},
+                "data": {"path": root, "buckets": BUCKETS},
+            }
+        )
+    )
     assert main(["validate", str(spec), "--world-size", "2"]) == 0
     assert "Buckets" in capsys.readouterr().out
     out = plan_text(resolve(spec, world=lambda: world_from_flags(world_size=2)))  # unwrapped, 120 columns
@@ -188,8 +220,15 @@ def test_validate_prints_the_bucket_plan(capsys, tmp_path):
 
 def test_offline_planning_says_the_buckets_are_unknown(tmp_path):
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({"model": {"family": "sd"}, "train": {"micro_batch_size": 1, "epochs": 1},
-                                    "data": {"path": str(tmp_path / "elsewhere"), "buckets": BUCKETS}}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": "sd"},
+                "train": {"micro_batch_size": 1, "epochs": 1},
+                "data": {"path": str(tmp_path / "elsewhere"), "buckets": BUCKETS},
+            }
+        )
+    )
     resolved = resolve(spec, world=lambda: world_from_flags(world_size=2), num_samples=100)
     assert resolved.plan.groups == () and resolved.plan.steps_per_epoch == 50
     assert any("data.buckets" in str(w) and "overstates the steps per epoch" in str(w) for w in resolved.warnings)

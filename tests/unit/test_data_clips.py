@@ -73,8 +73,9 @@ def test_sliding_chunks_take_consecutive_frames_after_fps_resampling(tmp_path):
     assert chunk_starts(20, 5, "head") == chunk_starts(20, 5, "uniform") == [0]
     assert frame_positions(40, 24.0, 5, "sliding", 12, start=6) == [12, 14, 16, 18, 20]  # 24 -> 12 fps
     assert frame_positions(45, 30.0, 5, "sliding", 16, start=5) == [9, 11, 13, 15, 17]  # 30 -> 16 fps: nearest
-    with pytest.raises(ValueError, match="it has 20 frames at 12 fps .40 at the file's 24 fps., fewer than frames "
-                                         "18..22"):
+    with pytest.raises(
+        ValueError, match="it has 20 frames at 12 fps .40 at the file's 24 fps., fewer than frames 18..22"
+    ):
         frame_positions(40, 24.0, 5, "sliding", 12, start=18)
     root = tmp_path / "one"
     root.mkdir()
@@ -82,10 +83,16 @@ def test_sliding_chunks_take_consecutive_frames_after_fps_resampling(tmp_path):
     data = DataSpec(path=str(root), video={"frames": 5, "fps": 12, "sampling": "sliding", "stride": 7})
     clips = index_clips(data).records  # 20 frames at 12 fps: chunks at 0, 7, 14
     assert [(c.sample_id, c.start, c.frames) for c in clips] == [
-        ("long.mp4#0", 0, 5), ("long.mp4#1", 7, 5), ("long.mp4#2", 14, 5)]
+        ("long.mp4#0", 0, 5),
+        ("long.mp4#1", 7, 5),
+        ("long.mp4#2", 14, 5),
+    ]
     dataset = VideoCaptionDataset(data, clips, 0)
     assert [_levels(dataset[i]["pixel_values"]) for i in range(3)] == [
-        [0, 2, 4, 6, 8], [14, 16, 18, 20, 22], [28, 30, 32, 34, 36]]
+        [0, 2, 4, 6, 8],
+        [14, 16, 18, 20, 22],
+        [28, 30, 32, 34, 36],
+    ]
     assert [dataset[i]["sample_id"] for i in range(3)] == ["long.mp4#0", "long.mp4#1", "long.mp4#2"]
 
 
@@ -97,10 +104,16 @@ def test_each_clip_takes_the_largest_frame_count_it_fills_and_its_size_bucket(fo
     assert got["long0.mp4#0"] == got["long0.mp4#1"] == (9, (32, 32))  # 20 at 12 fps -> two chunks of 9
     assert got["wide0.mp4#0"] == (5, (48, 32)) and got["still.png"] == (1, (32, 48))
     assert "short.mp4" not in " ".join(got) and len(index.problems) == 1
-    assert f"cannot use video {folder / 'short.mp4'} (sample short.mp4): it has 1 frames at 12 fps (3 at the " \
-           "file's 24 fps), fewer than data.video.frames 5" in index.problems[0]
+    assert (
+        f"cannot use video {folder / 'short.mp4'} (sample short.mp4): it has 1 frames at 12 fps (3 at the "
+        "file's 24 fps), fewer than data.video.frames 5" in index.problems[0]
+    )
     assert {key_label(k): n for k, n in clip_counts(index.records, data).items()} == {
-        "1f 32x48": 1, "5f 32x32": 4, "5f 48x32": 3, "9f 32x32": 4}
+        "1f 32x48": 1,
+        "5f 32x32": 4,
+        "5f 48x32": 3,
+        "9f 32x32": 4,
+    }
     dataset = VideoCaptionDataset(data, index.records, 0)
     keys = dataset.group_keys()
     for i in range(len(dataset)):  # every clip has its key's shape: (3, frames, height, width)
@@ -108,7 +121,10 @@ def test_each_clip_takes_the_largest_frame_count_it_fills_and_its_size_bucket(fo
         assert tuple(dataset[i]["pixel_values"].shape) == (3, frames, height, width)
     plain = DataSpec(path=str(folder), video=SLIDING)  # frame buckets without size buckets: the square
     assert is_grouped(plain) and {k for k in clip_counts(index_clips(plain).records, plain)} == {
-        (1, 32, 32), (5, 32, 32), (9, 32, 32)}
+        (1, 32, 32),
+        (5, 32, 32),
+        (9, 32, 32),
+    }
     single = DataSpec(path=str(folder), video={"frames": 5})
     assert not is_grouped(single) and VideoCaptionDataset(single, index_clips(single).records, 0).group_keys() is None
 
@@ -118,8 +134,13 @@ def test_grouped_clip_loaders_keep_one_shape_per_step_and_the_batch_check_agrees
     data = DataSpec(path=str(folder), resolution=32, video=SLIDING, buckets=BUCKETS, num_workers=0)
     records = index_clips(data).records
     groups = {key_label(k): n for k, n in clip_counts(records, data).items()}
-    plan = make_plan(TrainSpec(micro_batch_size=1, gradient_accumulation_steps=1, max_steps=4), WORLD2,
-                     len(records), SpecSource("spec.yaml"), groups)
+    plan = make_plan(
+        TrainSpec(micro_batch_size=1, gradient_accumulation_steps=1, max_steps=4),
+        WORLD2,
+        len(records),
+        SpecSource("spec.yaml"),
+        groups,
+    )
     assert plan.steps_per_epoch == 0 + 2 + 1 + 2  # the still's bucket (1 clip) never trains
     reports = []
     for rank in range(2):
@@ -131,9 +152,20 @@ def test_grouped_clip_loaders_keep_one_shape_per_step_and_the_batch_check_agrees
         first = next(iter(make_loader(dataset, collate_video, dataset.group_keys(), data, plan, rank, 0)[0]))
         report = bucket_report(sampler, first)
         assert report["mixed_bucket_steps"] == 0 and report["first_batch_in_bucket"]
-        reports.append(RankReport(rank=rank, host="h", ds_micro_batch=1, ds_accumulation=1, ds_global_batch=2,
-                                  ds_data_parallel=2, loader_micro_batches=plan.steps_per_epoch, first_batch_size=1,
-                                  num_samples=plan.num_samples, **report))
+        reports.append(
+            RankReport(
+                rank=rank,
+                host="h",
+                ds_micro_batch=1,
+                ds_accumulation=1,
+                ds_global_batch=2,
+                ds_data_parallel=2,
+                loader_micro_batches=plan.steps_per_epoch,
+                first_batch_size=1,
+                num_samples=plan.num_samples,
+                **report,
+            )
+        )
     expected = expected_from_plan(plan)
     assert expected.bucket_steps == "5f 32x32: 2, 5f 48x32: 1, 9f 32x32: 2"
     assert find_mismatches(reports, expected) == []
@@ -150,8 +182,9 @@ def test_chunks_have_their_own_cache_keys_and_old_video_keys_stay(folder):
     data = DataSpec(path=str(folder), video=SLIDING, buckets=BUCKETS)
     chunks = [c for c in index_clips(data).records if c.sample_id.startswith("long0.mp4")]
     hashes = {c.sample_id: "same-file" for c in chunks}
-    entries = plan_entries(chunks, hashes, {"vae": "v"}, 32, False, 0.0, "float32", True, False,
-                           {c.sample_id: c.size for c in chunks})
+    entries = plan_entries(
+        chunks, hashes, {"vae": "v"}, 32, False, 0.0, "float32", True, False, {c.sample_id: c.size for c in chunks}
+    )
     assert [e.sample_id for e in entries] == ["long0.mp4#0", "long0.mp4#1"] and len({e.key for e in entries}) == 2
     # repr(data.video) is part of a clip's content key: specs without a stride keep the keys they had
     assert repr(VideoSpec()) == "VideoSpec(frames=5, sampling='head', fps=None)"
@@ -164,9 +197,15 @@ def test_chunks_have_their_own_cache_keys_and_old_video_keys_stay(folder):
 
 def _spec(tmp_path, data: dict) -> Path:
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({"model": {"family": "wan", "pretrained": "builtin:tiny-wan"},
-                                    "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1,
-                                              "max_steps": 4}, "data": data}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": "wan", "pretrained": "builtin:tiny-wan"},
+                "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 4},
+                "data": data,
+            }
+        )
+    )
     return spec
 
 
@@ -181,7 +220,11 @@ def test_validate_counts_clips_prints_their_buckets_and_tokens_and_names_short_v
     assert clips["frames"] == {"1": 1, "5": 7, "9": 4} and clips["sizes"] == {"32x48": 1, "32x32": 8, "48x32": 3}
     # tokens: (1 + (frames - 1) / 4) latent frames x (H / 8 / 2) x (W / 8 / 2) from tiny-wan's configs
     assert {k: b["tokens"] for k, b in clips["buckets"].items()} == {
-        "1f 32x48": 6, "5f 32x32": 8, "5f 48x32": 12, "9f 32x32": 12}
+        "1f 32x48": 6,
+        "5f 32x32": 8,
+        "5f 48x32": 12,
+        "9f 32x32": 12,
+    }
     (folder / "short.mp4").unlink()
     assert main(["validate", str(spec), "--world-size", "2"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long rows
@@ -195,11 +238,11 @@ def test_validate_counts_clips_prints_their_buckets_and_tokens_and_names_short_v
 
 def test_memory_plan_uses_the_largest_bucket(folder, tmp_path):
     from dstune.families import get_facts
+
     count_model = get_facts("wan").count
     from dstune.spec.load import load_spec
 
-    spec, _ = load_spec(_spec(tmp_path, {"path": str(folder), "video": SLIDING,
-                                         "cache": {"latents": True}}), [])
+    spec, _ = load_spec(_spec(tmp_path, {"path": str(folder), "video": SLIDING, "cache": {"latents": True}}), [])
     small, large = count_model(spec, 2, [(5, 32, 32, 2)]), count_model(spec, 2, [(5, 32, 32, 1), (9, 48, 32, 1)])
     assert large.activation_sample_bytes > small.activation_sample_bytes
     assert large.activation_sample_bytes == count_model(spec, 1, [(9, 48, 32, 1)]).activation_sample_bytes
@@ -218,9 +261,13 @@ def test_startup_lists_the_clips_validate_counted_and_stops_on_short_videos(fold
     run = Run(rank=0, local_rank=0, world=world, device="cpu", accelerator="cpu", node_rank=0, launched=False)
 
     def startup(micro_batch_size: int):
-        spec = Spec.model_validate({"model": {"family": "wan"}, "data": {"path": str(folder), "video": SLIDING},
-                                    "train": {"micro_batch_size": micro_batch_size, "gradient_accumulation_steps": 1,
-                                              "max_steps": 1}})
+        spec = Spec.model_validate(
+            {
+                "model": {"family": "wan"},
+                "data": {"path": str(folder), "video": SLIDING},
+                "train": {"micro_batch_size": micro_batch_size, "gradient_accumulation_steps": 1, "max_steps": 1},
+            }
+        )
         return checked_records(run, spec, get_family("wan"))
 
     with pytest.raises(SystemExit):

@@ -19,13 +19,20 @@ def grouped_plan(keys, micro, accum, world):
     """A plan-like for `keys`, with the grouped steps per epoch (what dstune.plan computes)."""
     global_batch = micro * accum * world
     steps = sum(row.steps for row in group_batches(group_counts(keys), global_batch))
-    return SimpleNamespace(micro_batch_size=micro, gradient_accumulation_steps=accum, world_size=world,
-                           global_batch_size=global_batch, steps_per_epoch=steps, num_samples=len(keys))
+    return SimpleNamespace(
+        micro_batch_size=micro,
+        gradient_accumulation_steps=accum,
+        world_size=world,
+        global_batch_size=global_batch,
+        steps_per_epoch=steps,
+        num_samples=len(keys),
+    )
 
 
 def samplers(keys, plan, seed=0, epoch=0, step=0):
-    return [GlobalBatchSampler(len(keys), plan, rank, seed, epoch, step, group_keys=keys)
-            for rank in range(plan.world_size)]
+    return [
+        GlobalBatchSampler(len(keys), plan, rank, seed, epoch, step, group_keys=keys) for rank in range(plan.world_size)
+    ]
 
 
 def per_step(keys, plan, seed=0, epoch=0):
@@ -33,7 +40,7 @@ def per_step(keys, plan, seed=0, epoch=0):
     streams = [list(s) for s in samplers(keys, plan, seed, epoch)]
     accum, out = plan.gradient_accumulation_steps, []
     for step in range(plan.steps_per_epoch):
-        samples = [i for stream in streams for micro in stream[step * accum:(step + 1) * accum] for i in micro]
+        samples = [i for stream in streams for micro in stream[step * accum : (step + 1) * accum] for i in micro]
         out.append((sorted(samples), {keys[i] for i in samples}))
     return out
 
@@ -63,8 +70,9 @@ def test_groups_interleave_and_the_order_depends_only_on_seed_and_epoch():
     assert len(sequences) == 4  # every epoch is a different order
     assert order.step_keys(0) != sorted(order.step_keys(0))  # not one group after the other
     other_seed = GroupedOrder(KEYS, plan.global_batch_size, seed=4)
-    assert [b.tolist() for b in (other_seed.global_batch(0, s)[1] for s in range(10))] != \
-        [b.tolist() for b in (order.global_batch(0, s)[1] for s in range(10))]
+    assert [b.tolist() for b in (other_seed.global_batch(0, s)[1] for s in range(10))] != [
+        b.tolist() for b in (order.global_batch(0, s)[1] for s in range(10))
+    ]
 
 
 def test_one_rank_with_two_accumulation_steps_sees_what_two_ranks_see():
@@ -76,9 +84,15 @@ def test_one_rank_with_two_accumulation_steps_sees_what_two_ranks_see():
 
 
 @settings(max_examples=40, deadline=None)
-@given(keys=st.lists(st.sampled_from(["short", "mid", "long"]), min_size=12, max_size=60),
-       micro=st.integers(1, 3), accum=st.integers(1, 2), world=st.integers(1, 3),
-       seed=st.integers(0, 2**31), epoch=st.integers(0, 3), data=st.data())
+@given(
+    keys=st.lists(st.sampled_from(["short", "mid", "long"]), min_size=12, max_size=60),
+    micro=st.integers(1, 3),
+    accum=st.integers(1, 2),
+    world=st.integers(1, 3),
+    seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 3),
+    data=st.data(),
+)
 def test_any_split_any_keys_resume_anywhere(keys, micro, accum, world, seed, epoch, data):
     """String keys (as an audio length bucket would be): invariants for any split, and a resumed sampler yields
     exactly the tail of the uninterrupted epoch on every rank."""
@@ -91,8 +105,11 @@ def test_any_split_any_keys_resume_anywhere(keys, micro, accum, world, seed, epo
     assert steps == per_step(keys, flat, seed, epoch)  # one rank, one micro batch per step: the same samples
     start = data.draw(st.integers(0, plan.steps_per_epoch))
     for full, resumed in zip(samplers(keys, plan, seed, epoch), samplers(keys, plan, seed, epoch, start)):
-        tail = list(full)[start * accum:] if start < plan.steps_per_epoch else list(
-            GlobalBatchSampler(len(keys), plan, full.rank, seed, epoch + 1, group_keys=keys))
+        tail = (
+            list(full)[start * accum :]
+            if start < plan.steps_per_epoch
+            else list(GlobalBatchSampler(len(keys), plan, full.rank, seed, epoch + 1, group_keys=keys))
+        )
         assert list(resumed) == tail
 
 

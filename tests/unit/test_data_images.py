@@ -48,7 +48,9 @@ def test_sample_contract_and_repeats(tmp_path):
     write_dataset(tmp_path / "ds", count=1)
     ds = dataset(tmp_path / "ds", resolution=16)
     assert len(ds) == 2 * 3 + 1
-    assert [ds.record_at(i).sample_id for i in range(len(ds))] == ["3_x/img0.png"] * 3 + ["3_x/img1.png"] * 3 + ["img0.png"]
+    assert [ds.record_at(i).sample_id for i in range(len(ds))] == ["3_x/img0.png"] * 3 + ["3_x/img1.png"] * 3 + [
+        "img0.png"
+    ]
     item = ds[4]
     assert set(item) == {"pixel_values", "caption", "sample_id", "index", "original_size", "crop_top_left"}
     assert item["pixel_values"].shape == (3, 16, 16) and item["pixel_values"].dtype == torch.float32

@@ -112,7 +112,9 @@ def test_builtin_shapes_and_unknown_builtin():
     assert records[0].caption == "a red circle" and records[13].caption == "a green triangle"
     with pytest.raises(DataError) as err:
         count_samples(DataSpec(path="builtin:faces"))
-    assert err.value.key == "data.path" and "builtin:faces" in err.value.message and "builtin:shapes" in err.value.message
+    assert (
+        err.value.key == "data.path" and "builtin:faces" in err.value.message and "builtin:shapes" in err.value.message
+    )
 
 
 # ------------------------------------------------------------------------------------------------ jsonl
@@ -128,18 +130,23 @@ def hf_folder(tmp_path):
     write_image(root / "train" / "b.png")
     write_image(root / "a.jpg")
     write_text(root / "a.txt", "ignored: jsonl wins")
-    write_metadata(root, [
-        json.dumps({"file_name": "train/b.png", "text": "second listed first", "extra": 1}),
-        "",
-        json.dumps({"file_name": "a.jpg", "text": " a caption "}),
-    ])
+    write_metadata(
+        root,
+        [
+            json.dumps({"file_name": "train/b.png", "text": "second listed first", "extra": 1}),
+            "",
+            json.dumps({"file_name": "a.jpg", "text": " a caption "}),
+        ],
+    )
     return root
 
 
 def test_jsonl_auto_detected_keeps_file_order(hf_folder):
     result = index_dataset(DataSpec(path=str(hf_folder)))
     assert [(r.sample_id, r.caption, r.repeats) for r in result.records] == [
-        ("train/b.png", "second listed first", 1), ("a.jpg", "a caption", 1)]
+        ("train/b.png", "second listed first", 1),
+        ("a.jpg", "a caption", 1),
+    ]
     assert result.warnings == [] and result.skipped == []
     # format: folder ignores metadata.jsonl and uses the caption files
     folder = list_samples(DataSpec(path=str(hf_folder), format="folder"))
@@ -153,17 +160,20 @@ def test_jsonl_format_without_metadata(tmp_path):
     assert err.value.key == "data.format" and "metadata.jsonl" in err.value.message
 
 
-@pytest.mark.parametrize("bad_line, expected", [
-    ('{"file_name": "a.png", "text": "x"', "not valid JSON"),
-    ('["a.png", "x"]', "expected a JSON object"),
-    ('{"file_name": "a.png"}', "missing `text`"),
-    ('{"text": "x"}', "missing `file_name`"),
-    ('{"file_name": "a.png", "text": 3}', "`text` must be a string"),
-    ('{"file_name": "", "text": "x"}', "`file_name` must be a non-empty string"),
-    ('{"file_name": "../a.png", "text": "x"}', "inside the dataset folder"),
-    ('{"file_name": "/etc/a.png", "text": "x"}', "inside the dataset folder"),
-    ('{"file_name": "ok.png", "text": "again"}', "already listed on line 1"),
-])
+@pytest.mark.parametrize(
+    "bad_line, expected",
+    [
+        ('{"file_name": "a.png", "text": "x"', "not valid JSON"),
+        ('["a.png", "x"]', "expected a JSON object"),
+        ('{"file_name": "a.png"}', "missing `text`"),
+        ('{"text": "x"}', "missing `file_name`"),
+        ('{"file_name": "a.png", "text": 3}', "`text` must be a string"),
+        ('{"file_name": "", "text": "x"}', "`file_name` must be a non-empty string"),
+        ('{"file_name": "../a.png", "text": "x"}', "inside the dataset folder"),
+        ('{"file_name": "/etc/a.png", "text": "x"}', "inside the dataset folder"),
+        ('{"file_name": "ok.png", "text": "again"}', "already listed on line 1"),
+    ],
+)
 def test_jsonl_bad_line_names_file_and_line(tmp_path, bad_line, expected):
     write_image(tmp_path / "ok.png")
     write_image(tmp_path / "a.png")
@@ -176,8 +186,9 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path, bad_line, expected):
 
 def test_jsonl_missing_image_is_an_error_or_skipped(tmp_path):
     write_image(tmp_path / "ok.png")
-    write_metadata(tmp_path, [json.dumps({"file_name": "gone.png", "text": "x"}),
-                              json.dumps({"file_name": "ok.png", "text": "y"})])
+    write_metadata(
+        tmp_path, [json.dumps({"file_name": "gone.png", "text": "x"}), json.dumps({"file_name": "ok.png", "text": "y"})]
+    )
     with pytest.raises(DataError) as err:
         count_samples(DataSpec(path=str(tmp_path)))
     assert "gone.png" in err.value.message and ":1" in err.value.message and "skip_bad_files" in err.value.message
@@ -189,7 +200,9 @@ def test_jsonl_missing_image_is_an_error_or_skipped(tmp_path):
 
 
 def test_index_imports_neither_torch_nor_pil():
-    code = ("import sys; from dstune.data import count_samples; from dstune.spec.models import DataSpec; "
-            "assert count_samples(DataSpec()) > 0; "
-            "bad = [m for m in ('torch', 'PIL', 'deepspeed') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys; from dstune.data import count_samples; from dstune.spec.models import DataSpec; "
+        "assert count_samples(DataSpec()) > 0; "
+        "bad = [m for m in ('torch', 'PIL', 'deepspeed') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -89,7 +89,7 @@ def test_resume_mid_epoch_yields_the_tail(folder):
     plan = PlanLike(1, 2, 1, 15)  # 7 steps per epoch
     full = run_epochs(data, plan, epochs=(1, 2))
     resumed = run_epochs(data, plan, epochs=(1, 2), start_step=3)
-    assert_same_batches(resumed, full[3 * 2:])
+    assert_same_batches(resumed, full[3 * 2 :])
 
 
 def test_the_sampler_tracks_consumed_batches_not_prefetched_ones(folder):
@@ -114,7 +114,9 @@ def test_samples_are_identical_on_any_world_size(folder):
     pairs = [run_epochs(data, PlanLike(2, 1, 2, 15), rank=rank) for rank in range(2)]
 
     def by_index(runs):
-        return {i: (img, cap) for _, b in runs for i, img, cap in zip(b["index"].tolist(), b["pixel_values"], b["caption"])}
+        return {
+            i: (img, cap) for _, b in runs for i, img, cap in zip(b["index"].tolist(), b["pixel_values"], b["caption"])
+        }
 
     one = by_index(single)
     two = {**by_index(pairs[0]), **by_index(pairs[1])}

@@ -39,15 +39,21 @@ def test_sibling_folder_pairs_every_target_by_relative_stem(tmp_path):
     index = index_dataset(_pairs(tmp_path))
     assert index.num_pairs == 3 and index.num_samples == 4  # 2_more/ repeats its pair twice
     by_id = {r.sample_id: r.control_path for r in index.records}
-    assert by_id == {"a.png": str(tmp_path / "control" / "a.png"), "b.png": str(tmp_path / "control" / "b.jpg"),
-                     "2_more/c.png": str(tmp_path / "control" / "2_more" / "c.png")}
+    assert by_id == {
+        "a.png": str(tmp_path / "control" / "a.png"),
+        "b.png": str(tmp_path / "control" / "b.jpg"),
+        "2_more/c.png": str(tmp_path / "control" / "2_more" / "c.png"),
+    }
     assert [r.sample_id for r in control_records(index.records)] == [f"{i}#control" for i in by_id]
 
 
 def test_unpaired_targets_are_named_with_the_count_and_orphan_sources_warned(tmp_path):
     data = _pairs(tmp_path, names=("a", "b", "c", "d"), sources=("a", "x"))
-    with pytest.raises(DataError, match=r"3 of 4 target images have no source \(control\) image: b.png, c.png, "
-                                        r"d.png") as caught:
+    with pytest.raises(
+        DataError,
+        match=r"3 of 4 target images have no source \(control\) image: b.png, c.png, "
+        r"d.png",
+    ) as caught:
         index_dataset(data)
     assert caught.value.key == "data.control_dir" and "any of .png" in caught.value.message
     index = index_dataset(data.model_copy(update={"skip_bad_files": True}))
@@ -60,8 +66,10 @@ def test_metadata_field_names_the_source_and_a_missing_one_is_named(tmp_path):
     for name in ("a", "b"):
         _image(tmp_path / "data" / f"{name}.png", (32, 32), 10)
         _image(tmp_path / "data" / "src" / f"{name}-before.png", (32, 32), 90)
-    lines = [{"file_name": "a.png", "text": "a", "control_file_name": "src/a-before.png"},
-             {"file_name": "b.png", "text": "b", "control_file_name": "src/b-gone.png"}]
+    lines = [
+        {"file_name": "a.png", "text": "a", "control_file_name": "src/a-before.png"},
+        {"file_name": "b.png", "text": "b", "control_file_name": "src/b-gone.png"},
+    ]
     (tmp_path / "data" / "metadata.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     with pytest.raises(DataError, match=r"1 of 2 target images .*b.png \(.*b-gone.png does not exist\)"):
         index_dataset(DataSpec(path=str(tmp_path / "data")))
@@ -83,8 +91,13 @@ def test_sources_inside_the_targets_folder_and_missing_folders_are_refused(tmp_p
 @pytest.mark.parametrize("buckets", [False, True])
 def test_the_source_is_cropped_and_flipped_with_its_target(tmp_path, buckets):
     paired = _pairs(tmp_path, names=("a", "b"), size=(64, 32))
-    data = DataSpec(path=paired.path, control_dir="../control", resolution=32, random_flip=True,
-                    buckets={"enabled": buckets, "step": 8})
+    data = DataSpec(
+        path=paired.path,
+        control_dir="../control",
+        resolution=32,
+        random_flip=True,
+        buckets={"enabled": buckets, "step": 8},
+    )
     dataset = ImageCaptionDataset(data, index_dataset(data).records, seed=0)
     items = [dataset[i] for i in range(len(dataset))]
     batch = collate(items)
@@ -99,9 +112,11 @@ def test_the_source_is_cropped_and_flipped_with_its_target(tmp_path, buckets):
 
 def test_validate_counts_pairs_and_names_unpaired_files(tmp_path, capsys):
     data = _pairs(tmp_path)
-    spec = {"model": {"family": "flow", "pretrained": "builtin:tiny-qwen-image-edit", "train": "lora"},
-            "data": {"path": data.path, "control_dir": "../control", "resolution": 64},
-            "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "epochs": 1}}
+    spec = {
+        "model": {"family": "flow", "pretrained": "builtin:tiny-qwen-image-edit", "train": "lora"},
+        "data": {"path": data.path, "control_dir": "../control", "resolution": 64},
+        "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "epochs": 1},
+    }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     assert main(["validate", str(path), "--num-gpus", "2"]) == 0
@@ -115,10 +130,12 @@ def test_validate_counts_pairs_and_names_unpaired_files(tmp_path, capsys):
 def test_validate_refuses_what_an_edit_model_cannot_do(tmp_path, capsys):
     """Unpaired data, a text cache and prompts without source images are errors for an edit model before any launch."""
     data = _pairs(tmp_path)
-    spec = {"model": {"family": "flow", "pretrained": "builtin:tiny-qwen-image-edit"},
-            "data": {"path": data.path, "resolution": 64, "cache": {"latents": True, "text_embeddings": True}},
-            "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "epochs": 1},
-            "sample": {"prompts": ["make it blue"]}}
+    spec = {
+        "model": {"family": "flow", "pretrained": "builtin:tiny-qwen-image-edit"},
+        "data": {"path": data.path, "resolution": 64, "cache": {"latents": True, "text_embeddings": True}},
+        "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "epochs": 1},
+        "sample": {"prompts": ["make it blue"]},
+    }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     assert main(["validate", str(path), "--num-gpus", "1"]) != 0

@@ -51,15 +51,21 @@ def per_step_sets(plan, seed=0, epoch=0):
     accum = plan.gradient_accumulation_steps
     steps = []
     for step in range(plan.steps_per_epoch):
-        samples = [i for rank in streams for micro in streams[rank][step * accum:(step + 1) * accum] for i in micro]
+        samples = [i for rank in streams for micro in streams[rank][step * accum : (step + 1) * accum] for i in micro]
         steps.append(sorted(samples))
     return steps
 
 
 configs = st.builds(
     lambda micro, accum, world, extra_batches, remainder: PlanLike(
-        micro, accum, world, micro * accum * world * (1 + extra_batches) + remainder),
-    st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.integers(0, 3), st.integers(0, 7))
+        micro, accum, world, micro * accum * world * (1 + extra_batches) + remainder
+    ),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(0, 3),
+    st.integers(0, 7),
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -81,18 +87,29 @@ def test_an_epoch_uses_each_sample_at_most_once_and_ranks_are_disjoint(plan, see
         for position, micro in enumerate(stream):
             step, k = divmod(position, plan.gradient_accumulation_steps)
             number = k * world + rank
-            assert micro == sampler.step_indices(epoch, step)[number * m:(number + 1) * m]
-    assert per_step_sets(plan, seed, epoch) == [sorted(sampler.step_indices(epoch, s)) for s in range(plan.steps_per_epoch)]
+            assert micro == sampler.step_indices(epoch, step)[number * m : (number + 1) * m]
+    assert per_step_sets(plan, seed, epoch) == [
+        sorted(sampler.step_indices(epoch, s)) for s in range(plan.steps_per_epoch)
+    ]
 
 
 def splits_of(per_step_micro_batches):
-    return [(accum, per_step_micro_batches // accum) for accum in range(1, per_step_micro_batches + 1)
-            if per_step_micro_batches % accum == 0]
+    return [
+        (accum, per_step_micro_batches // accum)
+        for accum in range(1, per_step_micro_batches + 1)
+        if per_step_micro_batches % accum == 0
+    ]
 
 
 @settings(max_examples=40, deadline=None)
-@given(micro=st.integers(1, 3), per_step=st.sampled_from([1, 2, 4, 6, 8]), batches=st.integers(1, 4),
-       remainder=st.integers(0, 5), seed=st.integers(0, 1000), epoch=st.integers(0, 3))
+@given(
+    micro=st.integers(1, 3),
+    per_step=st.sampled_from([1, 2, 4, 6, 8]),
+    batches=st.integers(1, 4),
+    remainder=st.integers(0, 5),
+    seed=st.integers(0, 1000),
+    epoch=st.integers(0, 3),
+)
 def test_every_step_trains_on_the_same_samples_for_any_split(micro, per_step, batches, remainder, seed, epoch):
     num_samples = micro * per_step * batches + remainder
     results = {
@@ -116,20 +133,23 @@ def test_resume_yields_exactly_the_tail(plan, seed, epoch, data):
     rank = data.draw(st.integers(0, plan.world_size - 1))
     full = list(GlobalBatchSampler(plan.num_samples, plan, rank, seed, epoch))
     resumed = GlobalBatchSampler(plan.num_samples, plan, rank, seed, epoch, start_step)
-    assert list(resumed) == full[start_step * plan.gradient_accumulation_steps:]
+    assert list(resumed) == full[start_step * plan.gradient_accumulation_steps :]
     assert len(resumed) == (plan.steps_per_epoch - start_step) * plan.gradient_accumulation_steps
     resumed.set_epoch(epoch)  # the usual loop calls this for the start epoch: it must keep the position
-    assert list(resumed) == full[start_step * plan.gradient_accumulation_steps:]
+    assert list(resumed) == full[start_step * plan.gradient_accumulation_steps :]
     resumed.set_epoch(epoch, start_step=start_step)
-    assert list(resumed) == full[start_step * plan.gradient_accumulation_steps:]
+    assert list(resumed) == full[start_step * plan.gradient_accumulation_steps :]
     resumed.set_epoch(epoch + 1)
     assert list(resumed) == list(GlobalBatchSampler(plan.num_samples, plan, rank, seed, epoch + 1))
 
 
 def test_epochs_and_seeds_change_the_order():
     plan = PlanLike(4, 1, 1, 64)
-    orders = {(seed, epoch): tuple(GlobalBatchSampler(64, plan, 0, seed).epoch_order(epoch).tolist())
-              for seed in (0, 1) for epoch in (0, 1, 2)}
+    orders = {
+        (seed, epoch): tuple(GlobalBatchSampler(64, plan, 0, seed).epoch_order(epoch).tolist())
+        for seed in (0, 1)
+        for epoch in (0, 1, 2)
+    }
     assert len(set(orders.values())) == len(orders)
     assert sorted(orders[(0, 0)]) == list(range(64))
 
@@ -176,12 +196,14 @@ def test_state_dict_round_trip_and_mismatches():
 def test_inconsistent_plans_and_ranks_are_refused():
     with pytest.raises(ValueError, match="made for 40 samples but the dataset has 39"):
         GlobalBatchSampler(39, PlanLike(2, 2, 2, 40), 0, 0)
-    no_count = SimpleNamespace(micro_batch_size=2, gradient_accumulation_steps=2, world_size=2,
-                               global_batch_size=8, steps_per_epoch=5)
+    no_count = SimpleNamespace(
+        micro_batch_size=2, gradient_accumulation_steps=2, world_size=2, global_batch_size=8, steps_per_epoch=5
+    )
     with pytest.raises(ValueError, match="different dataset size"):
         GlobalBatchSampler(39, no_count, 0, 0)  # 39 samples make 4 steps, the plan says 5
-    bad_triad = SimpleNamespace(micro_batch_size=2, gradient_accumulation_steps=2, world_size=2,
-                                global_batch_size=16, steps_per_epoch=2)
+    bad_triad = SimpleNamespace(
+        micro_batch_size=2, gradient_accumulation_steps=2, world_size=2, global_batch_size=16, steps_per_epoch=2
+    )
     with pytest.raises(ValueError, match="!= micro 2"):
         GlobalBatchSampler(40, bad_triad, 0, 0)
     with pytest.raises(ValueError, match="rank 2"):

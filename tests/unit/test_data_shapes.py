@@ -34,7 +34,8 @@ def test_shapes_differ_by_kind_with_the_same_colour():
         sample = shape_sample(index)
         pixels = np.asarray(render_shape(index, 64)[0]).astype(int)
         areas.setdefault(sample.shape, []).append(
-            (np.abs(pixels - COLOURS[sample.colour]).max(axis=2) <= 2).mean() / sample.size ** 2)
+            (np.abs(pixels - COLOURS[sample.colour]).max(axis=2) <= 2).mean() / sample.size**2
+        )
     means = {shape: np.mean(values) for shape, values in areas.items()}
     assert means["triangle"] < means["square"] < means["circle"]
 

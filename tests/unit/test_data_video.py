@@ -54,8 +54,11 @@ def test_videos_are_indexed_for_video_families_only(folder):
 
 
 def test_head_uniform_and_fps_choose_the_frames(folder):
-    for video, expected in (({"frames": 5}, [0, 1, 2, 3, 4]), ({"frames": 5, "sampling": "uniform"}, [0, 3, 6, 8, 11]),
-                            ({"frames": 5, "fps": 12}, [0, 2, 4, 6, 8])):
+    for video, expected in (
+        ({"frames": 5}, [0, 1, 2, 3, 4]),
+        ({"frames": 5, "sampling": "uniform"}, [0, 3, 6, 8, 11]),
+        ({"frames": 5, "fps": 12}, [0, 2, 4, 6, 8]),
+    ):
         data = DataSpec(path=str(folder), video=video)
         clip = VideoCaptionDataset(data, list_samples(data, video=True), 0)[0]["pixel_values"]
         assert clip.shape == (3, 5, 32, 32) and _levels(clip) == expected, video
@@ -66,8 +69,12 @@ def test_stills_are_one_frame_clips_and_jsonl_lists_videos(folder):
     from PIL import Image
 
     Image.new("RGB", (40, 32), (200, 10, 10)).save(folder / "b.png")
-    (folder / "metadata.jsonl").write_text(json.dumps({"file_name": "a.mp4", "text": "fade"}) + "\n"
-                                           + json.dumps({"file_name": "b.png", "text": "red"}) + "\n")
+    (folder / "metadata.jsonl").write_text(
+        json.dumps({"file_name": "a.mp4", "text": "fade"})
+        + "\n"
+        + json.dumps({"file_name": "b.png", "text": "red"})
+        + "\n"
+    )
     data = DataSpec(path=str(folder))
     records = list_samples(data, video=True)
     dataset = VideoCaptionDataset(data, records, 0)
@@ -119,9 +126,13 @@ def _startup_records(folder: Path, micro_batch_size: int = 1, **video):
     from dstune.spec.models import Spec
     from dstune.startup import checked_records
 
-    spec = Spec.model_validate({"model": {"family": "wan"}, "data": {"path": str(folder), "video": video},
-                                "train": {"micro_batch_size": micro_batch_size, "gradient_accumulation_steps": 1,
-                                          "max_steps": 1}})
+    spec = Spec.model_validate(
+        {
+            "model": {"family": "wan"},
+            "data": {"path": str(folder), "video": video},
+            "train": {"micro_batch_size": micro_batch_size, "gradient_accumulation_steps": 1, "max_steps": 1},
+        }
+    )
     return checked_records(_one_process_run(), spec, get_family("wan"))
 
 

@@ -29,9 +29,13 @@ def test_readme_names_every_model_family_init_name_and_builtin():
     rows = [line for line in models.splitlines() if line.startswith("| ") and "`" in line]
     missing = [f"model.family `{family}`" for family in FAMILIES if f"| `{family}` |" not in models]
     missing += [f"`builtin:{name}`" for name in BUILTIN_MODELS if f"`builtin:{name}`" not in models]
-    missing += [f"init --model `{p.name}` (builtin:{p.builtin})" for p in MODEL_PRESETS
-                if not any(f"| `{p.name}` |" in row and f"`builtin:{p.builtin}`" in row and f"| `{p.family}` |" in row
-                           for row in rows)]
+    missing += [
+        f"init --model `{p.name}` (builtin:{p.builtin})"
+        for p in MODEL_PRESETS
+        if not any(
+            f"| `{p.name}` |" in row and f"`builtin:{p.builtin}`" in row and f"| `{p.family}` |" in row for row in rows
+        )
+    ]
     assert not missing, "README.md's model table lacks: " + ", ".join(missing)
 
 
@@ -61,12 +65,19 @@ def test_spec_reference_gives_each_familys_own_lora_targets(family):
 
 
 # Notes the repository does not hold, and wording that points at them instead of stating the fact.
-OUTSIDE_REFERENCES = re.compile(r"FIELD_NOTES|DESIGN\.md|\bissues? #?\d+|the issue\b|another branch|\bengineers?\b"
-                                r"|#\d{3,}|\bsession\b", re.I)
+OUTSIDE_REFERENCES = re.compile(
+    r"FIELD_NOTES|DESIGN\.md|\bissues? #?\d+|the issue\b|another branch|\bengineers?\b"
+    r"|#\d{3,}|\bsession\b",
+    re.I,
+)
 
 
 def test_user_docs_do_not_cite_notes_outside_the_repository():
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-    found = [f"{page.relative_to(REPO)}:{number}: {line.strip()}" for page in pages
-             for number, line in enumerate(page.read_text().splitlines(), 1) if OUTSIDE_REFERENCES.search(line)]
+    found = [
+        f"{page.relative_to(REPO)}:{number}: {line.strip()}"
+        for page in pages
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if OUTSIDE_REFERENCES.search(line)
+    ]
     assert not found, "rewrite as self-contained statements:\n" + "\n".join(found)

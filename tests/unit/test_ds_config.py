@@ -64,8 +64,11 @@ def test_every_variant_is_complete_without_auto_and_deepspeed_accepts_it(optimiz
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         assert type(config[key]) is int
     triad = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    assert tuple(config[k] for k in triad) == (plan.global_batch_size, plan.micro_batch_size,
-                                               plan.gradient_accumulation_steps)
+    assert tuple(config[k] for k in triad) == (
+        plan.global_batch_size,
+        plan.micro_batch_size,
+        plan.gradient_accumulation_steps,
+    )
     assert isinstance(config["gradient_clipping"], float)
     assert config["steps_per_print"] == STEPS_PER_PRINT and config["wall_clock_breakdown"] is False
     assert cross_check(config, plan, source) == []
@@ -82,13 +85,16 @@ def test_precision_blocks():
     assert fp16["fp16"]["initial_scale_power"] == 16
 
 
-@pytest.mark.parametrize("train,expected", [
-    ({"optimizer": {"type": "adamw"}}, 1.0),
-    ({"optimizer": {"type": "sgd"}}, 1.0),
-    ({"optimizer": {"type": "adafactor"}}, 0.0),
-    ({"optimizer": {"type": "adamw"}, "gradient_clipping": 0.5}, 0.5),
-    ({"optimizer": {"type": "adafactor"}, "gradient_clipping": 2.0, "allow_clipping_with_adafactor": True}, 2.0),
-])
+@pytest.mark.parametrize(
+    "train,expected",
+    [
+        ({"optimizer": {"type": "adamw"}}, 1.0),
+        ({"optimizer": {"type": "sgd"}}, 1.0),
+        ({"optimizer": {"type": "adafactor"}}, 0.0),
+        ({"optimizer": {"type": "adamw"}, "gradient_clipping": 0.5}, 0.5),
+        ({"optimizer": {"type": "adafactor"}, "gradient_clipping": 2.0, "allow_clipping_with_adafactor": True}, 2.0),
+    ],
+)
 def test_gradient_clipping_is_always_explicit(train, expected):
     config, *_ = compiled(train)
     assert config["gradient_clipping"] == expected
@@ -120,12 +126,24 @@ def test_torch_adam_family_is_a_tested_zero_optimizer(optimizer):
 
 @pytest.mark.parametrize("optimizer,ds_type,decoupled", [("adamw", "AdamW", True), ("adam", "Adam", False)])
 def test_offloaded_adam_uses_deepspeed_optimizer_block(optimizer, ds_type, decoupled):
-    train = {"optimizer": {"type": optimizer, "lr": 1e-4, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1},
-             "global_batch_size": 64, "lr_scaling": "linear", "reference_batch_size": 32}
+    train = {
+        "optimizer": {"type": optimizer, "lr": 1e-4, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1},
+        "global_batch_size": 64,
+        "lr_scaling": "linear",
+        "reference_batch_size": 32,
+    }
     config, _, plan, _ = compiled(train, {"zero_stage": 2, "offload_optimizer": "cpu"})
     assert uses_deepspeed_optimizer(config)
-    assert config["optimizer"] == {"type": ds_type, "params": {
-        "lr": pytest.approx(2e-4), "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1, "adam_w_mode": decoupled}}
+    assert config["optimizer"] == {
+        "type": ds_type,
+        "params": {
+            "lr": pytest.approx(2e-4),
+            "betas": [0.8, 0.99],
+            "eps": 1e-6,
+            "weight_decay": 0.1,
+            "adam_w_mode": decoupled,
+        },
+    }
     assert plan.effective_lr == pytest.approx(2e-4)
     assert "zero_force_ds_cpu_optimizer" not in config and "zero_allow_untested_optimizer" not in config
     assert config["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
@@ -143,10 +161,16 @@ def test_offloaded_client_optimizer_gets_both_flags_and_a_speed_warning(optimize
 def test_zero_blocks_by_stage():
     zero0, *_ = compiled(deepspeed={"zero_stage": 0})
     assert zero0["zero_optimization"] == {"stage": 0}
-    zero2, *_ = compiled(deepspeed={"zero_stage": 2, "reduce_bucket_size": 1000, "allgather_bucket_size": 2000,
-                                    "overlap_comm": True})
-    assert zero2["zero_optimization"] == {"stage": 2, "contiguous_gradients": True, "overlap_comm": True,
-                                          "reduce_bucket_size": 1000, "allgather_bucket_size": 2000}
+    zero2, *_ = compiled(
+        deepspeed={"zero_stage": 2, "reduce_bucket_size": 1000, "allgather_bucket_size": 2000, "overlap_comm": True}
+    )
+    assert zero2["zero_optimization"] == {
+        "stage": 2,
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+        "reduce_bucket_size": 1000,
+        "allgather_bucket_size": 2000,
+    }
     zero3, *_ = compiled(deepspeed={"zero_stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}})
     block = zero3["zero_optimization"]
     assert block["stage3_gather_16bit_weights_on_model_save"] is True  # export needs it
@@ -163,8 +187,12 @@ def test_activation_checkpointing_block_only_when_deepspeed_features_are_asked_f
     train, _, plan, source = build()
     deepspeed = DeepSpeedSpec(activation_checkpointing={"cpu_checkpointing": True, "number_checkpoints": 4})
     asked, _ = compile_ds_config(train, deepspeed, plan, source)
-    assert asked["activation_checkpointing"] == {"partition_activations": False, "cpu_checkpointing": True,
-                                                 "contiguous_memory_optimization": False, "number_checkpoints": 4}
+    assert asked["activation_checkpointing"] == {
+        "partition_activations": False,
+        "cpu_checkpointing": True,
+        "contiguous_memory_optimization": False,
+        "number_checkpoints": 4,
+    }
 
 
 def test_the_sd_family_refuses_deepspeed_activation_checkpointing():
@@ -176,8 +204,7 @@ def test_compile_imports_neither_torch_nor_deepspeed():
     import subprocess
     import sys
 
-    code = ("import sys, dstune.ds_json; "
-            "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))")
+    code = "import sys, dstune.ds_json; print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -254,8 +281,9 @@ def dstune_verdict(world_size: int, batch, micro, gas):
     train = {"max_steps": 1, "global_batch_size": batch, "micro_batch_size": micro, "gradient_accumulation_steps": gas}
     source = SpecSource("spec.yaml")
     try:
-        spec = validate_data({"model": {"family": "sd"}, "train": {k: v for k, v in train.items() if v is not None}},
-                             source)
+        spec = validate_data(
+            {"model": {"family": "sd"}, "train": {k: v for k, v in train.items() if v is not None}}, source
+        )
         plan = make_plan(spec.train, world(world_size), NUM_SAMPLES, source)
         config, _ = compile_ds_config(spec.train, spec.deepspeed, plan, source)
     except SpecError as err:
@@ -269,8 +297,9 @@ SUBSETS = [s for n in (3, 2, 1) for s in itertools.combinations(range(3), n)]
 
 
 @pytest.mark.parametrize("subset", SUBSETS, ids=lambda s: "+".join(("batch", "micro", "gas")[i] for i in s))
-@pytest.mark.parametrize("batch,micro,gas,success", [(32, 16, 1, True), (32, 8, 2, True), (33, 17, 2, False),
-                                                     (32, 18, 1, False)])
+@pytest.mark.parametrize(
+    "batch,micro,gas,success", [(32, 16, 1, True), (32, 8, 2, True), (33, 17, 2, False), (32, 18, 1, False)]
+)
 def test_deepspeed_batch_config_cases(batch, micro, gas, success, subset):
     """DeepSpeed's TestBatchConfig cases (tests/unit/runtime/test_ds_config_dict.py, world size 2), given all three
     numbers, each pair and each single one."""
@@ -290,8 +319,9 @@ def raw_triads(draw):
     return world_size, [v if i in subset else None for i, v in enumerate((batch, micro, gas))]
 
 
-@settings(max_examples=150, derandomize=True, database=None, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=150, derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(case=raw_triads())
 def test_triad_verdict_and_numbers_equal_deepspeed(case):
     """Same verdict and same numbers as DeepSpeed on the raw numbers, for every subset of them.

@@ -29,17 +29,19 @@ REFUSED = {
     "deepspeedexamples__cifar_ds_config.json": "zero_optimization.cpu_offload",  # removed DeepSpeed key
     "deepspeedexamples__expert_parallel_ds_autoep_zero1_qwen3_5_moe.json": "expert_parallel.autoep_size",
     "deepspeedexamples__megatron_ds_zero2_config.json": "activation_checkpointing.partition_activations",
-    "deepspeedexamples__megatron_v115_ds_zero_stage_3_config.json":
-        "zero_optimization.stage3_param_persitence_threshold",  # a typo DeepSpeed refuses
+    "deepspeedexamples__megatron_v115_ds_zero_stage_3_config.json": "zero_optimization.stage3_param_persitence_threshold",  # a typo DeepSpeed refuses
     "deepspeedexamples__tensor_parallel_ds_config.json": "tensor_parallel.autotp_size",  # model parallelism
     "llamafactory__ds_z2_autotp_config.json": "tensor_parallel.autotp_size",
     "transformers__tests_deepspeed_ds_config_zero3.json": "zero_optimization.reduce_bucket_size",  # 0: must be > 0
 }
 # Keys dstune writes under another name than some files use.
-RENAMED = {"bfloat16": "bf16", "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
-           "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
-           "prefetch_bucket_size": "stage3_prefetch_bucket_size",
-           "param_persistence_threshold": "stage3_param_persistence_threshold"}
+RENAMED = {
+    "bfloat16": "bf16",
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+}
 
 
 def minimal_spec(tmp_path: Path, config: Path) -> Path:
@@ -49,8 +51,12 @@ def minimal_spec(tmp_path: Path, config: Path) -> Path:
     train = {"epochs": 8}
     if not any(isinstance(user.get(key), (int, float)) for key in BATCH_KEYS):
         train = {"micro_batch_size": 4, "global_batch_size": 8, **train}
-    spec = {"model": {"family": "sd", "pretrained": "builtin:tiny-sd"}, "data": {"path": "builtin:shapes"},
-            "train": train, "deepspeed": {"config": str(config)}}
+    spec = {
+        "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+        "data": {"path": "builtin:shapes"},
+        "train": train,
+        "deepspeed": {"config": str(config)},
+    }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
@@ -96,8 +102,11 @@ def test_file_is_compiled_with_its_values_or_refused_naming_its_key(tmp_path, pa
     params = user.get("optimizer", {}).get("params", {})
     for name in ("lr", "eps", "weight_decay", "betas"):  # dstune builds the optimizer: from the file's values
         if params.get(name, "auto") != "auto":
-            assert list(getattr(train.optimizer, name)) == params[name] if name == "betas" else \
-                getattr(train.optimizer, name) == params[name], name
+            assert (
+                list(getattr(train.optimizer, name)) == params[name]
+                if name == "betas"
+                else getattr(train.optimizer, name) == params[name]
+            ), name
     if "scheduler" in user:
         assert "scheduler" not in resolved.ds_config  # dstune steps its own schedule
     assert all(source for source in resolved.ds_sources.values()) and set(resolved.ds_sources) == set(merged)
@@ -171,19 +180,30 @@ def test_a_key_written_in_both_places_names_both_lines(tmp_path):
 
 def test_defaults_yield_to_the_file_and_auto_takes_the_spec_or_default(tmp_path):
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
-                                  "gradient_clipping": "auto", "train_batch_size": 16,
-                                  "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "adam_w_mode": False}},
-                                  "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5}}}))
+    config.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+                "gradient_clipping": "auto",
+                "train_batch_size": 16,
+                "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "adam_w_mode": False}},
+                "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5}},
+            }
+        )
+    )
     spec_path = tmp_path / "spec.yaml"  # no batch numbers, no ZeRO settings
-    spec_path.write_text(PROVENANCE_SPEC.replace("  micro_batch_size: 2\n  global_batch_size: 8\n", "")
-                         .replace("  reduce_bucket_size: 1000000\n", ""))
+    spec_path.write_text(
+        PROVENANCE_SPEC.replace("  micro_batch_size: 2\n  global_batch_size: 8\n", "").replace(
+            "  reduce_bucket_size: 1000000\n", ""
+        )
+    )
     resolved = validate(spec_path)
     spec = resolved.spec
     assert spec.deepspeed.zero_stage == 3 and spec.deepspeed.offload_param.device == "cpu"  # not the default 2
     assert spec.train.global_batch_size == 16 and resolved.plan.micro_batch_size == 8  # 16 / 2 ranks
     assert resolved.ds_config["gradient_clipping"] == 1.0 and resolved.ds_sources["gradient_clipping"].endswith(
-        "-> default")  # "auto" with the spec silent: dstune's default
+        "-> default"
+    )  # "auto" with the spec silent: dstune's default
     assert (spec.train.optimizer.type, spec.train.optimizer.lr) == ("adam", 3e-4)
     assert (spec.train.scheduler.type, spec.train.scheduler.warmup_steps) == ("cosine", 5)
 

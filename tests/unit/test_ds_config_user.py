@@ -19,8 +19,9 @@ from dstune.spec.load import SpecError, SpecSource, validate_data
 from dstune.world import use_cpu_accelerator_if_no_cuda
 
 SHARED_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "deepspeed_configs"
-CONFIG_FILES = sorted(p for p in SHARED_CONFIGS.glob("*.json")
-                      if p.name.split("__")[0] in ("accelerate", "transformers", "llamafactory"))
+CONFIG_FILES = sorted(
+    p for p in SHARED_CONFIGS.glob("*.json") if p.name.split("__")[0] in ("accelerate", "transformers", "llamafactory")
+)
 SCHEDULES = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 
 
@@ -32,11 +33,18 @@ def compile_with(tmp_path: Path, user: dict | str | Path, train=None, deepspeed=
         path = tmp_path / "ds.json"
         path.write_text(user if isinstance(user, str) else json.dumps(user, indent=2))
     source = SpecSource(str(tmp_path / "spec.yaml"), dict(lines or {}))
-    data = {"model": {"family": "sd"}, "train": {"micro_batch_size": 4, "max_steps": 100, **(train or {})},
-            "deepspeed": {**(deepspeed or {}), "config": str(path)}}
+    data = {
+        "model": {"family": "sd"},
+        "train": {"micro_batch_size": 4, "max_steps": 100, **(train or {})},
+        "deepspeed": {**(deepspeed or {}), "config": str(path)},
+    }
     spec, source, conflicts = apply_ds_file(validate_data(data, source), source)  # as dstune.validate does
-    plan = make_plan(spec.train, types.SimpleNamespace(world_size=world_size, num_nodes=1,
-                                                       ranks_per_node=(world_size,)), 100_000, source)
+    plan = make_plan(
+        spec.train,
+        types.SimpleNamespace(world_size=world_size, num_nodes=1, ranks_per_node=(world_size,)),
+        100_000,
+        source,
+    )
     try:
         config, issues = compile_ds_config(spec.train, spec.deepspeed, plan, source)
     except SpecError as err:  # a conflict is named by both stages; validate keeps the first (both places)
@@ -137,8 +145,13 @@ def test_shared_file_with_a_matching_spec_fills_every_auto_or_fails_in_one_line(
 
 def test_auto_is_filled_from_the_spec_and_plan(tmp_path):
     user = json.loads((SHARED_CONFIGS / "accelerate__tests_ds_config_zero3.json").read_text())
-    train = {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "precision": "bf16", "gradient_clipping": 0.5,
-             "optimizer": {"lr": 3e-4, "weight_decay": 0.05}}
+    train = {
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "precision": "bf16",
+        "gradient_clipping": 0.5,
+        "optimizer": {"lr": 3e-4, "weight_decay": 0.05},
+    }
     deepspeed = {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu", "reduce_bucket_size": 1_000_000}
     config, *_ = compile_with(tmp_path, user, train=train, deepspeed=deepspeed, world_size=4)
     assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"]) == (8, 2)
@@ -158,10 +171,19 @@ def test_auto_is_filled_from_the_spec_and_plan(tmp_path):
 
 def test_every_conflict_is_reported_at_once_with_key_line_both_values_and_fix(tmp_path):
     """Only keys written in both places conflict; the file's other values fill the spec (and meet its rules)."""
-    user = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
-    issues = errors_of(tmp_path, user, train={"optimizer": {"type": "adafactor"}}, deepspeed={"zero_stage": 2},
-                       lines={"deepspeed.zero_stage": 7})
+    user = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    }
+    issues = errors_of(
+        tmp_path,
+        user,
+        train={"optimizer": {"type": "adafactor"}},
+        deepspeed={"zero_stage": 2},
+        lines={"deepspeed.zero_stage": 7},
+    )
     by_key = {issue.key: issue for issue in issues}
     assert set(by_key) == {"train_micro_batch_size_per_gpu", "zero_optimization.stage", "gradient_clipping"}
     text = (tmp_path / "ds.json").read_text()
@@ -173,35 +195,57 @@ def test_every_conflict_is_reported_at_once_with_key_line_both_values_and_fix(tm
     assert "train.micro_batch_size: 4" in by_key["train_micro_batch_size_per_gpu"].message
     # clipping is unset in the spec: the file's 1.0 fills it, and the adafactor rule refuses it at the file's line
     assert "adafactor" in by_key["gradient_clipping"].message
-    assert "fills train.gradient_clipping" in by_key["gradient_clipping"].message or \
-        "value for train.gradient_clipping" in by_key["gradient_clipping"].message
+    assert (
+        "fills train.gradient_clipping" in by_key["gradient_clipping"].message
+        or "value for train.gradient_clipping" in by_key["gradient_clipping"].message
+    )
 
 
 def test_spec_defaults_yield_to_the_file_unless_the_spec_wrote_them(tmp_path):
     user = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "overlap_comm": True}}
     config, *_ = compile_with(tmp_path, user)
     assert config["zero_optimization"]["reduce_bucket_size"] == 5e8 and config["zero_optimization"]["overlap_comm"]
-    [issue] = errors_of(tmp_path, user, deepspeed={"reduce_bucket_size": 1000},
-                        lines={"deepspeed.reduce_bucket_size": 9})
+    [issue] = errors_of(
+        tmp_path, user, deepspeed={"reduce_bucket_size": 1000}, lines={"deepspeed.reduce_bucket_size": 9}
+    )
     assert issue.key == "zero_optimization.reduce_bucket_size" and "spec.yaml:9" in issue.message
 
 
-@pytest.mark.parametrize("user,train,deepspeed,key", [
-    ({"zero_allow_untested_optimizer": False}, {"optimizer": {"type": "lion"}}, {"zero_stage": 2},
-     "zero_allow_untested_optimizer"),
-    ({"zero_force_ds_cpu_optimizer": True}, {"optimizer": {"type": "sgd"}},
-     {"zero_stage": 2, "offload_optimizer": "cpu"}, "zero_force_ds_cpu_optimizer"),
-    ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}}, {}, {"zero_stage": 3},
-     "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
-    ({"gradient_clipping": None}, {}, {}, "gradient_clipping"),
-    ({"tensor_parallel": {"autotp_size": 2}}, {}, {}, "tensor_parallel.autotp_size"),
-    ({"sequence_parallel_size": 2}, {}, {}, "sequence_parallel_size"),
-    ({"zero_optimization": {"cpu_offload": True}}, {}, {}, "zero_optimization.cpu_offload"),
-    ({"zero_optimization": True}, {}, {}, "zero_optimization"),
-    ({"fp16": True}, {}, {}, "fp16"),
-    ({"zero_optimization": {"stage3_max_live_parameters": "auto"}}, {}, {},
-     "zero_optimization.stage3_max_live_parameters"),
-])
+@pytest.mark.parametrize(
+    "user,train,deepspeed,key",
+    [
+        (
+            {"zero_allow_untested_optimizer": False},
+            {"optimizer": {"type": "lion"}},
+            {"zero_stage": 2},
+            "zero_allow_untested_optimizer",
+        ),
+        (
+            {"zero_force_ds_cpu_optimizer": True},
+            {"optimizer": {"type": "sgd"}},
+            {"zero_stage": 2, "offload_optimizer": "cpu"},
+            "zero_force_ds_cpu_optimizer",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}},
+            {},
+            {"zero_stage": 3},
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        ),
+        ({"gradient_clipping": None}, {}, {}, "gradient_clipping"),
+        ({"tensor_parallel": {"autotp_size": 2}}, {}, {}, "tensor_parallel.autotp_size"),
+        ({"sequence_parallel_size": 2}, {}, {}, "sequence_parallel_size"),
+        ({"zero_optimization": {"cpu_offload": True}}, {}, {}, "zero_optimization.cpu_offload"),
+        ({"zero_optimization": True}, {}, {}, "zero_optimization"),
+        ({"fp16": True}, {}, {}, "fp16"),
+        (
+            {"zero_optimization": {"stage3_max_live_parameters": "auto"}},
+            {},
+            {},
+            "zero_optimization.stage3_max_live_parameters",
+        ),
+    ],
+)
 def test_values_dstune_cannot_accept(tmp_path, user, train, deepspeed, key):
     issues = errors_of(tmp_path, user, train=train, deepspeed=deepspeed)
     assert [issue.key for issue in issues] == [key]
@@ -220,8 +264,9 @@ def test_optimizer_block_without_offload_is_dropped_with_a_warning(tmp_path):
 
 def test_deepspeed_adam_is_adamw_unless_adam_w_mode_is_false(tmp_path):
     offload = {"zero_stage": 2, "offload_optimizer": "cpu"}
-    [issue] = errors_of(tmp_path, {"optimizer": {"type": "Adam"}}, train={"optimizer": {"type": "adam"}},
-                        deepspeed=offload)
+    [issue] = errors_of(
+        tmp_path, {"optimizer": {"type": "Adam"}}, train={"optimizer": {"type": "adam"}}, deepspeed=offload
+    )
     assert issue.key == "optimizer.type" and "adam_w_mode" in issue.message
     user = {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}
     config, *_ = compile_with(tmp_path, user, train={"optimizer": {"type": "adam"}}, deepspeed=offload)
@@ -232,8 +277,13 @@ def test_deepspeed_adam_is_adamw_unless_adam_w_mode_is_false(tmp_path):
 
 def test_optimizer_conflicts(tmp_path):
     user = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "max_grad_norm": 1.0}}}
-    train = {"optimizer": {"type": "sgd", "lr": 1e-4}, "global_batch_size": 16, "micro_batch_size": 4,
-             "lr_scaling": "sqrt", "reference_batch_size": 4}
+    train = {
+        "optimizer": {"type": "sgd", "lr": 1e-4},
+        "global_batch_size": 16,
+        "micro_batch_size": 4,
+        "lr_scaling": "sqrt",
+        "reference_batch_size": 4,
+    }
     issues = {i.key: i for i in errors_of(tmp_path, user, train=train)}
     assert set(issues) == {"optimizer.type", "optimizer.params.lr", "optimizer.params.max_grad_norm"}
     assert "lr_scaling 2" in issues["optimizer.params.lr"].message and "0.0002" in issues["optimizer.params.lr"].message
@@ -248,11 +298,18 @@ def test_scheduler_all_auto_is_dropped_with_a_warning(tmp_path):
 
 
 def test_scheduler_concrete_values_must_agree(tmp_path):
-    user = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 50, "warmup_max_lr": 1e-4,
-                                                         "warmup_type": "log"}}}
+    user = {
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_num_steps": 50, "warmup_max_lr": 1e-4, "warmup_type": "log"},
+        }
+    }
     issues = errors_of(tmp_path, user, train={"scheduler": {"type": "cosine", "warmup_steps": 10}})
-    assert sorted(i.key for i in issues) == ["scheduler.params.warmup_num_steps", "scheduler.params.warmup_type",
-                                             "scheduler.type"]
+    assert sorted(i.key for i in issues) == [
+        "scheduler.params.warmup_num_steps",
+        "scheduler.params.warmup_type",
+        "scheduler.type",
+    ]
     # HF writes warmup_num_steps 1 for "no warmup" (DeepSpeed >= 0.19.6 refuses 0): the same schedule
     config, *_ = compile_with(tmp_path, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}})
     assert "scheduler" not in config
@@ -271,11 +328,17 @@ def test_unknown_top_level_keys_warn_with_did_you_mean(tmp_path):
 
 
 def test_old_names_are_read_as_the_new_ones(tmp_path):
-    user = {"bfloat16": {"enabled": "auto"},
-            "zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
-                                  "prefetch_bucket_size": 1000}}
-    config, issues, plan, source, _ = compile_with(tmp_path, user, train={"precision": "bf16"},
-                                                   deepspeed={"zero_stage": 3})
+    user = {
+        "bfloat16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_gather_fp16_weights_on_model_save": True,
+            "prefetch_bucket_size": 1000,
+        },
+    }
+    config, issues, plan, source, _ = compile_with(
+        tmp_path, user, train={"precision": "bf16"}, deepspeed={"zero_stage": 3}
+    )
     assert "bfloat16" not in config and config["bf16"] == {"enabled": True}
     zero = config["zero_optimization"]
     assert "stage3_gather_fp16_weights_on_model_save" not in zero and zero["stage3_prefetch_bucket_size"] == 1000
@@ -283,8 +346,9 @@ def test_old_names_are_read_as_the_new_ones(tmp_path):
     assert cross_check(config, plan, source) == []
 
 
-@pytest.mark.parametrize("text,line", [('{\n  "train_batch_size": 8,\n  "fp16": {\n}', 4),
-                                       ('{\n  "a": 1,\n  "b": 2,,\n}', 3)])
+@pytest.mark.parametrize(
+    "text,line", [('{\n  "train_batch_size": 8,\n  "fp16": {\n}', 4), ('{\n  "a": 1,\n  "b": 2,,\n}', 3)]
+)
 def test_invalid_json_names_file_and_line(tmp_path, text, line):
     [issue] = errors_of(tmp_path, text)
     assert issue.where == f"{tmp_path / 'ds.json'}:{line}" and "not valid JSON" in issue.message
@@ -299,8 +363,14 @@ def test_duplicate_keys_and_non_objects_are_refused(tmp_path):
 
 def test_missing_file_names_the_path_relative_to_the_spec(tmp_path):
     source = SpecSource(str(tmp_path / "spec.yaml"), {"deepspeed.config": 12})
-    spec = validate_data({"model": {"family": "sd"}, "train": {"micro_batch_size": 1, "max_steps": 1},
-                          "deepspeed": {"config": "configs/none.json"}}, source)
+    spec = validate_data(
+        {
+            "model": {"family": "sd"},
+            "train": {"micro_batch_size": 1, "max_steps": 1},
+            "deepspeed": {"config": "configs/none.json"},
+        },
+        source,
+    )
     plan = make_plan(spec.train, types.SimpleNamespace(world_size=1, num_nodes=1, ranks_per_node=(1,)), 10, source)
     with pytest.raises(SpecError) as caught:
         compile_ds_config(spec.train, spec.deepspeed, plan, source)
@@ -309,18 +379,31 @@ def test_missing_file_names_the_path_relative_to_the_spec(tmp_path):
     assert str(tmp_path / "configs" / "none.json") in issue.message
 
 
-@pytest.mark.parametrize("user,key,expected", [
-    ({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 10}}, "zero_optimization.reduce_bucket_sise",
-     "did you mean 'reduce_bucket_size'?"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": True}}},
-     "zero_optimization.offload_optimizer.pin_memroy", "did you mean 'pin_memory'?"),
-    ({"fp16": {"enabled": "auto", "loss_scale": -1}}, "fp16.loss_scale", "loss_scale must be >= 0"),
-    ({"amp": {"enabled": True}}, "", "Apex AMP integration has been removed"),
-])
+@pytest.mark.parametrize(
+    "user,key,expected",
+    [
+        (
+            {"zero_optimization": {"stage": 2, "reduce_bucket_sise": 10}},
+            "zero_optimization.reduce_bucket_sise",
+            "did you mean 'reduce_bucket_size'?",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": True}}},
+            "zero_optimization.offload_optimizer.pin_memroy",
+            "did you mean 'pin_memory'?",
+        ),
+        ({"fp16": {"enabled": "auto", "loss_scale": -1}}, "fp16.loss_scale", "loss_scale must be >= 0"),
+        ({"amp": {"enabled": True}}, "", "Apex AMP integration has been removed"),
+    ],
+)
 def test_keys_deepspeed_refuses_give_one_line_naming_key_and_file(tmp_path, user, key, expected):
     config, issues, plan, source, path = compile_with(
-        tmp_path, user, deepspeed={"offload_optimizer": user.get("zero_optimization", {}).get("offload_optimizer", {})
-                                   .get("device", "none")})
+        tmp_path,
+        user,
+        deepspeed={
+            "offload_optimizer": user.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+        },
+    )
     [issue] = cross_check(config, plan, source, str(path))
     assert issue.key == key and expected in issue.message and "\n" not in str(issue)
     assert issue.where.startswith(str(path))

@@ -24,8 +24,15 @@ from dstune.models.tts_lm.spec import TtsLmModel
 from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, SECTIONS_BY_FAMILY, VIDEO_FAMILIES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_SPECS = {"sd": SdModel, "sdxl": SdxlModel, "flow": FlowModel, "wan": WanModel, "tts_lm": TtsLmModel,
-               "tts_codebooks": TtsCodebooksModel, "speecht5": SpeechT5Model}
+MODEL_SPECS = {
+    "sd": SdModel,
+    "sdxl": SdxlModel,
+    "flow": FlowModel,
+    "wan": WanModel,
+    "tts_lm": TtsLmModel,
+    "tts_codebooks": TtsCodebooksModel,
+    "speecht5": SpeechT5Model,
+}
 
 API = ("build", "encode_batch", "loss", "sample", "save_samples", "export")
 
@@ -64,9 +71,11 @@ def test_the_registry_and_every_family_facts_module_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, dstune.families\n"
-            "from dstune.families import FAMILY_FACTS\n"
-            "assert FAMILY_FACTS and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]")
+    code = (
+        "import sys, dstune.families\n"
+        "from dstune.families import FAMILY_FACTS\n"
+        "assert FAMILY_FACTS and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
 

@@ -53,8 +53,13 @@ def test_loss_equals_the_classs_own_loss_from_the_processors_labels(folder, buil
     labels (output_labels=True: every frame trains the depth decoder), and the class encodes the audio itself."""
     model, processor = whole_csm(folder[0])
     texts = [f"<|begin_of_text|>[0]{t}<|end_of_text|><|AUDIO|><|audio_eos|>" for t in batch["texts"]]
-    inputs = processor(texts, audio=[w.numpy() for w in batch["audio"]], output_labels=True,
-                       depth_decoder_labels_ratio=1.0, padding_side="right")
+    inputs = processor(
+        texts,
+        audio=[w.numpy() for w in batch["audio"]],
+        output_labels=True,
+        depth_decoder_labels_ratio=1.0,
+        padding_side="right",
+    )
     with torch.no_grad():
         theirs = model(**inputs)
         encoded = tts_codebooks.encode_batch(built, batch)
@@ -110,16 +115,18 @@ def test_codec_cache_holds_the_classs_own_mimi_codes(folder, built, batch, tmp_p
 def test_export_loads_with_its_processor_and_generates_a_wav(folder, built, tmp_path):
     from transformers import AutoProcessor, CsmForConditionalGeneration
 
-    state = {k: v.clone() + (0.01 if k.endswith("lm_head.weight") else 0.0)
-             for k, v in built.trainable.state_dict().items()}
+    state = {
+        k: v.clone() + (0.01 if k.endswith("lm_head.weight") else 0.0) for k, v in built.trainable.state_dict().items()
+    }
     out = tts_codebooks.export(built, state, tmp_path / "export")
     model = CsmForConditionalGeneration.from_pretrained(out).eval()
     processor = AutoProcessor.from_pretrained(out)
     assert torch.equal(model.lm_head.weight, state["model.lm_head.weight"])
     inputs = processor("<|begin_of_text|>[0]12<|end_of_text|>")
     torch.manual_seed(0)
-    audio = model.generate(**inputs, output_audio=True, max_new_tokens=4,
-                           **tts_codebooks.decodable_codes(model.config.vocab_size, 32))  # ids 32..34 are not codes
+    audio = model.generate(
+        **inputs, output_audio=True, max_new_tokens=4, **tts_codebooks.decodable_codes(model.config.vocab_size, 32)
+    )  # ids 32..34 are not codes
     processor.save_audio(audio, str(tmp_path / "out.wav"))
     wave, rate = soundfile.read(tmp_path / "out.wav")
     assert rate == 24000 and len(wave) > 0 and np.isfinite(wave).all()
@@ -150,13 +157,16 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
     base = CsmForConditionalGeneration.from_pretrained(folder[0])
     adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload()
     name = "backbone_model.layers.0.self_attn.q_proj.weight"
-    assert not torch.equal(merged.state_dict()[name], CsmForConditionalGeneration.from_pretrained(folder[0])
-                           .state_dict()[name])
+    assert not torch.equal(
+        merged.state_dict()[name], CsmForConditionalGeneration.from_pretrained(folder[0]).state_dict()[name]
+    )
     assert torch.allclose(merged.state_dict()[name], adapted.state_dict()[name], atol=1e-6)
 
 
 def test_a_folder_of_another_class_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    with pytest.raises(FamilyError, match="names \\['LlamaForCausalLM'\\]; model.family tts_codebooks trains "
-                                          "CsmForConditionalGeneration"):
+    with pytest.raises(
+        FamilyError,
+        match="names \\['LlamaForCausalLM'\\]; model.family tts_codebooks trains CsmForConditionalGeneration",
+    ):
         tts_codebooks.folder_architecture(tmp_path)

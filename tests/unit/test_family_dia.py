@@ -56,8 +56,13 @@ def whole_dia(folder):
 
 def processor_inputs(processor, texts, audio):
     """Dia's documented training inputs: the processor with generation=False and output_labels=True."""
-    return processor(text=texts, audio=[w.numpy() for w in audio], generation=False, output_labels=True,
-                     sampling_rate=processor.feature_extractor.sampling_rate)
+    return processor(
+        text=texts,
+        audio=[w.numpy() for w in audio],
+        generation=False,
+        output_labels=True,
+        sampling_rate=processor.feature_extractor.sampling_rate,
+    )
 
 
 def test_batch_and_loss_equal_the_processors_labels_and_the_classs_own_loss(folder, built, batch):
@@ -88,8 +93,9 @@ def _loss_with_shift(logits, encoded, config, shift):
     full = torch.cat([sequence, last, torch.full_like(last, config.decoder_config.pad_token_id)], 1)
     rows, chans, positions = (labels != -100).nonzero(as_tuple=True)
     targets = full[rows, positions + shift, chans]
-    return torch.nn.functional.cross_entropy(logits.reshape(batch, channels, length, -1)[rows, chans, positions],
-                                             targets).item()
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(batch, channels, length, -1)[rows, chans, positions], targets
+    ).item()
 
 
 def test_labels_are_the_delayed_codes_one_position_ahead(built, batch):
@@ -143,8 +149,10 @@ def test_export_loads_with_its_processor_and_generates_a_wav(folder, built, tmp_
 
     from dstune.export import speak
 
-    state = {k: v.clone() + (0.01 if k.endswith("logits_dense.weight") else 0.0)
-             for k, v in built.trainable.state_dict().items()}
+    state = {
+        k: v.clone() + (0.01 if k.endswith("logits_dense.weight") else 0.0)
+        for k, v in built.trainable.state_dict().items()
+    }
     out = tts_codebooks.export(built, state, tmp_path / "export")
     model = DiaForConditionalGeneration.from_pretrained(out)
     assert torch.equal(model.logits_dense.weight, state["model.logits_dense.weight"])
@@ -223,8 +231,9 @@ def test_samples_continue_sample_voice_prompts(built, tmp_path):
     assert text == "[S1] 89" and abs(len(audio) - 44100 * len(soundfile.read(reference)[0]) / 16000) <= 1
     with torch.no_grad():
         module.eval()
-        codes = tts_dia.generate_codes(module.model, built.processor, "12", int(0.2 * 44100 / 512), built.temperature,
-                                       3000, audio, text)
+        codes = tts_dia.generate_codes(
+            module.model, built.processor, "12", int(0.2 * 44100 / 512), built.temperature, 3000, audio, text
+        )
         module.train()
     assert np.array_equal(prompted.wave, tts_dia._wave(built.codec, codes))
     assert prompted.wave.shape != plain.wave.shape or not np.array_equal(prompted.wave, plain.wave)
@@ -235,8 +244,12 @@ def _validate(capsys, tmp_path, pretrained: str, sample: dict, family: str = "tt
 
     from dstune.cli import main
 
-    spec = {"model": {"family": family, "pretrained": pretrained}, "data": {"path": "builtin:tones"},
-            "train": {"micro_batch_size": 1, "max_steps": 2}, "sample": sample}
+    spec = {
+        "model": {"family": family, "pretrained": pretrained},
+        "data": {"path": "builtin:tones"},
+        "train": {"micro_batch_size": 1, "max_steps": 2},
+        "sample": sample,
+    }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     code = main(["validate", str(path), "--num-gpus", "1"])
@@ -246,7 +259,9 @@ def _validate(capsys, tmp_path, pretrained: str, sample: dict, family: str = "tt
 
 def test_validate_checks_voice_prompts(capsys, tmp_path):
     reference = _reference_clip(tmp_path / "voices")
-    assert _validate(capsys, tmp_path, "builtin:tiny-dia", {"prompts": ["12"], "voice_prompts": [str(reference)]})[0] == 0
+    assert (
+        _validate(capsys, tmp_path, "builtin:tiny-dia", {"prompts": ["12"], "voice_prompts": [str(reference)]})[0] == 0
+    )
     reference.with_suffix(".txt").unlink()
     code, out = _validate(capsys, tmp_path, "builtin:tiny-dia", {"prompts": ["12"], "voice_prompts": [str(reference)]})
     assert code == 1 and "sample.voice_prompts.0" in out and "voice.txt is missing" in out
@@ -254,8 +269,9 @@ def test_validate_checks_voice_prompts(capsys, tmp_path):
     assert code == 1 and "sample.voice_prompts has 1 clip(s) for 2 prompt(s)" in out
     code, out = _validate(capsys, tmp_path, "builtin:tiny-csm", {"prompts": ["12"], "voice_prompts": [str(reference)]})
     assert code == 1 and "CsmForConditionalGeneration is not given a reference voice here" in out
-    code, out = _validate(capsys, tmp_path, "builtin:tiny-tts-lm", {"prompts": ["12"], "voice_prompts": ["a.wav"]},
-                          family="tts_lm")
+    code, out = _validate(
+        capsys, tmp_path, "builtin:tiny-tts-lm", {"prompts": ["12"], "voice_prompts": ["a.wav"]}, family="tts_lm"
+    )
     assert code == 1 and "model.family tts_lm does not continue a reference voice" in out
 
 
@@ -273,17 +289,20 @@ def test_dialogue_jsonl_and_gptsovits_list_with_speaker_balance(built, capsys, t
     root = tmp_path / "dialogues"
     (root / "clips").mkdir(parents=True)
     lines, rows = [], []
-    for number, (speaker, text) in enumerate([("ann", "[S1] 12 [S2] 34"), ("bob", "[S2] 5"), ("ann", "67"),
-                                              ("bob", "[S1] 8 [S2] 9")]):
+    for number, (speaker, text) in enumerate(
+        [("ann", "[S1] 12 [S2] 34"), ("bob", "[S2] 5"), ("ann", "67"), ("bob", "[S1] 8 [S2] 9")]
+    ):
         soundfile.write(str(root / "clips" / f"{number}.wav"), render_tones(text[-2:].strip()), 16000)
         lines.append(json.dumps({"audio": f"clips/{number}.wav", "text": text, "speaker": speaker}))
         rows.append(f"clips/{number}.wav|{speaker}|en|{text}")
     (root / "metadata.jsonl").write_text("\n".join(lines) + "\n")
     (root / "metadata.list").write_text("\n".join(rows) + "\n")
     for data_format in ("jsonl", "gptsovits"):
-        spec = {"model": {"family": "tts_codebooks", "pretrained": "builtin:tiny-dia"},
-                "data": {"path": str(root), "format": data_format, "speaker_balance": True},
-                "train": {"micro_batch_size": 2, "max_steps": 2}}
+        spec = {
+            "model": {"family": "tts_codebooks", "pretrained": "builtin:tiny-dia"},
+            "data": {"path": str(root), "format": data_format, "speaker_balance": True},
+            "train": {"micro_batch_size": 2, "max_steps": 2},
+        }
         (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
         assert main(["validate", str(tmp_path / "spec.yaml"), "--num-gpus", "2"]) == 0, capsys.readouterr()
         capsys.readouterr()
@@ -293,5 +312,6 @@ def test_dialogue_jsonl_and_gptsovits_list_with_speaker_balance(built, capsys, t
         encoded = tts_codebooks.encode_batch(built, collate_speech([dataset[i] for i in range(4)]))
         first_ids = encoded["input_ids"][:, 0].tolist()
         assert first_ids == [1, 2, 1, 1]  # [S1], [S2], the untagged clip's [S1], [S1]
-        assert 2 in encoded["input_ids"][3].tolist() and torch.isfinite(tts_codebooks.loss(built, built.trainable,
-                                                                                               encoded, 0, 0))
+        assert 2 in encoded["input_ids"][3].tolist() and torch.isfinite(
+            tts_codebooks.loss(built, built.trainable, encoded, 0, 0)
+        )

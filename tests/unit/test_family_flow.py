@@ -35,8 +35,10 @@ def folders() -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def built(folders) -> dict:
-    return {kind: build_model(FlowModel(family="flow", pretrained=f"builtin:{name}"), CACHE_DIR, "cpu")
-            for kind, name in NAMES.items()}
+    return {
+        kind: build_model(FlowModel(family="flow", pretrained=f"builtin:{name}"), CACHE_DIR, "cpu")
+        for kind, name in NAMES.items()
+    }
 
 
 def _batch(indices: list[int]) -> dict:
@@ -67,16 +69,20 @@ def test_unsupported_and_mismatched_folders_are_refused_clearly(folders, tmp_pat
     config_path = other / "transformer" / "config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "_class_name": "PixArtTransformer2DModel"}))
-    with pytest.raises(FamilyError, match=r"PixArtTransformer2DModel is not supported.*SD3Transformer2DModel.*"
-                                          r"FluxTransformer2DModel"):
+    with pytest.raises(
+        FamilyError,
+        match=r"PixArtTransformer2DModel is not supported.*SD3Transformer2DModel.*"
+        r"FluxTransformer2DModel",
+    ):
         flow.detect_kind(other)
     config_path.write_text(json.dumps({**config, "joint_attention_dim": 48}))
     with pytest.raises(FamilyError, match=r"joint_attention_dim 48 != 64"):
         build_model(FlowModel(family="flow", pretrained=str(other)), tmp_path, "cpu")
     unet_pipeline = tmp_path / "sd"
     unet_pipeline.mkdir()
-    (unet_pipeline / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
-                                                                "unet": ["diffusers", "UNet2DConditionModel"]}))
+    (unet_pipeline / "model_index.json").write_text(
+        json.dumps({"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]})
+    )
     with pytest.raises(FamilyError, match="no transformer/ subfolder.*use model.family sd"):
         flow.detect_kind(unet_pipeline)
     shutil.rmtree(other / "text_encoder_3")
@@ -110,8 +116,8 @@ def test_a_samples_timestep_depends_only_on_seed_step_and_index():
 def test_loss_weights_are_the_reference_formulas():
     sigmas = torch.tensor([0.1, 0.5, 0.9])
     assert torch.equal(flow.loss_weights("none", sigmas), torch.ones(3))
-    assert torch.allclose(flow.loss_weights("sigma_sqrt", sigmas), sigmas ** -2)
-    assert torch.allclose(flow.loss_weights("cosmap", sigmas), 2 / (torch.pi * (1 - 2 * sigmas + 2 * sigmas ** 2)))
+    assert torch.allclose(flow.loss_weights("sigma_sqrt", sigmas), sigmas**-2)
+    assert torch.allclose(flow.loss_weights("cosmap", sigmas), 2 / (torch.pi * (1 - 2 * sigmas + 2 * sigmas**2)))
 
 
 def test_spec_refuses_settings_of_another_sampling():
@@ -119,8 +125,11 @@ def test_spec_refuses_settings_of_another_sampling():
         FlowModel(family="flow", mode_scale=1.0)
     with pytest.raises(ValueError, match="logit_mean, logit_std only apply"):
         FlowModel(family="flow", timestep_sampling="uniform", logit_mean=0.0, logit_std=2.0)
-    spec = {"model": {"family": "flow"}, "train": {"micro_batch_size": 2, "max_steps": 2},
-            "deepspeed": {"zero_stage": 3, "activation_checkpointing": {"partition_activations": True}}}
+    spec = {
+        "model": {"family": "flow"},
+        "train": {"micro_batch_size": 2, "max_steps": 2},
+        "deepspeed": {"zero_stage": 3, "activation_checkpointing": {"partition_activations": True}},
+    }
     with pytest.raises(SpecError, match="not supported for model.family flow.*gradient_checkpointing: true"):
         validate_data(spec, SpecSource("spec.yaml"))
 
@@ -201,9 +210,17 @@ def test_cached_text_tensors_train_like_encoded_ones(built, kind):
 def test_max_sequence_length_is_part_of_every_text_cache_key():
     """A cache built at one max_sequence_length misses at another (the same encoders, other tensors)."""
     from dstune.cache.entries import text_key
+
     hooks = flow.FAMILY.text_cache
-    keys = {length: text_key("a red circle", hooks.settings(FlowModel(family="flow", max_sequence_length=length)),
-                             "float32", hooks.tensors) for length in (32, 64)}
+    keys = {
+        length: text_key(
+            "a red circle",
+            hooks.settings(FlowModel(family="flow", max_sequence_length=length)),
+            "float32",
+            hooks.tensors,
+        )
+        for length in (32, 64)
+    }
     assert keys[32] != keys[64]
 
 
@@ -248,8 +265,14 @@ def test_sample_and_export_reload_with_the_pipeline(built, kind, tmp_path):
     pipe = DiffusionPipeline.from_pretrained(out)
     assert type(pipe).__name__ == {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}[kind]
     pipe.set_progress_bar_config(disable=True)
-    image = pipe("a red circle", num_inference_steps=2, height=32, width=32, output_type="np",
-                 max_sequence_length=model.max_sequence_length).images[0]
+    image = pipe(
+        "a red circle",
+        num_inference_steps=2,
+        height=32,
+        width=32,
+        output_type="np",
+        max_sequence_length=model.max_sequence_length,
+    ).images[0]
     assert image.shape == (32, 32, 3)
     with pytest.raises(FamilyError, match="do not fit the transformer"):
         flow.export(model, {k: v for k, v in state.items() if k != first}, tmp_path / "bad")

@@ -20,8 +20,12 @@ from dstune import builtin as tiny
 from dstune.families import flow
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel
-from flux2_script import (CASES, check_cached_text_trains_like_encoded_text, check_sample_and_export_reload,
-                          flux2_script_loss)
+from flux2_script import (
+    CASES,
+    check_cached_text_trains_like_encoded_text,
+    check_sample_and_export_reload,
+    flux2_script_loss,
+)
 from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,8 +54,17 @@ def test_loss_equals_the_diffusers_flux2_klein_script(built, case):
     u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
     with torch.no_grad():
         ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
-    reference = flux2_script_loss(model, Flux2KleinPipeline, flow.pipeline_of(model), {}, batch["pixel_values"],
-                                  batch["caption"], flags, u, (SEED, STEP, INDICES))
+    reference = flux2_script_loss(
+        model,
+        Flux2KleinPipeline,
+        flow.pipeline_of(model),
+        {},
+        batch["pixel_values"],
+        batch["caption"],
+        flags,
+        u,
+        (SEED, STEP, INDICES),
+    )
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
 
 

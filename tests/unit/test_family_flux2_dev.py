@@ -27,8 +27,12 @@ from dstune.families import flow
 from dstune.families.base import FamilyError
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModel
-from flux2_script import (CASES, check_cached_text_trains_like_encoded_text, check_sample_and_export_reload,
-                          flux2_script_loss)
+from flux2_script import (
+    CASES,
+    check_cached_text_trains_like_encoded_text,
+    check_sample_and_export_reload,
+    flux2_script_loss,
+)
 from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,8 +54,14 @@ def test_builtin_is_a_flux2_dev_pipeline_folder(built):
     assert built.transformer_config["guidance_embeds"] and built.max_sequence_length == 512
     # the chat template puts FLUX.2's system message and the caption in Mistral's control tokens
     text = built.tokenizers["tokenizer"].apply_chat_template(
-        [[{"role": "system", "content": [{"type": "text", "text": "S"}]},
-          {"role": "user", "content": [{"type": "text", "text": "a red circle"}]}]], tokenize=False)
+        [
+            [
+                {"role": "system", "content": [{"type": "text", "text": "S"}]},
+                {"role": "user", "content": [{"type": "text", "text": "a red circle"}]},
+            ]
+        ],
+        tokenize=False,
+    )
     assert text == ["<s>[SYSTEM_PROMPT]S[/SYSTEM_PROMPT][INST]a red circle[/INST]"]
 
 
@@ -66,8 +76,11 @@ def test_klein_and_dev_folders_are_told_apart_and_misfits_refused(tmp_path):
     assert flow.detect_kind(dev) == "flux2_dev"  # no pipeline class match: the text encoder class decides
     shutil.rmtree(dev / "vae")
     (dev / "model_index.json").write_text(json.dumps({**index, "text_encoder": ["transformers", "Qwen3ForCausalLM"]}))
-    with pytest.raises(FamilyError, match=r"\(Flux2Pipeline\):\n  - `text_encoder` is a Qwen3ForCausalLM; expected "
-                                          r"Mistral3ForConditionalGeneration\n  - missing subfolder vae/"):
+    with pytest.raises(
+        FamilyError,
+        match=r"\(Flux2Pipeline\):\n  - `text_encoder` is a Qwen3ForCausalLM; expected "
+        r"Mistral3ForConditionalGeneration\n  - missing subfolder vae/",
+    ):
         flow.detect_kind(dev)
 
 
@@ -91,11 +104,20 @@ def test_loss_equals_the_diffusers_flux2_dev_script(built, case):
     with torch.no_grad():
         ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
     # the script encodes through a Flux2Pipeline of the text parts, at its default text_encoder_out_layers
-    prompts = Flux2Pipeline(scheduler=model.scheduler, vae=None, transformer=None, **model.text_encoders,
-                            **model.tokenizers)
-    reference = flux2_script_loss(model, Flux2Pipeline, prompts, {"text_encoder_out_layers": [10, 20, 30]},
-                                  batch["pixel_values"], batch["caption"], {**flags, "guidance_scale": 4.0}, u,
-                                  (SEED, STEP, INDICES))
+    prompts = Flux2Pipeline(
+        scheduler=model.scheduler, vae=None, transformer=None, **model.text_encoders, **model.tokenizers
+    )
+    reference = flux2_script_loss(
+        model,
+        Flux2Pipeline,
+        prompts,
+        {"text_encoder_out_layers": [10, 20, 30]},
+        batch["pixel_values"],
+        batch["caption"],
+        {**flags, "guidance_scale": 4.0},
+        u,
+        (SEED, STEP, INDICES),
+    )
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
     # the guidance embedding is live: another guidance value gives another loss
     other = replace(model, settings=FlowModel(family="flow", pretrained=MODEL, guidance=1.0, **settings))

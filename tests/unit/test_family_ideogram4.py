@@ -34,11 +34,15 @@ NAME = "builtin:tiny-ideogram4"
 # then others
 CASES = {
     "script-defaults": (dict(), dict(weighting_scheme="logit_normal", logit_mean=0.0, logit_std=1.5)),
-    "logit-mean-std": (dict(logit_mean=0.5, logit_std=1.0), dict(weighting_scheme="logit_normal", logit_mean=0.5,
-                                                                  logit_std=1.0)),
+    "logit-mean-std": (
+        dict(logit_mean=0.5, logit_std=1.0),
+        dict(weighting_scheme="logit_normal", logit_mean=0.5, logit_std=1.0),
+    ),
     "uniform": (dict(timestep_sampling="uniform"), dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.5)),
-    "cosmap": (dict(timestep_sampling="uniform", loss_weighting="cosmap"),
-               dict(weighting_scheme="cosmap", logit_mean=0.0, logit_std=1.5)),
+    "cosmap": (
+        dict(timestep_sampling="uniform", loss_weighting="cosmap"),
+        dict(weighting_scheme="cosmap", logit_mean=0.0, logit_std=1.5),
+    ),
 }
 
 
@@ -68,7 +72,8 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict) 
     grid_h, grid_w = model_input.shape[2] // patch, model_input.shape[3] // patch
     with torch.no_grad():
         prompt_embeds, position_ids, segment_ids, indicator = flow.pipeline_of(built).encode_prompt(
-            prompt=list(captions), grid_h=grid_h, grid_w=grid_w, max_sequence_length=length, device="cpu")
+            prompt=list(captions), grid_h=grid_h, grid_w=grid_w, max_sequence_length=length, device="cpu"
+        )
     image_height, image_width = model_input.shape[-2] * vae_scale_factor, model_input.shape[-1] * vae_scale_factor
     batch, channels = model_input.shape[:2]
     model_input = model_input.view(batch, channels, grid_h, patch, grid_w, patch).permute(0, 2, 4, 3, 5, 1)
@@ -77,17 +82,31 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict) 
     # dstune's noise draw, (4C, h, w) per sample, read in the example's token layout
     noise = per_sample_randn((4 * channels, grid_h, grid_w), SEED, STEP, INDICES, "noise")
     noise = noise.permute(0, 2, 3, 1).reshape(model_input.shape)
-    sigmas = torch.cat([compute_density_for_timestep_sampling(
-        weighting_scheme=flags["weighting_scheme"], batch_size=1,
-        logit_mean=_resolution_aware_mu(image_height, image_width, base_mu=flags["logit_mean"]),
-        logit_std=flags["logit_std"], mode_scale=1.29, generator=sample_generator(SEED, STEP, i, "timestep"))
-        for i in INDICES]).view(batch, 1, 1)
+    sigmas = torch.cat(
+        [
+            compute_density_for_timestep_sampling(
+                weighting_scheme=flags["weighting_scheme"],
+                batch_size=1,
+                logit_mean=_resolution_aware_mu(image_height, image_width, base_mu=flags["logit_mean"]),
+                logit_std=flags["logit_std"],
+                mode_scale=1.29,
+                generator=sample_generator(SEED, STEP, i, "timestep"),
+            )
+            for i in INDICES
+        ]
+    ).view(batch, 1, 1)
     noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
     packed = torch.cat([torch.zeros(batch, length, model_input.shape[-1]), noisy_model_input], dim=1)
     with torch.no_grad():
-        model_pred = built.trainable(hidden_states=packed, timestep=(1.0 - sigmas).reshape(batch),
-                                     encoder_hidden_states=prompt_embeds, position_ids=position_ids,
-                                     segment_ids=segment_ids, indicator=indicator, return_dict=False)[0]
+        model_pred = built.trainable(
+            hidden_states=packed,
+            timestep=(1.0 - sigmas).reshape(batch),
+            encoder_hidden_states=prompt_embeds,
+            position_ids=position_ids,
+            segment_ids=segment_ids,
+            indicator=indicator,
+            return_dict=False,
+        )[0]
     model_pred = model_pred[:, length:]
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
     target = model_input - noise
@@ -121,18 +140,25 @@ def test_sample_and_export_reload_with_ideogram4_pipeline(built, tmp_path):
     Ideogram4Pipeline with the trained weights and the source's unconditional transformer, and renders."""
     from diffusers import Ideogram4Pipeline
 
-    images = flow.sample(built, built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=3.0),
-                         32)
+    images = flow.sample(built, built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=3.0), 32)
     assert [image.size for image in images] == [(32, 32)] and built.trainable.training
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
     reloaded = Ideogram4Pipeline.from_pretrained(flow.export(built, state, tmp_path / "export"))
     name = next(iter(state))
     assert torch.equal(reloaded.transformer.state_dict()[name], state[name])
     source = Ideogram4Pipeline.from_pretrained(built.folder)
-    assert torch.equal(reloaded.unconditional_transformer.state_dict()[name],
-                       source.unconditional_transformer.state_dict()[name])
-    image = reloaded(prompt="a red circle", height=32, width=32, num_inference_steps=2, guidance_scale=3.0,
-                     guidance_schedule=None, max_sequence_length=128).images[0]
+    assert torch.equal(
+        reloaded.unconditional_transformer.state_dict()[name], source.unconditional_transformer.state_dict()[name]
+    )
+    image = reloaded(
+        prompt="a red circle",
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        guidance_schedule=None,
+        max_sequence_length=128,
+    ).images[0]
     assert image.size == (32, 32)
 
 
@@ -155,8 +181,16 @@ def test_lora_export_loads_with_load_lora_weights_and_changes_the_image(tmp_path
     out = export_lora(flow.FAMILY, model, state, tmp_path / "lora", spec)
     pipe = Ideogram4Pipeline.from_pretrained(model.folder)
     pipe.set_progress_bar_config(disable=True)
-    call = dict(prompt="a red circle", height=32, width=32, num_inference_steps=2, guidance_scale=3.0,
-                guidance_schedule=None, max_sequence_length=128, output_type="np")
+    call = dict(
+        prompt="a red circle",
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        guidance_schedule=None,
+        max_sequence_length=128,
+        output_type="np",
+    )
     with torch.no_grad():
         base_image = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]
         pipe.load_lora_weights(out)
@@ -193,10 +227,12 @@ def test_model_shift_is_refused_by_validate_and_at_build(tmp_path):
     from dstune.spec.load import load_spec
 
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(f"model: {{family: flow, pretrained: '{NAME}', shift: 3.0}}\n"
-                         "data: {path: 'builtin:shapes', resolution: 32}\n"
-                         "train: {micro_batch_size: 1, max_steps: 1}\n"
-                         f"output: {{dir: '{tmp_path / 'run'}'}}\n")
+    spec_path.write_text(
+        f"model: {{family: flow, pretrained: '{NAME}', shift: 3.0}}\n"
+        "data: {path: 'builtin:shapes', resolution: 32}\n"
+        "train: {micro_batch_size: 1, max_steps: 1}\n"
+        f"output: {{dir: '{tmp_path / 'run'}'}}\n"
+    )
     issues = FACTS.spec_issues(load_spec(spec_path)[0])
     assert [key for key, _ in issues] == ["model.shift"] and "draws sigma itself" in issues[0][1]
     with pytest.raises(FamilyError, match="model.shift"):

@@ -105,8 +105,14 @@ def _script_loss(built, encoded: dict, captions: list[str], flags: dict, u: torc
     embeds, mask = _script_text(built.folder, captions)
     ids = Krea2Pipeline.prepare_position_ids(embeds.shape[1], height // 2, width // 2, "cpu")
     with torch.no_grad():
-        model_pred = built.trainable(hidden_states=packed, encoder_hidden_states=embeds, timestep=timesteps / 1000,
-                                     position_ids=ids, encoder_attention_mask=mask, return_dict=False)[0]
+        model_pred = built.trainable(
+            hidden_states=packed,
+            encoder_hidden_states=embeds,
+            timestep=timesteps / 1000,
+            position_ids=ids,
+            encoder_attention_mask=mask,
+            return_dict=False,
+        )[0]
     model_pred = model_pred.view(batch, height // 2, width // 2, channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
     model_pred = model_pred.reshape(batch, channels, 1, height, width)
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
@@ -145,8 +151,13 @@ def test_cached_text_has_one_shape_per_caption_and_trains_like_encoded_text(buil
 def test_sample_and_export_reload_with_krea2_pipeline(built, tmp_path):
     from diffusers import Krea2Pipeline
 
-    images = flow.sample(built, built.trainable, ["a red circle", "a blue square"],
-                         SampleSpec(prompts=["x"], steps=2, guidance=4.5, seed=1), 32)
+    images = flow.sample(
+        built,
+        built.trainable,
+        ["a red circle", "a blue square"],
+        SampleSpec(prompts=["x"], steps=2, guidance=4.5, seed=1),
+        32,
+    )
     assert [image.size for image in images] == [(32, 32), (32, 32)]
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
     reloaded = Krea2Pipeline.from_pretrained(flow.export(built, state, tmp_path / "export"))

@@ -37,8 +37,11 @@ def cache_dir():
 
 @pytest.fixture(scope="module")
 def built(cache_dir):
-    return build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac",
-                                  max_sample_seconds=0.4), cache_dir, "cpu")
+    return build_model(
+        TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", max_sample_seconds=0.4),
+        cache_dir,
+        "cpu",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +55,15 @@ def orpheus_codes_list(levels) -> list[int]:
     """Orpheus's interleave of SNAC's three levels (1, 2, 4 codes per frame), with a 4096 offset per position."""
     out = []
     for i in range(levels[0].shape[1]):
-        frame = [levels[0][0][i], levels[1][0][2 * i], levels[2][0][4 * i], levels[2][0][4 * i + 1],
-                 levels[1][0][2 * i + 1], levels[2][0][4 * i + 2], levels[2][0][4 * i + 3]]
+        frame = [
+            levels[0][0][i],
+            levels[1][0][2 * i],
+            levels[2][0][4 * i],
+            levels[2][0][4 * i + 1],
+            levels[1][0][2 * i + 1],
+            levels[2][0][4 * i + 2],
+            levels[2][0][4 * i + 3],
+        ]
         out += [int(code) + AUDIO_START + position * 4096 for position, code in enumerate(frame)]
     return out
 
@@ -61,8 +71,13 @@ def orpheus_codes_list(levels) -> list[int]:
 def orpheus_example(tokenizer, text: str, codes_list: list[int]) -> tuple[list[int], list[int]]:
     """input_ids and labels as Orpheus's fine-tuning script makes them: labels are the input ids, unmasked."""
     text_tokens = tokenizer.encode(text, add_special_tokens=True) + [END_OF_TEXT]
-    input_ids = ([START_OF_HUMAN] + text_tokens + [END_OF_HUMAN, START_OF_AI, START_OF_SPEECH] + codes_list
-                 + [END_OF_SPEECH, END_OF_AI])
+    input_ids = (
+        [START_OF_HUMAN]
+        + text_tokens
+        + [END_OF_HUMAN, START_OF_AI, START_OF_SPEECH]
+        + codes_list
+        + [END_OF_SPEECH, END_OF_AI]
+    )
     return input_ids, list(input_ids)
 
 
@@ -111,7 +126,7 @@ def test_a_gptsovits_speaker_is_named_in_the_orpheus_prompt(built, tmp_path):
     encoded = tts_lm.encode_batch(built, collate_speech([dataset[0], dataset[1]]))
     for row, spoken in enumerate(("ann: Hello there.", "bob: Hi.")):
         prompt = [START_OF_HUMAN] + built.tokenizer.encode(spoken, add_special_tokens=True) + [END_OF_TEXT]
-        assert encoded["input_ids"][row, :len(prompt)].tolist() == prompt
+        assert encoded["input_ids"][row, : len(prompt)].tolist() == prompt
 
 
 def test_export_synthesizes_with_snac(built, tmp_path):
@@ -122,8 +137,10 @@ def test_export_synthesizes_with_snac(built, tmp_path):
     assert clip.sample_rate == 24000 and 0 < clip.wave.size and np.isfinite(clip.wave).all()
     from dstune.cli import main
 
-    assert main(["synthesize", str(out), "7", "-o", str(tmp_path / "seven.wav"), "--seconds", "0.3",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(["synthesize", str(out), "7", "-o", str(tmp_path / "seven.wav"), "--seconds", "0.3", "--temperature", "0"])
+        == 0
+    )
     wave, rate = soundfile.read(tmp_path / "seven.wav")
     assert rate == 24000 and np.array_equal(wave.astype(np.float32), clip.wave)
 
@@ -131,7 +148,9 @@ def test_export_synthesizes_with_snac(built, tmp_path):
 def test_a_spec_layout_that_disagrees_with_the_folder_is_refused(cache_dir):
     with pytest.raises(ValueError, match="token_layout dstune writes one code per codebook"):
         TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", token_layout="dstune")
-    with pytest.raises(FamilyError, match="codec .snac. != model.codec .encodec.|cannot load it as EncodecModel"):  # set, not left out
+    with pytest.raises(
+        FamilyError, match="codec .snac. != model.codec .encodec.|cannot load it as EncodecModel"
+    ):  # set, not left out
         build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="encodec"), cache_dir, "cpu")
 
 
@@ -146,16 +165,22 @@ def test_added_text_tokens_grow_the_embeddings_and_survive_the_export(cache_dir,
     loss.backward()
     assert built.trainable.get_input_embeddings().weight.grad[156939].abs().sum() > 0
     out = tts_lm.export(built, built.trainable.state_dict(), tmp_path / "export")
-    again = build_model(TtsLmModel(family="tts_lm", pretrained=str(out), codec="snac", added_tokens=["şey"]),
-                        cache_dir, "cpu")
+    again = build_model(
+        TtsLmModel(family="tts_lm", pretrained=str(out), codec="snac", added_tokens=["şey"]), cache_dir, "cpu"
+    )
     assert again.tokenizer.convert_tokens_to_ids("şey") == 156939 and again.layout["vocab_size"] == 156940
 
 
 def test_added_tokens_on_audio_ids_are_refused(cache_dir):
     """A token the tokenizer already has among the audio ids cannot be a new text token."""
     with pytest.raises(FamilyError, match="ids the layout uses for audio or special tokens"):
-        build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac",
-                               added_tokens=["<custom_token_20>"]), cache_dir, "cpu")
+        build_model(
+            TtsLmModel(
+                family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", added_tokens=["<custom_token_20>"]
+            ),
+            cache_dir,
+            "cpu",
+        )
 
 
 def test_lora_settings_default_to_the_llama_attention_and_refuse_added_tokens():
@@ -179,8 +204,7 @@ def test_lora_adapters_go_on_the_llama_with_the_installed_peft(cache_dir):
     from dstune.families import get_family
     from dstune.families.lora import apply_train_mode
 
-    spec = TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", train="lora",
-                      lora={"rank": 4})
+    spec = TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", train="lora", lora={"rank": 4})
     lm = build_model(spec, cache_dir, "cpu").trainable
     summary = apply_train_mode(lm, spec, seed=3, family=get_family("tts_lm"))
     trainable = [name for name, p in lm.named_parameters() if p.requires_grad]
@@ -192,8 +216,13 @@ def test_lora_adapters_go_on_the_llama_with_the_installed_peft(cache_dir):
     with torch.no_grad():
         assert torch.allclose(lm(input_ids=ids).logits, plain.trainable(input_ids=ids).logits, atol=1e-6)
 
-    wrong = TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", train="lora",
-                       lora={"rank": 4, "target_modules": ["to_q"]})
+    wrong = TtsLmModel(
+        family="tts_lm",
+        pretrained="builtin:tiny-orpheus",
+        codec="snac",
+        train="lora",
+        lora={"rank": 4, "target_modules": ["to_q"]},
+    )
     with pytest.raises(FamilyError, match=r"model.lora.target_modules \['to_q'\]: .*Name layers of LlamaForCausalLM"):
         apply_train_mode(build_model(wrong, cache_dir, "cpu").trainable, wrong, seed=3, family=get_family("tts_lm"))
 
@@ -205,14 +234,20 @@ def test_codec_left_out_is_the_folders_in_validate_and_at_start_up(cache_dir):
     from dstune.validate import validate_spec
     from dstune.world import world_from_flags
 
-    data = {"model": {"family": "tts_lm", "pretrained": "builtin:tiny-orpheus"}, "data": {"path": "builtin:tones"},
-            "train": {"micro_batch_size": 1, "max_steps": 2}}
+    data = {
+        "model": {"family": "tts_lm", "pretrained": "builtin:tiny-orpheus"},
+        "data": {"path": "builtin:tones"},
+        "train": {"micro_batch_size": 1, "max_steps": 2},
+    }
     source = SpecSource("spec.yaml", {})
     resolved = validate_spec(validate_data(data, source), source, world_from_flags(num_gpus=1))
     assert resolved.spec.model.codec == "snac"
     assert build_model(resolved.spec.model, cache_dir, "cpu").codec_kind == "snac"
     unresolved = TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus")  # built without validate: same answer
     assert unresolved.codec is None and build_model(unresolved, cache_dir, "cpu").layout["codec"] == "snac"
-    plain = validate_spec(validate_data({**data, "model": {"family": "tts_lm", "pretrained": "builtin:tiny-tts-lm"}},
-                                        source), source, world_from_flags(num_gpus=1))
+    plain = validate_spec(
+        validate_data({**data, "model": {"family": "tts_lm", "pretrained": "builtin:tiny-tts-lm"}}, source),
+        source,
+        world_from_flags(num_gpus=1),
+    )
     assert plain.spec.model.codec == "encodec"

@@ -85,10 +85,14 @@ def _script_loss(built, encoded: dict, captions: list[str], flags: dict, u: torc
     packed = QwenImagePipeline._pack_latents(noisy.permute(0, 2, 1, 3, 4), batch, channels, height, width)
     embeds, mask = _script_text(built, captions)
     with torch.no_grad():
-        model_pred = built.trainable(hidden_states=packed, encoder_hidden_states=embeds,
-                                     encoder_hidden_states_mask=mask, timestep=timesteps / 1000,
-                                     img_shapes=[(1, height // 2, width // 2)] * batch,
-                                     return_dict=False)[0]
+        model_pred = built.trainable(
+            hidden_states=packed,
+            encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=mask,
+            timestep=timesteps / 1000,
+            img_shapes=[(1, height // 2, width // 2)] * batch,
+            return_dict=False,
+        )[0]
     model_pred = QwenImagePipeline._unpack_latents(model_pred, height * 2, width * 2, 2)
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
     target = noise - model_input
@@ -126,8 +130,13 @@ def test_text_tensors_have_one_shape_per_caption_and_train_like_encoded_ones(bui
 def test_sample_and_export_reload_with_qwen_image_pipeline(built, tmp_path):
     from diffusers import QwenImagePipeline
 
-    images = flow.sample(built, built.trainable, ["a red circle", "a blue square"],
-                         SampleSpec(prompts=["x"], steps=2, guidance=4.0, seed=1), 32)
+    images = flow.sample(
+        built,
+        built.trainable,
+        ["a red circle", "a blue square"],
+        SampleSpec(prompts=["x"], steps=2, guidance=4.0, seed=1),
+        32,
+    )
     assert [image.size for image in images] == [(32, 32), (32, 32)]
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
     folder = flow.export(built, state, tmp_path / "export")

@@ -35,12 +35,18 @@ SIDE = 64  # 4x4 latents of the 16x VAE: four image slots
 NAME = "builtin:tiny-qwen-image-21"
 # (dstune settings, the example's flags): its default (weighting_scheme none: uniform u), then others
 CASES = {
-    "script-defaults": (dict(timestep_sampling="uniform"), dict(weighting_scheme="none", logit_mean=0.0,
-                                                                logit_std=1.0)),
-    "logit-normal": (dict(timestep_sampling="logit_normal", logit_mean=0.5, logit_std=1.2),
-                     dict(weighting_scheme="logit_normal", logit_mean=0.5, logit_std=1.2)),
-    "cosmap": (dict(timestep_sampling="uniform", loss_weighting="cosmap"),
-               dict(weighting_scheme="cosmap", logit_mean=0.0, logit_std=1.0)),
+    "script-defaults": (
+        dict(timestep_sampling="uniform"),
+        dict(weighting_scheme="none", logit_mean=0.0, logit_std=1.0),
+    ),
+    "logit-normal": (
+        dict(timestep_sampling="logit_normal", logit_mean=0.5, logit_std=1.2),
+        dict(weighting_scheme="logit_normal", logit_mean=0.5, logit_std=1.2),
+    ),
+    "cosmap": (
+        dict(timestep_sampling="uniform", loss_weighting="cosmap"),
+        dict(weighting_scheme="cosmap", logit_mean=0.0, logit_std=1.0),
+    ),
 }
 
 
@@ -70,35 +76,58 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict) 
     with torch.no_grad():
         posterior = vae.encode(rgba).latent_dist
     shape = posterior.mean.shape[1:2] + posterior.mean.shape[3:]
-    model_input = posterior.mean + posterior.std * per_sample_randn(shape, SEED, STEP, INDICES,
-                                                                    "vae_posterior").unsqueeze(2)
+    model_input = posterior.mean + posterior.std * per_sample_randn(
+        shape, SEED, STEP, INDICES, "vae_posterior"
+    ).unsqueeze(2)
     model_input = (model_input - latents_mean) * latents_std
     noise = per_sample_randn(shape, SEED, STEP, INDICES, "noise").unsqueeze(2)
     batch = model_input.shape[0]
-    u = torch.cat([compute_density_for_timestep_sampling(
-        weighting_scheme=flags["weighting_scheme"], batch_size=1, logit_mean=flags["logit_mean"],
-        logit_std=flags["logit_std"], mode_scale=1.29, generator=sample_generator(SEED, STEP, i, "timestep"))
-        for i in INDICES])
+    u = torch.cat(
+        [
+            compute_density_for_timestep_sampling(
+                weighting_scheme=flags["weighting_scheme"],
+                batch_size=1,
+                logit_mean=flags["logit_mean"],
+                logit_std=flags["logit_std"],
+                mode_scale=1.29,
+                generator=sample_generator(SEED, STEP, i, "timestep"),
+            )
+            for i in INDICES
+        ]
+    )
     indices = (u * scheduler.config.num_train_timesteps).long()
     timesteps = scheduler.timesteps[indices]
     step_indices = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
     sigmas = scheduler.sigmas[step_indices].flatten().view(batch, 1, 1, 1, 1)
     noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
     with torch.no_grad():
-        prompt_embeds, prompt_embeds_mask, _ = flow.pipeline_of(built).encode_prompt(prompt=list(captions),
-                                                                                     device="cpu")
+        prompt_embeds, prompt_embeds_mask, _ = flow.pipeline_of(built).encode_prompt(
+            prompt=list(captions), device="cpu"
+        )
     height, width = model_input.shape[3], model_input.shape[4]
-    packed = QwenImage21Pipeline._pack_latents(noisy_model_input, batch_size=batch,
-                                               num_channels_latents=z, height=height, width=width)
-    img_mask = torch.cat([torch.zeros(batch, prompt_embeds.shape[1], dtype=torch.bool),
-                          torch.ones(batch, height * width // 4, dtype=torch.bool)], dim=1)
+    packed = QwenImage21Pipeline._pack_latents(
+        noisy_model_input, batch_size=batch, num_channels_latents=z, height=height, width=width
+    )
+    img_mask = torch.cat(
+        [
+            torch.zeros(batch, prompt_embeds.shape[1], dtype=torch.bool),
+            torch.ones(batch, height * width // 4, dtype=torch.bool),
+        ],
+        dim=1,
+    )
     with torch.no_grad():
-        model_pred = built.trainable(hidden_states=packed, encoder_hidden_states=prompt_embeds,
-                                     encoder_hidden_states_mask=prompt_embeds_mask, timestep=timesteps / 1000,
-                                     img_shapes=[[(1, height, width)]] * batch, img_mask=img_mask,
-                                     return_dict=False)[0]
-    model_pred = QwenImage21Pipeline._unpack_latents(model_pred[:, -packed.shape[1]:], height * vae_scale_factor,
-                                                     width * vae_scale_factor, vae_scale_factor)
+        model_pred = built.trainable(
+            hidden_states=packed,
+            encoder_hidden_states=prompt_embeds,
+            encoder_hidden_states_mask=prompt_embeds_mask,
+            timestep=timesteps / 1000,
+            img_shapes=[[(1, height, width)]] * batch,
+            img_mask=img_mask,
+            return_dict=False,
+        )[0]
+    model_pred = QwenImage21Pipeline._unpack_latents(
+        model_pred[:, -packed.shape[1] :], height * vae_scale_factor, width * vae_scale_factor, vae_scale_factor
+    )
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
     target = noise - model_input
     loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(batch, -1), 1)
@@ -130,8 +159,9 @@ def test_cached_text_trains_like_encoded_text(built):
 def test_sample_and_export_reload_with_qwen_image_21_pipeline(built, tmp_path):
     """Samples render at 64 px (RGBA, as the pipeline returns them); the export loads in QwenImage21Pipeline with
     the trained weights and renders."""
-    images = flow.sample(built, built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=1.0),
-                         SIDE)
+    images = flow.sample(
+        built, built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=1.0), SIDE
+    )
     assert [image.size for image in images] == [(SIDE, SIDE)] and built.trainable.training
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
     export = flow.export(built, state, tmp_path / "export")
@@ -206,11 +236,13 @@ def test_turbo_sample_steps_of_another_length_are_refused_by_validate(built, tmp
     index = json.loads((folder / "model_index.json").read_text())
     (folder / "model_index.json").write_text(json.dumps({**index, "sample_sigmas": [1.0, 0.75, 0.4, 0.1]}))
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(f"model: {{family: flow, pretrained: '{folder}'}}\n"
-                         "data: {path: 'builtin:shapes', resolution: 64}\n"
-                         "train: {micro_batch_size: 1, max_steps: 1}\n"
-                         "sample: {prompts: ['a red circle'], steps: 30}\n"
-                         f"output: {{dir: '{tmp_path / 'run'}'}}\n")
+    spec_path.write_text(
+        f"model: {{family: flow, pretrained: '{folder}'}}\n"
+        "data: {path: 'builtin:shapes', resolution: 64}\n"
+        "train: {micro_batch_size: 1, max_steps: 1}\n"
+        "sample: {prompts: ['a red circle'], steps: 30}\n"
+        f"output: {{dir: '{tmp_path / 'run'}'}}\n"
+    )
     issues = FACTS.spec_issues(load_spec(spec_path)[0])
     assert [key for key, _ in issues] == ["sample.steps"] and "set sample.steps: 4" in issues[0][1]
 
@@ -223,35 +255,48 @@ def test_a_real_processor_that_cannot_load_is_refused_naming_torchvision(built, 
 
     try:
         import torchvision  # noqa: F401
+
         pytest.skip("torchvision is installed here: the processor loads")
     except ImportError:
         pass
     folder = tmp_path / "real-processor"
     shutil.copytree(built.folder / "processor", folder / "processor")
     (folder / "model_index.json").write_text(json.dumps({"processor": ["transformers", "Qwen3VLProcessor"]}))
-    configs = {"processor_config.json": {"processor_class": "Qwen3VLProcessor"},
-               "preprocessor_config.json": {"image_processor_type": "Qwen2VLImageProcessorFast",
-                                            "processor_class": "Qwen3VLProcessor"},
-               "video_preprocessor_config.json": {"video_processor_type": "Qwen3VLVideoProcessor",
-                                                  "processor_class": "Qwen3VLProcessor"}}
+    configs = {
+        "processor_config.json": {"processor_class": "Qwen3VLProcessor"},
+        "preprocessor_config.json": {
+            "image_processor_type": "Qwen2VLImageProcessorFast",
+            "processor_class": "Qwen3VLProcessor",
+        },
+        "video_preprocessor_config.json": {
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "processor_class": "Qwen3VLProcessor",
+        },
+    }
     for name, config in configs.items():
         (folder / "processor" / name).write_text(json.dumps(config))
     with pytest.raises(FamilyError, match=r"processor: cannot load its Qwen3VLProcessor .* torchvision"):
         load_processor(folder)
 
 
-@pytest.mark.parametrize("data, key", [("resolution: 48", "data.resolution"),
-                                       ("resolution: 64, buckets: {enabled: true, sizes: [[64, 48]]}",
-                                        "data.buckets.sizes")])
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ("resolution: 48", "data.resolution"),
+        ("resolution: 64, buckets: {enabled: true, sizes: [[64, 48]]}", "data.buckets.sizes"),
+    ],
+)
 def test_sides_off_the_32_px_grid_are_refused_by_validate(tmp_path, data, key):
     """16 px latents in 2x2 slots: validate names the setting instead of the first batch failing on every rank."""
     from dstune.families.flow_facts import FACTS
     from dstune.spec.load import load_spec
 
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(f"model: {{family: flow, pretrained: '{NAME}'}}\n"
-                         f"data: {{path: 'builtin:shapes', {data}}}\n"
-                         "train: {micro_batch_size: 1, max_steps: 1}\n"
-                         f"output: {{dir: '{tmp_path / 'run'}'}}\n")
+    spec_path.write_text(
+        f"model: {{family: flow, pretrained: '{NAME}'}}\n"
+        f"data: {{path: 'builtin:shapes', {data}}}\n"
+        "train: {micro_batch_size: 1, max_steps: 1}\n"
+        f"output: {{dir: '{tmp_path / 'run'}'}}\n"
+    )
     issues = FACTS.spec_issues(load_spec(spec_path)[0])
     assert [k for k, _ in issues] == [key] and "multiples of 32 px" in issues[0][1]

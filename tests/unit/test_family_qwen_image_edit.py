@@ -50,16 +50,25 @@ def _batch(indices=INDICES) -> dict:
     """Targets are shapes; each source is another shape (the edit turns source i into target i)."""
     targets = [render_shape(i, SIDE) for i in indices]
     sources = [render_shape(i + 100, SIDE)[0] for i in indices]
-    return {"pixel_values": to_tensor([image for image, _ in targets]), "control_values": to_tensor(sources),
-            "caption": [f"turn it into {caption}" for _, caption in targets],
-            "index": torch.tensor(indices, dtype=torch.long)}
+    return {
+        "pixel_values": to_tensor([image for image, _ in targets]),
+        "control_values": to_tensor(sources),
+        "caption": [f"turn it into {caption}" for _, caption in targets],
+        "index": torch.tensor(indices, dtype=torch.long),
+    }
 
 
 def _edit_pipeline(built):
     from diffusers import QwenImageEditPipeline
 
-    return QwenImageEditPipeline(scheduler=built.scheduler, vae=built.vae, transformer=built.trainable,
-                                 **built.text_encoders, **built.tokenizers, **built.parts)
+    return QwenImageEditPipeline(
+        scheduler=built.scheduler,
+        vae=built.vae,
+        transformer=built.trainable,
+        **built.text_encoders,
+        **built.tokenizers,
+        **built.parts,
+    )
 
 
 def test_builtin_is_a_qwen_image_edit_pipeline_folder(built):
@@ -103,10 +112,15 @@ def _reference_loss(built, batch: dict, flags: dict, u: torch.Tensor) -> torch.T
         source_latents = pipeline._encode_vae_image(source_pixels, generator=None)
         packed_sources = QwenImageEditPipeline._pack_latents(source_latents, batch_size, channels, height, width)
         img_shapes = [[(1, height // 2, width // 2), (1, height // 2, width // 2)]] * batch_size
-        model_pred = built.trainable(hidden_states=torch.cat([packed, packed_sources], dim=1),
-                                     encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
-                                     timestep=timesteps / 1000, img_shapes=img_shapes, return_dict=False)[0]
-    model_pred = model_pred[:, :packed.size(1)]
+        model_pred = built.trainable(
+            hidden_states=torch.cat([packed, packed_sources], dim=1),
+            encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=mask,
+            timestep=timesteps / 1000,
+            img_shapes=img_shapes,
+            return_dict=False,
+        )[0]
+    model_pred = model_pred[:, : packed.size(1)]
     model_pred = QwenImageEditPipeline._unpack_latents(model_pred, SIDE, SIDE, pipeline.vae_scale_factor)
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
     target = noise - model_input
@@ -132,8 +146,9 @@ def test_the_source_image_conditions_the_loss_and_cached_source_latents_train_al
     other = {**batch, "control_values": _batch([8, 2])["control_values"]}
     cached = {**batch, "control_latent_mean": flow.encode_batch(built, batch)["control_latent"]}
     with torch.no_grad():
-        losses = [flow.loss(built, built.trainable, flow.encode_batch(built, b), 0, 1).item()
-                  for b in (batch, other, cached)]
+        losses = [
+            flow.loss(built, built.trainable, flow.encode_batch(built, b), 0, 1).item() for b in (batch, other, cached)
+        ]
     assert losses[0] != losses[1] and losses[2] == losses[0]
 
 
@@ -169,16 +184,19 @@ def test_validate_plans_an_edit_sample_as_two_images_and_the_source_in_the_text(
 
     found = {}
     for model in ("Qwen/Qwen-Image", "Qwen/Qwen-Image-Edit"):
-        spec = {"model": {"family": "flow", "pretrained": model, "train": "lora", "gradient_checkpointing": True},
-                "data": {"path": "/data/not-here", "resolution": 1024, "cache": {"latents": True}},
-                "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "epochs": 1, "precision": "bf16"},
-                "deepspeed": {"zero_stage": 3}}
+        spec = {
+            "model": {"family": "flow", "pretrained": model, "train": "lora", "gradient_checkpointing": True},
+            "data": {"path": "/data/not-here", "resolution": 1024, "cache": {"latents": True}},
+            "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "epochs": 1, "precision": "bf16"},
+            "deepspeed": {"zero_stage": 3},
+        }
         path = tmp_path / f"{model.replace('/', '-')}.yaml"
         path.write_text(yaml.safe_dump(spec))
         assert main(["validate", str(path), "--num-gpus", "8", "--num-samples", "1000"]) == 0
         out = capsys.readouterr().out
-        numbers = {key: float(re.search(rf"{key}\s+([\d.]+) GB", out).group(1))
-                   for key in ("activations", "cache on disk")}
+        numbers = {
+            key: float(re.search(rf"{key}\s+([\d.]+) GB", out).group(1)) for key in ("activations", "cache on disk")
+        }
         found[model] = numbers
     plain, edit = found["Qwen/Qwen-Image"], found["Qwen/Qwen-Image-Edit"]
     assert edit["cache on disk"] == pytest.approx(2 * plain["cache on disk"], rel=0.02)
@@ -194,6 +212,9 @@ def test_a_qwen_transformer_in_another_pipeline_is_refused_not_trained_as_text_t
     shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.safetensors"))
     index = json.loads((copy / "model_index.json").read_text())
     (copy / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
-    with pytest.raises(FamilyError, match="QwenImageEditPlusPipeline around a QwenImageTransformer2DModel is not "
-                                          "supported.*QwenImagePipeline, QwenImageEditPipeline"):
+    with pytest.raises(
+        FamilyError,
+        match="QwenImageEditPlusPipeline around a QwenImageTransformer2DModel is not "
+        "supported.*QwenImagePipeline, QwenImageEditPipeline",
+    ):
         flow.detect_kind(copy)

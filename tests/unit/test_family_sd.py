@@ -69,10 +69,12 @@ def eps_built(sd15_style_folder):
 
 def _batch(indices: list[int]) -> dict:
     images = [render_shape(i, 32) for i in indices]
-    return {"pixel_values": to_tensor([image for image, _ in images]),
-            "captions": [caption for _, caption in images],
-            "sample_ids": [f"shapes/{i:06d}" for i in indices],
-            "indices": torch.tensor(indices, dtype=torch.long)}
+    return {
+        "pixel_values": to_tensor([image for image, _ in images]),
+        "captions": [caption for _, caption in images],
+        "sample_ids": [f"shapes/{i:06d}" for i in indices],
+        "indices": torch.tensor(indices, dtype=torch.long),
+    }
 
 
 def _loss(built, indices, seed=0, step=3):
@@ -94,8 +96,11 @@ def test_builtin_build_is_deterministic_and_never_uses_a_half_built_folder(tiny_
     folder = tiny.ensure_builtin_model("builtin:tiny-sd", tmp_path)
     assert folder == half_built and (folder / MARKER).is_file()
     reference = _weights(tiny_folder)
-    assert set(reference) == {"unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
-                              "text_encoder/model.safetensors"}
+    assert set(reference) == {
+        "unet/diffusion_pytorch_model.safetensors",
+        "vae/diffusion_pytorch_model.safetensors",
+        "text_encoder/model.safetensors",
+    }
     assert _weights(folder) == reference  # byte-identical to the session's independent build
     assert sorted(p.name for p in (tmp_path / "builtin").iterdir()) == [f".{FOLDER}.lock", FOLDER]
 
@@ -106,8 +111,9 @@ def test_builtin_reuses_a_complete_folder_and_a_winner_of_the_race(tiny_folder, 
     def must_not_build(work, needs):
         raise AssertionError("rebuilt a complete built-in model")
 
-    monkeypatch.setitem(tiny.BUILTIN_MODELS, "tiny-sd", dataclasses.replace(model, build=must_not_build,
-                                                                                pinned_process=False))
+    monkeypatch.setitem(
+        tiny.BUILTIN_MODELS, "tiny-sd", dataclasses.replace(model, build=must_not_build, pinned_process=False)
+    )
     assert tiny.ensure_builtin_model("tiny-sd", tiny_folder.parent.parent) == tiny_folder
 
     final = tmp_path / "builtin" / FOLDER
@@ -187,8 +193,12 @@ def test_prediction_type_override_and_min_snr(cache_dir, built, eps_built, sd15_
         build_model(SdModel(family="sd", prediction="epsilon"), cache_dir, "cpu", torch.float32)
     eps = eps_built
     assert eps.prediction_type == eps.noise_scheduler.config.prediction_type == "epsilon"
-    v_override = build_model(SdModel(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
-                          cache_dir, "cpu", torch.float32)
+    v_override = build_model(
+        SdModel(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
+        cache_dir,
+        "cpu",
+        torch.float32,
+    )
     assert v_override.noise_scheduler.config.prediction_type == "v_prediction"
     assert torch.isfinite(_loss(v_override, [0, 1]))
     assert torch.isfinite(_loss(eps, [0, 1, 2, 3]))
@@ -252,8 +262,12 @@ def test_sample_renders_one_image_per_prompt_and_restores_the_mode(built):
 def test_export_writes_a_pipeline_that_diffusers_loads_and_runs(sd15_style_folder, tmp_path):
     from diffusers import DiffusionPipeline
 
-    v_built = build_model(SdModel(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
-                       tmp_path, "cpu", torch.float32)
+    v_built = build_model(
+        SdModel(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
+        tmp_path,
+        "cpu",
+        torch.float32,
+    )
     state = {k: v + 0.01 for k, v in v_built.trainable.state_dict().items()}  # "trained" weights
     out = tmp_path / "export"
     assert sd.export(v_built, state, out) == out

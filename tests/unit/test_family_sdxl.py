@@ -33,8 +33,13 @@ def built():
 
 
 def _batch(pixels: torch.Tensor) -> dict:
-    return {"pixel_values": pixels, "caption": ["a red circle", ""], "index": torch.tensor([3, 8]),
-            "original_size": torch.tensor([[48, 64], [32, 32]]), "crop_top_left": torch.tensor([[0, 6], [0, 0]])}
+    return {
+        "pixel_values": pixels,
+        "caption": ["a red circle", ""],
+        "index": torch.tensor([3, 8]),
+        "original_size": torch.tensor([[48, 64], [32, 32]]),
+        "crop_top_left": torch.tensor([[0, 6], [0, 0]]),
+    }
 
 
 def _record(path: Path) -> SampleRecord:
@@ -138,8 +143,15 @@ def test_sample_and_export_reload_with_the_sdxl_pipeline(built, tmp_path):
     out = sdxl.export(built, state, tmp_path / "export")
     pipeline = StableDiffusionXLPipeline.from_pretrained(out)
     assert torch.equal(pipeline.unet.state_dict()["conv_in.weight"], state["conv_in.weight"])
-    result = pipeline("a red circle", height=32, width=32, num_inference_steps=2, guidance_scale=5.0,
-                      generator=torch.Generator().manual_seed(0), output_type="np")
+    result = pipeline(
+        "a red circle",
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    )
     assert result.images.shape == (1, 32, 32, 3)
 
 

@@ -86,8 +86,9 @@ def test_speaker_vectors_from_a_file(cache_dir, tmp_path, built):
     from safetensors.torch import save_file
 
     save_file({"ann": torch.ones(16), "bob": -torch.ones(16)}, str(tmp_path / "spk.safetensors"))
-    with_file = build_model(SpeechT5Model(family="speecht5", speaker_embeddings=str(tmp_path / "spk.safetensors")),
-                               cache_dir, "cpu")
+    with_file = build_model(
+        SpeechT5Model(family="speecht5", speaker_embeddings=str(tmp_path / "spk.safetensors")), cache_dir, "cpu"
+    )
     encoded = speecht5.encode_batch(with_file, _batch(built, ["ann", "bob", "", "ann", "bob"]))
     assert torch.equal(encoded["speaker_embeddings"][0], torch.ones(16))
     assert torch.equal(encoded["speaker_embeddings"][2], with_file.speakers["default"])
@@ -95,8 +96,9 @@ def test_speaker_vectors_from_a_file(cache_dir, tmp_path, built):
         speecht5.encode_batch(with_file, _batch(built, ["carl"] * 5))
     save_file({"ann": torch.ones(8)}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(FamilyError, match="must have 16 values"):
-        build_model(SpeechT5Model(family="speecht5", speaker_embeddings=str(tmp_path / "bad.safetensors")),
-                       cache_dir, "cpu")
+        build_model(
+            SpeechT5Model(family="speecht5", speaker_embeddings=str(tmp_path / "bad.safetensors")), cache_dir, "cpu"
+        )
 
 
 def test_bf16_runs_with_parameters_cast_as_deepspeed_does(cache_dir, built):

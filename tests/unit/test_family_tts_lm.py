@@ -49,8 +49,10 @@ def test_builtin_is_tiny_and_codes_follow_the_sound(built):
     from dstune.data.audio import resample
     from dstune.data.synthetic import render_tones
 
-    codes = [tts_lm.encode_clip(built.codec, "encodec", torch.from_numpy(resample(render_tones(d), 16000, 8000)), 2)
-             for d in "09"]
+    codes = [
+        tts_lm.encode_clip(built.codec, "encodec", torch.from_numpy(resample(render_tones(d), 16000, 8000)), 2)
+        for d in "09"
+    ]
     assert codes[0].shape == (2, 7) and not torch.equal(codes[0], codes[1])
 
 
@@ -62,7 +64,7 @@ def test_sequence_layout_masks_the_text_prefix(built, batch):
         ids, labels = encoded["input_ids"][row], encoded["labels"][row]
         assert ids[prefix - 1] == layout["audio_bos"] and (labels[:prefix] == -100).all()
         length = int(encoded["attention_mask"][row].sum())
-        audio = ids[prefix:length - 1]
+        audio = ids[prefix : length - 1]
         assert ids[length - 1] == layout["audio_eos"] and torch.equal(labels[prefix:length], ids[prefix:length])
         codebook = (audio - layout["audio_offset"]) // layout["codebook_size"]
         assert torch.equal(codebook, torch.arange(len(audio)) % layout["num_codebooks"])
@@ -101,8 +103,10 @@ def test_export_reloads_and_synthesizes(built, tmp_path):
     assert clip.sample_rate == 8000 and 0 < clip.wave.size <= 0.2 * 8000 and np.isfinite(clip.wave).all()
     from dstune.cli import main
 
-    assert main(["synthesize", str(out), "7", "-o", str(tmp_path / "seven.wav"), "--seconds", "0.2",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(["synthesize", str(out), "7", "-o", str(tmp_path / "seven.wav"), "--seconds", "0.2", "--temperature", "0"])
+        == 0
+    )
     wave, rate = soundfile.read(tmp_path / "seven.wav")
     assert rate == 8000 and np.array_equal(wave.astype(np.float32), clip.wave)
 
@@ -111,12 +115,38 @@ def test_plain_lm_with_a_dac_codec_gets_audio_tokens_appended(tmp_path):
     """An LM without dstune_tts.json (text vocabulary only) + a DAC codec folder: the vocabulary is resized."""
     from transformers import DacConfig, DacModel, LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "lm")
-    DacModel(DacConfig(encoder_hidden_size=8, downsampling_ratios=[2, 4], decoder_hidden_size=16, n_codebooks=3,
-                       codebook_size=16, codebook_dim=4, sampling_rate=16000)).save_pretrained(tmp_path / "dac")
-    built = build_model(TtsLmModel(family="tts_lm", pretrained=str(tmp_path / "lm"), codec="dac",
-                                    codec_pretrained=str(tmp_path / "dac"), num_codebooks=2), tmp_path, "cpu")
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(tmp_path / "lm")
+    DacModel(
+        DacConfig(
+            encoder_hidden_size=8,
+            downsampling_ratios=[2, 4],
+            decoder_hidden_size=16,
+            n_codebooks=3,
+            codebook_size=16,
+            codebook_dim=4,
+            sampling_rate=16000,
+        )
+    ).save_pretrained(tmp_path / "dac")
+    built = build_model(
+        TtsLmModel(
+            family="tts_lm",
+            pretrained=str(tmp_path / "lm"),
+            codec="dac",
+            codec_pretrained=str(tmp_path / "dac"),
+            num_codebooks=2,
+        ),
+        tmp_path,
+        "cpu",
+    )
     assert built.layout["audio_offset"] == 300 and built.layout["num_codebooks"] == 2
     assert built.trainable.get_input_embeddings().num_embeddings == 300 + 2 * 16 + 3
     encoded = tts_lm.encode_batch(built, {"index": [0], "texts": ["hi"], "audio": [torch.randn(1600) * 0.1]})
@@ -129,14 +159,45 @@ def test_a_mimi_codec_trains_and_round_trips(tmp_path):
     """model.codec: mimi (Kyutai's codec, 12.5 frames/s, split RVQ): tokens for the LM and audio back."""
     from transformers import LlamaConfig, LlamaForCausalLM, MimiConfig, MimiModel
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "lm")
-    MimiModel(MimiConfig(hidden_size=64, num_filters=4, codebook_size=32, codebook_dim=16,
-                         vector_quantization_hidden_dimension=16, num_quantizers=4, num_semantic_quantizers=1,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
-                         intermediate_size=64, sliding_window=16, upsample_groups=64)).save_pretrained(tmp_path / "mimi")
-    built = build_model(TtsLmModel(family="tts_lm", pretrained=str(tmp_path / "lm"), codec="mimi",
-                                    codec_pretrained=str(tmp_path / "mimi"), num_codebooks=2), tmp_path, "cpu")
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(tmp_path / "lm")
+    MimiModel(
+        MimiConfig(
+            hidden_size=64,
+            num_filters=4,
+            codebook_size=32,
+            codebook_dim=16,
+            vector_quantization_hidden_dimension=16,
+            num_quantizers=4,
+            num_semantic_quantizers=1,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=64,
+            sliding_window=16,
+            upsample_groups=64,
+        )
+    ).save_pretrained(tmp_path / "mimi")
+    built = build_model(
+        TtsLmModel(
+            family="tts_lm",
+            pretrained=str(tmp_path / "lm"),
+            codec="mimi",
+            codec_pretrained=str(tmp_path / "mimi"),
+            num_codebooks=2,
+        ),
+        tmp_path,
+        "cpu",
+    )
     assert built.layout["num_codebooks"] == 2 and built.sample_rate == 24000
     assert built.trainable.get_input_embeddings().num_embeddings == 300 + 2 * 32 + 3
     wave = torch.randn(24000) * 0.1  # one second: 12.5 frames, rounded up

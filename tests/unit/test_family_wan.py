@@ -23,8 +23,16 @@ def test_builtin_tiny_wan_is_a_wan_pipeline_that_renders_frames():
     pipeline = WanPipeline.from_pretrained(folder)
     assert isinstance(pipeline.scheduler, UniPCMultistepScheduler) and pipeline.scheduler.config.flow_shift == 3.0
     assert (pipeline.vae.config.scale_factor_spatial, pipeline.vae.config.scale_factor_temporal) == (8, 4)
-    frames = pipeline("a red circle moving left", height=32, width=32, num_frames=5, num_inference_steps=2,
-                      max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="np").frames
+    frames = pipeline(
+        "a red circle moving left",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        max_sequence_length=32,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).frames
     assert frames.shape == (1, 5, 32, 32, 3) and np.isfinite(frames).all() and frames.std() > 0
     for config in sorted((STORE / "builtin" / "tiny-wan-v1").rglob("*.json")):  # what validate plans with
         relative = config.relative_to(STORE / "builtin" / "tiny-wan-v1")
@@ -80,8 +88,12 @@ def test_noisy_latent_is_what_the_scheduler_defines(built):
     noise = per_sample_randn((16, 2, 4, 4), SEED, STEP, INDICES, "noise")
     positions = torch.tensor([0, 417, 999])
     timesteps, sigmas, noisy = flow_core.noisy_latents(built, latents, noise, positions)
-    expected = torch.cat([reference.scale_noise(latents[i:i + 1], reference.timesteps[p:p + 1], noise[i:i + 1])
-                          for i, p in enumerate(positions.tolist())])
+    expected = torch.cat(
+        [
+            reference.scale_noise(latents[i : i + 1], reference.timesteps[p : p + 1], noise[i : i + 1])
+            for i, p in enumerate(positions.tolist())
+        ]
+    )
     assert torch.equal(timesteps, reference.timesteps[positions].float())
     assert sigmas.shape == (3, 1, 1, 1, 1) and torch.allclose(noisy, expected, atol=1e-6)
     shifted = train_tables({"shift": 5.0, "num_train_timesteps": 1000}, None)
@@ -104,8 +116,9 @@ def test_loss_normalises_latents_with_the_vae_config_and_trains(built):
     std = torch.tensor(built.vae.config.latents_std).view(1, -1, 1, 1, 1)
     from dstune.families.flow_recipe import normalised_latents
 
-    assert torch.allclose(normalised_latents(built.vae.config, encoded["latent_mean"]),
-                          (encoded["latent_mean"] - mean) / std)
+    assert torch.allclose(
+        normalised_latents(built.vae.config, encoded["latent_mean"]), (encoded["latent_mean"] - mean) / std
+    )
 
 
 def test_latents_of_images_or_of_sides_the_patch_does_not_divide_are_refused_with_the_fix(built):
@@ -113,12 +126,18 @@ def test_latents_of_images_or_of_sides_the_patch_does_not_divide_are_refused_wit
     transformer's 2x2 patch needs even latent sides (16 px multiples); the message names both numbers and the key."""
     cached = {"index": torch.tensor([1]), "caption": ["a red circle"]}
     image = {**cached, "latent_mean": torch.zeros(1, 16, 4, 4), "latent_std": torch.ones(1, 16, 4, 4)}
-    with pytest.raises(ValueError, match=r"model.family wan trains on clips \(B, 3, frames, H, W\); the batch's latents are "
-                                         r"\(1, 16, 4, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.family wan trains on clips \(B, 3, frames, H, W\); the batch's latents are "
+        r"\(1, 16, 4, 4\)",
+    ):
         wan.encode_batch(built, image)
     odd = {**cached, "latent_mean": torch.zeros(1, 16, 2, 4, 5), "latent_std": torch.ones(1, 16, 2, 4, 5)}
-    with pytest.raises(ValueError, match=r"takes 2x2 latent patches, so clip heights must be multiples of 16 px and "
-                                         r"widths of 16 px; got 40x32 \(width x height\)\. Change data.resolution"):
+    with pytest.raises(
+        ValueError,
+        match=r"takes 2x2 latent patches, so clip heights must be multiples of 16 px and "
+        r"widths of 16 px; got 40x32 \(width x height\)\. Change data.resolution",
+    ):
         wan.encode_batch(built, odd)
 
 
@@ -142,7 +161,7 @@ def test_samples_are_animated_webp_and_mp4_clips(built, tmp_path):
         stream = container.streams.video[0]
         decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
     assert stream.codec_context.name == "h264" and len(decoded) == 5
-    assert np.abs(decoded[4][:last.shape[0], :last.shape[1]].astype(int) - last).mean() < 12  # lossy, same picture
+    assert np.abs(decoded[4][: last.shape[0], : last.shape[1]].astype(int) - last).mean() < 12  # lossy, same picture
     page = write_contact_sheet(tmp_path, ["a red circle moving left"], "trained").read_text()
     assert '<img src="step-000001.webp"' in page and '<a href="step-000001.mp4">MP4</a>' in page
 
@@ -214,23 +233,26 @@ def test_timestep_range_narrows_the_expert_and_must_stay_on_its_side_of_the_boun
     table, config = low_noise.train_timesteps, low_noise.scheduler.config
     narrow = WanModel(family="wan", expert="low_noise", timestep_range=(200, 600))
     first, count = expert_positions(table, narrow, index, config)
-    picked = table[first:first + count]
+    picked = table[first : first + count]
     assert count > 0 and picked.min() >= 200 and picked.max() <= 600
     assert ((table >= 200) & (table <= 600)).sum() == count
-    whole = expert_positions(table, WanModel(family="wan", expert="low_noise", timestep_range=(0, 875)), index,
-                                 config)
+    whole = expert_positions(table, WanModel(family="wan", expert="low_noise", timestep_range=(0, 875)), index, config)
     assert whole == low_noise.positions  # max == boundary: still only t < 875
     problems = expert_problems(index, "low_noise", (500, 900))
     assert problems and "above the boundary 875" in problems[0] and "lower max to 875" in problems[0]
     problems = expert_problems(index, "high_noise", (800, 1000))
     assert problems and "below the boundary 875" in problems[0] and "raise min to 875" in problems[0]
     with pytest.raises(ValueError, match="timestep_range .* above the boundary 875"):
-        build_model(WanModel(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise",
-                             timestep_range=(100, 900)), CACHE_DIR, "cpu")
+        build_model(
+            WanModel(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise", timestep_range=(100, 900)),
+            CACHE_DIR,
+            "cpu",
+        )
     with pytest.raises(ValueError, match="0 <= min < max"):
         WanModel(family="wan", timestep_range=(600, 200))
     assert "low_noise (transformer_2) trains timesteps 200 to 600 of 1000" in expert_range_text(
-        index, "low_noise", (200, 600))
+        index, "low_noise", (200, 600)
+    )
     assert "trains timesteps 0 to < 875 of 1000" in expert_range_text(index, "low_noise")
 
 
@@ -254,16 +276,22 @@ def test_low_noise_expert_exports_and_its_lora_loads_into_transformer_2(low_nois
         for name, param in model.trainable.named_parameters():
             if ".lora_B." in name:  # B starts at zero: "train" it
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
-    lora = export_lora(wan.FAMILY, model, {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
-                       tmp_path / "lora", spec)
+    lora = export_lora(
+        wan.FAMILY,
+        model,
+        {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
+        tmp_path / "lora",
+        spec,
+    )
     encoded = wan.encode_batch(model, _batch([1]))
     pipeline = WanPipeline.from_pretrained(model.folder)
     with torch.no_grad():
         base_loss = wan.loss(model, pipeline.transformer_2, encoded, 0, 1)
     pipeline.load_lora_weights(lora, load_into_transformer_2=True)
     with torch.no_grad():
-        trained_loss, loaded = (wan.loss(model, module, encoded, 0, 1) for module in (model.trainable,
-                                                                                      pipeline.transformer_2))
+        trained_loss, loaded = (
+            wan.loss(model, module, encoded, 0, 1) for module in (model.trainable, pipeline.transformer_2)
+        )
     assert loaded.item() == pytest.approx(trained_loss.item(), rel=1e-6) and loaded.item() != base_loss.item()
     from diffusers import WanTransformer3DModel
 

@@ -47,11 +47,13 @@ def _captured(pipeline, transformer_name="transformer", **call) -> dict:
     """The keyword arguments of the transformer's first call while `pipeline` renders one step."""
     seen = {}
     module = getattr(pipeline, transformer_name)
-    hook = module.register_forward_pre_hook(lambda _m, _a, kwargs: seen.setdefault("kwargs", kwargs) and None,
-                                            with_kwargs=True)
+    hook = module.register_forward_pre_hook(
+        lambda _m, _a, kwargs: seen.setdefault("kwargs", kwargs) and None, with_kwargs=True
+    )
     try:
-        pipeline(height=32, width=32, num_frames=5, num_inference_steps=1, guidance_scale=1.0, output_type="latent",
-                 **call)
+        pipeline(
+            height=32, width=32, num_frames=5, num_inference_steps=1, guidance_scale=1.0, output_type="latent", **call
+        )
     finally:
         hook.remove()
     return seen["kwargs"]
@@ -66,8 +68,12 @@ def test_wan21_i2v_inputs_are_what_wan_image_to_video_pipeline_feeds_the_transfo
     batch = _batch([3])
     encoded = wan.encode_batch(i2v, batch)
     noisy = per_sample_randn((16, 2, 4, 4), SEED, STEP, [3], "noise")
-    seen = _captured(pipeline, image=wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0],
-                     prompt_embeds=encoded["encoder_hidden_states"], latents=noisy.clone())
+    seen = _captured(
+        pipeline,
+        image=wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0],
+        prompt_embeds=encoded["encoder_hidden_states"],
+        latents=noisy.clone(),
+    )
     t = pipeline.scheduler.timesteps[:1]
     hidden, timestep, extra, first = wan_i2v.transformer_inputs(i2v, noisy, t, encoded)
     assert hidden.shape == seen["hidden_states"].shape == (1, 36, 2, 4, 4) and first == 0
@@ -103,10 +109,14 @@ def test_wan21_i2v_loss_is_the_reference_trainers_on_the_same_draws(i2v):
         _, y = pipeline.prepare_latents(image, 1, 16, 32, 32, 5, torch.float32, "cpu")
         clip_fea = pipeline.encode_image([frame], "cpu")
         with torch.no_grad():
-            prediction = i2v.trainable(hidden_states=torch.cat([noisy[row:row + 1], y], dim=1), timestep=t[row:row + 1],
-                                       encoder_hidden_states=encoded["encoder_hidden_states"][row:row + 1],
-                                       encoder_hidden_states_image=clip_fea, return_dict=False)[0]
-        losses.append(torch.nn.functional.mse_loss(prediction, noise[row:row + 1] - latents[row:row + 1]))
+            prediction = i2v.trainable(
+                hidden_states=torch.cat([noisy[row : row + 1], y], dim=1),
+                timestep=t[row : row + 1],
+                encoder_hidden_states=encoded["encoder_hidden_states"][row : row + 1],
+                encoder_hidden_states_image=clip_fea,
+                return_dict=False,
+            )[0]
+        losses.append(torch.nn.functional.mse_loss(prediction, noise[row : row + 1] - latents[row : row + 1]))
     with torch.no_grad():
         value = wan.loss(i2v, i2v.trainable, encoded, SEED, STEP)
     assert value.item() == pytest.approx(torch.stack(losses).mean().item(), rel=1e-6)
@@ -134,18 +144,29 @@ def test_ti2v_image_to_video_replaces_the_first_latent_frame_and_zeroes_its_time
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     parts = WanPipeline.from_pretrained(ti2v_image.folder).components
-    pipeline = WanImageToVideoPipeline(**{k: v for k, v in parts.items() if k != "transformer_2"},
-                                       expand_timesteps=True)
+    pipeline = WanImageToVideoPipeline(
+        **{k: v for k, v in parts.items() if k != "transformer_2"}, expand_timesteps=True
+    )
     batch = _batch([4], frames=9)
     encoded = wan.encode_batch(ti2v_image, batch)
     assert encoded["condition_mean"].shape == (1, 48, 1, 2, 2)
     noisy = per_sample_randn((48, 3, 2, 2), SEED, STEP, [4], "noise")
     seen = {}
     hook = pipeline.transformer.register_forward_pre_hook(
-        lambda _m, _a, kwargs: seen.setdefault("kwargs", kwargs) and None, with_kwargs=True)
+        lambda _m, _a, kwargs: seen.setdefault("kwargs", kwargs) and None, with_kwargs=True
+    )
     first_frame = wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0]
-    pipeline(image=first_frame, prompt_embeds=encoded["encoder_hidden_states"], latents=noisy.clone(), height=32,
-             width=32, num_frames=9, num_inference_steps=1, guidance_scale=1.0, output_type="latent")
+    pipeline(
+        image=first_frame,
+        prompt_embeds=encoded["encoder_hidden_states"],
+        latents=noisy.clone(),
+        height=32,
+        width=32,
+        num_frames=9,
+        num_inference_steps=1,
+        guidance_scale=1.0,
+        output_type="latent",
+    )
     hook.remove()
     t = pipeline.scheduler.timesteps[:1]
     hidden, timestep, _, first = wan_i2v.transformer_inputs(ti2v_image, noisy, t, encoded)
@@ -173,8 +194,12 @@ def test_ti2v_image_to_video_loss_leaves_the_given_first_frame_out_as_diffsynth_
     per_token[0] = 0
     timestep = per_token.flatten()[None] * t[:, None]
     with torch.no_grad():
-        prediction = ti2v_image.trainable(hidden_states=noisy, timestep=timestep, return_dict=False,
-                                          encoder_hidden_states=encoded["encoder_hidden_states"])[0]
+        prediction = ti2v_image.trainable(
+            hidden_states=noisy,
+            timestep=timestep,
+            return_dict=False,
+            encoder_hidden_states=encoded["encoder_hidden_states"],
+        )[0]
         value = wan.loss(ti2v_image, ti2v_image.trainable, encoded, SEED, STEP)
     reference = torch.nn.functional.mse_loss(prediction[:, :, 1:], (noise - latents)[:, :, 1:])
     assert value.item() == pytest.approx(reference.item(), rel=1e-6)
@@ -197,8 +222,9 @@ def test_i2v_trains_and_samples_render_from_a_first_frame(i2v, tmp_path):
     prompts = ["a red circle moving left", "a red circle moving right"]
     clips = wan.sample(i2v, i2v.trainable, prompts, SampleSpec(prompts=prompts, control_images=paths, steps=2), 32)
     assert len(clips) == 2 and len(clips[0]) == 5 and clips[0][0].size == (32, 32)
-    other = wan.sample(i2v, i2v.trainable, prompts[:1], SampleSpec(prompts=prompts[:1], control_images=paths[1:],
-                                                                 steps=2), 32)
+    other = wan.sample(
+        i2v, i2v.trainable, prompts[:1], SampleSpec(prompts=prompts[:1], control_images=paths[1:], steps=2), 32
+    )
     assert clips[0][0].tobytes() != other[0][0].tobytes()  # the image decides the clip
     with pytest.raises(FamilyError, match="sample.control_images: image-to-video renders each clip from a first"):
         wan.sample(i2v, i2v.trainable, prompts, SampleSpec(prompts=prompts, steps=2), 32)
@@ -231,10 +257,16 @@ def test_a_cache_without_the_condition_is_refused(i2v):
 def test_the_latent_cache_key_changes_with_the_mode_and_text_to_video_keeps_the_plain_entries():
     folder = tiny.ensure_builtin_model(TI2V, CACHE_DIR)
     assert wan.latent_cache_key(WanModel(family="wan", pretrained=TI2V), folder) == ("", (), ())
-    assert wan.latent_cache_key(WanModel(family="wan", pretrained=TI2V, image_to_video=True), folder) == \
-        ("image_to_video/ti2v", (), ("condition_mean",))
-    assert wan.latent_cache_key(WanModel(family="wan", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)) \
-        == ("image_to_video/i2v", ("image_encoder", "image_processor"), ("condition_mean", "image_embeds"))
+    assert wan.latent_cache_key(WanModel(family="wan", pretrained=TI2V, image_to_video=True), folder) == (
+        "image_to_video/ti2v",
+        (),
+        ("condition_mean",),
+    )
+    assert wan.latent_cache_key(WanModel(family="wan", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)) == (
+        "image_to_video/i2v",
+        ("image_encoder", "image_processor"),
+        ("condition_mean", "image_embeds"),
+    )
 
 
 def _validate(tmp_path, capsys, model: dict, sample: dict, cache: bool = True) -> tuple[int, str]:
@@ -242,10 +274,16 @@ def _validate(tmp_path, capsys, model: dict, sample: dict, cache: bool = True) -
 
     from dstune.cli import main
 
-    spec = {"model": {"family": "wan", "train": "full", **model},
-            "data": {"path": "builtin:moving-shapes", "video": {"frames": 5},
-                     "cache": {"latents": cache, "text_embeddings": cache}},
-            "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 4}, "sample": sample}
+    spec = {
+        "model": {"family": "wan", "train": "full", **model},
+        "data": {
+            "path": "builtin:moving-shapes",
+            "video": {"frames": 5},
+            "cache": {"latents": cache, "text_embeddings": cache},
+        },
+        "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 4},
+        "sample": sample,
+    }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     code = main(["validate", str(path), "--num-gpus", "2", "--json"])
@@ -271,8 +309,10 @@ def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tm
     code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": ["a red circle moving left"]})
     assert code != 0 and "sample.prompts: image-to-video renders each clip from a first frame" in out.err + out.out
     code, out = _validate(tmp_path, capsys, {"image_to_video": True}, {"prompts": []})
-    assert code != 0 and "model.image_to_video: model.image_to_video is true, but this is a text-to-video" in \
-        out.err + out.out
+    assert (
+        code != 0
+        and "model.image_to_video: model.image_to_video is true, but this is a text-to-video" in out.err + out.out
+    )
     code, out = _validate(tmp_path, capsys, {"pretrained": TI2V, "image_to_video": True}, {"prompts": []})
     assert code == 0, out
 
@@ -292,9 +332,15 @@ def a14b_i2v_folder(tmp_path_factory):
     for seed in (1, 2):
         torch.manual_seed(seed)
         experts.append(WanTransformer3DModel(**{**TINY_WAN_TRANSFORMER, "in_channels": 36}))
-    pipeline = WanImageToVideoPipeline(tokenizer=parts.tokenizer, text_encoder=parts.text_encoder, vae=parts.vae,
-                                       scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER), transformer=experts[0],
-                                       transformer_2=experts[1], boundary_ratio=0.9)
+    pipeline = WanImageToVideoPipeline(
+        tokenizer=parts.tokenizer,
+        text_encoder=parts.text_encoder,
+        vae=parts.vae,
+        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER),
+        transformer=experts[0],
+        transformer_2=experts[1],
+        boundary_ratio=0.9,
+    )
     folder = tmp_path_factory.mktemp("a14b-i2v") / "Wan2.2-I2V-A14B-tiny"
     pipeline.save_pretrained(folder, safe_serialization=True)
     return folder
@@ -309,7 +355,7 @@ def test_wan22_i2v_a14b_layout_trains_one_expert_from_first_frames(a14b_i2v_fold
     built = build_model(WanModel(family="wan", pretrained=str(a14b_i2v_folder), expert="low_noise"), CACHE_DIR, "cpu")
     assert built.mode.image_to_video and built.trained_name == "transformer_2" and "image_encoder" not in built.parts
     first, count = built.positions
-    assert count > 0 and (built.train_timesteps[first:first + count] < 900).all()
+    assert count > 0 and (built.train_timesteps[first : first + count] < 900).all()
     assert (built.train_timesteps[:first] >= 900).all()
     batch = _batch([3])
     encoded = wan.encode_batch(built, batch)
@@ -320,16 +366,26 @@ def test_wan22_i2v_a14b_layout_trains_one_expert_from_first_frames(a14b_i2v_fold
     noisy = per_sample_randn((16, 2, 4, 4), SEED, STEP, [3], "noise")
     seen = {}
     hook = pipeline.transformer_2.register_forward_pre_hook(
-        lambda _m, _a, kwargs: seen.setdefault("kwargs", kwargs) and None, with_kwargs=True)
+        lambda _m, _a, kwargs: seen.setdefault("kwargs", kwargs) and None, with_kwargs=True
+    )
     try:  # the steps before low_t run `transformer`; the first transformer_2 call is at low_t on these latents
         pipeline.scheduler.set_timesteps(4)
-        pipeline(image=wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0],
-                 prompt_embeds=encoded["encoder_hidden_states"], latents=noisy.clone(), height=32, width=32,
-                 num_frames=5, num_inference_steps=4, guidance_scale=1.0, output_type="latent")
+        pipeline(
+            image=wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0],
+            prompt_embeds=encoded["encoder_hidden_states"],
+            latents=noisy.clone(),
+            height=32,
+            width=32,
+            num_frames=5,
+            num_inference_steps=4,
+            guidance_scale=1.0,
+            output_type="latent",
+        )
     finally:
         hook.remove()
-    hidden, timestep, extra, _ = wan_i2v.transformer_inputs(built, seen["kwargs"]["hidden_states"][:, :16],
-                                                            low_t.reshape(1), encoded)
+    hidden, timestep, extra, _ = wan_i2v.transformer_inputs(
+        built, seen["kwargs"]["hidden_states"][:, :16], low_t.reshape(1), encoded
+    )
     assert hidden.shape == (1, 36, 2, 4, 4) and torch.allclose(hidden, seen["kwargs"]["hidden_states"], atol=1e-6)
     assert seen["kwargs"].get("encoder_hidden_states_image") is None and not extra.get("encoder_hidden_states_image")
     value = wan.loss(built, built.trainable, encoded, SEED, STEP)
@@ -338,6 +394,7 @@ def test_wan22_i2v_a14b_layout_trains_one_expert_from_first_frames(a14b_i2v_fold
     first_frame = tmp_path / "first.png"
     wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0].save(first_frame)
     prompt = ["a red circle moving left"]
-    clips = wan.sample(built, built.trainable, prompt, SampleSpec(prompts=prompt, control_images=[str(first_frame)],
-                                                                  steps=3), 32)
+    clips = wan.sample(
+        built, built.trainable, prompt, SampleSpec(prompts=prompt, control_images=[str(first_frame)], steps=3), 32
+    )
     assert len(clips[0]) == 5 and built.other_expert is None  # both experts ran; the other one is released

@@ -63,8 +63,9 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict, 
     sigmas = scheduler.sigmas[positions].flatten().view(-1, 1, 1, 1)
     noisy = (1.0 - sigmas) * model_input + sigmas * noise
     with torch.no_grad():
-        model_pred = built.trainable(list(noisy.unsqueeze(2).unbind(dim=0)), (1000 - timesteps) / 1000, prompt_embeds,
-                                     return_dict=False)[0]
+        model_pred = built.trainable(
+            list(noisy.unsqueeze(2).unbind(dim=0)), (1000 - timesteps) / 1000, prompt_embeds, return_dict=False
+        )[0]
     model_pred = -torch.stack(model_pred, dim=0).squeeze(2)
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
     target = noise - model_input

@@ -31,8 +31,13 @@ FAMILY = get_family("flow")
 
 
 def _lora_model(**extra) -> FlowModel:
-    return FlowModel(family="flow", pretrained="builtin:tiny-krea2", train="lora",
-                     lora={"rank": 4, "target_modules": ["to_q", "to_v"]}, **extra)
+    return FlowModel(
+        family="flow",
+        pretrained="builtin:tiny-krea2",
+        train="lora",
+        lora={"rank": 4, "target_modules": ["to_q", "to_v"]},
+        **extra,
+    )
 
 
 def _trained(model: FlowModel):
@@ -53,8 +58,15 @@ def _lora_state(built) -> dict:
 
 def _render(pipeline) -> list:
     generators = [sample_generator(SAMPLES.seed, 0, number, "sample") for number in range(len(PROMPTS))]
-    return pipeline(prompt=PROMPTS, height=32, width=32, num_inference_steps=SAMPLES.steps,
-                    guidance_scale=SAMPLES.guidance, generator=generators, output_type="np").images
+    return pipeline(
+        prompt=PROMPTS,
+        height=32,
+        width=32,
+        num_inference_steps=SAMPLES.steps,
+        guidance_scale=SAMPLES.guidance,
+        generator=generators,
+        output_type="np",
+    ).images
 
 
 def _as_arrays(images) -> torch.Tensor:
@@ -101,11 +113,13 @@ def test_a_folder_of_another_model_or_other_shapes_is_refused(tmp_path):
 def test_training_adapter_is_fused_for_training_and_left_out_of_the_lora_file_and_the_samples(tmp_path):
     from diffusers import Krea2Pipeline
 
-    adapter_spec = FlowModel(family="flow", pretrained="builtin:tiny-krea2", train="lora",
-                             lora={"rank": 2, "target_modules": ["ff.up"]})
+    adapter_spec = FlowModel(
+        family="flow", pretrained="builtin:tiny-krea2", train="lora", lora={"rank": 2, "target_modules": ["ff.up"]}
+    )
     adapter_run = _trained(adapter_spec)
-    adapter = export_lora(FAMILY, adapter_run, adapter_state_dict(_lora_state(adapter_run)), tmp_path / "adapter",
-                          adapter_spec)
+    adapter = export_lora(
+        FAMILY, adapter_run, adapter_state_dict(_lora_state(adapter_run)), tmp_path / "adapter", adapter_spec
+    )
     raw = tiny.ensure_builtin_model("tiny-krea2", CACHE_DIR)
     base = Krea2Pipeline.from_pretrained(raw).transformer
     model = _lora_model(training_adapter=str(adapter / "pytorch_lora_weights.safetensors"))
@@ -113,10 +127,13 @@ def test_training_adapter_is_fused_for_training_and_left_out_of_the_lora_file_an
     weights = dict(built.trainable.named_parameters())
     up = "transformer_blocks.0.ff.up.weight"
     assert not torch.equal(weights[up], base.state_dict()[up])  # fused: the frozen base carries the adapter
-    assert torch.equal(weights["transformer_blocks.0.attn.to_k.weight"],
-                       base.state_dict()["transformer_blocks.0.attn.to_k.weight"])
-    written = load_file(export_lora(FAMILY, built, adapter_state_dict(_lora_state(built)), tmp_path / "run",
-                                    model) / "pytorch_lora_weights.safetensors")
+    assert torch.equal(
+        weights["transformer_blocks.0.attn.to_k.weight"], base.state_dict()["transformer_blocks.0.attn.to_k.weight"]
+    )
+    written = load_file(
+        export_lora(FAMILY, built, adapter_state_dict(_lora_state(built)), tmp_path / "run", model)
+        / "pytorch_lora_weights.safetensors"
+    )
     assert written and not any("ff.up" in key for key in written)
     assert {key.split(".")[-3] for key in written} == {"to_q", "to_v"}
     attach_sampling_denoiser(built, raw, model, "model.pretrained")  # what startup does for a training adapter
@@ -127,8 +144,13 @@ def test_a_training_adapter_that_does_not_fit_is_refused(tmp_path):
     from safetensors.torch import save_file
 
     path = tmp_path / "other.safetensors"
-    save_file({"transformer.nothing_here.lora_A.weight": torch.ones(2, 4),
-               "transformer.nothing_here.lora_B.weight": torch.ones(4, 2)}, str(path))
+    save_file(
+        {
+            "transformer.nothing_here.lora_A.weight": torch.ones(2, 4),
+            "transformer.nothing_here.lora_B.weight": torch.ones(4, 2),
+        },
+        str(path),
+    )
     with pytest.raises(FamilyError, match="model.training_adapter"):
         build_model(_lora_model(training_adapter=str(path)), CACHE_DIR, "cpu")
 
@@ -141,8 +163,12 @@ def _validate(capsys, tmp_path: Path, model: dict, **sections) -> tuple[int, str
 
     from dstune.cli import main
 
-    spec = {"model": {"family": "flow", "train": "lora", **model}, "data": {"path": "builtin:shapes"},
-            "train": {"micro_batch_size": 1, "max_steps": 2}, **sections}
+    spec = {
+        "model": {"family": "flow", "train": "lora", **model},
+        "data": {"path": "builtin:shapes"},
+        "train": {"micro_batch_size": 1, "max_steps": 2},
+        **sections,
+    }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     code = main(["validate", str(path), "--num-gpus", "1"])
@@ -153,32 +179,59 @@ def _validate(capsys, tmp_path: Path, model: dict, **sections) -> tuple[int, str
 def test_validate_says_what_trains_on_which_weights_and_what_the_samples_use(capsys, tmp_path):
     adapter = tmp_path / "adapter.safetensors"
     adapter.write_bytes(b"")  # validate names it; only startup reads it
-    code, text = _validate(capsys, tmp_path, {"pretrained": "builtin:tiny-krea2-turbo",
-                                              "training_adapter": str(adapter)}, sample={"prompts": ["a red circle"]})
+    code, text = _validate(
+        capsys,
+        tmp_path,
+        {"pretrained": "builtin:tiny-krea2-turbo", "training_adapter": str(adapter)},
+        sample={"prompts": ["a red circle"]},
+    )
     assert code == 0, text
     assert "fused into the frozen transformer" in text and "training adapter is left out" in text
     assert "builtin:tiny-krea2-turbo's transformer with the trained LoRA, without the training adapter" in text
-    code, text = _validate(capsys, tmp_path, {"pretrained": "builtin:tiny-krea2"},  # train on Raw, sample on Turbo
-                           sample={"prompts": ["a red circle"], "pretrained": "builtin:tiny-krea2-turbo"})
+    code, text = _validate(
+        capsys,
+        tmp_path,
+        {"pretrained": "builtin:tiny-krea2"},  # train on Raw, sample on Turbo
+        sample={"prompts": ["a red circle"], "pretrained": "builtin:tiny-krea2-turbo"},
+    )
     assert code == 0, text
     assert "builtin:tiny-krea2-turbo's transformer with the trained LoRA (sample.pretrained)" in text
     assert "guidance 0 (Krea2Pipeline's value for a distilled (is_distilled) folder" in text
 
 
-@pytest.mark.parametrize("model, sections, expected", [
-    ({"pretrained": "builtin:tiny-krea2"}, {"sample": {"prompts": ["x"], "pretrained": "builtin:tiny-qwen-image"}},
-     "sample.pretrained: builtin:tiny-qwen-image cannot render the LoRA trained on builtin:tiny-krea2: it is a "
-     "QwenImagePipeline folder"),
-    ({"pretrained": "builtin:tiny-krea2", "train": "full"}, {"sample": {"pretrained": "builtin:tiny-krea2-turbo"}},
-     "sample.pretrained renders the trained LoRA on another folder's transformer: it needs model.family flow with "
-     "model.train: lora"),
-    ({"pretrained": "builtin:tiny-krea2-turbo", "training_adapter": "adapter.safetensors"},
-     {"deepspeed": {"zero_stage": 3}}, "model.training_adapter is fused into the whole frozen transformer"),
-    ({"pretrained": "builtin:tiny-krea2"}, {"sample": {"prompts": ["x"], "pretrained": "builtin:tiny-krea3"}},
-     "sample.pretrained: builtin:tiny-krea3 is not a built-in model (did you mean builtin:tiny-krea2"),
-    ({"pretrained": "builtin:tiny-krea2"}, {"output": {"lora_format": "comfyui"}},
-     "output.lora_format: 'comfyui' writes diffusers' key names, which comfyui's Krea 2 loader is not known to map"),
-], ids=["another-model", "full-training", "adapter-under-zero3", "unknown-builtin", "krea2-comfyui-format"])
+@pytest.mark.parametrize(
+    "model, sections, expected",
+    [
+        (
+            {"pretrained": "builtin:tiny-krea2"},
+            {"sample": {"prompts": ["x"], "pretrained": "builtin:tiny-qwen-image"}},
+            "sample.pretrained: builtin:tiny-qwen-image cannot render the LoRA trained on builtin:tiny-krea2: it is a "
+            "QwenImagePipeline folder",
+        ),
+        (
+            {"pretrained": "builtin:tiny-krea2", "train": "full"},
+            {"sample": {"pretrained": "builtin:tiny-krea2-turbo"}},
+            "sample.pretrained renders the trained LoRA on another folder's transformer: it needs model.family flow with "
+            "model.train: lora",
+        ),
+        (
+            {"pretrained": "builtin:tiny-krea2-turbo", "training_adapter": "adapter.safetensors"},
+            {"deepspeed": {"zero_stage": 3}},
+            "model.training_adapter is fused into the whole frozen transformer",
+        ),
+        (
+            {"pretrained": "builtin:tiny-krea2"},
+            {"sample": {"prompts": ["x"], "pretrained": "builtin:tiny-krea3"}},
+            "sample.pretrained: builtin:tiny-krea3 is not a built-in model (did you mean builtin:tiny-krea2",
+        ),
+        (
+            {"pretrained": "builtin:tiny-krea2"},
+            {"output": {"lora_format": "comfyui"}},
+            "output.lora_format: 'comfyui' writes diffusers' key names, which comfyui's Krea 2 loader is not known to map",
+        ),
+    ],
+    ids=["another-model", "full-training", "adapter-under-zero3", "unknown-builtin", "krea2-comfyui-format"],
+)
 def test_validate_refuses_mismatched_distilled_settings(capsys, tmp_path, model, sections, expected):
     code, text = _validate(capsys, tmp_path, model, **sections)
     assert code == 1 and expected in text, text

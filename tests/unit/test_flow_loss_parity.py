@@ -31,25 +31,45 @@ SEED, STEP, INDICES = 7, 5, [3, 11, 2]
 
 # (kind, dstune settings, the script's flags): each script's defaults first, then the combinations that matter
 CASES = {
-    "sd3-script-defaults": ("sd3", dict(timestep_sampling="logit_normal", precondition_outputs=True),
-                            dict(weighting_scheme="logit_normal", precondition_outputs=1)),
-    "sd3-velocity": ("sd3", dict(timestep_sampling="logit_normal"),
-                     dict(weighting_scheme="logit_normal", precondition_outputs=0)),
-    "sd3-sigma-sqrt": ("sd3", dict(timestep_sampling="uniform", loss_weighting="sigma_sqrt", precondition_outputs=True),
-                       dict(weighting_scheme="sigma_sqrt", precondition_outputs=1)),
-    "sd3-cosmap": ("sd3", dict(timestep_sampling="uniform", loss_weighting="cosmap"),
-                   dict(weighting_scheme="cosmap", precondition_outputs=0)),
-    "flux-script-defaults": ("flux", dict(timestep_sampling="uniform", guidance=3.5),
-                             dict(weighting_scheme="none", guidance_scale=3.5)),
-    "flux-logit-normal": ("flux", dict(timestep_sampling="logit_normal", guidance=1.0),
-                          dict(weighting_scheme="logit_normal", guidance_scale=1.0)),
+    "sd3-script-defaults": (
+        "sd3",
+        dict(timestep_sampling="logit_normal", precondition_outputs=True),
+        dict(weighting_scheme="logit_normal", precondition_outputs=1),
+    ),
+    "sd3-velocity": (
+        "sd3",
+        dict(timestep_sampling="logit_normal"),
+        dict(weighting_scheme="logit_normal", precondition_outputs=0),
+    ),
+    "sd3-sigma-sqrt": (
+        "sd3",
+        dict(timestep_sampling="uniform", loss_weighting="sigma_sqrt", precondition_outputs=True),
+        dict(weighting_scheme="sigma_sqrt", precondition_outputs=1),
+    ),
+    "sd3-cosmap": (
+        "sd3",
+        dict(timestep_sampling="uniform", loss_weighting="cosmap"),
+        dict(weighting_scheme="cosmap", precondition_outputs=0),
+    ),
+    "flux-script-defaults": (
+        "flux",
+        dict(timestep_sampling="uniform", guidance=3.5),
+        dict(weighting_scheme="none", guidance_scale=3.5),
+    ),
+    "flux-logit-normal": (
+        "flux",
+        dict(timestep_sampling="logit_normal", guidance=1.0),
+        dict(weighting_scheme="logit_normal", guidance_scale=1.0),
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def built() -> dict:
-    return {kind: build_model(FlowModel(family="flow", pretrained=f"builtin:{name}"), CACHE_DIR, "cpu")
-            for kind, name in NAMES.items()}
+    return {
+        kind: build_model(FlowModel(family="flow", pretrained=f"builtin:{name}"), CACHE_DIR, "cpu")
+        for kind, name in NAMES.items()
+    }
 
 
 def _batch() -> dict:
@@ -80,19 +100,33 @@ def _script_loss(built, encoded: dict, flags: dict, u: torch.Tensor) -> torch.Te
     embeds, pooled = encoded["encoder_hidden_states"], encoded["pooled_projections"]
     with torch.no_grad():
         if built.kind == "sd3":
-            model_pred = built.trainable(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=embeds,
-                                         pooled_projections=pooled, return_dict=False)[0]
+            model_pred = built.trainable(
+                hidden_states=noisy,
+                timestep=timesteps,
+                encoder_hidden_states=embeds,
+                pooled_projections=pooled,
+                return_dict=False,
+            )[0]
         else:
             batch, channels, height, width = model_input.shape
             factor = 2 ** (len(config.block_out_channels) - 1)
             image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, "cpu", torch.float32)
-            guidance = torch.tensor([flags["guidance_scale"]]).expand(batch) \
-                if built.trainable.config.guidance_embeds else None
+            guidance = (
+                torch.tensor([flags["guidance_scale"]]).expand(batch)
+                if built.trainable.config.guidance_embeds
+                else None
+            )
             packed = FluxPipeline._pack_latents(noisy, batch, channels, height, width)
-            model_pred = built.trainable(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
-                                         pooled_projections=pooled, encoder_hidden_states=embeds,
-                                         txt_ids=torch.zeros(embeds.shape[1], 3), img_ids=image_ids,
-                                         return_dict=False)[0]
+            model_pred = built.trainable(
+                hidden_states=packed,
+                timestep=timesteps / 1000,
+                guidance=guidance,
+                pooled_projections=pooled,
+                encoder_hidden_states=embeds,
+                txt_ids=torch.zeros(embeds.shape[1], 3),
+                img_ids=image_ids,
+                return_dict=False,
+            )[0]
             model_pred = FluxPipeline._unpack_latents(model_pred, height * factor, width * factor, factor)
     if flags.get("precondition_outputs"):
         model_pred = model_pred * (-sigmas) + noisy

@@ -81,10 +81,16 @@ CASES = {
     "tiny-csm": (_model(TtsCodebooksModel, "tts_codebooks"), "tones", SPEECH_LR),
     "tiny-dia": (_model(TtsCodebooksModel, "tts_codebooks"), "tones", SPEECH_LR),
     "tiny-hunyuan-video15": (_model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS), "moving-shapes", IMAGE_LR),
-    "tiny-hunyuan-video15-i2v": (_model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS), "moving-shapes",
-                                 IMAGE_LR),
-    "tiny-ltx2": (_model(WanModel, "wan", max_sequence_length=LTX2_TEXT_TOKENS,
-                         timestep_sampling="shifted_logit_normal"), "moving-shapes", IMAGE_LR),
+    "tiny-hunyuan-video15-i2v": (
+        _model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS),
+        "moving-shapes",
+        IMAGE_LR,
+    ),
+    "tiny-ltx2": (
+        _model(WanModel, "wan", max_sequence_length=LTX2_TEXT_TOKENS, timestep_sampling="shifted_logit_normal"),
+        "moving-shapes",
+        IMAGE_LR,
+    ),
 }
 
 
@@ -112,10 +118,12 @@ def _edit_pair_batch(indices: list[int]) -> dict:
     from dstune.data.synthetic import render_shape
 
     targets = [render_shape(i, EDIT_SIDE) for i in indices]
-    return {"pixel_values": torch.stack([to_tensor(image) for image, _ in targets]),
-            "control_values": torch.stack([to_tensor(render_shape(i + 100, EDIT_SIDE)[0]) for i in indices]),
-            "caption": [f"turn it into {caption}" for _, caption in targets],
-            "index": torch.tensor(indices, dtype=torch.long)}
+    return {
+        "pixel_values": torch.stack([to_tensor(image) for image, _ in targets]),
+        "control_values": torch.stack([to_tensor(render_shape(i + 100, EDIT_SIDE)[0]) for i in indices]),
+        "caption": [f"turn it into {caption}" for _, caption in targets],
+        "index": torch.tensor(indices, dtype=torch.long),
+    }
 
 
 def batches(kind: str, built) -> list[dict]:
@@ -178,8 +186,11 @@ def pinned_trajectories() -> dict[str, list[float]]:
     if not _computed:
         from dstune.builtin import PINNED_ISA_ENV
 
-        env = {**os.environ, **PINNED_ISA_ENV, "PYTHONPATH": os.pathsep.join(
-            [str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        env = {
+            **os.environ,
+            **PINNED_ISA_ENV,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        }
         done = subprocess.run([sys.executable, __file__, "--print"], env=env, capture_output=True, text=True)
         assert done.returncode == 0, f"the pinned trajectories failed:\n{(done.stderr or done.stdout)[-3000:]}"
         _computed.update(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -191,12 +202,16 @@ def test_loss_trajectory_matches_the_pinned_one(name):
     pinned = json.loads(GOLDEN.read_text()).get(name)
     assert pinned is not None, f"{GOLDEN.relative_to(REPO)} has no {name}: run `make golden-losses`"
     losses = pinned_trajectories()[name]
-    moved = [step for step, (got, want) in enumerate(zip(losses, pinned))
-             if abs(got - want) > RELATIVE_TOLERANCE * abs(want)]
+    moved = [
+        step for step, (got, want) in enumerate(zip(losses, pinned)) if abs(got - want) > RELATIVE_TOLERANCE * abs(want)
+    ]
     assert len(losses) == len(pinned) == STEPS and not moved, (
         f"{name}: the loss moved from step {moved[0] + 1} of {STEPS} (pinned {pinned[moved[0]]!r}, now "
         f"{losses[moved[0]]!r}); all: {losses}. If the numerics change is intended, run `make golden-losses` and "
-        "say so in the commit." if moved else f"{name}: {len(losses)} losses, {len(pinned)} pinned")
+        "say so in the commit."
+        if moved
+        else f"{name}: {len(losses)} losses, {len(pinned)} pinned"
+    )
 
 
 def regenerate() -> None:
@@ -204,15 +219,19 @@ def regenerate() -> None:
     import dstune
 
     if not Path(dstune.__file__).resolve().is_relative_to(REPO):
-        sys.exit(f"this would pin the losses of {Path(dstune.__file__).parent}, not of {REPO / 'dstune'}: run it as "
-                 "`make golden-losses` (PYTHONPATH is the repository)")
+        sys.exit(
+            f"this would pin the losses of {Path(dstune.__file__).parent}, not of {REPO / 'dstune'}: run it as "
+            "`make golden-losses` (PYTHONPATH is the repository)"
+        )
     old = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
     new = pinned_trajectories()
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)
     GOLDEN.write_text(json.dumps(new, indent=1) + "\n")
     for name, losses in new.items():
-        print(f"{name}: {'unchanged' if old.get(name) == losses else 'NEW' if name not in old else 'changed'}; "
-              f"loss {losses[0]:.5f} -> {losses[-1]:.5f}")
+        print(
+            f"{name}: {'unchanged' if old.get(name) == losses else 'NEW' if name not in old else 'changed'}; "
+            f"loss {losses[0]:.5f} -> {losses[-1]:.5f}"
+        )
     print(f"wrote {GOLDEN.relative_to(REPO)}")
 
 
@@ -221,6 +240,8 @@ if __name__ == "__main__":
         print(json.dumps({name: trajectory(name) for name in CASES}))
         sys.exit(0)
     if sys.argv[1:] != ["--regenerate"]:
-        sys.exit(f"usage: python {Path(__file__).relative_to(REPO)} --regenerate   (rewrites "
-                 f"{GOLDEN.relative_to(REPO)}: only for an intended numerics change)")
+        sys.exit(
+            f"usage: python {Path(__file__).relative_to(REPO)} --regenerate   (rewrites "
+            f"{GOLDEN.relative_to(REPO)}: only for an intended numerics change)"
+        )
     regenerate()

@@ -71,9 +71,11 @@ def test_data_eval_needs_exactly_one_source(section):
 
 
 def _spec_file(tmp_path: Path, **changes) -> Path:
-    spec = {"model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
-            "data": {"path": "builtin:shapes", "eval": {"fraction": 0.25, "every_steps": 5}},
-            "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 10}}
+    spec = {
+        "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+        "data": {"path": "builtin:shapes", "eval": {"fraction": 0.25, "every_steps": 5}},
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 10},
+    }
     for section, values in changes.items():
         spec[section].update(values)
     path = tmp_path / "spec.yaml"
@@ -94,8 +96,9 @@ def test_validate_plans_on_the_training_samples_and_says_how_many_are_held_out(t
 def test_validate_refuses_data_eval_for_speech_families_with_the_reason(tmp_path):
     from dstune.validate import load_and_validate
 
-    path = _spec_file(tmp_path, model={"family": "tts_lm", "pretrained": "builtin:tiny-tts-lm"},
-                      data={"path": "builtin:tones"})
+    path = _spec_file(
+        tmp_path, model={"family": "tts_lm", "pretrained": "builtin:tiny-tts-lm"}, data={"path": "builtin:tones"}
+    )
     with pytest.raises(SpecError, match="held-out loss is computed for the image families"):
         load_and_validate(path, accelerator="cpu")
 
@@ -144,19 +147,28 @@ def test_the_held_out_loss_is_the_same_for_any_number_of_ranks_and_at_every_eval
     assert held_out.num_samples == 4 and len(held_out.batches) == 2
     results = {}
     for world in (1, 2):
-        per_batch = [entry for rank in range(world) for entry in
-                     batch_losses(family, built, built.trainable, held_out, rank_share(held_out.batches, rank, world),
-                                  torch.float32)]
+        per_batch = [
+            entry
+            for rank in range(world)
+            for entry in batch_losses(
+                family, built, built.trainable, held_out, rank_share(held_out.batches, rank, world), torch.float32
+            )
+        ]
         results[world] = combine(per_batch)
     assert results[1] == results[2]  # exactly: the same batches, added in the same order
     mean, count = results[1]
     assert count == 4 and 0 < mean < 10
     # Fixed draws: the loss is the mean of the samples' own losses, each with its (seed, EVAL_STEP, index) noise,
     # whatever the batch it is computed in.
-    singles = make_held_out(data.model_copy(update={"eval": data.eval.model_copy(update={"batch_size": 1})}),
-                            index_dataset(data).held_out, micro_batch_size=2, seed=7)
-    one_by_one = combine(batch_losses(family, built, built.trainable, singles, rank_share(singles.batches, 0, 1),
-                                      torch.float32))
+    singles = make_held_out(
+        data.model_copy(update={"eval": data.eval.model_copy(update={"batch_size": 1})}),
+        index_dataset(data).held_out,
+        micro_batch_size=2,
+        seed=7,
+    )
+    one_by_one = combine(
+        batch_losses(family, built, built.trainable, singles, rank_share(singles.batches, 0, 1), torch.float32)
+    )
     assert one_by_one[1] == 4 and one_by_one[0] == pytest.approx(mean, rel=1e-5)
     assert singles.dataset[0]["caption"] == singles.dataset.records[0].caption  # no caption dropout here
 

@@ -114,22 +114,42 @@ def _launch_node(world_info: dict, node_rank: int, tmp_path: Path) -> list[dict]
     reports = tmp_path / f"node{node_rank}"
     reports.mkdir()
     script = tmp_path / "report_env.py"
-    script.write_text("import json, os, sys; from pathlib import Path\n"
-                      "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'CROSS_RANK', 'CROSS_SIZE', 'LOCAL_SIZE')\n"
-                      "(Path(sys.argv[1]) / f\"rank{os.environ['RANK']}.json\").write_text("
-                      "json.dumps({k: os.environ[k] for k in keys}))\n")
+    script.write_text(
+        "import json, os, sys; from pathlib import Path\n"
+        "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'CROSS_RANK', 'CROSS_SIZE', 'LOCAL_SIZE')\n"
+        "(Path(sys.argv[1]) / f\"rank{os.environ['RANK']}.json\").write_text("
+        "json.dumps({k: os.environ[k] for k in keys}))\n"
+    )
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    subprocess.run([sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={encoded}",
-                    f"--node_rank={node_rank}", "--master_addr=127.0.0.1", "--master_port=29999",
-                    "--no_local_rank", str(script), str(reports)],
-                   capture_output=True, text=True, env=env, timeout=120, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.launch",
+            f"--world_info={encoded}",
+            f"--node_rank={node_rank}",
+            "--master_addr=127.0.0.1",
+            "--master_port=29999",
+            "--no_local_rank",
+            str(script),
+            str(reports),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
     return [json.loads(path.read_text()) for path in sorted(reports.glob("rank*.json"))]
 
 
-@pytest.mark.parametrize("hostfile_text, flags", [
-    ("a slots=3\nb slots=2\n", {}),
-    ("a slots=4\nb slots=4\nc slots=2\n", {"include": "a:1,3@c"}),
-])
+@pytest.mark.parametrize(
+    "hostfile_text, flags",
+    [
+        ("a slots=3\nb slots=2\n", {}),
+        ("a slots=4\nb slots=4\nc slots=2\n", {"include": "a:1,3@c"}),
+    ],
+)
 def test_each_node_gets_the_ranks_validate_planned(tmp_path, hostfile_text, flags):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(hostfile_text)
@@ -151,29 +171,54 @@ def test_each_node_gets_the_ranks_validate_planned(tmp_path, hostfile_text, flag
 
 def _multinode(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, DSTUNE_DRY_RUN="1", PYTHON=sys.executable, DS_ACCELERATOR="cpu")
-    return subprocess.run(["bash", str(MULTINODE), *args], capture_output=True, text=True, env=env, timeout=180,
-                          cwd=REPO)
+    return subprocess.run(
+        ["bash", str(MULTINODE), *args], capture_output=True, text=True, env=env, timeout=180, cwd=REPO
+    )
 
 
 def test_multinode_validates_then_prints_the_exact_command(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    done = _multinode("launch/sd-tiny-demo.yaml", str(hostfile), "--master_port", "29600", "--",
-                      "--set", "train.seed=3", "--resume", "latest")
+    done = _multinode(
+        "launch/sd-tiny-demo.yaml",
+        str(hostfile),
+        "--master_port",
+        "29600",
+        "--",
+        "--set",
+        "train.seed=3",
+        "--resume",
+        "latest",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "nodes" in done.stdout and "2" in done.stdout  # validate's plan for the hostfile's 2 nodes
     command = done.stdout.split("launching (in")[1].splitlines()[1].split()
     assert command[:3] == ["deepspeed", "--hostfile", str(hostfile)]
-    assert command[3:] == ["--master_port", "29600", "dstune/train.py", str(REPO / "launch" / "sd-tiny-demo.yaml"),
-                           "--set", "train.seed=3", "--resume", "latest"]
+    assert command[3:] == [
+        "--master_port",
+        "29600",
+        "dstune/train.py",
+        str(REPO / "launch" / "sd-tiny-demo.yaml"),
+        "--set",
+        "train.seed=3",
+        "--resume",
+        "latest",
+    ]
     assert "not launched" in done.stdout
 
 
 def test_multinode_stops_before_launching_when_validate_fails(tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    done = _multinode("launch/sd-tiny-demo.yaml", str(hostfile), "--", "--set", "train.micro_batch_size=3",
-                      "--set", "train.global_batch_size=8")
+    done = _multinode(
+        "launch/sd-tiny-demo.yaml",
+        str(hostfile),
+        "--",
+        "--set",
+        "train.micro_batch_size=3",
+        "--set",
+        "train.global_batch_size=8",
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "micro_batch_size" in done.stdout + done.stderr
     assert "nothing was launched" in done.stderr and "launching" not in done.stdout

@@ -30,72 +30,120 @@ class Case:
 
 
 CASES = {
-    "malformed yaml": Case("model:\n  family: sd\ntrain: [1,\n  micro_batch_size: 4\n",
-                           ["spec.yaml:5: not valid YAML", "expected ',' or ']'"]),
-    "python tag": Case("model: !!python/object/apply:os.system ['touch {tmp}/pwned']\n" + GOOD_TRAIN,
-                       ["spec.yaml:1", "Python tags"]),
-    "typo key": Case("model:\n  family: sd\n" + GOOD_TRAIN + "  lerning_rate: 0.1\n",
-                     ["spec.yaml:6: train.lerning_rate", "unknown key"]),
-    "typo did you mean": Case("model:\n  family: sd\ntrain:\n  micro_batch_siz: 4\n  max_steps: 10\n",
-                              ["spec.yaml:4: train.micro_batch_siz", "did you mean 'micro_batch_size'"]),
+    "malformed yaml": Case(
+        "model:\n  family: sd\ntrain: [1,\n  micro_batch_size: 4\n",
+        ["spec.yaml:5: not valid YAML", "expected ',' or ']'"],
+    ),
+    "python tag": Case(
+        "model: !!python/object/apply:os.system ['touch {tmp}/pwned']\n" + GOOD_TRAIN, ["spec.yaml:1", "Python tags"]
+    ),
+    "typo key": Case(
+        "model:\n  family: sd\n" + GOOD_TRAIN + "  lerning_rate: 0.1\n",
+        ["spec.yaml:6: train.lerning_rate", "unknown key"],
+    ),
+    "typo did you mean": Case(
+        "model:\n  family: sd\ntrain:\n  micro_batch_siz: 4\n  max_steps: 10\n",
+        ["spec.yaml:4: train.micro_batch_siz", "did you mean 'micro_batch_size'"],
+    ),
     "wrong family": Case("model:\n  family: sdd\n" + GOOD_TRAIN, ["spec.yaml:2: model.family", "did you mean 'sd'"]),
-    "wrong types": Case("model:\n  family: sd\ntrain:\n  micro_batch_size: four\n  max_steps: [1]\n",
-                        ["spec.yaml:4: train.micro_batch_size", "spec.yaml:5: train.max_steps"]),
+    "wrong types": Case(
+        "model:\n  family: sd\ntrain:\n  micro_batch_size: four\n  max_steps: [1]\n",
+        ["spec.yaml:4: train.micro_batch_size", "spec.yaml:5: train.max_steps"],
+    ),
     "zero and negative sizes": Case(
         "model:\n  family: sd\ntrain:\n  micro_batch_size: 0\n  global_batch_size: -8\n  max_steps: 10\n"
         "data:\n  resolution: -32\n",
-        ["spec.yaml:4: train.micro_batch_size", "spec.yaml:5: train.global_batch_size",
-         "spec.yaml:8: data.resolution"]),
+        ["spec.yaml:4: train.micro_batch_size", "spec.yaml:5: train.global_batch_size", "spec.yaml:8: data.resolution"],
+    ),
     "indivisible batch": Case(
         "model:\n  family: sd\ntrain:\n  micro_batch_size: 6\n  global_batch_size: 32\n  max_steps: 10\n",
-        ["spec.yaml:4: train.micro_batch_size", "micro 8 x accum 2", "global_batch_size 24 or 36"]),
+        ["spec.yaml:4: train.micro_batch_size", "micro 8 x accum 2", "global_batch_size 24 or 36"],
+    ),
     "global not divisible by ranks": Case(
         "model:\n  family: sd\ntrain:\n  global_batch_size: 33\n  max_steps: 10\n",
-        ["spec.yaml:4: train.global_batch_size", "32 or 34"]),
-    "zero stage 4": Case("model:\n  family: sd\n" + GOOD_TRAIN + "deepspeed:\n  zero_stage: 4\n",
-                         ["spec.yaml:7: deepspeed.zero_stage", "less than or equal to 3"]),
+        ["spec.yaml:4: train.global_batch_size", "32 or 34"],
+    ),
+    "zero stage 4": Case(
+        "model:\n  family: sd\n" + GOOD_TRAIN + "deepspeed:\n  zero_stage: 4\n",
+        ["spec.yaml:7: deepspeed.zero_stage", "less than or equal to 3"],
+    ),
     "nvme without path": Case(
         "model:\n  family: sd\n" + GOOD_TRAIN + "deepspeed:\n  zero_stage: 3\n  offload_param:\n    device: nvme\n",
-        ["spec.yaml:8: deepspeed.offload_param", "nvme_path"]),
-    "fp16 on cpu": Case("model:\n  family: sd\n" + GOOD_TRAIN + "  precision: fp16\n",
-                        ["spec.yaml:6: train.precision", "bf16 or fp32"],
-                        args=["--world-size", "2", "--accelerator", "cpu"]),
+        ["spec.yaml:8: deepspeed.offload_param", "nvme_path"],
+    ),
+    "fp16 on cpu": Case(
+        "model:\n  family: sd\n" + GOOD_TRAIN + "  precision: fp16\n",
+        ["spec.yaml:6: train.precision", "bf16 or fp32"],
+        args=["--world-size", "2", "--accelerator", "cpu"],
+    ),
     "adafactor with clipping": Case(
         "model:\n  family: sd\n" + GOOD_TRAIN + "  optimizer:\n    type: adafactor\n  gradient_clipping: 1.0\n",
-        ["spec.yaml:8: train.gradient_clipping", "1.0 with adafactor", "allow_clipping_with_adafactor"]),
-    "epochs and max_steps": Case("model:\n  family: sd\n" + GOOD_TRAIN + "  epochs: 3\n",
-                                 ["spec.yaml:5: train.max_steps", "exactly one of `epochs` or `max_steps`"]),
-    "missing data path": Case("model:\n  family: sd\ndata:\n  path: {tmp}/no-such-folder\n" + GOOD_TRAIN,
-                              ["spec.yaml:4: data.path", "does not exist", "--num-samples"]),
-    "empty dataset folder": Case("model:\n  family: sd\ndata:\n  path: {tmp}/empty\n" + GOOD_TRAIN,
-                                 ["spec.yaml:4: data.path", "no usable samples"], images={"empty": 0}),
+        ["spec.yaml:8: train.gradient_clipping", "1.0 with adafactor", "allow_clipping_with_adafactor"],
+    ),
+    "epochs and max_steps": Case(
+        "model:\n  family: sd\n" + GOOD_TRAIN + "  epochs: 3\n",
+        ["spec.yaml:5: train.max_steps", "exactly one of `epochs` or `max_steps`"],
+    ),
+    "missing data path": Case(
+        "model:\n  family: sd\ndata:\n  path: {tmp}/no-such-folder\n" + GOOD_TRAIN,
+        ["spec.yaml:4: data.path", "does not exist", "--num-samples"],
+    ),
+    "empty dataset folder": Case(
+        "model:\n  family: sd\ndata:\n  path: {tmp}/empty\n" + GOOD_TRAIN,
+        ["spec.yaml:4: data.path", "no usable samples"],
+        images={"empty": 0},
+    ),
     "dataset smaller than a global batch": Case(
         "model:\n  family: sd\ndata:\n  path: {tmp}/few\ntrain:\n  micro_batch_size: 4\n  max_steps: 10\n",
-        ["train.global_batch_size", "8 is larger than the dataset (3 samples)"], images={"few": 3}),
-    "bad hostfile line": Case("model:\n  family: sd\n" + GOOD_TRAIN, ["--hostfile", "hosts:2", "worker-1 slots=two"],
-                              args=["--hostfile", "{tmp}/hosts"],
-                              files={"hosts": "worker-0 slots=2\nworker-1 slots=two\n"}),
+        ["train.global_batch_size", "8 is larger than the dataset (3 samples)"],
+        images={"few": 3},
+    ),
+    "bad hostfile line": Case(
+        "model:\n  family: sd\n" + GOOD_TRAIN,
+        ["--hostfile", "hosts:2", "worker-1 slots=two"],
+        args=["--hostfile", "{tmp}/hosts"],
+        files={"hosts": "worker-0 slots=2\nworker-1 slots=two\n"},
+    ),
     "deepspeed config not json": Case(
         "model:\n  family: sd\n" + GOOD_TRAIN + "deepspeed:\n  config: ds.json\n",
-        ["ds.json:1", "not valid JSON"], files={"ds.json": '{"zero_optimization": {"stage": 2,}}'}),
+        ["ds.json:1", "not valid JSON"],
+        files={"ds.json": '{"zero_optimization": {"stage": 2,}}'},
+    ),
     "missing data and a key deepspeed refuses": Case(
         "model:\n  family: sd\ndata:\n  path: /no/such/data\n" + GOOD_TRAIN + "deepspeed:\n  config: ds.json\n",
         ["spec.yaml:4: data.path", "zero_optimization.no_such_knob", "2 errors"],
-        files={"ds.json": json.dumps({"zero_optimization": {"stage": 2, "no_such_knob": 1}}, indent=2)}),
+        files={"ds.json": json.dumps({"zero_optimization": {"stage": 2, "no_such_knob": 1}}, indent=2)},
+    ),
     # YAML features PyYAML accepts that a spec refuses, each at the line that uses it (issue 17).
-    "billion laughs": Case("model:\n  family: sd\n" + GOOD_TRAIN + "lol:\n  a0: &a0 [" + ", ".join(["lol"] * 9) + "]\n"
-                           + "".join(f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10)),
-                           ["spec.yaml:8: alias *a0", "anchored (&a0) at line 7", "aliases of sections and lists"]),
-    "alias of itself": Case("model:\n  family: sd\n" + GOOD_TRAIN + "  extra: &loop [*loop]\n",
-                            ["spec.yaml:6: alias *loop", "aliases of sections and lists"]),
-    "merge key": Case("model:\n  family: sd\n" + GOOD_TRAIN + "  <<: {max_steps: 99}\n",
-                      ["spec.yaml:6: train: merge keys (<<) are refused"]),
-    "duplicate key": Case("model:\n  family: sd\n" + GOOD_TRAIN + "  max_steps: 20\n",
-                          ["spec.yaml:6: train.max_steps: written twice, at lines 5 and 6"]),
-    "duplicate section": Case("model:\n  family: sd\n" + GOOD_TRAIN + "model:\n  family: flow\n",
-                              ["spec.yaml:6: model: written twice, at lines 1 and 6"]),
-    "nested too deep": Case("model:\n  family: sd\n" + GOOD_TRAIN + "  extra: " + "[" * 40 + "]" * 40 + "\n",
-                            ["spec.yaml:6: nested more than 32 levels deep"]),
+    "billion laughs": Case(
+        "model:\n  family: sd\n"
+        + GOOD_TRAIN
+        + "lol:\n  a0: &a0 ["
+        + ", ".join(["lol"] * 9)
+        + "]\n"
+        + "".join(f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10)),
+        ["spec.yaml:8: alias *a0", "anchored (&a0) at line 7", "aliases of sections and lists"],
+    ),
+    "alias of itself": Case(
+        "model:\n  family: sd\n" + GOOD_TRAIN + "  extra: &loop [*loop]\n",
+        ["spec.yaml:6: alias *loop", "aliases of sections and lists"],
+    ),
+    "merge key": Case(
+        "model:\n  family: sd\n" + GOOD_TRAIN + "  <<: {max_steps: 99}\n",
+        ["spec.yaml:6: train: merge keys (<<) are refused"],
+    ),
+    "duplicate key": Case(
+        "model:\n  family: sd\n" + GOOD_TRAIN + "  max_steps: 20\n",
+        ["spec.yaml:6: train.max_steps: written twice, at lines 5 and 6"],
+    ),
+    "duplicate section": Case(
+        "model:\n  family: sd\n" + GOOD_TRAIN + "model:\n  family: flow\n",
+        ["spec.yaml:6: model: written twice, at lines 1 and 6"],
+    ),
+    "nested too deep": Case(
+        "model:\n  family: sd\n" + GOOD_TRAIN + "  extra: " + "[" * 40 + "]" * 40 + "\n",
+        ["spec.yaml:6: nested more than 32 levels deep"],
+    ),
 }
 
 
@@ -112,8 +160,14 @@ def _validate(folder: Path, *args: str) -> tuple[subprocess.CompletedProcess, fl
     """`dstune validate spec.yaml ARGS` run in `folder` (as a user would), with this checkout importable."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "dstune", "validate", "spec.yaml", *args], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dstune", "validate", "spec.yaml", *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return proc, time.monotonic() - start
 
 
@@ -140,21 +194,40 @@ MB = 1 << 20
 # reported is capped, so each is answered in about a second (before: the laughs never, 10k unknown keys in 40 s).
 WORST = {
     # 1 MB of comments, then ten levels of nine aliases: 9**10 values once expanded.
-    "laughs after 1 MB": (HEAD + "#" * (MB - 2000) + "\nlol:\n  a0: &a0 [" + ", ".join(["lol"] * 9) + "]\n"
-                          + "".join(f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 11)),
-                          ["alias *a0", "aliases of sections and lists"]),
-    "1 MB of list items": (HEAD + "  extra: [" + "1," * ((MB - 200) // 2) + "1]\n", ["more than 10000 keys and values"]),
-    "1 MB of single-value aliases": (HEAD + "  a: &v 1\n  extra: [" + "*v," * ((MB - 200) // 3) + "*v]\n",
-                                     ["more than 10000 keys and values"]),
-    "1 MB of nesting": (HEAD + "  extra: " + "[" * ((MB - 200) // 2) + "]" * ((MB - 200) // 2) + "\n",
-                        ["nested more than 32 levels deep"]),
+    "laughs after 1 MB": (
+        HEAD
+        + "#" * (MB - 2000)
+        + "\nlol:\n  a0: &a0 ["
+        + ", ".join(["lol"] * 9)
+        + "]\n"
+        + "".join(f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 11)),
+        ["alias *a0", "aliases of sections and lists"],
+    ),
+    "1 MB of list items": (
+        HEAD + "  extra: [" + "1," * ((MB - 200) // 2) + "1]\n",
+        ["more than 10000 keys and values"],
+    ),
+    "1 MB of single-value aliases": (
+        HEAD + "  a: &v 1\n  extra: [" + "*v," * ((MB - 200) // 3) + "*v]\n",
+        ["more than 10000 keys and values"],
+    ),
+    "1 MB of nesting": (
+        HEAD + "  extra: " + "[" * ((MB - 200) // 2) + "]" * ((MB - 200) // 2) + "\n",
+        ["nested more than 32 levels deep"],
+    ),
     # Just under the 10,000 values a spec may hold (the 11 of HEAD included): the most issues one can raise.
-    "4990 duplicate keys": (HEAD + "".join(f"  max_steps: {i}\n" for i in range(4990)),
-                            ["train.max_steps: written twice", "4890 more errors not shown"]),
-    "2490 merge keys": (HEAD + "".join(f"  <<: {{k{i}: 1}}\n" for i in range(2490)),
-                        ["train: merge keys (<<) are refused", "2390 more errors not shown"]),
-    "4990 unknown keys": (HEAD + "".join(f"  k{i}: 1\n" for i in range(4990)),
-                          ["unknown key 'k0'", "4890 more errors not shown"]),
+    "4990 duplicate keys": (
+        HEAD + "".join(f"  max_steps: {i}\n" for i in range(4990)),
+        ["train.max_steps: written twice", "4890 more errors not shown"],
+    ),
+    "2490 merge keys": (
+        HEAD + "".join(f"  <<: {{k{i}: 1}}\n" for i in range(2490)),
+        ["train: merge keys (<<) are refused", "2390 more errors not shown"],
+    ),
+    "4990 unknown keys": (
+        HEAD + "".join(f"  k{i}: 1\n" for i in range(4990)),
+        ["unknown key 'k0'", "4890 more errors not shown"],
+    ),
     "over 1 MB": (HEAD + "#" * MB + "\n", ["spec.yaml: the spec is over 1 MB"]),
 }
 
@@ -177,8 +250,11 @@ def test_worst_spec_of_each_class_is_refused_quickly(tmp_path, name):
 
 def test_set_values_are_held_to_the_same_rules(tmp_path):
     (tmp_path / "spec.yaml").write_text(HEAD)
-    for value, expect in [("[&a [x], *a]", "alias *a repeats"), ("{a: 1, a: 2}", "a: written twice"),
-                          ("{<<: {a: 1}}", "merge keys (<<) are refused")]:
+    for value, expect in [
+        ("[&a [x], *a]", "alias *a repeats"),
+        ("{a: 1, a: 2}", "a: written twice"),
+        ("{<<: {a: 1}}", "merge keys (<<) are refused"),
+    ]:
         proc, _ = _validate(tmp_path, "--world-size", "2", "--set", f"sample.prompts={value}")
         output = proc.stdout + proc.stderr
         assert proc.returncode == 2 and expect in output and "Traceback" not in output, output
@@ -188,7 +264,8 @@ def test_aliases_of_single_values_still_load(tmp_path):
     from dstune.spec.load import load_spec
 
     spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text("model:\n  family: sd\ntrain:\n  micro_batch_size: &n 4\n  max_steps: 10\n"
-                         "sample:\n  steps: *n\n")
+    spec_path.write_text(
+        "model:\n  family: sd\ntrain:\n  micro_batch_size: &n 4\n  max_steps: 10\nsample:\n  steps: *n\n"
+    )
     spec, source = load_spec(spec_path)
     assert spec.sample.steps == 4 and source.where("sample.steps") == f"{spec_path}:7"

@@ -52,8 +52,9 @@ def _reference_timestep_transform(timesteps: torch.Tensor, total: int, shift: fl
 def _reference_loss(built, encoded: dict, timesteps: torch.Tensor) -> torch.Tensor:
     """train.py's loss lines for text-to-video at `timesteps` (B,), from dstune's posterior draw and noise."""
     mean, std = encoded["latent_mean"], encoded["latent_std"]
-    latents = (mean + std * per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "vae_posterior")) \
-        * built.vae.config.scaling_factor
+    latents = (
+        mean + std * per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "vae_posterior")
+    ) * built.vae.config.scaling_factor
     noise = per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "noise")
     b, c, f, h, w = latents.shape
     cond_latents = torch.zeros([b, c + 1, f, h, w])  # get_condition(latents, "t2v")
@@ -62,13 +63,15 @@ def _reference_loss(built, encoded: dict, timesteps: torch.Tensor) -> torch.Tens
     target = noise - latents
     with torch.no_grad():
         model_pred = built.trainable(
-            hidden_states=torch.cat([latents_noised, cond_latents], dim=1), timestep=timesteps,
+            hidden_states=torch.cat([latents_noised, cond_latents], dim=1),
+            timestep=timesteps,
             encoder_hidden_states=encoded["encoder_hidden_states"],
             encoder_attention_mask=encoded["encoder_attention_mask"],
             encoder_hidden_states_2=encoded["encoder_hidden_states_2"],
             encoder_attention_mask_2=encoded["encoder_attention_mask_2"],
             image_embeds=torch.zeros(b, VISION_TOKENS, built.transformer_config["image_embed_dim"]),
-            return_dict=False)[0]
+            return_dict=False,
+        )[0]
     return torch.nn.functional.mse_loss(model_pred, target.to(model_pred.dtype))
 
 
@@ -83,8 +86,12 @@ def test_loss_equals_the_official_trainers_loss_lines(built, case):
     settings = WanModel(family="wan", pretrained=NAME, max_sequence_length=TEXT_TOKENS, **CASES[case])
     model = replace(built, settings=settings)
     if settings.shift is not None:
-        model = replace(model, **dict(zip(("train_timesteps", "train_sigmas"),
-                                          model.recipe.train_tables(model.scheduler, settings.shift))))
+        model = replace(
+            model,
+            **dict(
+                zip(("train_timesteps", "train_sigmas"), model.recipe.train_tables(model.scheduler, settings.shift))
+            ),
+        )
     encoded = wan.encode_batch(model, clip_batch(INDICES, SEED))
     assert encoded["encoder_hidden_states"].shape[1] == TEXT_TOKENS
     u = timestep_density(settings, SEED, STEP, INDICES)
@@ -140,8 +147,15 @@ def test_export_loads_and_renders_and_the_lora_file_loads_into_the_pipelines_tra
     saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(saved[k], state[k]) for k in state)
     pipeline = HunyuanVideo15Pipeline.from_pretrained(out)
-    frames = pipeline("a red circle moving left", height=32, width=32, num_frames=5, num_inference_steps=2,
-                      generator=torch.Generator().manual_seed(0), output_type="np").frames
+    frames = pipeline(
+        "a red circle moving left",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).frames
     assert frames.shape == (1, 5, 32, 32, 3) and torch.isfinite(torch.as_tensor(frames)).all()
 
     spec = WanModel(family="wan", pretrained=NAME, train="lora", max_sequence_length=TEXT_TOKENS)
@@ -151,17 +165,24 @@ def test_export_loads_and_renders_and_the_lora_file_loads_into_the_pipelines_tra
         for name, param in model.trainable.named_parameters():
             if ".lora_B." in name:  # B starts at zero: "train" it
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
-    lora = export_lora(wan.FAMILY, model, {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
-                       tmp_path / "lora", spec)
+    lora = export_lora(
+        wan.FAMILY,
+        model,
+        {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
+        tmp_path / "lora",
+        spec,
+    )
     encoded = wan.encode_batch(model, clip_batch([1], SEED))
     pipeline = HunyuanVideo15Pipeline.from_pretrained(model.folder)
     with torch.no_grad():
         base_loss = wan.loss(model, pipeline.transformer, encoded, 0, 1)
-    pipeline.transformer.load_lora_adapter(str(lora), weight_name="pytorch_lora_weights.safetensors",
-                                           prefix="transformer")
+    pipeline.transformer.load_lora_adapter(
+        str(lora), weight_name="pytorch_lora_weights.safetensors", prefix="transformer"
+    )
     with torch.no_grad():
-        trained_loss, loaded = (wan.loss(model, module, encoded, 0, 1) for module in (model.trainable,
-                                                                                      pipeline.transformer))
+        trained_loss, loaded = (
+            wan.loss(model, module, encoded, 0, 1) for module in (model.trainable, pipeline.transformer)
+        )
     assert loaded.item() == pytest.approx(trained_loss.item(), rel=1e-6) and loaded.item() != base_loss.item()
 
 
@@ -171,8 +192,11 @@ I2V_NAME = "builtin:tiny-hunyuan-video15-i2v"
 
 @pytest.fixture(scope="module")
 def i2v():
-    return build_model(WanModel(family="wan", pretrained=I2V_NAME, max_sequence_length=TEXT_TOKENS,
-                                timestep_sampling="logit_normal"), CACHE_DIR, "cpu")
+    return build_model(
+        WanModel(family="wan", pretrained=I2V_NAME, max_sequence_length=TEXT_TOKENS, timestep_sampling="logit_normal"),
+        CACHE_DIR,
+        "cpu",
+    )
 
 
 def test_image_to_video_loss_equals_the_trainers_i2v_lines(i2v):
@@ -188,13 +212,19 @@ def test_image_to_video_loss_equals_the_trainers_i2v_lines(i2v):
     encoded = wan.encode_batch(i2v, batch)
     mean, std = encoded["latent_mean"], encoded["latent_std"]
     scale = i2v.vae.config.scaling_factor
-    first = [HunyuanVideo15ImageToVideoPipeline._get_image_latents(i2v.vae, pipeline_processor(i2v), image, 32, 32,
-                                                                   "cpu")
-             for image in frame_images(batch["pixel_values"][:, :, 0])]
+    first = [
+        HunyuanVideo15ImageToVideoPipeline._get_image_latents(i2v.vae, pipeline_processor(i2v), image, 32, 32, "cpu")
+        for image in frame_images(batch["pixel_values"][:, :, 0])
+    ]
     assert torch.allclose(torch.cat(first), mean[:, :, :1] * scale, atol=1e-5)
-    embeds = torch.cat([HunyuanVideo15ImageToVideoPipeline._get_image_embeds(
-        i2v.parts["image_encoder"], i2v.parts["feature_extractor"], image, "cpu")
-        for image in frame_images(batch["pixel_values"][:, :, 0])])
+    embeds = torch.cat(
+        [
+            HunyuanVideo15ImageToVideoPipeline._get_image_embeds(
+                i2v.parts["image_encoder"], i2v.parts["feature_extractor"], image, "cpu"
+            )
+            for image in frame_images(batch["pixel_values"][:, :, 0])
+        ]
+    )
     assert torch.allclose(encoded["image_embeds"], embeds, atol=1e-6) and embeds.abs().sum() > 0
 
     latents = (mean + std * per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "vae_posterior")) * scale
@@ -207,11 +237,21 @@ def test_image_to_video_loss_equals_the_trainers_i2v_lines(i2v):
     cond[:, -1, 0] = 1
     t = (timesteps / 1000).view(-1, 1, 1, 1, 1)
     with torch.no_grad():
-        model_pred = i2v.trainable(hidden_states=torch.cat([(1 - t) * latents + t * noise, cond], dim=1),
-                                   timestep=timesteps, image_embeds=embeds, return_dict=False,
-                                   **{name: encoded[name] for name in ("encoder_hidden_states", "encoder_attention_mask",
-                                                                        "encoder_hidden_states_2",
-                                                                        "encoder_attention_mask_2")})[0]
+        model_pred = i2v.trainable(
+            hidden_states=torch.cat([(1 - t) * latents + t * noise, cond], dim=1),
+            timestep=timesteps,
+            image_embeds=embeds,
+            return_dict=False,
+            **{
+                name: encoded[name]
+                for name in (
+                    "encoder_hidden_states",
+                    "encoder_attention_mask",
+                    "encoder_hidden_states_2",
+                    "encoder_attention_mask_2",
+                )
+            },
+        )[0]
         ours = wan.loss(i2v, i2v.trainable, encoded, SEED, STEP)
     reference = torch.nn.functional.mse_loss(model_pred, noise - latents)
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
@@ -233,13 +273,17 @@ def test_image_to_video_caches_the_image_embedding_and_renders_from_first_frames
 
     clips = clip_batch(INDICES, SEED)["pixel_values"]
     assert wan.FAMILY.latent_extras.key(i2v.settings, i2v.folder) == (
-        "image_to_video/hunyuan_video15", ("image_encoder", "feature_extractor"), ("image_embeds",))
+        "image_to_video/hunyuan_video15",
+        ("image_encoder", "feature_extractor"),
+        ("image_embeds",),
+    )
     stored = wan.FAMILY.latent_extras.encode(i2v, clips)
     cached = wan.encode_batch(i2v, {**clip_batch(INDICES, SEED), **stored})
     assert torch.equal(cached["image_embeds"], wan.encode_batch(i2v, clip_batch(INDICES, SEED))["image_embeds"])
     Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "first.png")
-    spec = SampleSpec(prompts=["a red circle moving left"], steps=2, guidance=1.0,
-                      control_images=[str(tmp_path / "first.png")])
+    spec = SampleSpec(
+        prompts=["a red circle moving left"], steps=2, guidance=1.0, control_images=[str(tmp_path / "first.png")]
+    )
     clips = wan.sample(i2v, i2v.trainable, spec.prompts, spec, 32)
     assert len(clips[0]) == 5 and clips[0][0].size == (32, 32)
     with pytest.raises(FamilyError, match="image_to_video is true"):
@@ -253,8 +297,12 @@ def test_text_cache_entries_are_keyed_by_both_text_encoders_and_wans_keys_stay_a
 
     text_cache = wan.FAMILY.text_cache
     assert text_cache.folder_names(built.folder) == ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
-    assert text_cache.tensor_names(built.folder) == ("encoder_hidden_states", "encoder_attention_mask",
-                                                     "encoder_hidden_states_2", "encoder_attention_mask_2")
+    assert text_cache.tensor_names(built.folder) == (
+        "encoder_hidden_states",
+        "encoder_attention_mask",
+        "encoder_hidden_states_2",
+        "encoder_attention_mask_2",
+    )
     wan_folder = tiny.ensure_builtin_model("builtin:tiny-wan", CACHE_DIR)
     assert text_cache.folder_names(wan_folder) == ("text_encoder", "tokenizer")
     assert text_cache.tensor_names(wan_folder) == ("encoder_hidden_states",)

@@ -16,21 +16,66 @@ PACKAGE = REPO / "dstune"
 # Lowest first. A module may import modules of its own layer (without a cycle) or of lower layers. A name is a
 # module or a package (then it covers everything under it). Keep in step with docs/architecture.md.
 LAYERS = [
-    ["dstune.spec", "dstune.models", "dstune.models.unit", "dstune.models.registry", "dstune.fsutil", "dstune.hf", "dstune.progress", "dstune.trackers", "dstune.curves", "dstune.resampling",
-     "dstune.library_logs", "dstune.interrupts", "dstune.runlock"],
-    ["dstune.world", "dstune.plan", "dstune.checkpoints", "dstune.checkpoints.layout", "dstune.checkpoints.resume_plan",
-     "dstune.models.tts_lm.token_layouts", "dstune.models.wan.layouts", "dstune.memory", "dstune.memory.plan",
-     "dstune.memory.phases", "dstune.memory.activations"],
-    ["dstune.distributed", "dstune.ds_json", "dstune.data",
-     "dstune.families", "dstune.ema", "dstune.memory.counts", "dstune.model_folders", "dstune.model_defaults",
-     "dstune.memory.record"],
+    [
+        "dstune.spec",
+        "dstune.models",
+        "dstune.models.unit",
+        "dstune.models.registry",
+        "dstune.fsutil",
+        "dstune.hf",
+        "dstune.progress",
+        "dstune.trackers",
+        "dstune.curves",
+        "dstune.resampling",
+        "dstune.library_logs",
+        "dstune.interrupts",
+        "dstune.runlock",
+    ],
+    [
+        "dstune.world",
+        "dstune.plan",
+        "dstune.checkpoints",
+        "dstune.checkpoints.layout",
+        "dstune.checkpoints.resume_plan",
+        "dstune.models.tts_lm.token_layouts",
+        "dstune.models.wan.layouts",
+        "dstune.memory",
+        "dstune.memory.plan",
+        "dstune.memory.phases",
+        "dstune.memory.activations",
+    ],
+    [
+        "dstune.distributed",
+        "dstune.ds_json",
+        "dstune.data",
+        "dstune.families",
+        "dstune.ema",
+        "dstune.memory.counts",
+        "dstune.model_folders",
+        "dstune.model_defaults",
+        "dstune.memory.record",
+    ],
     ["dstune.builtin", "dstune.video_plan", "dstune.sequence_parallel", "dstune.validate", "dstune.report"],
-    ["dstune.pretrained", "dstune.cache", "dstune.engine", "dstune.checkpoints.store", "dstune.batch_check",
-     "dstune.checkpoints.reshard", "dstune.evaluation"],
+    [
+        "dstune.pretrained",
+        "dstune.cache",
+        "dstune.engine",
+        "dstune.checkpoints.store",
+        "dstune.batch_check",
+        "dstune.checkpoints.reshard",
+        "dstune.evaluation",
+    ],
     ["dstune.loop", "dstune.export", "dstune.checkpoints.resume"],
     ["dstune.startup"],
-    ["dstune.training", "dstune.cli", "dstune.cli_args", "dstune.train", "dstune.launcher", "dstune.__main__",
-     "dstune"],
+    [
+        "dstune.training",
+        "dstune.cli",
+        "dstune.cli_args",
+        "dstune.train",
+        "dstune.launcher",
+        "dstune.__main__",
+        "dstune",
+    ],
 ]
 # Packages that must stay apart from some layers below their own ceiling (docs/architecture.md, "rules").
 FORBIDDEN = {
@@ -38,10 +83,36 @@ FORBIDDEN = {
     "dstune.families": ("dstune.builtin", "dstune.cache", "dstune.data", "dstune.distributed", "dstune.pretrained"),
     "dstune.spec": ("dstune.data",),
 }
-ENTRY_POINTS = {"dstune.cli", "dstune.cli_args", "dstune.train", "dstune.launcher", "dstune.__main__"}  # may import dstune modules inside functions
-HEAVY_THIRD_PARTY = {"torch", "deepspeed", "diffusers", "transformers", "peft", "PIL", "soundfile", "safetensors",
-                     "huggingface_hub", "sentencepiece", "tokenizers", "snac", "rich", "numpy", "bitsandbytes", "fcntl",
-                     "html", "io", "importlib", "wandb", "av"}  # av: PyAV, video decoding (wan)
+ENTRY_POINTS = {
+    "dstune.cli",
+    "dstune.cli_args",
+    "dstune.train",
+    "dstune.launcher",
+    "dstune.__main__",
+}  # may import dstune modules inside functions
+HEAVY_THIRD_PARTY = {
+    "torch",
+    "deepspeed",
+    "diffusers",
+    "transformers",
+    "peft",
+    "PIL",
+    "soundfile",
+    "safetensors",
+    "huggingface_hub",
+    "sentencepiece",
+    "tokenizers",
+    "snac",
+    "rich",
+    "numpy",
+    "bitsandbytes",
+    "fcntl",
+    "html",
+    "io",
+    "importlib",
+    "wandb",
+    "av",
+}  # av: PyAV, video decoding (wan)
 
 
 def _modules() -> dict[str, Path]:
@@ -94,8 +165,12 @@ def _layer(module: str) -> int:
 def _imports(module: str, path: Path):
     """(imported dstune module, imported name, line, inside a function?) for every import in the file."""
     tree = ast.parse(path.read_text())
-    in_function = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
-                   for node in ast.walk(fn)}
+    in_function = {
+        id(node)
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(fn)
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dstune") and not node.level:
             for alias in node.names:
@@ -161,8 +236,9 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_walk_sees_the_package():
     assert len(MODULES) > 40 and "dstune.training" in MODULES and "dstune.cache.latents" in MODULES
-    assert any(inner for module, path in MODULES.items() for *_, inner in _imports(module, path)), \
+    assert any(inner for module, path in MODULES.items() for *_, inner in _imports(module, path)), (
         "no function-level dstune import found at all: the walk is not looking inside functions"
+    )
 
 
 def test_no_import_cycles():
@@ -174,8 +250,10 @@ def test_no_import_points_up_a_layer():
     for module, path in MODULES.items():
         for target, _, line, _ in _imports(module, path):
             if target and target != module and _layer(target) > _layer(module):
-                wrong.append(f"{path.relative_to(REPO)}:{line}: {module} (layer {_layer(module)}) imports "
-                             f"{target} (layer {_layer(target)})")
+                wrong.append(
+                    f"{path.relative_to(REPO)}:{line}: {module} (layer {_layer(module)}) imports "
+                    f"{target} (layer {_layer(target)})"
+                )
     assert wrong == []
 
 
@@ -193,28 +271,39 @@ def test_package_rules():
     for module, path in MODULES.items():
         for banned in _rules_of(module):
             if True:
-                wrong += [f"{path.relative_to(REPO)}:{line}: {module} imports {target}"
-                          for target, _, line, _ in _imports(module, path)
-                          if target and any(target == b or target.startswith(b + ".") for b in banned)]
+                wrong += [
+                    f"{path.relative_to(REPO)}:{line}: {module} imports {target}"
+                    for target, _, line, _ in _imports(module, path)
+                    if target and any(target == b or target.startswith(b + ".") for b in banned)
+                ]
     assert wrong == []
 
 
 def test_no_private_names_across_modules():
-    wrong = [f"{path.relative_to(REPO)}:{line}: {module} imports {target}.{name}"
-             for module, path in MODULES.items() for target, name, line, _ in _imports(module, path)
-             if name.startswith("_") and not name.startswith("__") and target != module]
+    wrong = [
+        f"{path.relative_to(REPO)}:{line}: {module} imports {target}.{name}"
+        for module, path in MODULES.items()
+        for target, name, line, _ in _imports(module, path)
+        if name.startswith("_") and not name.startswith("__") and target != module
+    ]
     assert wrong == []
 
 
 def test_function_level_imports_only_where_start_up_needs_them():
-    wrong = [f"{path.relative_to(REPO)}:{line}: {module} imports {target} inside a function"
-             for module, path in MODULES.items() for target, _, line, inner in _imports(module, path)
-             if inner and module not in ENTRY_POINTS]
-    wrong += [f"{path.relative_to(REPO)}:{line}: {name} imported inside a function (only heavy third-party modules "
-              f"are: {sorted(HEAVY_THIRD_PARTY)})"
-              for module, path in MODULES.items() if module not in ENTRY_POINTS
-              for name, line in _third_party_in_functions(path)
-              if not name.startswith("dstune") and name.split(".")[0] not in HEAVY_THIRD_PARTY]
+    wrong = [
+        f"{path.relative_to(REPO)}:{line}: {module} imports {target} inside a function"
+        for module, path in MODULES.items()
+        for target, _, line, inner in _imports(module, path)
+        if inner and module not in ENTRY_POINTS
+    ]
+    wrong += [
+        f"{path.relative_to(REPO)}:{line}: {name} imported inside a function (only heavy third-party modules "
+        f"are: {sorted(HEAVY_THIRD_PARTY)})"
+        for module, path in MODULES.items()
+        if module not in ENTRY_POINTS
+        for name, line in _third_party_in_functions(path)
+        if not name.startswith("dstune") and name.split(".")[0] not in HEAVY_THIRD_PARTY
+    ]
     assert wrong == []
 
 

@@ -17,8 +17,10 @@ HEADER = "# validate: dstune validate "
 SPECS = sorted(p for p in (REPO / "launch").rglob("*") if p.suffix in (".yaml", ".yml"))
 REGENERATE = "the launch spec or the compiler changed: run `make ds-configs` and review the diff"
 VALIDATE_JSON = REPO / "tests" / "data" / "validate_json"
-REGENERATE_PLAN = ("`dstune validate --json` of this spec changed: if the change is intended, run `make validate-json` "
-                   "and review (and say in the commit) every difference")
+REGENERATE_PLAN = (
+    "`dstune validate --json` of this spec changed: if the change is intended, run `make validate-json` "
+    "and review (and say in the commit) every difference"
+)
 
 
 def test_launch_holds_example_specs():
@@ -30,7 +32,7 @@ def header_flags(spec: Path) -> list[str]:
     """`# validate: dstune validate launch/x.yaml --num-gpus 8` -> ["--num-gpus", "8"]; the path must be this file."""
     first = spec.read_text().splitlines()[0]
     assert first.startswith(HEADER), f"{spec}: the first line must be '{HEADER}{spec.relative_to(REPO)} FLAGS'"
-    path, *flags = shlex.split(first[len(HEADER):])
+    path, *flags = shlex.split(first[len(HEADER) :])
     assert path == str(spec.relative_to(REPO)), f"{spec}: its header names {path}"
     return flags
 

@@ -39,8 +39,20 @@ def runner_args(cmd: list[str]):
 
 
 def test_runner_command_is_what_deepspeed_and_the_ranks_read():
-    args = train_args("my spec.yaml", "--num-gpus", "2", "--set", "train.max_steps=5", "--set", "output.dir=runs/a b",
-                      "--resume", "latest", "--allow-batch-change", "--master-port", "29611")
+    args = train_args(
+        "my spec.yaml",
+        "--num-gpus",
+        "2",
+        "--set",
+        "train.max_steps=5",
+        "--set",
+        "output.dir=runs/a b",
+        "--resume",
+        "latest",
+        "--allow-batch-change",
+        "--master-port",
+        "29611",
+    )
     cmd = launcher.runner_command(args, master_port=29611)
     ds = runner_args(cmd)
     assert (ds.num_gpus, ds.master_port, ds.module, ds.user_script) == (2, 29611, True, "dstune.train")
@@ -48,16 +60,35 @@ def test_runner_command_is_what_deepspeed_and_the_ranks_read():
     rank = parse_rank_args(ds.user_args)
     assert rank.spec == "my spec.yaml"
     assert rank.overrides == ["train.max_steps=5", "output.dir=runs/a b"]
-    assert (rank.resume, rank.allow_batch_change, rank.allow_spec_changes, rank.cache_only) == \
-        ("latest", True, False, False)
+    assert (rank.resume, rank.allow_batch_change, rank.allow_spec_changes, rank.cache_only) == (
+        "latest",
+        True,
+        False,
+        False,
+    )
 
 
 def test_hostfile_filters_and_multi_node_flags_are_forwarded():
-    args = train_args("s.yaml", "--hostfile", "hosts", "--include", "w0:0,1@w1", "--master-addr", "10.0.0.1",
-                      "--launcher", "openmpi", "--cache-only")
+    args = train_args(
+        "s.yaml",
+        "--hostfile",
+        "hosts",
+        "--include",
+        "w0:0,1@w1",
+        "--master-addr",
+        "10.0.0.1",
+        "--launcher",
+        "openmpi",
+        "--cache-only",
+    )
     ds = runner_args(launcher.runner_command(args, master_port=30000, num_gpus=None))
-    assert (ds.hostfile, ds.include, ds.master_addr, ds.launcher, ds.num_gpus) == \
-        ("hosts", "w0:0,1@w1", "10.0.0.1", "openmpi", -1)
+    assert (ds.hostfile, ds.include, ds.master_addr, ds.launcher, ds.num_gpus) == (
+        "hosts",
+        "w0:0,1@w1",
+        "10.0.0.1",
+        "openmpi",
+        -1,
+    )
     assert parse_rank_args(ds.user_args).cache_only
 
 
@@ -70,14 +101,31 @@ def test_without_world_flags_the_validated_rank_count_is_launched():
 
 
 def test_resume_command_repeats_the_launch_with_resume_latest():
-    args = train_args("spec.yaml", "--num-gpus", "2", "--set", "output.dir=runs/my run", "--resume", "runs/x/step-4",
-                      "--master-port", "29999", "--allow-spec-changes", "--grace", "5")
+    args = train_args(
+        "spec.yaml",
+        "--num-gpus",
+        "2",
+        "--set",
+        "output.dir=runs/my run",
+        "--resume",
+        "runs/x/step-4",
+        "--master-port",
+        "29999",
+        "--allow-spec-changes",
+        "--grace",
+        "5",
+    )
     line = launcher.resume_command(args)
     words = shlex.split(line)
     assert words[:2] == ["dstune", "train"]
     again = build_parser()[0].parse_args(words[1:])
-    assert (again.spec, again.num_gpus, again.master_port, again.overrides, again.allow_spec_changes) == \
-        ("spec.yaml", 2, 29999, ["output.dir=runs/my run"], True)
+    assert (again.spec, again.num_gpus, again.master_port, again.overrides, again.allow_spec_changes) == (
+        "spec.yaml",
+        2,
+        29999,
+        ["output.dir=runs/my run"],
+        True,
+    )
     assert again.resume == "latest" and words.count("--resume") == 1
 
 
@@ -91,10 +139,12 @@ def test_the_closing_line_names_the_last_checkpoint_and_reads_it_without_torch(t
         if complete:
             (folder / "dstune_state.json").write_text(json.dumps({"state": {"global_step": step}}))
     (root / "latest").write_text("step-00000004")
-    script = ("import sys; from dstune import launcher; from dstune.cli_args import build_parser; "
-              "args = build_parser()[0].parse_args(['train', 'spec.yaml', '--num-gpus', '2']); "
-              f"print(launcher.final_line(launcher.RunEnd(130, stop_signal=2), launcher.Path({str(tmp_path / 'run')!r}),"
-              " args)); assert 'torch' not in sys.modules, 'the closing line imported torch'")
+    script = (
+        "import sys; from dstune import launcher; from dstune.cli_args import build_parser; "
+        "args = build_parser()[0].parse_args(['train', 'spec.yaml', '--num-gpus', '2']); "
+        f"print(launcher.final_line(launcher.RunEnd(130, stop_signal=2), launcher.Path({str(tmp_path / 'run')!r}),"
+        " args)); assert 'torch' not in sys.modules, 'the closing line imported torch'"
+    )
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert f"last complete checkpoint {root / 'step-00000004'} (step 4)" in done.stdout
@@ -112,11 +162,17 @@ def test_port_check_sees_a_listening_port_and_not_a_free_one():
 
 
 def _tiny_spec(folder: Path, run_dir: Path) -> Path:
-    spec = {"model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
-            "data": {"path": "builtin:shapes", "resolution": 32, "num_workers": 0},
-            "train": {"micro_batch_size": 2, "max_steps": 4, "optimizer": {"type": "adamw", "lr": 1e-3},
-                      "precision": "fp32"},
-            "output": {"dir": str(run_dir), "cache_dir": str(CACHE_DIR), "export": "none"}}
+    spec = {
+        "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+        "data": {"path": "builtin:shapes", "resolution": 32, "num_workers": 0},
+        "train": {
+            "micro_batch_size": 2,
+            "max_steps": 4,
+            "optimizer": {"type": "adamw", "lr": 1e-3},
+            "precision": "fp32",
+        },
+        "output": {"dir": str(run_dir), "cache_dir": str(CACHE_DIR), "export": "none"},
+    }
     path = folder / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -137,8 +193,9 @@ def test_busy_master_port_is_refused_before_anything_starts(tmp_path, capsys):
 
 def test_invalid_spec_lists_every_error_and_launches_nothing(tmp_path, capsys):
     spec = _tiny_spec(tmp_path, tmp_path / "run")
-    code = cli.main(["train", str(spec), "--num-gpus", "2", "--set", "train.micro_batch_size=0",
-                     "--set", "train.optimizer.lr=-1"])
+    code = cli.main(
+        ["train", str(spec), "--num-gpus", "2", "--set", "train.micro_batch_size=0", "--set", "train.optimizer.lr=-1"]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert "train.micro_batch_size" in err and "train.optimizer.lr" in err
@@ -160,9 +217,18 @@ def other_process():
 
 def _write_lock(run_dir: Path, pid: int, host: str, start: float, launcher_pid=None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    runlock.lock_path(run_dir).write_text(json.dumps(
-        {"pid": pid, "host": host, "started": "earlier", "process_start": start, "launcher_pid": launcher_pid,
-         "command": "train.py spec.yaml"}))
+    runlock.lock_path(run_dir).write_text(
+        json.dumps(
+            {
+                "pid": pid,
+                "host": host,
+                "started": "earlier",
+                "process_start": start,
+                "launcher_pid": launcher_pid,
+                "command": "train.py spec.yaml",
+            }
+        )
+    )
 
 
 def test_a_live_run_keeps_its_folder(tmp_path, other_process):
@@ -234,20 +300,38 @@ except KeyboardInterrupt:
 
 
 def test_a_rank_notes_a_stop_inside_the_loop_and_stops_at_once_outside():
-    result = subprocess.run([sys.executable, "-c", STOP_SCRIPT], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = subprocess.run(
+        [sys.executable, "-c", STOP_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert result.stdout.split("\n")[:2] == ["went on True 143", "stopped at once"], result.stderr
 
 
 def test_a_rank_rebuilds_its_launch_command_with_resume_latest(monkeypatch):
     from dstune.training import rank_resume_command
 
-    monkeypatch.setattr(sys, "argv", ["/x/dstune/train.py", "--local_rank=1", "spec.yaml", "--set", "a=b c",
-                                      "--resume", "runs/x/checkpoints/step-4"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "/x/dstune/train.py",
+            "--local_rank=1",
+            "spec.yaml",
+            "--set",
+            "a=b c",
+            "--resume",
+            "runs/x/checkpoints/step-4",
+        ],
+    )
     monkeypatch.setenv("LOCAL_SIZE", "2")
     monkeypatch.delenv("CROSS_SIZE", raising=False)
-    assert rank_resume_command(resume=True) == \
-        "deepspeed --num_gpus 2 dstune/train.py spec.yaml --set 'a=b c' --resume latest"
+    assert (
+        rank_resume_command(resume=True)
+        == "deepspeed --num_gpus 2 dstune/train.py spec.yaml --set 'a=b c' --resume latest"
+    )
     assert rank_resume_command(resume=False) == "deepspeed --num_gpus 2 dstune/train.py spec.yaml --set 'a=b c'"
     monkeypatch.setenv("CROSS_SIZE", "2")
     assert rank_resume_command(resume=True).startswith("deepspeed --hostfile HOSTFILE --num_nodes 2 --num_gpus 2 ")
@@ -276,8 +360,19 @@ def test_ranks_that_do_not_stop_are_killed_after_the_grace_period(tmp_path):
     script = tmp_path / "dstune" / "train.py"  # named like the ranks dstune train looks for
     script.parent.mkdir()
     script.write_text(STUCK_RANK)
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--log_level", "error", "--num_gpus", "2",
-           "--master_port", str(launcher.free_port()), str(script)]
+    cmd = [
+        sys.executable,
+        "-u",
+        "-m",
+        "deepspeed.launcher.runner",
+        "--log_level",
+        "error",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(launcher.free_port()),
+        str(script),
+    ]
     said = []
 
     def say_into_a_closed_pipe(text, **_):  # `dstune train | tee log`, and Ctrl-C ended tee as well
@@ -286,9 +381,13 @@ def test_ranks_that_do_not_stop_are_killed_after_the_grace_period(tmp_path):
 
     marks = tmp_path / "up"
     marks.mkdir()
-    supervisor = launcher.Supervisor(cmd, {**os.environ, "DS_ACCELERATOR": "cpu", "STUCK_MARKS": str(marks)},
-                                     grace_s=3, multi_node=False,
-                                     say=say_into_a_closed_pipe)
+    supervisor = launcher.Supervisor(
+        cmd,
+        {**os.environ, "DS_ACCELERATOR": "cpu", "STUCK_MARKS": str(marks)},
+        grace_s=3,
+        multi_node=False,
+        say=say_into_a_closed_pipe,
+    )
     seen_ranks = []
 
     def stop_when_ranks_run():

@@ -32,18 +32,30 @@ def _moves_while_building(monkeypatch, model: dict, precision: str) -> tuple[lis
 
     from dstune.startup import build_family
 
-    spec = Spec.model_validate({"model": {"family": "sd", **model}, "data": {"path": "builtin:shapes"},
-                                "train": {"precision": precision, "max_steps": 1, "micro_batch_size": 1},
-                                "output": {"cache_dir": str(CACHE_DIR)}})
+    spec = Spec.model_validate(
+        {
+            "model": {"family": "sd", **model},
+            "data": {"path": "builtin:shapes"},
+            "train": {"precision": precision, "max_steps": 1, "micro_batch_size": 1},
+            "output": {"cache_dir": str(CACHE_DIR)},
+        }
+    )
     moves, real_to = [], torch.nn.Module.to
 
     def recording_to(module, *args, **kwargs):
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if isinstance(module, UNet2DConditionModel) and device is not None:
             first = next(module.parameters())
-            moves.append({"dtype": first.dtype, "from": first.device.type, "to": device.type,
-                          "fp32_linears": sum(type(m) is torch.nn.Linear and ".lora_" not in name
-                                              for name, m in module.named_modules())})  # adapters are Linear too
+            moves.append(
+                {
+                    "dtype": first.dtype,
+                    "from": first.device.type,
+                    "to": device.type,
+                    "fp32_linears": sum(
+                        type(m) is torch.nn.Linear and ".lora_" not in name for name, m in module.named_modules()
+                    ),
+                }
+            )  # adapters are Linear too
         return real_to(module, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.Module, "to", recording_to)

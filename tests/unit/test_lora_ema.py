@@ -111,10 +111,18 @@ def test_overlay_puts_ema_in_place_with_the_state_shapes():
 def _tiny_unet():
     from diffusers import UNet2DConditionModel
 
-    return UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-                                block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=8,
-                                attention_head_dim=2, norm_num_groups=4)
+    return UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8,
+        attention_head_dim=2,
+        norm_num_groups=4,
+    )
 
 
 def test_lora_makes_only_seeded_adapters_trainable():
@@ -152,18 +160,23 @@ def test_adapter_tensors_get_peft_names_for_diffusers_and_kohya_names():
     from dstune.families.base import FamilyError
     from dstune.families.lora import adapter_state_dict, diffusers_lora_layers, kohya_lora_tensors
 
-    state = {"blocks.0.attn1.to_q.base_layer.weight": torch.ones(4, 4),
-             "blocks.0.attn1.to_q.lora_A.default.weight": torch.ones(2, 4),
-             "blocks.0.attn1.to_q.lora_B.default.weight": torch.zeros(4, 2)}
+    state = {
+        "blocks.0.attn1.to_q.base_layer.weight": torch.ones(4, 4),
+        "blocks.0.attn1.to_q.lora_A.default.weight": torch.ones(2, 4),
+        "blocks.0.attn1.to_q.lora_B.default.weight": torch.zeros(4, 2),
+    }
     assert set(adapter_state_dict(state)) == {"blocks.0.attn1.to_q.lora_A.weight", "blocks.0.attn1.to_q.lora_B.weight"}
     layers = diffusers_lora_layers(state)
     assert set(layers) == {"blocks.0.attn1.to_q.lora_A.weight", "blocks.0.attn1.to_q.lora_B.weight"}
     assert torch.equal(layers["blocks.0.attn1.to_q.lora_A.weight"], torch.ones(2, 4))
     kohya = kohya_lora_tensors(state, alpha=8)
-    assert set(kohya) == {f"lora_unet_blocks_0_attn1_to_q.{part}" for part in
-                          ("lora_down.weight", "lora_up.weight", "alpha")}
+    assert set(kohya) == {
+        f"lora_unet_blocks_0_attn1_to_q.{part}" for part in ("lora_down.weight", "lora_up.weight", "alpha")
+    }
     assert torch.equal(kohya["lora_unet_blocks_0_attn1_to_q.lora_down.weight"], torch.ones(2, 4))
-    assert kohya["lora_unet_blocks_0_attn1_to_q.alpha"].shape == () and kohya["lora_unet_blocks_0_attn1_to_q.alpha"] == 8
+    assert (
+        kohya["lora_unet_blocks_0_attn1_to_q.alpha"].shape == () and kohya["lora_unet_blocks_0_attn1_to_q.alpha"] == 8
+    )
     with pytest.raises(FamilyError, match="no LoRA adapter weights"):
         adapter_state_dict({"conv.weight": torch.ones(1)})
 
@@ -189,7 +202,9 @@ def test_contact_sheet_lists_every_step_in_order_with_escaped_prompts(tmp_path):
         (tmp_path / f"step-{step:06d}.png").write_bytes(b"png")
     (tmp_path / "notes.txt").write_text("not a grid")
     page = write_contact_sheet(tmp_path, ["a <red> circle", ""], "EMA").read_text()
-    assert [page.index(f"step {s}</h2>") for s in (0, 5, 10)] == sorted(page.index(f"step {s}</h2>") for s in (0, 5, 10))
+    assert [page.index(f"step {s}</h2>") for s in (0, 5, 10)] == sorted(
+        page.index(f"step {s}</h2>") for s in (0, 5, 10)
+    )
     assert 'src="step-000005.png"' in page and "notes.txt" not in page
     assert "a &lt;red&gt; circle" in page and "(empty prompt)" in page and "EMA weights" in page
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
@@ -199,8 +214,8 @@ def _zero3_param(full: torch.Tensor, rank: int, world: int) -> torch.nn.Paramete
     """A stand-in for a ZeRO-3 parameter: its own partition (ceil(numel / world), padded with 0) as ds_tensor."""
     part = -(-full.numel() // world)
     share = torch.zeros(part)
-    piece = full.reshape(-1)[rank * part:(rank + 1) * part]
-    share[:piece.numel()] = piece
+    piece = full.reshape(-1)[rank * part : (rank + 1) * part]
+    share[: piece.numel()] = piece
     param = torch.nn.Parameter(torch.empty(0))
     param.ds_tensor, param.ds_shape = torch.nn.Parameter(share), full.shape
     return param
@@ -214,8 +229,9 @@ def test_ema_shares_are_recut_for_another_number_of_ranks(tmp_path, zero3):
     def emas(world):
         out = []
         for rank in range(world):
-            params = [(n, _zero3_param(t, rank, world) if zero3 else torch.nn.Parameter(t.clone()))
-                      for n, t in full.items()]
+            params = [
+                (n, _zero3_param(t, rank, world) if zero3 else torch.nn.Parameter(t.clone())) for n, t in full.items()
+            ]
             out.append(Ema(params, EmaSpec(decay=0.9), rank=rank, world_size=world))
         return out
 
@@ -232,5 +248,5 @@ def test_ema_shares_are_recut_for_another_number_of_ranks(tmp_path, zero3):
         for name, tensor in full.items():
             shares = [ema.shadow[name] for ema in recut]
             joined = torch.cat(shares)
-            assert torch.equal(joined[:tensor.numel()], tensor.reshape(-1))
-            assert torch.all(joined[tensor.numel():] == 0)  # ZeRO-3 padding of the last partition
+            assert torch.equal(joined[: tensor.numel()], tensor.reshape(-1))
+            assert torch.all(joined[tensor.numel() :] == 0)  # ZeRO-3 padding of the last partition

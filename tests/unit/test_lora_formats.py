@@ -29,19 +29,34 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 MODELS = {  # name -> (model section, pipeline class)
     "sd": (lambda: SdModel(family="sd", train="lora", lora={"rank": 2, "alpha": 6}), "StableDiffusionPipeline"),
-    "sdxl": (lambda: SdxlModel(family="sdxl", train="lora", lora={"rank": 3, "alpha": 1.5,
-                                                                   "target_modules": ["to_q", "to_v", "conv1"]}),
-             "StableDiffusionXLPipeline"),
-    "sd3": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-flow", train="lora", lora={"rank": 2}),
-            "StableDiffusion3Pipeline"),
-    "flux": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux", train="lora",
-                               lora={"rank": 2, "alpha": 4}), "FluxPipeline"),
-    "qwen-image": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-qwen-image", train="lora",
-                                     lora={"rank": 2, "alpha": 3}), "QwenImagePipeline"),
-    "z-image": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-z-image", train="lora",
-                                  lora={"rank": 3, "alpha": 2}), "ZImagePipeline"),
-    "flux2": (lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux2", train="lora",
-                                lora={"rank": 2, "alpha": 8}), "Flux2KleinPipeline"),
+    "sdxl": (
+        lambda: SdxlModel(
+            family="sdxl", train="lora", lora={"rank": 3, "alpha": 1.5, "target_modules": ["to_q", "to_v", "conv1"]}
+        ),
+        "StableDiffusionXLPipeline",
+    ),
+    "sd3": (
+        lambda: FlowModel(family="flow", pretrained="builtin:tiny-flow", train="lora", lora={"rank": 2}),
+        "StableDiffusion3Pipeline",
+    ),
+    "flux": (
+        lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux", train="lora", lora={"rank": 2, "alpha": 4}),
+        "FluxPipeline",
+    ),
+    "qwen-image": (
+        lambda: FlowModel(
+            family="flow", pretrained="builtin:tiny-qwen-image", train="lora", lora={"rank": 2, "alpha": 3}
+        ),
+        "QwenImagePipeline",
+    ),
+    "z-image": (
+        lambda: FlowModel(family="flow", pretrained="builtin:tiny-z-image", train="lora", lora={"rank": 3, "alpha": 2}),
+        "ZImagePipeline",
+    ),
+    "flux2": (
+        lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux2", train="lora", lora={"rank": 2, "alpha": 8}),
+        "Flux2KleinPipeline",
+    ),
 }
 CASES = [(name, fmt) for name, (make, _) in MODELS.items() for fmt in SECTIONS_BY_FAMILY[make().family].LORA_FORMATS]
 
@@ -70,8 +85,11 @@ def _adapters(module: torch.nn.Module) -> dict:
     for name, layer in module.named_modules():
         if hasattr(layer, "lora_A") and len(layer.lora_A):
             (adapter,) = list(layer.lora_A)
-            found[name] = (layer.lora_A[adapter].weight.detach(), layer.lora_B[adapter].weight.detach(),
-                           float(layer.scaling[adapter]))
+            found[name] = (
+                layer.lora_A[adapter].weight.detach(),
+                layer.lora_B[adapter].weight.detach(),
+                float(layer.scaling[adapter]),
+            )
     return found
 
 
@@ -82,12 +100,16 @@ def test_exported_lora_loads_back_through_diffusers_with_every_adapter_weight(tr
     spec, built, state = trained[name]
     out = export_lora(get_family(spec.family), built, state, tmp_path / "lora", spec, "raw", lora_format)
     info = json.loads((out / "dstune_lora.json").read_text())
-    assert info["format"] == lora_format and info["key_scheme"] == SECTIONS_BY_FAMILY[spec.family].LORA_FORMATS[lora_format]
+    assert (
+        info["format"] == lora_format
+        and info["key_scheme"] == SECTIONS_BY_FAMILY[spec.family].LORA_FORMATS[lora_format]
+    )
     with safe_open(str(out / LORA_WEIGHT_FILE), "pt") as handle:
         keys = list(handle.keys())
     if info["key_scheme"] == "kohya":
-        assert all(k.startswith("lora_unet_") and k.endswith((".lora_down.weight", ".lora_up.weight", ".alpha"))
-                   for k in keys)
+        assert all(
+            k.startswith("lora_unet_") and k.endswith((".lora_down.weight", ".lora_up.weight", ".alpha")) for k in keys
+        )
     else:
         assert all(k.startswith(("unet.", "transformer.")) for k in keys)
 
@@ -110,18 +132,29 @@ def test_default_format_is_kohya_for_unet_families_and_diffusers_for_flow(traine
 
 
 def _validate(model: dict, output: dict):
-    data = {"model": model, "train": {"micro_batch_size": 1, "max_steps": 2}, "output": output,
-            "data": {"path": "builtin:tones" if model["family"] in ("tts_lm", "speecht5") else "builtin:shapes"}}
+    data = {
+        "model": model,
+        "train": {"micro_batch_size": 1, "max_steps": 2},
+        "output": output,
+        "data": {"path": "builtin:tones" if model["family"] in ("tts_lm", "speecht5") else "builtin:shapes"},
+    }
     source = SpecSource("spec.yaml", {"output.lora_format": 9})
     return validate_spec(validate_data(data, source), source, world_from_flags(num_gpus=1))
 
 
-@pytest.mark.parametrize("model,lora_format,message", [
-    ({"family": "flow", "train": "lora"}, "kohya", "not a LoRA format of model.family flow; choices: diffusers, comfyui"),
-    ({"family": "sd"}, "kohya", "applies to model.train: lora, but model.train is 'full'"),
-    ({"family": "speecht5"}, "diffusers", "model.family speecht5 has no LoRA training"),
-    ({"family": "tts_lm", "train": "lora"}, "kohya", "not a LoRA format of model.family tts_lm; choices: peft"),
-])
+@pytest.mark.parametrize(
+    "model,lora_format,message",
+    [
+        (
+            {"family": "flow", "train": "lora"},
+            "kohya",
+            "not a LoRA format of model.family flow; choices: diffusers, comfyui",
+        ),
+        ({"family": "sd"}, "kohya", "applies to model.train: lora, but model.train is 'full'"),
+        ({"family": "speecht5"}, "diffusers", "model.family speecht5 has no LoRA training"),
+        ({"family": "tts_lm", "train": "lora"}, "kohya", "not a LoRA format of model.family tts_lm; choices: peft"),
+    ],
+)
 def test_validate_refuses_a_format_the_family_does_not_have(model, lora_format, message):
     from dstune.spec.load import SpecError
 
@@ -138,10 +171,14 @@ def test_layers_kohya_names_cannot_carry_are_refused_before_training():
 
     spec = SdxlModel(family="sdxl", train="lora", lora={"rank": 2, "target_modules": ["to_q", "linear_1"]})
     built = build_model(spec, CACHE_DIR, "cpu")
-    with pytest.raises(FamilyError, match=r"output.lora_format kohya: kohya's key scheme cannot name 1 adapted layer"
-                                          r"\(s\) .*add_embedding.linear_1 \(read back as add.embedding.linear\).*"
-                                          r"output.lora_format: diffusers"):
+    with pytest.raises(
+        FamilyError,
+        match=r"output.lora_format kohya: kohya's key scheme cannot name 1 adapted layer"
+        r"\(s\) .*add_embedding.linear_1 \(read back as add.embedding.linear\).*"
+        r"output.lora_format: diffusers",
+    ):
         apply_train_mode(built.trainable, spec, seed=0, family=get_family("sdxl"))
     again = build_model(spec, CACHE_DIR, "cpu")
-    assert "LoRA rank 2" in apply_train_mode(again.trainable, spec, seed=0, family=get_family("sdxl"),
-                                             lora_format="diffusers")
+    assert "LoRA rank 2" in apply_train_mode(
+        again.trainable, spec, seed=0, family=get_family("sdxl"), lora_format="diffusers"
+    )

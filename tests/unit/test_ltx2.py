@@ -40,8 +40,13 @@ FPS = 24.0  # ltx-trainer's DEFAULT_FPS
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(WanModel(family="wan", pretrained=NAME, max_sequence_length=TEXT_TOKENS,
-                                timestep_sampling="shifted_logit_normal"), CACHE_DIR, "cpu")
+    return build_model(
+        WanModel(
+            family="wan", pretrained=NAME, max_sequence_length=TEXT_TOKENS, timestep_sampling="shifted_logit_normal"
+        ),
+        CACHE_DIR,
+        "cpu",
+    )
 
 
 def _draws(purpose: str, normal: bool = False, indices=INDICES) -> torch.Tensor:
@@ -67,8 +72,7 @@ def _reference_sigmas(scheme: str, seq_length: int, indices=INDICES) -> torch.Te
 
 def _reference_positions(frames: int, height: int, width: int, scale: tuple[int, int, int]) -> torch.Tensor:
     """_get_video_positions: [B, 3, tokens, 2] pixel bounds of each latent patch, time in seconds."""
-    grid = torch.stack(torch.meshgrid(torch.arange(frames), torch.arange(height), torch.arange(width),
-                                      indexing="ij"))
+    grid = torch.stack(torch.meshgrid(torch.arange(frames), torch.arange(height), torch.arange(width), indexing="ij"))
     bounds = torch.stack((grid, grid + 1), dim=-1).flatten(1, 3)  # [3, tokens, 2]
     pixels = (bounds * torch.tensor(scale).view(3, 1, 1)).float()
     pixels[0] = (pixels[0] + 1 - scale[0]).clamp(min=0) / FPS
@@ -78,8 +82,11 @@ def _reference_positions(frames: int, height: int, width: int, scale: tuple[int,
 def _reference_loss(built, encoded: dict, scheme: str) -> torch.Tensor:
     mean = encoded["latent_mean"]
     vae = built.vae
-    latents = (mean - vae.latents_mean.view(1, -1, 1, 1, 1)) * vae.config.scaling_factor \
+    latents = (
+        (mean - vae.latents_mean.view(1, -1, 1, 1, 1))
+        * vae.config.scaling_factor
         / vae.latents_std.view(1, -1, 1, 1, 1)
+    )
     b, c, f, h, w = latents.shape
     video = latents.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c)
     noise = per_sample_randn((c, f, h, w), SEED, STEP, INDICES, "noise").permute(0, 2, 3, 4, 1).reshape(b, -1, c)
@@ -90,13 +97,19 @@ def _reference_loss(built, encoded: dict, scheme: str) -> torch.Tensor:
     scale = tuple(built.transformer_config["vae_scale_factors"])
     with torch.no_grad():
         video_pred, _ = built.trainable(
-            hidden_states=noisy, audio_hidden_states=torch.zeros(b, 1, built.transformer_config["audio_in_channels"]),
+            hidden_states=noisy,
+            audio_hidden_states=torch.zeros(b, 1, built.transformer_config["audio_in_channels"]),
             encoder_hidden_states=encoded["encoder_hidden_states"],
-            audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"], timestep=timesteps * 1000,
-            sigma=sigmas * 1000, encoder_attention_mask=encoded["encoder_attention_mask"],
+            audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
+            timestep=timesteps * 1000,
+            sigma=sigmas * 1000,
+            encoder_attention_mask=encoded["encoder_attention_mask"],
             audio_encoder_attention_mask=encoded["encoder_attention_mask"],
-            video_coords=_reference_positions(f, h, w, scale), audio_num_frames=1, isolate_modalities=True,
-            return_dict=False)
+            video_coords=_reference_positions(f, h, w, scale),
+            audio_num_frames=1,
+            isolate_modalities=True,
+            return_dict=False,
+        )
     per_sample = (video_pred - targets).pow(2).mean(dim=[-2, -1])
     return per_sample.mean()
 
@@ -129,17 +142,26 @@ def test_the_audio_stream_does_not_reach_the_video_loss(built):
     whatever audio tokens the transformer is given, as ltx-trainer's transformer without an audio modality."""
     encoded = wan.encode_batch(built, clip_batch(INDICES[:1], SEED, frames=FRAMES))
     tokens = torch.randn(1, 48, 8)
-    common = dict(hidden_states=tokens, encoder_hidden_states=encoded["encoder_hidden_states"],
-                  audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
-                  timestep=torch.tensor([500.0]), sigma=torch.tensor([500.0]),
-                  encoder_attention_mask=encoded["encoder_attention_mask"],
-                  audio_encoder_attention_mask=encoded["encoder_attention_mask"], num_frames=3, height=4, width=4,
-                  isolate_modalities=True, return_dict=False)
+    common = dict(
+        hidden_states=tokens,
+        encoder_hidden_states=encoded["encoder_hidden_states"],
+        audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
+        timestep=torch.tensor([500.0]),
+        sigma=torch.tensor([500.0]),
+        encoder_attention_mask=encoded["encoder_attention_mask"],
+        audio_encoder_attention_mask=encoded["encoder_attention_mask"],
+        num_frames=3,
+        height=4,
+        width=4,
+        isolate_modalities=True,
+        return_dict=False,
+    )
     with torch.no_grad():
         one, _ = built.trainable(audio_hidden_states=torch.zeros(1, 1, 8), audio_num_frames=1, **common)
         other, _ = built.trainable(audio_hidden_states=torch.randn(1, 5, 8), audio_num_frames=5, **common)
-        crossed, _ = built.trainable(audio_hidden_states=torch.randn(1, 5, 8), audio_num_frames=5,
-                                     **{**common, "isolate_modalities": False})
+        crossed, _ = built.trainable(
+            audio_hidden_states=torch.randn(1, 5, 8), audio_num_frames=5, **{**common, "isolate_modalities": False}
+        )
     assert torch.allclose(one, other, atol=1e-6) and not torch.allclose(one, crossed, atol=1e-4)
 
 
@@ -159,9 +181,17 @@ def test_samples_render_clips_and_the_export_loads_and_renders(built, tmp_path):
     saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(saved[k], state[k]) for k in state)
     pipeline = LTX2Pipeline.from_pretrained(out)
-    result = pipeline("a red circle moving left", height=32, width=32, num_frames=9, num_inference_steps=2,
-                      guidance_scale=1.0, max_sequence_length=TEXT_TOKENS, generator=torch.Generator().manual_seed(0),
-                      output_type="np")
+    result = pipeline(
+        "a red circle moving left",
+        height=32,
+        width=32,
+        num_frames=9,
+        num_inference_steps=2,
+        guidance_scale=1.0,
+        max_sequence_length=TEXT_TOKENS,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    )
     assert result.frames.shape == (1, 9, 32, 32, 3) and torch.isfinite(torch.as_tensor(result.frames)).all()
     assert result.audio.shape[:2] == (1, 2) and torch.isfinite(result.audio).all()
 
@@ -173,24 +203,35 @@ def test_the_lora_file_loads_with_ltx2_pipelines_loader(tmp_path):
 
     from dstune.families.lora import apply_train_mode, export_lora
 
-    spec = WanModel(family="wan", pretrained=NAME, train="lora", max_sequence_length=TEXT_TOKENS,
-                    timestep_sampling="shifted_logit_normal")
+    spec = WanModel(
+        family="wan",
+        pretrained=NAME,
+        train="lora",
+        max_sequence_length=TEXT_TOKENS,
+        timestep_sampling="shifted_logit_normal",
+    )
     model = build_model(spec, CACHE_DIR, "cpu")
     apply_train_mode(model.trainable, spec, seed=0, family=wan.FAMILY)
     with torch.no_grad():
         for name, param in model.trainable.named_parameters():
             if ".lora_B." in name:  # B starts at zero: "train" it
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
-    lora = export_lora(wan.FAMILY, model, {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
-                       tmp_path / "lora", spec)
+    lora = export_lora(
+        wan.FAMILY,
+        model,
+        {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
+        tmp_path / "lora",
+        spec,
+    )
     encoded = wan.encode_batch(model, clip_batch([1], SEED, frames=FRAMES))
     pipeline = LTX2Pipeline.from_pretrained(model.folder)
     with torch.no_grad():
         base_loss = wan.loss(model, pipeline.transformer, encoded, 0, 1)
     pipeline.load_lora_weights(str(lora), weight_name="pytorch_lora_weights.safetensors")
     with torch.no_grad():
-        trained_loss, loaded = (wan.loss(model, module, encoded, 0, 1) for module in (model.trainable,
-                                                                                      pipeline.transformer))
+        trained_loss, loaded = (
+            wan.loss(model, module, encoded, 0, 1) for module in (model.trainable, pipeline.transformer)
+        )
     assert loaded.item() == pytest.approx(trained_loss.item(), rel=1e-6) and loaded.item() != base_loss.item()
 
 
@@ -201,11 +242,17 @@ def test_text_cache_is_keyed_by_gemma_and_the_connectors_and_refusals(built):
 
     cache = wan.FAMILY.text_cache
     assert cache.folders_of(built.folder) == ("text_encoder", "tokenizer", "connectors")
-    assert cache.tensors_of(built.folder) == ("encoder_hidden_states", "audio_encoder_hidden_states",
-                                              "encoder_attention_mask")
+    assert cache.tensors_of(built.folder) == (
+        "encoder_hidden_states",
+        "audio_encoder_hidden_states",
+        "encoder_attention_mask",
+    )
     with pytest.raises(FamilyError, match="shifted_logit_normal is the sampler of the video models that draw sigma"):
-        build_model(WanModel(family="wan", pretrained="builtin:tiny-wan", timestep_sampling="shifted_logit_normal"),
-                    CACHE_DIR, "cpu")
+        build_model(
+            WanModel(family="wan", pretrained="builtin:tiny-wan", timestep_sampling="shifted_logit_normal"),
+            CACHE_DIR,
+            "cpu",
+        )
     with pytest.raises(FamilyError, match="image-to-video"):
         build_model(WanModel(family="wan", pretrained=NAME, image_to_video=True), CACHE_DIR, "cpu")
 
@@ -224,8 +271,18 @@ def _validate(capsys, monkeypatch, tmp_path, *sets: str) -> tuple[int, dict]:
 
     monkeypatch.chdir(REPO)  # the stored Lightricks/LTX-2 configs, not a local download
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
-    code = main(["validate", str(EXAMPLE.relative_to(REPO)), "--num-gpus", "8", "--num-samples", "2000", "--json",
-                 *[arg for value in sets for arg in ("--set", value)]])
+    code = main(
+        [
+            "validate",
+            str(EXAMPLE.relative_to(REPO)),
+            "--num-gpus",
+            "8",
+            "--num-samples",
+            "2000",
+            "--json",
+            *[arg for value in sets for arg in ("--set", value)],
+        ]
+    )
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -240,8 +297,15 @@ def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_
     assert 18.5e9 < counts["module_params"] < 19.5e9
     assert set(counts["companions"]) == {"vae", "text_encoder", "connectors"}
     assert set(counts["sampling_companions"]) == {"audio_vae", "vocoder"}
-    code, out = _validate(capsys, monkeypatch, tmp_path, "data.video.frames=109", "model.sample_frames=117",
-                          "model.shift=3.0", "model.timestep_sampling=logit_normal")
+    code, out = _validate(
+        capsys,
+        monkeypatch,
+        tmp_path,
+        "data.video.frames=109",
+        "model.sample_frames=117",
+        "model.shift=3.0",
+        "model.timestep_sampling=logit_normal",
+    )
     errors = "\n".join(out["errors"])
     assert code == 1
     for key in ("data.video.frames", "model.sample_frames", "model.shift", "model.timestep_sampling"):

@@ -18,16 +18,39 @@ P, ENCODER, VAE = 2_000_000_000, 8_000_000_000, 100_000_000  # a 2 B module, an 
 
 
 def setup(stage: int = 2, world: int = 8, **extra) -> Setup:
-    values = dict(world_size=world, ranks_per_node=world, zero_stage=stage, offload_optimizer="none",
-                  offload_param="none", precision="bf16", optimizer="adamw", momentum=0.0, micro_batch=1,
-                  accumulation=1, gradient_checkpointing=True, lora=False, reduce_bucket=50_000_000,
-                  allgather_bucket=50_000_000, prefetch_bucket=45_000_000, overlap_comm=False)
+    values = dict(
+        world_size=world,
+        ranks_per_node=world,
+        zero_stage=stage,
+        offload_optimizer="none",
+        offload_param="none",
+        precision="bf16",
+        optimizer="adamw",
+        momentum=0.0,
+        micro_batch=1,
+        accumulation=1,
+        gradient_checkpointing=True,
+        lora=False,
+        reduce_bucket=50_000_000,
+        allgather_bucket=50_000_000,
+        prefetch_bucket=45_000_000,
+        overlap_comm=False,
+    )
     return Setup(**{**values, **extra})
 
 
 def counts(cached: tuple = ("text_encoder", "vae"), trainable: int = P, **extra) -> ModelCounts:
-    return ModelCounts("transformer", P, trainable, 50_000_000, {"text_encoder": ENCODER, "vae": VAE}, cached,
-                       activation_sample_bytes=4_000_000_000, checkpointed_sample_bytes=1_000_000_000, **extra)
+    return ModelCounts(
+        "transformer",
+        P,
+        trainable,
+        50_000_000,
+        {"text_encoder": ENCODER, "vae": VAE},
+        cached,
+        activation_sample_bytes=4_000_000_000,
+        checkpointed_sample_bytes=1_000_000_000,
+        **extra,
+    )
 
 
 def test_the_cache_and_load_phases_hold_every_encoder_and_the_step_only_the_uncached():
@@ -41,8 +64,10 @@ def test_the_cache_and_load_phases_hold_every_encoder_and_the_step_only_the_unca
     assert "cache" not in uncached.phases and uncached.frozen == encoders
     # ZeRO-3 builds the module partitioned: a share and one gathered layer at load
     partitioned = estimate(counts(builds_partitioned=True), setup(3))
-    assert partitioned.phases["load"].parts["trainable module (training dtype, or its ZeRO-3 share)"] == \
-        2 * P / 8 + 2 * 50_000_000
+    assert (
+        partitioned.phases["load"].parts["trainable module (training dtype, or its ZeRO-3 share)"]
+        == 2 * P / 8 + 2 * 50_000_000
+    )
 
 
 def test_the_verdict_uses_the_peak_and_a_suggestion_names_the_phase_it_relieves():
@@ -119,10 +144,12 @@ def test_zero3_keeps_the_persistent_tensors_and_the_parameters_it_reuses_gathere
     assert big == 2 * (persistent + 500_000_000 - 50_000_000)
     # a module below that stays gathered whole; stage3_max_live_parameters caps it
     smaller = replace(model, module_params=300_000_000, trainable_params=300_000_000)
-    assert zero3_gathered_bytes(smaller, setup(3, persistence_threshold=70_710)) == \
-        2 * (persistent + 300_000_000 - persistent - 50_000_000)
-    assert zero3_gathered_bytes(smaller, setup(3, persistence_threshold=70_710, max_live_parameters=100_000_000)) == \
-        2 * (persistent + 100_000_000 - persistent - 50_000_000)
+    assert zero3_gathered_bytes(smaller, setup(3, persistence_threshold=70_710)) == 2 * (
+        persistent + 300_000_000 - persistent - 50_000_000
+    )
+    assert zero3_gathered_bytes(
+        smaller, setup(3, persistence_threshold=70_710, max_live_parameters=100_000_000)
+    ) == 2 * (persistent + 100_000_000 - persistent - 50_000_000)
     # counted in the ZeRO-3 step's buffers beside the reduce bucket and its interleaved copy
     result = estimate(model, setup(3, persistence_threshold=70_710))
     assert result.buffers == 2 * 50_000_000 + 2 * 50_000_000 + big
@@ -158,8 +185,7 @@ def test_on_the_cpu_accelerator_the_reserve_comes_with_the_first_step_and_offloa
     result = estimate(counts(), setup(2, accelerator="cpu", samples=True))
     reserve = CPU_RUNTIME_RESERVE_BYTES + CPU_RESERVE_PER_MODULE_PARAM * P  # the kept heap grows with the module
     assert result.reserve == reserve
-    assert result.phases["step"].parts["runtime reserve"] == result.phases["sample"].parts["runtime reserve"] == \
-        reserve
+    assert result.phases["step"].parts["runtime reserve"] == result.phases["sample"].parts["runtime reserve"] == reserve
     # the libraries of the step load lazily, at the first step: before it, the loading code's own
     assert result.phases["load"].parts["runtime reserve"] == CPU_STARTUP_RESERVE_BYTES
     gpu = estimate(counts(), setup(2, samples=True))

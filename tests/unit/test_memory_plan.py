@@ -20,10 +20,24 @@ DEMO = str(REPO / "launch" / "sd-tiny-demo.yaml")
 
 
 def setup_for(stage: int, world: int, per_node: int, offload_optimizer="none", offload_param="none", **extra) -> Setup:
-    values = dict(world_size=world, ranks_per_node=per_node, zero_stage=stage, offload_optimizer=offload_optimizer,
-                  offload_param=offload_param, precision="bf16", optimizer="adamw", momentum=0.0, micro_batch=2,
-                  accumulation=1, gradient_checkpointing=False, lora=False, reduce_bucket=50_000_000,
-                  allgather_bucket=50_000_000, prefetch_bucket=45_000_000, overlap_comm=False)
+    values = dict(
+        world_size=world,
+        ranks_per_node=per_node,
+        zero_stage=stage,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        precision="bf16",
+        optimizer="adamw",
+        momentum=0.0,
+        micro_batch=2,
+        accumulation=1,
+        gradient_checkpointing=False,
+        lora=False,
+        reduce_bucket=50_000_000,
+        allgather_bucket=50_000_000,
+        prefetch_bucket=45_000_000,
+        overlap_comm=False,
+    )
     return Setup(**{**values, **extra})
 
 
@@ -50,13 +64,19 @@ def test_zero2_model_states_agree_with_deepspeed(params, largest, world, per_nod
 @pytest.mark.parametrize("params, largest", SIZES)
 @pytest.mark.parametrize("world, per_node, nodes", WORLDS)
 @pytest.mark.parametrize("offload_optimizer, offload_param", [("none", "none"), ("cpu", "none"), ("cpu", "cpu")])
-def test_zero3_model_states_agree_with_deepspeed(params, largest, world, per_node, nodes, offload_optimizer,
-                                                 offload_param):
+def test_zero3_model_states_agree_with_deepspeed(
+    params, largest, world, per_node, nodes, offload_optimizer, offload_param
+):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    _, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, per_node, nodes,
-                                                      cpu_offload=offload_optimizer != "none",
-                                                      cpu_offload_params=offload_param != "none")
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(
+        params,
+        largest,
+        per_node,
+        nodes,
+        cpu_offload=offload_optimizer != "none",
+        cpu_offload_params=offload_param != "none",
+    )
     setup = setup_for(3, world, per_node, offload_optimizer, offload_param)
     assert sum(model_states(counts_for(params, largest), setup)) == pytest.approx(gpu, abs=2)
 
@@ -79,8 +99,13 @@ def test_where_dstune_goes_beyond_deepspeeds_estimators():
 
 
 def test_suggestions_fit_and_keep_the_global_batch():
-    counts = counts_for(2_567_463_684, 29_492_480, activation_sample_bytes=6_000_000_000,
-                        checkpointed_sample_bytes=800_000_000, default_lora_params=23_000_000)
+    counts = counts_for(
+        2_567_463_684,
+        29_492_480,
+        activation_sample_bytes=6_000_000_000,
+        checkpointed_sample_bytes=800_000_000,
+        default_lora_params=23_000_000,
+    )
     setup = setup_for(0, 8, 8, micro_batch=4, accumulation=2)
     budget = 24e9
     assert estimate(counts, setup).total > budget
@@ -97,11 +122,14 @@ def test_suggestions_fit_and_keep_the_global_batch():
 
 
 def test_a_combination_is_suggested_when_no_single_change_fits():
-    counts = counts_for(2_567_463_684, 29_492_480, activation_sample_bytes=6_000_000_000,
-                        checkpointed_sample_bytes=800_000_000)
+    counts = counts_for(
+        2_567_463_684, 29_492_480, activation_sample_bytes=6_000_000_000, checkpointed_sample_bytes=800_000_000
+    )
     setup = setup_for(0, 8, 8, micro_batch=4, accumulation=2)
-    single = [estimate(counts, replace(setup, zero_stage=3)).total,
-              estimate(counts, replace(setup, gradient_checkpointing=True)).total]
+    single = [
+        estimate(counts, replace(setup, zero_stage=3)).total,
+        estimate(counts, replace(setup, gradient_checkpointing=True)).total,
+    ]
     budget = 9e9
     assert min(single) > budget
     found = suggestions(counts, setup, budget)
@@ -110,14 +138,22 @@ def test_a_combination_is_suggested_when_no_single_change_fits():
 
 def test_memory_json_names():
     result = memory_json(counts_for(1000, 100), setup_for(2, 2, 2), None)
-    assert set(result["per_gpu"]) >= {"total_bytes", "parameters_bytes", "gradients_bytes", "optimizer_bytes",
-                                      "frozen_bytes", "activations_bytes", "buffers_bytes"}
+    assert set(result["per_gpu"]) >= {
+        "total_bytes",
+        "parameters_bytes",
+        "gradients_bytes",
+        "optimizer_bytes",
+        "frozen_bytes",
+        "activations_bytes",
+        "buffers_bytes",
+    }
     assert {"host_per_node_bytes", "gpu_memory_bytes", "fits", "suggestions"} <= set(result)
     assert result["fits"] is None and result["gpu_memory_bytes"] is None
 
 
-@pytest.mark.parametrize("text, expected", [("24GB", 24e9), ("80G", 80e9), ("40GiB", 40 * 2 ** 30), ("512MB", 512e6),
-                                            ("24", 24e9)])
+@pytest.mark.parametrize(
+    "text, expected", [("24GB", 24e9), ("80G", 80e9), ("40GiB", 40 * 2**30), ("512MB", 512e6), ("24", 24e9)]
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == int(expected)
 
@@ -131,7 +167,7 @@ def test_parse_size_refuses(text):
 def test_validate_json_memory_and_require_fit(capsys):
     code = main(["validate", DEMO, "--num-gpus", "2", "--json", "--gpu-memory", "80GB"])
     memory = json.loads(capsys.readouterr().out)["memory"]
-    assert code == 0 and memory["fits"] is True and memory["gpu_memory_bytes"] == 80 * 10 ** 9
+    assert code == 0 and memory["fits"] is True and memory["gpu_memory_bytes"] == 80 * 10**9
     gpu = memory["per_gpu"]
     assert gpu["total_bytes"] == sum(value for key, value in gpu.items() if key != "total_bytes")
     assert memory["parameters"]["module_params"] == 792_964  # builtin:tiny-sd's UNet, counted on meta
@@ -167,8 +203,9 @@ def test_stored_counts_are_the_meta_device_counts():
     meta device gives for the same files."""
     from dstune.memory.counts import STORED_COUNTS, stored_counts
 
-    assert json.loads(STORED_COUNTS.read_text()) == stored_counts(), \
+    assert json.loads(STORED_COUNTS.read_text()) == stored_counts(), (
         "regenerate: python3 -c 'from dstune.memory.counts import write_stored_counts; write_stored_counts()'"
+    )
 
 
 def test_lora_adapters_are_counted_on_the_meta_module():
@@ -203,8 +240,9 @@ def test_stored_builtin_configs_are_the_builders_configs():
         assert stored, folder
         if (built / folder).is_dir():
             for relative in stored:
-                assert _config_values(built / folder / relative) == \
-                    _config_values(STORE / "builtin" / folder / relative), f"{folder}/{relative}"
+                assert _config_values(built / folder / relative) == _config_values(
+                    STORE / "builtin" / folder / relative
+                ), f"{folder}/{relative}"
 
 
 def test_offload_moves_states_to_the_host_and_lora_counts_the_frozen_base(capsys):
@@ -230,8 +268,24 @@ def test_tts_lm_lora_counts_adapters_on_the_llama_attention(capsys):
     from dstune.memory.counts import STORE, meta_count
 
     spec = str(REPO / "launch" / "tts-lm-1b-zero3-8gpu.yaml")
-    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "13100", "--json",
-                 "--set", "model.train=lora", "--set", "model.lora.rank=8"]) == 0
+    assert (
+        main(
+            [
+                "validate",
+                spec,
+                "--num-gpus",
+                "8",
+                "--num-samples",
+                "13100",
+                "--json",
+                "--set",
+                "model.train=lora",
+                "--set",
+                "model.lora.rank=8",
+            ]
+        )
+        == 0
+    )
     counts = json.loads(capsys.readouterr().out)["memory"]["parameters"]
     config = str(STORE / "hub" / "meta-llama/Llama-3.2-1B" / "config.json")
     adapters = meta_count(config, ("q_proj", "k_proj", "v_proj", "o_proj"), 8)[2]
@@ -258,8 +312,9 @@ def test_zero3_partitioned_build_reads_a_share_per_rank(capsys):
     assert memory["host_per_node_bytes"] < whole / 3
 
 
-@pytest.mark.parametrize("model", ["tiny-qwen-image", "tiny-z-image", "tiny-flux2", "tiny-flux2-dev", "tiny-flux",
-                                   "tiny-flow"])
+@pytest.mark.parametrize(
+    "model", ["tiny-qwen-image", "tiny-z-image", "tiny-flux2", "tiny-flux2-dev", "tiny-flux", "tiny-flow"]
+)
 def test_cache_on_disk_is_what_the_cache_stores_per_sample(model):
     """validate's "cache on disk" for one 32 px sample under fp32 equals the bytes of the tensors the cache writes:
     the posterior's mean and std and the recipe's text tensors (a mask excepted: it is small). The tiny T5
@@ -271,17 +326,25 @@ def test_cache_on_disk_is_what_the_cache_stores_per_sample(model):
     from dstune.spec.models import Spec
 
     model_section = {"family": "flow", "pretrained": f"builtin:{model}", "max_sequence_length": 32}
-    spec = Spec.model_validate({"model": model_section,
-                                "data": {"path": "builtin:shapes", "resolution": 32,
-                                         "cache": {"latents": True, "text_embeddings": True}},
-                                "train": {"global_batch_size": 1, "max_steps": 1, "precision": "fp32",
-                                          "optimizer": {"type": "adamw", "lr": 1e-4}}})
+    spec = Spec.model_validate(
+        {
+            "model": model_section,
+            "data": {"path": "builtin:shapes", "resolution": 32, "cache": {"latents": True, "text_embeddings": True}},
+            "train": {
+                "global_batch_size": 1,
+                "max_steps": 1,
+                "precision": "fp32",
+                "optimizer": {"type": "adamw", "lr": 1e-4},
+            },
+        }
+    )
     cache_dir = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
     built = build_model(spec.model, cache_dir, "cpu")
     mean, std = vae_posterior(built.vae, torch.zeros(1, 3, 32, 32))
     text = flow.cache_text_tensors(built, ["a red circle"])
-    stored = 4 * (mean.numel() + std.numel()) + sum(t.numel() * t.element_size() for name, t in text.items()
-                                                     if t.is_floating_point())
+    stored = 4 * (mean.numel() + std.numel()) + sum(
+        t.numel() * t.element_size() for name, t in text.items() if t.is_floating_point()
+    )
     assert get_facts("flow").count(spec, 1).cache_bytes == stored
 
 
@@ -314,9 +377,11 @@ def test_two_expert_wan_counts_the_trained_expert_and_the_other_only_while_sampl
     assert quiet["peak_per_gpu_bytes"] == max(p["per_gpu_bytes"] for p in quiet["phases"].values())
     assert quiet["peak_per_gpu_bytes"] < memory["peak_per_gpu_bytes"]
     # host: each of a node's 8 ranks reads the other expert while sampling (beside its cached UMT5 copy)
-    assert memory["host_per_node_bytes"] > quiet["host_per_node_bytes"] and \
-        memory["host_per_node_bytes"] >= 8 * other_on_gpu
-    between = (quiet["peak_per_gpu_bytes"] + memory["peak_per_gpu_bytes"]) // 2 // 10 ** 6
+    assert (
+        memory["host_per_node_bytes"] > quiet["host_per_node_bytes"]
+        and memory["host_per_node_bytes"] >= 8 * other_on_gpu
+    )
+    between = (quiet["peak_per_gpu_bytes"] + memory["peak_per_gpu_bytes"]) // 2 // 10**6
     assert main(["validate", A14B, *A14B_FLAGS, "--json", "--gpu-memory", f"{between}MB"]) == 0
     tight = json.loads(capsys.readouterr().out)["memory"]
     assert tight["fits"] is False and tight["suggestions"][0]["change"].startswith("sample.prompts=[]")

@@ -57,8 +57,13 @@ def test_init_model_prints_the_models_defaults_and_validates_as_printed(capsys, 
     code, text = validate(capsys, path, "--num-gpus", "8", "--num-samples", "1000")
     assert code == 0, text
     # pointed at the built-in tiny model of the same layout, whose configs validate checks the keys against
-    data = ("builtin:tones" if preset.family in AUDIO_FAMILIES else
-            "builtin:moving-shapes" if preset.family in VIDEO_FAMILIES else "builtin:shapes")
+    data = (
+        "builtin:tones"
+        if preset.family in AUDIO_FAMILIES
+        else "builtin:moving-shapes"
+        if preset.family in VIDEO_FAMILIES
+        else "builtin:shapes"
+    )
     tiny = ["--set", f"model.pretrained=builtin:{preset.builtin}", "--set", f"data.path={data}"]
     if "data.control_dir" in preset.values:  # built-in data has no source images to pair: the data stays planned
         tiny = tiny[:2] + ["--num-samples", "1000"]

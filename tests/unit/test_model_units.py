@@ -20,8 +20,11 @@ def _mentions(unit, package: Path = PACKAGE) -> list[str]:
     pattern = re.compile(rf"(?<![\w])(?:{unit.names})(?![\w])", re.IGNORECASE)
     own = package / "models" / unit.name
     registry_files = {package / "models" / "registry.py", package / "models" / "unit.py"}
-    return sorted(str(path.relative_to(package.parent)) for path in package.rglob("*.py")
-                  if own not in path.parents and path not in registry_files and pattern.search(_code(path)))
+    return sorted(
+        str(path.relative_to(package.parent))
+        for path in package.rglob("*.py")
+        if own not in path.parents and path not in registry_files and pattern.search(_code(path))
+    )
 
 
 def _code(path: Path) -> str:
@@ -55,9 +58,12 @@ def test_the_check_sees_a_mention_and_ignores_the_unit_and_the_registry(tmp_path
     not counted (so the empty result above means something)."""
     unit = next(unit for unit in registry.UNITS if unit.name == "wan")
     package = tmp_path / "dstune"
-    for relative, text in {"families/video.py": '"""Trains Wan 2.1 clips."""', "models/wan/recipe.py": "WAN = 1",
-                           "models/registry.py": "from dstune.models.wan.unit import UNIT as WAN",
-                           "families/flow.py": '"""No video model here; wanted: nothing."""'}.items():
+    for relative, text in {
+        "families/video.py": '"""Trains Wan 2.1 clips."""',
+        "models/wan/recipe.py": "WAN = 1",
+        "models/registry.py": "from dstune.models.wan.unit import UNIT as WAN",
+        "families/flow.py": '"""No video model here; wanted: nothing."""',
+    }.items():
         (package / relative).parent.mkdir(parents=True, exist_ok=True)
         (package / relative).write_text(text + "\n")
     assert _mentions(unit, package) == ["dstune/families/video.py"]
@@ -67,6 +73,10 @@ def test_every_builtin_is_its_units_own():
     """A unit's `builtins` names each BuiltinModel by its own name (the table the built-in cache reads)."""
     from dstune.models.unit import load
 
-    wrong = [(unit.name, name) for unit in registry.UNITS for name, where in unit.builtins.items()
-             if load(where).name != name]
+    wrong = [
+        (unit.name, name)
+        for unit in registry.UNITS
+        for name, where in unit.builtins.items()
+        if load(where).name != name
+    ]
     assert wrong == []

@@ -10,8 +10,24 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "dstune"
-DEPENDENCIES = {"torch", "deepspeed", "diffusers", "transformers", "yaml", "pydantic", "rich", "safetensors",
-                "accelerate", "peft", "numpy", "PIL", "pytest", "hypothesis", "tokenizers", "huggingface_hub"}
+DEPENDENCIES = {
+    "torch",
+    "deepspeed",
+    "diffusers",
+    "transformers",
+    "yaml",
+    "pydantic",
+    "rich",
+    "safetensors",
+    "accelerate",
+    "peft",
+    "numpy",
+    "PIL",
+    "pytest",
+    "hypothesis",
+    "tokenizers",
+    "huggingface_hub",
+}
 
 
 def declared_dependencies() -> set[str]:
@@ -43,8 +59,11 @@ def test_finds_the_modules():
 
 
 def test_no_module_shadows_the_standard_library_or_a_dependency():
-    bad = {name: str(path.relative_to(REPO)) for name, path in module_names().items()
-           if name in shadowing_names() or name.lower() in shadowing_names()}
+    bad = {
+        name: str(path.relative_to(REPO))
+        for name, path in module_names().items()
+        if name in shadowing_names() or name.lower() in shadowing_names()
+    }
     assert not bad, f"rename these (under `deepspeed dstune/train.py` they shadow the module of that name): {bad}"
 
 

@@ -55,5 +55,7 @@ def test_a_long_count_shows_progress_on_stderr_only_after_a_moment(monkeypatch, 
     clock[0] += 0.5
     count.update(300)  # done: always said once progress was shown
     out, err = capsys.readouterr()
-    assert out == "" and err.splitlines() == ["data.path: checked 100 of 300 images (2 s)",
-                                              "data.path: checked 300 of 300 images (4 s)"]
+    assert out == "" and err.splitlines() == [
+        "data.path: checked 100 of 300 images (2 s)",
+        "data.path: checked 300 of 300 images (4 s)",
+    ]

@@ -19,8 +19,15 @@ LORA = {"train": "lora", "lora": {"rank": 2, "alpha": 2}}
 def _write(tmp_path, model: dict, zero_stage: int = 2):
     spec = tmp_path / "spec.yaml"
     lines = ["model:", "  family: sd"] + [f"  {key}: {value}" for key, value in model.items()]
-    lines += ["data:", "  path: builtin:shapes", "train:", "  micro_batch_size: 1", "  max_steps: 2",
-              "deepspeed:", f"  zero_stage: {zero_stage}"]
+    lines += [
+        "data:",
+        "  path: builtin:shapes",
+        "train:",
+        "  micro_batch_size: 1",
+        "  max_steps: 2",
+        "deepspeed:",
+        f"  zero_stage: {zero_stage}",
+    ]
     spec.write_text("\n".join(lines) + "\n")
     return spec
 
@@ -63,10 +70,18 @@ def _tiny_unet():
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
-    return UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-                                block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-                                attention_head_dim=8, norm_num_groups=8)
+    return UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
 
 
 @pytest.mark.parametrize("precision, tolerance", [("int8", 0.02), ("nf4", 0.15)])

@@ -12,16 +12,34 @@ import pytest
 import yaml
 
 from dstune.plan import make_plan, resolve_batch
-from dstune.checkpoints.resume_plan import (ALLOW_FLAG, SavedRun, batch_refusal, is_partitioned, keep_batch_options,
-                                            rebatched, reshard_refusal, resume_kind)
+from dstune.checkpoints.resume_plan import (
+    ALLOW_FLAG,
+    SavedRun,
+    batch_refusal,
+    is_partitioned,
+    keep_batch_options,
+    rebatched,
+    reshard_refusal,
+    resume_kind,
+)
 from dstune.spec.load import SpecSource, load_spec
 from dstune.spec.models import TrainSpec
 from dstune.world import World
 
 SOURCE = SpecSource("spec.yaml")
 # A checkpoint of 2 ranks x micro 2 x accumulation 1 (global 4), 64 steps per epoch, saved after step 70.
-SAVED = SavedRun(world_size=2, micro_batch_size=2, gradient_accumulation_steps=1, global_batch_size=4,
-                 steps_per_epoch=64, total_steps=200, global_step=70, epoch=1, step_in_epoch=6, samples_seen=280)
+SAVED = SavedRun(
+    world_size=2,
+    micro_batch_size=2,
+    gradient_accumulation_steps=1,
+    global_batch_size=4,
+    steps_per_epoch=64,
+    total_steps=200,
+    global_step=70,
+    epoch=1,
+    step_in_epoch=6,
+    samples_seen=280,
+)
 
 
 def _world(n: int) -> World:
@@ -36,8 +54,9 @@ def test_a_spec_giving_the_global_batch_keeps_it_on_any_world_that_divides_it():
     train = _train(global_batch_size=4, micro_batch_size=1)
     for world in (1, 2, 4):
         assert batch_refusal(train, world, SAVED, SOURCE, "ckpt", allow_change=False) is None
-        assert resume_kind(SAVED, world, resolve_batch(train, world, SOURCE)[2]) == ("same" if world == 2 else
-                                                                                     "reshard")
+        assert resume_kind(SAVED, world, resolve_batch(train, world, SOURCE)[2]) == (
+            "same" if world == 2 else "reshard"
+        )
 
 
 def test_a_changed_global_batch_is_refused_with_options_that_really_keep_it(tmp_path):
@@ -50,10 +69,15 @@ def test_a_changed_global_batch_is_refused_with_options_that_really_keep_it(tmp_
     assert options[0].startswith("--set train.gradient_accumulation_steps=2 ")  # the spec's micro batch first
     assert len(options) == 3 and all(option in message for option in options)
     spec_file = tmp_path / "spec.yaml"
-    spec_file.write_text(yaml.safe_dump({"model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
-                                         "data": {"path": "builtin:shapes"},
-                                         "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1,
-                                                   "max_steps": 200}}))
+    spec_file.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+                "data": {"path": "builtin:shapes"},
+                "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 200},
+            }
+        )
+    )
     for option in options:  # every option, given as printed, makes the spec plan the checkpoint's global batch
         overrides = option.split("(")[0].replace("--set ", "").split()
         spec, source = load_spec(str(spec_file), overrides)
@@ -98,11 +122,19 @@ def _checkpoint(root: Path, world: int, optimizer: str, partitioned: bool, globa
     if partitioned:
         for rank in range(world):
             (folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
-    plan = {"micro_batch_size": 2, "gradient_accumulation_steps": global_batch // (2 * world),
-            "global_batch_size": global_batch, "steps_per_epoch": 64, "total_steps": 4}
+    plan = {
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": global_batch // (2 * world),
+        "global_batch_size": global_batch,
+        "steps_per_epoch": 64,
+        "total_steps": 4,
+    }
     state = {"global_step": 2, "epoch": 0, "step_in_epoch": 2, "samples_seen": 8}
-    (folder / "dstune_state.json").write_text(json.dumps({
-        "state": state, "world_size": world, "plan": plan, "spec": {"train": {"optimizer": {"type": optimizer}}}}))
+    (folder / "dstune_state.json").write_text(
+        json.dumps(
+            {"state": state, "world_size": world, "plan": plan, "spec": {"train": {"optimizer": {"type": optimizer}}}}
+        )
+    )
     (root / "checkpoints" / "latest").write_text(folder.name)
     return folder
 
@@ -126,10 +158,16 @@ def test_train_refuses_a_changed_global_batch_before_any_process_group(tmp_path,
     run_dir = tmp_path / "run"
     _checkpoint(run_dir, 2, "adamw", partitioned=True)
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({
-        "model": {"family": "sd", "pretrained": "builtin:tiny-sd"}, "data": {"path": "builtin:shapes"},
-        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 4},
-        "output": {"dir": str(run_dir)}}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+                "data": {"path": "builtin:shapes"},
+                "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 4},
+                "output": {"dir": str(run_dir)},
+            }
+        )
+    )
     monkeypatch.setenv("WORLD_SIZE", world)  # as the launcher sets it on each rank
     monkeypatch.setenv("RANK", "0")
     assert main([str(spec), "--resume", "latest"]) == 1
@@ -162,8 +200,9 @@ def test_a_batch_change_puts_the_new_schedule_in_place_from_the_step_reached():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(cosine[2])
     optimizer.step()
     scheduler.step()
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(cosine[3]) and scheduler.get_last_lr()[0] == \
-        pytest.approx(cosine[3])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(cosine[3]) and scheduler.get_last_lr()[0] == pytest.approx(
+        cosine[3]
+    )
 
 
 def test_a_resume_puts_the_specs_optimizer_settings_back_over_the_checkpoints():
@@ -176,8 +215,12 @@ def test_a_resume_puts_the_specs_optimizer_settings_back_over_the_checkpoints():
     from dstune.engine import LrMultiplier, follow_plan_schedule
 
     old = TrainSpec(max_steps=4, micro_batch_size=2, scheduler={"type": "linear"})
-    new = TrainSpec(max_steps=8, micro_batch_size=2, scheduler={"type": "linear"},
-                    optimizer={"lr": 0.01, "weight_decay": 0.5, "betas": (0.8, 0.9)})
+    new = TrainSpec(
+        max_steps=8,
+        micro_batch_size=2,
+        scheduler={"type": "linear"},
+        optimizer={"lr": 0.01, "weight_decay": 0.5, "betas": (0.8, 0.9)},
+    )
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LrMultiplier(old.scheduler, 4))
     optimizer.step()
@@ -185,8 +228,9 @@ def test_a_resume_puts_the_specs_optimizer_settings_back_over_the_checkpoints():
     loaded = dict(optimizer.param_groups[0])
     engine = SimpleNamespace(lr_scheduler=scheduler)
     follow_plan_schedule(engine, old, make_plan(old, _world(1), 256, SOURCE), 4)
-    assert {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} == \
-        {k: v for k, v in loaded.items() if k != "params"}
+    assert {k: v for k, v in optimizer.param_groups[0].items() if k != "params"} == {
+        k: v for k, v in loaded.items() if k != "params"
+    }
     follow_plan_schedule(engine, new, make_plan(new, _world(1), 256, SOURCE), 4)  # the length the run started with
     group = optimizer.param_groups[0]
     assert group["lr"] == pytest.approx(0.01 * 3 / 4) and group["weight_decay"] == 0.5 and group["betas"] == (0.8, 0.9)
@@ -196,14 +240,21 @@ def test_the_resume_decision_reads_the_checkpoint_without_torch(tmp_path):
     """`dstune validate --resume-from` decides from the checkpoint's files alone: finding it, reading its state and
     the re-partitioning refusal import no torch (dstune.checkpoints.layout and resume_plan stay torch-free)."""
     _checkpoint(tmp_path, 2, "sgd", partitioned=True)
-    script = ("import sys; from pathlib import Path; "
-              "from dstune.checkpoints.layout import read_state, resolve_resume; "
-              "from dstune.checkpoints.resume_plan import reshard_refusal; "
-              f"root, tag = resolve_resume(Path({str(tmp_path)!r}), 'latest'); saved = read_state(root, tag); "
-              "optimizer = saved['spec']['train']['optimizer']['type']; "
-              "print(reshard_refusal(root / tag, optimizer, saved['world_size'], 1)); "
-              "assert 'torch' not in sys.modules, 'the resume decision imported torch'")
-    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2],
-                          capture_output=True, text=True, timeout=60)
+    script = (
+        "import sys; from pathlib import Path; "
+        "from dstune.checkpoints.layout import read_state, resolve_resume; "
+        "from dstune.checkpoints.resume_plan import reshard_refusal; "
+        f"root, tag = resolve_resume(Path({str(tmp_path)!r}), 'latest'); saved = read_state(root, tag); "
+        "optimizer = saved['spec']['train']['optimizer']['type']; "
+        "print(reshard_refusal(root / tag, optimizer, saved['world_size'], 1)); "
+        "assert 'torch' not in sys.modules, 'the resume decision imported torch'"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "written by 2 ranks; this run has 1" in done.stdout and "carries Adam's state only" in done.stdout

@@ -4,8 +4,12 @@ break exact continuation refused with the fix."""
 from dstune.spec.diff import describe_changes, spec_changes
 from dstune.spec.models import Spec
 
-BASE = {"model": {"family": "sd"}, "data": {"path": "builtin:shapes", "resolution": 32},
-        "train": {"micro_batch_size": 2, "max_steps": 4, "seed": 7}, "output": {"dir": "runs/a"}}
+BASE = {
+    "model": {"family": "sd"},
+    "data": {"path": "builtin:shapes", "resolution": 32},
+    "train": {"micro_batch_size": 2, "max_steps": 4, "seed": 7},
+    "output": {"dir": "runs/a"},
+}
 
 
 def _dump(**sections) -> dict:
@@ -21,11 +25,22 @@ def test_an_unchanged_spec_has_no_changes():
 
 
 def test_frequencies_folders_samples_caches_and_length_are_allowed_and_listed():
-    changes = spec_changes(_dump(), _dump(output={"dir": "runs/b", "save_every_steps": 2},
-                                          train={"max_steps": 8}, sample={"prompts": ["a red circle"]},
-                                          data={"num_workers": 3}))
-    assert {c.key for c in changes} == {"output.dir", "output.save_every_steps", "train.max_steps",
-                                        "sample.prompts", "data.num_workers"}
+    changes = spec_changes(
+        _dump(),
+        _dump(
+            output={"dir": "runs/b", "save_every_steps": 2},
+            train={"max_steps": 8},
+            sample={"prompts": ["a red circle"]},
+            data={"num_workers": 3},
+        ),
+    )
+    assert {c.key for c in changes} == {
+        "output.dir",
+        "output.save_every_steps",
+        "train.max_steps",
+        "sample.prompts",
+        "data.num_workers",
+    }
     assert all(c.safe for c in changes)
     safe, breaking = describe_changes(changes, "constant")
     assert breaking == "" and "train.max_steps: 4 -> 8" in safe and "output.dir: 'runs/a' -> 'runs/b'" in safe
@@ -34,8 +49,14 @@ def test_frequencies_folders_samples_caches_and_length_are_allowed_and_listed():
 
 
 def test_data_seed_model_and_optimizer_changes_break_exact_continuation():
-    changes = spec_changes(_dump(), _dump(train={"seed": 8, "optimizer": {"type": "sgd", "lr": 0.1}},
-                                          data={"path": "other/folder"}, model={"prediction": "epsilon"}))
+    changes = spec_changes(
+        _dump(),
+        _dump(
+            train={"seed": 8, "optimizer": {"type": "sgd", "lr": 0.1}},
+            data={"path": "other/folder"},
+            model={"prediction": "epsilon"},
+        ),
+    )
     breaking = {c.key for c in changes if not c.safe}
     assert {"train.seed", "train.optimizer.type", "data.path", "model.prediction"} <= breaking
     _, text = describe_changes(changes, "constant")
@@ -53,10 +74,19 @@ def test_a_new_held_out_share_breaks_continuation_but_how_often_it_is_measured_d
     """data.eval.fraction decides which images train; every_steps and batch_size only when and how the held-out
     loss is measured; output.tensorboard / output.wandb only where metrics go."""
     start = _dump(data={"eval": {"fraction": 0.1, "every_steps": 10}})
-    measured = spec_changes(start, _dump(data={"eval": {"fraction": 0.1, "every_steps": 5, "batch_size": 4}},
-                                         output={"tensorboard": False, "wandb": True}))
-    assert {c.key for c in measured} == {"data.eval.every_steps", "data.eval.batch_size", "output.tensorboard",
-                                         "output.wandb"}
+    measured = spec_changes(
+        start,
+        _dump(
+            data={"eval": {"fraction": 0.1, "every_steps": 5, "batch_size": 4}},
+            output={"tensorboard": False, "wandb": True},
+        ),
+    )
+    assert {c.key for c in measured} == {
+        "data.eval.every_steps",
+        "data.eval.batch_size",
+        "output.tensorboard",
+        "output.wandb",
+    }
     assert all(c.safe for c in measured)
     share = spec_changes(start, _dump(data={"eval": {"fraction": 0.2, "every_steps": 10}}))
     assert [(c.key, c.safe) for c in share] == [("data.eval.fraction", False)]
@@ -77,12 +107,16 @@ def test_changes_no_checkpoint_can_take_are_refused_even_when_allowed():
     from dstune.spec.diff import refused_changes_text
 
     saved = _dump()
-    current = _dump(train={"optimizer": {"type": "sgd", "lr": 0.5}, "precision": "bf16", "ema": {}},
-                    deepspeed={"zero_stage": 3})
+    current = _dump(
+        train={"optimizer": {"type": "sgd", "lr": 0.5}, "precision": "bf16", "ema": {}}, deepspeed={"zero_stage": 3}
+    )
     text = refused_changes_text(spec_changes(saved, current), saved, current)
-    for line in ("train.optimizer.type: 'adamw' -> 'sgd': the saved optimizer state",
-                 "train.precision: 'fp32' -> 'bf16'", "deepspeed.zero_stage: 2 -> 3",
-                 "train.ema: (unset) -> set: the checkpoint holds no EMA"):
+    for line in (
+        "train.optimizer.type: 'adamw' -> 'sgd': the saved optimizer state",
+        "train.precision: 'fp32' -> 'bf16'",
+        "deepspeed.zero_stage: 2 -> 3",
+        "train.ema: (unset) -> set: the checkpoint holds no EMA",
+    ):
         assert line in text
     assert "train.optimizer.lr" not in text and "Revert them" in text and "dstune export RUN" in text
     lr_only = _dump(train={"optimizer": {"lr": 0.5}, "scheduler": {"type": "cosine"}})

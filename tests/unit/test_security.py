@@ -88,8 +88,7 @@ def test_the_guard_does_not_leak(tmp_path):
 def test_yaml_python_tag_is_refused(tmp_path):
     marker = tmp_path / "marker"
     spec = tmp_path / "spec.yaml"
-    spec.write_text(f"model: !!python/object/apply:os.system ['touch {marker}']\n"
-                    "data: {path: 'builtin:shapes'}\n")
+    spec.write_text(f"model: !!python/object/apply:os.system ['touch {marker}']\ndata: {{path: 'builtin:shapes'}}\n")
     with pytest.raises(SpecError) as caught:
         load_spec(str(spec), [])
     assert not marker.exists()
@@ -99,8 +98,10 @@ def test_yaml_python_tag_is_refused(tmp_path):
 def test_override_cannot_smuggle_a_python_tag(tmp_path):
     marker = tmp_path / "marker"
     spec = tmp_path / "spec.yaml"
-    spec.write_text("model: {family: sd, pretrained: 'builtin:tiny-sd'}\ndata: {path: 'builtin:shapes'}\n"
-                    "train: {micro_batch_size: 1}\n")
+    spec.write_text(
+        "model: {family: sd, pretrained: 'builtin:tiny-sd'}\ndata: {path: 'builtin:shapes'}\n"
+        "train: {micro_batch_size: 1}\n"
+    )
     try:
         load_spec(str(spec), [f"train.seed=!!python/object/apply:os.system ['touch {marker}']"])
     except SpecError:

@@ -24,9 +24,14 @@ CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "t
 
 
 def _spec(pretrained: str, side: int) -> Spec:
-    return Spec.model_validate({"model": {"family": "flow", "pretrained": pretrained}, "data": {"resolution": side},
-                                "train": {"micro_batch_size": 1, "max_steps": 1},
-                                "deepspeed": {"zero_stage": 2, "sequence_parallel_size": 2}})
+    return Spec.model_validate(
+        {
+            "model": {"family": "flow", "pretrained": pretrained},
+            "data": {"resolution": side},
+            "train": {"micro_batch_size": 1, "max_steps": 1},
+            "deepspeed": {"zero_stage": 2, "sequence_parallel_size": 2},
+        }
+    )
 
 
 def _transformer_tokens(model: str, batch: dict) -> int:
@@ -36,7 +41,8 @@ def _transformer_tokens(model: str, batch: dict) -> int:
     seen = []
     first_block = built.trainable.transformer_blocks[0]
     hook = first_block.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
+        lambda module, args, kwargs: seen.append(kwargs["hidden_states"].shape[1]), with_kwargs=True
+    )
     try:
         with torch.no_grad():
             flow.loss(built, built.trainable, flow.encode_batch(built, batch), 0, 1)
@@ -70,10 +76,13 @@ def test_bucket_sides_other_than_the_resolution_count_at_the_same_geometry():
     assert bucket_tokens(spec, None, {"48x32": 5, "32x64": 3}) == {"48x32": 12 * 8, "32x64": 8 * 16, "text": 512}
 
 
-@pytest.mark.parametrize("pretrained, side, tokens", [
-    ("black-forest-labs/FLUX.2-klein-4B", 1024, 64 * 64),  # 8x VAE, 2x2 patches: 16 px
-    ("Qwen/Qwen-Image-Edit", 1024, 2 * 64 * 64),  # 16 px, target and source
-])
+@pytest.mark.parametrize(
+    "pretrained, side, tokens",
+    [
+        ("black-forest-labs/FLUX.2-klein-4B", 1024, 64 * 64),  # 8x VAE, 2x2 patches: 16 px
+        ("Qwen/Qwen-Image-Edit", 1024, 2 * 64 * 64),  # 16 px, target and source
+    ],
+)
 def test_real_models_count_from_their_stored_configs(pretrained, side, tokens):
     counted = bucket_tokens(_spec(pretrained, side), None)
     assert sum(count for label, count in counted.items() if label != "text") == tokens

@@ -41,8 +41,13 @@ def write_sd_single_file(path: Path, with_text_encoder: bool = True) -> dict:
                 param.add_(0.01)
     tensors = original_unet_state(unet)
     if with_text_encoder:  # the original SD 1.x checkpoint keeps the CLIP text model's names under this prefix
-        tensors.update({f"cond_stage_model.transformer.text_model.{k.removeprefix('text_model.')}": v.contiguous()
-                        for k, v in text.state_dict().items() if "position_ids" not in k})
+        tensors.update(
+            {
+                f"cond_stage_model.transformer.text_model.{k.removeprefix('text_model.')}": v.contiguous()
+                for k, v in text.state_dict().items()
+                if "position_ids" not in k
+            }
+        )
     save_file(tensors, str(path))
     return {"unet": unet.state_dict(), "text_encoder": text.state_dict()}
 
@@ -89,21 +94,33 @@ def test_unusable_files_are_refused_saying_what_is_possible(tmp_path, base):
         _sd(good)
     foreign = tmp_path / "foreign.safetensors"
     save_file({"encoder.layer.0.weight": torch.ones(2)}, str(foreign))
-    with pytest.raises(FamilyError, match=r"the unet under model\.diffusion_model\..*not in that layout \(e\.g\. "
-                                          r"encoder\.layer\.0\.weight\)"):
+    with pytest.raises(
+        FamilyError,
+        match=r"the unet under model\.diffusion_model\..*not in that layout \(e\.g\. "
+        r"encoder\.layer\.0\.weight\)",
+    ):
         build_model(_sd(foreign, base_pipeline=base), tmp_path, "cpu")
     sdxl_like = tmp_path / "sdxl.safetensors"
-    save_file({"model.diffusion_model.label_emb.0.0.weight": torch.ones(2),
-               "conditioner.embedders.0.transformer.x": torch.ones(1)}, str(sdxl_like))
+    save_file(
+        {
+            "model.diffusion_model.label_emb.0.0.weight": torch.ones(2),
+            "conditioner.embedders.0.transformer.x": torch.ones(1),
+        },
+        str(sdxl_like),
+    )
     with pytest.raises(FamilyError, match=r"it looks like an SDXL checkpoint \(model.family sdxl\)"):
         build_model(_sd(sdxl_like, base_pipeline=base), tmp_path, "cpu")
     not_safetensors = tmp_path / "broken.safetensors"
     not_safetensors.write_bytes(b"not a checkpoint")
     with pytest.raises(FamilyError, match="cannot read it as a .safetensors checkpoint"):
         build_model(_sd(not_safetensors, base_pipeline=base), tmp_path, "cpu")
-    with pytest.raises(FamilyError, match="model.family tts_lm cannot load a single checkpoint file.*model.family sd or sdxl"):
+    with pytest.raises(
+        FamilyError, match="model.family tts_lm cannot load a single checkpoint file.*model.family sd or sdxl"
+    ):
         build_model(TtsLmModel(family="tts_lm", pretrained=str(good)), tmp_path, "cpu")
-    with pytest.raises(ValueError, match=r"model.family flow cannot load a single checkpoint file here.*\(sd and sdxl "):
+    with pytest.raises(
+        ValueError, match=r"model.family flow cannot load a single checkpoint file here.*\(sd and sdxl "
+    ):
         FlowModel(family="flow", pretrained=str(good), base_pipeline=base)
     with pytest.raises(ValueError, match="base_pipeline applies only when pretrained is a single checkpoint file"):
         SdxlModel(family="sdxl", base_pipeline="builtin:tiny-sd")
@@ -121,8 +138,9 @@ def test_an_sdxl_unet_file_in_the_original_layout_builds_with_its_weights(tmp_pa
     path = tmp_path / "tiny-sdxl-unet.safetensors"
     save_file(original_unet_state(unet), str(path))
     assert any(".label_emb." in key for key in original_unet_state(unet))
-    built = build_model(SdxlModel(family="sdxl", pretrained=str(path), base_pipeline=str(folder)),
-                        tmp_path / "cache", "cpu")
+    built = build_model(
+        SdxlModel(family="sdxl", pretrained=str(path), base_pipeline=str(folder)), tmp_path / "cache", "cpu"
+    )
     info = json.loads((built.folder / SINGLE_FILE_INFO).read_text())
     assert info["from_file"] == ["unet"] and info["from_base"] == ["text_encoder", "text_encoder_2", "vae"]
     state = built.trainable.state_dict()

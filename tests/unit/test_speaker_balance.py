@@ -51,7 +51,7 @@ def test_ranks_take_disjoint_places_of_the_same_balanced_steps():
     for step in range(plan.steps_per_epoch):
         mine = [streams[r][step * per_step + k] for r in range(2) for k in range(per_step)]
         places = sorted(x for batch in mine for x in batch)
-        assert places == sorted(order[step * 16:(step + 1) * 16].tolist())  # the step's places, each taken once
+        assert places == sorted(order[step * 16 : (step + 1) * 16].tolist())  # the step's places, each taken once
         assert all(samplers[0].step_indices(0, step) == s.step_indices(0, step) for s in samplers)
     used = Counter(SPEAKERS[i] for stream in streams for batch in stream for i in batch)
     assert max(used.values()) - min(used.values()) <= 6  # 64 places of 80: balanced, unlike 48/12/4
@@ -66,9 +66,11 @@ def test_validate_refuses_balance_without_speakers_naming_the_key(tmp_path):
     from dstune.world import world_from_flags
 
     spec = tmp_path / "spec.yaml"
-    spec.write_text("model: {family: tts_lm}\n"
-                    "data: {path: 'builtin:tones', max_clip_seconds: 0.6, speaker_balance: true}\n"
-                    "train: {global_batch_size: 8, micro_batch_size: 4, max_steps: 3}\n")
+    spec.write_text(
+        "model: {family: tts_lm}\n"
+        "data: {path: 'builtin:tones', max_clip_seconds: 0.6, speaker_balance: true}\n"
+        "train: {global_batch_size: 8, micro_batch_size: 4, max_steps: 3}\n"
+    )
     with pytest.raises(ResolveError) as refused:
         load_and_validate(str(spec), world=world_from_flags(world_size=2), cross_check=False)
     assert "data.speaker_balance" in str(refused.value) and "names no speaker" in str(refused.value)
@@ -78,8 +80,10 @@ def test_balance_and_length_groups_are_refused_together(tmp_path):
     from dstune.spec.load import SpecError, load_spec
 
     spec = tmp_path / "spec.yaml"
-    spec.write_text("model: {family: tts_lm}\ndata: {path: 'builtin:tones', speaker_balance: true, "
-                    "duration_bucket_seconds: 0.25}\ntrain: {micro_batch_size: 1, max_steps: 1}\n")
+    spec.write_text(
+        "model: {family: tts_lm}\ndata: {path: 'builtin:tones', speaker_balance: true, "
+        "duration_bucket_seconds: 0.25}\ntrain: {micro_batch_size: 1, max_steps: 1}\n"
+    )
     with pytest.raises(SpecError, match="speaker_balance and data.duration_bucket_seconds"):
         load_spec(str(spec), [])
 
@@ -103,9 +107,11 @@ def test_a_gptsovits_list_validates_and_gives_one_speaker_per_index(tmp_path):
     (tmp_path / "metadata.list").write_text("\n".join(lines) + "\n")
     spec = tmp_path / "spec.yaml"
     # a tts_lm layout that names the voice (orpheus): dstune's own layout refuses several speakers
-    spec.write_text(f"model: {{family: tts_lm, pretrained: 'builtin:tiny-orpheus', codec: snac}}\n"
-                    f"data: {{path: '{tmp_path}', speaker_balance: true}}\n"
-                    "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 3}\n")
+    spec.write_text(
+        f"model: {{family: tts_lm, pretrained: 'builtin:tiny-orpheus', codec: snac}}\n"
+        f"data: {{path: '{tmp_path}', speaker_balance: true}}\n"
+        "train: {global_batch_size: 4, micro_batch_size: 2, max_steps: 3}\n"
+    )
     resolved = load_and_validate(str(spec), world=world_from_flags(world_size=2), cross_check=False)
     records = index_audio(resolved.spec.data).records
     speakers = speaker_keys(records, resolved.spec.data)

@@ -29,8 +29,11 @@ def line_of(path: Path, text: str) -> int:
 
 
 def write_spec(specs: Path, **sections) -> Path:
-    spec = {"model": {"family": "sd", "pretrained": "builtin:tiny-sd"}, "data": {"resolution": 32},
-            "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 4}}
+    spec = {
+        "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+        "data": {"resolution": 32},
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 4},
+    }
     for name, values in sections.items():
         spec[name] = {**spec.get(name, {}), **values}
     path = specs / "spec.yaml"
@@ -41,9 +44,13 @@ def write_spec(specs: Path, **sections) -> Path:
 def test_paths_written_in_the_spec_are_taken_from_the_spec_files_folder(folders):
     specs, cwd = folders
     (specs / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 1}}))
-    path = write_spec(specs, data={"path": "images", "control_dir": "../source", "cache": {"dir": "cache/{node}"}},
-                      output={"dir": "runs/a", "cache_dir": "models"}, deepspeed={"config": "ds.json"},
-                      model={"pretrained": "some-org/some-model"})
+    path = write_spec(
+        specs,
+        data={"path": "images", "control_dir": "../source", "cache": {"dir": "cache/{node}"}},
+        output={"dir": "runs/a", "cache_dir": "models"},
+        deepspeed={"config": "ds.json"},
+        model={"pretrained": "some-org/some-model"},
+    )
     spec, source = load_spec(Path("..") / "specs" / "spec.yaml")
     assert spec.data.path == str(specs / "images")
     assert spec.data.cache.dir == str(specs / "cache" / "{node}")
@@ -112,8 +119,9 @@ def test_validate_counts_the_images_beside_the_spec_from_another_directory(folde
     code = main(["validate", str(path), "--num-gpus", "1"])
     out = capsys.readouterr().out
     assert code == 0, out
-    (samples,) = [line.split() for line in out.splitlines() if line.split()[:1] == ["samples"]
-                  and line.split()[1] != "seen"]
+    (samples,) = [
+        line.split() for line in out.splitlines() if line.split()[:1] == ["samples"] and line.split()[1] != "seen"
+    ]
     assert samples[1] == "8"
     where = f"{path}:{line_of(path, 'path: images')}"
     assert f"warning: {where}: data.path: 'images' names {specs / 'images'}" in out

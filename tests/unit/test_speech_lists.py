@@ -24,8 +24,9 @@ def _clips(root: Path, names: list[str]) -> None:
 
 def test_gptsovits_list_keeps_speakers_and_accepts_absolute_paths(tmp_path):
     _clips(tmp_path, ["a.wav", "b.wav"])
-    (tmp_path / "metadata.list").write_text(f"wavs/a.wav|ann|en|Hello there.\n\n"
-                                            f"{tmp_path / 'wavs' / 'b.wav'}|bob|ZH|ni hao | with a bar\n")
+    (tmp_path / "metadata.list").write_text(
+        f"wavs/a.wav|ann|en|Hello there.\n\n{tmp_path / 'wavs' / 'b.wav'}|bob|ZH|ni hao | with a bar\n"
+    )
     records = index_audio(DataSpec(path=str(tmp_path), format="auto")).records
     assert [(r.caption, r.speaker) for r in records] == [("Hello there.", "ann"), ("ni hao | with a bar", "bob")]
     same = index_audio(DataSpec(path=str(tmp_path / "metadata.list"))).records
@@ -41,14 +42,22 @@ def test_f5_csv_is_told_from_ljspeech_by_its_header(tmp_path):
         index_audio(DataSpec(path=str(tmp_path), format="ljspeech"))
 
 
-@pytest.mark.parametrize("file, text, line, message", [
-    ("metadata.list", "wavs/a.wav|ann|en|ok\nwavs/a.wav|ann|en\n", 2, "expected `audio path|speaker|language|text`"),
-    ("metadata.list", "wavs/a.wav|ann|en|   \n", 1, "expected `audio path|speaker|language|text`"),
-    ("metadata.list", "|ann|en|hello\n", 1, "the audio path field is empty"),
-    ("metadata.list", "../outside.wav|ann|en|hello\n", 1, "climbs out of the list's folder"),
-    ("metadata.csv", "audio_file|text\nwavs/a.wav|fine\n\nwavs/a.wav\n", 4, "expected `audio_file|text`"),
-    ("metadata.csv", "audio_file|text\nwavs/missing.wav|hello\n", 2, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "file, text, line, message",
+    [
+        (
+            "metadata.list",
+            "wavs/a.wav|ann|en|ok\nwavs/a.wav|ann|en\n",
+            2,
+            "expected `audio path|speaker|language|text`",
+        ),
+        ("metadata.list", "wavs/a.wav|ann|en|   \n", 1, "expected `audio path|speaker|language|text`"),
+        ("metadata.list", "|ann|en|hello\n", 1, "the audio path field is empty"),
+        ("metadata.list", "../outside.wav|ann|en|hello\n", 1, "climbs out of the list's folder"),
+        ("metadata.csv", "audio_file|text\nwavs/a.wav|fine\n\nwavs/a.wav\n", 4, "expected `audio_file|text`"),
+        ("metadata.csv", "audio_file|text\nwavs/missing.wav|hello\n", 2, "does not exist"),
+    ],
+)
 def test_malformed_lines_are_named_by_file_and_line(tmp_path, file, text, line, message):
     _clips(tmp_path, ["a.wav"])
     (tmp_path / file).write_text(text)

@@ -5,14 +5,28 @@ from __future__ import annotations
 
 import pytest
 
-from dstune.models.tts_lm.token_layouts import describe, dstune_layout, layout_problems, orpheus_layout, prompt_ids, training_ids
+from dstune.models.tts_lm.token_layouts import (
+    describe,
+    dstune_layout,
+    layout_problems,
+    orpheus_layout,
+    prompt_ids,
+    training_ids,
+)
 
 
 def test_orpheus_preset_ids_are_orpheus_ids():
     layout = orpheus_layout()
     special = layout["special_tokens"]
-    assert (special["start_of_speech"], special["end_of_speech"], special["start_of_human"], special["end_of_human"],
-            special["start_of_ai"], special["end_of_ai"], special["pad_token"]) == tuple(range(128257, 128264))
+    assert (
+        special["start_of_speech"],
+        special["end_of_speech"],
+        special["start_of_human"],
+        special["end_of_human"],
+        special["start_of_ai"],
+        special["end_of_ai"],
+        special["pad_token"],
+    ) == tuple(range(128257, 128264))
     assert layout["audio_offset"] == 128266 and layout["vocab_size"] == 128266 + 7 * 4096
     assert layout["frame_rate"] == 24000 / 2048 and layout["codes_per_frame"] == [1, 2, 4]
     assert prompt_ids(layout, [128000, 5, 6]) == [128259, 128000, 5, 6, 128009, 128260, 128261, 128257]
@@ -28,21 +42,35 @@ def test_orpheus_labels_every_token_and_dstune_only_the_audio():
 
 
 def test_a_layout_written_before_descriptions_reads_as_dstune():
-    legacy = {"text": "bytes", "text_vocab_size": 256, "audio_offset": 256, "num_codebooks": 2, "codebook_size": 32,
-              "audio_bos": 320, "audio_eos": 321, "pad": 322, "vocab_size": 323, "codec": "encodec",
-              "sampling_rate": 8000, "frame_rate": 50.0}
+    legacy = {
+        "text": "bytes",
+        "text_vocab_size": 256,
+        "audio_offset": 256,
+        "num_codebooks": 2,
+        "codebook_size": 32,
+        "audio_bos": 320,
+        "audio_eos": 321,
+        "pad": 322,
+        "vocab_size": 323,
+        "codec": "encodec",
+        "sampling_rate": 8000,
+        "frame_rate": 50.0,
+    }
     layout = describe(legacy)
     assert layout["name"] == "dstune" and layout["frame_order"] == [[0, 0], [1, 0]] and layout_problems(layout) == []
     assert layout == dstune_layout("bytes", 256, 2, 32, "encodec", 8000, 50.0)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"vocab_size": 150000}, "audio ids 128266..156937 go past vocab_size 150000"),
-    ({"frame_rate": 12.0}, "frame_rate 12.0 != sampling_rate 24000 / samples_per_frame 2048"),
-    ({"frame_order": [[0, 0], [1, 0], [2, 0], [2, 1], [1, 1], [2, 2], [2, 2]]}, "does not write each of the"),
-    ({"after_text": ["end_of_text", "start_of_robot"]}, "after_text: 'start_of_robot' is not in special_tokens"),
-    ({"loss_on": "text"}, "loss_on: 'text' is neither"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"vocab_size": 150000}, "audio ids 128266..156937 go past vocab_size 150000"),
+        ({"frame_rate": 12.0}, "frame_rate 12.0 != sampling_rate 24000 / samples_per_frame 2048"),
+        ({"frame_order": [[0, 0], [1, 0], [2, 0], [2, 1], [1, 1], [2, 2], [2, 2]]}, "does not write each of the"),
+        ({"after_text": ["end_of_text", "start_of_robot"]}, "after_text: 'start_of_robot' is not in special_tokens"),
+        ({"loss_on": "text"}, "loss_on: 'text' is neither"),
+    ],
+)
 def test_layout_problems_name_what_is_wrong(change, message):
     assert any(message in problem for problem in layout_problems({**orpheus_layout(), **change}))
 
@@ -69,9 +97,11 @@ def test_validate_checks_a_model_folders_layout_offline(tmp_path):
     (folder / "config.json").write_text(json.dumps({"vocab_size": 128256}))
     (folder / "dstune_tts.json").write_text(json.dumps({**orpheus_layout(), "frame_rate": 12.5}))
     spec = tmp_path / "spec.yaml"
-    spec.write_text(f"model: {{family: tts_lm, pretrained: '{folder}', codec: snac, token_layout: orpheus}}\n"
-                    "data: {path: 'builtin:tones', max_clip_seconds: 0.6}\n"
-                    "train: {global_batch_size: 8, micro_batch_size: 4, max_steps: 3}\n")
+    spec.write_text(
+        f"model: {{family: tts_lm, pretrained: '{folder}', codec: snac, token_layout: orpheus}}\n"
+        "data: {path: 'builtin:tones', max_clip_seconds: 0.6}\n"
+        "train: {global_batch_size: 8, micro_batch_size: 4, max_steps: 3}\n"
+    )
     with pytest.raises(SpecError) as caught:
         load_and_validate(str(spec), world=world_from_flags(world_size=2), cross_check=False)
     message = str(caught.value)

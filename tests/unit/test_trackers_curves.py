@@ -14,18 +14,33 @@ from dstune.trackers import open_trackers, scalar_tag
 
 RECORDS = [
     {"step": 1, "loss": 0.9, "lr": 1e-4, "grad_norm": 2.0, "samples_per_s": 10.0},
-    {"step": 2, "loss": 0.7, "lr": 2e-4, "grad_norm": None, "samples_per_s": 12.0, "eval_loss": 0.8,
-     "eval_samples": 5, "memory_host_peak_gib": 1.5},
-    {"step": 4, "loss": 0.4, "lr": 1e-4, "grad_norm": 1.0, "samples_per_s": 11.0, "eval_loss": 0.6,
-     "eval_samples": 5},
+    {
+        "step": 2,
+        "loss": 0.7,
+        "lr": 2e-4,
+        "grad_norm": None,
+        "samples_per_s": 12.0,
+        "eval_loss": 0.8,
+        "eval_samples": 5,
+        "memory_host_peak_gib": 1.5,
+    },
+    {"step": 4, "loss": 0.4, "lr": 1e-4, "grad_norm": 1.0, "samples_per_s": 11.0, "eval_loss": 0.6, "eval_samples": 5},
 ]
 
 
 def test_tags_group_the_metrics_keys():
-    assert [scalar_tag(k) for k in ("loss", "lr", "grad_norm", "eval_loss", "memory_host_peak_gib", "epoch",
-                                     "data_wait_fraction")] == [
-        "train/loss", "train/lr", "train/grad_norm", "eval/loss", "memory/host_peak_gib", "progress/epoch",
-        "perf/data_wait_fraction"]
+    assert [
+        scalar_tag(k)
+        for k in ("loss", "lr", "grad_norm", "eval_loss", "memory_host_peak_gib", "epoch", "data_wait_fraction")
+    ] == [
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "eval/loss",
+        "memory/host_peak_gib",
+        "progress/epoch",
+        "perf/data_wait_fraction",
+    ]
 
 
 def test_tensorboard_event_files_hold_every_logged_number_and_the_sample_grid(tmp_path):
@@ -63,8 +78,14 @@ def _points(svg: str, name: str) -> list[tuple[float, float]]:
 
 def _axis(svg: str, panel: int) -> tuple[float, float, float, float]:
     """(left, right, top, bottom) of the panel's plot frame."""
-    x, y, width, height = map(float, re.findall(r'<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" '
-                                                r'height="([\d.]+)" class="frame"/>', svg)[panel])
+    x, y, width, height = map(
+        float,
+        re.findall(
+            r'<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" '
+            r'height="([\d.]+)" class="frame"/>',
+            svg,
+        )[panel],
+    )
     return x, x + width, y, y + height
 
 
@@ -115,8 +136,11 @@ def test_speech_samples_go_to_tensorboard_as_one_audio_clip_per_wav(tmp_path):
     from dstune.families.speech import Clip, save_wavs
 
     tone = np.sin(np.linspace(0, 200 * np.pi, 1600)).astype("float32") * 0.5
-    folder = save_wavs([Clip(tone, 16000), Clip(tone[:800], 16000), Clip(tone[:0], 16000)], ["one", "two", "none"],
-                       tmp_path / "samples" / "s.png")
+    folder = save_wavs(
+        [Clip(tone, 16000), Clip(tone[:800], 16000), Clip(tone[:0], 16000)],
+        ["one", "two", "none"],
+        tmp_path / "samples" / "s.png",
+    )
     trackers = open_trackers(tmp_path, tensorboard=True, wandb=False)
     trackers.samples(3, folder)
     trackers.close()

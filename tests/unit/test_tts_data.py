@@ -30,7 +30,10 @@ def ljspeech(tmp_path):
 
 def test_ljspeech_uses_normalized_text_and_skips_by_length_with_counts(ljspeech):
     result = index_audio(DataSpec(path=str(ljspeech), format="ljspeech", min_clip_seconds=0.1, max_clip_seconds=2.0))
-    assert [(r.sample_id, r.caption) for r in result.records] == [("wavs/a.wav", "Hello, doctor X"), ("wavs/b.wav", "two")]
+    assert [(r.sample_id, r.caption) for r in result.records] == [
+        ("wavs/a.wav", "Hello, doctor X"),
+        ("wavs/b.wav", "two"),
+    ]
     assert result.records[0].duration_seconds == pytest.approx(0.5)
     assert any("1 of 4 clips are shorter than 0.1 s" in w and "wavs/short.wav" in w for w in result.warnings)
     assert any("1 of 4 clips are longer than 2 s" in w and "wavs/long.wav" in w for w in result.warnings)
@@ -39,8 +42,9 @@ def test_ljspeech_uses_normalized_text_and_skips_by_length_with_counts(ljspeech)
 def test_jsonl_with_speakers_and_auto_format(tmp_path):
     _write(tmp_path / "x" / "1.wav", 0.4)
     _write(tmp_path / "x" / "2.flac", 0.6)
-    (tmp_path / "metadata.jsonl").write_text('{"audio": "x/1.wav", "text": "one", "speaker": "ann"}\n'
-                                             '{"audio": "x/2.flac", "text": "two"}\n')
+    (tmp_path / "metadata.jsonl").write_text(
+        '{"audio": "x/1.wav", "text": "one", "speaker": "ann"}\n{"audio": "x/2.flac", "text": "two"}\n'
+    )
     records = index_audio(DataSpec(path=str(tmp_path))).records
     assert [(r.caption, r.speaker) for r in records] == [("one", "ann"), ("two", "")]
 
@@ -91,21 +95,26 @@ def test_validate_plans_audio_with_length_buckets(tmp_path):
     from dstune.world import world_from_flags
 
     spec = tmp_path / "spec.yaml"
-    spec.write_text("model: {family: tts_lm}\n"
-                    "data: {path: 'builtin:tones', max_clip_seconds: 0.6, duration_bucket_seconds: 0.25}\n"
-                    "train: {global_batch_size: 8, micro_batch_size: 4, max_steps: 3}\n")
+    spec.write_text(
+        "model: {family: tts_lm}\n"
+        "data: {path: 'builtin:tones', max_clip_seconds: 0.6, duration_bucket_seconds: 0.25}\n"
+        "train: {global_batch_size: 8, micro_batch_size: 4, max_steps: 3}\n"
+    )
     resolved = resolve(str(spec), world=world_from_flags(world_size=2), cross_check=False)
     assert resolved.num_samples == 166
     assert len(resolved.plan.groups) == 3
     assert any("90 of 256 clips are longer than 0.6 s" in w.message for w in resolved.warnings)
 
 
-@pytest.mark.parametrize("model, data, expected", [
-    ("{family: tts_lm}", "{path: 'builtin:shapes'}", "trains on speech"),
-    ("{family: sd}", "{path: 'builtin:tones'}", "trains on images"),
-    ("{family: tts_lm}", "{path: 'builtin:tones', cache: {latents: true}}", "codec_tokens"),
-    ("{family: tts_lm}", "{path: 'builtin:tones', min_clip_seconds: 3, max_clip_seconds: 2}", "must be below"),
-])
+@pytest.mark.parametrize(
+    "model, data, expected",
+    [
+        ("{family: tts_lm}", "{path: 'builtin:shapes'}", "trains on speech"),
+        ("{family: sd}", "{path: 'builtin:tones'}", "trains on images"),
+        ("{family: tts_lm}", "{path: 'builtin:tones', cache: {latents: true}}", "codec_tokens"),
+        ("{family: tts_lm}", "{path: 'builtin:tones', min_clip_seconds: 3, max_clip_seconds: 2}", "must be below"),
+    ],
+)
 def test_speech_data_and_image_families_do_not_mix(tmp_path, model, data, expected):
     from dstune.spec.load import SpecError, load_spec
 
@@ -115,10 +124,13 @@ def test_speech_data_and_image_families_do_not_mix(tmp_path, model, data, expect
         load_spec(str(spec), [])
 
 
-@pytest.mark.parametrize("model, refused", [
-    ("{family: tts_lm}", True),  # dstune's layout: text then audio, no place for a voice
-    ("{family: tts_lm, pretrained: 'builtin:tiny-orpheus', codec: snac}", False),  # "ann: text" prompts
-])
+@pytest.mark.parametrize(
+    "model, refused",
+    [
+        ("{family: tts_lm}", True),  # dstune's layout: text then audio, no place for a voice
+        ("{family: tts_lm, pretrained: 'builtin:tiny-orpheus', codec: snac}", False),  # "ann: text" prompts
+    ],
+)
 def test_a_multi_speaker_list_needs_a_layout_that_names_the_voice(tmp_path, model, refused):
     """A GPT-SoVITS .list of two speakers: refused (data.path, why, the fix) where the token layout has no place for
     a speaker, so the run would not silently train one blended voice; taken where the prompt names the speaker."""
@@ -130,8 +142,10 @@ def test_a_multi_speaker_list_needs_a_layout_that_names_the_voice(tmp_path, mode
         _write(tmp_path / "wavs" / f"{name}.wav", 0.3)
     (tmp_path / "metadata.list").write_text("wavs/a.wav|ann|en|Hello.\nwavs/b.wav|bob|en|Hi.\nwavs/c.wav|ann|en|Yes.\n")
     spec = tmp_path / "spec.yaml"
-    spec.write_text(f"model: {model}\ndata: {{path: '{tmp_path / 'metadata.list'}'}}\n"
-                    "train: {micro_batch_size: 1, max_steps: 1}\n")
+    spec.write_text(
+        f"model: {model}\ndata: {{path: '{tmp_path / 'metadata.list'}'}}\n"
+        "train: {micro_batch_size: 1, max_steps: 1}\n"
+    )
     if not refused:
         assert resolve(str(spec), world=world_from_flags(world_size=1), cross_check=False).num_samples == 3
         return

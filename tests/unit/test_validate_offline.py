@@ -18,15 +18,26 @@ from dstune.cli import main
 from dstune.spec.models import FAMILIES
 
 CACHE = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
-DATA_OF = {"sd": "builtin:shapes", "sdxl": "builtin:shapes", "flow": "builtin:shapes", "wan": "builtin:moving-shapes",
-           "tts_lm": "builtin:tones", "tts_codebooks": "builtin:tones", "speecht5": "builtin:tones"}
+DATA_OF = {
+    "sd": "builtin:shapes",
+    "sdxl": "builtin:shapes",
+    "flow": "builtin:shapes",
+    "wan": "builtin:moving-shapes",
+    "tts_lm": "builtin:tones",
+    "tts_codebooks": "builtin:tones",
+    "speecht5": "builtin:tones",
+}
 
 
 def validate(capsys, tmp_path: Path, model: dict, data: dict | None = None, *flags: str, **sections):
     """(exit code, everything printed) of `dstune validate` on a spec of these sections, for one GPU."""
     family = model["family"]
-    spec = {"model": model, "data": data or {"path": DATA_OF[family]},
-            "train": {"micro_batch_size": 1, "max_steps": 2}, **sections}
+    spec = {
+        "model": model,
+        "data": data or {"path": DATA_OF[family]},
+        "train": {"micro_batch_size": 1, "max_steps": 2},
+        **sections,
+    }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     code = main(["validate", str(path), "--num-gpus", "1", *flags])
@@ -41,8 +52,9 @@ def error_lines(text: str) -> list[str]:
 # ------------------------------------------------------------------------------------- folder vs model.family
 
 
-WRONG_PAIRS = [(name, family) for name in sorted(BUILTIN_MODELS) for family in FAMILIES
-               if family != BUILTIN_MODELS[name].family]
+WRONG_PAIRS = [
+    (name, family) for name in sorted(BUILTIN_MODELS) for family in FAMILIES if family != BUILTIN_MODELS[name].family
+]
 
 
 @pytest.mark.parametrize("name, family", WRONG_PAIRS, ids=[f"{n}-as-{f}" for n, f in WRONG_PAIRS])
@@ -54,8 +66,13 @@ def test_every_built_in_folder_under_every_other_family_is_refused_naming_its_fa
     assert "Traceback" not in text and "internal error" not in text, text
     right = BUILTIN_MODELS[name].family
     errors = error_lines(text)
-    assert any("model.family:" in line and f"model.family {right} trains, not {family}" in line
-               and f"Set model.family: {right}" in line and str(folder) in line for line in errors), text
+    assert any(
+        "model.family:" in line
+        and f"model.family {right} trains, not {family}" in line
+        and f"Set model.family: {right}" in line
+        and str(folder) in line
+        for line in errors
+    ), text
 
 
 def test_a_built_in_name_under_another_family_is_refused_from_its_stored_configs(capsys, tmp_path):
@@ -70,8 +87,10 @@ def test_a_folder_no_family_trains_is_refused_with_what_dstune_trains(capsys, tm
     (other / "model_index.json").write_text('{"_class_name": "PixArtSigmaPipeline"}')
     empty = tmp_path / "empty"
     empty.mkdir()
-    for folder, what in ((other, "is a PixArtSigmaPipeline (model_index.json), which no dstune family trains"),
-                         (empty, "holds neither model_index.json (a diffusers pipeline) nor config.json")):
+    for folder, what in (
+        (other, "is a PixArtSigmaPipeline (model_index.json), which no dstune family trains"),
+        (empty, "holds neither model_index.json (a diffusers pipeline) nor config.json"),
+    ):
         code, text = validate(capsys, tmp_path, {"family": "sd", "pretrained": str(folder)})
         assert code == 1, text
         [line] = error_lines(text)
@@ -87,8 +106,14 @@ def test_every_built_in_folder_passes_under_its_own_family(name):
 
     folder = ensure_builtin_model(name, CACHE)
     family = BUILTIN_MODELS[name].family
-    spec = validate_data({"model": {"family": family, "pretrained": str(folder)}, "data": {"path": DATA_OF[family]},
-                          "train": {"micro_batch_size": 1, "max_steps": 2}}, SpecSource("spec.yaml"))
+    spec = validate_data(
+        {
+            "model": {"family": family, "pretrained": str(folder)},
+            "data": {"path": DATA_OF[family]},
+            "train": {"micro_batch_size": 1, "max_steps": 2},
+        },
+        SpecSource("spec.yaml"),
+    )
     assert model_folder_issues(spec, SpecSource("spec.yaml")) == []
 
 
@@ -116,8 +141,14 @@ def test_a_local_folder_that_does_not_exist_is_refused_with_the_path_as_resolved
 
 def test_a_missing_local_folder_is_a_warning_when_planning_for_another_machine(capsys, tmp_path):
     """--num-samples with a data.path that is not here: the spec is checked for the machine that has both."""
-    code, text = validate(capsys, tmp_path, {"family": "sd", "pretrained": "/models/sd15"},
-                          {"path": "/data/not-here"}, "--num-samples", "100")
+    code, text = validate(
+        capsys,
+        tmp_path,
+        {"family": "sd", "pretrained": "/models/sd15"},
+        {"path": "/data/not-here"},
+        "--num-samples",
+        "100",
+    )
     assert code == 0, text
     assert "warning: " in text and "model.pretrained: folder /models/sd15 is not on this machine" in text
 
@@ -148,8 +179,9 @@ def test_companion_folders_and_files_that_do_not_exist_are_refused(capsys, tmp_p
     lm.mkdir()
     (lm / "config.json").write_bytes((ensure_builtin_model("tiny-tts-lm", CACHE) / "config.json").read_bytes())
     code, text = validate(capsys, tmp_path, {"family": "tts_lm", "pretrained": str(lm)})
-    assert code == 1 and f"model.codec_pretrained: unset, so it is read from {lm / 'codec'}, which does not exist" \
-        in text, text
+    assert (
+        code == 1 and f"model.codec_pretrained: unset, so it is read from {lm / 'codec'}, which does not exist" in text
+    ), text
 
 
 def test_the_video_token_factors_of_an_image_models_folder_are_assumed_and_say_so_not_a_crash():
@@ -208,8 +240,9 @@ def test_validate_names_an_unreadable_image_or_counts_it_with_skip_bad_files(cap
     [line] = error_lines(text)
     assert "data.path: 1 of 5 image(s) cannot be read" in line and "before step 1" in line
     assert f"{data / 'img9.jpg'}: image file is truncated" in text and "data.skip_bad_files: true" in text
-    code, text = validate(capsys, tmp_path, {"family": "sd"}, {"path": str(data), "resolution": 32,
-                                                                "skip_bad_files": True})
+    code, text = validate(
+        capsys, tmp_path, {"family": "sd"}, {"path": str(data), "resolution": 32, "skip_bad_files": True}
+    )
     assert code == 0, text
     assert "data.skip_bad_files: 1 of 5 image(s) cannot be read and are skipped" in text
 
@@ -217,14 +250,24 @@ def test_validate_names_an_unreadable_image_or_counts_it_with_skip_bad_files(cap
 # ------------------------------------------------------------------------------------------------- advice
 
 
-@pytest.mark.parametrize("ranks, micro, global_batch, expected, fits", [
-    (2, 1, 16, "e.g. global_batch_size: 4", (2, 1, 4)),  # 5 samples: multiples of 2 x 1
-    (2, 4, 8, "use micro_batch_size 2 with global_batch_size 4", (2, 2, 4)),
-    (8, 1, 8, "fewer than the 8 ranks, and every rank needs at least one sample per step: it is too small for this "
-              "world. Train on at most 5 GPU(s)", None),
-])
-def test_a_global_batch_larger_than_the_dataset_gets_a_batch_this_world_can_run(ranks, micro, global_batch,
-                                                                                 expected, fits):
+@pytest.mark.parametrize(
+    "ranks, micro, global_batch, expected, fits",
+    [
+        (2, 1, 16, "e.g. global_batch_size: 4", (2, 1, 4)),  # 5 samples: multiples of 2 x 1
+        (2, 4, 8, "use micro_batch_size 2 with global_batch_size 4", (2, 2, 4)),
+        (
+            8,
+            1,
+            8,
+            "fewer than the 8 ranks, and every rank needs at least one sample per step: it is too small for this "
+            "world. Train on at most 5 GPU(s)",
+            None,
+        ),
+    ],
+)
+def test_a_global_batch_larger_than_the_dataset_gets_a_batch_this_world_can_run(
+    ranks, micro, global_batch, expected, fits
+):
     from dstune.plan import make_plan
     from dstune.spec.load import SpecError, SpecSource
     from dstune.spec.models import TrainSpec
@@ -250,21 +293,33 @@ def test_a_flow_style_prompt_list_split_at_a_comma_is_a_warning_at_its_line(caps
     code = main(["validate", str(spec), "--num-gpus", "1"])
     text = capsys.readouterr().out
     assert code == 0
-    assert f"warning: {spec}:9: sample.prompts: a flow-style list ([...]) of unquoted text is split at every " \
-           "comma: YAML reads 3 prompts here (a cat | sitting | a dog)" in text
+    assert (
+        f"warning: {spec}:9: sample.prompts: a flow-style list ([...]) of unquoted text is split at every "
+        "comma: YAML reads 3 prompts here (a cat | sitting | a dog)" in text
+    )
     assert "`- a cat, sitting`" in text and '"a cat, sitting"' in text
-    for fine in ('["a cat, sitting", a dog]', "\n    - a cat, sitting\n    - a dog",
-                 "[a red circle, a blue square, a yellow triangle]"):
+    for fine in (
+        '["a cat, sitting", a dog]',
+        "\n    - a cat, sitting\n    - a dog",
+        "[a red circle, a blue square, a yellow triangle]",
+    ):
         spec.write_text(base + "sample:\n  prompts: " + fine + "\n")
         assert main(["validate", str(spec), "--num-gpus", "1"]) == 0
         assert "sample.prompts" not in capsys.readouterr().out, fine
 
 
-def test_a_hub_id_not_downloaded_when_planning_for_another_machine_says_where_to_download(capsys, tmp_path,
-                                                                                       monkeypatch):
+def test_a_hub_id_not_downloaded_when_planning_for_another_machine_says_where_to_download(
+    capsys, tmp_path, monkeypatch
+):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    code, text = validate(capsys, tmp_path, {"family": "sd", "pretrained": "dstune-tests/not-downloaded"},
-                          {"path": "/data/not-here"}, "--num-samples", "100")
+    code, text = validate(
+        capsys,
+        tmp_path,
+        {"family": "sd", "pretrained": "dstune-tests/not-downloaded"},
+        {"path": "/data/not-here"},
+        "--num-samples",
+        "100",
+    )
     assert code == 0, text
     assert "dstune-tests/not-downloaded is not in this machine's Hugging Face cache" in text
     assert "on the machines that train, run `hf download dstune-tests/not-downloaded`" in text
@@ -275,8 +330,7 @@ def test_a_truncated_still_in_a_video_dataset_is_refused(capsys, tmp_path):
     data = tmp_path / "clips"
     whole = write_images(data, count=2)
     (data / "cut.jpg").write_bytes(whole[: len(whole) // 2])
-    code, text = validate(capsys, tmp_path, {"family": "wan"},
-                          {"path": str(data), "resolution": 32})
+    code, text = validate(capsys, tmp_path, {"family": "wan"}, {"path": str(data), "resolution": 32})
     assert code == 1, text
     [line] = error_lines(text)
     assert "data.path: 1 still image(s) cannot be read" in line and "data.skip_bad_files does not apply" in line

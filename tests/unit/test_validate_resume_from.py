@@ -13,9 +13,12 @@ from dstune.plan import make_plan
 from dstune.spec.load import load_spec
 from dstune.world import World
 
-SPEC = {"model": {"family": "sd"}, "data": {"path": "builtin:shapes", "resolution": 32},
-        "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 8, "seed": 7},
-        "output": {"dir": "runs/x"}}
+SPEC = {
+    "model": {"family": "sd"},
+    "data": {"path": "builtin:shapes", "resolution": 32},
+    "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 8, "seed": 7},
+    "output": {"dir": "runs/x"},
+}
 
 
 def _run_with_checkpoint(tmp_path: Path, world_size: int, optimizer_files: bool = False) -> tuple[Path, Path]:
@@ -23,13 +26,17 @@ def _run_with_checkpoint(tmp_path: Path, world_size: int, optimizer_files: bool 
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(SPEC))
     spec, source = load_spec(spec_path)
-    world = World(world_size=world_size, num_nodes=1, ranks_per_node=(world_size,), hosts=("localhost",),
-                  source="test")
+    world = World(world_size=world_size, num_nodes=1, ranks_per_node=(world_size,), hosts=("localhost",), source="test")
     plan = make_plan(spec.train, world, 256, source)
     tag = tmp_path / "run" / "checkpoints" / "step-00000002"
     tag.mkdir(parents=True)
-    state = {"state": {"global_step": 2, "epoch": 0, "step_in_epoch": 2, "samples_seen": 8},
-             "world_size": world_size, "tag": tag.name, "spec": spec.model_dump(mode="json"), "plan": plan.as_dict()}
+    state = {
+        "state": {"global_step": 2, "epoch": 0, "step_in_epoch": 2, "samples_seen": 8},
+        "world_size": world_size,
+        "tag": tag.name,
+        "spec": spec.model_dump(mode="json"),
+        "plan": plan.as_dict(),
+    }
     (tag / "dstune_state.json").write_text(json.dumps(state))
     (tag.parent / "latest").write_text(tag.name)
     if optimizer_files:
@@ -39,8 +46,9 @@ def _run_with_checkpoint(tmp_path: Path, world_size: int, optimizer_files: bool 
 
 def test_same_world_resumes_and_lists_safe_changes(tmp_path, capsys):
     spec_path, run = _run_with_checkpoint(tmp_path, 2)
-    code = main(["validate", str(spec_path), "--num-gpus", "2", "--resume-from", str(run),
-                 "--set", "output.save_every_steps=1"])
+    code = main(
+        ["validate", str(spec_path), "--num-gpus", "2", "--resume-from", str(run), "--set", "output.save_every_steps=1"]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "step 2 of 8" in out and "written by micro 2 x accumulation 1 x 2 ranks" in out
@@ -55,12 +63,26 @@ def test_another_world_with_the_same_global_batch_is_resharded(tmp_path, capsys)
 
 def test_a_changed_global_batch_or_seed_is_refused_with_the_options(tmp_path, capsys):
     spec_path, run = _run_with_checkpoint(tmp_path, 2)
-    assert main(["validate", str(spec_path), "--num-gpus", "1", "--resume-from", str(run),
-                 "--set", "train.global_batch_size=2"]) == 1
+    assert (
+        main(
+            [
+                "validate",
+                str(spec_path),
+                "--num-gpus",
+                "1",
+                "--resume-from",
+                str(run),
+                "--set",
+                "train.global_batch_size=2",
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "refused:" in err and "--set train.global_batch_size=4" in err and "--allow-batch-change" in err
-    assert main(["validate", str(spec_path), "--num-gpus", "2", "--resume-from", str(run),
-                 "--set", "train.seed=8"]) == 1
+    assert (
+        main(["validate", str(spec_path), "--num-gpus", "2", "--resume-from", str(run), "--set", "train.seed=8"]) == 1
+    )
     assert "train.seed: 7 -> 8" in capsys.readouterr().err
 
 

@@ -301,8 +301,12 @@ def deepspeed_resources(hostfile, include, exclude, num_nodes, num_gpus):
     from deepspeed.utils import logger
 
     argv = ["--hostfile", hostfile, "--no_ssh_check", "--master_addr", "127.0.0.1", "--log_level", "critical"]
-    for flag, value in (("--include", include), ("--exclude", exclude), ("--num_nodes", num_nodes),
-                        ("--num_gpus", num_gpus)):
+    for flag, value in (
+        ("--include", include),
+        ("--exclude", exclude),
+        ("--num_nodes", num_nodes),
+        ("--num_gpus", num_gpus),
+    ):
         if value not in (None, ""):
             argv += [flag, str(value)]
     resolved = {}
@@ -332,8 +336,14 @@ BAD_LINES = ["worker-9 slot=2", "worker-9", "slots=2", "worker-9 slots=x", "work
 
 @st.composite
 def hostfile_texts(draw):
-    hosts = draw(st.lists(st.tuples(st.sampled_from(HOST_NAMES), st.integers(1, 8)), min_size=1, max_size=4,
-                          unique_by=lambda host: host[0]))
+    hosts = draw(
+        st.lists(
+            st.tuples(st.sampled_from(HOST_NAMES), st.integers(1, 8)),
+            min_size=1,
+            max_size=4,
+            unique_by=lambda host: host[0],
+        )
+    )
     if draw(RARELY):
         hosts = []  # a hostfile with no host lines
     if hosts and draw(RARELY):
@@ -368,8 +378,11 @@ def filter_strings(draw, names):
 @st.composite
 def launches(draw):
     text, names = draw(hostfile_texts())
-    mode = draw(st.sampled_from(["none", "include", "include", "exclude", "exclude", "counts", "counts",
-                                 "counts+filter", "both"]))
+    mode = draw(
+        st.sampled_from(
+            ["none", "include", "include", "exclude", "exclude", "counts", "counts", "counts+filter", "both"]
+        )
+    )
     include = draw(filter_strings(names)) if mode in ("include", "both", "counts+filter") else ""
     exclude = draw(filter_strings(names)) if mode in ("exclude", "both") else ""
     counts = st.one_of(st.none(), st.integers(1, 6))

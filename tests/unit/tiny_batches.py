@@ -11,8 +11,11 @@ from dstune.data.synthetic import render_shape
 def shape_batch(indices: list[int], side: int = 32) -> dict:
     """builtin:shapes samples `indices` as an image family's batch: pixel_values in [-1, 1], caption, index."""
     images = [render_shape(i, side) for i in indices]
-    return {"pixel_values": to_tensor([image for image, _ in images]),
-            "caption": [caption for _, caption in images], "index": torch.tensor(indices, dtype=torch.long)}
+    return {
+        "pixel_values": to_tensor([image for image, _ in images]),
+        "caption": [caption for _, caption in images],
+        "index": torch.tensor(indices, dtype=torch.long),
+    }
 
 
 def clip_batch(indices: list[int], seed: int, frames: int = 5) -> dict:

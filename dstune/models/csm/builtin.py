@@ -25,10 +25,22 @@ _SEED = 0
 CSM_SPECIAL_TOKENS = {"<|begin_of_text|>": 256, "<|end_of_text|>": 257, "<|AUDIO|>": 258, "<|audio_eos|>": 259}
 TINY_CSM_TEXT_VOCAB = 260  # UTF-8 bytes + CSM's four special tokens
 TINY_CSM_CODEBOOKS, TINY_CSM_CODEBOOK_SIZE = 4, 32
-TINY_MIMI = dict(hidden_size=16, num_filters=4, codebook_size=TINY_CSM_CODEBOOK_SIZE, codebook_dim=8,
-                 num_quantizers=TINY_CSM_CODEBOOKS, vector_quantization_hidden_dimension=8, num_hidden_layers=1,
-                 intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=8, upsample_groups=16,
-                 sliding_window=16, max_position_embeddings=512)
+TINY_MIMI = dict(
+    hidden_size=16,
+    num_filters=4,
+    codebook_size=TINY_CSM_CODEBOOK_SIZE,
+    codebook_dim=8,
+    num_quantizers=TINY_CSM_CODEBOOKS,
+    vector_quantization_hidden_dimension=8,
+    num_hidden_layers=1,
+    intermediate_size=32,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+    upsample_groups=16,
+    sliding_window=16,
+    max_position_embeddings=512,
+)
 
 
 def csm_style_tokenizer():
@@ -41,9 +53,13 @@ def csm_style_tokenizer():
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|begin_of_text|>",
-                                   eos_token="<|end_of_text|>", pad_token="<|end_of_text|>",
-                                   additional_special_tokens=["<|AUDIO|>", "<|audio_eos|>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        pad_token="<|end_of_text|>",
+        additional_special_tokens=["<|AUDIO|>", "<|audio_eos|>"],
+    )
 
 
 def tiny_csm_config():
@@ -51,24 +67,48 @@ def tiny_csm_config():
 
     size = TINY_CSM_CODEBOOK_SIZE + 3  # the codes, then CSM's extra ids (its 2051 = 2048 + 3); the last pads
     return CsmConfig(
-        num_codebooks=TINY_CSM_CODEBOOKS, vocab_size=size, text_vocab_size=TINY_CSM_TEXT_VOCAB, hidden_size=32,
-        intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        max_position_embeddings=512, pad_token_id=CSM_SPECIAL_TOKENS["<|end_of_text|>"],
-        codebook_pad_token_id=size - 1, codebook_eos_token_id=0, bos_token_id=CSM_SPECIAL_TOKENS["<|begin_of_text|>"],
-        audio_token_id=CSM_SPECIAL_TOKENS["<|AUDIO|>"], audio_eos_token_id=CSM_SPECIAL_TOKENS["<|audio_eos|>"],
-        depth_decoder_config=dict(num_codebooks=TINY_CSM_CODEBOOKS, backbone_hidden_size=32, vocab_size=size,
-                                  hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                  num_key_value_heads=1, max_position_embeddings=TINY_CSM_CODEBOOKS + 1),
-        codec_config=MimiConfig(**TINY_MIMI).to_dict())
+        num_codebooks=TINY_CSM_CODEBOOKS,
+        vocab_size=size,
+        text_vocab_size=TINY_CSM_TEXT_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        pad_token_id=CSM_SPECIAL_TOKENS["<|end_of_text|>"],
+        codebook_pad_token_id=size - 1,
+        codebook_eos_token_id=0,
+        bos_token_id=CSM_SPECIAL_TOKENS["<|begin_of_text|>"],
+        audio_token_id=CSM_SPECIAL_TOKENS["<|AUDIO|>"],
+        audio_eos_token_id=CSM_SPECIAL_TOKENS["<|audio_eos|>"],
+        depth_decoder_config=dict(
+            num_codebooks=TINY_CSM_CODEBOOKS,
+            backbone_hidden_size=32,
+            vocab_size=size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=TINY_CSM_CODEBOOKS + 1,
+        ),
+        codec_config=MimiConfig(**TINY_MIMI).to_dict(),
+    )
 
 
 def fit_mimi_codebooks(codec, waves: list[torch.Tensor], iterations: int = 8) -> None:
     """Residual k-means, codebook after codebook, of what each of Mimi's two quantizers (semantic, acoustic) is
     given over `waves`: the codes then depend on the sound instead of all being 0."""
     captured = {}
-    quantizers = (codec.quantizer.semantic_residual_vector_quantizer, codec.quantizer.acoustic_residual_vector_quantizer)
-    hooks = [q.input_proj.register_forward_hook(lambda m, i, out, n=n: captured.setdefault(n, []).append(out))
-             for n, q in enumerate(quantizers)]
+    quantizers = (
+        codec.quantizer.semantic_residual_vector_quantizer,
+        codec.quantizer.acoustic_residual_vector_quantizer,
+    )
+    hooks = [
+        q.input_proj.register_forward_hook(lambda m, i, out, n=n: captured.setdefault(n, []).append(out))
+        for n, q in enumerate(quantizers)
+    ]
     with torch.no_grad():
         for wave in waves:
             codec.encode(wave.reshape(1, 1, -1))
@@ -96,8 +136,10 @@ def build_tiny_csm(out: Path, needs: dict) -> dict:
 
     config = tiny_csm_config()
     rate = config.codec_config.sampling_rate
-    waves = [torch.from_numpy(resample(render_tones(tones_text(i)), TONES_SAMPLE_RATE, rate))
-             for i in range(0, TONES_NUM_SAMPLES, 4)]
+    waves = [
+        torch.from_numpy(resample(render_tones(tones_text(i)), TONES_SAMPLE_RATE, rate))
+        for i in range(0, TONES_NUM_SAMPLES, 4)
+    ]
     with deterministic_cpu(_SEED, 1), quiet_hf_libraries():
         model = CsmForConditionalGeneration(config).eval()
         fit_mimi_codebooks(model.codec_model, waves)
@@ -110,7 +152,10 @@ def build_tiny_csm(out: Path, needs: dict) -> dict:
 
 
 TINY_CSM = BuiltinModel(
-    name="tiny-csm", folder_name="tiny-csm-v1", family="tts_codebooks",
+    name="tiny-csm",
+    folder_name="tiny-csm-v1",
+    family="tts_codebooks",
     description="Sesame CSM (CsmForConditionalGeneration, ~50 k parameters + depth decoder) with a tiny Mimi "
     "(24 kHz, 12.5 frames/s, 4 x 32 codes) and its CsmProcessor",
-    build=build_tiny_csm)
+    build=build_tiny_csm,
+)

@@ -32,8 +32,9 @@ def architecture(config: dict) -> str:
     """The class of a tts_codebooks folder's config.json; SizesUnknown when the family does not train it."""
     names = [name for name in config.get("architectures") or [] if name in ARCHITECTURES]
     if not names:
-        raise SizesUnknown(f"its config.json names {config.get('architectures')}, not one of "
-                           f"{', '.join(ARCHITECTURES)}")
+        raise SizesUnknown(
+            f"its config.json names {config.get('architectures')}, not one of {', '.join(ARCHITECTURES)}"
+        )
     return names[0]
 
 
@@ -54,8 +55,11 @@ def _meta_counts(config_text: str, targets: tuple, rank: int) -> tuple[int, int,
         setattr(model, CODEC_CONFIG[cls][1], None)
     params = sum(dict((id(p), p.numel()) for p in model.parameters()).values())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    lora = sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+    lora = sum(
+        rank * (m.in_features + m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
+    )
     return params, largest, lora, codec_params
 
 
@@ -66,8 +70,9 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     params, largest, lora, codec_params = _meta_counts(_config_text(config), targets, rank)
     default_lora = _meta_counts(_config_text(config), LM_LORA_TARGET_MODULES, 16)[2]
     if architecture(config) not in CODEC_CONFIG:
-        return codebooks_models()[architecture(config)].count(spec, num_samples, folder, origin, config,
-                                                              (params, largest, lora, default_lora))
+        return codebooks_models()[architecture(config)].count(
+            spec, num_samples, folder, origin, config, (params, largest, lora, default_lora)
+        )
     codec_config = config.get(CODEC_CONFIG[architecture(config)][0]) or {}
     frame_rate, codebooks = _frame_rate(codec_config), int(config.get("num_codebooks", 32))
     seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
@@ -77,8 +82,19 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     full, checkpointed = backbone[0] + frames * depth[0], backbone[1] + frames * depth[1]
     cached = ("codec",) if spec.data.cache.codec_tokens else ()
     cache_bytes = int(4 * frame_rate * codebooks * seconds * num_samples) if spec.data.cache.codec_tokens else 0
-    return ModelCounts("model", params, lora or params, largest, {"codec": codec_params}, cached, int(full),
-                       int(checkpointed), default_lora, cache_bytes, origin)
+    return ModelCounts(
+        "model",
+        params,
+        lora or params,
+        largest,
+        {"codec": codec_params},
+        cached,
+        int(full),
+        int(checkpointed),
+        default_lora,
+        cache_bytes,
+        origin,
+    )
 
 
 def _frame_rate(codec_config: dict) -> float:
@@ -103,8 +119,13 @@ def _spec_issues(spec) -> SpecIssues:
         folder, _ = config_folder(spec.model.pretrained)
         cls = architecture(read_config(folder / "config.json"))
     except SizesUnknown as err:
-        return [("model.pretrained", f"{spec.model.pretrained}: {err}. model.family tts_codebooks trains "
-                 f"{', '.join(ARCHITECTURES)} folders.")]
+        return [
+            (
+                "model.pretrained",
+                f"{spec.model.pretrained}: {err}. model.family tts_codebooks trains "
+                f"{', '.join(ARCHITECTURES)} folders.",
+            )
+        ]
     return _voice_prompt_issues(spec.sample.voice_prompts, cls)
 
 
@@ -113,16 +134,26 @@ def _voice_prompt_issues(paths: list[str], cls: str) -> SpecIssues:
         return []
     takers = [name for name, model in codebooks_models().items() if model.takes_voice_prompts]
     if cls not in takers:
-        return [("sample.voice_prompts", f"{cls} is not given a reference voice here (classes that take one: "
-                 f"{', '.join(takers) or 'none'}); remove sample.voice_prompts")]
+        return [
+            (
+                "sample.voice_prompts",
+                f"{cls} is not given a reference voice here (classes that take one: "
+                f"{', '.join(takers) or 'none'}); remove sample.voice_prompts",
+            )
+        ]
     issues = []
     for number, path in enumerate(paths):
         clip = Path(path).expanduser()
         if not clip.is_file():
             issues.append((f"sample.voice_prompts.{number}", f"{path}: no such file"))
         elif not clip.with_suffix(".txt").is_file():
-            issues.append((f"sample.voice_prompts.{number}", f"{path}: its transcript {clip.with_suffix('.txt')} "
-                           "is missing (the text the clip says, with its speaker tags)"))
+            issues.append(
+                (
+                    f"sample.voice_prompts.{number}",
+                    f"{path}: its transcript {clip.with_suffix('.txt')} "
+                    "is missing (the text the clip says, with its speaker tags)",
+                )
+            )
     return issues
 
 

@@ -86,8 +86,10 @@ def folder_architecture(folder: Path) -> str:
         raise FamilyError(f"{folder}: no readable config.json ({err})") from None
     known = [name for name in names if name in ARCHITECTURES]
     if not known:
-        raise FamilyError(f"{folder}: its config.json names {names or 'no class'}; model.family tts_codebooks trains "
-                          f"{', '.join(ARCHITECTURES)}")
+        raise FamilyError(
+            f"{folder}: its config.json names {names or 'no class'}; model.family tts_codebooks trains "
+            f"{', '.join(ARCHITECTURES)}"
+        )
     return known[0]
 
 
@@ -114,23 +116,38 @@ def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.fl
             whole = getattr(transformers, architecture).from_pretrained(folder, torch_dtype=torch.float32)
             processor = AutoProcessor.from_pretrained(folder)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
-        raise FamilyError(f"{folder}: cannot load it as {architecture} with its processor "
-                          f"({(str(err).strip().splitlines() or [''])[0]})") from None
+        raise FamilyError(
+            f"{folder}: cannot load it as {architecture} with its processor "
+            f"({(str(err).strip().splitlines() or [''])[0]})"
+        ) from None
     codec = getattr(whole, CODEC_ATTRIBUTE[architecture]).float().eval().requires_grad_(False)
     setattr(whole, CODEC_ATTRIBUTE[architecture], None)  # frozen and whole on every rank, outside DeepSpeed
     codec_config, config = codec.config, whole.config
-    layout = {"sampling_rate": int(codec_config.sampling_rate), "frame_rate": float(codec_config.frame_rate),
-              "num_codebooks": int(config.num_codebooks), "frame_order": [[q, 0] for q in range(config.num_codebooks)],
-              "codec": CODEC_KIND[architecture]}
+    layout = {
+        "sampling_rate": int(codec_config.sampling_rate),
+        "frame_rate": float(codec_config.frame_rate),
+        "num_codebooks": int(config.num_codebooks),
+        "frame_order": [[q, 0] for q in range(config.num_codebooks)],
+        "codec": CODEC_KIND[architecture],
+    }
     if model.gradient_checkpointing:
         whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = torch.device(device)
     # left in host memory in fp32: the start-up casts it to the training dtype, then moves it (engine.place_trainable)
     trainable = CodebookFramesModel(whole).train().requires_grad_(True)
-    return CodebooksBuilt(folder=folder, device=device, trainable=trainable, codec=codec.to(device),
-                          codec_folder=folder, codec_kind=CODEC_KIND[architecture], architecture=architecture,
-                          processor=processor, layout=layout, max_sample_seconds=model.max_sample_seconds,
-                          temperature=model.sample_temperature)
+    return CodebooksBuilt(
+        folder=folder,
+        device=device,
+        trainable=trainable,
+        codec=codec.to(device),
+        codec_folder=folder,
+        codec_kind=CODEC_KIND[architecture],
+        architecture=architecture,
+        processor=processor,
+        layout=layout,
+        max_sample_seconds=model.max_sample_seconds,
+        temperature=model.sample_temperature,
+    )
 
 
 # --------------------------------------------------------------------------------------------- train step
@@ -161,11 +178,15 @@ def encode_batch(built: CodebooksBuilt, batch: dict, dtype: torch.dtype = torch.
     if _declared(built.architecture) is not None:
         return _declared(built.architecture).encode_batch(built, batch, dtype)
     layout, config = built.layout, built.trainable.model.config
-    codes = batch.get("codes") or [encode_clip(built.codec, built.codec_kind, wave, layout["num_codebooks"],
-                                               layout["frame_order"]) for wave in batch["audio"]]
+    codes = batch.get("codes") or [
+        encode_clip(built.codec, built.codec_kind, wave, layout["num_codebooks"], layout["frame_order"])
+        for wave in batch["audio"]
+    ]
     speakers = batch.get("speakers") or [""] * len(batch["texts"])
-    rows = [utterance(config, prompt_ids(built, text, speaker), clip_codes)
-            for text, speaker, clip_codes in zip(batch["texts"], speakers, codes)]
+    rows = [
+        utterance(config, prompt_ids(built, text, speaker), clip_codes)
+        for text, speaker, clip_codes in zip(batch["texts"], speakers, codes)
+    ]
     length, q = max(len(ids) for ids, _, _ in rows), layout["num_codebooks"]
     input_ids = torch.full((len(rows), length), built.processor.tokenizer.pad_token_id, dtype=torch.long)
     frame_codes = torch.zeros((len(rows), length, q), dtype=torch.long)
@@ -174,11 +195,19 @@ def encode_batch(built: CodebooksBuilt, batch: dict, dtype: torch.dtype = torch.
     for row, (ids, row_codes, row_labels) in enumerate(rows):
         n = len(ids)
         input_ids[row, :n], frame_codes[row, :n], labels[row, :n], attention_mask[row, :n] = (
-            torch.tensor(ids), row_codes, row_labels, 1)
+            torch.tensor(ids),
+            row_codes,
+            row_labels,
+            1,
+        )
     device = built.device
-    return {"input_ids": input_ids.to(device), "frame_codes": frame_codes.to(device),
-            "attention_mask": attention_mask.to(device), "labels": labels.to(device),
-            "indices": torch.as_tensor(batch["index"], dtype=torch.long)}
+    return {
+        "input_ids": input_ids.to(device),
+        "frame_codes": frame_codes.to(device),
+        "attention_mask": attention_mask.to(device),
+        "labels": labels.to(device),
+        "indices": torch.as_tensor(batch["index"], dtype=torch.long),
+    }
 
 
 def loss(built: CodebooksBuilt, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
@@ -186,8 +215,12 @@ def loss(built: CodebooksBuilt, trainable_forward: Callable, encoded: dict, seed
     on the frame's codebooks (every frame trains the depth decoder); no random draws. Other classes: their own."""
     if _declared(built.architecture) is not None:
         return _declared(built.architecture).loss(built, trainable_forward, encoded, seed, step)
-    out = trainable_forward(input_ids=encoded["input_ids"], frame_codes=encoded["frame_codes"],
-                            attention_mask=encoded["attention_mask"], labels=encoded["labels"])
+    out = trainable_forward(
+        input_ids=encoded["input_ids"],
+        frame_codes=encoded["frame_codes"],
+        attention_mask=encoded["attention_mask"],
+        labels=encoded["labels"],
+    )
     return out.loss.float()
 
 
@@ -201,14 +234,26 @@ def decodable_codes(vocab_size: int, codebook_size: int) -> dict:
     return {"suppress_tokens": extra, "depth_decoder_suppress_tokens": extra} if extra else {}
 
 
-def generate_codes(model, processor, codebook_size: int, text: str, max_frames: int, temperature: float, seed: int,
-                   speaker: str = DEFAULT_SPEAKER) -> torch.Tensor:
+def generate_codes(
+    model,
+    processor,
+    codebook_size: int,
+    text: str,
+    max_frames: int,
+    temperature: float,
+    seed: int,
+    speaker: str = DEFAULT_SPEAKER,
+) -> torch.Tensor:
     """(Q, frames) codes the class's own generate makes for `text` (its EOS frame and what follows cut off). The
     draws come from `seed` without touching the caller's random state; every rank runs the same calls."""
     tokenizer = processor.tokenizer
     prompt = f"{tokenizer.bos_token}[{speaker}]{text}{tokenizer.eos_token}"  # the first frame follows, as in training
     inputs = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").to(next(model.parameters()).device)
-    sampling = {"do_sample": temperature > 0, "depth_decoder_do_sample": temperature > 0, **decodable_codes(model.config.vocab_size, codebook_size)}
+    sampling = {
+        "do_sample": temperature > 0,
+        "depth_decoder_do_sample": temperature > 0,
+        **decodable_codes(model.config.vocab_size, codebook_size),
+    }
     if temperature > 0:
         sampling.update(temperature=temperature, depth_decoder_temperature=temperature)
     with torch.random.fork_rng(devices=[]), quiet_hf_libraries():
@@ -219,8 +264,9 @@ def generate_codes(model, processor, codebook_size: int, text: str, max_frames: 
     return frames[: int(ended[0]) if len(ended) else len(frames)].t()
 
 
-def sample(built: CodebooksBuilt, lm_module: torch.nn.Module, prompts: list[str], sample_spec,
-           resolution=None) -> list[Clip]:
+def sample(
+    built: CodebooksBuilt, lm_module: torch.nn.Module, prompts: list[str], sample_spec, resolution=None
+) -> list[Clip]:
     """One clip per prompt, from sample_spec.seed, through the class's own generate (every rank: ZeRO-3)."""
     if _declared(built.architecture) is not None:
         return _declared(built.architecture).sample(built, lm_module, prompts, sample_spec, resolution)
@@ -232,10 +278,16 @@ def sample(built: CodebooksBuilt, lm_module: torch.nn.Module, prompts: list[str]
     try:
         with torch.no_grad():
             for number, prompt in enumerate(prompts):
-                codes = generate_codes(inner, built.processor, int(built.codec.config.codebook_size), prompt,
-                                       max_frames, built.temperature, sample_spec.seed * 1000 + number)
-                wave = (decode_codes(built.codec, built.codec_kind, codes) if codes.shape[1]
-                        else np.zeros(0, np.float32))
+                codes = generate_codes(
+                    inner,
+                    built.processor,
+                    int(built.codec.config.codebook_size),
+                    prompt,
+                    max_frames,
+                    built.temperature,
+                    sample_spec.seed * 1000 + number,
+                )
+                wave = decode_codes(built.codec, built.codec_kind, codes) if codes.shape[1] else np.zeros(0, np.float32)
                 clips.append(Clip(wave, built.sample_rate))
     finally:
         inner.train(was_training)
@@ -251,14 +303,16 @@ def _whole_model(built: CodebooksBuilt, state_dict: dict):
 
     with quiet_hf_libraries():
         whole = getattr(transformers, built.architecture).from_pretrained(built.folder, torch_dtype=torch.float32)
-    trained = {k[len("model."):]: v for k, v in state_dict.items() if k.startswith("model.")}
+    trained = {k[len("model.") :]: v for k, v in state_dict.items() if k.startswith("model.")}
     missing, unexpected = whole.load_state_dict(trained, strict=False)
     if built.architecture in CODEC_ATTRIBUTE:  # CSM: the codec inside the class was not trained (others': outside)
         codec_prefix = CODEC_ATTRIBUTE[built.architecture] + "."
         missing = [k for k in missing if not k.startswith(codec_prefix)]
     if missing or unexpected or len(trained) != len(state_dict):
-        raise ValueError(f"trained weights do not fit {built.architecture}: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(
+            f"trained weights do not fit {built.architecture}: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
     return whole
 
 
@@ -294,7 +348,7 @@ def save_lora_weights(built: CodebooksBuilt, lora_layers: dict, adapter_metadata
         base = getattr(transformers, built.architecture).from_pretrained(built.folder, torch_dtype=torch.float32)
         config = LoraConfig(**{**fields, "init_lora_weights": False, **excluded})
         peft_model = get_peft_model(base, config)
-        renamed = {f"base_model.model.{k[len('model.'):]}": v for k, v in lora_layers.items()}
+        renamed = {f"base_model.model.{k[len('model.') :]}": v for k, v in lora_layers.items()}
         result = set_peft_model_state_dict(peft_model, renamed)
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"LoRA weights do not fit the model: unexpected {sorted(result.unexpected_keys)[:5]}")
@@ -304,8 +358,9 @@ def save_lora_weights(built: CodebooksBuilt, lora_layers: dict, adapter_metadata
     _write_folder(built, merged, folder)
 
 
-def synthesize(folder, text: str, seconds: float = 2.0, temperature: float = 0.8, seed: int = 0,
-               speaker: str = DEFAULT_SPEAKER) -> Clip:
+def synthesize(
+    folder, text: str, seconds: float = 2.0, temperature: float = 0.8, seed: int = 0, speaker: str = DEFAULT_SPEAKER
+) -> Clip:
     """Speech for `text` from an exported folder with the class, its processor and its codec only."""
     import transformers
     from transformers import AutoProcessor
@@ -320,13 +375,23 @@ def synthesize(folder, text: str, seconds: float = 2.0, temperature: float = 0.8
     codec = getattr(model, CODEC_ATTRIBUTE[architecture])
     frames = max(1, int(seconds * codec.config.frame_rate))
     with torch.no_grad():
-        codes = generate_codes(model, processor, int(codec.config.codebook_size), text, frames, temperature, seed,
-                               speaker)
+        codes = generate_codes(
+            model, processor, int(codec.config.codebook_size), text, frames, temperature, seed, speaker
+        )
     wave = decode_codes(codec, CODEC_KIND[architecture], codes) if codes.shape[1] else np.zeros(0, np.float32)
     return Clip(wave, int(codec.config.sampling_rate))
 
 
 FAMILY = Family(
-    name="tts_codebooks", modality="audio", pretrained_fields=("pretrained",), build=build,
-    encode_batch=encode_batch, loss=loss, sample=sample, save_samples=save_wavs, export=export,
-    save_lora_weights=save_lora_weights, speaker=Speaker(trains_folder, synthesize))
+    name="tts_codebooks",
+    modality="audio",
+    pretrained_fields=("pretrained",),
+    build=build,
+    encode_batch=encode_batch,
+    loss=loss,
+    sample=sample,
+    save_samples=save_wavs,
+    export=export,
+    save_lora_weights=save_lora_weights,
+    speaker=Speaker(trains_folder, synthesize),
+)

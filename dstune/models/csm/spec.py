@@ -17,8 +17,7 @@ class TtsCodebooksModel(LmLoraSection):
     classes other units declare on the family (their `pipelines`, dstune.families.codebook_models)."""
 
     modality: ClassVar[str] = "audio"
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("CsmForConditionalGeneration",
-                                                  *registry.pipelines("tts_codebooks"))
+    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("CsmForConditionalGeneration", *registry.pipelines("tts_codebooks"))
     MODEL_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = ("pretrained",)
     COMPANION_FOLDERS: ClassVar[dict[str, str]] = {}
     FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
@@ -35,25 +34,30 @@ class TtsCodebooksModel(LmLoraSection):
         "`dstune init --model NAME` names each model's).",
     )
     train: Literal["full", "lora"] = Field(
-        "full", description="`full`: every weight but the codec's is trained. `lora`: peft LoRA adapters on "
+        "full",
+        description="`full`: every weight but the codec's is trained. `lora`: peft LoRA adapters on "
         "`lora.target_modules` (the attention of every transformer in the class by default: CSM's backbone and "
         "depth decoder; an encoder-decoder's encoder and decoder, self- and cross-attention) are trained; the "
         "export is the merged folder with the peft adapter in `adapter/`.",
     )
     lora: Optional[LmLoraSpec] = Field(
-        None, description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
+        None,
+        description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
         "([q_proj, k_proj, v_proj, o_proj]), `dropout` (0.0); omitted: those defaults.",
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute the transformers' activations in backward (CSM's backbone and depth decoder, "
-        "an encoder-decoder's encoder and decoder)."
+        False,
+        description="Recompute the transformers' activations in backward (CSM's backbone and depth decoder, "
+        "an encoder-decoder's encoder and decoder).",
     )
     max_sample_seconds: float = Field(
         2.0, gt=0, description="Samples during training: the longest audio generated per prompt, in seconds."
     )
     sample_temperature: float = Field(
-        0.8, ge=0, description="Samples: softmax temperature of the audio codes (CSM: backbone and depth decoder; "
-        "other classes: every codebook, with the folder's generation_config for the rest) (0: greedy)."
+        0.8,
+        ge=0,
+        description="Samples: softmax temperature of the audio codes (CSM: backbone and depth decoder; "
+        "other classes: every codebook, with the folder's generation_config for the rest) (0: greedy).",
     )
 
     @model_validator(mode="after")

@@ -9,16 +9,23 @@ UNIT = ModelUnit(
     title="Sesame CSM (multi-codebook TTS through its transformers class)",
     docs="docs/tts.md",
     names=r"csm|sesame",
-    spec_sections=('dstune.models.csm.spec:TtsCodebooksModel',),
-    families={'tts_codebooks': 'dstune.models.csm.family'},
-    facts=('dstune.models.csm.facts:FACTS',),
+    spec_sections=("dstune.models.csm.spec:TtsCodebooksModel",),
+    families={"tts_codebooks": "dstune.models.csm.family"},
+    facts=("dstune.models.csm.facts:FACTS",),
     builtins={
-        'tiny-csm': 'dstune.models.csm.builtin:TINY_CSM',
+        "tiny-csm": "dstune.models.csm.builtin:TINY_CSM",
     },
     presets=(
-        ModelPreset("csm", "Sesame CSM 1B (backbone + depth decoder over 32 Mimi codebooks), LoRA on both", "tts_codebooks",
-                    "sesame/csm-1b", "tiny-csm",
-                    speech(**lora(16, LM_LORA_TARGET_MODULES), **{"model.gradient_checkpointing": True,
-                                                                    "data.cache.codec_tokens": True})),
+        ModelPreset(
+            "csm",
+            "Sesame CSM 1B (backbone + depth decoder over 32 Mimi codebooks), LoRA on both",
+            "tts_codebooks",
+            "sesame/csm-1b",
+            "tiny-csm",
+            speech(
+                **lora(16, LM_LORA_TARGET_MODULES),
+                **{"model.gradient_checkpointing": True, "data.cache.codec_tokens": True},
+            ),
+        ),
     ),
 )

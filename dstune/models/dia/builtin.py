@@ -26,51 +26,102 @@ FOLDER_NAME = "tiny-dia-v1"
 AUDIO_TOKENIZER_FOLDER = "audio_tokenizer"
 DIA_CODEBOOKS, DIA_CODEBOOK_SIZE, DIA_DELAY_PATTERN = 9, 1024, [0, 8, 9, 10, 11, 12, 13, 14, 15]
 DIA_EOS, DIA_PAD, DIA_BOS = 1024, 1025, 1026  # the audio ids DiaProcessor defaults to (codes are 0..1023)
-TINY_DAC = dict(encoder_hidden_size=4, downsampling_ratios=[2, 4, 8, 8], decoder_hidden_size=16,
-                n_codebooks=DIA_CODEBOOKS, codebook_size=DIA_CODEBOOK_SIZE, codebook_dim=4, sampling_rate=44100)
+TINY_DAC = dict(
+    encoder_hidden_size=4,
+    downsampling_ratios=[2, 4, 8, 8],
+    decoder_hidden_size=16,
+    n_codebooks=DIA_CODEBOOKS,
+    codebook_size=DIA_CODEBOOK_SIZE,
+    codebook_dim=4,
+    sampling_rate=44100,
+)
 # The real generation_config.json's sampling settings (classifier-free guidance over the text, top-k, top-p)
-TINY_DIA_GENERATION = dict(do_sample=True, guidance_scale=3.0, temperature=1.8, top_p=0.95, top_k=45,
-                           max_length=3072)
+TINY_DIA_GENERATION = dict(do_sample=True, guidance_scale=3.0, temperature=1.8, top_p=0.95, top_k=45, max_length=3072)
 
 
 def tiny_dia_config():
     from transformers import DiaConfig, DiaDecoderConfig, DiaEncoderConfig
 
-    encoder = DiaEncoderConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                               head_dim=16, intermediate_size=64, vocab_size=256, max_position_embeddings=1024)
-    decoder = DiaDecoderConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                               head_dim=16, intermediate_size=64, cross_num_attention_heads=2, cross_head_dim=16,
-                               cross_num_key_value_heads=2, cross_hidden_size=32, vocab_size=DIA_CODEBOOK_SIZE + 4,
-                               num_channels=DIA_CODEBOOKS, max_position_embeddings=3072, eos_token_id=DIA_EOS,
-                               pad_token_id=DIA_PAD, bos_token_id=DIA_BOS)
-    return DiaConfig(encoder_config=encoder, decoder_config=decoder, delay_pattern=list(DIA_DELAY_PATTERN),
-                     eos_token_id=DIA_EOS, pad_token_id=DIA_PAD, bos_token_id=DIA_BOS)
+    encoder = DiaEncoderConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=256,
+        max_position_embeddings=1024,
+    )
+    decoder = DiaDecoderConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        cross_num_attention_heads=2,
+        cross_head_dim=16,
+        cross_num_key_value_heads=2,
+        cross_hidden_size=32,
+        vocab_size=DIA_CODEBOOK_SIZE + 4,
+        num_channels=DIA_CODEBOOKS,
+        max_position_embeddings=3072,
+        eos_token_id=DIA_EOS,
+        pad_token_id=DIA_PAD,
+        bos_token_id=DIA_BOS,
+    )
+    return DiaConfig(
+        encoder_config=encoder,
+        decoder_config=decoder,
+        delay_pattern=list(DIA_DELAY_PATTERN),
+        eos_token_id=DIA_EOS,
+        pad_token_id=DIA_PAD,
+        bos_token_id=DIA_BOS,
+    )
 
 
 def build_tiny_dia(out: Path, needs: dict) -> dict:
-    from transformers import (DacConfig, DacModel, DiaFeatureExtractor, DiaForConditionalGeneration, DiaProcessor,
-                              DiaTokenizer, GenerationConfig)
+    from transformers import (
+        DacConfig,
+        DacModel,
+        DiaFeatureExtractor,
+        DiaForConditionalGeneration,
+        DiaProcessor,
+        DiaTokenizer,
+        GenerationConfig,
+    )
 
     out = Path(out)
     final = out.parent / FOLDER_NAME  # where dstune.builtin renames the finished folder to
     with deterministic_cpu(_SEED, 1), quiet_hf_libraries():
         dac = DacModel(DacConfig(**TINY_DAC)).eval()
         model = DiaForConditionalGeneration(tiny_dia_config()).eval()
-    model.generation_config = GenerationConfig(**TINY_DIA_GENERATION, bos_token_id=DIA_BOS, eos_token_id=DIA_EOS,
-                                               pad_token_id=DIA_PAD, decoder_start_token_id=DIA_BOS)
+    model.generation_config = GenerationConfig(
+        **TINY_DIA_GENERATION,
+        bos_token_id=DIA_BOS,
+        eos_token_id=DIA_EOS,
+        pad_token_id=DIA_PAD,
+        decoder_start_token_id=DIA_BOS,
+    )
     with quiet_hf_libraries():
         dac.save_pretrained(out / AUDIO_TOKENIZER_FOLDER)
         dac.name_or_path = str(final / AUDIO_TOKENIZER_FOLDER)  # what processor_config.json names
-        feature_extractor = DiaFeatureExtractor(sampling_rate=dac.config.sampling_rate,
-                                                hop_length=dac.config.hop_length)
+        feature_extractor = DiaFeatureExtractor(
+            sampling_rate=dac.config.sampling_rate, hop_length=dac.config.hop_length
+        )
         DiaProcessor(feature_extractor, DiaTokenizer(), dac).save_pretrained(out)
         model.save_pretrained(out)
-    return {"model_parameters": sum(p.numel() for p in model.parameters()),
-            "codec_parameters": sum(p.numel() for p in dac.parameters())}
+    return {
+        "model_parameters": sum(p.numel() for p in model.parameters()),
+        "codec_parameters": sum(p.numel() for p in dac.parameters()),
+    }
 
 
 TINY_DIA = BuiltinModel(
-    name="tiny-dia", folder_name=FOLDER_NAME, family="tts_codebooks",
+    name="tiny-dia",
+    folder_name=FOLDER_NAME,
+    family="tts_codebooks",
     description="Dia (DiaForConditionalGeneration: byte text encoder + audio decoder, 9 codebooks, delay pattern "
     "[0, 8..15]) with a tiny 44.1 kHz DAC as its DiaProcessor's audio tokenizer",
-    build=build_tiny_dia)
+    build=build_tiny_dia,
+)

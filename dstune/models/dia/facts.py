@@ -21,11 +21,16 @@ def codec_config_path(folder, config_origin: str):
     own = folder / CODEC_FOLDER / "config.json"
     if own.is_file():
         return own
-    named = (read_config(folder / "processor_config.json").get("audio_tokenizer") or {}).get(
-        "audio_tokenizer_name_or_path") if (folder / "processor_config.json").is_file() else None
+    named = (
+        (read_config(folder / "processor_config.json").get("audio_tokenizer") or {}).get("audio_tokenizer_name_or_path")
+        if (folder / "processor_config.json").is_file()
+        else None
+    )
     if not named:
-        raise SizesUnknown(f"{config_origin}: no {CODEC_FOLDER}/config.json and no audio tokenizer named in "
-                           "processor_config.json, so the DAC cannot be counted")
+        raise SizesUnknown(
+            f"{config_origin}: no {CODEC_FOLDER}/config.json and no audio tokenizer named in "
+            "processor_config.json, so the DAC cannot be counted"
+        )
     return config_folder(named)[0] / "config.json"
 
 
@@ -42,9 +47,21 @@ def count(spec, num_samples: int, folder, origin: str, config: dict, counted: tu
     audio = lm_sample_bytes({**decoder, "vocab_size": decoder["vocab_size"] * channels}, positions)
     cached = ("codec",) if spec.data.cache.codec_tokens else ()
     cache_bytes = int(4 * frame_rate * channels * seconds * num_samples) if spec.data.cache.codec_tokens else 0
-    return ModelCounts("model", params, lora or params, largest, {"codec": codec_params}, cached,
-                       int(text[0] + audio[0]), int(text[1] + audio[1]), default_lora, cache_bytes, origin)
+    return ModelCounts(
+        "model",
+        params,
+        lora or params,
+        largest,
+        {"codec": codec_params},
+        cached,
+        int(text[0] + audio[0]),
+        int(text[1] + audio[1]),
+        default_lora,
+        cache_bytes,
+        origin,
+    )
 
 
-CODEBOOKS_MODEL = CodebooksModel(title="Dia", architecture=ARCHITECTURE, torch_side="dstune.models.dia.model",
-                                 count=count, takes_voice_prompts=True)
+CODEBOOKS_MODEL = CodebooksModel(
+    title="Dia", architecture=ARCHITECTURE, torch_side="dstune.models.dia.model", count=count, takes_voice_prompts=True
+)

@@ -33,6 +33,7 @@ from dstune.families.speech_codecs import decode_codes, encode_clip
 from dstune.hf import NotAvailableLocally, hub_snapshot, quiet_hf_libraries
 from dstune.models.dia.facts import ARCHITECTURE
 from dstune.resampling import resample
+
 CODEC_KIND = "dac_hop_padded"  # dstune.families.speech_codecs: DAC on the clip zero-padded to a multiple of its hop
 SPEAKER_TAGS = ("[S1]", "[S2]")  # Dia's dialogue turns; a text must start with one
 
@@ -46,8 +47,13 @@ class DiaModule(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels=None):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
-                          decoder_attention_mask=decoder_attention_mask, labels=labels)
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            labels=labels,
+        )
 
 
 @dataclass(kw_only=True)
@@ -75,8 +81,10 @@ def load(folder: Path):
             model = DiaForConditionalGeneration.from_pretrained(folder, torch_dtype=torch.float32)
             processor = DiaProcessor.from_pretrained(folder)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
-        raise FamilyError(f"{folder}: cannot load it as {ARCHITECTURE} with its DiaProcessor and DAC "
-                          f"({(str(err).strip().splitlines() or [''])[0]})") from None
+        raise FamilyError(
+            f"{folder}: cannot load it as {ARCHITECTURE} with its DiaProcessor and DAC "
+            f"({(str(err).strip().splitlines() or [''])[0]})"
+        ) from None
     return model, processor
 
 
@@ -86,16 +94,30 @@ def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.fl
     codec = processor.audio_tokenizer.float().eval().requires_grad_(False)
     rate, hop = int(codec.config.sampling_rate), int(codec.config.hop_length)
     channels = int(whole.config.decoder_config.num_channels)
-    layout = {"sampling_rate": rate, "frame_rate": rate / hop, "num_codebooks": channels,
-              "frame_order": [[q, 0] for q in range(channels)], "codec": CODEC_KIND}
+    layout = {
+        "sampling_rate": rate,
+        "frame_rate": rate / hop,
+        "num_codebooks": channels,
+        "frame_order": [[q, 0] for q in range(channels)],
+        "codec": CODEC_KIND,
+    }
     if model.gradient_checkpointing:
         whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = torch.device(device)
     trainable = DiaModule(whole).train().requires_grad_(True)
-    return DiaBuilt(folder=folder, device=device, trainable=trainable, codec=codec.to(device),
-                    codec_folder=codec_folder(codec.name_or_path), codec_kind=CODEC_KIND, architecture=ARCHITECTURE,
-                    processor=processor, layout=layout, max_sample_seconds=model.max_sample_seconds,
-                    temperature=model.sample_temperature)
+    return DiaBuilt(
+        folder=folder,
+        device=device,
+        trainable=trainable,
+        codec=codec.to(device),
+        codec_folder=codec_folder(codec.name_or_path),
+        codec_kind=CODEC_KIND,
+        architecture=ARCHITECTURE,
+        processor=processor,
+        layout=layout,
+        max_sample_seconds=model.max_sample_seconds,
+        temperature=model.sample_temperature,
+    )
 
 
 # --------------------------------------------------------------------------------------------- train step
@@ -123,15 +145,18 @@ def delayed(frames: torch.Tensor, delays: list[int], bos: int, pad: int) -> torc
 def decoder_batch(config, codes: list[torch.Tensor]) -> dict:
     """decoder_input_ids (B, T, C), decoder_attention_mask (B, T) and labels (B * C, T), channel-major, from each
     clip's (C, frames) codes: [BOS, frames..., EOS] left-padded with BOS to the longest clip, then delayed."""
-    bos, eos, pad = (config.decoder_config.bos_token_id, config.decoder_config.eos_token_id,
-                     config.decoder_config.pad_token_id)
+    bos, eos, pad = (
+        config.decoder_config.bos_token_id,
+        config.decoder_config.eos_token_id,
+        config.decoder_config.pad_token_id,
+    )
     delays, channels = list(config.delay_pattern), config.decoder_config.num_channels
     longest = max(c.shape[1] for c in codes)
     frames = torch.full((len(codes), longest + 2, channels), bos, dtype=torch.long)
     mask = torch.zeros((len(codes), longest + 2 + max(delays)), dtype=torch.long)
     for row, clip in enumerate(codes):
         padding = longest - clip.shape[1]
-        frames[row, padding + 1: padding + 1 + clip.shape[1]] = clip.t().long()
+        frames[row, padding + 1 : padding + 1 + clip.shape[1]] = clip.t().long()
         frames[row, -1] = eos
         mask[row, padding:] = 1
     sequence = delayed(frames, delays, bos, pad)
@@ -147,7 +172,7 @@ def text_batch(tokenizer, texts: list[str]) -> dict:
     input_ids = torch.full((len(rows), max(map(len, rows))), tokenizer.pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, ids in enumerate(rows):
-        input_ids[row, :len(ids)], attention_mask[row, :len(ids)] = torch.tensor(ids), 1
+        input_ids[row, : len(ids)], attention_mask[row, : len(ids)] = torch.tensor(ids), 1
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
@@ -155,17 +180,24 @@ def encode_batch(built: DiaBuilt, batch: dict, dtype: torch.dtype = torch.float3
     """The class's inputs for a batch: text right-padded (pad id 0), audio as decoder_batch. A cached batch holds
     "codes"; otherwise each clip is encoded alone by the frozen DAC."""
     layout, config = built.layout, built.trainable.model.config
-    codes = batch.get("codes") or [encode_clip(built.codec, CODEC_KIND, wave, layout["num_codebooks"])
-                                   for wave in batch["audio"]]
+    codes = batch.get("codes") or [
+        encode_clip(built.codec, CODEC_KIND, wave, layout["num_codebooks"]) for wave in batch["audio"]
+    ]
     encoded = {**text_batch(built.processor.tokenizer, batch["texts"]), **decoder_batch(config, codes)}
-    return {**{k: v.to(built.device) for k, v in encoded.items()},
-            "indices": torch.as_tensor(batch["index"], dtype=torch.long)}
+    return {
+        **{k: v.to(built.device) for k, v in encoded.items()},
+        "indices": torch.as_tensor(batch["index"], dtype=torch.long),
+    }
 
 
 def loss(built: DiaBuilt, trainable_forward, encoded: dict, seed: int, step: int) -> torch.Tensor:
     """The class's own loss from the labels (mean over every labelled codebook position); no random draws."""
-    out = trainable_forward(**{k: encoded[k] for k in ("input_ids", "attention_mask", "decoder_input_ids",
-                                                        "decoder_attention_mask", "labels")})
+    out = trainable_forward(
+        **{
+            k: encoded[k]
+            for k in ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "labels")
+        }
+    )
     return out.loss.float()
 
 
@@ -177,22 +209,37 @@ def undelayed_codes(config, sequence: torch.Tensor, start: int) -> torch.Tensor:
     and any voice prompt) up to the first EOS of codebook 0 (or the last frame every codebook reached)."""
     delays, eos = list(config.delay_pattern), config.decoder_config.eos_token_id
     usable = sequence.shape[0] - max(delays)
-    frames = torch.stack([sequence[d: d + usable, c] for c, d in enumerate(delays)], 1) if usable > 0 else (
-        sequence[:0])
+    frames = (
+        torch.stack([sequence[d : d + usable, c] for c, d in enumerate(delays)], 1) if usable > 0 else (sequence[:0])
+    )
     ended = (frames[:, 0] == eos).nonzero()
     end = int(ended[0]) if len(ended) else len(frames)
     codes = frames[start:end]
     return codes.clamp(max=eos - 1).t().long()  # a codebook other than 0 may not have stopped yet: keep it a code
 
 
-def generate_codes(model, processor, text: str, max_frames: int, temperature: float, seed: int,
-                   prompt_audio: np.ndarray | None = None, prompt_text: str = "") -> torch.Tensor:
+def generate_codes(
+    model,
+    processor,
+    text: str,
+    max_frames: int,
+    temperature: float,
+    seed: int,
+    prompt_audio: np.ndarray | None = None,
+    prompt_text: str = "",
+) -> torch.Tensor:
     """(C, frames) codes the class's own generate makes for `text` (after a voice prompt: its audio and transcript,
     which Dia continues), from `seed` without touching the caller's random state; every rank runs the same calls.
     Guidance, top-k and top-p are the folder's generation_config's; the temperature is the caller's."""
     words = dia_text(f"{prompt_text.strip()} {text}" if prompt_audio is not None else text)
-    audio = {} if prompt_audio is None else {
-        "audio": [np.asarray(prompt_audio, np.float32)], "sampling_rate": processor.feature_extractor.sampling_rate}
+    audio = (
+        {}
+        if prompt_audio is None
+        else {
+            "audio": [np.asarray(prompt_audio, np.float32)],
+            "sampling_rate": processor.feature_extractor.sampling_rate,
+        }
+    )
     with warnings.catch_warnings():  # DiaTokenizer's own max_length meets the processor's padding=True
         warnings.filterwarnings("ignore", message="`max_length` is ignored")
         inputs = processor(text=[words], **audio).to(next(model.parameters()).device)
@@ -217,8 +264,9 @@ def voice_prompt(path, sample_rate: int) -> tuple[np.ndarray, str]:
         wave, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
         text = path.with_suffix(".txt").read_text().strip()
     except (OSError, RuntimeError) as err:
-        raise FamilyError(f"sample.voice_prompts: {path} (and its .txt transcript) cannot be read "
-                          f"({str(err).splitlines()[0]})") from None
+        raise FamilyError(
+            f"sample.voice_prompts: {path} (and its .txt transcript) cannot be read ({str(err).splitlines()[0]})"
+        ) from None
     return resample(wave.mean(axis=1), rate, sample_rate), text
 
 
@@ -235,16 +283,31 @@ def sample(built: DiaBuilt, lm_module: torch.nn.Module, prompts: list[str], samp
         with torch.no_grad():
             for number, prompt in enumerate(prompts):
                 audio, text = voices[number] if voices else (None, "")
-                codes = generate_codes(inner, built.processor, prompt, max_frames, built.temperature,
-                                       sample_spec.seed * 1000 + number, audio, text)
+                codes = generate_codes(
+                    inner,
+                    built.processor,
+                    prompt,
+                    max_frames,
+                    built.temperature,
+                    sample_spec.seed * 1000 + number,
+                    audio,
+                    text,
+                )
                 clips.append(Clip(_wave(built.codec, codes), built.sample_rate))
     finally:
         inner.train(was_training)
     return clips
 
 
-def synthesize(folder, text: str, seconds: float = 2.0, temperature: float = 1.8, seed: int = 0,
-               prompt_audio: np.ndarray | None = None, prompt_text: str = "") -> Clip:
+def synthesize(
+    folder,
+    text: str,
+    seconds: float = 2.0,
+    temperature: float = 1.8,
+    seed: int = 0,
+    prompt_audio: np.ndarray | None = None,
+    prompt_text: str = "",
+) -> Clip:
     """Speech for `text` from a Dia folder with the class, its processor and its DAC only; with `prompt_audio`
     (at the DAC's rate) and its transcript `prompt_text`, in that voice."""
     model, processor = load(Path(folder))

@@ -15,12 +15,26 @@ UNIT = ModelUnit(
     pipelines={"DiaForConditionalGeneration": 3.0},
     builtins={"tiny-dia": "dstune.models.dia.builtin:TINY_DIA"},
     presets=(
-        ModelPreset("dia", "Dia 1.6B (text encoder + audio decoder over 9 DAC 44.1 kHz codebooks, delay pattern), LoRA "
-                    "on its attention", "tts_codebooks", "nari-labs/Dia-1.6B-0626", "tiny-dia",
-                    speech(**lora(16, LM_LORA_TARGET_MODULES), **{
-                        "model.gradient_checkpointing": True, "model.sample_temperature": 1.8,
-                        "data.cache.codec_tokens": True, "data.max_clip_seconds": 20.0,
-                        "sample.prompts": ["[S1] Printing, in the only sense with which we are at present concerned. "
-                                           "[S2] The quick brown fox."]})),
+        ModelPreset(
+            "dia",
+            "Dia 1.6B (text encoder + audio decoder over 9 DAC 44.1 kHz codebooks, delay pattern), LoRA "
+            "on its attention",
+            "tts_codebooks",
+            "nari-labs/Dia-1.6B-0626",
+            "tiny-dia",
+            speech(
+                **lora(16, LM_LORA_TARGET_MODULES),
+                **{
+                    "model.gradient_checkpointing": True,
+                    "model.sample_temperature": 1.8,
+                    "data.cache.codec_tokens": True,
+                    "data.max_clip_seconds": 20.0,
+                    "sample.prompts": [
+                        "[S1] Printing, in the only sense with which we are at present concerned. "
+                        "[S2] The quick brown fox."
+                    ],
+                },
+            ),
+        ),
     ),
 )

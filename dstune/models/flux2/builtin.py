@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu,
-                                   save_pipeline)
+from dstune.builtin.common import BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import TINY_FLUX2_VAE, tiny_qwen_tokenizer
 from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE
 from dstune.hf import quiet_hf_libraries
@@ -28,11 +27,27 @@ _DEV_SEED = 41
 TEXT_WIDTH = 32
 # in_channels == 4 x latent_channels (the VAE patchifies 2x2); joint_attention_dim == 3 text layers x TEXT_WIDTH;
 # sum(axes_dims_rope) == attention_head_dim
-TINY_FLUX2_TRANSFORMER = dict(patch_size=1, in_channels=32, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                              num_attention_heads=2, joint_attention_dim=3 * TEXT_WIDTH, timestep_guidance_channels=32,
-                              axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
-FLUX2_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                       max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+TINY_FLUX2_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=32,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=3 * TEXT_WIDTH,
+    timestep_guidance_channels=32,
+    axes_dims_rope=(4, 4, 4, 4),
+    guidance_embeds=False,
+)
+FLUX2_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
 
 
 def build_tiny_flux2(out: Path, needs: dict) -> dict:
@@ -46,28 +61,65 @@ def build_tiny_flux2(out: Path, needs: dict) -> dict:
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     with deterministic_cpu(_SEED, BUILD_THREADS):
-        text_encoder = Qwen3ForCausalLM(Qwen3Config(
-            vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=64, num_hidden_layers=27,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
-            bos_token_id=end_of_text, eos_token_id=end_of_text, pad_token_id=end_of_text))
+        text_encoder = Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=len(tokenizer),
+                hidden_size=TEXT_WIDTH,
+                intermediate_size=64,
+                num_hidden_layers=27,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                max_position_embeddings=1024,
+                bos_token_id=end_of_text,
+                eos_token_id=end_of_text,
+                pad_token_id=end_of_text,
+            )
+        )
         vae = AutoencoderKLFlux2(**TINY_FLUX2_VAE)
         transformer = Flux2Transformer2DModel(**TINY_FLUX2_TRANSFORMER)
-    pipeline = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae,
-                                  text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+    pipeline = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
     return save_pipeline(pipeline, out, transformer)
 
 
 TINY_FLUX2 = BuiltinModel(
-    name="tiny-flux2", folder_name="tiny-flux2-v1", family="flow",
+    name="tiny-flux2",
+    folder_name="tiny-flux2-v1",
+    family="flow",
     description="FLUX.2 [klein] pipeline: one double- and one single-stream Flux2 block, Qwen3 causal LM (27 layers "
-                "32 wide), random 8-channel FLUX.2 VAE",
-    build=build_tiny_flux2)
+    "32 wide), random 8-channel FLUX.2 VAE",
+    build=build_tiny_flux2,
+)
 
 
 # Mistral's special tokens as Mistral-Small-3 (FLUX.2 [dev]'s text encoder) numbers them: the controls first
-MISTRAL_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
-                          "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]",
-                          "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
+MISTRAL_SPECIAL_TOKENS = (
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[TOOL_CALLS]",
+    "[IMG]",
+    "<pad>",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "[PREFIX]",
+    "[MIDDLE]",
+    "[SUFFIX]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+)
 # The Mistral chat format Flux2Pipeline's messages go through: content given as a list of {"type": "text"} parts
 # (format_input's layout) or as a string; system -> [SYSTEM_PROMPT]..[/SYSTEM_PROMPT], user -> [INST]..[/INST]
 MISTRAL_CHAT_TEMPLATE = (
@@ -77,7 +129,8 @@ MISTRAL_CHAT_TEMPLATE = (
     "| join('') %}{% endif %}"
     "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
     "{% elif message['role'] == 'user' %}[INST]{{ text }}[/INST]"
-    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}")
+    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
+)
 MISTRAL_TEXT_LAYERS = 30  # Flux2Pipeline reads the hidden states of layers 10, 20 and 30
 
 
@@ -93,8 +146,14 @@ def tiny_mistral_tokenizer():
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>", pad_token="<pad>", model_max_length=1024)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=1024,
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(MISTRAL_SPECIAL_TOKENS[3:])})
     tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
     return tokenizer
@@ -107,13 +166,33 @@ def tiny_mistral3_encoder(tokenizer):
 
     bos, eos, pad, image = tokenizer.convert_tokens_to_ids(["<s>", "</s>", "<pad>", "[IMG]"])
     config = Mistral3Config(
-        text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH,
-                         intermediate_size=64, num_hidden_layers=MISTRAL_TEXT_LAYERS, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, bos_token_id=bos,
-                         eos_token_id=eos, pad_token_id=pad),
-        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, head_dim=8, patch_size=14, image_size=56),
-        image_token_index=image, spatial_merge_size=2)
+        text_config=dict(
+            model_type="mistral",
+            vocab_size=len(tokenizer),
+            hidden_size=TEXT_WIDTH,
+            intermediate_size=64,
+            num_hidden_layers=MISTRAL_TEXT_LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=1024,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        ),
+        vision_config=dict(
+            model_type="pixtral",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            head_dim=8,
+            patch_size=14,
+            image_size=56,
+        ),
+        image_token_index=image,
+        spatial_merge_size=2,
+    )
     return Mistral3ForConditionalGeneration(config)
 
 
@@ -127,14 +206,22 @@ def build_tiny_flux2_dev(out: Path, needs: dict) -> dict:
         text_encoder = tiny_mistral3_encoder(tokenizer)
         vae = AutoencoderKLFlux2(**TINY_FLUX2_VAE)
         transformer = Flux2Transformer2DModel(**{**TINY_FLUX2_TRANSFORMER, "guidance_embeds": True})
-    pipeline = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae,
-                             text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+    pipeline = Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
     return save_pipeline(pipeline, out, transformer)
 
 
 TINY_FLUX2_DEV = BuiltinModel(
-    name="tiny-flux2-dev", folder_name="tiny-flux2-dev-v1", family="flow",
+    name="tiny-flux2-dev",
+    folder_name="tiny-flux2-dev-v1",
+    family="flow",
     description="FLUX.2 [dev] pipeline: klein's tiny Flux2 transformer with a guidance embedding and VAE, a "
-                "Mistral3 (30 text layers 32 wide, one-layer Pixtral vision tower) and a byte-level stand-in for "
-                "the PixtralProcessor with Mistral's chat template",
-    build=build_tiny_flux2_dev)
+    "Mistral3 (30 text layers 32 wide, one-layer Pixtral vision tower) and a byte-level stand-in for "
+    "the PixtralProcessor with Mistral's chat template",
+    build=build_tiny_flux2_dev,
+)

@@ -43,20 +43,28 @@ def _config_mismatches(folder: Path, layers: tuple[int, ...]) -> list[str]:
     transformer, vae = read_config(folder, "transformer"), read_config(folder, "vae")
     text = read_config(folder, "text_encoder")
     text = text.get("text_config", text)  # Mistral3ForConditionalGeneration nests its language model's config
-    checks = [("in_channels", 4 * vae.get("latent_channels", 32)),
-              ("joint_attention_dim", len(layers) * text.get("hidden_size", 0))]
-    problems = [f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
-                for key, want in checks if transformer.get(key) != want]
+    checks = [
+        ("in_channels", 4 * vae.get("latent_channels", 32)),
+        ("joint_attention_dim", len(layers) * text.get("hidden_size", 0)),
+    ]
+    problems = [
+        f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
+        for key, want in checks
+        if transformer.get(key) != want
+    ]
     if text.get("num_hidden_layers", 0) < max(layers):
-        problems.append(f"text_encoder has {text.get('num_hidden_layers')} layers; the pipeline reads the hidden "
-                        f"states of layers {', '.join(map(str, layers))}")
+        problems.append(
+            f"text_encoder has {text.get('num_hidden_layers')} layers; the pipeline reads the hidden "
+            f"states of layers {', '.join(map(str, layers))}"
+        )
     return problems
 
 
 def _captions(pipeline, built, captions: list[str]) -> dict:
     with torch.no_grad(), quiet_hf_libraries():
-        embeds, _ = pipeline.encode_prompt(list(captions), device=built.device,
-                                           max_sequence_length=built.max_sequence_length)
+        embeds, _ = pipeline.encode_prompt(
+            list(captions), device=built.device, max_sequence_length=built.max_sequence_length
+        )
     return {"encoder_hidden_states": embeds}
 
 
@@ -76,26 +84,44 @@ def _predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tenso
     guidance = None
     if built.transformer_config.get("guidance_embeds", False):
         guidance = torch.full((noisy.shape[0],), float(built.settings.guidance), device=noisy.device, dtype=dtype)
-    prediction = forward(hidden_states=packed, timestep=(timesteps / 1000).to(dtype), guidance=guidance,
-                         encoder_hidden_states=embeds, txt_ids=pipeline._prepare_text_ids(embeds).to(noisy.device),
-                         img_ids=latent_ids, return_dict=False)[0]
-    return pipeline._unpack_latents_with_ids(prediction[:, :packed.shape[1]], latent_ids)
+    prediction = forward(
+        hidden_states=packed,
+        timestep=(timesteps / 1000).to(dtype),
+        guidance=guidance,
+        encoder_hidden_states=embeds,
+        txt_ids=pipeline._prepare_text_ids(embeds).to(noisy.device),
+        img_ids=latent_ids,
+        return_dict=False,
+    )[0]
+    return pipeline._unpack_latents_with_ids(prediction[:, : packed.shape[1]], latent_ids)
 
 
 TEXT_SIDE = TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, 512)
-LATENT_SPACE = LatentSpace(vae_class="AutoencoderKLFlux2", patch=fixed_patch(2), posterior_mode=True,
-                           to_model=_model_latents)
+LATENT_SPACE = LatentSpace(
+    vae_class="AutoencoderKLFlux2", patch=fixed_patch(2), posterior_mode=True, to_model=_model_latents
+)
 
 FLUX2_KLEIN = FlowRecipe(
-    kind="flux2_klein", transformer_class="Flux2Transformer2DModel", pipeline_class="Flux2KleinPipeline",
-    components={"text_encoder": "Qwen3ForCausalLM", "tokenizer": None}, text=TEXT_SIDE, predict=_predict,
-    config_mismatches=lambda folder: _config_mismatches(folder, TEXT_LAYERS), latents=LATENT_SPACE)
+    kind="flux2_klein",
+    transformer_class="Flux2Transformer2DModel",
+    pipeline_class="Flux2KleinPipeline",
+    components={"text_encoder": "Qwen3ForCausalLM", "tokenizer": None},
+    text=TEXT_SIDE,
+    predict=_predict,
+    config_mismatches=lambda folder: _config_mismatches(folder, TEXT_LAYERS),
+    latents=LATENT_SPACE,
+)
 
 # FLUX.2 [dev]: klein's latents, prediction and loss; the text through Flux2Pipeline.encode_prompt at its defaults
 # (max_sequence_length 512, layers 10, 20, 30), which _captions calls without naming the layers. The tokenizer is
 # whatever the folder lists (a PixtralProcessor in a real folder), so it is checked loosely (None).
 FLUX2_DEV = FlowRecipe(
-    kind="flux2_dev", transformer_class="Flux2Transformer2DModel", pipeline_class="Flux2Pipeline",
+    kind="flux2_dev",
+    transformer_class="Flux2Transformer2DModel",
+    pipeline_class="Flux2Pipeline",
     components={"text_encoder": "Mistral3ForConditionalGeneration", "tokenizer": None},
-    text=TEXT_SIDE, predict=_predict,
-    config_mismatches=lambda folder: _config_mismatches(folder, DEV_TEXT_LAYERS), latents=LATENT_SPACE)
+    text=TEXT_SIDE,
+    predict=_predict,
+    config_mismatches=lambda folder: _config_mismatches(folder, DEV_TEXT_LAYERS),
+    latents=LATENT_SPACE,
+)

@@ -36,14 +36,31 @@ GLYPH_WIDTH = 16  # the ByT5 encoder's d_model = text_embed_2_dim
 IMAGE_WIDTH = 16  # the (image-to-video) SigLIP vision model's hidden size = image_embed_dim
 LATENT_CHANNELS = 8
 # sum(rope_axes_dim) == attention_head_dim; in_channels == 2 x latent channels + 1 (condition latents and mask)
-TINY_HV15_TRANSFORMER = dict(in_channels=2 * LATENT_CHANNELS + 1, out_channels=LATENT_CHANNELS,
-                             num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1,
-                             mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=TEXT_WIDTH,
-                             text_embed_2_dim=GLYPH_WIDTH, image_embed_dim=IMAGE_WIDTH, rope_axes_dim=(4, 6, 6),
-                             target_size=32, task_type="t2v")
+TINY_HV15_TRANSFORMER = dict(
+    in_channels=2 * LATENT_CHANNELS + 1,
+    out_channels=LATENT_CHANNELS,
+    num_attention_heads=2,
+    attention_head_dim=16,
+    num_layers=2,
+    num_refiner_layers=1,
+    mlp_ratio=2.0,
+    patch_size=1,
+    patch_size_t=1,
+    text_embed_dim=TEXT_WIDTH,
+    text_embed_2_dim=GLYPH_WIDTH,
+    image_embed_dim=IMAGE_WIDTH,
+    rope_axes_dim=(4, 6, 6),
+    target_size=32,
+    task_type="t2v",
+)
 # four stages: three spatial halvings (8x), two of them also temporal (4x), as the real VAE's last ones
-TINY_HV15_VAE = dict(latent_channels=LATENT_CHANNELS, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
-                     spatial_compression_ratio=8, temporal_compression_ratio=4)
+TINY_HV15_VAE = dict(
+    latent_channels=LATENT_CHANNELS,
+    block_out_channels=(8, 8, 16, 16),
+    layers_per_block=1,
+    spatial_compression_ratio=8,
+    temporal_compression_ratio=4,
+)
 HV15_480P_T2V_SHIFT, HV15_GUIDANCE = 5.0, 6.0  # the 480p text-to-video folder's scheduler shift and guider scale
 
 
@@ -52,27 +69,54 @@ def tiny_qwen25_text_model(tokenizer):
     from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     end_of_text, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
-    return Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
-        vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, bos_token_id=end_of_text,
-        eos_token_id=im_end, pad_token_id=end_of_text, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}))
+    return Qwen2_5_VLTextModel(
+        Qwen2_5_VLTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=TEXT_WIDTH,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
+            bos_token_id=end_of_text,
+            eos_token_id=im_end,
+            pad_token_id=end_of_text,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        )
+    )
 
 
 def tiny_byt5():
     """(T5EncoderModel one layer 16 wide over ByT5's 384 byte ids, ByT5Tokenizer): the glyph text encoder."""
     from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
-    encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=GLYPH_WIDTH, d_kv=8, d_ff=32, num_layers=1,
-                                      num_heads=2, feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
-                                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    encoder = T5EncoderModel(
+        T5Config(
+            vocab_size=384,
+            d_model=GLYPH_WIDTH,
+            d_kv=8,
+            d_ff=32,
+            num_layers=1,
+            num_heads=2,
+            feed_forward_proj="gated-gelu",
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        )
+    )
     return encoder, ByT5Tokenizer()
 
 
 def text_to_video_parts() -> dict:
     """The components every tiny HunyuanVideo 1.5 folder shares (seeded): transformer, VAE, both text encoders and
     tokenizers, scheduler and guider."""
-    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
-                           HunyuanVideo15Transformer3DModel)
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        ClassifierFreeGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Transformer3DModel,
+    )
 
     tokenizer = tiny_qwen_tokenizer()
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
@@ -82,10 +126,16 @@ def text_to_video_parts() -> dict:
         text_encoder_2, tokenizer_2 = tiny_byt5()
         vae = AutoencoderKLHunyuanVideo15(**TINY_HV15_VAE)
         transformer = HunyuanVideo15Transformer3DModel(**TINY_HV15_TRANSFORMER)
-    return dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=HV15_480P_T2V_SHIFT),
-                guider=ClassifierFreeGuidance(guidance_scale=HV15_GUIDANCE))
+    return dict(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=HV15_480P_T2V_SHIFT),
+        guider=ClassifierFreeGuidance(guidance_scale=HV15_GUIDANCE),
+    )
 
 
 def build_tiny_hunyuan_video15(out: Path, needs: dict) -> dict:
@@ -101,8 +151,16 @@ def tiny_siglip() -> tuple:
     at 32 px)."""
     from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
 
-    encoder = SiglipVisionModel(SiglipVisionConfig(hidden_size=IMAGE_WIDTH, intermediate_size=32, num_hidden_layers=1,
-                                                   num_attention_heads=2, image_size=32, patch_size=8))
+    encoder = SiglipVisionModel(
+        SiglipVisionConfig(
+            hidden_size=IMAGE_WIDTH,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+    )
     return encoder, SiglipImageProcessor(size={"height": 32, "width": 32})
 
 
@@ -117,19 +175,26 @@ def build_tiny_hunyuan_video15_i2v(out: Path, needs: dict) -> dict:
     with deterministic_cpu(_SEED + 1, BUILD_THREADS):
         parts["transformer"] = HunyuanVideo15Transformer3DModel(**{**TINY_HV15_TRANSFORMER, "task_type": "i2v"})
         image_encoder, feature_extractor = tiny_siglip()
-    pipeline = HunyuanVideo15ImageToVideoPipeline(**parts, image_encoder=image_encoder,
-                                                  feature_extractor=feature_extractor)
+    pipeline = HunyuanVideo15ImageToVideoPipeline(
+        **parts, image_encoder=image_encoder, feature_extractor=feature_extractor
+    )
     return save_pipeline(pipeline, out, parts["transformer"])
 
 
 TINY_HUNYUAN_VIDEO15 = BuiltinModel(
-    name="tiny-hunyuan-video15", folder_name="tiny-hunyuan-video15-v1", family=VIDEO_FAMILY,
+    name="tiny-hunyuan-video15",
+    folder_name="tiny-hunyuan-video15-v1",
+    family=VIDEO_FAMILY,
     description="HunyuanVideo 1.5 text-to-video pipeline: 2-block 32-wide HunyuanVideo15 transformer, an 8-channel "
-                "causal 3D VAE, Qwen2.5-VL text model (two 32-wide layers) and a one-layer ByT5 glyph encoder",
-    build=build_tiny_hunyuan_video15)
+    "causal 3D VAE, Qwen2.5-VL text model (two 32-wide layers) and a one-layer ByT5 glyph encoder",
+    build=build_tiny_hunyuan_video15,
+)
 
 TINY_HUNYUAN_VIDEO15_I2V = BuiltinModel(
-    name="tiny-hunyuan-video15-i2v", folder_name="tiny-hunyuan-video15-i2v-v1", family=VIDEO_FAMILY,
+    name="tiny-hunyuan-video15-i2v",
+    folder_name="tiny-hunyuan-video15-i2v-v1",
+    family=VIDEO_FAMILY,
     description="HunyuanVideo 1.5 image-to-video pipeline: tiny-hunyuan-video15's parts with an i2v transformer and "
-                "a one-layer 16-wide SigLIP image encoder (32 px, 16 tokens)",
-    build=build_tiny_hunyuan_video15_i2v)
+    "a one-layer 16-wide SigLIP image encoder (32 px, 16 tokens)",
+    build=build_tiny_hunyuan_video15_i2v,
+)

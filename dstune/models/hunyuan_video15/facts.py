@@ -37,8 +37,11 @@ def token_factors(folder) -> tuple[int, tuple[int, int, int], str]:
     """(VAE spatial factor, transformer patch (t, h, w), where they came from)."""
     vae, transformer = folder.config("vae"), folder.config("transformer")
     patch = transformer.get("patch_size", 1)
-    return (vae.get("spatial_compression_ratio", 16), (transformer.get("patch_size_t", 1), patch, patch),
-            f"the VAE and transformer configs of {folder.origin}")
+    return (
+        vae.get("spatial_compression_ratio", 16),
+        (transformer.get("patch_size_t", 1), patch, patch),
+        f"the VAE and transformer configs of {folder.origin}",
+    )
 
 
 def attention(folder) -> Optional[Attention]:
@@ -47,8 +50,9 @@ def attention(folder) -> Optional[Attention]:
     config = folder.config("transformer")
     if not isinstance(config.get("num_attention_heads"), int):
         return None
-    return Attention(config["num_attention_heads"], config.get("attention_head_dim", 0),
-                     f"the transformer config of {folder.origin}")
+    return Attention(
+        config["num_attention_heads"], config.get("attention_head_dim", 0), f"the transformer config of {folder.origin}"
+    )
 
 
 def context_tokens(spec) -> int:
@@ -65,18 +69,26 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[fl
     """One clip's activation bytes (dstune.memory.plan's units) at (frames, width, height)."""
     config = folder.config("transformer")
     spatial = folder.config("vae").get("spatial_compression_ratio", 16)
-    shape = ModelShape(config["num_attention_heads"] * config["attention_head_dim"],
-                       {"transformer_blocks": config["num_layers"]})
-    sample = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, clip_tokens(config, width, height, frames, spatial),
-                                   context_tokens(spec), spec.train.precision)
+    shape = ModelShape(
+        config["num_attention_heads"] * config["attention_head_dim"], {"transformer_blocks": config["num_layers"]}
+    )
+    sample = measured_sample_bytes(
+        ACTIVATION_CONSTANTS,
+        shape,
+        clip_tokens(config, width, height, frames, spatial),
+        context_tokens(spec),
+        spec.train.precision,
+    )
     return in_plan_units(sample, spec.train.precision)
 
 
 def text_tokens_and_width(spec, folder) -> list[tuple[int, int]]:
     """(tokens, width) of each cached text tensor: Qwen2.5-VL's caption states and ByT5's glyph states."""
     config = folder.config("transformer") if folder.has("transformer") else {}
-    return [(spec.model.max_sequence_length or DEFAULT_TEXT_TOKENS, config.get("text_embed_dim", 0)),
-            (GLYPH_TOKENS, config.get("text_embed_2_dim", 0))]
+    return [
+        (spec.model.max_sequence_length or DEFAULT_TEXT_TOKENS, config.get("text_embed_dim", 0)),
+        (GLYPH_TOKENS, config.get("text_embed_2_dim", 0)),
+    ]
 
 
 def image_to_video(folder) -> bool:
@@ -98,18 +110,36 @@ def spec_issues(spec, folder) -> list[tuple[str, str]]:
     prompt) or none for text-to-video."""
     pipeline, issues = folder.index.get("_class_name"), []
     if spec.model.image_to_video and not image_to_video(folder):
-        issues.append(("model.image_to_video", f"{spec.model.pretrained}: {pipeline} is text-to-video; use a "
-                       f"{I2V_PIPELINE} folder or remove the key"))
+        issues.append(
+            (
+                "model.image_to_video",
+                f"{spec.model.pretrained}: {pipeline} is text-to-video; use a {I2V_PIPELINE} folder or remove the key",
+            )
+        )
     if spec.model.image_to_video is False and image_to_video(folder):
-        issues.append(("model.image_to_video", f"{spec.model.pretrained}: {pipeline}'s transformer is the image-to-"
-                       "video one; use a HunyuanVideo15Pipeline folder for text-to-video, or remove the key"))
+        issues.append(
+            (
+                "model.image_to_video",
+                f"{spec.model.pretrained}: {pipeline}'s transformer is the image-to-"
+                "video one; use a HunyuanVideo15Pipeline folder for text-to-video, or remove the key",
+            )
+        )
     if image_to_video(folder):
         if len(spec.sample.control_images) != len(spec.sample.prompts):
-            issues.append(("sample.control_images", f"{pipeline} renders each sample from a first frame: give one "
-                           "image per sample.prompts entry, or set sample.prompts: []"))
+            issues.append(
+                (
+                    "sample.control_images",
+                    f"{pipeline} renders each sample from a first frame: give one "
+                    "image per sample.prompts entry, or set sample.prompts: []",
+                )
+            )
     elif spec.sample.control_images:
-        issues.append(("sample.control_images", f"{spec.model.pretrained} renders from the prompt alone (text-to-"
-                       "video): remove sample.control_images"))
+        issues.append(
+            (
+                "sample.control_images",
+                f"{spec.model.pretrained} renders from the prompt alone (text-to-video): remove sample.control_images",
+            )
+        )
     return issues
 
 
@@ -118,7 +148,9 @@ def _image_to_video(spec, folder) -> bool:
 
 
 def _text_bytes(spec, folder) -> int:
-    return sum(transformer_text_bytes(spec, folder, tokens, width) for tokens, width in text_tokens_and_width(spec, folder))
+    return sum(
+        transformer_text_bytes(spec, folder, tokens, width) for tokens, width in text_tokens_and_width(spec, folder)
+    )
 
 
 def _condition_cache_bytes(spec, folder, companions, channels, factor, buckets, num_samples: int) -> int:
@@ -126,6 +158,12 @@ def _condition_cache_bytes(spec, folder, companions, channels, factor, buckets, 
 
 
 VIDEO_FACTS = VideoFacts(
-    transformer_class=TRANSFORMER_CLASS, token_factors=token_factors, image_to_video=_image_to_video,
-    sample_bytes=sample_bytes, text_bytes=_text_bytes, condition_cache_bytes=_condition_cache_bytes,
-    spec_issues=spec_issues, attention=attention)
+    transformer_class=TRANSFORMER_CLASS,
+    token_factors=token_factors,
+    image_to_video=_image_to_video,
+    sample_bytes=sample_bytes,
+    text_bytes=_text_bytes,
+    condition_cache_bytes=_condition_cache_bytes,
+    spec_issues=spec_issues,
+    attention=attention,
+)

@@ -38,11 +38,15 @@ def mode_problem(folder: Path, image_to_video: Optional[bool]) -> Optional[str]:
     """Why model.image_to_video does not fit the folder's pipeline, or None."""
     pipeline = read_model_index(folder).get("_class_name")
     if image_to_video and pipeline != PIPELINE:
-        return (f"model.image_to_video is true, but {pipeline} is text-to-video: use a {PIPELINE} folder (480p_i2v, "
-                "720p_i2v) or remove the key")
+        return (
+            f"model.image_to_video is true, but {pipeline} is text-to-video: use a {PIPELINE} folder (480p_i2v, "
+            "720p_i2v) or remove the key"
+        )
     if image_to_video is False and pipeline == PIPELINE:
-        return (f"model.image_to_video is false, but {pipeline}'s transformer is the image-to-video one: use a "
-                "HunyuanVideo15Pipeline folder for text-to-video, or remove the key")
+        return (
+            f"model.image_to_video is false, but {pipeline}'s transformer is the image-to-video one: use a "
+            "HunyuanVideo15Pipeline folder for text-to-video, or remove the key"
+        )
     return None
 
 
@@ -57,16 +61,20 @@ def load(folder: Path, model, transformer_config, device, dtype) -> tuple[dict, 
         parts = {"guider": ClassifierFreeGuidance.from_pretrained(folder / "guider")}
     if not is_image_to_video(folder):
         return parts, False
-    encoder = load_component(folder, "image_encoder", transformers.SiglipVisionModel.from_pretrained,
-                             torch_dtype=dtype)
+    encoder = load_component(folder, "image_encoder", transformers.SiglipVisionModel.from_pretrained, torch_dtype=dtype)
     with quiet_hf_libraries():
         try:
             extractor = transformers.AutoImageProcessor.from_pretrained(folder / "feature_extractor")
         except (OSError, ValueError) as err:
-            raise FamilyError(f"{folder / 'feature_extractor'}: cannot load the SigLIP image processor ({err}); a "
-                              f"{PIPELINE} folder needs feature_extractor/ as diffusers saves it.") from None
-    return {**parts, "image_encoder": encoder.to(device).eval().requires_grad_(False),
-            "feature_extractor": extractor}, True
+            raise FamilyError(
+                f"{folder / 'feature_extractor'}: cannot load the SigLIP image processor ({err}); a "
+                f"{PIPELINE} folder needs feature_extractor/ as diffusers saves it."
+            ) from None
+    return {
+        **parts,
+        "image_encoder": encoder.to(device).eval().requires_grad_(False),
+        "feature_extractor": extractor,
+    }, True
 
 
 def frame_images(frames: torch.Tensor) -> list:
@@ -80,8 +88,9 @@ def frame_images(frames: torch.Tensor) -> list:
 def condition_tensors(built, clips: torch.Tensor) -> dict[str, torch.Tensor]:
     """{image_embeds} of clips (B, 3, F, H, W) in [-1, 1]: deterministic; what the latent cache stores."""
     encoder, extractor = built.parts["image_encoder"], built.parts["feature_extractor"]
-    inputs = extractor.preprocess(images=frame_images(clips[:, :, 0]), do_resize=True, return_tensors="pt",
-                                  do_convert_rgb=True)
+    inputs = extractor.preprocess(
+        images=frame_images(clips[:, :, 0]), do_resize=True, return_tensors="pt", do_convert_rgb=True
+    )
     with torch.no_grad():
         hidden = encoder(pixel_values=inputs["pixel_values"].to(built.device, encoder.dtype)).last_hidden_state
     return {IMAGE_EMBEDS: hidden.float()}

@@ -34,11 +34,22 @@ from dstune.hf import quiet_hf_libraries
 from dstune.spec.video_models import expert_problems
 
 TRANSFORMER_CLASS = "HunyuanVideo15Transformer3DModel"
-COMPONENTS = {"transformer": TRANSFORMER_CLASS, "vae": "AutoencoderKLHunyuanVideo15",
-              "text_encoder": "Qwen2_5_VLTextModel", "text_encoder_2": "T5EncoderModel", "tokenizer_2": None,
-              "tokenizer": None, "scheduler": None, "guider": "ClassifierFreeGuidance"}
-TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
-                "encoder_attention_mask_2")
+COMPONENTS = {
+    "transformer": TRANSFORMER_CLASS,
+    "vae": "AutoencoderKLHunyuanVideo15",
+    "text_encoder": "Qwen2_5_VLTextModel",
+    "text_encoder_2": "T5EncoderModel",
+    "tokenizer_2": None,
+    "tokenizer": None,
+    "scheduler": None,
+    "guider": "ClassifierFreeGuidance",
+}
+TEXT_TENSORS = (
+    "encoder_hidden_states",
+    "encoder_attention_mask",
+    "encoder_hidden_states_2",
+    "encoder_attention_mask_2",
+)
 DEFAULT_MAX_SEQUENCE_LENGTH = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length (after the template's crop)
 VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens: SigLIP's 27 x 27 patches
 TRAIN_SHIFT = 3.0  # the official train.py's --train_timestep_shift default
@@ -54,22 +65,30 @@ def config_mismatches(folder: Path) -> list[str]:
     channels = vae.get("latent_channels")
     problems = []
     if channels is not None and transformer.get("in_channels") != 2 * channels + 1:
-        problems.append(f"transformer in_channels {transformer.get('in_channels')} != 2 x the VAE's latent_channels "
-                        f"{channels} + 1 (noisy latents, condition latents, mask)")
+        problems.append(
+            f"transformer in_channels {transformer.get('in_channels')} != 2 x the VAE's latent_channels "
+            f"{channels} + 1 (noisy latents, condition latents, mask)"
+        )
     if channels is not None and transformer.get("out_channels") != channels:
-        problems.append(f"transformer out_channels {transformer.get('out_channels')} != the VAE's latent_channels "
-                        f"{channels}")
+        problems.append(
+            f"transformer out_channels {transformer.get('out_channels')} != the VAE's latent_channels {channels}"
+        )
     if transformer.get("text_embed_dim") != text.get("hidden_size"):
-        problems.append(f"transformer text_embed_dim {transformer.get('text_embed_dim')} != the text encoder's "
-                        f"hidden_size {text.get('hidden_size')}")
+        problems.append(
+            f"transformer text_embed_dim {transformer.get('text_embed_dim')} != the text encoder's "
+            f"hidden_size {text.get('hidden_size')}"
+        )
     if transformer.get("text_embed_2_dim") != glyph.get("d_model"):
-        problems.append(f"transformer text_embed_2_dim {transformer.get('text_embed_2_dim')} != the glyph encoder's "
-                        f"d_model {glyph.get('d_model')}")
+        problems.append(
+            f"transformer text_embed_2_dim {transformer.get('text_embed_2_dim')} != the glyph encoder's "
+            f"d_model {glyph.get('d_model')}"
+        )
     return problems
 
 
-def folder_problems(folder: Path, expert: Optional[str] = None, image_to_video: Optional[bool] = None,
-                    timestep_range=None) -> list[str]:
+def folder_problems(
+    folder: Path, expert: Optional[str] = None, image_to_video: Optional[bool] = None, timestep_range=None
+) -> list[str]:
     """Why `folder` is not a HunyuanVideo 1.5 pipeline folder dstune trains with these model keys (empty: it is)."""
     index = read_model_index(folder)
     problems = expert_problems(index, expert, timestep_range)
@@ -86,8 +105,9 @@ def train_tables(scheduler, shift: Optional[float]) -> tuple[torch.Tensor, torch
     official trainer's 3.0 when None), not the folder scheduler's sampling shift."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    table = FlowMatchEulerDiscreteScheduler(num_train_timesteps=scheduler.config.num_train_timesteps,
-                                            shift=TRAIN_SHIFT if shift is None else float(shift))
+    table = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=scheduler.config.num_train_timesteps, shift=TRAIN_SHIFT if shift is None else float(shift)
+    )
     return table.timesteps.clone().float(), table.sigmas.clone().float()
 
 
@@ -99,8 +119,9 @@ def _captions(pipeline, built, captions: list[str]) -> dict:
     max_sequence_length."""
     pipeline.tokenizer_max_length = built.max_sequence_length
     with torch.no_grad(), quiet_hf_libraries():
-        embeds, mask, embeds_2, mask_2 = pipeline.encode_prompt(list(captions), device=built.device,
-                                                                batch_size=len(captions))
+        embeds, mask, embeds_2, mask_2 = pipeline.encode_prompt(
+            list(captions), device=built.device, batch_size=len(captions)
+        )
     return dict(zip(TEXT_TENSORS, (embeds, mask, embeds_2, mask_2)))
 
 
@@ -119,12 +140,16 @@ def condition_inputs(built, noisy: torch.Tensor, conditions: dict) -> tuple[torc
 
 def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch.Tensor:
     hidden, image_embeds = condition_inputs(built, noisy, conditions)
-    return forward(hidden_states=hidden.to(dtype), timestep=timesteps.to(dtype),
-                   encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
-                   encoder_attention_mask=conditions["encoder_attention_mask"],
-                   encoder_hidden_states_2=conditions["encoder_hidden_states_2"].to(dtype),
-                   encoder_attention_mask_2=conditions["encoder_attention_mask_2"],
-                   image_embeds=image_embeds.to(dtype), return_dict=False)[0]
+    return forward(
+        hidden_states=hidden.to(dtype),
+        timestep=timesteps.to(dtype),
+        encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
+        encoder_attention_mask=conditions["encoder_attention_mask"],
+        encoder_hidden_states_2=conditions["encoder_hidden_states_2"].to(dtype),
+        encoder_attention_mask_2=conditions["encoder_attention_mask_2"],
+        image_embeds=image_embeds.to(dtype),
+        return_dict=False,
+    )[0]
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -137,8 +162,9 @@ def _call_arguments(built, pipeline, sample_spec, arguments: dict) -> dict:
     aspect ratio."""
     pipeline.tokenizer_max_length = built.max_sequence_length
     if sample_spec.guidance is not None:
-        pipeline.guider = type(pipeline.guider).from_config({**pipeline.guider.config,
-                                                             "guidance_scale": float(sample_spec.guidance)})
+        pipeline.guider = type(pipeline.guider).from_config(
+            {**pipeline.guider.config, "guidance_scale": float(sample_spec.guidance)}
+        )
     dropped = ("max_sequence_length", "guidance_scale") + (("height", "width") if built.mode else ())
     return {k: v for k, v in arguments.items() if k not in dropped}
 
@@ -152,27 +178,45 @@ def _pipeline(built, transformer) -> tuple:
 
 
 HUNYUAN_VIDEO15 = FlowRecipe(
-    kind="hunyuan_video15", transformer_class=TRANSFORMER_CLASS, pipeline_class="HunyuanVideo15Pipeline",
+    kind="hunyuan_video15",
+    transformer_class=TRANSFORMER_CLASS,
+    pipeline_class="HunyuanVideo15Pipeline",
     components=COMPONENTS,
     text=TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH),
-    predict=_predict, config_mismatches=config_mismatches,
-    latents=LatentSpace(vae_class="AutoencoderKLHunyuanVideo15", frames=True,
-                        patch=lambda built: (built.transformer_config["patch_size"],) * 2,
-                        spatial_factor=lambda vae_config: vae_config.spatial_compression_ratio),
-    conditioning=Conditioning(load=hunyuan15_i2v.load, encode=hunyuan15_i2v.encode_conditions,
-                              model_inputs=hunyuan15_i2v.model_inputs, sample_sources=hunyuan15_i2v.sample_sources),
-    sampling=Sampling(options=lambda built, sample_spec, prompts: {}, pipeline=_pipeline, call=_call_arguments,
-                      side_multiple=lambda built: (built.vae.config.spatial_compression_ratio
-                                                   * built.transformer_config["patch_size"])),
+    predict=_predict,
+    config_mismatches=config_mismatches,
+    latents=LatentSpace(
+        vae_class="AutoencoderKLHunyuanVideo15",
+        frames=True,
+        patch=lambda built: (built.transformer_config["patch_size"],) * 2,
+        spatial_factor=lambda vae_config: vae_config.spatial_compression_ratio,
+    ),
+    conditioning=Conditioning(
+        load=hunyuan15_i2v.load,
+        encode=hunyuan15_i2v.encode_conditions,
+        model_inputs=hunyuan15_i2v.model_inputs,
+        sample_sources=hunyuan15_i2v.sample_sources,
+    ),
+    sampling=Sampling(
+        options=lambda built, sample_spec, prompts: {},
+        pipeline=_pipeline,
+        call=_call_arguments,
+        side_multiple=lambda built: built.vae.config.spatial_compression_ratio * built.transformer_config["patch_size"],
+    ),
     train_tables=train_tables,
     sequence_split=hunyuan15_split.prepare_split,  # diffusers 0.42 gives the class no context-parallel plan
     preconditioned=lambda model: False,  # the velocity loss of the official trainer
     # HunyuanVideo15Pipeline has no LoRA loader in diffusers 0.42: the file is written as HunyuanVideoPipeline's
     # (HunyuanVideoLoraLoaderMixin: "transformer."-prefixed PEFT keys), which transformer.load_lora_adapter reads
-    lora_class="HunyuanVideoPipeline")
+    lora_class="HunyuanVideoPipeline",
+)
 
-HUNYUAN_VIDEO15_I2V = replace(HUNYUAN_VIDEO15, kind="hunyuan_video15_i2v", pipeline_class=hunyuan15_i2v.PIPELINE,
-                              components={**COMPONENTS, **hunyuan15_i2v.COMPONENTS})
+HUNYUAN_VIDEO15_I2V = replace(
+    HUNYUAN_VIDEO15,
+    kind="hunyuan_video15_i2v",
+    pipeline_class=hunyuan15_i2v.PIPELINE,
+    components={**COMPONENTS, **hunyuan15_i2v.COMPONENTS},
+)
 
 
 def recipe_of(folder: Path) -> FlowRecipe:

@@ -28,8 +28,9 @@ def context_parallel_plan() -> dict:
     return {
         "transformer_blocks.0": {"hidden_states": tokens, "encoder_hidden_states": tokens},
         # (B, context tokens): every block receives it whole
-        "transformer_blocks.*": {"attention_mask": ContextParallelInput(split_dim=1, expected_dims=2,
-                                                                         split_output=False)},
+        "transformer_blocks.*": {
+            "attention_mask": ContextParallelInput(split_dim=1, expected_dims=2, split_output=False)
+        },
         "rope": {0: table, 1: table},  # the cos and sin tables
         "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
     }
@@ -51,10 +52,8 @@ class KeyMaskedAttention:
             projected = projected.unflatten(2, (attn.heads, -1))
             return norm(projected) if norm is not None else projected
 
-        clip_query = apply_rotary_emb(per_head(attn.to_q(hidden_states), attn.norm_q), image_rotary_emb,
-                                      sequence_dim=1)
-        clip_key = apply_rotary_emb(per_head(attn.to_k(hidden_states), attn.norm_k), image_rotary_emb,
-                                    sequence_dim=1)
+        clip_query = apply_rotary_emb(per_head(attn.to_q(hidden_states), attn.norm_q), image_rotary_emb, sequence_dim=1)
+        clip_key = apply_rotary_emb(per_head(attn.to_k(hidden_states), attn.norm_k), image_rotary_emb, sequence_dim=1)
         context_query = per_head(attn.add_q_proj(encoder_hidden_states), attn.norm_added_q)
         context_key = per_head(attn.add_k_proj(encoder_hidden_states), attn.norm_added_k)
         query = torch.cat([clip_query, context_query], dim=1)
@@ -62,9 +61,16 @@ class KeyMaskedAttention:
         value = torch.cat([per_head(attn.to_v(hidden_states)), per_head(attn.add_v_proj(encoder_hidden_states))], 1)
         clip_tokens = hidden_states.shape[1]
         valid_keys = torch.cat([attention_mask.new_ones(attention_mask.shape[0], clip_tokens), attention_mask], 1)
-        attended = dispatch_attention_fn(query, key, value, attn_mask=valid_keys.bool(), dropout_p=0.0,
-                                         is_causal=False, backend=self._attention_backend,
-                                         parallel_config=self._parallel_config)
+        attended = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=valid_keys.bool(),
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
         attended = attended.flatten(2, 3).to(query.dtype)
         clip, context = attended[:, :clip_tokens], attended[:, clip_tokens:]
         return attn.to_out[1](attn.to_out[0](clip)), attn.to_add_out(context)
@@ -77,13 +83,16 @@ def _context_padded_to(size: int):
     def pad(module, args, kwargs):
         caption, mask = kwargs.get("encoder_hidden_states"), kwargs.get("encoder_attention_mask")
         if caption is None or mask is None:
-            raise ValueError("HunyuanVideo 1.5's split forward takes its context as keyword arguments "
-                             "(encoder_hidden_states, encoder_attention_mask)")
+            raise ValueError(
+                "HunyuanVideo 1.5's split forward takes its context as keyword arguments "
+                "(encoder_hidden_states, encoder_attention_mask)"
+            )
         context = caption.shape[1] + kwargs["encoder_hidden_states_2"].shape[1] + kwargs["image_embeds"].shape[1]
         extra = -context % size
         if extra:
-            kwargs["encoder_hidden_states"] = torch.cat([caption, caption.new_zeros(caption.shape[0], extra,
-                                                                                    caption.shape[2])], 1)
+            kwargs["encoder_hidden_states"] = torch.cat(
+                [caption, caption.new_zeros(caption.shape[0], extra, caption.shape[2])], 1
+            )
             kwargs["encoder_attention_mask"] = torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], 1)
         return args, kwargs
 

@@ -23,8 +23,13 @@ def _encode_clip_by_clip(built) -> None:
 
 
 VIDEO_MODEL = VideoModel(
-    title="HunyuanVideo 1.5", transformer_class=TRANSFORMER_CLASS, recipe_of=recipe_of,
+    title="HunyuanVideo 1.5",
+    transformer_class=TRANSFORMER_CLASS,
+    recipe_of=recipe_of,
     folder_problems=folder_problems,
     # Qwen2.5-VL, and the ByT5 glyph encoder's
     text_cache_folders=("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"),
-    cache_key=cache_key, condition_tensors=i2v.condition_tensors, after_build=_encode_clip_by_clip)
+    cache_key=cache_key,
+    condition_tensors=i2v.condition_tensors,
+    after_build=_encode_clip_by_clip,
+)

@@ -29,10 +29,17 @@ TAPPED_LAYERS = 13
 TEXT_TOKENS = 128
 # in_channels == 4 x the VAE's latent channels (2x2 patches); llm_features_dim == 13 tapped layers x TEXT_WIDTH;
 # sum(mrope_section) == attention_head_dim / 2
-TINY_IDEOGRAM4_TRANSFORMER = dict(in_channels=4 * TINY_FLUX2_VAE["latent_channels"], num_layers=1,
-                                  attention_head_dim=16, num_attention_heads=2, intermediate_size=64, adaln_dim=16,
-                                  llm_features_dim=TAPPED_LAYERS * TEXT_WIDTH, rope_theta=10_000,
-                                  mrope_section=(4, 2, 2))
+TINY_IDEOGRAM4_TRANSFORMER = dict(
+    in_channels=4 * TINY_FLUX2_VAE["latent_channels"],
+    num_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    intermediate_size=64,
+    adaln_dim=16,
+    llm_features_dim=TAPPED_LAYERS * TEXT_WIDTH,
+    rope_theta=10_000,
+    mrope_section=(4, 2, 2),
+)
 # A Qwen3-VL chat format: content given as a list of {"type": "text"} parts (what Ideogram4Pipeline writes) or text
 
 
@@ -57,14 +64,22 @@ def build_tiny_ideogram4(out: Path, needs: dict) -> dict:
         vae = AutoencoderKLFlux2(**TINY_FLUX2_VAE)
         transformer = Ideogram4Transformer2DModel(**TINY_IDEOGRAM4_TRANSFORMER)
         unconditional = Ideogram4Transformer2DModel(**TINY_IDEOGRAM4_TRANSFORMER)
-    pipeline = Ideogram4Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000), vae=vae,
-                                 text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
-                                 unconditional_transformer=unconditional)
+    pipeline = Ideogram4Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        unconditional_transformer=unconditional,
+    )
     return save_pipeline(pipeline, out, transformer)
 
 
 TINY_IDEOGRAM4 = BuiltinModel(
-    name="tiny-ideogram4", folder_name="tiny-ideogram4-v1", family="flow",
+    name="tiny-ideogram4",
+    folder_name="tiny-ideogram4-v1",
+    family="flow",
     description="Ideogram 4 pipeline: two one-block Ideogram 4 transformers (conditional, unconditional), Qwen3-VL "
-                "(36 text layers 16 wide), random 8-channel AutoencoderKLFlux2",
-    build=build_tiny_ideogram4)
+    "(36 text layers 16 wide), random 8-channel AutoencoderKLFlux2",
+    build=build_tiny_ideogram4,
+)

@@ -27,8 +27,15 @@ import torch
 from dstune.families.base import FamilyError
 from dstune.families.diffusion import load_component
 from dstune.families.flow_matching import timestep_density
-from dstune.families.flow_recipe import (FlowRecipe, LatentSpace, Sampling, TextSide, fixed_patch, read_config,
-                                         vae_spatial_factor)
+from dstune.families.flow_recipe import (
+    FlowRecipe,
+    LatentSpace,
+    Sampling,
+    TextSide,
+    fixed_patch,
+    read_config,
+    vae_spatial_factor,
+)
 from dstune.hf import quiet_hf_libraries
 
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
@@ -47,18 +54,26 @@ def _mismatches(folder: Path) -> list[str]:
     transformer, vae = read_config(folder, "transformer"), read_config(folder, "vae")
     text = read_config(folder, "text_encoder")
     text = text.get("text_config", text)
-    checks = [("in_channels", 4 * vae.get("latent_channels", 32)),
-              ("llm_features_dim", len(TAPPED_LAYERS) * text.get("hidden_size", 0))]
-    problems = [f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
-                for key, want in checks if transformer.get(key) != want]
+    checks = [
+        ("in_channels", 4 * vae.get("latent_channels", 32)),
+        ("llm_features_dim", len(TAPPED_LAYERS) * text.get("hidden_size", 0)),
+    ]
+    problems = [
+        f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
+        for key, want in checks
+        if transformer.get(key) != want
+    ]
     if text.get("num_hidden_layers", 0) <= max(TAPPED_LAYERS):
-        problems.append(f"text_encoder has {text.get('num_hidden_layers')} layers; the pipeline reads the hidden "
-                        f"states of layers {', '.join(map(str, TAPPED_LAYERS))}")
+        problems.append(
+            f"text_encoder has {text.get('num_hidden_layers')} layers; the pipeline reads the hidden "
+            f"states of layers {', '.join(map(str, TAPPED_LAYERS))}"
+        )
     unconditional = read_config(folder, "unconditional_transformer")
     for key in ("in_channels", "llm_features_dim"):
         if unconditional.get(key) != transformer.get(key):
-            problems.append(f"unconditional_transformer {key} {unconditional.get(key)} != the transformer's "
-                            f"{transformer.get(key)}")
+            problems.append(
+                f"unconditional_transformer {key} {unconditional.get(key)} != the transformer's {transformer.get(key)}"
+            )
     return problems
 
 
@@ -76,13 +91,16 @@ def _captions(pipeline, built, captions: list[str]) -> dict:
     for caption in captions:  # the pipeline's own refusal names neither the caption nor the setting
         tokens = _caption_tokens(pipeline, caption)
         if tokens > limit:
-            raise FamilyError(f"the caption {caption[:80]!r}{'...' if len(caption) > 80 else ''} is {tokens} tokens "
-                              f"in Ideogram 4's chat format, more than model.max_sequence_length {limit} (every "
-                              "caption is left-padded to it): raise model.max_sequence_length (the training example "
-                              "uses 2048) or shorten the caption")
+            raise FamilyError(
+                f"the caption {caption[:80]!r}{'...' if len(caption) > 80 else ''} is {tokens} tokens "
+                f"in Ideogram 4's chat format, more than model.max_sequence_length {limit} (every "
+                "caption is left-padded to it): raise model.max_sequence_length (the training example "
+                "uses 2048) or shorten the caption"
+            )
     with torch.no_grad(), quiet_hf_libraries():
-        embeds, _, _, indicator = pipeline.encode_prompt(list(captions), grid_h=0, grid_w=0, device=built.device,
-                                                         max_sequence_length=limit)
+        embeds, _, _, indicator = pipeline.encode_prompt(
+            list(captions), grid_h=0, grid_w=0, device=built.device, max_sequence_length=limit
+        )
     return {"encoder_hidden_states": embeds, "encoder_attention_mask": (indicator == LLM_TOKEN_INDICATOR).long()}
 
 
@@ -94,8 +112,7 @@ def _model_latents(built, sample: torch.Tensor) -> torch.Tensor:
     patches = patches.reshape(batch, 4 * channels, height // 2, width // 2)
     bn = built.vae.bn
     mean = bn.running_mean.view(1, -1, 1, 1).to(sample.device, sample.dtype)
-    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + built.vae.config.batch_norm_eps).to(sample.device,
-                                                                                          sample.dtype)
+    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + built.vae.config.batch_norm_eps).to(sample.device, sample.dtype)
     return (patches - mean) / std
 
 
@@ -115,13 +132,20 @@ def _predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tenso
     embeds, mask = text["encoder_hidden_states"], text["encoder_attention_mask"]
     length, images = embeds.shape[1], rows * columns
     position_ids, segment_ids, indicator = _pipeline_class()._prepare_ids(
-        mask.sum(dim=1).tolist(), rows, columns, length, noisy.device)
+        mask.sum(dim=1).tolist(), rows, columns, length, noisy.device
+    )
     tokens = noisy.permute(0, 2, 3, 1).reshape(batch, images, features)
     hidden = torch.cat([tokens.new_zeros(batch, length, features), tokens], dim=1).to(dtype)
     text_features = torch.cat([embeds, embeds.new_zeros(batch, images, embeds.shape[-1])], dim=1).to(dtype)
-    prediction = forward(hidden_states=hidden, timestep=(1.0 - timesteps / 1000).to(dtype),
-                         encoder_hidden_states=text_features, position_ids=position_ids, segment_ids=segment_ids,
-                         indicator=indicator, return_dict=False)[0]
+    prediction = forward(
+        hidden_states=hidden,
+        timestep=(1.0 - timesteps / 1000).to(dtype),
+        encoder_hidden_states=text_features,
+        position_ids=position_ids,
+        segment_ids=segment_ids,
+        indicator=indicator,
+        return_dict=False,
+    )[0]
     velocity = -prediction[:, length:]  # the model predicts x0 - noise
     return velocity.reshape(batch, rows, columns, features).permute(0, 3, 1, 2)
 
@@ -135,8 +159,12 @@ def _sampling_pipeline(built, transformer):
     with quiet_hf_libraries():
         from diffusers import Ideogram4Transformer2DModel
 
-        unconditional = load_component(built.folder, "unconditional_transformer",
-                                       Ideogram4Transformer2DModel.from_pretrained, torch_dtype=built.frozen_dtype)
+        unconditional = load_component(
+            built.folder,
+            "unconditional_transformer",
+            Ideogram4Transformer2DModel.from_pretrained,
+            torch_dtype=built.frozen_dtype,
+        )
     return cls, {"unconditional_transformer": unconditional.to(built.device).eval().requires_grad_(False)}
 
 
@@ -146,11 +174,20 @@ def _guidance(built, sample_spec, prompts: list[str]) -> dict:
 
 
 IDEOGRAM4 = FlowRecipe(
-    kind="ideogram4", transformer_class="Ideogram4Transformer2DModel", pipeline_class="Ideogram4Pipeline",
-    components={"text_encoder": "Qwen3VLModel", "tokenizer": None,
-                "unconditional_transformer": "Ideogram4Transformer2DModel"},
-    text=TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, 2048), predict=_predict,
+    kind="ideogram4",
+    transformer_class="Ideogram4Transformer2DModel",
+    pipeline_class="Ideogram4Pipeline",
+    components={
+        "text_encoder": "Qwen3VLModel",
+        "tokenizer": None,
+        "unconditional_transformer": "Ideogram4Transformer2DModel",
+    },
+    text=TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, 2048),
+    predict=_predict,
     config_mismatches=_mismatches,
-    latents=LatentSpace(vae_class="AutoencoderKLFlux2", patch=fixed_patch(2), posterior_mode=True,
-                        to_model=_model_latents),
-    sampling=Sampling(options=_guidance, pipeline=_sampling_pipeline), draw_sigmas=_sigmas)
+    latents=LatentSpace(
+        vae_class="AutoencoderKLFlux2", patch=fixed_patch(2), posterior_mode=True, to_model=_model_latents
+    ),
+    sampling=Sampling(options=_guidance, pipeline=_sampling_pipeline),
+    draw_sigmas=_sigmas,
+)

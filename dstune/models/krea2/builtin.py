@@ -26,14 +26,34 @@ _TURBO_SEED = 61  # the Turbo folder's transformer
 TEXT_WIDTH = 32  # the text encoder's hidden size = the transformer's text_hidden_dim
 TEXT_LAYERS = (1, 3)  # indices into the encoder's hidden_states (0: the embeddings), as text_encoder_select_layers
 # in_channels == 4 x the VAE's z_dim (2x2 packing); sum(axes_dims_rope) == attention_head_dim
-TINY_KREA2_TRANSFORMER = dict(in_channels=64, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-                              num_key_value_heads=1, intermediate_size=64, timestep_embed_dim=32,
-                              text_hidden_dim=TEXT_WIDTH, num_text_layers=len(TEXT_LAYERS), text_num_attention_heads=2,
-                              text_num_key_value_heads=2, text_intermediate_size=64, num_layerwise_text_blocks=1,
-                              num_refiner_text_blocks=1, axes_dims_rope=(4, 6, 6))
+TINY_KREA2_TRANSFORMER = dict(
+    in_channels=64,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=64,
+    timestep_embed_dim=32,
+    text_hidden_dim=TEXT_WIDTH,
+    num_text_layers=len(TEXT_LAYERS),
+    text_num_attention_heads=2,
+    text_num_key_value_heads=2,
+    text_intermediate_size=64,
+    num_layerwise_text_blocks=1,
+    num_refiner_text_blocks=1,
+    axes_dims_rope=(4, 6, 6),
+)
 # the released scheduler: resolution-aware exponential dynamic shifting (the training tables are then unshifted)
-KREA2_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
-                       max_shift=1.15, base_image_seq_len=256, max_image_seq_len=6400, time_shift_type="exponential")
+KREA2_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=6400,
+    time_shift_type="exponential",
+)
 
 
 def tiny_qwen3_vl_encoder(tokenizer):
@@ -42,18 +62,42 @@ def tiny_qwen3_vl_encoder(tokenizer):
 
     end_of_text, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = Qwen3VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=64,
-                         num_hidden_layers=max(TEXT_LAYERS), num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         max_position_embeddings=2048, pad_token_id=end_of_text,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT_WIDTH,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
-                           deepstack_visual_indexes=[]),
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=TEXT_WIDTH,
+            intermediate_size=64,
+            num_hidden_layers=max(TEXT_LAYERS),
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=2048,
+            pad_token_id=end_of_text,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=TEXT_WIDTH,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[],
+        ),
         image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
         vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"), bos_token_id=end_of_text,
-        eos_token_id=im_end, pad_token_id=end_of_text)
+        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+        bos_token_id=end_of_text,
+        eos_token_id=im_end,
+        pad_token_id=end_of_text,
+    )
     return Qwen3VLModel(config)
 
 
@@ -70,9 +114,15 @@ def _build_tiny_krea2(out: Path, distilled: bool) -> dict:
     if distilled:
         with deterministic_cpu(_TURBO_SEED, BUILD_THREADS):
             transformer = Krea2Transformer2DModel(**TINY_KREA2_TRANSFORMER)
-    pipeline = Krea2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**KREA2_SCHEDULER), vae=vae,
-                             text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
-                             text_encoder_select_layers=TEXT_LAYERS, is_distilled=distilled)
+    pipeline = Krea2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**KREA2_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        text_encoder_select_layers=TEXT_LAYERS,
+        is_distilled=distilled,
+    )
     return save_pipeline(pipeline, out, transformer)
 
 
@@ -87,11 +137,17 @@ def build_tiny_krea2_turbo(out: Path, needs: dict) -> dict:
 
 
 TINY_KREA2 = BuiltinModel(
-    name="tiny-krea2", folder_name="tiny-krea2-v1", family="flow",
+    name="tiny-krea2",
+    folder_name="tiny-krea2-v1",
+    family="flow",
     description="Krea 2 (Raw) pipeline: 2-block Krea 2 transformer, Qwen3-VL text encoder (three 32-wide layers, "
-                "two tapped), random 16-channel AutoencoderKLQwenImage",
-    build=build_tiny_krea2)
+    "two tapped), random 16-channel AutoencoderKLQwenImage",
+    build=build_tiny_krea2,
+)
 TINY_KREA2_TURBO = BuiltinModel(
-    name="tiny-krea2-turbo", folder_name="tiny-krea2-turbo-v1", family="flow",
+    name="tiny-krea2-turbo",
+    folder_name="tiny-krea2-turbo-v1",
+    family="flow",
     description="Krea 2 Turbo layout: tiny-krea2's parts, is_distilled, and a transformer of its own weights",
-    build=build_tiny_krea2_turbo)
+    build=build_tiny_krea2_turbo,
+)

@@ -48,21 +48,31 @@ def _mismatches(folder: Path) -> list[str]:
     text = text.get("text_config", text)
     index = read_config(folder, ".", "model_index.json")
     layers = index.get("text_encoder_select_layers") or [None] * DEFAULT_TEXT_LAYERS
-    checks = [("in_channels", 4 * vae.get("z_dim", 16)), ("text_hidden_dim", text.get("hidden_size")),
-              ("num_text_layers", len(layers))]
-    problems = [f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs and "
-                "model_index.json's text_encoder_select_layers)" for key, want in checks if transformer.get(key) != want]
+    checks = [
+        ("in_channels", 4 * vae.get("z_dim", 16)),
+        ("text_hidden_dim", text.get("hidden_size")),
+        ("num_text_layers", len(layers)),
+    ]
+    problems = [
+        f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs and "
+        "model_index.json's text_encoder_select_layers)"
+        for key, want in checks
+        if transformer.get(key) != want
+    ]
     deepest = max((layer for layer in layers if layer is not None), default=0)
     if deepest > text.get("num_hidden_layers", 0):
-        problems.append(f"model_index.json taps the text encoder's hidden states {layers}, but it has "
-                        f"{text.get('num_hidden_layers')} layers")
+        problems.append(
+            f"model_index.json taps the text encoder's hidden states {layers}, but it has "
+            f"{text.get('num_hidden_layers')} layers"
+        )
     return problems
 
 
 def _captions(pipeline, built, captions: list[str]) -> dict:
     with torch.no_grad(), quiet_hf_libraries():
-        embeds, mask = pipeline.encode_prompt(list(captions), device=built.device,
-                                              max_sequence_length=built.max_sequence_length)
+        embeds, mask = pipeline.encode_prompt(
+            list(captions), device=built.device, max_sequence_length=built.max_sequence_length
+        )
     return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
 
 
@@ -80,15 +90,25 @@ def _predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tenso
     _, _, height, width = noisy.shape
     embeds = text["encoder_hidden_states"]
     ids = _pipeline_class().prepare_position_ids(embeds.shape[1], height // 2, width // 2, noisy.device)
-    prediction = forward(hidden_states=pack_latents(noisy).to(dtype), encoder_hidden_states=embeds,
-                         timestep=(timesteps / 1000).to(dtype), position_ids=ids,
-                         encoder_attention_mask=text["encoder_attention_mask"].bool(), return_dict=False)[0]
+    prediction = forward(
+        hidden_states=pack_latents(noisy).to(dtype),
+        encoder_hidden_states=embeds,
+        timestep=(timesteps / 1000).to(dtype),
+        position_ids=ids,
+        encoder_attention_mask=text["encoder_attention_mask"].bool(),
+        return_dict=False,
+    )[0]
     return unpack_latents(prediction, height, width)
 
 
 KREA2 = FlowRecipe(
-    kind="krea2", transformer_class="Krea2Transformer2DModel", pipeline_class="Krea2Pipeline",
+    kind="krea2",
+    transformer_class="Krea2Transformer2DModel",
+    pipeline_class="Krea2Pipeline",
     components={"text_encoder": "Qwen3VLModel", "tokenizer": None},
-    text=TextSide(TEXT_TENSORS, _captions, _tokens, 512), predict=_predict, config_mismatches=_mismatches,
+    text=TextSide(TEXT_TENSORS, _captions, _tokens, 512),
+    predict=_predict,
+    config_mismatches=_mismatches,
     latents=LatentSpace(vae_class="AutoencoderKLQwenImage", patch=fixed_patch(2)),
-    sampling=Sampling(pipeline=_pipeline))
+    sampling=Sampling(pipeline=_pipeline),
+)

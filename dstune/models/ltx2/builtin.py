@@ -37,34 +37,85 @@ SPATIAL, TEMPORAL = 8, 4  # the tiny VAE's compression (the real one's: 32, 8)
 GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
 
 TINY_LTX2_TRANSFORMER = dict(
-    in_channels=VIDEO_LATENT_CHANNELS, out_channels=VIDEO_LATENT_CHANNELS, patch_size=1, patch_size_t=1,
-    num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, vae_scale_factors=(TEMPORAL, SPATIAL, SPATIAL),
+    in_channels=VIDEO_LATENT_CHANNELS,
+    out_channels=VIDEO_LATENT_CHANNELS,
+    patch_size=1,
+    patch_size_t=1,
+    num_attention_heads=2,
+    attention_head_dim=8,
+    cross_attention_dim=16,
+    vae_scale_factors=(TEMPORAL, SPATIAL, SPATIAL),
     audio_in_channels=AUDIO_LATENT_CHANNELS * AUDIO_MEL_BINS // 4,
-    audio_out_channels=AUDIO_LATENT_CHANNELS * AUDIO_MEL_BINS // 4, audio_num_attention_heads=2,
-    audio_attention_head_dim=8, audio_cross_attention_dim=16, num_layers=2, caption_channels=TEXT_WIDTH)
+    audio_out_channels=AUDIO_LATENT_CHANNELS * AUDIO_MEL_BINS // 4,
+    audio_num_attention_heads=2,
+    audio_attention_head_dim=8,
+    audio_cross_attention_dim=16,
+    num_layers=2,
+    caption_channels=TEXT_WIDTH,
+)
 TINY_LTX2_CONNECTORS = dict(
-    caption_channels=TEXT_WIDTH, text_proj_in_factor=TEXT_LAYERS + 1, video_connector_num_attention_heads=2,
-    video_connector_attention_head_dim=8, video_connector_num_layers=1, video_connector_num_learnable_registers=8,
-    audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
-    audio_connector_num_learnable_registers=8, connector_rope_base_seq_len=64)
+    caption_channels=TEXT_WIDTH,
+    text_proj_in_factor=TEXT_LAYERS + 1,
+    video_connector_num_attention_heads=2,
+    video_connector_attention_head_dim=8,
+    video_connector_num_layers=1,
+    video_connector_num_learnable_registers=8,
+    audio_connector_num_attention_heads=2,
+    audio_connector_attention_head_dim=8,
+    audio_connector_num_layers=1,
+    audio_connector_num_learnable_registers=8,
+    connector_rope_base_seq_len=64,
+)
 TINY_LTX2_VAE = dict(
-    latent_channels=VIDEO_LATENT_CHANNELS, block_out_channels=(8, 16, 16), decoder_block_out_channels=(8, 16),
-    layers_per_block=(1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, True, True),
-    decoder_spatio_temporal_scaling=(True, True), decoder_inject_noise=(False, False, False),
-    downsample_type=("spatial", "temporal", "spatiotemporal"), upsample_type=("spatiotemporal", "spatiotemporal"),
-    upsample_residual=(True, True), upsample_factor=(2, 2), patch_size=2, patch_size_t=1,
-    spatial_compression_ratio=SPATIAL, temporal_compression_ratio=TEMPORAL)
+    latent_channels=VIDEO_LATENT_CHANNELS,
+    block_out_channels=(8, 16, 16),
+    decoder_block_out_channels=(8, 16),
+    layers_per_block=(1, 1, 1, 1),
+    decoder_layers_per_block=(1, 1, 1),
+    spatio_temporal_scaling=(True, True, True),
+    decoder_spatio_temporal_scaling=(True, True),
+    decoder_inject_noise=(False, False, False),
+    downsample_type=("spatial", "temporal", "spatiotemporal"),
+    upsample_type=("spatiotemporal", "spatiotemporal"),
+    upsample_residual=(True, True),
+    upsample_factor=(2, 2),
+    patch_size=2,
+    patch_size_t=1,
+    spatial_compression_ratio=SPATIAL,
+    temporal_compression_ratio=TEMPORAL,
+)
 # base_channels = latent channels x latent mel bins: the size of the per-channel statistics the pipeline normalises by
 TINY_LTX2_AUDIO_VAE = dict(
-    base_channels=AUDIO_LATENT_CHANNELS * AUDIO_MEL_BINS // 4, output_channels=2, ch_mult=(1, 2, 2),
-    num_res_blocks=1, in_channels=2, resolution=32, latent_channels=AUDIO_LATENT_CHANNELS, mel_bins=AUDIO_MEL_BINS,
-    sample_rate=16000, mel_hop_length=160)
+    base_channels=AUDIO_LATENT_CHANNELS * AUDIO_MEL_BINS // 4,
+    output_channels=2,
+    ch_mult=(1, 2, 2),
+    num_res_blocks=1,
+    in_channels=2,
+    resolution=32,
+    latent_channels=AUDIO_LATENT_CHANNELS,
+    mel_bins=AUDIO_MEL_BINS,
+    sample_rate=16000,
+    mel_hop_length=160,
+)
 TINY_LTX2_VOCODER = dict(
-    in_channels=2 * AUDIO_MEL_BINS, hidden_channels=16, out_channels=2, upsample_kernel_sizes=[4, 4],
-    upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3]], output_sampling_rate=16000)
+    in_channels=2 * AUDIO_MEL_BINS,
+    hidden_channels=16,
+    out_channels=2,
+    upsample_kernel_sizes=[4, 4],
+    upsample_factors=[2, 2],
+    resnet_kernel_sizes=[3],
+    resnet_dilations=[[1, 3]],
+    output_sampling_rate=16000,
+)
 # LTX2Pipeline's resolution-dependent shift (calculate_shift over the video tokens), as the real folder's scheduler
-LTX2_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
-                      max_image_seq_len=4096, shift_terminal=0.1)
+LTX2_SCHEDULER = dict(
+    use_dynamic_shifting=True,
+    base_shift=0.95,
+    max_shift=2.05,
+    base_image_seq_len=1024,
+    max_image_seq_len=4096,
+    shift_terminal=0.1,
+)
 
 
 def tiny_gemma_tokenizer():
@@ -82,20 +133,44 @@ def tiny_gemma3(tokenizer):
 
     pad, eos, bos, unk = tokenizer.convert_tokens_to_ids(["<pad>", "<eos>", "<bos>", "<unk>"])
     config = Gemma3Config(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=32,
-                         num_hidden_layers=TEXT_LAYERS, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                         max_position_embeddings=2048, sliding_window=64, pad_token_id=pad, eos_token_id=eos,
-                         bos_token_id=bos),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        mm_tokens_per_image=4, boi_token_index=bos, eoi_token_index=eos, image_token_index=unk)
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=TEXT_WIDTH,
+            intermediate_size=32,
+            num_hidden_layers=TEXT_LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=2048,
+            sliding_window=64,
+            pad_token_id=pad,
+            eos_token_id=eos,
+            bos_token_id=bos,
+        ),
+        vision_config=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=bos,
+        eoi_token_index=eos,
+        image_token_index=unk,
+    )
     return Gemma3ForConditionalGeneration(config)
 
 
 def ltx2_parts() -> dict:
     """Every component of the tiny LTX2Pipeline folder (seeded)."""
-    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                           LTX2VideoTransformer3DModel)
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2VideoTransformer3DModel,
+    )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
@@ -107,9 +182,16 @@ def ltx2_parts() -> dict:
         audio_vae = AutoencoderKLLTX2Audio(**TINY_LTX2_AUDIO_VAE)
         vocoder = LTX2Vocoder(**TINY_LTX2_VOCODER)
         transformer = LTX2VideoTransformer3DModel(**TINY_LTX2_TRANSFORMER)
-    return dict(transformer=transformer, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
-                tokenizer=tokenizer, connectors=connectors, vocoder=vocoder,
-                scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER))
+    return dict(
+        transformer=transformer,
+        vae=vae,
+        audio_vae=audio_vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        connectors=connectors,
+        vocoder=vocoder,
+        scheduler=FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER),
+    )
 
 
 def build_tiny_ltx2(out: Path, needs: dict) -> dict:
@@ -121,8 +203,11 @@ def build_tiny_ltx2(out: Path, needs: dict) -> dict:
 
 
 TINY_LTX2 = BuiltinModel(
-    name="tiny-ltx2", folder_name="tiny-ltx2-v1", family=VIDEO_FAMILY,
+    name="tiny-ltx2",
+    folder_name="tiny-ltx2-v1",
+    family=VIDEO_FAMILY,
     description="LTX-2 audio+video pipeline: 2-block LTX2 transformer (16-wide video and audio streams), an 8-channel "
-                "causal video VAE (8x spatial, 4x temporal), a 16-bin stereo audio VAE and vocoder, a two-layer "
-                "16-wide Gemma 3 text encoder and one-layer text connectors",
-    build=build_tiny_ltx2)
+    "causal video VAE (8x spatial, 4x temporal), a 16-bin stereo audio VAE and vocoder, a two-layer "
+    "16-wide Gemma 3 text encoder and one-layer text connectors",
+    build=build_tiny_ltx2,
+)

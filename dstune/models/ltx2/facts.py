@@ -35,10 +35,19 @@ def token_factors(folder) -> tuple[int, tuple[int, int, int], str]:
     spatial, temporal = compression(folder)
     transformer = folder.config("transformer")
     patch = transformer.get("patch_size", 1)
-    note = "" if temporal == 4 else (f" (latent frames counted at 4x here; LTX-2's VAE is {temporal}x in time: the "
-                                     "memory plan counts its tokens at that)")
-    return (spatial, (transformer.get("patch_size_t", 1), patch, patch),
-            f"the VAE and transformer configs of {folder.origin}{note}")
+    note = (
+        ""
+        if temporal == 4
+        else (
+            f" (latent frames counted at 4x here; LTX-2's VAE is {temporal}x in time: the "
+            "memory plan counts its tokens at that)"
+        )
+    )
+    return (
+        spatial,
+        (transformer.get("patch_size_t", 1), patch, patch),
+        f"the VAE and transformer configs of {folder.origin}{note}",
+    )
 
 
 def clip_tokens(frames: int, width: int, height: int, spatial: int, temporal: int) -> int:
@@ -58,14 +67,20 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[fl
 def cache_bytes(spec, folder, companions: dict, num_samples: int, buckets) -> int:
     """Each bucket's clips' posteriors (float32 mean and std) at the VAE's own compression, and each caption's
     connector outputs."""
-    text = sum(transformer_text_bytes(spec, folder, tokens, width) for tokens, width in
-               text_tokens_and_width(spec, folder)) * num_samples
+    text = (
+        sum(
+            transformer_text_bytes(spec, folder, tokens, width) for tokens, width in text_tokens_and_width(spec, folder)
+        )
+        * num_samples
+    )
     if not (spec.data.cache.latents and "vae" in companions):
         return text
     channels = folder.config("vae").get("latent_channels", 128)
     spatial, temporal = compression(folder)
-    return text + sum(2 * channels * clip_tokens(frames, width, height, spatial, temporal) * 4 * count
-                      for frames, width, height, count in buckets)
+    return text + sum(
+        2 * channels * clip_tokens(frames, width, height, spatial, temporal) * 4 * count
+        for frames, width, height, count in buckets
+    )
 
 
 def text_tokens(spec) -> int:
@@ -88,36 +103,75 @@ def spec_issues(spec, folder) -> list[tuple[str, str]]:
     issues = []
     _, temporal = compression(folder)
     if spec.model.image_to_video:
-        issues.append(("model.image_to_video", f"{spec.model.pretrained}: LTX-2 image-to-video "
-                       "(LTX2ImageToVideoPipeline) is not trained by dstune yet; remove the key"))
+        issues.append(
+            (
+                "model.image_to_video",
+                f"{spec.model.pretrained}: LTX-2 image-to-video "
+                "(LTX2ImageToVideoPipeline) is not trained by dstune yet; remove the key",
+            )
+        )
     if spec.model.timestep_sampling not in ("shifted_logit_normal", "uniform"):
-        issues.append(("model.timestep_sampling", f"{spec.model.timestep_sampling}: LTX-2 draws sigma as ltx-trainer "
-                       "does: shifted_logit_normal (its default) or uniform"))
+        issues.append(
+            (
+                "model.timestep_sampling",
+                f"{spec.model.timestep_sampling}: LTX-2 draws sigma as ltx-trainer "
+                "does: shifted_logit_normal (its default) or uniform",
+            )
+        )
     for key in ("shift", "timestep_range"):
         if getattr(spec.model, key) is not None:
-            issues.append((f"model.{key}", "LTX-2 draws sigma directly (model.timestep_sampling), without the "
-                           "scheduler's tables this key acts on; remove it"))
+            issues.append(
+                (
+                    f"model.{key}",
+                    "LTX-2 draws sigma directly (model.timestep_sampling), without the "
+                    "scheduler's tables this key acts on; remove it",
+                )
+            )
     if spec.sample.control_images:
-        issues.append(("sample.control_images", f"{spec.model.pretrained} renders from the prompt alone (text-to-"
-                       "video): remove sample.control_images"))
+        issues.append(
+            (
+                "sample.control_images",
+                f"{spec.model.pretrained} renders from the prompt alone (text-to-video): remove sample.control_images",
+            )
+        )
     if (spec.model.sample_frames - 1) % temporal:
-        issues.append(("model.sample_frames", f"{spec.model.sample_frames} is not {temporal}k+1: LTX-2's VAE keeps "
-                       f"the first frame and compresses the rest {temporal}x (e.g. 9, 17, 25, 121)"))
+        issues.append(
+            (
+                "model.sample_frames",
+                f"{spec.model.sample_frames} is not {temporal}k+1: LTX-2's VAE keeps "
+                f"the first frame and compresses the rest {temporal}x (e.g. 9, 17, 25, 121)",
+            )
+        )
     uneven = [count for count in spec.data.video.frame_counts if (count - 1) % temporal]
     if uneven:
-        issues.append(("data.video.frames", f"{', '.join(map(str, uneven))} frames: LTX-2's VAE takes {temporal}k+1 "
-                       f"frames (e.g. {temporal + 1}, {2 * temporal + 1}, 121)"))
+        issues.append(
+            (
+                "data.video.frames",
+                f"{', '.join(map(str, uneven))} frames: LTX-2's VAE takes {temporal}k+1 "
+                f"frames (e.g. {temporal + 1}, {2 * temporal + 1}, 121)",
+            )
+        )
     return issues
 
 
 def attention(folder) -> Attention:
     """Refused: its transformer has a context-parallel plan in diffusers, but dstune's split of the joint video and
     audio streams is not written."""
-    return Attention(0, 0, f"the transformer config of {folder.origin}",
-                     "LTX-2's sequence split is not enabled in dstune yet (its transformer has a context-parallel "
-                     "plan in diffusers, but dstune's split of the joint video and audio streams is not written)")
+    return Attention(
+        0,
+        0,
+        f"the transformer config of {folder.origin}",
+        "LTX-2's sequence split is not enabled in dstune yet (its transformer has a context-parallel "
+        "plan in diffusers, but dstune's split of the joint video and audio streams is not written)",
+    )
 
 
 VIDEO_FACTS = VideoFacts(
-    transformer_class=TRANSFORMER_CLASS, token_factors=token_factors, sample_bytes=sample_bytes,
-    cache_bytes=cache_bytes, spec_issues=spec_issues, sampling_parts=sampling_parts, attention=attention)
+    transformer_class=TRANSFORMER_CLASS,
+    token_factors=token_factors,
+    sample_bytes=sample_bytes,
+    cache_bytes=cache_bytes,
+    spec_issues=spec_issues,
+    sampling_parts=sampling_parts,
+    attention=attention,
+)

@@ -35,9 +35,16 @@ from dstune.spec.video_models import expert_problems
 
 TRANSFORMER_CLASS = "LTX2VideoTransformer3DModel"
 PIPELINE = "LTX2Pipeline"
-COMPONENTS = {"transformer": TRANSFORMER_CLASS, "vae": "AutoencoderKLLTX2Video", "audio_vae": "AutoencoderKLLTX2Audio",
-              "text_encoder": "Gemma3ForConditionalGeneration", "tokenizer": None,
-              "connectors": "LTX2TextConnectors", "vocoder": "LTX2Vocoder", "scheduler": None}
+COMPONENTS = {
+    "transformer": TRANSFORMER_CLASS,
+    "vae": "AutoencoderKLLTX2Video",
+    "audio_vae": "AutoencoderKLLTX2Audio",
+    "text_encoder": "Gemma3ForConditionalGeneration",
+    "tokenizer": None,
+    "connectors": "LTX2TextConnectors",
+    "vocoder": "LTX2Vocoder",
+    "scheduler": None,
+}
 TEXT_TENSORS = ("encoder_hidden_states", "audio_encoder_hidden_states", "encoder_attention_mask")
 DEFAULT_MAX_SEQUENCE_LENGTH = 1024  # LTX2Pipeline's max_sequence_length default
 DEFAULT_FPS = 24.0  # ltx-trainer's frame rate for latents without one (RoPE's time axis is in seconds)
@@ -63,27 +70,38 @@ def config_mismatches(folder: Path) -> list[str]:
     text = read_component_config(folder, "text_encoder")
     problems = []
     if (transformer.get("patch_size"), transformer.get("patch_size_t")) != (1, 1):
-        problems.append(f"transformer patch_size {transformer.get('patch_size')} / patch_size_t "
-                        f"{transformer.get('patch_size_t')}: dstune packs LTX-2 latents 1x1x1, as LTX-2's are")
+        problems.append(
+            f"transformer patch_size {transformer.get('patch_size')} / patch_size_t "
+            f"{transformer.get('patch_size_t')}: dstune packs LTX-2 latents 1x1x1, as LTX-2's are"
+        )
     if transformer.get("in_channels") != vae.get("latent_channels"):
-        problems.append(f"transformer in_channels {transformer.get('in_channels')} != the VAE's latent_channels "
-                        f"{vae.get('latent_channels')}")
+        problems.append(
+            f"transformer in_channels {transformer.get('in_channels')} != the VAE's latent_channels "
+            f"{vae.get('latent_channels')}"
+        )
     audio_width = (audio_vae.get("latent_channels") or 0) * (audio_vae.get("mel_bins") or 0) // 4
     if transformer.get("audio_in_channels") != audio_width:
-        problems.append(f"transformer audio_in_channels {transformer.get('audio_in_channels')} != the audio VAE's "
-                        f"latent_channels x mel_bins / 4 ({audio_width})")
+        problems.append(
+            f"transformer audio_in_channels {transformer.get('audio_in_channels')} != the audio VAE's "
+            f"latent_channels x mel_bins / 4 ({audio_width})"
+        )
     if connectors.get("caption_channels") != _text_width(text):
-        problems.append(f"connectors caption_channels {connectors.get('caption_channels')} != the text encoder's "
-                        f"hidden_size {_text_width(text)}")
+        problems.append(
+            f"connectors caption_channels {connectors.get('caption_channels')} != the text encoder's "
+            f"hidden_size {_text_width(text)}"
+        )
     layers = (text.get("text_config") or text).get("num_hidden_layers")
     if layers is not None and connectors.get("text_proj_in_factor") != layers + 1:
-        problems.append(f"connectors text_proj_in_factor {connectors.get('text_proj_in_factor')} != the text "
-                        f"encoder's num_hidden_layers + 1 ({layers + 1}: every hidden state is stacked)")
+        problems.append(
+            f"connectors text_proj_in_factor {connectors.get('text_proj_in_factor')} != the text "
+            f"encoder's num_hidden_layers + 1 ({layers + 1}: every hidden state is stacked)"
+        )
     return problems
 
 
-def folder_problems(folder: Path, expert: Optional[str] = None, image_to_video: Optional[bool] = None,
-                    timestep_range=None) -> list[str]:
+def folder_problems(
+    folder: Path, expert: Optional[str] = None, image_to_video: Optional[bool] = None, timestep_range=None
+) -> list[str]:
     """Why `folder` is not an LTX-2 pipeline folder dstune trains with these model keys (empty: it is)."""
     index = read_model_index(folder)
     problems = expert_problems(index, expert, timestep_range)
@@ -93,8 +111,10 @@ def folder_problems(folder: Path, expert: Optional[str] = None, image_to_video: 
     if not problems:
         problems += config_mismatches(folder)
     if image_to_video:
-        problems.append("model.image_to_video: LTX-2 image-to-video (LTX2ImageToVideoPipeline) is not trained by "
-                        "dstune yet; remove the key")
+        problems.append(
+            "model.image_to_video: LTX-2 image-to-video (LTX2ImageToVideoPipeline) is not trained by "
+            "dstune yet; remove the key"
+        )
     return problems
 
 
@@ -102,12 +122,16 @@ def settings_problems(model) -> list[str]:
     """The model keys LTX-2's sigma draws do not use: refused rather than ignored."""
     problems = []
     if model.timestep_sampling not in ("shifted_logit_normal", "uniform"):
-        problems.append(f"model.timestep_sampling {model.timestep_sampling!r}: LTX-2 draws sigma as ltx-trainer does: "
-                        "shifted_logit_normal (its default) or uniform")
+        problems.append(
+            f"model.timestep_sampling {model.timestep_sampling!r}: LTX-2 draws sigma as ltx-trainer does: "
+            "shifted_logit_normal (its default) or uniform"
+        )
     for key in ("shift", "timestep_range"):
         if getattr(model, key) is not None:
-            problems.append(f"model.{key}: LTX-2 draws sigma directly (model.timestep_sampling), without the "
-                            "scheduler's tables this key acts on; remove it")
+            problems.append(
+                f"model.{key}: LTX-2 draws sigma directly (model.timestep_sampling), without the "
+                "scheduler's tables this key acts on; remove it"
+            )
     return problems
 
 
@@ -132,9 +156,10 @@ def load_audio_parts(folder: Path, model, transformer_config, device, dtype) -> 
         from diffusers import AutoencoderKLLTX2Audio
         from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
-    parts = {"audio_vae": load_component(folder, "audio_vae", AutoencoderKLLTX2Audio.from_pretrained,
-                                         torch_dtype=dtype),
-             "vocoder": load_component(folder, "vocoder", LTX2Vocoder.from_pretrained, torch_dtype=dtype)}
+    parts = {
+        "audio_vae": load_component(folder, "audio_vae", AutoencoderKLLTX2Audio.from_pretrained, torch_dtype=dtype),
+        "vocoder": load_component(folder, "vocoder", LTX2Vocoder.from_pretrained, torch_dtype=dtype),
+    }
     return {name: part.to(device).eval().requires_grad_(False) for name, part in parts.items()}, None
 
 
@@ -144,9 +169,12 @@ def load_audio_parts(folder: Path, model, transformer_config, device, dtype) -> 
 def _captions(pipeline, built, captions: list[str]) -> dict:
     """The connectors' video and audio text embeddings and mask of LTX2Pipeline's Gemma 3 prompt embeds."""
     with torch.no_grad(), quiet_hf_libraries():
-        embeds, mask, _, _ = pipeline.encode_prompt(list(captions), do_classifier_free_guidance=False,
-                                                    max_sequence_length=built.max_sequence_length,
-                                                    device=built.device)
+        embeds, mask, _, _ = pipeline.encode_prompt(
+            list(captions),
+            do_classifier_free_guidance=False,
+            max_sequence_length=built.max_sequence_length,
+            device=built.device,
+        )
         video, audio, mask = pipeline.connectors(embeds, mask, padding_side=pipeline.tokenizer.padding_side)
     return dict(zip(TEXT_TENSORS, (video, audio, mask)))
 
@@ -186,6 +214,7 @@ def shifted_logit_normal(tokens: int, normal: torch.Tensor, uniform: torch.Tenso
 def draw_sigmas(built, latents: torch.Tensor, seed: int, step: int, indices: list[int]) -> torch.Tensor:
     """Each sample's sigma, from its own generators: model.timestep_sampling shifted_logit_normal (ltx-trainer's
     default) or uniform (its uniform sampler: sigma = u)."""
+
     def draws(purpose: str, normal: bool = False) -> torch.Tensor:
         make = torch.randn if normal else torch.rand
         return torch.cat([make((1,), generator=sample_generator(seed, step, i, purpose)) for i in indices])
@@ -193,8 +222,9 @@ def draw_sigmas(built, latents: torch.Tensor, seed: int, step: int, indices: lis
     if built.settings.timestep_sampling == "uniform":  # build refused the others (settings_problems)
         return draws("timestep")
     tokens = latents.shape[2] * latents.shape[3] * latents.shape[4]
-    return shifted_logit_normal(tokens, draws("timestep", normal=True), draws("timestep_uniform"),
-                                draws("timestep_mix"))
+    return shifted_logit_normal(
+        tokens, draws("timestep", normal=True), draws("timestep_uniform"), draws("timestep_mix")
+    )
 
 
 # ------------------------------------------------------------------------------------------ prediction
@@ -205,13 +235,23 @@ def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch
     batch, _, frames, height, width = noisy.shape
     audio = noisy.new_zeros(batch, 1, built.transformer_config["audio_in_channels"], dtype=dtype)
     timesteps = timesteps.to(dtype)
-    video, _ = forward(hidden_states=pack(noisy).to(dtype), audio_hidden_states=audio,
-                       encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
-                       audio_encoder_hidden_states=conditions["audio_encoder_hidden_states"].to(dtype),
-                       timestep=timesteps, sigma=timesteps, encoder_attention_mask=conditions["encoder_attention_mask"],
-                       audio_encoder_attention_mask=conditions["encoder_attention_mask"], num_frames=frames,
-                       height=height, width=width, fps=DEFAULT_FPS, audio_num_frames=1, isolate_modalities=True,
-                       return_dict=False)
+    video, _ = forward(
+        hidden_states=pack(noisy).to(dtype),
+        audio_hidden_states=audio,
+        encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
+        audio_encoder_hidden_states=conditions["audio_encoder_hidden_states"].to(dtype),
+        timestep=timesteps,
+        sigma=timesteps,
+        encoder_attention_mask=conditions["encoder_attention_mask"],
+        audio_encoder_attention_mask=conditions["encoder_attention_mask"],
+        num_frames=frames,
+        height=height,
+        width=width,
+        fps=DEFAULT_FPS,
+        audio_num_frames=1,
+        isolate_modalities=True,
+        return_dict=False,
+    )
     return unpack(video, noisy)
 
 
@@ -221,15 +261,25 @@ def _call_arguments(built, pipeline, sample_spec, arguments: dict) -> dict:
 
 
 LTX2 = FlowRecipe(
-    kind="ltx2", transformer_class=TRANSFORMER_CLASS, pipeline_class=PIPELINE, components=COMPONENTS,
-    text=TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH,
-                  load=load_text),
-    predict=_predict, config_mismatches=config_mismatches,
-    latents=LatentSpace(vae_class="AutoencoderKLLTX2Video", frames=True, patch=lambda built: (1, 1),
-                        spatial_factor=lambda vae_config: vae_config.spatial_compression_ratio or 32, posterior_mode=True,
-                        to_model=to_model),
+    kind="ltx2",
+    transformer_class=TRANSFORMER_CLASS,
+    pipeline_class=PIPELINE,
+    components=COMPONENTS,
+    text=TextSide(
+        TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH, load=load_text
+    ),
+    predict=_predict,
+    config_mismatches=config_mismatches,
+    latents=LatentSpace(
+        vae_class="AutoencoderKLLTX2Video",
+        frames=True,
+        patch=lambda built: (1, 1),
+        spatial_factor=lambda vae_config: vae_config.spatial_compression_ratio or 32,
+        posterior_mode=True,
+        to_model=to_model,
+    ),
     conditioning=Conditioning(load=load_audio_parts),
-    sampling=Sampling(call=_call_arguments,
-                      side_multiple=lambda built: built.vae.spatial_compression_ratio),
+    sampling=Sampling(call=_call_arguments, side_multiple=lambda built: built.vae.spatial_compression_ratio),
     draw_sigmas=draw_sigmas,
-    preconditioned=lambda model: False)  # ltx-trainer's velocity loss
+    preconditioned=lambda model: False,
+)  # ltx-trainer's velocity loss

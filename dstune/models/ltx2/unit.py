@@ -14,10 +14,15 @@ UNIT = ModelUnit(
     summary="LTX-2 (LTX2VideoTransformer3DModel, Gemma 3 with its text connectors): text-to-video on clips without sound",
     pipelines={"LTX2Pipeline": 3.0},
     spec_notes={"model.max_sequence_length": "1024 (LTX-2: Gemma 3 tokens)"},
-    builtins={'tiny-ltx2': 'dstune.models.ltx2.builtin:TINY_LTX2'},
+    builtins={"tiny-ltx2": "dstune.models.ltx2.builtin:TINY_LTX2"},
     presets=(
-        ModelPreset("ltx2", "LTX-2 text-to-video (19 B audio+video transformer, trained on video; Gemma 3 12B)",
-                    VIDEO_FAMILY, "Lightricks/LTX-2", "tiny-ltx2",
-                    video(512, 121, 24, 3.0, **lora(), **{"model.timestep_sampling": "shifted_logit_normal"})),
+        ModelPreset(
+            "ltx2",
+            "LTX-2 text-to-video (19 B audio+video transformer, trained on video; Gemma 3 12B)",
+            VIDEO_FAMILY,
+            "Lightricks/LTX-2",
+            "tiny-ltx2",
+            video(512, 121, 24, 3.0, **lora(), **{"model.timestep_sampling": "shifted_logit_normal"}),
+        ),
     ),
 )

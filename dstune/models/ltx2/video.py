@@ -12,13 +12,19 @@ def _check_settings(built) -> None:
     """model.timestep_sampling, shift and timestep_range against LTX-2's sigma draws (before any step)."""
     problems = settings_problems(built.settings)
     if problems:
-        raise FamilyError(f"{built.folder} cannot be trained with these model keys (LTX-2):\n"
-                          + "\n".join(f"  - {p}" for p in problems))
+        raise FamilyError(
+            f"{built.folder} cannot be trained with these model keys (LTX-2):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
 
 
 VIDEO_MODEL = VideoModel(
-    title="LTX-2", transformer_class=TRANSFORMER_CLASS, recipe_of=lambda folder: LTX2,
+    title="LTX-2",
+    transformer_class=TRANSFORMER_CLASS,
+    recipe_of=lambda folder: LTX2,
     folder_problems=folder_problems,
     text_cache_folders=("text_encoder", "tokenizer", "connectors"),  # Gemma 3 and the connectors after it
     cache_key=lambda model, folder: ("", (), ()),  # text-to-video: the entries are the posterior's
-    condition_tensors=lambda built, clips: {}, after_build=_check_settings)
+    condition_tensors=lambda built, clips: {},
+    after_build=_check_settings,
+)

@@ -23,8 +23,16 @@ from dstune.hf import quiet_hf_libraries
 _SEED = 20
 TEXT_WIDTH = 32  # the text encoder's hidden size = the transformer's joint_attention_dim
 # in_channels == 4 x the VAE's z_dim (2x2 packing); sum(axes_dims_rope) == attention_head_dim
-TINY_QWEN_TRANSFORMER = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
-                             num_attention_heads=2, joint_attention_dim=TEXT_WIDTH, axes_dims_rope=(4, 6, 6))
+TINY_QWEN_TRANSFORMER = dict(
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=TEXT_WIDTH,
+    axes_dims_rope=(4, 6, 6),
+)
 
 
 def tiny_qwen_vl_encoder(tokenizer):
@@ -34,17 +42,38 @@ def tiny_qwen_vl_encoder(tokenizer):
     vocab_size = len(tokenizer)
     end_of_text, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=vocab_size, bos_token_id=end_of_text, eos_token_id=im_end,
-                         pad_token_id=end_of_text, hidden_size=TEXT_WIDTH, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TEXT_WIDTH,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[0]),
+        text_config=dict(
+            vocab_size=vocab_size,
+            bos_token_id=end_of_text,
+            eos_token_id=im_end,
+            pad_token_id=end_of_text,
+            hidden_size=TEXT_WIDTH,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=TEXT_WIDTH,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[0],
+        ),
         image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
         vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"), bos_token_id=end_of_text,
-        eos_token_id=im_end, pad_token_id=end_of_text)
+        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+        bos_token_id=end_of_text,
+        eos_token_id=im_end,
+        pad_token_id=end_of_text,
+    )
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
@@ -59,13 +88,21 @@ def build_tiny_qwen_image(out: Path, needs: dict) -> dict:
         text_encoder = tiny_qwen_vl_encoder(tokenizer)
         vae = AutoencoderKLQwenImage(**TINY_QWEN_VAE)
         transformer = QwenImageTransformer2DModel(**TINY_QWEN_TRANSFORMER)
-    pipeline = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), vae=vae,
-                                 text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+    pipeline = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
     return save_pipeline(pipeline, out, transformer)
 
 
 TINY_QWEN_IMAGE = BuiltinModel(
-    name="tiny-qwen-image", folder_name="tiny-qwen-image-v1", family="flow",
+    name="tiny-qwen-image",
+    folder_name="tiny-qwen-image-v1",
+    family="flow",
     description="Qwen-Image pipeline: 2-layer QwenImage transformer, Qwen2.5-VL text encoder (one 32-wide layer), "
-                "random 16-channel Qwen-Image VAE",
-    build=build_tiny_qwen_image)
+    "random 16-channel Qwen-Image VAE",
+    build=build_tiny_qwen_image,
+)

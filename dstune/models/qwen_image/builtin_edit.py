@@ -26,11 +26,18 @@ from dstune.hf import quiet_hf_libraries
 
 _SEED = 21
 # len(dim_mult) == len(temperal_downsample) + 1; spatial factor 2 ** len(temperal_downsample) = 8, as the real VAE
-TINY_QWEN_EDIT_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
-                          temperal_downsample=[False, True, True])
+TINY_QWEN_EDIT_VAE = dict(
+    base_dim=8,
+    z_dim=16,
+    dim_mult=[1, 2, 2, 2],
+    num_res_blocks=1,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+)
 # the vision tower's patching (patch 14, 2x2 merge, 2 frames per patch) with small pixel bounds
-TINY_IMAGE_PROCESSOR = dict(patch_size=14, merge_size=2, temporal_patch_size=2,
-                            size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112})
+TINY_IMAGE_PROCESSOR = dict(
+    patch_size=14, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112}
+)
 
 
 def tiny_qwen_vl_processor(tokenizer):
@@ -54,9 +61,14 @@ def build_tiny_qwen_image_edit(out: Path, needs: dict) -> dict:
         text_encoder = tiny_qwen_vl_encoder(tokenizer)
         vae = AutoencoderKLQwenImage(**TINY_QWEN_EDIT_VAE)
         transformer = QwenImageTransformer2DModel(**TINY_QWEN_TRANSFORMER)
-    pipeline = QwenImageEditPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), vae=vae,
-                                     text_encoder=text_encoder, tokenizer=tokenizer, processor=processor,
-                                     transformer=transformer)
+    pipeline = QwenImageEditPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        processor=processor,
+        transformer=transformer,
+    )
     facts = save_pipeline(pipeline, out, transformer)
     _name_the_processor_as_diffusers_does(out)
     return facts
@@ -75,8 +87,11 @@ def _name_the_processor_as_diffusers_does(out: Path) -> None:
 
 
 TINY_QWEN_IMAGE_EDIT = BuiltinModel(
-    name="tiny-qwen-image-edit", folder_name="tiny-qwen-image-edit-v1", family="flow",
+    name="tiny-qwen-image-edit",
+    folder_name="tiny-qwen-image-edit-v1",
+    family="flow",
     description="Qwen-Image-Edit pipeline: 2-layer QwenImage transformer, Qwen2.5-VL text encoder (one 32-wide "
-                "layer, a one-block vision tower) with its processor, random 16-channel Qwen-Image VAE (8 px per "
-                "latent)",
-    build=build_tiny_qwen_image_edit)
+    "layer, a one-block vision tower) with its processor, random 16-channel Qwen-Image VAE (8 px per "
+    "latent)",
+    build=build_tiny_qwen_image_edit,
+)

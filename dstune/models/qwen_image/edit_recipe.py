@@ -24,8 +24,15 @@ from dstune.families.base import FamilyError
 from dstune.families.diffusion import vae_posterior
 from dstune.families.flow_matching import pack_latents, unpack_latents
 from dstune.models.qwen_image.recipe import TEXT_TENSORS, qwen_config_mismatches
-from dstune.families.flow_recipe import (Conditioning, FlowRecipe, LatentSpace, Sampling, TextSide, fixed_patch,
-                                         normalised_latents)
+from dstune.families.flow_recipe import (
+    Conditioning,
+    FlowRecipe,
+    LatentSpace,
+    Sampling,
+    TextSide,
+    fixed_patch,
+    normalised_latents,
+)
 from dstune.families.samples import read_control_images
 from dstune.hf import quiet_hf_libraries
 
@@ -67,9 +74,11 @@ def load_processor(folder: Path):
             image_processor = transformers.Qwen2VLImageProcessor.from_pretrained(path)
             tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as err:
-            raise FamilyError(f"{path}: cannot load the Qwen2VLProcessor ({first}), nor its image processor and "
-                              f"tokenizer ({err}). A QwenImageEditPipeline folder needs processor/ as diffusers "
-                              "saves it.") from None
+            raise FamilyError(
+                f"{path}: cannot load the Qwen2VLProcessor ({first}), nor its image processor and "
+                f"tokenizer ({err}). A QwenImageEditPipeline folder needs processor/ as diffusers "
+                "saves it."
+            ) from None
         return image_only_processor(image_processor, tokenizer)
 
 
@@ -96,9 +105,14 @@ def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch
     target_tokens = (height // 2) * (width // 2)
     shapes = [(1, height // 2, width // 2), (1, control.shape[-2] // 2, control.shape[-1] // 2)]
     hidden = torch.cat([pack_latents(noisy), pack_latents(control)], dim=1).to(dtype)
-    prediction = forward(hidden_states=hidden, encoder_hidden_states=conditions["encoder_hidden_states"],
-                         encoder_hidden_states_mask=conditions["encoder_attention_mask"],
-                         timestep=(timesteps / 1000).to(dtype), img_shapes=[shapes] * batch, return_dict=False)[0]
+    prediction = forward(
+        hidden_states=hidden,
+        encoder_hidden_states=conditions["encoder_hidden_states"],
+        encoder_hidden_states_mask=conditions["encoder_attention_mask"],
+        timestep=(timesteps / 1000).to(dtype),
+        img_shapes=[shapes] * batch,
+        return_dict=False,
+    )[0]
     return unpack_latents(prediction[:, :target_tokens], height, width)
 
 
@@ -111,19 +125,23 @@ def _sample_guidance(built, sample_spec, prompts: list[str]) -> dict:
 
 
 def text_cache_refusal(folder: Path) -> str:
-    return ("data.cache.text_embeddings: Qwen-Image-Edit encodes each instruction together with its source image "
-            "(the image's vision tokens are part of the text sequence), so an embedding belongs to a (caption, "
-            "image) pair, not to a caption, and its length changes with the image. Set "
-            "data.cache.text_embeddings: false; data.cache.latents still caches the target and source latents.")
+    return (
+        "data.cache.text_embeddings: Qwen-Image-Edit encodes each instruction together with its source image "
+        "(the image's vision tokens are part of the text sequence), so an embedding belongs to a (caption, "
+        "image) pair, not to a caption, and its length changes with the image. Set "
+        "data.cache.text_embeddings: false; data.cache.latents still caches the target and source latents."
+    )
 
 
 def _control_inputs(built, batch: dict, dtype) -> dict:
     """The source images: the pixels (the text side reads them) and the posterior mode of their latents (cached, or
     encoded now), unscaled float32 (B, C, h, w)."""
     if "control_values" not in batch:
-        raise ValueError(f"{PIPELINE_CLASS} trains on pairs: every target image needs its source (control) image, "
-                         "but this batch has none. Give data.control_dir (or a `control_file_name` per "
-                         "metadata.jsonl line): see docs/family-flow.md, Qwen-Image-Edit.")
+        raise ValueError(
+            f"{PIPELINE_CLASS} trains on pairs: every target image needs its source (control) image, "
+            "but this batch has none. Give data.control_dir (or a `control_file_name` per "
+            "metadata.jsonl line): see docs/family-flow.md, Qwen-Image-Edit."
+        )
     pixels = batch["control_values"].to(built.device)
     if "control_latent_mean" in batch:
         mean = batch["control_latent_mean"].to(built.device).float()
@@ -140,8 +158,10 @@ def _control_latents(built, encoded: dict, dtype) -> dict:
 def _sources(built, sample_spec, prompts: list[str]) -> list:
     """sample.control_images as RGB images; FamilyError naming the one that cannot be read."""
     if not sample_spec.control_images:
-        raise FamilyError("sample.prompts: an edit model renders from a source image; give sample.control_images, one "
-                          "source image per prompt (or set sample.prompts: []).")
+        raise FamilyError(
+            "sample.prompts: an edit model renders from a source image; give sample.control_images, one "
+            "source image per prompt (or set sample.prompts: [])."
+        )
     try:
         return read_control_images(sample_spec.control_images)
     except ValueError as err:
@@ -149,13 +169,20 @@ def _sources(built, sample_spec, prompts: list[str]) -> list:
 
 
 QWEN_IMAGE_EDIT = FlowRecipe(
-    kind="qwen_image_edit", transformer_class="QwenImageTransformer2DModel", pipeline_class=PIPELINE_CLASS,
+    kind="qwen_image_edit",
+    transformer_class="QwenImageTransformer2DModel",
+    pipeline_class=PIPELINE_CLASS,
     components={"text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": None, "processor": None},
     text=TextSide(TEXT_TENSORS, _captions, lambda built: None, 512, cache_refusal=text_cache_refusal),
-    predict=_predict, config_mismatches=qwen_config_mismatches,
+    predict=_predict,
+    config_mismatches=qwen_config_mismatches,
     latents=LatentSpace(vae_class="AutoencoderKLQwenImage", patch=fixed_patch(2)),
     conditioning=Conditioning(
         load=lambda folder, model, transformer_config, device, dtype: ({"processor": load_processor(folder)}, None),
-        encode=_control_inputs, text_inputs=lambda conditions: {"controls": conditions["control_values"]},
-        model_inputs=_control_latents, sample_sources=_sources),
-    sampling=Sampling(options=_sample_guidance))
+        encode=_control_inputs,
+        text_inputs=lambda conditions: {"controls": conditions["control_values"]},
+        model_inputs=_control_latents,
+        sample_sources=_sources,
+    ),
+    sampling=Sampling(options=_sample_guidance),
+)

@@ -5,7 +5,12 @@ from __future__ import annotations
 from dstune.families.flow_facts import FlowModel, joint_blocks
 
 FLOW_MODELS = {
-    "QwenImageTransformer2DModel": FlowModel("Qwen-Image", "qwen-image", joint_blocks, "joint_attention_dim",
-                                             edit_pipelines=("QwenImageEditPipeline",),
-                                             edit_vision_patch_px=28),  # the edit's source image: 28 px tokens
+    "QwenImageTransformer2DModel": FlowModel(
+        "Qwen-Image",
+        "qwen-image",
+        joint_blocks,
+        "joint_attention_dim",
+        edit_pipelines=("QwenImageEditPipeline",),
+        edit_vision_patch_px=28,
+    ),  # the edit's source image: 28 px tokens
 }

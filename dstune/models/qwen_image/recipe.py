@@ -29,16 +29,23 @@ def qwen_config_mismatches(folder: Path) -> list[str]:
     transformer, vae = read_config(folder, "transformer"), read_config(folder, "vae")
     text = read_config(folder, "text_encoder")
     width = (text.get("text_config") or {}).get("hidden_size", text.get("hidden_size"))
-    checks = [("in_channels", 4 * vae.get("z_dim", 16)), ("out_channels", vae.get("z_dim", 16)),
-              ("joint_attention_dim", width)]
-    return [f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
-            for key, want in checks if transformer.get(key) != want]
+    checks = [
+        ("in_channels", 4 * vae.get("z_dim", 16)),
+        ("out_channels", vae.get("z_dim", 16)),
+        ("joint_attention_dim", width),
+    ]
+    return [
+        f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
+        for key, want in checks
+        if transformer.get(key) != want
+    ]
 
 
 def _captions(pipeline, built, captions: list[str]) -> dict:
     with torch.no_grad(), quiet_hf_libraries():
-        embeds, mask = pipeline.encode_prompt(captions, device=built.device,
-                                              max_sequence_length=built.max_sequence_length)
+        embeds, mask = pipeline.encode_prompt(
+            captions, device=built.device, max_sequence_length=built.max_sequence_length
+        )
     if mask is None:  # the pipeline drops a mask of all ones
         mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
     padding = built.max_sequence_length - embeds.shape[1]
@@ -49,11 +56,14 @@ def _captions(pipeline, built, captions: list[str]) -> dict:
 
 def _predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tensor:
     batch, _, height, width = noisy.shape
-    prediction = forward(hidden_states=pack_latents(noisy).to(dtype),
-                         encoder_hidden_states=text["encoder_hidden_states"],
-                         encoder_hidden_states_mask=text["encoder_attention_mask"],
-                         timestep=(timesteps / 1000).to(dtype), img_shapes=[(1, height // 2, width // 2)] * batch,
-                         return_dict=False)[0]
+    prediction = forward(
+        hidden_states=pack_latents(noisy).to(dtype),
+        encoder_hidden_states=text["encoder_hidden_states"],
+        encoder_hidden_states_mask=text["encoder_attention_mask"],
+        timestep=(timesteps / 1000).to(dtype),
+        img_shapes=[(1, height // 2, width // 2)] * batch,
+        return_dict=False,
+    )[0]
     return unpack_latents(prediction, height, width)
 
 
@@ -66,9 +76,13 @@ def qwen_sample_guidance(built, sample_spec, prompts: list[str]) -> dict:
 
 
 QWEN_IMAGE = FlowRecipe(
-    kind="qwen_image", transformer_class="QwenImageTransformer2DModel", pipeline_class="QwenImagePipeline",
+    kind="qwen_image",
+    transformer_class="QwenImageTransformer2DModel",
+    pipeline_class="QwenImagePipeline",
     components={"text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": None},
-    text=TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, 512), predict=_predict,
+    text=TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, 512),
+    predict=_predict,
     config_mismatches=qwen_config_mismatches,
     latents=LatentSpace(vae_class="AutoencoderKLQwenImage", patch=fixed_patch(2)),
-    sampling=Sampling(options=qwen_sample_guidance))
+    sampling=Sampling(options=qwen_sample_guidance),
+)

@@ -32,15 +32,31 @@ TEXT_TOKENS = 128
 LATENT_CHANNELS = 16
 # in_channels == out_channels == the VAE's z_dim (unpatched); context_in_dim == the text width;
 # sum(axes_dims_rope) == attention_head_dim
-TINY_QWEN21_TRANSFORMER = dict(patch_size=1, in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_layers=2,
-                               attention_head_dim=16, num_attention_heads=2, context_in_dim=TEXT_WIDTH, mlp_ratio=3,
-                               axes_dims_rope=(4, 6, 6))
+TINY_QWEN21_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=LATENT_CHANNELS,
+    out_channels=LATENT_CHANNELS,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    context_in_dim=TEXT_WIDTH,
+    mlp_ratio=3,
+    axes_dims_rope=(4, 6, 6),
+)
 # 2 ** len(temperal_downsample) == 16, the real VAE's factor (QwenImage21Pipeline fixes vae_scale_factor = 16)
-TINY_QWEN21_VAE = dict(base_dim=8, decoder_base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 1, 1, 1, 1],
-                       num_res_blocks=1, attn_scales=[], temperal_downsample=[False, True, True, True],
-                       latents_mean=[0.1 * (c % 5) - 0.2 for c in range(LATENT_CHANNELS)],
-                       latents_std=[0.8 + 0.05 * (c % 7) for c in range(LATENT_CHANNELS)],
-                       in_channels=4, out_channels=4)
+TINY_QWEN21_VAE = dict(
+    base_dim=8,
+    decoder_base_dim=8,
+    z_dim=LATENT_CHANNELS,
+    dim_mult=[1, 1, 1, 1, 1],
+    num_res_blocks=1,
+    attn_scales=[],
+    temperal_downsample=[False, True, True, True],
+    latents_mean=[0.1 * (c % 5) - 0.2 for c in range(LATENT_CHANNELS)],
+    latents_std=[0.8 + 0.05 * (c % 7) for c in range(LATENT_CHANNELS)],
+    in_channels=4,
+    out_channels=4,
+)
 
 
 def tiny_qwen3_vl_generation(tokenizer):
@@ -63,15 +79,22 @@ def build_tiny_qwen_image_21(out: Path, needs: dict) -> dict:
         text_encoder = tiny_qwen3_vl_generation(tokenizer)
         vae = AutoencoderKLQwenImage21(**TINY_QWEN21_VAE)
         transformer = QwenImage21Transformer2DModel(**TINY_QWEN21_TRANSFORMER)
-    pipeline = QwenImage21Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), vae=vae,
-                                   text_encoder=text_encoder, processor=TextProcessor(tokenizer),
-                                   transformer=transformer)
+    pipeline = QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        processor=TextProcessor(tokenizer),
+        transformer=transformer,
+    )
     pipeline.register_modules(processor=tokenizer)  # the folder stores the tokenizer itself (see the docstring)
     return save_pipeline(pipeline, out, transformer)
 
 
 TINY_QWEN_IMAGE_21 = BuiltinModel(
-    name="tiny-qwen-image-21", folder_name="tiny-qwen-image-21-v1", family="flow",
+    name="tiny-qwen-image-21",
+    folder_name="tiny-qwen-image-21-v1",
+    family="flow",
     description="Qwen-Image 2.1 pipeline: 2-block QwenImage21 transformer, Qwen3-VL (2 text layers 16 wide), random "
-                "16-channel RGBA VAE with the real 16x factor",
-    build=build_tiny_qwen_image_21)
+    "16-channel RGBA VAE with the real 16x factor",
+    build=build_tiny_qwen_image_21,
+)

@@ -48,8 +48,9 @@ class TextProcessor:
 
     def __call__(self, text=None, images=None, **kwargs):
         if images is not None:
-            raise FamilyError("condition images need the folder's Qwen3VLProcessor; this folder's processor is a "
-                              "text-only tokenizer")
+            raise FamilyError(
+                "condition images need the folder's Qwen3VLProcessor; this folder's processor is a text-only tokenizer"
+            )
         return self.tokenizer(text=text, **kwargs)
 
     def apply_chat_template(self, conversation, tokenize=False, **kwargs):
@@ -71,9 +72,11 @@ def load_processor(folder: Path):
             return load_component(folder, "processor", transformers.AutoProcessor.from_pretrained)
         except ImportError as err:  # Qwen3VLProcessor's video processor needs torchvision
             first_line = (str(err).strip().splitlines() or ["ImportError"])[0]
-            raise FamilyError(f"{folder / 'processor'}: cannot load its {listed} ({first_line}): QwenImage21Pipeline "
-                              "encodes captions with it, and transformers builds it only with torchvision: install "
-                              "the torchvision release that matches your torch") from None
+            raise FamilyError(
+                f"{folder / 'processor'}: cannot load its {listed} ({first_line}): QwenImage21Pipeline "
+                "encodes captions with it, and transformers builds it only with torchvision: install "
+                "the torchvision release that matches your torch"
+            ) from None
     return TextProcessor(load_component(folder, "processor", transformers.AutoTokenizer.from_pretrained))
 
 
@@ -81,8 +84,12 @@ def pipeline_from_parts(folder: Path):
     """QwenImage21Pipeline of a folder's components with load_processor's processor: for a folder whose processor is
     a tokenizer, which from_pretrained cannot put in a QwenImage21Pipeline (its __init__ asks a processor)."""
     with quiet_hf_libraries():
-        from diffusers import (AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline,
-                               QwenImage21Transformer2DModel)
+        from diffusers import (
+            AutoencoderKLQwenImage21,
+            FlowMatchEulerDiscreteScheduler,
+            QwenImage21Pipeline,
+            QwenImage21Transformer2DModel,
+        )
         from transformers import Qwen3VLForConditionalGeneration
 
         pipeline = QwenImage21Pipeline(
@@ -91,7 +98,8 @@ def pipeline_from_parts(folder: Path):
             text_encoder=Qwen3VLForConditionalGeneration.from_pretrained(folder, subfolder="text_encoder"),
             processor=load_processor(folder),
             transformer=QwenImage21Transformer2DModel.from_pretrained(folder, subfolder="transformer"),
-            sample_sigmas=read_model_index(folder).get("sample_sigmas"))
+            sample_sigmas=read_model_index(folder).get("sample_sigmas"),
+        )
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 
@@ -108,10 +116,18 @@ def _mismatches(folder: Path) -> list[str]:
     transformer, vae = read_config(folder, "transformer"), read_config(folder, "vae")
     text = read_config(folder, "text_encoder")
     width = (text.get("text_config") or {}).get("hidden_size", text.get("hidden_size"))
-    checks = [("in_channels", vae.get("z_dim", 64)), ("out_channels", vae.get("z_dim", 64)),
-              ("context_in_dim", width), ("patch_size", 1)]
-    return [f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs; 2.1 reads "
-            "latents unpatched)" for key, want in checks if transformer.get(key) != want]
+    checks = [
+        ("in_channels", vae.get("z_dim", 64)),
+        ("out_channels", vae.get("z_dim", 64)),
+        ("context_in_dim", width),
+        ("patch_size", 1),
+    ]
+    return [
+        f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs; 2.1 reads "
+        "latents unpatched)"
+        for key, want in checks
+        if transformer.get(key) != want
+    ]
 
 
 def _captions(pipeline, built, captions: list[str]) -> dict:
@@ -122,10 +138,12 @@ def _captions(pipeline, built, captions: list[str]) -> dict:
         mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
     for caption, tokens in zip(captions, mask.sum(dim=1).tolist()):
         if tokens > limit:
-            raise FamilyError(f"the caption {caption[:80]!r}{'...' if len(caption) > 80 else ''} is {tokens} tokens "
-                              f"in Qwen-Image 2.1's prompt template, more than model.max_sequence_length {limit} "
-                              "(every caption is padded to it): raise model.max_sequence_length or shorten the "
-                              "caption")
+            raise FamilyError(
+                f"the caption {caption[:80]!r}{'...' if len(caption) > 80 else ''} is {tokens} tokens "
+                f"in Qwen-Image 2.1's prompt template, more than model.max_sequence_length {limit} "
+                "(every caption is padded to it): raise model.max_sequence_length or shorten the "
+                "caption"
+            )
     padding = limit - embeds.shape[1]
     embeds = torch.cat([embeds, embeds.new_zeros(embeds.shape[0], padding, embeds.shape[2])], dim=1)
     mask = torch.cat([mask.long(), mask.new_zeros(mask.shape[0], padding).long()], dim=1)
@@ -138,14 +156,24 @@ def _predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tenso
     length = int(mask.sum(dim=1).max())  # the batch's longest caption, as the example pads a batch
     embeds, mask = text["encoder_hidden_states"][:, :length], mask[:, :length]
     image_slots = (height * width) // 4
-    img_mask = torch.cat([torch.zeros(batch, length, dtype=torch.bool, device=noisy.device),
-                          torch.ones(batch, image_slots, dtype=torch.bool, device=noisy.device)], dim=1)
+    img_mask = torch.cat(
+        [
+            torch.zeros(batch, length, dtype=torch.bool, device=noisy.device),
+            torch.ones(batch, image_slots, dtype=torch.bool, device=noisy.device),
+        ],
+        dim=1,
+    )
     tokens = noisy.reshape(batch, channels, height * width).transpose(1, 2)
-    prediction = forward(hidden_states=tokens.to(dtype), encoder_hidden_states=embeds,
-                         encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-                         timestep=(timesteps / 1000).to(dtype), img_shapes=[[(1, height, width)]] * batch,
-                         img_mask=img_mask, return_dict=False)[0]
-    return prediction[:, -height * width:].transpose(1, 2).reshape(batch, channels, height, width)
+    prediction = forward(
+        hidden_states=tokens.to(dtype),
+        encoder_hidden_states=embeds,
+        encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+        timestep=(timesteps / 1000).to(dtype),
+        img_shapes=[[(1, height, width)]] * batch,
+        img_mask=img_mask,
+        return_dict=False,
+    )[0]
+    return prediction[:, -height * width :].transpose(1, 2).reshape(batch, channels, height, width)
 
 
 def sample_grid(built) -> list | None:
@@ -165,18 +193,25 @@ def _guidance(built, sample_spec, prompts: list[str]) -> dict:
     classifier-free guidance against an empty negative prompt. A Turbo folder samples its own grid."""
     grid = sample_grid(built)
     if grid is not None and sample_spec.steps != len(grid):
-        raise FamilyError(f"sample.steps {sample_spec.steps}: {built.folder / 'model_index.json'} samples on its "
-                          f"own {len(grid)} sigmas (sample_sigmas, a Turbo folder); set sample.steps: {len(grid)}")
+        raise FamilyError(
+            f"sample.steps {sample_spec.steps}: {built.folder / 'model_index.json'} samples on its "
+            f"own {len(grid)} sigmas (sample_sigmas, a Turbo folder); set sample.steps: {len(grid)}"
+        )
     if sample_spec.guidance <= 1.0:
         return {"true_cfg_scale": 1.0}
     return {"true_cfg_scale": sample_spec.guidance, "negative_prompt": [" "] * len(prompts)}
 
 
 QWEN_IMAGE_21 = FlowRecipe(
-    kind="qwen_image_21", transformer_class="QwenImage21Transformer2DModel", pipeline_class="QwenImage21Pipeline",
+    kind="qwen_image_21",
+    transformer_class="QwenImage21Transformer2DModel",
+    pipeline_class="QwenImage21Pipeline",
     components={"text_encoder": "Qwen3VLForConditionalGeneration", "processor": None},
-    text=TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, DEFAULT_TEXT_TOKENS,
-                  load=_load_text_side),
-    predict=_predict, config_mismatches=_mismatches,
+    text=TextSide(
+        TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, DEFAULT_TEXT_TOKENS, load=_load_text_side
+    ),
+    predict=_predict,
+    config_mismatches=_mismatches,
     latents=LatentSpace(vae_class="AutoencoderKLQwenImage21", patch=fixed_patch(2)),
-    sampling=Sampling(options=_guidance, pipeline=_sampling_pipeline, takes_max_sequence_length=False))
+    sampling=Sampling(options=_guidance, pipeline=_sampling_pipeline, takes_max_sequence_length=False),
+)

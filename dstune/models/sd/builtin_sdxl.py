@@ -16,25 +16,41 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, deterministic_cpu, tiny_clip_config,
-                                   tiny_clip_tokenizer)
+from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, tiny_clip_config, tiny_clip_tokenizer
 from dstune.hf import quiet_hf_libraries
 
 TINY_SDXL_SEED = 0
 TEXT_ENCODER_WIDTH, TEXT_ENCODER_2_WIDTH = 32, 48
 TIME_EMBED_DIM = 8  # per time id; 6 time ids (original size, crop top-left, target size)
 TINY_SDXL_UNET = dict(
-    sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-    attention_head_dim=(2, 4), use_linear_projection=True, norm_num_groups=8, transformer_layers_per_block=(1, 1),
-    addition_embed_type="text_time", addition_time_embed_dim=TIME_EMBED_DIM,
+    sample_size=16,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=1,
+    block_out_channels=(16, 32),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    attention_head_dim=(2, 4),
+    use_linear_projection=True,
+    norm_num_groups=8,
+    transformer_layers_per_block=(1, 1),
+    addition_embed_type="text_time",
+    addition_time_embed_dim=TIME_EMBED_DIM,
     # the UNet sees [te1 penultimate ; te2 penultimate] and [pooled te2 projection ; embedded time ids]
     cross_attention_dim=TEXT_ENCODER_WIDTH + TEXT_ENCODER_2_WIDTH,
-    projection_class_embeddings_input_dim=6 * TIME_EMBED_DIM + TEXT_ENCODER_2_WIDTH)
+    projection_class_embeddings_input_dim=6 * TIME_EMBED_DIM + TEXT_ENCODER_2_WIDTH,
+)
 # SDXL base 1.0's scheduler_config.json (epsilon; steps "leading" with offset 1).
 TINY_SDXL_SCHEDULER = dict(
-    num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-    prediction_type="epsilon", timestep_spacing="leading", steps_offset=1)
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    clip_sample=False,
+    prediction_type="epsilon",
+    timestep_spacing="leading",
+    steps_offset=1,
+)
 
 
 def build_tiny_sdxl(out: Path, needs: dict) -> dict:
@@ -53,18 +69,31 @@ def build_tiny_sdxl(out: Path, needs: dict) -> dict:
     with quiet_hf_libraries():
         vae = AutoencoderKL.from_pretrained(vae_folder)
     pipeline = StableDiffusionXLPipeline(
-        vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tiny_clip_tokenizer(),
-        tokenizer_2=tiny_clip_tokenizer(), unet=unet, scheduler=DDPMScheduler(**TINY_SDXL_SCHEDULER),
-        add_watermarker=False)
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tiny_clip_tokenizer(),
+        tokenizer_2=tiny_clip_tokenizer(),
+        unet=unet,
+        scheduler=DDPMScheduler(**TINY_SDXL_SCHEDULER),
+        add_watermarker=False,
+    )
     with quiet_hf_libraries():
         pipeline.save_pretrained(out, safe_serialization=True)
     shutil.rmtree(Path(out) / "vae")
     shutil.copytree(vae_folder, Path(out) / "vae")  # the exact bytes: save_pretrained may re-serialise
-    return {"unet_parameters": sum(p.numel() for p in unet.parameters()),
-            "vae_from": "builtin:tiny-sd", "vae_scaling_factor": vae.config.scaling_factor}
+    return {
+        "unet_parameters": sum(p.numel() for p in unet.parameters()),
+        "vae_from": "builtin:tiny-sd",
+        "vae_scaling_factor": vae.config.scaling_factor,
+    }
 
 
 TINY_SDXL = BuiltinModel(
-    name="tiny-sdxl", folder_name="tiny-sdxl-v1", family="sdxl",
+    name="tiny-sdxl",
+    folder_name="tiny-sdxl-v1",
+    family="sdxl",
     description="Stable-Diffusion-XL-shaped pipeline: two CLIP encoders, text_time UNet, 32 px, tiny-sd's VAE",
-    build=build_tiny_sdxl, needs=("tiny-sd",))
+    build=build_tiny_sdxl,
+    needs=("tiny-sd",),
+)

@@ -3,10 +3,14 @@ beside a VAE and one or two CLIP text encoders (dstune.families.facts describes 
 
 from __future__ import annotations
 
-from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes, measured_unet, \
-    unet_sample_bytes
-from dstune.families.denoiser_facts import (DenoiserRules, count_denoiser, embedding_width_bytes, image_latent_bytes,
-                                            trains_denoiser)
+from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes, measured_unet, unet_sample_bytes
+from dstune.families.denoiser_facts import (
+    DenoiserRules,
+    count_denoiser,
+    embedding_width_bytes,
+    image_latent_bytes,
+    trains_denoiser,
+)
 from dstune.families.facts import ModelFacts
 
 CLIP_TOKENS = 77  # every CLIP text encoder's context
@@ -21,8 +25,9 @@ def _activations(spec, folder, config: dict, clips) -> tuple[float, float]:
         return unet_sample_bytes(config, spec.data.resolution)
     pixels = (spec.data.resolution / 8) ** 2
     shape = ModelShape(width=config["block_out_channels"][0])
-    return in_plan_units(measured_sample_bytes(key, shape, pixels, CLIP_TOKENS, spec.train.precision),
-                         spec.train.precision)
+    return in_plan_units(
+        measured_sample_bytes(key, shape, pixels, CLIP_TOKENS, spec.train.precision), spec.train.precision
+    )
 
 
 def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int:

@@ -29,16 +29,33 @@ import torch.nn.functional as F
 from dstune.models import registry
 from dstune.families.base import Family, FamilyError, SingleFileLayout, TextCache
 from dstune.families.randomness import per_sample_randint, per_sample_randn, sample_generator
-from dstune.families.diffusion import (batch_field, export_pipeline_folder, inputs_cast_to, load_component,
-                                       load_trainable, non_reentrant_checkpoint, read_component_config,
-                                       read_model_index)
+from dstune.families.diffusion import (
+    batch_field,
+    export_pipeline_folder,
+    inputs_cast_to,
+    load_component,
+    load_trainable,
+    non_reentrant_checkpoint,
+    read_component_config,
+    read_model_index,
+)
 from dstune.families.samples import save_grid
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec
 from dstune.models.sd.spec import SdModel
 
-__all__ = ["SdBuilt", "FAMILY", "build", "encode_batch", "loss", "sample", "export", "save_lora_weights",
-           "check_sd_folder", "cache_text_tensors"]
+__all__ = [
+    "SdBuilt",
+    "FAMILY",
+    "build",
+    "encode_batch",
+    "loss",
+    "sample",
+    "export",
+    "save_lora_weights",
+    "check_sd_folder",
+    "cache_text_tensors",
+]
 
 # component -> (accepted class names, or None for any diffusers scheduler; the file that must exist in it)
 _COMPONENTS = {
@@ -50,9 +67,13 @@ _COMPONENTS = {
 }
 # Pipelines people mistake for SD 1.x/2.x ones: SDXL's, every model on a shared core (its unit's title), and two
 # transformers dstune does not train
-_OTHER_PIPELINES = {"StableDiffusionXLPipeline": "SDXL",
-                    **{name: unit.title for unit in registry.UNITS for name in unit.pipelines},
-                    "PixArtSigmaPipeline": "PixArt", "PixArtAlphaPipeline": "PixArt", "SanaPipeline": "Sana"}
+_OTHER_PIPELINES = {
+    "StableDiffusionXLPipeline": "SDXL",
+    **{name: unit.title for unit in registry.UNITS for name in unit.pipelines},
+    "PixArtSigmaPipeline": "PixArt",
+    "PixArtAlphaPipeline": "PixArt",
+    "SanaPipeline": "Sana",
+}
 
 
 @dataclass
@@ -85,8 +106,10 @@ def check_sd_folder(folder: Path) -> None:
     index = read_model_index(folder)
     kind = index.get("_class_name")
     if kind in _OTHER_PIPELINES:
-        raise FamilyError(f"{folder} holds a {kind} ({_OTHER_PIPELINES[kind]}) model; model.family 'sd' is for "
-                          "Stable Diffusion 1.x/2.x (StableDiffusionPipeline) only.")
+        raise FamilyError(
+            f"{folder} holds a {kind} ({_OTHER_PIPELINES[kind]}) model; model.family 'sd' is for "
+            "Stable Diffusion 1.x/2.x (StableDiffusionPipeline) only."
+        )
     problems = []
     for name, (classes, required_file) in _COMPONENTS.items():
         entry = index.get(name)
@@ -102,8 +125,10 @@ def check_sd_folder(folder: Path) -> None:
     if not problems:
         problems = _config_mismatches(folder)
     if problems:
-        raise FamilyError(f"{folder} cannot be used as an `sd` (Stable Diffusion 1.x/2.x) model:\n"
-                          + "\n".join(f"  - {p}" for p in problems))
+        raise FamilyError(
+            f"{folder} cannot be used as an `sd` (Stable Diffusion 1.x/2.x) model:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
 
 
 def _config_mismatches(folder: Path) -> list[str]:
@@ -115,19 +140,25 @@ def _config_mismatches(folder: Path) -> list[str]:
     if unet.get("addition_embed_type") is not None:
         problems.append(f"the UNet has addition_embed_type {unet['addition_embed_type']!r} (an SDXL-style UNet)")
     if unet.get("in_channels") != vae.get("latent_channels", 4):
-        problems.append(f"unet in_channels {unet.get('in_channels')} != vae latent_channels "
-                        f"{vae.get('latent_channels', 4)} (inpainting UNets are not supported)")
+        problems.append(
+            f"unet in_channels {unet.get('in_channels')} != vae latent_channels "
+            f"{vae.get('latent_channels', 4)} (inpainting UNets are not supported)"
+        )
     if unet.get("cross_attention_dim") != text.get("hidden_size"):
-        problems.append(f"unet cross_attention_dim {unet.get('cross_attention_dim')} != text_encoder hidden_size "
-                        f"{text.get('hidden_size')}")
+        problems.append(
+            f"unet cross_attention_dim {unet.get('cross_attention_dim')} != text_encoder hidden_size "
+            f"{text.get('hidden_size')}"
+        )
     return problems
 
 
-
-
-
-def build(model: SdModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
-          zero3_config: Optional[dict] = None) -> SdBuilt:
+def build(
+    model: SdModel,
+    folders: dict,
+    device,
+    dtype_for_frozen: torch.dtype = torch.float32,
+    zero3_config: Optional[dict] = None,
+) -> SdBuilt:
     """Load `model.pretrained`. The UNet is fp32 in host memory (the start-up casts and moves it), built partitioned
     with `zero3_config` (dstune.families.diffusion.load_trainable); the frozen parts are cast to `dtype_for_frozen`.
     Never downloads; raises FamilyError for any unusable folder."""
@@ -140,12 +171,16 @@ def build(model: SdModel, folders: dict, device, dtype_for_frozen: torch.dtype =
     noise_scheduler = load_component(folder, "scheduler", DDPMScheduler.from_pretrained)
     prediction_type = model.prediction or noise_scheduler.config.prediction_type
     if prediction_type not in ("epsilon", "v_prediction"):
-        raise FamilyError(f"{folder / 'scheduler'}: prediction_type {prediction_type!r} is not supported; set "
-                          "model.prediction to epsilon or v_prediction")
+        raise FamilyError(
+            f"{folder / 'scheduler'}: prediction_type {prediction_type!r} is not supported; set "
+            "model.prediction to epsilon or v_prediction"
+        )
     if prediction_type == "epsilon" and float(noise_scheduler.alphas_cumprod[-1]) == 0.0:
-        raise FamilyError(f"{folder / 'scheduler'} has zero terminal SNR (rescale_betas_zero_snr), where an "
-                          "epsilon-predicting model cannot denoise its first sampling step (x_T holds no image). Use "
-                          "model.prediction: v_prediction (or leave it unset).")
+        raise FamilyError(
+            f"{folder / 'scheduler'} has zero terminal SNR (rescale_betas_zero_snr), where an "
+            "epsilon-predicting model cannot denoise its first sampling step (x_T holds no image). Use "
+            "model.prediction: v_prediction (or leave it unset)."
+        )
     noise_scheduler.register_to_config(prediction_type=prediction_type)
     # diffusers models get their dtype at load time: ModelMixin.to(dtype) warns on every call (diffusers 0.42).
     unet = load_trainable(folder, "unet", UNet2DConditionModel, zero3_config)
@@ -156,11 +191,19 @@ def build(model: SdModel, folders: dict, device, dtype_for_frozen: torch.dtype =
     text_encoder = load_component(folder, "text_encoder", CLIPTextModel.from_pretrained).to(device, dtype_for_frozen)
     for part in (vae, text_encoder):
         part.eval().requires_grad_(False)
-    return SdBuilt(folder=folder, device=device, trainable=unet, vae=vae, text_encoder=text_encoder,
-                   tokenizer=load_component(folder, "tokenizer", CLIPTokenizer.from_pretrained),
-                   noise_scheduler=noise_scheduler, prediction_type=prediction_type,
-                   min_snr_gamma=model.min_snr_gamma, noise_offset=model.noise_offset,
-                   unet_config=dict(unet.config))
+    return SdBuilt(
+        folder=folder,
+        device=device,
+        trainable=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=load_component(folder, "tokenizer", CLIPTokenizer.from_pretrained),
+        noise_scheduler=noise_scheduler,
+        prediction_type=prediction_type,
+        min_snr_gamma=model.min_snr_gamma,
+        noise_offset=model.noise_offset,
+        unet_config=dict(unet.config),
+    )
 
 
 # --------------------------------------------------------------------------------------------- train step
@@ -189,8 +232,9 @@ def encode_batch(built: SdBuilt, batch: dict, dtype: torch.dtype = torch.float32
 def encode_captions(built: SdBuilt, captions: list[str]) -> torch.Tensor:
     """The text encoder's last hidden state for `captions`, in the text encoder's dtype."""
     max_length = min(built.tokenizer.model_max_length, built.text_encoder.config.max_position_embeddings)
-    token_ids = built.tokenizer(captions, padding="max_length", max_length=max_length, truncation=True,
-                                return_tensors="pt").input_ids.to(built.device)
+    token_ids = built.tokenizer(
+        captions, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
+    ).input_ids.to(built.device)
     with torch.no_grad():
         return built.text_encoder(token_ids, return_dict=False)[0]
 
@@ -225,8 +269,9 @@ def loss(built: SdBuilt, trainable_forward: Callable, encoded: dict, seed: int, 
     noisy = scheduler.add_noise(latents, noise, timesteps)
     target = noise if built.prediction_type == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
     param_dtype = next(built.trainable.parameters()).dtype
-    prediction = trainable_forward(noisy.to(param_dtype), timesteps,
-                                   encoded["encoder_hidden_states"].to(param_dtype), return_dict=False)[0]
+    prediction = trainable_forward(
+        noisy.to(param_dtype), timesteps, encoded["encoder_hidden_states"].to(param_dtype), return_dict=False
+    )[0]
     per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
     if built.min_snr_gamma:
         per_sample = per_sample * min_snr_weights(scheduler, timesteps, built.min_snr_gamma, built.prediction_type)
@@ -236,8 +281,9 @@ def loss(built: SdBuilt, trainable_forward: Callable, encoded: dict, seed: int, 
 # ------------------------------------------------------------------------------------------------- sampling
 
 
-def sample(built: SdBuilt, unet_module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec,
-           resolution: int) -> list:
+def sample(
+    built: SdBuilt, unet_module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec, resolution: int
+) -> list:
     """Render one image per prompt with a StableDiffusionPipeline around `unet_module` (no weight copy) and a DDIM
     scheduler. Prompt i always starts from the noise of sample_spec.seed and i, so grids of different steps are
     comparable. The UNet's train/eval mode is restored afterwards. The side is rounded down to a multiple of 8
@@ -251,8 +297,15 @@ def sample(built: SdBuilt, unet_module: torch.nn.Module, prompts: list[str], sam
 
         scheduler = DDIMScheduler.from_config(built.noise_scheduler.config, set_alpha_to_one=False)
     pipeline = StableDiffusionPipeline(
-        vae=built.vae, text_encoder=built.text_encoder, tokenizer=built.tokenizer, unet=unet_module,
-        scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        vae=built.vae,
+        text_encoder=built.text_encoder,
+        tokenizer=built.tokenizer,
+        unet=unet_module,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipeline.set_progress_bar_config(disable=True)
     side = max(8, resolution // 8 * 8)
     generators = [sample_generator(sample_spec.seed, 0, number, "sample") for number in range(len(prompts))]
@@ -260,8 +313,15 @@ def sample(built: SdBuilt, unet_module: torch.nn.Module, prompts: list[str], sam
     unet_module.eval()
     try:
         with inputs_cast_to(unet_module, next(unet_module.parameters()).dtype):
-            result = pipeline(prompt=list(prompts), height=side, width=side, guidance_scale=sample_spec.guidance,
-                              num_inference_steps=sample_spec.steps, generator=generators, output_type="pil")
+            result = pipeline(
+                prompt=list(prompts),
+                height=side,
+                width=side,
+                guidance_scale=sample_spec.guidance,
+                num_inference_steps=sample_spec.steps,
+                generator=generators,
+                output_type="pil",
+            )
     finally:
         unet_module.train(was_training)
     return result.images
@@ -277,8 +337,10 @@ def _fresh_unet(built: SdBuilt, state_dict: dict):
     expected, given = set(unet.state_dict()), set(state_dict)
     missing, unexpected = sorted(expected - given), sorted(given - expected)
     if missing or unexpected:
-        raise FamilyError(f"the trained weights do not fit the UNet of {built.folder}: {len(missing)} missing "
-                          f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})")
+        raise FamilyError(
+            f"the trained weights do not fit the UNet of {built.folder}: {len(missing)} missing "
+            f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})"
+        )
     unet.load_state_dict(state_dict, strict=True)
     return unet
 
@@ -297,16 +359,22 @@ def export(built: SdBuilt, unet_state_dict: dict, out_dir, pretrained_folder=Non
     fresh UNet built from the source config) plus the source pipeline's other components copied unchanged.
     Written beside `out_dir` and renamed into place, replacing an older export only once complete."""
     source = Path(pretrained_folder) if pretrained_folder is not None else built.folder
-    return export_pipeline_folder(source, out_dir, "unet", _fresh_unet(built, unet_state_dict),
-                                  finish=lambda work: _set_prediction_type(work / "scheduler", built.prediction_type))
+    return export_pipeline_folder(
+        source,
+        out_dir,
+        "unet",
+        _fresh_unet(built, unet_state_dict),
+        finish=lambda work: _set_prediction_type(work / "scheduler", built.prediction_type),
+    )
 
 
 def save_lora_weights(built: SdBuilt, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:
     """The UNet's LoRA as StableDiffusionPipeline writes it (dstune.families.lora builds the layers, in diffusers naming)."""
     from diffusers import StableDiffusionPipeline
 
-    StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=lora_layers,
-                                              unet_lora_adapter_metadata=adapter_metadata, safe_serialization=True)
+    StableDiffusionPipeline.save_lora_weights(
+        folder, unet_lora_layers=lora_layers, unet_lora_adapter_metadata=adapter_metadata, safe_serialization=True
+    )
 
 
 def cache_text_tensors(built: SdBuilt, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -316,11 +384,22 @@ def cache_text_tensors(built: SdBuilt, captions: list[str]) -> dict[str, torch.T
 
 # The original Stable Diffusion checkpoint layout (what from_single_file reads): UNet under model.diffusion_model.,
 # VAE under first_stage_model., the CLIP text encoder under cond_stage_model. (SD 2.x: its OpenCLIP naming).
-SINGLE_FILE = SingleFileLayout("unet", ("model.diffusion_model.",),
-                               {"vae": ("first_stage_model.",), "text_encoder": ("cond_stage_model.",)})
+SINGLE_FILE = SingleFileLayout(
+    "unet", ("model.diffusion_model.",), {"vae": ("first_stage_model.",), "text_encoder": ("cond_stage_model.",)}
+)
 
 FAMILY = Family(
-    name="sd", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
-    loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
+    name="sd",
+    modality="image",
+    pretrained_fields=("pretrained",),
+    build=build,
+    encode_batch=encode_batch,
+    loss=loss,
+    sample=sample,
+    save_samples=save_grid,
+    export=export,
+    save_lora_weights=save_lora_weights,
     text_cache=TextCache(("text_encoder", "tokenizer"), ("encoder_hidden_states",), cache_text_tensors),
-    single_file=SINGLE_FILE, builds_partitioned=True)
+    single_file=SINGLE_FILE,
+    builds_partitioned=True,
+)

@@ -28,17 +28,36 @@ import torch
 from dstune.models.sd import sd_family as sd
 from dstune.families.base import Family, FamilyError, SingleFileLayout, TextCache
 from dstune.families.randomness import sample_generator
-from dstune.families.diffusion import (inputs_cast_to, load_component, load_trainable, non_reentrant_checkpoint,
-                                       read_component_config, read_model_index)
+from dstune.families.diffusion import (
+    inputs_cast_to,
+    load_component,
+    load_trainable,
+    non_reentrant_checkpoint,
+    read_component_config,
+    read_model_index,
+)
 from dstune.families.samples import save_grid
 from dstune.models.sd.sd_family import export
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec
 from dstune.models.sd.spec import SdxlModel
 
-__all__ = ["SdxlBuilt", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "save_lora_weights",
-           "encode_captions", "time_ids", "check_sdxl_folder", "cache_text_tensors", "TEXT_CACHE_FOLDERS",
-           "TEXT_CACHE_TENSORS"]
+__all__ = [
+    "SdxlBuilt",
+    "build",
+    "encode_batch",
+    "loss",
+    "sample",
+    "export",
+    "FAMILY",
+    "save_lora_weights",
+    "encode_captions",
+    "time_ids",
+    "check_sdxl_folder",
+    "cache_text_tensors",
+    "TEXT_CACHE_FOLDERS",
+    "TEXT_CACHE_TENSORS",
+]
 
 _COMPONENTS = {
     "unet": ({"UNet2DConditionModel"}, "config.json"),
@@ -89,16 +108,20 @@ def check_sdxl_folder(folder: Path) -> None:
     kind = index.get("_class_name")
     if kind not in (None, "StableDiffusionXLPipeline"):
         hint = " (use model.family: sd)" if kind == "StableDiffusionPipeline" else ""
-        raise FamilyError(f"{folder} holds a {kind}; model.family 'sdxl' is for StableDiffusionXLPipeline "
-                          f"folders{hint}.")
+        raise FamilyError(
+            f"{folder} holds a {kind}; model.family 'sdxl' is for StableDiffusionXLPipeline folders{hint}."
+        )
     problems = []
     for name, (classes, required_file) in _COMPONENTS.items():
         entry = index.get(name)
         listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
         if listed is None:
-            problems.append(f"model_index.json has no `{name}` component (an SDXL refiner, which has no "
-                            "text_encoder, is not supported)" if name == "text_encoder" else
-                            f"model_index.json has no `{name}` component")
+            problems.append(
+                f"model_index.json has no `{name}` component (an SDXL refiner, which has no "
+                "text_encoder, is not supported)"
+                if name == "text_encoder"
+                else f"model_index.json has no `{name}` component"
+            )
         elif classes is not None and listed not in classes:
             problems.append(f"`{name}` is a {listed}; expected {' or '.join(sorted(classes))}")
         if not (folder / name / required_file).is_file():
@@ -106,8 +129,10 @@ def check_sdxl_folder(folder: Path) -> None:
     if not problems:
         problems = _config_mismatches(folder)
     if problems:
-        raise FamilyError(f"{folder} cannot be used as an `sdxl` (Stable Diffusion XL) model:\n"
-                          + "\n".join(f"  - {p}" for p in problems))
+        raise FamilyError(
+            f"{folder} cannot be used as an `sdxl` (Stable Diffusion XL) model:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
 
 
 def _config_mismatches(folder: Path) -> list[str]:
@@ -117,21 +142,31 @@ def _config_mismatches(folder: Path) -> list[str]:
     unet, vae, te1, te2 = config("unet"), config("vae"), config("text_encoder"), config("text_encoder_2")
     problems = []
     if unet.get("addition_embed_type") != "text_time":
-        problems.append(f"the UNet has addition_embed_type {unet.get('addition_embed_type')!r}, not 'text_time' "
-                        "(an SD 1.x/2.x UNet? use model.family: sd)")
+        problems.append(
+            f"the UNet has addition_embed_type {unet.get('addition_embed_type')!r}, not 'text_time' "
+            "(an SD 1.x/2.x UNet? use model.family: sd)"
+        )
     if unet.get("in_channels") != vae.get("latent_channels", 4):
-        problems.append(f"unet in_channels {unet.get('in_channels')} != vae latent_channels "
-                        f"{vae.get('latent_channels', 4)} (inpainting UNets are not supported)")
+        problems.append(
+            f"unet in_channels {unet.get('in_channels')} != vae latent_channels "
+            f"{vae.get('latent_channels', 4)} (inpainting UNets are not supported)"
+        )
     hidden = (te1.get("hidden_size") or 0) + (te2.get("hidden_size") or 0)
     if unet.get("cross_attention_dim") != hidden:
-        problems.append(f"unet cross_attention_dim {unet.get('cross_attention_dim')} != text_encoder hidden_size + "
-                        f"text_encoder_2 hidden_size ({hidden})")
+        problems.append(
+            f"unet cross_attention_dim {unet.get('cross_attention_dim')} != text_encoder hidden_size + "
+            f"text_encoder_2 hidden_size ({hidden})"
+        )
     pooled_and_times = _TIME_IDS * (unet.get("addition_time_embed_dim") or 0) + (te2.get("projection_dim") or 0)
-    if unet.get("addition_embed_type") == "text_time" and \
-            unet.get("projection_class_embeddings_input_dim") != pooled_and_times:
-        problems.append(f"unet projection_class_embeddings_input_dim {unet.get('projection_class_embeddings_input_dim')}"
-                        f" != 6 x addition_time_embed_dim + text_encoder_2 projection_dim ({pooled_and_times}): "
-                        "a refiner-style UNet (aesthetic score) is not supported")
+    if (
+        unet.get("addition_embed_type") == "text_time"
+        and unet.get("projection_class_embeddings_input_dim") != pooled_and_times
+    ):
+        problems.append(
+            f"unet projection_class_embeddings_input_dim {unet.get('projection_class_embeddings_input_dim')}"
+            f" != 6 x addition_time_embed_dim + text_encoder_2 projection_dim ({pooled_and_times}): "
+            "a refiner-style UNet (aesthetic score) is not supported"
+        )
     return problems
 
 
@@ -142,18 +177,27 @@ def _noise_scheduler(folder: Path, prediction: Optional[str]):
     noise_scheduler = load_component(folder, "scheduler", DDPMScheduler.from_pretrained)
     prediction_type = prediction or noise_scheduler.config.prediction_type
     if prediction_type not in ("epsilon", "v_prediction"):
-        raise FamilyError(f"{folder / 'scheduler'}: prediction_type {prediction_type!r} is not supported; set "
-                          "model.prediction to epsilon or v_prediction")
+        raise FamilyError(
+            f"{folder / 'scheduler'}: prediction_type {prediction_type!r} is not supported; set "
+            "model.prediction to epsilon or v_prediction"
+        )
     if prediction_type == "epsilon" and float(noise_scheduler.alphas_cumprod[-1]) == 0.0:
-        raise FamilyError(f"{folder / 'scheduler'} has zero terminal SNR (rescale_betas_zero_snr), where an "
-                          "epsilon-predicting model cannot denoise its first sampling step. Use "
-                          "model.prediction: v_prediction (or leave it unset).")
+        raise FamilyError(
+            f"{folder / 'scheduler'} has zero terminal SNR (rescale_betas_zero_snr), where an "
+            "epsilon-predicting model cannot denoise its first sampling step. Use "
+            "model.prediction: v_prediction (or leave it unset)."
+        )
     noise_scheduler.register_to_config(prediction_type=prediction_type)
     return noise_scheduler, prediction_type
 
 
-def build(model: SdxlModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32,
-          zero3_config: Optional[dict] = None) -> SdxlBuilt:
+def build(
+    model: SdxlModel,
+    folders: dict,
+    device,
+    dtype_for_frozen: torch.dtype = torch.float32,
+    zero3_config: Optional[dict] = None,
+) -> SdxlBuilt:
     """Load `model.pretrained` as sd.build does (fp32 UNet in host memory, partitioned with `zero3_config`; frozen
     parts in `dtype_for_frozen`)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -170,14 +214,25 @@ def build(model: SdxlModel, folders: dict, device, dtype_for_frozen: torch.dtype
     vae = load_component(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
     text_encoder = load_component(folder, "text_encoder", CLIPTextModel.from_pretrained).to(device, dtype_for_frozen)
     text_encoder_2 = load_component(folder, "text_encoder_2", CLIPTextModelWithProjection.from_pretrained).to(
-        device, dtype_for_frozen)
+        device, dtype_for_frozen
+    )
     for part in (vae, text_encoder, text_encoder_2):
         part.eval().requires_grad_(False)
-    return SdxlBuilt(folder=folder, device=device, trainable=unet, vae=vae, text_encoder=text_encoder,
-                     text_encoder_2=text_encoder_2, tokenizer=load_component(folder, "tokenizer", CLIPTokenizer.from_pretrained),
-                     tokenizer_2=load_component(folder, "tokenizer_2", CLIPTokenizer.from_pretrained),
-                     noise_scheduler=noise_scheduler, prediction_type=prediction_type,
-                     min_snr_gamma=model.min_snr_gamma, noise_offset=model.noise_offset, unet_config=dict(unet.config))
+    return SdxlBuilt(
+        folder=folder,
+        device=device,
+        trainable=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=load_component(folder, "tokenizer", CLIPTokenizer.from_pretrained),
+        tokenizer_2=load_component(folder, "tokenizer_2", CLIPTokenizer.from_pretrained),
+        noise_scheduler=noise_scheduler,
+        prediction_type=prediction_type,
+        min_snr_gamma=model.min_snr_gamma,
+        noise_offset=model.noise_offset,
+        unet_config=dict(unet.config),
+    )
 
 
 # --------------------------------------------------------------------------------------------- conditioning
@@ -190,8 +245,9 @@ def encode_captions(built: SdxlBuilt, captions: list[str]) -> tuple[torch.Tensor
     hidden_states, pooled = [], None
     for tokenizer, encoder in ((built.tokenizer, built.text_encoder), (built.tokenizer_2, built.text_encoder_2)):
         max_length = min(tokenizer.model_max_length, encoder.config.max_position_embeddings)
-        token_ids = tokenizer(captions, padding="max_length", max_length=max_length, truncation=True,
-                              return_tensors="pt").input_ids.to(built.device)
+        token_ids = tokenizer(
+            captions, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
+        ).input_ids.to(built.device)
         with torch.no_grad():
             output = encoder(token_ids, output_hidden_states=True)
         hidden_states.append(output.hidden_states[-2])
@@ -204,8 +260,12 @@ def cache_text_tensors(built: SdxlBuilt, captions: list[str]) -> dict[str, torch
     return {"encoder_hidden_states": hidden, "text_embeds": pooled}
 
 
-def time_ids(original_size: torch.Tensor, crop_top_left: torch.Tensor, target_size: tuple[int, int],
-             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def time_ids(
+    original_size: torch.Tensor,
+    crop_top_left: torch.Tensor,
+    target_size: tuple[int, int],
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """(B, 6): original (h, w) + crop top-left (top, left) + target (h, w), the reference script's add_time_ids."""
     original_size, crop_top_left = torch.as_tensor(original_size), torch.as_tensor(crop_top_left)
     target = torch.tensor(target_size, dtype=original_size.dtype).expand(len(original_size), 2)
@@ -215,8 +275,10 @@ def time_ids(original_size: torch.Tensor, crop_top_left: torch.Tensor, target_si
 def _geometry(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     missing = [name for name in ("original_size", "crop_top_left") if name not in batch]
     if missing:
-        raise KeyError(f"the sdxl family needs each sample's {' and '.join(missing)} (dstune.data.images.crop_fields)"
-                       f"; this batch has only {sorted(batch)}")
+        raise KeyError(
+            f"the sdxl family needs each sample's {' and '.join(missing)} (dstune.data.images.crop_fields)"
+            f"; this batch has only {sorted(batch)}"
+        )
     return torch.as_tensor(batch["original_size"]).long(), torch.as_tensor(batch["crop_top_left"]).long()
 
 
@@ -241,9 +303,14 @@ def encode_batch(built: SdxlBuilt, batch: dict, dtype: torch.dtype = torch.float
         factor = 2 ** (len(built.vae.config.block_out_channels) - 1)
         target = tuple(side * factor for side in mean.shape[-2:])
     original_size, crop_top_left = _geometry(batch)
-    return {"latent_mean": mean, "latent_std": std, "encoder_hidden_states": hidden.to(dtype),
-            "text_embeds": pooled.to(dtype),
-            "time_ids": time_ids(original_size, crop_top_left, target).to(built.device, dtype), "indices": indices}
+    return {
+        "latent_mean": mean,
+        "latent_std": std,
+        "encoder_hidden_states": hidden.to(dtype),
+        "text_embeds": pooled.to(dtype),
+        "time_ids": time_ids(original_size, crop_top_left, target).to(built.device, dtype),
+        "indices": indices,
+    }
 
 
 def loss(built: SdxlBuilt, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
@@ -260,8 +327,9 @@ def loss(built: SdxlBuilt, trainable_forward: Callable, encoded: dict, seed: int
 # ------------------------------------------------------------------------------------------------- sampling
 
 
-def sample(built: SdxlBuilt, unet_module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec,
-           resolution: int) -> list:
+def sample(
+    built: SdxlBuilt, unet_module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec, resolution: int
+) -> list:
     """Render one image per prompt with a StableDiffusionXLPipeline around `unet_module` (no weight copy) and a DDIM
     scheduler; the pipeline's time ids say original = target = the rendered size, crop (0, 0). Prompt i always
     starts from the noise of (sample_spec.seed, i). The UNet's train/eval mode is restored afterwards."""
@@ -274,9 +342,15 @@ def sample(built: SdxlBuilt, unet_module: torch.nn.Module, prompts: list[str], s
 
         scheduler = DDIMScheduler.from_config(built.noise_scheduler.config, set_alpha_to_one=False)
     pipeline = StableDiffusionXLPipeline(
-        vae=built.vae, text_encoder=built.text_encoder, text_encoder_2=built.text_encoder_2,
-        tokenizer=built.tokenizer, tokenizer_2=built.tokenizer_2, unet=unet_module, scheduler=scheduler,
-        add_watermarker=False)
+        vae=built.vae,
+        text_encoder=built.text_encoder,
+        text_encoder_2=built.text_encoder_2,
+        tokenizer=built.tokenizer,
+        tokenizer_2=built.tokenizer_2,
+        unet=unet_module,
+        scheduler=scheduler,
+        add_watermarker=False,
+    )
     pipeline.set_progress_bar_config(disable=True)
     side = max(8, resolution // 8 * 8)
     generators = [sample_generator(sample_spec.seed, 0, number, "sample") for number in range(len(prompts))]
@@ -284,8 +358,15 @@ def sample(built: SdxlBuilt, unet_module: torch.nn.Module, prompts: list[str], s
     unet_module.eval()
     try:
         with inputs_cast_to(unet_module, next(unet_module.parameters()).dtype), quiet_hf_libraries():
-            result = pipeline(prompt=list(prompts), height=side, width=side, guidance_scale=sample_spec.guidance,
-                              num_inference_steps=sample_spec.steps, generator=generators, output_type="pil")
+            result = pipeline(
+                prompt=list(prompts),
+                height=side,
+                width=side,
+                guidance_scale=sample_spec.guidance,
+                num_inference_steps=sample_spec.steps,
+                generator=generators,
+                output_type="pil",
+            )
     finally:
         unet_module.train(was_training)
     return result.images
@@ -300,19 +381,35 @@ def save_lora_weights(built: SdxlBuilt, lora_layers: dict, adapter_metadata: dic
     with quiet_hf_libraries():
         from diffusers import StableDiffusionXLPipeline
 
-        StableDiffusionXLPipeline.save_lora_weights(folder, unet_lora_layers=lora_layers,
-                                                    unet_lora_adapter_metadata=adapter_metadata,
-                                                    safe_serialization=True)
+        StableDiffusionXLPipeline.save_lora_weights(
+            folder, unet_lora_layers=lora_layers, unet_lora_adapter_metadata=adapter_metadata, safe_serialization=True
+        )
 
 
 # The original SDXL checkpoint layout (what from_single_file reads): UNet under model.diffusion_model., VAE under
 # first_stage_model., the two text encoders under conditioner.embedders.0. (CLIP ViT-L) and .1. (OpenCLIP ViT-bigG).
-SINGLE_FILE = SingleFileLayout("unet", ("model.diffusion_model.",), {
-    "vae": ("first_stage_model.",), "text_encoder": ("conditioner.embedders.0.",),
-    "text_encoder_2": ("conditioner.embedders.1.",)})
+SINGLE_FILE = SingleFileLayout(
+    "unet",
+    ("model.diffusion_model.",),
+    {
+        "vae": ("first_stage_model.",),
+        "text_encoder": ("conditioner.embedders.0.",),
+        "text_encoder_2": ("conditioner.embedders.1.",),
+    },
+)
 
 FAMILY = Family(
-    name="sdxl", modality="image", pretrained_fields=("pretrained",), build=build, encode_batch=encode_batch,
-    loss=loss, sample=sample, save_samples=save_grid, export=export, save_lora_weights=save_lora_weights,
-    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors), single_file=SINGLE_FILE,
-    builds_partitioned=True)
+    name="sdxl",
+    modality="image",
+    pretrained_fields=("pretrained",),
+    build=build,
+    encode_batch=encode_batch,
+    loss=loss,
+    sample=sample,
+    save_samples=save_grid,
+    export=export,
+    save_lora_weights=save_lora_weights,
+    text_cache=TextCache(TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors),
+    single_file=SINGLE_FILE,
+    builds_partitioned=True,
+)

@@ -24,7 +24,9 @@ class SdModel(DenoiserModelBase):
     LORA_FORMATS: ClassVar[dict[str, str]] = UNET_LORA_FORMATS
     SINGLE_FILE: ClassVar[bool] = True
 
-    family: Literal["sd"] = Field(description="Model family. `sd`: Stable Diffusion 1.x/2.x (UNet, one CLIP text encoder).")
+    family: Literal["sd"] = Field(
+        description="Model family. `sd`: Stable Diffusion 1.x/2.x (UNet, one CLIP text encoder)."
+    )
     pretrained: str = Field(
         "builtin:tiny-sd",
         description="A diffusers pipeline folder (model_index.json + unet/vae/text_encoder/tokenizer/scheduler), "
@@ -35,12 +37,15 @@ class SdModel(DenoiserModelBase):
         None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower."
+        False,
+        description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower.",
     )
     min_snr_gamma: Optional[float] = Field(
         None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023); 5.0 is the usual value. Omitted: plain MSE."
     )
-    noise_offset: float = Field(0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images).")
+    noise_offset: float = Field(
+        0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images)."
+    )
 
 
 class SdxlModel(DenoiserModelBase):
@@ -65,9 +70,12 @@ class SdxlModel(DenoiserModelBase):
         None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower."
+        False,
+        description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower.",
     )
     min_snr_gamma: Optional[float] = Field(
         None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023); 5.0 is the usual value. Omitted: plain MSE."
     )
-    noise_offset: float = Field(0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images).")
+    noise_offset: float = Field(
+        0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images)."
+    )

@@ -17,8 +17,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstune.builtin.common import (BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline, tiny_clip_config,
-                                   tiny_clip_tokenizer)
+from dstune.builtin.common import (
+    BUILD_THREADS,
+    BuiltinModel,
+    deterministic_cpu,
+    save_pipeline,
+    tiny_clip_config,
+    tiny_clip_tokenizer,
+)
 from dstune.builtin.parts import tiny_t5_tokenizer, trained_flow_vae
 from dstune.hf import quiet_hf_libraries
 
@@ -26,33 +32,68 @@ _SEED = 0
 # joint_attention_dim == T5 d_model (>= 2 x CLIP hidden: CLIP embeds are zero-padded to the T5 width);
 # pooled_projection_dim == the two CLIP projections concatenated.
 TINY_SD3_TRANSFORMER = dict(
-    sample_size=16, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
-    num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
-    pos_embed_max_size=32)
+    sample_size=16,
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    num_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    joint_attention_dim=64,
+    caption_projection_dim=32,
+    pooled_projection_dim=64,
+    pos_embed_max_size=32,
+)
 TINY_SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
 # in_channels == 4 x latent channels (2x2 packing); sum(axes_dims_rope) == attention_head_dim;
 # joint_attention_dim == T5 d_model; pooled_projection_dim == CLIP hidden (pooler_output).
 TINY_FLUX_TRANSFORMER = dict(
-    patch_size=1, in_channels=64, out_channels=None, num_layers=1, num_single_layers=1, attention_head_dim=16,
-    num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-    axes_dims_rope=(4, 6, 6))
-TINY_FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                           max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    patch_size=1,
+    in_channels=64,
+    out_channels=None,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6),
+)
+TINY_FLUX_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
 
 
 def tiny_t5_encoder(d_model: int):
     from transformers import T5Config, T5EncoderModel
 
-    return T5EncoderModel(T5Config(vocab_size=124, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2,
-                                   num_heads=4, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
-                                   decoder_start_token_id=0))
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=124,
+            d_model=d_model,
+            d_kv=8,
+            d_ff=2 * d_model,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        )
+    )
 
 
 def build_tiny_flow(out: Path, needs: dict) -> dict:
     """builtin:tiny-flow: an SD3-class pipeline (SD3Transformer2DModel, CLIP x2 with projection, T5)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextModelWithProjection
-
 
     with quiet_hf_libraries():
         from diffusers import StableDiffusion3Pipeline
@@ -63,9 +104,16 @@ def build_tiny_flow(out: Path, needs: dict) -> dict:
         text_encoder_3 = tiny_t5_encoder(d_model=64)
         transformer = SD3Transformer2DModel(**TINY_SD3_TRANSFORMER)
     pipeline = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**TINY_SD3_SCHEDULER), vae=vae,
-        text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(), text_encoder_2=text_encoder_2,
-        tokenizer_2=tiny_clip_tokenizer(), text_encoder_3=text_encoder_3, tokenizer_3=tiny_t5_tokenizer())
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**TINY_SD3_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tiny_clip_tokenizer(),
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tiny_t5_tokenizer(),
+    )
     return save_pipeline(pipeline, out, transformer, facts)
 
 
@@ -73,7 +121,6 @@ def build_tiny_flux(out: Path, needs: dict) -> dict:
     """builtin:tiny-flux: a Flux-class pipeline (FluxTransformer2DModel with guidance embedding, CLIP pooled, T5)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel
-
 
     with quiet_hf_libraries():
         from diffusers import FluxPipeline
@@ -83,18 +130,29 @@ def build_tiny_flux(out: Path, needs: dict) -> dict:
         text_encoder_2 = tiny_t5_encoder(d_model=32)
         transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER)
     pipeline = FluxPipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**TINY_FLUX_SCHEDULER), vae=vae,
-        text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(), text_encoder_2=text_encoder_2,
-        tokenizer_2=tiny_t5_tokenizer())
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**TINY_FLUX_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tiny_t5_tokenizer(),
+    )
     return save_pipeline(pipeline, out, transformer, facts)
 
 
 TINY_FLOW = BuiltinModel(
-    name="tiny-flow", folder_name="tiny-flow-v1", family="flow",
+    name="tiny-flow",
+    folder_name="tiny-flow-v1",
+    family="flow",
     description="SD3-class pipeline: ~0.1 M-parameter SD3 transformer, CLIP x2 + T5, trained 16-channel VAE",
-    build=build_tiny_flow)
+    build=build_tiny_flow,
+)
 TINY_FLUX = BuiltinModel(
-    name="tiny-flux", folder_name="tiny-flux-v1", family="flow",
+    name="tiny-flux",
+    folder_name="tiny-flux-v1",
+    family="flow",
     description="Flux-class pipeline: ~0.1 M-parameter Flux transformer with guidance embedding, CLIP + T5, "
-                "trained 16-channel VAE",
-    build=build_tiny_flux)
+    "trained 16-channel VAE",
+    build=build_tiny_flux,
+)

@@ -27,40 +27,62 @@ def _sd3_mismatches(folder: Path) -> list[str]:
     transformer, vae = read_config(folder, "transformer"), read_config(folder, "vae")
     t5 = read_config(folder, "text_encoder_3")
     clips = [read_config(folder, name) for name in ("text_encoder", "text_encoder_2")]
-    checks = [("in_channels", vae.get("latent_channels", 4)), ("joint_attention_dim", t5.get("d_model")),
-              ("pooled_projection_dim", sum(c.get("projection_dim", 0) for c in clips))]
-    return [f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
-            for key, want in checks if transformer.get(key) != want]
+    checks = [
+        ("in_channels", vae.get("latent_channels", 4)),
+        ("joint_attention_dim", t5.get("d_model")),
+        ("pooled_projection_dim", sum(c.get("projection_dim", 0) for c in clips)),
+    ]
+    return [
+        f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
+        for key, want in checks
+        if transformer.get(key) != want
+    ]
 
 
 def _flux_mismatches(folder: Path) -> list[str]:
     transformer, vae = read_config(folder, "transformer"), read_config(folder, "vae")
     t5, clip = read_config(folder, "text_encoder_2"), read_config(folder, "text_encoder")
-    checks = [("in_channels", 4 * vae.get("latent_channels", 4)), ("joint_attention_dim", t5.get("d_model")),
-              ("pooled_projection_dim", clip.get("hidden_size"))]
-    return [f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
-            for key, want in checks if transformer.get(key) != want]
+    checks = [
+        ("in_channels", 4 * vae.get("latent_channels", 4)),
+        ("joint_attention_dim", t5.get("d_model")),
+        ("pooled_projection_dim", clip.get("hidden_size")),
+    ]
+    return [
+        f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
+        for key, want in checks
+        if transformer.get(key) != want
+    ]
 
 
 def _sd3_captions(pipeline, built, captions: list[str]) -> dict:
     with torch.no_grad(), quiet_hf_libraries():
         embeds, _, pooled, _ = pipeline.encode_prompt(
-            captions, captions, captions, device=built.device, do_classifier_free_guidance=False,
-            max_sequence_length=built.max_sequence_length)
+            captions,
+            captions,
+            captions,
+            device=built.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=built.max_sequence_length,
+        )
     return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
 
 
 def _flux_captions(pipeline, built, captions: list[str]) -> dict:
     with torch.no_grad(), quiet_hf_libraries():
-        embeds, pooled, _ = pipeline.encode_prompt(captions, captions, device=built.device,
-                                                   max_sequence_length=built.max_sequence_length)
+        embeds, pooled, _ = pipeline.encode_prompt(
+            captions, captions, device=built.device, max_sequence_length=built.max_sequence_length
+        )
     return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
 
 
 def _sd3_predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tensor:
-    return forward(hidden_states=noisy.to(dtype), timestep=timesteps,
-                   encoder_hidden_states=text["encoder_hidden_states"], pooled_projections=text["pooled_projections"],
-                   return_dict=False)[0]
+    return forward(
+        hidden_states=noisy.to(dtype),
+        timestep=timesteps,
+        encoder_hidden_states=text["encoder_hidden_states"],
+        pooled_projections=text["pooled_projections"],
+        return_dict=False,
+    )[0]
 
 
 def _flux_predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tensor:
@@ -69,23 +91,48 @@ def _flux_predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.
     guidance = None
     if built.transformer_config.get("guidance_embeds", False):
         guidance = torch.full((batch,), float(built.settings.guidance), device=noisy.device, dtype=dtype)
-    prediction = forward(hidden_states=pack_latents(noisy).to(dtype), timestep=(timesteps / 1000).to(dtype),
-                         guidance=guidance, pooled_projections=text["pooled_projections"], encoder_hidden_states=embeds,
-                         txt_ids=torch.zeros(embeds.shape[1], 3, device=noisy.device, dtype=dtype),
-                         img_ids=image_ids(height, width, dtype, noisy.device), return_dict=False)[0]
+    prediction = forward(
+        hidden_states=pack_latents(noisy).to(dtype),
+        timestep=(timesteps / 1000).to(dtype),
+        guidance=guidance,
+        pooled_projections=text["pooled_projections"],
+        encoder_hidden_states=embeds,
+        txt_ids=torch.zeros(embeds.shape[1], 3, device=noisy.device, dtype=dtype),
+        img_ids=image_ids(height, width, dtype, noisy.device),
+        return_dict=False,
+    )[0]
     return unpack_latents(prediction, height, width)
 
 
 SD3 = FlowRecipe(
-    kind="sd3", transformer_class="SD3Transformer2DModel", pipeline_class="StableDiffusion3Pipeline",
-    components={"text_encoder": "CLIPTextModelWithProjection", "text_encoder_2": "CLIPTextModelWithProjection",
-                "text_encoder_3": "T5EncoderModel", "tokenizer": None, "tokenizer_2": None, "tokenizer_3": None},
+    kind="sd3",
+    transformer_class="SD3Transformer2DModel",
+    pipeline_class="StableDiffusion3Pipeline",
+    components={
+        "text_encoder": "CLIPTextModelWithProjection",
+        "text_encoder_2": "CLIPTextModelWithProjection",
+        "text_encoder_3": "T5EncoderModel",
+        "tokenizer": None,
+        "tokenizer_2": None,
+        "tokenizer_3": None,
+    },
     text=TextSide(TEXT_TENSORS, _sd3_captions, lambda built: CLIP_TOKENS + built.max_sequence_length, 77),
-    predict=_sd3_predict, config_mismatches=_sd3_mismatches)
+    predict=_sd3_predict,
+    config_mismatches=_sd3_mismatches,
+)
 
 FLUX = FlowRecipe(
-    kind="flux", transformer_class="FluxTransformer2DModel", pipeline_class="FluxPipeline",
-    components={"text_encoder": "CLIPTextModel", "text_encoder_2": "T5EncoderModel", "tokenizer": None,
-                "tokenizer_2": None},
+    kind="flux",
+    transformer_class="FluxTransformer2DModel",
+    pipeline_class="FluxPipeline",
+    components={
+        "text_encoder": "CLIPTextModel",
+        "text_encoder_2": "T5EncoderModel",
+        "tokenizer": None,
+        "tokenizer_2": None,
+    },
     text=TextSide(TEXT_TENSORS, _flux_captions, lambda built: built.max_sequence_length, 512),
-    predict=_flux_predict, config_mismatches=_flux_mismatches, latents=LatentSpace(patch=fixed_patch(2)))
+    predict=_flux_predict,
+    config_mismatches=_flux_mismatches,
+    latents=LatentSpace(patch=fixed_patch(2)),
+)

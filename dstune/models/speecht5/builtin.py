@@ -10,8 +10,12 @@ from dstune.hf import quiet_hf_libraries
 
 _SEED = 0
 TINY_SPEECHT5_RATE, TINY_SPEECHT5_MELS = 16000, 20
-_SPM_CORPUS = ["0 1 2 3 4 5 6 7 8 9", "the quick brown fox jumps over the lazy dog", ". , ! ? ' -",
-               "THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG"]
+_SPM_CORPUS = [
+    "0 1 2 3 4 5 6 7 8 9",
+    "the quick brown fox jumps over the lazy dog",
+    ". , ! ? ' -",
+    "THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG",
+]
 
 
 def _char_tokenizer(out: Path):
@@ -23,44 +27,97 @@ def _char_tokenizer(out: Path):
 
     buffer = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(_SPM_CORPUS), model_writer=buffer, model_type="char", vocab_size=80,
-        character_coverage=1.0, pad_id=1, unk_id=3, bos_id=0, eos_id=2, hard_vocab_limit=False, minloglevel=2)
+        sentence_iterator=iter(_SPM_CORPUS),
+        model_writer=buffer,
+        model_type="char",
+        vocab_size=80,
+        character_coverage=1.0,
+        pad_id=1,
+        unk_id=3,
+        bos_id=0,
+        eos_id=2,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     (out / "spm_char.model").write_bytes(buffer.getvalue())
     return SpeechT5Tokenizer(vocab_file=str(out / "spm_char.model"))
 
 
 def build_tiny_speecht5(out: Path, needs: dict) -> dict:
-    from transformers import (SpeechT5Config, SpeechT5FeatureExtractor, SpeechT5ForTextToSpeech, SpeechT5HifiGan,
-                              SpeechT5HifiGanConfig, SpeechT5Processor)
-
+    from transformers import (
+        SpeechT5Config,
+        SpeechT5FeatureExtractor,
+        SpeechT5ForTextToSpeech,
+        SpeechT5HifiGan,
+        SpeechT5HifiGanConfig,
+        SpeechT5Processor,
+    )
 
     tokenizer = _char_tokenizer(out)
-    extractor = SpeechT5FeatureExtractor(sampling_rate=TINY_SPEECHT5_RATE, num_mel_bins=TINY_SPEECHT5_MELS,
-                                         hop_length=16, win_length=64, fmin=80, fmax=7600)
+    extractor = SpeechT5FeatureExtractor(
+        sampling_rate=TINY_SPEECHT5_RATE,
+        num_mel_bins=TINY_SPEECHT5_MELS,
+        hop_length=16,
+        win_length=64,
+        fmin=80,
+        fmax=7600,
+    )
     with deterministic_cpu(_SEED, 1):
-        model = SpeechT5ForTextToSpeech(SpeechT5Config(
-            vocab_size=len(tokenizer), hidden_size=32, encoder_layers=1, encoder_attention_heads=2,
-            encoder_ffn_dim=64, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64,
-            num_mel_bins=TINY_SPEECHT5_MELS, reduction_factor=2, speech_decoder_prenet_layers=2,
-            speech_decoder_prenet_units=32, speech_decoder_postnet_layers=2, speech_decoder_postnet_units=32,
-            speech_decoder_postnet_kernel=5, speaker_embedding_dim=16, max_text_positions=128,
-            max_speech_positions=512, use_guided_attention_loss=True, guided_attention_loss_num_heads=2,
-            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=2,
-            encoder_layerdrop=0.0, decoder_layerdrop=0.0))  # a dropped only layer leaves no cross attention
-        vocoder = SpeechT5HifiGan(SpeechT5HifiGanConfig(
-            model_in_dim=TINY_SPEECHT5_MELS, sampling_rate=TINY_SPEECHT5_RATE, upsample_initial_channel=32,
-            upsample_rates=[4, 4, 4, 4], upsample_kernel_sizes=[8, 8, 8, 8], resblock_kernel_sizes=[3],
-            resblock_dilation_sizes=[[1, 3]]))  # 4*4*4*4 = 256 samples = the 16 ms hop
+        model = SpeechT5ForTextToSpeech(
+            SpeechT5Config(
+                vocab_size=len(tokenizer),
+                hidden_size=32,
+                encoder_layers=1,
+                encoder_attention_heads=2,
+                encoder_ffn_dim=64,
+                decoder_layers=1,
+                decoder_attention_heads=2,
+                decoder_ffn_dim=64,
+                num_mel_bins=TINY_SPEECHT5_MELS,
+                reduction_factor=2,
+                speech_decoder_prenet_layers=2,
+                speech_decoder_prenet_units=32,
+                speech_decoder_postnet_layers=2,
+                speech_decoder_postnet_units=32,
+                speech_decoder_postnet_kernel=5,
+                speaker_embedding_dim=16,
+                max_text_positions=128,
+                max_speech_positions=512,
+                use_guided_attention_loss=True,
+                guided_attention_loss_num_heads=2,
+                pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                decoder_start_token_id=2,
+                encoder_layerdrop=0.0,
+                decoder_layerdrop=0.0,
+            )
+        )  # a dropped only layer leaves no cross attention
+        vocoder = SpeechT5HifiGan(
+            SpeechT5HifiGanConfig(
+                model_in_dim=TINY_SPEECHT5_MELS,
+                sampling_rate=TINY_SPEECHT5_RATE,
+                upsample_initial_channel=32,
+                upsample_rates=[4, 4, 4, 4],
+                upsample_kernel_sizes=[8, 8, 8, 8],
+                resblock_kernel_sizes=[3],
+                resblock_dilation_sizes=[[1, 3]],
+            )
+        )  # 4*4*4*4 = 256 samples = the 16 ms hop
     with quiet_hf_libraries():
         SpeechT5Processor(tokenizer=tokenizer, feature_extractor=extractor).save_pretrained(out)
         model.save_pretrained(out)
         vocoder.save_pretrained(out / "vocoder")
-    return {"model_parameters": sum(p.numel() for p in model.parameters()),
-            "vocoder_parameters": sum(p.numel() for p in vocoder.parameters())}
+    return {
+        "model_parameters": sum(p.numel() for p in model.parameters()),
+        "vocoder_parameters": sum(p.numel() for p in vocoder.parameters()),
+    }
 
 
 TINY_SPEECHT5 = BuiltinModel(
-    name="tiny-speecht5", folder_name="tiny-speecht5-v1", family="speecht5",
+    name="tiny-speecht5",
+    folder_name="tiny-speecht5-v1",
+    family="speecht5",
     description="SpeechT5 TTS (~40 k parameters, char tokenizer, 20 mel bins at 16 kHz) + tiny HiFi-GAN vocoder",
-    build=build_tiny_speecht5)
+    build=build_tiny_speecht5,
+)

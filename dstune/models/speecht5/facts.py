@@ -17,9 +17,12 @@ def sample_bytes(config: dict, seconds: float, precision: str = "bf16") -> tuple
     attention) and the guided-attention loss included. dstune never checkpoints SpeechT5: one figure for both."""
     hidden = config.get("hidden_size", 768)
     steps = seconds * 16000 / 256 / config.get("reduction_factor", 2)
-    shape = ModelShape(hidden, {"encoder": config.get("encoder_layers", 12), "decoder": config.get("decoder_layers", 6)})
-    return in_plan_units(measured_sample_bytes("speecht5", shape, steps, seconds * TEXT_TOKENS_PER_SECOND, precision),
-                         precision)
+    shape = ModelShape(
+        hidden, {"encoder": config.get("encoder_layers", 12), "decoder": config.get("decoder_layers", 6)}
+    )
+    return in_plan_units(
+        measured_sample_bytes("speecht5", shape, steps, seconds * TEXT_TOKENS_PER_SECOND, precision), precision
+    )
 
 
 def _count(spec, num_samples: int, clips=()) -> ModelCounts:
@@ -29,8 +32,9 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     vocoder = spec.model.vocoder or (str(folder / "vocoder") if (folder / "vocoder" / "config.json").exists() else None)
     if vocoder:
         companions["vocoder"] = count_component(str(config_folder(vocoder)[0] / "config.json"))[0]
-    full, checkpointed = sample_bytes(read_config(folder / "config.json"),
-                                      spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS, spec.train.precision)
+    full, checkpointed = sample_bytes(
+        read_config(folder / "config.json"), spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS, spec.train.precision
+    )
     return ModelCounts("speecht5", params, params, largest, companions, (), int(full), int(checkpointed), 0, 0, origin)
 
 

@@ -68,8 +68,9 @@ def _load(loader: Callable, source, what: str, **kwargs):
         with quiet_hf_libraries():
             return loader(source, **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, ImportError) as err:
-        raise FamilyError(f"{source}: cannot load it as {what} "
-                          f"({(str(err).strip().splitlines() or [type(err).__name__])[0]})") from None
+        raise FamilyError(
+            f"{source}: cannot load it as {what} ({(str(err).strip().splitlines() or [type(err).__name__])[0]})"
+        ) from None
 
 
 def _speakers(model: SpeechT5Model, folder: Path, dim: int) -> dict[str, torch.Tensor]:
@@ -95,8 +96,14 @@ def build(model: SpeechT5Model, folders: dict, device, dtype_for_frozen: torch.d
 
     folder = folders["pretrained"]
     processor = _load(SpeechT5Processor.from_pretrained, folder, "SpeechT5Processor (needs sentencepiece)")
-    tts = _load(SpeechT5ForTextToSpeech.from_pretrained, folder, "SpeechT5ForTextToSpeech",
-                torch_dtype=torch.float32, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
+    tts = _load(
+        SpeechT5ForTextToSpeech.from_pretrained,
+        folder,
+        "SpeechT5ForTextToSpeech",
+        torch_dtype=torch.float32,
+        encoder_layerdrop=0.0,
+        decoder_layerdrop=0.0,
+    )
     vocoder_source = folders["vocoder"] if folders.get("vocoder") is not None else folder / "vocoder"
     vocoder = _load(SpeechT5HifiGan.from_pretrained, vocoder_source, "SpeechT5HifiGan (model.vocoder)")
     if dtype_for_frozen == torch.bfloat16:
@@ -107,34 +114,49 @@ def build(model: SpeechT5Model, folders: dict, device, dtype_for_frozen: torch.d
                 if buffer is not None and buffer.is_floating_point():
                     module._buffers[name] = buffer.to(torch.bfloat16)
     device = torch.device(device)
-    return SpeechT5Built(folder=folder, device=device, trainable=tts.train().requires_grad_(True),
-                         vocoder=vocoder.to(device).eval().requires_grad_(False), processor=processor,
-                         speakers=_speakers(model, folder, tts.config.speaker_embedding_dim),
-                         max_sample_seconds=model.max_sample_seconds)
+    return SpeechT5Built(
+        folder=folder,
+        device=device,
+        trainable=tts.train().requires_grad_(True),
+        vocoder=vocoder.to(device).eval().requires_grad_(False),
+        processor=processor,
+        speakers=_speakers(model, folder, tts.config.speaker_embedding_dim),
+        max_sample_seconds=model.max_sample_seconds,
+    )
 
 
 def _speaker_rows(built: SpeechT5Built, speakers: list[str]) -> torch.Tensor:
     unknown = sorted({s for s in speakers if s and s not in built.speakers})
     if unknown:
-        raise FamilyError(f"speakers {unknown[:5]} have no vector in the speaker embeddings (known: "
-                          f"{sorted(built.speakers)[:10]}); add them to model.speaker_embeddings")
+        raise FamilyError(
+            f"speakers {unknown[:5]} have no vector in the speaker embeddings (known: "
+            f"{sorted(built.speakers)[:10]}); add them to model.speaker_embeddings"
+        )
     return torch.stack([built.speakers[s or "default"] for s in speakers])
 
 
 def encode_batch(built: SpeechT5Built, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
     """Token ids and log-mel labels (-100 padding, length a multiple of the reduction factor)."""
     waves = [w.numpy() for w in batch["audio"]]
-    features = built.processor(text=list(batch["texts"]), audio_target=waves, sampling_rate=built.sample_rate,
-                               padding=True, return_tensors="pt")
+    features = built.processor(
+        text=list(batch["texts"]),
+        audio_target=waves,
+        sampling_rate=built.sample_rate,
+        padding=True,
+        return_tensors="pt",
+    )
     labels = features["labels"].masked_fill(features["decoder_attention_mask"].unsqueeze(-1).ne(1), -100.0)
     factor = built.trainable.config.reduction_factor
     if labels.shape[1] % factor:
         labels = F.pad(labels, (0, 0, 0, factor - labels.shape[1] % factor), value=-100.0)
     device = built.device
-    return {"input_ids": features["input_ids"].to(device), "attention_mask": features["attention_mask"].to(device),
-            "labels": labels.to(device, dtype),
-            "speaker_embeddings": _speaker_rows(built, list(batch["speakers"])).to(device, dtype),
-            "indices": torch.as_tensor(batch["index"], dtype=torch.long)}
+    return {
+        "input_ids": features["input_ids"].to(device),
+        "attention_mask": features["attention_mask"].to(device),
+        "labels": labels.to(device, dtype),
+        "speaker_embeddings": _speaker_rows(built, list(batch["speakers"])).to(device, dtype),
+        "indices": torch.as_tensor(batch["index"], dtype=torch.long),
+    }
 
 
 def loss(built: SpeechT5Built, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
@@ -144,13 +166,18 @@ def loss(built: SpeechT5Built, trainable_forward: Callable, encoded: dict, seed:
     devices = [built.device] if built.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(sample_seed(seed, step, int(encoded["indices"][0]), "dropout"))
-        out = trainable_forward(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
-                                labels=encoded["labels"], speaker_embeddings=encoded["speaker_embeddings"])
+        out = trainable_forward(
+            input_ids=encoded["input_ids"],
+            attention_mask=encoded["attention_mask"],
+            labels=encoded["labels"],
+            speaker_embeddings=encoded["speaker_embeddings"],
+        )
     return out.loss.float()
 
 
-def sample(built: SpeechT5Built, module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec,
-           resolution=None) -> list[Clip]:
+def sample(
+    built: SpeechT5Built, module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec, resolution=None
+) -> list[Clip]:
     hop_seconds = built.processor.feature_extractor.hop_length / 1000.0
     was_training = module.training
     module.eval()
@@ -162,8 +189,12 @@ def sample(built: SpeechT5Built, module: torch.nn.Module, prompts: list[str], sa
             for prompt in prompts:
                 ids = built.processor(text=prompt, return_tensors="pt")["input_ids"].to(built.device)
                 max_frames = built.max_sample_seconds / hop_seconds
-                mel = module.generate_speech(ids, speaker_embeddings=built.speakers["default"][None].to(built.device, dtype),
-                                             maxlenratio=max(1.0, max_frames / ids.shape[1]), minlenratio=0.0)
+                mel = module.generate_speech(
+                    ids,
+                    speaker_embeddings=built.speakers["default"][None].to(built.device, dtype),
+                    maxlenratio=max(1.0, max_frames / ids.shape[1]),
+                    minlenratio=0.0,
+                )
                 wave = built.vocoder(mel.float().to(built.device)).reshape(-1)
                 clips.append(Clip(wave.float().cpu().numpy(), built.sample_rate))
     finally:
@@ -203,10 +234,16 @@ def synthesize(folder, text: str, seconds: float = 3.0, temperature: float = 0.0
     frames = seconds / (processor.feature_extractor.hop_length / 1000.0)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        wave = model.generate_speech(ids, speaker_embeddings=speaker, vocoder=vocoder,
-                                     maxlenratio=max(1.0, frames / ids.shape[1]), minlenratio=0.0)
-    return Clip(np.asarray(wave.reshape(-1).float().numpy(), dtype=np.float32), processor.feature_extractor.sampling_rate)
-
+        wave = model.generate_speech(
+            ids,
+            speaker_embeddings=speaker,
+            vocoder=vocoder,
+            maxlenratio=max(1.0, frames / ids.shape[1]),
+            minlenratio=0.0,
+        )
+    return Clip(
+        np.asarray(wave.reshape(-1).float().numpy(), dtype=np.float32), processor.feature_extractor.sampling_rate
+    )
 
 
 def is_speecht5_export(folder) -> bool:
@@ -219,6 +256,14 @@ def is_speecht5_export(folder) -> bool:
 
 
 FAMILY = Family(
-    name="speecht5", modality="audio", pretrained_fields=("pretrained", "vocoder"), build=build,
-    encode_batch=encode_batch, loss=loss, sample=sample, save_samples=save_wavs, export=export,
-    speaker=Speaker(is_speecht5_export, synthesize))
+    name="speecht5",
+    modality="audio",
+    pretrained_fields=("pretrained", "vocoder"),
+    build=build,
+    encode_batch=encode_batch,
+    loss=loss,
+    sample=sample,
+    save_samples=save_wavs,
+    export=export,
+    speaker=Speaker(is_speecht5_export, synthesize),
+)

@@ -9,15 +9,20 @@ UNIT = ModelUnit(
     title="SpeechT5 TTS (mel frames, HiFi-GAN vocoder)",
     docs="docs/tts.md",
     names=r"speecht5",
-    spec_sections=('dstune.models.speecht5.spec:SpeechT5Model',),
-    families={'speecht5': 'dstune.models.speecht5.family'},
-    facts=('dstune.models.speecht5.facts:FACTS',),
+    spec_sections=("dstune.models.speecht5.spec:SpeechT5Model",),
+    families={"speecht5": "dstune.models.speecht5.family"},
+    facts=("dstune.models.speecht5.facts:FACTS",),
     builtins={
-        'tiny-speecht5': 'dstune.models.speecht5.builtin:TINY_SPEECHT5',
+        "tiny-speecht5": "dstune.models.speecht5.builtin:TINY_SPEECHT5",
     },
     presets=(
-        ModelPreset("speecht5", "SpeechT5 TTS (encoder-decoder to mel frames, HiFi-GAN vocoder)", "speecht5",
-                    "microsoft/speecht5_tts", "tiny-speecht5",
-                    speech(**{"model.vocoder": "microsoft/speecht5_hifigan", "train.optimizer.lr": 1.0e-5})),
+        ModelPreset(
+            "speecht5",
+            "SpeechT5 TTS (encoder-decoder to mel frames, HiFi-GAN vocoder)",
+            "speecht5",
+            "microsoft/speecht5_tts",
+            "tiny-speecht5",
+            speech(**{"model.vocoder": "microsoft/speecht5_hifigan", "train.optimizer.lr": 1.0e-5}),
+        ),
     ),
 )

@@ -20,10 +20,22 @@ from dstune.models.tts_lm.token_layouts import TTS_LAYOUT_FILE, tts_layout
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 0
-TINY_CODEC = dict(target_bandwidths=[1.0], sampling_rate=8000, audio_channels=1, num_filters=4,
-                  num_residual_layers=1, upsampling_ratios=[8, 5, 4], codebook_size=32, hidden_size=16,
-                  num_lstm_layers=1, codebook_dim=16, kernel_size=7, last_kernel_size=7, residual_kernel_size=3,
-                  compress=2)
+TINY_CODEC = dict(
+    target_bandwidths=[1.0],
+    sampling_rate=8000,
+    audio_channels=1,
+    num_filters=4,
+    num_residual_layers=1,
+    upsampling_ratios=[8, 5, 4],
+    codebook_size=32,
+    hidden_size=16,
+    num_lstm_layers=1,
+    codebook_dim=16,
+    kernel_size=7,
+    last_kernel_size=7,
+    residual_kernel_size=3,
+    compress=2,
+)
 TINY_NUM_CODEBOOKS = 2
 TINY_TEXT_VOCAB = 256  # UTF-8 bytes
 DECODER_STEPS = 120
@@ -32,31 +44,53 @@ DECODER_STEPS = 120
 def build_tiny_tts_lm(out: Path, needs: dict) -> dict:
     from transformers import EncodecConfig, EncodecModel, LlamaConfig, LlamaForCausalLM
 
-
     codec_config = EncodecConfig(**TINY_CODEC)
-    layout = tts_layout("bytes", TINY_TEXT_VOCAB, TINY_NUM_CODEBOOKS, codec_config.codebook_size, "encodec",
-                        codec_config.sampling_rate, codec_config.frame_rate)
+    layout = tts_layout(
+        "bytes",
+        TINY_TEXT_VOCAB,
+        TINY_NUM_CODEBOOKS,
+        codec_config.codebook_size,
+        "encodec",
+        codec_config.sampling_rate,
+        codec_config.frame_rate,
+    )
     with deterministic_cpu(_SEED, 1):
         codec = EncodecModel(codec_config).eval()
         _fit_codebooks(codec)
         facts = _fit_decoder(codec)
-        lm = LlamaForCausalLM(LlamaConfig(
-            vocab_size=layout["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-            pad_token_id=layout["pad"], bos_token_id=layout["audio_bos"], eos_token_id=layout["audio_eos"]))
+        lm = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=layout["vocab_size"],
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+                tie_word_embeddings=False,
+                pad_token_id=layout["pad"],
+                bos_token_id=layout["audio_bos"],
+                eos_token_id=layout["audio_eos"],
+            )
+        )
     with quiet_hf_libraries():
         lm.save_pretrained(out)
         codec.save_pretrained(out / "codec")
     (out / TTS_LAYOUT_FILE).write_text(json.dumps(layout, indent=2) + "\n")
-    return {**facts, "lm_parameters": sum(p.numel() for p in lm.parameters()),
-            "codec_parameters": sum(p.numel() for p in codec.parameters())}
+    return {
+        **facts,
+        "lm_parameters": sum(p.numel() for p in lm.parameters()),
+        "codec_parameters": sum(p.numel() for p in codec.parameters()),
+    }
 
 
 def _fit_codebooks(codec, iterations: int = 10) -> None:
     """Residual k-means of the (random) encoder's frames over builtin:tones, one codebook after another, as
     EnCodec initialises its codebooks: codes then follow the sound (pitch) instead of all being one code."""
     with torch.no_grad():
-        frames = torch.cat([codec.encoder(w.reshape(1, 1, -1))[0].t() for w in _tones_at(codec.config.sampling_rate, 4)])
+        frames = torch.cat(
+            [codec.encoder(w.reshape(1, 1, -1))[0].t() for w in _tones_at(codec.config.sampling_rate, 4)]
+        )
         frames = frames + 1e-3 * torch.randn_like(frames)  # silence frames are identical: keep centroids apart
         residual = frames
         for layer in codec.quantizer.layers:
@@ -75,8 +109,10 @@ def _fit_codebooks(codec, iterations: int = 10) -> None:
 
 
 def _tones_at(rate: int, step: int) -> list[torch.Tensor]:
-    return [torch.from_numpy(resample(render_tones(tones_text(i)), TONES_SAMPLE_RATE, rate))
-            for i in range(0, TONES_NUM_SAMPLES, step)]
+    return [
+        torch.from_numpy(resample(render_tones(tones_text(i)), TONES_SAMPLE_RATE, rate))
+        for i in range(0, TONES_NUM_SAMPLES, step)
+    ]
 
 
 def _spectral_l1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -90,13 +126,17 @@ def _fit_decoder(codec, steps: int = DECODER_STEPS, batch: int = 4) -> dict:
     same noise whatever the codes, and samples could not be told apart by ear."""
     waves = _tones_at(codec.config.sampling_rate, 4)
     with torch.no_grad():
-        quantised = [codec.quantizer.decode(codec.encode(w.reshape(1, 1, -1)).audio_codes[0, :, :TINY_NUM_CODEBOOKS]
-                                            .transpose(0, 1)) for w in waves]
+        quantised = [
+            codec.quantizer.decode(
+                codec.encode(w.reshape(1, 1, -1)).audio_codes[0, :, :TINY_NUM_CODEBOOKS].transpose(0, 1)
+            )
+            for w in waves
+        ]
     optimizer = torch.optim.Adam(codec.decoder.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(_SEED)
     for _ in range(steps):
         chosen = torch.randint(0, len(waves), (batch,), generator=generator).tolist()
-        loss = sum(_spectral_l1(codec.decoder(quantised[i])[0, 0, :len(waves[i])], waves[i]) for i in chosen) / batch
+        loss = sum(_spectral_l1(codec.decoder(quantised[i])[0, 0, : len(waves[i])], waves[i]) for i in chosen) / batch
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -105,6 +145,9 @@ def _fit_decoder(codec, steps: int = DECODER_STEPS, batch: int = 4) -> dict:
 
 
 TINY_TTS_LM = BuiltinModel(
-    name="tiny-tts-lm", folder_name="tiny-tts-lm-v3", family="tts_lm",
+    name="tiny-tts-lm",
+    folder_name="tiny-tts-lm-v3",
+    family="tts_lm",
     description="Llama-shaped causal LM (~0.1 M parameters) over byte text + EnCodec tokens (2 x 32 codes, 8 kHz)",
-    build=build_tiny_tts_lm)
+    build=build_tiny_tts_lm,
+)

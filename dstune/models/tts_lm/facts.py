@@ -8,8 +8,14 @@ import json
 import os
 from typing import Optional
 
-from dstune.memory.activations import (ModelShape, codec_frame_rate, in_plan_units, lm_sample_bytes,
-                                       measured_sample_bytes, tts_tokens)
+from dstune.memory.activations import (
+    ModelShape,
+    codec_frame_rate,
+    in_plan_units,
+    lm_sample_bytes,
+    measured_sample_bytes,
+    tts_tokens,
+)
 from dstune.families.denoiser_facts import lora_settings
 from dstune.families.facts import ModelFacts, SpecIssues
 from dstune.memory.plan import ModelCounts
@@ -34,7 +40,9 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     config = read_config(folder / "config.json")
     companions, frame_rate, codebooks = {}, 75.0, spec.model.num_codebooks or 8
     layout = read_config(folder / TTS_LAYOUT_FILE) if (folder / TTS_LAYOUT_FILE).exists() else {}
-    if layout.get("frame_rate"):  # a described layout (dstune.models.tts_lm.token_layouts) states its codec's frames and codes
+    if layout.get(
+        "frame_rate"
+    ):  # a described layout (dstune.models.tts_lm.token_layouts) states its codec's frames and codes
         frame_rate, codebooks = float(layout["frame_rate"]), spec.model.num_codebooks or layout.get("num_codebooks", 8)
     codec_ref = _codec_reference(spec, folder)
     if codec_ref:
@@ -47,16 +55,29 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
         frame_rate = codec_frame_rate(codec_config)
         if not spec.model.num_codebooks:
             saved = folder / TTS_LAYOUT_FILE
-            codebooks = read_config(saved).get("num_codebooks", 8) if saved.exists() else \
-                codec_config.get("num_quantizers", 8)
+            codebooks = (
+                read_config(saved).get("num_codebooks", 8) if saved.exists() else codec_config.get("num_quantizers", 8)
+            )
     seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
     full, checkpointed = _activations(config, tts_tokens(seconds, frame_rate, codebooks), spec.train.precision)
     cached = ("codec",) if spec.data.cache.codec_tokens and "codec" in companions else ()
-    cache_bytes = int(4 * frame_rate * codebooks * seconds * num_samples) \
-        if spec.data.cache.codec_tokens else 0  # int32 codes; an upper bound (every clip at the longest length)
-    return ModelCounts("lm", params, lora or params, largest, companions, cached, int(full), int(checkpointed),
-                       default_lora, cache_bytes, origin,
-                       small_tensors=count_small_tensors(str(folder / "config.json"), targets, rank))
+    cache_bytes = (
+        int(4 * frame_rate * codebooks * seconds * num_samples) if spec.data.cache.codec_tokens else 0
+    )  # int32 codes; an upper bound (every clip at the longest length)
+    return ModelCounts(
+        "lm",
+        params,
+        lora or params,
+        largest,
+        companions,
+        cached,
+        int(full),
+        int(checkpointed),
+        default_lora,
+        cache_bytes,
+        origin,
+        small_tensors=count_small_tensors(str(folder / "config.json"), targets, rank),
+    )
 
 
 def _activations(config: dict, tokens: float, precision: str) -> tuple[int, int]:
@@ -64,8 +85,12 @@ def _activations(config: dict, tokens: float, precision: str) -> tuple[int, int]
     logits and their fp32 copies for the loss) and layers; another architecture: the generic formula."""
     if config.get("model_type") != "llama":
         return lm_sample_bytes(config, tokens)
-    shape = ModelShape(config["hidden_size"], {"layers": config["num_hidden_layers"]},
-                       ffn=config["intermediate_size"], vocab=config["vocab_size"])
+    shape = ModelShape(
+        config["hidden_size"],
+        {"layers": config["num_hidden_layers"]},
+        ffn=config["intermediate_size"],
+        vocab=config["vocab_size"],
+    )
     return in_plan_units(measured_sample_bytes("llama", shape, tokens, 0, precision), precision)
 
 
@@ -96,9 +121,13 @@ def _spec_issues(spec) -> SpecIssues:
         problems.append(f"it holds the {layout['name']!r} layout, not model.token_layout {model.token_layout!r}")
     if not problems:
         return []
-    return [("model.token_layout" if model.token_layout else "model.pretrained",
-             f"the token layout of {folder} does not hold: {'; '.join(problems)}. Fix {TTS_LAYOUT_FILE} or start "
-             "from the model it was written for.")]
+    return [
+        (
+            "model.token_layout" if model.token_layout else "model.pretrained",
+            f"the token layout of {folder} does not hold: {'; '.join(problems)}. Fix {TTS_LAYOUT_FILE} or start "
+            "from the model it was written for.",
+        )
+    ]
 
 
 FACTS = ModelFacts(family="tts_lm", modality="audio", count=_count, spec_issues=_spec_issues)

@@ -34,15 +34,36 @@ import torch
 from dstune.families.base import Family, FamilyError, Speaker
 from dstune.families.speech import Clip, CodecTokensBuilt, save_wavs
 from dstune.families.speech_codecs import CODEC_CLASSES, codec_facts, decode_codes, encode_clip, load_codec, save_codec
-from dstune.models.tts_lm.token_layouts import (TTS_LAYOUT_FILE, describe, dstune_layout, layout_problems, orpheus_layout,
-                                   prompt_ids, spoken_text, token, training_ids)
+from dstune.models.tts_lm.token_layouts import (
+    TTS_LAYOUT_FILE,
+    describe,
+    dstune_layout,
+    layout_problems,
+    orpheus_layout,
+    prompt_ids,
+    spoken_text,
+    token,
+    training_ids,
+)
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec
 from dstune.models.tts_lm.spec import TtsLmModel
 
-__all__ = ["TtsLmBuilt", "Clip", "build", "encode_batch", "loss", "sample", "export", "FAMILY", "synthesize",
-           "encode_clip", "decode_codes"]
+__all__ = [
+    "TtsLmBuilt",
+    "Clip",
+    "build",
+    "encode_batch",
+    "loss",
+    "sample",
+    "export",
+    "FAMILY",
+    "synthesize",
+    "encode_clip",
+    "decode_codes",
+]
+
 
 @dataclass(kw_only=True)
 class TtsLmBuilt(CodecTokensBuilt):
@@ -57,15 +78,20 @@ class TtsLmBuilt(CodecTokensBuilt):
 def _load_codec(model: TtsLmModel, folder: Path, codec_folder: Optional[Path]):
     source = codec_folder if codec_folder is not None else folder / "codec"
     if not source.is_dir():
-        raise FamilyError(f"no codec: {source} does not exist. Set model.codec_pretrained to a {model.codec} folder "
-                          f"({CODEC_CLASSES[model.codec]}) or put one in {folder / 'codec'}.")
+        raise FamilyError(
+            f"no codec: {source} does not exist. Set model.codec_pretrained to a {model.codec} folder "
+            f"({CODEC_CLASSES[model.codec]}) or put one in {folder / 'codec'}."
+        )
     return load_codec(model.codec, source), source
 
 
 def _codec_problems(layout: dict, facts: dict) -> list[str]:
     """Where a layout and the loaded codec disagree (the codec must make the codes the layout writes)."""
-    problems = [f"{name} {layout.get(name)!r} != the codec's {facts[name]!r}"
-                for name in ("codebook_size", "sampling_rate") if layout.get(name) != facts[name]]
+    problems = [
+        f"{name} {layout.get(name)!r} != the codec's {facts[name]!r}"
+        for name in ("codebook_size", "sampling_rate")
+        if layout.get(name) != facts[name]
+    ]
     per_frame = layout["codes_per_frame"]
     if len(per_frame) > facts["codebooks"] or any(a != b for a, b in zip(per_frame, facts["codes_per_frame"])):
         problems.append(f"codes_per_frame {per_frame} does not fit the codec's {facts['codes_per_frame']}")
@@ -82,16 +108,25 @@ def _layout_for(model: TtsLmModel, folder: Path, codec, tokenizer) -> dict:
     if path.is_file():
         layout = describe(json.loads(path.read_text()))
         if model.token_layout not in (None, layout["name"]):
-            raise FamilyError(f"{path} holds the {layout['name']!r} layout, not model.token_layout "
-                              f"{model.token_layout!r}: drop model.token_layout or start from another model")
+            raise FamilyError(
+                f"{path} holds the {layout['name']!r} layout, not model.token_layout "
+                f"{model.token_layout!r}: drop model.token_layout or start from another model"
+            )
     elif model.token_layout == "orpheus":
         layout = orpheus_layout(text)
     else:
         wanted = model.num_codebooks or facts["codebooks"]
         if wanted > facts["codebooks"]:
             raise FamilyError(f"model.num_codebooks {wanted}: the codec in use makes only {facts['codebooks']}")
-        layout = dstune_layout(text, _text_vocab_size(folder), wanted, facts["codebook_size"], model.codec,
-                               facts["sampling_rate"], facts["sampling_rate"] / facts["samples_per_frame"])
+        layout = dstune_layout(
+            text,
+            _text_vocab_size(folder),
+            wanted,
+            facts["codebook_size"],
+            model.codec,
+            facts["sampling_rate"],
+            facts["sampling_rate"] / facts["samples_per_frame"],
+        )
     problems = _codec_problems(layout, facts) + layout_problems(layout)
     if layout.get("codec") != model.codec:
         problems.append(f"codec {layout.get('codec')!r} != model.codec {model.codec!r}")
@@ -100,8 +135,10 @@ def _layout_for(model: TtsLmModel, folder: Path, codec, tokenizer) -> dict:
     if tokenizer is None and layout["text"] == "tokenizer":
         problems.append("the layout reads text with a tokenizer and the folder has none")
     if problems:
-        raise FamilyError(f"{path if path.is_file() else folder}: the {layout['name']} token layout does not fit this "
-                          f"model and codec: {'; '.join(problems)}. Use the codec this LM was trained with.")
+        raise FamilyError(
+            f"{path if path.is_file() else folder}: the {layout['name']} token layout does not fit this "
+            f"model and codec: {'; '.join(problems)}. Use the codec this LM was trained with."
+        )
     return layout
 
 
@@ -118,7 +155,9 @@ def grow_vocabulary(lm, size: int) -> None:
     old = lm.config.vocab_size
     lm.resize_token_embeddings(size, mean_resizing=False)
     with torch.no_grad():
-        for layer in {id(m): m for m in (lm.get_input_embeddings(), lm.get_output_embeddings()) if m is not None}.values():
+        for layer in {
+            id(m): m for m in (lm.get_input_embeddings(), lm.get_output_embeddings()) if m is not None
+        }.values():
             layer.weight[old:] = layer.weight[:old].mean(0)
 
 
@@ -137,8 +176,10 @@ def _add_text_tokens(model: TtsLmModel, folder: Path, tokenizer, lm, layout: dic
     taken = set(layout["special_tokens"].values())
     clashes = [f"{t!r} -> {i}" for t, i in zip(model.added_tokens, ids) if audio_start <= i < audio_stop or i in taken]
     if clashes:
-        raise FamilyError(f"model.added_tokens: the tokenizer of {folder} gives {', '.join(clashes)}, ids the "
-                          "layout uses for audio or special tokens; extend a tokenizer whose ids end after them")
+        raise FamilyError(
+            f"model.added_tokens: the tokenizer of {folder} gives {', '.join(clashes)}, ids the "
+            "layout uses for audio or special tokens; extend a tokenizer whose ids end after them"
+        )
     needed = max(max(ids) + 1, layout["vocab_size"])
     if lm.config.vocab_size < needed:
         grow_vocabulary(lm, needed)
@@ -149,6 +190,7 @@ def _json_reader(folder: Path) -> Callable[[str], Optional[dict]]:
     def read(name: str) -> Optional[dict]:
         path = folder / name
         return json.loads(path.read_text()) if path.is_file() else None
+
     return read
 
 
@@ -164,27 +206,42 @@ def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtyp
         with quiet_hf_libraries():
             lm = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
-        raise FamilyError(f"{folder}: cannot load it as a causal LM ({(str(err).strip().splitlines() or [''])[0]})") from None
+        raise FamilyError(
+            f"{folder}: cannot load it as a causal LM ({(str(err).strip().splitlines() or [''])[0]})"
+        ) from None
     tokenizer = None
     if (folder / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(folder)
     codec, codec_folder = _load_codec(model, folder, folders.get("codec_pretrained"))
     layout = _layout_for(model, folder, codec, tokenizer)
     if (folder / TTS_LAYOUT_FILE).is_file() and lm.config.vocab_size != layout["vocab_size"]:
-        raise FamilyError(f"{folder / TTS_LAYOUT_FILE} does not match this model: vocab_size {layout['vocab_size']} != "
-                          f"the LM's {lm.config.vocab_size}. Start from the LM this layout was written with.")
+        raise FamilyError(
+            f"{folder / TTS_LAYOUT_FILE} does not match this model: vocab_size {layout['vocab_size']} != "
+            f"the LM's {lm.config.vocab_size}. Start from the LM this layout was written with."
+        )
     if lm.config.vocab_size < layout["vocab_size"]:
         if model.train == "lora":  # the appended audio rows would stay at their start under LoRA: refuse
-            raise FamilyError(f"{folder}: train: lora needs an LM that already has the layout's {layout['vocab_size']} "
-                              f"ids (it has {lm.config.vocab_size}); train it fully first, then LoRA from its export")
+            raise FamilyError(
+                f"{folder}: train: lora needs an LM that already has the layout's {layout['vocab_size']} "
+                f"ids (it has {lm.config.vocab_size}); train it fully first, then LoRA from its export"
+            )
         grow_vocabulary(lm, layout["vocab_size"])
     layout = _add_text_tokens(model, folder, tokenizer, lm, layout)
     if model.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device = torch.device(device)
-    return TtsLmBuilt(folder=folder, device=device, trainable=lm.train().requires_grad_(True),
-                      codec=codec.to(device), codec_folder=codec_folder, codec_kind=model.codec, tokenizer=tokenizer, layout=layout,
-                      max_sample_seconds=model.max_sample_seconds, temperature=model.sample_temperature)
+    return TtsLmBuilt(
+        folder=folder,
+        device=device,
+        trainable=lm.train().requires_grad_(True),
+        codec=codec.to(device),
+        codec_folder=codec_folder,
+        codec_kind=model.codec,
+        tokenizer=tokenizer,
+        layout=layout,
+        max_sample_seconds=model.max_sample_seconds,
+        temperature=model.sample_temperature,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ codec
@@ -210,8 +267,10 @@ def encode_batch(built: TtsLmBuilt, batch: dict, dtype: torch.dtype = torch.floa
     """Token sequences of a collated batch, right-padded. A cached batch holds "codes" already; otherwise every
     clip is encoded alone with the codec (no padding effects, no random draws)."""
     layout = built.layout
-    codes = batch.get("codes") or [encode_clip(built.codec, built.codec_kind, wave, layout["num_codebooks"],
-                                               layout["frame_order"]) for wave in batch["audio"]]
+    codes = batch.get("codes") or [
+        encode_clip(built.codec, built.codec_kind, wave, layout["num_codebooks"], layout["frame_order"])
+        for wave in batch["audio"]
+    ]
     sequences, label_rows = [], []
     speakers = batch.get("speakers") or [""] * len(batch["texts"])
     for text, speaker, clip_codes in zip(batch["texts"], speakers, codes):
@@ -224,16 +283,25 @@ def encode_batch(built: TtsLmBuilt, batch: dict, dtype: torch.dtype = torch.floa
     labels = torch.full((len(sequences), length), -100, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
     for row, (sequence, label) in enumerate(zip(sequences, label_rows)):
-        input_ids[row, :len(sequence)], labels[row, :len(label)], attention_mask[row, :len(sequence)] = sequence, label, 1
+        input_ids[row, : len(sequence)], labels[row, : len(label)], attention_mask[row, : len(sequence)] = (
+            sequence,
+            label,
+            1,
+        )
     device = built.device
-    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
-            "labels": labels.to(device), "indices": torch.as_tensor(batch["index"], dtype=torch.long)}
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention_mask.to(device),
+        "labels": labels.to(device),
+        "indices": torch.as_tensor(batch["index"], dtype=torch.long),
+    }
 
 
 def loss(built: TtsLmBuilt, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
     """Cross-entropy over the audio tokens (and audio EOS) of the micro batch; no random draws."""
-    out = trainable_forward(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
-                            labels=encoded["labels"])
+    out = trainable_forward(
+        input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"], labels=encoded["labels"]
+    )
     return out.loss.float()
 
 
@@ -246,14 +314,15 @@ def _allowed_mask(layout: dict, position: int, vocab: int) -> torch.Tensor:
     q, size = position % len(layout["frame_order"]), layout["codebook_size"]
     mask = torch.zeros(vocab, dtype=torch.bool)
     start = layout["audio_offset"] + q * size
-    mask[start:start + size] = True
+    mask[start : start + size] = True
     if q == 0 and position > 0:
         mask[token(layout, layout["stop"])] = True
     return mask
 
 
-def generate_codes(lm, layout: dict, text_ids: list[int], max_frames: int, temperature: float,
-                   generator: torch.Generator) -> torch.Tensor:
+def generate_codes(
+    lm, layout: dict, text_ids: list[int], max_frames: int, temperature: float, generator: torch.Generator
+) -> torch.Tensor:
     """(positions, frames) codes generated after the layout's prompt around `text_ids`. Always runs max_frames x Q forward steps
     (cut at EOS afterwards), so every rank makes the same number of calls (ZeRO-3 gathers parameters in them)."""
     device = next(lm.parameters()).device
@@ -275,12 +344,13 @@ def generate_codes(lm, layout: dict, text_ids: list[int], max_frames: int, tempe
             generated.append(next_id)
         ids = torch.tensor([[next_id]], dtype=torch.long, device=device)
     frames = len(generated) // nq
-    flat = torch.tensor(generated[:frames * nq], dtype=torch.long).reshape(frames, nq).t()
+    flat = torch.tensor(generated[: frames * nq], dtype=torch.long).reshape(frames, nq).t()
     return flat - layout["audio_offset"] - layout["codebook_size"] * torch.arange(nq).unsqueeze(1)
 
 
-def sample(built: TtsLmBuilt, lm_module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec,
-           resolution=None) -> list[Clip]:
+def sample(
+    built: TtsLmBuilt, lm_module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec, resolution=None
+) -> list[Clip]:
     """One clip per prompt, from sample_spec.seed (the same clips at every step for the same weights)."""
     was_training = lm_module.training
     lm_module.eval()
@@ -290,10 +360,14 @@ def sample(built: TtsLmBuilt, lm_module: torch.nn.Module, prompts: list[str], sa
         with torch.no_grad():
             for number, prompt in enumerate(prompts):
                 generator = torch.Generator().manual_seed(sample_spec.seed * 1000 + number)
-                codes = generate_codes(lm_module, built.layout, text_ids(built, prompt), max_frames,
-                                       built.temperature, generator)
-                wave = (decode_codes(built.codec, built.codec_kind, codes, built.layout["frame_order"])
-                        if codes.shape[1] else np.zeros(0, np.float32))
+                codes = generate_codes(
+                    lm_module, built.layout, text_ids(built, prompt), max_frames, built.temperature, generator
+                )
+                wave = (
+                    decode_codes(built.codec, built.codec_kind, codes, built.layout["frame_order"])
+                    if codes.shape[1]
+                    else np.zeros(0, np.float32)
+                )
                 clips.append(Clip(wave, built.sample_rate))
     finally:
         lm_module.train(was_training)
@@ -314,8 +388,10 @@ def export(built: TtsLmBuilt, state_dict: dict, out_dir, pretrained_folder: Opti
             missing, unexpected = lm.load_state_dict(state_dict, strict=False)
             tied = {"lm_head.weight"} if getattr(lm.config, "tie_word_embeddings", False) else set()
             if set(missing) - tied or unexpected:
-                raise ValueError(f"trained weights do not fit the LM: missing {sorted(set(missing) - tied)[:5]}, "
-                                 f"unexpected {sorted(unexpected)[:5]}")
+                raise ValueError(
+                    f"trained weights do not fit the LM: missing {sorted(set(missing) - tied)[:5]}, "
+                    f"unexpected {sorted(unexpected)[:5]}"
+                )
         _write_lm_folder(built, lm, work)
     return out_dir
 
@@ -366,15 +442,32 @@ def synthesize(folder, text: str, seconds: float = 2.0, temperature: float = 0.8
     codec = load_codec(layout["codec"], folder / "codec")
     tokenizer = AutoTokenizer.from_pretrained(folder) if layout["text"] == "tokenizer" else None
     with torch.no_grad():
-        codes = generate_codes(lm, layout, text_ids(layout, text, tokenizer),
-                               max(1, int(seconds * layout["frame_rate"])), temperature,
-                               torch.Generator().manual_seed(seed))
-    wave = decode_codes(codec, layout["codec"], codes, layout["frame_order"]) if codes.shape[1] else np.zeros(0, np.float32)
+        codes = generate_codes(
+            lm,
+            layout,
+            text_ids(layout, text, tokenizer),
+            max(1, int(seconds * layout["frame_rate"])),
+            temperature,
+            torch.Generator().manual_seed(seed),
+        )
+    wave = (
+        decode_codes(codec, layout["codec"], codes, layout["frame_order"])
+        if codes.shape[1]
+        else np.zeros(0, np.float32)
+    )
     return Clip(wave, int(layout["sampling_rate"]))
 
 
 FAMILY = Family(
-    name="tts_lm", modality="audio", pretrained_fields=("pretrained", "codec_pretrained"), build=build,
-    encode_batch=encode_batch, loss=loss, sample=sample, save_samples=save_wavs, export=export,
+    name="tts_lm",
+    modality="audio",
+    pretrained_fields=("pretrained", "codec_pretrained"),
+    build=build,
+    encode_batch=encode_batch,
+    loss=loss,
+    sample=sample,
+    save_samples=save_wavs,
+    export=export,
     save_lora_weights=save_lora_weights,
-    speaker=Speaker(lambda folder: (Path(folder) / TTS_LAYOUT_FILE).is_file(), synthesize))
+    speaker=Speaker(lambda folder: (Path(folder) / TTS_LAYOUT_FILE).is_file(), synthesize),
+)

@@ -39,12 +39,14 @@ class TtsLmModel(LmLoraSection):
         "`builtin:tiny-tts-lm` (a tiny model built offline). An LM without audio tokens gets them appended.",
     )
     codec: Optional[Literal["encodec", "dac", "mimi", "snac"]] = Field(
-        None, description="The codec class: EncodecModel, DacModel or MimiModel (transformers), or SNAC (the "
+        None,
+        description="The codec class: EncodecModel, DacModel or MimiModel (transformers), or SNAC (the "
         "`snac` package; Orpheus's codec, hierarchical codebooks). Omitted: the codec the pretrained folder's "
-        "dstune_tts.json names, else `snac` with token_layout orpheus, else `encodec`."
+        "dstune_tts.json names, else `snac` with token_layout orpheus, else `encodec`.",
     )
     token_layout: Optional[Literal["dstune", "orpheus"]] = Field(
-        None, description="The token layout preset (docs/tts.md): `dstune` (text, BOS, flattened codes, EOS; loss on "
+        None,
+        description="The token layout preset (docs/tts.md): `dstune` (text, BOS, flattened codes, EOS; loss on "
         "audio) or `orpheus` (Orpheus's prompt tokens and SNAC 24 kHz codes, 7 per frame from id 128266; loss on "
         "every token). Omitted: the pretrained folder's dstune_tts.json, else `dstune`. A folder's layout wins and "
         "must agree with this key when both are given.",
@@ -53,22 +55,27 @@ class TtsLmModel(LmLoraSection):
         None, description="The codec folder or hub id (already downloaded). Omitted: `<pretrained>/codec`."
     )
     num_codebooks: Optional[int] = Field(
-        None, gt=0, description="Residual codebooks kept per audio frame (the first N: coarse to fine). Omitted: the "
+        None,
+        gt=0,
+        description="Residual codebooks kept per audio frame (the first N: coarse to fine). Omitted: the "
         "pretrained folder's dstune_tts.json, else every codebook the codec makes.",
     )
     added_tokens: Optional[list[str]] = Field(
-        None, description="New text tokens for a new language (words or characters), added to the folder's tokenizer; "
+        None,
+        description="New text tokens for a new language (words or characters), added to the folder's tokenizer; "
         "the LM's embeddings grow to hold their ids (before ZeRO partitions them) and they are trained with the rest. "
         "The export's tokenizer and layout include them. Not with `train: lora` (the new rows would stay untrained).",
     )
     train: Literal["full", "lora"] = Field(
-        "full", description="`full`: every weight of the LM is trained. `lora`: the LM is frozen and peft LoRA "
+        "full",
+        description="`full`: every weight of the LM is trained. `lora`: the LM is frozen and peft LoRA "
         "adapters on `lora.target_modules` are trained and checkpointed; the export is the merged transformers "
         "folder (synthesize and the model's own inference code use it unchanged) with the peft adapter folder in "
         "`adapter/` (PeftModel.from_pretrained onto the base folder). See docs/tts.md.",
     )
     lora: Optional[LmLoraSpec] = Field(
-        None, description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
+        None,
+        description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
         "([q_proj, k_proj, v_proj, o_proj]: a Llama's attention projections), `dropout` (0.0); omitted: those defaults.",
     )
 
@@ -78,6 +85,7 @@ class TtsLmModel(LmLoraSection):
         if value is not None and (any(not t.strip() for t in value) or len(set(value)) != len(value)):
             raise ValueError(f"added_tokens {value}: each must be non-blank text, and listed once")
         return value
+
     gradient_checkpointing: bool = Field(
         False, description="Recompute LM activations in backward (torch non-reentrant checkpointing)."
     )
@@ -100,14 +108,18 @@ class TtsLmModel(LmLoraSection):
         if self.token_layout == "orpheus" and self.codec != "snac":
             raise ValueError(f"token_layout orpheus writes SNAC codes: set codec: snac (it is {self.codec!r})")
         if self.token_layout == "dstune" and self.codec == "snac":
-            raise ValueError("token_layout dstune writes one code per codebook per frame, and SNAC's codebooks run at "
-                             "different rates: use token_layout: orpheus with codec: snac")
+            raise ValueError(
+                "token_layout dstune writes one code per codebook per frame, and SNAC's codebooks run at "
+                "different rates: use token_layout: orpheus with codec: snac"
+            )
         if self.token_layout == "orpheus" and self.num_codebooks not in (None, 7):
             raise ValueError(f"num_codebooks {self.num_codebooks}: the orpheus layout writes 7 codes per frame")
         if self.lora is not None and self.train != "lora":
             raise ValueError("lora settings are given but `train` is 'full': set `train: lora`, or remove `lora`")
         if self.train == "lora" and self.added_tokens:
-            raise ValueError("added_tokens with train: lora: the new tokens' embedding rows would not be trained (only "
-                             "adapters are), so the new language could not be learned. Use train: full for a "
-                             "vocabulary extension, then LoRA from its export.")
+            raise ValueError(
+                "added_tokens with train: lora: the new tokens' embedding rows would not be trained (only "
+                "adapters are), so the new language could not be learned. Use train: full for a "
+                "vocabulary extension, then LoRA from its export."
+            )
         return self

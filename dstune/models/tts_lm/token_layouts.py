@@ -38,37 +38,82 @@ def orpheus_layout(text: str = "tokenizer") -> dict:
     """Orpheus's layout: [start_of_human] text [end_of_text end_of_human start_of_ai start_of_speech] codes
     [end_of_speech end_of_ai], SNAC 24 kHz codes interleaved 7 per frame from id 128266 on, 4096 ids per position."""
     base = LLAMA3_TEXT_VOCAB
-    special = {"start_of_text": 128000, "end_of_text": 128009, "start_of_speech": base + 1,
-               "end_of_speech": base + 2, "start_of_human": base + 3, "end_of_human": base + 4,
-               "start_of_ai": base + 5, "end_of_ai": base + 6, "pad_token": base + 7}
+    special = {
+        "start_of_text": 128000,
+        "end_of_text": 128009,
+        "start_of_speech": base + 1,
+        "end_of_speech": base + 2,
+        "start_of_human": base + 3,
+        "end_of_human": base + 4,
+        "start_of_ai": base + 5,
+        "end_of_ai": base + 6,
+        "pad_token": base + 7,
+    }
     coarsest_stride = max(ORPHEUS_SNAC["vq_strides"])
     samples_per_frame = ORPHEUS_SNAC["hop_length"] * coarsest_stride
     positions = [[0, 0], [1, 0], [2, 0], [2, 1], [1, 1], [2, 2], [2, 3]]
     audio_offset, size = base + 10, ORPHEUS_SNAC["codebook_size"]
-    return {"name": "orpheus", "text": text, "codec": "snac", "sampling_rate": ORPHEUS_SNAC["sampling_rate"],
-            "samples_per_frame": samples_per_frame, "frame_rate": ORPHEUS_SNAC["sampling_rate"] / samples_per_frame,
-            "codebook_size": size, "codes_per_frame": [1, 2, 4], "frame_order": positions,
-            "num_codebooks": len(positions), "audio_offset": audio_offset, "special_tokens": special,
-            "before_text": ["start_of_human"], "after_text": ["end_of_text", "end_of_human", "start_of_ai",
-                                                              "start_of_speech"],
-            "after_audio": ["end_of_speech", "end_of_ai"], "stop": "end_of_speech", "pad": "pad_token",
-            "loss_on": "all", "vocab_size": audio_offset + len(positions) * size}
+    return {
+        "name": "orpheus",
+        "text": text,
+        "codec": "snac",
+        "sampling_rate": ORPHEUS_SNAC["sampling_rate"],
+        "samples_per_frame": samples_per_frame,
+        "frame_rate": ORPHEUS_SNAC["sampling_rate"] / samples_per_frame,
+        "codebook_size": size,
+        "codes_per_frame": [1, 2, 4],
+        "frame_order": positions,
+        "num_codebooks": len(positions),
+        "audio_offset": audio_offset,
+        "special_tokens": special,
+        "before_text": ["start_of_human"],
+        "after_text": ["end_of_text", "end_of_human", "start_of_ai", "start_of_speech"],
+        "after_audio": ["end_of_speech", "end_of_ai"],
+        "stop": "end_of_speech",
+        "pad": "pad_token",
+        "loss_on": "all",
+        "vocab_size": audio_offset + len(positions) * size,
+    }
 
 
-def tts_layout(text: str, text_vocab_size: int, num_codebooks: int, codebook_size: int, codec: str,
-               sampling_rate: int, frame_rate: float) -> dict:
+def tts_layout(
+    text: str,
+    text_vocab_size: int,
+    num_codebooks: int,
+    codebook_size: int,
+    codec: str,
+    sampling_rate: int,
+    frame_rate: float,
+) -> dict:
     """dstune's layout as dstune_tts.json has always written it (`describe` spells out its template): text ids,
     then num_codebooks blocks of codebook_size audio ids, then audio BOS, audio EOS and padding."""
     audio_offset = text_vocab_size
     audio_end = audio_offset + num_codebooks * codebook_size
-    return {"text": text, "text_vocab_size": text_vocab_size, "audio_offset": audio_offset,
-            "num_codebooks": num_codebooks, "codebook_size": codebook_size, "audio_bos": audio_end,
-            "audio_eos": audio_end + 1, "pad": audio_end + 2, "vocab_size": audio_end + 3, "codec": codec,
-            "sampling_rate": sampling_rate, "frame_rate": frame_rate}
+    return {
+        "text": text,
+        "text_vocab_size": text_vocab_size,
+        "audio_offset": audio_offset,
+        "num_codebooks": num_codebooks,
+        "codebook_size": codebook_size,
+        "audio_bos": audio_end,
+        "audio_eos": audio_end + 1,
+        "pad": audio_end + 2,
+        "vocab_size": audio_end + 3,
+        "codec": codec,
+        "sampling_rate": sampling_rate,
+        "frame_rate": frame_rate,
+    }
 
 
-def dstune_layout(text: str, text_vocab_size: int, num_codebooks: int, codebook_size: int, codec: str,
-                  sampling_rate: int, frame_rate: float) -> dict:
+def dstune_layout(
+    text: str,
+    text_vocab_size: int,
+    num_codebooks: int,
+    codebook_size: int,
+    codec: str,
+    sampling_rate: int,
+    frame_rate: float,
+) -> dict:
     """dstune's own layout: text ids, then num_codebooks blocks of codebook_size audio ids, then audio BOS, audio
     EOS and padding; [text] [BOS] [frame 0: codebook 0..Q-1] ... [EOS]; loss on the audio ids and EOS."""
     return describe(tts_layout(text, text_vocab_size, num_codebooks, codebook_size, codec, sampling_rate, frame_rate))
@@ -81,10 +126,20 @@ def describe(layout: dict) -> dict:
         return dict(layout)
     special = {"audio_bos": layout["audio_bos"], "audio_eos": layout["audio_eos"], "pad": layout["pad"]}
     codebooks = int(layout["num_codebooks"])
-    return {**layout, "name": "dstune", "special_tokens": special, "before_text": [], "after_text": ["audio_bos"],
-            "after_audio": ["audio_eos"], "stop": "audio_eos", "pad": "pad", "loss_on": "audio",
-            "codes_per_frame": [1] * codebooks, "frame_order": [[q, 0] for q in range(codebooks)],
-            "samples_per_frame": layout["sampling_rate"] / layout["frame_rate"]}
+    return {
+        **layout,
+        "name": "dstune",
+        "special_tokens": special,
+        "before_text": [],
+        "after_text": ["audio_bos"],
+        "after_audio": ["audio_eos"],
+        "stop": "audio_eos",
+        "pad": "pad",
+        "loss_on": "audio",
+        "codes_per_frame": [1] * codebooks,
+        "frame_order": [[q, 0] for q in range(codebooks)],
+        "samples_per_frame": layout["sampling_rate"] / layout["frame_rate"],
+    }
 
 
 def token(layout: dict, name: str) -> int:
@@ -104,8 +159,10 @@ def template_problems(layout: dict) -> list[str]:
         problems.append(f"loss_on: {layout.get('loss_on')!r} is neither 'audio' nor 'all'")
     wanted = sorted((c, i) for c, count in enumerate(layout.get("codes_per_frame", [])) for i in range(count))
     if sorted(tuple(p) for p in layout.get("frame_order", [])) != wanted:
-        problems.append(f"frame_order {layout.get('frame_order')} does not write each of the codes_per_frame "
-                        f"{layout.get('codes_per_frame')} (codebook, index) pairs exactly once")
+        problems.append(
+            f"frame_order {layout.get('frame_order')} does not write each of the codes_per_frame "
+            f"{layout.get('codes_per_frame')} (codebook, index) pairs exactly once"
+        )
     return problems
 
 
@@ -126,8 +183,10 @@ def layout_problems(layout: dict, vocab_size: int | None = None) -> list[str]:
             problems.append(f"special token {name} = {value} falls among the audio ids {audio_start}..{audio_stop - 1}")
     rate = Fraction(layout["sampling_rate"]) / Fraction(layout["samples_per_frame"]).limit_denominator(10_000)
     if abs(float(rate) - float(layout["frame_rate"])) > 1e-6 * float(rate):
-        problems.append(f"frame_rate {layout['frame_rate']} != sampling_rate {layout['sampling_rate']} / "
-                        f"samples_per_frame {layout['samples_per_frame']} = {float(rate)}")
+        problems.append(
+            f"frame_rate {layout['frame_rate']} != sampling_rate {layout['sampling_rate']} / "
+            f"samples_per_frame {layout['samples_per_frame']} = {float(rate)}"
+        )
     return problems
 
 
@@ -182,16 +241,21 @@ def speakers_problem(model, records) -> str | None:
     if name in SPEAKER_PROMPTS:
         return None
     shown = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
-    return (f"the data names {len(named)} speakers ({shown}), but the {name!r} token layout has no place for a "
-            "speaker, so every clip would train the same voice, a blend of them all. Train one speaker's clips per "
-            "run (a .list or metadata.jsonl per speaker), or use a model whose layout names the voice "
-            f"({', '.join(f'model.token_layout: {n}' for n in SPEAKER_PROMPTS)}, prompts like \"ann: Hello.\").")
+    return (
+        f"the data names {len(named)} speakers ({shown}), but the {name!r} token layout has no place for a "
+        "speaker, so every clip would train the same voice, a blend of them all. Train one speaker's clips per "
+        "run (a .list or metadata.jsonl per speaker), or use a model whose layout names the voice "
+        f'({", ".join(f"model.token_layout: {n}" for n in SPEAKER_PROMPTS)}, prompts like "ann: Hello.").'
+    )
 
 
 def prompt_ids(layout: dict, text_ids: list[int]) -> list[int]:
     """What a model is given to speak `text_ids`: the template up to the first audio id."""
-    return ([token(layout, n) for n in layout["before_text"]] + list(text_ids)
-            + [token(layout, n) for n in layout["after_text"]])
+    return (
+        [token(layout, n) for n in layout["before_text"]]
+        + list(text_ids)
+        + [token(layout, n) for n in layout["after_text"]]
+    )
 
 
 def training_ids(layout: dict, text_ids: list[int], audio_ids: list[int]) -> tuple[list[int], list[int]]:

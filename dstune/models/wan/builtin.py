@@ -30,23 +30,45 @@ from dstune.hf import quiet_hf_libraries
 
 _SEED = 40
 TEXT_WIDTH = 32  # UMT5 d_model = the transformer's text_dim
-TINY_WAN_TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
-                            out_channels=16, text_dim=TEXT_WIDTH, freq_dim=256, ffn_dim=32, num_layers=2,
-                            cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+TINY_WAN_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=16,
+    out_channels=16,
+    text_dim=TEXT_WIDTH,
+    freq_dim=256,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=32,
+)
 # three down stages (8x spatial), the last two also halve time (4x): the real Wan 2.1 VAE's factors
-TINY_WAN_VAE = dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                    temperal_downsample=[False, True, True])
+TINY_WAN_VAE = dict(
+    base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+)
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers' scheduler_config.json (flow_shift 3.0, the 480p value)
-WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
-                     flow_shift=3.0)
+WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
 
 
 def tiny_umt5_encoder():
     from transformers import UMT5Config, UMT5EncoderModel
 
-    return UMT5EncoderModel(UMT5Config(vocab_size=124, d_model=TEXT_WIDTH, d_kv=8, d_ff=64, num_layers=2,
-                                       num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
-                                       eos_token_id=1, decoder_start_token_id=0))
+    return UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=124,
+            d_model=TEXT_WIDTH,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        )
+    )
 
 
 WAN22_BOUNDARY_RATIO = 0.875
@@ -64,20 +86,34 @@ def _build(out: Path, two_experts: bool) -> dict:
     experts = {}
     if two_experts:
         with deterministic_cpu(_SEED + 1, BUILD_THREADS):
-            experts = dict(transformer_2=WanTransformer3DModel(**TINY_WAN_TRANSFORMER),
-                           boundary_ratio=WAN22_BOUNDARY_RATIO)
+            experts = dict(
+                transformer_2=WanTransformer3DModel(**TINY_WAN_TRANSFORMER), boundary_ratio=WAN22_BOUNDARY_RATIO
+            )
     scheduler = UniPCMultistepScheduler(**{**WAN_SCHEDULER, "flow_shift": 12.0 if two_experts else 3.0})
-    pipeline = WanPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
-                           transformer=transformer, scheduler=scheduler, **experts)
-    return save_pipeline(pipeline, out, transformer, 
-                         {"vae_parameters": sum(p.numel() for p in vae.parameters())})
+    pipeline = WanPipeline(
+        tokenizer=tiny_t5_tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=scheduler,
+        **experts,
+    )
+    return save_pipeline(pipeline, out, transformer, {"vae_parameters": sum(p.numel() for p in vae.parameters())})
 
 
 def _tiny_clip():
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
-    encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=CLIP_WIDTH, intermediate_size=64, num_hidden_layers=2,
-                                               num_attention_heads=2, image_size=32, patch_size=8))
+    encoder = CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=CLIP_WIDTH,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+    )
     with quiet_hf_libraries():
         processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     return encoder, processor
@@ -85,14 +121,23 @@ def _tiny_clip():
 
 CLIP_WIDTH = 32
 # Wan2.1-I2V's transformer: 2 x 16 + 4 input channels, CLIP's image embeddings projected to the inner width
-TINY_WAN_I2V_TRANSFORMER = {**TINY_WAN_TRANSFORMER, "in_channels": 36, "image_dim": CLIP_WIDTH,
-                            "added_kv_proj_dim": 24}
+TINY_WAN_I2V_TRANSFORMER = {**TINY_WAN_TRANSFORMER, "in_channels": 36, "image_dim": CLIP_WIDTH, "added_kv_proj_dim": 24}
 # Wan2.2's VAE layout (diffusers' TI2V 5B config at base width 8): residual blocks, 2x2 pixel patches in and out
-TINY_WAN22_VAE = dict(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                      temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
-                      patch_size=2, scale_factor_spatial=16,
-                      latents_mean=[round(0.05 * ((i * 7) % 11 - 5), 4) for i in range(48)],
-                      latents_std=[round(0.5 + 0.05 * ((i * 5) % 9), 4) for i in range(48)])
+TINY_WAN22_VAE = dict(
+    base_dim=8,
+    decoder_base_dim=8,
+    z_dim=48,
+    dim_mult=[1, 1, 1, 1],
+    num_res_blocks=1,
+    temperal_downsample=[False, True, True],
+    is_residual=True,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    scale_factor_spatial=16,
+    latents_mean=[round(0.05 * ((i * 7) % 11 - 5), 4) for i in range(48)],
+    latents_std=[round(0.5 + 0.05 * ((i * 5) % 9), 4) for i in range(48)],
+)
 
 
 def build_tiny_wan_i2v(out: Path, needs: dict) -> dict:
@@ -106,9 +151,15 @@ def build_tiny_wan_i2v(out: Path, needs: dict) -> dict:
         vae = AutoencoderKLWan(**TINY_WAN_VAE)
         transformer = WanTransformer3DModel(**TINY_WAN_I2V_TRANSFORMER)
         image_encoder, image_processor = _tiny_clip()
-    pipeline = WanImageToVideoPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
-                                       scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER), image_encoder=image_encoder,
-                                       image_processor=image_processor, transformer=transformer)
+    pipeline = WanImageToVideoPipeline(
+        tokenizer=tiny_t5_tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER),
+        image_encoder=image_encoder,
+        image_processor=image_processor,
+        transformer=transformer,
+    )
     return save_pipeline(pipeline, out, transformer)
 
 
@@ -122,11 +173,15 @@ def build_tiny_wan22_ti2v(out: Path, needs: dict) -> dict:
         text_encoder = tiny_umt5_encoder()
         vae = AutoencoderKLWan(**TINY_WAN22_VAE)
         transformer = WanTransformer3DModel(**{**TINY_WAN_TRANSFORMER, "in_channels": 48, "out_channels": 48})
-    pipeline = WanPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
-                           scheduler=UniPCMultistepScheduler(**{**WAN_SCHEDULER, "flow_shift": 5.0}),
-                           expand_timesteps=True)
-    return save_pipeline(pipeline, out, transformer, 
-                         {"vae_parameters": sum(p.numel() for p in vae.parameters())})
+    pipeline = WanPipeline(
+        tokenizer=tiny_t5_tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=UniPCMultistepScheduler(**{**WAN_SCHEDULER, "flow_shift": 5.0}),
+        expand_timesteps=True,
+    )
+    return save_pipeline(pipeline, out, transformer, {"vae_parameters": sum(p.numel() for p in vae.parameters())})
 
 
 def build_tiny_wan(out: Path, needs: dict) -> dict:
@@ -140,22 +195,34 @@ def build_tiny_wan_a14b(out: Path, needs: dict) -> dict:
 
 
 TINY_WAN = BuiltinModel(
-    name="tiny-wan", folder_name="tiny-wan-v1", family="wan",
+    name="tiny-wan",
+    folder_name="tiny-wan-v1",
+    family="wan",
     description="Wan 2.1 text-to-video pipeline: two-layer Wan transformer (24 wide), UMT5 text encoder (two "
-                "32-wide layers), a random AutoencoderKLWan with the real 8x spatial / 4x temporal factors",
-    build=build_tiny_wan)
+    "32-wide layers), a random AutoencoderKLWan with the real 8x spatial / 4x temporal factors",
+    build=build_tiny_wan,
+)
 TINY_WAN_A14B = BuiltinModel(
-    name="tiny-wan-a14b", folder_name="tiny-wan-a14b-v1", family="wan",
+    name="tiny-wan-a14b",
+    folder_name="tiny-wan-a14b-v1",
+    family="wan",
     description="Wan 2.2 A14B layout: two tiny Wan experts (high and low noise, boundary_ratio 0.875) on tiny-wan's "
-                "VAE and UMT5",
-    build=build_tiny_wan_a14b)
+    "VAE and UMT5",
+    build=build_tiny_wan_a14b,
+)
 TINY_WAN_I2V = BuiltinModel(
-    name="tiny-wan-i2v", folder_name="tiny-wan-i2v-v1", family="wan",
+    name="tiny-wan-i2v",
+    folder_name="tiny-wan-i2v-v1",
+    family="wan",
     description="Wan 2.1 image-to-video pipeline: tiny-wan's parts with a 36-channel transformer reading image "
-                "embeddings, and a two-layer 32-wide CLIPVisionModel with its CLIPImageProcessor",
-    build=build_tiny_wan_i2v)
+    "embeddings, and a two-layer 32-wide CLIPVisionModel with its CLIPImageProcessor",
+    build=build_tiny_wan_i2v,
+)
 TINY_WAN22_TI2V = BuiltinModel(
-    name="tiny-wan22-ti2v", folder_name="tiny-wan22-ti2v-v1", family="wan",
+    name="tiny-wan22-ti2v",
+    folder_name="tiny-wan22-ti2v-v1",
+    family="wan",
     description="Wan 2.2 TI2V layout (expand_timesteps): a tiny Wan 2.2 VAE (z_dim 48, 16x spatial) and a "
-                "48-channel Wan transformer, with tiny-wan's UMT5",
-    build=build_tiny_wan22_ti2v)
+    "48-channel Wan transformer, with tiny-wan's UMT5",
+    build=build_tiny_wan22_ti2v,
+)

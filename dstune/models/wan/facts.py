@@ -23,8 +23,7 @@ def clip_tokens(config: dict, resolution, frames: int, vae_factor: int = 8) -> f
     compression, then 1x2x2 patches; Wan 2.2's 16x VAE: / 32), so they grow with frames x height x width."""
     patch = config.get("patch_size", [1, 2, 2])
     width, height = (resolution, resolution) if isinstance(resolution, int) else resolution
-    return (1 + (frames - 1) // 4) / patch[0] * (height / (vae_factor * patch[1])) * \
-        (width / (vae_factor * patch[2]))
+    return (1 + (frames - 1) // 4) / patch[0] * (height / (vae_factor * patch[1])) * (width / (vae_factor * patch[2]))
 
 
 def constants_key(config: dict, index: dict) -> str:
@@ -36,15 +35,30 @@ def constants_key(config: dict, index: dict) -> str:
     return "wan-ti2v" if index.get("expand_timesteps") else "wan-t2v"
 
 
-def sample_bytes(config: dict, index: dict, resolution, frames: int, context_tokens: int, vae_factor: int = 8,
-                 precision: str = "bf16") -> tuple[float, float]:
+def sample_bytes(
+    config: dict,
+    index: dict,
+    resolution,
+    frames: int,
+    context_tokens: int,
+    vae_factor: int = 8,
+    precision: str = "bf16",
+) -> tuple[float, float]:
     """One clip's activation bytes (dstune.memory.plan's 2-byte units) from the measured constants of the
     transformer's block, at its width, ffn_dim and num_layers; `context_tokens`: the cross-attention context
     (Wan 2.1 I2V: the text and the image embedding's tokens)."""
-    shape = ModelShape(config["num_attention_heads"] * config["attention_head_dim"], {"blocks": config["num_layers"]},
-                       ffn=config.get("ffn_dim", 0))
-    sample = measured_sample_bytes(constants_key(config, index), shape,
-                                   clip_tokens(config, resolution, frames, vae_factor), context_tokens, precision)
+    shape = ModelShape(
+        config["num_attention_heads"] * config["attention_head_dim"],
+        {"blocks": config["num_layers"]},
+        ffn=config.get("ffn_dim", 0),
+    )
+    sample = measured_sample_bytes(
+        constants_key(config, index),
+        shape,
+        clip_tokens(config, resolution, frames, vae_factor),
+        context_tokens,
+        precision,
+    )
     return in_plan_units(sample, precision)
 
 
@@ -71,8 +85,9 @@ def _clip_activations(spec, folder, frames: int, width: int, height: int) -> tup
     with_encoder = (folder.index.get("image_encoder") or [None])[0] and _image_to_video(spec, folder)
     context = _text_tokens(spec) + (_image_tokens(folder) if with_encoder else 0)
     _, factor = latent_channels(folder)
-    return sample_bytes(folder.config("transformer"), folder.index, (width, height), frames, context, factor,
-                        spec.train.precision)
+    return sample_bytes(
+        folder.config("transformer"), folder.index, (width, height), frames, context, factor, spec.train.precision
+    )
 
 
 def _text_bytes(spec, folder) -> int:
@@ -105,11 +120,17 @@ def _token_factors(folder) -> tuple[int, tuple[int, int, int], str]:
 def _spec_issues(spec, folder) -> list[tuple[str, str]]:
     """The folder's layout against model.image_to_video, and image-to-video samples' first frames
     (dstune.models.wan.layouts)."""
-    return wan_layouts.spec_problems(folder.index, folder.config("transformer"), folder.config("vae"),
-                                     spec.model.image_to_video, spec.sample)
+    return wan_layouts.spec_problems(
+        folder.index, folder.config("transformer"), folder.config("vae"), spec.model.image_to_video, spec.sample
+    )
 
 
 VIDEO_FACTS = VideoFacts(
-    transformer_class=TRANSFORMER_CLASS, token_factors=_token_factors, image_to_video=_image_to_video,
-    sample_bytes=_clip_activations, text_bytes=_text_bytes, condition_cache_bytes=_condition_cache_bytes,
-    spec_issues=_spec_issues)
+    transformer_class=TRANSFORMER_CLASS,
+    token_factors=_token_factors,
+    image_to_video=_image_to_video,
+    sample_bytes=_clip_activations,
+    text_bytes=_text_bytes,
+    condition_cache_bytes=_condition_cache_bytes,
+    spec_issues=_spec_issues,
+)

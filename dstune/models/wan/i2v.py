@@ -46,8 +46,9 @@ class WanMode:
 def folder_mode(folder: Path, image_to_video: Optional[bool]) -> WanMode:
     """The layout of a folder that flow_wan.folder_problems accepted, and whether the run trains image-to-video."""
     index = read_model_index(folder)
-    layout, _ = wan_layouts.layout(index, read_component_config(folder, "transformer"),
-                                   read_component_config(folder, "vae"))
+    layout, _ = wan_layouts.layout(
+        index, read_component_config(folder, "transformer"), read_component_config(folder, "vae")
+    )
     return WanMode(layout, wan_layouts.image_to_video(layout, image_to_video)[0])
 
 
@@ -71,8 +72,10 @@ def load_image_encoder(folder: Path, dtype: torch.dtype, device) -> tuple:
         try:
             processor = transformers.CLIPImageProcessor.from_pretrained(folder / "image_processor")
         except (OSError, ValueError) as err:
-            raise FamilyError(f"{folder / 'image_processor'}: cannot load the CLIPImageProcessor ({err}). A Wan 2.1 "
-                              "image-to-video folder needs image_processor/ as diffusers saves it.") from None
+            raise FamilyError(
+                f"{folder / 'image_processor'}: cannot load the CLIPImageProcessor ({err}). A Wan 2.1 "
+                "image-to-video folder needs image_processor/ as diffusers saves it."
+            ) from None
     return encoder.to(device).eval().requires_grad_(False), processor
 
 
@@ -91,8 +94,9 @@ def condition_pixels(clips: torch.Tensor, first_frame_only: bool) -> torch.Tenso
     first = clips[:, :, :1]
     if first_frame_only:
         return first
-    return torch.cat([first, first.new_zeros(first.shape[0], first.shape[1], clips.shape[2] - 1, *first.shape[3:])],
-                     dim=2)
+    return torch.cat(
+        [first, first.new_zeros(first.shape[0], first.shape[1], clips.shape[2] - 1, *first.shape[3:])], dim=2
+    )
 
 
 def condition_tensors(built, clips: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -115,8 +119,9 @@ def image_embeddings(built, images: list) -> torch.Tensor:
         return encoder(**inputs, output_hidden_states=True).hidden_states[-2]
 
 
-def first_frame_mask(batch: int, latent_frames: int, height: int, width: int, temporal: int = MASK_CHANNELS,
-                     device=None) -> torch.Tensor:
+def first_frame_mask(
+    batch: int, latent_frames: int, height: int, width: int, temporal: int = MASK_CHANNELS, device=None
+) -> torch.Tensor:
     """(B, 4, latent_frames, h, w): the pixel-frame mask (1 on frame 0) with frame 0 repeated over the VAE's
     temporal factor, regrouped 4 pixel frames per latent frame."""
     frames = 1 + (latent_frames - 1) * temporal
@@ -143,9 +148,11 @@ def transformer_inputs(built, noisy: torch.Tensor, timesteps: torch.Tensor, enco
     if mode.layout == "ti2v":
         if mode.image_to_video:
             if noisy.shape[2] < 2:
-                raise ValueError("Wan 2.2 TI2V image-to-video: a one-frame clip (a still image) has no frame to "
-                                 "learn, its only latent frame being the given image. Remove the stills or set "
-                                 "model.image_to_video: false.")
+                raise ValueError(
+                    "Wan 2.2 TI2V image-to-video: a one-frame clip (a still image) has no frame to "
+                    "learn, its only latent frame being the given image. Remove the stills or set "
+                    "model.image_to_video: false."
+                )
             condition = normalised_latents(built.vae.config, encoded[CONDITION]).to(noisy.dtype)
             noisy = torch.cat([condition[:, :, :1], noisy[:, :, 1:]], dim=2)
         return noisy, token_timesteps(timesteps, noisy, patch, mode.image_to_video), {}, clean_frames(built)
@@ -165,12 +172,17 @@ def clean_frames(built) -> int:
 def needs_condition(built, encoded: dict) -> Optional[str]:
     """Why `encoded` lacks what this run's mode needs (a latent cache built for text-to-video), or None."""
     image = built.mode.image_to_video
-    missing = [name for name, wanted in ((CONDITION, image), (IMAGE_EMBEDS, image and "image_encoder" in built.parts))
-               if wanted and name not in encoded]
+    missing = [
+        name
+        for name, wanted in ((CONDITION, image), (IMAGE_EMBEDS, image and "image_encoder" in built.parts))
+        if wanted and name not in encoded
+    ]
     if not missing:
         return None
-    return (f"the batch has no {', '.join(missing)} for image-to-video: a latent cache built without them. Delete "
-            "data.cache.dir (or choose another) to re-encode.")
+    return (
+        f"the batch has no {', '.join(missing)} for image-to-video: a latent cache built without them. Delete "
+        "data.cache.dir (or choose another) to re-encode."
+    )
 
 
 def encode_conditions(built, batch: dict, dtype: torch.dtype) -> dict:
@@ -206,8 +218,10 @@ def sample_sources(built, sample_spec, prompts: list[str]) -> Optional[list]:
 
 def sample_inputs(built, text_pipeline, prompt: str, image, sample_spec) -> dict:
     """One clip's first frame and its prompt as embeddings (prompt_inputs)."""
-    return {"image": image, **prompt_inputs(text_pipeline, prompt, sample_spec.guidance, built.max_sequence_length,
-                                            built.device)}
+    return {
+        "image": image,
+        **prompt_inputs(text_pipeline, prompt, sample_spec.guidance, built.max_sequence_length, built.device),
+    }
 
 
 def pipeline_class(built, transformer) -> tuple:
@@ -217,8 +231,11 @@ def pipeline_class(built, transformer) -> tuple:
     extra = {"expand_timesteps": built.mode.layout == "ti2v"}
     if transformer is None or not built.mode.image_to_video:
         return WanPipeline, extra
-    return WanImageToVideoPipeline, {**extra, "image_encoder": built.parts.get("image_encoder"),
-                                     "image_processor": built.parts.get("image_processor")}
+    return WanImageToVideoPipeline, {
+        **extra,
+        "image_encoder": built.parts.get("image_encoder"),
+        "image_processor": built.parts.get("image_processor"),
+    }
 
 
 def prompt_inputs(text_pipeline, prompt: str, guidance: float, max_sequence_length: int, device) -> dict:
@@ -226,6 +243,7 @@ def prompt_inputs(text_pipeline, prompt: str, guidance: float, max_sequence_leng
     the same embeddings WanImageToVideoPipeline makes of a text prompt, without its ftfy-only prompt cleaning (for
     environments without ftfy, which diffusers 0.42 does not depend on)."""
     with torch.no_grad(), quiet_hf_libraries():
-        embeds, negative = text_pipeline.encode_prompt(prompt, do_classifier_free_guidance=guidance > 1.0,
-                                                       max_sequence_length=max_sequence_length, device=device)
+        embeds, negative = text_pipeline.encode_prompt(
+            prompt, do_classifier_free_guidance=guidance > 1.0, max_sequence_length=max_sequence_length, device=device
+        )
     return {"prompt_embeds": embeds, "negative_prompt_embeds": negative}

@@ -34,8 +34,13 @@ from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import WanModel
 from dstune.spec.video_models import expert_problems, expert_range, experts_in
 
-COMPONENTS = {"transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan",
-              "text_encoder": "UMT5EncoderModel", "tokenizer": None, "scheduler": None}
+COMPONENTS = {
+    "transformer": "WanTransformer3DModel",
+    "vae": "AutoencoderKLWan",
+    "text_encoder": "UMT5EncoderModel",
+    "tokenizer": None,
+    "scheduler": None,
+}
 TEXT_TENSORS = ("encoder_hidden_states",)
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default
 
@@ -43,8 +48,9 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default
 # ------------------------------------------------------------------------------------------ the folder
 
 
-def folder_problems(folder: Path, expert: Optional[str] = None, image_to_video: Optional[bool] = None,
-                    timestep_range=None) -> list[str]:
+def folder_problems(
+    folder: Path, expert: Optional[str] = None, image_to_video: Optional[bool] = None, timestep_range=None
+) -> list[str]:
     """Why `folder` is not a Wan pipeline folder dstune trains with model.expert `expert`, model.image_to_video
     `image_to_video` and model.timestep_range (empty: it is)."""
     index = read_model_index(folder)
@@ -59,8 +65,10 @@ def folder_problems(folder: Path, expert: Optional[str] = None, image_to_video: 
             kind, found = wan_layouts.layout(index, transformer, vae)
             problems += [f"{name}: {problem}" for problem in found]
             if transformer.get("text_dim") != text.get("d_model"):
-                problems.append(f"{name} text_dim {transformer.get('text_dim')} != {text.get('d_model')} (the text "
-                                "encoder's d_model)")
+                problems.append(
+                    f"{name} text_dim {transformer.get('text_dim')} != {text.get('d_model')} (the text "
+                    "encoder's d_model)"
+                )
             if kind is not None and not found:
                 problem = wan_layouts.image_to_video(kind, image_to_video)[1]
                 problems += [problem] if problem and problem not in problems else []
@@ -73,10 +81,14 @@ def train_tables(scheduler_config, shift: Optional[float]) -> tuple[torch.Tensor
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     if shift is None:
-        shift = scheduler_config.get("flow_shift") if "flow_shift" in scheduler_config else \
-            scheduler_config.get("shift", 1.0)
-    table = FlowMatchEulerDiscreteScheduler(num_train_timesteps=scheduler_config.get("num_train_timesteps", 1000),
-                                            shift=float(shift))
+        shift = (
+            scheduler_config.get("flow_shift")
+            if "flow_shift" in scheduler_config
+            else scheduler_config.get("shift", 1.0)
+        )
+    table = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=scheduler_config.get("num_train_timesteps", 1000), shift=float(shift)
+    )
     return table.timesteps.clone().float(), table.sigmas.clone().float(), float(shift)
 
 
@@ -84,8 +96,9 @@ def _load_text(folder: Path, recipe, device, dtype) -> tuple[dict, dict]:
     """UMT5 loaded in `dtype` (keeping the modules transformers keeps in float32), and its tokenizer."""
     import transformers
 
-    text_encoder = load_component(folder, "text_encoder", transformers.UMT5EncoderModel.from_pretrained,
-                                  torch_dtype=dtype).to(device)
+    text_encoder = load_component(
+        folder, "text_encoder", transformers.UMT5EncoderModel.from_pretrained, torch_dtype=dtype
+    ).to(device)
     tokenizer = load_component(folder, "tokenizer", transformers.AutoTokenizer.from_pretrained)
     return {"text_encoder": text_encoder.eval().requires_grad_(False)}, {"tokenizer": tokenizer}
 
@@ -97,13 +110,14 @@ def expert_positions(timesteps: torch.Tensor, model: WanModel, index: dict, sche
     """(first table position, count) of the timesteps a run trains on: the expert's side of the boundary
     (WanPipeline runs `transformer` at t >= boundary_ratio x num_train_timesteps and `transformer_2` below),
     narrowed by model.timestep_range. The tables descend from 1000, so they are one contiguous run."""
-    low, high, inclusive = expert_range(index, model.expert, model.timestep_range,
-                                        scheduler_config.num_train_timesteps)
+    low, high, inclusive = expert_range(index, model.expert, model.timestep_range, scheduler_config.num_train_timesteps)
     inside = (timesteps >= low) & ((timesteps <= high) if inclusive else (timesteps < high))
     if not inside.any():
-        raise FamilyError(f"no training timestep of the shifted table falls in model.timestep_range "
-                          f"{list(model.timestep_range)} (the tables' timesteps: {timesteps.min():.1f} to "
-                          f"{timesteps.max():.1f}); widen it")
+        raise FamilyError(
+            f"no training timestep of the shifted table falls in model.timestep_range "
+            f"{list(model.timestep_range)} (the tables' timesteps: {timesteps.min():.1f} to "
+            f"{timesteps.max():.1f}); widen it"
+        )
     first = int(inside.nonzero()[0])
     return first, int(inside.sum())
 
@@ -121,8 +135,14 @@ def other_expert_loaded(built):
         return
     from diffusers import WanTransformer3DModel
 
-    built.other_expert = load_component(built.folder, _other_name(built), WanTransformer3DModel.from_pretrained,
-                                        torch_dtype=built.frozen_dtype).eval().requires_grad_(False).to(built.device)
+    built.other_expert = (
+        load_component(
+            built.folder, _other_name(built), WanTransformer3DModel.from_pretrained, torch_dtype=built.frozen_dtype
+        )
+        .eval()
+        .requires_grad_(False)
+        .to(built.device)
+    )
     try:
         yield
     finally:
@@ -136,16 +156,24 @@ def other_expert_loaded(built):
 def _captions(pipeline, built, captions: list[str]) -> dict:
     """{"encoder_hidden_states": (B, max_sequence_length, d_model)} from WanPipeline.encode_prompt."""
     with torch.no_grad(), quiet_hf_libraries():
-        embeds, _ = pipeline.encode_prompt(list(captions), do_classifier_free_guidance=False,
-                                           max_sequence_length=built.max_sequence_length, device=built.device)
+        embeds, _ = pipeline.encode_prompt(
+            list(captions),
+            do_classifier_free_guidance=False,
+            max_sequence_length=built.max_sequence_length,
+            device=built.device,
+        )
     return {"encoder_hidden_states": embeds}
 
 
 def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch.Tensor:
     hidden, timestep, extra, _ = wan_i2v.transformer_inputs(built, noisy, timesteps, conditions)
-    return forward(hidden_states=hidden.to(dtype), timestep=timestep.to(dtype),
-                   encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
-                   return_dict=False, **{k: v.to(dtype) for k, v in extra.items()})[0]
+    return forward(
+        hidden_states=hidden.to(dtype),
+        timestep=timestep.to(dtype),
+        encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
+        return_dict=False,
+        **{k: v.to(dtype) for k, v in extra.items()},
+    )[0]
 
 
 def _pipeline(built, transformer) -> tuple:
@@ -159,22 +187,40 @@ def _pipeline(built, transformer) -> tuple:
 
 
 WAN = FlowRecipe(
-    kind="wan", transformer_class="WanTransformer3DModel", pipeline_class="WanPipeline", components=COMPONENTS,
-    text=TextSide(TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH,
-                  load=_load_text),
+    kind="wan",
+    transformer_class="WanTransformer3DModel",
+    pipeline_class="WanPipeline",
+    components=COMPONENTS,
+    text=TextSide(
+        TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, DEFAULT_MAX_SEQUENCE_LENGTH, load=_load_text
+    ),
     predict=_predict,
     config_mismatches=lambda folder: [],  # folder_problems checks a Wan folder (with the spec's expert and mode)
-    latents=LatentSpace(vae_class="AutoencoderKLWan", frames=True,
-                        patch=lambda built: tuple(built.transformer_config["patch_size"][1:]),
-                        spatial_factor=lambda vae_config: vae_config.scale_factor_spatial),
-    conditioning=Conditioning(load=wan_i2v.load, encode=wan_i2v.encode_conditions,
-                              model_inputs=wan_i2v.model_inputs, clean_frames=wan_i2v.clean_frames,
-                              sample_sources=wan_i2v.sample_sources, sample_inputs=wan_i2v.sample_inputs),
-    experts=Experts(trained=lambda model: "transformer_2" if model.expert == "low_noise" else "transformer",
-                    positions=expert_positions, other_loaded=other_expert_loaded),
-    sampling=Sampling(pipeline=_pipeline, scheduler=lambda built: built.scheduler,
-                      side_multiple=lambda built: (built.vae.config.scale_factor_spatial
-                                                   * built.transformer_config["patch_size"][1])),
+    latents=LatentSpace(
+        vae_class="AutoencoderKLWan",
+        frames=True,
+        patch=lambda built: tuple(built.transformer_config["patch_size"][1:]),
+        spatial_factor=lambda vae_config: vae_config.scale_factor_spatial,
+    ),
+    conditioning=Conditioning(
+        load=wan_i2v.load,
+        encode=wan_i2v.encode_conditions,
+        model_inputs=wan_i2v.model_inputs,
+        clean_frames=wan_i2v.clean_frames,
+        sample_sources=wan_i2v.sample_sources,
+        sample_inputs=wan_i2v.sample_inputs,
+    ),
+    experts=Experts(
+        trained=lambda model: "transformer_2" if model.expert == "low_noise" else "transformer",
+        positions=expert_positions,
+        other_loaded=other_expert_loaded,
+    ),
+    sampling=Sampling(
+        pipeline=_pipeline,
+        scheduler=lambda built: built.scheduler,
+        side_multiple=lambda built: built.vae.config.scale_factor_spatial * built.transformer_config["patch_size"][1],
+    ),
     train_tables=lambda scheduler, shift: train_tables(dict(scheduler.config), shift)[:2],
     scheduler_class=None,  # UniPCMultistepScheduler, as listed
-    preconditioned=lambda model: False)  # the velocity loss of Wan's trainers (model.family wan has no such key)
+    preconditioned=lambda model: False,
+)  # the velocity loss of Wan's trainers (model.family wan has no such key)

@@ -23,6 +23,11 @@ def cache_key(model, folder: Path) -> tuple[str, tuple[str, ...], tuple[str, ...
 
 
 VIDEO_MODEL = VideoModel(
-    title="Wan", transformer_class=WAN.transformer_class, recipe_of=lambda folder: WAN,
-    folder_problems=folder_problems, text_cache_folders=("text_encoder", "tokenizer"),  # UMT5
-    cache_key=cache_key, condition_tensors=i2v.condition_tensors)
+    title="Wan",
+    transformer_class=WAN.transformer_class,
+    recipe_of=lambda folder: WAN,
+    folder_problems=folder_problems,
+    text_cache_folders=("text_encoder", "tokenizer"),  # UMT5
+    cache_key=cache_key,
+    condition_tensors=i2v.condition_tensors,
+)

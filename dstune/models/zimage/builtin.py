@@ -19,22 +19,42 @@ from dstune.hf import quiet_hf_libraries
 _SEED = 30
 TEXT_WIDTH = 32  # the text encoder's hidden size = the transformer's cap_feat_dim
 # head width dim / n_heads = 16 = sum(axes_dims); axes_lens bound the positions (caption tokens, latent rows/cols)
-TINY_ZIMAGE_TRANSFORMER = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=1,
-                               n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=TEXT_WIDTH,
-                               axes_dims=[4, 6, 6], axes_lens=[1024, 64, 64])
+TINY_ZIMAGE_TRANSFORMER = dict(
+    all_patch_size=(2,),
+    all_f_patch_size=(1,),
+    in_channels=16,
+    dim=32,
+    n_layers=1,
+    n_refiner_layers=1,
+    n_heads=2,
+    n_kv_heads=2,
+    cap_feat_dim=TEXT_WIDTH,
+    axes_dims=[4, 6, 6],
+    axes_lens=[1024, 64, 64],
+)
 ZIMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 # a user turn, then the assistant's opening: what Qwen3's template gives with add_generation_prompt
-
 
 
 def tiny_qwen3_encoder(tokenizer):
     from transformers import Qwen3Config, Qwen3Model
 
     end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    return Qwen3Model(Qwen3Config(vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=64,
-                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                  max_position_embeddings=1024, bos_token_id=end_of_text, eos_token_id=end_of_text,
-                                  pad_token_id=end_of_text))
+    return Qwen3Model(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=TEXT_WIDTH,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=1024,
+            bos_token_id=end_of_text,
+            eos_token_id=end_of_text,
+            pad_token_id=end_of_text,
+        )
+    )
 
 
 def build_tiny_z_image(out: Path, needs: dict) -> dict:
@@ -49,13 +69,21 @@ def build_tiny_z_image(out: Path, needs: dict) -> dict:
     with deterministic_cpu(_SEED, BUILD_THREADS):
         text_encoder = tiny_qwen3_encoder(tokenizer)
         transformer = ZImageTransformer2DModel(**TINY_ZIMAGE_TRANSFORMER)
-    pipeline = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**ZIMAGE_SCHEDULER), vae=vae,
-                              text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+    pipeline = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**ZIMAGE_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
     return save_pipeline(pipeline, out, transformer, facts)
 
 
 TINY_Z_IMAGE = BuiltinModel(
-    name="tiny-z-image", folder_name="tiny-z-image-v1", family="flow",
+    name="tiny-z-image",
+    folder_name="tiny-z-image-v1",
+    family="flow",
     description="Z-Image pipeline: one-layer Z-Image transformer, Qwen3 text encoder (two 32-wide layers), the "
-                "trained 16-channel VAE of tiny-flow",
-    build=build_tiny_z_image)
+    "trained 16-channel VAE of tiny-flow",
+    build=build_tiny_z_image,
+)

@@ -11,8 +11,9 @@ from dstune.memory.activations import ModelShape
 def single_stream(config: dict) -> ModelShape:
     """Z-Image: one stream of n_layers, with refiners over the image tokens and over the caption before it."""
     refiners = config.get("n_refiner_layers", 0)
-    return ModelShape(config["dim"], {"layers": config["n_layers"], "noise_refiner": refiners,
-                                      "context_refiner": refiners})
+    return ModelShape(
+        config["dim"], {"layers": config["n_layers"], "noise_refiner": refiners, "context_refiner": refiners}
+    )
 
 
 def padded_to_32(tokens: float) -> float:
