@@ -393,10 +393,11 @@ def test_the_table_of_context_parallel_classes_is_the_installed_diffusers():
     assert with_plan == set(CONTEXT_PARALLEL_CLASSES)
 
 
-def test_hunyuan_video15_splits_by_dstunes_plan_its_clip_tokens_listed(capsys):
+def test_hunyuan_video15_splits_by_dstunes_plan_its_clip_tokens_listed(capsys, monkeypatch):
     """HunyuanVideo 1.5's class has no diffusers plan; dstune's (dstune.models.hunyuan_video15.split) splits the clip and
     the context, which it pads to split: validate plans it from the stored 720p configs, lists the clip's tokens per
     rank and checks its 16 heads and the clip's tokens (the context, 1000 + 256 + 729 tokens, sets no rule)."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # validate's lines whole, as when it is piped (pytest may set it)
     spec = str(REPO / "launch" / "hunyuan-video15-720p-lora-zero3-8gpu.yaml")
     assert (
         main(
@@ -424,11 +425,12 @@ def test_hunyuan_video15_splits_by_dstunes_plan_its_clip_tokens_listed(capsys):
     assert code == 1 and any("does not divide the transformer's 16 attention heads" in e for e in out["errors"])
 
 
-def test_zero3_memory_counts_the_reduce_bucket_raised_to_the_largest_trainable_parameter(capsys):
+def test_zero3_memory_counts_the_reduce_bucket_raised_to_the_largest_trainable_parameter(capsys, monkeypatch):
     """Under ZeRO-3 with sequence parallelism the engine raises reduce_bucket_size to the largest trainable parameter
     (test_zero3_reduces_over_the_data_parallel_groups_...): the memory plan counts that bucket, in the module's
     precision (bf16: 2 bytes, fp32: 4). Wan 2.2 A14B's low-noise expert in full: its time projection (5120 x 30720
     and its bias) is 3.1 x the JSON's 5e7 elements. Not raised at N = 1, under ZeRO 2, nor for LoRA's adapters."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # validate's lines whole, as when it is piped (pytest may set it)
     a14b = str(REPO / "launch" / "wan22-a14b-low-noise-full-zero3-2x8gpu.yaml")
 
     def memory(size: int, *sets: str) -> dict:
