@@ -131,7 +131,11 @@ def _build_in_pinned_process(name: str, work: Path, needs: dict[str, Path]) -> d
         str(work),
         json.dumps({k: str(v) for k, v in needs.items()}),
     ]
-    done = subprocess.run(args, env={**os.environ, **PINNED_ISA_ENV}, capture_output=True, text=True)
+    # the child imports this very dstune, however this process found it (installed, PYTHONPATH or a checkout)
+    here = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(part for part in (here, os.environ.get("PYTHONPATH", "")) if part)
+    env = {**os.environ, **PINNED_ISA_ENV, "PYTHONPATH": path}
+    done = subprocess.run(args, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise BuiltinError(
             f"building {BUILTIN_PREFIX}{name} failed (exit {done.returncode}):\n" + (done.stderr or done.stdout)[-3000:]
