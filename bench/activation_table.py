@@ -6,9 +6,9 @@
 For each model (bench/activation_models.py: the real class, narrow) and precision, bench/activation_measure.py
 counts the bytes autograd saves in one training forward at each of the case's sizes, without and with gradient
 checkpointing, and a least-squares fit gives per bucket (outside the blocks, one block of each kind, the logits, the
-checkpoint inputs, the recomputed module) bytes = width x (a T + c C + b [+ T^2, C^2, T C terms]) [+ ffn x (...)],
-T the tokens and C the context tokens; dstune.memory.activations evaluates them for the real model's width, MLP
-width, vocabulary and block counts. Progress goes to stderr; stdout holds the table and one line of JSON.
+checkpoint inputs, the recomputed module) bytes = width x (a T + c C + b [+ T^2, C^2, T C terms]) [+ ffn x (...)]
+[+ LL (T + C)^2, a joint attention mask's bytes, width-free], T the tokens and C the context tokens;
+dstune.memory.activations evaluates them for the real model's width, MLP width, vocabulary and block counts. Progress goes to stderr; stdout holds the table and one line of JSON.
 """
 
 from __future__ import annotations
