@@ -33,6 +33,7 @@ class Case:
     check_size: tuple  # a third (tokens, context) for the unit test
     block_lists: Callable = lambda model: {}  # module -> {kind: list of blocks}
     quadratic: bool = False  # attention that keeps its scores (not SDPA): fit T^2, C^2, T*C
+    joint_mask: bool = False  # each block's SDPA keeps a (T + C)^2 attention mask, width-free: fit (T + C)^2 bytes
     ffn: bool = False  # the MLP width is a config key of its own: measure twice as wide too
     checkpointing: bool = True  # whether dstune can run it with gradient checkpointing
     pad: Callable = lambda tokens: (
@@ -522,6 +523,126 @@ def _wan_run(model, tokens, context, dtype):
     )
 
 
+def _hunyuan15(heads, ffn_mult):
+    """HunyuanVideo 1.5 (text-to-video; the image-to-video transformer differs in its input channels only): the
+    text, glyph and image embedders' input widths narrowed like the width (2048 real)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    width = heads * 128
+    return (
+        HunyuanVideo15Transformer3DModel(
+            in_channels=65,
+            out_channels=32,
+            num_attention_heads=heads,
+            attention_head_dim=128,
+            num_layers=2,
+            num_refiner_layers=2,
+            mlp_ratio=4.0,
+            text_embed_dim=width * 3584 // 2048,
+            text_embed_2_dim=width * 1472 // 2048,
+            image_embed_dim=width * 1152 // 2048,
+            task_type="t2v",
+        ),
+        width,
+        0,
+        0,
+    )
+
+
+HUNYUAN15_CONTEXT = (1000, 256, 729)  # caption, glyph and image tokens (dstune.models.hunyuan_video15.facts)
+
+
+def _hunyuan15_split(context: int) -> tuple[int, int, int]:
+    """`context` split as the real model's is (caption : glyph : image = 1000 : 256 : 729), each at least 1."""
+    total = sum(HUNYUAN15_CONTEXT)
+    glyph = max(1, round(context * HUNYUAN15_CONTEXT[1] / total))
+    image = max(1, round(context * HUNYUAN15_CONTEXT[2] / total))
+    return context - glyph - image, glyph, image
+
+
+def _hunyuan15_run(model, tokens, context, dtype):
+    """`tokens` = 2 latent frames x side^2; text-to-video as dstune trains it: zero image embeds (masked), the
+    caption and glyph tokens with their masks."""
+    side = _square(tokens // 2)
+    config = model.config
+    caption, glyph, image = _hunyuan15_split(context)
+    latents = _randn(1, config.in_channels, 2, side, side, dtype=dtype)
+    text = _randn(1, caption, config.text_embed_dim, dtype=dtype)
+    glyphs = _randn(1, glyph, config.text_embed_2_dim, dtype=dtype)
+    images = torch.zeros(1, image, config.image_embed_dim, dtype=dtype)
+    return lambda: _mse(
+        model(
+            hidden_states=latents,
+            timestep=torch.tensor([500.0], dtype=dtype),
+            encoder_hidden_states=text,
+            encoder_attention_mask=torch.ones(1, caption, dtype=torch.long),
+            encoder_hidden_states_2=glyphs,
+            encoder_attention_mask_2=torch.ones(1, glyph, dtype=torch.long),
+            image_embeds=images,
+            return_dict=False,
+        )[0]
+    )
+
+
+def _ltx2(heads, ffn_mult):
+    """LTX-2: the video stream (head dim 128) and the audio stream narrowed alike (heads of 64, half the width, as
+    the real 32 x 64 against 32 x 128); the caption width 3840 / 4096 of the width."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    width = heads * 128
+    return (
+        LTX2VideoTransformer3DModel(
+            in_channels=128,
+            out_channels=128,
+            num_attention_heads=heads,
+            attention_head_dim=128,
+            cross_attention_dim=width,
+            audio_in_channels=128,
+            audio_out_channels=128,
+            audio_num_attention_heads=heads,
+            audio_attention_head_dim=64,
+            audio_cross_attention_dim=width // 2,
+            caption_channels=width * 3840 // 4096,
+            num_layers=2,
+            rope_type="split",
+        ),
+        width,
+        0,
+        0,
+    )
+
+
+def _ltx2_run(model, tokens, context, dtype):
+    """As dstune trains it (dstune.models.ltx2.recipe): `tokens` = 2 latent frames x side^2 video tokens, the audio
+    stream on one zero token isolated from the video, `context` caption tokens for both streams."""
+    side = _square(tokens // 2)
+    config = model.config
+    video = _randn(1, tokens, config.in_channels, dtype=dtype)
+    audio = torch.zeros(1, 1, config.audio_in_channels, dtype=dtype)
+    text = _randn(1, context, config.caption_channels, dtype=dtype)
+    mask = torch.ones(1, context, dtype=torch.long)
+    sigma = torch.tensor([0.5], dtype=dtype)
+    return lambda: _mse(
+        model(
+            hidden_states=video,
+            audio_hidden_states=audio,
+            encoder_hidden_states=text,
+            audio_encoder_hidden_states=text,
+            timestep=sigma,
+            sigma=sigma,
+            encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask,
+            num_frames=2,
+            height=side,
+            width=side,
+            fps=24.0,
+            audio_num_frames=1,
+            isolate_modalities=True,
+            return_dict=False,
+        )[0]
+    )
+
+
 # --------------------------------------------------------------------------------------------------- speech
 
 LM_VOCAB = 1000  # narrow: the logits are counted apart, per vocabulary entry
@@ -732,6 +853,25 @@ CASES = [
         check_size=(50, 12),
         block_lists=_attr("blocks"),
         ffn=True,
+    ),
+    Case(
+        "hunyuan-video15",
+        "HunyuanVideo 1.5 (dual-stream blocks over the clip and caption + glyph + image tokens, token refiner)",
+        _hunyuan15,
+        _hunyuan15_run,
+        sizes=((32, 8), (72, 8), (32, 24), (72, 24)),
+        check_size=(50, 12),
+        block_lists=_attr("transformer_blocks"),  # the token refiner's 2 blocks (not checkpointed): outside
+        joint_mask=True,
+    ),
+    Case(
+        "ltx2",
+        "LTX-2 video stream (the audio stream on one zero token, as dstune trains it)",
+        _ltx2,
+        _ltx2_run,
+        sizes=((32, 8), (72, 8), (32, 24)),
+        check_size=(50, 12),
+        block_lists=_attr("transformer_blocks"),
     ),
     Case(
         "llama",

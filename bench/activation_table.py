@@ -6,9 +6,9 @@
 For each model (bench/activation_models.py: the real class, narrow) and precision, bench/activation_measure.py
 counts the bytes autograd saves in one training forward at each of the case's sizes, without and with gradient
 checkpointing, and a least-squares fit gives per bucket (outside the blocks, one block of each kind, the logits, the
-checkpoint inputs, the recomputed module) bytes = width x (a T + c C + b [+ T^2, C^2, T C terms]) [+ ffn x (...)],
-T the tokens and C the context tokens; dstune.memory.activations evaluates them for the real model's width, MLP
-width, vocabulary and block counts. Progress goes to stderr; stdout holds the table and one line of JSON.
+checkpoint inputs, the recomputed module) bytes = width x (a T + c C + b [+ T^2, C^2, T C terms]) [+ ffn x (...)]
+[+ LL (T + C)^2, a joint attention mask's bytes, width-free], T the tokens and C the context tokens;
+dstune.memory.activations evaluates them for the real model's width, MLP width, vocabulary and block counts. Progress goes to stderr; stdout holds the table and one line of JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WIDTH_FEATURES = ("T", "C", "1")
 QUADRATIC_FEATURES = ("TT", "CC", "TC")
 FFN_FEATURES = ("fT", "fC", "f")
+MASK_FEATURES = ("LL",)  # (T + C)^2 bytes of a joint attention mask (per element, not per width unit)
+WIDTH_FREE = ("f", "L")  # the first letters of features not divided by the width
 
 
 def _enable_checkpointing(model) -> None:
@@ -97,8 +99,9 @@ def measure(case, dtype: torch.dtype, tokens: int, context: int, heads: int = 0,
     return record
 
 
-def _features(case, records, with_ffn: bool) -> list[str]:
+def _features(case, records, with_ffn: bool, with_mask: bool = False) -> list[str]:
     names = list(WIDTH_FEATURES) + (list(QUADRATIC_FEATURES) if case.quadratic else [])
+    names += list(MASK_FEATURES) if with_mask and case.joint_mask else []
     if len({r["context"] for r in records}) == 1:  # a fixed context (a UNet's 77 CLIP tokens, an LM's none)
         names = [n for n in names if "C" not in n]
     if with_ffn:
@@ -108,7 +111,18 @@ def _features(case, records, with_ffn: bool) -> list[str]:
 
 def _value(name: str, record: dict) -> float:
     t, c, f = record["tokens"], record["context"], record["ffn"]
-    return {"T": t, "C": c, "1": 1, "TT": t * t, "CC": c * c, "TC": t * c, "fT": f * t, "fC": f * c, "f": f}[name]
+    return {
+        "T": t,
+        "C": c,
+        "1": 1,
+        "TT": t * t,
+        "CC": c * c,
+        "TC": t * c,
+        "fT": f * t,
+        "fC": f * c,
+        "f": f,
+        "LL": (t + c) ** 2,
+    }[name]
 
 
 def fit(records: list, features: list, target) -> dict:
@@ -117,14 +131,14 @@ def fit(records: list, features: list, target) -> dict:
     values = torch.tensor([[float(target(r))] for r in records], dtype=torch.float64)
     solution = torch.linalg.lstsq(matrix, values, driver="gelsd").solution[:, 0].tolist()
     width = records[0]["width"]
-    return {n: round(v / (1 if n.startswith("f") else width), 6) for n, v in zip(features, solution)}
+    return {n: round(v / (1 if n.startswith(WIDTH_FREE) else width), 6) for n, v in zip(features, solution)}
 
 
 def constants_for(case, dtype: torch.dtype) -> tuple[dict, list]:
     records = [measure(case, dtype, t, c) for t, c in case.sizes]
     if case.ffn:
         records += [measure(case, dtype, t, c, ffn_mult=2) for t, c in case.sizes]
-    plain, with_ffn = _features(case, records, False), _features(case, records, case.ffn)
+    plain, with_ffn = _features(case, records, False), _features(case, records, case.ffn, with_mask=True)
     kinds = list(records[0]["blocks"])
     table = {
         "outside": fit(records, plain, lambda r: r["outside"]),

@@ -55,6 +55,7 @@ def _evaluate(coefficients: dict, tokens: float, context: float, width: float, f
         "fT": ffn * tokens,
         "fC": ffn * context,
         "f": ffn,
+        "LL": (tokens + context) ** 2,
     }
     return sum(coefficient * values[name] for name, coefficient in coefficients.items())
 

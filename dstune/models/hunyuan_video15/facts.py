@@ -22,10 +22,11 @@ I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
 DEFAULT_TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length
 GLYPH_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
 VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens
-# No constants were measured on HunyuanVideo 1.5: its dual-stream blocks (joint attention of the clip and the
-# context, mlp_ratio 4, head dim 128) are estimated with the measured double-stream block of the image models
-# (activation_constants.json's "flux1").
-ACTIVATION_CONSTANTS = "flux1"
+# Measured on HunyuanVideo15Transformer3DModel itself (bench/activation_models.py's "hunyuan-video15"): per
+# dual-stream block linear bytes per width unit over clip + context tokens, plus the (clip + context)^2 attention
+# mask that diffusers' processor builds and SDPA keeps for backward (2 bytes per element in bf16, 4 in fp32); the
+# token refiner's 2 blocks (every released config has 2; diffusers does not checkpoint them) are in "outside".
+ACTIVATION_CONSTANTS = "hunyuan-video15"
 
 
 def is_hunyuan15(folder) -> bool:
@@ -66,7 +67,8 @@ def clip_tokens(transformer: dict, width: int, height: int, frames: int, spatial
 
 
 def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[float, float]:
-    """One clip's activation bytes (dstune.memory.plan's units) at (frames, width, height)."""
+    """One clip's activation bytes (dstune.memory.plan's units) at (frames, width, height): the measured constants
+    at the transformer's width and dual-stream block count (the kinds and widths the measurement counted)."""
     config = folder.config("transformer")
     spatial = folder.config("vae").get("spatial_compression_ratio", 16)
     shape = ModelShape(

@@ -18,9 +18,10 @@ from dstune.memory.activations import ModelShape, in_plan_units, measured_sample
 TRANSFORMER_CLASS = "LTX2VideoTransformer3DModel"
 DEFAULT_TEXT_TOKENS = 1024  # LTX2Pipeline's max_sequence_length
 SPATIAL, TEMPORAL = 32, 8  # AutoencoderKLLTX2Video's compression when its config does not say
-# No constants were measured on LTX-2: its video stream (self-attention, cross-attention to the text, a 4x
-# gelu feed-forward, per-token modulation) is the block of the measured text-to-video constants below.
-ACTIVATION_CONSTANTS = "wan-t2v"
+# Measured on LTX2VideoTransformer3DModel itself (bench/activation_models.py's "ltx2"), run as dstune trains it:
+# the video stream over the clip with cross-attention to the caption, the audio stream on one zero token (its
+# constant bytes are in the fit). The feed-forward is 4x the width in every config, so the constants are per width.
+ACTIVATION_CONSTANTS = "ltx2"
 SAMPLING_ONLY = ("audio_vae", "vocoder")  # loaded for the pipeline that renders samples; video-only training skips
 
 
@@ -58,7 +59,7 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[fl
     """One clip's activation bytes (dstune.memory.plan's units) at (frames, width, height)."""
     config = folder.config("transformer")
     width_hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    shape = ModelShape(width_hidden, {"blocks": config["num_layers"]}, ffn=4 * width_hidden)
+    shape = ModelShape(width_hidden, {"transformer_blocks": config["num_layers"]})
     tokens = clip_tokens(frames, width, height, *compression(folder))
     sample = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, tokens, text_tokens(spec), spec.train.precision)
     return in_plan_units(sample, spec.train.precision)
