@@ -18,7 +18,7 @@ import torch
 from dstune.checkpoints.layout import STATE_FILE, CheckpointError, checkpoint_root, list_complete, read_latest, tag_for
 from dstune.checkpoints.store import only_tensors_unpickled
 from dstune.ema import consolidated_ema, overlay_ema
-from dstune.families import FAMILY_MODULES, get_family
+from dstune.families import FAMILY_FACTS, get_family
 from dstune.families.base import FamilyError
 from dstune.families.lora import export_lora
 from dstune.pretrained import build_model
@@ -128,10 +128,11 @@ def speak(folder: Path, text: str, out_wav: Path, seconds: float, temperature: f
     the folder), written to `out_wav`; returns the clip. FamilyError naming the speech families otherwise."""
     import soundfile
 
-    speakers = [family.speaker for family in map(get_family, FAMILY_MODULES) if family.speaker is not None]
-    speaker = next((s for s in speakers if s.recognizes(folder)), None)
+    speech = [name for name, facts in FAMILY_FACTS.items() if facts.modality == "audio"]  # no image family imported
+    speakers = {name: get_family(name).speaker for name in speech}
+    speaker = next((s for s in speakers.values() if s is not None and s.recognizes(folder)), None)
     if speaker is None:
-        names = ", ".join(name for name in FAMILY_MODULES if get_family(name).speaker is not None)
+        names = ", ".join(name for name, s in speakers.items() if s is not None)
         raise FamilyError(
             f"{folder} is not an export dstune can speak from: it holds no model of the speech "
             f"families ({names}). Point it at the export/ folder of a speech run."

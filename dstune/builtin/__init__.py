@@ -120,6 +120,14 @@ def _build_into(model: BuiltinModel, final: Path, needs: dict[str, Path]) -> Non
         shutil.rmtree(work, ignore_errors=True)
 
 
+def pinned_child_env() -> dict[str, str]:
+    """The environment of a child process under PINNED_ISA_ENV that imports this very dstune, however this process
+    found it (installed, PYTHONPATH or a checkout): its package root first on PYTHONPATH."""
+    here = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(part for part in (here, os.environ.get("PYTHONPATH", "")) if part)
+    return {**os.environ, **PINNED_ISA_ENV, "PYTHONPATH": path}
+
+
 def _build_in_pinned_process(name: str, work: Path, needs: dict[str, Path]) -> dict:
     """Build `name` into `work` in a child process under PINNED_ISA_ENV (python -m dstune.builtin.build); its
     facts for the marker. BuiltinError with the child's last output when it fails."""
@@ -131,11 +139,7 @@ def _build_in_pinned_process(name: str, work: Path, needs: dict[str, Path]) -> d
         str(work),
         json.dumps({k: str(v) for k, v in needs.items()}),
     ]
-    # the child imports this very dstune, however this process found it (installed, PYTHONPATH or a checkout)
-    here = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(part for part in (here, os.environ.get("PYTHONPATH", "")) if part)
-    env = {**os.environ, **PINNED_ISA_ENV, "PYTHONPATH": path}
-    done = subprocess.run(args, env=env, capture_output=True, text=True)
+    done = subprocess.run(args, env=pinned_child_env(), capture_output=True, text=True)
     if done.returncode != 0:
         raise BuiltinError(
             f"building {BUILTIN_PREFIX}{name} failed (exit {done.returncode}):\n" + (done.stderr or done.stdout)[-3000:]

@@ -12,6 +12,7 @@ This module is the family the stages call: build, the caches' keys, over whichev
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -68,6 +69,7 @@ class VideoModel:
     after_build: Optional[Callable] = None  # (built) -> None: what the model's parts need once loaded
 
 
+@cache
 def _video_models() -> dict[str, VideoModel]:
     return {model.transformer_class: model for model in map(load, registry.recipes(VIDEO_FAMILY))}
 

@@ -103,12 +103,8 @@ class DenoiserModelBase(Section):
     FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     modality: ClassVar[str] = "image"  # what the data is; a video family's section says "video"
-    # The LoRA file formats the family writes (output.lora_format, the default first) -> the key scheme each is
-    # written in; `comfyui` names the scheme ComfyUI's LoRA loader maps every key of and diffusers' loader reads back
-    # too (docs/lora-and-ema.md). Empty: no LoRA file to format.
-    LORA_FORMATS: ClassVar[dict[str, str]] = {}
-    # whether `pretrained` may be a single checkpoint file (the Family's single_file says how it is laid out)
-    SINGLE_FILE: ClassVar[bool] = False
+    # LORA_FORMATS (Section): `comfyui` names the scheme ComfyUI's LoRA loader maps every key of and diffusers'
+    # loader reads back too (docs/lora-and-ema.md); SINGLE_FILE: the Family's single_file says how it is laid out
 
     train: Literal["full", "lora"] = Field(
         "full",

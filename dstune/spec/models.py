@@ -52,7 +52,7 @@ def lora_format_problem(family: str, train: str, lora_format) -> str | None:
     """Why output.lora_format cannot be used with this model section, or None. Unset is always fine."""
     if lora_format is None:
         return None
-    choices = getattr(SECTIONS_BY_FAMILY[family], "LORA_FORMATS", {})
+    choices = SECTIONS_BY_FAMILY[family].LORA_FORMATS
     if not choices:
         return f"model.family {family} has no LoRA training, so there is no LoRA file to format: remove it"
     if train != "lora":
@@ -374,7 +374,7 @@ class OutputSpec(Section):
         + "; ".join(
             f"{family}: {', '.join(section.LORA_FORMATS)}"
             for family, section in SECTIONS_BY_FAMILY.items()
-            if getattr(section, "LORA_FORMATS", None)
+            if section.LORA_FORMATS
         )
         + ". See docs/lora-and-ema.md.",
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import BaseModel, ConfigDict
 
 # LoRA's usual targets: defined beside the model units' presets, which use them too
@@ -18,6 +20,10 @@ class Section(BaseModel):
     """Base for every spec section: frozen, and unknown keys are errors rather than silent defaults."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # A model section's LoRA file formats (output.lora_format, the default first -> the key scheme each is written
+    # in; empty: no LoRA file), and whether its `pretrained` may be a single checkpoint file. Other sections ignore them.
+    LORA_FORMATS: ClassVar[dict[str, str]] = {}
+    SINGLE_FILE: ClassVar[bool] = False
 
     def folder_defaults(self, read) -> dict:
         """A model section's keys that the spec leaves unset and its pretrained folder decides: {key: value}, from

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from dstune.models import registry
 from dstune.models.unit import VIDEO_FAMILY
-from dstune.spec.model_sections import DenoiserModelBase, core_default_builtin
+from dstune.spec.model_sections import DenoiserModelBase, core_builtins_text, core_default_builtin
 
 
 class WanModel(DenoiserModelBase):
@@ -44,9 +44,7 @@ class WanModel(DenoiserModelBase):
         "encoders/tokenizers/scheduler, and the image encoder of an image-to-video pipeline): "
         + ", ".join(registry.pipelines(VIDEO_FAMILY))
         + "; a hub id already in the local Hugging Face cache; or a "
-        "tiny model built offline: "
-        + ", ".join(f"`builtin:{name}`" for unit in registry.on_core(VIDEO_FAMILY) for name in unit.builtins)
-        + ".",
+        "tiny model built offline: " + core_builtins_text(VIDEO_FAMILY) + ".",
     )
     gradient_checkpointing: bool = Field(
         False,

@@ -184,14 +184,11 @@ _computed: dict[str, list[float]] = {}
 def pinned_trajectories() -> dict[str, list[float]]:
     """Every case's trajectory, computed once in a child process under dstune.builtin.PINNED_ISA_ENV."""
     if not _computed:
-        from dstune.builtin import PINNED_ISA_ENV
+        from dstune.builtin import pinned_child_env
 
-        env = {
-            **os.environ,
-            **PINNED_ISA_ENV,
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        }
-        done = subprocess.run([sys.executable, __file__, "--print"], env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--print"], env=pinned_child_env(), capture_output=True, text=True
+        )
         assert done.returncode == 0, f"the pinned trajectories failed:\n{(done.stderr or done.stdout)[-3000:]}"
         _computed.update(json.loads(done.stdout.strip().splitlines()[-1]))
     return _computed
