@@ -93,7 +93,7 @@ def measured_sample_bytes(
 
 def _logit_bytes(coefficients: dict, shape: ModelShape, tokens: float, context: float) -> float:
     """The logits (and their fp32 copies) per vocabulary entry; "head": a copy of the LM head's weights kept for
-    backward (CSM gathers its per-codebook heads each forward), width x vocabulary."""
+    backward (a model that gathers per-codebook heads each forward), width x vocabulary."""
     per_token = {name: value for name, value in coefficients.items() if name != "head"}
     head = coefficients.get("head", 0.0) * shape.width
     return shape.vocab * (_evaluate(per_token, tokens, context, 1, 0) + head)
