@@ -3,7 +3,10 @@ class; dstune.families.facts describes the contract): which class a folder holds
 (the class without its codec), the frozen codec, one clip's activations and the codec-token cache.
 
 CSM: the backbone sees one position per audio frame (plus the text), the depth decoder Q positions per frame, each
-started from the backbone's hidden state; both are Llama-shaped with gated MLPs and logits over the codebook ids.
+started from the backbone's hidden state. Their activations are the constants measured on CsmForConditionalGeneration
+itself (bench/activation_speech.py's "csm", at CSM-1B's 32 codebooks and its depth decoder half the backbone's
+width), evaluated at the folder's backbone width, layer counts and codebook vocabulary; they include the copy of the
+depth decoder's per-codebook heads that each forward gathers and keeps for backward.
 The family's other classes (dstune.families.codebook_models: declared by their units) count their own codec and
 activations; the class itself is counted here, on the meta device, for all of them.
 """
@@ -17,7 +20,13 @@ from functools import lru_cache
 from dstune.families.denoiser_facts import lora_settings
 from dstune.families.facts import ModelFacts, SpecIssues
 from dstune.hf import quiet_hf_libraries
-from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, codec_frame_rate, lm_sample_bytes
+from dstune.memory.activations import (
+    TEXT_TOKENS_PER_SECOND,
+    ModelShape,
+    codec_frame_rate,
+    in_plan_units,
+    measured_sample_bytes,
+)
 from dstune.families.codebook_models import codebooks_models
 from dstune.memory.counts import SizesUnknown, config_folder, read_config
 from dstune.memory.plan import ModelCounts
@@ -76,10 +85,8 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     codec_config = config.get(CODEC_CONFIG[architecture(config)][0]) or {}
     frame_rate, codebooks = _frame_rate(codec_config), int(config.get("num_codebooks", 32))
     seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
-    frames = seconds * frame_rate
-    backbone = lm_sample_bytes(config, frames + seconds * TEXT_TOKENS_PER_SECOND)
-    depth = lm_sample_bytes(config.get("depth_decoder_config") or config, codebooks)
-    full, checkpointed = backbone[0] + frames * depth[0], backbone[1] + frames * depth[1]
+    frames = seconds * frame_rate + 1  # the EOS frame
+    full, checkpointed = _activations(config, frames, seconds * TEXT_TOKENS_PER_SECOND, spec.train.precision)
     cached = ("codec",) if spec.data.cache.codec_tokens else ()
     cache_bytes = int(4 * frame_rate * codebooks * seconds * num_samples) if spec.data.cache.codec_tokens else 0
     return ModelCounts(
@@ -95,6 +102,13 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
         cache_bytes,
         origin,
     )
+
+
+def _activations(config: dict, frames: float, text_tokens: float, precision: str) -> tuple[int, int]:
+    depth = config.get("depth_decoder_config") or {}
+    layers = {"backbone": config["num_hidden_layers"], "depth": depth.get("num_hidden_layers", 4)}
+    shape = ModelShape(config["hidden_size"], layers, vocab=config["vocab_size"])
+    return in_plan_units(measured_sample_bytes("csm", shape, frames, text_tokens, precision), precision)
 
 
 def _frame_rate(codec_config: dict) -> float:
