@@ -14,6 +14,7 @@ activations; the class itself is counted here, on the meta device, for all of th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from functools import lru_cache
 
@@ -28,7 +29,7 @@ from dstune.memory.activations import (
     measured_sample_bytes,
 )
 from dstune.families.codebook_models import codebooks_models
-from dstune.memory.counts import SizesUnknown, config_folder, read_config
+from dstune.memory.counts import SizesUnknown, config_folder, module_small_tensors, read_config
 from dstune.memory.plan import ModelCounts
 from dstune.spec.model_sections import LM_LORA_TARGET_MODULES
 
@@ -48,9 +49,10 @@ def architecture(config: dict) -> str:
 
 
 @lru_cache(maxsize=16)
-def _meta_counts(config_text: str, targets: tuple, rank: int) -> tuple[int, int, int, int]:
-    """(trained parameters, largest trained layer, LoRA parameters, codec parameters) of the class on the meta
-    device; the codec is not trained and gets no adapters."""
+def _meta_counts(config_text: str, targets: tuple, rank: int) -> tuple[int, int, int, int, tuple]:
+    """(trained parameters, largest trained layer, LoRA parameters, codec parameters, small tensors) of the class on
+    the meta device; the codec is not trained and gets no adapters. The small tensors (with the adapters') are what
+    ZeRO-3 keeps whole on every rank (dstune.memory.counts.count_small_tensors)."""
     import torch
     import transformers
 
@@ -69,19 +71,20 @@ def _meta_counts(config_text: str, targets: tuple, rank: int) -> tuple[int, int,
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
     )
-    return params, largest, lora, codec_params
+    return params, largest, lora, codec_params, module_small_tensors(model, targets, rank)
 
 
 def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     folder, origin = config_folder(spec.model.pretrained)
     config = read_config(folder / "config.json")
     targets, rank = lora_settings(spec)
-    params, largest, lora, codec_params = _meta_counts(_config_text(config), targets, rank)
+    params, largest, lora, codec_params, small = _meta_counts(_config_text(config), targets, rank)
     default_lora = _meta_counts(_config_text(config), LM_LORA_TARGET_MODULES, 16)[2]
     if architecture(config) not in CODEC_CONFIG:
-        return codebooks_models()[architecture(config)].count(
+        counts = codebooks_models()[architecture(config)].count(
             spec, num_samples, folder, origin, config, (params, largest, lora, default_lora)
         )
+        return counts if counts.small_tensors else replace(counts, small_tensors=small)
     codec_config = config.get(CODEC_CONFIG[architecture(config)][0]) or {}
     frame_rate, codebooks = _frame_rate(codec_config), int(config.get("num_codebooks", 32))
     seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
@@ -101,6 +104,7 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
         default_lora,
         cache_bytes,
         origin,
+        small_tensors=small,
     )
 
 
