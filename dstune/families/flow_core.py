@@ -264,6 +264,13 @@ def noisy_latents(built: FlowBuilt, latents: torch.Tensor, noise: torch.Tensor, 
     return timesteps, sigmas, (1.0 - sigmas) * latents + sigmas * noise
 
 
+def posterior_mean(built: FlowBuilt) -> bool:
+    """Whether the training latents are the VAE posterior's mean (model.vae_latents: mean) rather than a draw from
+    it; unset, the model's reference trainer's choice (its recipe's posterior_mode)."""
+    choice = built.settings.vae_latents
+    return built.recipe.latents.posterior_mode if choice is None else choice == "mean"
+
+
 def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int, step: int) -> torch.Tensor:
     """The flow-matching loss of one micro batch (mean over its samples); `seed` is train.seed, `step` the
     optimizer step: with the samples' dataset indices they fix every random draw. Latent frames the conditioning
@@ -272,7 +279,7 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     mean, std = encoded["latent_mean"], encoded["latent_std"]
     indices, device = encoded["indices"].tolist(), mean.device
     draw = lambda shape, purpose: per_sample_randn(shape, seed, step, indices, purpose).to(device)  # noqa: E731
-    sample = mean if recipe.latents.posterior_mode else mean + std * draw(mean.shape[1:], "vae_posterior")
+    sample = mean if posterior_mean(built) else mean + std * draw(mean.shape[1:], "vae_posterior")
     to_model = recipe.latents.to_model
     latents = to_model(built, sample) if to_model else normalised_latents(built.vae.config, sample)
     noise = draw(latents.shape[1:], "noise")

@@ -29,6 +29,14 @@ FP8_REFUSAL = (
 )
 
 
+VAE_LATENTS_DESCRIPTION = (
+    "What the training latents are, from each sample's VAE posterior (the latent cache stores its mean and std): "
+    "`sample`, a draw mean + std x noise, per sample and step from dstune's seeded draws (latent_dist.sample(), as "
+    "most diffusers training examples); `mean`, the posterior's mean (its mode, as other reference trainers take "
+    "it). Omitted: the model's reference trainer's choice (docs/family-flow.md lists it per model)."
+)
+
+
 class LoraSpec(Section):
     rank: int = Field(16, gt=0, description="LoRA rank r: the inner size of each adapter (A: r x in, B: out x r).")
     alpha: Optional[float] = Field(
@@ -312,6 +320,7 @@ class FlowModel(DenoiserModelBase):
         "scheduler's: its config shift, or unshifted where it shifts dynamically, as the reference scripts train. "
         "Not for a model whose training example draws sigma itself (validate says so).",
     )
+    vae_latents: Optional[Literal["sample", "mean"]] = Field(None, description=VAE_LATENTS_DESCRIPTION)
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
         "none",
         description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3). sigma_sqrt (sigma^-2) "

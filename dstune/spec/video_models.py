@@ -9,7 +9,12 @@ from pydantic import Field, model_validator
 
 from dstune.models import registry
 from dstune.models.unit import VIDEO_FAMILY
-from dstune.spec.model_sections import DenoiserModelBase, core_builtins_text, core_default_builtin
+from dstune.spec.model_sections import (
+    VAE_LATENTS_DESCRIPTION,
+    DenoiserModelBase,
+    core_builtins_text,
+    core_default_builtin,
+)
 
 
 class WanModel(DenoiserModelBase):
@@ -71,6 +76,7 @@ class WanModel(DenoiserModelBase):
         "sigma)). Omitted: the scheduler's (UniPC's flow_shift or FlowMatchEulerDiscreteScheduler's shift), or "
         "the model's official trainer's where it trains with its own (each model's docs page says which).",
     )
+    vae_latents: Optional[Literal["sample", "mean"]] = Field(None, description=VAE_LATENTS_DESCRIPTION)
     loss_weighting: Literal["none", "cosmap"] = Field(
         "none", description="Per-sample loss weight (diffusers' compute_loss_weighting_for_sd3)."
     )

@@ -334,3 +334,28 @@ def test_each_video_model_says_its_own_text_length_default_everywhere():
         for name in unit.builtins:
             folder = tiny.ensure_builtin_model(name, CACHE_DIR)
             assert video_model_of(folder).recipe_of(folder).default_max_sequence_length == noted, (unit.name, name)
+
+
+def test_vae_latents_mean_trains_on_the_posterior_mean_and_the_default_samples_it(built):
+    """model.vae_latents: mean trains on the posterior's mean (musubi-tuner's and DiffSynth-Studio's Wan latents):
+    the same loss as the default's with a zero std; Wan's default draws from the posterior, so with the real std
+    it differs. Nothing else moves: the noise and timestep draws are the same either way."""
+    from dataclasses import replace
+
+    from dstune.families import flow_core
+
+    encoded = wan.encode_batch(built, _batch())
+    assert flow_core.posterior_mean(built) is False  # Wan's default: a draw (dstune's reference: diffusers' draws)
+    with torch.no_grad():
+        default = wan.loss(built, built.trainable, encoded, SEED, STEP)
+        without_std = wan.loss(
+            built, built.trainable, {**encoded, "latent_std": torch.zeros_like(encoded["latent_std"])}, SEED, STEP
+        )
+        on_mean = replace(built, settings=built.settings.model_copy(update={"vae_latents": "mean"}))
+        assert flow_core.posterior_mean(on_mean) is True
+        mean_loss = wan.loss(on_mean, built.trainable, encoded, SEED, STEP)
+    assert torch.equal(mean_loss, without_std)
+    assert not torch.equal(mean_loss, default)
+    explicit = replace(built, settings=built.settings.model_copy(update={"vae_latents": "sample"}))
+    with torch.no_grad():
+        assert torch.equal(wan.loss(explicit, built.trainable, encoded, SEED, STEP), default)
