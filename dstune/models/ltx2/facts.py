@@ -156,14 +156,16 @@ def spec_issues(spec, folder) -> list[tuple[str, str]]:
 
 
 def attention(folder) -> Attention:
-    """Refused: its transformer has a context-parallel plan in diffusers, but dstune's split of the joint video and
-    audio streams is not written."""
+    """Refused, with the reason: diffusers' own plan fails on LTX-2's masked caption (tried on 2 ranks:
+    "output with shape [2, 1, 32, 32] doesn't match the broadcast shape [2, 2, 32, 32]" in the cross-attention)."""
     return Attention(
         0,
         0,
         f"the transformer config of {folder.origin}",
-        "LTX-2's sequence split is not enabled in dstune yet (its transformer has a context-parallel "
-        "plan in diffusers, but dstune's split of the joint video and audio streams is not written)",
+        "LTX-2's sequence split is not enabled in dstune yet: its transformer's context-parallel plan in "
+        "diffusers 0.42 splits the caption and its mask, but its attention processor expands the mask to every "
+        "head before the Ulysses all-to-all divides the heads, so the masked cross-attention fails on N > 1 "
+        "(dstune's own plan for its video and audio streams is not written; docs/family-ltx2.md)",
     )
 
 
