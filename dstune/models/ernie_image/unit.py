@@ -21,7 +21,7 @@ UNIT = ModelUnit(
     presets=(
         ModelPreset(
             "ernie-image",
-            "ERNIE-Image (8 B single-stream transformer; Mistral3 text encoder; FLUX.2 VAE)",
+            "ERNIE-Image (8 B single-stream transformer; Mistral3 text encoder; 32-channel AutoencoderKLFlux2)",
             "flow",
             "baidu/ERNIE-Image",
             "tiny-ernie-image",
