@@ -16,46 +16,9 @@ UNet, LM tokens, SpeechT5 decoder steps), `context` the second sequence (text to
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
-import torch.nn.functional as F
-
-
-@dataclass(frozen=True)
-class Case:
-    key: str  # the table's key (dstune/model_configs/activation_constants.json)
-    title: str
-    build: Callable  # (heads, ffn multiplier) -> module, with the measurement's width, ffn width and vocab
-    run: Callable  # (module, tokens, context, dtype) -> a callable computing the loss
-    sizes: tuple  # (tokens, context) measured to fit the constants
-    check_size: tuple  # a third (tokens, context) for the unit test
-    block_lists: Callable = lambda model: {}  # module -> {kind: list of blocks}
-    quadratic: bool = False  # attention that keeps its scores (not SDPA): fit T^2, C^2, T*C
-    joint_mask: bool = False  # each block's SDPA keeps a (T + C)^2 attention mask, width-free: fit (T + C)^2 bytes
-    ffn: bool = False  # the MLP width is a config key of its own: measure twice as wide too
-    checkpointing: bool = True  # whether dstune can run it with gradient checkpointing
-    pad: Callable = lambda tokens: (
-        tokens
-    )  # the length the model pads a sequence to (the constants are per padded token)
-    heads: int = 2
-    check_heads: int = 3  # the unit test's width (a UNet: channels x check_heads / 10)
-    check_precision: str = "bf16"  # the unit test's (a UNet: fp32; the CPU's bf16 convolutions are ~20x slower)
-    notes: str = ""
-    extra: dict = field(default_factory=dict)
-
-
-def _mse(prediction: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(prediction.float(), torch.zeros_like(prediction, dtype=torch.float32))
-
-
-def _generator():
-    return torch.Generator().manual_seed(0)
-
-
-def _randn(*shape, dtype):
-    return torch.randn(*shape, generator=_generator()).to(dtype)
+from activation_cases import Case, attr, mse, randn
+from activation_speech import SPEECH_CASES
 
 
 def _square(tokens: int) -> int:
@@ -95,18 +58,18 @@ def unet_structure(config: dict) -> dict:
 
 def _unet_run(model, tokens, context, dtype):
     side = _square(tokens)
-    latents = _randn(1, 4, side, side, dtype=dtype)
-    text = _randn(1, context, model.config.cross_attention_dim, dtype=dtype)
+    latents = randn(1, 4, side, side, dtype=dtype)
+    text = randn(1, context, model.config.cross_attention_dim, dtype=dtype)
     extra = {}
     if model.config.addition_embed_type == "text_time":
         pooled = model.config.projection_class_embeddings_input_dim - 6 * model.config.addition_time_embed_dim
         extra = {
             "added_cond_kwargs": {
-                "text_embeds": _randn(1, pooled, dtype=dtype),
+                "text_embeds": randn(1, pooled, dtype=dtype),
                 "time_ids": torch.tensor([[side * 8, side * 8, 0, 0, side * 8, side * 8]], dtype=dtype),
             }
         }
-    return lambda: _mse(model(latents, torch.tensor([500]), text, **extra).sample)
+    return lambda: mse(model(latents, torch.tensor([500]), text, **extra).sample)
 
 
 SD15_UNET = dict(
@@ -168,10 +131,10 @@ def _sd3(heads, ffn_mult):
 
 def _sd3_run(model, tokens, context, dtype):
     side = 2 * _square(tokens)
-    latents = _randn(1, 16, side, side, dtype=dtype)
-    text = _randn(1, context, model.config.joint_attention_dim, dtype=dtype)
-    pooled = _randn(1, model.config.pooled_projection_dim, dtype=dtype)
-    return lambda: _mse(
+    latents = randn(1, 16, side, side, dtype=dtype)
+    text = randn(1, context, model.config.joint_attention_dim, dtype=dtype)
+    pooled = randn(1, model.config.pooled_projection_dim, dtype=dtype)
+    return lambda: mse(
         model(
             hidden_states=latents,
             encoder_hidden_states=text,
@@ -206,12 +169,12 @@ def _flux(heads, ffn_mult):
 
 def _flux_run(model, tokens, context, dtype):
     side = _square(tokens)
-    packed = _randn(1, tokens, 64, dtype=dtype)
-    text = _randn(1, context, model.config.joint_attention_dim, dtype=dtype)
-    pooled = _randn(1, model.config.pooled_projection_dim, dtype=dtype)
+    packed = randn(1, tokens, 64, dtype=dtype)
+    text = randn(1, context, model.config.joint_attention_dim, dtype=dtype)
+    pooled = randn(1, model.config.pooled_projection_dim, dtype=dtype)
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
     img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).to(dtype)
-    return lambda: _mse(
+    return lambda: mse(
         model(
             hidden_states=packed,
             encoder_hidden_states=text,
@@ -248,10 +211,10 @@ def _qwen(heads, ffn_mult):
 
 def _qwen_run(model, tokens, context, dtype):
     side = _square(tokens)
-    packed = _randn(1, tokens, 64, dtype=dtype)
-    text = _randn(1, context, model.config.joint_attention_dim, dtype=dtype)
+    packed = randn(1, tokens, 64, dtype=dtype)
+    text = randn(1, context, model.config.joint_attention_dim, dtype=dtype)
     mask = torch.ones(1, context, dtype=torch.long)
-    return lambda: _mse(
+    return lambda: mse(
         model(
             hidden_states=packed,
             encoder_hidden_states=text,
@@ -290,9 +253,9 @@ def _zimage(heads, ffn_mult):
 
 def _zimage_run(model, tokens, context, dtype):
     side = 2 * _square(tokens)
-    latents = [_randn(16, 1, side, side, dtype=dtype)]
-    text = [_randn(context, model.config.cap_feat_dim, dtype=dtype)]
-    return lambda: _mse(torch.stack(model(latents, torch.tensor([0.5], dtype=dtype), text, return_dict=False)[0]))
+    latents = [randn(16, 1, side, side, dtype=dtype)]
+    text = [randn(context, model.config.cap_feat_dim, dtype=dtype)]
+    return lambda: mse(torch.stack(model(latents, torch.tensor([0.5], dtype=dtype), text, return_dict=False)[0]))
 
 
 def _flux2(heads, ffn_mult):
@@ -322,11 +285,11 @@ def _flux2_run(model, tokens, context, dtype):
     from diffusers import Flux2Pipeline
 
     side = _square(tokens)
-    latents = _randn(1, 128, side, side, dtype=dtype)
-    text = _randn(1, context, model.config.joint_attention_dim, dtype=dtype)
+    latents = randn(1, 128, side, side, dtype=dtype)
+    text = randn(1, context, model.config.joint_attention_dim, dtype=dtype)
     img_ids, txt_ids = Flux2Pipeline._prepare_latent_ids(latents), Flux2Pipeline._prepare_text_ids(text)
     packed = Flux2Pipeline._pack_latents(latents)
-    return lambda: _mse(
+    return lambda: mse(
         model(
             hidden_states=packed,
             encoder_hidden_states=text,
@@ -366,15 +329,15 @@ def _ideogram4_run(model, tokens, context, dtype):
 
     side = _square(tokens)
     position_ids, segment_ids, indicator = Ideogram4Pipeline._prepare_ids([context], side, side, context, "cpu")
-    hidden = torch.cat([torch.zeros(1, context, 128, dtype=dtype), _randn(1, side * side, 128, dtype=dtype)], dim=1)
+    hidden = torch.cat([torch.zeros(1, context, 128, dtype=dtype), randn(1, side * side, 128, dtype=dtype)], dim=1)
     text = torch.cat(
         [
-            _randn(1, context, model.config.llm_features_dim, dtype=dtype),
+            randn(1, context, model.config.llm_features_dim, dtype=dtype),
             torch.zeros(1, side * side, model.config.llm_features_dim, dtype=dtype),
         ],
         dim=1,
     )
-    return lambda: _mse(
+    return lambda: mse(
         model(
             hidden_states=hidden,
             timestep=torch.tensor([0.5], dtype=dtype),
@@ -419,11 +382,11 @@ def _krea2_run(model, tokens, context, dtype):
     from diffusers import Krea2Pipeline
 
     side = _square(tokens)
-    packed = _randn(1, tokens, 64, dtype=dtype)
-    text = _randn(1, context, 12, model.config.text_hidden_dim, dtype=dtype)
+    packed = randn(1, tokens, 64, dtype=dtype)
+    text = randn(1, context, 12, model.config.text_hidden_dim, dtype=dtype)
     mask = torch.ones(1, context, dtype=torch.bool)
     ids = Krea2Pipeline.prepare_position_ids(context, side, side, "cpu")
-    return lambda: _mse(
+    return lambda: mse(
         model(
             hidden_states=packed,
             encoder_hidden_states=text,
@@ -462,9 +425,9 @@ def _ernie_image(heads, ffn_mult):
 def _ernie_image_run(model, tokens, context, dtype):
     """One sample: `tokens` image tokens (a square grid of 128-channel patchified latents), `context` text tokens."""
     side = _square(tokens)
-    latents = _randn(1, 128, side, side, dtype=dtype)
-    text = _randn(1, context, model.config.text_in_dim, dtype=dtype)
-    return lambda: _mse(
+    latents = randn(1, 128, side, side, dtype=dtype)
+    text = randn(1, context, model.config.text_in_dim, dtype=dtype)
+    return lambda: mse(
         model(
             hidden_states=latents,
             timestep=torch.tensor([500.0], dtype=dtype),
@@ -501,9 +464,9 @@ def _qwen_image_21_run(model, tokens, context, dtype):
     per 2x2 of them), as the recipe feeds it (the real model's text width equals its width)."""
     side = _square(tokens)
     img_mask = torch.cat([torch.zeros(1, context, dtype=torch.bool), torch.ones(1, tokens // 4, dtype=torch.bool)], 1)
-    hidden = _randn(1, tokens, 64, dtype=dtype)
-    text = _randn(1, context, model.config.context_in_dim, dtype=dtype)
-    return lambda: _mse(
+    hidden = randn(1, tokens, 64, dtype=dtype)
+    text = randn(1, context, model.config.context_in_dim, dtype=dtype)
+    return lambda: mse(
         model(
             hidden_states=hidden,
             encoder_hidden_states=text,
@@ -549,16 +512,16 @@ def _wan_run(model, tokens, context, dtype):
     TI2V (48 channels): a timestep per token, as dstune passes it."""
     side = 2 * _square(tokens // 2)
     config = model.config
-    latents = _randn(1, config.in_channels, 2, side, side, dtype=dtype)
+    latents = randn(1, config.in_channels, 2, side, side, dtype=dtype)
     image_tokens = context // 3 if config.image_dim else 0
-    text = _randn(1, context - image_tokens, config.text_dim, dtype=dtype)
+    text = randn(1, context - image_tokens, config.text_dim, dtype=dtype)
     extra = (
-        {"encoder_hidden_states_image": _randn(1, image_tokens, config.image_dim, dtype=dtype)} if image_tokens else {}
+        {"encoder_hidden_states_image": randn(1, image_tokens, config.image_dim, dtype=dtype)} if image_tokens else {}
     )
     timestep = (
         torch.full((1, tokens), 500.0, dtype=dtype) if config.in_channels == 48 else torch.tensor([500.0], dtype=dtype)
     )
-    return lambda: _mse(
+    return lambda: mse(
         model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, return_dict=False, **extra)[0]
     )
 
@@ -606,11 +569,11 @@ def _hunyuan15_run(model, tokens, context, dtype):
     side = _square(tokens // 2)
     config = model.config
     caption, glyph, image = _hunyuan15_split(context)
-    latents = _randn(1, config.in_channels, 2, side, side, dtype=dtype)
-    text = _randn(1, caption, config.text_embed_dim, dtype=dtype)
-    glyphs = _randn(1, glyph, config.text_embed_2_dim, dtype=dtype)
+    latents = randn(1, config.in_channels, 2, side, side, dtype=dtype)
+    text = randn(1, caption, config.text_embed_dim, dtype=dtype)
+    glyphs = randn(1, glyph, config.text_embed_2_dim, dtype=dtype)
     images = torch.zeros(1, image, config.image_embed_dim, dtype=dtype)
-    return lambda: _mse(
+    return lambda: mse(
         model(
             hidden_states=latents,
             timestep=torch.tensor([500.0], dtype=dtype),
@@ -657,12 +620,12 @@ def _ltx2_run(model, tokens, context, dtype):
     stream on one zero token isolated from the video, `context` caption tokens for both streams."""
     side = _square(tokens // 2)
     config = model.config
-    video = _randn(1, tokens, config.in_channels, dtype=dtype)
+    video = randn(1, tokens, config.in_channels, dtype=dtype)
     audio = torch.zeros(1, 1, config.audio_in_channels, dtype=dtype)
-    text = _randn(1, context, config.caption_channels, dtype=dtype)
+    text = randn(1, context, config.caption_channels, dtype=dtype)
     mask = torch.ones(1, context, dtype=torch.long)
     sigma = torch.tensor([0.5], dtype=dtype)
-    return lambda: _mse(
+    return lambda: mse(
         model(
             hidden_states=video,
             audio_hidden_states=audio,
@@ -681,86 +644,6 @@ def _ltx2_run(model, tokens, context, dtype):
             return_dict=False,
         )[0]
     )
-
-
-# --------------------------------------------------------------------------------------------------- speech
-
-LM_VOCAB = 1000  # narrow: the logits are counted apart, per vocabulary entry
-
-
-def _llama(heads, ffn_mult):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    width = heads * 64
-    ffn = 4 * width * ffn_mult
-    config = LlamaConfig(
-        hidden_size=width,
-        intermediate_size=ffn,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4),
-        head_dim=64,
-        num_hidden_layers=2,
-        vocab_size=LM_VOCAB,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config), width, ffn, LM_VOCAB
-
-
-def _llama_run(model, tokens, context, dtype):
-    ids = torch.randint(0, LM_VOCAB, (1, tokens), generator=_generator())
-    return lambda: model(input_ids=ids, labels=ids).loss.float()
-
-
-def _speecht5(heads, ffn_mult):
-    from transformers import SpeechT5Config, SpeechT5ForTextToSpeech
-
-    width = heads * 64
-    config = SpeechT5Config(
-        hidden_size=width,
-        encoder_attention_heads=heads,
-        decoder_attention_heads=heads,
-        encoder_ffn_dim=4 * width,
-        decoder_ffn_dim=4 * width,
-        encoder_layers=2,
-        decoder_layers=2,
-        speech_decoder_prenet_units=width // 3,
-        speech_decoder_postnet_units=width // 3,
-        speaker_embedding_dim=512,
-        num_mel_bins=80,
-        reduction_factor=2,
-        vocab_size=81,
-        use_guided_attention_loss=True,
-        encoder_layerdrop=0.0,
-        decoder_layerdrop=0.0,
-    )
-    return SpeechT5ForTextToSpeech(config), width, 0, 0
-
-
-def _speecht5_run(model, tokens, context, dtype):
-    """`tokens` decoder steps (2 mel frames each), `context` transcript tokens, as dstune's speecht5 loss runs."""
-    ids = torch.randint(4, 81, (1, context), generator=_generator())
-    labels = _randn(1, 2 * tokens, 80, dtype=dtype)
-    speaker = _randn(1, 512, dtype=dtype)
-    return lambda: model(
-        input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, speaker_embeddings=speaker
-    ).loss.float()
-
-
-def _attr(*names, **kinds):
-    """kind -> the model's attribute path of its blocks (a bare name is its own kind)."""
-    paths = {**{name.rsplit(".", 1)[-1]: name for name in names}, **kinds}
-
-    def lists(model):
-        found = {}
-        for kind, path in paths.items():
-            value = model
-            for part in path.split("."):
-                value = getattr(value, part)
-            found[kind] = list(value)
-        return found
-
-    return lists
 
 
 TRANSFORMER_SIZES = ((16, 8), (36, 8), (16, 24))  # (image tokens, text tokens)
@@ -794,7 +677,7 @@ CASES = [
         _sd3_run,
         sizes=TRANSFORMER_SIZES,
         check_size=(25, 12),
-        block_lists=_attr("transformer_blocks"),
+        block_lists=attr("transformer_blocks"),
     ),
     Case(
         "flux1",
@@ -803,7 +686,7 @@ CASES = [
         _flux_run,
         sizes=TRANSFORMER_SIZES,
         check_size=(25, 12),
-        block_lists=_attr("transformer_blocks", "single_transformer_blocks"),
+        block_lists=attr("transformer_blocks", "single_transformer_blocks"),
     ),
     Case(
         "qwen-image",
@@ -812,7 +695,7 @@ CASES = [
         _qwen_run,
         sizes=TRANSFORMER_SIZES,
         check_size=(25, 12),
-        block_lists=_attr("transformer_blocks"),
+        block_lists=attr("transformer_blocks"),
     ),
     Case(
         "z-image",
@@ -822,7 +705,7 @@ CASES = [
         sizes=((16, 32), (64, 32), (16, 64)),
         check_size=(36, 40),
         pad=lambda n: math.ceil(n / 32) * 32,
-        block_lists=_attr("layers", "noise_refiner", "context_refiner"),
+        block_lists=attr("layers", "noise_refiner", "context_refiner"),
     ),
     Case(
         "flux2",
@@ -831,7 +714,7 @@ CASES = [
         _flux2_run,
         sizes=TRANSFORMER_SIZES,
         check_size=(25, 12),
-        block_lists=_attr("transformer_blocks", "single_transformer_blocks"),
+        block_lists=attr("transformer_blocks", "single_transformer_blocks"),
     ),
     Case(
         "ideogram4",
@@ -840,7 +723,7 @@ CASES = [
         _ideogram4_run,
         sizes=TRANSFORMER_SIZES,
         check_size=(25, 12),
-        block_lists=_attr("layers"),
+        block_lists=attr("layers"),
         ffn=True,
     ),
     Case(
@@ -852,7 +735,7 @@ CASES = [
         check_size=(25, 12),
         heads=4,
         check_heads=2,
-        block_lists=_attr("transformer_blocks"),
+        block_lists=attr("transformer_blocks"),
     ),
     Case(
         "ernie-image",
@@ -861,7 +744,7 @@ CASES = [
         _ernie_image_run,
         sizes=TRANSFORMER_SIZES,
         check_size=(25, 12),
-        block_lists=_attr("layers"),
+        block_lists=attr("layers"),
         ffn=True,
     ),
     Case(
@@ -871,7 +754,7 @@ CASES = [
         _qwen_image_21_run,
         sizes=TRANSFORMER_SIZES,
         check_size=(16, 12),
-        block_lists=_attr("transformer_blocks"),
+        block_lists=attr("transformer_blocks"),
         ffn=True,
     ),
     Case(
@@ -881,7 +764,7 @@ CASES = [
         _wan_run,
         sizes=((32, 8), (72, 8), (32, 24)),
         check_size=(50, 12),
-        block_lists=_attr("blocks"),
+        block_lists=attr("blocks"),
         ffn=True,
     ),
     Case(
@@ -891,7 +774,7 @@ CASES = [
         _wan_run,
         sizes=((32, 9), (72, 9), (32, 24)),
         check_size=(50, 12),
-        block_lists=_attr("blocks"),
+        block_lists=attr("blocks"),
         ffn=True,
     ),
     Case(
@@ -901,7 +784,7 @@ CASES = [
         _wan_run,
         sizes=((32, 8), (72, 8), (32, 24)),
         check_size=(50, 12),
-        block_lists=_attr("blocks"),
+        block_lists=attr("blocks"),
         ffn=True,
     ),
     Case(
@@ -911,7 +794,7 @@ CASES = [
         _hunyuan15_run,
         sizes=((32, 8), (72, 8), (32, 24), (72, 24)),
         check_size=(50, 12),
-        block_lists=_attr("transformer_blocks"),  # the token refiner's 2 blocks (not checkpointed): outside
+        block_lists=attr("transformer_blocks"),  # the token refiner's 2 blocks (not checkpointed): outside
         joint_mask=True,
     ),
     Case(
@@ -921,32 +804,8 @@ CASES = [
         _ltx2_run,
         sizes=((32, 8), (72, 8), (32, 24)),
         check_size=(50, 12),
-        block_lists=_attr("transformer_blocks"),
+        block_lists=attr("transformer_blocks"),
     ),
-    Case(
-        "llama",
-        "tts_lm: Llama-class causal LM (GQA 4:1, head dim 64)",
-        _llama,
-        _llama_run,
-        sizes=((32, 0), (96, 0)),
-        check_size=(64, 0),
-        block_lists=_attr("model.layers"),
-        ffn=True,
-        heads=4,
-        check_heads=6,
-    ),
-    Case(
-        "speecht5",
-        "SpeechT5 text-to-speech (eager attention: scores kept)",
-        _speecht5,
-        _speecht5_run,
-        sizes=((8, 6), (16, 6), (8, 12), (16, 12), (24, 6), (8, 18)),
-        check_size=(12, 9),
-        block_lists=_attr(
-            encoder="speecht5.encoder.wrapped_encoder.layers", decoder="speecht5.decoder.wrapped_decoder.layers"
-        ),
-        quadratic=True,
-        checkpointing=False,
-    ),
+    *SPEECH_CASES,
 ]
 CASES_BY_KEY = {case.key: case for case in CASES}

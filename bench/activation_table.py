@@ -109,6 +109,12 @@ def _features(case, records, with_ffn: bool, with_mask: bool = False) -> list[st
     return names
 
 
+def _logit_features(case, plain: list) -> list[str]:
+    """The logits' features: per token (and per context token where the context varies: a backbone's head over
+    the transcript too), and a constant, or with `head_copy` the copied head's width x vocabulary."""
+    return [n for n in ("T", "C") if n in plain] + ["head" if case.head_copy else "1"]
+
+
 def _value(name: str, record: dict) -> float:
     t, c, f = record["tokens"], record["context"], record["ffn"]
     return {
@@ -122,6 +128,7 @@ def _value(name: str, record: dict) -> float:
         "fC": f * c,
         "f": f,
         "LL": (t + c) ** 2,
+        "head": record["width"],
     }[name]
 
 
@@ -147,7 +154,7 @@ def constants_for(case, dtype: torch.dtype) -> tuple[dict, list]:
     if records[0]["vocab"]:
         table["logits"] = {
             n: v * records[0]["width"] / records[0]["vocab"]
-            for n, v in fit(records, ["T", "1"], lambda r: r["logits"]).items()
+            for n, v in fit(records, _logit_features(case, plain), lambda r: r["logits"]).items()
         }
     if case.checkpointing:
         table["ckpt_outside"] = fit(records, plain, lambda r: r["ckpt_outside"])

@@ -30,6 +30,7 @@ from dstune.spec.models import MODEL_SECTIONS, is_single_file
 from dstune.spec.section import BUILTIN_PREFIX
 
 MODEL_INDEX, CONFIG = "model_index.json", "config.json"
+MODULAR_INDEX = "modular_model_index.json"  # what diffusers' ModularPipeline.save_pretrained writes instead
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,25 @@ def folder_classes(folder: Path) -> tuple[str, list[str]]:
         if not classes:
             raise ValueError(f"{path} names no {key}")
         return name, classes
+    if (folder / MODULAR_INDEX).is_file():
+        raise ValueError(modular_pipeline_problem(folder))
     raise ValueError(
         f"{folder} holds neither {MODEL_INDEX} (a diffusers pipeline) nor {CONFIG} (a transformers "
         "model), so it is not a model folder"
+    )
+
+
+def modular_pipeline_problem(folder: Path) -> str:
+    """Why a folder of a diffusers modular pipeline (modular_model_index.json, no model_index.json) is not trained:
+    the cores load, sample and export DiffusionPipeline folders, and no model unit trains a modular pipeline yet."""
+    try:
+        name = json.loads((folder / MODULAR_INDEX).read_text()).get("_class_name") or "modular pipeline"
+    except (OSError, ValueError, AttributeError):
+        name = "modular pipeline"
+    return (
+        f"{folder} is a diffusers modular pipeline ({name} in {MODULAR_INDEX}, no {MODEL_INDEX}): dstune trains "
+        f"pipeline folders with a {MODEL_INDEX}, and no model it trains is a modular pipeline yet (what is "
+        "missing: docs/family-flow.md, 'Modular pipelines')"
     )
 
 

@@ -74,7 +74,7 @@ def measured_sample_bytes(
     def bucket(coefficients: dict) -> float:
         return _evaluate(coefficients, tokens, context, shape.width, shape.ffn)
 
-    logits = shape.vocab * _evaluate(table["logits"], tokens, context, 1, 0) if "logits" in table else 0.0
+    logits = _logit_bytes(table.get("logits", {}), shape, tokens, context)
     full = (
         bucket(table["outside"])
         + logits
@@ -89,6 +89,14 @@ def measured_sample_bytes(
         + sum(count * bucket(table["ckpt_inputs"][kind]) for kind, count in shape.layers.items())
     )
     return full, checkpointed
+
+
+def _logit_bytes(coefficients: dict, shape: ModelShape, tokens: float, context: float) -> float:
+    """The logits (and their fp32 copies) per vocabulary entry; "head": a copy of the LM head's weights kept for
+    backward (a model that gathers per-codebook heads each forward), width x vocabulary."""
+    per_token = {name: value for name, value in coefficients.items() if name != "head"}
+    head = coefficients.get("head", 0.0) * shape.width
+    return shape.vocab * (_evaluate(per_token, tokens, context, 1, 0) + head)
 
 
 def unet_structure(config: dict) -> dict:

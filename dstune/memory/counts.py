@@ -122,6 +122,16 @@ def count_small_tensors(config_path: str, lora_targets: tuple = (), lora_rank: i
         module, dims = [tuple(pair) for pair in stored["small_tensors"]], stored["lora_dims"]
     else:
         module, dims = meta_small_tensors(config_path, lora_targets)
+    return _with_adapters(module, dims, lora_rank)
+
+
+def module_small_tensors(module, lora_targets: tuple = (), lora_rank: int = 0) -> tuple:
+    """count_small_tensors of a module already built on the meta device (a family that removes a part it does not
+    train first, as a codec inside the class)."""
+    return _with_adapters(*_small_sizes_and_dims(module, lora_targets), lora_rank)
+
+
+def _with_adapters(module: list, dims: list, lora_rank: int) -> tuple:
     sizes: dict = dict(module)
     for dim, count in dims if lora_rank else ():
         if lora_rank * dim <= SMALL_TENSOR_NUMEL:
@@ -132,7 +142,10 @@ def count_small_tensors(config_path: str, lora_targets: tuple = (), lora_rank: i
 def meta_small_tensors(config_path: str, lora_targets: tuple = ()) -> tuple[list, list]:
     """([(numel, count)] of the module's tensors up to SMALL_TENSOR_NUMEL, [(dim, count)] of the LoRA adapters'
     dimensions at rank 1 on those targets: each adapted layer's input (x kernel) and output width)."""
-    module = _meta_module(config_path)
+    return _small_sizes_and_dims(_meta_module(config_path), lora_targets)
+
+
+def _small_sizes_and_dims(module, lora_targets: tuple) -> tuple[list, list]:
     sizes: dict = {}
     for tensor in dict((id(p), p) for p in module.parameters()).values():
         if tensor.numel() <= SMALL_TENSOR_NUMEL:

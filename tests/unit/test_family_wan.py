@@ -310,3 +310,27 @@ def test_low_noise_expert_exports_and_its_lora_loads_into_transformer_2(low_nois
         hook.remove()
     assert len(clips[0]) == 5 and calls["trained"] > 0 and calls["other"] > 0, calls
     assert model.other_expert is None
+
+
+def test_each_video_model_says_its_own_text_length_default_everywhere():
+    """The spec reference says each video model's max_sequence_length default (its unit's spec_notes), validate's
+    memory plan counts it (its facts' DEFAULT_TEXT_TOKENS) and training pads to it (its recipe): the three agree for
+    every video unit's built-ins, so that editing one cannot leave the others saying another number."""
+    import importlib
+    import re
+
+    from dstune.families.video import video_model_of
+    from dstune.models import registry
+    from dstune.models.unit import VIDEO_FAMILY
+    from dstune.spec.video_models import WanModel
+
+    description = WanModel.model_fields["max_sequence_length"].description
+    for unit in registry.on_core(VIDEO_FAMILY):
+        note = unit.spec_notes["model.max_sequence_length"]
+        assert note in description, unit.name
+        noted = int(re.match(r"\d+", note).group())
+        facts = importlib.import_module(unit.video_facts[0].partition(":")[0])
+        assert facts.DEFAULT_TEXT_TOKENS == noted, unit.name
+        for name in unit.builtins:
+            folder = tiny.ensure_builtin_model(name, CACHE_DIR)
+            assert video_model_of(folder).recipe_of(folder).default_max_sequence_length == noted, (unit.name, name)

@@ -3,7 +3,10 @@ class; dstune.families.facts describes the contract): which class a folder holds
 (the class without its codec), the frozen codec, one clip's activations and the codec-token cache.
 
 CSM: the backbone sees one position per audio frame (plus the text), the depth decoder Q positions per frame, each
-started from the backbone's hidden state; both are Llama-shaped with gated MLPs and logits over the codebook ids.
+started from the backbone's hidden state. Their activations are the constants measured on CsmForConditionalGeneration
+itself (bench/activation_speech.py's "csm", at CSM-1B's 32 codebooks and its depth decoder half the backbone's
+width), evaluated at the folder's backbone width, layer counts and codebook vocabulary; they include the copy of the
+depth decoder's per-codebook heads that each forward gathers and keeps for backward.
 The family's other classes (dstune.families.codebook_models: declared by their units) count their own codec and
 activations; the class itself is counted here, on the meta device, for all of them.
 """
@@ -11,15 +14,22 @@ activations; the class itself is counted here, on the meta device, for all of th
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from functools import lru_cache
 
 from dstune.families.denoiser_facts import lora_settings
 from dstune.families.facts import ModelFacts, SpecIssues
 from dstune.hf import quiet_hf_libraries
-from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, codec_frame_rate, lm_sample_bytes
+from dstune.memory.activations import (
+    TEXT_TOKENS_PER_SECOND,
+    ModelShape,
+    codec_frame_rate,
+    in_plan_units,
+    measured_sample_bytes,
+)
 from dstune.families.codebook_models import codebooks_models
-from dstune.memory.counts import SizesUnknown, config_folder, read_config
+from dstune.memory.counts import SizesUnknown, config_folder, module_small_tensors, read_config
 from dstune.memory.plan import ModelCounts
 from dstune.spec.model_sections import LM_LORA_TARGET_MODULES
 
@@ -39,9 +49,10 @@ def architecture(config: dict) -> str:
 
 
 @lru_cache(maxsize=16)
-def _meta_counts(config_text: str, targets: tuple, rank: int) -> tuple[int, int, int, int]:
-    """(trained parameters, largest trained layer, LoRA parameters, codec parameters) of the class on the meta
-    device; the codec is not trained and gets no adapters."""
+def _meta_counts(config_text: str, targets: tuple, rank: int) -> tuple[int, int, int, int, tuple]:
+    """(trained parameters, largest trained layer, LoRA parameters, codec parameters, small tensors) of the class on
+    the meta device; the codec is not trained and gets no adapters. The small tensors (with the adapters') are what
+    ZeRO-3 keeps whole on every rank (dstune.memory.counts.count_small_tensors)."""
     import torch
     import transformers
 
@@ -60,26 +71,25 @@ def _meta_counts(config_text: str, targets: tuple, rank: int) -> tuple[int, int,
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets)
     )
-    return params, largest, lora, codec_params
+    return params, largest, lora, codec_params, module_small_tensors(model, targets, rank)
 
 
 def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     folder, origin = config_folder(spec.model.pretrained)
     config = read_config(folder / "config.json")
     targets, rank = lora_settings(spec)
-    params, largest, lora, codec_params = _meta_counts(_config_text(config), targets, rank)
+    params, largest, lora, codec_params, small = _meta_counts(_config_text(config), targets, rank)
     default_lora = _meta_counts(_config_text(config), LM_LORA_TARGET_MODULES, 16)[2]
     if architecture(config) not in CODEC_CONFIG:
-        return codebooks_models()[architecture(config)].count(
+        counts = codebooks_models()[architecture(config)].count(
             spec, num_samples, folder, origin, config, (params, largest, lora, default_lora)
         )
+        return counts if counts.small_tensors else replace(counts, small_tensors=small)
     codec_config = config.get(CODEC_CONFIG[architecture(config)][0]) or {}
     frame_rate, codebooks = _frame_rate(codec_config), int(config.get("num_codebooks", 32))
     seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
-    frames = seconds * frame_rate
-    backbone = lm_sample_bytes(config, frames + seconds * TEXT_TOKENS_PER_SECOND)
-    depth = lm_sample_bytes(config.get("depth_decoder_config") or config, codebooks)
-    full, checkpointed = backbone[0] + frames * depth[0], backbone[1] + frames * depth[1]
+    frames = seconds * frame_rate + 1  # the EOS frame
+    full, checkpointed = _activations(config, frames, seconds * TEXT_TOKENS_PER_SECOND, spec.train.precision)
     cached = ("codec",) if spec.data.cache.codec_tokens else ()
     cache_bytes = int(4 * frame_rate * codebooks * seconds * num_samples) if spec.data.cache.codec_tokens else 0
     return ModelCounts(
@@ -94,7 +104,15 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
         default_lora,
         cache_bytes,
         origin,
+        small_tensors=small,
     )
+
+
+def _activations(config: dict, frames: float, text_tokens: float, precision: str) -> tuple[int, int]:
+    depth = config.get("depth_decoder_config") or {}
+    layers = {"backbone": config["num_hidden_layers"], "depth": depth.get("num_hidden_layers", 4)}
+    shape = ModelShape(config["hidden_size"], layers, vocab=config["vocab_size"])
+    return in_plan_units(measured_sample_bytes("csm", shape, frames, text_tokens, precision), precision)
 
 
 def _frame_rate(codec_config: dict) -> float:

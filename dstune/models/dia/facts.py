@@ -1,12 +1,20 @@
 """Dia's torch-free facts, as its recipe on the tts_codebooks family (dstune.families.codebook_models): the class
 counted without its DAC (which the processor names, outside the class), the DAC counted from its own config, and one
 clip's activations: the encoder over the transcript's bytes, the decoder one position per DAC frame (plus BOS, EOS
-and the delay pattern's longest delay) with logits over every codebook's ids at once."""
+and the delay pattern's longest delay) with logits over every codebook's ids at once, from the constants measured on
+DiaForConditionalGeneration itself (bench/activation_speech.py's "dia", at Dia-1.6B's 9 channels and its encoder half
+the decoder's width) at the folder's decoder width, layer counts and code vocabulary."""
 
 from __future__ import annotations
 
 from dstune.families.codebook_models import CodebooksModel
-from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, codec_frame_rate, lm_sample_bytes
+from dstune.memory.activations import (
+    TEXT_TOKENS_PER_SECOND,
+    ModelShape,
+    codec_frame_rate,
+    in_plan_units,
+    measured_sample_bytes,
+)
 from dstune.memory.counts import SizesUnknown, config_folder, count_component, read_config
 from dstune.memory.plan import ModelCounts
 
@@ -43,8 +51,13 @@ def count(spec, num_samples: int, folder, origin: str, config: dict, counted: tu
     channels, frame_rate = int(decoder["num_channels"]), codec_frame_rate(codec_config)
     seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
     positions = seconds * frame_rate + 2 + max(config.get("delay_pattern") or [0])  # BOS, EOS, the delay
-    text = lm_sample_bytes(encoder, seconds * TEXT_TOKENS_PER_SECOND)
-    audio = lm_sample_bytes({**decoder, "vocab_size": decoder["vocab_size"] * channels}, positions)
+    shape = ModelShape(
+        decoder["hidden_size"],
+        {"encoder": encoder["num_hidden_layers"], "decoder": decoder["num_hidden_layers"]},
+        vocab=decoder["vocab_size"],
+    )
+    sample = measured_sample_bytes("dia", shape, positions, seconds * TEXT_TOKENS_PER_SECOND, spec.train.precision)
+    full, checkpointed = in_plan_units(sample, spec.train.precision)
     cached = ("codec",) if spec.data.cache.codec_tokens else ()
     cache_bytes = int(4 * frame_rate * channels * seconds * num_samples) if spec.data.cache.codec_tokens else 0
     return ModelCounts(
@@ -54,8 +67,8 @@ def count(spec, num_samples: int, folder, origin: str, config: dict, counted: tu
         largest,
         {"codec": codec_params},
         cached,
-        int(text[0] + audio[0]),
-        int(text[1] + audio[1]),
+        full,
+        checkpointed,
         default_lora,
         cache_bytes,
         origin,

@@ -55,6 +55,10 @@ __all__ = [
     "save_lora_weights",
     "check_sd_folder",
     "cache_text_tensors",
+    "component_problems",
+    "training_noise_scheduler",
+    "render",
+    "unet_pipeline_parts",
 ]
 
 # component -> (accepted class names, or None for any diffusers scheduler; the file that must exist in it)
@@ -110,18 +114,7 @@ def check_sd_folder(folder: Path) -> None:
             f"{folder} holds a {kind} ({_OTHER_PIPELINES[kind]}) model; model.family 'sd' is for "
             "Stable Diffusion 1.x/2.x (StableDiffusionPipeline) only."
         )
-    problems = []
-    for name, (classes, required_file) in _COMPONENTS.items():
-        entry = index.get(name)
-        listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
-        if listed is None:
-            problems.append(f"model_index.json has no `{name}` component")
-        elif classes is not None and listed not in classes:
-            problems.append(f"`{name}` is a {listed}; expected {' or '.join(sorted(classes))}")
-        if not (folder / name).is_dir():
-            problems.append(f"missing subfolder {name}/")
-        elif not (folder / name / required_file).is_file():
-            problems.append(f"missing {name}/{required_file}")
+    problems = component_problems(folder, index, _COMPONENTS)
     if not problems:
         problems = _config_mismatches(folder)
     if problems:
@@ -129,6 +122,25 @@ def check_sd_folder(folder: Path) -> None:
             f"{folder} cannot be used as an `sd` (Stable Diffusion 1.x/2.x) model:\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
+
+
+def component_problems(folder: Path, index: dict, components: dict, missing_hints: Optional[dict] = None) -> list[str]:
+    """What keeps the components of a UNet pipeline folder from loading: `components` maps each name to (accepted
+    class names, or None for any; the file that must exist in its subfolder); `missing_hints` adds a reason to a
+    component that model_index.json lacks (SDXL: a refiner has no text_encoder)."""
+    problems = []
+    for name, (classes, required_file) in components.items():
+        entry = index.get(name)
+        listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+        if listed is None:
+            problems.append(f"model_index.json has no `{name}` component{(missing_hints or {}).get(name, '')}")
+        elif classes is not None and listed not in classes:
+            problems.append(f"`{name}` is a {listed}; expected {' or '.join(sorted(classes))}")
+        if not (folder / name).is_dir():
+            problems.append(f"missing subfolder {name}/")
+        elif not (folder / name / required_file).is_file():
+            problems.append(f"missing {name}/{required_file}")
+    return problems
 
 
 def _config_mismatches(folder: Path) -> list[str]:
@@ -152,24 +164,13 @@ def _config_mismatches(folder: Path) -> list[str]:
     return problems
 
 
-def build(
-    model: SdModel,
-    folders: dict,
-    device,
-    dtype_for_frozen: torch.dtype = torch.float32,
-    zero3_config: Optional[dict] = None,
-) -> SdBuilt:
-    """Load `model.pretrained`. The UNet is fp32 in host memory (the start-up casts and moves it), built partitioned
-    with `zero3_config` (dstune.families.diffusion.load_trainable); the frozen parts are cast to `dtype_for_frozen`.
-    Never downloads; raises FamilyError for any unusable folder."""
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
+def training_noise_scheduler(folder: Path, prediction: Optional[str]):
+    """(the training DDPMScheduler with the resolved prediction type registered, that type): model.prediction, else
+    the scheduler's own; epsilon or v_prediction, and no epsilon on a zero-terminal-SNR schedule."""
+    from diffusers import DDPMScheduler
 
-    folder = folders["pretrained"]
-    check_sd_folder(folder)
-    device = torch.device(device)
     noise_scheduler = load_component(folder, "scheduler", DDPMScheduler.from_pretrained)
-    prediction_type = model.prediction or noise_scheduler.config.prediction_type
+    prediction_type = prediction or noise_scheduler.config.prediction_type
     if prediction_type not in ("epsilon", "v_prediction"):
         raise FamilyError(
             f"{folder / 'scheduler'}: prediction_type {prediction_type!r} is not supported; set "
@@ -182,6 +183,34 @@ def build(
             "model.prediction: v_prediction (or leave it unset)."
         )
     noise_scheduler.register_to_config(prediction_type=prediction_type)
+    return noise_scheduler, prediction_type
+
+
+def build(
+    model: SdModel,
+    folders: dict,
+    device,
+    dtype_for_frozen: torch.dtype = torch.float32,
+    zero3_config: Optional[dict] = None,
+) -> SdBuilt:
+    """Load `model.pretrained`. The UNet is fp32 in host memory (the start-up casts and moves it), built partitioned
+    with `zero3_config` (dstune.families.diffusion.load_trainable); the frozen parts are cast to `dtype_for_frozen`.
+    Never downloads; raises FamilyError for any unusable folder."""
+    folder = folders["pretrained"]
+    check_sd_folder(folder)
+    return SdBuilt(**unet_pipeline_parts(model, folder, device, dtype_for_frozen, zero3_config))
+
+
+def unet_pipeline_parts(
+    model, folder: Path, device, dtype_for_frozen: torch.dtype, zero3_config: Optional[dict]
+) -> dict:
+    """What SD and SDXL load alike, as SdBuilt's fields: the trainable UNet, the VAE, the first CLIP text encoder
+    and tokenizer, and the training noise scheduler with the resolved prediction type."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    device = torch.device(device)
+    noise_scheduler, prediction_type = training_noise_scheduler(folder, model.prediction)
     # diffusers models get their dtype at load time: ModelMixin.to(dtype) warns on every call (diffusers 0.42).
     unet = load_trainable(folder, "unet", UNet2DConditionModel, zero3_config)
     if model.gradient_checkpointing:
@@ -191,19 +220,19 @@ def build(
     text_encoder = load_component(folder, "text_encoder", CLIPTextModel.from_pretrained).to(device, dtype_for_frozen)
     for part in (vae, text_encoder):
         part.eval().requires_grad_(False)
-    return SdBuilt(
-        folder=folder,
-        device=device,
-        trainable=unet,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=load_component(folder, "tokenizer", CLIPTokenizer.from_pretrained),
-        noise_scheduler=noise_scheduler,
-        prediction_type=prediction_type,
-        min_snr_gamma=model.min_snr_gamma,
-        noise_offset=model.noise_offset,
-        unet_config=dict(unet.config),
-    )
+    return {
+        "folder": folder,
+        "device": device,
+        "trainable": unet,
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": load_component(folder, "tokenizer", CLIPTokenizer.from_pretrained),
+        "noise_scheduler": noise_scheduler,
+        "prediction_type": prediction_type,
+        "min_snr_gamma": model.min_snr_gamma,
+        "noise_offset": model.noise_offset,
+        "unet_config": dict(unet.config),
+    }
 
 
 # --------------------------------------------------------------------------------------------- train step
@@ -306,13 +335,19 @@ def sample(
         feature_extractor=None,
         requires_safety_checker=False,
     )
+    return render(pipeline, unet_module, prompts, sample_spec, resolution)
+
+
+def render(pipeline, unet_module: torch.nn.Module, prompts: list[str], sample_spec: SampleSpec, resolution: int):
+    """One image per prompt from a UNet pipeline built around `unet_module`: the side rounded down to a multiple of
+    8, prompt i from the noise of (sample_spec.seed, i), the UNet's train/eval mode restored afterwards."""
     pipeline.set_progress_bar_config(disable=True)
     side = max(8, resolution // 8 * 8)
     generators = [sample_generator(sample_spec.seed, 0, number, "sample") for number in range(len(prompts))]
     was_training = unet_module.training
     unet_module.eval()
     try:
-        with inputs_cast_to(unet_module, next(unet_module.parameters()).dtype):
+        with inputs_cast_to(unet_module, next(unet_module.parameters()).dtype), quiet_hf_libraries():
             result = pipeline(
                 prompt=list(prompts),
                 height=side,

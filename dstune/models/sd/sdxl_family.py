@@ -27,12 +27,8 @@ import torch
 
 from dstune.models.sd import sd_family as sd
 from dstune.families.base import Family, FamilyError, SingleFileLayout, TextCache
-from dstune.families.randomness import sample_generator
 from dstune.families.diffusion import (
-    inputs_cast_to,
     load_component,
-    load_trainable,
-    non_reentrant_checkpoint,
     read_component_config,
     read_model_index,
 )
@@ -111,21 +107,8 @@ def check_sdxl_folder(folder: Path) -> None:
         raise FamilyError(
             f"{folder} holds a {kind}; model.family 'sdxl' is for StableDiffusionXLPipeline folders{hint}."
         )
-    problems = []
-    for name, (classes, required_file) in _COMPONENTS.items():
-        entry = index.get(name)
-        listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
-        if listed is None:
-            problems.append(
-                f"model_index.json has no `{name}` component (an SDXL refiner, which has no "
-                "text_encoder, is not supported)"
-                if name == "text_encoder"
-                else f"model_index.json has no `{name}` component"
-            )
-        elif classes is not None and listed not in classes:
-            problems.append(f"`{name}` is a {listed}; expected {' or '.join(sorted(classes))}")
-        if not (folder / name / required_file).is_file():
-            problems.append(f"missing {name}/{required_file}")
+    refiner = " (an SDXL refiner, which has no text_encoder, is not supported)"
+    problems = sd.component_problems(folder, index, _COMPONENTS, {"text_encoder": refiner})
     if not problems:
         problems = _config_mismatches(folder)
     if problems:
@@ -170,27 +153,6 @@ def _config_mismatches(folder: Path) -> list[str]:
     return problems
 
 
-def _noise_scheduler(folder: Path, prediction: Optional[str]):
-    """The training DDPMScheduler with the resolved prediction type registered (the same rules as sd.build)."""
-    from diffusers import DDPMScheduler
-
-    noise_scheduler = load_component(folder, "scheduler", DDPMScheduler.from_pretrained)
-    prediction_type = prediction or noise_scheduler.config.prediction_type
-    if prediction_type not in ("epsilon", "v_prediction"):
-        raise FamilyError(
-            f"{folder / 'scheduler'}: prediction_type {prediction_type!r} is not supported; set "
-            "model.prediction to epsilon or v_prediction"
-        )
-    if prediction_type == "epsilon" and float(noise_scheduler.alphas_cumprod[-1]) == 0.0:
-        raise FamilyError(
-            f"{folder / 'scheduler'} has zero terminal SNR (rescale_betas_zero_snr), where an "
-            "epsilon-predicting model cannot denoise its first sampling step. Use "
-            "model.prediction: v_prediction (or leave it unset)."
-        )
-    noise_scheduler.register_to_config(prediction_type=prediction_type)
-    return noise_scheduler, prediction_type
-
-
 def build(
     model: SdxlModel,
     folders: dict,
@@ -200,38 +162,16 @@ def build(
 ) -> SdxlBuilt:
     """Load `model.pretrained` as sd.build does (fp32 UNet in host memory, partitioned with `zero3_config`; frozen
     parts in `dtype_for_frozen`)."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+    from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
     folder = folders["pretrained"]
     check_sdxl_folder(folder)
-    device = torch.device(device)
-    noise_scheduler, prediction_type = _noise_scheduler(folder, model.prediction)
-    unet = load_trainable(folder, "unet", UNet2DConditionModel, zero3_config)
-    if model.gradient_checkpointing:
-        unet.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
-    unet.train().requires_grad_(True)
-    vae = load_component(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=dtype_for_frozen).to(device)
-    text_encoder = load_component(folder, "text_encoder", CLIPTextModel.from_pretrained).to(device, dtype_for_frozen)
-    text_encoder_2 = load_component(folder, "text_encoder_2", CLIPTextModelWithProjection.from_pretrained).to(
-        device, dtype_for_frozen
-    )
-    for part in (vae, text_encoder, text_encoder_2):
-        part.eval().requires_grad_(False)
+    parts = sd.unet_pipeline_parts(model, folder, device, dtype_for_frozen, zero3_config)
+    text_encoder_2 = load_component(folder, "text_encoder_2", CLIPTextModelWithProjection.from_pretrained)
     return SdxlBuilt(
-        folder=folder,
-        device=device,
-        trainable=unet,
-        vae=vae,
-        text_encoder=text_encoder,
-        text_encoder_2=text_encoder_2,
-        tokenizer=load_component(folder, "tokenizer", CLIPTokenizer.from_pretrained),
+        **parts,
+        text_encoder_2=text_encoder_2.to(parts["device"], dtype_for_frozen).eval().requires_grad_(False),
         tokenizer_2=load_component(folder, "tokenizer_2", CLIPTokenizer.from_pretrained),
-        noise_scheduler=noise_scheduler,
-        prediction_type=prediction_type,
-        min_snr_gamma=model.min_snr_gamma,
-        noise_offset=model.noise_offset,
-        unet_config=dict(unet.config),
     )
 
 
@@ -351,25 +291,7 @@ def sample(
         scheduler=scheduler,
         add_watermarker=False,
     )
-    pipeline.set_progress_bar_config(disable=True)
-    side = max(8, resolution // 8 * 8)
-    generators = [sample_generator(sample_spec.seed, 0, number, "sample") for number in range(len(prompts))]
-    was_training = unet_module.training
-    unet_module.eval()
-    try:
-        with inputs_cast_to(unet_module, next(unet_module.parameters()).dtype), quiet_hf_libraries():
-            result = pipeline(
-                prompt=list(prompts),
-                height=side,
-                width=side,
-                guidance_scale=sample_spec.guidance,
-                num_inference_steps=sample_spec.steps,
-                generator=generators,
-                output_type="pil",
-            )
-    finally:
-        unet_module.train(was_training)
-    return result.images
+    return sd.render(pipeline, unet_module, prompts, sample_spec, resolution)
 
 
 # export is sd.export: it writes the trained UNet and copies every other component listed in model_index.json

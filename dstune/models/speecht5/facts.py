@@ -6,7 +6,7 @@ from __future__ import annotations
 from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, ModelShape, in_plan_units, measured_sample_bytes
 from dstune.families.facts import ModelFacts
 from dstune.memory.plan import ModelCounts
-from dstune.memory.counts import config_folder, count_component, read_config
+from dstune.memory.counts import config_folder, count_component, count_small_tensors, read_config
 
 DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
 
@@ -35,7 +35,21 @@ def _count(spec, num_samples: int, clips=()) -> ModelCounts:
     full, checkpointed = sample_bytes(
         read_config(folder / "config.json"), spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS, spec.train.precision
     )
-    return ModelCounts("speecht5", params, params, largest, companions, (), int(full), int(checkpointed), 0, 0, origin)
+    config_path = str(folder / "config.json")
+    return ModelCounts(
+        "speecht5",
+        params,
+        params,
+        largest,
+        companions,
+        (),
+        int(full),
+        int(checkpointed),
+        0,
+        0,
+        origin,
+        small_tensors=count_small_tensors(config_path),
+    )
 
 
 FACTS = ModelFacts(family="speecht5", modality="audio", count=_count)
