@@ -398,6 +398,46 @@ def _krea2_run(model, tokens, context, dtype):
     )
 
 
+def _ernie_image(heads, ffn_mult):
+    """ERNIE-Image: one stream of image + text tokens at the real head dimension 128, one AdaLN modulation shared by
+    every block, a GELU-gated MLP at 3 x the width; the text arrives at 3072 / 4096 of the width."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    width = heads * 128
+    ffn = 3 * width * ffn_mult
+    return (
+        ErnieImageTransformer2DModel(
+            hidden_size=width,
+            num_attention_heads=heads,
+            num_layers=2,
+            ffn_hidden_size=ffn,
+            in_channels=128,
+            out_channels=128,
+            text_in_dim=width * 3072 // 4096,
+            rope_axes_dim=(32, 48, 48),
+        ),
+        width,
+        ffn,
+        0,
+    )
+
+
+def _ernie_image_run(model, tokens, context, dtype):
+    """One sample: `tokens` image tokens (a square grid of 128-channel patchified latents), `context` text tokens."""
+    side = _square(tokens)
+    latents = randn(1, 128, side, side, dtype=dtype)
+    text = randn(1, context, model.config.text_in_dim, dtype=dtype)
+    return lambda: mse(
+        model(
+            hidden_states=latents,
+            timestep=torch.tensor([500.0], dtype=dtype),
+            text_bth=text,
+            text_lens=torch.tensor([context]),
+            return_dict=False,
+        )[0]
+    )
+
+
 def _qwen_image_21(heads, ffn_mult):
     from diffusers import QwenImage21Transformer2DModel
 
@@ -696,6 +736,16 @@ CASES = [
         heads=4,
         check_heads=2,
         block_lists=attr("transformer_blocks"),
+    ),
+    Case(
+        "ernie-image",
+        "ERNIE-Image (one stream over the image and the text, shared modulation, head dim 128)",
+        _ernie_image,
+        _ernie_image_run,
+        sizes=TRANSFORMER_SIZES,
+        check_size=(25, 12),
+        block_lists=attr("layers"),
+        ffn=True,
     ),
     Case(
         "qwen-image-21",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dstune.models.csm.unit import UNIT as CSM
 from dstune.models.dia.unit import UNIT as DIA
+from dstune.models.ernie_image.unit import UNIT as ERNIE_IMAGE
 from dstune.models.flux2.unit import UNIT as FLUX2
 from dstune.models.hunyuan_video15.unit import UNIT as HUNYUAN_VIDEO15
 from dstune.models.ideogram4.unit import UNIT as IDEOGRAM4
@@ -36,6 +37,7 @@ UNITS: tuple[ModelUnit, ...] = (
     IDEOGRAM4,
     KREA2,
     QWEN_IMAGE_21,
+    ERNIE_IMAGE,
     WAN,
     HUNYUAN_VIDEO15,
     LTX2,

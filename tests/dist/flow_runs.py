@@ -190,6 +190,8 @@ ROWS["tiny-ideogram4"] = FlowRow("Ideogram4Pipeline", _render_with(guidance_scal
                                                                    max_sequence_length=128),
                                  resume_case="lora-zero3")
 
+# ERNIE-Image: its text is padded to max_sequence_length with a mask (text_lens); its LoRA run resumes too
+ROWS["tiny-ernie-image"] = FlowRow("ErnieImagePipeline", _render_with(guidance_scale=1.0), resume_case="lora-zero3")
 
 # Qwen-Image 2.1: the tiny folder's processor is a tokenizer (no Qwen3VLProcessor without torchvision), so its
 # pipelines are built from the folder's parts; the pipeline renders RGBA, whose RGB the checks compare.

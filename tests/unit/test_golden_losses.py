@@ -50,6 +50,7 @@ IMAGE_LR, SPEECH_LR = 1e-3, 1e-2
 FLUX2_TEXT_TOKENS = 64  # the chat-templated captions fit; the default 512 makes the text encoder most of the time
 HV15_TEXT_TOKENS = 48  # HunyuanVideo 1.5's default 1000 Qwen tokens would make the text side most of the time
 LTX2_TEXT_TOKENS = 32  # LTX-2's default 1024 Gemma tokens likewise
+ERNIE_TEXT_TOKENS = 64  # the shapes' captions fit; padding to the default 512 would make attention most of the time
 
 
 def _model(model_class, family: str, **options):
@@ -71,6 +72,7 @@ CASES = {
     "tiny-krea2": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
     "tiny-krea2-turbo": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
     "tiny-qwen-image-21": (_model(FlowModel, "flow", timestep_sampling="uniform"), "shapes", IMAGE_LR),
+    "tiny-ernie-image": (_model(FlowModel, "flow", max_sequence_length=ERNIE_TEXT_TOKENS), "shapes", IMAGE_LR),
     "tiny-wan": (_model(WanModel, "wan"), "moving-shapes", IMAGE_LR),
     "tiny-wan-a14b": (_model(WanModel, "wan", expert="low_noise"), "moving-shapes", IMAGE_LR),
     "tiny-wan-i2v": (_model(WanModel, "wan"), "moving-shapes", IMAGE_LR),
