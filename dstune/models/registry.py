@@ -93,6 +93,11 @@ def video_facts() -> tuple[str, ...]:
     return tuple(where for unit in UNITS for where in unit.video_facts)
 
 
+def activation_cases() -> tuple[str, ...]:
+    """The units' activation measurement cases (tuples of dstune.memory.activation_cases.Case), as "module:ATTRIBUTE"."""
+    return tuple(where for unit in UNITS for where in unit.activation_cases)
+
+
 def builtins() -> tuple[str, ...]:
     """Every built-in tiny model, as "module:ATTRIBUTE" of its BuiltinModel."""
     return tuple(where for unit in UNITS for where in unit.builtins.values())

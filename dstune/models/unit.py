@@ -58,6 +58,9 @@ class ModelUnit:
     # What the core's spec reference says of this model's own defaults, per spec key (e.g. {"model.max_sequence_length":
     # "77 (SD3-class)"}); tests check them against the recipes
     spec_notes: dict[str, str] = field(default_factory=dict)
+    # its measured models (dstune.memory.activation_cases.Case tuples, beside its built-ins): bench/activation_table.py
+    # counts what their classes save for backward, and the memory plan uses the constants fitted to that
+    activation_cases: tuple[str, ...] = ()
     builtins: dict[str, str] = field(default_factory=dict)  # its tiny built-in models: name -> its BuiltinModel
     presets: tuple[ModelPreset, ...] = ()
     # key prefixes of its original single-file checkpoints -> (the family that reads them, what such a file is), so

@@ -43,6 +43,7 @@ LAYERS = [
         "dstune.memory.plan",
         "dstune.memory.phases",
         "dstune.memory.activations",
+        "dstune.memory.activation_cases",
     ],
     [
         "dstune.distributed",

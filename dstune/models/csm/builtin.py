@@ -20,6 +20,8 @@ from dstune.builtin.common import BuiltinModel, deterministic_cpu
 from dstune.data.audio import resample
 from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
 from dstune.hf import quiet_hf_libraries
+from dstune.models.csm.family import CodebookFramesModel
+from dstune.memory.activation_cases import Case, LM_VOCAB, attr, generator
 
 _SEED = 0
 CSM_SPECIAL_TOKENS = {"<|begin_of_text|>": 256, "<|end_of_text|>": 257, "<|AUDIO|>": 258, "<|audio_eos|>": 259}
@@ -158,4 +160,86 @@ TINY_CSM = BuiltinModel(
     description="Sesame CSM (CsmForConditionalGeneration, ~50 k parameters + depth decoder) with a tiny Mimi "
     "(24 kHz, 12.5 frames/s, 4 x 32 codes) and its CsmProcessor",
     build=build_tiny_csm,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+CSM_CODEBOOKS = 32  # Sesame CSM-1B's Mimi codebooks: the depth decoder's positions per frame (not narrowed)
+
+
+def _csm(heads, ffn_mult):
+    """CSM-1B's structure: a Llama-class backbone (head dim 64, GQA 4:1, MLP 4x) and a depth decoder half as wide
+    (head dim 128, its MLP 4x the backbone's width), both measured per backbone-width unit."""
+    from transformers import CsmConfig, CsmForConditionalGeneration
+
+    width = heads * 64
+    depth = width // 2
+    config = CsmConfig(
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=64,
+        num_hidden_layers=2,
+        vocab_size=LM_VOCAB,
+        text_vocab_size=LM_VOCAB,
+        num_codebooks=CSM_CODEBOOKS,
+        codebook_pad_token_id=LM_VOCAB - 1,
+        audio_token_id=LM_VOCAB - 2,
+        audio_eos_token_id=LM_VOCAB - 3,
+        pad_token_id=LM_VOCAB - 4,
+        bos_token_id=1,
+        depth_decoder_config={
+            "hidden_size": depth,
+            "intermediate_size": 4 * width,
+            "num_attention_heads": max(1, depth // 128),
+            "num_key_value_heads": 1,
+            "head_dim": 128,
+            "num_hidden_layers": 2,
+            "vocab_size": LM_VOCAB,
+            "num_codebooks": CSM_CODEBOOKS,
+            "backbone_hidden_size": width,
+        },
+        attn_implementation="sdpa",
+    )
+    return CsmForConditionalGeneration(config), width, 0, LM_VOCAB
+
+
+def _csm_run(model, tokens, context, dtype):
+    """`context` transcript tokens, then `tokens` audio frames (the last the EOS frame), as dstune's CSM loss runs
+    it (dstune.models.csm.family: the frames' codes embedded in place of the <|AUDIO|> tokens, every frame labelled)."""
+    import torch
+
+    config = model.config
+    ids = torch.cat(
+        [
+            torch.randint(4, LM_VOCAB - 8, (1, context), generator=generator()),
+            torch.full((1, tokens), config.audio_token_id),
+        ],
+        1,
+    )
+    codes = torch.randint(1, LM_VOCAB - 8, (1, context + tokens, CSM_CODEBOOKS), generator=generator())
+    labels = codes.clone()
+    labels[:, :context] = -100
+    trained = CodebookFramesModel(model)
+    return lambda: trained(ids, codes, torch.ones_like(ids), labels=labels).loss.float()
+
+
+ACTIVATION_CASES = (
+    Case(
+        "csm",
+        "Sesame CSM (Llama-class backbone over transcript + frames, depth decoder over each frame's 32 codebooks)",
+        _csm,
+        _csm_run,
+        sizes=((8, 8), (24, 8), (8, 24)),
+        check_size=(16, 12),
+        block_lists=attr(backbone="backbone_model.layers", depth="depth_decoder.model.layers"),
+        head_copy=True,
+        heads=4,
+        check_heads=8,
+    ),
 )

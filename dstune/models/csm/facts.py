@@ -4,7 +4,7 @@ class; dstune.families.facts describes the contract): which class a folder holds
 
 CSM: the backbone sees one position per audio frame (plus the text), the depth decoder Q positions per frame, each
 started from the backbone's hidden state. Their activations are the constants measured on CsmForConditionalGeneration
-itself (bench/activation_speech.py's "csm", at CSM-1B's 32 codebooks and its depth decoder half the backbone's
+itself (the "csm" activation case in its builtin module, at CSM-1B's 32 codebooks and its depth decoder half the backbone's
 width), evaluated at the folder's backbone width, layer counts and codebook vocabulary; they include the copy of the
 depth decoder's per-codebook heads that each forward gathers and keeps for backward.
 The family's other classes (dstune.families.codebook_models: declared by their units) count their own codec and

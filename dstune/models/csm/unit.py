@@ -12,6 +12,7 @@ UNIT = ModelUnit(
     spec_sections=("dstune.models.csm.spec:TtsCodebooksModel",),
     families={"tts_codebooks": "dstune.models.csm.family"},
     facts=("dstune.models.csm.facts:FACTS",),
+    activation_cases=("dstune.models.csm.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-csm": "dstune.models.csm.builtin:TINY_CSM",
     },

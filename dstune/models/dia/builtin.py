@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dstune.builtin.common import BuiltinModel, deterministic_cpu
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, attr, generator
 
 _SEED = 0
 FOLDER_NAME = "tiny-dia-v1"
@@ -124,4 +125,78 @@ TINY_DIA = BuiltinModel(
     description="Dia (DiaForConditionalGeneration: byte text encoder + audio decoder, 9 codebooks, delay pattern "
     "[0, 8..15]) with a tiny 44.1 kHz DAC as its DiaProcessor's audio tokenizer",
     build=build_tiny_dia,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+DIA_CHANNELS, DIA_VOCAB = 9, 1028  # Dia-1.6B's DAC codebooks and code vocabulary (not narrowed: logits apart)
+
+
+def _dia(heads, ffn_mult):
+    """Dia-1.6B's structure: the decoder (head dim 128, GQA 4:1, MLP 4x) and an encoder half as wide (MLP 4x its
+    width), cross-attention from the decoder's width to the encoder's; per decoder-width unit."""
+    from transformers import DiaConfig, DiaDecoderConfig, DiaEncoderConfig, DiaForConditionalGeneration
+
+    width = heads * 128
+    encoder = width // 2
+    config = DiaConfig(
+        encoder_config=DiaEncoderConfig(
+            hidden_size=encoder,
+            intermediate_size=4 * encoder,
+            num_attention_heads=encoder // 128,
+            num_key_value_heads=encoder // 128,
+            head_dim=128,
+            num_hidden_layers=2,
+            vocab_size=256,
+        ),
+        decoder_config=DiaDecoderConfig(
+            hidden_size=width,
+            intermediate_size=4 * width,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 4),
+            head_dim=128,
+            cross_num_attention_heads=heads,
+            cross_num_key_value_heads=heads,
+            cross_head_dim=128,
+            cross_hidden_size=encoder,
+            num_hidden_layers=2,
+            vocab_size=DIA_VOCAB,
+            num_channels=DIA_CHANNELS,
+        ),
+        delay_pattern=[0, 8, 9, 10, 11, 12, 13, 14, 15],
+    )
+    return DiaForConditionalGeneration(config), width, 0, DIA_VOCAB
+
+
+def _dia_run(model, tokens, context, dtype):
+    """`context` transcript bytes into the encoder, `tokens` decoder positions of 9 channels, every one labelled."""
+    import torch
+
+    ids = torch.randint(1, 256, (1, context), generator=generator())
+    codes = torch.randint(0, DIA_VOCAB - 4, (1, tokens, DIA_CHANNELS), generator=generator())
+    return lambda: model(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        decoder_input_ids=codes,
+        decoder_attention_mask=torch.ones(1, tokens, dtype=torch.long),
+        labels=codes.transpose(1, 2).reshape(DIA_CHANNELS, tokens).contiguous(),  # (B * C, T), channel-major
+    ).loss.float()
+
+
+ACTIVATION_CASES = (
+    Case(
+        "dia",
+        "Dia (encoder over the transcript's bytes, decoder over 9 delayed DAC channels, head dim 128)",
+        _dia,
+        _dia_run,
+        sizes=((16, 8), (48, 8), (16, 24)),
+        check_size=(32, 12),
+        block_lists=attr(encoder="model.encoder.layers", decoder="model.decoder.layers"),
+        heads=4,
+        check_heads=8,
+    ),
 )

@@ -2,7 +2,7 @@
 counted without its DAC (which the processor names, outside the class), the DAC counted from its own config, and one
 clip's activations: the encoder over the transcript's bytes, the decoder one position per DAC frame (plus BOS, EOS
 and the delay pattern's longest delay) with logits over every codebook's ids at once, from the constants measured on
-DiaForConditionalGeneration itself (bench/activation_speech.py's "dia", at Dia-1.6B's 9 channels and its encoder half
+DiaForConditionalGeneration itself (the "dia" activation case in its builtin module, at Dia-1.6B's 9 channels and its encoder half
 the decoder's width) at the folder's decoder width, layer counts and code vocabulary."""
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ UNIT = ModelUnit(
     recipes={"tts_codebooks": ("dstune.models.dia.facts:CODEBOOKS_MODEL",)},
     # the class the family trains of it, with its generation_config's classifier-free guidance (Dia-1.6B: 3.0)
     pipelines={"DiaForConditionalGeneration": 3.0},
+    activation_cases=("dstune.models.dia.builtin:ACTIVATION_CASES",),
     builtins={"tiny-dia": "dstune.models.dia.builtin:TINY_DIA"},
     presets=(
         ModelPreset(

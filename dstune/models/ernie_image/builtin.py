@@ -16,6 +16,7 @@ from pathlib import Path
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import TINY_FLUX2_VAE
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
 
 _SEED = 70
 TEXT_WIDTH = 32
@@ -134,4 +135,65 @@ TINY_ERNIE_IMAGE = BuiltinModel(
     description="ERNIE-Image pipeline: 2-block ERNIE-Image transformer, Mistral3 text encoder (three 32-wide "
     "layers), random 8-channel AutoencoderKLFlux2, byte-level tokenizer; no prompt enhancer",
     build=build_tiny_ernie_image,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _ernie_image(heads, ffn_mult):
+    """ERNIE-Image: one stream of image + text tokens at the real head dimension 128, one AdaLN modulation shared by
+    every block, a GELU-gated MLP at 3 x the width; the text arrives at 3072 / 4096 of the width."""
+    from diffusers import ErnieImageTransformer2DModel
+
+    width = heads * 128
+    ffn = 3 * width * ffn_mult
+    return (
+        ErnieImageTransformer2DModel(
+            hidden_size=width,
+            num_attention_heads=heads,
+            num_layers=2,
+            ffn_hidden_size=ffn,
+            in_channels=128,
+            out_channels=128,
+            text_in_dim=width * 3072 // 4096,
+            rope_axes_dim=(32, 48, 48),
+        ),
+        width,
+        ffn,
+        0,
+    )
+
+
+def _ernie_image_run(model, tokens, context, dtype):
+    """One sample: `tokens` image tokens (a square grid of 128-channel patchified latents), `context` text tokens."""
+    import torch
+
+    side = square_side(tokens)
+    latents = randn(1, 128, side, side, dtype=dtype)
+    text = randn(1, context, model.config.text_in_dim, dtype=dtype)
+    return lambda: mse(
+        model(
+            hidden_states=latents,
+            timestep=torch.tensor([500.0], dtype=dtype),
+            text_bth=text,
+            text_lens=torch.tensor([context]),
+            return_dict=False,
+        )[0]
+    )
+
+
+ACTIVATION_CASES = (
+    Case(
+        "ernie-image",
+        "ERNIE-Image (one stream over the image and the text, shared modulation, head dim 128)",
+        _ernie_image,
+        _ernie_image_run,
+        sizes=TRANSFORMER_SIZES,
+        check_size=(25, 12),
+        block_lists=attr("layers"),
+        ffn=True,
+    ),
 )

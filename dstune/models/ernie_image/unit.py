@@ -17,6 +17,7 @@ UNIT = ModelUnit(
     summary="ERNIE-Image (ErnieImageTransformer2DModel; Mistral3)",
     pipelines={"ErnieImagePipeline": 4.0},
     spec_notes={"model.max_sequence_length": "512 (ERNIE-Image: dstune's; captions are padded to it)"},
+    activation_cases=("dstune.models.ernie_image.builtin:ACTIVATION_CASES",),
     builtins={"tiny-ernie-image": "dstune.models.ernie_image.builtin:TINY_ERNIE_IMAGE"},
     presets=(
         ModelPreset(

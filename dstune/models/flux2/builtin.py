@@ -21,6 +21,7 @@ from dstune.builtin.common import BUILD_THREADS, BuiltinModel, bytes_to_unicode,
 from dstune.builtin.parts import TINY_FLUX2_VAE, tiny_qwen_tokenizer
 from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
 
 _SEED = 40
 _DEV_SEED = 41
@@ -224,4 +225,67 @@ TINY_FLUX2_DEV = BuiltinModel(
     "Mistral3 (30 text layers 32 wide, one-layer Pixtral vision tower) and a byte-level stand-in for "
     "the PixtralProcessor with Mistral's chat template",
     build=build_tiny_flux2_dev,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _flux2(heads, ffn_mult):
+    from diffusers import Flux2Transformer2DModel
+
+    width = heads * 128
+    return (
+        Flux2Transformer2DModel(
+            attention_head_dim=128,
+            num_attention_heads=heads,
+            num_layers=2,
+            num_single_layers=2,
+            mlp_ratio=3.0,
+            in_channels=128,
+            joint_attention_dim=width * 7680 // 3072,
+            timestep_guidance_channels=256,
+            axes_dims_rope=(32, 32, 32, 32),
+            guidance_embeds=False,
+        ),
+        width,
+        0,
+        0,
+    )
+
+
+def _flux2_run(model, tokens, context, dtype):
+    import torch
+
+    from diffusers import Flux2Pipeline
+
+    side = square_side(tokens)
+    latents = randn(1, 128, side, side, dtype=dtype)
+    text = randn(1, context, model.config.joint_attention_dim, dtype=dtype)
+    img_ids, txt_ids = Flux2Pipeline._prepare_latent_ids(latents), Flux2Pipeline._prepare_text_ids(text)
+    packed = Flux2Pipeline._pack_latents(latents)
+    return lambda: mse(
+        model(
+            hidden_states=packed,
+            encoder_hidden_states=text,
+            timestep=torch.tensor([0.5], dtype=dtype),
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+    )
+
+
+ACTIVATION_CASES = (
+    Case(
+        "flux2",
+        "FLUX.2 [klein] and [dev] (one transformer class)",
+        _flux2,
+        _flux2_run,
+        sizes=TRANSFORMER_SIZES,
+        check_size=(25, 12),
+        block_lists=attr("transformer_blocks", "single_transformer_blocks"),
+    ),
 )

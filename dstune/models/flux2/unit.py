@@ -14,6 +14,7 @@ UNIT = ModelUnit(
     summary="FLUX.2 [klein] (Flux2Transformer2DModel; Qwen3), FLUX.2 [dev] (Flux2Transformer2DModel; Mistral3)",
     pipelines={"Flux2KleinPipeline": 4.0, "Flux2Pipeline": 4.0},
     spec_notes={"model.max_sequence_length": "512 (FLUX.2 [klein], FLUX.2 [dev])"},
+    activation_cases=("dstune.models.flux2.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-flux2": "dstune.models.flux2.builtin:TINY_FLUX2",
         "tiny-flux2-dev": "dstune.models.flux2.builtin:TINY_FLUX2_DEV",

@@ -29,6 +29,7 @@ from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu
 from dstune.builtin.parts import tiny_qwen_tokenizer
 from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, attr, mse, randn, square_side
 
 _SEED = 50
 TEXT_WIDTH = 32  # the Qwen2.5-VL text model's hidden size = the transformer's text_embed_dim
@@ -197,4 +198,86 @@ TINY_HUNYUAN_VIDEO15_I2V = BuiltinModel(
     description="HunyuanVideo 1.5 image-to-video pipeline: tiny-hunyuan-video15's parts with an i2v transformer and "
     "a one-layer 16-wide SigLIP image encoder (32 px, 16 tokens)",
     build=build_tiny_hunyuan_video15_i2v,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _hunyuan15(heads, ffn_mult):
+    """HunyuanVideo 1.5 (text-to-video; the image-to-video transformer differs in its input channels only): the
+    text, glyph and image embedders' input widths narrowed like the width (2048 real)."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    width = heads * 128
+    return (
+        HunyuanVideo15Transformer3DModel(
+            in_channels=65,
+            out_channels=32,
+            num_attention_heads=heads,
+            attention_head_dim=128,
+            num_layers=2,
+            num_refiner_layers=2,
+            mlp_ratio=4.0,
+            text_embed_dim=width * 3584 // 2048,
+            text_embed_2_dim=width * 1472 // 2048,
+            image_embed_dim=width * 1152 // 2048,
+            task_type="t2v",
+        ),
+        width,
+        0,
+        0,
+    )
+
+
+HUNYUAN15_CONTEXT = (1000, 256, 729)  # caption, glyph and image tokens (dstune.models.hunyuan_video15.facts)
+
+
+def _hunyuan15_split(context: int) -> tuple[int, int, int]:
+    """`context` split as the real model's is (caption : glyph : image = 1000 : 256 : 729), each at least 1."""
+    total = sum(HUNYUAN15_CONTEXT)
+    glyph = max(1, round(context * HUNYUAN15_CONTEXT[1] / total))
+    image = max(1, round(context * HUNYUAN15_CONTEXT[2] / total))
+    return context - glyph - image, glyph, image
+
+
+def _hunyuan15_run(model, tokens, context, dtype):
+    """`tokens` = 2 latent frames x side^2; text-to-video as dstune trains it: zero image embeds (masked), the
+    caption and glyph tokens with their masks."""
+    import torch
+
+    side = square_side(tokens // 2)
+    config = model.config
+    caption, glyph, image = _hunyuan15_split(context)
+    latents = randn(1, config.in_channels, 2, side, side, dtype=dtype)
+    text = randn(1, caption, config.text_embed_dim, dtype=dtype)
+    glyphs = randn(1, glyph, config.text_embed_2_dim, dtype=dtype)
+    images = torch.zeros(1, image, config.image_embed_dim, dtype=dtype)
+    return lambda: mse(
+        model(
+            hidden_states=latents,
+            timestep=torch.tensor([500.0], dtype=dtype),
+            encoder_hidden_states=text,
+            encoder_attention_mask=torch.ones(1, caption, dtype=torch.long),
+            encoder_hidden_states_2=glyphs,
+            encoder_attention_mask_2=torch.ones(1, glyph, dtype=torch.long),
+            image_embeds=images,
+            return_dict=False,
+        )[0]
+    )
+
+
+ACTIVATION_CASES = (
+    Case(
+        "hunyuan-video15",
+        "HunyuanVideo 1.5 (dual-stream blocks over the clip and caption + glyph + image tokens, token refiner)",
+        _hunyuan15,
+        _hunyuan15_run,
+        sizes=((32, 8), (72, 8), (32, 24), (72, 24)),
+        check_size=(50, 12),
+        block_lists=attr("transformer_blocks"),  # the token refiner's 2 blocks (not checkpointed): outside
+        joint_mask=True,
+    ),
 )

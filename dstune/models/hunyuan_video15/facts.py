@@ -22,7 +22,7 @@ I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
 DEFAULT_TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length
 GLYPH_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
 VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens
-# Measured on HunyuanVideo15Transformer3DModel itself (bench/activation_models.py's "hunyuan-video15"): per
+# Measured on HunyuanVideo15Transformer3DModel itself (the "hunyuan-video15" activation case in its builtin module): per
 # dual-stream block linear bytes per width unit over clip + context tokens, plus the (clip + context)^2 attention
 # mask that diffusers' processor builds and SDPA keeps for backward (2 bytes per element in bf16, 4 in fp32); the
 # token refiner's 2 blocks (every released config has 2; diffusers does not checkpoint them) are in "outside".

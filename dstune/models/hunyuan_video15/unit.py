@@ -16,6 +16,7 @@ UNIT = ModelUnit(
     spec_notes={
         "model.max_sequence_length": "1000 (HunyuanVideo 1.5: Qwen2.5-VL tokens after its template; ByT5's glyph tokens stay 256)"
     },
+    activation_cases=("dstune.models.hunyuan_video15.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-hunyuan-video15": "dstune.models.hunyuan_video15.builtin:TINY_HUNYUAN_VIDEO15",
         "tiny-hunyuan-video15-i2v": "dstune.models.hunyuan_video15.builtin:TINY_HUNYUAN_VIDEO15_I2V",

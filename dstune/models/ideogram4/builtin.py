@@ -21,6 +21,7 @@ from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu
 from dstune.builtin.parts import QWEN3_VL_CHAT_TEMPLATE, TINY_FLUX2_VAE, tiny_qwen3_vl_config
 from dstune.builtin.parts import tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
 
 _SEED = 50
 TEXT_WIDTH = 16
@@ -82,4 +83,74 @@ TINY_IDEOGRAM4 = BuiltinModel(
     description="Ideogram 4 pipeline: two one-block Ideogram 4 transformers (conditional, unconditional), Qwen3-VL "
     "(36 text layers 16 wide), random 8-channel AutoencoderKLFlux2",
     build=build_tiny_ideogram4,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _ideogram4(heads, ffn_mult):
+    from diffusers import Ideogram4Transformer2DModel
+
+    width = heads * 256
+    ffn = 2 * width * ffn_mult
+    return (
+        Ideogram4Transformer2DModel(
+            in_channels=128,
+            num_layers=2,
+            attention_head_dim=256,
+            num_attention_heads=heads,
+            intermediate_size=ffn,
+            adaln_dim=width // 9,
+            llm_features_dim=width * 104 // 9,
+            mrope_section=(24, 20, 20),
+        ),
+        width,
+        ffn,
+        0,
+    )
+
+
+def _ideogram4_run(model, tokens, context, dtype):
+    """One sample's packed sequence: `context` text positions (the caption left-padded to them), then the image."""
+    import torch
+
+    from diffusers import Ideogram4Pipeline
+
+    side = square_side(tokens)
+    position_ids, segment_ids, indicator = Ideogram4Pipeline._prepare_ids([context], side, side, context, "cpu")
+    hidden = torch.cat([torch.zeros(1, context, 128, dtype=dtype), randn(1, side * side, 128, dtype=dtype)], dim=1)
+    text = torch.cat(
+        [
+            randn(1, context, model.config.llm_features_dim, dtype=dtype),
+            torch.zeros(1, side * side, model.config.llm_features_dim, dtype=dtype),
+        ],
+        dim=1,
+    )
+    return lambda: mse(
+        model(
+            hidden_states=hidden,
+            timestep=torch.tensor([0.5], dtype=dtype),
+            encoder_hidden_states=text,
+            position_ids=position_ids,
+            segment_ids=segment_ids,
+            indicator=indicator,
+            return_dict=False,
+        )[0]
+    )
+
+
+ACTIVATION_CASES = (
+    Case(
+        "ideogram4",
+        "Ideogram 4 (one stream over the padded text and the image, head dim 256)",
+        _ideogram4,
+        _ideogram4_run,
+        sizes=TRANSFORMER_SIZES,
+        check_size=(25, 12),
+        block_lists=attr("layers"),
+        ffn=True,
+    ),
 )

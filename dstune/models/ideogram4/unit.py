@@ -14,6 +14,7 @@ UNIT = ModelUnit(
     summary="Ideogram 4 (Ideogram4Transformer2DModel; Qwen3-VL)",
     pipelines={"Ideogram4Pipeline": 7.0},
     spec_notes={"model.max_sequence_length": "2048 (Ideogram 4)"},
+    activation_cases=("dstune.models.ideogram4.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-ideogram4": "dstune.models.ideogram4.builtin:TINY_IDEOGRAM4",
     },

@@ -20,6 +20,7 @@ from pathlib import Path
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import TINY_QWEN_VAE, tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
 
 _SEED = 60  # the VAE and the text encoder (the same in both folders) and the Raw transformer
 _TURBO_SEED = 61  # the Turbo folder's transformer
@@ -150,4 +151,74 @@ TINY_KREA2_TURBO = BuiltinModel(
     family="flow",
     description="Krea 2 Turbo layout: tiny-krea2's parts, is_distilled, and a transformer of its own weights",
     build=build_tiny_krea2_turbo,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _krea2(heads, ffn_mult):
+    """Krea 2: one stream of text + image tokens, GQA at the real 4:1, SwiGLU at 16384 / 6144 of the width; the
+    text arrives as 12 tapped layers of a text width narrowed like the width (20 heads, as Qwen3-VL-4B's 2560)."""
+    from diffusers import Krea2Transformer2DModel
+
+    width = heads * 128
+    text_width = 20 * max(1, width * 2560 // 6144 // 20)
+    return (
+        Krea2Transformer2DModel(
+            in_channels=64,
+            num_layers=2,
+            attention_head_dim=128,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 4),
+            intermediate_size=width * 16384 // 6144,
+            text_hidden_dim=text_width,
+            num_text_layers=12,
+            text_num_attention_heads=20,
+            text_num_key_value_heads=20,
+            text_intermediate_size=text_width * 6912 // 2560,
+            axes_dims_rope=(32, 48, 48),
+        ),
+        width,
+        0,
+        0,
+    )
+
+
+def _krea2_run(model, tokens, context, dtype):
+    import torch
+
+    from diffusers import Krea2Pipeline
+
+    side = square_side(tokens)
+    packed = randn(1, tokens, 64, dtype=dtype)
+    text = randn(1, context, 12, model.config.text_hidden_dim, dtype=dtype)
+    mask = torch.ones(1, context, dtype=torch.bool)
+    ids = Krea2Pipeline.prepare_position_ids(context, side, side, "cpu")
+    return lambda: mse(
+        model(
+            hidden_states=packed,
+            encoder_hidden_states=text,
+            timestep=torch.tensor([0.5], dtype=dtype),
+            position_ids=ids,
+            encoder_attention_mask=mask,
+            return_dict=False,
+        )[0]
+    )
+
+
+ACTIVATION_CASES = (
+    Case(
+        "krea2",
+        "Krea 2 Raw and Turbo (single stream, text fusion over 12 tapped layers)",
+        _krea2,
+        _krea2_run,
+        sizes=TRANSFORMER_SIZES,
+        check_size=(25, 12),
+        heads=4,
+        check_heads=2,
+        block_lists=attr("transformer_blocks"),
+    ),
 )

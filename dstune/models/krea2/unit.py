@@ -35,6 +35,7 @@ UNIT = ModelUnit(
     pipelines={"Krea2Pipeline": 4.5},
     distilled_guidance={"Krea2Pipeline": 0.0},
     spec_notes={"model.max_sequence_length": "512 (Krea 2)"},
+    activation_cases=("dstune.models.krea2.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-krea2": "dstune.models.krea2.builtin:TINY_KREA2",
         "tiny-krea2-turbo": "dstune.models.krea2.builtin:TINY_KREA2_TURBO",

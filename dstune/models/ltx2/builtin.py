@@ -27,6 +27,7 @@ from pathlib import Path
 from dstune.models.unit import VIDEO_FAMILY
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, attr, mse, randn, square_side
 
 _SEED = 70
 TEXT_WIDTH = 16  # Gemma 3's hidden size = the connectors' caption_channels = the transformer's caption_channels
@@ -210,4 +211,83 @@ TINY_LTX2 = BuiltinModel(
     "causal video VAE (8x spatial, 4x temporal), a 16-bin stereo audio VAE and vocoder, a two-layer "
     "16-wide Gemma 3 text encoder and one-layer text connectors",
     build=build_tiny_ltx2,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _ltx2(heads, ffn_mult):
+    """LTX-2: the video stream (head dim 128) and the audio stream narrowed alike (heads of 64, half the width, as
+    the real 32 x 64 against 32 x 128); the caption width 3840 / 4096 of the width."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    width = heads * 128
+    return (
+        LTX2VideoTransformer3DModel(
+            in_channels=128,
+            out_channels=128,
+            num_attention_heads=heads,
+            attention_head_dim=128,
+            cross_attention_dim=width,
+            audio_in_channels=128,
+            audio_out_channels=128,
+            audio_num_attention_heads=heads,
+            audio_attention_head_dim=64,
+            audio_cross_attention_dim=width // 2,
+            caption_channels=width * 3840 // 4096,
+            num_layers=2,
+            rope_type="split",
+        ),
+        width,
+        0,
+        0,
+    )
+
+
+def _ltx2_run(model, tokens, context, dtype):
+    """As dstune trains it (dstune.models.ltx2.recipe): `tokens` = 2 latent frames x side^2 video tokens, the audio
+    stream on one zero token isolated from the video, `context` caption tokens for both streams."""
+    import torch
+
+    side = square_side(tokens // 2)
+    config = model.config
+    video = randn(1, tokens, config.in_channels, dtype=dtype)
+    audio = torch.zeros(1, 1, config.audio_in_channels, dtype=dtype)
+    text = randn(1, context, config.caption_channels, dtype=dtype)
+    mask = torch.ones(1, context, dtype=torch.long)
+    sigma = torch.tensor([0.5], dtype=dtype)
+    return lambda: mse(
+        model(
+            hidden_states=video,
+            audio_hidden_states=audio,
+            encoder_hidden_states=text,
+            audio_encoder_hidden_states=text,
+            timestep=sigma,
+            sigma=sigma,
+            encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask,
+            num_frames=2,
+            height=side,
+            width=side,
+            fps=24.0,
+            audio_num_frames=1,
+            isolate_modalities=True,
+            return_dict=False,
+        )[0]
+    )
+
+
+ACTIVATION_CASES = (
+    Case(
+        "ltx2",
+        "LTX-2 video stream (the audio stream on one zero token, as dstune trains it)",
+        _ltx2,
+        _ltx2_run,
+        sizes=((32, 8), (72, 8), (32, 24)),
+        check_size=(50, 12),
+        block_lists=attr("transformer_blocks"),
+    ),
 )

@@ -18,7 +18,7 @@ from dstune.memory.activations import ModelShape, in_plan_units, measured_sample
 TRANSFORMER_CLASS = "LTX2VideoTransformer3DModel"
 DEFAULT_TEXT_TOKENS = 1024  # LTX2Pipeline's max_sequence_length
 SPATIAL, TEMPORAL = 32, 8  # AutoencoderKLLTX2Video's compression when its config does not say
-# Measured on LTX2VideoTransformer3DModel itself (bench/activation_models.py's "ltx2"), run as dstune trains it:
+# Measured on LTX2VideoTransformer3DModel itself (the "ltx2" activation case in its builtin module), run as dstune trains it:
 # the video stream over the clip with cross-attention to the caption, the audio stream on one zero token (its
 # constant bytes are in the fit). The feed-forward is 4x the width in every config, so the constants are per width.
 ACTIVATION_CONSTANTS = "ltx2"

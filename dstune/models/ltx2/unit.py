@@ -14,6 +14,7 @@ UNIT = ModelUnit(
     summary="LTX-2 (LTX2VideoTransformer3DModel, Gemma 3 with its text connectors): text-to-video on clips without sound",
     pipelines={"LTX2Pipeline": 3.0},
     spec_notes={"model.max_sequence_length": "1024 (LTX-2: Gemma 3 tokens)"},
+    activation_cases=("dstune.models.ltx2.builtin:ACTIVATION_CASES",),
     builtins={"tiny-ltx2": "dstune.models.ltx2.builtin:TINY_LTX2"},
     presets=(
         ModelPreset(

@@ -19,6 +19,7 @@ from pathlib import Path
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import QWEN_SCHEDULER, TINY_QWEN_VAE, tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
 
 _SEED = 20
 TEXT_WIDTH = 32  # the text encoder's hidden size = the transformer's joint_attention_dim
@@ -105,4 +106,62 @@ TINY_QWEN_IMAGE = BuiltinModel(
     description="Qwen-Image pipeline: 2-layer QwenImage transformer, Qwen2.5-VL text encoder (one 32-wide layer), "
     "random 16-channel Qwen-Image VAE",
     build=build_tiny_qwen_image,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _qwen(heads, ffn_mult):
+    from diffusers import QwenImageTransformer2DModel
+
+    width = heads * 128
+    return (
+        QwenImageTransformer2DModel(
+            attention_head_dim=128,
+            num_attention_heads=heads,
+            num_layers=2,
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            joint_attention_dim=width * 3584 // 3072,
+            axes_dims_rope=(16, 56, 56),
+        ),
+        width,
+        0,
+        0,
+    )
+
+
+def _qwen_run(model, tokens, context, dtype):
+    import torch
+
+    side = square_side(tokens)
+    packed = randn(1, tokens, 64, dtype=dtype)
+    text = randn(1, context, model.config.joint_attention_dim, dtype=dtype)
+    mask = torch.ones(1, context, dtype=torch.long)
+    return lambda: mse(
+        model(
+            hidden_states=packed,
+            encoder_hidden_states=text,
+            encoder_hidden_states_mask=mask,
+            timestep=torch.tensor([0.5], dtype=dtype),
+            img_shapes=[(1, side, side)],
+            return_dict=False,
+        )[0]
+    )
+
+
+ACTIVATION_CASES = (
+    Case(
+        "qwen-image",
+        "Qwen-Image and Qwen-Image-Edit (one transformer class)",
+        _qwen,
+        _qwen_run,
+        sizes=TRANSFORMER_SIZES,
+        check_size=(25, 12),
+        block_lists=attr("transformer_blocks"),
+    ),
 )

@@ -16,6 +16,7 @@ UNIT = ModelUnit(
     summary="Qwen-Image (QwenImageTransformer2DModel; Qwen2.5-VL), Qwen-Image-Edit (QwenImageTransformer2DModel; Qwen2.5-VL with the source image; trains on source/target pairs, see data.control_dir)",
     pipelines={"QwenImagePipeline": 4.0, "QwenImageEditPipeline": 4.0},
     spec_notes={"model.max_sequence_length": "512 (Qwen-Image, Qwen-Image-Edit)"},
+    activation_cases=("dstune.models.qwen_image.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-qwen-image": "dstune.models.qwen_image.builtin:TINY_QWEN_IMAGE",
         "tiny-qwen-image-edit": "dstune.models.qwen_image.builtin_edit:TINY_QWEN_IMAGE_EDIT",

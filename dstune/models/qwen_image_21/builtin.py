@@ -25,6 +25,7 @@ from dstune.builtin.parts import QWEN3_VL_CHAT_TEMPLATE, tiny_qwen3_vl_config
 from dstune.builtin.parts import QWEN_SCHEDULER, tiny_qwen_tokenizer
 from dstune.models.qwen_image_21.recipe import TextProcessor
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
 
 _SEED = 60
 TEXT_WIDTH = 16
@@ -97,4 +98,65 @@ TINY_QWEN_IMAGE_21 = BuiltinModel(
     description="Qwen-Image 2.1 pipeline: 2-block QwenImage21 transformer, Qwen3-VL (2 text layers 16 wide), random "
     "16-channel RGBA VAE with the real 16x factor",
     build=build_tiny_qwen_image_21,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _qwen_image_21(heads, ffn_mult):
+    from diffusers import QwenImage21Transformer2DModel
+
+    width = heads * 128
+    return (
+        QwenImage21Transformer2DModel(
+            in_channels=64,
+            out_channels=64,
+            num_layers=2,
+            attention_head_dim=128,
+            num_attention_heads=heads,
+            context_in_dim=width,
+            mlp_ratio=3 * ffn_mult,
+            axes_dims_rope=(16, 56, 56),
+        ),
+        width,
+        3 * ffn_mult * width,
+        0,
+    )
+
+
+def _qwen_image_21_run(model, tokens, context, dtype):
+    """One sample's joint sequence: `context` caption tokens, then the image's latents unpatched (one img_mask slot
+    per 2x2 of them), as the recipe feeds it (the real model's text width equals its width)."""
+    import torch
+
+    side = square_side(tokens)
+    img_mask = torch.cat([torch.zeros(1, context, dtype=torch.bool), torch.ones(1, tokens // 4, dtype=torch.bool)], 1)
+    hidden = randn(1, tokens, 64, dtype=dtype)
+    text = randn(1, context, model.config.context_in_dim, dtype=dtype)
+    return lambda: mse(
+        model(
+            hidden_states=hidden,
+            encoder_hidden_states=text,
+            timestep=torch.tensor([0.5], dtype=dtype),
+            img_shapes=[[(1, side, side)]],
+            img_mask=img_mask,
+            return_dict=False,
+        )[0]
+    )
+
+
+ACTIVATION_CASES = (
+    Case(
+        "qwen-image-21",
+        "Qwen-Image 2.1 (one block-causal stream over the caption and the unpatched image, head dim 128)",
+        _qwen_image_21,
+        _qwen_image_21_run,
+        sizes=TRANSFORMER_SIZES,
+        check_size=(16, 12),
+        block_lists=attr("transformer_blocks"),
+        ffn=True,
+    ),
 )

@@ -16,6 +16,7 @@ UNIT = ModelUnit(
     spec_notes={
         "model.max_sequence_length": "512 (Qwen-Image 2.1: its example sets no limit; a longer caption is refused, naming it)"
     },
+    activation_cases=("dstune.models.qwen_image_21.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-qwen-image-21": "dstune.models.qwen_image_21.builtin:TINY_QWEN_IMAGE_21",
     },

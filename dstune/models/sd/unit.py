@@ -12,6 +12,7 @@ UNIT = ModelUnit(
     spec_sections=("dstune.models.sd.spec:SdModel", "dstune.models.sd.spec:SdxlModel"),
     families={"sd": "dstune.models.sd.sd_family", "sdxl": "dstune.models.sd.sdxl_family"},
     facts=("dstune.models.sd.facts:SD_FACTS", "dstune.models.sd.facts:SDXL_FACTS"),
+    activation_cases=("dstune.models.sd.builtin_sd:ACTIVATION_CASES",),
     builtins={
         "tiny-sd": "dstune.models.sd.builtin_sd:TINY_SD",
         "tiny-sdxl": "dstune.models.sd.builtin_sdxl:TINY_SDXL",

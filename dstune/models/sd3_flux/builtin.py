@@ -27,6 +27,7 @@ from dstune.builtin.common import (
 )
 from dstune.builtin.parts import tiny_t5_tokenizer, trained_flow_vae
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
 
 _SEED = 0
 # joint_attention_dim == T5 d_model (>= 2 x CLIP hidden: CLIP embeds are zero-padded to the T5 width);
@@ -155,4 +156,118 @@ TINY_FLUX = BuiltinModel(
     description="Flux-class pipeline: ~0.1 M-parameter Flux transformer with guidance embedding, CLIP + T5, "
     "trained 16-channel VAE",
     build=build_tiny_flux,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _sd3(heads, ffn_mult):
+    from diffusers import SD3Transformer2DModel
+
+    width = heads * 64
+    return (
+        SD3Transformer2DModel(
+            attention_head_dim=64,
+            num_attention_heads=heads,
+            num_layers=3,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            caption_projection_dim=width,
+            joint_attention_dim=width * 4096 // 1536,
+            pooled_projection_dim=width * 2048 // 1536,
+            pos_embed_max_size=96,
+            sample_size=64,
+        ),
+        width,
+        0,
+        0,
+    )
+
+
+def _sd3_run(model, tokens, context, dtype):
+    import torch
+
+    side = 2 * square_side(tokens)
+    latents = randn(1, 16, side, side, dtype=dtype)
+    text = randn(1, context, model.config.joint_attention_dim, dtype=dtype)
+    pooled = randn(1, model.config.pooled_projection_dim, dtype=dtype)
+    return lambda: mse(
+        model(
+            hidden_states=latents,
+            encoder_hidden_states=text,
+            pooled_projections=pooled,
+            timestep=torch.tensor([500.0]),
+            return_dict=False,
+        )[0]
+    )
+
+
+def _flux(heads, ffn_mult):
+    from diffusers import FluxTransformer2DModel
+
+    width = heads * 128
+    return (
+        FluxTransformer2DModel(
+            attention_head_dim=128,
+            num_attention_heads=heads,
+            num_layers=2,
+            num_single_layers=2,
+            in_channels=64,
+            joint_attention_dim=width * 4096 // 3072,
+            pooled_projection_dim=width * 768 // 3072,
+            guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        ),
+        width,
+        0,
+        0,
+    )
+
+
+def _flux_run(model, tokens, context, dtype):
+    import torch
+
+    side = square_side(tokens)
+    packed = randn(1, tokens, 64, dtype=dtype)
+    text = randn(1, context, model.config.joint_attention_dim, dtype=dtype)
+    pooled = randn(1, model.config.pooled_projection_dim, dtype=dtype)
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).to(dtype)
+    return lambda: mse(
+        model(
+            hidden_states=packed,
+            encoder_hidden_states=text,
+            pooled_projections=pooled,
+            timestep=torch.tensor([0.5], dtype=dtype),
+            guidance=torch.tensor([3.5], dtype=dtype),
+            txt_ids=torch.zeros(context, 3, dtype=dtype),
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+    )
+
+
+ACTIVATION_CASES = (
+    Case(
+        "sd3",
+        "SD3 (MMDiT, head dim 64)",
+        _sd3,
+        _sd3_run,
+        sizes=TRANSFORMER_SIZES,
+        check_size=(25, 12),
+        block_lists=attr("transformer_blocks"),
+    ),
+    Case(
+        "flux1",
+        "Flux.1 (double + single blocks, head dim 128)",
+        _flux,
+        _flux_run,
+        sizes=TRANSFORMER_SIZES,
+        check_size=(25, 12),
+        block_lists=attr("transformer_blocks", "single_transformer_blocks"),
+    ),
 )

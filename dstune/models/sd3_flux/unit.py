@@ -14,6 +14,7 @@ UNIT = ModelUnit(
     summary="SD3-class (SD3Transformer2DModel; CLIP x2 + T5), Flux-class (FluxTransformer2DModel; CLIP + T5)",
     pipelines={"StableDiffusion3Pipeline": 7.0, "FluxPipeline": 3.5},
     spec_notes={"model.max_sequence_length": "77 (SD3-class) / 512 (Flux-class)"},
+    activation_cases=("dstune.models.sd3_flux.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-flow": "dstune.models.sd3_flux.builtin:TINY_FLOW",
         "tiny-flux": "dstune.models.sd3_flux.builtin:TINY_FLUX",

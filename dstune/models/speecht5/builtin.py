@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dstune.builtin.common import BuiltinModel, deterministic_cpu
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, attr, generator, randn
 
 _SEED = 0
 TINY_SPEECHT5_RATE, TINY_SPEECHT5_MELS = 16000, 20
@@ -120,4 +121,63 @@ TINY_SPEECHT5 = BuiltinModel(
     family="speecht5",
     description="SpeechT5 TTS (~40 k parameters, char tokenizer, 20 mel bins at 16 kHz) + tiny HiFi-GAN vocoder",
     build=build_tiny_speecht5,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _speecht5(heads, ffn_mult):
+    from transformers import SpeechT5Config, SpeechT5ForTextToSpeech
+
+    width = heads * 64
+    config = SpeechT5Config(
+        hidden_size=width,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=4 * width,
+        decoder_ffn_dim=4 * width,
+        encoder_layers=2,
+        decoder_layers=2,
+        speech_decoder_prenet_units=width // 3,
+        speech_decoder_postnet_units=width // 3,
+        speaker_embedding_dim=512,
+        num_mel_bins=80,
+        reduction_factor=2,
+        vocab_size=81,
+        use_guided_attention_loss=True,
+        encoder_layerdrop=0.0,
+        decoder_layerdrop=0.0,
+    )
+    return SpeechT5ForTextToSpeech(config), width, 0, 0
+
+
+def _speecht5_run(model, tokens, context, dtype):
+    """`tokens` decoder steps (2 mel frames each), `context` transcript tokens, as dstune's speecht5 loss runs."""
+    import torch
+
+    ids = torch.randint(4, 81, (1, context), generator=generator())
+    labels = randn(1, 2 * tokens, 80, dtype=dtype)
+    speaker = randn(1, 512, dtype=dtype)
+    return lambda: model(
+        input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, speaker_embeddings=speaker
+    ).loss.float()
+
+
+ACTIVATION_CASES = (
+    Case(
+        "speecht5",
+        "SpeechT5 text-to-speech (eager attention: scores kept)",
+        _speecht5,
+        _speecht5_run,
+        sizes=((8, 6), (16, 6), (8, 12), (16, 12), (24, 6), (8, 18)),
+        check_size=(12, 9),
+        block_lists=attr(
+            encoder="speecht5.encoder.wrapped_encoder.layers", decoder="speecht5.decoder.wrapped_decoder.layers"
+        ),
+        quadratic=True,
+        checkpointing=False,
+    ),
 )

@@ -12,6 +12,7 @@ UNIT = ModelUnit(
     spec_sections=("dstune.models.speecht5.spec:SpeechT5Model",),
     families={"speecht5": "dstune.models.speecht5.family"},
     facts=("dstune.models.speecht5.facts:FACTS",),
+    activation_cases=("dstune.models.speecht5.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-speecht5": "dstune.models.speecht5.builtin:TINY_SPEECHT5",
     },

@@ -18,6 +18,7 @@ from dstune.data.audio import resample
 from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
 from dstune.models.tts_lm.token_layouts import TTS_LAYOUT_FILE, tts_layout
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, LM_VOCAB, attr, generator
 
 _SEED = 0
 TINY_CODEC = dict(
@@ -150,4 +151,51 @@ TINY_TTS_LM = BuiltinModel(
     family="tts_lm",
     description="Llama-shaped causal LM (~0.1 M parameters) over byte text + EnCodec tokens (2 x 32 codes, 8 kHz)",
     build=build_tiny_tts_lm,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _llama(heads, ffn_mult):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    width = heads * 64
+    ffn = 4 * width * ffn_mult
+    config = LlamaConfig(
+        hidden_size=width,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=64,
+        num_hidden_layers=2,
+        vocab_size=LM_VOCAB,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config), width, ffn, LM_VOCAB
+
+
+def _llama_run(model, tokens, context, dtype):
+    import torch
+
+    ids = torch.randint(0, LM_VOCAB, (1, tokens), generator=generator())
+    return lambda: model(input_ids=ids, labels=ids).loss.float()
+
+
+ACTIVATION_CASES = (
+    Case(
+        "llama",
+        "tts_lm: Llama-class causal LM (GQA 4:1, head dim 64)",
+        _llama,
+        _llama_run,
+        sizes=((32, 0), (96, 0)),
+        check_size=(64, 0),
+        block_lists=attr("model.layers"),
+        ffn=True,
+        heads=4,
+        check_heads=6,
+    ),
 )

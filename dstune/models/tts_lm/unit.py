@@ -12,6 +12,7 @@ UNIT = ModelUnit(
     spec_sections=("dstune.models.tts_lm.spec:TtsLmModel",),
     families={"tts_lm": "dstune.models.tts_lm.family"},
     facts=("dstune.models.tts_lm.facts:FACTS",),
+    activation_cases=("dstune.models.tts_lm.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-tts-lm": "dstune.models.tts_lm.builtin:TINY_TTS_LM",
         "tiny-orpheus": "dstune.models.tts_lm.builtin_orpheus:TINY_ORPHEUS",

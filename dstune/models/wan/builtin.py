@@ -27,6 +27,7 @@ from pathlib import Path
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import tiny_t5_tokenizer
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, attr, mse, randn, square_side
 
 _SEED = 40
 TEXT_WIDTH = 32  # UMT5 d_model = the transformer's text_dim
@@ -225,4 +226,90 @@ TINY_WAN22_TI2V = BuiltinModel(
     description="Wan 2.2 TI2V layout (expand_timesteps): a tiny Wan 2.2 VAE (z_dim 48, 16x spatial) and a "
     "48-channel Wan transformer, with tiny-wan's UMT5",
     build=build_tiny_wan22_ti2v,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _wan(ffn_ratio: float, in_channels: int, image: bool):
+    def build(heads, ffn_mult):
+        from diffusers import WanTransformer3DModel
+
+        width = heads * 128
+        ffn = int(width * ffn_ratio) * ffn_mult
+        model = WanTransformer3DModel(
+            attention_head_dim=128,
+            num_attention_heads=heads,
+            num_layers=2,
+            ffn_dim=ffn,
+            in_channels=in_channels,
+            out_channels=16 if in_channels != 48 else 48,
+            text_dim=width * 4096 // 5120,
+            freq_dim=256,
+            qk_norm="rms_norm_across_heads",
+            cross_attn_norm=True,
+            patch_size=(1, 2, 2),
+            added_kv_proj_dim=width if image else None,
+            image_dim=width * 1280 // 5120 if image else None,
+        )
+        return model, width, ffn, 0
+
+    return build
+
+
+def _wan_run(model, tokens, context, dtype):
+    """`tokens` = 2 latent frames x side^2 patches; image-to-video (Wan 2.1): a third of the context is the image's.
+    TI2V (48 channels): a timestep per token, as dstune passes it."""
+    import torch
+
+    side = 2 * square_side(tokens // 2)
+    config = model.config
+    latents = randn(1, config.in_channels, 2, side, side, dtype=dtype)
+    image_tokens = context // 3 if config.image_dim else 0
+    text = randn(1, context - image_tokens, config.text_dim, dtype=dtype)
+    extra = (
+        {"encoder_hidden_states_image": randn(1, image_tokens, config.image_dim, dtype=dtype)} if image_tokens else {}
+    )
+    timestep = (
+        torch.full((1, tokens), 500.0, dtype=dtype) if config.in_channels == 48 else torch.tensor([500.0], dtype=dtype)
+    )
+    return lambda: mse(
+        model(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, return_dict=False, **extra)[0]
+    )
+
+
+ACTIVATION_CASES = (
+    Case(
+        "wan-t2v",
+        "Wan 2.1 / 2.2 text-to-video (and Wan 2.2 A14B image-to-video: channels only)",
+        _wan(13824 / 5120, 16, False),
+        _wan_run,
+        sizes=((32, 8), (72, 8), (32, 24)),
+        check_size=(50, 12),
+        block_lists=attr("blocks"),
+        ffn=True,
+    ),
+    Case(
+        "wan-i2v",
+        "Wan 2.1 image-to-video (CLIP image tokens in the cross-attention)",
+        _wan(13824 / 5120, 36, True),
+        _wan_run,
+        sizes=((32, 9), (72, 9), (32, 24)),
+        check_size=(50, 12),
+        block_lists=attr("blocks"),
+        ffn=True,
+    ),
+    Case(
+        "wan-ti2v",
+        "Wan 2.2 TI2V 5B (a timestep per token)",
+        _wan(14336 / 3072, 48, False),
+        _wan_run,
+        sizes=((32, 8), (72, 8), (32, 24)),
+        check_size=(50, 12),
+        block_lists=attr("blocks"),
+        ffn=True,
+    ),
 )

@@ -18,6 +18,7 @@ UNIT = ModelUnit(
         "WanImageToVideoPipeline": (480, "WanImageToVideoPipeline's default frames are 480x832; the shorter side"),
     },
     spec_notes={"model.max_sequence_length": "512 (Wan: UMT5 tokens, zero-padded as WanPipeline pads them)"},
+    activation_cases=("dstune.models.wan.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-wan": "dstune.models.wan.builtin:TINY_WAN",
         "tiny-wan-a14b": "dstune.models.wan.builtin:TINY_WAN_A14B",

@@ -9,12 +9,15 @@ seed.
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import trained_flow_vae
 from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE, tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, attr, mse, randn, square_side
 
 _SEED = 30
 TEXT_WIDTH = 32  # the text encoder's hidden size = the transformer's cap_feat_dim
@@ -86,4 +89,57 @@ TINY_Z_IMAGE = BuiltinModel(
     description="Z-Image pipeline: one-layer Z-Image transformer, Qwen3 text encoder (two 32-wide layers), the "
     "trained 16-channel VAE of tiny-flow",
     build=build_tiny_z_image,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+def _zimage(heads, ffn_mult):
+    from diffusers import ZImageTransformer2DModel
+
+    width = heads * 128
+    return (
+        ZImageTransformer2DModel(
+            all_patch_size=(2,),
+            all_f_patch_size=(1,),
+            in_channels=16,
+            dim=width,
+            n_layers=2,
+            n_refiner_layers=2,
+            n_heads=heads,
+            n_kv_heads=heads,
+            qk_norm=True,
+            cap_feat_dim=width * 2560 // 3840,
+            axes_dims=[32, 48, 48],
+            axes_lens=[1024, 512, 512],
+        ),
+        width,
+        0,
+        0,
+    )
+
+
+def _zimage_run(model, tokens, context, dtype):
+    import torch
+
+    side = 2 * square_side(tokens)
+    latents = [randn(16, 1, side, side, dtype=dtype)]
+    text = [randn(context, model.config.cap_feat_dim, dtype=dtype)]
+    return lambda: mse(torch.stack(model(latents, torch.tensor([0.5], dtype=dtype), text, return_dict=False)[0]))
+
+
+ACTIVATION_CASES = (
+    Case(
+        "z-image",
+        "Z-Image (single stream, refiners)",
+        _zimage,
+        _zimage_run,
+        sizes=((16, 32), (64, 32), (16, 64)),
+        check_size=(36, 40),
+        pad=lambda n: math.ceil(n / 32) * 32,
+        block_lists=attr("layers", "noise_refiner", "context_refiner"),
+    ),
 )

@@ -14,6 +14,7 @@ UNIT = ModelUnit(
     summary="Z-Image (ZImageTransformer2DModel; Qwen3)",
     pipelines={"ZImagePipeline": 5.0},
     spec_notes={"model.max_sequence_length": "512 (Z-Image)"},
+    activation_cases=("dstune.models.zimage.builtin:ACTIVATION_CASES",),
     builtins={
         "tiny-z-image": "dstune.models.zimage.builtin:TINY_Z_IMAGE",
     },

@@ -1,0 +1,95 @@
+"""What a model unit declares so that bench/activation_table.py can measure its activations (docs/memory.md): one
+`Case` per measured model, named by the unit (`activation_cases=`), and the seeded inputs and block lists the cases
+are built from. A case is the REAL diffusers / transformers class at a narrow configuration of the published
+model's structure (its head dimension, MLP ratio, block kinds, norms and modulation; 2-4 heads instead of 24-48, 2
+blocks of each kind), with one training forward + loss on it.
+
+Width: every tensor a block keeps is tokens x (a multiple of the width, of the MLP width, or of the heads at the real
+head dimension), so its bytes per token are linear in the width and the MLP width; the measured constants are per
+width unit (and per MLP unit where a model's configs set the MLP width apart, as an `ffn_dim` or an
+`intermediate_size` key), and the estimate multiplies them by the real model's. The widths around the blocks (text
+projections' inputs, pooled vectors) are narrowed by the same factor so that they scale alike; only the latent
+channels and the rotary tables (head-dimension wide) do not, which is under 1 % of the total.
+
+A case's sizes: `tokens` is the token count the constants are per (image tokens, video tokens, latent pixels of a
+UNet, LM tokens, a speech decoder's steps), `context` the second sequence (text tokens, a transcript's tokens).
+Torch-free at import: torch is imported by the functions that run a case.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+TRANSFORMER_SIZES = ((16, 8), (36, 8), (16, 24))  # (image tokens, text tokens) of the image transformers' fits
+LM_VOCAB = 1000  # a narrow LM vocabulary: the logits are counted apart, per vocabulary entry
+
+
+@dataclass(frozen=True)
+class Case:
+    key: str  # the table's key (dstune/model_configs/activation_constants.json)
+    title: str
+    build: Callable  # (heads, ffn multiplier) -> module, with the measurement's width, ffn width and vocab
+    run: Callable  # (module, tokens, context, dtype) -> a callable computing the loss
+    sizes: tuple  # (tokens, context) measured to fit the constants
+    check_size: tuple  # a third (tokens, context) for the unit test
+    block_lists: Callable = lambda model: {}  # module -> {kind: list of blocks}
+    quadratic: bool = False  # attention that keeps its scores (not SDPA): fit T^2, C^2, T*C
+    joint_mask: bool = False  # each block's SDPA keeps a (T + C)^2 attention mask, width-free: fit (T + C)^2 bytes
+    ffn: bool = False  # the MLP width is a config key of its own: measure twice as wide too
+    # the LM head's weights are copied once per forward and kept for backward (per-codebook heads gathered by
+    # codebook): a logits term of width x vocabulary bytes, not per token
+    head_copy: bool = False
+    checkpointing: bool = True  # whether dstune can run it with gradient checkpointing
+    pad: Callable = lambda tokens: (
+        tokens
+    )  # the length the model pads a sequence to (the constants are per padded token)
+    heads: int = 2
+    check_heads: int = 3  # the unit test's width (a UNet: channels x check_heads / 10)
+    check_precision: str = "bf16"  # the unit test's (a UNet: fp32; the CPU's bf16 convolutions are ~20x slower)
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def mse(prediction):
+    """The loss a case backpropagates: the prediction's mean square against zeros, in float32."""
+    import torch
+    import torch.nn.functional as F
+
+    return F.mse_loss(prediction.float(), torch.zeros_like(prediction, dtype=torch.float32))
+
+
+def generator():
+    import torch
+
+    return torch.Generator().manual_seed(0)
+
+
+def randn(*shape, dtype):
+    import torch
+
+    return torch.randn(*shape, generator=generator()).to(dtype)
+
+
+def square_side(tokens: int) -> int:
+    """The side of a square grid of `tokens` image tokens."""
+    side = math.isqrt(tokens)
+    assert side * side == tokens, f"{tokens} image tokens: a square count is needed"
+    return side
+
+
+def attr(*names, **kinds):
+    """kind -> the model's attribute path of its blocks (a bare name is its own kind)."""
+    paths = {**{name.rsplit(".", 1)[-1]: name for name in names}, **kinds}
+
+    def lists(model):
+        found = {}
+        for kind, path in paths.items():
+            value = model
+            for part in path.split("."):
+                value = getattr(value, part)
+            found[kind] = list(value)
+        return found
+
+    return lists
