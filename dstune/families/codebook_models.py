@@ -29,6 +29,9 @@ class CodebooksModel:
     # default-target LoRA params) of the class) -> ModelCounts; the class counted without its codec
     count: Callable
     takes_voice_prompts: bool = False  # its sample() continues sample.voice_prompts (reference clip + transcript)
+    # parts of the class (dotted names, parameters or modules) that its trained module holds frozen: a full export
+    # takes them from the pretrained folder, since the trained weights DeepSpeed consolidates leave them out
+    frozen_parts: tuple[str, ...] = ()
 
 
 def codebooks_models() -> dict[str, CodebooksModel]:

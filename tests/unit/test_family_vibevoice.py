@@ -150,9 +150,10 @@ def test_text_labels_are_the_next_token(built, batch):
     for wrong in (0, 2):
         assert abs(out.loss.item() - with_shift(wrong)) > 1e-3
     audio = encoded["audio_mask"][0].nonzero()[:, 0]
-    assert (labels[0, audio] == -100).all()  # placeholders are not text targets; the audio BOS/EOS are
+    assert (labels[0, audio] == model.config.audio_token_id).all()  # "continue the speech", as generate reads it
     assert labels[0, audio[0] - 1] == model.config.audio_bos_token_id
     assert labels[0, audio[-1] + 1] == model.config.audio_eos_token_id
+    assert (labels[encoded["attention_mask"] == 0] == -100).all() and (encoded["attention_mask"] == 0).any()
 
 
 def test_each_latent_is_diffused_from_the_state_before_it(built, batch):
@@ -226,15 +227,15 @@ def test_codec_cache_holds_the_classs_own_latents(folder, built, batch, tmp_path
 
 
 def _generate_wav(folder, path, voice=None):
-    """The class's own generate through its processor's chat template; the tiny model's random LM is nudged
-    towards audio placeholders so that there are latents to decode (4 new tokens: 4 latents of 3200 samples)."""
+    """The class's own generate through its processor's chat template (at most 4 new tokens: up to 4 latents of
+    3200 samples each)."""
     model, processor = whole_vibevoice(folder)
     content = [{"type": "text", "text": "Hello."}] + ([{"type": "audio", "audio": voice}] if voice is not None else [])
     inputs = processor.apply_chat_template(
         [{"role": "0", "content": content}], tokenize=True, return_dict=True, return_tensors="pt"
     )
     torch.manual_seed(0)
-    audio = model.generate(**inputs, max_new_tokens=4, sequence_bias={(model.config.audio_token_id,): 50.0})
+    audio = model.generate(**inputs, max_new_tokens=4)
     processor.save_audio(audio, str(path))
     return soundfile.read(path)
 
@@ -251,7 +252,7 @@ def test_export_loads_with_its_processor_and_generates_a_wav(folder, built, batc
     name = "model.diffusion_head.cond_proj.weight"
     assert torch.equal(model.state_dict()[name], state["model." + name])
     wave, rate = _generate_wav(out, tmp_path / "out.wav")
-    assert rate == 24000 and len(wave) == 4 * 3200 and np.isfinite(wave).all()
+    assert rate == 24000 and len(wave) in (3200, 6400, 9600, 12800) and np.isfinite(wave).all()
     voiced, _ = _generate_wav(out, tmp_path / "voiced.wav", voice=batch["audio"][1].numpy())
     assert len(voiced) == len(wave) and not np.allclose(voiced, wave)  # the reference voice changed the speech
 

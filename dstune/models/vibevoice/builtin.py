@@ -8,14 +8,20 @@ What the processor and generate assume is the real model's: 24 kHz audio, the ac
 samples (downsampling [2, 2, 4, 5, 5, 8]: 7.5 latents per second), the audio tokens <|vision_start|>,
 <|vision_end|> and <|vision_pad|>, the v-prediction cosine DPM-Solver scheduler in the generation config and its
 classifier-free guidance of 1.3. Only the widths are tiny (latents of 8 values, one ConvNeXt block per stage).
-The weights are random: the samples are noise-like; what they test is that generation and decoding run.
+The weights are random but for a short fit of the LM to the token layout of builtin:tones utterances (script, audio
+BOS, one placeholder per 3200 samples, audio EOS, end of text), so that generate emits latents to decode from the
+start; the latents themselves are noise-like. What the samples test is that generation and decoding run.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import torch
+
 from dstune.builtin.common import BuiltinModel, bytes_to_unicode, deterministic_cpu
+from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 0
@@ -107,6 +113,32 @@ def tiny_vibevoice_config(tokenizer):
     )
 
 
+def fit_token_layout(model, processor, steps: int = 40) -> None:
+    """A few AdamW steps of the class's LM loss (no diffusion) on builtin:tones scripts laid out as dstune trains
+    them, the placeholders left as tokens: the LM learns to answer the speech BOS with placeholders and to end."""
+    tokenizer, config = processor.tokenizer, model.config
+    end = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    rows = []
+    for index in range(0, TONES_NUM_SAMPLES, 16):
+        text = tones_text(index)
+        frames = math.ceil(len(render_tones(text)) * 24000 / TONES_SAMPLE_RATE / config.audio_config.hop_length)
+        messages = [{"role": "0", "content": [{"type": "text", "text": text}]}]
+        prompt = tokenizer(processor.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids
+        rows.append(prompt + [config.audio_token_id] * frames + [config.audio_eos_token_id, end])
+    ids = torch.full((len(rows), max(map(len, rows))), end)
+    mask = torch.zeros_like(ids)
+    for row, tokens in enumerate(rows):
+        ids[row, : len(tokens)], mask[row, : len(tokens)] = torch.tensor(tokens), 1
+    labels = ids.masked_fill(mask == 0, -100)
+    optimizer = torch.optim.AdamW(model.model.language_model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        optimizer.step()
+    model.eval()
+
+
 def build_tiny_vibevoice(out: Path, needs: dict) -> dict:
     from transformers import (
         GenerationConfig,
@@ -118,14 +150,15 @@ def build_tiny_vibevoice(out: Path, needs: dict) -> dict:
     tokenizer = tiny_vibevoice_tokenizer()
     with deterministic_cpu(_SEED, 1), quiet_hf_libraries():
         model = VibeVoiceForConditionalGeneration(tiny_vibevoice_config(tokenizer)).eval()
+        feature_extractor = VibeVoiceAcousticTokenizerFeatureExtractor(
+            sampling_rate=24000, pad_to_multiple_of=model.config.audio_config.hop_length
+        )
+        processor = VibeVoiceProcessor(feature_extractor, tokenizer, chat_template=CHAT_TEMPLATE)
+        fit_token_layout(model, processor)
     end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model.generation_config = GenerationConfig(
         **TINY_VIBEVOICE_GENERATION, bos_token_id=end, eos_token_id=end, pad_token_id=end
     )
-    feature_extractor = VibeVoiceAcousticTokenizerFeatureExtractor(
-        sampling_rate=24000, pad_to_multiple_of=model.config.audio_config.hop_length
-    )
-    processor = VibeVoiceProcessor(feature_extractor, tokenizer, chat_template=CHAT_TEMPLATE)
     with quiet_hf_libraries():
         model.save_pretrained(out)
         processor.save_pretrained(out)

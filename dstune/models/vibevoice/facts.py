@@ -87,4 +87,12 @@ CODEBOOKS_MODEL = CodebooksModel(
     torch_side="dstune.models.vibevoice.model",
     count=count,
     takes_voice_prompts=True,
+    # the speech tokenizers, the semantic connector (only generate uses it) and the latent statistics
+    frozen_parts=(
+        "model.audio_tower",
+        "model.semantic_tokenizer_encoder",
+        "model.semantic_connector",
+        "model.latent_scaling_factor",
+        "model.latent_bias_factor",
+    ),
 )

@@ -16,11 +16,14 @@ whole class, tokenizers included but frozen, so that generate and the export are
 One utterance is what the processor's chat template writes for a script, then the speech as generate produces it:
     system prompt, " Text input:\\n", " Speaker N: text\\n" per turn, " Speech output:\\n", <audio BOS>,
     one <audio> per latent, <audio EOS>, <|endoftext|>
-The labels are the ids with -100 on the <audio> placeholders and padding (the processor's output_labels rule); the
-class shifts them. Each latent is diffused from the LM's hidden state one position before its own placeholder (the
-audio BOS for the first), because that is the state generate conditions the diffusion head on. The processor's
-acoustic_loss_mask marks the placeholders themselves: a state that has already seen the latent it is asked to
-denoise (docs/tts.md, VibeVoice).
+The labels are the ids with -100 on padding only; the class shifts them. Two deliberate differences from what the
+processor builds with output_labels=True (docs/tts.md, VibeVoice), both taken from what generate does:
+- the <audio> placeholders stay targets. generate continues the speech while the LM's argmax is <audio> and stops
+  at <audio EOS>; with the placeholders masked (the processor) the LM only ever learns <audio EOS> there, and after
+  a few steps it ends every utterance at once (seen on builtin:tiny-vibevoice: silent samples after 4 steps).
+- each latent is diffused from the LM's hidden state one position before its own placeholder (the audio BOS for the
+  first), the state generate conditions the diffusion head on. The processor's acoustic_loss_mask marks the
+  placeholders themselves: a state that has already seen, as its input, the latent it is asked to denoise.
 """
 
 from __future__ import annotations
@@ -38,20 +41,27 @@ from dstune.families.base import FamilyError
 from dstune.families.randomness import sample_seed
 from dstune.families.speech import Clip, CodecTokensBuilt
 from dstune.hf import quiet_hf_libraries
-from dstune.models.vibevoice.facts import ARCHITECTURE, LATENTS_KIND
+from dstune.models.vibevoice.facts import ARCHITECTURE, CODEBOOKS_MODEL, LATENTS_KIND
 from dstune.resampling import resample
 
 DDPM_BATCH_MULTIPLIER = 4  # noise draws per latent (the class's default, and the original trainer's)
 DIFFUSION_PURPOSE = "vibevoice-diffusion"  # the per-sample draw of the diffusion's noise and timesteps
 DEFAULT_SPEAKER = "0"
 TURN = re.compile(r"^\s*Speaker\s+(\d+)\s*:\s*(.*)$")
+FACTORS = ("latent_scaling_factor", "latent_bias_factor")  # the tokenizer's latent statistics: set with it, not learnt
 # the class's tokenizers (never trained), and the semantic connector, which only generate uses (the class's training
 # forward embeds the acoustic latents alone): no gradient reaches it
-FROZEN = ("model.model.audio_tower", "model.model.semantic_tokenizer_encoder", "model.model.semantic_connector")
-FROZEN_FACTORS = (
-    "model.model.latent_scaling_factor",
-    "model.model.latent_bias_factor",
-)  # set with the tokenizer, not learnt
+FROZEN = tuple("model." + part for part in CODEBOOKS_MODEL.frozen_parts if part.rsplit(".", 1)[-1] not in FACTORS)
+
+
+def factors_as_buffers(model) -> None:
+    """The class's latent scaling and bias (frozen scalars) become buffers of the same names: generate and the
+    training step read them outside the forward of the module that holds them, where ZeRO-3 would have left each
+    rank an empty share of a parameter; buffers stay whole on every rank. The state dict keeps their names."""
+    inner = model.model
+    for name in FACTORS:
+        value = inner._parameters.pop(name).detach().clone()
+        inner.register_buffer(name, value)
 
 
 class VibeVoiceModule(torch.nn.Module):
@@ -69,7 +79,7 @@ class VibeVoiceModule(torch.nn.Module):
         outer = self.model
         inner = outer.model
         # as VibeVoiceModel.forward does with input_values: the scaled latents, projected, replace the placeholders
-        features = (latents + inner.latent_bias_factor) * inner.latent_scaling_factor
+        features = ((latents + inner.latent_bias_factor) * inner.latent_scaling_factor).to(latents.dtype)
         embeds = outer.get_input_embeddings()(input_ids)
         projected = inner.multi_modal_projector(features).to(embeds.dtype)
         embeds = embeds.masked_scatter(audio_mask.unsqueeze(-1).expand_as(embeds), projected)
@@ -146,13 +156,12 @@ def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.fl
     }
     if model.gradient_checkpointing:
         whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    factors_as_buffers(whole)
     scheduler = noise_scheduler(whole)
     trainable = VibeVoiceModule(whole, scheduler, int(scheduler.config.num_train_timesteps)).train()
     trainable.requires_grad_(True)
     for name in FROZEN:
         trainable.get_submodule(name).requires_grad_(False).eval()
-    for name in FROZEN_FACTORS:
-        trainable.get_parameter(name).requires_grad_(False)
     device = torch.device(device)
     return VibeVoiceBuilt(
         folder=folder,
@@ -233,7 +242,7 @@ def encode_batch(built: VibeVoiceBuilt, batch: dict, dtype: torch.dtype = torch.
     for row, ids in enumerate(rows):
         input_ids[row, : len(ids)], attention_mask[row, : len(ids)] = torch.tensor(ids), 1
     audio_mask = input_ids == config.audio_token_id
-    labels = input_ids.masked_fill((attention_mask == 0) | audio_mask, -100)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)  # the placeholders are targets: "continue"
     condition_mask = torch.zeros_like(audio_mask)
     condition_mask[:, :-1] = audio_mask[:, 1:]  # the position before each latent's own
     device = built.device
