@@ -255,6 +255,10 @@ def test_export_loads_with_its_processor_and_generates_a_wav(folder, built, batc
     assert rate == 24000 and len(wave) in (3200, 6400, 9600, 12800) and np.isfinite(wave).all()
     voiced, _ = _generate_wav(out, tmp_path / "voiced.wav", voice=batch["audio"][1].numpy())
     assert len(voiced) == len(wave) and not np.allclose(voiced, wave)  # the reference voice changed the speech
+    from dstune.export import speak
+
+    clip = speak(out, "Speaker 0: 12", tmp_path / "said.wav", seconds=0.4, temperature=0.0, seed=0)  # synthesize
+    assert clip.sample_rate == 24000 and len(clip.wave) > 0 and soundfile.read(tmp_path / "said.wav")[1] == 24000
 
 
 def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
