@@ -76,8 +76,7 @@ def codebooks_spec(run_dir: Path, stage: int, train: str, pretrained: str = "bui
 def check_trains_and_samples(run_dir: Path, proc, sample_rate: int, may_end_silent: bool = False) -> None:
     """The run passed the batch check, its loss fell over STEPS finite steps, and its WAV samples at `sample_rate`
     changed between step 0 and the last step. `may_end_silent`: the last samples may be empty (Dia stops where EOS
-    is codebook 0's most likely code, which it is after a few steps of a tiny model: every clip ends in EOS;
-    VibeVoice's tiny LM, after 4 steps at lr 1e-2, may end its speech at once after the audio BOS)."""
+    is codebook 0's most likely code, which it is after a few steps of a tiny model: every clip ends in EOS)."""
     import soundfile
 
     assert proc.returncode == 0, explain(proc)

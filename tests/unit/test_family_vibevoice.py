@@ -286,3 +286,30 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
     assert not torch.equal(merged.state_dict()[name], base.state_dict()[name])
     wave, rate = _generate_wav(tmp_path, tmp_path / "merged.wav")
     assert rate == 24000 and len(wave) > 0
+
+
+def test_with_the_processors_labels_the_lm_learns_to_stop_speaking(folder, built, batch):
+    """Why the placeholders stay targets: generate continues the speech while the LM's choice after the speech BOS
+    is the placeholder. Four AdamW steps of the class's LM loss with the processor's labels (placeholders masked)
+    make <audio EOS> the choice there; with dstune's labels the placeholder stays it."""
+    from transformers import VibeVoiceForConditionalGeneration
+
+    encoded = tts_codebooks.encode_batch(built, batch)
+    audio = encoded["audio_mask"]
+    first = int(audio[0].nonzero()[0])  # the BOS before it conditions the first latent and predicts "continue"
+    choices = {}
+    for name, labels in (("ours", encoded["labels"]), ("processor's", encoded["labels"].masked_fill(audio, -100))):
+        model = VibeVoiceForConditionalGeneration.from_pretrained(folder[0]).train()
+        optimizer = torch.optim.AdamW(model.model.language_model.parameters(), lr=1e-2)
+        for _ in range(4):
+            optimizer.zero_grad()
+            model(
+                input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"], labels=labels
+            ).loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            logits = model.eval()(input_ids=encoded["input_ids"][:1, :first]).logits[0, -1]
+        allowed = [model.config.audio_token_id, model.config.audio_eos_token_id]
+        choices[name] = allowed[int(logits[allowed].argmax())]
+    assert choices["ours"] == model.config.audio_token_id
+    assert choices["processor's"] == model.config.audio_eos_token_id
