@@ -313,3 +313,31 @@ def test_with_the_processors_labels_the_lm_learns_to_stop_speaking(folder, built
         choices[name] = allowed[int(logits[allowed].argmax())]
     assert choices["ours"] == model.config.audio_token_id
     assert choices["processor's"] == model.config.audio_eos_token_id
+
+
+def test_a_folder_in_the_original_layout_is_refused_by_validate_and_start_up(tmp_path, capsys):
+    """microsoft/VibeVoice-1.5B's own config.json (decoder_config, acoustic_tokenizer_config) names the class, which
+    would load it as a default-sized model without its weights: validate and the build both refuse it."""
+    import json
+
+    import yaml
+
+    from dstune.cli import main
+    from dstune.families.base import FamilyError
+
+    folder = tmp_path / "VibeVoice-1.5B"
+    folder.mkdir()
+    original = {"architectures": ["VibeVoiceForConditionalGeneration"], "model_type": "vibevoice"}
+    original.update(decoder_config={"model_type": "qwen2", "hidden_size": 1536}, acoustic_vae_dim=64)
+    (folder / "config.json").write_text(json.dumps(original))
+    spec = {"model": {"family": "tts_codebooks", "pretrained": str(folder)}, "data": {"path": "builtin:tones"}}
+    spec["train"] = {"micro_batch_size": 2, "max_steps": 10}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(tmp_path / "spec.yaml"), "--num-gpus", "2"]) == 1
+    printed = capsys.readouterr()
+    text = printed.out + printed.err
+    assert "model.pretrained" in text and "original VibeVoice layout" in text
+    with pytest.raises(FamilyError, match="original VibeVoice layout"):
+        tts_vibevoice.build(
+            TtsCodebooksModel(family="tts_codebooks", pretrained=str(folder)), {"pretrained": folder}, "cpu"
+        )

@@ -43,14 +43,22 @@ def _tokenizer_params(config_text: str) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
+def config_problem(config: dict):
+    """Why the class cannot train a folder of this config.json, or None. microsoft/VibeVoice-1.5B ships the original
+    layout, which VibeVoiceConfig does not read: it would build a default-sized model and load none of the weights."""
+    if "decoder_config" in config and "text_config" not in config:
+        return (
+            "its config.json is in the original VibeVoice layout (decoder_config, acoustic_tokenizer_config), which "
+            "transformers' VibeVoiceForConditionalGeneration does not read; use a folder converted to the "
+            "transformers layout (text_config, audio_config), as bezzam/VibeVoice-1.5B-hf"
+        )
+    return None
+
+
 def count(spec, num_samples: int, folder, origin: str, config: dict, counted: tuple) -> ModelCounts:
     params, largest, lora, default_lora = counted
-    if "decoder_config" in config and "text_config" not in config:
-        raise SizesUnknown(
-            f"{origin}: its config.json is in the original VibeVoice layout (decoder_config, "
-            "acoustic_tokenizer_config), which transformers' VibeVoiceForConditionalGeneration does not read; use "
-            "a folder converted to the transformers layout (text_config, audio_config), as bezzam/VibeVoice-1.5B-hf"
-        )
+    if config_problem(config):
+        raise SizesUnknown(f"{origin}: {config_problem(config)}")
     try:
         audio, text = config["audio_config"], config["text_config"]
     except KeyError as err:
@@ -87,6 +95,7 @@ CODEBOOKS_MODEL = CodebooksModel(
     torch_side="dstune.models.vibevoice.model",
     count=count,
     takes_voice_prompts=True,
+    config_problem=config_problem,
     # the speech tokenizers, the semantic connector (only generate uses it) and the latent statistics
     frozen_parts=(
         "model.audio_tower",

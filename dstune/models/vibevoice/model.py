@@ -29,6 +29,7 @@ processor builds with output_labels=True (docs/tts.md, VibeVoice), both taken fr
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from dstune.families.base import FamilyError
 from dstune.families.randomness import sample_seed
 from dstune.families.speech import Clip, CodecTokensBuilt
 from dstune.hf import quiet_hf_libraries
-from dstune.models.vibevoice.facts import ARCHITECTURE, CODEBOOKS_MODEL, LATENTS_KIND
+from dstune.models.vibevoice.facts import ARCHITECTURE, CODEBOOKS_MODEL, LATENTS_KIND, config_problem
 from dstune.resampling import resample
 
 DDPM_BATCH_MULTIPLIER = 4  # noise draws per latent (the class's default, and the original trainer's)
@@ -144,6 +145,9 @@ def noise_scheduler(model):
 
 def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> VibeVoiceBuilt:
     folder = folders["pretrained"]
+    problem = config_problem(json.loads((folder / "config.json").read_text()))
+    if problem:  # transformers would load it as a default-sized model with none of its weights
+        raise FamilyError(f"{folder}: {problem}")
     whole, processor = load(folder)
     codec = copy.deepcopy(whole.model.audio_tower).float().eval().requires_grad_(False)
     rate, hop = int(processor.feature_extractor.sampling_rate), int(whole.config.audio_config.hop_length)
