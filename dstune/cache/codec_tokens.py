@@ -7,7 +7,8 @@ the clip is resampled to and how many codebooks are kept. A changed clip, codec 
 looked up by position. Ranks that see the same cache folder split the entries (every k-th of the fixed list);
 after a barrier every rank checks every entry it will read, so training never starts on a partial cache.
 
-Codes do not depend on the rank count: each clip is encoded alone, in fp32 (dstune.models.tts_lm.family.encode_clip).
+Codes do not depend on the rank count: each clip is encoded alone, in fp32 (dstune.models.tts_lm.family.encode_clip,
+or the family's own `clip_encoder`, whose continuous latents are stored as float32).
 """
 
 from __future__ import annotations
@@ -90,10 +91,14 @@ def encode_entries(built, entries: list[Entry], by_id: dict[str, AudioRecord], f
             cached += 1
             continue
         wave = torch.from_numpy(load_clip(by_id[entry.sample_id], built.sample_rate))
-        codes = encode_clip(
-            built.codec, built.codec_kind, wave, built.layout["num_codebooks"], built.layout["frame_order"]
-        )
-        write_entry(folder / entry.relpath, entry, {"codes": codes.to(torch.int32)})
+        if built.clip_encoder is not None:  # the family's own encoding (float latents are kept as float32)
+            codes = built.clip_encoder(wave.numpy())
+        else:
+            codes = encode_clip(
+                built.codec, built.codec_kind, wave, built.layout["num_codebooks"], built.layout["frame_order"]
+            )
+        codes = codes.to(torch.float32 if codes.is_floating_point() else torch.int32)
+        write_entry(folder / entry.relpath, entry, {"codes": codes})
         built_now += 1
     return built_now, cached
 

@@ -118,7 +118,8 @@ class CachedSpeechDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         record = self.records[index]
-        codes = read_entry(self.paths[record.sample_id])["codes"].long()
+        codes = read_entry(self.paths[record.sample_id])["codes"]
+        codes = codes if codes.is_floating_point() else codes.long()  # codec codes, or a family's float latents
         return {
             "index": index,
             "sample_id": record.sample_id,

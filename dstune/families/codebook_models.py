@@ -14,7 +14,7 @@ load the class by its name and put the trained weights in, serve it unchanged).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from dstune.models import registry
 from dstune.models.unit import load
@@ -29,6 +29,11 @@ class CodebooksModel:
     # default-target LoRA params) of the class) -> ModelCounts; the class counted without its codec
     count: Callable
     takes_voice_prompts: bool = False  # its sample() continues sample.voice_prompts (reference clip + transcript)
+    # parts of the class (dotted names, parameters or modules) that its trained module holds frozen: a full export
+    # takes them from the pretrained folder, since the trained weights DeepSpeed consolidates leave them out
+    frozen_parts: tuple[str, ...] = ()
+    # config.json -> why the class cannot train this folder (None: it can); validate reports it at model.pretrained
+    config_problem: Optional[Callable[[dict], Optional[str]]] = None
 
 
 def codebooks_models() -> dict[str, CodebooksModel]:

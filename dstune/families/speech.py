@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
@@ -33,6 +33,9 @@ class CodecTokensBuilt:
     layout: dict  # sampling_rate, num_codebooks, frame_order (and frame_rate): what the cache and samples read
     max_sample_seconds: float = 2.0
     temperature: float = 0.8
+    # wave (float32 numpy at sample_rate) -> one clip's tensor for the codec cache, for a model whose "codes" are
+    # its own encoder's continuous latents (frames, values); None: dstune.families.speech_codecs.encode_clip
+    clip_encoder: Optional[Callable] = None
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:

@@ -24,6 +24,7 @@ from dstune.models.sd3_flux.unit import UNIT as SD3_FLUX
 from dstune.models.speecht5.unit import UNIT as SPEECHT5
 from dstune.models.tts_lm.unit import UNIT as TTS_LM
 from dstune.models.unit import ModelPreset, ModelUnit
+from dstune.models.vibevoice.unit import UNIT as VIBEVOICE
 from dstune.models.wan.unit import UNIT as WAN
 from dstune.models.zimage.unit import UNIT as ZIMAGE
 
@@ -44,6 +45,7 @@ UNITS: tuple[ModelUnit, ...] = (
     TTS_LM,
     CSM,
     DIA,
+    VIBEVOICE,
     SPEECHT5,
 )
 

@@ -23,10 +23,12 @@ pytestmark = pytest.mark.dist
 
 CASES = {"zero2": 2, "zero3": 3}
 SPEECHT5_CASES = {"speecht5-zero2": 2, "speecht5-zero3": 3}
-# tts_codebooks: Sesame CSM and Dia (stage, train, built-in model)
+# tts_codebooks: Sesame CSM, Dia and VibeVoice (stage, train, built-in model)
 CODEBOOKS_CASES = {"csm-zero3-full": (3, "full", "builtin:tiny-csm"), "csm-zero2-lora": (2, "lora", "builtin:tiny-csm"),
-                   "dia-zero3-full": (3, "full", "builtin:tiny-dia"), "dia-zero2-lora": (2, "lora", "builtin:tiny-dia")}
-CODEBOOKS_RATES = {"csm": 24000, "dia": 44100}
+                   "dia-zero3-full": (3, "full", "builtin:tiny-dia"), "dia-zero2-lora": (2, "lora", "builtin:tiny-dia"),
+                   "vibevoice-zero3-full": (3, "full", "builtin:tiny-vibevoice"),
+                   "vibevoice-zero2-lora": (2, "lora", "builtin:tiny-vibevoice")}
+CODEBOOKS_RATES = {"csm": 24000, "dia": 44100, "vib": 24000}
 
 
 def _speecht5_spec(run_dir: Path, stage: int) -> dict:
@@ -39,7 +41,7 @@ def _speecht5_spec(run_dir: Path, stage: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Ten launches shared by the tests below (the resumes are in their own tests)."""
+    """Twelve launches shared by the tests below (the resumes are in their own tests)."""
     out = {}
     for name, stage in [*CASES.items(), *SPEECHT5_CASES.items(), *CODEBOOKS_CASES.items()]:
         run_dir = tmp_path_factory.mktemp(f"tts-{name}") / "run"
@@ -85,8 +87,9 @@ def test_export_reloads_in_transformers_and_speaks(runs, name):
 
 
 # One resume per model: tts_lm under ZeRO-3, SpeechT5 under ZeRO-2, CSM's LoRA (its adapters and the frozen codec
-# outside the engine), Dia's ZeRO-3 full run with gradient checkpointing; each costs a launch.
-@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2", "csm-zero2-lora", "dia-zero3-full"])
+# outside the engine), Dia's ZeRO-3 full run with gradient checkpointing, VibeVoice's ZeRO-3 full run (its diffusion
+# draws per sample and step); each costs a launch.
+@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2", "csm-zero2-lora", "dia-zero3-full", "vibevoice-zero3-full"])
 def test_resume_continues_exactly(runs, name, tmp_path):
     check_resume_continues_exactly(*runs[name], tmp_path / "resumed")
 
@@ -201,3 +204,38 @@ def test_dia_export_loads_with_its_processor_and_generates_a_wav(runs, name, tmp
     processor.save_audio(processor.batch_decode(sequence), str(tmp_path / "42.wav"))
     wave, rate = soundfile.read(tmp_path / "42.wav")
     assert rate == 44100 and wave.size >= len(prompt) // 512 * 512 and np.isfinite(wave).all()
+
+
+@pytest.mark.parametrize("name", [name for name in CODEBOOKS_CASES if name.startswith("vibevoice")])
+def test_vibevoice_export_loads_with_its_processor_and_generates_a_wav(runs, name, tmp_path):
+    """The export is a folder VibeVoiceForConditionalGeneration + AutoProcessor load (its tokenizers inside, never
+    trained), with the trained weights, whose own generate (after a reference voice) + processor.save_audio write a
+    WAV; a LoRA export also holds the peft adapter, which gives the merged weights on the base folder."""
+    import soundfile
+    from peft import PeftModel
+    from transformers import AutoProcessor, VibeVoiceForConditionalGeneration
+
+    from dstune.data.synthetic import render_tones
+
+    run_dir, _, proc = runs[name]
+    assert proc.returncode == 0, explain(proc)
+    folder = run_dir / "export" / f"step-{STEPS:08d}"
+    model = VibeVoiceForConditionalGeneration.from_pretrained(folder).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    base = VibeVoiceForConditionalGeneration.from_pretrained(CACHE_DIR / "builtin" / "tiny-vibevoice-v1")
+    changed = [k for k, v in base.state_dict().items() if not torch.equal(v, model.state_dict()[k])]
+    frozen = ("model.audio_tower.", "model.semantic_tokenizer_encoder.", "model.semantic_connector.")
+    assert changed and not any(k.startswith(frozen) for k in changed)
+    if name.endswith("lora"):
+        merged = PeftModel.from_pretrained(base, folder / "adapter").merge_and_unload()
+        assert all(torch.allclose(merged.state_dict()[k], model.state_dict()[k], atol=1e-6) for k in changed)
+    voice = render_tones("89")  # 16 kHz
+    voice = np.interp(np.arange(int(len(voice) * 1.5)) / 1.5, np.arange(len(voice)), voice).astype(np.float32)
+    content = [{"type": "text", "text": "42"}, {"type": "audio", "audio": voice}]
+    inputs = processor.apply_chat_template([{"role": "0", "content": content}], tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    torch.manual_seed(0)
+    audio = model.generate(**inputs, max_new_tokens=6)
+    processor.save_audio(audio, str(tmp_path / "42.wav"))
+    wave, rate = soundfile.read(tmp_path / "42.wav")
+    assert rate == 24000 and wave.size > 0 and wave.size % 3200 == 0 and np.isfinite(wave).all()

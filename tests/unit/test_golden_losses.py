@@ -82,6 +82,7 @@ CASES = {
     "tiny-speecht5": (_model(SpeechT5Model, "speecht5"), "tones", SPEECH_LR),
     "tiny-csm": (_model(TtsCodebooksModel, "tts_codebooks"), "tones", SPEECH_LR),
     "tiny-dia": (_model(TtsCodebooksModel, "tts_codebooks"), "tones", SPEECH_LR),
+    "tiny-vibevoice": (_model(TtsCodebooksModel, "tts_codebooks"), "tones", SPEECH_LR),
     "tiny-hunyuan-video15": (_model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS), "moving-shapes", IMAGE_LR),
     "tiny-hunyuan-video15-i2v": (
         _model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS),

@@ -135,7 +135,8 @@ def _spec_issues(spec) -> SpecIssues:
     sample.voice_prompts only for a class that continues a voice, each clip readable with its transcript beside."""
     try:
         folder, _ = config_folder(spec.model.pretrained)
-        cls = architecture(read_config(folder / "config.json"))
+        config = read_config(folder / "config.json")
+        cls = architecture(config)
     except SizesUnknown as err:
         return [
             (
@@ -144,6 +145,10 @@ def _spec_issues(spec) -> SpecIssues:
                 f"{', '.join(ARCHITECTURES)} folders.",
             )
         ]
+    declared = codebooks_models().get(cls)
+    problem = declared.config_problem(config) if declared is not None and declared.config_problem else None
+    if problem:
+        return [("model.pretrained", f"{spec.model.pretrained}: {problem}")]
     return _voice_prompt_issues(spec.sample.voice_prompts, cls)
 
 

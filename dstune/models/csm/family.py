@@ -308,6 +308,9 @@ def _whole_model(built: CodebooksBuilt, state_dict: dict):
     if built.architecture in CODEC_ATTRIBUTE:  # CSM: the codec inside the class was not trained (others': outside)
         codec_prefix = CODEC_ATTRIBUTE[built.architecture] + "."
         missing = [k for k in missing if not k.startswith(codec_prefix)]
+    else:  # a declared class: what its trained module held frozen stays the pretrained folder's
+        frozen = codebooks_models()[built.architecture].frozen_parts
+        missing = [k for k in missing if not any(k == part or k.startswith(part + ".") for part in frozen)]
     if missing or unexpected or len(trained) != len(state_dict):
         raise ValueError(
             f"trained weights do not fit {built.architecture}: missing {sorted(missing)[:5]}, "

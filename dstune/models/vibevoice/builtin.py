@@ -1,0 +1,178 @@
+"""builtin:tiny-vibevoice: a tiny VibeVoice made offline (listed by the vibevoice unit): transformers'
+VibeVoiceForConditionalGeneration (a Qwen2 LM whose hidden state conditions a diffusion head over the acoustic
+tokenizer's continuous latents) with a tiny VibeVoiceAcousticTokenizerModel inside it (`audio_tower`), a tiny
+semantic encoder, a byte-level Qwen2 tokenizer carrying VibeVoice's audio tokens, and the VibeVoiceProcessor
+(tokenizer + VibeVoiceAcousticTokenizerFeatureExtractor + the chat template's layout) that `from_pretrained` uses.
+
+What the processor and generate assume is the real model's: 24 kHz audio, the acoustic tokenizer's hop of 3200
+samples (downsampling [2, 2, 4, 5, 5, 8]: 7.5 latents per second), the audio tokens <|vision_start|>,
+<|vision_end|> and <|vision_pad|>, the v-prediction cosine DPM-Solver scheduler in the generation config and its
+classifier-free guidance of 1.3. Only the widths are tiny (latents of 8 values, one ConvNeXt block per stage).
+The weights are random but for a short fit of the LM to the token layout of builtin:tones utterances (script, audio
+BOS, one placeholder per 3200 samples, audio EOS, end of text), so that generate emits latents to decode from the
+start; the latents themselves are noise-like. What the samples test is that generation and decoding run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from dstune.builtin.common import BuiltinModel, bytes_to_unicode, deterministic_cpu
+from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
+from dstune.hf import quiet_hf_libraries
+
+_SEED = 0
+FOLDER_NAME = "tiny-vibevoice-v1"
+AUDIO_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")  # audio BOS, audio EOS, one latent
+TINY_ACOUSTIC = dict(
+    hidden_size=8,
+    num_filters=2,
+    downsampling_ratios=[2, 2, 4, 5, 5, 8],
+    depths=[1, 1, 1, 1, 1, 1, 1],
+    ffn_expansion=2,
+)
+TINY_SEMANTIC = dict(
+    hidden_size=8, num_filters=2, downsampling_ratios=[2, 2, 4, 5, 5, 8], depths=[1] * 7, ffn_expansion=2
+)
+# The real generation_config.json's diffusion sampling (VibeVoice-1.5B-hf): DPM-Solver++ on a cosine schedule with
+# v-prediction, 10 steps, guidance 1.3
+TINY_VIBEVOICE_GENERATION = dict(
+    guidance_scale=1.3,
+    num_diffusion_steps=10,
+    noise_scheduler_class="DPMSolverMultistepScheduler",
+    noise_scheduler_config={"beta_schedule": "squaredcos_cap_v2", "prediction_type": "v_prediction"},
+    max_length=512,
+)
+# VibeVoice's prompt layout (the layout of its processor's chat template): system prompt, the reference voices,
+# the script's turns, then the speech output after an audio BOS.
+CHAT_TEMPLATE = (
+    '{{- " Transform the text provided by various speakers into speech output, utilizing the distinct voice of '
+    'each respective speaker.\\n" -}}'
+    "{%- set voiced = namespace(roles=[]) -%}"
+    "{%- for message in messages -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'audio' and message['role'] not in voiced.roles -%}"
+    "{%- set voiced.roles = voiced.roles + [message['role']] -%}{%- endif -%}{%- endfor -%}{%- endfor -%}"
+    '{%- if voiced.roles -%}{{- " Voice input:\\n" -}}'
+    '{%- for role in voiced.roles -%}{{- " Speaker " ~ role ~ ":<|vision_start|><|vision_pad|><|vision_end|>\\n" -}}'
+    "{%- endfor -%}{%- endif -%}"
+    '{{- " Text input:\\n" -}}'
+    "{%- for message in messages -%}{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}"
+    '{{- " Speaker " ~ message[\'role\'] ~ ": " ~ part[\'text\'] ~ "\\n" -}}'
+    "{%- endif -%}{%- endfor -%}{%- endfor -%}"
+    '{{- " Speech output:\\n<|vision_start|>" -}}'
+)
+
+
+def tiny_vibevoice_tokenizer():
+    """A byte-level Qwen2 tokenizer with <|endoftext|> (end of text and padding) and VibeVoice's audio tokens."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {char: number for number, char in enumerate(bytes_to_unicode())}
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=None,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=4096,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(AUDIO_TOKENS)})
+    return tokenizer
+
+
+def tiny_vibevoice_config(tokenizer):
+    from transformers import VibeVoiceConfig
+
+    end, bos, eos, audio = tokenizer.convert_tokens_to_ids(["<|endoftext|>", *AUDIO_TOKENS])
+    return VibeVoiceConfig(
+        text_config=dict(
+            model_type="qwen2",
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+            bos_token_id=end,
+            eos_token_id=end,
+            pad_token_id=end,
+        ),
+        audio_config=dict(model_type="vibevoice_acoustic_tokenizer", **TINY_ACOUSTIC),
+        semantic_model_config=dict(model_type="vibevoice_acoustic_tokenizer_encoder", **TINY_SEMANTIC),
+        diffusion_head_config=dict(num_hidden_layers=1, intermediate_size=64, frequency_embedding_size=16),
+        pad_token_id=end,
+        eos_token_id=end,
+        audio_bos_token_id=bos,
+        audio_eos_token_id=eos,
+        audio_token_id=audio,
+    )
+
+
+def fit_token_layout(model, processor, steps: int = 40) -> None:
+    """A few AdamW steps of the class's LM loss (no diffusion) on builtin:tones scripts laid out as dstune trains
+    them, the placeholders left as tokens: the LM learns to answer the speech BOS with placeholders and to end."""
+    tokenizer, config = processor.tokenizer, model.config
+    end = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    rows = []
+    for index in range(0, TONES_NUM_SAMPLES, 16):
+        text = tones_text(index)
+        frames = math.ceil(len(render_tones(text)) * 24000 / TONES_SAMPLE_RATE / config.audio_config.hop_length)
+        messages = [{"role": "0", "content": [{"type": "text", "text": text}]}]
+        prompt = tokenizer(processor.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids
+        rows.append(prompt + [config.audio_token_id] * frames + [config.audio_eos_token_id, end])
+    ids = torch.full((len(rows), max(map(len, rows))), end)
+    mask = torch.zeros_like(ids)
+    for row, tokens in enumerate(rows):
+        ids[row, : len(tokens)], mask[row, : len(tokens)] = torch.tensor(tokens), 1
+    labels = ids.masked_fill(mask == 0, -100)
+    optimizer = torch.optim.AdamW(model.model.language_model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def build_tiny_vibevoice(out: Path, needs: dict) -> dict:
+    from transformers import (
+        GenerationConfig,
+        VibeVoiceAcousticTokenizerFeatureExtractor,
+        VibeVoiceForConditionalGeneration,
+        VibeVoiceProcessor,
+    )
+
+    tokenizer = tiny_vibevoice_tokenizer()
+    with deterministic_cpu(_SEED, 1), quiet_hf_libraries():
+        model = VibeVoiceForConditionalGeneration(tiny_vibevoice_config(tokenizer)).eval()
+        feature_extractor = VibeVoiceAcousticTokenizerFeatureExtractor(
+            sampling_rate=24000, pad_to_multiple_of=model.config.audio_config.hop_length
+        )
+        processor = VibeVoiceProcessor(feature_extractor, tokenizer, chat_template=CHAT_TEMPLATE)
+        fit_token_layout(model, processor)
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model.generation_config = GenerationConfig(
+        **TINY_VIBEVOICE_GENERATION, bos_token_id=end, eos_token_id=end, pad_token_id=end
+    )
+    with quiet_hf_libraries():
+        model.save_pretrained(out)
+        processor.save_pretrained(out)
+    tokenizers = sum(
+        p.numel() for m in (model.model.audio_tower, model.model.semantic_tokenizer_encoder) for p in m.parameters()
+    )
+    return {"model_parameters": model.num_parameters() - tokenizers, "codec_parameters": tokenizers}
+
+
+TINY_VIBEVOICE = BuiltinModel(
+    name="tiny-vibevoice",
+    folder_name=FOLDER_NAME,
+    family="tts_codebooks",
+    description="VibeVoice (VibeVoiceForConditionalGeneration: Qwen2 LM + diffusion head over 7.5 Hz acoustic "
+    "latents) with a tiny acoustic tokenizer inside it and its VibeVoiceProcessor",
+    build=build_tiny_vibevoice,
+)
