@@ -23,6 +23,8 @@ import torch
 from dstune.builtin.common import BuiltinModel, bytes_to_unicode, deterministic_cpu
 from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import LM_VOCAB, Case, attr, generator, randn
+from dstune.models.vibevoice.model import VibeVoiceModule, factors_as_buffers, noise_scheduler
 
 _SEED = 0
 FOLDER_NAME = "tiny-vibevoice-v1"
@@ -175,4 +177,103 @@ TINY_VIBEVOICE = BuiltinModel(
     description="VibeVoice (VibeVoiceForConditionalGeneration: Qwen2 LM + diffusion head over 7.5 Hz acoustic "
     "latents) with a tiny acoustic tokenizer inside it and its VibeVoiceProcessor",
     build=build_tiny_vibevoice,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step as dstune trains it (its VibeVoiceModule: the LM's loss from the
+# labels and the diffusion head's over every latent), whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+ACOUSTIC_LATENT = 64  # VibeVoice-1.5B's acoustic latent width (not narrowed: the latents are the data)
+# the diffusion head's layers as VibeVoice-1.5B has them: not checkpointed, so measured whole with what lies outside
+# the LM's blocks (per latent and per width unit)
+DIFFUSION_LAYERS = 4
+
+
+def _vibevoice(heads, ffn_mult):
+    """VibeVoice-1.5B's structure: a Qwen2 LM at head dim 128 (GQA 6:1, MLP 8960 / 1536 of the width, measured
+    apart), the diffusion head at the LM's width (MLP 3x, its 4 layers), tiny frozen tokenizers (the training
+    forward never runs them)."""
+    from transformers import VibeVoiceConfig, VibeVoiceForConditionalGeneration
+
+    width = heads * 128
+    ffn = width * 8960 // 1536 * ffn_mult
+    config = VibeVoiceConfig(
+        text_config=dict(
+            model_type="qwen2",
+            vocab_size=LM_VOCAB,
+            hidden_size=width,
+            intermediate_size=ffn,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 6),
+            tie_word_embeddings=True,
+        ),
+        audio_config=dict(
+            model_type="vibevoice_acoustic_tokenizer", **dict(TINY_ACOUSTIC, hidden_size=ACOUSTIC_LATENT)
+        ),
+        semantic_model_config=dict(model_type="vibevoice_acoustic_tokenizer_encoder", **TINY_SEMANTIC),
+        diffusion_head_config=dict(
+            num_hidden_layers=DIFFUSION_LAYERS,
+            hidden_size=width,
+            intermediate_size=3 * width,
+            latent_size=ACOUSTIC_LATENT,
+        ),
+        pad_token_id=LM_VOCAB - 1,
+        eos_token_id=LM_VOCAB - 1,
+        audio_bos_token_id=LM_VOCAB - 2,
+        audio_eos_token_id=LM_VOCAB - 3,
+        audio_token_id=LM_VOCAB - 4,
+    )
+    return VibeVoiceForConditionalGeneration(config), width, ffn, LM_VOCAB
+
+
+def _vibevoice_run(model, tokens, context, dtype):
+    """`context` script tokens, then `tokens` acoustic latents (one <audio> placeholder each) and the end, as
+    dstune.models.vibevoice.model.encode_batch lays them out, through the VibeVoiceModule the family trains."""
+    import torch
+
+    config = model.config
+    ids = torch.cat(
+        [
+            torch.randint(0, LM_VOCAB - 8, (1, context), generator=generator()),
+            torch.full((1, tokens), config.audio_token_id),
+            torch.full((1, 1), config.audio_eos_token_id),
+        ],
+        1,
+    )
+    audio_mask = ids == config.audio_token_id
+    condition_mask = torch.zeros_like(audio_mask)
+    condition_mask[:, :-1] = audio_mask[:, 1:]
+    if "latent_scaling_factor" in model.model._parameters:
+        factors_as_buffers(model)
+    scheduler = noise_scheduler(model)
+    trained = VibeVoiceModule(model, scheduler, int(scheduler.config.num_train_timesteps))
+    latents = randn(tokens, ACOUSTIC_LATENT, dtype=dtype)
+    inputs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        latents=latents,
+        labels=ids,
+        audio_mask=audio_mask,
+        condition_mask=condition_mask,
+        seeds=torch.tensor([0]),
+    )
+    return lambda: trained(**inputs)[0].float()
+
+
+ACTIVATION_CASES = (
+    Case(
+        "vibevoice",
+        "VibeVoice (Qwen2 LM over the script and one position per acoustic latent, diffusion head per latent)",
+        _vibevoice,
+        _vibevoice_run,
+        sizes=((8, 8), (24, 8), (8, 24)),
+        check_size=(16, 12),
+        block_lists=attr(lm="model.language_model.layers"),
+        ffn=True,
+        heads=2,
+        check_heads=3,
+    ),
 )

@@ -1,8 +1,10 @@
 """VibeVoice's torch-free facts, as its recipe on the tts_codebooks family (dstune.families.codebook_models): the
 class's trained part counted without its two speech tokenizers (frozen, inside the class, counted apart, with the
-acoustic tokenizer's copy that encodes the clips), and one clip's activations: the Qwen2
-LM over the script's tokens and one position per acoustic latent (7.5 per second), plus the diffusion head run
-DDPM_BATCH_MULTIPLIER times per latent (small beside the LM)."""
+acoustic tokenizer's copy that encodes the clips), and one clip's activations: the Qwen2 LM over the script's tokens
+and one position per acoustic latent (7.5 per second), plus the diffusion head run DDPM_BATCH_MULTIPLIER times per
+latent, from the constants measured on VibeVoiceForConditionalGeneration itself as the family trains it (the
+"vibevoice" activation case in its builtin module: the head at the LM's width with its 4 layers, as VibeVoice-1.5B)
+at the folder's LM width, MLP width, vocabulary and layers."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from functools import lru_cache
 
 from dstune.families.codebook_models import CodebooksModel
 from dstune.hf import quiet_hf_libraries
-from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, lm_sample_bytes
+from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.counts import SizesUnknown
 from dstune.memory.plan import ModelCounts
 
@@ -67,8 +69,12 @@ def count(spec, num_samples: int, folder, origin: str, config: dict, counted: tu
     trained = params - acoustic - semantic  # the tokenizers stay frozen inside the class
     frame_rate = 24000 / _hop(audio)
     seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
-    positions = seconds * frame_rate + seconds * TEXT_TOKENS_PER_SECOND + PROMPT_TOKENS
-    lm = lm_sample_bytes(text, positions)
+    shape = ModelShape(
+        text["hidden_size"], {"lm": text["num_hidden_layers"]}, ffn=text["intermediate_size"], vocab=text["vocab_size"]
+    )
+    script = seconds * TEXT_TOKENS_PER_SECOND + PROMPT_TOKENS
+    sample = measured_sample_bytes("vibevoice", shape, seconds * frame_rate, script, spec.train.precision)
+    lm = in_plan_units(sample, spec.train.precision)
     cached = ("codec",) if spec.data.cache.codec_tokens else ()
     latent = int(audio.get("hidden_size", 64))
     cache_bytes = int(4 * frame_rate * latent * seconds * num_samples) if spec.data.cache.codec_tokens else 0

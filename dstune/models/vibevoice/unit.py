@@ -15,6 +15,7 @@ UNIT = ModelUnit(
     recipes={"tts_codebooks": ("dstune.models.vibevoice.facts:CODEBOOKS_MODEL",)},
     # the class the family trains of it, with its generation_config's classifier-free guidance (VibeVoice-1.5B: 1.3)
     pipelines={"VibeVoiceForConditionalGeneration": 1.3},
+    activation_cases=("dstune.models.vibevoice.builtin:ACTIVATION_CASES",),
     builtins={"tiny-vibevoice": "dstune.models.vibevoice.builtin:TINY_VIBEVOICE"},
     presets=(
         ModelPreset(
