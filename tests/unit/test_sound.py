@@ -1,0 +1,122 @@
+"""A clip's sound track (dstune.data.sound, the video dataset's `sound_rate`) and builtin:moving-shapes-av: real MP4
+files with AAC audio, written and decoded with PyAV."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dstune.data.index import index_dataset
+from dstune.data.sound import decode_sound, mp4_with_sound, to_stereo
+from dstune.data.synthetic import moving_shape, render_moving_shape
+from dstune.data.video import VideoCaptionDataset, collate_video
+from dstune.spec.models import DataSpec
+
+RATE = 16000
+
+
+def _peak_hz(signal: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(signal * np.hanning(len(signal))))
+    return float(np.argmax(spectrum) * rate / len(signal))
+
+
+def _two_tone_clip(path, fps=24, frames=24, rate=44100, channels=2):
+    """A 1 s clip whose sound is 300 Hz for its first half and 900 Hz for its second (the right channel an octave
+    above the left when stereo), grey frames."""
+    t = np.arange(int(frames / fps * rate)) / rate
+    base = np.where(t < 0.5, 300.0, 900.0)
+    phase = 2 * np.pi * np.cumsum(base) / rate
+    waveform = np.stack([0.4 * np.sin(phase), 0.4 * np.sin(2 * phase)][:channels])
+    images = [np.full((32, 32, 3), 40 + 8 * i, np.uint8) for i in range(frames)]
+    path.write_bytes(mp4_with_sound(images, fps, waveform, rate))
+
+
+def test_to_stereo_is_ltx_trainers_fold_down():
+    mono = np.array([[1.0, -2.0]])
+    assert np.array_equal(to_stereo(mono), np.array([[1.0, -2.0], [1.0, -2.0]]))
+    # 5.1: L R C LFE Ls Rs -> left (L + .707 C + .707 Ls) / 2.414, right (R + .707 C + .707 Rs) / 2.414
+    surround = np.array([[1.0], [2.0], [4.0], [100.0], [8.0], [16.0]])
+    left, right = (1 + 0.707 * 4 + 0.707 * 8) / 2.414, (2 + 0.707 * 4 + 0.707 * 16) / 2.414
+    assert np.allclose(to_stereo(surround)[:, 0], [left, right])
+    # 7.1 adds the back pair Lb Rb; the weights sum to 1 (3.121)
+    eight = np.array([[1.0], [2.0], [4.0], [100.0], [8.0], [16.0], [32.0], [64.0]])
+    left, right = (1 + 0.707 * (4 + 8 + 32)) / 3.121, (2 + 0.707 * (4 + 16 + 64)) / 3.121
+    assert np.allclose(to_stereo(eight)[:, 0], [left, right])
+    assert np.allclose(to_stereo(np.ones((6, 3))), 1.0, atol=1e-3)  # a level signal keeps its level
+    assert np.allclose(to_stereo(np.array([[1.0], [2.0], [3.0], [6.0]]))[:, 0], [3.0, 3.0])  # other: the mean
+
+
+def test_sound_is_resampled_and_cut_to_the_clips_span(tmp_path):
+    clip = tmp_path / "two-tones.mp4"
+    _two_tone_clip(clip)
+    whole = decode_sound(str(clip), RATE, 0.0, 1.0)
+    assert whole.shape == (2, RATE) and whole.dtype == np.float32
+    second_half = decode_sound(str(clip), RATE, 0.5, 0.25)
+    assert second_half.shape == (2, RATE // 4)
+    assert abs(_peak_hz(whole[0, 1000:7000], RATE) - 300) < 10  # the first half, away from the edges
+    assert abs(_peak_hz(second_half[0, 500:], RATE) - 900) < 10
+    assert abs(_peak_hz(second_half[1, 500:], RATE) - 1800) < 10  # the right channel stays the right one
+    past_the_end = decode_sound(str(clip), RATE, 0.75, 0.5)  # padded with silence, as ltx-trainer pads
+    assert past_the_end.shape == (2, RATE // 2)
+    assert np.abs(past_the_end[:, RATE // 4 + 400 :]).max() < 1e-3 < np.abs(past_the_end[:, : RATE // 8]).max()
+    mono = tmp_path / "mono.mp4"
+    _two_tone_clip(mono, channels=1)
+    both = decode_sound(str(mono), RATE, 0.0, 1.0)
+    assert np.array_equal(both[0], both[1])
+
+
+def test_dataset_reads_each_chunks_sound_and_none_without_a_track(tmp_path):
+    _two_tone_clip(tmp_path / "a.mp4")  # 24 frames at 24 fps: sliding chunks of 9 start at 0 s and 0.375 s
+    (tmp_path / "a.txt").write_text("two tones")
+    import av
+
+    with av.open(str(tmp_path / "b.mp4"), "w") as container:  # a silent clip: no audio stream at all
+        stream = container.add_stream("libx264", rate=24)
+        stream.width = stream.height = 32
+        stream.pix_fmt = "yuv420p"
+        for i in range(12):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.full((32, 32, 3), i, np.uint8), format="rgb24")))
+        container.mux(stream.encode())
+    (tmp_path / "b.txt").write_text("silence")
+    data = DataSpec(path=str(tmp_path), resolution=32, video={"frames": 9, "sampling": "sliding", "fps": 24})
+    from dstune.data.clips import index_clips
+
+    records = index_clips(data).records
+    assert [r.sample_id for r in records] == ["a.mp4#0", "a.mp4#1", "b.mp4#0"]
+    dataset = VideoCaptionDataset(data, records, 0, sound_rate=RATE)
+    samples = [dataset[i] for i in range(3)]
+    samples_per_clip = 9 * RATE // 24
+    assert samples[0]["sound"].shape == (2, samples_per_clip) and samples[2]["sound"] is None
+    expected = torch.from_numpy(decode_sound(str(tmp_path / "a.mp4"), RATE, 9 / 24, 9 / 24))
+    assert torch.equal(samples[1]["sound"], expected)  # chunk 1: frames 9..17, i.e. 0.375 s .. 0.75 s
+    batch = collate_video(samples)
+    assert batch["sound"].shape == (3, 2, samples_per_clip)
+    assert batch["has_sound"].tolist() == [True, True, False] and not batch["sound"][2].any()
+    assert "sound" not in VideoCaptionDataset(data, records, 0)[0]  # a model without sound reads none
+    uniform = DataSpec(path=str(tmp_path), resolution=32, video={"frames": 9, "sampling": "uniform"})
+    with pytest.raises(ValueError, match="sampling uniform spreads a clip's frames .* use head or sliding"):
+        VideoCaptionDataset(uniform, records, 0, sound_rate=RATE)
+
+
+def test_moving_shapes_av_sound_follows_the_shape_and_frames_are_moving_shapes():
+    data = DataSpec(path="builtin:moving-shapes-av", resolution=32, video={"frames": 9})
+    index = index_dataset(data, video=True)
+    assert len(index.records) == 144 and index.records[0].caption == moving_shape(0).caption
+    dataset = VideoCaptionDataset(data, index.records, 0, sound_rate=RATE)
+    left, right, up = (dataset[i] for i in (0, 18, 36))  # the same red circle moving left, right, up
+    assert (moving_shape(0).direction, moving_shape(18).direction, moving_shape(36).direction) == (
+        "left",
+        "right",
+        "up",
+    )
+    quarter = left["sound"].shape[1] // 4
+    pitch = lambda sample, part: _peak_hz(sample["sound"][0, part * quarter : (part + 1) * quarter].numpy(), RATE)  # noqa: E731
+    assert pitch(left, 0) > pitch(left, 3) * 1.3  # moving left: the pitch falls
+    assert pitch(right, 3) > pitch(right, 0) * 1.3  # moving right or up: it rises
+    assert pitch(up, 3) > pitch(up, 0) * 1.3
+    frames, _ = render_moving_shape(18, 32, 9)
+    drawn = torch.stack([torch.from_numpy(np.array(f)).permute(2, 0, 1) for f in frames], dim=1) / 127.5 - 1
+    assert (right["pixel_values"] - drawn).abs().mean() < 0.05  # H.264 at crf 18 keeps the drawing
+    again = VideoCaptionDataset(data, index.records, 0, sound_rate=RATE)[18]
+    assert torch.equal(again["sound"], right["sound"]) and torch.equal(again["pixel_values"], right["pixel_values"])
