@@ -1,16 +1,16 @@
 """A clip's sound track: decoded with PyAV (the decoder that reads the frames), resampled to the rate the model's
 audio encoder takes, made stereo, cut to the clip's span. Torch-free (numpy arrays).
 
-Stereo as Lightricks' ltx-trainer makes it before its audio VAE (scripts/process_videos.py): mono is duplicated,
+Stereo as Lightricks' reference trainer makes it before its audio VAE (scripts/process_videos.py): mono is duplicated,
 5.1 (L R C LFE Ls Rs) and 7.1 (L R C LFE Ls Rs Lb Rb) are folded down with the weights 1 (front) and 0.707 (centre,
 surrounds) normalised to sum 1 (LFE dropped), any other layout of more than two channels is averaged to mono and
-duplicated. ltx-trainer folds down at the file's rate and resamples after (torchaudio's sinc resampler); dstune
+duplicated. That trainer folds down at the file's rate and resamples after (torchaudio's sinc resampler); dstune
 resamples while decoding (libswresample, through PyAV) and folds down after: both steps are linear per channel, so
-the order does not matter, but the two resamplers' filters differ slightly (docs/family-ltx2.md).
+the order does not matter, but the two resamplers' filters differ slightly (the model's docs page lists it).
 
 The span: the clip's frames are `frames` consecutive frames of the timeline at `fps` starting at frame `start`, so
 its sound is the samples of [start / fps, (start + frames) / fps) seconds; a track that ends earlier is padded with
-silence (as ltx-trainer pads it).
+silence (as the reference trainer pads it).
 
 `mp4_with_sound` writes frames and a waveform as an MP4 (H.264 video, AAC audio): builtin:moving-shapes-av's clips
 are such files, and video samples with sound are saved as them.
@@ -23,13 +23,13 @@ from fractions import Fraction
 
 import numpy as np
 
-FRONT, OTHER = 1.0, 0.707  # ltx-trainer's fold-down weights before normalising (front; centre and surrounds)
+FRONT, OTHER = 1.0, 0.707  # the reference trainer's fold-down weights before normalising (front; centre and surrounds)
 # channels (0-based) that feed the left and right output: front, then centre and the surrounds (LFE, 3, dropped)
 FOLD_DOWN = {6: ((0, (2, 4)), (1, (2, 5))), 8: ((0, (2, 4, 6)), (1, (2, 5, 7)))}
 
 
 def to_stereo(waveform: np.ndarray) -> np.ndarray:
-    """(channels, samples) -> (2, samples) as ltx-trainer makes its audio VAE's input stereo."""
+    """(channels, samples) -> (2, samples) as the reference trainer makes its audio VAE's input stereo."""
     channels = waveform.shape[0]
     if channels == 2:
         return waveform

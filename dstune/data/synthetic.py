@@ -205,7 +205,7 @@ def render_tones(text: str, sample_rate: int = TONES_SAMPLE_RATE) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------- builtin:moving-shapes-av
 
-MOVING_SHAPES_AV_FPS = 24  # the clips' frame rate (LTX-2's), unless data.video.fps asks for another
+MOVING_SHAPES_AV_FPS = 24  # the clips' frame rate (24, the audio+video model's), unless data.video.fps asks for another
 MOVING_SHAPES_AV_RATE = 24000  # the tone's sample rate: not the audio VAE's, so reading it resamples
 TONE_BASE_HZ, TONE_AMPLITUDE, TONE_FADE_SECONDS = 440.0, 0.3, 0.005
 
