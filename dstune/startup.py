@@ -315,11 +315,11 @@ def make_training_loader(
         return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step, speakers)
     if family.modality == "video":
         if caches.images is not None:
-            dataset = CachedVideoDataset(data, records, seed, caches.images)
+            dataset = CachedVideoDataset(data, records, seed, caches.images, built.sound_rate)
             return make_loader(
                 dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
             )
-        dataset = VideoCaptionDataset(data, records, seed)
+        dataset = VideoCaptionDataset(data, records, seed, built.sound_rate)  # the sound, where the model trains on it
         return make_loader(
             dataset, collate_video, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
         )

@@ -197,19 +197,27 @@ def collate_video(samples: list[dict]) -> dict:
         "sample_id": [s["sample_id"] for s in samples],
         "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
     }
-    if "sound" in samples[0]:
-        sounds = [s["sound"] for s in samples]
-        heard = [sound for sound in sounds if sound is not None]
-        if heard and len({sound.shape for sound in heard}) > 1:
-            lengths = ", ".join(f"{s['sample_id']}: {s['sound'].shape[1]}" for s in samples if s["sound"] is not None)
-            raise ValueError(
-                f"the clips of one batch have sound tracks of different lengths ({lengths} samples): their "
-                "frame rates differ. Set data.video.fps, so that every clip lasts frames / fps seconds."
-            )
-        like = heard[0] if heard else torch.zeros(2, 0)
-        batch["sound"] = torch.stack([torch.zeros_like(like) if sound is None else sound for sound in sounds])
-        batch["has_sound"] = torch.tensor([sound is not None for sound in sounds])
-    return batch
+    return {**batch, **stack_sounds(samples)}
+
+
+def stack_sounds(samples: list[dict]) -> dict:
+    """The samples' sound (B, 2, samples), silence where a clip has none, and has_sound (B,); nothing when the
+    samples carry no sound (the model trains on none)."""
+    if "sound" not in samples[0]:
+        return {}
+    sounds = [s["sound"] for s in samples]
+    heard = [sound for sound in sounds if sound is not None]
+    if heard and len({sound.shape for sound in heard}) > 1:
+        lengths = ", ".join(f"{s['sample_id']}: {s['sound'].shape[1]}" for s in samples if s["sound"] is not None)
+        raise ValueError(
+            f"the clips of one batch have sound tracks of different lengths ({lengths} samples): their "
+            "frame rates differ. Set data.video.fps, so that every clip lasts frames / fps seconds."
+        )
+    like = heard[0] if heard else torch.zeros(2, 0)
+    return {
+        "sound": torch.stack([torch.zeros_like(like) if sound is None else sound for sound in sounds]),
+        "has_sound": torch.tensor([sound is not None for sound in sounds]),
+    }
 
 
 def clip_frames(record: SampleRecord, data: DataSpec) -> int:

@@ -19,6 +19,7 @@ dataset index, purpose), so results do not depend on the rank count.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -73,6 +74,11 @@ class FlowBuilt:
     @property
     def kind(self) -> str:
         return self.recipe.kind
+
+    @property
+    def sound_rate(self) -> Optional[int]:
+        """The sample rate (Hz) the dataset reads each clip's sound at; None: the recipe trains on no sound."""
+        return self.recipe.sound.rate(self) if self.recipe.sound else None
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:
@@ -253,7 +259,18 @@ def encode_batch(built: FlowBuilt, batch: dict, dtype: torch.dtype = torch.float
     else:
         text = encode_captions(built, list(batch_field(batch, "captions", "caption")), **(text_inputs or {}))
     text = {name: value.to(dtype) if value.is_floating_point() else value for name, value in text.items()}
-    return {"latent_mean": mean, "latent_std": std, **text, **conditions, "indices": indices}
+    return {"latent_mean": mean, "latent_std": std, **text, **conditions, **_sound(built, batch), "indices": indices}
+
+
+def _sound(built: FlowBuilt, batch: dict) -> dict:
+    """The sound stream's latents (cached, or encoded from the batch's sound) and which clips have sound; nothing
+    when the recipe has no sound stream or the batch carries no sound."""
+    if built.recipe.sound is None or "has_sound" not in batch:
+        return {}
+    heard = batch["has_sound"].to(built.device).reshape(-1).bool()  # (B,), or (B, 1) from the latent cache
+    if "sound_latent" in batch:
+        return {"sound_latent": batch["sound_latent"].to(built.device).float(), "has_sound": heard}
+    return {"sound_latent": built.recipe.sound.encode(built, batch["sound"].to(built.device)), "has_sound": heard}
 
 
 def noisy_latents(built: FlowBuilt, latents: torch.Tensor, noise: torch.Tensor, positions: torch.Tensor):
@@ -293,14 +310,57 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     conditioning = recipe.conditioning
     if conditioning and conditioning.model_inputs:
         conditions.update(conditioning.model_inputs(built, encoded, param_dtype))
-    prediction = recipe.predict(built, trainable_forward, noisy, timesteps, conditions, param_dtype)
+    heard = encoded.get("has_sound") if recipe.sound else None
+    if heard is None or not heard.any():
+        prediction = recipe.predict(built, trainable_forward, noisy, timesteps, conditions, param_dtype)
+        return _video_loss(built, prediction, noisy, latents, noise, sigmas).mean()
+    tokens = recipe.sound.to_tokens(built, encoded["sound_latent"])
+    sound_noise = draw(tokens.shape[1:], "audio_noise")
+    order, parts = [], []
+    for rows in (heard.nonzero().flatten(), (~heard).nonzero().flatten()):  # one transformer call per kind
+        if len(rows) == 0:
+            continue
+        order.append(rows)
+        pick = functools.partial(_rows, rows=rows, batch=len(heard))
+        video = [pick(t) for t in (noisy, timesteps, latents, noise, sigmas)]
+        given = {name: pick(value) for name, value in conditions.items()}
+        if heard[rows[0]]:
+            parts.append(
+                _sound_loss(built, trainable_forward, video, given, pick(tokens), pick(sound_noise), param_dtype)
+            )
+        else:
+            prediction = recipe.predict(built, trainable_forward, video[0], video[1], given, param_dtype)
+            parts.append(_video_loss(built, prediction, video[0], *video[2:]))
+    return torch.cat(parts)[torch.argsort(torch.cat(order))].mean()  # the batch mean, as one call would give
+
+
+def _rows(value, rows: torch.Tensor, batch: int):
+    """The rows of a per-sample tensor (first dimension the batch); anything else as it is."""
+    return value[rows] if torch.is_tensor(value) and value.ndim and len(value) == batch else value
+
+
+def _video_loss(built: FlowBuilt, prediction, noisy, latents, noise, sigmas) -> torch.Tensor:
+    """Each sample's weighted flow-matching error of the latents (B,); latent frames the conditioning gives clean (a
+    first frame) are not in it."""
+    recipe = built.recipe
     weights = loss_weights(built.settings.loss_weighting, sigmas)
-    clean = conditioning.clean_frames(built) if conditioning else 0
+    clean = recipe.conditioning.clean_frames(built) if recipe.conditioning else 0
     if clean:  # the first latent frames were given clean: only the frames after them are learned
         prediction, noisy, latents, noise = (t[:, :, clean:] for t in (prediction, noisy, latents, noise))
     return flow_loss_per_sample(
         prediction, noisy, latents, noise, sigmas, weights, recipe.preconditioned(built.settings)
-    ).mean()
+    )
+
+
+def _sound_loss(built: FlowBuilt, forward, video: list, conditions: dict, tokens, noise, dtype) -> torch.Tensor:
+    """Clips with sound: the sound tokens noised at the clip's sigma, one transformer call for both streams; per
+    sample the video's error plus the sound tokens' mean squared error against noise - x0 (B,)."""
+    noisy, timesteps, latents, video_noise, sigmas = video
+    sigma = sigmas.reshape(-1, 1, 1)
+    noisy_sound = (1.0 - sigma) * tokens + sigma * noise
+    prediction, sound = built.recipe.sound.predict(built, forward, noisy, timesteps, conditions, noisy_sound, dtype)
+    sound_error = (sound.float() - (noise - tokens).float()).pow(2).mean(dim=(1, 2))
+    return _video_loss(built, prediction, noisy, latents, video_noise, sigmas) + sound_error
 
 
 # ------------------------------------------------------------------------------------------------- sampling

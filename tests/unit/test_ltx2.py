@@ -124,6 +124,140 @@ def test_video_loss_equals_ltx_trainers_loss_lines(built, scheme):
     assert ours.item() == pytest.approx(_reference_loss(model, encoded, scheme).item(), rel=1e-5)
 
 
+# ------------------------------------------------------------------------------------------ audio + video
+
+
+def _sound_batch(indices: list[int], rate: int) -> dict:
+    """builtin:moving-shapes-av clips `indices` (9 frames at 24 fps, MP4 with AAC sound), with their sound read at
+    the audio VAE's `rate`, collated as the video loader collates them."""
+    from dstune.data.index import list_samples
+    from dstune.data.video import VideoCaptionDataset, collate_video
+    from dstune.spec.models import DataSpec
+
+    data = DataSpec(path="builtin:moving-shapes-av", resolution=32, video={"frames": FRAMES})
+    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED, sound_rate=rate)
+    return collate_video([dataset[i] for i in indices])
+
+
+def _reference_audio_latents(audio_vae, sound: torch.Tensor) -> torch.Tensor:
+    """ltx-trainer's audio latents of stereo waveforms: AudioProcessor's log-mel (here transformers' audio_utils,
+    which tests/unit/test_ltx2_audio.py checks), the encoder's posterior means (the first half of its channels),
+    patchified "b c t f -> b t (c f)" and normalised with the per-channel statistics."""
+    import numpy as np
+    from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
+
+    config = audio_vae.config
+    filters = mel_filter_bank(513, config.mel_bins, 0.0, config.sample_rate / 2, config.sample_rate, "slaney", "slaney")
+    mel = [
+        [
+            spectrogram(
+                channel.numpy().astype(np.float64),
+                window_function(1024, "hann", periodic=True),
+                frame_length=1024,
+                hop_length=config.mel_hop_length,
+                power=1.0,
+                center=True,
+                pad_mode="reflect",
+                mel_filters=filters,
+                mel_floor=1e-5,
+                log_mel="log",
+            ).T
+            for channel in clip
+        ]
+        for clip in sound
+    ]
+    with torch.no_grad():
+        moments = audio_vae.encoder(torch.tensor(np.array(mel), dtype=torch.float32))
+    means = torch.chunk(moments, 2, dim=1)[0]
+    patched = means.permute(0, 2, 1, 3).flatten(2)
+    return (patched - audio_vae.latents_mean) / audio_vae.latents_std
+
+
+def _reference_audio_positions(tokens: int, batch: int, config: dict) -> torch.Tensor:
+    """ltx-core's AudioPatchifier.get_patch_grid_bounds: each latent step's [start, end) in seconds, the mel frames
+    (x4) shifted by the causal offset (+1 - 4, clipped at 0), x hop / rate."""
+    steps = torch.arange(tokens + 1, dtype=torch.float32)
+    seconds = (steps * 4 + 1 - 4).clamp(min=0) * config["audio_hop_length"] / config["audio_sampling_rate"]
+    bounds = torch.stack((seconds[:-1], seconds[1:]), dim=-1)  # [tokens, 2]
+    return bounds.view(1, 1, tokens, 2).repeat(batch, 1, 1, 1)
+
+
+def _reference_av_loss(built, encoded: dict, sound: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    """TextToVideoStrategy with with_audio true: the same sigma for both streams, the audio's own noise, every audio
+    token at that sigma, targets noise - x0; per sample the video's mean plus the audio's mean; the batch mean."""
+    vae, audio_vae = built.vae, built.parts["audio_vae"]
+    mean = encoded["latent_mean"]
+    latents = (mean - vae.latents_mean.view(1, -1, 1, 1, 1)) * vae.config.scaling_factor
+    latents = latents / vae.latents_std.view(1, -1, 1, 1, 1)
+    b, c, f, h, w = latents.shape
+    video = latents.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c)
+    noise = per_sample_randn((c, f, h, w), SEED, STEP, indices, "noise").permute(0, 2, 3, 4, 1).reshape(b, -1, c)
+    sigmas = _reference_sigmas("shifted_logit_normal", video.shape[1], indices).view(-1, 1, 1)
+    audio = _reference_audio_latents(audio_vae, sound)
+    audio_noise = per_sample_randn(audio.shape[1:], SEED, STEP, indices, "audio_noise")
+    noisy_audio = (1 - sigmas) * audio + sigmas * audio_noise
+    config = built.transformer_config
+    with torch.no_grad():
+        video_pred, audio_pred = built.trainable(
+            hidden_states=(1 - sigmas) * video + sigmas * noise,
+            audio_hidden_states=noisy_audio,
+            encoder_hidden_states=encoded["encoder_hidden_states"],
+            audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
+            timestep=sigmas.view(-1, 1).expand(-1, video.shape[1]) * 1000,
+            audio_timestep=sigmas.view(-1, 1).expand(-1, audio.shape[1]) * 1000,
+            sigma=sigmas.view(-1) * 1000,
+            encoder_attention_mask=encoded["encoder_attention_mask"],
+            audio_encoder_attention_mask=encoded["encoder_attention_mask"],
+            video_coords=_reference_positions(f, h, w, tuple(config["vae_scale_factors"]))[:b],
+            audio_coords=_reference_audio_positions(audio.shape[1], b, config),
+            return_dict=False,
+        )
+    video_loss = (video_pred - (noise - video)).pow(2).mean(dim=[-2, -1])
+    audio_loss = (audio_pred - (audio_noise - audio)).pow(2).mean(dim=[-2, -1])
+    return video_loss + audio_loss
+
+
+def test_audio_video_loss_equals_ltx_trainers_loss_lines(built):
+    """Clips with sound train both streams in one call; the loss is ltx-trainer's summed per-sample loss."""
+    rate = built.parts["audio_vae"].config.sample_rate
+    batch = _sound_batch(INDICES, rate)
+    encoded = wan.encode_batch(built, batch)
+    assert encoded["has_sound"].tolist() == [True, True] and encoded["sound_latent"].shape == (2, 2, 10, 4)
+    with torch.no_grad():
+        ours = wan.loss(built, built.trainable, encoded, SEED, STEP)
+    reference = _reference_av_loss(built, encoded, batch["sound"], INDICES)
+    assert ours.item() == pytest.approx(reference.mean().item(), rel=1e-5)
+    video_only = dict(encoded, has_sound=torch.tensor([False, False]))
+    with torch.no_grad():
+        assert wan.loss(built, built.trainable, video_only, SEED, STEP).item() < ours.item()  # the audio term
+
+
+def test_a_batch_mixing_clips_with_and_without_sound_calls_the_transformer_once_per_kind(built):
+    """Clip 3 with its sound, clip 11 without: the batch loss is the mean of clip 3's audio+video loss (as if it were
+    alone) and clip 11's video-only loss; the draws of each clip do not depend on its batch mate."""
+    rate = built.parts["audio_vae"].config.sample_rate
+    batch = _sound_batch(INDICES, rate)
+    batch["has_sound"] = torch.tensor([True, False])
+    encoded = wan.encode_batch(built, batch)
+    calls = []
+
+    def counting(**inputs):
+        calls.append((inputs["hidden_states"].shape[0], inputs["isolate_modalities"]))
+        return built.trainable(**inputs)
+
+    with torch.no_grad():
+        ours = wan.loss(built, counting, encoded, SEED, STEP)
+    assert sorted(calls) == [(1, False), (1, True)]
+    alone = {name: value[:1] if torch.is_tensor(value) else value for name, value in encoded.items()}
+    with_sound = _reference_av_loss(built, alone, batch["sound"][:1], INDICES[:1])
+    model = replace(built, settings=built.settings.model_copy(update={"timestep_sampling": "shifted_logit_normal"}))
+    second = {name: value[1:] if torch.is_tensor(value) else value for name, value in encoded.items()}
+    del second["has_sound"]
+    with torch.no_grad():
+        without = wan.loss(model, model.trainable, dict(second, indices=torch.tensor(INDICES[1:])), SEED, STEP)
+    assert ours.item() == pytest.approx((with_sound.item() + without.item()) / 2, rel=1e-5)
+
+
 @pytest.mark.parametrize("tokens", [48, 2000, 9000])
 def test_sigma_draws_are_ltx_trainers_samplers(built, tokens):
     """Over 300 samples (about 30 of them the sampler's uniform fallback), at token counts below, inside and above

@@ -28,9 +28,18 @@ from typing import Optional
 import torch
 
 from dstune.families.diffusion import component_problems, load_component, read_component_config, read_model_index
-from dstune.families.flow_recipe import Conditioning, FlowRecipe, LatentSpace, Sampling, TextSide, load_text_side
+from dstune.families.flow_recipe import (
+    Conditioning,
+    FlowRecipe,
+    LatentSpace,
+    Sampling,
+    SoundStream,
+    TextSide,
+    load_text_side,
+)
 from dstune.families.randomness import sample_generator
 from dstune.hf import quiet_hf_libraries
+from dstune.models.ltx2.audio import audio_tokens, sound_latents
 from dstune.spec.video_models import expert_problems
 
 TRANSFORMER_CLASS = "LTX2VideoTransformer3DModel"
@@ -230,14 +239,18 @@ def draw_sigmas(built, latents: torch.Tensor, seed: int, step: int, indices: lis
 # ------------------------------------------------------------------------------------------ prediction
 
 
-def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch.Tensor:
-    """The video velocity of the packed clip; the audio stream runs on one zero token, cut off from the video."""
+def _forward(built, forward, noisy, timesteps, conditions: dict, dtype, audio: Optional[torch.Tensor] = None):
+    """The transformer on the packed clip and `audio` tokens (B, T, D), every token at the clip's timestep; without
+    audio the audio stream runs on one zero token, cut off from the video (isolate_modalities). Returns (video
+    velocity in the latent layout, audio velocity tokens)."""
     batch, _, frames, height, width = noisy.shape
-    audio = noisy.new_zeros(batch, 1, built.transformer_config["audio_in_channels"], dtype=dtype)
+    isolated = audio is None
+    if isolated:
+        audio = noisy.new_zeros(batch, 1, built.transformer_config["audio_in_channels"])
     timesteps = timesteps.to(dtype)
-    video, _ = forward(
+    video, audio_velocity = forward(
         hidden_states=pack(noisy).to(dtype),
-        audio_hidden_states=audio,
+        audio_hidden_states=audio.to(dtype),
         encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
         audio_encoder_hidden_states=conditions["audio_encoder_hidden_states"].to(dtype),
         timestep=timesteps,
@@ -248,11 +261,30 @@ def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch
         height=height,
         width=width,
         fps=DEFAULT_FPS,
-        audio_num_frames=1,
-        isolate_modalities=True,
+        audio_num_frames=audio.shape[1],
+        isolate_modalities=isolated,
         return_dict=False,
     )
-    return unpack(video, noisy)
+    return unpack(video, noisy), audio_velocity
+
+
+def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch.Tensor:
+    """A clip without sound: the video velocity, the audio stream cut off."""
+    return _forward(built, forward, noisy, timesteps, conditions, dtype)[0]
+
+
+def _predict_with_sound(built, forward, noisy, timesteps, conditions: dict, noisy_sound, dtype):
+    """A clip with sound: both streams in one call, with audio-to-video and video-to-audio attention."""
+    return _forward(built, forward, noisy, timesteps, conditions, dtype, audio=noisy_sound)
+
+
+SOUND = SoundStream(
+    rate=lambda built: built.parts["audio_vae"].config.sample_rate,
+    encode=lambda built, sound: sound_latents(built.parts["audio_vae"], sound),
+    to_tokens=lambda built, latents: audio_tokens(built.parts["audio_vae"], latents),
+    predict=_predict_with_sound,
+    parts=("audio_vae",),
+)
 
 
 def _call_arguments(built, pipeline, sample_spec, arguments: dict) -> dict:
@@ -282,4 +314,5 @@ LTX2 = FlowRecipe(
     sampling=Sampling(call=_call_arguments, side_multiple=lambda built: built.vae.spatial_compression_ratio),
     draw_sigmas=draw_sigmas,
     preconditioned=lambda model: False,
+    sound=SOUND,
 )  # ltx-trainer's velocity loss
