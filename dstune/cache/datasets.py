@@ -96,7 +96,7 @@ def collate_cached(samples: list[dict]) -> dict:
     batch = {
         name: torch.stack([s[name] for s in samples])
         for name, value in samples[0].items()
-        if torch.is_tensor(value) and name != "sound"
+        if torch.is_tensor(value) and name != "sound"  # has_sound: a tensor from the latent entry, else a bool
     }
     batch.update(stack_sounds(samples))
     batch.update(

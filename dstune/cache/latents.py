@@ -145,7 +145,8 @@ def _encode_latents(
         try:
             pixels.append(dataset.cache_pixels(by_id[entry.sample_id], entry.size or resolution, entry.flip))
             if getattr(dataset, "sound_rate", None):
-                sounds.append(dataset.clip_sound(by_id[entry.sample_id]))
+                sound, heard = dataset.clip_sound(by_id[entry.sample_id])
+                sounds.append({"sample_id": entry.name, "sound": sound, "has_sound": heard})
         except BadSampleError as err:
             failed[entry.name] = err.message
             continue
@@ -157,7 +158,7 @@ def _encode_latents(
         mean, std = vae_posterior(built.vae, stacked)
         more = extras(built, stacked) if extras is not None else {}
         if sounds:  # the recipe's sound stream: its latents beside the posterior (silence's where a clip has none)
-            heard = stack_sounds([{"sample_id": ok[i].name, "sound": sounds[i]} for i in same])
+            heard = stack_sounds([sounds[i] for i in same])
             more["sound_latent"] = built.recipe.sound.encode(built, heard["sound"].to(built.device))
             more["has_sound"] = heard["has_sound"].float().unsqueeze(1)
         tensors.update(

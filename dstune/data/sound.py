@@ -12,8 +12,8 @@ The span: the clip's frames are `frames` consecutive frames of the timeline at `
 its sound is the samples of [start / fps, (start + frames) / fps) seconds; a track that ends earlier is padded with
 silence (as the reference trainer pads it).
 
-`mp4_with_sound` writes frames and a waveform as an MP4 (H.264 video, AAC audio): builtin:moving-shapes-av's clips
-are such files, and video samples with sound are saved as them.
+`mp4_with_sound` writes frames and a waveform as an MP4 (MPEG-4 video, AAC audio), the same bytes on every run:
+builtin:moving-shapes-av's clips are such files.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from fractions import Fraction
 
 import numpy as np
 
+VIDEO_BITS_PER_SECOND = 4_000_000  # mp4_with_sound: near-lossless for small clips
 FRONT, OTHER = 1.0, 0.707  # the reference trainer's fold-down weights before normalising (front; centre and surrounds)
 # channels (0-based) that feed the left and right output: front, then centre and the surrounds (LFE, 3, dropped)
 FOLD_DOWN = {6: ((0, (2, 4)), (1, (2, 5))), 8: ((0, (2, 4, 6)), (1, (2, 5, 7)))}
@@ -84,18 +85,20 @@ def decode_sound(source, rate: int, start_seconds: float, seconds: float):
 
 def mp4_with_sound(frames: list, fps: float, waveform: np.ndarray, rate: int) -> bytes:
     """RGB frames (PIL images or (H, W, 3) uint8 arrays, even sides) at `fps` and a float (channels, samples)
-    waveform in [-1, 1] at `rate` Hz (one or two channels) as MP4 bytes: H.264 (crf 18, one thread, so the bytes are
-    the same on every run) and AAC."""
+    waveform in [-1, 1] at `rate` Hz (one or two channels) as MP4 bytes: MPEG-4 Part 2 video (one thread) and AAC,
+    the same bytes on every run."""
     import av
 
     buffer = io.BytesIO()
     waveform = np.asarray(waveform, dtype=np.float32).reshape(-1, np.shape(waveform)[-1])
     layout = {1: "mono", 2: "stereo"}[waveform.shape[0]]
     with av.open(buffer, "w", format="mp4") as container:
-        video = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        # MPEG-4 Part 2, not H.264: libx264 gave other bytes from run to run for the same frames (seen with one
+        # thread), and a built-in dataset must be the same on every rank and run
+        video = container.add_stream("mpeg4", rate=Fraction(fps).limit_denominator(1001))
         first = np.asarray(frames[0])
         video.height, video.width = first.shape[:2]
-        video.pix_fmt, video.thread_count, video.options = "yuv420p", 1, {"crf": "18"}
+        video.pix_fmt, video.thread_count, video.bit_rate = "yuv420p", 1, VIDEO_BITS_PER_SECOND
         audio = container.add_stream("aac", rate=rate)
         audio.layout = layout
         for image in frames:

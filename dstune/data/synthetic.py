@@ -13,7 +13,7 @@ PIL is imported only when rendering: the index (and `dstune validate`) needs cap
 many frames as the video family asks for (data.video.frames), the motion spread over the whole clip.
 
 `builtin:moving-shapes-av`: the moving shapes with a sound track, a tone whose pitch follows the shape's position;
-each clip is written as a real MP4 file (H.264 and AAC, in memory) and read back through the video decoder, as a
+each clip is written as a real MP4 file (MPEG-4 video and AAC, in memory) and read back through the video decoder, as a
 user's clip with sound is.
 
 `builtin:tones`: synthetic "speech": the text is a digit string, the audio one tone per digit (its pitch is the
@@ -228,7 +228,7 @@ def moving_shape_tone(index: int, frames: int, fps: float, rate: int = MOVING_SH
 
 @functools.lru_cache(maxsize=512)
 def moving_shape_av_mp4(index: int, resolution: int, frames: int, fps: float = MOVING_SHAPES_AV_FPS) -> bytes:
-    """Clip `index` of builtin:moving-shapes-av as the bytes of an MP4 file: moving-shapes' frames at `fps` (H.264)
+    """Clip `index` of builtin:moving-shapes-av as the bytes of an MP4 file: moving-shapes' frames at `fps` (MPEG-4)
     and moving_shape_tone (AAC, mono at MOVING_SHAPES_AV_RATE). The same bytes on every run and rank."""
     images, _ = render_moving_shape(index, resolution, frames)
     return mp4_with_sound(images, fps, moving_shape_tone(index, frames, fps), MOVING_SHAPES_AV_RATE)

@@ -8,8 +8,10 @@ Every frame is resized and centre-cropped like an image (dstune.data.images.resi
 square, or with data.buckets to the clip's (width, height) bucket.
 
 Sound (`sound_rate` given: the run's model trains on a clip's audio too): each sample also carries its clip's sound
-track as float32 (2, frames / fps x sound_rate), stereo, cut to the clip's span (dstune.data.sound), or None when
-the file has no audio stream (a still image, builtin:moving-shapes); builtin:moving-shapes-av's clips are MP4 files
+track as float32 (2, frames / fps x sound_rate), stereo, cut to the clip's span (dstune.data.sound), and has_sound;
+a clip whose file has no audio stream (a still image, builtin:moving-shapes) carries silence of its length and
+has_sound False (its video is trained alone). fps: data.video.fps, else the file's own (24 for built-in clips and
+still images). builtin:moving-shapes-av's clips are MP4 files
 with sound, written in memory (dstune.data.synthetic) and read back through the same decoder. Sound needs the clip's
 frames to be consecutive (`head` or `sliding`): `uniform` spreads them over the video, which the sound cannot follow.
 
@@ -145,24 +147,25 @@ class VideoCaptionDataset(ImageCaptionDataset):
         fps = self.data.video.fps or MOVING_SHAPES_AV_FPS
         return moving_shape_av_mp4(int(record.sample_id.rsplit("/", 1)[1]), self.data.resolution, record.frames, fps)
 
-    def clip_sound(self, record: ClipRecord) -> torch.Tensor | None:
-        """The clip's sound at self.sound_rate: float32 (2, samples) over the clip's span, None without an audio
-        stream. BadSampleError naming the file and why it cannot be used."""
-        if record.image_path is None:
-            if not record.sample_id.startswith("moving-shapes-av/"):
-                return None
-            fps = self.data.video.fps or MOVING_SHAPES_AV_FPS
-            sound = decode_sound(io.BytesIO(self._builtin_mp4(record)), self.sound_rate, 0.0, record.frames / fps)
-            return torch.from_numpy(sound)
-        if not is_video_file(record.image_path):
-            return None
+    def clip_sound(self, record: ClipRecord) -> tuple[torch.Tensor, bool]:
+        """The clip's sound at self.sound_rate: float32 (2, samples) over the clip's span and True, or silence of
+        the clip's length and False without an audio stream. BadSampleError naming the file and why it cannot be
+        used."""
         try:
-            fps = float(self.data.video.fps or read_header(record.image_path).fps)
-            sound = decode_sound(record.image_path, self.sound_rate, record.start / fps, record.frames / fps)
+            if record.image_path is not None and is_video_file(record.image_path):
+                fps = float(self.data.video.fps or read_header(record.image_path).fps)
+                source = record.image_path
+            else:  # a built-in clip (one with sound: an MP4 made in memory) or a still image
+                fps = float(self.data.video.fps or MOVING_SHAPES_AV_FPS)
+                heard = record.image_path is None and record.sample_id.startswith("moving-shapes-av/")
+                source = io.BytesIO(self._builtin_mp4(record)) if heard else None
+            sound = decode_sound(source, self.sound_rate, record.start / fps, record.frames / fps) if source else None
         except (OSError, ValueError) as err:
             reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
             raise BadSampleError(unusable(record, f"its sound track: {reason}"), record.image_path) from None
-        return None if sound is None else torch.from_numpy(sound)
+        if sound is None:
+            return torch.zeros(2, int(round(record.frames / fps * self.sound_rate))), False
+        return torch.from_numpy(sound), True
 
     def load_clip(self, record: ClipRecord) -> torch.Tensor:
         return clip_tensor(self.clip_images(record), record.size or self.data.resolution)
@@ -184,7 +187,7 @@ class VideoCaptionDataset(ImageCaptionDataset):
             "index": index,
         }
         if self.sound_rate:
-            sample["sound"] = self.clip_sound(record)
+            sample["sound"], sample["has_sound"] = self.clip_sound(record)
         return sample
 
 
@@ -201,22 +204,19 @@ def collate_video(samples: list[dict]) -> dict:
 
 
 def stack_sounds(samples: list[dict]) -> dict:
-    """The samples' sound (B, 2, samples), silence where a clip has none, and has_sound (B,); nothing when the
+    """The samples' sound (B, 2, samples) (silence where a clip has none) and has_sound (B,); nothing when the
     samples carry no sound (the model trains on none)."""
     if "sound" not in samples[0]:
         return {}
-    sounds = [s["sound"] for s in samples]
-    heard = [sound for sound in sounds if sound is not None]
-    if heard and len({sound.shape for sound in heard}) > 1:
-        lengths = ", ".join(f"{s['sample_id']}: {s['sound'].shape[1]}" for s in samples if s["sound"] is not None)
+    if len({s["sound"].shape for s in samples}) > 1:
+        lengths = ", ".join(f"{s['sample_id']}: {s['sound'].shape[1]}" for s in samples)
         raise ValueError(
             f"the clips of one batch have sound tracks of different lengths ({lengths} samples): their "
             "frame rates differ. Set data.video.fps, so that every clip lasts frames / fps seconds."
         )
-    like = heard[0] if heard else torch.zeros(2, 0)
     return {
-        "sound": torch.stack([torch.zeros_like(like) if sound is None else sound for sound in sounds]),
-        "has_sound": torch.tensor([sound is not None for sound in sounds]),
+        "sound": torch.stack([s["sound"] for s in samples]),
+        "has_sound": torch.tensor([bool(s["has_sound"]) for s in samples]),
     }
 
 

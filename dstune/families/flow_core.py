@@ -41,6 +41,7 @@ from dstune.families.diffusion import (
 from dstune.families.flow_distilled import fuse_training_adapter, with_trained_lora
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_recipe import FlowRecipe, load_text_side, normalised_latents, vae_spatial_factor
+from dstune.families.samples import ClipWithSound
 from dstune.hf import quiet_hf_libraries
 
 
@@ -270,6 +271,8 @@ def _sound(built: FlowBuilt, batch: dict) -> dict:
     heard = batch["has_sound"].to(built.device).reshape(-1).bool()  # (B,), or (B, 1) from the latent cache
     if "sound_latent" in batch:
         return {"sound_latent": batch["sound_latent"].to(built.device).float(), "has_sound": heard}
+    if not heard.any():  # the loss trains these clips' video alone: their silence is not encoded
+        return {"has_sound": heard}
     return {"sound_latent": built.recipe.sound.encode(built, batch["sound"].to(built.device)), "has_sound": heard}
 
 
@@ -435,10 +438,19 @@ def sample(
                     else conditioning.sample_inputs(built, text_side, prompt, source, sample_spec)
                 )
                 result = pipeline(**inputs, generator=generator, **common)
-                outputs.append(list(result.frames[0]) if recipe.latents.frames else result.images[0])
+                outputs.append(_rendered(built, result) if recipe.latents.frames else result.images[0])
             return outputs
     finally:
         transformer_module.train(was_training)
+
+
+def _rendered(built: FlowBuilt, result) -> list:
+    """One rendered clip: its PIL frames, with the sound rendered beside them where the recipe has a sound stream."""
+    frames = list(result.frames[0])
+    sound = built.recipe.sound
+    if sound is None or sound.rendered is None:
+        return frames
+    return ClipWithSound(frames, *sound.rendered(built, result))
 
 
 # --------------------------------------------------------------------------------------------------- export

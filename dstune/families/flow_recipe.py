@@ -135,6 +135,9 @@ class SoundStream:
     # (video prediction in the latent layout, sound prediction (B, T, D))
     predict: Callable
     parts: tuple[str, ...] = ()  # the pipeline parts encode uses (built.parts): they key the cached latents
+    # (built, the pipeline's output for one prompt) -> (its sound (channels, samples) float array, Hz, frames per
+    # second): samples saved with their sound; None: samples are frames only
+    rendered: Optional[Callable] = None
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,26 @@ def test_a_batch_mixing_clips_with_and_without_sound_calls_the_transformer_once_
     assert ours.item() == pytest.approx((with_sound.item() + without.item()) / 2, rel=1e-5)
 
 
+def test_clips_without_sound_train_their_video_alone(built):
+    """builtin:moving-shapes read for a model with sound: silence and has_sound False, nothing encoded for it, and
+    the loss is the video-only one."""
+    from dstune.data.index import list_samples
+    from dstune.data.video import VideoCaptionDataset, collate_video
+    from dstune.spec.models import DataSpec
+
+    data = DataSpec(path="builtin:moving-shapes", resolution=32, video={"frames": FRAMES})
+    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED, sound_rate=built.sound_rate)
+    batch = collate_video([dataset[i] for i in INDICES])
+    assert batch["has_sound"].tolist() == [False, False] and batch["sound"].shape == (2, 2, 6000)
+    encoded = wan.encode_batch(built, batch)
+    assert "sound_latent" not in encoded
+    silent = {name: value for name, value in batch.items() if name not in ("sound", "has_sound")}
+    with torch.no_grad():
+        ours = wan.loss(built, built.trainable, encoded, SEED, STEP)
+        video_only = wan.loss(built, built.trainable, wan.encode_batch(built, silent), SEED, STEP)
+    assert ours.item() == video_only.item()
+
+
 @pytest.mark.parametrize("tokens", [48, 2000, 9000])
 def test_sigma_draws_are_ltx_trainers_samplers(built, tokens):
     """Over 300 samples (about 30 of them the sampler's uniform fallback), at token counts below, inside and above
@@ -300,9 +320,11 @@ def test_the_audio_stream_does_not_reach_the_video_loss(built):
 
 
 def test_samples_render_clips_and_the_export_loads_and_renders(built, tmp_path):
-    """Samples: the folder's LTX2Pipeline around the live transformer, model.sample_frames frames each. The full
+    """Samples: the folder's LTX2Pipeline around the live transformer, model.sample_frames frames each, with the
+    sound it renders (saved beside the grid as one MP4 with an AAC track per clip). The full
     export is an LTX2Pipeline folder (the trained transformer, every other part copied) that loads and renders video
     and audio."""
+    import av
     from diffusers import LTX2Pipeline
     from safetensors.torch import load_file
 
@@ -310,6 +332,11 @@ def test_samples_render_clips_and_the_export_loads_and_renders(built, tmp_path):
 
     clips = wan.sample(built, built.trainable, ["a red circle moving left"], SampleSpec(steps=2, guidance=1.0), 32)
     assert len(clips) == 1 and len(clips[0]) == 5 and clips[0][0].size == (32, 32)
+    assert clips[0].rate == 16000 and clips[0].fps == FPS and clips[0].sound.shape[0] == 2  # the vocoder's sound
+    webp = wan.FAMILY.save_samples(clips, ["a red circle moving left"], tmp_path / "samples" / "step-000001.png")
+    with av.open(str(webp.with_suffix("") / "0.mp4")) as container:  # each clip with its sound track
+        assert len(container.streams.video) == 1 and container.streams.audio[0].rate == 16000
+        assert sum(frame.samples for frame in container.decode(audio=0)) >= clips[0].sound.shape[1]
     state = {name: value + 0.01 for name, value in built.trainable.state_dict().items()}
     out = wan.export(built, state, tmp_path / "full")
     saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
@@ -421,7 +448,7 @@ def _validate(capsys, monkeypatch, tmp_path, *sets: str) -> tuple[int, dict]:
 
 
 def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_train(capsys, monkeypatch, tmp_path):
-    """The real configs: the 18.9 B transformer, Gemma 3 and the connectors frozen (cached), the audio VAE and
+    """The real configs: the 18.9 B transformer, Gemma 3, the connectors and the audio VAE frozen (cached), the
     vocoder joining only for samples, the caches at the VAE's 8x/32x (121 frames at 512 px: 16 x 16 x 16 latents);
     frame counts that are 4k+1 (Wan's rule, which the spec checks) but not 8k+1, model.shift, a table-indexing sampler and a sequence split are refused, each at
     its key."""
@@ -429,8 +456,8 @@ def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_
     assert code == 0, out["errors"]
     counts = out["memory"]["parameters"]
     assert 18.5e9 < counts["module_params"] < 19.5e9
-    assert set(counts["companions"]) == {"vae", "text_encoder", "connectors"}
-    assert set(counts["sampling_companions"]) == {"audio_vae", "vocoder"}
+    assert set(counts["companions"]) == {"vae", "text_encoder", "connectors", "audio_vae"}  # the sound's encoder
+    assert set(counts["sampling_companions"]) == {"vocoder"}
     code, out = _validate(
         capsys,
         monkeypatch,

@@ -87,16 +87,34 @@ def test_dataset_reads_each_chunks_sound_and_none_without_a_track(tmp_path):
     dataset = VideoCaptionDataset(data, records, 0, sound_rate=RATE)
     samples = [dataset[i] for i in range(3)]
     samples_per_clip = 9 * RATE // 24
-    assert samples[0]["sound"].shape == (2, samples_per_clip) and samples[2]["sound"] is None
+    assert samples[0]["sound"].shape == (2, samples_per_clip) and samples[0]["has_sound"]
+    silent = samples[2]  # b.mp4's first 9 frames: silence of their length, and no sound to train on
+    assert silent["sound"].shape == (2, samples_per_clip) and not silent["sound"].any() and not silent["has_sound"]
     expected = torch.from_numpy(decode_sound(str(tmp_path / "a.mp4"), RATE, 9 / 24, 9 / 24))
     assert torch.equal(samples[1]["sound"], expected)  # chunk 1: frames 9..17, i.e. 0.375 s .. 0.75 s
     batch = collate_video(samples)
     assert batch["sound"].shape == (3, 2, samples_per_clip)
     assert batch["has_sound"].tolist() == [True, True, False] and not batch["sound"][2].any()
+    other_rate = dict(samples[0], sound=torch.zeros(2, samples_per_clip + 1))  # a clip of another frame rate
+    with pytest.raises(ValueError, match="sound tracks of different lengths .* Set data.video.fps"):
+        collate_video([samples[0], other_rate])
     assert "sound" not in VideoCaptionDataset(data, records, 0)[0]  # a model without sound reads none
     uniform = DataSpec(path=str(tmp_path), resolution=32, video={"frames": 9, "sampling": "uniform"})
     with pytest.raises(ValueError, match="sampling uniform spreads a clip's frames .* use head or sliding"):
         VideoCaptionDataset(uniform, records, 0, sound_rate=RATE)
+
+
+def test_moving_shapes_av_files_are_the_same_bytes_in_every_process():
+    """Every rank and run makes the same clips (libx264 did not: other bytes from process to process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import hashlib; from dstune.data.synthetic import moving_shape_av_mp4 as mp4; "
+        "print(hashlib.sha256(b''.join(mp4(i, 32, 5) for i in range(48))).hexdigest())"
+    )
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True) for _ in "ab"]
+    assert runs[0].stdout == runs[1].stdout and len(runs[0].stdout.strip()) == 64
 
 
 def test_moving_shapes_av_sound_follows_the_shape_and_frames_are_moving_shapes():
@@ -117,6 +135,6 @@ def test_moving_shapes_av_sound_follows_the_shape_and_frames_are_moving_shapes()
     assert pitch(up, 3) > pitch(up, 0) * 1.3
     frames, _ = render_moving_shape(18, 32, 9)
     drawn = torch.stack([torch.from_numpy(np.array(f)).permute(2, 0, 1) for f in frames], dim=1) / 127.5 - 1
-    assert (right["pixel_values"] - drawn).abs().mean() < 0.05  # H.264 at crf 18 keeps the drawing
+    assert (right["pixel_values"] - drawn).abs().mean() < 0.05  # the video codec keeps the drawing
     again = VideoCaptionDataset(data, index.records, 0, sound_rate=RATE)[18]
     assert torch.equal(again["sound"], right["sound"]) and torch.equal(again["pixel_values"], right["pixel_values"])
