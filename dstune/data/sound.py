@@ -56,11 +56,19 @@ def has_sound(source) -> bool:
 def decode_sound(source, rate: int, start_seconds: float, seconds: float):
     """The first audio stream of `source` (a path or a file object) as float32 (2, round(seconds x rate)) at
     `rate` Hz from `start_seconds` on, stereo (to_stereo), padded with silence where the track ends early; None
-    when the file has no audio stream. OSError / ValueError (PyAV's errors) when it cannot be decoded."""
+    when the file has no audio stream. OSError / ValueError (PyAV's errors, its codec errors as ValueError) when it
+    cannot be decoded."""
     import av
 
-    first = int(round(start_seconds * rate))
-    wanted = int(round(seconds * rate))
+    try:
+        return _decoded(av, source, rate, int(round(start_seconds * rate)), int(round(seconds * rate)))
+    except av.error.FFmpegError as err:
+        if isinstance(err, (OSError, ValueError)):
+            raise
+        raise ValueError(f"its audio stream cannot be decoded ({err})") from None
+
+
+def _decoded(av, source, rate: int, first: int, wanted: int):
     with av.open(source) as container:
         if not container.streams.audio:
             return None

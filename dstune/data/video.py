@@ -226,19 +226,22 @@ def clip_frames(record: SampleRecord, data: DataSpec) -> int:
 
 
 def find_bad_clips(
-    records: list[SampleRecord], data: DataSpec, rank: int = 0, world_size: int = 1
+    records: list[SampleRecord], data: DataSpec, rank: int = 0, world_size: int = 1, sound_rate: int | None = None
 ) -> list[tuple[SampleRecord, str]]:
     """(record, reason) for each file of this rank's share of the files (every world_size-th, in dataset order)
     that cannot give its clips: a video is decoded once, as far as its last clip needs (every frame before it
-    passes through the decoder), images are opened. Gather all ranks' results."""
+    passes through the decoder; with `sound_rate`, the model's, its sound track too), images are opened. Gather all
+    ranks' results."""
     files = list(clips_by_file([as_clip(record, data) for record in records]).values())[rank::world_size]
     if not files:
         return []
-    bad, reader = [], VideoCaptionDataset(data, [clips[0] for clips in files], 0)
+    bad, reader = [], VideoCaptionDataset(data, [clips[0] for clips in files], 0, sound_rate)
     for clips in files:
         last = max(clips, key=lambda clip: clip.start + clip.frames)
         try:
             reader.clip_images(last)
+            if sound_rate:
+                reader.clip_sound(last)
         except BadSampleError as err:
             bad.append((clips[0], err.message))
     return bad

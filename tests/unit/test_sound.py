@@ -138,3 +138,27 @@ def test_moving_shapes_av_sound_follows_the_shape_and_frames_are_moving_shapes()
     assert (right["pixel_values"] - drawn).abs().mean() < 0.05  # the video codec keeps the drawing
     again = VideoCaptionDataset(data, index.records, 0, sound_rate=RATE)[18]
     assert torch.equal(again["sound"], right["sound"]) and torch.equal(again["pixel_values"], right["pixel_values"])
+
+
+def test_a_clip_whose_sound_cannot_be_decoded_is_named_before_step_1(tmp_path):
+    """find_bad_clips, given the model's sound rate, decodes each file's sound track too: a file whose AAC packets
+    are garbage is named (PyAV's codec error, which is neither an OSError nor a ValueError, made one)."""
+    import av
+
+    from dstune.data.clips import index_clips
+    from dstune.data.video import find_bad_clips
+
+    _two_tone_clip(tmp_path / "good.mp4")
+    _two_tone_clip(tmp_path / "broken.mp4")
+    data = bytearray((tmp_path / "broken.mp4").read_bytes())
+    with av.open(str(tmp_path / "broken.mp4")) as container:
+        packets = [(p.pos, p.size) for p in container.demux(audio=0) if p.size]
+    for position, size in packets[1:]:
+        data[position : position + size] = b"\xff" * size
+    (tmp_path / "broken.mp4").write_bytes(bytes(data))
+    spec = DataSpec(path=str(tmp_path), resolution=32, video={"frames": 9, "fps": 24})
+    records = index_clips(spec).records
+    assert find_bad_clips(records, spec) == []  # the frames decode: without sound nothing is wrong
+    bad = find_bad_clips(records, spec, sound_rate=RATE)
+    assert [record.sample_id for record, _ in bad] == ["broken.mp4"]
+    assert "its sound track: its audio stream cannot be decoded" in bad[0][1] and "broken.mp4" in bad[0][1]
