@@ -10,7 +10,8 @@ Every draw of a sample (VAE posterior, noise, u) comes from its own generator se
 dataset index, purpose), so results do not depend on the rank count.
 
     build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config) -> FlowBuilt
-    encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", text tensors, conditions, "indices"}
+    encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", text tensors, conditions, "indices"} (and a
+        recipe with a sound stream: "sound_latent", "has_sound"; dstune.families.flow_sound)
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (mean over the micro batch)
     sample(built, transformer_module, prompts, sample_spec, resolution) -> images, or clips (lists of frames)
     export(built, transformer_state_dict, out_dir, pretrained_folder=None) -> Path
@@ -19,7 +20,6 @@ dataset index, purpose), so results do not depend on the rank count.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -41,7 +41,7 @@ from dstune.families.diffusion import (
 from dstune.families.flow_distilled import fuse_training_adapter, with_trained_lora
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_recipe import FlowRecipe, load_text_side, normalised_latents, vae_spatial_factor
-from dstune.families.samples import ClipWithSound
+from dstune.families.flow_sound import encoded_sound, loss_per_kind, rendered_clip
 from dstune.hf import quiet_hf_libraries
 
 
@@ -260,20 +260,8 @@ def encode_batch(built: FlowBuilt, batch: dict, dtype: torch.dtype = torch.float
     else:
         text = encode_captions(built, list(batch_field(batch, "captions", "caption")), **(text_inputs or {}))
     text = {name: value.to(dtype) if value.is_floating_point() else value for name, value in text.items()}
-    return {"latent_mean": mean, "latent_std": std, **text, **conditions, **_sound(built, batch), "indices": indices}
-
-
-def _sound(built: FlowBuilt, batch: dict) -> dict:
-    """The sound stream's latents (cached, or encoded from the batch's sound) and which clips have sound; nothing
-    when the recipe has no sound stream or the batch carries no sound."""
-    if built.recipe.sound is None or "has_sound" not in batch:
-        return {}
-    heard = batch["has_sound"].to(built.device).reshape(-1).bool()  # (B,), or (B, 1) from the latent cache
-    if "sound_latent" in batch:
-        return {"sound_latent": batch["sound_latent"].to(built.device).float(), "has_sound": heard}
-    if not heard.any():  # the loss trains these clips' video alone: their silence is not encoded
-        return {"has_sound": heard}
-    return {"sound_latent": built.recipe.sound.encode(built, batch["sound"].to(built.device)), "has_sound": heard}
+    sound = encoded_sound(built, batch)
+    return {"latent_mean": mean, "latent_std": std, **text, **conditions, **sound, "indices": indices}
 
 
 def noisy_latents(built: FlowBuilt, latents: torch.Tensor, noise: torch.Tensor, positions: torch.Tensor):
@@ -319,27 +307,11 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
         return _video_loss(built, prediction, noisy, latents, noise, sigmas).mean()
     tokens = recipe.sound.to_tokens(built, encoded["sound_latent"])
     sound_noise = draw(tokens.shape[1:], "audio_noise")
-    order, parts = [], []
-    for rows in (heard.nonzero().flatten(), (~heard).nonzero().flatten()):  # one transformer call per kind
-        if len(rows) == 0:
-            continue
-        order.append(rows)
-        pick = functools.partial(_rows, rows=rows, batch=len(heard))
-        video = [pick(t) for t in (noisy, timesteps, latents, noise, sigmas)]
-        given = {name: pick(value) for name, value in conditions.items()}
-        if heard[rows[0]]:
-            parts.append(
-                _sound_loss(built, trainable_forward, video, given, pick(tokens), pick(sound_noise), param_dtype)
-            )
-        else:
-            prediction = recipe.predict(built, trainable_forward, video[0], video[1], given, param_dtype)
-            parts.append(_video_loss(built, prediction, video[0], *video[2:]))
-    return torch.cat(parts)[torch.argsort(torch.cat(order))].mean()  # the batch mean, as one call would give
-
-
-def _rows(value, rows: torch.Tensor, batch: int):
-    """The rows of a per-sample tensor (first dimension the batch); anything else as it is."""
-    return value[rows] if torch.is_tensor(value) and value.ndim and len(value) == batch else value
+    video = (noisy, timesteps, latents, noise, sigmas)
+    per_sample = loss_per_kind(
+        built, trainable_forward, video, conditions, heard, (tokens, sound_noise), param_dtype, _video_loss
+    )
+    return per_sample.mean()
 
 
 def _video_loss(built: FlowBuilt, prediction, noisy, latents, noise, sigmas) -> torch.Tensor:
@@ -353,17 +325,6 @@ def _video_loss(built: FlowBuilt, prediction, noisy, latents, noise, sigmas) -> 
     return flow_loss_per_sample(
         prediction, noisy, latents, noise, sigmas, weights, recipe.preconditioned(built.settings)
     )
-
-
-def _sound_loss(built: FlowBuilt, forward, video: list, conditions: dict, tokens, noise, dtype) -> torch.Tensor:
-    """Clips with sound: the sound tokens noised at the clip's sigma, one transformer call for both streams; per
-    sample the video's error plus the sound tokens' mean squared error against noise - x0 (B,)."""
-    noisy, timesteps, latents, video_noise, sigmas = video
-    sigma = sigmas.reshape(-1, 1, 1)
-    noisy_sound = (1.0 - sigma) * tokens + sigma * noise
-    prediction, sound = built.recipe.sound.predict(built, forward, noisy, timesteps, conditions, noisy_sound, dtype)
-    sound_error = (sound.float() - (noise - tokens).float()).pow(2).mean(dim=(1, 2))
-    return _video_loss(built, prediction, noisy, latents, video_noise, sigmas) + sound_error
 
 
 # ------------------------------------------------------------------------------------------------- sampling
@@ -438,19 +399,10 @@ def sample(
                     else conditioning.sample_inputs(built, text_side, prompt, source, sample_spec)
                 )
                 result = pipeline(**inputs, generator=generator, **common)
-                outputs.append(_rendered(built, result) if recipe.latents.frames else result.images[0])
+                outputs.append(rendered_clip(built, result) if recipe.latents.frames else result.images[0])
             return outputs
     finally:
         transformer_module.train(was_training)
-
-
-def _rendered(built: FlowBuilt, result) -> list:
-    """One rendered clip: its PIL frames, with the sound rendered beside them where the recipe has a sound stream."""
-    frames = list(result.frames[0])
-    sound = built.recipe.sound
-    if sound is None or sound.rendered is None:
-        return frames
-    return ClipWithSound(frames, *sound.rendered(built, result))
 
 
 # --------------------------------------------------------------------------------------------------- export
