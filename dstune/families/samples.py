@@ -156,13 +156,16 @@ def write_contact_sheet(
     samples_dir: str | os.PathLike, prompts: list[str], weights: str, metrics: list[dict] = ()
 ) -> Path:
     """(Re)write samples_dir/index.html: the loss and LR curves of `metrics` (metrics.jsonl records, inline SVG),
-    then every `step-NNNNNN.png` grid (`.webp` for clips, with a link to its MP4) of the run so far (resumed runs included), oldest first, with its step number,
+    then every `step-NNNNNN.png` grid (`.webp` for clips, with a link to its MP4 and a player for each clip saved
+    with its sound) of the run so far (resumed runs included), oldest first, with its step number,
     under the prompts in grid order. `weights` says what the grids show ("EMA" or "trained"). Written to a temporary
     file and renamed, so a browser never sees half a page."""
     import html
 
     folder = Path(samples_dir)
     entries = sorted((int(m.group(1)), p.name) for p in folder.iterdir() if (m := _SHEET_STEP.fullmatch(p.name)))
+    grids = {step for step, name in entries if name.endswith((".png", ".webp"))}
+    entries = [(step, name) for step, name in entries if name.endswith((".png", ".webp")) or step not in grids]
     prompt_items = "".join(f"<li>{html.escape(prompt or '(empty prompt)')}</li>" for prompt in prompts)
     rows = "".join(
         f'<section id="step-{step}"><h2>step {step}</h2>'
@@ -203,5 +206,18 @@ def _wav_players(folder: Path, name: str) -> str:
 
 
 def _mp4_link(folder: Path, name: str) -> str:
+    """A clip grid's MP4, and a player for each clip saved with its sound (the step's folder: 0.mp4, 1.mp4, ...)."""
+    import html
+
+    if not name.endswith(".webp"):
+        return ""
     mp4 = Path(name).with_suffix(".mp4").name
-    return f' <a href="{mp4}">MP4</a>' if name.endswith(".webp") and (folder / mp4).is_file() else ""
+    link = f' <a href="{mp4}">MP4</a>' if (folder / mp4).is_file() else ""
+    stem = Path(name).stem
+    heard = sorted((folder / stem).glob("*.mp4"), key=lambda p: int(p.stem) if p.stem.isdigit() else 0)
+    players = "".join(
+        f'<p>{html.escape(clip.stem)}. <video controls preload="none" '
+        f'src="{html.escape(stem)}/{html.escape(clip.name)}"></video></p>'
+        for clip in heard
+    )
+    return link + (f"<p>with sound:</p>{players}" if players else "")

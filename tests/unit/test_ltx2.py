@@ -328,6 +328,7 @@ def test_samples_render_clips_and_the_export_loads_and_renders(built, tmp_path):
     from diffusers import LTX2Pipeline
     from safetensors.torch import load_file
 
+    from dstune.families.samples import write_contact_sheet
     from dstune.spec.models import SampleSpec
 
     clips = wan.sample(built, built.trainable, ["a red circle moving left"], SampleSpec(steps=2, guidance=1.0), 32)
@@ -337,6 +338,8 @@ def test_samples_render_clips_and_the_export_loads_and_renders(built, tmp_path):
     with av.open(str(webp.with_suffix("") / "0.mp4")) as container:  # each clip with its sound track
         assert len(container.streams.video) == 1 and container.streams.audio[0].rate == 16000
         assert sum(frame.samples for frame in container.decode(audio=0)) >= clips[0].sound.shape[1]
+    page = write_contact_sheet(webp.parent, ["a red circle moving left"], "trained").read_text()
+    assert page.count('<section id="step-1">') == 1 and 'src="step-000001/0.mp4"' in page  # one step, its sound
     state = {name: value + 0.01 for name, value in built.trainable.state_dict().items()}
     out = wan.export(built, state, tmp_path / "full")
     saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
