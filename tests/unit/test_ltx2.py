@@ -469,11 +469,13 @@ def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_
         "model.sample_frames=117",
         "model.shift=3.0",
         "model.timestep_sampling=logit_normal",
+        "data.video.sampling=uniform",
     )
     errors = "\n".join(out["errors"])
     assert code == 1
     for key in ("data.video.frames", "model.sample_frames", "model.shift", "model.timestep_sampling"):
         assert key in errors, (key, errors)
     assert "109 frames: LTX-2's VAE takes 8k+1 frames" in errors and "117 is not 8k+1" in errors
+    assert "data.video.sampling" in errors and "sound (which LTX-2 trains on) cannot follow them" in errors
     code, out = _validate(capsys, monkeypatch, tmp_path, "deepspeed.sequence_parallel_size=2")
     assert code == 1 and any("LTX-2's sequence split is not enabled" in e for e in out["errors"]), out["errors"]

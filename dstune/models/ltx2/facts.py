@@ -125,7 +125,8 @@ def sampling_parts(folder) -> tuple[str, ...]:
 
 
 def spec_issues(spec, folder) -> list[tuple[str, str]]:
-    """Image-to-video (not trained yet), frame counts the VAE takes (1 + t k), first frames for samples."""
+    """Image-to-video (not trained yet), frame counts the VAE takes (1 + t k), first frames for samples, clips whose
+    sound cannot follow their frames (uniform sampling)."""
     issues = []
     _, temporal = compression(folder)
     if spec.model.image_to_video:
@@ -166,6 +167,14 @@ def spec_issues(spec, folder) -> list[tuple[str, str]]:
                 "model.sample_frames",
                 f"{spec.model.sample_frames} is not {temporal}k+1: LTX-2's VAE keeps "
                 f"the first frame and compresses the rest {temporal}x (e.g. 9, 17, 25, 121)",
+            )
+        )
+    if spec.data.video.sampling == "uniform" and spec.data.video.max_frames > 1:
+        issues.append(
+            (
+                "data.video.sampling",
+                "uniform spreads a clip's frames over the whole video, so the clip's sound (which LTX-2 trains "
+                "on) cannot follow them: use head or sliding",
             )
         )
     uneven = [count for count in spec.data.video.frame_counts if (count - 1) % temporal]
