@@ -142,7 +142,7 @@ def _attach_sampling_denoiser(run: Run, spec: Spec, family: Family, built, folde
         )
 
 
-def checked_records(run: Run, spec: Spec, family: Family) -> list:
+def checked_records(run: Run, spec: Spec, family: Family, sound_rate: Optional[int] = None) -> list:
     """The dataset's samples (the same index `validate` counted, so the plan's numbers hold), checked before
     step 1: speech clips were filtered by the length rules; image files are opened, each rank a share.
 
@@ -158,7 +158,7 @@ def checked_records(run: Run, spec: Spec, family: Family) -> list:
             print("data: " + "\ndata: ".join(warnings), flush=True)
         return records
     if family.modality == "video":
-        return _checked_clips(run, spec)
+        return _checked_clips(run, spec, sound_rate)
     records = list_samples(data)
     mine = [(r.sample_id, reason) for r, reason in find_bad_images(records, run.rank, run.world_size)]
     bad = [item for share in all_gather_object(mine) for item in share]
@@ -181,16 +181,17 @@ def checked_records(run: Run, spec: Spec, family: Family) -> list:
     return records
 
 
-def _checked_clips(run: Run, spec: Spec) -> list:
+def _checked_clips(run: Run, spec: Spec, sound_rate: Optional[int] = None) -> list:
     """A video family's clips (dstune.data.clips.index_clips: what `validate` counted), every video decoded (each
-    rank a share of the files) before step 1: one message names every video that is too short, cannot be read or
-    cannot be decoded; without grouped batches a micro batch cannot mix stills with clips."""
+    rank a share of the files; with `sound_rate`, the rate of a model that trains on sound, its sound track too)
+    before step 1: one message names every video that is too short, cannot be read or cannot be decoded; without
+    grouped batches a micro batch cannot mix stills with clips."""
     data = spec.data
     try:
         clips = index_clips(data)
     except DataError as err:
         stop(run, str(err), 1)
-    mine = [reason for _, reason in find_bad_clips(clips.records, data, run.rank, run.world_size)]
+    mine = [reason for _, reason in find_bad_clips(clips.records, data, run.rank, run.world_size, sound_rate)]
     bad = clips.problems + [item for share in all_gather_object(mine) for item in share]
     if bad:
         listing = "\n".join(f"  {reason}" for reason in bad[:BAD_FILES_LISTED])
@@ -315,11 +316,11 @@ def make_training_loader(
         return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step, speakers)
     if family.modality == "video":
         if caches.images is not None:
-            dataset = CachedVideoDataset(data, records, seed, caches.images)
+            dataset = CachedVideoDataset(data, records, seed, caches.images, built.sound_rate)
             return make_loader(
                 dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
             )
-        dataset = VideoCaptionDataset(data, records, seed)
+        dataset = VideoCaptionDataset(data, records, seed, built.sound_rate)  # the sound, where the model trains on it
         return make_loader(
             dataset, collate_video, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
         )

@@ -210,7 +210,8 @@ def _prepare_loop(
     family, built = build_family(run, spec, ds_config=resolved.ds_config, folders=folders)
     memory.mark("load")
     # The caches before the engine: the encoders they replace leave the device before DeepSpeed's states arrive.
-    records = checked_records(run, spec, family)
+    sound_rate = built.sound_rate if family.modality == "video" else None  # a video model that trains on sound
+    records = checked_records(run, spec, family, sound_rate)
     caches, code = prepare_caches(run, spec, family, built, records)
     if code:
         stop(run, "", code)

@@ -20,7 +20,7 @@ from dstune.cache.entries import read_entry
 from dstune.data.audio_index import AudioRecord
 from dstune.data.images import BadSampleError, ImageCaptionDataset, crop_fields, decoded_size, sample_rng
 from dstune.data.pairs import CONTROL_SUFFIX
-from dstune.data.video import VideoCaptionDataset
+from dstune.data.video import VideoCaptionDataset, stack_sounds
 
 
 class CachedDataset(ImageCaptionDataset):
@@ -69,8 +69,8 @@ class CachedVideoDataset(VideoCaptionDataset):
     """Clips from the cache: the video dataset's caption-dropout draw, then the clip's latent entry (or its
     pixels without data.cache.latents) and the caption's text entry."""
 
-    def __init__(self, data, records, seed: int, index):
-        super().__init__(data, records, seed)
+    def __init__(self, data, records, seed: int, index, sound_rate: int | None = None):
+        super().__init__(data, records, seed, sound_rate)
         self.index = index  # dstune.cache.latents.CacheIndex
 
     def __getitem__(self, position: int) -> dict:
@@ -78,7 +78,7 @@ class CachedVideoDataset(VideoCaptionDataset):
         if not 0 <= position < len(self):
             raise IndexError(f"sample index {position} out of range 0..{len(self) - 1}")
         if not self.index.latents:
-            out = super().__getitem__(position)
+            out = super().__getitem__(position)  # pixels, and the sound when the model trains on it
         else:
             _, dropout_draw, _, _ = sample_rng(self.seed, self.epoch, position).random(4)
             record = self.record_at(position)
@@ -91,10 +91,14 @@ class CachedVideoDataset(VideoCaptionDataset):
 
 
 def collate_cached(samples: list[dict]) -> dict:
-    """Every tensor of a sample (pixels or latents, the family's text tensors, the crop fields) stacked."""
+    """Every tensor of a sample (pixels or latents, the family's text tensors, the crop fields) stacked; a clip's
+    sound read from its file (not cached) as collate_video stacks it."""
     batch = {
-        name: torch.stack([s[name] for s in samples]) for name, value in samples[0].items() if torch.is_tensor(value)
+        name: torch.stack([s[name] for s in samples])
+        for name, value in samples[0].items()
+        if torch.is_tensor(value) and name != "sound"  # has_sound: a tensor from the latent entry, else a bool
     }
+    batch.update(stack_sounds(samples))
     batch.update(
         caption=[s["caption"] for s in samples],
         sample_id=[s["sample_id"] for s in samples],

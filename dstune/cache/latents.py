@@ -34,7 +34,7 @@ from dstune.data.images import BadSampleError, ImageCaptionDataset
 from dstune.data.index import control_records
 from dstune.data.pairs import CONTROL_SUFFIX
 from dstune.data.synthetic import render_shape
-from dstune.data.video import VideoCaptionDataset
+from dstune.data.video import VideoCaptionDataset, stack_sounds
 from dstune.distributed import agree_or_stop, all_gather_object
 from dstune.families.base import TextCache
 from dstune.families.diffusion import vae_posterior
@@ -140,10 +140,13 @@ def _sizes(targets, data, video: bool) -> dict | None:
 def _encode_latents(
     built, dataset, by_id: dict, entries: list[Entry], resolution: int, extras: Optional[Callable] = None
 ) -> tuple[dict, dict]:
-    pixels, ok, failed = [], [], {}
+    pixels, sounds, ok, failed = [], [], [], {}
     for entry in entries:
         try:
             pixels.append(dataset.cache_pixels(by_id[entry.sample_id], entry.size or resolution, entry.flip))
+            if getattr(dataset, "sound_rate", None):
+                sound, heard = dataset.clip_sound(by_id[entry.sample_id])
+                sounds.append({"sample_id": entry.name, "sound": sound, "has_sound": heard})
         except BadSampleError as err:
             failed[entry.name] = err.message
             continue
@@ -154,6 +157,10 @@ def _encode_latents(
         stacked = torch.stack([pixels[i] for i in same]).to(built.device, built.vae.dtype)
         mean, std = vae_posterior(built.vae, stacked)
         more = extras(built, stacked) if extras is not None else {}
+        if sounds:  # the recipe's sound stream: its latents beside the posterior (silence's where a clip has none)
+            heard = stack_sounds([sounds[i] for i in same])
+            more["sound_latent"] = built.recipe.sound.encode(built, heard["sound"].to(built.device))
+            more["has_sound"] = heard["has_sound"].float().unsqueeze(1)
         tensors.update(
             {
                 ok[i].key: {
@@ -294,7 +301,10 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
     if verify_only:
         counts = _verify_share(folder, mine)
     else:
-        dataset = (VideoCaptionDataset if job.video else ImageCaptionDataset)(data, targets, job.seed)
+        if job.video:  # with the clips' sound where the model trains on it
+            dataset = VideoCaptionDataset(data, targets, job.seed, built.sound_rate)
+        else:
+            dataset = ImageCaptionDataset(data, targets, job.seed)
         counts = _build_share(
             built,
             dataset,
@@ -351,11 +361,13 @@ def _conclude(run, data: DataSpec, folder, entries, reports, unreadable, verify_
 
 def offload_frozen(built, index: CacheIndex) -> list[str]:
     """Move the encoders the cache replaces off the accelerator (kept in host memory for sampling): the VAE (and an
-    image encoder, whose embeddings are latent extras) with cached latents, every other frozen part (the text
-    encoders, see dstune.families.base) with cached text."""
+    image encoder, whose embeddings are latent extras, and the sound stream's encoder) with cached latents, every
+    other frozen part (the text encoders, see dstune.families.base) with cached text."""
     moved = []
+    sound = getattr(getattr(built, "recipe", None), "sound", None)
+    latent_parts = ("vae", "image_encoder") + (sound.parts if sound else ())
     for name, module in built.frozen.items():
-        cached = index.latents if name in ("vae", "image_encoder") else index.text
+        cached = index.latents if name in latent_parts else index.text
         if cached and built.device.type != "cpu":
             module.to("cpu")
             moved.append(name)

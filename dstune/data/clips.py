@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from dstune.data.buckets import bucket_sizes, header_size, nearest_bucket
-from dstune.data.index import DataError, SampleRecord, index_dataset, is_video_file
+from dstune.data.index import DataError, SampleRecord, index_dataset, is_builtin_clip, is_video_file
 
 TEMPORAL_COMPRESSION = 4  # the video VAEs: the first frame, then 4 frames per latent frame (frames are 4k+1)
 CHUNK_SEPARATOR = "#"  # a sliding chunk's sample id: the file's id, "#", the chunk number
@@ -174,7 +174,7 @@ def _other_clip(record: SampleRecord, data, sizes) -> ClipRecord:
         sample_id=record.sample_id, image_path=record.image_path, caption=record.caption, repeats=record.repeats
     )
     if record.image_path is None:
-        moving = record.sample_id.startswith("moving-shapes/")
+        moving = is_builtin_clip(record.sample_id)
         return ClipRecord(
             **base, frames=data.video.max_frames if moving else 1, size=nearest_bucket(1, 1, sizes) if sizes else None
         )
@@ -227,7 +227,7 @@ def as_clip(record: SampleRecord, data) -> ClipRecord:
         return record
     fields = {name: getattr(record, name) for name in ("sample_id", "image_path", "caption", "repeats")}
     if record.image_path is None:
-        still = not record.sample_id.startswith("moving-shapes/")  # builtin:shapes renders one-frame clips
+        still = not is_builtin_clip(record.sample_id)  # builtin:shapes renders one-frame clips
     else:
         still = not is_video_file(record.image_path)
     return ClipRecord(**fields, frames=1 if still else data.video.max_frames)

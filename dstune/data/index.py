@@ -9,7 +9,7 @@ Layouts:
     integer) repeats every image under it N times, the nearest such folder counting; other folders repeat once.
   - jsonl (Hugging Face imagefolder): `metadata.jsonl` at the root, one `{"file_name": ..., "text": ...}` per line.
   - builtin:shapes: synthetic coloured shapes (dstune.data.synthetic), made on the fly from the sample number;
-    builtin:moving-shapes the same as clips (video families).
+    builtin:moving-shapes the same as clips (video families), builtin:moving-shapes-av those clips with a sound track.
 Video families (index_dataset(..., video=True)) list video files as well as images, in either layout.
 Edit / control pairs (data.control_dir, metadata.jsonl `control_file_name`): dstune.data.pairs; a paired record
 carries its source image's path in `control_path`.
@@ -42,8 +42,12 @@ from dstune.spec.section import BUILTIN_PREFIX
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv")
 METADATA_FILE = "metadata.jsonl"
-BUILTIN_DATASETS = {"shapes": SHAPES_NUM_SAMPLES, "moving-shapes": MOVING_SHAPES_NUM_SAMPLES}  # name -> samples
-BUILTIN_CAPTIONS = {"shapes": lambda i: shape_sample(i).caption, "moving-shapes": lambda i: moving_shape(i).caption}
+CLIP_BUILTINS = ("moving-shapes", "moving-shapes-av")  # the built-in datasets of clips (video families)
+BUILTIN_DATASETS = {"shapes": SHAPES_NUM_SAMPLES, **dict.fromkeys(CLIP_BUILTINS, MOVING_SHAPES_NUM_SAMPLES)}
+BUILTIN_CAPTIONS = {
+    "shapes": lambda i: shape_sample(i).caption,
+    **dict.fromkeys(CLIP_BUILTINS, lambda i: moving_shape(i).caption),
+}
 _REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 _EXAMPLES_IN_WARNING = 3
 
@@ -97,6 +101,11 @@ def control_records(records: list[SampleRecord]) -> list[SampleRecord]:
 def builtin_name(path: str) -> str | None:
     """`builtin:shapes` -> "shapes"; any other path -> None."""
     return path[len(BUILTIN_PREFIX) :] if path.startswith(BUILTIN_PREFIX) else None
+
+
+def is_builtin_clip(sample_id: str) -> bool:
+    """Whether a built-in record (no file) is a clip of several frames rather than a still shape."""
+    return sample_id.split("/", 1)[0] in CLIP_BUILTINS
 
 
 def is_video_file(path: str) -> bool:

@@ -12,16 +12,23 @@ PIL is imported only when rendering: the index (and `dstune validate`) needs cap
 ("a red circle moving left"); colour, shape and direction cycle through all 72 combinations, and the clip has as
 many frames as the video family asks for (data.video.frames), the motion spread over the whole clip.
 
+`builtin:moving-shapes-av`: the moving shapes with a sound track, a tone whose pitch follows the shape's position;
+each clip is written as a real MP4 file (MPEG-4 video and AAC, in memory) and read back through the video decoder, as a
+user's clip with sound is.
+
 `builtin:tones`: synthetic "speech": the text is a digit string, the audio one tone per digit (its pitch is the
 digit). Small enough that a CPU run shows a TTS loss falling.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
 import numpy as np
+
+from dstune.data.sound import mp4_with_sound
 
 SHAPES_NUM_SAMPLES = 256
 MOVING_SHAPES_NUM_SAMPLES = 144  # each of the 72 colour x shape x direction combinations twice
@@ -194,3 +201,34 @@ def render_tones(text: str, sample_rate: int = TONES_SAMPLE_RATE) -> np.ndarray:
         pieces.append(0.5 * np.sin(2 * np.pi * (300 + 150 * int(digit)) * t) * np.hanning(tone_n))
         pieces.append(np.zeros(gap_n))
     return np.concatenate(pieces).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------- builtin:moving-shapes-av
+
+MOVING_SHAPES_AV_FPS = 24  # the clips' frame rate (24, the audio+video model's), unless data.video.fps asks for another
+MOVING_SHAPES_AV_RATE = 24000  # the tone's sample rate: not the audio VAE's, so reading it resamples
+TONE_BASE_HZ, TONE_AMPLITUDE, TONE_FADE_SECONDS = 440.0, 0.3, 0.005
+
+
+def moving_shape_tone(index: int, frames: int, fps: float, rate: int = MOVING_SHAPES_AV_RATE) -> np.ndarray:
+    """Clip `index`'s sound: float32 mono (1, frames / fps x rate), a tone whose pitch follows the shape's centre,
+    TONE_BASE_HZ x 2^((x - y) / _TRAVEL) (sides as fractions): it rises as the shape moves right or up and falls as
+    it moves left or down, by an octave over the clip. Between frames the centre moves as it does across frames."""
+    clip = moving_shape(index)
+    step_x, step_y = DIRECTIONS[clip.direction]
+    seconds = np.arange(int(round(frames / fps * rate))) / rate
+    last = (frames - 1) / fps
+    progress = np.clip(seconds / last, 0.0, 1.0) if frames > 1 else np.full_like(seconds, 0.5)
+    offset = _TRAVEL * (progress - 0.5)
+    x, y = clip.still.centre_x + step_x * offset, clip.still.centre_y + step_y * offset
+    phase = 2 * np.pi * np.cumsum(TONE_BASE_HZ * 2.0 ** ((x - y) / _TRAVEL)) / rate
+    fade = np.clip(np.minimum(seconds, seconds[-1] - seconds) / TONE_FADE_SECONDS, 0.0, 1.0) if len(seconds) else 1
+    return (TONE_AMPLITUDE * np.sin(phase) * fade).astype(np.float32)[None]
+
+
+@functools.lru_cache(maxsize=512)
+def moving_shape_av_mp4(index: int, resolution: int, frames: int, fps: float = MOVING_SHAPES_AV_FPS) -> bytes:
+    """Clip `index` of builtin:moving-shapes-av as the bytes of an MP4 file: moving-shapes' frames at `fps` (MPEG-4)
+    and moving_shape_tone (AAC, mono at MOVING_SHAPES_AV_RATE). The same bytes on every run and rank."""
+    images, _ = render_moving_shape(index, resolution, frames)
+    return mp4_with_sound(images, fps, moving_shape_tone(index, frames, fps), MOVING_SHAPES_AV_RATE)

@@ -7,6 +7,14 @@ frames resampled to data.video.fps, then `head` the first ones, `uniform` spread
 Every frame is resized and centre-cropped like an image (dstune.data.images.resize_and_crop) to data.resolution's
 square, or with data.buckets to the clip's (width, height) bucket.
 
+Sound (`sound_rate` given: the run's model trains on a clip's audio too): each sample also carries its clip's sound
+track as float32 (2, frames / fps x sound_rate), stereo, cut to the clip's span (dstune.data.sound), and has_sound;
+a clip whose file has no audio stream (a still image, builtin:moving-shapes) carries silence of its length and
+has_sound False (its video is trained alone). fps: data.video.fps, else the file's own (24 for built-in clips and
+still images). builtin:moving-shapes-av's clips are MP4 files
+with sound, written in memory (dstune.data.synthetic) and read back through the same decoder. Sound needs the clip's
+frames to be consecutive (`head` or `sliding`): `uniform` spreads them over the video, which the sound cannot follow.
+
 Bad files are found before step 1: `find_bad_clips` decodes this rank's share of the files (each once, as far as
 its last clip needs) and names every video that cannot be decoded (the caller gathers all ranks' findings and stops
 with one message); videos shorter than every frame count are named from their headers (dstune.data.clips).
@@ -14,6 +22,7 @@ with one message); videos shorter than every frame count are named from their he
 
 from __future__ import annotations
 
+import io
 import operator
 
 import torch
@@ -25,17 +34,19 @@ from dstune.data.clips import (
     clips_by_file,
     frame_positions,
     is_grouped,
+    read_header,
     unusable,
     video_stream,
 )
 from dstune.data.images import BadSampleError, ImageCaptionDataset, resize_and_crop, sample_rng, to_tensor
 from dstune.data.index import SampleRecord, is_video_file
-from dstune.data.synthetic import render_moving_shape, render_shape
+from dstune.data.sound import decode_sound
+from dstune.data.synthetic import MOVING_SHAPES_AV_FPS, moving_shape_av_mp4, render_moving_shape, render_shape
 from dstune.spec.models import DataSpec
 
 
-def frame_count(path: str, trust_header: bool = True) -> tuple[int, float]:
-    """(frames, frames per second) of the video: the container's stated count, or with trust_header=False (or when
+def frame_count(path, trust_header: bool = True) -> tuple[int, float]:
+    """(frames, frames per second) of the video (a path or a file object): the container's stated count, or with trust_header=False (or when
     it states none) the frames actually decoded, without converting any."""
     import av
 
@@ -46,8 +57,8 @@ def frame_count(path: str, trust_header: bool = True) -> tuple[int, float]:
         return sum(1 for _ in container.decode(stream)), rate
 
 
-def decode_frames(path: str, positions: list[int]) -> list:
-    """The frames at `positions` (0-based, repeats allowed) as RGB PIL images, decoding no further than the last;
+def decode_frames(path, positions: list[int]) -> list:
+    """The frames of the video (a path or a file object) at `positions` (0-based, repeats allowed) as RGB PIL images, decoding no further than the last;
     ValueError when the video ends (or breaks) before it."""
     import av
 
@@ -96,8 +107,14 @@ class VideoCaptionDataset(ImageCaptionDataset):
     """Clips with captions; the same expanded-index, epoch and caption-dropout rules as the image dataset. Records
     are dstune.data.clips.ClipRecords (plain records become one clip each: dstune.data.clips.as_clip)."""
 
-    def __init__(self, data: DataSpec, records: list[SampleRecord], seed: int):
+    def __init__(self, data: DataSpec, records: list[SampleRecord], seed: int, sound_rate: int | None = None):
         super().__init__(data, [as_clip(record, data) for record in records], seed)
+        if sound_rate and data.video.sampling == "uniform" and data.video.max_frames > 1:
+            raise ValueError(
+                "data.video.sampling uniform spreads a clip's frames over the whole video, so the clip's sound "
+                "(which this model trains on) cannot follow them; use head or sliding"
+            )
+        self.sound_rate = sound_rate  # Hz of the sound each sample carries; None: no sound is read
 
     def bucket_of_records(self) -> list | None:
         """With data.buckets: each clip's (width, height), chosen from its header by dstune.data.clips."""
@@ -117,12 +134,38 @@ class VideoCaptionDataset(ImageCaptionDataset):
         data = self.data
         if record.image_path is None:
             name, number = record.sample_id.rsplit("/", 1)
+            if name == "moving-shapes-av":
+                return decode_frames(io.BytesIO(self._builtin_mp4(record)), list(range(record.frames)))
             if name == "moving-shapes":
                 return render_moving_shape(int(number), data.resolution, record.frames)[0]
             return [render_shape(int(number), data.resolution)[0]]
         if not is_video_file(record.image_path):
             return [self.load_image(record, record.size)]
         return read_video(record, data.video)
+
+    def _builtin_mp4(self, record: ClipRecord) -> bytes:
+        fps = self.data.video.fps or MOVING_SHAPES_AV_FPS
+        return moving_shape_av_mp4(int(record.sample_id.rsplit("/", 1)[1]), self.data.resolution, record.frames, fps)
+
+    def clip_sound(self, record: ClipRecord) -> tuple[torch.Tensor, bool]:
+        """The clip's sound at self.sound_rate: float32 (2, samples) over the clip's span and True, or silence of
+        the clip's length and False without an audio stream. BadSampleError naming the file and why it cannot be
+        used."""
+        try:
+            if record.image_path is not None and is_video_file(record.image_path):
+                fps = float(self.data.video.fps or read_header(record.image_path).fps)
+                source = record.image_path
+            else:  # a built-in clip (one with sound: an MP4 made in memory) or a still image
+                fps = float(self.data.video.fps or MOVING_SHAPES_AV_FPS)
+                heard = record.image_path is None and record.sample_id.startswith("moving-shapes-av/")
+                source = io.BytesIO(self._builtin_mp4(record)) if heard else None
+            sound = decode_sound(source, self.sound_rate, record.start / fps, record.frames / fps) if source else None
+        except (OSError, ValueError) as err:
+            reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+            raise BadSampleError(unusable(record, f"its sound track: {reason}"), record.image_path) from None
+        if sound is None:
+            return torch.zeros(2, int(round(record.frames / fps * self.sound_rate))), False
+        return torch.from_numpy(sound), True
 
     def load_clip(self, record: ClipRecord) -> torch.Tensor:
         return clip_tensor(self.clip_images(record), record.size or self.data.resolution)
@@ -137,21 +180,43 @@ class VideoCaptionDataset(ImageCaptionDataset):
         _, dropout_draw, _, _ = sample_rng(self.seed, self.epoch, index).random(4)  # the image dataset's draws
         record = self.record_at(index)
         caption = "" if dropout_draw < self.data.caption_dropout else record.caption
-        return {
+        sample = {
             "pixel_values": self.load_clip(record),
             "caption": caption,
             "sample_id": record.sample_id,
             "index": index,
         }
+        if self.sound_rate:
+            sample["sound"], sample["has_sound"] = self.clip_sound(record)
+        return sample
 
 
 def collate_video(samples: list[dict]) -> dict:
-    """pixel_values (B, 3, frames, H, W); caption and sample_id lists; index (B,)."""
-    return {
+    """pixel_values (B, 3, frames, H, W); caption and sample_id lists; index (B,). With sound read: sound
+    (B, 2, samples), silence where a clip has none, and has_sound (B,) saying which clips have it."""
+    batch = {
         "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
         "caption": [s["caption"] for s in samples],
         "sample_id": [s["sample_id"] for s in samples],
         "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
+    }
+    return {**batch, **stack_sounds(samples)}
+
+
+def stack_sounds(samples: list[dict]) -> dict:
+    """The samples' sound (B, 2, samples) (silence where a clip has none) and has_sound (B,); nothing when the
+    samples carry no sound (the model trains on none)."""
+    if "sound" not in samples[0]:
+        return {}
+    if len({s["sound"].shape for s in samples}) > 1:
+        lengths = ", ".join(f"{s['sample_id']}: {s['sound'].shape[1]}" for s in samples)
+        raise ValueError(
+            f"the clips of one batch have sound tracks of different lengths ({lengths} samples): their "
+            "frame rates differ. Set data.video.fps, so that every clip lasts frames / fps seconds."
+        )
+    return {
+        "sound": torch.stack([s["sound"] for s in samples]),
+        "has_sound": torch.tensor([bool(s["has_sound"]) for s in samples]),
     }
 
 
@@ -161,19 +226,22 @@ def clip_frames(record: SampleRecord, data: DataSpec) -> int:
 
 
 def find_bad_clips(
-    records: list[SampleRecord], data: DataSpec, rank: int = 0, world_size: int = 1
+    records: list[SampleRecord], data: DataSpec, rank: int = 0, world_size: int = 1, sound_rate: int | None = None
 ) -> list[tuple[SampleRecord, str]]:
     """(record, reason) for each file of this rank's share of the files (every world_size-th, in dataset order)
     that cannot give its clips: a video is decoded once, as far as its last clip needs (every frame before it
-    passes through the decoder), images are opened. Gather all ranks' results."""
+    passes through the decoder; with `sound_rate`, the model's, its sound track too), images are opened. Gather all
+    ranks' results."""
     files = list(clips_by_file([as_clip(record, data) for record in records]).values())[rank::world_size]
     if not files:
         return []
-    bad, reader = [], VideoCaptionDataset(data, [clips[0] for clips in files], 0)
+    bad, reader = [], VideoCaptionDataset(data, [clips[0] for clips in files], 0, sound_rate)
     for clips in files:
         last = max(clips, key=lambda clip: clip.start + clip.frames)
         try:
             reader.clip_images(last)
+            if sound_rate:
+                reader.clip_sound(last)
         except BadSampleError as err:
             bad.append((clips[0], err.message))
     return bad

@@ -18,7 +18,17 @@ from dstune.memory.counts import config_folder, count_component, count_small_ten
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 
 # "connectors": a stage after the text encoder (a pipeline's text connectors), frozen; the text cache holds its outputs
-FROZEN_PIPELINE_PARTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "connectors")
+FROZEN_PIPELINE_PARTS = (
+    "vae",
+    "text_encoder",
+    "text_encoder_2",
+    "text_encoder_3",
+    "image_encoder",
+    "connectors",
+    "audio_vae",
+)
+# the parts whose outputs data.cache.latents stores (a video model's first-frame embedding, a clip's sound latents)
+LATENT_PARTS = ("vae", "image_encoder", "audio_vae")
 
 
 @dataclass(frozen=True)
@@ -80,10 +90,8 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
     cache = spec.data.cache
     if not rules.uses_image_encoder(spec, folder):  # e.g. a text-to-video run of an image-to-video-capable folder
         companions.pop("image_encoder", None)
-    # the image encoder's embeddings are stored beside the latents (the video model's first-frame conditioning)
-    cached = tuple(
-        part for part in companions if (cache.latents if part in ("vae", "image_encoder") else cache.text_embeddings)
-    )
+    # the image encoder's embeddings (first-frame conditioning) and the sound latents are stored beside the latents
+    cached = tuple(part for part in companions if (cache.latents if part in LATENT_PARTS else cache.text_embeddings))
     full, checkpointed = rules.activations(spec, folder, read_config(config_path), clips)
     return ModelCounts(
         module,

@@ -10,7 +10,8 @@ Every draw of a sample (VAE posterior, noise, u) comes from its own generator se
 dataset index, purpose), so results do not depend on the rank count.
 
     build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config) -> FlowBuilt
-    encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", text tensors, conditions, "indices"}
+    encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", text tensors, conditions, "indices"} (and a
+        recipe with a sound stream: "sound_latent", "has_sound"; dstune.families.flow_sound)
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (mean over the micro batch)
     sample(built, transformer_module, prompts, sample_spec, resolution) -> images, or clips (lists of frames)
     export(built, transformer_state_dict, out_dir, pretrained_folder=None) -> Path
@@ -40,6 +41,7 @@ from dstune.families.diffusion import (
 from dstune.families.flow_distilled import fuse_training_adapter, with_trained_lora
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_recipe import FlowRecipe, load_text_side, normalised_latents, vae_spatial_factor
+from dstune.families.flow_sound import encoded_sound, loss_per_kind, rendered_clip
 from dstune.hf import quiet_hf_libraries
 
 
@@ -73,6 +75,11 @@ class FlowBuilt:
     @property
     def kind(self) -> str:
         return self.recipe.kind
+
+    @property
+    def sound_rate(self) -> Optional[int]:
+        """The sample rate (Hz) the dataset reads each clip's sound at; None: the recipe trains on no sound."""
+        return self.recipe.sound.rate(self) if self.recipe.sound else None
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:
@@ -253,7 +260,8 @@ def encode_batch(built: FlowBuilt, batch: dict, dtype: torch.dtype = torch.float
     else:
         text = encode_captions(built, list(batch_field(batch, "captions", "caption")), **(text_inputs or {}))
     text = {name: value.to(dtype) if value.is_floating_point() else value for name, value in text.items()}
-    return {"latent_mean": mean, "latent_std": std, **text, **conditions, "indices": indices}
+    sound = encoded_sound(built, batch)
+    return {"latent_mean": mean, "latent_std": std, **text, **conditions, **sound, "indices": indices}
 
 
 def noisy_latents(built: FlowBuilt, latents: torch.Tensor, noise: torch.Tensor, positions: torch.Tensor):
@@ -300,14 +308,30 @@ def loss(built: FlowBuilt, trainable_forward: Callable, encoded: dict, seed: int
     conditioning = recipe.conditioning
     if conditioning and conditioning.model_inputs:
         conditions.update(conditioning.model_inputs(built, encoded, param_dtype))
-    prediction = recipe.predict(built, trainable_forward, noisy, timesteps, conditions, param_dtype)
+    heard = encoded.get("has_sound") if recipe.sound else None
+    if heard is None or not heard.any():
+        prediction = recipe.predict(built, trainable_forward, noisy, timesteps, conditions, param_dtype)
+        return _video_loss(built, prediction, noisy, latents, noise, sigmas).mean()
+    tokens = recipe.sound.to_tokens(built, encoded["sound_latent"])
+    sound_noise = draw(tokens.shape[1:], "audio_noise")
+    video = (noisy, timesteps, latents, noise, sigmas)
+    per_sample = loss_per_kind(
+        built, trainable_forward, video, conditions, heard, (tokens, sound_noise), param_dtype, _video_loss
+    )
+    return per_sample.mean()
+
+
+def _video_loss(built: FlowBuilt, prediction, noisy, latents, noise, sigmas) -> torch.Tensor:
+    """Each sample's weighted flow-matching error of the latents (B,); latent frames the conditioning gives clean (a
+    first frame) are not in it."""
+    recipe = built.recipe
     weights = loss_weights(built.settings.loss_weighting, sigmas)
-    clean = conditioning.clean_frames(built) if conditioning else 0
+    clean = recipe.conditioning.clean_frames(built) if recipe.conditioning else 0
     if clean:  # the first latent frames were given clean: only the frames after them are learned
         prediction, noisy, latents, noise = (t[:, :, clean:] for t in (prediction, noisy, latents, noise))
     return flow_loss_per_sample(
         prediction, noisy, latents, noise, sigmas, weights, recipe.preconditioned(built.settings)
-    ).mean()
+    )
 
 
 # ------------------------------------------------------------------------------------------------- sampling
@@ -382,7 +406,7 @@ def sample(
                     else conditioning.sample_inputs(built, text_side, prompt, source, sample_spec)
                 )
                 result = pipeline(**inputs, generator=generator, **common)
-                outputs.append(list(result.frames[0]) if recipe.latents.frames else result.images[0])
+                outputs.append(rendered_clip(built, result) if recipe.latents.frames else result.images[0])
             return outputs
     finally:
         transformer_module.train(was_training)

@@ -15,6 +15,7 @@ groups, each of which a model either needs whole or not at all:
     conditioning       Conditioning: what the transformer sees beside text (a source image, a clip's first frame)
     experts            Experts: two transformers splitting the timesteps at a boundary, one trained per run
     sampling           Sampling: the pipeline call that renders samples (guidance, scheduler, side multiple)
+    sound              SoundStream: a second latent stream of a clip's sound, noised and learned beside the video
 
 Adding an image model (HiDream, Chroma, Lumina 2, ...) is a recipe module, one line in flow.RECIPES, a built-in tiny
 model and a loss-parity test (docs/family-flow.md, "Adding a model"); a video model is the same with frames in its
@@ -121,6 +122,25 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class SoundStream:
+    """A clip's sound as a second latent stream (an audio+video transformer): the dataset reads each clip's sound
+    track at `rate`, `encode` makes its latents (cached beside the clip's posterior), and the loss noises their tokens
+    at the clip's sigma with noise of their own (purpose `audio_noise`) and adds their mean squared error, against
+    noise - x0, to the video's, per sample. Clips without sound train the video alone (`predict` of the recipe)."""
+
+    rate: Callable  # (built) -> the sample rate (Hz) the encoder takes: the dataset resamples the sound to it
+    encode: Callable  # (built, sound (B, 2, samples) float32 at rate) -> latents (B, ...) float32, no random draw
+    to_tokens: Callable  # (built, latents) -> the transformer's tokens (B, T, D), where noise is added
+    # (built, forward, noisy video latents, timesteps (B,), conditions, noisy sound tokens, dtype) ->
+    # (video prediction in the latent layout, sound prediction (B, T, D))
+    predict: Callable
+    parts: tuple[str, ...] = ()  # the pipeline parts encode uses (built.parts): they key the cached latents
+    # (built, the pipeline's output for one prompt) -> (its sound (channels, samples) float array, Hz, frames per
+    # second): samples saved with their sound; None: samples are frames only
+    rendered: Optional[Callable] = None
+
+
+@dataclass(frozen=True)
 class FlowRecipe:
     kind: str  # the name validate and the docs use (a short lower-case model name)
     transformer_class: str  # diffusers class in transformer/config.json: how a folder is recognised
@@ -145,6 +165,7 @@ class FlowRecipe:
     # example draws it; None: u indexes the tables (timesteps are then sigma x 1000)
     draw_sigmas: Optional[Callable] = None
     lora_class: Optional[str] = None  # whose save_lora_weights writes the LoRA file; None: pipeline_class
+    sound: Optional[SoundStream] = None  # a clip's sound, trained beside the video; None: video (or images) only
 
     @property
     def text_tensors(self) -> tuple[str, ...]:

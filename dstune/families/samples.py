@@ -1,11 +1,12 @@
-"""Sample outputs: an image grid per step (an animated one for clips) and the samples page (index.html) over every
-step of a run."""
+"""Sample outputs: an image grid per step (an animated one for clips; clips rendered with sound also each as an MP4
+with its sound track) and the samples page (index.html) over every step of a run."""
 
 from __future__ import annotations
 
 import os
 import re
 import textwrap
+from fractions import Fraction
 from pathlib import Path
 
 from dstune.curves import curves_svg
@@ -56,10 +57,21 @@ def save_grid(images: list, prompts: list[str], path: str | os.PathLike) -> Path
     return path
 
 
+class ClipWithSound(list):
+    """A rendered clip's frames (PIL images, the list) with the sound the pipeline rendered with them: `sound`
+    float (channels, samples) in [-1, 1] at `rate` Hz, the frames at `fps`."""
+
+    def __init__(self, frames, sound, rate: int, fps: float):
+        super().__init__(frames)
+        self.sound, self.rate, self.fps = sound, int(rate), float(fps)
+
+
 def save_clip_grid(clips: list, prompts: list[str], path: str | os.PathLike) -> Path:
     """Video families: the clips (lists of PIL frames) as one animated grid, each frame a grid of every clip's frame
     with the prompts under them, written twice beside `path`: an animated WebP (lossless; the samples page plays it
-    in an <img>) and an H.264 MP4 (for players and trackers). Returns the WebP's path."""
+    in an <img>) and an H.264 MP4 (for players and trackers). Clips with sound (ClipWithSound) are also written one
+    MP4 each, at their own frame rate with their sound (AAC), into the folder `path` names without its suffix
+    (0.mp4, 1.mp4, ... in prompt order). Returns the WebP's path."""
     if len(clips) != len(prompts):
         raise ValueError(f"save_clip_grid: {len(clips)} clips but {len(prompts)} prompts")
     frames = [
@@ -73,26 +85,45 @@ def save_clip_grid(clips: list, prompts: list[str], path: str | os.PathLike) -> 
         webp, format="WEBP", save_all=True, append_images=frames[1:], duration=_CLIP_FRAME_MS, loop=0, lossless=True
     )
     write_mp4(frames, path.with_suffix(".mp4"), 1000 // _CLIP_FRAME_MS)
+    heard = [(number, clip) for number, clip in enumerate(clips) if isinstance(clip, ClipWithSound)]
+    if heard:
+        folder = path.with_suffix("")
+        folder.mkdir(exist_ok=True)
+        for number, clip in heard:
+            write_mp4(list(clip), folder / f"{number}.mp4", clip.fps, sound=(clip.sound, clip.rate))
     return webp
 
 
-def write_mp4(frames: list, path: Path, fps: int) -> Path:
+def write_mp4(frames: list, path: Path, fps: float, sound=None) -> Path:
     """PIL frames -> an H.264 (yuv420p, which every player decodes) MP4 by PyAV; sides padded to even pixels, as
-    4:2:0 needs. Written to a temporary name and renamed, so a reader never sees half a file."""
+    4:2:0 needs; with `sound` ((channels, samples) float in [-1, 1], Hz), an AAC track of it (one or two
+    channels). Written to a temporary name and renamed, so a reader never sees half a file."""
     import av
+    import numpy as np
     from PIL import Image
 
     width, height = frames[0].size
     even = (width + width % 2, height + height % 2)
     partial = path.with_name(path.name + ".partial")
+    rate = Fraction(fps).limit_denominator(1001)
     with av.open(str(partial), mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=fps)
+        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=rate)
         stream.width, stream.height, stream.pix_fmt = even[0], even[1], "yuv420p"
+        if sound is not None:  # every stream is added before the first packet is written
+            waveform, hz = np.clip(np.asarray(sound[0], dtype=np.float32), -1, 1)[:2], int(sound[1])
+            layout = "mono" if waveform.shape[0] == 1 else "stereo"
+            audio = container.add_stream("aac", rate=hz)
+            audio.layout = layout
         for frame in frames:
             canvas = Image.new("RGB", even, (255, 255, 255))
             canvas.paste(frame.convert("RGB"), (0, 0))
             container.mux(stream.encode(av.VideoFrame.from_image(canvas)))
         container.mux(stream.encode())
+        if sound is not None:
+            track = av.AudioFrame.from_ndarray(np.ascontiguousarray(waveform), format="fltp", layout=layout)
+            track.sample_rate, track.pts = hz, 0
+            container.mux(audio.encode(track))
+            container.mux(audio.encode())
     os.replace(partial, path)
     return path
 
@@ -125,13 +156,16 @@ def write_contact_sheet(
     samples_dir: str | os.PathLike, prompts: list[str], weights: str, metrics: list[dict] = ()
 ) -> Path:
     """(Re)write samples_dir/index.html: the loss and LR curves of `metrics` (metrics.jsonl records, inline SVG),
-    then every `step-NNNNNN.png` grid (`.webp` for clips, with a link to its MP4) of the run so far (resumed runs included), oldest first, with its step number,
+    then every `step-NNNNNN.png` grid (`.webp` for clips, with a link to its MP4 and a player for each clip saved
+    with its sound) of the run so far (resumed runs included), oldest first, with its step number,
     under the prompts in grid order. `weights` says what the grids show ("EMA" or "trained"). Written to a temporary
     file and renamed, so a browser never sees half a page."""
     import html
 
     folder = Path(samples_dir)
     entries = sorted((int(m.group(1)), p.name) for p in folder.iterdir() if (m := _SHEET_STEP.fullmatch(p.name)))
+    grids = {step for step, name in entries if name.endswith((".png", ".webp"))}
+    entries = [(step, name) for step, name in entries if name.endswith((".png", ".webp")) or step not in grids]
     prompt_items = "".join(f"<li>{html.escape(prompt or '(empty prompt)')}</li>" for prompt in prompts)
     rows = "".join(
         f'<section id="step-{step}"><h2>step {step}</h2>'
@@ -172,5 +206,18 @@ def _wav_players(folder: Path, name: str) -> str:
 
 
 def _mp4_link(folder: Path, name: str) -> str:
+    """A clip grid's MP4, and a player for each clip saved with its sound (the step's folder: 0.mp4, 1.mp4, ...)."""
+    import html
+
+    if not name.endswith(".webp"):
+        return ""
     mp4 = Path(name).with_suffix(".mp4").name
-    return f' <a href="{mp4}">MP4</a>' if name.endswith(".webp") and (folder / mp4).is_file() else ""
+    link = f' <a href="{mp4}">MP4</a>' if (folder / mp4).is_file() else ""
+    stem = Path(name).stem
+    heard = sorted((folder / stem).glob("*.mp4"), key=lambda p: int(p.stem) if p.stem.isdigit() else 0)
+    players = "".join(
+        f'<p>{html.escape(clip.stem)}. <video controls preload="none" '
+        f'src="{html.escape(stem)}/{html.escape(clip.name)}"></video></p>'
+        for clip in heard
+    )
+    return link + (f"<p>with sound:</p>{players}" if players else "")

@@ -202,7 +202,8 @@ class DataSpec(Section):
     path: str = Field(
         "builtin:shapes",
         description="Dataset folder, or `builtin:shapes` (synthetic coloured shapes with captions, generated offline), "
-        "for video families `builtin:moving-shapes` (the shapes moving, as clips), or for audio families "
+        "for video families `builtin:moving-shapes` (the shapes moving, as clips) or `builtin:moving-shapes-av` "
+        "(those clips with a sound track: a tone whose pitch follows the shape), or for audio families "
         "`builtin:tones` (digit strings spoken as tone sequences, generated offline)."
         " A relative path is taken from the spec file's folder (from the current directory when given with --set).",
     )
@@ -262,7 +263,7 @@ class DataSpec(Section):
         description=f"The video family (model.family {VIDEO_FAMILY}): frames per clip (or "
         "frame-count buckets), which "
         "frames (head, uniform, sliding chunks), frame rate. "
-        "Video datasets: `builtin:moving-shapes`, or folders of .mp4/.webm/.mov/.mkv (and still images) with "
+        "Video datasets: `builtin:moving-shapes`, `builtin:moving-shapes-av` (with sound), or folders of .mp4/.webm/.mov/.mkv (and still images) with "
         "same-stem .txt captions or metadata.jsonl.",
     )
     buckets: BucketsSpec = Field(
@@ -341,7 +342,8 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
     """Why `data` cannot feed `family` (speech data for speech families, images for image families, videos or
     images for video families), or None."""
     name = data.path[len(BUILTIN_PREFIX) :] if data.path.startswith(BUILTIN_PREFIX) else None
-    if not video and (name == "moving-shapes" or data.video != VideoSpec()):  # the defaults alone are harmless
+    clips = name in ("moving-shapes", "moving-shapes-av")
+    if not video and (clips or data.video != VideoSpec()):  # the defaults alone are harmless
         return (
             f"model.family {family} trains on {'speech' if audio else 'images'}: data.path builtin:moving-shapes "
             f"and data.video are for the video family ({VIDEO_FAMILY})"

@@ -21,9 +21,11 @@ all (HunyuanVideo 1.5's three among them), which between them train full and LoR
   video15-i2v image-to-video with LoRA under ZeRO 3 and gradient checkpointing (the SigLIP embedding stored in the
   latent cache), resumed from its step-2 checkpoint with the same losses and LoRA file, which the pipeline's
   transformer loads with load_lora_adapter and which changes the frames;
-- LTX-2 on the same family, in the same launch table: builtin:tiny-ltx2 in full under ZeRO 2 from the latent and
-  text caches (video only, ltx-trainer's sigma sampler), its export rendered by LTX2Pipeline with sound; LoRA under
-  ZeRO 3 with gradient checkpointing, resumed from its step-2 checkpoint with the same losses and LoRA file, which
+- LTX-2 on the same family, in the same launch table, audio+video on builtin:moving-shapes-av (MP4 clips with
+  sound): builtin:tiny-ltx2 in full under ZeRO 2 from the latent cache (each clip's sound latents beside its
+  posterior) and the text cache, ltx-trainer's sigma sampler, samples saved with their sound, its export rendered
+  by LTX2Pipeline with sound; LoRA under ZeRO 3 with gradient checkpointing and the text cache only (the sound read
+  from the clips every step), resumed from its step-2 checkpoint with the same losses and LoRA file, which
   LTX2Pipeline.load_lora_weights loads and which changes the frames.
 """
 
@@ -313,15 +315,17 @@ FOLDER_CHOSEN_RUNS = {
 @pytest.fixture(scope="module")
 def hv15_runs(tmp_path_factory) -> dict:
     """Each model's ZeRO-2 full run from both caches and ZeRO-3 LoRA run with gradient checkpointing (HunyuanVideo
-    1.5's image-to-video, LTX-2's text-to-video)."""
+    1.5's image-to-video, LTX-2's text-to-video with sound, on builtin:moving-shapes-av, from the text cache only)."""
     from dstune.builtin import ensure_builtin_model
 
     out = {}
     for name, (model, stage, train, keys) in FOLDER_CHOSEN_RUNS.items():
         ensure_builtin_model(model, CACHE_DIR)
         run_dir = tmp_path_factory.mktemp(f"video-{name}") / "run"
-        cache = {"latents": True, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
-        spec = _spec(run_dir, stage, train, {"path": "builtin:moving-shapes", "cache": cache},
+        # LTX-2 trains audio+video on clips with sound; its LoRA run reads the sound from the MP4s every step
+        cache = {"latents": name != "ltx2-lora", "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
+        clips = "builtin:moving-shapes-av" if model == LTX2 else "builtin:moving-shapes"
+        spec = _spec(run_dir, stage, train, {"path": clips, "cache": cache},
                      {"pretrained": f"builtin:{model}", **keys})
         if model == HV15_I2V:
             image = _first_frame(run_dir.parent / "images")
@@ -397,6 +401,8 @@ def _render_ltx2(pipeline) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_ltx2_full_run_from_caches_exports_a_folder_the_pipeline_renders_with_sound(hv15_runs):
+    """Audio+video from both caches: each clip's sound latents stored beside its posterior; samples with sound."""
+    import av
     from diffusers import LTX2Pipeline
     from safetensors.torch import load_file
 
@@ -408,6 +414,8 @@ def test_ltx2_full_run_from_caches_exports_a_folder_the_pipeline_renders_with_so
     entries = [read_entry(path) for path in (run_dir.parent / "cache").rglob("*.safetensors")]
     text = [entry for entry in entries if "audio_encoder_hidden_states" in entry]
     assert text and text[0]["encoder_hidden_states"].shape == (LTX2_TEXT_TOKENS, 16)
+    clips = [entry for entry in entries if "latent_mean" in entry]
+    assert clips and all(entry["has_sound"].item() == 1 and entry["sound_latent"].shape[0] == 2 for entry in clips)
     export = run_dir / "export" / f"step-{STEPS:08d}"
     trained, start = load_file(export / TRANSFORMER), load_file(base_folder(LTX2) / TRANSFORMER)
     assert set(trained) == set(start) and any(not torch.equal(trained[k], start[k]) for k in start)
@@ -415,9 +423,12 @@ def test_ltx2_full_run_from_caches_exports_a_folder_the_pipeline_renders_with_so
     assert frames.shape == (1, 5, 3, 32, 32) and torch.isfinite(frames).all()
     assert audio.shape[:2] == (1, 2) and audio.shape[2] > 0 and torch.isfinite(audio).all()
     assert (run_dir / "samples" / f"step-{STEPS:06d}.mp4").stat().st_size > 0
+    with av.open(str(run_dir / "samples" / f"step-{STEPS:06d}" / "0.mp4")) as sample:  # the sample's own sound
+        assert sample.streams.video and sample.streams.audio and sample.streams.audio[0].frames > 0
 
 
 def test_ltx2_lora_zero3_resumes_exactly_and_its_file_loads_with_load_lora_weights(hv15_runs, tmp_path):
+    """Audio+video LoRA with the clips' sound read from their MP4 files every step (no latent cache)."""
     from diffusers import LTX2Pipeline
     from safetensors.torch import load_file
 

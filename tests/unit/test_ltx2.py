@@ -124,6 +124,160 @@ def test_video_loss_equals_ltx_trainers_loss_lines(built, scheme):
     assert ours.item() == pytest.approx(_reference_loss(model, encoded, scheme).item(), rel=1e-5)
 
 
+# ------------------------------------------------------------------------------------------ audio + video
+
+
+def _sound_batch(indices: list[int], rate: int) -> dict:
+    """builtin:moving-shapes-av clips `indices` (9 frames at 24 fps, MP4 with AAC sound), with their sound read at
+    the audio VAE's `rate`, collated as the video loader collates them."""
+    from dstune.data.index import list_samples
+    from dstune.data.video import VideoCaptionDataset, collate_video
+    from dstune.spec.models import DataSpec
+
+    data = DataSpec(path="builtin:moving-shapes-av", resolution=32, video={"frames": FRAMES})
+    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED, sound_rate=rate)
+    return collate_video([dataset[i] for i in indices])
+
+
+def _reference_audio_latents(audio_vae, sound: torch.Tensor) -> torch.Tensor:
+    """ltx-trainer's audio latents of stereo waveforms: AudioProcessor's log-mel (here transformers' audio_utils,
+    which tests/unit/test_ltx2_audio.py checks), the encoder's posterior means (the first half of its channels),
+    patchified "b c t f -> b t (c f)" and normalised with the per-channel statistics."""
+    import numpy as np
+    from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
+
+    config = audio_vae.config
+    filters = mel_filter_bank(513, config.mel_bins, 0.0, config.sample_rate / 2, config.sample_rate, "slaney", "slaney")
+    mel = [
+        [
+            spectrogram(
+                channel.numpy().astype(np.float64),
+                window_function(1024, "hann", periodic=True),
+                frame_length=1024,
+                hop_length=config.mel_hop_length,
+                power=1.0,
+                center=True,
+                pad_mode="reflect",
+                mel_filters=filters,
+                mel_floor=1e-5,
+                log_mel="log",
+            ).T
+            for channel in clip
+        ]
+        for clip in sound
+    ]
+    with torch.no_grad():
+        moments = audio_vae.encoder(torch.tensor(np.array(mel), dtype=torch.float32))
+    means = torch.chunk(moments, 2, dim=1)[0]
+    patched = means.permute(0, 2, 1, 3).flatten(2)
+    return (patched - audio_vae.latents_mean) / audio_vae.latents_std
+
+
+def _reference_audio_positions(tokens: int, batch: int, config: dict) -> torch.Tensor:
+    """ltx-core's AudioPatchifier.get_patch_grid_bounds: each latent step's [start, end) in seconds, the mel frames
+    (x4) shifted by the causal offset (+1 - 4, clipped at 0), x hop / rate."""
+    steps = torch.arange(tokens + 1, dtype=torch.float32)
+    seconds = (steps * 4 + 1 - 4).clamp(min=0) * config["audio_hop_length"] / config["audio_sampling_rate"]
+    bounds = torch.stack((seconds[:-1], seconds[1:]), dim=-1)  # [tokens, 2]
+    return bounds.view(1, 1, tokens, 2).repeat(batch, 1, 1, 1)
+
+
+def _reference_av_loss(built, encoded: dict, sound: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    """TextToVideoStrategy with with_audio true: the same sigma for both streams, the audio's own noise, every audio
+    token at that sigma, targets noise - x0; per sample the video's mean plus the audio's mean; the batch mean."""
+    vae, audio_vae = built.vae, built.parts["audio_vae"]
+    mean = encoded["latent_mean"]
+    latents = (mean - vae.latents_mean.view(1, -1, 1, 1, 1)) * vae.config.scaling_factor
+    latents = latents / vae.latents_std.view(1, -1, 1, 1, 1)
+    b, c, f, h, w = latents.shape
+    video = latents.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c)
+    noise = per_sample_randn((c, f, h, w), SEED, STEP, indices, "noise").permute(0, 2, 3, 4, 1).reshape(b, -1, c)
+    sigmas = _reference_sigmas("shifted_logit_normal", video.shape[1], indices).view(-1, 1, 1)
+    audio = _reference_audio_latents(audio_vae, sound)
+    audio_noise = per_sample_randn(audio.shape[1:], SEED, STEP, indices, "audio_noise")
+    noisy_audio = (1 - sigmas) * audio + sigmas * audio_noise
+    config = built.transformer_config
+    with torch.no_grad():
+        video_pred, audio_pred = built.trainable(
+            hidden_states=(1 - sigmas) * video + sigmas * noise,
+            audio_hidden_states=noisy_audio,
+            encoder_hidden_states=encoded["encoder_hidden_states"],
+            audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
+            timestep=sigmas.view(-1, 1).expand(-1, video.shape[1]) * 1000,
+            audio_timestep=sigmas.view(-1, 1).expand(-1, audio.shape[1]) * 1000,
+            sigma=sigmas.view(-1) * 1000,
+            encoder_attention_mask=encoded["encoder_attention_mask"],
+            audio_encoder_attention_mask=encoded["encoder_attention_mask"],
+            video_coords=_reference_positions(f, h, w, tuple(config["vae_scale_factors"]))[:b],
+            audio_coords=_reference_audio_positions(audio.shape[1], b, config),
+            return_dict=False,
+        )
+    video_loss = (video_pred - (noise - video)).pow(2).mean(dim=[-2, -1])
+    audio_loss = (audio_pred - (audio_noise - audio)).pow(2).mean(dim=[-2, -1])
+    return video_loss + audio_loss
+
+
+def test_audio_video_loss_equals_ltx_trainers_loss_lines(built):
+    """Clips with sound train both streams in one call; the loss is ltx-trainer's summed per-sample loss."""
+    rate = built.parts["audio_vae"].config.sample_rate
+    batch = _sound_batch(INDICES, rate)
+    encoded = wan.encode_batch(built, batch)
+    assert encoded["has_sound"].tolist() == [True, True] and encoded["sound_latent"].shape == (2, 2, 10, 4)
+    with torch.no_grad():
+        ours = wan.loss(built, built.trainable, encoded, SEED, STEP)
+    reference = _reference_av_loss(built, encoded, batch["sound"], INDICES)
+    assert ours.item() == pytest.approx(reference.mean().item(), rel=1e-5)
+    video_only = dict(encoded, has_sound=torch.tensor([False, False]))
+    with torch.no_grad():
+        assert wan.loss(built, built.trainable, video_only, SEED, STEP).item() < ours.item()  # the audio term
+
+
+def test_a_batch_mixing_clips_with_and_without_sound_calls_the_transformer_once_per_kind(built):
+    """Clip 3 with its sound, clip 11 without: the batch loss is the mean of clip 3's audio+video loss (as if it were
+    alone) and clip 11's video-only loss; the draws of each clip do not depend on its batch mate."""
+    rate = built.parts["audio_vae"].config.sample_rate
+    batch = _sound_batch(INDICES, rate)
+    batch["has_sound"] = torch.tensor([True, False])
+    encoded = wan.encode_batch(built, batch)
+    calls = []
+
+    def counting(**inputs):
+        calls.append((inputs["hidden_states"].shape[0], inputs["isolate_modalities"]))
+        return built.trainable(**inputs)
+
+    with torch.no_grad():
+        ours = wan.loss(built, counting, encoded, SEED, STEP)
+    assert sorted(calls) == [(1, False), (1, True)]
+    alone = {name: value[:1] if torch.is_tensor(value) else value for name, value in encoded.items()}
+    with_sound = _reference_av_loss(built, alone, batch["sound"][:1], INDICES[:1])
+    model = replace(built, settings=built.settings.model_copy(update={"timestep_sampling": "shifted_logit_normal"}))
+    second = {name: value[1:] if torch.is_tensor(value) else value for name, value in encoded.items()}
+    del second["has_sound"]
+    with torch.no_grad():
+        without = wan.loss(model, model.trainable, dict(second, indices=torch.tensor(INDICES[1:])), SEED, STEP)
+    assert ours.item() == pytest.approx((with_sound.item() + without.item()) / 2, rel=1e-5)
+
+
+def test_clips_without_sound_train_their_video_alone(built):
+    """builtin:moving-shapes read for a model with sound: silence and has_sound False, nothing encoded for it, and
+    the loss is the video-only one."""
+    from dstune.data.index import list_samples
+    from dstune.data.video import VideoCaptionDataset, collate_video
+    from dstune.spec.models import DataSpec
+
+    data = DataSpec(path="builtin:moving-shapes", resolution=32, video={"frames": FRAMES})
+    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED, sound_rate=built.sound_rate)
+    batch = collate_video([dataset[i] for i in INDICES])
+    assert batch["has_sound"].tolist() == [False, False] and batch["sound"].shape == (2, 2, 6000)
+    encoded = wan.encode_batch(built, batch)
+    assert "sound_latent" not in encoded
+    silent = {name: value for name, value in batch.items() if name not in ("sound", "has_sound")}
+    with torch.no_grad():
+        ours = wan.loss(built, built.trainable, encoded, SEED, STEP)
+        video_only = wan.loss(built, built.trainable, wan.encode_batch(built, silent), SEED, STEP)
+    assert ours.item() == video_only.item()
+
+
 @pytest.mark.parametrize("tokens", [48, 2000, 9000])
 def test_sigma_draws_are_ltx_trainers_samplers(built, tokens):
     """Over 300 samples (about 30 of them the sampler's uniform fallback), at token counts below, inside and above
@@ -166,16 +320,26 @@ def test_the_audio_stream_does_not_reach_the_video_loss(built):
 
 
 def test_samples_render_clips_and_the_export_loads_and_renders(built, tmp_path):
-    """Samples: the folder's LTX2Pipeline around the live transformer, model.sample_frames frames each. The full
+    """Samples: the folder's LTX2Pipeline around the live transformer, model.sample_frames frames each, with the
+    sound it renders (saved beside the grid as one MP4 with an AAC track per clip). The full
     export is an LTX2Pipeline folder (the trained transformer, every other part copied) that loads and renders video
     and audio."""
+    import av
     from diffusers import LTX2Pipeline
     from safetensors.torch import load_file
 
+    from dstune.families.samples import write_contact_sheet
     from dstune.spec.models import SampleSpec
 
     clips = wan.sample(built, built.trainable, ["a red circle moving left"], SampleSpec(steps=2, guidance=1.0), 32)
     assert len(clips) == 1 and len(clips[0]) == 5 and clips[0][0].size == (32, 32)
+    assert clips[0].rate == 16000 and clips[0].fps == FPS and clips[0].sound.shape[0] == 2  # the vocoder's sound
+    webp = wan.FAMILY.save_samples(clips, ["a red circle moving left"], tmp_path / "samples" / "step-000001.png")
+    with av.open(str(webp.with_suffix("") / "0.mp4")) as container:  # each clip with its sound track
+        assert len(container.streams.video) == 1 and container.streams.audio[0].rate == 16000
+        assert sum(frame.samples for frame in container.decode(audio=0)) >= clips[0].sound.shape[1]
+    page = write_contact_sheet(webp.parent, ["a red circle moving left"], "trained").read_text()
+    assert page.count('<section id="step-1">') == 1 and 'src="step-000001/0.mp4"' in page  # one step, its sound
     state = {name: value + 0.01 for name, value in built.trainable.state_dict().items()}
     out = wan.export(built, state, tmp_path / "full")
     saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
@@ -287,7 +451,7 @@ def _validate(capsys, monkeypatch, tmp_path, *sets: str) -> tuple[int, dict]:
 
 
 def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_train(capsys, monkeypatch, tmp_path):
-    """The real configs: the 18.9 B transformer, Gemma 3 and the connectors frozen (cached), the audio VAE and
+    """The real configs: the 18.9 B transformer, Gemma 3, the connectors and the audio VAE frozen (cached), the
     vocoder joining only for samples, the caches at the VAE's 8x/32x (121 frames at 512 px: 16 x 16 x 16 latents);
     frame counts that are 4k+1 (Wan's rule, which the spec checks) but not 8k+1, model.shift, a table-indexing sampler and a sequence split are refused, each at
     its key."""
@@ -295,8 +459,8 @@ def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_
     assert code == 0, out["errors"]
     counts = out["memory"]["parameters"]
     assert 18.5e9 < counts["module_params"] < 19.5e9
-    assert set(counts["companions"]) == {"vae", "text_encoder", "connectors"}
-    assert set(counts["sampling_companions"]) == {"audio_vae", "vocoder"}
+    assert set(counts["companions"]) == {"vae", "text_encoder", "connectors", "audio_vae"}  # the sound's encoder
+    assert set(counts["sampling_companions"]) == {"vocoder"}
     code, out = _validate(
         capsys,
         monkeypatch,
@@ -305,11 +469,13 @@ def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_
         "model.sample_frames=117",
         "model.shift=3.0",
         "model.timestep_sampling=logit_normal",
+        "data.video.sampling=uniform",
     )
     errors = "\n".join(out["errors"])
     assert code == 1
     for key in ("data.video.frames", "model.sample_frames", "model.shift", "model.timestep_sampling"):
         assert key in errors, (key, errors)
     assert "109 frames: LTX-2's VAE takes 8k+1 frames" in errors and "117 is not 8k+1" in errors
+    assert "data.video.sampling" in errors and "sound (which LTX-2 trains on) cannot follow them" in errors
     code, out = _validate(capsys, monkeypatch, tmp_path, "deepspeed.sequence_parallel_size=2")
     assert code == 1 and any("LTX-2's sequence split is not enabled" in e for e in out["errors"]), out["errors"]

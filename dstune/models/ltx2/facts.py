@@ -3,9 +3,12 @@ the registry, for a folder whose transformer is LTX2VideoTransformer3DModel): to
 activation estimate, the caches' bytes and the spec checks, from the folder's configs.
 
 Tokens of a clip: (1 + (frames - 1) / t) x (H / s) x (W / s), with the VAE's temporal_compression_ratio t (8) and
-spatial_compression_ratio s (32); the transformer's patch is 1x1x1. Video-only training runs the video stream of
-every block (self-attention, cross-attention to the caption's max_sequence_length tokens, a 4x feed-forward); the
-audio stream sees one token.
+spatial_compression_ratio s (32); the transformer's patch is 1x1x1. Every block runs the video stream (self-attention,
+cross-attention to the caption's max_sequence_length tokens, a 4x feed-forward) and, for a clip with sound, the
+audio stream over the clip's sound tokens: frames / fps seconds x the audio VAE's sample_rate / mel_hop_length mel
+frames / 4 (LTX-2: 25 a second, 126 for 121 frames at 24 fps), each audio_num_attention_heads x
+audio_attention_head_dim wide (2,048, half the video's). The plan counts a clip as if it had sound (whether clips
+have sound is known only when they are read).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ SPATIAL, TEMPORAL = 32, 8  # AutoencoderKLLTX2Video's compression when its confi
 # the video stream over the clip with cross-attention to the caption, the audio stream on one zero token (its
 # constant bytes are in the fit). The feed-forward is 4x the width in every config, so the constants are per width.
 ACTIVATION_CONSTANTS = "ltx2"
-SAMPLING_ONLY = ("audio_vae", "vocoder")  # loaded for the pipeline that renders samples; video-only training skips
+SAMPLING_ONLY = ("vocoder",)  # loaded for the pipeline that renders samples only (the audio VAE encodes the sound)
+AUDIO_TEMPORAL = 4  # AutoencoderKLLTX2Audio: mel frames per latent step (its LATENT_DOWNSAMPLE_FACTOR)
+MEL_COMPRESSION = 4  # ... and mel bins per latent bin
+DEFAULT_FPS = 24.0  # the clip rate when data.video.fps is unset (the recipe's positions assume it)
 
 
 def compression(folder) -> tuple[int, int]:
@@ -55,19 +61,35 @@ def clip_tokens(frames: int, width: int, height: int, spatial: int, temporal: in
     return (1 + (frames - 1) // temporal) * (height // spatial) * (width // spatial)
 
 
+def audio_tokens(spec, folder, frames: int) -> int:
+    """The sound tokens of a clip of `frames` frames: its seconds x the audio VAE's latent steps a second (the
+    count LTX2Pipeline renders with); 0 for a folder without an audio VAE."""
+    if not folder.has("audio_vae"):
+        return 0
+    audio = folder.config("audio_vae")
+    per_second = audio.get("sample_rate", 16000) / audio.get("mel_hop_length", 160) / AUDIO_TEMPORAL
+    return round(frames / float(spec.data.video.fps or DEFAULT_FPS) * per_second)
+
+
 def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[float, float]:
-    """One clip's activation bytes (dstune.memory.plan's units) at (frames, width, height)."""
+    """One clip's activation bytes (dstune.memory.plan's units) at (frames, width, height), its sound included.
+    The constants were measured with the audio stream on one token; the sound tokens are counted as video tokens
+    of the same bytes, their count x the audio width / the video width (their per-token tensors scale with the
+    width; their attention over a few hundred tokens is small beside the video's)."""
     config = folder.config("transformer")
     width_hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    audio_width = config.get("audio_num_attention_heads", 0) * config.get("audio_attention_head_dim", 0)
     shape = ModelShape(width_hidden, {"transformer_blocks": config["num_layers"]})
     tokens = clip_tokens(frames, width, height, *compression(folder))
+    tokens += audio_tokens(spec, folder, frames) * audio_width / width_hidden
     sample = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, tokens, text_tokens(spec), spec.train.precision)
     return in_plan_units(sample, spec.train.precision)
 
 
 def cache_bytes(spec, folder, companions: dict, num_samples: int, buckets) -> int:
-    """Each bucket's clips' posteriors (float32 mean and std) at the VAE's own compression, and each caption's
-    connector outputs."""
+    """Each bucket's clips' posteriors (float32 mean and std) at the VAE's own compression and their sound latents
+    (float32, latent_channels x mel_bins / 4 per sound token, and has_sound), and each caption's connector
+    outputs."""
     text = (
         sum(
             transformer_text_bytes(spec, folder, tokens, width) for tokens, width in text_tokens_and_width(spec, folder)
@@ -78,8 +100,11 @@ def cache_bytes(spec, folder, companions: dict, num_samples: int, buckets) -> in
         return text
     channels = folder.config("vae").get("latent_channels", 128)
     spatial, temporal = compression(folder)
+    audio = folder.config("audio_vae") if "audio_vae" in companions else {}
+    sound_width = audio.get("latent_channels", 0) * audio.get("mel_bins", 0) // MEL_COMPRESSION
     return text + sum(
-        2 * channels * clip_tokens(frames, width, height, spatial, temporal) * 4 * count
+        (2 * channels * clip_tokens(frames, width, height, spatial, temporal) * 4) * count
+        + (sound_width * audio_tokens(spec, folder, frames) * 4 + 4) * count * bool(audio)
         for frames, width, height, count in buckets
     )
 
@@ -100,7 +125,8 @@ def sampling_parts(folder) -> tuple[str, ...]:
 
 
 def spec_issues(spec, folder) -> list[tuple[str, str]]:
-    """Image-to-video (not trained yet), frame counts the VAE takes (1 + t k), first frames for samples."""
+    """Image-to-video (not trained yet), frame counts the VAE takes (1 + t k), first frames for samples, clips whose
+    sound cannot follow their frames (uniform sampling)."""
     issues = []
     _, temporal = compression(folder)
     if spec.model.image_to_video:
@@ -141,6 +167,14 @@ def spec_issues(spec, folder) -> list[tuple[str, str]]:
                 "model.sample_frames",
                 f"{spec.model.sample_frames} is not {temporal}k+1: LTX-2's VAE keeps "
                 f"the first frame and compresses the rest {temporal}x (e.g. 9, 17, 25, 121)",
+            )
+        )
+    if spec.data.video.sampling == "uniform" and spec.data.video.max_frames > 1:
+        issues.append(
+            (
+                "data.video.sampling",
+                "uniform spreads a clip's frames over the whole video, so the clip's sound (which LTX-2 trains "
+                "on) cannot follow them: use head or sliding",
             )
         )
     uneven = [count for count in spec.data.video.frame_counts if (count - 1) % temporal]

@@ -1,5 +1,5 @@
 """The LTX-2 recipe of the flow-matching core (dstune.families.flow_recipe; the video family, chosen by the folder's
-transformer class, LTX2VideoTransformer3DModel): text-to-video on clips without sound.
+transformer class, LTX2VideoTransformer3DModel): text-to-video, audio+video on clips with sound.
 
 - latents: clips (B, 3, frames, H, W) in [-1, 1] through AutoencoderKLLTX2Video (32x spatial, 8x temporal, 128
   channels); the posterior's mean (ltx-trainer's video encoder returns the normalised means), normalised per channel
@@ -9,13 +9,17 @@ transformer class, LTX2VideoTransformer3DModel): text-to-video on clips without 
   default), then the folder's LTX2TextConnectors: the video and audio text embeddings and their mask, the three
   tensors data.cache.text_embeddings stores (the connectors are frozen, as in ltx-trainer, which caches their
   outputs too);
-- the transformer is fed the video tokens with the timestep sigma x 1000 (its timestep_scale_multiplier), the
-  RoPE coordinates of (num_frames, height, width) at 24 fps, and isolate_modalities: the audio stream gets one
-  zero token and no cross-modal attention, which is what ltx-trainer's transformer runs without an audio modality;
+- sound (SOUND, the core's second latent stream): the clip's sound track at the audio VAE's rate, its log-mel
+  (dstune.models.ltx2.audio), the audio VAE posterior's means packed (B, T, C x M) and normalised per feature;
+  noised at the clip's sigma with noise of its own, target noise - x0, its mean squared error added per sample;
+- the transformer is fed the video tokens with the timestep sigma x 1000 (its timestep_scale_multiplier) and the
+  RoPE coordinates of (num_frames, height, width) at 24 fps; a clip with sound also its audio tokens at the same
+  timestep, with cross-modal attention; a clip without gets one zero audio token and isolate_modalities (no
+  cross-modal attention), which is what ltx-trainer's transformer runs without an audio modality;
 - sigma is drawn continuously as ltx-trainer's samplers draw it (shifted_logit_normal: a logit-normal whose mean
   follows the clip's token count, stretched to [0, 1], with 10% uniform draws; uniform), each sample from its own
   generator; x_t = (1 - sigma) x0 + sigma noise, target noise - x0, the squared error averaged per sample;
-- samples: the folder's LTX2Pipeline (video decoded; the audio stream it generates is not saved by this recipe).
+- samples: the folder's LTX2Pipeline, saved with the sound its vocoder renders.
 
 Differences from ltx-trainer's loss are listed in docs/family-ltx2.md; the parity test is tests/unit/test_ltx2.py.
 """
@@ -28,9 +32,18 @@ from typing import Optional
 import torch
 
 from dstune.families.diffusion import component_problems, load_component, read_component_config, read_model_index
-from dstune.families.flow_recipe import Conditioning, FlowRecipe, LatentSpace, Sampling, TextSide, load_text_side
+from dstune.families.flow_recipe import (
+    Conditioning,
+    FlowRecipe,
+    LatentSpace,
+    Sampling,
+    SoundStream,
+    TextSide,
+    load_text_side,
+)
 from dstune.families.randomness import sample_generator
 from dstune.hf import quiet_hf_libraries
+from dstune.models.ltx2.audio import audio_tokens, sound_latents
 from dstune.spec.video_models import expert_problems
 
 TRANSFORMER_CLASS = "LTX2VideoTransformer3DModel"
@@ -230,14 +243,18 @@ def draw_sigmas(built, latents: torch.Tensor, seed: int, step: int, indices: lis
 # ------------------------------------------------------------------------------------------ prediction
 
 
-def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch.Tensor:
-    """The video velocity of the packed clip; the audio stream runs on one zero token, cut off from the video."""
+def _forward(built, forward, noisy, timesteps, conditions: dict, dtype, audio: Optional[torch.Tensor] = None):
+    """The transformer on the packed clip and `audio` tokens (B, T, D), every token at the clip's timestep; without
+    audio the audio stream runs on one zero token, cut off from the video (isolate_modalities). Returns (video
+    velocity in the latent layout, audio velocity tokens)."""
     batch, _, frames, height, width = noisy.shape
-    audio = noisy.new_zeros(batch, 1, built.transformer_config["audio_in_channels"], dtype=dtype)
+    isolated = audio is None
+    if isolated:
+        audio = noisy.new_zeros(batch, 1, built.transformer_config["audio_in_channels"])
     timesteps = timesteps.to(dtype)
-    video, _ = forward(
+    video, audio_velocity = forward(
         hidden_states=pack(noisy).to(dtype),
-        audio_hidden_states=audio,
+        audio_hidden_states=audio.to(dtype),
         encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
         audio_encoder_hidden_states=conditions["audio_encoder_hidden_states"].to(dtype),
         timestep=timesteps,
@@ -248,11 +265,37 @@ def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch
         height=height,
         width=width,
         fps=DEFAULT_FPS,
-        audio_num_frames=1,
-        isolate_modalities=True,
+        audio_num_frames=audio.shape[1],
+        isolate_modalities=isolated,
         return_dict=False,
     )
-    return unpack(video, noisy)
+    return unpack(video, noisy), audio_velocity
+
+
+def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch.Tensor:
+    """A clip without sound: the video velocity, the audio stream cut off."""
+    return _forward(built, forward, noisy, timesteps, conditions, dtype)[0]
+
+
+def _predict_with_sound(built, forward, noisy, timesteps, conditions: dict, noisy_sound, dtype):
+    """A clip with sound: both streams in one call, with audio-to-video and video-to-audio attention."""
+    return _forward(built, forward, noisy, timesteps, conditions, dtype, audio=noisy_sound)
+
+
+def _rendered_sound(built, result) -> tuple:
+    """The vocoder's waveform of the rendered clip, its output rate, and the frame rate the clip was rendered at."""
+    rate = built.parts["vocoder"].config.output_sampling_rate
+    return result.audio[0].float().cpu().numpy(), rate, DEFAULT_FPS
+
+
+SOUND = SoundStream(
+    rate=lambda built: built.parts["audio_vae"].config.sample_rate,
+    encode=lambda built, sound: sound_latents(built.parts["audio_vae"], sound),
+    to_tokens=lambda built, latents: audio_tokens(built.parts["audio_vae"], latents),
+    predict=_predict_with_sound,
+    parts=("audio_vae",),
+    rendered=_rendered_sound,
+)
 
 
 def _call_arguments(built, pipeline, sample_spec, arguments: dict) -> dict:
@@ -282,4 +325,5 @@ LTX2 = FlowRecipe(
     sampling=Sampling(call=_call_arguments, side_multiple=lambda built: built.vae.spatial_compression_ratio),
     draw_sigmas=draw_sigmas,
     preconditioned=lambda model: False,
+    sound=SOUND,
 )  # ltx-trainer's velocity loss

@@ -1,4 +1,4 @@
-"""The LTX-2 (text-to-video, video only) unit: what dstune.models.registry lists of it. Torch-free."""
+"""The LTX-2 (text-to-video, with the clips' sound) unit: what dstune.models.registry lists of it. Torch-free."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ from dstune.models.unit import VIDEO_FAMILY, ModelPreset, ModelUnit, lora, video
 
 UNIT = ModelUnit(
     name="ltx2",
-    title="LTX-2 (text-to-video on clips without sound)",
+    title="LTX-2 (text-to-video with sound)",
     docs="docs/family-ltx2.md",
     names=r"ltx\w*",
     recipes={VIDEO_FAMILY: ("dstune.models.ltx2.video:VIDEO_MODEL",)},
     video_facts=("dstune.models.ltx2.facts:VIDEO_FACTS",),
-    summary="LTX-2 (LTX2VideoTransformer3DModel, Gemma 3 with its text connectors): text-to-video on clips without sound",
+    summary="LTX-2 (LTX2VideoTransformer3DModel, Gemma 3 with its text connectors): text-to-video, audio+video on "
+    "clips with sound",
     pipelines={"LTX2Pipeline": 3.0},
     spec_notes={"model.max_sequence_length": "1024 (LTX-2: Gemma 3 tokens)"},
     activation_cases=("dstune.models.ltx2.builtin:ACTIVATION_CASES",),
@@ -19,7 +20,7 @@ UNIT = ModelUnit(
     presets=(
         ModelPreset(
             "ltx2",
-            "LTX-2 text-to-video (19 B audio+video transformer, trained on video; Gemma 3 12B)",
+            "LTX-2 text-to-video with sound (19 B audio+video transformer; Gemma 3 12B)",
             VIDEO_FAMILY,
             "Lightricks/LTX-2",
             "tiny-ltx2",

@@ -24,7 +24,9 @@ VIDEO_MODEL = VideoModel(
     recipe_of=lambda folder: LTX2,
     folder_problems=folder_problems,
     text_cache_folders=("text_encoder", "tokenizer", "connectors"),  # Gemma 3 and the connectors after it
-    cache_key=lambda model, folder: ("", (), ()),  # text-to-video: the entries are the posterior's
+    # each clip's sound latents (the audio VAE's, of its log-mel) stored beside its posterior, silence's where it
+    # has none, with has_sound saying which
+    cache_key=lambda model, folder: ("sound: audio_vae latents", ("audio_vae",), ("sound_latent", "has_sound")),
     condition_tensors=lambda built, clips: {},
     after_build=_check_settings,
 )
