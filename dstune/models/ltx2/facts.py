@@ -10,6 +10,8 @@ audio stream sees one token.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from dstune.families.denoiser_facts import transformer_text_bytes
 from dstune.families.facts import Attention
 from dstune.families.video_facts import VideoFacts
@@ -155,17 +157,14 @@ def spec_issues(spec, folder) -> list[tuple[str, str]]:
     return issues
 
 
-def attention(folder) -> Attention:
-    """Refused, with the reason: diffusers' own plan fails on LTX-2's masked caption (tried on 2 ranks:
-    "output with shape [2, 1, 32, 32] doesn't match the broadcast shape [2, 2, 32, 32]" in the cross-attention)."""
+def attention(folder) -> Optional[Attention]:
+    """The video heads a sequence-parallel split divides (its plan is dstune's: dstune.models.ltx2.split). The
+    caption and the audio stream stay whole on every rank, so they set no rule on N."""
+    config = folder.config("transformer")
+    if not isinstance(config.get("num_attention_heads"), int):
+        return None
     return Attention(
-        0,
-        0,
-        f"the transformer config of {folder.origin}",
-        "LTX-2's sequence split is not enabled in dstune yet: its transformer's context-parallel plan in "
-        "diffusers 0.42 splits the caption and its mask, but its attention processor expands the mask to every "
-        "head before the Ulysses all-to-all divides the heads, so the masked cross-attention fails on N > 1 "
-        "(dstune's own plan for its video and audio streams is not written; docs/family-ltx2.md)",
+        config["num_attention_heads"], config.get("attention_head_dim", 0), f"the transformer config of {folder.origin}"
     )
 
 

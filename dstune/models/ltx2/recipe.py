@@ -31,6 +31,7 @@ from dstune.families.diffusion import component_problems, load_component, read_c
 from dstune.families.flow_recipe import Conditioning, FlowRecipe, LatentSpace, Sampling, TextSide, load_text_side
 from dstune.families.randomness import sample_generator
 from dstune.hf import quiet_hf_libraries
+from dstune.models.ltx2 import split as ltx2_split
 from dstune.spec.video_models import expert_problems
 
 TRANSFORMER_CLASS = "LTX2VideoTransformer3DModel"
@@ -281,5 +282,6 @@ LTX2 = FlowRecipe(
     conditioning=Conditioning(load=load_audio_parts),
     sampling=Sampling(call=_call_arguments, side_multiple=lambda built: built.vae.spatial_compression_ratio),
     draw_sigmas=draw_sigmas,
+    sequence_split=ltx2_split.prepare_split,  # diffusers 0.42's plan splits the masked caption, which fails
     preconditioned=lambda model: False,
 )  # ltx-trainer's velocity loss
