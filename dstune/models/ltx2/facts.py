@@ -33,23 +33,17 @@ def compression(folder) -> tuple[int, int]:
     return vae.get("spatial_compression_ratio") or SPATIAL, vae.get("temporal_compression_ratio") or TEMPORAL
 
 
-def token_factors(folder) -> tuple[int, tuple[int, int, int], str]:
-    """(VAE spatial factor, transformer patch (t, h, w), where they came from)."""
+def token_factors(folder) -> tuple[int, tuple[int, int, int], int, str]:
+    """(VAE spatial factor, transformer patch (t, h, w), VAE temporal factor, where they came from): the clip's
+    tokens at the VAE's own compression (8x in time for LTX-2), which the sequence split divides."""
     spatial, temporal = compression(folder)
     transformer = folder.config("transformer")
     patch = transformer.get("patch_size", 1)
-    note = (
-        ""
-        if temporal == 4
-        else (
-            f" (latent frames counted at 4x here; LTX-2's VAE is {temporal}x in time: the "
-            "memory plan counts its tokens at that)"
-        )
-    )
     return (
         spatial,
         (transformer.get("patch_size_t", 1), patch, patch),
-        f"the VAE and transformer configs of {folder.origin}{note}",
+        temporal,
+        f"the VAE and transformer configs of {folder.origin}",
     )
 
 
