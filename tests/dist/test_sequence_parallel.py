@@ -234,6 +234,24 @@ def test_samples_render_split(runs, name):
     assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()
 
 
+def test_ltx2_samples_rendered_split_are_the_unsplit_ones(runs):
+    """LTX-2's samples run the pipeline's joint audio and video (its audio attends to every video token, the video
+    to the audio), split: the frames of the 2-rank run are the 1-rank run's (the same step, seeds and weights)."""
+    import numpy as np
+    from PIL import Image, ImageSequence
+
+    def frames(run_dir):
+        with Image.open(run_dir / "samples" / f"step-{STEPS:06d}.webp") as image:
+            return torch.stack([torch.from_numpy(np.asarray(f.convert("RGB"))).float()
+                                for f in ImageSequence.Iterator(image)])
+
+    (split_dir, split_proc), (whole_dir, whole_proc) = runs["ltx2-zero3-lora-sp2"], runs["ltx2-zero3-lora-ref"]
+    assert split_proc.returncode == 0 and whole_proc.returncode == 0, explain(split_proc) + explain(whole_proc)
+    split, whole = frames(split_dir), frames(whole_dir)
+    assert split.shape == whole.shape and len(split) > 1 and whole.std() > 1  # frames with something in them
+    assert (split - whole).abs().max().item() <= 2  # of 255: the weights agree within 1e-5, not bit for bit
+
+
 def test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_trajectory(runs):
     (run_dir, proc), (resumed, again) = runs["zero2-full-sp2"], runs["resumed"]
     assert proc.returncode == 0, explain(proc)
