@@ -242,7 +242,7 @@ def test_ltx2_samples_rendered_split_are_the_unsplit_ones(runs):
 
     def frames(run_dir):
         with Image.open(run_dir / "samples" / f"step-{STEPS:06d}.webp") as image:
-            return torch.stack([torch.from_numpy(np.asarray(f.convert("RGB"))).float()
+            return torch.stack([torch.from_numpy(np.array(f.convert("RGB"))).float()
                                 for f in ImageSequence.Iterator(image)])
 
     (split_dir, split_proc), (whole_dir, whole_proc) = runs["ltx2-zero3-lora-sp2"], runs["ltx2-zero3-lora-ref"]
