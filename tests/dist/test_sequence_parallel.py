@@ -20,8 +20,8 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
 - builtin:tiny-hunyuan-video15 (HunyuanVideo 1.5, split by dstune's plan: dstune.models.hunyuan_video15.split) LoRA
   under ZeRO 3 with gradient checkpointing, rendering samples;
 - builtin:tiny-ltx2 (LTX-2 video-only, split by dstune's plan: dstune.models.ltx2.split; the caption and the
-  one-token audio stream whole on every rank) LoRA under ZeRO 3 with gradient checkpointing, rendering samples with
-  sound (the pipeline's joint audio and video, split too);
+  one-token audio stream whole on every rank) LoRA under ZeRO 3 with gradient checkpointing, rendering samples (the
+  pipeline runs its joint audio and video, split too) whose frames are the 1-rank run's;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
@@ -226,8 +226,8 @@ def test_two_ranks_of_one_sequence_group_train_what_one_rank_trains(runs, split,
 def test_samples_render_split(runs, name):
     """Wan's clip; Qwen-Image's prompt and negative prompt, whose odd token counts are padded (masked) to split;
     Flux.1's; Qwen-Image-Edit's from a source image (its tokens beside the target's, the instruction padded);
-    HunyuanVideo 1.5's clip (its context padded to split) with the LoRA; LTX-2's clip with its sound (the audio
-    whole on every rank, its attention to the video gathering the video's keys)."""
+    HunyuanVideo 1.5's clip (its context padded to split) with the LoRA; LTX-2's clip, with the audio the pipeline
+    runs beside it (whole on every rank, its attention to the video gathering the video's keys)."""
     run_dir, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
     assert list((run_dir / "samples").glob(f"step-{STEPS:06d}.*"))  # an animated image of the frames, or a grid
