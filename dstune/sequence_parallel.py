@@ -118,16 +118,16 @@ def bucket_tokens(spec, clips: Optional[dict], image_groups: Optional[dict] = No
     factors = facts.token_factors
     if factors is None:
         return {}
-    spatial, patch, _ = factors(spec.model.pretrained)
+    spatial, patch, temporal, _ = factors(spec.model.pretrained)
     if clips:
         tokens = {label: bucket["tokens"] for label, bucket in clips["buckets"].items()}
     else:
         key = (spec.data.video.max_frames, spec.data.resolution, spec.data.resolution)
-        tokens = {key_label(key): latent_tokens(key, spatial, patch)}
+        tokens = {key_label(key): latent_tokens(key, spatial, patch, temporal)}
     frames = getattr(spec.model, "sample_frames", None)
     if spec.sample.prompts and frames:  # samples render split too, at data.resolution square
         key = (frames, spec.data.resolution, spec.data.resolution)
-        tokens[f"samples ({key_label(key)})"] = latent_tokens(key, spatial, patch)
+        tokens[f"samples ({key_label(key)})"] = latent_tokens(key, spatial, patch, temporal)
     return tokens
 
 

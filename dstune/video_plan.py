@@ -6,8 +6,8 @@ transformer tokens per sample, the sequence length that drives activation memory
 
 `groups` ({"Ff WxH": clips}, display order) is what the plan divides into whole global batches when batches are
 grouped (dstune.data.clips.is_grouped); `summary` is the "Clips" section of validate's report and of --json.
-Tokens per clip come from the model's token factors (its facts' `token_factors`: the VAE's spatial factor and the
-transformer's patch, read from the model's configs).
+Tokens per clip come from the model's token factors (its facts' `token_factors`: the VAE's spatial and temporal
+factors and the transformer's patch, read from the model's configs).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
     data = spec.data
     index = index_clips(data, read_captions=False, show_progress=show_progress)
     counts = clip_counts(index.records, data)
-    spatial, patch, factors = get_facts(spec.model.family).token_factors(spec.model.pretrained)
+    spatial, patch, temporal, factors = get_facts(spec.model.family).token_factors(spec.model.pretrained)
     stills = sum(r.repeats for r in index.records if r.frames == 1 and r.image_path is not None)
     still_records = [r for r in index.records if r.image_path is not None and not is_video_file(r.image_path)]
     frames, sizes = {}, {}
@@ -53,7 +53,7 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
             "width": key[1],
             "height": key[2],
             "clips": clips,
-            "tokens": latent_tokens(key, spatial, patch),
+            "tokens": latent_tokens(key, spatial, patch, temporal),
         }
         for key, clips in counts.items()
     }

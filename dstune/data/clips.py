@@ -258,11 +258,13 @@ def clip_counts(records: Sequence[ClipRecord], data) -> dict[tuple[int, int, int
     return {key: counts[key] for key in sorted(counts, key=key_order)}
 
 
-def latent_tokens(key: tuple[int, int, int], spatial: int, patch: Sequence[int]) -> int:
-    """Transformer tokens of one clip: latent frames (1 + (frames - 1) / 4) x latent height x width, divided by
-    the patch (t, h, w): with an 8x VAE and 1x2x2 patches (1 + (frames - 1) / 4) x (H / 16) x (W / 16)."""
+def latent_tokens(
+    key: tuple[int, int, int], spatial: int, patch: Sequence[int], temporal: int = TEMPORAL_COMPRESSION
+) -> int:
+    """Transformer tokens of one clip: latent frames (1 + (frames - 1) / temporal) x latent height x width, divided
+    by the patch (t, h, w): with a 4x / 8x VAE and 1x2x2 patches (1 + (frames - 1) / 4) x (H / 16) x (W / 16)."""
     frames, width, height = key
-    latent_frames = 1 + (frames - 1) // TEMPORAL_COMPRESSION
+    latent_frames = 1 + (frames - 1) // temporal
     return (latent_frames // patch[0]) * (height // spatial // patch[1]) * (width // spatial // patch[2])
 
 

@@ -33,7 +33,8 @@ class VideoFacts:
     """What the video family's facts ask one video model (declared in its unit's facts.py)."""
 
     transformer_class: str  # the folder's transformer class that tells the model
-    token_factors: Callable  # folder -> (VAE spatial factor, transformer patch (t, h, w), where they came from)
+    # folder -> (VAE spatial factor, transformer patch (t, h, w), VAE temporal factor, where they came from)
+    token_factors: Callable
     sample_bytes: Callable  # (spec, folder, frames, width, height) -> one clip's activations (memory plan units)
     spec_issues: Callable  # (spec, folder) -> [(dotted key, message)]: the spec against the folder's configs
     image_to_video: Callable = lambda spec, folder: False  # (spec, folder) -> whether this run trains image-to-video
@@ -146,19 +147,26 @@ def _count(spec, num_samples: int, clips=()):
     return count_denoiser(spec, num_samples, clips, RULES)
 
 
-def token_factors(pretrained: str) -> tuple[int, tuple[int, int, int], str]:
-    """(VAE spatial factor, transformer patch (t, h, w), where they came from) of a video model's configs."""
+def token_factors(pretrained: str) -> tuple[int, tuple[int, int, int], int, str]:
+    """(VAE spatial factor, transformer patch (t, h, w), VAE temporal factor, where they came from) of a video
+    model's configs."""
     assumed = f"{ASSUMED_SPATIAL}x VAE, {'x'.join(map(str, ASSUMED_PATCH))} patches"
     try:
         folder = pipeline_folder(pretrained)
         folder.config("vae"), folder.config("transformer")
     except (SizesUnknown, OSError, ValueError):
-        return ASSUMED_SPATIAL, ASSUMED_PATCH, f"assumed ({assumed}): the model's configs are not here"
+        return (
+            ASSUMED_SPATIAL,
+            ASSUMED_PATCH,
+            TEMPORAL_COMPRESSION,
+            f"assumed ({assumed}): the model's configs are not here",
+        )
     facts = facts_of(folder)
     if facts is None:  # model.pretrained is refused for it (spec_issues): its configs say nothing of a video model
         return (
             ASSUMED_SPATIAL,
             ASSUMED_PATCH,
+            TEMPORAL_COMPRESSION,
             (f"assumed ({assumed}): {folder.origin} is none of the video models dstune trains"),
         )
     return facts.token_factors(folder)

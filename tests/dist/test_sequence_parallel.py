@@ -19,11 +19,14 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
   instruction of any length padded to split) full under ZeRO 2, rendering samples;
 - builtin:tiny-hunyuan-video15 (HunyuanVideo 1.5, split by dstune's plan: dstune.models.hunyuan_video15.split) LoRA
   under ZeRO 3 with gradient checkpointing, rendering samples;
+- builtin:tiny-ltx2 (LTX-2 video-only, split by dstune's plan: dstune.models.ltx2.split; the caption and the
+  one-token audio stream whole on every rank) LoRA under ZeRO 3 with gradient checkpointing, rendering samples (the
+  pipeline runs its joint audio and video, split too) whose frames are the 1-rank run's;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
 Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: eleven 2-rank launches and their eleven 1-rank references, a 4-rank launch and its 2-rank reference, and the
+check: twelve 2-rank launches and their twelve 1-rank references, a 4-rank launch and its 2-rank reference, and the
 1-rank resume (each launched when a test first needs it).
 """
 
@@ -53,6 +56,8 @@ HV15_MODEL = "tiny-hunyuan-video15"  # HunyuanVideo 1.5: dstune's plan (hunyuan1
 TI2V_MODEL = "tiny-wan22-ti2v"  # Wan 2.2 TI2V: the first frame's tokens at timestep 0, per-token timesteps split
 QWEN_MODEL = "tiny-qwen-image"  # 2 heads; its 2x VAE makes a 32 px image 64 tokens, the text 512 (padded, masked)
 FLUX1_MODEL = "tiny-flux"  # Flux.1: 2 heads; its 2x VAE makes a 32 px image 64 tokens, the T5 text 512
+LTX2_MODEL = "tiny-ltx2"  # 2 video heads; its 8x VAE (4x in time) makes a 5-frame 32 px clip 2 x 4 x 4 = 32 tokens
+LTX2_KEYS = {"max_sequence_length": 32, "timestep_sampling": "shifted_logit_normal"}  # as tests/dist/test_wan.py's
 EDIT_MODEL = "tiny-qwen-image-edit"  # 8x VAE: a 64 px target 16 tokens and its source 16 more; the text any length
 
 # SGD (its update is linear in the gradient) for the LoRA runs and these full ones. Adam's first updates normalise
@@ -61,7 +66,7 @@ EDIT_MODEL = "tiny-qwen-image-edit"  # 8x VAE: a 64 px target 16 tokens and its 
 # thousands (the two-expert's cross-attention key: 1 of 576; Flux.1's and Qwen-Image-Edit's timestep embedder: 1 of
 # 8192) ended 2e-5 to 4e-5 of its tensor's largest apart, while losses and gradient norms agreed within 1e-6.
 SGD = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
-SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora")}  # the video runs that render samples (split too)
+SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora"), (LTX2_MODEL, "lora")}  # the video runs that render samples
 SGD_FULL = (TWO_EXPERTS, FLUX1_MODEL, EDIT_MODEL)
 
 # name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
@@ -88,6 +93,8 @@ LAUNCHES = {
     "ti2v-zero3-lora-ref": (1, 1, 3, "lora", TI2V_MODEL),
     "hv15-zero3-lora-sp2": (2, 2, 3, "lora", HV15_MODEL),  # gradient checkpointing on
     "hv15-zero3-lora-ref": (1, 1, 3, "lora", HV15_MODEL),
+    "ltx2-zero3-lora-sp2": (2, 2, 3, "lora", LTX2_MODEL),  # gradient checkpointing on
+    "ltx2-zero3-lora-ref": (1, 1, 3, "lora", LTX2_MODEL),
     "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
     "2-ranks-2x1": (2, 1, 2, "full", MODEL),  # 2 data-parallel ranks, micro 1 each
 }
@@ -100,7 +107,8 @@ PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "
          ("edit-zero2-full-sp2", "edit-zero2-full-ref", TRANSFORMER),
          ("a14b-zero2-full-sp2", "a14b-zero2-full-ref", TRANSFORMER_2),
          ("ti2v-zero3-lora-sp2", "ti2v-zero3-lora-ref", LORA_FILE),
-         ("hv15-zero3-lora-sp2", "hv15-zero3-lora-ref", LORA_FILE)]
+         ("hv15-zero3-lora-sp2", "hv15-zero3-lora-ref", LORA_FILE),
+         ("ltx2-zero3-lora-sp2", "ltx2-zero3-lora-ref", LORA_FILE)]
 
 
 def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
@@ -126,7 +134,8 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
         return spec
     lora = train == "lora"
     cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
-    layout = {TWO_EXPERTS: {"expert": "low_noise"}, TI2V_MODEL: {"image_to_video": True}}.get(model, {})
+    layout = {TWO_EXPERTS: {"expert": "low_noise"}, TI2V_MODEL: {"image_to_video": True},
+              LTX2_MODEL: LTX2_KEYS}.get(model, {})
     return base_spec(
         run_dir,
         model={"family": "wan", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora,
@@ -177,7 +186,7 @@ def runs(tmp_path_factory) -> Runs:
     from dstune.builtin import ensure_builtin_model
 
     for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL, TWO_EXPERTS, TI2V_MODEL, FLUX1_MODEL, EDIT_MODEL,
-                  HV15_MODEL):
+                  HV15_MODEL, LTX2_MODEL):
         ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
     return Runs(tmp_path_factory)
 
@@ -213,15 +222,34 @@ def test_two_ranks_of_one_sequence_group_train_what_one_rank_trains(runs, split,
 
 
 @pytest.mark.parametrize("name", ["zero2-full-sp2", "qwen-zero2-full-sp2", "flux1-zero2-full-sp2",
-                                  "edit-zero2-full-sp2", "hv15-zero3-lora-sp2"])
+                                  "edit-zero2-full-sp2", "hv15-zero3-lora-sp2", "ltx2-zero3-lora-sp2"])
 def test_samples_render_split(runs, name):
     """Wan's clip; Qwen-Image's prompt and negative prompt, whose odd token counts are padded (masked) to split;
     Flux.1's; Qwen-Image-Edit's from a source image (its tokens beside the target's, the instruction padded);
-    HunyuanVideo 1.5's clip (its context padded to split) with the LoRA."""
+    HunyuanVideo 1.5's clip (its context padded to split) with the LoRA; LTX-2's clip, with the audio the pipeline
+    runs beside it (whole on every rank, its attention to the video gathering the video's keys)."""
     run_dir, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
     assert list((run_dir / "samples").glob(f"step-{STEPS:06d}.*"))  # an animated image of the frames, or a grid
     assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()
+
+
+def test_ltx2_samples_rendered_split_are_the_unsplit_ones(runs):
+    """LTX-2's samples run the pipeline's joint audio and video (its audio attends to every video token, the video
+    to the audio), split: the frames of the 2-rank run are the 1-rank run's (the same step, seeds and weights)."""
+    import numpy as np
+    from PIL import Image, ImageSequence
+
+    def frames(run_dir):
+        with Image.open(run_dir / "samples" / f"step-{STEPS:06d}.webp") as image:
+            return torch.stack([torch.from_numpy(np.array(f.convert("RGB"))).float()
+                                for f in ImageSequence.Iterator(image)])
+
+    (split_dir, split_proc), (whole_dir, whole_proc) = runs["ltx2-zero3-lora-sp2"], runs["ltx2-zero3-lora-ref"]
+    assert split_proc.returncode == 0 and whole_proc.returncode == 0, explain(split_proc) + explain(whole_proc)
+    split, whole = frames(split_dir), frames(whole_dir)
+    assert split.shape == whole.shape and len(split) > 1 and whole.std() > 1  # frames with something in them
+    assert (split - whole).abs().max().item() <= 2  # of 255: the weights agree within 1e-5, not bit for bit
 
 
 def test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_trajectory(runs):

@@ -319,6 +319,26 @@ def test_the_audio_stream_does_not_reach_the_video_loss(built):
     assert torch.allclose(one, other, atol=1e-6) and not torch.allclose(one, crossed, atol=1e-4)
 
 
+def test_video_only_training_gives_the_audio_stream_no_gradient(built):
+    """The video loss reaches no parameter of the audio stream or of the cross-modal attention (isolate_modalities):
+    under sequence parallelism (dstune.models.ltx2.split) that stream runs whole on every rank of a group, and
+    since its gradients are none, nothing of it is summed N times. Every other parameter gets a gradient."""
+    import re
+
+    audio_side = re.compile(r"audio|a2v|v2a|^av_cross_attn")
+    encoded = wan.encode_batch(built, clip_batch(INDICES, SEED, frames=FRAMES))
+    params = dict(built.trainable.named_parameters())
+    assert all(p.requires_grad for p in params.values())  # full training: a missing gradient is the model's doing
+    built.trainable.zero_grad(set_to_none=True)
+    try:
+        wan.loss(built, built.trainable, encoded, SEED, STEP).backward()
+        without = {name for name, p in params.items() if p.grad is None}
+    finally:
+        built.trainable.zero_grad(set_to_none=True)
+    assert without == {name for name in params if audio_side.search(name)}
+    assert len(without) > 100 and "audio_proj_in.weight" in without and "proj_in.weight" not in without
+
+
 def test_samples_render_clips_and_the_export_loads_and_renders(built, tmp_path):
     """Samples: the folder's LTX2Pipeline around the live transformer, model.sample_frames frames each, with the
     sound it renders (saved beside the grid as one MP4 with an AAC track per clip). The full
@@ -477,5 +497,25 @@ def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_
         assert key in errors, (key, errors)
     assert "109 frames: LTX-2's VAE takes 8k+1 frames" in errors and "117 is not 8k+1" in errors
     assert "data.video.sampling" in errors and "sound (which LTX-2 trains on) cannot follow them" in errors
+
+
+def test_validate_takes_a_sequence_split_of_ltx2_by_its_video_heads(capsys, monkeypatch, tmp_path):
+    """dstune's split (dstune.models.ltx2.split) divides the video stream's 32 heads and the clip's tokens; the caption
+    and the audio stream stay whole, so they set no rule. The activations shrink N-fold, the all-to-all buffers
+    are the clip's (query, key, value and output of 4,096 tokens / N, 32 x 128 wide, in bf16, sent and received).
+    The tokens are counted at the VAE's 8x in time: 9 frames at 480 px are 2 x 15 x 15 = 450 tokens, which 2 divides
+    and 4 does not (at 4x, 3 x 15 x 15 = 675, 2 would be refused)."""
+    code, whole = _validate(capsys, monkeypatch, tmp_path)
+    assert code == 0, whole["errors"]
     code, out = _validate(capsys, monkeypatch, tmp_path, "deepspeed.sequence_parallel_size=2")
-    assert code == 1 and any("LTX-2's sequence split is not enabled" in e for e in out["errors"]), out["errors"]
+    assert code == 0, out["errors"]
+    assert out["plan"]["sequence_parallel_size"] == 2 and out["plan"]["data_parallel_size"] == 4
+    assert out["memory"]["sequence_parallel"]["all_to_all_bytes"] == 2 * 4 * (4096 // 2) * 32 * 128 * 2
+    halved = whole["memory"]["per_gpu"]["activations_bytes"] / 2
+    assert out["memory"]["per_gpu"]["activations_bytes"] == pytest.approx(halved, rel=1e-6)
+    short = ("data.video.frames=9", "model.sample_frames=9", "data.resolution=480")
+    code, out = _validate(capsys, monkeypatch, tmp_path, *short, "deepspeed.sequence_parallel_size=2")
+    assert code == 0, out["errors"]
+    code, out = _validate(capsys, monkeypatch, tmp_path, *short, "deepspeed.sequence_parallel_size=4")
+    errors = "\n".join(out["errors"])
+    assert code == 1 and "deepspeed.sequence_parallel_size" in errors and "9f 480x480: 450" in errors, errors

@@ -187,9 +187,9 @@ def test_companion_folders_and_files_that_do_not_exist_are_refused(capsys, tmp_p
 def test_the_video_token_factors_of_an_image_models_folder_are_assumed_and_say_so_not_a_crash():
     from dstune.families.video_facts import ASSUMED_PATCH, ASSUMED_SPATIAL, token_factors
 
-    spatial, patch, origin = token_factors("builtin:tiny-flux")  # its transformer's patch_size is the int 1
+    spatial, patch, temporal, origin = token_factors("builtin:tiny-flux")  # its transformer's patch_size is the int 1
     assert (spatial, patch) == (ASSUMED_SPATIAL, ASSUMED_PATCH) and "is none of the video models" in origin
-    assert token_factors("builtin:tiny-wan")[2].startswith("the VAE and transformer configs of builtin:tiny-wan")
+    assert token_factors("builtin:tiny-wan")[3].startswith("the VAE and transformer configs of builtin:tiny-wan")
 
 
 # ------------------------------------------------------------------------------------------------- images

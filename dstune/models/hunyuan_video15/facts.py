@@ -34,13 +34,14 @@ def is_hunyuan15(folder) -> bool:
     return (folder.index.get("transformer") or [None, None])[1] == TRANSFORMER_CLASS
 
 
-def token_factors(folder) -> tuple[int, tuple[int, int, int], str]:
-    """(VAE spatial factor, transformer patch (t, h, w), where they came from)."""
+def token_factors(folder) -> tuple[int, tuple[int, int, int], int, str]:
+    """(VAE spatial factor, transformer patch (t, h, w), VAE temporal factor (4), where they came from)."""
     vae, transformer = folder.config("vae"), folder.config("transformer")
     patch = transformer.get("patch_size", 1)
     return (
         vae.get("spatial_compression_ratio", 16),
         (transformer.get("patch_size_t", 1), patch, patch),
+        4,
         f"the VAE and transformer configs of {folder.origin}",
     )
 

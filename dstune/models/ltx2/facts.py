@@ -13,6 +13,8 @@ have sound is known only when they are read).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from dstune.families.denoiser_facts import transformer_text_bytes
 from dstune.families.facts import Attention
 from dstune.families.video_facts import VideoFacts
@@ -37,23 +39,17 @@ def compression(folder) -> tuple[int, int]:
     return vae.get("spatial_compression_ratio") or SPATIAL, vae.get("temporal_compression_ratio") or TEMPORAL
 
 
-def token_factors(folder) -> tuple[int, tuple[int, int, int], str]:
-    """(VAE spatial factor, transformer patch (t, h, w), where they came from)."""
+def token_factors(folder) -> tuple[int, tuple[int, int, int], int, str]:
+    """(VAE spatial factor, transformer patch (t, h, w), VAE temporal factor, where they came from): the clip's
+    tokens at the VAE's own compression (8x in time for LTX-2), which the sequence split divides."""
     spatial, temporal = compression(folder)
     transformer = folder.config("transformer")
     patch = transformer.get("patch_size", 1)
-    note = (
-        ""
-        if temporal == 4
-        else (
-            f" (latent frames counted at 4x here; LTX-2's VAE is {temporal}x in time: the "
-            "memory plan counts its tokens at that)"
-        )
-    )
     return (
         spatial,
         (transformer.get("patch_size_t", 1), patch, patch),
-        f"the VAE and transformer configs of {folder.origin}{note}",
+        temporal,
+        f"the VAE and transformer configs of {folder.origin}",
     )
 
 
@@ -189,17 +185,14 @@ def spec_issues(spec, folder) -> list[tuple[str, str]]:
     return issues
 
 
-def attention(folder) -> Attention:
-    """Refused, with the reason: diffusers' own plan fails on LTX-2's masked caption (tried on 2 ranks:
-    "output with shape [2, 1, 32, 32] doesn't match the broadcast shape [2, 2, 32, 32]" in the cross-attention)."""
+def attention(folder) -> Optional[Attention]:
+    """The video heads a sequence-parallel split divides (its plan is dstune's: dstune.models.ltx2.split). The
+    caption and the audio stream stay whole on every rank, so they set no rule on N."""
+    config = folder.config("transformer")
+    if not isinstance(config.get("num_attention_heads"), int):
+        return None
     return Attention(
-        0,
-        0,
-        f"the transformer config of {folder.origin}",
-        "LTX-2's sequence split is not enabled in dstune yet: its transformer's context-parallel plan in "
-        "diffusers 0.42 splits the caption and its mask, but its attention processor expands the mask to every "
-        "head before the Ulysses all-to-all divides the heads, so the masked cross-attention fails on N > 1 "
-        "(dstune's own plan for its video and audio streams is not written; docs/family-ltx2.md)",
+        config["num_attention_heads"], config.get("attention_head_dim", 0), f"the transformer config of {folder.origin}"
     )
 
 

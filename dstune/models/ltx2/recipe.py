@@ -43,6 +43,7 @@ from dstune.families.flow_recipe import (
 )
 from dstune.families.randomness import sample_generator
 from dstune.hf import quiet_hf_libraries
+from dstune.models.ltx2 import split as ltx2_split
 from dstune.models.ltx2.audio import audio_tokens, sound_latents
 from dstune.spec.video_models import expert_problems
 
@@ -324,6 +325,7 @@ LTX2 = FlowRecipe(
     conditioning=Conditioning(load=load_audio_parts),
     sampling=Sampling(call=_call_arguments, side_multiple=lambda built: built.vae.spatial_compression_ratio),
     draw_sigmas=draw_sigmas,
+    sequence_split=ltx2_split.prepare_split,  # diffusers 0.42's plan splits the masked caption, which fails
     preconditioned=lambda model: False,
     sound=SOUND,
 )  # ltx-trainer's velocity loss

@@ -110,11 +110,12 @@ def _condition_cache_bytes(spec, folder, companions: dict, channels: int, factor
     return total
 
 
-def _token_factors(folder) -> tuple[int, tuple[int, int, int], str]:
-    """(VAE spatial factor, transformer patch (t, h, w), where they came from) of a Wan folder's configs."""
+def _token_factors(folder) -> tuple[int, tuple[int, int, int], int, str]:
+    """(VAE spatial factor, transformer patch (t, h, w), VAE temporal factor (4), where they came from) of a Wan
+    folder's configs."""
     downsample = folder.config("vae").get("temperal_downsample") or []
     patch = folder.config("transformer").get("patch_size", [1, 2, 2])
-    return 2 ** len(downsample), tuple(patch), f"the VAE and transformer configs of {folder.origin}"
+    return 2 ** len(downsample), tuple(patch), 4, f"the VAE and transformer configs of {folder.origin}"
 
 
 def _spec_issues(spec, folder) -> list[tuple[str, str]]:
