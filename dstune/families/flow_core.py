@@ -71,6 +71,9 @@ class FlowBuilt:
     parts: dict = field(default_factory=dict)  # the conditioning's pipeline parts (a processor, an image encoder)
     mode: object = None  # the recipe's mode of this run (video: its layout, image-to-video or not)
     sampling: object = None  # flow_distilled.SamplingDenoiser: samples use another transformer (None: the trained)
+    # the clips' sound is not read although the recipe could train it (a sequence-parallel run: no split carries the
+    # sound stream yet; dstune.startup.no_sound_under_a_split)
+    sound_off: bool = False
 
     @property
     def kind(self) -> str:
@@ -79,7 +82,7 @@ class FlowBuilt:
     @property
     def sound_rate(self) -> Optional[int]:
         """The sample rate (Hz) the dataset reads each clip's sound at; None: the recipe trains on no sound."""
-        return self.recipe.sound.rate(self) if self.recipe.sound else None
+        return self.recipe.sound.rate(self) if self.recipe.sound and not self.sound_off else None
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:

@@ -519,3 +519,22 @@ def test_validate_takes_a_sequence_split_of_ltx2_by_its_video_heads(capsys, monk
     code, out = _validate(capsys, monkeypatch, tmp_path, *short, "deepspeed.sequence_parallel_size=4")
     errors = "\n".join(out["errors"])
     assert code == 1 and "deepspeed.sequence_parallel_size" in errors and "9f 480x480: 450" in errors, errors
+
+
+def test_under_a_sequence_split_ltx2_trains_video_alone_and_says_so(built, capsys):
+    """No split carries the sound stream yet (dstune.models.ltx2.split refuses a forward that trains it): a run with
+    deepspeed.sequence_parallel_size > 1 reads no sound (its clips train their video alone, as clips without sound
+    do) and rank 0 prints why and the fix, instead of stopping at the first clip with sound."""
+    from dstune.distributed import Run
+    from dstune.startup import no_sound_under_a_split
+    from dstune.world import World
+
+    world = World(world_size=2, num_nodes=1, ranks_per_node=(2,), hosts=("localhost",), source="test")
+    split = replace(built)
+    assert split.sound_rate  # LTX-2 trains on sound: the rate its audio VAE reads
+    no_sound_under_a_split(Run(0, 0, world, "cpu", "cpu", 0, True, sequence_parallel_size=1), split)
+    assert split.sound_rate and capsys.readouterr().out == ""
+    no_sound_under_a_split(Run(0, 0, world, "cpu", "cpu", 0, True, sequence_parallel_size=2), split)
+    assert split.sound_rate is None and built.sound_rate
+    out = capsys.readouterr().out
+    assert "sound: not trained" in out and "deepspeed.sequence_parallel_size: 1" in out
