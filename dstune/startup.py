@@ -24,7 +24,7 @@ from dstune.cache.latents import CacheIndex, LatentCacheJob, offload_frozen, pre
 from dstune.cache.share import cache_folder
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
 from dstune.data.audio_index import duration_keys, speaker_keys
-from dstune.data.clips import index_clips, is_grouped
+from dstune.data.clips import index_clips, is_grouped, read_header
 from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
 from dstune.data.index import DataError, index_dataset, list_samples
 from dstune.data.loader import make_loader
@@ -217,6 +217,8 @@ def _checked_clips(run: Run, spec: Spec, sound_rate: Optional[int] = None) -> li
             "datasets are checked whole before step 1; data.skip_bad_files does not apply to them).",
             1,
         )
+    if sound_rate and not data.video.fps and (spec.train.micro_batch_size or 1) > 1:
+        _one_frame_rate(run, clips.records)
     lengths = sorted({record.frames for record in clips.records})
     if len(lengths) > 1 and not is_grouped(data) and (spec.train.micro_batch_size or 1) > 1:
         stop(
@@ -228,6 +230,24 @@ def _checked_clips(run: Run, spec: Spec, sound_rate: Optional[int] = None) -> li
             1,
         )
     return clips.records
+
+
+def _one_frame_rate(run: Run, records: list) -> None:
+    """A model that trains on sound takes frames / fps seconds of each clip's track: clips of one micro batch at
+    different frame rates carry tracks of different lengths, which cannot be stacked. Without data.video.fps every
+    file keeps its own rate, so the run stops here, before step 1, when the files' rates differ (the headers were
+    read for the clip index; built-in clips have no file and share one rate)."""
+    rates = sorted({read_header(record.image_path).fps for record in records if record.image_path})
+    if len(rates) > 1:
+        shown = ", ".join(f"{rate:g}" for rate in rates[:6]) + (" ..." if len(rates) > 6 else "")
+        stop(
+            run,
+            f"data.path: the videos have {len(rates)} frame rates ({shown} fps), and the model trains on each clip's "
+            "sound, frames / fps seconds of it: clips of one micro batch would carry sound tracks of different "
+            "lengths. Set data.video.fps (e.g. 24) so that every clip is resampled to one rate, or "
+            "train.micro_batch_size: 1.",
+            1,
+        )
 
 
 def held_out_records(run: Run, spec: Spec) -> list:

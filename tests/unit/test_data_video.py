@@ -166,3 +166,31 @@ def test_frames_are_decoded_only_as_far_as_needed_and_counted_either_way(folder)
     assert _levels(clip_tensor(decode_frames(path, [0, 2, 2, 5]), 32)) == [0, 2, 2, 5]  # fps up-sampling repeats
     with pytest.raises(ValueError, match="only 12 frames could be decoded, frame 20 is needed"):
         decode_frames(path, [0, 20])
+
+
+def test_a_model_that_trains_on_sound_needs_one_frame_rate_per_micro_batch(folder, capsys):
+    """Sound is frames / fps seconds of a clip's track: files at 24 and 30 fps would stack tracks of different
+    lengths in one micro batch, so a model that trains on sound stops before step 1 and names data.video.fps; one
+    clip per micro batch, a set data.video.fps, or a model without sound train as before."""
+    from dstune.families import get_family
+    from dstune.spec.models import Spec
+    from dstune.startup import checked_records
+
+    write_mp4(folder / "b.mp4", 12, fps=30)
+    (folder / "b.txt").write_text("a faster grey fade")
+
+    def records(micro: int, sound_rate=16000, **video):
+        spec = Spec.model_validate(
+            {
+                "model": {"family": "wan"},
+                "data": {"path": str(folder), "video": video},
+                "train": {"micro_batch_size": micro, "gradient_accumulation_steps": 1, "max_steps": 1},
+            }
+        )
+        return checked_records(_one_process_run(), spec, get_family("wan"), sound_rate)
+
+    with pytest.raises(SystemExit) as stopped:
+        records(2)
+    message = capsys.readouterr().err
+    assert stopped.value.code == 1 and "2 frame rates (24, 30 fps)" in message and "data.video.fps" in message
+    assert len(records(1)) == len(records(2, fps=24)) == len(records(2, sound_rate=None)) == 2
