@@ -504,15 +504,24 @@ def test_validate_takes_a_sequence_split_of_ltx2_by_its_video_heads(capsys, monk
     and the audio stream stay whole, so they set no rule. The activations shrink N-fold, the all-to-all buffers
     are the clip's (query, key, value and output of 4,096 tokens / N, 32 x 128 wide, in bf16, sent and received).
     The tokens are counted at the VAE's 8x in time: 9 frames at 480 px are 2 x 15 x 15 = 450 tokens, which 2 divides
-    and 4 does not (at 4x, 3 x 15 x 15 = 675, 2 would be refused)."""
+    and 4 does not (at 4x, 3 x 15 x 15 = 675, 2 would be refused). A split run reads no sound
+    (dstune.startup.no_sound_under_a_split), so its activations are half the unsplit run's without sound, below half
+    of the unsplit run's with it."""
+    from dstune.models.ltx2 import facts
+
+    code, with_sound = _validate(capsys, monkeypatch, tmp_path)
+    assert code == 0, with_sound["errors"]
+    monkeypatch.setattr(facts, "audio_tokens", lambda spec, folder, frames: 0)
     code, whole = _validate(capsys, monkeypatch, tmp_path)
     assert code == 0, whole["errors"]
+    monkeypatch.undo()
     code, out = _validate(capsys, monkeypatch, tmp_path, "deepspeed.sequence_parallel_size=2")
     assert code == 0, out["errors"]
     assert out["plan"]["sequence_parallel_size"] == 2 and out["plan"]["data_parallel_size"] == 4
     assert out["memory"]["sequence_parallel"]["all_to_all_bytes"] == 2 * 4 * (4096 // 2) * 32 * 128 * 2
     halved = whole["memory"]["per_gpu"]["activations_bytes"] / 2
     assert out["memory"]["per_gpu"]["activations_bytes"] == pytest.approx(halved, rel=1e-6)
+    assert halved < with_sound["memory"]["per_gpu"]["activations_bytes"] / 2
     short = ("data.video.frames=9", "model.sample_frames=9", "data.resolution=480")
     code, out = _validate(capsys, monkeypatch, tmp_path, *short, "deepspeed.sequence_parallel_size=2")
     assert code == 0, out["errors"]

@@ -28,6 +28,7 @@ from dstune.models.unit import VIDEO_FAMILY
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, attr, mse, randn, square_side
+from dstune.models.ltx2.facts import AV_CAPTION_TOKENS
 
 _SEED = 70
 TEXT_WIDTH = 16  # Gemma 3's hidden size = the connectors' caption_channels = the transformer's caption_channels
@@ -280,7 +281,55 @@ def _ltx2_run(model, tokens, context, dtype):
     )
 
 
+def _ltx2_av_run(model, tokens, context, dtype):
+    """A clip with sound, as dstune trains it (dstune.families.flow_sound): `tokens` video tokens (2 latent frames x
+    side^2) and `context` sound tokens in one call, both streams attending each other (isolate_modalities off), the
+    caption fixed at AV_CAPTION_TOKENS; the loss the video's plus the sound's."""
+    import torch
+
+    side = square_side(tokens // 2)
+    config = model.config
+    video = randn(1, tokens, config.in_channels, dtype=dtype)
+    audio = randn(1, context, config.audio_in_channels, dtype=dtype)
+    text = randn(1, AV_CAPTION_TOKENS, config.caption_channels, dtype=dtype)
+    mask = torch.ones(1, AV_CAPTION_TOKENS, dtype=torch.long)
+    sigma = torch.tensor([0.5], dtype=dtype)
+
+    def loss():
+        video_out, audio_out = model(
+            hidden_states=video,
+            audio_hidden_states=audio,
+            encoder_hidden_states=text,
+            audio_encoder_hidden_states=text,
+            timestep=sigma,
+            sigma=sigma,
+            audio_sigma=sigma,
+            encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask,
+            num_frames=2,
+            height=side,
+            width=side,
+            fps=24.0,
+            audio_num_frames=context,
+            isolate_modalities=False,
+            return_dict=False,
+        )[:2]
+        return mse(video_out) + mse(audio_out)
+
+    return loss
+
+
 ACTIVATION_CASES = (
+    Case(
+        "ltx2-av",
+        "LTX-2 with sound (both streams, audio-to-video and video-to-audio attention; caption fixed: its bytes are "
+        "ltx2's)",
+        _ltx2,
+        _ltx2_av_run,
+        sizes=((32, 8), (72, 8), (32, 24)),
+        check_size=(50, 12),
+        block_lists=attr("transformer_blocks"),
+    ),
     Case(
         "ltx2",
         "LTX-2 video stream (the audio stream on one zero token, as dstune trains it)",

@@ -27,6 +27,8 @@ SPATIAL, TEMPORAL = 32, 8  # AutoencoderKLLTX2Video's compression when its confi
 # the video stream over the clip with cross-attention to the caption, the audio stream on one zero token (its
 # constant bytes are in the fit). The feed-forward is 4x the width in every config, so the constants are per width.
 ACTIVATION_CONSTANTS = "ltx2"
+AV_ACTIVATION_CONSTANTS = "ltx2-av"  # both streams, as a clip with sound trains
+AV_CAPTION_TOKENS = 8  # the caption of the ltx2-av measurement: fixed, its bytes are the video-only constants' C term
 SAMPLING_ONLY = ("vocoder",)  # loaded for the pipeline that renders samples only (the audio VAE encodes the sound)
 AUDIO_TEMPORAL = 4  # AutoencoderKLLTX2Audio: mel frames per latent step (its LATENT_DOWNSAMPLE_FACTOR)
 MEL_COMPRESSION = 4  # ... and mel bins per latent bin
@@ -59,8 +61,9 @@ def clip_tokens(frames: int, width: int, height: int, spatial: int, temporal: in
 
 def audio_tokens(spec, folder, frames: int) -> int:
     """The sound tokens of a clip of `frames` frames: its seconds x the audio VAE's latent steps a second (the
-    count LTX2Pipeline renders with); 0 for a folder without an audio VAE."""
-    if not folder.has("audio_vae"):
+    count LTX2Pipeline renders with); 0 for a folder without an audio VAE, and under a sequence split, whose runs
+    read no sound (dstune.startup.no_sound_under_a_split)."""
+    if not folder.has("audio_vae") or spec.deepspeed.sequence_parallel_size > 1:
         return 0
     audio = folder.config("audio_vae")
     per_second = audio.get("sample_rate", 16000) / audio.get("mel_hop_length", 160) / AUDIO_TEMPORAL
@@ -68,18 +71,28 @@ def audio_tokens(spec, folder, frames: int) -> int:
 
 
 def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[float, float]:
-    """One clip's activation bytes (dstune.memory.plan's units) at (frames, width, height), its sound included.
-    The constants were measured with the audio stream on one token; the sound tokens are counted as video tokens
-    of the same bytes, their count x the audio width / the video width (their per-token tensors scale with the
-    width; their attention over a few hundred tokens is small beside the video's)."""
+    """One clip's activation bytes (dstune.memory.plan's units) at (frames, width, height), its sound included: the
+    video-only constants over the clip's tokens and the caption's, plus what a clip with sound adds, from the
+    constants measured with both streams running (AV_ACTIVATION_CONSTANTS, the caption fixed at AV_CAPTION_TOKENS)
+    less the video-only figure at that caption: the sound tokens' own bytes and the cross-modal attention the video
+    stream then runs (about a third more per video token). The plan counts every clip as having sound (whether a
+    clip has a track is known only when it is read)."""
     config = folder.config("transformer")
     width_hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    audio_width = config.get("audio_num_attention_heads", 0) * config.get("audio_attention_head_dim", 0)
     shape = ModelShape(width_hidden, {"transformer_blocks": config["num_layers"]})
-    tokens = clip_tokens(frames, width, height, *compression(folder))
-    tokens += audio_tokens(spec, folder, frames) * audio_width / width_hidden
-    sample = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, tokens, text_tokens(spec), spec.train.precision)
+    video = clip_tokens(frames, width, height, *compression(folder))
+    sample = clip_bytes(shape, video, audio_tokens(spec, folder, frames), text_tokens(spec), spec.train.precision)
     return in_plan_units(sample, spec.train.precision)
+
+
+def clip_bytes(shape: ModelShape, video: float, sound: float, caption: float, precision: str) -> tuple[float, float]:
+    """(full, checkpointed) bytes of a clip of `video` tokens, `sound` tokens (0: no sound) and `caption` tokens."""
+    silent = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, video, caption, precision)
+    if not sound:
+        return silent
+    joint = measured_sample_bytes(AV_ACTIVATION_CONSTANTS, shape, video, sound, precision)
+    fixed_caption = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, video, AV_CAPTION_TOKENS, precision)
+    return tuple(s + j - c for s, j, c in zip(silent, joint, fixed_caption))
 
 
 def cache_bytes(spec, folder, companions: dict, num_samples: int, buckets) -> int:
