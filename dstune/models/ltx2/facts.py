@@ -120,19 +120,48 @@ def sampling_parts(folder) -> tuple[str, ...]:
     return tuple(part for part in SAMPLING_ONLY if (folder.index.get(part) or [None])[0])
 
 
-def spec_issues(spec, folder) -> list[tuple[str, str]]:
-    """Image-to-video (not trained yet), frame counts the VAE takes (1 + t k), first frames for samples, clips whose
-    sound cannot follow their frames (uniform sampling)."""
+def image_to_video_issues(spec) -> list[tuple[str, str]]:
+    """Image-to-video: one first frame per sample prompt, and no sequence split (its per-token timesteps are not
+    split); text-to-video: no first frames."""
+    if not spec.model.image_to_video:
+        if not spec.sample.control_images:
+            return []
+        return [
+            (
+                "sample.control_images",
+                f"{spec.model.pretrained} renders from the prompt alone (text-to-video): remove sample.control_images "
+                "or set model.image_to_video: true",
+            )
+        ]
     issues = []
-    _, temporal = compression(folder)
-    if spec.model.image_to_video:
+    if len(spec.sample.control_images) != len(spec.sample.prompts):
         issues.append(
             (
-                "model.image_to_video",
-                f"{spec.model.pretrained}: LTX-2 image-to-video "
-                "(LTX2ImageToVideoPipeline) is not trained by dstune yet; remove the key",
+                "sample.control_images",
+                f"LTX2ImageToVideoPipeline renders each sample from a first frame: give one image per "
+                f"sample.prompts entry ({len(spec.sample.prompts)} prompt(s), {len(spec.sample.control_images)} "
+                "image(s)), or set sample.prompts: []",
             )
         )
+    if spec.deepspeed.sequence_parallel_size > 1:
+        issues.append(
+            (
+                "deepspeed.sequence_parallel_size",
+                f"{spec.deepspeed.sequence_parallel_size} with model.image_to_video: LTX-2 image-to-video gives "
+                "each token its own timestep (the first frame's at 0), which LTX-2's sequence split does not "
+                "split (it takes one timestep per sample): set deepspeed.sequence_parallel_size: 1, or train "
+                "text-to-video",
+            )
+        )
+    return issues
+
+
+def spec_issues(spec, folder) -> list[tuple[str, str]]:
+    """Image-to-video's first frames and split (or no first frames for text-to-video), frame counts the VAE takes
+    (1 + t k), clips whose sound cannot follow their frames (uniform sampling)."""
+    issues = []
+    _, temporal = compression(folder)
+    issues += image_to_video_issues(spec)
     if spec.model.timestep_sampling not in ("shifted_logit_normal", "uniform"):
         issues.append(
             (
@@ -150,13 +179,6 @@ def spec_issues(spec, folder) -> list[tuple[str, str]]:
                     "scheduler's tables this key acts on; remove it",
                 )
             )
-    if spec.sample.control_images:
-        issues.append(
-            (
-                "sample.control_images",
-                f"{spec.model.pretrained} renders from the prompt alone (text-to-video): remove sample.control_images",
-            )
-        )
     if (spec.model.sample_frames - 1) % temporal:
         issues.append(
             (
