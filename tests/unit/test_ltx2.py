@@ -1,5 +1,7 @@
 """LTX-2 (model.family wan, chosen by the folder) on builtin:tiny-ltx2: the video loss against ltx-trainer's loss
-lines, samples, the export LTX2Pipeline loads, the LoRA file its loader reads, and the text cache's keys.
+lines, samples, the export LTX2Pipeline loads, the LoRA file its loader reads, and the text cache's keys; and
+image-to-video (model.image_to_video) against ltx-trainer's first-frame conditioning, rendered by
+LTX2ImageToVideoPipeline.
 
 The reference re-computes the lines of Lightricks' ltx-trainer (packages/ltx-trainer, TextToVideoStrategy with
 with_audio false and first_frame_conditioning_p 0): the video latents are the VAE's normalised posterior means

@@ -11,7 +11,7 @@ LTX2ImageToVideoPipeline, which shares every part with LTX2Pipeline): ltx-traine
 - The loss is the mean over the other latent frames' tokens (ltx-trainer's masked mean: the conditioning tokens'
   error times 0, divided by the share of tokens counted), i.e. the core's clean_frames = 1.
 - Every clip is conditioned (ltx-trainer's i2v_lora.yaml conditions half of them, with probability 0.5; dstune's
-  mode is one or the other, as for Wan's and HunyuanVideo 1.5's image-to-video). A one-latent-frame clip (a still)
+  run is one mode or the other, as every video model's image-to-video in dstune is). A one-latent-frame clip (a still)
   has nothing to learn and is refused.
 """
 
@@ -33,9 +33,7 @@ def model_inputs(built, encoded: dict, dtype: torch.dtype) -> dict:
     text-to-video."""
     if not built.mode:
         return {}
-    from dstune.models.ltx2.recipe import to_model
-
-    return {FIRST_FRAME: to_model(built, encoded["latent_mean"][:, :, :1].float())}
+    return {FIRST_FRAME: built.recipe.latents.to_model(built, encoded["latent_mean"][:, :, :1].float())}
 
 
 def clean_frames(built) -> int:
