@@ -689,11 +689,15 @@ def test_image_to_video_samples_render_from_first_frames_and_the_export_loads_in
 
 
 def test_validate_takes_ltx2_image_to_video_and_refuses_it_under_a_sequence_split(capsys, monkeypatch, tmp_path):
-    """model.image_to_video on the real LTX-2 configs validates (samples from one first frame per prompt); with a
-    sequence split it is refused at deepspeed.sequence_parallel_size (per-token timesteps are not split), and first
-    frames that do not match the prompts at sample.control_images."""
+    """model.image_to_video on the real LTX-2 configs validates (samples from one first frame per prompt), its
+    activations from the constants measured with a timestep per token (more than text-to-video's); with a sequence
+    split it is refused at deepspeed.sequence_parallel_size (per-token timesteps are not split), and first frames
+    that do not match the prompts at sample.control_images."""
     code, out = _validate(capsys, monkeypatch, tmp_path, "model.image_to_video=true", "sample.prompts=[]")
     assert code == 0, out["errors"]
+    code, text_to_video = _validate(capsys, monkeypatch, tmp_path, "sample.prompts=[]")
+    activations = out["memory"]["per_gpu"]["activations_bytes"]
+    assert 1.0 < activations / text_to_video["memory"]["per_gpu"]["activations_bytes"] < 2.0
     code, out = _validate(
         capsys, monkeypatch, tmp_path, "model.image_to_video=true", "deepspeed.sequence_parallel_size=2"
     )

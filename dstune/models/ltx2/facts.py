@@ -27,6 +27,8 @@ SPATIAL, TEMPORAL = 32, 8  # AutoencoderKLLTX2Video's compression when its confi
 # the video stream over the clip with cross-attention to the caption, the audio stream on one zero token (its
 # constant bytes are in the fit). The feed-forward is 4x the width in every config, so the constants are per width.
 ACTIVATION_CONSTANTS = "ltx2"
+# image-to-video: a timestep per video token (the first frame's 0), so every block's modulation is per token
+I2V_ACTIVATION_CONSTANTS = "ltx2-i2v"
 SAMPLING_ONLY = ("vocoder",)  # loaded for the pipeline that renders samples only (the audio VAE encodes the sound)
 AUDIO_TEMPORAL = 4  # AutoencoderKLLTX2Audio: mel frames per latent step (its LATENT_DOWNSAMPLE_FACTOR)
 MEL_COMPRESSION = 4  # ... and mel bins per latent bin
@@ -78,7 +80,8 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[fl
     shape = ModelShape(width_hidden, {"transformer_blocks": config["num_layers"]})
     tokens = clip_tokens(frames, width, height, *compression(folder))
     tokens += audio_tokens(spec, folder, frames) * audio_width / width_hidden
-    sample = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, tokens, text_tokens(spec), spec.train.precision)
+    key = I2V_ACTIVATION_CONSTANTS if spec.model.image_to_video else ACTIVATION_CONSTANTS
+    sample = measured_sample_bytes(key, shape, tokens, text_tokens(spec), spec.train.precision)
     return in_plan_units(sample, spec.train.precision)
 
 
