@@ -305,8 +305,8 @@ LTX2_TEXT_TOKENS = 32  # the tiny model's Gemma side, likewise (default 1024)
 FOLDER_CHOSEN_RUNS = {
     "full": (HV15, 2, "full", {"max_sequence_length": HV15_TEXT_TOKENS}),
     "lora": (HV15_I2V, 3, "lora", {"max_sequence_length": HV15_TEXT_TOKENS}),
-    "ltx2-full": (LTX2, 2, "full", {"max_sequence_length": LTX2_TEXT_TOKENS,
-                                    "timestep_sampling": "shifted_logit_normal"}),
+    "ltx2-full": (LTX2, 2, "full", {"max_sequence_length": LTX2_TEXT_TOKENS,  # image-to-video with sound
+                                    "timestep_sampling": "shifted_logit_normal", "image_to_video": True}),
     "ltx2-lora": (LTX2, 3, "lora", {"max_sequence_length": LTX2_TEXT_TOKENS,
                                     "timestep_sampling": "shifted_logit_normal"}),
 }
@@ -314,8 +314,9 @@ FOLDER_CHOSEN_RUNS = {
 
 @pytest.fixture(scope="module")
 def hv15_runs(tmp_path_factory) -> dict:
-    """Each model's ZeRO-2 full run from both caches and ZeRO-3 LoRA run with gradient checkpointing (HunyuanVideo
-    1.5's image-to-video, LTX-2's text-to-video with sound, on builtin:moving-shapes-av, from the text cache only)."""
+    """Each model's ZeRO-2 full run from both caches (LTX-2's image-to-video with sound) and ZeRO-3 LoRA run with
+    gradient checkpointing (HunyuanVideo 1.5's image-to-video, LTX-2's text-to-video with sound, on
+    builtin:moving-shapes-av, from the text cache only)."""
     from dstune.builtin import ensure_builtin_model
 
     out = {}
@@ -327,7 +328,7 @@ def hv15_runs(tmp_path_factory) -> dict:
         clips = "builtin:moving-shapes-av" if model == LTX2 else "builtin:moving-shapes"
         spec = _spec(run_dir, stage, train, {"path": clips, "cache": cache},
                      {"pretrained": f"builtin:{model}", **keys})
-        if model == HV15_I2V:
+        if model == HV15_I2V or keys.get("image_to_video"):
             image = _first_frame(run_dir.parent / "images")
             spec["sample"] = {**spec["sample"], "prompts": [PROMPT], "control_images": [str(image)]}
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
@@ -393,17 +394,22 @@ def test_hunyuan_video15_i2v_lora_zero3_resumes_exactly_and_its_file_loads_into_
 # ------------------------------------------------------------------------------------------ LTX-2
 
 
-def _render_ltx2(pipeline) -> tuple[torch.Tensor, torch.Tensor]:
-    result = pipeline(PROMPT, height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
+def _render_ltx2(pipeline, image: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from PIL import Image
+
+    given = {"image": Image.open(image).convert("RGB")} if image is not None else {}
+    result = pipeline(prompt=PROMPT, height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
                       max_sequence_length=LTX2_TEXT_TOKENS, generator=torch.Generator().manual_seed(0),
-                      output_type="pt")
+                      output_type="pt", **given)
     return result.frames.float(), result.audio.float()
 
 
-def test_ltx2_full_run_from_caches_exports_a_folder_the_pipeline_renders_with_sound(hv15_runs):
-    """Audio+video from both caches: each clip's sound latents stored beside its posterior; samples with sound."""
+def test_ltx2_i2v_full_run_from_caches_exports_a_folder_the_pipeline_renders_with_sound(hv15_runs):
+    """Image-to-video, audio+video from both caches: each clip's sound latents stored beside its posterior (the
+    first frame's condition is the cached posterior's first latent frame); samples from the first frame, with sound;
+    the export renders in LTX2ImageToVideoPipeline."""
     import av
-    from diffusers import LTX2Pipeline
+    from diffusers import LTX2ImageToVideoPipeline
     from safetensors.torch import load_file
 
     from dstune.cache.entries import read_entry
@@ -419,7 +425,8 @@ def test_ltx2_full_run_from_caches_exports_a_folder_the_pipeline_renders_with_so
     export = run_dir / "export" / f"step-{STEPS:08d}"
     trained, start = load_file(export / TRANSFORMER), load_file(base_folder(LTX2) / TRANSFORMER)
     assert set(trained) == set(start) and any(not torch.equal(trained[k], start[k]) for k in start)
-    frames, audio = _render_ltx2(LTX2Pipeline.from_pretrained(export))
+    image = run_dir.parent / "images" / "first.png"
+    frames, audio = _render_ltx2(LTX2ImageToVideoPipeline.from_pretrained(export), image)
     assert frames.shape == (1, 5, 3, 32, 32) and torch.isfinite(frames).all()
     assert audio.shape[:2] == (1, 2) and audio.shape[2] > 0 and torch.isfinite(audio).all()
     assert (run_dir / "samples" / f"step-{STEPS:06d}.mp4").stat().st_size > 0

@@ -248,9 +248,10 @@ def _ltx2(heads, ffn_mult):
     )
 
 
-def _ltx2_run(model, tokens, context, dtype):
+def _ltx2_run(model, tokens, context, dtype, per_token: bool = False):
     """As dstune trains it (dstune.models.ltx2.recipe): `tokens` = 2 latent frames x side^2 video tokens, the audio
-    stream on one zero token isolated from the video, `context` caption tokens for both streams."""
+    stream on one zero token isolated from the video, `context` caption tokens for both streams; with `per_token`
+    (image-to-video) a timestep per video token, the first frame's 0, so a modulation per token."""
     import torch
 
     side = square_side(tokens // 2)
@@ -260,13 +261,18 @@ def _ltx2_run(model, tokens, context, dtype):
     text = randn(1, context, config.caption_channels, dtype=dtype)
     mask = torch.ones(1, context, dtype=torch.long)
     sigma = torch.tensor([0.5], dtype=dtype)
+    timestep = sigma
+    if per_token:
+        timestep = torch.full((1, tokens), 0.5, dtype=dtype)
+        timestep[:, : side * side] = 0.0
     return lambda: mse(
         model(
             hidden_states=video,
             audio_hidden_states=audio,
             encoder_hidden_states=text,
             audio_encoder_hidden_states=text,
-            timestep=sigma,
+            timestep=timestep,
+            audio_timestep=sigma,
             sigma=sigma,
             encoder_attention_mask=mask,
             audio_encoder_attention_mask=mask,
@@ -335,6 +341,15 @@ ACTIVATION_CASES = (
         "LTX-2 video stream (the audio stream on one zero token, as dstune trains it)",
         _ltx2,
         _ltx2_run,
+        sizes=((32, 8), (72, 8), (32, 24)),
+        check_size=(50, 12),
+        block_lists=attr("transformer_blocks"),
+    ),
+    Case(
+        "ltx2-i2v",
+        "LTX-2 image-to-video: the video stream with a timestep per token (the first frame's 0)",
+        _ltx2,
+        lambda model, tokens, context, dtype: _ltx2_run(model, tokens, context, dtype, per_token=True),
         sizes=((32, 8), (72, 8), (32, 24)),
         check_size=(50, 12),
         block_lists=attr("transformer_blocks"),

@@ -29,6 +29,8 @@ SPATIAL, TEMPORAL = 32, 8  # AutoencoderKLLTX2Video's compression when its confi
 ACTIVATION_CONSTANTS = "ltx2"
 AV_ACTIVATION_CONSTANTS = "ltx2-av"  # both streams, as a clip with sound trains
 AV_CAPTION_TOKENS = 8  # the caption of the ltx2-av measurement: fixed, its bytes are the video-only constants' C term
+# image-to-video: a timestep per video token (the first frame's 0), so every block's modulation is per token
+I2V_ACTIVATION_CONSTANTS = "ltx2-i2v"
 SAMPLING_ONLY = ("vocoder",)  # loaded for the pipeline that renders samples only (the audio VAE encodes the sound)
 AUDIO_TEMPORAL = 4  # AutoencoderKLLTX2Audio: mel frames per latent step (its LATENT_DOWNSAMPLE_FACTOR)
 MEL_COMPRESSION = 4  # ... and mel bins per latent bin
@@ -81,13 +83,17 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[fl
     width_hidden = config["num_attention_heads"] * config["attention_head_dim"]
     shape = ModelShape(width_hidden, {"transformer_blocks": config["num_layers"]})
     video = clip_tokens(frames, width, height, *compression(folder))
-    sample = clip_bytes(shape, video, audio_tokens(spec, folder, frames), text_tokens(spec), spec.train.precision)
+    key = I2V_ACTIVATION_CONSTANTS if spec.model.image_to_video else ACTIVATION_CONSTANTS
+    sample = clip_bytes(shape, video, audio_tokens(spec, folder, frames), text_tokens(spec), spec.train.precision, key)
     return in_plan_units(sample, spec.train.precision)
 
 
-def clip_bytes(shape: ModelShape, video: float, sound: float, caption: float, precision: str) -> tuple[float, float]:
-    """(full, checkpointed) bytes of a clip of `video` tokens, `sound` tokens (0: no sound) and `caption` tokens."""
-    silent = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, video, caption, precision)
+def clip_bytes(
+    shape: ModelShape, video: float, sound: float, caption: float, precision: str, key: str = ACTIVATION_CONSTANTS
+) -> tuple[float, float]:
+    """(full, checkpointed) bytes of a clip of `video` tokens, `sound` tokens (0: no sound) and `caption` tokens;
+    `key` the video-only constants (image-to-video's: a timestep per token). What sound adds is text-to-video's."""
+    silent = measured_sample_bytes(key, shape, video, caption, precision)
     if not sound:
         return silent
     joint = measured_sample_bytes(AV_ACTIVATION_CONSTANTS, shape, video, sound, precision)
@@ -133,19 +139,48 @@ def sampling_parts(folder) -> tuple[str, ...]:
     return tuple(part for part in SAMPLING_ONLY if (folder.index.get(part) or [None])[0])
 
 
-def spec_issues(spec, folder) -> list[tuple[str, str]]:
-    """Image-to-video (not trained yet), frame counts the VAE takes (1 + t k), first frames for samples, clips whose
-    sound cannot follow their frames (uniform sampling)."""
+def image_to_video_issues(spec) -> list[tuple[str, str]]:
+    """Image-to-video: one first frame per sample prompt, and no sequence split (its per-token timesteps are not
+    split); text-to-video: no first frames."""
+    if not spec.model.image_to_video:
+        if not spec.sample.control_images:
+            return []
+        return [
+            (
+                "sample.control_images",
+                f"{spec.model.pretrained} renders from the prompt alone (text-to-video): remove sample.control_images "
+                "or set model.image_to_video: true",
+            )
+        ]
     issues = []
-    _, temporal = compression(folder)
-    if spec.model.image_to_video:
+    if len(spec.sample.control_images) != len(spec.sample.prompts):
         issues.append(
             (
-                "model.image_to_video",
-                f"{spec.model.pretrained}: LTX-2 image-to-video "
-                "(LTX2ImageToVideoPipeline) is not trained by dstune yet; remove the key",
+                "sample.control_images",
+                f"LTX2ImageToVideoPipeline renders each sample from a first frame: give one image per "
+                f"sample.prompts entry ({len(spec.sample.prompts)} prompt(s), {len(spec.sample.control_images)} "
+                "image(s)), or set sample.prompts: []",
             )
         )
+    if spec.deepspeed.sequence_parallel_size > 1:
+        issues.append(
+            (
+                "deepspeed.sequence_parallel_size",
+                f"{spec.deepspeed.sequence_parallel_size} with model.image_to_video: LTX-2 image-to-video gives "
+                "each token its own timestep (the first frame's at 0), which LTX-2's sequence split does not "
+                "split (it takes one timestep per sample): set deepspeed.sequence_parallel_size: 1, or train "
+                "text-to-video",
+            )
+        )
+    return issues
+
+
+def spec_issues(spec, folder) -> list[tuple[str, str]]:
+    """Image-to-video's first frames and split (or no first frames for text-to-video), frame counts the VAE takes
+    (1 + t k), clips whose sound cannot follow their frames (uniform sampling)."""
+    issues = []
+    _, temporal = compression(folder)
+    issues += image_to_video_issues(spec)
     if spec.model.timestep_sampling not in ("shifted_logit_normal", "uniform"):
         issues.append(
             (
@@ -163,13 +198,6 @@ def spec_issues(spec, folder) -> list[tuple[str, str]]:
                     "scheduler's tables this key acts on; remove it",
                 )
             )
-    if spec.sample.control_images:
-        issues.append(
-            (
-                "sample.control_images",
-                f"{spec.model.pretrained} renders from the prompt alone (text-to-video): remove sample.control_images",
-            )
-        )
     if (spec.model.sample_frames - 1) % temporal:
         issues.append(
             (

@@ -1,5 +1,5 @@
 """The LTX-2 recipe of the flow-matching core (dstune.families.flow_recipe; the video family, chosen by the folder's
-transformer class, LTX2VideoTransformer3DModel): text-to-video, audio+video on clips with sound.
+transformer class, LTX2VideoTransformer3DModel): text- and image-to-video, audio+video on clips with sound.
 
 - latents: clips (B, 3, frames, H, W) in [-1, 1] through AutoencoderKLLTX2Video (32x spatial, 8x temporal, 128
   channels); the posterior's mean (ltx-trainer's video encoder returns the normalised means), normalised per channel
@@ -19,7 +19,10 @@ transformer class, LTX2VideoTransformer3DModel): text-to-video, audio+video on c
 - sigma is drawn continuously as ltx-trainer's samplers draw it (shifted_logit_normal: a logit-normal whose mean
   follows the clip's token count, stretched to [0, 1], with 10% uniform draws; uniform), each sample from its own
   generator; x_t = (1 - sigma) x0 + sigma noise, target noise - x0, the squared error averaged per sample;
-- samples: the folder's LTX2Pipeline, saved with the sound its vocoder renders.
+- image-to-video (model.image_to_video: true): the clip's first latent frame given clean at timestep 0, the loss over
+  the other frames, as ltx-trainer's first-frame conditioning (dstune.models.ltx2.i2v);
+- samples: the folder's LTX2Pipeline (LTX2ImageToVideoPipeline from sample.control_images for image-to-video), saved
+  with the sound its vocoder renders.
 
 Differences from ltx-trainer's loss are listed in docs/family-ltx2.md; the parity test is tests/unit/test_ltx2.py.
 """
@@ -43,6 +46,7 @@ from dstune.families.flow_recipe import (
 )
 from dstune.families.randomness import sample_generator
 from dstune.hf import quiet_hf_libraries
+from dstune.models.ltx2 import i2v as ltx2_i2v
 from dstune.models.ltx2 import split as ltx2_split
 from dstune.models.ltx2.audio import audio_tokens, sound_latents
 from dstune.spec.video_models import expert_problems
@@ -124,11 +128,6 @@ def folder_problems(
     problems += component_problems(folder, index, COMPONENTS)
     if not problems:
         problems += config_mismatches(folder)
-    if image_to_video:
-        problems.append(
-            "model.image_to_video: LTX-2 image-to-video (LTX2ImageToVideoPipeline) is not trained by "
-            "dstune yet; remove the key"
-        )
     return problems
 
 
@@ -164,8 +163,9 @@ def load_text(folder: Path, recipe: FlowRecipe, device, dtype) -> tuple[dict, di
     return encoders, tokenizers
 
 
-def load_audio_parts(folder: Path, model, transformer_config, device, dtype) -> tuple[dict, None]:
-    """The audio VAE and the vocoder (frozen): the pipeline that renders samples needs both."""
+def load_audio_parts(folder: Path, model, transformer_config, device, dtype) -> tuple[dict, bool]:
+    """The audio VAE and the vocoder (frozen): the pipeline that renders samples needs both; the mode: whether the
+    run trains image-to-video (model.image_to_video, dstune.models.ltx2.i2v)."""
     with quiet_hf_libraries():
         from diffusers import AutoencoderKLLTX2Audio
         from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
@@ -174,7 +174,8 @@ def load_audio_parts(folder: Path, model, transformer_config, device, dtype) -> 
         "audio_vae": load_component(folder, "audio_vae", AutoencoderKLLTX2Audio.from_pretrained, torch_dtype=dtype),
         "vocoder": load_component(folder, "vocoder", LTX2Vocoder.from_pretrained, torch_dtype=dtype),
     }
-    return {name: part.to(device).eval().requires_grad_(False) for name, part in parts.items()}, None
+    frozen = {name: part.to(device).eval().requires_grad_(False) for name, part in parts.items()}
+    return frozen, bool(model.image_to_video)
 
 
 # ------------------------------------------------------------------------------------------ text, latents
@@ -245,20 +246,23 @@ def draw_sigmas(built, latents: torch.Tensor, seed: int, step: int, indices: lis
 
 
 def _forward(built, forward, noisy, timesteps, conditions: dict, dtype, audio: Optional[torch.Tensor] = None):
-    """The transformer on the packed clip and `audio` tokens (B, T, D), every token at the clip's timestep; without
-    audio the audio stream runs on one zero token, cut off from the video (isolate_modalities). Returns (video
-    velocity in the latent layout, audio velocity tokens)."""
+    """The transformer on the packed clip and `audio` tokens (B, T, D), every token at the clip's timestep (in
+    image-to-video the first frame's clean, at 0: ltx2_i2v.conditioned); without audio the audio stream runs on one
+    zero token, cut off from the video (isolate_modalities). Returns (video velocity in the latent layout, audio
+    velocity tokens)."""
     batch, _, frames, height, width = noisy.shape
     isolated = audio is None
     if isolated:
         audio = noisy.new_zeros(batch, 1, built.transformer_config["audio_in_channels"])
+    noisy, video_timesteps = ltx2_i2v.conditioned(built, noisy, timesteps, conditions)
     timesteps = timesteps.to(dtype)
     video, audio_velocity = forward(
         hidden_states=pack(noisy).to(dtype),
         audio_hidden_states=audio.to(dtype),
         encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
         audio_encoder_hidden_states=conditions["audio_encoder_hidden_states"].to(dtype),
-        timestep=timesteps,
+        timestep=video_timesteps.to(dtype),
+        audio_timestep=timesteps,
         sigma=timesteps,
         encoder_attention_mask=conditions["encoder_attention_mask"],
         audio_encoder_attention_mask=conditions["encoder_attention_mask"],
@@ -322,8 +326,17 @@ LTX2 = FlowRecipe(
         posterior_mode=True,
         to_model=to_model,
     ),
-    conditioning=Conditioning(load=load_audio_parts),
-    sampling=Sampling(call=_call_arguments, side_multiple=lambda built: built.vae.spatial_compression_ratio),
+    conditioning=Conditioning(
+        load=load_audio_parts,
+        model_inputs=ltx2_i2v.model_inputs,
+        clean_frames=ltx2_i2v.clean_frames,
+        sample_sources=ltx2_i2v.sample_sources,
+    ),
+    sampling=Sampling(
+        pipeline=ltx2_i2v.pipeline,
+        call=_call_arguments,
+        side_multiple=lambda built: built.vae.spatial_compression_ratio,
+    ),
     draw_sigmas=draw_sigmas,
     sequence_split=ltx2_split.prepare_split,  # diffusers 0.42's plan splits the masked caption, which fails
     preconditioned=lambda model: False,
