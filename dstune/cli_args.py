@@ -171,6 +171,45 @@ def _add_train_command(commands, subparsers: dict) -> None:
         "rank.",
     )
     train.add_argument("spec", help="the spec YAML file")
+    _add_launcher_world_flags(train)
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)",
+    )
+    train.add_argument("--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint")
+    train.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="with --resume: continue with another global batch (the schedule follows the new one)",
+    )
+    train.add_argument(
+        "--allow-spec-changes",
+        action="store_true",
+        help="with --resume: continue although the spec changed in a way that breaks exact "
+        "continuation (the changes are listed)",
+    )
+    train.add_argument(
+        "--cache-only",
+        action="store_true",
+        help="build the latent / text-embedding cache (data.cache) on all ranks, then exit",
+    )
+    train.add_argument(
+        "--grace",
+        type=_positive_int,
+        default=DEFAULT_GRACE_S,
+        metavar="SECONDS",
+        help="after a stop signal, how long the ranks may take to reach their next step before "
+        "they are killed (default %(default)s)",
+    )
+    train.set_defaults(world_size=None, num_samples=None, accelerator="auto")
+
+
+def _add_launcher_world_flags(train) -> None:
+    """`dstune train`'s world: DeepSpeed's own launcher flags, passed on to it."""
     group = train.add_argument_group(
         "world (DeepSpeed launcher flags; none given: this machine's GPUs, 1 rank without GPUs)"
     )
@@ -208,40 +247,6 @@ def _add_train_command(commands, subparsers: dict) -> None:
         choices=("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm"),
         help="multi-node: DeepSpeed's backend that starts the other nodes (default pdsh)",
     )
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)",
-    )
-    train.add_argument("--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint")
-    train.add_argument(
-        "--allow-batch-change",
-        action="store_true",
-        help="with --resume: continue with another global batch (the schedule follows the new one)",
-    )
-    train.add_argument(
-        "--allow-spec-changes",
-        action="store_true",
-        help="with --resume: continue although the spec changed in a way that breaks exact "
-        "continuation (the changes are listed)",
-    )
-    train.add_argument(
-        "--cache-only",
-        action="store_true",
-        help="build the latent / text-embedding cache (data.cache) on all ranks, then exit",
-    )
-    train.add_argument(
-        "--grace",
-        type=_positive_int,
-        default=DEFAULT_GRACE_S,
-        metavar="SECONDS",
-        help="after a stop signal, how long the ranks may take to reach their next step before "
-        "they are killed (default %(default)s)",
-    )
-    train.set_defaults(world_size=None, num_samples=None, accelerator="auto")
 
 
 def _add_run_folder_commands(commands, subparsers: dict) -> None:

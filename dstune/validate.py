@@ -288,43 +288,7 @@ def _count_samples(
     clip summary of a video family)."""
     path = spec.data.path
     if builtin_name(path) is None and not os.path.exists(os.path.expanduser(path)):
-        if num_samples is not None:
-            video = spec.model.family in VIDEO_FAMILIES
-            if spec.data.buckets.enabled or video and len(spec.data.video.frame_counts) > 1:
-                found.add(
-                    [
-                        source.issue(
-                            "data.buckets" if spec.data.buckets.enabled else "data.video.frames",
-                            "the files are not on this "
-                            "machine, so their buckets are unknown: the plan below treats the dataset as one bucket and "
-                            "overstates the steps per epoch (for video, give --num-samples as clips)",
-                            severity="warning",
-                        )
-                    ]
-                )
-            if spec.data.duration_bucket_seconds:
-                found.add(
-                    [
-                        source.issue(
-                            "data.duration_bucket_seconds",
-                            "the clips are not on this machine, so their durations are "
-                            "unknown: the plan below treats the dataset as one length bucket and overstates the steps per "
-                            "epoch a little (each bucket leaves out its remainder)",
-                            severity="warning",
-                        )
-                    ]
-                )
-            return num_samples, "from --num-samples; data.path is not on this machine", None, None
-        found.add(
-            [
-                source.issue(
-                    "data.path",
-                    f"{path} does not exist here, so its samples cannot be counted. Fix the path, or pass "
-                    "--num-samples N to plan offline for a dataset of N samples (repeats included).",
-                )
-            ]
-        )
-        return None, "", None, None
+        return _count_not_here(spec, source, num_samples, found)
     if spec.model.family in VIDEO_FAMILIES:  # clips after frame extraction; videos that give none are errors
         *counted, issues = clip_plan(spec, source, num_samples, check_files)
         found.add(issues)
@@ -377,6 +341,51 @@ def _count_samples(
             ]
         )
     return count, origin, groups, None
+
+
+def _count_not_here(
+    spec: Spec, source: SpecSource, num_samples: Optional[int], found: IssueList
+) -> tuple[Optional[int], str, Optional[dict], Optional[dict]]:
+    """data.path is not on this machine: --num-samples plans offline (warning what it cannot know: buckets, clip
+    durations), or an error says how to plan."""
+    path = spec.data.path
+    if num_samples is not None:
+        video = spec.model.family in VIDEO_FAMILIES
+        if spec.data.buckets.enabled or video and len(spec.data.video.frame_counts) > 1:
+            found.add(
+                [
+                    source.issue(
+                        "data.buckets" if spec.data.buckets.enabled else "data.video.frames",
+                        "the files are not on this "
+                        "machine, so their buckets are unknown: the plan below treats the dataset as one bucket and "
+                        "overstates the steps per epoch (for video, give --num-samples as clips)",
+                        severity="warning",
+                    )
+                ]
+            )
+        if spec.data.duration_bucket_seconds:
+            found.add(
+                [
+                    source.issue(
+                        "data.duration_bucket_seconds",
+                        "the clips are not on this machine, so their durations are "
+                        "unknown: the plan below treats the dataset as one length bucket and overstates the steps per "
+                        "epoch a little (each bucket leaves out its remainder)",
+                        severity="warning",
+                    )
+                ]
+            )
+        return num_samples, "from --num-samples; data.path is not on this machine", None, None
+    found.add(
+        [
+            source.issue(
+                "data.path",
+                f"{path} does not exist here, so its samples cannot be counted. Fix the path, or pass "
+                "--num-samples N to plan offline for a dataset of N samples (repeats included).",
+            )
+        ]
+    )
+    return None, "", None, None
 
 
 def _image_groups(spec: Spec, source: SpecSource, records, found: IssueList) -> Optional[dict]:

@@ -28,6 +28,12 @@ def _divisors_below(number: int) -> list[int]:
 def candidate_changes(counts: ModelCounts, setup: Setup) -> list[Change]:
     """Single changes, cheapest first (what costs least speed, or changes least of what is trained); within a kind
     the mildest first."""
+    return _schedule_changes(counts, setup) + _precision_and_offload_changes(counts, setup)
+
+
+def _schedule_changes(counts: ModelCounts, setup: Setup) -> list[Change]:
+    """What changes no weight's precision or place: no samples, a higher ZeRO stage, gradient checkpointing, a
+    smaller micro batch (with the same global batch)."""
     changes = []
     if setup.samples:  # first: costs no speed and changes nothing that trains
         never = f": {', '.join(counts.sampling_companions)} never loads" if counts.sampling_companions else ""
@@ -62,6 +68,13 @@ def candidate_changes(counts: ModelCounts, setup: Setup) -> list[Change]:
                 replace(setup, micro_batch=micro, accumulation=accumulation),
             )
         )
+    return changes
+
+
+def _precision_and_offload_changes(counts: ModelCounts, setup: Setup) -> list[Change]:
+    """What changes how or where weights are held, or what trains: a quantized frozen base, optimizer and parameter
+    offload, LoRA in place of full training."""
+    changes = []
     if setup.lora and setup.zero_stage < 3:  # ZeRO-3 cannot partition quantized weights (validate refuses it)
         changes += [
             Change(
