@@ -121,6 +121,42 @@ def tiny_qwen3_vl_config(tokenizer, width: int, layers: int):
     )
 
 
+def tiny_mistral3_config(tokenizer, width: int, text_layers: int, image_token: str):
+    """A Mistral3Config: `text_layers` `width`-wide Mistral text layers and a one-layer Pixtral vision tower (which
+    text-to-image never calls), its special ids from `tokenizer` (<s>, </s>, <pad>, and `image_token`)."""
+    from transformers import Mistral3Config
+
+    bos, eos, pad, image = tokenizer.convert_tokens_to_ids(["<s>", "</s>", "<pad>", image_token])
+    return Mistral3Config(
+        text_config=dict(
+            model_type="mistral",
+            vocab_size=len(tokenizer),
+            hidden_size=width,
+            intermediate_size=64,
+            num_hidden_layers=text_layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=1024,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        ),
+        vision_config=dict(
+            model_type="pixtral",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            head_dim=8,
+            patch_size=14,
+            image_size=56,
+        ),
+        image_token_index=image,
+        spatial_merge_size=2,
+    )
+
+
 def tiny_t5_tokenizer(model_max_length: int = T5_MAX_LENGTH):
     """A T5 tokenizer over single characters (Unigram, 124 ids; pad 0, eos 1, unk 2), built in memory."""
     from transformers import T5Tokenizer

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu, save_pipeline
-from dstune.builtin.parts import TINY_FLUX2_VAE
+from dstune.builtin.parts import TINY_FLUX2_VAE, tiny_mistral3_config
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
 
@@ -62,38 +62,9 @@ def tiny_byte_tokenizer():
 
 def tiny_mistral3_model(tokenizer):
     """Mistral3Model: three 32-wide Mistral text layers and a one-layer Pixtral vision tower."""
-    from transformers import Mistral3Config, Mistral3Model
+    from transformers import Mistral3Model
 
-    bos, eos, pad = tokenizer.convert_tokens_to_ids(["<s>", "</s>", "<pad>"])
-    config = Mistral3Config(
-        text_config=dict(
-            model_type="mistral",
-            vocab_size=len(tokenizer),
-            hidden_size=TEXT_WIDTH,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            max_position_embeddings=1024,
-            bos_token_id=bos,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        ),
-        vision_config=dict(
-            model_type="pixtral",
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            head_dim=8,
-            patch_size=14,
-            image_size=56,
-        ),
-        image_token_index=tokenizer.convert_tokens_to_ids("<unk>"),
-        spatial_merge_size=2,
-    )
-    return Mistral3Model(config)
+    return Mistral3Model(tiny_mistral3_config(tokenizer, TEXT_WIDTH, 3, "<unk>"))
 
 
 def _randomise_zero_init(transformer) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, bytes_to_unicode, deterministic_cpu, save_pipeline
-from dstune.builtin.parts import TINY_FLUX2_VAE, tiny_qwen_tokenizer
+from dstune.builtin.parts import TINY_FLUX2_VAE, tiny_mistral3_config, tiny_qwen_tokenizer
 from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
@@ -163,38 +163,9 @@ def tiny_mistral_tokenizer():
 def tiny_mistral3_encoder(tokenizer):
     """Mistral3ForConditionalGeneration: a 30-layer, 32-wide Mistral text model and a one-layer Pixtral vision
     tower (which text-to-image never calls)."""
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers import Mistral3ForConditionalGeneration
 
-    bos, eos, pad, image = tokenizer.convert_tokens_to_ids(["<s>", "</s>", "<pad>", "[IMG]"])
-    config = Mistral3Config(
-        text_config=dict(
-            model_type="mistral",
-            vocab_size=len(tokenizer),
-            hidden_size=TEXT_WIDTH,
-            intermediate_size=64,
-            num_hidden_layers=MISTRAL_TEXT_LAYERS,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            max_position_embeddings=1024,
-            bos_token_id=bos,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        ),
-        vision_config=dict(
-            model_type="pixtral",
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            head_dim=8,
-            patch_size=14,
-            image_size=56,
-        ),
-        image_token_index=image,
-        spatial_merge_size=2,
-    )
-    return Mistral3ForConditionalGeneration(config)
+    return Mistral3ForConditionalGeneration(tiny_mistral3_config(tokenizer, TEXT_WIDTH, MISTRAL_TEXT_LAYERS, "[IMG]"))
 
 
 def build_tiny_flux2_dev(out: Path, needs: dict) -> dict:
