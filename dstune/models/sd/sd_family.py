@@ -55,7 +55,7 @@ __all__ = [
     "save_lora_weights",
     "check_sd_folder",
     "cache_text_tensors",
-    "component_problems",
+    "unet_component_problems",
     "training_noise_scheduler",
     "render",
     "unet_pipeline_parts",
@@ -114,7 +114,7 @@ def check_sd_folder(folder: Path) -> None:
             f"{folder} holds a {kind} ({_OTHER_PIPELINES[kind]}) model; model.family 'sd' is for "
             "Stable Diffusion 1.x/2.x (StableDiffusionPipeline) only."
         )
-    problems = component_problems(folder, index, _COMPONENTS)
+    problems = unet_component_problems(folder, index, _COMPONENTS)
     if not problems:
         problems = _config_mismatches(folder)
     if problems:
@@ -124,10 +124,14 @@ def check_sd_folder(folder: Path) -> None:
         )
 
 
-def component_problems(folder: Path, index: dict, components: dict, missing_hints: Optional[dict] = None) -> list[str]:
+def unet_component_problems(
+    folder: Path, index: dict, components: dict, missing_hints: Optional[dict] = None
+) -> list[str]:
     """What keeps the components of a UNet pipeline folder from loading: `components` maps each name to (accepted
     class names, or None for any; the file that must exist in its subfolder); `missing_hints` adds a reason to a
-    component that model_index.json lacks (SDXL: a refiner has no text_encoder)."""
+    component that model_index.json lacks (SDXL: a refiner has no text_encoder). The flow and video cores' check
+    (dstune.families.diffusion.component_problems) takes one class per component and no required file, and words its
+    problems otherwise."""
     problems = []
     for name, (classes, required_file) in components.items():
         entry = index.get(name)

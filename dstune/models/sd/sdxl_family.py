@@ -108,7 +108,7 @@ def check_sdxl_folder(folder: Path) -> None:
             f"{folder} holds a {kind}; model.family 'sdxl' is for StableDiffusionXLPipeline folders{hint}."
         )
     refiner = " (an SDXL refiner, which has no text_encoder, is not supported)"
-    problems = sd.component_problems(folder, index, _COMPONENTS, {"text_encoder": refiner})
+    problems = sd.unet_component_problems(folder, index, _COMPONENTS, {"text_encoder": refiner})
     if not problems:
         problems = _config_mismatches(folder)
     if problems:
