@@ -192,16 +192,19 @@ def build_model(
     dtype_for_frozen: torch.dtype = torch.float32,
     zero3_config: Optional[dict] = None,
     folders: Optional[dict] = None,
+    text_encoders: bool = True,
 ):
     """The family's Built for this model spec: its folders resolved (unless given), then `family.build` (one
     process; training goes through dstune.startup.build_family, which orders the ranks). `zero3_config` (a ZeRO-3
     DeepSpeed JSON) is passed to families that build partitioned (`Family.builds_partitioned`); that build is then
-    collective."""
+    collective. Without `text_encoders` (a family with text_once_per_node, on a rank that reads only cached text)
+    the text encoders are not loaded."""
     family = get_family(model_spec.family)
     folders = folders if folders is not None else resolve_folders(model_spec, family, cache_dir)
+    options = {} if text_encoders else {"text_encoders": False}
     if zero3_config is not None and family.builds_partitioned:
-        return family.build(model_spec, folders, device, dtype_for_frozen, zero3_config=zero3_config)
-    return family.build(model_spec, folders, device, dtype_for_frozen)
+        options["zero3_config"] = zero3_config
+    return family.build(model_spec, folders, device, dtype_for_frozen, **options)
 
 
 def partitioned_build_config(model_spec, ds_config: Optional[dict]) -> Optional[dict]:

@@ -265,9 +265,17 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         else f"LoRA: {count_text(counts['trainable_params'])} adapters on a frozen base of "
         f"{count_text(counts['frozen_base_params'])}"
     )
+    once = counts.get("once_per_node_companions") or []
     companions = (
         ", ".join(
-            f"{name} {count_text(n)}{' (cached: host)' if name in counts['cached_companions'] else ''}"
+            f"{name} {count_text(n)}"
+            + (
+                " (cached: one rank per node, dropped after the cache)"
+                if name in once
+                else " (cached: host)"
+                if name in counts["cached_companions"]
+                else ""
+            )
             for name, n in counts["companions"].items()
         )
         or "none"
@@ -291,6 +299,11 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         ("  runtime reserve", gb(gpu["runtime_reserve_bytes"]) + " (CUDA context, NCCL, allocator)"),
         *_phase_rows(memory),
         ("host RAM per node", gb(memory["host_per_node_bytes"]) + " (model-related; add the processes' own)"),
+        *(
+            [("  text encoders", gb(memory["host_once_per_node_bytes"]) + " of it, on one rank per node")]
+            if memory.get("host_once_per_node_bytes")
+            else []
+        ),
     ]
     if memory.get("host_warning"):
         rows.append(("  warning", memory["host_warning"]))

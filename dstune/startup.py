@@ -48,6 +48,13 @@ from dstune.model_defaults import with_model_defaults
 from dstune.pretrained import build_model, partitioned_build_config, resolve_folders, resolve_pretrained
 from dstune.spec.load import SpecError, load_spec
 from dstune.spec.models import Spec
+from dstune.text_once import (
+    drop_text_encoders,
+    once_per_node,
+    report_text_ranks,
+    sample_captions,
+    text_encoders_here,
+)
 
 BAD_FILES_LISTED = 20  # unreadable files named one per line; the rest counted
 
@@ -83,11 +90,15 @@ def build_family(
     frozen_dtype = PRECISION_DTYPES[spec.train.precision][1]
     zero3_config = partitioned_build_config(spec.model, ds_config) if train_mode else None
     built, error = None, None
+    here = text_encoders_here(run, spec, family, folders)  # with the text cache: the first rank of each node
     try:  # collective under ZeRO-3 (zero.Init), so every rank builds at once
-        built = build_model(spec.model, spec.output.cache_dir, run.device, frozen_dtype, zero3_config, folders)
+        built = build_model(
+            spec.model, spec.output.cache_dir, run.device, frozen_dtype, zero3_config, folders, text_encoders=here
+        )
     except (ValueError, OSError) as err:
         error = str(err)
     agree_or_stop(run, error and f"model.pretrained {spec.model.pretrained!r}: {error}")
+    report_text_ranks(run, here)
     if zero3_config is not None and run.is_main:
         params = list(built.trainable.parameters())
         mine, total = sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params)
@@ -269,7 +280,8 @@ def held_out_records(run: Run, spec: Spec) -> list:
     return records
 
 
-def _latent_job(run: Run, spec: Spec, family: Family, model_folder: Path) -> LatentCacheJob:
+def _latent_job(run: Run, spec: Spec, family: Family, folders: dict) -> LatentCacheJob:
+    model_folder = folders["pretrained"]
     text_cache = family.text_cache
     if spec.data.cache.text_embeddings and text_cache is None:
         stop(
@@ -298,6 +310,8 @@ def _latent_job(run: Run, spec: Spec, family: Family, model_folder: Path) -> Lat
         latent_folders=tuple(latent_folders),
         latent_tensors=tuple(latent_tensors),
         latent_extras=extras.encode if latent_settings else None,
+        text_here=text_encoders_here(run, spec, family, folders),
+        extra_captions=sample_captions(spec, family, folders),
     )
 
 
@@ -325,9 +339,12 @@ def prepare_caches(
             print(text, file=sys.stdout if caches.codec_paths is not None else sys.stderr, flush=True)
         return caches, 0 if caches.codec_paths is not None else 1
     if cache.latents or cache.text_embeddings:  # the summary is printed by prepare_cache
-        job = _latent_job(run, spec, family, model_folder if model_folder is not None else built.folder)
+        folders = {"pretrained": model_folder if model_folder is not None else built.folder}
+        job = _latent_job(run, spec, family, folders)
         caches.images, code = prepare_cache(run, job, built, records, verify_only)
         if code == 0 and built is not None:
+            if once_per_node(spec, family, folders):  # no rank reads a text encoder from here on
+                drop_text_encoders(built, caches.images, job.extra_captions)
             caches.offloaded = offload_frozen(built, caches.images)
         return caches, code
     return caches, 0

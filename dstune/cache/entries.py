@@ -135,10 +135,12 @@ def plan_entries(
     sizes: dict[str, tuple[int, int]] | None = None,
     text_tensors: tuple[str, ...] = TEXT_TENSORS,
     latent_tensors: tuple[str, ...] = (),
+    extra_captions: tuple[str, ...] = (),
 ) -> list[Entry]:
     """Every entry a run reads, in a fixed order (records in index order, then captions sorted): the same list on
     every rank and for every world size, which is what makes the split and the chunks deterministic.
-    `sizes`: sample_id -> bucket (width, height) with data.buckets (dstune.data.buckets.sample_buckets)."""
+    `sizes`: sample_id -> bucket (width, height) with data.buckets (dstune.data.buckets.sample_buckets);
+    `extra_captions`: text entries beside the records' captions (the sample prompts, dstune.text_once)."""
     entries: list[Entry] = []
     if latents:
         for record in records:
@@ -168,7 +170,7 @@ def plan_entries(
                     )
                 )
     if text:
-        captions = {record.caption for record in records}
+        captions = {record.caption for record in records} | set(extra_captions)
         if caption_dropout > 0:
             captions.add("")
         for caption in sorted(captions):

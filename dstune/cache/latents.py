@@ -60,6 +60,8 @@ class LatentCacheJob:
     latent_folders: tuple[str, ...] = ()
     latent_tensors: tuple[str, ...] = ()  # the names encode adds to each latent entry
     latent_extras: Optional[Callable] = None  # (built, pixels) -> {name: Tensor[B, ...]}; None: the posterior only
+    text_here: bool = True  # this rank loaded the text encoders (dstune.text_once): text entries go to such ranks
+    extra_captions: tuple[str, ...] = ()  # captions cached beside the dataset's (sample prompts: dstune.text_once)
 
 
 @dataclass
@@ -189,6 +191,19 @@ def _chunks(entries: list[Entry]) -> list[list[Entry]]:
     return out
 
 
+def chunks_of_rank(chunks: list[list[Entry]], group: list[int], text_group: list[int], rank: int) -> list[list[Entry]]:
+    """This rank's chunks: latent chunks dealt in turn to the ranks sharing the folder, text chunks to those of them
+    that loaded the text encoders (all of them, or the first of each node: dstune.text_once)."""
+    mine, dealt = [], {"latent": 0, "text": 0}
+    for chunk in chunks:
+        kind = chunk[0].kind
+        members = text_group if kind == "text" else group
+        if rank in members and dealt[kind] % len(members) == members.index(rank):
+            mine.append(chunk)
+        dealt[kind] += 1
+    return mine
+
+
 def _build_share(
     built,
     dataset,
@@ -296,8 +311,13 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
         _sizes(targets, data, job.video),
         text.tensor_names(job.model_folder) if text else (),
         job.latent_tensors,
+        job.extra_captions,
     )
-    mine = [c for j, c in enumerate(_chunks(entries)) if j % len(group) == group.index(run.rank)]
+    text_group = [rank for rank, here in enumerate(all_gather_object(job.text_here)) if here and rank in group]
+    if not (verify_only or text_group) and any(e.kind == "text" for e in entries):
+        error = f"cache build: no rank sharing {folder} loaded the text encoders; this is a bug of dstune's start-up"
+    agree_or_stop(run, error)
+    mine = chunks_of_rank(_chunks(entries), group, group if verify_only else text_group, run.rank)
     if verify_only:
         counts = _verify_share(folder, mine)
     else:

@@ -132,6 +132,11 @@ class Family:
     # class's own plan (dstune.families.ulysses)
     split_plan: Optional[Callable] = None
     speaker: Optional[Speaker] = None  # speech families: `dstune synthesize` from their exports
+    # (spec, pretrained folder) -> None when the run's text encoders load on one rank per node (build then takes
+    # text_encoders=False on the others and keeps them in built.text_encoders, which the start-up empties once the
+    # text cache is built; samples read built.prompt_text), else why every rank loads them
+    # (dstune.families.denoiser_facts.text_once_per_node); None: every rank always loads them
+    text_once_per_node: Optional[Callable] = None
 
     @property
     def supports_lora(self) -> bool:

@@ -29,6 +29,26 @@ FROZEN_PIPELINE_PARTS = (
 )
 # the parts whose outputs data.cache.latents stores (a video model's first-frame embedding, a clip's sound latents)
 LATENT_PARTS = ("vae", "image_encoder", "audio_vae")
+# the parts whose outputs data.cache.text_embeddings stores: loaded once per node where text_once_per_node allows
+TEXT_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "connectors")
+
+
+def text_once_per_node(spec, samples_from_cached_text: bool) -> Optional[str]:
+    """None when the run loads its text encoders on one rank per node only (local rank 0), which encodes the text
+    cache's entries and drops them once the cache is complete; otherwise why every rank loads them. After the
+    cache nothing on the other ranks reads a caption's text: training reads the cached tensors, and samples read
+    their prompts' (cached as entries too) where the model's sampling takes embeddings (`samples_from_cached_text`).
+    The rule of both the start-up (dstune.startup) and the memory plan."""
+    cache = spec.data.cache
+    if not cache.text_embeddings:
+        return "data.cache.text_embeddings is off: every rank encodes its captions"
+    if "{rank}" in (cache.dir or ""):
+        return "data.cache.dir has {rank}: each rank builds a cache folder of its own"
+    if spec.data.eval is not None:
+        return "data.eval encodes the held-out captions on every rank"
+    if spec.sample.prompts and not samples_from_cached_text:
+        return "sample.prompts: this model's samples encode their prompts on every rank"
+    return None
 
 
 @dataclass(frozen=True)
@@ -62,6 +82,8 @@ class DenoiserRules:
     cache_bytes: Callable
     # (spec, PipelineFolder) -> whether the run loads the folder's image encoder (image-to-video)
     uses_image_encoder: Callable = lambda spec, folder: False
+    # (PipelineFolder) -> whether the model's samples can render from cached prompt embeddings (text_once_per_node)
+    samples_from_cached_text: Callable = lambda folder: False
 
 
 def pipeline_folder(pretrained: str) -> PipelineFolder:
@@ -93,6 +115,7 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
     # the image encoder's embeddings (first-frame conditioning) and the sound latents are stored beside the latents
     cached = tuple(part for part in companions if (cache.latents if part in LATENT_PARTS else cache.text_embeddings))
     full, checkpointed = rules.activations(spec, folder, read_config(config_path), clips)
+    once = text_once_per_node(spec, rules.samples_from_cached_text(folder)) is None
     return ModelCounts(
         module,
         params,
@@ -109,6 +132,7 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
         sampling_companions=sampling_only,
         expert=expert,
         small_tensors=count_small_tensors(str(config_path), targets, rank),
+        once_per_node=tuple(part for part in companions if part in TEXT_PARTS) if once else (),
     )
 
 

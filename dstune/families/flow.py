@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from dstune.families.base import Family, FamilyError, TextCache
+from dstune.families.denoiser_facts import text_once_per_node
 from dstune.families.diffusion import component_problems, read_model_index
 from dstune.families.flow_core import (
     FlowBuilt,
@@ -114,6 +115,7 @@ def build(
     device,
     dtype_for_frozen: torch.dtype = torch.float32,
     zero3_config: Optional[dict] = None,
+    text_encoders: bool = True,
 ) -> FlowBuilt:
     """Load `model.pretrained`: the transformer fp32 in host memory (the start-up casts and moves it; partitioned with
     `zero3_config`, dstune.families.diffusion.load_trainable), the frozen parts in `dtype_for_frozen`. Never
@@ -128,7 +130,7 @@ def build(
     problems = recipe.config_mismatches(folder)
     if problems:
         raise FamilyError(f"{folder}: the components do not fit together:\n" + "\n".join(f"  - {p}" for p in problems))
-    return build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config)
+    return build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config, text_encoders)
 
 
 def text_cache_refusal(folder) -> str | None:
@@ -159,4 +161,5 @@ FAMILY = Family(
     builds_partitioned=True,
     sampling_denoiser=attach_sampling_denoiser,
     split_plan=split_plan,
+    text_once_per_node=lambda spec, folder: text_once_per_node(spec, False),  # samples (if any) need the encoders
 )

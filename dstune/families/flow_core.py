@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families.base import FamilyError
+from dstune.families.denoiser_facts import TEXT_PARTS
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.diffusion import (
     batch_field,
@@ -40,7 +41,13 @@ from dstune.families.diffusion import (
 )
 from dstune.families.flow_distilled import fuse_training_adapter, with_trained_lora
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
-from dstune.families.flow_recipe import FlowRecipe, load_text_side, normalised_latents, vae_spatial_factor
+from dstune.families.flow_recipe import (
+    FlowRecipe,
+    load_text_side,
+    load_tokenizers,
+    normalised_latents,
+    vae_spatial_factor,
+)
 from dstune.families.flow_sound import encoded_sound, loss_per_kind, rendered_clip
 from dstune.hf import quiet_hf_libraries
 
@@ -74,6 +81,9 @@ class FlowBuilt:
     # the clips' sound is not read although the recipe could train it (a sequence-parallel run: no split carries the
     # sound stream yet; dstune.startup.no_sound_under_a_split)
     sound_off: bool = False
+    # text encoders loaded on one rank per node and dropped after the text cache (text_encoders then maps each name
+    # to None): sample prompt (and "", the negative) -> its cached text tensors, which samples render from
+    prompt_text: dict = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -87,7 +97,8 @@ class FlowBuilt:
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:
         modules = {name: part for name, part in self.parts.items() if isinstance(part, torch.nn.Module)}
-        return {"vae": self.vae, **self.text_encoders, **modules}
+        text = {name: encoder for name, encoder in self.text_encoders.items() if encoder is not None}
+        return {"vae": self.vae, **text, **modules}
 
 
 # ---------------------------------------------------------------------------------------------------- build
@@ -113,10 +124,12 @@ def build_from(
     device,
     dtype_for_frozen: torch.dtype = torch.float32,
     zero3_config: Optional[dict] = None,
+    text_encoders: bool = True,
 ) -> FlowBuilt:
     """Load the recipe's parts of `folders["pretrained"]` (already checked by the family): the trained transformer
     fp32 in host memory (the start-up casts it and moves it to `device`; partitioned with `zero3_config`), the frozen parts in
-    `dtype_for_frozen`. Never downloads."""
+    `dtype_for_frozen`. Without `text_encoders` (a rank that reads only cached text: dstune.startup) the text
+    encoders are not loaded, only named (None). Never downloads."""
     with quiet_hf_libraries():
         import diffusers
 
@@ -135,7 +148,11 @@ def build_from(
         folder, "vae", getattr(diffusers, recipe.latents.vae_class).from_pretrained, torch_dtype=dtype_for_frozen
     ).to(device)
     vae.eval().requires_grad_(False)
-    encoders, tokenizers = (recipe.text.load or load_text_side)(folder, recipe, device, dtype_for_frozen)
+    if text_encoders:
+        encoders, tokenizers = (recipe.text.load or load_text_side)(folder, recipe, device, dtype_for_frozen)
+    else:  # named for the pipeline's constructor, which takes None for a part
+        encoders = {name: None for name in TEXT_PARTS if (index.get(name) or [None])[0]}
+        tokenizers = load_tokenizers(folder, recipe)
     parts, mode = {}, None
     if recipe.conditioning and recipe.conditioning.load:
         parts, mode = recipe.conditioning.load(folder, model, transformer.config, device, dtype_for_frozen)
@@ -398,9 +415,10 @@ def sample(
             if sampling.takes_max_sequence_length:
                 common["max_sequence_length"] = built.max_sequence_length
             common = sampling.call(built, pipeline, sample_spec, common) if sampling.call else common
-            if sources is None and not recipe.latents.frames:
+            cached = not any(encoder is not None for encoder in built.text_encoders.values())
+            if sources is None and not recipe.latents.frames and not cached:
                 return pipeline(prompt=list(prompts), generator=generators, **common).images
-            text_side = pipeline_of(built)
+            text_side = None if cached else pipeline_of(built)
             outputs = []
             for prompt, generator, source in zip(prompts, generators, sources or [None] * len(prompts)):
                 inputs = (
@@ -408,11 +426,30 @@ def sample(
                     if sources is None
                     else conditioning.sample_inputs(built, text_side, prompt, source, sample_spec)
                 )
+                if cached:  # no text encoder here: the prompt's cached text, as the pipeline takes it
+                    inputs.pop("prompt", None)
+                    inputs.update(cached_prompt(built, pipeline, prompt))
                 result = pipeline(**inputs, generator=generator, **common)
                 outputs.append(rendered_clip(built, result) if recipe.latents.frames else result.images[0])
             return outputs
     finally:
         transformer_module.train(was_training)
+
+
+def cached_prompt(built: FlowBuilt, pipeline, prompt: str) -> dict:
+    """The pipeline call's prompt arguments from the prompt's cached text tensors and those of "" (the negative
+    prompt every pipeline here encodes when given none), by the recipe's Sampling.cached_text."""
+    hook = built.recipe.sampling.cached_text
+    if hook is None or prompt not in built.prompt_text or "" not in built.prompt_text:
+        raise FamilyError(
+            f"samples: no cached text for {prompt!r} and no text encoder on this rank ({built.recipe.pipeline_class}"
+            "); this is a bug of dstune's start-up (dstune.families.denoiser_facts.text_once_per_node)"
+        )
+
+    def batch_of_one(caption: str) -> dict:
+        return {name: value.unsqueeze(0).to(built.device) for name, value in built.prompt_text[caption].items()}
+
+    return hook(built, pipeline, batch_of_one(prompt), batch_of_one(""))
 
 
 # --------------------------------------------------------------------------------------------------- export

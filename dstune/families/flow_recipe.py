@@ -119,6 +119,11 @@ class Sampling:
     # without max_sequence_length or guidance_scale, whose guider is a part); None: as they are
     call: Optional[Callable] = None
     takes_max_sequence_length: bool = True  # the pipeline call has max_sequence_length (not every one has)
+    # (built, pipeline, the prompt's cached text tensors, those of "" (each (1, ...) on the device)) -> the pipeline
+    # call's arguments in place of `prompt` (embeddings, masks, the negative's): samples of a rank without text
+    # encoders (dstune.families.denoiser_facts.text_once_per_node); None: the model's samples need its encoders.
+    # Declared together with its unit's VideoFacts.samples_from_cached_text.
+    cached_text: Optional[Callable] = None
 
 
 @dataclass(frozen=True)
@@ -190,20 +195,26 @@ def load_text_side(folder: Path, recipe: FlowRecipe, device, dtype) -> tuple[dic
     since its encode_prompt calls the processor's apply_chat_template."""
     import transformers
 
-    index = read_model_index(folder)
-    encoders, tokenizers = {}, {}
+    encoders = {}
     for name, expected in recipe.components.items():
-        if not name.startswith(("text_encoder", "tokenizer")):
-            continue
-        if expected is None:
+        if name.startswith("text_encoder") and expected is not None:
+            module = load_component(folder, name, getattr(transformers, expected).from_pretrained).to(device, dtype)
+            encoders[name] = module.eval().requires_grad_(False)
+    return encoders, load_tokenizers(folder, recipe)
+
+
+def load_tokenizers(folder: Path, recipe: FlowRecipe) -> dict:
+    """The recipe's tokenizers (a processor where the folder lists one): all a rank that loads no text encoder
+    keeps of the text side (dstune.families.denoiser_facts.text_once_per_node)."""
+    import transformers
+
+    index, tokenizers = read_model_index(folder), {}
+    for name, expected in recipe.components.items():
+        if name.startswith("tokenizer") and expected is None:
             listed = str((index.get(name) or [None, ""])[-1])
             loader = transformers.AutoProcessor if listed.endswith("Processor") else transformers.AutoTokenizer
             tokenizers[name] = load_component(folder, name, loader.from_pretrained)
-        else:
-            cls = getattr(transformers, expected)
-            module = load_component(folder, name, cls.from_pretrained).to(device, dtype)
-            encoders[name] = module.eval().requires_grad_(False)
-    return encoders, tokenizers
+    return tokenizers
 
 
 def normalised_latents(vae_config, latents: torch.Tensor) -> torch.Tensor:

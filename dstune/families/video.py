@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families.base import Family, FamilyError, LatentExtras, TextCache
+from dstune.families.denoiser_facts import text_once_per_node
 from dstune.families.diffusion import read_component_config
 from dstune.families.flow_core import (
     FlowBuilt,
@@ -94,6 +95,7 @@ def build(
     device,
     dtype_for_frozen: torch.dtype = torch.float32,
     zero3_config: Optional[dict] = None,
+    text_encoders: bool = True,
 ) -> FlowBuilt:
     """The transformer (model.expert's) fp32 in host memory (partitioned with `zero3_config`), the VAE and text (and
     image) encoders frozen in `dtype_for_frozen`. Never downloads; FamilyError listing every problem of a folder
@@ -113,7 +115,7 @@ def build(
             f"{folder} cannot be used as a {video.title} pipeline (model.family {VIDEO_FAMILY}):\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
-    built = build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config)
+    built = build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config, text_encoders)
     if video.after_build is not None:
         video.after_build(built)
     return built
@@ -127,6 +129,13 @@ def latent_cache_key(model: WanModel, folder: Path) -> tuple[str, tuple[str, ...
 def condition_tensors(built, clips: torch.Tensor) -> dict:
     """What the latent cache stores beside an image-to-video clip's posterior, per the run's video model."""
     return _video_models()[built.recipe.transformer_class].condition_tensors(built, clips)
+
+
+def text_once(spec, folder) -> Optional[str]:
+    """The text encoders load on one rank per node where the run's samples, if any, can render from the prompts'
+    cached text (the recipe's Sampling.cached_text; its unit's VideoFacts.samples_from_cached_text says the same)."""
+    recipe = video_model_of(Path(folder)).recipe_of(Path(folder))
+    return text_once_per_node(spec, recipe.sampling.cached_text is not None)
 
 
 FAMILY = Family(
@@ -151,4 +160,5 @@ FAMILY = Family(
     builds_partitioned=True,
     latent_extras=LatentExtras(latent_cache_key, condition_tensors),
     split_plan=split_plan,
+    text_once_per_node=text_once,
 )

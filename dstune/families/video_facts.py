@@ -48,6 +48,9 @@ class VideoFacts:
     # folder -> Attention, for a model whose sequence-parallel plan is dstune's (the transformer's own plan, or its
     # class without one, decides otherwise)
     attention: Optional[Callable] = None
+    # its samples render from cached prompt embeddings (its recipe's Sampling.cached_text), so with the text cache
+    # the text encoders load on one rank per node (dstune.families.denoiser_facts.text_once_per_node)
+    samples_from_cached_text: bool = False
 
 
 @cache
@@ -138,8 +141,17 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
     return facts.text_bytes(spec, folder) * num_samples + latents
 
 
+def samples_from_cached_text(folder) -> bool:
+    facts = facts_of(folder)
+    return facts is not None and facts.samples_from_cached_text
+
+
 RULES = DenoiserRules(
-    trained=_trained, activations=_activations, cache_bytes=_cache_bytes, uses_image_encoder=_image_to_video
+    trained=_trained,
+    activations=_activations,
+    cache_bytes=_cache_bytes,
+    uses_image_encoder=_image_to_video,
+    samples_from_cached_text=samples_from_cached_text,
 )
 
 

@@ -2,13 +2,15 @@
 at a training step and while samples render. The run's peak is the largest of them, and that is what must fit.
 
     load    the trainable module on the GPU in its training dtype (a quantized base already quantized; under ZeRO-3
-            a partitioned build holds its share and one gathered layer) beside every frozen part
+            a partitioned build holds its share and one gathered layer) beside every frozen part (text encoders
+            loaded once per node: on that rank's GPU, the one this phase counts)
     cache   the same, while latents and text embeddings are encoded (only when data.cache replaces some encoders;
             dstune.training builds the caches before deepspeed.initialize, and the encoders they replace leave the
             GPU before DeepSpeed's states arrive)
     step    the training step: model states, the frozen parts the cache does not replace, activations, DeepSpeed's
             buffers, the EMA (deepspeed.initialize, the EMA and a resume hold less: the step without activations)
-    sample  DeepSpeed's states beside every frozen part again (the cache-replaced encoders come back), the parts
+    sample  DeepSpeed's states beside every frozen part again (the cache-replaced encoders come back, except text
+            encoders loaded once per node, which are dropped after the cache: samples read cached prompts), the parts
             that load only for sampling (a two-expert model's other expert) and, under ZeRO 0-2 with the EMA shown, the raw
             weights kept aside while the EMA sits in the model
 
@@ -68,7 +70,7 @@ def run_phases(counts, setup, terms: dict) -> dict[str, Phase]:
                 "EMA": terms["ema"],
                 "EMA swap (raw weights kept aside)": terms["ema_swap"],
                 "frozen base": terms["frozen_base"],
-                "frozen parts (encoders back)": every_frozen,
+                "frozen parts (encoders back)": terms["companions_in_samples"],
                 "sampling-only parts": terms["sampling_extra"],
                 "ZeRO-3 gathered parameters and reduce bucket": terms["zero3_gathered"],
                 "runtime reserve": terms["reserve"],

@@ -69,6 +69,10 @@ class ModelCounts:
     # the module's parameter tensors up to SMALL_TENSOR_NUMEL elements (LoRA adapters included), as (numel, count)
     # pairs: ZeRO-3 keeps those under its persistence threshold whole on every rank; () where not counted
     small_tensors: tuple = ()
+    # companions one rank per node loads (the text encoders, for the text cache) and drops once the cache is built
+    # (dstune.families.denoiser_facts.text_once_per_node): counted once in a node's host RAM, on the GPU of that rank
+    # in the load and cache phases, nowhere in the step and sample phases
+    once_per_node: tuple = ()
 
     @property
     def frozen_base_params(self) -> int:
@@ -177,6 +181,11 @@ class Estimate:
     ema: float = 0.0  # the EMA's fp32 share on each GPU (train.ema.device: same)
     phases: dict = field(default_factory=dict)  # name -> dstune.memory.phases.Phase
     step_temporaries: float = 0.0  # the optimizer step's temporaries beyond the activations (freed before it)
+    host_once_per_node: float = 0.0  # what one rank per node adds to the node's host RAM (once_per_node_bytes)
+
+    @property
+    def host_per_node(self) -> float:
+        return self.host_per_rank * self.ranks_per_node + self.host_once_per_node
 
     @property
     def model_states(self) -> float:
@@ -374,13 +383,15 @@ def offloaded_to_host(counts: ModelCounts, setup: Setup) -> float:
 
 def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
     """(host bytes per rank, NVMe bytes per node). A rank's host peak is the larger of loading (the module read in
-    fp32 before it is cast and moved, the frozen parts in the run's precision) and training (offloaded states and parameters, cache-replaced encoders,
-    offload's pinned buffers)."""
+    fp32 before it is cast and moved, the frozen parts in the run's precision) and training (offloaded states and
+    parameters, cache-replaced encoders, offload's pinned buffers). The parts one rank per node loads
+    (counts.once_per_node) are not in it: once_per_node_bytes adds them to the node."""
     trainable, ranks, w, frozen = counts.trainable_params, setup.world_size, setup.weight_bytes, setup.frozen_bytes
-    loading = module_loading_bytes(counts, setup) + frozen * sum(counts.companions.values())
+    every_rank = {name: n for name, n in counts.companions.items() if name not in counts.once_per_node}
+    loading = module_loading_bytes(counts, setup) + frozen * sum(every_rank.values())
     offloaded_states = (4.0 + optimizer_state_bytes(setup)) * trainable / ranks  # fp32 gradients + states
     offloaded_params = w * trainable / ranks + frozen_base_bytes(counts, setup) / ranks
-    training = frozen * sum(counts.companions.get(name, 0) for name in counts.cached_companions)
+    training = frozen * sum(every_rank.get(name, 0) for name in counts.cached_companions)
     if setup.ema_device == "cpu":  # the rank's fp32 EMA share; sampling with it keeps the raw weights aside
         training += 4.0 * trainable / ranks + (ema_swap_bytes(counts, setup) if setup.samples else 0.0)
     training += offloaded_to_host(counts, setup)
@@ -392,6 +403,12 @@ def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
     if setup.samples:  # read onto the host, then moved to the GPU, while samples render
         training += frozen * sum(counts.sampling_companions.values())
     return max(loading, training), nvme * setup.ranks_per_node
+
+
+def once_per_node_bytes(counts: ModelCounts, setup: Setup) -> float:
+    """The host bytes of the parts one rank per node loads (the text encoders for the text cache), counted once in
+    the node's figure: the whole of them, in the frozen parts' precision, while that rank builds the cache."""
+    return setup.frozen_bytes * sum(counts.companions.get(name, 0) for name in counts.once_per_node)
 
 
 def module_loading_bytes(counts: ModelCounts, setup: Setup) -> float:
@@ -459,6 +476,9 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
         "frozen": frozen,
         "frozen_base": base_on_gpu,
         "companions_all": setup.frozen_bytes * sum(counts.companions.values()),
+        # samples render from cached prompt embeddings where the text encoders were loaded once per node and dropped
+        "companions_in_samples": setup.frozen_bytes
+        * sum(n for name, n in counts.companions.items() if name not in counts.once_per_node),
         "module_on_load": module_on_load(counts, setup),
         "activations": acts,
         "buffers": buffers,
@@ -491,6 +511,7 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
         ema,
         run_phases(counts, setup, terms),
         temporaries,
+        once_per_node_bytes(counts, setup),
     )
 
 

@@ -174,7 +174,7 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
     """The `memory` object of `dstune validate --json` (names other tools read: docs/memory.md)."""
     result = estimate(counts, setup)
     fits = None if gpu_bytes is None else result.peak <= gpu_bytes
-    host = result.host_per_rank * result.ranks_per_node
+    host = result.host_per_node
     return {
         "per_gpu": result.per_gpu(),  # the training step
         "phases": {
@@ -187,6 +187,7 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
         "peak_per_gpu_bytes": int(result.peak),  # the largest phase: what must fit
         "peak_phase": result.peak_phase.name,
         "host_per_node_bytes": int(host),
+        "host_once_per_node_bytes": int(result.host_once_per_node),
         "host_warning": host_warning(host, counts, setup),
         "nvme_per_node_bytes": int(result.nvme_per_node),
         "cache_disk_bytes": int(result.cache_bytes),
@@ -213,6 +214,7 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
             "largest_layer_params": counts.largest_layer_params,
             "companions": dict(counts.companions),
             "cached_companions": list(counts.cached_companions),
+            "once_per_node_companions": list(counts.once_per_node),
             "origin": counts.origin,
             "sampling_companions": dict(counts.sampling_companions),
             "expert": counts.expert,

@@ -357,6 +357,8 @@ def test_hunyuan_video15_full_run_from_caches_exports_a_folder_the_pipeline_rend
     run_dir, _, proc = hv15_runs["full"]
     check_trains(run_dir, proc)
     assert "entries, built now" in proc.stdout
+    # the text cache replaces the text encoders: rank 1 never loads them, and the samples read their prompt's text
+    assert "text encoders: loaded on rank 0 only (the first of each node; 1 of 2 ranks)" in proc.stdout
     export = run_dir / "export" / f"step-{STEPS:08d}"
     trained, start = load_file(export / TRANSFORMER), load_file(base_folder(HV15) / TRANSFORMER)
     assert set(trained) == set(start) and any(not torch.equal(trained[k], start[k]) for k in start)
@@ -417,6 +419,7 @@ def test_ltx2_i2v_full_run_from_caches_exports_a_folder_the_pipeline_renders_wit
     run_dir, _, proc = hv15_runs["ltx2-full"]
     check_trains(run_dir, proc)
     assert "entries, built now" in proc.stdout
+    assert "text encoders: loaded on rank 0 only (the first of each node; 1 of 2 ranks)" in proc.stdout
     entries = [read_entry(path) for path in (run_dir.parent / "cache").rglob("*.safetensors")]
     text = [entry for entry in entries if "audio_encoder_hidden_states" in entry]
     assert text and text[0]["encoder_hidden_states"].shape == (LTX2_TEXT_TOKENS, 16)

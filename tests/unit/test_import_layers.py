@@ -66,7 +66,7 @@ LAYERS = [
         "dstune.checkpoints.reshard",
         "dstune.evaluation",
     ],
-    ["dstune.loop", "dstune.export", "dstune.checkpoints.resume"],
+    ["dstune.loop", "dstune.export", "dstune.checkpoints.resume", "dstune.text_once"],
     ["dstune.startup"],
     [
         "dstune.training",

@@ -162,6 +162,7 @@ def _condition_cache_bytes(spec, folder, companions, channels, factor, buckets, 
 
 VIDEO_FACTS = VideoFacts(
     transformer_class=TRANSFORMER_CLASS,
+    samples_from_cached_text=True,  # its recipe's Sampling.cached_text
     token_factors=token_factors,
     image_to_video=_image_to_video,
     sample_bytes=sample_bytes,

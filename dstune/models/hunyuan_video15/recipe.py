@@ -169,6 +169,15 @@ def _call_arguments(built, pipeline, sample_spec, arguments: dict) -> dict:
     return {k: v for k, v in arguments.items() if k not in dropped}
 
 
+def _cached_text(built, pipeline, prompt: dict, negative: dict) -> dict:
+    """The prompt's (and the empty negative's) four cached tensors as HunyuanVideo15Pipeline's embedding arguments."""
+    names = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
+    return {
+        **{name: prompt[tensor] for name, tensor in zip(names, TEXT_TENSORS)},
+        **{f"negative_{name}": negative[tensor] for name, tensor in zip(names, TEXT_TENSORS)},
+    }
+
+
 def _pipeline(built, transformer) -> tuple:
     """The folder's pipeline class with its guider; the VAE always (the pipeline's constructor reads its config,
     even for the text-only pipeline encode_prompt runs on)."""
@@ -201,6 +210,7 @@ HUNYUAN_VIDEO15 = FlowRecipe(
         options=lambda built, sample_spec, prompts: {},
         pipeline=_pipeline,
         call=_call_arguments,
+        cached_text=_cached_text,
         side_multiple=lambda built: built.vae.config.spatial_compression_ratio * built.transformer_config["patch_size"],
     ),
     train_tables=train_tables,

@@ -239,6 +239,7 @@ def attention(folder) -> Optional[Attention]:
 
 VIDEO_FACTS = VideoFacts(
     transformer_class=TRANSFORMER_CLASS,
+    samples_from_cached_text=True,  # its recipe's Sampling.cached_text
     token_factors=token_factors,
     sample_bytes=sample_bytes,
     cache_bytes=cache_bytes,

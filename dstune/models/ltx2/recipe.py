@@ -303,6 +303,36 @@ SOUND = SoundStream(
 )
 
 
+class CachedConnectors(torch.nn.Module):
+    """Stands in for the pipeline's text connectors on a rank without the text side: their cached outputs (what
+    the text cache stores) for the prompt, or under guidance for ("" , prompt), in the order the pipeline
+    concatenates its negative and positive embeddings. What it is given in their place is not read."""
+
+    def __init__(self, prompt: dict, negative: dict):
+        super().__init__()
+        self.prompt, self.negative = prompt, negative
+
+    @property
+    def device(self) -> torch.device:  # what the pipeline asks of each of its modules
+        return self.prompt[TEXT_TENSORS[0]].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.prompt[TEXT_TENSORS[0]].dtype
+
+    def forward(self, embeds, mask, padding_side: str = "left") -> tuple:
+        order = [self.negative, self.prompt] if embeds.shape[0] == 2 else [self.prompt]
+        return tuple(torch.cat([tensors[name] for tensors in order]) for name in TEXT_TENSORS)
+
+
+def _cached_text(built, pipeline, prompt: dict, negative: dict) -> dict:
+    """LTX2Pipeline runs Gemma's stacked hidden states through its connectors; the cache holds the connectors'
+    outputs, so the pipeline gets a stand-in for them and a placeholder of the embeddings' batch (never read)."""
+    object.__setattr__(pipeline, "connectors", CachedConnectors(prompt, negative))  # not a folder component
+    placeholder = {"prompt_embeds": prompt["encoder_hidden_states"], "prompt_attention_mask": prompt[TEXT_TENSORS[2]]}
+    return {**placeholder, **{f"negative_{name}": value for name, value in placeholder.items()}}
+
+
 def _call_arguments(built, pipeline, sample_spec, arguments: dict) -> dict:
     """The frame rate RoPE was trained at; the rest as the core passes it."""
     return {**arguments, "frame_rate": DEFAULT_FPS}
@@ -335,6 +365,7 @@ LTX2 = FlowRecipe(
     sampling=Sampling(
         pipeline=ltx2_i2v.pipeline,
         call=_call_arguments,
+        cached_text=_cached_text,
         side_multiple=lambda built: built.vae.spatial_compression_ratio,
     ),
     draw_sigmas=draw_sigmas,

@@ -128,6 +128,7 @@ def _spec_issues(spec, folder) -> list[tuple[str, str]]:
 
 VIDEO_FACTS = VideoFacts(
     transformer_class=TRANSFORMER_CLASS,
+    samples_from_cached_text=True,  # its recipe's Sampling.cached_text
     token_factors=_token_factors,
     image_to_video=_image_to_video,
     sample_bytes=_clip_activations,

@@ -217,7 +217,10 @@ def sample_sources(built, sample_spec, prompts: list[str]) -> Optional[list]:
 
 
 def sample_inputs(built, text_pipeline, prompt: str, image, sample_spec) -> dict:
-    """One clip's first frame and its prompt as embeddings (prompt_inputs)."""
+    """One clip's first frame and its prompt as embeddings (prompt_inputs); without a text pipeline (no text
+    encoder on this rank) the first frame only: the core adds the prompt's cached embeddings."""
+    if text_pipeline is None:
+        return {"image": image}
     return {
         "image": image,
         **prompt_inputs(text_pipeline, prompt, sample_spec.guidance, built.max_sequence_length, built.device),

@@ -165,6 +165,14 @@ def _captions(pipeline, built, captions: list[str]) -> dict:
     return {"encoder_hidden_states": embeds}
 
 
+def _cached_text(built, pipeline, prompt: dict, negative: dict) -> dict:
+    """The prompt's (and the empty negative's) cached UMT5 embeddings as WanPipeline's arguments."""
+    return {
+        "prompt_embeds": prompt["encoder_hidden_states"],
+        "negative_prompt_embeds": negative["encoder_hidden_states"],
+    }
+
+
 def _predict(built, forward, noisy, timesteps, conditions: dict, dtype) -> torch.Tensor:
     hidden, timestep, extra, _ = wan_i2v.transformer_inputs(built, noisy, timesteps, conditions)
     return forward(
@@ -219,6 +227,7 @@ WAN = FlowRecipe(
         pipeline=_pipeline,
         scheduler=lambda built: built.scheduler,
         side_multiple=lambda built: built.vae.config.scale_factor_spatial * built.transformer_config["patch_size"][1],
+        cached_text=_cached_text,
     ),
     train_tables=lambda scheduler, shift: train_tables(dict(scheduler.config), shift)[:2],
     scheduler_class=None,  # UniPCMultistepScheduler, as listed

@@ -1,0 +1,71 @@
+"""Text encoders once per node: with the text cache, the ranks after the first of a node never load them.
+
+    here = text_encoders_here(run, spec, family, folders)    before the build: whether this rank loads them
+    build_model(..., text_encoders=here)
+    prepare_cache(...)                                       the text entries go to the ranks that loaded them
+    drop_text_encoders(run, built, index, spec)              after the cache: every rank without them
+
+Why: a text encoder is often the largest frozen part (a 12 B one is 24 GB in bf16), and every rank loading its own
+copy into host memory at start-up is the most reported start-up failure of the largest video models. With data.cache.text_embeddings
+no training step reads a text encoder: captions come from the cache. So local rank 0 of each node loads them, encodes
+the text entries (split between those ranks where they share a cache folder), and drops them once the cache is
+complete; the sample prompts (and "", the negative prompt) are cache entries too, and samples render from their
+cached text. Where that cannot hold (dstune.families.denoiser_facts.text_once_per_node says why: no text cache, a
+cache folder per rank, held-out evaluation, samples of a model that needs its encoders) every rank loads them, as
+before. The memory plan counts the same rule (dstune.memory.plan: ModelCounts.once_per_node).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Optional
+
+import torch
+
+from dstune.cache.entries import read_entry
+from dstune.distributed import Run, all_gather_object
+
+
+def once_per_node(spec, family, folders: dict) -> bool:
+    """Whether this run loads its text encoders on one rank per node (the family's rule for its folder)."""
+    rule = family.text_once_per_node
+    return rule is not None and rule(spec, folders["pretrained"]) is None
+
+
+def text_encoders_here(run: Run, spec, family, folders: dict) -> bool:
+    """Whether this rank loads the text encoders: every rank, or with once_per_node the first rank of each node."""
+    return run.local_rank == 0 or not once_per_node(spec, family, folders)
+
+
+def report_text_ranks(run: Run, here: bool) -> None:
+    """Collective. Rank 0 says which ranks loaded the text encoders, where not all did (from what each rank did)."""
+    loaded = [rank for rank, flag in enumerate(all_gather_object(bool(here))) if flag]
+    if run.is_main and len(loaded) < run.world_size:
+        print(
+            f"text encoders: loaded on rank{'s' if len(loaded) > 1 else ''} {', '.join(map(str, loaded))} only "
+            f"(the first of each node; {len(loaded)} of {run.world_size} ranks), for the text cache; dropped once "
+            "it is built (samples render from their prompts' cached text)",
+            flush=True,
+        )
+
+
+def sample_captions(spec, family, folders: dict) -> tuple[str, ...]:
+    """The captions the text cache holds beside the dataset's: the sample prompts and "" (the negative prompt the
+    pipelines encode when given none), where the samples render from cached text."""
+    if not (spec.sample.prompts and once_per_node(spec, family, folders)):
+        return ()
+    return tuple(dict.fromkeys([*spec.sample.prompts, ""]))
+
+
+def drop_text_encoders(built, index, captions: tuple[str, ...]) -> Optional[list[str]]:
+    """After a complete text cache: free this rank's text encoders (if it loaded them) and keep the cached text of
+    `captions` (sample_captions) for the samples. The names dropped, or None when the run keeps its encoders."""
+    if index is None or not index.text:
+        return None
+    built.prompt_text = {caption: read_entry(index.text_paths[caption]) for caption in captions}
+    dropped = [name for name, encoder in built.text_encoders.items() if encoder is not None]
+    built.text_encoders = {name: None for name in built.text_encoders}
+    gc.collect()
+    if dropped and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return dropped

@@ -1,0 +1,149 @@
+"""Text encoders once per node (dstune.text_once): with the text cache, only the first rank of a node loads them,
+and after the cache every rank renders its samples from the prompts' cached text.
+
+- Samples rendered from cached text are the samples the pipeline renders from the prompt with its own encoders
+  (each video model, with guidance, so the negative prompt's cached text is used too), on a model built without
+  text encoders.
+- The rule: which spec settings keep the text encoders on every rank, and the reason the plan gives.
+- The memory plan counts them once per node in host RAM and leaves them out of the sample phase (the real LTX-2
+  configs: Gemma 3 12B and the connectors).
+- The cache deals text entries only to the ranks that loaded the encoders.
+The 2-rank runs (tests/dist/test_wan.py) check which ranks loaded them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dstune.cache.entries import Entry
+from dstune.cache.latents import chunks_of_rank
+from dstune.families import video
+from dstune.families.flow_core import cache_text_tensors
+from dstune.pretrained import build_model
+from dstune.spec.models import SampleSpec, WanModel
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+PROMPT = "a red circle moving left"
+EXAMPLE = REPO / "launch" / "ltx2-lora-zero3-8gpu.yaml"
+
+
+def _frames(clip) -> np.ndarray:
+    return np.stack([np.asarray(frame, dtype=np.float32) for frame in clip])
+
+
+@pytest.mark.parametrize(
+    "name, guidance",
+    [("tiny-wan", 3.0), ("tiny-hunyuan-video15", 4.0), ("tiny-ltx2", 3.0)],
+)
+def test_samples_from_cached_text_equal_the_pipelines_own_encoding(name, guidance):
+    model = WanModel(family="wan", pretrained=f"builtin:{name}", max_sequence_length=32)
+    built = build_model(model, CACHE_DIR, "cpu")
+    lean = build_model(model, CACHE_DIR, "cpu", text_encoders=False)
+    assert set(lean.text_encoders) == set(built.text_encoders) and all(e is None for e in lean.text_encoders.values())
+    assert not set(lean.frozen) & set(built.text_encoders)  # nothing of the text side was loaded
+    lean.trainable.load_state_dict(built.trainable.state_dict())
+    with torch.no_grad():  # what the text cache stores for the prompt and for "" (dstune.text_once.sample_captions)
+        tensors = cache_text_tensors(built, [PROMPT, ""])
+    lean.prompt_text = {caption: {k: v[i] for k, v in tensors.items()} for i, caption in enumerate([PROMPT, ""])}
+    sample_spec = SampleSpec(steps=2, guidance=guidance)
+    expected = video.sample(built, built.trainable, [PROMPT], sample_spec, 32)[0]
+    rendered = video.sample(lean, lean.trainable, [PROMPT], sample_spec, 32)[0]
+    np.testing.assert_array_equal(_frames(rendered), _frames(expected))
+    if getattr(expected, "sound", None) is not None:  # LTX-2: the sound too
+        np.testing.assert_array_equal(np.asarray(rendered.sound), np.asarray(expected.sound))
+    lean.prompt_text = {}
+    with pytest.raises(ValueError, match="no cached text"):
+        video.sample(lean, lean.trainable, [PROMPT], sample_spec, 32)
+
+
+def _validate(capsys, monkeypatch, tmp_path, *sets: str) -> dict:
+    import huggingface_hub.constants
+
+    from dstune.cli import main
+
+    monkeypatch.chdir(REPO)  # the stored Lightricks/LTX-2 configs
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    args = ["validate", str(EXAMPLE.relative_to(REPO)), "--num-gpus", "8", "--num-samples", "2000", "--json"]
+    assert main([*args, *[arg for value in sets for arg in ("--set", value)]]) == 0
+    return json.loads(capsys.readouterr().out)["memory"]
+
+
+def test_the_plan_counts_the_text_encoders_once_per_node_and_not_in_samples(capsys, monkeypatch, tmp_path):
+    """LTX-2's example (8 ranks on a node, the text cache, samples): Gemma 3 and the connectors are loaded by one
+    rank, so the node holds one copy instead of eight, and the sample phase holds none of them. Their bytes are
+    the frozen parts' bf16 copies."""
+    once = _validate(capsys, monkeypatch, tmp_path)
+    counts = once["parameters"]
+    assert counts["once_per_node_companions"] == ["text_encoder", "connectors"]
+    text_bytes = 2 * (counts["companions"]["text_encoder"] + counts["companions"]["connectors"])
+    assert once["host_once_per_node_bytes"] == text_bytes
+    every = _validate(capsys, monkeypatch, tmp_path, "data.cache.dir=/tmp/cache-{rank}")
+    assert every["parameters"]["once_per_node_companions"] == [] and every["host_once_per_node_bytes"] == 0
+    assert every["host_per_node_bytes"] - once["host_per_node_bytes"] == pytest.approx(7 * text_bytes, abs=8)
+    sample_once, sample_every = once["phases"]["sample"], every["phases"]["sample"]
+    assert sample_every["per_gpu_bytes"] - sample_once["per_gpu_bytes"] == pytest.approx(text_bytes, abs=8)
+    assert once["phases"]["load"] == every["phases"]["load"]  # the loading rank's GPU holds them
+
+
+@pytest.mark.parametrize(
+    "setting, why",
+    [
+        ("data.cache.text_embeddings=false", "data.cache.text_embeddings is off"),
+        ("data.cache.dir=/tmp/c-{rank}", "a cache folder of its own"),
+    ],
+)
+def test_the_rule_keeps_them_on_every_rank_where_the_cache_cannot_replace_them(setting, why):
+    from dstune.families.denoiser_facts import text_once_per_node
+    from dstune.spec.load import load_spec
+
+    def spec(*overrides: str):
+        return load_spec(EXAMPLE, overrides)[0]
+
+    assert why in text_once_per_node(spec(setting), samples_from_cached_text=True)
+    assert text_once_per_node(spec(), samples_from_cached_text=True) is None
+    assert "samples encode their prompts" in text_once_per_node(spec(), samples_from_cached_text=False)
+    assert text_once_per_node(spec("sample.prompts=[]"), samples_from_cached_text=False) is None
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny-wan",
+        "tiny-wan-a14b",
+        "tiny-wan-i2v",
+        "tiny-wan22-ti2v",
+        "tiny-hunyuan-video15",
+        "tiny-hunyuan-video15-i2v",
+        "tiny-ltx2",
+    ],
+)
+def test_every_video_models_facts_say_what_its_recipe_does(name):
+    """The plan reads VideoFacts.samples_from_cached_text, the start-up the recipe's Sampling.cached_text."""
+    from dstune.builtin import ensure_builtin_model
+    from dstune.families.denoiser_facts import pipeline_folder
+    from dstune.families.video_facts import facts_of
+
+    folder = ensure_builtin_model(name, CACHE_DIR)
+    recipe = video.video_model_of(folder).recipe_of(folder)
+    assert facts_of(pipeline_folder(str(folder))).samples_from_cached_text == (recipe.sampling.cached_text is not None)
+
+
+def _entry(kind: str, number: int) -> Entry:
+    return Entry(kind, f"{kind}-{number}", f"{kind}-{number}")
+
+
+def test_text_chunks_go_only_to_the_ranks_that_loaded_the_encoders():
+    chunks = [[_entry("latent", n)] for n in range(4)] + [[_entry("text", n)] for n in range(3)]
+    group = [0, 1, 2, 3]
+    dealt = {rank: chunks_of_rank(chunks, group, [0, 2], rank) for rank in group}
+    assert sorted(c[0].name for rank in group for c in dealt[rank]) == sorted(c[0].name for c in chunks)
+    assert [c[0].name for c in dealt[1] + dealt[3]] == ["latent-1", "latent-3"]  # no text for them
+    assert [c[0].name for c in dealt[0] if c[0].kind == "text"] == ["text-0", "text-2"]
+    assert [c[0].name for c in dealt[2] if c[0].kind == "text"] == ["text-1"]
