@@ -122,22 +122,7 @@ def build_family(
     if run.is_main:
         print(summary, flush=True)
     _attach_sampling_denoiser(run, spec, family, built, folders)
-    no_sound_under_a_split(run, built)
     return family, built
-
-
-def no_sound_under_a_split(run: Run, built) -> None:
-    """No sequence split carries a model's sound stream yet (docs/sequence-parallel.md): under one, a video model
-    that trains on a clip's sound trains each clip's video alone (its sound track is not read), and says so."""
-    if run.sequence_parallel_size > 1 and getattr(built, "sound_rate", None):
-        built.sound_off = True
-        if run.is_main:
-            print(
-                f"sound: not trained: deepspeed.sequence_parallel_size is {run.sequence_parallel_size}, and no "
-                "sequence split carries the sound stream yet, so each clip trains its video alone (its sound track is "
-                "not read); set deepspeed.sequence_parallel_size: 1 to train video and sound together",
-                flush=True,
-            )
 
 
 def _attach_sampling_denoiser(run: Run, spec: Spec, family: Family, built, folders: dict) -> None:

@@ -78,9 +78,9 @@ class FlowBuilt:
     parts: dict = field(default_factory=dict)  # the conditioning's pipeline parts (a processor, an image encoder)
     mode: object = None  # the recipe's mode of this run (video: its layout, image-to-video or not)
     sampling: object = None  # flow_distilled.SamplingDenoiser: samples use another transformer (None: the trained)
-    # the clips' sound is not read although the recipe could train it (a sequence-parallel run: no split carries the
-    # sound stream yet; dstune.startup.no_sound_under_a_split)
-    sound_off: bool = False
+    # the ranks each sample's tokens are split over (deepspeed.sequence_parallel_size; set by split_plan): a stream
+    # the split keeps whole on every rank (the sound) has its loss's gradient divided by it (flow_sound)
+    sequence_split: int = 1
     # text encoders loaded on one rank per node and dropped after the text cache (text_encoders then maps each name
     # to None): sample prompt (and "", the negative) -> its cached text tensors, which samples render from
     prompt_text: dict = field(default_factory=dict)
@@ -92,7 +92,7 @@ class FlowBuilt:
     @property
     def sound_rate(self) -> Optional[int]:
         """The sample rate (Hz) the dataset reads each clip's sound at; None: the recipe trains on no sound."""
-        return self.recipe.sound.rate(self) if self.recipe.sound and not self.sound_off else None
+        return self.recipe.sound.rate(self) if self.recipe.sound else None
 
     @property
     def frozen(self) -> dict[str, torch.nn.Module]:
@@ -483,7 +483,9 @@ def export(built: FlowBuilt, transformer_state_dict: dict, out_dir, pretrained_f
 
 
 def split_plan(built: FlowBuilt, size: int) -> Optional[dict]:
-    """The context-parallel plan of the recipe's own (its transformer prepared for it), None: the class's plan."""
+    """The context-parallel plan of the recipe's own (its transformer prepared for it), None: the class's plan.
+    Called by the start-up that splits built.trainable over `size` ranks, which built then remembers."""
+    built.sequence_split = size
     return built.recipe.sequence_split(built.trainable, size) if built.recipe.sequence_split else None
 
 

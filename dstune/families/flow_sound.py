@@ -9,6 +9,10 @@ The loss of a clip with sound is its video's flow-matching error plus the mean s
 noised at the clip's sigma with noise of their own, against noise - x0; a clip without sound trains its video alone
 (the recipe's predict). A micro batch mixing the two runs one call for each kind and puts the per-sample losses back
 in batch order, so the batch mean is what one call per clip would give.
+
+Under a sequence split of N ranks (built.sequence_split) the recipe's split keeps the sound stream whole on every
+rank of the group, so every rank computes the whole sound error and the group's gradient sum would count it N
+times: its gradient is divided by N, its value kept (the loss logged is one rank's loss).
 """
 
 from __future__ import annotations
@@ -61,12 +65,20 @@ def loss_per_kind(
             prediction, predicted = built.recipe.sound.predict(
                 built, forward, noisy, timesteps, given, noisy_sound, dtype
             )
-            sound_error = (predicted.float() - (drawn - clean).float()).pow(2).mean(dim=(1, 2))
+            sound_error = _once_per_group(
+                (predicted.float() - (drawn - clean).float()).pow(2).mean(dim=(1, 2)), built.sequence_split
+            )
             parts.append(video_loss(built, prediction, noisy, latents, video_noise, sigmas) + sound_error)
         else:
             prediction = built.recipe.predict(built, forward, noisy, timesteps, given, dtype)
             parts.append(video_loss(built, prediction, noisy, latents, video_noise, sigmas))
     return torch.cat(parts)[torch.argsort(torch.cat(order))]
+
+
+def _once_per_group(error: torch.Tensor, split: int) -> torch.Tensor:
+    """`error` with its gradient divided by the split size (its value unchanged): every rank of a sequence group
+    computes it whole, and the group sums the gradients."""
+    return error if split == 1 else error / split + (error - error / split).detach()
 
 
 def rendered_clip(built, result) -> list:

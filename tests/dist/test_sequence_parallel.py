@@ -19,9 +19,11 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
   instruction of any length padded to split) full under ZeRO 2, rendering samples;
 - builtin:tiny-hunyuan-video15 (HunyuanVideo 1.5, split by dstune's plan: dstune.models.hunyuan_video15.split) LoRA
   under ZeRO 3 with gradient checkpointing, rendering samples;
-- builtin:tiny-ltx2 (LTX-2 video-only, split by dstune's plan: dstune.models.ltx2.split; the caption and the
-  one-token audio stream whole on every rank) LoRA under ZeRO 3 with gradient checkpointing, rendering samples (the
-  pipeline runs its joint audio and video, split too) whose frames are the 1-rank run's;
+- builtin:tiny-ltx2 (LTX-2 audio+video on builtin:moving-shapes-av, split by dstune's plan: dstune.models.ltx2.split;
+  the caption and the sound stream whole on every rank, the sound's attention to the video gathering the video with
+  a gradient summed over the group, the sound loss's gradient divided by the split) LoRA under ZeRO 3 with gradient
+  checkpointing, rendering samples (the pipeline runs its joint audio and video, split too) whose frames are the
+  1-rank run's;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
@@ -140,7 +142,7 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
         run_dir,
         model={"family": "wan", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora,
                **layout},
-        data={"path": "builtin:moving-shapes", "cache": cache},
+        data={"path": "builtin:moving-shapes-av" if model == LTX2_MODEL else "builtin:moving-shapes", "cache": cache},
         train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,
                "max_steps": STEPS,
                "optimizer": SGD if lora or model in SGD_FULL else {"type": "adamw", "lr": 2e-4}},

@@ -504,9 +504,9 @@ def test_validate_takes_a_sequence_split_of_ltx2_by_its_video_heads(capsys, monk
     and the audio stream stay whole, so they set no rule. The activations shrink N-fold, the all-to-all buffers
     are the clip's (query, key, value and output of 4,096 tokens / N, 32 x 128 wide, in bf16, sent and received).
     The tokens are counted at the VAE's 8x in time: 9 frames at 480 px are 2 x 15 x 15 = 450 tokens, which 2 divides
-    and 4 does not (at 4x, 3 x 15 x 15 = 675, 2 would be refused). A split run reads no sound
-    (dstune.startup.no_sound_under_a_split), so its activations are half the unsplit run's without sound, below half
-    of the unsplit run's with it."""
+    and 4 does not (at 4x, 3 x 15 x 15 = 675, 2 would be refused). A split run trains the sound too, whole on every
+    rank: its activations are more than half the unsplit run's with sound, and the sound adds less to them than to
+    the unsplit run's (its video tokens' cross-modal share is split)."""
     from dstune.models.ltx2 import facts
 
     code, with_sound = _validate(capsys, monkeypatch, tmp_path)
@@ -519,9 +519,8 @@ def test_validate_takes_a_sequence_split_of_ltx2_by_its_video_heads(capsys, monk
     assert code == 0, out["errors"]
     assert out["plan"]["sequence_parallel_size"] == 2 and out["plan"]["data_parallel_size"] == 4
     assert out["memory"]["sequence_parallel"]["all_to_all_bytes"] == 2 * 4 * (4096 // 2) * 32 * 128 * 2
-    halved = whole["memory"]["per_gpu"]["activations_bytes"] / 2
-    assert out["memory"]["per_gpu"]["activations_bytes"] == pytest.approx(halved, rel=1e-6)
-    assert halved < with_sound["memory"]["per_gpu"]["activations_bytes"] / 2
+    split, joint, silent = (run["memory"]["per_gpu"]["activations_bytes"] for run in (out, with_sound, whole))
+    assert joint / 2 < split and split - silent / 2 < joint - silent
     short = ("data.video.frames=9", "model.sample_frames=9", "data.resolution=480")
     code, out = _validate(capsys, monkeypatch, tmp_path, *short, "deepspeed.sequence_parallel_size=2")
     assert code == 0, out["errors"]
@@ -530,23 +529,34 @@ def test_validate_takes_a_sequence_split_of_ltx2_by_its_video_heads(capsys, monk
     assert code == 1 and "deepspeed.sequence_parallel_size" in errors and "9f 480x480: 450" in errors, errors
 
 
-def test_under_a_sequence_split_ltx2_trains_video_alone_and_says_so(built, capsys):
-    """No split carries the sound stream yet (dstune.models.ltx2.split refuses a forward that trains it): a run with
-    deepspeed.sequence_parallel_size > 1 reads no sound (its clips train their video alone, as clips without sound
-    do) and rank 0 prints why and the fix, instead of stopping at the first clip with sound."""
-    from dstune.distributed import Run
-    from dstune.startup import no_sound_under_a_split
-    from dstune.world import World
+def test_under_a_sequence_split_the_sound_loss_gradient_is_divided_by_the_split(built):
+    """Every rank of a sequence group computes the whole sound stream and its loss (dstune.models.ltx2.split), and
+    the group sums gradients, so the core divides the sound loss's gradient by the split size, its value kept:
+    the audio output projection (which only the sound's loss reads) gets half its gradient at a split of 2, the
+    video output projection (which only the video's loss reads) the same gradient. The 2-rank runs of
+    tests/dist/test_sequence_parallel.py check the whole step against one rank's."""
+    batch = _sound_batch(INDICES, built.sound_rate)
+    encoded = wan.encode_batch(built, batch)
+    assert encoded["has_sound"].all()
 
-    world = World(world_size=2, num_nodes=1, ranks_per_node=(2,), hosts=("localhost",), source="test")
-    split = replace(built)
-    assert split.sound_rate  # LTX-2 trains on sound: the rate its audio VAE reads
-    no_sound_under_a_split(Run(0, 0, world, "cpu", "cpu", 0, True, sequence_parallel_size=1), split)
-    assert split.sound_rate and capsys.readouterr().out == ""
-    no_sound_under_a_split(Run(0, 0, world, "cpu", "cpu", 0, True, sequence_parallel_size=2), split)
-    assert split.sound_rate is None and built.sound_rate
-    out = capsys.readouterr().out
-    assert "sound: not trained" in out and "deepspeed.sequence_parallel_size: 1" in out
+    def loss_and_gradients(split: int):
+        built.trainable.zero_grad(set_to_none=True)
+        built.sequence_split = split
+        try:
+            loss = wan.loss(built, built.trainable, encoded, SEED, STEP)
+            loss.backward()
+        finally:
+            built.sequence_split = 1
+        return loss.item(), {
+            name: built.trainable.get_submodule(name).weight.grad.clone() for name in ("audio_proj_out", "proj_out")
+        }
+
+    whole_loss, whole = loss_and_gradients(1)
+    split_loss, split = loss_and_gradients(2)
+    built.trainable.zero_grad(set_to_none=True)
+    assert split_loss == whole_loss
+    torch.testing.assert_close(split["audio_proj_out"], whole["audio_proj_out"] / 2, rtol=1e-6, atol=0)
+    torch.testing.assert_close(split["proj_out"], whole["proj_out"], rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------ image-to-video

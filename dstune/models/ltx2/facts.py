@@ -63,9 +63,8 @@ def clip_tokens(frames: int, width: int, height: int, spatial: int, temporal: in
 
 def audio_tokens(spec, folder, frames: int) -> int:
     """The sound tokens of a clip of `frames` frames: its seconds x the audio VAE's latent steps a second (the
-    count LTX2Pipeline renders with); 0 for a folder without an audio VAE, and under a sequence split, whose runs
-    read no sound (dstune.startup.no_sound_under_a_split)."""
-    if not folder.has("audio_vae") or spec.deepspeed.sequence_parallel_size > 1:
+    count LTX2Pipeline renders with); 0 for a folder without an audio VAE."""
+    if not folder.has("audio_vae"):
         return 0
     audio = folder.config("audio_vae")
     per_second = audio.get("sample_rate", 16000) / audio.get("mel_hop_length", 160) / AUDIO_TEMPORAL
@@ -84,21 +83,32 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[fl
     shape = ModelShape(width_hidden, {"transformer_blocks": config["num_layers"]})
     video = clip_tokens(frames, width, height, *compression(folder))
     key = I2V_ACTIVATION_CONSTANTS if spec.model.image_to_video else ACTIVATION_CONSTANTS
-    sample = clip_bytes(shape, video, audio_tokens(spec, folder, frames), text_tokens(spec), spec.train.precision, key)
+    sound, split = audio_tokens(spec, folder, frames), spec.deepspeed.sequence_parallel_size
+    sample = clip_bytes(shape, video, sound, text_tokens(spec), spec.train.precision, key, split)
     return in_plan_units(sample, spec.train.precision)
 
 
 def clip_bytes(
-    shape: ModelShape, video: float, sound: float, caption: float, precision: str, key: str = ACTIVATION_CONSTANTS
+    shape: ModelShape,
+    video: float,
+    sound: float,
+    caption: float,
+    precision: str,
+    key: str = ACTIVATION_CONSTANTS,
+    split: int = 1,
 ) -> tuple[float, float]:
     """(full, checkpointed) bytes of a clip of `video` tokens, `sound` tokens (0: no sound) and `caption` tokens;
-    `key` the video-only constants (image-to-video's: a timestep per token). What sound adds is text-to-video's."""
+    `key` the video-only constants (image-to-video's: a timestep per token). What sound adds is text-to-video's.
+    Under a sequence split of `split` ranks the memory plan divides the result by `split`, but the sound tokens
+    stay whole on every rank (dstune.models.ltx2.split): what sound adds is evaluated at one rank's video tokens
+    with the whole sound and multiplied by `split`, so that the plan's division leaves one rank's."""
     silent = measured_sample_bytes(key, shape, video, caption, precision)
     if not sound:
         return silent
-    joint = measured_sample_bytes(AV_ACTIVATION_CONSTANTS, shape, video, sound, precision)
-    fixed_caption = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, video, AV_CAPTION_TOKENS, precision)
-    return tuple(s + j - c for s, j, c in zip(silent, joint, fixed_caption))
+    share = video / split
+    joint = measured_sample_bytes(AV_ACTIVATION_CONSTANTS, shape, share, sound, precision)
+    fixed_caption = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, share, AV_CAPTION_TOKENS, precision)
+    return tuple(s + (j - c) * split for s, j, c in zip(silent, joint, fixed_caption))
 
 
 def cache_bytes(spec, folder, companions: dict, num_samples: int, buckets) -> int:

@@ -1,7 +1,7 @@
-"""LTX-2's sequence split (deepspeed.sequence_parallel_size N > 1; dstune.families.ulysses applies it), for
-video-only training. diffusers 0.42's own plan for LTX2VideoTransformer3DModel (`_cp_plan`) splits the caption and
-its mask with the clip, but the attention processor expands the mask to every head before the Ulysses all-to-all
-divides the heads, so the masked cross-attention fails on N > 1. dstune's plan splits the clip alone:
+"""LTX-2's sequence split (deepspeed.sequence_parallel_size N > 1; dstune.families.ulysses applies it), for video
+and for audio+video training. diffusers 0.42's own plan for LTX2VideoTransformer3DModel (`_cp_plan`) splits the
+caption and its mask with the clip, but the attention processor expands the mask to every head before the Ulysses
+all-to-all divides the heads, so the masked cross-attention fails on N > 1. dstune's plan splits the clip alone:
 
 - the clip's tokens are split at the transformer's input, the video rotary table (the one video self-attention
   reads) with them, and the output projection's tokens are gathered back;
@@ -10,14 +10,16 @@ divides the heads, so the masked cross-attention fails on N > 1. dstune's plan s
   caption is kept whole rather than split: its cross-attention then needs no all-to-all at all, its mask no
   re-layout, and N no rule on model.max_sequence_length (the caption's keys and values, max_sequence_length x the
   width per block, are computed on every rank; its gradients are each rank's queries' share, which the group sums);
-- the audio stream is kept whole on every rank. In dstune's video-only training it is one zero token, cut off from
-  the video by isolate_modalities=True, and the loss reads the video alone, so its parameters get no gradient at
-  all (tests/unit/test_ltx2.py checks this): nothing is counted N times. Training with the audio stream is refused
-  by the split (a forward with gradients and isolate_modalities False), because its whole-on-every-rank audio
-  would then count its gradients N times;
-- samples (no gradients) run the pipeline's joint audio and video: the audio-to-video attention's video queries
-  take their share of the cross-modal rotary table, and the video-to-audio attention gathers the video keys
-  (every rank then computes the same audio).
+- the audio stream (a clip's sound tokens, 25 a second, or in video-only training one zero token cut off by
+  isolate_modalities) is kept whole on every rank: every rank computes the same audio. The video queries' attention
+  to the audio takes this rank's share of the cross-modal rotary table; the audio queries' attention to the video
+  gathers the video's keys and values, and in backward sums every rank's gradient of them before each rank takes
+  its share (`gathered_video`), so a video token gets the gradient of the audio on every rank, not only on its
+  own. The audio's own loss is then computed on every rank of the group, and the group sums gradients: the flow
+  core divides that loss's gradient by N (dstune.families.flow_sound), its value unchanged. The 2-rank runs of
+  tests/dist/test_sequence_parallel.py check that losses, gradient norms and the LoRA file equal one rank's with the
+  clips' sound;
+- samples (no gradients) run the pipeline's joint audio and video the same way.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class WholeKeysAttention:
             query_rotary_emb = tuple(EquipartitionSharder.shard(t, t.ndim - 2, mesh) for t in query_rotary_emb)
         if config is not None and self.role == AUDIO_QUERIES_VIDEO_KEYS:
             mesh = config.context_parallel_config._flattened_mesh  # every video key, for the whole audio
-            encoder_hidden_states = EquipartitionSharder.unshard(encoder_hidden_states, 1, mesh)
+            encoder_hidden_states = gathered_video(encoder_hidden_states, mesh.get_group())
         extra = {}
         if perturbation_mask is not None or all_perturbed is not None:
             extra = {"perturbation_mask": perturbation_mask, "all_perturbed": all_perturbed}
@@ -88,16 +90,38 @@ class WholeKeysAttention:
         )
 
 
-def _video_only_training(module, args, kwargs):
-    """A forward pre-hook: the split forward takes what dstune's video-only training and LTX2Pipeline's samples
-    give it, and refuses what it would compute wrongly."""
-    if torch.is_grad_enabled() and not kwargs.get("isolate_modalities", False):
-        raise ValueError(
-            "LTX-2's sequence split (deepspeed.sequence_parallel_size > 1) trains the video stream only "
-            "(isolate_modalities=True, the audio stream one token kept whole on every rank): training the audio "
-            "stream with it would count the audio's gradients once per rank of the sequence group. Train "
-            "audio with deepspeed.sequence_parallel_size: 1"
-        )
+class _GatheredVideo(torch.autograd.Function):
+    """The sequence group's video tokens, gathered along dim 1 (this rank's share is its place in the group). Every
+    rank's whole audio reads all of them, so the gradient of the gathered tokens differs from rank to rank: backward
+    sums it over the group, then keeps this rank's share (the adjoint of the gather; diffusers' own gather keeps the
+    share of this rank's gradient only, which is right where every rank computes the same loss from the gathered
+    tokens, but not here)."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group, ctx.size, ctx.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        parts = [torch.empty_like(tokens) for _ in range(ctx.size)]
+        dist.all_gather(parts, tokens.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        summed = grad.contiguous().clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed.chunk(ctx.size, dim=1)[ctx.rank].contiguous(), None
+
+
+def gathered_video(tokens: torch.Tensor, group) -> torch.Tensor:
+    """This rank's video tokens (B, T / N, D) -> the group's (B, T, D), whose backward sums over the group."""
+    return _GatheredVideo.apply(tokens, group)
+
+
+def _checked_forward(module, args, kwargs):
+    """A forward pre-hook: the split forward refuses what it does not split."""
     for key in ("video_self_attention_mask", "video_keyframes_mask"):
         if kwargs.get(key) is not None:
             raise ValueError(f"LTX-2's sequence split does not split {key}; call it without {key}")
@@ -120,5 +144,5 @@ def prepare_split(transformer, size: int) -> dict:
         leaf = name.rsplit(".", 1)[-1]
         if leaf in AUDIO_ONLY + CAPTION + (VIDEO_QUERIES_AUDIO_KEYS, AUDIO_QUERIES_VIDEO_KEYS):
             module.set_processor(WholeKeysAttention(processor, leaf))
-    transformer.register_forward_pre_hook(_video_only_training, with_kwargs=True)
+    transformer.register_forward_pre_hook(_checked_forward, with_kwargs=True)
     return context_parallel_plan(transformer.config.rope_type)
