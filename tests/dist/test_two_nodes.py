@@ -5,7 +5,8 @@
 
 Both nodes have the same hostname here, so dstune must tell them apart by the node rank the launcher passes on.
 The run trains, passes the batch check with 2 nodes, checkpoints and resumes exactly; a node given its own output
-folder is refused at start.
+folder is refused at start. With two ranks a node and the text cache, a video model's text encoders are loaded by the
+first rank of each node only (dstune.text_once), which split the text entries of the shared cache folder.
 """
 
 from __future__ import annotations
@@ -30,16 +31,18 @@ STEPS = 4
 NODES = {"node-a": [0], "node-b": [0]}  # one slot each, as `deepspeed --hostfile` would encode a 2-line hostfile
 
 
-def _world_info() -> str:
+def _world_info(nodes: dict = NODES) -> str:
     from deepspeed.launcher.runner import encode_world_info  # the encoding the real multi-node runner uses
 
-    return encode_world_info(NODES)
+    return encode_world_info(nodes)
 
 
-def _launch_two_nodes(spec_path: Path, args: tuple = (), node_b_args: tuple = ()) -> list[subprocess.CompletedProcess]:
-    port, world_info = free_port(), _world_info()
+def _launch_two_nodes(
+    spec_path: Path, args: tuple = (), node_b_args: tuple = (), nodes: dict = NODES
+) -> list[subprocess.CompletedProcess]:
+    port, world_info = free_port(), _world_info(nodes)
     procs = []
-    for node_rank in range(len(NODES)):
+    for node_rank in range(len(nodes)):
         extra = node_b_args if node_rank == 1 else ()
         cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
                f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}",
@@ -104,6 +107,29 @@ def test_two_nodes_resume_exactly(trained, tmp_path):
     assert [m["step"] for m in second] == [3, 4]
     for before, after in zip(first[2:], second):
         assert after["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=1e-7)
+
+
+def test_text_encoders_load_on_the_first_rank_of_each_node(tmp_path):
+    """builtin:tiny-wan from both caches (one folder both nodes see), rendering a sample: ranks 0 and 2 (local rank 0
+    of each node) load UMT5 and encode the captions and the prompt between them; ranks 1 and 3 never load it; every
+    rank drops it after the cache, and the sample renders from the prompt's cached text."""
+    run_dir = tmp_path / "run"
+    spec = base_spec(
+        run_dir,
+        model={"family": "wan", "pretrained": "builtin:tiny-wan"},
+        data={"path": "builtin:moving-shapes",
+              "cache": {"latents": True, "text_embeddings": True, "dir": str(tmp_path / "cache")}},
+        train={"global_batch_size": 4, "micro_batch_size": 1, "max_steps": 2},
+        output={"save_every_steps": None},
+        sample={"prompts": ["a red circle moving left"], "steps": 2, "guidance": 1.0},
+    )
+    done = _launch_two_nodes(write_spec(tmp_path / "spec.yaml", spec), nodes={"node-a": [0, 1], "node-b": [0, 1]})
+    assert [p.returncode for p in done] == [0, 0], _explain(done)
+    main_out = done[0].stdout
+    assert "text encoders: loaded on ranks 0, 2 only (the first of each node; 2 of 4 ranks)" in main_out, main_out
+    assert "(ranks 0, 1, 2, 3)" in main_out and "failed 0" in main_out  # one shared folder, complete
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2]
+    assert list((run_dir / "samples").glob("step-000002.*"))
 
 
 def test_node_local_output_folder_is_refused_at_start(tmp_path):
