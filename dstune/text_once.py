@@ -50,11 +50,12 @@ def report_text_ranks(run: Run, here: bool) -> None:
 
 
 def sample_captions(spec, family, folders: dict) -> tuple[str, ...]:
-    """The captions the text cache holds beside the dataset's: the sample prompts and "" (the negative prompt the
-    pipelines encode when given none), where the samples render from cached text."""
+    """The captions the text cache holds beside the dataset's: the sample prompts and the negative prompt the
+    samples encode ("", which the pipelines encode when given none, or the model's own), where the samples render
+    from cached text."""
     if not (spec.sample.prompts and once_per_node(spec, family, folders)):
         return ()
-    return tuple(dict.fromkeys([*spec.sample.prompts, ""]))
+    return tuple(dict.fromkeys([*spec.sample.prompts, family.negative_caption(folders["pretrained"])]))
 
 
 def drop_text_encoders(built, index, captions: tuple[str, ...]) -> Optional[list[str]]:

@@ -137,6 +137,7 @@ class Family:
     # text cache is built; samples read built.prompt_text), else why every rank loads them
     # (dstune.families.denoiser_facts.text_once_per_node); None: every rank always loads them
     text_once_per_node: Optional[Callable] = None
+    negative_caption: Callable = lambda folder: ""  # pretrained folder -> the negative prompt its samples encode
 
     @property
     def supports_lora(self) -> bool:

@@ -139,6 +139,11 @@ def text_cache_refusal(folder) -> str | None:
     return recipe.text.cache_refusal(folder) if recipe.text.cache_refusal else None
 
 
+def samples_from_cached_text(folder) -> bool:
+    """Whether the folder's recipe renders samples from cached prompt embeddings (Sampling.cached_text)."""
+    return RECIPES[detect_kind(Path(folder))].sampling.cached_text is not None
+
+
 FAMILY = Family(
     name="flow",
     modality="image",
@@ -161,5 +166,6 @@ FAMILY = Family(
     builds_partitioned=True,
     sampling_denoiser=attach_sampling_denoiser,
     split_plan=split_plan,
-    text_once_per_node=lambda spec, folder: text_once_per_node(spec, False),  # samples (if any) need the encoders
+    text_once_per_node=lambda spec, folder: text_once_per_node(spec, samples_from_cached_text(folder)),
+    negative_caption=lambda folder: RECIPES[detect_kind(Path(folder))].sampling.negative_caption,
 )

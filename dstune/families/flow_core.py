@@ -152,7 +152,7 @@ def build_from(
         encoders, tokenizers = (recipe.text.load or load_text_side)(folder, recipe, device, dtype_for_frozen)
     else:  # named for the pipeline's constructor, which takes None for a part
         encoders = {name: None for name in TEXT_PARTS if (index.get(name) or [None])[0]}
-        tokenizers = load_tokenizers(folder, recipe)
+        tokenizers = (recipe.text.load_tokenizers or load_tokenizers)(folder, recipe)
     parts, mode = {}, None
     if recipe.conditioning and recipe.conditioning.load:
         parts, mode = recipe.conditioning.load(folder, model, transformer.config, device, dtype_for_frozen)
@@ -416,8 +416,11 @@ def sample(
                 common["max_sequence_length"] = built.max_sequence_length
             common = sampling.call(built, pipeline, sample_spec, common) if sampling.call else common
             cached = not any(encoder is not None for encoder in built.text_encoders.values())
-            if sources is None and not recipe.latents.frames and not cached:
-                return pipeline(prompt=list(prompts), generator=generators, **common).images
+            if cached:  # the negative prompt's cached text replaces the string the sampling options pass
+                common.pop("negative_prompt", None)
+            if sources is None and not recipe.latents.frames:
+                text = cached_prompts(built, pipeline, list(prompts)) if cached else {"prompt": list(prompts)}
+                return pipeline(**text, generator=generators, **common).images
             text_side = None if cached else pipeline_of(built)
             outputs = []
             for prompt, generator, source in zip(prompts, generators, sources or [None] * len(prompts)):
@@ -428,7 +431,7 @@ def sample(
                 )
                 if cached:  # no text encoder here: the prompt's cached text, as the pipeline takes it
                     inputs.pop("prompt", None)
-                    inputs.update(cached_prompt(built, pipeline, prompt))
+                    inputs.update(cached_prompts(built, pipeline, [prompt]))
                 result = pipeline(**inputs, generator=generator, **common)
                 outputs.append(rendered_clip(built, result) if recipe.latents.frames else result.images[0])
             return outputs
@@ -436,20 +439,28 @@ def sample(
         transformer_module.train(was_training)
 
 
-def cached_prompt(built: FlowBuilt, pipeline, prompt: str) -> dict:
-    """The pipeline call's prompt arguments from the prompt's cached text tensors and those of "" (the negative
-    prompt every pipeline here encodes when given none), by the recipe's Sampling.cached_text."""
-    hook = built.recipe.sampling.cached_text
-    if hook is None or prompt not in built.prompt_text or "" not in built.prompt_text:
+def cached_prompts(built: FlowBuilt, pipeline, prompts: list[str]) -> dict:
+    """The pipeline call's prompt arguments from the prompts' cached text tensors, stacked (B, ...) in order, and as
+    many copies of those of the negative prompt (Sampling.negative_caption: "", which every pipeline here encodes
+    when given none, or the one the sampling options pass), by the recipe's Sampling.cached_text. Cached text
+    tensors of one run all have one shape (training batches stack them)."""
+    hook, negative = built.recipe.sampling.cached_text, built.recipe.sampling.negative_caption
+    missing = [caption for caption in [*prompts, negative] if caption not in built.prompt_text]
+    if hook is None or missing:
         raise FamilyError(
-            f"samples: no cached text for {prompt!r} and no text encoder on this rank ({built.recipe.pipeline_class}"
-            "); this is a bug of dstune's start-up (dstune.families.denoiser_facts.text_once_per_node)"
+            f"samples: no cached text for {missing[:1] or prompts[:1]} and no text encoder on this rank "
+            f"({built.recipe.pipeline_class}); this is a bug of dstune's start-up "
+            "(dstune.families.denoiser_facts.text_once_per_node)"
         )
 
-    def batch_of_one(caption: str) -> dict:
-        return {name: value.unsqueeze(0).to(built.device) for name, value in built.prompt_text[caption].items()}
+    def stacked(captions: list[str]) -> dict:
+        names = built.prompt_text[captions[0]]
+        return {
+            name: torch.stack([built.prompt_text[caption][name] for caption in captions]).to(built.device)
+            for name in names
+        }
 
-    return hook(built, pipeline, batch_of_one(prompt), batch_of_one(""))
+    return hook(built, pipeline, stacked(prompts), stacked([negative] * len(prompts)))
 
 
 # --------------------------------------------------------------------------------------------------- export

@@ -74,6 +74,9 @@ class FlowModel:
     side_px: int = 0  # image sides must be multiples of it, said by validate (0: left to the first batch's check)
     lora_loader: str = ""  # what loads its LoRA files, where a format is refused (output.lora_format)
     token_patch: int = 2  # latent rows (and columns) one image token packs: 2x2 for every flow model here
+    # its samples render from cached prompt embeddings (its recipes' Sampling.cached_text), so with the text cache
+    # the text encoders load on one rank per node (dstune.families.denoiser_facts.text_once_per_node)
+    samples_from_cached_text: bool = False
 
 
 @cache
@@ -150,7 +153,18 @@ def _trained(spec, folder) -> tuple:
     return module, sampling_only, expert
 
 
-RULES = DenoiserRules(trained=_trained, activations=_activations, cache_bytes=_cache_bytes)
+def samples_from_cached_text(folder) -> bool:
+    """Whether the folder's samples render from cached prompt embeddings: its model's rows say so (an edit
+    pipeline's prompts are encoded with their source image, never cached)."""
+    return flow_model(folder).samples_from_cached_text and edit_pipeline(folder) is None
+
+
+RULES = DenoiserRules(
+    trained=_trained,
+    activations=_activations,
+    cache_bytes=_cache_bytes,
+    samples_from_cached_text=samples_from_cached_text,
+)
 
 
 def _count(spec, num_samples: int, clips=()):

@@ -54,6 +54,9 @@ class TextSide:
     # (folder, recipe, device, dtype) -> (encoders, tokenizers); None: load_text_side (the listed classes, then cast)
     load: Optional[Callable] = None
     cache_refusal: Optional[Callable] = None  # (folder) -> why data.cache.text_embeddings cannot be used; None: it can
+    # (folder, recipe) -> the tokenizers (or processor) alone, for a rank that loads no text encoder; None:
+    # load_tokenizers (the listed tokenizers)
+    load_tokenizers: Optional[Callable] = None
 
 
 @dataclass(frozen=True)
@@ -119,11 +122,12 @@ class Sampling:
     # without max_sequence_length or guidance_scale, whose guider is a part); None: as they are
     call: Optional[Callable] = None
     takes_max_sequence_length: bool = True  # the pipeline call has max_sequence_length (not every one has)
-    # (built, pipeline, the prompt's cached text tensors, those of "" (each (1, ...) on the device)) -> the pipeline
-    # call's arguments in place of `prompt` (embeddings, masks, the negative's): samples of a rank without text
-    # encoders (dstune.families.denoiser_facts.text_once_per_node); None: the model's samples need its encoders.
-    # Declared together with its unit's VideoFacts.samples_from_cached_text.
+    # (built, pipeline, the prompts' cached text tensors, those of "" as many times (each (B, ...) on the device))
+    # -> the pipeline call's arguments in place of `prompt` (embeddings, masks, the negative's): samples of a rank
+    # without text encoders (dstune.families.denoiser_facts.text_once_per_node); None: the model's samples need its
+    # encoders. Declared together with its facts' samples_from_cached_text (VideoFacts, FlowModel).
     cached_text: Optional[Callable] = None
+    negative_caption: str = ""  # the negative prompt its samples encode (the pipelines' default ""): cached too
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,37 @@ def read_config(folder: Path, name: str, file: str = "config.json") -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise FamilyError(f"{path}: cannot read it ({err})") from None
+
+
+def embeds_and_mask(built, pipeline, prompt: dict, negative: dict) -> dict:
+    """A Sampling.cached_text for the pipelines that take `prompt_embeds` with `prompt_embeds_mask` (and the
+    negative's): the cached encoder_hidden_states and encoder_attention_mask, less the trailing tokens that are
+    padding in every row (the cache pads to max_sequence_length, the pipeline's own encoding to the longest prompt
+    of the call: a model whose masked keys still weigh a little then renders the same image)."""
+
+    def trimmed(tensors: dict) -> tuple:
+        mask = tensors["encoder_attention_mask"]
+        used = mask.bool().any(dim=0).nonzero()
+        keep = int(used.max()) + 1 if len(used) else mask.shape[1]
+        return tensors["encoder_hidden_states"][:, :keep], mask[:, :keep]
+
+    (embeds, mask), (negative_embeds, negative_mask) = trimmed(prompt), trimmed(negative)
+    return {
+        "prompt_embeds": embeds,
+        "prompt_embeds_mask": mask,
+        "negative_prompt_embeds": negative_embeds,
+        "negative_prompt_embeds_mask": negative_mask,
+    }
+
+
+def per_caption_embeds(built, pipeline, prompt: dict, negative: dict) -> dict:
+    """A Sampling.cached_text for the pipelines that take a list of each caption's own tokens (no padding, no
+    mask): the cached encoder_hidden_states cut by encoder_attention_mask, for the prompts and the negative."""
+
+    def listed(tensors: dict) -> list:
+        return [e[m.bool()] for e, m in zip(tensors["encoder_hidden_states"], tensors["encoder_attention_mask"])]
+
+    return {"prompt_embeds": listed(prompt), "negative_prompt_embeds": listed(negative)}
 
 
 def load_text_side(folder: Path, recipe: FlowRecipe, device, dtype) -> tuple[dict, dict]:

@@ -161,4 +161,5 @@ FAMILY = Family(
     latent_extras=LatentExtras(latent_cache_key, condition_tensors),
     split_plan=split_plan,
     text_once_per_node=text_once,
+    negative_caption=lambda folder: video_model_of(Path(folder)).recipe_of(Path(folder)).sampling.negative_caption,
 )

@@ -63,6 +63,65 @@ def test_samples_from_cached_text_equal_the_pipelines_own_encoding(name, guidanc
         video.sample(lean, lean.trainable, [PROMPT], sample_spec, 32)
 
 
+IMAGE_MODELS = [  # every flow image built-in whose text can be cached (an edit model's cannot), with guidance on
+    ("tiny-flow", 3.0),
+    ("tiny-flux", 3.0),
+    ("tiny-qwen-image", 3.0),
+    ("tiny-z-image", 3.0),
+    ("tiny-flux2", 3.0),
+    ("tiny-flux2-dev", 3.0),
+    ("tiny-krea2", 3.0),
+    ("tiny-krea2-turbo", 0.0),
+    ("tiny-qwen-image-21", 3.0),
+    ("tiny-ernie-image", 3.0),
+]
+
+
+@pytest.mark.parametrize("name, guidance", IMAGE_MODELS)
+def test_image_samples_from_cached_text_equal_the_pipelines_own_encoding(name, guidance):
+    """Two prompts in one pipeline call, as the flow core renders images: from the cached text of each (and of the
+    model's negative prompt), on a model built without text encoders, the images the pipeline renders from the
+    prompt strings. Equal bit for bit but for Qwen-Image 2.1, whose Qwen3-VL encoder gives other roundings (1e-7) to
+    a caption encoded in another batch (the cache's [prompts, negative] against the pipeline's prompts, then the
+    negative): one of its 4096 values is 1 level of 255 apart."""
+    from dstune.families import flow
+    from dstune.spec.models import FlowModel
+
+    prompts = [PROMPT, "a blue square"]
+    model = FlowModel(family="flow", pretrained=f"builtin:{name}")
+    built = build_model(model, CACHE_DIR, "cpu")
+    assert flow.samples_from_cached_text(built.folder)
+    lean = build_model(model, CACHE_DIR, "cpu", text_encoders=False)
+    assert all(encoder is None for encoder in lean.text_encoders.values())
+    assert not set(lean.frozen) & set(built.text_encoders)  # nothing of the text side was loaded
+    lean.trainable.load_state_dict(built.trainable.state_dict())
+    captions = [*prompts, built.recipe.sampling.negative_caption]  # what dstune.text_once.sample_captions caches
+    with torch.no_grad():
+        tensors = cache_text_tensors(built, captions)
+    lean.prompt_text = {caption: {k: v[i] for k, v in tensors.items()} for i, caption in enumerate(captions)}
+    sample_spec = SampleSpec(steps=2, guidance=guidance)
+    expected = flow.sample(built, built.trainable, prompts, sample_spec, 32)
+    rendered = flow.sample(lean, lean.trainable, prompts, sample_spec, 32)
+    for got, want in zip(rendered, expected, strict=True):
+        difference = np.abs(np.asarray(got, dtype=np.int16) - np.asarray(want, dtype=np.int16))
+        assert difference.max() <= 1 and (difference > 0).mean() < 1e-3
+
+
+@pytest.mark.parametrize("name", [name for name, _ in IMAGE_MODELS] + ["tiny-ideogram4", "tiny-qwen-image-edit"])
+def test_every_image_models_facts_say_what_its_recipe_does(name):
+    """The plan reads the facts (dstune.families.flow_facts.samples_from_cached_text), the start-up the recipe's
+    Sampling.cached_text. Ideogram4Pipeline takes no prompt embeddings, so its samples need its encoders; an edit
+    model's text is never cached."""
+    from dstune.builtin import ensure_builtin_model
+    from dstune.families import flow, flow_facts
+    from dstune.families.denoiser_facts import pipeline_folder
+
+    folder = ensure_builtin_model(name, CACHE_DIR)
+    hooked = flow.samples_from_cached_text(folder)
+    assert flow_facts.samples_from_cached_text(pipeline_folder(str(folder))) == hooked
+    assert hooked == (name not in ("tiny-ideogram4", "tiny-qwen-image-edit"))
+
+
 def _validate(capsys, monkeypatch, tmp_path, *sets: str) -> dict:
     import huggingface_hub.constants
 

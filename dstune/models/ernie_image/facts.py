@@ -24,5 +24,6 @@ FLOW_MODELS = {
         default_text_tokens=DEFAULT_TEXT_TOKENS,
         lora_formats=("diffusers",),
         lora_loader="ErnieImagePipeline.load_lora_weights",
+        samples_from_cached_text=True,  # its recipe's Sampling.cached_text
     ),
 }

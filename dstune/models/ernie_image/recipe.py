@@ -21,7 +21,15 @@ from pathlib import Path
 import torch
 
 from dstune.families.base import FamilyError
-from dstune.families.flow_recipe import FlowRecipe, LatentSpace, Sampling, TextSide, fixed_patch, read_config
+from dstune.families.flow_recipe import (
+    FlowRecipe,
+    LatentSpace,
+    Sampling,
+    TextSide,
+    fixed_patch,
+    per_caption_embeds,
+    read_config,
+)
 from dstune.hf import quiet_hf_libraries
 from dstune.models.ernie_image.facts import DEFAULT_TEXT_TOKENS
 
@@ -115,5 +123,5 @@ ERNIE_IMAGE = FlowRecipe(
     latents=LatentSpace(
         vae_class="AutoencoderKLFlux2", patch=fixed_patch(2), posterior_mode=True, to_model=_model_latents
     ),
-    sampling=Sampling(takes_max_sequence_length=False),
+    sampling=Sampling(takes_max_sequence_length=False, cached_text=per_caption_embeds),
 )

@@ -5,5 +5,7 @@ from __future__ import annotations
 from dstune.families.flow_facts import FlowModel, two_streams
 
 FLOW_MODELS = {
-    "Flux2Transformer2DModel": FlowModel("FLUX.2", "flux2", two_streams, "joint_attention_dim"),
+    "Flux2Transformer2DModel": FlowModel(
+        "FLUX.2", "flux2", two_streams, "joint_attention_dim", samples_from_cached_text=True
+    ),
 }

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dstune.families.flow_recipe import FlowRecipe, LatentSpace, TextSide, fixed_patch, read_config
+from dstune.families.flow_recipe import FlowRecipe, LatentSpace, Sampling, TextSide, fixed_patch, read_config
 from dstune.hf import quiet_hf_libraries
 
 TEXT_TENSORS = ("encoder_hidden_states",)
@@ -101,6 +101,20 @@ LATENT_SPACE = LatentSpace(
     vae_class="AutoencoderKLFlux2", patch=fixed_patch(2), posterior_mode=True, to_model=_model_latents
 )
 
+
+def _klein_cached_text(built, pipeline, prompt: dict, negative: dict) -> dict:
+    """Flux2KleinPipeline's stacked Qwen3 hidden states, and the negative's ("" is its negative prompt)."""
+    return {
+        "prompt_embeds": prompt["encoder_hidden_states"],
+        "negative_prompt_embeds": negative["encoder_hidden_states"],
+    }
+
+
+def _dev_cached_text(built, pipeline, prompt: dict, negative: dict) -> dict:
+    """Flux2Pipeline's stacked Mistral3 hidden states; its guidance is the distilled embedding, no negative."""
+    return {"prompt_embeds": prompt["encoder_hidden_states"]}
+
+
 FLUX2_KLEIN = FlowRecipe(
     kind="flux2_klein",
     transformer_class="Flux2Transformer2DModel",
@@ -110,6 +124,7 @@ FLUX2_KLEIN = FlowRecipe(
     predict=_predict,
     config_mismatches=lambda folder: _config_mismatches(folder, TEXT_LAYERS),
     latents=LATENT_SPACE,
+    sampling=Sampling(cached_text=_klein_cached_text),
 )
 
 # FLUX.2 [dev]: klein's latents, prediction and loss; the text through Flux2Pipeline.encode_prompt at its defaults
@@ -124,4 +139,5 @@ FLUX2_DEV = FlowRecipe(
     predict=_predict,
     config_mismatches=lambda folder: _config_mismatches(folder, DEV_TEXT_LAYERS),
     latents=LATENT_SPACE,
+    sampling=Sampling(cached_text=_dev_cached_text),
 )

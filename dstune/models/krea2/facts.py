@@ -13,5 +13,6 @@ FLOW_MODELS = {
         text_layers_key="num_text_layers",
         lora_formats=("diffusers",),
         lora_loader="Krea2Pipeline.load_lora_weights",
+        samples_from_cached_text=True,  # its recipe's Sampling.cached_text
     ),
 }

@@ -21,7 +21,15 @@ from pathlib import Path
 import torch
 
 from dstune.families.flow_matching import pack_latents, unpack_latents
-from dstune.families.flow_recipe import FlowRecipe, LatentSpace, Sampling, TextSide, fixed_patch, read_config
+from dstune.families.flow_recipe import (
+    FlowRecipe,
+    LatentSpace,
+    Sampling,
+    TextSide,
+    embeds_and_mask,
+    fixed_patch,
+    read_config,
+)
 from dstune.hf import quiet_hf_libraries
 
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
@@ -110,5 +118,5 @@ KREA2 = FlowRecipe(
     predict=_predict,
     config_mismatches=_mismatches,
     latents=LatentSpace(vae_class="AutoencoderKLQwenImage", patch=fixed_patch(2)),
-    sampling=Sampling(pipeline=_pipeline),
+    sampling=Sampling(pipeline=_pipeline, cached_text=embeds_and_mask),
 )

@@ -11,6 +11,7 @@ FLOW_MODELS = {
         joint_blocks,
         "joint_attention_dim",
         edit_pipelines=("QwenImageEditPipeline",),
-        edit_vision_patch_px=28,
-    ),  # the edit's source image: 28 px tokens
+        edit_vision_patch_px=28,  # the edit's source image: 28 px tokens
+        samples_from_cached_text=True,  # Qwen-Image's recipe's Sampling.cached_text (an edit's text is not cached)
+    ),
 }

@@ -17,7 +17,15 @@ from pathlib import Path
 import torch
 
 from dstune.families.flow_matching import pack_latents, unpack_latents
-from dstune.families.flow_recipe import FlowRecipe, LatentSpace, Sampling, TextSide, fixed_patch, read_config
+from dstune.families.flow_recipe import (
+    FlowRecipe,
+    LatentSpace,
+    Sampling,
+    TextSide,
+    embeds_and_mask,
+    fixed_patch,
+    read_config,
+)
 from dstune.hf import quiet_hf_libraries
 
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
@@ -67,12 +75,15 @@ def _predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.Tenso
     return unpack_latents(prediction, height, width)
 
 
+NEGATIVE = " "  # the negative prompt of true classifier-free guidance, as the model card samples
+
+
 def qwen_sample_guidance(built, sample_spec, prompts: list[str]) -> dict:
     """Qwen-Image has no guidance embedding: sample.guidance > 1 is true classifier-free guidance against an empty
     negative prompt (QwenImagePipeline's true_cfg_scale), as its model card samples."""
     if sample_spec.guidance <= 1.0:
         return {"true_cfg_scale": 1.0}
-    return {"true_cfg_scale": sample_spec.guidance, "negative_prompt": [" "] * len(prompts)}
+    return {"true_cfg_scale": sample_spec.guidance, "negative_prompt": [NEGATIVE] * len(prompts)}
 
 
 QWEN_IMAGE = FlowRecipe(
@@ -84,5 +95,5 @@ QWEN_IMAGE = FlowRecipe(
     predict=_predict,
     config_mismatches=qwen_config_mismatches,
     latents=LatentSpace(vae_class="AutoencoderKLQwenImage", patch=fixed_patch(2)),
-    sampling=Sampling(options=qwen_sample_guidance),
+    sampling=Sampling(options=qwen_sample_guidance, cached_text=embeds_and_mask, negative_caption=NEGATIVE),
 )

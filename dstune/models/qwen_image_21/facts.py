@@ -14,6 +14,6 @@ def one_stream_ratio(config: dict) -> ModelShape:
 
 FLOW_MODELS = {
     "QwenImage21Transformer2DModel": FlowModel(
-        "Qwen-Image 2.1", "qwen-image-21", one_stream_ratio, "context_in_dim", side_px=32
+        "Qwen-Image 2.1", "qwen-image-21", one_stream_ratio, "context_in_dim", side_px=32, samples_from_cached_text=True
     ),
 }

@@ -31,7 +31,15 @@ import torch
 
 from dstune.families.base import FamilyError
 from dstune.families.diffusion import load_component, read_model_index
-from dstune.families.flow_recipe import FlowRecipe, LatentSpace, Sampling, TextSide, fixed_patch, read_config
+from dstune.families.flow_recipe import (
+    FlowRecipe,
+    LatentSpace,
+    Sampling,
+    TextSide,
+    embeds_and_mask,
+    fixed_patch,
+    read_config,
+)
 from dstune.hf import quiet_hf_libraries
 
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
@@ -199,8 +207,10 @@ def _guidance(built, sample_spec, prompts: list[str]) -> dict:
         )
     if sample_spec.guidance <= 1.0:
         return {"true_cfg_scale": 1.0}
-    return {"true_cfg_scale": sample_spec.guidance, "negative_prompt": [" "] * len(prompts)}
+    return {"true_cfg_scale": sample_spec.guidance, "negative_prompt": [NEGATIVE] * len(prompts)}
 
+
+NEGATIVE = " "  # the negative prompt of true classifier-free guidance, as the model card samples
 
 QWEN_IMAGE_21 = FlowRecipe(
     kind="qwen_image_21",
@@ -208,10 +218,21 @@ QWEN_IMAGE_21 = FlowRecipe(
     pipeline_class="QwenImage21Pipeline",
     components={"text_encoder": "Qwen3VLForConditionalGeneration", "processor": None},
     text=TextSide(
-        TEXT_TENSORS, _captions, lambda built: built.max_sequence_length, DEFAULT_TEXT_TOKENS, load=_load_text_side
+        TEXT_TENSORS,
+        _captions,
+        lambda built: built.max_sequence_length,
+        DEFAULT_TEXT_TOKENS,
+        load=_load_text_side,
+        load_tokenizers=lambda folder, recipe: {"processor": load_processor(folder)},
     ),
     predict=_predict,
     config_mismatches=_mismatches,
     latents=LatentSpace(vae_class="AutoencoderKLQwenImage21", patch=fixed_patch(2)),
-    sampling=Sampling(options=_guidance, pipeline=_sampling_pipeline, takes_max_sequence_length=False),
+    sampling=Sampling(
+        options=_guidance,
+        pipeline=_sampling_pipeline,
+        takes_max_sequence_length=False,
+        cached_text=embeds_and_mask,
+        negative_caption=NEGATIVE,
+    ),
 )

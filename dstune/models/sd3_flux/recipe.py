@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dstune.families.flow_matching import image_ids, pack_latents, unpack_latents
-from dstune.families.flow_recipe import FlowRecipe, LatentSpace, TextSide, fixed_patch, read_config
+from dstune.families.flow_recipe import FlowRecipe, LatentSpace, Sampling, TextSide, fixed_patch, read_config
 from dstune.hf import quiet_hf_libraries
 
 CLIP_TOKENS = 77  # SD3's CLIP part of the prompt embeds is always the CLIP tokenizers' 77 tokens
@@ -104,6 +104,21 @@ def _flux_predict(built, forward, noisy, timesteps, text: dict, dtype) -> torch.
     return unpack_latents(prediction, height, width)
 
 
+def _sd3_cached_text(built, pipeline, prompt: dict, negative: dict) -> dict:
+    """StableDiffusion3Pipeline's embeddings (CLIP's and T5's joined) and pooled vectors, and the negative's."""
+    return {
+        "prompt_embeds": prompt["encoder_hidden_states"],
+        "pooled_prompt_embeds": prompt["pooled_projections"],
+        "negative_prompt_embeds": negative["encoder_hidden_states"],
+        "negative_pooled_prompt_embeds": negative["pooled_projections"],
+    }
+
+
+def _flux_cached_text(built, pipeline, prompt: dict, negative: dict) -> dict:
+    """FluxPipeline's T5 embeddings and CLIP pooled vector; its guidance is the distilled embedding, no negative."""
+    return {"prompt_embeds": prompt["encoder_hidden_states"], "pooled_prompt_embeds": prompt["pooled_projections"]}
+
+
 SD3 = FlowRecipe(
     kind="sd3",
     transformer_class="SD3Transformer2DModel",
@@ -119,6 +134,7 @@ SD3 = FlowRecipe(
     text=TextSide(TEXT_TENSORS, _sd3_captions, lambda built: CLIP_TOKENS + built.max_sequence_length, 77),
     predict=_sd3_predict,
     config_mismatches=_sd3_mismatches,
+    sampling=Sampling(cached_text=_sd3_cached_text),
 )
 
 FLUX = FlowRecipe(
@@ -135,4 +151,5 @@ FLUX = FlowRecipe(
     predict=_flux_predict,
     config_mismatches=_flux_mismatches,
     latents=LatentSpace(patch=fixed_patch(2)),
+    sampling=Sampling(cached_text=_flux_cached_text),
 )

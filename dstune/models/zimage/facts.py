@@ -22,5 +22,7 @@ def padded_to_32(tokens: float) -> float:
 
 
 FLOW_MODELS = {
-    "ZImageTransformer2DModel": FlowModel("Z-Image", "z-image", single_stream, "cap_feat_dim", pad_tokens=padded_to_32),
+    "ZImageTransformer2DModel": FlowModel(
+        "Z-Image", "z-image", single_stream, "cap_feat_dim", pad_tokens=padded_to_32, samples_from_cached_text=True
+    ),
 }

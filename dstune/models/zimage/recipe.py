@@ -17,7 +17,15 @@ from pathlib import Path
 
 import torch
 
-from dstune.families.flow_recipe import FlowRecipe, LatentSpace, TextSide, fixed_patch, read_config
+from dstune.families.flow_recipe import (
+    FlowRecipe,
+    LatentSpace,
+    Sampling,
+    TextSide,
+    fixed_patch,
+    per_caption_embeds,
+    read_config,
+)
 from dstune.hf import quiet_hf_libraries
 
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
@@ -69,4 +77,5 @@ ZIMAGE = FlowRecipe(
     predict=_predict,
     config_mismatches=_mismatches,
     latents=LatentSpace(patch=fixed_patch(2), posterior_mode=True),
+    sampling=Sampling(cached_text=per_caption_embeds),
 )
