@@ -254,6 +254,15 @@ def gb(value: float) -> str:
     return f"{value / 1e9:.3g} GB" if value >= 1e9 else f"{value / 1e6:.3g} MB"
 
 
+def _text_encoder_rows(memory: dict, counts: dict) -> list[tuple[str, str]]:
+    """Where the text encoders load: once per node (how much of the host figure they are), or on every rank and why."""
+    if memory.get("host_once_per_node_bytes"):
+        return [("  text encoders", gb(memory["host_once_per_node_bytes"]) + " of it, on one rank per node")]
+    if counts.get("text_on_every_rank"):
+        return [("  text encoders", f"on every rank: {counts['text_on_every_rank']}")]
+    return []
+
+
 def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
     """The Memory group: what each GPU holds, host RAM and NVMe per node, the cache on disk, the verdict."""
     if memory.get("per_gpu") is None:
@@ -299,11 +308,7 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         ("  runtime reserve", gb(gpu["runtime_reserve_bytes"]) + " (CUDA context, NCCL, allocator)"),
         *_phase_rows(memory),
         ("host RAM per node", gb(memory["host_per_node_bytes"]) + " (model-related; add the processes' own)"),
-        *(
-            [("  text encoders", gb(memory["host_once_per_node_bytes"]) + " of it, on one rank per node")]
-            if memory.get("host_once_per_node_bytes")
-            else []
-        ),
+        *_text_encoder_rows(memory, counts),
     ]
     if memory.get("host_warning"):
         rows.append(("  warning", memory["host_warning"]))

@@ -115,7 +115,8 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
     # the image encoder's embeddings (first-frame conditioning) and the sound latents are stored beside the latents
     cached = tuple(part for part in companions if (cache.latents if part in LATENT_PARTS else cache.text_embeddings))
     full, checkpointed = rules.activations(spec, folder, read_config(config_path), clips)
-    once = text_once_per_node(spec, rules.samples_from_cached_text(folder)) is None
+    why_every_rank = text_once_per_node(spec, rules.samples_from_cached_text(folder))
+    text_parts = tuple(part for part in companions if part in TEXT_PARTS)
     return ModelCounts(
         module,
         params,
@@ -132,7 +133,8 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
         sampling_companions=sampling_only,
         expert=expert,
         small_tensors=count_small_tensors(str(config_path), targets, rank),
-        once_per_node=tuple(part for part in companions if part in TEXT_PARTS) if once else (),
+        once_per_node=text_parts if why_every_rank is None else (),
+        text_on_every_rank=why_every_rank if text_parts and why_every_rank else "",
     )
 
 

@@ -97,6 +97,10 @@ def host_warning(host_per_node: float, counts, setup) -> str | None:
         changes.append("deepspeed.offload_param=nvme (or none)")
     if setup.ema_device == "cpu":
         changes.append("train.ema.device=same (the EMA share on the GPU)")
+    if counts.text_on_every_rank:
+        changes.append(
+            f"the text encoders once per node (docs/caching.md; now on every rank: {counts.text_on_every_rank})"
+        )
     if setup.ranks_per_node > 1:
         changes.append("fewer ranks per node (each rank loads the model in host memory)")
     return (

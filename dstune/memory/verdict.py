@@ -215,6 +215,7 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
             "companions": dict(counts.companions),
             "cached_companions": list(counts.cached_companions),
             "once_per_node_companions": list(counts.once_per_node),
+            "text_on_every_rank": counts.text_on_every_rank or None,
             "origin": counts.origin,
             "sampling_companions": dict(counts.sampling_companions),
             "expert": counts.expert,

@@ -143,12 +143,17 @@ def test_the_plan_counts_the_text_encoders_once_per_node_and_not_in_samples(caps
     assert counts["once_per_node_companions"] == ["text_encoder", "connectors"]
     text_bytes = 2 * (counts["companions"]["text_encoder"] + counts["companions"]["connectors"])
     assert once["host_once_per_node_bytes"] == text_bytes
+    assert counts["text_on_every_rank"] is None
     every = _validate(capsys, monkeypatch, tmp_path, "data.cache.dir=/tmp/cache-{rank}")
     assert every["parameters"]["once_per_node_companions"] == [] and every["host_once_per_node_bytes"] == 0
+    assert "{rank}" in every["parameters"]["text_on_every_rank"]  # validate's "text encoders" row says why
     assert every["host_per_node_bytes"] - once["host_per_node_bytes"] == pytest.approx(7 * text_bytes, abs=8)
     sample_once, sample_every = once["phases"]["sample"], every["phases"]["sample"]
     assert sample_every["per_gpu_bytes"] - sample_once["per_gpu_bytes"] == pytest.approx(text_bytes, abs=8)
     assert once["phases"]["load"] == every["phases"]["load"]  # the loading rank's GPU holds them
+    # past the host warning (ZeRO-2: every rank reads the 19 B transformer in fp32), it names the text encoders
+    whole = _validate(capsys, monkeypatch, tmp_path, "data.cache.dir=/tmp/cache-{rank}", "deepspeed.zero_stage=2")
+    assert "the text encoders once per node" in whole["host_warning"] and "{rank}" in whole["host_warning"]
 
 
 @pytest.mark.parametrize(
