@@ -84,6 +84,9 @@ class DenoiserRules:
     uses_image_encoder: Callable = lambda spec, folder: False
     # (PipelineFolder) -> whether the model's samples can render from cached prompt embeddings (text_once_per_node)
     samples_from_cached_text: Callable = lambda folder: False
+    # the family's start-up can load the text encoders on one rank per node (its Family.text_once_per_node); False:
+    # every rank loads them whatever the spec
+    text_once: bool = True
 
 
 def pipeline_folder(pretrained: str) -> PipelineFolder:
@@ -115,7 +118,8 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
     # the image encoder's embeddings (first-frame conditioning) and the sound latents are stored beside the latents
     cached = tuple(part for part in companions if (cache.latents if part in LATENT_PARTS else cache.text_embeddings))
     full, checkpointed = rules.activations(spec, folder, read_config(config_path), clips)
-    why_every_rank = text_once_per_node(spec, rules.samples_from_cached_text(folder))
+    # a family without the rule loads them on every rank, with nothing to say about it (no spec key changes it)
+    why_every_rank = text_once_per_node(spec, rules.samples_from_cached_text(folder)) if rules.text_once else ""
     text_parts = tuple(part for part in companions if part in TEXT_PARTS)
     return ModelCounts(
         module,
@@ -133,7 +137,7 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
         sampling_companions=sampling_only,
         expert=expert,
         small_tensors=count_small_tensors(str(config_path), targets, rank),
-        once_per_node=text_parts if why_every_rank is None else (),
+        once_per_node=text_parts if rules.text_once and why_every_rank is None else (),
         text_on_every_rank=why_every_rank if text_parts and why_every_rank else "",
     )
 

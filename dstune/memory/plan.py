@@ -73,7 +73,8 @@ class ModelCounts:
     # (dstune.families.denoiser_facts.text_once_per_node): counted once in a node's host RAM, on the GPU of that rank
     # in the load and cache phases, nowhere in the step and sample phases
     once_per_node: tuple = ()
-    # where the text encoders load on every rank although the model has some: why (text_once_per_node's reason)
+    # where the text encoders load on every rank though the family could load them once per node: why (the reason
+    # text_once_per_node gives: a spec setting)
     text_on_every_rank: str = ""
 
     @property

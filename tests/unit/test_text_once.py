@@ -211,3 +211,16 @@ def test_text_chunks_go_only_to_the_ranks_that_loaded_the_encoders():
     assert [c[0].name for c in dealt[1] + dealt[3]] == ["latent-1", "latent-3"]  # no text for them
     assert [c[0].name for c in dealt[0] if c[0].kind == "text"] == ["text-0", "text-2"]
     assert [c[0].name for c in dealt[2] if c[0].kind == "text"] == ["text-1"]
+
+
+def test_a_family_without_the_rule_is_planned_with_its_text_encoders_on_every_rank():
+    """The SD families always load their CLIP encoders on every rank (no Family.text_once_per_node), so the plan
+    counts them on every rank whatever the cache and the samples (no spec setting changes that, so validate has
+    nothing to say about it)."""
+    from dstune.families import get_facts, get_family
+    from dstune.spec.load import load_spec
+
+    spec = load_spec(REPO / "launch" / "sdxl-zero2-8gpu.yaml", ["sample.prompts=[]"])[0]
+    assert spec.data.cache.text_embeddings and get_family(spec.model.family).text_once_per_node is None
+    counts = get_facts(spec.model.family).count(spec, 1000)
+    assert counts.once_per_node == () and counts.text_on_every_rank == ""

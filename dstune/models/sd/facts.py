@@ -40,7 +40,12 @@ def _cache_bytes(spec, folder, companions: dict, num_samples: int, clips) -> int
     return per_sample * num_samples
 
 
-RULES = DenoiserRules(trained=trains_denoiser("unet"), activations=_activations, cache_bytes=_cache_bytes)
+RULES = DenoiserRules(
+    trained=trains_denoiser("unet"),
+    activations=_activations,
+    cache_bytes=_cache_bytes,
+    text_once=False,  # the SD families have no Family.text_once_per_node: their CLIP encoders are small
+)
 
 
 def _count(spec, num_samples: int, clips=()):
