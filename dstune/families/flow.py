@@ -31,7 +31,6 @@ from dstune.families.flow_core import (
     export,
     loss,
     pipeline_of,
-    sample,
     save_lora_weights,
     split_plan,
     text_cache_settings,
@@ -40,6 +39,7 @@ from dstune.families.flow_matching import image_ids, loss_weights, pack_latents,
 from dstune.families.flow_distilled import attach_sampling_denoiser
 from dstune.families.flow_recipe import pick_recipe, read_config
 from dstune.families.samples import save_grid
+from dstune.families.flow_sampling import sample
 from dstune.models import registry
 from dstune.models.unit import load
 from dstune.spec.models import FlowModel

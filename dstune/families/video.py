@@ -28,11 +28,11 @@ from dstune.families.flow_core import (
     encode_captions,
     export,
     loss,
-    sample,
     save_lora_weights,
     split_plan,
     text_cache_settings,
 )
+from dstune.families.flow_sampling import sample
 from dstune.families.samples import save_clip_grid
 from dstune.models import registry
 from dstune.models.unit import VIDEO_FAMILY, load
