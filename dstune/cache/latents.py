@@ -274,6 +274,31 @@ def _index(folder: Path, entries: list[Entry], cache_spec, failed_samples: set[s
     return index
 
 
+def _job_fingerprints(job: LatentCacheJob) -> dict[str, str]:
+    """The fingerprints that key the entries: the VAE's and the text side's, with the job's settings folded in."""
+    text = job.text_cache
+    fingerprints = _fingerprints(job.model_folder, text.folder_names(job.model_folder) if text else ())
+    if job.text_settings:  # e.g. flow's max_sequence_length: same encoders, other tensors
+        fingerprints["text"] = bytes_sha256((fingerprints["text"] + job.text_settings).encode())
+    if job.latent_settings:  # e.g. image-to-video: the first frame's condition (and its encoders) beside the posterior
+        extra = "".join(folder_fingerprint(job.model_folder / name) for name in job.latent_folders)
+        fingerprints["vae"] = bytes_sha256((fingerprints["vae"] + job.latent_settings + extra).encode())
+    return fingerprints
+
+
+def _text_group(run, job: LatentCacheJob, group: list[int], entries: list[Entry], verify_only: bool) -> list[int]:
+    """Collective. The ranks of this folder's group that encode text entries: those that loaded the text encoders
+    (dstune.text_once); a verify reads entries only, so every member."""
+    text_group = [rank for rank, here in enumerate(all_gather_object(job.text_here)) if here and rank in group]
+    error = None
+    if not (verify_only or text_group) and any(e.kind == "text" for e in entries):
+        error = (
+            f"cache build: no rank sharing {job.folder} loaded the text encoders; this is a bug of dstune's start-up"
+        )
+    agree_or_stop(run, error)
+    return group if verify_only else text_group
+
+
 def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = False) -> tuple[CacheIndex | None, int]:
     """Build (or with verify_only, check) every entry this run reads, on every rank together; print one summary.
     Returns (index, 0) or, when incomplete, (None, exit code 1) after printing why. Never returns an index with a
@@ -290,18 +315,10 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
     targets, records = records, _with_sources(records) if cache_spec.latents else records
     hashes, unreadable = _content_hashes(run, records, data, job.video)
     text = job.text_cache
-    fingerprints = _fingerprints(job.model_folder, text.folder_names(job.model_folder) if text else ())
-    if job.text_settings:  # e.g. flow's max_sequence_length: same encoders, other tensors
-        fingerprints["text"] = bytes_sha256((fingerprints["text"] + job.text_settings).encode())
-    if (
-        job.latent_settings
-    ):  # e.g. image-to-video: the first frame's condition (and its encoders) stored beside the posterior
-        extra = "".join(folder_fingerprint(job.model_folder / name) for name in job.latent_folders)
-        fingerprints["vae"] = bytes_sha256((fingerprints["vae"] + job.latent_settings + extra).encode())
     entries = plan_entries(
         records,
         hashes,
-        fingerprints,
+        _job_fingerprints(job),
         data.resolution,
         data.random_flip,
         data.caption_dropout,
@@ -313,11 +330,7 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
         job.latent_tensors,
         job.extra_captions,
     )
-    text_group = [rank for rank, here in enumerate(all_gather_object(job.text_here)) if here and rank in group]
-    if not (verify_only or text_group) and any(e.kind == "text" for e in entries):
-        error = f"cache build: no rank sharing {folder} loaded the text encoders; this is a bug of dstune's start-up"
-    agree_or_stop(run, error)
-    mine = chunks_of_rank(_chunks(entries), group, group if verify_only else text_group, run.rank)
+    mine = chunks_of_rank(_chunks(entries), group, _text_group(run, job, group, entries, verify_only), run.rank)
     if verify_only:
         counts = _verify_share(folder, mine)
     else:

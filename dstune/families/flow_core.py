@@ -145,11 +145,7 @@ def build_from(
         folder, "vae", getattr(diffusers, recipe.latents.vae_class).from_pretrained, torch_dtype=dtype_for_frozen
     ).to(device)
     vae.eval().requires_grad_(False)
-    if text_encoders:
-        encoders, tokenizers = (recipe.text.load or load_text_side)(folder, recipe, device, dtype_for_frozen)
-    else:  # named for the pipeline's constructor, which takes None for a part
-        encoders = {name: None for name in TEXT_PARTS if (index.get(name) or [None])[0]}
-        tokenizers = (recipe.text.load_tokenizers or load_tokenizers)(folder, recipe)
+    encoders, tokenizers = _text_side(recipe, folder, index, device, dtype_for_frozen, text_encoders)
     parts, mode = {}, None
     if recipe.conditioning and recipe.conditioning.load:
         parts, mode = recipe.conditioning.load(folder, model, transformer.config, device, dtype_for_frozen)
@@ -181,6 +177,15 @@ def build_from(
         parts=parts,
         mode=mode,
     )
+
+
+def _text_side(recipe: FlowRecipe, folder: Path, index: dict, device, dtype, text_encoders: bool) -> tuple[dict, dict]:
+    """(text encoders, tokenizers) as the recipe loads them; without `text_encoders` the tokenizers only, and the
+    encoders named for the pipeline's constructor, which takes None for a part."""
+    if text_encoders:
+        return (recipe.text.load or load_text_side)(folder, recipe, device, dtype)
+    encoders = {name: None for name in TEXT_PARTS if (index.get(name) or [None])[0]}
+    return encoders, (recipe.text.load_tokenizers or load_tokenizers)(folder, recipe)
 
 
 def pipeline_of(built: FlowBuilt, transformer=None, vae=None, scheduler=None):
