@@ -90,7 +90,7 @@ def build_family(
     frozen_dtype = PRECISION_DTYPES[spec.train.precision][1]
     zero3_config = partitioned_build_config(spec.model, ds_config) if train_mode else None
     built, error = None, None
-    here = text_encoders_here(run, spec, family, folders)  # with the text cache: the first rank of each node
+    here = text_encoders_here(run, once_per_node(spec, family, folders))  # with the text cache: a rank a node
     try:  # collective under ZeRO-3 (zero.Init), so every rank builds at once
         built = build_model(
             spec.model, spec.output.cache_dir, run.device, frozen_dtype, zero3_config, folders, text_encoders=here
@@ -265,7 +265,8 @@ def held_out_records(run: Run, spec: Spec) -> list:
     return records
 
 
-def _latent_job(run: Run, spec: Spec, family: Family, folders: dict) -> LatentCacheJob:
+def _latent_job(run: Run, spec: Spec, family: Family, folders: dict, once: bool) -> LatentCacheJob:
+    """What the latent/text cache build needs; `once`: the text encoders load once per node (dstune.text_once)."""
     model_folder = folders["pretrained"]
     text_cache = family.text_cache
     if spec.data.cache.text_embeddings and text_cache is None:
@@ -295,8 +296,8 @@ def _latent_job(run: Run, spec: Spec, family: Family, folders: dict) -> LatentCa
         latent_folders=tuple(latent_folders),
         latent_tensors=tuple(latent_tensors),
         latent_extras=extras.encode if latent_settings else None,
-        text_here=text_encoders_here(run, spec, family, folders),
-        extra_captions=sample_captions(spec, family, folders),
+        text_here=text_encoders_here(run, once),
+        extra_captions=sample_captions(spec, family, folders) if once else (),
     )
 
 
@@ -325,10 +326,11 @@ def prepare_caches(
         return caches, 0 if caches.codec_paths is not None else 1
     if cache.latents or cache.text_embeddings:  # the summary is printed by prepare_cache
         folders = {"pretrained": model_folder if model_folder is not None else built.folder}
-        job = _latent_job(run, spec, family, folders)
+        once = once_per_node(spec, family, folders)
+        job = _latent_job(run, spec, family, folders, once)
         caches.images, code = prepare_cache(run, job, built, records, verify_only)
         if code == 0 and built is not None:
-            if once_per_node(spec, family, folders):  # no rank reads a text encoder from here on
+            if once:  # no rank reads a text encoder from here on
                 drop_text_encoders(built, caches.images, job.extra_captions)
             caches.offloaded = offload_frozen(built, caches.images)
         return caches, code

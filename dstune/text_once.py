@@ -1,9 +1,11 @@
 """Text encoders once per node: with the text cache, the ranks after the first of a node never load them.
 
-    here = text_encoders_here(run, spec, family, folders)    before the build: whether this rank loads them
+    once = once_per_node(spec, family, folders)              the rule, decided once per stage
+    here = text_encoders_here(run, once)                     before the build: whether this rank loads them
     build_model(..., text_encoders=here)
-    prepare_cache(...)                                       the text entries go to the ranks that loaded them
-    drop_text_encoders(run, built, index, spec)              after the cache: every rank without them
+    prepare_cache(...)                                       the text entries go to the ranks that loaded them,
+                                                             with sample_captions(...) beside the dataset's
+    drop_text_encoders(built, index, captions)               after the cache, with `once`: every rank
 
 Why: a text encoder is often the largest frozen part (a 12 B one is 24 GB in bf16), and every rank loading its own
 copy into host memory at start-up is the most reported start-up failure of the largest video models. With data.cache.text_embeddings
@@ -18,7 +20,6 @@ before. The memory plan counts the same rule (dstune.memory.plan: ModelCounts.on
 from __future__ import annotations
 
 import gc
-from typing import Optional
 
 import torch
 
@@ -32,9 +33,9 @@ def once_per_node(spec, family, folders: dict) -> bool:
     return rule is not None and rule(spec, folders["pretrained"]) is None
 
 
-def text_encoders_here(run: Run, spec, family, folders: dict) -> bool:
-    """Whether this rank loads the text encoders: every rank, or with once_per_node the first rank of each node."""
-    return run.local_rank == 0 or not once_per_node(spec, family, folders)
+def text_encoders_here(run: Run, once: bool) -> bool:
+    """Whether this rank loads the text encoders: every rank, or with `once` (once_per_node) the first of each node."""
+    return run.local_rank == 0 or not once
 
 
 def report_text_ranks(run: Run, here: bool) -> None:
@@ -50,23 +51,20 @@ def report_text_ranks(run: Run, here: bool) -> None:
 
 
 def sample_captions(spec, family, folders: dict) -> tuple[str, ...]:
-    """The captions the text cache holds beside the dataset's: the sample prompts and the negative prompt the
-    samples encode ("", which the pipelines encode when given none, or the model's own), where the samples render
-    from cached text."""
-    if not (spec.sample.prompts and once_per_node(spec, family, folders)):
+    """The captions the text cache holds beside the dataset's where the samples render from cached text (with
+    once_per_node): the sample prompts and the negative prompt the samples encode ("", which the pipelines encode
+    when given none, or the model's own)."""
+    if not spec.sample.prompts:
         return ()
     return tuple(dict.fromkeys([*spec.sample.prompts, family.negative_caption(folders["pretrained"])]))
 
 
-def drop_text_encoders(built, index, captions: tuple[str, ...]) -> Optional[list[str]]:
-    """After a complete text cache: free this rank's text encoders (if it loaded them) and keep the cached text of
-    `captions` (sample_captions) for the samples. The names dropped, or None when the run keeps its encoders."""
-    if index is None or not index.text:
-        return None
+def drop_text_encoders(built, index, captions: tuple[str, ...]) -> None:
+    """After a complete text cache (`index`, with once_per_node): free this rank's text encoders (if it loaded them)
+    and keep the cached text of `captions` (sample_captions) for the samples."""
     built.prompt_text = {caption: read_entry(index.text_paths[caption]) for caption in captions}
-    dropped = [name for name, encoder in built.text_encoders.items() if encoder is not None]
+    loaded = any(encoder is not None for encoder in built.text_encoders.values())
     built.text_encoders = {name: None for name in built.text_encoders}
     gc.collect()
-    if dropped and torch.cuda.is_available():
+    if loaded and torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return dropped
