@@ -325,6 +325,10 @@ def _ltx2_av_run(model, tokens, context, dtype):
     return loss
 
 
+# the three cases' measurement grid: (clip tokens, caption tokens; ltx2-av: sound tokens) fitted at three sizes,
+# checked at a fourth
+MEASURED_AT = {"sizes": ((32, 8), (72, 8), (32, 24)), "check_size": (50, 12), "block_lists": attr("transformer_blocks")}
+
 ACTIVATION_CASES = (
     Case(
         "ltx2-av",
@@ -332,26 +336,20 @@ ACTIVATION_CASES = (
         "ltx2's)",
         _ltx2,
         _ltx2_av_run,
-        sizes=((32, 8), (72, 8), (32, 24)),
-        check_size=(50, 12),
-        block_lists=attr("transformer_blocks"),
+        **MEASURED_AT,
     ),
     Case(
         "ltx2",
         "LTX-2 video stream (the audio stream on one zero token, as dstune trains it)",
         _ltx2,
         _ltx2_run,
-        sizes=((32, 8), (72, 8), (32, 24)),
-        check_size=(50, 12),
-        block_lists=attr("transformer_blocks"),
+        **MEASURED_AT,
     ),
     Case(
         "ltx2-i2v",
         "LTX-2 image-to-video: the video stream with a timestep per token (the first frame's 0)",
         _ltx2,
         lambda model, tokens, context, dtype: _ltx2_run(model, tokens, context, dtype, per_token=True),
-        sizes=((32, 8), (72, 8), (32, 24)),
-        check_size=(50, 12),
-        block_lists=attr("transformer_blocks"),
+        **MEASURED_AT,
     ),
 )
