@@ -37,7 +37,7 @@ from dstune.families.flow_core import (
 )
 from dstune.families.flow_matching import image_ids, loss_weights, pack_latents, timestep_density, unpack_latents
 from dstune.families.flow_distilled import attach_sampling_denoiser
-from dstune.families.flow_recipe import pick_recipe, read_config
+from dstune.families.flow_recipe import FlowRecipe, pick_recipe, read_config
 from dstune.families.samples import save_grid
 from dstune.families.flow_sampling import sample
 from dstune.models import registry
@@ -121,7 +121,7 @@ def build(
     `zero3_config`, dstune.families.diffusion.load_trainable), the frozen parts in `dtype_for_frozen`. Never
     downloads; FamilyError for any folder that is not a pipeline of one of RECIPES."""
     folder = folders["pretrained"]
-    recipe = RECIPES[detect_kind(folder)]
+    recipe = folder_recipe(folder)
     if recipe.draw_sigmas and model.shift is not None:
         raise FamilyError(
             f"model.shift: {recipe.pipeline_class}'s training example draws sigma itself, with no "
@@ -133,15 +133,20 @@ def build(
     return build_from(recipe, model, folders, device, dtype_for_frozen, zero3_config, text_encoders)
 
 
+def folder_recipe(folder) -> FlowRecipe:
+    """The recipe of the pipeline folder `folder` (FamilyError for a folder that is none of RECIPES')."""
+    return RECIPES[detect_kind(Path(folder))]
+
+
 def text_cache_refusal(folder) -> str | None:
     """Why data.cache.text_embeddings cannot be used with the model in `folder` (an edit model), or None."""
-    recipe = RECIPES[detect_kind(Path(folder))]
+    recipe = folder_recipe(folder)
     return recipe.text.cache_refusal(folder) if recipe.text.cache_refusal else None
 
 
 def samples_from_cached_text(folder) -> bool:
     """Whether the folder's recipe renders samples from cached prompt embeddings (Sampling.cached_text)."""
-    return RECIPES[detect_kind(Path(folder))].sampling.cached_text is not None
+    return folder_recipe(folder).sampling.cached_text is not None
 
 
 FAMILY = Family(
@@ -160,12 +165,12 @@ FAMILY = Family(
         TEXT_CACHE_TENSORS,
         cache_text_tensors,
         text_cache_settings,
-        tensors_of=lambda folder: RECIPES[detect_kind(Path(folder))].text_tensors,
+        tensors_of=lambda folder: folder_recipe(folder).text_tensors,
         refusal=text_cache_refusal,
     ),
     builds_partitioned=True,
     sampling_denoiser=attach_sampling_denoiser,
     split_plan=split_plan,
     text_once_per_node=lambda spec, folder: text_once_per_node(spec, samples_from_cached_text(folder)),
-    negative_caption=lambda folder: RECIPES[detect_kind(Path(folder))].sampling.negative_caption,
+    negative_caption=lambda folder: folder_recipe(folder).sampling.negative_caption,
 )

@@ -32,6 +32,7 @@ from dstune.families.flow_core import (
     split_plan,
     text_cache_settings,
 )
+from dstune.families.flow_recipe import FlowRecipe
 from dstune.families.flow_sampling import sample
 from dstune.families.samples import save_clip_grid
 from dstune.models import registry
@@ -131,11 +132,15 @@ def condition_tensors(built, clips: torch.Tensor) -> dict:
     return _video_models()[built.recipe.transformer_class].condition_tensors(built, clips)
 
 
+def folder_recipe(folder) -> FlowRecipe:
+    """The recipe of the video pipeline folder `folder` (its video model's, for its layout)."""
+    return video_model_of(Path(folder)).recipe_of(Path(folder))
+
+
 def text_once(spec, folder) -> Optional[str]:
     """The text encoders load on one rank per node where the run's samples, if any, can render from the prompts'
     cached text (the recipe's Sampling.cached_text; its unit's VideoFacts.samples_from_cached_text says the same)."""
-    recipe = video_model_of(Path(folder)).recipe_of(Path(folder))
-    return text_once_per_node(spec, recipe.sampling.cached_text is not None)
+    return text_once_per_node(spec, folder_recipe(folder).sampling.cached_text is not None)
 
 
 FAMILY = Family(
@@ -154,12 +159,12 @@ FAMILY = Family(
         ("encoder_hidden_states",),
         encode_captions,
         text_cache_settings,
-        tensors_of=lambda folder: video_model_of(Path(folder)).recipe_of(Path(folder)).text_tensors,
+        tensors_of=lambda folder: folder_recipe(folder).text_tensors,
         folders_of=lambda folder: video_model_of(Path(folder)).text_cache_folders,
     ),
     builds_partitioned=True,
     latent_extras=LatentExtras(latent_cache_key, condition_tensors),
     split_plan=split_plan,
     text_once_per_node=text_once,
-    negative_caption=lambda folder: video_model_of(Path(folder)).recipe_of(Path(folder)).sampling.negative_caption,
+    negative_caption=lambda folder: folder_recipe(folder).sampling.negative_caption,
 )
