@@ -78,6 +78,11 @@ class ModelCounts:
     text_on_every_rank: str = ""
 
     @property
+    def companions_on_every_rank(self) -> dict:
+        """The companions every rank loads: all but once_per_node's."""
+        return {name: n for name, n in self.companions.items() if name not in self.once_per_node}
+
+    @property
     def frozen_base_params(self) -> int:
         """Under LoRA every parameter of the module stays, frozen, beside the adapters (counted apart)."""
         return self.module_params if self.trainable_params < self.module_params else 0
@@ -390,7 +395,7 @@ def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
     parameters, cache-replaced encoders, offload's pinned buffers). The parts one rank per node loads
     (counts.once_per_node) are not in it: once_per_node_bytes adds them to the node."""
     trainable, ranks, w, frozen = counts.trainable_params, setup.world_size, setup.weight_bytes, setup.frozen_bytes
-    every_rank = {name: n for name, n in counts.companions.items() if name not in counts.once_per_node}
+    every_rank = counts.companions_on_every_rank
     loading = module_loading_bytes(counts, setup) + frozen * sum(every_rank.values())
     offloaded_states = (4.0 + optimizer_state_bytes(setup)) * trainable / ranks  # fp32 gradients + states
     offloaded_params = w * trainable / ranks + frozen_base_bytes(counts, setup) / ranks
@@ -480,8 +485,7 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
         "frozen_base": base_on_gpu,
         "companions_all": setup.frozen_bytes * sum(counts.companions.values()),
         # samples render from cached prompt embeddings where the text encoders were loaded once per node and dropped
-        "companions_in_samples": setup.frozen_bytes
-        * sum(n for name, n in counts.companions.items() if name not in counts.once_per_node),
+        "companions_in_samples": setup.frozen_bytes * sum(counts.companions_on_every_rank.values()),
         "module_on_load": module_on_load(counts, setup),
         "activations": acts,
         "buffers": buffers,
