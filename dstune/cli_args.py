@@ -156,6 +156,35 @@ def add_verbose_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a training run, which `dstune train` passes on to dstune/train.py: both parse them here."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)",
+    )
+    parser.add_argument("--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint")
+    parser.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="with --resume: continue with another global batch (the schedule follows the new one)",
+    )
+    parser.add_argument(
+        "--allow-spec-changes",
+        action="store_true",
+        help="with --resume: continue although the spec changed in a way that breaks exact "
+        "continuation (the changes are listed)",
+    )
+    parser.add_argument(
+        "--cache-only",
+        action="store_true",
+        help="build the latent / text-embedding cache (data.cache) on all ranks, then exit",
+    )
+
+
 def _add_train_command(commands, subparsers: dict) -> None:
     """`dstune train`: DeepSpeed's launcher on a validated spec (dstune/launcher.py); the flags of dstune/train.py."""
     from dstune.launcher import DEFAULT_GRACE_S
@@ -172,31 +201,7 @@ def _add_train_command(commands, subparsers: dict) -> None:
     )
     train.add_argument("spec", help="the spec YAML file")
     _add_launcher_world_flags(train)
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)",
-    )
-    train.add_argument("--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint")
-    train.add_argument(
-        "--allow-batch-change",
-        action="store_true",
-        help="with --resume: continue with another global batch (the schedule follows the new one)",
-    )
-    train.add_argument(
-        "--allow-spec-changes",
-        action="store_true",
-        help="with --resume: continue although the spec changed in a way that breaks exact "
-        "continuation (the changes are listed)",
-    )
-    train.add_argument(
-        "--cache-only",
-        action="store_true",
-        help="build the latent / text-embedding cache (data.cache) on all ranks, then exit",
-    )
+    add_run_flags(train)
     train.add_argument(
         "--grace",
         type=_positive_int,

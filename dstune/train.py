@@ -29,34 +29,9 @@ import os  # noqa: E402
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dstune/train.py", description="Train from a dstune spec under DeepSpeed.")
     parser.add_argument("spec", help="the spec YAML")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key, e.g. --set train.micro_batch_size=4 (repeatable)",
-    )
-    parser.add_argument("--resume", metavar="latest|PATH", help="continue from the newest or a given checkpoint")
-    parser.add_argument(
-        "--allow-batch-change",
-        action="store_true",
-        help="with --resume: continue even if this launch's global batch differs from the checkpoint's "
-        "(the steps per epoch and the LR schedule then follow the new batch; printed at start)",
-    )
-    parser.add_argument(
-        "--allow-spec-changes",
-        action="store_true",
-        help="with --resume: continue even though the spec changed in a way that breaks exact "
-        "continuation (data, seed, model, ...); the changes are listed",
-    )
-    parser.add_argument(
-        "--cache-only",
-        action="store_true",
-        help="build the latent / text-embedding cache (data.cache) on all ranks, then exit",
-    )
-    from dstune.cli_args import add_verbose_flag
+    from dstune.cli_args import add_run_flags, add_verbose_flag
 
+    add_run_flags(parser)
     add_verbose_flag(parser)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # launcher
     return parser.parse_args(argv)
