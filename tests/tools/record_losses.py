@@ -183,6 +183,7 @@ CASES = {
     "tiny-krea2": _flow_spec,
     "tiny-krea2-turbo": _flow_spec,
     "tiny-qwen-image-21": _flow_spec,
+    "tiny-ernie-image": _flow_spec,
     "tiny-wan": _wan_spec({}, True, True),
     "tiny-wan-a14b": _wan_spec({"expert": "low_noise"}, False, False),
     "tiny-wan-i2v": _wan_spec({}, True, True),
