@@ -12,6 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families.base import FamilyError
+from dstune.families.precision import at_least_float32
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 
@@ -217,5 +218,5 @@ def vae_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)  # the image opaque, as its example does
     with torch.no_grad():
         posterior = vae.encode(pixels.unsqueeze(2) if video else pixels).latent_dist
-    mean, std = posterior.mean.float(), posterior.std.float()
+    mean, std = at_least_float32(posterior.mean), at_least_float32(posterior.std)
     return (mean.squeeze(2), std.squeeze(2)) if video else (mean, std)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from dstune.families.precision import at_least_float32
 from dstune.families.randomness import sample_generator
 from dstune.spec.models import FlowModel
 
@@ -47,12 +48,12 @@ def flow_loss_per_sample(
     weights: torch.Tensor,
     precondition_outputs: bool,
 ) -> torch.Tensor:
-    """Each sample's weighted squared error (float32), as diffusers' flow-matching DreamBooth scripts compute it: the velocity
+    """Each sample's weighted squared error (at least float32), as diffusers' flow-matching DreamBooth scripts compute it: the velocity
     prediction against noise - x0, or, preconditioned (EDM-style, the MMDiT scripts' default), the x0 it implies
     (x_t - sigma v) against x0, which is the velocity error times sigma^2."""
-    prediction, target = prediction.float(), noise.float() - latents.float()
+    prediction, target = at_least_float32(prediction), at_least_float32(noise) - at_least_float32(latents)
     if precondition_outputs:
-        prediction, target = prediction * (-sigmas) + noisy.float(), latents.float()
+        prediction, target = prediction * (-sigmas) + at_least_float32(noisy), at_least_float32(latents)
     return (weights * (prediction - target) ** 2).reshape(len(prediction), -1).mean(dim=1)
 
 

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from dstune.families.precision import at_least_float32
 from dstune.families.samples import ClipWithSound
 
 
@@ -66,7 +67,8 @@ def loss_per_kind(
                 built, forward, noisy, timesteps, given, noisy_sound, dtype
             )
             sound_error = _once_per_group(
-                (predicted.float() - (drawn - clean).float()).pow(2).mean(dim=(1, 2)), built.sequence_split
+                (at_least_float32(predicted) - at_least_float32(drawn - clean)).pow(2).mean(dim=(1, 2)),
+                built.sequence_split,
             )
             parts.append(video_loss(built, prediction, noisy, latents, video_noise, sigmas) + sound_error)
         else:

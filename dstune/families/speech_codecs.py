@@ -21,8 +21,9 @@ CODEC_CLASSES = {"encodec": "EncodecModel", "dac": "DacModel", "mimi": "MimiMode
 SNAC_FILES = ("config.json", "pytorch_model.bin")
 
 
-def load_codec(kind: str, source: Path) -> torch.nn.Module:
-    """The codec in `source` (frozen, fp32, eval); FamilyError naming the folder when it cannot be loaded."""
+def load_codec(kind: str, source: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The codec in `source` (frozen, eval, in `dtype`: float32, or float64 for a float64 run, never lower, so that
+    its codes do not depend on the training precision); FamilyError naming the folder when it cannot be loaded."""
     try:
         if kind == "snac":
             from snac import SNAC
@@ -38,7 +39,7 @@ def load_codec(kind: str, source: Path) -> torch.nn.Module:
             f"{source}: cannot load it as {CODEC_CLASSES[kind]} (model.codec: {kind}): "
             f"{(str(err).strip().splitlines() or [type(err).__name__])[0]}"
         ) from None
-    return codec.float().eval().requires_grad_(False)
+    return codec.to(dtype).eval().requires_grad_(False)
 
 
 def save_codec(codec, kind: str, source: Path, out: Path) -> None:
@@ -79,7 +80,8 @@ def encode_clip(codec, kind: str, wave: torch.Tensor, num_codebooks: int, frame_
     positions are the first num_codebooks codebooks; for SNAC they follow `frame_order` ((codebook, index) pairs).
     `dac_hop_padded` is DAC on the clip zero-padded to a multiple of its hop (as DiaProcessor encodes; its last
     frame differs from the unpadded clip's, which DAC cuts)."""
-    x = wave.float().reshape(1, 1, -1).to(next(codec.parameters()).device)
+    weight = next(codec.parameters())
+    x = wave.reshape(1, 1, -1).to(weight.device, weight.dtype)
     if kind == "dac_hop_padded":  # as DiaProcessor encodes a clip: zero-padded to a multiple of the hop
         x = torch.nn.functional.pad(x, (0, -x.shape[-1] % int(codec.config.hop_length)))
         kind = "dac"

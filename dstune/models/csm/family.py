@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from dstune.families.base import Family, FamilyError, Speaker
+from dstune.families.precision import at_least_float32, at_least_float32_dtype
 from dstune.families.speech import Clip, CodecTokensBuilt, save_wavs
 from dstune.families.speech_codecs import decode_codes, encode_clip
 from dstune.families.codebook_models import codebooks_models
@@ -120,7 +121,8 @@ def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.fl
             f"{folder}: cannot load it as {architecture} with its processor "
             f"({(str(err).strip().splitlines() or [''])[0]})"
         ) from None
-    codec = getattr(whole, CODEC_ATTRIBUTE[architecture]).float().eval().requires_grad_(False)
+    codec = getattr(whole, CODEC_ATTRIBUTE[architecture]).to(at_least_float32_dtype(dtype_for_frozen))
+    codec.eval().requires_grad_(False)
     setattr(whole, CODEC_ATTRIBUTE[architecture], None)  # frozen and whole on every rank, outside DeepSpeed
     codec_config, config = codec.config, whole.config
     layout = {
@@ -221,7 +223,7 @@ def loss(built: CodebooksBuilt, trainable_forward: Callable, encoded: dict, seed
         attention_mask=encoded["attention_mask"],
         labels=encoded["labels"],
     )
-    return out.loss.float()
+    return at_least_float32(out.loss)
 
 
 # ------------------------------------------------------------------------------------------------- sampling

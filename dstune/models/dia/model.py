@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from dstune.families.base import FamilyError
+from dstune.families.precision import at_least_float32, at_least_float32_dtype
 from dstune.families.speech import Clip, CodecTokensBuilt
 from dstune.families.speech_codecs import decode_codes, encode_clip
 from dstune.hf import NotAvailableLocally, hub_snapshot, quiet_hf_libraries
@@ -91,7 +92,7 @@ def load(folder: Path):
 def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> DiaBuilt:
     folder = folders["pretrained"]
     whole, processor = load(folder)
-    codec = processor.audio_tokenizer.float().eval().requires_grad_(False)
+    codec = processor.audio_tokenizer.to(at_least_float32_dtype(dtype_for_frozen)).eval().requires_grad_(False)
     rate, hop = int(codec.config.sampling_rate), int(codec.config.hop_length)
     channels = int(whole.config.decoder_config.num_channels)
     layout = {
@@ -198,7 +199,7 @@ def loss(built: DiaBuilt, trainable_forward, encoded: dict, seed: int, step: int
             for k in ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "labels")
         }
     )
-    return out.loss.float()
+    return at_least_float32(out.loss)
 
 
 # ------------------------------------------------------------------------------------------------- sampling

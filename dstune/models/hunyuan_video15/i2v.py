@@ -21,6 +21,7 @@ import torch
 
 from dstune.families.base import FamilyError
 from dstune.families.diffusion import batch_field, load_component, read_model_index
+from dstune.families.precision import at_least_float32
 from dstune.families.flow_recipe import normalised_latents
 from dstune.families.samples import first_frames
 from dstune.hf import quiet_hf_libraries
@@ -93,7 +94,7 @@ def condition_tensors(built, clips: torch.Tensor) -> dict[str, torch.Tensor]:
     )
     with torch.no_grad():
         hidden = encoder(pixel_values=inputs["pixel_values"].to(built.device, encoder.dtype)).last_hidden_state
-    return {IMAGE_EMBEDS: hidden.float()}
+    return {IMAGE_EMBEDS: at_least_float32(hidden)}
 
 
 def encode_conditions(built, batch: dict, dtype: torch.dtype) -> dict:

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from dstune.families.precision import at_least_float32, at_least_float32_dtype
+
 N_FFT = 1024  # ltx-core's AudioEncoder default n_fft (the window length too)
 LOG_FLOOR = 1e-5  # log(clamp(mel, LOG_FLOOR))
 # the slaney mel scale: linear below 1 kHz (200/3 Hz per mel), logarithmic above (27 mels per factor 6.4)
@@ -55,9 +57,9 @@ def slaney_filter_bank(frequency_bins: int, mel_bins: int, rate: int) -> torch.T
 def log_mel(waveform: torch.Tensor, rate: int, hop: int, mel_bins: int, n_fft: int = N_FFT) -> torch.Tensor:
     """(B, channels, samples) float waveform at `rate` Hz -> (B, channels, frames, mel_bins) log-mel, frames =
     samples // hop + 1 (ltx-core's AudioProcessor.waveform_to_mel, see the module docstring). Computed in float32
-    (float64 filters cast)."""
+    (float64 filters cast), or in float64 for a float64 waveform."""
     batch, channels, samples = waveform.shape
-    flat = waveform.reshape(batch * channels, samples).float()
+    flat = at_least_float32(waveform.reshape(batch * channels, samples))
     window = torch.hann_window(n_fft, periodic=True, dtype=flat.dtype, device=flat.device)
     spectrum = torch.stft(
         flat,
@@ -91,9 +93,11 @@ def audio_tokens(audio_vae, latents: torch.Tensor) -> torch.Tensor:
 
 
 def sound_latents(audio_vae, sound: torch.Tensor) -> torch.Tensor:
-    """Stereo waveforms (B, 2, samples) at the VAE's sample_rate -> the posterior means (B, C, T, M), float32."""
+    """Stereo waveforms (B, 2, samples) at the VAE's sample_rate -> the posterior means (B, C, T, M), float32 (float64 from a float64 VAE)."""
     config = audio_vae.config
-    mel = log_mel(sound.float(), config.sample_rate, config.mel_hop_length, config.mel_bins)
+    mel = log_mel(
+        sound.to(at_least_float32_dtype(audio_vae.dtype)), config.sample_rate, config.mel_hop_length, config.mel_bins
+    )
     with torch.no_grad():
         posterior = audio_vae.encode(mel.to(audio_vae.dtype)).latent_dist
-    return posterior.mean.float()
+    return at_least_float32(posterior.mean)

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from dstune.families.precision import at_least_float32
 from dstune.families.samples import first_frames
 from dstune.hf import quiet_hf_libraries
 
@@ -29,11 +30,11 @@ FIRST_FRAME = "first_frame_latent"  # (B, C, 1, h, w): the clip's first latent f
 
 
 def model_inputs(built, encoded: dict, dtype: torch.dtype) -> dict:
-    """{first_frame_latent} for image-to-video (float32: it replaces the noisy frame before the cast); nothing for
+    """{first_frame_latent} for image-to-video (at least float32: it replaces the noisy frame before the cast); nothing for
     text-to-video."""
     if not built.mode:
         return {}
-    return {FIRST_FRAME: built.recipe.latents.to_model(built, encoded["latent_mean"][:, :, :1].float())}
+    return {FIRST_FRAME: built.recipe.latents.to_model(built, at_least_float32(encoded["latent_mean"][:, :, :1]))}
 
 
 def clean_frames(built) -> int:

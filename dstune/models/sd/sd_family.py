@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from dstune.models import registry
 from dstune.families.base import Family, FamilyError, SingleFileLayout, TextCache
+from dstune.families.precision import at_least_float32
 from dstune.families.randomness import per_sample_randint, per_sample_randn, sample_generator
 from dstune.families.diffusion import (
     batch_field,
@@ -254,7 +255,7 @@ def encode_batch(built: SdBuilt, batch: dict, dtype: torch.dtype = torch.float32
         pixels = batch_field(batch, "pixel_values").to(built.device, built.vae.dtype)
         with torch.no_grad():
             posterior = built.vae.encode(pixels).latent_dist
-        mean, std = posterior.mean.float(), posterior.std.float()
+        mean, std = at_least_float32(posterior.mean), at_least_float32(posterior.std)
     if "encoder_hidden_states" in batch:
         hidden = batch["encoder_hidden_states"].to(built.device)
     else:
@@ -305,7 +306,8 @@ def loss(built: SdBuilt, trainable_forward: Callable, encoded: dict, seed: int, 
     prediction = trainable_forward(
         noisy.to(param_dtype), timesteps, encoded["encoder_hidden_states"].to(param_dtype), return_dict=False
     )[0]
-    per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    error = F.mse_loss(at_least_float32(prediction), at_least_float32(target), reduction="none")
+    per_sample = error.mean(dim=(1, 2, 3))
     if built.min_snr_gamma:
         per_sample = per_sample * min_snr_weights(scheduler, timesteps, built.min_snr_gamma, built.prediction_type)
     return per_sample.mean()

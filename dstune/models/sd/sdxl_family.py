@@ -32,6 +32,7 @@ from dstune.families.diffusion import (
     read_component_config,
     read_model_index,
 )
+from dstune.families.precision import at_least_float32
 from dstune.families.samples import save_grid
 from dstune.models.sd.sd_family import export
 from dstune.hf import quiet_hf_libraries
@@ -231,7 +232,7 @@ def encode_batch(built: SdxlBuilt, batch: dict, dtype: torch.dtype = torch.float
     else:
         with torch.no_grad():
             posterior = built.vae.encode(batch["pixel_values"].to(built.device, built.vae.dtype)).latent_dist
-        mean, std = posterior.mean.float(), posterior.std.float()
+        mean, std = at_least_float32(posterior.mean), at_least_float32(posterior.std)
     if "encoder_hidden_states" in batch:
         hidden, pooled = batch["encoder_hidden_states"].to(built.device), batch["text_embeds"].to(built.device)
     else:

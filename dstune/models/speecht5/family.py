@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from dstune.families.base import Family, FamilyError, Speaker
+from dstune.families.precision import at_least_float32
 from dstune.families.randomness import sample_seed
 from dstune.families.speech import Clip, save_wavs
 from dstune.fsutil import folder_written_atomically
@@ -172,7 +173,7 @@ def loss(built: SpeechT5Built, trainable_forward: Callable, encoded: dict, seed:
             labels=encoded["labels"],
             speaker_embeddings=encoded["speaker_embeddings"],
         )
-    return out.loss.float()
+    return at_least_float32(out.loss)
 
 
 def sample(

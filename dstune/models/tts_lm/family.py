@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from dstune.families.base import Family, FamilyError, Speaker
+from dstune.families.precision import at_least_float32, at_least_float32_dtype
 from dstune.families.speech import Clip, CodecTokensBuilt, save_wavs
 from dstune.families.speech_codecs import CODEC_CLASSES, codec_facts, decode_codes, encode_clip, load_codec, save_codec
 from dstune.models.tts_lm.token_layouts import (
@@ -75,14 +76,14 @@ class TtsLmBuilt(CodecTokensBuilt):
 # ---------------------------------------------------------------------------------------------------- build
 
 
-def _load_codec(model: TtsLmModel, folder: Path, codec_folder: Optional[Path]):
+def _load_codec(model: TtsLmModel, folder: Path, codec_folder: Optional[Path], dtype: torch.dtype):
     source = codec_folder if codec_folder is not None else folder / "codec"
     if not source.is_dir():
         raise FamilyError(
             f"no codec: {source} does not exist. Set model.codec_pretrained to a {model.codec} folder "
             f"({CODEC_CLASSES[model.codec]}) or put one in {folder / 'codec'}."
         )
-    return load_codec(model.codec, source), source
+    return load_codec(model.codec, source, dtype), source
 
 
 def _codec_problems(layout: dict, facts: dict) -> list[str]:
@@ -195,7 +196,8 @@ def _json_reader(folder: Path) -> Callable[[str], Optional[dict]]:
 
 
 def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> TtsLmBuilt:
-    """Load the LM (fp32 in host memory, train mode: the start-up casts and moves it) and the codec (fp32 always: its tokens must not depend on the precision)."""
+    """Load the LM (fp32 in host memory, train mode: the start-up casts and moves it) and the codec (fp32 whatever the frozen dtype, float64 in a float64 run: its tokens must not depend on the
+    precision)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = folders["pretrained"]
@@ -212,7 +214,9 @@ def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtyp
     tokenizer = None
     if (folder / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    codec, codec_folder = _load_codec(model, folder, folders.get("codec_pretrained"))
+    codec, codec_folder = _load_codec(
+        model, folder, folders.get("codec_pretrained"), at_least_float32_dtype(dtype_for_frozen)
+    )
     layout = _layout_for(model, folder, codec, tokenizer)
     if (folder / TTS_LAYOUT_FILE).is_file() and lm.config.vocab_size != layout["vocab_size"]:
         raise FamilyError(
@@ -302,7 +306,7 @@ def loss(built: TtsLmBuilt, trainable_forward: Callable, encoded: dict, seed: in
     out = trainable_forward(
         input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"], labels=encoded["labels"]
     )
-    return out.loss.float()
+    return at_least_float32(out.loss)
 
 
 # ------------------------------------------------------------------------------------------------- sampling

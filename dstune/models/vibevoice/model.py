@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from dstune.families.base import FamilyError
+from dstune.families.precision import at_least_float32, at_least_float32_dtype
 from dstune.families.randomness import sample_seed
 from dstune.families.speech import Clip, CodecTokensBuilt
 from dstune.hf import quiet_hf_libraries
@@ -149,7 +150,8 @@ def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.fl
     if problem:  # transformers would load it as a default-sized model with none of its weights
         raise FamilyError(f"{folder}: {problem}")
     whole, processor = load(folder)
-    codec = copy.deepcopy(whole.model.audio_tower).float().eval().requires_grad_(False)
+    codec = copy.deepcopy(whole.model.audio_tower).to(at_least_float32_dtype(dtype_for_frozen))
+    codec.eval().requires_grad_(False)
     rate, hop = int(processor.feature_extractor.sampling_rate), int(whole.config.audio_config.hop_length)
     layout = {
         "sampling_rate": rate,
@@ -187,7 +189,7 @@ def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.fl
 
 
 def encode_latents(codec, processor, wave) -> torch.Tensor:
-    """(frames, D) float32 latents of one clip (1-D float at the processor's rate), as the class's forward makes
+    """(frames, D) float32 (float64 from a float64 codec) latents of one clip (1-D float at the processor's rate), as the class's forward makes
     them from the processor's input_values with sample=False: the feature extractor's loudness normalisation and
     padding, then the acoustic tokenizer's encoder, one frame per started hop."""
     rate = processor.feature_extractor.sampling_rate
@@ -196,8 +198,9 @@ def encode_latents(codec, processor, wave) -> torch.Tensor:
     )
     frames = math.ceil(int(values["padding_mask"].sum()) / codec.config.hop_length)
     with torch.no_grad():
-        latents = codec.encode(values["input_values"].to(next(codec.parameters()).device), sample=False).latents
-    return latents[0, :frames].float().cpu()
+        weight = next(codec.parameters())
+        latents = codec.encode(values["input_values"].to(weight.device, weight.dtype), sample=False).latents
+    return at_least_float32(latents[0, :frames]).cpu()
 
 
 def turns(text: str, speaker: str = "") -> list[tuple[str, str]]:
@@ -253,7 +256,7 @@ def encode_batch(built: VibeVoiceBuilt, batch: dict, dtype: torch.dtype = torch.
     return {
         "input_ids": input_ids.to(device),
         "attention_mask": attention_mask.to(device),
-        "latents": torch.cat([c.float() for c in latents]).to(device, dtype),
+        "latents": torch.cat([at_least_float32(c) for c in latents]).to(device, dtype),
         "labels": labels.to(device),
         "audio_mask": audio_mask.to(device),
         "condition_mask": condition_mask.to(device),
@@ -269,7 +272,7 @@ def loss(built: VibeVoiceBuilt, trainable_forward, encoded: dict, seed: int, ste
     compute_diffusion_loss; each sample's noise and timesteps from (seed, step, its dataset index)."""
     seeds = torch.tensor([sample_seed(seed, step, int(i), DIFFUSION_PURPOSE) for i in encoded["indices"]])
     total, _, _ = trainable_forward(**{k: encoded[k] for k in TRAIN_KEYS}, seeds=seeds)
-    return total.float()
+    return at_least_float32(total)
 
 
 # ------------------------------------------------------------------------------------------------- sampling

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from dstune.families.base import FamilyError
+from dstune.families.precision import at_least_float32
 from dstune.models.wan import layouts as wan_layouts
 from dstune.families.diffusion import batch_field, load_component, read_component_config, read_model_index
 from dstune.families.flow_recipe import normalised_latents
@@ -104,7 +105,7 @@ def condition_tensors(built, clips: torch.Tensor) -> dict[str, torch.Tensor]:
     transformer reads one, {image_embeds}. Deterministic; the latent cache stores exactly this."""
     pixels = condition_pixels(clips, built.mode.layout == "ti2v").to(built.device, built.vae.dtype)
     with torch.no_grad():
-        out = {CONDITION: built.vae.encode(pixels).latent_dist.mode().float()}
+        out = {CONDITION: at_least_float32(built.vae.encode(pixels).latent_dist.mode())}
         if "image_encoder" in built.parts:
             out[IMAGE_EMBEDS] = image_embeddings(built, frame_images(clips[:, :, 0]))
     return out
