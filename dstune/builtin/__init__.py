@@ -8,8 +8,9 @@ calls (any process, any run sharing the cache) reuse it. Each model unit declare
 (dstune/models/<name>/builtin*.py, listed by dstune.models.registry). Building is safe under concurrency: one process builds
 while the others wait on a file lock, the folder is written beside its final name and renamed into place, and only
 a folder holding the completion marker (`dstune_builtin.json`, written last) is ever used; a leftover without it
-is deleted and rebuilt. Change a build and you must bump its `folder_name` version, or old caches are reused; the
-tiny-sd VAE trains on dstune.data.synthetic, so a change to how shapes are drawn is such a change too.
+is deleted and rebuilt. Change a build and you must bump its `folder_name` version, or old caches are reused. What a
+build trains (tiny-sd's VAE, on dstune.data.synthetic's shapes) is stored with dstune (dstune.builtin.trained): a
+change to its training, or to how the shapes are drawn, is such a change once the stored part is regenerated.
 
 builtin:tiny-sd (~0.8 M-parameter UNet, 32 px images, 16x16x4 latents) comes with a VAE that is actually trained
 (a few hundred steps on coloured shapes, deterministic), because a random VAE decodes any latent to noise and a
@@ -41,12 +42,14 @@ from dstune.spec.section import BUILTIN_PREFIX
 BUILTIN_MARKER = "dstune_builtin.json"
 BUILD_FACTS = ".build_facts.json"  # what a build in its own process returns, beside the folder it wrote
 
-# Every built-in model is built in a process of its own with the CPU's instruction sets pinned to AVX2: some builds
-# train (a VAE, a codec's codebooks), and oneDNN's AVX-512 convolutions round differently from its AVX2 ones, which a
-# few hundred training steps carry to the third digit (tiny-flow's VAE scaling factor: 1.21625 with AVX2, 1.18615
-# with AVX-512). Pinned, a built-in is the same on every x86 CPU with AVX2, and so are the losses and configs pinned
-# to it (tests/unit/test_golden_losses.py runs its trajectories under the same pins).
-PINNED_ISA_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+# Every built-in model is built in a process of its own with ATen's kernels pinned to their AVX2 code path: a build
+# initialises its modules with torch's random draws, and ATen's vectorised normal_ gives other values on its
+# default path than on its AVX2 one (its AVX2 and AVX-512 paths agree). ATen is torch's own code, so the pin picks
+# the same instructions on every x86 CPU with AVX2, Intel or AMD. What a build trains (a VAE, a codec's codebooks)
+# depends on MKL's and oneDNN's kernels, which no pin makes the same across processors: those parts are stored with
+# dstune (dstune.builtin.trained). So a built-in's bytes do not depend on the CPU, and neither do the losses and
+# configs pinned to it (tests/unit/test_golden_losses.py runs its float64 trajectories under the same pin).
+PINNED_ISA_ENV = {"ATEN_CPU_CAPABILITY": "avx2"}
 
 
 # ----------------------------------------------------------------------------------------- the cache protocol

@@ -1,6 +1,6 @@
 """`python -m dstune.builtin.build NAME FOLDER NEEDS_JSON`: build one built-in model into FOLDER in this process,
-writing the build's facts to FOLDER/.build_facts.json. dstune.builtin runs it as a child process with the CPU's
-instruction sets pinned (PINNED_ISA_ENV), so that what a build trains comes out the same on every CPU."""
+writing the build's facts to FOLDER/.build_facts.json. dstune.builtin runs it as a child process with ATen's
+kernels pinned (PINNED_ISA_ENV), so that a build's random initialisation is the same on every CPU."""
 
 from __future__ import annotations
 

@@ -37,9 +37,12 @@ class BuiltinModel:
     needs: tuple[
         str, ...
     ] = ()  # other built-in models whose files this one reuses (e.g. another tiny model's trained VAE)
-    # built in a child process with the CPU's instruction sets pinned (dstune.builtin.PINNED_ISA_ENV), so that what the
-    # build trains is the same on every CPU; False builds in the calling process (a test's stand-in build)
+    # built in a child process with ATen's kernels pinned (dstune.builtin.PINNED_ISA_ENV), so that its random
+    # initialisation is the same on every CPU; False builds in the calling process (a test's stand-in build)
     pinned_process: bool = True
+    # the trained parts its build gives to the modules it initialises (dstune.builtin.trained: stored with dstune,
+    # trained only when `python -m dstune.builtin.trained` regenerates them)
+    trained_parts: tuple[str, ...] = ()
 
 
 @contextmanager

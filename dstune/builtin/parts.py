@@ -11,8 +11,10 @@ import functools
 import string
 
 from dstune.builtin.common import BUILD_THREADS, bytes_to_unicode, deterministic_cpu, train_tiny_vae
+from dstune.builtin.trained import TrainedPart, give_trained_weights
 
 _SEED = 0
+FLOW_VAE_PART = TrainedPart("tiny-flow-vae", train_tiny_vae)  # the flow models' 16-channel VAE (dstune.builtin.trained)
 T5_MAX_LENGTH = 32  # model_max_length of the tiny T5 tokenizer: caps max_sequence_length, keeps sequences short
 # the trained 16-channel VAE, as builtin:tiny-sd's 4-channel one is trained (common.train_tiny_vae)
 FLOW_VAE = dict(
@@ -174,7 +176,7 @@ def _trained_vae_state() -> tuple[dict, dict]:
 
     with deterministic_cpu(_SEED, BUILD_THREADS):
         vae = AutoencoderKL(**FLOW_VAE)
-        facts = train_tiny_vae(vae)
+        facts = give_trained_weights(FLOW_VAE_PART, vae)
     return {k: v.clone() for k, v in vae.state_dict().items()}, facts
 
 

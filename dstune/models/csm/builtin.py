@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dstune.builtin.common import BuiltinModel, deterministic_cpu
+from dstune.builtin.trained import TrainedPart, give_trained_weights
 from dstune.data.audio import resample
 from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
 from dstune.hf import quiet_hf_libraries
@@ -133,18 +134,33 @@ def fit_mimi_codebooks(codec, waves: list[torch.Tensor], iterations: int = 8) ->
                 residual = residual - centroids[torch.cdist(residual, centroids).argmin(1)]
 
 
+def _fit_codebooks(codec) -> dict:
+    rate = codec.config.sampling_rate
+    waves = [
+        torch.from_numpy(resample(render_tones(tones_text(i)), TONES_SAMPLE_RATE, rate))
+        for i in range(0, TONES_NUM_SAMPLES, 4)
+    ]
+    fit_mimi_codebooks(codec, waves)
+    return {}
+
+
+# its Mimi's fitted codebooks (the rest of Mimi is its random initialisation), stored with dstune
+# (dstune.builtin.trained)
+CODEBOOKS_PART = TrainedPart(
+    "tiny-csm-codebooks",
+    _fit_codebooks,
+    stored=lambda codec: {key: value for key, value in codec.state_dict().items() if ".codebook." in key},
+)
+
+
 def build_tiny_csm(out: Path, needs: dict) -> dict:
     from transformers import CsmForConditionalGeneration, CsmProcessor, EncodecFeatureExtractor
 
     config = tiny_csm_config()
     rate = config.codec_config.sampling_rate
-    waves = [
-        torch.from_numpy(resample(render_tones(tones_text(i)), TONES_SAMPLE_RATE, rate))
-        for i in range(0, TONES_NUM_SAMPLES, 4)
-    ]
     with deterministic_cpu(_SEED, 1), quiet_hf_libraries():
         model = CsmForConditionalGeneration(config).eval()
-        fit_mimi_codebooks(model.codec_model, waves)
+        give_trained_weights(CODEBOOKS_PART, model.codec_model)
     processor = CsmProcessor(EncodecFeatureExtractor(feature_size=1, sampling_rate=rate), csm_style_tokenizer())
     with quiet_hf_libraries():
         model.save_pretrained(out)
@@ -160,6 +176,7 @@ TINY_CSM = BuiltinModel(
     description="Sesame CSM (CsmForConditionalGeneration, ~50 k parameters + depth decoder) with a tiny Mimi "
     "(24 kHz, 12.5 frames/s, 4 x 32 codes) and its CsmProcessor",
     build=build_tiny_csm,
+    trained_parts=(CODEBOOKS_PART.name,),
 )
 
 

@@ -12,12 +12,14 @@ from dstune.builtin.common import (
     tiny_clip_tokenizer,
     train_tiny_vae,
 )
+from dstune.builtin.trained import TrainedPart, give_trained_weights
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, mse, randn, square_side
 from dstune.memory.activations import unet_structure
 
 
 TINY_SD_SEED = 0
+VAE_PART = TrainedPart("tiny-sd-vae", train_tiny_vae)  # its VAE, trained on the shapes (dstune.builtin.trained)
 TINY_SD_UNET = dict(
     sample_size=16,
     in_channels=4,
@@ -71,7 +73,7 @@ def build_tiny_sd(out: Path, needs: dict) -> dict:
         text_encoder = CLIPTextModel(tiny_clip_config())
         unet = UNet2DConditionModel(**TINY_SD_UNET)
         vae = AutoencoderKL(**TINY_SD_VAE)
-        facts = train_tiny_vae(vae)
+        facts = give_trained_weights(VAE_PART, vae)
     vae.register_to_config(scaling_factor=facts["vae_scaling_factor"])
     pipeline = StableDiffusionPipeline(
         vae=vae,
@@ -95,6 +97,7 @@ TINY_SD = BuiltinModel(
     family="sd",
     description="Stable-Diffusion-1.x-shaped pipeline: 0.8 M-parameter UNet, 32 px images, trained tiny VAE",
     build=build_tiny_sd,
+    trained_parts=(VAE_PART.name,),
 )
 
 

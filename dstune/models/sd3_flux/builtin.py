@@ -25,7 +25,7 @@ from dstune.builtin.common import (
     tiny_clip_config,
     tiny_clip_tokenizer,
 )
-from dstune.builtin.parts import tiny_t5_tokenizer, trained_flow_vae
+from dstune.builtin.parts import FLOW_VAE_PART, tiny_t5_tokenizer, trained_flow_vae
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
 
@@ -148,6 +148,7 @@ TINY_FLOW = BuiltinModel(
     family="flow",
     description="SD3-class pipeline: ~0.1 M-parameter SD3 transformer, CLIP x2 + T5, trained 16-channel VAE",
     build=build_tiny_flow,
+    trained_parts=(FLOW_VAE_PART.name,),
 )
 TINY_FLUX = BuiltinModel(
     name="tiny-flux",
@@ -156,6 +157,7 @@ TINY_FLUX = BuiltinModel(
     description="Flux-class pipeline: ~0.1 M-parameter Flux transformer with guidance embedding, CLIP + T5, "
     "trained 16-channel VAE",
     build=build_tiny_flux,
+    trained_parts=(FLOW_VAE_PART.name,),
 )
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dstune.builtin.common import BuiltinModel, deterministic_cpu
+from dstune.builtin.trained import TrainedPart, give_trained_weights
 from dstune.data.audio import resample
 from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
 from dstune.models.tts_lm.token_layouts import TTS_LAYOUT_FILE, tts_layout
@@ -57,8 +58,7 @@ def build_tiny_tts_lm(out: Path, needs: dict) -> dict:
     )
     with deterministic_cpu(_SEED, 1):
         codec = EncodecModel(codec_config).eval()
-        _fit_codebooks(codec)
-        facts = _fit_decoder(codec)
+        facts = give_trained_weights(CODEC_PART, codec)
         lm = LlamaForCausalLM(
             LlamaConfig(
                 vocab_size=layout["vocab_size"],
@@ -145,12 +145,22 @@ def _fit_decoder(codec, steps: int = DECODER_STEPS, batch: int = 4) -> dict:
     return {"codec_decoder_steps": steps, "codec_decoder_spectral_l1": round(loss.item(), 4)}
 
 
+def _fit_codec(codec) -> dict:
+    _fit_codebooks(codec)
+    return _fit_decoder(codec)
+
+
+# its EnCodec with fitted codebooks and decoder, stored with dstune (dstune.builtin.trained)
+CODEC_PART = TrainedPart("tiny-tts-lm-codec", _fit_codec)
+
+
 TINY_TTS_LM = BuiltinModel(
     name="tiny-tts-lm",
-    folder_name="tiny-tts-lm-v3",
+    folder_name="tiny-tts-lm-v4",
     family="tts_lm",
     description="Llama-shaped causal LM (~0.1 M parameters) over byte text + EnCodec tokens (2 x 32 codes, 8 kHz)",
     build=build_tiny_tts_lm,
+    trained_parts=(CODEC_PART.name,),
 )
 
 

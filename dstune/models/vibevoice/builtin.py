@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dstune.builtin.common import BuiltinModel, bytes_to_unicode, deterministic_cpu
+from dstune.builtin.trained import TrainedPart, give_trained_weights
 from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import LM_VOCAB, Case, attr, generator, randn
@@ -141,6 +142,23 @@ def fit_token_layout(model, processor, steps: int = 40) -> None:
     model.eval()
 
 
+LM_PART = "tiny-vibevoice-lm"
+
+
+def _lm_part(processor) -> TrainedPart:
+    """Its LM after fit_token_layout, stored with dstune (dstune.builtin.trained); the rest is its initialisation."""
+
+    def train(model) -> dict:
+        fit_token_layout(model, processor)
+        return {}
+
+    return TrainedPart(
+        LM_PART,
+        train,
+        stored=lambda model: {k: v for k, v in model.state_dict().items() if k.startswith("model.language_model.")},
+    )
+
+
 def build_tiny_vibevoice(out: Path, needs: dict) -> dict:
     from transformers import (
         GenerationConfig,
@@ -156,7 +174,7 @@ def build_tiny_vibevoice(out: Path, needs: dict) -> dict:
             sampling_rate=24000, pad_to_multiple_of=model.config.audio_config.hop_length
         )
         processor = VibeVoiceProcessor(feature_extractor, tokenizer, chat_template=CHAT_TEMPLATE)
-        fit_token_layout(model, processor)
+        give_trained_weights(_lm_part(processor), model)
     end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model.generation_config = GenerationConfig(
         **TINY_VIBEVOICE_GENERATION, bos_token_id=end, eos_token_id=end, pad_token_id=end
@@ -177,6 +195,7 @@ TINY_VIBEVOICE = BuiltinModel(
     description="VibeVoice (VibeVoiceForConditionalGeneration: Qwen2 LM + diffusion head over 7.5 Hz acoustic "
     "latents) with a tiny acoustic tokenizer inside it and its VibeVoiceProcessor",
     build=build_tiny_vibevoice,
+    trained_parts=(LM_PART,),
 )
 
 

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
-from dstune.builtin.parts import trained_flow_vae
+from dstune.builtin.parts import FLOW_VAE_PART, trained_flow_vae
 from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE, tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, attr, mse, randn, square_side
@@ -89,6 +89,7 @@ TINY_Z_IMAGE = BuiltinModel(
     description="Z-Image pipeline: one-layer Z-Image transformer, Qwen3 text encoder (two 32-wide layers), the "
     "trained 16-channel VAE of tiny-flow",
     build=build_tiny_z_image,
+    trained_parts=(FLOW_VAE_PART.name,),
 )
 
 
