@@ -65,8 +65,8 @@ validate-json:
 		echo "tests/data/validate_json/$$(basename $$spec .yaml).json  <-  $$spec $$flags"; \
 	done; rmdir $$empty
 
-# The pinned 20-step loss trajectory of every built-in model (tests/data/golden_losses.json), which
-# tests/unit/test_golden_losses.py compares to 1e-6. Only for an intended numerics change: say so in the commit.
+# The pinned 20-step float64 loss trajectory of every built-in model (tests/data/golden_losses.json), which
+# tests/unit/test_golden_losses.py compares to 1e-8. Only for an intended numerics change: say so in the commit.
 golden-losses:
 	PYTHONPATH=$(CURDIR) $(PYTHON) tests/unit/test_golden_losses.py --regenerate
 
