@@ -163,7 +163,9 @@ def decoder_batch(config, codes: list[torch.Tensor]) -> dict:
     sequence = delayed(frames, delays, bos, pad)
     labels = sequence[:, 1:].clone()
     labels[(labels == pad) | (labels == bos)] = -100
-    labels = labels.transpose(1, 2).reshape(len(codes) * channels, -1)
+    labels = (
+        labels.transpose(1, 2).reshape(len(codes) * channels, -1).contiguous()
+    )  # one clip: a view; the loss views it flat
     return {"decoder_input_ids": sequence[:, :-1], "decoder_attention_mask": mask[:, :-1], "labels": labels}
 
 
