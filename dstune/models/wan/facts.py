@@ -15,6 +15,10 @@ from dstune.models.wan import layouts as wan_layouts
 
 TRANSFORMER_CLASS = "WanTransformer3DModel"
 DEFAULT_TEXT_TOKENS = 512  # umT5's max_sequence_length in WanPipeline
+# Wan 2.1 I2V's cross-attention (diffusers' WanAttnProcessor) takes all but the last 512 context tokens as the image
+# embedding's: its text must be exactly this long, or the image tokens are read as text and the image projections
+# (add_k_proj, add_v_proj) get no gradient
+IMAGE_EMBEDDING_TEXT_TOKENS = 512
 
 
 def clip_tokens(config: dict, resolution, frames: int, vae_factor: int = 8) -> float:
@@ -120,10 +124,23 @@ def _token_factors(folder) -> tuple[int, tuple[int, int, int], int, str]:
 
 def _spec_issues(spec, folder) -> list[tuple[str, str]]:
     """The folder's layout against model.image_to_video, and image-to-video samples' first frames
-    (dstune.models.wan.layouts)."""
-    return wan_layouts.spec_problems(
-        folder.index, folder.config("transformer"), folder.config("vae"), spec.model.image_to_video, spec.sample
+    (dstune.models.wan.layouts); the text length a transformer that reads an image embedding needs."""
+    config = folder.config("transformer")
+    problems = wan_layouts.spec_problems(
+        folder.index, config, folder.config("vae"), spec.model.image_to_video, spec.sample
     )
+    tokens = spec.model.max_sequence_length
+    if config.get("added_kv_proj_dim") and tokens not in (None, IMAGE_EMBEDDING_TEXT_TOKENS):
+        problems.append(
+            (
+                "model.max_sequence_length",
+                f"{tokens}: a Wan 2.1 image-to-video transformer takes all but the last "
+                f"{IMAGE_EMBEDDING_TEXT_TOKENS} context tokens as the image embedding's (diffusers' WanAttnProcessor), "
+                f"so its text must be {IMAGE_EMBEDDING_TEXT_TOKENS} tokens; with {tokens} the image embedding would be "
+                f"read as text. Remove model.max_sequence_length (or set it to {IMAGE_EMBEDDING_TEXT_TOKENS})",
+            )
+        )
+    return problems
 
 
 VIDEO_FACTS = VideoFacts(
