@@ -319,6 +319,9 @@ def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tm
     assert memory["cache_disk_bytes"] == 144 * per_clip
     config = json.loads((STORE / "builtin" / "tiny-wan22-ti2v-v1" / "transformer" / "config.json").read_text())
     assert clip_tokens(config, 64, 5, 16) == clip_tokens(config, 32, 5, 8)
+    from dstune.families.video_facts import token_factors
+
+    assert token_factors(TI2V)[:2] == (16, (1, 2, 2))  # its VAE's 8x stages, then the VAE's own 2x2 pixel patches
     code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": ["a red circle moving left"]})
     assert code != 0 and "sample.prompts: image-to-video renders each clip from a first frame" in out.err + out.out
     code, out = _validate(tmp_path, capsys, {"image_to_video": True}, {"prompts": []})

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dstune.families.denoiser_facts import embedding_width_bytes, latent_channels, transformer_text_bytes
 from dstune.families.video_facts import VideoFacts, clip_volume
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
+from dstune.memory.counts import vae_factor
 from dstune.models.wan import layouts as wan_layouts
 
 TRANSFORMER_CLASS = "WanTransformer3DModel"
@@ -116,10 +117,10 @@ def _condition_cache_bytes(spec, folder, companions: dict, channels: int, factor
 
 def _token_factors(folder) -> tuple[int, tuple[int, int, int], int, str]:
     """(VAE spatial factor, transformer patch (t, h, w), VAE temporal factor (4), where they came from) of a Wan
-    folder's configs."""
-    downsample = folder.config("vae").get("temperal_downsample") or []
+    folder's configs: a spatial halving per downsampling stage, times the VAE's own pixel patches where it has them
+    (Wan 2.2's 16x VAE: 8x stages, then 2x2)."""
     patch = folder.config("transformer").get("patch_size", [1, 2, 2])
-    return 2 ** len(downsample), tuple(patch), 4, f"the VAE and transformer configs of {folder.origin}"
+    return vae_factor(folder.config("vae")), tuple(patch), 4, f"the VAE and transformer configs of {folder.origin}"
 
 
 def _spec_issues(spec, folder) -> list[tuple[str, str]]:
