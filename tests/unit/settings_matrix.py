@@ -391,3 +391,59 @@ def run_cases(cases: list[tuple[str, str]]) -> None:
         ]
         result.update(case=name, printed=printed.getvalue()[-3000:], seconds=round(time.perf_counter() - started, 2))
         print(json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------------------------------- the 2-rank runs
+
+# what only DeepSpeed at two ranks does, with the step settings whose interaction with it matters most
+DEEPSPEED_FACTORS = {
+    "zero_stage": (0, 2, 3),
+    "accumulation": (1, 2),  # 2: micro batch 1 x 2 micro steps through the engine; 1: micro batch 2
+    "cache": (False, True),  # built by both ranks, each a share
+    "precision": ("fp32", "bf16"),  # DeepSpeed's bf16: its own optimizer over fp32 master weights
+    "train": ("full", "lora"),
+    "gradient_checkpointing": (False, True),
+    "grouped": (False, True),  # aspect-ratio buckets (images, clips) or duration buckets (speech), over the ranks
+}
+
+
+def _run_row(name: str, settings: dict, zero_stage: int, second: bool) -> dict:
+    """A 2-rank run's row (case_spec's terms) for `name`: DEEPSPEED_FACTORS' values, less what the model does not
+    have (SpeechT5: LoRA, checkpointing, a cache), and its own settings at their first value (the second run: last)."""
+    own = factors(name)
+    row = {"zero_stage": zero_stage, **{k: v for k, v in settings.items() if k in own}}
+    row.update(micro_batch_size=2 // settings["accumulation"], gradient_accumulation_steps=settings["accumulation"])
+    if kind(name) == SPEECH_KIND:
+        row["durations"] = "bucketed" if settings["grouped"] else "mixed"
+    else:
+        row["buckets"] = settings["grouped"]
+    for setting, values in own.items():
+        row.setdefault(setting, values[-1] if second else values[0])
+    return row
+
+
+def deepspeed_runs(models: list[str]) -> list[tuple[str, dict]]:
+    """Two 2-rank runs per model: ZeRO 3 with a row of a pairwise design over the other DEEPSPEED_FACTORS (the rows
+    handed out in turn), and ZeRO 0 or 2 (by blocks of len(rows) models, so that every row meets both) with that
+    row's complement. So each model runs every value of every setting under DeepSpeed, its own options at both ends,
+    and the runs as made cover every pair of DEEPSPEED_FACTORS' values (tests/dist/test_settings_matrix.py checks
+    both)."""
+    from covering_array import pairwise
+
+    binary = {k: v for k, v in DEEPSPEED_FACTORS.items() if k != "zero_stage"}
+    rows = pairwise(binary)
+    runs = []
+    for number, name in enumerate(models):
+        row = rows[number % len(rows)]
+        other = {k: values[1 - values.index(row[k])] for k, values in binary.items()}
+        runs.append((name, _run_row(name, row, 3, second=False)))
+        runs.append((name, _run_row(name, other, 0 if number // len(rows) % 2 == 0 else 2, second=True)))
+    return runs
+
+
+def as_deepspeed_row(row: dict) -> dict:
+    """A run's row in DEEPSPEED_FACTORS' terms (to check the coverage of the runs as made)."""
+    out = {k: row[k] for k in DEEPSPEED_FACTORS if k in row}
+    out["accumulation"] = row["gradient_accumulation_steps"]
+    out["grouped"] = bool(row.get("buckets")) or row.get("durations") == "bucketed"
+    return out
