@@ -30,7 +30,7 @@ pytestmark = pytest.mark.dist
 
 MODELS = sorted(BUILTIN_MODELS)
 DESIGN = matrix.deepspeed_runs(MODELS)
-# issue 44's report: Dia at micro batch 1 (global batch 2 on 2 ranks, ZeRO 2, fp32, full) stopped every rank at step 1
+# a user's spec: Dia at micro batch 1 (global batch 2 on 2 ranks, ZeRO 2, fp32, full) stopped every rank at step 1
 REPORTED = [("tiny-dia", {"zero_stage": 2, "micro_batch_size": 1, "precision": "fp32", "train": "full"})]
 RUNS = DESIGN + REPORTED
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_runs.py"
