@@ -9,7 +9,7 @@ PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 install:
 	@$(PYTHON) -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null \
 		|| $(PIP) torch==$(TORCH_VERSION)
-	@$(PYTHON) -c "import dstune.cli, pytest, xdist, hypothesis, av, snac, peft, ftfy, ruff" 2>/dev/null && $(PYTHON) -m pip show --quiet dstune >/dev/null 2>&1 \
+	@$(PYTHON) -c "import dstune.cli, pytest, xdist, hypothesis, av, snac, peft, ftfy, ruff, schedulefree, prodigyopt" 2>/dev/null && $(PYTHON) -m pip show --quiet dstune >/dev/null 2>&1 \
 		|| $(PIP) -e '.[test]'
 
 # Two pytest workers (pytest-xdist), each running whole test modules (--dist loadfile: a module's shared launches

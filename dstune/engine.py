@@ -12,6 +12,7 @@ import math
 import torch
 
 from dstune.ds_json.blocks import uses_deepspeed_optimizer
+from dstune.optimizers import build_client_optimizer, train_mode
 from dstune.plan import Plan
 from dstune.spec.models import SchedulerSpec, TrainSpec
 
@@ -50,8 +51,12 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
-def build_optimizer(train: TrainSpec, params, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(train: TrainSpec, params, lr: float, sharded: bool = False) -> torch.optim.Optimizer:
+    """The client optimizer DeepSpeed is given; `sharded`: ZeRO >= 1 hands it this rank's flat partitions."""
     opt = train.optimizer
+    client = build_client_optimizer(train, params, lr, sharded)
+    if client is not None:
+        return client
     if opt.type == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
     if opt.type == "adam":
@@ -132,7 +137,10 @@ def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, pl
     if not params:
         raise ValueError("the model has no trainable parameters")
     multiplier = LrMultiplier(train.scheduler, plan.total_steps)
-    optimizer = None if uses_deepspeed_optimizer(ds_config) else build_optimizer(train, params, plan.effective_lr)
+    sharded = int(ds_config.get("zero_optimization", {}).get("stage", 0)) >= 1
+    optimizer = (
+        None if uses_deepspeed_optimizer(ds_config) else build_optimizer(train, params, plan.effective_lr, sharded)
+    )
     # Sequence parallelism: DeepSpeed's own sequence-parallel groups (dstune.distributed.with_sequence_groups made
     # them) as its mpu, so ZeRO partitions and reduces over every rank and averages over the data-parallel groups only
     mpu = None
@@ -148,6 +156,7 @@ def wrap_model(trainable: torch.nn.Module, train: TrainSpec, ds_config: dict, pl
         mpu=mpu,
         dist_init_required=False,
     )
+    train_mode(engine)  # schedule-free: the weights it steps (a no-op for the others)
     return engine
 
 
@@ -216,7 +225,19 @@ _GROUP_SETTINGS = {
     "lion": {"betas": "betas", "weight_decay": "weight_decay"},
     "sgd": {"momentum": "momentum", "weight_decay": "weight_decay"},
     "adafactor": {"weight_decay": "weight_decay"},
+    "prodigy": {"betas": "betas", "eps": "eps", "weight_decay": "weight_decay", "d_coef": "d_coef"},
+    "adamw_schedulefree": {"betas": "betas", "eps": "eps", "weight_decay": "weight_decay"},
+    "adamw8bit": {"betas": "betas", "eps": "eps", "weight_decay": "weight_decay"},
+    # DeepSpeed's Muon: the Adam half's groups carry betas and eps, the Muon half's its momentum
+    "muon": {"betas": "betas", "eps": "eps", "weight_decay": "weight_decay", "muon_momentum": "momentum"},
 }
+
+
+def group_base_lr(group: dict, train: TrainSpec, plan: Plan) -> float:
+    """The peak LR of one param group: Muon's matrices have their own (train.optimizer.muon_lr, scaled like lr)."""
+    if group.get("use_muon"):
+        return train.optimizer.muon_lr * plan.lr_scale
+    return plan.effective_lr
 
 
 def follow_plan_schedule(engine, train: TrainSpec, plan: Plan, schedule_steps: int | None = None) -> None:
@@ -230,13 +251,14 @@ def follow_plan_schedule(engine, train: TrainSpec, plan: Plan, schedule_steps: i
     scheduler = engine.lr_scheduler
     multiplier = LrMultiplier(train.scheduler, plan.total_steps if schedule_steps is None else schedule_steps)
     scheduler.lr_lambdas = [multiplier] * len(scheduler.lr_lambdas)
-    scheduler.base_lrs = [plan.effective_lr] * len(scheduler.base_lrs)
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [group_base_lr(group, train, plan) for group in groups]
     lrs = [base * multiplier(scheduler.last_epoch) for base in scheduler.base_lrs]
     settings = {
         key: getattr(train.optimizer, field) for field, key in _GROUP_SETTINGS.get(train.optimizer.type, {}).items()
     }
-    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-        group["lr"], group["initial_lr"] = lr, plan.effective_lr
+    for group, lr, base in zip(groups, lrs, scheduler.base_lrs):
+        group["lr"], group["initial_lr"] = lr, base
         for key, value in settings.items():
             if key in group:  # DeepSpeed's own optimizers name the same settings the same way
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value

@@ -23,6 +23,7 @@ from dstune.checkpoints.store import checkpoint_bytes_estimate, save_checkpoint,
 from dstune.distributed import Run, all_gather_object, stop
 from dstune.ema import Ema
 from dstune.engine import current_lr
+from dstune.optimizers import averaged_weights
 from dstune.evaluation import HeldOut, evaluate
 from dstune.families.base import Family
 from dstune.families.samples import write_contact_sheet
@@ -135,7 +136,10 @@ def held_out_fields(ctx: LoopContext, display: ProgressDisplay, step: int) -> di
     """Collective when due: {"eval_loss", "eval_samples"} after the steps data.eval.every_steps names, else {}."""
     if ctx.held_out is None or not ctx.held_out.due(step, ctx.plan.total_steps):
         return {}
-    loss, count = evaluate(ctx.run, ctx.family, ctx.built, ctx.engine, ctx.held_out, ctx.compute_dtype, ctx.offloaded)
+    with averaged_weights(ctx.engine):  # schedule-free: its averaged weights (a no-op for other optimizers)
+        loss, count = evaluate(
+            ctx.run, ctx.family, ctx.built, ctx.engine, ctx.held_out, ctx.compute_dtype, ctx.offloaded
+        )
     display.message(f"held-out loss at step {step}: {loss:.5f} ({count} samples, data.eval)")
     return {"eval_loss": loss, "eval_samples": count}
 
@@ -204,18 +208,20 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                 and state.global_step % ctx.save_every_steps == 0
                 and state.global_step < plan.total_steps
             ):
-                save_checkpoint(
-                    engine,
-                    run,
-                    ctx.run_dir,
-                    _next_position(state, plan),
-                    ctx.checkpoint_extra,
-                    ctx.keep_last,
-                    ema=ctx.ema,
-                )
+                with averaged_weights(engine):  # schedule-free: a checkpoint holds its averaged weights
+                    save_checkpoint(
+                        engine,
+                        run,
+                        ctx.run_dir,
+                        _next_position(state, plan),
+                        ctx.checkpoint_extra,
+                        ctx.keep_last,
+                        ema=ctx.ema,
+                    )
             sample_every = ctx.sample_spec.every_steps
             if sample_every and state.global_step % sample_every == 0 and state.global_step < plan.total_steps:
-                render_samples(ctx, state.global_step, metrics)
+                with averaged_weights(engine):
+                    render_samples(ctx, state.global_step, metrics)
             if state.global_step >= plan.total_steps:
                 break
             if stop_agreed:

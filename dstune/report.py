@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dstune.ds_json.merge import flatten
+from dstune.memory.plan import state_bytes_per_param
 from dstune.spec.load import SpecIssue
 from dstune.sequence_parallel import report_rows as sequence_rows
 from dstune.video_plan import summary_rows
@@ -181,7 +182,30 @@ def _length_rows(plan, train) -> list[tuple[str, str]]:
     ]
 
 
-def _lr_rows(plan, train) -> list[tuple[str, str]]:
+# What each optimizer does with the LR and the schedule, where it is not plain Adam's (validate's optimizer row)
+OPTIMIZER_RULES = {
+    "prodigy": "lr multiplies its own step-size estimate (1.0: the estimate as is; x d_coef); no batch scaling",
+    "adamw_schedulefree": "no decay schedule (its averaging is one); samples, checkpoints and the export hold its "
+    "averaged weights",
+    "adamw8bit": "AdamW with 8-bit block-wise moments (bitsandbytes)",
+    "muon": "DeepSpeed's Muon on the matrices at muon_lr {muon_lr}, momentum {muon_momentum}; Adam on the rest at lr",
+}
+
+
+def _optimizer_text(train, deepspeed) -> str:
+    opt = train.optimizer
+    bf16_states = bool(deepspeed is not None and deepspeed.bf16_optimizer_states)
+    zero_stage = deepspeed.zero_stage if deepspeed is not None else 0
+    state = state_bytes_per_param(opt.type, train.precision, zero_stage, opt.momentum, bf16_states)
+    rule = OPTIMIZER_RULES.get(opt.type, "").format(muon_lr=_fmt(opt.muon_lr), muon_momentum=_fmt(opt.muon_momentum))
+    where = " (bf16 master weights and moments, DeepSpeed's CPU Adam)" if bf16_states else ""
+    return (
+        f"{opt.type}, weight decay {_fmt(opt.weight_decay)}{'; ' + rule if rule else ''}; "
+        f"{_fmt(state)} bytes of state per trained parameter{where}"
+    )
+
+
+def _lr_rows(plan, train, deepspeed=None) -> list[tuple[str, str]]:
     rows = [("base lr", _fmt(plan.base_lr))]
     if train is not None and train.lr_scaling != "none":
         rows.append(
@@ -203,8 +227,7 @@ def _lr_rows(plan, train) -> list[tuple[str, str]]:
             else ""
         )
         rows.append(("schedule", f"{sched.type}{decay}"))
-        opt = train.optimizer
-        rows.append(("optimizer", f"{opt.type}, weight decay {_fmt(opt.weight_decay)}"))
+        rows.append(("optimizer", _optimizer_text(train, deepspeed)))
     return rows
 
 
@@ -444,7 +467,7 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
             *([("Buckets", _bucket_rows(plan))] if plan.groups else []),
             *([("Clips", summary_rows(outcome.clips))] if outcome.clips else []),
             ("Length", _length_rows(plan, train)),
-            ("LR", _lr_rows(plan, train)),
+            ("LR", _lr_rows(plan, train, spec.deepspeed)),
             *(
                 [
                     (

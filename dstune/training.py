@@ -50,6 +50,7 @@ from dstune.interrupts import at_step_boundaries, exit_code_for_stop, launched_b
 from dstune.loop import LoopContext, NonFiniteLoss, TrainingInterrupted, render_samples, train_loop
 from dstune.memory.record import MemoryRecorder, phase_table, summary_text
 from dstune.memory.counts import import_model_classes
+from dstune.optimizers import averaged_weights
 from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
 from dstune.report import plan_text
 from dstune.runlock import release_held as release_run_lock, take as take_run_lock
@@ -296,7 +297,8 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
         trackers = open_trackers(run_dir, spec.output.tensorboard, spec.output.wandb, spec.model_dump(mode="json"))
     metrics = MetricsFile(run_dir / "metrics.jsonl", run.is_main, trackers)
     if state.global_step == 0:
-        render_samples(ctx, 0, metrics)
+        with averaged_weights(ctx.engine):  # schedule-free's averaged weights (a no-op for other optimizers)
+            render_samples(ctx, 0, metrics)
     display = ProgressDisplay(run.is_main, plan.total_steps, plan.epochs, state.global_step)
     started = time.perf_counter()
     try:
@@ -317,9 +319,10 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
         display.close()
     elapsed = time.perf_counter() - started
     tag = tag_for(state.global_step)
-    if read_latest(checkpoint_root(run_dir)) != tag:  # resuming a finished run: its last checkpoint stays as it is
-        save_checkpoint(ctx.engine, run, run_dir, state, ctx.checkpoint_extra, spec.output.keep_last, ema=ctx.ema)
-    render_samples(ctx, state.global_step, metrics)  # closes the last step phase
+    with averaged_weights(ctx.engine):  # schedule-free: the checkpoint and the export hold its averaged weights
+        if read_latest(checkpoint_root(run_dir)) != tag:  # resuming a finished run: its last checkpoint stays
+            save_checkpoint(ctx.engine, run, run_dir, state, ctx.checkpoint_extra, spec.output.keep_last, ema=ctx.ema)
+        render_samples(ctx, state.global_step, metrics)  # closes the last step phase
     _write_memory_records(run, run_dir, ctx.memory)
     metrics.close()
     if run.is_main:

@@ -44,6 +44,7 @@ from dstune.checkpoints.store import load_checkpoint
 from dstune.distributed import Run, agree_or_stop, stop
 from dstune.ds_json.blocks import with_universal_loading
 from dstune.engine import follow_plan_schedule, saved_schedule_steps
+from dstune.optimizers import train_mode
 from dstune.plan import Plan
 from dstune.spec.diff import describe_changes, refused_changes_text, spec_changes
 from dstune.spec.models import Spec
@@ -170,6 +171,7 @@ def continue_from(run: Run, resuming: Optional[Resuming], engine, ema, resolved:
     except CheckpointError as err:
         error = str(err)
     agree_or_stop(run, error)
+    train_mode(engine)  # schedule-free: the checkpoint held its averaged weights; back to the ones it steps
     if resuming.universal_root is not None:
         remove_universal_copy(run, resuming.universal_root)
     how = ""

@@ -35,11 +35,17 @@ from dstune.ds_json.merge import AUTO, merge_user_ds_config, stage3_bucket_sizes
 from dstune.ds_json.user_file import load_user_ds_config, user_config_path
 from dstune.plan import Plan
 from dstune.spec.load import SpecError, SpecIssue, SpecSource
-from dstune.spec.models import ADAFACTOR_STYLE, DeepSpeedSpec, OffloadSpec, TrainSpec
+from dstune.spec.models import ADAFACTOR_STYLE, ADAPTIVE_LR, SCHEDULE_FREE, DeepSpeedSpec, OffloadSpec, TrainSpec
 
 STEPS_PER_PRINT = 1_000_000_000  # dstune prints its own progress; DeepSpeed's step log would interleave with it
 DEEPSPEED_OPTIMIZER_TYPES = {"adam": "Adam", "adamw": "AdamW"}  # DeepSpeedCPUAdam under optimizer offload
 ZERO_TESTED_CLIENT_OPTIMIZERS = frozenset({"adam", "adamw"})  # torch.optim.Adam/AdamW are in ZERO_SUPPORTED_OPTIMIZERS
+# Optimizers whose step keeps per-step counters or global sums in their param group (Prodigy's estimate,
+# schedule-free's averaging weights): ZeRO-3 steps each sub-group of sub_group_size elements with its own step()
+# call (stage3.py _optimizer_step), which would advance them once per sub-group, so their ZeRO-3 runs keep one
+# sub-group per param group.
+WHOLE_STEP_OPTIMIZERS = ADAPTIVE_LR | SCHEDULE_FREE
+ONE_SUB_GROUP = 1 << 40
 FP16_DYNAMIC_LOSS_SCALING = {
     "loss_scale": 0,
     "initial_scale_power": 16,
@@ -78,7 +84,9 @@ def _offload_block(offload: OffloadSpec) -> dict:
     return block
 
 
-def _zero_block(deepspeed: DeepSpeedSpec, sequence_parallel_size: int = 1) -> dict:
+def _zero_block(
+    deepspeed: DeepSpeedSpec, sequence_parallel_size: int = 1, whole_step: bool = False, muon: bool = False
+) -> dict:
     stage = deepspeed.zero_stage
     block: dict = {"stage": stage}
     if stage == 0:
@@ -90,11 +98,15 @@ def _zero_block(deepspeed: DeepSpeedSpec, sequence_parallel_size: int = 1) -> di
         block["allgather_bucket_size"] = deepspeed.allgather_bucket_size
     else:
         prefetch, persistence = stage3_bucket_sizes(deepspeed.reduce_bucket_size)
+        if whole_step:
+            block["sub_group_size"] = ONE_SUB_GROUP
         block.update(
             stage3_prefetch_bucket_size=prefetch,
             stage3_param_persistence_threshold=persistence,
             stage3_gather_16bit_weights_on_model_save=True,
         )  # save_16bit_model writes nothing otherwise
+        if muon:  # stage3.py: "Muon and reduce scatter cannot be used together" (it all-reduces whole matrices)
+            block["reduce_scatter"] = False
         if sequence_parallel_size > 1:
             # stage3.py's reduce-scatter path averages gradients over every rank, its all-reduce path over the
             # data-parallel groups only (ranks / sequence_parallel_size), which is what sequence parallelism needs
@@ -108,18 +120,37 @@ def _zero_block(deepspeed: DeepSpeedSpec, sequence_parallel_size: int = 1) -> di
     return block
 
 
-def _precision_blocks(precision: str) -> dict:
-    """Both blocks, always explicit: fp32 is both disabled, so an "auto" in a user's file has a value to take."""
+def _precision_blocks(precision: str, bf16_states: bool = False) -> dict:
+    """Both blocks, always explicit: fp32 is both disabled, so an "auto" in a user's file has a value to take.
+    deepspeed.bf16_optimizer_states: DeepSpeed's bf16 master weights and gradients, which its bf16 states need."""
     fp16 = {"enabled": precision == "fp16"}
     if precision == "fp16":
         fp16.update(FP16_DYNAMIC_LOSS_SCALING)
-    return {"fp16": fp16, "bf16": {"enabled": precision == "bf16"}}
+    bf16 = {"enabled": precision == "bf16"}
+    if bf16_states:
+        bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    return {"fp16": fp16, "bf16": bf16}
 
 
 def _optimizer_settings(train: TrainSpec, deepspeed: DeepSpeedSpec, plan: Plan) -> dict:
     """DeepSpeed's optimizer block (offloaded Adam/AdamW) or the flags a client optimizer needs under ZeRO."""
     opt = train.optimizer
     offloaded = deepspeed.zero_stage >= 1 and deepspeed.offload_optimizer.device in ("cpu", "nvme")
+    if opt.type == "muon":  # DeepSpeed's own Muon: it tags the matrices (use_muon) and builds both halves
+        return {
+            "optimizer": {
+                "type": "Muon",
+                "params": {
+                    "lr": plan.effective_lr,
+                    "adam_lr": plan.effective_lr,
+                    "muon_lr": opt.muon_lr * plan.lr_scale,
+                    "momentum": opt.muon_momentum,
+                    "betas": list(opt.betas),
+                    "eps": opt.eps,
+                    "weight_decay": opt.weight_decay,
+                },
+            }
+        }
     if offloaded and opt.type in DEEPSPEED_OPTIMIZER_TYPES:
         return {
             "optimizer": {
@@ -164,7 +195,11 @@ def _optimizer_notes(train: TrainSpec, deepspeed: DeepSpeedSpec, source: SpecSou
                 severity="warning",
             )
         )
-    if opt_type not in DEEPSPEED_OPTIMIZER_TYPES and deepspeed.offload_optimizer.device != "none":
+    if (
+        opt_type not in DEEPSPEED_OPTIMIZER_TYPES
+        and opt_type != "muon"
+        and deepspeed.offload_optimizer.device != "none"
+    ):
         notes.append(
             source.issue(
                 "deepspeed.offload_optimizer",
@@ -175,7 +210,68 @@ def _optimizer_notes(train: TrainSpec, deepspeed: DeepSpeedSpec, source: SpecSou
                 severity="warning",
             )
         )
-    return notes
+    return notes + optimizer_refusals(train, deepspeed, source)
+
+
+def optimizer_refusals(train: TrainSpec, deepspeed: DeepSpeedSpec, source: SpecSource) -> list[SpecIssue]:
+    """The combinations an optimizer or DeepSpeed cannot run, each with its reason (errors), and Prodigy's lr
+    outside its range (a warning)."""
+    opt, out = train.optimizer, []
+    if opt.type in ADAPTIVE_LR and train.lr_scaling != "none":
+        out.append(
+            source.issue(
+                "train.lr_scaling",
+                (
+                    f"{train.lr_scaling} scaling with {opt.type}: Prodigy estimates its own step size from the run, and "
+                    "its lr multiplies that estimate, so there is no batch-size rule to apply. Set lr_scaling: none."
+                ),
+            )
+        )
+    if opt.type in ADAPTIVE_LR and not 0.1 <= opt.lr <= 10:
+        out.append(
+            source.issue(
+                "train.optimizer.lr",
+                (
+                    f"{opt.lr:g} with prodigy multiplies its estimated step size by {opt.lr:g}: Prodigy's lr is 1.0 (the "
+                    "estimate as is; an Adam learning rate here all but stops training). Tune d_coef (0.5 to 2) instead."
+                ),
+                severity="warning",
+            )
+        )
+    if opt.type in SCHEDULE_FREE and train.scheduler.type not in ("constant", "constant_with_warmup"):
+        out.append(
+            source.issue(
+                "train.scheduler.type",
+                (
+                    f"{train.scheduler.type} with {opt.type}: schedule-free AdamW replaces the decay schedule (its "
+                    "averaged weights are the schedule) and a decaying LR breaks its averaging. Use constant, or "
+                    "constant_with_warmup for a warmup."
+                ),
+            )
+        )
+    if deepspeed.bf16_optimizer_states:
+        missing = [
+            what
+            for what, ok in (
+                ("train.precision bf16", train.precision == "bf16"),
+                ("zero_stage >= 1", deepspeed.zero_stage >= 1),
+                ("offload_optimizer cpu", deepspeed.offload_optimizer.device == "cpu"),
+                ("optimizer adam or adamw", opt.type in DEEPSPEED_OPTIMIZER_TYPES),
+            )
+            if not ok
+        ]
+        if missing:
+            out.append(
+                source.issue(
+                    "deepspeed.bf16_optimizer_states",
+                    (
+                        f"needs {', '.join(missing)}: DeepSpeed keeps bf16 optimizer states only for its CPU Adam under "
+                        "ZeRO optimizer offload, over bf16 master weights (runtime/config.py, base_optimizer.py). Set "
+                        "those, or remove bf16_optimizer_states."
+                    ),
+                )
+            )
+    return out
 
 
 def spec_ds_config(train: TrainSpec, deepspeed: DeepSpeedSpec, plan: Plan) -> dict:
@@ -186,8 +282,13 @@ def spec_ds_config(train: TrainSpec, deepspeed: DeepSpeedSpec, plan: Plan) -> di
         "gradient_accumulation_steps": int(plan.gradient_accumulation_steps),
         # Always explicit: DeepSpeed's default changed from 0.0 to 1.0 in 0.19.3; Adafactor needs 0.0.
         "gradient_clipping": float(plan.gradient_clipping),
-        **_precision_blocks(train.precision),
-        "zero_optimization": _zero_block(deepspeed, plan.sequence_parallel_size),
+        **_precision_blocks(train.precision, deepspeed.bf16_optimizer_states),
+        "zero_optimization": _zero_block(
+            deepspeed,
+            plan.sequence_parallel_size,
+            train.optimizer.type in WHOLE_STEP_OPTIMIZERS,
+            train.optimizer.type == "muon",
+        ),
         **_optimizer_settings(train, deepspeed, plan),
         **_activation_checkpointing(deepspeed),
         "steps_per_print": STEPS_PER_PRINT,

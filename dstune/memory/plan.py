@@ -25,7 +25,21 @@ MIXED = ("bf16", "fp16")
 # fp32 bytes of optimizer state per trainable parameter, beyond the master copy. Adafactor keeps a factored second
 # moment (a row and a column vector per matrix: far below a byte per parameter, counted as 0.1) when it sees whole
 # matrices (ZeRO 0); under ZeRO >= 1 it sees flat partitions and keeps a full one (4 bytes).
-OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adam": 8.0, "lion": 4.0}
+# prodigy: two moments, its running sum s and the starting point p0; adamw_schedulefree: z and the second moment;
+# adamw8bit: two 8-bit moments and one fp32 absmax per 256-element block of each (bitsandbytes' block-wise
+# quantization; tensors under 4096 elements keep fp32 moments, which the flat ZeRO partitions never are); muon:
+# DeepSpeed's Muon keeps one fp32 momentum per matrix element, and its Adam half two moments for the rest (biases,
+# norms, embeddings: well under 1 % of a real model, all of LoRA's adapters are matrices), counted at the Muon rate.
+OPTIMIZER_STATE_BYTES = {
+    "adamw": 8.0,
+    "adam": 8.0,
+    "lion": 4.0,
+    "prodigy": 16.0,
+    "adamw_schedulefree": 8.0,
+    "adamw8bit": 2.0 + 2 * 4.0 / 256,
+    "muon": 4.0,
+}
+BF16_STATE_BYTES = 2.0 + 2.0 + 2.0  # deepspeed.bf16_optimizer_states: bf16 master weights and two bf16 moments
 ADAFACTOR_FACTORED_BYTES = 0.1
 RUNTIME_RESERVE_BYTES = 1 << 30  # CUDA context, NCCL and allocator slack per GPU
 # DeepSpeed's CPU accelerator (--accelerator cpu: the host is the device), per rank: what a rank's resident memory
@@ -118,6 +132,7 @@ class Setup:
     persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD  # ZeRO-3: tensors this small stay whole on every rank
     max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE  # ZeRO-3: a gathered parameter reused within this stays
     max_live_parameters: int = ZERO3_MAX_LIVE_PARAMETERS  # ZeRO-3: the cap on gathered parameters
+    bf16_states: bool = False  # deepspeed.bf16_optimizer_states: bf16 master weights, gradients and moments
 
     @classmethod
     def of(
@@ -141,6 +156,7 @@ class Setup:
             precision=precision,
             optimizer=spec.train.optimizer.type,
             momentum=spec.train.optimizer.momentum,
+            bf16_states=bool(ds_config.get("bf16", {}).get("bf16_optimizer_states")),
             micro_batch=plan.micro_batch_size,
             accumulation=plan.gradient_accumulation_steps,
             gradient_checkpointing=bool(getattr(spec.model, "gradient_checkpointing", False)),
@@ -164,6 +180,11 @@ class Setup:
     def weight_bytes(self) -> float:
         """Bytes of one parameter or gradient element as the module holds it."""
         return 2.0 if self.precision in MIXED else 4.0
+
+    @property
+    def master_grad_bytes(self) -> float:
+        """Bytes of one element of the gradient partition the optimizer reads: fp32, bf16 with bf16 states."""
+        return 2.0 if self.bf16_states else 4.0
 
     @property
     def frozen_bytes(self) -> float:
@@ -237,13 +258,22 @@ class Estimate:
 
 
 def optimizer_state_bytes(setup: Setup) -> float:
-    """fp32 state bytes per trainable parameter, master weights included under mixed precision."""
-    master = 4.0 if setup.precision in MIXED else 0.0
-    if setup.optimizer == "sgd":
-        return master + (4.0 if setup.momentum > 0 else 0.0)
-    if setup.optimizer == "adafactor":
-        return master + (ADAFACTOR_FACTORED_BYTES if setup.zero_stage == 0 else 4.0)
-    return master + OPTIMIZER_STATE_BYTES[setup.optimizer]
+    """State bytes per trainable parameter, master weights included under mixed precision."""
+    return state_bytes_per_param(setup.optimizer, setup.precision, setup.zero_stage, setup.momentum, setup.bf16_states)
+
+
+def state_bytes_per_param(
+    optimizer: str, precision: str, zero_stage: int, momentum: float = 0.0, bf16_states: bool = False
+) -> float:
+    """optimizer_state_bytes from the settings themselves (validate's plan text prints it)."""
+    if bf16_states:
+        return BF16_STATE_BYTES
+    master = 4.0 if precision in MIXED else 0.0
+    if optimizer == "sgd":
+        return master + (4.0 if momentum > 0 else 0.0)
+    if optimizer == "adafactor":
+        return master + (ADAFACTOR_FACTORED_BYTES if zero_stage == 0 else 4.0)
+    return master + OPTIMIZER_STATE_BYTES[optimizer]
 
 
 def model_states(counts: ModelCounts, setup: Setup) -> tuple[float, float, float]:
@@ -365,7 +395,11 @@ def optimizer_step_temporaries(counts: ModelCounts, setup: Setup) -> float:
     flat fp32 partitions (P/N; P under ZeRO-0 with mixed precision); ZeRO-0 in fp32 steps the module's own tensors
     (the largest at most a layer). The other optimizers update in place: 0; so does DeepSpeed's CPU Adam under
     optimizer offload."""
-    if setup.optimizer not in ("adam", "adamw") or (setup.zero_stage >= 1 and setup.offload_optimizer != "none"):
+    if setup.zero_stage >= 1 and setup.offload_optimizer != "none":
+        return 0.0
+    if setup.optimizer in ("prodigy", "adamw_schedulefree"):  # one temporary: the denominator sqrt(v) + eps
+        return 4.0 * (counts.trainable_params / setup.world_size if setup.zero_stage >= 1 else counts.trainable_params)
+    if setup.optimizer not in ("adam", "adamw"):
         return 0.0
     trainable = counts.trainable_params
     flat = trainable / setup.world_size if setup.zero_stage >= 1 else trainable
@@ -381,7 +415,7 @@ def offloaded_to_host(counts: ModelCounts, setup: Setup) -> float:
     trainable, ranks = counts.trainable_params, setup.world_size
     held = 0.0
     if setup.zero_stage >= 1 and setup.offload_optimizer == "cpu":
-        held += (4.0 + optimizer_state_bytes(setup)) * trainable / ranks + min(
+        held += (setup.master_grad_bytes + optimizer_state_bytes(setup)) * trainable / ranks + min(
             reduce_bucket_elements(counts, setup), trainable
         ) * 4.0  # offload's pinned staging bucket
     if setup.zero_stage == 3 and setup.offload_param == "cpu":
@@ -397,7 +431,9 @@ def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
     trainable, ranks, w, frozen = counts.trainable_params, setup.world_size, setup.weight_bytes, setup.frozen_bytes
     every_rank = counts.companions_on_every_rank
     loading = module_loading_bytes(counts, setup) + frozen * sum(every_rank.values())
-    offloaded_states = (4.0 + optimizer_state_bytes(setup)) * trainable / ranks  # fp32 gradients + states
+    offloaded_states = (
+        (setup.master_grad_bytes + optimizer_state_bytes(setup)) * trainable / ranks
+    )  # fp32 gradients + states
     offloaded_params = w * trainable / ranks + frozen_base_bytes(counts, setup) / ranks
     training = frozen * sum(every_rank.get(name, 0) for name in counts.cached_companions)
     if setup.ema_device == "cpu":  # the rank's fp32 EMA share; sampling with it keeps the raw weights aside

@@ -83,13 +83,48 @@ BATCH_FROM_FILE = "batch_from_deepspeed_config"
 # --------------------------------------------------------------------------------------------------------- train
 
 
+# The optimizers that pick their own step size (Prodigy: lr is a multiplier of its estimate, 1.0) or replace the
+# decay schedule (schedule-free: the averaging is the schedule); what each allows of train.lr_scaling and
+# train.scheduler is checked in dstune.ds_json.blocks (optimizer_refusals).
+ADAPTIVE_LR = frozenset({"prodigy"})
+SCHEDULE_FREE = frozenset({"adamw_schedulefree"})
+# The default lr of each optimizer type where it is not OptimizerSpec.lr's 1e-4
+DEFAULT_LR = {"prodigy": 1.0}
+
+
 class OptimizerSpec(Section):
-    type: Literal["adamw", "adam", "adafactor", "lion", "sgd"] = Field("adamw", description="Optimizer.")
-    lr: float = Field(1e-4, gt=0, description="Learning rate at the reference batch size (see `train.lr_scaling`).")
+    type: Literal["adamw", "adam", "adafactor", "lion", "sgd", "prodigy", "adamw_schedulefree", "adamw8bit", "muon"] = (
+        Field(
+            "adamw",
+            description="Optimizer. prodigy: Adam with its own step-size estimate (lr 1.0 is the estimate as is; "
+            "tune `d_coef`); adamw_schedulefree: schedule-free AdamW (no decay schedule; samples, checkpoints and "
+            "the export hold its averaged weights); adamw8bit: bitsandbytes' AdamW with 8-bit moments; muon: "
+            "DeepSpeed's Muon for the matrices (`muon_lr`, `muon_momentum`) with Adam for the rest (`lr`, `betas`, "
+            "`eps`). See docs/training.md.",
+        )
+    )
+    lr: float = Field(
+        1e-4,
+        gt=0,
+        description="Learning rate at the reference batch size (see `train.lr_scaling`); default 1.0 for prodigy, "
+        "where it multiplies the estimated step size. With muon: the Adam half's.",
+    )
     weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay (adamw, lion) or L2 (adam, sgd).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam/Lion betas.")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum.")
+    muon_lr: float = Field(0.02, gt=0, description="muon: the learning rate of the Muon half (the matrices).")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="muon: the Muon half's momentum.")
+    d_coef: float = Field(
+        1.0, gt=0, description="prodigy: multiplies its step-size estimate (0.5 to 2 typical; the way to tune it)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_lr_of_the_type(cls, data):
+        if isinstance(data, dict) and "lr" not in data and data.get("type") in DEFAULT_LR:
+            return {**data, "lr": DEFAULT_LR[data["type"]]}
+        return data
 
     @field_validator("betas")
     @classmethod
@@ -301,6 +336,13 @@ class DeepSpeedSpec(Section):
     )
     timeout_minutes: int = Field(
         30, gt=0, description="Collective-operation timeout: a dead rank stops the others after this."
+    )
+    bf16_optimizer_states: bool = Field(
+        False,
+        description="Keep the master weights, gradients and Adam moments in bf16 under CPU optimizer offload "
+        "(DeepSpeed's CPU Adam: 8 host bytes per trained parameter instead of 16). Needs train.precision bf16, "
+        "zero_stage >= 1, offload_optimizer cpu and optimizer adam or adamw. Rounds every update to bf16: for "
+        "models too large for fp32 states, not a free saving.",
     )
     sequence_parallel_size: int = Field(
         1,

@@ -42,7 +42,7 @@ def compiled(train=None, deepspeed=None, world_size=2):
 
 # ------------------------------------------------------------------------------------------ the compiled dict
 
-OPTIMIZERS = ("adamw", "adam", "adafactor", "lion", "sgd")
+OPTIMIZERS = ("adamw", "adam", "adafactor", "lion", "sgd", "prodigy", "adamw_schedulefree", "adamw8bit", "muon")
 
 
 def _deepspeed_variants():

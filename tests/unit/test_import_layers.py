@@ -61,6 +61,7 @@ LAYERS = [
         "dstune.pretrained",
         "dstune.cache",
         "dstune.engine",
+        "dstune.optimizers",
         "dstune.checkpoints.store",
         "dstune.batch_check",
         "dstune.checkpoints.reshard",
