@@ -7,7 +7,8 @@ two weight modes around everything that reads the weights.
   its own D from its share and the ranks' weights would drift apart. At ZeRO 0 every rank holds all parameters and
   sums them itself. The state per trained parameter: the two Adam moments, the running sum `s` and the starting
   point `p0` (16 bytes in fp32). Written for dstune after the paper and the authors' prodigyopt package, whose
-  update it reproduces (tests/unit/test_optimizers.py compares them).
+  update it reproduces to float32 rounding (its sums are accumulated in float64 so that a resumed run takes the
+  same steps bitwise; tests/unit/test_optimizers.py compares the two).
 - schedule-free AdamW (Defazio et al. 2024, the `schedulefree` package): the parameters it steps are an
   interpolation y of its averaged weights x and its base iterate z. Samples, checkpoints, the held-out loss and so
   the export must see x: `averaged_weights(engine)` switches the optimizer to x ("eval" mode), writes that into the
@@ -87,11 +88,14 @@ class Prodigy(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 grad = p.grad
                 if group["lr"] > 0:
-                    numerator_growth += (d / d0) * dlr * torch.dot(grad.flatten(), (state["p0"] - p).flatten()).item()
+                    # ATen's sum, accumulated in float64, not BLAS's dot: MKL's dot may round differently with the
+                    # arrays' alignment, which a resume changes, and the sums steer every later step
+                    moved = (grad * (state["p0"] - p)).sum(dtype=torch.float64).item()
+                    numerator_growth += (d / d0) * dlr * moved
                     state["exp_avg"].mul_(beta1).add_(grad, alpha=d * (1 - beta1))
                     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=d * d * (1 - beta2))
                     state["s"].mul_(beta3).add_(grad, alpha=(d / d0) * dlr)
-                    denominator += state["s"].abs().sum().item()
+                    denominator += state["s"].abs().sum(dtype=torch.float64).item()
         numerator_growth, denominator = self._completed(numerator_growth, denominator)
         if denominator == 0:  # no gradient anywhere yet: nothing to estimate, nothing to step
             return loss

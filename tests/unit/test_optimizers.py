@@ -32,14 +32,17 @@ def _train_both(reference, ours, steps=12):
 
 
 @pytest.mark.parametrize("settings", [{}, {"weight_decay": 0.01, "d_coef": 2.0}, {"lr": 0.5, "betas": (0.8, 0.99)}])
-def test_our_prodigy_takes_the_authors_steps_bitwise(settings):
+def test_our_prodigy_takes_the_authors_steps(settings):
     from prodigyopt import Prodigy as Authors
 
     model, twin, (theirs, ours) = _train_both(
         lambda p: Authors(p, **{"lr": 1.0, **settings}), lambda p: Prodigy(p, **{"lr": 1.0, **settings})
     )
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
-    assert theirs.param_groups[0]["d"] == ours.param_groups[0]["d"] > 1e-6  # the estimate moved off d0
+    # the same update; only the float64 accumulation of the estimate's sums differs (below float32's rounding)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert ours.param_groups[0]["d"] == pytest.approx(theirs.param_groups[0]["d"], rel=1e-5)
+    assert ours.param_groups[0]["d"] > 1e-5  # the estimate moved off d0 (1e-6)
 
 
 def test_prodigy_defaults_to_lr_1_and_refuses_batch_scaling_at_its_line():

@@ -3,6 +3,9 @@
 
     train_runs.py RUNS
 
+A line of RUNS may add `dstune train` flags after the spec (`spec.yaml --resume /path/to/step-00000002`): a run
+listed after the one that wrote that checkpoint resumes it in the same launch.
+
 Each run is the whole path `dstune train` takes (validate for the launched world, build, caches built by both ranks,
 DeepSpeed's engine, the batch check, the loop, the checkpoint). What they share is the process and its process
 group: DeepSpeed keeps its groups in module globals made once per process, so a second process group in one
@@ -80,18 +83,18 @@ def _record_warning(message, category, filename, lineno, file=None, line=None):
     _show_warning(message, category, filename, lineno, file, line)
 
 
-def run_all(specs: list[str]) -> int:
+def run_all(runs: list[list[str]]) -> int:
     training.wrap_model = _checked_wrap_model(training.wrap_model)
     training.shutdown = lambda: None  # the process group outlives each run; shut down once, after the last
     warnings.showwarning = _record_warning
     warnings.simplefilter("always")
-    for spec in specs:
+    for spec, *flags in runs:
         _current.clear()
         _current.update(grads={}, warnings=[])
         started = time.perf_counter()
         if launcher_rank() == 0:
             print(f"=== settings matrix run: {spec}", flush=True)
-        code = main([spec])
+        code = main([spec, *flags])
         if launcher_rank() == 0:
             print(f"=== settings matrix run took {time.perf_counter() - started:.1f} s", flush=True)
         if launcher_rank() == 0:
@@ -104,6 +107,6 @@ def run_all(specs: list[str]) -> int:
 
 if __name__ == "__main__":
     listed = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]
-    code = run_all(Path(listed[0]).read_text().split())
+    code = run_all([line.split() for line in Path(listed[0]).read_text().splitlines() if line.strip()])
     shutdown()
     exit_rank(code)
