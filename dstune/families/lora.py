@@ -45,21 +45,41 @@ LORA_INFO_FILE = "dstune_lora.json"
 PEFT_ADAPTER_FILE = "adapter/adapter_model.safetensors"  # the "peft" scheme (tts_lm): a peft adapter folder
 
 
-def lora_config(settings):
-    """The peft LoraConfig for a spec's LoraSpec. Gaussian A and zero B: the untrained adapter changes nothing."""
-    from peft import LoraConfig
+# model.lora.type -> how the log names it; lokr and loha have no diffusers loader, so their "diffusers" export is a
+# peft adapter folder (PEFT_ADAPTER_FILE)
+ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
+PEFT_FOLDER_TYPES = ("lokr", "loha")
+# the parts of a parameter name that mark an adapter tensor, for every model.lora.type
+ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector", ".lokr_", ".hada_")
 
+
+def adapter_type(settings) -> str:
+    return getattr(settings, "type", "lora")
+
+
+def lora_config(settings):
+    """The peft config for a spec's LoraSpec. LoRA and DoRA: gaussian A and zero B; LoKr and LoHa: peft's own
+    initialisation, one factor zero. In every case the untrained adapter changes nothing."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    targets, kind = list(settings.target_modules), adapter_type(settings)
+    if kind == "lokr":
+        return LoKrConfig(r=settings.rank, alpha=settings.resolved_alpha, target_modules=targets)
+    if kind == "loha":
+        return LoHaConfig(r=settings.rank, alpha=settings.resolved_alpha, target_modules=targets)
     return LoraConfig(
         r=settings.rank,
         lora_alpha=settings.resolved_alpha,
         lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules),
+        target_modules=targets,
         init_lora_weights="gaussian",
+        use_dora=kind == "dora",
     )
 
 
 def is_lora_key(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
+    """An adapter tensor of any model.lora.type (LoRA's A and B, DoRA's magnitude, LoKr's and LoHa's factors)."""
+    return any(part in name for part in ADAPTER_PARTS)
 
 
 def apply_train_mode(
@@ -84,7 +104,10 @@ def apply_train_mode(
     denoiser.requires_grad_(False)
     base = quantized_base(denoiser, getattr(model_spec, "base_precision", None), device)
     try:
-        with quiet_hf_libraries():
+        # LoKr and LoHa draw their first factors from the global RNG: seeded here so that every rank draws the same
+        # (LoRA's and DoRA's A are re-drawn below from their own generator)
+        with quiet_hf_libraries(), torch.random.fork_rng():
+            torch.manual_seed(seed)
             add_lora_adapter(denoiser, lora_config(settings))
     except ValueError as err:
         first = (str(err).strip().splitlines() or ["no module matched"])[0]
@@ -96,15 +119,17 @@ def apply_train_mode(
         ) from None
     adapters = [(name, p) for name, p in denoiser.named_parameters() if p.requires_grad]
     _check_file_names(model_spec.family, lora_format, [name for name, _ in adapters])
+    _check_adapter_format(model_spec.family, lora_format, adapter_type(settings))
     with torch.no_grad():
         for number, (name, param) in enumerate(adapters):
             if ".lora_A." in name:
                 draw = torch.randn(tuple(param.shape), generator=sample_generator(seed, 0, number, "lora_A"))
                 param.copy_(draw / settings.rank)  # peft's gaussian init: std 1 / r
     trained = sum(p.numel() for _, p in adapters)
-    layers = len([name for name, _ in adapters if ".lora_A." in name])
+    layers = len({adapted_layer(name) for name, _ in adapters})
     return (
-        f"training: LoRA rank {settings.rank}, alpha {settings.resolved_alpha:g} on {layers} layers "
+        f"training: {ADAPTER_NAMES[adapter_type(settings)]} rank {settings.rank}, alpha "
+        f"{settings.resolved_alpha:g} on {layers} layers "
         f"({', '.join(settings.target_modules)}): {trained:,} trainable of {total + trained:,} parameters{base}"
     )
 
@@ -137,11 +162,26 @@ def quantized_base(denoiser: torch.nn.Module, precision, device=None) -> str:
     )
 
 
+def adapted_layer(name: str) -> str:
+    """The layer path of an adapter tensor's name (`...attn1.to_q.lora_A.default.weight` -> `...attn1.to_q`)."""
+    for part in ADAPTER_PARTS:
+        if part in name:
+            return name.split(part, 1)[0]
+    return name
+
+
+def peft_name(name: str) -> str:
+    """An adapter parameter's name as peft's get_peft_model_state_dict writes it: without the adapter's name, and
+    DoRA's magnitude without its `.weight` (`<layer>.lora_magnitude_vector`)."""
+    name = name.replace(f".{ADAPTER_NAME}.", ".").removesuffix(f".{ADAPTER_NAME}")
+    return name.removesuffix(".weight") if name.endswith(".lora_magnitude_vector.weight") else name
+
+
 def adapter_state_dict(state: dict) -> dict:
-    """The LoRA tensors of a (consolidated) denoiser state dict, named as peft's get_peft_model_state_dict names
-    them: `<layer>.lora_A.weight`, without the adapter name. FamilyError when there are none."""
-    marker = f".{ADAPTER_NAME}."
-    adapters = {name.replace(marker, "."): tensor for name, tensor in state.items() if is_lora_key(name)}
+    """The adapter tensors of a (consolidated) denoiser state dict, named as peft's get_peft_model_state_dict names
+    them: `<layer>.lora_A.weight`, `<layer>.lokr_w1`, ..., without the adapter name. FamilyError when there are
+    none."""
+    adapters = {peft_name(name): tensor for name, tensor in state.items() if is_lora_key(name)}
     if not adapters:
         some = ", ".join(sorted(state)[:3]) or "none"
         raise FamilyError(
@@ -163,16 +203,31 @@ def diffusers_lora_layers(state: dict) -> dict:
 KOHYA_PREFIX = "lora_unet_"  # kohya's prefix of the denoiser's LoRA layers (text encoders: lora_te_)
 
 
-def kohya_lora_tensors(state: dict, alpha: float) -> dict:
-    """Adapter tensors in kohya's LoRA naming: `lora_unet_<layer path with . as _>.lora_down.weight` (A),
-    `.lora_up.weight` (B) and `.alpha` (a 0-dim tensor; the layer's output is scaled by alpha / rank, as peft's)."""
+# peft's adapter tensor names -> kohya's / LyCORIS's (what ComfyUI reads); LoKr's and LoHa's keep their names
+KOHYA_PARTS = {
+    "lora_A.weight": "lora_down.weight",
+    "lora_B.weight": "lora_up.weight",
+    "lora_magnitude_vector": "dora_scale",
+}
+
+
+def kohya_lora_tensors(state: dict, alpha: float, rank: int | None = None) -> dict:
+    """Adapter tensors in kohya's naming: `lora_unet_<layer path with . as _>.lora_down.weight` (A),
+    `.lora_up.weight` (B) and `.alpha` (a 0-dim tensor; the layer's output is scaled by alpha / rank, as peft's).
+    LoKr and LoHa keep
+    LyCORIS's names (`.lokr_w1`, `.lokr_w2` or `.lokr_w2_a`/`_b`, `.hada_w1_a`, ...), which are peft's: readers scale
+    a factor pair by alpha / its inner size, so a LoKr layer with neither factor split (no inner size, read at scale 1)
+    has peft's alpha / rank folded into `lokr_w2`."""
     tensors = {}
-    for name, tensor in adapter_state_dict(state).items():
-        layer, part = name.rsplit(".lora_", 1)
+    adapters = adapter_state_dict(state)
+    for name, tensor in adapters.items():
+        layer = adapted_layer(name)
+        part = name[len(layer) + 1 :]
         key = KOHYA_PREFIX + layer.replace(".", "_")
-        tensors[f"{key}.lora_down.weight" if part == "A.weight" else f"{key}.lora_up.weight"] = (
-            tensor.detach().float().contiguous().cpu()
-        )
+        value = tensor.detach().float().contiguous().cpu()
+        if part == "lokr_w2" and rank is not None and f"{layer}.lokr_w1_b" not in adapters:
+            value = value * (alpha / rank)
+        tensors[f"{key}.{KOHYA_PARTS.get(part, part)}"] = value
         tensors[f"{key}.alpha"] = torch.tensor(float(alpha))
     return tensors
 
@@ -195,7 +250,7 @@ def _check_file_names(family_name: str, lora_format, adapter_names: list[str]) -
     chosen, scheme = lora_file_scheme(family_name, lora_format)
     if scheme != "kohya":
         return
-    layers = sorted({name.split(".lora_")[0] for name in adapter_names if ".lora_A." in name})
+    layers = sorted({adapted_layer(name) for name in adapter_names})
     lost = {layer: back for layer in layers if (back := kohya_read_back(layer)) != layer}
     if lost:  # e.g. a UNet's add_embedding.linear_1 comes back as add.embedding.linear: skipped when loaded
         examples = ", ".join(f"{layer} (read back as {back})" for layer, back in list(lost.items())[:3])
@@ -206,17 +261,52 @@ def _check_file_names(family_name: str, lora_format, adapter_names: list[str]) -
         )
 
 
+def _check_adapter_format(family_name: str, lora_format, kind: str) -> None:
+    """LoKr and LoHa have no diffusers key scheme: their diffusers export is a peft adapter folder, which ComfyUI
+    does not read; ComfyUI reads them in kohya's (LyCORIS) keys, which only the UNet families write."""
+    chosen, scheme = lora_file_scheme(family_name, lora_format)
+    if kind == "dora" and (scheme == "kohya" or chosen == "comfyui"):
+        raise FamilyError(
+            f"output.lora_format {chosen} with model.lora.type dora: peft's DoRA scales each output row of W + BA to "
+            "its learned magnitude, while ComfyUI's dora_scale divides by the base weight's row norms (or by column "
+            "norms), and diffusers' kohya reader drops dora_scale: no file in those keys gives the trained model. "
+            "Set output.lora_format: diffusers (pipe.load_lora_weights reads DoRA there), or model.lora.type lora."
+        )
+    if kind in PEFT_FOLDER_TYPES and chosen == "comfyui" and scheme != "kohya":
+        raise FamilyError(
+            f"output.lora_format comfyui with model.lora.type {kind}: ComfyUI reads {ADAPTER_NAMES[kind]} files in "
+            f"kohya's (LyCORIS) keys, which model.family {family_name} does not write (its comfyui format is "
+            f"diffusers' keys, which have no {ADAPTER_NAMES[kind]}). Set output.lora_format: diffusers (a peft "
+            "adapter folder), or model.lora.type lora or dora."
+        )
+
+
 def save_kohya_file(tensors: dict, settings, folder: Path) -> None:
-    """The kohya file, with the settings kohya's tools record in the safetensors metadata."""
+    """The kohya file, with the settings kohya's tools record in the safetensors metadata (LyCORIS's module and
+    algorithm for LoKr and LoHa)."""
     from safetensors.torch import save_file
 
+    kind = adapter_type(settings)
+    lycoris = kind in PEFT_FOLDER_TYPES
     metadata = {
-        "ss_network_module": "networks.lora",
+        "ss_network_module": "lycoris.kohya" if lycoris else "networks.lora",
+        **({"ss_network_args": json.dumps({"algo": kind})} if lycoris else {}),
         "ss_network_dim": str(settings.rank),
         "ss_network_alpha": f"{settings.resolved_alpha:g}",
         "ss_network_dropout": f"{settings.dropout:g}",
     }
     save_file(tensors, str(folder / LORA_WEIGHT_FILE), metadata=metadata)
+
+
+def save_peft_folder(layers: dict, config, folder: Path) -> None:
+    """`folder/adapter/`: adapter_config.json and adapter_model.safetensors as peft's save_pretrained writes them
+    for a model wrapped in PeftModel, so that `PeftModel.from_pretrained(denoiser, folder / "adapter")` loads it."""
+    from safetensors.torch import save_file
+
+    adapter = folder / Path(PEFT_ADAPTER_FILE).parent
+    adapter.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(adapter))
+    save_file({f"base_model.model.{name}": tensor for name, tensor in layers.items()}, str(folder / PEFT_ADAPTER_FILE))
 
 
 def export_lora(
@@ -232,8 +322,12 @@ def export_lora(
     out = Path(out_dir)
     with folder_written_atomically(out, "exporting") as work:
         if scheme == "kohya":
-            layers = kohya_lora_tensors(state, settings.resolved_alpha)
+            layers = kohya_lora_tensors(state, settings.resolved_alpha, settings.rank)
             save_kohya_file(layers, settings, work)
+        elif adapter_type(settings) in PEFT_FOLDER_TYPES:  # no diffusers loader: peft's own adapter folder
+            layers = diffusers_lora_layers(state)
+            save_peft_folder(layers, lora_config(settings), work)
+            scheme = "peft"
         else:
             layers = diffusers_lora_layers(state)
             with quiet_hf_libraries():
@@ -247,6 +341,7 @@ def export_lora(
             "family": model_spec.family,
             "format": chosen,
             "key_scheme": scheme,
+            "adapter": adapter_type(settings),
             "rank": settings.rank,
             "alpha": settings.resolved_alpha,
             "target_modules": list(settings.target_modules),

@@ -38,6 +38,13 @@ VAE_LATENTS_DESCRIPTION = (
 
 
 class LoraSpec(Section):
+    type: Literal["lora", "lokr", "loha", "dora"] = Field(
+        "lora",
+        description="The adapter, through peft: lora (B @ A), dora (LoRA with a learned magnitude per output), lokr "
+        "(Kronecker product), loha (Hadamard product of two low-rank pairs). lora and dora export in diffusers' "
+        "keys (`pipe.load_lora_weights`) or kohya's; lokr and loha as a peft adapter folder (`adapter/`) or in "
+        "LyCORIS/kohya keys (ComfyUI). See docs/lora-and-ema.md.",
+    )
     rank: int = Field(16, gt=0, description="LoRA rank r: the inner size of each adapter (A: r x in, B: out x r).")
     alpha: Optional[float] = Field(
         None,
@@ -60,6 +67,15 @@ class LoraSpec(Section):
                 "give at least one module name, none empty (or leave target_modules out for the family's default)"
             )
         return value
+
+    @model_validator(mode="after")
+    def _dropout_of_the_type(self) -> "LoraSpec":
+        if self.dropout and self.type in ("lokr", "loha"):
+            raise ValueError(
+                f"dropout with type {self.type}: peft's {self.type} has rank and module dropout, not LoRA's dropout "
+                "on the adapter's input, so the setting would not mean what it says. Remove dropout."
+            )
+        return self
 
     @property
     def resolved_alpha(self) -> float:
