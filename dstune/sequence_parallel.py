@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from dstune.models.unit import VIDEO_FAMILY
+from dstune.spec.section import VIDEO_FAMILY
 from dstune.families import get_facts
 from dstune.data.clips import latent_tokens
 from dstune.families.facts import Attention

@@ -7,7 +7,7 @@ told apart by the pipeline class). The text side is encoded by the pipeline's ow
 `encode_prompt`, so training sees exactly what inference feeds. The loss is the one of diffusers'
 examples/dreambooth/train_dreambooth_sd3.py / train_dreambooth_flux.py (tests/unit/test_flow_loss_parity.py).
 
-    build(model: FlowModel, folders, device, dtype_for_frozen) -> FlowBuilt
+    build(model: FlowModelSpec, folders, device, dtype_for_frozen) -> FlowBuilt
     encode_batch, loss, sample, export, save_lora_weights: dstune.families.flow_core
     cache hooks: TEXT_CACHE_FOLDERS, TEXT_CACHE_TENSORS, cache_text_tensors (see dstune.families.base)
 """
@@ -21,7 +21,7 @@ import torch
 
 from dstune.families.base import Family, FamilyError, TextCache
 from dstune.families.denoiser_facts import text_once_per_node
-from dstune.families.diffusion import component_problems, read_model_index
+from dstune.families.folders import component_problems, read_model_index
 from dstune.families.flow_core import (
     FlowBuilt,
     build_from,
@@ -42,7 +42,7 @@ from dstune.families.samples import save_grid
 from dstune.families.flow_sampling import sample
 from dstune.models import registry
 from dstune.models.unit import load
-from dstune.spec.models import FlowModel
+from dstune.spec.models import FlowModelSpec
 
 __all__ = [
     "FlowBuilt",
@@ -110,7 +110,7 @@ def detect_kind(folder: Path) -> str:
 
 
 def build(
-    model: FlowModel,
+    model: FlowModelSpec,
     folders: dict,
     device,
     dtype_for_frozen: torch.dtype = torch.float32,

@@ -34,9 +34,9 @@ from dstune.families.diffusion import (
     load_component,
     load_trainable,
     non_reentrant_checkpoint,
-    read_model_index,
     vae_posterior,
 )
+from dstune.families.folders import read_model_index
 from dstune.families.flow_distilled import fuse_training_adapter
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_recipe import (
@@ -64,7 +64,7 @@ class FlowBuilt:
     scheduler: object  # the folder's scheduler, as inference uses it
     train_timesteps: torch.Tensor  # the tables u indexes (with model.shift applied when given)
     train_sigmas: torch.Tensor
-    settings: object  # the model spec (FlowModel, WanModel)
+    settings: object  # the model spec (FlowModel, VideoModelSpec)
     max_sequence_length: int
     transformer_config: dict
     model_index: dict = field(default_factory=dict)  # the folder's model_index.json

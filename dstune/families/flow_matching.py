@@ -8,10 +8,10 @@ import torch
 
 from dstune.families.precision import at_least_float32
 from dstune.families.randomness import sample_generator
-from dstune.spec.models import FlowModel
+from dstune.spec.models import FlowModelSpec
 
 
-def timestep_density(settings: FlowModel, seed: int, step: int, indices: list[int]) -> torch.Tensor:
+def timestep_density(settings: FlowModelSpec, seed: int, step: int, indices: list[int]) -> torch.Tensor:
     """u in [0, 1] per sample (float32, CPU), by diffusers' compute_density_for_timestep_sampling, each sample
     drawing with its own generator."""
     from diffusers.training_utils import compute_density_for_timestep_sampling

@@ -32,7 +32,8 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families.base import FamilyError
-from dstune.families.diffusion import load_component, read_model_index
+from dstune.families.diffusion import load_component
+from dstune.families.folders import read_model_index
 
 
 def vae_spatial_factor(vae_config) -> int:

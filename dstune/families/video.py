@@ -20,7 +20,7 @@ import torch
 
 from dstune.families.base import Family, FamilyError, LatentExtras, TextCache
 from dstune.families.denoiser_facts import text_once_per_node
-from dstune.families.diffusion import read_component_config
+from dstune.families.folders import read_component_config
 from dstune.families.flow_core import (
     FlowBuilt,
     build_from,
@@ -37,7 +37,7 @@ from dstune.families.flow_sampling import sample
 from dstune.families.samples import save_clip_grid
 from dstune.models import registry
 from dstune.models.unit import VIDEO_FAMILY, load
-from dstune.spec.video_models import WanModel
+from dstune.spec.video_models import VideoModelSpec
 
 __all__ = [
     "build",
@@ -91,7 +91,7 @@ def video_model_of(folder: Path) -> VideoModel:
 
 
 def build(
-    model: WanModel,
+    model: VideoModelSpec,
     folders: dict,
     device,
     dtype_for_frozen: torch.dtype = torch.float32,
@@ -122,7 +122,7 @@ def build(
     return built
 
 
-def latent_cache_key(model: WanModel, folder: Path) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+def latent_cache_key(model: VideoModelSpec, folder: Path) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     """What keys the latent entries of an image-to-video run beside the VAE (the folder's video model says)."""
     return video_model_of(Path(folder)).cache_key(model, Path(folder))
 

@@ -196,7 +196,7 @@ ROWS["tiny-ernie-image"] = FlowRow("ErnieImagePipeline", _render_with(guidance_s
 # Qwen-Image 2.1: the tiny folder's processor is a tokenizer (no Qwen3VLProcessor without torchvision), so its
 # pipelines are built from the folder's parts; the pipeline renders RGBA, whose RGB the checks compare.
 def _qwen_image_21_pipeline(folder):
-    from dstune.models.qwen_image_21.recipe import pipeline_from_parts
+    from dstune.models.qwen_image_21.model import pipeline_from_parts
 
     return pipeline_from_parts(folder)
 

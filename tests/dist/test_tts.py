@@ -101,7 +101,7 @@ def test_codec_cache_of_two_ranks_equals_one_process(runs, tmp_path):
     from dstune.data.audio import speech_records
     from dstune.pretrained import build_model
     from dstune.spec.models import DataSpec
-    from dstune.models.tts_lm.spec import TtsLmModel
+    from dstune.models.tts_lm.spec import TtsLmModelSpec
 
     run_dir, _, proc = runs["zero2"]
     assert proc.returncode == 0, explain(proc)
@@ -111,7 +111,7 @@ def test_codec_cache_of_two_ranks_equals_one_process(runs, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the launched ranks (OMP_NUM_THREADS=1)
     try:
-        built = build_model(TtsLmModel(family="tts_lm"), CACHE_DIR, "cpu")
+        built = build_model(TtsLmModelSpec(family="tts_lm"), CACHE_DIR, "cpu")
         entries = plan_codec_entries(records, built)
         assert all(entry_problem(two_ranks / e.relpath, e, full=True) is None for e in entries)
         one = tmp_path / "one"

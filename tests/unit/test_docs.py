@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dstune.builtin import BUILTIN_MODELS
-from dstune.spec.reference import family_models, reference_markdown
+from dstune.reference import family_models, reference_markdown
 from dstune.spec.models import FAMILIES
 from dstune.spec.presets import MODEL_PRESETS
 

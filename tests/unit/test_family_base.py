@@ -16,22 +16,22 @@ from dstune.families.diffusion import copy_component
 from dstune.families.samples import save_grid
 from dstune.fsutil import publish_folder
 from dstune.pretrained import resolve_pretrained
-from dstune.spec.models import FlowModel, WanModel
-from dstune.models.csm.spec import TtsCodebooksModel
-from dstune.models.sd.spec import SdModel, SdxlModel
-from dstune.models.speecht5.spec import SpeechT5Model
-from dstune.models.tts_lm.spec import TtsLmModel
+from dstune.spec.models import FlowModelSpec, VideoModelSpec
+from dstune.spec.speech_models import CodebooksModelSpec
+from dstune.models.sd.spec import SdModelSpec, SdxlModelSpec
+from dstune.models.speecht5.spec import SpeechT5ModelSpec
+from dstune.models.tts_lm.spec import TtsLmModelSpec
 from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, SECTIONS_BY_FAMILY, VIDEO_FAMILIES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_SPECS = {
-    "sd": SdModel,
-    "sdxl": SdxlModel,
-    "flow": FlowModel,
-    "wan": WanModel,
-    "tts_lm": TtsLmModel,
-    "tts_codebooks": TtsCodebooksModel,
-    "speecht5": SpeechT5Model,
+    "sd": SdModelSpec,
+    "sdxl": SdxlModelSpec,
+    "flow": FlowModelSpec,
+    "wan": VideoModelSpec,
+    "tts_lm": TtsLmModelSpec,
+    "tts_codebooks": CodebooksModelSpec,
+    "speecht5": SpeechT5ModelSpec,
 }
 
 API = ("build", "encode_batch", "loss", "sample", "save_samples", "export")

@@ -19,7 +19,7 @@ from dstune.models.csm import family as tts_codebooks
 from dstune.families.base import FamilyError
 from dstune.pretrained import build_model
 from dstune.spec.models import DataSpec
-from dstune.models.csm.spec import TtsCodebooksModel
+from dstune.spec.speech_models import CodebooksModelSpec
 
 soundfile = pytest.importorskip("soundfile")
 
@@ -32,7 +32,7 @@ def folder():
 
 @pytest.fixture(scope="module")
 def built(folder):
-    return build_model(TtsCodebooksModel(family="tts_codebooks", max_sample_seconds=0.4), folder[1], "cpu")
+    return build_model(CodebooksModelSpec(family="tts_codebooks", max_sample_seconds=0.4), folder[1], "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
 
     from dstune.families.lora import apply_train_mode, export_lora
 
-    spec = TtsCodebooksModel(family="tts_codebooks", train="lora", lora={"rank": 4})
+    spec = CodebooksModelSpec(family="tts_codebooks", train="lora", lora={"rank": 4})
     lora_built = build_model(spec, folder[1], "cpu")
     family = get_family("tts_codebooks")
     apply_train_mode(lora_built.trainable, spec, 0, family, "peft")

@@ -19,7 +19,7 @@ from dstune.families import get_family
 from dstune.models.csm import family as tts_codebooks
 from dstune.models.dia import model as tts_dia
 from dstune.pretrained import build_model
-from dstune.models.csm.spec import TtsCodebooksModel
+from dstune.spec.speech_models import CodebooksModelSpec
 from dstune.spec.models import DataSpec
 
 soundfile = pytest.importorskip("soundfile")
@@ -35,7 +35,7 @@ def folder():
 
 @pytest.fixture(scope="module")
 def built(folder):
-    spec = TtsCodebooksModel(family="tts_codebooks", pretrained="builtin:tiny-dia", max_sample_seconds=0.2)
+    spec = CodebooksModelSpec(family="tts_codebooks", pretrained="builtin:tiny-dia", max_sample_seconds=0.2)
     return build_model(spec, folder[1], "cpu")
 
 
@@ -185,7 +185,7 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
 
     from dstune.families.lora import apply_train_mode, export_lora
 
-    spec = TtsCodebooksModel(family="tts_codebooks", pretrained="builtin:tiny-dia", train="lora", lora={"rank": 4})
+    spec = CodebooksModelSpec(family="tts_codebooks", pretrained="builtin:tiny-dia", train="lora", lora={"rank": 4})
     lora_built = build_model(spec, folder[1], "cpu")
     family = get_family("tts_codebooks")
     apply_train_mode(lora_built.trainable, spec, 0, family, "peft")

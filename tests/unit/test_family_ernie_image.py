@@ -25,7 +25,7 @@ from dstune.families import flow
 from dstune.families.base import FamilyError
 from dstune.families.randomness import per_sample_randn
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel, SampleSpec
+from dstune.spec.models import FlowModelSpec, SampleSpec
 from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ CASES = {  # (dstune settings, the trainer's flags)
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(FlowModel(family="flow", pretrained=NAME), CACHE_DIR, "cpu")
+    return build_model(FlowModelSpec(family="flow", pretrained=NAME), CACHE_DIR, "cpu")
 
 
 def test_builtin_is_an_ernie_image_pipeline_folder(built):
@@ -87,7 +87,7 @@ def _trainer_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict)
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_musubi_tuner_ernie_image_trainer(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModel(family="flow", pretrained=NAME, **settings))
+    model = replace(built, settings=FlowModelSpec(family="flow", pretrained=NAME, **settings))
     batch = shape_batch(INDICES)
     with torch.no_grad():
         ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
@@ -138,7 +138,7 @@ def test_lora_export_loads_with_load_lora_weights_and_changes_the_image(tmp_path
 
     from dstune.families.lora import apply_train_mode, export_lora
 
-    spec = FlowModel(family="flow", pretrained=NAME, train="lora")
+    spec = FlowModelSpec(family="flow", pretrained=NAME, train="lora")
     model = build_model(spec, CACHE_DIR, "cpu")
     apply_train_mode(model.trainable, spec, seed=0, family=flow.FAMILY)
     with torch.no_grad():

@@ -20,7 +20,7 @@ from dstune.families import flow
 from dstune.families.base import FamilyError
 from dstune.families.randomness import sample_generator
 from dstune.spec.load import SpecError, SpecSource, validate_data
-from dstune.spec.models import FlowModel, SampleSpec
+from dstune.spec.models import FlowModelSpec, SampleSpec
 from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def folders() -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def built(folders) -> dict:
     return {
-        kind: build_model(FlowModel(family="flow", pretrained=f"builtin:{name}"), CACHE_DIR, "cpu")
+        kind: build_model(FlowModelSpec(family="flow", pretrained=f"builtin:{name}"), CACHE_DIR, "cpu")
         for kind, name in NAMES.items()
     }
 
@@ -77,7 +77,7 @@ def test_unsupported_and_mismatched_folders_are_refused_clearly(folders, tmp_pat
         flow.detect_kind(other)
     config_path.write_text(json.dumps({**config, "joint_attention_dim": 48}))
     with pytest.raises(FamilyError, match=r"joint_attention_dim 48 != 64"):
-        build_model(FlowModel(family="flow", pretrained=str(other)), tmp_path, "cpu")
+        build_model(FlowModelSpec(family="flow", pretrained=str(other)), tmp_path, "cpu")
     unet_pipeline = tmp_path / "sd"
     unet_pipeline.mkdir()
     (unet_pipeline / "model_index.json").write_text(
@@ -95,19 +95,19 @@ def test_unsupported_and_mismatched_folders_are_refused_clearly(folders, tmp_pat
 
 def test_timestep_densities_match_their_distributions():
     indices = list(range(4000))
-    uniform = flow.timestep_density(FlowModel(family="flow", timestep_sampling="uniform"), 0, 0, indices)
+    uniform = flow.timestep_density(FlowModelSpec(family="flow", timestep_sampling="uniform"), 0, 0, indices)
     assert 0 <= uniform.min() and uniform.max() < 1 and abs(uniform.mean() - 0.5) < 0.02
-    settings = FlowModel(family="flow", logit_mean=0.5, logit_std=0.7)
+    settings = FlowModelSpec(family="flow", logit_mean=0.5, logit_std=0.7)
     logits = torch.logit(flow.timestep_density(settings, 0, 0, indices).double())
     assert abs(logits.mean() - 0.5) < 0.05 and abs(logits.std() - 0.7) < 0.05
-    mode = flow.timestep_density(FlowModel(family="flow", timestep_sampling="mode", mode_scale=0.8), 0, 0, [5])
+    mode = flow.timestep_density(FlowModelSpec(family="flow", timestep_sampling="mode", mode_scale=0.8), 0, 0, [5])
     raw = torch.rand(1, generator=sample_generator(0, 0, 5, "timestep"))
     expected = 1 - raw - 0.8 * (torch.cos(torch.pi * raw / 2) ** 2 - 1 + raw)  # diffusers' mode formula
     assert torch.allclose(mode, expected)
 
 
 def test_a_samples_timestep_depends_only_on_seed_step_and_index():
-    settings = FlowModel(family="flow")
+    settings = FlowModelSpec(family="flow")
     together = flow.timestep_density(settings, 1, 2, [3, 9])
     assert together[1] == flow.timestep_density(settings, 1, 2, [9])[0]
     assert together[0] != flow.timestep_density(settings, 1, 3, [3])[0]
@@ -122,9 +122,9 @@ def test_loss_weights_are_the_reference_formulas():
 
 def test_spec_refuses_settings_of_another_sampling():
     with pytest.raises(ValueError, match="mode_scale only apply to another timestep_sampling"):
-        FlowModel(family="flow", mode_scale=1.0)
+        FlowModelSpec(family="flow", mode_scale=1.0)
     with pytest.raises(ValueError, match="logit_mean, logit_std only apply"):
-        FlowModel(family="flow", timestep_sampling="uniform", logit_mean=0.0, logit_std=2.0)
+        FlowModelSpec(family="flow", timestep_sampling="uniform", logit_mean=0.0, logit_std=2.0)
     spec = {
         "model": {"family": "flow"},
         "train": {"micro_batch_size": 2, "max_steps": 2},
@@ -137,7 +137,7 @@ def test_spec_refuses_settings_of_another_sampling():
 def test_spec_descriptions_name_every_flow_model_and_builtin():
     """`dstune init --family flow` and docs/spec-reference.md are generated from these descriptions: a recipe or a
     built-in added without naming it there is invisible to users."""
-    fields = FlowModel.model_fields
+    fields = FlowModelSpec.model_fields
     family, pretrained = fields["family"].description, fields["pretrained"].description
     lengths = fields["max_sequence_length"].description
     for recipe in flow.RECIPES.values():
@@ -148,7 +148,7 @@ def test_spec_descriptions_name_every_flow_model_and_builtin():
     assert len(flow_builtins) >= len(flow.RECIPES)
     for name in flow_builtins:
         assert f"`builtin:{name}`" in pretrained, name
-    from dstune.spec.reference import example_spec
+    from dstune.reference import example_spec
 
     assert "builtin:tiny-flux2" in example_spec("flow")
 
@@ -215,7 +215,7 @@ def test_max_sequence_length_is_part_of_every_text_cache_key():
     keys = {
         length: text_key(
             "a red circle",
-            hooks.settings(FlowModel(family="flow", max_sequence_length=length)),
+            hooks.settings(FlowModelSpec(family="flow", max_sequence_length=length)),
             "float32",
             hooks.tensors,
         )
@@ -236,12 +236,12 @@ def test_loss_of_a_batch_is_the_mean_of_its_samples_losses(built, kind):
 def test_flux_guidance_and_shift_reach_the_model(built, folders):
     with torch.no_grad():
         reference = _loss(built["flux"], [2])
-        built["flux"].settings = FlowModel(family="flow", guidance=1.0)
+        built["flux"].settings = FlowModelSpec(family="flow", guidance=1.0)
         try:
             assert _loss(built["flux"], [2]).item() != reference.item()
         finally:
-            built["flux"].settings = FlowModel(family="flow")
-    shifted = build_model(FlowModel(family="flow", pretrained="builtin:tiny-flux", shift=1.0), CACHE_DIR, "cpu")
+            built["flux"].settings = FlowModelSpec(family="flow")
+    shifted = build_model(FlowModelSpec(family="flow", pretrained="builtin:tiny-flux", shift=1.0), CACHE_DIR, "cpu")
     assert torch.allclose(shifted.train_sigmas, torch.arange(1000, 0, -1) / 1000)  # shift 1: unshifted
     assert torch.allclose(built["sd3"].train_sigmas[500], torch.tensor(3 * 0.5 / (1 + 2 * 0.5)), atol=1e-3)
 
@@ -286,7 +286,7 @@ def test_lora_export_loads_into_the_pipeline_with_the_trained_effect(kind, tmp_p
 
     from dstune.families.lora import apply_train_mode, export_lora
 
-    spec = FlowModel(family="flow", pretrained=f"builtin:{NAMES[kind]}", train="lora")
+    spec = FlowModelSpec(family="flow", pretrained=f"builtin:{NAMES[kind]}", train="lora")
     model = build_model(spec, CACHE_DIR, "cpu")
     assert "training: LoRA rank 16" in apply_train_mode(model.trainable, spec, seed=0, family=flow.FAMILY)
     with torch.no_grad():

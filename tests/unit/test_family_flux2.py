@@ -19,7 +19,7 @@ import torch
 from dstune import builtin as tiny
 from dstune.families import flow
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel
+from dstune.spec.models import FlowModelSpec
 from flux2_script import (
     CASES,
     check_cached_text_trains_like_encoded_text,
@@ -35,7 +35,7 @@ SEED, STEP, INDICES = 9, 6, [2, 12, 4]
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(FlowModel(family="flow", pretrained="builtin:tiny-flux2"), CACHE_DIR, "cpu")
+    return build_model(FlowModelSpec(family="flow", pretrained="builtin:tiny-flux2"), CACHE_DIR, "cpu")
 
 
 def test_builtin_is_a_flux2_klein_pipeline_folder(built):
@@ -47,7 +47,7 @@ def test_builtin_is_a_flux2_klein_pipeline_folder(built):
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_flux2_klein_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModel(family="flow", pretrained="builtin:tiny-flux2", **settings))
+    model = replace(built, settings=FlowModelSpec(family="flow", pretrained="builtin:tiny-flux2", **settings))
     from diffusers import Flux2KleinPipeline
 
     batch = shape_batch(INDICES)

@@ -26,7 +26,7 @@ from dstune import builtin as tiny
 from dstune.families import flow
 from dstune.families.base import FamilyError
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel
+from dstune.spec.models import FlowModelSpec
 from flux2_script import (
     CASES,
     check_cached_text_trains_like_encoded_text,
@@ -43,7 +43,7 @@ SEED, STEP, INDICES = 9, 6, [2, 12, 4]
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(FlowModel(family="flow", pretrained=MODEL), CACHE_DIR, "cpu")
+    return build_model(FlowModelSpec(family="flow", pretrained=MODEL), CACHE_DIR, "cpu")
 
 
 def test_builtin_is_a_flux2_dev_pipeline_folder(built):
@@ -90,13 +90,13 @@ def test_mismatched_text_width_is_refused(tmp_path):
     path = dev / "transformer" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "joint_attention_dim": 64}))
     with pytest.raises(FamilyError, match=r"joint_attention_dim 64 != 96"):
-        build_model(FlowModel(family="flow", pretrained=str(dev)), tmp_path, "cpu")
+        build_model(FlowModelSpec(family="flow", pretrained=str(dev)), tmp_path, "cpu")
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_flux2_dev_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModel(family="flow", pretrained=MODEL, guidance=4.0, **settings))
+    model = replace(built, settings=FlowModelSpec(family="flow", pretrained=MODEL, guidance=4.0, **settings))
     from diffusers import Flux2Pipeline
 
     batch = shape_batch(INDICES)
@@ -120,7 +120,7 @@ def test_loss_equals_the_diffusers_flux2_dev_script(built, case):
     )
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
     # the guidance embedding is live: another guidance value gives another loss
-    other = replace(model, settings=FlowModel(family="flow", pretrained=MODEL, guidance=1.0, **settings))
+    other = replace(model, settings=FlowModelSpec(family="flow", pretrained=MODEL, guidance=1.0, **settings))
     with torch.no_grad():
         assert flow.loss(other, other.trainable, flow.encode_batch(other, batch), SEED, STEP).item() != ours.item()
 

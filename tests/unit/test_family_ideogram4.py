@@ -23,7 +23,7 @@ from dstune.families import flow
 from dstune.families.base import FamilyError
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel, SampleSpec
+from dstune.spec.models import FlowModelSpec, SampleSpec
 from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +48,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(FlowModel(family="flow", pretrained=NAME), CACHE_DIR, "cpu")
+    return build_model(FlowModelSpec(family="flow", pretrained=NAME), CACHE_DIR, "cpu")
 
 
 def test_builtin_is_an_ideogram4_pipeline_folder(built):
@@ -117,7 +117,7 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict) 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_ideogram4_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModel(family="flow", pretrained=NAME, **settings))
+    model = replace(built, settings=FlowModelSpec(family="flow", pretrained=NAME, **settings))
     batch = shape_batch(INDICES)
     with torch.no_grad():
         ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
@@ -169,7 +169,7 @@ def test_lora_export_loads_with_load_lora_weights_and_changes_the_image(tmp_path
 
     from dstune.families.lora import apply_train_mode, export_lora
 
-    spec = FlowModel(family="flow", pretrained=NAME, train="lora")
+    spec = FlowModelSpec(family="flow", pretrained=NAME, train="lora")
     model = build_model(spec, CACHE_DIR, "cpu")
     apply_train_mode(model.trainable, spec, seed=0, family=flow.FAMILY)
     with torch.no_grad():
@@ -212,7 +212,7 @@ def test_folder_whose_parts_do_not_fit_is_refused(tmp_path):
     config["llm_features_dim"] = 99
     config_path.write_text(json.dumps(config))
     with pytest.raises(FamilyError, match="unconditional_transformer llm_features_dim 99 != the transformer's 208"):
-        build_model(FlowModel(family="flow", pretrained=str(folder)), CACHE_DIR, "cpu")
+        build_model(FlowModelSpec(family="flow", pretrained=str(folder)), CACHE_DIR, "cpu")
 
 
 def test_caption_longer_than_max_sequence_length_is_refused_naming_it(built):
@@ -236,4 +236,4 @@ def test_model_shift_is_refused_by_validate_and_at_build(tmp_path):
     issues = FACTS.spec_issues(load_spec(spec_path)[0])
     assert [key for key, _ in issues] == ["model.shift"] and "draws sigma itself" in issues[0][1]
     with pytest.raises(FamilyError, match="model.shift"):
-        build_model(FlowModel(family="flow", pretrained=NAME, shift=3.0), CACHE_DIR, "cpu")
+        build_model(FlowModelSpec(family="flow", pretrained=NAME, shift=3.0), CACHE_DIR, "cpu")

@@ -23,7 +23,7 @@ from dstune.families import flow
 from dstune.families.base import FamilyError
 from dstune.families.randomness import per_sample_randn
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel, SampleSpec
+from dstune.spec.models import FlowModelSpec, SampleSpec
 from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ CASES = {  # (dstune settings, the example's flags): its defaults (uniform u: --
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(FlowModel(family="flow", pretrained="builtin:tiny-krea2"), CACHE_DIR, "cpu")
+    return build_model(FlowModelSpec(family="flow", pretrained="builtin:tiny-krea2"), CACHE_DIR, "cpu")
 
 
 def test_raw_and_turbo_builtins_are_krea2_folders_that_differ_only_where_the_checkpoints_do(built):
@@ -64,7 +64,7 @@ def test_a_folder_whose_taps_do_not_fit_the_transformer_is_refused(tmp_path):
     index["text_encoder_select_layers"] = [1, 2, 3]
     (folder / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(FamilyError, match=r"num_text_layers 2 != 3"):
-        flow.build(FlowModel(family="flow", pretrained=str(folder)), {"pretrained": folder}, "cpu")
+        flow.build(FlowModelSpec(family="flow", pretrained=str(folder)), {"pretrained": folder}, "cpu")
 
 
 @functools.lru_cache(maxsize=1)
@@ -124,7 +124,7 @@ def _script_loss(built, encoded: dict, captions: list[str], flags: dict, u: torc
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_krea2_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModel(family="flow", pretrained="builtin:tiny-krea2", **settings))
+    model = replace(built, settings=FlowModelSpec(family="flow", pretrained="builtin:tiny-krea2", **settings))
     batch = shape_batch(INDICES)
     encoded = flow.encode_batch(model, batch)
     u = flow.timestep_density(model.settings, SEED, STEP, INDICES)

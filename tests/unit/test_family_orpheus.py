@@ -18,7 +18,7 @@ from dstune.families.base import FamilyError
 from dstune.families.speech_codecs import decode_codes, encode_clip
 from dstune.pretrained import build_model
 from dstune.spec.models import DataSpec
-from dstune.models.tts_lm.spec import TtsLmModel
+from dstune.models.tts_lm.spec import TtsLmModelSpec
 
 pytest.importorskip("snac")
 soundfile = pytest.importorskip("soundfile")
@@ -38,7 +38,7 @@ def cache_dir():
 @pytest.fixture(scope="module")
 def built(cache_dir):
     return build_model(
-        TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", max_sample_seconds=0.4),
+        TtsLmModelSpec(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", max_sample_seconds=0.4),
         cache_dir,
         "cpu",
     )
@@ -147,15 +147,17 @@ def test_export_synthesizes_with_snac(built, tmp_path):
 
 def test_a_spec_layout_that_disagrees_with_the_folder_is_refused(cache_dir):
     with pytest.raises(ValueError, match="token_layout dstune writes one code per codebook"):
-        TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", token_layout="dstune")
+        TtsLmModelSpec(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", token_layout="dstune")
     with pytest.raises(
         FamilyError, match="codec .snac. != model.codec .encodec.|cannot load it as EncodecModel"
     ):  # set, not left out
-        build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="encodec"), cache_dir, "cpu")
+        build_model(
+            TtsLmModelSpec(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="encodec"), cache_dir, "cpu"
+        )
 
 
 def test_added_text_tokens_grow_the_embeddings_and_survive_the_export(cache_dir, tmp_path):
-    spec = TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", added_tokens=["bir", "şey"])
+    spec = TtsLmModelSpec(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", added_tokens=["bir", "şey"])
     built = build_model(spec, cache_dir, "cpu")
     assert built.tokenizer.convert_tokens_to_ids(["bir", "şey"]) == [156938, 156939]
     assert built.trainable.get_input_embeddings().num_embeddings == 156940 == built.layout["vocab_size"]
@@ -166,7 +168,7 @@ def test_added_text_tokens_grow_the_embeddings_and_survive_the_export(cache_dir,
     assert built.trainable.get_input_embeddings().weight.grad[156939].abs().sum() > 0
     out = tts_lm.export(built, built.trainable.state_dict(), tmp_path / "export")
     again = build_model(
-        TtsLmModel(family="tts_lm", pretrained=str(out), codec="snac", added_tokens=["şey"]), cache_dir, "cpu"
+        TtsLmModelSpec(family="tts_lm", pretrained=str(out), codec="snac", added_tokens=["şey"]), cache_dir, "cpu"
     )
     assert again.tokenizer.convert_tokens_to_ids("şey") == 156939 and again.layout["vocab_size"] == 156940
 
@@ -175,7 +177,7 @@ def test_added_tokens_on_audio_ids_are_refused(cache_dir):
     """A token the tokenizer already has among the audio ids cannot be a new text token."""
     with pytest.raises(FamilyError, match="ids the layout uses for audio or special tokens"):
         build_model(
-            TtsLmModel(
+            TtsLmModelSpec(
                 family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", added_tokens=["<custom_token_20>"]
             ),
             cache_dir,
@@ -186,15 +188,15 @@ def test_added_tokens_on_audio_ids_are_refused(cache_dir):
 def test_lora_settings_default_to_the_llama_attention_and_refuse_added_tokens():
     from pydantic import ValidationError
 
-    lora = TtsLmModel(family="tts_lm", train="lora", lora={"rank": 4})
+    lora = TtsLmModelSpec(family="tts_lm", train="lora", lora={"rank": 4})
     assert lora.lora_settings.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
-    assert TtsLmModel(**lora.model_dump()).lora_settings == lora.lora_settings  # as a checkpoint's spec reloads
-    assert TtsLmModel(family="tts_lm", train="lora").lora_settings.rank == 16
-    assert TtsLmModel(family="tts_lm").lora_settings is None
+    assert TtsLmModelSpec(**lora.model_dump()).lora_settings == lora.lora_settings  # as a checkpoint's spec reloads
+    assert TtsLmModelSpec(family="tts_lm", train="lora").lora_settings.rank == 16
+    assert TtsLmModelSpec(family="tts_lm").lora_settings is None
     with pytest.raises(ValidationError, match="added_tokens with train: lora"):
-        TtsLmModel(family="tts_lm", train="lora", added_tokens=["12"])
+        TtsLmModelSpec(family="tts_lm", train="lora", added_tokens=["12"])
     with pytest.raises(ValidationError, match="lora settings are given but `train` is 'full'"):
-        TtsLmModel(family="tts_lm", lora={"rank": 4})
+        TtsLmModelSpec(family="tts_lm", lora={"rank": 4})
 
 
 def test_lora_adapters_go_on_the_llama_with_the_installed_peft(cache_dir):
@@ -204,7 +206,9 @@ def test_lora_adapters_go_on_the_llama_with_the_installed_peft(cache_dir):
     from dstune.families import get_family
     from dstune.families.lora import apply_train_mode
 
-    spec = TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", train="lora", lora={"rank": 4})
+    spec = TtsLmModelSpec(
+        family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", train="lora", lora={"rank": 4}
+    )
     lm = build_model(spec, cache_dir, "cpu").trainable
     summary = apply_train_mode(lm, spec, seed=3, family=get_family("tts_lm"))
     trainable = [name for name, p in lm.named_parameters() if p.requires_grad]
@@ -212,11 +216,13 @@ def test_lora_adapters_go_on_the_llama_with_the_installed_peft(cache_dir):
     assert all(".lora_A." in name or ".lora_B." in name for name in trainable)
     assert {name.split(".lora_")[0].rsplit(".", 1)[1] for name in trainable} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     ids = torch.arange(1, 9).unsqueeze(0)
-    plain = build_model(TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac"), cache_dir, "cpu")
+    plain = build_model(
+        TtsLmModelSpec(family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac"), cache_dir, "cpu"
+    )
     with torch.no_grad():
         assert torch.allclose(lm(input_ids=ids).logits, plain.trainable(input_ids=ids).logits, atol=1e-6)
 
-    wrong = TtsLmModel(
+    wrong = TtsLmModelSpec(
         family="tts_lm",
         pretrained="builtin:tiny-orpheus",
         codec="snac",
@@ -243,7 +249,9 @@ def test_codec_left_out_is_the_folders_in_validate_and_at_start_up(cache_dir):
     resolved = validate_spec(validate_data(data, source), source, world_from_flags(num_gpus=1))
     assert resolved.spec.model.codec == "snac"
     assert build_model(resolved.spec.model, cache_dir, "cpu").codec_kind == "snac"
-    unresolved = TtsLmModel(family="tts_lm", pretrained="builtin:tiny-orpheus")  # built without validate: same answer
+    unresolved = TtsLmModelSpec(
+        family="tts_lm", pretrained="builtin:tiny-orpheus"
+    )  # built without validate: same answer
     assert unresolved.codec is None and build_model(unresolved, cache_dir, "cpu").layout["codec"] == "snac"
     plain = validate_spec(
         validate_data({**data, "model": {"family": "tts_lm", "pretrained": "builtin:tiny-tts-lm"}}, source),

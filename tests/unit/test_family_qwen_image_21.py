@@ -22,10 +22,10 @@ import torch
 from dstune import builtin as tiny
 from dstune.families import flow
 from dstune.families.base import FamilyError
-from dstune.models.qwen_image_21.recipe import load_processor, pipeline_from_parts
+from dstune.models.qwen_image_21.model import load_processor, pipeline_from_parts
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel, SampleSpec
+from dstune.spec.models import FlowModelSpec, SampleSpec
 from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(FlowModel(family="flow", pretrained=NAME), CACHE_DIR, "cpu")
+    return build_model(FlowModelSpec(family="flow", pretrained=NAME), CACHE_DIR, "cpu")
 
 
 def test_builtin_is_a_qwen_image_21_pipeline_folder(built):
@@ -137,7 +137,7 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict) 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_qwen_image_21_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModel(family="flow", pretrained=NAME, **settings))
+    model = replace(built, settings=FlowModelSpec(family="flow", pretrained=NAME, **settings))
     batch = shape_batch(INDICES, SIDE)
     with torch.no_grad():
         ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
@@ -177,7 +177,7 @@ def test_lora_export_loads_with_load_lora_weights_and_changes_the_image(tmp_path
     loss and changes the rendered image."""
     from dstune.families.lora import apply_train_mode, export_lora
 
-    spec = FlowModel(family="flow", pretrained=NAME, train="lora")
+    spec = FlowModelSpec(family="flow", pretrained=NAME, train="lora")
     model = build_model(spec, CACHE_DIR, "cpu")
     apply_train_mode(model.trainable, spec, seed=0, family=flow.FAMILY)
     with torch.no_grad():
@@ -215,7 +215,7 @@ def test_turbo_folder_samples_on_its_own_sigmas(built, tmp_path):
     index = json.loads((folder / "model_index.json").read_text())
     index["sample_sigmas"] = [1.0, 0.6]
     (folder / "model_index.json").write_text(json.dumps(index))
-    turbo = build_model(FlowModel(family="flow", pretrained=str(folder)), CACHE_DIR, "cpu")
+    turbo = build_model(FlowModelSpec(family="flow", pretrained=str(folder)), CACHE_DIR, "cpu")
     assert flow.pipeline_of(turbo).config.sample_sigmas == [1.0, 0.6]
     images = flow.sample(turbo, turbo.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2), SIDE)
     assert [image.size for image in images] == [(SIDE, SIDE)]

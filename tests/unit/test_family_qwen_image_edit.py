@@ -27,7 +27,7 @@ from dstune.families.base import FamilyError
 from dstune.families.randomness import per_sample_randn
 from dstune.models.qwen_image.edit_recipe import control_images, load_processor
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel, SampleSpec
+from dstune.spec.models import FlowModelSpec, SampleSpec
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -43,7 +43,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(FlowModel(family="flow", pretrained=MODEL), CACHE_DIR, "cpu")
+    return build_model(FlowModelSpec(family="flow", pretrained=MODEL), CACHE_DIR, "cpu")
 
 
 def _batch(indices=INDICES) -> dict:
@@ -131,7 +131,7 @@ def _reference_loss(built, batch: dict, flags: dict, u: torch.Tensor) -> torch.T
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_edit_pipelines_conditioning_with_the_qwen_image_script_loss(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModel(family="flow", pretrained=MODEL, **settings))
+    model = replace(built, settings=FlowModelSpec(family="flow", pretrained=MODEL, **settings))
     batch = _batch()
     encoded = flow.encode_batch(model, batch)
     u = flow.timestep_density(model.settings, SEED, STEP, INDICES)

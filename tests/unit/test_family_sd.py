@@ -23,7 +23,7 @@ from dstune.builtin.common import shapes_images, to_tensor
 from dstune.models.sd import sd_family as sd
 from dstune.families.base import FamilyError
 from dstune.spec.models import SampleSpec
-from dstune.models.sd.spec import SdModel
+from dstune.models.sd.spec import SdModelSpec
 
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
 MARKER = tiny.BUILTIN_MARKER
@@ -47,7 +47,7 @@ def tiny_folder(cache_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def built(cache_dir):
-    return build_model(SdModel(family="sd"), cache_dir, "cpu", torch.float32)
+    return build_model(SdModelSpec(family="sd"), cache_dir, "cpu", torch.float32)
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +64,9 @@ def sd15_style_folder(tiny_folder, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def eps_built(sd15_style_folder):
-    return build_model(SdModel(family="sd", pretrained=str(sd15_style_folder)), sd15_style_folder, "cpu", torch.float32)
+    return build_model(
+        SdModelSpec(family="sd", pretrained=str(sd15_style_folder)), sd15_style_folder, "cpu", torch.float32
+    )
 
 
 def _batch(indices: list[int]) -> dict:
@@ -190,11 +192,11 @@ def test_every_draw_is_per_sample_so_any_batch_split_gives_the_same_loss(built):
 def test_prediction_type_override_and_min_snr(cache_dir, built, eps_built, sd15_style_folder):
     assert built.prediction_type == "v_prediction"  # the built-in model's scheduler (zero terminal SNR)
     with pytest.raises(FamilyError, match="zero terminal SNR.*v_prediction"):
-        build_model(SdModel(family="sd", prediction="epsilon"), cache_dir, "cpu", torch.float32)
+        build_model(SdModelSpec(family="sd", prediction="epsilon"), cache_dir, "cpu", torch.float32)
     eps = eps_built
     assert eps.prediction_type == eps.noise_scheduler.config.prediction_type == "epsilon"
     v_override = build_model(
-        SdModel(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
+        SdModelSpec(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
         cache_dir,
         "cpu",
         torch.float32,
@@ -229,7 +231,7 @@ def test_noise_offset_changes_the_noise(built):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients_without_warnings(cache_dir, built):
-    checkpointed = build_model(SdModel(family="sd", gradient_checkpointing=True), cache_dir, "cpu", torch.float32)
+    checkpointed = build_model(SdModelSpec(family="sd", gradient_checkpointing=True), cache_dir, "cpu", torch.float32)
     assert checkpointed.trainable.is_gradient_checkpointing and not built.trainable.is_gradient_checkpointing
     gradients = []
     for model in (built, checkpointed):
@@ -263,7 +265,7 @@ def test_export_writes_a_pipeline_that_diffusers_loads_and_runs(sd15_style_folde
     from diffusers import DiffusionPipeline
 
     v_built = build_model(
-        SdModel(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
+        SdModelSpec(family="sd", pretrained=str(sd15_style_folder), prediction="v_prediction"),
         tmp_path,
         "cpu",
         torch.float32,
@@ -296,7 +298,7 @@ def test_export_writes_a_pipeline_that_diffusers_loads_and_runs(sd15_style_folde
 def test_a_user_folder_loads_through_the_same_path(tiny_folder, tmp_path):
     user = tmp_path / "my-model"
     shutil.copytree(tiny_folder, user)
-    built = build_model(SdModel(family="sd", pretrained=str(user)), tmp_path / "cache", "cpu", torch.float32)
+    built = build_model(SdModelSpec(family="sd", pretrained=str(user)), tmp_path / "cache", "cpu", torch.float32)
     assert built.folder == user and not (tmp_path / "cache").exists()
 
 
@@ -308,7 +310,7 @@ def test_user_folder_problems_are_named(tiny_folder, tmp_path):
         return str(folder)
 
     def build(pretrained: str):
-        return build_model(SdModel(family="sd", pretrained=pretrained), tmp_path / "cache", "cpu", torch.float32)
+        return build_model(SdModelSpec(family="sd", pretrained=pretrained), tmp_path / "cache", "cpu", torch.float32)
 
     no_unet = broken("no-unet", lambda f: shutil.rmtree(f / "unet"))
     with pytest.raises(FamilyError, match=r"no-unet cannot be used .*\n  - missing subfolder unet/"):

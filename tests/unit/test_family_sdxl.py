@@ -21,7 +21,7 @@ from dstune import builtin as tiny
 from dstune.models.sd import sdxl_family as sdxl
 from dstune.families.base import FamilyError
 from dstune.spec.models import DataSpec, SampleSpec
-from dstune.models.sd.spec import SdxlModel
+from dstune.models.sd.spec import SdxlModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -29,7 +29,7 @@ CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "t
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(SdxlModel(family="sdxl"), CACHE_DIR, "cpu", torch.float32)
+    return build_model(SdxlModelSpec(family="sdxl"), CACHE_DIR, "cpu", torch.float32)
 
 
 def _batch(pixels: torch.Tensor) -> dict:
@@ -128,7 +128,7 @@ def test_cached_tensors_give_the_same_encoding(built):
 
 
 def test_v_prediction_override(tmp_path):
-    built = build_model(SdxlModel(family="sdxl", prediction="v_prediction"), CACHE_DIR, "cpu")
+    built = build_model(SdxlModelSpec(family="sdxl", prediction="v_prediction"), CACHE_DIR, "cpu")
     assert built.prediction_type == "v_prediction" and built.noise_scheduler.config.prediction_type == "v_prediction"
     encoded = sdxl.encode_batch(built, _batch(torch.rand(2, 3, 32, 32) * 2 - 1))
     assert torch.isfinite(sdxl.loss(built, built.trainable, encoded, 0, 1))
@@ -159,7 +159,7 @@ def test_folder_problems_are_named(tmp_path):
     folder = tmp_path / "sd-shaped"
     shutil.copytree(tiny.ensure_builtin_model("tiny-sd", CACHE_DIR), folder)
     with pytest.raises(FamilyError, match="StableDiffusionPipeline.*model.family: sd"):
-        build_model(SdxlModel(family="sdxl", pretrained=str(folder)), CACHE_DIR, "cpu")
+        build_model(SdxlModelSpec(family="sdxl", pretrained=str(folder)), CACHE_DIR, "cpu")
     broken = tmp_path / "broken"
     shutil.copytree(tiny.ensure_builtin_model("tiny-sdxl", CACHE_DIR), broken)
     config = json.loads((broken / "unet" / "config.json").read_text())
@@ -189,7 +189,7 @@ def test_lora_trains_only_adapters_and_exports_a_file_the_sdxl_pipeline_loads(tm
 
     from dstune.families.lora import LORA_WEIGHT_FILE, apply_train_mode, export_lora
 
-    spec = SdxlModel(family="sdxl", train="lora", lora={"rank": 4})
+    spec = SdxlModelSpec(family="sdxl", train="lora", lora={"rank": 4})
     built = build_model(spec, CACHE_DIR, "cpu")
     apply_train_mode(built.trainable, spec, seed=0, family=sdxl.FAMILY)
     encoded = sdxl.encode_batch(built, _batch(torch.rand(2, 3, 32, 32) * 2 - 1))

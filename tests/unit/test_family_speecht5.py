@@ -15,7 +15,7 @@ from dstune.models.speecht5 import family as speecht5
 from dstune.families.base import FamilyError
 from dstune.builtin import ensure_builtin_model
 from dstune.spec.models import DataSpec
-from dstune.models.speecht5.spec import SpeechT5Model
+from dstune.models.speecht5.spec import SpeechT5ModelSpec
 
 pytest.importorskip("sentencepiece")
 
@@ -29,7 +29,7 @@ def cache_dir():
 
 @pytest.fixture(scope="module")
 def built(cache_dir):
-    return build_model(SpeechT5Model(family="speecht5"), cache_dir, "cpu")
+    return build_model(SpeechT5ModelSpec(family="speecht5"), cache_dir, "cpu")
 
 
 def _batch(built, speakers=None):
@@ -87,7 +87,7 @@ def test_speaker_vectors_from_a_file(cache_dir, tmp_path, built):
 
     save_file({"ann": torch.ones(16), "bob": -torch.ones(16)}, str(tmp_path / "spk.safetensors"))
     with_file = build_model(
-        SpeechT5Model(family="speecht5", speaker_embeddings=str(tmp_path / "spk.safetensors")), cache_dir, "cpu"
+        SpeechT5ModelSpec(family="speecht5", speaker_embeddings=str(tmp_path / "spk.safetensors")), cache_dir, "cpu"
     )
     encoded = speecht5.encode_batch(with_file, _batch(built, ["ann", "bob", "", "ann", "bob"]))
     assert torch.equal(encoded["speaker_embeddings"][0], torch.ones(16))
@@ -97,13 +97,13 @@ def test_speaker_vectors_from_a_file(cache_dir, tmp_path, built):
     save_file({"ann": torch.ones(8)}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(FamilyError, match="must have 16 values"):
         build_model(
-            SpeechT5Model(family="speecht5", speaker_embeddings=str(tmp_path / "bad.safetensors")), cache_dir, "cpu"
+            SpeechT5ModelSpec(family="speecht5", speaker_embeddings=str(tmp_path / "bad.safetensors")), cache_dir, "cpu"
         )
 
 
 def test_bf16_runs_with_parameters_cast_as_deepspeed_does(cache_dir, built):
     """DeepSpeed's bf16 casts parameters only: the family casts SpeechT5's fp32 buffers, or LayerNorm fails."""
-    half = build_model(SpeechT5Model(family="speecht5"), cache_dir, "cpu", torch.bfloat16)
+    half = build_model(SpeechT5ModelSpec(family="speecht5"), cache_dir, "cpu", torch.bfloat16)
     for parameter in half.trainable.parameters():
         parameter.data = parameter.data.to(torch.bfloat16)
     encoded = speecht5.encode_batch(half, _batch(built), torch.bfloat16)

@@ -18,7 +18,7 @@ from dstune.families.speech import save_wavs
 from dstune.families.base import FamilyError
 from dstune.builtin import ensure_builtin_model
 from dstune.spec.models import DataSpec, SampleSpec
-from dstune.models.tts_lm.spec import TtsLmModel
+from dstune.models.tts_lm.spec import TtsLmModelSpec
 
 soundfile = pytest.importorskip("soundfile")
 
@@ -34,7 +34,7 @@ def cache_dir():
 @pytest.fixture(scope="module")
 def built(cache_dir):
     torch.manual_seed(0)
-    return build_model(TtsLmModel(family="tts_lm", max_sample_seconds=0.5), cache_dir, "cpu")
+    return build_model(TtsLmModelSpec(family="tts_lm", max_sample_seconds=0.5), cache_dir, "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_plain_lm_with_a_dac_codec_gets_audio_tokens_appended(tmp_path):
         )
     ).save_pretrained(tmp_path / "dac")
     built = build_model(
-        TtsLmModel(
+        TtsLmModelSpec(
             family="tts_lm",
             pretrained=str(tmp_path / "lm"),
             codec="dac",
@@ -188,7 +188,7 @@ def test_a_mimi_codec_trains_and_round_trips(tmp_path):
         )
     ).save_pretrained(tmp_path / "mimi")
     built = build_model(
-        TtsLmModel(
+        TtsLmModelSpec(
             family="tts_lm",
             pretrained=str(tmp_path / "lm"),
             codec="mimi",
@@ -210,6 +210,6 @@ def test_a_mimi_codec_trains_and_round_trips(tmp_path):
 def test_missing_codec_and_mismatched_layout_are_clear_errors(cache_dir, tmp_path):
     folder = ensure_builtin_model("builtin:tiny-tts-lm", cache_dir)
     with pytest.raises(FamilyError, match="cannot load it as EncodecModel"):
-        build_model(TtsLmModel(family="tts_lm", codec_pretrained=str(tmp_path)), cache_dir, "cpu")
+        build_model(TtsLmModelSpec(family="tts_lm", codec_pretrained=str(tmp_path)), cache_dir, "cpu")
     with pytest.raises(FamilyError, match="num_codebooks 2 != model.num_codebooks 3"):
-        build_model(TtsLmModel(family="tts_lm", pretrained=str(folder), num_codebooks=3), cache_dir, "cpu")
+        build_model(TtsLmModelSpec(family="tts_lm", pretrained=str(folder), num_codebooks=3), cache_dir, "cpu")

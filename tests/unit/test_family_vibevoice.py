@@ -20,7 +20,7 @@ from dstune.data.audio import SpeechDataset, collate_speech, speech_records
 from dstune.families import get_family
 from dstune.families.randomness import sample_seed
 from dstune.models.csm import family as tts_codebooks
-from dstune.models.csm.spec import TtsCodebooksModel
+from dstune.spec.speech_models import CodebooksModelSpec
 from dstune.models.vibevoice import model as tts_vibevoice
 from dstune.pretrained import build_model
 from dstune.spec.models import DataSpec
@@ -37,7 +37,7 @@ def folder():
 
 @pytest.fixture(scope="module")
 def built(folder):
-    spec = TtsCodebooksModel(family="tts_codebooks", pretrained="builtin:tiny-vibevoice", max_sample_seconds=0.5)
+    spec = CodebooksModelSpec(family="tts_codebooks", pretrained="builtin:tiny-vibevoice", max_sample_seconds=0.5)
     built = build_model(spec, folder[1], "cpu")
     built.trainable.eval()
     return built
@@ -266,7 +266,7 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
 
     from dstune.families.lora import apply_train_mode, export_lora
 
-    spec = TtsCodebooksModel(
+    spec = CodebooksModelSpec(
         family="tts_codebooks", pretrained="builtin:tiny-vibevoice", train="lora", lora={"rank": 4}
     )
     lora_built = build_model(spec, folder[1], "cpu")
@@ -339,5 +339,5 @@ def test_a_folder_in_the_original_layout_is_refused_by_validate_and_start_up(tmp
     assert "model.pretrained" in text and "original VibeVoice layout" in text
     with pytest.raises(FamilyError, match="original VibeVoice layout"):
         tts_vibevoice.build(
-            TtsCodebooksModel(family="tts_codebooks", pretrained=str(folder)), {"pretrained": folder}, "cpu"
+            CodebooksModelSpec(family="tts_codebooks", pretrained=str(folder)), {"pretrained": folder}, "cpu"
         )

@@ -47,7 +47,7 @@ from dstune.families import flow_core, video as wan  # noqa: E402
 from dstune.models.wan.recipe import expert_positions, train_tables  # noqa: E402
 from dstune.families.randomness import per_sample_randn  # noqa: E402
 from dstune.pretrained import build_model  # noqa: E402
-from dstune.spec.models import SampleSpec, WanModel  # noqa: E402
+from dstune.spec.models import SampleSpec, VideoModelSpec  # noqa: E402
 from dstune.spec.video_models import expert_problems, expert_range_text  # noqa: E402
 from tiny_batches import clip_batch  # noqa: E402
 
@@ -56,7 +56,7 @@ SEED, STEP, INDICES = 5, 2, [1, 8, 13]
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(WanModel(family="wan", gradient_checkpointing=True), CACHE_DIR, "cpu")
+    return build_model(VideoModelSpec(family="wan", gradient_checkpointing=True), CACHE_DIR, "cpu")
 
 
 def _batch(indices=INDICES, frames=5) -> dict:
@@ -176,12 +176,12 @@ def test_folders_of_other_wan_pipelines_are_refused_with_the_reason(tmp_path):
     index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]  # listed, but no folder
     (copy / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="no transformer_2/ subfolder"):
-        wan.build(WanModel(family="wan", expert="high_noise"), {"pretrained": copy}, "cpu")
+        wan.build(VideoModelSpec(family="wan", expert="high_noise"), {"pretrained": copy}, "cpu")
     del index["transformer_2"]
     index["image_encoder"] = ["transformers", "CLIPVisionModel"]  # an image encoder nothing reads
     (copy / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="has an image_encoder but the transformer has no image_dim"):
-        wan.build(WanModel(family="wan"), {"pretrained": copy}, "cpu")
+        wan.build(VideoModelSpec(family="wan"), {"pretrained": copy}, "cpu")
 
 
 # ------------------------------------------------------------------------- two experts (Wan 2.2 A14B layout)
@@ -189,14 +189,16 @@ def test_folders_of_other_wan_pipelines_are_refused_with_the_reason(tmp_path):
 
 @pytest.fixture(scope="module")
 def low_noise():
-    return build_model(WanModel(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise"), CACHE_DIR, "cpu")
+    return build_model(
+        VideoModelSpec(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise"), CACHE_DIR, "cpu"
+    )
 
 
 def test_two_expert_folders_need_model_expert_and_one_expert_folders_refuse_it():
     with pytest.raises(ValueError, match="set model.expert to high_noise .* or low_noise"):
-        build_model(WanModel(family="wan", pretrained="builtin:tiny-wan-a14b"), CACHE_DIR, "cpu")
+        build_model(VideoModelSpec(family="wan", pretrained="builtin:tiny-wan-a14b"), CACHE_DIR, "cpu")
     with pytest.raises(ValueError, match="model.expert high_noise applies to two-expert folders"):
-        build_model(WanModel(family="wan", expert="high_noise"), CACHE_DIR, "cpu")
+        build_model(VideoModelSpec(family="wan", expert="high_noise"), CACHE_DIR, "cpu")
 
 
 def test_an_expert_trains_its_own_component_on_its_own_timesteps(low_noise):
@@ -211,7 +213,7 @@ def test_an_expert_trains_its_own_component_on_its_own_timesteps(low_noise):
     assert first + count == len(low_noise.train_timesteps) and count > 0
     assert (low_noise.train_timesteps[first:] < 875).all() and (low_noise.train_timesteps[:first] >= 875).all()
     index = {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}
-    high = WanModel(family="wan", expert="high_noise")
+    high = VideoModelSpec(family="wan", expert="high_noise")
     assert expert_positions(low_noise.train_timesteps, high, index, low_noise.scheduler.config) == (0, first)
     seen = []
     encoded = wan.encode_batch(low_noise, _batch())
@@ -231,12 +233,14 @@ def test_timestep_range_narrows_the_expert_and_must_stay_on_its_side_of_the_boun
     high-noise expert there)."""
     index = {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}
     table, config = low_noise.train_timesteps, low_noise.scheduler.config
-    narrow = WanModel(family="wan", expert="low_noise", timestep_range=(200, 600))
+    narrow = VideoModelSpec(family="wan", expert="low_noise", timestep_range=(200, 600))
     first, count = expert_positions(table, narrow, index, config)
     picked = table[first : first + count]
     assert count > 0 and picked.min() >= 200 and picked.max() <= 600
     assert ((table >= 200) & (table <= 600)).sum() == count
-    whole = expert_positions(table, WanModel(family="wan", expert="low_noise", timestep_range=(0, 875)), index, config)
+    whole = expert_positions(
+        table, VideoModelSpec(family="wan", expert="low_noise", timestep_range=(0, 875)), index, config
+    )
     assert whole == low_noise.positions  # max == boundary: still only t < 875
     problems = expert_problems(index, "low_noise", (500, 900))
     assert problems and "above the boundary 875" in problems[0] and "lower max to 875" in problems[0]
@@ -244,12 +248,14 @@ def test_timestep_range_narrows_the_expert_and_must_stay_on_its_side_of_the_boun
     assert problems and "below the boundary 875" in problems[0] and "raise min to 875" in problems[0]
     with pytest.raises(ValueError, match="timestep_range .* above the boundary 875"):
         build_model(
-            WanModel(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise", timestep_range=(100, 900)),
+            VideoModelSpec(
+                family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise", timestep_range=(100, 900)
+            ),
             CACHE_DIR,
             "cpu",
         )
     with pytest.raises(ValueError, match="0 <= min < max"):
-        WanModel(family="wan", timestep_range=(600, 200))
+        VideoModelSpec(family="wan", timestep_range=(600, 200))
     assert "low_noise (transformer_2) trains timesteps 200 to 600 of 1000" in expert_range_text(
         index, "low_noise", (200, 600)
     )
@@ -269,7 +275,7 @@ def test_low_noise_expert_exports_and_its_lora_loads_into_transformer_2(low_nois
     start = load_file(low_noise.folder / "transformer" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(trained[k], state[k]) for k in state) and all(torch.equal(kept[k], start[k]) for k in start)
 
-    spec = WanModel(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise", train="lora")
+    spec = VideoModelSpec(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise", train="lora")
     model = build_model(spec, CACHE_DIR, "cpu")
     apply_train_mode(model.trainable, spec, seed=0, family=wan.FAMILY)
     with torch.no_grad():
@@ -322,9 +328,9 @@ def test_each_video_model_says_its_own_text_length_default_everywhere():
     from dstune.families.video import video_model_of
     from dstune.models import registry
     from dstune.models.unit import VIDEO_FAMILY
-    from dstune.spec.video_models import WanModel
+    from dstune.spec.video_models import VideoModelSpec
 
-    description = WanModel.model_fields["max_sequence_length"].description
+    description = VideoModelSpec.model_fields["max_sequence_length"].description
     for unit in registry.on_core(VIDEO_FAMILY):
         note = unit.spec_notes["model.max_sequence_length"]
         assert note in description, unit.name

@@ -20,7 +20,7 @@ from dstune.families.base import FamilyError
 from dstune.families.randomness import per_sample_randn
 from dstune.families.flow_matching import timestep_density
 from dstune.pretrained import build_model
-from dstune.spec.models import SampleSpec, WanModel
+from dstune.spec.models import SampleSpec, VideoModelSpec
 from tiny_batches import clip_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,12 +35,12 @@ def _batch(indices=INDICES, frames=5) -> dict:
 
 @pytest.fixture(scope="module")
 def i2v():
-    return build_model(WanModel(family="wan", pretrained=I2V), CACHE_DIR, "cpu")
+    return build_model(VideoModelSpec(family="wan", pretrained=I2V), CACHE_DIR, "cpu")
 
 
 @pytest.fixture(scope="module")
 def ti2v_image():
-    return build_model(WanModel(family="wan", pretrained=TI2V, image_to_video=True), CACHE_DIR, "cpu")
+    return build_model(VideoModelSpec(family="wan", pretrained=TI2V, image_to_video=True), CACHE_DIR, "cpu")
 
 
 def _captured(pipeline, transformer_name="transformer", **call) -> dict:
@@ -125,7 +125,7 @@ def test_wan21_i2v_loss_is_the_reference_trainers_on_the_same_draws(i2v):
 def test_ti2v_text_to_video_timesteps_are_expanded_per_token_as_wan_pipeline_does():
     from diffusers import WanPipeline
 
-    built = build_model(WanModel(family="wan", pretrained=TI2V), CACHE_DIR, "cpu")
+    built = build_model(VideoModelSpec(family="wan", pretrained=TI2V), CACHE_DIR, "cpu")
     assert (built.mode.layout, built.mode.image_to_video) == ("ti2v", False)
     pipeline = WanPipeline.from_pretrained(built.folder)
     assert pipeline.config.expand_timesteps and pipeline.vae.config.z_dim == 48
@@ -232,20 +232,20 @@ def test_i2v_trains_and_samples_render_from_a_first_frame(i2v, tmp_path):
 
 def test_settings_that_do_not_fit_the_folder_are_refused_with_the_key_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="model.image_to_video is false, but this is an image-to-video folder"):
-        build_model(WanModel(family="wan", pretrained=I2V, image_to_video=False), CACHE_DIR, "cpu")
+        build_model(VideoModelSpec(family="wan", pretrained=I2V, image_to_video=False), CACHE_DIR, "cpu")
     with pytest.raises(ValueError, match="model.image_to_video is true, but this is a text-to-video folder"):
-        build_model(WanModel(family="wan", image_to_video=True), CACHE_DIR, "cpu")
+        build_model(VideoModelSpec(family="wan", image_to_video=True), CACHE_DIR, "cpu")
     copy = tmp_path / "no-processor"
     shutil.copytree(tiny.ensure_builtin_model(I2V, CACHE_DIR), copy)
     index = json.loads((copy / "model_index.json").read_text())
     del index["image_processor"]
     (copy / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="has an image_encoder but no image_processor"):
-        wan.build(WanModel(family="wan"), {"pretrained": copy}, "cpu")
+        wan.build(VideoModelSpec(family="wan"), {"pretrained": copy}, "cpu")
     config = json.loads((copy / "transformer" / "config.json").read_text())
     (copy / "transformer" / "config.json").write_text(json.dumps({**config, "in_channels": 20}))
     with pytest.raises(ValueError, match="in_channels 20 is neither the VAE's z_dim 16"):
-        wan.build(WanModel(family="wan"), {"pretrained": copy}, "cpu")
+        wan.build(VideoModelSpec(family="wan"), {"pretrained": copy}, "cpu")
 
 
 def test_a_cache_without_the_condition_is_refused(i2v):
@@ -256,13 +256,15 @@ def test_a_cache_without_the_condition_is_refused(i2v):
 
 def test_the_latent_cache_key_changes_with_the_mode_and_text_to_video_keeps_the_plain_entries():
     folder = tiny.ensure_builtin_model(TI2V, CACHE_DIR)
-    assert wan.latent_cache_key(WanModel(family="wan", pretrained=TI2V), folder) == ("", (), ())
-    assert wan.latent_cache_key(WanModel(family="wan", pretrained=TI2V, image_to_video=True), folder) == (
+    assert wan.latent_cache_key(VideoModelSpec(family="wan", pretrained=TI2V), folder) == ("", (), ())
+    assert wan.latent_cache_key(VideoModelSpec(family="wan", pretrained=TI2V, image_to_video=True), folder) == (
         "image_to_video/ti2v",
         (),
         ("condition_mean",),
     )
-    assert wan.latent_cache_key(WanModel(family="wan", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)) == (
+    assert wan.latent_cache_key(
+        VideoModelSpec(family="wan", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)
+    ) == (
         "image_to_video/i2v",
         ("image_encoder", "image_processor"),
         ("condition_mean", "image_embeds"),
@@ -352,7 +354,9 @@ def test_wan22_i2v_a14b_layout_trains_one_expert_from_first_frames(a14b_i2v_fold
     transformer_2 (mask + condition channels, no image embedding); samples run both experts from a first frame."""
     from diffusers import WanImageToVideoPipeline
 
-    built = build_model(WanModel(family="wan", pretrained=str(a14b_i2v_folder), expert="low_noise"), CACHE_DIR, "cpu")
+    built = build_model(
+        VideoModelSpec(family="wan", pretrained=str(a14b_i2v_folder), expert="low_noise"), CACHE_DIR, "cpu"
+    )
     assert built.mode.image_to_video and built.trained_name == "transformer_2" and "image_encoder" not in built.parts
     first, count = built.positions
     assert count > 0 and (built.train_timesteps[first : first + count] < 900).all()

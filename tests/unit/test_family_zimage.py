@@ -20,7 +20,7 @@ from dstune import builtin as tiny
 from dstune.families import flow
 from dstune.families.randomness import per_sample_randn
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel, SampleSpec
+from dstune.spec.models import FlowModelSpec, SampleSpec
 from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ CASES = {  # (dstune settings, the example's flags): its defaults (uniform u: --
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(FlowModel(family="flow", pretrained="builtin:tiny-z-image"), CACHE_DIR, "cpu")
+    return build_model(FlowModelSpec(family="flow", pretrained="builtin:tiny-z-image"), CACHE_DIR, "cpu")
 
 
 def _batch(indices=INDICES) -> dict:
@@ -76,7 +76,7 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict, 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_z_image_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModel(family="flow", pretrained="builtin:tiny-z-image", **settings))
+    model = replace(built, settings=FlowModelSpec(family="flow", pretrained="builtin:tiny-z-image", **settings))
     batch = _batch()
     u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
     with torch.no_grad():

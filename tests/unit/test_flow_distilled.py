@@ -21,7 +21,7 @@ from dstune.families.flow_distilled import attach_sampling_denoiser
 from dstune.families.lora import adapter_state_dict, apply_train_mode, export_lora
 from dstune.families.randomness import sample_generator
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel, SampleSpec
+from dstune.spec.models import FlowModelSpec, SampleSpec
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -30,8 +30,8 @@ SAMPLES = SampleSpec(prompts=PROMPTS, steps=2, guidance=0.0, seed=3)
 FAMILY = get_family("flow")
 
 
-def _lora_model(**extra) -> FlowModel:
-    return FlowModel(
+def _lora_model(**extra) -> FlowModelSpec:
+    return FlowModelSpec(
         family="flow",
         pretrained="builtin:tiny-krea2",
         train="lora",
@@ -40,7 +40,7 @@ def _lora_model(**extra) -> FlowModel:
     )
 
 
-def _trained(model: FlowModel):
+def _trained(model: FlowModelSpec):
     """The model built and made trainable as startup does, its adapters moved off their zero start (as training
     would), so that the LoRA changes what renders."""
     built = build_model(model, CACHE_DIR, "cpu")
@@ -113,7 +113,7 @@ def test_a_folder_of_another_model_or_other_shapes_is_refused(tmp_path):
 def test_training_adapter_is_fused_for_training_and_left_out_of_the_lora_file_and_the_samples(tmp_path):
     from diffusers import Krea2Pipeline
 
-    adapter_spec = FlowModel(
+    adapter_spec = FlowModelSpec(
         family="flow", pretrained="builtin:tiny-krea2", train="lora", lora={"rank": 2, "target_modules": ["ff.up"]}
     )
     adapter_run = _trained(adapter_spec)

@@ -21,7 +21,7 @@ import torch
 from dstune.families import flow
 from dstune.families.randomness import per_sample_randn
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel
+from dstune.spec.models import FlowModelSpec
 from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def built() -> dict:
     return {
-        kind: build_model(FlowModel(family="flow", pretrained=f"builtin:{name}"), CACHE_DIR, "cpu")
+        kind: build_model(FlowModelSpec(family="flow", pretrained=f"builtin:{name}"), CACHE_DIR, "cpu")
         for kind, name in NAMES.items()
     }
 
@@ -139,7 +139,7 @@ def _script_loss(built, encoded: dict, flags: dict, u: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_script(built, case):
     kind, settings, flags = CASES[case]
-    model = replace(built[kind], settings=FlowModel(family="flow", pretrained=f"builtin:{NAMES[kind]}", **settings))
+    model = replace(built[kind], settings=FlowModelSpec(family="flow", pretrained=f"builtin:{NAMES[kind]}", **settings))
     encoded = flow.encode_batch(model, _batch())
     u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
     with torch.no_grad():
@@ -164,6 +164,6 @@ def test_preconditioning_weights_the_velocity_error_by_sigma_squared(built):
 
 def test_sigma_sqrt_without_preconditioning_is_refused_with_the_numbers():
     with pytest.raises(ValueError) as refused:
-        FlowModel(family="flow", timestep_sampling="uniform", loss_weighting="sigma_sqrt")
+        FlowModelSpec(family="flow", timestep_sampling="uniform", loss_weighting="sigma_sqrt")
     assert "about 186" in str(refused.value) and "precondition_outputs: true" in str(refused.value)
-    FlowModel(family="flow", timestep_sampling="uniform", loss_weighting="sigma_sqrt", precondition_outputs=True)
+    FlowModelSpec(family="flow", timestep_sampling="uniform", loss_weighting="sigma_sqrt", precondition_outputs=True)

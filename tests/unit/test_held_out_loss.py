@@ -133,9 +133,9 @@ def test_fixed_batches_cover_every_sample_once_per_bucket_and_every_rank_runs_as
 def tiny_sd():
     from dstune.families import get_family
     from dstune.pretrained import build_model
-    from dstune.models.sd.spec import SdModel
+    from dstune.models.sd.spec import SdModelSpec
 
-    built = build_model(SdModel(family="sd"), str(CACHE_DIR), "cpu", torch.float32)
+    built = build_model(SdModelSpec(family="sd"), str(CACHE_DIR), "cpu", torch.float32)
     built.trainable.eval()
     return get_family("sd"), built
 

@@ -26,7 +26,7 @@ from dstune.models.hunyuan_video15.recipe import TRAIN_SHIFT, VISION_TOKENS
 from dstune.families.flow_matching import timestep_density
 from dstune.families.randomness import per_sample_randn
 from dstune.pretrained import build_model
-from dstune.spec.models import WanModel
+from dstune.spec.models import VideoModelSpec
 from tiny_batches import clip_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ TEXT_TOKENS = 48  # model.max_sequence_length: the tiny model's Qwen side, short
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(WanModel(family="wan", pretrained=NAME, max_sequence_length=TEXT_TOKENS), CACHE_DIR, "cpu")
+    return build_model(VideoModelSpec(family="wan", pretrained=NAME, max_sequence_length=TEXT_TOKENS), CACHE_DIR, "cpu")
 
 
 def _reference_timestep_transform(timesteps: torch.Tensor, total: int, shift: float) -> torch.Tensor:
@@ -83,7 +83,7 @@ CASES = {  # dstune's settings: the trainer's defaults (lognorm t, shift 3.0), t
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_official_trainers_loss_lines(built, case):
-    settings = WanModel(family="wan", pretrained=NAME, max_sequence_length=TEXT_TOKENS, **CASES[case])
+    settings = VideoModelSpec(family="wan", pretrained=NAME, max_sequence_length=TEXT_TOKENS, **CASES[case])
     model = replace(built, settings=settings)
     if settings.shift is not None:
         model = replace(
@@ -158,7 +158,7 @@ def test_export_loads_and_renders_and_the_lora_file_loads_into_the_pipelines_tra
     ).frames
     assert frames.shape == (1, 5, 32, 32, 3) and torch.isfinite(torch.as_tensor(frames)).all()
 
-    spec = WanModel(family="wan", pretrained=NAME, train="lora", max_sequence_length=TEXT_TOKENS)
+    spec = VideoModelSpec(family="wan", pretrained=NAME, train="lora", max_sequence_length=TEXT_TOKENS)
     model = build_model(spec, CACHE_DIR, "cpu")
     apply_train_mode(model.trainable, spec, seed=0, family=wan.FAMILY)
     with torch.no_grad():
@@ -193,7 +193,9 @@ I2V_NAME = "builtin:tiny-hunyuan-video15-i2v"
 @pytest.fixture(scope="module")
 def i2v():
     return build_model(
-        WanModel(family="wan", pretrained=I2V_NAME, max_sequence_length=TEXT_TOKENS, timestep_sampling="logit_normal"),
+        VideoModelSpec(
+            family="wan", pretrained=I2V_NAME, max_sequence_length=TEXT_TOKENS, timestep_sampling="logit_normal"
+        ),
         CACHE_DIR,
         "cpu",
     )
@@ -287,7 +289,7 @@ def test_image_to_video_caches_the_image_embedding_and_renders_from_first_frames
     clips = wan.sample(i2v, i2v.trainable, spec.prompts, spec, 32)
     assert len(clips[0]) == 5 and clips[0][0].size == (32, 32)
     with pytest.raises(FamilyError, match="image_to_video is true"):
-        build_model(WanModel(family="wan", pretrained=NAME, image_to_video=True), CACHE_DIR, "cpu")
+        build_model(VideoModelSpec(family="wan", pretrained=NAME, image_to_video=True), CACHE_DIR, "cpu")
 
 
 def test_text_cache_entries_are_keyed_by_both_text_encoders_and_wans_keys_stay_as_they_were(built):

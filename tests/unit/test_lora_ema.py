@@ -8,7 +8,7 @@ import torch
 from dstune.ema import Ema, consolidated_ema, decay_at, overlay_ema, shard_range
 from dstune.families import get_family
 from dstune.spec.models import EmaSpec
-from dstune.models.sd.spec import SdModel
+from dstune.models.sd.spec import SdModelSpec
 
 SD = get_family("sd")
 
@@ -128,7 +128,7 @@ def _tiny_unet():
 def test_lora_makes_only_seeded_adapters_trainable():
     from dstune.families.lora import apply_train_mode
 
-    spec = SdModel(family="sd", train="lora", lora={"rank": 2, "alpha": 4})
+    spec = SdModelSpec(family="sd", train="lora", lora={"rank": 2, "alpha": 4})
     unets = [_tiny_unet(), _tiny_unet()]
     summaries = [apply_train_mode(unet, spec, seed=3, family=SD) for unet in unets]
     assert "LoRA rank 2, alpha 4" in summaries[0]
@@ -143,7 +143,7 @@ def test_full_training_leaves_the_denoiser_as_it_is():
     from dstune.families.lora import apply_train_mode
 
     unet = _tiny_unet()
-    assert apply_train_mode(unet, SdModel(family="sd"), seed=0, family=SD).startswith("training: full")
+    assert apply_train_mode(unet, SdModelSpec(family="sd"), seed=0, family=SD).startswith("training: full")
     assert all(p.requires_grad for p in unet.parameters())
 
 
@@ -151,7 +151,7 @@ def test_lora_target_modules_that_match_nothing_are_a_clear_error():
     from dstune.families.base import FamilyError
     from dstune.families.lora import apply_train_mode
 
-    spec = SdModel(family="sd", train="lora", lora={"target_modules": ["no_such_layer"]})
+    spec = SdModelSpec(family="sd", train="lora", lora={"target_modules": ["no_such_layer"]})
     with pytest.raises(FamilyError, match=r"model.lora.target_modules \['no_such_layer'\]"):
         apply_train_mode(_tiny_unet(), spec, seed=0, family=SD)
 
@@ -192,7 +192,7 @@ def test_lora_settings_without_lora_training_name_the_key():
         validate_data(data, SpecSource("spec.yaml"))
     data["model"]["train"] = "lora"
     assert validate_data(data, SpecSource("spec.yaml")).model.lora_settings.rank == 4
-    assert SdModel(family="sd", train="lora").lora_settings.target_modules == ["to_q", "to_k", "to_v", "to_out.0"]
+    assert SdModelSpec(family="sd", train="lora").lora_settings.target_modules == ["to_q", "to_k", "to_v", "to_out.0"]
 
 
 def test_contact_sheet_lists_every_step_in_order_with_escaped_prompts(tmp_path):

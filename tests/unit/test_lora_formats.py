@@ -20,41 +20,47 @@ from dstune.families import get_family
 from dstune.families.lora import LORA_WEIGHT_FILE, apply_train_mode, export_lora
 from dstune.pretrained import build_model
 from dstune.spec.load import SpecSource, validate_data
-from dstune.spec.models import SECTIONS_BY_FAMILY, FlowModel
-from dstune.models.sd.spec import SdModel, SdxlModel
+from dstune.spec.models import SECTIONS_BY_FAMILY, FlowModelSpec
+from dstune.models.sd.spec import SdModelSpec, SdxlModelSpec
 from dstune.validate import validate_spec
 from dstune.world import world_from_flags
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 MODELS = {  # name -> (model section, pipeline class)
-    "sd": (lambda: SdModel(family="sd", train="lora", lora={"rank": 2, "alpha": 6}), "StableDiffusionPipeline"),
+    "sd": (lambda: SdModelSpec(family="sd", train="lora", lora={"rank": 2, "alpha": 6}), "StableDiffusionPipeline"),
     "sdxl": (
-        lambda: SdxlModel(
+        lambda: SdxlModelSpec(
             family="sdxl", train="lora", lora={"rank": 3, "alpha": 1.5, "target_modules": ["to_q", "to_v", "conv1"]}
         ),
         "StableDiffusionXLPipeline",
     ),
     "sd3": (
-        lambda: FlowModel(family="flow", pretrained="builtin:tiny-flow", train="lora", lora={"rank": 2}),
+        lambda: FlowModelSpec(family="flow", pretrained="builtin:tiny-flow", train="lora", lora={"rank": 2}),
         "StableDiffusion3Pipeline",
     ),
     "flux": (
-        lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux", train="lora", lora={"rank": 2, "alpha": 4}),
+        lambda: FlowModelSpec(
+            family="flow", pretrained="builtin:tiny-flux", train="lora", lora={"rank": 2, "alpha": 4}
+        ),
         "FluxPipeline",
     ),
     "qwen-image": (
-        lambda: FlowModel(
+        lambda: FlowModelSpec(
             family="flow", pretrained="builtin:tiny-qwen-image", train="lora", lora={"rank": 2, "alpha": 3}
         ),
         "QwenImagePipeline",
     ),
     "z-image": (
-        lambda: FlowModel(family="flow", pretrained="builtin:tiny-z-image", train="lora", lora={"rank": 3, "alpha": 2}),
+        lambda: FlowModelSpec(
+            family="flow", pretrained="builtin:tiny-z-image", train="lora", lora={"rank": 3, "alpha": 2}
+        ),
         "ZImagePipeline",
     ),
     "flux2": (
-        lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux2", train="lora", lora={"rank": 2, "alpha": 8}),
+        lambda: FlowModelSpec(
+            family="flow", pretrained="builtin:tiny-flux2", train="lora", lora={"rank": 2, "alpha": 8}
+        ),
         "Flux2KleinPipeline",
     ),
 }
@@ -169,7 +175,7 @@ def test_layers_kohya_names_cannot_carry_are_refused_before_training():
     into add.embedding.linear: the file would load without that adapter. Refused when the adapters are added."""
     from dstune.families.base import FamilyError
 
-    spec = SdxlModel(family="sdxl", train="lora", lora={"rank": 2, "target_modules": ["to_q", "linear_1"]})
+    spec = SdxlModelSpec(family="sdxl", train="lora", lora={"rank": 2, "target_modules": ["to_q", "linear_1"]})
     built = build_model(spec, CACHE_DIR, "cpu")
     with pytest.raises(
         FamilyError,

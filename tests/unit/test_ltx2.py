@@ -28,7 +28,7 @@ import torch
 from dstune.families import video as wan
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.pretrained import build_model
-from dstune.spec.models import WanModel
+from dstune.spec.models import VideoModelSpec
 from tiny_batches import clip_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ FPS = 24.0  # ltx-trainer's DEFAULT_FPS
 @pytest.fixture(scope="module")
 def built():
     return build_model(
-        WanModel(
+        VideoModelSpec(
             family="wan", pretrained=NAME, max_sequence_length=TEXT_TOKENS, timestep_sampling="shifted_logit_normal"
         ),
         CACHE_DIR,
@@ -389,7 +389,7 @@ def test_the_lora_file_loads_with_ltx2_pipelines_loader(tmp_path):
 
     from dstune.families.lora import apply_train_mode, export_lora
 
-    spec = WanModel(
+    spec = VideoModelSpec(
         family="wan",
         pretrained=NAME,
         train="lora",
@@ -435,7 +435,7 @@ def test_text_cache_is_keyed_by_gemma_and_the_connectors_and_refusals(built):
     )
     with pytest.raises(FamilyError, match="shifted_logit_normal is the sampler of the video models that draw sigma"):
         build_model(
-            WanModel(family="wan", pretrained="builtin:tiny-wan", timestep_sampling="shifted_logit_normal"),
+            VideoModelSpec(family="wan", pretrained="builtin:tiny-wan", timestep_sampling="shifted_logit_normal"),
             CACHE_DIR,
             "cpu",
         )
@@ -565,7 +565,7 @@ def test_under_a_sequence_split_the_sound_loss_gradient_is_divided_by_the_split(
 @pytest.fixture(scope="module")
 def i2v():
     return build_model(
-        WanModel(
+        VideoModelSpec(
             family="wan",
             pretrained=NAME,
             max_sequence_length=TEXT_TOKENS,

@@ -10,7 +10,7 @@ import torch
 from dstune.families import get_family
 from dstune.spec.load import SpecError
 from dstune.spec.models import BASE_PRECISION_BYTES
-from dstune.models.sd.spec import SdModel
+from dstune.models.sd.spec import SdModelSpec
 
 SD = get_family("sd")
 LORA = {"train": "lora", "lora": {"rank": 2, "alpha": 2}}
@@ -95,7 +95,7 @@ def test_quantized_base_keeps_the_output_and_trains_only_fp32_adapters(precision
     reference, unet = _tiny_unet(), _tiny_unet()
     linears = [m for m in reference.modules() if type(m) is torch.nn.Linear]
     linear_numel = sum(m.weight.numel() for m in linears)
-    summary = apply_train_mode(unet, SdModel(family="sd", base_precision=precision, **LORA), seed=0, family=SD)
+    summary = apply_train_mode(unet, SdModelSpec(family="sd", base_precision=precision, **LORA), seed=0, family=SD)
     assert f"frozen base {precision}: {len(linears)} linear layers quantized" in summary
     layer_type = bnb.nn.Linear8bitLt if precision == "int8" else bnb.nn.Linear4bit
     assert sum(isinstance(m, layer_type) for m in unet.modules()) == len(linears)
@@ -117,10 +117,10 @@ def test_quantized_base_keeps_the_output_and_trains_only_fp32_adapters(precision
 
 def test_partitioned_build_only_under_zero3_for_families_that_can_and_without_a_quantized_base():
     from dstune.pretrained import partitioned_build_config
-    from dstune.models.speecht5.spec import SpeechT5Model
+    from dstune.models.speecht5.spec import SpeechT5ModelSpec
 
     zero3, zero2 = {"zero_optimization": {"stage": 3}}, {"zero_optimization": {"stage": 2}}
-    assert partitioned_build_config(SdModel(family="sd"), zero3) is zero3
-    assert partitioned_build_config(SdModel(family="sd"), zero2) is None
-    assert partitioned_build_config(SdModel(family="sd", base_precision="int8", **LORA), zero3) is None
-    assert partitioned_build_config(SpeechT5Model(family="speecht5"), zero3) is None  # builds whole
+    assert partitioned_build_config(SdModelSpec(family="sd"), zero3) is zero3
+    assert partitioned_build_config(SdModelSpec(family="sd"), zero2) is None
+    assert partitioned_build_config(SdModelSpec(family="sd", base_precision="int8", **LORA), zero3) is None
+    assert partitioned_build_config(SpeechT5ModelSpec(family="speecht5"), zero3) is None  # builds whole

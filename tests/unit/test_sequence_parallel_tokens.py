@@ -16,7 +16,7 @@ import torch
 from dstune.families import flow
 from dstune.pretrained import build_model
 from dstune.sequence_parallel import bucket_tokens
-from dstune.spec.models import FlowModel, Spec
+from dstune.spec.models import FlowModelSpec, Spec
 from tiny_batches import shape_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def _spec(pretrained: str, side: int) -> Spec:
 def _transformer_tokens(model: str, batch: dict) -> int:
     """The image tokens the transformer's first block receives in a training forward of `batch` (the text stream
     is its own argument)."""
-    built = build_model(FlowModel(family="flow", pretrained=f"builtin:{model}"), CACHE_DIR, "cpu")
+    built = build_model(FlowModelSpec(family="flow", pretrained=f"builtin:{model}"), CACHE_DIR, "cpu")
     seen = []
     first_block = built.trainable.transformer_blocks[0]
     hook = first_block.register_forward_pre_hook(

@@ -26,7 +26,7 @@ from dstune.cache.latents import chunks_of_rank
 from dstune.families import video
 from dstune.families.flow_core import cache_text_tensors
 from dstune.pretrained import build_model
-from dstune.spec.models import SampleSpec, WanModel
+from dstune.spec.models import SampleSpec, VideoModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
@@ -43,7 +43,7 @@ def _frames(clip) -> np.ndarray:
     [("tiny-wan", 3.0), ("tiny-hunyuan-video15", 4.0), ("tiny-ltx2", 3.0)],
 )
 def test_samples_from_cached_text_equal_the_pipelines_own_encoding(name, guidance):
-    model = WanModel(family="wan", pretrained=f"builtin:{name}", max_sequence_length=32)
+    model = VideoModelSpec(family="wan", pretrained=f"builtin:{name}", max_sequence_length=32)
     built = build_model(model, CACHE_DIR, "cpu")
     lean = build_model(model, CACHE_DIR, "cpu", text_encoders=False)
     assert set(lean.text_encoders) == set(built.text_encoders) and all(e is None for e in lean.text_encoders.values())
@@ -85,10 +85,10 @@ def test_image_samples_from_cached_text_equal_the_pipelines_own_encoding(name, g
     a caption encoded in another batch (the cache's [prompts, negative] against the pipeline's prompts, then the
     negative): one of its 4096 values is 1 level of 255 apart."""
     from dstune.families import flow
-    from dstune.spec.models import FlowModel
+    from dstune.spec.models import FlowModelSpec
 
     prompts = [PROMPT, "a blue square"]
-    model = FlowModel(family="flow", pretrained=f"builtin:{name}")
+    model = FlowModelSpec(family="flow", pretrained=f"builtin:{name}")
     built = build_model(model, CACHE_DIR, "cpu")
     assert flow.samples_from_cached_text(built.folder)
     lean = build_model(model, CACHE_DIR, "cpu", text_encoders=False)

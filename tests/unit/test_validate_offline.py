@@ -338,12 +338,12 @@ def test_a_truncated_still_in_a_video_dataset_is_refused(capsys, tmp_path):
 
 
 def test_the_classes_the_spec_declares_are_the_ones_the_families_build():
-    """FlowModel.TRAINED_CLASSES (what validate accepts) and the flow recipes (what start-up builds) agree, so a new
+    """FlowModelSpec.TRAINED_CLASSES (what validate accepts) and the flow recipes (what start-up builds) agree, so a new
     recipe cannot be refused by validate, nor a dropped one accepted."""
     from dstune.families.flow import RECIPES
-    from dstune.spec.models import FlowModel
+    from dstune.spec.models import FlowModelSpec
 
-    assert sorted(FlowModel.TRAINED_CLASSES) == sorted(recipe.pipeline_class for recipe in RECIPES.values())
+    assert sorted(FlowModelSpec.TRAINED_CLASSES) == sorted(recipe.pipeline_class for recipe in RECIPES.values())
 
 
 def test_a_global_batch_larger_than_every_bucket_gets_a_batch_the_largest_bucket_holds():

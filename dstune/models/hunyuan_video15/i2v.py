@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 
 from dstune.families.base import FamilyError
-from dstune.families.diffusion import batch_field, load_component, read_model_index
+from dstune.families.diffusion import batch_field, load_component
+from dstune.families.folders import read_model_index
 from dstune.families.precision import at_least_float32
 from dstune.families.flow_recipe import normalised_latents
 from dstune.families.samples import first_frames

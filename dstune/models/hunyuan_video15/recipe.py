@@ -28,7 +28,7 @@ import torch
 
 from dstune.models.hunyuan_video15 import i2v as hunyuan15_i2v
 from dstune.models.hunyuan_video15 import split as hunyuan15_split
-from dstune.families.diffusion import component_problems, read_component_config, read_model_index
+from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.flow_recipe import Conditioning, FlowRecipe, LatentSpace, Sampling, TextSide
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.video_models import expert_problems

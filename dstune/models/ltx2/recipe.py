@@ -34,7 +34,8 @@ from typing import Optional
 
 import torch
 
-from dstune.families.diffusion import component_problems, load_component, read_component_config, read_model_index
+from dstune.families.diffusion import load_component
+from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.flow_recipe import (
     Conditioning,
     FlowRecipe,

@@ -23,7 +23,7 @@ from pathlib import Path
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import QWEN3_VL_CHAT_TEMPLATE, tiny_qwen3_vl_config
 from dstune.builtin.parts import QWEN_SCHEDULER, tiny_qwen_tokenizer
-from dstune.models.qwen_image_21.recipe import TextProcessor
+from dstune.models.qwen_image_21.model import TextProcessor
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
 

@@ -2,7 +2,7 @@
 
 The API the engine, loop and export call (see dstune.families.base for the shared contract):
 
-    build(model: SdModel, folders, device, dtype_for_frozen) -> SdBuilt
+    build(model: SdModelSpec, folders, device, dtype_for_frozen) -> SdBuilt
     encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", "encoder_hidden_states", "indices"}
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (mean over the micro batch)
     sample(built, unet_module, prompts, sample_spec, resolution) -> list[PIL.Image]
@@ -37,13 +37,12 @@ from dstune.families.diffusion import (
     load_component,
     load_trainable,
     non_reentrant_checkpoint,
-    read_component_config,
-    read_model_index,
 )
+from dstune.families.folders import read_component_config, read_model_index
 from dstune.families.samples import save_grid
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec
-from dstune.models.sd.spec import SdModel
+from dstune.models.sd.spec import SdModelSpec
 
 __all__ = [
     "SdBuilt",
@@ -192,7 +191,7 @@ def training_noise_scheduler(folder: Path, prediction: Optional[str]):
 
 
 def build(
-    model: SdModel,
+    model: SdModelSpec,
     folders: dict,
     device,
     dtype_for_frozen: torch.dtype = torch.float32,

@@ -1,7 +1,7 @@
 """The `sdxl` family: Stable Diffusion XL (UNet2DConditionModel with text_time conditioning, two CLIP text
 encoders, AutoencoderKL).
 
-    build(model: SdxlModel, folders, device, dtype_for_frozen) -> SdxlBuilt
+    build(model: SdxlModelSpec, folders, device, dtype_for_frozen) -> SdxlBuilt
     encode_batch(built, batch, dtype) -> {"latent_mean", "latent_std", "encoder_hidden_states", "text_embeds",
                                           "time_ids", "indices"}
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (mean over the micro batch)
@@ -27,17 +27,14 @@ import torch
 
 from dstune.models.sd import sd_family as sd
 from dstune.families.base import Family, FamilyError, SingleFileLayout, TextCache
-from dstune.families.diffusion import (
-    load_component,
-    read_component_config,
-    read_model_index,
-)
+from dstune.families.diffusion import load_component
+from dstune.families.folders import read_component_config, read_model_index
 from dstune.families.precision import at_least_float32
 from dstune.families.samples import save_grid
 from dstune.models.sd.sd_family import export
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec
-from dstune.models.sd.spec import SdxlModel
+from dstune.models.sd.spec import SdxlModelSpec
 
 __all__ = [
     "SdxlBuilt",
@@ -155,7 +152,7 @@ def _config_mismatches(folder: Path) -> list[str]:
 
 
 def build(
-    model: SdxlModel,
+    model: SdxlModelSpec,
     folders: dict,
     device,
     dtype_for_frozen: torch.dtype = torch.float32,

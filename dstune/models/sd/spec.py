@@ -1,5 +1,5 @@
 """The `model` sections of Stable Diffusion 1.x/2.x (`model.family sd`) and SDXL (`model.family sdxl`): UNet
-families, listed in the spec's union by dstune.models.registry. Torch-free."""
+families, listed in the spec's union by dstune.registry.FAMILY_SECTIONS. Torch-free."""
 
 from __future__ import annotations
 
@@ -15,11 +15,9 @@ from dstune.spec.model_sections import DenoiserModelBase
 UNET_LORA_FORMATS = {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"}
 
 
-class SdModel(DenoiserModelBase):
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionPipeline",)
+class SdModelSpec(DenoiserModelBase):
     PRESET_RESOLUTION: ClassVar[int] = 512
     PRESET_NAME: ClassVar[str] = "Stable Diffusion 1.x's size"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionPipeline": 7.5}
     PRESET_GUIDANCE: ClassVar[float] = 7.5
     LORA_FORMATS: ClassVar[dict[str, str]] = UNET_LORA_FORMATS
     SINGLE_FILE: ClassVar[bool] = True
@@ -48,10 +46,8 @@ class SdModel(DenoiserModelBase):
     )
 
 
-class SdxlModel(DenoiserModelBase):
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
+class SdxlModelSpec(DenoiserModelBase):
     PRESET_NAME: ClassVar[str] = "SDXL's size"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionXLPipeline": 5.0}
     LORA_FORMATS: ClassVar[dict[str, str]] = UNET_LORA_FORMATS
     SINGLE_FILE: ClassVar[bool] = True
 

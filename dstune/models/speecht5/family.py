@@ -1,7 +1,7 @@
 """The `speecht5` family: SpeechT5ForTextToSpeech (text -> log-mel frames; transformers' own L1 + stop-token +
 guided-attention loss), a frozen SpeechT5HifiGan vocoder for samples.
 
-    build(model: SpeechT5Model, folders, device, dtype_for_frozen) -> SpeechT5Built
+    build(model: SpeechT5ModelSpec, folders, device, dtype_for_frozen) -> SpeechT5Built
     encode_batch(built, batch, dtype) -> {"input_ids", "attention_mask", "labels", "speaker_embeddings", "indices"}
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor
     sample(built, module, prompts, sample_spec, resolution) -> list[Clip]   (every rank calls it: ZeRO-3)
@@ -38,7 +38,7 @@ from dstune.families.speech import Clip, save_wavs
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec
-from dstune.models.speecht5.spec import SpeechT5Model
+from dstune.models.speecht5.spec import SpeechT5ModelSpec
 
 __all__ = ["SpeechT5Built", "FAMILY", "build", "encode_batch", "loss", "sample", "export", "synthesize"]
 
@@ -74,7 +74,7 @@ def _load(loader: Callable, source, what: str, **kwargs):
         ) from None
 
 
-def _speakers(model: SpeechT5Model, folder: Path, dim: int) -> dict[str, torch.Tensor]:
+def _speakers(model: SpeechT5ModelSpec, folder: Path, dim: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     path = Path(model.speaker_embeddings).expanduser() if model.speaker_embeddings else folder / SPEAKERS_FILE
@@ -92,7 +92,9 @@ def _speakers(model: SpeechT5Model, folder: Path, dim: int) -> dict[str, torch.T
     return speakers
 
 
-def build(model: SpeechT5Model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> SpeechT5Built:
+def build(
+    model: SpeechT5ModelSpec, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32
+) -> SpeechT5Built:
     from transformers import SpeechT5ForTextToSpeech, SpeechT5HifiGan, SpeechT5Processor
 
     folder = folders["pretrained"]

@@ -1,7 +1,7 @@
 """The `tts_lm` family: a transformers causal LM over text tokens followed by audio-codec tokens (VALL-E /
 GPT-SoVITS-s1 / Orpheus style), with a frozen codec (EnCodec, DAC, Mimi or SNAC) turning audio into tokens and back.
 
-    build(model: TtsLmModel, folders, device, dtype_for_frozen) -> TtsLmBuilt
+    build(model: TtsLmModelSpec, folders, device, dtype_for_frozen) -> TtsLmBuilt
     encode_batch(built, batch, dtype) -> {"input_ids", "attention_mask", "labels", "indices"}
     loss(built, trainable_forward, encoded, seed, step) -> scalar tensor (token mean over the micro batch)
     sample(built, lm_module, prompts, sample_spec, resolution) -> list[Clip]   (every rank calls it: ZeRO-3)
@@ -49,7 +49,7 @@ from dstune.models.tts_lm.token_layouts import (
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import SampleSpec
-from dstune.models.tts_lm.spec import TtsLmModel
+from dstune.models.tts_lm.spec import TtsLmModelSpec
 
 __all__ = [
     "TtsLmBuilt",
@@ -76,7 +76,7 @@ class TtsLmBuilt(CodecTokensBuilt):
 # ---------------------------------------------------------------------------------------------------- build
 
 
-def _load_codec(model: TtsLmModel, folder: Path, codec_folder: Optional[Path], dtype: torch.dtype):
+def _load_codec(model: TtsLmModelSpec, folder: Path, codec_folder: Optional[Path], dtype: torch.dtype):
     source = codec_folder if codec_folder is not None else folder / "codec"
     if not source.is_dir():
         raise FamilyError(
@@ -101,7 +101,7 @@ def _codec_problems(layout: dict, facts: dict) -> list[str]:
     return problems
 
 
-def _layout_for(model: TtsLmModel, folder: Path, codec, tokenizer) -> dict:
+def _layout_for(model: TtsLmModelSpec, folder: Path, codec, tokenizer) -> dict:
     """The layout: the folder's dstune_tts.json, else the spec's preset, else dstune's layout over this LM and
     codec; checked against the codec and the spec (FamilyError naming both)."""
     facts, path = codec_facts(codec, model.codec), folder / TTS_LAYOUT_FILE
@@ -162,7 +162,7 @@ def grow_vocabulary(lm, size: int) -> None:
             layer.weight[old:] = layer.weight[:old].mean(0)
 
 
-def _add_text_tokens(model: TtsLmModel, folder: Path, tokenizer, lm, layout: dict) -> dict:
+def _add_text_tokens(model: TtsLmModelSpec, folder: Path, tokenizer, lm, layout: dict) -> dict:
     """model.added_tokens (a new language's words or characters): added to the tokenizer, the LM's embeddings
     grown to hold their ids (before DeepSpeed partitions anything, so ZeRO-3 sees the final shapes) and the
     layout's vocab_size with them. Ids must not land on audio or special ids."""
@@ -195,7 +195,7 @@ def _json_reader(folder: Path) -> Callable[[str], Optional[dict]]:
     return read
 
 
-def build(model: TtsLmModel, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> TtsLmBuilt:
+def build(model: TtsLmModelSpec, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> TtsLmBuilt:
     """Load the LM (fp32 in host memory, train mode: the start-up casts and moves it) and the codec (fp32 whatever the frozen dtype, float64 in a float64 run: its tokens must not depend on the
     precision)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

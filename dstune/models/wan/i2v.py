@@ -25,7 +25,8 @@ import torch
 from dstune.families.base import FamilyError
 from dstune.families.precision import at_least_float32
 from dstune.models.wan import layouts as wan_layouts
-from dstune.families.diffusion import batch_field, load_component, read_component_config, read_model_index
+from dstune.families.diffusion import batch_field, load_component
+from dstune.families.folders import read_component_config, read_model_index
 from dstune.families.flow_recipe import normalised_latents
 from dstune.models.wan.layouts import MASK_CHANNELS
 from dstune.hf import quiet_hf_libraries

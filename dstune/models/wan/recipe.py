@@ -28,10 +28,11 @@ import torch
 from dstune.models.wan import layouts as wan_layouts
 from dstune.models.wan import i2v as wan_i2v
 from dstune.families.base import FamilyError
-from dstune.families.diffusion import component_problems, load_component, read_component_config, read_model_index
+from dstune.families.diffusion import load_component
+from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.flow_recipe import Conditioning, Experts, FlowRecipe, LatentSpace, Sampling, TextSide
 from dstune.hf import quiet_hf_libraries
-from dstune.spec.models import WanModel
+from dstune.spec.models import VideoModelSpec
 from dstune.spec.video_models import expert_problems, expert_range, experts_in
 
 COMPONENTS = {
@@ -106,7 +107,7 @@ def _load_text(folder: Path, recipe, device, dtype) -> tuple[dict, dict]:
 # ------------------------------------------------------------------------------------------ the experts
 
 
-def expert_positions(timesteps: torch.Tensor, model: WanModel, index: dict, scheduler_config) -> tuple[int, int]:
+def expert_positions(timesteps: torch.Tensor, model: VideoModelSpec, index: dict, scheduler_config) -> tuple[int, int]:
     """(first table position, count) of the timesteps a run trains on: the expert's side of the boundary
     (WanPipeline runs `transformer` at t >= boundary_ratio x num_train_timesteps and `transformer_2` below),
     narrowed by model.timestep_range. The tables descend from 1000, so they are one contiguous run."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstune.families.diffusion import read_component_config
+from dstune.families.folders import read_component_config
 from dstune.families.video import VideoModel
 from dstune.models.wan import i2v
 from dstune.models.wan.recipe import WAN, folder_problems

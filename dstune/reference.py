@@ -1,12 +1,13 @@
 """Documentation generated from the spec's own field descriptions: the spec reference and the `dstune init` example.
 
 Both walk the pydantic models in dstune/spec/models.py, so a field added there shows up in `docs/spec-reference.md`
-and in `dstune init` without anyone writing it twice. `python -m dstune.spec.reference > docs/spec-reference.md`.
+and in `dstune init` without anyone writing it twice. `python -m dstune.reference > docs/spec-reference.md`.
 """
 
 from __future__ import annotations
 
 import typing
+from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import yaml
@@ -17,7 +18,7 @@ from pydantic_core import PydanticUndefined
 
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec
 from dstune.spec.section import CODEC_TOKEN_FAMILIES
-from dstune.spec.presets import PRESETS_BY_NAME, ModelPreset
+from dstune import registry
 
 # Values the `init` example uses where the default is not what a first run wants. The example must validate as
 # printed on any world size (micro + accumulation given, global derived) and name the built-in model and data.
@@ -185,7 +186,7 @@ def reference_markdown() -> str:
     lines = [
         "# Spec reference",
         "",
-        "<!-- Generated from the field descriptions in dstune/spec/models.py by `python -m dstune.spec.reference`"
+        "<!-- Generated from the field descriptions in dstune/spec/models.py by `python -m dstune.reference`"
         " (`make docs`). Do not edit by hand: a test regenerates it. -->",
         "",
         'A spec is one YAML file with the sections below. Unknown keys are errors (with a "did you mean"), every '
@@ -194,6 +195,7 @@ def reference_markdown() -> str:
         "schema for editor completion. How the batch numbers, epochs and steps fit together: "
         "[batches and epochs](batches-and-epochs.md).",
         "",
+        *model_table(),
     ]
     for family, model in family_models().items():
         lines += _section_markdown(
@@ -204,6 +206,29 @@ def reference_markdown() -> str:
         if name != "model" and section is not None:
             lines += _section_markdown(name, section, info.description or "")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def model_table() -> list[str]:
+    """The models dstune trains, one row per card (dstune.registry): the family, how a folder is recognised, the
+    default sampling guidance of each folder class, the model's own defaults and its built-in tiny models."""
+    lines = [
+        "## Models",
+        "",
+        "`model.family` names the core that trains a model; the folder `model.pretrained` points at tells which of "
+        "its models it is. `sample.guidance` left out takes the default of the folder's pipeline (or class).",
+        "",
+        "| family | model | folder | sampling guidance | own defaults | built-in tiny models |",
+        "|---|---|---|---|---|---|",
+    ]
+    for card in registry.cards():
+        guidance = ", ".join(f"{name} {value:g}" for name, value in card.folder_classes.items())
+        notes = "; ".join(f"`{key}` {note}" for key, note in card.spec_notes.items())
+        builtins = ", ".join(f"`builtin:{name}`" for name in card.builtins)
+        lines.append(
+            f"| `{card.family}` | {card.name} ([docs]({Path(card.docs).name})) | {_cell(card.summary)} | "
+            f"{guidance} | {_cell(notes)} | {builtins} |"
+        )
+    return lines + [""]
 
 
 def _section_markdown(key: str, model: type[BaseModel], description: str, title: str = "") -> list[str]:
@@ -272,7 +297,7 @@ def example_spec(family: str = "sd") -> str:
 
 def model_spec(name: str) -> str:
     """`dstune init --model NAME`: the spec of one model with its real defaults and only its family's keys."""
-    preset: ModelPreset = PRESETS_BY_NAME[name]
+    preset = registry.preset(name)
     values = {
         **MODEL_EXAMPLE_VALUES,
         "output.dir": f"runs/{preset.name}",
