@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
 
 from dstune.data.audio_index import duration_groups, index_audio
-from dstune.data.buckets import assign_buckets, bucket_counts, upscaling_warning
+from dstune.data.buckets import assign_buckets, bucket_counts, bucket_sizes, upscaling_warning
 from dstune.data.image_check import image_file_issues
 from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset
 from dstune.ds_json.blocks import compile_ds_config
@@ -395,8 +395,8 @@ def _image_groups(spec: Spec, source: SpecSource, records, found: IssueList) -> 
     found.add(
         source.issue("data.resolution", w, severity="warning") for w in [upscaling_warning(records, spec.data)] if w
     )
-    if not spec.data.buckets.enabled:
-        return None
+    if not spec.data.buckets.enabled or not bucket_sizes(spec.data):
+        return None  # no bucket fits (a step above the model's native size): bucket_step_problem reported it
     record_buckets, unreadable = assign_buckets(records, spec.data)
     if unreadable:
         found.add(

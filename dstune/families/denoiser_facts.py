@@ -141,6 +141,24 @@ def count_denoiser(spec, num_samples: int, clips, card: DenoiserFacts) -> ModelC
     )
 
 
+def side_issues(spec, side: int, why: str) -> list[tuple[str, str]]:
+    """data.resolution (or the bucket step or sizes) against the `side` in pixels every image or clip side must be a
+    multiple of (the VAE's spatial factor x the patch a token packs; `why` says so), before any GPU time: otherwise
+    the first batch is refused on every rank (flow_core's latent check) after the whole start-up."""
+    buckets = spec.data.buckets
+    if not buckets.enabled:
+        if spec.data.resolution % side == 0:
+            return []
+        return [
+            ("data.resolution", f"{spec.data.resolution}: {why}; use {max(side, spec.data.resolution // side * side)}")
+        ]
+    if buckets.sizes:
+        wrong = [list(size) for size in buckets.sizes if size[0] % side or size[1] % side]
+        return [("data.buckets.sizes", f"{wrong}: {why}")] if wrong else []
+    # generated buckets have sides in multiples of the step
+    return [("data.buckets.step", f"{buckets.step}: {why}; use a multiple of {side}")] if buckets.step % side else []
+
+
 def latent_channels(folder: PipelineFolder) -> tuple[int, int]:
     """(latent channels, spatial factor) of the folder's VAE."""
     vae = folder.config("vae")

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.families.denoiser_facts import (
+    side_issues,
     DenoiserRules,
     count_denoiser,
     image_latent_bytes,
@@ -71,7 +72,7 @@ class FlowModel:
     text_layers_key: Optional[str] = None  # the config's count of text-encoder layers stacked per token
     # output.lora_format values whose tools are known to load this model's file (comfyui: diffusers' own keys)
     lora_formats: tuple[str, ...] = ("diffusers", "comfyui")
-    side_px: int = 0  # image sides must be multiples of it, said by validate (0: left to the first batch's check)
+    side_px: int = 0  # image sides must be multiples of it, said by validate (0: the VAE's factor x token_patch)
     lora_loader: str = ""  # what loads its LoRA files, where a format is refused (output.lora_format)
     token_patch: int = 2  # latent rows (and columns) one image token packs: 2x2 for every flow model here
     # its samples render from cached prompt embeddings (its recipes' Sampling.cached_text), so with the text cache
@@ -171,27 +172,11 @@ def _count(spec, num_samples: int, clips=()):
     return count_denoiser(spec, num_samples, clips, RULES)
 
 
-def _side_issues(spec, model: FlowModel) -> SpecIssues:
-    """Image sides the model cannot take (FlowModel.side_px: e.g. 16 px latents in 2x2 slots, multiples of 32 px)."""
-    side, buckets = model.side_px, spec.data.buckets
-    if not side:
-        return []
-    why = f"{model.name} takes image sides in multiples of {side} px"
-    if not buckets.enabled:
-        return (
-            []
-            if spec.data.resolution % side == 0
-            else [
-                (
-                    "data.resolution",
-                    f"{spec.data.resolution}: {why}; use {max(side, spec.data.resolution // side * side)}",
-                )
-            ]
-        )
-    if buckets.sizes:
-        wrong = [size for size in buckets.sizes if size[0] % side or size[1] % side]
-        return [("data.buckets.sizes", f"{wrong}: {why}")] if wrong else []
-    return [] if buckets.step % side == 0 else [("data.buckets.step", f"{buckets.step}: {why}")]
+def _side_issues(spec, model: FlowModel, folder) -> SpecIssues:
+    """Image sides the model cannot take: FlowModel.side_px, or the VAE config's spatial factor x the latent rows a
+    token packs (an 8x VAE and 2x2 patches: multiples of 16 px)."""
+    side = model.side_px or vae_factor(folder.config("vae")) * model.token_patch
+    return side_issues(spec, side, f"{model.name} takes image sides in multiples of {side} px")
 
 
 def _spec_issues(spec) -> SpecIssues:
@@ -237,7 +222,7 @@ def _edit_issues(spec) -> SpecIssues:
                 "draw with model.logit_mean / model.logit_std",
             )
         ]
-    side_issues = _side_issues(spec, flow_model(folder))
+    side_issues = _side_issues(spec, flow_model(folder), folder)
     if side_issues:
         return side_issues
     grid = folder.index.get("sample_sigmas")  # a distilled (Turbo) folder's own sampling sigmas

@@ -46,6 +46,16 @@ class CodecTokensBuilt:
         return int(self.layout["sampling_rate"])
 
 
+def checkpoint_activations(model) -> None:
+    """`gradient_checkpointing: true` on a transformers class: its own non-reentrant checkpointing, without the forward
+    hooks transformers adds with it to make each input embedding's output require grad. Those serve reentrant
+    checkpointing only (non-reentrant reaches the parameters inside a checkpointed block anyway); with a frozen
+    embedding (LoRA) they make its output a leaf that requires grad, which a class that writes into its embeddings
+    in place (a depth decoder that writes its first position) cannot take."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.disable_input_require_grads()
+
+
 def save_wavs(clips: list[Clip], prompts: list[str], path) -> Path:
     """WAVs in a folder named like `path` without its suffix (samples/step-000010/00.wav ...) + prompts.txt."""
     import soundfile

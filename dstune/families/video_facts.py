@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Callable, Optional
 
-from dstune.families.denoiser_facts import DenoiserRules, count_denoiser, latent_channels, pipeline_folder
+from dstune.families.denoiser_facts import DenoiserRules, count_denoiser, latent_channels, pipeline_folder, side_issues
 from dstune.families.facts import Attention, ModelFacts, SpecIssues, no_plan_refusal
 from dstune.memory.counts import SizesUnknown, count_component
 from dstune.models import registry
@@ -211,7 +211,10 @@ def _spec_issues(spec) -> SpecIssues:
         )
         for problem in expert_problems(index, spec.model.expert, spec.model.timestep_range)
     ]
-    return issues + facts.spec_issues(spec, folder)
+    spatial, patch, _, origin = facts.token_factors(folder)
+    side = spatial * max(patch[1], patch[2])
+    why = f"{spec.model.pretrained} takes clip sides in multiples of {side} px (its VAE's {spatial}x, then {patch[1]}x{patch[2]} patches)"
+    return issues + side_issues(spec, side, why) + facts.spec_issues(spec, folder)
 
 
 def _attention(spec):

@@ -66,10 +66,11 @@ EDIT_MODEL = "tiny-qwen-image-edit"  # 8x VAE: a 64 px target 16 tokens and its 
 # each element, so an element whose gradient is near zero turns summation-order differences of 1e-7 into a visible
 # difference of its weight: a LoRA A element just after B leaves zero, and in these models' full runs 1 weight of
 # thousands (the two-expert's cross-attention key: 1 of 576; Flux.1's and Qwen-Image-Edit's timestep embedder: 1 of
-# 8192) ended 2e-5 to 4e-5 of its tensor's largest apart, while losses and gradient norms agreed within 1e-6.
+# 8192) ended 2e-5 to 4e-5 of its tensor's largest apart, while losses and gradient norms agreed within 1e-6 (Wan 2.1
+# I2V's timestep embedder too, 2.4e-5, once its image embedding was read).
 SGD = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
 SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora"), (LTX2_MODEL, "lora")}  # the video runs that render samples
-SGD_FULL = (TWO_EXPERTS, FLUX1_MODEL, EDIT_MODEL)
+SGD_FULL = (TWO_EXPERTS, FLUX1_MODEL, EDIT_MODEL, I2V_MODEL)
 
 # name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
 LAUNCHES = {

@@ -218,6 +218,32 @@ def test_validate_prints_the_bucket_plan(capsys, tmp_path):
     assert plan["steps_per_epoch"] == 4 and [g["key"] for g in plan["groups"]] == ["24x40", "32x32", "40x24"]
 
 
+IMAGE_BUILTINS_32PX = ["tiny-sd", "tiny-sdxl", "tiny-flux", "tiny-qwen-image", "tiny-z-image"]
+
+
+@pytest.mark.parametrize("name", IMAGE_BUILTINS_32PX)
+def test_default_buckets_on_a_32px_built_in_get_validates_error_not_a_traceback(capsys, tmp_path, name):
+    """data.resolution left out: the model's native 32 px, below the default step 64. validate used to go on to assign
+    the built-in shapes to an empty bucket list (ValueError from min()); now it stops at the step's clear error, the
+    same one a video built-in gets."""
+    spec = tmp_path / "spec.yaml"
+    family = "sd" if name == "tiny-sd" else "sdxl" if name == "tiny-sdxl" else "flow"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": family, "pretrained": f"builtin:{name}"},
+                "train": {"micro_batch_size": 2, "max_steps": 2},
+                "data": {"path": "builtin:shapes", "buckets": {"enabled": True}},
+            }
+        )
+    )
+    assert main(["validate", str(spec), "--num-gpus", "2"]) == 1
+    out = capsys.readouterr()
+    errors = [line for line in (out.out + out.err).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "data.buckets.step: 64 is larger than data.resolution 32" in errors[0], errors
+    assert "Use a step of at most data.resolution" in errors[0] and "Traceback" not in out.out + out.err
+
+
 def test_offline_planning_says_the_buckets_are_unknown(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(

@@ -163,6 +163,35 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
     assert torch.allclose(merged.state_dict()[name], adapted.state_dict()[name], atol=1e-6)
 
 
+def _lora_step(folder, batch, checkpointing: bool) -> tuple[float, dict]:
+    """(loss, adapter gradients) of one LoRA step on `batch`, with or without gradient checkpointing."""
+    from dstune.families.lora import apply_train_mode
+
+    spec = TtsCodebooksModel(
+        family="tts_codebooks", train="lora", lora={"rank": 4}, gradient_checkpointing=checkpointing
+    )
+    lora_built = build_model(spec, folder[1], "cpu")
+    apply_train_mode(lora_built.trainable, spec, 0, get_family("tts_codebooks"), "peft")
+    with torch.no_grad():
+        for name, param in lora_built.trainable.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.01)  # so that A's gradient is not zero
+    loss = tts_codebooks.loss(lora_built, lora_built.trainable, tts_codebooks.encode_batch(lora_built, batch), 0, 0)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in lora_built.trainable.named_parameters() if p.requires_grad}
+
+
+def test_lora_with_gradient_checkpointing_trains_as_without_it(folder, batch):
+    """transformers' gradient_checkpointing_enable makes every input embedding's output require grad (for reentrant
+    checkpointing); with LoRA the depth decoder's frozen embedding then gives a leaf, which CSM's forward writes into
+    in place, and the step stopped with a RuntimeError. Non-reentrant checkpointing needs no such hook."""
+    plain_loss, plain = _lora_step(folder, batch, checkpointing=False)
+    loss, grads = _lora_step(folder, batch, checkpointing=True)
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    assert set(grads) == set(plain) and all(grads[n] is not None for n in grads)
+    assert all(torch.allclose(grads[n], plain[n], rtol=1e-4, atol=1e-7) for n in grads)
+
+
 def test_a_folder_of_another_class_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     with pytest.raises(

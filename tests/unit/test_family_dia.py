@@ -83,6 +83,24 @@ def test_batch_and_loss_equal_the_processors_labels_and_the_classs_own_loss(fold
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
 
 
+def test_a_batch_of_one_clip_trains_with_the_processors_labels(folder, built, batch):
+    """micro_batch_size 1 (what a user of the real 1.6 B Dia on a small GPU sets): the labels of one clip are the
+    processor's and contiguous, as transformers' loss views them flat, and the class's loss backpropagates."""
+    model, processor = whole_dia(folder[0])
+    one = {"audio": batch["audio"][:1], "texts": batch["texts"][:1], "index": batch["index"][:1]}
+    encoded = tts_codebooks.encode_batch(built, one)
+    inputs = processor_inputs(processor, [tts_dia.dia_text(one["texts"][0])], one["audio"])
+    assert torch.equal(encoded["labels"], inputs["labels"].long()) and encoded["labels"].is_contiguous()
+    with torch.no_grad():
+        theirs = model(**inputs).loss
+    built.trainable.zero_grad(set_to_none=True)
+    ours = tts_codebooks.loss(built, built.trainable, encoded, 0, 0)
+    ours.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+    assert all(p.grad is not None for p in built.trainable.parameters() if p.requires_grad)
+    built.trainable.zero_grad(set_to_none=True)
+
+
 def _loss_with_shift(logits, encoded, config, shift):
     """Mean cross-entropy of every labelled (codebook, position t), predicting the delayed sequence's code at
     t - 1 + shift: shift 1 is the next position."""

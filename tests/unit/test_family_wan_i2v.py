@@ -122,6 +122,19 @@ def test_wan21_i2v_loss_is_the_reference_trainers_on_the_same_draws(i2v):
     assert value.item() == pytest.approx(torch.stack(losses).mean().item(), rel=1e-6)
 
 
+def test_wan21_i2v_image_embedding_reaches_the_loss(i2v):
+    """diffusers' WanAttnProcessor takes all but the last 512 context tokens as the image embedding's: the text is
+    512 tokens (the tiny folder's tokenizer said 32, and the image tokens were read as text, so the image projections
+    got no gradient), and every image key/value projection gets one."""
+    encoded = wan.encode_batch(i2v, _batch())
+    assert encoded["encoder_hidden_states"].shape[1] == 512
+    i2v.trainable.zero_grad(set_to_none=True)
+    wan.loss(i2v, i2v.trainable, encoded, SEED, STEP).backward()
+    grads = {n: p.grad for n, p in i2v.trainable.named_parameters() if ".add_k_proj." in n or ".add_v_proj." in n}
+    i2v.trainable.zero_grad(set_to_none=True)
+    assert len(grads) == 8 and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+
+
 def test_ti2v_text_to_video_timesteps_are_expanded_per_token_as_wan_pipeline_does():
     from diffusers import WanPipeline
 
@@ -308,6 +321,9 @@ def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tm
     assert memory["cache_disk_bytes"] == 144 * per_clip
     config = json.loads((STORE / "builtin" / "tiny-wan22-ti2v-v1" / "transformer" / "config.json").read_text())
     assert clip_tokens(config, 64, 5, 16) == clip_tokens(config, 32, 5, 8)
+    from dstune.families.video_facts import token_factors
+
+    assert token_factors(TI2V)[:2] == (16, (1, 2, 2))  # its VAE's 8x stages, then the VAE's own 2x2 pixel patches
     code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": ["a red circle moving left"]})
     assert code != 0 and "sample.prompts: image-to-video renders each clip from a first frame" in out.err + out.out
     code, out = _validate(tmp_path, capsys, {"image_to_video": True}, {"prompts": []})
@@ -316,6 +332,15 @@ def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tm
         and "model.image_to_video: model.image_to_video is true, but this is a text-to-video" in out.err + out.out
     )
     code, out = _validate(tmp_path, capsys, {"pretrained": TI2V, "image_to_video": True}, {"prompts": []})
+    assert code == 0, out
+    code, out = _validate(tmp_path, capsys, {"pretrained": I2V, "max_sequence_length": 256}, {"prompts": []})
+    assert (
+        code != 0
+        and "model.max_sequence_length: 256: a Wan 2.1 image-to-video transformer takes all but the "
+        "last 512 context tokens as the image embedding's"
+        in out.err + out.out
+    )
+    code, out = _validate(tmp_path, capsys, {"pretrained": I2V, "max_sequence_length": 512}, {"prompts": []})
     assert code == 0, out
 
 

@@ -34,7 +34,7 @@ import torch
 
 from dstune.families.base import Family, FamilyError, Speaker
 from dstune.families.precision import at_least_float32, at_least_float32_dtype
-from dstune.families.speech import Clip, CodecTokensBuilt, save_wavs
+from dstune.families.speech import Clip, CodecTokensBuilt, checkpoint_activations, save_wavs
 from dstune.families.speech_codecs import decode_codes, encode_clip
 from dstune.families.codebook_models import codebooks_models
 from dstune.fsutil import folder_written_atomically
@@ -133,7 +133,7 @@ def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.fl
         "codec": CODEC_KIND[architecture],
     }
     if model.gradient_checkpointing:
-        whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(whole)
     device = torch.device(device)
     # left in host memory in fp32: the start-up casts it to the training dtype, then moves it (engine.place_trainable)
     trainable = CodebookFramesModel(whole).train().requires_grad_(True)

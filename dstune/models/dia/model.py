@@ -29,7 +29,7 @@ import torch
 
 from dstune.families.base import FamilyError
 from dstune.families.precision import at_least_float32, at_least_float32_dtype
-from dstune.families.speech import Clip, CodecTokensBuilt
+from dstune.families.speech import Clip, CodecTokensBuilt, checkpoint_activations
 from dstune.families.speech_codecs import decode_codes, encode_clip
 from dstune.hf import NotAvailableLocally, hub_snapshot, quiet_hf_libraries
 from dstune.models.dia.facts import ARCHITECTURE
@@ -103,7 +103,7 @@ def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.fl
         "codec": CODEC_KIND,
     }
     if model.gradient_checkpointing:
-        whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(whole)
     device = torch.device(device)
     trainable = DiaModule(whole).train().requires_grad_(True)
     return DiaBuilt(
@@ -163,7 +163,9 @@ def decoder_batch(config, codes: list[torch.Tensor]) -> dict:
     sequence = delayed(frames, delays, bos, pad)
     labels = sequence[:, 1:].clone()
     labels[(labels == pad) | (labels == bos)] = -100
-    labels = labels.transpose(1, 2).reshape(len(codes) * channels, -1)
+    labels = (
+        labels.transpose(1, 2).reshape(len(codes) * channels, -1).contiguous()
+    )  # one clip: a view; the loss views it flat
     return {"decoder_input_ids": sequence[:, :-1], "decoder_attention_mask": mask[:, :-1], "labels": labels}
 
 

@@ -33,7 +33,7 @@ import torch
 
 from dstune.families.base import Family, FamilyError, Speaker
 from dstune.families.precision import at_least_float32, at_least_float32_dtype
-from dstune.families.speech import Clip, CodecTokensBuilt, save_wavs
+from dstune.families.speech import Clip, CodecTokensBuilt, checkpoint_activations, save_wavs
 from dstune.families.speech_codecs import CODEC_CLASSES, codec_facts, decode_codes, encode_clip, load_codec, save_codec
 from dstune.models.tts_lm.token_layouts import (
     TTS_LAYOUT_FILE,
@@ -232,7 +232,7 @@ def build(model: TtsLmModelSpec, folders: dict, device, dtype_for_frozen: torch.
         grow_vocabulary(lm, layout["vocab_size"])
     layout = _add_text_tokens(model, folder, tokenizer, lm, layout)
     if model.gradient_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(lm)
     device = torch.device(device)
     return TtsLmBuilt(
         folder=folder,

@@ -41,7 +41,7 @@ import torch
 from dstune.families.base import FamilyError
 from dstune.families.precision import at_least_float32, at_least_float32_dtype
 from dstune.families.randomness import sample_seed
-from dstune.families.speech import Clip, CodecTokensBuilt
+from dstune.families.speech import Clip, CodecTokensBuilt, checkpoint_activations
 from dstune.hf import quiet_hf_libraries
 from dstune.models.vibevoice.facts import ARCHITECTURE, CODEBOOKS_MODEL, LATENTS_KIND, config_problem
 from dstune.resampling import resample
@@ -161,7 +161,7 @@ def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.fl
         "codec": LATENTS_KIND,
     }
     if model.gradient_checkpointing:
-        whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(whole)
     factors_as_buffers(whole)
     scheduler = noise_scheduler(whole)
     trainable = VibeVoiceModule(whole, scheduler, int(scheduler.config.num_train_timesteps)).train()

@@ -27,6 +27,7 @@ from pathlib import Path
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import tiny_t5_tokenizer
 from dstune.hf import quiet_hf_libraries
+from dstune.models.wan.facts import IMAGE_EMBEDDING_TEXT_TOKENS
 from dstune.memory.activation_cases import Case, attr, mse, randn, square_side
 
 _SEED = 40
@@ -153,7 +154,7 @@ def build_tiny_wan_i2v(out: Path, needs: dict) -> dict:
         transformer = WanTransformer3DModel(**TINY_WAN_I2V_TRANSFORMER)
         image_encoder, image_processor = _tiny_clip()
     pipeline = WanImageToVideoPipeline(
-        tokenizer=tiny_t5_tokenizer(),
+        tokenizer=tiny_t5_tokenizer(IMAGE_EMBEDDING_TEXT_TOKENS),  # the text the image cross-attention expects
         text_encoder=text_encoder,
         vae=vae,
         scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER),
@@ -213,10 +214,11 @@ TINY_WAN_A14B = BuiltinModel(
 )
 TINY_WAN_I2V = BuiltinModel(
     name="tiny-wan-i2v",
-    folder_name="tiny-wan-i2v-v1",
+    folder_name="tiny-wan-i2v-v2",
     family="wan",
     description="Wan 2.1 image-to-video pipeline: tiny-wan's parts with a 36-channel transformer reading image "
-    "embeddings, and a two-layer 32-wide CLIPVisionModel with its CLIPImageProcessor",
+    "embeddings, a two-layer 32-wide CLIPVisionModel with its CLIPImageProcessor, and a 512-token tokenizer (the text "
+    "its image cross-attention expects)",
     build=build_tiny_wan_i2v,
 )
 TINY_WAN22_TI2V = BuiltinModel(

@@ -11,10 +11,15 @@ from __future__ import annotations
 from dstune.families.denoiser_facts import embedding_width_bytes, latent_channels, transformer_text_bytes
 from dstune.families.video_facts import VideoFacts, clip_volume
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
+from dstune.memory.counts import vae_factor
 from dstune.models.wan import layouts as wan_layouts
 
 TRANSFORMER_CLASS = "WanTransformer3DModel"
 DEFAULT_TEXT_TOKENS = 512  # umT5's max_sequence_length in WanPipeline
+# Wan 2.1 I2V's cross-attention (diffusers' WanAttnProcessor) takes all but the last 512 context tokens as the image
+# embedding's: its text must be exactly this long, or the image tokens are read as text and the image projections
+# (add_k_proj, add_v_proj) get no gradient
+IMAGE_EMBEDDING_TEXT_TOKENS = 512
 
 
 def clip_tokens(config: dict, resolution, frames: int, vae_factor: int = 8) -> float:
@@ -112,18 +117,31 @@ def _condition_cache_bytes(spec, folder, companions: dict, channels: int, factor
 
 def _token_factors(folder) -> tuple[int, tuple[int, int, int], int, str]:
     """(VAE spatial factor, transformer patch (t, h, w), VAE temporal factor (4), where they came from) of a Wan
-    folder's configs."""
-    downsample = folder.config("vae").get("temperal_downsample") or []
+    folder's configs: a spatial halving per downsampling stage, times the VAE's own pixel patches where it has them
+    (Wan 2.2's 16x VAE: 8x stages, then 2x2)."""
     patch = folder.config("transformer").get("patch_size", [1, 2, 2])
-    return 2 ** len(downsample), tuple(patch), 4, f"the VAE and transformer configs of {folder.origin}"
+    return vae_factor(folder.config("vae")), tuple(patch), 4, f"the VAE and transformer configs of {folder.origin}"
 
 
 def _spec_issues(spec, folder) -> list[tuple[str, str]]:
     """The folder's layout against model.image_to_video, and image-to-video samples' first frames
-    (dstune.models.wan.layouts)."""
-    return wan_layouts.spec_problems(
-        folder.index, folder.config("transformer"), folder.config("vae"), spec.model.image_to_video, spec.sample
+    (dstune.models.wan.layouts); the text length a transformer that reads an image embedding needs."""
+    config = folder.config("transformer")
+    problems = wan_layouts.spec_problems(
+        folder.index, config, folder.config("vae"), spec.model.image_to_video, spec.sample
     )
+    tokens = spec.model.max_sequence_length
+    if config.get("added_kv_proj_dim") and tokens not in (None, IMAGE_EMBEDDING_TEXT_TOKENS):
+        problems.append(
+            (
+                "model.max_sequence_length",
+                f"{tokens}: a Wan 2.1 image-to-video transformer takes all but the last "
+                f"{IMAGE_EMBEDDING_TEXT_TOKENS} context tokens as the image embedding's (diffusers' WanAttnProcessor), "
+                f"so its text must be {IMAGE_EMBEDDING_TEXT_TOKENS} tokens; with {tokens} the image embedding would be "
+                f"read as text. Remove model.max_sequence_length (or set it to {IMAGE_EMBEDDING_TEXT_TOKENS})",
+            )
+        )
+    return problems
 
 
 VIDEO_FACTS = VideoFacts(
