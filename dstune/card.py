@@ -18,7 +18,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES  # noqa: F401 - units take it from the card module
+from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES  # noqa: F401 - units take them from here
 
 IMAGE_PROMPTS = ["a photo of a dog on the beach", "an oil painting of a lighthouse at dusk"]
 VIDEO_PROMPTS = ["a red fox running through fresh snow"]
@@ -62,8 +62,8 @@ class ModelCard:
     names: str
     summary: str  # one line on what it is and how a folder is recognised, for the spec reference and docs
     # the classes of the folders it trains (a pipeline's model_index.json _class_name, or a transformers
-    # architecture) -> the default sampling guidance of that pipeline or class
-    folder_classes: dict[str, float]
+    # architecture) -> the default sampling guidance of that pipeline or class (None: it samples without guidance)
+    folder_classes: dict[str, Optional[float]]
     # what the spec reference says of this model's own default for a spec key ({"model.max_sequence_length": ...})
     spec_notes: dict[str, str] = field(default_factory=dict)
     builtins: dict[str, str] = field(default_factory=dict)  # its tiny built-in models: name -> "module:BuiltinModel"
@@ -77,6 +77,28 @@ class ModelCard:
     # that no rank holds a whole copy of it; else each rank loads it whole
     builds_partitioned: ClassVar[bool] = False
 
+    # ------------------------------------------------------------------ what validate and the memory plan ask
+
+    def count(self, spec, num_samples: int, clips=()):
+        """The run's ModelCounts (dstune.memory.plan): parameters, activations, cache bytes, from the configs of
+        spec.model.pretrained; SizesUnknown (dstune.memory.counts) with the reason when they are not here."""
+        raise NotImplementedError(f"{self.name}'s card counts nothing")
+
+    def spec_issues(self, spec) -> list[tuple[str, str]]:
+        """[(dotted key, message)]: what start-up would refuse of this spec on the folder, found offline (validate
+        and start-up both ask it)."""
+        return []
+
+    def pairs(self, spec) -> Optional[str]:
+        """The pipeline class when the model trains on (source, target) pairs (validate then checks the data gives
+        them), else None."""
+        return None
+
+    def attention(self, spec):
+        """The heads a sequence-parallel split divides (dstune.families.facts.Attention); None: its sequences are
+        not split."""
+        return None
+
     def single_file_layout(self) -> Optional[SingleFileLayout]:
         """How its single checkpoint files are laid out; None: model.pretrained must be a folder (or a hub id, a
         built-in)."""
@@ -86,7 +108,7 @@ class ModelCard:
         """(the guidance its pipeline samples with by default, why), for a folder whose model_index.json (or
         config.json) is `index`; None when the folder is none of this model's."""
         pipeline = index.get("_class_name", "")
-        if pipeline in self.folder_classes:
+        if self.folder_classes.get(pipeline) is not None:
             return self.folder_classes[pipeline], f"{pipeline}'s default"
         return None
 

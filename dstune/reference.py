@@ -221,7 +221,9 @@ def model_table() -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for card in registry.cards():
-        guidance = ", ".join(f"{name} {value:g}" for name, value in card.folder_classes.items())
+        guidance = ", ".join(
+            f"{name} {value:g}" if value is not None else f"{name}: none" for name, value in card.folder_classes.items()
+        )
         notes = "; ".join(f"`{key}` {note}" for key, note in card.spec_notes.items())
         builtins = ", ".join(f"`builtin:{name}`" for name in card.builtins)
         lines.append(

@@ -13,6 +13,7 @@ any layer may ask it (the cores, the built-ins, validate) without an import circ
 from __future__ import annotations
 
 from functools import cache
+from typing import Optional
 
 from dstune.card import ModelCard, ModelPreset, load
 
@@ -102,7 +103,7 @@ def activation_cases() -> tuple[str, ...]:
     return tuple(card.activation_cases for card in cards() if card.activation_cases)
 
 
-def family_classes(family: str) -> dict[str, float]:
+def family_classes(family: str) -> dict[str, Optional[float]]:
     """The folder classes the models of `family` train (shell patterns: a pipeline class, a transformers
     architecture) -> their default sampling guidance (dstune.card.ModelCard.folder_classes)."""
     return {name: guidance for card in family_cards(family) for name, guidance in card.folder_classes.items()}

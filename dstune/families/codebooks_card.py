@@ -29,7 +29,9 @@ class CodebooksCard(ModelCard):
 
     architecture: str  # the transformers class its folder's config.json names
     takes_voice_prompts: bool = False  # its samples continue sample.voice_prompts (a reference clip + transcript)
-    codec_inside: Optional[str] = None  # the attribute of the class that holds its codec (None: the codec is outside)
+    def codec_inside(self) -> Optional[str]:
+        """The attribute of the class that holds its codec (None: the codec is outside the class)."""
+        return None
 
     def config_problem(self, config: dict) -> Optional[str]:
         """Why the class cannot train a folder of this config.json (None: it can); validate says it at
@@ -51,8 +53,8 @@ class CodebooksCard(ModelCard):
         folder, origin = config_folder(spec.model.pretrained)
         config = read_config(folder / "config.json")
         targets, rank = lora_settings(spec)
-        params, largest, lora, codec, small = _meta_counts(_config_text(config), self.codec_inside, targets, rank)
-        default_lora = _meta_counts(_config_text(config), self.codec_inside, LM_LORA_TARGET_MODULES, 16)[2]
+        params, largest, lora, codec, small = _meta_counts(_config_text(config), self.codec_inside(), targets, rank)
+        default_lora = _meta_counts(_config_text(config), self.codec_inside(), LM_LORA_TARGET_MODULES, 16)[2]
         counted = (params, largest, lora, default_lora, codec)
         counts = self.count_model(spec, num_samples, folder, origin, config, counted)
         return counts if counts.small_tensors else replace(counts, small_tensors=small)
@@ -94,12 +96,6 @@ class CodebooksCard(ModelCard):
                     )
                 )
         return issues
-
-    def pairs(self, spec) -> Optional[str]:
-        return None
-
-    def attention(self, spec):
-        return None
 
 
 @lru_cache(maxsize=16)

@@ -19,6 +19,7 @@ from dstune.families.denoiser_facts import (
     count_denoiser,
     image_latent_bytes,
     pipeline_folder,
+    side_issues,
     transformer_text_bytes,
 )
 from dstune.families.facts import Attention, no_plan_refusal
@@ -138,7 +139,8 @@ class FlowCard(PipelineCard):
         return None
 
     def side_px(self) -> int:
-        """Image sides must be multiples of it, said by validate (0: left to the first batch's check)."""
+        """Image sides must be multiples of it, said by validate (0: the VAE's factor x the latent rows a token
+        packs)."""
         return 0
 
     def spec_issues(self, spec) -> SpecIssues:
@@ -149,23 +151,15 @@ class FlowCard(PipelineCard):
         return issues + _sample_folder_issues(spec) + self._lora_format_issues(spec)
 
     def _side_issues(self, spec) -> SpecIssues:
-        side, buckets = self.side_px(), spec.data.buckets
+        """Image sides the model cannot take: side_px, or the VAE config's spatial factor x the latent rows a token
+        packs (an 8x VAE and 2x2 patches: multiples of 16 px)."""
+        side = self.side_px()
         if not side:
-            return []
-        why = f"{self.name} takes image sides in multiples of {side} px"
-        if not buckets.enabled:
-            if spec.data.resolution % side == 0:
+            try:
+                side = vae_factor(pipeline_folder(spec.model.pretrained).config("vae")) * TOKEN_PATCH
+            except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the first batch itself
                 return []
-            return [
-                (
-                    "data.resolution",
-                    f"{spec.data.resolution}: {why}; use {max(side, spec.data.resolution // side * side)}",
-                )
-            ]
-        if buckets.sizes:
-            wrong = [size for size in buckets.sizes if size[0] % side or size[1] % side]
-            return [("data.buckets.sizes", f"{wrong}: {why}")] if wrong else []
-        return [] if buckets.step % side == 0 else [("data.buckets.step", f"{buckets.step}: {why}")]
+        return side_issues(spec, side, f"{self.name} takes image sides in multiples of {side} px")
 
     def _steps_issues(self, spec) -> SpecIssues:
         """A distilled (Turbo) folder's own sampling sigmas fix sample.steps."""

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from dstune.families.base import FamilyError
-from dstune.families.denoiser_facts import PipelineFolder, count_denoiser, latent_channels, pipeline_folder
+from dstune.families.denoiser_facts import (
+    PipelineFolder,
+    count_denoiser,
+    latent_channels,
+    pipeline_folder,
+    side_issues,
+)
 from dstune.families.facts import Attention, no_plan_refusal
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import PipelineCard, SpecIssues
@@ -138,7 +144,14 @@ class VideoCard(PipelineCard):
             )
             for problem in expert_problems(folder.index, spec.model.expert, spec.model.timestep_range)
         ]
-        return issues + self.settings_issues(spec.model) + self.model_spec_issues(spec, folder)
+        spatial, patch, _, _ = self.token_factors(folder)
+        side = spatial * max(patch[1], patch[2])
+        why = (
+            f"{spec.model.pretrained} takes clip sides in multiples of {side} px (its VAE's {spatial}x, then "
+            f"{patch[1]}x{patch[2]} patches)"
+        )
+        issues += self.settings_issues(spec.model) + side_issues(spec, side, why)
+        return issues + self.model_spec_issues(spec, folder)
 
     # ------------------------------------------------------------------------------- memory
 

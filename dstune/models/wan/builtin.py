@@ -27,7 +27,7 @@ from pathlib import Path
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import tiny_t5_tokenizer
 from dstune.hf import quiet_hf_libraries
-from dstune.models.wan.facts import IMAGE_EMBEDDING_TEXT_TOKENS
+from dstune.models.wan.card import IMAGE_EMBEDDING_TEXT_TOKENS
 from dstune.memory.activation_cases import Case, attr, mse, randn, square_side
 
 _SEED = 40
