@@ -76,6 +76,8 @@ class ModelCard:
     # its load builds the trainable module partitioned under ZeRO-3 (deepspeed.zero.Init), all ranks together, so
     # that no rank holds a whole copy of it; else each rank loads it whole
     builds_partitioned: ClassVar[bool] = False
+    # its start-up can load its text encoders on one rank per node, with the text cache (dstune.text_once)
+    text_once: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ what validate and the memory plan ask
 

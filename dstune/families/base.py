@@ -75,6 +75,11 @@ class TrainedModel:
     def frozen(self) -> dict:
         return {}
 
+    def latent_parts(self) -> tuple[str, ...]:
+        """Its frozen parts whose outputs the latent cache stores (moved off the accelerator while cached latents
+        stand in for them); every other frozen part's outputs are the text cache's."""
+        return ("vae", "image_encoder")
+
     def encode_batch(self, batch: dict, dtype) -> dict:
         raise NotImplementedError
 

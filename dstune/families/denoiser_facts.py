@@ -144,7 +144,7 @@ def count_denoiser(spec, num_samples: int, clips, card: DenoiserFacts) -> ModelC
 def side_issues(spec, side: int, why: str) -> list[tuple[str, str]]:
     """data.resolution (or the bucket step or sizes) against the `side` in pixels every image or clip side must be a
     multiple of (the VAE's spatial factor x the patch a token packs; `why` says so), before any GPU time: otherwise
-    the first batch is refused on every rank (flow_core's latent check) after the whole start-up."""
+    the first batch is refused on every rank (FlowModel's latent check) after the whole start-up."""
     buckets = spec.data.buckets
     if not buckets.enabled:
         if spec.data.resolution % side == 0:

@@ -1,6 +1,6 @@
 """The flow-matching pieces the flow family's models share: per-sample timestep densities, loss weights, and
 2x2 latent packing (as the MMDiT pipelines pack) with its position ids. Pure tensor functions; the models' recipes
-are in their units (dstune/models/<name>/recipe.py)."""
+are in their units (dstune/models/<name>/model.py)."""
 
 from __future__ import annotations
 

@@ -288,6 +288,11 @@ class FlowModel(TrainedModel):
         it): nothing here."""
         return {}
 
+    def encode_sound(self, sound: torch.Tensor) -> torch.Tensor:
+        """The latents the latent cache stores of the clips' sound (B, channels, samples) at sound_rate: only a model
+        that trains on sound (sound_rate not None) has them."""
+        raise NotImplementedError(f"{type(self).__name__} trains on no sound")
+
     def latent_patch(self) -> tuple[int, int]:
         """Latent (rows, columns) per token: the sides must be multiples of them."""
         return 2, 2

@@ -288,7 +288,7 @@ def _ltx2_run(model, tokens, context, dtype, per_token: bool = False):
 
 
 def _ltx2_av_run(model, tokens, context, dtype):
-    """A clip with sound, as dstune trains it (dstune.families.flow_sound): `tokens` video tokens (2 latent frames x
+    """A clip with sound, as dstune trains it (dstune.models.ltx2.model, Ltx2.loss): `tokens` video tokens (2 latent frames x
     side^2) and `context` sound tokens in one call, both streams attending each other (isolate_modalities off), the
     caption fixed at AV_CAPTION_TOKENS; the loss the video's plus the sound's."""
     import torch

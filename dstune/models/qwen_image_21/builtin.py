@@ -8,7 +8,7 @@ scheduler of dstune.builtin.parts. Built offline from fixed configs and a fixed 
 
 The folder's `processor` is the byte-level tokenizer of dstune.builtin.parts with a Qwen3-VL style chat
 template, not a Qwen3VLProcessor: transformers cannot build that processor without torchvision, which the tested
-environment cannot import. dstune loads it wrapped in dstune.models.qwen_image_21.recipe.TextProcessor, which does what
+environment cannot import. dstune loads it wrapped in dstune.models.qwen_image_21.model.TextProcessor, which does what
 the text-to-image pipeline asks of a processor; QwenImage21Pipeline.from_pretrained on this folder needs
 `processor=TextProcessor(tokenizer)` passed in, as the training example passes its own processor.
 
