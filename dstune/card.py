@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Protocol
 
 from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES  # noqa: F401 - units take them from here
 
@@ -37,10 +37,10 @@ class ModelPreset:
     values: dict[str, Any] = field(default_factory=dict)  # dotted spec key -> value, over the shared defaults
 
 
-@dataclass(frozen=True)
-class SingleFileLayout:
+class SingleFileLayout(Protocol):
     """How a model's single checkpoint file (original, non-diffusers key layout) is laid out, for dstune.pretrained,
-    which converts it with diffusers' `from_single_file` into a pipeline folder."""
+    which converts it with diffusers' `from_single_file` into a pipeline folder (a card that reads single files
+    gives one: ModelCard.single_file_layout)."""
 
     denoiser: str  # the pipeline component the file must hold ("unet")
     denoiser_prefixes: tuple[str, ...]  # key prefixes of the denoiser in the original layout
@@ -51,8 +51,8 @@ class SingleFileLayout:
 class ModelCard:
     """What every card says of its model (see the module docstring); a core's card type adds its facts."""
 
-    key: str  # short lower-case name, for messages, docs and test names ("ltx2")
-    name: str  # the model's name as people write it ("LTX-2")
+    key: str  # short lower-case name, for messages, docs and test names
+    name: str  # the model's name as people write it
     family: str  # the spec's model.family
     unit: str  # its folder under dstune/models/
     model_class: str  # "module:Class" of its torch side, loaded on first use (`load`)

@@ -110,7 +110,7 @@ def family_models() -> dict[str, type[BaseModel]]:
     members = typing.get_args(annotation) or (annotation,)
     out = {}
     for member in members:
-        (family,) = typing.get_args(member.model_fields["family"].annotation)
+        family = typing.get_args(member.model_fields["family"].annotation)[0]  # the name; later ones: old names
         out[family] = member
     return out
 

@@ -301,7 +301,13 @@ def _latent_job(run: Run, spec: Spec, card, model_folder: Path, once: bool) -> L
 
 
 def prepare_caches(
-    run: Run, spec: Spec, model, records: list, verify_only: bool = False, card=None, model_folder: Optional[Path] = None
+    run: Run,
+    spec: Spec,
+    model,
+    records: list,
+    verify_only: bool = False,
+    card=None,
+    model_folder: Optional[Path] = None,
 ) -> tuple[Caches, int]:
     """Collective. Build (or fully verify) every cache entry the run reads: (caches, 0), or (caches, 1) after rank 0
     printed what is missing. `model` may be None when verifying latents (`card` and `model_folder`: the pretrained
@@ -335,9 +341,11 @@ def make_training_loader(
     spec: Spec, plan, rank: int, model, records: list, caches: Caches, start_epoch: int, start_step: int
 ):
     """This rank's loader and sampler: one factory (dstune.data.loader.make_loader) over the dataset kind the
-    model's modality and the caches decide."""
+    model's modality and the caches decide. `model` (the rate of a speech model's clips, of a video model's sound)
+    may be None for images."""
     data, seed = spec.data, spec.train.seed
-    if model.modality == "audio":
+    modality = get_facts(spec.model.family).modality
+    if modality == "audio":
         keys = duration_keys(records, data)
         speakers = speaker_keys(records, data)
         if caches.codec_paths is not None:
@@ -347,7 +355,7 @@ def make_training_loader(
             )
         dataset = SpeechDataset(records, model.sample_rate)
         return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step, speakers)
-    if model.modality == "video":
+    if modality == "video":
         if caches.images is not None:
             dataset = CachedVideoDataset(data, records, seed, caches.images, model.sound_rate)
             return make_loader(

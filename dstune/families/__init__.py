@@ -5,7 +5,7 @@ folder holds, the family's torch-free facts, and loading a model's class.
     model = load_model(card, spec.model, folders, device, frozen_dtype)     # its class, loaded (imports torch)
     facts = get_facts(spec.model.family)               # validate, the memory plan, the video planner: no torch
 
-A family of one model (sd, sdxl, tts_lm, speecht5) is that model's; a shared core's (flow, video, tts_codebooks)
+A family of one model (its spec section is the unit's own) is that model's; a shared core's (flow, video, tts_codebooks)
 tells its models apart by the folder's own classes (its card module's `card_of_folder`). This package and the
 card modules are torch-free, so `dstune validate` never imports a model's torch side. Adding a family:
 docs/architecture.md.
@@ -87,3 +87,12 @@ def get_facts(name: str) -> FamilyFacts:
     if name not in FAMILY_FACTS:
         raise _unknown(name)
     return FAMILY_FACTS[name]
+
+
+def clip_token_factors(spec):
+    """(VAE spatial factor, transformer patch (t, h, w), VAE temporal factor, where they came from) of a video
+    model's configs, the common layout where they are not here (dstune.families.video_card.token_factors); None
+    for a model that does not train on clips."""
+    if get_facts(spec.model.family).modality != "video":
+        return None
+    return video_card.token_factors(family_cards(spec.model.family), spec.model.pretrained)

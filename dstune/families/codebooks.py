@@ -1,6 +1,5 @@
 """The multi-codebook TTS core (`model.family tts_codebooks`): `CodebooksModel`, the base class of every model
-trained through its own transformers class and loss (models/<unit>/model.py: CSM, Dia, VibeVoice), and what they
-share. Which class a folder holds is its config.json's `architectures` (the card: dstune.families.codebooks_card).
+trained through its own transformers class and loss (each unit's models/<unit>/model.py), and what they share. Which class a folder holds is its config.json's `architectures` (the card: dstune.families.codebooks_card).
 
     load(card, model_spec, folders, ...)     the class and its processor; the codec taken out of the trained part
                                              (frozen, fp32, whole on every rank, outside DeepSpeed), so codes are

@@ -29,6 +29,7 @@ class CodebooksCard(ModelCard):
 
     architecture: str  # the transformers class its folder's config.json names
     takes_voice_prompts: bool = False  # its samples continue sample.voice_prompts (a reference clip + transcript)
+
     def codec_inside(self) -> Optional[str]:
         """The attribute of the class that holds its codec (None: the codec is outside the class)."""
         return None

@@ -41,9 +41,11 @@ from dstune.families.diffusion import (
 )
 from dstune.families.flow_distilled import attach_sampling_denoiser, fuse_training_adapter
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
+from dstune.families.flow_sampling import render
 from dstune.families.folders import read_model_index
 from dstune.families.pipeline_card import PipelineCard
 from dstune.families.randomness import per_sample_randn
+from dstune.families.samples import save_clip_grid, save_grid
 from dstune.hf import quiet_hf_libraries
 
 
@@ -442,13 +444,9 @@ class FlowModel(TrainedModel):
     def sample(self, transformer_module, prompts: list[str], sample_spec, resolution: int) -> list:
         """One image (a video model: one clip, a list of model.sample_frames PIL frames) per prompt with the model's
         own pipeline around `transformer_module` (no weight copy): dstune.families.flow_sampling."""
-        from dstune.families.flow_sampling import render
-
         return render(self, transformer_module, prompts, sample_spec, resolution)
 
     def save_samples(self, outputs: list, prompts: list[str], path) -> Path:
-        from dstune.families.samples import save_clip_grid, save_grid
-
         return (save_clip_grid if self.modality == "video" else save_grid)(outputs, prompts, path)
 
     def sample_scheduler(self):

@@ -13,8 +13,8 @@ LM_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")  # and in a Ll
 # `builtin:NAME` in model.pretrained and data.path: a tiny model or a synthetic dataset dstune makes offline.
 BUILTIN_PREFIX = "builtin:"
 
-# The spec's `model.family` of the video core (dstune.families.video_card), and its first name, which a spec may still
-# write (validate notes that it is the old name): the core trained Wan first and was named after it.
+# The spec's `model.family` of the video core (dstune.families.video_card), and its first name (after the first model
+# it trained), which a spec may still write: validate notes that it is the old name.
 VIDEO_FAMILY = "video"
 VIDEO_FAMILY_ALIAS = "wan"
 

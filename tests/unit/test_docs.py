@@ -11,7 +11,7 @@ import pytest
 from dstune.builtin import BUILTIN_MODELS
 from dstune.reference import family_models, reference_markdown
 from dstune.spec.models import FAMILIES
-from dstune.spec.presets import MODEL_PRESETS
+from dstune import registry
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
@@ -31,7 +31,7 @@ def test_readme_names_every_model_family_init_name_and_builtin():
     missing += [f"`builtin:{name}`" for name in BUILTIN_MODELS if f"`builtin:{name}`" not in models]
     missing += [
         f"init --model `{p.name}` (builtin:{p.builtin})"
-        for p in MODEL_PRESETS
+        for p in registry.presets()
         if not any(
             f"| `{p.name}` |" in row and f"`builtin:{p.builtin}`" in row and f"| `{p.family}` |" in row for row in rows
         )

@@ -185,11 +185,13 @@ def test_companion_folders_and_files_that_do_not_exist_are_refused(capsys, tmp_p
 
 
 def test_the_video_token_factors_of_an_image_models_folder_are_assumed_and_say_so_not_a_crash():
-    from dstune.families.video_facts import ASSUMED_PATCH, ASSUMED_SPATIAL, token_factors
+    from dstune.families import family_cards
+    from dstune.families.video_card import ASSUMED_PATCH, ASSUMED_SPATIAL, token_factors
 
-    spatial, patch, temporal, origin = token_factors("builtin:tiny-flux")  # its transformer's patch_size is the int 1
+    cards = family_cards("video")
+    spatial, patch, temporal, origin = token_factors(cards, "builtin:tiny-flux")  # its transformer's patch_size: 1
     assert (spatial, patch) == (ASSUMED_SPATIAL, ASSUMED_PATCH) and "is none of the video models" in origin
-    assert token_factors("builtin:tiny-wan")[3].startswith("the VAE and transformer configs of builtin:tiny-wan")
+    assert token_factors(cards, "builtin:tiny-wan")[3].startswith("the VAE and transformer configs of builtin:tiny-wan")
 
 
 # ------------------------------------------------------------------------------------------------- images
@@ -330,20 +332,11 @@ def test_a_truncated_still_in_a_video_dataset_is_refused(capsys, tmp_path):
     data = tmp_path / "clips"
     whole = write_images(data, count=2)
     (data / "cut.jpg").write_bytes(whole[: len(whole) // 2])
-    code, text = validate(capsys, tmp_path, {"family": "wan"}, {"path": str(data), "resolution": 32})
+    code, text = validate(capsys, tmp_path, {"family": "video"}, {"path": str(data), "resolution": 32})
     assert code == 1, text
     [line] = error_lines(text)
     assert "data.path: 1 still image(s) cannot be read" in line and "data.skip_bad_files does not apply" in line
     assert f"{data / 'cut.jpg'}: image file is truncated" in text
-
-
-def test_the_classes_the_spec_declares_are_the_ones_the_families_build():
-    """FlowModelSpec.TRAINED_CLASSES (what validate accepts) and the flow recipes (what start-up builds) agree, so a new
-    recipe cannot be refused by validate, nor a dropped one accepted."""
-    from dstune.families.flow import RECIPES
-    from dstune.spec.models import FlowModelSpec
-
-    assert sorted(FlowModelSpec.TRAINED_CLASSES) == sorted(recipe.pipeline_class for recipe in RECIPES.values())
 
 
 def test_a_global_batch_larger_than_every_bucket_gets_a_batch_the_largest_bucket_holds():

@@ -24,7 +24,7 @@ from dstune.families.precision import at_least_float32
 from dstune.families.speech import Clip
 from dstune.families.speech_codecs import decode_codes
 from dstune.hf import quiet_hf_libraries
-from dstune.models.csm.card import CsmCard
+from dstune.models.csm.card import CSM_CARD, CsmCard
 
 
 class CodebookFramesModel(torch.nn.Module):
@@ -135,8 +135,7 @@ class Csm(CodebooksModel):
         import transformers
         from transformers import AutoProcessor
 
-        from dstune.models.csm.card import CSM_CARD as card
-
+        card = CSM_CARD
         with quiet_hf_libraries():
             model = getattr(transformers, card.architecture).from_pretrained(Path(folder)).eval()
             processor = AutoProcessor.from_pretrained(Path(folder))

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import ClassVar, Optional
 
 from dstune import registry
-from dstune.card import ModelPreset, SingleFileLayout, image
+from dstune.card import ModelPreset, image
 from dstune.families.denoiser_facts import count_denoiser, embedding_width_bytes, image_latent_bytes
 from dstune.families.folders import read_component_config, read_model_index
 from dstune.families.pipeline_card import PipelineCard
@@ -20,6 +20,15 @@ CLIP_TOKENS = 77  # every CLIP text encoder's context
 CLIP_TOKENIZERS = ("CLIPTokenizer", "CLIPTokenizerFast")
 # Pipelines people mistake for an SD 1.x/2.x one that no UNet card names: two transformers dstune does not train
 UNTRAINED_LOOKALIKES = {"PixArtSigmaPipeline": "PixArt", "PixArtAlphaPipeline": "PixArt", "SanaPipeline": "Sana"}
+
+
+@dataclass(frozen=True)
+class SingleFile:
+    """A UNet pipeline's single-checkpoint-file layout (dstune.card.SingleFileLayout)."""
+
+    denoiser: str
+    denoiser_prefixes: tuple[str, ...]
+    companions: dict
 
 
 def unet_component_problems(folder: Path, index: dict, components: dict, missing_hints: dict) -> list[str]:
@@ -48,7 +57,7 @@ class UnetCard(PipelineCard):
     # component -> (accepted classes, or None for any; the file its subfolder must hold)
     unet_components: dict[str, tuple[Optional[tuple[str, ...]], str]]
     missing_hints: dict[str, str] = field(default_factory=dict)  # why a component may be missing (a refiner's)
-    single_file: SingleFileLayout  # the original single-checkpoint-file layout (what from_single_file reads)
+    single_file: SingleFile  # the original single-checkpoint-file layout (what from_single_file reads)
     # its CLIP encoders are small: every rank keeps its own (no text_once_per_node)
     text_once: ClassVar[bool] = False
 
@@ -84,7 +93,7 @@ class UnetCard(PipelineCard):
     def text_cache_settings(self, model_spec) -> str:
         return ""  # CLIP's context is fixed: the encoders alone decide a caption's tensors
 
-    def single_file_layout(self) -> Optional[SingleFileLayout]:
+    def single_file_layout(self) -> Optional[SingleFile]:
         return self.single_file
 
     # ------------------------------------------------------------------------------------------- memory
@@ -193,7 +202,7 @@ SD_CARD = UnetCard(
     text_cache_folders=("text_encoder", "tokenizer"),
     # the original layout: UNet under model.diffusion_model., VAE under first_stage_model., the CLIP text encoder
     # under cond_stage_model. (SD 2.x: its OpenCLIP naming)
-    single_file=SingleFileLayout(
+    single_file=SingleFile(
         "unet", ("model.diffusion_model.",), {"vae": ("first_stage_model.",), "text_encoder": ("cond_stage_model.",)}
     ),
     activation_cases="dstune.models.sd.builtin_sd:ACTIVATION_CASES",
@@ -236,7 +245,7 @@ SDXL_CARD = SdxlCard(
     time_ids=6,
     # the original layout: UNet under model.diffusion_model., VAE under first_stage_model., the two text encoders
     # under conditioner.embedders.0. (CLIP ViT-L) and .1. (OpenCLIP ViT-bigG)
-    single_file=SingleFileLayout(
+    single_file=SingleFile(
         "unet",
         ("model.diffusion_model.",),
         {

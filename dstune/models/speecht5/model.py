@@ -65,7 +65,7 @@ class SpeechT5(SpeechModel):
         tts = load_part(
             SpeechT5ForTextToSpeech.from_pretrained,
             folder,
-            "SpeechT5ForTextToSpeech",
+            SpeechT5ForTextToSpeech.__name__,
             torch_dtype=torch.float32,
             encoder_layerdrop=0.0,
             decoder_layerdrop=0.0,

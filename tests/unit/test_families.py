@@ -1,4 +1,5 @@
-"""The family registry and the shared helpers (per-sample RNG, folders, grids); no model is built here."""
+"""The families and the model contract (every card's class fulfils TrainedModel's), and the shared helpers
+(per-sample RNG, folders, grids); no model is loaded here."""
 
 from __future__ import annotations
 
@@ -9,72 +10,62 @@ import pytest
 import torch
 from PIL import Image
 
-from dstune.families import FAMILY_FACTS, FAMILY_MODULES, get_facts, get_family
-from dstune.families.base import Family, FamilyError
-from dstune.families.randomness import per_sample_randint, per_sample_randn, sample_generator
+from dstune import registry
+from dstune.card import load
+from dstune.families import FAMILY_FACTS, card_of, get_facts
+from dstune.families.base import FamilyError, TrainedModel
 from dstune.families.diffusion import copy_component
+from dstune.families.pipeline_card import PipelineCard
+from dstune.families.randomness import per_sample_randint, per_sample_randn, sample_generator
 from dstune.families.samples import save_grid
 from dstune.fsutil import publish_folder
-from dstune.pretrained import resolve_pretrained
-from dstune.spec.models import FlowModelSpec, VideoModelSpec
-from dstune.spec.speech_models import CodebooksModelSpec
-from dstune.models.sd.spec import SdModelSpec, SdxlModelSpec
-from dstune.models.speecht5.spec import SpeechT5ModelSpec
-from dstune.models.tts_lm.spec import TtsLmModelSpec
+from dstune.pretrained import folder_keys, resolve_pretrained
 from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, SECTIONS_BY_FAMILY, VIDEO_FAMILIES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_SPECS = {
-    "sd": SdModelSpec,
-    "sdxl": SdxlModelSpec,
-    "flow": FlowModelSpec,
-    "wan": VideoModelSpec,
-    "tts_lm": TtsLmModelSpec,
-    "tts_codebooks": CodebooksModelSpec,
-    "speecht5": SpeechT5ModelSpec,
-}
-
-API = ("build", "encode_batch", "loss", "sample", "save_samples", "export")
+CONTRACT = ("load", "encode_batch", "loss", "sample", "save_samples", "export")
 
 
-def test_registry_matches_the_spec_and_every_family_declares_the_contract():
-    assert sorted(FAMILY_MODULES) == sorted(FAMILIES)
-    for name in FAMILY_MODULES:
-        family = get_family(name)
-        assert isinstance(family, Family) and family.name == name
-        missing = [f for f in API if not callable(getattr(family, f))]
-        assert not missing, f"family {name} lacks {missing}"
-        assert (family.modality == "audio") == (name in AUDIO_FAMILIES)  # validate decides data rules by the spec
-        assert (family.modality == "video") == (name in VIDEO_FAMILIES)
-        assert family.pretrained_fields[0] == "pretrained"
-        assert all(field in MODEL_SPECS[name].model_fields for field in family.pretrained_fields)
-        assert family.text_cache is None or family.modality in ("image", "video")
-        assert family.supports_lora == (name != "speecht5")  # LoRA: the diffusion families and tts_lm
-        section = SECTIONS_BY_FAMILY[name]  # validate checks output.lora_format and single files by the spec
-        assert family.supports_lora == bool(getattr(section, "LORA_FORMATS", {}))
-        assert (family.single_file is not None) == bool(getattr(section, "SINGLE_FILE", False))
-        facts = get_facts(name)  # the torch-free half declares the same family and modality
-        assert facts.family == name and facts.modality == family.modality
-        assert (facts.token_factors is not None) == (family.modality == "video")
-    assert sorted(FAMILY_FACTS) == sorted(FAMILY_MODULES)
+def test_every_family_has_its_models_cards_and_the_sections_agree_with_them():
+    assert sorted({card.family for card in registry.cards()}) == sorted(FAMILIES) == sorted(FAMILY_FACTS)
+    for card in registry.cards():
+        section, facts = SECTIONS_BY_FAMILY[card.family], get_facts(card.family)
+        assert facts.family == card.family and facts.modality == section.modality
+        assert (facts.modality == "audio") == (card.family in AUDIO_FAMILIES)  # validate's data rules by the spec
+        assert (facts.modality == "video") == (card.family in VIDEO_FAMILIES)
+        assert (card.single_file_layout() is not None) == bool(section.SINGLE_FILE), card.key
+        # a model whose text the caches hold is a pipeline's (the spec allows the text cache for images and clips)
+        assert isinstance(card, PipelineCard) == (facts.modality != "audio"), card.key
 
 
-def test_unknown_family_names_the_known_ones():
-    with pytest.raises(ValueError, match="known families: .*sd"):
-        get_family("sdxl-typo")
+@pytest.mark.parametrize("card", registry.cards(), ids=lambda card: card.key)
+def test_every_class_fulfils_the_contract_and_its_capabilities_match_the_spec(card):
+    model_class = load(card.model_class)
+    missing = [name for name in CONTRACT if getattr(model_class, name) is getattr(TrainedModel, name)]
+    assert missing == [], f"{model_class.__name__} does not implement {missing}"
+    section = SECTIONS_BY_FAMILY[card.family]
+    assert model_class.supports_lora == bool(section.LORA_FORMATS)  # validate checks output.lora_format by the spec
+    assert folder_keys(section(family=card.family))[0] == "pretrained"
+
+
+def test_unknown_family_names_the_known_ones(tmp_path):
     with pytest.raises(ValueError, match="known families: .*sd"):
         get_facts("sdxl-typo")
+    with pytest.raises(ValueError, match="known families: .*sd"):
+        card_of("sdxl-typo", tmp_path)
 
 
-def test_the_registry_and_every_family_facts_module_import_without_torch():
-    """validate reads the facts of every family; importing them (and so the registry) must not load torch."""
+def test_the_registry_the_cards_and_every_familys_facts_import_without_torch():
+    """validate reads the cards of every model; importing them (and the registry, the facts) must not load torch."""
     import subprocess
     import sys
 
     code = (
-        "import sys, dstune.families\n"
+        "import sys\n"
+        "from dstune import registry\n"
         "from dstune.families import FAMILY_FACTS\n"
-        "assert FAMILY_FACTS and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
+        "assert registry.cards() and FAMILY_FACTS\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
