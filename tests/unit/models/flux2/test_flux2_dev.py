@@ -1,4 +1,4 @@
-"""FLUX.2 [dev] in the flow family (recipe dstune.models.flux2.recipe.FLUX2_DEV) on builtin:tiny-flux2-dev's real
+"""FLUX.2 [dev] (its card FLUX2_DEV_CARD and class, dstune.models.flux2) on builtin:tiny-flux2-dev's real
 components: a Flux2Pipeline folder whose Mistral3 text encoder is tiny and whose tokenizer is a byte-level fast
 tokenizer with Mistral's chat template, standing where a real folder's PixtralProcessor (which needs torchvision)
 goes.
@@ -14,17 +14,17 @@ _unpack_latents_with_ids, compute_loss_weighting_for_sd3. The noise and u are ds
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.families import flow
+from dstune.families import card_of
 from dstune.families.base import FamilyError
+from dstune.families.flow_matching import timestep_density
+from dstune.models.flux2.card import FLUX2_DEV_CARD, FLUX2_KLEIN_CARD
+from dstune.models.flux2.model import Flux2
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec
 from flux2_script import (
@@ -33,10 +33,9 @@ from flux2_script import (
     check_sample_and_export_reload,
     flux2_script_loss,
 )
+from loaded_models import CACHE_DIR, with_settings
 from tiny_batches import shape_batch
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 MODEL = "builtin:tiny-flux2-dev"
 SEED, STEP, INDICES = 9, 6, [2, 12, 4]
 
@@ -49,7 +48,8 @@ def built():
 def test_builtin_is_a_flux2_dev_pipeline_folder(built):
     folder = tiny.ensure_builtin_model("tiny-flux2-dev", CACHE_DIR)
     assert json.loads((folder / "model_index.json").read_text())["_class_name"] == "Flux2Pipeline"
-    assert flow.detect_kind(folder) == "flux2_dev" and built.kind == "flux2_dev"
+    assert card_of("flow", folder) is FLUX2_DEV_CARD and built.card is FLUX2_DEV_CARD
+    assert type(built) is Flux2
     assert type(built.text_encoders["text_encoder"]).__name__ == "Mistral3ForConditionalGeneration"
     assert built.transformer_config["guidance_embeds"] and built.max_sequence_length == 512
     # the chat template puts FLUX.2's system message and the caption in Mistral's control tokens
@@ -66,22 +66,22 @@ def test_builtin_is_a_flux2_dev_pipeline_folder(built):
 
 
 def test_klein_and_dev_folders_are_told_apart_and_misfits_refused(tmp_path):
-    """Both share Flux2Transformer2DModel: the pipeline class picks the recipe, then every part is checked."""
+    """Both share Flux2Transformer2DModel: the pipeline class picks the card, then every part is checked."""
     klein = tiny.ensure_builtin_model("tiny-flux2", CACHE_DIR)
-    assert flow.detect_kind(klein) == "flux2_klein"
+    assert card_of("flow", klein) is FLUX2_KLEIN_CARD
     dev = tmp_path / "dev"
     shutil.copytree(tiny.ensure_builtin_model("tiny-flux2-dev", CACHE_DIR), dev)
     index = json.loads((dev / "model_index.json").read_text())
     (dev / "model_index.json").write_text(json.dumps({**index, "_class_name": "SomethingElse"}))
-    assert flow.detect_kind(dev) == "flux2_dev"  # no pipeline class match: the text encoder class decides
+    assert card_of("flow", dev) is FLUX2_DEV_CARD  # no pipeline class match: the text encoder class decides
     shutil.rmtree(dev / "vae")
     (dev / "model_index.json").write_text(json.dumps({**index, "text_encoder": ["transformers", "Qwen3ForCausalLM"]}))
     with pytest.raises(
         FamilyError,
-        match=r"\(Flux2Pipeline\):\n  - `text_encoder` is a Qwen3ForCausalLM; expected "
+        match=r"FLUX.2 \[dev\] pipeline \(Flux2Pipeline, model.family flow\):\n  - `text_encoder` is a Qwen3ForCausalLM; expected "
         r"Mistral3ForConditionalGeneration\n  - missing subfolder vae/",
     ):
-        flow.detect_kind(dev)
+        build_model(FlowModelSpec(family="flow", pretrained=str(dev)), tmp_path, "cpu")
 
 
 def test_mismatched_text_width_is_refused(tmp_path):
@@ -96,13 +96,13 @@ def test_mismatched_text_width_is_refused(tmp_path):
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_flux2_dev_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModelSpec(family="flow", pretrained=MODEL, guidance=4.0, **settings))
+    model = with_settings(built, guidance=4.0, **settings)
     from diffusers import Flux2Pipeline
 
     batch = shape_batch(INDICES)
-    u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
+    u = timestep_density(model.model_spec, SEED, STEP, INDICES)
     with torch.no_grad():
-        ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
+        ours = model.loss(model.trainable, model.encode_batch(batch), SEED, STEP)
     # the script encodes through a Flux2Pipeline of the text parts, at its default text_encoder_out_layers
     prompts = Flux2Pipeline(
         scheduler=model.scheduler, vae=None, transformer=None, **model.text_encoders, **model.tokenizers
@@ -120,9 +120,9 @@ def test_loss_equals_the_diffusers_flux2_dev_script(built, case):
     )
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
     # the guidance embedding is live: another guidance value gives another loss
-    other = replace(model, settings=FlowModelSpec(family="flow", pretrained=MODEL, guidance=1.0, **settings))
+    other = with_settings(built, guidance=1.0, **settings)
     with torch.no_grad():
-        assert flow.loss(other, other.trainable, flow.encode_batch(other, batch), SEED, STEP).item() != ours.item()
+        assert other.loss(other.trainable, other.encode_batch(batch), SEED, STEP).item() != ours.item()
 
 
 def test_cached_text_trains_like_encoded_text(built):

@@ -1,4 +1,4 @@
-"""FLUX.2 [klein] in the flow family (recipe dstune.models.flux2.recipe) on builtin:tiny-flux2's real components.
+"""FLUX.2 [klein] (its card and class, dstune.models.flux2) on builtin:tiny-flux2's real components.
 
 The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_flux2_klein.py
 with diffusers' own pieces: Flux2KleinPipeline.encode_prompt's embeddings and text ids, the posterior's mode
@@ -9,15 +9,14 @@ _unpack_latents_with_ids, compute_loss_weighting_for_sd3. The noise and u are ds
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-from pathlib import Path
-
 import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.families import flow
+from dstune.families import card_of
+from dstune.families.flow_matching import timestep_density
+from dstune.models.flux2.card import FLUX2_KLEIN_CARD
+from dstune.models.flux2.model import Flux2
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec
 from flux2_script import (
@@ -26,10 +25,9 @@ from flux2_script import (
     check_sample_and_export_reload,
     flux2_script_loss,
 )
+from loaded_models import CACHE_DIR, with_settings
 from tiny_batches import shape_batch
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 SEED, STEP, INDICES = 9, 6, [2, 12, 4]
 
 
@@ -40,24 +38,25 @@ def built():
 
 def test_builtin_is_a_flux2_klein_pipeline_folder(built):
     folder = tiny.ensure_builtin_model("tiny-flux2", CACHE_DIR)
-    assert flow.detect_kind(folder) == "flux2_klein" and built.kind == "flux2_klein"
+    assert card_of("flow", folder) is FLUX2_KLEIN_CARD and built.card is FLUX2_KLEIN_CARD
+    assert type(built) is Flux2
     assert type(built.text_encoders["text_encoder"]).__name__ == "Qwen3ForCausalLM"
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_flux2_klein_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModelSpec(family="flow", pretrained="builtin:tiny-flux2", **settings))
+    model = with_settings(built, **settings)
     from diffusers import Flux2KleinPipeline
 
     batch = shape_batch(INDICES)
-    u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
+    u = timestep_density(model.model_spec, SEED, STEP, INDICES)
     with torch.no_grad():
-        ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
+        ours = model.loss(model.trainable, model.encode_batch(batch), SEED, STEP)
     reference = flux2_script_loss(
         model,
         Flux2KleinPipeline,
-        flow.pipeline_of(model),
+        model.pipeline(),
         {},
         batch["pixel_values"],
         batch["caption"],

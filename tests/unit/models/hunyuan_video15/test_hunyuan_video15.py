@@ -1,4 +1,5 @@
-"""HunyuanVideo 1.5 text-to-video (model.family wan, chosen by the folder) on builtin:tiny-hunyuan-video15: the loss
+"""HunyuanVideo 1.5 (its card and class, dstune.models.hunyuan_video15; model.family video, chosen by the folder) on
+builtin:tiny-hunyuan-video15 and its image-to-video twin: the loss
 against the official trainer's loss lines, the training tables, samples and the export the pipeline loads.
 
 The reference re-computes the loss lines of Tencent-Hunyuan/HunyuanVideo-1.5's train.py (prepare_batch and
@@ -9,28 +10,25 @@ nn.functional.mse_loss over the whole batch. Its model is the official one; the 
 HunyuanVideo15Transformer3DModel instead, with the text tensors of HunyuanVideo15Pipeline.encode_prompt and the
 zero image embedding HunyuanVideo15Pipeline gives text-to-video. The draws are dstune's (each sample's own
 generator): the posterior draw, the noise and t, which the reference takes at the training table's entry u picks
-(its own t is continuous; docs/family-wan.md lists this and the other differing defaults).
+(its own t is continuous; docs/family-hunyuan-video15.md lists this and the other differing defaults).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-from pathlib import Path
-
 import pytest
 import torch
 
-from dstune.families import video as wan
-from dstune.models.hunyuan_video15.recipe import TRAIN_SHIFT, VISION_TOKENS
+from dstune import builtin as tiny
+from dstune.families import card_of
 from dstune.families.flow_matching import timestep_density
 from dstune.families.randomness import per_sample_randn
+from dstune.models.hunyuan_video15.card import HUNYUAN_VIDEO15_CARD, TRAIN_SHIFT, VISION_TOKENS
+from dstune.models.hunyuan_video15.model import HunyuanVideo15
 from dstune.pretrained import build_model
 from dstune.spec.models import VideoModelSpec
+from loaded_models import CACHE_DIR, with_attributes, with_settings
 from tiny_batches import clip_batch
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 NAME = "builtin:tiny-hunyuan-video15"
 SEED, STEP, INDICES = 7, 5, [3, 11]
 TEXT_TOKENS = 48  # model.max_sequence_length: the tiny model's Qwen side, short to keep the test quick
@@ -38,7 +36,9 @@ TEXT_TOKENS = 48  # model.max_sequence_length: the tiny model's Qwen side, short
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(VideoModelSpec(family="wan", pretrained=NAME, max_sequence_length=TEXT_TOKENS), CACHE_DIR, "cpu")
+    return build_model(
+        VideoModelSpec(family="video", pretrained=NAME, max_sequence_length=TEXT_TOKENS), CACHE_DIR, "cpu"
+    )
 
 
 def _reference_timestep_transform(timesteps: torch.Tensor, total: int, shift: float) -> torch.Tensor:
@@ -81,23 +81,23 @@ CASES = {  # dstune's settings: the trainer's defaults (lognorm t, shift 3.0), t
 }
 
 
+def test_builtins_are_hunyuan_video15_folders(built):
+    for name in ("tiny-hunyuan-video15", "tiny-hunyuan-video15-i2v"):
+        assert card_of("video", tiny.ensure_builtin_model(name, CACHE_DIR)) is HUNYUAN_VIDEO15_CARD
+    assert built.card is HUNYUAN_VIDEO15_CARD and type(built) is HunyuanVideo15
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_official_trainers_loss_lines(built, case):
-    settings = VideoModelSpec(family="wan", pretrained=NAME, max_sequence_length=TEXT_TOKENS, **CASES[case])
-    model = replace(built, settings=settings)
-    if settings.shift is not None:
-        model = replace(
-            model,
-            **dict(
-                zip(("train_timesteps", "train_sigmas"), model.recipe.train_tables(model.scheduler, settings.shift))
-            ),
-        )
-    encoded = wan.encode_batch(model, clip_batch(INDICES, SEED))
+    model = with_settings(built, **CASES[case])
+    if model.model_spec.shift is not None:  # the tables its load makes of model.shift
+        model = with_attributes(model, **dict(zip(("train_timesteps", "train_sigmas"), model.train_tables())))
+    encoded = model.encode_batch(clip_batch(INDICES, SEED))
     assert encoded["encoder_hidden_states"].shape[1] == TEXT_TOKENS
-    u = timestep_density(settings, SEED, STEP, INDICES)
+    u = timestep_density(model.model_spec, SEED, STEP, INDICES)
     timesteps = model.train_timesteps[(u * 1000).long()]
     with torch.no_grad():
-        ours = wan.loss(model, model.trainable, encoded, SEED, STEP)
+        ours = model.loss(model.trainable, encoded, SEED, STEP)
     assert ours.item() == pytest.approx(_reference_loss(model, encoded, timesteps).item(), rel=1e-5)
 
 
@@ -121,9 +121,9 @@ def test_samples_render_as_clips_at_sample_guidance(built, tmp_path):
     passes = []
     hook = built.trainable.register_forward_hook(lambda module, args, output: passes.append(1))
     try:
-        guided = wan.sample(built, built.trainable, ["a red circle moving left"], SampleSpec(steps=2, guidance=6.0), 32)
+        guided = built.sample(built.trainable, ["a red circle moving left"], SampleSpec(steps=2, guidance=6.0), 32)
         count_guided = len(passes)
-        plain = wan.sample(built, built.trainable, ["a red circle moving left"], SampleSpec(steps=2, guidance=1.0), 32)
+        plain = built.sample(built.trainable, ["a red circle moving left"], SampleSpec(steps=2, guidance=1.0), 32)
     finally:
         hook.remove()
     assert (count_guided, len(passes) - count_guided) == (4, 2)
@@ -143,7 +143,7 @@ def test_export_loads_and_renders_and_the_lora_file_loads_into_the_pipelines_tra
     from dstune.families.lora import apply_train_mode, export_lora
 
     state = {name: value + 0.01 for name, value in built.trainable.state_dict().items()}
-    out = wan.export(built, state, tmp_path / "full")
+    out = built.export(state, tmp_path / "full")
     saved = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(saved[k], state[k]) for k in state)
     pipeline = HunyuanVideo15Pipeline.from_pretrained(out)
@@ -158,31 +158,25 @@ def test_export_loads_and_renders_and_the_lora_file_loads_into_the_pipelines_tra
     ).frames
     assert frames.shape == (1, 5, 32, 32, 3) and torch.isfinite(torch.as_tensor(frames)).all()
 
-    spec = VideoModelSpec(family="wan", pretrained=NAME, train="lora", max_sequence_length=TEXT_TOKENS)
+    spec = VideoModelSpec(family="video", pretrained=NAME, train="lora", max_sequence_length=TEXT_TOKENS)
     model = build_model(spec, CACHE_DIR, "cpu")
-    apply_train_mode(model.trainable, spec, seed=0, family=wan.FAMILY)
+    apply_train_mode(model, spec, seed=0)
     with torch.no_grad():
         for name, param in model.trainable.named_parameters():
             if ".lora_B." in name:  # B starts at zero: "train" it
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
     lora = export_lora(
-        wan.FAMILY,
-        model,
-        {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
-        tmp_path / "lora",
-        spec,
+        model, {k: v.detach().clone() for k, v in model.trainable.state_dict().items()}, tmp_path / "lora", spec
     )
-    encoded = wan.encode_batch(model, clip_batch([1], SEED))
+    encoded = model.encode_batch(clip_batch([1], SEED))
     pipeline = HunyuanVideo15Pipeline.from_pretrained(model.folder)
     with torch.no_grad():
-        base_loss = wan.loss(model, pipeline.transformer, encoded, 0, 1)
+        base_loss = model.loss(pipeline.transformer, encoded, 0, 1)
     pipeline.transformer.load_lora_adapter(
         str(lora), weight_name="pytorch_lora_weights.safetensors", prefix="transformer"
     )
     with torch.no_grad():
-        trained_loss, loaded = (
-            wan.loss(model, module, encoded, 0, 1) for module in (model.trainable, pipeline.transformer)
-        )
+        trained_loss, loaded = (model.loss(module, encoded, 0, 1) for module in (model.trainable, pipeline.transformer))
     assert loaded.item() == pytest.approx(trained_loss.item(), rel=1e-6) and loaded.item() != base_loss.item()
 
 
@@ -194,7 +188,7 @@ I2V_NAME = "builtin:tiny-hunyuan-video15-i2v"
 def i2v():
     return build_model(
         VideoModelSpec(
-            family="wan", pretrained=I2V_NAME, max_sequence_length=TEXT_TOKENS, timestep_sampling="logit_normal"
+            family="video", pretrained=I2V_NAME, max_sequence_length=TEXT_TOKENS, timestep_sampling="logit_normal"
         ),
         CACHE_DIR,
         "cpu",
@@ -211,7 +205,7 @@ def test_image_to_video_loss_equals_the_trainers_i2v_lines(i2v):
     from dstune.models.hunyuan_video15.i2v import frame_images
 
     batch = clip_batch(INDICES, SEED)
-    encoded = wan.encode_batch(i2v, batch)
+    encoded = i2v.encode_batch(batch)
     mean, std = encoded["latent_mean"], encoded["latent_std"]
     scale = i2v.vae.config.scaling_factor
     first = [
@@ -231,7 +225,7 @@ def test_image_to_video_loss_equals_the_trainers_i2v_lines(i2v):
 
     latents = (mean + std * per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "vae_posterior")) * scale
     noise = per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "noise")
-    u = timestep_density(i2v.settings, SEED, STEP, INDICES)
+    u = timestep_density(i2v.model_spec, SEED, STEP, INDICES)
     timesteps = i2v.train_timesteps[(u * 1000).long()]
     b, c, f, h, w = latents.shape
     cond = torch.zeros([b, c + 1, f, h, w])
@@ -254,7 +248,7 @@ def test_image_to_video_loss_equals_the_trainers_i2v_lines(i2v):
                 )
             },
         )[0]
-        ours = wan.loss(i2v, i2v.trainable, encoded, SEED, STEP)
+        ours = i2v.loss(i2v.trainable, encoded, SEED, STEP)
     reference = torch.nn.functional.mse_loss(model_pred, noise - latents)
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
 
@@ -274,37 +268,35 @@ def test_image_to_video_caches_the_image_embedding_and_renders_from_first_frames
     from dstune.spec.models import SampleSpec
 
     clips = clip_batch(INDICES, SEED)["pixel_values"]
-    assert wan.FAMILY.latent_extras.key(i2v.settings, i2v.folder) == (
+    assert i2v.card.latent_cache_key(i2v.model_spec, i2v.folder) == (
         "image_to_video/hunyuan_video15",
         ("image_encoder", "feature_extractor"),
         ("image_embeds",),
     )
-    stored = wan.FAMILY.latent_extras.encode(i2v, clips)
-    cached = wan.encode_batch(i2v, {**clip_batch(INDICES, SEED), **stored})
-    assert torch.equal(cached["image_embeds"], wan.encode_batch(i2v, clip_batch(INDICES, SEED))["image_embeds"])
+    stored = i2v.condition_tensors(clips)
+    cached = i2v.encode_batch({**clip_batch(INDICES, SEED), **stored})
+    assert torch.equal(cached["image_embeds"], i2v.encode_batch(clip_batch(INDICES, SEED))["image_embeds"])
     Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "first.png")
     spec = SampleSpec(
         prompts=["a red circle moving left"], steps=2, guidance=1.0, control_images=[str(tmp_path / "first.png")]
     )
-    clips = wan.sample(i2v, i2v.trainable, spec.prompts, spec, 32)
+    clips = i2v.sample(i2v.trainable, spec.prompts, spec, 32)
     assert len(clips[0]) == 5 and clips[0][0].size == (32, 32)
     with pytest.raises(FamilyError, match="image_to_video is true"):
-        build_model(VideoModelSpec(family="wan", pretrained=NAME, image_to_video=True), CACHE_DIR, "cpu")
+        build_model(VideoModelSpec(family="video", pretrained=NAME, image_to_video=True), CACHE_DIR, "cpu")
 
 
 def test_text_cache_entries_are_keyed_by_both_text_encoders_and_wans_keys_stay_as_they_were(built):
     """A cached caption's tensors depend on the Qwen and the ByT5 sides, so both folders key the entries; a Wan
     folder's key is its UMT5 and tokenizer only, as before HunyuanVideo 1.5 joined the family."""
-    from dstune import builtin as tiny
-
-    text_cache = wan.FAMILY.text_cache
-    assert text_cache.folder_names(built.folder) == ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
-    assert text_cache.tensor_names(built.folder) == (
+    card = card_of("video", built.folder)
+    assert card.text_cache_folders == ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    assert card.text_tensors == (
         "encoder_hidden_states",
         "encoder_attention_mask",
         "encoder_hidden_states_2",
         "encoder_attention_mask_2",
     )
     wan_folder = tiny.ensure_builtin_model("builtin:tiny-wan", CACHE_DIR)
-    assert text_cache.folder_names(wan_folder) == ("text_encoder", "tokenizer")
-    assert text_cache.tensor_names(wan_folder) == ("encoder_hidden_states",)
+    assert card_of("video", wan_folder).text_cache_folders == ("text_encoder", "tokenizer")
+    assert card_of("video", wan_folder).text_tensors == ("encoder_hidden_states",)

@@ -1,4 +1,4 @@
-"""Ideogram 4 in the flow family (recipe dstune.models.ideogram4.recipe) on builtin:tiny-ideogram4's real components.
+"""Ideogram 4 (its card and class, dstune.models.ideogram4) on builtin:tiny-ideogram4's real components.
 
 The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_ideogram4.py
 with diffusers' own pieces: Ideogram4Pipeline.encode_prompt for the batch's image grid (the packed text features,
@@ -11,23 +11,20 @@ Both sides take dstune's per-sample draws: the noise, and the generator each sam
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-from pathlib import Path
-
 import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.families import flow
+from dstune.families import card_of
 from dstune.families.base import FamilyError
 from dstune.families.randomness import per_sample_randn, sample_generator
+from dstune.models.ideogram4.card import IDEOGRAM4_CARD
+from dstune.models.ideogram4.model import Ideogram4
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec, SampleSpec
+from loaded_models import CACHE_DIR, with_attributes, with_settings
 from tiny_batches import shape_batch
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 SEED, STEP, INDICES = 5, 3, [4, 11, 2]
 NAME = "builtin:tiny-ideogram4"
 # (dstune settings, the example's flags): its defaults (logit-normal, mean 0 before the resolution shift, std 1.5),
@@ -53,7 +50,8 @@ def built():
 
 def test_builtin_is_an_ideogram4_pipeline_folder(built):
     folder = tiny.ensure_builtin_model("tiny-ideogram4", CACHE_DIR)
-    assert flow.detect_kind(folder) == "ideogram4" and built.kind == "ideogram4"
+    assert card_of("flow", folder) is IDEOGRAM4_CARD and built.card is IDEOGRAM4_CARD
+    assert type(built) is Ideogram4
     assert type(built.text_encoders["text_encoder"]).__name__ == "Qwen3VLModel"
     assert built.max_sequence_length == 128  # the example's 2048, capped by the tiny tokenizer's model_max_length
 
@@ -71,7 +69,7 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict) 
         model_input = vae.encode(pixels).latent_dist.mode()
     grid_h, grid_w = model_input.shape[2] // patch, model_input.shape[3] // patch
     with torch.no_grad():
-        prompt_embeds, position_ids, segment_ids, indicator = flow.pipeline_of(built).encode_prompt(
+        prompt_embeds, position_ids, segment_ids, indicator = built.pipeline().encode_prompt(
             prompt=list(captions), grid_h=grid_h, grid_w=grid_w, max_sequence_length=length, device="cpu"
         )
     image_height, image_width = model_input.shape[-2] * vae_scale_factor, model_input.shape[-1] * vae_scale_factor
@@ -117,21 +115,21 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict) 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_ideogram4_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModelSpec(family="flow", pretrained=NAME, **settings))
+    model = with_settings(built, **settings)
     batch = shape_batch(INDICES)
     with torch.no_grad():
-        ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
+        ours = model.loss(model.trainable, model.encode_batch(batch), SEED, STEP)
     reference = _script_loss(model, batch["pixel_values"], batch["caption"], flags)
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
 
 
 def test_cached_text_trains_like_encoded_text(built):
     batch = shape_batch([4, 7])
-    cached = {**batch, **flow.cache_text_tensors(built, batch["caption"])}
+    cached = {**batch, **built.encode_text(batch["caption"])}
     assert cached["encoder_hidden_states"].shape == (2, 128, 13 * 16)
     with torch.no_grad():
-        encoded = flow.loss(built, built.trainable, flow.encode_batch(built, batch), 0, 1)
-        from_cache = flow.loss(built, built.trainable, flow.encode_batch(built, cached), 0, 1)
+        encoded = built.loss(built.trainable, built.encode_batch(batch), 0, 1)
+        from_cache = built.loss(built.trainable, built.encode_batch(cached), 0, 1)
     assert from_cache.item() == encoded.item()
 
 
@@ -140,10 +138,10 @@ def test_sample_and_export_reload_with_ideogram4_pipeline(built, tmp_path):
     Ideogram4Pipeline with the trained weights and the source's unconditional transformer, and renders."""
     from diffusers import Ideogram4Pipeline
 
-    images = flow.sample(built, built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=3.0), 32)
+    images = built.sample(built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=3.0), 32)
     assert [image.size for image in images] == [(32, 32)] and built.trainable.training
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
-    reloaded = Ideogram4Pipeline.from_pretrained(flow.export(built, state, tmp_path / "export"))
+    reloaded = Ideogram4Pipeline.from_pretrained(built.export(state, tmp_path / "export"))
     name = next(iter(state))
     assert torch.equal(reloaded.transformer.state_dict()[name], state[name])
     source = Ideogram4Pipeline.from_pretrained(built.folder)
@@ -171,14 +169,14 @@ def test_lora_export_loads_with_load_lora_weights_and_changes_the_image(tmp_path
 
     spec = FlowModelSpec(family="flow", pretrained=NAME, train="lora")
     model = build_model(spec, CACHE_DIR, "cpu")
-    apply_train_mode(model.trainable, spec, seed=0, family=flow.FAMILY)
+    apply_train_mode(model, spec, seed=0)
     with torch.no_grad():
         for name, param in model.trainable.named_parameters():
             if ".lora_B." in name:  # B starts at zero: "train" it
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.2)
-    encoded = flow.encode_batch(model, shape_batch([1]))
+    encoded = model.encode_batch(shape_batch([1]))
     state = {k: v.detach().clone() for k, v in model.trainable.state_dict().items()}
-    out = export_lora(flow.FAMILY, model, state, tmp_path / "lora", spec)
+    out = export_lora(model, state, tmp_path / "lora", spec)
     pipe = Ideogram4Pipeline.from_pretrained(model.folder)
     pipe.set_progress_bar_config(disable=True)
     call = dict(
@@ -194,7 +192,7 @@ def test_lora_export_loads_with_load_lora_weights_and_changes_the_image(tmp_path
     with torch.no_grad():
         base_image = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]
         pipe.load_lora_weights(out)
-        trained, loaded = (flow.loss(model, module, encoded, 0, 1) for module in (model.trainable, pipe.transformer))
+        trained, loaded = (model.loss(module, encoded, 0, 1) for module in (model.trainable, pipe.transformer))
         lora_image = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]
     assert loaded.item() == pytest.approx(trained.item(), rel=1e-6)
     assert abs(lora_image - base_image).max() > 1e-3
@@ -216,14 +214,14 @@ def test_folder_whose_parts_do_not_fit_is_refused(tmp_path):
 
 
 def test_caption_longer_than_max_sequence_length_is_refused_naming_it(built):
-    short = replace(built, max_sequence_length=24)
+    short = with_attributes(built, max_sequence_length=24)
     with pytest.raises(FamilyError, match=r"the caption 'a red circle' is \d+ tokens .* model.max_sequence_length 24"):
-        flow.cache_text_tensors(short, ["a red circle"])
+        short.encode_text(["a red circle"])
 
 
 def test_model_shift_is_refused_by_validate_and_at_build(tmp_path):
     """Ideogram 4 draws sigma off the scheduler tables, so model.shift would be silently ignored: refused instead."""
-    from dstune.families.flow_facts import FACTS
+    from dstune.families import get_facts
     from dstune.spec.load import load_spec
 
     spec_path = tmp_path / "spec.yaml"
@@ -233,7 +231,7 @@ def test_model_shift_is_refused_by_validate_and_at_build(tmp_path):
         "train: {micro_batch_size: 1, max_steps: 1}\n"
         f"output: {{dir: '{tmp_path / 'run'}'}}\n"
     )
-    issues = FACTS.spec_issues(load_spec(spec_path)[0])
+    issues = get_facts("flow").spec_issues(load_spec(spec_path)[0])
     assert [key for key, _ in issues] == ["model.shift"] and "draws sigma itself" in issues[0][1]
     with pytest.raises(FamilyError, match="model.shift"):
         build_model(FlowModelSpec(family="flow", pretrained=NAME, shift=3.0), CACHE_DIR, "cpu")

@@ -1,4 +1,4 @@
-"""Krea 2 in the flow family (recipe dstune.models.krea2.recipe) on builtin:tiny-krea2's real components.
+"""Krea 2 (its card and class, dstune.models.krea2) on builtin:tiny-krea2's real components.
 
 The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_krea2.py
 with diffusers' own pieces: the captions through the text-encoding Krea2Pipeline the example makes with
@@ -11,23 +11,23 @@ posterior draw, the noise and u are dstune's per-sample draws, taken by both sid
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.families import flow
+from dstune.families import card_of, load_model
 from dstune.families.base import FamilyError
+from dstune.families.flow_matching import timestep_density
 from dstune.families.randomness import per_sample_randn
+from dstune.models.krea2.card import KREA2_CARD
+from dstune.models.krea2.model import Krea2
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec, SampleSpec
+from loaded_models import CACHE_DIR, with_settings
 from tiny_batches import shape_batch
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 SEED, STEP, INDICES = 5, 2, [1, 8, 13]
 CASES = {  # (dstune settings, the example's flags): its defaults (uniform u: --weighting_scheme none), then others
     "script-defaults": (dict(timestep_sampling="uniform"), dict(weighting_scheme="none")),
@@ -44,7 +44,8 @@ def test_raw_and_turbo_builtins_are_krea2_folders_that_differ_only_where_the_che
     from diffusers import Krea2Pipeline
 
     raw, turbo = (tiny.ensure_builtin_model(name, CACHE_DIR) for name in ("tiny-krea2", "tiny-krea2-turbo"))
-    assert flow.detect_kind(raw) == flow.detect_kind(turbo) == "krea2" and built.kind == "krea2"
+    assert card_of("flow", raw) is card_of("flow", turbo) is KREA2_CARD and built.card is KREA2_CARD
+    assert type(built) is Krea2
     assert built.max_sequence_length == 512  # the example's --max_sequence_length default
     raw_pipeline, turbo_pipeline = Krea2Pipeline.from_pretrained(raw), Krea2Pipeline.from_pretrained(turbo)
     assert (raw_pipeline.config.is_distilled, turbo_pipeline.config.is_distilled) == (False, True)
@@ -64,7 +65,13 @@ def test_a_folder_whose_taps_do_not_fit_the_transformer_is_refused(tmp_path):
     index["text_encoder_select_layers"] = [1, 2, 3]
     (folder / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(FamilyError, match=r"num_text_layers 2 != 3"):
-        flow.build(FlowModelSpec(family="flow", pretrained=str(folder)), {"pretrained": folder}, "cpu")
+        load_model(
+            card_of("flow", folder),
+            FlowModelSpec(family="flow", pretrained=str(folder)),
+            {"pretrained": folder},
+            "cpu",
+            torch.float32,
+        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -124,35 +131,34 @@ def _script_loss(built, encoded: dict, captions: list[str], flags: dict, u: torc
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_krea2_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModelSpec(family="flow", pretrained="builtin:tiny-krea2", **settings))
+    model = with_settings(built, **settings)
     batch = shape_batch(INDICES)
-    encoded = flow.encode_batch(model, batch)
-    u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
+    encoded = model.encode_batch(batch)
+    u = timestep_density(model.model_spec, SEED, STEP, INDICES)
     with torch.no_grad():
-        ours = flow.loss(model, model.trainable, encoded, SEED, STEP)
+        ours = model.loss(model.trainable, encoded, SEED, STEP)
     reference = _script_loss(model, encoded, batch["caption"], flags, u)
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
 
 
 def test_cached_text_has_one_shape_per_caption_and_trains_like_encoded_text(built):
-    tensors = flow.cache_text_tensors(built, ["a", "a much longer caption about a red circle"])
+    tensors = built.encode_text(["a", "a much longer caption about a red circle"])
     embeds, mask = tensors["encoder_hidden_states"], tensors["encoder_attention_mask"]
-    tokens = built.recipe.text.tokens(built)
+    tokens = built.text_tokens()
     assert embeds.shape[:3] == (2, tokens, 2) and mask.shape == (2, tokens)
     assert mask[0].sum() < mask[1].sum()
     batch = shape_batch([4, 7])
-    cached = {**batch, **flow.cache_text_tensors(built, batch["caption"])}
+    cached = {**batch, **built.encode_text(batch["caption"])}
     with torch.no_grad():
-        encoded = flow.loss(built, built.trainable, flow.encode_batch(built, batch), 0, 1)
-        from_cache = flow.loss(built, built.trainable, flow.encode_batch(built, cached), 0, 1)
+        encoded = built.loss(built.trainable, built.encode_batch(batch), 0, 1)
+        from_cache = built.loss(built.trainable, built.encode_batch(cached), 0, 1)
     assert from_cache.item() == encoded.item()
 
 
 def test_sample_and_export_reload_with_krea2_pipeline(built, tmp_path):
     from diffusers import Krea2Pipeline
 
-    images = flow.sample(
-        built,
+    images = built.sample(
         built.trainable,
         ["a red circle", "a blue square"],
         SampleSpec(prompts=["x"], steps=2, guidance=4.5, seed=1),
@@ -160,7 +166,7 @@ def test_sample_and_export_reload_with_krea2_pipeline(built, tmp_path):
     )
     assert [image.size for image in images] == [(32, 32), (32, 32)]
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
-    reloaded = Krea2Pipeline.from_pretrained(flow.export(built, state, tmp_path / "export"))
+    reloaded = Krea2Pipeline.from_pretrained(built.export(state, tmp_path / "export"))
     assert reloaded.text_encoder_select_layers == (1, 3)
     assert torch.equal(reloaded.transformer.state_dict()["img_in.weight"], state["img_in.weight"])
     rendered = reloaded(prompt="a red circle", height=32, width=32, num_inference_steps=2).images

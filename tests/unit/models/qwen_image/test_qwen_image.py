@@ -1,4 +1,4 @@
-"""Qwen-Image in the flow family (recipe dstune.models.qwen_image.recipe) on builtin:tiny-qwen-image's real components.
+"""Qwen-Image (its card and class, dstune.models.qwen_image) on builtin:tiny-qwen-image's real components.
 
 The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_qwen_image.py
 with diffusers' own pieces: each caption encoded alone by QwenImagePipeline.encode_prompt and the batch padded to
@@ -10,22 +10,20 @@ ones, taken by both sides.
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-from pathlib import Path
-
 import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.families import flow
+from dstune.families import card_of
+from dstune.families.flow_matching import timestep_density
 from dstune.families.randomness import per_sample_randn
+from dstune.models.qwen_image.card import QWEN_IMAGE_CARD
+from dstune.models.qwen_image.model import QwenImage
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec, SampleSpec
+from loaded_models import CACHE_DIR, with_settings
 from tiny_batches import shape_batch
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 SEED, STEP, INDICES = 3, 4, [5, 0, 9]
 # (dstune settings, the script's flags): the script's defaults (uniform u: --weighting_scheme none), then others
 CASES = {
@@ -48,7 +46,8 @@ def test_builtin_is_a_qwen_image_pipeline_folder(built):
     from diffusers import QwenImagePipeline
 
     folder = tiny.ensure_builtin_model("tiny-qwen-image", CACHE_DIR)
-    assert flow.detect_kind(folder) == "qwen_image" and built.kind == "qwen_image"
+    assert card_of("flow", folder) is QWEN_IMAGE_CARD and built.card is QWEN_IMAGE_CARD
+    assert type(built) is QwenImage
     pipeline = QwenImagePipeline.from_pretrained(folder)
     assert type(pipeline.vae).__name__ == "AutoencoderKLQwenImage" and pipeline.vae.config.z_dim == 16
     assert built.max_sequence_length == 512  # the script's --max_sequence_length default
@@ -56,7 +55,7 @@ def test_builtin_is_a_qwen_image_pipeline_folder(built):
 
 def _script_text(built, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each caption alone through encode_prompt, then padded to the batch's longest (the script's cache path)."""
-    pipeline = flow.pipeline_of(built)
+    pipeline = built.pipeline()
     pairs = [pipeline.encode_prompt([caption], device="cpu", max_sequence_length=512) for caption in captions]
     longest = max(embeds.shape[1] for embeds, _ in pairs)
     embeds = torch.cat([torch.cat([e, e.new_zeros(1, longest - e.shape[1], e.shape[2])], 1) for e, _ in pairs])
@@ -103,35 +102,34 @@ def _script_loss(built, encoded: dict, captions: list[str], flags: dict, u: torc
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_qwen_image_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModelSpec(family="flow", pretrained="builtin:tiny-qwen-image", **settings))
+    model = with_settings(built, **settings)
     batch = _batch()
-    encoded = flow.encode_batch(model, batch)
-    u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
+    encoded = model.encode_batch(batch)
+    u = timestep_density(model.model_spec, SEED, STEP, INDICES)
     with torch.no_grad():
-        ours = flow.loss(model, model.trainable, encoded, SEED, STEP)
+        ours = model.loss(model.trainable, encoded, SEED, STEP)
     reference = _script_loss(model, encoded, batch["caption"], flags, u)
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
 
 
 def test_text_tensors_have_one_shape_per_caption_and_train_like_encoded_ones(built):
     """Cached per caption (padded to max_sequence_length with a mask), the text trains to the same loss."""
-    tensors = flow.cache_text_tensors(built, ["a", "a much longer caption about a red circle"])
+    tensors = built.encode_text(["a", "a much longer caption about a red circle"])
     assert set(tensors) == {"encoder_hidden_states", "encoder_attention_mask"}
     assert tensors["encoder_hidden_states"].shape[:2] == tensors["encoder_attention_mask"].shape == (2, 512)
     assert tensors["encoder_attention_mask"][0].sum() < tensors["encoder_attention_mask"][1].sum()
     batch = _batch([4, 7])
-    cached = {**batch, **flow.cache_text_tensors(built, batch["caption"])}
+    cached = {**batch, **built.encode_text(batch["caption"])}
     with torch.no_grad():
-        encoded = flow.loss(built, built.trainable, flow.encode_batch(built, batch), 0, 1)
-        from_cache = flow.loss(built, built.trainable, flow.encode_batch(built, cached), 0, 1)
+        encoded = built.loss(built.trainable, built.encode_batch(batch), 0, 1)
+        from_cache = built.loss(built.trainable, built.encode_batch(cached), 0, 1)
     assert from_cache.item() == encoded.item()
 
 
 def test_sample_and_export_reload_with_qwen_image_pipeline(built, tmp_path):
     from diffusers import QwenImagePipeline
 
-    images = flow.sample(
-        built,
+    images = built.sample(
         built.trainable,
         ["a red circle", "a blue square"],
         SampleSpec(prompts=["x"], steps=2, guidance=4.0, seed=1),
@@ -139,7 +137,7 @@ def test_sample_and_export_reload_with_qwen_image_pipeline(built, tmp_path):
     )
     assert [image.size for image in images] == [(32, 32), (32, 32)]
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
-    folder = flow.export(built, state, tmp_path / "export")
+    folder = built.export(state, tmp_path / "export")
     reloaded = QwenImagePipeline.from_pretrained(folder)
     assert torch.equal(reloaded.transformer.state_dict()["proj_out.weight"], state["proj_out.weight"])
     rendered = reloaded(prompt="a red circle", height=32, width=32, num_inference_steps=2, true_cfg_scale=1.0).images

@@ -1,5 +1,5 @@
-"""Qwen-Image-Edit in the flow family (recipe dstune.models.qwen_image.edit_recipe) on builtin:tiny-qwen-image-edit's real
-components.
+"""Qwen-Image-Edit (its card QWEN_IMAGE_EDIT_CARD and class QwenImageEdit, dstune.models.qwen_image) on
+builtin:tiny-qwen-image-edit's real components.
 
 diffusers has no Qwen-Image-Edit training example, so the reference is the pipeline's own conditioning plus the loss
 lines of examples/dreambooth/train_dreambooth_lora_qwen_image.py: QwenImageEditPipeline.encode_prompt with the
@@ -12,25 +12,22 @@ unpacked with _unpack_latents, then the Qwen-Image script's noise, sigma tables,
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-from pathlib import Path
-
 import pytest
 import torch
 
 from dstune import builtin as tiny
 from dstune.builtin.common import to_tensor
 from dstune.data.synthetic import render_shape
-from dstune.families import flow
+from dstune.families import card_of
 from dstune.families.base import FamilyError
+from dstune.families.flow_matching import timestep_density
 from dstune.families.randomness import per_sample_randn
-from dstune.models.qwen_image.edit_recipe import control_images, load_processor
+from dstune.models.qwen_image.card import QWEN_IMAGE_EDIT_CARD
+from dstune.models.qwen_image.model import QwenImageEdit, control_images, load_processor
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec, SampleSpec
+from loaded_models import CACHE_DIR, with_settings
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 MODEL = "builtin:tiny-qwen-image-edit"
 SEED, STEP, INDICES = 3, 4, [5, 0, 9]
 SIDE = 64  # 8 px per latent: 8x8 latents, 16 target tokens
@@ -75,13 +72,15 @@ def test_builtin_is_a_qwen_image_edit_pipeline_folder(built):
     from diffusers import QwenImageEditPipeline
 
     folder = tiny.ensure_builtin_model("tiny-qwen-image-edit", CACHE_DIR)
-    assert flow.detect_kind(folder) == "qwen_image_edit" and built.kind == "qwen_image_edit"
+    assert card_of("flow", folder) is QWEN_IMAGE_EDIT_CARD and built.card is QWEN_IMAGE_EDIT_CARD
+    assert type(built) is QwenImageEdit
     pipeline = QwenImageEditPipeline.from_pretrained(folder, processor=load_processor(folder))
     assert pipeline.vae_scale_factor == 8 and pipeline.processor.image_processor.merge_size == 2
     # the image-only processor is only a stand-in for the folder's Qwen2VLProcessor where torchvision is missing
     assert (folder / "processor" / "processor_config.json").read_text().count('"Qwen2VLProcessor"') == 1
-    assert "(caption, image) pair" in flow.text_cache_refusal(folder)
-    assert flow.text_cache_refusal(tiny.ensure_builtin_model("tiny-qwen-image", CACHE_DIR)) is None
+    assert "(caption, image) pair" in card_of("flow", folder).text_cache_refusal(folder)
+    plain = tiny.ensure_builtin_model("tiny-qwen-image", CACHE_DIR)
+    assert card_of("flow", plain).text_cache_refusal(plain) is None
 
 
 def _reference_loss(built, batch: dict, flags: dict, u: torch.Tensor) -> torch.Tensor:
@@ -131,12 +130,12 @@ def _reference_loss(built, batch: dict, flags: dict, u: torch.Tensor) -> torch.T
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_edit_pipelines_conditioning_with_the_qwen_image_script_loss(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModelSpec(family="flow", pretrained=MODEL, **settings))
+    model = with_settings(built, **settings)
     batch = _batch()
-    encoded = flow.encode_batch(model, batch)
-    u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
+    encoded = model.encode_batch(batch)
+    u = timestep_density(model.model_spec, SEED, STEP, INDICES)
     with torch.no_grad():
-        ours = flow.loss(model, model.trainable, encoded, SEED, STEP)
+        ours = model.loss(model.trainable, encoded, SEED, STEP)
     reference = _reference_loss(model, batch, flags, u)
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
 
@@ -144,11 +143,9 @@ def test_loss_equals_the_edit_pipelines_conditioning_with_the_qwen_image_script_
 def test_the_source_image_conditions_the_loss_and_cached_source_latents_train_alike(built):
     batch = _batch([4, 7])
     other = {**batch, "control_values": _batch([8, 2])["control_values"]}
-    cached = {**batch, "control_latent_mean": flow.encode_batch(built, batch)["control_latent"]}
+    cached = {**batch, "control_latent_mean": built.encode_batch(batch)["control_latent"]}
     with torch.no_grad():
-        losses = [
-            flow.loss(built, built.trainable, flow.encode_batch(built, b), 0, 1).item() for b in (batch, other, cached)
-        ]
+        losses = [built.loss(built.trainable, built.encode_batch(b), 0, 1).item() for b in (batch, other, cached)]
     assert losses[0] != losses[1] and losses[2] == losses[0]
 
 
@@ -156,9 +153,9 @@ def test_a_batch_without_sources_is_refused_with_the_fix(built):
     batch = _batch([1])
     del batch["control_values"]
     with pytest.raises(ValueError, match="data.control_dir"):
-        flow.encode_batch(built, batch)
+        built.encode_batch(batch)
     with pytest.raises(FamilyError, match="sample.control_images"):
-        flow.sample(built, built.trainable, ["x"], SampleSpec(prompts=["x"], steps=1), SIDE)
+        built.sample(built.trainable, ["x"], SampleSpec(prompts=["x"], steps=1), SIDE)
 
 
 def test_samples_edit_their_source_images(built, tmp_path):
@@ -167,7 +164,7 @@ def test_samples_edit_their_source_images(built, tmp_path):
         sources.append(str(tmp_path / f"{number}.png"))
         render_shape(number, SIDE)[0].save(sources[-1])
     spec = SampleSpec(prompts=["make it red", "make it red"], control_images=sources, steps=2, guidance=1.0, seed=1)
-    images = flow.sample(built, built.trainable, spec.prompts, spec, SIDE)
+    images = built.sample(built.trainable, spec.prompts, spec, SIDE)
     assert [image.size for image in images] == [(SIDE, SIDE)] * 2
     assert images[0].tobytes() != images[1].tobytes()  # same prompt, other source (and noise)
 
@@ -217,4 +214,4 @@ def test_a_qwen_transformer_in_another_pipeline_is_refused_not_trained_as_text_t
         match="QwenImageEditPlusPipeline around a QwenImageTransformer2DModel is not "
         "supported.*QwenImagePipeline, QwenImageEditPipeline",
     ):
-        flow.detect_kind(copy)
+        card_of("flow", copy)

@@ -1,5 +1,4 @@
-"""Qwen-Image 2.1 in the flow family (recipe dstune.models.qwen_image_21.recipe) on builtin:tiny-qwen-image-21's real
-components.
+"""Qwen-Image 2.1 (its card and class, dstune.models.qwen_image_21) on builtin:tiny-qwen-image-21's real components.
 
 The loss-parity test re-computes the loss lines of diffusers' examples/dreambooth/train_dreambooth_lora_qwenimage21.py
 with diffusers' own pieces: the images as RGBA through AutoencoderKLQwenImage21 (a posterior sample), (x -
@@ -12,24 +11,20 @@ dstune's per-sample draws (the posterior's noise, the noise, each sample's u gen
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-from pathlib import Path
-
 import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.families import flow
+from dstune.families import card_of, get_facts
 from dstune.families.base import FamilyError
-from dstune.models.qwen_image_21.model import load_processor, pipeline_from_parts
 from dstune.families.randomness import per_sample_randn, sample_generator
+from dstune.models.qwen_image_21.card import QWEN_IMAGE_21_CARD
+from dstune.models.qwen_image_21.model import QwenImage21, load_processor, pipeline_from_parts
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec, SampleSpec
+from loaded_models import CACHE_DIR, with_attributes, with_settings
 from tiny_batches import shape_batch
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 SEED, STEP, INDICES = 5, 3, [4, 11, 2]
 SIDE = 64  # 4x4 latents of the 16x VAE: four image slots
 NAME = "builtin:tiny-qwen-image-21"
@@ -57,7 +52,8 @@ def built():
 
 def test_builtin_is_a_qwen_image_21_pipeline_folder(built):
     folder = tiny.ensure_builtin_model("tiny-qwen-image-21", CACHE_DIR)
-    assert flow.detect_kind(folder) == "qwen_image_21" and built.kind == "qwen_image_21"
+    assert card_of("flow", folder) is QWEN_IMAGE_21_CARD and built.card is QWEN_IMAGE_21_CARD
+    assert type(built) is QwenImage21
     assert type(built.text_encoders["text_encoder"]).__name__ == "Qwen3VLForConditionalGeneration"
     assert built.max_sequence_length == 128  # 512, capped by the tiny tokenizer's model_max_length
 
@@ -101,9 +97,7 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict) 
     sigmas = scheduler.sigmas[step_indices].flatten().view(batch, 1, 1, 1, 1)
     noisy_model_input = (1.0 - sigmas) * model_input + sigmas * noise
     with torch.no_grad():
-        prompt_embeds, prompt_embeds_mask, _ = flow.pipeline_of(built).encode_prompt(
-            prompt=list(captions), device="cpu"
-        )
+        prompt_embeds, prompt_embeds_mask, _ = built.pipeline().encode_prompt(prompt=list(captions), device="cpu")
     height, width = model_input.shape[3], model_input.shape[4]
     packed = QwenImage21Pipeline._pack_latents(
         noisy_model_input, batch_size=batch, num_channels_latents=z, height=height, width=width
@@ -137,10 +131,10 @@ def _script_loss(built, pixels: torch.Tensor, captions: list[str], flags: dict) 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_qwen_image_21_script(built, case):
     settings, flags = CASES[case]
-    model = replace(built, settings=FlowModelSpec(family="flow", pretrained=NAME, **settings))
+    model = with_settings(built, **settings)
     batch = shape_batch(INDICES, SIDE)
     with torch.no_grad():
-        ours = flow.loss(model, model.trainable, flow.encode_batch(model, batch), SEED, STEP)
+        ours = model.loss(model.trainable, model.encode_batch(batch), SEED, STEP)
     reference = _script_loss(model, batch["pixel_values"], batch["caption"], flags)
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
 
@@ -148,23 +142,21 @@ def test_loss_equals_the_diffusers_qwen_image_21_script(built, case):
 def test_cached_text_trains_like_encoded_text(built):
     """Captions cached at max_sequence_length train exactly as the batch's own encoding (cut to its longest)."""
     batch = shape_batch([4, 7], SIDE)
-    cached = {**batch, **flow.cache_text_tensors(built, batch["caption"])}
+    cached = {**batch, **built.encode_text(batch["caption"])}
     assert cached["encoder_hidden_states"].shape == (2, 128, 16)
     with torch.no_grad():
-        encoded = flow.loss(built, built.trainable, flow.encode_batch(built, batch), 0, 1)
-        from_cache = flow.loss(built, built.trainable, flow.encode_batch(built, cached), 0, 1)
+        encoded = built.loss(built.trainable, built.encode_batch(batch), 0, 1)
+        from_cache = built.loss(built.trainable, built.encode_batch(cached), 0, 1)
     assert from_cache.item() == pytest.approx(encoded.item(), rel=1e-6)
 
 
 def test_sample_and_export_reload_with_qwen_image_21_pipeline(built, tmp_path):
     """Samples render at 64 px (RGBA, as the pipeline returns them); the export loads in QwenImage21Pipeline with
     the trained weights and renders."""
-    images = flow.sample(
-        built, built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=1.0), SIDE
-    )
+    images = built.sample(built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=1.0), SIDE)
     assert [image.size for image in images] == [(SIDE, SIDE)] and built.trainable.training
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
-    export = flow.export(built, state, tmp_path / "export")
+    export = built.export(state, tmp_path / "export")
     reloaded = pipeline_from_parts(export)
     name = next(iter(state))
     assert torch.equal(reloaded.transformer.state_dict()[name], state[name])
@@ -179,29 +171,29 @@ def test_lora_export_loads_with_load_lora_weights_and_changes_the_image(tmp_path
 
     spec = FlowModelSpec(family="flow", pretrained=NAME, train="lora")
     model = build_model(spec, CACHE_DIR, "cpu")
-    apply_train_mode(model.trainable, spec, seed=0, family=flow.FAMILY)
+    apply_train_mode(model, spec, seed=0)
     with torch.no_grad():
         for name, param in model.trainable.named_parameters():
             if ".lora_B." in name:  # B starts at zero: "train" it
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.2)
-    encoded = flow.encode_batch(model, shape_batch([1], SIDE))
+    encoded = model.encode_batch(shape_batch([1], SIDE))
     state = {k: v.detach().clone() for k, v in model.trainable.state_dict().items()}
-    out = export_lora(flow.FAMILY, model, state, tmp_path / "lora", spec)
+    out = export_lora(model, state, tmp_path / "lora", spec)
     pipe = pipeline_from_parts(model.folder)
     call = dict(prompt="a red circle", height=SIDE, width=SIDE, num_inference_steps=2, output_type="np")
     with torch.no_grad():
         base_image = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]
         pipe.load_lora_weights(out)
-        trained, loaded = (flow.loss(model, module, encoded, 0, 1) for module in (model.trainable, pipe.transformer))
+        trained, loaded = (model.loss(module, encoded, 0, 1) for module in (model.trainable, pipe.transformer))
         lora_image = pipe(**call, generator=torch.Generator().manual_seed(0)).images[0]
     assert loaded.item() == pytest.approx(trained.item(), rel=1e-6)
     assert abs(lora_image - base_image).max() > 1e-3
 
 
 def test_caption_longer_than_max_sequence_length_is_refused_naming_it(built):
-    short = replace(built, max_sequence_length=12)
+    short = with_attributes(built, max_sequence_length=12)
     with pytest.raises(FamilyError, match=r"the caption 'a red circle' is \d+ tokens .* model.max_sequence_length 12"):
-        flow.cache_text_tensors(short, ["a red circle"])
+        short.encode_text(["a red circle"])
 
 
 def test_turbo_folder_samples_on_its_own_sigmas(built, tmp_path):
@@ -216,11 +208,11 @@ def test_turbo_folder_samples_on_its_own_sigmas(built, tmp_path):
     index["sample_sigmas"] = [1.0, 0.6]
     (folder / "model_index.json").write_text(json.dumps(index))
     turbo = build_model(FlowModelSpec(family="flow", pretrained=str(folder)), CACHE_DIR, "cpu")
-    assert flow.pipeline_of(turbo).config.sample_sigmas == [1.0, 0.6]
-    images = flow.sample(turbo, turbo.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2), SIDE)
+    assert turbo.pipeline().config.sample_sigmas == [1.0, 0.6]
+    images = turbo.sample(turbo.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2), SIDE)
     assert [image.size for image in images] == [(SIDE, SIDE)]
     with pytest.raises(FamilyError, match=r"sample.steps 5: .* own 2 sigmas .* set sample.steps: 2"):
-        flow.sample(turbo, turbo.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=5), SIDE)
+        turbo.sample(turbo.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=5), SIDE)
 
 
 def test_turbo_sample_steps_of_another_length_are_refused_by_validate(built, tmp_path):
@@ -228,7 +220,6 @@ def test_turbo_sample_steps_of_another_length_are_refused_by_validate(built, tmp
     import json
     import shutil
 
-    from dstune.families.flow_facts import FACTS
     from dstune.spec.load import load_spec
 
     folder = tmp_path / "turbo"
@@ -243,7 +234,7 @@ def test_turbo_sample_steps_of_another_length_are_refused_by_validate(built, tmp
         "sample: {prompts: ['a red circle'], steps: 30}\n"
         f"output: {{dir: '{tmp_path / 'run'}'}}\n"
     )
-    issues = FACTS.spec_issues(load_spec(spec_path)[0])
+    issues = get_facts("flow").spec_issues(load_spec(spec_path)[0])
     assert [key for key, _ in issues] == ["sample.steps"] and "set sample.steps: 4" in issues[0][1]
 
 
@@ -288,7 +279,6 @@ def test_a_real_processor_that_cannot_load_is_refused_naming_torchvision(built, 
 )
 def test_sides_off_the_32_px_grid_are_refused_by_validate(tmp_path, data, key):
     """16 px latents in 2x2 slots: validate names the setting instead of the first batch failing on every rank."""
-    from dstune.families.flow_facts import FACTS
     from dstune.spec.load import load_spec
 
     spec_path = tmp_path / "spec.yaml"
@@ -298,5 +288,5 @@ def test_sides_off_the_32_px_grid_are_refused_by_validate(tmp_path, data, key):
         "train: {micro_batch_size: 1, max_steps: 1}\n"
         f"output: {{dir: '{tmp_path / 'run'}'}}\n"
     )
-    issues = FACTS.spec_issues(load_spec(spec_path)[0])
+    issues = get_facts("flow").spec_issues(load_spec(spec_path)[0])
     assert [k for k, _ in issues] == [key] and "multiples of 32 px" in issues[0][1]

@@ -1,4 +1,4 @@
-"""The flow family's loss equals the loss of diffusers' training examples on the same tiny model, batch and draws.
+"""SD3's and Flux.1's loss (dstune.models.sd3_flux) equals the loss of diffusers' training examples on the same tiny model, batch and draws.
 
 The reference re-computes the loss lines of examples/dreambooth/train_dreambooth_sd3.py and
 train_dreambooth_flux.py (diffusers 0.42) with diffusers' own pieces: the scheduler copy's timestep table indexed by
@@ -11,21 +11,17 @@ agree to float32 rounding.
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-from pathlib import Path
-
 import pytest
 import torch
 
-from dstune.families import flow
+from dstune.families.flow_matching import timestep_density
 from dstune.families.randomness import per_sample_randn
+from dstune.models.sd3_flux.card import SD3_CARD
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec
+from loaded_models import CACHE_DIR, with_settings
 from tiny_batches import shape_batch
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 NAMES = {"sd3": "tiny-flow", "flux": "tiny-flux"}
 SEED, STEP, INDICES = 7, 5, [3, 11, 2]
 
@@ -99,7 +95,7 @@ def _script_loss(built, encoded: dict, flags: dict, u: torch.Tensor) -> torch.Te
     noisy = (1.0 - sigmas) * model_input + sigmas * noise
     embeds, pooled = encoded["encoder_hidden_states"], encoded["pooled_projections"]
     with torch.no_grad():
-        if built.kind == "sd3":
+        if built.card is SD3_CARD:
             model_pred = built.trainable(
                 hidden_states=noisy,
                 timestep=timesteps,
@@ -139,31 +135,10 @@ def _script_loss(built, encoded: dict, flags: dict, u: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_diffusers_script(built, case):
     kind, settings, flags = CASES[case]
-    model = replace(built[kind], settings=FlowModelSpec(family="flow", pretrained=f"builtin:{NAMES[kind]}", **settings))
-    encoded = flow.encode_batch(model, _batch())
-    u = flow.timestep_density(model.settings, SEED, STEP, INDICES)
+    model = with_settings(built[kind], **settings)
+    encoded = model.encode_batch(_batch())
+    u = timestep_density(model.model_spec, SEED, STEP, INDICES)
     with torch.no_grad():
-        ours = flow.loss(model, model.trainable, encoded, SEED, STEP)
+        ours = model.loss(model.trainable, encoded, SEED, STEP)
     reference = _script_loss(model, encoded, flags, u)
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
-
-
-def test_preconditioning_weights_the_velocity_error_by_sigma_squared(built):
-    """precondition_outputs is not a rescaling of the whole loss: per sample it is sigma^2 x the velocity loss."""
-    from dstune.families.flow_matching import flow_loss_per_sample
-
-    torch.manual_seed(0)
-    latents, noise, prediction = (torch.randn(3, 4, 2, 2) for _ in range(3))
-    sigmas = torch.tensor([0.05, 0.5, 0.95]).view(-1, 1, 1, 1)
-    noisy = (1 - sigmas) * latents + sigmas * noise
-    ones = torch.ones_like(sigmas)
-    velocity = flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, ones, False)
-    x0 = flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, ones, True)
-    assert torch.allclose(x0, sigmas.flatten() ** 2 * velocity, rtol=1e-5)
-
-
-def test_sigma_sqrt_without_preconditioning_is_refused_with_the_numbers():
-    with pytest.raises(ValueError) as refused:
-        FlowModelSpec(family="flow", timestep_sampling="uniform", loss_weighting="sigma_sqrt")
-    assert "about 186" in str(refused.value) and "precondition_outputs: true" in str(refused.value)
-    FlowModelSpec(family="flow", timestep_sampling="uniform", loss_weighting="sigma_sqrt", precondition_outputs=True)

@@ -1,19 +1,28 @@
-"""Wan 2.1 text-to-video (model.family wan) on builtin:tiny-wan's real components and builtin:moving-shapes."""
+"""Wan 2.1 text-to-video (its card and class, dstune.models.wan; model.family video) on builtin:tiny-wan's real
+components and builtin:moving-shapes."""
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
+import shutil
 
 import numpy as np
+import pytest
 import torch
 
 from dstune import builtin as tiny
+from dstune.data.synthetic import moving_shape
+from dstune.families import card_of, load_model
+from dstune.families.flow_model import noisy_at, normalised_latents
+from dstune.families.randomness import per_sample_randn
 from dstune.memory.counts import STORE
-
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+from dstune.models.wan.card import WAN_CARD
+from dstune.models.wan.model import Wan, train_tables
+from dstune.pretrained import build_model
+from dstune.spec.models import SampleSpec, VideoModelSpec
+from dstune.spec.video_models import expert_problems, expert_range_text
+from loaded_models import CACHE_DIR, with_settings
+from tiny_batches import clip_batch
 
 
 def test_builtin_tiny_wan_is_a_wan_pipeline_that_renders_frames():
@@ -39,24 +48,14 @@ def test_builtin_tiny_wan_is_a_wan_pipeline_that_renders_frames():
         assert json.loads((folder / relative).read_text()) == json.loads(config.read_text()), relative
 
 
-# ------------------------------------------------------------------------------------------- family wan
-import pytest  # noqa: E402
-
-from dstune.data.synthetic import moving_shape  # noqa: E402
-from dstune.families import flow_core, video as wan  # noqa: E402
-from dstune.models.wan.recipe import expert_positions, train_tables  # noqa: E402
-from dstune.families.randomness import per_sample_randn  # noqa: E402
-from dstune.pretrained import build_model  # noqa: E402
-from dstune.spec.models import SampleSpec, VideoModelSpec  # noqa: E402
-from dstune.spec.video_models import expert_problems, expert_range_text  # noqa: E402
-from tiny_batches import clip_batch  # noqa: E402
+# ------------------------------------------------------------------------------------------- the Wan class
 
 SEED, STEP, INDICES = 5, 2, [1, 8, 13]
 
 
 @pytest.fixture(scope="module")
 def built():
-    return build_model(VideoModelSpec(family="wan", gradient_checkpointing=True), CACHE_DIR, "cpu")
+    return build_model(VideoModelSpec(family="video", gradient_checkpointing=True), CACHE_DIR, "cpu")
 
 
 def _batch(indices=INDICES, frames=5) -> dict:
@@ -79,7 +78,7 @@ def test_moving_shapes_clips_move_and_their_captions_say_where():
 
 def test_noisy_latent_is_what_the_scheduler_defines(built):
     """x_t at a table position equals FlowMatchEulerDiscreteScheduler(shift=flow_shift).scale_noise on the same
-    latents, timestep and noise, with sigmas shaped for the clip's 5-D latents (the core's noisy_latents)."""
+    latents, timestep and noise, with sigmas shaped for the clip's 5-D latents (the core's noisy_at)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     assert built.scheduler.config.flow_shift == 3.0
@@ -87,7 +86,8 @@ def test_noisy_latent_is_what_the_scheduler_defines(built):
     latents = per_sample_randn((16, 2, 4, 4), SEED, STEP, INDICES, "latents")
     noise = per_sample_randn((16, 2, 4, 4), SEED, STEP, INDICES, "noise")
     positions = torch.tensor([0, 417, 999])
-    timesteps, sigmas, noisy = flow_core.noisy_latents(built, latents, noise, positions)
+    timesteps = built.train_timesteps[positions]
+    sigmas, noisy = noisy_at(latents, noise, built.train_sigmas[positions])
     expected = torch.cat(
         [
             reference.scale_noise(latents[i : i + 1], reference.timesteps[p : p + 1], noise[i : i + 1])
@@ -102,20 +102,18 @@ def test_noisy_latent_is_what_the_scheduler_defines(built):
 
 def test_loss_normalises_latents_with_the_vae_config_and_trains(built):
     batch = _batch()
-    encoded = wan.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     assert encoded["latent_mean"].shape == (3, 16, 2, 4, 4)
     assert encoded["encoder_hidden_states"].shape == (3, built.max_sequence_length, 32)
-    value = wan.loss(built, built.trainable, encoded, SEED, STEP)
+    value = built.loss(built.trainable, encoded, SEED, STEP)
     assert value.ndim == 0 and torch.isfinite(value)
-    assert torch.equal(value, wan.loss(built, built.trainable, encoded, SEED, STEP))  # per-sample draws only
+    assert torch.equal(value, built.loss(built.trainable, encoded, SEED, STEP))  # per-sample draws only
     value.backward()
     grads = [p.grad for p in built.trainable.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     built.trainable.zero_grad(set_to_none=True)
     mean = torch.tensor(built.vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(built.vae.config.latents_std).view(1, -1, 1, 1, 1)
-    from dstune.families.flow_recipe import normalised_latents
-
     assert torch.allclose(
         normalised_latents(built.vae.config, encoded["latent_mean"]), (encoded["latent_mean"] - mean) / std
     )
@@ -128,17 +126,17 @@ def test_latents_of_images_or_of_sides_the_patch_does_not_divide_are_refused_wit
     image = {**cached, "latent_mean": torch.zeros(1, 16, 4, 4), "latent_std": torch.ones(1, 16, 4, 4)}
     with pytest.raises(
         ValueError,
-        match=r"model.family wan trains on clips \(B, 3, frames, H, W\); the batch's latents are "
+        match=r"model.family video trains on clips \(B, 3, frames, H, W\); the batch's latents are "
         r"\(1, 16, 4, 4\)",
     ):
-        wan.encode_batch(built, image)
+        built.encode_batch(image)
     odd = {**cached, "latent_mean": torch.zeros(1, 16, 2, 4, 5), "latent_std": torch.ones(1, 16, 2, 4, 5)}
     with pytest.raises(
         ValueError,
         match=r"takes 2x2 latent patches, so clip heights must be multiples of 16 px and "
         r"widths of 16 px; got 40x32 \(width x height\)\. Change data.resolution",
     ):
-        wan.encode_batch(built, odd)
+        built.encode_batch(odd)
 
 
 def test_samples_are_animated_webp_and_mp4_clips(built, tmp_path):
@@ -149,7 +147,7 @@ def test_samples_are_animated_webp_and_mp4_clips(built, tmp_path):
 
     from dstune.families.samples import save_clip_grid, write_contact_sheet
 
-    clips = wan.sample(built, built.trainable, ["a red circle moving left"], SampleSpec(steps=2), 32)
+    clips = built.sample(built.trainable, ["a red circle moving left"], SampleSpec(steps=2), 32)
     assert len(clips) == 1 and len(clips[0]) == 5 and clips[0][0].size == (32, 32)
     path = save_clip_grid(clips, ["a red circle moving left"], tmp_path / "step-000001.png")
     assert path.name == "step-000001.webp"
@@ -166,22 +164,30 @@ def test_samples_are_animated_webp_and_mp4_clips(built, tmp_path):
     assert '<img src="step-000001.webp"' in page and '<a href="step-000001.mp4">MP4</a>' in page
 
 
+def _load(spec: VideoModelSpec, folder):
+    """The model of a local folder as start-up loads it: its card (by the folder's classes), then the class."""
+    return load_model(card_of("video", folder), spec, {"pretrained": folder}, "cpu", torch.float32)
+
+
+def test_builtin_is_a_wan_pipeline_folder_and_loads_as_wan(built):
+    folder = tiny.ensure_builtin_model("tiny-wan", CACHE_DIR)
+    assert card_of("video", folder) is WAN_CARD and built.card is WAN_CARD and type(built) is Wan
+
+
 def test_folders_of_other_wan_pipelines_are_refused_with_the_reason(tmp_path):
     folder = tiny.ensure_builtin_model("tiny-wan", CACHE_DIR)
     copy = tmp_path / "i2v"
-    import shutil
-
     shutil.copytree(folder, copy)
     index = json.loads((copy / "model_index.json").read_text())
     index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]  # listed, but no folder
     (copy / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="no transformer_2/ subfolder"):
-        wan.build(VideoModelSpec(family="wan", expert="high_noise"), {"pretrained": copy}, "cpu")
+        _load(VideoModelSpec(family="video", expert="high_noise"), copy)
     del index["transformer_2"]
     index["image_encoder"] = ["transformers", "CLIPVisionModel"]  # an image encoder nothing reads
     (copy / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="has an image_encoder but the transformer has no image_dim"):
-        wan.build(VideoModelSpec(family="wan"), {"pretrained": copy}, "cpu")
+        _load(VideoModelSpec(family="video"), copy)
 
 
 # ------------------------------------------------------------------------- two experts (Wan 2.2 A14B layout)
@@ -190,15 +196,15 @@ def test_folders_of_other_wan_pipelines_are_refused_with_the_reason(tmp_path):
 @pytest.fixture(scope="module")
 def low_noise():
     return build_model(
-        VideoModelSpec(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise"), CACHE_DIR, "cpu"
+        VideoModelSpec(family="video", pretrained="builtin:tiny-wan-a14b", expert="low_noise"), CACHE_DIR, "cpu"
     )
 
 
 def test_two_expert_folders_need_model_expert_and_one_expert_folders_refuse_it():
     with pytest.raises(ValueError, match="set model.expert to high_noise .* or low_noise"):
-        build_model(VideoModelSpec(family="wan", pretrained="builtin:tiny-wan-a14b"), CACHE_DIR, "cpu")
+        build_model(VideoModelSpec(family="video", pretrained="builtin:tiny-wan-a14b"), CACHE_DIR, "cpu")
     with pytest.raises(ValueError, match="model.expert high_noise applies to two-expert folders"):
-        build_model(VideoModelSpec(family="wan", expert="high_noise"), CACHE_DIR, "cpu")
+        build_model(VideoModelSpec(family="video", expert="high_noise"), CACHE_DIR, "cpu")
 
 
 def test_an_expert_trains_its_own_component_on_its_own_timesteps(low_noise):
@@ -206,24 +212,22 @@ def test_an_expert_trains_its_own_component_on_its_own_timesteps(low_noise):
     there), high_noise transformer on the rest; the loss only draws positions from the expert's range."""
     from safetensors.torch import load_file
 
-    assert low_noise.trained_name == "transformer_2" and low_noise.model_index["boundary_ratio"] == 0.875
+    assert low_noise.trained_component() == "transformer_2" and low_noise.model_index["boundary_ratio"] == 0.875
     weights = load_file(low_noise.folder / "transformer_2" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(weights[name], p) for name, p in low_noise.trainable.state_dict().items())
     first, count = low_noise.positions
     assert first + count == len(low_noise.train_timesteps) and count > 0
     assert (low_noise.train_timesteps[first:] < 875).all() and (low_noise.train_timesteps[:first] >= 875).all()
-    index = {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}
-    high = VideoModelSpec(family="wan", expert="high_noise")
-    assert expert_positions(low_noise.train_timesteps, high, index, low_noise.scheduler.config) == (0, first)
+    assert with_settings(low_noise, expert="high_noise").training_positions() == (0, first)
     seen = []
-    encoded = wan.encode_batch(low_noise, _batch())
+    encoded = low_noise.encode_batch(_batch())
 
     def forward(**inputs):
         seen.extend(inputs["timestep"].tolist())
         return low_noise.trainable(**inputs)
 
     for step in range(5):
-        wan.loss(low_noise, forward, encoded, SEED, step)
+        low_noise.loss(forward, encoded, SEED, step)
     assert len(seen) == 15 and max(seen) < 875
 
 
@@ -232,15 +236,13 @@ def test_timestep_range_narrows_the_expert_and_must_stay_on_its_side_of_the_boun
     refused naming the boundary and the fix; the low-noise side never includes t == boundary (WanPipeline runs the
     high-noise expert there)."""
     index = {"boundary_ratio": 0.875, "transformer_2": ["diffusers", "WanTransformer3DModel"]}
-    table, config = low_noise.train_timesteps, low_noise.scheduler.config
-    narrow = VideoModelSpec(family="wan", expert="low_noise", timestep_range=(200, 600))
-    first, count = expert_positions(table, narrow, index, config)
+    assert {k: low_noise.model_index[k] for k in index} == index
+    table = low_noise.train_timesteps
+    first, count = with_settings(low_noise, timestep_range=(200, 600)).training_positions()
     picked = table[first : first + count]
     assert count > 0 and picked.min() >= 200 and picked.max() <= 600
     assert ((table >= 200) & (table <= 600)).sum() == count
-    whole = expert_positions(
-        table, VideoModelSpec(family="wan", expert="low_noise", timestep_range=(0, 875)), index, config
-    )
+    whole = with_settings(low_noise, timestep_range=(0, 875)).training_positions()
     assert whole == low_noise.positions  # max == boundary: still only t < 875
     problems = expert_problems(index, "low_noise", (500, 900))
     assert problems and "above the boundary 875" in problems[0] and "lower max to 875" in problems[0]
@@ -249,13 +251,13 @@ def test_timestep_range_narrows_the_expert_and_must_stay_on_its_side_of_the_boun
     with pytest.raises(ValueError, match="timestep_range .* above the boundary 875"):
         build_model(
             VideoModelSpec(
-                family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise", timestep_range=(100, 900)
+                family="video", pretrained="builtin:tiny-wan-a14b", expert="low_noise", timestep_range=(100, 900)
             ),
             CACHE_DIR,
             "cpu",
         )
     with pytest.raises(ValueError, match="0 <= min < max"):
-        VideoModelSpec(family="wan", timestep_range=(600, 200))
+        VideoModelSpec(family="video", timestep_range=(600, 200))
     assert "low_noise (transformer_2) trains timesteps 200 to 600 of 1000" in expert_range_text(
         index, "low_noise", (200, 600)
     )
@@ -269,34 +271,30 @@ def test_low_noise_expert_exports_and_its_lora_loads_into_transformer_2(low_nois
     from dstune.families.lora import apply_train_mode, export_lora
 
     state = {name: value + 0.01 for name, value in low_noise.trainable.state_dict().items()}
-    out = wan.export(low_noise, state, tmp_path / "full")
+    out = low_noise.export(state, tmp_path / "full")
     trained = load_file(out / "transformer_2" / "diffusion_pytorch_model.safetensors")
     kept = load_file(out / "transformer" / "diffusion_pytorch_model.safetensors")
     start = load_file(low_noise.folder / "transformer" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(trained[k], state[k]) for k in state) and all(torch.equal(kept[k], start[k]) for k in start)
 
-    spec = VideoModelSpec(family="wan", pretrained="builtin:tiny-wan-a14b", expert="low_noise", train="lora")
+    spec = VideoModelSpec(family="video", pretrained="builtin:tiny-wan-a14b", expert="low_noise", train="lora")
     model = build_model(spec, CACHE_DIR, "cpu")
-    apply_train_mode(model.trainable, spec, seed=0, family=wan.FAMILY)
+    apply_train_mode(model, spec, seed=0)
     with torch.no_grad():
         for name, param in model.trainable.named_parameters():
             if ".lora_B." in name:  # B starts at zero: "train" it
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
     lora = export_lora(
-        wan.FAMILY,
-        model,
-        {k: v.detach().clone() for k, v in model.trainable.state_dict().items()},
-        tmp_path / "lora",
-        spec,
+        model, {k: v.detach().clone() for k, v in model.trainable.state_dict().items()}, tmp_path / "lora", spec
     )
-    encoded = wan.encode_batch(model, _batch([1]))
+    encoded = model.encode_batch(_batch([1]))
     pipeline = WanPipeline.from_pretrained(model.folder)
     with torch.no_grad():
-        base_loss = wan.loss(model, pipeline.transformer_2, encoded, 0, 1)
+        base_loss = model.loss(pipeline.transformer_2, encoded, 0, 1)
     pipeline.load_lora_weights(lora, load_into_transformer_2=True)
     with torch.no_grad():
         trained_loss, loaded = (
-            wan.loss(model, module, encoded, 0, 1) for module in (model.trainable, pipeline.transformer_2)
+            model.loss(module, encoded, 0, 1) for module in (model.trainable, pipeline.transformer_2)
         )
     assert loaded.item() == pytest.approx(trained_loss.item(), rel=1e-6) and loaded.item() != base_loss.item()
     from diffusers import WanTransformer3DModel
@@ -311,7 +309,7 @@ def test_low_noise_expert_exports_and_its_lora_loads_into_transformer_2(low_nois
 
     hook = torch.nn.modules.module.register_module_forward_hook(count)
     try:
-        clips = wan.sample(model, model.trainable, ["a red circle moving left"], SampleSpec(steps=4), 32)
+        clips = model.sample(model.trainable, ["a red circle moving left"], SampleSpec(steps=4), 32)
     finally:
         hook.remove()
     assert len(clips[0]) == 5 and calls["trained"] > 0 and calls["other"] > 0, calls
@@ -319,49 +317,42 @@ def test_low_noise_expert_exports_and_its_lora_loads_into_transformer_2(low_nois
 
 
 def test_each_video_model_says_its_own_text_length_default_everywhere():
-    """The spec reference says each video model's max_sequence_length default (its unit's spec_notes), validate's
-    memory plan counts it (its facts' DEFAULT_TEXT_TOKENS) and training pads to it (its recipe): the three agree for
-    every video unit's built-ins, so that editing one cannot leave the others saying another number."""
-    import importlib
+    """The spec reference's model table says each video model's max_sequence_length default (its card's spec_notes)
+    and its card's default_text_tokens is what validate's memory plan counts and training pads to: the two agree for
+    every video card, and each of its built-ins is a folder of that card, so that editing one cannot leave the other
+    saying another number."""
     import re
 
-    from dstune.families.video import video_model_of
-    from dstune.models import registry
-    from dstune.models.unit import VIDEO_FAMILY
-    from dstune.spec.video_models import VideoModelSpec
+    from dstune import registry
+    from dstune.reference import model_table
 
-    description = VideoModelSpec.model_fields["max_sequence_length"].description
-    for unit in registry.on_core(VIDEO_FAMILY):
-        note = unit.spec_notes["model.max_sequence_length"]
-        assert note in description, unit.name
+    table = "\n".join(model_table())
+    for card in registry.family_cards("video"):
+        note = card.spec_notes["model.max_sequence_length"]
+        assert f"`model.max_sequence_length` {note}" in table, card.name
         noted = int(re.match(r"\d+", note).group())
-        facts = importlib.import_module(unit.video_facts[0].partition(":")[0])
-        assert facts.DEFAULT_TEXT_TOKENS == noted, unit.name
-        for name in unit.builtins:
+        assert card.default_text_tokens == noted, card.name
+        for name in card.builtins:
             folder = tiny.ensure_builtin_model(name, CACHE_DIR)
-            assert video_model_of(folder).recipe_of(folder).default_max_sequence_length == noted, (unit.name, name)
+            assert card_of("video", folder) is card, (card.name, name)
 
 
 def test_vae_latents_mean_trains_on_the_posterior_mean_and_the_default_samples_it(built):
     """model.vae_latents: mean trains on the posterior's mean (musubi-tuner's and DiffSynth-Studio's Wan latents):
     the same loss as the default's with a zero std; Wan's default draws from the posterior, so with the real std
     it differs. Nothing else moves: the noise and timestep draws are the same either way."""
-    from dataclasses import replace
-
-    from dstune.families import flow_core
-
-    encoded = wan.encode_batch(built, _batch())
-    assert flow_core.posterior_mean(built) is False  # Wan's default: a draw (dstune's reference: diffusers' draws)
+    encoded = built.encode_batch(_batch())
+    assert built.posterior_mean() is False  # Wan's default: a draw (dstune's reference: diffusers' draws)
     with torch.no_grad():
-        default = wan.loss(built, built.trainable, encoded, SEED, STEP)
-        without_std = wan.loss(
-            built, built.trainable, {**encoded, "latent_std": torch.zeros_like(encoded["latent_std"])}, SEED, STEP
+        default = built.loss(built.trainable, encoded, SEED, STEP)
+        without_std = built.loss(
+            built.trainable, {**encoded, "latent_std": torch.zeros_like(encoded["latent_std"])}, SEED, STEP
         )
-        on_mean = replace(built, settings=built.settings.model_copy(update={"vae_latents": "mean"}))
-        assert flow_core.posterior_mean(on_mean) is True
-        mean_loss = wan.loss(on_mean, built.trainable, encoded, SEED, STEP)
+        on_mean = with_settings(built, vae_latents="mean")
+        assert on_mean.posterior_mean() is True
+        mean_loss = on_mean.loss(built.trainable, encoded, SEED, STEP)
     assert torch.equal(mean_loss, without_std)
     assert not torch.equal(mean_loss, default)
-    explicit = replace(built, settings=built.settings.model_copy(update={"vae_latents": "sample"}))
+    explicit = with_settings(built, vae_latents="sample")
     with torch.no_grad():
-        assert torch.equal(wan.loss(explicit, built.trainable, encoded, SEED, STEP), default)
+        assert torch.equal(explicit.loss(built.trainable, encoded, SEED, STEP), default)

@@ -1,4 +1,4 @@
-"""Image-to-video for model.family wan on builtin:tiny-wan-i2v (Wan 2.1 I2V layout) and builtin:tiny-wan22-ti2v (Wan 2.2
+"""Image-to-video for Wan (its class, dstune.models.wan) on builtin:tiny-wan-i2v (Wan 2.1 I2V layout) and builtin:tiny-wan22-ti2v (Wan 2.2
 TI2V layout): the transformer inputs dstune builds equal what diffusers' pipelines feed the same transformer, the
 loss equals the reference trainers' (musubi-tuner for Wan 2.1 I2V, DiffSynth-Studio for TI2V) on the same draws, and
 folders and settings that do not fit are refused with the key and the fix."""
@@ -6,25 +6,23 @@ folders and settings that do not fit are refused with the key and the fix."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.families import video as wan
-from dstune.models.wan import i2v as wan_i2v
+from dstune.families import card_of, load_model
 from dstune.families.base import FamilyError
-from dstune.families.randomness import per_sample_randn
 from dstune.families.flow_matching import timestep_density
+from dstune.families.randomness import per_sample_randn
+from dstune.models.wan import i2v as wan_i2v
+from dstune.models.wan.card import WAN_CARD
 from dstune.pretrained import build_model
 from dstune.spec.models import SampleSpec, VideoModelSpec
+from loaded_models import CACHE_DIR
 from tiny_batches import clip_batch
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 SEED, STEP, INDICES = 5, 2, [1, 8, 13]
 I2V, TI2V = "builtin:tiny-wan-i2v", "builtin:tiny-wan22-ti2v"
 
@@ -35,12 +33,12 @@ def _batch(indices=INDICES, frames=5) -> dict:
 
 @pytest.fixture(scope="module")
 def i2v():
-    return build_model(VideoModelSpec(family="wan", pretrained=I2V), CACHE_DIR, "cpu")
+    return build_model(VideoModelSpec(family="video", pretrained=I2V), CACHE_DIR, "cpu")
 
 
 @pytest.fixture(scope="module")
 def ti2v_image():
-    return build_model(VideoModelSpec(family="wan", pretrained=TI2V, image_to_video=True), CACHE_DIR, "cpu")
+    return build_model(VideoModelSpec(family="video", pretrained=TI2V, image_to_video=True), CACHE_DIR, "cpu")
 
 
 def _captured(pipeline, transformer_name="transformer", **call) -> dict:
@@ -66,7 +64,7 @@ def test_wan21_i2v_inputs_are_what_wan_image_to_video_pipeline_feeds_the_transfo
 
     pipeline = WanImageToVideoPipeline.from_pretrained(i2v.folder)
     batch = _batch([3])
-    encoded = wan.encode_batch(i2v, batch)
+    encoded = i2v.encode_batch(batch)
     noisy = per_sample_randn((16, 2, 4, 4), SEED, STEP, [3], "noise")
     seen = _captured(
         pipeline,
@@ -94,13 +92,13 @@ def test_wan21_i2v_loss_is_the_reference_trainers_on_the_same_draws(i2v):
 
     pipeline = WanImageToVideoPipeline.from_pretrained(i2v.folder)
     batch = _batch()
-    encoded = wan.encode_batch(i2v, batch)
+    encoded = i2v.encode_batch(batch)
     mean, std = encoded["latent_mean"], encoded["latent_std"]
     shift = torch.tensor(i2v.vae.config.latents_mean).view(1, -1, 1, 1, 1)
     scale = torch.tensor(i2v.vae.config.latents_std).view(1, -1, 1, 1, 1)
     latents = (mean + std * per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "vae_posterior") - shift) / scale
     noise = per_sample_randn(latents.shape[1:], SEED, STEP, INDICES, "noise")
-    positions = (timestep_density(i2v.settings, SEED, STEP, INDICES) * 1000).long().clamp(0, 999)
+    positions = (timestep_density(i2v.model_spec, SEED, STEP, INDICES) * 1000).long().clamp(0, 999)
     t, sigma = i2v.train_timesteps[positions], i2v.train_sigmas[positions].view(-1, 1, 1, 1, 1)
     noisy = (1 - sigma) * latents + sigma * noise
     losses = []
@@ -118,7 +116,7 @@ def test_wan21_i2v_loss_is_the_reference_trainers_on_the_same_draws(i2v):
             )[0]
         losses.append(torch.nn.functional.mse_loss(prediction, noise[row : row + 1] - latents[row : row + 1]))
     with torch.no_grad():
-        value = wan.loss(i2v, i2v.trainable, encoded, SEED, STEP)
+        value = i2v.loss(i2v.trainable, encoded, SEED, STEP)
     assert value.item() == pytest.approx(torch.stack(losses).mean().item(), rel=1e-6)
 
 
@@ -126,10 +124,10 @@ def test_wan21_i2v_image_embedding_reaches_the_loss(i2v):
     """diffusers' WanAttnProcessor takes all but the last 512 context tokens as the image embedding's: the text is
     512 tokens (the tiny folder's tokenizer said 32, and the image tokens were read as text, so the image projections
     got no gradient), and every image key/value projection gets one."""
-    encoded = wan.encode_batch(i2v, _batch())
+    encoded = i2v.encode_batch(_batch())
     assert encoded["encoder_hidden_states"].shape[1] == 512
     i2v.trainable.zero_grad(set_to_none=True)
-    wan.loss(i2v, i2v.trainable, encoded, SEED, STEP).backward()
+    i2v.loss(i2v.trainable, encoded, SEED, STEP).backward()
     grads = {n: p.grad for n, p in i2v.trainable.named_parameters() if ".add_k_proj." in n or ".add_v_proj." in n}
     i2v.trainable.zero_grad(set_to_none=True)
     assert len(grads) == 8 and all(g is not None and g.abs().sum() > 0 for g in grads.values())
@@ -138,11 +136,11 @@ def test_wan21_i2v_image_embedding_reaches_the_loss(i2v):
 def test_ti2v_text_to_video_timesteps_are_expanded_per_token_as_wan_pipeline_does():
     from diffusers import WanPipeline
 
-    built = build_model(VideoModelSpec(family="wan", pretrained=TI2V), CACHE_DIR, "cpu")
+    built = build_model(VideoModelSpec(family="video", pretrained=TI2V), CACHE_DIR, "cpu")
     assert (built.mode.layout, built.mode.image_to_video) == ("ti2v", False)
     pipeline = WanPipeline.from_pretrained(built.folder)
     assert pipeline.config.expand_timesteps and pipeline.vae.config.z_dim == 48
-    encoded = wan.encode_batch(built, _batch([2]))
+    encoded = built.encode_batch(_batch([2]))
     assert encoded["latent_mean"].shape == (1, 48, 2, 2, 2) and "condition_mean" not in encoded
     noisy = per_sample_randn((48, 2, 2, 2), SEED, STEP, [2], "noise")
     seen = _captured(pipeline, prompt_embeds=encoded["encoder_hidden_states"], latents=noisy.clone())
@@ -161,7 +159,7 @@ def test_ti2v_image_to_video_replaces_the_first_latent_frame_and_zeroes_its_time
         **{k: v for k, v in parts.items() if k != "transformer_2"}, expand_timesteps=True
     )
     batch = _batch([4], frames=9)
-    encoded = wan.encode_batch(ti2v_image, batch)
+    encoded = ti2v_image.encode_batch(batch)
     assert encoded["condition_mean"].shape == (1, 48, 1, 2, 2)
     noisy = per_sample_randn((48, 3, 2, 2), SEED, STEP, [4], "noise")
     seen = {}
@@ -193,13 +191,13 @@ def test_ti2v_image_to_video_loss_leaves_the_given_first_frame_out_as_diffsynth_
     """DiffSynth-Studio's TI2V step: the noisy latents' first frame replaced by the clean image latent, timestep 0 on
     its tokens, and the MSE against noise - latents over the latent frames after the first."""
     batch = _batch(INDICES, frames=9)
-    encoded = wan.encode_batch(ti2v_image, batch)
+    encoded = ti2v_image.encode_batch(batch)
     mean, std = encoded["latent_mean"], encoded["latent_std"]
     config = ti2v_image.vae.config
     shift, scale = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (config.latents_mean, config.latents_std))
     latents = (mean + std * per_sample_randn(mean.shape[1:], SEED, STEP, INDICES, "vae_posterior") - shift) / scale
     noise = per_sample_randn(latents.shape[1:], SEED, STEP, INDICES, "noise")
-    positions = (timestep_density(ti2v_image.settings, SEED, STEP, INDICES) * 1000).long().clamp(0, 999)
+    positions = (timestep_density(ti2v_image.model_spec, SEED, STEP, INDICES) * 1000).long().clamp(0, 999)
     t, sigma = ti2v_image.train_timesteps[positions], ti2v_image.train_sigmas[positions].view(-1, 1, 1, 1, 1)
     noisy = (1 - sigma) * latents + sigma * noise
     noisy[:, :, :1] = (encoded["condition_mean"] - shift) / scale
@@ -213,7 +211,7 @@ def test_ti2v_image_to_video_loss_leaves_the_given_first_frame_out_as_diffsynth_
             return_dict=False,
             encoder_hidden_states=encoded["encoder_hidden_states"],
         )[0]
-        value = wan.loss(ti2v_image, ti2v_image.trainable, encoded, SEED, STEP)
+        value = ti2v_image.loss(ti2v_image.trainable, encoded, SEED, STEP)
     reference = torch.nn.functional.mse_loss(prediction[:, :, 1:], (noise - latents)[:, :, 1:])
     assert value.item() == pytest.approx(reference.item(), rel=1e-6)
     full = torch.nn.functional.mse_loss(prediction, noise - latents)  # the first frame's error is not in it
@@ -221,8 +219,8 @@ def test_ti2v_image_to_video_loss_leaves_the_given_first_frame_out_as_diffsynth_
 
 
 def test_i2v_trains_and_samples_render_from_a_first_frame(i2v, tmp_path):
-    encoded = wan.encode_batch(i2v, _batch())
-    value = wan.loss(i2v, i2v.trainable, encoded, SEED, STEP)
+    encoded = i2v.encode_batch(_batch())
+    value = i2v.loss(i2v.trainable, encoded, SEED, STEP)
     value.backward()
     grads = [p.grad for p in i2v.trainable.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
@@ -233,50 +231,55 @@ def test_i2v_trains_and_samples_render_from_a_first_frame(i2v, tmp_path):
         paths.append(str(tmp_path / f"first{number}.png"))
         frame.save(paths[-1])
     prompts = ["a red circle moving left", "a red circle moving right"]
-    clips = wan.sample(i2v, i2v.trainable, prompts, SampleSpec(prompts=prompts, control_images=paths, steps=2), 32)
+    clips = i2v.sample(i2v.trainable, prompts, SampleSpec(prompts=prompts, control_images=paths, steps=2), 32)
     assert len(clips) == 2 and len(clips[0]) == 5 and clips[0][0].size == (32, 32)
-    other = wan.sample(
-        i2v, i2v.trainable, prompts[:1], SampleSpec(prompts=prompts[:1], control_images=paths[1:], steps=2), 32
+    other = i2v.sample(
+        i2v.trainable, prompts[:1], SampleSpec(prompts=prompts[:1], control_images=paths[1:], steps=2), 32
     )
     assert clips[0][0].tobytes() != other[0][0].tobytes()  # the image decides the clip
     with pytest.raises(FamilyError, match="sample.control_images: image-to-video renders each clip from a first"):
-        wan.sample(i2v, i2v.trainable, prompts, SampleSpec(prompts=prompts, steps=2), 32)
+        i2v.sample(i2v.trainable, prompts, SampleSpec(prompts=prompts, steps=2), 32)
+
+
+def _load(spec: VideoModelSpec, folder):
+    """The model of a local folder as start-up loads it: its card (by the folder's classes), then the class."""
+    return load_model(card_of("video", folder), spec, {"pretrained": folder}, "cpu", torch.float32)
 
 
 def test_settings_that_do_not_fit_the_folder_are_refused_with_the_key_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="model.image_to_video is false, but this is an image-to-video folder"):
-        build_model(VideoModelSpec(family="wan", pretrained=I2V, image_to_video=False), CACHE_DIR, "cpu")
+        build_model(VideoModelSpec(family="video", pretrained=I2V, image_to_video=False), CACHE_DIR, "cpu")
     with pytest.raises(ValueError, match="model.image_to_video is true, but this is a text-to-video folder"):
-        build_model(VideoModelSpec(family="wan", image_to_video=True), CACHE_DIR, "cpu")
+        build_model(VideoModelSpec(family="video", image_to_video=True), CACHE_DIR, "cpu")
     copy = tmp_path / "no-processor"
     shutil.copytree(tiny.ensure_builtin_model(I2V, CACHE_DIR), copy)
     index = json.loads((copy / "model_index.json").read_text())
     del index["image_processor"]
     (copy / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="has an image_encoder but no image_processor"):
-        wan.build(VideoModelSpec(family="wan"), {"pretrained": copy}, "cpu")
+        _load(VideoModelSpec(family="video"), copy)
     config = json.loads((copy / "transformer" / "config.json").read_text())
     (copy / "transformer" / "config.json").write_text(json.dumps({**config, "in_channels": 20}))
     with pytest.raises(ValueError, match="in_channels 20 is neither the VAE's z_dim 16"):
-        wan.build(VideoModelSpec(family="wan"), {"pretrained": copy}, "cpu")
+        _load(VideoModelSpec(family="video"), copy)
 
 
 def test_a_cache_without_the_condition_is_refused(i2v):
-    batch = {name: value for name, value in wan.encode_batch(i2v, _batch([1])).items() if name != "image_embeds"}
+    batch = {name: value for name, value in i2v.encode_batch(_batch([1])).items() if name != "image_embeds"}
     with pytest.raises(ValueError, match="no image_embeds for image-to-video.*Delete data.cache.dir"):
-        wan.encode_batch(i2v, {**batch, "index": batch["indices"], "caption": ["x"]})
+        i2v.encode_batch({**batch, "index": batch["indices"], "caption": ["x"]})
 
 
 def test_the_latent_cache_key_changes_with_the_mode_and_text_to_video_keeps_the_plain_entries():
     folder = tiny.ensure_builtin_model(TI2V, CACHE_DIR)
-    assert wan.latent_cache_key(VideoModelSpec(family="wan", pretrained=TI2V), folder) == ("", (), ())
-    assert wan.latent_cache_key(VideoModelSpec(family="wan", pretrained=TI2V, image_to_video=True), folder) == (
+    assert WAN_CARD.latent_cache_key(VideoModelSpec(family="video", pretrained=TI2V), folder) == ("", (), ())
+    assert WAN_CARD.latent_cache_key(VideoModelSpec(family="video", pretrained=TI2V, image_to_video=True), folder) == (
         "image_to_video/ti2v",
         (),
         ("condition_mean",),
     )
-    assert wan.latent_cache_key(
-        VideoModelSpec(family="wan", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)
+    assert WAN_CARD.latent_cache_key(
+        VideoModelSpec(family="video", pretrained=I2V), tiny.ensure_builtin_model(I2V, CACHE_DIR)
     ) == (
         "image_to_video/i2v",
         ("image_encoder", "image_processor"),
@@ -290,7 +293,7 @@ def _validate(tmp_path, capsys, model: dict, sample: dict, cache: bool = True) -
     from dstune.cli import main
 
     spec = {
-        "model": {"family": "wan", "train": "full", **model},
+        "model": {"family": "video", "train": "full", **model},
         "data": {
             "path": "builtin:moving-shapes",
             "video": {"frames": 5},
@@ -308,8 +311,10 @@ def _validate(tmp_path, capsys, model: dict, sample: dict, cache: bool = True) -
 def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tmp_path, capsys):
     """The image encoder is a frozen companion (cached with the latents, whose entries grow by the condition and
     the CLIP hidden states); TI2V's 16x VAE quarters the tokens; the mode and sample problems name their key."""
-    from dstune.models.wan.facts import clip_tokens
+    from dstune import registry
+    from dstune.families.video_card import token_factors
     from dstune.memory.counts import STORE
+    from dstune.models.wan.card import clip_tokens
 
     code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": []})
     assert code == 0, out
@@ -321,9 +326,10 @@ def test_validate_plans_image_to_video_offline_and_refuses_what_startup_would(tm
     assert memory["cache_disk_bytes"] == 144 * per_clip
     config = json.loads((STORE / "builtin" / "tiny-wan22-ti2v-v1" / "transformer" / "config.json").read_text())
     assert clip_tokens(config, 64, 5, 16) == clip_tokens(config, 32, 5, 8)
-    from dstune.families.video_facts import token_factors
-
-    assert token_factors(TI2V)[:2] == (16, (1, 2, 2))  # its VAE's 8x stages, then the VAE's own 2x2 pixel patches
+    assert token_factors(registry.family_cards("video"), TI2V)[:2] == (
+        16,
+        (1, 2, 2),
+    )  # its VAE's 8x stages, then the VAE's own 2x2 pixel patches
     code, out = _validate(tmp_path, capsys, {"pretrained": I2V}, {"prompts": ["a red circle moving left"]})
     assert code != 0 and "sample.prompts: image-to-video renders each clip from a first frame" in out.err + out.out
     code, out = _validate(tmp_path, capsys, {"image_to_video": True}, {"prompts": []})
@@ -380,14 +386,18 @@ def test_wan22_i2v_a14b_layout_trains_one_expert_from_first_frames(a14b_i2v_fold
     from diffusers import WanImageToVideoPipeline
 
     built = build_model(
-        VideoModelSpec(family="wan", pretrained=str(a14b_i2v_folder), expert="low_noise"), CACHE_DIR, "cpu"
+        VideoModelSpec(family="video", pretrained=str(a14b_i2v_folder), expert="low_noise"), CACHE_DIR, "cpu"
     )
-    assert built.mode.image_to_video and built.trained_name == "transformer_2" and "image_encoder" not in built.parts
+    assert (
+        built.mode.image_to_video
+        and built.trained_component() == "transformer_2"
+        and "image_encoder" not in built.parts
+    )
     first, count = built.positions
     assert count > 0 and (built.train_timesteps[first : first + count] < 900).all()
     assert (built.train_timesteps[:first] >= 900).all()
     batch = _batch([3])
-    encoded = wan.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     assert "image_embeds" not in encoded or encoded["image_embeds"] is None
     pipeline = WanImageToVideoPipeline.from_pretrained(a14b_i2v_folder)
     pipeline.scheduler.set_timesteps(4)
@@ -417,13 +427,13 @@ def test_wan22_i2v_a14b_layout_trains_one_expert_from_first_frames(a14b_i2v_fold
     )
     assert hidden.shape == (1, 36, 2, 4, 4) and torch.allclose(hidden, seen["kwargs"]["hidden_states"], atol=1e-6)
     assert seen["kwargs"].get("encoder_hidden_states_image") is None and not extra.get("encoder_hidden_states_image")
-    value = wan.loss(built, built.trainable, encoded, SEED, STEP)
+    value = built.loss(built.trainable, encoded, SEED, STEP)
     value.backward()
     assert torch.isfinite(value) and any(p.grad is not None for p in built.trainable.parameters())
     first_frame = tmp_path / "first.png"
     wan_i2v.frame_images(batch["pixel_values"][:, :, 0])[0].save(first_frame)
     prompt = ["a red circle moving left"]
-    clips = wan.sample(
-        built, built.trainable, prompt, SampleSpec(prompts=prompt, control_images=[str(first_frame)], steps=3), 32
+    clips = built.sample(
+        built.trainable, prompt, SampleSpec(prompts=prompt, control_images=[str(first_frame)], steps=3), 32
     )
     assert len(clips[0]) == 5 and built.other_expert is None  # both experts ran; the other one is released
