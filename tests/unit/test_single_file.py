@@ -7,7 +7,6 @@ with its UNet and text encoder weights changed, so a test can tell the file's we
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,8 @@ from dstune.pretrained import SINGLE_FILE_INFO, build_model
 from dstune.spec.models import FlowModelSpec
 from dstune.models.sd.spec import SdModelSpec, SdxlModelSpec
 from dstune.models.tts_lm.spec import TtsLmModelSpec
+from loaded_models import CACHE_DIR
 from original_layout import original_unet_state
-
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 
 
 def write_sd_single_file(path: Path, with_text_encoder: bool = True) -> dict:
@@ -69,7 +66,7 @@ def test_a_single_file_in_the_original_layout_builds_with_its_own_weights(tmp_pa
     built = build_model(_sd(path, base_pipeline=base), tmp_path / "cache", "cpu")
     info = json.loads((built.folder / SINGLE_FILE_INFO).read_text())
     assert info["from_file"] == ["text_encoder", "unet"] and info["from_base"] == ["vae"]
-    for name, module in (("unet", built.trainable), ("text_encoder", built.text_encoder)):
+    for name, module in (("unet", built.trainable), ("text_encoder", built.text_encoders["text_encoder"])):
         state = module.state_dict()
         assert max((state[k] - v).abs().max().item() for k, v in weights[name].items() if k in state) < 1e-6
     builtin = build_model(SdModelSpec(family="sd"), CACHE_DIR, "cpu")

@@ -1,12 +1,10 @@
-"""tts_codebooks on builtin:tiny-csm (transformers' CsmForConditionalGeneration with its Mimi codec): the loss equals
-the class's own loss from the labels CsmProcessor builds (output_labels=True), the frame labels sit at the frame's own
-position (the class shifts them), the codec cache holds the class's own Mimi codes, and full and LoRA exports load
-with from_pretrained + AutoProcessor and generate a WAV."""
+"""Sesame CSM (its card and class, dstune.models.csm, on the multi-codebook core) on builtin:tiny-csm (transformers'
+CsmForConditionalGeneration with its Mimi codec): the loss equals the class's own loss from the labels CsmProcessor
+builds (output_labels=True), the frame labels sit at the frame's own position (the class shifts them), the codec cache
+holds the class's own Mimi codes, and full and LoRA exports load with from_pretrained + AutoProcessor and generate a
+WAV."""
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,20 +12,21 @@ import torch
 
 from dstune.builtin import ensure_builtin_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.families import get_family
-from dstune.models.csm import family as tts_codebooks
+from dstune.families import card_of
+from dstune.models.csm.card import CSM_CARD
+from dstune.models.csm.model import Csm, decodable_codes
 from dstune.families.base import FamilyError
 from dstune.pretrained import build_model
 from dstune.spec.models import DataSpec
 from dstune.spec.speech_models import CodebooksModelSpec
+from loaded_models import CACHE_DIR
 
 soundfile = pytest.importorskip("soundfile")
 
 
 @pytest.fixture(scope="module")
 def folder():
-    cache = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
-    return ensure_builtin_model("builtin:tiny-csm", cache), cache
+    return ensure_builtin_model("builtin:tiny-csm", CACHE_DIR), CACHE_DIR
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +61,9 @@ def test_loss_equals_the_classs_own_loss_from_the_processors_labels(folder, buil
     )
     with torch.no_grad():
         theirs = model(**inputs)
-        encoded = tts_codebooks.encode_batch(built, batch)
+        encoded = built.encode_batch(batch)
         ours = built.trainable(**{k: encoded[k] for k in ("input_ids", "frame_codes", "attention_mask", "labels")})
-        loss = tts_codebooks.loss(built, built.trainable, encoded, 0, 0)
+        loss = built.loss(built.trainable, encoded, 0, 0)
     assert torch.equal(encoded["input_ids"], inputs["input_ids"])  # the same sequence, padding included
     assert ours.backbone_loss.item() == pytest.approx(theirs.backbone_loss.item(), rel=1e-5)
     assert ours.depth_decoder_loss.item() == pytest.approx(theirs.depth_decoder_loss.item(), rel=1e-5)
@@ -82,7 +81,7 @@ def test_frame_labels_are_predicted_from_the_previous_position(built, batch):
     """The first frame is predicted from <|end_of_text|>, frame t from frame t-1's position, the EOS frame from the
     last frame's: dstune's backbone loss equals that cross-entropy and not the one a label shifted by one position
     too many or too few gives."""
-    encoded = tts_codebooks.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     with torch.no_grad():
         out = built.trainable(**{k: encoded[k] for k in ("input_ids", "frame_codes", "attention_mask", "labels")})
     logits = out.logits.float()
@@ -107,8 +106,8 @@ def test_codec_cache_holds_the_classs_own_mimi_codes(folder, built, batch, tmp_p
         for codes, wave in zip(cached, batch["audio"]):
             own = model.codec_model.encode(wave.reshape(1, 1, -1)).audio_codes[0]
             assert codes.shape[0] == model.config.num_codebooks == 4 and torch.equal(codes, own)
-    from_cache = tts_codebooks.encode_batch(built, {**batch, "codes": cached})
-    from_audio = tts_codebooks.encode_batch(built, batch)
+    from_cache = built.encode_batch({**batch, "codes": cached})
+    from_audio = built.encode_batch(batch)
     assert all(torch.equal(from_cache[k], from_audio[k]) for k in ("input_ids", "frame_codes", "labels"))
 
 
@@ -118,14 +117,14 @@ def test_export_loads_with_its_processor_and_generates_a_wav(folder, built, tmp_
     state = {
         k: v.clone() + (0.01 if k.endswith("lm_head.weight") else 0.0) for k, v in built.trainable.state_dict().items()
     }
-    out = tts_codebooks.export(built, state, tmp_path / "export")
+    out = built.export(state, tmp_path / "export")
     model = CsmForConditionalGeneration.from_pretrained(out).eval()
     processor = AutoProcessor.from_pretrained(out)
     assert torch.equal(model.lm_head.weight, state["model.lm_head.weight"])
     inputs = processor("<|begin_of_text|>[0]12<|end_of_text|>")
     torch.manual_seed(0)
     audio = model.generate(
-        **inputs, output_audio=True, max_new_tokens=4, **tts_codebooks.decodable_codes(model.config.vocab_size, 32)
+        **inputs, output_audio=True, max_new_tokens=4, **decodable_codes(model.config.vocab_size, 32)
     )  # ids 32..34 are not codes
     processor.save_audio(audio, str(tmp_path / "out.wav"))
     wave, rate = soundfile.read(tmp_path / "out.wav")
@@ -144,15 +143,14 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
 
     spec = CodebooksModelSpec(family="tts_codebooks", train="lora", lora={"rank": 4})
     lora_built = build_model(spec, folder[1], "cpu")
-    family = get_family("tts_codebooks")
-    apply_train_mode(lora_built.trainable, spec, 0, family, "peft")
+    apply_train_mode(lora_built, spec, 0, "peft")
     names = [n for n, p in lora_built.trainable.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names) and not any("codec" in n for n in names)
     with torch.no_grad():
         for name, param in lora_built.trainable.named_parameters():
             if "lora_B" in name:
                 param.fill_(0.01)
-    export_lora(family, lora_built, lora_built.trainable.state_dict(), tmp_path, spec)
+    export_lora(lora_built, lora_built.trainable.state_dict(), tmp_path, spec)
     merged = CsmForConditionalGeneration.from_pretrained(tmp_path)
     base = CsmForConditionalGeneration.from_pretrained(folder[0])
     adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload()
@@ -167,16 +165,16 @@ def _lora_step(folder, batch, checkpointing: bool) -> tuple[float, dict]:
     """(loss, adapter gradients) of one LoRA step on `batch`, with or without gradient checkpointing."""
     from dstune.families.lora import apply_train_mode
 
-    spec = TtsCodebooksModel(
+    spec = CodebooksModelSpec(
         family="tts_codebooks", train="lora", lora={"rank": 4}, gradient_checkpointing=checkpointing
     )
     lora_built = build_model(spec, folder[1], "cpu")
-    apply_train_mode(lora_built.trainable, spec, 0, get_family("tts_codebooks"), "peft")
+    apply_train_mode(lora_built, spec, 0, "peft")
     with torch.no_grad():
         for name, param in lora_built.trainable.named_parameters():
             if "lora_B" in name:
                 param.fill_(0.01)  # so that A's gradient is not zero
-    loss = tts_codebooks.loss(lora_built, lora_built.trainable, tts_codebooks.encode_batch(lora_built, batch), 0, 0)
+    loss = lora_built.loss(lora_built.trainable, lora_built.encode_batch(batch), 0, 0)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in lora_built.trainable.named_parameters() if p.requires_grad}
 
@@ -192,10 +190,12 @@ def test_lora_with_gradient_checkpointing_trains_as_without_it(folder, batch):
     assert all(torch.allclose(grads[n], plain[n], rtol=1e-4, atol=1e-7) for n in grads)
 
 
-def test_a_folder_of_another_class_is_refused(tmp_path):
+def test_the_folder_is_csms_and_a_folder_of_another_class_is_refused(folder, built, tmp_path):
+    assert card_of("tts_codebooks", folder[0]) is CSM_CARD and type(built) is Csm and built.card is CSM_CARD
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     with pytest.raises(
         FamilyError,
-        match="names \\['LlamaForCausalLM'\\]; model.family tts_codebooks trains CsmForConditionalGeneration",
+        match="names \\['LlamaForCausalLM'\\], none of the classes model.family tts_codebooks trains "
+        "\\(CsmForConditionalGeneration",
     ):
-        tts_codebooks.folder_architecture(tmp_path)
+        card_of("tts_codebooks", tmp_path)

@@ -1,12 +1,12 @@
-"""tts_codebooks on builtin:tiny-dia (transformers' DiaForConditionalGeneration with its DiaProcessor and DAC): the
-batch and the loss equal what the processor builds for training (output_labels=True: delay pattern, BOS/PAD
-masks, left-padded audio) and the class's own loss from it; the labels are the delayed codes one position ahead;
-the codec cache holds the processor's DAC codes; [S1]/[S2] dialogue text is kept; full and LoRA exports load with
-DiaForConditionalGeneration + DiaProcessor and generate a WAV, also after a voice prompt."""
+"""Dia (its card and class, dstune.models.dia, on the multi-codebook core) on builtin:tiny-dia (transformers'
+DiaForConditionalGeneration with its DiaProcessor and DAC): the batch and the loss equal what the processor builds for
+training (output_labels=True: delay pattern, BOS/PAD masks, left-padded audio) and the class's own loss from it; the
+labels are the delayed codes one position ahead; the codec cache holds the processor's DAC codes; [S1]/[S2] dialogue
+text is kept; full and LoRA exports load with DiaForConditionalGeneration + DiaProcessor and generate a WAV, also
+after a voice prompt."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +15,13 @@ import torch
 
 from dstune.builtin import ensure_builtin_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.families import get_family
-from dstune.models.csm import family as tts_codebooks
-from dstune.models.dia import model as tts_dia
+from dstune.families import card_of
+from dstune.models.dia.card import DIA_CARD
+from dstune.models.dia.model import Dia, dac_wave, dia_text, generate_codes
 from dstune.pretrained import build_model
 from dstune.spec.speech_models import CodebooksModelSpec
 from dstune.spec.models import DataSpec
+from loaded_models import CACHE_DIR
 
 soundfile = pytest.importorskip("soundfile")
 TEXT_KEYS = ("input_ids", "attention_mask")
@@ -29,8 +30,7 @@ DECODER_KEYS = ("decoder_input_ids", "decoder_attention_mask", "labels")
 
 @pytest.fixture(scope="module")
 def folder():
-    cache = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
-    return ensure_builtin_model("builtin:tiny-dia", cache), cache
+    return ensure_builtin_model("builtin:tiny-dia", CACHE_DIR), CACHE_DIR
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +65,16 @@ def processor_inputs(processor, texts, audio):
     )
 
 
+def test_the_folder_is_dias(folder, built):
+    assert card_of("tts_codebooks", folder[0]) is DIA_CARD and type(built) is Dia and built.card is DIA_CARD
+
+
 def test_batch_and_loss_equal_the_processors_labels_and_the_classs_own_loss(folder, built, batch):
     model, processor = whole_dia(folder[0])
-    texts = [tts_dia.dia_text(t) for t in batch["texts"]]
+    texts = [dia_text(t, DIA_CARD.speaker_tags) for t in batch["texts"]]
     assert texts[1].startswith("[S1] ") and texts[0] == batch["texts"][0]  # untagged text is spoken by [S1]
     inputs = processor_inputs(processor, texts, batch["audio"])
-    encoded = tts_codebooks.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     for key in TEXT_KEYS + DECODER_KEYS:
         assert torch.equal(encoded[key], inputs[key].long()), key
     assert (encoded["decoder_attention_mask"][:, 0] == 0).any()  # a shorter clip was left-padded, as the processor does
@@ -78,7 +82,7 @@ def test_batch_and_loss_equal_the_processors_labels_and_the_classs_own_loss(fold
     with torch.no_grad():
         theirs = model(**inputs).loss
         built.trainable.eval()
-        ours = tts_codebooks.loss(built, built.trainable, encoded, 0, 0)
+        ours = built.loss(built.trainable, encoded, 0, 0)
         built.trainable.train()
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
 
@@ -88,13 +92,13 @@ def test_a_batch_of_one_clip_trains_with_the_processors_labels(folder, built, ba
     processor's and contiguous, as transformers' loss views them flat, and the class's loss backpropagates."""
     model, processor = whole_dia(folder[0])
     one = {"audio": batch["audio"][:1], "texts": batch["texts"][:1], "index": batch["index"][:1]}
-    encoded = tts_codebooks.encode_batch(built, one)
-    inputs = processor_inputs(processor, [tts_dia.dia_text(one["texts"][0])], one["audio"])
+    encoded = built.encode_batch(one)
+    inputs = processor_inputs(processor, [dia_text(one["texts"][0], DIA_CARD.speaker_tags)], one["audio"])
     assert torch.equal(encoded["labels"], inputs["labels"].long()) and encoded["labels"].is_contiguous()
     with torch.no_grad():
         theirs = model(**inputs).loss
     built.trainable.zero_grad(set_to_none=True)
-    ours = tts_codebooks.loss(built, built.trainable, encoded, 0, 0)
+    ours = built.loss(built.trainable, encoded, 0, 0)
     ours.backward()
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
     assert all(p.grad is not None for p in built.trainable.parameters() if p.requires_grad)
@@ -120,7 +124,7 @@ def test_labels_are_the_delayed_codes_one_position_ahead(built, batch):
     """The class's loss (no shift inside) equals the cross-entropy against the next position of the delayed
     sequence, and not against the same position or the one after next (a label shifted one too few or too many);
     the first frame's codebook 0 is predicted from BOS."""
-    encoded = tts_codebooks.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     config = built.trainable.model.config
     with torch.no_grad():
         out = built.trainable(**{k: encoded[k] for k in TEXT_KEYS + DECODER_KEYS})
@@ -144,8 +148,8 @@ def test_codec_cache_holds_the_processors_dac_codes(folder, built, batch, tmp_pa
     cached = [load_file(tmp_path / e.relpath)["codes"].long() for e in entries]
     assert all(c.shape[0] == 9 for c in cached)
     _, processor = whole_dia(folder[0])
-    inputs = processor_inputs(processor, [tts_dia.dia_text(t) for t in batch["texts"]], batch["audio"])
-    from_cache = tts_codebooks.encode_batch(built, {**batch, "codes": cached})
+    inputs = processor_inputs(processor, [dia_text(t, DIA_CARD.speaker_tags) for t in batch["texts"]], batch["audio"])
+    from_cache = built.encode_batch({**batch, "codes": cached})
     for key in DECODER_KEYS:
         assert torch.equal(from_cache[key], inputs[key].long()), key
     unpadded = [built.codec.encode(w.reshape(1, 1, -1)).audio_codes[0] for w in batch["audio"]]
@@ -171,7 +175,7 @@ def test_export_loads_with_its_processor_and_generates_a_wav(folder, built, tmp_
         k: v.clone() + (0.01 if k.endswith("logits_dense.weight") else 0.0)
         for k, v in built.trainable.state_dict().items()
     }
-    out = tts_codebooks.export(built, state, tmp_path / "export")
+    out = built.export(state, tmp_path / "export")
     model = DiaForConditionalGeneration.from_pretrained(out)
     assert torch.equal(model.logits_dense.weight, state["model.logits_dense.weight"])
     wave, rate = _generate_wav(out, tmp_path / "out.wav")
@@ -188,12 +192,13 @@ def test_voice_prompt_is_continued_and_left_out_of_the_clip(folder, built, batch
     prompted = processor(text=["[S1] 89 [S1] 12"], audio=[prompt], sampling_rate=44100)
     frames = int(np.ceil(len(prompt) / 512))
     with torch.no_grad():
-        codes = tts_dia.generate_codes(model, processor, "12", 20, 1.8, 0, prompt_audio=prompt, prompt_text="89")
-        plain = tts_dia.generate_codes(model, processor, "12", 20, 1.8, 0)
+        codes = generate_codes(model, processor, dia_text("89 12", DIA_CARD.speaker_tags), 20, 1.8, 0, prompt)
+        plain = generate_codes(model, processor, dia_text("12", DIA_CARD.speaker_tags), 20, 1.8, 0)
     assert prompted["decoder_input_ids"].shape[1] == frames + 1 + 15  # BOS, the prompt's frames, the delay
     assert codes.shape[0] == 9 and codes.shape[1] <= 20 and (codes < 1024).all()
     assert codes.shape != plain.shape or not torch.equal(codes, plain)  # the prompt changed what was said
-    clip = tts_dia.synthesize(folder[0], "12", seconds=0.2, prompt_audio=prompt, prompt_text="[S1] 89")
+    with torch.no_grad():
+        clip = built.speak(model, "12", 0, (prompt, "[S1] 89"))  # a sample after sample.voice_prompts' clip
     assert clip.sample_rate == 44100 and np.isfinite(clip.wave).all()
 
 
@@ -205,8 +210,7 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
 
     spec = CodebooksModelSpec(family="tts_codebooks", pretrained="builtin:tiny-dia", train="lora", lora={"rank": 4})
     lora_built = build_model(spec, folder[1], "cpu")
-    family = get_family("tts_codebooks")
-    apply_train_mode(lora_built.trainable, spec, 0, family, "peft")
+    apply_train_mode(lora_built, spec, 0, "peft")
     names = [n for n, p in lora_built.trainable.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
     assert any("encoder" in n for n in names) and any("cross_attention" in n for n in names)
@@ -214,7 +218,7 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
         for name, param in lora_built.trainable.named_parameters():
             if "lora_B" in name:
                 param.fill_(0.01)
-    export_lora(family, lora_built, lora_built.trainable.state_dict(), tmp_path, spec)
+    export_lora(lora_built, lora_built.trainable.state_dict(), tmp_path, spec)
     merged = DiaForConditionalGeneration.from_pretrained(tmp_path)
     base = DiaForConditionalGeneration.from_pretrained(folder[0])
     name = "model.decoder.layers.0.cross_attention.q_proj.weight"
@@ -243,17 +247,18 @@ def test_samples_continue_sample_voice_prompts(built, tmp_path):
     reference = _reference_clip(tmp_path / "voices")
     spec = SampleSpec(prompts=["12"], voice_prompts=[str(reference)], seed=3)
     module = built.trainable
-    prompted = tts_codebooks.sample(built, module, ["12"], spec)[0]
-    plain = tts_codebooks.sample(built, module, ["12"], SampleSpec(prompts=["12"], seed=3))[0]
-    audio, text = tts_dia.voice_prompt(reference, built.sample_rate)
+    prompted = built.sample(module, ["12"], spec)[0]
+    plain = built.sample(module, ["12"], SampleSpec(prompts=["12"], seed=3))[0]
+    audio, text = built.voice_prompt(reference)
     assert text == "[S1] 89" and abs(len(audio) - 44100 * len(soundfile.read(reference)[0]) / 16000) <= 1
     with torch.no_grad():
         module.eval()
-        codes = tts_dia.generate_codes(
-            module.model, built.processor, "12", int(0.2 * 44100 / 512), built.temperature, 3000, audio, text
+        words = dia_text(f"{text} 12", DIA_CARD.speaker_tags)
+        codes = generate_codes(
+            module.model, built.processor, words, int(0.2 * 44100 / 512), built.temperature, 3000, audio
         )
         module.train()
-    assert np.array_equal(prompted.wave, tts_dia._wave(built.codec, codes))
+    assert np.array_equal(prompted.wave, dac_wave(built.codec, codes))
     assert prompted.wave.shape != plain.wave.shape or not np.array_equal(prompted.wave, plain.wave)
 
 
@@ -327,9 +332,7 @@ def test_dialogue_jsonl_and_gptsovits_list_with_speaker_balance(built, capsys, t
         records, _ = speech_records(DataSpec(path=str(root), format=data_format, speaker_balance=True))
         assert sorted({r.speaker for r in records}) == ["ann", "bob"]
         dataset = SpeechDataset(records, built.sample_rate)
-        encoded = tts_codebooks.encode_batch(built, collate_speech([dataset[i] for i in range(4)]))
+        encoded = built.encode_batch(collate_speech([dataset[i] for i in range(4)]))
         first_ids = encoded["input_ids"][:, 0].tolist()
         assert first_ids == [1, 2, 1, 1]  # [S1], [S2], the untagged clip's [S1], [S1]
-        assert 2 in encoded["input_ids"][3].tolist() and torch.isfinite(
-            tts_codebooks.loss(built, built.trainable, encoded, 0, 0)
-        )
+        assert 2 in encoded["input_ids"][3].tolist() and torch.isfinite(built.loss(built.trainable, encoded, 0, 0))

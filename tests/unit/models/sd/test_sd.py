@@ -1,4 +1,5 @@
-"""The `sd` family and the built-in tiny model, on the real (tiny) components: no mocks.
+"""Stable Diffusion 1.x/2.x (its card and class, dstune.models.sd) and the built-in tiny model, on the real (tiny)
+components: no mocks.
 
 The built-in model is built once per session (~20 s); one more build checks determinism and the cache protocol.
 """
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -20,12 +20,13 @@ from dstune.pretrained import build_model
 from dstune.data.synthetic import render_shape
 from dstune import builtin as tiny
 from dstune.builtin.common import shapes_images, to_tensor
-from dstune.models.sd import sd_family as sd
+from dstune.models.sd.card import SD_CARD
+from dstune.models.sd.model import Sd, min_snr_weights
 from dstune.families.base import FamilyError
 from dstune.spec.models import SampleSpec
 from dstune.models.sd.spec import SdModelSpec
+from loaded_models import CACHE_DIR, with_settings
 
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
 MARKER = tiny.BUILTIN_MARKER
 FOLDER = tiny.BUILTIN_MODELS["tiny-sd"].folder_name  # "tiny-sd-vN"
 # Measured 0.0100 (mean over the 256 shapes, pixels in [-1, 1]); a random VAE gives ~0.3.
@@ -80,7 +81,7 @@ def _batch(indices: list[int]) -> dict:
 
 
 def _loss(built, indices, seed=0, step=3):
-    return sd.loss(built, built.trainable, sd.encode_batch(built, _batch(indices), torch.float32), seed, step)
+    return built.loss(built.trainable, built.encode_batch(_batch(indices), torch.float32), seed, step)
 
 
 # ----------------------------------------------------------------------------------------------- built-in model
@@ -211,23 +212,23 @@ def test_prediction_type_override_and_min_snr(cache_dir, built, eps_built, sd15_
         return alphas / (1 - alphas)
 
     snr_v, snr_eps = snr(built.noise_scheduler), snr(eps.noise_scheduler)
-    weights_v = sd.min_snr_weights(built.noise_scheduler, timesteps, 5.0, "v_prediction")
+    weights_v = min_snr_weights(built.noise_scheduler, timesteps, 5.0, "v_prediction")
     assert torch.allclose(weights_v, torch.minimum(snr_v, gamma) / (snr_v + 1), rtol=1e-5)
-    weights_eps = sd.min_snr_weights(eps.noise_scheduler, timesteps, 5.0, "epsilon")
+    weights_eps = min_snr_weights(eps.noise_scheduler, timesteps, 5.0, "epsilon")
     assert torch.allclose(weights_eps, torch.minimum(snr_eps, gamma) / snr_eps, rtol=1e-5)
     # the last timestep has SNR exactly 0 here: epsilon's weight is its limit 1, not diffusers' 0/0 = NaN
-    assert sd.min_snr_weights(built.noise_scheduler, torch.tensor([999]), 5.0, "epsilon").tolist() == [1.0]
-    with_min_snr = dataclasses.replace(built, min_snr_gamma=5.0)
+    assert min_snr_weights(built.noise_scheduler, torch.tensor([999]), 5.0, "epsilon").tolist() == [1.0]
+    with_min_snr = with_settings(built, min_snr_gamma=5.0)
     assert torch.isfinite(_loss(with_min_snr, [0, 1, 2, 3]))
     # epsilon with a gamma above every SNR weights every sample 1: exactly the plain loss
     plain = _loss(eps, [0, 1, 2, 3]).item()
-    assert abs(_loss(dataclasses.replace(eps, min_snr_gamma=1e12), [0, 1, 2, 3]).item() - plain) < 1e-6
-    assert abs(_loss(dataclasses.replace(eps, min_snr_gamma=1.0), [0, 1, 2, 3]).item() - plain) > 1e-4
+    assert abs(_loss(with_settings(eps, min_snr_gamma=1e12), [0, 1, 2, 3]).item() - plain) < 1e-6
+    assert abs(_loss(with_settings(eps, min_snr_gamma=1.0), [0, 1, 2, 3]).item() - plain) > 1e-4
 
 
 def test_noise_offset_changes_the_noise(built):
     plain = _loss(built, [0, 1]).item()
-    assert abs(_loss(dataclasses.replace(built, noise_offset=0.1), [0, 1]).item() - plain) > 1e-5
+    assert abs(_loss(with_settings(built, noise_offset=0.1), [0, 1]).item() - plain) > 1e-5
 
 
 def test_gradient_checkpointing_gives_the_same_gradients_without_warnings(cache_dir, built):
@@ -253,10 +254,10 @@ def test_sample_renders_one_image_per_prompt_and_restores_the_mode(built):
     spec = SampleSpec(prompts=["a red circle", "a blue square"], steps=4, guidance=3.0, seed=7)
     unet = built.trainable
     assert unet.training
-    images = sd.sample(built, unet, spec.prompts, spec, 32)
+    images = built.sample(unet, spec.prompts, spec, 32)
     assert [im.size for im in images] == [(32, 32), (32, 32)] and unet.training
     unet.eval()
-    again = sd.sample(built, unet, spec.prompts, spec, 32)
+    again = built.sample(unet, spec.prompts, spec, 32)
     unet.train()
     assert [im.tobytes() for im in images] == [im.tobytes() for im in again]  # seeded: comparable across steps
 
@@ -272,7 +273,7 @@ def test_export_writes_a_pipeline_that_diffusers_loads_and_runs(sd15_style_folde
     )
     state = {k: v + 0.01 for k, v in v_built.trainable.state_dict().items()}  # "trained" weights
     out = tmp_path / "export"
-    assert sd.export(v_built, state, out) == out
+    assert v_built.export(state, out) == out
     pipeline = DiffusionPipeline.from_pretrained(out)
     assert type(pipeline).__name__ == "StableDiffusionPipeline"
     assert pipeline.scheduler.config.prediction_type == "v_prediction"  # trained as v: inference must know
@@ -286,9 +287,9 @@ def test_export_writes_a_pipeline_that_diffusers_loads_and_runs(sd15_style_folde
     broken = dict(state)
     broken.pop(next(iter(broken)))
     with pytest.raises(FamilyError, match="1 missing"):
-        sd.export(v_built, broken, out)
+        v_built.export(broken, out)
     assert DiffusionPipeline.from_pretrained(out) is not None  # the good export is untouched
-    sd.export(v_built, state, out)  # exporting again replaces it
+    v_built.export(state, out)  # exporting again replaces it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 
 
@@ -300,6 +301,7 @@ def test_a_user_folder_loads_through_the_same_path(tiny_folder, tmp_path):
     shutil.copytree(tiny_folder, user)
     built = build_model(SdModelSpec(family="sd", pretrained=str(user)), tmp_path / "cache", "cpu", torch.float32)
     assert built.folder == user and not (tmp_path / "cache").exists()
+    assert type(built) is Sd and built.card is SD_CARD
 
 
 def test_user_folder_problems_are_named(tiny_folder, tmp_path):
@@ -322,7 +324,7 @@ def test_user_folder_problems_are_named(tiny_folder, tmp_path):
         index = json.loads((folder / "model_index.json").read_text())
         (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusionXLPipeline"}))
 
-    with pytest.raises(FamilyError, match="SDXL"):
+    with pytest.raises(FamilyError, match=r"StableDiffusionXLPipeline \(Stable Diffusion XL: use model.family: sdxl\)"):
         build(broken("sdxl", make_sdxl))
 
     def wrong_text_encoder(folder: Path):

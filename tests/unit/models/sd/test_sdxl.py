@@ -1,4 +1,5 @@
-"""The `sdxl` family and builtin:tiny-sdxl on the real (tiny) components, and the crop geometry it conditions on.
+"""SDXL (its card and class, dstune.models.sd) and builtin:tiny-sdxl on the real (tiny) components, and the crop
+geometry it conditions on.
 
 The built-in model lives in the shared test cache (as in tests/dist), so it is built once per machine (~10 s).
 """
@@ -6,7 +7,6 @@ The built-in model lives in the shared test cache (as in tests/dist), so it is b
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -18,13 +18,12 @@ from dstune.pretrained import build_model
 from dstune.data.images import ImageCaptionDataset, collate, crop_fields, decoded_size
 from dstune.data.index import SampleRecord
 from dstune import builtin as tiny
-from dstune.models.sd import sdxl_family as sdxl
+from dstune.models.sd.card import SD_CARD, SDXL_CARD
+from dstune.models.sd.model import Sdxl, time_ids
 from dstune.families.base import FamilyError
 from dstune.spec.models import DataSpec, SampleSpec
 from dstune.models.sd.spec import SdxlModelSpec
-
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+from loaded_models import CACHE_DIR
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +59,7 @@ def test_crop_fields_are_the_crop_the_loader_made(tmp_path):
     assert crop_fields(record, (64, 48), 32, 0.5, 0.5, flip=True)["crop_top_left"].tolist() == [0, 5]
     assert crop_fields(record, (64, 48), 32, 0.0, 0.0, flip=False)["crop_top_left"].tolist() == [0, 0]
     assert crop_fields(record, (64, 48), 32, 1.0, 0.0, flip=False)["crop_top_left"].tolist() == [0, 11]
-    ids = sdxl.time_ids(plain["original_size"][None], plain["crop_top_left"][None], (32, 32))
+    ids = time_ids(plain["original_size"][None], plain["crop_top_left"][None], (32, 32))
     assert ids.tolist() == [[48.0, 64.0, 0.0, 6.0, 32.0, 32.0]]
 
 
@@ -78,10 +77,11 @@ def test_original_size_is_the_file_size_even_when_jpeg_decodes_smaller(tmp_path)
     assert batch["original_size"].shape == (2, 2) and batch["crop_top_left"].dtype == torch.long
 
 
-# ------------------------------------------------------------------------------------------- the family
+# ------------------------------------------------------------------------------------------- the model
 
 
 def test_builtin_is_sdxl_shaped_and_tiny(built):
+    assert type(built) is Sdxl and built.card is SDXL_CARD
     assert built.trainable.config.addition_embed_type == "text_time"
     assert sum(p.numel() for p in built.trainable.parameters()) < 500_000
     assert built.prediction_type == "epsilon"  # SDXL base's own schedule
@@ -91,13 +91,13 @@ def test_builtin_is_sdxl_shaped_and_tiny(built):
 
 
 def test_encode_and_loss_shapes_and_gradients(built):
-    encoded = sdxl.encode_batch(built, _batch(torch.rand(2, 3, 32, 32) * 2 - 1))
+    encoded = built.encode_batch(_batch(torch.rand(2, 3, 32, 32) * 2 - 1))
     assert encoded["latent_mean"].shape == (2, 4, 16, 16)
     assert encoded["encoder_hidden_states"].shape == (2, 77, 32 + 48)  # both encoders' penultimate states
     assert encoded["text_embeds"].shape == (2, 48)  # text_encoder_2's projection
     assert encoded["time_ids"].tolist() == [[48, 64, 0, 6, 32, 32], [32, 32, 0, 0, 32, 32]]
     built.trainable.zero_grad(set_to_none=True)
-    value = sdxl.loss(built, built.trainable, encoded, seed=0, step=1)
+    value = built.loss(built.trainable, encoded, seed=0, step=1)
     value.backward()
     assert torch.isfinite(value) and value.ndim == 0
     assert built.trainable.add_embedding.linear_1.weight.grad.abs().sum() > 0  # time ids + pooled reach the UNet
@@ -108,39 +108,39 @@ def test_conditioning_changes_the_prediction(built):
     """Different crops and different pooled text give different losses: the extra inputs are really used."""
     batch = _batch(torch.rand(2, 3, 32, 32) * 2 - 1)
     with torch.no_grad():
-        encoded = sdxl.encode_batch(built, batch)
-        base = sdxl.loss(built, built.trainable, encoded, 0, 1)
+        encoded = built.encode_batch(batch)
+        base = built.loss(built.trainable, encoded, 0, 1)
         moved = dict(encoded, time_ids=encoded["time_ids"] + torch.tensor([0, 0, 8, 8, 0, 0]))
-        assert not torch.equal(sdxl.loss(built, built.trainable, moved, 0, 1), base)
-        assert torch.equal(sdxl.loss(built, built.trainable, encoded, 0, 1), base)  # deterministic
+        assert not torch.equal(built.loss(built.trainable, moved, 0, 1), base)
+        assert torch.equal(built.loss(built.trainable, encoded, 0, 1), base)  # deterministic
 
 
 def test_cached_tensors_give_the_same_encoding(built):
-    """A batch from the cache (posterior + the family's TEXT_CACHE_TENSORS) encodes like one from pixels."""
+    """A batch from the cache (posterior + the card's text_tensors) encodes like one from pixels."""
     batch = _batch(torch.rand(2, 3, 32, 32) * 2 - 1)
-    fresh = sdxl.encode_batch(built, batch)
-    stored = sdxl.cache_text_tensors(built, batch["caption"])
-    assert tuple(stored) == sdxl.TEXT_CACHE_TENSORS
+    fresh = built.encode_batch(batch)
+    stored = built.encode_text(batch["caption"])
+    assert tuple(stored) == SDXL_CARD.text_tensors
     cached = {k: v for k, v in batch.items() if k != "pixel_values"}
     cached.update(stored, latent_mean=fresh["latent_mean"], latent_std=fresh["latent_std"])
-    again = sdxl.encode_batch(built, cached)
+    again = built.encode_batch(cached)
     assert all(torch.equal(fresh[k], again[k]) for k in fresh)
 
 
 def test_v_prediction_override(tmp_path):
     built = build_model(SdxlModelSpec(family="sdxl", prediction="v_prediction"), CACHE_DIR, "cpu")
     assert built.prediction_type == "v_prediction" and built.noise_scheduler.config.prediction_type == "v_prediction"
-    encoded = sdxl.encode_batch(built, _batch(torch.rand(2, 3, 32, 32) * 2 - 1))
-    assert torch.isfinite(sdxl.loss(built, built.trainable, encoded, 0, 1))
+    encoded = built.encode_batch(_batch(torch.rand(2, 3, 32, 32) * 2 - 1))
+    assert torch.isfinite(built.loss(built.trainable, encoded, 0, 1))
 
 
 def test_sample_and_export_reload_with_the_sdxl_pipeline(built, tmp_path):
     from diffusers import StableDiffusionXLPipeline
 
-    images = sdxl.sample(built, built.trainable, ["a red circle", "a blue square"], SampleSpec(steps=2), 32)
+    images = built.sample(built.trainable, ["a red circle", "a blue square"], SampleSpec(steps=2), 32)
     assert [image.size for image in images] == [(32, 32), (32, 32)] and built.trainable.training
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
-    out = sdxl.export(built, state, tmp_path / "export")
+    out = built.export(state, tmp_path / "export")
     pipeline = StableDiffusionXLPipeline.from_pretrained(out)
     assert torch.equal(pipeline.unet.state_dict()["conv_in.weight"], state["conv_in.weight"])
     result = pipeline(
@@ -165,23 +165,22 @@ def test_folder_problems_are_named(tmp_path):
     config = json.loads((broken / "unet" / "config.json").read_text())
     (broken / "unet" / "config.json").write_text(json.dumps(dict(config, cross_attention_dim=32)))
     with pytest.raises(FamilyError, match="cross_attention_dim 32 != text_encoder hidden_size \\+ text_encoder_2"):
-        sdxl.check_sdxl_folder(broken)
+        build_model(SdxlModelSpec(family="sdxl", pretrained=str(broken)), CACHE_DIR, "cpu")
     shutil.rmtree(broken / "tokenizer_2")
     with pytest.raises(FamilyError, match="missing subfolder tokenizer_2/"):
-        sdxl.check_sdxl_folder(broken)
+        build_model(SdxlModelSpec(family="sdxl", pretrained=str(broken)), CACHE_DIR, "cpu")
 
 
-def test_text_cache_hooks_and_keys():
+def test_text_cache_tensors_and_keys():
     """sdxl's text entries hold both tensors and are keyed by both encoders; sd's keys are what they always were."""
     from dstune.cache.entries import key_of, text_key
-    from dstune.families import get_family
 
-    hooks = sdxl.FAMILY.text_cache
-    assert hooks.tensors == ("encoder_hidden_states", "text_embeds") and "text_encoder_2" in hooks.folders
-    assert get_family("sd").text_cache.folders == ("text_encoder", "tokenizer")
-    sd_key = text_key("a cat", "f" * 64, "float32")
+    assert SDXL_CARD.text_tensors == ("encoder_hidden_states", "text_embeds")
+    assert "text_encoder_2" in SDXL_CARD.text_cache_folders
+    assert SD_CARD.text_cache_folders == ("text_encoder", "tokenizer")
+    sd_key = text_key("a cat", "f" * 64, "float32", SD_CARD.text_tensors)
     assert sd_key == key_of({"kind": "text", "caption": "a cat", "text_encoder": "f" * 64, "dtype": "float32"})
-    assert text_key("a cat", "f" * 64, "float32", hooks.tensors) != sd_key
+    assert text_key("a cat", "f" * 64, "float32", SDXL_CARD.text_tensors) != sd_key
 
 
 def test_lora_trains_only_adapters_and_exports_a_file_the_sdxl_pipeline_loads(tmp_path):
@@ -191,13 +190,13 @@ def test_lora_trains_only_adapters_and_exports_a_file_the_sdxl_pipeline_loads(tm
 
     spec = SdxlModelSpec(family="sdxl", train="lora", lora={"rank": 4})
     built = build_model(spec, CACHE_DIR, "cpu")
-    apply_train_mode(built.trainable, spec, seed=0, family=sdxl.FAMILY)
-    encoded = sdxl.encode_batch(built, _batch(torch.rand(2, 3, 32, 32) * 2 - 1))
-    sdxl.loss(built, built.trainable, encoded, 0, 1).backward()
+    apply_train_mode(built, spec, seed=0)
+    encoded = built.encode_batch(_batch(torch.rand(2, 3, 32, 32) * 2 - 1))
+    built.loss(built.trainable, encoded, 0, 1).backward()
     trained = [name for name, p in built.trainable.named_parameters() if p.grad is not None]
     assert trained and all(".lora_" in name for name in trained)
     state = {k: v + 0.01 if ".lora_B." in k else v for k, v in built.trainable.state_dict().items()}
-    out = export_lora(sdxl.FAMILY, built, state, tmp_path / "lora", spec)
+    out = export_lora(built, state, tmp_path / "lora", spec)
     assert (out / LORA_WEIGHT_FILE).is_file()
     pipeline = StableDiffusionXLPipeline.from_pretrained(tiny.ensure_builtin_model("tiny-sdxl", CACHE_DIR))
     pipeline.load_lora_weights(out)

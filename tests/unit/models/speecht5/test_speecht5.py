@@ -1,30 +1,29 @@
-"""The speecht5 family without a process group: labels padded with -100 to a multiple of the reduction factor,
-layerdrop off, speaker vectors from a file or the fixed default, the loss falling, export with 0-dim parameters."""
+"""SpeechT5 (its card and class, dstune.models.speecht5) without a process group: labels padded with -100 to a
+multiple of the reduction factor, layerdrop off, speaker vectors from a file or the fixed default, the loss falling,
+export with 0-dim parameters."""
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from dstune.pretrained import build_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.models.speecht5 import family as speecht5
+from dstune.models.speecht5.card import SPEECHT5_CARD
+from dstune.models.speecht5.model import SpeechT5
 from dstune.families.base import FamilyError
 from dstune.builtin import ensure_builtin_model
 from dstune.spec.models import DataSpec
 from dstune.models.speecht5.spec import SpeechT5ModelSpec
+from loaded_models import CACHE_DIR
 
 pytest.importorskip("sentencepiece")
 
 
 @pytest.fixture(scope="module")
 def cache_dir():
-    cache = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
-    ensure_builtin_model("builtin:tiny-speecht5", cache)
-    return cache
+    ensure_builtin_model("builtin:tiny-speecht5", CACHE_DIR)
+    return CACHE_DIR
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +41,11 @@ def _batch(built, speakers=None):
 
 
 def test_labels_are_minus_100_padded_to_the_reduction_factor(built):
+    assert type(built) is SpeechT5 and built.card is SPEECHT5_CARD
     config = built.trainable.config
     assert config.encoder_layerdrop == 0.0 and config.decoder_layerdrop == 0.0
     batch = _batch(built)
-    encoded = speecht5.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     labels = encoded["labels"]
     assert labels.shape[1] % config.reduction_factor == 0 and labels.shape[2] == config.num_mel_bins
     frames = [int((row != -100).all(-1).sum()) for row in labels]
@@ -56,11 +56,11 @@ def test_labels_are_minus_100_padded_to_the_reduction_factor(built):
 
 
 def test_loss_falls(built):
-    encoded = speecht5.encode_batch(built, _batch(built))
+    encoded = built.encode_batch(_batch(built))
     optimizer = torch.optim.AdamW(built.trainable.parameters(), lr=3e-3)
     losses = []
     for step in range(6):
-        loss = speecht5.loss(built, built.trainable, encoded, 0, step)
+        loss = built.loss(built.trainable, encoded, 0, step)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -71,15 +71,15 @@ def test_loss_falls(built):
 def test_dropout_draws_are_a_function_of_seed_step_and_sample(built):
     """The loss of one batch at one step is the same however much random state the process used before (what a
     resumed run sees), and differs at another step (fresh dropout masks); the global RNG is left untouched."""
-    encoded = speecht5.encode_batch(built, _batch(built))
+    encoded = built.encode_batch(_batch(built))
     torch.manual_seed(1)
-    first = speecht5.loss(built, built.trainable, encoded, 7, 3).item()
+    first = built.loss(built.trainable, encoded, 7, 3).item()
     torch.rand(1000)  # another history of draws
     state = torch.get_rng_state()
-    again = speecht5.loss(built, built.trainable, encoded, 7, 3).item()
+    again = built.loss(built.trainable, encoded, 7, 3).item()
     assert torch.equal(torch.get_rng_state(), state)
     assert again == first
-    assert speecht5.loss(built, built.trainable, encoded, 7, 4).item() != first
+    assert built.loss(built.trainable, encoded, 7, 4).item() != first
 
 
 def test_speaker_vectors_from_a_file(cache_dir, tmp_path, built):
@@ -89,11 +89,11 @@ def test_speaker_vectors_from_a_file(cache_dir, tmp_path, built):
     with_file = build_model(
         SpeechT5ModelSpec(family="speecht5", speaker_embeddings=str(tmp_path / "spk.safetensors")), cache_dir, "cpu"
     )
-    encoded = speecht5.encode_batch(with_file, _batch(built, ["ann", "bob", "", "ann", "bob"]))
+    encoded = with_file.encode_batch(_batch(built, ["ann", "bob", "", "ann", "bob"]))
     assert torch.equal(encoded["speaker_embeddings"][0], torch.ones(16))
     assert torch.equal(encoded["speaker_embeddings"][2], with_file.speakers["default"])
     with pytest.raises(FamilyError, match="'carl'"):
-        speecht5.encode_batch(with_file, _batch(built, ["carl"] * 5))
+        with_file.encode_batch(_batch(built, ["carl"] * 5))
     save_file({"ann": torch.ones(8)}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(FamilyError, match="must have 16 values"):
         build_model(
@@ -102,9 +102,9 @@ def test_speaker_vectors_from_a_file(cache_dir, tmp_path, built):
 
 
 def test_bf16_runs_with_parameters_cast_as_deepspeed_does(cache_dir, built):
-    """DeepSpeed's bf16 casts parameters only: the family casts SpeechT5's fp32 buffers, or LayerNorm fails."""
+    """DeepSpeed's bf16 casts parameters only: the class casts SpeechT5's fp32 buffers, or LayerNorm fails."""
     half = build_model(SpeechT5ModelSpec(family="speecht5"), cache_dir, "cpu", torch.bfloat16)
     for parameter in half.trainable.parameters():
         parameter.data = parameter.data.to(torch.bfloat16)
-    encoded = speecht5.encode_batch(half, _batch(built), torch.bfloat16)
-    assert torch.isfinite(speecht5.loss(half, half.trainable, encoded, 0, 0))
+    encoded = half.encode_batch(_batch(built), torch.bfloat16)
+    assert torch.isfinite(half.loss(half.trainable, encoded, 0, 0))

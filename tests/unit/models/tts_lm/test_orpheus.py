@@ -1,11 +1,10 @@
-"""tts_lm with the orpheus layout on builtin:tiny-orpheus: SNAC codes in Orpheus's frame order, the loss equal to
-the causal-LM loss with labels built as Orpheus's fine-tuning script builds them, export and synthesis."""
+"""The codec-token TTS LM class (dstune.models.tts_lm) with the orpheus layout on builtin:tiny-orpheus: SNAC codes in
+Orpheus's frame order, the loss equal to the causal-LM loss with labels built as Orpheus's fine-tuning script builds
+them, export and synthesis."""
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,12 +12,13 @@ import torch
 
 from dstune.builtin import ensure_builtin_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.models.tts_lm import family as tts_lm
 from dstune.families.base import FamilyError
 from dstune.families.speech_codecs import decode_codes, encode_clip
 from dstune.pretrained import build_model
 from dstune.spec.models import DataSpec
+from dstune.models.tts_lm.model import TtsLm, audio_tokens
 from dstune.models.tts_lm.spec import TtsLmModelSpec
+from loaded_models import CACHE_DIR
 
 pytest.importorskip("snac")
 soundfile = pytest.importorskip("soundfile")
@@ -30,9 +30,8 @@ START_OF_HUMAN, END_OF_HUMAN, START_OF_AI, END_OF_AI, AUDIO_START = 128259, 1282
 
 @pytest.fixture(scope="module")
 def cache_dir():
-    cache = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
-    ensure_builtin_model("builtin:tiny-orpheus", cache)
-    return cache
+    ensure_builtin_model("builtin:tiny-orpheus", CACHE_DIR)
+    return CACHE_DIR
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +86,7 @@ def test_layout_is_read_from_the_folder_and_codes_follow_orpheus_frame_order(bui
     codes = encode_clip(built.codec, "snac", wave, 7, built.layout["frame_order"])
     with torch.no_grad():
         levels = built.codec.encode(wave.reshape(1, 1, -1).float())
-    assert tts_lm.audio_tokens(built.layout, codes).tolist() == orpheus_codes_list(levels)
+    assert audio_tokens(built.layout, codes).tolist() == orpheus_codes_list(levels)
     wave_back = decode_codes(built.codec, "snac", codes, built.layout["frame_order"])
     with torch.no_grad():
         reference = built.codec.decode(levels).reshape(-1).numpy()
@@ -96,7 +95,7 @@ def test_layout_is_read_from_the_folder_and_codes_follow_orpheus_frame_order(bui
 
 def test_loss_equals_the_causal_lm_loss_on_orpheus_labels(built, batch):
     """Loss parity: the batch padded as DataCollatorForSeq2Seq pads (labels -100), one token mean."""
-    encoded = tts_lm.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     rows = []
     for text, wave in zip(batch["texts"], batch["audio"]):
         with torch.no_grad():
@@ -109,7 +108,7 @@ def test_loss_equals_the_causal_lm_loss_on_orpheus_labels(built, batch):
     lm = built.trainable
     with torch.no_grad():
         reference = lm(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-        ours = tts_lm.loss(built, lm, encoded, 0, 0)
+        ours = built.loss(lm, encoded, 0, 0)
     assert torch.equal(encoded["labels"], labels) and torch.equal(encoded["attention_mask"], mask)
     assert abs(ours.item() - reference.item()) < 1e-5
 
@@ -123,17 +122,17 @@ def test_a_gptsovits_speaker_is_named_in_the_orpheus_prompt(built, tmp_path):
     (tmp_path / "metadata.list").write_text("wavs/a.wav|ann|en|Hello there.\nwavs/b.wav|bob|en|bob: Hi.\n")
     records, _ = speech_records(DataSpec(path=str(tmp_path / "metadata.list")))
     dataset = SpeechDataset(records, built.sample_rate)
-    encoded = tts_lm.encode_batch(built, collate_speech([dataset[0], dataset[1]]))
+    encoded = built.encode_batch(collate_speech([dataset[0], dataset[1]]))
     for row, spoken in enumerate(("ann: Hello there.", "bob: Hi.")):
         prompt = [START_OF_HUMAN] + built.tokenizer.encode(spoken, add_special_tokens=True) + [END_OF_TEXT]
         assert encoded["input_ids"][row, : len(prompt)].tolist() == prompt
 
 
 def test_export_synthesizes_with_snac(built, tmp_path):
-    out = tts_lm.export(built, built.trainable.state_dict(), tmp_path / "export")
+    out = built.export(built.trainable.state_dict(), tmp_path / "export")
     assert json.loads((out / "dstune_tts.json").read_text())["name"] == "orpheus"
     assert sorted(p.name for p in (out / "codec").iterdir()) == ["config.json", "pytorch_model.bin"]
-    clip = tts_lm.synthesize(out, "7", seconds=0.3, temperature=0.0)
+    clip = TtsLm.synthesize(out, "7", seconds=0.3, temperature=0.0, seed=0)
     assert clip.sample_rate == 24000 and 0 < clip.wave.size and np.isfinite(clip.wave).all()
     from dstune.cli import main
 
@@ -161,12 +160,12 @@ def test_added_text_tokens_grow_the_embeddings_and_survive_the_export(cache_dir,
     built = build_model(spec, cache_dir, "cpu")
     assert built.tokenizer.convert_tokens_to_ids(["bir", "şey"]) == [156938, 156939]
     assert built.trainable.get_input_embeddings().num_embeddings == 156940 == built.layout["vocab_size"]
-    encoded = tts_lm.encode_batch(built, {"index": [0], "texts": ["bir şey"], "audio": [torch.randn(4096) * 0.1]})
+    encoded = built.encode_batch({"index": [0], "texts": ["bir şey"], "audio": [torch.randn(4096) * 0.1]})
     assert 156939 in encoded["input_ids"][0].tolist()
-    loss = tts_lm.loss(built, built.trainable, encoded, 0, 0)
+    loss = built.loss(built.trainable, encoded, 0, 0)
     loss.backward()
     assert built.trainable.get_input_embeddings().weight.grad[156939].abs().sum() > 0
-    out = tts_lm.export(built, built.trainable.state_dict(), tmp_path / "export")
+    out = built.export(built.trainable.state_dict(), tmp_path / "export")
     again = build_model(
         TtsLmModelSpec(family="tts_lm", pretrained=str(out), codec="snac", added_tokens=["şey"]), cache_dir, "cpu"
     )
@@ -203,14 +202,14 @@ def test_lora_adapters_go_on_the_llama_with_the_installed_peft(cache_dir):
     """The LoRA path of tts_lm with the transformers and peft installed here (transformers >= 5.24's own
     add_adapter refuses peft < 0.22): adapters on q/k/v/o_proj only, only they trainable, untrained B = 0 so the
     loss is the base model's; a target that names no layer is refused naming the LM's class."""
-    from dstune.families import get_family
     from dstune.families.lora import apply_train_mode
 
     spec = TtsLmModelSpec(
         family="tts_lm", pretrained="builtin:tiny-orpheus", codec="snac", train="lora", lora={"rank": 4}
     )
-    lm = build_model(spec, cache_dir, "cpu").trainable
-    summary = apply_train_mode(lm, spec, seed=3, family=get_family("tts_lm"))
+    model = build_model(spec, cache_dir, "cpu")
+    summary = apply_train_mode(model, spec, seed=3)
+    lm = model.trainable
     trainable = [name for name, p in lm.named_parameters() if p.requires_grad]
     assert "training: LoRA rank 4" in summary and trainable
     assert all(".lora_A." in name or ".lora_B." in name for name in trainable)
@@ -230,7 +229,7 @@ def test_lora_adapters_go_on_the_llama_with_the_installed_peft(cache_dir):
         lora={"rank": 4, "target_modules": ["to_q"]},
     )
     with pytest.raises(FamilyError, match=r"model.lora.target_modules \['to_q'\]: .*Name layers of LlamaForCausalLM"):
-        apply_train_mode(build_model(wrong, cache_dir, "cpu").trainable, wrong, seed=3, family=get_family("tts_lm"))
+        apply_train_mode(build_model(wrong, cache_dir, "cpu"), wrong, seed=3)
 
 
 def test_codec_left_out_is_the_folders_in_validate_and_at_start_up(cache_dir):

@@ -1,11 +1,10 @@
-"""The tts_lm family without a process group: the built-in model, the token layout and its label mask, the loss
-falling on builtin:tones, sampling to WAV, export + reload + synthesis, the DAC codec path, layout mismatches."""
+"""The codec-token TTS LMs (their card and class, dstune.models.tts_lm) without a process group: the built-in model,
+the token layout and its label mask, the loss falling on builtin:tones, sampling to WAV, export + reload + synthesis,
+the DAC codec path, layout mismatches."""
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,12 +12,15 @@ import torch
 
 from dstune.pretrained import build_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.models.tts_lm import family as tts_lm
+from dstune.families.speech_codecs import decode_codes
+from dstune.models.tts_lm.card import TTS_LM_CARD
+from dstune.models.tts_lm.model import TtsLm
 from dstune.families.speech import save_wavs
 from dstune.families.base import FamilyError
 from dstune.builtin import ensure_builtin_model
 from dstune.spec.models import DataSpec, SampleSpec
 from dstune.models.tts_lm.spec import TtsLmModelSpec
+from loaded_models import CACHE_DIR
 
 soundfile = pytest.importorskip("soundfile")
 
@@ -26,9 +28,8 @@ soundfile = pytest.importorskip("soundfile")
 @pytest.fixture(scope="module")
 def cache_dir():
     """The tests' shared model cache (as tests/dist/harness.py): the built-in model is built once (~20 s)."""
-    cache = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
-    ensure_builtin_model("builtin:tiny-tts-lm", cache)
-    return cache
+    ensure_builtin_model("builtin:tiny-tts-lm", CACHE_DIR)
+    return CACHE_DIR
 
 
 @pytest.fixture(scope="module")
@@ -45,19 +46,18 @@ def batch(built):
 
 
 def test_builtin_is_tiny_and_codes_follow_the_sound(built):
+    assert type(built) is TtsLm and built.card is TTS_LM_CARD
+    assert built.codec_kind == "encodec" and built.layout["num_codebooks"] == 2
     assert sum(p.numel() for p in built.trainable.parameters()) < 300_000
     from dstune.data.audio import resample
     from dstune.data.synthetic import render_tones
 
-    codes = [
-        tts_lm.encode_clip(built.codec, "encodec", torch.from_numpy(resample(render_tones(d), 16000, 8000)), 2)
-        for d in "09"
-    ]
+    codes = [built.encode_clip(torch.from_numpy(resample(render_tones(d), 16000, 8000))) for d in "09"]
     assert codes[0].shape == (2, 7) and not torch.equal(codes[0], codes[1])
 
 
 def test_sequence_layout_masks_the_text_prefix(built, batch):
-    encoded = tts_lm.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     layout = built.layout
     for row, text in enumerate(batch["texts"]):
         prefix = len(text.encode()) + 1
@@ -73,18 +73,18 @@ def test_sequence_layout_masks_the_text_prefix(built, batch):
 
 def test_loss_falls_and_samples_change(built, batch, tmp_path):
     lm = built.trainable
-    before = tts_lm.sample(built, lm, ["12"], SampleSpec(seed=3), None)
+    before = built.sample(lm, ["12"], SampleSpec(seed=3), None)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=3e-3)
-    encoded = tts_lm.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     losses = []
     for step in range(25):
-        loss = tts_lm.loss(built, lm, encoded, 0, step)
+        loss = built.loss(lm, encoded, 0, step)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0
-    after = tts_lm.sample(built, lm, ["12"], SampleSpec(seed=3), None)
+    after = built.sample(lm, ["12"], SampleSpec(seed=3), None)
     assert len(before[0].wave) != len(after[0].wave) or not np.array_equal(before[0].wave, after[0].wave)
     folder = save_wavs(after, ["12"], tmp_path / "samples" / "step-000008.png")
     wave, rate = soundfile.read(folder / "00.wav")
@@ -95,11 +95,11 @@ def test_loss_falls_and_samples_change(built, batch, tmp_path):
 def test_export_reloads_and_synthesizes(built, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    out = tts_lm.export(built, built.trainable.state_dict(), tmp_path / "export")
+    out = built.export(built.trainable.state_dict(), tmp_path / "export")
     assert json.loads((out / "dstune_tts.json").read_text()) == built.layout
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in built.trainable.state_dict().items())
-    clip = tts_lm.synthesize(out, "7", seconds=0.2, temperature=0.0)
+    clip = TtsLm.synthesize(out, "7", seconds=0.2, temperature=0.0, seed=0)
     assert clip.sample_rate == 8000 and 0 < clip.wave.size <= 0.2 * 8000 and np.isfinite(clip.wave).all()
     from dstune.cli import main
 
@@ -149,10 +149,11 @@ def test_plain_lm_with_a_dac_codec_gets_audio_tokens_appended(tmp_path):
     )
     assert built.layout["audio_offset"] == 300 and built.layout["num_codebooks"] == 2
     assert built.trainable.get_input_embeddings().num_embeddings == 300 + 2 * 16 + 3
-    encoded = tts_lm.encode_batch(built, {"index": [0], "texts": ["hi"], "audio": [torch.randn(1600) * 0.1]})
-    assert torch.isfinite(tts_lm.loss(built, built.trainable, encoded, 0, 0))
-    codes = tts_lm.encode_clip(built.codec, "dac", torch.randn(1600) * 0.1, 2)
-    assert codes.shape == (2, 200) and tts_lm.decode_codes(built.codec, "dac", codes).size == 1600
+    encoded = built.encode_batch({"index": [0], "texts": ["hi"], "audio": [torch.randn(1600) * 0.1]})
+    assert torch.isfinite(built.loss(built.trainable, encoded, 0, 0))
+    assert built.codec_kind == "dac"
+    codes = built.encode_clip(torch.randn(1600) * 0.1)
+    assert codes.shape == (2, 200) and decode_codes(built.codec, "dac", codes).size == 1600
 
 
 def test_a_mimi_codec_trains_and_round_trips(tmp_path):
@@ -201,10 +202,11 @@ def test_a_mimi_codec_trains_and_round_trips(tmp_path):
     assert built.layout["num_codebooks"] == 2 and built.sample_rate == 24000
     assert built.trainable.get_input_embeddings().num_embeddings == 300 + 2 * 32 + 3
     wave = torch.randn(24000) * 0.1  # one second: 12.5 frames, rounded up
-    encoded = tts_lm.encode_batch(built, {"index": [0], "texts": ["hi"], "audio": [wave]})
-    assert torch.isfinite(tts_lm.loss(built, built.trainable, encoded, 0, 0))
-    codes = tts_lm.encode_clip(built.codec, "mimi", wave, 2)
-    assert codes.shape == (2, 13) and tts_lm.decode_codes(built.codec, "mimi", codes).size >= 24000
+    encoded = built.encode_batch({"index": [0], "texts": ["hi"], "audio": [wave]})
+    assert torch.isfinite(built.loss(built.trainable, encoded, 0, 0))
+    assert built.codec_kind == "mimi"
+    codes = built.encode_clip(wave)
+    assert codes.shape == (2, 13) and decode_codes(built.codec, "mimi", codes).size >= 24000
 
 
 def test_missing_codec_and_mismatched_layout_are_clear_errors(cache_dir, tmp_path):

@@ -1,15 +1,13 @@
-"""tts_codebooks on builtin:tiny-vibevoice (transformers' VibeVoiceForConditionalGeneration with its acoustic
-tokenizer and VibeVoiceProcessor): dstune's loss equals the class's own loss (its LM loss from the labels and its
-compute_diffusion_loss, weighted by diffusion_loss_weight) from the processor's audio values, on the same draws;
-the text labels are the next token and each latent is diffused from the state before its own placeholder (the one
-generate conditions on), never from a state that has seen it; the codec cache holds the class's own latents;
-"Speaker N:" scripts become the chat template's turns; full and LoRA exports load with the class and its processor
-and generate a WAV, also in the voice of a reference clip."""
+"""VibeVoice (its card and class, dstune.models.vibevoice, on the multi-codebook core) on builtin:tiny-vibevoice
+(transformers' VibeVoiceForConditionalGeneration with its acoustic tokenizer and VibeVoiceProcessor): dstune's loss
+equals the class's own loss (its LM loss from the labels and its compute_diffusion_loss, weighted by
+diffusion_loss_weight) from the processor's audio values, on the same draws; the text labels are the next token and
+each latent is diffused from the state before its own placeholder (the one generate conditions on), never from a state
+that has seen it; the codec cache holds the class's own latents; "Speaker N:" scripts become the chat template's
+turns; full and LoRA exports load with the class and its processor and generate a WAV, also in the voice of a
+reference clip."""
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,13 +15,14 @@ import torch
 
 from dstune.builtin import ensure_builtin_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
-from dstune.families import get_family
+from dstune.families import card_of
 from dstune.families.randomness import sample_seed
-from dstune.models.csm import family as tts_codebooks
 from dstune.spec.speech_models import CodebooksModelSpec
-from dstune.models.vibevoice import model as tts_vibevoice
+from dstune.models.vibevoice.card import VIBEVOICE_CARD
+from dstune.models.vibevoice.model import DIFFUSION_PURPOSE, TRAIN_KEYS, VibeVoice, turns
 from dstune.pretrained import build_model
 from dstune.spec.models import DataSpec
+from loaded_models import CACHE_DIR
 
 soundfile = pytest.importorskip("soundfile")
 SEED, STEP = 7, 3
@@ -31,8 +30,7 @@ SEED, STEP = 7, 3
 
 @pytest.fixture(scope="module")
 def folder():
-    cache = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
-    return ensure_builtin_model("builtin:tiny-vibevoice", cache), cache
+    return ensure_builtin_model("builtin:tiny-vibevoice", CACHE_DIR), CACHE_DIR
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +75,18 @@ def class_loss(model, processor, encoded, audio, rows, seed, condition=None):
         padding_mask=values["padding_mask"],
         acoustic_loss_mask=None if condition is False else condition[rows, :length],
         sample=False,
-        ddpm_batch_multiplier=tts_vibevoice.DDPM_BATCH_MULTIPLIER,
+        ddpm_batch_multiplier=VIBEVOICE_CARD.noise_draws,
         num_diffusion_steps=1000,
     ).loss
 
 
 def draw_seed(encoded, row):
-    return sample_seed(SEED, STEP, int(encoded["indices"][row]), tts_vibevoice.DIFFUSION_PURPOSE)
+    return sample_seed(SEED, STEP, int(encoded["indices"][row]), DIFFUSION_PURPOSE)
+
+
+def test_the_folder_is_vibevoices(folder, built):
+    assert card_of("tts_codebooks", folder[0]) is VIBEVOICE_CARD
+    assert type(built) is VibeVoice and built.card is VIBEVOICE_CARD
 
 
 def test_loss_equals_the_classs_own_lm_and_diffusion_loss_on_the_same_draws(folder, built, batch):
@@ -91,14 +94,14 @@ def test_loss_equals_the_classs_own_lm_and_diffusion_loss_on_the_same_draws(fold
     batch: the class's LM loss over the batch, and each sample's diffusion loss (the class's, weight 1) averaged
     over the batch's latents, weighted as the class weights them."""
     model, processor = whole_vibevoice(folder[0])
-    encoded = tts_codebooks.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     weight = model.config.diffusion_loss_weight
     assert 0 < weight < 1
     with torch.no_grad():
-        ours = tts_codebooks.loss(built, built.trainable, encoded, SEED, STEP).item()
+        ours = built.loss(built.trainable, encoded, SEED, STEP).item()
         for row in range(3):
-            single = tts_codebooks.encode_batch(built, {k: v[row : row + 1] for k, v in batch.items()})
-            alone = tts_codebooks.loss(built, built.trainable, single, SEED, STEP).item()
+            single = built.encode_batch({k: v[row : row + 1] for k, v in batch.items()})
+            alone = built.loss(built.trainable, single, SEED, STEP).item()
             theirs = class_loss(model, processor, encoded, batch["audio"], [row], draw_seed(encoded, row))
             assert alone == pytest.approx(theirs.item(), rel=1e-5)
         lm = class_loss(model, processor, encoded, batch["audio"], range(3), 0, condition=False).item()
@@ -116,18 +119,16 @@ def test_loss_equals_the_classs_own_lm_and_diffusion_loss_on_the_same_draws(fold
 
 def test_the_draws_are_each_samples_own(built, batch):
     """The loss of a sample does not depend on which others share its micro batch, and moves with the step."""
-    encoded = tts_codebooks.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     with torch.no_grad():
         _, _, together = built.trainable(
-            **{k: encoded[k] for k in tts_vibevoice.TRAIN_KEYS},
+            **{k: encoded[k] for k in TRAIN_KEYS},
             seeds=torch.tensor([draw_seed(encoded, r) for r in range(3)]),
         )
-        first = tts_codebooks.encode_batch(built, {k: v[:1] for k, v in batch.items()})
-        _, _, alone = built.trainable(
-            **{k: first[k] for k in tts_vibevoice.TRAIN_KEYS}, seeds=torch.tensor([draw_seed(encoded, 0)])
-        )
-        again = tts_codebooks.loss(built, built.trainable, first, SEED, STEP)
-        later = tts_codebooks.loss(built, built.trainable, first, SEED, STEP + 1)
+        first = built.encode_batch({k: v[:1] for k, v in batch.items()})
+        _, _, alone = built.trainable(**{k: first[k] for k in TRAIN_KEYS}, seeds=torch.tensor([draw_seed(encoded, 0)]))
+        again = built.loss(built.trainable, first, SEED, STEP)
+        later = built.loss(built.trainable, first, SEED, STEP + 1)
     assert together.item() != pytest.approx(alone.item(), rel=1e-3)  # 3 samples' average, not the first's
     assert again.item() != pytest.approx(later.item(), rel=1e-6)
 
@@ -135,7 +136,7 @@ def test_the_draws_are_each_samples_own(built, batch):
 def test_text_labels_are_the_next_token(built, batch):
     """The class shifts the labels: its LM loss is the cross-entropy of logits[t] against ids[t + 1] over the
     labelled positions, not against ids[t] or ids[t + 2] (labels shifted one too few or too many)."""
-    encoded = tts_codebooks.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     model = built.trainable.model
     with torch.no_grad():
         out = model(**{k: encoded[k] for k in ("input_ids", "attention_mask", "labels")})
@@ -161,14 +162,14 @@ def test_each_latent_is_diffused_from_the_state_before_it(built, batch):
     which is where generate reads it (the prompt ends with the BOS). That state has not seen latent i (its gradient
     is zero), while the processor's mask (the placeholders themselves) reads a state that has seen it; a condition
     two positions back changes the loss too."""
-    encoded = tts_codebooks.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     model = built.trainable.model
     audio, condition = encoded["audio_mask"], encoded["condition_mask"]
     first = int(audio[0].nonzero()[0])
     assert (
         condition[0].nonzero()[0] == first - 1 and encoded["input_ids"][0, first - 1] == model.config.audio_bos_token_id
     )
-    prompt = tts_vibevoice.prompt_ids(built.processor, batch["texts"][0])
+    prompt = built.prompt_ids(batch["texts"][0])
     assert prompt[-1] == model.config.audio_bos_token_id and len(prompt) == first
 
     def hidden_gradient(mask):
@@ -185,7 +186,7 @@ def test_each_latent_is_diffused_from_the_state_before_it(built, batch):
     assert hidden_gradient(condition) == 0.0
     assert hidden_gradient(audio) > 0.0  # the processor's acoustic_loss_mask: the state has seen the latent
     seeds = torch.tensor([draw_seed(encoded, r) for r in range(3)])
-    keys = {k: encoded[k] for k in tts_vibevoice.TRAIN_KEYS if k != "condition_mask"}
+    keys = {k: encoded[k] for k in TRAIN_KEYS if k != "condition_mask"}
     two_back = torch.zeros_like(condition)
     two_back[:, :-2] = audio[:, 2:]
     with torch.no_grad():
@@ -197,10 +198,11 @@ def test_each_latent_is_diffused_from_the_state_before_it(built, batch):
 
 
 def test_speaker_scripts_become_the_templates_turns(built):
-    assert tts_vibevoice.turns("Speaker 1: Hi.\nSpeaker 2: Hello there.") == [("1", "Hi."), ("2", "Hello there.")]
-    assert tts_vibevoice.turns("plain  words", speaker="3") == [("3", "plain words")]
-    assert tts_vibevoice.turns("plain", speaker="alice") == [("0", "plain")]
-    text = built.processor.tokenizer.decode(tts_vibevoice.prompt_ids(built.processor, "Speaker 1: Hi.\nSpeaker 2: Yo."))
+    default = VIBEVOICE_CARD.default_speaker
+    assert turns("Speaker 1: Hi.\nSpeaker 2: Hello there.", "", default) == [("1", "Hi."), ("2", "Hello there.")]
+    assert turns("plain  words", "3", default) == [("3", "plain words")]
+    assert turns("plain", "alice", default) == [("0", "plain")]
+    text = built.processor.tokenizer.decode(built.prompt_ids("Speaker 1: Hi.\nSpeaker 2: Yo."))
     assert " Text input:\n Speaker 1: Hi.\n Speaker 2: Yo.\n Speech output:\n<|vision_start|>" in text
 
 
@@ -222,7 +224,7 @@ def test_codec_cache_holds_the_classs_own_latents(folder, built, batch, tmp_path
     with torch.no_grad():
         theirs = model.model.get_audio_features(values["input_values"], values["padding_mask"], sample=False)
     assert torch.allclose(torch.cat(cached), theirs.last_hidden_state, atol=1e-5)
-    from_cache = tts_codebooks.encode_batch(built, {**batch, "codes": cached})
+    from_cache = built.encode_batch({**batch, "codes": cached})
     assert torch.equal(from_cache["latents"], torch.cat(cached))
 
 
@@ -247,7 +249,7 @@ def test_export_loads_with_its_processor_and_generates_a_wav(folder, built, batc
         k: v.clone() + (0.01 if k.endswith("diffusion_head.cond_proj.weight") else 0.0)
         for k, v in built.trainable.state_dict().items()
     }
-    out = tts_codebooks.export(built, state, tmp_path / "export")
+    out = built.export(state, tmp_path / "export")
     model = VibeVoiceForConditionalGeneration.from_pretrained(out)
     name = "model.diffusion_head.cond_proj.weight"
     assert torch.equal(model.state_dict()[name], state["model." + name])
@@ -270,15 +272,14 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
         family="tts_codebooks", pretrained="builtin:tiny-vibevoice", train="lora", lora={"rank": 4}
     )
     lora_built = build_model(spec, folder[1], "cpu")
-    family = get_family("tts_codebooks")
-    apply_train_mode(lora_built.trainable, spec, 0, family, "peft")
+    apply_train_mode(lora_built, spec, 0, "peft")
     names = [n for n, p in lora_built.trainable.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n and "language_model" in n for n in names)
     with torch.no_grad():
         for name, param in lora_built.trainable.named_parameters():
             if "lora_B" in name:
                 param.fill_(0.01)
-    export_lora(family, lora_built, lora_built.trainable.state_dict(), tmp_path, spec)
+    export_lora(lora_built, lora_built.trainable.state_dict(), tmp_path, spec)
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     merged = VibeVoiceForConditionalGeneration.from_pretrained(tmp_path)
     base = VibeVoiceForConditionalGeneration.from_pretrained(folder[0])
@@ -294,7 +295,7 @@ def test_with_the_processors_labels_the_lm_learns_to_stop_speaking(folder, built
     make <audio EOS> the choice there; with dstune's labels the placeholder stays it."""
     from transformers import VibeVoiceForConditionalGeneration
 
-    encoded = tts_codebooks.encode_batch(built, batch)
+    encoded = built.encode_batch(batch)
     audio = encoded["audio_mask"]
     first = int(audio[0].nonzero()[0])  # the BOS before it conditions the first latent and predicts "continue"
     choices = {}
@@ -338,6 +339,4 @@ def test_a_folder_in_the_original_layout_is_refused_by_validate_and_start_up(tmp
     text = printed.out + printed.err
     assert "model.pretrained" in text and "original VibeVoice layout" in text
     with pytest.raises(FamilyError, match="original VibeVoice layout"):
-        tts_vibevoice.build(
-            CodebooksModelSpec(family="tts_codebooks", pretrained=str(folder)), {"pretrained": folder}, "cpu"
-        )
+        build_model(CodebooksModelSpec(family="tts_codebooks", pretrained=str(folder)), tmp_path / "cache", "cpu")
