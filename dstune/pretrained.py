@@ -135,7 +135,7 @@ def checkpoint_keys(path: Path) -> list[str]:
         if not isinstance(state, dict):
             raise ValueError(f"it holds a {type(state).__name__}, not a dict of tensors")
         return [str(key) for key in state]
-    except Exception as err:  # safetensors and torch raise their own error types for a damaged or foreign file
+    except Exception as err:  # noqa: BLE001 - safetensors and torch raise their own types for a damaged file
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise FamilyError(f"model.pretrained {path}: cannot read it as a {path.suffix} checkpoint ({first})") from None
 
@@ -178,7 +178,7 @@ def _convert_single_file(path: Path, base: Path, keys: list[str], family: str, l
                 components[name] = loader.from_pretrained(base, subfolder=name)
         try:
             pipeline = pipeline_class.from_single_file(str(path), config=str(base), local_files_only=True, **components)
-        except Exception as err:  # diffusers raises ValueError, KeyError, RuntimeError, its own errors by layout
+        except Exception as err:  # noqa: BLE001 - diffusers raises ValueError, KeyError, RuntimeError, its own ...
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise FamilyError(
                 f"model.pretrained {path}: diffusers could not load it with the configs of "

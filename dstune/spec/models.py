@@ -77,7 +77,7 @@ def lora_file_scheme(family: str, lora_format) -> tuple[str, str]:
 
 
 # Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since
-# DeepSpeed 0.19.3) fights with it, so their automatic clipping is 0.0 (FIELD_NOTES row 11).
+# DeepSpeed 0.19.3) fights with it, so their automatic clipping is 0.0.
 ADAFACTOR_STYLE = frozenset({"adafactor"})
 # Validation context key: "pending" while deepspeed.config may still give the batch numbers, "read" once it has.
 BATCH_FROM_FILE = "batch_from_deepspeed_config"

@@ -81,3 +81,20 @@ def test_user_docs_do_not_cite_notes_outside_the_repository():
         if OUTSIDE_REFERENCES.search(line)
     ]
     assert not found, "rewrite as self-contained statements:\n" + "\n".join(found)
+
+
+CODE_OUTSIDE_REFERENCES = re.compile(r"FIELD_NOTES|DESIGN\.md|shared/recipes|shared/reviews|\bissue \d+", re.I)
+
+
+def test_code_comments_do_not_cite_notes_outside_the_repository():
+    """A reader of dstune/ (or of the tests and benchmarks) has the repository, not the team's notes: a comment
+    states its reason instead of pointing at them."""
+    files = [path for folder in ("dstune", "tests", "bench") for path in sorted((REPO / folder).rglob("*.py"))]
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in files
+        if path != Path(__file__)
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if CODE_OUTSIDE_REFERENCES.search(line)
+    ]
+    assert not found, "state the reason in the comment:\n" + "\n".join(found)

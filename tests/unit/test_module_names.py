@@ -1,5 +1,5 @@
 """`deepspeed dstune/train.py` puts dstune/ first on sys.path, so a module there named like the standard library or
-a dependency (logging.py, types.py, torch.py ...) would replace it for the whole process (DESIGN.md 3.9)."""
+a dependency (logging.py, types.py, torch.py ...) would replace it for the whole process."""
 
 from __future__ import annotations
 
