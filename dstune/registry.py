@@ -19,7 +19,7 @@ from dstune.card import ModelCard, ModelPreset, load
 
 CARDS: tuple[str, ...] = (
     "dstune.models.sd.card:SD_CARD",
-    "dstune.models.sd.card:SDXL_CARD",
+    "dstune.models.sdxl.card:SDXL_CARD",
     "dstune.models.sd3_flux.card:SD3_CARD",
     "dstune.models.sd3_flux.card:FLUX_CARD",
     "dstune.models.qwen_image.card:QWEN_IMAGE_CARD",
@@ -45,7 +45,7 @@ CARDS: tuple[str, ...] = (
 # to the shared cores' sections in the spec's union on model.family.
 FAMILY_SECTIONS: tuple[str, ...] = (
     "dstune.models.sd.spec:SdModelSpec",
-    "dstune.models.sd.spec:SdxlModelSpec",
+    "dstune.models.sdxl.spec:SdxlModelSpec",
     "dstune.models.tts_lm.spec:TtsLmModelSpec",
     "dstune.models.speecht5.spec:SpeechT5ModelSpec",
 )

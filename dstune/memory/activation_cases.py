@@ -93,3 +93,46 @@ def attr(*names, **kinds):
         return found
 
     return lists
+
+
+# ------------------------------------------------------------------------------- the UNet models' measurements
+
+
+def unet_case(config: dict):
+    """A UNet measurement case's build: the UNet's structure with every channel count x heads / 10 (heads 2: a
+    fifth; a UNet with a list of head widths and transformer layers per block keeps 64-wide heads)."""
+
+    def build(heads, ffn_mult):
+        from diffusers import UNet2DConditionModel
+
+        def narrow(value: int) -> int:
+            return value * heads // 10
+
+        channels = [narrow(c) for c in config["block_out_channels"]]
+        settings = dict(config, block_out_channels=channels, cross_attention_dim=narrow(config["cross_attention_dim"]))
+        if "transformer_layers_per_block" in config:  # heads of 64 channels, and the pooled text + 6 time ids
+            settings["attention_head_dim"] = [max(1, narrow(h)) for h in config["attention_head_dim"]]
+            settings["projection_class_embeddings_input_dim"] = narrow(1280) + 6 * 256
+        return UNet2DConditionModel(**settings), channels[0], 0, 0
+
+    return build
+
+
+def unet_case_run(model, tokens, context, dtype):
+    """A UNet measurement case's step: `tokens` latent pixels (a square side), `context` text tokens; a text_time
+    UNet also gets pooled text and its six time ids."""
+    import torch
+
+    side = square_side(tokens)
+    latents = randn(1, 4, side, side, dtype=dtype)
+    text = randn(1, context, model.config.cross_attention_dim, dtype=dtype)
+    extra = {}
+    if model.config.addition_embed_type == "text_time":
+        pooled = model.config.projection_class_embeddings_input_dim - 6 * model.config.addition_time_embed_dim
+        extra = {
+            "added_cond_kwargs": {
+                "text_embeds": randn(1, pooled, dtype=dtype),
+                "time_ids": torch.tensor([[side * 8, side * 8, 0, 0, side * 8, side * 8]], dtype=dtype),
+            }
+        }
+    return lambda: mse(model(latents, torch.tensor([500]), text, **extra).sample)

@@ -95,6 +95,12 @@ def vae_downscale(vae_config: dict) -> Optional[int]:
     return None
 
 
+# The UNet models' LoRA files (output.lora_format, the default first -> the key scheme it is written in): their LoRAs
+# are exchanged and loaded (ComfyUI, A1111/Forge, diffusers) as kohya files; ComfyUI maps diffusers' UNet LoRA keys
+# only in diffusers' old attention-processor naming, so `comfyui` writes kohya's scheme too.
+UNET_LORA_FORMATS = {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"}
+
+
 class DenoiserModelBase(Section):
     """What every diffusion family's model section shares: full fine-tuning or LoRA of the
     denoiser (the UNet or transformer the family trains). Subclass it for a new diffusion family's model section.

@@ -46,7 +46,8 @@ from dstune.families import card_of, load_model
 from dstune.pretrained import resolve_folders
 from dstune.spec.models import DataSpec, FlowModelSpec, VideoModelSpec
 from dstune.spec.speech_models import CodebooksModelSpec
-from dstune.models.sd.spec import SdModelSpec, SdxlModelSpec
+from dstune.models.sd.spec import SdModelSpec
+from dstune.models.sdxl.spec import SdxlModelSpec
 from dstune.models.speecht5.spec import SpeechT5ModelSpec
 from dstune.models.tts_lm.spec import TtsLmModelSpec
 

@@ -18,7 +18,8 @@ from dstune.families.lora import LORA_WEIGHT_FILE, apply_train_mode, export_lora
 from dstune.pretrained import build_model
 from dstune.spec.load import SpecSource, validate_data
 from dstune.spec.models import SECTIONS_BY_FAMILY, FlowModelSpec
-from dstune.models.sd.spec import SdModelSpec, SdxlModelSpec
+from dstune.models.sd.spec import SdModelSpec
+from dstune.models.sdxl.spec import SdxlModelSpec
 from dstune.validate import validate_spec
 from dstune.world import world_from_flags
 from loaded_models import CACHE_DIR

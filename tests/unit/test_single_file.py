@@ -17,7 +17,8 @@ from dstune import builtin as tiny
 from dstune.families.base import FamilyError
 from dstune.pretrained import SINGLE_FILE_INFO, build_model
 from dstune.spec.models import FlowModelSpec
-from dstune.models.sd.spec import SdModelSpec, SdxlModelSpec
+from dstune.models.sd.spec import SdModelSpec
+from dstune.models.sdxl.spec import SdxlModelSpec
 from dstune.models.tts_lm.spec import TtsLmModelSpec
 from loaded_models import CACHE_DIR
 from original_layout import original_unet_state

@@ -21,7 +21,8 @@ from dstune.data.synthetic import render_shape
 from dstune import builtin as tiny
 from dstune.builtin.common import shapes_images, to_tensor
 from dstune.models.sd.card import SD_CARD
-from dstune.models.sd.model import Sd, min_snr_weights
+from dstune.families.unet_model import min_snr_weights
+from dstune.models.sd.model import Sd
 from dstune.families.base import FamilyError
 from dstune.spec.models import SampleSpec
 from dstune.models.sd.spec import SdModelSpec

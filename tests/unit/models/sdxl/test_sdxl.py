@@ -18,11 +18,12 @@ from dstune.pretrained import build_model
 from dstune.data.images import ImageCaptionDataset, collate, crop_fields, decoded_size
 from dstune.data.index import SampleRecord
 from dstune import builtin as tiny
-from dstune.models.sd.card import SD_CARD, SDXL_CARD
-from dstune.models.sd.model import Sdxl, time_ids
+from dstune.models.sd.card import SD_CARD
+from dstune.models.sdxl.card import SDXL_CARD
+from dstune.models.sdxl.model import Sdxl, time_ids
 from dstune.families.base import FamilyError
 from dstune.spec.models import DataSpec, SampleSpec
-from dstune.models.sd.spec import SdxlModelSpec
+from dstune.models.sdxl.spec import SdxlModelSpec
 from loaded_models import CACHE_DIR
 
 

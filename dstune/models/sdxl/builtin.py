@@ -18,6 +18,8 @@ from pathlib import Path
 
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, tiny_clip_config, tiny_clip_tokenizer
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import Case, unet_case, unet_case_run
+from dstune.memory.activations import unet_structure
 
 TINY_SDXL_SEED = 0
 TEXT_ENCODER_WIDTH, TEXT_ENCODER_2_WIDTH = 32, 48
@@ -96,4 +98,43 @@ TINY_SDXL = BuiltinModel(
     description="Stable-Diffusion-XL-shaped pipeline: two CLIP encoders, text_time UNet, 32 px, tiny-sd's VAE",
     build=build_tiny_sdxl,
     needs=("tiny-sd",),
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+
+SDXL_UNET = dict(
+    act_fn="silu",
+    addition_embed_type="text_time",
+    addition_time_embed_dim=256,
+    attention_head_dim=[5, 10, 20],
+    block_out_channels=[320, 640, 1280],
+    cross_attention_dim=2048,
+    down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    in_channels=4,
+    layers_per_block=2,
+    norm_num_groups=32,
+    out_channels=4,
+    projection_class_embeddings_input_dim=2816,
+    transformer_layers_per_block=[1, 2, 10],
+    up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    use_linear_projection=True,
+)
+
+
+ACTIVATION_CASES = (
+    Case(
+        "sdxl-unet",
+        "SDXL UNet (channels / 5)",
+        unet_case(SDXL_UNET),
+        unet_case_run,
+        sizes=((64, 77), (256, 77)),
+        check_size=(144, 77),
+        check_heads=1,
+        check_precision="fp32",
+        extra={"structure": unet_structure(SDXL_UNET)},
+    ),
 )

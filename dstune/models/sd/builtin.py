@@ -14,7 +14,7 @@ from dstune.builtin.common import (
 )
 from dstune.builtin.trained import TrainedPart, give_trained_weights
 from dstune.hf import quiet_hf_libraries
-from dstune.memory.activation_cases import Case, mse, randn, square_side
+from dstune.memory.activation_cases import Case, unet_case, unet_case_run
 from dstune.memory.activations import unet_structure
 
 
@@ -106,43 +106,6 @@ TINY_SD = BuiltinModel(
 # (docs/memory.md): the measured activation constants the memory plan uses for this model.
 
 
-def _unet(config: dict):
-    """The UNet's structure with every channel count x heads / 10 (heads 2: a fifth; SDXL keeps 64-wide heads)."""
-
-    def build(heads, ffn_mult):
-        from diffusers import UNet2DConditionModel
-
-        def narrow(value: int) -> int:
-            return value * heads // 10
-
-        channels = [narrow(c) for c in config["block_out_channels"]]
-        settings = dict(config, block_out_channels=channels, cross_attention_dim=narrow(config["cross_attention_dim"]))
-        if "transformer_layers_per_block" in config:  # SDXL: heads of 64 channels
-            settings["attention_head_dim"] = [max(1, narrow(h)) for h in config["attention_head_dim"]]
-            settings["projection_class_embeddings_input_dim"] = narrow(1280) + 6 * 256
-        return UNet2DConditionModel(**settings), channels[0], 0, 0
-
-    return build
-
-
-def _unet_run(model, tokens, context, dtype):
-    import torch
-
-    side = square_side(tokens)
-    latents = randn(1, 4, side, side, dtype=dtype)
-    text = randn(1, context, model.config.cross_attention_dim, dtype=dtype)
-    extra = {}
-    if model.config.addition_embed_type == "text_time":
-        pooled = model.config.projection_class_embeddings_input_dim - 6 * model.config.addition_time_embed_dim
-        extra = {
-            "added_cond_kwargs": {
-                "text_embeds": randn(1, pooled, dtype=dtype),
-                "time_ids": torch.tensor([[side * 8, side * 8, 0, 0, side * 8, side * 8]], dtype=dtype),
-            }
-        }
-    return lambda: mse(model(latents, torch.tensor([500]), text, **extra).sample)
-
-
 SD15_UNET = dict(
     act_fn="silu",
     attention_head_dim=8,
@@ -156,46 +119,16 @@ SD15_UNET = dict(
     up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
 )
 
-SDXL_UNET = dict(
-    act_fn="silu",
-    addition_embed_type="text_time",
-    addition_time_embed_dim=256,
-    attention_head_dim=[5, 10, 20],
-    block_out_channels=[320, 640, 1280],
-    cross_attention_dim=2048,
-    down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-    in_channels=4,
-    layers_per_block=2,
-    norm_num_groups=32,
-    out_channels=4,
-    projection_class_embeddings_input_dim=2816,
-    transformer_layers_per_block=[1, 2, 10],
-    up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-    use_linear_projection=True,
-)
-
-
 ACTIVATION_CASES = (
     Case(
         "sd15-unet",
         "SD 1.x/2.x UNet (SD 1.5 structure, channels / 5)",
-        _unet(SD15_UNET),
-        _unet_run,
+        unet_case(SD15_UNET),
+        unet_case_run,
         sizes=((64, 77), (256, 77)),
         check_size=(576, 77),
         check_heads=1,
         check_precision="fp32",
         extra={"structure": unet_structure(SD15_UNET)},
-    ),
-    Case(
-        "sdxl-unet",
-        "SDXL UNet (channels / 5)",
-        _unet(SDXL_UNET),
-        _unet_run,
-        sizes=((64, 77), (256, 77)),
-        check_size=(144, 77),
-        check_heads=1,
-        check_precision="fp32",
-        extra={"structure": unet_structure(SDXL_UNET)},
     ),
 )
