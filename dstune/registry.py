@@ -99,8 +99,9 @@ def checkpoint_layouts() -> dict[str, tuple[str, str]]:
 
 
 def activation_cases() -> tuple[str, ...]:
-    """The models' activation measurement cases, as "module:ATTRIBUTE" of tuples of activation_cases.Case."""
-    return tuple(card.activation_cases for card in cards() if card.activation_cases)
+    """The models' activation measurement cases, as "module:ATTRIBUTE" of tuples of activation_cases.Case (the
+    cards of one unit may name the same tuple)."""
+    return tuple(dict.fromkeys(card.activation_cases for card in cards() if card.activation_cases))  # a unit's once
 
 
 def family_classes(family: str) -> dict[str, Optional[float]]:

@@ -481,25 +481,24 @@ class FlowModel(TrainedModel):
 
     def cached_text_arguments(self, pipeline, prompt: dict, negative: dict) -> dict:
         """The pipeline call's arguments in place of `prompt`, from the prompts' cached text tensors (each (B, ...)
-        on the device) and those of the negative caption as many times, as the card's cached_text says."""
-        cached = self.card.cached_text
+        on the device) and those of the negative caption as many times, as the card's cached_text_* fields say."""
+        card = self.card
+        cached = card.cached_text_arguments
 
         def rows(tensors: dict) -> dict:
-            if cached.rows == "per_caption":  # each caption's own tokens, unpadded
+            if card.cached_text_rows == "per_caption":  # each caption's own tokens, unpadded
                 mask = tensors["encoder_attention_mask"].bool()
-                return {name: [e[m] for e, m in zip(tensors[name], mask)] for name in cached.arguments.values()}
-            if cached.rows == "trimmed":  # the tail that is padding in every row cut off
+                return {name: [e[m] for e, m in zip(tensors[name], mask)] for name in cached.values()}
+            if card.cached_text_rows == "trimmed":  # the tail that is padding in every row cut off
                 used = tensors["encoder_attention_mask"].bool().any(dim=0).nonzero()
                 keep = int(used.max()) + 1 if len(used) else tensors["encoder_attention_mask"].shape[1]
-                return {name: tensors[name][:, :keep] for name in cached.arguments.values()}
+                return {name: tensors[name][:, :keep] for name in cached.values()}
             return tensors
 
         prompt, negative = rows(prompt), rows(negative)
-        arguments = {argument: prompt[tensor] for argument, tensor in cached.arguments.items()}
-        if cached.negative:
-            arguments.update(
-                {f"negative_{argument}": negative[tensor] for argument, tensor in cached.arguments.items()}
-            )
+        arguments = {argument: prompt[tensor] for argument, tensor in cached.items()}
+        if card.cached_text_negative:
+            arguments.update({f"negative_{argument}": negative[tensor] for argument, tensor in cached.items()})
         return arguments
 
     def rendered(self, result):

@@ -1,6 +1,6 @@
 """The flow core's samples (sample.prompts during training): each model's own diffusers pipeline around the live
 transformer (no weight copy), from the prompts or, on a rank without text encoders (dstune.text_once), from the
-prompts' cached text (the card's cached_text).
+prompts' cached text (the card's cached_text_* fields).
 
     render(model, transformer_module, prompts, sample_spec, resolution) -> images, or clips (lists of frames)
 """
@@ -102,7 +102,7 @@ def cached_prompts(model, pipeline, prompts: list[str]) -> dict:
     tensors of one run all have one shape (training batches stack them)."""
     negative = model.card.negative_caption()
     missing = [caption for caption in [*prompts, negative] if caption not in model.prompt_text]
-    if model.card.cached_text is None or missing:
+    if not model.card.samples_from_cached_text or missing:
         raise FamilyError(
             f"samples: no cached text for {missing[:1] or prompts[:1]} and no text encoder on this rank "
             f"({model.card.pipeline_class}); this is a bug of dstune's start-up "

@@ -7,7 +7,7 @@ Torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
@@ -20,20 +20,6 @@ SpecIssues = list[tuple[str, str]]  # (dotted key, message): what the spec asks 
 # folder a model lacks adds nothing): up to three text encoders with their tokenizers, and a processor.
 IMAGE_TEXT_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3")
 IMAGE_TEXT_FOLDERS += ("processor",)
-
-
-@dataclass(frozen=True)
-class CachedText:
-    """How a model's pipeline takes a prompt's cached text tensors in place of the prompt: what samples render from
-    on a rank that loaded no text encoder (dstune.text_once). `arguments` maps the pipeline call's arguments to the
-    cached tensors; with `negative` the negative prompt's tensors go in `negative_<argument>` too. The rows are
-    given as cached, cut to the tokens some row uses (`trimmed`: the cache pads to max_sequence_length, the
-    pipeline's own encoding to the call's longest prompt), or each caption's own tokens as a list (`per_caption`,
-    a pipeline that takes unpadded embeddings)."""
-
-    arguments: dict[str, str]
-    negative: bool = True
-    rows: Literal["as_cached", "trimmed", "per_caption"] = "as_cached"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +36,15 @@ class PipelineCard(ModelCard):
     default_text_tokens: int = 512  # max_sequence_length when the spec leaves it out (its training example's)
     posterior_mode: bool = False  # its reference trainer takes the VAE posterior's mode, not a draw from it
     draws_sigma: bool = False  # its reference trainer draws sigma itself: no scheduler table (so no model.shift)
-    cached_text: Optional[CachedText] = None  # None: its samples encode their prompts (every rank keeps encoders)
+    # How its pipeline takes a prompt's cached text tensors in place of the prompt: what samples render from on a
+    # rank that loaded no text encoder (dstune.text_once). The pipeline call's arguments -> the cached tensors ({}:
+    # its samples encode their prompts, every rank keeps its encoders); with cached_text_negative the negative
+    # prompt's tensors go in `negative_<argument>` too; the rows are given as cached, cut to the tokens some row uses
+    # ("trimmed": the cache pads to max_sequence_length, the pipeline's own encoding to the call's longest prompt),
+    # or each caption's own tokens as a list ("per_caption", a pipeline that takes unpadded embeddings).
+    cached_text_arguments: dict[str, str] = field(default_factory=dict)
+    cached_text_negative: bool = True
+    cached_text_rows: Literal["as_cached", "trimmed", "per_caption"] = "as_cached"
     lora_formats: tuple[str, ...] = ("diffusers", "comfyui")  # output.lora_format values its LoRA loaders read
     lora_loader: str = ""  # what loads its LoRA files, named where a format is refused
     sampling_parts: tuple[str, ...] = ()  # frozen components loaded only while samples render
@@ -88,7 +82,7 @@ class PipelineCard(ModelCard):
     def samples_from_cached_text(self) -> bool:
         """Its samples render from the prompts' cached text, so with the text cache the text encoders load on one
         rank per node (dstune.families.denoiser_facts.text_once_per_node)."""
-        return self.cached_text is not None
+        return bool(self.cached_text_arguments)
 
     def negative_caption(self) -> str:
         """The negative prompt its samples encode: cached beside the sample prompts ("" for every pipeline that

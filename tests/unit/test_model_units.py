@@ -218,7 +218,7 @@ def _set_values(kind: type, value_of) -> dict[str, set[str]]:
 
 def fields_set_by_one_unit() -> dict[str, set[str]]:
     """'Type.field' -> the one unit that sets it, for every field of a shared card type (and of the shared
-    dataclasses held in card fields, such as CachedText) set by a single unit."""
+    dataclasses held in card fields) set by a single unit."""
     single = {}
     for kind in _shared_card_types():
         cards = [card for card in registry.cards() if isinstance(card, kind)]
@@ -245,14 +245,13 @@ def test_no_shared_card_field_is_set_by_only_one_unit():
 
 
 def test_the_count_finds_a_field_only_one_unit_sets():
-    from dstune.families.pipeline_card import CachedText
-
     @dataclasses.dataclass(frozen=True)
     class Holder:
         rows: str = "as_cached"
+        width: int = 0
 
-    assert _set_values(CachedText, lambda name: [("wan", "trimmed"), ("flux2", "as_cached")]).get("rows") == {"wan"}
-    assert _set_values(Holder, lambda name: [("a", "x"), ("b", "y")]) == {"rows": {"a", "b"}}
+    values = {"rows": [("wan", "trimmed"), ("flux2", "as_cached")], "width": [("a", 1), ("b", 2)]}
+    assert _set_values(Holder, values.get) == {"rows": {"wan"}, "width": {"a", "b"}}
 
 
 # ------------------------------------------------------------------------------ typed callables, not bare ones

@@ -10,7 +10,6 @@ from pathlib import Path
 from dstune.card import DEFAULT_LORA_TARGET_MODULES, ModelPreset, image, lora
 from dstune.families.flow_card import FlowCard
 from dstune.families.folders import read_component_config
-from dstune.families.pipeline_card import CachedText
 from dstune.memory.activations import ModelShape
 
 # attention (the default targets) and the GELU-gated MLP of every block
@@ -61,7 +60,8 @@ ERNIE_IMAGE_CARD = ErnieImageCard(
     text_tensors=("encoder_hidden_states", "encoder_attention_mask"),
     default_text_tokens=512,  # dstune's (the pipeline pads to the longest caption instead)
     posterior_mode=True,
-    cached_text=CachedText({"prompt_embeds": "encoder_hidden_states"}, rows="per_caption"),
+    cached_text_arguments={"prompt_embeds": "encoder_hidden_states"},
+    cached_text_rows="per_caption",
     lora_formats=("diffusers",),
     lora_loader="ErnieImagePipeline.load_lora_weights",
     activations="ernie-image",

@@ -10,7 +10,6 @@ from pathlib import Path
 from dstune.card import DEFAULT_LORA_TARGET_MODULES, ModelPreset, image, lora
 from dstune.families.flow_card import FlowCard, two_streams
 from dstune.families.folders import read_component_config
-from dstune.families.pipeline_card import CachedText
 
 LORA_TARGETS = (*DEFAULT_LORA_TARGET_MODULES, "to_qkv_mlp_proj")
 
@@ -65,7 +64,7 @@ FLUX2_KLEIN_CARD = Flux2Card(
     pipeline_class="Flux2KleinPipeline",
     components={"text_encoder": "Qwen3ForCausalLM", "tokenizer": None},
     text_layers=(9, 18, 27),  # Flux2KleinPipeline's text_encoder_out_layers default
-    cached_text=CachedText({"prompt_embeds": "encoder_hidden_states"}),
+    cached_text_arguments={"prompt_embeds": "encoder_hidden_states"},
     spec_notes={"model.max_sequence_length": "512 (FLUX.2 [klein])"},
     builtins={"tiny-flux2": "dstune.models.flux2.builtin:TINY_FLUX2"},
     presets=(
@@ -92,7 +91,8 @@ FLUX2_DEV_CARD = Flux2Card(
     pipeline_class="Flux2Pipeline",
     components={"text_encoder": "Mistral3ForConditionalGeneration", "tokenizer": None},
     text_layers=(10, 20, 30),  # Flux2Pipeline's (and train_dreambooth_lora_flux2.py's) default
-    cached_text=CachedText({"prompt_embeds": "encoder_hidden_states"}, negative=False),  # a distilled guidance
+    cached_text_arguments={"prompt_embeds": "encoder_hidden_states"},
+    cached_text_negative=False,  # a distilled guidance
     spec_notes={"model.max_sequence_length": "512 (FLUX.2 [dev])"},
     builtins={"tiny-flux2-dev": "dstune.models.flux2.builtin:TINY_FLUX2_DEV"},
     presets=(

@@ -14,7 +14,7 @@ from dstune.card import ModelPreset, lora, video
 from dstune.families.denoiser_facts import transformer_text_bytes
 from dstune.families.facts import Attention
 from dstune.families.folders import component_problems, read_component_config, read_model_index
-from dstune.families.pipeline_card import CachedText, SpecIssues
+from dstune.families.pipeline_card import SpecIssues
 from dstune.families.video_card import VideoCard
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.spec.video_models import expert_problems
@@ -239,14 +239,12 @@ HUNYUAN_VIDEO15_CARD = HunyuanVideo15Card(
     text_tensors=TEXT_TENSORS,
     text_cache_folders=("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"),  # Qwen2.5-VL, ByT5's glyphs
     default_text_tokens=1000,  # HunyuanVideo15Pipeline.tokenizer_max_length (after the template's crop)
-    cached_text=CachedText(
-        {
-            "prompt_embeds": "encoder_hidden_states",
-            "prompt_embeds_mask": "encoder_attention_mask",
-            "prompt_embeds_2": "encoder_hidden_states_2",
-            "prompt_embeds_mask_2": "encoder_attention_mask_2",
-        }
-    ),
+    cached_text_arguments={
+        "prompt_embeds": "encoder_hidden_states",
+        "prompt_embeds_mask": "encoder_attention_mask",
+        "prompt_embeds_2": "encoder_hidden_states_2",
+        "prompt_embeds_mask_2": "encoder_attention_mask_2",
+    },
     spec_notes={
         "model.max_sequence_length": "1000 (HunyuanVideo 1.5: Qwen2.5-VL tokens after its template; ByT5's glyph tokens "
         "stay 256)"

@@ -12,7 +12,6 @@ from typing import Optional
 from dstune.card import ModelPreset, image, lora
 from dstune.families.flow_card import FlowCard, joint_blocks
 from dstune.families.folders import read_component_config, read_model_index
-from dstune.families.pipeline_card import CachedText
 
 DEFAULT_TEXT_LAYERS = 12  # Krea2Pipeline's default taps (2, 5, ..., 35) of Qwen3-VL-4B
 DISTILLED_GUIDANCE = 0.0  # a Turbo folder (is_distilled) samples without classifier-free guidance
@@ -90,9 +89,8 @@ KREA2_CARD = Krea2Card(
     components={"text_encoder": "Qwen3VLModel", "tokenizer": None},
     vae_class="AutoencoderKLQwenImage",
     text_tensors=("encoder_hidden_states", "encoder_attention_mask"),
-    cached_text=CachedText(
-        {"prompt_embeds": "encoder_hidden_states", "prompt_embeds_mask": "encoder_attention_mask"}, rows="trimmed"
-    ),
+    cached_text_arguments={"prompt_embeds": "encoder_hidden_states", "prompt_embeds_mask": "encoder_attention_mask"},
+    cached_text_rows="trimmed",
     lora_formats=("diffusers",),
     lora_loader="Krea2Pipeline.load_lora_weights",
     activations="krea2",

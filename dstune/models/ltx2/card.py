@@ -22,7 +22,7 @@ from dstune.card import ModelPreset, lora, video
 from dstune.families.denoiser_facts import transformer_text_bytes
 from dstune.families.facts import Attention
 from dstune.families.folders import component_problems, read_component_config, read_model_index
-from dstune.families.pipeline_card import CachedText, SpecIssues
+from dstune.families.pipeline_card import SpecIssues
 from dstune.families.video_card import VideoCard, clip_buckets
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.spec.video_models import expert_problems
@@ -356,9 +356,7 @@ LTX2_CARD = Ltx2Card(
     posterior_mode=True,  # ltx-trainer's video encoder returns the normalised means
     draws_sigma=True,
     # the cache holds the connectors' outputs: the class hands the pipeline a stand-in for its connectors
-    cached_text=CachedText(
-        {"prompt_embeds": "encoder_hidden_states", "prompt_attention_mask": "encoder_attention_mask"}
-    ),
+    cached_text_arguments={"prompt_embeds": "encoder_hidden_states", "prompt_attention_mask": "encoder_attention_mask"},
     sampling_parts=("vocoder",),  # loaded for the pipeline that renders samples only (the audio VAE encodes the sound)
     spec_notes={"model.max_sequence_length": "1024 (LTX-2: Gemma 3 tokens)"},
     activation_cases="dstune.models.ltx2.builtin:ACTIVATION_CASES",

@@ -13,7 +13,7 @@ from dstune.card import ModelPreset, image, lora
 from dstune.families.facts import Attention
 from dstune.families.flow_card import FlowCard, control_images_missing, joint_blocks
 from dstune.families.folders import read_component_config
-from dstune.families.pipeline_card import CachedText, SpecIssues
+from dstune.families.pipeline_card import SpecIssues
 
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
 NEGATIVE = " "  # the negative prompt of true classifier-free guidance, as the model card samples
@@ -131,9 +131,8 @@ QWEN_IMAGE_CARD = QwenImageCard(
     folder_classes={"QwenImagePipeline": 4.0},
     pipeline_class="QwenImagePipeline",
     components={"text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": None},
-    cached_text=CachedText(
-        {"prompt_embeds": "encoder_hidden_states", "prompt_embeds_mask": "encoder_attention_mask"}, rows="trimmed"
-    ),
+    cached_text_arguments={"prompt_embeds": "encoder_hidden_states", "prompt_embeds_mask": "encoder_attention_mask"},
+    cached_text_rows="trimmed",
     builtins={"tiny-qwen-image": "dstune.models.qwen_image.builtin:TINY_QWEN_IMAGE"},
     presets=(
         ModelPreset(

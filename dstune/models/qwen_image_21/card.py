@@ -11,7 +11,6 @@ from pathlib import Path
 from dstune.card import ModelPreset, image, lora
 from dstune.families.flow_card import FlowCard
 from dstune.families.folders import read_component_config
-from dstune.families.pipeline_card import CachedText
 from dstune.memory.activations import ModelShape
 
 NEGATIVE = " "  # the negative prompt of true classifier-free guidance, as the model card samples
@@ -66,9 +65,8 @@ QWEN_IMAGE_21_CARD = QwenImage21Card(
     vae_class="AutoencoderKLQwenImage21",
     text_tensors=("encoder_hidden_states", "encoder_attention_mask"),
     default_text_tokens=512,  # the example sets no limit; a caption's tokens after the dropped system prompt
-    cached_text=CachedText(
-        {"prompt_embeds": "encoder_hidden_states", "prompt_embeds_mask": "encoder_attention_mask"}, rows="trimmed"
-    ),
+    cached_text_arguments={"prompt_embeds": "encoder_hidden_states", "prompt_embeds_mask": "encoder_attention_mask"},
+    cached_text_rows="trimmed",
     activations="qwen-image-21",
     activation_shape=one_stream_ratio,
     text_width_key="context_in_dim",

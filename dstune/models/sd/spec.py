@@ -9,6 +9,7 @@ from pydantic import Field
 
 from dstune.spec.model_sections import UNET_LORA_FORMATS, DenoiserModelBase
 
+
 class SdModelSpec(DenoiserModelBase):
     PRESET_RESOLUTION: ClassVar[int] = 512
     PRESET_NAME: ClassVar[str] = "Stable Diffusion 1.x's size"

@@ -10,7 +10,6 @@ from pathlib import Path
 from dstune.card import ModelPreset, image, lora
 from dstune.families.flow_card import FlowCard, joint_blocks, two_streams
 from dstune.families.folders import read_component_config
-from dstune.families.pipeline_card import CachedText
 
 CLIP_TOKENS = 77  # SD3's CLIP part of the prompt embeds is always the CLIP tokenizers' 77 tokens
 TEXT_TENSORS = ("encoder_hidden_states", "pooled_projections")
@@ -82,7 +81,7 @@ SD3_CARD = Sd3Card(
     },
     text_tensors=TEXT_TENSORS,
     default_text_tokens=77,
-    cached_text=CachedText(CACHED_TEXT),
+    cached_text_arguments=CACHED_TEXT,
     activations="sd3",
     activation_shape=joint_blocks,
     text_width_key="joint_attention_dim",
@@ -123,7 +122,8 @@ FLUX_CARD = FluxCard(
         "tokenizer_2": None,
     },
     text_tensors=TEXT_TENSORS,
-    cached_text=CachedText(CACHED_TEXT, negative=False),  # its guidance is the distilled embedding: no negative
+    cached_text_arguments=CACHED_TEXT,
+    cached_text_negative=False,  # its guidance is the distilled embedding: no negative
     activations="flux1",
     activation_shape=two_streams,
     text_width_key="joint_attention_dim",

@@ -16,7 +16,7 @@ from typing import Optional
 from dstune.card import ModelPreset, lora, video
 from dstune.families.denoiser_facts import embedding_width_bytes, latent_channels, transformer_text_bytes
 from dstune.families.folders import component_problems, read_component_config, read_model_index
-from dstune.families.pipeline_card import CachedText, SpecIssues
+from dstune.families.pipeline_card import SpecIssues
 from dstune.families.video_card import VideoCard, clip_volume
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.counts import vae_factor
@@ -232,7 +232,7 @@ WAN_CARD = WanCard(
     text_tensors=("encoder_hidden_states",),
     text_cache_folders=("text_encoder", "tokenizer"),  # UMT5
     default_text_tokens=512,  # WanPipeline.__call__'s max_sequence_length
-    cached_text=CachedText({"prompt_embeds": "encoder_hidden_states"}),
+    cached_text_arguments={"prompt_embeds": "encoder_hidden_states"},
     spec_notes={"model.max_sequence_length": "512 (Wan: UMT5 tokens, zero-padded as WanPipeline pads them)"},
     activation_cases="dstune.models.wan.builtin:ACTIVATION_CASES",
     builtins={

@@ -10,7 +10,6 @@ from pathlib import Path
 from dstune.card import ModelPreset, image
 from dstune.families.flow_card import FlowCard
 from dstune.families.folders import read_component_config
-from dstune.families.pipeline_card import CachedText
 from dstune.memory.activations import ModelShape
 
 
@@ -54,7 +53,8 @@ Z_IMAGE_CARD = ZImageCard(
     components={"text_encoder": "Qwen3Model", "tokenizer": None},
     text_tensors=("encoder_hidden_states", "encoder_attention_mask"),
     posterior_mode=True,
-    cached_text=CachedText({"prompt_embeds": "encoder_hidden_states"}, rows="per_caption"),
+    cached_text_arguments={"prompt_embeds": "encoder_hidden_states"},
+    cached_text_rows="per_caption",
     activations="z-image",
     activation_shape=single_stream,
     text_width_key="cap_feat_dim",
