@@ -8,7 +8,7 @@ model meets in at least one case, in far fewer cases than every combination. Two
 - one process (tests/unit/test_settings_matrix.py): the real start-up on one rank without DeepSpeed (validate_spec,
   load_trained_model with LoRA and the precision's cast, checked_records, prepare_caches, make_training_loader), then
   one batch through the model's encode_batch and loss, and backward; `run_case` here.
-- two ranks (tests/dist/test_settings_matrix.py): what only DeepSpeed and several ranks do: ZeRO 0, 2 and 3,
+- two ranks (tests/dist/test_settings_matrix_two_ranks.py): what only DeepSpeed and several ranks do: ZeRO 0, 2 and 3,
   gradient accumulation through the engine, caches built by both ranks; the whole `dstune train` path.
 
 A setting a model cannot take is not in its factors: `dstune validate` refuses it with the reason (REFUSALS, a test
@@ -428,7 +428,7 @@ def deepspeed_runs(models: list[str]) -> list[tuple[str, dict]]:
     """Two 2-rank runs per model: ZeRO 3 with a row of a pairwise design over the other DEEPSPEED_FACTORS (the rows
     handed out in turn), and ZeRO 0 or 2 (by blocks of len(rows) models, so that every row meets both) with that
     row's complement. So each model runs every value of every setting under DeepSpeed, its own options at both ends,
-    and the runs as made cover every pair of DEEPSPEED_FACTORS' values (tests/dist/test_settings_matrix.py checks
+    and the runs as made cover every pair of DEEPSPEED_FACTORS' values (tests/dist/test_settings_matrix_two_ranks.py checks
     both)."""
     from covering_array import pairwise
 

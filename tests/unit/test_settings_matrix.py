@@ -8,7 +8,7 @@ values meets in at least one case. Each case starts as a rank of `python dstune/
 (settings_matrix.run_case), and must give a finite loss, a gradient on every trainable parameter (or one the model
 itself leaves out, LEFT_OUT, with its reason), no warning from dstune's validate or code, and no traceback. The
 cases run in one child process (its printed output and warnings are the case's own); what needs DeepSpeed and two
-ranks (ZeRO stages, accumulation, caches built by ranks) is tests/dist/test_settings_matrix.py.
+ranks (ZeRO stages, accumulation, caches built by ranks) is tests/dist/test_settings_matrix_two_ranks.py.
 
 A setting a model cannot take is not in its design: `dstune validate` refuses it, with the reason (REFUSALS)."""
 
