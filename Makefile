@@ -71,5 +71,5 @@ golden-losses:
 	PYTHONPATH=$(CURDIR) $(PYTHON) tests/unit/test_golden_losses.py --regenerate
 
 docs:
-	$(PYTHON) -m dstune.spec.reference > docs/spec-reference.md
+	$(PYTHON) -m dstune.reference > docs/spec-reference.md
 	@echo "docs/spec-reference.md regenerated from dstune/spec/models.py"

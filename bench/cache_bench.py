@@ -54,14 +54,14 @@ def _spec(work: Path, resolution: int, batch: int, latents: bool) -> dict:
     }
 
 
-def _steps(family, built, loader, steps: int) -> float:
+def _steps(model, loader, steps: int) -> float:
     """Mean seconds per step after one warm-up step."""
-    optimizer = torch.optim.AdamW(built.trainable.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.trainable.parameters(), lr=1e-4)
     times, batches = [], iter(loader)
     for step in range(steps + 1):
         started = time.perf_counter()
-        encoded = family.encode_batch(built, next(batches), torch.float32)
-        family.loss(built, built.trainable, encoded, 7, step).backward()
+        encoded = model.encode_batch(next(batches), torch.float32)
+        model.loss(model.trainable, encoded, 7, step).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - started)
@@ -72,19 +72,17 @@ def step_times(work: Path, resolution: int, batch: int, steps: int) -> dict:
     from dstune.cache.datasets import CachedDataset, collate_cached
     from dstune.data import list_samples
     from dstune.data.images import ImageCaptionDataset, collate
-    from dstune.families import get_family
     from dstune.pretrained import build_model
     from dstune.spec.models import Spec
     from dstune.startup import prepare_caches
 
     spec = Spec.model_validate(_spec(work, resolution, batch, latents=True))
-    family = get_family("sd")
-    built = build_model(spec.model, spec.output.cache_dir, "cpu", torch.float32)
+    model = build_model(spec.model, spec.output.cache_dir, "cpu", torch.float32)
     records = list_samples(spec.data)
     run = SimpleNamespace(rank=0, world_size=1, node_rank=0, is_main=True)
     _say("building the cache in this process")
     with contextlib.redirect_stdout(sys.stderr):  # stdout holds only the table and the JSON line
-        caches, code = prepare_caches(run, spec, family, built, records)
+        caches, code = prepare_caches(run, spec, model, records)
     assert code == 0
     index = caches.images
     order = torch.Generator().manual_seed(0)
@@ -95,12 +93,12 @@ def step_times(work: Path, resolution: int, batch: int, steps: int) -> dict:
     cached = torch.utils.data.DataLoader(
         CachedDataset(spec.data, records, 7, index), batch_sampler=batches, collate_fn=collate_cached
     )
-    state = {k: v.clone() for k, v in built.trainable.state_dict().items()}
+    state = {k: v.clone() for k, v in model.trainable.state_dict().items()}
     _say("steps on the fly")
-    fly_s = _steps(family, built, fly, steps)
-    built.trainable.load_state_dict(state)
+    fly_s = _steps(model, fly, steps)
+    model.trainable.load_state_dict(state)
     _say("steps from the cache")
-    cached_s = _steps(family, built, cached, steps)
+    cached_s = _steps(model, cached, steps)
     return {"on_the_fly_step_s": fly_s, "cached_step_s": cached_s, "step_speedup": fly_s / cached_s}
 
 

@@ -99,16 +99,16 @@ def loader_rate(spec_path: Path, folder: Path, cached: bool) -> tuple[float, int
     spec, plan = resolved.spec, resolved.plan
     records = list_samples(spec.data)
     if cached:
-        from dstune.families import get_family
+        from dstune.families import card_of
         from dstune.startup import make_training_loader, prepare_caches
 
         run = SimpleNamespace(rank=0, world_size=1, node_rank=0, is_main=True)
-        family = get_family(spec.model.family)
+        card = card_of(spec.model.family, folder)
         with contextlib.redirect_stdout(sys.stderr):  # stdout holds only the table and the JSON line
-            caches, code = prepare_caches(run, spec, family, None, records, verify_only=True, model_folder=folder)
+            caches, code = prepare_caches(run, spec, None, records, verify_only=True, card=card, model_folder=folder)
         if code:
             raise SystemExit("the cache the cached training run built is incomplete")
-        loader, _ = make_training_loader(spec, plan, 0, family, None, records, caches, 0, 0)
+        loader, _ = make_training_loader(spec, plan, 0, None, records, caches, 0, 0)  # images: no model needed
     else:
         loader, _ = build_loader(spec.data, plan, 0, spec.train.seed, records)
     samples, started = 0, time.perf_counter()

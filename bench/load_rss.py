@@ -1,5 +1,5 @@
 """Host memory per rank while the trainable model is loaded, 1 rank vs 2: one copy per process at most, and under
-ZeRO-3 a partitioned build (issue 14, "one copy, not one per rank").
+ZeRO-3 a partitioned build ("one copy, not one per rank").
 
 Model: a diffusers pipeline folder (the built-in tiny-sd's VAE, text encoder, tokenizer and scheduler) with a
 random UNet of LOAD_UNET (~110 M parameters, 438 MB in fp32), built once into --model-dir (default

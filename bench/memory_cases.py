@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, env  # noqa: E402
 
 sys.path.insert(0, str(REPO))  # this checkout's dstune, not an installed one
-from dstune.models.wan.facts import sample_bytes as wan_sample_bytes  # noqa: E402
+from dstune.models.wan.card import sample_bytes as wan_sample_bytes  # noqa: E402
 from dstune.memory.activations import ModelShape, measured_sample_bytes  # noqa: E402
 from dstune.memory.plan import ModelCounts, Setup  # noqa: E402
 from dstune.memory.verdict import memory_json  # noqa: E402
@@ -170,7 +170,7 @@ def main() -> None:
         )
         show("same on 8 x 48 GB", counts, setup(2, lora=True), 48e9)
         params, largest, _ = counted(WAN_14B, folder)
-        # 81 frames -> 21 latent frames; 480x832 -> 30 x 52 patches; 512 umT5 tokens (model.family: wan's count)
+        # 81 frames -> 21 latent frames; 480x832 -> 30 x 52 patches; 512 umT5 tokens (model.family: video's count)
         full, checkpointed = wan_sample_bytes(WAN_14B, {}, (832, 480), 81, 512)
         counts = ModelCounts(
             "transformer",

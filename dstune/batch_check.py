@@ -1,4 +1,4 @@
-"""The pre-step batch checker (FIELD_NOTES rows 3 and 7).
+"""The pre-step batch checker: DeepSpeed's batch numbers, the plan's and every rank's loader agree before step 1.
 
 Before the first optimizer step, every rank reports what DeepSpeed really configured (micro batch, accumulation,
 global batch, data-parallel size), what its loader will really yield this epoch (micro batches, and the leading

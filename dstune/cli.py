@@ -252,13 +252,14 @@ def cmd_schema(args) -> int:
 
 
 def cmd_init(args) -> int:
-    from dstune.spec.reference import example_spec, model_spec
-    from dstune.spec.presets import MODEL_PRESETS, PRESETS_BY_NAME
+    from dstune import registry
+    from dstune.reference import example_spec, model_spec
 
     if args.model is not None and args.family is not None:
         raise UsageError("give --model or --family, not both (a model names its family)")
-    if args.model is not None and args.model not in PRESETS_BY_NAME:
-        listing = "\n".join(f"  {p.name:<16} {p.family:<9} {p.pretrained:<48} {p.title}" for p in MODEL_PRESETS)
+    presets = registry.presets()
+    if args.model is not None and args.model not in {p.name for p in presets}:
+        listing = "\n".join(f"  {p.name:<16} {p.family:<9} {p.pretrained:<48} {p.title}" for p in presets)
         print(
             f"models (--model NAME, family, published checkpoint, what it is):\n{listing}",
             file=sys.stdout if args.model == "list" else sys.stderr,

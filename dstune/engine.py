@@ -1,7 +1,8 @@
 """`wrap_model`: the only call to deepspeed.initialize.
 
 Only the trainable module goes to DeepSpeed; frozen companions (VAE, text encoders, codecs) stay outside ZeRO
-(diffusers PR #3076, FIELD_NOTES row 8). dstune builds the optimizer and the LR schedule itself from the spec, except
+(frozen modules inside deepspeed.initialize are partitioned and wrapped for nothing; diffusers' DeepSpeed training
+examples keep them out for that reason). dstune builds the optimizer and the LR schedule itself from the spec, except
 when DeepSpeed's own optimizer block is compiled in (Adam with optimizer offload uses DeepSpeed's fast CPU Adam).
 """
 

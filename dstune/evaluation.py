@@ -2,7 +2,7 @@
 at every evaluation, so two evaluations differ only because the weights did.
 
     held_out = make_held_out(spec.data, records, plan.micro_batch_size, seed)   # records: index_dataset(...).held_out
-    mean, count = evaluate(run, family, built, engine, held_out, dtype, offloaded)   # collective, every rank
+    mean, count = evaluate(run, model, engine, held_out, dtype, offloaded)   # collective, every rank
 
 Fixed draws: every random draw of the loss comes from sample_generator(seed, EVAL_STEP, index, purpose), where index
 is the sample's position in the held-out set; training steps are >= 0, so the held-out draws never repeat a
@@ -26,7 +26,7 @@ import torch
 from dstune.cache.latents import frozen_on_device
 from dstune.data.images import ImageCaptionDataset, collate
 from dstune.distributed import Run, all_gather_object
-from dstune.families.base import Family
+from dstune.families.base import TrainedModel
 from dstune.spec.models import DataSpec
 
 EVAL_STEP = -1  # the `step` of the held-out draws (see the module docstring)
@@ -81,16 +81,16 @@ def make_held_out(data: DataSpec, records: list, micro_batch_size: int, seed: in
 
 
 def batch_losses(
-    family: Family, built, forward, held_out: HeldOut, share: list[tuple[int, list[int]]], dtype: torch.dtype
+    model: TrainedModel, forward, held_out: HeldOut, share: list[tuple[int, list[int]]], dtype: torch.dtype
 ) -> list[tuple[int, float, int]]:
-    """(batch number, loss x samples, samples) for each real batch of `share`, under no_grad. The family's loss
+    """(batch number, loss x samples, samples) for each real batch of `share`, under no_grad. The model's loss
     is the mean over its batch, so loss x samples is the batch's sum."""
     out = []
     with torch.no_grad():
         for number, indices in share:
             batch = collate([held_out.dataset[index] for index in indices])
-            encoded = family.encode_batch(built, batch, dtype)
-            loss = family.loss(built, forward, encoded, held_out.seed, EVAL_STEP)
+            encoded = model.encode_batch(batch, dtype)
+            loss = model.loss(forward, encoded, held_out.seed, EVAL_STEP)
             if number >= 0:
                 out.append((number, float(loss.detach().double()) * len(indices), len(indices)))
     return out
@@ -107,18 +107,18 @@ def combine(per_batch: list[tuple[int, float, int]]) -> tuple[float, int]:
 
 
 def evaluate(
-    run: Run, family: Family, built, engine, held_out: HeldOut, dtype: torch.dtype, offloaded: list[str]
+    run: Run, model: TrainedModel, engine, held_out: HeldOut, dtype: torch.dtype, offloaded: list[str]
 ) -> tuple[float, int]:
     """Collective: the held-out loss with the current (trained, not EMA) weights, the same value on every rank.
     The model is in eval mode meanwhile (dropout off), and back in train mode after."""
     # the ranks of a sequence group compute the same batches together (their forward is one split forward)
     share = rank_share(held_out.batches, run.data_parallel_rank, run.data_parallel_size)
-    modules = list(built.trainable.modules())
+    modules = list(model.trainable.modules())
     training = [module.training for module in modules]  # restored as they were, frozen parts in eval included
-    built.trainable.eval()
+    model.trainable.eval()
     try:
-        with frozen_on_device(built, offloaded):
-            mine = batch_losses(family, built, engine, held_out, share, dtype)
+        with frozen_on_device(model, offloaded):
+            mine = batch_losses(model, engine, held_out, share, dtype)
     finally:
         for module, mode in zip(modules, training):
             module.training = mode

@@ -2,7 +2,7 @@
 
 One path for both the end of training and `dstune export RUN_DIR`: read the checkpoint DeepSpeed wrote (stages 1-3
 through DeepSpeed's own zero_to_fp32, which recovers the fp32 master weights even from bf16 runs; stage 0 from the
-model-states file), then hand the state dict to the family, which writes a diffusers / transformers folder.
+model-states file), then hand the state dict to the model's class, which writes a diffusers / transformers folder.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import torch
 from dstune.checkpoints.layout import STATE_FILE, CheckpointError, checkpoint_root, list_complete, read_latest, tag_for
 from dstune.checkpoints.store import only_tensors_unpickled
 from dstune.ema import consolidated_ema, overlay_ema
-from dstune.families import FAMILY_FACTS, get_family
+from dstune import registry
+from dstune.card import load
+from dstune.families import get_facts
 from dstune.families.base import FamilyError
 from dstune.families.lora import export_lora
 from dstune.pretrained import build_model
@@ -78,10 +80,11 @@ def export_checkpoint(
     run_dir: Path,
     step: Optional[int] = None,
     out_dir: Optional[Path] = None,
-    built=None,
+    model=None,
     lora_format: Optional[str] = None,
 ) -> Path:
-    """Write the export of one checkpoint; returns the folder. `built` may be passed to skip rebuilding the family;
+    """Write the export of one checkpoint; returns the folder. `model` (the run's, loaded) may be passed to skip
+    loading it again;
     `lora_format` (dstune export --lora-format) replaces the run's output.lora_format."""
     root, tag = find_checkpoint(Path(run_dir), step)
     saved = json.loads((root / tag / STATE_FILE).read_text())
@@ -90,9 +93,8 @@ def export_checkpoint(
     problem = lora_format_problem(spec.model.family, getattr(spec.model, "train", "full"), lora_format)
     if problem:
         raise ExportError(f"--lora-format {lora_format}: {problem}")
-    family = get_family(spec.model.family)
-    if built is None:
-        built = build_model(spec.model, spec.output.cache_dir, "cpu", torch.float32)
+    if model is None:
+        model = build_model(spec.model, spec.output.cache_dir, "cpu", torch.float32)
     state = consolidated_state_dict(
         root,
         tag,
@@ -103,9 +105,9 @@ def export_checkpoint(
     try:
         state, weights = _chosen_weights(root / tag, state, spec.train.ema)
         if getattr(spec.model, "train", "full") == "lora":
-            export_lora(family, built, state, out, spec.model, weights, lora_format)
+            export_lora(model, state, out, spec.model, weights, lora_format)
         else:
-            family.export(built, state, out)
+            model.export(state, out)
     except CheckpointError:
         raise
     except (ValueError, RuntimeError, OSError) as err:
@@ -124,20 +126,19 @@ def _chosen_weights(folder: Path, state: dict, ema_settings) -> tuple[dict, str]
 
 
 def speak(folder: Path, text: str, out_wav: Path, seconds: float, temperature: float, seed: int):
-    """`dstune synthesize`: speech for `text` from a speech family's export (the family whose `speaker` recognizes
-    the folder), written to `out_wav`; returns the clip. FamilyError naming the speech families otherwise."""
+    """`dstune synthesize`: speech for `text` from a speech model's export (the first speech model whose class says
+    the folder is its own), written to `out_wav`; returns the clip. FamilyError naming the speech models otherwise."""
     import soundfile
 
-    speech = [name for name, facts in FAMILY_FACTS.items() if facts.modality == "audio"]  # no image family imported
-    speakers = {name: get_family(name).speaker for name in speech}
-    speaker = next((s for s in speakers.values() if s is not None and s.recognizes(folder)), None)
+    cards = [card for card in registry.cards() if get_facts(card.family).modality == "audio"]  # no image class imported
+    speaker = next((card for card in cards if load(card.model_class).speaks_from(card, folder)), None)
     if speaker is None:
-        names = ", ".join(name for name, s in speakers.items() if s is not None)
+        names = ", ".join(card.name for card in cards)
         raise FamilyError(
-            f"{folder} is not an export dstune can speak from: it holds no model of the speech "
-            f"families ({names}). Point it at the export/ folder of a speech run."
+            f"{folder} is not an export dstune can speak from: it holds none of the speech models ({names}). Point "
+            "it at the export/ folder of a speech run."
         )
-    clip = speaker.synthesize(folder, text, seconds=seconds, temperature=temperature, seed=seed)
+    clip = load(speaker.model_class).synthesize(folder, text, seconds, temperature, seed)
     out_wav.parent.mkdir(parents=True, exist_ok=True)
     soundfile.write(str(out_wav), clip.wave, clip.sample_rate, subtype="FLOAT")
     return clip

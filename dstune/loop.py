@@ -1,4 +1,4 @@
-"""`train_loop`: next batch -> family.loss -> engine.backward -> engine.step -> EMA -> log -> save -> samples. One
+"""`train_loop`: next batch -> model.loss -> engine.backward -> engine.step -> EMA -> log -> save -> samples. One
 function, no callbacks: every step it takes is written in it.
 
 Every rank runs the same number of micro batches (the sampler guarantees it), so every collective below is reached by
@@ -25,7 +25,7 @@ from dstune.ema import Ema
 from dstune.engine import current_lr
 from dstune.optimizers import averaged_weights
 from dstune.evaluation import HeldOut, evaluate
-from dstune.families.base import Family
+from dstune.families.base import TrainedModel
 from dstune.families.samples import write_contact_sheet
 from dstune.interrupts import stop_requested
 from dstune.memory.record import MemoryRecorder, cuda_peak_bytes, peak_rss_bytes
@@ -51,8 +51,7 @@ class LoopContext:
     run: Run
     plan: Plan
     engine: object  # the DeepSpeed engine
-    family: Family
-    built: object  # the family's Built (trainable + frozen companions)
+    model: TrainedModel  # the model's class, loaded (its trainable module is the engine's)
     loader: object  # DataLoader over the GlobalBatchSampler
     sampler: object  # GlobalBatchSampler (set_epoch / position)
     run_dir: Path
@@ -83,15 +82,15 @@ def render_samples(ctx: LoopContext, step: int, metrics: MetricsFile) -> None:
         return
     with_ema = ctx.ema is not None and ctx.ema.use_for_export
     with (
-        frozen_on_device(ctx.built, ctx.offloaded),
+        frozen_on_device(ctx.model, ctx.offloaded),
         ctx.ema.weights_in_model() if with_ema else contextlib.nullcontext(),
     ):
-        outputs = ctx.family.sample(ctx.built, ctx.engine.module, prompts, ctx.sample_spec, ctx.resolution)
+        outputs = ctx.model.sample(ctx.engine.module, prompts, ctx.sample_spec, ctx.resolution)
     ctx.memory.mark("sample")
     if ctx.run.is_main:
         path = ctx.run_dir / "samples" / f"step-{step:06d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path = ctx.family.save_samples(outputs, prompts, path) or path  # audio families: a WAV folder
+        path = ctx.model.save_samples(outputs, prompts, path) or path  # speech models: a WAV folder
         metrics.samples(step, path)
         sheet = write_contact_sheet(
             path.parent, prompts, "EMA" if with_ema else "trained", read_metrics(ctx.run_dir / "metrics.jsonl")
@@ -137,15 +136,13 @@ def held_out_fields(ctx: LoopContext, display: ProgressDisplay, step: int) -> di
     if ctx.held_out is None or not ctx.held_out.due(step, ctx.plan.total_steps):
         return {}
     with averaged_weights(ctx.engine):  # schedule-free: its averaged weights (a no-op for other optimizers)
-        loss, count = evaluate(
-            ctx.run, ctx.family, ctx.built, ctx.engine, ctx.held_out, ctx.compute_dtype, ctx.offloaded
-        )
+        loss, count = evaluate(ctx.run, ctx.model, ctx.engine, ctx.held_out, ctx.compute_dtype, ctx.offloaded)
     display.message(f"held-out loss at step {step}: {loss:.5f} ({count} samples, data.eval)")
     return {"eval_loss": loss, "eval_samples": count}
 
 
 def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, metrics: MetricsFile) -> TrainState:
-    run, plan, engine, family = ctx.run, ctx.plan, ctx.engine, ctx.family
+    run, plan, engine, model = ctx.run, ctx.plan, ctx.engine, ctx.model
     _check_space_for_checkpoints(ctx)
     accumulation = plan.gradient_accumulation_steps
     loop_started = time.perf_counter()  # metrics' elapsed_s: wall time including logging and checkpoints
@@ -157,8 +154,8 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
         fetch_started = time.perf_counter()
         for batch in ctx.loader:
             data_wait += time.perf_counter() - fetch_started
-            encoded = family.encode_batch(ctx.built, batch, ctx.compute_dtype)
-            loss = family.loss(ctx.built, engine, encoded, ctx.seed, state.global_step)
+            encoded = model.encode_batch(batch, ctx.compute_dtype)
+            loss = model.loss(engine, encoded, ctx.seed, state.global_step)
             engine.backward(loss)
             loss_sum += float(loss.detach().float())
             micro_in_step += 1
@@ -198,7 +195,7 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                         "data_wait_fraction": data_wait / max(step_seconds, 1e-9),
                         "elapsed_s": time.perf_counter() - loop_started,
                         **held_out,
-                        **(memory_fields(ctx.built.device) if run.is_main else {}),
+                        **(memory_fields(model.device) if run.is_main else {}),
                         "peak_memory_bytes": ctx.memory.peak_bytes(),
                         "predicted_memory_bytes": ctx.memory.predicted_bytes(),
                     }

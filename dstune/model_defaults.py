@@ -3,9 +3,10 @@ out, and the model section's own folder-decided keys (a tts_lm codec) (torch-fre
 
     with_model_defaults(spec) -> (spec with both filled in, where the resolution came from, where the guidance did)
 
-The model's own section (dstune/spec/) says how its pipeline picks its default size from the folder's config files;
-this module only finds those files (dstune.memory.counts.config_folder: a built-in model's stored configs, a local
-folder, the local Hugging Face cache, the configs stored with dstune) and applies the answer.
+The model's card (dstune.card) says its pipeline's sampling guidance and, where its pipeline fixes one in its code, its
+frame size; the model section (dstune/spec/) how a pipeline of its family picks its default size from the folder's
+config files. This module finds those files (dstune.memory.counts.config_folder: a built-in model's stored configs,
+a local folder, the local Hugging Face cache, the configs stored with dstune) and applies the answer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from dstune import registry
 from dstune.memory.counts import SizesUnknown, config_folder
 from dstune.spec.models import AUDIO_FAMILIES, Spec, is_single_file
 from dstune.spec.section import BUILTIN_PREFIX
@@ -46,7 +48,11 @@ def native_resolution(spec: Spec) -> tuple[int, str]:
         folder = config_folder(reference)[0]
     except SizesUnknown:
         folder = None
-    found = model.native_resolution(_reader(folder)) if folder is not None else None
+    found = None
+    if folder is not None:
+        read = _reader(folder)
+        cards = (card.native_size(read("model_index.json") or {}) for card in registry.family_cards(model.family))
+        found = next((size for size in cards if size), None) or model.native_resolution(read)
     if found:
         return found[0], f"{model.pretrained}'s native size: {found[1]}"
     unknown = "are not readable here" if folder is None else "do not say its size"
@@ -63,8 +69,13 @@ def _guidance(spec: Spec) -> tuple[float, str]:
         folder = config_folder(reference)[0]
     except SizesUnknown:
         folder = None
-    value, why = model.native_guidance(_reader(folder) if folder is not None else lambda name: None)
-    return value, f"{why}; not set in the spec"
+    index = (_reader(folder)("model_index.json") if folder is not None else None) or {}
+    for card in registry.family_cards(model.family):
+        found = card.sample_guidance(index)
+        if found:
+            return found[0], f"{found[1]}; not set in the spec"
+    why = f"{model.family}'s usual pipeline default (the folder's pipeline is unknown here)"
+    return model.PRESET_GUIDANCE, f"{why}; not set in the spec"
 
 
 def _with_folder_defaults(spec: Spec) -> Spec:

@@ -6,7 +6,7 @@
 Per key: a `builtin:` name must be a built-in (else the list of them and the nearest name); a local path must exist
 (shown as resolved); a hub id (`org/name`) missing from the local Hugging Face cache is a warning with the download
 command, since dstune never downloads and the run would stop at start-up. The folder of a key that names the model
-itself (the section's MODEL_FOLDER_FIELDS) must hold a class the family trains (the section's TRAINED_CLASSES): a
+itself (the section's MODEL_FOLDER_FIELDS) must hold a class the family trains (its models' cards, folder_classes): a
 diffusers folder's model_index.json `_class_name` or a transformers folder's config.json `architectures`; when it
 does not, the family that does train it is named. A built-in is checked through its stored configs, and so is a hub
 id that is not downloaded but whose configs are stored with dstune.
@@ -23,6 +23,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Optional
 
+from dstune import registry
 from dstune.hf import HUB_ID, NotAvailableLocally, hub_snapshot
 from dstune.memory.counts import BUILTIN_FOLDERS, SizesUnknown, config_folder
 from dstune.spec.load import SpecIssue, SpecSource
@@ -112,17 +113,20 @@ def family_of(section) -> str:
 
 
 def families_training(class_name: str) -> list[str]:
-    """The model.family values whose section declares `class_name` among its TRAINED_CLASSES."""
+    """The model.family values one of whose models trains folders of class `class_name` (its card's
+    folder_classes)."""
     return [
         family_of(section)
         for section in MODEL_SECTIONS
-        if any(fnmatchcase(class_name, pattern) for pattern in section.TRAINED_CLASSES)
+        if any(fnmatchcase(class_name, pattern) for pattern in registry.family_classes(family_of(section)))
     ]
 
 
 def trained_classes_text() -> str:
     """What dstune trains, per family, for messages."""
-    return "; ".join(f"{family_of(section)}: {', '.join(section.TRAINED_CLASSES)}" for section in MODEL_SECTIONS)
+    return "; ".join(
+        f"{family_of(section)}: {', '.join(registry.family_classes(family_of(section)))}" for section in MODEL_SECTIONS
+    )
 
 
 def class_problem(model, field: str, folder: Path, shown: str) -> Optional[tuple[str, str]]:
@@ -145,7 +149,7 @@ def class_problem(model, field: str, folder: Path, shown: str) -> Optional[tuple
         )
     return "model.family", (
         f"{shown} is a {what} ({file_name}), which model.family {' or '.join(fits)} trains, not {family} "
-        f"({', '.join(type(model).TRAINED_CLASSES)}). Set model.family: {fits[0]}, or point {key} at a {family} "
+        f"({', '.join(registry.family_classes(family))}). Set model.family: {fits[0]}, or point {key} at a {family} "
         "model."
     )
 

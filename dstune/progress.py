@@ -1,6 +1,6 @@
 """What the user sees and what gets recorded: rank 0's progress display and the metrics JSONL file.
 
-Other ranks stay quiet (FIELD_NOTES row 15). On a terminal rank 0 shows a rich progress bar; in a log file
+Other ranks stay quiet (N ranks printing N progress bars interleave into an unreadable log). On a terminal rank 0 shows a rich progress bar; in a log file
 (CI, slurm) it prints one plain line every few steps instead of redrawing a bar nobody sees.
 """
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from dstune.models.unit import VIDEO_FAMILY
-from dstune.families import get_facts
+from dstune.spec.section import VIDEO_FAMILY
+from dstune.families import clip_token_factors, get_facts
 from dstune.data.clips import latent_tokens
 from dstune.families.facts import Attention
 from dstune.plan import key_label
@@ -32,8 +32,8 @@ def _divisors(n: int) -> list[int]:
 
 def attention_of(spec) -> Optional[Attention]:
     """The model's attention heads from its configs, None when they are not on this machine."""
-    read = get_facts(spec.model.family).attention
-    return read(spec) if read is not None else None
+    facts = get_facts(spec.model.family)
+    return facts.attention(spec) if facts.splits_sequences else None
 
 
 def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: dict[str, int]) -> list[SpecIssue]:
@@ -43,7 +43,7 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
     if size == 1:
         return []
     facts = get_facts(spec.model.family)
-    if facts.attention is None:
+    if not facts.splits_sequences:
         return [
             source.issue(
                 KEY,
@@ -113,12 +113,12 @@ def bucket_tokens(spec, clips: Optional[dict], image_groups: Optional[dict] = No
     not here) the clip the plan assumes, data.video's longest frame count at data.resolution square, and the
     samples' clip (model.sample_frames) when sample.prompts render; {} for a family without token factors."""
     facts = get_facts(spec.model.family)
-    if facts.modality == "image" and facts.attention is not None:
+    if facts.modality == "image" and facts.splits_sequences:
         return _image_tokens(spec, image_groups)
-    factors = facts.token_factors
+    factors = clip_token_factors(spec)
     if factors is None:
         return {}
-    spatial, patch, temporal, _ = factors(spec.model.pretrained)
+    spatial, patch, temporal, _ = factors
     if clips:
         tokens = {label: bucket["tokens"] for label, bucket in clips["buckets"].items()}
     else:

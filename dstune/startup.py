@@ -1,10 +1,10 @@
 """What every rank does before step 1, shared by training and `dstune cache` / `train.py --cache-only`.
 
     folders = resolve_model_folders(run, spec)       rank 0 first (a built-in model is made once), then the rest
-    family, built = build_family(run, spec, folders=folders)
-    records = checked_records(run, spec, family)     the dataset's samples, unreadable files named on every rank
-    caches = prepare_caches(run, spec, family, built, records)     build (or verify) what data.cache asks for
-    loader, sampler = make_training_loader(spec, plan, run.rank, family, built, records, caches, epoch, step)
+    model = load_trained_model(run, spec, folders=folders)      its card's class, loaded on every rank
+    records = checked_records(run, spec, model.modality)     the dataset's samples, unreadable files named on every rank
+    caches = prepare_caches(run, spec, model, records)       build (or verify) what data.cache asks for
+    loader, sampler = make_training_loader(spec, plan, run.rank, model, records, caches, epoch, step)
 
 Whether a run reads a cache, and which, is decided here and only here (`Caches`): the data layer knows nothing of
 caches and the cache layer nothing of the spec as a whole. Every failure that can differ between ranks is agreed
@@ -41,8 +41,7 @@ from dstune.distributed import (
 )
 from dstune.ds_json.fill_spec import merged_spec
 from dstune.engine import PRECISION_DTYPES, place_trainable
-from dstune.families import get_family
-from dstune.families.base import Family
+from dstune.families import card_of, get_facts
 from dstune.families.lora import apply_train_mode
 from dstune.model_defaults import with_model_defaults
 from dstune.pretrained import build_model, partitioned_build_config, resolve_folders, resolve_pretrained
@@ -72,27 +71,38 @@ class Caches:
 def resolve_model_folders(run: Run, spec: Spec) -> dict:
     """The model's folders on every rank, rank 0 first: a built-in model is made once into the cache, a single
     checkpoint file converted once; then the other ranks find them there."""
-    family = get_family(spec.model.family)
-    folders, error = rank0_first(run, lambda: resolve_folders(spec.model, family, spec.output.cache_dir))
+    folders, error = rank0_first(run, lambda: resolve_folders(spec.model, spec.output.cache_dir))
     agree_or_stop(run, error and f"model.pretrained {spec.model.pretrained!r}: {error}")
     return folders
 
 
-def build_family(
+def model_card(run: Run, spec: Spec, folder: Path):
+    """The card of the model `folder` holds (dstune.families.card_of), the same verdict on every rank."""
+    card, error = None, None
+    try:
+        card = card_of(spec.model.family, folder)
+    except (ValueError, OSError) as err:
+        error = str(err)
+    agree_or_stop(run, error and f"model.pretrained {spec.model.pretrained!r}: {error}")
+    return card
+
+
+def load_trained_model(
     run: Run, spec: Spec, train_mode: bool = True, ds_config: Optional[dict] = None, folders: Optional[dict] = None
-) -> tuple[Family, object]:
-    """The family and its model on this rank's device; with train_mode, made trainable as model.train says (LoRA
-    adapters added before DeepSpeed sees the module). The trainable module is loaded in host memory and reaches the
-    device only in its training dtype, after a quantized base is quantized (engine.place_trainable). `folders` from resolve_model_folders (resolved here when not
-    given). Under ZeRO-3 (`ds_config`), a family that can builds its trainable module partitioned, all ranks together."""
-    family = get_family(spec.model.family)
+):
+    """The model (its card's class, loaded) on this rank's device; with train_mode, made trainable as model.train
+    says (LoRA adapters added before DeepSpeed sees the module). The trainable module is loaded in host memory and
+    reaches the device only in its training dtype, after a quantized base is quantized (engine.place_trainable).
+    `folders` from resolve_model_folders (resolved here when not given). Under ZeRO-3 (`ds_config`), a model whose
+    card says so builds its trainable module partitioned, all ranks together."""
     folders = folders if folders is not None else resolve_model_folders(run, spec)
+    card = model_card(run, spec, folders["pretrained"])
     frozen_dtype = PRECISION_DTYPES[spec.train.precision][1]
     zero3_config = partitioned_build_config(spec.model, ds_config) if train_mode else None
-    built, error = None, None
-    here = text_encoders_here(run, once_per_node(spec, family, folders))  # with the text cache: a rank a node
+    model, error = None, None
+    here = text_encoders_here(run, once_per_node(spec, card))  # with the text cache: a rank a node
     try:  # collective under ZeRO-3 (zero.Init), so every rank builds at once
-        built = build_model(
+        model = build_model(
             spec.model, spec.output.cache_dir, run.device, frozen_dtype, zero3_config, folders, text_encoders=here
         )
     except (ValueError, OSError) as err:
@@ -100,40 +110,38 @@ def build_family(
     agree_or_stop(run, error and f"model.pretrained {spec.model.pretrained!r}: {error}")
     report_text_ranks(run, here)
     if zero3_config is not None and run.is_main:
-        params = list(built.trainable.parameters())
+        params = list(model.trainable.parameters())
         mine, total = sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params)
         print(
-            f"loading: {type(built.trainable).__name__} built partitioned (ZeRO-3, deepspeed.zero.Init): "
+            f"loading: {type(model.trainable).__name__} built partitioned (ZeRO-3, deepspeed.zero.Init): "
             f"{mine:,} of its {total:,} parameters on this rank",
             flush=True,
         )
     if not train_mode:
-        place_trainable(built.trainable, run.device, spec.train.precision)
-        return family, built
+        place_trainable(model.trainable, run.device, spec.train.precision)
+        return model
     summary, error = None, None
     try:  # on the host: a quantized base reaches the device quantized, layer by layer
-        summary = apply_train_mode(
-            built.trainable, spec.model, spec.train.seed, family, spec.output.lora_format, device=run.device
-        )
+        summary = apply_train_mode(model, spec.model, spec.train.seed, spec.output.lora_format, device=run.device)
     except ValueError as err:
         error = str(err)
     agree_or_stop(run, error)
-    place_trainable(built.trainable, run.device, spec.train.precision)  # cast on the host, then moved
+    place_trainable(model.trainable, run.device, spec.train.precision)  # cast on the host, then moved
     if run.is_main:
         print(summary, flush=True)
-    _attach_sampling_denoiser(run, spec, family, built, folders)
-    return family, built
+    _attach_sampling_denoiser(run, spec, model, folders)
+    return model
 
 
-def _attach_sampling_denoiser(run: Run, spec: Spec, family: Family, built, folders: dict) -> None:
+def _attach_sampling_denoiser(run: Run, spec: Spec, model, folders: dict) -> None:
     """sample.pretrained (or, with model.training_adapter, the base folder without it): the transformer the samples
     render with the trained LoRA on it, loaded beside the trained one (families/flow_distilled.py)."""
     adapter = getattr(spec.model, "training_adapter", None)
     if not spec.sample.prompts or not (spec.sample.pretrained or adapter):
         return
     key = "sample.pretrained" if spec.sample.pretrained else "model.pretrained"
-    if family.sampling_denoiser is None:
-        stop(run, f"{key}: model.family {family.name} cannot sample with another transformer than the trained one", 1)
+    if not model.samples_with_another_denoiser:
+        stop(run, f"{key}: {model.card.name} cannot sample with another transformer than the trained one", 1)
     folder, error = (
         rank0_first(run, lambda: resolve_pretrained(spec.sample.pretrained, spec.output.cache_dir, key))
         if spec.sample.pretrained
@@ -141,7 +149,7 @@ def _attach_sampling_denoiser(run: Run, spec: Spec, family: Family, built, folde
     )
     agree_or_stop(run, error)
     try:
-        family.sampling_denoiser(built, folder, spec.model, key)
+        model.attach_sampling_denoiser(folder, spec.model, key)
     except (ValueError, OSError) as err:
         error = str(err)
     agree_or_stop(run, error)
@@ -153,14 +161,14 @@ def _attach_sampling_denoiser(run: Run, spec: Spec, family: Family, built, folde
         )
 
 
-def checked_records(run: Run, spec: Spec, family: Family, sound_rate: Optional[int] = None) -> list:
+def checked_records(run: Run, spec: Spec, modality: str, sound_rate: Optional[int] = None) -> list:
     """The dataset's samples (the same index `validate` counted, so the plan's numbers hold), checked before
     step 1: speech clips were filtered by the length rules; image files are opened, each rank a share.
 
     Bad image files stop the run with their names, or with data.skip_bad_files are counted and replaced at load
     time by the next readable sample, so the plan (and every number validate printed) stays the same."""
     data = spec.data
-    if family.modality == "audio":
+    if modality == "audio":
         try:
             records, warnings = speech_records(data)
         except DataError as err:
@@ -168,7 +176,7 @@ def checked_records(run: Run, spec: Spec, family: Family, sound_rate: Optional[i
         if run.is_main and warnings:
             print("data: " + "\ndata: ".join(warnings), flush=True)
         return records
-    if family.modality == "video":
+    if modality == "video":
         return _checked_clips(run, spec, sound_rate)
     records = list_samples(data)
     mine = [(r.sample_id, reason) for r, reason in find_bad_images(records, run.rank, run.world_size)]
@@ -265,85 +273,79 @@ def held_out_records(run: Run, spec: Spec) -> list:
     return records
 
 
-def _latent_job(run: Run, spec: Spec, family: Family, folders: dict, once: bool) -> LatentCacheJob:
-    """What the latent/text cache build needs; `once`: the text encoders load once per node (dstune.text_once)."""
-    model_folder = folders["pretrained"]
-    text_cache = family.text_cache
-    if spec.data.cache.text_embeddings and text_cache is None:
-        stop(
-            run,
-            f"data.cache.text_embeddings: model.family {family.name} has no text-embedding cache; set "
-            "data.cache.text_embeddings: false",
-            1,
-        )
-    refusal = text_cache.refusal(model_folder) if spec.data.cache.text_embeddings and text_cache.refusal else None
+def _latent_job(run: Run, spec: Spec, card, model_folder: Path, once: bool) -> LatentCacheJob:
+    """What the latent/text cache build needs (the model's card: a pipeline model's; the spec refuses these caches
+    for the others); `once`: the text encoders load once per node (dstune.text_once)."""
+    text = spec.data.cache.text_embeddings
+    refusal = card.text_cache_refusal(model_folder) if text else None
     if refusal:
         stop(run, refusal, 1)
-    settings = text_cache.settings(spec.model) if text_cache and text_cache.settings else ""
     folder = cache_folder(spec.data.cache.dir, spec.output.cache_dir, run.rank, run.node_rank)
-    extras = family.latent_extras
-    latent_settings, latent_folders, latent_tensors = extras.key(spec.model, model_folder) if extras else ("", (), ())
+    latent_settings, latent_folders, latent_tensors = card.latent_cache_key(spec.model, model_folder)
     return LatentCacheJob(
         spec.data,
         folder,
         model_folder,
-        text_cache,
-        settings,
+        tuple(card.text_cache_folders),
+        tuple(card.text_tensors) if text else (),
+        card.text_cache_settings(spec.model),
         spec.train.seed,
         PRECISION_DTYPES[spec.train.precision][1],
-        video=family.modality == "video",
+        video=get_facts(card.family).modality == "video",
         latent_settings=latent_settings,
         latent_folders=tuple(latent_folders),
         latent_tensors=tuple(latent_tensors),
-        latent_extras=extras.encode if latent_settings else None,
         text_here=text_encoders_here(run, once),
-        extra_captions=sample_captions(spec, family, folders) if once else (),
+        extra_captions=sample_captions(spec, card) if once else (),
     )
 
 
 def prepare_caches(
     run: Run,
     spec: Spec,
-    family: Family,
-    built,
+    model,
     records: list,
     verify_only: bool = False,
+    card=None,
     model_folder: Optional[Path] = None,
 ) -> tuple[Caches, int]:
     """Collective. Build (or fully verify) every cache entry the run reads: (caches, 0), or (caches, 1) after rank 0
-    printed what is missing. `built` may be None when verifying latents (`model_folder`: the pretrained folder)."""
+    printed what is missing. `model` may be None when verifying latents (`card` and `model_folder`: the pretrained
+    folder's)."""
     cache = spec.data.cache
     caches = Caches()
     if cache.codec_tokens:
         folder = cache_folder(cache.dir, spec.output.cache_dir, run.rank, run.node_rank)
         if verify_only:
-            complete, text = verify_codec_cache(run, folder, built, records)
+            complete, text = verify_codec_cache(run, folder, model, records)
             caches.codec_paths = {} if complete else None
         else:
-            caches.codec_paths, text = prepare_codec_cache(run, cache, folder, built, records)
+            caches.codec_paths, text = prepare_codec_cache(run, cache, folder, model, records)
         if run.is_main:
             print(text, file=sys.stdout if caches.codec_paths is not None else sys.stderr, flush=True)
         return caches, 0 if caches.codec_paths is not None else 1
     if cache.latents or cache.text_embeddings:  # the summary is printed by prepare_cache
-        folders = {"pretrained": model_folder if model_folder is not None else built.folder}
-        once = once_per_node(spec, family, folders)
-        job = _latent_job(run, spec, family, folders, once)
-        caches.images, code = prepare_cache(run, job, built, records, verify_only)
-        if code == 0 and built is not None:
+        card = card if model is None else model.card
+        once = once_per_node(spec, card)
+        job = _latent_job(run, spec, card, model_folder if model is None else model.folder, once)
+        caches.images, code = prepare_cache(run, job, model, records, verify_only)
+        if code == 0 and model is not None:
             if once:  # no rank reads a text encoder from here on
-                drop_text_encoders(built, caches.images, job.extra_captions)
-            caches.offloaded = offload_frozen(built, caches.images)
+                drop_text_encoders(model, caches.images, job.extra_captions)
+            caches.offloaded = offload_frozen(model, caches.images)
         return caches, code
     return caches, 0
 
 
 def make_training_loader(
-    spec: Spec, plan, rank: int, family: Family, built, records: list, caches: Caches, start_epoch: int, start_step: int
+    spec: Spec, plan, rank: int, model, records: list, caches: Caches, start_epoch: int, start_step: int
 ):
     """This rank's loader and sampler: one factory (dstune.data.loader.make_loader) over the dataset kind the
-    family's modality and the caches decide."""
+    model's modality and the caches decide. `model` (the rate of a speech model's clips, of a video model's sound)
+    may be None for images."""
     data, seed = spec.data, spec.train.seed
-    if family.modality == "audio":
+    modality = get_facts(spec.model.family).modality
+    if modality == "audio":
         keys = duration_keys(records, data)
         speakers = speaker_keys(records, data)
         if caches.codec_paths is not None:
@@ -351,15 +353,15 @@ def make_training_loader(
             return make_loader(
                 dataset, dataset.collate, keys, data, plan, rank, seed, start_epoch, start_step, speakers
             )
-        dataset = SpeechDataset(records, built.sample_rate)
+        dataset = SpeechDataset(records, model.sample_rate)
         return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step, speakers)
-    if family.modality == "video":
+    if modality == "video":
         if caches.images is not None:
-            dataset = CachedVideoDataset(data, records, seed, caches.images, built.sound_rate)
+            dataset = CachedVideoDataset(data, records, seed, caches.images, model.sound_rate)
             return make_loader(
                 dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
             )
-        dataset = VideoCaptionDataset(data, records, seed, built.sound_rate)  # the sound, where the model trains on it
+        dataset = VideoCaptionDataset(data, records, seed, model.sound_rate)  # the sound, where the model trains on it
         return make_loader(
             dataset, collate_video, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
         )
@@ -405,17 +407,18 @@ def run_cache_command(spec_path: str, overrides: list[str], verify_only: bool) -
         return 1
     run = init_run(spec.deepspeed.timeout_minutes)
     try:
-        family = get_family(spec.model.family)
-        records = checked_records(run, spec, family)
-        if verify_only and family.modality in ("image", "video"):  # latents are checked against the folder: no encoders
+        modality = get_facts(spec.model.family).modality
+        records = checked_records(run, spec, modality)
+        if verify_only and modality in ("image", "video"):  # latents are checked against the folder: no encoders
             folder, error = None, None
             try:
                 folder = resolve_pretrained(spec.model.pretrained, spec.output.cache_dir)
             except (ValueError, OSError) as err:
                 error = f"model.pretrained {spec.model.pretrained!r}: {err}"
             agree_or_stop(run, error)
-            return prepare_caches(run, spec, family, None, records, verify_only=True, model_folder=folder)[1]
-        _, built = build_family(run, spec, train_mode=False)
-        return prepare_caches(run, spec, family, built, records, verify_only)[1]
+            card = model_card(run, spec, folder)
+            return prepare_caches(run, spec, None, records, verify_only=True, card=card, model_folder=folder)[1]
+        model = load_trained_model(run, spec, train_mode=False)
+        return prepare_caches(run, spec, model, records, verify_only)[1]
     finally:
         shutdown()

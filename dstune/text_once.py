@@ -1,11 +1,11 @@
 """Text encoders once per node: with the text cache, the ranks after the first of a node never load them.
 
-    once = once_per_node(spec, family, folders)              the rule, decided once per stage
-    here = text_encoders_here(run, once)                     before the build: whether this rank loads them
-    build_model(..., text_encoders=here)
+    once = once_per_node(spec, card)                         the rule, decided once per stage
+    here = text_encoders_here(run, once)                     before the load: whether this rank loads them
+    load_model(..., text_encoders=here)
     prepare_cache(...)                                       the text entries go to the ranks that loaded them,
                                                              with sample_captions(...) beside the dataset's
-    drop_text_encoders(built, index, captions)               after the cache, with `once`: every rank
+    drop_text_encoders(model, index, captions)               after the cache, with `once`: every rank
 
 Why: a text encoder is often the largest frozen part (a 12 B one is 24 GB in bf16), and every rank loading its own
 copy into host memory at start-up is the most reported start-up failure of the largest video models. With data.cache.text_embeddings
@@ -25,12 +25,15 @@ import torch
 
 from dstune.cache.entries import read_entry
 from dstune.distributed import Run, all_gather_object
+from dstune.families.denoiser_facts import text_once_per_node
 
 
-def once_per_node(spec, family, folders: dict) -> bool:
-    """Whether this run loads its text encoders on one rank per node (the family's rule for its folder)."""
-    rule = family.text_once_per_node
-    return rule is not None and rule(spec, folders["pretrained"]) is None
+def once_per_node(spec, card) -> bool:
+    """Whether this run loads its text encoders on one rank per node (the model's card: a model whose start-up can,
+    by the rule of dstune.families.denoiser_facts.text_once_per_node)."""
+    if not card.text_once:  # a speech model, or one whose encoders every rank keeps
+        return False
+    return text_once_per_node(spec, card.samples_from_cached_text) is None
 
 
 def text_encoders_here(run: Run, once: bool) -> bool:
@@ -50,21 +53,21 @@ def report_text_ranks(run: Run, here: bool) -> None:
         )
 
 
-def sample_captions(spec, family, folders: dict) -> tuple[str, ...]:
+def sample_captions(spec, card) -> tuple[str, ...]:
     """The captions the text cache holds beside the dataset's where the samples render from cached text (with
     once_per_node): the sample prompts and the negative prompt the samples encode ("", which the pipelines encode
     when given none, or the model's own)."""
     if not spec.sample.prompts:
         return ()
-    return tuple(dict.fromkeys([*spec.sample.prompts, family.negative_caption(folders["pretrained"])]))
+    return tuple(dict.fromkeys([*spec.sample.prompts, card.negative_caption()]))
 
 
-def drop_text_encoders(built, index, captions: tuple[str, ...]) -> None:
+def drop_text_encoders(model, index, captions: tuple[str, ...]) -> None:
     """After a complete text cache (`index`, with once_per_node): free this rank's text encoders (if it loaded them)
     and keep the cached text of `captions` (sample_captions) for the samples."""
-    built.prompt_text = {caption: read_entry(index.text_paths[caption]) for caption in captions}
-    loaded = any(encoder is not None for encoder in built.text_encoders.values())
-    built.text_encoders = {name: None for name in built.text_encoders}
+    model.prompt_text = {caption: read_entry(index.text_paths[caption]) for caption in captions}
+    loaded = any(encoder is not None for encoder in model.text_encoders.values())
+    model.text_encoders = {name: None for name in model.text_encoders}
     gc.collect()
     if loaded and torch.cuda.is_available():
         torch.cuda.empty_cache()

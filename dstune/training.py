@@ -1,6 +1,6 @@
 """One training run from start to finish, on every rank: the stages of docs/architecture.md in order.
 
-    spec (loaded once) -> validate_spec for the launched world -> run folder -> build_family -> engine (+ EMA)
+    spec (loaded once) -> validate_spec for the launched world -> run folder -> load_trained_model -> engine (+ EMA)
     -> resume -> records -> caches -> loader -> batch check -> train_loop -> last checkpoint -> export (rank 0)
 
 Every failure that can differ between ranks (a dataset one node cannot read, an unwritable folder) is agreed on
@@ -56,7 +56,7 @@ from dstune.report import plan_text
 from dstune.runlock import release_held as release_run_lock, take as take_run_lock
 from dstune.spec.load import SpecError, load_spec
 from dstune.startup import (
-    build_family,
+    load_trained_model,
     checked_records,
     held_out_records,
     make_training_loader,
@@ -208,26 +208,20 @@ def _prepare_loop(
     import_model_classes(spec)  # the baseline below then holds the libraries, and what grows after it is the model
     folders = resolve_model_folders(run, spec)  # before the baseline: making a built-in model is not training memory
     memory = MemoryRecorder(predicted)
-    family, built = build_family(run, spec, ds_config=resolved.ds_config, folders=folders)
+    model = load_trained_model(run, spec, ds_config=resolved.ds_config, folders=folders)
     memory.mark("load")
     # The caches before the engine: the encoders they replace leave the device before DeepSpeed's states arrive.
-    sound_rate = built.sound_rate if family.modality == "video" else None  # a video model that trains on sound
-    records = checked_records(run, spec, family, sound_rate)
-    caches, code = prepare_caches(run, spec, family, built, records)
+    sound_rate = model.sound_rate if model.modality == "video" else None  # a video model that trains on sound
+    records = checked_records(run, spec, model.modality, sound_rate)
+    caches, code = prepare_caches(run, spec, model, records)
     if code:
         stop(run, "", code)
     memory.mark("cache")
-    scalar_params = promote_scalar_params(built.trainable)
+    scalar_params = promote_scalar_params(model.trainable)
     if run.sequence_parallel_size > 1:  # before DeepSpeed: its ZeRO-3 hooks then wrap the split forward
         size = run.sequence_parallel_size
-        split_sequences(
-            built.trainable,
-            run.rank,
-            run.world_size,
-            size,
-            family.split_plan(built, size) if family.split_plan else None,
-        )
-    engine = wrap_model(built.trainable, spec.train, engine_config(resuming, ds_config), plan)
+        split_sequences(model.trainable, run.rank, run.world_size, size, model.split_plan(size))
+    engine = wrap_model(model.trainable, spec.train, engine_config(resuming, ds_config), plan)
     ema = None
     if spec.train.ema is not None:
         trainable = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
@@ -235,7 +229,7 @@ def _prepare_loop(
     state = continue_from(run, resuming, engine, ema, resolved, plan)
     memory.mark("engine")
     loader, sampler = make_training_loader(
-        spec, plan, run.data_parallel_rank, family, built, records, caches, state.epoch, state.step_in_epoch
+        spec, plan, run.data_parallel_rank, model, records, caches, state.epoch, state.step_in_epoch
     )
     _check_first_batch(run, engine, plan, loader, sampler, state)
     extra = {
@@ -248,8 +242,7 @@ def _prepare_loop(
         run=run,
         plan=plan,
         engine=engine,
-        family=family,
-        built=built,
+        model=model,
         loader=loader,
         sampler=sampler,
         run_dir=run_dir,
@@ -340,7 +333,7 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
     if spec.output.export == "none" or not run.is_main:
         return 0
     try:
-        out = export_checkpoint(run_dir, built=ctx.built)
+        out = export_checkpoint(run_dir, model=ctx.model)
     except ExportError as err:
         print(
             f"export failed: {err}\nThe checkpoint {checkpoint_root(run_dir) / tag} is complete; retry with "

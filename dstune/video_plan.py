@@ -6,7 +6,7 @@ transformer tokens per sample, the sequence length that drives activation memory
 
 `groups` ({"Ff WxH": clips}, display order) is what the plan divides into whole global batches when batches are
 grouped (dstune.data.clips.is_grouped); `summary` is the "Clips" section of validate's report and of --json.
-Tokens per clip come from the model's token factors (its facts' `token_factors`: the VAE's spatial and temporal
+Tokens per clip come from the model's token factors (its card's `token_factors`: the VAE's spatial and temporal
 factors and the transformer's patch, read from the model's configs).
 """
 
@@ -18,7 +18,7 @@ from typing import Optional
 from dstune.data.clips import clip_counts, index_clips, is_grouped, latent_tokens
 from dstune.data.image_check import find_unreadable
 from dstune.data.index import DataError, builtin_name, is_video_file
-from dstune.families import get_facts
+from dstune.families import clip_token_factors
 from dstune.plan import key_label
 
 PROBLEMS_LISTED = 20  # videos that give no clip named one per line; the rest counted
@@ -40,7 +40,7 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
     data = spec.data
     index = index_clips(data, read_captions=False, show_progress=show_progress)
     counts = clip_counts(index.records, data)
-    spatial, patch, temporal, factors = get_facts(spec.model.family).token_factors(spec.model.pretrained)
+    spatial, patch, temporal, factors = clip_token_factors(spec)
     stills = sum(r.repeats for r in index.records if r.frames == 1 and r.image_path is not None)
     still_records = [r for r in index.records if r.image_path is not None and not is_video_file(r.image_path)]
     frames, sizes = {}, {}

@@ -261,7 +261,7 @@ def _runner():
     use_cpu_accelerator_if_no_cuda()
     try:
         from deepspeed.launcher import runner
-    except (Exception, SystemExit) as err:  # e.g. a bad DS_ACCELERATOR value; a user error, not a traceback
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - e.g. a bad DS_ACCELERATOR value: a user error, no traceback
         raise WorldError(
             f"cannot load DeepSpeed's launcher ({err}); check the DeepSpeed install and DS_ACCELERATOR."
         ) from None

@@ -4,8 +4,8 @@
 
 returns `cache_dir/builtin/<folder_name>/`, a normal diffusers pipeline folder that the family then loads through
 the same `from_pretrained(folder, subfolder=...)` path as a user's checkpoint. The first call builds it; later
-calls (any process, any run sharing the cache) reuse it. Each model unit declares its own built-ins
-(dstune/models/<name>/builtin*.py, listed by dstune.models.registry). Building is safe under concurrency: one process builds
+calls (any process, any run sharing the cache) reuse it. Each model's card names its own built-ins (built by
+dstune/models/<unit>/builtin*.py; dstune.registry lists the cards). Building is safe under concurrency: one process builds
 while the others wait on a file lock, the folder is written beside its final name and renamed into place, and only
 a folder holding the completion marker (`dstune_builtin.json`, written last) is ever used; a leftover without it
 is deleted and rebuilt. Change a build and you must bump its `folder_name` version, or old caches are reused. What a
@@ -35,8 +35,8 @@ from pathlib import Path
 
 from dstune.builtin.common import BuiltinError, BuiltinModel  # noqa: F401 - BuiltinError is part of the API
 from dstune.fsutil import temporary_sibling
-from dstune.models import registry
-from dstune.models.unit import load
+from dstune import registry
+from dstune.card import load
 from dstune.spec.section import BUILTIN_PREFIX
 
 BUILTIN_MARKER = "dstune_builtin.json"
@@ -171,12 +171,12 @@ def _exclusive(lock_path: Path):
 
 
 def __getattr__(name: str):
-    """BUILTIN_MODELS, {name: BuiltinModel}: every unit's own (dstune/models/<name>/unit.py), loaded on first use,
-    so that a unit's builtin module can import dstune.builtin's helpers without a cycle (loading them imports torch,
-    as building does)."""
+    """BUILTIN_MODELS, {name: BuiltinModel}: every card's (dstune.registry), loaded on first use, so that a unit's
+    builtin module can import dstune.builtin's helpers without a cycle (loading them imports torch, as building
+    does)."""
     if name != "BUILTIN_MODELS":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    models = {model.name: model for model in map(load, registry.builtins())}
+    models = {model.name: model for model in map(load, registry.builtins().values())}
     globals()["BUILTIN_MODELS"] = models
     return models
 

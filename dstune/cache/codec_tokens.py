@@ -1,4 +1,5 @@
-"""The codec-token cache (data.cache.codec_tokens, family tts_lm): every clip's codes, encoded once before training.
+"""The codec-token cache (data.cache.codec_tokens, the speech models trained on a codec's codes): every clip's codes,
+encoded once before training.
 
 Same machinery and guarantees as the latent cache (dstune.cache): one safetensors entry per clip, written
 atomically (`write_entry`), named by a sha256 key over everything that decides its content: the clip's identity
@@ -7,8 +8,8 @@ the clip is resampled to and how many codebooks are kept. A changed clip, codec 
 looked up by position. Ranks that see the same cache folder split the entries (every k-th of the fixed list);
 after a barrier every rank checks every entry it will read, so training never starts on a partial cache.
 
-Codes do not depend on the rank count: each clip is encoded alone, in fp32 (dstune.models.tts_lm.family.encode_clip,
-or the family's own `clip_encoder`, whose continuous latents are stored as float32).
+Codes do not depend on the rank count: each clip is encoded alone, in fp32 (the model's encode_clip,
+dstune.families.speech.CodecTokensModel; a model whose codes are continuous latents has them stored as float32).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from dstune.cache.share import monitored_barrier, sharing_group
 from dstune.data.audio import load_clip
 from dstune.data.audio_index import AudioRecord
 from dstune.distributed import all_gather_object
-from dstune.families.speech_codecs import encode_clip
 from dstune.spec.models import CacheSpec
 
 CODEC_TENSORS = ("codes",)
@@ -60,10 +60,10 @@ def content_sha256(record: AudioRecord) -> str:
     return file_sha256(record.audio_path)
 
 
-def plan_codec_entries(records: list[AudioRecord], built) -> list[Entry]:
+def plan_codec_entries(records: list[AudioRecord], model) -> list[Entry]:
     """One entry per clip, in record order: the same list on every rank and for every world size."""
-    fingerprint = folder_fingerprint(built.codec_folder)
-    layout = built.layout
+    fingerprint = folder_fingerprint(model.codec_folder)
+    layout = model.layout
     return [
         Entry(
             "codec",
@@ -73,7 +73,7 @@ def plan_codec_entries(records: list[AudioRecord], built) -> list[Entry]:
                 fingerprint,
                 layout["sampling_rate"],
                 layout["num_codebooks"],
-                built.codec_kind,
+                model.codec_kind,
             ),
             r.sample_id,
             sample_id=r.sample_id,
@@ -83,20 +83,14 @@ def plan_codec_entries(records: list[AudioRecord], built) -> list[Entry]:
     ]
 
 
-def encode_entries(built, entries: list[Entry], by_id: dict[str, AudioRecord], folder: Path) -> tuple[int, int]:
+def encode_entries(model, entries: list[Entry], by_id: dict[str, AudioRecord], folder: Path) -> tuple[int, int]:
     """Write every entry of `entries` that is not already complete in `folder`: (built now, already cached)."""
     built_now = cached = 0
     for entry in entries:
         if entry_problem(folder / entry.relpath, entry, full=False) is None:
             cached += 1
             continue
-        wave = torch.from_numpy(load_clip(by_id[entry.sample_id], built.sample_rate))
-        if built.clip_encoder is not None:  # the family's own encoding (float latents are kept as float32)
-            codes = built.clip_encoder(wave.numpy())
-        else:
-            codes = encode_clip(
-                built.codec, built.codec_kind, wave, built.layout["num_codebooks"], built.layout["frame_order"]
-            )
+        codes = model.encode_clip(torch.from_numpy(load_clip(by_id[entry.sample_id], model.sample_rate)))
         codes = codes.to(torch.float32 if codes.is_floating_point() else torch.int32)
         write_entry(folder / entry.relpath, entry, {"codes": codes})
         built_now += 1
@@ -104,15 +98,15 @@ def encode_entries(built, entries: list[Entry], by_id: dict[str, AudioRecord], f
 
 
 def prepare_codec_cache(
-    run, cache_spec: CacheSpec, folder: Path, built, records: list[AudioRecord]
+    run, cache_spec: CacheSpec, folder: Path, model, records: list[AudioRecord]
 ) -> tuple[dict[str, Path] | None, str]:
     """Collective. ({sample_id: entry path}, summary) when every entry is complete, else (None, the error)."""
     started = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
     group = sharing_group(run, folder)
-    entries = plan_codec_entries(records, built)
+    entries = plan_codec_entries(records, model)
     mine = entries[group.index(run.rank) :: len(group)]
-    built_now, cached = encode_entries(built, mine, {r.sample_id: r for r in records}, folder)
+    built_now, cached = encode_entries(model, mine, {r.sample_id: r for r in records}, folder)
     error = monitored_barrier(run, cache_spec.barrier_timeout_minutes)
     missing = [f"{e.name}: {p}" for e in entries if (p := entry_problem(folder / e.relpath, e, full=False))]
     reports = all_gather_object((built_now, cached, missing, error))
@@ -127,9 +121,9 @@ def prepare_codec_cache(
     return {e.sample_id: folder / e.relpath for e in entries}, summary
 
 
-def verify_codec_cache(run, folder: Path, built, records: list[AudioRecord]) -> tuple[bool, str]:
+def verify_codec_cache(run, folder: Path, model, records: list[AudioRecord]) -> tuple[bool, str]:
     """Collective: fully check (checksums included) every entry, each rank a share. (complete, report text)."""
-    entries = plan_codec_entries(records, built)
+    entries = plan_codec_entries(records, model)
     mine = entries[run.rank :: run.world_size]
     problems = [f"{e.name}: {p}" for e in mine if (p := entry_problem(folder / e.relpath, e, full=True))]
     problems = [p for share in all_gather_object(problems) for p in share]

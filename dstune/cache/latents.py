@@ -1,7 +1,7 @@
 """The latent and text-embedding cache (data.cache.latents / text_embeddings): build or verify every entry a run
 reads, on every rank together, then report once.
 
-    index, code = prepare_cache(run, job, built, records)    # dstune.startup: training and `dstune cache` alike
+    index, code = prepare_cache(run, job, model, records)    # dstune.startup: training and `dstune cache` alike
 
 Ranks that share a folder split its entries (dstune.cache.share). Entries are grouped into fixed chunks of the one
 global entry list, and chunk j goes to member j % group_size, so the encoder sees the same batches whatever the
@@ -15,7 +15,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -36,7 +35,6 @@ from dstune.data.pairs import CONTROL_SUFFIX
 from dstune.data.synthetic import render_shape
 from dstune.data.video import VideoCaptionDataset, stack_sounds
 from dstune.distributed import agree_or_stop, all_gather_object
-from dstune.families.base import TextCache
 from dstune.families.diffusion import vae_posterior
 from dstune.spec.models import DataSpec
 
@@ -50,16 +48,17 @@ class LatentCacheJob:
     data: DataSpec
     folder: Path  # this rank's cache folder (dstune.cache.share.cache_folder)
     model_folder: Path  # the pretrained folder whose encoders key the entries
-    text_cache: Optional[TextCache]  # the family's declared text cache; None: the family has none
-    text_settings: str  # family settings that shape the text tensors (flow: the sequence length), or ""
+    text_folders: tuple[str, ...]  # its subfolders that decide a caption's tensors (their fingerprint keys them)
+    text_tensors: tuple[str, ...]  # what a text entry stores (the model's encode_text gives them)
+    text_settings: str  # the model's settings that shape the text tensors (flow: the sequence length), or ""
     seed: int
     dtype: torch.dtype  # the frozen encoders' dtype (dstune.engine.PRECISION_DTYPES)
-    video: bool = False  # a video family: entries are clips (dstune.data.video), keyed by data.video's choices too
-    # the family's LatentExtras for this run: (settings, subfolders) key the latent entries, encode adds tensors
+    video: bool = False  # a video model: entries are clips (dstune.data.video), keyed by data.video's choices too
+    # what the model stores beside each posterior in this run (its card's latent_cache_key: settings and subfolders
+    # key the latent entries; the model's condition_tensors give the tensors); "": the posterior only
     latent_settings: str = ""
     latent_folders: tuple[str, ...] = ()
-    latent_tensors: tuple[str, ...] = ()  # the names encode adds to each latent entry
-    latent_extras: Optional[Callable] = None  # (built, pixels) -> {name: Tensor[B, ...]}; None: the posterior only
+    latent_tensors: tuple[str, ...] = ()
     text_here: bool = True  # this rank loaded the text encoders (dstune.text_once): text entries go to such ranks
     extra_captions: tuple[str, ...] = ()  # captions cached beside the dataset's (sample prompts: dstune.text_once)
 
@@ -81,8 +80,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _fingerprints(folder: Path, text_folders: tuple[str, ...]) -> dict[str, str]:
-    """The VAE's fingerprint, and one over every component that decides a caption's embedding (the family's
-    TextCache.folders; for sd text_encoder + tokenizer)."""
+    """The VAE's fingerprint, and one over every component that decides a caption's embedding (the card's
+    text_cache_folders; for SD text_encoder + tokenizer)."""
     text = bytes_sha256("".join(folder_fingerprint(folder / name) for name in text_folders).encode())
     return {"vae": folder_fingerprint(folder / "vae"), "text": text}
 
@@ -140,7 +139,7 @@ def _sizes(targets, data, video: bool) -> dict | None:
 
 
 def _encode_latents(
-    built, dataset, by_id: dict, entries: list[Entry], resolution: int, extras: Optional[Callable] = None
+    model, dataset, by_id: dict, entries: list[Entry], resolution: int, extras: bool = False
 ) -> tuple[dict, dict]:
     pixels, sounds, ok, failed = [], [], [], {}
     for entry in entries:
@@ -156,12 +155,12 @@ def _encode_latents(
     tensors = {}
     for shape in dict.fromkeys(p.shape for p in pixels):  # one pass per shape: stills beside clips (video)
         same = [i for i, p in enumerate(pixels) if p.shape == shape]
-        stacked = torch.stack([pixels[i] for i in same]).to(built.device, built.vae.dtype)
-        mean, std = vae_posterior(built.vae, stacked)
-        more = extras(built, stacked) if extras is not None else {}
-        if sounds:  # the recipe's sound stream: its latents beside the posterior (silence's where a clip has none)
+        stacked = torch.stack([pixels[i] for i in same]).to(model.device, model.vae.dtype)
+        mean, std = vae_posterior(model.vae, stacked)
+        more = model.condition_tensors(stacked) if extras else {}
+        if sounds:  # a model that trains on sound: its latents beside the posterior (silence's where a clip has none)
             heard = stack_sounds([sounds[i] for i in same])
-            more["sound_latent"] = built.recipe.sound.encode(built, heard["sound"].to(built.device))
+            more["sound_latent"] = model.encode_sound(heard["sound"].to(model.device))
             more["has_sound"] = heard["has_sound"].float().unsqueeze(1)
         tensors.update(
             {
@@ -176,9 +175,9 @@ def _encode_latents(
     return tensors, failed
 
 
-def _encode_texts(built, entries: list[Entry], encode: Callable) -> tuple[dict, dict]:
+def _encode_texts(model, entries: list[Entry]) -> tuple[dict, dict]:
     with torch.no_grad():
-        tensors = {name: value.cpu() for name, value in encode(built, [e.caption for e in entries]).items()}
+        tensors = {name: value.cpu() for name, value in model.encode_text([e.caption for e in entries]).items()}
     return {e.key: {name: value[i] for name, value in tensors.items()} for i, e in enumerate(entries)}, {}
 
 
@@ -204,16 +203,7 @@ def chunks_of_rank(chunks: list[list[Entry]], group: list[int], text_group: list
     return mine
 
 
-def _build_share(
-    built,
-    dataset,
-    by_id: dict,
-    folder: Path,
-    chunks,
-    resolution: int,
-    encode_text: Callable,
-    extras: Optional[Callable] = None,
-) -> dict:
+def _build_share(model, dataset, by_id: dict, folder: Path, chunks, resolution: int, extras: bool = False) -> dict:
     """Encode and write every entry of these chunks that is not already a complete, checksummed file.
     A chunk is encoded whole (same batches as any other world size) but only its bad entries are written."""
     counts = {"built": 0, "cached": 0, "failed": {}}
@@ -223,9 +213,9 @@ def _build_share(
         if not todo:
             continue
         if chunk[0].kind == "latent":
-            tensors, failed = _encode_latents(built, dataset, by_id, chunk, resolution, extras)
+            tensors, failed = _encode_latents(model, dataset, by_id, chunk, resolution, extras)
         else:
-            tensors, failed = _encode_texts(built, chunk, encode_text)
+            tensors, failed = _encode_texts(model, chunk)
         counts["failed"].update(failed)
         for entry in todo:
             if entry.key in tensors:
@@ -276,8 +266,7 @@ def _index(folder: Path, entries: list[Entry], cache_spec, failed_samples: set[s
 
 def _job_fingerprints(job: LatentCacheJob) -> dict[str, str]:
     """The fingerprints that key the entries: the VAE's and the text side's, with the job's settings folded in."""
-    text = job.text_cache
-    fingerprints = _fingerprints(job.model_folder, text.folder_names(job.model_folder) if text else ())
+    fingerprints = _fingerprints(job.model_folder, job.text_folders)
     if job.text_settings:  # e.g. flow's max_sequence_length: same encoders, other tensors
         fingerprints["text"] = bytes_sha256((fingerprints["text"] + job.text_settings).encode())
     if job.latent_settings:  # e.g. image-to-video: the first frame's condition (and its encoders) beside the posterior
@@ -299,10 +288,10 @@ def _text_group(run, job: LatentCacheJob, group: list[int], entries: list[Entry]
     return group if verify_only else text_group
 
 
-def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = False) -> tuple[CacheIndex | None, int]:
+def prepare_cache(run, job: LatentCacheJob, model, records, verify_only: bool = False) -> tuple[CacheIndex | None, int]:
     """Build (or with verify_only, check) every entry this run reads, on every rank together; print one summary.
     Returns (index, 0) or, when incomplete, (None, exit code 1) after printing why. Never returns an index with a
-    missing entry: after the barrier each rank checks every entry it will read. `built` may be None to verify."""
+    missing entry: after the barrier each rank checks every entry it will read. `model` may be None to verify."""
     data, cache_spec, folder = job.data, job.data.cache, job.folder
     started = time.perf_counter()
     error = None
@@ -314,7 +303,6 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
     group = sharing_group(run, folder)
     targets, records = records, _with_sources(records) if cache_spec.latents else records
     hashes, unreadable = _content_hashes(run, records, data, job.video)
-    text = job.text_cache
     entries = plan_entries(
         records,
         hashes,
@@ -326,7 +314,7 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
         cache_spec.latents,
         cache_spec.text_embeddings,
         _sizes(targets, data, job.video),
-        text.tensor_names(job.model_folder) if text else (),
+        job.text_tensors,
         job.latent_tensors,
         job.extra_captions,
     )
@@ -335,19 +323,11 @@ def prepare_cache(run, job: LatentCacheJob, built, records, verify_only: bool = 
         counts = _verify_share(folder, mine)
     else:
         if job.video:  # with the clips' sound where the model trains on it
-            dataset = VideoCaptionDataset(data, targets, job.seed, built.sound_rate)
+            dataset = VideoCaptionDataset(data, targets, job.seed, model.sound_rate)
         else:
             dataset = ImageCaptionDataset(data, targets, job.seed)
-        counts = _build_share(
-            built,
-            dataset,
-            {r.sample_id: r for r in records},
-            folder,
-            mine,
-            data.resolution,
-            text.encode if text else None,
-            job.latent_extras,
-        )
+        by_id = {r.sample_id: r for r in records}
+        counts = _build_share(model, dataset, by_id, folder, mine, data.resolution, bool(job.latent_settings))
     agree_or_stop(run, monitored_barrier(run, cache_spec.barrier_timeout_minutes))
     missing = (
         {} if verify_only else {e.name: p for e in entries if (p := entry_problem(folder / e.relpath, e, full=False))}
@@ -392,30 +372,29 @@ def _conclude(run, data: DataSpec, folder, entries, reports, unreadable, verify_
     return _index(folder, entries, data.cache, failed_samples), 0
 
 
-def offload_frozen(built, index: CacheIndex) -> list[str]:
-    """Move the encoders the cache replaces off the accelerator (kept in host memory for sampling): the VAE (and an
-    image encoder, whose embeddings are latent extras, and the sound stream's encoder) with cached latents, every
-    other frozen part (the text encoders, see dstune.families.base) with cached text."""
+def offload_frozen(model, index: CacheIndex) -> list[str]:
+    """Move the encoders the cache replaces off the accelerator (kept in host memory for sampling): the model's
+    latent parts (the VAE, an image encoder whose embeddings are stored beside the latents, a sound encoder) with
+    cached latents, every other frozen part (the text encoders) with cached text."""
     moved = []
-    sound = getattr(getattr(built, "recipe", None), "sound", None)
-    latent_parts = ("vae", "image_encoder") + (sound.parts if sound else ())
-    for name, module in built.frozen.items():
+    latent_parts = model.latent_parts()
+    for name, module in model.frozen.items():
         cached = index.latents if name in latent_parts else index.text
-        if cached and built.device.type != "cpu":
+        if cached and model.device.type != "cpu":
             module.to("cpu")
             moved.append(name)
     return moved
 
 
 @contextmanager
-def frozen_on_device(built, moved: list[str]):
+def frozen_on_device(model, moved: list[str]):
     """Bring offloaded encoders back to the device for the duration (sampling), then off again."""
     for name in moved:
-        built.frozen[name].to(built.device)
+        model.frozen[name].to(model.device)
     try:
         yield
     finally:
         for name in moved:
-            built.frozen[name].to("cpu")
+            model.frozen[name].to("cpu")
         if moved and torch.cuda.is_available():
             torch.cuda.empty_cache()

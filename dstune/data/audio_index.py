@@ -3,7 +3,7 @@
 `dstune validate` counts clips through this module: it lists files and reads only audio headers (soundfile's
 `info`), so it knows every clip's duration and can apply the length rules before training, with counts.
 
-Layouts (the audio families, DESIGN.md section 2):
+Layouts (the audio families):
   - ljspeech: `metadata.csv` with `id|text|normalized` lines (normalized may be missing or empty: then `text`),
     the audio in `wavs/<id>.wav`.
   - jsonl: `metadata.jsonl`, one `{"audio": "rel/path.wav", "text": ..., "speaker": optional}` per line.

@@ -220,11 +220,6 @@ def stack_sounds(samples: list[dict]) -> dict:
     }
 
 
-def clip_frames(record: SampleRecord, data: DataSpec) -> int:
-    """Frames the record's clip has: its own count (1 for a still image, built-in shapes included)."""
-    return as_clip(record, data).frames
-
-
 def find_bad_clips(
     records: list[SampleRecord], data: DataSpec, rank: int = 0, world_size: int = 1, sound_rate: int | None = None
 ) -> list[tuple[SampleRecord, str]]:

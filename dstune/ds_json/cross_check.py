@@ -72,7 +72,7 @@ def cross_check(
         resolved = deepspeed_resolve(ds_config, plan.world_size)
     except ImportError as err:
         return [source.issue("deepspeed", f"cannot import DeepSpeed to check the config: {err}")]
-    except Exception as err:  # AssertionError, ValueError (pydantic), DeepSpeedConfigError, TypeError ...
+    except Exception as err:  # noqa: BLE001 - DeepSpeed rejects with AssertionError, ValueError, TypeError, its own ...
         return _rejection_issues(err, ds_config, source, user_file)
     ours = (plan.global_batch_size, plan.micro_batch_size, plan.gradient_accumulation_steps)
     theirs = (resolved.train_batch_size, resolved.train_micro_batch_size_per_gpu, resolved.gradient_accumulation_steps)

@@ -1,51 +1,98 @@
-"""The closed registry of model families: `model.family` in the spec -> its torch side (`Family`,
-dstune.families.base) and its torch-free facts (`ModelFacts`, dstune.families.facts).
+"""The model families: `model.family` in the spec -> its models (their cards, dstune.registry), which of them a
+folder holds, the family's torch-free facts, and loading a model's class.
 
-    facts = get_facts(spec.model.family)        # validate, the memory plan, the video planner: no torch
-    family = get_family(spec.model.family)      # training: build, encode, loss, sample, export
-    built = family.build(spec.model, folders, device, dtype_for_frozen)   # folders: dstune.pretrained
-    encoded = family.encode_batch(built, batch, compute_dtype)
-    loss = family.loss(built, engine, encoded, train_seed, optimizer_step)
+    card = card_of(spec.model.family, folder)          # start-up: the folder's model (FamilyError when none)
+    model = load_model(card, spec.model, folders, device, frozen_dtype)     # its class, loaded (imports torch)
+    facts = get_facts(spec.model.family)               # validate, the memory plan, the video planner: no torch
 
-Family modules import torch and their model libraries, so they are imported on first use; this package and the
-facts modules are torch-free (tests/unit/test_families_registry.py checks it), so `dstune validate` never imports a
-family's torch side. The keys must match the spec's discriminated union (dstune.spec.models.FAMILIES); a test checks
-the lists agree. Adding a family: docs/architecture.md.
+A family of one model (its spec section is the unit's own) is that model's; a shared core's (flow, video, tts_codebooks)
+tells its models apart by the folder's own classes (its card module's `card_of_folder`). This package and the
+card modules are torch-free, so `dstune validate` never imports a model's torch side. Adding a family:
+docs/architecture.md.
 """
 
 from __future__ import annotations
 
-import importlib
+from pathlib import Path
+from typing import Optional
 
-from dstune.families import flow_facts, video_facts
-from dstune.families.base import Family
-from dstune.families.facts import ModelFacts
-from dstune.models import registry
-from dstune.models.unit import VIDEO_FAMILY, load
+from dstune import registry
+from dstune.card import ModelCard, load
+from dstune.families import codebooks_card, flow_card, video_card
+from dstune.families.base import FamilyError
+from dstune.families.facts import FamilyFacts, SpecIssues
+from dstune.memory.counts import SizesUnknown
+from dstune.spec.models import FAMILIES, SECTIONS_BY_FAMILY
 
-# The shared cores' families (their models are recipes the units add: dstune.models.registry.recipes), then the
-# families the model units own.
-CORE_FAMILY_MODULES = {"flow": "dstune.families.flow", VIDEO_FAMILY: "dstune.families.video"}
-FAMILY_MODULES: dict[str, str] = {**CORE_FAMILY_MODULES, **registry.family_modules()}
-
-FAMILY_FACTS: dict[str, ModelFacts] = {
-    facts.family: facts for facts in (flow_facts.FACTS, video_facts.FACTS, *map(load, registry.facts()))
-}
+# The shared cores: their card modules tell a folder's model among the family's cards (card_of_folder at start-up,
+# card_of_configs offline) and say what is known of a folder none of their models trains (unknown_model).
+CORES = {"flow": flow_card, "video": video_card, "tts_codebooks": codebooks_card}
+SPLITS_SEQUENCES = ("flow", "video")  # the families dstune's sequence parallelism splits (flow-matching transformers)
 
 
 def _unknown(name: str) -> ValueError:
-    return ValueError(f"unknown model family {name!r}; known families: {', '.join(sorted(FAMILY_MODULES))}")
+    return ValueError(f"unknown model family {name!r}; known families: {', '.join(sorted(FAMILIES))}")
 
 
-def get_family(name: str) -> Family:
-    """The family for `model.family` == name; ValueError listing the known ones otherwise."""
-    if name not in FAMILY_MODULES:
-        raise _unknown(name)
-    return importlib.import_module(FAMILY_MODULES[name]).FAMILY
+def family_cards(family: str) -> tuple[ModelCard, ...]:
+    if family not in FAMILIES:
+        raise _unknown(family)
+    return registry.family_cards(family)
 
 
-def get_facts(name: str) -> ModelFacts:
+def card_of(family: str, folder: Path) -> ModelCard:
+    """The card of the model `folder` holds, among `family`'s; FamilyError saying why no model of it fits."""
+    cards = family_cards(family)
+    if family in CORES:
+        return CORES[family].card_of_folder(cards, Path(folder))
+    return cards[0]
+
+
+def load_model(card: ModelCard, model_spec, folders: dict, device, frozen_dtype, zero3_config=None, **options):
+    """The card's model class, loaded (dstune.families.base.TrainedModel.load)."""
+    return load(card.model_class).load(card, model_spec, folders, device, frozen_dtype, zero3_config, **options)
+
+
+def card_of_spec(spec) -> Optional[ModelCard]:
+    """The card of the model spec.model.pretrained holds, from its configs (torch-free); None when they are not here
+    or name no model of the family."""
+    cards = family_cards(spec.model.family)
+    if spec.model.family not in CORES:
+        return cards[0]
+    try:
+        return CORES[spec.model.family].card_of_reference(cards, spec.model.pretrained)
+    except (SizesUnknown, OSError, ValueError, FamilyError):
+        return None
+
+
+def _unknown_model(family: str):
+    def said(spec, raising: bool) -> SpecIssues:
+        if family in CORES:
+            return CORES[family].unknown_model(family_cards(family), spec, raising)
+        return []
+
+    return said
+
+
+FAMILY_FACTS: dict[str, FamilyFacts] = {
+    family: FamilyFacts(
+        family, SECTIONS_BY_FAMILY[family].modality, family in SPLITS_SEQUENCES, card_of_spec, _unknown_model(family)
+    )
+    for family in FAMILIES
+}
+
+
+def get_facts(name: str) -> FamilyFacts:
     """The torch-free facts of `model.family` == name; ValueError listing the known ones otherwise."""
     if name not in FAMILY_FACTS:
         raise _unknown(name)
     return FAMILY_FACTS[name]
+
+
+def clip_token_factors(spec):
+    """(VAE spatial factor, transformer patch (t, h, w), VAE temporal factor, where they came from) of a video
+    model's configs, the common layout where they are not here (dstune.families.video_card.token_factors); None
+    for a model that does not train on clips."""
+    if get_facts(spec.model.family).modality != "video":
+        return None
+    return video_card.token_factors(family_cards(spec.model.family), spec.model.pretrained)

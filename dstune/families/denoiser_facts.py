@@ -1,17 +1,17 @@
-"""What the diffusers pipeline families share in their torch-free facts: a pipeline folder whose
-denoiser DeepSpeed trains beside frozen companions (VAE, text encoders, an image encoder), counted from its configs.
+"""What the diffusers pipeline models share in their torch-free facts: a pipeline folder whose denoiser DeepSpeed
+trains beside frozen companions (VAE, text encoders, an image encoder), counted from its configs.
 
-    count_denoiser(spec, num_samples, clips, DenoiserRules(...)) -> ModelCounts
+    count_denoiser(spec, num_samples, clips, card) -> ModelCounts
 
-A family's `<family>_facts.py` passes what differs as `DenoiserRules`: which component trains (a two-expert folder
-trains one of two), whether the image encoder is used, its activation formula and its encoder cache's bytes.
+The model's card answers what differs (`DenoiserFacts`): which component trains (a two-expert folder trains one of
+two), whether the image encoder is used, one sample's activations and the encoder caches' bytes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional, Protocol
 
 from dstune.memory.plan import ModelCounts
 from dstune.memory.counts import config_folder, count_component, count_small_tensors, read_config, vae_factor
@@ -66,27 +66,26 @@ class PipelineFolder:
         return (self.path / component / "config.json").exists()
 
 
-def trains_denoiser(module: str) -> Callable:
-    """A single-denoiser family's `trained`: (module, no sampling-only parts, no expert)."""
-    return lambda spec, folder: (module, {}, None)
+class DenoiserFacts(Protocol):
+    """What count_denoiser asks a model's card (dstune.families.flow_card, video_card, the UNet families' cards)."""
 
+    text_once: bool  # its start-up can load the text encoders on one rank per node (False: every rank, always)
 
-@dataclass(frozen=True)
-class DenoiserRules:
-    # (spec, PipelineFolder) -> (the trained component, {frozen component loaded only for samples: params}, the
-    # expert summary of validate --json or None)
-    trained: Callable
-    # (spec, PipelineFolder, denoiser config, clips) -> one sample's activation bytes (full, checkpointed)
-    activations: Callable
-    # (spec, PipelineFolder, companions, num_samples, clips) -> the encoder cache's bytes on disk
-    cache_bytes: Callable
-    # (spec, PipelineFolder) -> whether the run loads the folder's image encoder (image-to-video)
-    uses_image_encoder: Callable = lambda spec, folder: False
-    # (PipelineFolder) -> whether the model's samples can render from cached prompt embeddings (text_once_per_node)
-    samples_from_cached_text: Callable = lambda folder: False
-    # the family's start-up can load the text encoders on one rank per node (its Family.text_once_per_node); False:
-    # every rank loads them whatever the spec
-    text_once: bool = True
+    @property
+    def samples_from_cached_text(self) -> bool: ...  # its samples render from the prompts' cached text
+
+    def trained(self, spec, folder: "PipelineFolder") -> tuple:
+        """(the trained component, {frozen component loaded only for samples: params}, the expert summary of
+        validate --json or None)"""
+
+    def activation_bytes(self, spec, folder: "PipelineFolder", config: dict, clips) -> tuple[float, float]:
+        """one sample's activation bytes (full, checkpointed), the denoiser's config given"""
+
+    def cache_bytes(self, spec, folder: "PipelineFolder", companions: dict, num_samples: int, clips) -> int:
+        """the encoder caches' bytes on disk"""
+
+    def uses_image_encoder(self, spec, folder: "PipelineFolder") -> bool:
+        """whether the run loads the folder's image encoder (image-to-video)"""
 
 
 def pipeline_folder(pretrained: str) -> PipelineFolder:
@@ -99,10 +98,10 @@ def lora_settings(spec) -> tuple[tuple, int]:
     return (tuple(settings.target_modules), settings.rank) if settings else ((), 0)
 
 
-def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> ModelCounts:
+def count_denoiser(spec, num_samples: int, clips, card: DenoiserFacts) -> ModelCounts:
     """The denoiser, its companions, one sample's activations and the cache size of a pipeline folder's run."""
     folder = pipeline_folder(spec.model.pretrained)
-    module, sampling_only, expert = rules.trained(spec, folder)
+    module, sampling_only, expert = card.trained(spec, folder)
     targets, rank = lora_settings(spec)
     config_path = folder.path / module / "config.json"
     params, largest, lora = count_component(str(config_path), targets, rank)
@@ -113,13 +112,13 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
         if (folder.index.get(part) or [None])[0]
     }
     cache = spec.data.cache
-    if not rules.uses_image_encoder(spec, folder):  # e.g. a text-to-video run of an image-to-video-capable folder
+    if not card.uses_image_encoder(spec, folder):  # e.g. a text-to-video run of an image-to-video-capable folder
         companions.pop("image_encoder", None)
     # the image encoder's embeddings (first-frame conditioning) and the sound latents are stored beside the latents
     cached = tuple(part for part in companions if (cache.latents if part in LATENT_PARTS else cache.text_embeddings))
-    full, checkpointed = rules.activations(spec, folder, read_config(config_path), clips)
+    full, checkpointed = card.activation_bytes(spec, folder, read_config(config_path), clips)
     # a family without the rule loads them on every rank, with nothing to say about it (no spec key changes it)
-    why_every_rank = text_once_per_node(spec, rules.samples_from_cached_text(folder)) if rules.text_once else ""
+    why_every_rank = text_once_per_node(spec, card.samples_from_cached_text) if card.text_once else ""
     text_parts = tuple(part for part in companions if part in TEXT_PARTS)
     return ModelCounts(
         module,
@@ -131,13 +130,13 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
         int(full),
         int(checkpointed),
         default_lora,
-        rules.cache_bytes(spec, folder, companions, num_samples, clips),
+        card.cache_bytes(spec, folder, companions, num_samples, clips),
         folder.origin,
         builds_partitioned=True,  # every pipeline family builds the denoiser partitioned under ZeRO-3
         sampling_companions=sampling_only,
         expert=expert,
         small_tensors=count_small_tensors(str(config_path), targets, rank),
-        once_per_node=text_parts if rules.text_once and why_every_rank is None else (),
+        once_per_node=text_parts if card.text_once and why_every_rank is None else (),
         text_on_every_rank=why_every_rank if text_parts and why_every_rank else "",
     )
 
@@ -145,7 +144,7 @@ def count_denoiser(spec, num_samples: int, clips, rules: DenoiserRules) -> Model
 def side_issues(spec, side: int, why: str) -> list[tuple[str, str]]:
     """data.resolution (or the bucket step or sizes) against the `side` in pixels every image or clip side must be a
     multiple of (the VAE's spatial factor x the patch a token packs; `why` says so), before any GPU time: otherwise
-    the first batch is refused on every rank (flow_core's latent check) after the whole start-up."""
+    the first batch is refused on every rank (FlowModel's latent check) after the whole start-up."""
     buckets = spec.data.buckets
     if not buckets.enabled:
         if spec.data.resolution % side == 0:

@@ -3,7 +3,6 @@ folder's model_index.json, export of a complete pipeline folder, non-reentrant c
 
 from __future__ import annotations
 
-import json
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,30 +11,12 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families.base import FamilyError
+from dstune.families.folders import MODEL_INDEX, read_model_index
 from dstune.families.precision import at_least_float32
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 
-MODEL_INDEX = "model_index.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".ckpt", ".pt", ".pth", ".msgpack", ".h5", ".onnx", ".pb", ".gguf")
-
-
-def read_model_index(folder: Path) -> dict:
-    """The parsed model_index.json of a diffusers pipeline folder, or FamilyError saying why not."""
-    path = folder / MODEL_INDEX
-    if not path.is_file():
-        raise FamilyError(
-            f"{folder}: no {MODEL_INDEX}, so this is not a diffusers pipeline folder. Give a folder written by "
-            "`pipeline.save_pretrained(...)` (model_index.json plus one subfolder per component), a hub id that is "
-            "already downloaded, or a built-in model (builtin:tiny-sd)."
-        )
-    try:
-        index = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise FamilyError(f"{path}: cannot read it as JSON ({err})") from None
-    if not isinstance(index, dict):
-        raise FamilyError(f"{path}: expected a JSON object, found {type(index).__name__}")
-    return index
 
 
 def copy_component(source: Path, target: Path) -> None:
@@ -55,29 +36,6 @@ def copy_component(source: Path, target: Path) -> None:
         shutil.copy2(path, target / path.name)
     for sub in sorted(p for p in source.iterdir() if p.is_dir()):
         shutil.copytree(sub, target / sub.name, dirs_exist_ok=True)
-
-
-def component_problems(folder: Path, index: dict, components: dict) -> list[str]:
-    """Why a pipeline folder lacks what a model needs: each component of `components` (name -> the class
-    model_index.json must list, or None for any) listed in model_index.json and present as a subfolder."""
-    problems = []
-    for name, expected in components.items():
-        entry = index.get(name)
-        listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
-        if listed is None or not (folder / name).is_dir():
-            problems.append(f"no `{name}` component (model_index.json entry and {name}/ subfolder)")
-        elif expected is not None and listed != expected:
-            problems.append(f"`{name}` is a {listed}; expected {expected}")
-    return problems
-
-
-def read_component_config(folder: Path, name: str) -> dict:
-    """`folder/name/config.json` of a pipeline component; FamilyError naming the file when it is not JSON."""
-    path = folder / name / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise FamilyError(f"{path}: cannot read it as JSON ({err})") from None
 
 
 def export_pipeline_folder(source: Path, out_dir, trained_name: str, trained, finish=None) -> Path:
@@ -114,7 +72,7 @@ def load_trainable(folder: Path, name: str, model_class, zero3_config: Optional[
 
     Without `zero3_config`: `from_pretrained` with low_cpu_mem_usage (built on the meta device and filled from the
     memory-mapped safetensors, no second randomly initialised copy), in fp32 in host memory. It stays there: the
-    start-up (dstune.startup.build_family) quantizes a frozen base and adds LoRA adapters on the host, then casts the
+    start-up (dstune.startup.load_trained_model) quantizes a frozen base and adds LoRA adapters on the host, then casts the
     module to its training dtype and only then moves it to the accelerator (dstune.engine.place_trainable), so the
     accelerator never holds an fp32 copy DeepSpeed would cast anyway. With `zero3_config` (the run's DeepSpeed JSON,
     ZeRO stage 3): built partitioned under deepspeed.zero.Init in the config's precision and filled one parameter at

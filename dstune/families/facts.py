@@ -1,13 +1,13 @@
-"""What dstune knows about a family's models without torch: the half of a model unit that `dstune validate`, the
-memory plan and the video planner read. Each family declares one `ModelFacts` value, `FACTS`, in its
-`<family>_facts.py` module beside its torch side (`<family>.py`); the registry (dstune.families) maps
-`model.family` to it. Nothing here imports torch, diffusers or transformers: configs are JSON, counts come from
-the stored table or the meta device (dstune.memory.counts, which imports torch only inside a function).
+"""What dstune knows about a family's models without torch, for `dstune validate`, the memory plan and the video
+planner: `FamilyFacts`, one per `model.family`, whose answers are those of the card of the spec's folder (found from
+its configs: a built-in's stored ones, a local folder, the local Hugging Face cache, the configs stored with dstune).
+Nothing here imports torch, diffusers or transformers: configs are JSON, counts come from the stored table or the
+meta device (dstune.memory.counts, which imports torch only inside a function).
 
-    facts = get_facts(spec.model.family)
+    facts = dstune.families.get_facts(spec.model.family)
     counts = facts.count(spec, num_samples, clips)       # ModelCounts: parameters, activations, cache bytes
     issues = facts.spec_issues(spec)                      # [(dotted key, message)]: the spec against the folder
-    spatial, patch, temporal, origin = facts.token_factors(spec.model.pretrained)   # video families
+    attention = facts.attention(spec)                     # families that split sequences: the heads, or None
 
 Central modules ask these; they never branch on a family's name or guess a model from its config keys.
 """
@@ -15,25 +15,27 @@ Central modules ask these; they never branch on a family's name or guess a model
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 Clip = tuple[int, int, int, int]  # (frames, width, height, clips): one bucket of a video dataset
 SpecIssues = list[tuple[str, str]]  # (dotted key, message): an error about the spec, found from the model's configs
 
 
-class CountModel(Protocol):
-    def __call__(self, spec, num_samples: int, clips: Sequence[Clip] = ()):  # -> dstune.memory.plan.ModelCounts
+class CardOfSpec(Protocol):
+    def __call__(self, spec):  # -> the card of the spec's folder (dstune.card.ModelCard), None when unknown here
         ...
 
 
-def no_spec_issues(spec) -> SpecIssues:
-    return []
+class UnknownModel(Protocol):
+    def __call__(self, spec, raising: bool) -> SpecIssues:
+        """What to say of a folder whose model is not known here: the spec issues to report, or with `raising`
+        SizesUnknown (the plan cannot count it)."""
 
 
 # The transformer classes that carry a context-parallel plan (`_cp_plan`) in diffusers 0.42.1, the plan sequence
 # parallelism splits their sequences with (dstune.families.ulysses); tests/unit/test_sequence_parallel_plan.py
 # checks this table against the installed diffusers. A transformer class outside it cannot be split unless its
-# model unit gives it a plan (FlowRecipe.sequence_split), whose facts then answer the attention facts.
+# model gives it a plan (its class's own_split_plan), whose card then answers the attention facts.
 CONTEXT_PARALLEL_CLASSES = frozenset(
     {"WanTransformer3DModel", "FluxTransformer2DModel", "QwenImageTransformer2DModel", "Flux2Transformer2DModel"}
 )
@@ -66,23 +68,39 @@ class Attention:
     pictures: int = 1
 
 
-@dataclass(frozen=True)
-class ModelFacts:
-    """One family's torch-free facts (see the module docstring)."""
+class FamilyFacts:
+    """One model.family's facts: the family's own (its modality, whether it splits sequences) and, through `card`,
+    its models' (each card answers for the folders of its model)."""
 
-    family: str  # model.family
-    modality: Literal["image", "video", "audio"]
-    # (spec, num_samples, clips) -> ModelCounts, or raises dstune.memory.counts.SizesUnknown with the reason
-    count: CountModel
-    # spec -> [(key, message)]: what startup would refuse about this spec on this folder, found offline from its
-    # configs (nothing when they are not on this machine: startup checks the folder itself)
-    spec_issues: Callable = no_spec_issues
-    # video: pretrained reference -> (VAE spatial factor, transformer patch (t, h, w), VAE temporal factor, origin)
-    token_factors: Optional[Callable] = None
-    # spec -> the pipeline class when the model trains on (source, target) pairs (an edit model), else None:
-    # validate then checks that the data gives the pairs
-    pairs: Callable = lambda spec: None
-    # spec -> Attention (heads, head width, origin) or None when the configs
-    # are not here; None (the field): the family has no sequence-parallel attention (deepspeed.sequence_parallel_size
-    # is refused for it)
-    attention: Optional[Callable] = None
+    def __init__(self, family: str, modality: str, splits_sequences: bool, card: CardOfSpec, unknown: UnknownModel):
+        self.family, self.modality, self.splits_sequences = family, modality, splits_sequences
+        self._card, self._unknown = card, unknown
+
+    def card(self, spec):
+        """The card of the spec's folder, or None when its configs are not here (or name no model of the family)."""
+        return self._card(spec)
+
+    def count(self, spec, num_samples: int, clips: Sequence[Clip] = ()):
+        """The model's ModelCounts; SizesUnknown (dstune.memory.counts) with the reason when its configs are not
+        here."""
+        card = self.card(spec)
+        if card is None:
+            self._unknown(spec, raising=True)
+        return card.count(spec, num_samples, clips)
+
+    def spec_issues(self, spec) -> SpecIssues:
+        """What start-up would refuse of this spec on this folder, found offline from its configs (nothing when they
+        are not here: start-up checks the folder itself)."""
+        card = self.card(spec)
+        return card.spec_issues(spec) if card is not None else self._unknown(spec, raising=False)
+
+    def pairs(self, spec) -> Optional[str]:
+        """The pipeline class when the model trains on (source, target) pairs (validate then checks the data gives
+        them), else None."""
+        card = self.card(spec)
+        return card.pairs(spec) if card is not None else None
+
+    def attention(self, spec) -> Optional[Attention]:
+        """The heads a sequence-parallel split divides, from the configs; None when they are not here."""
+        card = self.card(spec)
+        return card.attention(spec) if card is not None else None

@@ -1,7 +1,7 @@
 """Distilled checkpoints in the flow core: train on one transformer, sample with another.
 
     fuse_training_adapter(transformer, path)        model.training_adapter: a LoRA file fused into the frozen base
-    attach_sampling_denoiser(built, folder, model)  sample.pretrained (or, with a training adapter, the clean base):
+    attach_sampling_denoiser(model, folder, spec)   sample.pretrained (or, with a training adapter, the clean base):
                                                     the transformer samples render with the trained LoRA on it
 
 A LoRA trained naively on a distilled (few-step) model breaks its few-step behaviour, so users
@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 from dstune.families.base import FamilyError
-from dstune.families.diffusion import load_component, read_model_index
-from dstune.families.flow_facts import sampling_folder_problems
-from dstune.families.flow_recipe import read_config
+from dstune.families.diffusion import load_component
+from dstune.families.folders import read_model_index
+from dstune.families.flow_card import sampling_folder_problems
+from dstune.families.folders import read_component_config
 from dstune.families.lora import add_lora_adapter, is_lora_key, lora_config
 from dstune.hf import quiet_hf_libraries
 
@@ -80,32 +81,32 @@ def fuse_training_adapter(transformer: torch.nn.Module, path) -> int:
     return changed
 
 
-def attach_sampling_denoiser(built, folder: Path, model_spec, key: str = "sample.pretrained") -> None:
+def attach_sampling_denoiser(model, folder: Path, model_spec, key: str = "sample.pretrained") -> None:
     """Load `folder`'s transformer (frozen, the run's frozen dtype, on the device) with the run's LoRA layers, as
-    the denoiser of built's samples. FamilyError listing why the folder cannot take the trained LoRA."""
+    the denoiser of the model's samples. FamilyError listing why the folder cannot take the trained LoRA."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     folder = Path(folder)
     problems = sampling_folder_problems(
-        read_model_index(built.folder),
-        read_config(built.folder, "transformer"),
+        read_model_index(model.folder),
+        read_component_config(model.folder, "transformer"),
         read_model_index(folder),
-        read_config(folder, "transformer"),
+        read_component_config(folder, "transformer"),
     )
     if problems:
         raise FamilyError(
-            f"{key} {folder} cannot render the LoRA trained on {built.folder}:\n"
+            f"{key} {folder} cannot render the LoRA trained on {model.folder}:\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
     with quiet_hf_libraries():
         import diffusers
 
-        cls = getattr(diffusers, built.recipe.transformer_class)
-        module = load_component(folder, "transformer", cls.from_pretrained, torch_dtype=built.frozen_dtype)
+        cls = getattr(diffusers, model.card.transformer_class)
+        module = load_component(folder, "transformer", cls.from_pretrained, torch_dtype=model.frozen_dtype)
         add_lora_adapter(module, lora_config(model_spec.lora_settings))
-    module = module.to(built.device).eval().requires_grad_(False)
+    module = module.to(model.device).eval().requires_grad_(False)
     scheduler = load_component(folder, "scheduler", FlowMatchEulerDiscreteScheduler.from_pretrained)
-    built.sampling = SamplingDenoiser(folder, module, read_model_index(folder), scheduler)
+    model.sampling_denoiser = SamplingDenoiser(folder, module, read_model_index(folder), scheduler)
 
 
 @contextlib.contextmanager

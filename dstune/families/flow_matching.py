@@ -1,6 +1,6 @@
 """The flow-matching pieces the flow family's models share: per-sample timestep densities, loss weights, and
 2x2 latent packing (as the MMDiT pipelines pack) with its position ids. Pure tensor functions; the models' recipes
-are in their units (dstune/models/<name>/recipe.py)."""
+are in their units (dstune/models/<name>/model.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 
 from dstune.families.precision import at_least_float32
 from dstune.families.randomness import sample_generator
-from dstune.spec.models import FlowModel
+from dstune.spec.models import FlowModelSpec
 
 
-def timestep_density(settings: FlowModel, seed: int, step: int, indices: list[int]) -> torch.Tensor:
+def timestep_density(settings: FlowModelSpec, seed: int, step: int, indices: list[int]) -> torch.Tensor:
     """u in [0, 1] per sample (float32, CPU), by diffusers' compute_density_for_timestep_sampling, each sample
     drawing with its own generator."""
     from diffusers.training_utils import compute_density_for_timestep_sampling

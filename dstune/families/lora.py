@@ -1,14 +1,14 @@
 """LoRA for every diffusion family and tts_lm: adapters on the trained module, and the LoRA file the export writes.
 
-One code path for the diffusers families. A family tells only which module is the denoiser (`built.trainable`, as for
-full training) and how its pipeline saves LoRA weights (its declared `Family.save_lora_weights`):
+One code path for the diffusers models. A model tells only which module is the denoiser (`model.trainable`, as for
+full training) and how its pipeline saves LoRA weights (its class's `save_lora_weights`):
 
-    save_lora_weights(built, lora_layers, adapter_metadata, folder)
+    model.save_lora_weights(lora_layers, adapter_metadata, folder)
         e.g. StableDiffusionPipeline.save_lora_weights(folder, unet_lora_layers=lora_layers,
                                                         unet_lora_adapter_metadata=adapter_metadata)
 
 What happens with `model.train: lora`:
-  1. `apply_train_mode` (after family.build, before DeepSpeed sees the module) freezes the denoiser and adds peft
+  1. `apply_train_mode` (after the model loads, before DeepSpeed sees the module) freezes the denoiser and adds peft
      LoRA layers (diffusers' `add_adapter`; peft's `inject_adapter_in_model` for tts_lm's LM); only the adapters
      require grad, so `wrap_model` hands only them to the optimizer and ZeRO partitions optimizer state for them alone.
   2. Checkpoints leave the frozen weights out (`exclude_frozen_parameters`): they are the pretrained folder's,
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from dstune.families.base import Family, FamilyError
+from dstune.families.base import FamilyError, TrainedModel
 from dstune.families.randomness import sample_generator
 from dstune.families.quantized_base import quantize_linear_weights, stored_weight_bytes
 from dstune.fsutil import folder_written_atomically
@@ -82,21 +82,19 @@ def is_lora_key(name: str) -> bool:
     return any(part in name for part in ADAPTER_PARTS)
 
 
-def apply_train_mode(
-    denoiser: torch.nn.Module, model_spec, seed: int, family: Family, lora_format=None, device=None
-) -> str:
-    """Make `denoiser` trainable as `model_spec.train` says; returns a one-line summary for the log. A quantized
-    base's layers are placed on `device` as they are quantized (None: where they are). A family
+def apply_train_mode(model: TrainedModel, model_spec, seed: int, lora_format=None, device=None) -> str:
+    """Make the model's trainable module trainable as `model_spec.train` says; returns a one-line summary for the
+    log. A quantized base's layers are placed on `device` as they are quantized (None: where they are). A model
     that cannot write a LoRA file, or adapters the LoRA file's key scheme (`lora_format`, output.lora_format)
     cannot name, are refused here, before training, not at the export.
 
     For LoRA the A matrices are re-drawn from a CPU generator seeded by train.seed: peft draws them from the global
     (and, on GPUs, the CUDA) RNG, which would make them differ between ranks, devices and runs."""
-    settings = getattr(model_spec, "lora_settings", None)
+    denoiser, settings = model.trainable, getattr(model_spec, "lora_settings", None)
     total = sum(int(getattr(p, "ds_numel", p.numel())) for p in denoiser.parameters())  # ZeRO-3 built: partitioned
     if settings is None:
         return f"training: full, {total:,} parameters"
-    if not family.supports_lora:
+    if not model.supports_lora:
         raise FamilyError(
             f"model.train: lora is not supported by model.family {model_spec.family!r} yet (it "
             "cannot write a LoRA file, so the adapters could not be exported). Use train: full."
@@ -309,14 +307,12 @@ def save_peft_folder(layers: dict, config, folder: Path) -> None:
     save_file({f"base_model.model.{name}": tensor for name, tensor in layers.items()}, str(folder / PEFT_ADAPTER_FILE))
 
 
-def export_lora(
-    family: Family, built, state: dict, out_dir, model_spec, weights: str = "raw", lora_format=None
-) -> Path:
+def export_lora(model: TrainedModel, state: dict, out_dir, model_spec, weights: str = "raw", lora_format=None) -> Path:
     """Write `out_dir/pytorch_lora_weights.safetensors` in the scheme of `lora_format` (output.lora_format; None:
     the family's default) + dstune_lora.json naming the base model and the format, atomically.
     `weights` says which weights these are ("ema" or "raw"); it is recorded, not applied."""
     settings = model_spec.lora_settings
-    if not family.supports_lora:
+    if not model.supports_lora:
         raise FamilyError(f"model.family {model_spec.family!r} cannot write a LoRA file")
     chosen, scheme = lora_file_scheme(model_spec.family, lora_format)
     out = Path(out_dir)
@@ -331,13 +327,13 @@ def export_lora(
         else:
             layers = diffusers_lora_layers(state)
             with quiet_hf_libraries():
-                family.save_lora_weights(built, layers, lora_config(settings).to_dict(), work)
+                model.save_lora_weights(layers, lora_config(settings).to_dict(), work)
         written = PEFT_ADAPTER_FILE if scheme == "peft" else LORA_WEIGHT_FILE
         if not (work / written).is_file():
-            raise FamilyError(f"model.family {family.name}: save_lora_weights wrote no {written}")
+            raise FamilyError(f"{model.card.name}: save_lora_weights wrote no {written}")
         info = {
             "base_model": model_spec.pretrained,
-            "base_folder": str(built.folder),
+            "base_folder": str(model.folder),
             "family": model_spec.family,
             "format": chosen,
             "key_scheme": scheme,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 TRANSFORMER_SIZES = ((16, 8), (36, 8), (16, 24))  # (image tokens, text tokens) of the image transformers' fits
 LM_VOCAB = 1000  # a narrow LM vocabulary: the logits are counted apart, per vocabulary entry
@@ -30,11 +30,12 @@ LM_VOCAB = 1000  # a narrow LM vocabulary: the logits are counted apart, per voc
 class Case:
     key: str  # the table's key (dstune/model_configs/activation_constants.json)
     title: str
-    build: Callable  # (heads, ffn multiplier) -> module, with the measurement's width, ffn width and vocab
-    run: Callable  # (module, tokens, context, dtype) -> a callable computing the loss
+    # (heads, ffn multiplier) -> (module, the measurement's width, ffn width, vocabulary)
+    build: Callable[[int, int], tuple]
+    run: Callable[..., Callable[[], Any]]  # (module, tokens, context, dtype) -> a callable computing the loss
     sizes: tuple  # (tokens, context) measured to fit the constants
     check_size: tuple  # a third (tokens, context) for the unit test
-    block_lists: Callable = lambda model: {}  # module -> {kind: list of blocks}
+    block_lists: Callable[[Any], dict] = lambda model: {}  # module -> {kind: list of blocks}
     quadratic: bool = False  # attention that keeps its scores (not SDPA): fit T^2, C^2, T*C
     joint_mask: bool = False  # each block's SDPA keeps a (T + C)^2 attention mask, width-free: fit (T + C)^2 bytes
     ffn: bool = False  # the MLP width is a config key of its own: measure twice as wide too
@@ -42,9 +43,8 @@ class Case:
     # codebook): a logits term of width x vocabulary bytes, not per token
     head_copy: bool = False
     checkpointing: bool = True  # whether dstune can run it with gradient checkpointing
-    pad: Callable = lambda tokens: (
-        tokens
-    )  # the length the model pads a sequence to (the constants are per padded token)
+    # the length the model pads a sequence to (the constants are per padded token)
+    pad: Callable[[float], float] = lambda tokens: tokens
     heads: int = 2
     check_heads: int = 3  # the unit test's width (a UNet: channels x check_heads / 10)
     check_precision: str = "bf16"  # the unit test's (a UNet: fp32; the CPU's bf16 convolutions are ~20x slower)
@@ -93,3 +93,46 @@ def attr(*names, **kinds):
         return found
 
     return lists
+
+
+# ------------------------------------------------------------------------------- the UNet models' measurements
+
+
+def unet_case(config: dict):
+    """A UNet measurement case's build: the UNet's structure with every channel count x heads / 10 (heads 2: a
+    fifth; a UNet with a list of head widths and transformer layers per block keeps 64-wide heads)."""
+
+    def build(heads, ffn_mult):
+        from diffusers import UNet2DConditionModel
+
+        def narrow(value: int) -> int:
+            return value * heads // 10
+
+        channels = [narrow(c) for c in config["block_out_channels"]]
+        settings = dict(config, block_out_channels=channels, cross_attention_dim=narrow(config["cross_attention_dim"]))
+        if "transformer_layers_per_block" in config:  # heads of 64 channels, and the pooled text + 6 time ids
+            settings["attention_head_dim"] = [max(1, narrow(h)) for h in config["attention_head_dim"]]
+            settings["projection_class_embeddings_input_dim"] = narrow(1280) + 6 * 256
+        return UNet2DConditionModel(**settings), channels[0], 0, 0
+
+    return build
+
+
+def unet_case_run(model, tokens, context, dtype):
+    """A UNet measurement case's step: `tokens` latent pixels (a square side), `context` text tokens; a text_time
+    UNet also gets pooled text and its six time ids."""
+    import torch
+
+    side = square_side(tokens)
+    latents = randn(1, 4, side, side, dtype=dtype)
+    text = randn(1, context, model.config.cross_attention_dim, dtype=dtype)
+    extra = {}
+    if model.config.addition_embed_type == "text_time":
+        pooled = model.config.projection_class_embeddings_input_dim - 6 * model.config.addition_time_embed_dim
+        extra = {
+            "added_cond_kwargs": {
+                "text_embeds": randn(1, pooled, dtype=dtype),
+                "time_ids": torch.tensor([[side * 8, side * 8, 0, 0, side * 8, side * 8]], dtype=dtype),
+            }
+        }
+    return lambda: mse(model(latents, torch.tensor([500]), text, **extra).sample)

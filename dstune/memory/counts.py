@@ -1,6 +1,6 @@
 """Parameter counts of a model's components without reading a weight: each component's class is built from its
 config file on torch's meta device (no memory, no data), then counted. What a family's run holds (which components,
-activations, caches) is the family's own (dstune.families.<family>_facts: `get_facts(family).count(spec, ...)`);
+activations, caches) is the family's own (its card, through `dstune.families.get_facts(family).count(spec, ...)`);
 this module knows no family.
 
     config_folder(reference) -> (folder of config files, where they came from), or raises SizesUnknown

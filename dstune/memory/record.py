@@ -1,7 +1,7 @@
 """Measured memory of one rank, per phase, for the memory plan's "predicted next to measured".
 
     recorder = MemoryRecorder(predicted)      before the model is built: the process's baseline
-    recorder.mark("load")                     the model built and placed (dstune.startup.build_family)
+    recorder.mark("load")                     the model loaded and placed (dstune.startup.load_trained_model)
     recorder.mark("cache")                    the caches built or verified (before the engine)
     recorder.mark("engine")                   deepspeed.initialize, the EMA, a resume
     recorder.mark("first_step")               the first optimizer step (a step phase of its own)

@@ -1,4 +1,5 @@
-"""The models dstune trains, one folder (a unit) per model or model group; `dstune.models.registry` lists them.
+"""The models dstune trains, one folder (a unit) per model or model group, each a card and a class; `dstune.registry`
+lists the cards.
 
-Imports nothing, so that importing one unit's torch-free module (its facts, its spec data) stays torch-free.
+Imports nothing, so that importing one unit's torch-free module (its card, its spec section) stays torch-free.
 """

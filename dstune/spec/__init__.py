@@ -1,6 +1,4 @@
-"""The spec layer: models and loading. Imports neither torch nor deepspeed."""
-
-from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec, parse_override
-from dstune.spec.models import ADAFACTOR_STYLE, FAMILIES, Spec
-
-__all__ = ["ADAFACTOR_STYLE", "FAMILIES", "Spec", "SpecError", "SpecIssue", "SpecSource", "load_spec", "parse_override"]
+"""The spec layer: the YAML spec as frozen pydantic models (dstune.spec.models), its loading (dstune.spec.load) and
+its sections. Imports neither torch nor deepspeed. Importing this package imports none of its modules, so that a
+section module (section, model_sections, a unit's own family section) can be imported on its own: the union of model
+sections in dstune.spec.models reads those modules in turn."""

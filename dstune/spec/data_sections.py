@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from dstune.models.unit import VIDEO_FAMILY
+from dstune.spec.section import VIDEO_FAMILY
 from dstune.spec.section import BUILTIN_PREFIX, CODEC_TOKEN_FAMILIES, Section
 
 

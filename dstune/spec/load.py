@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from dstune.spec.models import BATCH_FROM_FILE, FAMILIES, Spec
 from dstune.spec.yaml_checks import split_prompt_lists
 from dstune.spec.paths import rebase_relative_paths
+from dstune.spec.section import VIDEO_FAMILY, VIDEO_FAMILY_ALIAS
 
 
 @dataclass(frozen=True)
@@ -439,4 +440,11 @@ def load_spec(path: str | Path, overrides: Iterable[str] = ()) -> tuple[Spec, Sp
             source.from_command_line,
             lambda key, message: source.warnings.append(source.issue(key, message, "warning")),
         )
+        model = data.get("model")
+        if isinstance(model, dict) and model.get("family") == VIDEO_FAMILY_ALIAS:
+            message = (
+                f"{VIDEO_FAMILY_ALIAS} is the video family's first name, read as {VIDEO_FAMILY}: write "
+                f"`family: {VIDEO_FAMILY}` (the family trains every video model dstune knows)"
+            )
+            source.warnings.append(source.issue("model.family", message, "warning"))
     return validate_data(data, source), source

@@ -8,7 +8,7 @@ from typing import Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from dstune.models import registry
+from dstune import registry
 from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES, Section  # noqa: F401
 
 
@@ -111,17 +111,21 @@ def vae_downscale(vae_config: dict) -> Optional[int]:
     return None
 
 
+# The UNet models' LoRA files (output.lora_format, the default first -> the key scheme it is written in): their LoRAs
+# are exchanged and loaded (ComfyUI, A1111/Forge, diffusers) as kohya files; ComfyUI maps diffusers' UNet LoRA keys
+# only in diffusers' old attention-processor naming, so `comfyui` writes kohya's scheme too.
+UNET_LORA_FORMATS = {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"}
+
+
 class DenoiserModelBase(Section):
     """What every diffusion family's model section shares: full fine-tuning or LoRA of the
     denoiser (the UNet or transformer the family trains). Subclass it for a new diffusion family's model section.
 
     What `dstune validate` checks of the folders offline (dstune.model_folders), declared per section:
-    TRAINED_CLASSES: the pipeline classes (model_index.json `_class_name`) or transformers architectures (config.json
-    `architectures`) this family trains, as shell patterns; MODEL_FOLDER_FIELDS: the keys that name the model itself
-    (their folder's class must be one of those); COMPANION_FOLDERS: other folder keys -> the subfolder of
-    `pretrained` used when the key is unset; FILE_FIELDS: keys that name one file."""
+    MODEL_FOLDER_FIELDS: the keys that name the model itself (their folder's class must be one its family's models
+    train, their cards' folder_classes); COMPANION_FOLDERS: other folder keys -> the subfolder of `pretrained` used
+    when the key is unset; FILE_FIELDS: keys that name one file."""
 
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ()
     MODEL_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = ("pretrained", "base_pipeline")
     COMPANION_FOLDERS: ClassVar[dict[str, str]] = {}
     FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
@@ -170,17 +174,9 @@ class DenoiserModelBase(Section):
             )
         return None
 
-    # sample.guidance when the spec leaves it out: the pipeline class's own __call__ default, by model_index.json's
-    # _class_name (true_cfg_scale, or a guidance embedding's value, as the pipeline calls it), else the preset.
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {}
+    # sample.guidance when the spec leaves it out and the folder's pipeline is unknown here (its model's card says
+    # it otherwise: dstune.model_defaults)
     PRESET_GUIDANCE: ClassVar[float] = 5.0
-
-    def native_guidance(self, read: Callable[[str], Optional[dict]]) -> tuple[float, str]:
-        """The guidance the model's own pipeline samples with by default, and where that came from."""
-        pipeline = (read("model_index.json") or {}).get("_class_name", "")
-        if pipeline in self.PIPELINE_GUIDANCE:
-            return self.PIPELINE_GUIDANCE[pipeline], f"{pipeline}'s default"
-        return self.PRESET_GUIDANCE, f"{self.family}'s usual pipeline default (the folder's pipeline is unknown here)"
 
     base_precision: Optional[Literal["int8", "nf4", "fp8"]] = Field(
         None,
@@ -245,39 +241,20 @@ class DenoiserModelBase(Section):
         return self.lora if self.lora is not None else LoraSpec()
 
 
-def core_models_text(core: str) -> str:
-    """One line per model on a shared core family, from the registry (its units' summaries)."""
-    return ", ".join(unit.summary for unit in registry.on_core(core))
+def first_builtin(family: str) -> str:
+    """`model.pretrained`'s default for a shared core family: the first built-in of its first model (read when a
+    spec leaves the key out, so that the registry's cards are read after the spec modules)."""
+    return "builtin:" + next(name for card in registry.family_cards(family) for name in card.builtins)
 
 
-def core_default_builtin(core: str) -> str:
-    """`model.pretrained`'s default for a shared core family: the first built-in of its first model."""
-    return "builtin:" + next(name for unit in registry.on_core(core) for name in unit.builtins)
+class FlowModelSpec(DenoiserModelBase):
+    """The flow family's `model` section: the flow-matching image transformers (dstune.families.flow_model), the
+    model chosen by the folder (its card: dstune.families.flow_card)."""
 
-
-def core_builtins_text(core: str) -> str:
-    """The built-in tiny models of the models on a shared core family, as the spec reference lists them."""
-    return ", ".join(f"`builtin:{name}`" for unit in registry.on_core(core) for name in unit.builtins)
-
-
-class FlowModel(DenoiserModelBase):
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = tuple(registry.pipelines("flow"))  # each flow unit's pipelines
     PRESET_NAME: ClassVar[str] = "the usual size of the flow-matching image models"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = registry.pipelines("flow")
     LORA_FORMATS: ClassVar[dict[str, str]] = {"diffusers": "diffusers", "comfyui": "diffusers"}  # ComfyUI maps its
+
     # `transformer.` keys
-    # a distilled folder (model_index.json's is_distilled) samples without classifier-free guidance
-    DISTILLED_GUIDANCE: ClassVar[dict[str, float]] = {
-        name: guidance for unit in registry.on_core("flow") for name, guidance in unit.distilled_guidance.items()
-    }
-
-    def native_guidance(self, read: Callable[[str], Optional[dict]]) -> tuple[float, str]:
-        index = read("model_index.json") or {}
-        pipeline = index.get("_class_name", "")
-        if index.get("is_distilled") and pipeline in self.DISTILLED_GUIDANCE:
-            return self.DISTILLED_GUIDANCE[pipeline], f"{pipeline}'s value for a distilled (is_distilled) folder"
-        return super().native_guidance(read)
-
     def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
         """The transformer's sample_size x the VAE's factor where the transformer states one; else the VAE's
         sample_size (pipelines that fix their default in code made their VAEs for the same size); else, for a
@@ -295,17 +272,15 @@ class FlowModel(DenoiserModelBase):
         return None
 
     family: Literal["flow"] = Field(
-        description="Model family. `flow`: flow-matching transformers, told apart by the pipeline folder: "
-        + core_models_text("flow")
-        + ". See docs/family-flow.md."
+        description="Model family. `flow`: the flow-matching image transformers, the model told by the pipeline "
+        "folder (the models, their pipelines and built-in tiny models: the table at the top of this page). See "
+        "docs/family-flow.md."
     )
     pretrained: str = Field(
-        core_default_builtin("flow"),
+        default_factory=lambda: first_builtin("flow"),
         description="A diffusers pipeline folder (model_index.json + transformer/vae/text encoders/tokenizers/"
-        "scheduler) of one of those models: " + ", ".join(registry.pipelines("flow")) + "; "
-        "a hub id already in the local Hugging Face cache; or a tiny model built offline: "
-        + core_builtins_text("flow")
-        + ".",
+        "scheduler) of one of the flow models, a hub id already in the local Hugging Face cache, or a tiny model "
+        "built offline (`builtin:NAME`). Omitted: the first flow model's built-in.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
@@ -358,9 +333,8 @@ class FlowModel(DenoiserModelBase):
         None,
         gt=0,
         description="Text tokens per caption (the long text encoder's: T5's, or the LLM prompt's). "
-        "Omitted: the model's training example default, at most the tokenizer's model_max_length: "
-        + registry.spec_notes("flow", "model.max_sequence_length")
-        + ".",
+        "Omitted: the model's training example default, at most the tokenizer's model_max_length (each model's "
+        "default: the table at the top of this page).",
     )
     training_adapter: Optional[str] = Field(
         None,
@@ -372,7 +346,7 @@ class FlowModel(DenoiserModelBase):
     )
 
     @model_validator(mode="after")
-    def _no_unused_sampling_settings(self) -> "FlowModel":
+    def _no_unused_sampling_settings(self) -> "FlowModelSpec":
         used = {"logit_normal": {"logit_mean", "logit_std"}, "mode": {"mode_scale"}, "uniform": set()}
         unused = sorted(
             name

@@ -12,9 +12,9 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from dstune.models import registry
-from dstune.models.unit import VIDEO_FAMILY, load
-from dstune.spec.section import Section
+from dstune import registry
+from dstune.card import load
+from dstune.spec.section import VIDEO_FAMILY, Section
 
 # The shared sections live in their own modules; they are imported here (and re-exported) so the whole spec is
 # importable from one place.
@@ -22,22 +22,25 @@ from dstune.spec.model_sections import (  # noqa: F401
     BASE_PRECISION_BYTES,
     DEFAULT_LORA_TARGET_MODULES,
     DenoiserModelBase,
-    FlowModel,
+    FlowModelSpec,
     LoraSpec,
     is_single_file,
 )
-from dstune.spec.video_models import WanModel
+from dstune.spec.speech_models import CodebooksModelSpec
+from dstune.spec.video_models import VideoModelSpec
 from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, VideoSpec, data_family_problem  # noqa: F401
 
-# One model section per family: the shared cores' (flow-matching images, video) and the model units' own sections
-# (dstune.models.registry), images first, then video, then speech. The family lists below are derived from them
-# (each section's `family` literal and its `modality`), so adding a family adds nothing to this module.
-_UNIT_SECTIONS = tuple(map(load, registry.spec_sections()))
+# One model section per family: the shared cores' (flow-matching images, video, multi-codebook speech) and the
+# sections of the families a model unit owns (dstune.registry.FAMILY_SECTIONS), images first, then video, then
+# speech. The family lists below are derived from them (each section's `family` literal and its `modality`), so
+# adding a family adds nothing to this module.
+_UNIT_SECTIONS = tuple(map(load, registry.FAMILY_SECTIONS))
 MODEL_SECTIONS = (
     *(s for s in _UNIT_SECTIONS if s.modality == "image"),
-    FlowModel,
-    WanModel,
-    *(s for s in _UNIT_SECTIONS if s.modality != "image"),
+    FlowModelSpec,
+    VideoModelSpec,
+    *(s for s in _UNIT_SECTIONS if s.modality == "audio"),
+    CodebooksModelSpec,
 )
 Model = Annotated[Union[MODEL_SECTIONS], Field(discriminator="family")]
 FAMILIES = tuple(typing.get_args(section.model_fields["family"].annotation)[0] for section in MODEL_SECTIONS)
@@ -74,7 +77,7 @@ def lora_file_scheme(family: str, lora_format) -> tuple[str, str]:
 
 
 # Optimizers whose update is scaled by their own RMS clipping; DeepSpeed's default global-norm clipping (1.0 since
-# DeepSpeed 0.19.3) fights with it, so their automatic clipping is 0.0 (FIELD_NOTES row 11).
+# DeepSpeed 0.19.3) fights with it, so their automatic clipping is 0.0.
 ADAFACTOR_STYLE = frozenset({"adafactor"})
 # Validation context key: "pending" while deepspeed.config may still give the batch numbers, "read" once it has.
 BATCH_FROM_FILE = "batch_from_deepspeed_config"
@@ -433,14 +436,8 @@ class SampleSpec(Section):
         ge=0,
         description="Classifier-free guidance scale (the pipeline's guidance_scale, true_cfg_scale or "
         "guidance embedding value, as the model's pipeline calls it). Omitted: the default of the model's own "
-        "pipeline ("
-        + ", ".join(
-            f"{guidance:g} {pipeline}"
-            for section in MODEL_SECTIONS
-            for pipeline, guidance in getattr(section, "PIPELINE_GUIDANCE", {}).items()
-        )
-        + "; 0 for a distilled folder that samples without guidance); with sample.pretrained, that folder's "
-        "pipeline decides; `validate` prints the value and why.",
+        "pipeline (each model's: the table at the top of this page; 0 for a distilled folder that samples without "
+        "guidance); with sample.pretrained, that folder's pipeline decides; `validate` prints the value and why.",
     )
     seed: int = Field(0, ge=0, description="Sampling seed, so grids from different steps are comparable.")
     pretrained: Optional[str] = Field(

@@ -6,11 +6,17 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-# LoRA's usual targets: defined beside the model units' presets, which use them too
-from dstune.models.unit import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES  # noqa: F401
+# LoRA's usual targets in diffusers UNets and transformers: the attention projections (diffusers' LoRA examples),
+DEFAULT_LORA_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
+LM_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")  # and in a Llama-class causal LM
 
 # `builtin:NAME` in model.pretrained and data.path: a tiny model or a synthetic dataset dstune makes offline.
 BUILTIN_PREFIX = "builtin:"
+
+# The spec's `model.family` of the video core (dstune.families.video_card), and its first name (after the first model
+# it trained), which a spec may still write: validate notes that it is the old name.
+VIDEO_FAMILY = "video"
+VIDEO_FAMILY_ALIAS = "wan"
 
 # The families that train on codec codes, which data.cache.codec_tokens caches (the data and model sections ask).
 CODEC_TOKEN_FAMILIES = ("tts_lm", "tts_codebooks")

@@ -1,13 +1,14 @@
-"""What the speech families' `model` sections share: LoRA on a causal LM (LmLoraSpec, LmLoraSection). The sections
-themselves are their model units' (dstune/models/<name>/spec.py). Torch-free like the rest of the spec."""
+"""What the speech families' `model` sections share: LoRA on a causal LM (LmLoraSpec, LmLoraSection); and the section
+of the multi-codebook TTS core (CodebooksModelSpec, `model.family tts_codebooks`). The sections of the families a
+unit owns are its own (dstune/models/<name>/spec.py). Torch-free like the rest of the spec."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from dstune.spec.model_sections import LM_LORA_TARGET_MODULES, LoraSpec
+from dstune.spec.model_sections import LM_LORA_TARGET_MODULES, LoraSpec, first_builtin
 from dstune.spec.section import Section
 
 
@@ -42,3 +43,57 @@ class LmLoraSection(Section):
         if self.train != "lora":
             return None
         return self.lora if self.lora is not None else LmLoraSpec()
+
+
+class CodebooksModelSpec(LmLoraSection):
+    """The multi-codebook TTS models, each trained through its own transformers class (the folder's `architectures`
+    say which model: its card, dstune.families.codebooks)."""
+
+    modality: ClassVar[str] = "audio"
+    MODEL_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = ("pretrained",)
+    COMPANION_FOLDERS: ClassVar[dict[str, str]] = {}
+    FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    family: Literal["tts_codebooks"] = Field(
+        description="Model family. `tts_codebooks`: a TTS model that predicts several codec codebooks per audio "
+        "frame, trained through its own transformers class and loss (the folder's architecture says which: the "
+        "table at the top of this page). Its codec is the folder's own (inside the class, or named by its "
+        "processor). See docs/tts.md."
+    )
+    pretrained: str = Field(
+        default_factory=lambda: first_builtin("tts_codebooks"),
+        description="The model's transformers folder (config.json naming its class, weights, its processor files), "
+        "a hub id already in the local Hugging Face cache, or a built-in tiny model of the family (`builtin:NAME`; "
+        "`dstune init --model NAME` names each model's). Omitted: the family's first model's built-in.",
+    )
+    train: Literal["full", "lora"] = Field(
+        "full",
+        description="`full`: every weight but the codec's is trained. `lora`: peft LoRA adapters on "
+        "`lora.target_modules` (the attention of every transformer in the class by default: a backbone and its "
+        "depth decoder; an encoder-decoder's encoder and decoder, self- and cross-attention) are trained; the "
+        "export is the merged folder with the peft adapter in `adapter/`.",
+    )
+    lora: Optional[LmLoraSpec] = Field(
+        None,
+        description="LoRA settings, only with `train: lora`: `rank` (16), `alpha` (= rank), `target_modules` "
+        "([q_proj, k_proj, v_proj, o_proj]), `dropout` (0.0); omitted: those defaults.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute the transformers' activations in backward (a backbone and its depth decoder, "
+        "an encoder-decoder's encoder and decoder).",
+    )
+    max_sample_seconds: float = Field(
+        2.0, gt=0, description="Samples during training: the longest audio generated per prompt, in seconds."
+    )
+    sample_temperature: float = Field(
+        0.8,
+        ge=0,
+        description="Samples: softmax temperature of the audio codes (a backbone with a depth decoder: both; "
+        "other classes: every codebook, with the folder's generation_config for the rest) (0: greedy).",
+    )
+
+    @model_validator(mode="after")
+    def _lora_only_with_lora(self) -> "CodebooksModelSpec":
+        if self.lora is not None and self.train != "lora":
+            raise ValueError("lora settings are given but `train` is 'full': set `train: lora`, or remove `lora`")
+        return self

@@ -1,56 +1,43 @@
-"""The `model` section of the video family (the video core's: dstune.families.video). Re-exported by
-dstune.spec.models; torch-free like the rest of the spec."""
+"""The `model` section of the video family (the flow-matching core's video models: dstune.families.flow_model, their
+cards dstune.families.video_card). Re-exported by dstune.spec.models; torch-free like the rest of the spec."""
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Literal, Optional
+from typing import ClassVar, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from dstune.models import registry
-from dstune.models.unit import VIDEO_FAMILY
-from dstune.spec.model_sections import (
-    VAE_LATENTS_DESCRIPTION,
-    DenoiserModelBase,
-    core_builtins_text,
-    core_default_builtin,
-)
+from dstune.spec.model_sections import VAE_LATENTS_DESCRIPTION, DenoiserModelBase, first_builtin
+from dstune.spec.section import VIDEO_FAMILY, VIDEO_FAMILY_ALIAS
 
 
-class WanModel(DenoiserModelBase):
-    """The video family's `model` section (`model.family` VIDEO_FAMILY: the video core, dstune.families.video)."""
+class VideoModelSpec(DenoiserModelBase):
+    """The video family's `model` section (`model.family` VIDEO_FAMILY, or its old name VIDEO_FAMILY_ALIAS, which
+    is read as VIDEO_FAMILY: dstune.spec.load notes it)."""
 
     modality: ClassVar[str] = "video"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = tuple(registry.pipelines(VIDEO_FAMILY))  # each video unit's
     PRESET_RESOLUTION: ClassVar[int] = 480
     LORA_FORMATS: ClassVar[dict[str, str]] = {"diffusers": "diffusers"}  # the pipelines' save_lora_weights file
     PRESET_NAME: ClassVar[str] = "the video models' usual frame height"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = registry.pipelines(VIDEO_FAMILY)
-    NATIVE_SIZES: ClassVar[dict[str, tuple[int, str]]] = {
-        name: size for unit in registry.on_core(VIDEO_FAMILY) for name, size in unit.native_sizes.items()
-    }
 
-    def native_resolution(self, read: Callable[[str], Optional[dict]]) -> Optional[tuple[int, str]]:
-        """The frame size the folder's pipeline fixes in its code (its unit says it), whatever the folder; else the
-        denoiser's sample_size x the VAE's factor where the configs say it. data.resolution is a square side (or,
-        with buckets, the side of the pixel area), so a pipeline's default frames give their shorter side."""
-        pipeline = (read("model_index.json") or {}).get("_class_name", "")
-        return self.NATIVE_SIZES.get(pipeline) or super().native_resolution(read)
-
-    family: Literal[VIDEO_FAMILY] = Field(
-        description=f"Model family. `{VIDEO_FAMILY}`: the video models, chosen by the folder: "
-        + "; ".join(unit.summary for unit in registry.on_core(VIDEO_FAMILY))
-        + "; trained on clips by flow "
-        "matching. See " + " and ".join(unit.docs for unit in registry.on_core(VIDEO_FAMILY)) + "."
+    family: Literal[VIDEO_FAMILY, VIDEO_FAMILY_ALIAS] = Field(
+        description=f"Model family. `{VIDEO_FAMILY}`: the video models, the model told by the pipeline folder (the "
+        "models, their pipelines and built-in tiny models: the table at the top of this page), trained on clips by "
+        f"flow matching. `{VIDEO_FAMILY_ALIAS}`, its first name, is read as `{VIDEO_FAMILY}`."
     )
     pretrained: str = Field(
-        core_default_builtin(VIDEO_FAMILY),
-        description="A diffusers pipeline folder of one of those models (model_index.json + transformer/vae/text "
-        "encoders/tokenizers/scheduler, and the image encoder of an image-to-video pipeline): "
-        + ", ".join(registry.pipelines(VIDEO_FAMILY))
-        + "; a hub id already in the local Hugging Face cache; or a "
-        "tiny model built offline: " + core_builtins_text(VIDEO_FAMILY) + ".",
+        default_factory=lambda: first_builtin(VIDEO_FAMILY),
+        description="A diffusers pipeline folder of one of the video models (model_index.json + transformer/vae/"
+        "text encoders/tokenizers/scheduler, and the image encoder of an image-to-video pipeline), a hub id already "
+        "in the local Hugging Face cache, or a tiny model built offline (`builtin:NAME`). Omitted: the first video "
+        "model's built-in.",
     )
+
+    @field_validator("family")
+    @classmethod
+    def _one_name(cls, value: str) -> str:
+        return VIDEO_FAMILY
+
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute each transformer block's activations in backward (torch non-reentrant "
@@ -85,7 +72,7 @@ class WanModel(DenoiserModelBase):
         gt=0,
         description="Text tokens per caption of the model's main text encoder (after its prompt "
         "template, zero-padded as its pipeline pads them). Omitted: the model's pipeline default, at most the "
-        "tokenizer's model_max_length: " + registry.spec_notes(VIDEO_FAMILY, "model.max_sequence_length") + ".",
+        "tokenizer's model_max_length (each model's default: the table at the top of this page).",
     )
 
     expert: Optional[Literal["high_noise", "low_noise"]] = Field(
@@ -122,7 +109,7 @@ class WanModel(DenoiserModelBase):
     )
 
     @model_validator(mode="after")
-    def _no_unused_sampling_settings(self) -> "WanModel":
+    def _no_unused_sampling_settings(self) -> "VideoModelSpec":
         used = {
             "logit_normal": {"logit_mean", "logit_std"},
             "mode": {"mode_scale"},

@@ -184,7 +184,7 @@ ROWS = {
     "tiny-krea2": FlowRow("Krea2Pipeline", _render_with(guidance_scale=0.0), resume_case="lora-zero3",
                           sample_pretrained="builtin:tiny-krea2-turbo"),
 }
-# Ideogram 4 draws sigma off the tables (FlowRecipe.draw_sigmas) and loads its unconditional transformer for samples
+# Ideogram 4 draws sigma off the tables (its class's sigma_draw) and loads its unconditional transformer for samples
 # only: its LoRA run resumes too. A constant guidance_scale replaces the pipeline's default per-step schedule.
 ROWS["tiny-ideogram4"] = FlowRow("Ideogram4Pipeline", _render_with(guidance_scale=1.0, guidance_schedule=None,
                                                                    max_sequence_length=128),
@@ -196,7 +196,7 @@ ROWS["tiny-ernie-image"] = FlowRow("ErnieImagePipeline", _render_with(guidance_s
 # Qwen-Image 2.1: the tiny folder's processor is a tokenizer (no Qwen3VLProcessor without torchvision), so its
 # pipelines are built from the folder's parts; the pipeline renders RGBA, whose RGB the checks compare.
 def _qwen_image_21_pipeline(folder):
-    from dstune.models.qwen_image_21.recipe import pipeline_from_parts
+    from dstune.models.qwen_image_21.model import pipeline_from_parts
 
     return pipeline_from_parts(folder)
 

@@ -1,5 +1,5 @@
-"""Real 2-rank DeepSpeed training of Qwen-Image-Edit (builtin:tiny-qwen-image-edit, the flow family's
-qwen_image_edit recipe) on CPU, from a folder of source/target pairs (data.control_dir): full fine-tuning under ZeRO 2
+"""Real 2-rank DeepSpeed training of Qwen-Image-Edit (builtin:tiny-qwen-image-edit: its card and class in
+dstune.models.qwen_image) on CPU, from a folder of source/target pairs (data.control_dir): full fine-tuning under ZeRO 2
 from cached target and source latents (trains, renders samples from sample.control_images, resumes exactly, exports a
 folder QwenImageEditPipeline loads and renders from a source image) and LoRA under ZeRO 3 with gradient checkpointing
 (only adapters train; the LoRA file loads with QwenImageEditPipeline.load_lora_weights and changes the image). Three
@@ -39,13 +39,13 @@ def runs(tmp_path_factory) -> dict:
 
 class EditPipeline:
     """QwenImageEditPipeline.from_pretrained with the folder's processor as dstune loads it (transformers builds a
-    Qwen2VLProcessor only with torchvision installed; dstune.models.qwen_image.edit_recipe.load_processor)."""
+    Qwen2VLProcessor only with torchvision installed; dstune.models.qwen_image.model.load_processor)."""
 
     @staticmethod
     def from_pretrained(folder):
         from diffusers import QwenImageEditPipeline
 
-        from dstune.models.qwen_image.edit_recipe import load_processor
+        from dstune.models.qwen_image.model import load_processor
 
         return QwenImageEditPipeline.from_pretrained(folder, processor=load_processor(folder))
 

@@ -1,4 +1,4 @@
-"""The optimizers people bring from other trainers, on 2 ranks in real `dstune train` runs (issue 40): prodigy,
+"""The optimizers people bring from other trainers, on 2 ranks in real `dstune train` runs: prodigy,
 adamw_schedulefree, adamw8bit and muon train tiny-sd's LoRA under ZeRO 2 and 3, and adamw with
 deepspeed.bf16_optimizer_states under ZeRO 2 with CPU offload (bf16). Each ZeRO-2 run is resumed from its step-2
 checkpoint and must continue bitwise (losses and weights), and the optimizer state each rank saved must be the size

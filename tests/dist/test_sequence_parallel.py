@@ -141,7 +141,7 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
               LTX2_MODEL: LTX2_KEYS}.get(model, {})
     return base_spec(
         run_dir,
-        model={"family": "wan", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora,
+        model={"family": "video", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora,
                **layout},
         data={"path": "builtin:moving-shapes-av" if model == LTX2_MODEL else "builtin:moving-shapes", "cache": cache},
         train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,

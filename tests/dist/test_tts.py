@@ -73,7 +73,7 @@ def test_length_rules_and_bad_files_are_reported(runs):
 def test_export_reloads_in_transformers_and_speaks(runs, name):
     from transformers import AutoModelForCausalLM, EncodecModel
 
-    from dstune.models.tts_lm.family import synthesize
+    from dstune.models.tts_lm.model import TtsLm
 
     run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
@@ -82,7 +82,7 @@ def test_export_reloads_in_transformers_and_speaks(runs, name):
     EncodecModel.from_pretrained(folder / "codec")
     trained = load_file(folder / "model.safetensors")
     assert set(trained) == set(lm.state_dict())
-    clip = synthesize(folder, "42", seconds=0.3)
+    clip = TtsLm.synthesize(folder, "42", 0.3, 0.8, 0)
     assert clip.sample_rate == 8000 and clip.wave.size > 0 and np.isfinite(clip.wave).all()
 
 
@@ -101,7 +101,7 @@ def test_codec_cache_of_two_ranks_equals_one_process(runs, tmp_path):
     from dstune.data.audio import speech_records
     from dstune.pretrained import build_model
     from dstune.spec.models import DataSpec
-    from dstune.models.tts_lm.spec import TtsLmModel
+    from dstune.models.tts_lm.spec import TtsLmModelSpec
 
     run_dir, _, proc = runs["zero2"]
     assert proc.returncode == 0, explain(proc)
@@ -111,7 +111,7 @@ def test_codec_cache_of_two_ranks_equals_one_process(runs, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the launched ranks (OMP_NUM_THREADS=1)
     try:
-        built = build_model(TtsLmModel(family="tts_lm"), CACHE_DIR, "cpu")
+        built = build_model(TtsLmModelSpec(family="tts_lm"), CACHE_DIR, "cpu")
         entries = plan_codec_entries(records, built)
         assert all(entry_problem(two_ranks / e.relpath, e, full=True) is None for e in entries)
         one = tmp_path / "one"
@@ -126,7 +126,7 @@ def test_codec_cache_of_two_ranks_equals_one_process(runs, tmp_path):
 def test_speecht5_export_reloads_and_speaks(runs, name):
     from transformers import SpeechT5ForTextToSpeech
 
-    from dstune.models.speecht5.family import synthesize
+    from dstune.models.speecht5.model import SpeechT5
 
     run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
@@ -136,7 +136,7 @@ def test_speecht5_export_reloads_and_speaks(runs, name):
     trained = load_file(folder / "model.safetensors")
     base = SpeechT5ForTextToSpeech.from_pretrained(CACHE_DIR / "builtin" / "tiny-speecht5-v1")
     assert any(not torch.equal(trained[k], v) for k, v in base.state_dict().items() if k in trained)
-    clip = synthesize(folder, "42", seconds=0.3)
+    clip = SpeechT5.synthesize(folder, "42", 0.3, 0.0, 0)
     assert clip.sample_rate == 16000 and clip.wave.size > 0 and np.isfinite(clip.wave).all()
 
 
@@ -148,7 +148,7 @@ def test_csm_export_loads_with_its_processor_and_generates_a_wav(runs, name, tmp
     from peft import PeftModel
     from transformers import AutoProcessor, CsmForConditionalGeneration
 
-    from dstune.models.csm.family import decodable_codes
+    from dstune.models.csm.model import decodable_codes
 
     run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)

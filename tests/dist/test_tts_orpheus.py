@@ -74,7 +74,7 @@ def test_orpheus_export_keeps_its_format_and_speaks(runs, name):
     import soundfile
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dstune.models.tts_lm.family import synthesize
+    from dstune.models.tts_lm.model import TtsLm
 
     run_dir, _, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
@@ -91,7 +91,7 @@ def test_orpheus_export_keeps_its_format_and_speaks(runs, name):
     assert not torch.equal(rows[:156938], base.weight)
     mean_start = base.weight.detach().mean(0)  # where the new rows started; "12" occurs in the data, so it moved
     assert not torch.allclose(rows[156938], mean_start)
-    clip = synthesize(folder, "42", seconds=0.3)
+    clip = TtsLm.synthesize(folder, "42", 0.3, 0.8, 0)
     assert clip.sample_rate == 24000 and clip.wave.size >= 2048 and np.isfinite(clip.wave).all()
     soundfile.write(run_dir / "spoken.wav", clip.wave, clip.sample_rate)
     assert soundfile.info(run_dir / "spoken.wav").samplerate == 24000
@@ -105,7 +105,7 @@ def test_orpheus_lora_trains_adapters_only_and_exports_both_ways(runs, name):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from dstune.models.tts_lm.family import synthesize
+    from dstune.models.tts_lm.model import TtsLm
     from dstune.export import consolidated_state_dict
 
     run_dir, _, proc = runs[name]
@@ -123,5 +123,5 @@ def test_orpheus_lora_trains_adapters_only_and_exports_both_ways(runs, name):
     ids = torch.tensor([[128000, 128259, 20, 21, 128260, 128261, 128257]])
     with torch.no_grad():
         assert torch.allclose(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
-    clip = synthesize(folder, "42", seconds=0.3)
+    clip = TtsLm.synthesize(folder, "42", 0.3, 0.8, 0)
     assert clip.sample_rate == 24000 and clip.wave.size >= 2048 and np.isfinite(clip.wave).all()

@@ -116,7 +116,7 @@ def test_text_encoders_load_on_the_first_rank_of_each_node(tmp_path):
     run_dir = tmp_path / "run"
     spec = base_spec(
         run_dir,
-        model={"family": "wan", "pretrained": "builtin:tiny-wan"},
+        model={"family": "video", "pretrained": "builtin:tiny-wan"},
         data={"path": "builtin:moving-shapes",
               "cache": {"latents": True, "text_embeddings": True, "dir": str(tmp_path / "cache")}},
         train={"global_batch_size": 4, "micro_batch_size": 1, "max_steps": 2},

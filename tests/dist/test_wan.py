@@ -1,6 +1,6 @@
-"""Real 2-rank DeepSpeed training of Wan text-to-video (model.family wan, builtin:tiny-wan and the two-expert
-builtin:tiny-wan-a14b) and image-to-video (builtin:tiny-wan-i2v, builtin:tiny-wan22-ti2v) on CPU, nine launches in
-all (HunyuanVideo 1.5's three among them), which between them train full and LoRA under ZeRO 2 and ZeRO 3:
+"""Real 2-rank DeepSpeed training of Wan text-to-video (model.family video, builtin:tiny-wan and the two-expert
+builtin:tiny-wan-a14b) and image-to-video (builtin:tiny-wan-i2v, builtin:tiny-wan22-ti2v) on CPU, five launches, which
+between them train full and LoRA under ZeRO 2 and ZeRO 3:
 
 - full fine-tuning under ZeRO 2 on builtin:moving-shapes from the latent and text caches (built before step 1):
   trains, renders animated samples, exports a folder WanPipeline loads and renders frames with;
@@ -16,17 +16,8 @@ all (HunyuanVideo 1.5's three among them), which between them train full and LoR
   first frame, the export rendered by WanImageToVideoPipeline from an image; builtin:tiny-wan22-ti2v (Wan 2.2 TI2V)
   with LoRA under ZeRO 2 in image-to-video mode, the LoRA file loaded into WanImageToVideoPipeline (expand_timesteps)
   changing the frames;
-- HunyuanVideo 1.5 on the same family (the folder chooses its recipe): builtin:tiny-hunyuan-video15 in full under
-  ZeRO 2 from the latent and text caches, its export rendered by HunyuanVideo15Pipeline; builtin:tiny-hunyuan-
-  video15-i2v image-to-video with LoRA under ZeRO 3 and gradient checkpointing (the SigLIP embedding stored in the
-  latent cache), resumed from its step-2 checkpoint with the same losses and LoRA file, which the pipeline's
-  transformer loads with load_lora_adapter and which changes the frames;
-- LTX-2 on the same family, in the same launch table, audio+video on builtin:moving-shapes-av (MP4 clips with
-  sound): builtin:tiny-ltx2 in full under ZeRO 2 from the latent cache (each clip's sound latents beside its
-  posterior) and the text cache, ltx-trainer's sigma sampler, samples saved with their sound, its export rendered
-  by LTX2Pipeline with sound; LoRA under ZeRO 3 with gradient checkpointing and the text cache only (the sound read
-  from the clips every step), resumed from its step-2 checkpoint with the same losses and LoRA file, which
-  LTX2Pipeline.load_lora_weights loads and which changes the frames.
+
+HunyuanVideo 1.5's and LTX-2's runs are tests/dist/test_hunyuan_video15.py and test_ltx2.py.
 """
 
 from __future__ import annotations
@@ -40,29 +31,13 @@ import pytest
 import torch
 
 from flow_runs import STEPS, TRANSFORMER, base_folder, check_lora_export, check_resume, check_trains
-from harness import CACHE_DIR, base_spec, explain, launch, write_spec
+from harness import CACHE_DIR, explain, launch, write_spec
+from video_runs import PROMPT, first_frame, video_spec
 
 pytestmark = pytest.mark.dist
 
 MODEL = "tiny-wan"
 TWO_EXPERTS = "tiny-wan-a14b"  # Wan 2.2 A14B layout: transformer (high noise), transformer_2 (low noise)
-PROMPT = "a red circle moving left"
-
-
-def _spec(run_dir: Path, stage: int, train: str, data: dict, model: dict | None = None) -> dict:
-    lora = train == "lora"
-    return base_spec(
-        run_dir,
-        model={"family": "wan", "pretrained": f"builtin:{MODEL}", "train": train, "gradient_checkpointing": lora,
-               **(model or {})},
-        data=data,
-        train={"global_batch_size": 4, "micro_batch_size": 1 if lora else 2, "gradient_accumulation_steps": None,
-               "max_steps": STEPS,
-               "optimizer": {"type": "adamw", "lr": 1e-2 if lora else 2e-4}},
-        deepspeed={"zero_stage": stage},
-        output={"save_every_steps": 2, "keep_last": 5, "export": "diffusers"},
-        sample={"prompts": [] if lora else [PROMPT], "steps": 2, "guidance": 1.0},
-    )
 
 
 def _write_mp4(path: Path, number: int, count: int, width: int = 32) -> None:
@@ -106,11 +81,11 @@ def runs(tmp_path_factory) -> dict:
     ensure_builtin_model(MODEL, CACHE_DIR)  # built once here, not by both launches' rank 0
     full_dir = tmp_path_factory.mktemp("wan-zero2") / "run"
     cache = {"latents": True, "text_embeddings": True, "dir": str(full_dir.parent / "cache")}
-    full = write_spec(full_dir.parent / "spec.yaml", _spec(full_dir, 2, "full",
-                                                         {"path": "builtin:moving-shapes", "cache": cache}))
+    full = write_spec(full_dir.parent / "spec.yaml",
+                      video_spec(full_dir, MODEL, 2, "full", {"path": "builtin:moving-shapes", "cache": cache}))
     lora_dir = tmp_path_factory.mktemp("wan-lora-zero3") / "run"
     videos = _write_mp4_folder(lora_dir.parent / "videos")
-    lora = _spec(lora_dir, 3, "lora", {
+    lora = video_spec(lora_dir, MODEL, 3, "lora", {
         "path": str(videos), "video": {"frames": [5, 9], "fps": 12, "sampling": "sliding"},
         "buckets": {"enabled": True, "sizes": [[32, 32], [48, 32]]},
         "cache": {"text_embeddings": True, "dir": str(lora_dir.parent / "cache")}})
@@ -118,8 +93,7 @@ def runs(tmp_path_factory) -> dict:
     lora = write_spec(lora_dir.parent / "spec.yaml", lora)
     ensure_builtin_model(TWO_EXPERTS, CACHE_DIR)
     a14b_dir = tmp_path_factory.mktemp("wan22-low-noise") / "run"
-    a14b = _spec(a14b_dir, 2, "full", {"path": "builtin:moving-shapes"},
-                 {"pretrained": f"builtin:{TWO_EXPERTS}", "expert": "low_noise"})
+    a14b = video_spec(a14b_dir, TWO_EXPERTS, 2, "full", {"path": "builtin:moving-shapes"}, {"expert": "low_noise"})
     a14b = write_spec(a14b_dir.parent / "spec.yaml", {**a14b, "sample": {"prompts": []}})
     out = {}
     for name, run_dir, spec_path in (("full", full_dir, full), ("lora", lora_dir, lora), ("a14b", a14b_dir, a14b)):
@@ -208,15 +182,6 @@ def test_two_expert_run_trains_one_expert_and_leaves_the_other_bit_identical(run
 I2V, TI2V = "tiny-wan-i2v", "tiny-wan22-ti2v"
 
 
-def _first_frame(folder: Path) -> Path:
-    from dstune.data.synthetic import render_moving_shape
-
-    frames, _ = render_moving_shape(0, 32, 5)  # "a red circle moving left"
-    folder.mkdir(parents=True, exist_ok=True)
-    frames[0].save(folder / "first.png")
-    return folder / "first.png"
-
-
 @pytest.fixture(scope="module")
 def i2v_runs(tmp_path_factory) -> dict:
     from dstune.builtin import ensure_builtin_model
@@ -225,10 +190,10 @@ def i2v_runs(tmp_path_factory) -> dict:
     for name, model, stage, train in (("i2v", I2V, 3, "full"), ("ti2v", TI2V, 2, "lora")):
         ensure_builtin_model(model, CACHE_DIR)
         run_dir = tmp_path_factory.mktemp(name) / "run"
-        image = _first_frame(run_dir.parent / "images")
+        image = first_frame(run_dir.parent / "images")
         cache = {"latents": train == "full", "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
-        spec = _spec(run_dir, stage, train, {"path": "builtin:moving-shapes", "cache": cache},
-                     {"pretrained": f"builtin:{model}", **({"image_to_video": True} if model == TI2V else {})})
+        spec = video_spec(run_dir, model, stage, train, {"path": "builtin:moving-shapes", "cache": cache},
+                          {"image_to_video": True} if model == TI2V else {})
         spec["sample"] = {**spec["sample"], "prompts": [PROMPT], "control_images": [str(image)]}
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         started = time.perf_counter()
@@ -294,165 +259,3 @@ def test_ti2v_image_to_video_lora_loads_and_changes_the_frames(i2v_runs):
     pipeline.load_lora_weights(export)
     after = _render_from_image(pipeline, image)
     assert after.shape == (1, 5, 3, 32, 32) and torch.isfinite(after).all() and not torch.allclose(after, before)
-
-
-# ------------------------------------------------------------------------------------------ HunyuanVideo 1.5
-
-HV15, HV15_I2V, LTX2 = "tiny-hunyuan-video15", "tiny-hunyuan-video15-i2v", "tiny-ltx2"
-HV15_TEXT_TOKENS = 48  # the tiny model's Qwen side; the default 1000 tokens would make the text encoder most of a step
-LTX2_TEXT_TOKENS = 32  # the tiny model's Gemma side, likewise (default 1024)
-# the video models the folder chooses within model.family wan: run name -> (model, ZeRO stage, train, model keys)
-FOLDER_CHOSEN_RUNS = {
-    "full": (HV15, 2, "full", {"max_sequence_length": HV15_TEXT_TOKENS}),
-    "lora": (HV15_I2V, 3, "lora", {"max_sequence_length": HV15_TEXT_TOKENS}),
-    "ltx2-full": (LTX2, 2, "full", {"max_sequence_length": LTX2_TEXT_TOKENS,  # image-to-video with sound
-                                    "timestep_sampling": "shifted_logit_normal", "image_to_video": True}),
-    "ltx2-lora": (LTX2, 3, "lora", {"max_sequence_length": LTX2_TEXT_TOKENS,
-                                    "timestep_sampling": "shifted_logit_normal"}),
-}
-
-
-@pytest.fixture(scope="module")
-def hv15_runs(tmp_path_factory) -> dict:
-    """Each model's ZeRO-2 full run from both caches (LTX-2's image-to-video with sound) and ZeRO-3 LoRA run with
-    gradient checkpointing (HunyuanVideo 1.5's image-to-video, LTX-2's text-to-video with sound, on
-    builtin:moving-shapes-av, from the text cache only)."""
-    from dstune.builtin import ensure_builtin_model
-
-    out = {}
-    for name, (model, stage, train, keys) in FOLDER_CHOSEN_RUNS.items():
-        ensure_builtin_model(model, CACHE_DIR)
-        run_dir = tmp_path_factory.mktemp(f"video-{name}") / "run"
-        # LTX-2 trains audio+video on clips with sound; its LoRA run reads the sound from the MP4s every step
-        cache = {"latents": name != "ltx2-lora", "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
-        clips = "builtin:moving-shapes-av" if model == LTX2 else "builtin:moving-shapes"
-        spec = _spec(run_dir, stage, train, {"path": clips, "cache": cache},
-                     {"pretrained": f"builtin:{model}", **keys})
-        if model == HV15_I2V or keys.get("image_to_video"):
-            image = _first_frame(run_dir.parent / "images")
-            spec["sample"] = {**spec["sample"], "prompts": [PROMPT], "control_images": [str(image)]}
-        spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
-        started = time.perf_counter()
-        out[name] = (run_dir, spec_path, launch(spec_path, num_ranks=2))
-        print(f"launch {name}: {time.perf_counter() - started:.1f} s wall")
-    return out
-
-
-def _render_hv15(pipeline, image: Path | None = None) -> torch.Tensor:
-    from PIL import Image
-
-    pipeline.guider = type(pipeline.guider).from_config({**pipeline.guider.config, "guidance_scale": 1.0})
-    common = dict(prompt=PROMPT, num_frames=5, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
-                  output_type="pt")
-    if image is None:
-        return pipeline(height=32, width=32, **common).frames.float()
-    with Image.open(image) as first:
-        return pipeline(image=first.convert("RGB"), **common).frames.float()
-
-
-def test_hunyuan_video15_full_run_from_caches_exports_a_folder_the_pipeline_renders(hv15_runs):
-    from diffusers import HunyuanVideo15Pipeline
-    from safetensors.torch import load_file
-
-    run_dir, _, proc = hv15_runs["full"]
-    check_trains(run_dir, proc)
-    assert "entries, built now" in proc.stdout
-    # the text cache replaces the text encoders: rank 1 never loads them, and the samples read their prompt's text
-    assert "text encoders: loaded on rank 0 only (the first of each node; 1 of 2 ranks)" in proc.stdout
-    export = run_dir / "export" / f"step-{STEPS:08d}"
-    trained, start = load_file(export / TRANSFORMER), load_file(base_folder(HV15) / TRANSFORMER)
-    assert set(trained) == set(start) and any(not torch.equal(trained[k], start[k]) for k in start)
-    frames = _render_hv15(HunyuanVideo15Pipeline.from_pretrained(export))
-    assert frames.shape == (1, 5, 3, 32, 32) and torch.isfinite(frames).all()
-    assert (run_dir / "samples" / f"step-{STEPS:06d}.mp4").stat().st_size > 0
-
-
-def test_hunyuan_video15_i2v_lora_zero3_resumes_exactly_and_its_file_loads_into_the_transformer(hv15_runs, tmp_path):
-    from diffusers import HunyuanVideo15ImageToVideoPipeline
-    from safetensors.torch import load_file
-
-    from dstune.cache.entries import read_entry
-
-    run_dir, spec_path, proc = hv15_runs["lora"]
-    check_trains(run_dir, proc)
-    entries = [read_entry(path) for path in (run_dir.parent / "cache").rglob("*.safetensors")]
-    assert [entry["image_embeds"].shape for entry in entries if "latent_mean" in entry][0] == (16, 16)
-    export = run_dir / "export" / f"step-{STEPS:08d}"
-    adapters = load_file(export / "pytorch_lora_weights.safetensors")
-    assert adapters and all(k.startswith("transformer.") and ".lora_" in k for k in adapters)
-    assert max(t.abs().max().item() for k, t in adapters.items() if ".lora_B." in k) > 0
-    image = run_dir.parent / "images" / "first.png"
-    pipeline = HunyuanVideo15ImageToVideoPipeline.from_pretrained(base_folder(HV15_I2V))
-    before = _render_hv15(pipeline, image)
-    pipeline.transformer.load_lora_adapter(str(export), weight_name="pytorch_lora_weights.safetensors",
-                                           prefix="transformer")
-    after = _render_hv15(pipeline, image)
-    assert after.shape == (1, 5, 3, 32, 32) and torch.isfinite(after).all() and not torch.allclose(after, before)
-    started = time.perf_counter()
-    check_resume(run_dir, spec_path, proc, tmp_path / "resumed", Path("pytorch_lora_weights.safetensors"))
-    print(f"launch hv15 resume: {time.perf_counter() - started:.1f} s wall")
-
-
-# ------------------------------------------------------------------------------------------ LTX-2
-
-
-def _render_ltx2(pipeline, image: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    from PIL import Image
-
-    given = {"image": Image.open(image).convert("RGB")} if image is not None else {}
-    result = pipeline(prompt=PROMPT, height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
-                      max_sequence_length=LTX2_TEXT_TOKENS, generator=torch.Generator().manual_seed(0),
-                      output_type="pt", **given)
-    return result.frames.float(), result.audio.float()
-
-
-def test_ltx2_i2v_full_run_from_caches_exports_a_folder_the_pipeline_renders_with_sound(hv15_runs):
-    """Image-to-video, audio+video from both caches: each clip's sound latents stored beside its posterior (the
-    first frame's condition is the cached posterior's first latent frame); samples from the first frame, with sound;
-    the export renders in LTX2ImageToVideoPipeline."""
-    import av
-    from diffusers import LTX2ImageToVideoPipeline
-    from safetensors.torch import load_file
-
-    from dstune.cache.entries import read_entry
-
-    run_dir, _, proc = hv15_runs["ltx2-full"]
-    check_trains(run_dir, proc)
-    assert "entries, built now" in proc.stdout
-    assert "text encoders: loaded on rank 0 only (the first of each node; 1 of 2 ranks)" in proc.stdout
-    entries = [read_entry(path) for path in (run_dir.parent / "cache").rglob("*.safetensors")]
-    text = [entry for entry in entries if "audio_encoder_hidden_states" in entry]
-    assert text and text[0]["encoder_hidden_states"].shape == (LTX2_TEXT_TOKENS, 16)
-    clips = [entry for entry in entries if "latent_mean" in entry]
-    assert clips and all(entry["has_sound"].item() == 1 and entry["sound_latent"].shape[0] == 2 for entry in clips)
-    export = run_dir / "export" / f"step-{STEPS:08d}"
-    trained, start = load_file(export / TRANSFORMER), load_file(base_folder(LTX2) / TRANSFORMER)
-    assert set(trained) == set(start) and any(not torch.equal(trained[k], start[k]) for k in start)
-    image = run_dir.parent / "images" / "first.png"
-    frames, audio = _render_ltx2(LTX2ImageToVideoPipeline.from_pretrained(export), image)
-    assert frames.shape == (1, 5, 3, 32, 32) and torch.isfinite(frames).all()
-    assert audio.shape[:2] == (1, 2) and audio.shape[2] > 0 and torch.isfinite(audio).all()
-    assert (run_dir / "samples" / f"step-{STEPS:06d}.mp4").stat().st_size > 0
-    with av.open(str(run_dir / "samples" / f"step-{STEPS:06d}" / "0.mp4")) as sample:  # the sample's own sound
-        assert sample.streams.video and sample.streams.audio and sample.streams.audio[0].frames > 0
-
-
-def test_ltx2_lora_zero3_resumes_exactly_and_its_file_loads_with_load_lora_weights(hv15_runs, tmp_path):
-    """Audio+video LoRA with the clips' sound read from their MP4 files every step (no latent cache)."""
-    from diffusers import LTX2Pipeline
-    from safetensors.torch import load_file
-
-    run_dir, spec_path, proc = hv15_runs["ltx2-lora"]
-    check_trains(run_dir, proc)
-    export = run_dir / "export" / f"step-{STEPS:08d}"
-    adapters = load_file(export / "pytorch_lora_weights.safetensors")
-    assert adapters and all(k.startswith("transformer.") and ".lora_" in k for k in adapters)
-    assert max(t.abs().max().item() for k, t in adapters.items() if ".lora_B." in k) > 0
-    pipeline = LTX2Pipeline.from_pretrained(base_folder(LTX2))
-    before, _ = _render_ltx2(pipeline)
-    pipeline.load_lora_weights(str(export), weight_name="pytorch_lora_weights.safetensors")
-    after, _ = _render_ltx2(pipeline)
-    assert after.shape == (1, 5, 3, 32, 32) and torch.isfinite(after).all() and not torch.allclose(after, before)
-    started = time.perf_counter()
-    check_resume(run_dir, spec_path, proc, tmp_path / "resumed", Path("pytorch_lora_weights.safetensors"))
-    print(f"launch ltx2 resume: {time.perf_counter() - started:.1f} s wall")

@@ -38,10 +38,11 @@ def _preload() -> None:
     import transformers  # noqa: F401
 
     import dstune.training  # noqa: F401
-    from dstune.families import FAMILY_MODULES, get_family
+    from dstune import registry
+    from dstune.card import load
 
-    for name in FAMILY_MODULES:  # each family imports its diffusers / transformers classes
-        get_family(name)
+    for card in registry.cards():  # each model's class imports its diffusers / transformers classes
+        load(card.model_class)
     from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel  # noqa: F401
     from transformers import CLIPTextModel, CLIPTokenizer  # noqa: F401
 

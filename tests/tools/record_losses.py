@@ -115,7 +115,7 @@ def _wan_spec(model_options: dict, latents: bool, text: bool):
             data["cache"] = _caches(run_dir, latents, text)
         return _common(
             run_dir,
-            {"family": "wan", "pretrained": f"builtin:{name}", "train": "full", **model_options},
+            {"family": "video", "pretrained": f"builtin:{name}", "train": "full", **model_options},
             data,
             {"global_batch_size": 4, "micro_batch_size": 2, "optimizer": {"type": "adamw", "lr": 2e-4}},
         )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from dstune.families import flow
 from dstune.families.randomness import per_sample_randn
 from dstune.spec.models import SampleSpec
 from tiny_batches import shape_batch
@@ -79,22 +78,20 @@ def flux2_script_loss(
 
 def check_cached_text_trains_like_encoded_text(built) -> None:
     batch = shape_batch([4, 7])
-    cached = {**batch, **flow.cache_text_tensors(built, batch["caption"])}
+    cached = {**batch, **built.encode_text(batch["caption"])}
     assert cached["encoder_hidden_states"].shape == (2, 512, 96)
     with torch.no_grad():
-        encoded = flow.loss(built, built.trainable, flow.encode_batch(built, batch), 0, 1)
-        from_cache = flow.loss(built, built.trainable, flow.encode_batch(built, cached), 0, 1)
+        encoded = built.loss(built.trainable, built.encode_batch(batch), 0, 1)
+        from_cache = built.loss(built.trainable, built.encode_batch(cached), 0, 1)
     assert from_cache.item() == encoded.item()
 
 
 def check_sample_and_export_reload(built, pipeline_class, guidance: float, out_dir) -> None:
     """Samples render at 32 px; the export loads in `pipeline_class` with the trained weights and renders."""
-    images = flow.sample(
-        built, built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=guidance), 32
-    )
+    images = built.sample(built.trainable, ["a red circle"], SampleSpec(prompts=["x"], steps=2, guidance=guidance), 32)
     assert [image.size for image in images] == [(32, 32)]
     state = {k: v + 0.01 for k, v in built.trainable.state_dict().items()}
-    reloaded = pipeline_class.from_pretrained(flow.export(built, state, out_dir / "export"))
+    reloaded = pipeline_class.from_pretrained(built.export(state, out_dir / "export"))
     name = next(iter(state))
     assert torch.equal(reloaded.transformer.state_dict()[name], state[name])
     assert reloaded(prompt="a red circle", height=32, width=32, num_inference_steps=2).images[0].size == (32, 32)

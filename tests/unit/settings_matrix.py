@@ -6,9 +6,9 @@ cases are a covering array of them (tests/unit/covering_array.py): every pair of
 model meets in at least one case, in far fewer cases than every combination. Two tiers run them:
 
 - one process (tests/unit/test_settings_matrix.py): the real start-up on one rank without DeepSpeed (validate_spec,
-  build_family with LoRA and the precision's cast, checked_records, prepare_caches, make_training_loader), then one
-  batch through family.encode_batch and family.loss, and backward; `run_case` here.
-- two ranks (tests/dist/test_settings_matrix.py): what only DeepSpeed and several ranks do: ZeRO 0, 2 and 3,
+  load_trained_model with LoRA and the precision's cast, checked_records, prepare_caches, make_training_loader), then
+  one batch through the model's encode_batch and loss, and backward; `run_case` here.
+- two ranks (tests/dist/test_settings_matrix_two_ranks.py): what only DeepSpeed and several ranks do: ZeRO 0, 2 and 3,
   gradient accumulation through the engine, caches built by both ranks; the whole `dstune train` path.
 
 A setting a model cannot take is not in its factors: `dstune validate` refuses it with the reason (REFUSALS, a test
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
+from dstune.spec.section import VIDEO_FAMILY
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,7 +146,7 @@ def kind(name: str) -> str:
     family = BUILTIN_MODELS[name].family
     if family in ("tts_lm", "tts_codebooks", "speecht5"):
         return SPEECH_KIND
-    if family == "wan":
+    if family == VIDEO_FAMILY:
         return VIDEO
     return EDIT if name == "tiny-qwen-image-edit" else IMAGE
 
@@ -335,7 +337,7 @@ def run_case(spec_path: Path) -> dict:
     from dstune.ds_json.fill_spec import merged_spec
     from dstune.engine import PRECISION_DTYPES
     from dstune.spec.load import load_spec
-    from dstune.startup import build_family, checked_records, make_training_loader, prepare_caches
+    from dstune.startup import checked_records, load_trained_model, make_training_loader, prepare_caches
     from dstune.validate import validate_spec
     from dstune.world import World
 
@@ -344,21 +346,21 @@ def run_case(spec_path: Path) -> dict:
     resolved = validate_spec(spec, source, world)
     spec, plan = resolved.spec, resolved.plan
     run = Run(rank=0, local_rank=0, world=world, device="cpu", accelerator="cpu", node_rank=0, launched=False)
-    family, built = build_family(run, spec, ds_config=resolved.ds_config)
-    records = checked_records(run, spec, family, built.sound_rate if family.modality == "video" else None)
-    caches, code = prepare_caches(run, spec, family, built, records)
+    model = load_trained_model(run, spec, ds_config=resolved.ds_config)
+    records = checked_records(run, spec, model.modality, model.sound_rate if model.modality == "video" else None)
+    caches, code = prepare_caches(run, spec, model, records)
     assert code == 0, "the caches were not built"
-    loader, _ = make_training_loader(spec, plan, 0, family, built, records, caches, 0, 0)
+    loader, _ = make_training_loader(spec, plan, 0, model, records, caches, 0, 0)
     batch = next(iter(loader))
-    encoded = family.encode_batch(built, batch, PRECISION_DTYPES[spec.train.precision][0])
-    loss = family.loss(built, built.trainable, encoded, spec.train.seed, 0)
+    encoded = model.encode_batch(batch, PRECISION_DTYPES[spec.train.precision][0])
+    loss = model.loss(model.trainable, encoded, spec.train.seed, 0)
     loss.backward()
     return {
         "loss": float(loss.detach().float()),
         "finite": bool(torch.isfinite(loss.detach()).all()),
         "batch": len(batch["index"]),
         "warnings": [str(w) for w in resolved.warnings],
-        "grads": grad_problems(built.trainable),
+        "grads": grad_problems(model.trainable),
     }
 
 
@@ -426,7 +428,7 @@ def deepspeed_runs(models: list[str]) -> list[tuple[str, dict]]:
     """Two 2-rank runs per model: ZeRO 3 with a row of a pairwise design over the other DEEPSPEED_FACTORS (the rows
     handed out in turn), and ZeRO 0 or 2 (by blocks of len(rows) models, so that every row meets both) with that
     row's complement. So each model runs every value of every setting under DeepSpeed, its own options at both ends,
-    and the runs as made cover every pair of DEEPSPEED_FACTORS' values (tests/dist/test_settings_matrix.py checks
+    and the runs as made cover every pair of DEEPSPEED_FACTORS' values (tests/dist/test_settings_matrix_two_ranks.py checks
     both)."""
     from covering_array import pairwise
 

@@ -76,7 +76,7 @@ def test_ltx2_with_sound_is_the_video_only_figure_plus_what_the_sound_adds(monke
     import torch
 
     import dstune.models.ltx2.builtin as ltx2_builtin
-    from dstune.models.ltx2.facts import clip_bytes
+    from dstune.models.ltx2.card import clip_bytes
 
     video, sound, caption = 50, 12, 24
     monkeypatch.setattr(ltx2_builtin, "AV_CAPTION_TOKENS", caption)  # the count's caption

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from dstune.spec.reference import example_spec, family_models, reference_markdown, yaml_value
+from dstune.reference import example_spec, family_models, reference_markdown, yaml_value
 from dstune.spec.load import SpecSource, validate_data
 from dstune.spec.models import Spec
 

@@ -200,7 +200,7 @@ def _spec(tmp_path, data: dict) -> Path:
     spec.write_text(
         yaml.safe_dump(
             {
-                "model": {"family": "wan", "pretrained": "builtin:tiny-wan"},
+                "model": {"family": "video", "pretrained": "builtin:tiny-wan"},
                 "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 4},
                 "data": data,
             }
@@ -239,7 +239,7 @@ def test_validate_counts_clips_prints_their_buckets_and_tokens_and_names_short_v
 def test_memory_plan_uses_the_largest_bucket(folder, tmp_path):
     from dstune.families import get_facts
 
-    count_model = get_facts("wan").count
+    count_model = get_facts("video").count
     from dstune.spec.load import load_spec
 
     spec, _ = load_spec(_spec(tmp_path, {"path": str(folder), "video": SLIDING, "cache": {"latents": True}}), [])
@@ -252,7 +252,6 @@ def test_memory_plan_uses_the_largest_bucket(folder, tmp_path):
 
 def test_startup_lists_the_clips_validate_counted_and_stops_on_short_videos(folder, capsys):
     from dstune.distributed import Run
-    from dstune.families import get_family
     from dstune.spec.models import Spec
     from dstune.startup import checked_records
     from dstune.world import World
@@ -263,12 +262,12 @@ def test_startup_lists_the_clips_validate_counted_and_stops_on_short_videos(fold
     def startup(micro_batch_size: int):
         spec = Spec.model_validate(
             {
-                "model": {"family": "wan"},
+                "model": {"family": "video"},
                 "data": {"path": str(folder), "video": SLIDING},
                 "train": {"micro_batch_size": micro_batch_size, "gradient_accumulation_steps": 1, "max_steps": 1},
             }
         )
-        return checked_records(run, spec, get_family("wan"))
+        return checked_records(run, spec, "video")
 
     with pytest.raises(SystemExit):
         startup(2)

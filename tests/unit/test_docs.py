@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from dstune.builtin import BUILTIN_MODELS
-from dstune.spec.reference import family_models, reference_markdown
+from dstune.reference import family_models, reference_markdown
 from dstune.spec.models import FAMILIES
-from dstune.spec.presets import MODEL_PRESETS
+from dstune import registry
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
@@ -31,7 +31,7 @@ def test_readme_names_every_model_family_init_name_and_builtin():
     missing += [f"`builtin:{name}`" for name in BUILTIN_MODELS if f"`builtin:{name}`" not in models]
     missing += [
         f"init --model `{p.name}` (builtin:{p.builtin})"
-        for p in MODEL_PRESETS
+        for p in registry.presets()
         if not any(
             f"| `{p.name}` |" in row and f"`builtin:{p.builtin}`" in row and f"| `{p.family}` |" in row for row in rows
         )
@@ -81,3 +81,20 @@ def test_user_docs_do_not_cite_notes_outside_the_repository():
         if OUTSIDE_REFERENCES.search(line)
     ]
     assert not found, "rewrite as self-contained statements:\n" + "\n".join(found)
+
+
+CODE_OUTSIDE_REFERENCES = re.compile(r"FIELD_NOTES|DESIGN\.md|shared/recipes|shared/reviews|\bissue \d+", re.I)
+
+
+def test_code_comments_do_not_cite_notes_outside_the_repository():
+    """A reader of dstune/ (or of the tests and benchmarks) has the repository, not the team's notes: a comment
+    states its reason instead of pointing at them."""
+    files = [path for folder in ("dstune", "tests", "bench") for path in sorted((REPO / folder).rglob("*.py"))]
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in files
+        if path != Path(__file__)
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if CODE_OUTSIDE_REFERENCES.search(line)
+    ]
+    assert not found, "state the reason in the comment:\n" + "\n".join(found)

@@ -6,7 +6,6 @@ made here by diffusers alone: Krea2Pipeline.from_pretrained(turbo) + load_lora_w
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -15,23 +14,20 @@ import torch
 from safetensors.torch import load_file
 
 from dstune import builtin as tiny
-from dstune.families import get_family
 from dstune.families.base import FamilyError
 from dstune.families.flow_distilled import attach_sampling_denoiser
 from dstune.families.lora import adapter_state_dict, apply_train_mode, export_lora
 from dstune.families.randomness import sample_generator
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel, SampleSpec
+from dstune.spec.models import FlowModelSpec, SampleSpec
+from loaded_models import CACHE_DIR
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 PROMPTS = ["a red circle", "a blue square"]
 SAMPLES = SampleSpec(prompts=PROMPTS, steps=2, guidance=0.0, seed=3)
-FAMILY = get_family("flow")
 
 
-def _lora_model(**extra) -> FlowModel:
-    return FlowModel(
+def _lora_model(**extra) -> FlowModelSpec:
+    return FlowModelSpec(
         family="flow",
         pretrained="builtin:tiny-krea2",
         train="lora",
@@ -40,11 +36,11 @@ def _lora_model(**extra) -> FlowModel:
     )
 
 
-def _trained(model: FlowModel):
+def _trained(model: FlowModelSpec):
     """The model built and made trainable as startup does, its adapters moved off their zero start (as training
     would), so that the LoRA changes what renders."""
     built = build_model(model, CACHE_DIR, "cpu")
-    apply_train_mode(built.trainable, model, 0, FAMILY)
+    apply_train_mode(built, model, 0)
     with torch.no_grad():
         for number, (name, param) in enumerate(built.trainable.named_parameters()):
             if ".lora_B." in name:
@@ -81,10 +77,10 @@ def test_samples_come_from_the_turbo_folder_with_the_trained_lora(tmp_path):
     model = _lora_model()
     built = _trained(model)
     turbo = tiny.ensure_builtin_model("tiny-krea2-turbo", CACHE_DIR)
-    own_samples = FAMILY.sample(built, built.trainable, PROMPTS, SAMPLES, 32)
+    own_samples = built.sample(built.trainable, PROMPTS, SAMPLES, 32)
     attach_sampling_denoiser(built, turbo, model)
-    samples = _as_arrays(FAMILY.sample(built, built.trainable, PROMPTS, SAMPLES, 32))
-    lora = export_lora(FAMILY, built, adapter_state_dict(_lora_state(built)), tmp_path / "lora", model)
+    samples = _as_arrays(built.sample(built.trainable, PROMPTS, SAMPLES, 32))
+    lora = export_lora(built, adapter_state_dict(_lora_state(built)), tmp_path / "lora", model)
     reference = Krea2Pipeline.from_pretrained(turbo)
     turbo_alone = torch.from_numpy(_render(reference)).float()
     reference.load_lora_weights(lora)
@@ -113,13 +109,11 @@ def test_a_folder_of_another_model_or_other_shapes_is_refused(tmp_path):
 def test_training_adapter_is_fused_for_training_and_left_out_of_the_lora_file_and_the_samples(tmp_path):
     from diffusers import Krea2Pipeline
 
-    adapter_spec = FlowModel(
+    adapter_spec = FlowModelSpec(
         family="flow", pretrained="builtin:tiny-krea2", train="lora", lora={"rank": 2, "target_modules": ["ff.up"]}
     )
     adapter_run = _trained(adapter_spec)
-    adapter = export_lora(
-        FAMILY, adapter_run, adapter_state_dict(_lora_state(adapter_run)), tmp_path / "adapter", adapter_spec
-    )
+    adapter = export_lora(adapter_run, adapter_state_dict(_lora_state(adapter_run)), tmp_path / "adapter", adapter_spec)
     raw = tiny.ensure_builtin_model("tiny-krea2", CACHE_DIR)
     base = Krea2Pipeline.from_pretrained(raw).transformer
     model = _lora_model(training_adapter=str(adapter / "pytorch_lora_weights.safetensors"))
@@ -131,13 +125,13 @@ def test_training_adapter_is_fused_for_training_and_left_out_of_the_lora_file_an
         weights["transformer_blocks.0.attn.to_k.weight"], base.state_dict()["transformer_blocks.0.attn.to_k.weight"]
     )
     written = load_file(
-        export_lora(FAMILY, built, adapter_state_dict(_lora_state(built)), tmp_path / "run", model)
+        export_lora(built, adapter_state_dict(_lora_state(built)), tmp_path / "run", model)
         / "pytorch_lora_weights.safetensors"
     )
     assert written and not any("ff.up" in key for key in written)
     assert {key.split(".")[-3] for key in written} == {"to_q", "to_v"}
     attach_sampling_denoiser(built, raw, model, "model.pretrained")  # what startup does for a training adapter
-    assert torch.equal(built.sampling.module.state_dict()[up].float(), base.state_dict()[up].float())
+    assert torch.equal(built.sampling_denoiser.module.state_dict()[up].float(), base.state_dict()[up].float())
 
 
 def test_a_training_adapter_that_does_not_fit_is_refused(tmp_path):

@@ -1,9 +1,9 @@
 """Golden loss trajectories: 20 optimisation steps of every built-in model, in one process, against pinned losses.
 
-Each built-in model (dstune.builtin.BUILTIN_MODELS) is built through the family API as training builds it
-(`get_family(spec.family).build` on the folders dstune.pretrained resolves), fed a fixed sequence of batches of its
+Each built-in model (dstune.builtin.BUILTIN_MODELS) is loaded as training loads it (its card's class, `load` on the
+folders dstune.pretrained resolves), fed a fixed sequence of batches of its
 built-in data (builtin:shapes, source/target shape pairs, builtin:moving-shapes clips, builtin:tones clips), and its
-trainable module is stepped by a plain torch.optim.AdamW on `family.loss` (one CPU thread, fixed seeds). The 20
+trainable module is stepped by a plain torch.optim.AdamW on `model.loss` (one CPU thread, fixed seeds). The 20
 losses must equal tests/data/golden_losses.json to RELATIVE_TOLERANCE. They are the numerics of the whole training
 step (data, frozen encoders, noise and timestep draws, the denoiser or LM, the loss, its gradient), so a change that
 moves any of them fails here, naming the model and the first step that moved.
@@ -42,20 +42,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstune.families import get_family
+from dstune.families import card_of, load_model
 from dstune.pretrained import resolve_folders
-from dstune.spec.models import DataSpec, FlowModel, WanModel
-from dstune.models.csm.spec import TtsCodebooksModel
-from dstune.models.sd.spec import SdModel, SdxlModel
-from dstune.models.speecht5.spec import SpeechT5Model
-from dstune.models.tts_lm.spec import TtsLmModel
+from dstune.spec.models import DataSpec, FlowModelSpec, VideoModelSpec
+from dstune.spec.speech_models import CodebooksModelSpec
+from dstune.models.sd.spec import SdModelSpec
+from dstune.models.sdxl.spec import SdxlModelSpec
+from dstune.models.speecht5.spec import SpeechT5ModelSpec
+from dstune.models.tts_lm.spec import TtsLmModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 GOLDEN = REPO / "tests" / "data" / "golden_losses.json"
 STEPS = 20
 BATCH = 2
-SEED = 0  # the training seed handed to family.loss (noise and timestep draws) and to the datasets
+SEED = 0  # the training seed handed to model.loss (noise and timestep draws) and to the datasets
 RELATIVE_TOLERANCE = 1e-8
 DTYPE = torch.float64  # see the module docstring
 # The most CPU-sensitive trajectories (float32 norms inside, or many matrix products), rerun on other kernels
@@ -75,38 +76,42 @@ def _model(model_class, family: str, **options):
 
 # built-in model -> (its model spec section, its data, the AdamW learning rate)
 CASES = {
-    "tiny-sd": (_model(SdModel, "sd"), "shapes", IMAGE_LR),
-    "tiny-sdxl": (_model(SdxlModel, "sdxl"), "shapes", IMAGE_LR),
-    "tiny-flow": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
-    "tiny-flux": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
-    "tiny-qwen-image": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
-    "tiny-qwen-image-edit": (_model(FlowModel, "flow"), "edit-pairs", IMAGE_LR),
-    "tiny-z-image": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
-    "tiny-flux2": (_model(FlowModel, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),
-    "tiny-flux2-dev": (_model(FlowModel, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),
-    "tiny-ideogram4": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
-    "tiny-krea2": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
-    "tiny-krea2-turbo": (_model(FlowModel, "flow"), "shapes", IMAGE_LR),
-    "tiny-qwen-image-21": (_model(FlowModel, "flow", timestep_sampling="uniform"), "shapes", IMAGE_LR),
-    "tiny-ernie-image": (_model(FlowModel, "flow", max_sequence_length=ERNIE_TEXT_TOKENS), "shapes", IMAGE_LR),
-    "tiny-wan": (_model(WanModel, "wan"), "moving-shapes", IMAGE_LR),
-    "tiny-wan-a14b": (_model(WanModel, "wan", expert="low_noise"), "moving-shapes", IMAGE_LR),
-    "tiny-wan-i2v": (_model(WanModel, "wan"), "moving-shapes", IMAGE_LR),
-    "tiny-wan22-ti2v": (_model(WanModel, "wan", image_to_video=True), "moving-shapes", IMAGE_LR),
-    "tiny-tts-lm": (_model(TtsLmModel, "tts_lm"), "tones", SPEECH_LR),
-    "tiny-orpheus": (_model(TtsLmModel, "tts_lm", codec="snac"), "tones", SPEECH_LR),
-    "tiny-speecht5": (_model(SpeechT5Model, "speecht5"), "tones", SPEECH_LR),
-    "tiny-csm": (_model(TtsCodebooksModel, "tts_codebooks"), "tones", SPEECH_LR),
-    "tiny-dia": (_model(TtsCodebooksModel, "tts_codebooks"), "tones", SPEECH_LR),
-    "tiny-vibevoice": (_model(TtsCodebooksModel, "tts_codebooks"), "tones", SPEECH_LR),
-    "tiny-hunyuan-video15": (_model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS), "moving-shapes", IMAGE_LR),
+    "tiny-sd": (_model(SdModelSpec, "sd"), "shapes", IMAGE_LR),
+    "tiny-sdxl": (_model(SdxlModelSpec, "sdxl"), "shapes", IMAGE_LR),
+    "tiny-flow": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
+    "tiny-flux": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
+    "tiny-qwen-image": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
+    "tiny-qwen-image-edit": (_model(FlowModelSpec, "flow"), "edit-pairs", IMAGE_LR),
+    "tiny-z-image": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
+    "tiny-flux2": (_model(FlowModelSpec, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),
+    "tiny-flux2-dev": (_model(FlowModelSpec, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),
+    "tiny-ideogram4": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
+    "tiny-krea2": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
+    "tiny-krea2-turbo": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
+    "tiny-qwen-image-21": (_model(FlowModelSpec, "flow", timestep_sampling="uniform"), "shapes", IMAGE_LR),
+    "tiny-ernie-image": (_model(FlowModelSpec, "flow", max_sequence_length=ERNIE_TEXT_TOKENS), "shapes", IMAGE_LR),
+    "tiny-wan": (_model(VideoModelSpec, "video"), "moving-shapes", IMAGE_LR),
+    "tiny-wan-a14b": (_model(VideoModelSpec, "video", expert="low_noise"), "moving-shapes", IMAGE_LR),
+    "tiny-wan-i2v": (_model(VideoModelSpec, "video"), "moving-shapes", IMAGE_LR),
+    "tiny-wan22-ti2v": (_model(VideoModelSpec, "video", image_to_video=True), "moving-shapes", IMAGE_LR),
+    "tiny-tts-lm": (_model(TtsLmModelSpec, "tts_lm"), "tones", SPEECH_LR),
+    "tiny-orpheus": (_model(TtsLmModelSpec, "tts_lm", codec="snac"), "tones", SPEECH_LR),
+    "tiny-speecht5": (_model(SpeechT5ModelSpec, "speecht5"), "tones", SPEECH_LR),
+    "tiny-csm": (_model(CodebooksModelSpec, "tts_codebooks"), "tones", SPEECH_LR),
+    "tiny-dia": (_model(CodebooksModelSpec, "tts_codebooks"), "tones", SPEECH_LR),
+    "tiny-vibevoice": (_model(CodebooksModelSpec, "tts_codebooks"), "tones", SPEECH_LR),
+    "tiny-hunyuan-video15": (
+        _model(VideoModelSpec, "video", max_sequence_length=HV15_TEXT_TOKENS),
+        "moving-shapes",
+        IMAGE_LR,
+    ),
     "tiny-hunyuan-video15-i2v": (
-        _model(WanModel, "wan", max_sequence_length=HV15_TEXT_TOKENS),
+        _model(VideoModelSpec, "video", max_sequence_length=HV15_TEXT_TOKENS),
         "moving-shapes",
         IMAGE_LR,
     ),
     "tiny-ltx2": (
-        _model(WanModel, "wan", max_sequence_length=LTX2_TEXT_TOKENS, timestep_sampling="shifted_logit_normal"),
+        _model(VideoModelSpec, "video", max_sequence_length=LTX2_TEXT_TOKENS, timestep_sampling="shifted_logit_normal"),
         "moving-shapes",
         IMAGE_LR,
     ),
@@ -145,7 +150,7 @@ def _edit_pair_batch(indices: list[int]) -> dict:
     }
 
 
-def batches(kind: str, built) -> list[dict]:
+def batches(kind: str, model) -> list[dict]:
     """STEPS collated batches of BATCH consecutive samples each (samples 0, 1 | 2, 3 | ...)."""
     steps = [list(range(BATCH * step, BATCH * (step + 1))) for step in range(STEPS)]
     if kind == "edit-pairs":
@@ -154,7 +159,7 @@ def batches(kind: str, built) -> list[dict]:
         from dstune.data.audio import SpeechDataset, collate_speech, speech_records
 
         records, _ = speech_records(DataSpec(path="builtin:tones", max_clip_seconds=0.5))
-        dataset = SpeechDataset(records, built.sample_rate)
+        dataset = SpeechDataset(records, model.sample_rate)
         return [collate_speech([dataset[i % len(dataset)] for i in indices]) for indices in steps]
     dataset = _image_samples(kind)
     if kind == "moving-shapes":
@@ -175,25 +180,25 @@ def one_ulp_up(value: float) -> float:
 
 
 def trajectory(name: str, perturbation: str | None = None) -> list[float]:
-    """The STEPS losses of `name`: family.loss on its batches, each followed by an AdamW step of the trainable.
+    """The STEPS losses of `name`: model.loss on its batches, each followed by an AdamW step of the trainable.
     `perturbation` changes one constant of the loss by one float32 ulp (test_a_one_ulp_change_of_a_loss_constant_fails):
     "vae_scaling_factor" (the latents' scale) or "loss_weight" (the weight of the mean)."""
     make_spec, data, lr = CASES[name]
     spec = make_spec(name)
-    family = get_family(spec.family)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a reduction's order (and so its last bits) depends on the thread count
     try:
         torch.manual_seed(SEED)  # any draw outside the per-sample generators (dropout) starts the same
-        built = family.build(spec, resolve_folders(spec, family, CACHE_DIR), "cpu", DTYPE)
+        folders = resolve_folders(spec, CACHE_DIR)
+        model = load_model(card_of(spec.family, folders["pretrained"]), spec, folders, "cpu", DTYPE)
         if perturbation == "vae_scaling_factor":  # the latents' scale, a constant of the diffusion loss
-            built.vae.register_to_config(scaling_factor=one_ulp_up(built.vae.config.scaling_factor))
+            model.vae.register_to_config(scaling_factor=one_ulp_up(model.vae.config.scaling_factor))
         weight = one_ulp_up(1.0) if perturbation == "loss_weight" else 1.0  # the mean's weight
-        trainable = built.trainable.to(DTYPE)
+        trainable = model.trainable.to(DTYPE)
         optimizer = torch.optim.AdamW([p for p in trainable.parameters() if p.requires_grad], lr=lr)
         losses = []
-        for step, batch in enumerate(batches(data, built)):
-            loss = weight * family.loss(built, trainable, family.encode_batch(built, batch, DTYPE), SEED, step)
+        for step, batch in enumerate(batches(data, model)):
+            loss = weight * model.loss(trainable, model.encode_batch(batch, DTYPE), SEED, step)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -3,7 +3,6 @@ the real tiny SD model: fixed draws (the same value at every evaluation) and the
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,7 @@ from dstune.data.index import DataError, SampleRecord, held_out_split, index_dat
 from dstune.evaluation import batch_losses, combine, eval_batches, make_held_out, rank_share
 from dstune.spec.load import SpecError
 from dstune.spec.models import DataSpec
-
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", Path(__file__).resolve().parents[2] / ".dstune-cache" / "tests"))
+from loaded_models import CACHE_DIR
 
 
 def _records(count: int) -> list[SampleRecord]:
@@ -131,17 +129,16 @@ def test_fixed_batches_cover_every_sample_once_per_bucket_and_every_rank_runs_as
 
 @pytest.fixture(scope="module")
 def tiny_sd():
-    from dstune.families import get_family
     from dstune.pretrained import build_model
-    from dstune.models.sd.spec import SdModel
+    from dstune.models.sd.spec import SdModelSpec
 
-    built = build_model(SdModel(family="sd"), str(CACHE_DIR), "cpu", torch.float32)
+    built = build_model(SdModelSpec(family="sd"), str(CACHE_DIR), "cpu", torch.float32)
     built.trainable.eval()
-    return get_family("sd"), built
+    return built
 
 
 def test_the_held_out_loss_is_the_same_for_any_number_of_ranks_and_at_every_evaluation(tiny_sd):
-    family, built = tiny_sd
+    built = tiny_sd
     data = DataSpec(eval={"fraction": 0.015}, random_flip=True, caption_dropout=0.5)  # ignored: evaluation is fixed
     held_out = make_held_out(data, index_dataset(data).held_out, micro_batch_size=2, seed=7)
     assert held_out.num_samples == 4 and len(held_out.batches) == 2
@@ -151,7 +148,7 @@ def test_the_held_out_loss_is_the_same_for_any_number_of_ranks_and_at_every_eval
             entry
             for rank in range(world)
             for entry in batch_losses(
-                family, built, built.trainable, held_out, rank_share(held_out.batches, rank, world), torch.float32
+                built, built.trainable, held_out, rank_share(held_out.batches, rank, world), torch.float32
             )
         ]
         results[world] = combine(per_batch)
@@ -167,7 +164,7 @@ def test_the_held_out_loss_is_the_same_for_any_number_of_ranks_and_at_every_eval
         seed=7,
     )
     one_by_one = combine(
-        batch_losses(family, built, built.trainable, singles, rank_share(singles.batches, 0, 1), torch.float32)
+        batch_losses(built, built.trainable, singles, rank_share(singles.batches, 0, 1), torch.float32)
     )
     assert one_by_one[1] == 4 and one_by_one[0] == pytest.approx(mean, rel=1e-5)
     assert singles.dataset[0]["caption"] == singles.dataset.records[0].caption  # no caption dropout here
@@ -179,16 +176,14 @@ def test_the_other_image_families_evaluate_with_fixed_draws(family_name, pretrai
     through the same evaluation: two passes give the same held-out loss."""
     from pydantic import TypeAdapter
 
-    from dstune.families import get_family
     from dstune.pretrained import build_model
     from dstune.spec.models import Model
 
     model = TypeAdapter(Model).validate_python({"family": family_name, "pretrained": pretrained})
     built = build_model(model, str(CACHE_DIR), "cpu", torch.float32)
-    family = get_family(family_name)
     data = DataSpec(eval={"fraction": 0.008})
     held_out = make_held_out(data, index_dataset(data).held_out, micro_batch_size=2, seed=3)
     share = rank_share(held_out.batches, 0, 1)
-    first = combine(batch_losses(family, built, built.trainable, held_out, share, torch.float32))
-    again = combine(batch_losses(family, built, built.trainable, held_out, share, torch.float32))
+    first = combine(batch_losses(built, built.trainable, held_out, share, torch.float32))
+    again = combine(batch_losses(built, built.trainable, held_out, share, torch.float32))
     assert first == again and first[1] == 2 and first[0] > 0

@@ -114,7 +114,7 @@ CASES = {
         ["spec.yaml:4: data.path", "zero_optimization.no_such_knob", "2 errors"],
         files={"ds.json": json.dumps({"zero_optimization": {"stage": 2, "no_such_knob": 1}}, indent=2)},
     ),
-    # YAML features PyYAML accepts that a spec refuses, each at the line that uses it (issue 17).
+    # YAML features PyYAML accepts that a spec refuses, each at the line that uses it.
     "billion laughs": Case(
         "model:\n  family: sd\n"
         + GOOD_TRAIN

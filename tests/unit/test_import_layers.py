@@ -19,8 +19,8 @@ LAYERS = [
     [
         "dstune.spec",
         "dstune.models",
-        "dstune.models.unit",
-        "dstune.models.registry",
+        "dstune.card",
+        "dstune.registry",
         "dstune.fsutil",
         "dstune.hf",
         "dstune.progress",
@@ -137,15 +137,16 @@ def _target(name: str) -> str | None:
 
 
 # A model unit (dstune/models/<name>/) holds modules of several layers; a module's role, from its name, says which:
-# its registration (unit) with the spec's, its layouts with the plan's, its facts and torch side with the families',
-# its built-ins with dstune.builtin.
-UNIT_ROLES = {"unit": 0, "spec": 0, "layouts": 1, "token_layouts": 1, "facts": 2, "builtin": 3}
+# its spec section with the spec's, its layouts with the plan's, its card (torch-free, on the cores' card types) and
+# its class (the torch side: model.py and its helpers) with the families', its built-ins with dstune.builtin. The
+# registry names the cards as text, so nothing below imports a unit.
+UNIT_ROLES = {"spec": 0, "layouts": 1, "token_layouts": 1, "card": 2, "builtin": 3}
 UNIT_TORCH_SIDE = 2
 
 
 def _unit_layer(module: str) -> int | None:
     parts = module.split(".")
-    if len(parts) != 4 or parts[:2] != ["dstune", "models"] or parts[2] in ("unit", "registry"):
+    if len(parts) != 4 or parts[:2] != ["dstune", "models"]:
         return None
     role = parts[3]
     return UNIT_ROLES.get(role, UNIT_ROLES["builtin"] if role.startswith("builtin") else UNIT_TORCH_SIDE)
@@ -264,7 +265,7 @@ def _rules_of(module: str):
     for package, banned in FORBIDDEN.items():
         if module == package or module.startswith(package + "."):
             yield banned
-    if _unit_layer(module) == UNIT_TORCH_SIDE and module.split(".")[3] not in UNIT_ROLES:
+    if _unit_layer(module) == UNIT_TORCH_SIDE:  # its card and its class
         yield FORBIDDEN["dstune.families"]
 
 

@@ -1,20 +1,15 @@
 """The start-up is not a memory peak: the trainable module reaches the device only in its training dtype (never
 the fp32 copy DeepSpeed would cast anyway), and a quantized base reaches it already quantized. Observed on a real
-tiny model through dstune.startup.build_family: every `.to(<device>)` of the trainable module records its first
+tiny model through dstune.startup.load_trained_model: every `.to(<device>)` of the trainable module records its first
 parameter's dtype and device and how many unquantized base nn.Linear layers are left, at the moment of the move."""
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from dstune.spec.models import Spec
-
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
+from loaded_models import CACHE_DIR
 
 
 def _one_process_run():
@@ -26,11 +21,11 @@ def _one_process_run():
 
 
 def _moves_while_building(monkeypatch, model: dict, precision: str) -> tuple[list[dict], object]:
-    """build_family on one process; every Module.to call that names a device on a UNet2DConditionModel, as seen
+    """load_trained_model on one process; every Module.to call that names a device on a UNet2DConditionModel, as seen
     just before it runs."""
     from diffusers import UNet2DConditionModel
 
-    from dstune.startup import build_family
+    from dstune.startup import load_trained_model
 
     spec = Spec.model_validate(
         {
@@ -59,7 +54,7 @@ def _moves_while_building(monkeypatch, model: dict, precision: str) -> tuple[lis
         return real_to(module, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.Module, "to", recording_to)
-    _, built = build_family(_one_process_run(), spec)
+    built = load_trained_model(_one_process_run(), spec)
     monkeypatch.setattr(torch.nn.Module, "to", real_to)
     return moves, built
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from dstune.ema import Ema, consolidated_ema, decay_at, overlay_ema, shard_range
-from dstune.families import get_family
 from dstune.spec.models import EmaSpec
-from dstune.models.sd.spec import SdModel
-
-SD = get_family("sd")
+from dstune.models.sd.card import SD_CARD
+from dstune.models.sd.model import Sd
+from dstune.models.sd.spec import SdModelSpec
 
 
 def _params(*shapes, seed=0) -> list[tuple[str, torch.nn.Parameter]]:
@@ -125,12 +126,21 @@ def _tiny_unet():
     )
 
 
+def _tiny_sd(spec: SdModelSpec) -> Sd:
+    """The SD class around a tiny random UNet, not loaded from a folder: apply_train_mode reads only its trained
+    module and whether it writes LoRA files."""
+    model = Sd(SD_CARD, spec, Path("tiny-unet"), "cpu")
+    model.trainable = _tiny_unet()
+    return model
+
+
 def test_lora_makes_only_seeded_adapters_trainable():
     from dstune.families.lora import apply_train_mode
 
-    spec = SdModel(family="sd", train="lora", lora={"rank": 2, "alpha": 4})
-    unets = [_tiny_unet(), _tiny_unet()]
-    summaries = [apply_train_mode(unet, spec, seed=3, family=SD) for unet in unets]
+    spec = SdModelSpec(family="sd", train="lora", lora={"rank": 2, "alpha": 4})
+    models = [_tiny_sd(spec), _tiny_sd(spec)]
+    summaries = [apply_train_mode(model, spec, seed=3) for model in models]
+    unets = [model.trainable for model in models]
     assert "LoRA rank 2, alpha 4" in summaries[0]
     trainable = {name: p for name, p in unets[0].named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable)
@@ -142,18 +152,18 @@ def test_lora_makes_only_seeded_adapters_trainable():
 def test_full_training_leaves_the_denoiser_as_it_is():
     from dstune.families.lora import apply_train_mode
 
-    unet = _tiny_unet()
-    assert apply_train_mode(unet, SdModel(family="sd"), seed=0, family=SD).startswith("training: full")
-    assert all(p.requires_grad for p in unet.parameters())
+    model = _tiny_sd(SdModelSpec(family="sd"))
+    assert apply_train_mode(model, model.model_spec, seed=0).startswith("training: full")
+    assert all(p.requires_grad for p in model.trainable.parameters())
 
 
 def test_lora_target_modules_that_match_nothing_are_a_clear_error():
     from dstune.families.base import FamilyError
     from dstune.families.lora import apply_train_mode
 
-    spec = SdModel(family="sd", train="lora", lora={"target_modules": ["no_such_layer"]})
+    spec = SdModelSpec(family="sd", train="lora", lora={"target_modules": ["no_such_layer"]})
     with pytest.raises(FamilyError, match=r"model.lora.target_modules \['no_such_layer'\]"):
-        apply_train_mode(_tiny_unet(), spec, seed=0, family=SD)
+        apply_train_mode(_tiny_sd(spec), spec, seed=0)
 
 
 def test_adapter_tensors_get_peft_names_for_diffusers_and_kohya_names():
@@ -192,7 +202,7 @@ def test_lora_settings_without_lora_training_name_the_key():
         validate_data(data, SpecSource("spec.yaml"))
     data["model"]["train"] = "lora"
     assert validate_data(data, SpecSource("spec.yaml")).model.lora_settings.rank == 4
-    assert SdModel(family="sd", train="lora").lora_settings.target_modules == ["to_q", "to_k", "to_v", "to_out.0"]
+    assert SdModelSpec(family="sd", train="lora").lora_settings.target_modules == ["to_q", "to_k", "to_v", "to_out.0"]
 
 
 def test_contact_sheet_lists_every_step_in_order_with_escaped_prompts(tmp_path):

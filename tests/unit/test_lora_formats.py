@@ -9,52 +9,55 @@ same A and B with the same scale (alpha / rank), so the layer's update scale * B
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from dstune.families import get_family
 from dstune.families.lora import LORA_WEIGHT_FILE, apply_train_mode, export_lora
 from dstune.pretrained import build_model
 from dstune.spec.load import SpecSource, validate_data
-from dstune.spec.models import SECTIONS_BY_FAMILY, FlowModel
-from dstune.models.sd.spec import SdModel, SdxlModel
+from dstune.spec.models import SECTIONS_BY_FAMILY, FlowModelSpec
+from dstune.models.sd.spec import SdModelSpec
+from dstune.models.sdxl.spec import SdxlModelSpec
 from dstune.validate import validate_spec
 from dstune.world import world_from_flags
+from loaded_models import CACHE_DIR
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 MODELS = {  # name -> (model section, pipeline class)
-    "sd": (lambda: SdModel(family="sd", train="lora", lora={"rank": 2, "alpha": 6}), "StableDiffusionPipeline"),
+    "sd": (lambda: SdModelSpec(family="sd", train="lora", lora={"rank": 2, "alpha": 6}), "StableDiffusionPipeline"),
     "sdxl": (
-        lambda: SdxlModel(
+        lambda: SdxlModelSpec(
             family="sdxl", train="lora", lora={"rank": 3, "alpha": 1.5, "target_modules": ["to_q", "to_v", "conv1"]}
         ),
         "StableDiffusionXLPipeline",
     ),
     "sd3": (
-        lambda: FlowModel(family="flow", pretrained="builtin:tiny-flow", train="lora", lora={"rank": 2}),
+        lambda: FlowModelSpec(family="flow", pretrained="builtin:tiny-flow", train="lora", lora={"rank": 2}),
         "StableDiffusion3Pipeline",
     ),
     "flux": (
-        lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux", train="lora", lora={"rank": 2, "alpha": 4}),
+        lambda: FlowModelSpec(
+            family="flow", pretrained="builtin:tiny-flux", train="lora", lora={"rank": 2, "alpha": 4}
+        ),
         "FluxPipeline",
     ),
     "qwen-image": (
-        lambda: FlowModel(
+        lambda: FlowModelSpec(
             family="flow", pretrained="builtin:tiny-qwen-image", train="lora", lora={"rank": 2, "alpha": 3}
         ),
         "QwenImagePipeline",
     ),
     "z-image": (
-        lambda: FlowModel(family="flow", pretrained="builtin:tiny-z-image", train="lora", lora={"rank": 3, "alpha": 2}),
+        lambda: FlowModelSpec(
+            family="flow", pretrained="builtin:tiny-z-image", train="lora", lora={"rank": 3, "alpha": 2}
+        ),
         "ZImagePipeline",
     ),
     "flux2": (
-        lambda: FlowModel(family="flow", pretrained="builtin:tiny-flux2", train="lora", lora={"rank": 2, "alpha": 8}),
+        lambda: FlowModelSpec(
+            family="flow", pretrained="builtin:tiny-flux2", train="lora", lora={"rank": 2, "alpha": 8}
+        ),
         "Flux2KleinPipeline",
     ),
 }
@@ -68,7 +71,7 @@ def trained() -> dict:
     for name, (make, _) in MODELS.items():
         spec = make()
         built = build_model(spec, CACHE_DIR, "cpu")
-        apply_train_mode(built.trainable, spec, seed=1, family=get_family(spec.family))
+        apply_train_mode(built, spec, seed=1)
         generator = torch.Generator().manual_seed(7)
         with torch.no_grad():
             for param in built.trainable.parameters():
@@ -98,7 +101,7 @@ def test_exported_lora_loads_back_through_diffusers_with_every_adapter_weight(tr
     import diffusers
 
     spec, built, state = trained[name]
-    out = export_lora(get_family(spec.family), built, state, tmp_path / "lora", spec, "raw", lora_format)
+    out = export_lora(built, state, tmp_path / "lora", spec, "raw", lora_format)
     info = json.loads((out / "dstune_lora.json").read_text())
     assert (
         info["format"] == lora_format
@@ -127,7 +130,7 @@ def test_exported_lora_loads_back_through_diffusers_with_every_adapter_weight(tr
 def test_default_format_is_kohya_for_unet_families_and_diffusers_for_flow(trained, tmp_path):
     for name, scheme in (("sd", "kohya"), ("sd3", "diffusers")):
         spec, built, state = trained[name]
-        out = export_lora(get_family(spec.family), built, state, tmp_path / name, spec)
+        out = export_lora(built, state, tmp_path / name, spec)
         assert json.loads((out / "dstune_lora.json").read_text())["key_scheme"] == scheme
 
 
@@ -169,7 +172,7 @@ def test_layers_kohya_names_cannot_carry_are_refused_before_training():
     into add.embedding.linear: the file would load without that adapter. Refused when the adapters are added."""
     from dstune.families.base import FamilyError
 
-    spec = SdxlModel(family="sdxl", train="lora", lora={"rank": 2, "target_modules": ["to_q", "linear_1"]})
+    spec = SdxlModelSpec(family="sdxl", train="lora", lora={"rank": 2, "target_modules": ["to_q", "linear_1"]})
     built = build_model(spec, CACHE_DIR, "cpu")
     with pytest.raises(
         FamilyError,
@@ -177,8 +180,6 @@ def test_layers_kohya_names_cannot_carry_are_refused_before_training():
         r"\(s\) .*add_embedding.linear_1 \(read back as add.embedding.linear\).*"
         r"output.lora_format: diffusers",
     ):
-        apply_train_mode(built.trainable, spec, seed=0, family=get_family("sdxl"))
+        apply_train_mode(built, spec, seed=0)
     again = build_model(spec, CACHE_DIR, "cpu")
-    assert "LoRA rank 2" in apply_train_mode(
-        again.trainable, spec, seed=0, family=get_family("sdxl"), lora_format="diffusers"
-    )
+    assert "LoRA rank 2" in apply_train_mode(again, spec, seed=0, lora_format="diffusers")

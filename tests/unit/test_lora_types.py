@@ -1,4 +1,4 @@
-"""model.lora.type dora, lokr and loha (issue 40) on the tiny built-ins, like tests/unit/test_lora_formats.py does for
+"""model.lora.type dora, lokr and loha on the tiny built-ins, like tests/unit/test_lora_formats.py does for
 LoRA: each type is added through peft, given random values in every adapter tensor (peft zeroes one factor, which
 would hide a dropped tensor), exported in each format of its family, and loaded back by the loader its users have:
 diffusers' `load_lora_weights` (DoRA in diffusers' keys), peft's
@@ -18,23 +18,22 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dstune.families import get_family
 from dstune.families.lora import LORA_WEIGHT_FILE, PEFT_ADAPTER_FILE, adapted_layer, apply_train_mode, export_lora
-from dstune.models.sd.spec import SdModel
+from dstune.models.sd.spec import SdModelSpec
 from dstune.pretrained import build_model
-from dstune.spec.models import FlowModel
+from dstune.spec.models import FlowModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 TYPES = ("dora", "lokr", "loha")
 MODELS = {  # name -> (model section for a type, pipeline class, its denoiser's attribute)
     "sd": (
-        lambda kind: SdModel(family="sd", train="lora", lora={"type": kind, "rank": 2, "alpha": 6}),
+        lambda kind: SdModelSpec(family="sd", train="lora", lora={"type": kind, "rank": 2, "alpha": 6}),
         "StableDiffusionPipeline",
         "unet",
     ),
     "flux": (
-        lambda kind: FlowModel(
+        lambda kind: FlowModelSpec(
             family="flow", pretrained="builtin:tiny-flux", train="lora", lora={"type": kind, "rank": 2, "alpha": 4}
         ),
         "FluxPipeline",
@@ -53,7 +52,7 @@ CASES = [  # flow models' files have diffusers keys only; DoRA has no kohya file
 def _trained(model: str, kind: str, lora_format: str = "diffusers"):
     spec = MODELS[model][0](kind)
     built = build_model(spec, CACHE_DIR, "cpu")
-    apply_train_mode(built.trainable, spec, seed=1, family=get_family(spec.family), lora_format=lora_format)
+    apply_train_mode(built, spec, seed=1, lora_format=lora_format)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, param in built.trainable.named_parameters():
@@ -113,7 +112,7 @@ def test_each_adapter_type_loads_back_and_gives_the_trained_layers_output(tmp_pa
     inputs = _inputs(trained)
     expected = _outputs(trained, inputs)
     assert trained
-    out = export_lora(get_family(spec.family), built, state, tmp_path / "lora", spec, "raw", lora_format)
+    out = export_lora(built, state, tmp_path / "lora", spec, "raw", lora_format)
     info = json.loads((out / "dstune_lora.json").read_text())
     assert info["adapter"] == kind
     pipeline = getattr(diffusers, MODELS[model][1]).from_pretrained(built.folder)
@@ -146,7 +145,7 @@ def test_lokr_and_loha_refuse_loras_dropout(kind):
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="rank and module dropout"):
-        SdModel(family="sd", train="lora", lora={"type": kind, "dropout": 0.1})
+        SdModelSpec(family="sd", train="lora", lora={"type": kind, "dropout": 0.1})
 
 
 def test_every_type_draws_the_same_adapters_from_the_same_seed():
@@ -160,7 +159,7 @@ def _first_adapters(kind: str) -> dict:
     torch.manual_seed(len(kind) * 1000 + torch.randint(0, 1000, ()).item())  # another global RNG state each time
     spec = MODELS["sd"][0](kind)
     built = build_model(spec, CACHE_DIR, "cpu")
-    apply_train_mode(built.trainable, spec, seed=5, family=get_family(spec.family), lora_format="diffusers")
+    apply_train_mode(built, spec, seed=5, lora_format="diffusers")
     return {k: p.detach().clone() for k, p in built.trainable.named_parameters() if p.requires_grad}
 
 
@@ -171,7 +170,7 @@ def test_dora_in_kohyas_or_comfyuis_keys_is_refused_before_training(model, lora_
     spec = MODELS[model][0]("dora")
     built = build_model(spec, CACHE_DIR, "cpu")
     with pytest.raises(FamilyError, match="output.lora_format: diffusers"):
-        apply_train_mode(built.trainable, spec, seed=1, family=get_family(spec.family), lora_format=lora_format)
+        apply_train_mode(built, spec, seed=1, lora_format=lora_format)
 
 
 @pytest.mark.parametrize("kind", ["lokr", "loha"])
@@ -181,4 +180,4 @@ def test_lokr_and_loha_for_comfyui_on_a_flow_model_are_refused_with_the_format_t
     spec = MODELS["flux"][0](kind)
     built = build_model(spec, CACHE_DIR, "cpu")
     with pytest.raises(FamilyError, match="kohya's \\(LyCORIS\\) keys"):
-        apply_train_mode(built.trainable, spec, seed=1, family=get_family(spec.family), lora_format="comfyui")
+        apply_train_mode(built, spec, seed=1, lora_format="comfyui")

@@ -320,9 +320,8 @@ def test_zero3_partitioned_build_reads_a_share_per_rank(capsys):
 )
 def test_cache_on_disk_is_what_the_cache_stores_per_sample(model):
     """validate's "cache on disk" for one 32 px sample under fp32 equals the bytes of the tensors the cache writes:
-    the posterior's mean and std and the recipe's text tensors (a mask excepted: it is small). The tiny T5
+    the posterior's mean and std and the model's text tensors (a mask excepted: it is small). The tiny T5
     tokenizers stop at 32 tokens, which the stored configs do not say, so the length is set within it."""
-    from dstune.families import flow
     from dstune.families.diffusion import vae_posterior
     from dstune.families import get_facts
     from dstune.pretrained import build_model
@@ -344,7 +343,7 @@ def test_cache_on_disk_is_what_the_cache_stores_per_sample(model):
     cache_dir = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
     built = build_model(spec.model, cache_dir, "cpu")
     mean, std = vae_posterior(built.vae, torch.zeros(1, 3, 32, 32))
-    text = flow.cache_text_tensors(built, ["a red circle"])
+    text = built.encode_text(["a red circle"])
     stored = 4 * (mean.numel() + std.numel()) + sum(
         t.numel() * t.element_size() for name, t in text.items() if t.is_floating_point()
     )

@@ -1,6 +1,6 @@
 """`dstune init --model NAME`: one spec per model dstune trains, with its real defaults, that validates as printed.
 
-The list of models (dstune/spec/presets.py) is checked against the registries it comes from: the spec's family union
+The list of models (each card's presets, dstune.registry.presets) is checked against the spec's family union
 and the built-in models."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import yaml
 from dstune.builtin import BUILTIN_MODELS
 from dstune.cli import main
 from dstune.spec.models import AUDIO_FAMILIES, FAMILIES, VIDEO_FAMILIES
-from dstune.spec.presets import MODEL_PRESETS, model_names
+from dstune import registry
 
 
 def test_every_family_and_every_builtin_model_has_its_model():
-    assert set(FAMILIES) == {preset.family for preset in MODEL_PRESETS}
-    builtins = [preset.builtin for preset in MODEL_PRESETS]
+    assert set(FAMILIES) == {preset.family for preset in registry.presets()}
+    builtins = [preset.builtin for preset in registry.presets()]
     assert sorted(builtins) == sorted(BUILTIN_MODELS), "each built-in model is the tiny twin of exactly one model"
-    for preset in MODEL_PRESETS:
+    for preset in registry.presets():
         assert BUILTIN_MODELS[preset.builtin].family == preset.family, preset.name
-    assert len(set(model_names())) == len(MODEL_PRESETS)
+    assert len(set([preset.name for preset in registry.presets()])) == len(registry.presets())
 
 
 def init_model(capsys, tmp_path, name: str):
@@ -36,7 +36,7 @@ def validate(capsys, *args: str) -> tuple[int, str]:
     return code, out + err
 
 
-@pytest.mark.parametrize("preset", MODEL_PRESETS, ids=lambda p: p.name)
+@pytest.mark.parametrize("preset", registry.presets(), ids=lambda p: p.name)
 def test_init_model_prints_the_models_defaults_and_validates_as_printed(capsys, tmp_path, preset):
     path, spec = init_model(capsys, tmp_path, preset.name)
     assert spec["model"]["family"] == preset.family and spec["model"]["pretrained"] == preset.pretrained
@@ -76,14 +76,14 @@ def test_init_with_an_unknown_model_lists_the_models_and_exits_2(capsys):
     _, err = capsys.readouterr()
     assert code == 2
     assert "unknown model 'nope'" in err
-    for preset in MODEL_PRESETS:
+    for preset in registry.presets():
         assert f"  {preset.name} " in err and preset.pretrained in err
 
 
 def test_init_model_list_prints_the_models(capsys):
     assert main(["init", "--model", "list"]) == 0
     out, _ = capsys.readouterr()
-    assert [line.split()[0] for line in out.splitlines()[1:]] == model_names()
+    assert [line.split()[0] for line in out.splitlines()[1:]] == [preset.name for preset in registry.presets()]
 
 
 def test_init_model_and_family_together_is_a_usage_error(capsys):

@@ -53,11 +53,11 @@ def test_the_folder_is_what_diffusers_writes_for_a_modular_pipeline(modular_fold
     assert (modular_folder / "transformer" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("family", ["wan", "flow"])
+@pytest.mark.parametrize("family", ["video", "flow"])
 def test_validate_refuses_a_modular_pipeline_folder_saying_what_it_is(capsys, tmp_path, modular_folder, family):
     spec = {
         "model": {"family": family, "pretrained": str(modular_folder), "train": "lora"},
-        "data": {"path": "builtin:moving-shapes" if family == "wan" else "builtin:shapes"},
+        "data": {"path": "builtin:moving-shapes" if family == "video" else "builtin:shapes"},
         "train": {"micro_batch_size": 1, "max_steps": 2},
     }
     path = tmp_path / "spec.yaml"
@@ -75,5 +75,5 @@ def test_validate_refuses_a_modular_pipeline_folder_saying_what_it_is(capsys, tm
         "no model_index.json)"
     ) in line, line
     assert "docs/family-flow.md, 'Modular pipelines'" in line, line
-    assert "wan: WanPipeline" in line and "LTX2Pipeline" in line, line  # what dstune does train
+    assert "video: WanPipeline" in line and "LTX2Pipeline" in line, line  # what dstune does train
     assert "neither model_index.json" not in line, line

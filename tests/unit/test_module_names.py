@@ -1,5 +1,5 @@
 """`deepspeed dstune/train.py` puts dstune/ first on sys.path, so a module there named like the standard library or
-a dependency (logging.py, types.py, torch.py ...) would replace it for the whole process (DESIGN.md 3.9)."""
+a dependency (logging.py, types.py, torch.py ...) would replace it for the whole process."""
 
 from __future__ import annotations
 
@@ -71,13 +71,34 @@ def test_the_check_would_catch_the_classic_mistakes():
     assert {"logging", "types", "io", "profile", "torch", "yaml", "PIL", "deepspeed"} <= shadowing_names()
 
 
-def test_test_files_have_unique_basenames():
-    """tests/ is not a package, so pytest imports each test file by its basename: two files of one name (one in
-    tests/unit, one in tests/dist) stop collection of the whole suite."""
+def imported_name(path: Path) -> str:
+    """The module name pytest imports a test file under: its basename, qualified by the packages (folders with an
+    __init__.py) it sits in, as pytest's default import mode puts the first folder above them on sys.path."""
+    parts = [path.stem]
+    folder = path.parent
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return ".".join(parts)
+
+
+def test_test_files_have_unique_module_names():
+    """tests/ is not a package, so pytest imports each test file by its basename (qualified by the packages it is in:
+    tests/unit/models/<unit>/ are): two files of one name (one in tests/unit, one in tests/dist) stop collection of
+    the whole suite."""
     seen: dict[str, Path] = {}
     clashes = []
     for path in sorted((REPO / "tests").rglob("test_*.py")):
-        if path.name in seen:
-            clashes.append(f"{seen[path.name].relative_to(REPO)} and {path.relative_to(REPO)}")
-        seen.setdefault(path.name, path)
+        name = imported_name(path)
+        if name in seen:
+            clashes.append(f"{seen[name].relative_to(REPO)} and {path.relative_to(REPO)}")
+        seen.setdefault(name, path)
     assert not clashes, "rename one of: " + "; ".join(clashes)
+
+
+def test_a_test_in_a_unit_folder_is_imported_under_its_package(tmp_path):
+    (tmp_path / "unit" / "models" / "wan").mkdir(parents=True)
+    for folder in ("models", "models/wan"):
+        (tmp_path / "unit" / folder / "__init__.py").write_text("")
+    assert imported_name(tmp_path / "unit" / "models" / "wan" / "test_wan.py") == "models.wan.test_wan"
+    assert imported_name(tmp_path / "unit" / "test_wan.py") == "test_wan"

@@ -7,13 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dstune.families import get_family
+from dstune.models.sd.spec import SdModelSpec
 from dstune.spec.load import SpecError
 from dstune.spec.models import BASE_PRECISION_BYTES
-from dstune.models.sd.spec import SdModel
+from loaded_models import CACHE_DIR, with_attributes
 
-SD = get_family("sd")
 LORA = {"train": "lora", "lora": {"rank": 2, "alpha": 2}}
+
+
+@pytest.fixture(scope="module")
+def sd_model():
+    """builtin:tiny-sd loaded: apply_train_mode makes a loaded model's trainable module trainable."""
+    from dstune.pretrained import build_model
+
+    return build_model(SdModelSpec(family="sd", pretrained="builtin:tiny-sd"), CACHE_DIR, "cpu")
 
 
 def _write(tmp_path, model: dict, zero_stage: int = 2):
@@ -85,7 +92,7 @@ def _tiny_unet():
 
 
 @pytest.mark.parametrize("precision, tolerance", [("int8", 0.02), ("nf4", 0.15)])
-def test_quantized_base_keeps_the_output_and_trains_only_fp32_adapters(precision, tolerance):
+def test_quantized_base_keeps_the_output_and_trains_only_fp32_adapters(sd_model, precision, tolerance):
     """The quantized UNet's output stays near the fp32 one; only the (fp32) adapters get gradients; every weight
     survives DeepSpeed's broadcast (a byte view); linear weights shrink as BASE_PRECISION_BYTES says."""
     import bitsandbytes as bnb
@@ -95,7 +102,8 @@ def test_quantized_base_keeps_the_output_and_trains_only_fp32_adapters(precision
     reference, unet = _tiny_unet(), _tiny_unet()
     linears = [m for m in reference.modules() if type(m) is torch.nn.Linear]
     linear_numel = sum(m.weight.numel() for m in linears)
-    summary = apply_train_mode(unet, SdModel(family="sd", base_precision=precision, **LORA), seed=0, family=SD)
+    model = with_attributes(sd_model, trainable=unet)  # the SD model training this small UNet
+    summary = apply_train_mode(model, SdModelSpec(family="sd", base_precision=precision, **LORA), seed=0)
     assert f"frozen base {precision}: {len(linears)} linear layers quantized" in summary
     layer_type = bnb.nn.Linear8bitLt if precision == "int8" else bnb.nn.Linear4bit
     assert sum(isinstance(m, layer_type) for m in unet.modules()) == len(linears)
@@ -117,10 +125,10 @@ def test_quantized_base_keeps_the_output_and_trains_only_fp32_adapters(precision
 
 def test_partitioned_build_only_under_zero3_for_families_that_can_and_without_a_quantized_base():
     from dstune.pretrained import partitioned_build_config
-    from dstune.models.speecht5.spec import SpeechT5Model
+    from dstune.models.speecht5.spec import SpeechT5ModelSpec
 
     zero3, zero2 = {"zero_optimization": {"stage": 3}}, {"zero_optimization": {"stage": 2}}
-    assert partitioned_build_config(SdModel(family="sd"), zero3) is zero3
-    assert partitioned_build_config(SdModel(family="sd"), zero2) is None
-    assert partitioned_build_config(SdModel(family="sd", base_precision="int8", **LORA), zero3) is None
-    assert partitioned_build_config(SpeechT5Model(family="speecht5"), zero3) is None  # builds whole
+    assert partitioned_build_config(SdModelSpec(family="sd"), zero3) is zero3
+    assert partitioned_build_config(SdModelSpec(family="sd"), zero2) is None
+    assert partitioned_build_config(SdModelSpec(family="sd", base_precision="int8", **LORA), zero3) is None
+    assert partitioned_build_config(SpeechT5ModelSpec(family="speecht5"), zero3) is None  # builds whole

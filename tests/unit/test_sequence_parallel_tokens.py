@@ -7,20 +7,14 @@ builtin:tiny-qwen-image-edit (an 8x VAE: 16 px per token, target and source)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
-from dstune.families import flow
 from dstune.pretrained import build_model
 from dstune.sequence_parallel import bucket_tokens
-from dstune.spec.models import FlowModel, Spec
+from dstune.spec.models import FlowModelSpec, Spec
+from loaded_models import CACHE_DIR
 from tiny_batches import shape_batch
-
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 
 
 def _spec(pretrained: str, side: int) -> Spec:
@@ -37,15 +31,15 @@ def _spec(pretrained: str, side: int) -> Spec:
 def _transformer_tokens(model: str, batch: dict) -> int:
     """The image tokens the transformer's first block receives in a training forward of `batch` (the text stream
     is its own argument)."""
-    built = build_model(FlowModel(family="flow", pretrained=f"builtin:{model}"), CACHE_DIR, "cpu")
+    loaded = build_model(FlowModelSpec(family="flow", pretrained=f"builtin:{model}"), CACHE_DIR, "cpu")
     seen = []
-    first_block = built.trainable.transformer_blocks[0]
+    first_block = loaded.trainable.transformer_blocks[0]
     hook = first_block.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["hidden_states"].shape[1]), with_kwargs=True
     )
     try:
         with torch.no_grad():
-            flow.loss(built, built.trainable, flow.encode_batch(built, batch), 0, 1)
+            loaded.loss(loaded.trainable, loaded.encode_batch(batch), 0, 1)
     finally:
         hook.remove()
     return seen[0]

@@ -8,7 +8,7 @@ values meets in at least one case. Each case starts as a rank of `python dstune/
 (settings_matrix.run_case), and must give a finite loss, a gradient on every trainable parameter (or one the model
 itself leaves out, LEFT_OUT, with its reason), no warning from dstune's validate or code, and no traceback. The
 cases run in one child process (its printed output and warnings are the case's own); what needs DeepSpeed and two
-ranks (ZeRO stages, accumulation, caches built by ranks) is tests/dist/test_settings_matrix.py.
+ranks (ZeRO stages, accumulation, caches built by ranks) is tests/dist/test_settings_matrix_two_ranks.py.
 
 A setting a model cannot take is not in its design: `dstune validate` refuses it, with the reason (REFUSALS)."""
 
@@ -177,9 +177,9 @@ REFUSALS = [
     ("edit-without-sources", "tiny-qwen-image-edit", {}, {"data.control_dir": None},
      "data.control_dir", "trains on (source, target) pairs"),
     ("edit-bucket-step-8", "tiny-qwen-image-edit", {"buckets": True}, {"data.buckets.step": 8},
-     "data.buckets.step", "8: Qwen-Image takes image sides in multiples of 16 px"),
+     "data.buckets.step", "8: Qwen-Image-Edit takes image sides in multiples of 16 px"),
     ("flow-resolution-40", "tiny-qwen-image-edit", {}, {"data.resolution": 40},
-     "data.resolution", "40: Qwen-Image takes image sides in multiples of 16 px; use 32"),
+     "data.resolution", "40: Qwen-Image-Edit takes image sides in multiples of 16 px; use 32"),
     ("qwen-image-21-bucket-step-16", "tiny-qwen-image-21", {"buckets": True}, {"data.buckets.step": 16},
      "data.buckets.step", "16: Qwen-Image 2.1 takes image sides in multiples of 32 px"),
     ("image-default-step-at-32px", "tiny-flux", {}, {"data.resolution": None, "data.buckets": {"enabled": True}},

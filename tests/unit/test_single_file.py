@@ -7,7 +7,6 @@ with its UNet and text encoder weights changed, so a test can tell the file's we
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,12 @@ from safetensors.torch import save_file
 from dstune import builtin as tiny
 from dstune.families.base import FamilyError
 from dstune.pretrained import SINGLE_FILE_INFO, build_model
-from dstune.spec.models import FlowModel
-from dstune.models.sd.spec import SdModel, SdxlModel
-from dstune.models.tts_lm.spec import TtsLmModel
+from dstune.spec.models import FlowModelSpec
+from dstune.models.sd.spec import SdModelSpec
+from dstune.models.sdxl.spec import SdxlModelSpec
+from dstune.models.tts_lm.spec import TtsLmModelSpec
+from loaded_models import CACHE_DIR
 from original_layout import original_unet_state
-
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 
 
 def write_sd_single_file(path: Path, with_text_encoder: bool = True) -> dict:
@@ -52,8 +50,8 @@ def write_sd_single_file(path: Path, with_text_encoder: bool = True) -> dict:
     return {"unet": unet.state_dict(), "text_encoder": text.state_dict()}
 
 
-def _sd(path, **more) -> SdModel:
-    return SdModel(family="sd", pretrained=str(path), **more)
+def _sd(path, **more) -> SdModelSpec:
+    return SdModelSpec(family="sd", pretrained=str(path), **more)
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +67,10 @@ def test_a_single_file_in_the_original_layout_builds_with_its_own_weights(tmp_pa
     built = build_model(_sd(path, base_pipeline=base), tmp_path / "cache", "cpu")
     info = json.loads((built.folder / SINGLE_FILE_INFO).read_text())
     assert info["from_file"] == ["text_encoder", "unet"] and info["from_base"] == ["vae"]
-    for name, module in (("unet", built.trainable), ("text_encoder", built.text_encoder)):
+    for name, module in (("unet", built.trainable), ("text_encoder", built.text_encoders["text_encoder"])):
         state = module.state_dict()
         assert max((state[k] - v).abs().max().item() for k, v in weights[name].items() if k in state) < 1e-6
-    builtin = build_model(SdModel(family="sd"), CACHE_DIR, "cpu")
+    builtin = build_model(SdModelSpec(family="sd"), CACHE_DIR, "cpu")
     assert all(torch.equal(a, b) for a, b in zip(builtin.vae.state_dict().values(), built.vae.state_dict().values()))
     again = build_model(_sd(path, base_pipeline=base), tmp_path / "cache", "cpu")
     assert again.folder == built.folder  # converted once, then read from the cache
@@ -117,13 +115,13 @@ def test_unusable_files_are_refused_saying_what_is_possible(tmp_path, base):
     with pytest.raises(
         FamilyError, match="model.family tts_lm cannot load a single checkpoint file.*model.family sd or sdxl"
     ):
-        build_model(TtsLmModel(family="tts_lm", pretrained=str(good)), tmp_path, "cpu")
+        build_model(TtsLmModelSpec(family="tts_lm", pretrained=str(good)), tmp_path, "cpu")
     with pytest.raises(
         ValueError, match=r"model.family flow cannot load a single checkpoint file here.*\(sd and sdxl "
     ):
-        FlowModel(family="flow", pretrained=str(good), base_pipeline=base)
+        FlowModelSpec(family="flow", pretrained=str(good), base_pipeline=base)
     with pytest.raises(ValueError, match="base_pipeline applies only when pretrained is a single checkpoint file"):
-        SdxlModel(family="sdxl", base_pipeline="builtin:tiny-sd")
+        SdxlModelSpec(family="sdxl", base_pipeline="builtin:tiny-sd")
 
 
 def test_an_sdxl_unet_file_in_the_original_layout_builds_with_its_weights(tmp_path):
@@ -139,7 +137,7 @@ def test_an_sdxl_unet_file_in_the_original_layout_builds_with_its_weights(tmp_pa
     save_file(original_unet_state(unet), str(path))
     assert any(".label_emb." in key for key in original_unet_state(unet))
     built = build_model(
-        SdxlModel(family="sdxl", pretrained=str(path), base_pipeline=str(folder)), tmp_path / "cache", "cpu"
+        SdxlModelSpec(family="sdxl", pretrained=str(path), base_pipeline=str(folder)), tmp_path / "cache", "cpu"
     )
     info = json.loads((built.folder / SINGLE_FILE_INFO).read_text())
     assert info["from_file"] == ["unet"] and info["from_base"] == ["text_encoder", "text_encoder_2", "vae"]

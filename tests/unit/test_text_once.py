@@ -8,14 +8,13 @@ and after the cache every rank renders its samples from the prompts' cached text
 - The memory plan counts them once per node in host RAM and leaves them out of the sample phase (the real LTX-2
   configs: Gemma 3 12B and the connectors).
 - The cache deals text entries only to the ranks that loaded the encoders.
-The 2-rank runs (tests/dist/test_wan.py) check which ranks loaded them.
+The 2-rank runs (tests/dist/test_wan.py) check which ranks loaded them. Which models' samples read cached text is
+their card's (one declaration, read by the plan and the start-up alike).
 """
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,13 +22,10 @@ import torch
 
 from dstune.cache.entries import Entry
 from dstune.cache.latents import chunks_of_rank
-from dstune.families import video
-from dstune.families.flow_core import cache_text_tensors
 from dstune.pretrained import build_model
-from dstune.spec.models import SampleSpec, WanModel
+from dstune.spec.models import SampleSpec, VideoModelSpec
+from loaded_models import CACHE_DIR, REPO
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE_DIR = Path(os.environ.get("DSTUNE_TEST_CACHE", REPO / ".dstune-cache" / "tests"))
 PROMPT = "a red circle moving left"
 EXAMPLE = REPO / "launch" / "ltx2-lora-zero3-8gpu.yaml"
 
@@ -43,24 +39,24 @@ def _frames(clip) -> np.ndarray:
     [("tiny-wan", 3.0), ("tiny-hunyuan-video15", 4.0), ("tiny-ltx2", 3.0)],
 )
 def test_samples_from_cached_text_equal_the_pipelines_own_encoding(name, guidance):
-    model = WanModel(family="wan", pretrained=f"builtin:{name}", max_sequence_length=32)
+    model = VideoModelSpec(family="video", pretrained=f"builtin:{name}", max_sequence_length=32)
     built = build_model(model, CACHE_DIR, "cpu")
     lean = build_model(model, CACHE_DIR, "cpu", text_encoders=False)
     assert set(lean.text_encoders) == set(built.text_encoders) and all(e is None for e in lean.text_encoders.values())
     assert not set(lean.frozen) & set(built.text_encoders)  # nothing of the text side was loaded
     lean.trainable.load_state_dict(built.trainable.state_dict())
     with torch.no_grad():  # what the text cache stores for the prompt and for "" (dstune.text_once.sample_captions)
-        tensors = cache_text_tensors(built, [PROMPT, ""])
+        tensors = built.encode_text([PROMPT, ""])
     lean.prompt_text = {caption: {k: v[i] for k, v in tensors.items()} for i, caption in enumerate([PROMPT, ""])}
     sample_spec = SampleSpec(steps=2, guidance=guidance)
-    expected = video.sample(built, built.trainable, [PROMPT], sample_spec, 32)[0]
-    rendered = video.sample(lean, lean.trainable, [PROMPT], sample_spec, 32)[0]
+    expected = built.sample(built.trainable, [PROMPT], sample_spec, 32)[0]
+    rendered = lean.sample(lean.trainable, [PROMPT], sample_spec, 32)[0]
     np.testing.assert_array_equal(_frames(rendered), _frames(expected))
     if getattr(expected, "sound", None) is not None:  # LTX-2: the sound too
         np.testing.assert_array_equal(np.asarray(rendered.sound), np.asarray(expected.sound))
     lean.prompt_text = {}
     with pytest.raises(ValueError, match="no cached text"):
-        video.sample(lean, lean.trainable, [PROMPT], sample_spec, 32)
+        lean.sample(lean.trainable, [PROMPT], sample_spec, 32)
 
 
 IMAGE_MODELS = [  # every flow image built-in whose text can be cached (an edit model's cannot), with guidance on
@@ -84,42 +80,37 @@ def test_image_samples_from_cached_text_equal_the_pipelines_own_encoding(name, g
     prompt strings. Equal bit for bit but for Qwen-Image 2.1, whose Qwen3-VL encoder gives other roundings (1e-7) to
     a caption encoded in another batch (the cache's [prompts, negative] against the pipeline's prompts, then the
     negative): one of its 4096 values is 1 level of 255 apart."""
-    from dstune.families import flow
-    from dstune.spec.models import FlowModel
+    from dstune.spec.models import FlowModelSpec
 
     prompts = [PROMPT, "a blue square"]
-    model = FlowModel(family="flow", pretrained=f"builtin:{name}")
+    model = FlowModelSpec(family="flow", pretrained=f"builtin:{name}")
     built = build_model(model, CACHE_DIR, "cpu")
-    assert flow.samples_from_cached_text(built.folder)
+    assert built.card.samples_from_cached_text
     lean = build_model(model, CACHE_DIR, "cpu", text_encoders=False)
     assert all(encoder is None for encoder in lean.text_encoders.values())
     assert not set(lean.frozen) & set(built.text_encoders)  # nothing of the text side was loaded
     lean.trainable.load_state_dict(built.trainable.state_dict())
-    captions = [*prompts, built.recipe.sampling.negative_caption]  # what dstune.text_once.sample_captions caches
+    captions = [*prompts, built.card.negative_caption()]  # what dstune.text_once.sample_captions caches
     with torch.no_grad():
-        tensors = cache_text_tensors(built, captions)
+        tensors = built.encode_text(captions)
     lean.prompt_text = {caption: {k: v[i] for k, v in tensors.items()} for i, caption in enumerate(captions)}
     sample_spec = SampleSpec(steps=2, guidance=guidance)
-    expected = flow.sample(built, built.trainable, prompts, sample_spec, 32)
-    rendered = flow.sample(lean, lean.trainable, prompts, sample_spec, 32)
+    expected = built.sample(built.trainable, prompts, sample_spec, 32)
+    rendered = lean.sample(lean.trainable, prompts, sample_spec, 32)
     for got, want in zip(rendered, expected, strict=True):
         difference = np.abs(np.asarray(got, dtype=np.int16) - np.asarray(want, dtype=np.int16))
         assert difference.max() <= 1 and (difference > 0).mean() < 1e-3
 
 
 @pytest.mark.parametrize("name", [name for name, _ in IMAGE_MODELS] + ["tiny-ideogram4", "tiny-qwen-image-edit"])
-def test_every_image_models_facts_say_what_its_recipe_does(name):
-    """The plan reads the facts (dstune.families.flow_facts.samples_from_cached_text), the start-up the recipe's
-    Sampling.cached_text. Ideogram4Pipeline takes no prompt embeddings, so its samples need its encoders; an edit
-    model's text is never cached."""
+def test_the_image_models_whose_samples_need_their_encoders(name):
+    """Ideogram4Pipeline takes no prompt embeddings, so its samples need its encoders; an edit model's text is
+    never cached (its text reads the source image). The plan and the start-up both read the card."""
     from dstune.builtin import ensure_builtin_model
-    from dstune.families import flow, flow_facts
-    from dstune.families.denoiser_facts import pipeline_folder
+    from dstune.families import card_of
 
-    folder = ensure_builtin_model(name, CACHE_DIR)
-    hooked = flow.samples_from_cached_text(folder)
-    assert flow_facts.samples_from_cached_text(pipeline_folder(str(folder))) == hooked
-    assert hooked == (name not in ("tiny-ideogram4", "tiny-qwen-image-edit"))
+    card = card_of("flow", ensure_builtin_model(name, CACHE_DIR))
+    assert card.samples_from_cached_text == (name not in ("tiny-ideogram4", "tiny-qwen-image-edit"))
 
 
 def _validate(capsys, monkeypatch, tmp_path, *sets: str) -> dict:
@@ -176,29 +167,6 @@ def test_the_rule_keeps_them_on_every_rank_where_the_cache_cannot_replace_them(s
     assert text_once_per_node(spec("sample.prompts=[]"), samples_from_cached_text=False) is None
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "tiny-wan",
-        "tiny-wan-a14b",
-        "tiny-wan-i2v",
-        "tiny-wan22-ti2v",
-        "tiny-hunyuan-video15",
-        "tiny-hunyuan-video15-i2v",
-        "tiny-ltx2",
-    ],
-)
-def test_every_video_models_facts_say_what_its_recipe_does(name):
-    """The plan reads VideoFacts.samples_from_cached_text, the start-up the recipe's Sampling.cached_text."""
-    from dstune.builtin import ensure_builtin_model
-    from dstune.families.denoiser_facts import pipeline_folder
-    from dstune.families.video_facts import facts_of
-
-    folder = ensure_builtin_model(name, CACHE_DIR)
-    recipe = video.video_model_of(folder).recipe_of(folder)
-    assert facts_of(pipeline_folder(str(folder))).samples_from_cached_text == (recipe.sampling.cached_text is not None)
-
-
 def _entry(kind: str, number: int) -> Entry:
     return Entry(kind, f"{kind}-{number}", f"{kind}-{number}")
 
@@ -214,13 +182,15 @@ def test_text_chunks_go_only_to_the_ranks_that_loaded_the_encoders():
 
 
 def test_a_family_without_the_rule_is_planned_with_its_text_encoders_on_every_rank():
-    """The SD families always load their CLIP encoders on every rank (no Family.text_once_per_node), so the plan
+    """The SD families always load their CLIP encoders on every rank (their card's text_once is off), so the plan
     counts them on every rank whatever the cache and the samples (no spec setting changes that, so validate has
     nothing to say about it)."""
-    from dstune.families import get_facts, get_family
+    from dstune.families import get_facts
     from dstune.spec.load import load_spec
+    from dstune.text_once import once_per_node
 
     spec = load_spec(REPO / "launch" / "sdxl-zero2-8gpu.yaml", ["sample.prompts=[]"])[0]
-    assert spec.data.cache.text_embeddings and get_family(spec.model.family).text_once_per_node is None
+    card = get_facts(spec.model.family).card(spec)
+    assert spec.data.cache.text_embeddings and not card.text_once and not once_per_node(spec, card)
     counts = get_facts(spec.model.family).count(spec, 1000)
     assert counts.once_per_node == () and counts.text_on_every_rank == ""

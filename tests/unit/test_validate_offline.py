@@ -7,6 +7,7 @@ through `dstune validate` (dstune.cli.main), whose exit code and output are what
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,7 +23,7 @@ DATA_OF = {
     "sd": "builtin:shapes",
     "sdxl": "builtin:shapes",
     "flow": "builtin:shapes",
-    "wan": "builtin:moving-shapes",
+    "video": "builtin:moving-shapes",
     "tts_lm": "builtin:tones",
     "tts_codebooks": "builtin:tones",
     "speecht5": "builtin:tones",
@@ -78,7 +79,7 @@ def test_every_built_in_folder_under_every_other_family_is_refused_naming_its_fa
 def test_a_built_in_name_under_another_family_is_refused_from_its_stored_configs(capsys, tmp_path):
     code, text = validate(capsys, tmp_path, {"family": "flow", "pretrained": "builtin:tiny-wan"})
     assert code == 1 and "Traceback" not in text
-    assert "builtin:tiny-wan is a WanPipeline (model_index.json), which model.family wan trains, not flow" in text
+    assert "builtin:tiny-wan is a WanPipeline (model_index.json), which model.family video trains, not flow" in text
 
 
 def test_a_folder_no_family_trains_is_refused_with_what_dstune_trains(capsys, tmp_path):
@@ -95,7 +96,7 @@ def test_a_folder_no_family_trains_is_refused_with_what_dstune_trains(capsys, tm
         assert code == 1, text
         [line] = error_lines(text)
         assert "model.pretrained:" in line and what in line, text
-        assert "sd: StableDiffusionPipeline" in line and "wan: WanPipeline, WanImageToVideoPipeline" in line
+        assert "sd: StableDiffusionPipeline" in line and "video: WanPipeline, WanImageToVideoPipeline" in line
         assert "tts_lm: *ForCausalLM" in line and "speecht5: SpeechT5ForTextToSpeech" in line
 
 
@@ -185,11 +186,13 @@ def test_companion_folders_and_files_that_do_not_exist_are_refused(capsys, tmp_p
 
 
 def test_the_video_token_factors_of_an_image_models_folder_are_assumed_and_say_so_not_a_crash():
-    from dstune.families.video_facts import ASSUMED_PATCH, ASSUMED_SPATIAL, token_factors
+    from dstune.families import family_cards
+    from dstune.families.video_card import ASSUMED_PATCH, ASSUMED_SPATIAL, token_factors
 
-    spatial, patch, temporal, origin = token_factors("builtin:tiny-flux")  # its transformer's patch_size is the int 1
+    cards = family_cards("video")
+    spatial, patch, temporal, origin = token_factors(cards, "builtin:tiny-flux")  # its transformer's patch_size: 1
     assert (spatial, patch) == (ASSUMED_SPATIAL, ASSUMED_PATCH) and "is none of the video models" in origin
-    assert token_factors("builtin:tiny-wan")[3].startswith("the VAE and transformer configs of builtin:tiny-wan")
+    assert token_factors(cards, "builtin:tiny-wan")[3].startswith("the VAE and transformer configs of builtin:tiny-wan")
 
 
 # ------------------------------------------------------------------------------------------------- images
@@ -330,20 +333,11 @@ def test_a_truncated_still_in_a_video_dataset_is_refused(capsys, tmp_path):
     data = tmp_path / "clips"
     whole = write_images(data, count=2)
     (data / "cut.jpg").write_bytes(whole[: len(whole) // 2])
-    code, text = validate(capsys, tmp_path, {"family": "wan"}, {"path": str(data), "resolution": 32})
+    code, text = validate(capsys, tmp_path, {"family": "video"}, {"path": str(data), "resolution": 32})
     assert code == 1, text
     [line] = error_lines(text)
     assert "data.path: 1 still image(s) cannot be read" in line and "data.skip_bad_files does not apply" in line
     assert f"{data / 'cut.jpg'}: image file is truncated" in text
-
-
-def test_the_classes_the_spec_declares_are_the_ones_the_families_build():
-    """FlowModel.TRAINED_CLASSES (what validate accepts) and the flow recipes (what start-up builds) agree, so a new
-    recipe cannot be refused by validate, nor a dropped one accepted."""
-    from dstune.families.flow import RECIPES
-    from dstune.spec.models import FlowModel
-
-    assert sorted(FlowModel.TRAINED_CLASSES) == sorted(recipe.pipeline_class for recipe in RECIPES.values())
 
 
 def test_a_global_batch_larger_than_every_bucket_gets_a_batch_the_largest_bucket_holds():
@@ -358,3 +352,18 @@ def test_a_global_batch_larger_than_every_bucket_gets_a_batch_the_largest_bucket
     assert "the largest bucket (32x32) holds: use micro_batch_size 1 with global_batch_size 2" in str(err.value)
     advised = TrainSpec(micro_batch_size=1, global_batch_size=2, max_steps=1)
     assert make_plan(advised, world, 5, SpecSource("s"), groups).steps_per_epoch == 2
+
+
+def test_the_video_familys_old_name_still_validates_and_is_noted_once(capsys, tmp_path):
+    """`model.family: wan` (the video core's first name) works as before, read as `video`: validate says so once, at
+    the key, and the plan is the one `family: video` gives (every spec that worked keeps working)."""
+    data = {"path": "builtin:moving-shapes"}
+    code, old = validate(capsys, tmp_path, {"family": "wan", "pretrained": "builtin:tiny-wan"}, data, "--json")
+    assert code == 0, old
+    code, new = validate(capsys, tmp_path, {"family": "video", "pretrained": "builtin:tiny-wan"}, data, "--json")
+    assert code == 0, new
+    old, new = json.loads(old), json.loads(new)
+    noted = [w for w in old["warnings"] if "model.family" in w and "wan is the video family's first name" in w]
+    assert len(noted) == 1 and "spec.yaml:2" in noted[0] and "family: video" in noted[0]
+    assert [w for w in old["warnings"] if w not in noted] == new["warnings"]
+    assert {k: v for k, v in old.items() if k != "warnings"} == {k: v for k, v in new.items() if k != "warnings"}

@@ -21,7 +21,7 @@ from dstune.builtin.trained import TrainedPart, give_trained_weights
 from dstune.data.audio import resample
 from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
 from dstune.hf import quiet_hf_libraries
-from dstune.models.csm.family import CodebookFramesModel
+from dstune.models.csm.model import CodebookFramesModel
 from dstune.memory.activation_cases import Case, LM_VOCAB, attr, generator
 
 _SEED = 0
@@ -228,7 +228,7 @@ def _csm(heads, ffn_mult):
 
 def _csm_run(model, tokens, context, dtype):
     """`context` transcript tokens, then `tokens` audio frames (the last the EOS frame), as dstune's CSM loss runs
-    it (dstune.models.csm.family: the frames' codes embedded in place of the <|AUDIO|> tokens, every frame labelled)."""
+    it (dstune.models.csm.model: the frames' codes embedded in place of the <|AUDIO|> tokens, every frame labelled)."""
     import torch
 
     config = model.config

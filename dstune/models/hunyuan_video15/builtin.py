@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstune.models.unit import VIDEO_FAMILY
+from dstune.spec.section import VIDEO_FAMILY
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import tiny_qwen_tokenizer
 from dstune.builtin.parts import QWEN3_CHAT_TEMPLATE
@@ -232,7 +232,7 @@ def _hunyuan15(heads, ffn_mult):
     )
 
 
-HUNYUAN15_CONTEXT = (1000, 256, 729)  # caption, glyph and image tokens (dstune.models.hunyuan_video15.facts)
+HUNYUAN15_CONTEXT = (1000, 256, 729)  # caption, glyph and image tokens (its card: dstune.models.hunyuan_video15.card)
 
 
 def _hunyuan15_split(context: int) -> tuple[int, int, int]:

@@ -14,68 +14,15 @@ i2v task feeds the transformer, rebuilt from a training clip's own first frame.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from dstune.families.base import FamilyError
-from dstune.families.diffusion import batch_field, load_component, read_model_index
+from dstune.families.diffusion import batch_field
 from dstune.families.precision import at_least_float32
-from dstune.families.flow_recipe import normalised_latents
+from dstune.families.flow_model import normalised_latents
+from dstune.models.hunyuan_video15.card import IMAGE_EMBEDS
 from dstune.families.samples import first_frames
-from dstune.hf import quiet_hf_libraries
-
-PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
-IMAGE_EMBEDS = "image_embeds"  # SigLIP's last hidden state of the first frame (B, tokens, image_embed_dim)
-COMPONENTS = {"image_encoder": "SiglipVisionModel", "feature_extractor": None}
-
-
-def is_image_to_video(folder: Path) -> bool:
-    return read_model_index(folder).get("_class_name") == PIPELINE
-
-
-def mode_problem(folder: Path, image_to_video: Optional[bool]) -> Optional[str]:
-    """Why model.image_to_video does not fit the folder's pipeline, or None."""
-    pipeline = read_model_index(folder).get("_class_name")
-    if image_to_video and pipeline != PIPELINE:
-        return (
-            f"model.image_to_video is true, but {pipeline} is text-to-video: use a {PIPELINE} folder (480p_i2v, "
-            "720p_i2v) or remove the key"
-        )
-    if image_to_video is False and pipeline == PIPELINE:
-        return (
-            f"model.image_to_video is false, but {pipeline}'s transformer is the image-to-video one: use a "
-            "HunyuanVideo15Pipeline folder for text-to-video, or remove the key"
-        )
-    return None
-
-
-def load(folder: Path, model, transformer_config, device, dtype) -> tuple[dict, bool]:
-    """The folder's guider and, for image-to-video, the SigLIP image encoder (frozen) and its feature extractor;
-    the mode: whether the run trains image-to-video."""
-    import transformers
-
-    with quiet_hf_libraries():
-        from diffusers import ClassifierFreeGuidance
-
-        parts = {"guider": ClassifierFreeGuidance.from_pretrained(folder / "guider")}
-    if not is_image_to_video(folder):
-        return parts, False
-    encoder = load_component(folder, "image_encoder", transformers.SiglipVisionModel.from_pretrained, torch_dtype=dtype)
-    with quiet_hf_libraries():
-        try:
-            extractor = transformers.AutoImageProcessor.from_pretrained(folder / "feature_extractor")
-        except (OSError, ValueError) as err:
-            raise FamilyError(
-                f"{folder / 'feature_extractor'}: cannot load the SigLIP image processor ({err}); a "
-                f"{PIPELINE} folder needs feature_extractor/ as diffusers saves it."
-            ) from None
-    return {
-        **parts,
-        "image_encoder": encoder.to(device).eval().requires_grad_(False),
-        "feature_extractor": extractor,
-    }, True
 
 
 def frame_images(frames: torch.Tensor) -> list:
@@ -86,43 +33,43 @@ def frame_images(frames: torch.Tensor) -> list:
     return [Image.fromarray(value.permute(1, 2, 0).numpy()) for value in values]
 
 
-def condition_tensors(built, clips: torch.Tensor) -> dict[str, torch.Tensor]:
+def condition_tensors(model, clips: torch.Tensor) -> dict[str, torch.Tensor]:
     """{image_embeds} of clips (B, 3, F, H, W) in [-1, 1]: deterministic; what the latent cache stores."""
-    encoder, extractor = built.parts["image_encoder"], built.parts["feature_extractor"]
+    encoder, extractor = model.parts["image_encoder"], model.parts["feature_extractor"]
     inputs = extractor.preprocess(
         images=frame_images(clips[:, :, 0]), do_resize=True, return_tensors="pt", do_convert_rgb=True
     )
     with torch.no_grad():
-        hidden = encoder(pixel_values=inputs["pixel_values"].to(built.device, encoder.dtype)).last_hidden_state
+        hidden = encoder(pixel_values=inputs["pixel_values"].to(model.device, encoder.dtype)).last_hidden_state
     return {IMAGE_EMBEDS: at_least_float32(hidden)}
 
 
-def encode_conditions(built, batch: dict, dtype: torch.dtype) -> dict:
+def encode_conditions(model, batch: dict, dtype: torch.dtype) -> dict:
     """Image-to-video: the batch's image embedding (from the latent cache as stored, else from its first frames) in
     `dtype`; text-to-video: nothing."""
-    if not built.mode:
+    if not model.mode:
         return {}
     if IMAGE_EMBEDS in batch:
-        embeds = batch[IMAGE_EMBEDS].to(built.device)
+        embeds = batch[IMAGE_EMBEDS].to(model.device)
     else:
-        embeds = condition_tensors(built, batch_field(batch, "pixel_values"))[IMAGE_EMBEDS]
+        embeds = condition_tensors(model, batch_field(batch, "pixel_values"))[IMAGE_EMBEDS]
     return {IMAGE_EMBEDS: embeds.to(dtype)}
 
 
-def model_inputs(built, encoded: dict, dtype: torch.dtype) -> dict:
+def model_inputs(model, encoded: dict, dtype: torch.dtype) -> dict:
     """{condition_latents: (B, C + 1, F, h, w), image_embeds} for image-to-video (flow_hunyuan15 feeds zeros for
     text-to-video)."""
-    if not built.mode:
+    if not model.mode:
         return {}
     mean = encoded["latent_mean"]
     condition = mean.new_zeros(mean.shape[0], mean.shape[1] + 1, *mean.shape[2:])
-    condition[:, :-1, :1] = normalised_latents(built.vae.config, mean[:, :, :1])
+    condition[:, :-1, :1] = normalised_latents(model.vae.config, mean[:, :, :1])
     condition[:, -1, 0] = 1.0
     return {"condition_latents": condition.to(dtype), IMAGE_EMBEDS: encoded[IMAGE_EMBEDS].to(dtype)}
 
 
-def sample_sources(built, sample_spec, prompts: list[str]) -> Optional[list]:
+def sample_sources(model, sample_spec, prompts: list[str]) -> Optional[list]:
     """Image-to-video: sample.control_images, one first frame per prompt; text-to-video: None."""
-    if not built.mode:
+    if not model.mode:
         return None
     return first_frames(sample_spec, prompts)

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dstune.models.unit import VIDEO_FAMILY
+from dstune.spec.section import VIDEO_FAMILY
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, attr, mse, randn, square_side
-from dstune.models.ltx2.facts import AV_CAPTION_TOKENS
+from dstune.models.ltx2.card import AV_CAPTION_TOKENS
 
 _SEED = 70
 TEXT_WIDTH = 16  # Gemma 3's hidden size = the connectors' caption_channels = the transformer's caption_channels
@@ -249,7 +249,7 @@ def _ltx2(heads, ffn_mult):
 
 
 def _ltx2_run(model, tokens, context, dtype, per_token: bool = False):
-    """As dstune trains it (dstune.models.ltx2.recipe): `tokens` = 2 latent frames x side^2 video tokens, the audio
+    """As dstune trains it (dstune.models.ltx2.model): `tokens` = 2 latent frames x side^2 video tokens, the audio
     stream on one zero token isolated from the video, `context` caption tokens for both streams; with `per_token`
     (image-to-video) a timestep per video token, the first frame's 0, so a modulation per token."""
     import torch
@@ -288,7 +288,7 @@ def _ltx2_run(model, tokens, context, dtype, per_token: bool = False):
 
 
 def _ltx2_av_run(model, tokens, context, dtype):
-    """A clip with sound, as dstune trains it (dstune.families.flow_sound): `tokens` video tokens (2 latent frames x
+    """A clip with sound, as dstune trains it (dstune.models.ltx2.model, Ltx2.loss): `tokens` video tokens (2 latent frames x
     side^2) and `context` sound tokens in one call, both streams attending each other (isolate_modalities off), the
     caption fixed at AV_CAPTION_TOKENS; the loss the video's plus the sound's."""
     import torch

@@ -29,29 +29,29 @@ PIPELINE = "LTX2ImageToVideoPipeline"
 FIRST_FRAME = "first_frame_latent"  # (B, C, 1, h, w): the clip's first latent frame in the transformer's scale
 
 
-def model_inputs(built, encoded: dict, dtype: torch.dtype) -> dict:
+def model_inputs(model, encoded: dict, dtype: torch.dtype) -> dict:
     """{first_frame_latent} for image-to-video (at least float32: it replaces the noisy frame before the cast); nothing for
     text-to-video."""
-    if not built.mode:
+    if not model.mode:
         return {}
-    return {FIRST_FRAME: built.recipe.latents.to_model(built, at_least_float32(encoded["latent_mean"][:, :, :1]))}
+    return {FIRST_FRAME: model.to_model_latents(at_least_float32(encoded["latent_mean"][:, :, :1]))}
 
 
-def clean_frames(built) -> int:
+def clean_frames(model) -> int:
     """Latent frames given clean, outside the loss: image-to-video's first."""
-    return int(bool(built.mode))
+    return int(bool(model.mode))
 
 
-def conditioned(built, noisy: torch.Tensor, timesteps: torch.Tensor, conditions: dict) -> tuple:
+def conditioned(model, noisy: torch.Tensor, timesteps: torch.Tensor, conditions: dict) -> tuple:
     """(noisy latents with the first frame clean, the video's timestep per token (B, F x h x w) with 0 on the first
     frame's tokens) for image-to-video; (noisy, timesteps) unchanged for text-to-video."""
-    if not built.mode:
+    if not model.mode:
         return noisy, timesteps
     frames, height, width = noisy.shape[2:]
     if frames < 2:
         raise ValueError(
             "LTX-2 image-to-video: a clip of one latent frame (a still image, or fewer than "
-            f"{1 + built.vae.temporal_compression_ratio} frames) has no frame to learn, its only latent "
+            f"{1 + model.vae.temporal_compression_ratio} frames) has no frame to learn, its only latent "
             "frame being the given image. Remove the stills or set model.image_to_video: false."
         )
     first = conditions[FIRST_FRAME].to(noisy.device, noisy.dtype)
@@ -61,15 +61,15 @@ def conditioned(built, noisy: torch.Tensor, timesteps: torch.Tensor, conditions:
     return noisy, keep.flatten()[None, :] * timesteps.view(-1, 1).to(keep.dtype)
 
 
-def sample_sources(built, sample_spec, prompts: list[str]) -> Optional[list]:
+def sample_sources(model, sample_spec, prompts: list[str]) -> Optional[list]:
     """Image-to-video: sample.control_images, one first frame per prompt; text-to-video: None."""
-    return first_frames(sample_spec, prompts) if built.mode else None
+    return first_frames(sample_spec, prompts) if model.mode else None
 
 
-def pipeline(built, transformer) -> tuple:
+def pipeline(model, transformer) -> tuple:
     """LTX2ImageToVideoPipeline for image-to-video samples, LTX2Pipeline otherwise; the same parts either way."""
     import diffusers
 
     with quiet_hf_libraries():
-        name = PIPELINE if built.mode and transformer is not None else built.recipe.pipeline_class
-        return getattr(diffusers, name), built.parts
+        name = PIPELINE if model.mode and transformer is not None else model.card.pipeline_class
+        return getattr(diffusers, name), model.parts

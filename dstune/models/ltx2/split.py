@@ -16,7 +16,7 @@ all-to-all divides the heads, so the masked cross-attention fails on N > 1. dstu
   gathers the video's keys and values, and in backward sums every rank's gradient of them before each rank takes
   its share (`gathered_video`), so a video token gets the gradient of the audio on every rank, not only on its
   own. The audio's own loss is then computed on every rank of the group, and the group sums gradients: the flow
-  core divides that loss's gradient by N (dstune.families.flow_sound), its value unchanged. The 2-rank runs of
+  core divides that loss's gradient by N (dstune.models.ltx2.model), its value unchanged. The 2-rank runs of
   tests/dist/test_sequence_parallel.py check that losses, gradient norms and the LoRA file equal one rank's with the
   clips' sound;
 - samples (no gradients) run the pipeline's joint audio and video the same way.

@@ -21,7 +21,7 @@ from pathlib import Path
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import QWEN_SCHEDULER, tiny_qwen_tokenizer
 from dstune.models.qwen_image.builtin import TINY_QWEN_TRANSFORMER, tiny_qwen_vl_encoder
-from dstune.models.qwen_image.edit_recipe import image_only_processor
+from dstune.models.qwen_image.model import image_only_processor
 from dstune.hf import quiet_hf_libraries
 
 _SEED = 21

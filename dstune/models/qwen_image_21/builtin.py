@@ -8,7 +8,7 @@ scheduler of dstune.builtin.parts. Built offline from fixed configs and a fixed 
 
 The folder's `processor` is the byte-level tokenizer of dstune.builtin.parts with a Qwen3-VL style chat
 template, not a Qwen3VLProcessor: transformers cannot build that processor without torchvision, which the tested
-environment cannot import. dstune loads it wrapped in dstune.models.qwen_image_21.recipe.TextProcessor, which does what
+environment cannot import. dstune loads it wrapped in dstune.models.qwen_image_21.model.TextProcessor, which does what
 the text-to-image pipeline asks of a processor; QwenImage21Pipeline.from_pretrained on this folder needs
 `processor=TextProcessor(tokenizer)` passed in, as the training example passes its own processor.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import QWEN3_VL_CHAT_TEMPLATE, tiny_qwen3_vl_config
 from dstune.builtin.parts import QWEN_SCHEDULER, tiny_qwen_tokenizer
-from dstune.models.qwen_image_21.recipe import TextProcessor
+from dstune.models.qwen_image_21.model import TextProcessor
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, TRANSFORMER_SIZES, attr, mse, randn, square_side
 

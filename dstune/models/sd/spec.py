@@ -1,5 +1,5 @@
-"""The `model` sections of Stable Diffusion 1.x/2.x (`model.family sd`) and SDXL (`model.family sdxl`): UNet
-families, listed in the spec's union by dstune.models.registry. Torch-free."""
+"""The `model` section of Stable Diffusion 1.x/2.x (`model.family sd`, a UNet family), listed in the spec's union by
+dstune.registry.FAMILY_SECTIONS. Torch-free."""
 
 from __future__ import annotations
 
@@ -7,19 +7,12 @@ from typing import ClassVar, Literal, Optional
 
 from pydantic import Field
 
-from dstune.spec.model_sections import DenoiserModelBase
-
-# Their LoRA files (output.lora_format, the default first -> the key scheme it is written in): SD 1.x/2.x and SDXL
-# LoRAs are exchanged and loaded (ComfyUI, A1111/Forge, diffusers) as kohya files; ComfyUI maps diffusers' UNet LoRA
-# keys only in diffusers' old attention-processor naming, so `comfyui` writes kohya's scheme too.
-UNET_LORA_FORMATS = {"kohya": "kohya", "comfyui": "kohya", "diffusers": "diffusers"}
+from dstune.spec.model_sections import UNET_LORA_FORMATS, DenoiserModelBase
 
 
-class SdModel(DenoiserModelBase):
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionPipeline",)
+class SdModelSpec(DenoiserModelBase):
     PRESET_RESOLUTION: ClassVar[int] = 512
     PRESET_NAME: ClassVar[str] = "Stable Diffusion 1.x's size"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionPipeline": 7.5}
     PRESET_GUIDANCE: ClassVar[float] = 7.5
     LORA_FORMATS: ClassVar[dict[str, str]] = UNET_LORA_FORMATS
     SINGLE_FILE: ClassVar[bool] = True
@@ -32,39 +25,6 @@ class SdModel(DenoiserModelBase):
         description="A diffusers pipeline folder (model_index.json + unet/vae/text_encoder/tokenizer/scheduler), "
         "a hub id already in the local Hugging Face cache, `builtin:tiny-sd` (a tiny model built offline), or a "
         "single checkpoint file (.safetensors/.ckpt, original key layout) together with `base_pipeline`.",
-    )
-    prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
-        None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."
-    )
-    gradient_checkpointing: bool = Field(
-        False,
-        description="Recompute UNet activations in backward (torch non-reentrant checkpointing): less memory, ~30% slower.",
-    )
-    min_snr_gamma: Optional[float] = Field(
-        None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023); 5.0 is the usual value. Omitted: plain MSE."
-    )
-    noise_offset: float = Field(
-        0.0, ge=0, description="Offset noise strength (0.05-0.1 helps very dark/bright images)."
-    )
-
-
-class SdxlModel(DenoiserModelBase):
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("StableDiffusionXLPipeline",)
-    PRESET_NAME: ClassVar[str] = "SDXL's size"
-    PIPELINE_GUIDANCE: ClassVar[dict[str, float]] = {"StableDiffusionXLPipeline": 5.0}
-    LORA_FORMATS: ClassVar[dict[str, str]] = UNET_LORA_FORMATS
-    SINGLE_FILE: ClassVar[bool] = True
-
-    family: Literal["sdxl"] = Field(
-        description="Model family. `sdxl`: Stable Diffusion XL (UNet with text_time conditioning, two CLIP text "
-        "encoders, pooled text embeddings and size/crop time ids)."
-    )
-    pretrained: str = Field(
-        "builtin:tiny-sdxl",
-        description="A diffusers StableDiffusionXLPipeline folder (model_index.json + unet/vae/text_encoder/"
-        "text_encoder_2/tokenizer/tokenizer_2/scheduler), a hub id already in the local Hugging Face cache, "
-        "`builtin:tiny-sdxl` (a tiny model built offline), or a single checkpoint file (.safetensors/.ckpt, original "
-        "key layout) together with `base_pipeline`.",
     )
     prediction: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="What the UNet predicts. Omitted: taken from the pipeline's scheduler config."

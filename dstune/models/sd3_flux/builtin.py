@@ -253,7 +253,7 @@ def _flux_run(model, tokens, context, dtype):
     )
 
 
-ACTIVATION_CASES = (
+SD3_ACTIVATION_CASES = (
     Case(
         "sd3",
         "SD3 (MMDiT, head dim 64)",
@@ -263,6 +263,8 @@ ACTIVATION_CASES = (
         check_size=(25, 12),
         block_lists=attr("transformer_blocks"),
     ),
+)
+FLUX_ACTIVATION_CASES = (
     Case(
         "flux1",
         "Flux.1 (double + single blocks, head dim 128)",

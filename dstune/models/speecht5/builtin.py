@@ -1,5 +1,5 @@
 """builtin:tiny-speecht5: SpeechT5 text-to-speech (~40 k parameters, a character-level sentencepiece tokenizer, 20 mel
-bins at 16 kHz) and a tiny HiFi-GAN vocoder, made offline from configs (registered in dstune.models.registry)."""
+bins at 16 kHz) and a tiny HiFi-GAN vocoder, made offline from configs (listed on its card, dstune.registry)."""
 
 from __future__ import annotations
 

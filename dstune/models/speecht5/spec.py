@@ -1,5 +1,5 @@
 """The `model` section of SpeechT5 text-to-speech (`model.family speecht5`), listed in the spec's union by
-dstune.models.registry. Torch-free."""
+dstune.registry.FAMILY_SECTIONS. Torch-free."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from pydantic import Field
 from dstune.spec.section import Section
 
 
-class SpeechT5Model(Section):
+class SpeechT5ModelSpec(Section):
     modality: ClassVar[str] = "audio"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("SpeechT5ForTextToSpeech",)
     MODEL_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = ("pretrained",)
     COMPANION_FOLDERS: ClassVar[dict[str, str]] = {"vocoder": "vocoder"}
     FILE_FIELDS: ClassVar[tuple[str, ...]] = ("speaker_embeddings",)

@@ -1,4 +1,4 @@
-"""The built-in tiny codec-token TTS LM, made offline from configs (registered in dstune.models.registry).
+"""The built-in tiny codec-token TTS LM, made offline from configs (listed on its card, dstune.registry).
 
 builtin:tiny-tts-lm: a 2-layer Llama causal LM over 256 byte-level text tokens followed by EnCodec tokens
 (2 codebooks of 32 codes, 50 frames per second at 8 kHz), plus the EnCodec model in `codec/` and the

@@ -1,5 +1,5 @@
 """The `model` section of the codec-token TTS language models (`model.family tts_lm`, Orpheus's layout included),
-listed in the spec's union by dstune.models.registry. Torch-free."""
+listed in the spec's union by dstune.registry.FAMILY_SECTIONS. Torch-free."""
 
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ def default_codec(layout_file: Optional[dict], token_layout: Optional[str]) -> s
     return "snac" if token_layout == "orpheus" else "encodec"
 
 
-class TtsLmModel(LmLoraSection):
+class TtsLmModelSpec(LmLoraSection):
     modality: ClassVar[str] = "audio"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
     # What `dstune validate` checks of the folders offline: see DenoiserModelBase.
-    TRAINED_CLASSES: ClassVar[tuple[str, ...]] = ("*ForCausalLM",)
     MODEL_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = ("pretrained",)
     COMPANION_FOLDERS: ClassVar[dict[str, str]] = {"codec_pretrained": "codec"}
     FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
@@ -104,7 +103,7 @@ class TtsLmModel(LmLoraSection):
         return {"codec": default_codec(read(TTS_LAYOUT_FILE), self.token_layout)}
 
     @model_validator(mode="after")
-    def _layout_fits_codec(self) -> "TtsLmModel":
+    def _layout_fits_codec(self) -> "TtsLmModelSpec":
         if self.token_layout == "orpheus" and self.codec != "snac":
             raise ValueError(f"token_layout orpheus writes SNAC codes: set codec: snac (it is {self.codec!r})")
         if self.token_layout == "dstune" and self.codec == "snac":

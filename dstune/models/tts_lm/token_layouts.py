@@ -28,7 +28,6 @@ from fractions import Fraction
 
 from dstune.models.tts_lm.spec import TTS_LAYOUT_FILE
 
-PRESETS = ("dstune", "orpheus")
 
 LLAMA3_TEXT_VOCAB = 128256  # Orpheus's added tokens follow Llama-3's text vocabulary
 ORPHEUS_SNAC = {"sampling_rate": 24000, "hop_length": 512, "vq_strides": [4, 2, 1], "codebook_size": 4096}
@@ -188,14 +187,6 @@ def layout_problems(layout: dict, vocab_size: int | None = None) -> list[str]:
             f"samples_per_frame {layout['samples_per_frame']} = {float(rate)}"
         )
     return problems
-
-
-def preset_layout(name: str, text: str = "tokenizer") -> dict:
-    """A named preset with nothing left to read from a model (`orpheus`); `dstune` depends on the LM and codec
-    and is made by the family (dstune_layout)."""
-    if name != "orpheus":
-        raise ValueError(f"layout preset {name!r} is not complete without a model; presets: {', '.join(PRESETS)}")
-    return orpheus_layout(text)
 
 
 # Layout (preset name) -> how its prompt names the voice: Orpheus's multi-speaker prompts are "tara: Hello there.".

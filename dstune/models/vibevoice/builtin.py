@@ -25,6 +25,7 @@ from dstune.builtin.trained import TrainedPart, give_trained_weights
 from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import LM_VOCAB, Case, attr, generator, randn
+from dstune.models.vibevoice.card import VIBEVOICE_CARD
 from dstune.models.vibevoice.model import VibeVoiceModule, factors_as_buffers, noise_scheduler
 
 _SEED = 0
@@ -250,7 +251,7 @@ def _vibevoice(heads, ffn_mult):
 
 def _vibevoice_run(model, tokens, context, dtype):
     """`context` script tokens, then `tokens` acoustic latents (one <audio> placeholder each) and the end, as
-    dstune.models.vibevoice.model.encode_batch lays them out, through the VibeVoiceModule the family trains."""
+    dstune.models.vibevoice.model.VibeVoice.encode_batch lays them out, through the VibeVoiceModule the family trains."""
     import torch
 
     config = model.config
@@ -266,9 +267,9 @@ def _vibevoice_run(model, tokens, context, dtype):
     condition_mask = torch.zeros_like(audio_mask)
     condition_mask[:, :-1] = audio_mask[:, 1:]
     if "latent_scaling_factor" in model.model._parameters:
-        factors_as_buffers(model)
+        factors_as_buffers(model, VIBEVOICE_CARD.latent_factors)
     scheduler = noise_scheduler(model)
-    trained = VibeVoiceModule(model, scheduler, int(scheduler.config.num_train_timesteps))
+    trained = VibeVoiceModule(model, scheduler, int(scheduler.config.num_train_timesteps), VIBEVOICE_CARD.noise_draws)
     latents = randn(tokens, ACOUSTIC_LATENT, dtype=dtype)
     inputs = dict(
         input_ids=ids,

@@ -1,12 +1,7 @@
-"""VibeVoice's torch side (VibeVoiceForConditionalGeneration) in the tts_codebooks family: a Qwen2 LM over the
-script's text and the speech's continuous acoustic latents (7.5 per second), whose hidden state conditions a
-diffusion head that denoises the next latent. The family calls these for a VibeVoice folder (its recipe,
-dstune.models.vibevoice.facts.CODEBOOKS_MODEL, names this module).
-
-    build(model, folders, device, dtype) -> VibeVoiceBuilt
-    encode_batch(built, batch) -> token ids, latents, labels and the diffusion's condition positions
-    loss(built, forward, encoded, seed, step) -> the class's LM loss from labels and its own compute_diffusion_loss
-    sample(built, module, prompts, sample_spec) / synthesize(folder, text, ...) -> Clips, through the class's generate
+"""VibeVoice's class (VibeVoiceForConditionalGeneration) on the multi-codebook core: a Qwen2 LM over the script's
+text and the speech's continuous acoustic latents (7.5 per second), whose hidden state conditions a diffusion head
+that denoises the next latent. Its loss is the class's LM loss from the labels and its own compute_diffusion_loss;
+its samples, the class's generate.
 
 The "codec" is the class's own acoustic tokenizer (`model.audio_tower`): a frozen fp32 copy of it, outside the
 trained module, encodes each clip alone (the processor's feature extractor first: -25 dB FS, zero-padded to the
@@ -29,51 +24,44 @@ processor builds with output_labels=True (docs/tts.md, VibeVoice), both taken fr
 from __future__ import annotations
 
 import copy
-import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dstune.families.base import FamilyError
-from dstune.families.precision import at_least_float32, at_least_float32_dtype
+from dstune.families.codebooks import CodebooksModel, pad_rows
+from dstune.families.precision import at_least_float32
 from dstune.families.randomness import sample_seed
-from dstune.families.speech import Clip, CodecTokensBuilt, checkpoint_activations
+from dstune.families.speech import Clip
 from dstune.hf import quiet_hf_libraries
-from dstune.models.vibevoice.facts import ARCHITECTURE, CODEBOOKS_MODEL, LATENTS_KIND, config_problem
-from dstune.resampling import resample
+from dstune.models.vibevoice.card import VIBEVOICE_CARD, VibeVoiceCard
 
-DDPM_BATCH_MULTIPLIER = 4  # noise draws per latent (the class's default, and the original trainer's)
 DIFFUSION_PURPOSE = "vibevoice-diffusion"  # the per-sample draw of the diffusion's noise and timesteps
-DEFAULT_SPEAKER = "0"
 TURN = re.compile(r"^\s*Speaker\s+(\d+)\s*:\s*(.*)$")
-FACTORS = ("latent_scaling_factor", "latent_bias_factor")  # the tokenizer's latent statistics: set with it, not learnt
-# the class's tokenizers (never trained), and the semantic connector, which only generate uses (the class's training
-# forward embeds the acoustic latents alone): no gradient reaches it
-FROZEN = tuple("model." + part for part in CODEBOOKS_MODEL.frozen_parts if part.rsplit(".", 1)[-1] not in FACTORS)
+TRAIN_KEYS = ("input_ids", "attention_mask", "latents", "labels", "audio_mask", "condition_mask")
 
 
-def factors_as_buffers(model) -> None:
+def factors_as_buffers(model, factors: tuple[str, ...]) -> None:
     """The class's latent scaling and bias (frozen scalars) become buffers of the same names: generate and the
     training step read them outside the forward of the module that holds them, where ZeRO-3 would have left each
     rank an empty share of a parameter; buffers stay whole on every rank. The state dict keeps their names."""
     inner = model.model
-    for name in FACTORS:
+    for name in factors:
         value = inner._parameters.pop(name).detach().clone()
         inner.register_buffer(name, value)
 
 
 class VibeVoiceModule(torch.nn.Module):
-    """The trained module: the whole class under `model.` (the family's export and LoRA code find its names)."""
+    """The trained module: the whole class under `model.` (the core's export and LoRA code find its names)."""
 
-    def __init__(self, model, scheduler, diffusion_steps: int):
+    def __init__(self, model, scheduler, diffusion_steps: int, noise_draws: int):
         super().__init__()
         self.model = model
         self.scheduler = scheduler
         self.diffusion_steps = diffusion_steps
+        self.noise_draws = noise_draws
 
     def forward(self, input_ids, attention_mask, latents, labels, audio_mask, condition_mask, seeds):
         """latents (A, D): every <audio> placeholder's latent in row-major order; condition_mask (B, S): where each
@@ -110,33 +98,11 @@ class VibeVoiceModule(torch.nn.Module):
                     features[starts[row] : starts[row + 1]],
                     hidden[row][condition_mask[row]],
                     self.scheduler,
-                    DDPM_BATCH_MULTIPLIER,
+                    self.noise_draws,
                     self.diffusion_steps,
                 )
             weighted = weighted + part * (count / total)
         return weighted if total else hidden.sum() * 0
-
-
-@dataclass(kw_only=True)
-class VibeVoiceBuilt(CodecTokensBuilt):
-    architecture: str
-    processor: object
-
-
-def load(folder: Path):
-    """(model, processor) of a VibeVoice folder, fp32; FamilyError naming the folder when either cannot be loaded."""
-    from transformers import VibeVoiceForConditionalGeneration, VibeVoiceProcessor
-
-    try:
-        with quiet_hf_libraries():
-            model = VibeVoiceForConditionalGeneration.from_pretrained(folder, torch_dtype=torch.float32)
-            processor = VibeVoiceProcessor.from_pretrained(folder)
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError, ImportError) as err:
-        raise FamilyError(
-            f"{folder}: cannot load it as {ARCHITECTURE} with its VibeVoiceProcessor "
-            f"({(str(err).strip().splitlines() or [''])[0]})"
-        ) from None
-    return model, processor
 
 
 def noise_scheduler(model):
@@ -144,54 +110,106 @@ def noise_scheduler(model):
     return model._build_default_noise_scheduler(model.generation_config)
 
 
-def build(model, folders: dict, device, dtype_for_frozen: torch.dtype = torch.float32) -> VibeVoiceBuilt:
-    folder = folders["pretrained"]
-    problem = config_problem(json.loads((folder / "config.json").read_text()))
-    if problem:  # transformers would load it as a default-sized model with none of its weights
-        raise FamilyError(f"{folder}: {problem}")
-    whole, processor = load(folder)
-    codec = copy.deepcopy(whole.model.audio_tower).to(at_least_float32_dtype(dtype_for_frozen))
-    codec.eval().requires_grad_(False)
-    rate, hop = int(processor.feature_extractor.sampling_rate), int(whole.config.audio_config.hop_length)
-    layout = {
-        "sampling_rate": rate,
-        "frame_rate": rate / hop,
-        "num_codebooks": int(whole.config.audio_config.hidden_size),  # values per latent frame
-        "frame_order": [],
-        "codec": LATENTS_KIND,
-    }
-    if model.gradient_checkpointing:
-        checkpoint_activations(whole)
-    factors_as_buffers(whole)
-    scheduler = noise_scheduler(whole)
-    trainable = VibeVoiceModule(whole, scheduler, int(scheduler.config.num_train_timesteps)).train()
-    trainable.requires_grad_(True)
-    for name in FROZEN:
-        trainable.get_submodule(name).requires_grad_(False).eval()
-    device = torch.device(device)
-    return VibeVoiceBuilt(
-        folder=folder,
-        device=device,
-        trainable=trainable,
-        codec=codec.to(device),
-        codec_folder=folder,
-        codec_kind=LATENTS_KIND,
-        architecture=ARCHITECTURE,
-        processor=processor,
-        layout=layout,
-        max_sample_seconds=model.max_sample_seconds,
-        temperature=model.sample_temperature,
-        clip_encoder=lambda wave: encode_latents(codec, processor, wave),
-    )
+class VibeVoice(CodebooksModel):
+    card: VibeVoiceCard
 
+    def take_codec(self, whole, dtype: torch.dtype) -> torch.nn.Module:
+        """A copy of the class's acoustic tokenizer (the class keeps its own, frozen, for generate)."""
+        codec = copy.deepcopy(whole.model.audio_tower).to(dtype)
+        codec.eval().requires_grad_(False)
+        rate = int(self.processor.feature_extractor.sampling_rate)
+        hop = int(whole.config.audio_config.hop_length)
+        self.codec_folder, self.codec_kind = self.folder, self.card.latents_kind
+        self.layout = {
+            "sampling_rate": rate,
+            "frame_rate": rate / hop,
+            "num_codebooks": int(whole.config.audio_config.hidden_size),  # values per latent frame
+            "frame_order": [],
+            "codec": self.card.latents_kind,
+        }
+        return codec
 
-# --------------------------------------------------------------------------------------------- train step
+    def trained_module(self, whole) -> torch.nn.Module:
+        factors_as_buffers(whole, self.card.latent_factors)
+        scheduler = noise_scheduler(whole)
+        steps = int(scheduler.config.num_train_timesteps)
+        trainable = VibeVoiceModule(whole, scheduler, steps, self.card.noise_draws).train().requires_grad_(True)
+        for name in self.card.frozen_parts():  # names in the class; the trained module holds it under `model.`
+            if name.rsplit(".", 1)[-1] not in self.card.latent_factors:  # buffers now
+                trainable.get_submodule("model." + name).requires_grad_(False).eval()
+        return trainable
+
+    def encode_clip(self, wave: torch.Tensor) -> torch.Tensor:
+        """One clip's acoustic latents (frames, D), float: what the codec cache stores."""
+        return encode_latents(self.codec, self.processor, wave.numpy())
+
+    # ------------------------------------------------------------------------------------------ the train step
+
+    def encode_batch(self, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
+        """The class's inputs for a batch, right-padded with <|endoftext|>. A cached batch holds each clip's latents
+        as "codes"; otherwise each clip is encoded alone by the frozen acoustic tokenizer."""
+        config, tokenizer = self.trainable.model.config, self.processor.tokenizer
+        latents = self.clip_codes(batch)
+        speakers = batch.get("speakers") or [""] * len(batch["texts"])
+        end_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        rows = [
+            self.prompt_ids(text, speaker) + [config.audio_token_id] * len(clip) + [config.audio_eos_token_id, end_id]
+            for text, speaker, clip in zip(batch["texts"], speakers, latents)
+        ]
+        input_ids, attention_mask = pad_rows(rows, tokenizer.pad_token_id)
+        audio_mask = input_ids == config.audio_token_id
+        labels = input_ids.masked_fill(attention_mask == 0, -100)  # the placeholders are targets: "continue"
+        condition_mask = torch.zeros_like(audio_mask)
+        condition_mask[:, :-1] = audio_mask[:, 1:]  # the position before each latent's own
+        device = self.device
+        return {
+            "input_ids": input_ids.to(device),
+            "attention_mask": attention_mask.to(device),
+            "latents": torch.cat([at_least_float32(c) for c in latents]).to(device, dtype),
+            "labels": labels.to(device),
+            "audio_mask": audio_mask.to(device),
+            "condition_mask": condition_mask.to(device),
+            "indices": torch.as_tensor(batch["index"], dtype=torch.long),
+        }
+
+    def loss(self, forward, encoded: dict, seed: int, step: int) -> torch.Tensor:
+        """(1 - diffusion_loss_weight) x the class's LM loss from the labels + diffusion_loss_weight x its
+        compute_diffusion_loss; each sample's noise and timesteps from (seed, step, its dataset index)."""
+        seeds = torch.tensor([sample_seed(seed, step, int(i), DIFFUSION_PURPOSE) for i in encoded["indices"]])
+        total, _, _ = forward(**{k: encoded[k] for k in TRAIN_KEYS}, seeds=seeds)
+        return at_least_float32(total)
+
+    def prompt_ids(self, text: str, speaker: str = "") -> list[int]:
+        """The chat template's ids up to and including the speech output's audio BOS."""
+        messages = script_messages(text, speaker or "", self.card.default_speaker)
+        rendered = self.processor.apply_chat_template(messages, tokenize=False)
+        rendered = rendered[0] if isinstance(rendered, list) else rendered
+        return self.processor.tokenizer(rendered, add_special_tokens=False).input_ids
+
+    # ------------------------------------------------------------------------------------------------ samples
+
+    def speak(self, module, prompt: str, seed: int, voice) -> Clip:
+        """In the voice of its reference clip (its transcript is not part of VibeVoice's voice input)."""
+        wave = generate_wave(module, self.processor, prompt, self.max_frames(), seed, self.card.default_speaker, voice)
+        return Clip(wave, self.sample_rate)
+
+    @classmethod
+    def synthesize(cls, folder, text: str, seconds: float, temperature: float, seed: int) -> Clip:
+        """Speech for `text` from a VibeVoice folder with the class and its processor only (generate picks tokens by
+        argmax; `temperature` is not used by VibeVoice's generate)."""
+        model, processor = cls.load_class(VIBEVOICE_CARD, Path(folder))
+        model.eval()
+        rate = int(processor.feature_extractor.sampling_rate)
+        frames = max(1, int(seconds * rate / model.config.audio_config.hop_length))
+        with torch.no_grad():
+            wave = generate_wave(model, processor, text, frames, seed, VIBEVOICE_CARD.default_speaker)
+        return Clip(wave, rate)
 
 
 def encode_latents(codec, processor, wave) -> torch.Tensor:
-    """(frames, D) float32 (float64 from a float64 codec) latents of one clip (1-D float at the processor's rate), as the class's forward makes
-    them from the processor's input_values with sample=False: the feature extractor's loudness normalisation and
-    padding, then the acoustic tokenizer's encoder, one frame per started hop."""
+    """(frames, D) float32 (float64 from a float64 codec) latents of one clip (1-D float at the processor's rate),
+    as the class's forward makes them from the processor's input_values with sample=False: the feature extractor's
+    loudness normalisation and padding, then the acoustic tokenizer's encoder, one frame per started hop."""
     rate = processor.feature_extractor.sampling_rate
     values = processor.feature_extractor(
         np.asarray(wave, dtype=np.float32), sampling_rate=rate, return_tensors="pt", return_attention_mask=True
@@ -203,86 +221,32 @@ def encode_latents(codec, processor, wave) -> torch.Tensor:
     return at_least_float32(latents[0, :frames]).cpu()
 
 
-def turns(text: str, speaker: str = "") -> list[tuple[str, str]]:
+def turns(text: str, speaker: str, default_speaker: str) -> list[tuple[str, str]]:
     """(speaker number, text) turns of a transcript: its "Speaker N: ..." lines, else one turn of the clip's
-    speaker when that is a number (VibeVoice's speakers are numbers), else of speaker 0."""
+    speaker when that is a number (VibeVoice's speakers are numbers), else of the default speaker."""
     found = [m.groups() for m in map(TURN.match, text.strip().splitlines()) if m]
     if found:
         return [(number, words.strip()) for number, words in found]
-    role = speaker if speaker.isdigit() else DEFAULT_SPEAKER
+    role = speaker if speaker.isdigit() else default_speaker
     return [(role, " ".join(text.split()))]
 
 
-def script_messages(text: str, speaker: str = "", voice=None) -> list[dict]:
+def script_messages(text: str, speaker: str, default_speaker: str, voice=None) -> list[dict]:
     """The processor's chat messages for a script; `voice` (a waveform) is the first speaker's reference clip."""
-    messages = [{"role": role, "content": [{"type": "text", "text": words}]} for role, words in turns(text, speaker)]
+    messages = [
+        {"role": role, "content": [{"type": "text", "text": words}]}
+        for role, words in turns(text, speaker, default_speaker)
+    ]
     if voice is not None:
         messages[0]["content"].append({"type": "audio", "audio": np.asarray(voice, np.float32)})
     return messages
 
 
-def prompt_ids(processor, text: str, speaker: str = "") -> list[int]:
-    """The chat template's ids up to and including the speech output's audio BOS."""
-    rendered = processor.apply_chat_template(script_messages(text, speaker), tokenize=False)
-    rendered = rendered[0] if isinstance(rendered, list) else rendered
-    return processor.tokenizer(rendered, add_special_tokens=False).input_ids
-
-
-def utterance(config, prompt: list[int], frames: int, end_id: int) -> list[int]:
-    return prompt + [config.audio_token_id] * frames + [config.audio_eos_token_id, end_id]
-
-
-def encode_batch(built: VibeVoiceBuilt, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
-    """The class's inputs for a batch, right-padded with <|endoftext|>. A cached batch holds each clip's latents
-    as "codes"; otherwise each clip is encoded alone by the frozen acoustic tokenizer."""
-    config, tokenizer = built.trainable.model.config, built.processor.tokenizer
-    latents = batch.get("codes") or [built.clip_encoder(wave.numpy()) for wave in batch["audio"]]
-    speakers = batch.get("speakers") or [""] * len(batch["texts"])
-    end_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-    rows = [
-        utterance(config, prompt_ids(built.processor, text, speaker), len(clip), end_id)
-        for text, speaker, clip in zip(batch["texts"], speakers, latents)
-    ]
-    length = max(map(len, rows))
-    input_ids = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(rows):
-        input_ids[row, : len(ids)], attention_mask[row, : len(ids)] = torch.tensor(ids), 1
-    audio_mask = input_ids == config.audio_token_id
-    labels = input_ids.masked_fill(attention_mask == 0, -100)  # the placeholders are targets: "continue"
-    condition_mask = torch.zeros_like(audio_mask)
-    condition_mask[:, :-1] = audio_mask[:, 1:]  # the position before each latent's own
-    device = built.device
-    return {
-        "input_ids": input_ids.to(device),
-        "attention_mask": attention_mask.to(device),
-        "latents": torch.cat([at_least_float32(c) for c in latents]).to(device, dtype),
-        "labels": labels.to(device),
-        "audio_mask": audio_mask.to(device),
-        "condition_mask": condition_mask.to(device),
-        "indices": torch.as_tensor(batch["index"], dtype=torch.long),
-    }
-
-
-TRAIN_KEYS = ("input_ids", "attention_mask", "latents", "labels", "audio_mask", "condition_mask")
-
-
-def loss(built: VibeVoiceBuilt, trainable_forward, encoded: dict, seed: int, step: int) -> torch.Tensor:
-    """(1 - diffusion_loss_weight) x the class's LM loss from the labels + diffusion_loss_weight x its
-    compute_diffusion_loss; each sample's noise and timesteps from (seed, step, its dataset index)."""
-    seeds = torch.tensor([sample_seed(seed, step, int(i), DIFFUSION_PURPOSE) for i in encoded["indices"]])
-    total, _, _ = trainable_forward(**{k: encoded[k] for k in TRAIN_KEYS}, seeds=seeds)
-    return at_least_float32(total)
-
-
-# ------------------------------------------------------------------------------------------------- sampling
-
-
-def generate_wave(model, processor, text: str, max_frames: int, seed: int, voice=None) -> np.ndarray:
-    """The waveform the class's own generate makes for `text` (after a reference voice when given), from `seed`
-    without touching the caller's random state; every rank runs the same calls."""
+def generate_wave(model, processor, text: str, max_frames: int, seed: int, default_speaker: str, voice=None):
+    """The waveform (float32 numpy) the class's own generate makes for `text` (after a reference voice when given),
+    from `seed` without touching the caller's random state; every rank runs the same calls."""
     inputs = processor.apply_chat_template(
-        script_messages(text, voice=voice), tokenize=True, return_dict=True, return_tensors="pt"
+        script_messages(text, "", default_speaker, voice), tokenize=True, return_dict=True, return_tensors="pt"
     )
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in inputs.items()}
@@ -291,52 +255,3 @@ def generate_wave(model, processor, text: str, max_frames: int, seed: int, voice
         audio = model.generate(**inputs, max_new_tokens=max_frames + 2)
     wave = audio[0] if audio and audio[0] is not None else None
     return np.zeros(0, np.float32) if wave is None else wave.reshape(-1).float().cpu().numpy()
-
-
-def voice_prompt(path, sample_rate: int) -> np.ndarray:
-    """A reference clip at `sample_rate` (its transcript is not part of VibeVoice's voice input)."""
-    import soundfile
-
-    try:
-        wave, rate = soundfile.read(str(Path(path).expanduser()), dtype="float32", always_2d=True)
-    except (OSError, RuntimeError) as err:
-        raise FamilyError(f"sample.voice_prompts: {path} cannot be read ({str(err).splitlines()[0]})") from None
-    return resample(wave.mean(axis=1), rate, sample_rate)
-
-
-def sample(built: VibeVoiceBuilt, lm_module, prompts: list[str], sample_spec, resolution=None) -> list[Clip]:
-    """One clip per prompt, from sample_spec.seed, through the class's own generate (every rank: ZeRO-3); in the
-    voice of its reference clip when sample.voice_prompts names one per prompt."""
-    inner = getattr(lm_module, "model", lm_module)
-    was_training = inner.training
-    inner.eval()
-    max_frames = max(1, int(built.max_sample_seconds * built.layout["frame_rate"]))
-    voices = [voice_prompt(path, built.sample_rate) for path in getattr(sample_spec, "voice_prompts", None) or []]
-    clips = []
-    try:
-        with torch.no_grad():
-            for number, prompt in enumerate(prompts):
-                wave = generate_wave(
-                    inner,
-                    built.processor,
-                    prompt,
-                    max_frames,
-                    sample_spec.seed * 1000 + number,
-                    voices[number] if voices else None,
-                )
-                clips.append(Clip(wave, built.sample_rate))
-    finally:
-        inner.train(was_training)
-    return clips
-
-
-def synthesize(folder, text: str, seconds: float = 2.0, temperature: float = 0.0, seed: int = 0, voice=None) -> Clip:
-    """Speech for `text` from a VibeVoice folder with the class and its processor only (generate picks tokens by
-    argmax; `temperature` is not used by VibeVoice's generate)."""
-    model, processor = load(Path(folder))
-    model.eval()
-    rate = int(processor.feature_extractor.sampling_rate)
-    frames = max(1, int(seconds * rate / model.config.audio_config.hop_length))
-    with torch.no_grad():
-        wave = generate_wave(model, processor, text, frames, seed, voice)
-    return Clip(wave, rate)

@@ -27,8 +27,9 @@ from pathlib import Path
 from dstune.builtin.common import BUILD_THREADS, BuiltinModel, deterministic_cpu, save_pipeline
 from dstune.builtin.parts import tiny_t5_tokenizer
 from dstune.hf import quiet_hf_libraries
-from dstune.models.wan.facts import IMAGE_EMBEDDING_TEXT_TOKENS
+from dstune.models.wan.card import IMAGE_EMBEDDING_TEXT_TOKENS
 from dstune.memory.activation_cases import Case, attr, mse, randn, square_side
+from dstune.spec.section import VIDEO_FAMILY
 
 _SEED = 40
 TEXT_WIDTH = 32  # UMT5 d_model = the transformer's text_dim
@@ -199,7 +200,7 @@ def build_tiny_wan_a14b(out: Path, needs: dict) -> dict:
 TINY_WAN = BuiltinModel(
     name="tiny-wan",
     folder_name="tiny-wan-v1",
-    family="wan",
+    family=VIDEO_FAMILY,
     description="Wan 2.1 text-to-video pipeline: two-layer Wan transformer (24 wide), UMT5 text encoder (two "
     "32-wide layers), a random AutoencoderKLWan with the real 8x spatial / 4x temporal factors",
     build=build_tiny_wan,
@@ -207,7 +208,7 @@ TINY_WAN = BuiltinModel(
 TINY_WAN_A14B = BuiltinModel(
     name="tiny-wan-a14b",
     folder_name="tiny-wan-a14b-v1",
-    family="wan",
+    family=VIDEO_FAMILY,
     description="Wan 2.2 A14B layout: two tiny Wan experts (high and low noise, boundary_ratio 0.875) on tiny-wan's "
     "VAE and UMT5",
     build=build_tiny_wan_a14b,
@@ -215,7 +216,7 @@ TINY_WAN_A14B = BuiltinModel(
 TINY_WAN_I2V = BuiltinModel(
     name="tiny-wan-i2v",
     folder_name="tiny-wan-i2v-v2",
-    family="wan",
+    family=VIDEO_FAMILY,
     description="Wan 2.1 image-to-video pipeline: tiny-wan's parts with a 36-channel transformer reading image "
     "embeddings, a two-layer 32-wide CLIPVisionModel with its CLIPImageProcessor, and a 512-token tokenizer (the text "
     "its image cross-attention expects)",
@@ -224,7 +225,7 @@ TINY_WAN_I2V = BuiltinModel(
 TINY_WAN22_TI2V = BuiltinModel(
     name="tiny-wan22-ti2v",
     folder_name="tiny-wan22-ti2v-v1",
-    family="wan",
+    family=VIDEO_FAMILY,
     description="Wan 2.2 TI2V layout (expand_timesteps): a tiny Wan 2.2 VAE (z_dim 48, 16x spatial) and a "
     "48-channel Wan transformer, with tiny-wan's UMT5",
     build=build_tiny_wan22_ti2v,

@@ -1,5 +1,6 @@
-"""Image-to-video for the `wan` family: what WanImageToVideoPipeline (and WanPipeline with expand_timesteps) feeds
-the transformer, rebuilt from a training clip's own first frame (dstune.models.wan.layouts tells the layouts).
+"""Image-to-video for Wan (its class: dstune.models.wan.model): what WanImageToVideoPipeline (and WanPipeline with
+expand_timesteps) feeds the transformer, rebuilt from a training clip's own first frame (dstune.models.wan.layouts tells the
+layouts).
 
 - Condition latents: the clip's first frame followed by zeros for the other frames (Wan 2.1 I2V, Wan 2.2 I2V A14B),
   or the first frame alone (Wan 2.2 TI2V), VAE-encoded with the posterior's mode (the pipeline's
@@ -16,7 +17,6 @@ the transformer, rebuilt from a training clip's own first frame (dstune.models.w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -24,43 +24,20 @@ import torch
 
 from dstune.families.base import FamilyError
 from dstune.families.precision import at_least_float32
-from dstune.models.wan import layouts as wan_layouts
-from dstune.families.diffusion import batch_field, load_component, read_component_config, read_model_index
-from dstune.families.flow_recipe import normalised_latents
+from dstune.families.diffusion import batch_field, load_component
+from dstune.families.flow_model import normalised_latents
+from dstune.models.wan.card import CONDITION, IMAGE_EMBEDS
 from dstune.models.wan.layouts import MASK_CHANNELS
 from dstune.hf import quiet_hf_libraries
 from dstune.families.samples import first_frames
 
-CONDITION = "condition_mean"  # the condition's VAE mode, unnormalised, float32 (B, z_dim, f, h, w)
-IMAGE_EMBEDS = "image_embeds"  # the image encoder's hidden_states[-2] of the first frame (Wan 2.1 I2V)
 
-
-@dataclass(frozen=True)
-class WanMode:
-    """What a Wan run is (built.mode): the folder's layout (dstune.models.wan.layouts: t2v, i2v, ti2v) and whether the run
-    denoises from first frames (model.image_to_video, or the folder's)."""
-
-    layout: str = "t2v"
-    image_to_video: bool = False
-
-
-def folder_mode(folder: Path, image_to_video: Optional[bool]) -> WanMode:
-    """The layout of a folder that flow_wan.folder_problems accepted, and whether the run trains image-to-video."""
-    index = read_model_index(folder)
-    layout, _ = wan_layouts.layout(
-        index, read_component_config(folder, "transformer"), read_component_config(folder, "vae")
-    )
-    return WanMode(layout, wan_layouts.image_to_video(layout, image_to_video)[0])
-
-
-def load(folder: Path, model, transformer_config, device, dtype) -> tuple[dict, WanMode]:
-    """The conditioning's parts of this run (Wan 2.1 I2V image-to-video: CLIP's image encoder and processor) and its
-    mode."""
-    mode = folder_mode(folder, model.image_to_video)
-    if not (mode.image_to_video and transformer_config.image_dim is not None):
-        return {}, mode
-    encoder, processor = load_image_encoder(folder, dtype, device)
-    return {"image_encoder": encoder, "image_processor": processor}, mode
+def image_parts(model) -> dict:
+    """The image encoder and its processor of a run that reads an image embedding (Wan 2.1 I2V image-to-video)."""
+    if not (model.mode.image_to_video and model.transformer_config.get("image_dim") is not None):
+        return {}
+    encoder, processor = load_image_encoder(model.folder, model.frozen_dtype, model.device)
+    return {"image_encoder": encoder, "image_processor": processor}
 
 
 def load_image_encoder(folder: Path, dtype: torch.dtype, device) -> tuple:
@@ -100,21 +77,21 @@ def condition_pixels(clips: torch.Tensor, first_frame_only: bool) -> torch.Tenso
     )
 
 
-def condition_tensors(built, clips: torch.Tensor) -> dict[str, torch.Tensor]:
+def condition_tensors(model, clips: torch.Tensor) -> dict[str, torch.Tensor]:
     """The condition of clips (B, 3, F, H, W) in [-1, 1]: {condition_mean: the VAE mode, float32} and, where the
     transformer reads one, {image_embeds}. Deterministic; the latent cache stores exactly this."""
-    pixels = condition_pixels(clips, built.mode.layout == "ti2v").to(built.device, built.vae.dtype)
+    pixels = condition_pixels(clips, model.mode.layout == "ti2v").to(model.device, model.vae.dtype)
     with torch.no_grad():
-        out = {CONDITION: at_least_float32(built.vae.encode(pixels).latent_dist.mode())}
-        if "image_encoder" in built.parts:
-            out[IMAGE_EMBEDS] = image_embeddings(built, frame_images(clips[:, :, 0]))
+        out = {CONDITION: at_least_float32(model.vae.encode(pixels).latent_dist.mode())}
+        if "image_encoder" in model.parts:
+            out[IMAGE_EMBEDS] = image_embeddings(model, frame_images(clips[:, :, 0]))
     return out
 
 
-def image_embeddings(built, images: list) -> torch.Tensor:
+def image_embeddings(model, images: list) -> torch.Tensor:
     """WanImageToVideoPipeline.encode_image: the image encoder's second-to-last hidden states."""
-    encoder = built.parts["image_encoder"]
-    inputs = built.parts["image_processor"](images=images, return_tensors="pt").to(built.device)
+    encoder = model.parts["image_encoder"]
+    inputs = model.parts["image_processor"](images=images, return_tensors="pt").to(model.device)
     inputs["pixel_values"] = inputs["pixel_values"].to(encoder.dtype)
     with torch.no_grad():
         return encoder(**inputs, output_hidden_states=True).hidden_states[-2]
@@ -142,10 +119,10 @@ def token_timesteps(timesteps: torch.Tensor, latents: torch.Tensor, patch, first
     return keep.flatten()[None, :] * timesteps.view(-1, 1).to(keep.dtype)
 
 
-def transformer_inputs(built, noisy: torch.Tensor, timesteps: torch.Tensor, encoded: dict) -> tuple:
+def transformer_inputs(model, noisy: torch.Tensor, timesteps: torch.Tensor, encoded: dict) -> tuple:
     """(hidden_states, timestep, extra forward kwargs, first latent frame the loss counts) for this run's mode;
     text-to-video without expanded timesteps: (noisy, timesteps, {}, 0)."""
-    patch, mode = built.transformer_config["patch_size"], built.mode
+    patch, mode = model.transformer_config["patch_size"], model.mode
     if mode.layout == "ti2v":
         if mode.image_to_video:
             if noisy.shape[2] < 2:
@@ -154,46 +131,46 @@ def transformer_inputs(built, noisy: torch.Tensor, timesteps: torch.Tensor, enco
                     "learn, its only latent frame being the given image. Remove the stills or set "
                     "model.image_to_video: false."
                 )
-            condition = normalised_latents(built.vae.config, encoded[CONDITION]).to(noisy.dtype)
+            condition = normalised_latents(model.vae.config, encoded[CONDITION]).to(noisy.dtype)
             noisy = torch.cat([condition[:, :, :1], noisy[:, :, 1:]], dim=2)
-        return noisy, token_timesteps(timesteps, noisy, patch, mode.image_to_video), {}, clean_frames(built)
+        return noisy, token_timesteps(timesteps, noisy, patch, mode.image_to_video), {}, clean_frames(model)
     if not mode.image_to_video:
         return noisy, timesteps, {}, 0
-    condition = normalised_latents(built.vae.config, encoded[CONDITION]).to(noisy.dtype)
+    condition = normalised_latents(model.vae.config, encoded[CONDITION]).to(noisy.dtype)
     mask = first_frame_mask(len(noisy), noisy.shape[2], noisy.shape[3], noisy.shape[4], device=noisy.device)
-    extra = {"encoder_hidden_states_image": encoded[IMAGE_EMBEDS]} if "image_encoder" in built.parts else {}
+    extra = {"encoder_hidden_states_image": encoded[IMAGE_EMBEDS]} if "image_encoder" in model.parts else {}
     return torch.cat([noisy, mask.to(noisy.dtype), condition], dim=1), timesteps, extra, 0
 
 
-def clean_frames(built) -> int:
+def clean_frames(model) -> int:
     """Latent frames given clean, outside the loss: TI2V image-to-video's first (the given image)."""
-    return int(built.mode.layout == "ti2v" and built.mode.image_to_video)
+    return int(model.mode.layout == "ti2v" and model.mode.image_to_video)
 
 
-def needs_condition(built, encoded: dict) -> Optional[str]:
-    """Why `encoded` lacks what this run's mode needs (a latent cache built for text-to-video), or None."""
-    image = built.mode.image_to_video
+def needs_condition(model, encoded: dict) -> Optional[str]:
+    """Why `encoded` lacks what this run's mode needs (a latent cache model for text-to-video), or None."""
+    image = model.mode.image_to_video
     missing = [
         name
-        for name, wanted in ((CONDITION, image), (IMAGE_EMBEDS, image and "image_encoder" in built.parts))
+        for name, wanted in ((CONDITION, image), (IMAGE_EMBEDS, image and "image_encoder" in model.parts))
         if wanted and name not in encoded
     ]
     if not missing:
         return None
     return (
-        f"the batch has no {', '.join(missing)} for image-to-video: a latent cache built without them. Delete "
+        f"the batch has no {', '.join(missing)} for image-to-video: a latent cache model without them. Delete "
         "data.cache.dir (or choose another) to re-encode."
     )
 
 
-def encode_conditions(built, batch: dict, dtype: torch.dtype) -> dict:
+def encode_conditions(model, batch: dict, dtype: torch.dtype) -> dict:
     """Image-to-video's condition of a batch: from the latent cache as stored, else from the clips' first frames;
     the image embedding in `dtype`. Text-to-video: nothing."""
-    if not built.mode.image_to_video:
+    if not model.mode.image_to_video:
         return {}
-    cached = {name: batch[name].to(built.device) for name in (CONDITION, IMAGE_EMBEDS) if name in batch}
-    out = cached or condition_tensors(built, batch_field(batch, "pixel_values"))
-    problem = needs_condition(built, out)
+    cached = {name: batch[name].to(model.device) for name in (CONDITION, IMAGE_EMBEDS) if name in batch}
+    out = cached or condition_tensors(model, batch_field(batch, "pixel_values"))
+    problem = needs_condition(model, out)
     if problem:
         raise ValueError(problem)
     if IMAGE_EMBEDS in out:
@@ -201,7 +178,7 @@ def encode_conditions(built, batch: dict, dtype: torch.dtype) -> dict:
     return out
 
 
-def model_inputs(built, encoded: dict, dtype: torch.dtype) -> dict:
+def model_inputs(model, encoded: dict, dtype: torch.dtype) -> dict:
     """The condition tensors as encoded (transformer_inputs normalises and casts them)."""
     return {name: encoded[name] for name in (CONDITION, IMAGE_EMBEDS) if name in encoded}
 
@@ -209,36 +186,36 @@ def model_inputs(built, encoded: dict, dtype: torch.dtype) -> dict:
 # ------------------------------------------------------------------------------------------------- sampling
 
 
-def sample_sources(built, sample_spec, prompts: list[str]) -> Optional[list]:
+def sample_sources(model, sample_spec, prompts: list[str]) -> Optional[list]:
     """Image-to-video: sample.control_images as RGB images, the first frame of each prompt's clip; FamilyError when
     they are missing or one cannot be read. Text-to-video: None."""
-    if not built.mode.image_to_video:
+    if not model.mode.image_to_video:
         return None
     return first_frames(sample_spec, prompts)
 
 
-def sample_inputs(built, text_pipeline, prompt: str, image, sample_spec) -> dict:
+def sample_inputs(model, text_pipeline, prompt: str, image, sample_spec) -> dict:
     """One clip's first frame and its prompt as embeddings (prompt_inputs); without a text pipeline (no text
     encoder on this rank) the first frame only: the core adds the prompt's cached embeddings."""
     if text_pipeline is None:
         return {"image": image}
     return {
         "image": image,
-        **prompt_inputs(text_pipeline, prompt, sample_spec.guidance, built.max_sequence_length, built.device),
+        **prompt_inputs(text_pipeline, prompt, sample_spec.guidance, model.max_sequence_length, model.device),
     }
 
 
-def pipeline_class(built, transformer) -> tuple:
+def pipeline_class(model, transformer) -> tuple:
     """(the diffusers pipeline class that renders this run's samples, its extra constructor arguments)."""
     with quiet_hf_libraries():
         from diffusers import WanImageToVideoPipeline, WanPipeline
-    extra = {"expand_timesteps": built.mode.layout == "ti2v"}
-    if transformer is None or not built.mode.image_to_video:
+    extra = {"expand_timesteps": model.mode.layout == "ti2v"}
+    if transformer is None or not model.mode.image_to_video:
         return WanPipeline, extra
     return WanImageToVideoPipeline, {
         **extra,
-        "image_encoder": built.parts.get("image_encoder"),
-        "image_processor": built.parts.get("image_processor"),
+        "image_encoder": model.parts.get("image_encoder"),
+        "image_processor": model.parts.get("image_processor"),
     }
 
 

@@ -1,4 +1,4 @@
-"""Several real training runs in one launch (the settings matrix's 2-rank cases, tests/dist/test_settings_matrix.py):
+"""Several real training runs in one launch (the settings matrix's 2-rank cases, tests/dist/test_settings_matrix_two_ranks.py):
 `dstune/train.py`'s main for each spec listed in RUNS (one path a line), one after another, on the same ranks.
 
     train_runs.py RUNS

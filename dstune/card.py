@@ -1,0 +1,174 @@
+"""A model's card: everything dstune knows of one model without torch, in one frozen dataclass.
+
+    card = families.card_of(spec.model.family, folder)     # the card of the model a pipeline folder holds
+    model = load(card.model_class).load(spec.model, folders, device, frozen_dtype)   # its torch side
+
+Each model dstune trains is a card and a class. The card (`models/<unit>/card.py`) holds the model's constants
+(its folder's classes, text length, guidance, the names it goes by), its offline checks (what validate says of a spec
+and what start-up refuses, written once as methods of the card's type, dstune.families.flow_card and the others)
+and its memory facts; the class (`models/<unit>/model.py`, named by `model_class`) is its training step, one level
+below its core's base class, reading every constant from the card. `ModelCard` is what every card has: its names,
+docs, built-in tiny models, `dstune init` presets and measured activation cases. Torch-free: `dstune validate`
+reads cards only.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Protocol
+
+from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES  # noqa: F401 - units take them from here
+
+IMAGE_PROMPTS = ["a photo of a dog on the beach", "an oil painting of a lighthouse at dusk"]
+VIDEO_PROMPTS = ["a red fox running through fresh snow"]
+SPEECH_PROMPTS = ["Printing, in the only sense with which we are at present concerned.", "The quick brown fox."]
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """One `dstune init --model NAME` spec: the published checkpoint and its real defaults."""
+
+    name: str  # the `--model` value
+    title: str  # what the model is, for the spec's first line and the README
+    family: str  # model.family
+    pretrained: str  # the published checkpoint (a Hugging Face hub id, downloaded beforehand)
+    builtin: str  # the built-in tiny model with the same layout (`builtin:` + this)
+    values: dict[str, Any] = field(default_factory=dict)  # dotted spec key -> value, over the shared defaults
+
+
+class SingleFileLayout(Protocol):
+    """How a model's single checkpoint file (original, non-diffusers key layout) is laid out, for dstune.pretrained,
+    which converts it with diffusers' `from_single_file` into a pipeline folder (a card that reads single files
+    gives one: ModelCard.single_file_layout)."""
+
+    denoiser: str  # the pipeline component the file must hold ("unet")
+    denoiser_prefixes: tuple[str, ...]  # key prefixes of the denoiser in the original layout
+    companions: dict  # component -> key prefixes that show the file holds it; a component it lacks comes from the base
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelCard:
+    """What every card says of its model (see the module docstring); a core's card type adds its facts."""
+
+    key: str  # short lower-case name, for messages, docs and test names
+    name: str  # the model's name as people write it
+    family: str  # the spec's model.family
+    unit: str  # its folder under dstune/models/
+    model_class: str  # "module:Class" of its torch side, loaded on first use (`load`)
+    docs: str  # its docs page, relative to the repository
+    # a regular expression of the model's names, matched case-insensitively as whole words: they may appear in no
+    # dstune module outside its unit (tests/unit/test_model_units.py)
+    names: str
+    summary: str  # one line on what it is and how a folder is recognised, for the spec reference and docs
+    # the classes of the folders it trains (a pipeline's model_index.json _class_name, or a transformers
+    # architecture) -> the default sampling guidance of that pipeline or class (None: it samples without guidance)
+    folder_classes: dict[str, Optional[float]]
+    # what the spec reference says of this model's own default for a spec key ({"model.max_sequence_length": ...})
+    spec_notes: dict[str, str] = field(default_factory=dict)
+    builtins: dict[str, str] = field(default_factory=dict)  # its tiny built-in models: name -> "module:BuiltinModel"
+    # "module:ATTRIBUTE" of its activation measurement cases (dstune.memory.activation_cases.Case tuples)
+    activation_cases: str = ""
+    presets: tuple[ModelPreset, ...] = ()
+    # key prefixes of its original single-file checkpoints -> what such a file is, so that a file given to
+    # another family is named (dstune.pretrained)
+    checkpoint_layouts: dict[str, str] = field(default_factory=dict)
+    # its load builds the trainable module partitioned under ZeRO-3 (deepspeed.zero.Init), all ranks together, so
+    # that no rank holds a whole copy of it; else each rank loads it whole
+    builds_partitioned: ClassVar[bool] = False
+    # its start-up can load its text encoders on one rank per node, with the text cache (dstune.text_once)
+    text_once: ClassVar[bool] = False
+
+    # ------------------------------------------------------------------ what validate and the memory plan ask
+
+    def count(self, spec, num_samples: int, clips=()):
+        """The run's ModelCounts (dstune.memory.plan): parameters, activations, cache bytes, from the configs of
+        spec.model.pretrained; SizesUnknown (dstune.memory.counts) with the reason when they are not here."""
+        raise NotImplementedError(f"{self.name}'s card counts nothing")
+
+    def spec_issues(self, spec) -> list[tuple[str, str]]:
+        """[(dotted key, message)]: what start-up would refuse of this spec on the folder, found offline (validate
+        and start-up both ask it)."""
+        return []
+
+    def pairs(self, spec) -> Optional[str]:
+        """The pipeline class when the model trains on (source, target) pairs (validate then checks the data gives
+        them), else None."""
+        return None
+
+    def attention(self, spec):
+        """The heads a sequence-parallel split divides (dstune.families.facts.Attention); None: its sequences are
+        not split."""
+        return None
+
+    def single_file_layout(self) -> Optional[SingleFileLayout]:
+        """How its single checkpoint files are laid out; None: model.pretrained must be a folder (or a hub id, a
+        built-in)."""
+        return None
+
+    def sample_guidance(self, index: dict) -> tuple[float, str] | None:
+        """(the guidance its pipeline samples with by default, why), for a folder whose model_index.json (or
+        config.json) is `index`; None when the folder is none of this model's."""
+        pipeline = index.get("_class_name", "")
+        if self.folder_classes.get(pipeline) is not None:
+            return self.folder_classes[pipeline], f"{pipeline}'s default"
+        return None
+
+    def native_size(self, index: dict) -> tuple[int, str] | None:
+        """(the frame side its pipeline fixes in its code whatever the folder's configs say, why); None: the
+        folder's configs say it (the model section reads them: dstune.model_defaults)."""
+        return None
+
+
+def load(where: str) -> Any:
+    """The value named as "module:ATTRIBUTE" (importing the module on first use)."""
+    module, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+# -------------------------------------------------------------------------------------------- preset values
+
+
+def lora(rank: int = 32, targets=DEFAULT_LORA_TARGET_MODULES) -> dict[str, Any]:
+    return {
+        "model.train": "lora",
+        "model.lora": {"rank": rank, "alpha": rank, "target_modules": list(targets)},
+        "train.optimizer.lr": 1.0e-4,
+    }
+
+
+def image(resolution: int, guidance: float, steps: int, **values) -> dict[str, Any]:
+    return {
+        "data.path": "/data/my-images",
+        "data.resolution": resolution,
+        "sample.prompts": IMAGE_PROMPTS,
+        "sample.guidance": guidance,
+        "sample.steps": steps,
+        **values,
+    }
+
+
+def video(resolution: int, frames: int, fps: int, guidance: float, **values) -> dict[str, Any]:
+    return {
+        "data.path": "/data/my-videos",
+        "data.resolution": resolution,
+        "data.video.frames": frames,
+        "data.video.fps": fps,
+        "model.sample_frames": frames,
+        "model.gradient_checkpointing": True,
+        "sample.prompts": VIDEO_PROMPTS,
+        "sample.guidance": guidance,
+        "sample.steps": 40,
+        **values,
+    }
+
+
+def speech(**values) -> dict[str, Any]:
+    return {
+        "data.path": "/data/LJSpeech-1.1",
+        "data.format": "ljspeech",
+        "train.micro_batch_size": 4,
+        "train.optimizer.lr": 2.0e-4,
+        "sample.prompts": SPEECH_PROMPTS,
+        **values,
+    }

@@ -1,0 +1,177 @@
+"""The cards of Qwen-Image and Qwen-Image-Edit (torch-free): QwenImagePipeline and QwenImageEditPipeline folders
+around QwenImageTransformer2DModel, with a Qwen2.5-VL text encoder and AutoencoderKLQwenImage. Qwen-Image trains as
+diffusers' examples/dreambooth/train_dreambooth_lora_qwen_image.py; Qwen-Image-Edit on (source, target) pairs with
+those loss lines (diffusers has no edit training example; docs/family-flow.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from dstune.card import ModelPreset, image, lora
+from dstune.families.facts import Attention
+from dstune.families.flow_card import FlowCard, control_images_missing, joint_blocks
+from dstune.families.folders import read_component_config
+from dstune.families.pipeline_card import SpecIssues
+
+TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
+NEGATIVE = " "  # the negative prompt of true classifier-free guidance, as the model card samples
+EDIT_PIPELINE = "QwenImageEditPipeline"
+VISION_PATCH_PX = 28  # the edit's source image joins the text as Qwen2.5-VL vision tokens of 28 px
+
+
+def qwen_config_mismatches(folder: Path) -> list[str]:
+    """The transformer's channels and text width against the VAE's and the text encoder's."""
+    transformer, vae = read_component_config(folder, "transformer"), read_component_config(folder, "vae")
+    text = read_component_config(folder, "text_encoder")
+    width = (text.get("text_config") or {}).get("hidden_size", text.get("hidden_size"))
+    checks = [
+        ("in_channels", 4 * vae.get("z_dim", 16)),
+        ("out_channels", vae.get("z_dim", 16)),
+        ("joint_attention_dim", width),
+    ]
+    return [
+        f"transformer {key} {transformer.get(key)} != {want} (from the VAE / text encoder configs)"
+        for key, want in checks
+        if transformer.get(key) != want
+    ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class QwenImageCard(FlowCard):
+    def config_mismatches(self, folder: Path) -> list[str]:
+        return qwen_config_mismatches(folder)
+
+    def negative_caption(self) -> str:
+        return NEGATIVE
+
+
+@dataclass(frozen=True, kw_only=True)
+class QwenImageEditCard(FlowCard):
+    """An edit model: trained on (source, target) pairs, the source image's vision tokens in its text."""
+
+    def config_mismatches(self, folder: Path) -> list[str]:
+        return qwen_config_mismatches(folder)
+
+    def negative_caption(self) -> str:
+        return NEGATIVE
+
+    def text_tokens(self, spec, folder) -> int:
+        return super().text_tokens(spec, folder) + int((spec.data.resolution / VISION_PATCH_PX) ** 2)
+
+    def pictures(self, folder) -> int:
+        return 2
+
+    def pairs(self, spec) -> Optional[str]:
+        return EDIT_PIPELINE
+
+    def text_cache_refusal(self, folder: Path) -> Optional[str]:
+        return (
+            "data.cache.text_embeddings: Qwen-Image-Edit encodes each instruction together with its source image "
+            "(the image's vision tokens are part of the text sequence), so an embedding belongs to a (caption, "
+            "image) pair, not to a caption, and its length changes with the image. Set "
+            "data.cache.text_embeddings: false; data.cache.latents still caches the target and source latents."
+        )
+
+    def source_image_issues(self, spec) -> SpecIssues:
+        """It cannot cache its text (an embedding belongs to a caption and its source image) and samples from
+        source images (sample.control_images): said by validate, before any GPU time."""
+        issues = []
+        if spec.data.cache.text_embeddings:
+            issues.append(
+                (
+                    "data.cache.text_embeddings",
+                    f"{EDIT_PIPELINE} encodes each instruction together with its source image, so its text cannot be "
+                    "cached per caption: set it to false (data.cache.latents still caches the target and source "
+                    "latents)",
+                )
+            )
+        if spec.sample.prompts and not spec.sample.control_images:
+            issues.append(
+                (
+                    "sample.prompts",
+                    f"{EDIT_PIPELINE} renders from a source image: give sample.control_images, one source image per "
+                    "prompt, or set sample.prompts: []",
+                )
+            )
+        return issues + control_images_missing(spec)
+
+    def attention(self, spec) -> Optional[Attention]:
+        """Its sequence holds the target's and the source's tokens; its text (the instruction with the source's
+        vision tokens) has no fixed length: the split pads it with masked tokens, so it sets no rule."""
+        found = super().attention(spec)
+        if found is None or found.refusal:
+            return found
+        return Attention(
+            found.heads, found.head_dim, found.origin, text_tokens=0, px_per_token=found.px_per_token, pictures=2
+        )
+
+
+COMMON = dict(
+    family="flow",
+    unit="qwen_image",
+    docs="docs/family-flow.md",
+    names=r"qwen-image(?![\s-]?2)|qwen_image(?!_?21)",
+    transformer_class="QwenImageTransformer2DModel",
+    vae_class="AutoencoderKLQwenImage",
+    text_tensors=TEXT_TENSORS,
+    activations="qwen-image",
+    activation_shape=joint_blocks,
+    text_width_key="joint_attention_dim",
+    spec_notes={"model.max_sequence_length": "512 (Qwen-Image, Qwen-Image-Edit)"},
+    activation_cases="dstune.models.qwen_image.builtin:ACTIVATION_CASES",
+)
+
+QWEN_IMAGE_CARD = QwenImageCard(
+    key="qwen_image",
+    name="Qwen-Image",
+    model_class="dstune.models.qwen_image.model:QwenImage",
+    summary="Qwen-Image (QwenImageTransformer2DModel; Qwen2.5-VL)",
+    folder_classes={"QwenImagePipeline": 4.0},
+    pipeline_class="QwenImagePipeline",
+    components={"text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": None},
+    cached_text_arguments={"prompt_embeds": "encoder_hidden_states", "prompt_embeds_mask": "encoder_attention_mask"},
+    cached_text_rows="trimmed",
+    builtins={"tiny-qwen-image": "dstune.models.qwen_image.builtin:TINY_QWEN_IMAGE"},
+    presets=(
+        ModelPreset(
+            "qwen-image",
+            "Qwen-Image (20 B MMDiT; Qwen2.5-VL text encoder)",
+            "flow",
+            "Qwen/Qwen-Image",
+            "tiny-qwen-image",
+            image(1328, 4.0, 30, **lora(), **{"model.max_sequence_length": 512}),
+        ),
+    ),
+    **COMMON,
+)
+
+QWEN_IMAGE_EDIT_CARD = QwenImageEditCard(
+    key="qwen_image_edit",
+    name="Qwen-Image-Edit",
+    model_class="dstune.models.qwen_image.model:QwenImageEdit",
+    summary="Qwen-Image-Edit (QwenImageTransformer2DModel; Qwen2.5-VL with the source image; trains on source/target "
+    "pairs, see data.control_dir)",
+    folder_classes={EDIT_PIPELINE: 4.0},
+    pipeline_class=EDIT_PIPELINE,
+    components={"text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": None, "processor": None},
+    builtins={"tiny-qwen-image-edit": "dstune.models.qwen_image.builtin_edit:TINY_QWEN_IMAGE_EDIT"},
+    presets=(
+        ModelPreset(
+            "qwen-image-edit",
+            "Qwen-Image-Edit (Qwen-Image trained to edit a source image)",
+            "flow",
+            "Qwen/Qwen-Image-Edit",
+            "tiny-qwen-image-edit",
+            image(
+                1024,
+                4.0,
+                30,
+                **lora(),
+                **{"data.path": "/data/edits/target", "data.control_dir": "../source", "sample.prompts": []},
+            ),
+        ),
+    ),
+    **COMMON,
+)

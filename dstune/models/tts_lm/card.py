@@ -1,0 +1,186 @@
+"""The codec-token TTS language models' card (torch-free, `model.family tts_lm`): a transformers causal LM over text
+tokens then audio-codec tokens (dstune's own layout, Orpheus's over SNAC). What validate and the memory plan know of
+it: parameters, the codec, one clip's tokens and activations, the codec-token cache, and the token layout of a local
+folder checked offline (dstune.models.tts_lm.token_layouts)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from dstune.card import LM_LORA_TARGET_MODULES, ModelCard, ModelPreset, lora, speech
+from dstune.families.denoiser_facts import lora_settings
+from dstune.memory.activations import (
+    ModelShape,
+    codec_frame_rate,
+    in_plan_units,
+    lm_sample_bytes,
+    measured_sample_bytes,
+    tts_tokens,
+)
+from dstune.memory.counts import SizesUnknown, config_folder, count_component, count_small_tensors, read_config
+from dstune.memory.plan import ModelCounts
+from dstune.models.tts_lm.spec import TTS_LAYOUT_FILE, TtsLmModelSpec
+from dstune.models.tts_lm.token_layouts import describe, layout_problems, orpheus_layout
+
+DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
+CODEC = TtsLmModelSpec.COMPANION_FOLDERS["codec_pretrained"]  # the codec's subfolder (model.codec_pretrained unset)
+
+
+def codec_reference(spec, folder) -> Optional[str]:
+    if spec.model.codec_pretrained:
+        return spec.model.codec_pretrained
+    return str(folder / CODEC) if (folder / CODEC / "config.json").exists() else None
+
+
+def activations(config: dict, tokens: float, precision: str) -> tuple[int, int]:
+    """A Llama-class LM (Llama 3.2, Orpheus): the measured constants at its width, MLP width, vocabulary (the
+    logits and their fp32 copies for the loss) and layers; another architecture: the generic formula."""
+    if config.get("model_type") != "llama":
+        return lm_sample_bytes(config, tokens)
+    shape = ModelShape(
+        config["hidden_size"],
+        {"layers": config["num_hidden_layers"]},
+        ffn=config["intermediate_size"],
+        vocab=config["vocab_size"],
+    )
+    return in_plan_units(measured_sample_bytes("llama", shape, tokens, 0, precision), precision)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TtsLmCard(ModelCard):
+    def count(self, spec, num_samples: int, clips=()) -> ModelCounts:
+        folder, origin = config_folder(spec.model.pretrained)
+        targets, rank = lora_settings(spec)  # train: lora puts adapters on the LM's attention (q/k/v/o_proj)
+        params, largest, lora_params = count_component(str(folder / "config.json"), targets, rank)
+        default_lora = count_component(str(folder / "config.json"), LM_LORA_TARGET_MODULES, 16)[2]
+        config = read_config(folder / "config.json")
+        companions, frame_rate, codebooks = {}, 75.0, spec.model.num_codebooks or 8
+        layout = read_config(folder / TTS_LAYOUT_FILE) if (folder / TTS_LAYOUT_FILE).exists() else {}
+        if layout.get("frame_rate"):  # a described layout (token_layouts) states its codec's frames and codes
+            frame_rate = float(layout["frame_rate"])
+            codebooks = spec.model.num_codebooks or layout.get("num_codebooks", 8)
+        codec_ref = codec_reference(spec, folder)
+        if codec_ref:
+            codec_folder, _ = config_folder(codec_ref)
+            try:
+                companions["codec"] = count_component(str(codec_folder / "config.json"))[0]
+            except SizesUnknown:  # SNAC's config names no class to build on meta; it is small (~20 M) and frozen
+                pass
+            codec_config = read_config(codec_folder / "config.json")
+            frame_rate = codec_frame_rate(codec_config)
+            if not spec.model.num_codebooks:
+                saved = folder / TTS_LAYOUT_FILE
+                codebooks = (
+                    read_config(saved).get("num_codebooks", 8)
+                    if saved.exists()
+                    else codec_config.get("num_quantizers", 8)
+                )
+        seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
+        full, checkpointed = activations(config, tts_tokens(seconds, frame_rate, codebooks), spec.train.precision)
+        cached = ("codec",) if spec.data.cache.codec_tokens and "codec" in companions else ()
+        # int32 codes; an upper bound (every clip at the longest length)
+        cache_bytes = int(4 * frame_rate * codebooks * seconds * num_samples) if spec.data.cache.codec_tokens else 0
+        return ModelCounts(
+            "lm",
+            params,
+            lora_params or params,
+            largest,
+            companions,
+            cached,
+            int(full),
+            int(checkpointed),
+            default_lora,
+            cache_bytes,
+            origin,
+            small_tensors=count_small_tensors(str(folder / "config.json"), targets, rank),
+        )
+
+    def spec_issues(self, spec) -> list[tuple[str, str]]:
+        """The token layout of a local model folder (its dstune_tts.json, else model.token_layout's preset) against
+        the folder's config.json vocabulary, offline: ids in range, codec frames vs sample rate, the template."""
+        model = spec.model
+        if model.pretrained.startswith("builtin:"):
+            return []
+        folder = os.path.expanduser(model.pretrained)
+        layout_path, config_path = os.path.join(folder, TTS_LAYOUT_FILE), os.path.join(folder, "config.json")
+        try:
+            if os.path.isfile(layout_path):
+                with open(layout_path) as handle:
+                    layout = describe(json.load(handle))
+            elif model.token_layout == "orpheus":
+                layout = orpheus_layout()
+            else:
+                return []  # dstune's layout is made from the LM and codec when training starts
+            vocab_size = None
+            if os.path.isfile(config_path):
+                with open(config_path) as handle:
+                    vocab_size = int(json.load(handle)["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return [("model.pretrained", f"{layout_path}: not a readable token layout ({err})")]
+        problems = layout_problems(layout, vocab_size if os.path.isfile(layout_path) else None)
+        if os.path.isfile(layout_path) and model.token_layout not in (None, layout["name"]):
+            problems.append(f"it holds the {layout['name']!r} layout, not model.token_layout {model.token_layout!r}")
+        if not problems:
+            return []
+        return [
+            (
+                "model.token_layout" if model.token_layout else "model.pretrained",
+                f"the token layout of {folder} does not hold: {'; '.join(problems)}. Fix {TTS_LAYOUT_FILE} or start "
+                "from the model it was written for.",
+            )
+        ]
+
+
+TTS_LM_CARD = TtsLmCard(
+    key="tts_lm",
+    name="Codec-token TTS LMs",
+    family="tts_lm",
+    unit="tts_lm",
+    model_class="dstune.models.tts_lm.model:TtsLm",
+    docs="docs/tts.md",
+    names=r"orpheus\w*",
+    summary="Codec-token TTS language models (a transformers causal LM, Llama/Qwen-class, over text then "
+    "EnCodec / DAC / Mimi / SNAC tokens; Orpheus's layout)",
+    folder_classes={"*ForCausalLM": None},  # its samples take no guidance
+    activation_cases="dstune.models.tts_lm.builtin:ACTIVATION_CASES",
+    builtins={
+        "tiny-tts-lm": "dstune.models.tts_lm.builtin:TINY_TTS_LM",
+        "tiny-orpheus": "dstune.models.tts_lm.builtin_orpheus:TINY_ORPHEUS",
+    },
+    presets=(
+        ModelPreset(
+            "llama-tts",
+            "Llama-3.2-1B learning speech as EnCodec 24 kHz tokens (4 codebooks)",
+            "tts_lm",
+            "meta-llama/Llama-3.2-1B",
+            "tiny-tts-lm",
+            speech(
+                **{
+                    "model.codec": "encodec",
+                    "model.codec_pretrained": "facebook/encodec_24khz",
+                    "model.num_codebooks": 4,
+                    "model.gradient_checkpointing": True,
+                    "data.cache.codec_tokens": True,
+                }
+            ),
+        ),
+        ModelPreset(
+            "orpheus",
+            "Orpheus 3B TTS (Llama with SNAC 24 kHz tokens), LoRA on its attention",
+            "tts_lm",
+            "canopylabs/orpheus-3b-0.1-ft",
+            "tiny-orpheus",
+            speech(
+                **lora(16, LM_LORA_TARGET_MODULES),
+                **{
+                    "model.codec": "snac",
+                    "model.token_layout": "orpheus",
+                    "model.codec_pretrained": "hubertsiuzdak/snac_24khz",
+                },
+            ),
+        ),
+    ),
+)
