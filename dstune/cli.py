@@ -178,45 +178,48 @@ def cmd_validate(args) -> int:
                     outcome.clips,
                 ),
             )
+    resume = None  # --resume-from: (text, ok), shown before the verdict, which it decides too
+    if args.resume_from and outcome.plan and not outcome.errors:
+        text, ok = _resume_preview(outcome, Path(args.resume_from), "latest")
+        resume = (text if ok or text.startswith("resume from") else f"--resume-from {args.resume_from}: {text}", ok)
     if args.json:
         print(json.dumps(outcome.as_json(), indent=2))
+        if resume is not None:
+            print(resume[0], file=sys.stderr)
     else:
-        print_report(outcome, report_console(), title=f"dstune validate {args.spec}")
-    resumable = True
-    if args.resume_from and outcome.plan and not outcome.errors:
-        resumable = _print_resume_preview(args, outcome)
+        print_report(outcome, report_console(), title=f"dstune validate {args.spec}", resume=resume)
+    resumable = resume is None or resume[1]
     unfit = args.require_fit and outcome.memory is not None and outcome.memory.get("fits") is not True
     return EXIT_INVALID if outcome.errors or not resumable or unfit else EXIT_OK
 
 
-def _print_resume_preview(args, outcome) -> bool:
-    """--resume-from: the resume of RUN_DIR's latest checkpoint on the validated world (reads only JSON files)."""
+def _resume_preview(outcome, run_dir: Path, resume: str, allow_batch: bool = False, allow_spec: bool = False):
+    """(text, ok): the resume of `run_dir`'s checkpoint (`resume`: latest or a folder) on the validated world,
+    offline (reads only JSON files); the text of a refusal says what to change."""
     from dstune.checkpoints.layout import CheckpointError, read_state, resolve_resume
     from dstune.checkpoints.resume_plan import reshard_refusal, resume_preview
-    from dstune.spec.load import SpecSource
 
     try:
-        root, tag = resolve_resume(Path(args.resume_from), "latest")
+        root, tag = resolve_resume(run_dir, resume)
         saved = read_state(root, tag)
+        reshard = reshard_refusal(
+            root / tag, saved["spec"]["train"]["optimizer"]["type"], saved["world_size"], outcome.plan.world_size
+        )
+        return resume_preview(
+            outcome.spec.model_dump(mode="json"),
+            outcome.spec.train,
+            outcome.plan,
+            saved,
+            outcome.source,
+            f"checkpoint {root / tag}",
+            reshard,
+            allow_batch,
+            allow_spec,
+        )
     except (CheckpointError, OSError, ValueError) as err:
-        print(f"--resume-from {args.resume_from}: {err}", file=sys.stderr)
-        return False
-    plan = outcome.plan
-    reshard = reshard_refusal(
-        root / tag, saved["spec"]["train"]["optimizer"]["type"], saved["world_size"], plan.world_size
-    )
-    text, ok = resume_preview(
-        outcome.spec.model_dump(mode="json"),
-        outcome.spec.train,
-        plan.world_size,
-        plan.global_batch_size,
-        saved,
-        SpecSource(args.spec),
-        f"checkpoint {root / tag}",
-        reshard,
-    )
-    print(text, file=sys.stdout if ok and not args.json else sys.stderr)
-    return ok
+        return str(err), False
+    except KeyError as err:
+        return f"checkpoint {run_dir}: its dstune_state.json has no {err} (not written by this dstune?)", False
 
 
 def cmd_compile(args) -> int:
@@ -333,7 +336,22 @@ def cmd_cache(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """Validate for the flags' world (nothing starts on an error), refuse an output.dir in use, then launch."""
+    """Validate for the flags' world (nothing starts on an error), refuse an output.dir in use and a resume that
+    cannot go on, then launch. A stop signal before the launch ends here with one line."""
+    try:
+        checked = _checked_for_launch(args)
+    except KeyboardInterrupt:
+        print("dstune train: interrupted (SIGINT) before the launch; nothing was started", file=sys.stderr)
+        return 130
+    if isinstance(checked, int):
+        return checked
+    from dstune.launcher import launch
+
+    return launch(args, *checked)
+
+
+def _checked_for_launch(args):
+    """(run folder, world) to launch, or the exit code of a refusal (printed)."""
     from rich.console import Console
 
     from dstune.report import print_issues
@@ -358,9 +376,13 @@ def cmd_train(args) -> int:
     if problem:
         print(f"dstune train: not launched: {problem}", file=sys.stderr)
         return EXIT_INVALID
-    from dstune.launcher import launch
-
-    return launch(args, run_dir, outcome.world)
+    if args.resume and not args.cache_only:  # the ranks check the same; refused here, nothing starts
+        text, ok = _resume_preview(outcome, run_dir, args.resume, args.allow_batch_change, args.allow_spec_changes)
+        if not ok:
+            print(f"dstune train: not launched: {text}", file=sys.stderr)
+            return EXIT_INVALID
+        print(text, flush=True)
+    return run_dir, outcome.world
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -394,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dstune {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        print(f"dstune {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `dstune schema | head`
         return EXIT_OK

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, TypeVar
 from datetime import timedelta
 
+from dstune.library_logs import without_library_prints
 from dstune.runlock import release_held as release_run_lock
 from dstune.world import World
 
@@ -118,7 +119,8 @@ def init_run(timeout_minutes: int) -> Run:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_size)))
     if not dist.is_initialized():
         try:
-            deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
+            with without_library_prints():  # "DeepSpeed deepspeed_shm_comm_op built successfully" per rank
+                deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), verbose=False)
         except RuntimeError as err:  # torch's DistNetworkError is one
             if "EADDRINUSE" not in str(err) and "address already in use" not in str(err).lower():
                 raise

@@ -8,7 +8,11 @@
 DeepSpeed's runner does not pass SIGINT/SIGTERM on for a one-node launch (it dies and leaves the ranks running), and
 its per-node launcher answers one with SIGTERM to one rank after another. So the runner runs in its own session,
 which keeps a terminal's Ctrl-C away from every process below this one, and this process sends the stop signal to
-each rank itself: they stop together at the next step boundary (dstune/interrupts.py). When they are not all gone
+each rank itself: they stop together at the next step boundary (dstune/interrupts.py). A rank is signalled once it
+has marked itself ready in the stop folder the ranks share with this process (DSTUNE_STOP_DIR), where the stop is
+written first: a rank still starting finds it there. A rank that stops because this process asked exits 0, so that
+DeepSpeed's per-node launcher does not take it for a failed rank (stopping the others, printing its argv); this
+process then reports the stop and exits 130 (143 for SIGTERM). When they are not all gone
 after the grace period (or at a second Ctrl-C), everything below this process gets SIGKILL; checkpoints are atomic,
 so the last complete one stays usable. Multi-node launches (pdsh) have their ranks on other hosts: there the signal
 goes to the runner's process group, and DeepSpeed's pdsh runner kills the ranks on every node.
@@ -22,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +34,12 @@ from typing import Optional
 
 import psutil
 
+from dstune.interrupts import STOP_DIR_ENV, STOP_FILE, ready_name
+
 EXIT_OK, EXIT_FAILED = 0, 1
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DEFAULT_GRACE_S = 60
-RANK_SETTLE_S = 2.0  # a rank's Python start-up before it handles stop signals (dstune.interrupts)
+RANK_SETTLE_S = 30.0  # a rank not marked ready by then (a rank without dstune's handlers) is signalled anyway
 
 # dstune train's flags -> DeepSpeed runner flags (same meaning; DeepSpeed's spelling).
 RUNNER_FLAGS = (
@@ -177,6 +184,7 @@ class Supervisor:
         self.received: list[int] = []
         self.seen: dict[int, psutil.Process] = {}  # every rank process seen, by pid
         self.signalled: set[int] = set()
+        self.stop_dir: Optional[Path] = None
 
     def _on_signal(self, signum, frame) -> None:
         self.received.append(signum)
@@ -184,7 +192,10 @@ class Supervisor:
     def run(self) -> RunEnd:
         previous = {signum: signal.signal(signum, self._on_signal) for signum in FORWARDED_SIGNALS}
         try:
-            return self._run()
+            with tempfile.TemporaryDirectory(prefix="dstune-stop-") as folder:
+                self.stop_dir = Path(folder)
+                self.env = {**self.env, STOP_DIR_ENV: folder}
+                return self._run()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -223,13 +234,17 @@ class Supervisor:
                 self.signalled.add(runner_proc.pid)
                 _send(lambda: os.killpg(runner_proc.pid, signal.SIGINT))
             return
-        # SIGINT also for SIGHUP: the ranks stop the same way. Ranks that start later (a stop during the launch)
-        # are found by the next look and signalled then; a rank younger than RANK_SETTLE_S may not have set up its
-        # handlers yet (dstune/train.py does that first thing) and is signalled at a later look.
+        # SIGINT also for SIGHUP: the ranks stop the same way. The stop is written first; then each rank that has
+        # marked itself ready (its handlers are set: dstune/train.py does that first thing) is signalled. A rank
+        # not ready yet finds the stop when it gets ready (dstune.interrupts.install_stop_handlers).
         forwarded = signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT
+        stop_file = self.stop_dir / STOP_FILE
+        if not stop_file.exists():
+            stop_file.write_text(str(int(forwarded)))
         settled_before = time.time() - RANK_SETTLE_S
         for pid, process in self.seen.items():
-            if pid not in self.signalled and _started_before(process, settled_before):
+            ready = (self.stop_dir / ready_name(pid)).exists() or _started_before(process, settled_before)
+            if pid not in self.signalled and ready:
                 self.signalled.add(pid)
                 _send(lambda: process.send_signal(forwarded))
 
@@ -323,7 +338,7 @@ def final_line(outcome: RunEnd, run_dir: Path, args) -> str:
     except (OSError, ValueError, KeyError):
         tag = step = None
     if outcome.stop_signal is not None:
-        how = f"interrupted ({signal.Signals(outcome.stop_signal).name}, exit {outcome.returncode})"
+        how = f"interrupted ({signal.Signals(outcome.stop_signal).name}, exit {exit_code(outcome)})"
     elif outcome.returncode == 0:
         return (
             f"dstune train: finished; last checkpoint {root / tag} (step {step})" if tag else "dstune train: finished"
@@ -331,14 +346,13 @@ def final_line(outcome: RunEnd, run_dir: Path, args) -> str:
     else:
         how = f"failed (exit {outcome.returncode}; the ranks' messages above say why)"
     if tag is None:
+        again = "start again with" if outcome.stop_signal is not None else "once that is fixed, start again with"
         return (
-            f"dstune train: {how}; no checkpoint was written yet; start again with: "
+            f"dstune train: {how}; no checkpoint was written yet; {again}: "
             f"{resume_command(args).removesuffix(' --resume latest')}"
         )
-    return (
-        f"dstune train: {how}; last complete checkpoint {root / tag} (step {step}); continue with: "
-        f"{resume_command(args)}"
-    )
+    again = "continue with" if outcome.stop_signal is not None else "once that is fixed, continue with"
+    return f"dstune train: {how}; last complete checkpoint {root / tag} (step {step}); {again}: {resume_command(args)}"
 
 
 def exit_code(outcome: RunEnd) -> int:

@@ -9,12 +9,18 @@ Without --verbose, three kinds of lines are dropped, each at its source and noth
   - FutureWarnings and DeprecationWarnings attributed to the libraries' own modules (torch, DeepSpeed, diffusers,
     transformers, peft, bitsandbytes, ...: one library calling another's deprecated API). The same warnings raised
     from dstune's code, and every other warning, still print.
+  - On a training rank, torch's C++ warnings (TORCH_CPP_LOG_LEVEL=ERROR unless set: c10d's "retrying ...
+    Interrupted system call" with its stack frames when a stop signal comes while the ranks meet) and DeepSpeed's
+    note that it built its CPU communication op, which each rank prints (`without_library_prints`).
 With --verbose, DeepSpeed logs at INFO and nothing is filtered. Torch-free: nothing here imports a library.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import os
 import re
 import sys
 import warnings
@@ -67,6 +73,35 @@ def set_library_verbosity(verbose: bool) -> None:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=LIBRARY_MODULES.pattern)
+
+
+def quiet_native_warnings(verbose: bool) -> None:
+    """On a training rank, before torch is imported: torch's C++ warnings at ERROR (its own variable, read when its
+    library loads; a value the user set is kept)."""
+    if not verbose:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+# Lines a library prints (not logs) that say nothing a user acts on, dropped by `without_library_prints`.
+LIBRARY_PRINTS = re.compile(r"^DeepSpeed \S+ built successfully$")  # each rank, on loading DeepSpeed's CPU comm op
+
+
+@contextlib.contextmanager
+def without_library_prints():
+    """Around a library call that `print`s notes (DeepSpeed's process-group start): what it prints to stdout is
+    held and given back without the LIBRARY_PRINTS lines (all of it with --verbose, or when the call fails)."""
+    if _verbose:
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(held):
+            yield
+    except BaseException:
+        sys.stdout.write(held.getvalue())
+        raise
+    kept = [line for line in held.getvalue().splitlines(keepends=True) if not LIBRARY_PRINTS.match(line.strip())]
+    sys.stdout.write("".join(kept))
 
 
 def library_logs_verbose() -> bool:

@@ -164,6 +164,7 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                 fetch_started = time.perf_counter()
                 continue
             mean_loss, stop_agreed = _agree_on_loss(run, loss_sum, micro_in_step, state.global_step)
+            lr = current_lr(engine)  # the LR this update applies: engine.step() moves the schedule to the next one
             engine.step()
             if ctx.ema is not None and engine.was_step_applied():  # not after a skipped (fp16 overflow) step
                 ctx.ema.on_optimizer_step()
@@ -176,7 +177,6 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
             ctx.timings["data_s"] += data_wait
             ctx.timings["compute_s"] += step_seconds - data_wait
             samples_per_s = plan.global_batch_size / max(step_seconds, 1e-9)
-            lr = current_lr(engine)
             display.update(state.global_step, state.epoch, state.samples_seen, mean_loss, lr, samples_per_s)
             held_out = held_out_fields(ctx, display, state.global_step)
             if held_out or state.global_step % ctx.log_every_steps == 0 or state.global_step == plan.total_steps:
@@ -184,7 +184,7 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                 metrics.write(
                     {
                         "step": state.global_step,
-                        "epoch": state.epoch,
+                        "epoch": state.epoch + 1,  # counted from 1, as the progress line and the plan show it
                         "samples": state.samples_seen,
                         "loss": mean_loss,
                         "lr": lr,

@@ -13,13 +13,22 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from dstune.fsutil import write_text_atomic
+
 
 class MetricsFile:
     """Appends one JSON object per logged optimizer step; flushed each time so a crash loses nothing logged. The
-    same numbers (and the sample outputs) go to `trackers` (dstune.trackers: TensorBoard, W&B) when given."""
+    same numbers (and the sample outputs) go to `trackers` (dstune.trackers: TensorBoard, W&B) when given.
 
-    def __init__(self, path: Path, enabled: bool, trackers=None):
+    `from_step`: the step the run starts after (a resumed run: its checkpoint's). Steps logged after it (between
+    the checkpoint and a stop, or by an earlier start that wrote no checkpoint) are trained again, so their lines
+    are removed first: every step appears once in the file, as this run trained it."""
+
+    def __init__(self, path: Path, enabled: bool, trackers=None, from_step: int = 0):
         self.enabled = enabled
+        if enabled and Path(path).is_file():
+            kept = [r for r in read_metrics(path) if not isinstance(r.get("step"), int) or r["step"] <= from_step]
+            write_text_atomic(Path(path), "".join(json.dumps(record) + "\n" for record in kept))
         self.handle = open(path, "a", encoding="utf-8") if enabled else None
         self.trackers = trackers if enabled else None
 

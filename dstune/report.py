@@ -46,6 +46,7 @@ class Outcome:
     clips: Optional[dict] = None  # video families: dstune.video_plan's clip summary
     resolution_origin: str = ""  # images and video: where data.resolution came from ("" for speech)
     guidance_origin: str = ""  # images and video: where sample.guidance came from ("" for speech)
+    source: object = None  # dstune.spec.load.SpecSource: where each key was written (a full resolution only)
 
     @classmethod
     def of(cls, resolved) -> "Outcome":
@@ -60,6 +61,7 @@ class Outcome:
             clips=resolved.clips,
             resolution_origin=resolved.resolution_origin,
             guidance_origin=resolved.guidance_origin,
+            source=resolved.source,
         )
 
     def as_json(self) -> dict:
@@ -78,7 +80,9 @@ class Outcome:
 
 
 def _fmt(value: float) -> str:
-    """3 significant digits, no exponent for ordinary numbers: 2.5, 0.0001, 1.33e-05."""
+    """3 significant digits, and no exponent for large numbers: 2.5, 0.0001, 1.33e-05, 1000, 1234.5."""
+    if abs(value) >= 1000:
+        return f"{value:.0f}" if value == round(value) else f"{value:.1f}"
     return f"{value:.3g}"
 
 
@@ -104,14 +108,14 @@ def _world_rows(world, sequence_parallel_size: int = 1) -> list[tuple[str, str]]
 
 def _batch_rows(plan, ds_config: Optional[dict], cross_checked: bool) -> list[tuple[str, str]]:
     rows = [
-        ("micro batch", f"{plan.micro_batch_size} samples per rank per forward pass"),
+        ("micro batch", f"{_count(plan.micro_batch_size, 'sample', 'samples')} per rank per forward pass"),
         (
             "accumulation",
             f"{_count(plan.gradient_accumulation_steps, 'micro-batch', 'micro-batches')} per optimizer step",
         ),
         (
             "global batch",
-            f"{plan.global_batch_size} samples per optimizer step = {plan.micro_batch_size} x "
+            f"{_count(plan.global_batch_size, 'sample', 'samples')} per optimizer step = {plan.micro_batch_size} x "
             f"{plan.gradient_accumulation_steps} x {_count(plan.data_parallel_size, 'rank', 'ranks')}"
             + (" (data-parallel)" if plan.sequence_parallel_size > 1 else ""),
         ),
@@ -140,12 +144,12 @@ def _data_rows(plan, origin: str) -> list[tuple[str, str]]:
         ("samples", f"{plan.num_samples} ({origin})" if origin else str(plan.num_samples)),
         (
             "steps per epoch",
-            f"{plan.steps_per_epoch} optimizer steps ({plan.micro_batches_per_epoch_per_rank} "
-            f"micro-batches per rank{summed})",
+            f"{_count(plan.steps_per_epoch, 'optimizer step', 'optimizer steps')} "
+            f"({_count(plan.micro_batches_per_epoch_per_rank, 'micro-batch', 'micro-batches')} per rank{summed})",
         ),
         (
             "each epoch",
-            f"uses {plan.samples_per_epoch} samples, leaves out {plan.dropped_per_epoch} (drop_last"
+            f"uses {_count(plan.samples_per_epoch, 'sample', 'samples')}, leaves out {plan.dropped_per_epoch} (drop_last"
             f"{', per bucket' if plan.groups else ''})",
         ),
     ]
@@ -159,15 +163,16 @@ def _bucket_rows(plan) -> list[tuple[str, str]]:
         rows.append(
             (
                 str(group.key),
-                f"{group.samples} samples, {_count(group.steps, 'global batch', 'global batches')}"
+                f"{_count(group.samples, 'sample', 'samples')}, {_count(group.steps, 'global batch', 'global batches')}"
                 f" per epoch, leaves out {group.dropped}{never}",
             )
         )
     rows.append(
         (
             "total",
-            f"{_count(len(plan.groups), 'bucket', 'buckets')}: {plan.num_samples} samples, "
-            f"{plan.steps_per_epoch} optimizer steps per epoch, leaves out {plan.dropped_per_epoch}",
+            f"{_count(len(plan.groups), 'bucket', 'buckets')}: {_count(plan.num_samples, 'sample', 'samples')}, "
+            f"{_count(plan.steps_per_epoch, 'optimizer step', 'optimizer steps')} per epoch, leaves out "
+            f"{plan.dropped_per_epoch}",
         )
     )
     return rows
@@ -176,9 +181,13 @@ def _bucket_rows(plan) -> list[tuple[str, str]]:
 def _length_rows(plan, train) -> list[tuple[str, str]]:
     how = "train.max_steps" if train is not None and train.max_steps is not None else "epochs x steps per epoch"
     return [
-        ("total", f"{plan.total_steps} optimizer steps ({how})"),
+        ("total", f"{_count(plan.total_steps, 'optimizer step', 'optimizer steps')} ({how})"),
         ("epochs", f"{_fmt(plan.epochs)} (passes over the whole dataset, all ranks together)"),
-        ("samples seen", f"{plan.samples_seen} (each sample {_fmt(plan.times_each_sample_seen)} times on average)"),
+        (
+            "samples seen",
+            f"{plan.samples_seen} (each sample {_fmt(plan.times_each_sample_seen)} "
+            f"{'time' if plan.times_each_sample_seen == 1 else 'times'} on average)",
+        ),
     ]
 
 
@@ -218,7 +227,7 @@ def _lr_rows(plan, train, deepspeed=None) -> list[tuple[str, str]]:
     else:
         rows.append(("scaling", "none"))
     rows.append(("effective lr", _fmt(plan.effective_lr)))
-    rows.append(("warmup", f"{plan.warmup_steps} optimizer steps"))
+    rows.append(("warmup", _count(plan.warmup_steps, "optimizer step", "optimizer steps")))
     if train is not None:
         sched = train.scheduler
         decay = (
@@ -498,11 +507,13 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
     return table
 
 
-def verdict(outcome: Outcome) -> Text:
+def verdict(outcome: Outcome, resume_refused: bool = False) -> Text:
     warned = f", {len(outcome.warnings)} warning{'s' if len(outcome.warnings) != 1 else ''}" if outcome.warnings else ""
     if outcome.errors:
         count = len(outcome.errors)
         return Text(f"invalid: {count} error{'s' if count != 1 else ''}{warned}", style="bold red")
+    if resume_refused:
+        return Text(f"resume refused (above: what to change); the spec itself is valid{warned}", style="bold red")
     plan = outcome.plan
     ranks = _count(plan.data_parallel_size, "rank", "ranks") + (
         f" (data-parallel; x {plan.sequence_parallel_size} sequence-parallel)"
@@ -512,7 +523,8 @@ def verdict(outcome: Outcome) -> Text:
     return Text(
         f"valid: {ranks} x micro {plan.micro_batch_size} x accumulation "
         f"{plan.gradient_accumulation_steps} = global batch {plan.global_batch_size}; "
-        f"{plan.total_steps} optimizer steps = {_fmt(plan.epochs)} epochs{warned}",
+        f"{_count(plan.total_steps, 'optimizer step', 'optimizer steps')} = {_fmt(plan.epochs)} "
+        f"{'epoch' if plan.epochs == 1 else 'epochs'}{warned}",
         style="bold green",
     )
 
@@ -531,7 +543,8 @@ def report_console(stderr: bool = False) -> Console:
     return console
 
 
-def print_report(outcome: Outcome, console: Console, title: str = "") -> None:
+def print_report(outcome: Outcome, console: Console, title: str = "", resume: Optional[tuple] = None) -> None:
+    """The plan, the issues, `resume` ((text, ok): `validate --resume-from`'s preview) and the verdict."""
     if title:
         console.print(Text(title, style="bold"), soft_wrap=True)
     table = plan_table(outcome)
@@ -542,7 +555,10 @@ def print_report(outcome: Outcome, console: Console, title: str = "") -> None:
             console.print(table)
         console.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
     print_issues(outcome, console)
-    console.print(verdict(outcome), soft_wrap=True)
+    if resume is not None:
+        console.print()
+        console.print(Text(resume[0]), soft_wrap=True)
+    console.print(verdict(outcome, resume_refused=resume is not None and not resume[1]), soft_wrap=True)
 
 
 def print_issues(outcome: Outcome, console: Console) -> None:

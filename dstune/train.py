@@ -39,9 +39,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from dstune.library_logs import set_library_verbosity
+    from dstune.library_logs import quiet_native_warnings, set_library_verbosity
 
     set_library_verbosity(args.verbose)
+    quiet_native_warnings(args.verbose)
     from dstune.world import use_cpu_accelerator_if_no_cuda
 
     use_cpu_accelerator_if_no_cuda()
@@ -59,34 +60,44 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_rank(argv: list[str] | None = None) -> int:
     """`main` on a launched rank, with SIGINT / SIGTERM handled (dstune/interrupts.py): a stop before or after the
-    training loop ends here as one line on rank 0 and exit 130 (SIGINT) or 143 (SIGTERM), not a traceback per rank.
-    An error that follows a stop signal (a peer that stopped first breaks a collective) is part of the stop too."""
-    from dstune.interrupts import exit_code_for_stop, install_stop_handlers, stop_requested
+    training loop ends here as one line on rank 0 and exit 130 (SIGINT) or 143 (SIGTERM), not a traceback per rank
+    (exit 0 when `dstune train` forwarded the stop: it reports it). An error that follows a stop signal (a peer that
+    stopped first breaks a collective; an import the signal cut short) is part of the stop too."""
+    from dstune.interrupts import finishing_stop, install_stop_handlers, rank_exit_code_for_stop, stop_requested
 
-    install_stop_handlers()
     try:
+        install_stop_handlers()
         return main(argv)
     except (KeyboardInterrupt, Exception):
+        finishing_stop()  # first thing: a second signal must not cut these last words short
         if not stop_requested():
             raise
-        from dstune.distributed import launcher_rank
-
-        if launcher_rank() == 0:
+        if _launcher_rank() == 0:
             print(_interrupted_text(argv), file=sys.stderr, flush=True)
-        return exit_code_for_stop()
+        return rank_exit_code_for_stop()
+
+
+def _launcher_rank() -> int:
+    try:
+        from dstune.distributed import launcher_rank  # torch-free
+
+        return launcher_rank()
+    except BaseException:  # noqa: BLE001
+        return int(os.environ.get("RANK", "0"))
 
 
 def _interrupted_text(argv: list[str] | None) -> str:
-    from dstune.training import interrupted_text
-
-    run_dir = None
-    try:  # the run folder, for the last complete checkpoint; any problem here was reported before the stop
-        from dstune.ds_file_spec import merged_spec
+    """Rank 0's line after a stop outside the loop, from torch-free modules only (torch may be half imported)."""
+    try:
+        from dstune.checkpoints.stop_text import interrupted_text
         from dstune.spec.load import load_spec
-
+    except BaseException:  # noqa: BLE001 - the stop is reported without the details
+        return "interrupted"
+    run_dir = None
+    try:  # the run folder, for its last complete checkpoint (deepspeed.config never sets output.dir)
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        run_dir = Path(merged_spec(*load_spec(args.spec, args.overrides))[0].output.dir)
-    except Exception:  # noqa: BLE001 - the line is printed without it
+        run_dir = Path(load_spec(args.spec, args.overrides)[0].output.dir)
+    except BaseException:  # noqa: BLE001 - a spec problem was reported before the stop; the line goes without it
         pass
     return interrupted_text(None, run_dir)
 

@@ -27,6 +27,7 @@ from dstune.checkpoints.resume import (
     resume_refusal,
     resumed_plan,
 )
+from dstune.checkpoints.stop_text import interrupted_text
 from dstune.checkpoints.store import save_checkpoint, shared_folder_problem
 from dstune.distributed import (
     Run,
@@ -46,7 +47,7 @@ from dstune.ema import Ema
 from dstune.engine import PRECISION_DTYPES, promote_scalar_params, wrap_model
 from dstune.evaluation import make_held_out
 from dstune.export import ExportError, export_checkpoint
-from dstune.interrupts import at_step_boundaries, exit_code_for_stop, launched_by_dstune_train, stop_signal_name
+from dstune.interrupts import at_step_boundaries, rank_exit_code_for_stop
 from dstune.loop import LoopContext, NonFiniteLoss, TrainingInterrupted, render_samples, train_loop
 from dstune.memory.record import MemoryRecorder, phase_table, summary_text
 from dstune.memory.counts import import_model_classes
@@ -91,52 +92,6 @@ def _lock_run_dir(run: Run, run_dir: Path) -> str | None:
         if note:
             print(note, flush=True)
     return all_gather_object(error)[0]
-
-
-def interrupted_text(step: int | None, run_dir: Path | None) -> str:
-    """Rank 0's one line after a stop signal: where it stopped, the last complete checkpoint, and (when `dstune
-    train` is not there to say it once every rank is gone) the command that continues the run."""
-    where = f"interrupted at step {step}" if step is not None else "interrupted"
-    tag = read_latest(checkpoint_root(run_dir)) if run_dir is not None else None
-    if tag is None:
-        saved, again = "no checkpoint was written yet", "start again with"
-    else:
-        saved = f"last complete checkpoint step {int(tag.rpartition('-')[2])} ({checkpoint_root(run_dir) / tag})"
-        again = "continue with"
-    text = f"{where} ({stop_signal_name()}); {saved}"
-    if launched_by_dstune_train():
-        return text
-    return f"{text}; {again}: {rank_resume_command(resume=tag is not None)}"
-
-
-def rank_resume_command(resume: bool) -> str:
-    """The launch command of this rank's run, rebuilt from its own arguments, with `--resume latest` (when there is
-    a checkpoint to continue). The deepspeed launcher's flags are not visible to a rank; the rank counts are."""
-    args = sys.argv[1:]
-    kept = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg == "--resume":
-            skip = True
-        elif not arg.startswith(("--local_rank", "--local-rank", "--resume=")):
-            kept.append(arg)
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    target = (
-        ["--module", "dstune.train"]
-        if main_spec is not None and main_spec.name == "dstune.train"
-        else ["dstune/train.py"]
-    )
-    nodes, per_node = int(os.environ.get("CROSS_SIZE", "1")), os.environ.get("LOCAL_SIZE")
-    if per_node is None:  # one process, no launcher
-        launcher = ["python", "-m", "dstune.train"] if target[0] == "--module" else ["python", "dstune/train.py"]
-        target = []
-    elif nodes > 1:
-        launcher = ["deepspeed", "--hostfile", "HOSTFILE", "--num_nodes", str(nodes), "--num_gpus", per_node]
-    else:
-        launcher = ["deepspeed", "--num_gpus", per_node]
-    return shlex.join(launcher + target + kept + (["--resume", "latest"] if resume else []))
 
 
 def run_training(
@@ -288,7 +243,7 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
     trackers = None
     if run.is_main:
         trackers = open_trackers(run_dir, spec.output.tensorboard, spec.output.wandb, spec.model_dump(mode="json"))
-    metrics = MetricsFile(run_dir / "metrics.jsonl", run.is_main, trackers)
+    metrics = MetricsFile(run_dir / "metrics.jsonl", run.is_main, trackers, from_step=state.global_step)
     if state.global_step == 0:
         with averaged_weights(ctx.engine):  # schedule-free's averaged weights (a no-op for other optimizers)
             render_samples(ctx, 0, metrics)
@@ -307,7 +262,7 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
         if run.is_main:
             print(interrupted_text(interrupted.step, run_dir), file=sys.stderr, flush=True)
         shutdown()
-        return exit_code_for_stop()
+        return rank_exit_code_for_stop()
     finally:
         display.close()
     elapsed = time.perf_counter() - started

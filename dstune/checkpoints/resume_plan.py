@@ -221,36 +221,53 @@ def reshard_refusal(folder: Path, optimizer_type: str, saved_world: int, world_s
 def resume_preview(
     spec_dump: dict,
     train: TrainSpec,
-    world_size: int,
-    global_batch: int,
+    plan: Plan,
     saved_state: dict,
     source: SpecSource,
     checkpoint: str,
     reshard_problem: Optional[str],
+    allow_batch_change: bool = False,
+    allow_spec_changes: bool = False,
 ) -> tuple[str, bool]:
-    """`dstune validate --resume-from RUN`: what a resume of `checkpoint` on this world would do, offline, and
-    whether it would start (False: refused, for the batch, the optimizer state or a spec change)."""
+    """What a resume of `checkpoint` on this plan's world would do, offline, and whether it would start (False:
+    refused, for the batch, the optimizer state, the data's place or a spec change; the text then says what to
+    change). `dstune validate --resume-from RUN` prints it, and `dstune train --resume` before it launches anything.
+    The ranks check the same again (dstune.checkpoints.resume)."""
     saved = SavedRun.from_state(saved_state)
     written = _split(saved.micro_batch_size, saved.gradient_accumulation_steps, saved.world_size)
     lines = [
         f"resume from {checkpoint}: step {saved.global_step} of {saved.total_steps}, epoch {saved.epoch + 1} "
         f"(step {saved.step_in_epoch} of it), written by {written}"
     ]
-    refusal = batch_refusal(train, world_size, saved, source, checkpoint, allow_change=False) or reshard_problem
+    world_size, global_batch = plan.world_size, plan.global_batch_size
+    refusal = (
+        batch_refusal(train, world_size, saved, source, checkpoint, allow_batch_change)
+        or reshard_problem
+        or position_refusal(saved, plan, checkpoint)
+    )
     if refusal:
         return "\n".join(lines + [f"refused: {refusal}"]), False
-    if resume_kind(saved, world_size, global_batch) == "same":
+    kind = resume_kind(saved, world_size, global_batch)
+    if kind == "same":
         lines.append("same world and global batch: DeepSpeed loads its own shards")
-    else:
+    elif kind == "reshard":
         lines.append(
             f"continues on {_ranks(world_size)} with the same global batch of {global_batch}: the ZeRO state "
             "is re-partitioned through DeepSpeed's universal checkpoint (docs/training.md, Resume)"
         )
+    else:
+        lines.append(rebatched(saved, plan, train).text)
     changes = spec_changes(saved_state.get("spec", {}), spec_dump)
     refused = refused_changes_text(changes, saved_state.get("spec", {}), spec_dump)
     safe, breaking = describe_changes(changes, train.scheduler.type)
-    lines += [text for text in (refused, safe, breaking) if text]
-    return "\n".join(lines), not (breaking or refused)
+    if refused:
+        return "\n".join(lines + [f"refused: {refused}"]), False
+    if breaking and not allow_spec_changes:
+        return "\n".join(lines + ([safe] if safe else []) + [f"refused: {breaking}"]), False
+    if breaking:
+        breaking = "--allow-spec-changes: continuing with " + breaking
+    lines += [text for text in (safe, breaking) if text]
+    return "\n".join(lines), True
 
 
 def position_refusal(saved: SavedRun, plan: Plan, checkpoint: str) -> Optional[str]:

@@ -62,8 +62,11 @@ def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:
             if "dstune.train" in p.cmdline() and any(w.startswith("--local_rank") for w in p.cmdline())]
 
 
-def test_kill_int_stops_every_rank_and_the_printed_command_continues(tmp_path):
-    user_folder = tmp_path / "project"  # not the checkout: ranks run `python -m dstune.train` from here
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """`dstune train` of 400 steps from a user's folder, stopped with SIGINT once a checkpoint is written:
+    (user folder, run folder, the ranks seen, exit code, output)."""
+    user_folder = tmp_path_factory.mktemp("stop") / "project"  # not the checkout: the ranks run from here
     user_folder.mkdir()
     run_dir = user_folder / "runs" / "stop"
     spec = base_spec(run_dir, train={"max_steps": 400},
@@ -82,10 +85,16 @@ def test_kill_int_stops_every_rank_and_the_printed_command_continues(tmp_path):
     os.kill(proc.pid, signal.SIGINT)
     gone, alive = psutil.wait_procs(ranks, timeout=30)
     assert not alive, f"ranks {[p.pid for p in alive]} still running 30 s after SIGINT\n{out.text}"
-    assert proc.wait(timeout=30) == 130
+    code = proc.wait(timeout=30)
     out.thread.join(timeout=10)
-    text = out.text
+    return user_folder, run_dir, code, out.text
+
+
+def test_kill_int_stops_every_rank_and_the_printed_command_continues(stopped_run):
+    user_folder, run_dir, code, text = stopped_run
+    assert code == 130
     assert "Traceback" not in text, text
+    assert "sigkill_handler" not in text, text  # DeepSpeed's launcher does not take a stopped rank for a failure
     stopped = int(re.search(r"interrupted at step (\d+) \(SIGINT\)", text).group(1))
     last = re.search(r"dstune train: interrupted \(SIGINT, exit 130\); last complete checkpoint (\S+) \(step (\d+)\); "
                      r"continue with: (.+)$", text.strip().splitlines()[-1])
@@ -103,6 +112,45 @@ def test_kill_int_stops_every_rank_and_the_printed_command_continues(tmp_path):
                            "--resume-from", str(run_dir)], cwd=user_folder, env=env(), capture_output=True, text=True)
     assert plan.returncode == 0, plan.stdout + plan.stderr
     assert f"step {checkpoint_step} of 400" in plan.stdout, plan.stdout
+
+
+@pytest.mark.parametrize("after_s", [1, 3, 6])
+def test_a_stop_at_any_moment_of_start_up_is_one_line_and_leaves_no_rank(stopped_run, after_s):
+    """SIGINT 1, 3 and 6 s after `dstune train --resume latest` starts (checking the spec, the ranks starting Python,
+    the ranks importing torch and meeting): exit 130, no traceback and no DeepSpeed error line, no process left, and
+    whatever speaks names the run's last complete checkpoint."""
+    user_folder, run_dir, _, _ = stopped_run
+    step = int((run_dir / "checkpoints" / "latest").read_text().strip().rpartition("-")[2])
+    proc, out = _dstune("train", "spec.yaml", "--num-gpus", "2", "--resume", "latest", cwd=user_folder)
+    time.sleep(after_s)
+    below = psutil.Process(proc.pid).children(recursive=True)
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, out.text
+    out.thread.join(timeout=10)
+    _, alive = psutil.wait_procs(below + _ranks_by_name(run_dir), timeout=10)
+    assert not alive, f"left running: {[p.cmdline() for p in alive]}\n{out.text}"
+    text = out.text
+    assert "Traceback" not in text and "sigkill_handler" not in text and "Interrupted system call" not in text, text
+    last = text.strip().splitlines()[-1]
+    assert last == "dstune train: interrupted (SIGINT) before the launch; nothing was started" or (
+        last.startswith("dstune train: interrupted (SIGINT, exit 130); last complete checkpoint")
+        and f"(step {step})" in last
+    ), text
+    for line in text.splitlines():  # rank 0's own line, when it got that far
+        if line.startswith("interrupted ("):
+            assert f"last complete checkpoint step {step} " in line, text
+
+
+def _ranks_by_name(run_dir: Path) -> list[psutil.Process]:
+    """Any process still running `dstune.train` on this run's spec folder (a rank that lost its parents)."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            if "dstune.train" in (process.info["cmdline"] or []) and process.info["cwd"] == str(run_dir.parents[1]):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
 
 
 def _one_process(spec_path: Path, **extra_env) -> subprocess.CompletedProcess:

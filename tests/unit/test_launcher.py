@@ -310,8 +310,34 @@ def test_a_rank_notes_a_stop_inside_the_loop_and_stops_at_once_outside():
     assert result.stdout.split("\n")[:2] == ["went on True 143", "stopped at once"], result.stderr
 
 
+FORWARDED_SCRIPT = """
+import os
+from dstune.interrupts import install_stop_handlers, rank_exit_code_for_stop, stop_signal_name
+try:
+    install_stop_handlers()
+    print("not stopped")
+except KeyboardInterrupt:
+    print("stopped", stop_signal_name(), rank_exit_code_for_stop(), sorted(os.listdir(os.environ["DSTUNE_STOP_DIR"])))
+"""
+
+
+def test_a_rank_that_starts_after_dstune_train_forwarded_a_stop_takes_it_and_exits_0(tmp_path):
+    """A stop that came while the rank was still starting Python: the rank marks itself ready, finds the stop that
+    `dstune train` wrote, stops, and exits 0 (the launcher must not take it for a failed rank)."""
+    (tmp_path / "stop").write_text(str(int(signal.SIGTERM)))
+    result = subprocess.run(
+        [sys.executable, "-c", FORWARDED_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO), "DSTUNE_STOP_DIR": str(tmp_path)},
+    )
+    lines = result.stdout.splitlines()
+    assert lines and lines[0].startswith("stopped SIGTERM 0 ['ready-"), result.stdout + result.stderr
+
+
 def test_a_rank_rebuilds_its_launch_command_with_resume_latest(monkeypatch):
-    from dstune.training import rank_resume_command
+    from dstune.checkpoints.stop_text import rank_resume_command
 
     monkeypatch.setattr(
         sys,
@@ -414,3 +440,24 @@ def test_ranks_that_do_not_stop_are_killed_after_the_grace_period(tmp_path):
     assert not any(_running(p) for p in seen_ranks)
     assert time.monotonic() - started < 100
     assert any("still running after 3 s: killed the launcher and every rank (SIGKILL" in text for text in said), said
+
+
+def test_a_stop_outside_the_loop_names_the_runs_last_checkpoint(tmp_path, monkeypatch):
+    """A rank stopped before or after the loop (a resume interrupted during start-up) reads the run folder from the
+    spec for its line: the checkpoint that is there, not "no checkpoint was written yet"."""
+    from dstune import train
+    from dstune.checkpoints.layout import STATE_FILE
+
+    spec = _tiny_spec(tmp_path, tmp_path / "run")
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step-00000004").mkdir(parents=True)
+    (root / "step-00000004" / STATE_FILE).write_text("{}")
+    (root / "latest").write_text("step-00000004")
+    monkeypatch.setenv("DSTUNE_TRAIN_PID", "1")  # under `dstune train`, which prints the command itself
+    assert train._interrupted_text([str(spec), "--resume", "latest"]) == (
+        f"interrupted (SIGINT); last complete checkpoint step 4 ({root / 'step-00000004'})"
+    )
+    monkeypatch.delenv("DSTUNE_TRAIN_PID")
+    monkeypatch.setattr(sys, "argv", ["/x/dstune/train.py", str(spec)])
+    text = train._interrupted_text([str(spec)])
+    assert text.endswith(f"continue with: python dstune/train.py {spec} --resume latest"), text

@@ -78,12 +78,15 @@ def test_a_changed_global_batch_or_seed_is_refused_with_the_options(tmp_path, ca
         )
         == 1
     )
-    err = capsys.readouterr().err
-    assert "refused:" in err and "--set train.global_batch_size=4" in err and "--allow-batch-change" in err
+    out = capsys.readouterr().out
+    assert "refused:" in out and "--set train.global_batch_size=4" in out and "--allow-batch-change" in out
+    # One verdict, last, and it is the refusal: never "valid:" above a refusal.
+    assert "valid:" not in out and out.strip().splitlines()[-1].startswith("resume refused (above: what to change)")
+    assert out.index("refused:") < out.index("resume refused")
     assert (
         main(["validate", str(spec_path), "--num-gpus", "2", "--resume-from", str(run), "--set", "train.seed=8"]) == 1
     )
-    assert "train.seed: 7 -> 8" in capsys.readouterr().err
+    assert "train.seed: 7 -> 8" in capsys.readouterr().out
 
 
 def test_an_sgd_checkpoint_of_another_world_is_refused_and_a_missing_run_is_named(tmp_path, capsys):
@@ -93,6 +96,26 @@ def test_an_sgd_checkpoint_of_another_world_is_refused_and_a_missing_run_is_name
     finally:
         del SPEC["train"]["optimizer"]
     assert main(["validate", str(spec_path), "--num-gpus", "1", "--resume-from", str(run)]) == 1
-    assert "Adam's state only" in capsys.readouterr().err
+    assert "Adam's state only" in capsys.readouterr().out
     assert main(["validate", str(spec_path), "--num-gpus", "2", "--resume-from", str(tmp_path / "nope")]) == 1
-    assert "--resume-from" in capsys.readouterr().err
+    assert f"--resume-from {tmp_path / 'nope'}: --resume latest: no complete checkpoint" in capsys.readouterr().out
+
+
+def test_dstune_train_refuses_a_resume_before_launching_and_says_what_to_change(tmp_path, capsys):
+    """The same offline checks before `dstune train --resume` starts anything: a refusal lists the options, never
+    the refused command again."""
+    spec_path, run = _run_with_checkpoint(tmp_path, 2)
+    change = ["--set", f"output.dir={run}", "--set", "train.seed=8"]
+    assert main(["train", str(spec_path), "--num-gpus", "2", "--resume", "latest", *change]) == 1
+    captured = capsys.readouterr()
+    assert "master port" not in captured.out + captured.err  # nothing was launched
+    assert captured.err.startswith(f"dstune train: not launched: resume from checkpoint {run}/checkpoints/step-")
+    assert "train.seed: 7 -> 8" in captured.err and "pass --allow-spec-changes" in captured.err
+    assert "continue with: dstune train" not in captured.err
+    batch = ["--set", f"output.dir={run}", "--set", "train.global_batch_size=2"]
+    assert main(["train", str(spec_path), "--num-gpus", "1", "--resume", "latest", *batch]) == 1
+    err = capsys.readouterr().err
+    assert "--set train.global_batch_size=4" in err and "--allow-batch-change" in err
+    assert main(["train", str(spec_path), "--num-gpus", "2", "--resume", str(run / "nope"), "--set",
+                 f"output.dir={run}"]) == 1
+    assert "not a complete dstune checkpoint folder" in capsys.readouterr().err
