@@ -116,6 +116,8 @@ def test_dstune_train_refuses_a_resume_before_launching_and_says_what_to_change(
     assert main(["train", str(spec_path), "--num-gpus", "1", "--resume", "latest", *batch]) == 1
     err = capsys.readouterr().err
     assert "--set train.global_batch_size=4" in err and "--allow-batch-change" in err
-    assert main(["train", str(spec_path), "--num-gpus", "2", "--resume", str(run / "nope"), "--set",
-                 f"output.dir={run}"]) == 1
+    assert (
+        main(["train", str(spec_path), "--num-gpus", "2", "--resume", str(run / "nope"), "--set", f"output.dir={run}"])
+        == 1
+    )
     assert "not a complete dstune checkpoint folder" in capsys.readouterr().err
