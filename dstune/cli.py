@@ -243,7 +243,12 @@ def cmd_compile(args) -> int:
         sys.stdout.write(text)
     else:
         _write(args.output, text)
-        print(f"wrote {args.output}", file=sys.stderr)
+        config, ranks = outcome.ds_config, outcome.plan.world_size
+        print(
+            f"wrote {args.output}: the DeepSpeed JSON of {args.spec} for {ranks} rank{'s' if ranks != 1 else ''} "
+            f"(train_batch_size {config.get('train_batch_size')}, ZeRO stage "
+            f"{config.get('zero_optimization', {}).get('stage', 0)})"
+        )
     return EXIT_OK
 
 

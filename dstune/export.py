@@ -23,6 +23,7 @@ from dstune.card import load
 from dstune.families import get_facts
 from dstune.families.base import FamilyError
 from dstune.families.lora import export_lora
+from dstune.library_logs import without_library_prints
 from dstune.pretrained import build_model
 from dstune.spec.load import SpecSource, validate_data
 from dstune.spec.models import lora_format_problem
@@ -71,7 +72,11 @@ def _load_weights(root: Path, tag: str, zero_stage: int) -> dict:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # zero_to_fp32 calls torch.load(weights_only=False); the guard makes those loads weights-only too.
-        with only_tensors_unpickled(f"checkpoint {folder}"), contextlib.redirect_stdout(io.StringIO()):
+        with (
+            only_tensors_unpickled(f"checkpoint {folder}"),
+            contextlib.redirect_stdout(io.StringIO()),
+            without_library_prints("stderr"),  # its "Loading checkpoint shards" bar
+        ):
             state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     return state
 

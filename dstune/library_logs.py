@@ -11,7 +11,8 @@ Without --verbose, three kinds of lines are dropped, each at its source and noth
     from dstune's code, and every other warning, still print.
   - On a training rank, torch's C++ warnings (TORCH_CPP_LOG_LEVEL=ERROR unless set: c10d's "retrying ...
     Interrupted system call" with its stack frames when a stop signal comes while the ranks meet) and DeepSpeed's
-    note that it built its CPU communication op, which each rank prints (`without_library_prints`).
+    note that it built its CPU communication op, which each rank prints, and the progress bar zero_to_fp32 draws
+    over a checkpoint's shards on every export (`without_library_prints`).
 With --verbose, DeepSpeed logs at INFO and nothing is filtered. Torch-free: nothing here imports a library.
 """
 
@@ -82,26 +83,30 @@ def quiet_native_warnings(verbose: bool) -> None:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
-# Lines a library prints (not logs) that say nothing a user acts on, dropped by `without_library_prints`.
-LIBRARY_PRINTS = re.compile(r"^DeepSpeed \S+ built successfully$")  # each rank, on loading DeepSpeed's CPU comm op
+# Lines a library prints (not logs) that say nothing a user acts on, dropped by `without_library_prints`: DeepSpeed's
+# note on loading its CPU comm op (each rank), and zero_to_fp32's progress bar over the shards (each export).
+LIBRARY_PRINTS = re.compile(r"^DeepSpeed \S+ built successfully$|Loading checkpoint shards: ")
 
 
 @contextlib.contextmanager
-def without_library_prints():
-    """Around a library call that `print`s notes (DeepSpeed's process-group start): what it prints to stdout is
-    held and given back without the LIBRARY_PRINTS lines (all of it with --verbose, or when the call fails)."""
+def without_library_prints(stream: str = "stdout"):
+    """Around a library call that prints notes or progress bars to `stream` ("stdout" or "stderr"): what it prints
+    there is held and given back without the LIBRARY_PRINTS lines (all of it with --verbose, or when the call
+    fails)."""
     if _verbose:
         yield
         return
     held = io.StringIO()
+    redirect = contextlib.redirect_stdout if stream == "stdout" else contextlib.redirect_stderr
+    target = sys.stdout if stream == "stdout" else sys.stderr
     try:
-        with contextlib.redirect_stdout(held):
+        with redirect(held):
             yield
     except BaseException:
-        sys.stdout.write(held.getvalue())
+        target.write(held.getvalue())
         raise
-    kept = [line for line in held.getvalue().splitlines(keepends=True) if not LIBRARY_PRINTS.match(line.strip())]
-    sys.stdout.write("".join(kept))
+    kept = [line for line in held.getvalue().splitlines(keepends=True) if not LIBRARY_PRINTS.search(line.strip())]
+    target.write("".join(kept))
 
 
 def library_logs_verbose() -> bool:

@@ -141,6 +141,18 @@ def fmt_seconds(seconds: Optional[float]) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
+def trained_text(start_step: int, end_step: int, start_samples: int, end_samples: int, seconds: float) -> str:
+    """The end-of-run count of what this launch trained: a resumed run counts from its checkpoint's step."""
+    steps, samples = end_step - start_step, end_samples - start_samples
+    counted = f"{steps} step{'s' if steps != 1 else ''} ({samples} sample{'s' if samples != 1 else ''})"
+    if start_step == 0:
+        return f"trained {counted} in {fmt_seconds(seconds)}"
+    return (
+        f"trained steps {start_step + 1}-{end_step} of the run, {counted}, in {fmt_seconds(seconds)} after "
+        f"resuming at step {start_step}"
+    )
+
+
 def time_split_text(timings: dict, cached: bool = False) -> str:
     """The end-of-run line on where step time went: `timings` holds the loop's data_s and compute_s totals;
     `cached`: the run trained from data.cache (its entries, not the files, were read), which changes what helps."""

@@ -240,7 +240,7 @@ def _lr_rows(plan, train, deepspeed=None) -> list[tuple[str, str]]:
     return rows
 
 
-def _engine_rows(spec, plan) -> list[tuple[str, str]]:
+def _engine_rows(spec, plan, source=None) -> list[tuple[str, str]]:
     ds, train = spec.deepspeed, spec.train
     clipping = str(plan.gradient_clipping if plan is not None else train.resolved_gradient_clipping)
     if train.gradient_clipping is None:
@@ -259,12 +259,14 @@ def _engine_rows(spec, plan) -> list[tuple[str, str]]:
                 "spec's value or dstune's default (where each value came from: below)",
             )
         )
+        filled = (source.filled if source is not None else {}).get("train.scheduler.type")
+        came = f"the file's scheduler block ({filled})" if filled else ""
         rows.append(
             (
                 "optimizer, schedule",
-                f"dstune's own: {train.optimizer.type} from train.optimizer and the "
-                f"{train.scheduler.type} schedule from train.scheduler; a scheduler block "
-                "in the file is never run by DeepSpeed",
+                f"dstune's own: {train.optimizer.type} from train.optimizer and the {train.scheduler.type} schedule "
+                f"from train.scheduler{' = ' + came if came else ''}, which dstune steps itself (DeepSpeed's "
+                "scheduler object is not built)",
             )
         )
     return rows
@@ -490,7 +492,7 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
         ]
         groups[-1:-1] = [("Weights", _weights_rows(spec))] if getattr(spec.model, "training_adapter", None) else []
     if spec is not None and (plan is not None or outcome.world is not None):
-        groups.append(("DeepSpeed", _engine_rows(spec, plan)))
+        groups.append(("DeepSpeed", _engine_rows(spec, plan, outcome.source)))
     if outcome.ds_sources and outcome.ds_config is not None and not outcome.errors and spec.deepspeed.config:
         groups.append(("DeepSpeed JSON values", _source_rows(outcome.ds_config, outcome.ds_sources)))
     if outcome.memory is not None and not outcome.errors:

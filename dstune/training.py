@@ -52,7 +52,7 @@ from dstune.loop import LoopContext, NonFiniteLoss, TrainingInterrupted, render_
 from dstune.memory.record import MemoryRecorder, phase_table, summary_text
 from dstune.memory.counts import import_model_classes
 from dstune.optimizers import averaged_weights
-from dstune.progress import MetricsFile, ProgressDisplay, fmt_seconds, time_split_text
+from dstune.progress import MetricsFile, ProgressDisplay, time_split_text, trained_text
 from dstune.report import plan_text
 from dstune.runlock import release_held as release_run_lock, take as take_run_lock
 from dstune.spec.load import SpecError, load_spec
@@ -248,7 +248,7 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
         with averaged_weights(ctx.engine):  # schedule-free's averaged weights (a no-op for other optimizers)
             render_samples(ctx, 0, metrics)
     display = ProgressDisplay(run.is_main, plan.total_steps, plan.epochs, state.global_step)
-    started = time.perf_counter()
+    started, start_step, start_samples = time.perf_counter(), state.global_step, state.samples_seen
     try:
         with at_step_boundaries():
             state = train_loop(ctx, state, display, metrics)
@@ -275,7 +275,7 @@ def _train(run: Run, resolved: Resolved, run_dir: Path, resume: str | None, opti
     metrics.close()
     if run.is_main:
         print(
-            f"trained {state.global_step} steps ({state.samples_seen} samples) in {fmt_seconds(elapsed)}; "
+            f"{trained_text(start_step, state.global_step, start_samples, state.samples_seen, elapsed)}; "
             f"{time_split_text(ctx.timings, cached=spec.data.cache.latents or spec.data.cache.codec_tokens)}; "
             f"checkpoint {checkpoint_root(run_dir) / tag}",
             flush=True,

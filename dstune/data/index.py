@@ -35,6 +35,7 @@ from dstune.data.pairs import (
     stem_of,
     unpaired_message,
 )
+from dstune.data.survey import caption_hint, extensions_under, found_text
 from dstune.data.synthetic import MOVING_SHAPES_NUM_SAMPLES, SHAPES_NUM_SAMPLES, moving_shape, shape_sample
 from dstune.spec.models import DataSpec
 from dstune.spec.section import BUILTIN_PREFIX
@@ -192,10 +193,18 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
             if data.format == "jsonl" or has_metadata
             else f"{kinds} files ({', '.join(IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ()))})"
         )
+        found = extensions_under(root)
+        clips = sum(found[extension] for extension in VIDEO_EXTENSIONS)
+        advice = (
+            "This model trains on images; the video models (model.family wan: Wan, HunyuanVideo 1.5, LTX-2; "
+            "`dstune init --model list`) train on clips. Or point"
+            if clips and not video
+            else "Point"
+        )
         raise DataError(
             "data.path",
-            f"no usable samples in {root}: looked for {what}. Point data.path at the folder "
-            "holding the images (subfolders are searched too).",
+            f"no usable samples in {root}: looked for {what}, found {found_text(found)}. {advice} data.path at "
+            "the folder holding the images (subfolders are searched too).",
         )
     return result
 
@@ -309,9 +318,10 @@ def _index_folder(
         examples = ", ".join(uncaptioned[:_EXAMPLES_IN_WARNING]) + (
             ", ..." if len(uncaptioned) > _EXAMPLES_IN_WARNING else ""
         )
+        beside = caption_hint([os.path.join(root, rel) for rel in uncaptioned], caption_extension)
         warnings.append(
             f"{len(uncaptioned)} of {len(records)} images have no {caption_extension} caption file and "
-            f"train with an empty caption ({examples})"
+            f"train with an empty caption ({examples}){beside}"
         )
     return IndexResult(records, warnings)
 

@@ -419,7 +419,8 @@ def _merge_optimizer(ctx: MergeContext, block: Any, ours: dict | None) -> dict |
 
 
 def _check_scheduler(ctx: MergeContext, block: Any) -> None:
-    """DeepSpeed's scheduler is always replaced by dstune's; disagreeing concrete values are errors."""
+    """DeepSpeed's scheduler is run by dstune as train.scheduler (the file's values fill the keys the spec leaves
+    unset: dstune.ds_json.fill_spec); disagreeing concrete values are errors."""
     ours = ctx.train.scheduler
     if not isinstance(block, dict):
         ctx.add("scheduler", f"must be a JSON object with type and params, not {json.dumps(block)}")
@@ -452,11 +453,12 @@ def _check_scheduler(ctx: MergeContext, block: Any) -> None:
         # HF writes warmup_num_steps max(1, warmup) because DeepSpeed >= 0.19.6 refuses 0: same schedule.
         if not same_value(value, want) and not (name == "warmup_num_steps" and want == 0 and same_value(value, 1)):
             _conflict(ctx, f"scheduler.params.{name}", value, want, spec_key)
-    if len(ctx.issues) == errors:
+    if len(ctx.issues) == errors and ctx.spec_wrote("train.scheduler"):  # from the file alone: it is the schedule
         ctx.add(
             "scheduler",
-            f"dropped: dstune steps its own schedule ({ours.type}, {p.warmup_steps} linear warmup "
-            f"steps from 0, {p.total_steps} optimizer steps) in place of DeepSpeed's {kind}",
+            f"repeats train.scheduler ({ctx.source.where('train.scheduler')}): the run's schedule is {ours.type} "
+            f"({p.warmup_steps} linear warmup steps from 0, {p.total_steps} optimizer steps), which dstune steps "
+            f"itself in place of DeepSpeed's {kind}; keep it in one place (the spec's train.scheduler)",
             "warning",
         )
 

@@ -98,10 +98,11 @@ def _precision_and_offload_changes(counts: ModelCounts, setup: Setup) -> list[Ch
         )
     if setup.offload_param == "none":
         extra = "" if setup.offload_optimizer != "none" else " deepspeed.offload_optimizer=cpu"
+        stage = "" if setup.zero_stage == 3 else "deepspeed.zero_stage=3 "
         changes.append(
             Change(
                 "parameter offload",
-                f"deepspeed.zero_stage=3 deepspeed.offload_param=cpu{extra}",
+                f"{stage}deepspeed.offload_param=cpu{extra}",
                 counts,
                 replace(
                     setup,
@@ -154,9 +155,9 @@ def suggestions(counts: ModelCounts, setup: Setup, gpu_bytes: float, limit: int 
         }
         if "zero_stage" in updates:
             updates["zero_stage"] = max(updates["zero_stage"], current.zero_stage)
+        texts.append(_without_settled(change.text, current))
         current = replace(current, **updates)
         current_counts = change.counts if change.counts is not counts else current_counts
-        texts.append(change.text)
         after = estimate(current_counts, current)
         if after.peak <= gpu_bytes:
             return [
@@ -168,6 +169,18 @@ def suggestions(counts: ModelCounts, setup: Setup, gpu_bytes: float, limit: int 
                 }
             ]
     return []
+
+
+def _without_settled(text: str, setup: Setup) -> str:
+    """A change's text without the settings an earlier change of a combination (or the spec) already made."""
+    words = text.split(" ")
+    kept = [
+        word
+        for word in words
+        if not (word.startswith("deepspeed.zero_stage=") and setup.zero_stage >= int(word.partition("=")[2]))
+        and not (word == "deepspeed.offload_optimizer=cpu" and setup.offload_optimizer != "none")
+    ]
+    return " ".join(kept)
 
 
 def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -> dict:

@@ -21,9 +21,10 @@ STEPS = 4
 CASES = {  # name -> (zero stage, gradient checkpointing); zero1 also trains from a folder with a corrupt image
     "zero0": (0, False),
     "zero1": (1, False),  # with SGD + momentum, data.eval and samples: the 2-rank side of test_world_size_equivalence
-    "zero2": (2, False),
+    "zero2": (2, False),  # with a 2-step warmup: the LR logged is the LR each step applied
     "zero3": (3, True),  # with gradient checkpointing (non-reentrant) under ZeRO-3
 }
+WARMUP = {"type": "constant_with_warmup", "warmup_steps": 2}
 # SGD with momentum, not Adam, where runs are compared across world sizes: Adam divides each gradient element by its
 # own magnitude, so elements whose gradient is at rounding-noise level (different summation orders on 1 vs 2 ranks)
 # get full-size updates of random sign, which would hide whether two splits trained on the same samples and noise.
@@ -79,6 +80,8 @@ def runs(tmp_path_factory) -> dict:
                                 eval=EVAL)
             spec["train"]["optimizer"] = dict(SGD)
             spec["sample"] = {"prompts": ["a red circle"], "steps": 2}
+        if name == "zero2":
+            spec["train"]["scheduler"] = dict(WARMUP)
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         # zero0 goes through `deepspeed --module dstune.train`, zero1 through `deepspeed dstune/train.py`, the
         # others through DeepSpeed's per-node launcher directly (tests/dist/harness.py)
@@ -105,6 +108,12 @@ def test_trains_checks_and_exports(runs, name):
     assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged)
     assert logged[-1]["samples"] == STEPS * 4
+    assert [m["epoch"] for m in logged] == [1] * STEPS  # counted from 1, as the progress line says "epoch 1/1"
+    lr = 0.05 if name == "zero1" else 1e-3
+    applied = [lr / 2, lr, lr, lr] if name == "zero2" else [lr] * STEPS  # warmup: step 1 applies half the LR
+    assert [m["lr"] for m in logged] == pytest.approx(applied)
+    assert re.search(rf"^trained {STEPS} steps \({STEPS * 4} samples\) in ", proc.stdout, re.M), proc.stdout
+    assert "built successfully" not in proc.stdout  # DeepSpeed's note on its CPU comm op, once per rank
     assert "use_reentrant" not in proc.stdout + proc.stderr
     if name == "zero1":
         # found on the ranks before step 1 and skipped: the JPEG cut short is caught although its header is whole
@@ -141,12 +150,18 @@ def test_resume_continues_exactly(runs, name, tmp_path):
     (resumed_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed_dir / "checkpoints" / "step-00000002")
     (resumed_dir / "checkpoints" / "latest").write_text("step-00000002")
+    # the first run's log up to its stop: steps 3-4 were logged after the step-2 checkpoint and are trained again
+    shutil.copy(run_dir / "metrics.jsonl", resumed_dir / "metrics.jsonl")
     again = launch(spec_path, num_ranks=2, args=("--resume", "latest", "--set", f"output.dir={resumed_dir}"))
     assert again.returncode == 0, explain(again)
     assert "resumed from" in again.stdout
     assert "spec changes since the checkpoint (allowed):\n  output.dir:" in again.stdout  # listed, not refused
+    assert re.search(r"^trained steps 3-4 of the run, 2 steps \(8 samples\), in .* after resuming at step 2",
+                     again.stdout, re.M), again.stdout
     first, second = metrics(run_dir), metrics(resumed_dir)
-    assert [m["step"] for m in second] == [3, 4]
+    assert [m["step"] for m in second] == [1, 2, 3, 4]  # each step once: the redone steps' old lines removed
+    assert second[:2] == first[:2]
+    second = second[2:]
     for before, after in zip(first[2:], second):
         assert after["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=1e-7)
         assert after["lr"] == pytest.approx(before["lr"])
@@ -276,7 +291,7 @@ def test_a_resume_with_a_new_lr_trains_at_the_new_lr(runs, tmp_path):
     assert "train.optimizer.lr: 0.001 -> 0.01" in changed.stdout
     first, second = metrics(run_dir), metrics(resumed)
     assert [m["step"] for m in second] == [3, 4]
-    assert [m["lr"] for m in first] == pytest.approx([1e-3] * STEPS)
+    assert [m["lr"] for m in first] == pytest.approx([5e-4] + [1e-3] * (STEPS - 1))  # its 2-step warmup
     assert [m["lr"] for m in second] == pytest.approx([1e-2] * 2)
     saved = torch.load(resumed / "checkpoints" / f"step-{STEPS:08d}" / "mp_rank_00_model_states.pt",
                        map_location="cpu", weights_only=False)
@@ -321,6 +336,7 @@ def test_dstune_export_consolidates_any_checkpoint_offline(runs, tmp_path):
     done = subprocess.run([sys.executable, "-m", "dstune", "export", str(run_dir), "--step", "2", "--out", str(out)],
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, explain(done)
+    assert done.stdout + done.stderr == f"exported {out}\n"  # no progress bar over the shards, no library notes
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(out)

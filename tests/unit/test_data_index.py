@@ -82,6 +82,29 @@ def test_caption_extension_with_or_without_dot(tmp_path, extension):
     assert record.caption == "from .caption"
 
 
+def test_captions_under_another_extension_are_pointed_at(tmp_path):
+    """Images without .txt captions but with .caption files beside them: the warning says which key to set."""
+    for i in range(3):
+        write_image(tmp_path / f"img{i}.png")
+        write_text(tmp_path / f"img{i}.caption", f"caption {i}")
+    result = index_dataset(DataSpec(path=str(tmp_path)))
+    assert len(result.warnings) == 1
+    assert result.warnings[0].endswith(
+        "3 of them have a .caption file beside them: if those are the captions, set data.caption_extension: .caption"
+    )
+    assert index_dataset(DataSpec(path=str(tmp_path), caption_extension=".caption")).warnings == []
+
+
+def test_an_image_model_on_a_folder_of_clips_says_what_it_found_and_what_trains_clips(tmp_path):
+    for i in range(3):
+        (tmp_path / f"clip{i}.mp4").write_bytes(b"")
+        write_text(tmp_path / f"clip{i}.txt", "a clip")
+    with pytest.raises(DataError) as err:
+        count_samples(DataSpec(path=str(tmp_path)))
+    assert "found 6 files: 3 .mp4, 3 .txt" in err.value.message
+    assert "This model trains on images; the video models (model.family wan" in err.value.message
+
+
 def test_zero_repeat_folder_is_an_error(tmp_path):
     write_image(tmp_path / "0_dog" / "d.png")
     with pytest.raises(DataError) as err:

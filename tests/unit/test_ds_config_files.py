@@ -206,6 +206,13 @@ def test_defaults_yield_to_the_file_and_auto_takes_the_spec_or_default(tmp_path)
     )  # "auto" with the spec silent: dstune's default
     assert (spec.train.optimizer.type, spec.train.optimizer.lr) == ("adam", 3e-4)
     assert (spec.train.scheduler.type, spec.train.scheduler.warmup_steps) == ("cosine", 5)
+    # The file's schedule is the run's: never reported "dropped", and the plan says where it came from.
+    assert not [w for w in resolved.warnings if w.key == "scheduler"], resolved.warnings
+    from dstune.report import Outcome, plan_text
+
+    row = next(line for line in plan_text(resolved).splitlines() if "optimizer, schedule" in line)
+    assert f"the cosine schedule from train.scheduler = the file's scheduler block ({config}:1)" in row
+    assert "dropped" not in plan_text(resolved) and Outcome.of(resolved).source is resolved.source
 
 
 def test_a_filled_value_the_spec_refuses_is_named_at_the_file(tmp_path):

@@ -289,12 +289,20 @@ def test_optimizer_conflicts(tmp_path):
     assert "lr_scaling 2" in issues["optimizer.params.lr"].message and "0.0002" in issues["optimizer.params.lr"].message
 
 
-def test_scheduler_all_auto_is_dropped_with_a_warning(tmp_path):
+def test_a_scheduler_block_that_repeats_the_specs_schedule_is_pointed_at(tmp_path):
+    """Both the spec and the file give the schedule: the run's schedule is the spec's (which the file's agrees
+    with), stepped by dstune; the warning says so, never that anything was "dropped"."""
     user = {"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}}}
-    config, issues, *_ = compile_with(tmp_path, user, train={"scheduler": {"type": "cosine", "warmup_steps": 10}})
+    lines = {"train.scheduler": 7, "train.scheduler.type": 8}
+    train = {"scheduler": {"type": "cosine", "warmup_steps": 10}}
+    config, issues, *_ = compile_with(tmp_path, user, train=train, lines=lines)
     assert "scheduler" not in config
     [warning] = issues
-    assert warning.key == "scheduler" and warning.severity == "warning" and "cosine" in warning.message
+    assert warning.key == "scheduler" and warning.severity == "warning" and "dropped" not in warning.message
+    assert warning.message.startswith(f"repeats train.scheduler ({tmp_path / 'spec.yaml'}:7)") and "the run's schedule is cosine (10 linear" in (
+        warning.message
+    )
+    assert "keep it in one place" in warning.message
 
 
 def test_scheduler_concrete_values_must_agree(tmp_path):

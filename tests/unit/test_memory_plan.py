@@ -136,6 +136,23 @@ def test_a_combination_is_suggested_when_no_single_change_fits():
     assert len(found) == 1 and " + " in found[0]["change"] and found[0]["per_gpu_total_bytes"] <= budget
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_no_suggestion_sets_what_the_spec_or_an_earlier_change_already_set(stage):
+    """A spec already at ZeRO 3 is never told deepspeed.zero_stage=3, alone or in a combination, and a combination
+    names each setting once."""
+    counts = counts_for(
+        2_567_463_684, 29_492_480, activation_sample_bytes=6_000_000_000, checkpointed_sample_bytes=800_000_000
+    )
+    setup = setup_for(stage, 8, 8, micro_batch=4, accumulation=2)
+    for budget in (9e9, 6e9, 3e9, 2e9):
+        for item in suggestions(counts, setup, budget):
+            words = item["change"].split()
+            if stage == 3:
+                assert "deepspeed.zero_stage=3" not in words, item
+            settings = [w for w in words if "=" in w]
+            assert len(settings) == len({w.partition("=")[0] for w in settings}), item
+
+
 def test_memory_json_names():
     result = memory_json(counts_for(1000, 100), setup_for(2, 2, 2), None)
     assert set(result["per_gpu"]) >= {
