@@ -35,6 +35,29 @@ class ModelPreset:
     pretrained: str  # the published checkpoint (a Hugging Face hub id, downloaded beforehand)
     builtin: str  # the built-in tiny model with the same layout (`builtin:` + this)
     values: dict[str, Any] = field(default_factory=dict)  # dotted spec key -> value, over the shared defaults
+    # the GPUs the spec is sized for (its header names them; tests/unit/test_model_presets.py checks that
+    # `dstune validate` says the spec fits them): memory per GPU as --gpu-memory reads it, and GPUs per node
+    gpu_memory: str = "80GB"
+    num_gpus: int = 8
+
+
+# The memory of common training GPUs as their datasheets give it (GB = 10^9 bytes, as --gpu-memory reads it): the
+# cards a preset names in its header, and the one-line verdict `dstune validate` prints without --gpu-memory.
+COMMON_GPUS: tuple[tuple[str, str], ...] = (
+    ("24GB", "RTX 4090, L4, A10"),
+    ("40GB", "A100 40GB"),
+    ("48GB", "L40S, RTX 6000 Ada"),
+    ("80GB", "A100 80GB, H100"),
+    ("141GB", "H200"),
+    ("192GB", "B200, MI300X"),
+)
+
+
+def gpu_words(size: str) -> str:
+    """'80GB' -> '80 GB (A100 80GB, H100)'."""
+    cards = dict(COMMON_GPUS).get(size)
+    number = size.removesuffix("GB")
+    return f"{number} GB ({cards})" if cards else size
 
 
 class SingleFileLayout(Protocol):

@@ -1,6 +1,6 @@
 """What the libraries dstune runs on may print: quiet unless the user asks for it with `--verbose`.
 
-Without --verbose, three kinds of lines are dropped, each at its source and nothing else:
+Without --verbose, these lines are dropped, each at its source and nothing else:
   - DeepSpeed's INFO records (logger "DeepSpeed"; its configuration dumps, launcher and engine notes): a filter on
     that logger, which survives DeepSpeed setting the logger's level when it is imported. Its warnings and errors
     still print.
@@ -9,6 +9,8 @@ Without --verbose, three kinds of lines are dropped, each at its source and noth
   - FutureWarnings and DeprecationWarnings attributed to the libraries' own modules (torch, DeepSpeed, diffusers,
     transformers, peft, bitsandbytes, ...: one library calling another's deprecated API). The same warnings raised
     from dstune's code, and every other warning, still print.
+  - transformers' logged notices that a name it still accepts is deprecated (below ERROR; a filter on its
+    library logger's handler, set when transformers is imported).
   - On a training rank, torch's C++ warnings (TORCH_CPP_LOG_LEVEL=ERROR unless set: c10d's "retrying ...
     Interrupted system call" with its stack frames when a stop signal comes while the ranks meet) and DeepSpeed's
     note that it built its CPU communication op, which each rank prints, and the progress bar zero_to_fp32 draws
@@ -68,12 +70,38 @@ def set_library_verbosity(verbose: bool) -> None:
     if verbose:
         deepspeed_logger.removeFilter(_QUIET_DEEPSPEED)
         logging.getLogger("bitsandbytes").setLevel(logging.NOTSET)
-        _deepspeed_at_info()
+        for handler in logging.getLogger("transformers").handlers:
+            handler.removeFilter(_QUIET_DEPRECATIONS)
+        _after_import("deepspeed.utils.logging", _deepspeed_at_info)
         return
     deepspeed_logger.addFilter(_QUIET_DEEPSPEED)
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=LIBRARY_MODULES.pattern)
+    _after_import(TRANSFORMERS_LOGGING, _quiet_transformers_deprecations)
+
+
+class _DropDeprecationNotices(logging.Filter):
+    """A library's notices that a name it still accepts is deprecated (transformers' "`past_key_values` ... are
+    deprecated. Use `cache` instead." on every speech run): about its API, not about the user's spec."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or "deprecat" not in record.getMessage().lower()
+
+
+_QUIET_DEPRECATIONS = _DropDeprecationNotices()
+TRANSFORMERS_LOGGING = "transformers.utils.logging"
+
+
+def _quiet_transformers_deprecations() -> None:
+    """transformers' modules log through its library logger's own handler (made by its first get_logger): the
+    filter goes on that handler."""
+    if _verbose:
+        return
+    sys.modules[TRANSFORMERS_LOGGING].get_logger()
+    for handler in logging.getLogger("transformers").handlers:
+        if _QUIET_DEPRECATIONS not in handler.filters:
+            handler.addFilter(_QUIET_DEPRECATIONS)
 
 
 def quiet_native_warnings(verbose: bool) -> None:
@@ -115,23 +143,31 @@ def library_logs_verbose() -> bool:
 
 
 def _deepspeed_at_info() -> None:
-    """DeepSpeed sets its logger to WARNING when it is first imported; --verbose wants its INFO lines. Importing it
-    here would load torch, so when it is not loaded yet the level is set right after its logging module loads."""
-    module = sys.modules.get("deepspeed.utils.logging")
-    if module is not None:
-        module.logger.setLevel(logging.INFO)
-        for handler in module.logger.handlers:
-            handler.setLevel(logging.INFO)
+    """DeepSpeed sets its logger to WARNING when it is first imported; --verbose wants its INFO lines."""
+    module = sys.modules["deepspeed.utils.logging"]
+    module.logger.setLevel(logging.INFO)
+    for handler in module.logger.handlers:
+        handler.setLevel(logging.INFO)
+
+
+def _after_import(name: str, then) -> None:
+    """Run `then()` now if module `name` is loaded, else right after it first executes (importing it here would
+    load torch)."""
+    if name in sys.modules:
+        then()
         return
-    if not any(isinstance(finder, _AfterDeepSpeedLogging) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterDeepSpeedLogging())
+    if not any(isinstance(finder, _AfterImport) and finder.name == name for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, then))
 
 
-class _AfterDeepSpeedLogging:
-    """An import hook for one module: runs `_deepspeed_at_info` once deepspeed.utils.logging has executed."""
+class _AfterImport:
+    """An import hook for one module: runs `then()` once the module has executed."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
 
     def find_spec(self, name, path=None, target=None):
-        if name != "deepspeed.utils.logging":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         from importlib.util import find_spec
@@ -141,9 +177,9 @@ class _AfterDeepSpeedLogging:
             return spec
         exec_module = spec.loader.exec_module
 
-        def exec_then_raise_level(module):
+        def exec_then(module):
             exec_module(module)
-            _deepspeed_at_info()
+            self.then()
 
-        spec.loader.exec_module = exec_then_raise_level
+        spec.loader.exec_module = exec_then
         return spec

@@ -19,6 +19,7 @@ from pydantic_core import PydanticUndefined
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec
 from dstune.spec.section import CODEC_TOKEN_FAMILIES
 from dstune import registry
+from dstune.card import gpu_words
 
 # Values the `init` example uses where the default is not what a first run wants. The example must validate as
 # printed on any world size (micro + accumulation given, global derived) and name the built-in model and data.
@@ -311,7 +312,10 @@ def model_spec(name: str) -> str:
         f"# model.pretrained is the published checkpoint, {preset.pretrained} (download it first: `hf download "
         f"{preset.pretrained}`);",
         f"# builtin:{preset.builtin} is a tiny model of the same layout that is built offline, for a first try.",
-        "# data.path is a placeholder: point it at your data. Plan a run:  dstune validate spec.yaml --num-gpus 8",
+        f"# Sized for {preset.num_gpus} GPUs of {gpu_words(preset.gpu_memory)}: `dstune validate spec.yaml "
+        f"--num-gpus {preset.num_gpus} --gpu-memory {preset.gpu_memory}` says it fits (and, on other GPUs, what would "
+        "make it fit).",
+        "# data.path is a placeholder: point it at your data, then check the plan with that command.",
         "# Keys left out take their defaults; commented lines are off by default. Reference: docs/spec-reference.md",
     ]
     left_out = left_out_keys(preset.family)

@@ -18,6 +18,7 @@ from rich.text import Text
 
 from dstune.ds_json.merge import flatten
 from dstune.memory.plan import state_bytes_per_param
+from dstune.memory.verdict import common_gpus_text
 from dstune.spec.load import SpecIssue
 from dstune.sequence_parallel import report_rows as sequence_rows
 from dstune.video_plan import summary_rows
@@ -353,6 +354,14 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         rows.append(("NVMe per node", gb(memory["nvme_per_node_bytes"])))
     if memory.get("cache_disk_bytes"):
         rows.append(("cache on disk", gb(memory["cache_disk_bytes"])))
+    if memory["fits"] is None:  # no --gpu-memory: the peak against the cards people train on
+        rows.append(
+            (
+                "common GPUs",
+                f"{common_gpus_text(memory['peak_per_gpu_bytes'])} (peak {gb(memory['peak_per_gpu_bytes'])} per "
+                "GPU; check one card, with what would make it fit: --gpu-memory SIZE)",
+            )
+        )
     if memory["fits"] is not None:
         verdict = "fits" if memory["fits"] else "DOES NOT FIT"
         rows.append(("--gpu-memory", f"{gb(memory['gpu_memory_bytes'])}: {verdict}"))

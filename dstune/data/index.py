@@ -37,6 +37,7 @@ from dstune.data.pairs import (
 )
 from dstune.data.survey import caption_hint, extensions_under, found_text
 from dstune.data.synthetic import MOVING_SHAPES_NUM_SAMPLES, SHAPES_NUM_SAMPLES, moving_shape, shape_sample
+from dstune.models.unit import VIDEO_FAMILY
 from dstune.spec.models import DataSpec
 from dstune.spec.section import BUILTIN_PREFIX
 
@@ -196,8 +197,8 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
         found = extensions_under(root)
         clips = sum(found[extension] for extension in VIDEO_EXTENSIONS)
         advice = (
-            "This model trains on images; the video models (model.family wan: Wan, HunyuanVideo 1.5, LTX-2; "
-            "`dstune init --model list`) train on clips. Or point"
+            f"This model trains on images; the video models (model.family {VIDEO_FAMILY}: `dstune init --model "
+            "list` names them) train on clips. Or point"
             if clips and not video
             else "Point"
         )

@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from dstune.memory.phases import host_warning
-from dstune.memory.plan import ModelCounts, Setup, estimate, reduce_bucket_elements
+from dstune.memory.plan import ModelCounts, Setup, estimate, parse_size, reduce_bucket_elements
+from dstune.card import COMMON_GPUS, gpu_words
 from dstune.spec.models import BASE_PRECISION_BYTES
 
 
@@ -181,6 +182,17 @@ def _without_settled(text: str, setup: Setup) -> str:
         and not (word == "deepspeed.offload_optimizer=cpu" and setup.offload_optimizer != "none")
     ]
     return " ".join(kept)
+
+
+def common_gpus_text(peak_bytes: float) -> str:
+    """Whether a peak per GPU fits the common cards, in one line: the smallest that holds it, or none of them."""
+    cards = [(parse_size(size), gpu_words(size)) for size, _ in COMMON_GPUS]
+    fitting = [name for size, name in cards if peak_bytes <= size]
+    if not fitting:
+        return f"fits none of the common GPUs (the largest, {cards[-1][1]}, is too small)"
+    if len(fitting) == len(cards):
+        return f"fits every common GPU from {fitting[0]} up"
+    return f"fits {fitting[0]} and larger; not {cards[len(cards) - len(fitting) - 1][1]}"
 
 
 def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -> dict:

@@ -83,6 +83,15 @@ warnings.warn_explicit("dstune-deprecation: this spec key is deprecated", Future
                        module="dstune.validate")
 warnings.warn_explicit("library-user-warning: CUDA is not available", UserWarning, "grad_scaler.py", 1,
                        module="torch.cuda.amp.grad_scaler")
+from transformers.utils.generic import logger as transformers_generic  # imported after the verbosity is set
+transformers_generic.warning("`past_key_values`/`cache_params` are deprecated. Use `cache` instead.")
+transformers_generic.warning("transformers-warning: a real problem with the model")
+from dstune.library_logs import without_library_prints
+with without_library_prints():
+    print("DeepSpeed deepspeed_shm_comm_op built successfully")
+    print("a line of its own")
+with without_library_prints("stderr"):
+    print("Loading checkpoint shards: 100%|##########| 1/1", file=sys.stderr)
 """
 
 
@@ -102,6 +111,9 @@ def test_library_notices_are_dropped_by_source_and_dstune_warnings_stay():
     assert "library-deprecation" not in quiet
     assert "dstune-deprecation" in quiet  # dstune's own FutureWarnings are never hidden
     assert "library-user-warning" in quiet  # nor other kinds of warnings from the libraries
+    assert "past_key_values" not in quiet and "transformers-warning" in quiet  # its deprecation notices only
+    assert "built successfully" not in quiet and "Loading checkpoint shards" not in quiet
+    assert "a line of its own" in quiet  # what the wrapped call prints besides is given back
     verbose = run_notices("verbose")
     for expected in (
         "[INFO]",
@@ -110,6 +122,9 @@ def test_library_notices_are_dropped_by_source_and_dstune_warnings_stay():
         "library-deprecation",
         "dstune-deprecation",
         "library-user-warning",
+        "past_key_values",
+        "built successfully",
+        "Loading checkpoint shards",
     ):
         assert expected in verbose, f"{expected!r} missing with --verbose:\n{verbose}"
 

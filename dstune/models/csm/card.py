@@ -104,6 +104,7 @@ CSM_CARD = CsmCard(
                 **lora(16, LM_LORA_TARGET_MODULES),
                 **{"model.gradient_checkpointing": True, "data.cache.codec_tokens": True},
             ),
+            gpu_memory="24GB",
         ),
     ),
 )

@@ -126,6 +126,7 @@ DIA_CARD = DiaCard(
                     ],
                 },
             ),
+            gpu_memory="24GB",
         ),
     ),
 )

@@ -68,6 +68,7 @@ SD_CARD = SdCard(
                 30,
                 **{"train.micro_batch_size": 4, "train.optimizer.lr": 1.0e-5, "model.gradient_checkpointing": True},
             ),
+            gpu_memory="24GB",
         ),
     ),
 )

@@ -96,6 +96,7 @@ SDXL_CARD = SdxlCard(
             "stabilityai/stable-diffusion-xl-base-1.0",
             "tiny-sdxl",
             image(1024, 5.0, 30, **{"train.optimizer.lr": 1.0e-5, "model.gradient_checkpointing": True}),
+            gpu_memory="24GB",
         ),
     ),
 )

@@ -166,6 +166,7 @@ TTS_LM_CARD = TtsLmCard(
                     "data.cache.codec_tokens": True,
                 }
             ),
+            gpu_memory="40GB",
         ),
         ModelPreset(
             "orpheus",

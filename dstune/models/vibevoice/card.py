@@ -152,6 +152,7 @@ VIBEVOICE_CARD = VibeVoiceCard(
                     ],
                 },
             ),
+            gpu_memory="24GB",
         ),
     ),
 )
