@@ -299,9 +299,9 @@ def test_a_scheduler_block_that_repeats_the_specs_schedule_is_pointed_at(tmp_pat
     assert "scheduler" not in config
     [warning] = issues
     assert warning.key == "scheduler" and warning.severity == "warning" and "dropped" not in warning.message
-    assert warning.message.startswith(f"repeats train.scheduler ({tmp_path / 'spec.yaml'}:7)") and "the run's schedule is cosine (10 linear" in (
-        warning.message
-    )
+    assert warning.message.startswith(
+        f"repeats train.scheduler ({tmp_path / 'spec.yaml'}:7)"
+    ) and "the run's schedule is cosine (10 linear" in (warning.message)
     assert "keep it in one place" in warning.message
 
 
