@@ -1,9 +1,12 @@
-"""`dstune init --model NAME`: one spec per model dstune trains, with its real defaults, that validates as printed.
+"""`dstune init --model NAME`: one spec per model dstune trains, with its real defaults, that validates as printed and
+fits the GPUs its header names.
 
 The list of models (each card's presets, dstune.registry.presets) is checked against the spec's family union
 and the built-in models."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import yaml
@@ -37,7 +40,7 @@ def validate(capsys, *args: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("preset", registry.presets(), ids=lambda p: p.name)
-def test_init_model_prints_the_models_defaults_and_validates_as_printed(capsys, tmp_path, preset):
+def test_init_model_prints_the_models_defaults_and_validates_as_printed(capsys, tmp_path, monkeypatch, preset):
     path, spec = init_model(capsys, tmp_path, preset.name)
     assert spec["model"]["family"] == preset.family and spec["model"]["pretrained"] == preset.pretrained
     for dotted, value in preset.values.items():
@@ -53,9 +56,21 @@ def test_init_model_prints_the_models_defaults_and_validates_as_printed(capsys, 
     else:
         assert not {"min_clip_seconds", "speaker_balance", "duration_bucket_seconds"} & set(spec["data"])
         assert ("video" in spec["data"]) == (preset.family in VIDEO_FAMILIES)
-    # as printed: the published checkpoint is not on this machine, so the plan is offline
-    code, text = validate(capsys, path, "--num-gpus", "8", "--num-samples", "1000")
+    # as printed, on the GPUs its header names: the published checkpoint is not on this machine, so the plan is
+    # offline, its size counted from the configs stored with dstune (an empty hub cache: never this machine's)
+    header = re.search(
+        r"^# Sized for \d+ GPUs of .*: `dstune validate spec.yaml (--num-gpus \d+ --gpu-memory \S+)` "
+        r"says it fits",
+        path.read_text(),
+        re.M,
+    )
+    assert header, path.read_text()[:600]
+    assert header.group(1) == f"--num-gpus {preset.num_gpus} --gpu-memory {preset.gpu_memory}"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    code, text = validate(capsys, path, *header.group(1).split(), "--num-samples", "1000", "--require-fit")
     assert code == 0, text
+    assert f"--gpu-memory         {preset.gpu_memory.removesuffix('GB')} GB: fits" in text, text
+    monkeypatch.delenv("HF_HUB_CACHE")
     # pointed at the built-in tiny model of the same layout, whose configs validate checks the keys against
     data = (
         "builtin:tones"

@@ -180,6 +180,7 @@ TTS_LM_CARD = TtsLmCard(
                     "model.codec": "snac",
                     "model.token_layout": "orpheus",
                     "model.codec_pretrained": "hubertsiuzdak/snac_24khz",
+                    "model.gradient_checkpointing": True,  # 214 GB of activations per GPU without, at 10 s clips
                 },
             ),
         ),
