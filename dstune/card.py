@@ -101,6 +101,8 @@ class ModelCard:
     builds_partitioned: ClassVar[bool] = False
     # its start-up can load its text encoders on one rank per node, with the text cache (dstune.text_once)
     text_once: ClassVar[bool] = False
+    # it trains a clip's sound track beside its frames (validate counts the clips with and without sound)
+    trains_sound: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ what validate and the memory plan ask
 

@@ -18,7 +18,7 @@ from typing import Optional
 from dstune.data.clips import clip_counts, index_clips, is_grouped, latent_tokens
 from dstune.data.image_check import find_unreadable
 from dstune.data.index import DataError, builtin_name, is_video_file
-from dstune.families import clip_token_factors
+from dstune.families import clip_token_factors, get_facts
 from dstune.plan import key_label
 
 PROBLEMS_LISTED = 20  # videos that give no clip named one per line; the rest counted
@@ -33,6 +33,7 @@ class ClipCount:
     problems: list[str] = field(default_factory=list)  # one line per video that gives no clip
     warnings: list[str] = field(default_factory=list)
     stills: list = field(default_factory=list)  # the records of still images (one-frame clips read from image files)
+    silent: list = field(default_factory=list)  # the files whose clips have no sound track
 
 
 def count_clips(spec, show_progress: bool = False) -> ClipCount:
@@ -78,14 +79,28 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
         "tokens_per_sample_max": buckets[largest]["tokens"] if largest else 0,
         "tokens_from": factors,
     }
+    if get_facts(spec.model.family).trains_sound(spec) is not False:  # the model trains sound, or may
+        summary["sound"] = {"with": index.with_sound, "without": index.num_samples - index.with_sound}
     origin = data.path if builtin_name(data.path) else f"counted in {data.path}"
     origin += f"; {index.num_samples} clips from {index.files} video files" + (
         f" and {stills} stills" if stills else ""
     )
     groups = {key_label(key): clips for key, clips in counts.items()} if is_grouped(data) else None
     return ClipCount(
-        index.num_samples, origin, groups, summary, list(index.problems), list(index.warnings), still_records
+        index.num_samples,
+        origin,
+        groups,
+        summary,
+        list(index.problems),
+        list(index.warnings),
+        still_records,
+        _silent_files(index.records),
     )
+
+
+def _silent_files(records) -> list[str]:
+    """The files (or built-in datasets) of the clips without a sound track, each once, in dataset order."""
+    return list(dict.fromkeys(r.image_path or r.sample_id.split("/", 1)[0] for r in records if not r.sound))
 
 
 def clip_plan(spec, source, num_samples: Optional[int], check_files: bool = False) -> tuple:
@@ -97,6 +112,7 @@ def clip_plan(spec, source, num_samples: Optional[int], check_files: bool = Fals
     except DataError as err:
         return None, "", None, None, [source.issue(err.key or "data.path", err.message)]
     issues = [source.issue("data.path", text, severity="warning") for text in counted.warnings]
+    issues += sound_issues(spec, source, counted)
     if counted.problems:
         issues.append(source.issue("data.path", problem_text(counted.problems)))
     bad = find_unreadable(counted.stills, show_progress=True) if check_files else []
@@ -120,6 +136,47 @@ def clip_plan(spec, source, num_samples: Optional[int], check_files: bool = Fals
             )
         )
     return counted.count or None, counted.origin, counted.groups, counted.summary, issues
+
+
+def sound_issues(spec, source, counted: ClipCount) -> list:
+    """A model that trains sound on clips without any says so (every clip would train its video alone);
+    data.video.require_sound refuses each file without a sound track, and a model that trains no sound."""
+    trains = get_facts(spec.model.family).trains_sound(spec)
+    sound = counted.summary.get("sound")
+    require = spec.data.video.require_sound
+    if require and trains is False:
+        return [
+            source.issue(
+                "data.video.require_sound",
+                f"{spec.model.pretrained} trains no sound (its frames only): a sound track would not be used. "
+                "Remove data.video.require_sound.",
+            )
+        ]
+    if require and counted.silent:
+        listing = "\n  ".join(counted.silent[:PROBLEMS_LISTED])
+        more = (
+            f"\n  ... and {len(counted.silent) - PROBLEMS_LISTED} more" if len(counted.silent) > PROBLEMS_LISTED else ""
+        )
+        return [
+            source.issue(
+                "data.video.require_sound",
+                f"{len(counted.silent)} file(s) have no sound track, and data.video.require_sound asks that every "
+                f"clip has one:\n  {listing}{more}\nGive those clips with their sound (or delete them), or set "
+                "data.video.require_sound: false to train their video alone.",
+            )
+        ]
+    if trains and sound and counted.count and not sound["with"]:
+        return [
+            source.issue(
+                "data.path",
+                f"none of the {counted.count} clips has a sound track: {spec.model.pretrained} trains each clip's "
+                "sound with its frames, so this run trains the video alone (the audio half of the model learns "
+                "nothing). Give clips with their sound, or set data.video.require_sound: true to make this an "
+                "error.",
+                severity="warning",
+            )
+        ]
+    return []
 
 
 def problem_text(problems: list[str]) -> str:
@@ -163,6 +220,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     rows = [
         ("extraction", f"{summary['sampling']}{stride}{fps}; frame counts {summary['frame_counts']}"),
         ("files", files),
+        *([("sound", sound_text(summary["sound"]))] if summary.get("sound") else []),
         ("frame buckets", ", ".join(f"{frames} frames: {n}" for frames, n in summary["frames"].items())),
         ("size buckets", ", ".join(f"{size}: {n}" for size, n in summary["sizes"].items())),
     ]
@@ -178,3 +236,16 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         )
     )
     return rows
+
+
+def sound_text(sound: dict) -> str:
+    """The report's sound row: how many clips train with their sound, how many their video alone."""
+    total = sound["with"] + sound["without"]
+    if not sound["without"]:
+        return f"all {total} clips have a sound track: each trains its video and its sound"
+    if not sound["with"]:
+        return f"none of the {total} clips has a sound track: each trains its video alone"
+    return (
+        f"{sound['with']} of {total} clips have a sound track and train video and sound; {sound['without']} "
+        "without train their video alone"
+    )

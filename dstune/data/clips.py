@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from dstune.data.buckets import bucket_sizes, header_size, nearest_bucket
-from dstune.data.index import DataError, SampleRecord, index_dataset, is_builtin_clip, is_video_file
+from dstune.data.index import (
+    DataError,
+    SampleRecord,
+    index_dataset,
+    is_builtin_clip,
+    is_builtin_clip_with_sound,
+    is_video_file,
+)
 
 TEMPORAL_COMPRESSION = 4  # the video VAEs: the first frame, then 4 frames per latent frame (frames are 4k+1)
 CHUNK_SEPARATOR = "#"  # a sliding chunk's sample id: the file's id, "#", the chunk number
@@ -39,6 +46,7 @@ class ClipRecord(SampleRecord):
     frames: int = 1  # frames of this clip (its frame-count bucket)
     start: int = 0  # sliding: the chunk's first frame in the resampled timeline; 0 for head and uniform
     size: tuple[int, int] | None = None  # (width, height) with data.buckets; None: data.resolution's square
+    sound: bool = False  # its file has a sound track (the header's audio stream; built-in: moving-shapes-av)
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class VideoHeader:
     width: int
     height: int
     counted: bool = False  # True: the header stated no frame count, so the frames were decoded to count them
+    audio: bool = False  # the file has an audio stream (a sound track)
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,11 @@ class ClipIndex:
     warnings: list[str] = field(default_factory=list)
     files: int = 0  # video files read
     counted: int = 0  # of them, headers that stated no frame count (frames counted by decoding)
+
+    @property
+    def with_sound(self) -> int:
+        """Clips (repeats counted) whose file has a sound track."""
+        return sum(record.repeats for record in self.records if record.sound)
 
     @property
     def num_samples(self) -> int:
@@ -129,8 +143,9 @@ def read_header(path: str) -> VideoHeader:
             stream, rate = video_stream(container)
             width, height = stream.codec_context.width, stream.codec_context.height
             counted = not stream.frames > 0
+            audio = bool(container.streams.audio)
             frames = sum(1 for _ in container.decode(stream)) if counted else int(stream.frames)
-        _headers[key] = VideoHeader(frames, rate, width, height, counted)
+        _headers[key] = VideoHeader(frames, rate, width, height, counted, audio)
     return _headers[key]
 
 
@@ -159,6 +174,7 @@ def _video_clips(record: SampleRecord, data, sizes) -> tuple[list[ClipRecord], V
         repeats=record.repeats,
         frames=frames,
         size=size,
+        sound=header.audio,
     )
     if video.sampling != "sliding":
         return [ClipRecord(**base)], header
@@ -176,7 +192,10 @@ def _other_clip(record: SampleRecord, data, sizes) -> ClipRecord:
     if record.image_path is None:
         moving = is_builtin_clip(record.sample_id)
         return ClipRecord(
-            **base, frames=data.video.max_frames if moving else 1, size=nearest_bucket(1, 1, sizes) if sizes else None
+            **base,
+            frames=data.video.max_frames if moving else 1,
+            size=nearest_bucket(1, 1, sizes) if sizes else None,
+            sound=is_builtin_clip_with_sound(record.sample_id),
         )
     size = nearest_bucket(*header_size(record.image_path), sizes) if sizes else None
     return ClipRecord(**base, frames=1, size=size)

@@ -37,9 +37,8 @@ from dstune.data.pairs import (
 )
 from dstune.data.survey import caption_hint, extensions_under, found_text
 from dstune.data.synthetic import MOVING_SHAPES_NUM_SAMPLES, SHAPES_NUM_SAMPLES, moving_shape, shape_sample
-from dstune.models.unit import VIDEO_FAMILY
 from dstune.spec.models import DataSpec
-from dstune.spec.section import BUILTIN_PREFIX
+from dstune.spec.section import BUILTIN_PREFIX, VIDEO_FAMILY
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv")
@@ -108,6 +107,11 @@ def builtin_name(path: str) -> str | None:
 def is_builtin_clip(sample_id: str) -> bool:
     """Whether a built-in record (no file) is a clip of several frames rather than a still shape."""
     return sample_id.split("/", 1)[0] in CLIP_BUILTINS
+
+
+def is_builtin_clip_with_sound(sample_id: str) -> bool:
+    """Whether a built-in record is a clip with a sound track (builtin:moving-shapes-av)."""
+    return sample_id.split("/", 1)[0] == CLIP_BUILTINS[1]
 
 
 def is_video_file(path: str) -> bool:

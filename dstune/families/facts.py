@@ -104,3 +104,9 @@ class FamilyFacts:
         """The heads a sequence-parallel split divides, from the configs; None when they are not here."""
         card = self.card(spec)
         return card.attention(spec) if card is not None else None
+
+    def trains_sound(self, spec) -> Optional[bool]:
+        """Whether the model trains a clip's sound track beside its frames; None when its configs are not here
+        (validate then counts the clips with and without sound: dstune.video_plan)."""
+        card = self.card(spec)
+        return card.trains_sound if card is not None else None

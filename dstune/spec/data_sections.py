@@ -124,6 +124,13 @@ class VideoSpec(Section):
         "the next one's. Omitted: the clip's frame count (chunks that neither overlap nor leave gaps); smaller "
         "overlaps them, larger skips frames between them.",
     )
+    require_sound: bool = Field(
+        False,
+        description="For a model that trains sound with its frames (LTX-2): every clip must have a sound track. A "
+        "video file without one is an error naming it (validate and the run's start), instead of a clip that trains "
+        "the video alone. Off: clips without sound train the video alone, and validate counts the clips with and "
+        "without sound (and says so when none has any). See docs/family-ltx2.md.",
+    )
 
     @field_validator("frames")
     @classmethod
@@ -152,8 +159,13 @@ class VideoSpec(Section):
 
     def __repr_args__(self):
         # repr(data.video) is part of a clip's latent-cache key: without a stride it stays what it was before
-        # `stride` existed, so the caches of unchanged specs still match
-        return [(name, value) for name, value in super().__repr_args__() if not (name == "stride" and value is None)]
+        # `stride` existed, so the caches of unchanged specs still match;
+        # require_sound decides what is accepted, not what a clip's latents are: never part of the key
+        return [
+            (name, value)
+            for name, value in super().__repr_args__()
+            if not (name == "stride" and value is None) and name != "require_sound"
+        ]
 
     @property
     def frame_counts(self) -> tuple[int, ...]:

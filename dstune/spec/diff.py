@@ -21,6 +21,7 @@ SAFE_CHANGES = {
     "deepspeed.sequence_parallel_size": "how many ranks share each sample (the same maths; a changed global batch is "
     "decided on its own)",
     "data.num_workers": "only how many processes load the same batches",
+    "data.video.require_sound": "only whether clips without a sound track are refused",
     "data.allow_upscaling": "only whether images smaller than data.resolution are warned about",
     "data.cache.": "only where encodings come from (cached and on-the-fly batches agree to float rounding)",
     "data.eval.every_steps": "only how often the held-out loss is measured (the held-out images stay the same)",

@@ -140,3 +140,38 @@ def test_validate_of_a_launch_spec_prints_no_library_lines_unless_verbose():
     assert verbose.returncode == 0, verbose.stdout + verbose.stderr
     assert "[INFO]" in verbose.stdout + verbose.stderr  # DeepSpeed's, e.g. its config parse
     assert verbose.stdout.rstrip().splitlines()[-1].startswith("valid: 2 ranks")
+
+
+def test_the_plan_counts_in_words_a_reader_expects(tmp_path, capsys):
+    """One of a thing in the singular ("1 sample", "1 optimizer step"), and large epoch counts as plain numbers
+    (1000, not 1e+03)."""
+    from dstune.cli import main
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+                "data": {"path": str(tmp_path / "not-here"), "resolution": 32},
+                "train": {"micro_batch_size": 1, "max_steps": 1},
+            }
+        )
+    )
+    assert main(["validate", str(spec), "--num-samples", "1"]) == 0
+    out = capsys.readouterr().out
+    for expected in (
+        "micro batch          1 sample per rank per forward pass",
+        "accumulation         1 micro-batch per optimizer step",
+        "global batch         1 sample per optimizer step = 1 x 1 x 1 rank",
+        "steps per epoch      1 optimizer step (1 micro-batch per rank)",
+        "each epoch           uses 1 sample, leaves out 0",
+        "total                1 optimizer step (train.max_steps)",
+        "samples seen         1 (each sample 1 time on average)",
+        "valid: 1 rank x micro 1 x accumulation 1 = global batch 1; 1 optimizer step = 1 epoch",
+    ):
+        assert expected in out, f"{expected!r} not in:\n{out}"
+    assert "1 samples" not in out and "1 optimizer steps" not in out
+    assert main(["validate", str(spec), "--num-samples", "1", "--set", "train.max_steps=1000"]) == 0
+    out = capsys.readouterr().out
+    assert "epochs               1000 (passes over the whole dataset" in out and "= 1000 epochs" in out, out
+    assert "e+03" not in out

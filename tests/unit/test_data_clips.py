@@ -231,7 +231,7 @@ def test_validate_counts_clips_prints_their_buckets_and_tokens_and_names_short_v
     assert "12 clips (repeats included)" in out and "frame buckets 1 frames: 1, 5 frames: 7, 9 frames: 4" in out
     assert "size buckets 32x48: 1, 32x32: 8, 48x32: 3" in out and "5f 48x32 3 clips, 12 tokens per sample" in out
     assert "5f 48x32 3 samples, 1 global batch per epoch, leaves out 1" in out  # what each epoch uses
-    assert "1f 32x48 1 samples, 0 global batches per epoch, leaves out 1 (never trains" in out
+    assert "1f 32x48 1 sample, 0 global batches per epoch, leaves out 1 (never trains" in out  # one, singular
     assert "5 optimizer steps (5 micro-batches per rank, the sum over 4 buckets)" in out
     assert "largest 12 per sample" in out
 

@@ -102,7 +102,7 @@ def test_an_image_model_on_a_folder_of_clips_says_what_it_found_and_what_trains_
     with pytest.raises(DataError) as err:
         count_samples(DataSpec(path=str(tmp_path)))
     assert "found 6 files: 3 .mp4, 3 .txt" in err.value.message
-    assert "This model trains on images; the video models (model.family wan" in err.value.message
+    assert "This model trains on images; the video models (model.family video" in err.value.message
 
 
 def test_zero_repeat_folder_is_an_error(tmp_path):

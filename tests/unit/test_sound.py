@@ -162,3 +162,82 @@ def test_a_clip_whose_sound_cannot_be_decoded_is_named_before_step_1(tmp_path):
     bad = find_bad_clips(records, spec, sound_rate=RATE)
     assert [record.sample_id for record, _ in bad] == ["broken.mp4"]
     assert "its sound track: its audio stream cannot be decoded" in bad[0][1] and "broken.mp4" in bad[0][1]
+
+
+# ------------------------------------------------------------------------------ what validate says of sound
+
+
+def _silent_clip(path, frames=12):
+    import av
+
+    with av.open(str(path), "w") as container:  # no audio stream at all
+        stream = container.add_stream("libx264", rate=24)
+        stream.width = stream.height = 32
+        stream.pix_fmt = "yuv420p"
+        for i in range(frames):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.full((32, 32, 3), i, np.uint8), format="rgb24")))
+        container.mux(stream.encode())
+
+
+def _validate(capsys, tmp_path, model: str, data_path: str, *sets: str) -> tuple[int, str]:
+    import yaml
+
+    from dstune.cli import main
+
+    spec = {
+        "model": {"family": "wan", "pretrained": f"builtin:{model}"},
+        "data": {"path": data_path, "resolution": 32, "video": {"frames": 5}},
+        "train": {"micro_batch_size": 1, "max_steps": 2},
+    }
+    path = tmp_path / f"{model}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    code = main(["validate", str(path), *[word for s in sets for word in ("--set", s)]])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.fixture
+def mixed_folder(tmp_path):
+    """Two clips with a sound track and one without."""
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    for name in ("a", "b"):
+        _two_tone_clip(folder / f"{name}.mp4")
+        (folder / f"{name}.txt").write_text("two tones")
+    _silent_clip(folder / "quiet.mp4")
+    (folder / "quiet.txt").write_text("no sound")
+    return folder
+
+
+def test_validate_counts_the_clips_with_and_without_sound_for_a_model_that_trains_it(capsys, tmp_path, mixed_folder):
+    code, text = _validate(capsys, tmp_path, "tiny-ltx2", str(mixed_folder))
+    assert code == 0, text
+    assert (
+        "sound                2 of 3 clips have a sound track and train video and sound; 1 without train their "
+        "video alone" in text
+    ), text
+    code, text = _validate(capsys, tmp_path, "tiny-ltx2", "builtin:moving-shapes-av")
+    assert code == 0 and "all 144 clips have a sound track: each trains its video and its sound" in text, text
+    code, text = _validate(capsys, tmp_path, "tiny-wan", str(mixed_folder))  # trains no sound: not a word of it
+    assert code == 0 and "sound track" not in text, text
+
+
+def test_a_model_that_trains_sound_on_clips_without_any_says_so(capsys, tmp_path):
+    code, text = _validate(capsys, tmp_path, "tiny-ltx2", "builtin:moving-shapes")
+    assert code == 0, text
+    assert (
+        "none of the 144 clips has a sound track: builtin:tiny-ltx2 trains each clip's sound with its frames, so "
+        "this run trains the video alone" in text
+    ), text
+    assert "data.video.require_sound: true to make this an error" in text
+
+
+def test_require_sound_refuses_each_file_without_a_track_and_a_model_without_sound(capsys, tmp_path, mixed_folder):
+    code, text = _validate(capsys, tmp_path, "tiny-ltx2", str(mixed_folder), "data.video.require_sound=true")
+    assert code == 1, text
+    assert "data.video.require_sound: 1 file(s) have no sound track" in text and str(mixed_folder / "quiet.mp4") in text
+    assert str(mixed_folder / "a.mp4") not in text
+    code, text = _validate(capsys, tmp_path, "tiny-ltx2", "builtin:moving-shapes-av", "data.video.require_sound=true")
+    assert code == 0, text
+    code, text = _validate(capsys, tmp_path, "tiny-wan", "builtin:moving-shapes-av", "data.video.require_sound=true")
+    assert code == 1 and "builtin:tiny-wan trains no sound" in text, text
