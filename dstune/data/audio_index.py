@@ -15,6 +15,10 @@ Layouts (the audio families):
 
 Length rules: a clip shorter than data.min_clip_seconds or longer than data.max_clip_seconds is left out by rule
 (not an error); how many, and which, is reported as a warning by `validate` and at the start of training.
+Speech rate: a clip whose transcript has more than MAX_SPEECH_RATE letters and digits a second cannot hold it (a WAV
+cut short behind an intact header) and is refused with every such file named (left out with data.skip_bad_files);
+clips of several seconds with almost no text are named in a warning. Missing and unreadable files are all named
+at once too.
 Length grouping (data.duration_bucket_seconds): clip i's group key is its bucket's lower edge in seconds, used by the
 shared grouped-batching core (dstune.data.groups) exactly as image aspect buckets are.
 """
@@ -40,6 +44,13 @@ JSONL_METADATA = "metadata.jsonl"
 GPTSOVITS_METADATA = "metadata.list"
 F5_HEADER = "audio_file|text"
 _EXAMPLES = 3
+LISTED = 20  # files named one per line in an error; the rest counted
+# Letters and digits of the transcript per second of audio: speech has about 10 to 20 (fast speech 25). Above
+# MAX_SPEECH_RATE a clip cannot hold its text (refused); below MIN_SPEECH_RATE over SLOW_CHECK_SECONDS or more it
+# holds almost none (warned).
+MAX_SPEECH_RATE = 100
+MIN_SPEECH_RATE = 0.5
+SLOW_CHECK_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -84,23 +95,82 @@ def index_audio(data: DataSpec) -> IndexResult:
             f"(LJSpeech: {LJSPEECH_METADATA} + wavs/; {JSONL_METADATA}; {GPTSOVITS_METADATA}; F5-TTS's "
             f"{LJSPEECH_METADATA} headed {F5_HEADER}), a GPT-SoVITS .list file, or {BUILTIN_PREFIX}tones.",
         )
-    records, skipped, warnings = [], [], []
+    records, problems, warnings = [], [], []
     for where, rel, text, speaker in rows:
         record, problem = _record(root, where, rel, text, speaker)
         if problem is None:
             records.append(record)
-        elif data.skip_bad_files:
-            skipped.append(problem)
         else:
-            raise DataError(
-                "data.path", f"{problem}. Fix or remove it, or set data.skip_bad_files: true to leave such clips out."
-            )
-    if skipped:
-        warnings.append(
-            f"{len(skipped)} clip(s) missing or unreadable and left out (data.skip_bad_files): "
-            f"{'; '.join(skipped[:_EXAMPLES])}"
+            problems.append(problem)
+    if problems and not data.skip_bad_files:  # every one named at once, as images and videos are
+        raise DataError(
+            "data.path",
+            f"{len(problems)} clip(s) missing or unreadable:{_listing(problems)}\nFix or remove them, or set "
+            "data.skip_bad_files: true to leave such clips out.",
         )
-    return _apply_length_rules(records, data, warnings, skipped)
+    if problems:
+        warnings.append(
+            f"{len(problems)} clip(s) missing or unreadable and left out (data.skip_bad_files): "
+            f"{'; '.join(problems[:_EXAMPLES])}"
+        )
+    result = _apply_length_rules(records, data, warnings, problems)
+    return _apply_speech_rate(result, data)
+
+
+def _listing(lines: list[str]) -> str:
+    """Lines as an indented list, at most LISTED of them, the rest counted."""
+    shown = "".join(f"\n  {line}" for line in lines[:LISTED])
+    return shown + (f"\n  ... and {len(lines) - LISTED} more" if len(lines) > LISTED else "")
+
+
+def speech_rate(record: AudioRecord) -> float:
+    """The transcript's letters and digits per second of the clip (speech: about 10 to 20)."""
+    return sum(character.isalnum() for character in record.caption) / max(record.duration_seconds, 1e-9)
+
+
+def _apply_speech_rate(result: IndexResult, data: DataSpec) -> IndexResult:
+    """Clips too short for their transcript (a file cut short behind an intact header reads as a few milliseconds
+    carrying a sentence) are refused with their names, or left out with data.skip_bad_files; clips of several
+    seconds with almost no text (silence, music, a wrong line) are named in a warning."""
+    too_fast = [r for r in result.records if speech_rate(r) > MAX_SPEECH_RATE]
+    fast_ids = {r.sample_id for r in too_fast}
+    too_slow = [
+        r for r in result.records if r.duration_seconds >= SLOW_CHECK_SECONDS and speech_rate(r) < MIN_SPEECH_RATE
+    ]
+
+    def described(record: AudioRecord) -> str:
+        letters = sum(character.isalnum() for character in record.caption)
+        return (
+            f"{record.audio_path or record.sample_id}: {record.duration_seconds:.3g} s for {letters} letters and "
+            f"digits ({speech_rate(record):.{0 if speech_rate(record) >= 100 else 2}f} a second) of "
+            f"{record.caption[:40]!r}"
+        )
+
+    if too_fast and not data.skip_bad_files:
+        raise DataError(
+            "data.path",
+            f"{len(too_fast)} clip(s) are too short for their transcript (more than {MAX_SPEECH_RATE} letters "
+            f"and digits a second; speech has about 10 to 20):{_listing([described(r) for r in too_fast])}\n"
+            "A file cut short keeps its header's promise of a whole sentence: replace the audio, or fix its line, "
+            "or set data.skip_bad_files: true to leave such clips out.",
+        )
+    warnings, skipped = list(result.warnings), list(result.skipped)
+    if too_fast:
+        warnings.append(
+            f"{len(too_fast)} clip(s) too short for their transcript left out (data.skip_bad_files): "
+            f"{'; '.join(described(r) for r in too_fast[:_EXAMPLES])}"
+        )
+        skipped += [f"{described(r)}: too short for its transcript" for r in too_fast]
+    if too_slow:
+        warnings.append(
+            f"{len(too_slow)} clip(s) of {SLOW_CHECK_SECONDS:g} s or more hold fewer than {MIN_SPEECH_RATE:g} "
+            f"letters and digits a second of transcript (silence, music or another clip's line?); they train as "
+            f"they are:{_listing([described(r) for r in too_slow])}"
+        )
+    kept = [r for r in result.records if r.sample_id not in fast_ids]
+    if not kept:
+        raise DataError("data.path", f"no clips left in {data.path}: every clip is too short for its transcript.")
+    return IndexResult(kept, warnings, skipped)
 
 
 def _tones_record(index: int) -> AudioRecord:

@@ -59,6 +59,51 @@ def test_unreadable_audio_is_an_error_naming_the_line_or_skipped_on_request(ljsp
     assert any("1 clip(s) missing or unreadable" in w for w in result.warnings)
 
 
+def test_every_unreadable_audio_file_is_named_at_once(ljspeech):
+    (ljspeech / "wavs" / "b.wav").write_bytes(b"not audio")
+    (ljspeech / "wavs" / "long.wav").write_bytes(b"RIFF")
+    (ljspeech / "wavs" / "a.wav").unlink()
+    with pytest.raises(DataError) as err:
+        index_audio(DataSpec(path=str(ljspeech), format="ljspeech"))
+    message = str(err.value)
+    assert "3 clip(s) missing or unreadable" in message
+    for line, name in ((1, "a.wav"), (2, "b.wav"), (4, "long.wav")):
+        assert f"metadata.csv:{line}: audio {ljspeech / 'wavs' / name}" in message, message
+
+
+def test_a_wav_cut_short_behind_its_header_is_refused_with_its_name_or_left_out(tmp_path):
+    """The header still promises a whole sentence's audio; the data stop after 150 samples (9.37 ms): validate
+    refuses it, naming the file, and data.skip_bad_files leaves it out with a warning."""
+    _write(tmp_path / "wavs" / "whole.wav", 2.0)
+    _write(tmp_path / "wavs" / "cut.wav", 2.0)
+    cut = tmp_path / "wavs" / "cut.wav"
+    cut.write_bytes(cut.read_bytes()[: 44 + 2 * 150])  # the 44-byte header, then 150 16-bit samples
+    sentence = "Printing, in the only sense with which we are at present concerned."
+    (tmp_path / "metadata.csv").write_text(f"whole|{sentence}|{sentence}\ncut|{sentence}|{sentence}\n")
+    assert soundfile.info(str(cut)).duration < 0.01  # what the file says of itself: a clip of 9.4 ms
+    with pytest.raises(DataError) as err:
+        index_audio(DataSpec(path=str(tmp_path), format="ljspeech"))
+    message = str(err.value)
+    assert (
+        "1 clip(s) are too short for their transcript" in message
+        and f"{cut}: 0.00937 s for 54 letters and digits (5760 a second)" in message
+    )
+    assert "whole.wav" not in message
+    result = index_audio(DataSpec(path=str(tmp_path), format="ljspeech", skip_bad_files=True))
+    assert [r.sample_id for r in result.records] == ["wavs/whole.wav"]  # 26.5 letters a second: speech
+    assert any("1 clip(s) too short for their transcript left out" in w and "cut.wav" in w for w in result.warnings)
+
+
+def test_a_long_clip_with_almost_no_transcript_is_named_in_a_warning(tmp_path):
+    _write(tmp_path / "wavs" / "music.wav", 6.0)
+    _write(tmp_path / "wavs" / "speech.wav", 1.0)
+    (tmp_path / "metadata.csv").write_text("music|Ok.|Ok.\nspeech|Hello there, doctor.|Hello there, doctor.\n")
+    result = index_audio(DataSpec(path=str(tmp_path), format="ljspeech"))
+    assert len(result.records) == 2  # trained as they are
+    [warning] = [w for w in result.warnings if "fewer than 0.5 letters and digits a second" in w]
+    assert "music.wav: 6 s for 2 letters" in warning and "speech.wav" not in warning
+
+
 def test_everything_skipped_is_a_clear_error(ljspeech):
     with pytest.raises(DataError, match="no clips left .* Widen the limits"):
         index_audio(DataSpec(path=str(ljspeech), format="ljspeech", min_clip_seconds=5.0, max_clip_seconds=9.0))
