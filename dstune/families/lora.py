@@ -333,7 +333,7 @@ def export_lora(model: TrainedModel, state: dict, out_dir, model_spec, weights: 
             raise FamilyError(f"{model.card.name}: save_lora_weights wrote no {written}")
         info = {
             "base_model": model_spec.pretrained,
-            "base_folder": str(model.folder),
+            "base_folder": str(Path(model.folder).absolute()),  # wherever the run was started from
             "family": model_spec.family,
             "format": chosen,
             "key_scheme": scheme,

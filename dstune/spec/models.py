@@ -7,7 +7,9 @@ Cross-field rules that need the world size (batch divisibility) live in `dstune.
 
 from __future__ import annotations
 
+import os
 import typing
+from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
@@ -376,6 +378,16 @@ class DeepSpeedSpec(Section):
 # -------------------------------------------------------------------------------------------------------- output
 
 
+def user_cache_dir() -> str:
+    """output.cache_dir when the spec leaves it out: $DSTUNE_CACHE, else $XDG_CACHE_HOME/dstune, else
+    ~/.cache/dstune (absolute, so that it is the same folder from wherever a run starts)."""
+    given = os.environ.get("DSTUNE_CACHE")
+    if given:
+        return str(Path(given).expanduser().absolute())
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
+    return str(Path(base).expanduser().absolute() / "dstune")
+
+
 class OutputSpec(Section):
     dir: str = Field(
         "runs/dstune",
@@ -383,11 +395,13 @@ class OutputSpec(Section):
         " A relative path is taken from the spec file's folder (from the current directory when given with --set); "
         "the default is under the current directory.",
     )
-    cache_dir: str = Field(
-        ".dstune-cache",
-        description="Cache for built-in models (and later latents); shared between runs."
-        " A relative path is taken from the spec file's folder (from the current directory when given with --set); "
-        "the default is under the current directory.",
+    cache_dir: Optional[str] = Field(
+        None,
+        description="Cache for built-in models, converted single-file checkpoints and (unless data.cache.dir says "
+        "otherwise) the encoded caches; shared between runs. Omitted: the DSTUNE_CACHE environment variable, else "
+        "the user's cache folder (`$XDG_CACHE_HOME/dstune`, by default `~/.cache/dstune`): one cache for every "
+        "run on this machine, whatever folder it starts from. A relative path is taken from the spec file's folder "
+        "(from the current directory when given with --set).",
     )
     save_every_steps: Optional[int] = Field(
         None, gt=0, description="Checkpoint every N optimizer steps (and always at the end)."
@@ -410,6 +424,13 @@ class OutputSpec(Section):
         description="Also log them to a Weights & Biases run in offline mode under `<output.dir>/wandb` (rank 0; "
         "nothing is uploaded: `wandb sync` does that later). Needs the `wandb` package, which dstune does not install.",
     )
+    @model_validator(mode="before")
+    @classmethod
+    def _user_cache_by_default(cls, data):
+        if isinstance(data, dict) and data.get("cache_dir") is None:
+            return {**data, "cache_dir": user_cache_dir()}
+        return data
+
     lora_format: Optional[Literal["diffusers", "kohya", "comfyui", "peft"]] = Field(
         None,
         description="With model.train: lora, the key scheme of the exported LoRA file: `kohya` (lora_unet_... "

@@ -5,7 +5,8 @@
   - a relative path given on the command line (`--set KEY=PATH`) is relative to the current directory, like any
     other command-line path;
   - data.control_dir is relative to data.path (`../source`: the folder beside the targets), wherever data.path is;
-  - defaults (output.dir `runs/dstune`, output.cache_dir `.dstune-cache`) are relative to the current directory.
+  - output.dir's default `runs/dstune` is relative to the current directory; output.cache_dir's default is the
+    user's cache folder (absolute: dstune.spec.models.user_cache_dir).
 
 Keys that may also name a Hugging Face hub id (model.pretrained and the other model folders) follow the rule when
 the spec's folder holds that path; otherwise they are left as written (a hub id, or a folder under the current

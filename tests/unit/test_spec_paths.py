@@ -135,3 +135,32 @@ def test_dstune_cache_prints_the_ambiguous_path_warning_too(folders, capsys):
     err = capsys.readouterr().err
     assert f"warning: {path}:{line_of(path, 'path: images')}: data.path: 'images' is taken from the spec" in err
     assert str(cwd / "images") in err
+
+
+def test_built_ins_go_to_one_user_cache_whatever_folder_a_run_starts_from(tmp_path, monkeypatch):
+    """output.cache_dir left out: $DSTUNE_CACHE, else $XDG_CACHE_HOME/dstune, else ~/.cache/dstune, the same
+    absolute folder from any working folder (never a per-folder .dstune-cache)."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": "sd"},
+                "data": {"path": "builtin:shapes"},
+                "train": {"micro_batch_size": 1, "max_steps": 1},
+            }
+        )
+    )
+    monkeypatch.delenv("DSTUNE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    found = set()
+    for folder in (tmp_path, tmp_path / "elsewhere"):
+        folder.mkdir(exist_ok=True)
+        monkeypatch.chdir(folder)
+        found.add(load_spec(spec)[0].output.cache_dir)
+    assert found == {str(tmp_path / "xdg" / "dstune")}
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert load_spec(spec)[0].output.cache_dir == str(tmp_path / "home" / ".cache" / "dstune")
+    monkeypatch.setenv("DSTUNE_CACHE", "shared/cache")  # relative: from where the command runs
+    assert load_spec(spec)[0].output.cache_dir == str(tmp_path / "elsewhere" / "shared" / "cache")
+    assert load_spec(spec, ["output.cache_dir=mine"])[0].output.cache_dir == "mine"  # written: as given

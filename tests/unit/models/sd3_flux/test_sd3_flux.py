@@ -181,15 +181,20 @@ def test_sample_and_export_reload_with_the_pipeline(built, kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_lora_export_loads_into_the_pipeline_with_the_trained_effect(kind, tmp_path):
+def test_lora_export_loads_into_the_pipeline_with_the_trained_effect(kind, tmp_path, monkeypatch):
     """model.train: lora on the transformer: the exported LoRA file, loaded by the pipeline's load_lora_weights,
-    reproduces the trained module's loss exactly (and differs from the base model's)."""
+    reproduces the trained module's loss exactly (and differs from the base model's). Its dstune_lora.json names
+    the base folder absolutely, although the run found it through a relative cache path."""
+    import os
+
     from diffusers import DiffusionPipeline
 
     from dstune.families.lora import apply_train_mode, export_lora
 
     spec = FlowModelSpec(family="flow", pretrained=f"builtin:{NAMES[kind]}", train="lora")
-    model = build_model(spec, CACHE_DIR, "cpu")
+    monkeypatch.chdir(CACHE_DIR.parent)
+    model = build_model(spec, os.path.relpath(CACHE_DIR), "cpu")
+    assert not Path(model.folder).is_absolute()
     assert "training: LoRA rank 16" in apply_train_mode(model, spec, seed=0)
     with torch.no_grad():
         for name, param in model.trainable.named_parameters():
@@ -204,3 +209,5 @@ def test_lora_export_loads_into_the_pipeline_with_the_trained_effect(kind, tmp_p
         pipe.load_lora_weights(out)
         trained, loaded = (model.loss(module, encoded, 0, 1) for module in (model.trainable, pipe.transformer))
     assert loaded.item() == pytest.approx(trained.item(), rel=1e-6) and loaded.item() != base_loss.item()
+    info = json.loads((out / "dstune_lora.json").read_text())
+    assert info["base_folder"] == str(Path(model.folder).absolute()) and Path(info["base_folder"]).is_absolute()
