@@ -424,6 +424,7 @@ class OutputSpec(Section):
         description="Also log them to a Weights & Biases run in offline mode under `<output.dir>/wandb` (rank 0; "
         "nothing is uploaded: `wandb sync` does that later). Needs the `wandb` package, which dstune does not install.",
     )
+
     @model_validator(mode="before")
     @classmethod
     def _user_cache_by_default(cls, data):
