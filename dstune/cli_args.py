@@ -79,9 +79,11 @@ def _add_spec_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="dstune",
-        description="Fine-tune diffusion models on DeepSpeed ZeRO from one validated YAML spec.",
-        epilog="Training: dstune train SPEC --num-gpus N (in a checkout also: deepspeed --num_gpus N dstune/train.py "
-        "SPEC). Exit codes: 0 ok, 1 invalid, 2 usage error; dstune train: 130 after Ctrl-C.",
+        description="Fine-tune image, video and speech models (full or LoRA) on DeepSpeed ZeRO from one validated "
+        "YAML spec. Start with `dstune init --model list`.",
+        epilog="Training: dstune train SPEC --num-gpus N, from any folder (DeepSpeed's own launcher: deepspeed "
+        "--num_gpus N --module dstune.train SPEC; from a checkout of dstune also deepspeed --num_gpus N "
+        "dstune/train.py SPEC). Exit codes: 0 ok, 1 invalid, 2 usage error; dstune train: 130 after Ctrl-C.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers = {}
@@ -258,7 +260,7 @@ def _add_run_folder_commands(commands, subparsers: dict) -> None:
     """export, synthesize and cache: the commands that work on a run folder, an export or a spec's cache."""
     export = subparsers["export"] = commands.add_parser(
         "export",
-        help="consolidate a run's checkpoint into a diffusers folder (safetensors)",
+        help="consolidate a run's checkpoint into the model's folder (safetensors) or LoRA file",
         description="Gather a checkpoint's ZeRO shards (any stage) into full fp32 weights and write a folder that "
         "DiffusionPipeline.from_pretrained loads. Runs on one CPU process; no GPU or launcher needed.",
     )
@@ -288,7 +290,8 @@ def _add_run_folder_commands(commands, subparsers: dict) -> None:
         "cache",
         help="build (or --verify) the latent / text-embedding cache of a spec, in this one process",
         description="Encode every image and caption the spec trains on into data.cache.dir (entries that are "
-        "already complete are kept). Under the launcher: deepspeed --num_gpus N dstune/train.py SPEC --cache-only.",
+        "already complete are kept). On N ranks sharing the work: dstune train SPEC --num-gpus N --cache-only "
+        "(from a checkout of dstune also: deepspeed --num_gpus N dstune/train.py SPEC --cache-only).",
     )
     cache.add_argument("spec", metavar="SPEC", help="the spec YAML")
     cache.add_argument(

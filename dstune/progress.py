@@ -166,8 +166,8 @@ def time_split_text(timings: dict, cached: bool = False) -> str:
         )
     elif fraction > 0.05:
         advice = (
-            " - the loader is a bottleneck: raise data.num_workers, store the images pre-resized near "
-            "data.resolution, or turn on data.cache"
+            " - the loader is a bottleneck: raise data.num_workers, store the data near the size it trains at "
+            "(images near data.resolution, audio at the model's sample rate), or turn on data.cache"
         )
     return (
         f"waiting for data {fmt_seconds(data_s)} ({100 * fraction:.1f}% of step time), "

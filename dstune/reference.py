@@ -58,6 +58,7 @@ SPEECH_ONLY_KEYS = (
 )
 PICTURE_ONLY_KEYS = (
     "data.resolution",
+    "data.allow_upscaling",
     "data.center_crop",
     "data.random_flip",
     "data.caption_dropout",
@@ -187,8 +188,8 @@ def reference_markdown() -> str:
     lines = [
         "# Spec reference",
         "",
-        "<!-- Generated from the field descriptions in dstune/spec/models.py by `python -m dstune.reference`"
-        " (`make docs`). Do not edit by hand: a test regenerates it. -->",
+        "<!-- Generated from the spec's field descriptions by `make docs`. Do not edit by hand: a test regenerates"
+        " it. -->",
         "",
         'A spec is one YAML file with the sections below. Unknown keys are errors (with a "did you mean"), every '
         "error is reported at once with its file:line, and any key can be overridden from the command line with "

@@ -1,9 +1,10 @@
 """Training entry point.
 
-    deepspeed --num_gpus N dstune/train.py spec.yaml [--set key=value]... [--resume latest|PATH [--allow-batch-change]]
-    deepspeed --num_gpus N --module dstune.train spec.yaml ...
-    python dstune/train.py spec.yaml          (one process, no launcher)
-    deepspeed --num_gpus N dstune/train.py spec.yaml --cache-only   (build data.cache on all ranks, then exit)
+    dstune train spec.yaml --num-gpus N ...   (from any folder: validates, then runs DeepSpeed's launcher on this module)
+    deepspeed --num_gpus N --module dstune.train spec.yaml [--set key=value]... [--resume latest|PATH]
+    deepspeed --num_gpus N dstune/train.py spec.yaml ...      (the same, from a checkout of dstune)
+    python -m dstune.train spec.yaml          (one process, no launcher)
+    deepspeed --num_gpus N --module dstune.train spec.yaml --cache-only   (build data.cache on all ranks, then exit)
 
 The flow is the one `dstune validate` shows: spec -> plan (for the real world the launcher started) -> DeepSpeed
 JSON -> engine -> batch check -> loop -> checkpoint -> export. Exit codes: 0 ok, 1 invalid spec or failed check,

@@ -50,7 +50,7 @@ if ! "$python" -m dstune validate "$spec" --hostfile "$hostfile" "${validate_arg
     exit 1
 fi
 
-cmd=(deepspeed --hostfile "$hostfile" "${ds_args[@]}" dstune/train.py "$spec" "${train_args[@]}")
+cmd=(deepspeed --hostfile "$hostfile" "${ds_args[@]}" dstune/train.py "$spec" "${train_args[@]}")  # from a checkout of dstune
 printf 'launching (in %s):\n ' "$repo"
 printf ' %q' "${cmd[@]}"
 printf '\n'

@@ -17,7 +17,7 @@ from dstune.spec.section import BUILTIN_PREFIX, CODEC_TOKEN_FAMILIES, Section
 class CacheSpec(Section):
     latents: bool = Field(
         False,
-        description="Encode every image with the VAE once, before training, and train from the stored posteriors "
+        description="Encode every image (or clip) with the VAE once, before training, and train from the stored posteriors "
         "(mean, std). Needs data.center_crop: true (a random crop cannot be cached). With data.random_flip both "
         "orientations are cached. See docs/caching.md.",
     )
@@ -97,8 +97,9 @@ class BucketsSpec(Section):
 class VideoSpec(Section):
     frames: Union[int, list[int]] = Field(
         5,
-        description="Frames per training clip: 4k+1 (the video VAEs compress time 4x after the first frame: "
-        "5, 9, ..., 81, ..., 121). A list of 4k+1 counts makes frame-count buckets: each video trains "
+        description="Frames per training clip: 4k+1 for a VAE that compresses time 4x after the first frame "
+        "(5, 9, ..., 81, ..., 121), 8k+1 for one that compresses it 8x (9, 17, ..., 121); validate says which a "
+        "model needs, and each video model's docs page gives its count. A list of counts makes frame-count buckets: each video trains "
         "at the largest count it can fill (after fps resampling), and every global batch comes from one count (and "
         "one data.buckets size). A still image is a one-frame clip. See docs/batches-and-epochs.md.",
     )
@@ -126,10 +127,10 @@ class VideoSpec(Section):
     )
     require_sound: bool = Field(
         False,
-        description="For a model that trains sound with its frames (LTX-2): every clip must have a sound track. A "
+        description="For a model that trains sound with its frames (validate says whether it does): every clip must have a sound track. A "
         "video file without one is an error naming it (validate and the run's start), instead of a clip that trains "
         "the video alone. Off: clips without sound train the video alone, and validate counts the clips with and "
-        "without sound (and says so when none has any). See docs/family-ltx2.md.",
+        "without sound (and says so when none has any). See the model's docs page.",
     )
 
     @field_validator("frames")
@@ -231,7 +232,7 @@ class DataSpec(Section):
     resolution: int = Field(
         32,
         gt=0,
-        description="Images are resized (shorter side) and cropped to this square size, in pixels. With "
+        description="Images (and video frames) are resized (shorter side) and cropped to this square size, in pixels. With "
         "data.buckets: the square bucket's side, and the pixel area (resolution^2) of generated buckets. Omitted: "
         "the model's native size, from its folder's configs (512, 1024, or 480 for a 480p video model; 32 for the "
         "built-in tiny models); `validate` prints the size chosen and why.",
@@ -249,9 +250,9 @@ class DataSpec(Section):
     caption_extension: str = Field(".txt", description="Caption file extension in `folder` format.")
     skip_bad_files: bool = Field(
         False,
-        description="Unreadable images (`dstune validate` opens every one, truncated JPEGs included, and "
-        "every rank checks its share before step 1): false stops with the files named; true skips them (each is "
-        "replaced by the next readable sample) and reports the count.",
+        description="Unreadable files (`dstune validate` opens every image, truncated JPEGs included, reads every "
+        "video's and audio file's header, and every rank checks its share before step 1): false stops with every "
+        "such file named; true skips them (each is replaced by the next readable sample) and reports the count.",
     )
     drop_last: bool = Field(
         True,

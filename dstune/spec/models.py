@@ -411,7 +411,10 @@ class OutputSpec(Section):
     )
     log_every_steps: int = Field(1, ge=1, description="Write a metrics line every N optimizer steps.")
     export: Literal["diffusers", "none"] = Field(
-        "diffusers", description="At the end, write a diffusers folder with safetensors."
+        "diffusers",
+        description="At the end, write the trained model (safetensors): a folder its library loads (diffusers or "
+        "transformers), or with model.train: lora its LoRA file. `none`: checkpoints only (`dstune export RUN` "
+        "writes it later).",
     )
     tensorboard: bool = Field(
         True,
@@ -448,7 +451,11 @@ class OutputSpec(Section):
 
 
 class SampleSpec(Section):
-    prompts: list[str] = Field(default_factory=list, description="Prompts rendered into a PNG grid (none: no samples).")
+    prompts: list[str] = Field(
+        default_factory=list,
+        description="Prompts rendered before, during (sample.every_steps) and after training: a PNG grid for an image "
+        "model, animated clips for a video model, WAV files for a speech model (none: no samples).",
+    )
     every_steps: Optional[int] = Field(
         None, gt=0, description="Also sample every N optimizer steps (before and after always)."
     )
@@ -507,7 +514,7 @@ class Spec(Section):
     train: TrainSpec = Field(description="Batches, length, optimizer, precision.")
     deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec, description="DeepSpeed ZeRO settings.")
     output: OutputSpec = Field(default_factory=OutputSpec, description="Where results go.")
-    sample: SampleSpec = Field(default_factory=SampleSpec, description="Images rendered during training.")
+    sample: SampleSpec = Field(default_factory=SampleSpec, description="Samples rendered during training.")
 
     @model_validator(mode="after")
     def _data_fits_family(self) -> "Spec":

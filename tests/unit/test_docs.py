@@ -98,3 +98,74 @@ def test_code_comments_do_not_cite_notes_outside_the_repository():
         if CODE_OUTSIDE_REFERENCES.search(line)
     ]
     assert not found, "state the reason in the comment:\n" + "\n".join(found)
+
+
+# ------------------------------------------------------------------------------ user pages and developer notes
+
+# The developers' section: docs/dev/, and the two developer pages at the top of docs/ (the map of the code and how
+# it is tested). Every other page, and the README, is written for users.
+DEVELOPER_PAGES = {"architecture.md", "testing.md"}
+# The module files of the package (a page may name dstune/train.py only as the checkout form, below).
+MODULE_FILES = {path.name for path in (REPO / "dstune").rglob("*.py")} - {"__init__.py", "__main__.py", "train.py"}
+MODULE_REFERENCE = re.compile(
+    r"dstune/(?!train\.py)[A-Za-z_]+"  # a path into the package
+    r"|\bdstune\.(?!train\b)[a-z_]+"  # a dotted module name (`python -m dstune.train` is how users launch)
+    r"|\btests/|\btest_[a-z0-9_]+\.py"  # a test file
+    r"|\b(?:" + "|".join(re.escape(name) for name in sorted(MODULE_FILES)) + r")\b"  # a module file by its name
+)
+CHECKOUT_FORM = re.compile(r"deepspeed\b.*\bdstune/train\.py")
+
+
+def user_pages() -> list[Path]:
+    return [REPO / "README.md"] + [
+        page for page in sorted((REPO / "docs").glob("*.md")) if page.name not in DEVELOPER_PAGES
+    ]
+
+
+def test_user_pages_name_no_module_path_or_test_file():
+    """Users are told what to do and why; where the code lives and how it is tested is in docs/dev/."""
+    found = [
+        f"{page.relative_to(REPO)}:{number}: {match.group(0)!r} in {line.strip()[:100]}"
+        for page in user_pages()
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        for match in [MODULE_REFERENCE.search(line)]
+        if match
+    ]
+    assert not found, "move to docs/dev/ or say it in a user's words:\n" + "\n".join(found)
+
+
+def test_every_launch_from_a_checkout_says_so():
+    """`deepspeed ... dstune/train.py` runs only in a checkout of dstune: each such line says so; `dstune train` and
+    `deepspeed --module dstune.train` work from any folder."""
+    pages = [*user_pages(), *sorted((REPO / "docs" / "dev").glob("*.md")), *(REPO / "launch").glob("*")]
+    unlabelled = [
+        f"{page.relative_to(REPO)}:{number}: {line.strip()}"
+        for page in pages
+        if page.is_file()
+        for number, line in enumerate(page.read_text().splitlines(), 1)
+        if CHECKOUT_FORM.search(line) and "checkout" not in line
+    ]
+    assert not unlabelled, "label each as the checkout form (e.g. '# from a checkout of dstune'):\n" + "\n".join(
+        unlabelled
+    )
+
+
+def test_the_scans_find_what_they_look_for():
+    """The two rules above on lines they must catch and lines they must let pass."""
+    for line in (
+        "`dstune/families/flow_model.py` is the core",
+        "see dstune.data.groups.speaker_balanced_order",
+        "`tests/unit/test_ltx2.py` checks it",
+        "the unit's `card.py`",
+        "test_family_flow.py re-computes",
+    ):
+        assert MODULE_REFERENCE.search(line), line
+    for line in (
+        "deepspeed --num_gpus 8 --module dstune.train spec.yaml",
+        "python -m dstune.train spec.yaml",
+        "diffusers' `train_dreambooth_lora_flux2_klein.py`",
+        "data.path: /data/my-images",
+    ):
+        assert not MODULE_REFERENCE.search(line), line
+    assert CHECKOUT_FORM.search("deepspeed --num_gpus 8 dstune/train.py spec.yaml")
+    assert not CHECKOUT_FORM.search("deepspeed --num_gpus 8 --module dstune.train spec.yaml")
