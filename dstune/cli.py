@@ -275,7 +275,8 @@ def cmd_init(args) -> int:
         if args.model == "list":
             return EXIT_OK
         raise UsageError(f"unknown model {args.model!r}: choose one of the models listed above")
-    text = model_spec(args.model) if args.model is not None else example_spec(args.family or "sd")
+    shown = Path(args.output).name if args.output else "spec.yaml"
+    text = model_spec(args.model, shown) if args.model is not None else example_spec(args.family or "sd")
     if args.output is None:
         sys.stdout.write(text)
         return EXIT_OK

@@ -9,8 +9,8 @@ Without --verbose, these lines are dropped, each at its source and nothing else:
   - FutureWarnings and DeprecationWarnings attributed to the libraries' own modules (torch, DeepSpeed, diffusers,
     transformers, peft, bitsandbytes, ...: one library calling another's deprecated API). The same warnings raised
     from dstune's code, and every other warning, still print.
-  - transformers' logged notices that a name it still accepts is deprecated (below ERROR; a filter on its
-    library logger's handler, set when transformers is imported).
+  - transformers' logged notices that a name it still accepts is deprecated, or that it falls back to an image
+    processor without torchvision (below ERROR; a filter on its library logger's handler, set when it is imported).
   - On a training rank, torch's C++ warnings (TORCH_CPP_LOG_LEVEL=ERROR unless set: c10d's "retrying ...
     Interrupted system call" with its stack frames when a stop signal comes while the ranks meet) and DeepSpeed's
     note that it built its CPU communication op, which each rank prints, and the progress bar zero_to_fp32 draws
@@ -81,12 +81,18 @@ def set_library_verbosity(verbose: bool) -> None:
     _after_import(TRANSFORMERS_LOGGING, _quiet_transformers_deprecations)
 
 
+# transformers' notices about its own API and its optional backends, below ERROR: "`past_key_values` ... are
+# deprecated. Use `cache` instead." (every codec-token LM run), "`CLIPImageProcessor` requires torchvision (not
+# installed); falling back to `CLIPImageProcessorPil`" (every rank of an image run, where the fallback is what dstune
+# uses anyway). Not about the user's spec.
+TRANSFORMERS_NOTICES = re.compile(r"deprecat|requires torchvision \(not installed\); falling back", re.I)
+
+
 class _DropDeprecationNotices(logging.Filter):
-    """A library's notices that a name it still accepts is deprecated (transformers' "`past_key_values` ... are
-    deprecated. Use `cache` instead." on every speech run): about its API, not about the user's spec."""
+    """transformers' TRANSFORMERS_NOTICES (a filter on its library logger's handler)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or "deprecat" not in record.getMessage().lower()
+        return record.levelno >= logging.ERROR or not TRANSFORMERS_NOTICES.search(record.getMessage())
 
 
 _QUIET_DEPRECATIONS = _DropDeprecationNotices()

@@ -299,8 +299,9 @@ def example_spec(family: str = "sd") -> str:
     return "\n".join(lines) + "\n"
 
 
-def model_spec(name: str) -> str:
-    """`dstune init --model NAME`: the spec of one model with its real defaults and only its family's keys."""
+def model_spec(name: str, file_name: str = "spec.yaml") -> str:
+    """`dstune init --model NAME`: the spec of one model with its real defaults and only its family's keys (its
+    header's commands name `file_name`, the file it is written to)."""
     preset = registry.preset(name)
     values = {
         **MODEL_EXAMPLE_VALUES,
@@ -313,7 +314,7 @@ def model_spec(name: str) -> str:
         f"# model.pretrained is the published checkpoint, {preset.pretrained} (download it first: `hf download "
         f"{preset.pretrained}`);",
         f"# builtin:{preset.builtin} is a tiny model of the same layout that is built offline, for a first try.",
-        f"# Sized for {preset.num_gpus} GPUs of {gpu_words(preset.gpu_memory)}: `dstune validate spec.yaml "
+        f"# Sized for {preset.num_gpus} GPUs of {gpu_words(preset.gpu_memory)}: `dstune validate {file_name} "
         f"--num-gpus {preset.num_gpus} --gpu-memory {preset.gpu_memory}` says it fits (and, on other GPUs, what would "
         "make it fit).",
         "# data.path is a placeholder: point it at your data, then check the plan with that command.",

@@ -86,6 +86,7 @@ warnings.warn_explicit("library-user-warning: CUDA is not available", UserWarnin
 from transformers.utils.generic import logger as transformers_generic  # imported after the verbosity is set
 transformers_generic.warning("`past_key_values`/`cache_params` are deprecated. Use `cache` instead.")
 transformers_generic.warning("transformers-warning: a real problem with the model")
+transformers_generic.warning("`CLIPImageProcessor` requires torchvision (not installed); falling back to `X`")
 from dstune.library_logs import without_library_prints
 with without_library_prints():
     print("DeepSpeed deepspeed_shm_comm_op built successfully")
@@ -112,6 +113,7 @@ def test_library_notices_are_dropped_by_source_and_dstune_warnings_stay():
     assert "dstune-deprecation" in quiet  # dstune's own FutureWarnings are never hidden
     assert "library-user-warning" in quiet  # nor other kinds of warnings from the libraries
     assert "past_key_values" not in quiet and "transformers-warning" in quiet  # its deprecation notices only
+    assert "requires torchvision" not in quiet
     assert "built successfully" not in quiet and "Loading checkpoint shards" not in quiet
     assert "a line of its own" in quiet  # what the wrapped call prints besides is given back
     verbose = run_notices("verbose")

@@ -59,7 +59,7 @@ def test_init_model_prints_the_models_defaults_and_validates_as_printed(capsys, 
     # as printed, on the GPUs its header names: the published checkpoint is not on this machine, so the plan is
     # offline, its size counted from the configs stored with dstune (an empty hub cache: never this machine's)
     header = re.search(
-        r"^# Sized for \d+ GPUs of .*: `dstune validate spec.yaml (--num-gpus \d+ --gpu-memory \S+)` "
+        rf"^# Sized for \d+ GPUs of .*: `dstune validate {path.name} (--num-gpus \d+ --gpu-memory \S+)` "
         r"says it fits",
         path.read_text(),
         re.M,

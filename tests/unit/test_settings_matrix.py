@@ -133,8 +133,15 @@ def _problems(name: str, row: dict, result: dict) -> list[str]:
     if result["batch"] != row.get("micro_batch_size", 2):
         problems.append(f"a batch of {result['batch']} samples")
     printed = result["printed"].splitlines()
-    problems += [f"printed: {line}" for line in printed if line.lower().startswith("warning") or "Traceback" in line]
-    problems += [f"validate warned: {w}" for w in result["warnings"]]
+    expected = matrix.expected_warnings(name, row)
+    problems += [
+        f"printed: {line}"
+        for line in printed
+        if (line.lower().startswith("warning") and not any(text in line for text in expected)) or "Traceback" in line
+    ]
+    unexpected, missing = matrix.unexpected_warnings(name, row, result["warnings"])
+    problems += [f"validate warned: {w}" for w in unexpected]
+    problems += [f"validate did not warn: ...{text}..." for text in missing]
     problems += [f"dstune warned: {w}" for w in result["dstune_warnings"]]
     problems += [f"{what}: {names}" for what, names in matrix.unexplained(name, row, result["grads"]).items()]
     return problems
