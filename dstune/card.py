@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Protocol
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping, Optional, Protocol
 
 from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES, LM_LORA_TARGET_MODULES  # noqa: F401 - units take them from here
 
@@ -103,6 +104,10 @@ class ModelCard:
     text_once: ClassVar[bool] = False
     # it trains a clip's sound track beside its frames (validate counts the clips with and without sound)
     trains_sound: ClassVar[bool] = False
+    # diffusers' names of a transformer block's layers -> the names in the model's original checkpoints, which
+    # ComfyUI's loader maps: the LoRA file of output.lora_format comfyui where that format is the original names
+    # (the video models'); empty: the model has no such format (validate and start-up refuse it)
+    original_lora_names: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     # ------------------------------------------------------------------ what validate and the memory plan ask
 

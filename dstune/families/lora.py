@@ -21,7 +21,10 @@ What happens with `model.train: lora`:
      diffusers scheme above, or kohya's (`lora_unet_<layer path, dots as underscores>.lora_down.weight` /
      `.lora_up.weight` / `.alpha`), which ComfyUI, A1111/Forge and diffusers' own kohya conversion all read. The file
      keeps its name either way, so `pipe.load_lora_weights(folder)` loads every format.
-  5. tts_lm (key scheme "peft") writes no diffusers file: its save_lora_weights writes a peft adapter folder
+  5. A video model's `comfyui` format (key scheme "original") names the layers as the model's original checkpoints
+     do (`diffusion_model.blocks.N.self_attn.q`), from its card's `original_lora_names`: ComfyUI's loader maps
+     them, and diffusers converts them back itself.
+  6. tts_lm (key scheme "peft") writes no diffusers file: its save_lora_weights writes a peft adapter folder
      (`adapter/`) and the merged transformers folder beside it (docs/tts.md).
 """
 
@@ -116,7 +119,7 @@ def apply_train_mode(model: TrainedModel, model_spec, seed: int, lora_format=Non
             f"{type(denoiser).__name__} (e.g. to_q, to_k, to_v, to_out.0)."
         ) from None
     adapters = [(name, p) for name, p in denoiser.named_parameters() if p.requires_grad]
-    _check_file_names(model_spec.family, lora_format, [name for name, _ in adapters])
+    _check_file_names(model_spec.family, lora_format, [name for name, _ in adapters], model.card.original_lora_names)
     _check_adapter_format(model_spec.family, lora_format, adapter_type(settings))
     with torch.no_grad():
         for number, (name, param) in enumerate(adapters):
@@ -244,8 +247,59 @@ def kohya_read_back(layer: str) -> str:
     return next(iter(read), "nothing")
 
 
-def _check_file_names(family_name: str, lora_format, adapter_names: list[str]) -> None:
+ORIGINAL_PREFIX = "diffusion_model."  # the "original" scheme: a model's original checkpoint names (ComfyUI's)
+NO_ORIGINAL_NAMES = (
+    "output.lora_format comfyui: dstune has no ComfyUI format for this model (no map of its original layer names); "
+    "set output.lora_format: diffusers, which its pipeline's load_lora_weights loads"
+)
+
+
+def original_lora_tensors(state: dict, alpha: float, names) -> dict:
+    """Adapter tensors under the layer names of the model's original checkpoints: `diffusion_model.blocks.N.<name>`
+    with `.lora_A.weight`, `.lora_B.weight` and `.alpha` (ComfyUI and diffusers scale by alpha / rank, as peft does).
+    `names`: diffusers' name of a block's layer -> the original one (its card's original_lora_names). FamilyError
+    for a layer it does not name, or an adapter that is not LoRA's A and B."""
+    if not names:
+        raise FamilyError(NO_ORIGINAL_NAMES)
+    tensors = {}
+    for name, tensor in adapter_state_dict(state).items():
+        layer = adapted_layer(name)
+        part = name[len(layer) + 1 :]
+        original = _original_layer(layer, names)
+        if original is None:
+            raise FamilyError(f"output.lora_format comfyui: no original name for the adapted layer {layer}")
+        if part not in ("lora_A.weight", "lora_B.weight"):
+            raise FamilyError(
+                f"output.lora_format comfyui writes LoRA's A and B only, not {part} (model.lora.type lora)"
+            )
+        tensors[f"{ORIGINAL_PREFIX}{original}.{part}"] = tensor.detach().float().contiguous().cpu()
+        tensors[f"{ORIGINAL_PREFIX}{original}.alpha"] = torch.tensor(float(alpha))
+    return tensors
+
+
+def _original_layer(layer: str, names) -> str | None:
+    """`blocks.3.attn1.to_q` -> `blocks.3.self_attn.q` (None for a layer outside the blocks, or not in `names`)."""
+    head, number, rest = (layer.split(".", 2) + ["", ""])[:3]
+    if head != "blocks" or not number.isdigit() or rest not in names:
+        return None
+    return f"blocks.{number}.{names[rest]}"
+
+
+def _check_file_names(family_name: str, lora_format, adapter_names: list[str], original_names) -> None:
     chosen, scheme = lora_file_scheme(family_name, lora_format)
+    if scheme == "original":
+        if not original_names:
+            raise FamilyError(NO_ORIGINAL_NAMES)
+        layers = sorted({adapted_layer(name) for name in adapter_names})
+        unnamed = [layer for layer in layers if _original_layer(layer, original_names) is None]
+        if unnamed:
+            raise FamilyError(
+                f"output.lora_format {chosen}: {len(unnamed)} adapted layer(s) have no name in the model's original "
+                f"checkpoints, which ComfyUI's loader maps (e.g. {', '.join(unnamed[:3])}): ComfyUI would skip them. "
+                "Leave them out of model.lora.target_modules (the attention projections and the feed-forward "
+                "layers have names), or set output.lora_format: diffusers."
+            )
+        return
     if scheme != "kohya":
         return
     layers = sorted({adapted_layer(name) for name in adapter_names})
@@ -307,6 +361,18 @@ def save_peft_folder(layers: dict, config, folder: Path) -> None:
     save_file({f"base_model.model.{name}": tensor for name, tensor in layers.items()}, str(folder / PEFT_ADAPTER_FILE))
 
 
+def save_original_file(tensors: dict, settings, folder: Path) -> None:
+    """The file of the "original" scheme, with its rank and alpha in the safetensors metadata."""
+    from safetensors.torch import save_file
+
+    metadata = {
+        "format": "original layer names (ComfyUI)",
+        "rank": str(settings.rank),
+        "alpha": f"{settings.resolved_alpha:g}",
+    }
+    save_file(tensors, str(folder / LORA_WEIGHT_FILE), metadata=metadata)
+
+
 def export_lora(model: TrainedModel, state: dict, out_dir, model_spec, weights: str = "raw", lora_format=None) -> Path:
     """Write `out_dir/pytorch_lora_weights.safetensors` in the scheme of `lora_format` (output.lora_format; None:
     the family's default) + dstune_lora.json naming the base model and the format, atomically.
@@ -320,6 +386,9 @@ def export_lora(model: TrainedModel, state: dict, out_dir, model_spec, weights: 
         if scheme == "kohya":
             layers = kohya_lora_tensors(state, settings.resolved_alpha, settings.rank)
             save_kohya_file(layers, settings, work)
+        elif scheme == "original":
+            layers = original_lora_tensors(state, settings.resolved_alpha, model.card.original_lora_names)
+            save_original_file(layers, settings, work)
         elif adapter_type(settings) in PEFT_FOLDER_TYPES:  # no diffusers loader: peft's own adapter folder
             layers = diffusers_lora_layers(state)
             save_peft_folder(layers, lora_config(settings), work)

@@ -151,6 +151,15 @@ class VideoCard(PipelineCard):
             f"{patch[1]}x{patch[2]} patches)"
         )
         issues += self.settings_issues(spec.model) + side_issues(spec, side, why)
+        if spec.output.lora_format == "comfyui" and not self.original_lora_names:
+            issues.append(
+                (
+                    "output.lora_format",
+                    f"{spec.model.pretrained}: dstune has no ComfyUI format for {self.name} (ComfyUI's loader maps the "
+                    "layer names of the model's original checkpoints, and dstune has no map of them for it). Set "
+                    "output.lora_format: diffusers (its pipeline's load_lora_weights loads it)",
+                )
+            )
         return issues + self.model_spec_issues(spec, folder)
 
     # ------------------------------------------------------------------------------- memory

@@ -17,7 +17,9 @@ class VideoModelSpec(DenoiserModelBase):
 
     modality: ClassVar[str] = "video"  # what the data is (dstune.spec.models.VIDEO_FAMILIES, AUDIO_FAMILIES)
     PRESET_RESOLUTION: ClassVar[int] = 480
-    LORA_FORMATS: ClassVar[dict[str, str]] = {"diffusers": "diffusers"}  # the pipelines' save_lora_weights file
+    # the pipelines' save_lora_weights file; `comfyui`: the original checkpoint's layer names, where the model's card
+    # gives them (its original_lora_names; validate refuses it for the others)
+    LORA_FORMATS: ClassVar[dict[str, str]] = {"diffusers": "diffusers", "comfyui": "original"}
     PRESET_NAME: ClassVar[str] = "the video models' usual frame height"
 
     family: Literal[VIDEO_FAMILY, VIDEO_FAMILY_ALIAS] = Field(

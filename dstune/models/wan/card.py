@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Optional
 
 from dstune.card import ModelPreset, lora, video
@@ -94,8 +95,30 @@ def sample_bytes(
     return in_plan_units(sample, precision)
 
 
+# diffusers' names of a transformer block's layers -> the names in Wan's original checkpoints, which ComfyUI's Wan
+# loader maps (and musubi-tuner's and diffusion-pipe's Wan LoRAs use): what output.lora_format comfyui writes, as
+# `diffusion_model.blocks.N.<name>`. The inverse of diffusers' own reading of such files
+# (`_convert_non_diffusers_wan_lora_to_diffusers`).
+ORIGINAL_BLOCK_NAMES = {
+    "attn1.to_q": "self_attn.q",
+    "attn1.to_k": "self_attn.k",
+    "attn1.to_v": "self_attn.v",
+    "attn1.to_out.0": "self_attn.o",
+    "attn2.to_q": "cross_attn.q",
+    "attn2.to_k": "cross_attn.k",
+    "attn2.to_v": "cross_attn.v",
+    "attn2.to_out.0": "cross_attn.o",
+    "attn2.add_k_proj": "cross_attn.k_img",
+    "attn2.add_v_proj": "cross_attn.v_img",
+    "ffn.net.0.proj": "ffn.0",
+    "ffn.net.2": "ffn.2",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class WanCard(VideoCard):
+    original_lora_names = MappingProxyType(ORIGINAL_BLOCK_NAMES)
+
     def folder_problems(self, folder: Path, model_spec) -> list[str]:
         """model.expert and model.timestep_range against the folder's experts, the components, then each expert's
         layout (dstune.models.wan.layouts) against the VAE and model.image_to_video, and its text width."""

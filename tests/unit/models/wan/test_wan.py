@@ -356,3 +356,61 @@ def test_vae_latents_mean_trains_on_the_posterior_mean_and_the_default_samples_i
     explicit = with_settings(built, vae_latents="sample")
     with torch.no_grad():
         assert torch.equal(explicit.loss(built.trainable, encoded, SEED, STEP), default)
+
+
+def test_the_comfyui_lora_of_wan_has_the_original_layer_names_and_diffusers_reads_it_back(tmp_path, capsys):
+    """output.lora_format comfyui on Wan: the original checkpoint's layer names (`diffusion_model.blocks.N.
+    self_attn.q`, what ComfyUI's Wan loader maps) with alpha; diffusers' own reading of such files gives back the
+    trained adapters (the pipeline's transformer reproduces the trained loss). A layer without an original name is
+    refused before training, and a video model without such names (LTX-2) is refused by validate."""
+    import yaml
+    from diffusers import WanPipeline
+    from safetensors.torch import load_file
+
+    from dstune.cli import main
+    from dstune.families.base import FamilyError
+    from dstune.families.lora import apply_train_mode, export_lora
+
+    spec = VideoModelSpec(family="video", pretrained="builtin:tiny-wan", train="lora", lora={"rank": 4, "alpha": 8})
+    model = build_model(spec, CACHE_DIR, "cpu")
+    apply_train_mode(model, spec, seed=0, lora_format="comfyui")
+    with torch.no_grad():
+        for name, param in model.trainable.named_parameters():
+            if ".lora_B." in name:  # B starts at zero: "train" it
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    state = {k: v.detach().clone() for k, v in model.trainable.state_dict().items()}
+    out = export_lora(model, state, tmp_path / "lora", spec, lora_format="comfyui")
+    tensors = load_file(out / "pytorch_lora_weights.safetensors")
+    assert all(k.startswith("diffusion_model.blocks.") for k in tensors), sorted(tensors)[:4]
+    assert {k.split(".")[3] for k in tensors} == {"self_attn", "cross_attn"}  # the attention projections' names
+    assert "diffusion_model.blocks.0.self_attn.q.lora_A.weight" in tensors
+    assert tensors["diffusion_model.blocks.1.cross_attn.o.alpha"].item() == 8.0
+    assert json.loads((out / "dstune_lora.json").read_text())["format"] == "comfyui"
+    encoded = model.encode_batch(_batch([1]))
+    pipeline = WanPipeline.from_pretrained(model.folder)
+    with torch.no_grad():
+        base_loss = model.loss(pipeline.transformer, encoded, 0, 1)
+    pipeline.load_lora_weights(out)
+    with torch.no_grad():
+        trained, loaded = (model.loss(module, encoded, 0, 1) for module in (model.trainable, pipeline.transformer))
+    assert loaded.item() == pytest.approx(trained.item(), rel=1e-6) and loaded.item() != base_loss.item()
+
+    other = VideoModelSpec(
+        family="video", pretrained="builtin:tiny-wan", train="lora", lora={"target_modules": ["proj_out"]}
+    )
+    with pytest.raises(FamilyError, match="no name in the model's original checkpoints"):
+        apply_train_mode(build_model(other, CACHE_DIR, "cpu"), other, 0, lora_format="comfyui")
+
+    spec_file = tmp_path / "ltx2.yaml"
+    spec_file.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"family": "video", "pretrained": "builtin:tiny-ltx2", "train": "lora"},
+                "data": {"path": "builtin:moving-shapes-av", "resolution": 32, "video": {"frames": 9}},
+                "train": {"micro_batch_size": 1, "max_steps": 1},
+                "output": {"lora_format": "comfyui"},
+            }
+        )
+    )
+    assert main(["validate", str(spec_file)]) == 1
+    assert "dstune has no ComfyUI format for LTX-2" in capsys.readouterr().out
