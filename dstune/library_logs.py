@@ -118,8 +118,11 @@ def quiet_native_warnings(verbose: bool) -> None:
 
 
 # Lines a library prints (not logs) that say nothing a user acts on, dropped by `without_library_prints`: DeepSpeed's
-# note on loading its CPU comm op (each rank), and zero_to_fp32's progress bar over the shards (each export).
-LIBRARY_PRINTS = re.compile(r"^DeepSpeed \S+ built successfully$|Loading checkpoint shards: ")
+# note on loading its CPU comm op (each rank), and zero_to_fp32's progress bars over the shards (each export; ZeRO-3
+# checkpoints gather their partitions with a second bar).
+LIBRARY_PRINTS = re.compile(
+    r"^DeepSpeed \S+ built successfully$|Loading checkpoint shards: |Gathering sharded weights: "
+)
 
 
 @contextlib.contextmanager
@@ -139,7 +142,10 @@ def without_library_prints(stream: str = "stdout"):
     except BaseException:
         target.write(held.getvalue())
         raise
-    kept = [line for line in held.getvalue().splitlines(keepends=True) if not LIBRARY_PRINTS.search(line.strip())]
+    lines = held.getvalue().splitlines(keepends=True)
+    kept = [line for line in lines if not LIBRARY_PRINTS.search(line.strip())]
+    if len(kept) < len(lines):  # the bars' own line ends go with them
+        kept = [line for line in kept if line.strip()]
     target.write("".join(kept))
 
 

@@ -9,6 +9,7 @@ frames.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -76,6 +77,8 @@ def test_i2v_full_run_from_caches_exports_a_folder_the_pipeline_renders_with_sou
     check_trains(run_dir, proc)
     assert "entries, built now" in proc.stdout
     assert "text encoders: loaded on rank 0 only (the first of each node; 1 of 2 ranks)" in proc.stdout
+    # the plan every rank starts from says which clips train with their sound (here: all of them)
+    assert re.search(r"\bsound +all \d+ clips have a sound track: each trains its video and its sound", proc.stdout)
     entries = [read_entry(path) for path in (run_dir.parent / "cache").rglob("*.safetensors")]
     text = [entry for entry in entries if "audio_encoder_hidden_states" in entry]
     assert text and text[0]["encoder_hidden_states"].shape == (LTX2_TEXT_TOKENS, 16)

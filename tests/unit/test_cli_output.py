@@ -93,6 +93,8 @@ with without_library_prints():
     print("a line of its own")
 with without_library_prints("stderr"):
     print("Loading checkpoint shards: 100%|##########| 1/1", file=sys.stderr)
+    print("", file=sys.stderr)
+    print("Gathering sharded weights: 100%|##########| 208/208", file=sys.stderr)
 """
 
 
@@ -115,6 +117,7 @@ def test_library_notices_are_dropped_by_source_and_dstune_warnings_stay():
     assert "past_key_values" not in quiet and "transformers-warning" in quiet  # its deprecation notices only
     assert "requires torchvision" not in quiet
     assert "built successfully" not in quiet and "Loading checkpoint shards" not in quiet
+    assert "Gathering sharded weights" not in quiet
     assert "a line of its own" in quiet  # what the wrapped call prints besides is given back
     verbose = run_notices("verbose")
     for expected in (
