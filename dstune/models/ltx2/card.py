@@ -233,6 +233,7 @@ def config_mismatches(folder: Path) -> list[str]:
 @dataclass(frozen=True, kw_only=True)
 class Ltx2Card(VideoCard):
     trains_sound = True  # its model's sound stream encodes each clip's track with the audio VAE
+
     def folder_problems(self, folder: Path, model_spec) -> list[str]:
         """The experts (none), an LTX2Pipeline folder, its components, and the configs' agreement."""
         index = read_model_index(folder)
