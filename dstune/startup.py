@@ -43,6 +43,7 @@ from dstune.ds_json.fill_spec import merged_spec
 from dstune.engine import PRECISION_DTYPES, place_trainable
 from dstune.families import card_of, get_facts
 from dstune.families.lora import apply_train_mode
+from dstune.families.speakers import SpeakersRefused, voices_for
 from dstune.model_defaults import with_model_defaults
 from dstune.pretrained import build_model, partitioned_build_config, resolve_folders, resolve_pretrained
 from dstune.spec.load import SpecError, load_spec
@@ -252,6 +253,19 @@ def _one_frame_rate(run: Run, records: list) -> None:
             "train.micro_batch_size: 1.",
             1,
         )
+
+
+def hear_speakers(run: Run, spec: Spec, model, records: list) -> None:
+    """A speech model is given how to hear the data's speakers (`model.voices`: the map validate printed, from the
+    same rule); a refusal validate could not make (its configs were not here) stops every rank with the reason."""
+    if model.modality != "audio":
+        return
+    error = None
+    try:
+        model.voices = voices_for(model.card, spec.model, spec.data.speakers, [r.speaker for r in records])
+    except SpeakersRefused as err:
+        error = f"{err.key}: {err.message}"
+    agree_or_stop(run, error)
 
 
 def held_out_records(run: Run, spec: Spec) -> list:

@@ -16,6 +16,7 @@ from typing import Optional
 
 from dstune.card import LM_LORA_TARGET_MODULES, ModelPreset, lora, speech
 from dstune.families.codebooks_card import CodebooksCard
+from dstune.families.speakers import Voices
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.counts import SizesUnknown
@@ -53,6 +54,14 @@ class VibeVoiceCard(CodebooksCard):
     default_speaker: str  # the speaker of a transcript without "Speaker N:" lines and a numbered speaker
     noise_draws: int  # the diffusion's noise draws per latent (the class's default, and the original trainer's)
     latent_factors: tuple[str, ...]  # the tokenizer's latent statistics: set with it, never learnt
+
+    def voices(self, model_spec, names) -> Voices:
+        """VibeVoice's speakers are numbered script lines: the data's speakers take 0, 1, 2 ... in their order."""
+        return Voices(
+            self.name,
+            'speaker N, each clip\'s script line "Speaker N: text" (a transcript of Speaker N: lines keeps its own)',
+            {name: str(number) for number, name in enumerate(names)},
+        )
 
     def frozen_parts(self) -> tuple[str, ...]:
         """The speech tokenizers, the semantic connector (only generate uses it: the class's training forward
