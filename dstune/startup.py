@@ -262,7 +262,8 @@ def hear_speakers(run: Run, spec: Spec, model, records: list) -> None:
         return
     error = None
     try:
-        model.voices = voices_for(model.card, spec.model, spec.data.speakers, [r.speaker for r in records])
+        speakers, texts = [r.speaker for r in records], [r.caption for r in records]
+        model.voices = voices_for(model.card, spec.model, spec.data.speakers, speakers, texts)
     except SpeakersRefused as err:
         error = f"{err.key}: {err.message}"
     agree_or_stop(run, error)

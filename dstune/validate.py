@@ -348,7 +348,7 @@ def _count_samples(
 def _check_speakers(spec: Spec, source: SpecSource, records, found: IssueList) -> Optional[Voices]:
     """How the model hears the clips' speakers (validate prints it); a refusal where it cannot tell them apart."""
     try:
-        return get_facts(spec.model.family).voices(spec, [r.speaker for r in records])
+        return get_facts(spec.model.family).voices(spec, [r.speaker for r in records], [r.caption for r in records])
     except SpeakersRefused as err:
         found.add([source.issue(err.key, err.message)])
         return None

@@ -102,11 +102,12 @@ class FamilyFacts:
         card = self.card(spec)
         return card.pairs(spec) if card is not None else None
 
-    def voices(self, spec, speakers: Sequence[str]) -> Optional[Voices]:
-        """How the model hears the clips' `speakers` (one name per clip: dstune.families.speakers.voices_for);
-        None where no clip names one or the model's configs are not here. SpeakersRefused with the reason."""
+    def voices(self, spec, speakers: Sequence[str], texts: Sequence[str]) -> Optional[Voices]:
+        """How the model hears the clips' `speakers` (one name per clip, `texts` their transcripts:
+        dstune.families.speakers.voices_for); None where no clip names one or the model's configs are not here.
+        SpeakersRefused with the reason."""
         card = self.card(spec)
-        return voices_for(card, spec.model, spec.data.speakers, speakers) if card is not None else None
+        return voices_for(card, spec.model, spec.data.speakers, speakers, texts) if card is not None else None
 
     def attention(self, spec) -> Optional[Attention]:
         """The heads a sequence-parallel split divides, from the configs; None when they are not here."""

@@ -72,10 +72,17 @@ class Voices:
         return cls(saved["model"], saved["how"], dict(saved["speakers"]), tuple(saved.get("blended") or ()))
 
 
-def voices_for(card, model_spec, mode: str, speakers: Sequence[str]) -> Optional[Voices]:
-    """How the model of `card` hears the clips' `speakers` (one name per clip, "" = none) under data.speakers `mode`:
-    None where no clip names a speaker; SpeakersRefused where the model cannot tell the speakers apart."""
-    names = data_speakers(speakers)
+def heard_speakers(card, speakers: Sequence[str], texts: Sequence[str]) -> list[Optional[str]]:
+    """Each clip's speaker where the model is given it (None where its transcript names its own turns: a
+    dialogue's clip is no speaker's, and no speaker-less one either)."""
+    return [speaker if card.takes_speaker(text) else None for speaker, text in zip(speakers, texts)]
+
+
+def voices_for(card, model_spec, mode: str, speakers: Sequence[str], texts: Sequence[str]) -> Optional[Voices]:
+    """How the model of `card` hears the clips' `speakers` (one name per clip, "" = none; `texts` their
+    transcripts: a dialogue's that names its own turns is left out) under data.speakers `mode`: None where no clip
+    names a speaker; SpeakersRefused where the model cannot tell the speakers apart."""
+    names = data_speakers([s for s in heard_speakers(card, speakers, texts) if s is not None])
     if not names:
         return None
     if mode == BLEND:
@@ -84,11 +91,12 @@ def voices_for(card, model_spec, mode: str, speakers: Sequence[str]) -> Optional
 
 
 def one_voice(model: str, names: Sequence[str], why: str, fix: str) -> Voices:
-    """A model with one voice: a dataset of one speaker trains it; several are refused (`why` it has one voice,
-    `fix`: how to train them apart)."""
-    if len(names) > 1:
-        raise refusal(model, names, why, fix)
-    return Voices(model, f"one voice ({why})", {names[0]: ""})
+    """A model with one voice: a dataset of one named speaker trains it (its clips without a speaker too); several
+    named ones are refused (`why` it has one voice, `fix`: how to train them apart)."""
+    named = [name for name in names if name != NO_SPEAKER]
+    if len(named) > 1:
+        raise refusal(model, named, why, fix)
+    return Voices(model, f"one voice ({why})", {name: "" for name in names})
 
 
 def label(name: str) -> str:
@@ -105,11 +113,6 @@ def data_speakers(speakers: Sequence[str]) -> list[str]:
     speaker beside clips that do; [] where no clip names one."""
     names = sorted(set(speakers))
     return names if any(names) else []
-
-
-def numbered(speakers: Sequence[str]) -> dict[str, int]:
-    """name -> 0, 1, 2 ... in the data's order."""
-    return {name: number for number, name in enumerate(data_speakers(speakers))}
 
 
 def refusal(model: str, names: Sequence[str], why: str, fix: str) -> SpeakersRefused:

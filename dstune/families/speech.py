@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from dstune.families.base import FamilyError, TrainedModel
-from dstune.families.speakers import Voices
+from dstune.families.speakers import Voices, heard_speakers
 from dstune.families.speech_codecs import encode_clip
 
 
@@ -76,22 +76,22 @@ class SpeechModel(TrainedModel):
         """Each clip's speaker as the model is given it (self.voices: "0", "[S2]", a vector's name ...; "": its
         default voice). Clips that name speakers need the run's map: a batch alone cannot number them the same way
         every time."""
-        speakers = batch.get("speakers") or [""] * len(batch["texts"])
+        heard = heard_speakers(self.card, batch.get("speakers") or [""] * len(batch["texts"]), batch["texts"])
         if self.voices is None:
-            named = sorted({s for s in speakers if s})
+            named = sorted({s for s in heard if s})
             if named:
                 raise FamilyError(
                     f"the clips name speakers ({', '.join(named[:5])}) but {self.card.name} was not given how to hear "
                     "them (model.voices: dstune.families.speakers.voices_for)"
                 )
-            return list(speakers)
-        unknown = sorted({s for s in speakers if s and s not in self.voices.given and not self.voices.blended})
+            return [""] * len(heard)
+        unknown = sorted({s for s in heard if s and s not in self.voices.given and not self.voices.blended})
         if unknown:
             raise FamilyError(
                 f"the clips' speakers {', '.join(unknown[:5])} are not in the run's speaker map (its speakers: "
                 f"{', '.join(self.voices.given)})"
             )
-        return [self.voices.of(speaker) for speaker in speakers]
+        return ["" if speaker is None else self.voices.of(speaker) for speaker in heard]
 
     def save_samples(self, outputs: list[Clip], prompts: list[str], path) -> Path:
         return save_wavs(outputs, prompts, path)

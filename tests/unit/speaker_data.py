@@ -14,13 +14,15 @@ CLIPS = (("bob", "34"), ("ann", "12"))  # listed bob first: the map numbers the 
 
 
 def two_speaker_list(root: Path, clips=CLIPS, rate: int = 16000) -> Path:
-    """root/metadata.list over root/clips/N.wav (the tones of each text); returns root."""
+    """root/metadata.list over root/clips/N.wav (the tones of each text's digits); returns root."""
     import soundfile
 
     (root / "clips").mkdir(parents=True, exist_ok=True)
     rows = []
     for number, (speaker, text) in enumerate(clips):
-        soundfile.write(str(root / "clips" / f"{number}.wav"), render_tones(text, rate), rate)
+        soundfile.write(
+            str(root / "clips" / f"{number}.wav"), render_tones("".join(filter(str.isdigit, text)), rate), rate
+        )
         rows.append(f"clips/{number}.wav|{speaker}|en|{text}")
     (root / "metadata.list").write_text("\n".join(rows) + "\n")
     return root
@@ -29,7 +31,9 @@ def two_speaker_list(root: Path, clips=CLIPS, rate: int = 16000) -> Path:
 def speaker_batch(model, root: Path, mode: str = "separate") -> dict:
     """Every clip of the dataset at `root` as one batch, `model.voices` set as start-up sets it (the run's map)."""
     records, _ = speech_records(DataSpec(path=str(root)))
-    model.voices = voices_for(model.card, model.model_spec, mode, [r.speaker for r in records])
+    model.voices = voices_for(
+        model.card, model.model_spec, mode, [r.speaker for r in records], [r.caption for r in records]
+    )
     dataset = SpeechDataset(records, model.sample_rate)
     return collate_speech([dataset[i] for i in range(len(records))])
 

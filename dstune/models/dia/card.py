@@ -51,6 +51,10 @@ class DiaCard(CodebooksCard):
             dict(zip(names, tags)),
         )
 
+    def takes_speaker(self, text: str) -> bool:
+        """A transcript that starts with a tag is a dialogue that names its own turns."""
+        return not text.strip().startswith(self.speaker_tags)
+
     def codec_config_path(self, folder, config_origin: str):
         """The DAC config.json a Dia folder uses: its codec subfolder (dstune's stored and built-in folders), else
         what processor_config.json names (a folder, or a hub id found by config_folder)."""

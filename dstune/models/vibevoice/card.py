@@ -10,6 +10,7 @@ vocabulary and layers."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
@@ -24,6 +25,7 @@ from dstune.memory.plan import ModelCounts
 
 DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
 PROMPT_TOKENS = 40  # the chat template's system prompt and section headers
+SCRIPT_LINE = re.compile(r"^\s*Speaker\s+(\d+)\s*:\s*(.*)$")  # a script's turn: "Speaker N: text"
 
 
 def _hop(audio: dict) -> int:
@@ -62,6 +64,10 @@ class VibeVoiceCard(CodebooksCard):
             'speaker N, each clip\'s script line "Speaker N: text" (a transcript of Speaker N: lines keeps its own)',
             {name: str(number) for number, name in enumerate(names)},
         )
+
+    def takes_speaker(self, text: str) -> bool:
+        """A transcript of "Speaker N: ..." lines is a script that names its own turns."""
+        return not any(SCRIPT_LINE.match(line) for line in text.strip().splitlines())
 
     def frozen_parts(self) -> tuple[str, ...]:
         """The speech tokenizers, the semantic connector (only generate uses it: the class's training forward

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -37,10 +36,9 @@ from dstune.families.precision import at_least_float32
 from dstune.families.randomness import sample_seed
 from dstune.families.speech import Clip
 from dstune.hf import quiet_hf_libraries
-from dstune.models.vibevoice.card import VIBEVOICE_CARD, VibeVoiceCard
+from dstune.models.vibevoice.card import SCRIPT_LINE, VIBEVOICE_CARD, VibeVoiceCard
 
 DIFFUSION_PURPOSE = "vibevoice-diffusion"  # the per-sample draw of the diffusion's noise and timesteps
-TURN = re.compile(r"^\s*Speaker\s+(\d+)\s*:\s*(.*)$")
 TRAIN_KEYS = ("input_ids", "attention_mask", "latents", "labels", "audio_mask", "condition_mask")
 
 
@@ -229,7 +227,7 @@ def turns(text: str, speaker: str, default_speaker: str) -> list[tuple[str, str]
     """(speaker number, text) turns of a transcript: its "Speaker N: ..." lines, else one turn of the clip's
     speaker number (its speaker as the run's map numbers it: VibeVoice's speakers are numbers), else of the default
     speaker."""
-    found = [m.groups() for m in map(TURN.match, text.strip().splitlines()) if m]
+    found = [m.groups() for m in map(SCRIPT_LINE.match, text.strip().splitlines()) if m]
     if found:
         return [(number, words.strip()) for number, words in found]
     return [(speaker or default_speaker, " ".join(text.split()))]

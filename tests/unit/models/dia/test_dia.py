@@ -333,7 +333,9 @@ def test_dialogue_jsonl_and_gptsovits_list_with_speaker_balance(built, capsys, t
         records, _ = speech_records(DataSpec(path=str(root), format=data_format, speaker_balance=True))
         assert sorted({r.speaker for r in records}) == ["ann", "bob"]
         dataset = SpeechDataset(records, built.sample_rate)
-        built.voices = voices_for(DIA_CARD, built.model_spec, "separate", [r.speaker for r in records])
+        built.voices = voices_for(
+            DIA_CARD, built.model_spec, "separate", [r.speaker for r in records], [r.caption for r in records]
+        )
         try:
             encoded = built.encode_batch(collate_speech([dataset[i] for i in range(4)]))
         finally:
@@ -346,7 +348,8 @@ def test_dialogue_jsonl_and_gptsovits_list_with_speaker_balance(built, capsys, t
 def test_two_speakers_take_dias_tags_and_a_third_is_refused(folder, built, tmp_path, capsys):
     """A two-speaker .list (bob listed first): the sorted names take Dia's tags (ann [S1], bob [S2]) and each clip's
     ids are DiaProcessor's for its tagged text; validate prints the map, and refuses a third speaker (Dia has two
-    voices) with the reason and the fix, or takes it blended with data.speakers: blend."""
+    voices) with the reason and the fix, or takes it blended with data.speakers: blend; dialogue transcripts (tagged
+    turns) keep their own tags whatever their speaker column says."""
     from speaker_data import speaker_batch, two_speaker_list, validate_output
 
     _, processor = whole_dia(folder[0])
@@ -369,3 +372,6 @@ def test_two_speakers_take_dias_tags_and_a_third_is_refused(folder, built, tmp_p
     assert "Train 2 speakers per run" in out and "data.speakers: blend" in out
     code, out = validate_output(capsys, tmp_path, model, {"path": str(root), "speakers": "blend"})
     assert code == 0 and "3 (ann, bob, cy), blended into Dia's default voice (data.speakers: blend)" in out
+    two_speaker_list(root, [("bob", "[S1] 34 [S2] 1"), ("ann", "[S2] 12"), ("cy", "[S1] 5")])
+    code, out = validate_output(capsys, tmp_path, model, {"path": str(root)})  # dialogues: their own turns
+    assert code == 0 and "names sorted" not in out

@@ -91,7 +91,7 @@ def test_speaker_vectors_from_a_file(cache_dir, tmp_path, built):
         SpeechT5ModelSpec(family="speecht5", speaker_embeddings=str(tmp_path / "spk.safetensors")), cache_dir, "cpu"
     )
     speakers = ["ann", "bob", "", "ann", "bob"]
-    with_file.voices = voices_for(SPEECHT5_CARD, with_file.model_spec, "separate", speakers)
+    with_file.voices = voices_for(SPEECHT5_CARD, with_file.model_spec, "separate", speakers, ["12"] * 5)
     assert with_file.voices.given == {"": "default", "ann": "ann", "bob": "bob"}
     encoded = with_file.encode_batch(_batch(built, speakers))
     assert torch.equal(encoded["speaker_embeddings"][0], torch.ones(16))

@@ -123,7 +123,9 @@ def test_a_gptsovits_speaker_is_named_in_the_orpheus_prompt(built, tmp_path):
     (tmp_path / "metadata.list").write_text("wavs/a.wav|ann|en|Hello there.\nwavs/b.wav|bob|en|bob: Hi.\n")
     records, _ = speech_records(DataSpec(path=str(tmp_path / "metadata.list")))
     dataset = SpeechDataset(records, built.sample_rate)
-    built.voices = voices_for(built.card, built.model_spec, "separate", [r.speaker for r in records])
+    built.voices = voices_for(
+        built.card, built.model_spec, "separate", [r.speaker for r in records], [r.caption for r in records]
+    )
     try:
         assert built.voices.given == {"ann": "ann", "bob": "bob"}  # the orpheus layout names each voice
         encoded = built.encode_batch(collate_speech([dataset[0], dataset[1]]))
