@@ -214,7 +214,7 @@ def _prepare_loop(
     # The caches before the engine: the encoders they replace leave the device before DeepSpeed's states arrive.
     sound_rate = model.sound_rate if model.modality == "video" else None  # a video model that trains on sound
     records = checked_records(run, spec, model.modality, sound_rate)
-    hear_speakers(run, spec, model, records)
+    hear_speakers(run, spec, model, records, resuming.root / resuming.tag if resuming is not None else None)
     caches, code = prepare_caches(run, spec, model, records)
     if code:
         stop(run, "", code)

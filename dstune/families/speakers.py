@@ -90,6 +90,35 @@ def voices_for(card, model_spec, mode: str, speakers: Sequence[str], texts: Sequ
     return card.voices(model_spec, names)
 
 
+def resumed_map_problem(saved: Optional[dict], voices: Optional[Voices], checkpoint: str) -> Optional[str]:
+    """Why a run cannot resume from a checkpoint whose speaker map (its saved `speakers`, None: trained without
+    speakers) `voices` would change, or None: every speaker it trained that the data still names keeps what the
+    model is given for it (new speakers may join with forms of their own, trained ones may be left out)."""
+    old = Voices.from_json(saved) if saved else None
+    old_given = old.given if old is not None and not old.blended else {}
+    new_given = voices.given if voices is not None and not voices.blended else {}
+    moved = [
+        f"{label(n)} {old_given[n]!r} -> {new_given[n]!r}"
+        for n in old_given
+        if n in new_given and new_given[n] != old_given[n]
+    ]
+    taken = {form: name for name, form in old_given.items()}
+    reused = [
+        f"{label(n)} takes {form!r}, {label(taken[form])}'s"
+        for n, form in new_given.items()
+        if n not in old_given and form in taken
+    ]
+    blend_changed = bool(old is not None and old.blended) != bool(voices is not None and voices.blended)
+    if not (moved or reused or blend_changed):
+        return None
+    what = "; ".join((["data.speakers changed between separate and blend"] if blend_changed else []) + moved + reused)
+    return (
+        f"{checkpoint} was trained with another speaker map than the data now gives ({what}): the model would hear "
+        "its speakers as others. Resume with the speakers and data.speakers it trained with, or start a new run "
+        "(another output.dir) from its export."
+    )
+
+
 def one_voice(model: str, names: Sequence[str], why: str, fix: str) -> Voices:
     """A model with one voice: a dataset of one named speaker trains it (its clips without a speaker too); several
     named ones are refused (`why` it has one voice, `fix`: how to train them apart)."""
