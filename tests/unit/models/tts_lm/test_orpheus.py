@@ -270,7 +270,7 @@ def test_codec_left_out_is_the_folders_in_validate_and_at_start_up(cache_dir):
 
 def test_validate_prints_the_voice_each_speaker_is_named_by(cache_dir, tmp_path, capsys):
     """The codec-token LM's layouts already handle speakers (orpheus: "ann: text"; dstune's layout refuses several):
-    validate prints the orpheus layout's map."""
+    validate prints the orpheus layout's map (and --json holds it)."""
     from speaker_data import two_speaker_list, validate_output
 
     root = two_speaker_list(tmp_path / "data", rate=24000)
@@ -278,3 +278,8 @@ def test_validate_prints_the_voice_each_speaker_is_named_by(cache_dir, tmp_path,
     code, out = validate_output(capsys, tmp_path, model, {"path": str(root)})
     assert code == 0 and "speakers 2 (names sorted): ann -> ann, bob -> bob" in out
     assert "the 'orpheus' layout names the voice: each clip's prompt is 'NAME: text'" in out
+    from dstune.cli import main
+
+    assert main(["validate", str(tmp_path / "spec.yaml"), "--num-gpus", "1", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["speakers"]
+    assert shown["speakers"] == {"ann": "ann", "bob": "bob"} and shown["blended"] == []
