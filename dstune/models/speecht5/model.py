@@ -183,7 +183,7 @@ class SpeechT5(SpeechModel):
                     max_frames = self.max_sample_seconds / hop_seconds
                     mel = module.generate_speech(
                         ids,
-                        speaker_embeddings=self.speakers["default"][None].to(self.device, dtype),
+                        speaker_embeddings=self.speakers[DEFAULT_VECTOR][None].to(self.device, dtype),
                         maxlenratio=max(1.0, max_frames / ids.shape[1]),
                         minlenratio=0.0,
                     )
