@@ -228,6 +228,7 @@ class FlowCard(PipelineCard):
             origin,
             text_tokens=self.text_tokens(spec, folder),
             px_per_token=px_per_token,
+            pictures=self.pictures(folder),
         )
 
 
@@ -364,6 +365,20 @@ def _sample_folder_issues(spec) -> SpecIssues:
             + "; ".join(problems),
         )
     ]
+
+
+def edit_source_issues(spec, pipeline_class: str) -> SpecIssues:
+    """What an edit model (trained on source/target pairs) needs of the samples: a source image per prompt."""
+    issues = []
+    if spec.sample.prompts and not spec.sample.control_images:
+        issues.append(
+            (
+                "sample.prompts",
+                f"{pipeline_class} renders from a source image: give sample.control_images, one source image per "
+                "prompt, or set sample.prompts: []",
+            )
+        )
+    return issues + control_images_missing(spec)
 
 
 def control_images_missing(spec) -> SpecIssues:
