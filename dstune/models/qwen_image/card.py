@@ -60,7 +60,7 @@ class QwenImageEditCard(FlowCard):
     def text_tokens(self, spec, folder) -> int:
         return super().text_tokens(spec, folder) + int((spec.data.resolution / VISION_PATCH_PX) ** 2)
 
-    def pictures(self, folder) -> int:
+    def pictures(self, spec, folder) -> int:
         return 2
 
     def pairs(self, spec) -> Optional[str]:

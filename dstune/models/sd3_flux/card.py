@@ -158,7 +158,7 @@ class FluxKontextCard(FluxCard):
     """An edit model on Flux.1's transformer: trained on (source, target) pairs, the source's latent tokens after the
     target's in one sequence (the text is Flux's own, so it caches per caption)."""
 
-    def pictures(self, folder) -> int:
+    def pictures(self, spec, folder) -> int:
         return 2
 
     def pairs(self, spec) -> Optional[str]:
