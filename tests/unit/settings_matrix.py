@@ -138,6 +138,7 @@ OWN_FACTORS = {
 }
 NO_TRAIN_MODE = {"tiny-speecht5"}  # SpeechT5's section has neither `train` (LoRA) nor gradient_checkpointing
 NO_CACHE = {"tiny-speecht5"}  # its mel targets are computed from the waveform; no codec-token cache
+EDIT_MODELS = {"tiny-qwen-image-edit", "tiny-flux-kontext"}  # trained on source/target pairs (data.control_dir)
 
 
 def kind(name: str) -> str:
@@ -148,7 +149,7 @@ def kind(name: str) -> str:
         return SPEECH_KIND
     if family == VIDEO_FAMILY:
         return VIDEO
-    return EDIT if name == "tiny-qwen-image-edit" else IMAGE
+    return EDIT if name in EDIT_MODELS else IMAGE
 
 
 def factors(name: str) -> dict[str, tuple]:
