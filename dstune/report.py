@@ -48,6 +48,7 @@ class Outcome:
     resolution_origin: str = ""  # images and video: where data.resolution came from ("" for speech)
     guidance_origin: str = ""  # images and video: where sample.guidance came from ("" for speech)
     source: object = None  # dstune.spec.load.SpecSource: where each key was written (a full resolution only)
+    voices: object = None  # speech: dstune.families.speakers.Voices, how the model hears the data's speakers
 
     @classmethod
     def of(cls, resolved) -> "Outcome":
@@ -63,6 +64,7 @@ class Outcome:
             resolution_origin=resolved.resolution_origin,
             guidance_origin=resolved.guidance_origin,
             source=resolved.source,
+            voices=resolved.voices,
         )
 
     def as_json(self) -> dict:
@@ -77,6 +79,7 @@ class Outcome:
             "errors": [str(e) for e in self.errors],
             "memory": self.memory,
             "clips": self.clips,
+            **({"speakers": self.voices.as_json()} if self.voices is not None else {}),
         }
 
 
@@ -482,7 +485,8 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
                     [("resolution", f"{spec.data.resolution} px ({outcome.resolution_origin})")]
                     if outcome.resolution_origin
                     else []
-                ),
+                )
+                + (outcome.voices.rows() if outcome.voices is not None else []),
             ),
             *([("Buckets", _bucket_rows(plan))] if plan.groups else []),
             *([("Clips", summary_rows(outcome.clips))] if outcome.clips else []),

@@ -306,6 +306,15 @@ class DataSpec(Section):
         "gives each speaker the same number of places (small speakers repeat, large ones leave clips out), drawn "
         "from train.seed, the same on every rank. Not with duration_bucket_seconds. See docs/tts.md.",
     )
+    speakers: Literal["separate", "blend"] = Field(
+        "separate",
+        description="Audio datasets with speakers (GPT-SoVITS .list, metadata.jsonl `speaker`). `separate`: each "
+        "speaker is its own voice, given to the model the way it conditions on speakers (its speaker ids, dialogue "
+        "tags, `Speaker N:` script lines, speaker vectors or prompt names; the sorted names take the model's ids in "
+        "order); `validate` prints the mapping and refuses several speakers for a model that cannot "
+        "tell them apart. `blend`: the speaker column is left out and every clip trains the model's default voice. "
+        "See docs/tts.md, Speakers.",
+    )
 
     @model_validator(mode="after")
     def _bucket_step_fits(self) -> "DataSpec":
@@ -417,11 +426,12 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
         or data.cache.codec_tokens
         or data.duration_bucket_seconds
         or data.speaker_balance
+        or data.speakers != "separate"
     ):
         return (
             f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
-            "data.cache.codec_tokens, data.duration_bucket_seconds and data.speaker_balance are for the speech "
-            "families"
+            "data.cache.codec_tokens, data.duration_bucket_seconds, data.speaker_balance and data.speakers are for "
+            "the speech families"
         )
     return None
 
