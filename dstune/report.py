@@ -326,10 +326,12 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         ("  optimizer states", gb(gpu["optimizer_bytes"])),
         ("  frozen weights", gb(gpu["frozen_bytes"])),
         ("  activations", f"{gb(gpu['activations_bytes'])} (estimate; gradient checkpointing {checkpointing})"),
+        *_working_rows(gpu),
         ("  DeepSpeed buffers", gb(gpu["buffers_bytes"]) + _all_to_all_text(memory)),
         *([("  EMA", gb(gpu["ema_bytes"]) + " (fp32 share)")] if gpu.get("ema_bytes") else []),
         ("  runtime reserve", gb(gpu["runtime_reserve_bytes"]) + " (CUDA context, NCCL, allocator)"),
         *_phase_rows(memory),
+        *_encoding_rows(memory),
         ("host RAM per node", gb(memory["host_per_node_bytes"]) + " (model-related; add the processes' own)"),
         *_text_encoder_rows(memory, counts),
     ]
@@ -356,6 +358,39 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         if memory["fits"] is False and not memory["suggestions"]:
             rows.append(("  would fit with", "no change dstune knows of: more GPUs, or GPUs with more memory"))
     return rows
+
+
+def _working_rows(gpu: dict) -> list[tuple[str, str]]:
+    """The step's working memory beside the activations (dstune.memory.working), where there is any."""
+    rows = []
+    if gpu.get("backward_transients_bytes"):
+        rows.append(("  backward transients", gb(gpu["backward_transients_bytes"]) + " (logits gradient, masks)"))
+    if gpu.get("gradients_in_flight_bytes"):
+        rows.append(("  gradients in flight", gb(gpu["gradients_in_flight_bytes"]) + " (2 x the largest layer)"))
+    if gpu.get("encoders_working_bytes"):
+        rows.append(
+            (
+                "  encoders (uncached)",
+                gb(gpu["encoders_working_bytes"]) + " on the micro batch, before the forward pass (not beside it)",
+            )
+        )
+    return rows
+
+
+def _encoding_rows(memory: dict) -> list[tuple[str, str]]:
+    """How the cache build encodes (the cache phase counts it): entries per encoder pass, the VAE tiled or not."""
+    encoding = memory.get("cache_encoding")
+    if not encoding or "cache" not in (memory.get("phases") or {}):
+        return []
+    chosen = (
+        "chosen for --gpu-memory"
+        if encoding["chosen_for_gpu_memory"]
+        else "the most; a run chooses it for its GPU's memory, as --gpu-memory does"
+    )
+    tiling = ", the VAE tiled (its own tiles)" if encoding["vae_tiling"] else ""
+    entries = encoding["entries_per_pass"]
+    per_pass = f"{entries} {'entry' if entries == 1 else 'entries'} per encoder pass"
+    return [("  cache encoding", f"{per_pass} ({chosen}){tiling}")]
 
 
 def _all_to_all_text(memory: dict) -> str:

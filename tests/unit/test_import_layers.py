@@ -44,6 +44,7 @@ LAYERS = [
         "dstune.memory.phases",
         "dstune.memory.activations",
         "dstune.memory.activation_cases",
+        "dstune.memory.working",
     ],
     [
         "dstune.distributed",
