@@ -364,14 +364,16 @@ def _working_rows(gpu: dict) -> list[tuple[str, str]]:
     """The step's working memory beside the activations (dstune.memory.working), where there is any."""
     rows = []
     if gpu.get("backward_transients_bytes"):
-        rows.append(("  backward transients", gb(gpu["backward_transients_bytes"]) + " (logits gradient, masks)"))
+        rows.append(
+            ("  transients", gb(gpu["backward_transients_bytes"]) + " (the backward's: logits gradient, masks)")
+        )
     if gpu.get("gradients_in_flight_bytes"):
-        rows.append(("  gradients in flight", gb(gpu["gradients_in_flight_bytes"]) + " (2 x the largest layer)"))
+        rows.append(("  in-flight grads", gb(gpu["gradients_in_flight_bytes"]) + " (2 x the largest layer's gradient)"))
     if gpu.get("encoders_working_bytes"):
         rows.append(
             (
-                "  encoders (uncached)",
-                gb(gpu["encoders_working_bytes"]) + " on the micro batch, before the forward pass (not beside it)",
+                "  encoders",
+                gb(gpu["encoders_working_bytes"]) + " (uncached: on the micro batch, before the forward pass)",
             )
         )
     return rows
