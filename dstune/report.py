@@ -362,21 +362,12 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
 
 def _working_rows(gpu: dict) -> list[tuple[str, str]]:
     """The step's working memory beside the activations (dstune.memory.working), where there is any."""
-    rows = []
-    if gpu.get("backward_transients_bytes"):
-        rows.append(
-            ("  transients", gb(gpu["backward_transients_bytes"]) + " (the backward's: logits gradient, masks)")
-        )
-    if gpu.get("gradients_in_flight_bytes"):
-        rows.append(("  in-flight grads", gb(gpu["gradients_in_flight_bytes"]) + " (2 x the largest layer's gradient)"))
-    if gpu.get("encoders_working_bytes"):
-        rows.append(
-            (
-                "  encoders",
-                gb(gpu["encoders_working_bytes"]) + " (uncached: on the micro batch, before the forward pass)",
-            )
-        )
-    return rows
+    rows = (
+        ("transients", gpu.get("backward_transients_bytes"), "the backward's: logits gradient, masks"),
+        ("in-flight grads", gpu.get("gradients_in_flight_bytes"), "2 x the largest layer's gradient"),
+        ("encoders", gpu.get("encoders_working_bytes"), "uncached: on the micro batch, before the forward pass"),
+    )
+    return [(f"  {label}", f"{gb(value)} ({why})") for label, value, why in rows if value]
 
 
 def _encoding_rows(memory: dict) -> list[tuple[str, str]]:
