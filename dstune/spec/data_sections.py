@@ -8,7 +8,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from dstune.spec.section import VIDEO_FAMILY
-from dstune.spec.section import BUILTIN_PREFIX, CODEC_TOKEN_FAMILIES, Section
+from dstune.spec.section import BUILTIN_PREFIX, Section
 
 
 # ---------------------------------------------------------------------------------------------------------- data
@@ -198,6 +198,93 @@ class EvalSpec(Section):
         return self
 
 
+SET_ROLES = ("train", "regularization", "preservation")
+# The keys a data set may give for itself; every other data key is the run's, for every set alike.
+SET_OVERRIDES = (
+    "path",
+    "format",
+    "resolution",
+    "buckets",
+    "video",
+    "caption_extension",
+    "caption_dropout",
+    "control_dir",
+    "mask_dir",
+    "alpha_mask",
+)
+
+
+class DataSetSpec(Section):
+    """One dataset of data.sets: its files and the settings it trains with (unset: data's own)."""
+
+    path: str = Field(
+        description="The set's dataset folder (the layouts of data.path), or a built-in dataset (`builtin:shapes`, "
+        "...). A relative path is taken from the spec file's folder (from the current directory when given with "
+        "--set)."
+    )
+    name: Optional[str] = Field(
+        None, description="How `validate` and the logs name the set; default: the last part of its path."
+    )
+    format: Optional[Literal["auto", "folder", "jsonl"]] = Field(None, description="As data.format; unset: data's.")
+    repeats: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Times each sample of the set appears in one epoch (on top of kohya `N_name` folders inside "
+        "it). Unset: 1. Not with `weight`.",
+    )
+    weight: Optional[float] = Field(
+        None,
+        gt=0,
+        description="The set's share of an epoch: an epoch has as many places as all sets have samples (folder "
+        "repeats counted), shared in proportion to the sets' weights; a set with more places than samples repeats "
+        "them, one with fewer leaves some out (a different set each epoch). Give weight in every set or in none.",
+    )
+    role: Literal["train", "regularization", "preservation"] = Field(
+        "train",
+        description="`train`: trained as usual. `regularization`: class images (DreamBooth prior preservation, "
+        "kohya's is_reg): the loss of a step is the train samples' mean plus loss_weight x the regularization "
+        "samples' mean, as the diffusers DreamBooth scripts add prior_loss_weight x their prior loss. "
+        "`preservation` (model.train: lora): differential output preservation: the target of these samples is the "
+        "base model's own prediction (the adapters switched off), held with loss_weight. See docs/datasets.md.",
+    )
+    loss_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Multiplies the set's part of the loss: DreamBooth's prior_loss_weight for a regularization "
+        "set, DOP's multiplier for a preservation set.",
+    )
+    resolution: Optional[int] = Field(None, gt=0, description="As data.resolution, for this set; unset: data's.")
+    buckets: Optional[BucketsSpec] = Field(None, description="As data.buckets, for this set; unset: data's.")
+    video: Optional[VideoSpec] = Field(None, description="As data.video, for this set; unset: data's.")
+    caption_extension: Optional[str] = Field(None, description="As data.caption_extension; unset: data's.")
+    caption_dropout: Optional[float] = Field(None, ge=0, le=1, description="As data.caption_dropout; unset: data's.")
+    control_dir: Optional[str] = Field(
+        None, description="As data.control_dir, relative to this set's path; unset: data's."
+    )
+    mask_dir: Optional[str] = Field(None, description="As data.mask_dir, relative to this set's path; unset: data's.")
+    alpha_mask: Optional[bool] = Field(None, description="As data.alpha_mask, for this set; unset: data's.")
+
+    @model_validator(mode="after")
+    def _repeats_or_weight(self) -> "DataSetSpec":
+        if self.repeats is not None and self.weight is not None:
+            raise ValueError(
+                f"give `repeats` (the set's samples x {self.repeats} per epoch) or `weight` (its share of the "
+                "epoch), not both"
+            )
+        if self.mask_dir is not None and self.alpha_mask:
+            raise ValueError("mask_dir and alpha_mask both give loss masks: keep one")
+        if self.path.startswith(BUILTIN_PREFIX) and (self.control_dir or self.mask_dir):
+            raise ValueError(
+                f"{self.path} is generated and has no files to pair with control_dir or mask_dir; point path at a folder"
+            )
+        return self
+
+    @property
+    def label(self) -> str:
+        """The set's name, or its path's last part."""
+        return self.name or self.path.rstrip("/").rsplit("/", 1)[-1]
+
+
 class DataSpec(Section):
     path: str = Field(
         "builtin:shapes",
@@ -256,6 +343,31 @@ class DataSpec(Section):
         "resized and cropped with its target (same bucket, same crop and flip); `validate` counts the pairs and names "
         "unpaired files. See docs/family-flow.md.",
     )
+    mask_dir: Optional[str] = Field(
+        None,
+        description="Masked loss: a folder of loss masks, one per training image with the same relative path and "
+        "name, any image extension (`images/a.png` takes `masks/a.png`; a video takes one still mask for all its "
+        "frames). White trains fully, black is left out of the loss, grey weighs between. Absolute, or relative to "
+        "data.path (`../masks`: the folder beside it). An image without a mask trains whole (`validate` counts "
+        "them). Each mask is resized and cropped with its image and averaged down to the latent grid (cached beside "
+        "the latents with data.cache.latents); a sample's loss is sum(mask x error) / sum(mask). Image and video "
+        "families. See docs/training.md.",
+    )
+    alpha_mask: bool = Field(
+        False,
+        description="Masked loss from each image's alpha channel (kohya's alpha_mask): transparent pixels are left "
+        "out of the loss, opaque ones train, as data.mask_dir's masks do. An image without alpha trains whole. "
+        "Not with data.mask_dir.",
+    )
+    sets: Optional[list[DataSetSpec]] = Field(
+        None,
+        description="Several datasets in one run, each with its own path and settings (the keys of a set override "
+        "data's own for that set; data.path is the one-set form: give one or the other). Each set gives `repeats` "
+        "(its samples x repeats per epoch) or, in every set, `weight` (its share of an epoch's places), a `role` "
+        "(train, regularization, preservation) and a `loss_weight`. Every global batch mixes the sets in their "
+        "shares (exactly, when all sets train at one size), the same for any number of ranks. `validate` prints a "
+        "row per set. Image and video families. See docs/datasets.md.",
+    )
     num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
     cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")
     video: VideoSpec = Field(
@@ -309,8 +421,60 @@ class DataSpec(Section):
         return self
 
     @model_validator(mode="after")
+    def _path_or_sets(self) -> "DataSpec":
+        if self.sets is None:
+            return self
+        if not self.sets:
+            raise ValueError(
+                "data.sets is empty: give at least one set (`- path: ...`), or remove it and use data.path"
+            )
+        if "path" in self.model_fields_set:
+            raise ValueError(
+                "give data.path (one dataset) or data.sets (several), not both: move data.path into data.sets as "
+                "`- path: ...`"
+            )
+        if self.eval is not None and self.eval.fraction is not None:
+            raise ValueError(
+                "data.eval.fraction holds out a share of data.path; with data.sets give the held-out images as a "
+                "folder of their own (data.eval.path)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_mask_source(self) -> "DataSpec":
+        if self.mask_dir is not None and self.alpha_mask:
+            raise ValueError("data.mask_dir and data.alpha_mask both give loss masks: keep one")
+        if self.sets is None and self.path.startswith(BUILTIN_PREFIX) and (self.mask_dir or self.alpha_mask):
+            raise ValueError(
+                f"data.mask_dir and data.alpha_mask read masks from a dataset's files; data.path {self.path} is "
+                "generated and has none. Point data.path at your images."
+            )
+        return self
+
+    def set_specs(self) -> list["DataSpec"]:
+        """Each set as the DataSpec it trains with: data's keys, the set's own (SET_OVERRIDES) in their place; the
+        one-set form (data.path) is [data]."""
+        if self.sets is None:
+            return [self]
+        return [
+            self.model_copy(
+                update={
+                    "sets": None,
+                    "eval": None,
+                    **{key: getattr(item, key) for key in SET_OVERRIDES if getattr(item, key) is not None},
+                }
+            )
+            for item in self.sets
+        ]
+
+    @property
+    def masked(self) -> bool:
+        """Whether samples carry loss masks (data.mask_dir or data.alpha_mask)."""
+        return self.mask_dir is not None or self.alpha_mask
+
+    @model_validator(mode="after")
     def _control_needs_files(self) -> "DataSpec":
-        if self.control_dir is not None and self.path.startswith(BUILTIN_PREFIX):
+        if self.control_dir is not None and self.sets is None and self.path.startswith(BUILTIN_PREFIX):
             raise ValueError(
                 f"data.control_dir pairs source images with the target images of a folder; data.path "
                 f"{self.path} is generated and has no files to pair. Point data.path at the targets."
@@ -336,101 +500,3 @@ class DataSpec(Section):
                 "learning-rate arithmetic. Use a global batch that divides the dataset to lose nothing."
             )
         return value
-
-
-def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool = False) -> str | None:
-    """Why `data` cannot feed `family` (speech data for speech families, images for image families, videos or
-    images for video families), or None."""
-    name = data.path[len(BUILTIN_PREFIX) :] if data.path.startswith(BUILTIN_PREFIX) else None
-    clips = name in ("moving-shapes", "moving-shapes-av")
-    if not video and (clips or data.video != VideoSpec()):  # the defaults alone are harmless
-        return (
-            f"model.family {family} trains on {'speech' if audio else 'images'}: data.path builtin:moving-shapes "
-            f"and data.video are for the video family ({VIDEO_FAMILY})"
-        )
-    if video and (data.eval is not None or data.random_flip):
-        return (
-            f"model.family {family} trains on video clips: data.eval and data.random_flip are not offered for "
-            "video yet; remove them"
-        )
-    if video and data.buckets.enabled:
-        return _video_bucket_problem(data)
-    if audio:
-        if name is not None and name != "tones":
-            return (
-                f"model.family {family} trains on speech, but data.path {data.path} is an image dataset: use "
-                f"{BUILTIN_PREFIX}tones or a speech folder (data.format ljspeech or jsonl)"
-            )
-        if data.format == "folder":
-            return (
-                f"model.family {family} trains on speech: data.format must be ljspeech, jsonl, gptsovits, f5csv "
-                "or auto, not folder"
-            )
-        if data.buckets.enabled or data.cache.latents or data.cache.text_embeddings:
-            return (
-                f"model.family {family} trains on speech: data.buckets, data.cache.latents and "
-                "data.cache.text_embeddings are for images; use data.duration_bucket_seconds and "
-                "data.cache.codec_tokens"
-            )
-        if data.cache.codec_tokens and family not in CODEC_TOKEN_FAMILIES:
-            return (
-                f"data.cache.codec_tokens is for the codec-token models (model.family "
-                f"{' or '.join(CODEC_TOKEN_FAMILIES)}), not {family}"
-            )
-        if data.eval is not None:
-            return (
-                f"data.eval: the held-out loss is computed for the image families; "
-                f"model.family {family} has no evaluation pass yet. Remove data.eval"
-            )
-        if data.control_dir is not None:
-            return (
-                f"data.control_dir pairs source and target images (edit training); model.family {family} "
-                "trains on speech"
-            )
-        if data.speaker_balance and data.duration_bucket_seconds:
-            return (
-                "data.speaker_balance and data.duration_bucket_seconds both choose which clips form the batches: "
-                "use one of them"
-            )
-        if data.min_clip_seconds >= data.max_clip_seconds:
-            return (
-                f"data.min_clip_seconds {data.min_clip_seconds:g} must be below data.max_clip_seconds "
-                f"{data.max_clip_seconds:g}"
-            )
-        return None
-    if (
-        name == "tones"
-        or data.format in ("ljspeech", "gptsovits", "f5csv")
-        or data.cache.codec_tokens
-        or data.duration_bucket_seconds
-        or data.speaker_balance
-    ):
-        return (
-            f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
-            "data.cache.codec_tokens, data.duration_bucket_seconds and data.speaker_balance are for the speech "
-            "families"
-        )
-    return None
-
-
-VIDEO_SIDE_MULTIPLE = 16  # the common video layout: an 8x VAE, then 2x2 patches (a 16x VAE with 1x1 patches too)
-
-
-def _video_bucket_problem(data: "DataSpec") -> str | None:
-    """data.buckets of a video family: every side a multiple of 16 pixels, or a clip's latent grid does not split
-    into the transformer's 2x2 patches."""
-    m = VIDEO_SIDE_MULTIPLE
-    if data.buckets.sizes:
-        bad = [list(size) for size in data.buckets.sizes if size[0] % m or size[1] % m]
-        if bad:
-            return (
-                f"data.buckets.sizes {bad}: a video clip's sides must be multiples of {m} pixels (the VAE's 8x "
-                f"compression, then 2x2 patches); round them to multiples of {m}"
-            )
-    elif data.buckets.step % m:
-        return (
-            f"data.buckets.step {data.buckets.step}: video buckets need sides that are multiples of {m} pixels "
-            f"(the VAE's 8x compression, then 2x2 patches); use a step that is a multiple of {m}, e.g. "
-            f"{max(m, data.buckets.step // m * m)}"
-        )
-    return None
