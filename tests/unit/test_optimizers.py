@@ -1,7 +1,7 @@
 """The optimizers people bring from other trainers (prodigy, adamw_schedulefree, adamw8bit, muon) and DeepSpeed's bf16
 optimizer states: dstune's Prodigy against the authors' package, what each puts in the DeepSpeed JSON, the memory
 plan's bytes per parameter, validate's optimizer row, and the combinations refused with their reason. The 2-rank
-runs (training, exact resume, measured state sizes) are tests/dist/test_optimizers.py."""
+runs (training, exact resume, measured state sizes) are tests/dist/test_optimizers_two_ranks.py."""
 
 from __future__ import annotations
 
