@@ -6,6 +6,7 @@ Issue lines are printed without wrapping, `where: key: message`, so they can be 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -46,6 +47,7 @@ class Outcome:
     clips: Optional[dict] = None  # video families: dstune.video_plan's clip summary
     resolution_origin: str = ""  # images and video: where data.resolution came from ("" for speech)
     guidance_origin: str = ""  # images and video: where sample.guidance came from ("" for speech)
+    sets: Optional[tuple] = None  # data.sets: dstune.validate.SetRow per set
 
     @classmethod
     def of(cls, resolved) -> "Outcome":
@@ -60,6 +62,7 @@ class Outcome:
             clips=resolved.clips,
             resolution_origin=resolved.resolution_origin,
             guidance_origin=resolved.guidance_origin,
+            sets=resolved.sets,
         )
 
     def as_json(self) -> dict:
@@ -74,6 +77,7 @@ class Outcome:
             "errors": [str(e) for e in self.errors],
             "memory": self.memory,
             "clips": self.clips,
+            "sets": [dataclasses.asdict(row) for row in self.sets] if self.sets else None,
         }
 
 
@@ -168,6 +172,31 @@ def _bucket_rows(plan) -> list[tuple[str, str]]:
             "total",
             f"{_count(len(plan.groups), 'bucket', 'buckets')}: {plan.num_samples} samples, "
             f"{plan.steps_per_epoch} optimizer steps per epoch, leaves out {plan.dropped_per_epoch}",
+        )
+    )
+    return rows
+
+
+def _set_rows(plan, sets) -> list[tuple[str, str]]:
+    """One row per set of data.sets: files, repeats, samples per epoch, its share of an epoch and of each global
+    batch, role and loss weight; then what an epoch is."""
+    total = sum(row.samples for row in sets) or 1
+    rows = []
+    for row in sets:
+        share = row.samples / total
+        rows.append(
+            (
+                row.label,
+                f"{_count(row.files, 'file', 'files')} x {row.repeats} = {row.samples} samples per epoch "
+                f"({share:.0%}; {share * plan.global_batch_size:.3g} of each global batch of "
+                f"{plan.global_batch_size}), {row.role}, loss weight {_fmt(row.loss_weight)}",
+            )
+        )
+    rows.append(
+        (
+            "an epoch",
+            f"every set's samples x repeats ({total}), each once, the sets spread evenly through it"
+            + (" (within each bucket by chance)" if plan.groups else ""),
         )
     )
     return rows
@@ -464,6 +493,7 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
                     else []
                 ),
             ),
+            *([("Sets", _set_rows(plan, outcome.sets))] if outcome.sets else []),
             *([("Buckets", _bucket_rows(plan))] if plan.groups else []),
             *([("Clips", summary_rows(outcome.clips))] if outcome.clips else []),
             ("Length", _length_rows(plan, train)),

@@ -368,10 +368,30 @@ def make_training_loader(
     if caches.images is not None:
         dataset = CachedDataset(data, records, seed, caches.images)
         return make_loader(
-            dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
+            dataset,
+            collate_cached,
+            dataset.group_keys(),
+            data,
+            plan,
+            rank,
+            seed,
+            start_epoch,
+            start_step,
+            sets=dataset.set_numbers(),
         )
     dataset = ImageCaptionDataset(data, records, seed)
-    return make_loader(dataset, collate, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step)
+    return make_loader(
+        dataset,
+        collate,
+        dataset.group_keys(),
+        data,
+        plan,
+        rank,
+        seed,
+        start_epoch,
+        start_step,
+        sets=dataset.set_numbers(),
+    )
 
 
 # ------------------------------------------------------------------------------------- `dstune cache` command

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Optional, Union
 from dstune.data.audio_index import duration_groups, index_audio
 from dstune.data.buckets import assign_buckets, bucket_counts, bucket_sizes, upscaling_warning
 from dstune.data.image_check import image_file_issues
-from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset
+from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset, set_counts
 from dstune.ds_json.blocks import compile_ds_config
 from dstune.ds_json.user_file import user_config_path
 from dstune.ds_json.cross_check import cross_check as deepspeed_cross_check
@@ -34,7 +34,7 @@ from dstune.model_folders import model_folder_issues
 from dstune.plan import Plan, data_parallel_ranks, make_plan, resolve_batch
 from dstune.sequence_parallel import bucket_tokens, sequence_issues, with_all_to_all
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
-from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
+from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem, sets_problems
 from dstune.models.tts_lm.token_layouts import speakers_problem
 from dstune.trackers import wandb_missing
 from dstune.video_plan import clip_buckets, clip_plan
@@ -57,6 +57,7 @@ class Resolved:
     clips: Optional[dict] = None  # video families: dstune.video_plan's summary (frame and size buckets, tokens)
     resolution_origin: str = ""  # where data.resolution's value came from ("set in the spec", the model's size)
     guidance_origin: str = ""  # where sample.guidance's value came from ("set in the spec", the pipeline's default)
+    sets: Optional[tuple] = None  # data.sets: dstune.validate.SetRow per set
 
 
 class ResolveError(SpecError):
@@ -147,6 +148,8 @@ def validate_spec(
     if not any(issue.severity == "error" and issue.key == "model.family" for issue in folder_issues):
         _check_model(spec, source, found)  # not on another model's folder, whose configs would give nonsense
     count, origin, groups, clips = _count_samples(spec, source, num_samples, found, check_files)
+    found.add(source.issue(key, text) for key, text in sets_problems(spec.data))
+    sets = set_rows(spec.data) if count is not None else None
     found.add(sequence_issues(spec, source, world.world_size, bucket_tokens(spec, clips, groups)))
     plan = None
     if count is not None:
@@ -178,6 +181,34 @@ def validate_spec(
         clips,
         resolution_origin,
         guidance_origin,
+        sets,
+    )
+
+
+@dataclass(frozen=True)
+class SetRow:
+    """One set of data.sets as validate prints it."""
+
+    label: str
+    role: str
+    files: int
+    repeats: int
+    samples: int  # per epoch, repeats counted
+    loss_weight: float
+
+
+def set_rows(data) -> Optional[tuple[SetRow, ...]]:
+    """data.sets' rows (files listed, not opened), or None with data.path or when a set cannot be indexed (its
+    error is reported by the count)."""
+    if data.sets is None:
+        return None
+    try:
+        records = index_dataset(data, read_captions=False).records
+    except DataError:
+        return None
+    return tuple(
+        SetRow(item.label, item.role, files, item.repeats, samples, item.loss_weight)
+        for item, (files, samples) in zip(data.sets, set_counts(records, len(data.sets)))
     )
 
 
@@ -322,7 +353,10 @@ def _count_samples(
         return None, "", None, None
     found.add(source.issue("data.path", text, severity="warning") for text in index.warnings)
     count = index.num_samples
-    origin = path if builtin_name(path) else f"counted in {path}"
+    if spec.data.sets is not None:
+        origin = f"counted in the {len(spec.data.sets)} sets of data.sets, below"
+    else:
+        origin = path if builtin_name(path) else f"counted in {path}"
     if pairs:  # edit / control training: every target counted has its source
         origin += f"; {pairs} source/target pairs"
     if spec.data.eval is not None:

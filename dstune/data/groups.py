@@ -122,3 +122,25 @@ def speaker_balanced_order(speakers: Sequence[str], seed: int, epoch: int) -> np
         places.append(np.concatenate(rounds)[:wanted] if rounds else clips[:0])
     order = np.concatenate(places)
     return order[rng.permutation(len(order))]
+
+
+_SET_ORDER_SALT = 0x5_E7D1  # separates the sets' interleaved order stream from the others
+
+
+def interleaved_order(sets: Sequence[int], seed: int, epoch: int) -> np.ndarray:
+    """data.sets: the epoch's order of dataset indices (each once) with the sets spread evenly through it. Rule,
+    from one stream per (seed, epoch): each set's indices are permuted (sets in ascending number, so the stream is
+    used identically); the j-th of a set of n takes the place (j + 0.5) / n of the epoch; places are sorted, a tie
+    going to the lower set number. So any stretch of the order holds each set in its share to within one sample
+    (set A with 4 places and set B with 12: every 4 places hold 1 of A and 3 of B), the per-epoch counts are exact,
+    and the order is a pure function of (seed, epoch, sets), whatever the ranks or accumulation."""
+    rng = np.random.default_rng([_SET_ORDER_SALT, seed, epoch])
+    numbers = np.asarray(sets, dtype=np.int64)
+    indices, places, owners = [], [], []
+    for number in sorted(set(numbers.tolist())):
+        members = np.flatnonzero(numbers == number)
+        indices.append(members[rng.permutation(len(members))])
+        places.append((np.arange(len(members)) + 0.5) / len(members))
+        owners.append(np.full(len(members), number, dtype=np.int64))
+    indices, places, owners = (np.concatenate(parts) for parts in (indices, places, owners))
+    return indices[np.lexsort((owners, places))]

@@ -42,6 +42,7 @@ from dstune.families.diffusion import (
 from dstune.families.flow_distilled import attach_sampling_denoiser, fuse_training_adapter
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_sampling import render
+from dstune.families.loss_terms import batch_loss, loss_terms
 from dstune.families.folders import read_model_index
 from dstune.families.pipeline_card import PipelineCard
 from dstune.families.randomness import per_sample_randn
@@ -321,7 +322,8 @@ class FlowModel(TrainedModel):
         else:
             text = self.encode_text(list(batch_field(batch, "captions", "caption")), **(text_inputs or {}))
         text = {name: value.to(dtype) if value.is_floating_point() else value for name, value in text.items()}
-        return {"latent_mean": mean, "latent_std": std, **text, **conditions, "indices": indices}
+        terms = loss_terms(batch, mean.shape, self.device)  # masks, the sets' roles and weights (where given)
+        return {"latent_mean": mean, "latent_std": std, **text, **conditions, "indices": indices, **terms}
 
     def _check_cached_sequence(self, tokens: int) -> None:
         """A second guard behind the text cache's key (which holds max_sequence_length): embeddings of the wrong
@@ -418,18 +420,19 @@ class FlowModel(TrainedModel):
         """Leading latent frames given clean (a first frame): outside the loss."""
         return 0
 
-    def flow_error(self, prediction, noisy, latents, noise, sigmas) -> torch.Tensor:
-        """Each sample's weighted flow-matching error of the latents (B,); the latent frames given clean are not in
-        it."""
+    def flow_error(self, prediction, noisy, latents, noise, sigmas, mask=None) -> torch.Tensor:
+        """Each sample's weighted flow-matching error of the latents (B,), over the loss mask where the batch has one;
+        the latent frames given clean are not in it."""
         weights = loss_weights(self.model_spec.loss_weighting, sigmas)
         clean = self.clean_frames()
         if clean:  # the first latent frames were given clean: only the frames after them are learned
             prediction, noisy, latents, noise = (t[:, :, clean:] for t in (prediction, noisy, latents, noise))
-        return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights, self.preconditioned())
+        return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights, self.preconditioned(), mask)
 
     def loss(self, forward, encoded: dict, seed: int, step: int) -> torch.Tensor:
-        """The flow-matching loss of one micro batch (mean over its samples); `seed` is train.seed, `step` the
-        optimizer step: with the samples' dataset indices they fix every random draw."""
+        """The flow-matching loss of one micro batch (mean over its samples; with data.sets, the roles' weighted
+        means: dstune.families.loss_terms); `seed` is train.seed, `step` the optimizer step: with the samples'
+        dataset indices they fix every random draw."""
         latents = self.model_latents(encoded, seed, step)
         indices = self.indices(encoded)
         noise = per_sample_randn(latents.shape[1:], seed, step, indices, "noise").to(latents.device)
@@ -437,7 +440,8 @@ class FlowModel(TrainedModel):
         sigmas, noisy = noisy_at(latents, noise, sigma)
         dtype = next(self.trainable.parameters()).dtype
         prediction = self.predict(forward, noisy, timesteps, self.conditions(encoded, dtype), dtype)
-        return self.flow_error(prediction, noisy, latents, noise, sigmas).mean()
+        per_sample = self.flow_error(prediction, noisy, latents, noise, sigmas, encoded.get("loss_mask"))
+        return batch_loss(per_sample, encoded)
 
     # ------------------------------------------------------------------------------------------------ samples
 

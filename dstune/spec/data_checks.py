@@ -13,10 +13,10 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
     images for video families), or None. With data.sets, each set's own settings are checked (the message names
     the set)."""
     if data.sets is not None:
-        if audio:
+        if audio or video:
             return (
-                f"data.sets: model.family {family} trains on speech, and several datasets per run are for the "
-                "image and video families so far; give one speech dataset as data.path"
+                f"data.sets: model.family {family} trains on {'speech' if audio else 'video clips'}; several "
+                "datasets per run are for the image families (flow, sd, sdxl) so far. Give one dataset as data.path"
             )
         for number, (item, one) in enumerate(zip(data.sets, data.set_specs())):
             problem = _one_set_problem(audio, family, one, video)
@@ -38,6 +38,11 @@ def _one_set_problem(audio: bool, family: str, data: "DataSpec", video: bool) ->
         return (
             f"model.family {family} trains on video clips: data.eval and data.random_flip are not offered for "
             "video yet; remove them"
+        )
+    if video and data.masked:
+        return (
+            f"data.mask_dir and data.alpha_mask weight an image's loss; model.family {family} trains on video clips, "
+            "whose masks are not offered yet. Remove them"
         )
     if video and data.buckets.enabled:
         return _video_bucket_problem(data)
@@ -124,50 +129,29 @@ def _video_bucket_problem(data: "DataSpec") -> str | None:
     return None
 
 
-def sets_problems(data: "DataSpec", lora: bool) -> list[tuple[str, str]]:
-    """(dotted key, message) for each rule data.sets breaks between its sets, or that a set breaks with the run:
-    weights in some sets only, no set that trains, a preservation set without adapters to switch off, a bucket step
-    above a set's resolution."""
+def sets_problems(data: "DataSpec") -> list[tuple[str, str]]:
+    """(dotted key, message) for each rule data.sets breaks between its sets: two sets of one name (the name keys
+    the caches and the logs), no set that trains."""
     if data.sets is None:
         return []
-    problems = []
-    weighted = [item.weight is not None for item in data.sets]
-    if any(weighted) and not all(weighted):
-        number = weighted.index(not weighted[0])
-        given = "gives" if weighted[number] else "does not give"
-        problems.append(
-            (
-                f"data.sets.{number}.weight",
-                f"set {data.sets[number].label} {given} a weight and set {data.sets[0].label} "
-                f"{'does not' if weighted[number] else 'does'}: weights share an epoch among all sets, so give "
-                "`weight` in every set (each set's share) or in none (each set's samples x `repeats`)",
+    problems, first_of = [], {}
+    for number, item in enumerate(data.sets):
+        if item.label in first_of:
+            key = f"data.sets.{number}.{'name' if item.name else 'path'}"
+            problems.append(
+                (
+                    key,
+                    f"set {number} is named {item.label!r}, as set {first_of[item.label]} is: a set's name keys its "
+                    "samples in the caches and logs, so give each set its own `name`",
+                )
             )
-        )
+        first_of.setdefault(item.label, number)
     if not any(item.role == "train" for item in data.sets):
         problems.append(
             (
                 "data.sets.0.role",
-                "no set has role train: regularization and preservation sets only hold the trained model near its "
-                "base; give the images to learn as a set with role train (the default)",
+                "no set has role train: regularization sets only hold the trained model near its base; give the "
+                "images to learn as a set with role train (the default)",
             )
         )
-    for number, (item, one) in enumerate(zip(data.sets, data.set_specs())):
-        if item.role == "preservation" and not lora:
-            problems.append(
-                (
-                    f"data.sets.{number}.role",
-                    "preservation holds the adapters' output to the base model's own (the adapters switched off), "
-                    "so it needs model.train: lora; use role regularization to train a full model on class images",
-                )
-            )
-        buckets = one.buckets
-        explicit = item.buckets is not None or item.resolution is not None
-        if explicit and buckets.enabled and not buckets.sizes and buckets.step > one.resolution:
-            problems.append(
-                (
-                    f"data.sets.{number}.buckets.step",
-                    f"{buckets.step} is larger than the set's resolution {one.resolution}: no bucket side fits. Use a "
-                    "step of at most the resolution (a multiple of 8), or give buckets.sizes",
-                )
-            )
     return problems

@@ -198,84 +198,56 @@ class EvalSpec(Section):
         return self
 
 
-SET_ROLES = ("train", "regularization", "preservation")
+SET_ROLES = ("train", "regularization")
 # The keys a data set may give for itself; every other data key is the run's, for every set alike.
-SET_OVERRIDES = (
-    "path",
-    "format",
-    "resolution",
-    "buckets",
-    "video",
-    "caption_extension",
-    "caption_dropout",
-    "control_dir",
-    "mask_dir",
-    "alpha_mask",
-)
+SET_OVERRIDES = ("path", "format", "caption_extension", "caption_dropout", "mask_dir", "alpha_mask")
 
 
 class DataSetSpec(Section):
     """One dataset of data.sets: its files and the settings it trains with (unset: data's own)."""
 
     path: str = Field(
-        description="The set's dataset folder (the layouts of data.path), or a built-in dataset (`builtin:shapes`, "
-        "...). A relative path is taken from the spec file's folder (from the current directory when given with "
-        "--set)."
+        description="The set's dataset folder (the layouts of data.path), or a built-in dataset (`builtin:shapes`). "
+        "A relative path is taken from the spec file's folder (from the current directory when given with --set)."
     )
     name: Optional[str] = Field(
-        None, description="How `validate` and the logs name the set; default: the last part of its path."
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="How `validate`, the logs and the caches name the set (letters, digits, `_`, `.`, `-`); "
+        "default: the last part of its path. Names must differ between sets.",
     )
     format: Optional[Literal["auto", "folder", "jsonl"]] = Field(None, description="As data.format; unset: data's.")
-    repeats: Optional[int] = Field(
-        None,
+    repeats: int = Field(
+        1,
         ge=1,
-        description="Times each sample of the set appears in one epoch (on top of kohya `N_name` folders inside "
-        "it). Unset: 1. Not with `weight`.",
+        description="Times each sample of the set appears in one epoch, on top of kohya `N_name` folders inside it "
+        "(a sample in `3_x` of a set with repeats 2 appears 6 times).",
     )
-    weight: Optional[float] = Field(
-        None,
-        gt=0,
-        description="The set's share of an epoch: an epoch has as many places as all sets have samples (folder "
-        "repeats counted), shared in proportion to the sets' weights; a set with more places than samples repeats "
-        "them, one with fewer leaves some out (a different set each epoch). Give weight in every set or in none.",
-    )
-    role: Literal["train", "regularization", "preservation"] = Field(
+    role: Literal["train", "regularization"] = Field(
         "train",
         description="`train`: trained as usual. `regularization`: class images (DreamBooth prior preservation, "
-        "kohya's is_reg): the loss of a step is the train samples' mean plus loss_weight x the regularization "
-        "samples' mean, as the diffusers DreamBooth scripts add prior_loss_weight x their prior loss. "
-        "`preservation` (model.train: lora): differential output preservation: the target of these samples is the "
-        "base model's own prediction (the adapters switched off), held with loss_weight. See docs/datasets.md.",
+        "kohya's is_reg): a micro batch's loss is its train samples' mean plus loss_weight x its regularization "
+        "samples' mean, as the diffusers DreamBooth scripts add prior_loss_weight x their prior loss. See "
+        "docs/data.md.",
     )
     loss_weight: float = Field(
         1.0,
         ge=0,
         description="Multiplies the set's part of the loss: DreamBooth's prior_loss_weight for a regularization "
-        "set, DOP's multiplier for a preservation set.",
+        "set. A train set's samples: their losses are multiplied by it inside the train samples' mean.",
     )
-    resolution: Optional[int] = Field(None, gt=0, description="As data.resolution, for this set; unset: data's.")
-    buckets: Optional[BucketsSpec] = Field(None, description="As data.buckets, for this set; unset: data's.")
-    video: Optional[VideoSpec] = Field(None, description="As data.video, for this set; unset: data's.")
     caption_extension: Optional[str] = Field(None, description="As data.caption_extension; unset: data's.")
     caption_dropout: Optional[float] = Field(None, ge=0, le=1, description="As data.caption_dropout; unset: data's.")
-    control_dir: Optional[str] = Field(
-        None, description="As data.control_dir, relative to this set's path; unset: data's."
-    )
     mask_dir: Optional[str] = Field(None, description="As data.mask_dir, relative to this set's path; unset: data's.")
     alpha_mask: Optional[bool] = Field(None, description="As data.alpha_mask, for this set; unset: data's.")
 
     @model_validator(mode="after")
-    def _repeats_or_weight(self) -> "DataSetSpec":
-        if self.repeats is not None and self.weight is not None:
-            raise ValueError(
-                f"give `repeats` (the set's samples x {self.repeats} per epoch) or `weight` (its share of the "
-                "epoch), not both"
-            )
+    def _files_for_masks(self) -> "DataSetSpec":
         if self.mask_dir is not None and self.alpha_mask:
             raise ValueError("mask_dir and alpha_mask both give loss masks: keep one")
-        if self.path.startswith(BUILTIN_PREFIX) and (self.control_dir or self.mask_dir):
+        if self.path.startswith(BUILTIN_PREFIX) and (self.mask_dir or self.alpha_mask):
             raise ValueError(
-                f"{self.path} is generated and has no files to pair with control_dir or mask_dir; point path at a folder"
+                f"{self.path} is generated and has no files to read masks from; point path at a folder of images"
             )
         return self
 
@@ -285,9 +257,12 @@ class DataSetSpec(Section):
         return self.name or self.path.rstrip("/").rsplit("/", 1)[-1]
 
 
+DEFAULT_DATA_PATH = "builtin:shapes"
+
+
 class DataSpec(Section):
     path: str = Field(
-        "builtin:shapes",
+        DEFAULT_DATA_PATH,
         description="Dataset folder, or `builtin:shapes` (synthetic coloured shapes with captions, generated offline), "
         "for video families `builtin:moving-shapes` (the shapes moving, as clips) or `builtin:moving-shapes-av` "
         "(those clips with a sound track: a tone whose pitch follows the shape), or for audio families "
@@ -346,12 +321,11 @@ class DataSpec(Section):
     mask_dir: Optional[str] = Field(
         None,
         description="Masked loss: a folder of loss masks, one per training image with the same relative path and "
-        "name, any image extension (`images/a.png` takes `masks/a.png`; a video takes one still mask for all its "
-        "frames). White trains fully, black is left out of the loss, grey weighs between. Absolute, or relative to "
+        "name, any image extension (`images/a.png` takes `masks/a.png`). White trains fully, black is left out of the loss, grey weighs between. Absolute, or relative to "
         "data.path (`../masks`: the folder beside it). An image without a mask trains whole (`validate` counts "
         "them). Each mask is resized and cropped with its image and averaged down to the latent grid (cached beside "
-        "the latents with data.cache.latents); a sample's loss is sum(mask x error) / sum(mask). Image and video "
-        "families. See docs/training.md.",
+        "the latents with data.cache.latents); a sample's loss is sum(mask x error) / sum(mask). Image families "
+        "(flow, sd, sdxl). See docs/data.md.",
     )
     alpha_mask: bool = Field(
         False,
@@ -361,12 +335,12 @@ class DataSpec(Section):
     )
     sets: Optional[list[DataSetSpec]] = Field(
         None,
-        description="Several datasets in one run, each with its own path and settings (the keys of a set override "
-        "data's own for that set; data.path is the one-set form: give one or the other). Each set gives `repeats` "
-        "(its samples x repeats per epoch) or, in every set, `weight` (its share of an epoch's places), a `role` "
-        "(train, regularization, preservation) and a `loss_weight`. Every global batch mixes the sets in their "
-        "shares (exactly, when all sets train at one size), the same for any number of ranks. `validate` prints a "
-        "row per set. Image and video families. See docs/datasets.md.",
+        description="Several datasets in one run (data.path is the one-set form: give one or the other). Each set "
+        "has its path and may give its own format, caption_extension, caption_dropout, mask_dir or alpha_mask (unset: "
+        "data's), its `repeats` (each sample x repeats per epoch), its `role` (train, or regularization: DreamBooth's "
+        "class images) and its `loss_weight`. An epoch holds every set's samples x repeats; the sets are spread "
+        "evenly through it, so each global batch holds them in their shares (to one sample), the same for any "
+        "number of ranks. `validate` prints a row per set. Image families (flow, sd, sdxl). See docs/data.md.",
     )
     num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
     cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")
@@ -428,7 +402,7 @@ class DataSpec(Section):
             raise ValueError(
                 "data.sets is empty: give at least one set (`- path: ...`), or remove it and use data.path"
             )
-        if "path" in self.model_fields_set:
+        if self.path != DEFAULT_DATA_PATH:  # the default is what a saved spec (every key written) holds
             raise ValueError(
                 "give data.path (one dataset) or data.sets (several), not both: move data.path into data.sets as "
                 "`- path: ...`"
@@ -469,8 +443,8 @@ class DataSpec(Section):
 
     @property
     def masked(self) -> bool:
-        """Whether samples carry loss masks (data.mask_dir or data.alpha_mask)."""
-        return self.mask_dir is not None or self.alpha_mask
+        """Whether samples carry loss masks (data.mask_dir or data.alpha_mask, here or in a set)."""
+        return any(one.mask_dir is not None or one.alpha_mask for one in self.set_specs())
 
     @model_validator(mode="after")
     def _control_needs_files(self) -> "DataSpec":
