@@ -21,6 +21,7 @@ from dstune.ds_json.merge import flatten
 from dstune.memory.plan import state_bytes_per_param
 from dstune.spec.load import SpecIssue
 from dstune.sequence_parallel import report_rows as sequence_rows
+from dstune.sets_plan import preservation_rows, set_table_rows
 from dstune.video_plan import summary_rows
 
 ZERO_STAGES = {
@@ -47,7 +48,7 @@ class Outcome:
     clips: Optional[dict] = None  # video families: dstune.video_plan's clip summary
     resolution_origin: str = ""  # images and video: where data.resolution came from ("" for speech)
     guidance_origin: str = ""  # images and video: where sample.guidance came from ("" for speech)
-    sets: Optional[tuple] = None  # data.sets: dstune.validate.SetRow per set
+    sets: Optional[tuple] = None  # data.sets: dstune.sets_plan.SetRow per set
 
     @classmethod
     def of(cls, resolved) -> "Outcome":
@@ -172,31 +173,6 @@ def _bucket_rows(plan) -> list[tuple[str, str]]:
             "total",
             f"{_count(len(plan.groups), 'bucket', 'buckets')}: {plan.num_samples} samples, "
             f"{plan.steps_per_epoch} optimizer steps per epoch, leaves out {plan.dropped_per_epoch}",
-        )
-    )
-    return rows
-
-
-def _set_rows(plan, sets) -> list[tuple[str, str]]:
-    """One row per set of data.sets: files, repeats, samples per epoch, its share of an epoch and of each global
-    batch, role and loss weight; then what an epoch is."""
-    total = sum(row.samples for row in sets) or 1
-    rows = []
-    for row in sets:
-        share = row.samples / total
-        rows.append(
-            (
-                row.label,
-                f"{_count(row.files, 'file', 'files')} x {row.repeats} = {row.samples} samples per epoch "
-                f"({share:.0%}; {share * plan.global_batch_size:.3g} of each global batch of "
-                f"{plan.global_batch_size}), {row.role}, loss weight {_fmt(row.loss_weight)}",
-            )
-        )
-    rows.append(
-        (
-            "an epoch",
-            f"every set's samples x repeats ({total}), each once, the sets spread evenly through it"
-            + (" (within each bucket by chance)" if plan.groups else ""),
         )
     )
     return rows
@@ -357,6 +333,7 @@ def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         ("  activations", f"{gb(gpu['activations_bytes'])} (estimate; gradient checkpointing {checkpointing})"),
         ("  DeepSpeed buffers", gb(gpu["buffers_bytes"]) + _all_to_all_text(memory)),
         *([("  EMA", gb(gpu["ema_bytes"]) + " (fp32 share)")] if gpu.get("ema_bytes") else []),
+        *preservation_rows(spec),
         ("  runtime reserve", gb(gpu["runtime_reserve_bytes"]) + " (CUDA context, NCCL, allocator)"),
         *_phase_rows(memory),
         ("host RAM per node", gb(memory["host_per_node_bytes"]) + " (model-related; add the processes' own)"),
@@ -493,7 +470,7 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
                     else []
                 ),
             ),
-            *([("Sets", _set_rows(plan, outcome.sets))] if outcome.sets else []),
+            *([("Sets", set_table_rows(plan, outcome.sets))] if outcome.sets else []),
             *([("Buckets", _bucket_rows(plan))] if plan.groups else []),
             *([("Clips", summary_rows(outcome.clips))] if outcome.clips else []),
             ("Length", _length_rows(plan, train)),

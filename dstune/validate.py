@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Optional, Union
 from dstune.data.audio_index import duration_groups, index_audio
 from dstune.data.buckets import assign_buckets, bucket_counts, bucket_sizes, upscaling_warning
 from dstune.data.image_check import image_file_issues
-from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset, set_counts
+from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset
 from dstune.ds_json.blocks import compile_ds_config
 from dstune.ds_json.user_file import user_config_path
 from dstune.ds_json.cross_check import cross_check as deepspeed_cross_check
@@ -33,6 +33,7 @@ from dstune.model_defaults import bucket_step_problem, with_model_defaults
 from dstune.model_folders import model_folder_issues
 from dstune.plan import Plan, data_parallel_ranks, make_plan, resolve_batch
 from dstune.sequence_parallel import bucket_tokens, sequence_issues, with_all_to_all
+from dstune.sets_plan import set_rows
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem, sets_problems
 from dstune.models.tts_lm.token_layouts import speakers_problem
@@ -57,7 +58,7 @@ class Resolved:
     clips: Optional[dict] = None  # video families: dstune.video_plan's summary (frame and size buckets, tokens)
     resolution_origin: str = ""  # where data.resolution's value came from ("set in the spec", the model's size)
     guidance_origin: str = ""  # where sample.guidance's value came from ("set in the spec", the pipeline's default)
-    sets: Optional[tuple] = None  # data.sets: dstune.validate.SetRow per set
+    sets: Optional[tuple] = None  # data.sets: dstune.sets_plan.SetRow per set
 
 
 class ResolveError(SpecError):
@@ -148,7 +149,8 @@ def validate_spec(
     if not any(issue.severity == "error" and issue.key == "model.family" for issue in folder_issues):
         _check_model(spec, source, found)  # not on another model's folder, whose configs would give nonsense
     count, origin, groups, clips = _count_samples(spec, source, num_samples, found, check_files)
-    found.add(source.issue(key, text) for key, text in sets_problems(spec.data))
+    lora = getattr(spec.model, "train", "full") == "lora"
+    found.add(source.issue(key, text) for key, text in sets_problems(spec.data, lora))
     sets = set_rows(spec.data) if count is not None else None
     found.add(sequence_issues(spec, source, world.world_size, bucket_tokens(spec, clips, groups)))
     plan = None
@@ -182,33 +184,6 @@ def validate_spec(
         resolution_origin,
         guidance_origin,
         sets,
-    )
-
-
-@dataclass(frozen=True)
-class SetRow:
-    """One set of data.sets as validate prints it."""
-
-    label: str
-    role: str
-    files: int
-    repeats: int
-    samples: int  # per epoch, repeats counted
-    loss_weight: float
-
-
-def set_rows(data) -> Optional[tuple[SetRow, ...]]:
-    """data.sets' rows (files listed, not opened), or None with data.path or when a set cannot be indexed (its
-    error is reported by the count)."""
-    if data.sets is None:
-        return None
-    try:
-        records = index_dataset(data, read_captions=False).records
-    except DataError:
-        return None
-    return tuple(
-        SetRow(item.label, item.role, files, item.repeats, samples, item.loss_weight)
-        for item, (files, samples) in zip(data.sets, set_counts(records, len(data.sets)))
     )
 
 

@@ -186,11 +186,16 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         return [record.set_index for record in self.records for _ in range(record.repeats)]
 
     def set_fields(self, record: SampleRecord) -> dict:
-        """With data.sets, the sample's `loss_weight` and `prior` (its set's role is regularization); else {}."""
+        """With data.sets, the sample's `loss_weight`, `prior` (its set's role is regularization) and `preserve`
+        (preservation); else {}."""
         if self.data.sets is None:
             return {}
         item = self.data.sets[record.set_index]
-        return {"loss_weight": item.loss_weight, "prior": item.role == "regularization"}
+        return {
+            "loss_weight": item.loss_weight,
+            "prior": item.role == "regularization",
+            "preserve": item.role == "preservation",
+        }
 
     def caption_of(self, record: SampleRecord, dropout_draw: float) -> str:
         """The caption trained: empty when the draw falls under its set's caption_dropout."""
@@ -314,7 +319,7 @@ def collate(samples: list[dict]) -> dict:
     """Samples -> one batch with the same keys as a sample (as torch's default_collate would name them):
     pixel_values (B, 3, R, R) float32; caption and sample_id lists of str; index (B,) LongTensor;
     original_size and crop_top_left (B, 2) LongTensors (see crop_fields); edit pairs add control_values like
-    pixel_values; masked runs loss_mask (B, 1, H, W), data.sets loss_weight (B,) and prior (B,) bool."""
+    pixel_values; masked runs loss_mask (B, 1, H, W), data.sets loss_weight (B,), prior and preserve (B,) bool."""
     paired = "control_values" in samples[0]
     control = {"control_values": torch.stack([s["control_values"] for s in samples])} if paired else {}
     return {
@@ -338,6 +343,7 @@ def collate_loss_terms(samples: list[dict]) -> dict:
     if "loss_weight" in samples[0]:
         out["loss_weight"] = torch.tensor([s["loss_weight"] for s in samples], dtype=torch.float32)
         out["prior"] = torch.tensor([s["prior"] for s in samples], dtype=torch.bool)
+        out["preserve"] = torch.tensor([s["preserve"] for s in samples], dtype=torch.bool)
     return out
 
 

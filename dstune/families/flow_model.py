@@ -42,7 +42,7 @@ from dstune.families.diffusion import (
 from dstune.families.flow_distilled import attach_sampling_denoiser, fuse_training_adapter
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_sampling import render
-from dstune.families.loss_terms import batch_loss, loss_terms
+from dstune.families.loss_terms import base_prediction, batch_loss, loss_terms, preserved_error, preserves
 from dstune.families.folders import read_model_index
 from dstune.families.pipeline_card import PipelineCard
 from dstune.families.randomness import per_sample_randn
@@ -439,8 +439,13 @@ class FlowModel(TrainedModel):
         timesteps, sigma = self.draw_sigmas(latents, seed, step, indices)
         sigmas, noisy = noisy_at(latents, noise, sigma)
         dtype = next(self.trainable.parameters()).dtype
-        prediction = self.predict(forward, noisy, timesteps, self.conditions(encoded, dtype), dtype)
+        conditions = self.conditions(encoded, dtype)
+        if preserves(encoded):  # the base model's prediction: the preservation samples' target
+            base = base_prediction(self.trainable, lambda: self.predict(forward, noisy, timesteps, conditions, dtype))
+        prediction = self.predict(forward, noisy, timesteps, conditions, dtype)
         per_sample = self.flow_error(prediction, noisy, latents, noise, sigmas, encoded.get("loss_mask"))
+        if preserves(encoded):
+            per_sample = preserved_error(prediction, base, encoded, per_sample)
         return batch_loss(per_sample, encoded)
 
     # ------------------------------------------------------------------------------------------------ samples

@@ -7,10 +7,13 @@ data.sets `loss_weight` and `prior`), so a run without them computes its loss ex
 - Masked error: a sample's loss is sum(w x err) / sum(w), w the mask at the latent grid broadcast over the latent
   channels (kohya's masked_loss and OneTrainer's masking normalise per sample this way; a mask of ones gives the
   plain mean). A sample whose mask is all black adds 0.
-- Roles: a micro batch's loss is the mean of loss_weight x loss over its train samples plus the mean of
-  loss_weight x loss over its regularization samples, each term there only when the micro batch has such samples.
-  With one train set and one regularization set of weight w this is the diffusers DreamBooth scripts'
+- Roles: a micro batch's loss is the mean of loss_weight x loss over its train samples plus the same mean over its
+  regularization samples and over its preservation samples, each term there only when the micro batch has such
+  samples. With one train set and one regularization set of weight w this is the diffusers DreamBooth scripts'
   `loss + prior_loss_weight * prior_loss` (their instance and class halves of a batch, each a mean).
+- Preservation (differential output preservation, LoRA only): a preservation sample's target is the base model's
+  own prediction on the same noisy input and conditions, the adapters switched off (`base_prediction`: no copy of
+  the model, no gradient), and its loss the squared error of the trained prediction against it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LOSS_TERM_FIELDS = ("loss_weight", "prior")  # per-sample (B,) fields a batch carries with data.sets
+from dstune.families.lora import adapters_off
+
+LOSS_TERM_FIELDS = ("loss_weight", "prior", "preserve")  # per-sample (B,) fields a batch carries with data.sets
 
 
 def mask_at_latents(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -49,15 +54,36 @@ def masked_mean(error: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return (weights * error.reshape(len(error), -1)).sum(dim=1) / total.clamp_min(torch.finfo(error.dtype).tiny)
 
 
+def preserves(encoded: dict) -> bool:
+    """Whether the micro batch has preservation samples (their target is the base model's prediction)."""
+    return "preserve" in encoded and bool(encoded["preserve"].any())
+
+
+def base_prediction(trainable: torch.nn.Module, predict) -> torch.Tensor:
+    """`predict()` (the model's own forward on the step's noisy input) with the adapters of `trainable` switched
+    off and no gradient: the base model's output, the target of preservation samples. Run before the trained
+    forward, so its activations are freed before the trained forward keeps its own."""
+    with torch.no_grad(), adapters_off(trainable):
+        return predict().detach()
+
+
+def preserved_error(prediction: torch.Tensor, base: torch.Tensor, encoded: dict, per_sample: torch.Tensor):
+    """Each sample's loss with the preservation samples' replaced by their error against the base prediction
+    (masked as the others are)."""
+    held = masked_mean((prediction.float() - base.float()) ** 2, encoded.get("loss_mask"))
+    return torch.where(encoded["preserve"].bool(), held.to(per_sample.dtype), per_sample)
+
+
 def batch_loss(per_sample: torch.Tensor, encoded: dict) -> torch.Tensor:
     """The micro batch's loss from each sample's (B,): the mean, or with data.sets the train samples' weighted mean
-    plus the regularization samples' (see the module's docstring)."""
+    plus the regularization and the preservation samples' (see the module's docstring)."""
     if "loss_weight" not in encoded:
         return per_sample.mean()
     weighted = per_sample * encoded["loss_weight"].to(per_sample.dtype)
-    prior = encoded["prior"].bool()
+    none = torch.zeros(len(per_sample), dtype=torch.bool, device=per_sample.device)
+    prior, preserve = (encoded.get(name, none).bool() for name in ("prior", "preserve"))
     total = per_sample.new_zeros(())
-    for members in (~prior, prior):
+    for members in (~(prior | preserve), prior, preserve):
         if bool(members.any()):
             total = total + weighted[members].mean()
     return total

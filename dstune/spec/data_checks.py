@@ -16,7 +16,7 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
         if audio or video:
             return (
                 f"data.sets: model.family {family} trains on {'speech' if audio else 'video clips'}; several "
-                "datasets per run are for the image families (flow, sd, sdxl) so far. Give one dataset as data.path"
+                "datasets per run are for the image families so far. Give one dataset as data.path"
             )
         for number, (item, one) in enumerate(zip(data.sets, data.set_specs())):
             problem = _one_set_problem(audio, family, one, video)
@@ -129,9 +129,10 @@ def _video_bucket_problem(data: "DataSpec") -> str | None:
     return None
 
 
-def sets_problems(data: "DataSpec") -> list[tuple[str, str]]:
-    """(dotted key, message) for each rule data.sets breaks between its sets: two sets of one name (the name keys
-    the caches and the logs), no set that trains."""
+def sets_problems(data: "DataSpec", lora: bool) -> list[tuple[str, str]]:
+    """(dotted key, message) for each rule data.sets breaks between its sets or with the run: two sets of one name
+    (the name keys the caches and the logs), no set that trains, a preservation set without adapters to switch
+    off (`lora`: model.train is lora)."""
     if data.sets is None:
         return []
     problems, first_of = [], {}
@@ -146,11 +147,21 @@ def sets_problems(data: "DataSpec") -> list[tuple[str, str]]:
                 )
             )
         first_of.setdefault(item.label, number)
+    for number, item in enumerate(data.sets):
+        if item.role == "preservation" and not lora:
+            problems.append(
+                (
+                    f"data.sets.{number}.role",
+                    "preservation holds the adapters' output to the base model's own (the adapters switched off), "
+                    "so it needs model.train: lora; to train a full model near its base on class images use role "
+                    "regularization",
+                )
+            )
     if not any(item.role == "train" for item in data.sets):
         problems.append(
             (
                 "data.sets.0.role",
-                "no set has role train: regularization sets only hold the trained model near its base; give the "
+                "no set has role train: regularization and preservation sets only hold the trained model near its base; give the "
                 "images to learn as a set with role train (the default)",
             )
         )

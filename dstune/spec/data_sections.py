@@ -198,7 +198,7 @@ class EvalSpec(Section):
         return self
 
 
-SET_ROLES = ("train", "regularization")
+SET_ROLES = ("train", "regularization", "preservation")
 # The keys a data set may give for itself; every other data key is the run's, for every set alike.
 SET_OVERRIDES = ("path", "format", "caption_extension", "caption_dropout", "mask_dir", "alpha_mask")
 
@@ -223,18 +223,20 @@ class DataSetSpec(Section):
         description="Times each sample of the set appears in one epoch, on top of kohya `N_name` folders inside it "
         "(a sample in `3_x` of a set with repeats 2 appears 6 times).",
     )
-    role: Literal["train", "regularization"] = Field(
+    role: Literal["train", "regularization", "preservation"] = Field(
         "train",
         description="`train`: trained as usual. `regularization`: class images (DreamBooth prior preservation, "
         "kohya's is_reg): a micro batch's loss is its train samples' mean plus loss_weight x its regularization "
-        "samples' mean, as the diffusers DreamBooth scripts add prior_loss_weight x their prior loss. See "
-        "docs/data.md.",
+        "samples' mean, as the diffusers DreamBooth scripts add prior_loss_weight x their prior loss. "
+        "`preservation` (model.train: lora): differential output preservation: these samples' target is the base "
+        "model's own prediction (the adapters switched off, no second copy), their mean added with loss_weight; "
+        "a micro batch holding one runs one more forward, without gradients. See docs/data.md.",
     )
     loss_weight: float = Field(
         1.0,
         ge=0,
         description="Multiplies the set's part of the loss: DreamBooth's prior_loss_weight for a regularization "
-        "set. A train set's samples: their losses are multiplied by it inside the train samples' mean.",
+        "set, DOP's multiplier for a preservation set. A train set's samples: their losses are multiplied by it inside the train samples' mean.",
     )
     caption_extension: Optional[str] = Field(None, description="As data.caption_extension; unset: data's.")
     caption_dropout: Optional[float] = Field(None, ge=0, le=1, description="As data.caption_dropout; unset: data's.")
@@ -325,7 +327,7 @@ class DataSpec(Section):
         "data.path (`../masks`: the folder beside it). An image without a mask trains whole (`validate` counts "
         "them). Each mask is resized and cropped with its image and averaged down to the latent grid (cached beside "
         "the latents with data.cache.latents); a sample's loss is sum(mask x error) / sum(mask). Image families "
-        "(flow, sd, sdxl). See docs/data.md.",
+        "(model.family flow and the UNet families). See docs/data.md.",
     )
     alpha_mask: bool = Field(
         False,
@@ -337,10 +339,10 @@ class DataSpec(Section):
         None,
         description="Several datasets in one run (data.path is the one-set form: give one or the other). Each set "
         "has its path and may give its own format, caption_extension, caption_dropout, mask_dir or alpha_mask (unset: "
-        "data's), its `repeats` (each sample x repeats per epoch), its `role` (train, or regularization: DreamBooth's "
-        "class images) and its `loss_weight`. An epoch holds every set's samples x repeats; the sets are spread "
+        "data's), its `repeats` (each sample x repeats per epoch), its `role` (train; regularization: DreamBooth's "
+        "class images; preservation: the base model's output as the target, with LoRA) and its `loss_weight`. An epoch holds every set's samples x repeats; the sets are spread "
         "evenly through it, so each global batch holds them in their shares (to one sample), the same for any "
-        "number of ranks. `validate` prints a row per set. Image families (flow, sd, sdxl). See docs/data.md.",
+        "number of ranks. `validate` prints a row per set. Image families (model.family flow and the UNet families). See docs/data.md.",
     )
     num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
     cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")

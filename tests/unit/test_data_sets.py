@@ -211,3 +211,68 @@ def test_validate_prints_a_row_per_set_with_its_share(two_sets, tmp_path):
     assert re.search(r"\ba\s+4 files x 1 = 4 samples per epoch \(25%; 1 of each global batch of 4\), train", text)
     assert re.search(r"\bb\s+4 files x 3 = 12 samples per epoch \(75%; 3 of each global batch of 4\), regul", text)
     assert "loss weight 0.5" in text
+
+
+def test_a_preservation_set_needs_adapters_to_switch_off():
+    from dstune.spec.data_checks import sets_problems
+
+    data = DataSpec(sets=[{"path": "a"}, {"path": "b", "role": "preservation"}])
+    ((key, message),) = sets_problems(data, lora=False)
+    assert key == "data.sets.1.role" and "needs model.train: lora" in message
+    assert sets_problems(data, lora=True) == []
+
+
+def test_validate_counts_the_preservation_sets_extra_forward_in_the_memory_section(tmp_path, capsys):
+    from dstune.cli import main
+
+    spec = tmp_path / "spec.yaml"
+    body = {
+        "model": {"family": "sd", "pretrained": "builtin:tiny-sd", "train": "lora"},
+        "data": {
+            "resolution": 32,
+            "sets": [
+                {"path": "builtin:shapes", "name": "subject"},
+                {"path": "builtin:shapes", "name": "keep", "role": "preservation"},
+            ],
+        },
+        "train": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 4},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    spec.write_text(yaml.safe_dump(body, sort_keys=False))
+    assert main(["validate", str(spec), "--num-gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"Memory\n(.*\n)*    preservation\s+\+1 forward without gradients per micro batch holding", out)
+    assert re.search(r"keep\s+256 files x 1 = 256 samples per epoch \(50%; 2 of each global batch of 4\)", out)
+
+
+def test_each_set_is_cached_and_trains_from_the_cache(two_sets, tmp_path):
+    """Latents and text of both sets cached (ids prefixed by the set, so files of one name in two sets are two
+    entries), the empty caption too where a set drops captions; one epoch of cached batches carries each sample's
+    set weight and role."""
+    import torch
+
+    from loaded_models import CACHE_DIR, start_up
+
+    data = two_sets.model_dump(include={"resolution", "sets", "num_workers"}, exclude_none=True)
+    data["sets"][0]["caption_dropout"] = 0.5
+    data["cache"] = {"latents": True, "text_embeddings": True, "dir": str(tmp_path / "cache")}
+    spec = tmp_path / "spec.yaml"
+    body = {
+        "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+        "data": data,
+        "train": {"global_batch_size": 4, "micro_batch_size": 4, "max_steps": 4, "precision": "fp32"},
+        "output": {"dir": str(tmp_path / "run"), "cache_dir": str(CACHE_DIR)},
+    }
+    spec.write_text(yaml.safe_dump(body, sort_keys=False))
+    model, caches, loader = start_up(spec)
+    assert len(caches.images.latent_paths) == 8 and set(caches.images.text_paths) == {"sks dog", "a dog", ""}
+    seen = Counter()
+    for batch in loader:
+        assert "latent_mean" in batch and "encoder_hidden_states" in batch  # from the entries
+        assert batch["loss_weight"].tolist() == [0.5 if p else 1.0 for p in batch["prior"].tolist()]
+        assert batch["prior"].sum() == 3  # 1 of `a`, 3 of `b` in every global batch
+        seen.update(batch["sample_id"])
+        with torch.no_grad():
+            loss = model.loss(model.trainable, model.encode_batch(batch, torch.float32), 7, 0)
+        assert torch.isfinite(loss)
+    assert {seen[f"a/a{i}.png"] for i in range(4)} == {1} and {seen[f"b/b{i}.png"] for i in range(4)} == {3}

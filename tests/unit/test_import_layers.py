@@ -56,7 +56,14 @@ LAYERS = [
         "dstune.model_defaults",
         "dstune.memory.record",
     ],
-    ["dstune.builtin", "dstune.video_plan", "dstune.sequence_parallel", "dstune.validate", "dstune.report"],
+    [
+        "dstune.builtin",
+        "dstune.video_plan",
+        "dstune.sets_plan",
+        "dstune.sequence_parallel",
+        "dstune.validate",
+        "dstune.report",
+    ],
     [
         "dstune.pretrained",
         "dstune.cache",

@@ -5,7 +5,9 @@
   hand from diffusers' train_text_to_image.py lines on the same draws; the mask the latent cache stores beside the
   latents is the mask file averaged down to the latent grid, and trains as the uncached mask does;
 - prior preservation: a batch of instance and class images gives diffusers' train_dreambooth.py
-  `loss + prior_loss_weight * prior_loss` on the same draws (1e-5).
+  `loss + prior_loss_weight * prior_loss` on the same draws (1e-5);
+- differential output preservation (LoRA): the target is the base model's output with the adapters switched off,
+  equal bit for bit to the model loaded without adapters, and the loss the adapted prediction's error against it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dstune.families.randomness import per_sample_randint, per_sample_randn
 from dstune.models.sd.spec import SdModelSpec
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec
-from loaded_models import CACHE_DIR
+from loaded_models import CACHE_DIR, start_up
 
 SEED, STEP = 3, 5
 PRIOR_LOSS_WEIGHT = 0.7
@@ -62,6 +64,16 @@ def reference_sd_error(model, indices) -> torch.Tensor:
     """diffusers' examples/text_to_image/train_text_to_image.py step on tiny-sd, with dstune's per-sample draws
     (a sample's noise, timestep and posterior draw from its own generator): F.mse_loss(model_pred, target,
     reduction="none"), (B, C, h, w), before its mean."""
+    model_pred, target = reference_sd_step(model, indices)
+    return F.mse_loss(model_pred.float(), target.float(), reduction="none")
+
+
+def reference_sd_prediction(model, indices) -> torch.Tensor:
+    return reference_sd_step(model, indices)[0]
+
+
+def reference_sd_step(model, indices) -> tuple[torch.Tensor, torch.Tensor]:
+    """(model_pred, target) of that step."""
     with torch.no_grad():
         b = batch(list(indices))
         latent_dist = model.vae.encode(b["pixel_values"]).latent_dist
@@ -77,7 +89,7 @@ def reference_sd_error(model, indices) -> torch.Tensor:
             target = scheduler.get_velocity(latents, noise, timesteps)
         hidden = model.encode_text(b["captions"])["encoder_hidden_states"]
         model_pred = model.trainable(noisy, timesteps, hidden, return_dict=False)[0]
-        return F.mse_loss(model_pred.float(), target.float(), reduction="none")
+        return model_pred, target
 
 
 # ------------------------------------------------------------------------------------------------------ masks
@@ -165,27 +177,6 @@ def write_masked_set(root: Path) -> Path:
     return root
 
 
-def start_up(spec_path: Path):
-    """The real start-up on one rank (the settings matrix's path): validate, load, records, caches, loader."""
-    from dstune.distributed import Run
-    from dstune.ds_json.fill_spec import merged_spec
-    from dstune.spec.load import load_spec
-    from dstune.startup import checked_records, load_trained_model, make_training_loader, prepare_caches
-    from dstune.validate import validate_spec
-    from dstune.world import World
-
-    world = World(1, 1, (1,), ("localhost",), "one process")
-    spec, source = merged_spec(*load_spec(str(spec_path), []))
-    resolved = validate_spec(spec, source, world)
-    run = Run(rank=0, local_rank=0, world=world, device="cpu", accelerator="cpu", node_rank=0, launched=False)
-    model = load_trained_model(run, resolved.spec, ds_config=resolved.ds_config)
-    records = checked_records(run, resolved.spec, model.modality)
-    caches, code = prepare_caches(run, resolved.spec, model, records)
-    assert code == 0
-    loader, _ = make_training_loader(resolved.spec, resolved.plan, 0, model, records, caches, 0, 0)
-    return model, caches, loader
-
-
 def test_the_cached_mask_is_the_images_mask_at_latent_size_and_trains_as_the_uncached_one(tmp_path):
     root = write_masked_set(tmp_path / "data")
     losses = {}
@@ -220,3 +211,87 @@ def test_the_cached_mask_is_the_images_mask_at_latent_size_and_trains_as_the_unc
         with torch.no_grad():
             losses[cached] = model.loss(model.trainable, model.encode_batch(batch, torch.float32), SEED, 0).item()
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- differential output preservation
+
+
+def with_trained_adapters(spec, seed=11):
+    """A loaded model with LoRA adapters whose B matrices are drawn away from zero (as after training), so the
+    adapted model's output differs from the base's."""
+    from dstune.families.lora import apply_train_mode
+
+    model = build_model(spec, CACHE_DIR, "cpu", torch.float32)
+    apply_train_mode(model, spec, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.trainable.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def sd_lora():
+    return with_trained_adapters(SdModelSpec(family="sd", pretrained="builtin:tiny-sd", train="lora", lora={"rank": 2}))
+
+
+@pytest.fixture(scope="module")
+def flow_lora():
+    spec = FlowModelSpec(
+        family="flow", pretrained="builtin:tiny-flow", timestep_sampling="uniform", train="lora", lora={"rank": 2}
+    )
+    return with_trained_adapters(spec)
+
+
+def predictions(model, name: str):
+    """`prediction()`: the model's forward on fixed noisy latents of batch 0-3 (its own predict, its own inputs)."""
+    encoded = model.encode_batch(batch([0, 1, 2, 3]), torch.float32)
+    noisy = torch.randn(encoded["latent_mean"].shape, generator=torch.Generator().manual_seed(5))
+    if name == "sd":
+        timesteps = torch.tensor([10, 200, 500, 900])
+        return lambda: model.predict(model.trainable, noisy, timesteps, encoded)
+    conditions = model.conditions(encoded, torch.float32)
+    return lambda: model.predict(
+        model.trainable, noisy, torch.tensor([10.0, 200.0, 500.0, 900.0]), conditions, torch.float32
+    )
+
+
+@pytest.mark.parametrize("name", ["sd", "flow"])
+def test_the_preservation_target_is_the_base_models_output_bit_for_bit(name, request):
+    """base_prediction switches the adapters off in place: its output equals the model loaded without adapters,
+    exactly; the adapters are back on afterwards and still train."""
+    from dstune.families.loss_terms import base_prediction
+
+    adapted, base = request.getfixturevalue(f"{name}_lora"), request.getfixturevalue(name)
+    with torch.no_grad():
+        trained = predictions(adapted, name)()
+        reference = predictions(base, name)()
+    target = base_prediction(adapted.trainable, predictions(adapted, name))
+    assert torch.equal(target, reference)
+    assert (trained - reference).abs().max() > 1e-3  # the adapters do change the output
+    with torch.no_grad():
+        assert torch.equal(predictions(adapted, name)(), trained)  # switched back on
+    trainable = [n for n, p in adapted.trainable.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+
+
+def test_dop_loss_is_the_adapted_prediction_against_the_base_by_hand(sd_lora, sd):
+    """A micro batch of preservation samples (weight w): w x the mean squared error of the adapted model's
+    prediction against the base model's, on the step's own noisy latents (diffusers' lines, reference_sd_error);
+    its gradient reaches the adapters."""
+    fields = {
+        "loss_weight": torch.full((4,), PRIOR_LOSS_WEIGHT),
+        "prior": torch.zeros(4, dtype=torch.bool),
+        "preserve": torch.ones(4, dtype=torch.bool),
+    }
+    adapted_prediction = reference_sd_prediction(sd_lora, (0, 1, 2, 3))
+    base_prediction_ = reference_sd_prediction(sd, (0, 1, 2, 3))
+    by_hand = PRIOR_LOSS_WEIGHT * ((adapted_prediction - base_prediction_) ** 2).mean()
+    encoded = sd_lora.encode_batch(batch([0, 1, 2, 3], **fields), torch.float32)
+    loss = sd_lora.loss(sd_lora.trainable, encoded, SEED, STEP)
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-5)
+    loss.backward()
+    grads = [p.grad for n, p in sd_lora.trainable.named_parameters() if ".lora_B." in n]
+    assert grads and all(g is not None for g in grads) and any(g.abs().max() > 0 for g in grads)
+    sd_lora.trainable.zero_grad(set_to_none=True)

@@ -1,0 +1,87 @@
+"""data.sets in validate's plan (torch-free): each set's files and samples per epoch (`set_rows`, from the index),
+the Sets group's rows (`set_table_rows`) and what a preservation set adds to the Memory group
+(`preservation_rows`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from dstune.data.index import DataError, index_dataset, set_counts
+
+
+def _fmt(value: float) -> str:
+    """3 significant digits, as the rest of the plan prints numbers."""
+    return f"{value:.3g}"
+
+
+def _count(number: int, one: str, many: str) -> str:
+    return f"{number} {one if number == 1 else many}"
+
+
+@dataclass(frozen=True)
+class SetRow:
+    """One set of data.sets as validate prints it."""
+
+    label: str
+    role: str
+    files: int
+    repeats: int
+    samples: int  # per epoch, repeats counted
+    loss_weight: float
+
+
+def set_rows(data) -> Optional[tuple[SetRow, ...]]:
+    """data.sets' rows (files listed, not opened), or None with data.path or when a set cannot be indexed (its
+    error is reported by the count)."""
+    if data.sets is None:
+        return None
+    try:
+        records = index_dataset(data, read_captions=False).records
+    except DataError:
+        return None
+    return tuple(
+        SetRow(item.label, item.role, files, item.repeats, samples, item.loss_weight)
+        for item, (files, samples) in zip(data.sets, set_counts(records, len(data.sets)))
+    )
+
+
+def set_table_rows(plan, sets) -> list[tuple[str, str]]:
+    """One row per set of data.sets: files, repeats, samples per epoch, its share of an epoch and of each global
+    batch, role and loss weight; then what an epoch is."""
+    total = sum(row.samples for row in sets) or 1
+    rows = []
+    for row in sets:
+        share = row.samples / total
+        rows.append(
+            (
+                row.label,
+                f"{_count(row.files, 'file', 'files')} x {row.repeats} = {row.samples} samples per epoch "
+                f"({share:.0%}; {share * plan.global_batch_size:.3g} of each global batch of "
+                f"{plan.global_batch_size}), {row.role}, loss weight {_fmt(row.loss_weight)}"
+                + ("; target: the base model's output (adapters off)" if row.role == "preservation" else ""),
+            )
+        )
+    rows.append(
+        (
+            "an epoch",
+            f"every set's samples x repeats ({total}), each once, the sets spread evenly through it"
+            + (" (within each bucket by chance)" if plan.groups else ""),
+        )
+    )
+    return rows
+
+
+def preservation_rows(spec) -> list[tuple[str, str]]:
+    """A preservation set (DOP): the extra forward each micro batch holding one runs, and why the peak holds."""
+    sets = getattr(spec.data, "sets", None) or []
+    if not any(item.role == "preservation" for item in sets):
+        return []
+    return [
+        (
+            "  preservation",
+            "+1 forward without gradients per micro batch holding a preservation sample (the base's prediction, "
+            "adapters off), run before the trained forward: its activations are freed before those above exist, "
+            "its output (one latent per sample) is held; the peak above holds",
+        )
+    ]
