@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from dstune.data.groups import weighted_places
 from dstune.data.index import DataError, index_dataset, set_counts
 
 
@@ -27,8 +28,10 @@ class SetRow:
     role: str
     files: int
     repeats: int
-    samples: int  # per epoch, repeats counted
+    samples: int  # per epoch, repeats counted (with set weights: the set's places)
     loss_weight: float
+    weight: Optional[float] = None  # the set's sampling weight (data.sets.N.weight), or None with repeats
+    files_samples: int = 0  # with set weights: the set's samples (kohya folder repeats counted)
 
 
 def set_rows(data) -> Optional[tuple[SetRow, ...]]:
@@ -40,9 +43,12 @@ def set_rows(data) -> Optional[tuple[SetRow, ...]]:
         records = index_dataset(data, read_captions=False).records
     except DataError:
         return None
+    counts = set_counts(records, len(data.sets))
+    weights = [item.weight for item in data.sets] if all(item.weight is not None for item in data.sets) else None
+    places = weighted_places([samples for _, samples in counts], weights)
     return tuple(
-        SetRow(item.label, item.role, files, item.repeats, samples, item.loss_weight)
-        for item, (files, samples) in zip(data.sets, set_counts(records, len(data.sets)))
+        SetRow(item.label, item.role, files, item.repeats, place, item.loss_weight, item.weight, samples)
+        for item, (files, samples), place in zip(data.sets, counts, places)
     )
 
 
@@ -56,7 +62,12 @@ def set_table_rows(plan, sets) -> list[tuple[str, str]]:
         rows.append(
             (
                 row.label,
-                f"{_count(row.files, 'file', 'files')} x {row.repeats} = {row.samples} samples per epoch "
+                (
+                    f"{_count(row.files, 'file', 'files')} ({row.files_samples} samples), weight {_fmt(row.weight)}: "
+                    if row.weight is not None
+                    else f"{_count(row.files, 'file', 'files')} x {row.repeats} = "
+                )
+                + f"{row.samples} samples per epoch "
                 f"({share:.0%}; {share * plan.global_batch_size:.3g} of each global batch of "
                 f"{plan.global_batch_size}), {row.role}, loss weight {_fmt(row.loss_weight)}"
                 + ("; target: the base model's output (adapters off)" if row.role == "preservation" else ""),
@@ -65,7 +76,13 @@ def set_table_rows(plan, sets) -> list[tuple[str, str]]:
     rows.append(
         (
             "an epoch",
-            f"every set's samples x repeats ({total}), each once, the sets spread evenly through it"
+            (
+                f"all sets' samples ({total}) as places, shared by weight (a set repeats or leaves out samples to "
+                "fill its places, others each epoch)"
+                if sets[0].weight is not None
+                else f"every set's samples x repeats ({total}), each once"
+            )
+            + ", the sets spread evenly through it"
             + (" (within each bucket by chance)" if plan.groups else ""),
         )
     )

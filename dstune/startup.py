@@ -378,6 +378,7 @@ def make_training_loader(
             start_epoch,
             start_step,
             sets=dataset.set_numbers(),
+            set_places=dataset.set_places(),
         )
     dataset = ImageCaptionDataset(data, records, seed)
     return make_loader(
@@ -391,6 +392,7 @@ def make_training_loader(
         start_epoch,
         start_step,
         sets=dataset.set_numbers(),
+        set_places=dataset.set_places(),
     )
 
 

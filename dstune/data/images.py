@@ -28,6 +28,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from dstune.data.buckets import assign_buckets, header_size
+from dstune.data.groups import weighted_places
 from dstune.data.image_check import find_unreadable
 from dstune.data.index import DataError, SampleRecord
 from dstune.data.synthetic import render_shape
@@ -184,6 +185,15 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         if self.data.sets is None:
             return None
         return [record.set_index for record in self.records for _ in range(record.repeats)]
+
+    def set_places(self) -> list[int] | None:
+        """With set weights (data.sets), each set's places per epoch (dstune.data.groups.weighted_places); else None."""
+        if self.data.sets is None or self.data.sets[0].weight is None:
+            return None
+        samples = [0] * len(self.data.sets)
+        for record in self.records:
+            samples[record.set_index] += record.repeats
+        return weighted_places(samples, [item.weight for item in self.data.sets])
 
     def set_fields(self, record: SampleRecord) -> dict:
         """With data.sets, the sample's `loss_weight`, `prior` (its set's role is regularization) and `preserve`

@@ -94,13 +94,24 @@ def make_loader(
     start_step: int = 0,
     speakers=None,
     sets=None,
+    set_places=None,
 ) -> tuple[EpochDataLoader, GlobalBatchSampler]:
     """This rank's loader and its sampler over any dataset kind (images, cached images, speech, cached speech),
     positioned at (start_epoch, start_step). `plan` is a dstune.plan.Plan made for exactly this dataset
     (len(dataset) = plan.num_samples); `group_keys` are the per-index bucket keys, or None; `sets` the per-index
-    set numbers of data.sets (an image dataset's `set_numbers()`), or None."""
+    set numbers of data.sets (an image dataset's `set_numbers()`), or None, and `set_places` each set's places per
+    epoch with set weights (its `set_places()`)."""
     sampler = GlobalBatchSampler(
-        len(dataset), plan, rank, seed, start_epoch, start_step, group_keys=group_keys, speakers=speakers, sets=sets
+        len(dataset),
+        plan,
+        rank,
+        seed,
+        start_epoch,
+        start_step,
+        group_keys=group_keys,
+        speakers=speakers,
+        sets=sets,
+        set_places=set_places,
     )
     loader = EpochDataLoader(
         dataset,
@@ -132,4 +143,5 @@ def build_loader(
         start_epoch,
         start_step,
         sets=dataset.set_numbers(),
+        set_places=dataset.set_places(),
     )

@@ -17,9 +17,10 @@ Groups (aspect buckets, length buckets): with `group_keys` (one key per dataset 
 one group (dstune.data.groups.GroupedOrder: per-group permutations, whole global batches, remainders dropped, the
 batches shuffled together) and is cut into micro batches exactly as above, so all of the above holds per step.
 
-Several datasets (data.sets, `sets`: the set number of each index): the epoch's permutation is replaced by
-dstune.data.groups.interleaved_order (each set permuted, then spread evenly through the epoch), cut the same way, so
-every global batch (and micro batch) holds the sets in their shares to within one sample. With groups (data.buckets)
+Several datasets (data.sets, `sets`: the set number of each index; `set_places`: each set's places per epoch, with
+set weights): the epoch's permutation is replaced by dstune.data.groups.interleaved_order (each set permuted, then
+spread evenly through the epoch), cut the same way, so every global batch (and micro batch) holds the sets in their
+shares to within one sample. With groups (data.buckets)
 the grouped order is used as it is: each bucket's batches mix the sets by chance.
 
 Speaker balance (data.speaker_balance, `speakers`: one name per index): the epoch's permutation is replaced by
@@ -57,6 +58,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         group_keys=None,
         speakers=None,
         sets=None,
+        set_places=None,
     ):
         self.num_samples = num_samples
         self.micro_batch_size = plan_like.micro_batch_size
@@ -86,7 +88,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.sets = list(sets) if sets is not None and len(set(sets)) > 1 else None
         if self.sets is not None and (len(self.sets) != num_samples or self.speakers is not None):
             raise ValueError(f"data.sets needs one set number per sample ({num_samples}; got {len(self.sets)})")
-        self.sets_fingerprint = keys_fingerprint(self.sets) if self.sets is not None else None
+        self.set_places = list(set_places) if self.sets is not None and set_places is not None else None
+        if self.set_places is not None and sum(self.set_places) != num_samples:
+            raise ValueError(f"data.sets' places {self.set_places} must add up to the {num_samples} samples")
+        fingerprinted = None if self.sets is None else self.sets + ["places"] + (self.set_places or [])
+        self.sets_fingerprint = keys_fingerprint(fingerprinted) if fingerprinted is not None else None
         self._check_plan()
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the plan's {self.world_size} ranks (0..{self.world_size - 1})")
@@ -207,7 +213,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
             if self.speakers is not None:
                 order = speaker_balanced_order(self.speakers, self.seed, epoch)
             elif self.sets is not None:
-                order = interleaved_order(self.sets, self.seed, epoch)
+                order = interleaved_order(self.sets, self.seed, epoch, self.set_places)
             else:
                 order = np.random.default_rng([_ORDER_SALT, self.seed, epoch]).permutation(self.num_samples)
             self._order_cache = (epoch, order)

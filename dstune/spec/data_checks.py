@@ -131,8 +131,8 @@ def _video_bucket_problem(data: "DataSpec") -> str | None:
 
 def sets_problems(data: "DataSpec", lora: bool) -> list[tuple[str, str]]:
     """(dotted key, message) for each rule data.sets breaks between its sets or with the run: two sets of one name
-    (the name keys the caches and the logs), no set that trains, a preservation set without adapters to switch
-    off (`lora`: model.train is lora)."""
+    (the name keys the caches and the logs), weights in some sets only (or with data.buckets), no set that trains,
+    a preservation set without adapters to switch off (`lora`: model.train is lora)."""
     if data.sets is None:
         return []
     problems, first_of = [], {}
@@ -147,6 +147,25 @@ def sets_problems(data: "DataSpec", lora: bool) -> list[tuple[str, str]]:
                 )
             )
         first_of.setdefault(item.label, number)
+    weighted = [item.weight is not None for item in data.sets]
+    if any(weighted) and not all(weighted):
+        number = weighted.index(not weighted[0])
+        problems.append(
+            (
+                f"data.sets.{number}.weight",
+                f"set {data.sets[number].label} {'gives' if weighted[number] else 'does not give'} a weight and set "
+                f"{data.sets[0].label} {'does not' if weighted[number] else 'does'}: weights share an epoch among all "
+                "sets, so give `weight` in every set (each set's share) or in none (each set's samples x `repeats`)",
+            )
+        )
+    if all(weighted) and data.buckets.enabled:
+        problems.append(
+            (
+                "data.sets.0.weight",
+                "set weights with data.buckets are not offered yet (each bucket's batches are drawn on their own); "
+                "give the sets `repeats` instead, or turn data.buckets off",
+            )
+        )
     for number, item in enumerate(data.sets):
         if item.role == "preservation" and not lora:
             problems.append(

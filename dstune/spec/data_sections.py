@@ -221,7 +221,15 @@ class DataSetSpec(Section):
         1,
         ge=1,
         description="Times each sample of the set appears in one epoch, on top of kohya `N_name` folders inside it "
-        "(a sample in `3_x` of a set with repeats 2 appears 6 times).",
+        "(a sample in `3_x` of a set with repeats 2 appears 6 times). Not with `weight`.",
+    )
+    weight: Optional[float] = Field(
+        None,
+        gt=0,
+        description="The set's share of an epoch instead of repeats: an epoch has as many places as all sets have "
+        "samples (kohya folder repeats counted), shared among the sets in proportion to their weights; a set with "
+        "more places than samples repeats them, one with fewer leaves some out, a different set each epoch. Give "
+        "`weight` in every set or in none; not with data.buckets.",
     )
     role: Literal["train", "regularization", "preservation"] = Field(
         "train",
@@ -242,6 +250,15 @@ class DataSetSpec(Section):
     caption_dropout: Optional[float] = Field(None, ge=0, le=1, description="As data.caption_dropout; unset: data's.")
     mask_dir: Optional[str] = Field(None, description="As data.mask_dir, relative to this set's path; unset: data's.")
     alpha_mask: Optional[bool] = Field(None, description="As data.alpha_mask, for this set; unset: data's.")
+
+    @model_validator(mode="after")
+    def _repeats_or_weight(self) -> "DataSetSpec":
+        if self.weight is not None and self.repeats != 1:  # 1 is also what a saved spec (every key) holds
+            raise ValueError(
+                f"give `repeats` (the set's samples x {self.repeats} per epoch) or `weight` (its share of the "
+                "epoch's places), not both"
+            )
+        return self
 
     @model_validator(mode="after")
     def _files_for_masks(self) -> "DataSetSpec":
@@ -339,7 +356,7 @@ class DataSpec(Section):
         None,
         description="Several datasets in one run (data.path is the one-set form: give one or the other). Each set "
         "has its path and may give its own format, caption_extension, caption_dropout, mask_dir or alpha_mask (unset: "
-        "data's), its `repeats` (each sample x repeats per epoch), its `role` (train; regularization: DreamBooth's "
+        "data's), its `repeats` (each sample x repeats per epoch) or, in every set, its `weight` (its share of the epoch), its `role` (train; regularization: DreamBooth's "
         "class images; preservation: the base model's output as the target, with LoRA) and its `loss_weight`. An epoch holds every set's samples x repeats; the sets are spread "
         "evenly through it, so each global batch holds them in their shares (to one sample), the same for any "
         "number of ranks. `validate` prints a row per set. Image families (model.family flow and the UNet families). See docs/data.md.",

@@ -18,7 +18,7 @@ from dstune.data.index import index_dataset
 from dstune.data.sampler import GlobalBatchSampler
 from dstune.plan import make_plan
 from dstune.spec.load import SpecError, SpecSource, load_spec
-from dstune.spec.models import DataSpec, TrainSpec
+from dstune.spec.models import DataSetSpec, DataSpec, TrainSpec
 from dstune.validate import load_and_validate
 from dstune.world import world_from_flags
 
@@ -276,3 +276,79 @@ def test_each_set_is_cached_and_trains_from_the_cache(two_sets, tmp_path):
             loss = model.loss(model.trainable, model.encode_batch(batch, torch.float32), 7, 0)
         assert torch.isfinite(loss)
     assert {seen[f"a/a{i}.png"] for i in range(4)} == {1} and {seen[f"b/b{i}.png"] for i in range(4)} == {3}
+
+
+# ------------------------------------------------------------------------------------------------------ weights
+
+
+def weighted(two_sets: DataSpec, a: float, b: float) -> DataSpec:
+    sets = [item.model_dump(exclude={"repeats"}, exclude_none=True) for item in two_sets.sets]
+    sets[0]["weight"], sets[1]["weight"] = a, b
+    return two_sets.model_copy(update={"sets": [DataSetSpec(**item) for item in sets]})
+
+
+def test_weights_share_the_epochs_places_by_largest_remainder():
+    from dstune.data.groups import weighted_places
+
+    assert weighted_places([4, 12], None) == [4, 12]
+    assert weighted_places([4, 12], [1, 1]) == [8, 8]
+    assert weighted_places([5, 5], [1, 2]) == [3, 7]  # 3.33 / 6.67: the larger remainder rounds up
+    assert weighted_places([1, 1, 1], [1, 1, 1]) == [1, 1, 1]
+    assert sum(weighted_places([7, 3, 11], [0.2, 0.5, 0.3])) == 21
+
+
+def test_weighted_sets_fill_their_places_each_epoch(two_sets, tmp_path):
+    """Set `a` (4 samples) and `b` (4 files x 1: the weights replace repeats) weighted 3:1: 8 places, 6 of `a` (each
+    sample once or twice), 2 of `b` (two of its four, others each epoch); every global batch of 4 holds 3 of `a`."""
+    data = weighted(two_sets, 3, 1)
+    dataset = ImageCaptionDataset(data, index_dataset(data).records, seed=7)
+    assert len(dataset) == 8 and dataset.set_places() == [6, 2]
+    sets, places = dataset.set_numbers(), dataset.set_places()
+    train = TrainSpec(micro_batch_size=1, gradient_accumulation_steps=2, epochs=1)
+    plan = make_plan(train, world_from_flags(num_gpus=2), 8, SpecSource("spec.yaml"))
+    samplers = [GlobalBatchSampler(8, plan, rank, 7, sets=sets, set_places=places) for rank in range(2)]
+    left_out = []
+    for epoch in range(3):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        batches = global_batches(plan, samplers)
+        counts = Counter(dataset.record_at(i).sample_id for b in batches for i in b)
+        assert sum(counts[f"a/a{n}.png"] for n in range(4)) == 6 and {counts[f"a/a{n}.png"] for n in range(4)} == {1, 2}
+        assert sum(counts[f"b/b{n}.png"] for n in range(4)) == 2 and max(counts[f"b/b{n}.png"] for n in range(4)) == 1
+        assert all(Counter(sets[i] for i in b) == {0: 3, 1: 1} for b in batches)
+        left_out.append(frozenset(n for n in range(4) if not counts[f"b/b{n}.png"]))
+    assert len(set(left_out)) > 1  # a different half of `b` each epoch
+    with pytest.raises(ValueError, match="sets_fingerprint"):  # other weights: another order, no resume
+        other = GlobalBatchSampler(8, plan, 0, 7, sets=sets, set_places=[5, 3])
+        other.load_state_dict(samplers[0].state_dict())
+
+
+def test_weights_in_some_sets_only_or_with_repeats_or_buckets_are_errors_at_the_set():
+    from pydantic import ValidationError
+
+    from dstune.spec.data_checks import sets_problems
+
+    ((key, message),) = sets_problems(DataSpec(sets=[{"path": "a"}, {"path": "b", "weight": 2}]), lora=False)
+    assert key == "data.sets.1.weight" and "give `weight` in every set" in message
+    with pytest.raises(ValidationError, match="not both"):
+        DataSpec(sets=[{"path": "a", "weight": 1, "repeats": 2}])
+    both = DataSpec(sets=[{"path": "a", "weight": 1}, {"path": "b", "weight": 2}], buckets={"enabled": True})
+    assert [key for key, _ in sets_problems(both, lora=False)] == ["data.sets.0.weight"]
+
+
+def test_validate_prints_the_weighted_sets_places(two_sets, tmp_path):
+    from dstune.report import plan_text
+
+    spec = tmp_path / "spec.yaml"
+    data = weighted(two_sets, 3, 1).model_dump(include={"resolution", "sets"}, exclude_none=True)
+    body = {
+        "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+        "data": data,
+        "train": {"global_batch_size": 4, "micro_batch_size": 1, "max_steps": 4},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    spec.write_text(yaml.safe_dump(body, sort_keys=False))
+    text = plan_text(load_and_validate(spec, world=world_from_flags(num_gpus=2), cross_check=False, check_files=False))
+    assert re.search(r"\ba\s+4 files \(4 samples\), weight 3: 6 samples per epoch \(75%; 3 of each global batch", text)
+    assert re.search(r"\bb\s+4 files \(4 samples\), weight 1: 2 samples per epoch \(25%; 1 of each global batch", text)
+    assert "all sets' samples (8) as places, shared by weight" in text
