@@ -53,6 +53,7 @@ SPEECH_ONLY_KEYS = (
     "data.max_clip_seconds",
     "data.duration_bucket_seconds",
     "data.speaker_balance",
+    "data.speakers",
     "data.cache.codec_tokens",
 )
 PICTURE_ONLY_KEYS = (

@@ -48,6 +48,7 @@ class Outcome:
     clips: Optional[dict] = None  # video families: dstune.video_plan's clip summary
     resolution_origin: str = ""  # images and video: where data.resolution came from ("" for speech)
     guidance_origin: str = ""  # images and video: where sample.guidance came from ("" for speech)
+    voices: object = None  # speech: dstune.families.speakers.Voices, how the model hears the data's speakers
     sets: Optional[tuple] = None  # data.sets: dstune.sets_plan.SetRow per set
 
     @classmethod
@@ -63,6 +64,7 @@ class Outcome:
             clips=resolved.clips,
             resolution_origin=resolved.resolution_origin,
             guidance_origin=resolved.guidance_origin,
+            voices=resolved.voices,
             sets=resolved.sets,
         )
 
@@ -78,7 +80,8 @@ class Outcome:
             "errors": [str(e) for e in self.errors],
             "memory": self.memory,
             "clips": self.clips,
-            "sets": [dataclasses.asdict(row) for row in self.sets] if self.sets else None,
+            **({"speakers": self.voices.as_json()} if self.voices is not None else {}),
+            **({"sets": [dataclasses.asdict(row) for row in self.sets]} if self.sets else {}),  # data.sets only
         }
 
 
@@ -468,7 +471,8 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
                     [("resolution", f"{spec.data.resolution} px ({outcome.resolution_origin})")]
                     if outcome.resolution_origin
                     else []
-                ),
+                )
+                + (outcome.voices.rows() if outcome.voices is not None else []),
             ),
             *([("Sets", set_table_rows(plan, outcome.sets))] if outcome.sets else []),
             *([("Buckets", _bucket_rows(plan))] if plan.groups else []),

@@ -28,6 +28,7 @@ from dstune.ds_json.fill_spec import apply_ds_file, ds_value_sources
 from dstune.memory.plan import Setup
 from dstune.memory.verdict import memory_json
 from dstune.families import get_facts
+from dstune.families.speakers import SpeakersRefused, Voices
 from dstune.memory.counts import SizesUnknown
 from dstune.model_defaults import bucket_step_problem, with_model_defaults
 from dstune.model_folders import model_folder_issues
@@ -36,7 +37,6 @@ from dstune.sequence_parallel import bucket_tokens, sequence_issues, with_all_to
 from dstune.sets_plan import set_rows
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem, sets_problems
-from dstune.models.tts_lm.token_layouts import speakers_problem
 from dstune.trackers import wandb_missing
 from dstune.video_plan import clip_buckets, clip_plan
 from dstune.world import World, world_from_flags
@@ -58,6 +58,7 @@ class Resolved:
     clips: Optional[dict] = None  # video families: dstune.video_plan's summary (frame and size buckets, tokens)
     resolution_origin: str = ""  # where data.resolution's value came from ("set in the spec", the model's size)
     guidance_origin: str = ""  # where sample.guidance's value came from ("set in the spec", the pipeline's default)
+    voices: Optional[Voices] = None  # speech: how the model hears the data's speakers (None: the data names none)
     sets: Optional[tuple] = None  # data.sets: dstune.sets_plan.SetRow per set
 
 
@@ -148,7 +149,7 @@ def validate_spec(
     found.add(folder_issues)
     if not any(issue.severity == "error" and issue.key == "model.family" for issue in folder_issues):
         _check_model(spec, source, found)  # not on another model's folder, whose configs would give nonsense
-    count, origin, groups, clips = _count_samples(spec, source, num_samples, found, check_files)
+    count, origin, groups, clips, voices = _count_samples(spec, source, num_samples, found, check_files)
     lora = getattr(spec.model, "train", "full") == "lora"
     found.add(source.issue(key, text) for key, text in sets_problems(spec.data, lora))
     sets = set_rows(spec.data) if count is not None else None
@@ -183,6 +184,7 @@ def validate_spec(
         clips,
         resolution_origin,
         guidance_origin,
+        voices,
         sets,
     )
 
@@ -289,16 +291,16 @@ def _check_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
 
 def _count_samples(
     spec: Spec, source: SpecSource, num_samples: Optional[int], found: IssueList, check_files: bool = False
-) -> tuple[Optional[int], str, Optional[dict], Optional[dict]]:
+) -> tuple[Optional[int], str, Optional[dict], Optional[dict], Optional[Voices]]:
     """(number of samples or None when unknown, where it came from, {bucket: samples} with grouped batches, the
-    clip summary of a video family)."""
-    path = spec.data.path
+    clip summary of a video family, how a speech model hears the data's speakers)."""
+    path, voices = spec.data.path, None
     if builtin_name(path) is None and not os.path.exists(os.path.expanduser(path)):
-        return _count_not_here(spec, source, num_samples, found)
+        return (*_count_not_here(spec, source, num_samples, found), None)
     if spec.model.family in VIDEO_FAMILIES:  # clips after frame extraction; videos that give none are errors
         *counted, issues = clip_plan(spec, source, num_samples, check_files)
         found.add(issues)
-        return tuple(counted)
+        return (*counted, None)
     try:
         if spec.model.family in AUDIO_FAMILIES:  # speech: clip headers give durations, length rules, length groups
             index = index_audio(spec.data)
@@ -314,7 +316,7 @@ def _count_samples(
                         )
                     ]
                 )
-            found.add(source.issue("data.path", text) for text in [speakers_problem(spec.model, index.records)] if text)
+            voices = _check_speakers(spec, source, index.records, found)
         else:
             index = index_dataset(
                 spec.data,
@@ -325,7 +327,7 @@ def _count_samples(
             found.add(image_file_issues(spec.data, index.records + index.held_out, source) if check_files else ())
     except DataError as err:
         found.add([source.issue(err.key or "data.path", err.message)])
-        return None, "", None, None
+        return None, "", None, None, None
     found.add(source.issue("data.path", text, severity="warning") for text in index.warnings)
     count = index.num_samples
     if spec.data.sets is not None:
@@ -349,7 +351,16 @@ def _count_samples(
                 )
             ]
         )
-    return count, origin, groups, None
+    return count, origin, groups, None, voices
+
+
+def _check_speakers(spec: Spec, source: SpecSource, records, found: IssueList) -> Optional[Voices]:
+    """How the model hears the clips' speakers (validate prints it); a refusal where it cannot tell them apart."""
+    try:
+        return get_facts(spec.model.family).voices(spec, [r.speaker for r in records], [r.caption for r in records])
+    except SpeakersRefused as err:
+        found.add([source.issue(err.key, err.message)])
+        return None
 
 
 def _count_not_here(

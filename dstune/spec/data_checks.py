@@ -97,11 +97,12 @@ def _one_set_problem(audio: bool, family: str, data: "DataSpec", video: bool) ->
         or data.cache.codec_tokens
         or data.duration_bucket_seconds
         or data.speaker_balance
+        or data.speakers != "separate"
     ):
         return (
             f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
-            "data.cache.codec_tokens, data.duration_bucket_seconds and data.speaker_balance are for the speech "
-            "families"
+            "data.cache.codec_tokens, data.duration_bucket_seconds, data.speaker_balance and data.speakers are for "
+            "the speech families"
         )
     return None
 

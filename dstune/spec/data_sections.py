@@ -398,6 +398,15 @@ class DataSpec(Section):
         "gives each speaker the same number of places (small speakers repeat, large ones leave clips out), drawn "
         "from train.seed, the same on every rank. Not with duration_bucket_seconds. See docs/tts.md.",
     )
+    speakers: Literal["separate", "blend"] = Field(
+        "separate",
+        description="Audio datasets with speakers (GPT-SoVITS .list, metadata.jsonl `speaker`). `separate`: each "
+        "speaker is its own voice, given to the model the way it conditions on speakers (its speaker ids, dialogue "
+        "tags, `Speaker N:` script lines, speaker vectors or prompt names; the sorted names take the model's ids in "
+        "order); `validate` prints the mapping and refuses several speakers for a model that cannot "
+        "tell them apart. `blend`: the speaker column is left out and every clip trains the model's default voice. "
+        "See docs/tts.md, Speakers.",
+    )
 
     @model_validator(mode="after")
     def _bucket_step_fits(self) -> "DataSpec":

@@ -5,13 +5,13 @@ those loss lines (diffusers has no edit training example; docs/family-flow.md)."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 from dstune.card import ModelPreset, image, lora
 from dstune.families.facts import Attention
-from dstune.families.flow_card import FlowCard, control_images_missing, joint_blocks
+from dstune.families.flow_card import FlowCard, edit_source_issues, joint_blocks
 from dstune.families.folders import read_component_config
 from dstune.families.pipeline_card import SpecIssues
 
@@ -60,7 +60,7 @@ class QwenImageEditCard(FlowCard):
     def text_tokens(self, spec, folder) -> int:
         return super().text_tokens(spec, folder) + int((spec.data.resolution / VISION_PATCH_PX) ** 2)
 
-    def pictures(self, folder) -> int:
+    def pictures(self, spec, folder) -> int:
         return 2
 
     def pairs(self, spec) -> Optional[str]:
@@ -87,15 +87,7 @@ class QwenImageEditCard(FlowCard):
                     "latents)",
                 )
             )
-        if spec.sample.prompts and not spec.sample.control_images:
-            issues.append(
-                (
-                    "sample.prompts",
-                    f"{EDIT_PIPELINE} renders from a source image: give sample.control_images, one source image per "
-                    "prompt, or set sample.prompts: []",
-                )
-            )
-        return issues + control_images_missing(spec)
+        return issues + edit_source_issues(spec, EDIT_PIPELINE)
 
     def attention(self, spec) -> Optional[Attention]:
         """Its sequence holds the target's and the source's tokens; its text (the instruction with the source's
@@ -103,9 +95,7 @@ class QwenImageEditCard(FlowCard):
         found = super().attention(spec)
         if found is None or found.refusal:
             return found
-        return Attention(
-            found.heads, found.head_dim, found.origin, text_tokens=0, px_per_token=found.px_per_token, pictures=2
-        )
+        return replace(found, text_tokens=0)
 
 
 COMMON = dict(
