@@ -352,3 +352,28 @@ def test_validate_prints_the_weighted_sets_places(two_sets, tmp_path):
     assert re.search(r"\ba\s+4 files \(4 samples\), weight 3: 6 samples per epoch \(75%; 3 of each global batch", text)
     assert re.search(r"\bb\s+4 files \(4 samples\), weight 1: 2 samples per epoch \(25%; 1 of each global batch", text)
     assert "all sets' samples (8) as places, shared by weight" in text
+
+
+def test_validate_json_gives_the_sets_rows_only_with_data_sets(two_sets, tmp_path, capsys):
+    import json
+
+    from dstune.cli import main
+
+    spec = tmp_path / "spec.yaml"
+    body = {
+        "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+        "data": two_sets.model_dump(include={"resolution", "sets"}, exclude_none=True),
+        "train": {"global_batch_size": 4, "micro_batch_size": 1, "max_steps": 4},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    spec.write_text(yaml.safe_dump(body, sort_keys=False))
+    assert main(["validate", str(spec), "--num-gpus", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["sets"]
+    assert [(r["label"], r["files"], r["repeats"], r["samples"], r["role"]) for r in rows] == [
+        ("a", 4, 1, 4, "train"),
+        ("b", 4, 3, 12, "regularization"),
+    ]
+    body["data"] = {"resolution": 32}
+    spec.write_text(yaml.safe_dump(body, sort_keys=False))
+    assert main(["validate", str(spec), "--num-gpus", "2", "--json"]) == 0
+    assert "sets" not in json.loads(capsys.readouterr().out)  # a data.path spec's JSON is as it was
