@@ -32,6 +32,7 @@ class SetRow:
     loss_weight: float
     weight: Optional[float] = None  # the set's sampling weight (data.sets.N.weight), or None with repeats
     files_samples: int = 0  # with set weights: the set's samples (kohya folder repeats counted)
+    size: str = ""  # what the set trains at: "64 px", "buckets around 64 px"
 
 
 def set_rows(data) -> Optional[tuple[SetRow, ...]]:
@@ -47,9 +48,13 @@ def set_rows(data) -> Optional[tuple[SetRow, ...]]:
     weights = [item.weight for item in data.sets] if all(item.weight is not None for item in data.sets) else None
     places = weighted_places([samples for _, samples in counts], weights)
     return tuple(
-        SetRow(item.label, item.role, files, item.repeats, place, item.loss_weight, item.weight, samples)
-        for item, (files, samples), place in zip(data.sets, counts, places)
+        SetRow(item.label, item.role, files, item.repeats, place, item.loss_weight, item.weight, samples, _size(one))
+        for item, one, (files, samples), place in zip(data.sets, data.set_specs(), counts, places)
     )
+
+
+def _size(one) -> str:
+    return f"buckets around {one.resolution} px" if one.buckets.enabled else f"{one.resolution} px"
 
 
 def set_table_rows(plan, sets) -> list[tuple[str, str]]:
@@ -69,7 +74,7 @@ def set_table_rows(plan, sets) -> list[tuple[str, str]]:
                 )
                 + f"{row.samples} samples per epoch "
                 f"({share:.0%}; {share * plan.global_batch_size:.3g} of each global batch of "
-                f"{plan.global_batch_size}), {row.role}, loss weight {_fmt(row.loss_weight)}"
+                f"{plan.global_batch_size}), {row.size}, {row.role}, loss weight {_fmt(row.loss_weight)}"
                 + ("; target: the base model's output (adapters off)" if row.role == "preservation" else ""),
             )
         )
@@ -102,3 +107,14 @@ def preservation_rows(spec) -> list[tuple[str, str]]:
             "its output (one latent per sample) is held; the peak above holds",
         )
     ]
+
+
+def at_largest_set(spec):
+    """The spec the memory plan counts: with data.sets, data.resolution is the largest set's (a sample's
+    activations, latents and tokens grow with it; the sets' buckets keep the area of their resolution)."""
+    if spec.data.sets is None:
+        return spec
+    largest = max(one.resolution for one in spec.data.set_specs())
+    if largest == spec.data.resolution:
+        return spec
+    return spec.model_copy(update={"data": spec.data.model_copy(update={"resolution": largest})})

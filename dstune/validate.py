@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
 
 from dstune.data.audio_index import duration_groups, index_audio
-from dstune.data.buckets import assign_buckets, bucket_counts, bucket_sizes, upscaling_warning
+from dstune.data.buckets import bucket_counts, bucket_sizes, record_sizes, upscaling_warning
 from dstune.data.image_check import image_file_issues
 from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset
 from dstune.ds_json.blocks import compile_ds_config
@@ -34,7 +34,7 @@ from dstune.model_defaults import bucket_step_problem, with_model_defaults
 from dstune.model_folders import model_folder_issues
 from dstune.plan import Plan, data_parallel_ranks, make_plan, resolve_batch
 from dstune.sequence_parallel import bucket_tokens, sequence_issues, with_all_to_all
-from dstune.sets_plan import set_rows
+from dstune.sets_plan import at_largest_set, set_rows
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
 from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem, sets_problems
 from dstune.trackers import wandb_missing
@@ -409,15 +409,19 @@ def _count_not_here(
 
 
 def _image_groups(spec: Spec, source: SpecSource, records, found: IssueList) -> Optional[dict]:
-    """With data.buckets, {"WxH": samples} from the image headers (no pixels decoded); unreadable files are a warning
-    with data.skip_bad_files (they train as a substitute in the square bucket), else a DataError. Images smaller
-    than data.resolution (or their bucket) are a warning."""
-    found.add(
-        source.issue("data.resolution", w, severity="warning") for w in [upscaling_warning(records, spec.data)] if w
-    )
-    if not spec.data.buckets.enabled or not bucket_sizes(spec.data):
-        return None  # no bucket fits (a step above the model's native size): bucket_step_problem reported it
-    record_buckets, unreadable = assign_buckets(records, spec.data)
+    """With data.buckets (or data.sets at several sizes), {"WxH": samples} from the image headers (no pixels
+    decoded); unreadable files are a warning with data.skip_bad_files (they train as a substitute in the square
+    bucket), else a DataError. Images smaller than data.resolution (or their bucket) are a warning, per set."""
+    specs = spec.data.set_specs()
+    for number, one in enumerate(specs):
+        key = "data.resolution" if spec.data.sets is None else f"data.sets.{number}.resolution"
+        mine = [r for r in records if r.set_index == number] if spec.data.sets is not None else records
+        found.add(source.issue(key, w, severity="warning") for w in [upscaling_warning(mine, one)] if w)
+    if any(one.buckets.enabled and not bucket_sizes(one) for one in specs):
+        return None  # no bucket fits (a step above the resolution): bucket_step_problem / sets_problems said so
+    record_buckets, unreadable = record_sizes(records, spec.data)
+    if record_buckets is None:
+        return None
     if unreadable:
         found.add(
             [
@@ -478,6 +482,7 @@ def plan_memory(
     parameters counted on the meta device (dstune.memory.counts), bytes per GPU and node (dstune.memory.plan);
     `clips`: a video family's clip summary (Resolved.clips: the largest bucket's activations). Without the model's
     config files every figure is null and `unknown` says why."""
+    spec = at_largest_set(spec)  # data.sets at several sizes: the largest sample sets the peak
     try:
         counts = get_facts(spec.model.family).count(spec, plan.num_samples, clip_buckets(clips))
     except (SizesUnknown, KeyError) as err:  # KeyError: a config layout the activation estimates do not know

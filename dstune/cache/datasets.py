@@ -61,7 +61,7 @@ class CachedDataset(ImageCaptionDataset):
             out.update(read_entry(self.index.latent_paths[(record.sample_id, flip)]))  # with its loss_mask, if masked
             out.update(self.set_fields(self.record_at(position)))
             size = self.target_size(position)  # the centre crop the cached latent was made from (header only)
-            decoded = decoded_size(record, size, self.data.resolution)
+            decoded = decoded_size(record, size, self.rendered_side(record))
             out.update(crop_fields(record, decoded, size, 0.5, 0.5, flip))
             if record.control_path is not None:  # edit pairs: the source's cached latents, and its pixels, which
                 # the text side needs (the instruction is encoded with the image)

@@ -101,7 +101,8 @@ def _content_hash(record, data: DataSpec, clips, file_hashes: dict) -> str:
         content = bytes_sha256(b"builtin-clip\0" + clips.load_clip(record).numpy().tobytes())
     else:
         number = int(record.sample_id.rsplit("/", 1)[1])
-        content = bytes_sha256(b"builtin-render\0" + render_shape(number, data.resolution)[0].tobytes())
+        side = data.set_specs()[record.set_index].resolution  # data.resolution, or the set's
+        content = bytes_sha256(b"builtin-render\0" + render_shape(number, side)[0].tobytes())
     if video:
         return bytes_sha256(f"{content}/{data.video!r}".encode())
     return _with_mask(record, data, content, file_hashes)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from dstune.data.buckets import assign_buckets, header_size
+from dstune.data.buckets import header_size, record_sizes
 from dstune.data.groups import weighted_places
 from dstune.data.image_check import find_unreadable
 from dstune.data.index import DataError, SampleRecord
@@ -170,8 +170,9 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         return self.records[bisect.bisect_right(self._ends, index)]
 
     def bucket_of_records(self) -> list | None:
-        """With data.buckets: the (width, height) of each record's bucket, from its image header; else None."""
-        return assign_buckets(self.records, self.data)[0] if self.data.buckets.enabled else None
+        """The (width, height) each record trains at (its bucket from its header, or its set's square: data.sets),
+        or None when all train at data.resolution's square (dstune.data.buckets.record_sizes)."""
+        return record_sizes(self.records, self.data)[0]
 
     def target_size(self, index: int):
         """What sample `index` is cropped to: data.resolution, or its bucket's (width, height). Decided by the index,
@@ -179,6 +180,10 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         if self.record_sizes is None:
             return self.data.resolution
         return self.record_sizes[bisect.bisect_right(self._ends, index)]
+
+    def rendered_side(self, record: SampleRecord) -> int:
+        """The side a built-in sample is rendered at: its set's resolution (data.resolution with data.path)."""
+        return self.set_specs[record.set_index].resolution
 
     def set_numbers(self) -> list[int] | None:
         """The set number of every index (data.sets, for the sampler's interleaving), or None with data.path."""
@@ -229,7 +234,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         """What the latent cache stores beside the record's latents: its mask at the centre crop (None unmasked)."""
         if not self.masked:
             return None
-        decoded = decoded_size(record, size or self.data.resolution, self.data.resolution)
+        decoded = decoded_size(record, size or self.data.resolution, self.rendered_side(record))
         return self.loss_mask(record, decoded, size or self.data.resolution, 0.5, 0.5, flip)["loss_mask"]
 
     def group_keys(self) -> list | None:
@@ -243,7 +248,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         cropped to (default data.resolution), so JPEGs decode at a reduced scale that still covers it."""
         if record.image_path is None:
             number = int(record.sample_id.rsplit("/", 1)[1])
-            return render_shape(number, self.data.resolution)[0]
+            return render_shape(number, self.rendered_side(record))[0]
         try:
             return _open_rgb(record.image_path, size or self.data.resolution)
         except _DECODE_ERRORS as err:

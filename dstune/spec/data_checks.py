@@ -159,14 +159,26 @@ def sets_problems(data: "DataSpec", lora: bool) -> list[tuple[str, str]]:
                 "sets, so give `weight` in every set (each set's share) or in none (each set's samples x `repeats`)",
             )
         )
-    if all(weighted) and data.buckets.enabled:
+    grouped = any(one.buckets.enabled or one.resolution != data.resolution for one in data.set_specs())
+    if all(weighted) and grouped:
         problems.append(
             (
                 "data.sets.0.weight",
-                "set weights with data.buckets are not offered yet (each bucket's batches are drawn on their own); "
-                "give the sets `repeats` instead, or turn data.buckets off",
+                "set weights with buckets or sets at several sizes are not offered yet (each size's batches are "
+                "drawn on their own); give the sets `repeats` instead, or train them at one size without buckets",
             )
         )
+    for number, (item, one) in enumerate(zip(data.sets, data.set_specs())):
+        buckets = one.buckets
+        own = item.buckets is not None or item.resolution is not None
+        if own and buckets.enabled and not buckets.sizes and buckets.step > one.resolution:
+            problems.append(
+                (
+                    f"data.sets.{number}.{'buckets.step' if item.buckets is not None else 'resolution'}",
+                    f"the set's bucket step {buckets.step} is larger than its resolution {one.resolution}: no bucket "
+                    "side fits. Use a step of at most the resolution (a multiple of 8), or give buckets.sizes",
+                )
+            )
     for number, item in enumerate(data.sets):
         if item.role == "preservation" and not lora:
             problems.append(

@@ -200,7 +200,16 @@ class EvalSpec(Section):
 
 SET_ROLES = ("train", "regularization", "preservation")
 # The keys a data set may give for itself; every other data key is the run's, for every set alike.
-SET_OVERRIDES = ("path", "format", "caption_extension", "caption_dropout", "mask_dir", "alpha_mask")
+SET_OVERRIDES = (
+    "path",
+    "format",
+    "resolution",
+    "buckets",
+    "caption_extension",
+    "caption_dropout",
+    "mask_dir",
+    "alpha_mask",
+)
 
 
 class DataSetSpec(Section):
@@ -245,6 +254,15 @@ class DataSetSpec(Section):
         ge=0,
         description="Multiplies the set's part of the loss: DreamBooth's prior_loss_weight for a regularization "
         "set, DOP's multiplier for a preservation set. A train set's samples: their losses are multiplied by it inside the train samples' mean.",
+    )
+    resolution: Optional[int] = Field(
+        None,
+        gt=0,
+        description="As data.resolution, for this set (its square side, or its buckets' area); unset: data's. Sets "
+        "at other sizes never share a global batch: each global batch is one size (as with buckets).",
+    )
+    buckets: Optional[BucketsSpec] = Field(
+        None, description="As data.buckets, for this set (whole: every key of it); unset: data's."
     )
     caption_extension: Optional[str] = Field(None, description="As data.caption_extension; unset: data's.")
     caption_dropout: Optional[float] = Field(None, ge=0, le=1, description="As data.caption_dropout; unset: data's.")
@@ -355,8 +373,8 @@ class DataSpec(Section):
     sets: Optional[list[DataSetSpec]] = Field(
         None,
         description="Several datasets in one run (data.path is the one-set form: give one or the other). Each set "
-        "has its path and may give its own format, caption_extension, caption_dropout, mask_dir or alpha_mask (unset: "
-        "data's), its `repeats` (each sample x repeats per epoch) or, in every set, its `weight` (its share of the epoch), its `role` (train; regularization: DreamBooth's "
+        "has its path and may give its own format, resolution, buckets, caption_extension, caption_dropout, mask_dir "
+        "or alpha_mask (unset: data's), its `repeats` (each sample x repeats per epoch) or, in every set, its `weight` (its share of the epoch), its `role` (train; regularization: DreamBooth's "
         "class images; preservation: the base model's output as the target, with LoRA) and its `loss_weight`. An epoch holds every set's samples x repeats; the sets are spread "
         "evenly through it, so each global batch holds them in their shares (to one sample), the same for any "
         "number of ranks. `validate` prints a row per set. Image families (model.family flow and the UNet families). See docs/data.md.",

@@ -221,8 +221,8 @@ def test_two_sets_one_rank_x_4_accumulation_equals_two_ranks_x_2(runs, tmp_path)
     1e-5 (SGD: see SGD)."""
     run_dir, spec_path, proc = runs["zero0"]
     assert proc.returncode == 0, explain(proc)
-    assert re.search(r"\ba\s+4 files x 1 = 4 samples per epoch \(25%; 1 of each global batch of 4\), train", proc.stdout)
-    assert re.search(r"\bb\s+4 files x 3 = 12 samples per epoch \(75%; 3 of each global batch of 4\), regul",
+    assert re.search(r"\ba\s+4 files x 1 = 4 samples per epoch \(25%; 1 of each global batch of 4\), 32 px, train", proc.stdout)
+    assert re.search(r"\bb\s+4 files x 3 = 12 samples per epoch \(75%; 3 of each global batch of 4\), 32 px, regul",
                      proc.stdout)
     single_dir = tmp_path / "ranks1"
     single = launch(spec_path, num_ranks=1, args=("--set", f"output.dir={single_dir}"))

@@ -70,15 +70,15 @@ def test_the_spec_takes_sets_or_a_path_and_says_so_at_the_line(tmp_path):
     spec = tmp_path / "spec.yaml"
     body = {
         "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
-        "data": {"path": "x", "sets": [{"path": "a"}, {"path": "b", "resolution": 64}]},
+        "data": {"path": "x", "sets": [{"path": "a"}, {"path": "b", "frames": 9}]},
         "train": {"micro_batch_size": 1, "max_steps": 4},
     }
     spec.write_text(yaml.safe_dump(body, sort_keys=False))
     with pytest.raises(SpecError) as err:
         load_spec(spec)
     text = str(err.value)
-    assert "data.sets.1.resolution" in text  # a key a set does not take is refused, not ignored
-    body["data"]["sets"][1].pop("resolution")
+    assert "data.sets.1.frames" in text  # a key a set does not take is refused, not ignored
+    body["data"]["sets"][1].pop("frames")
     spec.write_text(yaml.safe_dump(body, sort_keys=False))
     with pytest.raises(SpecError, match="give data.path .one dataset. or data.sets"):
         load_spec(spec)
@@ -208,8 +208,12 @@ def test_validate_prints_a_row_per_set_with_its_share(two_sets, tmp_path):
     spec.write_text(yaml.safe_dump(body, sort_keys=False))
     text = plan_text(load_and_validate(spec, world=world_from_flags(num_gpus=2), cross_check=False, check_files=False))
     assert re.search(r"samples\s+16 \(counted in the 2 sets of data.sets, below\)", text)
-    assert re.search(r"\ba\s+4 files x 1 = 4 samples per epoch \(25%; 1 of each global batch of 4\), train", text)
-    assert re.search(r"\bb\s+4 files x 3 = 12 samples per epoch \(75%; 3 of each global batch of 4\), regul", text)
+    assert re.search(
+        r"\ba\s+4 files x 1 = 4 samples per epoch \(25%; 1 of each global batch of 4\), 32 px, train", text
+    )
+    assert re.search(
+        r"\bb\s+4 files x 3 = 12 samples per epoch \(75%; 3 of each global batch of 4\), 32 px, regul", text
+    )
     assert "loss weight 0.5" in text
 
 
@@ -377,3 +381,90 @@ def test_validate_json_gives_the_sets_rows_only_with_data_sets(two_sets, tmp_pat
     spec.write_text(yaml.safe_dump(body, sort_keys=False))
     assert main(["validate", str(spec), "--num-gpus", "2", "--json"]) == 0
     assert "sets" not in json.loads(capsys.readouterr().out)  # a data.path spec's JSON is as it was
+
+
+# ---------------------------------------------------------------------------------------- sizes per set
+
+
+def test_sets_at_their_own_sizes_train_one_size_per_global_batch(two_sets, tmp_path):
+    """Set `a` at data.resolution (32), set `b` (x3) at its own 64 and a built-in set with buckets: validate plans
+    one group per size, and the loader (the one-process start-up, latents cached at each set's size) gives each
+    global batch one size, a sample at its set's size."""
+    import torch
+
+    from loaded_models import CACHE_DIR, start_up
+
+    data = two_sets.model_dump(include={"resolution", "sets", "num_workers"}, exclude_none=True)
+    data["sets"][1]["resolution"] = 64
+    data["sets"].append({"path": "builtin:shapes", "name": "shapes", "buckets": {"enabled": True, "step": 16}})
+    data["cache"] = {"latents": True, "dir": str(tmp_path / "cache")}
+    spec = tmp_path / "spec.yaml"
+    body = {
+        "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+        "data": data,
+        "train": {"global_batch_size": 4, "micro_batch_size": 4, "max_steps": 4, "precision": "fp32"},
+        "output": {"dir": str(tmp_path / "run"), "cache_dir": str(CACHE_DIR)},
+    }
+    spec.write_text(yaml.safe_dump(body, sort_keys=False))
+    resolved = load_and_validate(spec, world=world_from_flags(num_gpus=1), cross_check=False, check_files=False)
+    groups = {group.key: group.samples for group in resolved.plan.groups}
+    assert groups == {"32x32": 4 + 256, "64x64": 12}  # the built-in shapes are square: the 32 px square bucket
+    assert resolved.plan.steps_per_epoch == 1 + 64 + 3
+    model, caches, loader = start_up(spec)
+    sizes = {"a": 32, "b": 64, "shapes": 32}
+    seen = Counter()
+    for batch in loader:
+        sets = {sample_id.split("/", 1)[0] for sample_id in batch["sample_id"]}
+        side = {sizes[name] for name in sets}
+        assert len(side) == 1, sets  # one size per global batch
+        assert batch["latent_mean"].shape[-1] == side.pop() // 2  # tiny-sd's VAE: 2 pixels per latent
+        seen.update(sample_id.split("/", 1)[0] for sample_id in batch["sample_id"])
+    assert seen == {"a": 4, "b": 12, "shapes": 256}  # the whole epoch, every set at its size
+    with torch.no_grad():
+        assert torch.isfinite(model.loss(model.trainable, model.encode_batch(batch, torch.float32), 7, 0))
+
+
+def test_a_sets_size_the_model_cannot_take_is_an_error_at_the_set(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    body = {
+        "model": {"family": "flow", "pretrained": "builtin:tiny-flow"},
+        "data": {
+            "resolution": 32,
+            "sets": [
+                {"path": "builtin:shapes", "name": "a"},
+                {"path": "builtin:shapes", "name": "b", "resolution": 42},
+            ],
+        },
+        "train": {"micro_batch_size": 1, "max_steps": 4},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    spec.write_text(yaml.safe_dump(body, sort_keys=False))
+    with pytest.raises(SpecError) as err:
+        load_and_validate(spec, world=world_from_flags(num_gpus=1), cross_check=False, check_files=False)
+    found = {issue.key: issue.message for issue in err.value.issues}
+    assert list(found) == ["data.sets.1.resolution"] and found["data.sets.1.resolution"].startswith("42: ")
+
+
+def test_the_memory_plan_counts_the_largest_set(tmp_path):
+    from dstune.validate import plan_memory
+
+    activations = []
+    for side in (32, 64):
+        spec = tmp_path / f"spec-{side}.yaml"
+        body = {
+            "model": {"family": "sd", "pretrained": "builtin:tiny-sd"},
+            "data": {
+                "resolution": 32,
+                "sets": [
+                    {"path": "builtin:shapes", "name": "a"},
+                    {"path": "builtin:shapes", "name": "b", "resolution": side},
+                ],
+            },
+            "train": {"micro_batch_size": 1, "max_steps": 4},
+            "output": {"dir": str(tmp_path / "run")},
+        }
+        spec.write_text(yaml.safe_dump(body, sort_keys=False))
+        resolved = load_and_validate(spec, world=world_from_flags(num_gpus=1), cross_check=False, check_files=False)
+        memory = plan_memory(resolved.spec, resolved.plan, resolved.ds_config, accelerator="cpu")
+        activations.append(memory["per_gpu"]["activations_bytes"])
+    assert activations[1] > 2 * activations[0]  # 4x the pixels of the largest sample
