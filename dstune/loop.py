@@ -98,19 +98,24 @@ def render_samples(ctx: LoopContext, step: int, metrics: MetricsFile) -> None:
         print(f"samples: {path} (all steps: {sheet})", flush=True)
 
 
-def _agree_on_loss(run: Run, loss_sum: float, micro_batches: int, step: int) -> tuple[float, bool]:
-    """Gather every rank's loss for this optimizer step; stop everyone if any is not finite. Returns the global mean
-    and whether any rank received a stop signal (then all of them stop after this step)."""
-    reports = all_gather_object((run.rank, loss_sum, micro_batches, stop_requested()))
-    bad = [rank for rank, value, _, _ in reports if not math.isfinite(value)]
+def _agree_on_loss(
+    run: Run, loss_sum: float, micro_batches: int, step: int, part_sums: dict
+) -> tuple[float, bool, dict]:
+    """Gather every rank's loss for this optimizer step; stop everyone if any is not finite. Returns the global mean,
+    whether any rank received a stop signal (then all of them stop after this step) and the global means of the
+    loss's named parts (model.loss_parts), averaged as the loss is."""
+    reports = all_gather_object((run.rank, loss_sum, micro_batches, stop_requested(), part_sums))
+    bad = [rank for rank, value, *_ in reports if not math.isfinite(value)]
     if bad:
         raise NonFiniteLoss(
             f"non-finite loss at optimizer step {step + 1} on rank {', '.join(map(str, bad))}; stopped before the "
             "update was applied. The last checkpoint is intact. Lower the learning rate, use fp32/bf16 instead of "
             "fp16, or check the data of that step."
         )
-    mean = sum(value for _, value, _, _ in reports) / sum(n for _, _, n, _ in reports)
-    return mean, any(stop for _, _, _, stop in reports)
+    micro_total = sum(report[2] for report in reports)
+    mean = sum(report[1] for report in reports) / micro_total
+    parts = {name: sum(report[4].get(name, 0.0) for report in reports) / micro_total for name in part_sums}
+    return mean, any(report[3] for report in reports), parts
 
 
 def _check_space_for_checkpoints(ctx: LoopContext) -> None:
@@ -148,7 +153,7 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
     loop_started = time.perf_counter()  # metrics' elapsed_s: wall time including logging and checkpoints
     while state.global_step < plan.total_steps:
         ctx.sampler.set_epoch(state.epoch, start_step=state.step_in_epoch)
-        loss_sum, micro_in_step = 0.0, 0
+        loss_sum, micro_in_step, part_sums = 0.0, 0, {}
         step_started = time.perf_counter()
         data_wait = 0.0
         fetch_started = time.perf_counter()
@@ -158,12 +163,16 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
             loss = model.loss(engine, encoded, ctx.seed, state.global_step)
             engine.backward(loss)
             loss_sum += float(loss.detach().float())
+            for name, value in model.loss_parts().items():
+                part_sums[name] = part_sums.get(name, 0.0) + value
             micro_in_step += 1
             if micro_in_step < accumulation:
                 engine.step()  # DeepSpeed only counts the micro step here; the update happens at the boundary
                 fetch_started = time.perf_counter()
                 continue
-            mean_loss, stop_agreed = _agree_on_loss(run, loss_sum, micro_in_step, state.global_step)
+            mean_loss, stop_agreed, loss_parts = _agree_on_loss(
+                run, loss_sum, micro_in_step, state.global_step, part_sums
+            )
             engine.step()
             if ctx.ema is not None and engine.was_step_applied():  # not after a skipped (fp16 overflow) step
                 ctx.ema.on_optimizer_step()
@@ -177,7 +186,7 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
             ctx.timings["compute_s"] += step_seconds - data_wait
             samples_per_s = plan.global_batch_size / max(step_seconds, 1e-9)
             lr = current_lr(engine)
-            display.update(state.global_step, state.epoch, state.samples_seen, mean_loss, lr, samples_per_s)
+            display.update(state.global_step, state.epoch, state.samples_seen, mean_loss, lr, samples_per_s, loss_parts)
             held_out = held_out_fields(ctx, display, state.global_step)
             if held_out or state.global_step % ctx.log_every_steps == 0 or state.global_step == plan.total_steps:
                 grad_norm = engine.get_global_grad_norm()
@@ -187,6 +196,7 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                         "epoch": state.epoch,
                         "samples": state.samples_seen,
                         "loss": mean_loss,
+                        **{f"loss_{name}": value for name, value in loss_parts.items()},
                         "lr": lr,
                         "grad_norm": None if grad_norm is None else float(grad_norm),
                         "samples_per_s": samples_per_s,
@@ -223,7 +233,7 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
                 break
             if stop_agreed:
                 raise TrainingInterrupted(state.global_step)
-            loss_sum, micro_in_step, data_wait = 0.0, 0, 0.0
+            loss_sum, micro_in_step, part_sums, data_wait = 0.0, 0, {}, 0.0
             step_started = fetch_started = time.perf_counter()
         else:  # the epoch ran out: the next one starts from its first step
             state.epoch += 1

@@ -91,13 +91,18 @@ class ProgressDisplay:
             self._progress.start()
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
 
-    def update(self, step: int, epoch: int, samples_seen: int, loss: float, lr: float, samples_per_s: float) -> None:
+    def update(
+        self, step: int, epoch: int, samples_seen: int, loss: float, lr: float, samples_per_s: float, parts=None
+    ) -> None:
+        """One step's line; `parts`: the loss's named parts ({"video": ..., "audio": ...}), shown after it."""
         if not self.enabled:
             return
         epochs_total = max(1, math.ceil(self.total_epochs - 1e-9))  # max_steps may end inside an epoch
+        shares = ", ".join(f"{name} {value:.4f}" for name, value in (parts or {}).items())
         info = (
             f"epoch {min(epoch + 1, epochs_total)}/{epochs_total}  "
-            f"samples {samples_seen}  loss {loss:.4f}  lr {lr:.3g}  {samples_per_s:.1f} samples/s"
+            f"samples {samples_seen}  loss {loss:.4f}{f' ({shares})' if shares else ''}  lr {lr:.3g}  "
+            f"{samples_per_s:.1f} samples/s"
         )
         if self._progress is not None:
             self._progress.update(self._task, completed=step, info=info)

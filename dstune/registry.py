@@ -22,6 +22,7 @@ CARDS: tuple[str, ...] = (
     "dstune.models.sdxl.card:SDXL_CARD",
     "dstune.models.sd3_flux.card:SD3_CARD",
     "dstune.models.sd3_flux.card:FLUX_CARD",
+    "dstune.models.sd3_flux.card:FLUX_KONTEXT_CARD",
     "dstune.models.qwen_image.card:QWEN_IMAGE_CARD",
     "dstune.models.qwen_image.card:QWEN_IMAGE_EDIT_CARD",
     "dstune.models.zimage.card:Z_IMAGE_CARD",

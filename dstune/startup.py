@@ -13,6 +13,7 @@ on (dstune.distributed.agree_or_stop) before the next collective, so all ranks s
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from dstune.cache.codec_tokens import prepare_codec_cache, verify_codec_cache
 from dstune.cache.datasets import CachedDataset, CachedSpeechDataset, CachedVideoDataset, collate_cached
 from dstune.cache.latents import CacheIndex, LatentCacheJob, offload_frozen, prepare_cache
 from dstune.cache.share import cache_folder
+from dstune.checkpoints.layout import STATE_FILE
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
 from dstune.data.audio_index import duration_keys, speaker_keys
 from dstune.data.clips import index_clips, is_grouped, read_header
@@ -44,6 +46,7 @@ from dstune.ds_json.fill_spec import merged_spec
 from dstune.engine import PRECISION_DTYPES, place_trainable
 from dstune.families import card_of, get_facts
 from dstune.families.lora import apply_train_mode
+from dstune.families.speakers import SpeakersRefused, resumed_map_problem, voices_for
 from dstune.memory.working import MAX_CHUNK_ENTRIES
 from dstune.model_defaults import with_model_defaults
 from dstune.pretrained import build_model, partitioned_build_config, resolve_folders, resolve_pretrained
@@ -257,6 +260,24 @@ def _one_frame_rate(run: Run, records: list) -> None:
         )
 
 
+def hear_speakers(run: Run, spec: Spec, model, records: list, resumed: Optional[Path] = None) -> None:
+    """A speech model is given how to hear the data's speakers (`model.voices`: the map validate printed, from the
+    same rule); a refusal validate could not make (its configs were not here), or a resumed checkpoint (`resumed`,
+    its folder) trained with another map, stops every rank with the reason."""
+    if model.modality != "audio":
+        return
+    error = None
+    try:
+        speakers, texts = [r.speaker for r in records], [r.caption for r in records]
+        model.voices = voices_for(model.card, spec.model, spec.data.speakers, speakers, texts)
+    except SpeakersRefused as err:
+        error = f"{err.key}: {err.message}"
+    if error is None and resumed is not None:
+        saved = json.loads((resumed / STATE_FILE).read_text()).get("speakers")
+        error = resumed_map_problem(saved, model.voices, f"checkpoint {resumed}")
+    agree_or_stop(run, error)
+
+
 def held_out_records(run: Run, spec: Spec) -> list:
     """data.eval's samples (index_dataset's `held_out`; none without data.eval), their images opened on every rank
     like the training images: a bad one stops the run, or with data.skip_bad_files is replaced when read."""
@@ -391,10 +412,32 @@ def make_training_loader(
     if caches.images is not None:
         dataset = CachedDataset(data, records, seed, caches.images)
         return make_loader(
-            dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
+            dataset,
+            collate_cached,
+            dataset.group_keys(),
+            data,
+            plan,
+            rank,
+            seed,
+            start_epoch,
+            start_step,
+            sets=dataset.set_numbers(),
+            set_places=dataset.set_places(),
         )
     dataset = ImageCaptionDataset(data, records, seed)
-    return make_loader(dataset, collate, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step)
+    return make_loader(
+        dataset,
+        collate,
+        dataset.group_keys(),
+        data,
+        plan,
+        rank,
+        seed,
+        start_epoch,
+        start_step,
+        sets=dataset.set_numbers(),
+        set_places=dataset.set_places(),
+    )
 
 
 # ------------------------------------------------------------------------------------- `dstune cache` command

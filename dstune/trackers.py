@@ -6,8 +6,8 @@ offline Weights & Biases run (output.wandb, when the `wandb` package is installe
     trackers.samples(step, path)             # a sample grid PNG, or a folder of sample WAVs
     trackers.close()
 
-TensorBoard tags group the record's keys (`scalar_tag`): train/loss, train/lr, train/grad_norm, eval/loss,
-memory/..., progress/epoch and progress/samples, and perf/... for the rest (samples/s, data wait). W&B gets the same
+TensorBoard tags group the record's keys (`scalar_tag`): train/loss (and its parts: train/loss_video, ...),
+train/lr, train/grad_norm, eval/loss, memory/..., progress/epoch and progress/samples, and perf/... for the rest (samples/s, data wait). W&B gets the same
 tags. W&B runs offline only (nothing leaves the machine); `wandb sync <run_dir>/wandb/offline-run-*` uploads later.
 """
 
@@ -27,7 +27,7 @@ def scalar_tag(key: str) -> str:
     """The TensorBoard / W&B tag of a metrics.jsonl key."""
     if key.startswith("eval_"):
         return "eval/" + key[len("eval_") :]
-    if key in TRAIN_KEYS:
+    if key in TRAIN_KEYS or key.startswith("loss_"):  # loss_<part>: a loss's named parts (a video's and its sound's)
         return "train/" + key
     if key in PROGRESS_KEYS:
         return "progress/" + key

@@ -38,6 +38,7 @@ from dstune.data.synthetic import render_shape
 from dstune.data.video import VideoCaptionDataset, stack_sounds
 from dstune.distributed import agree_or_stop, all_gather_object
 from dstune.families.diffusion import vae_posterior
+from dstune.families.loss_terms import mask_at_latents
 from dstune.memory.working import MAX_CHUNK_ENTRIES
 from dstune.spec.models import DataSpec
 
@@ -103,8 +104,25 @@ def _content_hash(record, data: DataSpec, clips, file_hashes: dict) -> str:
         content = bytes_sha256(b"builtin-clip\0" + clips.load_clip(record).numpy().tobytes())
     else:
         number = int(record.sample_id.rsplit("/", 1)[1])
-        content = bytes_sha256(b"builtin-render\0" + render_shape(number, data.resolution)[0].tobytes())
-    return bytes_sha256(f"{content}/{data.video!r}".encode()) if video else content
+        side = data.set_specs()[record.set_index].resolution  # data.resolution, or the set's
+        content = bytes_sha256(b"builtin-render\0" + render_shape(number, side)[0].tobytes())
+    if video:
+        return bytes_sha256(f"{content}/{data.video!r}".encode())
+    return _with_mask(record, data, content, file_hashes)
+
+
+def _with_mask(record, data: DataSpec, content: str, file_hashes: dict) -> str:
+    """A masked run's latent entries hold the loss mask too: its content joins the key (the mask file's bytes, or
+    the alpha channel's file, which is the image's), so adding, editing or removing a mask rebuilds the entry. An
+    unmasked run's key is what it was before masks existed."""
+    if not data.masked:
+        return content
+    if record.mask_path is not None:
+        if record.mask_path not in file_hashes:
+            file_hashes[record.mask_path] = file_sha256(record.mask_path)
+        return bytes_sha256(f"{content}/mask:{file_hashes[record.mask_path]}".encode())
+    alpha = data.set_specs()[record.set_index].alpha_mask
+    return bytes_sha256(f"{content}/mask:{'alpha' if alpha else 'none'}".encode())
 
 
 def _content_hashes(run, records, data: DataSpec, video: bool) -> tuple[dict[str, str], dict[str, str]]:
@@ -165,6 +183,9 @@ def _encode_latents(
             heard = stack_sounds([sounds[i] for i in same])
             more["sound_latent"] = model.encode_sound(heard["sound"].to(model.device))
             more["has_sound"] = heard["has_sound"].float().unsqueeze(1)
+        if isinstance(dataset, ImageCaptionDataset) and dataset.masked:  # the loss masks at the latent grid
+            masks = [dataset.cache_mask(by_id[ok[i].sample_id], ok[i].size or resolution, ok[i].flip) for i in same]
+            more["loss_mask"] = mask_at_latents(torch.stack(masks), tuple(mean.shape[-2:]))
         tensors.update(
             {
                 ok[i].key: {
@@ -314,13 +335,13 @@ def prepare_cache(run, job: LatentCacheJob, model, records, verify_only: bool = 
         _job_fingerprints(job),
         data.resolution,
         data.random_flip,
-        data.caption_dropout,
+        max(one.caption_dropout for one in data.set_specs()),  # the empty caption, where any set drops captions
         _dtype_name(job.dtype),
         cache_spec.latents,
         cache_spec.text_embeddings,
         _sizes(targets, data, job.video),
         job.text_tensors,
-        job.latent_tensors,
+        job.latent_tensors + (("loss_mask",) if data.masked else ()),
         job.extra_captions,
     )
     mine = chunks_of_rank(

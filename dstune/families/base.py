@@ -86,6 +86,11 @@ class TrainedModel:
     def loss(self, forward, encoded: dict, seed: int, step: int):
         raise NotImplementedError
 
+    def loss_parts(self) -> dict[str, float]:
+        """The named parts of the last `loss` call (they add up to it), which training logs beside the loss as
+        loss_<name>: a model that learns two things at once says how each goes. None here."""
+        return {}
+
     def sample(self, trainable_module, prompts: list[str], sample_spec, resolution: int) -> list:
         raise NotImplementedError
 

@@ -223,14 +223,23 @@ def _positions(config: dict, tokens: int) -> int:
 def side_issues(spec, side: int, why: str) -> list[tuple[str, str]]:
     """data.resolution (or the bucket step or sizes) against the `side` in pixels every image or clip side must be a
     multiple of (the VAE's spatial factor x the patch a token packs; `why` says so), before any GPU time: otherwise
-    the first batch is refused on every rank (FlowModel's latent check) after the whole start-up."""
-    buckets = spec.data.buckets
+    the first batch is refused on every rank (FlowModel's latent check) after the whole start-up. With data.sets,
+    each set's own resolution and buckets, at the set's key."""
+    issues = _data_side_issues(spec.data, side, why)
+    for number, (item, one) in enumerate(zip(spec.data.sets or (), spec.data.set_specs())):
+        for key, text in _data_side_issues(one, side, why):
+            own = key.split(".")[1] in item.model_fields_set and getattr(item, key.split(".")[1]) is not None
+            if own:
+                issues.append((key.replace("data.", f"data.sets.{number}.", 1), text))
+    return issues
+
+
+def _data_side_issues(data, side: int, why: str) -> list[tuple[str, str]]:
+    buckets = data.buckets
     if not buckets.enabled:
-        if spec.data.resolution % side == 0:
+        if data.resolution % side == 0:
             return []
-        return [
-            ("data.resolution", f"{spec.data.resolution}: {why}; use {max(side, spec.data.resolution // side * side)}")
-        ]
+        return [("data.resolution", f"{data.resolution}: {why}; use {max(side, data.resolution // side * side)}")]
     if buckets.sizes:
         wrong = [list(size) for size in buckets.sizes if size[0] % side or size[1] % side]
         return [("data.buckets.sizes", f"{wrong}: {why}")] if wrong else []

@@ -42,6 +42,7 @@ from dstune.families.diffusion import (
 from dstune.families.flow_distilled import attach_sampling_denoiser, fuse_training_adapter
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_sampling import render
+from dstune.families.loss_terms import base_prediction, batch_loss, loss_terms, preserved_error, preserves
 from dstune.families.folders import read_model_index
 from dstune.families.lean_text import make_lean
 from dstune.families.pipeline_card import PipelineCard
@@ -324,7 +325,8 @@ class FlowModel(TrainedModel):
         else:
             text = self.encode_text(list(batch_field(batch, "captions", "caption")), **(text_inputs or {}))
         text = {name: value.to(dtype) if value.is_floating_point() else value for name, value in text.items()}
-        return {"latent_mean": mean, "latent_std": std, **text, **conditions, "indices": indices}
+        terms = loss_terms(batch, mean.shape, self.device)  # masks, the sets' roles and weights (where given)
+        return {"latent_mean": mean, "latent_std": std, **text, **conditions, "indices": indices, **terms}
 
     def _check_cached_sequence(self, tokens: int) -> None:
         """A second guard behind the text cache's key (which holds max_sequence_length): embeddings of the wrong
@@ -421,26 +423,33 @@ class FlowModel(TrainedModel):
         """Leading latent frames given clean (a first frame): outside the loss."""
         return 0
 
-    def flow_error(self, prediction, noisy, latents, noise, sigmas) -> torch.Tensor:
-        """Each sample's weighted flow-matching error of the latents (B,); the latent frames given clean are not in
-        it."""
+    def flow_error(self, prediction, noisy, latents, noise, sigmas, mask=None) -> torch.Tensor:
+        """Each sample's weighted flow-matching error of the latents (B,), over the loss mask where the batch has one;
+        the latent frames given clean are not in it."""
         weights = loss_weights(self.model_spec.loss_weighting, sigmas)
         clean = self.clean_frames()
         if clean:  # the first latent frames were given clean: only the frames after them are learned
             prediction, noisy, latents, noise = (t[:, :, clean:] for t in (prediction, noisy, latents, noise))
-        return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights, self.preconditioned())
+        return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights, self.preconditioned(), mask)
 
     def loss(self, forward, encoded: dict, seed: int, step: int) -> torch.Tensor:
-        """The flow-matching loss of one micro batch (mean over its samples); `seed` is train.seed, `step` the
-        optimizer step: with the samples' dataset indices they fix every random draw."""
+        """The flow-matching loss of one micro batch (mean over its samples; with data.sets, the roles' weighted
+        means: dstune.families.loss_terms); `seed` is train.seed, `step` the optimizer step: with the samples'
+        dataset indices they fix every random draw."""
         latents = self.model_latents(encoded, seed, step)
         indices = self.indices(encoded)
         noise = per_sample_randn(latents.shape[1:], seed, step, indices, "noise").to(latents.device)
         timesteps, sigma = self.draw_sigmas(latents, seed, step, indices)
         sigmas, noisy = noisy_at(latents, noise, sigma)
         dtype = next(self.trainable.parameters()).dtype
-        prediction = self.predict(forward, noisy, timesteps, self.conditions(encoded, dtype), dtype)
-        return self.flow_error(prediction, noisy, latents, noise, sigmas).mean()
+        conditions = self.conditions(encoded, dtype)
+        if preserves(encoded):  # the base model's prediction: the preservation samples' target
+            base = base_prediction(self.trainable, lambda: self.predict(forward, noisy, timesteps, conditions, dtype))
+        prediction = self.predict(forward, noisy, timesteps, conditions, dtype)
+        per_sample = self.flow_error(prediction, noisy, latents, noise, sigmas, encoded.get("loss_mask"))
+        if preserves(encoded):
+            per_sample = preserved_error(prediction, base, encoded, per_sample)
+        return batch_loss(per_sample, encoded)
 
     # ------------------------------------------------------------------------------------------------ samples
 

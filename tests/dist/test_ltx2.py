@@ -9,6 +9,7 @@ frames.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from flow_runs import STEPS, TRANSFORMER, base_folder, check_resume, check_trains
-from harness import CACHE_DIR, launch, write_spec
+from harness import CACHE_DIR, launch, metrics, write_spec
 from video_runs import PROMPT, first_frame, video_spec
 
 pytestmark = pytest.mark.dist
@@ -75,6 +76,10 @@ def test_i2v_full_run_from_caches_exports_a_folder_the_pipeline_renders_with_sou
     run_dir, _, proc = runs["full"]
     check_trains(run_dir, proc)
     assert "entries, built now" in proc.stdout
+    # the loss's video and sound shares beside it, on the console and in metrics.jsonl (every clip has sound here)
+    assert re.search(r"loss \d+\.\d+ \(video \d+\.\d+, audio \d+\.\d+\)", proc.stdout)
+    for logged in metrics(run_dir):
+        assert logged["loss_audio"] > 0 and logged["loss_video"] + logged["loss_audio"] == pytest.approx(logged["loss"])
     assert "text encoders: loaded on rank 0 only (the first of each node; 1 of 2 ranks)" in proc.stdout
     entries = [read_entry(path) for path in (run_dir.parent / "cache").rglob("*.safetensors")]
     text = [entry for entry in entries if "audio_encoder_hidden_states" in entry]

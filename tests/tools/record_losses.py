@@ -176,6 +176,7 @@ CASES = {
     "tiny-flux": _flow_spec,
     "tiny-qwen-image": _flow_spec,
     "tiny-qwen-image-edit": _flow_edit_spec,
+    "tiny-flux-kontext": _flow_edit_spec,
     "tiny-z-image": _flow_spec,
     "tiny-flux2": _flow_spec,
     "tiny-flux2-dev": _flow_spec,

@@ -6,8 +6,8 @@ cases are a covering array of them (tests/unit/covering_array.py): every pair of
 model meets in at least one case, in far fewer cases than every combination. Two tiers run them:
 
 - one process (tests/unit/test_settings_matrix.py): the real start-up on one rank without DeepSpeed (validate_spec,
-  load_trained_model with LoRA and the precision's cast, checked_records, prepare_caches, make_training_loader), then
-  one batch through the model's encode_batch and loss, and backward; `run_case` here.
+  load_trained_model with LoRA and the precision's cast, checked_records, hear_speakers, prepare_caches,
+  make_training_loader), then one batch through the model's encode_batch and loss, and backward; `run_case` here.
 - two ranks (tests/dist/test_settings_matrix_two_ranks.py): what only DeepSpeed and several ranks do: ZeRO 0, 2 and 3,
   gradient accumulation through the engine, caches built by both ranks; the whole `dstune train` path.
 
@@ -138,6 +138,7 @@ OWN_FACTORS = {
 }
 NO_TRAIN_MODE = {"tiny-speecht5"}  # SpeechT5's section has neither `train` (LoRA) nor gradient_checkpointing
 NO_CACHE = {"tiny-speecht5"}  # its mel targets are computed from the waveform; no codec-token cache
+EDIT_MODELS = {"tiny-qwen-image-edit", "tiny-flux-kontext"}  # trained on source/target pairs (data.control_dir)
 
 
 def kind(name: str) -> str:
@@ -148,7 +149,7 @@ def kind(name: str) -> str:
         return SPEECH_KIND
     if family == VIDEO_FAMILY:
         return VIDEO
-    return EDIT if name == "tiny-qwen-image-edit" else IMAGE
+    return EDIT if name in EDIT_MODELS else IMAGE
 
 
 def factors(name: str) -> dict[str, tuple]:
@@ -337,7 +338,7 @@ def run_case(spec_path: Path) -> dict:
     from dstune.ds_json.fill_spec import merged_spec
     from dstune.engine import PRECISION_DTYPES
     from dstune.spec.load import load_spec
-    from dstune.startup import checked_records, load_trained_model, make_training_loader, prepare_caches
+    from dstune.startup import checked_records, hear_speakers, load_trained_model, make_training_loader, prepare_caches
     from dstune.validate import validate_spec
     from dstune.world import World
 
@@ -348,6 +349,7 @@ def run_case(spec_path: Path) -> dict:
     run = Run(rank=0, local_rank=0, world=world, device="cpu", accelerator="cpu", node_rank=0, launched=False)
     model = load_trained_model(run, spec, ds_config=resolved.ds_config)
     records = checked_records(run, spec, model.modality, model.sound_rate if model.modality == "video" else None)
+    hear_speakers(run, spec, model, records)
     caches, code = prepare_caches(run, spec, model, records)
     assert code == 0, "the caches were not built"
     loader, _ = make_training_loader(spec, plan, 0, model, records, caches, 0, 0)

@@ -82,6 +82,7 @@ CASES = {
     "tiny-flux": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
     "tiny-qwen-image": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
     "tiny-qwen-image-edit": (_model(FlowModelSpec, "flow"), "edit-pairs", IMAGE_LR),
+    "tiny-flux-kontext": (_model(FlowModelSpec, "flow"), "edit-pairs", IMAGE_LR),
     "tiny-z-image": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
     "tiny-flux2": (_model(FlowModelSpec, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),
     "tiny-flux2-dev": (_model(FlowModelSpec, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),

@@ -31,9 +31,19 @@ RECORDS = [
 def test_tags_group_the_metrics_keys():
     assert [
         scalar_tag(k)
-        for k in ("loss", "lr", "grad_norm", "eval_loss", "memory_host_peak_gib", "epoch", "data_wait_fraction")
+        for k in (
+            "loss",
+            "loss_audio",
+            "lr",
+            "grad_norm",
+            "eval_loss",
+            "memory_host_peak_gib",
+            "epoch",
+            "data_wait_fraction",
+        )
     ] == [
         "train/loss",
+        "train/loss_audio",
         "train/lr",
         "train/grad_norm",
         "eval/loss",

@@ -1,14 +1,18 @@
 """The cards of FLUX.2 [klein] and [dev] (torch-free): Flux2KleinPipeline folders (a Qwen3 text encoder) and
 Flux2Pipeline folders (a Mistral3 text encoder) around Flux2Transformer2DModel and AutoencoderKLFlux2, trained as
-diffusers' examples/dreambooth/train_dreambooth_lora_flux2_klein.py and train_dreambooth_lora_flux2.py train them."""
+diffusers' examples/dreambooth/train_dreambooth_lora_flux2_klein.py and train_dreambooth_lora_flux2.py train them,
+and on (reference, target) pairs (data.control_dir) as train_dreambooth_lora_flux2_img2img.py and
+train_dreambooth_lora_flux2_klein_img2img.py do."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from dstune.card import DEFAULT_LORA_TARGET_MODULES, ModelPreset, image, lora
-from dstune.families.flow_card import FlowCard, two_streams
+from dstune.families.flow_card import FlowCard, edit_source_issues, two_streams
+from dstune.families.pipeline_card import SpecIssues
 from dstune.families.folders import read_component_config
 from dstune.memory.working import TextWork, VaeWork
 
@@ -42,6 +46,20 @@ class Flux2Card(FlowCard):
                 f"layers {', '.join(map(str, self.text_layers))}"
             )
         return problems
+
+    # Image-to-image: the same folder trains on (reference, target) pairs when the data gives a reference per
+    # target (data.control_dir), as diffusers' train_dreambooth_lora_flux2_img2img.py trains it.
+
+    def pairs(self, spec) -> Optional[str]:
+        return self.pipeline_class if spec.data.control_dir is not None else None
+
+    def pictures(self, spec, folder) -> int:
+        return 2 if spec.data.control_dir is not None else 1
+
+    def source_image_issues(self, spec) -> SpecIssues:
+        if spec.data.control_dir is None:
+            return super().source_image_issues(spec)
+        return edit_source_issues(spec, self.pipeline_class)
 
 
 # The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as

@@ -195,11 +195,13 @@ class Ltx2(FlowModel):
         heard = encoded.get("has_sound")
         if heard is None or not heard.any():  # no clip with sound: the video alone, one call
             prediction = self.predict(forward, noisy, timesteps, conditions, dtype)
-            return self.flow_error(prediction, noisy, latents, noise, sigmas).mean()
+            loss = self.flow_error(prediction, noisy, latents, noise, sigmas).mean()
+            self.last_loss_parts = {"video": float(loss.detach()), "audio": 0.0}
+            return loss
         sound = audio_tokens(self.parts["audio_vae"], encoded["sound_latent"])
         sound_noise = per_sample_randn(sound.shape[1:], seed, step, indices, "audio_noise").to(sound.device)
         video = (noisy, timesteps, latents, noise, sigmas)
-        order, per_sample = [], []
+        order, video_errors, sound_errors = [], [], []
         for rows in (heard.nonzero().flatten(), (~heard).nonzero().flatten()):  # one transformer call per kind
             if len(rows) == 0:
                 continue
@@ -218,13 +220,25 @@ class Ltx2(FlowModel):
                     forward, clip_noisy, clip_timesteps, given, dtype, noisy_sound
                 )
                 sound_error = (at_least_float32(predicted) - at_least_float32(drawn - clean)).pow(2).mean(dim=(1, 2))
-                error = self.flow_error(prediction, clip_noisy, clip_latents, clip_noise, clip_sigmas)
-                per_sample.append(error + once_per_group(sound_error, self.sequence_split))
+                video_errors.append(self.flow_error(prediction, clip_noisy, clip_latents, clip_noise, clip_sigmas))
+                sound_errors.append(once_per_group(sound_error, self.sequence_split))
             else:
                 prediction = self.predict(forward, clip_noisy, clip_timesteps, given, dtype)
-                per_sample.append(self.flow_error(prediction, clip_noisy, clip_latents, clip_noise, clip_sigmas))
+                video_errors.append(self.flow_error(prediction, clip_noisy, clip_latents, clip_noise, clip_sigmas))
+                sound_errors.append(torch.zeros_like(video_errors[-1]))  # adds exactly nothing to a silent clip
             order.append(rows)
-        return torch.cat(per_sample)[torch.argsort(torch.cat(order))].mean()
+        back = torch.argsort(torch.cat(order))  # the clips in the batch's order again
+        video_error, sound_error = torch.cat(video_errors)[back], torch.cat(sound_errors)[back]
+        # the parts the log shows: each averaged over every clip of the batch, as the loss is, so they add up to it
+        self.last_loss_parts = {
+            "video": float(video_error.detach().mean()),
+            "audio": float(sound_error.detach().mean()),
+        }
+        return (video_error + sound_error).mean()
+
+    def loss_parts(self) -> dict[str, float]:
+        """The video's and the sound's shares of the last loss (the sound's is 0 for a batch of silent clips)."""
+        return self.last_loss_parts
 
     def predict(self, forward, noisy, timesteps, conditions: dict, dtype) -> torch.Tensor:
         """A clip without sound: the video velocity, the audio stream cut off."""

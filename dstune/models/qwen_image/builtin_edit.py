@@ -42,7 +42,7 @@ TINY_IMAGE_PROCESSOR = dict(
 
 def tiny_qwen_vl_processor(tokenizer):
     """Qwen2VLProcessor parts over the byte-level tokenizer (its `<|image_pad|>` is the image token), in the
-    image-only processor that needs no torchvision (dstune.models.qwen_image.edit_recipe.image_only_processor)."""
+    image-only processor that needs no torchvision (dstune.models.qwen_image.model.image_only_processor)."""
     with quiet_hf_libraries():
         from transformers import Qwen2VLImageProcessor
 

@@ -5,13 +5,13 @@ those loss lines (diffusers has no edit training example; docs/family-flow.md)."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 from dstune.card import ModelPreset, image, lora
 from dstune.families.facts import Attention
-from dstune.families.flow_card import FlowCard, control_images_missing, joint_blocks
+from dstune.families.flow_card import FlowCard, edit_source_issues, joint_blocks
 from dstune.families.folders import read_component_config
 from dstune.families.pipeline_card import SpecIssues
 from dstune.memory.working import TextWork, VaeWork
@@ -70,7 +70,7 @@ class QwenImageEditCard(FlowCard):
     def encoder_tokens(self, spec, folder) -> dict[str, int]:
         return {"text_encoder": self.text_tokens(spec, folder) + EDIT_TEMPLATE_TOKENS}
 
-    def pictures(self, folder) -> int:
+    def pictures(self, spec, folder) -> int:
         return 2
 
     def pairs(self, spec) -> Optional[str]:
@@ -97,15 +97,7 @@ class QwenImageEditCard(FlowCard):
                     "latents)",
                 )
             )
-        if spec.sample.prompts and not spec.sample.control_images:
-            issues.append(
-                (
-                    "sample.prompts",
-                    f"{EDIT_PIPELINE} renders from a source image: give sample.control_images, one source image per "
-                    "prompt, or set sample.prompts: []",
-                )
-            )
-        return issues + control_images_missing(spec)
+        return issues + edit_source_issues(spec, EDIT_PIPELINE)
 
     def attention(self, spec) -> Optional[Attention]:
         """Its sequence holds the target's and the source's tokens; its text (the instruction with the source's
@@ -113,9 +105,7 @@ class QwenImageEditCard(FlowCard):
         found = super().attention(spec)
         if found is None or found.refusal:
             return found
-        return Attention(
-            found.heads, found.head_dim, found.origin, text_tokens=0, px_per_token=found.px_per_token, pictures=2
-        )
+        return replace(found, text_tokens=0)
 
 
 # The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as

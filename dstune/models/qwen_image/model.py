@@ -29,10 +29,9 @@ from pathlib import Path
 import torch
 
 from dstune.families.base import FamilyError
-from dstune.families.diffusion import vae_posterior
 from dstune.families.flow_matching import pack_latents, unpack_latents
+from dstune.families.flow_edit import edit_sample_sources, source_latents
 from dstune.families.flow_model import FlowModel, normalised_latents
-from dstune.families.samples import read_control_images
 from dstune.hf import quiet_hf_libraries
 
 
@@ -143,17 +142,7 @@ class QwenImageEdit(FlowModel):
     def encode_conditions(self, batch: dict, dtype) -> dict:
         """The source images: the pixels (the text side reads them) and the posterior mode of their latents (cached,
         or encoded now), unscaled (B, C, h, w)."""
-        if "control_values" not in batch:
-            raise ValueError(
-                f"{self.card.pipeline_class} trains on pairs: every target image needs its source (control) image, "
-                "but this batch has none. Give data.control_dir (or a `control_file_name` per metadata.jsonl line): "
-                "see docs/family-flow.md, Qwen-Image-Edit."
-            )
-        pixels = batch["control_values"].to(self.device)
-        if "control_latent_mean" in batch:
-            mean = batch["control_latent_mean"].to(self.device).float()
-        else:
-            mean = vae_posterior(self.vae, pixels.to(self.vae.dtype))[0]
+        pixels, mean = source_latents(self, batch)
         return {"control_values": pixels.float(), "control_latent": mean}
 
     def text_inputs(self, conditions: dict) -> dict:
@@ -187,13 +176,5 @@ class QwenImageEdit(FlowModel):
         return {"true_cfg_scale": sample_spec.guidance, "negative_prompt": self.card.negative_caption()}
 
     def sample_sources(self, sample_spec, prompts: list[str]) -> list:
-        """sample.control_images as RGB images; FamilyError naming the one that cannot be read."""
-        if not sample_spec.control_images:
-            raise FamilyError(
-                "sample.prompts: an edit model renders from a source image; give sample.control_images, one source "
-                "image per prompt (or set sample.prompts: [])."
-            )
-        try:
-            return read_control_images(sample_spec.control_images)
-        except ValueError as err:
-            raise FamilyError(str(err)) from None
+        """sample.control_images as RGB images."""
+        return edit_sample_sources(sample_spec)

@@ -1,4 +1,5 @@
-"""Built-in tiny flow-matching models: `builtin:tiny-flow` (SD3-class) and `builtin:tiny-flux` (Flux-class).
+"""Built-in tiny flow-matching models: `builtin:tiny-flow` (SD3-class), `builtin:tiny-flux` (Flux-class) and
+`builtin:tiny-flux-kontext` (FLUX.1 Kontext, an 8x VAE: see TINY_KONTEXT_VAE).
 
 Both are real diffusers pipeline folders written by `StableDiffusion3Pipeline` / `FluxPipeline.save_pretrained`,
 built offline from fixed configs and a fixed seed (registered in dstune.builtin.BUILTIN_MODELS, which also
@@ -142,6 +143,53 @@ def build_tiny_flux(out: Path, needs: dict) -> dict:
     return save_pipeline(pipeline, out, transformer, facts)
 
 
+# FLUX.1 Kontext's VAE: AutoencoderKL with three downsampling stages (8 px per latent, as the real one) and the real
+# one's layout (no quant convs, a shift factor). FluxKontextPipeline resizes a sample's source image to about 1 MP,
+# which tiny-flux's 2 px-per-latent VAE would make 65536 source tokens; at 8 px it is 4096. Random, not trained:
+# renders are noise-like images, which is all the tests need.
+TINY_KONTEXT_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    latent_channels=16,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(8, 8, 16, 16),
+    layers_per_block=1,
+    norm_num_groups=4,
+    sample_size=64,
+    mid_block_add_attention=False,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    shift_factor=0.1159,
+    scaling_factor=0.3611,
+)
+
+
+def build_tiny_flux_kontext(out: Path, needs: dict) -> dict:
+    """builtin:tiny-flux-kontext: a FluxKontextPipeline folder (tiny-flux's transformer and text encoder configs,
+    its own seed, an 8x VAE)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    with quiet_hf_libraries():
+        from diffusers import FluxKontextPipeline
+    with deterministic_cpu(_SEED + 3, BUILD_THREADS):
+        vae = AutoencoderKL(**TINY_KONTEXT_VAE)
+        text_encoder = CLIPTextModel(tiny_clip_config())
+        text_encoder_2 = tiny_t5_encoder(d_model=32)
+        transformer = FluxTransformer2DModel(**TINY_FLUX_TRANSFORMER)
+    pipeline = FluxKontextPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**TINY_FLUX_SCHEDULER),
+        vae=vae.eval(),
+        text_encoder=text_encoder,
+        tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tiny_t5_tokenizer(),
+    )
+    return save_pipeline(pipeline, out, transformer, {})
+
+
 TINY_FLOW = BuiltinModel(
     name="tiny-flow",
     folder_name="tiny-flow-v1",
@@ -158,6 +206,15 @@ TINY_FLUX = BuiltinModel(
     "trained 16-channel VAE",
     build=build_tiny_flux,
     trained_parts=(FLOW_VAE_PART.name,),
+)
+
+TINY_FLUX_KONTEXT = BuiltinModel(
+    name="tiny-flux-kontext",
+    folder_name="tiny-flux-kontext-v1",
+    family="flow",
+    description="FLUX.1 Kontext pipeline: tiny-flux's transformer and text encoders (own seed), random 8x VAE; "
+    "trains on source/target pairs",
+    build=build_tiny_flux_kontext,
 )
 
 

@@ -1,20 +1,26 @@
 """The cards of SD3-class and Flux-class models (torch-free): StableDiffusion3Pipeline folders (SD3Transformer2DModel;
-two CLIPs and T5) and FluxPipeline folders (FluxTransformer2DModel; CLIP and T5), trained as diffusers'
-examples/dreambooth/train_dreambooth_sd3.py and train_dreambooth_flux.py train them."""
+two CLIPs and T5), FluxPipeline folders (FluxTransformer2DModel; CLIP and T5) and FluxKontextPipeline folders (the
+same transformer trained on source/target pairs), trained as diffusers' examples/dreambooth/train_dreambooth_sd3.py,
+train_dreambooth_flux.py and train_dreambooth_lora_flux_kontext.py train them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from dstune.card import ModelPreset, image, lora
-from dstune.families.flow_card import FlowCard, joint_blocks, two_streams
+from dstune.families.flow_card import FlowCard, edit_source_issues, joint_blocks, two_streams
+from dstune.families.pipeline_card import SpecIssues
 from dstune.families.folders import read_component_config
 from dstune.memory.working import TextWork, VaeWork
 
 CLIP_TOKENS = 77  # SD3's CLIP part of the prompt embeds is always the CLIP tokenizers' 77 tokens
 TEXT_TENSORS = ("encoder_hidden_states", "pooled_projections")
 CACHED_TEXT = {"prompt_embeds": "encoder_hidden_states", "pooled_prompt_embeds": "pooled_projections"}
+KONTEXT_GUIDANCE = (
+    3.5  # FluxKontextPipeline's default guidance embedding value (also the Kontext script's training value)
+)
 
 
 def _mismatches(folder: Path, checks: list[tuple[str, object]]) -> list[str]:
@@ -165,6 +171,69 @@ FLUX_CARD = FluxCard(
             "black-forest-labs/FLUX.1-dev",
             "tiny-flux",
             image(1024, 3.5, 28, **lora(), **{"model.guidance": 1.0, "model.max_sequence_length": 512}),
+        ),
+    ),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FluxKontextCard(FluxCard):
+    """An edit model on Flux.1's transformer: trained on (source, target) pairs, the source's latent tokens after the
+    target's in one sequence (the text is Flux's own, so it caches per caption)."""
+
+    def pictures(self, spec, folder) -> int:
+        return 2
+
+    def pairs(self, spec) -> Optional[str]:
+        return self.pipeline_class
+
+    def source_image_issues(self, spec) -> SpecIssues:
+        return edit_source_issues(spec, self.pipeline_class)
+
+
+FLUX_KONTEXT_CARD = FluxKontextCard(
+    working=WORKING_MEMORY,  # FLUX.1's VAE and text encoders
+    key="flux_kontext",
+    name="FLUX.1 Kontext",
+    family="flow",
+    unit="sd3_flux",
+    model_class="dstune.models.sd3_flux.model:FluxKontext",
+    docs="docs/family-flow.md",
+    names=r"flux[.\s-]?1?[\s-]?kontext|kontext",
+    summary="FLUX.1 Kontext (FluxTransformer2DModel; CLIP + T5; trains on source/target pairs, see data.control_dir)",
+    folder_classes={"FluxKontextPipeline": KONTEXT_GUIDANCE},
+    transformer_class="FluxTransformer2DModel",
+    pipeline_class="FluxKontextPipeline",
+    components=FLUX_CARD.components,
+    text_tensors=TEXT_TENSORS,
+    cached_text_arguments=CACHED_TEXT,
+    cached_text_negative=False,  # as Flux.1: the guidance is the distilled embedding
+    posterior_mode=True,  # the Kontext script's --vae_encode_mode default: the target's and the source's mode
+    activations="flux1",
+    activation_shape=two_streams,
+    text_width_key="joint_attention_dim",
+    spec_notes={"model.max_sequence_length": "512 (Flux-class)"},
+    activation_cases="dstune.models.sd3_flux.builtin:FLUX_ACTIVATION_CASES",
+    builtins={"tiny-flux-kontext": "dstune.models.sd3_flux.builtin:TINY_FLUX_KONTEXT"},
+    presets=(
+        ModelPreset(
+            "flux-kontext",
+            "FLUX.1 Kontext [dev] (Flux.1 trained to edit a source image; CLIP + T5)",
+            "flow",
+            "black-forest-labs/FLUX.1-Kontext-dev",
+            "tiny-flux-kontext",
+            image(
+                1024,
+                KONTEXT_GUIDANCE,
+                28,
+                **lora(),
+                **{
+                    "model.max_sequence_length": 512,
+                    "data.path": "/data/edits/target",
+                    "data.control_dir": "../source",
+                    "sample.prompts": [],
+                },
+            ),
         ),
     ),
 )

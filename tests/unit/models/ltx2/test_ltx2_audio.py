@@ -166,6 +166,17 @@ def test_a_batch_mixing_clips_with_and_without_sound_calls_the_transformer_once_
     with torch.no_grad():
         without = model.loss(model.trainable, dict(second, indices=torch.tensor(INDICES[1:])), SEED, STEP)
     assert ours.item() == pytest.approx((with_sound.item() + without.item()) / 2, rel=1e-5)
+    parts = built.loss_parts()  # what training logs beside the loss: the video's and the sound's shares
+    assert parts["video"] + parts["audio"] == pytest.approx(ours.item(), rel=1e-6)
+    assert 0 < parts["audio"] < ours.item()
+
+
+def test_a_batch_without_sound_gives_the_sound_no_share_of_the_loss(built):
+    rate = built.parts["audio_vae"].config.sample_rate
+    encoded = built.encode_batch(sound_batch(INDICES, rate))
+    with torch.no_grad():
+        loss = built.loss(built.trainable, dict(encoded, has_sound=torch.tensor([False, False])), SEED, STEP)
+    assert built.loss_parts() == {"video": loss.item(), "audio": 0.0}
 
 
 def test_clips_without_sound_train_their_video_alone(built):
