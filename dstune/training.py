@@ -30,6 +30,7 @@ from dstune.checkpoints.resume import (
 from dstune.checkpoints.stop_text import interrupted_text
 from dstune.checkpoints.store import save_checkpoint, shared_folder_problem
 from dstune.distributed import (
+    device_memory_bytes,
     Run,
     agree_or_stop,
     all_gather_object,
@@ -160,7 +161,9 @@ def _prepare_loop(
     spec, plan, ds_config = resolved.spec, resolved.plan, resolved.ds_config
     resuming = find_resume(run, resolved, run_dir, resume, options)
     plan = resumed_plan(resuming, plan)
-    predicted = plan_memory(spec, plan, ds_config, accelerator=run.accelerator, clips=resolved.clips)
+    predicted = plan_memory(
+        spec, plan, ds_config, device_memory_bytes(run), accelerator=run.accelerator, clips=resolved.clips
+    )
     import_model_classes(spec)  # the baseline below then holds the libraries, and what grows after it is the model
     folders = resolve_model_folders(run, spec)  # before the baseline: making a built-in model is not training memory
     memory = MemoryRecorder(predicted)
@@ -170,7 +173,7 @@ def _prepare_loop(
     sound_rate = model.sound_rate if model.modality == "video" else None  # a video model that trains on sound
     records = checked_records(run, spec, model.modality, sound_rate)
     hear_speakers(run, spec, model, records, resuming.root / resuming.tag if resuming is not None else None)
-    caches, code = prepare_caches(run, spec, model, records)
+    caches, code = prepare_caches(run, spec, model, records, encoding=predicted.get("cache_encoding"))
     if code:
         stop(run, "", code)
     memory.mark("cache")
