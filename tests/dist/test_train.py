@@ -140,7 +140,7 @@ def test_trains_checks_and_exports(runs, name):
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in logged)
     assert logged[-1]["samples"] == STEPS * 4
     assert [m["epoch"] for m in logged] == [1] * STEPS  # counted from 1, as the progress line says "epoch 1/1"
-    lr = 0.05 if name == "zero1" else 1e-3
+    lr = SGD["lr"] if name in ("zero0", "zero1") else 1e-3  # the two runs that train with SGD
     applied = [lr / 2, lr, lr, lr] if name == "zero2" else [lr] * STEPS  # warmup: step 1 applies half the LR
     assert [m["lr"] for m in logged] == pytest.approx(applied)
     assert re.search(rf"^trained {STEPS} steps \({STEPS * 4} samples\) in ", proc.stdout, re.M), proc.stdout
