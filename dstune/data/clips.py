@@ -157,6 +157,8 @@ def _video_clips(record: SampleRecord, data, sizes) -> tuple[list[ClipRecord], V
         image_path=record.image_path,
         caption=record.caption,
         repeats=record.repeats,
+        mask_path=record.mask_path,
+        set_index=record.set_index,
         frames=frames,
         size=size,
     )
@@ -171,7 +173,12 @@ def _video_clips(record: SampleRecord, data, sizes) -> tuple[list[ClipRecord], V
 def _other_clip(record: SampleRecord, data, sizes) -> ClipRecord:
     """A still image (a one-frame clip, its bucket from the image header) or a built-in clip (rendered square)."""
     base = dict(
-        sample_id=record.sample_id, image_path=record.image_path, caption=record.caption, repeats=record.repeats
+        sample_id=record.sample_id,
+        image_path=record.image_path,
+        caption=record.caption,
+        repeats=record.repeats,
+        mask_path=record.mask_path,
+        set_index=record.set_index,
     )
     if record.image_path is None:
         moving = is_builtin_clip(record.sample_id)
@@ -225,7 +232,10 @@ def as_clip(record: SampleRecord, data) -> ClipRecord:
     from the start of the file, at data.resolution (its header is not read)."""
     if isinstance(record, ClipRecord):
         return record
-    fields = {name: getattr(record, name) for name in ("sample_id", "image_path", "caption", "repeats")}
+    fields = {
+        name: getattr(record, name)
+        for name in ("sample_id", "image_path", "caption", "repeats", "mask_path", "set_index")
+    }
     if record.image_path is None:
         still = not is_builtin_clip(record.sample_id)  # builtin:shapes renders one-frame clips
     else:

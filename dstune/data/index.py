@@ -228,7 +228,7 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
         _control_outside(root, data)
         extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ())
         result = _index_folder(root, _normalised_extension(data.caption_extension), read_captions, extensions)
-    result = _masked(_paired(result, root, data), root, data)
+    result = _masked(_paired(result, root, data), root, data, video)
     if not result.records:
         kinds = "video or image" if video else "image"
         what = (
@@ -458,9 +458,11 @@ def _index_jsonl(root: Path, skip_bad_files: bool) -> IndexResult:
 # ------------------------------------------------------------------------------------------------ loss masks
 
 
-def _masked(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
-    """data.mask_dir: each record's mask file (same relative path and name, any image extension); a record without
-    one trains whole, which a warning counts. The folder must not lie inside data.path (its files would train)."""
+def _masked(result: IndexResult, root: Path, data: DataSpec, video: bool = False) -> IndexResult:
+    """data.mask_dir: each record's mask file (same relative path and name, any image extension; for a video
+    family a video file too: a clip's mask image weights every frame, a mask video each frame its own); a record
+    without one trains whole, which a warning counts. The folder must not lie inside data.path (its files would
+    train)."""
     if data.mask_dir is None:
         return result
     folder = control_root(root, data.mask_dir)
@@ -476,18 +478,19 @@ def _masked(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
             f"{folder} is inside data.path {root}, whose images all train. Keep the masks in a sibling folder "
             "(e.g. mask_dir: ../masks).",
         )
-    masks, clashes = list_controls(folder, IMAGE_EXTENSIONS)
+    masks, clashes = list_controls(folder, IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ()))
     if clashes:
         raise DataError(
             "data.mask_dir",
-            f"{len(clashes)} mask names in {folder} have two image files: {listing(clashes)}. Keep one file per name.",
+            f"{len(clashes)} mask names in {folder} have two files: {listing(clashes)}. Keep one file per name.",
         )
     records = [dataclasses.replace(r, mask_path=masks.get(stem_of(r.sample_id))) for r in result.records]
     unmasked = [r.sample_id for r in records if r.mask_path is None]
     warnings = list(result.warnings)
     if unmasked:
         warnings.append(
-            f"{len(unmasked)} of {len(records)} images have no mask in {folder} and train whole: {listing(unmasked)}"
+            f"{len(unmasked)} of {len(records)} {'samples' if video else 'images'} have no mask in {folder} and train "
+            f"whole: {listing(unmasked)}"
         )
     return dataclasses.replace(result, records=records, warnings=warnings)
 

@@ -15,6 +15,9 @@ still images). builtin:moving-shapes-av's clips are MP4 files
 with sound, written in memory (dstune.data.synthetic) and read back through the same decoder. Sound needs the clip's
 frames to be consecutive (`head` or `sliding`): `uniform` spreads them over the video, which the sound cannot follow.
 
+Loss masks (data.mask_dir): a clip's mask image weights every frame, a mask video (its video's frame count and rate)
+each frame with its own, chosen as the clip's frames are; cut as the frames are (`clip_mask`).
+
 Bad files are found before step 1: `find_bad_clips` decodes this rank's share of the files (each once, as far as
 its last clip needs) and names every video that cannot be decoded (the caller gathers all ranks' findings and stops
 with one message); videos shorter than every frame count are named from their headers (dstune.data.clips).
@@ -22,10 +25,13 @@ with one message); videos shorter than every frame count are named from their he
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import operator
 
+import numpy as np
 import torch
+from PIL import Image
 
 from dstune.data.clips import (
     ClipRecord,
@@ -38,7 +44,16 @@ from dstune.data.clips import (
     unusable,
     video_stream,
 )
-from dstune.data.images import BadSampleError, ImageCaptionDataset, resize_and_crop, sample_rng, to_tensor
+from dstune.data.buckets import header_size
+from dstune.data.images import (
+    BadSampleError,
+    ImageCaptionDataset,
+    collate_loss_terms,
+    read_mask,
+    resize_and_crop,
+    sample_rng,
+    to_tensor,
+)
 from dstune.data.index import SampleRecord, is_video_file
 from dstune.data.sound import decode_sound
 from dstune.data.synthetic import MOVING_SHAPES_AV_FPS, moving_shape_av_mp4, render_moving_shape, render_shape
@@ -173,19 +188,70 @@ class VideoCaptionDataset(ImageCaptionDataset):
     def cache_pixels(self, record: ClipRecord, size, flip: bool) -> torch.Tensor:
         return self.load_clip(record)  # random_flip is refused for video: the one centre crop, at the clip's size
 
+    def clip_mask(self, record: ClipRecord) -> torch.Tensor:
+        """The clip's loss mask, float32 (1, frames, H, W) in [0, 1], cut as its frames are (resized to the frames'
+        size, then the same resize and centre crop): a mask image weights every frame alike, a mask video (of the
+        video's frame count and rate) each frame with its own frame, chosen as the clip's are; ones without a
+        mask. BadSampleError naming the mask and why it cannot be used."""
+        size = record.size or self.data.resolution
+        width, height = (size, size) if isinstance(size, int) else size
+        if record.mask_path is None:
+            return torch.ones(1, record.frames, height, width)
+        clip = record.image_path is not None and is_video_file(record.image_path)
+        shown = (read_header(record.image_path).width, read_header(record.image_path).height) if clip else None
+        if is_video_file(record.mask_path):
+            images = self._mask_video_frames(record, clip)
+        else:
+            images = [read_mask(record, alpha=False)] * record.frames
+        shown = shown or header_size(record.image_path)
+        frames = []
+        for image in images:
+            image = image.convert("L")
+            if image.size != shown:  # a mask of another size: stretched over the frame, as an image's mask is
+                image = image.resize(shown, Image.Resampling.BILINEAR)
+            cut = resize_and_crop(image, size, 0.5, 0.5, False)
+            frames.append(torch.from_numpy(np.asarray(cut, dtype=np.float32) / 255.0))
+        return torch.stack(frames).unsqueeze(0)
+
+    def _mask_video_frames(self, record: ClipRecord, clip: bool) -> list:
+        """A mask video's frames at the clip's positions; it must match its video frame for frame."""
+
+        def refuse(reason: str):
+            raise BadSampleError(
+                f"cannot use the loss mask {record.mask_path} (of sample {record.sample_id}): {reason}. Give a mask "
+                "image (every frame alike) or a mask video with its video's frames.",
+                record.mask_path,
+            )
+
+        if not clip:
+            refuse("a mask video belongs to a video, and this sample is a still image")
+        try:
+            mask, video = read_header(record.mask_path), read_header(record.image_path)
+        except (OSError, ValueError) as err:
+            refuse(getattr(err, "strerror", None) or str(err) or type(err).__name__)
+        if (mask.frames, round(mask.fps, 3)) != (video.frames, round(video.fps, 3)):
+            refuse(f"it has {mask.frames} frames at {mask.fps:g} fps, its video {video.frames} at {video.fps:g} fps")
+        return read_video(dataclasses.replace(record, image_path=record.mask_path), self.data.video)
+
+    def cache_mask(self, record: ClipRecord, size, flip: bool) -> torch.Tensor | None:
+        """What the latent cache stores beside the clip's latents (at the latent grid): its mask, None unmasked."""
+        return self.clip_mask(record) if self.masked else None
+
     def __getitem__(self, index: int) -> dict:
         index = operator.index(index)
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range 0..{len(self) - 1}")
         _, dropout_draw, _, _ = sample_rng(self.seed, self.epoch, index).random(4)  # the image dataset's draws
         record = self.record_at(index)
-        caption = "" if dropout_draw < self.data.caption_dropout else record.caption
         sample = {
             "pixel_values": self.load_clip(record),
-            "caption": caption,
+            "caption": self.caption_of(record, dropout_draw),
             "sample_id": record.sample_id,
             "index": index,
+            **self.set_fields(record),
         }
+        if self.masked:
+            sample["loss_mask"] = self.clip_mask(record)
         if self.sound_rate:
             sample["sound"], sample["has_sound"] = self.clip_sound(record)
         return sample
@@ -193,8 +259,10 @@ class VideoCaptionDataset(ImageCaptionDataset):
 
 def collate_video(samples: list[dict]) -> dict:
     """pixel_values (B, 3, frames, H, W); caption and sample_id lists; index (B,). With sound read: sound
-    (B, 2, samples), silence where a clip has none, and has_sound (B,) saying which clips have it."""
+    (B, 2, samples), silence where a clip has none, and has_sound (B,) saying which clips have it. Masked runs:
+    loss_mask (B, 1, frames, H, W); data.sets: loss_weight, prior, preserve (B,)."""
     batch = {
+        **collate_loss_terms(samples),
         "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
         "caption": [s["caption"] for s in samples],
         "sample_id": [s["sample_id"] for s in samples],

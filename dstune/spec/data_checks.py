@@ -39,10 +39,10 @@ def _one_set_problem(audio: bool, family: str, data: "DataSpec", video: bool) ->
             f"model.family {family} trains on video clips: data.eval and data.random_flip are not offered for "
             "video yet; remove them"
         )
-    if video and data.masked:
+    if video and data.alpha_mask:
         return (
-            f"data.mask_dir and data.alpha_mask weight an image's loss; model.family {family} trains on video clips, "
-            "whose masks are not offered yet. Remove them"
+            f"data.alpha_mask reads an image's alpha channel; model.family {family} trains on video clips, which "
+            "have none. Give the clips' masks as data.mask_dir (a mask image or a mask video per clip)"
         )
     if video and data.buckets.enabled:
         return _video_bucket_problem(data)

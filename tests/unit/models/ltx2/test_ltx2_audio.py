@@ -227,3 +227,22 @@ def test_under_a_sequence_split_the_sound_loss_gradient_is_divided_by_the_split(
     assert split_loss == whole_loss
     torch.testing.assert_close(split["audio_proj_out"], whole["audio_proj_out"] / 2, rtol=1e-6, atol=0)
     torch.testing.assert_close(split["proj_out"], whole["proj_out"], rtol=0, atol=0)
+
+
+def test_a_loss_mask_weights_the_video_and_leaves_the_sound_alone(built):
+    """data.mask_dir on LTX-2: the clips' audio part of the loss is the same under any mask (a mask weights the
+    picture), the video part changes, and a mask of ones gives the unmasked loss."""
+    rate = built.parts["audio_vae"].config.sample_rate
+    batch = sound_batch(INDICES, rate)
+    half = torch.ones(len(INDICES), 1, FRAMES, 32, 32)
+    half[..., 16:] = 0
+    parts = {}
+    for name, mask in (("none", None), ("ones", torch.ones_like(half)), ("half", half)):
+        encoded = built.encode_batch(batch if mask is None else {**batch, "loss_mask": mask})
+        with torch.no_grad():
+            loss = built.loss(built.trainable, encoded, SEED, STEP).item()
+        parts[name] = (loss, built.loss_parts())
+    assert parts["ones"][0] == pytest.approx(parts["none"][0], rel=1e-6)
+    assert parts["none"][1]["audio"] > 0
+    assert parts["half"][1]["audio"] == pytest.approx(parts["none"][1]["audio"], rel=1e-6)
+    assert abs(parts["half"][1]["video"] - parts["none"][1]["video"]) > 1e-4
