@@ -65,11 +65,11 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
         "stills": stills,
         "unusable_videos": len(index.problems),
         "counted_by_decoding": index.counted,
-        "builtin": builtin_name(data.path),
+        "builtin": builtin_name(data.path) if data.sets is None else None,  # data.sets: the Sets rows name them
         "sampling": video.sampling,
         "stride": (video.stride or "frames") if video.sampling == "sliding" else None,
         "fps": video.fps,
-        "frame_counts": list(video.frame_counts),
+        "frame_counts": sorted({count for one in data.set_specs() for count in one.video.frame_counts}),
         "grouped": is_grouped(data),
         "frames": dict(sorted(frames.items(), key=lambda item: int(item[0]))),
         "sizes": sizes,
@@ -78,7 +78,10 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
         "tokens_per_sample_max": buckets[largest]["tokens"] if largest else 0,
         "tokens_from": factors,
     }
-    origin = data.path if builtin_name(data.path) else f"counted in {data.path}"
+    if data.sets is not None:
+        origin = f"counted in the {len(data.sets)} sets of data.sets, below"
+    else:
+        origin = data.path if builtin_name(data.path) else f"counted in {data.path}"
     origin += f"; {index.num_samples} clips from {index.files} video files" + (
         f" and {stills} stills" if stills else ""
     )

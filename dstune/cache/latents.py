@@ -29,6 +29,7 @@ from dstune.cache.entries import (
 )
 from dstune.cache.share import monitored_barrier, sharing_group
 from dstune.data.buckets import sample_buckets
+from dstune.data.clips import set_side, set_video
 from dstune.data.images import BadSampleError, ImageCaptionDataset
 from dstune.data.index import control_records
 from dstune.data.pairs import CONTROL_SUFFIX
@@ -104,7 +105,7 @@ def _content_hash(record, data: DataSpec, clips, file_hashes: dict) -> str:
         side = data.set_specs()[record.set_index].resolution  # data.resolution, or the set's
         content = bytes_sha256(b"builtin-render\0" + render_shape(number, side)[0].tobytes())
     if video:
-        content = bytes_sha256(f"{content}/{data.video!r}".encode())
+        content = bytes_sha256(f"{content}/{set_video(data, record.set_index)!r}".encode())  # the set's frames
     return _with_mask(record, data, content, file_hashes)
 
 
@@ -148,6 +149,8 @@ def _with_sources(records) -> list:
 def _sizes(targets, data, video: bool) -> dict | None:
     """sample_id -> bucket with data.buckets; a source takes its target's bucket (the pair stays together); a
     clip's (dstune.data.clips.ClipRecord) was chosen from its header when the clips were listed."""
+    if video and data.sets is not None:  # each clip's bucket, or its set's square (a set's resolution keys it)
+        return {r.sample_id: r.size or (set_side(data, r.set_index),) * 2 for r in targets}
     if video:
         return {r.sample_id: r.size for r in targets} if data.buckets.enabled else None
     sizes = sample_buckets(targets, data)

@@ -111,9 +111,15 @@ def builtin_name(path: str) -> str | None:
     return path[len(BUILTIN_PREFIX) :] if path.startswith(BUILTIN_PREFIX) else None
 
 
+def builtin_of(sample_id: str) -> str:
+    """The built-in dataset a built-in record (no file) comes from: `moving-shapes/000003`, or in data.sets
+    `name/moving-shapes/000003`, -> "moving-shapes"."""
+    return sample_id.rsplit("/", 2)[-2]
+
+
 def is_builtin_clip(sample_id: str) -> bool:
     """Whether a built-in record (no file) is a clip of several frames rather than a still shape."""
-    return sample_id.split("/", 1)[0] in CLIP_BUILTINS
+    return builtin_of(sample_id) in CLIP_BUILTINS
 
 
 def is_video_file(path: str) -> bool:
@@ -139,7 +145,9 @@ def index_dataset(data: DataSpec, read_captions: bool = True, video: bool = Fals
     data.sets: each set indexed with its own settings (data.set_specs()), its records' ids prefixed by the set's
     name (`name/rel`, so two sets' files never share a cache entry), their repeats multiplied by the set's, in the
     sets' order; a DataError names the set's key (`data.sets.N.path`)."""
-    result = _index_sets(data, read_captions) if data.sets is not None else _index_all(data, read_captions, video)
+    result = (
+        _index_sets(data, read_captions, video) if data.sets is not None else _index_all(data, read_captions, video)
+    )
     if data.eval is None:
         return result
     if data.eval.fraction is not None:
@@ -155,11 +163,11 @@ def index_dataset(data: DataSpec, read_captions: bool = True, video: bool = Fals
     )
 
 
-def _index_sets(data: DataSpec, read_captions: bool) -> IndexResult:
+def _index_sets(data: DataSpec, read_captions: bool, video: bool = False) -> IndexResult:
     records, warnings, skipped = [], [], []
     for number, (item, one) in enumerate(zip(data.sets, data.set_specs())):
         try:
-            found = _index_all(one, read_captions)
+            found = _index_all(one, read_captions, video)
         except DataError as err:
             raise DataError(
                 err.key.replace("data.", f"data.sets.{number}.", 1), f"({item.label}) {err.message}"

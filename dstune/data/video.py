@@ -54,7 +54,8 @@ from dstune.data.images import (
     sample_rng,
     to_tensor,
 )
-from dstune.data.index import SampleRecord, is_video_file
+from dstune.data.clips import set_side, set_video
+from dstune.data.index import SampleRecord, builtin_of, is_video_file
 from dstune.data.sound import decode_sound
 from dstune.data.synthetic import MOVING_SHAPES_AV_FPS, moving_shape_av_mp4, render_moving_shape, render_shape
 from dstune.spec.models import DataSpec
@@ -124,7 +125,7 @@ class VideoCaptionDataset(ImageCaptionDataset):
 
     def __init__(self, data: DataSpec, records: list[SampleRecord], seed: int, sound_rate: int | None = None):
         super().__init__(data, [as_clip(record, data) for record in records], seed)
-        if sound_rate and data.video.sampling == "uniform" and data.video.max_frames > 1:
+        if sound_rate and any(one.video.sampling == "uniform" and one.video.max_frames > 1 for one in data.set_specs()):
             raise ValueError(
                 "data.video.sampling uniform spreads a clip's frames over the whole video, so the clip's sound "
                 "(which this model trains on) cannot follow them; use head or sliding"
@@ -132,10 +133,11 @@ class VideoCaptionDataset(ImageCaptionDataset):
         self.sound_rate = sound_rate  # Hz of the sound each sample carries; None: no sound is read
 
     def bucket_of_records(self) -> list | None:
-        """With data.buckets: each clip's (width, height), chosen from its header by dstune.data.clips."""
-        if not self.data.buckets.enabled:
+        """With data.buckets (here or in a set): each clip's (width, height), chosen from its header by
+        dstune.data.clips (its set's square where the set has no buckets)."""
+        if not any(one.buckets.enabled for one in self.data.set_specs()):
             return None
-        return [record.size or (self.data.resolution, self.data.resolution) for record in self.records]
+        return [record.size or (set_side(self.data, record.set_index),) * 2 for record in self.records]
 
     def group_keys(self) -> list | None:
         """(frames, width, height) of every index when batches are grouped (dstune.data.clips.is_grouped)."""
@@ -146,21 +148,32 @@ class VideoCaptionDataset(ImageCaptionDataset):
     def clip_images(self, record: ClipRecord) -> list:
         """The record's frames as RGB PIL images: a video's chosen frames, a still image alone (the image dataset's
         loader), or the built-in clip. BadSampleError naming the file and why it cannot be used."""
-        data = self.data
         if record.image_path is None:
-            name, number = record.sample_id.rsplit("/", 1)
+            name, number, side = (
+                builtin_of(record.sample_id),
+                int(record.sample_id.rsplit("/", 1)[1]),
+                self.side(record),
+            )
             if name == "moving-shapes-av":
                 return decode_frames(io.BytesIO(self._builtin_mp4(record)), list(range(record.frames)))
             if name == "moving-shapes":
-                return render_moving_shape(int(number), data.resolution, record.frames)[0]
-            return [render_shape(int(number), data.resolution)[0]]
+                return render_moving_shape(number, side, record.frames)[0]
+            return [render_shape(number, side)[0]]
         if not is_video_file(record.image_path):
-            return [self.load_image(record, record.size)]
-        return read_video(record, data.video)
+            return [self.load_image(record, record.size or self.side(record))]
+        return read_video(record, self.video_of(record))
+
+    def video_of(self, record: ClipRecord):
+        """data.video of the record's set (data.sets.N.video, else data's)."""
+        return set_video(self.data, record.set_index)
+
+    def side(self, record: ClipRecord) -> int:
+        """data.resolution of the record's set: the square a clip without a bucket trains at."""
+        return set_side(self.data, record.set_index)
 
     def _builtin_mp4(self, record: ClipRecord) -> bytes:
-        fps = self.data.video.fps or MOVING_SHAPES_AV_FPS
-        return moving_shape_av_mp4(int(record.sample_id.rsplit("/", 1)[1]), self.data.resolution, record.frames, fps)
+        fps = self.video_of(record).fps or MOVING_SHAPES_AV_FPS
+        return moving_shape_av_mp4(int(record.sample_id.rsplit("/", 1)[1]), self.side(record), record.frames, fps)
 
     def clip_sound(self, record: ClipRecord) -> tuple[torch.Tensor, bool]:
         """The clip's sound at self.sound_rate: float32 (2, samples) over the clip's span and True, or silence of
@@ -168,11 +181,11 @@ class VideoCaptionDataset(ImageCaptionDataset):
         used."""
         try:
             if record.image_path is not None and is_video_file(record.image_path):
-                fps = float(self.data.video.fps or read_header(record.image_path).fps)
+                fps = float(self.video_of(record).fps or read_header(record.image_path).fps)
                 source = record.image_path
             else:  # a built-in clip (one with sound: an MP4 made in memory) or a still image
-                fps = float(self.data.video.fps or MOVING_SHAPES_AV_FPS)
-                heard = record.image_path is None and record.sample_id.startswith("moving-shapes-av/")
+                fps = float(self.video_of(record).fps or MOVING_SHAPES_AV_FPS)
+                heard = record.image_path is None and builtin_of(record.sample_id) == "moving-shapes-av"
                 source = io.BytesIO(self._builtin_mp4(record)) if heard else None
             sound = decode_sound(source, self.sound_rate, record.start / fps, record.frames / fps) if source else None
         except (OSError, ValueError) as err:
@@ -183,7 +196,7 @@ class VideoCaptionDataset(ImageCaptionDataset):
         return torch.from_numpy(sound), True
 
     def load_clip(self, record: ClipRecord) -> torch.Tensor:
-        return clip_tensor(self.clip_images(record), record.size or self.data.resolution)
+        return clip_tensor(self.clip_images(record), record.size or self.side(record))
 
     def cache_pixels(self, record: ClipRecord, size, flip: bool) -> torch.Tensor:
         return self.load_clip(record)  # random_flip is refused for video: the one centre crop, at the clip's size
@@ -193,7 +206,7 @@ class VideoCaptionDataset(ImageCaptionDataset):
         size, then the same resize and centre crop): a mask image weights every frame alike, a mask video (of the
         video's frame count and rate) each frame with its own frame, chosen as the clip's are; ones without a
         mask. BadSampleError naming the mask and why it cannot be used."""
-        size = record.size or self.data.resolution
+        size = record.size or self.side(record)
         width, height = (size, size) if isinstance(size, int) else size
         if record.mask_path is None:
             return torch.ones(1, record.frames, height, width)
@@ -231,7 +244,7 @@ class VideoCaptionDataset(ImageCaptionDataset):
             refuse(getattr(err, "strerror", None) or str(err) or type(err).__name__)
         if (mask.frames, round(mask.fps, 3)) != (video.frames, round(video.fps, 3)):
             refuse(f"it has {mask.frames} frames at {mask.fps:g} fps, its video {video.frames} at {video.fps:g} fps")
-        return read_video(dataclasses.replace(record, image_path=record.mask_path), self.data.video)
+        return read_video(dataclasses.replace(record, image_path=record.mask_path), self.video_of(record))
 
     def cache_mask(self, record: ClipRecord, size, flip: bool) -> torch.Tensor | None:
         """What the latent cache stores beside the clip's latents (at the latent grid): its mask, None unmasked."""

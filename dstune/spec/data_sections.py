@@ -209,6 +209,7 @@ SET_OVERRIDES = (
     "caption_dropout",
     "mask_dir",
     "alpha_mask",
+    "video",
 )
 
 
@@ -268,6 +269,12 @@ class DataSetSpec(Section):
     caption_dropout: Optional[float] = Field(None, ge=0, le=1, description="As data.caption_dropout; unset: data's.")
     mask_dir: Optional[str] = Field(None, description="As data.mask_dir, relative to this set's path; unset: data's.")
     alpha_mask: Optional[bool] = Field(None, description="As data.alpha_mask, for this set; unset: data's.")
+    video: Optional[VideoSpec] = Field(
+        None,
+        description="As data.video, for this set (whole: every key of it; model.family video): its frames (a count "
+        "or frame-count buckets), sampling, stride and fps; unset: data's. Clips of other frame counts or sizes "
+        "never share a global batch.",
+    )
 
     @model_validator(mode="after")
     def _repeats_or_weight(self) -> "DataSetSpec":
