@@ -306,8 +306,8 @@ def find_bad_clips(
 ) -> list[tuple[SampleRecord, str]]:
     """(record, reason) for each file of this rank's share of the files (every world_size-th, in dataset order)
     that cannot give its clips: a video is decoded once, as far as its last clip needs (every frame before it
-    passes through the decoder; with `sound_rate`, the model's, its sound track too), images are opened. Gather all
-    ranks' results."""
+    passes through the decoder; with `sound_rate`, the model's, its sound track too; in a masked run its mask too),
+    images are opened. Gather all ranks' results."""
     files = list(clips_by_file([as_clip(record, data) for record in records]).values())[rank::world_size]
     if not files:
         return []
@@ -316,6 +316,8 @@ def find_bad_clips(
         last = max(clips, key=lambda clip: clip.start + clip.frames)
         try:
             reader.clip_images(last)
+            if reader.masked:  # its mask (a mask video is decoded as far as the clip's last frame)
+                reader.clip_mask(last)
             if sound_rate:
                 reader.clip_sound(last)
         except BadSampleError as err:

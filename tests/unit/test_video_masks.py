@@ -214,3 +214,18 @@ def test_validate_takes_a_video_mask_folder_and_refuses_alpha_masks_for_clips(tm
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     assert main(["validate", str(path)]) == 1
     assert "data.alpha_mask reads an image's alpha channel" in capsys.readouterr().out
+
+
+def test_a_mask_video_of_other_frames_is_named_before_training(tmp_path):
+    """A mask video must match its video frame for frame: one of 5 frames for a 9-frame video is found by the
+    start-up check (find_bad_clips), with both counts in the message."""
+    from dstune.data.index import list_samples
+    from dstune.data.video import find_bad_clips
+    from dstune.spec.models import DataSpec
+
+    root = write_masked_clips(tmp_path / "data")
+    write_mp4(root / "masks" / "clip1.mp4", [np.zeros((32, 32, 3), dtype=np.uint8)] * 5)
+    data = DataSpec(path=str(root / "videos"), mask_dir="../masks", resolution=32, video={"frames": FRAMES})
+    bad = find_bad_clips(list_samples(data, video=True), data)
+    assert [record.sample_id for record, _ in bad] == ["clip1.mp4"]
+    assert "has 5 frames at 24 fps, its video 9 at 24 fps" in bad[0][1]
