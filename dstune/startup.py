@@ -224,7 +224,8 @@ def _checked_clips(run: Run, spec: Spec, sound_rate: Optional[int] = None) -> li
             "datasets are checked whole before step 1; data.skip_bad_files does not apply to them).",
             1,
         )
-    if sound_rate and not data.video.fps and (spec.train.micro_batch_size or 1) > 1:
+    unresampled = not all(one.video.fps for one in data.set_specs())  # a set whose files keep their own rates
+    if sound_rate and unresampled and (spec.train.micro_batch_size or 1) > 1:
         _one_frame_rate(run, clips.records)
     lengths = sorted({record.frames for record in clips.records})
     if len(lengths) > 1 and not is_grouped(data) and (spec.train.micro_batch_size or 1) > 1:

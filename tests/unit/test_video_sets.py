@@ -1,8 +1,8 @@
 """data.sets for the video families (model.family video): each set with its own frames (data.sets.N.video), repeats
 and masks, on builtin:tiny-wan with builtin:moving-shapes and a folder of real MP4s (tests/unit/test_video_masks.py
 writes it): validate's set rows and buckets, one epoch of the real loader (each global batch one clip shape, every
-set its exact count), the memory plan at the longest set, and the refusals that remain (LTX-2, set weights with
-several frame counts)."""
+set its exact count), the memory plan at the longest set, and the refusals that remain (set weights with several
+frame counts; on LTX-2 sets at other frame rates and preservation sets)."""
 
 from __future__ import annotations
 
@@ -75,17 +75,27 @@ def test_one_epoch_gives_every_set_its_count_and_each_global_batch_one_clip_shap
     assert Counter(pair[0] for pair in pairs) == {(5, 32, 32): 72, (9, 32, 32): 3}
 
 
-def test_set_weights_with_several_frame_counts_and_ltx2_sets_are_refused(tmp_path, capsys):
+def test_set_weights_with_several_frame_counts_are_refused(tmp_path, capsys):
     spec = two_sets(tmp_path)
     for item in spec["data"]["sets"]:
         item.pop("repeats", None)
         item["weight"] = 1.0
     assert main(["validate", str(written(tmp_path, spec))]) == 1
     assert "sets at several sizes (or frame counts) are not offered yet" in capsys.readouterr().out
-    spec = two_sets(tmp_path / "ltx2", model={"pretrained": "builtin:tiny-ltx2"})
-    spec["data"]["sets"][1]["video"] = {"frames": 9}
+
+
+def test_ltx2_takes_sets_at_one_frame_rate_and_refuses_preservation_and_other_rates(tmp_path, capsys):
+    spec = two_sets(tmp_path, model={"pretrained": "builtin:tiny-ltx2"})
+    assert main(["validate", str(written(tmp_path, spec))]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+    spec["data"]["sets"][1].update(video={"frames": 9, "fps": 12}, role="regularization")
+    spec["data"]["sets"][0]["video"] = {"frames": 5, "fps": 24}
+    spec["model"]["train"] = "lora"
+    spec["data"]["sets"].append({"path": "builtin:moving-shapes", "name": "keep", "role": "preservation"})
     assert main(["validate", str(written(tmp_path, spec))]) == 1
-    assert "several datasets per run are not offered for LTX-2 yet" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "data.sets.1.video.fps" in out and "the sets' frame rates differ" in out
+    assert "data.sets.2.role" in out and "preservation is not offered for LTX-2 yet" in out
 
 
 @pytest.mark.parametrize("family", ["flow"])

@@ -33,6 +33,7 @@ import torch
 
 from dstune.families.diffusion import load_component
 from dstune.families.flow_model import FlowModel, noisy_at
+from dstune.families.loss_terms import batch_loss
 from dstune.families.precision import at_least_float32
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.samples import ClipWithSound
@@ -183,7 +184,8 @@ class Ltx2(FlowModel):
         )
 
     def loss(self, forward, encoded: dict, seed: int, step: int) -> torch.Tensor:
-        """The mean over the micro batch of each clip's loss: the video's flow-matching error (its first frame
+        """The mean over the micro batch of each clip's loss (with data.sets the train and regularization clips'
+        weighted means: dstune.families.loss_terms.batch_loss): the video's flow-matching error (its first frame
         excluded in image-to-video; over its loss mask where the batch has one) plus, for a clip with sound, the
         sound's (never masked: a mask weights the picture), both at the clip's sigma."""
         latents = self.model_latents(encoded, seed, step)
@@ -196,7 +198,7 @@ class Ltx2(FlowModel):
         heard, mask = encoded.get("has_sound"), encoded.get("loss_mask")  # the mask weights the video, not the sound
         if heard is None or not heard.any():  # no clip with sound: the video alone, one call
             prediction = self.predict(forward, noisy, timesteps, conditions, dtype)
-            loss = self.flow_error(prediction, noisy, latents, noise, sigmas, mask).mean()
+            loss = batch_loss(self.flow_error(prediction, noisy, latents, noise, sigmas, mask), encoded)
             self.last_loss_parts = {"video": float(loss.detach()), "audio": 0.0}
             return loss
         sound = audio_tokens(self.parts["audio_vae"], encoded["sound_latent"])
@@ -239,7 +241,7 @@ class Ltx2(FlowModel):
             "video": float(video_error.detach().mean()),
             "audio": float(sound_error.detach().mean()),
         }
-        return (video_error + sound_error).mean()
+        return batch_loss(video_error + sound_error, encoded)  # the mean, or with data.sets the roles' means
 
     def loss_parts(self) -> dict[str, float]:
         """The video's and the sound's shares of the last loss (the sound's is 0 for a batch of silent clips)."""
