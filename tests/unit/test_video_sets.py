@@ -105,3 +105,45 @@ def test_a_sets_video_key_on_an_image_family_is_an_error(tmp_path, capsys, famil
     spec["data"].pop("video")
     assert main(["validate", str(written(tmp_path, spec))]) == 1
     assert "data.video are for the video family" in capsys.readouterr().out
+
+
+def test_a_preservation_clip_is_held_to_the_base_wans_prediction_over_its_mask():
+    """DOP on a video model (data.sets role preservation, LoRA): clip 3 a preservation sample (weight 0.5, its
+    left half masked in), clip 11 a train sample. The loss is clip 11's flow error plus 0.5 x the masked mean of
+    (adapted - base prediction)^2 of clip 3, the base being builtin:tiny-wan loaded without adapters, by hand."""
+    import torch
+
+    from dstune.families.flow_model import noisy_at
+    from dstune.families.randomness import per_sample_randn
+    from dstune.pretrained import build_model
+    from dstune.spec.models import VideoModelSpec
+    from test_loss_terms import with_trained_adapters
+    from test_video_masks import FRAMES, INDICES, SEED, STEP
+    from tiny_batches import clip_batch
+
+    spec = dict(family="video", pretrained="builtin:tiny-wan", max_sequence_length=32)
+    adapted = with_trained_adapters(VideoModelSpec(**spec, train="lora", lora={"rank": 2}))
+    base = build_model(VideoModelSpec(**spec), CACHE_DIR, "cpu", torch.float32)
+    mask = torch.ones(2, 1, FRAMES, 32, 32)
+    mask[0, ..., 16:] = 0
+    fields = {
+        "loss_mask": mask,
+        "loss_weight": torch.tensor([0.5, 1.0]),
+        "prior": torch.tensor([False, False]),
+        "preserve": torch.tensor([True, False]),
+    }
+    encoded = adapted.encode_batch({**clip_batch(INDICES, SEED, FRAMES), **fields}, torch.float32)
+    with torch.no_grad():
+        loss = adapted.loss(adapted.trainable, encoded, SEED, STEP).item()
+        latents = adapted.model_latents(encoded, SEED, STEP)
+        noise = per_sample_randn(latents.shape[1:], SEED, STEP, INDICES, "noise")
+        timesteps, sigma = adapted.draw_sigmas(latents, SEED, STEP, INDICES)
+        _, noisy = noisy_at(latents, noise, sigma)
+        conditions = adapted.conditions(encoded, torch.float32)
+        ours = adapted.predict(adapted.trainable, noisy, timesteps, conditions, torch.float32)
+        theirs = base.predict(base.trainable, noisy, timesteps, conditions, torch.float32)
+    half = ours.shape[-1] // 2
+    held = ((ours[0] - theirs[0]) ** 2)[..., :half].mean()
+    trained = ((ours[1] - (noise[1] - latents[1])) ** 2).mean()
+    assert (ours[0] - theirs[0]).abs().max() > 1e-3  # the adapters do change the prediction
+    assert loss == pytest.approx((trained + 0.5 * held).item(), rel=1e-5)
