@@ -22,7 +22,7 @@ from dstune.cache.codec_tokens import prepare_codec_cache, verify_codec_cache
 from dstune.cache.datasets import CachedDataset, CachedSpeechDataset, CachedVideoDataset, collate_cached
 from dstune.cache.latents import CacheIndex, LatentCacheJob, offload_frozen, prepare_cache
 from dstune.cache.share import cache_folder
-from dstune.data.audio import SpeechDataset, collate_speech, speech_records
+from dstune.data.audio import SpeechDataset, collate_speech, reference_clips, speech_records
 from dstune.data.audio_index import duration_keys, speaker_keys
 from dstune.data.clips import index_clips, is_grouped, read_header
 from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
@@ -198,6 +198,13 @@ def checked_records(run: Run, spec: Spec, modality: str, sound_rate: Optional[in
                 flush=True,
             )
     return records
+
+
+def give_voices(model, records: list) -> None:
+    """A model conditioned on a voice per speaker gets each speaker's first reference clips of the data (the same on
+    every rank and every resume: the records' order)."""
+    if model.voice_references:
+        model.take_voices(reference_clips(records, model.voice_references, model.sample_rate))
 
 
 def _checked_clips(run: Run, spec: Spec, sound_rate: Optional[int] = None) -> list:

@@ -58,6 +58,7 @@ from dstune.spec.load import SpecError, load_spec
 from dstune.startup import (
     load_trained_model,
     checked_records,
+    give_voices,
     held_out_records,
     make_training_loader,
     prepare_caches,
@@ -213,6 +214,7 @@ def _prepare_loop(
     # The caches before the engine: the encoders they replace leave the device before DeepSpeed's states arrive.
     sound_rate = model.sound_rate if model.modality == "video" else None  # a video model that trains on sound
     records = checked_records(run, spec, model.modality, sound_rate)
+    give_voices(model, records)
     caches, code = prepare_caches(run, spec, model, records)
     if code:
         stop(run, "", code)
