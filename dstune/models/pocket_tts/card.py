@@ -46,7 +46,7 @@ class PocketTTSCard(CodebooksCard):
         return config_folder(named)[0] / "config.json"
 
     def count_model(self, spec, num_samples: int, folder, origin: str, config: dict, counted: tuple) -> ModelCounts:
-        params, largest, lora_params, default_lora, _ = counted
+        params, _, lora_params, default_lora, _ = counted
         codec_path = self.codec_config_path(folder, origin)
         codec_config = read_config(codec_path)
         codec_params = count_component(str(codec_path))[0]
@@ -70,7 +70,7 @@ class PocketTTSCard(CodebooksCard):
             "model",
             params,
             lora_params or params,
-            largest,
+            params,  # ZeRO-3 gathers the whole class at once (a leaf module: the flow head's JVP)
             {"codec": codec_params},
             cached,
             int(full),

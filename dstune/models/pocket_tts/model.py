@@ -30,6 +30,7 @@ end-of-speech loss over every audio position of the batch. Two deliberate differ
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,19 @@ TRAIN_KEYS = (
 )
 
 
+@contextmanager
+def plain_linear():
+    """torch's own linear while the LSD loss runs: ZeRO-3 replaces torch.nn.functional.linear process-wide by an
+    autograd function of its own (memory_efficient_linear), which has no forward-mode rule, and the loss differentiates
+    the flow head with a forward-mode JVP. The whole class is gathered here (a leaf module), so nothing is lost."""
+    patched = torch.nn.functional.linear
+    torch.nn.functional.linear = torch._C._nn.linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = patched
+
+
 class PocketTTSModule(torch.nn.Module):
     """The trained module: the whole class under `model.` (the core's export and LoRA code find its names)."""
 
@@ -65,14 +79,18 @@ class PocketTTSModule(torch.nn.Module):
         self.flow_config = copy.deepcopy(model.config)
         self.flow_config.eos_loss_weight = 0.0
 
-    def forward(self, input_ids, attention_mask, labels, labels_mask, seeds, distill_seed, **voice):
+    def forward(self, anchor, input_ids, attention_mask, labels, labels_mask, seeds, distill_seed, **voice):
         """labels (B, F, D): each clip's latents right-padded, labels_mask (B, F); seeds (B,): each sample's draws;
-        voice: audio_prompt_latents and its mask where some sample has a voice. The class's loss, sample by sample."""
+        voice: audio_prompt_latents and its mask where some sample has a voice. The class's loss, sample by sample.
+
+        `anchor` (a zero that requires grad, added to the latents; positional): ZeRO-3 reduces a leaf module's
+        gradients in a full backward hook on the module, which fires once the gradients of its positional inputs are
+        ready; without one that requires grad it fires at the start of the backward, before any gradient exists."""
         from transformers.loss.loss_lsd import end_of_speech_loss
 
         outer = self.model
         config = outer.config
-        normalized = ((labels - outer.latent_mean) / outer.latent_std).to(labels.dtype)
+        normalized = ((labels - outer.latent_mean) / outer.latent_std).to(labels.dtype) + anchor.to(labels.dtype)
         hidden = outer.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -92,14 +110,15 @@ class PocketTTSModule(torch.nn.Module):
                 count / total
             )
         eos = end_of_speech_loss(torch.cat(eos_logits), torch.cat(eos_labels))
-        return flow + config.eos_loss_weight * eos
+        out = flow + config.eos_loss_weight * eos
+        return out
 
     def flow_loss(self, conditions, targets, seed: int, distill_seed: int):
         """The class's loss function on one sample's frames, its noise and times from `seed` (the global RNG forked,
         as the class draws them) and the step's self-distillation coin from `distill_seed`."""
         outer = self.model
         device = targets.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), plain_linear():
             torch.manual_seed(seed)
             return outer.loss_function(
                 flow_head=outer.flow_head,
@@ -138,7 +157,15 @@ class PocketTTS(CodebooksModel):
         return codec
 
     def trained_module(self, whole) -> torch.nn.Module:
-        return PocketTTSModule(whole).train().requires_grad_(True)
+        """The class in a PocketTTSModule, which ZeRO-3 gathers whole for its forward and backward (a leaf module:
+        no hooks inside it). The LSD loss runs the flow head inside a forward-mode JVP, which ZeRO-3's per-module
+        hooks cannot pass through (their autograd functions have no jvp); gathering the whole model (about 100 M
+        parameters for the real one) is what the memory plan counts as its largest layer."""
+        from deepspeed.utils import set_z3_leaf_module
+
+        trainable = PocketTTSModule(whole).train().requires_grad_(True)
+        set_z3_leaf_module(trainable, True)
+        return trainable
 
     def encode_clip(self, wave: torch.Tensor) -> torch.Tensor:
         """One clip's latents (frames, D), float: what the codec cache stores."""
@@ -213,9 +240,18 @@ class PocketTTS(CodebooksModel):
         seeds = torch.tensor([sample_seed(seed, step, int(i), FLOW_PURPOSE) for i in encoded["indices"]])
         distill = sample_seed(seed, step, 0, DISTILL_PURPOSE)
         inputs = {k: encoded[k] for k in TRAIN_KEYS if k in encoded}
-        return at_least_float32(forward(**inputs, seeds=seeds, distill_seed=distill))
+        anchor = torch.zeros((), device=self.device, requires_grad=True)
+        return at_least_float32(forward(anchor, **inputs, seeds=seeds, distill_seed=distill))
 
     # ------------------------------------------------------------------------------------------------ samples
+
+    def sample(self, trainable_module, prompts: list[str], sample_spec, resolution=None) -> list[Clip]:
+        """The core's samples with the whole class gathered under ZeRO-3 (generate runs the class directly, inside the
+        leaf module that gathers it for the training forward only); every rank makes the same calls."""
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(trainable_module.parameters()), modifier_rank=None):
+            return super().sample(trainable_module, prompts, sample_spec, resolution)
 
     def speak(self, module, prompt: str, seed: int, voice) -> Clip:
         """In the voice of its reference clip (sample.voice_prompts), else of the data's first speaker."""

@@ -149,7 +149,12 @@ def test_each_frame_is_read_one_position_before_it(folder, built, batch):
     seed, distill = draw_seed(single, 0, step), sample_seed(SEED, step, 0, DISTILL_PURPOSE)
     with torch.no_grad():
         theirs = class_loss(model, single, [0], seed, step)
-        ours = module(**{k: single[k] for k in TRAIN_KEYS}, seeds=torch.tensor([seed]), distill_seed=distill).item()
+        ours = module(
+            **{k: single[k] for k in TRAIN_KEYS},
+            seeds=torch.tensor([seed]),
+            distill_seed=distill,
+            anchor=torch.zeros(()),
+        ).item()
         outer = module.model
         labels = single["labels"][0]
         normalized = (labels - outer.latent_mean) / outer.latent_std
