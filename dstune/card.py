@@ -101,6 +101,17 @@ class ModelCard:
         not split."""
         return None
 
+    def voices(self, model_spec, names):
+        """How a speech model hears a dataset's speakers: `names` are the data's speakers in their order (sorted, ""
+        first for clips without one; at least one); a dstune.families.speakers.Voices (each name -> what the model
+        is given), or SpeakersRefused with the reason where it cannot tell them apart."""
+        raise NotImplementedError(f"{self.name} trains no speech")
+
+    def takes_speaker(self, text: str) -> bool:
+        """Whether a clip of this transcript is given its speaker (False: the transcript names its own turns, a
+        dialogue's, and its speaker column is not used)."""
+        return True
+
     def single_file_layout(self) -> Optional[SingleFileLayout]:
         """How its single checkpoint files are laid out; None: model.pretrained must be a folder (or a hub id, a
         built-in)."""

@@ -312,9 +312,19 @@ def cmd_synthesize(args) -> int:
     if not (Path(args.folder) / "config.json").is_file() or args.seconds <= 0:
         raise UsageError(f"FOLDER {args.folder} must be an export folder (config.json) and --seconds above 0")
     from dstune.export import speak
+    from dstune.families.speakers import UnknownSpeaker, synthesis_speaker
 
     try:
-        clip = speak(Path(args.folder), args.text, Path(args.output), args.seconds, args.temperature, args.seed)
+        synthesis_speaker(Path(args.folder), args.speaker)  # an unknown name is a usage error, before any loading
+    except UnknownSpeaker as err:
+        raise UsageError(str(err)) from None
+    except ValueError as err:
+        print(f"dstune synthesize: {err}", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        clip = speak(
+            Path(args.folder), args.text, Path(args.output), args.seconds, args.temperature, args.seed, args.speaker
+        )
     except (ValueError, OSError, KeyError, RuntimeError) as err:
         print(f"dstune synthesize: {args.folder}: {err}", file=sys.stderr)
         return EXIT_INVALID

@@ -284,6 +284,12 @@ def _add_run_folder_commands(commands, subparsers: dict) -> None:
     synthesize.add_argument("--seconds", type=float, default=4.0, help="longest audio generated (default 4)")
     synthesize.add_argument("--temperature", type=float, default=0.8, help="tts_lm: audio-token temperature, 0 greedy")
     synthesize.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    synthesize.add_argument(
+        "--speaker",
+        metavar="NAME",
+        help="a speaker of the training data, by the name its clips gave (the export's speakers.json; default: the "
+        "model's default voice)",
+    )
     cache = subparsers["cache"] = commands.add_parser(
         "cache",
         help="build (or --verify) the latent / text-embedding cache of a spec, in this one process",

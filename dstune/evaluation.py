@@ -71,10 +71,13 @@ def rank_share(batches: list[list[int]], rank: int, world_size: int) -> list[tup
 
 def make_held_out(data: DataSpec, records: list, micro_batch_size: int, seed: int) -> Optional[HeldOut]:
     """The held-out set of data.eval (None without it). The images are read as training reads them, without the
-    random parts: centre crop, no flip, no caption dropout."""
+    random parts: centre crop, no flip, no caption dropout; with data.sets, as a folder of its own (no set's role,
+    weight or masks: the plain mean over its images)."""
     if data.eval is None:
         return None
-    fixed = data.model_copy(update={"center_crop": True, "random_flip": False, "caption_dropout": 0.0, "eval": None})
+    fixed = data.model_copy(
+        update={"center_crop": True, "random_flip": False, "caption_dropout": 0.0, "eval": None, "sets": None}
+    )
     dataset = ImageCaptionDataset(fixed, records, seed)
     batches = eval_batches(dataset.group_keys(), len(dataset), data.eval.batch_size or micro_batch_size)
     return HeldOut(dataset, batches, data.eval.every_steps, seed)

@@ -23,6 +23,7 @@ from dstune.card import load
 from dstune.families import get_facts
 from dstune.families.base import FamilyError
 from dstune.families.lora import export_lora
+from dstune.families.speakers import Voices, synthesis_speaker
 from dstune.pretrained import build_model
 from dstune.spec.load import SpecSource, validate_data
 from dstune.spec.models import lora_format_problem
@@ -95,6 +96,8 @@ def export_checkpoint(
         raise ExportError(f"--lora-format {lora_format}: {problem}")
     if model is None:
         model = build_model(spec.model, spec.output.cache_dir, "cpu", torch.float32)
+    if saved.get("speakers"):  # a speech run's speaker map: speakers.json beside the model
+        model.voices = Voices.from_json(saved["speakers"])
     state = consolidated_state_dict(
         root,
         tag,
@@ -125,20 +128,26 @@ def _chosen_weights(folder: Path, state: dict, ema_settings) -> tuple[dict, str]
     return overlay_ema(state, ema), "ema"
 
 
-def speak(folder: Path, text: str, out_wav: Path, seconds: float, temperature: float, seed: int):
+def speak(
+    folder: Path, text: str, out_wav: Path, seconds: float, temperature: float, seed: int, speaker: Optional[str] = None
+):
     """`dstune synthesize`: speech for `text` from a speech model's export (the first speech model whose class says
-    the folder is its own), written to `out_wav`; returns the clip. FamilyError naming the speech models otherwise."""
+    the folder is its own), written to `out_wav`; returns the clip. FamilyError naming the speech models otherwise.
+    `speaker`: a speaker of the training data, by its name (the export's speakers.json says what the model is given
+    for it); LookupError naming the known ones for another name (UnknownSpeaker)."""
     import soundfile
 
+    voice = synthesis_speaker(folder, speaker)
+
     cards = [card for card in registry.cards() if get_facts(card.family).modality == "audio"]  # no image class imported
-    speaker = next((card for card in cards if load(card.model_class).speaks_from(card, folder)), None)
-    if speaker is None:
+    speaking = next((card for card in cards if load(card.model_class).speaks_from(card, folder)), None)
+    if speaking is None:
         names = ", ".join(card.name for card in cards)
         raise FamilyError(
             f"{folder} is not an export dstune can speak from: it holds none of the speech models ({names}). Point "
             "it at the export/ folder of a speech run."
         )
-    clip = load(speaker.model_class).synthesize(folder, text, seconds, temperature, seed)
+    clip = load(speaking.model_class).synthesize(folder, text, seconds, temperature, seed, voice)
     out_wav.parent.mkdir(parents=True, exist_ok=True)
     soundfile.write(str(out_wav), clip.wave, clip.sample_rate, subtype="FLOAT")
     return clip

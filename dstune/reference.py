@@ -53,6 +53,7 @@ SPEECH_ONLY_KEYS = (
     "data.max_clip_seconds",
     "data.duration_bucket_seconds",
     "data.speaker_balance",
+    "data.speakers",
     "data.cache.codec_tokens",
 )
 PICTURE_ONLY_KEYS = (
@@ -124,6 +125,14 @@ def _optional_section_class(annotation) -> type[BaseModel] | None:
     `dstune init` leaves such sections out (absent means off)."""
     members = [a for a in typing.get_args(annotation) if a is not type(None)]
     return _section_class(members[0]) if len(members) == 1 else None
+
+
+def _item_section_class(annotation) -> type[BaseModel] | None:
+    """X for `Optional[list[X]]` with X a section (data.sets): its keys documented as `key.N.name`."""
+    members = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if len(members) != 1 or typing.get_origin(members[0]) is not list:
+        return None
+    return _section_class(typing.get_args(members[0])[0])
 
 
 def _section_classes(family: str) -> dict[str, type[BaseModel]]:
@@ -246,6 +255,12 @@ def _section_markdown(key: str, model: type[BaseModel], description: str, title:
     for dotted, info, section in _walk(model, key):
         optional = section is None and _optional_section_class(info.annotation) is not None
         section = section or _optional_section_class(info.annotation)
+        items = _item_section_class(info.annotation) if section is None else None
+        if items is not None:  # a list of sections: one subsection for what each item takes
+            subsections.append((f"{dotted}.N", items, items.__doc__ or ""))
+            link = f"[`{dotted}.N`](#{_anchor(dotted + '.N')})"
+            lines.append(f"| `{dotted}` | list of sections | omitted | {_cell(info.description)} Each: {link}. |")
+            continue
         if section is not None:
             subsections.append((dotted, section, info.description or ""))
             link = f"[`{dotted}`](#{_anchor(dotted)})"

@@ -27,7 +27,7 @@ def scalar_tag(key: str) -> str:
     """The TensorBoard / W&B tag of a metrics.jsonl key."""
     if key.startswith("eval_"):
         return "eval/" + key[len("eval_") :]
-    if key in TRAIN_KEYS or key.startswith("loss_"):  # loss_<part>: a loss's named parts (LTX-2's video, audio)
+    if key in TRAIN_KEYS or key.startswith("loss_"):  # loss_<part>: a loss's named parts (a video's and its sound's)
         return "train/" + key
     if key in PROGRESS_KEYS:
         return "progress/" + key

@@ -29,6 +29,7 @@ from dstune.checkpoints.resume import (
 )
 from dstune.checkpoints.store import save_checkpoint, shared_folder_problem
 from dstune.distributed import (
+    device_memory_bytes,
     Run,
     agree_or_stop,
     all_gather_object,
@@ -59,6 +60,7 @@ from dstune.startup import (
     load_trained_model,
     checked_records,
     give_voices,
+    hear_speakers,
     held_out_records,
     make_training_loader,
     prepare_caches,
@@ -205,7 +207,9 @@ def _prepare_loop(
     spec, plan, ds_config = resolved.spec, resolved.plan, resolved.ds_config
     resuming = find_resume(run, resolved, run_dir, resume, options)
     plan = resumed_plan(resuming, plan)
-    predicted = plan_memory(spec, plan, ds_config, accelerator=run.accelerator, clips=resolved.clips)
+    predicted = plan_memory(
+        spec, plan, ds_config, device_memory_bytes(run), accelerator=run.accelerator, clips=resolved.clips
+    )
     import_model_classes(spec)  # the baseline below then holds the libraries, and what grows after it is the model
     folders = resolve_model_folders(run, spec)  # before the baseline: making a built-in model is not training memory
     memory = MemoryRecorder(predicted)
@@ -215,7 +219,8 @@ def _prepare_loop(
     sound_rate = model.sound_rate if model.modality == "video" else None  # a video model that trains on sound
     records = checked_records(run, spec, model.modality, sound_rate)
     give_voices(model, records)
-    caches, code = prepare_caches(run, spec, model, records)
+    hear_speakers(run, spec, model, records, resuming.root / resuming.tag if resuming is not None else None)
+    caches, code = prepare_caches(run, spec, model, records, encoding=predicted.get("cache_encoding"))
     if code:
         stop(run, "", code)
     memory.mark("cache")
@@ -239,6 +244,7 @@ def _prepare_loop(
         "ds_config": ds_config,
         "plan": plan.as_dict(),
         "scalar_params": scalar_params,
+        **({"speakers": model.voices.as_json()} if model.modality == "audio" and model.voices is not None else {}),
     }
     ctx = LoopContext(
         run=run,

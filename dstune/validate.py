@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
 
 from dstune.data.audio_index import duration_groups, index_audio
-from dstune.data.buckets import assign_buckets, bucket_counts, bucket_sizes, upscaling_warning
+from dstune.data.buckets import bucket_counts, bucket_sizes, record_sizes, upscaling_warning
 from dstune.data.image_check import image_file_issues
 from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset
 from dstune.ds_json.blocks import compile_ds_config
@@ -28,14 +28,15 @@ from dstune.ds_json.fill_spec import apply_ds_file, ds_value_sources
 from dstune.memory.plan import Setup
 from dstune.memory.verdict import memory_json
 from dstune.families import get_facts
+from dstune.families.speakers import SpeakersRefused, Voices
 from dstune.memory.counts import SizesUnknown
 from dstune.model_defaults import bucket_step_problem, with_model_defaults
 from dstune.model_folders import model_folder_issues
 from dstune.plan import Plan, data_parallel_ranks, make_plan, resolve_batch
 from dstune.sequence_parallel import bucket_tokens, sequence_issues, with_all_to_all
+from dstune.sets_plan import at_largest_set, set_rows
 from dstune.spec.load import SpecError, SpecIssue, SpecSource, load_spec
-from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem
-from dstune.models.tts_lm.token_layouts import speakers_problem
+from dstune.spec.models import AUDIO_FAMILIES, VIDEO_FAMILIES, Spec, lora_format_problem, sets_problems
 from dstune.trackers import wandb_missing
 from dstune.video_plan import clip_buckets, clip_plan
 from dstune.world import World, world_from_flags
@@ -57,6 +58,8 @@ class Resolved:
     clips: Optional[dict] = None  # video families: dstune.video_plan's summary (frame and size buckets, tokens)
     resolution_origin: str = ""  # where data.resolution's value came from ("set in the spec", the model's size)
     guidance_origin: str = ""  # where sample.guidance's value came from ("set in the spec", the pipeline's default)
+    voices: Optional[Voices] = None  # speech: how the model hears the data's speakers (None: the data names none)
+    sets: Optional[tuple] = None  # data.sets: dstune.sets_plan.SetRow per set
 
 
 class ResolveError(SpecError):
@@ -146,7 +149,10 @@ def validate_spec(
     found.add(folder_issues)
     if not any(issue.severity == "error" and issue.key == "model.family" for issue in folder_issues):
         _check_model(spec, source, found)  # not on another model's folder, whose configs would give nonsense
-    count, origin, groups, clips = _count_samples(spec, source, num_samples, found, check_files)
+    count, origin, groups, clips, voices = _count_samples(spec, source, num_samples, found, check_files)
+    lora = getattr(spec.model, "train", "full") == "lora"
+    found.add(source.issue(key, text) for key, text in sets_problems(spec.data, lora))
+    sets = set_rows(spec.data) if count is not None else None
     found.add(sequence_issues(spec, source, world.world_size, bucket_tokens(spec, clips, groups)))
     plan = None
     if count is not None:
@@ -178,6 +184,8 @@ def validate_spec(
         clips,
         resolution_origin,
         guidance_origin,
+        voices,
+        sets,
     )
 
 
@@ -283,16 +291,16 @@ def _check_model(spec: Spec, source: SpecSource, found: IssueList) -> None:
 
 def _count_samples(
     spec: Spec, source: SpecSource, num_samples: Optional[int], found: IssueList, check_files: bool = False
-) -> tuple[Optional[int], str, Optional[dict], Optional[dict]]:
+) -> tuple[Optional[int], str, Optional[dict], Optional[dict], Optional[Voices]]:
     """(number of samples or None when unknown, where it came from, {bucket: samples} with grouped batches, the
-    clip summary of a video family)."""
-    path = spec.data.path
+    clip summary of a video family, how a speech model hears the data's speakers)."""
+    path, voices = spec.data.path, None
     if builtin_name(path) is None and not os.path.exists(os.path.expanduser(path)):
-        return _count_not_here(spec, source, num_samples, found)
+        return (*_count_not_here(spec, source, num_samples, found), None)
     if spec.model.family in VIDEO_FAMILIES:  # clips after frame extraction; videos that give none are errors
         *counted, issues = clip_plan(spec, source, num_samples, check_files)
         found.add(issues)
-        return tuple(counted)
+        return (*counted, None)
     try:
         if spec.model.family in AUDIO_FAMILIES:  # speech: clip headers give durations, length rules, length groups
             index = index_audio(spec.data)
@@ -308,7 +316,7 @@ def _count_samples(
                         )
                     ]
                 )
-            found.add(source.issue("data.path", text) for text in [speakers_problem(spec.model, index.records)] if text)
+            voices = _check_speakers(spec, source, index.records, found)
         else:
             index = index_dataset(
                 spec.data,
@@ -319,10 +327,13 @@ def _count_samples(
             found.add(image_file_issues(spec.data, index.records + index.held_out, source) if check_files else ())
     except DataError as err:
         found.add([source.issue(err.key or "data.path", err.message)])
-        return None, "", None, None
+        return None, "", None, None, None
     found.add(source.issue("data.path", text, severity="warning") for text in index.warnings)
     count = index.num_samples
-    origin = path if builtin_name(path) else f"counted in {path}"
+    if spec.data.sets is not None:
+        origin = f"counted in the {len(spec.data.sets)} sets of data.sets, below"
+    else:
+        origin = path if builtin_name(path) else f"counted in {path}"
     if pairs:  # edit / control training: every target counted has its source
         origin += f"; {pairs} source/target pairs"
     if spec.data.eval is not None:
@@ -340,7 +351,16 @@ def _count_samples(
                 )
             ]
         )
-    return count, origin, groups, None
+    return count, origin, groups, None, voices
+
+
+def _check_speakers(spec: Spec, source: SpecSource, records, found: IssueList) -> Optional[Voices]:
+    """How the model hears the clips' speakers (validate prints it); a refusal where it cannot tell them apart."""
+    try:
+        return get_facts(spec.model.family).voices(spec, [r.speaker for r in records], [r.caption for r in records])
+    except SpeakersRefused as err:
+        found.add([source.issue(err.key, err.message)])
+        return None
 
 
 def _count_not_here(
@@ -389,15 +409,19 @@ def _count_not_here(
 
 
 def _image_groups(spec: Spec, source: SpecSource, records, found: IssueList) -> Optional[dict]:
-    """With data.buckets, {"WxH": samples} from the image headers (no pixels decoded); unreadable files are a warning
-    with data.skip_bad_files (they train as a substitute in the square bucket), else a DataError. Images smaller
-    than data.resolution (or their bucket) are a warning."""
-    found.add(
-        source.issue("data.resolution", w, severity="warning") for w in [upscaling_warning(records, spec.data)] if w
-    )
-    if not spec.data.buckets.enabled or not bucket_sizes(spec.data):
-        return None  # no bucket fits (a step above the model's native size): bucket_step_problem reported it
-    record_buckets, unreadable = assign_buckets(records, spec.data)
+    """With data.buckets (or data.sets at several sizes), {"WxH": samples} from the image headers (no pixels
+    decoded); unreadable files are a warning with data.skip_bad_files (they train as a substitute in the square
+    bucket), else a DataError. Images smaller than data.resolution (or their bucket) are a warning, per set."""
+    specs = spec.data.set_specs()
+    for number, one in enumerate(specs):
+        key = "data.resolution" if spec.data.sets is None else f"data.sets.{number}.resolution"
+        mine = [r for r in records if r.set_index == number] if spec.data.sets is not None else records
+        found.add(source.issue(key, w, severity="warning") for w in [upscaling_warning(mine, one)] if w)
+    if any(one.buckets.enabled and not bucket_sizes(one) for one in specs):
+        return None  # no bucket fits (a step above the resolution): bucket_step_problem / sets_problems said so
+    record_buckets, unreadable = record_sizes(records, spec.data)
+    if record_buckets is None:
+        return None
     if unreadable:
         found.add(
             [
@@ -458,6 +482,7 @@ def plan_memory(
     parameters counted on the meta device (dstune.memory.counts), bytes per GPU and node (dstune.memory.plan);
     `clips`: a video family's clip summary (Resolved.clips: the largest bucket's activations). Without the model's
     config files every figure is null and `unknown` says why."""
+    spec = at_largest_set(spec)  # data.sets at several sizes: the largest sample sets the peak
     try:
         counts = get_facts(spec.model.family).count(spec, plan.num_samples, clip_buckets(clips))
     except (SizesUnknown, KeyError) as err:  # KeyError: a config layout the activation estimates do not know

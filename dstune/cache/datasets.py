@@ -3,7 +3,8 @@ speech (codec tokens, dstune.cache.codec_tokens).
 
 A cached sample makes exactly the random choices the image dataset makes for the same (seed, epoch, index) - the
 flip and the caption dropout draw (the crop is always the centre) - and then reads the entries for what it chose:
-the latent of that orientation, the embedding of that caption (the empty caption when dropped). Batches carry the
+the latent of that orientation (and the loss mask cached beside it), the embedding of that caption (the empty caption
+when dropped), and with data.sets the set's weight and role. Batches carry the
 encoded tensors under the names `family.encode_batch` returns, plus caption, sample_id and index, so the loop and
 the batch check treat them like any other batch.
 """
@@ -18,7 +19,14 @@ from torch.utils.data import Dataset
 
 from dstune.cache.entries import read_entry
 from dstune.data.audio_index import AudioRecord
-from dstune.data.images import BadSampleError, ImageCaptionDataset, crop_fields, decoded_size, sample_rng
+from dstune.data.images import (
+    BadSampleError,
+    ImageCaptionDataset,
+    collate_loss_terms,
+    crop_fields,
+    decoded_size,
+    sample_rng,
+)
 from dstune.data.pairs import CONTROL_SUFFIX
 from dstune.data.video import VideoCaptionDataset, stack_sounds
 
@@ -49,11 +57,11 @@ class CachedDataset(ImageCaptionDataset):
             flip_draw, dropout_draw, _, _ = sample_rng(self.seed, self.epoch, position).random(4)
             record = self._usable_record(position)
             flip = self.data.random_flip and flip_draw < 0.5
-            caption = "" if dropout_draw < self.data.caption_dropout else record.caption
-            out = {"caption": caption, "sample_id": record.sample_id, "index": position}
-            out.update(read_entry(self.index.latent_paths[(record.sample_id, flip)]))
+            out = {"caption": self.caption_of(record, dropout_draw), "sample_id": record.sample_id, "index": position}
+            out.update(read_entry(self.index.latent_paths[(record.sample_id, flip)]))  # with its loss_mask, if masked
+            out.update(self.set_fields(self.record_at(position)))
             size = self.target_size(position)  # the centre crop the cached latent was made from (header only)
-            decoded = decoded_size(record, size, self.data.resolution)
+            decoded = decoded_size(record, size, self.rendered_side(record))
             out.update(crop_fields(record, decoded, size, 0.5, 0.5, flip))
             if record.control_path is not None:  # edit pairs: the source's cached latents, and its pixels, which
                 # the text side needs (the instruction is encoded with the image)
@@ -98,6 +106,7 @@ def collate_cached(samples: list[dict]) -> dict:
         for name, value in samples[0].items()
         if torch.is_tensor(value) and name != "sound"  # has_sound: a tensor from the latent entry, else a bool
     }
+    batch.update(collate_loss_terms(samples))
     batch.update(stack_sounds(samples))
     batch.update(
         caption=[s["caption"] for s in samples],

@@ -5,7 +5,9 @@ reads, on every rank together, then report once.
 
 Ranks that share a folder split its entries (dstune.cache.share). Entries are grouped into fixed chunks of the one
 global entry list, and chunk j goes to member j % group_size, so the encoder sees the same batches whatever the
-rank count (entries are then identical, bit for bit, to a one-rank build).
+rank count (entries are then identical, bit for bit, to a one-rank build with the same chunk). A chunk holds
+LatentCacheJob.chunk_entries entries: the memory plan's choice for the GPU's memory (dstune.memory.verdict.
+choose_encoding), from dstune.memory.working.MAX_CHUNK_ENTRIES down to one, the same on every rank.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ from dstune.data.synthetic import render_shape
 from dstune.data.video import VideoCaptionDataset, stack_sounds
 from dstune.distributed import agree_or_stop, all_gather_object
 from dstune.families.diffusion import vae_posterior
+from dstune.families.loss_terms import mask_at_latents
+from dstune.memory.working import MAX_CHUNK_ENTRIES
 from dstune.spec.models import DataSpec
-
-CHUNK_ENTRIES = 8  # entries encoded in one forward pass
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class LatentCacheJob:
     latent_tensors: tuple[str, ...] = ()
     text_here: bool = True  # this rank loaded the text encoders (dstune.text_once): text entries go to such ranks
     extra_captions: tuple[str, ...] = ()  # captions cached beside the dataset's (sample prompts: dstune.text_once)
+    chunk_entries: int = MAX_CHUNK_ENTRIES  # entries per encoder pass (the memory plan's cache_encoding)
+    vae_tiling: str = ""  # model.vae_tiling: the tiles the VAE encodes through (its latents are keyed apart)
 
 
 @dataclass
@@ -100,8 +104,25 @@ def _content_hash(record, data: DataSpec, clips, file_hashes: dict) -> str:
         content = bytes_sha256(b"builtin-clip\0" + clips.load_clip(record).numpy().tobytes())
     else:
         number = int(record.sample_id.rsplit("/", 1)[1])
-        content = bytes_sha256(b"builtin-render\0" + render_shape(number, data.resolution)[0].tobytes())
-    return bytes_sha256(f"{content}/{data.video!r}".encode()) if video else content
+        side = data.set_specs()[record.set_index].resolution  # data.resolution, or the set's
+        content = bytes_sha256(b"builtin-render\0" + render_shape(number, side)[0].tobytes())
+    if video:
+        return bytes_sha256(f"{content}/{data.video!r}".encode())
+    return _with_mask(record, data, content, file_hashes)
+
+
+def _with_mask(record, data: DataSpec, content: str, file_hashes: dict) -> str:
+    """A masked run's latent entries hold the loss mask too: its content joins the key (the mask file's bytes, or
+    the alpha channel's file, which is the image's), so adding, editing or removing a mask rebuilds the entry. An
+    unmasked run's key is what it was before masks existed."""
+    if not data.masked:
+        return content
+    if record.mask_path is not None:
+        if record.mask_path not in file_hashes:
+            file_hashes[record.mask_path] = file_sha256(record.mask_path)
+        return bytes_sha256(f"{content}/mask:{file_hashes[record.mask_path]}".encode())
+    alpha = data.set_specs()[record.set_index].alpha_mask
+    return bytes_sha256(f"{content}/mask:{'alpha' if alpha else 'none'}".encode())
 
 
 def _content_hashes(run, records, data: DataSpec, video: bool) -> tuple[dict[str, str], dict[str, str]]:
@@ -162,6 +183,9 @@ def _encode_latents(
             heard = stack_sounds([sounds[i] for i in same])
             more["sound_latent"] = model.encode_sound(heard["sound"].to(model.device))
             more["has_sound"] = heard["has_sound"].float().unsqueeze(1)
+        if isinstance(dataset, ImageCaptionDataset) and dataset.masked:  # the loss masks at the latent grid
+            masks = [dataset.cache_mask(by_id[ok[i].sample_id], ok[i].size or resolution, ok[i].flip) for i in same]
+            more["loss_mask"] = mask_at_latents(torch.stack(masks), tuple(mean.shape[-2:]))
         tensors.update(
             {
                 ok[i].key: {
@@ -181,12 +205,12 @@ def _encode_texts(model, entries: list[Entry]) -> tuple[dict, dict]:
     return {e.key: {name: value[i] for name, value in tensors.items()} for i, e in enumerate(entries)}, {}
 
 
-def _chunks(entries: list[Entry]) -> list[list[Entry]]:
+def _chunks(entries: list[Entry], per_chunk: int) -> list[list[Entry]]:
     out = []
     for kind in ("latent", "text"):
         for size in dict.fromkeys(e.size for e in entries if e.kind == kind):  # one size per encoder batch (buckets)
             same = [e for e in entries if e.kind == kind and e.size == size]
-            out += [same[i : i + CHUNK_ENTRIES] for i in range(0, len(same), CHUNK_ENTRIES)]
+            out += [same[i : i + per_chunk] for i in range(0, len(same), per_chunk)]
     return out
 
 
@@ -272,6 +296,8 @@ def _job_fingerprints(job: LatentCacheJob) -> dict[str, str]:
     if job.latent_settings:  # e.g. image-to-video: the first frame's condition (and its encoders) beside the posterior
         extra = "".join(folder_fingerprint(job.model_folder / name) for name in job.latent_folders)
         fingerprints["vae"] = bytes_sha256((fingerprints["vae"] + job.latent_settings + extra).encode())
+    if job.vae_tiling:  # tiled latents are not the untiled ones
+        fingerprints["vae"] = bytes_sha256((fingerprints["vae"] + "/vae tiled: " + job.vae_tiling).encode())
     return fingerprints
 
 
@@ -309,16 +335,18 @@ def prepare_cache(run, job: LatentCacheJob, model, records, verify_only: bool = 
         _job_fingerprints(job),
         data.resolution,
         data.random_flip,
-        data.caption_dropout,
+        max(one.caption_dropout for one in data.set_specs()),  # the empty caption, where any set drops captions
         _dtype_name(job.dtype),
         cache_spec.latents,
         cache_spec.text_embeddings,
         _sizes(targets, data, job.video),
         job.text_tensors,
-        job.latent_tensors,
+        job.latent_tensors + (("loss_mask",) if data.masked else ()),
         job.extra_captions,
     )
-    mine = chunks_of_rank(_chunks(entries), group, _text_group(run, job, group, entries, verify_only), run.rank)
+    mine = chunks_of_rank(
+        _chunks(entries, job.chunk_entries), group, _text_group(run, job, group, entries, verify_only), run.rank
+    )
     if verify_only:
         counts = _verify_share(folder, mine)
     else:

@@ -153,11 +153,34 @@ def assign_buckets(records: Sequence[SampleRecord], data) -> tuple[list[tuple[in
     return list(buckets), list(problems)
 
 
+def record_sizes(records: Sequence[SampleRecord], data) -> tuple[list[tuple[int, int]] | None, list[str]]:
+    """(the (width, height) each record trains at, in record order, or None when every sample is data.resolution's
+    square without buckets; unreadable headers). With data.sets, each set's own resolution and buckets: a set
+    without buckets trains at its resolution's square, so sets at several sizes are groups as buckets are."""
+    if data.sets is None:
+        return assign_buckets(records, data) if data.buckets.enabled else (None, [])
+    specs = data.set_specs()
+    if all(not one.buckets.enabled and one.resolution == data.resolution for one in specs):
+        return None, []
+    sizes: list = [None] * len(records)
+    problems: list[str] = []
+    for number, one in enumerate(specs):
+        members = [i for i, record in enumerate(records) if record.set_index == number]
+        if one.buckets.enabled:
+            found, bad = assign_buckets([records[i] for i in members], one)
+            problems += bad
+        else:
+            found = [(one.resolution, one.resolution)] * len(members)
+        for i, size in zip(members, found):
+            sizes[i] = size
+    return sizes, problems
+
+
 def sample_buckets(records: Sequence[SampleRecord], data) -> dict[str, tuple[int, int]] | None:
-    """sample_id -> bucket (width, height), or None without data.buckets (for the latent cache's keys)."""
-    if not data.buckets.enabled:
-        return None
-    return {record.sample_id: bucket for record, bucket in zip(records, assign_buckets(records, data)[0])}
+    """sample_id -> the (width, height) it trains at (record_sizes), or None at data.resolution's square (for the
+    latent cache's keys)."""
+    sizes = record_sizes(records, data)[0]
+    return None if sizes is None else {record.sample_id: size for record, size in zip(records, sizes)}
 
 
 def _mtime(path: str | None) -> float | None:

@@ -122,3 +122,44 @@ def speaker_balanced_order(speakers: Sequence[str], seed: int, epoch: int) -> np
         places.append(np.concatenate(rounds)[:wanted] if rounds else clips[:0])
     order = np.concatenate(places)
     return order[rng.permutation(len(order))]
+
+
+_SET_ORDER_SALT = 0x5_E7D1  # separates the sets' interleaved order stream from the others
+
+
+def weighted_places(samples: Sequence[int], weights: Sequence[float] | None) -> list[int]:
+    """data.sets' places per epoch of each set: its samples (repeats counted), or with weights the epoch's places
+    (all sets' samples together) shared in proportion to the weights, the rounding by largest remainder (ties to
+    the lower set number), so the places add up to the samples exactly."""
+    if weights is None:
+        return list(samples)
+    total, whole = sum(samples), sum(weights)
+    exact = [total * weight / whole for weight in weights]
+    places = [int(share) for share in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda number: (-(exact[number] - places[number]), number))
+    for number in by_remainder[: total - sum(places)]:
+        places[number] += 1
+    return places
+
+
+def interleaved_order(sets: Sequence[int], seed: int, epoch: int, places: Sequence[int] | None = None) -> np.ndarray:
+    """data.sets: the epoch's order of dataset indices with the sets spread evenly through it. Rule, from one stream
+    per (seed, epoch): each set (in ascending number, so the stream is used identically) fills its places (`places`:
+    one count per set number; default: each index once) with its indices in a fresh permutation, then another
+    when they run out (a weighted set with more places than samples repeats them, one with fewer leaves some out);
+    the j-th place of a set of n takes the position (j + 0.5) / n of the epoch; positions are sorted, a tie going
+    to the lower set number. So any stretch of the order holds each set in its share to within one sample (set A
+    with 4 places and set B with 12: every 4 places hold 1 of A and 3 of B), the per-epoch counts are exact, and
+    the order is a pure function of (seed, epoch, sets, places), whatever the ranks or accumulation."""
+    rng = np.random.default_rng([_SET_ORDER_SALT, seed, epoch])
+    numbers = np.asarray(sets, dtype=np.int64)
+    indices, positions, owners = [], [], []
+    for number in sorted(set(numbers.tolist())):
+        members = np.flatnonzero(numbers == number)
+        wanted = len(members) if places is None else int(places[number])
+        rounds = [members[rng.permutation(len(members))] for _ in range(-(-wanted // len(members)))]
+        indices.append(np.concatenate(rounds)[:wanted] if rounds else members[:0])
+        positions.append((np.arange(wanted) + 0.5) / max(wanted, 1))
+        owners.append(np.full(wanted, number, dtype=np.int64))
+    indices, positions, owners = (np.concatenate(parts) for parts in (indices, positions, owners))
+    return indices[np.lexsort((owners, positions))]

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from dstune.data.buckets import assign_buckets, header_size
+from dstune.data.buckets import header_size, record_sizes
+from dstune.data.groups import weighted_places
 from dstune.data.image_check import find_unreadable
 from dstune.data.index import DataError, SampleRecord
 from dstune.data.synthetic import render_shape
@@ -156,6 +157,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         self._ends = list(itertools.accumulate(r.repeats for r in self.records))  # expanded index -> record
         self._logged_bad: set[str] = set()
         self.record_sizes = self.bucket_of_records()  # data.buckets: each record's (width, height), else None
+        self.set_specs = data.set_specs()  # each set's settings (data.sets), or [data]
+        self.masked = data.masked  # every sample carries a loss mask (ones where its set has none)
 
     def __len__(self) -> int:
         return self._ends[-1]
@@ -167,8 +170,9 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         return self.records[bisect.bisect_right(self._ends, index)]
 
     def bucket_of_records(self) -> list | None:
-        """With data.buckets: the (width, height) of each record's bucket, from its image header; else None."""
-        return assign_buckets(self.records, self.data)[0] if self.data.buckets.enabled else None
+        """The (width, height) each record trains at (its bucket from its header, or its set's square: data.sets),
+        or None when all train at data.resolution's square (dstune.data.buckets.record_sizes)."""
+        return record_sizes(self.records, self.data)[0]
 
     def target_size(self, index: int):
         """What sample `index` is cropped to: data.resolution, or its bucket's (width, height). Decided by the index,
@@ -176,6 +180,62 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         if self.record_sizes is None:
             return self.data.resolution
         return self.record_sizes[bisect.bisect_right(self._ends, index)]
+
+    def rendered_side(self, record: SampleRecord) -> int:
+        """The side a built-in sample is rendered at: its set's resolution (data.resolution with data.path)."""
+        return self.set_specs[record.set_index].resolution
+
+    def set_numbers(self) -> list[int] | None:
+        """The set number of every index (data.sets, for the sampler's interleaving), or None with data.path."""
+        if self.data.sets is None:
+            return None
+        return [record.set_index for record in self.records for _ in range(record.repeats)]
+
+    def set_places(self) -> list[int] | None:
+        """With set weights (data.sets), each set's places per epoch (dstune.data.groups.weighted_places); else None."""
+        if self.data.sets is None or self.data.sets[0].weight is None:
+            return None
+        samples = [0] * len(self.data.sets)
+        for record in self.records:
+            samples[record.set_index] += record.repeats
+        return weighted_places(samples, [item.weight for item in self.data.sets])
+
+    def set_fields(self, record: SampleRecord) -> dict:
+        """With data.sets, the sample's `loss_weight`, `prior` (its set's role is regularization) and `preserve`
+        (preservation); else {}."""
+        if self.data.sets is None:
+            return {}
+        item = self.data.sets[record.set_index]
+        return {
+            "loss_weight": item.loss_weight,
+            "prior": item.role == "regularization",
+            "preserve": item.role == "preservation",
+        }
+
+    def caption_of(self, record: SampleRecord, dropout_draw: float) -> str:
+        """The caption trained: empty when the draw falls under its set's caption_dropout."""
+        return "" if dropout_draw < self.set_specs[record.set_index].caption_dropout else record.caption
+
+    def loss_mask(self, record: SampleRecord, decoded: tuple[int, int], size, crop_x: float, crop_y: float, flip: bool):
+        """{"loss_mask": (1, H, W) in [0, 1]} cut exactly as the image decoded at `decoded` (width, height) is cut
+        to `size`; ones where the sample has no mask (an image without one, or without alpha); {} unmasked runs."""
+        if not self.masked:
+            return {}
+        mask = read_mask(record, self.set_specs[record.set_index].alpha_mask)
+        width, height = (size, size) if isinstance(size, int) else size
+        if mask is None:
+            return {"loss_mask": torch.ones(1, height, width)}
+        if mask.size != decoded:  # a mask file of another size, or an image decoded at a JPEG draft scale
+            mask = mask.resize(decoded, Image.Resampling.BILINEAR)
+        cut = resize_and_crop(mask, size, crop_x, crop_y, flip)
+        return {"loss_mask": torch.from_numpy(np.asarray(cut, dtype=np.float32) / 255.0).unsqueeze(0)}
+
+    def cache_mask(self, record: SampleRecord, size, flip: bool) -> torch.Tensor | None:
+        """What the latent cache stores beside the record's latents: its mask at the centre crop (None unmasked)."""
+        if not self.masked:
+            return None
+        decoded = decoded_size(record, size or self.data.resolution, self.rendered_side(record))
+        return self.loss_mask(record, decoded, size or self.data.resolution, 0.5, 0.5, flip)["loss_mask"]
 
     def group_keys(self) -> list | None:
         """The bucket of every index (for the grouped sampler), or None without data.buckets."""
@@ -188,7 +248,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         cropped to (default data.resolution), so JPEGs decode at a reduced scale that still covers it."""
         if record.image_path is None:
             number = int(record.sample_id.rsplit("/", 1)[1])
-            return render_shape(number, self.data.resolution)[0]
+            return render_shape(number, self.rendered_side(record))[0]
         try:
             return _open_rgb(record.image_path, size or self.data.resolution)
         except _DECODE_ERRORS as err:
@@ -256,15 +316,17 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         flip = self.data.random_flip and flip_draw < 0.5
         geometry = crop_fields(record, image.size, self.target_size(index), crop_x, crop_y, flip)
         control = self.control_pixels(record, self.target_size(index), crop_x, crop_y, flip)
+        mask = self.loss_mask(record, image.size, self.target_size(index), crop_x, crop_y, flip)
         image = resize_and_crop(image, self.target_size(index), crop_x, crop_y, flip)
-        caption = "" if dropout_draw < self.data.caption_dropout else record.caption
         return {
             "pixel_values": to_tensor(image),
-            "caption": caption,
+            "caption": self.caption_of(record, dropout_draw),
             "sample_id": record.sample_id,
             "index": index,
             **geometry,
             **control,
+            **mask,
+            **self.set_fields(self.record_at(index)),  # the set of the index, not of a substitute's
         }
 
 
@@ -272,11 +334,12 @@ def collate(samples: list[dict]) -> dict:
     """Samples -> one batch with the same keys as a sample (as torch's default_collate would name them):
     pixel_values (B, 3, R, R) float32; caption and sample_id lists of str; index (B,) LongTensor;
     original_size and crop_top_left (B, 2) LongTensors (see crop_fields); edit pairs add control_values like
-    pixel_values."""
+    pixel_values; masked runs loss_mask (B, 1, H, W), data.sets loss_weight (B,), prior and preserve (B,) bool."""
     paired = "control_values" in samples[0]
     control = {"control_values": torch.stack([s["control_values"] for s in samples])} if paired else {}
     return {
         **control,
+        **collate_loss_terms(samples),
         "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
         "caption": [s["caption"] for s in samples],
         "sample_id": [s["sample_id"] for s in samples],
@@ -284,6 +347,39 @@ def collate(samples: list[dict]) -> dict:
         "original_size": torch.stack([s["original_size"] for s in samples]),
         "crop_top_left": torch.stack([s["crop_top_left"] for s in samples]),
     }
+
+
+def collate_loss_terms(samples: list[dict]) -> dict:
+    """The loss terms of a batch's samples (dstune.families.loss_terms): masks stacked, the sets' weights and roles
+    as (B,) tensors; {} where the samples have none."""
+    out = {}
+    if "loss_mask" in samples[0]:
+        out["loss_mask"] = torch.stack([s["loss_mask"] for s in samples])
+    if "loss_weight" in samples[0]:
+        out["loss_weight"] = torch.tensor([s["loss_weight"] for s in samples], dtype=torch.float32)
+        out["prior"] = torch.tensor([s["prior"] for s in samples], dtype=torch.bool)
+        out["preserve"] = torch.tensor([s["preserve"] for s in samples], dtype=torch.bool)
+    return out
+
+
+def read_mask(record: SampleRecord, alpha: bool) -> Image.Image | None:
+    """The record's loss mask as an 8-bit grey image at its file's size (EXIF rotation applied, as to the image):
+    its mask file (data.mask_dir), or with `alpha` its alpha channel; None when it has neither."""
+    path = record.mask_path or (record.image_path if alpha else None)
+    if path is None:
+        return None
+    try:
+        with Image.open(path) as image:
+            image = ImageOps.exif_transpose(image)
+            if record.mask_path is not None:
+                return image.convert("L")
+            has_alpha = image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info)
+            return image.convert("RGBA").getchannel("A") if has_alpha else None
+    except _DECODE_ERRORS as err:
+        reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+        raise BadSampleError(
+            f"cannot read the loss mask {path} (of sample {record.sample_id}): {reason}. Replace or delete it.", path
+        ) from None
 
 
 def find_bad_images(records: list[SampleRecord], rank: int = 0, world_size: int = 1) -> list[tuple[SampleRecord, str]]:

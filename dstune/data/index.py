@@ -66,8 +66,10 @@ class SampleRecord:
     sample_id: str  # path relative to the dataset root (posix), or "shapes/000123" for the built-in set
     image_path: str | None  # None for built-in samples, which are generated rather than read
     caption: str
-    repeats: int  # times the sample appears in one epoch (kohya `N_name` folders)
+    repeats: int  # times the sample appears in one epoch (kohya `N_name` folders x the set's repeats)
     control_path: str | None = None  # edit / control training: the source image of this target (dstune.data.pairs)
+    set_index: int = 0  # data.sets: the number of the record's set (0 with data.path)
+    mask_path: str | None = None  # masked loss: the record's mask file (data.mask_dir), None: alpha or no mask
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,13 @@ def control_records(records: list[SampleRecord]) -> list[SampleRecord]:
     """The source image of each paired record as a record of its own (id: the target's + CONTROL_SUFFIX, no
     repeats), which is how the latent cache stores source latents beside the targets'."""
     return [
-        SampleRecord(sample_id=r.sample_id + CONTROL_SUFFIX, image_path=r.control_path, caption=r.caption, repeats=0)
+        SampleRecord(
+            sample_id=r.sample_id + CONTROL_SUFFIX,
+            image_path=r.control_path,
+            caption=r.caption,
+            repeats=0,
+            set_index=r.set_index,
+        )
         for r in records
         if r.control_path is not None
     ]
@@ -126,8 +134,12 @@ def index_dataset(data: DataSpec, read_captions: bool = True, video: bool = Fals
     (`held_out`: each once, repeats 1). Raises DataError for unusable datasets. `video`: a video family's dataset,
     which lists video files (VIDEO_EXTENSIONS) beside the images.
 
-    read_captions=False leaves every caption "" (counting only needs to know which files exist)."""
-    result = _index_all(data, read_captions, video)
+    read_captions=False leaves every caption "" (counting only needs to know which files exist).
+
+    data.sets: each set indexed with its own settings (data.set_specs()), its records' ids prefixed by the set's
+    name (`name/rel`, so two sets' files never share a cache entry), their repeats multiplied by the set's, in the
+    sets' order; a DataError names the set's key (`data.sets.N.path`)."""
+    result = _index_sets(data, read_captions) if data.sets is not None else _index_all(data, read_captions, video)
     if data.eval is None:
         return result
     if data.eval.fraction is not None:
@@ -141,6 +153,38 @@ def index_dataset(data: DataSpec, read_captions: bool = True, video: bool = Fals
     return dataclasses.replace(
         result, warnings=result.warnings + [f"data.eval.path: {w}" for w in held.warnings], held_out=held_out
     )
+
+
+def _index_sets(data: DataSpec, read_captions: bool) -> IndexResult:
+    records, warnings, skipped = [], [], []
+    for number, (item, one) in enumerate(zip(data.sets, data.set_specs())):
+        try:
+            found = _index_all(one, read_captions)
+        except DataError as err:
+            raise DataError(
+                err.key.replace("data.", f"data.sets.{number}.", 1), f"({item.label}) {err.message}"
+            ) from None
+        records += [
+            dataclasses.replace(
+                r,
+                sample_id=f"{item.label}/{r.sample_id}",
+                repeats=r.repeats * item.repeats,
+                set_index=number,
+            )
+            for r in found.records
+        ]
+        warnings += [f"data.sets.{number} ({item.label}): {w}" for w in found.warnings]
+        skipped += found.skipped
+    return IndexResult(records, warnings, skipped)
+
+
+def set_counts(records: list[SampleRecord], num_sets: int) -> list[tuple[int, int]]:
+    """(files, samples per epoch, repeats counted) of each set of data.sets, in the sets' order."""
+    files, samples = [0] * num_sets, [0] * num_sets
+    for record in records:
+        files[record.set_index] += 1
+        samples[record.set_index] += record.repeats
+    return list(zip(files, samples))
 
 
 def held_out_split(records: list[SampleRecord], fraction: float) -> tuple[list[SampleRecord], list[SampleRecord]]:
@@ -184,7 +228,7 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
         _control_outside(root, data)
         extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ())
         result = _index_folder(root, _normalised_extension(data.caption_extension), read_captions, extensions)
-    result = _paired(result, root, data)
+    result = _masked(_paired(result, root, data), root, data)
     if not result.records:
         kinds = "video or image" if video else "image"
         what = (
@@ -409,6 +453,43 @@ def _index_jsonl(root: Path, skip_bad_files: bool) -> IndexResult:
             f"(data.skip_bad_files): {'; '.join(skipped[:_EXAMPLES_IN_WARNING])}"
         )
     return IndexResult(records, warnings, skipped)
+
+
+# ------------------------------------------------------------------------------------------------ loss masks
+
+
+def _masked(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
+    """data.mask_dir: each record's mask file (same relative path and name, any image extension); a record without
+    one trains whole, which a warning counts. The folder must not lie inside data.path (its files would train)."""
+    if data.mask_dir is None:
+        return result
+    folder = control_root(root, data.mask_dir)
+    if not folder.is_dir():
+        raise DataError(
+            "data.mask_dir",
+            f"{folder} is not a folder. Give the folder of loss masks (absolute, or relative to data.path, e.g. "
+            "../masks).",
+        )
+    if folder.resolve() == root.resolve() or folder.resolve().is_relative_to(root.resolve()):
+        raise DataError(
+            "data.mask_dir",
+            f"{folder} is inside data.path {root}, whose images all train. Keep the masks in a sibling folder "
+            "(e.g. mask_dir: ../masks).",
+        )
+    masks, clashes = list_controls(folder, IMAGE_EXTENSIONS)
+    if clashes:
+        raise DataError(
+            "data.mask_dir",
+            f"{len(clashes)} mask names in {folder} have two image files: {listing(clashes)}. Keep one file per name.",
+        )
+    records = [dataclasses.replace(r, mask_path=masks.get(stem_of(r.sample_id))) for r in result.records]
+    unmasked = [r.sample_id for r in records if r.mask_path is None]
+    warnings = list(result.warnings)
+    if unmasked:
+        warnings.append(
+            f"{len(unmasked)} of {len(records)} images have no mask in {folder} and train whole: {listing(unmasked)}"
+        )
+    return dataclasses.replace(result, records=records, warnings=warnings)
 
 
 # ------------------------------------------------------------------------------------------- edit / control pairs

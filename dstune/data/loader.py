@@ -93,12 +93,25 @@ def make_loader(
     start_epoch: int = 0,
     start_step: int = 0,
     speakers=None,
+    sets=None,
+    set_places=None,
 ) -> tuple[EpochDataLoader, GlobalBatchSampler]:
     """This rank's loader and its sampler over any dataset kind (images, cached images, speech, cached speech),
     positioned at (start_epoch, start_step). `plan` is a dstune.plan.Plan made for exactly this dataset
-    (len(dataset) = plan.num_samples); `group_keys` are the per-index bucket keys, or None."""
+    (len(dataset) = plan.num_samples); `group_keys` are the per-index bucket keys, or None; `sets` the per-index
+    set numbers of data.sets (an image dataset's `set_numbers()`), or None, and `set_places` each set's places per
+    epoch with set weights (its `set_places()`)."""
     sampler = GlobalBatchSampler(
-        len(dataset), plan, rank, seed, start_epoch, start_step, group_keys=group_keys, speakers=speakers
+        len(dataset),
+        plan,
+        rank,
+        seed,
+        start_epoch,
+        start_step,
+        group_keys=group_keys,
+        speakers=speakers,
+        sets=sets,
+        set_places=set_places,
     )
     loader = EpochDataLoader(
         dataset,
@@ -119,4 +132,16 @@ def build_loader(
 ) -> tuple[EpochDataLoader, GlobalBatchSampler]:
     """make_loader over the image dataset (decoding the files) of these records."""
     dataset = ImageCaptionDataset(data, records, seed)
-    return make_loader(dataset, collate, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step)
+    return make_loader(
+        dataset,
+        collate,
+        dataset.group_keys(),
+        data,
+        plan,
+        rank,
+        seed,
+        start_epoch,
+        start_step,
+        sets=dataset.set_numbers(),
+        set_places=dataset.set_places(),
+    )

@@ -17,6 +17,12 @@ Groups (aspect buckets, length buckets): with `group_keys` (one key per dataset 
 one group (dstune.data.groups.GroupedOrder: per-group permutations, whole global batches, remainders dropped, the
 batches shuffled together) and is cut into micro batches exactly as above, so all of the above holds per step.
 
+Several datasets (data.sets, `sets`: the set number of each index; `set_places`: each set's places per epoch, with
+set weights): the epoch's permutation is replaced by dstune.data.groups.interleaved_order (each set permuted, then
+spread evenly through the epoch), cut the same way, so every global batch (and micro batch) holds the sets in their
+shares to within one sample. With groups (data.buckets)
+the grouped order is used as it is: each bucket's batches mix the sets by chance.
+
 Speaker balance (data.speaker_balance, `speakers`: one name per index): the epoch's permutation is replaced by
 dstune.data.groups.speaker_balanced_order (every speaker the same number of places; small speakers repeat), cut
 the same way; ranks get disjoint places of it (a clip repeats only when its speaker has fewer clips than places).
@@ -29,7 +35,7 @@ from typing import Iterator
 import numpy as np
 from torch.utils.data import Sampler
 
-from dstune.data.groups import GroupedOrder, keys_fingerprint, speaker_balanced_order
+from dstune.data.groups import GroupedOrder, interleaved_order, keys_fingerprint, speaker_balanced_order
 
 _ORDER_SALT = 0x0_5EED  # separates the order stream from per-sample streams built from the same seed
 
@@ -51,6 +57,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         start_step: int = 0,
         group_keys=None,
         speakers=None,
+        sets=None,
+        set_places=None,
     ):
         self.num_samples = num_samples
         self.micro_batch_size = plan_like.micro_batch_size
@@ -76,6 +84,15 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 "and no length groups"
             )
         self.speaker_fingerprint = keys_fingerprint(self.speakers) if self.speakers is not None else None
+        # data.sets: one set number per index; a single set needs no interleaving (the one-set order is kept)
+        self.sets = list(sets) if sets is not None and len(set(sets)) > 1 else None
+        if self.sets is not None and (len(self.sets) != num_samples or self.speakers is not None):
+            raise ValueError(f"data.sets needs one set number per sample ({num_samples}; got {len(self.sets)})")
+        self.set_places = list(set_places) if self.sets is not None and set_places is not None else None
+        if self.set_places is not None and sum(self.set_places) != num_samples:
+            raise ValueError(f"data.sets' places {self.set_places} must add up to the {num_samples} samples")
+        fingerprinted = None if self.sets is None else self.sets + ["places"] + (self.set_places or [])
+        self.sets_fingerprint = keys_fingerprint(fingerprinted) if fingerprinted is not None else None
         self._check_plan()
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the plan's {self.world_size} ranks (0..{self.world_size - 1})")
@@ -167,11 +184,20 @@ class GlobalBatchSampler(Sampler[list[int]]):
             state["group_fingerprint"] = self.group_fingerprint
         if self.speaker_fingerprint is not None:
             state["speaker_fingerprint"] = self.speaker_fingerprint
+        if self.sets_fingerprint is not None:
+            state["sets_fingerprint"] = self.sets_fingerprint
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        state = {"group_fingerprint": None, "speaker_fingerprint": None, **state}  # older states: neither
-        for key in ("seed", "num_samples", "global_batch_size", "group_fingerprint", "speaker_fingerprint"):
+        state = {"group_fingerprint": None, "speaker_fingerprint": None, "sets_fingerprint": None, **state}  # older
+        for key in (
+            "seed",
+            "num_samples",
+            "global_batch_size",
+            "group_fingerprint",
+            "speaker_fingerprint",
+            "sets_fingerprint",
+        ):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"the checkpoint's data order was made with {key} {state[key]}, this run has {getattr(self, key)}: "
@@ -186,6 +212,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if self._order_cache is None or self._order_cache[0] != epoch:
             if self.speakers is not None:
                 order = speaker_balanced_order(self.speakers, self.seed, epoch)
+            elif self.sets is not None:
+                order = interleaved_order(self.sets, self.seed, epoch, self.set_places)
             else:
                 order = np.random.default_rng([_ORDER_SALT, self.seed, epoch]).permutation(self.num_samples)
             self._order_cache = (epoch, order)

@@ -26,6 +26,7 @@ import torch
 from dstune.families.base import FamilyError
 from dstune.families.codebooks_card import CodebooksCard, card_of_folder
 from dstune.families.precision import at_least_float32_dtype
+from dstune.families.speakers import write_voices
 from dstune.families.speech import CodecTokensModel, checkpoint_activations
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
@@ -137,6 +138,7 @@ class CodebooksModel(CodecTokensModel):
         with quiet_hf_libraries():
             whole.save_pretrained(work, safe_serialization=True)
             self.processor.save_pretrained(work)
+        write_voices(self.voices, work)
 
     def export(self, state_dict: dict, out_dir, pretrained_folder: Optional[Path] = None) -> Path:
         """A folder the class's from_pretrained and AutoProcessor load (a codec inside the class, as it keeps it)."""

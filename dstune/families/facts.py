@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
+from dstune.families.speakers import Voices, voices_for
+
 Clip = tuple[int, int, int, int]  # (frames, width, height, clips): one bucket of a video dataset
 SpecIssues = list[tuple[str, str]]  # (dotted key, message): an error about the spec, found from the model's configs
 
@@ -99,6 +101,13 @@ class FamilyFacts:
         them), else None."""
         card = self.card(spec)
         return card.pairs(spec) if card is not None else None
+
+    def voices(self, spec, speakers: Sequence[str], texts: Sequence[str]) -> Optional[Voices]:
+        """How the model hears the clips' `speakers` (one name per clip, `texts` their transcripts:
+        dstune.families.speakers.voices_for); None where no clip names one or the model's configs are not here.
+        SpeakersRefused with the reason."""
+        card = self.card(spec)
+        return voices_for(card, spec.model, spec.data.speakers, speakers, texts) if card is not None else None
 
     def attention(self, spec) -> Optional[Attention]:
         """The heads a sequence-parallel split divides, from the configs; None when they are not here."""

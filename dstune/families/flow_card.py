@@ -27,6 +27,7 @@ from dstune.families.folders import component_problems, read_component_config, r
 from dstune.families.pipeline_card import PipelineCard, SpecIssues
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.counts import SizesUnknown, count_component, vae_factor
+from dstune.memory.working import Geometry
 from dstune.model_folders import builtin_name_problem, locate
 
 TOKEN_PATCH = 2  # latent rows (and columns) one image token packs: 2x2 for every flow image model here
@@ -79,7 +80,19 @@ class FlowCard(PipelineCard):
         """Text tokens per sample: max_sequence_length (the model's default where unset)."""
         return spec.model.max_sequence_length or self.default_text_tokens
 
-    def pictures(self, folder: PipelineFolder) -> int:
+    def encoder_tokens(self, spec, folder: PipelineFolder) -> dict[str, int]:
+        """Every text encoder at the caption's tokens (text_tokens; CLIP's at its 77 positions)."""
+        tokens = self.text_tokens(spec, folder)
+        return {part: tokens for part in ("text_encoder", "text_encoder_2", "text_encoder_3")}
+
+    def geometry(self, spec, folder: PipelineFolder, clips) -> Geometry:
+        """Stills at data.resolution's square (an edit model's source is an entry of its own); samples render every
+        prompt in one call, an edit model's one prompt a call (flow_sampling)."""
+        side = spec.data.resolution
+        per_call = 1 if self.pictures(spec, folder) > 1 else max(len(spec.sample.prompts), 1)
+        return Geometry((1, side, side), 0.0, (1, side, side), 0.0, per_call)
+
+    def pictures(self, spec, folder: PipelineFolder) -> int:
         """The pictures in one sample's sequence (an edit model's target and source: 2)."""
         return 1
 
@@ -103,7 +116,7 @@ class FlowCard(PipelineCard):
     def activation_bytes(self, spec, folder: PipelineFolder, config: dict, clips) -> tuple[float, float]:
         """The measured constants over its image tokens (2x2 latent patches, 16 px; every picture's) and its text
         tokens."""
-        image_tokens = self.pad_tokens(self.pictures(folder) * (spec.data.resolution / 16) ** 2)
+        image_tokens = self.pad_tokens(self.pictures(spec, folder) * (spec.data.resolution / 16) ** 2)
         sample = measured_sample_bytes(
             self.activations,
             self.activation_shape(config),
@@ -118,7 +131,7 @@ class FlowCard(PipelineCard):
         return config.get(self.text_width_key)
 
     def cache_bytes(self, spec, folder: PipelineFolder, companions: dict, num_samples: int, clips) -> int:
-        per_sample = image_latent_bytes(spec, folder, companions, self.pictures(folder))
+        per_sample = image_latent_bytes(spec, folder, companions, self.pictures(spec, folder))
         if folder.has("transformer"):
             width = self.text_width(folder.config("transformer"))
             per_sample += transformer_text_bytes(spec, folder, self.text_tokens(spec, folder), width)
@@ -179,16 +192,26 @@ class FlowCard(PipelineCard):
         return []
 
     def source_image_issues(self, spec) -> SpecIssues:
-        """sample.control_images against what the model renders from: a text-to-image model takes none."""
+        """data.control_dir and sample.control_images against what the model trains and renders from: a
+        text-to-image model takes neither (its training would silently leave the sources out)."""
+        issues = []
+        if spec.data.control_dir is not None:
+            issues.append(
+                (
+                    "data.control_dir",
+                    f"{self.pipeline_class} trains from the caption alone: source (control) images are for the edit "
+                    "models (docs/family-flow.md lists them); remove data.control_dir",
+                )
+            )
         if spec.sample.control_images:
-            return [
+            issues.append(
                 (
                     "sample.control_images",
                     f"{self.pipeline_class} renders from the prompt alone: source images are for edit models; remove "
                     "them",
                 )
-            ]
-        return []
+            )
+        return issues
 
     def _lora_format_issues(self, spec) -> SpecIssues:
         """A LoRA file format whose tool is not known to map this model's keys."""
@@ -228,7 +251,7 @@ class FlowCard(PipelineCard):
             origin,
             text_tokens=self.text_tokens(spec, folder),
             px_per_token=px_per_token,
-            pictures=self.pictures(folder),
+            pictures=self.pictures(spec, folder),
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from dstune.families.loss_terms import masked_mean
 from dstune.families.precision import at_least_float32
 from dstune.families.randomness import sample_generator
 from dstune.spec.models import FlowModelSpec
@@ -47,14 +48,19 @@ def flow_loss_per_sample(
     sigmas: torch.Tensor,
     weights: torch.Tensor,
     precondition_outputs: bool,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each sample's weighted squared error (at least float32), as diffusers' flow-matching DreamBooth scripts compute it: the velocity
     prediction against noise - x0, or, preconditioned (EDM-style, the MMDiT scripts' default), the x0 it implies
-    (x_t - sigma v) against x0, which is the velocity error times sigma^2."""
+    (x_t - sigma v) against x0, which is the velocity error times sigma^2. With a loss `mask` (B, 1, h, w) at the
+    latent grid, each sample's sum(mask x error) / sum(mask) (dstune.families.loss_terms)."""
     prediction, target = at_least_float32(prediction), at_least_float32(noise) - at_least_float32(latents)
     if precondition_outputs:
         prediction, target = prediction * (-sigmas) + at_least_float32(noisy), at_least_float32(latents)
-    return (weights * (prediction - target) ** 2).reshape(len(prediction), -1).mean(dim=1)
+    error = weights * (prediction - target) ** 2
+    if mask is None:
+        return error.reshape(len(prediction), -1).mean(dim=1)
+    return masked_mean(error, mask)  # data.mask_dir / alpha_mask: sum(mask x error) / sum(mask)
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:

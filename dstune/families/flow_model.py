@@ -30,7 +30,7 @@ from typing import ClassVar, Optional
 import torch
 
 from dstune.families.base import FamilyError, TrainedModel
-from dstune.families.denoiser_facts import TEXT_PARTS
+from dstune.families.denoiser_facts import TEXT_PARTS, PipelineFolder
 from dstune.families.diffusion import (
     batch_field,
     export_pipeline_folder,
@@ -42,7 +42,9 @@ from dstune.families.diffusion import (
 from dstune.families.flow_distilled import attach_sampling_denoiser, fuse_training_adapter
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_sampling import render
+from dstune.families.loss_terms import base_prediction, batch_loss, loss_terms, preserved_error, preserves
 from dstune.families.folders import read_model_index
+from dstune.families.lean_text import make_lean
 from dstune.families.pipeline_card import PipelineCard
 from dstune.families.randomness import per_sample_randn
 from dstune.families.samples import save_clip_grid, save_grid
@@ -160,6 +162,8 @@ class FlowModel(TrainedModel):
         self.vae = self.load_vae()
         if text_encoders:
             self.text_encoders, self.tokenizers = self.load_text_encoders()
+            described = PipelineFolder(self.folder, str(self.folder), self.model_index)
+            make_lean(self.text_encoders, self.card.hidden_states_read(described))  # the pipeline's reads only
         else:  # named for the pipeline's constructor, which takes None for a part
             self.text_encoders = {name: None for name in TEXT_PARTS if (self.model_index.get(name) or [None])[0]}
             self.tokenizers = self.load_tokenizers()
@@ -321,7 +325,8 @@ class FlowModel(TrainedModel):
         else:
             text = self.encode_text(list(batch_field(batch, "captions", "caption")), **(text_inputs or {}))
         text = {name: value.to(dtype) if value.is_floating_point() else value for name, value in text.items()}
-        return {"latent_mean": mean, "latent_std": std, **text, **conditions, "indices": indices}
+        terms = loss_terms(batch, mean.shape, self.device)  # masks, the sets' roles and weights (where given)
+        return {"latent_mean": mean, "latent_std": std, **text, **conditions, "indices": indices, **terms}
 
     def _check_cached_sequence(self, tokens: int) -> None:
         """A second guard behind the text cache's key (which holds max_sequence_length): embeddings of the wrong
@@ -418,26 +423,33 @@ class FlowModel(TrainedModel):
         """Leading latent frames given clean (a first frame): outside the loss."""
         return 0
 
-    def flow_error(self, prediction, noisy, latents, noise, sigmas) -> torch.Tensor:
-        """Each sample's weighted flow-matching error of the latents (B,); the latent frames given clean are not in
-        it."""
+    def flow_error(self, prediction, noisy, latents, noise, sigmas, mask=None) -> torch.Tensor:
+        """Each sample's weighted flow-matching error of the latents (B,), over the loss mask where the batch has one;
+        the latent frames given clean are not in it."""
         weights = loss_weights(self.model_spec.loss_weighting, sigmas)
         clean = self.clean_frames()
         if clean:  # the first latent frames were given clean: only the frames after them are learned
             prediction, noisy, latents, noise = (t[:, :, clean:] for t in (prediction, noisy, latents, noise))
-        return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights, self.preconditioned())
+        return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights, self.preconditioned(), mask)
 
     def loss(self, forward, encoded: dict, seed: int, step: int) -> torch.Tensor:
-        """The flow-matching loss of one micro batch (mean over its samples); `seed` is train.seed, `step` the
-        optimizer step: with the samples' dataset indices they fix every random draw."""
+        """The flow-matching loss of one micro batch (mean over its samples; with data.sets, the roles' weighted
+        means: dstune.families.loss_terms); `seed` is train.seed, `step` the optimizer step: with the samples'
+        dataset indices they fix every random draw."""
         latents = self.model_latents(encoded, seed, step)
         indices = self.indices(encoded)
         noise = per_sample_randn(latents.shape[1:], seed, step, indices, "noise").to(latents.device)
         timesteps, sigma = self.draw_sigmas(latents, seed, step, indices)
         sigmas, noisy = noisy_at(latents, noise, sigma)
         dtype = next(self.trainable.parameters()).dtype
-        prediction = self.predict(forward, noisy, timesteps, self.conditions(encoded, dtype), dtype)
-        return self.flow_error(prediction, noisy, latents, noise, sigmas).mean()
+        conditions = self.conditions(encoded, dtype)
+        if preserves(encoded):  # the base model's prediction: the preservation samples' target
+            base = base_prediction(self.trainable, lambda: self.predict(forward, noisy, timesteps, conditions, dtype))
+        prediction = self.predict(forward, noisy, timesteps, conditions, dtype)
+        per_sample = self.flow_error(prediction, noisy, latents, noise, sigmas, encoded.get("loss_mask"))
+        if preserves(encoded):
+            per_sample = preserved_error(prediction, base, encoded, per_sample)
+        return batch_loss(per_sample, encoded)
 
     # ------------------------------------------------------------------------------------------------ samples
 

@@ -27,6 +27,8 @@ What happens with `model.train: lora`:
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 from pathlib import Path
 
@@ -130,6 +132,28 @@ def apply_train_mode(model: TrainedModel, model_spec, seed: int, lora_format=Non
         f"{settings.resolved_alpha:g} on {layers} layers "
         f"({', '.join(settings.target_modules)}): {trained:,} trainable of {total + trained:,} parameters{base}"
     )
+
+
+@contextlib.contextmanager
+def adapters_off(module: torch.nn.Module):
+    """Inside: `module` computes as its base model, every peft adapter layer (LoRA, LoKr, LoHa, DoRA) passing its
+    base layer's output through untouched; no copy of the weights. Each adapter parameter's requires_grad is put
+    back afterwards (peft's switch clears it)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [layer for layer in module.modules() if isinstance(layer, BaseTunerLayer)]
+    if not layers:
+        raise FamilyError("no adapter layers to switch off: differential output preservation needs model.train: lora")
+    wanted = {name: param.requires_grad for name, param in module.named_parameters()}
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for name, param in module.named_parameters():
+            param.requires_grad_(wanted[name])
 
 
 def add_lora_adapter(module: torch.nn.Module, config) -> None:

@@ -17,7 +17,8 @@ from typing import ClassVar, Optional
 import numpy as np
 import torch
 
-from dstune.families.base import TrainedModel
+from dstune.families.base import FamilyError, TrainedModel
+from dstune.families.speakers import Voices, heard_speakers
 from dstune.families.speech_codecs import encode_clip
 
 
@@ -58,6 +59,9 @@ class SpeechModel(TrainedModel):
         self.card, self.model_spec, self.folder, self.device = card, model_spec, Path(folder), torch.device(device)
         self.max_sample_seconds = model_spec.max_sample_seconds  # a sample's longest length (s)
         self.trainable = None
+        # how it hears the data's speakers (dstune.families.speakers.voices_for, set by start-up and the export;
+        # kept in speakers.json beside an export): None where the data names none
+        self.voices: Optional[Voices] = None
 
     @property
     def modality(self) -> str:
@@ -67,6 +71,27 @@ class SpeechModel(TrainedModel):
     def sample_rate(self) -> int:
         """The rate (Hz) its clips are read at and its samples written at."""
         raise NotImplementedError
+
+    def clip_voices(self, batch: dict) -> list[str]:
+        """Each clip's speaker as the model is given it (self.voices: "0", "[S2]", a vector's name ...; "": its
+        default voice). Clips that name speakers need the run's map: a batch alone cannot number them the same way
+        every time."""
+        heard = heard_speakers(self.card, batch.get("speakers") or [""] * len(batch["texts"]), batch["texts"])
+        if self.voices is None:
+            named = sorted({s for s in heard if s})
+            if named:
+                raise FamilyError(
+                    f"the clips name speakers ({', '.join(named[:5])}) but {self.card.name} was not given how to hear "
+                    "them (model.voices: dstune.families.speakers.voices_for)"
+                )
+            return [""] * len(heard)
+        unknown = sorted({s for s in heard if s and s not in self.voices.given and not self.voices.blended})
+        if unknown:
+            raise FamilyError(
+                f"the clips' speakers {', '.join(unknown[:5])} are not in the run's speaker map (its speakers: "
+                f"{', '.join(self.voices.given)})"
+            )
+        return ["" if speaker is None else self.voices.of(speaker) for speaker in heard]
 
     def save_samples(self, outputs: list[Clip], prompts: list[str], path) -> Path:
         return save_wavs(outputs, prompts, path)
@@ -105,8 +130,11 @@ class SpeechModel(TrainedModel):
         return False
 
     @classmethod
-    def synthesize(cls, folder, text: str, seconds: float, temperature: float, seed: int) -> Clip:
-        """Speech for `text` from an exported folder, with the ecosystem's classes only (no dstune state)."""
+    def synthesize(
+        cls, folder, text: str, seconds: float, temperature: float, seed: int, speaker: Optional[str] = None
+    ) -> Clip:
+        """Speech for `text` from an exported folder, with the ecosystem's classes only (no dstune state), in the
+        voice of `speaker` (the model's form of it, from the export's speakers.json; None: its default voice)."""
         raise NotImplementedError(f"{cls.__name__} does not speak from a folder")
 
 

@@ -30,6 +30,14 @@ from dstune.families.diffusion import (
     load_trainable,
     non_reentrant_checkpoint,
 )
+from dstune.families.loss_terms import (
+    base_prediction,
+    batch_loss,
+    loss_terms,
+    masked_mean,
+    preserved_error,
+    preserves,
+)
 from dstune.families.precision import at_least_float32
 from dstune.families.randomness import per_sample_randint, per_sample_randn, sample_generator
 from dstune.families.samples import save_grid
@@ -144,8 +152,10 @@ class UnetModel(TrainedModel):
         else:
             text = self.encode_text(list(batch_field(batch, "captions", "caption")))
         text = {name: value.to(dtype) for name, value in text.items()}
+        terms = loss_terms(batch, mean.shape, self.device)  # masks, the sets' roles and weights (where given)
         return {"latent_mean": mean, "latent_std": std, **text, **self.added_conditions(batch, mean, dtype)} | {
-            "indices": indices
+            "indices": indices,
+            **terms,
         }
 
     def added_conditions(self, batch: dict, mean: torch.Tensor, dtype: torch.dtype) -> dict:
@@ -172,13 +182,17 @@ class UnetModel(TrainedModel):
         timesteps = per_sample_randint(steps, seed, step, indices, "timestep").to(device)
         noisy = scheduler.add_noise(latents, noise, timesteps)
         target = noise if self.prediction_type == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
+        if preserves(encoded):  # the base model's prediction: the preservation samples' target
+            base = base_prediction(self.trainable, lambda: self.predict(forward, noisy, timesteps, encoded))
         prediction = self.predict(forward, noisy, timesteps, encoded)
         error = F.mse_loss(at_least_float32(prediction), at_least_float32(target), reduction="none")
-        per_sample = error.mean(dim=(1, 2, 3))
+        per_sample = masked_mean(error, encoded.get("loss_mask"))  # the plain mean without a mask
         gamma = self.model_spec.min_snr_gamma
         if gamma:
             per_sample = per_sample * min_snr_weights(scheduler, timesteps, gamma, self.prediction_type)
-        return per_sample.mean()
+        if preserves(encoded):  # held to the base's prediction, unweighted by the timestep
+            per_sample = preserved_error(prediction, base, encoded, per_sample)
+        return batch_loss(per_sample, encoded)
 
     def predict(self, forward, noisy: torch.Tensor, timesteps: torch.Tensor, encoded: dict) -> torch.Tensor:
         """The UNet's output on the noisy latents, in its parameters' dtype."""

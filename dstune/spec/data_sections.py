@@ -8,7 +8,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from dstune.spec.section import VIDEO_FAMILY
-from dstune.spec.section import BUILTIN_PREFIX, CODEC_TOKEN_FAMILIES, Section
+from dstune.spec.section import BUILTIN_PREFIX, Section
 
 
 # ---------------------------------------------------------------------------------------------------------- data
@@ -198,9 +198,108 @@ class EvalSpec(Section):
         return self
 
 
+SET_ROLES = ("train", "regularization", "preservation")
+# The keys a data set may give for itself; every other data key is the run's, for every set alike.
+SET_OVERRIDES = (
+    "path",
+    "format",
+    "resolution",
+    "buckets",
+    "caption_extension",
+    "caption_dropout",
+    "mask_dir",
+    "alpha_mask",
+)
+
+
+class DataSetSpec(Section):
+    """One dataset of data.sets: its files and the settings it trains with (unset: data's own)."""
+
+    path: str = Field(
+        description="The set's dataset folder (the layouts of data.path), or a built-in dataset (`builtin:shapes`). "
+        "A relative path is taken from the spec file's folder (from the current directory when given with --set)."
+    )
+    name: Optional[str] = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="How `validate`, the logs and the caches name the set (letters, digits, `_`, `.`, `-`); "
+        "default: the last part of its path. Names must differ between sets.",
+    )
+    format: Optional[Literal["auto", "folder", "jsonl"]] = Field(None, description="As data.format; unset: data's.")
+    repeats: int = Field(
+        1,
+        ge=1,
+        description="Times each sample of the set appears in one epoch, on top of kohya `N_name` folders inside it "
+        "(a sample in `3_x` of a set with repeats 2 appears 6 times). Not with `weight`.",
+    )
+    weight: Optional[float] = Field(
+        None,
+        gt=0,
+        description="The set's share of an epoch instead of repeats: an epoch has as many places as all sets have "
+        "samples (kohya folder repeats counted), shared among the sets in proportion to their weights; a set with "
+        "more places than samples repeats them, one with fewer leaves some out, a different set each epoch. Give "
+        "`weight` in every set or in none; not with data.buckets.",
+    )
+    role: Literal["train", "regularization", "preservation"] = Field(
+        "train",
+        description="`train`: trained as usual. `regularization`: class images (DreamBooth prior preservation, "
+        "kohya's is_reg): a micro batch's loss is its train samples' mean plus loss_weight x its regularization "
+        "samples' mean, as the diffusers DreamBooth scripts add prior_loss_weight x their prior loss. "
+        "`preservation` (model.train: lora): differential output preservation: these samples' target is the base "
+        "model's own prediction (the adapters switched off, no second copy), their mean added with loss_weight; "
+        "a micro batch holding one runs one more forward, without gradients. See docs/data.md.",
+    )
+    loss_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Multiplies the set's part of the loss: DreamBooth's prior_loss_weight for a regularization "
+        "set, DOP's multiplier for a preservation set. A train set's samples: their losses are multiplied by it inside the train samples' mean.",
+    )
+    resolution: Optional[int] = Field(
+        None,
+        gt=0,
+        description="As data.resolution, for this set (its square side, or its buckets' area); unset: data's. Sets "
+        "at other sizes never share a global batch: each global batch is one size (as with buckets).",
+    )
+    buckets: Optional[BucketsSpec] = Field(
+        None, description="As data.buckets, for this set (whole: every key of it); unset: data's."
+    )
+    caption_extension: Optional[str] = Field(None, description="As data.caption_extension; unset: data's.")
+    caption_dropout: Optional[float] = Field(None, ge=0, le=1, description="As data.caption_dropout; unset: data's.")
+    mask_dir: Optional[str] = Field(None, description="As data.mask_dir, relative to this set's path; unset: data's.")
+    alpha_mask: Optional[bool] = Field(None, description="As data.alpha_mask, for this set; unset: data's.")
+
+    @model_validator(mode="after")
+    def _repeats_or_weight(self) -> "DataSetSpec":
+        if self.weight is not None and self.repeats != 1:  # 1 is also what a saved spec (every key) holds
+            raise ValueError(
+                f"give `repeats` (the set's samples x {self.repeats} per epoch) or `weight` (its share of the "
+                "epoch's places), not both"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _files_for_masks(self) -> "DataSetSpec":
+        if self.mask_dir is not None and self.alpha_mask:
+            raise ValueError("mask_dir and alpha_mask both give loss masks: keep one")
+        if self.path.startswith(BUILTIN_PREFIX) and (self.mask_dir or self.alpha_mask):
+            raise ValueError(
+                f"{self.path} is generated and has no files to read masks from; point path at a folder of images"
+            )
+        return self
+
+    @property
+    def label(self) -> str:
+        """The set's name, or its path's last part."""
+        return self.name or self.path.rstrip("/").rsplit("/", 1)[-1]
+
+
+DEFAULT_DATA_PATH = "builtin:shapes"
+
+
 class DataSpec(Section):
     path: str = Field(
-        "builtin:shapes",
+        DEFAULT_DATA_PATH,
         description="Dataset folder, or `builtin:shapes` (synthetic coloured shapes with captions, generated offline), "
         "for video families `builtin:moving-shapes` (the shapes moving, as clips) or `builtin:moving-shapes-av` "
         "(those clips with a sound track: a tone whose pitch follows the shape), or for audio families "
@@ -256,6 +355,30 @@ class DataSpec(Section):
         "resized and cropped with its target (same bucket, same crop and flip); `validate` counts the pairs and names "
         "unpaired files. See docs/family-flow.md.",
     )
+    mask_dir: Optional[str] = Field(
+        None,
+        description="Masked loss: a folder of loss masks, one per training image with the same relative path and "
+        "name, any image extension (`images/a.png` takes `masks/a.png`). White trains fully, black is left out of the loss, grey weighs between. Absolute, or relative to "
+        "data.path (`../masks`: the folder beside it). An image without a mask trains whole (`validate` counts "
+        "them). Each mask is resized and cropped with its image and averaged down to the latent grid (cached beside "
+        "the latents with data.cache.latents); a sample's loss is sum(mask x error) / sum(mask). Image families "
+        "(model.family flow and the UNet families). See docs/data.md.",
+    )
+    alpha_mask: bool = Field(
+        False,
+        description="Masked loss from each image's alpha channel (kohya's alpha_mask): transparent pixels are left "
+        "out of the loss, opaque ones train, as data.mask_dir's masks do. An image without alpha trains whole. "
+        "Not with data.mask_dir.",
+    )
+    sets: Optional[list[DataSetSpec]] = Field(
+        None,
+        description="Several datasets in one run (data.path is the one-set form: give one or the other). Each set "
+        "has its path and may give its own format, resolution, buckets, caption_extension, caption_dropout, mask_dir "
+        "or alpha_mask (unset: data's), its `repeats` (each sample x repeats per epoch) or, in every set, its `weight` (its share of the epoch), its `role` (train; regularization: DreamBooth's "
+        "class images; preservation: the base model's output as the target, with LoRA) and its `loss_weight`. An epoch holds every set's samples x repeats; the sets are spread "
+        "evenly through it, so each global batch holds them in their shares (to one sample), the same for any "
+        "number of ranks. `validate` prints a row per set. Image families (model.family flow and the UNet families). See docs/data.md.",
+    )
     num_workers: int = Field(2, ge=0, description="Data loader worker processes per rank.")
     cache: CacheSpec = Field(default_factory=CacheSpec, description="Latent and text-embedding cache.")
     video: VideoSpec = Field(
@@ -293,6 +416,15 @@ class DataSpec(Section):
         "gives each speaker the same number of places (small speakers repeat, large ones leave clips out), drawn "
         "from train.seed, the same on every rank. Not with duration_bucket_seconds. See docs/tts.md.",
     )
+    speakers: Literal["separate", "blend"] = Field(
+        "separate",
+        description="Audio datasets with speakers (GPT-SoVITS .list, metadata.jsonl `speaker`). `separate`: each "
+        "speaker is its own voice, given to the model the way it conditions on speakers (its speaker ids, dialogue "
+        "tags, `Speaker N:` script lines, speaker vectors or prompt names; the sorted names take the model's ids in "
+        "order); `validate` prints the mapping and refuses several speakers for a model that cannot "
+        "tell them apart. `blend`: the speaker column is left out and every clip trains the model's default voice. "
+        "See docs/tts.md, Speakers.",
+    )
 
     @model_validator(mode="after")
     def _bucket_step_fits(self) -> "DataSpec":
@@ -309,8 +441,60 @@ class DataSpec(Section):
         return self
 
     @model_validator(mode="after")
+    def _path_or_sets(self) -> "DataSpec":
+        if self.sets is None:
+            return self
+        if not self.sets:
+            raise ValueError(
+                "data.sets is empty: give at least one set (`- path: ...`), or remove it and use data.path"
+            )
+        if self.path != DEFAULT_DATA_PATH:  # the default is what a saved spec (every key written) holds
+            raise ValueError(
+                "give data.path (one dataset) or data.sets (several), not both: move data.path into data.sets as "
+                "`- path: ...`"
+            )
+        if self.eval is not None and self.eval.fraction is not None:
+            raise ValueError(
+                "data.eval.fraction holds out a share of data.path; with data.sets give the held-out images as a "
+                "folder of their own (data.eval.path)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_mask_source(self) -> "DataSpec":
+        if self.mask_dir is not None and self.alpha_mask:
+            raise ValueError("data.mask_dir and data.alpha_mask both give loss masks: keep one")
+        if self.sets is None and self.path.startswith(BUILTIN_PREFIX) and (self.mask_dir or self.alpha_mask):
+            raise ValueError(
+                f"data.mask_dir and data.alpha_mask read masks from a dataset's files; data.path {self.path} is "
+                "generated and has none. Point data.path at your images."
+            )
+        return self
+
+    def set_specs(self) -> list["DataSpec"]:
+        """Each set as the DataSpec it trains with: data's keys, the set's own (SET_OVERRIDES) in their place; the
+        one-set form (data.path) is [data]."""
+        if self.sets is None:
+            return [self]
+        return [
+            self.model_copy(
+                update={
+                    "sets": None,
+                    "eval": None,
+                    **{key: getattr(item, key) for key in SET_OVERRIDES if getattr(item, key) is not None},
+                }
+            )
+            for item in self.sets
+        ]
+
+    @property
+    def masked(self) -> bool:
+        """Whether samples carry loss masks (data.mask_dir or data.alpha_mask, here or in a set)."""
+        return any(one.mask_dir is not None or one.alpha_mask for one in self.set_specs())
+
+    @model_validator(mode="after")
     def _control_needs_files(self) -> "DataSpec":
-        if self.control_dir is not None and self.path.startswith(BUILTIN_PREFIX):
+        if self.control_dir is not None and self.sets is None and self.path.startswith(BUILTIN_PREFIX):
             raise ValueError(
                 f"data.control_dir pairs source images with the target images of a folder; data.path "
                 f"{self.path} is generated and has no files to pair. Point data.path at the targets."
@@ -336,101 +520,3 @@ class DataSpec(Section):
                 "learning-rate arithmetic. Use a global batch that divides the dataset to lose nothing."
             )
         return value
-
-
-def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool = False) -> str | None:
-    """Why `data` cannot feed `family` (speech data for speech families, images for image families, videos or
-    images for video families), or None."""
-    name = data.path[len(BUILTIN_PREFIX) :] if data.path.startswith(BUILTIN_PREFIX) else None
-    clips = name in ("moving-shapes", "moving-shapes-av")
-    if not video and (clips or data.video != VideoSpec()):  # the defaults alone are harmless
-        return (
-            f"model.family {family} trains on {'speech' if audio else 'images'}: data.path builtin:moving-shapes "
-            f"and data.video are for the video family ({VIDEO_FAMILY})"
-        )
-    if video and (data.eval is not None or data.random_flip):
-        return (
-            f"model.family {family} trains on video clips: data.eval and data.random_flip are not offered for "
-            "video yet; remove them"
-        )
-    if video and data.buckets.enabled:
-        return _video_bucket_problem(data)
-    if audio:
-        if name is not None and name != "tones":
-            return (
-                f"model.family {family} trains on speech, but data.path {data.path} is an image dataset: use "
-                f"{BUILTIN_PREFIX}tones or a speech folder (data.format ljspeech or jsonl)"
-            )
-        if data.format == "folder":
-            return (
-                f"model.family {family} trains on speech: data.format must be ljspeech, jsonl, gptsovits, f5csv "
-                "or auto, not folder"
-            )
-        if data.buckets.enabled or data.cache.latents or data.cache.text_embeddings:
-            return (
-                f"model.family {family} trains on speech: data.buckets, data.cache.latents and "
-                "data.cache.text_embeddings are for images; use data.duration_bucket_seconds and "
-                "data.cache.codec_tokens"
-            )
-        if data.cache.codec_tokens and family not in CODEC_TOKEN_FAMILIES:
-            return (
-                f"data.cache.codec_tokens is for the codec-token models (model.family "
-                f"{' or '.join(CODEC_TOKEN_FAMILIES)}), not {family}"
-            )
-        if data.eval is not None:
-            return (
-                f"data.eval: the held-out loss is computed for the image families; "
-                f"model.family {family} has no evaluation pass yet. Remove data.eval"
-            )
-        if data.control_dir is not None:
-            return (
-                f"data.control_dir pairs source and target images (edit training); model.family {family} "
-                "trains on speech"
-            )
-        if data.speaker_balance and data.duration_bucket_seconds:
-            return (
-                "data.speaker_balance and data.duration_bucket_seconds both choose which clips form the batches: "
-                "use one of them"
-            )
-        if data.min_clip_seconds >= data.max_clip_seconds:
-            return (
-                f"data.min_clip_seconds {data.min_clip_seconds:g} must be below data.max_clip_seconds "
-                f"{data.max_clip_seconds:g}"
-            )
-        return None
-    if (
-        name == "tones"
-        or data.format in ("ljspeech", "gptsovits", "f5csv")
-        or data.cache.codec_tokens
-        or data.duration_bucket_seconds
-        or data.speaker_balance
-    ):
-        return (
-            f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
-            "data.cache.codec_tokens, data.duration_bucket_seconds and data.speaker_balance are for the speech "
-            "families"
-        )
-    return None
-
-
-VIDEO_SIDE_MULTIPLE = 16  # the common video layout: an 8x VAE, then 2x2 patches (a 16x VAE with 1x1 patches too)
-
-
-def _video_bucket_problem(data: "DataSpec") -> str | None:
-    """data.buckets of a video family: every side a multiple of 16 pixels, or a clip's latent grid does not split
-    into the transformer's 2x2 patches."""
-    m = VIDEO_SIDE_MULTIPLE
-    if data.buckets.sizes:
-        bad = [list(size) for size in data.buckets.sizes if size[0] % m or size[1] % m]
-        if bad:
-            return (
-                f"data.buckets.sizes {bad}: a video clip's sides must be multiples of {m} pixels (the VAE's 8x "
-                f"compression, then 2x2 patches); round them to multiples of {m}"
-            )
-    elif data.buckets.step % m:
-        return (
-            f"data.buckets.step {data.buckets.step}: video buckets need sides that are multiples of {m} pixels "
-            f"(the VAE's 8x compression, then 2x2 patches); use a step that is a multiple of {m}, e.g. "
-            f"{max(m, data.buckets.step // m * m)}"
-        )
-    return None

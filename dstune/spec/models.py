@@ -28,7 +28,8 @@ from dstune.spec.model_sections import (  # noqa: F401
 )
 from dstune.spec.speech_models import CodebooksModelSpec
 from dstune.spec.video_models import VideoModelSpec
-from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSpec, VideoSpec, data_family_problem  # noqa: F401
+from dstune.spec.data_sections import BucketsSpec, CacheSpec, DataSetSpec, DataSpec, VideoSpec  # noqa: F401
+from dstune.spec.data_checks import data_family_problem, sets_problems  # noqa: F401
 
 # One model section per family: the shared cores' (flow-matching images, video, multi-codebook speech) and the
 # sections of the families a model unit owns (dstune.registry.FAMILY_SECTIONS), images first, then video, then

@@ -27,6 +27,7 @@ from dstune.spec.section import BUILTIN_PREFIX
 # Keys that always name a local file or folder ("*": every item of a list).
 LOCAL_PATH_KEYS = (
     "data.path",
+    "data.sets.*.path",
     "data.eval.path",
     "data.cache.dir",
     "output.dir",

@@ -4,7 +4,8 @@ from cached target and source latents (trains, renders samples from sample.contr
 folder QwenImageEditPipeline loads and renders from a source image) and LoRA under ZeRO 3 with gradient checkpointing
 (only adapters train; the LoRA file loads with QwenImageEditPipeline.load_lora_weights and changes the image). FLUX.1
 Kontext (builtin:tiny-flux-kontext): LoRA under ZeRO 3 from cached latents and text, samples from a source image, the
-LoRA file loads with FluxKontextPipeline.load_lora_weights. Four launches in all (helpers: flow_runs.py)."""
+LoRA file loads with FluxKontextPipeline.load_lora_weights. FLUX.2 [klein] image-to-image (builtin:tiny-flux2 on
+the pairs): LoRA under ZeRO 2, the same checks with Flux2KleinPipeline. Five launches in all (helpers: flow_runs.py)."""
 
 from __future__ import annotations
 
@@ -125,3 +126,40 @@ def test_kontext_lora_trains_from_pairs_samples_and_loads_with_load_lora_weights
     assert f"{entries} entries, built now {entries}" in proc.stdout
     assert all((run_dir / "samples" / f"step-{step:06d}.png").is_file() for step in (0, STEPS))
     check_lora_export(run_dir, proc, KONTEXT, FluxKontextPipeline, _render_kontext)
+
+
+# ------------------------------------------------------------------------------------- FLUX.2 image-to-image
+# FLUX.2 [klein] (dstune.models.flux2) trained on (reference, target) pairs, one launch: LoRA under ZeRO 2 from
+# cached latents and text, samples from a reference image, the LoRA file loads with Flux2KleinPipeline.
+
+
+@pytest.fixture(scope="module")
+def flux2_runs(tmp_path_factory) -> dict:
+    pairs = tmp_path_factory.mktemp("flux2-pairs")
+    write_pairs(pairs, PAIRS, SIDE)
+
+    def on_pairs(spec: dict, train: str) -> None:
+        spec["data"].update(path=str(pairs / "target"), control_dir="../control", resolution=SIDE)
+        spec["data"]["cache"].update(latents=True, text_embeddings=True)
+        spec["sample"].update(prompts=["turn it into a red circle"],
+                              control_images=[str(pairs / "control" / "005.png")], guidance=1.0)
+
+    return launch_cases(tmp_path_factory, "tiny-flux2", {"flux2-img2img-lora-zero2": (2, "lora")}, on_pairs)
+
+
+def _render_flux2(pipeline) -> torch.Tensor:
+    from dstune.data.synthetic import render_shape
+
+    return pipeline(image=render_shape(105, SIDE)[0], prompt="turn it into a red circle", height=SIDE, width=SIDE,
+                    num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt").images.float()
+
+
+def test_flux2_image_to_image_lora_trains_from_pairs_samples_and_loads(flux2_runs):
+    from diffusers import Flux2KleinPipeline
+
+    run_dir, _, proc = flux2_runs["flux2-img2img-lora-zero2"]
+    check_trains(run_dir, proc)
+    entries = 2 * PAIRS + PAIRS + 1  # target and reference latents, each caption's text and the sample prompt's
+    assert f"{entries} entries, built now {entries}" in proc.stdout
+    assert all((run_dir / "samples" / f"step-{step:06d}.png").is_file() for step in (0, STEPS))
+    check_lora_export(run_dir, proc, "tiny-flux2", Flux2KleinPipeline, _render_flux2)

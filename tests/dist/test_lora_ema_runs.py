@@ -6,6 +6,9 @@ the EMA is exported and resumes exactly, and the samples contact sheet lists eve
 The same LoRA run with the frozen base stored int8 (model.base_precision) trains under ZeRO 2 with losses near the
 fp32-base run's, and its export is a normal LoRA for the full-precision pipeline.
 
+Every run trains with a preservation set (differential output preservation: the base's output, adapters off, as
+the target): its term is 0 at step 1 (B = 0: the adapted UNet is the base), the runs' resumes continue it exactly.
+
 Five launches in all (zero2, zero3, int8, the zero2 resume, the zero3 resume on 1 rank), shared by every test through
 the module fixture."""
 
@@ -32,6 +35,12 @@ CASES = {  # name -> (zero stage, EMA device, sample prompts, output.lora_format
     "zero3": (3, "same", ["a green triangle"], "diffusers", None),
     "int8": (2, "cpu", ["a red circle"], None, "int8"),  # zero2 with the frozen base stored int8 (bitsandbytes)
 }
+# Every run trains data.sets: the shapes, and the shapes again as a preservation set (differential output
+# preservation: their target is the base UNet's output, the adapters switched off), so every micro batch of 2 holds
+# one of each and runs the base's forward without gradients (under ZeRO 2, 3, and on the int8 base) before the
+# trained one.
+PRESERVATION = [{"path": "builtin:shapes", "name": "subject"},
+                {"path": "builtin:shapes", "name": "keep", "role": "preservation", "loss_weight": 0.5}]
 INT8_LOSS_RTOL = 0.005  # per-step loss of the int8-base run vs the fp32-base zero2 run (same seed, data, adapters)
 ADAPTER_TENSORS = 64  # 32 attention projections of the tiny UNet x (A, B)
 FILE_KEYS = {None: ("lora_unet_", 96), "diffusers": ("unet.", 64)}  # kohya adds one alpha per layer
@@ -54,7 +63,10 @@ def runs(tmp_path_factory) -> dict:
     out = {}
     for name, case in CASES.items():
         run_dir = tmp_path_factory.mktemp(name) / "run"
-        spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, *case))
+        spec = _spec(run_dir, *case)
+        spec["data"] = {key: value for key, value in spec["data"].items() if key != "path"}
+        spec["data"]["sets"] = PRESERVATION
+        spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         out[name] = (run_dir, launch(spec_path))
     run_dir, proc = out["zero2"]
     resumed = run_dir.parent / "resumed"
@@ -96,9 +108,11 @@ def _render(pipe) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
 def test_memory_plan_holds_with_lora_ema_and_samples(runs, name):
     """Per phase, the plan within the tolerance of docs/performance.md section 5 (harness.memory_problems): ZeRO 2
-    with the EMA on the host, ZeRO 3 with the EMA beside the model, both rendering samples."""
+    with the EMA on the host, ZeRO 3 with the EMA beside the model and DOP's extra forward, both rendering
+    samples."""
     run_dir = _ok(runs, name)
     assert not memory_problems(run_dir), memory_problems(run_dir)
+    assert "preservation, loss weight 0.5; target: the base model's output" in runs[name][1].stdout
 
 
 @pytest.mark.parametrize("name", list(CASES))

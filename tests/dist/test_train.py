@@ -19,7 +19,7 @@ pytestmark = pytest.mark.dist
 
 STEPS = 4
 CASES = {  # name -> (zero stage, gradient checkpointing); zero1 also trains from a folder with a corrupt image
-    "zero0": (0, False),
+    "zero0": (0, False),  # with data.sets (SETS): the 2-rank side of test_two_sets_*
     "zero1": (1, False),  # with SGD + momentum, data.eval and samples: the 2-rank side of test_world_size_equivalence
     "zero2": (2, False),
     "zero3": (3, True),  # with gradient checkpointing (non-reentrant) under ZeRO-3
@@ -31,6 +31,33 @@ SGD = {"type": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}
 # 4 of the zero1 folder's 18 files held out (img03, img09, img13, img14: by the hash of their ids); 14 x 2 repeats
 # train, the two unreadable files among them (each replaced by the next readable sample).
 EVAL = {"fraction": 0.2, "every_steps": 2}
+
+
+# data.sets: set `a` (4 images, repeats 1, loss masks: the left half of each image) and set `b` (4 images, repeats 3,
+# class images: role regularization, loss weight 0.5). An epoch: 4 + 12 = 16 samples, 4 steps of global batch 4 at
+# micro batch 1 (2 ranks x 2 accumulation; 1 rank x 4), each global batch 1 of `a` and 3 of `b`; the step-2
+# checkpoint is mid-epoch.
+SETS = [{"path": "a", "mask_dir": "../masks"}, {"path": "b", "repeats": 3, "role": "regularization",
+                                                 "loss_weight": 0.5}]
+
+
+def _two_sets(root: Path) -> list[dict]:
+    """SETS' folders under `root` (absolute paths in the sets), and a mask per image of set `a`."""
+    from PIL import Image
+
+    from dstune.data.synthetic import render_shape
+
+    for name, first, caption in (("a", 0, "a sks shape"), ("b", 20, "a shape")):
+        (root / name).mkdir(parents=True)
+        for i in range(4):
+            render_shape(first + i, 32)[0].save(root / name / f"{name}{i}.png")
+            (root / name / f"{name}{i}.txt").write_text(caption)
+    (root / "masks").mkdir()
+    for i in range(4):
+        mask = Image.new("L", (32, 32), 0)
+        mask.paste(255, (0, 0, 16, 32))
+        mask.save(root / "masks" / f"a{i}.png")
+    return [{**item, "path": str(root / item["path"])} for item in SETS]
 
 
 def _spec(run_dir: Path, stage: int, checkpointing: bool) -> dict:
@@ -79,6 +106,10 @@ def runs(tmp_path_factory) -> dict:
                                 eval=EVAL)
             spec["train"]["optimizer"] = dict(SGD)
             spec["sample"] = {"prompts": ["a red circle"], "steps": 2}
+        if name == "zero0":  # two datasets, a regularization set and loss masks
+            spec["data"] = {**spec["data"], "sets": _two_sets(run_dir.parent / "sets")}
+            del spec["data"]["path"]
+            spec["train"].update(micro_batch_size=1, optimizer=dict(SGD))
         spec_path = write_spec(run_dir.parent / "spec.yaml", spec)
         # zero0 goes through `deepspeed --module dstune.train`, zero1 through `deepspeed dstune/train.py`, the
         # others through DeepSpeed's per-node launcher directly (tests/dist/harness.py)
@@ -182,6 +213,51 @@ def test_world_size_equivalence(runs, tmp_path):
         if "eval_loss" in a:  # the held-out loss of the same weights on any number of ranks
             assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
             assert a["eval_samples"] == b["eval_samples"] == 4
+
+
+def test_two_sets_one_rank_x_4_accumulation_equals_two_ranks_x_2(runs, tmp_path):
+    """data.sets (the zero0 run): the plan printed at the start says each set's share of the global batch; the same
+    spec on 1 rank (accumulation 4) trains the same samples and noise at every step: the same losses and weights to
+    1e-5 (SGD: see SGD)."""
+    run_dir, spec_path, proc = runs["zero0"]
+    assert proc.returncode == 0, explain(proc)
+    assert re.search(r"\ba\s+4 files x 1 = 4 samples per epoch \(25%; 1 of each global batch of 4\), 32 px, train", proc.stdout)
+    assert re.search(r"\bb\s+4 files x 3 = 12 samples per epoch \(75%; 3 of each global batch of 4\), 32 px, regul",
+                     proc.stdout)
+    single_dir = tmp_path / "ranks1"
+    single = launch(spec_path, num_ranks=1, args=("--set", f"output.dir={single_dir}"))
+    assert single.returncode == 0, explain(single)
+    assert re.search(r"accumulation\s+4\s", single.stdout) and re.search(r"accumulation\s+2\s", proc.stdout)
+    unet = Path("export") / f"step-{STEPS:08d}" / "unet" / "diffusion_pytorch_model.safetensors"
+    two, one = load_file(run_dir / unet), load_file(single_dir / unet)
+    start = load_file(next(CACHE_DIR.glob("builtin/tiny-sd*/unet/diffusion_pytorch_model.safetensors")))
+    assert max((two[k] - start[k]).abs().max().item() for k in start) > 1e-4  # it did train
+    scale = max(w.abs().max().item() for w in two.values())
+    worst = max((two[k] - one[k]).abs().max().item() for k in two)
+    assert worst / scale < 1e-5, f"max |difference| / max |weight| = {worst / scale:.3g}"
+    for a, b in zip(metrics(run_dir), metrics(single_dir), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+def test_two_sets_resume_mid_epoch_continues_the_same_interleaving(runs, tmp_path):
+    """The zero0 run's step-2 checkpoint is mid-epoch (4 steps per epoch): the resumed run trains steps 3-4 on the
+    same samples in the same order (the sampler's interleaving from its saved position), so the losses and the
+    exported weights are the uninterrupted run's, bit for bit."""
+    run_dir, spec_path, proc = runs["zero0"]
+    assert proc.returncode == 0, explain(proc)
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
+    (resumed / "checkpoints" / "latest").write_text("step-00000002")
+    again = launch(spec_path, num_ranks=2, args=("--resume", "latest", "--set", f"output.dir={resumed}"))
+    assert again.returncode == 0, explain(again)
+    assert "step 2 of that epoch" in again.stdout
+    first, second = metrics(run_dir), metrics(resumed)
+    assert [m["step"] for m in second] == [3, 4]
+    assert [m["loss"] for m in second] == [m["loss"] for m in first[2:]]
+    unet = Path("export") / f"step-{STEPS:08d}" / "unet" / "diffusion_pytorch_model.safetensors"
+    a, b = load_file(run_dir / unet), load_file(resumed / unet)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_rank_0_writes_tensorboard_events_with_the_logged_scalars_and_the_held_out_loss(runs):

@@ -1,7 +1,7 @@
 """Real 2-rank DeepSpeed runs of tts_lm in Orpheus's own format on CPU: builtin:tiny-orpheus (the orpheus token
 layout, SNAC codes, two added text tokens) trains fully under ZeRO 3, and as LoRA under ZeRO 2; both resume exactly;
-the full run exports a folder in Orpheus's format that synthesizes a 24 kHz WAV, the LoRA run a merged folder and a
-peft adapter that agree."""
+the full run exports a folder in Orpheus's format that synthesizes a 24 kHz WAV, the LoRA run (two speakers) a merged
+folder and a peft adapter that agree, with the speakers' map beside them that `dstune synthesize --speaker` reads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness import CACHE_DIR, explain, launch, write_spec
-from tts_runs import STEPS, check_resume_continues_exactly, check_trains_and_samples, tts_spec
+from tts_runs import STEPS, check_resume_continues_exactly, check_trains_and_samples, tts_spec, two_speaker_folder
 
 pytestmark = pytest.mark.dist
 
@@ -35,10 +35,12 @@ def _orpheus_spec(run_dir: Path, stage: int) -> dict:
 
 
 def _lora_spec(run_dir: Path, stage: int) -> dict:
-    """The orpheus case as LoRA (train: lora, default targets q/k/v/o_proj) without added tokens (refused with LoRA)."""
+    """The orpheus case as LoRA (train: lora, default targets q/k/v/o_proj) without added tokens (refused with LoRA),
+    on two speakers (a .list of ann's and bob's clips: the orpheus layout names each in its prompt)."""
     spec = _orpheus_spec(run_dir, stage)
     del spec["model"]["added_tokens"]
     spec["model"].update({"train": "lora", "lora": {"rank": 4}})
+    spec["data"]["path"] = str(two_speaker_folder(run_dir.parent / "speakers"))
     return spec
 
 
@@ -125,3 +127,32 @@ def test_orpheus_lora_trains_adapters_only_and_exports_both_ways(runs, name):
         assert torch.allclose(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
     clip = TtsLm.synthesize(folder, "42", 0.3, 0.8, 0)
     assert clip.sample_rate == 24000 and clip.wave.size >= 2048 and np.isfinite(clip.wave).all()
+
+
+@pytest.mark.parametrize("name", list(LORA_CASES))
+def test_the_speakers_map_reaches_the_export_and_synthesize(runs, name, tmp_path, capsys):
+    """Two speakers end to end: the run prints the map validate made, the export at the end of training and
+    `dstune export` of the checkpoint (a fresh process's model: the map from the checkpoint) both write
+    speakers.json, and `dstune synthesize --speaker bob` speaks bob's prompt ("bob: 42"); an unknown name is exit 2
+    listing the speakers."""
+    import json
+
+    import soundfile
+
+    from dstune.cli import main
+    from dstune.models.tts_lm.model import TtsLm
+
+    run_dir, _, proc = runs[name]
+    assert proc.returncode == 0, explain(proc)
+    assert "ann -> ann, bob -> bob" in " ".join(proc.stdout.split())
+    folder = run_dir / "export" / f"step-{STEPS:08d}"
+    assert json.loads((folder / "speakers.json").read_text())["speakers"] == {"ann": "ann", "bob": "bob"}
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "speakers.json").read_text() == (folder / "speakers.json").read_text()
+    wav = tmp_path / "bob.wav"
+    assert main(["synthesize", str(folder), "42", "-o", str(wav), "--seconds", "0.3", "--speaker", "bob"]) == 0
+    said, _ = soundfile.read(wav, dtype="float32")
+    assert np.array_equal(said, TtsLm.synthesize(folder, "bob: 42", 0.3, 0.8, 0).wave)
+    capsys.readouterr()
+    assert main(["synthesize", str(folder), "42", "-o", str(tmp_path / "x.wav"), "--speaker", "carl"]) == 2
+    assert "its speakers are ann, bob" in capsys.readouterr().err

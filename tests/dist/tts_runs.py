@@ -15,6 +15,22 @@ from harness import base_spec, explain, launch, metrics
 STEPS = 4
 
 
+def two_speaker_folder(root: Path) -> Path:
+    """A GPT-SoVITS .list of 16 tone clips (0.26-0.39 s at 16 kHz), spoken in turn by ann and bob."""
+    import soundfile
+
+    from dstune.data.synthetic import render_tones
+
+    (root / "wavs").mkdir(parents=True)
+    rows = []
+    for number in range(16):
+        text = str(100 + 37 * number)[: 2 + number % 2]
+        soundfile.write(root / "wavs" / f"{number:02d}.wav", render_tones(text), 16000)
+        rows.append(f"wavs/{number:02d}.wav|{'ann' if number % 2 else 'bob'}|en|{text}")
+    (root / "metadata.list").write_text("\n".join(rows) + "\n")
+    return root
+
+
 def ljspeech_folder(root: Path) -> Path:
     """20 usable clips (0.2-0.7 s tone sequences at 16 kHz), one too short, one too long, one broken file."""
     import soundfile

@@ -31,11 +31,15 @@ def flux2_script_loss(
     flags: dict,
     u: torch.Tensor,
     draws: tuple,
+    cond_pixels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The example's loss on `pixels` / `captions` at dstune's u and noise draws (`draws`: seed, step, indices):
     the posterior's mode patchified and normalised with the VAE's batch-norm statistics, _prepare_latent_ids,
     _pack_latents, the scheduler copy's tables, timestep / 1000, guidance = flags["guidance_scale"] (None when the
-    flag is absent), the output cut to the image tokens, _unpack_latents_with_ids, compute_loss_weighting_for_sd3."""
+    flag is absent), the output cut to the image tokens, _unpack_latents_with_ids, compute_loss_weighting_for_sd3.
+    With `cond_pixels` (image-to-image: train_dreambooth_lora_flux2_img2img.py / ..._klein_img2img.py), their mode
+    patchified and normalised the same way, packed after the noisy target's tokens with
+    _prepare_image_ids([cond_model_input[0:1]]) expanded over the batch."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.training_utils import compute_loss_weighting_for_sd3
 
@@ -56,6 +60,14 @@ def flux2_script_loss(
     sigmas = scheduler.sigmas[positions].flatten().view(-1, 1, 1, 1)
     noisy = (1.0 - sigmas) * model_input + sigmas * noise
     packed = pipeline_class._pack_latents(noisy)
+    target_tokens, target_ids = packed.shape[1], model_input_ids
+    if cond_pixels is not None:
+        with torch.no_grad():
+            cond_model_input = vae.encode(cond_pixels).latent_dist.mode()
+        cond_model_input = (pipeline_class._patchify_latents(cond_model_input) - bn_mean) / bn_std
+        cond_ids = pipeline_class._prepare_image_ids([cond_model_input[0:1]]).expand(cond_model_input.shape[0], -1, -1)
+        packed = torch.cat([packed, pipeline_class._pack_latents(cond_model_input)], dim=1)
+        model_input_ids = torch.cat([model_input_ids, cond_ids], dim=1)
     guidance = (
         None if "guidance_scale" not in flags else torch.full([1], flags["guidance_scale"]).expand(model_input.shape[0])
     )
@@ -69,7 +81,7 @@ def flux2_script_loss(
             img_ids=model_input_ids,
             return_dict=False,
         )[0]
-    model_pred = pipeline_class._unpack_latents_with_ids(model_pred[:, : packed.size(1) :], model_input_ids)
+    model_pred = pipeline_class._unpack_latents_with_ids(model_pred[:, :target_tokens], target_ids)
     weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
     target = noise - model_input
     loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(len(captions), -1), 1)
@@ -95,3 +107,34 @@ def check_sample_and_export_reload(built, pipeline_class, guidance: float, out_d
     name = next(iter(state))
     assert torch.equal(reloaded.transformer.state_dict()[name], state[name])
     assert reloaded(prompt="a red circle", height=32, width=32, num_inference_steps=2).images[0].size == (32, 32)
+
+
+def reference_batch(indices: list[int]) -> dict:
+    """shape_batch with a reference image per target (another shape), as data.control_dir gives it."""
+    from dstune.builtin.common import to_tensor
+    from dstune.data.synthetic import render_shape
+
+    return {**shape_batch(indices), "control_values": to_tensor([render_shape(i + 100, 32)[0] for i in indices])}
+
+
+def check_reference_conditions_the_loss(built) -> None:
+    """Another reference gives another loss; cached reference latents give the same loss as encoded ones; the
+    reference's tokens reach the transformer after the target's with the pipeline's reference ids (time 10)."""
+    batch = reference_batch([4, 7])
+    other = {**batch, "control_values": reference_batch([8, 2])["control_values"]}
+    cached = {**batch, "control_latent_mean": built.encode_batch(batch)["control_latent"]}
+    plain = shape_batch([4, 7])
+    seen = []
+
+    def recording(**inputs):
+        seen.append((inputs["hidden_states"].shape[1], inputs["img_ids"]))
+        return built.trainable(**inputs)
+
+    with torch.no_grad():
+        losses = [built.loss(built.trainable, built.encode_batch(b), 0, 1).item() for b in (batch, other, cached)]
+        built.loss(recording, built.encode_batch(batch), 0, 1)
+        built.loss(recording, built.encode_batch(plain), 0, 1)
+    assert losses[0] != losses[1] and losses[2] == losses[0]
+    (with_reference, ids), (alone, alone_ids) = seen
+    assert with_reference == 2 * alone and torch.equal(ids[:, :alone], alone_ids)
+    assert set(ids[:, alone:, 0].unique().tolist()) == {10} and set(alone_ids[..., 0].unique().tolist()) == {0}

@@ -25,3 +25,24 @@ def with_attributes(model, **attributes):
     for name, value in attributes.items():
         setattr(other, name, value)
     return other
+
+
+def start_up(spec_path):
+    """The real start-up on one rank (the settings matrix's path): validate, load, records, caches, loader."""
+    from dstune.distributed import Run
+    from dstune.ds_json.fill_spec import merged_spec
+    from dstune.spec.load import load_spec
+    from dstune.startup import checked_records, load_trained_model, make_training_loader, prepare_caches
+    from dstune.validate import validate_spec
+    from dstune.world import World
+
+    world = World(1, 1, (1,), ("localhost",), "one process")
+    spec, source = merged_spec(*load_spec(str(spec_path), []))
+    resolved = validate_spec(spec, source, world)
+    run = Run(rank=0, local_rank=0, world=world, device="cpu", accelerator="cpu", node_rank=0, launched=False)
+    model = load_trained_model(run, resolved.spec, ds_config=resolved.ds_config)
+    records = checked_records(run, resolved.spec, model.modality)
+    caches, code = prepare_caches(run, resolved.spec, model, records)
+    assert code == 0
+    loader, _ = make_training_loader(resolved.spec, resolved.plan, 0, model, records, caches, 0, 0)
+    return model, caches, loader

@@ -6,8 +6,8 @@ cases are a covering array of them (tests/unit/covering_array.py): every pair of
 model meets in at least one case, in far fewer cases than every combination. Two tiers run them:
 
 - one process (tests/unit/test_settings_matrix.py): the real start-up on one rank without DeepSpeed (validate_spec,
-  load_trained_model with LoRA and the precision's cast, checked_records, prepare_caches, make_training_loader), then
-  one batch through the model's encode_batch and loss, and backward; `run_case` here.
+  load_trained_model with LoRA and the precision's cast, checked_records, hear_speakers, prepare_caches,
+  make_training_loader), then one batch through the model's encode_batch and loss, and backward; `run_case` here.
 - two ranks (tests/dist/test_settings_matrix_two_ranks.py): what only DeepSpeed and several ranks do: ZeRO 0, 2 and 3,
   gradient accumulation through the engine, caches built by both ranks; the whole `dstune train` path.
 
@@ -348,7 +348,14 @@ def run_case(spec_path: Path) -> dict:
     from dstune.ds_json.fill_spec import merged_spec
     from dstune.engine import PRECISION_DTYPES
     from dstune.spec.load import load_spec
-    from dstune.startup import checked_records, give_voices, load_trained_model, make_training_loader, prepare_caches
+    from dstune.startup import (
+        checked_records,
+        give_voices,
+        hear_speakers,
+        load_trained_model,
+        make_training_loader,
+        prepare_caches,
+    )
     from dstune.validate import validate_spec
     from dstune.world import World
 
@@ -360,6 +367,7 @@ def run_case(spec_path: Path) -> dict:
     model = load_trained_model(run, spec, ds_config=resolved.ds_config)
     records = checked_records(run, spec, model.modality, model.sound_rate if model.modality == "video" else None)
     give_voices(model, records)
+    hear_speakers(run, spec, model, records)
     caches, code = prepare_caches(run, spec, model, records)
     assert code == 0, "the caches were not built"
     loader, _ = make_training_loader(spec, plan, 0, model, records, caches, 0, 0)

@@ -154,3 +154,31 @@ def test_validate_refuses_what_an_edit_model_cannot_do(tmp_path, capsys):
     spec["data"].update(control_dir="../control", cache={"latents": True})
     path.write_text(yaml.safe_dump(spec))
     assert main(["validate", str(path), "--num-gpus", "1"]) == 0
+
+
+def test_a_text_to_image_model_refuses_sources_and_flux2_trains_image_to_image_from_them(tmp_path, capsys):
+    """data.control_dir on a model that trains from the caption alone would be left out of its training without a
+    word: validate refuses it. FLUX.2 (the same folder) trains image-to-image from it, and validate plans two
+    pictures per sample."""
+    import json
+
+    data = _pairs(tmp_path)
+    spec = {
+        "model": {"family": "flow", "pretrained": "builtin:tiny-flux", "train": "lora"},
+        "data": {"path": data.path, "control_dir": "../control", "resolution": 32, "cache": {"latents": True}},
+        "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "epochs": 1},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(path), "--num-gpus", "1"]) == 1
+    assert "FluxPipeline trains from the caption alone" in capsys.readouterr().out
+    spec["model"]["pretrained"] = "builtin:tiny-flux2"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(path), "--num-gpus", "1", "--json"]) == 0
+    with_references = json.loads(capsys.readouterr().out)
+    del spec["data"]["control_dir"]
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(path), "--num-gpus", "1", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    cache = [plan["memory"]["cache_disk_bytes"] for plan in (with_references, alone)]
+    assert cache[0] == 2 * cache[1]  # the references' latents beside the targets' (no text cache here)

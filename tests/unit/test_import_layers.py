@@ -44,6 +44,7 @@ LAYERS = [
         "dstune.memory.phases",
         "dstune.memory.activations",
         "dstune.memory.activation_cases",
+        "dstune.memory.working",
     ],
     [
         "dstune.distributed",
@@ -56,7 +57,15 @@ LAYERS = [
         "dstune.model_defaults",
         "dstune.memory.record",
     ],
-    ["dstune.builtin", "dstune.video_plan", "dstune.sequence_parallel", "dstune.validate", "dstune.report"],
+    [
+        "dstune.builtin",
+        "dstune.video_plan",
+        "dstune.sets_plan",
+        "dstune.sequence_parallel",
+        "dstune.validate",
+        "dstune.memory_report",
+        "dstune.report",
+    ],
     [
         "dstune.pretrained",
         "dstune.cache",

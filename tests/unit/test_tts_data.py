@@ -154,5 +154,8 @@ def test_a_multi_speaker_list_needs_a_layout_that_names_the_voice(tmp_path, mode
     message = str(caught.value)
     assert "data.path" in message and "2 speakers (ann, bob)" in message and "same voice" in message
     assert "one speaker's clips per run" in message and "model.token_layout: orpheus" in message
+    assert "data.speakers: blend" in message
+    blended = resolve(str(spec), ["data.speakers=blend"], world=world_from_flags(world_size=1), cross_check=False)
+    assert blended.voices.blended == ("ann", "bob")  # taken as one voice when asked to
     (tmp_path / "metadata.list").write_text("wavs/a.wav|ann|en|Hello.\nwavs/c.wav|ann|en|Yes.\n")
     assert resolve(str(spec), world=world_from_flags(world_size=1), cross_check=False).num_samples == 2

@@ -16,6 +16,7 @@ from typing import Optional
 
 from dstune.card import LM_LORA_TARGET_MODULES, ModelPreset, lora, speech
 from dstune.families.codebooks_card import CodebooksCard
+from dstune.families.speakers import Voices
 from dstune.memory.activations import (
     TEXT_TOKENS_PER_SECOND,
     ModelShape,
@@ -47,6 +48,14 @@ class CsmCard(CodebooksCard):
 
     def codec_inside(self) -> Optional[str]:
         return "codec_model"
+
+    def voices(self, model_spec, names) -> Voices:
+        """CSM's speakers are numbers: the data's speakers take 0, 1, 2 ... in their order."""
+        return Voices(
+            self.name,
+            "speaker id N, each clip's text written [N]text as its chat template writes a turn of role N",
+            {name: str(number) for number, name in enumerate(names)},
+        )
 
     def count_model(self, spec, num_samples: int, folder, origin: str, config: dict, counted: tuple) -> ModelCounts:
         params, largest, lora_params, default_lora, codec = counted

@@ -16,6 +16,8 @@ One utterance is what CSM's processor and chat template make of a (speaker, text
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -79,7 +81,7 @@ class Csm(CodebooksModel):
         """The batch right-padded (pad = <|end_of_text|>, labels -100). A cached batch holds "codes"; otherwise each
         clip is encoded alone by the frozen codec."""
         config, q = self.trainable.model.config, self.layout["num_codebooks"]
-        speakers = batch.get("speakers") or [""] * len(batch["texts"])
+        speakers = self.clip_voices(batch)  # CSM's speaker ids
         rows = [
             utterance(config, self.prompt_ids(text, speaker), clip_codes)
             for text, speaker, clip_codes in zip(batch["texts"], speakers, self.clip_codes(batch))
@@ -129,9 +131,11 @@ class Csm(CodebooksModel):
         return Clip(wave, self.sample_rate)
 
     @classmethod
-    def synthesize(cls, folder, text: str, seconds: float, temperature: float, seed: int) -> Clip:
-        """Speech for `text` from an exported folder with the class, its processor and its codec only (its default
-        speaker)."""
+    def synthesize(
+        cls, folder, text: str, seconds: float, temperature: float, seed: int, speaker: Optional[str] = None
+    ) -> Clip:
+        """Speech for `text` from an exported folder with the class, its processor and its codec only, as speaker id
+        `speaker` (its default speaker when None)."""
         import transformers
         from transformers import AutoProcessor
 
@@ -143,7 +147,14 @@ class Csm(CodebooksModel):
         frames = max(1, int(seconds * codec.config.frame_rate))
         with torch.no_grad():
             codes = generate_codes(
-                model, processor, int(codec.config.codebook_size), text, frames, temperature, seed, card.default_speaker
+                model,
+                processor,
+                int(codec.config.codebook_size),
+                text,
+                frames,
+                temperature,
+                seed,
+                speaker or card.default_speaker,
             )
         wave = decode_codes(codec, card.codec_kind, codes) if codes.shape[1] else np.zeros(0, np.float32)
         return Clip(wave, int(codec.config.sampling_rate))

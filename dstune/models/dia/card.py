@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from dstune.card import LM_LORA_TARGET_MODULES, ModelPreset, lora, speech
 from dstune.families.codebooks_card import CodebooksCard
+from dstune.families.speakers import SpeakersRefused, Voices, shown
 from dstune.memory.activations import (
     TEXT_TOKENS_PER_SECOND,
     ModelShape,
@@ -31,6 +32,28 @@ class DiaCard(CodebooksCard):
     # dstune.families.speech_codecs' name for its codec: DAC on the clip zero-padded to a multiple of its hop
     codec_kind: str
     speaker_tags: tuple[str, ...]  # its dialogue turns; a text must start with one
+
+    def voices(self, model_spec, names) -> Voices:
+        """Dia's dialogue has a tag per voice ([S1], [S2]): the data's speakers take them in their order; a third
+        speaker has none."""
+        tags = self.speaker_tags
+        if len(names) > len(tags):
+            raise SpeakersRefused(
+                "data.path",
+                f"the data names {len(names)} speakers ({shown(names)}), but {self.name} has {len(tags)} voices, "
+                f"{' and '.join(tags)}, so a third speaker cannot be told apart. Train {len(tags)} speakers per run (a "
+                f".list or metadata.jsonl of their clips), or set data.speakers: blend to train every clip as "
+                f"{tags[0]} (docs/tts.md, Speakers).",
+            )
+        return Voices(
+            self.name,
+            "each clip's transcript starts with its speaker's tag (a transcript that starts with a tag keeps its own)",
+            dict(zip(names, tags)),
+        )
+
+    def takes_speaker(self, text: str) -> bool:
+        """A transcript that starts with a tag is a dialogue that names its own turns."""
+        return not text.strip().startswith(self.speaker_tags)
 
     def codec_config_path(self, folder, config_origin: str):
         """The DAC config.json a Dia folder uses: its codec subfolder (dstune's stored and built-in folders), else

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -90,7 +91,10 @@ class Dia(CodebooksModel):
         holds "codes"; otherwise each clip is encoded alone by the frozen DAC."""
         tokenizer = self.processor.tokenizer
         tags = self.card.speaker_tags
-        texts = [tokenizer(dia_text(text, tags), add_special_tokens=False).input_ids for text in batch["texts"]]
+        texts = [
+            tokenizer(dia_text(text, tags, tag), add_special_tokens=False).input_ids
+            for text, tag in zip(batch["texts"], self.clip_voices(batch))
+        ]
         input_ids, attention_mask = pad_rows(texts, tokenizer.pad_token_id)
         encoded = {
             "input_ids": input_ids,
@@ -124,13 +128,16 @@ class Dia(CodebooksModel):
         return Clip(dac_wave(self.codec, codes), self.sample_rate)
 
     @classmethod
-    def synthesize(cls, folder, text: str, seconds: float, temperature: float, seed: int) -> Clip:
-        """Speech for `text` from a Dia folder with the class, its processor and its DAC only."""
+    def synthesize(
+        cls, folder, text: str, seconds: float, temperature: float, seed: int, speaker: Optional[str] = None
+    ) -> Clip:
+        """Speech for `text` from a Dia folder with the class, its processor and its DAC only, spoken by the tag
+        `speaker` (the first when None)."""
         model, processor = cls.load_class(DIA_CARD, Path(folder))
         model.eval()
         codec = processor.audio_tokenizer.eval()
         frames = max(1, int(seconds * codec.config.sampling_rate / codec.config.hop_length))
-        words = dia_text(text, DIA_CARD.speaker_tags)
+        words = dia_text(text, DIA_CARD.speaker_tags, speaker or "")
         with torch.no_grad():
             codes = generate_codes(model, processor, words, frames, temperature, seed)
             wave = dac_wave(codec, codes)
@@ -147,11 +154,11 @@ def codec_folder(name_or_path: str) -> Path:
         raise FamilyError(f"Dia's audio tokenizer (processor_config.json): {err}") from None
 
 
-def dia_text(text: str, speaker_tags: tuple[str, ...]) -> str:
-    """A transcript as Dia reads it: kept when it starts with a speaker tag (a dialogue's turns), else spoken by the
-    first speaker."""
+def dia_text(text: str, speaker_tags: tuple[str, ...], tag: str = "") -> str:
+    """A transcript as Dia reads it: kept when it starts with a speaker tag (a dialogue's turns), else spoken by
+    `tag` (the clip's speaker), or the first speaker."""
     text = text.strip()
-    return text if text.startswith(speaker_tags) else f"{speaker_tags[0]} {text}"
+    return text if text.startswith(speaker_tags) else f"{tag or speaker_tags[0]} {text}"
 
 
 def delayed(frames: torch.Tensor, delays: list[int], bos: int, pad: int) -> torch.Tensor:

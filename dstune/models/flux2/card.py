@@ -1,15 +1,20 @@
 """The cards of FLUX.2 [klein] and [dev] (torch-free): Flux2KleinPipeline folders (a Qwen3 text encoder) and
 Flux2Pipeline folders (a Mistral3 text encoder) around Flux2Transformer2DModel and AutoencoderKLFlux2, trained as
-diffusers' examples/dreambooth/train_dreambooth_lora_flux2_klein.py and train_dreambooth_lora_flux2.py train them."""
+diffusers' examples/dreambooth/train_dreambooth_lora_flux2_klein.py and train_dreambooth_lora_flux2.py train them,
+and on (reference, target) pairs (data.control_dir) as train_dreambooth_lora_flux2_img2img.py and
+train_dreambooth_lora_flux2_klein_img2img.py do."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from dstune.card import DEFAULT_LORA_TARGET_MODULES, ModelPreset, image, lora
-from dstune.families.flow_card import FlowCard, two_streams
+from dstune.families.flow_card import FlowCard, edit_source_issues, two_streams
+from dstune.families.pipeline_card import SpecIssues
 from dstune.families.folders import read_component_config
+from dstune.memory.working import TextWork, VaeWork
 
 LORA_TARGETS = (*DEFAULT_LORA_TARGET_MODULES, "to_qkv_mlp_proj")
 
@@ -17,6 +22,9 @@ LORA_TARGETS = (*DEFAULT_LORA_TARGET_MODULES, "to_qkv_mlp_proj")
 @dataclass(frozen=True, kw_only=True)
 class Flux2Card(FlowCard):
     text_layers: tuple[int, ...]  # the text encoder's hidden states its pipeline stacks side by side
+
+    def hidden_states_read(self, folder) -> dict[str, tuple[int, ...]]:
+        return {"text_encoder": self.text_layers}
 
     def config_mismatches(self, folder: Path) -> list[str]:
         """Channels and widths that must agree, and the text encoder deep enough for the stacked layers."""
@@ -39,8 +47,47 @@ class Flux2Card(FlowCard):
             )
         return problems
 
+    # Image-to-image: the same folder trains on (reference, target) pairs when the data gives a reference per
+    # target (data.control_dir), as diffusers' train_dreambooth_lora_flux2_img2img.py trains it.
+
+    def pairs(self, spec) -> Optional[str]:
+        return self.pipeline_class if spec.data.control_dir is not None else None
+
+    def pictures(self, spec, folder) -> int:
+        return 2 if spec.data.control_dir is not None else 1
+
+    def source_image_issues(self, spec) -> SpecIssues:
+        if spec.data.control_dir is None:
+            return super().source_image_issues(spec)
+        return edit_source_issues(spec, self.pipeline_class)
+
+
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKLFlux2": VaeWork(encode=10.0, decode=12.031, measured_on="hub/black-forest-labs/FLUX.2-klein-4B/vae"),
+    "Qwen3ForCausalLM": TextWork(
+        hidden=8.0,
+        ffn=6.0,
+        token=41.9,
+        square=0.719,
+        pass_square=0.484,
+        measured_on="builtin/tiny-flux2-v1/text_encoder",
+    ),
+    "Mistral3ForConditionalGeneration": TextWork(
+        hidden=8.0,
+        ffn=6.0,
+        token=41.9,
+        square=0.719,
+        pass_square=0.484,
+        measured_on="builtin/tiny-flux2-dev-v1/text_encoder",
+    ),
+}
+
 
 COMMON = dict(
+    working=WORKING_MEMORY,
     family="flow",
     unit="flux2",
     model_class="dstune.models.flux2.model:Flux2",

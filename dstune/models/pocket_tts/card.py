@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dstune.families.speakers import Voices
 from dstune.card import ModelPreset, speech
 from dstune.families.codebooks_card import CodebooksCard
 from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, codec_frame_rate, transformer_layer_bytes
@@ -25,6 +26,14 @@ class PocketTTSCard(CodebooksCard):
     codec_subfolder: str  # where dstune's built-in and stored folders keep the audio tokenizer (its config)
     latents_kind: str  # the codec cache's kind: the audio tokenizer's float latents per frame
     voice_seconds: float  # the longest voice prompt a training utterance is given (its reference clip's start)
+
+    def voices(self, model_spec, names) -> Voices:
+        """Pocket TTS hears a speaker through a voice prompt: each clip is given another clip of its own speaker."""
+        return Voices(
+            self.name,
+            "each clip's voice prompt, another clip of its own speaker (up to 5 s) before its text",
+            {name: f"a clip of {name or 'the clips without a speaker'}" for name in names},
+        )
 
     def codec_config_path(self, folder, config_origin: str):
         """The audio tokenizer's config.json: the codec subfolder (dstune's stored and built-in folders), else what

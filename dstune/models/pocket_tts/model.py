@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -139,7 +140,7 @@ class PocketTTS(CodebooksModel):
 
     def __init__(self, card, model_spec, folder: Path, device, processor):
         super().__init__(card, model_spec, folder, device, processor)
-        self.voices: dict[str, list[tuple[str, np.ndarray]]] = {}  # speaker -> [(sample id, wave)], data order
+        self.references: dict[str, list[tuple[str, np.ndarray]]] = {}  # speaker -> [(sample id, wave)], data order
 
     def take_codec(self, whole, dtype: torch.dtype) -> torch.nn.Module:
         codec = self.processor.audio_tokenizer
@@ -176,7 +177,7 @@ class PocketTTS(CodebooksModel):
     def take_voices(self, voices: dict[str, list[tuple[str, np.ndarray]]]) -> None:
         """Each speaker's first reference clips (sample id, wave at the codec's rate), in the data's order."""
         limit = int(self.card.voice_seconds * self.sample_rate)
-        self.voices = {
+        self.references = {
             speaker: [(sample_id, wave[:limit]) for sample_id, wave in clips] for speaker, clips in voices.items()
         }
         self._voice_latents: dict[str, torch.Tensor] = {}
@@ -185,7 +186,7 @@ class PocketTTS(CodebooksModel):
         """(sample id, wave) of the voice a clip of `speaker` is conditioned on: the speaker's first reference clip,
         its second for that clip itself (itself where the speaker has one clip); None for a speaker the training data
         lacks (a held-out clip's) or without references: the clip is then spoken without a voice prompt."""
-        clips = self.voices.get(speaker or "")
+        clips = self.references.get(speaker or "")
         if not clips:
             return None
         first = clips[0]
@@ -252,14 +253,23 @@ class PocketTTS(CodebooksModel):
 
     def speak(self, module, prompt: str, seed: int, voice) -> Clip:
         """In the voice of its reference clip (sample.voice_prompts), else of the data's first speaker."""
-        if voice is None and self.voices:
-            voice = self.voices[sorted(self.voices)[0]][0][1]
+        if voice is None and self.references:
+            voice = self.references[sorted(self.references)[0]][0][1]
         wave = generate_wave(module, self.processor, prompt, self.max_frames(), self.temperature, seed, voice)
         return Clip(wave, self.sample_rate)
 
     @classmethod
-    def synthesize(cls, folder, text: str, seconds: float, temperature: float, seed: int) -> Clip:
-        """Speech for `text` from a Pocket TTS folder with the class, its processor and its audio tokenizer only."""
+    def synthesize(
+        cls, folder, text: str, seconds: float, temperature: float, seed: int, speaker: Optional[str] = None
+    ) -> Clip:
+        """Speech for `text` from a Pocket TTS folder with the class, its processor and its audio tokenizer only, in
+        its default voice: a speaker's voice comes from a voice prompt clip, which an export does not hold."""
+        if speaker is not None:
+            raise FamilyError(
+                f"--speaker: Pocket TTS speaks in the voice of a voice prompt (a clip of the speaker), and {folder} "
+                "holds none (its speakers.json names the clips training used). Leave --speaker out for its default "
+                "voice; samples during training use sample.voice_prompts."
+            )
         model, processor = cls.load_class(POCKET_TTS_CARD, Path(folder))
         model.eval()
         rate = int(processor.feature_extractor.sampling_rate)

@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from dstune.families.base import FamilyError
 from dstune.families.precision import at_least_float32
 from dstune.families.randomness import sample_seed
+from dstune.families.speakers import write_voices
 from dstune.families.speech import Clip, SpeechModel
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
-from dstune.models.speecht5.card import SPEECHT5_CARD, SpeechT5Card
+from dstune.models.speecht5.card import DEFAULT_VECTOR, SPEECHT5_CARD, SpeechT5Card
 from dstune.models.speecht5.spec import SpeechT5ModelSpec
 
 VOCODER = SpeechT5ModelSpec.COMPANION_FOLDERS["vocoder"]  # the vocoder's subfolder in a model folder and an export
@@ -100,9 +101,9 @@ class SpeechT5(SpeechModel):
             raise FamilyError(
                 f"{path}: speaker vectors must have {dim} values (speaker_embedding_dim): {', '.join(wrong)}"
             )
-        if "default" not in speakers:  # a fixed unit vector, the same in every run (x-vectors are unit length too)
+        if DEFAULT_VECTOR not in speakers:  # a fixed unit vector, the same in every run (x-vectors are unit length too)
             vector = torch.randn(dim, generator=torch.Generator().manual_seed(0))
-            speakers["default"] = vector / vector.norm()
+            speakers[DEFAULT_VECTOR] = vector / vector.norm()
         return speakers
 
     @property
@@ -115,14 +116,16 @@ class SpeechT5(SpeechModel):
 
     # ------------------------------------------------------------------------------------------ the train step
 
-    def speaker_rows(self, speakers: list[str]) -> torch.Tensor:
-        unknown = sorted({s for s in speakers if s and s not in self.speakers})
+    def speaker_rows(self, batch: dict) -> torch.Tensor:
+        """Each clip's speaker vector (validate has checked that every speaker of the data has one)."""
+        names = [voice or DEFAULT_VECTOR for voice in self.clip_voices(batch)]
+        unknown = sorted({name for name in names if name not in self.speakers})
         if unknown:
             raise FamilyError(
                 f"speakers {unknown[:5]} have no vector in the speaker embeddings (known: "
                 f"{sorted(self.speakers)[:10]}); add them to model.speaker_embeddings"
             )
-        return torch.stack([self.speakers[s or "default"] for s in speakers])
+        return torch.stack([self.speakers[name] for name in names])
 
     def encode_batch(self, batch: dict, dtype: torch.dtype = torch.float32) -> dict:
         """Token ids and log-mel labels (-100 padding, length a multiple of the reduction factor)."""
@@ -142,7 +145,7 @@ class SpeechT5(SpeechModel):
             "input_ids": features["input_ids"].to(device),
             "attention_mask": features["attention_mask"].to(device),
             "labels": labels.to(device, dtype),
-            "speaker_embeddings": self.speaker_rows(list(batch["speakers"])).to(device, dtype),
+            "speaker_embeddings": self.speaker_rows(batch).to(device, dtype),
             "indices": torch.as_tensor(batch["index"], dtype=torch.long),
         }
 
@@ -180,7 +183,7 @@ class SpeechT5(SpeechModel):
                     max_frames = self.max_sample_seconds / hop_seconds
                     mel = module.generate_speech(
                         ids,
-                        speaker_embeddings=self.speakers["default"][None].to(self.device, dtype),
+                        speaker_embeddings=self.speakers[DEFAULT_VECTOR][None].to(self.device, dtype),
                         maxlenratio=max(1.0, max_frames / ids.shape[1]),
                         minlenratio=0.0,
                     )
@@ -206,6 +209,7 @@ class SpeechT5(SpeechModel):
                 self.processor.save_pretrained(work)
                 self.vocoder.save_pretrained(work / VOCODER)
             save_file({k: v.contiguous() for k, v in self.speakers.items()}, str(work / self.card.speakers_file))
+            write_voices(self.voices, work)
         return out_dir
 
     @classmethod
@@ -218,8 +222,11 @@ class SpeechT5(SpeechModel):
         return any(name in card.folder_classes for name in config.get("architectures") or [])
 
     @classmethod
-    def synthesize(cls, folder, text: str, seconds: float, temperature: float, seed: int) -> Clip:
-        """Speech for `text` from an exported folder with transformers only (greedy: `temperature` is unused)."""
+    def synthesize(
+        cls, folder, text: str, seconds: float, temperature: float, seed: int, speaker: Optional[str] = None
+    ) -> Clip:
+        """Speech for `text` from an exported folder with transformers only (greedy: `temperature` is unused), with
+        the vector named `speaker` in its speakers file (the default vector when None)."""
         from safetensors.torch import load_file
         from transformers import SpeechT5ForTextToSpeech, SpeechT5HifiGan, SpeechT5Processor
 
@@ -228,14 +235,14 @@ class SpeechT5(SpeechModel):
             processor = SpeechT5Processor.from_pretrained(folder)
             model = SpeechT5ForTextToSpeech.from_pretrained(folder).eval()
             vocoder = SpeechT5HifiGan.from_pretrained(folder / VOCODER).eval()
-        speaker = load_file(str(folder / SPEECHT5_CARD.speakers_file))["default"][None]
+        vector = load_file(str(folder / SPEECHT5_CARD.speakers_file))[speaker or DEFAULT_VECTOR][None]
         ids = processor(text=text, return_tensors="pt")["input_ids"]
         frames = seconds / (processor.feature_extractor.hop_length / 1000.0)
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             wave = model.generate_speech(
                 ids,
-                speaker_embeddings=speaker,
+                speaker_embeddings=vector,
                 vocoder=vocoder,
                 maxlenratio=max(1.0, frames / ids.shape[1]),
                 minlenratio=0.0,

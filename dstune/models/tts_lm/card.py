@@ -15,6 +15,7 @@ from dstune.families.denoiser_facts import lora_settings
 from dstune.memory.activations import (
     ModelShape,
     codec_frame_rate,
+    figure,
     in_plan_units,
     lm_sample_bytes,
     measured_sample_bytes,
@@ -23,7 +24,9 @@ from dstune.memory.activations import (
 from dstune.memory.counts import SizesUnknown, config_folder, count_component, count_small_tensors, read_config
 from dstune.memory.plan import ModelCounts
 from dstune.models.tts_lm.spec import TTS_LAYOUT_FILE, TtsLmModelSpec
-from dstune.models.tts_lm.token_layouts import describe, layout_problems, orpheus_layout
+from dstune.families.speakers import Voices, one_voice
+from dstune.models.tts_lm import token_layouts
+from dstune.models.tts_lm.token_layouts import describe, layout_problems, orpheus_layout, spec_layout_name
 
 DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
 CODEC = TtsLmModelSpec.COMPANION_FOLDERS["codec_pretrained"]  # the codec's subfolder (model.codec_pretrained unset)
@@ -79,7 +82,11 @@ class TtsLmCard(ModelCard):
                     else codec_config.get("num_quantizers", 8)
                 )
         seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
-        full, checkpointed = activations(config, tts_tokens(seconds, frame_rate, codebooks), spec.train.precision)
+        tokens = tts_tokens(seconds, frame_rate, codebooks)
+        full, checkpointed = activations(config, tokens, spec.train.precision)
+        with figure("transients"):  # the backward's: the fp32 logits gradient over the vocabulary
+            transient = activations(config, tokens, spec.train.precision)
+        transients = transient[1] if spec.model.gradient_checkpointing else transient[0]
         cached = ("codec",) if spec.data.cache.codec_tokens and "codec" in companions else ()
         # int32 codes; an upper bound (every clip at the longest length)
         cache_bytes = int(4 * frame_rate * codebooks * seconds * num_samples) if spec.data.cache.codec_tokens else 0
@@ -96,7 +103,28 @@ class TtsLmCard(ModelCard):
             cache_bytes,
             origin,
             small_tensors=count_small_tensors(str(folder / "config.json"), targets, rank),
+            transient_sample_bytes=int(transients * (2 if spec.train.precision == "fp32" else 1)),  # units -> bytes
         )
+
+    def voices(self, model_spec, names) -> Voices:
+        """A layout that names the voice (Orpheus: "ann: Hello.") takes every speaker by its name; another has one
+        voice."""
+        layout = spec_layout_name(model_spec)
+        prompts = token_layouts.SPEAKER_PROMPTS  # (read through the module: the layouts' table, not a card constant)
+        if layout in prompts:
+            how = prompts[layout].format(speaker="NAME", text="text")
+            return Voices(
+                self.name,
+                f"the {layout!r} layout names the voice: each clip's prompt is {how!r} (a text that starts with "
+                "its speaker's name keeps it)",
+                {name: name for name in names},
+            )
+        fix = (
+            "Train one speaker's clips per run (a .list or metadata.jsonl per speaker), or use a model whose layout "
+            f"names the voice ({', '.join(f'model.token_layout: {n}' for n in prompts)}, prompts like "
+            '"ann: Hello."). '
+        )
+        return one_voice(self.name, names, f"the {layout!r} token layout has no place for a speaker", fix)
 
     def spec_issues(self, spec) -> list[tuple[str, str]]:
         """The token layout of a local model folder (its dstune_tts.json, else model.token_layout's preset) against

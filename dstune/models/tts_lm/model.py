@@ -27,6 +27,7 @@ import torch
 
 from dstune.families.base import FamilyError
 from dstune.families.precision import at_least_float32, at_least_float32_dtype
+from dstune.families.speakers import write_voices
 from dstune.families.speech import Clip, CodecTokensModel, checkpoint_activations
 from dstune.families.speech_codecs import CODEC_CLASSES, codec_facts, decode_codes, load_codec, save_codec
 from dstune.fsutil import folder_written_atomically
@@ -109,7 +110,7 @@ class TtsLm(CodecTokensModel):
         clip is encoded alone with the codec (no padding effects, no random draws)."""
         layout = self.layout
         sequences, label_rows = [], []
-        speakers = batch.get("speakers") or [""] * len(batch["texts"])
+        speakers = self.clip_voices(batch)  # the names a layout that names voices puts in the prompt
         for text, speaker, clip_codes in zip(batch["texts"], speakers, self.clip_codes(batch)):
             spoken = spoken_text(layout, text, speaker)  # "ann: Hello." where the layout names voices (orpheus)
             ids, labels = training_ids(layout, self.text_ids(spoken), audio_tokens(layout, clip_codes).tolist())
@@ -155,8 +156,11 @@ class TtsLm(CodecTokensModel):
         return (Path(folder) / TTS_LAYOUT_FILE).is_file()
 
     @classmethod
-    def synthesize(cls, folder, text: str, seconds: float, temperature: float, seed: int) -> Clip:
-        """Speech for `text` from an exported folder, using transformers and the codec only (no dstune state)."""
+    def synthesize(
+        cls, folder, text: str, seconds: float, temperature: float, seed: int, speaker: Optional[str] = None
+    ) -> Clip:
+        """Speech for `text` from an exported folder, using transformers and the codec only (no dstune state), its
+        prompt naming `speaker` where the layout names voices."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         folder = Path(folder)
@@ -167,7 +171,7 @@ class TtsLm(CodecTokensModel):
         tokenizer = AutoTokenizer.from_pretrained(folder) if layout["text"] == "tokenizer" else None
         frames = max(1, int(seconds * layout["frame_rate"]))
         with torch.no_grad():
-            ids = text_ids(tokenizer, text)
+            ids = text_ids(tokenizer, spoken_text(layout, text, speaker or ""))
             codes = generate_codes(lm, layout, ids, frames, temperature, torch.Generator().manual_seed(seed))
         return Clip(layout_wave(codec, layout["codec"], layout["frame_order"], codes), int(layout["sampling_rate"]))
 
@@ -199,6 +203,7 @@ class TtsLm(CodecTokensModel):
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(work)
         (work / TTS_LAYOUT_FILE).write_text(json.dumps(self.layout, indent=2) + "\n")
+        write_voices(self.voices, work)
 
     def save_lora_weights(self, lora_layers: dict, adapter_metadata: dict, folder: Path) -> None:
         """A LoRA export (model.train: lora): the base LM (reloaded from its folder: the trained module may be

@@ -202,7 +202,7 @@ def layout_name(layout_file: dict | None, token_layout: str | None, codec: str) 
     return token_layout or ("orpheus" if codec == "snac" else "dstune")
 
 
-def _tts_layout_name(model) -> str:
+def spec_layout_name(model) -> str:
     """layout_name for a tts_lm model section (model.pretrained, token_layout, codec), reading the dstune_tts.json
     of a local folder; a built-in or hub model without one here goes by the spec."""
     try:
@@ -220,24 +220,6 @@ def spoken_text(layout: dict, text: str, speaker: str) -> str:
     if not speaker or template is None or text.startswith(f"{speaker}:"):
         return text
     return template.format(speaker=speaker, text=text)
-
-
-def speakers_problem(model, records) -> str | None:
-    """Why a speech dataset (records with `.speaker`, "" = none named) cannot train the spec's `model`, or None:
-    several speakers and a tts_lm layout with no place for one would train a single voice, a blend of them all."""
-    named = sorted(set(r.speaker for r in records if r.speaker))
-    if model.family != "tts_lm" or len(named) < 2:
-        return None
-    name = _tts_layout_name(model)
-    if name in SPEAKER_PROMPTS:
-        return None
-    shown = ", ".join(named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
-    return (
-        f"the data names {len(named)} speakers ({shown}), but the {name!r} token layout has no place for a "
-        "speaker, so every clip would train the same voice, a blend of them all. Train one speaker's clips per "
-        "run (a .list or metadata.jsonl per speaker), or use a model whose layout names the voice "
-        f'({", ".join(f"model.token_layout: {n}" for n in SPEAKER_PROMPTS)}, prompts like "ann: Hello.").'
-    )
 
 
 def prompt_ids(layout: dict, text_ids: list[int]) -> list[int]:

@@ -10,12 +10,14 @@ vocabulary and layers."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
 from dstune.card import LM_LORA_TARGET_MODULES, ModelPreset, lora, speech
 from dstune.families.codebooks_card import CodebooksCard
+from dstune.families.speakers import Voices
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.counts import SizesUnknown
@@ -23,6 +25,7 @@ from dstune.memory.plan import ModelCounts
 
 DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
 PROMPT_TOKENS = 40  # the chat template's system prompt and section headers
+SCRIPT_LINE = re.compile(r"^\s*Speaker\s+(\d+)\s*:\s*(.*)$")  # a script's turn: "Speaker N: text"
 
 
 def _hop(audio: dict) -> int:
@@ -53,6 +56,18 @@ class VibeVoiceCard(CodebooksCard):
     default_speaker: str  # the speaker of a transcript without "Speaker N:" lines and a numbered speaker
     noise_draws: int  # the diffusion's noise draws per latent (the class's default, and the original trainer's)
     latent_factors: tuple[str, ...]  # the tokenizer's latent statistics: set with it, never learnt
+
+    def voices(self, model_spec, names) -> Voices:
+        """VibeVoice's speakers are numbered script lines: the data's speakers take 0, 1, 2 ... in their order."""
+        return Voices(
+            self.name,
+            'speaker N, each clip\'s script line "Speaker N: text" (a transcript of Speaker N: lines keeps its own)',
+            {name: str(number) for number, name in enumerate(names)},
+        )
+
+    def takes_speaker(self, text: str) -> bool:
+        """A transcript of "Speaker N: ..." lines is a script that names its own turns."""
+        return not any(SCRIPT_LINE.match(line) for line in text.strip().splitlines())
 
     def frozen_parts(self) -> tuple[str, ...]:
         """The speech tokenizers, the semantic connector (only generate uses it: the class's training forward

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -36,10 +36,9 @@ from dstune.families.precision import at_least_float32
 from dstune.families.randomness import sample_seed
 from dstune.families.speech import Clip
 from dstune.hf import quiet_hf_libraries
-from dstune.models.vibevoice.card import VIBEVOICE_CARD, VibeVoiceCard
+from dstune.models.vibevoice.card import SCRIPT_LINE, VIBEVOICE_CARD, VibeVoiceCard
 
 DIFFUSION_PURPOSE = "vibevoice-diffusion"  # the per-sample draw of the diffusion's noise and timesteps
-TURN = re.compile(r"^\s*Speaker\s+(\d+)\s*:\s*(.*)$")
 TRAIN_KEYS = ("input_ids", "attention_mask", "latents", "labels", "audio_mask", "condition_mask")
 
 
@@ -150,7 +149,7 @@ class VibeVoice(CodebooksModel):
         as "codes"; otherwise each clip is encoded alone by the frozen acoustic tokenizer."""
         config, tokenizer = self.trainable.model.config, self.processor.tokenizer
         latents = self.clip_codes(batch)
-        speakers = batch.get("speakers") or [""] * len(batch["texts"])
+        speakers = self.clip_voices(batch)  # VibeVoice's speaker numbers
         end_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
         rows = [
             self.prompt_ids(text, speaker) + [config.audio_token_id] * len(clip) + [config.audio_eos_token_id, end_id]
@@ -194,15 +193,18 @@ class VibeVoice(CodebooksModel):
         return Clip(wave, self.sample_rate)
 
     @classmethod
-    def synthesize(cls, folder, text: str, seconds: float, temperature: float, seed: int) -> Clip:
-        """Speech for `text` from a VibeVoice folder with the class and its processor only (generate picks tokens by
-        argmax; `temperature` is not used by VibeVoice's generate)."""
+    def synthesize(
+        cls, folder, text: str, seconds: float, temperature: float, seed: int, speaker: Optional[str] = None
+    ) -> Clip:
+        """Speech for `text` from a VibeVoice folder with the class and its processor only, as "Speaker `speaker`"
+        (its default speaker when None; generate picks tokens by argmax: `temperature` is not used by VibeVoice's
+        generate)."""
         model, processor = cls.load_class(VIBEVOICE_CARD, Path(folder))
         model.eval()
         rate = int(processor.feature_extractor.sampling_rate)
         frames = max(1, int(seconds * rate / model.config.audio_config.hop_length))
         with torch.no_grad():
-            wave = generate_wave(model, processor, text, frames, seed, VIBEVOICE_CARD.default_speaker)
+            wave = generate_wave(model, processor, text, frames, seed, speaker or VIBEVOICE_CARD.default_speaker)
         return Clip(wave, rate)
 
 
@@ -223,12 +225,12 @@ def encode_latents(codec, processor, wave) -> torch.Tensor:
 
 def turns(text: str, speaker: str, default_speaker: str) -> list[tuple[str, str]]:
     """(speaker number, text) turns of a transcript: its "Speaker N: ..." lines, else one turn of the clip's
-    speaker when that is a number (VibeVoice's speakers are numbers), else of the default speaker."""
-    found = [m.groups() for m in map(TURN.match, text.strip().splitlines()) if m]
+    speaker number (its speaker as the run's map numbers it: VibeVoice's speakers are numbers), else of the default
+    speaker."""
+    found = [m.groups() for m in map(SCRIPT_LINE.match, text.strip().splitlines()) if m]
     if found:
         return [(number, words.strip()) for number, words in found]
-    role = speaker if speaker.isdigit() else default_speaker
-    return [(role, " ".join(text.split()))]
+    return [(speaker or default_speaker, " ".join(text.split()))]
 
 
 def script_messages(text: str, speaker: str, default_speaker: str, voice=None) -> list[dict]:

@@ -199,3 +199,28 @@ def test_the_folder_is_csms_and_a_folder_of_another_class_is_refused(folder, bui
         "\\(CsmForConditionalGeneration",
     ):
         card_of("tts_codebooks", tmp_path)
+
+
+def test_two_speakers_take_the_processors_speaker_ids(folder, built, tmp_path, capsys):
+    """A two-speaker .list of names (bob listed first): the sorted names take CSM's speaker ids (ann 0, bob 1), where
+    before the names went into the prompt ("[bob]34"); each clip's ids are what CsmProcessor makes of the turn
+    "[N]text" as CSM's chat template writes a turn of role N; validate prints the map."""
+    from speaker_data import speaker_batch, two_speaker_list, validate_output
+
+    _, processor = whole_csm(folder[0])
+    root = two_speaker_list(tmp_path / "data", rate=24000)
+    batch = speaker_batch(built, root)
+    try:
+        assert built.voices.given == {"ann": "0", "bob": "1"}
+        encoded = built.encode_batch(batch)
+    finally:
+        built.voices = None
+    assert batch["speakers"] == ["bob", "ann"]
+    texts = [f"<|begin_of_text|>[{n}]{t}<|end_of_text|><|AUDIO|><|audio_eos|>" for n, t in zip("10", batch["texts"])]
+    inputs = processor(texts, audio=[w.numpy() for w in batch["audio"]], padding_side="right")
+    assert torch.equal(encoded["input_ids"], inputs["input_ids"])
+    prefix = processor.tokenizer("[1]", add_special_tokens=False).input_ids
+    assert encoded["input_ids"][0, 1 : 1 + len(prefix)].tolist() == prefix  # bob's turn is speaker 1's
+    code, out = validate_output(capsys, tmp_path, {"family": "tts_codebooks", "pretrained": "builtin:tiny-csm"},
+                                {"path": str(root)})  # fmt: skip
+    assert code == 0 and "speakers 2 (names sorted): ann -> 0, bob -> 1" in out and "[N]text" in out

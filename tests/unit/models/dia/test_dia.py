@@ -16,6 +16,7 @@ import torch
 from dstune.builtin import ensure_builtin_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
 from dstune.families import card_of
+from dstune.families.speakers import voices_for
 from dstune.models.dia.card import DIA_CARD
 from dstune.models.dia.model import Dia, dac_wave, dia_text, generate_codes
 from dstune.pretrained import build_model
@@ -332,7 +333,45 @@ def test_dialogue_jsonl_and_gptsovits_list_with_speaker_balance(built, capsys, t
         records, _ = speech_records(DataSpec(path=str(root), format=data_format, speaker_balance=True))
         assert sorted({r.speaker for r in records}) == ["ann", "bob"]
         dataset = SpeechDataset(records, built.sample_rate)
-        encoded = built.encode_batch(collate_speech([dataset[i] for i in range(4)]))
+        built.voices = voices_for(
+            DIA_CARD, built.model_spec, "separate", [r.speaker for r in records], [r.caption for r in records]
+        )
+        try:
+            encoded = built.encode_batch(collate_speech([dataset[i] for i in range(4)]))
+        finally:
+            built.voices = None
         first_ids = encoded["input_ids"][:, 0].tolist()
-        assert first_ids == [1, 2, 1, 1]  # [S1], [S2], the untagged clip's [S1], [S1]
+        assert first_ids == [1, 2, 1, 1]  # [S1], [S2], the untagged clip of ann ([S1]), [S1]
         assert 2 in encoded["input_ids"][3].tolist() and torch.isfinite(built.loss(built.trainable, encoded, 0, 0))
+
+
+def test_two_speakers_take_dias_tags_and_a_third_is_refused(folder, built, tmp_path, capsys):
+    """A two-speaker .list (bob listed first): the sorted names take Dia's tags (ann [S1], bob [S2]) and each clip's
+    ids are DiaProcessor's for its tagged text; validate prints the map, and refuses a third speaker (Dia has two
+    voices) with the reason and the fix, or takes it blended with data.speakers: blend; dialogue transcripts (tagged
+    turns) keep their own tags whatever their speaker column says."""
+    from speaker_data import speaker_batch, two_speaker_list, validate_output
+
+    _, processor = whole_dia(folder[0])
+    root = two_speaker_list(tmp_path / "data")
+    batch = speaker_batch(built, root)
+    try:
+        assert built.voices.given == {"ann": "[S1]", "bob": "[S2]"}
+        encoded = built.encode_batch(batch)
+    finally:
+        built.voices = None
+    inputs = processor_inputs(processor, [f"[S2] {batch['texts'][0]}", f"[S1] {batch['texts'][1]}"], batch["audio"])
+    assert torch.equal(encoded["input_ids"], inputs["input_ids"])
+    assert encoded["input_ids"][:, 0].tolist() == [2, 1]  # bob's clip [S2], ann's [S1]
+    model = {"family": "tts_codebooks", "pretrained": "builtin:tiny-dia"}
+    code, out = validate_output(capsys, tmp_path, model, {"path": str(root)})
+    assert code == 0 and "speakers 2 (names sorted): ann -> [S1], bob -> [S2]" in out
+    two_speaker_list(root, [("bob", "34"), ("ann", "12"), ("cy", "5")])
+    code, out = validate_output(capsys, tmp_path, model, {"path": str(root)})
+    assert code == 1 and "the data names 3 speakers (ann, bob, cy), but Dia has 2 voices, [S1] and [S2]" in out
+    assert "Train 2 speakers per run" in out and "data.speakers: blend" in out
+    code, out = validate_output(capsys, tmp_path, model, {"path": str(root), "speakers": "blend"})
+    assert code == 0 and "3 (ann, bob, cy), blended into Dia's default voice (data.speakers: blend)" in out
+    two_speaker_list(root, [("bob", "[S1] 34 [S2] 1"), ("ann", "[S2] 12"), ("cy", "[S1] 5")])
+    code, out = validate_output(capsys, tmp_path, model, {"path": str(root)})  # dialogues: their own turns
+    assert code == 0 and "names sorted" not in out

@@ -32,6 +32,7 @@ from flux2_script import (
     check_cached_text_trains_like_encoded_text,
     check_sample_and_export_reload,
     flux2_script_loss,
+    reference_batch,
 )
 from loaded_models import CACHE_DIR, with_settings
 from tiny_batches import shape_batch
@@ -123,6 +124,34 @@ def test_loss_equals_the_diffusers_flux2_dev_script(built, case):
     other = with_settings(built, guidance=1.0, **settings)
     with torch.no_grad():
         assert other.loss(other.trainable, other.encode_batch(batch), SEED, STEP).item() != ours.item()
+
+
+def test_image_to_image_loss_equals_the_diffusers_flux2_img2img_script(built):
+    """A reference per target (data.control_dir): train_dreambooth_lora_flux2_img2img.py's lines, its defaults."""
+    settings, flags = CASES["script-defaults"]
+    model = with_settings(built, guidance=4.0, **settings)
+    from diffusers import Flux2Pipeline
+
+    batch = reference_batch(INDICES)
+    u = timestep_density(model.model_spec, SEED, STEP, INDICES)
+    with torch.no_grad():
+        ours = model.loss(model.trainable, model.encode_batch(batch), SEED, STEP)
+    prompts = Flux2Pipeline(
+        scheduler=model.scheduler, vae=None, transformer=None, **model.text_encoders, **model.tokenizers
+    )
+    reference = flux2_script_loss(
+        model,
+        Flux2Pipeline,
+        prompts,
+        {"text_encoder_out_layers": [10, 20, 30]},
+        batch["pixel_values"],
+        batch["caption"],
+        {**flags, "guidance_scale": 4.0},
+        u,
+        (SEED, STEP, INDICES),
+        batch["control_values"],
+    )
+    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
 
 
 def test_cached_text_trains_like_encoded_text(built):

@@ -22,8 +22,10 @@ from dstune.spec.models import FlowModelSpec
 from flux2_script import (
     CASES,
     check_cached_text_trains_like_encoded_text,
+    check_reference_conditions_the_loss,
     check_sample_and_export_reload,
     flux2_script_loss,
+    reference_batch,
 )
 from loaded_models import CACHE_DIR, with_settings
 from tiny_batches import shape_batch
@@ -67,6 +69,36 @@ def test_loss_equals_the_diffusers_flux2_klein_script(built, case):
     assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_image_to_image_loss_equals_the_diffusers_klein_img2img_script(built, case):
+    """A reference per target (data.control_dir): train_dreambooth_lora_flux2_klein_img2img.py's lines."""
+    settings, flags = CASES[case]
+    model = with_settings(built, **settings)
+    from diffusers import Flux2KleinPipeline
+
+    batch = reference_batch(INDICES)
+    u = timestep_density(model.model_spec, SEED, STEP, INDICES)
+    with torch.no_grad():
+        ours = model.loss(model.trainable, model.encode_batch(batch), SEED, STEP)
+    reference = flux2_script_loss(
+        model,
+        Flux2KleinPipeline,
+        model.pipeline(),
+        {},
+        batch["pixel_values"],
+        batch["caption"],
+        flags,
+        u,
+        (SEED, STEP, INDICES),
+        batch["control_values"],
+    )
+    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+
+
+def test_the_reference_conditions_the_loss_and_cached_reference_latents_train_alike(built):
+    check_reference_conditions_the_loss(built)
+
+
 def test_cached_text_trains_like_encoded_text(built):
     check_cached_text_trains_like_encoded_text(built)
 
@@ -75,3 +107,19 @@ def test_sample_and_export_reload_with_flux2_klein_pipeline(built, tmp_path):
     from diffusers import Flux2KleinPipeline
 
     check_sample_and_export_reload(built, Flux2KleinPipeline, 1.0, tmp_path)
+
+
+def test_image_to_image_samples_render_from_their_references(built, tmp_path):
+    from dstune.data.synthetic import render_shape
+    from dstune.spec.models import SampleSpec
+
+    references = []
+    for number in (3, 4):
+        references.append(str(tmp_path / f"{number}.png"))
+        render_shape(number, 64)[0].save(references[-1])  # Flux2Pipeline takes references of 64 px and up
+    spec = SampleSpec(prompts=["make it red"] * 2, control_images=references, steps=2, guidance=1.0, seed=1)
+    images = built.sample(built.trainable, spec.prompts, spec, 32)
+    assert [image.size for image in images] == [(32, 32)] * 2
+    again = SampleSpec(prompts=["make it red"] * 2, control_images=references[::-1], steps=2, guidance=1.0, seed=1)
+    swapped = built.sample(built.trainable, again.prompts, again, 32)
+    assert images[0].tobytes() != swapped[0].tobytes()  # the same prompt and noise, another reference

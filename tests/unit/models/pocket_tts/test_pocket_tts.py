@@ -216,7 +216,7 @@ def test_two_speakers_are_conditioned_on_their_own_voices(built, batch, records)
     named = [dataclasses.replace(r, speaker=s) for r, s in zip(records, speakers)]
     built.take_voices(reference_clips(named, built.voice_references, built.sample_rate))
     try:
-        references = {name: [sample_id for sample_id, _ in clips] for name, clips in built.voices.items()}
+        references = {name: [sample_id for sample_id, _ in clips] for name, clips in built.references.items()}
         assert references == {
             "bob": [records[0].sample_id, records[2].sample_id],
             "ann": [records[1].sample_id, records[3].sample_id],

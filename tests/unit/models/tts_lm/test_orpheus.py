@@ -13,6 +13,7 @@ import torch
 from dstune.builtin import ensure_builtin_model
 from dstune.data.audio import SpeechDataset, collate_speech, speech_records
 from dstune.families.base import FamilyError
+from dstune.families.speakers import voices_for
 from dstune.families.speech_codecs import decode_codes, encode_clip
 from dstune.pretrained import build_model
 from dstune.spec.models import DataSpec
@@ -122,7 +123,14 @@ def test_a_gptsovits_speaker_is_named_in_the_orpheus_prompt(built, tmp_path):
     (tmp_path / "metadata.list").write_text("wavs/a.wav|ann|en|Hello there.\nwavs/b.wav|bob|en|bob: Hi.\n")
     records, _ = speech_records(DataSpec(path=str(tmp_path / "metadata.list")))
     dataset = SpeechDataset(records, built.sample_rate)
-    encoded = built.encode_batch(collate_speech([dataset[0], dataset[1]]))
+    built.voices = voices_for(
+        built.card, built.model_spec, "separate", [r.speaker for r in records], [r.caption for r in records]
+    )
+    try:
+        assert built.voices.given == {"ann": "ann", "bob": "bob"}  # the orpheus layout names each voice
+        encoded = built.encode_batch(collate_speech([dataset[0], dataset[1]]))
+    finally:
+        built.voices = None
     for row, spoken in enumerate(("ann: Hello there.", "bob: Hi.")):
         prompt = [START_OF_HUMAN] + built.tokenizer.encode(spoken, add_special_tokens=True) + [END_OF_TEXT]
         assert encoded["input_ids"][row, : len(prompt)].tolist() == prompt
@@ -258,3 +266,20 @@ def test_codec_left_out_is_the_folders_in_validate_and_at_start_up(cache_dir):
         world_from_flags(num_gpus=1),
     )
     assert plain.spec.model.codec == "encodec"
+
+
+def test_validate_prints_the_voice_each_speaker_is_named_by(cache_dir, tmp_path, capsys):
+    """The codec-token LM's layouts already handle speakers (orpheus: "ann: text"; dstune's layout refuses several):
+    validate prints the orpheus layout's map (and --json holds it)."""
+    from speaker_data import two_speaker_list, validate_output
+
+    root = two_speaker_list(tmp_path / "data", rate=24000)
+    model = {"family": "tts_lm", "pretrained": "builtin:tiny-orpheus", "codec": "snac"}
+    code, out = validate_output(capsys, tmp_path, model, {"path": str(root)})
+    assert code == 0 and "speakers 2 (names sorted): ann -> ann, bob -> bob" in out
+    assert "the 'orpheus' layout names the voice: each clip's prompt is 'NAME: text'" in out
+    from dstune.cli import main
+
+    assert main(["validate", str(tmp_path / "spec.yaml"), "--num-gpus", "1", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["speakers"]
+    assert shown["speakers"] == {"ann": "ann", "bob": "bob"} and shown["blended"] == []

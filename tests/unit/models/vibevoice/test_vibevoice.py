@@ -201,7 +201,7 @@ def test_speaker_scripts_become_the_templates_turns(built):
     default = VIBEVOICE_CARD.default_speaker
     assert turns("Speaker 1: Hi.\nSpeaker 2: Hello there.", "", default) == [("1", "Hi."), ("2", "Hello there.")]
     assert turns("plain  words", "3", default) == [("3", "plain words")]
-    assert turns("plain", "alice", default) == [("0", "plain")]
+    assert turns("plain", "", default) == [("0", "plain")]  # a clip without a speaker: the default speaker
     text = built.processor.tokenizer.decode(built.prompt_ids("Speaker 1: Hi.\nSpeaker 2: Yo."))
     assert " Text input:\n Speaker 1: Hi.\n Speaker 2: Yo.\n Speech output:\n<|vision_start|>" in text
 
@@ -340,3 +340,28 @@ def test_a_folder_in_the_original_layout_is_refused_by_validate_and_start_up(tmp
     assert "model.pretrained" in text and "original VibeVoice layout" in text
     with pytest.raises(FamilyError, match="original VibeVoice layout"):
         build_model(CodebooksModelSpec(family="tts_codebooks", pretrained=str(folder)), tmp_path / "cache", "cpu")
+
+
+def test_two_speakers_take_the_templates_speaker_numbers(folder, built, tmp_path, capsys):
+    """A two-speaker .list of names (bob listed first): the sorted names take VibeVoice's speaker numbers (ann 0,
+    bob 1), where before every named speaker became speaker 0; each clip's ids start with what the processor's chat
+    template makes of a turn of that speaker; validate prints the map."""
+    from speaker_data import speaker_batch, two_speaker_list, validate_output
+
+    root = two_speaker_list(tmp_path / "data", rate=24000)
+    batch = speaker_batch(built, root)
+    try:
+        assert built.voices.given == {"ann": "0", "bob": "1"}
+        encoded = built.encode_batch(batch)
+    finally:
+        built.voices = None
+    processor, ids = built.processor, encoded["input_ids"]
+    for row, (number, text) in enumerate(zip("10", batch["texts"])):
+        turn = [{"role": number, "content": [{"type": "text", "text": text}]}]
+        rendered = processor.apply_chat_template(turn, tokenize=False)
+        reference = processor.tokenizer(rendered, add_special_tokens=False).input_ids
+        assert ids[row, : len(reference)].tolist() == reference
+        assert f" Speaker {number}: {text}" in rendered
+    code, out = validate_output(capsys, tmp_path, {"family": "tts_codebooks", "pretrained": "builtin:tiny-vibevoice"},
+                                {"path": str(root)})  # fmt: skip
+    assert code == 0 and "speakers 2 (names sorted): ann -> 0, bob -> 1" in out and '"Speaker N: text"' in out
