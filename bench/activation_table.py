@@ -7,7 +7,9 @@ For each model (bench/activation_models.py: the real class, narrow) and precisio
 counts the bytes autograd saves in one training forward at each of the case's sizes, without and with gradient
 checkpointing, and a least-squares fit gives per bucket (outside the blocks, one block of each kind, the logits, the
 checkpoint inputs, the recomputed module) bytes = width x (a T + c C + b [+ T^2, C^2, T C terms]) [+ ffn x (...)]
-[+ LL (T + C)^2, a joint attention mask's bytes, width-free], T the tokens and C the context tokens;
+[+ LL (T + C)^2, a joint attention mask's bytes, width-free], T the tokens and C the context tokens; and the most
+one forward pass without gradients holds at once (`forward`: a sample's denoising step, bench/working_measure.py's
+count of the storages alive);
 dstune.memory.activations evaluates them for the real model's width, MLP width, vocabulary and block counts. Progress goes to stderr; stdout holds the table and one line of JSON.
 """
 
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from activation_measure import count_checkpointed, count_saved, warm_up  # noqa: E402
+from working_measure import peak_bytes, step_peak  # noqa: E402
 from activation_models import CASES, CASES_BY_KEY  # noqa: E402
 from common import print_json, print_table  # noqa: E402
 from dstune.memory.activations import CONSTANTS_FILE  # noqa: E402
@@ -33,7 +36,7 @@ WIDTH_FEATURES = ("T", "C", "1")
 QUADRATIC_FEATURES = ("TT", "CC", "TC")
 FFN_FEATURES = ("fT", "fC", "f")
 MASK_FEATURES = ("LL",)  # (T + C)^2 bytes of a joint attention mask (per element, not per width unit)
-WIDTH_FREE = ("f", "L")  # the first letters of features not divided by the width
+WIDTH_FREE = ("f", "L", "V")  # the first letters of features not divided by the width
 
 
 def _enable_checkpointing(model) -> None:
@@ -52,10 +55,14 @@ def _disable_checkpointing(model) -> None:
         model.disable_gradient_checkpointing()
 
 
-def measure(case, dtype: torch.dtype, tokens: int, context: int, heads: int = 0, ffn_mult: int = 1) -> dict:
-    """One size of one case: the buckets' bytes (see the module docstring) and the measured shape."""
+def measure(
+    case, dtype: torch.dtype, tokens: int, context: int, heads: int = 0, ffn_mult: int = 1, transients: bool = False
+) -> dict:
+    """One size of one case: the buckets' bytes (see the module docstring) and the measured shape; `transients`:
+    the training step's peak too (the case's transient sizes)."""
     torch.manual_seed(0)
-    model, width, ffn, vocab = case.build(heads or case.heads, ffn_mult)
+    extra = {"vocab": case.transient_vocab} if transients and case.transient_vocab else {}
+    model, width, ffn, vocab = case.build(heads or case.heads, ffn_mult, **extra)
     model = model.to(dtype).train()
     blocks = case.block_lists(model)
     run = case.run(model, tokens, context, dtype)
@@ -74,6 +81,7 @@ def measure(case, dtype: torch.dtype, tokens: int, context: int, heads: int = 0,
         ckpt, checkpointed = count_checkpointed(model, run, blocks, vocab)
         _disable_checkpointing(model)
     full = count_saved(model, run, blocks, vocab, checkpointed)
+    record["forward"] = peak_bytes(run)  # one forward without gradients (samples): the most it holds at once
     per_block = {kind: full.block(kind) for kind in blocks}
     record["blocks"] = per_block
     record["outside"] = (
@@ -96,7 +104,27 @@ def measure(case, dtype: torch.dtype, tokens: int, context: int, heads: int = 0,
         record["ckpt_total"] = (
             ckpt.outside + ckpt.checkpoint_inputs + sum(ckpt.blocks.values()) + full.largest_module + ckpt.logits
         )
+    if transients:
+        _measure_transients(case, model, run, record, vocab, full.logits)
     return record
+
+
+def _measure_transients(case, model, run, record: dict, vocab: int, saved_logits: int) -> None:
+    """The backward's transients: a training step's peak (step_peak: forward and backward, each weight's gradient
+    dropped once accumulated) less the saved activations, at the moments the logits' gradients (an LM's) or the
+    boolean attention masks (a block's) are alive and at the others (the step's peak is the larger), without and
+    with checkpointing."""
+    for prefix, total in (("", "total"), ("ckpt_", "ckpt_total")):
+        if prefix and not case.checkpointing:
+            continue
+        if prefix:
+            _enable_checkpointing(model)
+        logits_moment, other_moment = step_peak(model, run, vocab, saved_logits)
+        if prefix:
+            _disable_checkpointing(model)
+        record[f"{prefix}step_peak"] = max(logits_moment, other_moment)
+        record[f"{prefix}transient_tagged"] = logits_moment - record[total]
+        record[f"{prefix}transient"] = other_moment - record[total]
 
 
 def _features(case, records, with_ffn: bool, with_mask: bool = False) -> list[str]:
@@ -129,6 +157,8 @@ def _value(name: str, record: dict) -> float:
         "f": f,
         "LL": (t + c) ** 2,
         "head": record["width"],
+        "VT": record["vocab"] * t,
+        "Vw": record["vocab"] * record["width"],
     }[name]
 
 
@@ -136,7 +166,8 @@ def fit(records: list, features: list, target) -> dict:
     """Least squares of target(record) on the features; width features per width unit (the measured width)."""
     matrix = torch.tensor([[_value(n, r) for n in features] for r in records], dtype=torch.float64)
     values = torch.tensor([[float(target(r))] for r in records], dtype=torch.float64)
-    solution = torch.linalg.lstsq(matrix, values, driver="gelsd").solution[:, 0].tolist()
+    scale = matrix.abs().amax(dim=0).clamp(min=1.0)  # columns of one magnitude (a (T + C)^2 beside a constant)
+    solution = (torch.linalg.lstsq(matrix / scale, values, driver="gelsd").solution[:, 0] / scale).tolist()
     width = records[0]["width"]
     return {n: round(v / (1 if n.startswith(WIDTH_FREE) else width), 6) for n, v in zip(features, solution)}
 
@@ -150,17 +181,45 @@ def constants_for(case, dtype: torch.dtype) -> tuple[dict, list]:
     table = {
         "outside": fit(records, plain, lambda r: r["outside"]),
         "blocks": {k: fit(records, with_ffn, lambda r, k=k: r["blocks"][k]) for k in kinds},
+        "forward": fit(records, with_ffn, lambda r: r["forward"]),
     }
     if records[0]["vocab"]:
         table["logits"] = {
             n: v * records[0]["width"] / records[0]["vocab"]
             for n, v in fit(records, _logit_features(case, plain), lambda r: r["logits"]).items()
         }
+    if case.transients:
+        table.update(transient_constants(case, dtype))
     if case.checkpointing:
         table["ckpt_outside"] = fit(records, plain, lambda r: r["ckpt_outside"])
         table["ckpt_inputs"] = {k: fit(records, plain, lambda r, k=k: r["ckpt_inputs"][k]) for k in kinds}
         table["recompute"] = fit(records, with_ffn, lambda r: r["recompute"])
     return table, records
+
+
+def transient_constants(case, dtype: torch.dtype) -> dict:
+    """The backward's transients, fitted at the case's transient sizes: per bucket as the blocks' (a mask's
+    (T + C)^2 bytes where the case has one), and per vocabulary entry per token and per width (the logits'
+    gradients, the head's and embedding's gradient parts); and, where it has masks, its forward there."""
+    heads = case.transient_heads or case.heads
+    widths = (1, 2) if case.transient_vocab else (1,)  # an LM's: what grows with the width apart from the vocabulary
+    records = [
+        measure(case, dtype, t, c, heads=width * heads, transients=True)
+        for width in widths
+        for t, c in case.transient_sizes
+    ]
+    features = _features(case, records, False, with_mask=True)
+    # a forward pass without gradients, at these long sequences too: where the masks dominate it (an LM's logits,
+    # which these features do not have, keep the regular sizes' fit)
+    table = {} if records[0]["vocab"] else {"forward": fit(records, features, lambda r: r["forward"])}
+    for prefix in ("", "ckpt_") if case.checkpointing else ("",):
+        table[f"{prefix}transients"] = fit(records, features, lambda r: r[f"{prefix}transient"])
+        tagged = lambda r: r[f"{prefix}transient_tagged"]  # noqa: E731
+        if records[0]["vocab"]:  # per token and width, per token and vocabulary entry, per vocabulary and width
+            table[f"{prefix}logit_transients"] = fit(records, ["T", "1", "VT", "Vw"], tagged)
+        else:  # the moments a block's boolean masks are alive
+            table[f"{prefix}mask_transients"] = fit(records, features, tagged)
+    return table
 
 
 def _write(models: dict) -> None:

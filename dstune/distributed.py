@@ -292,3 +292,13 @@ def exit_rank(code: int) -> "NoReturn":  # noqa: F821
     if "RANK" in os.environ:
         os._exit(code)
     sys.exit(code)
+
+
+def device_memory_bytes(run: Run):
+    """This rank's GPU memory, which the memory plan chooses the cache's chunk for (dstune.memory.verdict
+    .choose_encoding); None on the CPU accelerator (no budget: the most entries per encoder pass)."""
+    import torch
+
+    if run.accelerator != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory

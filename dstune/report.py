@@ -21,7 +21,8 @@ from dstune.ds_json.merge import flatten
 from dstune.memory.plan import state_bytes_per_param
 from dstune.spec.load import SpecIssue
 from dstune.sequence_parallel import report_rows as sequence_rows
-from dstune.sets_plan import preservation_rows, set_table_rows
+from dstune.memory_report import memory_rows
+from dstune.sets_plan import set_table_rows
 from dstune.video_plan import summary_rows
 
 ZERO_STAGES = {
@@ -275,157 +276,6 @@ def _source_rows(ds_config: dict, sources: dict) -> list[tuple[str, str]]:
     return [(key, f"{json.dumps(values.get(key))}  <- {where}") for key, where in sources.items()]
 
 
-def count_text(number: int) -> str:
-    """2567463684 -> "2.57 B", 37355520 -> "37.4 M"."""
-    return f"{number / 1e9:.3g} B" if number >= 1e9 else f"{number / 1e6:.3g} M"
-
-
-def gb(value: float) -> str:
-    """Bytes in GB (10^9), or MB below one GB."""
-    return f"{value / 1e9:.3g} GB" if value >= 1e9 else f"{value / 1e6:.3g} MB"
-
-
-def _text_encoder_rows(memory: dict, counts: dict) -> list[tuple[str, str]]:
-    """Where the text encoders load: once per node (how much of the host figure they are), or on every rank and why."""
-    if memory.get("host_once_per_node_bytes"):
-        return [("  text encoders", gb(memory["host_once_per_node_bytes"]) + " of it, on one rank per node")]
-    if counts.get("text_on_every_rank"):
-        return [("  text encoders", f"on every rank: {counts['text_on_every_rank']}")]
-    return []
-
-
-def _memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
-    """The Memory group: what each GPU holds, host RAM and NVMe per node, the cache on disk, the verdict."""
-    if memory.get("per_gpu") is None:
-        return [("unknown", memory.get("unknown", ""))]
-    gpu, counts = memory["per_gpu"], memory["parameters"]
-    what = (
-        "full"
-        if counts["trainable_params"] == counts["module_params"]
-        else f"LoRA: {count_text(counts['trainable_params'])} adapters on a frozen base of "
-        f"{count_text(counts['frozen_base_params'])}"
-    )
-    once = counts.get("once_per_node_companions") or []
-    companions = (
-        ", ".join(
-            f"{name} {count_text(n)}"
-            + (
-                " (cached: one rank per node, dropped after the cache)"
-                if name in once
-                else " (cached: host)"
-                if name in counts["cached_companions"]
-                else ""
-            )
-            for name, n in counts["companions"].items()
-        )
-        or "none"
-    )
-    checkpointing = "on" if getattr(spec.model, "gradient_checkpointing", False) else "off"
-    rows = [
-        (
-            "model",
-            f"{counts['module']} {count_text(counts['module_params'])} parameters ({what}); largest layer "
-            f"{count_text(counts['largest_layer_params'])}; from {counts['origin']}",
-        ),
-        ("frozen parts", companions),
-        ("per GPU, step", f"{gb(gpu['total_bytes'])} in all (a training step)"),
-        ("  parameters", gb(gpu["parameters_bytes"])),
-        ("  gradients", gb(gpu["gradients_bytes"])),
-        ("  optimizer states", gb(gpu["optimizer_bytes"])),
-        ("  frozen weights", gb(gpu["frozen_bytes"])),
-        ("  activations", f"{gb(gpu['activations_bytes'])} (estimate; gradient checkpointing {checkpointing})"),
-        ("  DeepSpeed buffers", gb(gpu["buffers_bytes"]) + _all_to_all_text(memory)),
-        *([("  EMA", gb(gpu["ema_bytes"]) + " (fp32 share)")] if gpu.get("ema_bytes") else []),
-        *preservation_rows(spec),
-        ("  runtime reserve", gb(gpu["runtime_reserve_bytes"]) + " (CUDA context, NCCL, allocator)"),
-        *_phase_rows(memory),
-        ("host RAM per node", gb(memory["host_per_node_bytes"]) + " (model-related; add the processes' own)"),
-        *_text_encoder_rows(memory, counts),
-    ]
-    if memory.get("host_warning"):
-        rows.append(("  warning", memory["host_warning"]))
-    if counts.get("expert"):
-        rows.insert(1, ("expert", counts["expert"]["text"]))
-    rows += _sampling_rows(counts.get("sampling_companions") or {}, memory, bool(spec.sample.prompts))
-    if memory.get("nvme_per_node_bytes"):
-        rows.append(("NVMe per node", gb(memory["nvme_per_node_bytes"])))
-    if memory.get("cache_disk_bytes"):
-        rows.append(("cache on disk", gb(memory["cache_disk_bytes"])))
-    if memory["fits"] is not None:
-        verdict = "fits" if memory["fits"] else "DOES NOT FIT"
-        rows.append(("--gpu-memory", f"{gb(memory['gpu_memory_bytes'])}: {verdict}"))
-        for item in memory["suggestions"]:
-            relieves = f" (relieves the {item['relieves']} phase)" if item.get("relieves") else ""
-            rows.append(
-                (
-                    "  would fit with",
-                    f"{item['change']} -> {gb(item['per_gpu_total_bytes'])} per GPU at the peak{relieves}",
-                )
-            )
-        if memory["fits"] is False and not memory["suggestions"]:
-            rows.append(("  would fit with", "no change dstune knows of: more GPUs, or GPUs with more memory"))
-    return rows
-
-
-def _all_to_all_text(memory: dict) -> str:
-    sequence = memory.get("sequence_parallel") or {}
-    if sequence.get("size", 1) == 1:
-        return ""
-    raised = (
-        (
-            f"; the reduce bucket raised to the largest trainable parameter, {sequence['reduce_bucket_elements']:,} "
-            "elements (ZeRO-3)"
-        )
-        if sequence.get("reduce_bucket_raised")
-        else ""
-    )
-    return (
-        f" (with {gb(sequence['all_to_all_bytes'])} of attention all-to-all buffers; activations are 1/"
-        f"{sequence['size']} of a sample's: sequence parallelism{raised})"
-    )
-
-
-PHASE_TEXT = {
-    "load": "start-up: the trainable module placed beside every frozen part",
-    "cache": "building the cache: every encoder in use, before DeepSpeed's states",
-    "step": "a training step",
-    "sample": "rendering samples: the encoders back beside DeepSpeed's states",
-}
-
-
-def _phase_rows(memory: dict) -> list[tuple[str, str]]:
-    """Each phase's bytes per GPU, the peak marked: the peak is what --gpu-memory is held to."""
-    phases = memory.get("phases") or {}
-    rows = [
-        (
-            "per GPU, peak",
-            f"{gb(memory['peak_per_gpu_bytes'])} ({memory.get('peak_phase', 'step')} phase: what must fit)",
-        )
-    ]
-    for name, phase in phases.items():
-        mark = " <- peak" if name == memory.get("peak_phase") else ""
-        rows.append((f"  {name}", f"{gb(phase['per_gpu_bytes'])}: {PHASE_TEXT.get(name, name)}{mark}"))
-    return rows
-
-
-def _sampling_rows(sampling: dict, memory: dict, samples: bool) -> list[tuple[str, str]]:
-    """Parts that load only while samples render (a two-expert model's untrained expert): whether they set the peak."""
-    if not sampling:
-        return []
-    what = f"{', '.join(sampling)} ({count_text(sum(sampling.values()))})"
-    if not samples:
-        return [("while sampling", f"{what} never loads: no sample.prompts")]
-    if memory.get("peak_phase") == "sample":
-        return [
-            (
-                "while sampling",
-                f"{what} joins on every GPU while samples render (the sample phase is the peak; "
-                "it counts in host RAM too)",
-            )
-        ]
-    return [("while sampling", f"{what} joins on every GPU while samples render: below the peak")]
-
-
 def _weights_rows(spec) -> list[tuple[str, str]]:
     """What trains on which weights when a training adapter is fused into the frozen base."""
     return [
@@ -496,7 +346,7 @@ def plan_table(outcome: Outcome) -> Optional[Table]:
     if outcome.ds_sources and outcome.ds_config is not None and not outcome.errors and spec.deepspeed.config:
         groups.append(("DeepSpeed JSON values", _source_rows(outcome.ds_config, outcome.ds_sources)))
     if outcome.memory is not None and not outcome.errors:
-        groups.append(("Memory", _memory_rows(outcome.memory, spec)))
+        groups.append(("Memory", memory_rows(outcome.memory, spec)))
     if not groups:
         return None
     table = Table(show_header=False, box=None, pad_edge=False, padding=(0, 2, 0, 0))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -24,7 +24,7 @@ from dstune.cache.datasets import CachedDataset, CachedSpeechDataset, CachedVide
 from dstune.cache.latents import CacheIndex, LatentCacheJob, offload_frozen, prepare_cache
 from dstune.cache.share import cache_folder
 from dstune.checkpoints.layout import STATE_FILE
-from dstune.data.audio import SpeechDataset, collate_speech, speech_records
+from dstune.data.audio import SpeechDataset, collate_speech, reference_clips, speech_records
 from dstune.data.audio_index import duration_keys, speaker_keys
 from dstune.data.clips import index_clips, is_grouped, read_header
 from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
@@ -32,6 +32,7 @@ from dstune.data.index import DataError, index_dataset, list_samples
 from dstune.data.loader import make_loader
 from dstune.data.video import VideoCaptionDataset, collate_video, find_bad_clips
 from dstune.distributed import (
+    device_memory_bytes,
     Run,
     agree_or_stop,
     all_gather_object,
@@ -46,10 +47,12 @@ from dstune.engine import PRECISION_DTYPES, place_trainable
 from dstune.families import card_of, get_facts
 from dstune.families.lora import apply_train_mode
 from dstune.families.speakers import SpeakersRefused, resumed_map_problem, voices_for
+from dstune.memory.working import MAX_CHUNK_ENTRIES
 from dstune.model_defaults import with_model_defaults
 from dstune.pretrained import build_model, partitioned_build_config, resolve_folders, resolve_pretrained
 from dstune.spec.load import SpecError, load_spec
 from dstune.spec.models import Spec
+from dstune.validate import plan_memory, validate_spec
 from dstune.text_once import (
     drop_text_encoders,
     once_per_node,
@@ -203,6 +206,13 @@ def checked_records(run: Run, spec: Spec, modality: str, sound_rate: Optional[in
     return records
 
 
+def give_voices(model, records: list) -> None:
+    """A model conditioned on a voice per speaker gets each speaker's first reference clips of the data (the same on
+    every rank and every resume: the records' order)."""
+    if model.voice_references:
+        model.take_voices(reference_clips(records, model.voice_references, model.sample_rate))
+
+
 def _checked_clips(run: Run, spec: Spec, sound_rate: Optional[int] = None) -> list:
     """A video family's clips (dstune.data.clips.index_clips: what `validate` counted), every video decoded (each
     rank a share of the files; with `sound_rate`, the rate of a model that trains on sound, its sound track too)
@@ -295,9 +305,20 @@ def held_out_records(run: Run, spec: Spec) -> list:
     return records
 
 
-def _latent_job(run: Run, spec: Spec, card, model_folder: Path, once: bool) -> LatentCacheJob:
+# what tiled latents are keyed by (model.vae_tiling): the VAE's own enable_tiling() (diffusers' tiles and overlap)
+VAE_TILING_KEY = "enable_tiling defaults"
+
+
+def agreed_entries(run: Run, encoding: Optional[dict]) -> int:
+    """Collective. The entries per encoder pass every rank uses: the fewest any rank's plan chose (for its GPU's
+    memory), so that every rank deals the same chunks."""
+    return min(all_gather_object(encoding["entries_per_pass"] if encoding else MAX_CHUNK_ENTRIES))
+
+
+def _latent_job(run: Run, spec: Spec, card, model_folder: Path, once: bool, tiled: bool = False) -> LatentCacheJob:
     """What the latent/text cache build needs (the model's card: a pipeline model's; the spec refuses these caches
-    for the others); `once`: the text encoders load once per node (dstune.text_once)."""
+    for the others); `once`: the text encoders load once per node (dstune.text_once); `tiled`: the VAE encodes
+    through its tiled encode (its latents are keyed apart: they differ from untiled ones)."""
     text = spec.data.cache.text_embeddings
     refusal = card.text_cache_refusal(model_folder) if text else None
     if refusal:
@@ -317,6 +338,7 @@ def _latent_job(run: Run, spec: Spec, card, model_folder: Path, once: bool) -> L
         latent_settings=latent_settings,
         latent_folders=tuple(latent_folders),
         latent_tensors=tuple(latent_tensors),
+        vae_tiling=VAE_TILING_KEY if tiled else "",
         text_here=text_encoders_here(run, once),
         extra_captions=sample_captions(spec, card) if once else (),
     )
@@ -330,12 +352,19 @@ def prepare_caches(
     verify_only: bool = False,
     card=None,
     model_folder: Optional[Path] = None,
+    encoding: Optional[dict] = None,
 ) -> tuple[Caches, int]:
     """Collective. Build (or fully verify) every cache entry the run reads: (caches, 0), or (caches, 1) after rank 0
     printed what is missing. `model` may be None when verifying latents (`card` and `model_folder`: the pretrained
-    folder's)."""
+    folder's). `encoding`: the memory plan's cache_encoding (entries per encoder pass, chosen for this GPU's memory
+    by dstune.memory.verdict.choose_encoding); None: the most entries. With model.vae_tiling the VAE tiles from here
+    on (the cache's encode, a run's encode without the cache, the samples' decode)."""
     cache = spec.data.cache
     caches = Caches()
+    entries = agreed_entries(run, encoding)
+    tiled = bool(getattr(spec.model, "vae_tiling", False))
+    if tiled and getattr(model, "vae", None) is not None:  # the cache's encode, the step's and the samples' decode
+        model.vae.enable_tiling()
     if cache.codec_tokens:
         folder = cache_folder(cache.dir, spec.output.cache_dir, run.rank, run.node_rank)
         if verify_only:
@@ -349,7 +378,8 @@ def prepare_caches(
     if cache.latents or cache.text_embeddings:  # the summary is printed by prepare_cache
         card = card if model is None else model.card
         once = once_per_node(spec, card)
-        job = _latent_job(run, spec, card, model_folder if model is None else model.folder, once)
+        job = _latent_job(run, spec, card, model_folder if model is None else model.folder, once, tiled)
+        job = replace(job, chunk_entries=entries)
         caches.images, code = prepare_cache(run, job, model, records, verify_only)
         if code == 0 and model is not None:
             if once:  # no rank reads a text encoder from here on
@@ -434,6 +464,27 @@ def load_spec_or_report(spec_path: str, overrides: list[str]) -> Optional[Spec]:
         return None
 
 
+def _cache_command_encoding(run: Run, spec_path: str, overrides: list[str]) -> Optional[dict]:
+    """The cache's entries per encoder pass the memory plan chooses for this GPU (as a training run's start-up
+    does); None (the most) on the CPU accelerator or where the run cannot be planned for this world."""
+    if device_memory_bytes(run) is None:
+        return None
+    try:
+        spec, source = merged_spec(*load_spec(spec_path, overrides))
+        resolved = validate_spec(spec, source, run.world, accelerator=run.accelerator)
+    except SpecError:
+        return None
+    memory = plan_memory(
+        resolved.spec,
+        resolved.plan,
+        resolved.ds_config,
+        device_memory_bytes(run),
+        accelerator=run.accelerator,
+        clips=resolved.clips,
+    )
+    return memory.get("cache_encoding")
+
+
 def run_cache_command(spec_path: str, overrides: list[str], verify_only: bool) -> int:
     """`dstune cache SPEC [--verify]` (one process) and `train.py SPEC --cache-only` (under the launcher): build
     (or fully check, checksums included) every entry data.cache asks for, the ranks sharing the work."""
@@ -463,6 +514,7 @@ def run_cache_command(spec_path: str, overrides: list[str], verify_only: bool) -
             card = model_card(run, spec, folder)
             return prepare_caches(run, spec, None, records, verify_only=True, card=card, model_folder=folder)[1]
         model = load_trained_model(run, spec, train_mode=False)
-        return prepare_caches(run, spec, model, records, verify_only)[1]
+        encoding = _cache_command_encoding(run, spec_path, overrides)
+        return prepare_caches(run, spec, model, records, verify_only, encoding=encoding)[1]
     finally:
         shutdown()

@@ -29,6 +29,7 @@ from dstune.checkpoints.resume import (
 )
 from dstune.checkpoints.store import save_checkpoint, shared_folder_problem
 from dstune.distributed import (
+    device_memory_bytes,
     Run,
     agree_or_stop,
     all_gather_object,
@@ -58,6 +59,7 @@ from dstune.spec.load import SpecError, load_spec
 from dstune.startup import (
     load_trained_model,
     checked_records,
+    give_voices,
     hear_speakers,
     held_out_records,
     make_training_loader,
@@ -205,7 +207,9 @@ def _prepare_loop(
     spec, plan, ds_config = resolved.spec, resolved.plan, resolved.ds_config
     resuming = find_resume(run, resolved, run_dir, resume, options)
     plan = resumed_plan(resuming, plan)
-    predicted = plan_memory(spec, plan, ds_config, accelerator=run.accelerator, clips=resolved.clips)
+    predicted = plan_memory(
+        spec, plan, ds_config, device_memory_bytes(run), accelerator=run.accelerator, clips=resolved.clips
+    )
     import_model_classes(spec)  # the baseline below then holds the libraries, and what grows after it is the model
     folders = resolve_model_folders(run, spec)  # before the baseline: making a built-in model is not training memory
     memory = MemoryRecorder(predicted)
@@ -214,8 +218,9 @@ def _prepare_loop(
     # The caches before the engine: the encoders they replace leave the device before DeepSpeed's states arrive.
     sound_rate = model.sound_rate if model.modality == "video" else None  # a video model that trains on sound
     records = checked_records(run, spec, model.modality, sound_rate)
+    give_voices(model, records)
     hear_speakers(run, spec, model, records, resuming.root / resuming.tag if resuming is not None else None)
-    caches, code = prepare_caches(run, spec, model, records)
+    caches, code = prepare_caches(run, spec, model, records, encoding=predicted.get("cache_encoding"))
     if code:
         stop(run, "", code)
     memory.mark("cache")

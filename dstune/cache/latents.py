@@ -5,7 +5,9 @@ reads, on every rank together, then report once.
 
 Ranks that share a folder split its entries (dstune.cache.share). Entries are grouped into fixed chunks of the one
 global entry list, and chunk j goes to member j % group_size, so the encoder sees the same batches whatever the
-rank count (entries are then identical, bit for bit, to a one-rank build).
+rank count (entries are then identical, bit for bit, to a one-rank build with the same chunk). A chunk holds
+LatentCacheJob.chunk_entries entries: the memory plan's choice for the GPU's memory (dstune.memory.verdict.
+choose_encoding), from dstune.memory.working.MAX_CHUNK_ENTRIES down to one, the same on every rank.
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ from dstune.data.video import VideoCaptionDataset, stack_sounds
 from dstune.distributed import agree_or_stop, all_gather_object
 from dstune.families.diffusion import vae_posterior
 from dstune.families.loss_terms import mask_at_latents
+from dstune.memory.working import MAX_CHUNK_ENTRIES
 from dstune.spec.models import DataSpec
-
-CHUNK_ENTRIES = 8  # entries encoded in one forward pass
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class LatentCacheJob:
     latent_tensors: tuple[str, ...] = ()
     text_here: bool = True  # this rank loaded the text encoders (dstune.text_once): text entries go to such ranks
     extra_captions: tuple[str, ...] = ()  # captions cached beside the dataset's (sample prompts: dstune.text_once)
+    chunk_entries: int = MAX_CHUNK_ENTRIES  # entries per encoder pass (the memory plan's cache_encoding)
+    vae_tiling: str = ""  # model.vae_tiling: the tiles the VAE encodes through (its latents are keyed apart)
 
 
 @dataclass
@@ -209,12 +212,12 @@ def _encode_texts(model, entries: list[Entry]) -> tuple[dict, dict]:
     return {e.key: {name: value[i] for name, value in tensors.items()} for i, e in enumerate(entries)}, {}
 
 
-def _chunks(entries: list[Entry]) -> list[list[Entry]]:
+def _chunks(entries: list[Entry], per_chunk: int) -> list[list[Entry]]:
     out = []
     for kind in ("latent", "text"):
         for size in dict.fromkeys(e.size for e in entries if e.kind == kind):  # one size per encoder batch (buckets)
             same = [e for e in entries if e.kind == kind and e.size == size]
-            out += [same[i : i + CHUNK_ENTRIES] for i in range(0, len(same), CHUNK_ENTRIES)]
+            out += [same[i : i + per_chunk] for i in range(0, len(same), per_chunk)]
     return out
 
 
@@ -300,6 +303,8 @@ def _job_fingerprints(job: LatentCacheJob) -> dict[str, str]:
     if job.latent_settings:  # e.g. image-to-video: the first frame's condition (and its encoders) beside the posterior
         extra = "".join(folder_fingerprint(job.model_folder / name) for name in job.latent_folders)
         fingerprints["vae"] = bytes_sha256((fingerprints["vae"] + job.latent_settings + extra).encode())
+    if job.vae_tiling:  # tiled latents are not the untiled ones
+        fingerprints["vae"] = bytes_sha256((fingerprints["vae"] + "/vae tiled: " + job.vae_tiling).encode())
     return fingerprints
 
 
@@ -346,7 +351,9 @@ def prepare_cache(run, job: LatentCacheJob, model, records, verify_only: bool = 
         job.latent_tensors + (("loss_mask",) if data.masked else ()),
         job.extra_captions,
     )
-    mine = chunks_of_rank(_chunks(entries), group, _text_group(run, job, group, entries, verify_only), run.rank)
+    mine = chunks_of_rank(
+        _chunks(entries, job.chunk_entries), group, _text_group(run, job, group, entries, verify_only), run.rank
+    )
     if verify_only:
         counts = _verify_share(folder, mine)
     else:

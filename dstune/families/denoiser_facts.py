@@ -13,8 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Protocol
 
+from dstune.memory.activations import figure
 from dstune.memory.plan import ModelCounts
-from dstune.memory.counts import config_folder, count_component, count_small_tensors, read_config, vae_factor
+from dstune.memory.counts import (
+    SizesUnknown,
+    config_folder,
+    count_component,
+    count_small_tensors,
+    read_config,
+    vae_factor,
+)
+from dstune.memory.working import MAX_CHUNK_ENTRIES, TextWork, VaeWork, text_bytes, text_part, vae_bytes
 from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 
 # "connectors": a stage after the text encoder (a pipeline's text connectors), frozen; the text cache holds its outputs
@@ -87,6 +96,16 @@ class DenoiserFacts(Protocol):
     def uses_image_encoder(self, spec, folder: "PipelineFolder") -> bool:
         """whether the run loads the folder's image encoder (image-to-video)"""
 
+    # the encoders' working memory (dstune.memory.working; dstune.families.pipeline_card.PipelineCard)
+    working: dict
+    guidance_batch: int
+
+    def geometry(self, spec, folder: "PipelineFolder", clips): ...
+
+    def encoder_tokens(self, spec, folder: "PipelineFolder") -> dict: ...
+
+    def hidden_states_read(self, folder: "PipelineFolder") -> dict: ...
+
 
 def pipeline_folder(pretrained: str) -> PipelineFolder:
     path, origin = config_folder(pretrained)
@@ -138,7 +157,67 @@ def count_denoiser(spec, num_samples: int, clips, card: DenoiserFacts) -> ModelC
         small_tensors=count_small_tensors(str(config_path), targets, rank),
         once_per_node=text_parts if card.text_once and why_every_rank is None else (),
         text_on_every_rank=why_every_rank if text_parts and why_every_rank else "",
+        **working_counts(spec, folder, companions, card, read_config(config_path), clips),
     )
+
+
+def _work(works: dict, folder: PipelineFolder, part: str, kind: type):
+    """The card's measured constants for the class of `part`; SizesUnknown naming the class when it has none."""
+    name = (folder.index.get(part) or [None, None])[1]
+    work = works.get(name)
+    if not isinstance(work, kind):
+        raise SizesUnknown(
+            f"{folder.origin}: no measured working memory for its {part} ({name}); the model's card declares "
+            f"{', '.join(works) or 'none'} (bench/working_memory.py measures a class)"
+        )
+    return work
+
+
+def _in_bytes(plan_units: float, precision: str) -> float:
+    """dstune.memory.plan's activation units (2 bytes per element, doubled for fp32) as bytes."""
+    return plan_units * (2 if precision == "fp32" else 1)
+
+
+def working_counts(spec, folder: PipelineFolder, companions: dict, card: DenoiserFacts, config: dict, clips) -> dict:
+    """ModelCounts' working-memory fields of a pipeline folder's run: the VAE's encode of one cache entry and decode
+    of one sample (plain and, where the VAE tiles, tiled), the largest text encoder's pass over one caption (with the
+    hidden states its pipeline reads), one sampling forward and the backward's transients."""
+    works, precision = card.working, spec.train.precision
+    geometry = card.geometry(spec, folder, clips)
+    counts: dict = {"samples_per_call": geometry.samples_per_call}
+    if "vae" in companions:
+        work, vae = _work(works, folder, "vae", VaeWork), folder.config("vae")
+        for name, decode, size, tokens in (
+            ("encode_entry", False, geometry.entry, geometry.entry_tokens),
+            ("decode_sample", True, geometry.sample, geometry.sample_tokens),
+        ):
+            counts[f"{name}_bytes"] = int(vae_bytes(work, vae, decode, *size, tokens, False, precision))
+            if work.tile_px:
+                counts[f"{name}_tiled_bytes"] = int(vae_bytes(work, vae, decode, *size, tokens, True, precision))
+    tokens, states = card.encoder_tokens(spec, folder), card.hidden_states_read(folder)
+    passes = []  # (per caption, once a pass) of each text encoder: they run one after another
+    for part in companions:
+        if text_part(part) and part != "connectors":
+            work, encoder = _work(works, folder, part, TextWork), folder.config(part)
+            length, kept = _positions(encoder, tokens.get(part, 0)), len(states.get(part, (-1,)))
+            once = text_bytes(work, encoder, length, kept, precision, captions=0)
+            passes.append((text_bytes(work, encoder, length, kept, precision) - once, once))
+    per_caption, once = max(passes, key=lambda p: MAX_CHUNK_ENTRIES * p[0] + p[1], default=(0.0, 0.0))
+    counts["text_entry_bytes"], counts["text_pass_bytes"] = int(per_caption), int(once)
+    with figure("forward"):  # one sample's; guidance's second half beside it where the pipeline batches them
+        forward = _in_bytes(card.activation_bytes(spec, folder, config, [(*geometry.sample, 1)])[1], precision)
+    counts["sample_forward_bytes"] = int(forward * card.guidance_batch)
+    with figure("transients"):
+        full, checkpointed = card.activation_bytes(spec, folder, config, clips)
+    step = checkpointed if getattr(spec.model, "gradient_checkpointing", False) else full
+    counts["transient_sample_bytes"] = int(_in_bytes(step, precision))
+    return counts
+
+
+def _positions(config: dict, tokens: int) -> int:
+    """A caption's tokens as an encoder takes them: at most its positions (CLIP's 77)."""
+    limit = (config.get("text_config") or config).get("max_position_embeddings")
+    return min(tokens, limit) if limit else tokens
 
 
 def side_issues(spec, side: int, why: str) -> list[tuple[str, str]]:

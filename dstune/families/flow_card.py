@@ -27,6 +27,7 @@ from dstune.families.folders import component_problems, read_component_config, r
 from dstune.families.pipeline_card import PipelineCard, SpecIssues
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.counts import SizesUnknown, count_component, vae_factor
+from dstune.memory.working import Geometry
 from dstune.model_folders import builtin_name_problem, locate
 
 TOKEN_PATCH = 2  # latent rows (and columns) one image token packs: 2x2 for every flow image model here
@@ -78,6 +79,18 @@ class FlowCard(PipelineCard):
     def text_tokens(self, spec, folder: PipelineFolder) -> int:
         """Text tokens per sample: max_sequence_length (the model's default where unset)."""
         return spec.model.max_sequence_length or self.default_text_tokens
+
+    def encoder_tokens(self, spec, folder: PipelineFolder) -> dict[str, int]:
+        """Every text encoder at the caption's tokens (text_tokens; CLIP's at its 77 positions)."""
+        tokens = self.text_tokens(spec, folder)
+        return {part: tokens for part in ("text_encoder", "text_encoder_2", "text_encoder_3")}
+
+    def geometry(self, spec, folder: PipelineFolder, clips) -> Geometry:
+        """Stills at data.resolution's square (an edit model's source is an entry of its own); samples render every
+        prompt in one call, an edit model's one prompt a call (flow_sampling)."""
+        side = spec.data.resolution
+        per_call = 1 if self.pictures(spec, folder) > 1 else max(len(spec.sample.prompts), 1)
+        return Geometry((1, side, side), 0.0, (1, side, side), 0.0, per_call)
 
     def pictures(self, spec, folder: PipelineFolder) -> int:
         """The pictures in one sample's sequence (an edit model's target and source: 2)."""

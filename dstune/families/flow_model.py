@@ -30,7 +30,7 @@ from typing import ClassVar, Optional
 import torch
 
 from dstune.families.base import FamilyError, TrainedModel
-from dstune.families.denoiser_facts import TEXT_PARTS
+from dstune.families.denoiser_facts import TEXT_PARTS, PipelineFolder
 from dstune.families.diffusion import (
     batch_field,
     export_pipeline_folder,
@@ -44,6 +44,7 @@ from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, ti
 from dstune.families.flow_sampling import render
 from dstune.families.loss_terms import base_prediction, batch_loss, loss_terms, preserved_error, preserves
 from dstune.families.folders import read_model_index
+from dstune.families.lean_text import make_lean
 from dstune.families.pipeline_card import PipelineCard
 from dstune.families.randomness import per_sample_randn
 from dstune.families.samples import save_clip_grid, save_grid
@@ -161,6 +162,8 @@ class FlowModel(TrainedModel):
         self.vae = self.load_vae()
         if text_encoders:
             self.text_encoders, self.tokenizers = self.load_text_encoders()
+            described = PipelineFolder(self.folder, str(self.folder), self.model_index)
+            make_lean(self.text_encoders, self.card.hidden_states_read(described))  # the pipeline's reads only
         else:  # named for the pipeline's constructor, which takes None for a part
             self.text_encoders = {name: None for name in TEXT_PARTS if (self.model_index.get(name) or [None])[0]}
             self.tokenizers = self.load_tokenizers()

@@ -13,6 +13,7 @@ from typing import ClassVar, Literal, Optional
 
 from dstune.card import ModelCard
 from dstune.families.folders import component_problems, read_model_index
+from dstune.memory.working import Geometry, TextWork, VaeWork
 
 SpecIssues = list[tuple[str, str]]  # (dotted key, message): what the spec asks that the model cannot do
 
@@ -48,6 +49,14 @@ class PipelineCard(ModelCard):
     lora_formats: tuple[str, ...] = ("diffusers", "comfyui")  # output.lora_format values its LoRA loaders read
     lora_loader: str = ""  # what loads its LoRA files, named where a format is refused
     sampling_parts: tuple[str, ...] = ()  # frozen components loaded only while samples render
+    # The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit, by
+    # class name), as bench/working_memory.py measured them; tests/unit/test_working_memory.py checks them at another
+    # size. The memory plan counts the cache's encode, the samples' decode and the text encoders' passes with them.
+    working: dict[str, VaeWork | TextWork] = field(default_factory=dict)
+    # text part -> the hidden states its pipeline reads of it (dstune.families.lean_text keeps only those; a part
+    # not here keeps every one it is asked for)
+    text_hidden_states: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    guidance_batch: int = 1  # 2 where its pipeline runs guidance's two halves in one batch (one sampling forward)
     builds_partitioned: ClassVar[bool] = True  # the denoiser loads partitioned under ZeRO-3 (zero.Init)
     text_once: ClassVar[bool] = True  # start-up can load its text encoders on one rank per node (text_once_per_node)
 
@@ -75,6 +84,23 @@ class PipelineCard(ModelCard):
                 )
             ]
         return []
+
+    # -------------------------------------------------------------------------------------- working memory
+
+    def hidden_states_read(self, folder) -> dict[str, tuple[int, ...]]:
+        """{text part: the hidden states its pipeline reads} of this folder (`folder`: its PipelineFolder)."""
+        return dict(self.text_hidden_states)
+
+    def encoder_tokens(self, spec, folder) -> dict[str, int]:
+        """{text part: a caption's tokens there}: max_sequence_length (the model's default where unset), cut to an
+        encoder's positions where it has fewer (CLIP's 77) by the memory plan."""
+        tokens = getattr(spec.model, "max_sequence_length", None) or self.default_text_tokens
+        return {part: tokens for part in ("text_encoder", "text_encoder_2", "text_encoder_3")}
+
+    def geometry(self, spec, folder, clips) -> Geometry:
+        """What the encoders work on: stills at data.resolution's square; samples render every prompt in one call."""
+        side = spec.data.resolution
+        return Geometry((1, side, side), 0.0, (1, side, side), 0.0, max(len(spec.sample.prompts), 1))
 
     # -------------------------------------------------------------------------------------- the caches
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from dstune import registry
 from dstune.families.base import FamilyError
 from dstune.families.denoiser_facts import (
     PipelineFolder,
@@ -26,6 +27,7 @@ from dstune.families.facts import Attention, no_plan_refusal
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import PipelineCard, SpecIssues
 from dstune.memory.counts import SizesUnknown, count_component
+from dstune.memory.working import Geometry, VaeWork
 from dstune.spec.section import VIDEO_FAMILY
 from dstune.spec.video_models import expert_problems, expert_range, expert_range_text, experts_in
 
@@ -150,7 +152,7 @@ class VideoCard(PipelineCard):
             f"{spec.model.pretrained} takes clip sides in multiples of {side} px (its VAE's {spatial}x, then "
             f"{patch[1]}x{patch[2]} patches)"
         )
-        issues += self.settings_issues(spec.model) + side_issues(spec, side, why)
+        issues += self.settings_issues(spec.model) + side_issues(spec, side, why) + self.tiling_issues(spec, folder)
         return issues + self.model_spec_issues(spec, folder)
 
     # ------------------------------------------------------------------------------- memory
@@ -189,6 +191,47 @@ class VideoCard(PipelineCard):
             latents = sum(2 * channels * clip_volume(f, w // factor, h // factor) * 4 * n for f, w, h, n in buckets)
             latents += self.condition_cache_bytes(spec, folder, companions, channels, factor, buckets, num_samples)
         return self.text_bytes(spec, folder) * num_samples + latents
+
+    def geometry(self, spec, folder: PipelineFolder, clips) -> Geometry:
+        """The largest bucket's clip (a cache entry) and a sample (model.sample_frames at data.resolution's square),
+        with their latent tokens at the VAE's compression; samples render one prompt a call."""
+        spatial, _, temporal, _ = self.token_factors(folder)
+        frames, width, height, _ = max(clip_buckets(spec, 0, clips), key=lambda b: clip_volume(*b))
+        side, sample_frames = spec.data.resolution, spec.model.sample_frames
+
+        def tokens(f: int, w: int, h: int) -> float:
+            return (1 + (f - 1) // temporal) * (w // spatial) * (h // spatial)
+
+        return Geometry(
+            (frames, width, height),
+            tokens(frames, width, height),
+            (sample_frames, side, side),
+            tokens(sample_frames, side, side),
+        )
+
+    def tiling_issues(self, spec, folder: PipelineFolder) -> SpecIssues:
+        """model.vae_tiling on a VAE whose tiles' memory no one measured (VaeWork.tile_px)."""
+        if not spec.model.vae_tiling:
+            return []
+        vae_class = (folder.index.get("vae") or [None, None])[1]
+        work = self.working.get(vae_class)
+        if isinstance(work, VaeWork) and work.tile_px:
+            return []
+        known = sorted(
+            {
+                name
+                for card in registry.family_cards(self.family)
+                for name, work in getattr(card, "working", {}).items()
+                if isinstance(work, VaeWork) and work.tile_px
+            }
+        )
+        return [
+            (
+                "model.vae_tiling",
+                f"{spec.model.pretrained}: its VAE ({vae_class}) encodes whole clips here; dstune tiles only the VAEs "
+                f"whose tiles' memory it measured ({', '.join(known) or 'none'}): remove model.vae_tiling",
+            )
+        ]
 
     def count(self, spec, num_samples: int, clips: Sequence = ()):
         return count_denoiser(spec, num_samples, clips, self)

@@ -43,6 +43,16 @@ class Case:
     # codebook): a logits term of width x vocabulary bytes, not per token
     head_copy: bool = False
     checkpointing: bool = True  # whether dstune can run it with gradient checkpointing
+    # the backward's transients are measured too: the most a training step holds beyond the saved activations (a
+    # logits gradient, masks a block rebuilds), which the memory plan adds to the step; at these (tokens, context)
+    # sizes and this many heads (where they are a good part of the step), checked at transient_check
+    transients: bool = False
+    transient_sizes: tuple = ()
+    transient_check: tuple = ()
+    transient_heads: int = 0
+    # an LM's vocabulary for them, as many entries per width unit as the real model's (its logits' gradient is
+    # then as large beside its blocks' as at the real size): `build` takes it as vocab=
+    transient_vocab: int = 0
     # the length the model pads a sequence to (the constants are per padded token)
     pad: Callable[[float], float] = lambda tokens: tokens
     heads: int = 2

@@ -17,12 +17,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+GENERIC_LOGIT_TRANSIENT = 6  # bytes per token and vocabulary entry: the logits' fp32 gradient and its bf16 copy
 TEXT_TOKENS_PER_SECOND = 20  # tts: a transcript's tokens per second of speech (~15 characters/s, byte-level or BPE)
 CONSTANTS_FILE = Path(__file__).resolve().parents[1] / "model_configs" / "activation_constants.json"
 
@@ -60,6 +63,24 @@ def _evaluate(coefficients: dict, tokens: float, context: float, width: float, f
     return sum(coefficient * values[name] for name, coefficient in coefficients.items())
 
 
+# What measured_sample_bytes evaluates: a training step's activations (the default), one forward pass without
+# gradients ("forward": what a block holds while it runs, beside what runs outside the blocks; samples), or the
+# backward's transients beyond the saved activations ("transients": a logits gradient, masks a block rebuilds).
+# Each model's facts compute a sample's figure through the same function, so the memory plan asks them under
+# `figure(kind)` for the other two.
+_FIGURE = contextvars.ContextVar("activation_figure", default="training")
+
+
+@contextlib.contextmanager
+def figure(kind: str):
+    """Within it, measured_sample_bytes gives (that figure, that figure): "forward" or "transients"."""
+    token = _FIGURE.set(kind)
+    try:
+        yield
+    finally:
+        _FIGURE.reset(token)
+
+
 def measured_sample_bytes(
     key: str, shape: ModelShape, tokens: float, context: float = 0.0, precision: str = "bf16"
 ) -> tuple[float, float]:
@@ -67,7 +88,9 @@ def measured_sample_bytes(
     the measured bf16 bytes, fp32 norms and modulation included), from the model's measured constants: per bucket
     width x (a tokens + c context + b ...) + ffn x (...), the blocks times their count; with checkpointing the
     inputs of every checkpointed block plus one recomputed block. A model that dstune never checkpoints has no
-    checkpointed figure: the full one."""
+    checkpointed figure: the full one. Under `figure("forward")` both are the most one forward pass without
+    gradients holds at once (a sampling step); under `figure("transients")` the backward's transients (0 where not
+    measured)."""
     entry = activation_constants()[key]
     table = entry["fp32" if precision == "fp32" else "bf16"]
 
@@ -75,12 +98,23 @@ def measured_sample_bytes(
         return _evaluate(coefficients, tokens, context, shape.width, shape.ffn)
 
     logits = _logit_bytes(table.get("logits", {}), shape, tokens, context)
+    kind = _FIGURE.get()
+    if kind == "transients":  # the largest moment, at least 0: the saved activations' peak is always one of them
+
+        def moments(prefix: str) -> float:
+            logits = _logit_moment(table.get(f"{prefix}logit_transients", {}), shape, tokens)
+            masks = bucket(table.get(f"{prefix}mask_transients", {}))
+            return max(bucket(table.get(f"{prefix}transients", {})), logits, masks, 0.0)
+
+        return moments(""), moments("ckpt_" if entry["checkpointing"] else "")
+    if kind == "forward" and "forward" in table:  # measured as such (bench/activation_table.py)
+        return bucket(table["forward"]), bucket(table["forward"])
     full = (
         bucket(table["outside"])
         + logits
         + sum(count * bucket(table["blocks"][kind]) for kind, count in shape.layers.items())
     )
-    if not entry["checkpointing"]:
+    if not entry["checkpointing"] or kind == "forward":  # a table without it: the training forward, an upper bound
         return full, full
     checkpointed = (
         bucket(table["ckpt_outside"])
@@ -89,6 +123,17 @@ def measured_sample_bytes(
         + sum(count * bucket(table["ckpt_inputs"][kind]) for kind, count in shape.layers.items())
     )
     return full, checkpointed
+
+
+def _logit_moment(coefficients: dict, shape: ModelShape, tokens: float) -> float:
+    """The backward's transients while a causal LM's logits gradients are alive: per token and width unit and per
+    width unit, per token and vocabulary entry (the fp32 logits' gradient), per vocabulary entry and width unit (the
+    LM head's and the embedding's gradient parts)."""
+    if not coefficients:
+        return 0.0
+    per_vocab = coefficients.get("VT", 0.0) * tokens + coefficients.get("Vw", 0.0) * shape.width
+    per_width = coefficients.get("T", 0.0) * tokens + coefficients.get("1", 0.0)
+    return per_width * shape.width + shape.vocab * per_vocab
 
 
 def _logit_bytes(coefficients: dict, shape: ModelShape, tokens: float, context: float) -> float:
@@ -140,7 +185,10 @@ def _per_level(config: dict, key: str, levels: int) -> list[int]:
 
 
 def unet_sample_bytes(config: dict, resolution: int) -> tuple[float, float]:
-    """A diffusers UNet2DConditionModel at resolution x resolution pixels (latents 8x smaller per side)."""
+    """A diffusers UNet2DConditionModel at resolution x resolution pixels (latents 8x smaller per side); no
+    transients measured (under figure("transients"): 0)."""
+    if _FIGURE.get() == "transients":
+        return 0.0, 0.0
     channels = list(config["block_out_channels"])
     levels = len(channels)
     per_block = config.get("layers_per_block", 2)
@@ -167,7 +215,12 @@ def unet_sample_bytes(config: dict, resolution: int) -> tuple[float, float]:
 
 
 def lm_sample_bytes(config: dict, tokens: float) -> tuple[float, float]:
-    """A transformers causal LM (Llama/Qwen-class: gated MLP) and its logits."""
+    """A transformers causal LM (Llama/Qwen-class: gated MLP) and its logits; its transients (figure
+    "transients"): the logits' gradient, fp32 and in the model's dtype, GENERIC_LOGIT_TRANSIENT bytes per token
+    and vocabulary entry."""
+    if _FIGURE.get() == "transients":
+        transient = GENERIC_LOGIT_TRANSIENT * tokens * config["vocab_size"] / 2  # in the 2-byte units
+        return transient, transient
     hidden = config["hidden_size"]
     inner = config.get("intermediate_size", 4 * hidden)
     gated = config.get("hidden_act", "silu") in ("silu", "swiglu") or "llama" in config.get("model_type", "")

@@ -14,9 +14,12 @@ at a training step and while samples render. The run's peak is the largest of th
             that load only for sampling (a two-expert model's other expert) and, under ZeRO 0-2 with the EMA shown, the raw
             weights kept aside while the EMA sits in the model
 
-Held-out evaluation (data.eval) runs the step's forward pass without gradients, so it stays below the step.
-Not modelled: the encoders' and the VAE decode's own working memory (no_grad, one layer at a time), which the
-runtime reserve covers on a GPU. Torch-free; the byte terms come from dstune.memory.plan.
+Each phase also counts what runs in it beyond the weights (dstune.memory.working): the cache build the VAE's
+encode of one chunk of entries, or the text encoders' pass over one chunk of captions (one after the other); the
+step the backward's transients (a causal LM's fp32 logits gradient, attention masks a block rebuilds), the weight
+gradient in flight under ZeRO 0-2 and, before the forward pass, the encoders the cache does not replace; the
+samples the VAE decode or one sampling forward. Held-out evaluation (data.eval) runs the step's forward pass
+without gradients, so it stays below the step. Torch-free; the byte terms come from dstune.memory.plan.
 """
 
 from __future__ import annotations
@@ -31,15 +34,29 @@ HOST_WARNING_BYTES = 512e9  # per node: past this, the plan says which changes l
 class Phase:
     name: str
     parts: dict  # what the GPU holds in this phase: label -> bytes per GPU
+    # groups of parts that run one after another (the largest group counts): what each group makes is freed before
+    # the next begins (the text encoders' pass after the VAE's; the encoders before the forward pass)
+    one_at_a_time: tuple = ()
 
     @property
     def per_gpu(self) -> float:
-        return float(sum(self.parts.values()))
+        grouped = {label for group in self.one_at_a_time for label in group}
+        held = sum(value for label, value in self.parts.items() if label not in grouped)
+        largest = max((sum(self.parts.get(label, 0.0) for label in group) for group in self.one_at_a_time), default=0)
+        return float(held + largest)
+
+
+VAE_CHUNK, TEXT_CHUNK = "VAE encode of one chunk", "text encoders on one chunk"
+ACTIVATIONS, TRANSIENTS, IN_FLIGHT = "activations", "backward transients", "weight gradients in flight"
+STEP_VAE, STEP_TEXT = "VAE encode of the micro batch (latents not cached)", "text encoders on the micro batch"
+DECODE, SAMPLING_FORWARD = "VAE decode of the samples", "one sampling forward"
+STEP_HEAP = "the step's freed pages, still resident (CPU accelerator)"
 
 
 def run_phases(counts, setup, terms: dict) -> dict[str, Phase]:
     """The phases this run goes through (cache only with an encoder cache, sample only with sample.prompts), from
-    `terms`: the plan's per-GPU byte terms (see dstune.memory.plan.estimate)."""
+    `terms`: the plan's per-GPU byte terms (see dstune.memory.plan.estimate; the working memory's from
+    dstune.memory.working.working_terms)."""
     states = terms["parameters"] + terms["gradients"] + terms["optimizer"]
     every_frozen = terms["companions_all"]
     loaded = {
@@ -49,18 +66,24 @@ def run_phases(counts, setup, terms: dict) -> dict[str, Phase]:
     }
     phases = {"load": Phase("load", loaded)}
     if counts.cached_companions:  # built before the engine, so beside the placed module, not DeepSpeed's states
-        phases["cache"] = Phase("cache", dict(loaded))
+        encoding = {**loaded, VAE_CHUNK: terms["cache_vae"], TEXT_CHUNK: terms["cache_text"]}
+        phases["cache"] = Phase("cache", encoding, ((VAE_CHUNK,), (TEXT_CHUNK,)))
     phases["step"] = Phase(
         "step",
         {
             "model states": states,
             "EMA": terms["ema"],
             "frozen weights": terms["frozen"],
-            "activations": terms["activations"],
+            ACTIVATIONS: terms["activations"],
+            TRANSIENTS: terms["transients"],
+            IN_FLIGHT: terms["in_flight"],
+            STEP_VAE: terms["step_vae"],
+            STEP_TEXT: terms["step_text"],
             "optimizer step temporaries (beyond the activations)": terms["step_temporaries"],
             "DeepSpeed buffers": terms["buffers"],
             "runtime reserve": terms["reserve"],
         },
+        ((ACTIVATIONS, TRANSIENTS, IN_FLIGHT), (STEP_VAE,), (STEP_TEXT,)),
     )
     if setup.samples:
         phases["sample"] = Phase(
@@ -73,9 +96,17 @@ def run_phases(counts, setup, terms: dict) -> dict[str, Phase]:
                 "frozen parts (encoders back)": terms["companions_in_samples"],
                 "sampling-only parts": terms["sampling_extra"],
                 "ZeRO-3 gathered parameters and reduce bucket": terms["zero3_gathered"],
+                DECODE: terms["sample_decode"],
+                SAMPLING_FORWARD: terms["sample_forward"],
                 "runtime reserve": terms["reserve"],
             },
+            ((DECODE,), (SAMPLING_FORWARD,)),
         )
+        if setup.accelerator != "cuda":  # the host is the device: what the step freed stays resident, glibc's heap
+            held = phases["sample"].per_gpu  # keeps its pages (the samples' RSS starts where the step's ended)
+            step_heap = max(phases["step"].per_gpu - held, 0.0)
+            parts = {**phases["sample"].parts, STEP_HEAP: step_heap}
+            phases["sample"] = Phase("sample", parts, phases["sample"].one_at_a_time)
     return phases
 
 

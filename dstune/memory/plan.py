@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from dstune.memory.phases import Phase, peak_phase, run_phases
+from dstune.memory.phases import IN_FLIGHT, STEP_TEXT, STEP_VAE, TRANSIENTS, Phase, peak_phase, run_phases
+from dstune.memory.working import MAX_CHUNK_ENTRIES, working_terms
 from dstune.spec.models import BASE_PRECISION_BYTES  # bytes per frozen base parameter, one table
 
 MIXED = ("bf16", "fp16")
@@ -48,12 +49,13 @@ RUNTIME_RESERVE_BYTES = 1 << 30  # CUDA context, NCCL and allocator slack per GP
 # Python code loaded lazily by the first backward, optimizer step and samples (about 25-30 MB of file pages, 40-60 MB
 # anonymous), and the heap glibc keeps after a step's transients are freed, which grows with the module (about 4
 # bytes per module parameter between the two sizes; the RSS a phase starts from carries it). Before it (load and
-# cache build): the module objects and the loading and encoding code, 15-35 MB. DeepSpeed's shm all-reduce
+# cache build): the module objects and the loading and encoding code, 15-35 MB, up to 57 MB on a rank running a text
+# encoder for the cache (its code, tokenizer and template files: 34 MB of file pages). DeepSpeed's shm all-reduce
 # workspace (66 MiB a rank) is mapped but never touched in training (its kernel serves only inference_all_reduce):
 # 0 bytes of RssShmem in every run measured. A GPU's allocator peak holds none of this.
 CPU_RUNTIME_RESERVE_BYTES = 96 << 20
 CPU_RESERVE_PER_MODULE_PARAM = 4.0
-CPU_STARTUP_RESERVE_BYTES = 48 << 20
+CPU_STARTUP_RESERVE_BYTES = 64 << 20
 # DeepSpeed's ZeRO-3 defaults, where the JSON does not set them (deepspeed.runtime.zero.config)
 ZERO3_PERSISTENCE_THRESHOLD, ZERO3_MAX_REUSE_DISTANCE, ZERO3_MAX_LIVE_PARAMETERS = 100_000, 1_000_000_000, 1_000_000_000
 # DeepSpeed's ZeRO documentation: overlap_comm uses 4.5 x allgather_bucket_size and reduce_bucket_size (elements, in
@@ -90,6 +92,19 @@ class ModelCounts:
     # where the text encoders load on every rank though the family could load them once per node: why (the reason
     # text_once_per_node gives: a spec setting)
     text_on_every_rank: str = ""
+    # working memory beyond the weights and activations (dstune.memory.working), bytes in the run's precision: one
+    # cache entry's VAE encode (the largest bucket; tiled: through the VAE's tiles, 0 where it has none), one caption
+    # through the largest text encoder, one sample's VAE decode, one sampling forward of one sample, the samples a
+    # pipeline call renders, and per training sample the backward's transients beyond the saved activations
+    encode_entry_bytes: int = 0
+    encode_entry_tiled_bytes: int = 0
+    text_entry_bytes: int = 0
+    text_pass_bytes: int = 0  # what the text encoders' pass holds once, whatever its captions (T5's position bias)
+    decode_sample_bytes: int = 0
+    decode_sample_tiled_bytes: int = 0
+    sample_forward_bytes: int = 0
+    samples_per_call: int = 1
+    transient_sample_bytes: int = 0
 
     @property
     def companions_on_every_rank(self) -> dict:
@@ -133,6 +148,8 @@ class Setup:
     max_reuse_distance: int = ZERO3_MAX_REUSE_DISTANCE  # ZeRO-3: a gathered parameter reused within this stays
     max_live_parameters: int = ZERO3_MAX_LIVE_PARAMETERS  # ZeRO-3: the cap on gathered parameters
     bf16_states: bool = False  # deepspeed.bf16_optimizer_states: bf16 master weights, gradients and moments
+    cache_chunk: int = MAX_CHUNK_ENTRIES  # entries per encoder pass of the cache (verdict.choose_encoding)
+    vae_tiling: bool = False  # model.vae_tiling: the VAE encodes and decodes through its own tiles
 
     @classmethod
     def of(
@@ -161,6 +178,7 @@ class Setup:
             accumulation=plan.gradient_accumulation_steps,
             gradient_checkpointing=bool(getattr(spec.model, "gradient_checkpointing", False)),
             lora=getattr(spec.model, "train", "full") == "lora",
+            vae_tiling=bool(getattr(spec.model, "vae_tiling", False)),
             reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
             allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)),
             prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size", 5e7)),
@@ -222,20 +240,13 @@ class Estimate:
 
     @property
     def total(self) -> float:
-        """The training step's bytes per GPU."""
-        return (
-            self.model_states
-            + self.frozen
-            + self.activations
-            + self.step_temporaries
-            + self.buffers
-            + self.ema
-            + self.reserve
-        )
+        """The training step's bytes per GPU (its phase: the activations, the backward's transients and the
+        weight gradients in flight, or the uncached encoders' passes before them, whichever is larger)."""
+        return self.phases["step"].per_gpu
 
     @property
     def peak_phase(self) -> Phase:
-        return peak_phase(self.phases) if self.phases else Phase("step", {"step": self.total})
+        return peak_phase(self.phases)
 
     @property
     def peak(self) -> float:
@@ -243,6 +254,7 @@ class Estimate:
         return max(self.total, self.peak_phase.per_gpu)
 
     def per_gpu(self) -> dict:
+        step = self.phases["step"].parts
         return {
             "total_bytes": int(self.total),
             "parameters_bytes": int(self.parameters),
@@ -250,6 +262,9 @@ class Estimate:
             "optimizer_bytes": int(self.optimizer),
             "frozen_bytes": int(self.frozen),
             "activations_bytes": int(self.activations),
+            "backward_transients_bytes": int(step.get(TRANSIENTS, 0)),
+            "gradients_in_flight_bytes": int(step.get(IN_FLIGHT, 0)),
+            "encoders_working_bytes": int(max(step.get(STEP_VAE, 0), step.get(STEP_TEXT, 0))),
             "step_temporaries_bytes": int(self.step_temporaries),
             "buffers_bytes": int(self.buffers),
             "ema_bytes": int(self.ema),
@@ -537,6 +552,7 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
         "reserve": reserve,
         # a GPU holds its CUDA context from the start; the CPU's reserve is what the first step and samples add
         "start_reserve": reserve if on_gpu else CPU_STARTUP_RESERVE_BYTES,
+        **working_terms(counts, setup),
     }
     return Estimate(
         parameters,

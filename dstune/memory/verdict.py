@@ -10,6 +10,7 @@ from typing import Optional
 
 from dstune.memory.phases import host_warning
 from dstune.memory.plan import ModelCounts, Setup, estimate, reduce_bucket_elements
+from dstune.memory.working import MAX_CHUNK_ENTRIES
 from dstune.spec.models import BASE_PRECISION_BYTES
 
 
@@ -56,6 +57,15 @@ def _schedule_changes(counts: ModelCounts, setup: Setup) -> list[Change]:
                 "model.gradient_checkpointing=true",
                 counts,
                 replace(setup, gradient_checkpointing=True),
+            )
+        )
+    if not setup.vae_tiling and (counts.encode_entry_tiled_bytes or counts.decode_sample_tiled_bytes):
+        changes.append(
+            Change(
+                "vae tiling",
+                "model.vae_tiling=true (the VAE's own tiles: latents and samples differ from untiled ones)",
+                counts,
+                replace(setup, vae_tiling=True),
             )
         )
     for micro in _divisors_below(setup.micro_batch):
@@ -170,8 +180,23 @@ def suggestions(counts: ModelCounts, setup: Setup, gpu_bytes: float, limit: int 
     return []
 
 
+def choose_encoding(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -> Setup:
+    """The cache build's chunk, the entries one encoder pass takes (the VAE's, the text encoders'): without a GPU
+    size the most (MAX_CHUNK_ENTRIES), with one the most whose cache phase fits, down to one (where even one
+    does not fit, the verdict says the cache phase does not)."""
+    if gpu_bytes is None:
+        return replace(setup, cache_chunk=MAX_CHUNK_ENTRIES)
+
+    def fits(chunk: int) -> bool:
+        phases = estimate(counts, replace(setup, cache_chunk=chunk)).phases
+        return "cache" not in phases or phases["cache"].per_gpu <= gpu_bytes
+
+    return replace(setup, cache_chunk=next((n for n in range(MAX_CHUNK_ENTRIES, 0, -1) if fits(n)), 1))
+
+
 def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -> dict:
     """The `memory` object of `dstune validate --json` (names other tools read: docs/memory.md)."""
+    setup = choose_encoding(counts, setup, gpu_bytes)
     result = estimate(counts, setup)
     fits = None if gpu_bytes is None else result.peak <= gpu_bytes
     host = result.host_per_node
@@ -181,8 +206,18 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
             name: {
                 "per_gpu_bytes": int(phase.per_gpu),
                 "parts": {label: int(value) for label, value in phase.parts.items() if value},
+                "one_at_a_time": [
+                    held
+                    for held in ([label for label in group if phase.parts.get(label)] for group in phase.one_at_a_time)
+                    if held
+                ],
             }
             for name, phase in result.phases.items()
+        },
+        "cache_encoding": {
+            "entries_per_pass": setup.cache_chunk,
+            "chosen_for_gpu_memory": gpu_bytes is not None,
+            "vae_tiling": setup.vae_tiling,
         },
         "peak_per_gpu_bytes": int(result.peak),  # the largest phase: what must fit
         "peak_phase": result.peak_phase.name,

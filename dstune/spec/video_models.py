@@ -101,6 +101,16 @@ class VideoModelSpec(DenoiserModelBase):
         "folder and false on an image-to-video one are refused. Samples then render from sample.control_images "
         "(one first frame per prompt).",
     )
+    vae_tiling: bool = Field(
+        False,
+        description="Encode and decode through the VAE's own tiles (diffusers' enable_tiling: spatial tiles, "
+        "each whole in time, their borders blended), for clips the VAE cannot hold whole: the cache's latents, "
+        "the latents of a run without the cache and the samples' decode. Tiled latents are not the untiled ones "
+        "(the blended borders, the VAE's attention within a tile), so they are cached apart; dstune cannot "
+        "bound the difference without the model's weights, and never tiles unless this is set. `dstune validate "
+        "--gpu-memory` suggests it where the cache or sample phase does not fit untiled (docs/memory.md). "
+        "Only the VAEs whose tiles' memory dstune knows (the model's page says so).",
+    )
     sample_frames: int = Field(
         5,
         gt=0,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness import CACHE_DIR, base_spec, explain, launch, metrics, write_spec
+from harness import CACHE_DIR, base_spec, explain, launch, memory_phase_rows, memory_problems, metrics, write_spec
 
 STEPS = 4
 TRANSFORMER = Path("transformer") / "diffusion_pytorch_model.safetensors"
@@ -90,6 +90,21 @@ def check_full_export(run_dir: Path, proc, model: str, pipeline_class, render) -
     image = render(pipeline_class.from_pretrained(export))
     assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
     assert (run_dir / "samples" / f"step-{STEPS:06d}.png").is_file()
+
+
+def check_memory_phases(run_dir: Path, proc) -> None:
+    """The memory plan against the run's measurement per phase (harness.memory_problems: predicted >= 0.9 x
+    measured, under the ceiling), the cache phase with its encoders' pass over a chunk and the sample phase with the
+    VAE's decode and a sampling forward (dstune.memory.working) among its parts."""
+    import json
+
+    assert proc.returncode == 0, explain(proc)
+    phases = json.loads((run_dir / "memory.json").read_text())["predicted"]["phases"]
+    assert phases["cache"]["parts"]["VAE encode of one chunk"] > 0
+    assert phases["sample"]["parts"]["VAE decode of the samples"] > 0 and phases["sample"]["parts"]["one sampling forward"] > 0
+    for name, planned, measured, _ in memory_phase_rows(run_dir):
+        print(f"{run_dir.parent.name} {name}: predicted {planned / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB")
+    assert not memory_problems(run_dir), memory_problems(run_dir)
 
 
 def check_lora_export(run_dir: Path, proc, model: str, pipeline_class, render) -> None:

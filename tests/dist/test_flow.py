@@ -1,7 +1,8 @@
 """Real 2-rank DeepSpeed training of the `flow` family on CPU: SD3-class under ZeRO 3 (trains, passes the batch check,
 samples, resumes exactly, exports a StableDiffusion3Pipeline) and Flux-class LoRA under ZeRO 2 with gradient
-checkpointing, from cached latents and text embeddings (trains, exports a LoRA file FluxPipeline loads). Three
-launches in all, shared by the tests below."""
+checkpointing, from cached latents and text embeddings (trains, samples, exports a LoRA file FluxPipeline loads;
+the memory plan's cache and sample phases hold what it measured). Three launches in all, shared by the tests
+below."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flow_runs import check_memory_phases
 from harness import CACHE_DIR, base_spec, explain, launch, metrics, write_spec
 
 pytestmark = pytest.mark.dist
@@ -21,7 +23,7 @@ STEPS = 4
 TRANSFORMER = Path("transformer") / "diffusion_pytorch_model.safetensors"
 CASES = {  # name -> (built-in model, zero stage, gradient checkpointing, sample prompts, cache and LoRA)
     "sd3-zero3": ("tiny-flow", 3, False, ["a red circle"], False),
-    "flux-lora-zero2": ("tiny-flux", 2, True, [], True),
+    "flux-lora-zero2": ("tiny-flux", 2, True, ["a red circle"], True),
 }
 
 
@@ -112,3 +114,11 @@ def test_zero3_resume_continues_exactly(runs, tmp_path):
     a = load_file(run_dir / "export" / f"step-{STEPS:08d}" / TRANSFORMER)
     b = load_file(resumed_dir / "export" / f"step-{STEPS:08d}" / TRANSFORMER)
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_flux_lora_cache_and_sample_phases_are_within_the_plan(runs):
+    """FLUX.1 LoRA from both caches with samples (launch/flux-lora-zero3-8gpu.yaml's tiny twin): the plan's cache
+    phase (the VAE's or the text encoders' pass over a chunk beside the loaded parts) and sample phase (the decode or
+    a sampling forward) hold what the ranks measured."""
+    run_dir, _, proc = runs["flux-lora-zero2"]
+    check_memory_phases(run_dir, proc)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from flow_runs import (ROWS, check_full_export, check_lora_export, check_lora_samples_from, check_resume,
-                       check_trains, launch_cases, resumed_file)
+from flow_runs import (ROWS, check_full_export, check_lora_export, check_lora_samples_from, check_memory_phases,
+                       check_resume, check_trains, launch_cases, resumed_file)
 
 pytestmark = pytest.mark.dist
 
@@ -37,6 +37,14 @@ def test_full_export_loads_in_its_pipeline_and_renders(runs, model):
     row = ROWS[model]
     run_dir, _, proc = runs[model, row.full_case]
     check_full_export(run_dir, proc, model, row.pipeline(), row.render)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_full_runs_cache_and_sample_phases_are_within_the_plan(runs, model):
+    """The full run builds both caches and renders samples: the plan's cache phase (an encoder pass over a chunk
+    beside the loaded parts) and sample phase (the decode or a sampling forward) hold what the ranks measured."""
+    run_dir, _, proc = runs[model, ROWS[model].full_case]
+    check_memory_phases(run_dir, proc)
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -7,13 +7,14 @@ losses and LoRA file, which the pipeline's transformer loads with load_lora_adap
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from flow_runs import STEPS, TRANSFORMER, base_folder, check_resume, check_trains
+from flow_runs import STEPS, TRANSFORMER, base_folder, check_memory_phases, check_resume, check_trains
 from harness import CACHE_DIR, launch, write_spec
 from video_runs import PROMPT, first_frame, video_spec
 
@@ -76,6 +77,10 @@ def test_full_run_from_caches_exports_a_folder_the_pipeline_renders(runs):
     frames = _render_hv15(HunyuanVideo15Pipeline.from_pretrained(export))
     assert frames.shape == (1, 5, 3, 32, 32) and torch.isfinite(frames).all()
     assert (run_dir / "samples" / f"step-{STEPS:06d}.mp4").stat().st_size > 0
+    # launch/hunyuan-video15-720p-lora-zero3-8gpu.yaml's tiny twin: the plan's cache and sample phases (the VAE's
+    # encode of a chunk, its decode or a sampling forward) hold what the ranks measured, the step its transients
+    check_memory_phases(run_dir, proc)
+    assert json.loads((run_dir / "memory.json").read_text())["predicted"]["per_gpu"]["backward_transients_bytes"] > 0
 
 
 def test_i2v_lora_zero3_resumes_exactly_and_its_file_loads_into_the_transformer(runs, tmp_path):

@@ -44,6 +44,7 @@ LAYERS = [
         "dstune.memory.phases",
         "dstune.memory.activations",
         "dstune.memory.activation_cases",
+        "dstune.memory.working",
     ],
     [
         "dstune.distributed",
@@ -62,6 +63,7 @@ LAYERS = [
         "dstune.sets_plan",
         "dstune.sequence_parallel",
         "dstune.validate",
+        "dstune.memory_report",
         "dstune.report",
     ],
     [

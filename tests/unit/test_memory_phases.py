@@ -218,3 +218,133 @@ def test_the_small_tensor_count_is_what_zero3_sees_on_the_real_module_with_adapt
             sizes[tensor.numel()] = sizes.get(tensor.numel(), 0) + 1
     assert dict(counted) == sizes
     assert any(numel == 4 * 32 for numel, _ in counted)  # an adapter's A or B on a 32-wide projection
+
+
+ENCODE, TEXT, DECODE, FORWARD = 2_000_000_000, 500_000_000, 3_000_000_000, 1_000_000_000
+
+
+def working(**extra) -> ModelCounts:
+    """counts() with the encoders' working memory: one entry's VAE encode, one caption's text pass, one sample's
+    decode and sampling forward (dstune.memory.working)."""
+    values = dict(
+        encode_entry_bytes=ENCODE,
+        text_entry_bytes=TEXT,
+        decode_sample_bytes=DECODE,
+        sample_forward_bytes=FORWARD,
+        samples_per_call=2,
+    )
+    return counts(**{**values, **extra})
+
+
+def test_the_cache_phase_holds_one_chunks_encode_beside_the_loaded_parts():
+    from dstune.memory.phases import TEXT_CHUNK, VAE_CHUNK
+
+    loaded = estimate(working(), setup()).phases["load"].per_gpu
+    for chunk in (8, 3, 1):
+        cache = estimate(working(), setup(cache_chunk=chunk)).phases["cache"]
+        assert cache.parts[VAE_CHUNK] == chunk * ENCODE and cache.parts[TEXT_CHUNK] == chunk * TEXT
+        # the text encoders' pass follows the VAE's: the larger of the two counts, not both
+        assert cache.per_gpu == loaded + chunk * max(ENCODE, TEXT)
+    text_only = estimate(working(), setup()).phases["cache"]  # the text cache only: the VAE works in the step
+    assert text_only.parts[VAE_CHUNK] == 8 * ENCODE
+    step_encodes = estimate(working(cached=("text_encoder",)), setup(micro_batch=2)).phases["step"]
+    assert step_encodes.parts["VAE encode of the micro batch (latents not cached)"] == 2 * ENCODE
+
+
+def test_the_chunk_is_the_most_entries_whose_cache_phase_fits_and_one_at_least():
+    from dstune.memory.verdict import choose_encoding
+
+    model = working()
+    loaded = estimate(model, setup()).phases["load"].per_gpu
+    assert choose_encoding(model, setup(), None).cache_chunk == 8  # no GPU size: the most
+    assert choose_encoding(model, setup(), loaded + 3.5 * ENCODE).cache_chunk == 3
+    assert choose_encoding(model, setup(), loaded + 100 * ENCODE).cache_chunk == 8
+    low = loaded + 0.5 * ENCODE  # not even one entry: one, and the verdict names the cache phase
+    assert choose_encoding(model, setup(), low).cache_chunk == 1
+    memory = memory_json(model, setup(), low)
+    assert memory["fits"] is False and memory["peak_phase"] == "cache"
+    assert memory["cache_encoding"] == {"entries_per_pass": 1, "chosen_for_gpu_memory": True, "vae_tiling": False}
+    # a tileable VAE: tiling is suggested, never chosen by the plan
+    tileable = working(encode_entry_tiled_bytes=ENCODE // 10)
+    memory = memory_json(tileable, setup(), low)
+    assert memory["cache_encoding"]["vae_tiling"] is False
+    assert memory["suggestions"][0]["change"].startswith("model.vae_tiling=true")
+    assert memory["suggestions"][0]["relieves"] == "cache"
+    tiled = estimate(tileable, setup(vae_tiling=True, cache_chunk=4)).phases["cache"]
+    assert tiled.per_gpu == loaded + 4 * max(ENCODE // 10, TEXT)
+
+
+def test_the_step_holds_the_backward_transients_and_under_zero_0_to_2_a_gradient_in_flight():
+    from dstune.memory.phases import IN_FLIGHT, TRANSIENTS
+
+    transients = 700_000_000
+    for stage in (0, 1, 2, 3):
+        plain = estimate(counts(), setup(stage))
+        with_transients = estimate(counts(transient_sample_bytes=transients), setup(stage, micro_batch=2))
+        flight = 2 * 2 * 50_000_000 if stage < 3 else 0  # 2 x the largest layer's 16-bit gradient
+        assert with_transients.phases["step"].parts[TRANSIENTS] == 2 * transients
+        assert plain.phases["step"].parts.get(IN_FLIGHT, 0) == flight
+        assert with_transients.total == pytest.approx(
+            estimate(counts(), setup(stage, micro_batch=2)).total + 2 * transients
+        )
+    per_gpu = memory_json(counts(transient_sample_bytes=transients), setup(), None)["per_gpu"]
+    assert per_gpu["backward_transients_bytes"] == transients and per_gpu["gradients_in_flight_bytes"] == 2e8
+
+
+def test_the_sample_phase_holds_the_decode_or_one_sampling_forward():
+    from dstune.memory.phases import DECODE as DECODE_LABEL, SAMPLING_FORWARD
+
+    plain = estimate(counts(), setup(samples=True)).phases["sample"].per_gpu
+    sample = estimate(working(), setup(samples=True)).phases["sample"]
+    # both prompts decoded at once, or one forward of both: the larger, not both
+    assert sample.parts[DECODE_LABEL] == 2 * DECODE and sample.parts[SAMPLING_FORWARD] == 2 * FORWARD
+    assert sample.per_gpu == plain + max(2 * DECODE, 2 * FORWARD)
+    assert "sample" not in estimate(working(), setup()).phases
+
+
+LAUNCH_VERDICTS = {  # spec, GPU memory, fits, the peak phase, the chunk the plan chooses
+    "hunyuan-video15-720p-lora-zero3-8gpu": ("80GB", True, "cache", 4),
+    "krea2-lora-8x24gb": ("24GB", True, "cache", 4),
+    "qwen-image-lora-zero3-8gpu": ("24GB", False, "cache", 1),
+    "flux-lora-zero3-8gpu": ("24GB", True, "cache", 7),
+}
+
+
+@pytest.mark.parametrize("name", LAUNCH_VERDICTS)
+def test_the_launch_specs_verdicts_count_the_encode_of_the_chunk_they_use(name, capsys):
+    """The four example specs whose "fits" left the encoders' working memory out (docs/memory.md recomputes them):
+    each fits with a cache phase that holds the encode of the chunk it will use, or does not fit and names the
+    cache phase."""
+    import shlex
+
+    from dstune.cli import main
+    from dstune.memory.phases import VAE_CHUNK
+
+    size, fits, peak, chunk = LAUNCH_VERDICTS[name]
+    spec = REPO / "launch" / f"{name}.yaml"
+    _, *flags = shlex.split(spec.read_text().splitlines()[0].split("dstune validate ", 1)[1])
+    assert main(["validate", str(spec), *flags, "--json", "--gpu-memory", size]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["fits"] is fits and memory["peak_phase"] == peak, (memory["fits"], memory["peak_phase"])
+    assert memory["cache_encoding"]["entries_per_pass"] == chunk and memory["cache_encoding"]["chosen_for_gpu_memory"]
+    cache = memory["phases"]["cache"]
+    load = memory["phases"]["load"]["per_gpu_bytes"]
+    assert cache["parts"][VAE_CHUNK] > 0 and cache["per_gpu_bytes"] >= load + cache["parts"][VAE_CHUNK]
+    if fits:
+        assert cache["per_gpu_bytes"] <= memory["gpu_memory_bytes"]
+    else:  # one entry already does not fit beside the text encoder loaded for the cache
+        assert load < memory["gpu_memory_bytes"] < cache["per_gpu_bytes"]
+
+
+def test_hunyuan_video15_at_720p_fits_only_through_the_vaes_tiles(capsys):
+    """Without model.vae_tiling one 720p clip's encode (and a sample's decode) does not fit any GPU: validate says
+    the cache phase does not fit and suggests the tiles."""
+    from dstune.cli import main
+
+    spec = str(REPO / "launch" / "hunyuan-video15-720p-lora-zero3-8gpu.yaml")
+    flags = ["--num-gpus", "8", "--num-samples", "2000", "--json", "--gpu-memory", "80GB"]
+    assert main(["validate", spec, *flags, "--set", "model.vae_tiling=false"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["fits"] is False and memory["peak_phase"] == "cache" and memory["peak_per_gpu_bytes"] > 130e9
+    assert memory["phases"]["sample"]["per_gpu_bytes"] > 80e9  # a 121-frame sample's decode, whole
+    assert any(s["change"].startswith("model.vae_tiling=true") for s in memory["suggestions"])

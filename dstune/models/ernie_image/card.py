@@ -11,6 +11,7 @@ from dstune.card import DEFAULT_LORA_TARGET_MODULES, ModelPreset, image, lora
 from dstune.families.flow_card import FlowCard
 from dstune.families.folders import read_component_config
 from dstune.memory.activations import ModelShape
+from dstune.memory.working import TextWork, VaeWork
 
 # attention (the default targets) and the GELU-gated MLP of every block
 LORA_TARGETS = (*DEFAULT_LORA_TARGET_MODULES, "gate_proj", "up_proj", "linear_fc2")
@@ -43,7 +44,26 @@ class ErnieImageCard(FlowCard):
         return problems
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKLFlux2": VaeWork(encode=10.0, decode=12.031, measured_on="hub/baidu/ERNIE-Image/vae"),
+    "Mistral3Model": TextWork(
+        hidden=8.0,
+        ffn=6.0,
+        token=41.9,
+        square=0.719,
+        pass_square=0.484,
+        measured_on="builtin/tiny-ernie-image-v1/text_encoder",
+    ),
+}
+
+
 ERNIE_IMAGE_CARD = ErnieImageCard(
+    working=WORKING_MEMORY,
+    guidance_batch=2,  # ErnieImagePipeline: guidance's two halves in one batch
+    text_hidden_states={"text_encoder": (-2,)},  # ErnieImagePipeline reads the second-to-last
     key="ernie_image",
     name="ERNIE-Image",
     family="flow",

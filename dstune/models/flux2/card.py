@@ -14,6 +14,7 @@ from dstune.card import DEFAULT_LORA_TARGET_MODULES, ModelPreset, image, lora
 from dstune.families.flow_card import FlowCard, edit_source_issues, two_streams
 from dstune.families.pipeline_card import SpecIssues
 from dstune.families.folders import read_component_config
+from dstune.memory.working import TextWork, VaeWork
 
 LORA_TARGETS = (*DEFAULT_LORA_TARGET_MODULES, "to_qkv_mlp_proj")
 
@@ -21,6 +22,9 @@ LORA_TARGETS = (*DEFAULT_LORA_TARGET_MODULES, "to_qkv_mlp_proj")
 @dataclass(frozen=True, kw_only=True)
 class Flux2Card(FlowCard):
     text_layers: tuple[int, ...]  # the text encoder's hidden states its pipeline stacks side by side
+
+    def hidden_states_read(self, folder) -> dict[str, tuple[int, ...]]:
+        return {"text_encoder": self.text_layers}
 
     def config_mismatches(self, folder: Path) -> list[str]:
         """Channels and widths that must agree, and the text encoder deep enough for the stacked layers."""
@@ -58,7 +62,32 @@ class Flux2Card(FlowCard):
         return edit_source_issues(spec, self.pipeline_class)
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKLFlux2": VaeWork(encode=10.0, decode=12.031, measured_on="hub/black-forest-labs/FLUX.2-klein-4B/vae"),
+    "Qwen3ForCausalLM": TextWork(
+        hidden=8.0,
+        ffn=6.0,
+        token=41.9,
+        square=0.719,
+        pass_square=0.484,
+        measured_on="builtin/tiny-flux2-v1/text_encoder",
+    ),
+    "Mistral3ForConditionalGeneration": TextWork(
+        hidden=8.0,
+        ffn=6.0,
+        token=41.9,
+        square=0.719,
+        pass_square=0.484,
+        measured_on="builtin/tiny-flux2-dev-v1/text_encoder",
+    ),
+}
+
+
 COMMON = dict(
+    working=WORKING_MEMORY,
     family="flow",
     unit="flux2",
     model_class="dstune.models.flux2.model:Flux2",

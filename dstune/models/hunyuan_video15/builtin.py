@@ -279,5 +279,11 @@ ACTIVATION_CASES = (
         check_size=(50, 12),
         block_lists=attr("transformer_blocks"),  # the token refiner's 2 blocks (not checkpointed): outside
         joint_mask=True,
+        # the (clip + context)^2 masks each block builds, forwards and when it is recomputed: measured one head
+        # wide over sequences long enough for them to be a third of the step
+        transients=True,
+        transient_sizes=((2048, 64), (4608, 64), (2048, 256), (4608, 256)),
+        transient_check=(3200, 128),
+        transient_heads=1,
     ),
 )

@@ -18,6 +18,7 @@ from dstune.families.pipeline_card import SpecIssues
 from dstune.families.video_card import VideoCard
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.spec.video_models import expert_problems
+from dstune.memory.working import TextWork, VaeWork
 
 I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
 I2V_COMPONENTS = {"image_encoder": "SiglipVisionModel", "feature_extractor": None}
@@ -29,6 +30,7 @@ TEXT_TENSORS = (
     "encoder_attention_mask_2",
 )
 GLYPH_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length
+TEMPLATE_TOKENS = 108  # the pipeline's chat template before the caption, cropped after the text encoder
 VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens: SigLIP's 27 x 27 patches
 TRAIN_SHIFT = 3.0  # the official train.py's --train_timestep_shift default
 # Measured on HunyuanVideo15Transformer3DModel itself (the "hunyuan-video15" activation case in its builtin module): per
@@ -134,6 +136,12 @@ class HunyuanVideo15Card(VideoCard):
             f"the transformer config of {folder.origin}",
         )
 
+    def encoder_tokens(self, spec, folder) -> dict[str, int]:
+        """A caption's tokens in each text encoder: Qwen2.5-VL's with the pipeline's template (cropped after it),
+        the glyph encoder's 256."""
+        text = (spec.model.max_sequence_length or self.default_text_tokens) + TEMPLATE_TOKENS
+        return {"text_encoder": text, "text_encoder_2": GLYPH_TOKENS}
+
     def context_tokens(self, spec) -> int:
         """The context every block attends to jointly with the clip: caption, glyph and image tokens."""
         return (spec.model.max_sequence_length or self.default_text_tokens) + GLYPH_TOKENS + VISION_TOKENS
@@ -213,7 +221,40 @@ class HunyuanVideo15Card(VideoCard):
         return issues
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKLHunyuanVideo15": VaeWork(
+        encode=14.125,
+        decode=14.125,
+        mask=2.0,
+        tile_px=256,
+        measured_on="hub/hunyuanvideo-community/HunyuanVideo-1.5-720p_t2v/vae",
+    ),
+    "Qwen2_5_VLTextModel": TextWork(
+        hidden=8.0,
+        ffn=6.0,
+        token=68.7,
+        square=0.969,
+        pass_square=0.054,
+        measured_on="builtin/tiny-hunyuan-video15-v1/text_encoder",
+    ),
+    "T5EncoderModel": TextWork(
+        hidden=1.282,
+        ffn=6.672,
+        token=150.5,
+        scores=1.63,
+        pass_scores=2.064,
+        measured_on="builtin/tiny-hunyuan-video15-v1/text_encoder_2",
+    ),
+}
+
+
 HUNYUAN_VIDEO15_CARD = HunyuanVideo15Card(
+    working=WORKING_MEMORY,
+    # HunyuanVideo15Pipeline reads Qwen2.5-VL's third hidden state from the end (num_hidden_layers_to_skip 2)
+    text_hidden_states={"text_encoder": (-3,)},
     key="hunyuan_video15",
     name="HunyuanVideo 1.5",
     family="video",

@@ -11,6 +11,7 @@ from dstune.card import DEFAULT_LORA_TARGET_MODULES, ModelPreset, image, lora
 from dstune.families.flow_card import FlowCard
 from dstune.families.folders import read_component_config
 from dstune.memory.activations import ModelShape
+from dstune.memory.working import TextWork, VaeWork
 
 # the pipeline's QWEN3_VL_ACTIVATION_LAYERS: the text layers whose hidden states it concatenates per token
 TAPPED_LAYERS = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 35)
@@ -54,7 +55,24 @@ class Ideogram4Card(FlowCard):
         return problems
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKLFlux2": VaeWork(encode=10.0, decode=12.031, measured_on="hub/ideogram-ai/ideogram-v4/vae"),
+    "Qwen3VLModel": TextWork(
+        hidden=8.0,
+        ffn=6.0,
+        token=36.7,
+        square=0.969,
+        pass_square=0.054,
+        measured_on="builtin/tiny-ideogram4-v1/text_encoder",
+    ),
+}
+
+
 IDEOGRAM4_CARD = Ideogram4Card(
+    working=WORKING_MEMORY,  # its pipeline runs the text encoder's layers itself, keeping those it reads
     key="ideogram4",
     name="Ideogram 4",
     family="flow",

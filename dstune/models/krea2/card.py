@@ -12,8 +12,10 @@ from typing import Optional
 from dstune.card import ModelPreset, image, lora
 from dstune.families.flow_card import FlowCard, joint_blocks
 from dstune.families.folders import read_component_config, read_model_index
+from dstune.memory.working import TextWork, VaeWork
 
 DEFAULT_TEXT_LAYERS = 12  # Krea2Pipeline's default taps (2, 5, ..., 35) of Qwen3-VL-4B
+DEFAULT_SELECT_LAYERS = tuple(range(2, 3 * DEFAULT_TEXT_LAYERS, 3))
 DISTILLED_GUIDANCE = 0.0  # a Turbo folder (is_distilled) samples without classifier-free guidance
 # the training example's default LoRA layers (its authors' recommendation): attention with its gate, the MLP, the
 # image and text input projections, the text fusion's projector, the timestep MLP and modulation, the output
@@ -38,6 +40,12 @@ LORA_TARGETS = (
 
 @dataclass(frozen=True, kw_only=True)
 class Krea2Card(FlowCard):
+    def hidden_states_read(self, folder) -> dict[str, tuple[int, ...]]:
+        """The Qwen3-VL hidden states Krea2Pipeline stacks: model_index.json's text_encoder_select_layers (its
+        default taps where the folder lists none)."""
+        layers = folder.index.get("text_encoder_select_layers")
+        return {"text_encoder": tuple(layers) if isinstance(layers, list) else DEFAULT_SELECT_LAYERS}
+
     def config_mismatches(self, folder: Path) -> list[str]:
         """Channels, the text width and the number of tapped layers the transformer expects, against the other
         parts."""
@@ -74,7 +82,26 @@ class Krea2Card(FlowCard):
         return super().sample_guidance(index)
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKLQwenImage": VaeWork(
+        encode=20.5, encode_fixed=536.0, decode=36.292, decode_fixed=536.0, measured_on="hub/krea/Krea-2-Raw/vae"
+    ),
+    "Qwen3VLModel": TextWork(
+        hidden=8.0,
+        ffn=6.0,
+        token=68.7,
+        square=0.969,
+        pass_square=0.054,
+        measured_on="builtin/tiny-krea2-v1/text_encoder",
+    ),
+}
+
+
 KREA2_CARD = Krea2Card(
+    working=WORKING_MEMORY,
     key="krea2",
     name="Krea 2",
     family="flow",

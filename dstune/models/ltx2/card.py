@@ -26,6 +26,7 @@ from dstune.families.pipeline_card import SpecIssues
 from dstune.families.video_card import VideoCard, clip_buckets
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.spec.video_models import expert_problems
+from dstune.memory.working import TextWork, VaeWork
 
 PIPELINE = "LTX2Pipeline"
 TEXT_TENSORS = ("encoder_hidden_states", "audio_encoder_hidden_states", "encoder_attention_mask")
@@ -265,6 +266,12 @@ def config_mismatches(folder: Path) -> list[str]:
 
 @dataclass(frozen=True, kw_only=True)
 class Ltx2Card(VideoCard):
+    def hidden_states_read(self, folder) -> dict[str, tuple[int, ...]]:
+        """LTX2Pipeline stacks every Gemma 3 hidden state (the embeddings' and each layer's)."""
+        config = folder.config("text_encoder")
+        layers = (config.get("text_config") or config).get("num_hidden_layers", 0)
+        return {"text_encoder": tuple(range(layers + 1))}
+
     def folder_problems(self, folder: Path, model_spec) -> list[str]:
         """The experts (none), an LTX2Pipeline folder, its components, and the configs' agreement."""
         index = read_model_index(folder)
@@ -361,7 +368,27 @@ class Ltx2Card(VideoCard):
         )
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKLLTX2Video": VaeWork(
+        encode=1.25,
+        encode_frame=1.0,
+        decode=0.337,
+        decode_frame=0.317,
+        decode_fixed=1260.0,
+        measured_on="hub/Lightricks/LTX-2/vae",
+    ),
+    "Gemma3ForConditionalGeneration": TextWork(
+        hidden=8.0, ffn=6.0, token=23.3, square=0.843, pass_square=0.27, measured_on="builtin/tiny-ltx2-v1/text_encoder"
+    ),
+}
+
+
 LTX2_CARD = Ltx2Card(
+    working=WORKING_MEMORY,
+    guidance_batch=2,  # LTX2Pipeline: guidance's two halves in one batch
     key="ltx2",
     name="LTX-2",
     family="video",

@@ -14,11 +14,15 @@ from dstune.families.facts import Attention
 from dstune.families.flow_card import FlowCard, edit_source_issues, joint_blocks
 from dstune.families.folders import read_component_config
 from dstune.families.pipeline_card import SpecIssues
+from dstune.memory.working import TextWork, VaeWork
 
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
 NEGATIVE = " "  # the negative prompt of true classifier-free guidance, as the model card samples
 EDIT_PIPELINE = "QwenImageEditPipeline"
 VISION_PATCH_PX = 28  # the edit's source image joins the text as Qwen2.5-VL vision tokens of 28 px
+# the pipelines' prompt templates, cropped after the text encoder (prompt_template_encode_start_idx): the encoder
+# runs over them too
+TEMPLATE_TOKENS, EDIT_TEMPLATE_TOKENS = 34, 64
 
 
 def qwen_config_mismatches(folder: Path) -> list[str]:
@@ -43,6 +47,9 @@ class QwenImageCard(FlowCard):
     def config_mismatches(self, folder: Path) -> list[str]:
         return qwen_config_mismatches(folder)
 
+    def encoder_tokens(self, spec, folder) -> dict[str, int]:
+        return {"text_encoder": self.text_tokens(spec, folder) + TEMPLATE_TOKENS}
+
     def negative_caption(self) -> str:
         return NEGATIVE
 
@@ -59,6 +66,9 @@ class QwenImageEditCard(FlowCard):
 
     def text_tokens(self, spec, folder) -> int:
         return super().text_tokens(spec, folder) + int((spec.data.resolution / VISION_PATCH_PX) ** 2)
+
+    def encoder_tokens(self, spec, folder) -> dict[str, int]:
+        return {"text_encoder": self.text_tokens(spec, folder) + EDIT_TEMPLATE_TOKENS}
 
     def pictures(self, spec, folder) -> int:
         return 2
@@ -98,7 +108,27 @@ class QwenImageEditCard(FlowCard):
         return replace(found, text_tokens=0)
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKLQwenImage": VaeWork(
+        encode=20.5, encode_fixed=536.0, decode=36.292, decode_fixed=536.0, measured_on="hub/Qwen/Qwen-Image/vae"
+    ),
+    "Qwen2_5_VLForConditionalGeneration": TextWork(
+        hidden=6.0,
+        ffn=6.0,
+        token=68.7,
+        square=0.969,
+        pass_square=0.054,
+        measured_on="builtin/tiny-qwen-image-v1/text_encoder",
+    ),
+}
+
+
 COMMON = dict(
+    working=WORKING_MEMORY,
+    text_hidden_states={"text_encoder": (-1,)},  # the last, of Qwen-Image's and the edit's Qwen2.5-VL
     family="flow",
     unit="qwen_image",
     docs="docs/family-flow.md",

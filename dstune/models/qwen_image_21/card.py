@@ -12,6 +12,7 @@ from dstune.card import ModelPreset, image, lora
 from dstune.families.flow_card import FlowCard
 from dstune.families.folders import read_component_config
 from dstune.memory.activations import ModelShape
+from dstune.memory.working import TextWork, VaeWork
 
 NEGATIVE = " "  # the negative prompt of true classifier-free guidance, as the model card samples
 SIDE_PX = 32  # 16x VAE, 2x2 latents per image slot
@@ -49,7 +50,25 @@ class QwenImage21Card(FlowCard):
         return SIDE_PX
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKLQwenImage21": VaeWork(encode=22.5, decode=67.146, measured_on="hub/Qwen/Qwen-Image-2.1/vae"),
+    "Qwen3VLForConditionalGeneration": TextWork(
+        hidden=8.0,
+        ffn=6.0,
+        token=36.7,
+        square=0.969,
+        pass_square=0.054,
+        measured_on="builtin/tiny-qwen-image-21-v1/text_encoder",
+    ),
+}
+
+
 QWEN_IMAGE_21_CARD = QwenImage21Card(
+    working=WORKING_MEMORY,
+    text_hidden_states={"text_encoder": (-1,)},  # QwenImage21Pipeline reads the last
     key="qwen_image_21",
     name="Qwen-Image 2.1",
     family="flow",

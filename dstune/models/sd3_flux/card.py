@@ -13,6 +13,7 @@ from dstune.card import ModelPreset, image, lora
 from dstune.families.flow_card import FlowCard, edit_source_issues, joint_blocks, two_streams
 from dstune.families.pipeline_card import SpecIssues
 from dstune.families.folders import read_component_config
+from dstune.memory.working import TextWork, VaeWork
 
 CLIP_TOKENS = 77  # SD3's CLIP part of the prompt embeds is always the CLIP tokenizers' 77 tokens
 TEXT_TENSORS = ("encoder_hidden_states", "pooled_projections")
@@ -65,7 +66,28 @@ class FluxCard(FlowCard):
         )
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKL": VaeWork(encode=10.0, decode=12.0, measured_on="hub/black-forest-labs/FLUX.1-dev/vae"),
+    "CLIPTextModel": TextWork(hidden=8.0, ffn=6.0, square=1.0, measured_on="builtin/tiny-flux-v1/text_encoder"),
+    "CLIPTextModelWithProjection": TextWork(
+        hidden=8.0, ffn=6.0, square=1.0, measured_on="builtin/tiny-flow-v1/text_encoder"
+    ),
+    "T5EncoderModel": TextWork(
+        hidden=7.169,
+        ffn=3.809,
+        pass_scores=2.502,
+        padding_mask=False,
+        measured_on="builtin/tiny-flux-v1/text_encoder_2",
+    ),
+}
+
+
 SD3_CARD = Sd3Card(
+    working=WORKING_MEMORY,
+    guidance_batch=2,  # StableDiffusion3Pipeline: guidance's two halves in one batch
     key="sd3",
     name="SD3",
     family="flow",
@@ -110,6 +132,7 @@ SD3_CARD = Sd3Card(
 )
 
 FLUX_CARD = FluxCard(
+    working=WORKING_MEMORY,
     key="flux",
     name="Flux.1",
     family="flow",
@@ -169,6 +192,7 @@ class FluxKontextCard(FluxCard):
 
 
 FLUX_KONTEXT_CARD = FluxKontextCard(
+    working=WORKING_MEMORY,  # FLUX.1's VAE and text encoders
     key="flux_kontext",
     name="FLUX.1 Kontext",
     family="flow",

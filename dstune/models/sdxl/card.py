@@ -11,6 +11,7 @@ from pathlib import Path
 from dstune.card import ModelPreset, image
 from dstune.families.folders import read_component_config
 from dstune.families.unet_card import SingleFile, UnetCard, latent_channel_problems, unet_components
+from dstune.memory.working import TextWork, VaeWork
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +52,23 @@ class SdxlCard(UnetCard):
         return problems
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKL": VaeWork(
+        encode=10.0, decode=12.004, measured_on="hub/stable-diffusion-v1-5/stable-diffusion-v1-5/vae"
+    ),
+    "CLIPTextModel": TextWork(hidden=8.0, ffn=6.0, square=1.0, measured_on="builtin/tiny-sd-v3/text_encoder"),
+    "CLIPTextModelWithProjection": TextWork(
+        hidden=8.0, ffn=6.0, square=1.0, measured_on="builtin/tiny-sdxl-v1/text_encoder_2"
+    ),
+}
+
+
 SDXL_CARD = SdxlCard(
+    working=WORKING_MEMORY,
+    guidance_batch=2,  # StableDiffusionXLPipeline: guidance's two halves in one batch
     key="sdxl",
     name="Stable Diffusion XL",
     family="sdxl",

@@ -15,6 +15,7 @@ from dstune.families.denoiser_facts import lora_settings
 from dstune.memory.activations import (
     ModelShape,
     codec_frame_rate,
+    figure,
     in_plan_units,
     lm_sample_bytes,
     measured_sample_bytes,
@@ -81,7 +82,11 @@ class TtsLmCard(ModelCard):
                     else codec_config.get("num_quantizers", 8)
                 )
         seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
-        full, checkpointed = activations(config, tts_tokens(seconds, frame_rate, codebooks), spec.train.precision)
+        tokens = tts_tokens(seconds, frame_rate, codebooks)
+        full, checkpointed = activations(config, tokens, spec.train.precision)
+        with figure("transients"):  # the backward's: the fp32 logits gradient over the vocabulary
+            transient = activations(config, tokens, spec.train.precision)
+        transients = transient[1] if spec.model.gradient_checkpointing else transient[0]
         cached = ("codec",) if spec.data.cache.codec_tokens and "codec" in companions else ()
         # int32 codes; an upper bound (every clip at the longest length)
         cache_bytes = int(4 * frame_rate * codebooks * seconds * num_samples) if spec.data.cache.codec_tokens else 0
@@ -98,6 +103,7 @@ class TtsLmCard(ModelCard):
             cache_bytes,
             origin,
             small_tensors=count_small_tensors(str(folder / "config.json"), targets, rank),
+            transient_sample_bytes=int(transients * (2 if spec.train.precision == "fp32" else 1)),  # units -> bytes
         )
 
     def voices(self, model_spec, names) -> Voices:

@@ -22,6 +22,7 @@ from dstune.memory.activations import ModelShape, in_plan_units, measured_sample
 from dstune.memory.counts import vae_factor
 from dstune.models.wan import layouts as wan_layouts
 from dstune.spec.video_models import expert_problems, experts_in
+from dstune.memory.working import TextWork, VaeWork
 
 # Wan 2.1 I2V's cross-attention (diffusers' WanAttnProcessor) takes all but the last 512 context tokens as the image
 # embedding's: its text must be exactly this long, or the image tokens are read as text and the image projections
@@ -208,7 +209,30 @@ class WanCard(VideoCard):
         return problems
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKLWan": VaeWork(
+        encode=0.01,
+        encode_frame=78.323,
+        decode=0.255,
+        decode_frame=105.974,
+        measured_on="hub/Wan-AI/Wan2.1-T2V-14B-Diffusers/vae",
+    ),
+    "UMT5EncoderModel": TextWork(
+        hidden=7.839,
+        ffn=5.152,
+        token=103.1,
+        scores=2.25,
+        pass_scores=1.371,
+        measured_on="builtin/tiny-wan-v1/text_encoder",
+    ),
+}
+
+
 WAN_CARD = WanCard(
+    working=WORKING_MEMORY,
     key="wan",
     name="Wan",
     family="video",

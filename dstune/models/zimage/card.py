@@ -11,6 +11,7 @@ from dstune.card import ModelPreset, image
 from dstune.families.flow_card import FlowCard
 from dstune.families.folders import read_component_config
 from dstune.memory.activations import ModelShape
+from dstune.memory.working import TextWork, VaeWork
 
 
 def single_stream(config: dict) -> ModelShape:
@@ -38,7 +39,26 @@ class ZImageCard(FlowCard):
         return math.ceil(tokens / 32) * 32
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at
+# another size.
+WORKING_MEMORY = {
+    "AutoencoderKL": VaeWork(encode=10.0, decode=12.0, measured_on="hub/Tongyi-MAI/Z-Image/vae"),
+    "Qwen3Model": TextWork(
+        hidden=8.0,
+        ffn=6.0,
+        token=41.9,
+        square=0.719,
+        pass_square=0.484,
+        measured_on="builtin/tiny-z-image-v1/text_encoder",
+    ),
+}
+
+
 Z_IMAGE_CARD = ZImageCard(
+    working=WORKING_MEMORY,
+    guidance_batch=2,  # ZImagePipeline: guidance's two halves in one batch
+    text_hidden_states={"text_encoder": (-2,)},  # ZImagePipeline reads the second-to-last
     key="z_image",
     name="Z-Image",
     family="flow",
