@@ -39,6 +39,7 @@ CARDS: tuple[str, ...] = (
     "dstune.models.csm.card:CSM_CARD",
     "dstune.models.dia.card:DIA_CARD",
     "dstune.models.vibevoice.card:VIBEVOICE_CARD",
+    "dstune.models.pocket_tts.card:POCKET_TTS_CARD",
     "dstune.models.speecht5.card:SPEECHT5_CARD",
 )
 

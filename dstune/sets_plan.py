@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from dstune.data.clips import index_clips
 from dstune.data.groups import weighted_places
 from dstune.data.index import DataError, index_dataset, set_counts
 
@@ -35,26 +36,32 @@ class SetRow:
     size: str = ""  # what the set trains at: "64 px", "buckets around 64 px"
 
 
-def set_rows(data) -> Optional[tuple[SetRow, ...]]:
-    """data.sets' rows (files listed, not opened), or None with data.path or when a set cannot be indexed (its
-    error is reported by the count)."""
+def set_rows(data, video: bool = False) -> Optional[tuple[SetRow, ...]]:
+    """data.sets' rows (files listed, not opened; a video family's clips from the headers, as the count reads
+    them), or None with data.path or when a set cannot be indexed (its error is reported by the count)."""
     if data.sets is None:
         return None
     try:
-        records = index_dataset(data, read_captions=False).records
+        records = index_clips(data, read_captions=False).records if video else index_dataset(data, False).records
     except DataError:
         return None
     counts = set_counts(records, len(data.sets))
     weights = [item.weight for item in data.sets] if all(item.weight is not None for item in data.sets) else None
     places = weighted_places([samples for _, samples in counts], weights)
     return tuple(
-        SetRow(item.label, item.role, files, item.repeats, place, item.loss_weight, item.weight, samples, _size(one))
+        SetRow(
+            item.label, item.role, files, item.repeats, place, item.loss_weight, item.weight, samples, _size(one, video)
+        )
         for item, one, (files, samples), place in zip(data.sets, data.set_specs(), counts, places)
     )
 
 
-def _size(one) -> str:
-    return f"buckets around {one.resolution} px" if one.buckets.enabled else f"{one.resolution} px"
+def _size(one, video: bool = False) -> str:
+    size = f"buckets around {one.resolution} px" if one.buckets.enabled else f"{one.resolution} px"
+    if not video:
+        return size
+    frames = one.video.frame_counts
+    return f"{frames[0] if len(frames) == 1 else '/'.join(map(str, frames))} frames at {size}"
 
 
 def set_table_rows(plan, sets) -> list[tuple[str, str]]:
@@ -111,10 +118,14 @@ def preservation_rows(spec) -> list[tuple[str, str]]:
 
 def at_largest_set(spec):
     """The spec the memory plan counts: with data.sets, data.resolution is the largest set's (a sample's
-    activations, latents and tokens grow with it; the sets' buckets keep the area of their resolution)."""
+    activations, latents and tokens grow with it; the sets' buckets keep the area of their resolution), and
+    data.video the set's with the most frames (a video family's clips; the clips counted from the files, where
+    they are here, give their own buckets)."""
     if spec.data.sets is None:
         return spec
-    largest = max(one.resolution for one in spec.data.set_specs())
-    if largest == spec.data.resolution:
+    specs = spec.data.set_specs()
+    largest = max(one.resolution for one in specs)
+    longest = max(specs, key=lambda one: one.video.max_frames).video
+    if largest == spec.data.resolution and longest.max_frames == spec.data.video.max_frames:
         return spec
-    return spec.model_copy(update={"data": spec.data.model_copy(update={"resolution": largest})})
+    return spec.model_copy(update={"data": spec.data.model_copy(update={"resolution": largest, "video": longest})})

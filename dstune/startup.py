@@ -24,7 +24,7 @@ from dstune.cache.datasets import CachedDataset, CachedSpeechDataset, CachedVide
 from dstune.cache.latents import CacheIndex, LatentCacheJob, offload_frozen, prepare_cache
 from dstune.cache.share import cache_folder
 from dstune.checkpoints.layout import STATE_FILE
-from dstune.data.audio import SpeechDataset, collate_speech, speech_records
+from dstune.data.audio import SpeechDataset, collate_speech, reference_clips, speech_records
 from dstune.data.audio_index import duration_keys, speaker_keys
 from dstune.data.clips import index_clips, is_grouped, read_header
 from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
@@ -206,6 +206,13 @@ def checked_records(run: Run, spec: Spec, modality: str, sound_rate: Optional[in
     return records
 
 
+def give_voices(model, records: list) -> None:
+    """A model conditioned on a voice per speaker gets each speaker's first reference clips of the data (the same on
+    every rank and every resume: the records' order)."""
+    if model.voice_references:
+        model.take_voices(reference_clips(records, model.voice_references, model.sample_rate))
+
+
 def _checked_clips(run: Run, spec: Spec, sound_rate: Optional[int] = None) -> list:
     """A video family's clips (dstune.data.clips.index_clips: what `validate` counted), every video decoded (each
     rank a share of the files; with `sound_rate`, the rate of a model that trains on sound, its sound track too)
@@ -227,7 +234,8 @@ def _checked_clips(run: Run, spec: Spec, sound_rate: Optional[int] = None) -> li
             "datasets are checked whole before step 1; data.skip_bad_files does not apply to them).",
             1,
         )
-    if sound_rate and not data.video.fps and (spec.train.micro_batch_size or 1) > 1:
+    unresampled = not all(one.video.fps for one in data.set_specs())  # a set whose files keep their own rates
+    if sound_rate and unresampled and (spec.train.micro_batch_size or 1) > 1:
         _one_frame_rate(run, clips.records)
     lengths = sorted({record.frames for record in clips.records})
     if len(lengths) > 1 and not is_grouped(data) and (spec.train.micro_batch_size or 1) > 1:

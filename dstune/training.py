@@ -60,6 +60,7 @@ from dstune.spec.load import SpecError, load_spec
 from dstune.startup import (
     load_trained_model,
     checked_records,
+    give_voices,
     hear_speakers,
     held_out_records,
     make_training_loader,
@@ -172,6 +173,7 @@ def _prepare_loop(
     # The caches before the engine: the encoders they replace leave the device before DeepSpeed's states arrive.
     sound_rate = model.sound_rate if model.modality == "video" else None  # a video model that trains on sound
     records = checked_records(run, spec, model.modality, sound_rate)
+    give_voices(model, records)
     hear_speakers(run, spec, model, records, resuming.root / resuming.tag if resuming is not None else None)
     caches, code = prepare_caches(run, spec, model, records, encoding=predicted.get("cache_encoding"))
     if code:

@@ -152,7 +152,7 @@ def validate_spec(
     count, origin, groups, clips, voices = _count_samples(spec, source, num_samples, found, check_files)
     lora = getattr(spec.model, "train", "full") == "lora"
     found.add(source.issue(key, text) for key, text in sets_problems(spec.data, lora))
-    sets = set_rows(spec.data) if count is not None else None
+    sets = set_rows(spec.data, spec.model.family in VIDEO_FAMILIES) if count is not None else None
     found.add(sequence_issues(spec, source, world.world_size, bucket_tokens(spec, clips, groups)))
     plan = None
     if count is not None:

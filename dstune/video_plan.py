@@ -66,11 +66,11 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
         "stills": stills,
         "unusable_videos": len(index.problems),
         "counted_by_decoding": index.counted,
-        "builtin": builtin_name(data.path),
+        "builtin": builtin_name(data.path) if data.sets is None else None,  # data.sets: the Sets rows name them
         "sampling": video.sampling,
         "stride": (video.stride or "frames") if video.sampling == "sliding" else None,
         "fps": video.fps,
-        "frame_counts": list(video.frame_counts),
+        "frame_counts": sorted({count for one in data.set_specs() for count in one.video.frame_counts}),
         "grouped": is_grouped(data),
         "frames": dict(sorted(frames.items(), key=lambda item: int(item[0]))),
         "sizes": sizes,
@@ -81,7 +81,10 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
     }
     if get_facts(spec.model.family).trains_sound(spec) is not False:  # the model trains sound, or may
         summary["sound"] = {"with": index.with_sound, "without": index.num_samples - index.with_sound}
-    origin = data.path if builtin_name(data.path) else f"counted in {data.path}"
+    if data.sets is not None:
+        origin = f"counted in the {len(data.sets)} sets of data.sets, below"
+    else:
+        origin = data.path if builtin_name(data.path) else f"counted in {data.path}"
     origin += f"; {index.num_samples} clips from {index.files} video files" + (
         f" and {stills} stills" if stills else ""
     )

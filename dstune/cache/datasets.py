@@ -90,9 +90,9 @@ class CachedVideoDataset(VideoCaptionDataset):
         else:
             _, dropout_draw, _, _ = sample_rng(self.seed, self.epoch, position).random(4)
             record = self.record_at(position)
-            caption = "" if dropout_draw < self.data.caption_dropout else record.caption
-            out = {"caption": caption, "sample_id": record.sample_id, "index": position}
-            out.update(read_entry(self.index.latent_paths[(record.sample_id, False)]))
+            out = {"caption": self.caption_of(record, dropout_draw), "sample_id": record.sample_id, "index": position}
+            out.update(read_entry(self.index.latent_paths[(record.sample_id, False)]))  # with its loss_mask, if masked
+            out.update(self.set_fields(record))
         if self.index.text:
             out.update(read_entry(self.index.text_paths[out["caption"]]))
         return out

@@ -31,6 +31,7 @@ from dstune.cache.entries import (
 )
 from dstune.cache.share import monitored_barrier, sharing_group
 from dstune.data.buckets import sample_buckets
+from dstune.data.clips import set_side, set_video
 from dstune.data.images import BadSampleError, ImageCaptionDataset
 from dstune.data.index import control_records
 from dstune.data.pairs import CONTROL_SUFFIX
@@ -107,7 +108,7 @@ def _content_hash(record, data: DataSpec, clips, file_hashes: dict) -> str:
         side = data.set_specs()[record.set_index].resolution  # data.resolution, or the set's
         content = bytes_sha256(b"builtin-render\0" + render_shape(number, side)[0].tobytes())
     if video:
-        return bytes_sha256(f"{content}/{data.video!r}".encode())
+        content = bytes_sha256(f"{content}/{set_video(data, record.set_index)!r}".encode())  # the set's frames
     return _with_mask(record, data, content, file_hashes)
 
 
@@ -151,6 +152,8 @@ def _with_sources(records) -> list:
 def _sizes(targets, data, video: bool) -> dict | None:
     """sample_id -> bucket with data.buckets; a source takes its target's bucket (the pair stays together); a
     clip's (dstune.data.clips.ClipRecord) was chosen from its header when the clips were listed."""
+    if video and data.sets is not None:  # each clip's bucket, or its set's square (a set's resolution keys it)
+        return {r.sample_id: r.size or (set_side(data, r.set_index),) * 2 for r in targets}
     if video:
         return {r.sample_id: r.size for r in targets} if data.buckets.enabled else None
     sizes = sample_buckets(targets, data)
@@ -162,16 +165,21 @@ def _sizes(targets, data, video: bool) -> dict | None:
 def _encode_latents(
     model, dataset, by_id: dict, entries: list[Entry], resolution: int, extras: bool = False
 ) -> tuple[dict, dict]:
-    pixels, sounds, ok, failed = [], [], [], {}
+    pixels, sounds, masks, ok, failed = [], [], [], [], {}
+    masked = isinstance(dataset, ImageCaptionDataset) and dataset.masked
     for entry in entries:
-        try:
-            pixels.append(dataset.cache_pixels(by_id[entry.sample_id], entry.size or resolution, entry.flip))
+        record, size = by_id[entry.sample_id], entry.size or resolution
+        try:  # an entry joins the lists only once all it needs was read (a bad mask or sound drops it whole)
+            pixel = dataset.cache_pixels(record, size, entry.flip)
+            mask = dataset.cache_mask(record, size, entry.flip) if masked else None
             if getattr(dataset, "sound_rate", None):
-                sound, heard = dataset.clip_sound(by_id[entry.sample_id])
+                sound, heard = dataset.clip_sound(record)
                 sounds.append({"sample_id": entry.name, "sound": sound, "has_sound": heard})
         except BadSampleError as err:
             failed[entry.name] = err.message
             continue
+        pixels.append(pixel)
+        masks.append(mask)
         ok.append(entry)
     tensors = {}
     for shape in dict.fromkeys(p.shape for p in pixels):  # one pass per shape: stills beside clips (video)
@@ -183,9 +191,8 @@ def _encode_latents(
             heard = stack_sounds([sounds[i] for i in same])
             more["sound_latent"] = model.encode_sound(heard["sound"].to(model.device))
             more["has_sound"] = heard["has_sound"].float().unsqueeze(1)
-        if isinstance(dataset, ImageCaptionDataset) and dataset.masked:  # the loss masks at the latent grid
-            masks = [dataset.cache_mask(by_id[ok[i].sample_id], ok[i].size or resolution, ok[i].flip) for i in same]
-            more["loss_mask"] = mask_at_latents(torch.stack(masks), tuple(mean.shape[-2:]))
+        if masked:  # the loss masks at the latent grid (a clip's: frames x h x w)
+            more["loss_mask"] = mask_at_latents(torch.stack([masks[i] for i in same]), tuple(mean.shape[2:]))
         tensors.update(
             {
                 ok[i].key: {

@@ -78,6 +78,17 @@ def collate_speech(samples: list[dict]) -> dict:
     }
 
 
+def reference_clips(records: list[AudioRecord], per_speaker: int, sample_rate: int) -> dict[str, list]:
+    """Each speaker's first `per_speaker` clips in the records' order (clips that name no speaker are one voice,
+    ""): speaker -> [(sample id, float32 wave at sample_rate)], for a model conditioned on a voice per speaker."""
+    chosen: dict[str, list[AudioRecord]] = {}
+    for record in records:
+        clips = chosen.setdefault(record.speaker, [])
+        if len(clips) < per_speaker:
+            clips.append(record)
+    return {speaker: [(r.sample_id, load_clip(r, sample_rate)) for r in clips] for speaker, clips in chosen.items()}
+
+
 def speech_records(data: DataSpec) -> tuple[list[AudioRecord], list[str]]:
     """(records, warnings) for training: the same index `validate` counted, so the plan's numbers hold."""
     result = index_audio(data)

@@ -172,6 +172,8 @@ def _video_clips(record: SampleRecord, data, sizes) -> tuple[list[ClipRecord], V
         image_path=record.image_path,
         caption=record.caption,
         repeats=record.repeats,
+        mask_path=record.mask_path,
+        set_index=record.set_index,
         frames=frames,
         size=size,
         sound=header.audio,
@@ -187,7 +189,12 @@ def _video_clips(record: SampleRecord, data, sizes) -> tuple[list[ClipRecord], V
 def _other_clip(record: SampleRecord, data, sizes) -> ClipRecord:
     """A still image (a one-frame clip, its bucket from the image header) or a built-in clip (rendered square)."""
     base = dict(
-        sample_id=record.sample_id, image_path=record.image_path, caption=record.caption, repeats=record.repeats
+        sample_id=record.sample_id,
+        image_path=record.image_path,
+        caption=record.caption,
+        repeats=record.repeats,
+        mask_path=record.mask_path,
+        set_index=record.set_index,
     )
     if record.image_path is None:
         moving = is_builtin_clip(record.sample_id)
@@ -206,14 +213,15 @@ def index_clips(data, read_captions: bool = True, show_progress: bool = False) -
     (`problems`: unreadable, or shorter than the smallest frame count). DataError for an unusable dataset (as
     dstune.data.index.index_dataset), or a still image whose header cannot be read."""
     index = index_dataset(data, read_captions=read_captions, video=True)
-    sizes = bucket_sizes(data) if data.buckets.enabled else None
+    specs = data.set_specs()  # data.sets: each set's own frames, resolution and buckets; else [data]
+    set_sizes = [bucket_sizes(one) if one.buckets.enabled else None for one in specs]
     videos = [r for r in index.records if r.image_path is not None and is_video_file(r.image_path)]
     records, problems, counted, read = [], [], 0, 0
     started = shown = time.monotonic()
     for record in index.records:
         if record.image_path is None or not is_video_file(record.image_path):
             try:
-                records.append(_other_clip(record, data, sizes))
+                records.append(_other_clip(record, specs[record.set_index], set_sizes[record.set_index]))
             except (OSError, ValueError, SyntaxError) as err:
                 raise DataError(
                     "data.path",
@@ -222,7 +230,7 @@ def index_clips(data, read_captions: bool = True, show_progress: bool = False) -
                 ) from None
             continue
         try:
-            clips, header = _video_clips(record, data, sizes)
+            clips, header = _video_clips(record, specs[record.set_index], set_sizes[record.set_index])
         except (OSError, ValueError) as err:
             problems.append(unusable(record, getattr(err, "strerror", None) or str(err) or type(err).__name__))
             continue
@@ -244,23 +252,42 @@ def as_clip(record: SampleRecord, data) -> ClipRecord:
     from the start of the file, at data.resolution (its header is not read)."""
     if isinstance(record, ClipRecord):
         return record
-    fields = {name: getattr(record, name) for name in ("sample_id", "image_path", "caption", "repeats")}
+    fields = {
+        name: getattr(record, name)
+        for name in ("sample_id", "image_path", "caption", "repeats", "mask_path", "set_index")
+    }
     if record.image_path is None:
         still = not is_builtin_clip(record.sample_id)  # builtin:shapes renders one-frame clips
     else:
         still = not is_video_file(record.image_path)
-    return ClipRecord(**fields, frames=1 if still else data.video.max_frames)
+    return ClipRecord(**fields, frames=1 if still else set_video(data, record.set_index).max_frames)
+
+
+def set_video(data, number: int):
+    """data.video of set `number` (data.sets.N.video, else data's)."""
+    own = data.sets[number].video if data.sets is not None else None
+    return own or data.video
+
+
+def set_side(data, number: int) -> int:
+    """data.resolution of set `number` (data.sets.N.resolution, else data's)."""
+    own = data.sets[number].resolution if data.sets is not None else None
+    return own or data.resolution
 
 
 def is_grouped(data) -> bool:
     """Whether every global batch must come from one (frames, width, height) group: with data.buckets, or with
-    more than one frame count."""
-    return data.buckets.enabled or len(data.video.frame_counts) > 1
+    more than one frame count, or with data.sets whose clips have other frame counts or sizes."""
+    specs = data.set_specs()
+    if any(one.buckets.enabled or len(one.video.frame_counts) > 1 for one in specs):
+        return True
+    return len({(one.resolution, one.video.max_frames) for one in specs}) > 1
 
 
 def clip_key(record: ClipRecord, data) -> tuple[int, int, int]:
     """(frames, width, height) the clip trains at."""
-    width, height = record.size or (data.resolution, data.resolution)
+    side = set_side(data, record.set_index)
+    width, height = record.size or (side, side)
     return (record.frames, width, height)
 
 

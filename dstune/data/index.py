@@ -112,9 +112,15 @@ def builtin_name(path: str) -> str | None:
     return path[len(BUILTIN_PREFIX) :] if path.startswith(BUILTIN_PREFIX) else None
 
 
+def builtin_of(sample_id: str) -> str:
+    """The built-in dataset a built-in record (no file) comes from: `moving-shapes/000003`, or in data.sets
+    `name/moving-shapes/000003`, -> "moving-shapes"."""
+    return sample_id.rsplit("/", 2)[-2]
+
+
 def is_builtin_clip(sample_id: str) -> bool:
     """Whether a built-in record (no file) is a clip of several frames rather than a still shape."""
-    return sample_id.split("/", 1)[0] in CLIP_BUILTINS
+    return builtin_of(sample_id) in CLIP_BUILTINS
 
 
 def is_builtin_clip_with_sound(sample_id: str) -> bool:
@@ -145,7 +151,9 @@ def index_dataset(data: DataSpec, read_captions: bool = True, video: bool = Fals
     data.sets: each set indexed with its own settings (data.set_specs()), its records' ids prefixed by the set's
     name (`name/rel`, so two sets' files never share a cache entry), their repeats multiplied by the set's, in the
     sets' order; a DataError names the set's key (`data.sets.N.path`)."""
-    result = _index_sets(data, read_captions) if data.sets is not None else _index_all(data, read_captions, video)
+    result = (
+        _index_sets(data, read_captions, video) if data.sets is not None else _index_all(data, read_captions, video)
+    )
     if data.eval is None:
         return result
     if data.eval.fraction is not None:
@@ -161,11 +169,11 @@ def index_dataset(data: DataSpec, read_captions: bool = True, video: bool = Fals
     )
 
 
-def _index_sets(data: DataSpec, read_captions: bool) -> IndexResult:
+def _index_sets(data: DataSpec, read_captions: bool, video: bool = False) -> IndexResult:
     records, warnings, skipped = [], [], []
     for number, (item, one) in enumerate(zip(data.sets, data.set_specs())):
         try:
-            found = _index_all(one, read_captions)
+            found = _index_all(one, read_captions, video)
         except DataError as err:
             raise DataError(
                 err.key.replace("data.", f"data.sets.{number}.", 1), f"({item.label}) {err.message}"
@@ -234,7 +242,7 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
         _control_outside(root, data)
         extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ())
         result = _index_folder(root, _normalised_extension(data.caption_extension), read_captions, extensions)
-    result = _masked(_paired(result, root, data), root, data)
+    result = _masked(_paired(result, root, data), root, data, video)
     if not result.records:
         kinds = "video or image" if video else "image"
         what = (
@@ -473,9 +481,11 @@ def _index_jsonl(root: Path, skip_bad_files: bool) -> IndexResult:
 # ------------------------------------------------------------------------------------------------ loss masks
 
 
-def _masked(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
-    """data.mask_dir: each record's mask file (same relative path and name, any image extension); a record without
-    one trains whole, which a warning counts. The folder must not lie inside data.path (its files would train)."""
+def _masked(result: IndexResult, root: Path, data: DataSpec, video: bool = False) -> IndexResult:
+    """data.mask_dir: each record's mask file (same relative path and name, any image extension; for a video
+    family a video file too: a clip's mask image weights every frame, a mask video each frame its own); a record
+    without one trains whole, which a warning counts. The folder must not lie inside data.path (its files would
+    train)."""
     if data.mask_dir is None:
         return result
     folder = control_root(root, data.mask_dir)
@@ -491,18 +501,19 @@ def _masked(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
             f"{folder} is inside data.path {root}, whose images all train. Keep the masks in a sibling folder "
             "(e.g. mask_dir: ../masks).",
         )
-    masks, clashes = list_controls(folder, IMAGE_EXTENSIONS)
+    masks, clashes = list_controls(folder, IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ()))
     if clashes:
         raise DataError(
             "data.mask_dir",
-            f"{len(clashes)} mask names in {folder} have two image files: {listing(clashes)}. Keep one file per name.",
+            f"{len(clashes)} mask names in {folder} have two files: {listing(clashes)}. Keep one file per name.",
         )
     records = [dataclasses.replace(r, mask_path=masks.get(stem_of(r.sample_id))) for r in result.records]
     unmasked = [r.sample_id for r in records if r.mask_path is None]
     warnings = list(result.warnings)
     if unmasked:
         warnings.append(
-            f"{len(unmasked)} of {len(records)} images have no mask in {folder} and train whole: {listing(unmasked)}"
+            f"{len(unmasked)} of {len(records)} {'samples' if video else 'images'} have no mask in {folder} and train "
+            f"whole: {listing(unmasked)}"
         )
     return dataclasses.replace(result, records=records, warnings=warnings)
 

@@ -15,6 +15,9 @@ still images). builtin:moving-shapes-av's clips are MP4 files
 with sound, written in memory (dstune.data.synthetic) and read back through the same decoder. Sound needs the clip's
 frames to be consecutive (`head` or `sliding`): `uniform` spreads them over the video, which the sound cannot follow.
 
+Loss masks (data.mask_dir): a clip's mask image weights every frame, a mask video (its video's frame count and rate)
+each frame with its own, chosen as the clip's frames are; cut as the frames are (`clip_mask`).
+
 Bad files are found before step 1: `find_bad_clips` decodes this rank's share of the files (each once, as far as
 its last clip needs) and names every video that cannot be decoded (the caller gathers all ranks' findings and stops
 with one message); videos shorter than every frame count are named from their headers (dstune.data.clips).
@@ -22,10 +25,13 @@ with one message); videos shorter than every frame count are named from their he
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import operator
 
+import numpy as np
 import torch
+from PIL import Image
 
 from dstune.data.clips import (
     ClipRecord,
@@ -38,8 +44,18 @@ from dstune.data.clips import (
     unusable,
     video_stream,
 )
-from dstune.data.images import BadSampleError, ImageCaptionDataset, resize_and_crop, sample_rng, to_tensor
-from dstune.data.index import SampleRecord, is_video_file
+from dstune.data.buckets import header_size
+from dstune.data.images import (
+    BadSampleError,
+    ImageCaptionDataset,
+    collate_loss_terms,
+    read_mask,
+    resize_and_crop,
+    sample_rng,
+    to_tensor,
+)
+from dstune.data.clips import set_side, set_video
+from dstune.data.index import SampleRecord, builtin_of, is_video_file
 from dstune.data.sound import decode_sound
 from dstune.data.synthetic import MOVING_SHAPES_AV_FPS, moving_shape_av_mp4, render_moving_shape, render_shape
 from dstune.spec.models import DataSpec
@@ -109,7 +125,7 @@ class VideoCaptionDataset(ImageCaptionDataset):
 
     def __init__(self, data: DataSpec, records: list[SampleRecord], seed: int, sound_rate: int | None = None):
         super().__init__(data, [as_clip(record, data) for record in records], seed)
-        if sound_rate and data.video.sampling == "uniform" and data.video.max_frames > 1:
+        if sound_rate and any(one.video.sampling == "uniform" and one.video.max_frames > 1 for one in data.set_specs()):
             raise ValueError(
                 "data.video.sampling uniform spreads a clip's frames over the whole video, so the clip's sound "
                 "(which this model trains on) cannot follow them; use head or sliding"
@@ -117,10 +133,11 @@ class VideoCaptionDataset(ImageCaptionDataset):
         self.sound_rate = sound_rate  # Hz of the sound each sample carries; None: no sound is read
 
     def bucket_of_records(self) -> list | None:
-        """With data.buckets: each clip's (width, height), chosen from its header by dstune.data.clips."""
-        if not self.data.buckets.enabled:
+        """With data.buckets (here or in a set): each clip's (width, height), chosen from its header by
+        dstune.data.clips (its set's square where the set has no buckets)."""
+        if not any(one.buckets.enabled for one in self.data.set_specs()):
             return None
-        return [record.size or (self.data.resolution, self.data.resolution) for record in self.records]
+        return [record.size or (set_side(self.data, record.set_index),) * 2 for record in self.records]
 
     def group_keys(self) -> list | None:
         """(frames, width, height) of every index when batches are grouped (dstune.data.clips.is_grouped)."""
@@ -131,21 +148,32 @@ class VideoCaptionDataset(ImageCaptionDataset):
     def clip_images(self, record: ClipRecord) -> list:
         """The record's frames as RGB PIL images: a video's chosen frames, a still image alone (the image dataset's
         loader), or the built-in clip. BadSampleError naming the file and why it cannot be used."""
-        data = self.data
         if record.image_path is None:
-            name, number = record.sample_id.rsplit("/", 1)
+            name, number, side = (
+                builtin_of(record.sample_id),
+                int(record.sample_id.rsplit("/", 1)[1]),
+                self.side(record),
+            )
             if name == "moving-shapes-av":
                 return decode_frames(io.BytesIO(self._builtin_mp4(record)), list(range(record.frames)))
             if name == "moving-shapes":
-                return render_moving_shape(int(number), data.resolution, record.frames)[0]
-            return [render_shape(int(number), data.resolution)[0]]
+                return render_moving_shape(number, side, record.frames)[0]
+            return [render_shape(number, side)[0]]
         if not is_video_file(record.image_path):
-            return [self.load_image(record, record.size)]
-        return read_video(record, data.video)
+            return [self.load_image(record, record.size or self.side(record))]
+        return read_video(record, self.video_of(record))
+
+    def video_of(self, record: ClipRecord):
+        """data.video of the record's set (data.sets.N.video, else data's)."""
+        return set_video(self.data, record.set_index)
+
+    def side(self, record: ClipRecord) -> int:
+        """data.resolution of the record's set: the square a clip without a bucket trains at."""
+        return set_side(self.data, record.set_index)
 
     def _builtin_mp4(self, record: ClipRecord) -> bytes:
-        fps = self.data.video.fps or MOVING_SHAPES_AV_FPS
-        return moving_shape_av_mp4(int(record.sample_id.rsplit("/", 1)[1]), self.data.resolution, record.frames, fps)
+        fps = self.video_of(record).fps or MOVING_SHAPES_AV_FPS
+        return moving_shape_av_mp4(int(record.sample_id.rsplit("/", 1)[1]), self.side(record), record.frames, fps)
 
     def clip_sound(self, record: ClipRecord) -> tuple[torch.Tensor, bool]:
         """The clip's sound at self.sound_rate: float32 (2, samples) over the clip's span and True, or silence of
@@ -153,11 +181,11 @@ class VideoCaptionDataset(ImageCaptionDataset):
         used."""
         try:
             if record.image_path is not None and is_video_file(record.image_path):
-                fps = float(self.data.video.fps or read_header(record.image_path).fps)
+                fps = float(self.video_of(record).fps or read_header(record.image_path).fps)
                 source = record.image_path
             else:  # a built-in clip (one with sound: an MP4 made in memory) or a still image
-                fps = float(self.data.video.fps or MOVING_SHAPES_AV_FPS)
-                heard = record.image_path is None and record.sample_id.startswith("moving-shapes-av/")
+                fps = float(self.video_of(record).fps or MOVING_SHAPES_AV_FPS)
+                heard = record.image_path is None and builtin_of(record.sample_id) == "moving-shapes-av"
                 source = io.BytesIO(self._builtin_mp4(record)) if heard else None
             sound = decode_sound(source, self.sound_rate, record.start / fps, record.frames / fps) if source else None
         except (OSError, ValueError) as err:
@@ -168,10 +196,59 @@ class VideoCaptionDataset(ImageCaptionDataset):
         return torch.from_numpy(sound), True
 
     def load_clip(self, record: ClipRecord) -> torch.Tensor:
-        return clip_tensor(self.clip_images(record), record.size or self.data.resolution)
+        return clip_tensor(self.clip_images(record), record.size or self.side(record))
 
     def cache_pixels(self, record: ClipRecord, size, flip: bool) -> torch.Tensor:
         return self.load_clip(record)  # random_flip is refused for video: the one centre crop, at the clip's size
+
+    def clip_mask(self, record: ClipRecord) -> torch.Tensor:
+        """The clip's loss mask, float32 (1, frames, H, W) in [0, 1], cut as its frames are (resized to the frames'
+        size, then the same resize and centre crop): a mask image weights every frame alike, a mask video (of the
+        video's frame count and rate) each frame with its own frame, chosen as the clip's are; ones without a
+        mask. BadSampleError naming the mask and why it cannot be used."""
+        size = record.size or self.side(record)
+        width, height = (size, size) if isinstance(size, int) else size
+        if record.mask_path is None:
+            return torch.ones(1, record.frames, height, width)
+        clip = record.image_path is not None and is_video_file(record.image_path)
+        shown = (read_header(record.image_path).width, read_header(record.image_path).height) if clip else None
+        if is_video_file(record.mask_path):
+            images = self._mask_video_frames(record, clip)
+        else:
+            images = [read_mask(record, alpha=False)] * record.frames
+        shown = shown or header_size(record.image_path)
+        frames = []
+        for image in images:
+            image = image.convert("L")
+            if image.size != shown:  # a mask of another size: stretched over the frame, as an image's mask is
+                image = image.resize(shown, Image.Resampling.BILINEAR)
+            cut = resize_and_crop(image, size, 0.5, 0.5, False)
+            frames.append(torch.from_numpy(np.asarray(cut, dtype=np.float32) / 255.0))
+        return torch.stack(frames).unsqueeze(0)
+
+    def _mask_video_frames(self, record: ClipRecord, clip: bool) -> list:
+        """A mask video's frames at the clip's positions; it must match its video frame for frame."""
+
+        def refuse(reason: str):
+            raise BadSampleError(
+                f"cannot use the loss mask {record.mask_path} (of sample {record.sample_id}): {reason}. Give a mask "
+                "image (every frame alike) or a mask video with its video's frames.",
+                record.mask_path,
+            )
+
+        if not clip:
+            refuse("a mask video belongs to a video, and this sample is a still image")
+        try:
+            mask, video = read_header(record.mask_path), read_header(record.image_path)
+        except (OSError, ValueError) as err:
+            refuse(getattr(err, "strerror", None) or str(err) or type(err).__name__)
+        if (mask.frames, round(mask.fps, 3)) != (video.frames, round(video.fps, 3)):
+            refuse(f"it has {mask.frames} frames at {mask.fps:g} fps, its video {video.frames} at {video.fps:g} fps")
+        return read_video(dataclasses.replace(record, image_path=record.mask_path), self.video_of(record))
+
+    def cache_mask(self, record: ClipRecord, size, flip: bool) -> torch.Tensor | None:
+        """What the latent cache stores beside the clip's latents (at the latent grid): its mask, None unmasked."""
+        return self.clip_mask(record) if self.masked else None
 
     def __getitem__(self, index: int) -> dict:
         index = operator.index(index)
@@ -179,13 +256,15 @@ class VideoCaptionDataset(ImageCaptionDataset):
             raise IndexError(f"sample index {index} out of range 0..{len(self) - 1}")
         _, dropout_draw, _, _ = sample_rng(self.seed, self.epoch, index).random(4)  # the image dataset's draws
         record = self.record_at(index)
-        caption = "" if dropout_draw < self.data.caption_dropout else record.caption
         sample = {
             "pixel_values": self.load_clip(record),
-            "caption": caption,
+            "caption": self.caption_of(record, dropout_draw),
             "sample_id": record.sample_id,
             "index": index,
+            **self.set_fields(record),
         }
+        if self.masked:
+            sample["loss_mask"] = self.clip_mask(record)
         if self.sound_rate:
             sample["sound"], sample["has_sound"] = self.clip_sound(record)
         return sample
@@ -193,8 +272,10 @@ class VideoCaptionDataset(ImageCaptionDataset):
 
 def collate_video(samples: list[dict]) -> dict:
     """pixel_values (B, 3, frames, H, W); caption and sample_id lists; index (B,). With sound read: sound
-    (B, 2, samples), silence where a clip has none, and has_sound (B,) saying which clips have it."""
+    (B, 2, samples), silence where a clip has none, and has_sound (B,) saying which clips have it. Masked runs:
+    loss_mask (B, 1, frames, H, W); data.sets: loss_weight, prior, preserve (B,)."""
     batch = {
+        **collate_loss_terms(samples),
         "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
         "caption": [s["caption"] for s in samples],
         "sample_id": [s["sample_id"] for s in samples],
@@ -225,8 +306,8 @@ def find_bad_clips(
 ) -> list[tuple[SampleRecord, str]]:
     """(record, reason) for each file of this rank's share of the files (every world_size-th, in dataset order)
     that cannot give its clips: a video is decoded once, as far as its last clip needs (every frame before it
-    passes through the decoder; with `sound_rate`, the model's, its sound track too), images are opened. Gather all
-    ranks' results."""
+    passes through the decoder; with `sound_rate`, the model's, its sound track too; in a masked run its mask too),
+    images are opened. Gather all ranks' results."""
     files = list(clips_by_file([as_clip(record, data) for record in records]).values())[rank::world_size]
     if not files:
         return []
@@ -235,6 +316,8 @@ def find_bad_clips(
         last = max(clips, key=lambda clip: clip.start + clip.frames)
         try:
             reader.clip_images(last)
+            if reader.masked:  # its mask (a mask video is decoded as far as the clip's last frame)
+                reader.clip_mask(last)
             if sound_rate:
                 reader.clip_sound(last)
         except BadSampleError as err:

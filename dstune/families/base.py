@@ -62,6 +62,8 @@ class TrainedModel:
     device: Any
     supports_lora: ClassVar[bool] = False
     samples_with_another_denoiser: ClassVar[bool] = False
+    # a speech model's reference clips per speaker, which it conditions its training utterances on (take_voices)
+    voice_references: ClassVar[int] = 0
 
     @classmethod
     def load(cls, card, model_spec, folders: dict, device, frozen_dtype, zero3_config=None, text_encoders=True):
@@ -79,6 +81,10 @@ class TrainedModel:
         """Its frozen parts whose outputs the latent cache stores (moved off the accelerator while cached latents
         stand in for them); every other frozen part's outputs are the text cache's."""
         return ("vae", "image_encoder")
+
+    def take_voices(self, voices: dict) -> None:
+        """The data's first `voice_references` clips of each speaker, from start-up before the caches: speaker ->
+        [(sample id, wave at the model's rate)]."""
 
     def encode_batch(self, batch: dict, dtype) -> dict:
         raise NotImplementedError

@@ -430,6 +430,7 @@ class FlowModel(TrainedModel):
         clean = self.clean_frames()
         if clean:  # the first latent frames were given clean: only the frames after them are learned
             prediction, noisy, latents, noise = (t[:, :, clean:] for t in (prediction, noisy, latents, noise))
+            mask = None if mask is None else mask[:, :, clean:]  # a clip's mask has the latent frames too
         return flow_loss_per_sample(prediction, noisy, latents, noise, sigmas, weights, self.preconditioned(), mask)
 
     def loss(self, forward, encoded: dict, seed: int, step: int) -> torch.Tensor:

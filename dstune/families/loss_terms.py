@@ -4,8 +4,8 @@ and the sets' roles and weights (data.sets: train and regularization samples, ea
 A batch carries them only where the spec asks (the image dataset and the latent cache write `loss_mask`, and with
 data.sets `loss_weight` and `prior`), so a run without them computes its loss exactly as before: the plain mean.
 
-- Masked error: a sample's loss is sum(w x err) / sum(w), w the mask at the latent grid broadcast over the latent
-  channels (kohya's masked_loss and OneTrainer's masking normalise per sample this way; a mask of ones gives the
+- Masked error: a sample's loss is sum(w x err) / sum(w), w the mask at the latent grid (a clip's: frames x h x w,
+  time averaged as its VAE compresses it) broadcast over the latent channels (kohya's masked_loss and OneTrainer's masking normalise per sample this way; a mask of ones gives the
   plain mean). A sample whose mask is all black adds 0.
 - Roles: a micro batch's loss is the mean of loss_weight x loss over its train samples plus the same mean over its
   regularization samples and over its preservation samples, each term there only when the micro batch has such
@@ -26,20 +26,37 @@ from dstune.families.lora import adapters_off
 LOSS_TERM_FIELDS = ("loss_weight", "prior", "preserve")  # per-sample (B,) fields a batch carries with data.sets
 
 
-def mask_at_latents(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """A (B, 1, H, W) mask in [0, 1] averaged down to the latent grid `size` (h, w): each latent's weight is the
-    mean of the pixels it covers (area interpolation; H = h x the VAE's factor, so it is a plain block average)."""
-    if tuple(mask.shape[-2:]) == tuple(size):
-        return mask.float()
-    return F.interpolate(mask.float(), size=tuple(size), mode="area")
+def mask_at_latents(mask: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
+    """A mask in [0, 1] averaged down to the latent grid `size`: (B, 1, H, W) to (h, w), each latent's weight the
+    mean of the pixels it covers (area interpolation; H = h x the VAE's factor, so a plain block average); a clip's
+    (B, 1, T, H, W) to (f, h, w) the same way after time is averaged as the video VAEs compress it: latent frame 0
+    is frame 0 alone, latent frame k the mean of frames (k-1)t+1 .. kt, t = (T - 1) / (f - 1): the VAE's temporal
+    compression, read from the shapes, whatever the model."""
+    mask, size = mask.float(), tuple(size)
+    if mask.ndim == 5:
+        frames, latent_frames = mask.shape[2], size[0]
+        if latent_frames == 1 or frames == 1:
+            mask = mask[:, :, :1]
+        elif (frames - 1) % (latent_frames - 1):
+            raise ValueError(
+                f"a loss mask of {frames} frames does not compress to {latent_frames} latent frames "
+                "(the VAE keeps the first frame, then t frames per latent frame)"
+            )
+        else:
+            t = (frames - 1) // (latent_frames - 1)
+            rest = mask[:, :, 1:].unflatten(2, (latent_frames - 1, t)).mean(dim=3)
+            mask = torch.cat([mask[:, :, :1], rest], dim=2)
+    if tuple(mask.shape[2:]) == size:
+        return mask
+    return F.interpolate(mask, size=size, mode="area")
 
 
 def loss_terms(batch: dict, latent_shape: torch.Size, device) -> dict:
-    """The batch's loss mask at the latent grid of latents of `latent_shape` (B, C, h, w) and its sets' roles and
-    weights, on `device`; {} for a batch without them."""
+    """The batch's loss mask at the latent grid of latents of `latent_shape` (B, C, h, w), or a clip's
+    (B, C, f, h, w), and its sets' roles and weights, on `device`; {} for a batch without them."""
     terms = {}
     if "loss_mask" in batch:
-        terms["loss_mask"] = mask_at_latents(batch["loss_mask"].to(device), tuple(latent_shape[-2:]))
+        terms["loss_mask"] = mask_at_latents(batch["loss_mask"].to(device), tuple(latent_shape[2:]))
     terms.update({name: batch[name].to(device) for name in LOSS_TERM_FIELDS if name in batch})
     return terms
 

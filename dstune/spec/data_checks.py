@@ -13,10 +13,10 @@ def data_family_problem(audio: bool, family: str, data: "DataSpec", video: bool 
     images for video families), or None. With data.sets, each set's own settings are checked (the message names
     the set)."""
     if data.sets is not None:
-        if audio or video:
+        if audio:
             return (
-                f"data.sets: model.family {family} trains on {'speech' if audio else 'video clips'}; several "
-                "datasets per run are for the image families so far. Give one dataset as data.path"
+                f"data.sets: model.family {family} trains on speech; several datasets per run are for the image "
+                "and video families so far. Give one dataset as data.path"
             )
         for number, (item, one) in enumerate(zip(data.sets, data.set_specs())):
             problem = _one_set_problem(audio, family, one, video)
@@ -39,10 +39,10 @@ def _one_set_problem(audio: bool, family: str, data: "DataSpec", video: bool) ->
             f"model.family {family} trains on video clips: data.eval and data.random_flip are not offered for "
             "video yet; remove them"
         )
-    if video and data.masked:
+    if video and data.alpha_mask:
         return (
-            f"data.mask_dir and data.alpha_mask weight an image's loss; model.family {family} trains on video clips, "
-            "whose masks are not offered yet. Remove them"
+            f"data.alpha_mask reads an image's alpha channel; model.family {family} trains on video clips, which "
+            "have none. Give the clips' masks as data.mask_dir (a mask image or a mask video per clip)"
         )
     if video and data.buckets.enabled:
         return _video_bucket_problem(data)
@@ -159,13 +159,20 @@ def sets_problems(data: "DataSpec", lora: bool) -> list[tuple[str, str]]:
                 "sets, so give `weight` in every set (each set's share) or in none (each set's samples x `repeats`)",
             )
         )
-    grouped = any(one.buckets.enabled or one.resolution != data.resolution for one in data.set_specs())
+    grouped = any(
+        one.buckets.enabled
+        or one.resolution != data.resolution
+        or len(one.video.frame_counts) > 1
+        or one.video.max_frames != data.video.max_frames
+        for one in data.set_specs()
+    )
     if all(weighted) and grouped:
         problems.append(
             (
                 "data.sets.0.weight",
-                "set weights with buckets or sets at several sizes are not offered yet (each size's batches are "
-                "drawn on their own); give the sets `repeats` instead, or train them at one size without buckets",
+                "set weights with buckets or sets at several sizes (or frame counts) are not offered yet (each "
+                "size's batches are drawn on their own); give the sets `repeats` instead, or train them at one size "
+                "without buckets",
             )
         )
     for number, (item, one) in enumerate(zip(data.sets, data.set_specs())):

@@ -222,6 +222,7 @@ SET_OVERRIDES = (
     "caption_dropout",
     "mask_dir",
     "alpha_mask",
+    "video",
 )
 
 
@@ -281,6 +282,12 @@ class DataSetSpec(Section):
     caption_dropout: Optional[float] = Field(None, ge=0, le=1, description="As data.caption_dropout; unset: data's.")
     mask_dir: Optional[str] = Field(None, description="As data.mask_dir, relative to this set's path; unset: data's.")
     alpha_mask: Optional[bool] = Field(None, description="As data.alpha_mask, for this set; unset: data's.")
+    video: Optional[VideoSpec] = Field(
+        None,
+        description="As data.video, for this set (whole: every key of it; model.family video): its frames (a count "
+        "or frame-count buckets), sampling, stride and fps; unset: data's. Clips of other frame counts or sizes "
+        "never share a global batch.",
+    )
 
     @model_validator(mode="after")
     def _repeats_or_weight(self) -> "DataSetSpec":
@@ -374,14 +381,15 @@ class DataSpec(Section):
         "name, any image extension (`images/a.png` takes `masks/a.png`). White trains fully, black is left out of the loss, grey weighs between. Absolute, or relative to "
         "data.path (`../masks`: the folder beside it). An image without a mask trains whole (`validate` counts "
         "them). Each mask is resized and cropped with its image and averaged down to the latent grid (cached beside "
-        "the latents with data.cache.latents); a sample's loss is sum(mask x error) / sum(mask). Image families "
-        "(model.family flow and the UNet families). See docs/data.md.",
+        "the latents with data.cache.latents); a sample's loss is sum(mask x error) / sum(mask). Video clips "
+        "(model.family video) take a mask image (every frame alike) or a mask video of their frames (frame by "
+        "frame), averaged in time as the VAE compresses it. See docs/data.md.",
     )
     alpha_mask: bool = Field(
         False,
         description="Masked loss from each image's alpha channel (kohya's alpha_mask): transparent pixels are left "
         "out of the loss, opaque ones train, as data.mask_dir's masks do. An image without alpha trains whole. "
-        "Not with data.mask_dir.",
+        "Not with data.mask_dir; image families only (clips have no alpha).",
     )
     sets: Optional[list[DataSetSpec]] = Field(
         None,

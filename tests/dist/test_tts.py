@@ -27,8 +27,10 @@ SPEECHT5_CASES = {"speecht5-zero2": 2, "speecht5-zero3": 3}
 CODEBOOKS_CASES = {"csm-zero3-full": (3, "full", "builtin:tiny-csm"), "csm-zero2-lora": (2, "lora", "builtin:tiny-csm"),
                    "dia-zero3-full": (3, "full", "builtin:tiny-dia"), "dia-zero2-lora": (2, "lora", "builtin:tiny-dia"),
                    "vibevoice-zero3-full": (3, "full", "builtin:tiny-vibevoice"),
-                   "vibevoice-zero2-lora": (2, "lora", "builtin:tiny-vibevoice")}
-CODEBOOKS_RATES = {"csm": 24000, "dia": 44100, "vib": 24000}
+                   "vibevoice-zero2-lora": (2, "lora", "builtin:tiny-vibevoice"),
+                   "pocket-tts-zero3-full": (3, "full", "builtin:tiny-pocket-tts"),
+                   "pocket-tts-zero2-lora": (2, "lora", "builtin:tiny-pocket-tts")}
+CODEBOOKS_RATES = {"csm": 24000, "dia": 44100, "vib": 24000, "poc": 24000}
 
 
 def _speecht5_spec(run_dir: Path, stage: int) -> dict:
@@ -89,7 +91,8 @@ def test_export_reloads_in_transformers_and_speaks(runs, name):
 # One resume per model: tts_lm under ZeRO-3, SpeechT5 under ZeRO-2, CSM's LoRA (its adapters and the frozen codec
 # outside the engine), Dia's ZeRO-3 full run with gradient checkpointing, VibeVoice's ZeRO-3 full run (its diffusion
 # draws per sample and step); each costs a launch.
-@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2", "csm-zero2-lora", "dia-zero3-full", "vibevoice-zero3-full"])
+@pytest.mark.parametrize("name", ["zero3", "speecht5-zero2", "csm-zero2-lora", "dia-zero3-full", "vibevoice-zero3-full",
+                                  "pocket-tts-zero3-full"])
 def test_resume_continues_exactly(runs, name, tmp_path):
     check_resume_continues_exactly(*runs[name], tmp_path / "resumed")
 
@@ -239,3 +242,37 @@ def test_vibevoice_export_loads_with_its_processor_and_generates_a_wav(runs, nam
     processor.save_audio(audio, str(tmp_path / "42.wav"))
     wave, rate = soundfile.read(tmp_path / "42.wav")
     assert rate == 24000 and wave.size > 0 and wave.size % 3200 == 0 and np.isfinite(wave).all()
+
+
+@pytest.mark.parametrize("name", [name for name in CODEBOOKS_CASES if name.startswith("pocket-tts")])
+def test_pocket_tts_export_loads_with_its_processor_and_generates_a_wav(runs, name, tmp_path):
+    """The export is a folder PocketTTSForConditionalGeneration + AutoProcessor (its audio tokenizer named by the
+    processor, never trained) load, with the trained weights, whose own generate after a voice prompt, decoded by the
+    processor, writes a WAV; a LoRA export also holds the peft adapter, which gives the merged weights on the base."""
+    import soundfile
+    from peft import PeftModel
+    from transformers import AutoProcessor, PocketTTSForConditionalGeneration
+
+    from dstune.data.synthetic import render_tones
+
+    run_dir, _, proc = runs[name]
+    assert proc.returncode == 0, explain(proc)
+    folder = run_dir / "export" / f"step-{STEPS:08d}"
+    model = PocketTTSForConditionalGeneration.from_pretrained(folder).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    base = PocketTTSForConditionalGeneration.from_pretrained(CACHE_DIR / "builtin" / "tiny-pocket-tts-v1")
+    changed = [k for k, v in base.state_dict().items() if not torch.equal(v, model.state_dict()[k])]
+    assert changed and torch.equal(base.latent_mean, model.latent_mean)  # the latent statistics are the base's
+    if name.endswith("lora"):
+        merged = PeftModel.from_pretrained(base, folder / "adapter").merge_and_unload()
+        assert all(torch.allclose(merged.state_dict()[k], model.state_dict()[k], atol=1e-6) for k in changed)
+    voice = render_tones("89")  # 16 kHz
+    voice = np.interp(np.arange(int(len(voice) * 1.5)) / 1.5, np.arange(len(voice)), voice).astype(np.float32)
+    content = [{"type": "audio", "audio": voice}, {"type": "text", "text": "42"}]
+    inputs = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    torch.manual_seed(0)
+    latents = model.generate(**inputs, max_new_tokens=6)
+    processor.save_audio(processor.decode(latents[0]), str(tmp_path / "42.wav"))
+    wave, rate = soundfile.read(tmp_path / "42.wav")
+    assert rate == 24000 and 0 < len(wave) <= 6 * 1920 and np.isfinite(wave).all()

@@ -2,9 +2,12 @@
 builtin:tiny-wan-a14b) and image-to-video (builtin:tiny-wan-i2v, builtin:tiny-wan22-ti2v) on CPU, five launches, which
 between them train full and LoRA under ZeRO 2 and ZeRO 3:
 
-- full fine-tuning under ZeRO 2 on builtin:moving-shapes from the latent and text caches (built before step 1):
-  trains, renders animated samples, exports a folder WanPipeline loads and renders frames with;
-- its resume from the step-2 checkpoint: steps 3-4 have the same losses and the export the same weights;
+- full fine-tuning under ZeRO 2 on two data.sets of real MP4s from the latent and text caches (built before step
+  1): 9-frame clips with loss masks (a mask image and a mask video, cached at the latent grid beside the latents)
+  x 2 and 5-frame clips without x 4, so every epoch is one 9-frame and two 5-frame global batches; trains, renders
+  animated samples, exports a folder WanPipeline loads and renders frames with;
+- its resume from the step-2 checkpoint (mid-epoch): steps 3-4 have the same losses and the export the same
+  weights;
 - LoRA under ZeRO 3 with gradient checkpointing on a folder of real MP4 files (written here with PyAV, resampled to
   12 fps) of two lengths and two aspect ratios and one still image, with frame-count buckets [5, 9], size buckets and
   sliding chunks, with only the text cache: every step trains on one (frames, width, height) bucket (the batch
@@ -22,6 +25,7 @@ HunyuanVideo 1.5's and LTX-2's runs are tests/dist/test_hunyuan_video15.py and t
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -31,7 +35,7 @@ import pytest
 import torch
 
 from flow_runs import STEPS, TRANSFORMER, base_folder, check_lora_export, check_resume, check_trains
-from harness import CACHE_DIR, explain, launch, write_spec
+from harness import CACHE_DIR, explain, launch, metrics, write_spec
 from video_runs import PROMPT, first_frame, video_spec
 
 pytestmark = pytest.mark.dist
@@ -58,6 +62,35 @@ def _write_mp4(path: Path, number: int, count: int, width: int = 32) -> None:
     path.with_suffix(".txt").write_text(caption)
 
 
+def _write_masked_sets(root: Path) -> dict:
+    """Two 9-frame moving-shapes MP4s in `videos/`, with masks in `masks/`: clip0's a PNG (the left half kept),
+    clip1's an MP4 whose frame n keeps the columns left of 3n + 4; the data section of two sets of them (masked at 9
+    frames x 2, unmasked at 5 frames x 4)."""
+    import av
+    from PIL import Image
+
+    (root / "videos").mkdir(parents=True)
+    (root / "masks").mkdir()
+    for number in range(2):
+        _write_mp4(root / "videos" / f"clip{number}.mp4", number * 9, 9)
+    half = np.zeros((32, 32), dtype=np.uint8)
+    half[:, :16] = 255
+    Image.fromarray(half).save(root / "masks" / "clip0.png")
+    with av.open(str(root / "masks" / "clip1.mp4"), "w") as container:
+        stream = container.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt, stream.options = 32, 32, "yuv420p", {"qp": "0"}
+        for n in range(9):
+            pixels = np.zeros((32, 32, 3), dtype=np.uint8)
+            pixels[:, : 3 * n + 4] = 255
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    videos = str(root / "videos")
+    return {"sets": [
+        {"path": videos, "name": "masked", "mask_dir": "../masks", "repeats": 2, "video": {"frames": 9}},
+        {"path": videos, "name": "plain", "repeats": 4, "video": {"frames": 5}},
+    ]}
+
+
 def _write_mp4_folder(root: Path) -> Path:
     """Real MP4s at 24 fps (resampled to 12 by the spec) for three (frames, width, height) buckets of four clips:
     four 12-frame 32 x 32 files (6 frames at 12 fps: 5-frame clips), two 36-frame 32 x 32 files (18 frames: two
@@ -81,8 +114,8 @@ def runs(tmp_path_factory) -> dict:
     ensure_builtin_model(MODEL, CACHE_DIR)  # built once here, not by both launches' rank 0
     full_dir = tmp_path_factory.mktemp("wan-zero2") / "run"
     cache = {"latents": True, "text_embeddings": True, "dir": str(full_dir.parent / "cache")}
-    full = write_spec(full_dir.parent / "spec.yaml",
-                      video_spec(full_dir, MODEL, 2, "full", {"path": "builtin:moving-shapes", "cache": cache}))
+    sets = _write_masked_sets(full_dir.parent / "data")
+    full = write_spec(full_dir.parent / "spec.yaml", video_spec(full_dir, MODEL, 2, "full", {**sets, "cache": cache}))
     lora_dir = tmp_path_factory.mktemp("wan-lora-zero3") / "run"
     videos = _write_mp4_folder(lora_dir.parent / "videos")
     lora = video_spec(lora_dir, MODEL, 3, "lora", {
@@ -130,6 +163,28 @@ def test_full_run_from_caches_exports_a_folder_wan_pipeline_renders(runs):
         assert sample.is_animated and sample.n_frames == 5
     assert (run_dir / "samples" / f"step-{STEPS:06d}.mp4").stat().st_size > 0
     assert f'<img src="step-{STEPS:06d}.webp"' in (run_dir / "samples" / "index.html").read_text()  # the page plays it
+
+
+def test_full_run_trains_both_sets_with_the_masks_cached_at_the_latent_grid(runs):
+    """Each epoch is 3 optimizer steps: the masked set's 4 nine-frame clips and the plain set's 8 five-frame clips;
+    the cache holds a mask per clip at the latent grid (3 x 4 x 4 for 9 frames; ones for the plain set)."""
+    from dstune.cache.entries import read_entry
+
+    run_dir, _, proc = runs["full"]
+    assert proc.returncode == 0, explain(proc)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["steps_per_epoch"] == 3
+    assert {group["key"]: group["samples"] for group in plan["groups"]} == {"5f 32x32": 8, "9f 32x32": 4}
+    assert [m["epoch"] for m in metrics(run_dir)] == [0, 0, 0, 1]  # the step-2 resume is mid-epoch
+    masks = {}
+    for path in (run_dir.parent / "cache").rglob("*.safetensors"):
+        entry = read_entry(path)
+        if "loss_mask" in entry:
+            masks.setdefault(tuple(entry["loss_mask"].shape), []).append(entry["loss_mask"])
+    assert set(masks) == {(1, 3, 4, 4), (1, 2, 4, 4)} and len(masks[(1, 3, 4, 4)]) == 2, masks.keys()
+    assert all(bool((mask == 1).all()) for mask in masks[(1, 2, 4, 4)])  # the plain set: whole
+    kept = sorted(round(float(mask.mean()), 3) for mask in masks[(1, 3, 4, 4)])
+    assert 0.2 < kept[0] < kept[1] < 0.8, kept  # both masked clips keep part of their frames
 
 
 def test_zero2_full_resume_continues_exactly(runs, tmp_path):

@@ -84,12 +84,13 @@ def test_the_spec_takes_sets_or_a_path_and_says_so_at_the_line(tmp_path):
         load_spec(spec)
 
 
-def test_sets_are_refused_for_video_and_speech_families():
+def test_sets_are_refused_for_speech_families():
+    """Video sets: tests/unit/test_video_sets.py."""
     from dstune.spec.data_checks import data_family_problem
 
     data = DataSpec(sets=[{"path": "a"}])
-    assert "image families" in data_family_problem(False, "video", data, video=True)
-    assert "image families" in data_family_problem(True, "tts_lm", data)
+    assert "image and video families" in data_family_problem(True, "tts_lm", data)
+    assert data_family_problem(False, "video", data, video=True) is None
     assert data_family_problem(False, "flow", data) is None
 
 

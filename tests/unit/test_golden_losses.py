@@ -101,6 +101,7 @@ CASES = {
     "tiny-csm": (_model(CodebooksModelSpec, "tts_codebooks"), "tones", SPEECH_LR),
     "tiny-dia": (_model(CodebooksModelSpec, "tts_codebooks"), "tones", SPEECH_LR),
     "tiny-vibevoice": (_model(CodebooksModelSpec, "tts_codebooks"), "tones", SPEECH_LR),
+    "tiny-pocket-tts": (_model(CodebooksModelSpec, "tts_codebooks"), "tones", SPEECH_LR),
     "tiny-hunyuan-video15": (
         _model(VideoModelSpec, "video", max_sequence_length=HV15_TEXT_TOKENS),
         "moving-shapes",
@@ -195,6 +196,11 @@ def trajectory(name: str, perturbation: str | None = None) -> list[float]:
         if perturbation == "vae_scaling_factor":  # the latents' scale, a constant of the diffusion loss
             model.vae.register_to_config(scaling_factor=one_ulp_up(model.vae.config.scaling_factor))
         weight = one_ulp_up(1.0) if perturbation == "loss_weight" else 1.0  # the mean's weight
+        if model.voice_references:  # the voice prompts start-up gives (dstune.startup.give_voices)
+            from dstune.data.audio import reference_clips, speech_records
+
+            records, _ = speech_records(DataSpec(path="builtin:tones", max_clip_seconds=0.5))
+            model.take_voices(reference_clips(records, model.voice_references, model.sample_rate))
         trainable = model.trainable.to(DTYPE)
         optimizer = torch.optim.AdamW([p for p in trainable.parameters() if p.requires_grad], lr=lr)
         losses = []

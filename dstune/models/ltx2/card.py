@@ -191,6 +191,39 @@ def image_to_video_issues(spec) -> list[tuple[str, str]]:
     return issues
 
 
+def set_videos(data) -> list[tuple[str, object]]:
+    """(dotted key, video section) of data.video and of every set that gives its own (data.sets.N.video)."""
+    own = [(f"data.sets.{n}.video", item.video) for n, item in enumerate(data.sets or []) if item.video is not None]
+    return [("data.video", data.video)] + own
+
+
+def sets_issues(data) -> list[tuple[str, str]]:
+    """data.sets on LTX-2: preservation sets (their target would need the base's sound prediction too) and sets at
+    other frame rates (the clips of one batch would carry sound tracks of other lengths) are refused."""
+    issues = []
+    for number, item in enumerate(data.sets or []):
+        if item.role == "preservation":
+            issues.append(
+                (
+                    f"data.sets.{number}.role",
+                    "preservation is not offered for LTX-2 yet: its target would need the base model's sound "
+                    "prediction as well as its video's. Use role regularization (class clips) or train",
+                )
+            )
+    rates = [one.video.fps for one in data.set_specs()]
+    if data.sets is not None and len(set(rates)) > 1:
+        number = rates.index(next(rate for rate in rates if rate != rates[0]))
+        issues.append(
+            (
+                f"data.sets.{number}.video.fps",
+                f"the sets' frame rates differ ({', '.join(str(rate) for rate in rates)}): LTX-2 trains on each "
+                "clip's sound, frames / fps seconds of it, so clips of one batch would carry sound tracks of other "
+                "lengths. Give every set the same data.video.fps",
+            )
+        )
+    return issues
+
+
 def _text_width(text_config: dict) -> Optional[int]:
     return (text_config.get("text_config") or text_config).get("hidden_size")
 
@@ -292,9 +325,10 @@ class Ltx2Card(VideoCard):
 
     def model_spec_issues(self, spec, folder) -> SpecIssues:
         """Image-to-video's first frames and split (or no first frames for text-to-video), frame counts the VAE
-        takes (1 + t k), clips whose sound cannot follow their frames (uniform sampling)."""
+        takes (1 + t k), clips whose sound cannot follow their frames (uniform sampling), data.sets (not yet)."""
         _, temporal = compression(folder)
         issues = image_to_video_issues(spec)
+        issues += sets_issues(spec.data)
         if (spec.model.sample_frames - 1) % temporal:
             issues.append(
                 (
@@ -303,23 +337,24 @@ class Ltx2Card(VideoCard):
                     f"the rest {temporal}x (e.g. 9, 17, 25, 121)",
                 )
             )
-        if spec.data.video.sampling == "uniform" and spec.data.video.max_frames > 1:
-            issues.append(
-                (
-                    "data.video.sampling",
-                    "uniform spreads a clip's frames over the whole video, so the clip's sound (which LTX-2 trains on) "
-                    "cannot follow them: use head or sliding",
+        for prefix, section in set_videos(spec.data):
+            if section.sampling == "uniform" and section.max_frames > 1:
+                issues.append(
+                    (
+                        f"{prefix}.sampling",
+                        "uniform spreads a clip's frames over the whole video, so the clip's sound (which LTX-2 trains "
+                        "on) cannot follow them: use head or sliding",
+                    )
                 )
-            )
-        uneven = [count for count in spec.data.video.frame_counts if (count - 1) % temporal]
-        if uneven:
-            issues.append(
-                (
-                    "data.video.frames",
-                    f"{', '.join(map(str, uneven))} frames: LTX-2's VAE takes {temporal}k+1 frames (e.g. {temporal + 1}, "
-                    f"{2 * temporal + 1}, 121)",
+            uneven = [count for count in section.frame_counts if (count - 1) % temporal]
+            if uneven:
+                issues.append(
+                    (
+                        f"{prefix}.frames",
+                        f"{', '.join(map(str, uneven))} frames: LTX-2's VAE takes {temporal}k+1 frames (e.g. "
+                        f"{temporal + 1}, {2 * temporal + 1}, 121)",
+                    )
                 )
-            )
         return issues
 
     def split_attention(self, folder) -> Optional[Attention]:

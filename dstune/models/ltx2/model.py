@@ -33,6 +33,7 @@ import torch
 
 from dstune.families.diffusion import load_component
 from dstune.families.flow_model import FlowModel, noisy_at
+from dstune.families.loss_terms import batch_loss
 from dstune.families.precision import at_least_float32
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.samples import ClipWithSound
@@ -183,8 +184,10 @@ class Ltx2(FlowModel):
         )
 
     def loss(self, forward, encoded: dict, seed: int, step: int) -> torch.Tensor:
-        """The mean over the micro batch of each clip's loss: the video's flow-matching error (its first frame
-        excluded in image-to-video) plus, for a clip with sound, the sound's, both at the clip's sigma."""
+        """The mean over the micro batch of each clip's loss (with data.sets the train and regularization clips'
+        weighted means: dstune.families.loss_terms.batch_loss): the video's flow-matching error (its first frame
+        excluded in image-to-video; over its loss mask where the batch has one) plus, for a clip with sound, the
+        sound's (never masked: a mask weights the picture), both at the clip's sigma."""
         latents = self.model_latents(encoded, seed, step)
         indices = self.indices(encoded)
         noise = per_sample_randn(latents.shape[1:], seed, step, indices, "noise").to(latents.device)
@@ -192,15 +195,15 @@ class Ltx2(FlowModel):
         sigmas, noisy = noisy_at(latents, noise, sigma)
         dtype = next(self.trainable.parameters()).dtype
         conditions = self.conditions(encoded, dtype)
-        heard = encoded.get("has_sound")
+        heard, mask = encoded.get("has_sound"), encoded.get("loss_mask")  # the mask weights the video, not the sound
         if heard is None or not heard.any():  # no clip with sound: the video alone, one call
             prediction = self.predict(forward, noisy, timesteps, conditions, dtype)
-            loss = self.flow_error(prediction, noisy, latents, noise, sigmas).mean()
+            loss = batch_loss(self.flow_error(prediction, noisy, latents, noise, sigmas, mask), encoded)
             self.last_loss_parts = {"video": float(loss.detach()), "audio": 0.0}
             return loss
         sound = audio_tokens(self.parts["audio_vae"], encoded["sound_latent"])
         sound_noise = per_sample_randn(sound.shape[1:], seed, step, indices, "audio_noise").to(sound.device)
-        video = (noisy, timesteps, latents, noise, sigmas)
+        video = (noisy, timesteps, latents, noise, sigmas, mask)
         order, video_errors, sound_errors = [], [], []
         for rows in (heard.nonzero().flatten(), (~heard).nonzero().flatten()):  # one transformer call per kind
             if len(rows) == 0:
@@ -210,7 +213,7 @@ class Ltx2(FlowModel):
                 per_clip = torch.is_tensor(value) and value.ndim and len(value) == len(heard)
                 return value[rows] if per_clip else value
 
-            clip_noisy, clip_timesteps, clip_latents, clip_noise, clip_sigmas = (pick(t) for t in video)
+            clip_noisy, clip_timesteps, clip_latents, clip_noise, clip_sigmas, clip_mask = (pick(t) for t in video)
             given = {name: pick(value) for name, value in conditions.items()}
             if heard[rows[0]]:
                 sigma_tokens = clip_sigmas.reshape(-1, 1, 1)
@@ -220,11 +223,15 @@ class Ltx2(FlowModel):
                     forward, clip_noisy, clip_timesteps, given, dtype, noisy_sound
                 )
                 sound_error = (at_least_float32(predicted) - at_least_float32(drawn - clean)).pow(2).mean(dim=(1, 2))
-                video_errors.append(self.flow_error(prediction, clip_noisy, clip_latents, clip_noise, clip_sigmas))
+                video_errors.append(
+                    self.flow_error(prediction, clip_noisy, clip_latents, clip_noise, clip_sigmas, clip_mask)
+                )
                 sound_errors.append(once_per_group(sound_error, self.sequence_split))
             else:
                 prediction = self.predict(forward, clip_noisy, clip_timesteps, given, dtype)
-                video_errors.append(self.flow_error(prediction, clip_noisy, clip_latents, clip_noise, clip_sigmas))
+                video_errors.append(
+                    self.flow_error(prediction, clip_noisy, clip_latents, clip_noise, clip_sigmas, clip_mask)
+                )
                 sound_errors.append(torch.zeros_like(video_errors[-1]))  # adds exactly nothing to a silent clip
             order.append(rows)
         back = torch.argsort(torch.cat(order))  # the clips in the batch's order again
@@ -234,7 +241,7 @@ class Ltx2(FlowModel):
             "video": float(video_error.detach().mean()),
             "audio": float(sound_error.detach().mean()),
         }
-        return (video_error + sound_error).mean()
+        return batch_loss(video_error + sound_error, encoded)  # the mean, or with data.sets the roles' means
 
     def loss_parts(self) -> dict[str, float]:
         """The video's and the sound's shares of the last loss (the sound's is 0 for a batch of silent clips)."""

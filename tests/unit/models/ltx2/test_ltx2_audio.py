@@ -227,3 +227,38 @@ def test_under_a_sequence_split_the_sound_loss_gradient_is_divided_by_the_split(
     assert split_loss == whole_loss
     torch.testing.assert_close(split["audio_proj_out"], whole["audio_proj_out"] / 2, rtol=1e-6, atol=0)
     torch.testing.assert_close(split["proj_out"], whole["proj_out"], rtol=0, atol=0)
+
+
+def test_a_loss_mask_weights_the_video_and_leaves_the_sound_alone(built):
+    """data.mask_dir on LTX-2: the clips' audio part of the loss is the same under any mask (a mask weights the
+    picture), the video part changes, and a mask of ones gives the unmasked loss."""
+    rate = built.parts["audio_vae"].config.sample_rate
+    batch = sound_batch(INDICES, rate)
+    half = torch.ones(len(INDICES), 1, FRAMES, 32, 32)
+    half[..., 16:] = 0
+    parts = {}
+    for name, mask in (("none", None), ("ones", torch.ones_like(half)), ("half", half)):
+        encoded = built.encode_batch(batch if mask is None else {**batch, "loss_mask": mask})
+        with torch.no_grad():
+            loss = built.loss(built.trainable, encoded, SEED, STEP).item()
+        parts[name] = (loss, built.loss_parts())
+    assert parts["ones"][0] == pytest.approx(parts["none"][0], rel=1e-6)
+    assert parts["none"][1]["audio"] > 0
+    assert parts["half"][1]["audio"] == pytest.approx(parts["none"][1]["audio"], rel=1e-6)
+    assert abs(parts["half"][1]["video"] - parts["none"][1]["video"]) > 1e-4
+
+
+def test_a_regularization_set_adds_its_weighted_mean_to_the_train_clips_mean(built):
+    """data.sets on LTX-2: clip 3 (train) and clip 11 (regularization, loss_weight w) in one batch give clip 3's
+    audio+video loss plus w x clip 11's, each as if it were alone (each clip's draws are its own)."""
+    rate = built.parts["audio_vae"].config.sample_rate
+    batch = sound_batch(INDICES, rate)
+    alone = []
+    for i in range(len(INDICES)):
+        one = {k: v[i : i + 1] if torch.is_tensor(v) else v[i : i + 1] for k, v in batch.items()}
+        with torch.no_grad():
+            alone.append(built.loss(built.trainable, built.encode_batch(one), SEED, STEP).item())
+    fields = {"loss_weight": torch.tensor([1.0, 0.7]), "prior": torch.tensor([False, True])}
+    with torch.no_grad():
+        combined = built.loss(built.trainable, built.encode_batch({**batch, **fields}), SEED, STEP).item()
+    assert combined == pytest.approx(alone[0] + 0.7 * alone[1], rel=1e-5)
