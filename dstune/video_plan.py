@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from dstune.data.clips import clip_counts, index_clips, is_grouped, latent_tokens
+from dstune.data.clips import clip_counts, index_clips, is_grouped, latent_tokens, set_video
 from dstune.data.image_check import find_unreadable
 from dstune.data.index import DataError, builtin_name, is_video_file
 from dstune.families import clip_token_factors, get_facts
@@ -33,7 +33,8 @@ class ClipCount:
     problems: list[str] = field(default_factory=list)  # one line per video that gives no clip
     warnings: list[str] = field(default_factory=list)
     stills: list = field(default_factory=list)  # the records of still images (one-frame clips read from image files)
-    silent: list = field(default_factory=list)  # the files whose clips have no sound track
+    # the files without a sound track whose data.video.require_sound (data's, or their set's) asks for one
+    silent: list = field(default_factory=list)
 
 
 def count_clips(spec, show_progress: bool = False) -> ClipCount:
@@ -97,7 +98,7 @@ def count_clips(spec, show_progress: bool = False) -> ClipCount:
         list(index.problems),
         list(index.warnings),
         still_records,
-        _silent_files(index.records),
+        _silent_files([r for r in index.records if set_video(data, r.set_index).require_sound]),
     )
 
 
@@ -146,26 +147,25 @@ def sound_issues(spec, source, counted: ClipCount) -> list:
     data.video.require_sound refuses each file without a sound track, and a model that trains no sound."""
     trains = get_facts(spec.model.family).trains_sound(spec)
     sound = counted.summary.get("sound")
-    require = spec.data.video.require_sound
-    if require and trains is False:
+    key = _require_sound_key(spec.data)
+    if key and trains is False:
         return [
             source.issue(
-                "data.video.require_sound",
+                key,
                 f"{spec.model.pretrained} trains no sound (its frames only): a sound track would not be used. "
-                "Remove data.video.require_sound.",
+                f"Remove {key}.",
             )
         ]
-    if require and counted.silent:
-        listing = "\n  ".join(counted.silent[:PROBLEMS_LISTED])
-        more = (
-            f"\n  ... and {len(counted.silent) - PROBLEMS_LISTED} more" if len(counted.silent) > PROBLEMS_LISTED else ""
-        )
+    silent = counted.silent
+    if key and silent:
+        listing = "\n  ".join(silent[:PROBLEMS_LISTED])
+        more = f"\n  ... and {len(silent) - PROBLEMS_LISTED} more" if len(silent) > PROBLEMS_LISTED else ""
         return [
             source.issue(
-                "data.video.require_sound",
-                f"{len(counted.silent)} file(s) have no sound track, and data.video.require_sound asks that every "
-                f"clip has one:\n  {listing}{more}\nGive those clips with their sound (or delete them), or set "
-                "data.video.require_sound: false to train their video alone.",
+                key,
+                f"{len(silent)} file(s) have no sound track, and {key} asks that every clip has one:\n  "
+                f"{listing}{more}\nGive those clips with their sound (or delete them), or set {key}: false to "
+                "train their video alone.",
             )
         ]
     if trains and sound and counted.count and not sound["with"]:
@@ -180,6 +180,17 @@ def sound_issues(spec, source, counted: ClipCount) -> list:
             )
         ]
     return []
+
+
+def _require_sound_key(data) -> Optional[str]:
+    """The dotted key that asks every clip for a sound track (data.video.require_sound, or the first set's own
+    data.sets.N.video.require_sound), or None when nothing asks."""
+    for number, one in enumerate(data.sets or []):
+        if one.video is not None and one.video.require_sound:
+            return f"data.sets.{number}.video.require_sound"
+    if data.video.require_sound and (data.sets is None or any(one.video is None for one in data.sets)):
+        return "data.video.require_sound"
+    return None
 
 
 def problem_text(problems: list[str]) -> str:

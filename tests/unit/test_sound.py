@@ -241,3 +241,36 @@ def test_require_sound_refuses_each_file_without_a_track_and_a_model_without_sou
     assert code == 0, text
     code, text = _validate(capsys, tmp_path, "tiny-wan", "builtin:moving-shapes-av", "data.video.require_sound=true")
     assert code == 1 and "builtin:tiny-wan trains no sound" in text, text
+
+
+def test_a_sets_own_require_sound_refuses_its_files_without_a_track_and_no_other_sets(capsys, tmp_path, mixed_folder):
+    """data.sets.N.video.require_sound asks it of that set's clips alone: its silent file is named under its own key,
+    and the other set's clips without sound train their video as before."""
+    import yaml
+
+    from dstune.cli import main
+
+    def validate(require_in: int) -> tuple[int, str]:
+        sets = [
+            {"path": str(mixed_folder), "name": "mine", "video": {"frames": 5, "fps": 24}},
+            {"path": "builtin:moving-shapes", "name": "shapes", "video": {"frames": 5, "fps": 24}},
+        ]
+        sets[require_in]["video"]["require_sound"] = True
+        spec = {
+            "model": {"family": "video", "pretrained": "builtin:tiny-ltx2"},
+            "data": {"resolution": 32, "video": {"frames": 5, "fps": 24}, "sets": sets},
+            "train": {"micro_batch_size": 1, "max_steps": 2},
+        }
+        path = tmp_path / f"sets-{require_in}.yaml"
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        code = main(["validate", str(path)])
+        captured = capsys.readouterr()
+        return code, captured.out + captured.err
+
+    code, text = validate(0)
+    assert code == 1, text
+    assert "data.sets.0.video.require_sound: 1 file(s) have no sound track" in text, text
+    assert str(mixed_folder / "quiet.mp4") in text and "builtin:moving-shapes\n" not in text
+    code, text = validate(1)
+    assert code == 1 and "data.sets.1.video.require_sound: 1 file(s) have no sound track" in text, text
+    assert str(mixed_folder / "quiet.mp4") not in text
