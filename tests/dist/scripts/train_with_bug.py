@@ -38,12 +38,12 @@ if "double-shard" in modes:
     original_make_loader = loader_module.make_loader
 
     def make_loader_sharded_twice(dataset, collate_fn, group_keys, data, plan, rank, seed, start_epoch=0,
-                                  start_step=0):
+                                  start_step=0, **options):  # options: speakers, sets, ... as make_loader takes them
         import torch.distributed as dist
         from torch.utils.data import DataLoader, DistributedSampler, Subset
 
         loader, sampler = original_make_loader(dataset, collate_fn, group_keys, data, plan, rank, seed, start_epoch,
-                                               start_step)
+                                               start_step, **options)
         my_share = [index for batch in sampler for index in batch]  # already this rank's 1/N
         again = DistributedSampler(my_share, num_replicas=dist.get_world_size(), rank=rank, shuffle=False)
         buggy = DataLoader(Subset(loader.dataset, my_share), batch_size=plan.micro_batch_size, sampler=again,
