@@ -9,3 +9,13 @@ os.environ.setdefault(
     "DSTUNE_CACHE",
     os.environ.get("DSTUNE_TEST_CACHE", str(Path(__file__).resolve().parents[1] / ".dstune-cache" / "tests")),
 )
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _validate_lines_whole(monkeypatch):
+    """dstune's report wraps its lines at COLUMNS when that is set; the tests read validate's lines whole, as a pipe
+    gives them, whatever width leaked into a worker's environment (a test that wants a width sets it itself)."""
+    monkeypatch.delenv("COLUMNS", raising=False)

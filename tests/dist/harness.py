@@ -67,7 +67,7 @@ _PORTS_GIVEN: set[int] = set()
 
 
 def env() -> dict:
-    out = dict(os.environ)
+    out = {key: value for key, value in os.environ.items() if key != "COLUMNS"}  # dstune's lines whole, as piped
     out.update(DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     out["PYTHONPATH"] = f"{REPO}{os.pathsep}{out['PYTHONPATH']}" if out.get("PYTHONPATH") else str(REPO)
     return out

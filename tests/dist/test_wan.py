@@ -175,7 +175,7 @@ def test_full_run_trains_both_sets_with_the_masks_cached_at_the_latent_grid(runs
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["steps_per_epoch"] == 3
     assert {group["key"]: group["samples"] for group in plan["groups"]} == {"5f 32x32": 8, "9f 32x32": 4}
-    assert [m["epoch"] for m in metrics(run_dir)] == [0, 0, 0, 1]  # the step-2 resume is mid-epoch
+    assert [m["epoch"] for m in metrics(run_dir)] == [1, 1, 1, 2]  # epochs counted from 1, as on the console: the step-2 resume is mid-epoch
     masks = {}
     for path in (run_dir.parent / "cache").rglob("*.safetensors"):
         entry = read_entry(path)
