@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -351,11 +352,23 @@ def cmd_cache(args) -> int:
     return run_cache_command(args.spec, args.overrides, verify_only=args.verify)
 
 
+STOPS_BEFORE_LAUNCH: list[int] = []  # the SIGINTs dstune train received before it launched
+
+
+def _note_stop_before_launch(signum, frame) -> None:
+    """dstune train's SIGINT handler until the launch: noted (a library that catches every exception while it is
+    imported, as some do around optional imports, cannot make the stop disappear) and raised as usual."""
+    STOPS_BEFORE_LAUNCH.append(signum)
+    raise KeyboardInterrupt
+
+
 def cmd_train(args) -> int:
     """Validate for the flags' world (nothing starts on an error), refuse an output.dir in use and a resume that
     cannot go on, then launch. A stop signal before the launch ends here with one line."""
     try:
         checked = _checked_for_launch(args)
+        if STOPS_BEFORE_LAUNCH:  # received, but swallowed on its way up
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         print("dstune train: interrupted (SIGINT) before the launch; nothing was started", file=sys.stderr)
         return 130
@@ -422,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    if args.command == "train":  # before the libraries load: one of them may swallow the KeyboardInterrupt
+        signal.signal(signal.SIGINT, _note_stop_before_launch)
     from dstune.library_logs import set_library_verbosity
 
     set_library_verbosity(args.verbose)
