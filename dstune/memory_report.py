@@ -94,6 +94,12 @@ def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
                 "GPU; check one card, with what would make it fit: --gpu-memory SIZE)",
             )
         )
+    return rows + _verdict_rows(memory)
+
+
+def _verdict_rows(memory: dict) -> list[tuple[str, str]]:
+    """--gpu-memory's verdict and the changes that would make the run fit."""
+    rows: list[tuple[str, str]] = []
     if memory["fits"] is not None:
         verdict = "fits" if memory["fits"] else "DOES NOT FIT"
         rows.append(("--gpu-memory", f"{gb(memory['gpu_memory_bytes'])}: {verdict}"))

@@ -27,9 +27,9 @@ from dstune.checkpoints.layout import STATE_FILE
 from dstune.data.audio import SpeechDataset, collate_speech, reference_clips, speech_records
 from dstune.data.audio_index import duration_keys, speaker_keys
 from dstune.data.clips import index_clips, is_grouped, read_header
-from dstune.data.images import ImageCaptionDataset, collate, find_bad_images
+from dstune.data.images import find_bad_images
 from dstune.data.index import DataError, index_dataset, list_samples
-from dstune.data.loader import make_loader
+from dstune.data.loader import build_loader, make_loader
 from dstune.data.video import VideoCaptionDataset, collate_video, find_bad_clips
 from dstune.distributed import (
     device_memory_bytes,
@@ -432,20 +432,7 @@ def make_training_loader(
             sets=dataset.set_numbers(),
             set_places=dataset.set_places(),
         )
-    dataset = ImageCaptionDataset(data, records, seed)
-    return make_loader(
-        dataset,
-        collate,
-        dataset.group_keys(),
-        data,
-        plan,
-        rank,
-        seed,
-        start_epoch,
-        start_step,
-        sets=dataset.set_numbers(),
-        set_places=dataset.set_places(),
-    )
+    return build_loader(data, plan, rank, seed, records, start_epoch, start_step)
 
 
 # ------------------------------------------------------------------------------------- `dstune cache` command
