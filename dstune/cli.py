@@ -362,6 +362,16 @@ def _note_stop_before_launch(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _exit_now_if_the_interpreter_saw_the_stop(code: int) -> None:
+    """Exit with `code` now when the SIGINT reached Python code that a library ran through the C API while it was
+    imported: CPython then remembers an unhandled KeyboardInterrupt, and under `python -m dstune` it ends the process
+    with SIGINT after our return (exit -2, not 130). Nothing was started before the launch, so nothing is skipped."""
+    if STOPS_BEFORE_LAUNCH:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def cmd_train(args) -> int:
     """Validate for the flags' world (nothing starts on an error), refuse an output.dir in use and a resume that
     cannot go on, then launch. A stop signal before the launch ends here with one line."""
@@ -371,6 +381,7 @@ def cmd_train(args) -> int:
             raise KeyboardInterrupt
     except KeyboardInterrupt:
         print("dstune train: interrupted (SIGINT) before the launch; nothing was started", file=sys.stderr)
+        _exit_now_if_the_interpreter_saw_the_stop(130)
         return 130
     if isinstance(checked, int):
         return checked
