@@ -83,7 +83,6 @@ def test_full_run_from_the_cache_exports_a_folder_its_pipeline_renders_from_a_re
     pipeline = _pipeline(model, export)
     image = _render(model)(pipeline)
     assert image.shape == (1, 3, SIDE, SIDE) and torch.isfinite(image).all()
-    assert not torch.allclose(image, _render(model)(_pipeline(model, base_folder(model))))  # the training shows
     # the reference conditions the export: seeded, the same reference renders the same image, another one another
     assert torch.equal(_render(model)(pipeline), image) and not torch.equal(_render(model, 102)(pipeline), image)
 
