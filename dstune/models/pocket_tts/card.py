@@ -94,6 +94,7 @@ POCKET_TTS_CARD = PocketTTSCard(
     key="pocket-tts",
     name="Pocket TTS",
     family="tts_codebooks",
+    text_tokenizer="files",  # its folder's tokenizer.json (a SentencePiece vocabulary with <unk>)
     unit="pocket_tts",
     model_class="dstune.models.pocket_tts.model:PocketTTS",
     docs="docs/tts.md",
