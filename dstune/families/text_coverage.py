@@ -196,8 +196,9 @@ def coverage_messages(report: Coverage, limit: float, model: str, extension: str
         error = (
             f"{len(over)} of {len(report.samples)} samples have more than {limit:.0%} unknown tokens (the limit, "
             f"data.max_unknown_tokens): the tokenizer does not cover their language.{shown}{more}\n"
-            f"Characters: {_chars(report.characters(over))}. {why}. {fixes}. To train on them anyway (a new "
-            "language on byte tokens, knowingly), raise data.max_unknown_tokens (1.0 accepts every sample)."
+            f"Characters: {_chars(report.characters(over))}. {why}. {fixes}. To train on them anyway ("
+            + ("the characters stay unknown" if report.fate == LOST else "a new language from byte pieces, knowingly")
+            + "), raise data.max_unknown_tokens (1.0 accepts every sample)."
         )
         return error, ""
     worst = max(touched, key=lambda s: s.share)

@@ -115,3 +115,14 @@ def test_sentencepiece_counts_each_lost_character(tmp_path):
     assert report.fate == "lost"
     assert sample.unknown == sum(c.isalpha() for c in GEORGIAN[0][1]), sample
     assert sample.share >= 0.8, sample  # the rest: the word separators and the punctuation
+
+
+def test_the_limit_is_refused_for_an_image_family(tmp_path):
+    from dstune.spec.load import SpecError, load_spec
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        "model: {family: sd}\ndata: {max_unknown_tokens: 0.5}\ntrain: {micro_batch_size: 1, max_steps: 2}\n"
+    )
+    with pytest.raises(SpecError, match="data.max_unknown_tokens are for the speech families"):
+        load_spec(path)
