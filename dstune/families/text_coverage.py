@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 FILES, UTF8 = "files", "utf8"  # the kinds a card declares (ModelCard.text_tokenizer_kind)
 REPLACEMENT = "\ufffd"  # what a piece of a character decodes to alone
 SENTENCEPIECE_FILES = ("spm_char.model", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+BATCH = 1024  # transcripts encoded per call
 LOST, BYTES = "lost", "bytes"  # what happens to an unknown character: it becomes <unk> / it is written as bytes
 
 
@@ -78,6 +79,9 @@ class _Utf8Bytes:
     def __init__(self, what: str):
         self.what = what
 
+    def samples(self, samples: Sequence[tuple[str, str]]) -> list[SampleCoverage]:
+        return [self.sample(sample, text) for sample, text in samples]
+
     def sample(self, sample: str, text: str) -> SampleCoverage:
         wide = [c for c in text if ord(c) > 127]
         return SampleCoverage(
@@ -91,8 +95,9 @@ class _Vocabulary:
     unknown id `unk`, or nothing at all for a character a vocabulary without one drops). Each character it lacks
     counts as one unknown token, since an unknown token may stand for a run of them (SentencePiece's does)."""
 
-    def __init__(self, what: str, fate: str, encode, pieces, unk: Optional[int]):
-        self.what, self.fate, self._encode, self._pieces, self._unk = what, fate, encode, pieces, unk
+    def __init__(self, what: str, fate: str, encode, encode_many, pieces, unk: Optional[int]):
+        self.what, self.fate, self._encode, self._encode_many = what, fate, encode, encode_many
+        self._pieces, self._unk = pieces, unk
         self._chars: dict[str, str] = {}  # character -> "" (known), "lost" or "pieces"
 
     def _char(self, char: str) -> str:
@@ -102,12 +107,23 @@ class _Vocabulary:
             self._chars[char] = "lost" if lost else "pieces" if self._pieces(ids) else ""
         return self._chars[char]
 
-    def sample(self, sample: str, text: str) -> SampleCoverage:
-        ids = self._encode(text)
-        chars = [c for c in dict.fromkeys(text) if not c.isspace() and self._char(c)]
+    def samples(self, samples: Sequence[tuple[str, str]]) -> list[SampleCoverage]:
+        """Every sample, its transcript encoded in batches (the tokenizer's threads)."""
+        out = []
+        for start in range(0, len(samples), BATCH):
+            chunk = samples[start : start + BATCH]
+            encoded = self._encode_many([text for _, text in chunk])
+            out += [self.sample(sample, text, ids) for (sample, text), ids in zip(chunk, encoded)]
+        return out
+
+    def sample(self, sample: str, text: str, ids: list[int]) -> SampleCoverage:
+        chars = sorted((c for c in set(text) if not c.isspace() and self._char(c)), key=text.index)
+        pieces = len(self._pieces(ids))
+        if not chars:  # nearly every sample of a covered language
+            return SampleCoverage(sample, len(ids), pieces, "")
         lost = sum(1 for c in text if c in chars and self._chars[c] == "lost")
-        unk = sum(1 for i in ids if i == self._unk)
-        return SampleCoverage(sample, len(ids) - unk + lost, len(self._pieces(ids)) + lost, "".join(chars))
+        unk = ids.count(self._unk) if self._unk is not None else 0
+        return SampleCoverage(sample, len(ids) - unk + lost, pieces + lost, "".join(chars))
 
 
 def _json_tokenizer(path: Path, added_tokens: Sequence[str]) -> _Vocabulary:
@@ -129,9 +145,12 @@ def _json_tokenizer(path: Path, added_tokens: Sequence[str]) -> _Vocabulary:
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_many(texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
     fate = LOST if unk is not None and not model.get("byte_fallback") else BYTES
     kind = "an unknown token" if fate == LOST else "byte-level"
-    return _Vocabulary(f"{path.name} of {path.parent} ({kind})", fate, encode, pieces, unk)
+    return _Vocabulary(f"{path.name} of {path.parent} ({kind})", fate, encode, encode_many, pieces, unk)
 
 
 def _sentencepiece(path: Path) -> _Vocabulary:
@@ -145,7 +164,7 @@ def _sentencepiece(path: Path) -> _Vocabulary:
     fallback = any(processor.is_byte(i) for i in range(processor.get_piece_size()))
     fate = BYTES if fallback else LOST
     what = f"{path.name} of {path.parent} (SentencePiece{', byte fallback' if fallback else ''})"
-    return _Vocabulary(what, fate, processor.encode, pieces, processor.unk_id())
+    return _Vocabulary(what, fate, processor.encode, processor.encode, pieces, processor.unk_id())
 
 
 def text_tokenizer(kind: str, folder: Path, added_tokens: Sequence[str] = ()):
@@ -164,7 +183,7 @@ def text_tokenizer(kind: str, folder: Path, added_tokens: Sequence[str] = ()):
 
 def coverage(tokenizer, samples: Sequence[tuple[str, str]]) -> Coverage:
     """Each (sample id, transcript) through `tokenizer` (text_tokenizer's)."""
-    return Coverage(tokenizer.what, tokenizer.fate, tuple(tokenizer.sample(sample, text) for sample, text in samples))
+    return Coverage(tokenizer.what, tokenizer.fate, tuple(tokenizer.samples(list(samples))))
 
 
 LISTED = 10  # samples named one per line in the message; the rest counted
