@@ -132,7 +132,12 @@ def _json_tokenizer(path: Path, added_tokens: Sequence[str]) -> _Vocabulary:
     tokenizer = Tokenizer.from_file(str(path))
     if added_tokens:  # model.added_tokens: known once added (what start-up does to the tokenizer)
         tokenizer.add_tokens(list(added_tokens))
-    model = json.loads(path.read_text(encoding="utf-8")).get("model", {})
+    document = json.loads(path.read_text(encoding="utf-8"))
+    model = document.get("model", {})
+    # bytes stand in for a character it lacks: a byte-level pre-tokenizer or decoder (GPT-2's), or byte fallback
+    byte_level = bool(model.get("byte_fallback")) or '"ByteLevel"' in json.dumps(
+        [document.get("pre_tokenizer"), document.get("decoder")]
+    )
     unk = tokenizer.token_to_id(model["unk_token"]) if model.get("unk_token") else None
     piece: dict[int, bool] = {}
 
@@ -148,7 +153,7 @@ def _json_tokenizer(path: Path, added_tokens: Sequence[str]) -> _Vocabulary:
     def encode_many(texts: list[str]) -> list[list[int]]:
         return [encoding.ids for encoding in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    fate = LOST if unk is not None and not model.get("byte_fallback") else BYTES
+    fate = BYTES if byte_level else LOST
     kind = "an unknown token" if fate == LOST else "byte-level"
     return _Vocabulary(f"{path.name} of {path.parent} ({kind})", fate, encode, encode_many, pieces, unk)
 

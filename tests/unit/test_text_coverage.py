@@ -126,3 +126,22 @@ def test_the_limit_is_refused_for_an_image_family(tmp_path):
     )
     with pytest.raises(SpecError, match="data.max_unknown_tokens are for the speech families"):
         load_spec(path)
+
+
+def test_byte_fallback_pieces_are_unknown_and_nothing_is_lost(tmp_path):
+    """A SentencePiece-style vocabulary with byte fallback (as converted to tokenizer.json) never emits <unk>: a
+    character it lacks is written as its UTF-8 bytes (<0xC4> <0x9F>), each an unknown token, and the report says
+    nothing is lost."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    vocab.update({c: len(vocab) + n for n, c in enumerate("\u2581abcdefghijklmnopqrstuvwxyz")})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    report = coverage(text_tokenizer("files", tmp_path), [("tr", "dağ"), ("en", "mountain")])
+    turkish, english = report.samples
+    assert report.fate == "bytes"
+    assert (turkish.unknown, turkish.characters) == (2, "ğ"), turkish  # its two bytes
+    assert english.unknown == 0
