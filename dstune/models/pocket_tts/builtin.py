@@ -24,6 +24,7 @@ from pathlib import Path
 from dstune.builtin.common import BuiltinModel, deterministic_cpu
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import LM_VOCAB, Case, attr, generator, randn
+from dstune.models.pocket_tts.model import PocketTTSModule
 
 _SEED = 0
 FOLDER_NAME = "tiny-pocket-tts-v1"
@@ -211,8 +212,6 @@ def _pocket_tts_run(model, tokens, context, dtype):
     training utterance (a voice prompt's latents are positions of the backbone like the text's), through the
     PocketTTSModule dstune trains."""
     import torch
-
-    from dstune.models.pocket_tts.model import PocketTTSModule
 
     config = model.config
     ids = torch.cat(
