@@ -97,6 +97,10 @@ class ModelCard:
     # key prefixes of its original single-file checkpoints -> what such a file is, so that a file given to
     # another family is named (dstune.pretrained)
     checkpoint_layouts: dict[str, str] = field(default_factory=dict)
+    # how a speech model's transcripts become tokens, for validate's unknown-token check (a dataset in a language
+    # its tokenizer does not cover: dstune.families.text_coverage): "files" (its folder's tokenizer files), "utf8"
+    # (one token per UTF-8 byte), "" (not checked)
+    text_tokenizer: str = ""
     # its load builds the trainable module partitioned under ZeRO-3 (deepspeed.zero.Init), all ranks together, so
     # that no rank holds a whole copy of it; else each rank loads it whole
     builds_partitioned: ClassVar[bool] = False
@@ -136,6 +140,18 @@ class ModelCard:
         first for clips without one; at least one); a dstune.families.speakers.Voices (each name -> what the model
         is given), or SpeakersRefused with the reason where it cannot tell them apart."""
         raise NotImplementedError(f"{self.name} trains no speech")
+
+    def text_tokenizer_kind(self, folder) -> str:
+        """How this folder's transcripts become tokens (`text_tokenizer`'s words), for the unknown-token check."""
+        return self.text_tokenizer
+
+    def added_tokens_hint(self) -> str:
+        """How a user extends this model's tokenizer for a new language, or why dstune cannot (the unknown-token
+        check's last fix)."""
+        return (
+            f"dstune cannot add tokens to {self.name}'s tokenizer (new tokens need new embedding rows trained with "
+            "them; model.added_tokens does this for model.family tts_lm only)"
+        )
 
     def takes_speaker(self, text: str) -> bool:
         """Whether a clip of this transcript is given its speaker (False: the transcript names its own turns, a

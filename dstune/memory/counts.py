@@ -27,6 +27,7 @@ from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 from dstune.spec.section import BUILTIN_PREFIX
 
 STORE = Path(__file__).resolve().parents[1] / "model_configs"
+BUILTIN_MARKER = "dstune_builtin.json"  # written last into a built-in's folder: the build is complete
 # builtin name -> its versioned folder: the stored config folders are named as the built-in's folder
 # (dstune.builtin's BuiltinModel.folder_name, "tiny-sd-v3"); tests/unit/test_memory_plan.py checks they are exactly
 # the built-ins' folders, without this module importing the builders of layer 3

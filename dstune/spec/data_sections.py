@@ -315,6 +315,8 @@ class DataSetSpec(Section):
 
 
 DEFAULT_DATA_PATH = "builtin:shapes"
+# a transcript with more unknown tokens is in a language the tokenizer does not cover (dstune.families.text_coverage)
+MAX_UNKNOWN_TOKENS = 0.1
 
 
 class DataSpec(Section):
@@ -436,6 +438,15 @@ class DataSpec(Section):
         description="Audio datasets with speakers (GPT-SoVITS .list, metadata.jsonl `speaker`): every epoch "
         "gives each speaker the same number of places (small speakers repeat, large ones leave clips out), drawn "
         "from train.seed, the same on every rank. Not with duration_bucket_seconds. See docs/tts.md.",
+    )
+    max_unknown_tokens: float = Field(
+        MAX_UNKNOWN_TOKENS,
+        ge=0,
+        le=1,
+        description="Audio: the largest share of a transcript's tokens the model's tokenizer may not know (its "
+        "unknown token, or a character written as UTF-8 byte pieces) before `validate` refuses the sample: a dataset "
+        "in a language the tokenizer does not cover is named with each sample's share and the characters it lacks. "
+        "Samples under it with unknown tokens are a warning. 1.0 accepts every sample. See docs/tts.md, A new language.",
     )
     speakers: Literal["separate", "blend"] = Field(
         "separate",
