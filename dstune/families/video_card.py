@@ -48,9 +48,9 @@ def clip_buckets(spec, num_samples: int, clips) -> list[tuple[int, int, int, int
     return list(clips) or [(spec.data.video.max_frames, side, side, num_samples)]
 
 
-def clip_volume(frames: int, width: int, height: int, *_) -> int:
-    """Latent frames x pixels: what a clip's tokens and its cached latent grow with."""
-    return (1 + (frames - 1) // TEMPORAL_COMPRESSION) * width * height
+def clip_volume(frames: int, width: int, height: int, *_, rule: ClipRule = ClipRule(TEMPORAL_COMPRESSION)) -> int:
+    """Latent frames (the model's clip rule) x pixels: what a clip's tokens and its cached latent grow with."""
+    return rule.latent_frames(frames) * width * height
 
 
 def expert_summary(index: dict, expert: str, timestep_range) -> dict:
@@ -217,9 +217,11 @@ class VideoCard(PipelineCard):
         text."""
         latents = 0
         if spec.data.cache.latents and "vae" in companions:
-            channels, factor = latent_channels(folder)
+            channels, factor, rule = *latent_channels(folder), self.clip_rule(folder)
             buckets = clip_buckets(spec, num_samples, clips)
-            latents = sum(2 * channels * clip_volume(f, w // factor, h // factor) * 4 * n for f, w, h, n in buckets)
+            latents = sum(
+                2 * channels * clip_volume(f, w // factor, h // factor, rule=rule) * 4 * n for f, w, h, n in buckets
+            )
             latents += self.condition_cache_bytes(spec, folder, companions, channels, factor, buckets, num_samples)
         return self.text_bytes(spec, folder) * num_samples + latents
 

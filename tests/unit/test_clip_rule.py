@@ -87,3 +87,19 @@ def test_the_frame_checks_name_the_counts_of_the_cards_rule(tmp_path):
         "frames for 22); use 5 or 22"
     }
     assert latent_tokens((22, 32, 32), 8, (1, 2, 2), CHUNKED) == 7 * 2 * 2
+
+
+def test_the_memory_plan_caches_the_latent_frames_of_the_cards_rule(tmp_path):
+    """The latent cache's bytes count each clip's latent frames by the card's rule: 22 frames are 7 latent frames
+    under 17k+5 (6 under the causal 4x formula)."""
+    folder = pipeline_folder("builtin:tiny-wan")
+    chunked = ChunkedWanCard(**{field.name: getattr(WAN_CARD, field.name) for field in fields(WAN_CARD)})
+    spec = spec_with(tmp_path, 22)
+    spec = spec.model_copy(
+        update={"data": spec.data.model_copy(update={"cache": spec.data.cache.model_copy(update={"latents": True})})}
+    )
+    clips = [(22, 32, 32, 10)]
+    text = WAN_CARD.text_bytes(spec, folder) * 10
+    causal = WAN_CARD.cache_bytes(spec, folder, {"vae": 0}, 10, clips) - text
+    chunked_bytes = chunked.cache_bytes(spec, folder, {"vae": 0}, 10, clips) - text
+    assert causal > 0 and chunked_bytes * 6 == causal * 7
