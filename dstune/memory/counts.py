@@ -57,7 +57,8 @@ def config_folder(reference: str) -> tuple[Path, str]:
             return hub_snapshot(reference), f"{reference} (local Hugging Face cache)"
         except NotAvailableLocally:
             stored = STORE / "hub" / reference
-            if (stored / "config.json").exists() or (stored / "model_index.json").exists():
+            listed = ("config.json", "model_index.json", "modular_model_index.json")
+            if any((stored / name).exists() for name in listed):
                 return stored, f"{reference} (configs stored with dstune; not downloaded here)"
     named = [folder for folder in (STORE / "hub").glob(f"*/{path.name}") if path.name]
     if len(named) == 1:  # e.g. /models/stable-diffusion-xl-base-1.0 on a machine that does not have it
