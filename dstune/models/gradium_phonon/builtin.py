@@ -22,7 +22,9 @@ import string
 from pathlib import Path
 
 from dstune.builtin.common import BuiltinModel, deterministic_cpu
+from dstune.families.flow_head_tts import FlowHeadLossModule
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import LM_VOCAB, Case, attr, generator, randn
 from dstune.models.gradium_phonon.card import GRADIUM_PHONON_CARD
 
 _SEED = 0
@@ -167,4 +169,79 @@ TINY_GRADIUM_PHONON = BuiltinModel(
     "12.5 Hz codec latents, a speaker codec's voice prompt) with a tiny PocketTTSAudioTokenizerModel as its "
     "processor's audio tokenizer and a tiny MimiEncoderModel as its speaker codec",
     build=build_tiny_gradium_phonon,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step as dstune trains it (the flow-head loss module: the backbone on
+# the latents, the LSD loss per latent with its noise draws, the self-distillation term's JVP, the end-of-speech
+# loss), whose saved tensors bench/activation_table.py counts (docs/memory.md): the measured activation constants
+# the memory plan uses for this model.
+
+REAL_WIDTH, REAL_HEAD_DIM, REAL_FLOW_WIDTH = 768, 64, 512  # gradium/phonon-31m-en's backbone and flow head widths
+LATENT_DIM = 32  # the audio tokenizer's latent width (not narrowed: the latents are the data)
+
+
+def _gradium_phonon(heads, ffn_mult):
+    """gradium/phonon-31m-en's structure at `heads` heads of the real head dim: the backbone's MLP 4x its width
+    (measured apart), the flow head at the real ratio of its width to the backbone's (its 6 blocks), the latents of
+    32 values; a narrow vocabulary."""
+    from transformers import GradiumPhononTTSConfig, GradiumPhononTTSForConditionalGeneration
+
+    width = heads * REAL_HEAD_DIM
+    ffn = width * 4 * ffn_mult
+    flow = width * REAL_FLOW_WIDTH // REAL_WIDTH
+    config = GradiumPhononTTSConfig(
+        vocab_size=LM_VOCAB,
+        hidden_size=width,
+        num_attention_heads=heads,
+        intermediate_size=ffn,
+        num_hidden_layers=2,
+        latent_dim=LATENT_DIM,
+        flow_head_config=dict(hidden_size=flow, latent_dim=LATENT_DIM, condition_dim=width),
+        lsd_distill_probability=1.0,  # the self-distillation term on: the step that keeps the most
+    )
+    return GradiumPhononTTSForConditionalGeneration(config), width, ffn, 0
+
+
+def _gradium_phonon_run(model, tokens, context, dtype):
+    """`context` text tokens, the audio BOS and `tokens` latents (one <audio> placeholder each), as
+    dstune.families.flow_head_tts lays them out, through the module dstune trains (its per-sample LSD loss)."""
+    import torch
+
+    config = model.config
+    ids = torch.cat(
+        [
+            torch.randint(10, config.vocab_size, (1, context), generator=generator()),
+            torch.full((1, 1), config.audio_bos_token_id),
+            torch.full((1, tokens), config.audio_latent_token_id),
+        ],
+        1,
+    )
+    trained = FlowHeadLossModule(model).train()
+    inputs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        labels=randn(1, tokens, LATENT_DIM, dtype=dtype),
+        labels_mask=torch.ones(1, tokens, dtype=torch.long),
+        seeds=torch.tensor([0]),
+        distill_seed=0,
+    )
+    anchor = torch.zeros((), dtype=dtype)
+    return lambda: trained(anchor, **inputs).float()
+
+
+ACTIVATION_CASES = (
+    Case(
+        "gradium-phonon",
+        "Gradium Phonon (backbone over the text and one position per latent, the LSD flow head per latent)",
+        _gradium_phonon,
+        _gradium_phonon_run,
+        sizes=((8, 8), (24, 8), (8, 24)),
+        check_size=(16, 12),
+        block_lists=attr(backbone="model.layers"),
+        ffn=True,
+        heads=2,
+        check_heads=3,
+    ),
 )
