@@ -10,6 +10,7 @@ from the export's speaker codec."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -327,3 +328,20 @@ def test_lora_export_is_a_peft_adapter_and_a_merged_folder(folder, tmp_path):
     assert not torch.equal(merged.state_dict()[name], base.state_dict()[name])
     wave, rate = _generate_wav(tmp_path, tmp_path / "merged.wav")
     assert rate == 24000 and len(wave) > 0
+
+
+def test_a_build_into_a_relative_cache_names_its_audio_tokenizer_by_an_absolute_path(tmp_path, monkeypatch):
+    """The processor names its audio tokenizer by path: a build into a relative cache folder (output.cache_dir as a
+    user writes it) still loads from another working directory."""
+    import json
+
+    from transformers import AutoProcessor
+
+    monkeypatch.chdir(tmp_path)
+    folder = ensure_builtin_model("builtin:tiny-gradium-phonon", "relative-cache")
+    named = json.loads((folder / "processor_config.json").read_text())["audio_tokenizer"]
+    assert Path(named["audio_tokenizer_name_or_path"]).is_absolute()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert AutoProcessor.from_pretrained(folder).audio_tokenizer is not None
