@@ -4,16 +4,27 @@ LSD flow head that samples each next latent, and an end-of-speech head; the proc
 class, named by processor_config.json) is the frozen codec whose latents the codec cache holds.
 
 What the memory plan knows of such a model: the class counted without its codecs, each codec counted from its own
-config (`companion_configs`), and one clip's activations from the generic formulas: the backbone over the voice
-prompt, the text and one position per latent, and the flow head run on the class's noise draws per latent, three
-passes each (the diagonal term, the self-distillation term's forward-mode JVP and its target)."""
+config (`companion_configs`), and one clip's activations: from the constants measured on the class itself where the
+activation table holds the card's key (its unit's activation case: the backbone's blocks, and outside them the flow
+head's passes over each latent's noise draws; the latents are the tokens, the text and the voice prompt's frames the
+context), else from the generic formulas: the backbone over the voice prompt, the text and one position per latent,
+and the flow head run on the class's noise draws per latent, three passes each (the diagonal term, the
+self-distillation term's forward-mode JVP and its target)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from dstune.families.codebooks_card import CodebooksCard
-from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, codec_frame_rate, transformer_layer_bytes
+from dstune.memory.activations import (
+    TEXT_TOKENS_PER_SECOND,
+    ModelShape,
+    activation_constants,
+    codec_frame_rate,
+    in_plan_units,
+    measured_sample_bytes,
+    transformer_layer_bytes,
+)
 from dstune.memory.counts import SizesUnknown, config_folder, count_component, read_config
 from dstune.memory.plan import ModelCounts
 
@@ -61,13 +72,18 @@ class FlowHeadTTSCard(CodebooksCard):
         head = config.get("flow_head_config") or {}
         head_width, head_layers = int(head.get("hidden_size", 512)), int(head.get("num_hidden_layers", 6))
         frames = seconds * frame_rate
-        positions = frames + min(seconds, self.voice_seconds) * frame_rate + seconds * TEXT_TOKENS_PER_SECOND
-        layer = transformer_layer_bytes(positions, hidden, ffn, gated=False)
-        draws = frames * int(config.get("flow_loss_num_samples", 4)) * FLOW_HEAD_PASSES
-        flow = draws * head_layers * transformer_layer_bytes(1, head_width, head_width, gated=False)
+        context = min(seconds, self.voice_seconds) * frame_rate + seconds * TEXT_TOKENS_PER_SECOND
         layers = int(config.get("num_hidden_layers", 6))
-        full = layers * layer + flow
-        checkpointed = positions * hidden * 2 * layers + layer + flow
+        if self.key in activation_constants():
+            shape = ModelShape(hidden, {"backbone": layers}, ffn=ffn)
+            sample = measured_sample_bytes(self.key, shape, frames, context, spec.train.precision)
+            full, checkpointed = in_plan_units(sample, spec.train.precision)
+        else:
+            layer = transformer_layer_bytes(frames + context, hidden, ffn, gated=False)
+            draws = frames * int(config.get("flow_loss_num_samples", 4)) * FLOW_HEAD_PASSES
+            flow = draws * head_layers * transformer_layer_bytes(1, head_width, head_width, gated=False)
+            full = layers * layer + flow
+            checkpointed = (frames + context) * hidden * 2 * layers + layer + flow
         latent = int(config.get("latent_dim", 32))
         cached = ("codec",) if spec.data.cache.codec_tokens else ()
         cache_bytes = int(4 * frame_rate * latent * seconds * num_samples) if spec.data.cache.codec_tokens else 0

@@ -5,20 +5,16 @@ not the audio tokenizer's latents but a speaker codec's (a Mimi encoder's unquan
 values per frame at 12.5 per second), a second frozen encoder outside the class, counted from its own config; and
 one clip's activations come from the constants measured on the class itself as dstune trains it (the
 "gradium-phonon" activation case in its builtin module: the backbone's blocks, and outside them the LSD flow head's
-passes over each latent's noise draws), the voice prompt's frames counted as context positions of the backbone."""
+passes over each latent's noise draws), which the flow-head card type reads by the card's key."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dataclasses import replace
-
 from dstune.card import ModelPreset, speech
-from dstune.families.flow_head_card import DEFAULT_CLIP_SECONDS, FlowHeadTTSCard
+from dstune.families.flow_head_card import FlowHeadTTSCard
 from dstune.families.speakers import Voices
-from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.counts import SizesUnknown, config_folder
-from dstune.memory.plan import ModelCounts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,22 +45,6 @@ class GradiumPhononCard(FlowHeadTTSCard):
         except SizesUnknown as err:
             raise SizesUnknown(f"{config_origin}: the speaker codec (the voice prompt's encoder): {err}") from None
         return {**super().companion_configs(folder, config_origin), "speaker_codec": speaker}
-
-    def count_model(self, spec, num_samples: int, folder, origin: str, config: dict, counted: tuple) -> ModelCounts:
-        """The flow-head type's counts with the measured activations of one clip: its latents as the tokens, its
-        text and voice prompt as the context."""
-        counts = super().count_model(spec, num_samples, folder, origin, config, counted)
-        seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
-        frame_rate = float(config.get("frame_rate", 12.5))
-        shape = ModelShape(
-            int(config.get("hidden_size", 768)),
-            {"backbone": int(config.get("num_hidden_layers", 6))},
-            ffn=int(config.get("intermediate_size", 3072)),
-        )
-        context = seconds * TEXT_TOKENS_PER_SECOND + min(seconds, self.voice_seconds) * frame_rate
-        sample = measured_sample_bytes(self.key, shape, seconds * frame_rate, context, spec.train.precision)
-        full, checkpointed = in_plan_units(sample, spec.train.precision)
-        return replace(counts, activation_sample_bytes=full, checkpointed_sample_bytes=checkpointed)
 
 
 GRADIUM_PHONON_CARD = GradiumPhononCard(
