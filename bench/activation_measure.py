@@ -52,7 +52,9 @@ class Count:
 
 
 def _storage_key(tensor: torch.Tensor):
-    if tensor._is_zerotensor():  # a forward-mode tangent known to be zero (torch.func.jvp's): it holds no memory
+    """(data pointer, bytes) of the storage a saved tensor keeps; (0, 0) for a ZeroTensor, which holds no memory
+    (the zero tangents of the weights in a forward-mode JVP, as an LSD flow loss's, torch.func.jvp)."""
+    if tensor._is_zerotensor():
         return 0, 0
     storage = tensor.untyped_storage()
     return storage.data_ptr(), storage.nbytes()

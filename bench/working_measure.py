@@ -73,7 +73,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for value in tree_flatten(out)[0]:
-            # a zero tensor (a forward-mode tangent known to be zero, torch.func.jvp's) holds no memory
+            # a ZeroTensor (a forward-mode JVP's zero tangent) holds no memory and has no storage to read
             if isinstance(value, torch.Tensor) and not value.is_meta and not value._is_zerotensor():
                 storage = value.untyped_storage()
                 key = storage.data_ptr()

@@ -40,6 +40,7 @@ CARDS: tuple[str, ...] = (
     "dstune.models.dia.card:DIA_CARD",
     "dstune.models.vibevoice.card:VIBEVOICE_CARD",
     "dstune.models.pocket_tts.card:POCKET_TTS_CARD",
+    "dstune.models.gradium_phonon.card:GRADIUM_PHONON_CARD",
     "dstune.models.speecht5.card:SPEECHT5_CARD",
 )
 

@@ -68,7 +68,9 @@ def ensure_builtin_model(name: str, cache_dir: str | os.PathLike) -> Path:
             f"unknown built-in model '{BUILTIN_PREFIX}{key}'. Known built-in models: {', '.join(builtin_names())}."
         )
     model = models[key]
-    root = Path(cache_dir).expanduser() / "builtin"
+    # absolute: a built folder may name its own files by path (a processor's audio tokenizer), which must not depend
+    # on the directory the build ran from
+    root = Path(cache_dir).expanduser().resolve() / "builtin"
     final = root / model.folder_name
     if _is_complete(final, key):
         return final

@@ -29,8 +29,10 @@ CODEBOOKS_CASES = {"csm-zero3-full": (3, "full", "builtin:tiny-csm"), "csm-zero2
                    "vibevoice-zero3-full": (3, "full", "builtin:tiny-vibevoice"),
                    "vibevoice-zero2-lora": (2, "lora", "builtin:tiny-vibevoice"),
                    "pocket-tts-zero3-full": (3, "full", "builtin:tiny-pocket-tts"),
-                   "pocket-tts-zero2-lora": (2, "lora", "builtin:tiny-pocket-tts")}
-CODEBOOKS_RATES = {"csm": 24000, "dia": 44100, "vib": 24000, "poc": 24000}
+                   "pocket-tts-zero2-lora": (2, "lora", "builtin:tiny-pocket-tts"),
+                   "gradium-phonon-zero3-full": (3, "full", "builtin:tiny-gradium-phonon"),
+                   "gradium-phonon-zero2-lora": (2, "lora", "builtin:tiny-gradium-phonon")}
+CODEBOOKS_RATES = {"csm": 24000, "dia": 44100, "vib": 24000, "poc": 24000, "gra": 24000}
 
 
 def _speecht5_spec(run_dir: Path, stage: int) -> dict:
@@ -43,7 +45,7 @@ def _speecht5_spec(run_dir: Path, stage: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Twelve launches shared by the tests below (the resumes are in their own tests)."""
+    """Eighteen launches shared by the tests below (the resumes are in their own tests)."""
     out = {}
     for name, stage in [*CASES.items(), *SPEECHT5_CASES.items(), *CODEBOOKS_CASES.items()]:
         run_dir = tmp_path_factory.mktemp(f"tts-{name}") / "run"
@@ -92,7 +94,7 @@ def test_export_reloads_in_transformers_and_speaks(runs, name):
 # outside the engine), Dia's ZeRO-3 full run with gradient checkpointing, VibeVoice's ZeRO-3 full run (its diffusion
 # draws per sample and step); each costs a launch.
 @pytest.mark.parametrize("name", ["zero3", "speecht5-zero2", "csm-zero2-lora", "dia-zero3-full", "vibevoice-zero3-full",
-                                  "pocket-tts-zero3-full"])
+                                  "pocket-tts-zero3-full", "gradium-phonon-zero3-full"])
 def test_resume_continues_exactly(runs, name, tmp_path):
     check_resume_continues_exactly(*runs[name], tmp_path / "resumed")
 
@@ -274,5 +276,42 @@ def test_pocket_tts_export_loads_with_its_processor_and_generates_a_wav(runs, na
     torch.manual_seed(0)
     latents = model.generate(**inputs, max_new_tokens=6)
     processor.save_audio(processor.decode(latents[0]), str(tmp_path / "42.wav"))
+    wave, rate = soundfile.read(tmp_path / "42.wav")
+    assert rate == 24000 and 0 < len(wave) <= 6 * 1920 and np.isfinite(wave).all()
+
+
+@pytest.mark.parametrize("name", [name for name in CODEBOOKS_CASES if name.startswith("gradium-phonon")])
+def test_gradium_phonon_export_loads_with_its_processor_and_generates_a_wav(runs, name, tmp_path):
+    """The export is a folder GradiumPhononTTSForConditionalGeneration + AutoProcessor load, with the trained weights
+    (the latent statistics the base's), beside its speaker codec (MimiEncoderModel); the class's own generate after a
+    voice prompt (the speaker codec's latents of a clip, given to the processor), decoded by the processor, writes a
+    WAV; a LoRA export also holds the peft adapter, which gives the merged weights on the base."""
+    import soundfile
+    from peft import PeftModel
+    from transformers import AutoProcessor, GradiumPhononTTSForConditionalGeneration, MimiEncoderModel
+
+    from dstune.data.synthetic import render_tones
+    from dstune.families.flow_head_tts import chat_prompt
+    from dstune.models.gradium_phonon.model import speaker_latents
+
+    run_dir, _, proc = runs[name]
+    assert proc.returncode == 0, explain(proc)
+    folder = run_dir / "export" / f"step-{STEPS:08d}"
+    model = GradiumPhononTTSForConditionalGeneration.from_pretrained(folder).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    base = GradiumPhononTTSForConditionalGeneration.from_pretrained(CACHE_DIR / "builtin" / "tiny-gradium-phonon-v1")
+    changed = [k for k, v in base.state_dict().items() if not torch.equal(v, model.state_dict()[k])]
+    assert changed and torch.equal(base.latent_mean, model.latent_mean)  # the latent statistics are the base's
+    if name.endswith("lora"):
+        merged = PeftModel.from_pretrained(base, folder / "adapter").merge_and_unload()
+        assert all(torch.allclose(merged.state_dict()[k], model.state_dict()[k], atol=1e-6) for k in changed)
+    voice = render_tones("89")  # 16 kHz
+    voice = np.interp(np.arange(int(len(voice) * 1.5)) / 1.5, np.arange(len(voice)), voice).astype(np.float32)
+    latents = speaker_latents(MimiEncoderModel.from_pretrained(folder / "speaker_codec"), processor, voice)
+    inputs = processor(text=[chat_prompt(processor, "42", voiced=True)], audio_prompt_latents=[latents],
+                       return_tensors="pt")
+    torch.manual_seed(0)
+    generated = model.generate(**inputs, max_new_tokens=6)
+    processor.save_audio(processor.decode(generated[0]), str(tmp_path / "42.wav"))
     wave, rate = soundfile.read(tmp_path / "42.wav")
     assert rate == 24000 and 0 < len(wave) <= 6 * 1920 and np.isfinite(wave).all()

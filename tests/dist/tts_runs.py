@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 from harness import base_spec, explain, launch, metrics
 
 STEPS = 4
+# the flow-head TTS models (an LSD flow head over continuous codec latents, a voice prompt)
+FLOW_HEAD_BUILTINS = ("builtin:tiny-pocket-tts", "builtin:tiny-gradium-phonon")
 
 
 def two_speaker_folder(root: Path) -> Path:
@@ -66,13 +68,13 @@ def tts_spec(run_dir: Path, stage: int) -> dict:
 
 
 def codebooks_spec(run_dir: Path, stage: int, train: str, pretrained: str = "builtin:tiny-csm") -> dict:
-    """A tts_codebooks run (builtin:tiny-csm, -dia, -vibevoice or -pocket-tts) on builtin:tones through the codec-token cache:
+    """A tts_codebooks run (builtin:tiny-csm, -dia, -vibevoice, -pocket-tts or -gradium-phonon) on builtin:tones through the codec-token cache:
     ZeRO-3 full with gradient checkpointing, or LoRA (any stage)."""
     spec = tts_spec(run_dir, 2)
     spec["model"] = {"family": "tts_codebooks", "pretrained": pretrained, "max_sample_seconds": 0.3,
                      "train": train, "gradient_checkpointing": stage == 3}
-    # Dia's, VibeVoice's and Pocket TTS's samples after a reference clip (sample.voice_prompts)
-    if pretrained in ("builtin:tiny-dia", "builtin:tiny-vibevoice", "builtin:tiny-pocket-tts") and stage == 3:
+    # Dia's, VibeVoice's and the flow-head models' samples after a reference clip (sample.voice_prompts)
+    if pretrained in ("builtin:tiny-dia", "builtin:tiny-vibevoice", *FLOW_HEAD_BUILTINS) and stage == 3:
         import soundfile
 
         from dstune.data.synthetic import render_tones
@@ -83,7 +85,7 @@ def codebooks_spec(run_dir: Path, stage: int, train: str, pretrained: str = "bui
         spec["sample"]["voice_prompts"] = [str(run_dir.parent / "voice.wav")] * len(spec["sample"]["prompts"])
     if train == "lora":  # rank-4 adapters start at B = 0: a larger step, so that 4 steps change what it says
         spec["model"]["lora"] = {"rank": 4}
-        if pretrained == "builtin:tiny-pocket-tts":  # the flow head's MLPs and projection too: the backbone's
+        if pretrained in FLOW_HEAD_BUILTINS:  # the flow head's MLPs and projection too: the backbone's
             # attention alone barely moves the flow loss of a random tiny head in 4 steps
             spec["model"]["lora"]["target_modules"] = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2", "proj"]
         # VibeVoice's adapters overshoot at 0.1 (its loss rose over the 4 steps): a smaller step

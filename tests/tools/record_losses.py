@@ -155,7 +155,7 @@ def _speecht5_spec(run_dir: Path, name: str) -> dict:
 
 
 def _codebooks_spec(run_dir: Path, name: str) -> dict:
-    """tts_codebooks (CSM, Dia, VibeVoice, Pocket TTS) on builtin:tones from the codec-token cache (tests/dist/tts_runs.py's codebooks runs)."""
+    """tts_codebooks (CSM, Dia, VibeVoice, Pocket TTS, Gradium Phonon) on builtin:tones from the codec-token cache (tests/dist/tts_runs.py's codebooks runs)."""
     return _common(
         run_dir,
         {"family": "tts_codebooks", "pretrained": f"builtin:{name}"},
@@ -199,6 +199,7 @@ CASES = {
     "tiny-dia": _codebooks_spec,
     "tiny-vibevoice": _codebooks_spec,
     "tiny-pocket-tts": _codebooks_spec,
+    "tiny-gradium-phonon": _codebooks_spec,
 }
 
 

@@ -135,7 +135,7 @@ OWN_FACTORS = {
     "tiny-ltx2": {"image_to_video": (False, True), "sound": (False, True)},
     **{
         name: {"speakers": (False, True)}
-        for name in ("tiny-orpheus", "tiny-csm", "tiny-dia", "tiny-vibevoice", "tiny-pocket-tts")
+        for name in ("tiny-orpheus", "tiny-csm", "tiny-dia", "tiny-vibevoice", "tiny-pocket-tts", "tiny-gradium-phonon")
     },
     "tiny-speecht5": {"speakers": (False, True)},
 }
@@ -295,6 +295,13 @@ LEFT_OUT = {
             _always,
             r"^model\.loss_weighting\.(layers\.|proj\.weight)",
             "Pocket TTS's loss weighting MLP starts at zero (the class's init): only its output bias has a first gradient",
+        )
+    ],
+    "tiny-gradium-phonon": [
+        (
+            _always,
+            r"^model\.loss_weighting\.(layers\.|proj\.weight)",
+            "Phonon's loss weighting MLP starts at zero (the class's init): only its output bias has a first gradient",
         )
     ],
     "tiny-ltx2": [

@@ -102,6 +102,7 @@ CASES = {
     "tiny-dia": (_model(CodebooksModelSpec, "tts_codebooks"), "tones", SPEECH_LR),
     "tiny-vibevoice": (_model(CodebooksModelSpec, "tts_codebooks"), "tones", SPEECH_LR),
     "tiny-pocket-tts": (_model(CodebooksModelSpec, "tts_codebooks"), "tones", SPEECH_LR),
+    "tiny-gradium-phonon": (_model(CodebooksModelSpec, "tts_codebooks"), "tones", SPEECH_LR),
     "tiny-hunyuan-video15": (
         _model(VideoModelSpec, "video", max_sequence_length=HV15_TEXT_TOKENS),
         "moving-shapes",

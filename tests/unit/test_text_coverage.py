@@ -30,6 +30,7 @@ MODELS = (  # built-in, family: every speech model's unit
     ("tiny-dia", "tts_codebooks"),
     ("tiny-vibevoice", "tts_codebooks"),
     ("tiny-pocket-tts", "tts_codebooks"),
+    ("tiny-gradium-phonon", "tts_codebooks"),
     ("tiny-speecht5", "speecht5"),
     ("tiny-tts-lm", "tts_lm"),
     ("tiny-orpheus", "tts_lm"),

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from dstune.builtin.common import BuiltinModel, deterministic_cpu
 from dstune.hf import quiet_hf_libraries
+from dstune.families.flow_head_tts import FlowHeadLossModule
 from dstune.memory.activation_cases import LM_VOCAB, Case, attr, generator, randn
-from dstune.models.pocket_tts.model import PocketTTSModule
 
 _SEED = 0
 FOLDER_NAME = "tiny-pocket-tts-v1"
@@ -158,7 +158,7 @@ TINY_POCKET_TTS = BuiltinModel(
 
 
 # ------------------------------------------------------------------------------- activation measurement
-# The real class at a narrow width, trained one step as dstune trains it (its PocketTTSModule: the backbone over the
+# The real class at a narrow width, trained one step as dstune trains it (its FlowHeadLossModule: the backbone over the
 # text and the latents, the LSD loss per sample with the self-distillation term, the end-of-speech loss), whose saved
 # tensors bench/activation_table.py counts (docs/memory.md): the measured activation constants the memory plan uses.
 
@@ -210,7 +210,7 @@ def _pocket_tts(heads, ffn_mult):
 def _pocket_tts_run(model, tokens, context, dtype):
     """`context` text tokens, the audio BOS, then `tokens` latents (one <audio> each), as the processor lays out a
     training utterance (a voice prompt's latents are positions of the backbone like the text's), through the
-    PocketTTSModule dstune trains."""
+    FlowHeadLossModule dstune trains."""
     import torch
 
     config = model.config
@@ -222,7 +222,7 @@ def _pocket_tts_run(model, tokens, context, dtype):
         ],
         1,
     )
-    trained = PocketTTSModule(model).train()
+    trained = FlowHeadLossModule(model).train()
     inputs = dict(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
@@ -237,7 +237,7 @@ def _pocket_tts_run(model, tokens, context, dtype):
 
 ACTIVATION_CASES = (
     Case(
-        "pocket_tts",
+        "pocket-tts",
         "Pocket TTS (a backbone over the text and one position per latent, the LSD flow head per latent)",
         _pocket_tts,
         _pocket_tts_run,

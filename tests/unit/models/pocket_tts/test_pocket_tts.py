@@ -17,6 +17,7 @@ import torch
 from dstune.builtin import ensure_builtin_model
 from dstune.data.audio import SpeechDataset, collate_speech, reference_clips, speech_records
 from dstune.families import card_of
+from dstune.families.flow_head_tts import chat_prompt
 from dstune.families.randomness import sample_seed
 from dstune.models.pocket_tts.card import POCKET_TTS_CARD
 from dstune.models.pocket_tts.model import DISTILL_PURPOSE, FLOW_PURPOSE, TRAIN_KEYS, PocketTTS
@@ -200,7 +201,7 @@ def test_codec_cache_holds_the_processors_latents(folder, built, batch, records,
     cached = [load_file(tmp_path / e.relpath)["codes"] for e in entries]
     assert all(c.dtype == torch.float32 and c.shape[1] == 8 for c in cached)
     _, processor = whole_pocket_tts(folder)
-    rendered = built.prompt("1 2", voiced=False, training=True)
+    rendered = chat_prompt(built.processor, "1 2", voiced=False, training=True)
     for clip, wave in zip(cached, batch["audio"]):
         inputs = processor(text=rendered, audio=[wave.numpy()], return_tensors="pt", sampling_rate=24000)
         assert torch.allclose(inputs["labels"][0], clip, atol=1e-6)
