@@ -12,7 +12,7 @@ Layouts:
     builtin:moving-shapes the same as clips (video families), builtin:moving-shapes-av those clips with a sound track.
 Video families (index_dataset(..., video=True)) list video files as well as images, in either layout.
 Edit / control pairs (data.control_dir, metadata.jsonl `control_file_name`): dstune.data.pairs; a paired record
-carries its source image's path in `control_path`.
+carries its reference images' paths in `control_paths`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from pathlib import Path, PurePosixPath
 
 from dstune.data.pairs import (
     CONTROL_FIELD,
-    CONTROL_SUFFIX,
     control_root,
     list_controls,
+    reference_suffix,
     listing,
     orphans_warning,
     stem_of,
@@ -68,9 +68,15 @@ class SampleRecord:
     image_path: str | None  # None for built-in samples, which are generated rather than read
     caption: str
     repeats: int  # times the sample appears in one epoch (kohya `N_name` folders x the set's repeats)
-    control_path: str | None = None  # edit / control training: the source image of this target (dstune.data.pairs)
+    # edit / control training: the reference (source) images of this target, in order (dstune.data.pairs)
+    control_paths: tuple[str, ...] = ()
     set_index: int = 0  # data.sets: the number of the record's set (0 with data.path)
     mask_path: str | None = None  # masked loss: the record's mask file (data.mask_dir), None: alpha or no mask
+
+    @property
+    def control_path(self) -> str | None:
+        """The first reference (the source of a one-reference edit pair), None unpaired."""
+        return self.control_paths[0] if self.control_paths else None
 
 
 @dataclass(frozen=True)
@@ -92,18 +98,19 @@ class IndexResult:
 
 
 def control_records(records: list[SampleRecord]) -> list[SampleRecord]:
-    """The source image of each paired record as a record of its own (id: the target's + CONTROL_SUFFIX, no
-    repeats), which is how the latent cache stores source latents beside the targets'."""
+    """Each reference image of each paired record as a record of its own (id: the target's + its reference
+    suffix, `#control`, `#control2`, ...; no repeats), which is how the latent cache stores reference latents beside
+    the targets'."""
     return [
         SampleRecord(
-            sample_id=r.sample_id + CONTROL_SUFFIX,
-            image_path=r.control_path,
+            sample_id=r.sample_id + reference_suffix(number),
+            image_path=path,
             caption=r.caption,
             repeats=0,
             set_index=r.set_index,
         )
         for r in records
-        if r.control_path is not None
+        for number, path in enumerate(r.control_paths)
     ]
 
 
@@ -386,8 +393,8 @@ def _index_folder(
 # ------------------------------------------------------------------------------------------------ jsonl
 
 
-def _parse_metadata_line(line: str, where: str) -> tuple[str, str, str | None]:
-    """One metadata.jsonl line -> (file_name, text, control_file_name or None), or DataError naming file:line and
+def _parse_metadata_line(line: str, where: str) -> tuple[str, str, tuple | None]:
+    """One metadata.jsonl line -> (file_name, text, its control_file_name(s) as a tuple or None), or DataError naming file:line and
     the problem."""
     try:
         entry = json.loads(line)
@@ -414,12 +421,18 @@ def _parse_metadata_line(line: str, where: str) -> tuple[str, str, str | None]:
     if not isinstance(text, str):
         raise DataError("data.path", f"{where}: `text` must be a string, got {type(text).__name__} {text!r}")
     control = entry.get(CONTROL_FIELD)
-    if control is not None and (not isinstance(control, str) or not control.strip()):
+    references = [control] if isinstance(control, str) else control
+    if control is not None and (
+        not isinstance(references, list)
+        or not references
+        or any(not isinstance(one, str) or not one.strip() for one in references)
+    ):
         raise DataError(
             "data.path",
-            f"{where}: `{CONTROL_FIELD}` (the source image of an edit pair) must be a "
-            f"non-empty string, got {control!r}",
+            f"{where}: `{CONTROL_FIELD}` (the reference image of an edit pair) must be a non-empty string, or a "
+            f"list of them for several references, got {control!r}",
         )
+    control = None if control is None else tuple(references)
     return file_name, text, control
 
 
@@ -463,11 +476,9 @@ def _index_jsonl(root: Path, skip_bad_files: bool) -> IndexResult:
                 )
             skipped.append(f"{path}: listed on line {number} but does not exist")
             continue
-        control_path = None if control is None else str(root / _relative_file(control, where))
+        controls = () if control is None else tuple(str(root / _relative_file(one, where)) for one in control)
         records.append(
-            SampleRecord(
-                sample_id=rel, image_path=str(path), caption=text.strip(), repeats=1, control_path=control_path
-            )
+            SampleRecord(sample_id=rel, image_path=str(path), caption=text.strip(), repeats=1, control_paths=controls)
         )
     warnings = []
     if skipped:
@@ -522,27 +533,23 @@ def _masked(result: IndexResult, root: Path, data: DataSpec, video: bool = False
 
 
 def _control_outside(root: Path, data: DataSpec) -> None:
-    """A folder-layout dataset takes every image under data.path as a target, so the sources must live elsewhere."""
-    if data.control_dir is None:
-        return
-    control = control_root(root, data.control_dir).resolve()
-    if control == root.resolve() or control.is_relative_to(root.resolve()):
-        raise DataError(
-            "data.control_dir",
-            f"{control} is inside data.path {root}, whose images are all trained as "
-            "targets. Keep the sources in a sibling folder (e.g. control_dir: ../control).",
-        )
+    """A folder-layout dataset takes every image under data.path as a target, so the references must live
+    elsewhere."""
+    for folder in data.control_dirs:
+        control = control_root(root, folder).resolve()
+        if control == root.resolve() or control.is_relative_to(root.resolve()):
+            raise DataError(
+                "data.control_dir",
+                f"{control} is inside data.path {root}, whose images are all trained as "
+                "targets. Keep the sources in a sibling folder (e.g. control_dir: ../control).",
+            )
 
 
-def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
-    """Each record's source image (metadata.jsonl `control_file_name`, else data.control_dir's file of the same
-    relative stem). Unpaired targets: DataError naming them (with data.skip_bad_files: left out, a warning)."""
-    named = any(r.control_path is not None for r in result.records)
-    if data.control_dir is None and not named:
-        return result
-    controls, where = {}, f"`{CONTROL_FIELD}` in {root / METADATA_FILE}"
-    if data.control_dir is not None:
-        folder = control_root(root, data.control_dir)
+def _reference_folders(root: Path, data: DataSpec) -> list[tuple[Path, dict[str, str]]]:
+    """data.control_dir's folders, each with its images (relative stem -> file); DataError for a folder that is
+    not one, or names shared by two files."""
+    found = []
+    for folder in (control_root(root, one) for one in data.control_dirs):
         if not folder.is_dir():
             raise DataError(
                 "data.control_dir",
@@ -556,15 +563,56 @@ def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
                 f"{len(clashes)} source names in {folder} have two image files, so "
                 f"the pairing is ambiguous: {listing(clashes)}. Keep one file per name.",
             )
-        where = f"a file with the same relative path and name in {folder} (any of {', '.join(IMAGE_EXTENSIONS)})"
+        found.append((folder, controls))
+    return found
+
+
+def _references_of(record: SampleRecord, folders: list) -> tuple[tuple, str | None]:
+    """(the record's references, None or what is missing: `reference k: the file looked for`)."""
+    if record.control_paths:  # named in metadata.jsonl
+        paths = record.control_paths
+        missing = [(k, f"{path} does not exist") for k, path in enumerate(paths) if not os.path.isfile(path)]
+    else:
+        stem = stem_of(record.sample_id)
+        paths = tuple(controls.get(stem) for _, controls in folders)
+        missing = [
+            (k, f"no {stem}.* in {folder}") for k, ((folder, _), path) in enumerate(zip(folders, paths)) if path is None
+        ]
+    if not missing:
+        return paths, None
+    if len(paths) == 1:
+        return paths, None if paths[0] is None else missing[0][1]
+    return paths, "; ".join(f"reference {k + 1}: {why}" for k, why in missing)
+
+
+def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
+    """Each record's references (metadata.jsonl `control_file_name`, else data.control_dir's files of the same
+    relative stem, one per folder). A target missing one: DataError naming the sample and the file looked for (with
+    data.skip_bad_files: left out, a warning)."""
+    named = any(r.control_paths for r in result.records)
+    if data.control_dir is None and not named:
+        return result
+    folders = _reference_folders(root, data)
+    where = f"`{CONTROL_FIELD}` in {root / METADATA_FILE}"
+    if folders:
+        shown = ", ".join(str(folder) for folder, _ in folders)
+        where = f"a file with the same relative path and name in {shown} (any of {', '.join(IMAGE_EXTENSIONS)})"
     records, unpaired, used = [], [], set()
     for record in result.records:
-        path = record.control_path or controls.get(stem_of(record.sample_id))
-        if path is None or not os.path.isfile(path):
-            unpaired.append(record.sample_id if path is None else f"{record.sample_id} ({path} does not exist)")
+        paths, missing = _references_of(record, folders)
+        if missing is not None or None in paths or not paths:
+            unpaired.append(record.sample_id if missing is None else f"{record.sample_id} ({missing})")
             continue
-        used.add(path)
-        records.append(dataclasses.replace(record, control_path=path))
+        used.update(paths)
+        records.append(dataclasses.replace(record, control_paths=tuple(paths)))
+    counts = {len(r.control_paths) for r in records}
+    if len(counts) > 1:  # a batch stacks each reference: every target needs as many
+        odd = [r.sample_id for r in records if len(r.control_paths) != len(records[0].control_paths)]
+        raise DataError(
+            "data.path",
+            f"{records[0].sample_id} has {len(records[0].control_paths)} reference(s) in `{CONTROL_FIELD}` but "
+            f"{listing(odd)} another number: every target needs the same number of references, in the same order.",
+        )
     warnings = list(result.warnings)
     if unpaired:
         if not data.skip_bad_files:
@@ -573,9 +621,8 @@ def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
                 unpaired_message(unpaired, len(result.records), where),
             )
         warnings.append("left out (data.skip_bad_files): " + unpaired_message(unpaired, len(result.records), where))
-    orphans = [
-        os.path.relpath(path, control_root(root, data.control_dir)) for path in controls.values() if path not in used
-    ]
-    if orphans:
-        warnings.append(orphans_warning(orphans, control_root(root, data.control_dir)))
+    for folder, controls in folders:
+        orphans = [os.path.relpath(path, folder) for path in controls.values() if path not in used]
+        if orphans:
+            warnings.append(orphans_warning(orphans, folder))
     return dataclasses.replace(result, records=records, warnings=warnings)

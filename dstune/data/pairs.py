@@ -6,8 +6,12 @@ Two ways to name a target's source, both counted by `dstune validate`:
     `../control` is the folder beside it (and data.eval.path's own `../control` for a held-out folder);
   - in metadata.jsonl, a `control_file_name` per line (relative to data.path), which wins over data.control_dir.
 
-Every target needs a source: unpaired targets stop the run with their names and count (or, with
-data.skip_bad_files, are left out with a warning); sources that no target uses are a warning with their names.
+Several references per sample (the multi-image edit models): data.control_dir as a list of folders, reference k
+from the k-th folder by the same rule, or `control_file_name` as a list of files. Every target needs every
+reference: a target missing one stops the run with the sample, the reference's number and what was looked for (or,
+with data.skip_bad_files, is left out with a warning); sources that no target uses are a warning with their names.
+Reference 1 keeps the single reference's names (`control_values` in a batch, `#control` in the cache); reference
+k > 1 adds `_k` to the batch keys and k to the cache suffix (`control_values_2`, `#control2`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,21 @@ from pathlib import Path, PurePosixPath
 CONTROL_FIELD = "control_file_name"  # the metadata.jsonl field naming a target's source image
 CONTROL_SUFFIX = "#control"  # a source's id in the latent cache: its target's sample_id + this
 _NAMES_LISTED = 5
+
+
+def reference_suffix(number: int) -> str:
+    """The cache id suffix of a target's reference `number` (0-based): `#control`, `#control2`, ..."""
+    return CONTROL_SUFFIX if number == 0 else f"{CONTROL_SUFFIX}{number + 1}"
+
+
+def reference_key(name: str, number: int) -> str:
+    """A batch key of reference `number` (0-based): `control_values`, `control_values_2`, ..."""
+    return name if number == 0 else f"{name}_{number + 1}"
+
+
+def target_of(sample_id: str) -> str:
+    """A cache id -> the id of the target it belongs to (a reference's `#controlK` suffix removed)."""
+    return sample_id.split(CONTROL_SUFFIX, 1)[0]
 
 
 def control_root(data_root: Path, control_dir: str) -> Path:
