@@ -25,11 +25,16 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from dstune.data.pairs import (
+from dstune.data.pairs import (  # noqa: F401 (DataError: defined there, imported from here)
+    DataError,
+    control_outside,
+    reference_folders,
     CONTROL_FIELD,
     control_root,
     list_controls,
     reference_suffix,
+    reference_count_problem,
+    references_of,
     listing,
     orphans_warning,
     stem_of,
@@ -51,15 +56,6 @@ BUILTIN_CAPTIONS = {
 }
 _REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 _EXAMPLES_IN_WARNING = 3
-
-
-class DataError(ValueError):
-    """A dataset that cannot be used. `key` is the dotted spec key to fix; `message` says what, where and how."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        self.message = message
-        super().__init__(f"{key}: {message}")
 
 
 @dataclass(frozen=True)
@@ -246,7 +242,7 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
             )
         result = _index_jsonl(root, data.skip_bad_files)
     else:
-        _control_outside(root, data)
+        control_outside(root, data)
         extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ())
         result = _index_folder(root, _normalised_extension(data.caption_extension), read_captions, extensions)
     result = _masked(_paired(result, root, data), root, data, video)
@@ -422,11 +418,7 @@ def _parse_metadata_line(line: str, where: str) -> tuple[str, str, tuple | None]
         raise DataError("data.path", f"{where}: `text` must be a string, got {type(text).__name__} {text!r}")
     control = entry.get(CONTROL_FIELD)
     references = [control] if isinstance(control, str) else control
-    if control is not None and (
-        not isinstance(references, list)
-        or not references
-        or any(not isinstance(one, str) or not one.strip() for one in references)
-    ):
+    if control is not None and not (references and isinstance(references, list) and all(map(_named, references))):
         raise DataError(
             "data.path",
             f"{where}: `{CONTROL_FIELD}` (the reference image of an edit pair) must be a non-empty string, or a "
@@ -434,6 +426,10 @@ def _parse_metadata_line(line: str, where: str) -> tuple[str, str, tuple | None]
         )
     control = None if control is None else tuple(references)
     return file_name, text, control
+
+
+def _named(value) -> bool:
+    return isinstance(value, str) and bool(value.strip())
 
 
 def _relative_file(file_name: str, where: str) -> str:
@@ -532,59 +528,6 @@ def _masked(result: IndexResult, root: Path, data: DataSpec, video: bool = False
 # ------------------------------------------------------------------------------------------- edit / control pairs
 
 
-def _control_outside(root: Path, data: DataSpec) -> None:
-    """A folder-layout dataset takes every image under data.path as a target, so the references must live
-    elsewhere."""
-    for folder in data.control_dirs:
-        control = control_root(root, folder).resolve()
-        if control == root.resolve() or control.is_relative_to(root.resolve()):
-            raise DataError(
-                "data.control_dir",
-                f"{control} is inside data.path {root}, whose images are all trained as "
-                "targets. Keep the sources in a sibling folder (e.g. control_dir: ../control).",
-            )
-
-
-def _reference_folders(root: Path, data: DataSpec) -> list[tuple[Path, dict[str, str]]]:
-    """data.control_dir's folders, each with its images (relative stem -> file); DataError for a folder that is
-    not one, or names shared by two files."""
-    found = []
-    for folder in (control_root(root, one) for one in data.control_dirs):
-        if not folder.is_dir():
-            raise DataError(
-                "data.control_dir",
-                f"{folder} is not a folder. Give the folder of source images "
-                "(absolute, or relative to data.path, e.g. ../control).",
-            )
-        controls, clashes = list_controls(folder, IMAGE_EXTENSIONS)
-        if clashes:
-            raise DataError(
-                "data.control_dir",
-                f"{len(clashes)} source names in {folder} have two image files, so "
-                f"the pairing is ambiguous: {listing(clashes)}. Keep one file per name.",
-            )
-        found.append((folder, controls))
-    return found
-
-
-def _references_of(record: SampleRecord, folders: list) -> tuple[tuple, str | None]:
-    """(the record's references, None or what is missing: `reference k: the file looked for`)."""
-    if record.control_paths:  # named in metadata.jsonl
-        paths = record.control_paths
-        missing = [(k, f"{path} does not exist") for k, path in enumerate(paths) if not os.path.isfile(path)]
-    else:
-        stem = stem_of(record.sample_id)
-        paths = tuple(controls.get(stem) for _, controls in folders)
-        missing = [
-            (k, f"no {stem}.* in {folder}") for k, ((folder, _), path) in enumerate(zip(folders, paths)) if path is None
-        ]
-    if not missing:
-        return paths, None
-    if len(paths) == 1:
-        return paths, None if paths[0] is None else missing[0][1]
-    return paths, "; ".join(f"reference {k + 1}: {why}" for k, why in missing)
-
-
 def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
     """Each record's references (metadata.jsonl `control_file_name`, else data.control_dir's files of the same
     relative stem, one per folder). A target missing one: DataError naming the sample and the file looked for (with
@@ -592,27 +535,21 @@ def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
     named = any(r.control_paths for r in result.records)
     if data.control_dir is None and not named:
         return result
-    folders = _reference_folders(root, data)
+    folders = reference_folders(root, data, IMAGE_EXTENSIONS)
     where = f"`{CONTROL_FIELD}` in {root / METADATA_FILE}"
     if folders:
         shown = ", ".join(str(folder) for folder, _ in folders)
         where = f"a file with the same relative path and name in {shown} (any of {', '.join(IMAGE_EXTENSIONS)})"
     records, unpaired, used = [], [], set()
     for record in result.records:
-        paths, missing = _references_of(record, folders)
+        paths, missing = references_of(record, folders)
         if missing is not None or None in paths or not paths:
             unpaired.append(record.sample_id if missing is None else f"{record.sample_id} ({missing})")
             continue
         used.update(paths)
         records.append(dataclasses.replace(record, control_paths=tuple(paths)))
-    counts = {len(r.control_paths) for r in records}
-    if len(counts) > 1:  # a batch stacks each reference: every target needs as many
-        odd = [r.sample_id for r in records if len(r.control_paths) != len(records[0].control_paths)]
-        raise DataError(
-            "data.path",
-            f"{records[0].sample_id} has {len(records[0].control_paths)} reference(s) in `{CONTROL_FIELD}` but "
-            f"{listing(odd)} another number: every target needs the same number of references, in the same order.",
-        )
+    if reference_count_problem(records):  # a batch stacks each reference: every target needs as many
+        raise DataError("data.path", reference_count_problem(records))
     warnings = list(result.warnings)
     if unpaired:
         if not data.skip_bad_files:

@@ -14,7 +14,7 @@ import torch
 from dstune.families.base import FamilyError
 from dstune.families.diffusion import vae_posterior
 from dstune.families.samples import read_control_images
-from dstune.data.pairs import reference_key
+from dstune.spec.data_sections import reference_key
 
 
 def source_latents(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

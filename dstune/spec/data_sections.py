@@ -14,6 +14,12 @@ from dstune.spec.section import BUILTIN_PREFIX, Section
 # ---------------------------------------------------------------------------------------------------------- data
 
 
+def reference_key(name: str, number: int) -> str:
+    """A batch key of data.control_dir's reference `number` (0-based): `control_values`, `control_values_2`, ...
+    (the datasets write them, the edit models read them)."""
+    return name if number == 0 else f"{name}_{number + 1}"
+
+
 class CacheSpec(Section):
     latents: bool = Field(
         False,
@@ -371,7 +377,7 @@ class DataSpec(Section):
         "(control, reference) images, one per target image in data.path with the same relative path and name, any "
         "image extension (`target/a.png` pairs with `control/a.jpg`). Absolute, or relative to data.path "
         "(`../control`: the folder beside it). A list of folders gives each target several references, reference k "
-        "from the k-th folder (the multi-image edit models, e.g. Qwen-Image-Edit-2509: docs/data.md). In "
+        "from the k-th folder (the multi-image edit models: docs/data.md). In "
         "metadata.jsonl a line's `control_file_name` (relative to data.path; a list for several) names its "
         "references instead. Each reference is resized and cropped with its target (same bucket, same crop and "
         "flip); `validate` counts the pairs and names every sample missing a reference, with the file it looked "

@@ -481,7 +481,7 @@ class SampleSpec(Section):
         default_factory=list,
         description="Edit models: the source image of each prompt, one path per prompt in the same order; each "
         "sample edits its source as the prompt says. A model that takes several references per sample "
-        "(Qwen-Image-Edit-2509/2511, data.control_dir a list) takes a list of paths per prompt, as many as it "
+        "(data.control_dir a list: docs/data.md) takes a list of paths per prompt, as many as it "
         "trains with, in data.control_dir's order. Image-to-video (model.image_to_video): the first frame of each "
         "prompt's clip. Other models: none.",
     )

@@ -30,7 +30,7 @@ import torch
 
 from dstune.families.base import FamilyError
 from dstune.families.flow_matching import pack_latents, unpack_latents
-from dstune.data.pairs import reference_key
+from dstune.spec.data_sections import reference_key
 from dstune.families.flow_edit import edit_sample_references, edit_sample_sources, reference_latents, source_latents
 from dstune.families.flow_model import FlowModel, normalised_latents
 from dstune.hf import quiet_hf_libraries
@@ -201,8 +201,15 @@ def condition_image(image, pipeline):
     return pipeline.image_processor.resize(image, height, width)
 
 
-class QwenImageEditPlus(QwenImageEdit):
-    """Qwen-Image-Edit-2509 / 2511: QwenImageEdit with several references per sample."""
+class QwenImageEditPlus(FlowModel):
+    """Qwen-Image-Edit-2509 / 2511: QwenImageEdit with several references per sample (its processor, reference
+    latents, token layout and guidance are QwenImageEdit's; the references and their text are its own)."""
+
+    load_parts = QwenImageEdit.load_parts
+    text_tokens = QwenImageEdit.text_tokens
+    model_conditions = QwenImageEdit.model_conditions
+    predict = QwenImageEdit.predict
+    sample_guidance = QwenImageEdit.sample_guidance
 
     def encode_conditions(self, batch: dict, dtype) -> dict:
         """Each reference's pixels and the posterior mode of its latents (cached, or encoded now), unscaled, keyed
