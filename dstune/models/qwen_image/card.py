@@ -98,12 +98,12 @@ class QwenImageEditCard(FlowCard):
             issues.append(
                 (
                     "data.cache.text_embeddings",
-                    f"{EDIT_PIPELINE} encodes each instruction together with its source image, so its text cannot be "
-                    "cached per caption: set it to false (data.cache.latents still caches the target and source "
+                    f"{self.pipeline_class} encodes each instruction together with its source image(s), so its text "
+                    "cannot be cached per caption: set it to false (data.cache.latents still caches the target and source "
                     "latents)",
                 )
             )
-        return issues + edit_source_issues(spec, EDIT_PIPELINE)
+        return issues + edit_source_issues(spec, self.pipeline_class)
 
     def attention(self, spec) -> Optional[Attention]:
         """Its sequence holds the target's and the source's tokens; its text (the instruction with the source's
