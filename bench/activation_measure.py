@@ -52,6 +52,8 @@ class Count:
 
 
 def _storage_key(tensor: torch.Tensor):
+    if tensor._is_zerotensor():  # a forward-mode tangent known to be zero (torch.func.jvp's): it holds no memory
+        return 0, 0
     storage = tensor.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
 

@@ -73,7 +73,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor) and not value.is_meta:
+            # a zero tensor (a forward-mode tangent known to be zero, torch.func.jvp's) holds no memory
+            if isinstance(value, torch.Tensor) and not value.is_meta and not value._is_zerotensor():
                 storage = value.untyped_storage()
                 key = storage.data_ptr()
                 if key == 0 or key in self.live or key in self.existing:
@@ -95,7 +96,7 @@ def alive_storages() -> set:
     with warnings.catch_warnings():  # isinstance on some deprecated torch objects warns
         warnings.simplefilter("ignore")
         tensors = [value for value in gc.get_objects() if isinstance(value, torch.Tensor)]
-    return {t.untyped_storage().data_ptr() for t in tensors if not t.is_meta}
+    return {t.untyped_storage().data_ptr() for t in tensors if not t.is_meta and not t._is_zerotensor()}
 
 
 def flash_attention():

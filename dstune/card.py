@@ -27,6 +27,49 @@ SPEECH_PROMPTS = ["Printing, in the only sense with which we are at present conc
 
 
 @dataclass(frozen=True)
+class ClipRule:
+    """A video VAE's clip length rule, a fact of the model: it encodes `first + step * k` frames to
+    `first_latents + latents * k` latent frames. A causal VAE 4x in time keeps the first frame (4k+1 -> k+1;
+    8x: 8k+1 -> k+1); one that encodes chunks of 17 frames to 5 latent frames, 2 of them for the first 5 frames,
+    takes 17k+5 -> 5k+2. Validate names the counts a model takes; the token counts of the plan follow it."""
+
+    step: int
+    first: int = 1
+    latents: int = 1
+    first_latents: int = 1
+
+    def takes(self, frames: int) -> bool:
+        return frames >= self.first and (frames - self.first) % self.step == 0
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a clip of `frames` (the whole chunks' of a count the VAE does not take)."""
+        return self.first_latents + max(0, frames - self.first) // self.step * self.latents
+
+    @property
+    def text(self) -> str:
+        return f"{self.step}k+{self.first}"
+
+    def nearest(self, frames: int) -> tuple[int, ...]:
+        """The counts the VAE takes next to `frames` (one when `frames` is below the first)."""
+        below = self.first + max(0, frames - self.first) // self.step * self.step
+        return (below,) if frames < self.first else (below, below + self.step)
+
+    def examples(self, count: int = 3) -> str:
+        return ", ".join(str(self.first + k * self.step) for k in range(count)) + ", ..."
+
+    def problem(self, frames: int, whose: str) -> str:
+        """Why a clip of `frames` is refused, naming the counts `whose` VAE takes (whose: the model's, in words)."""
+        return (
+            f"{frames} is not {self.text}: {whose} takes {self.text} frames ({self.examples()}, "
+            f"{self.latent_frames(self.first + self.step)} latent frames for {self.first + self.step}); use "
+            + " or ".join(map(str, self.nearest(frames)))
+        )
+
+
+CAUSAL_4X = ClipRule(4)  # the rule of the video VAEs 4x in time after the first frame
+
+
+@dataclass(frozen=True)
 class ModelPreset:
     """One `dstune init --model NAME` spec: the published checkpoint and its real defaults."""
 
@@ -97,6 +140,10 @@ class ModelCard:
     # key prefixes of its original single-file checkpoints -> what such a file is, so that a file given to
     # another family is named (dstune.pretrained)
     checkpoint_layouts: dict[str, str] = field(default_factory=dict)
+    # how a speech model's transcripts become tokens, for validate's unknown-token check (a dataset in a language
+    # its tokenizer does not cover: dstune.families.text_coverage): "files" (its folder's tokenizer files), "utf8"
+    # (one token per UTF-8 byte), "" (not checked)
+    text_tokenizer: str = ""
     # its load builds the trainable module partitioned under ZeRO-3 (deepspeed.zero.Init), all ranks together, so
     # that no rank holds a whole copy of it; else each rank loads it whole
     builds_partitioned: ClassVar[bool] = False
@@ -136,6 +183,18 @@ class ModelCard:
         first for clips without one; at least one); a dstune.families.speakers.Voices (each name -> what the model
         is given), or SpeakersRefused with the reason where it cannot tell them apart."""
         raise NotImplementedError(f"{self.name} trains no speech")
+
+    def text_tokenizer_kind(self, folder) -> str:
+        """How this folder's transcripts become tokens (`text_tokenizer`'s words), for the unknown-token check."""
+        return self.text_tokenizer
+
+    def added_tokens_hint(self) -> str:
+        """How a user extends this model's tokenizer for a new language, or why dstune cannot (the unknown-token
+        check's last fix)."""
+        return (
+            f"dstune cannot add tokens to {self.name}'s tokenizer (new tokens need new embedding rows trained with "
+            "them; model.added_tokens does this for model.family tts_lm only)"
+        )
 
     def takes_speaker(self, text: str) -> bool:
         """Whether a clip of this transcript is given its speaker (False: the transcript names its own turns, a

@@ -72,8 +72,9 @@ def builtin_name_problem(reference: str) -> str:
 
 def folder_classes(folder: Path) -> tuple[str, list[str]]:
     """(the file that names the model's class, the class names) of a model folder; ValueError saying why there are
-    none. A diffusers pipeline names its class in model_index.json, a transformers model in config.json."""
-    for name, key in ((MODEL_INDEX, "_class_name"), (CONFIG, "architectures")):
+    none. A diffusers pipeline names its class in model_index.json (a modular pipeline in modular_model_index.json),
+    a transformers model in config.json."""
+    for name, key in ((MODEL_INDEX, "_class_name"), (MODULAR_INDEX, "_class_name"), (CONFIG, "architectures")):
         path = folder / name
         if not path.is_file():
             continue
@@ -85,25 +86,19 @@ def folder_classes(folder: Path) -> tuple[str, list[str]]:
         if not classes:
             raise ValueError(f"{path} names no {key}")
         return name, classes
-    if (folder / MODULAR_INDEX).is_file():
-        raise ValueError(modular_pipeline_problem(folder))
     raise ValueError(
         f"{folder} holds neither {MODEL_INDEX} (a diffusers pipeline) nor {CONFIG} (a transformers "
         "model), so it is not a model folder"
     )
 
 
-def modular_pipeline_problem(folder: Path) -> str:
-    """Why a folder of a diffusers modular pipeline (modular_model_index.json, no model_index.json) is not trained:
-    the cores load, sample and export DiffusionPipeline folders, and no model unit trains a modular pipeline yet."""
-    try:
-        name = json.loads((folder / MODULAR_INDEX).read_text()).get("_class_name") or "modular pipeline"
-    except (OSError, ValueError, AttributeError):
-        name = "modular pipeline"
+def modular_pipeline_problem(shown: str, name: str) -> str:
+    """Why a diffusers modular pipeline folder (modular_model_index.json, no model_index.json) whose class no model
+    of dstune's trains is refused: what it is, and where the modular format's support is written down."""
     return (
-        f"{folder} is a diffusers modular pipeline ({name} in {MODULAR_INDEX}, no {MODEL_INDEX}): dstune trains "
-        f"pipeline folders with a {MODEL_INDEX}, and no model it trains is a modular pipeline yet (what is "
-        "missing: docs/family-flow.md, 'Modular pipelines')"
+        f"{shown} is a diffusers modular pipeline ({name} in {MODULAR_INDEX}, no {MODEL_INDEX}), and no model "
+        f"dstune trains is a {name} (dstune loads, samples and exports modular pipelines of the models it trains: "
+        "docs/family-flow.md, 'Modular pipelines')"
     )
 
 
@@ -142,6 +137,8 @@ def class_problem(model, field: str, folder: Path, shown: str) -> Optional[tuple
         return None
     what = " / ".join(classes)
     fits = sorted({other for name in classes for other in families_training(name)})
+    if not fits and file_name == MODULAR_INDEX:
+        return key, f"{modular_pipeline_problem(shown, what)}. dstune trains {trained_classes_text()}."
     if not fits:
         return key, (
             f"{shown} is a {what} ({file_name}), which no dstune family trains. dstune trains "

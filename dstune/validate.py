@@ -14,6 +14,7 @@ them, so a spec error is reported without waiting for either.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
 
@@ -31,7 +32,10 @@ from dstune.families import get_facts
 from dstune.families.speakers import SpeakersRefused, Voices
 from dstune.memory.counts import SizesUnknown
 from dstune.model_defaults import bucket_step_problem, with_model_defaults
-from dstune.model_folders import model_folder_issues
+from dstune.model_folders import locate, model_folder_issues
+from dstune.families.text_coverage import coverage, coverage_messages, text_tokenizer
+from dstune.memory.counts import BUILTIN_FOLDERS, BUILTIN_MARKER
+from dstune.spec.section import BUILTIN_PREFIX
 from dstune.plan import Plan, data_parallel_ranks, make_plan, resolve_batch
 from dstune.sequence_parallel import bucket_tokens, sequence_issues, with_all_to_all
 from dstune.sets_plan import at_largest_set, set_rows
@@ -317,6 +321,7 @@ def _count_samples(
                     ]
                 )
             voices = _check_speakers(spec, source, index.records, found)
+            found.add(text_coverage_issues(spec, source, index.records))
         else:
             index = index_dataset(
                 spec.data,
@@ -362,6 +367,38 @@ def _check_speakers(spec: Spec, source: SpecSource, records, found: IssueList) -
     except SpeakersRefused as err:
         found.add([source.issue(err.key, err.message)])
         return None
+
+
+def text_coverage_issues(spec: Spec, source: SpecSource, records) -> list[SpecIssue]:
+    """A dataset in a language the model's tokenizer does not cover (dstune.families.text_coverage): an error naming
+    the samples over data.max_unknown_tokens, a warning for unknown tokens under it. Nothing when the model's
+    folder or its tokenizer is not here (a hub id not downloaded, a built-in not built yet: start-up loads it)."""
+    card = get_facts(spec.model.family).card(spec)
+    folder = _tokenizer_folder(spec)
+    if card is None or folder is None:
+        return []
+    added = getattr(spec.model, "added_tokens", None) or ()
+    tokenizer = text_tokenizer(card.text_tokenizer_kind(folder), folder, added)
+    if tokenizer is None:
+        return []
+    report = coverage(tokenizer, [(r.sample_id, r.caption) for r in records])
+    error, warning = coverage_messages(report, spec.data.max_unknown_tokens, card.name, card.added_tokens_hint())
+    if error:
+        return [source.issue("data.path", error)]
+    return [source.issue("data.path", warning, severity="warning")] if warning else []
+
+
+def _tokenizer_folder(spec: Spec) -> Optional[Path]:
+    """The folder of spec.model.pretrained here: a local folder, the hub cache's snapshot, a built-in already built
+    in output.cache_dir; None when it is not here."""
+    reference = spec.model.pretrained
+    location = locate(reference)
+    if location.kind in ("folder", "hub"):
+        return location.path
+    if location.kind == "builtin":
+        built = Path(spec.output.cache_dir).expanduser() / "builtin" / BUILTIN_FOLDERS[reference[len(BUILTIN_PREFIX) :]]
+        return built if (built / BUILTIN_MARKER).is_file() else None
+    return None
 
 
 def _count_not_here(

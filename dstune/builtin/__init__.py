@@ -35,11 +35,11 @@ from pathlib import Path
 
 from dstune.builtin.common import BuiltinError, BuiltinModel  # noqa: F401 - BuiltinError is part of the API
 from dstune.fsutil import temporary_sibling
+from dstune.memory.counts import BUILTIN_MARKER
 from dstune import registry
 from dstune.card import load
 from dstune.spec.section import BUILTIN_PREFIX
 
-BUILTIN_MARKER = "dstune_builtin.json"
 BUILD_FACTS = ".build_facts.json"  # what a build in its own process returns, beside the folder it wrote
 
 # Every built-in model is built in a process of its own with ATen's kernels pinned to their AVX2 code path: a build

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from dstune.card import CAUSAL_4X, ClipRule
 from dstune.data.buckets import bucket_sizes, header_size, nearest_bucket
 from dstune.data.index import (
     DataError,
@@ -304,13 +305,12 @@ def clip_counts(records: Sequence[ClipRecord], data) -> dict[tuple[int, int, int
     return {key: counts[key] for key in sorted(counts, key=key_order)}
 
 
-def latent_tokens(
-    key: tuple[int, int, int], spatial: int, patch: Sequence[int], temporal: int = TEMPORAL_COMPRESSION
-) -> int:
-    """Transformer tokens of one clip: latent frames (1 + (frames - 1) / temporal) x latent height x width, divided
-    by the patch (t, h, w): with a 4x / 8x VAE and 1x2x2 patches (1 + (frames - 1) / 4) x (H / 16) x (W / 16)."""
+def latent_tokens(key: tuple[int, int, int], spatial: int, patch: Sequence[int], rule: ClipRule = CAUSAL_4X) -> int:
+    """Transformer tokens of one clip: latent frames (the model's clip rule: 1 + (frames - 1) / 4 for a causal VAE
+    4x in time) x latent height x width, divided by the patch (t, h, w): with a 4x VAE and 1x2x2 patches
+    (1 + (frames - 1) / 4) x (H / 16) x (W / 16)."""
     frames, width, height = key
-    latent_frames = 1 + (frames - 1) // temporal
+    latent_frames = rule.latent_frames(frames)
     return (latent_frames // patch[0]) * (height // spatial // patch[1]) * (width // spatial // patch[2])
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Protocol
 
+from dstune.families.folders import class_entries, index_path
 from dstune.memory.activations import figure
 from dstune.memory.plan import ModelCounts
 from dstune.memory.counts import (
@@ -109,7 +110,7 @@ class DenoiserFacts(Protocol):
 
 def pipeline_folder(pretrained: str) -> PipelineFolder:
     path, origin = config_folder(pretrained)
-    return PipelineFolder(path, origin, read_config(path / "model_index.json"))
+    return PipelineFolder(path, origin, class_entries(read_config(index_path(path))))
 
 
 def lora_settings(spec) -> tuple[tuple, int]:

@@ -11,7 +11,8 @@ from typing import Callable, Optional
 import torch
 
 from dstune.families.base import FamilyError
-from dstune.families.folders import MODEL_INDEX, read_model_index
+from dstune.families.folders import MODEL_INDEX, is_modular, read_model_index
+from dstune.families.modular import write_modular_index
 from dstune.families.precision import at_least_float32
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
@@ -40,7 +41,9 @@ def copy_component(source: Path, target: Path) -> None:
 
 def export_pipeline_folder(source: Path, out_dir, trained_name: str, trained, finish=None) -> Path:
     """Write a complete diffusers pipeline folder at `out_dir`: the trained component `trained_name` (a module,
-    saved as safetensors) plus every other component `source`'s model_index.json lists, copied unchanged.
+    saved as safetensors) plus every other component `source`'s index lists, copied unchanged. A modular pipeline's
+    modular_model_index.json is written with its components loading from the export (dstune.families.modular), so
+    the folder never loads the untrained transformer from the source.
     `finish(work_folder)` may adjust the copy before it is published (sd: the scheduler's prediction type).
     Written beside `out_dir` and renamed into place, replacing an older export only once complete."""
     index = read_model_index(source)
@@ -50,9 +53,12 @@ def export_pipeline_folder(source: Path, out_dir, trained_name: str, trained, fi
             listed = isinstance(entry, list) and len(entry) == 2 and entry[1] is not None
             if listed and name != trained_name and (source / name).is_dir():
                 copy_component(source / name, work / name)
-        shutil.copy2(source / MODEL_INDEX, work / MODEL_INDEX)
         with quiet_hf_libraries():
             trained.save_pretrained(work / trained_name, safe_serialization=True)
+        if is_modular(source):
+            write_modular_index(source, work, out)
+        else:
+            shutil.copy2(source / MODEL_INDEX, work / MODEL_INDEX)
         if finish is not None:
             finish(work)
     return out

@@ -43,7 +43,8 @@ from dstune.families.flow_distilled import attach_sampling_denoiser, fuse_traini
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_sampling import render
 from dstune.families.loss_terms import base_prediction, batch_loss, loss_terms, preserved_error, preserves
-from dstune.families.folders import read_model_index
+from dstune.families.folders import is_modular, read_model_index
+from dstune.families.modular import modular_pipeline
 from dstune.families.lean_text import make_lean
 from dstune.families.pipeline_card import PipelineCard
 from dstune.families.randomness import per_sample_randn
@@ -261,6 +262,8 @@ class FlowModel(TrainedModel):
                 **self.tokenizers,
                 **extra,
             }
+            if is_modular(self.folder):  # its blocks over these parts (dstune.families.modular)
+                return modular_pipeline(self.folder, components)
             pipeline = pipeline_class(**components)
         pipeline.set_progress_bar_config(disable=True)
         return pipeline

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from dstune import registry
+from dstune.card import ClipRule
 from dstune.families.base import FamilyError
 from dstune.families.denoiser_facts import (
     PipelineFolder,
@@ -37,6 +38,8 @@ ASSUMED_SPATIAL, ASSUMED_PATCH = 8, (1, 2, 2)
 TEMPORAL_COMPRESSION = 4  # the video VAEs: the first frame, then 4 frames per latent frame (frames are 4k+1)
 
 TokenFactors = tuple[int, tuple[int, int, int], int, str]  # (VAE spatial factor, patch (t, h, w), temporal, origin)
+# what validate's clip tokens read (token_factors below): (VAE spatial factor, patch (t, h, w), clip rule, origin)
+ClipFactors = tuple[int, tuple[int, int, int], ClipRule, str]
 
 
 def clip_buckets(spec, num_samples: int, clips) -> list[tuple[int, int, int, int]]:
@@ -45,9 +48,9 @@ def clip_buckets(spec, num_samples: int, clips) -> list[tuple[int, int, int, int
     return list(clips) or [(spec.data.video.max_frames, side, side, num_samples)]
 
 
-def clip_volume(frames: int, width: int, height: int, *_) -> int:
-    """Latent frames x pixels: what a clip's tokens and its cached latent grow with."""
-    return (1 + (frames - 1) // TEMPORAL_COMPRESSION) * width * height
+def clip_volume(frames: int, width: int, height: int, *_, rule: ClipRule = ClipRule(TEMPORAL_COMPRESSION)) -> int:
+    """Latent frames (the model's clip rule) x pixels: what a clip's tokens and its cached latent grow with."""
+    return rule.latent_frames(frames) * width * height
 
 
 def expert_summary(index: dict, expert: str, timestep_range) -> dict:
@@ -72,6 +75,25 @@ class VideoCard(PipelineCard):
     def token_factors(self, folder: PipelineFolder) -> TokenFactors:
         """(VAE spatial factor, transformer patch (t, h, w), VAE temporal factor, where they came from)."""
         raise NotImplementedError(f"{self.name}'s card says no token factors")
+
+    def clip_rule(self, folder: PipelineFolder) -> ClipRule:
+        """The frame counts the model's VAE takes and their latent frames: a causal VAE of the temporal factor
+        (token_factors) keeps the first frame (4k+1 -> k+1) unless the model's card says otherwise."""
+        return ClipRule(self.token_factors(folder)[2])
+
+    def frame_issues(self, spec, folder: PipelineFolder) -> SpecIssues:
+        """data.video.frames (and each set's own) and model.sample_frames against the clip rule, naming the counts
+        the VAE takes."""
+        rule, whose = self.clip_rule(folder), f"{self.name}'s VAE"
+        issues = [
+            (f"{prefix}.frames", "; ".join(rule.problem(count, whose) for count in uneven))
+            for prefix, section in set_videos(spec.data)
+            if (uneven := [count for count in section.frame_counts if not rule.takes(count)])
+        ]
+        frames = getattr(spec.model, "sample_frames", None)
+        if frames is not None and not rule.takes(frames):
+            issues.append(("model.sample_frames", rule.problem(frames, whose)))
+        return issues
 
     def clip_activation_bytes(self, spec, folder: PipelineFolder, frames: int, width: int, height: int):
         """One clip's activations at (frames, width, height), in the memory plan's units: (full, checkpointed)."""
@@ -162,7 +184,7 @@ class VideoCard(PipelineCard):
                     "output.lora_format: diffusers (its pipeline's load_lora_weights loads it)",
                 )
             )
-        return issues + self.model_spec_issues(spec, folder)
+        return issues + self.frame_issues(spec, folder) + self.model_spec_issues(spec, folder)
 
     # ------------------------------------------------------------------------------- memory
 
@@ -195,21 +217,23 @@ class VideoCard(PipelineCard):
         text."""
         latents = 0
         if spec.data.cache.latents and "vae" in companions:
-            channels, factor = latent_channels(folder)
+            channels, factor, rule = *latent_channels(folder), self.clip_rule(folder)
             buckets = clip_buckets(spec, num_samples, clips)
-            latents = sum(2 * channels * clip_volume(f, w // factor, h // factor) * 4 * n for f, w, h, n in buckets)
+            latents = sum(
+                2 * channels * clip_volume(f, w // factor, h // factor, rule=rule) * 4 * n for f, w, h, n in buckets
+            )
             latents += self.condition_cache_bytes(spec, folder, companions, channels, factor, buckets, num_samples)
         return self.text_bytes(spec, folder) * num_samples + latents
 
     def geometry(self, spec, folder: PipelineFolder, clips) -> Geometry:
         """The largest bucket's clip (a cache entry) and a sample (model.sample_frames at data.resolution's square),
         with their latent tokens at the VAE's compression; samples render one prompt a call."""
-        spatial, _, temporal, _ = self.token_factors(folder)
+        spatial, rule = self.token_factors(folder)[0], self.clip_rule(folder)
         frames, width, height, _ = max(clip_buckets(spec, 0, clips), key=lambda b: clip_volume(*b))
         side, sample_frames = spec.data.resolution, spec.model.sample_frames
 
         def tokens(f: int, w: int, h: int) -> float:
-            return (1 + (f - 1) // temporal) * (w // spatial) * (h // spatial)
+            return rule.latent_frames(f) * (w // spatial) * (h // spatial)
 
         return Geometry(
             (frames, width, height),
@@ -327,8 +351,9 @@ def unknown_model(cards: Sequence[VideoCard], spec, raising: bool) -> SpecIssues
     ]
 
 
-def token_factors(cards: Sequence[VideoCard], pretrained: str) -> TokenFactors:
-    """The token factors of a video model's configs, or the common layout where they are not here (said so)."""
+def token_factors(cards: Sequence[VideoCard], pretrained: str) -> ClipFactors:
+    """The token factors of a video model's configs with its clip rule, or the common layout where they are not here
+    (said so)."""
     assumed = f"{ASSUMED_SPATIAL}x VAE, {'x'.join(map(str, ASSUMED_PATCH))} patches"
     try:
         folder = pipeline_folder(pretrained)
@@ -337,11 +362,18 @@ def token_factors(cards: Sequence[VideoCard], pretrained: str) -> TokenFactors:
         return (
             ASSUMED_SPATIAL,
             ASSUMED_PATCH,
-            TEMPORAL_COMPRESSION,
+            ClipRule(TEMPORAL_COMPRESSION),
             f"assumed ({assumed}): the model's configs are not here",
         )
     card = card_of_configs(cards, folder)
     if card is None:  # model.pretrained is refused for it (spec_issues): its configs say nothing of a video model
         why = f"assumed ({assumed}): {folder.origin} is none of the video models dstune trains"
-        return ASSUMED_SPATIAL, ASSUMED_PATCH, TEMPORAL_COMPRESSION, why
-    return card.token_factors(folder)
+        return ASSUMED_SPATIAL, ASSUMED_PATCH, ClipRule(TEMPORAL_COMPRESSION), why
+    spatial, patch, _, origin = card.token_factors(folder)
+    return spatial, patch, card.clip_rule(folder), origin
+
+
+def set_videos(data) -> list[tuple[str, object]]:
+    """(dotted key, video section) of data.video and of every set that gives its own (data.sets.N.video)."""
+    own = [(f"data.sets.{n}.video", item.video) for n, item in enumerate(data.sets or []) if item.video is not None]
+    return [("data.video", data.video)] + own

@@ -27,6 +27,7 @@ from dstune.spec.model_sections import DEFAULT_LORA_TARGET_MODULES
 from dstune.spec.section import BUILTIN_PREFIX
 
 STORE = Path(__file__).resolve().parents[1] / "model_configs"
+BUILTIN_MARKER = "dstune_builtin.json"  # written last into a built-in's folder: the build is complete
 # builtin name -> its versioned folder: the stored config folders are named as the built-in's folder
 # (dstune.builtin's BuiltinModel.folder_name, "tiny-sd-v3"); tests/unit/test_memory_plan.py checks they are exactly
 # the built-ins' folders, without this module importing the builders of layer 3
@@ -56,7 +57,8 @@ def config_folder(reference: str) -> tuple[Path, str]:
             return hub_snapshot(reference), f"{reference} (local Hugging Face cache)"
         except NotAvailableLocally:
             stored = STORE / "hub" / reference
-            if (stored / "config.json").exists() or (stored / "model_index.json").exists():
+            listed = ("config.json", "model_index.json", "modular_model_index.json")
+            if any((stored / name).exists() for name in listed):
                 return stored, f"{reference} (configs stored with dstune; not downloaded here)"
     named = [folder for folder in (STORE / "hub").glob(f"*/{path.name}") if path.name]
     if len(named) == 1:  # e.g. /models/stable-diffusion-xl-base-1.0 on a machine that does not have it

@@ -4,7 +4,7 @@ set's line."""
 
 from __future__ import annotations
 
-from dstune.spec.data_sections import DataSpec, VideoSpec
+from dstune.spec.data_sections import MAX_UNKNOWN_TOKENS, DataSpec, VideoSpec
 from dstune.spec.section import BUILTIN_PREFIX, CODEC_TOKEN_FAMILIES, VIDEO_FAMILY
 
 
@@ -98,11 +98,12 @@ def _one_set_problem(audio: bool, family: str, data: "DataSpec", video: bool) ->
         or data.duration_bucket_seconds
         or data.speaker_balance
         or data.speakers != "separate"
+        or data.max_unknown_tokens != MAX_UNKNOWN_TOKENS
     ):
         return (
-            f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, "
-            "data.cache.codec_tokens, data.duration_bucket_seconds, data.speaker_balance and data.speakers are for "
-            "the speech families"
+            f"model.family {family} trains on images; data.path builtin:tones, data.format ljspeech, data.cache."
+            "codec_tokens, data.duration_bucket_seconds, data.speaker_balance, data.speakers and "
+            "data.max_unknown_tokens are for the speech families"
         )
     return None
 

@@ -103,9 +103,9 @@ class BucketsSpec(Section):
 class VideoSpec(Section):
     frames: Union[int, list[int]] = Field(
         5,
-        description="Frames per training clip: 4k+1 for a VAE that compresses time 4x after the first frame "
-        "(5, 9, ..., 81, ..., 121), 8k+1 for one that compresses it 8x (9, 17, ..., 121); validate says which a "
-        "model needs, and each video model's docs page gives its count. A list of counts makes frame-count buckets: each video trains "
+        description="Frames per training clip, the counts the model's VAE takes: 4k+1 for one that compresses time "
+        "4x after the first frame (5, 9, ..., 81, ..., 121), 8k+1 for one that compresses it 8x (9, 17, ..., 121), "
+        "17k+5 for one of 17-frame chunks (22, 39, ...); validate names the counts a model takes, and each video model's docs page gives its count. A list of counts makes frame-count buckets: each video trains "
         "at the largest count it can fill (after fps resampling), and every global batch comes from one count (and "
         "one data.buckets size). A still image is a one-frame clip. See docs/batches-and-epochs.md.",
     )
@@ -141,16 +141,13 @@ class VideoSpec(Section):
 
     @field_validator("frames")
     @classmethod
-    def _four_k_plus_one(cls, value):
+    def _frame_counts(cls, value):
         counts = value if isinstance(value, list) else [value]
         if not counts:
             raise ValueError("give at least one frame count, e.g. 81 or [33, 49, 81]")
-        for count in counts:
-            if count < 1 or (count - 1) % 4:
-                raise ValueError(
-                    f"{count} is not 4k+1 (the VAE keeps the first frame and compresses the rest 4x); "
-                    f"use {max(1, (count - 1) // 4 * 4 + 1)} or {max(0, count - 1) // 4 * 4 + 5}"
-                )
+        for count in counts:  # the counts a model's VAE takes are its card's clip rule (validate checks them)
+            if count < 1:
+                raise ValueError(f"{count} frames: a clip has at least one frame")
         if len(set(counts)) != len(counts):
             raise ValueError(f"{counts} names a frame count twice; give each once")
         return value
@@ -321,6 +318,8 @@ class DataSetSpec(Section):
 
 
 DEFAULT_DATA_PATH = "builtin:shapes"
+# a transcript with more unknown tokens is in a language the tokenizer does not cover (dstune.families.text_coverage)
+MAX_UNKNOWN_TOKENS = 0.1
 
 
 class DataSpec(Section):
@@ -444,6 +443,15 @@ class DataSpec(Section):
         description="Audio datasets with speakers (GPT-SoVITS .list, metadata.jsonl `speaker`): every epoch "
         "gives each speaker the same number of places (small speakers repeat, large ones leave clips out), drawn "
         "from train.seed, the same on every rank. Not with duration_bucket_seconds. See docs/tts.md.",
+    )
+    max_unknown_tokens: float = Field(
+        MAX_UNKNOWN_TOKENS,
+        ge=0,
+        le=1,
+        description="Audio: the largest share of a transcript's tokens the model's tokenizer may not know (its "
+        "unknown token, or a character written as UTF-8 byte pieces) before `validate` refuses the sample: a dataset "
+        "in a language the tokenizer does not cover is named with each sample's share and the characters it lacks. "
+        "Samples under it with unknown tokens are a warning. 1.0 accepts every sample. See docs/tts.md, A new language.",
     )
     speakers: Literal["separate", "blend"] = Field(
         "separate",

@@ -116,7 +116,7 @@ class VideoModelSpec(DenoiserModelBase):
     sample_frames: int = Field(
         5,
         gt=0,
-        description="Frames of each clip rendered for `sample.prompts` during training (4k+1, or 8k+1 for a VAE 8x in time; the samples "
+        description="Frames of each clip rendered for `sample.prompts` during training (the counts the model's VAE takes, as data.video.frames: 4k+1, 8k+1 for a VAE 8x in time, 17k+5 for one of 17-frame chunks; the samples "
         "page plays them as animated WebP, with an MP4 of each step beside it).",
     )
 
@@ -142,11 +142,6 @@ class VideoModelSpec(DenoiserModelBase):
             raise ValueError(
                 f"timestep_range {list(self.timestep_range)} must be [min, max] with 0 <= min < max "
                 "(scheduler timesteps, 0-1000)"
-            )
-        if (self.sample_frames - 1) % 4:
-            raise ValueError(
-                f"sample_frames {self.sample_frames} is not 4k+1 (the VAE keeps the first frame and "
-                "compresses the rest 4x)"
             )
         return self
 

@@ -1,6 +1,6 @@
 """What the 2-rank runs of the flow family's image models share (tests/dist/test_flow_models_a.py and _b.py: one
-table, ROWS; test_flow_qwen_edit.py): the spec, the launches, and the checks a full run, a LoRA run and a resume
-get."""
+table, ROWS; the edit models' test_flow_qwen_edit.py and test_flow_kontext_flux2.py: the pairs, on_pairs and
+render_edit): the spec, the launches, and the checks a full run, a LoRA run and a resume get."""
 
 from __future__ import annotations
 
@@ -46,6 +46,31 @@ def write_pairs(root: Path, pairs: int = 8, side: int = 64) -> None:
         target.save(root / "target" / f"{number:03d}.png")
         (root / "target" / f"{number:03d}.txt").write_text(f"turn it into {caption}")
         render_shape(number + 100, side)[0].save(root / "control" / f"{number:03d}.png")
+
+
+def on_pairs(pairs: Path, side: int, source: int = 5, **sample) -> Callable:
+    """`adjust(spec, train)` for an edit model trained on `write_pairs(pairs)`: targets from target/, references
+    from ../control (data.control_dir), and samples (both runs) from control/NNN.png with the instruction; `sample`
+    adds sample.* settings (the guidance the model renders with)."""
+
+    def adjust(spec: dict, train: str) -> None:
+        spec["data"].update(path=str(pairs / "target"), control_dir="../control", resolution=side)
+        spec["sample"].update(prompts=[EDIT_PROMPT], control_images=[str(pairs / "control" / f"{source:03d}.png")],
+                              **sample)
+
+    return adjust
+
+
+EDIT_PROMPT = "turn it into a red circle"
+
+
+def render_edit(pipeline, source: int, side: int, **arguments) -> torch.Tensor:
+    """One `side` px image of EDIT_PROMPT from reference shape `source` (render_shape's numbering), 2 steps, seeded."""
+    from dstune.data.synthetic import render_shape
+
+    return pipeline(image=render_shape(source, side)[0], prompt=EDIT_PROMPT, height=side, width=side,
+                    num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt",
+                    **arguments).images.float()
 
 
 def launch_cases(tmp_path_factory, model: str, cases: dict, adjust=None) -> dict:
@@ -187,13 +212,11 @@ class FlowRow:
 
 
 # Resume is a property of the flow core, not of a model: it is checked for a full ZeRO-2 run from caches
-# (Qwen-Image) and a ZeRO-3 LoRA run with checkpointing (Z-Image); FLUX.2's rows train and export only.
+# (Qwen-Image) and a ZeRO-3 LoRA run with checkpointing (Z-Image). FLUX.2 [klein] and [dev] train on reference
+# pairs in test_flow_kontext_flux2.py instead (the same class, with the references' tokens).
 ROWS = {
     "tiny-qwen-image": FlowRow("QwenImagePipeline", _render_with(true_cfg_scale=1.0), resume_case="zero2"),
     "tiny-z-image": FlowRow("ZImagePipeline", _render_with(guidance_scale=1.0), resume_case="lora-zero3"),
-    "tiny-flux2": FlowRow("Flux2KleinPipeline", _render_with(guidance_scale=1.0)),
-    # Flux2Pipeline feeds guidance_scale to the guidance embedding (no classifier-free pass)
-    "tiny-flux2-dev": FlowRow("Flux2Pipeline", _render_with(guidance_scale=4.0)),
     # Krea 2 (Raw): rendered without classifier-free guidance (Krea2Pipeline's guidance_scale 0)
     # its LoRA run samples with the Turbo layout's transformer (sample.pretrained), gathering the adapters under ZeRO-3
     "tiny-krea2": FlowRow("Krea2Pipeline", _render_with(guidance_scale=0.0), resume_case="lora-zero3",

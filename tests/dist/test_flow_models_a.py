@@ -14,7 +14,7 @@ from flow_runs import (ROWS, check_full_export, check_lora_export, check_lora_sa
 
 pytestmark = pytest.mark.dist
 
-MODELS = ("tiny-qwen-image", "tiny-flux2", "tiny-ideogram4", "tiny-ernie-image")
+MODELS = ("tiny-qwen-image", "tiny-ideogram4", "tiny-ernie-image")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from flow_runs import (ROWS, check_full_export, check_lora_export, check_lora_sa
 
 pytestmark = pytest.mark.dist
 
-MODELS = ("tiny-z-image", "tiny-flux2-dev", "tiny-krea2", "tiny-qwen-image-21")
+MODELS = ("tiny-z-image", "tiny-krea2", "tiny-qwen-image-21")
 
 
 @pytest.fixture(scope="module")

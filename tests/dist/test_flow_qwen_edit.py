@@ -2,10 +2,9 @@
 dstune.models.qwen_image) on CPU, from a folder of source/target pairs (data.control_dir): full fine-tuning under ZeRO 2
 from cached target and source latents (trains, renders samples from sample.control_images, resumes exactly, exports a
 folder QwenImageEditPipeline loads and renders from a source image) and LoRA under ZeRO 3 with gradient checkpointing
-(only adapters train; the LoRA file loads with QwenImageEditPipeline.load_lora_weights and changes the image). FLUX.1
-Kontext (builtin:tiny-flux-kontext): LoRA under ZeRO 3 from cached latents and text, samples from a source image, the
-LoRA file loads with FluxKontextPipeline.load_lora_weights. FLUX.2 [klein] image-to-image (builtin:tiny-flux2 on
-the pairs): LoRA under ZeRO 2, the same checks with Flux2KleinPipeline. Five launches in all (helpers: flow_runs.py)."""
+(only adapters train; the LoRA file loads with QwenImageEditPipeline.load_lora_weights and changes the image).
+Qwen-Image-Edit-2509 (builtin:tiny-qwen-image-edit-plus, two references per sample): its own section below. Six
+launches (helpers: flow_runs.py); FLUX.1 Kontext and FLUX.2 image-to-image: test_flow_kontext_flux2.py."""
 
 from __future__ import annotations
 
@@ -159,80 +158,3 @@ def test_plus_lora_with_checkpointing_loads_with_load_lora_weights_and_resumes_e
     check_trains(run_dir, proc)
     check_lora_export(run_dir, proc, PLUS, EditPlusPipeline, _render_plus)
     check_resume(run_dir, spec_path, proc, tmp_path / "resumed", Path("pytorch_lora_weights.safetensors"))
-
-
-# ------------------------------------------------------------------------------------- FLUX.1 Kontext
-# The other edit model (its card and class in dstune.models.sd3_flux), one launch: LoRA under ZeRO 3 from cached
-# target and source latents and cached text (its text is the instruction alone), samples from a source image.
-
-KONTEXT = "tiny-flux-kontext"
-
-
-@pytest.fixture(scope="module")
-def kontext_runs(tmp_path_factory) -> dict:
-    pairs = tmp_path_factory.mktemp("kontext-pairs")
-    write_pairs(pairs, PAIRS, SIDE)
-
-    def on_pairs(spec: dict, train: str) -> None:
-        spec["data"].update(path=str(pairs / "target"), control_dir="../control", resolution=SIDE)
-        spec["data"]["cache"].update(latents=True, text_embeddings=True)
-        spec["sample"].update(prompts=["turn it into a red circle"],
-                              control_images=[str(pairs / "control" / "005.png")], guidance=3.5)
-
-    return launch_cases(tmp_path_factory, KONTEXT, {"kontext-lora-zero3": (3, "lora")}, on_pairs)
-
-
-def _render_kontext(pipeline) -> torch.Tensor:
-    from dstune.data.synthetic import render_shape
-
-    source = render_shape(105, SIDE)[0]
-    return pipeline(image=source, prompt="turn it into a red circle", height=SIDE, width=SIDE, max_area=SIDE * SIDE,
-                    num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt").images.float()
-
-
-def test_kontext_lora_trains_from_pairs_samples_and_loads_with_load_lora_weights(kontext_runs):
-    from diffusers import FluxKontextPipeline
-
-    run_dir, _, proc = kontext_runs["kontext-lora-zero3"]
-    check_trains(run_dir, proc)
-    entries = 2 * PAIRS + PAIRS + 1  # target and source latents, each caption's text and the sample prompt's
-    assert f"{entries} entries, built now {entries}" in proc.stdout
-    assert all((run_dir / "samples" / f"step-{step:06d}.png").is_file() for step in (0, STEPS))
-    check_lora_export(run_dir, proc, KONTEXT, FluxKontextPipeline, _render_kontext)
-
-
-# ------------------------------------------------------------------------------------- FLUX.2 image-to-image
-# FLUX.2 [klein] (dstune.models.flux2) trained on (reference, target) pairs, one launch: LoRA under ZeRO 2 from
-# cached latents and text, samples from a reference image, the LoRA file loads with Flux2KleinPipeline.
-
-
-@pytest.fixture(scope="module")
-def flux2_runs(tmp_path_factory) -> dict:
-    pairs = tmp_path_factory.mktemp("flux2-pairs")
-    write_pairs(pairs, PAIRS, SIDE)
-
-    def on_pairs(spec: dict, train: str) -> None:
-        spec["data"].update(path=str(pairs / "target"), control_dir="../control", resolution=SIDE)
-        spec["data"]["cache"].update(latents=True, text_embeddings=True)
-        spec["sample"].update(prompts=["turn it into a red circle"],
-                              control_images=[str(pairs / "control" / "005.png")], guidance=1.0)
-
-    return launch_cases(tmp_path_factory, "tiny-flux2", {"flux2-img2img-lora-zero2": (2, "lora")}, on_pairs)
-
-
-def _render_flux2(pipeline) -> torch.Tensor:
-    from dstune.data.synthetic import render_shape
-
-    return pipeline(image=render_shape(105, SIDE)[0], prompt="turn it into a red circle", height=SIDE, width=SIDE,
-                    num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt").images.float()
-
-
-def test_flux2_image_to_image_lora_trains_from_pairs_samples_and_loads(flux2_runs):
-    from diffusers import Flux2KleinPipeline
-
-    run_dir, _, proc = flux2_runs["flux2-img2img-lora-zero2"]
-    check_trains(run_dir, proc)
-    entries = 2 * PAIRS + PAIRS + 1  # target and reference latents, each caption's text and the sample prompt's
-    assert f"{entries} entries, built now {entries}" in proc.stdout
-    assert all((run_dir / "samples" / f"step-{step:06d}.png").is_file() for step in (0, STEPS))
-    check_lora_export(run_dir, proc, "tiny-flux2", Flux2KleinPipeline, _render_flux2)

@@ -89,6 +89,7 @@ CSM_CARD = CsmCard(
     key="csm",
     name="Sesame CSM",
     family="tts_codebooks",
+    text_tokenizer="files",  # its folder's tokenizer.json (Llama 3's byte-level BPE)
     unit="csm",
     model_class="dstune.models.csm.model:Csm",
     docs="docs/tts.md",

@@ -113,6 +113,7 @@ DIA_CARD = DiaCard(
     key="dia",
     name="Dia",
     family="tts_codebooks",
+    text_tokenizer="utf8",  # DiaTokenizer: the transcript's UTF-8 bytes
     unit="dia",
     model_class="dstune.models.dia.model:Dia",
     docs="docs/tts.md",

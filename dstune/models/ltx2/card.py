@@ -23,7 +23,7 @@ from dstune.families.denoiser_facts import transformer_text_bytes
 from dstune.families.facts import Attention
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import SpecIssues
-from dstune.families.video_card import VideoCard, clip_buckets
+from dstune.families.video_card import VideoCard, clip_buckets, set_videos
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.spec.video_models import expert_problems
 from dstune.memory.working import TextWork, VaeWork
@@ -191,12 +191,6 @@ def image_to_video_issues(spec) -> list[tuple[str, str]]:
     return issues
 
 
-def set_videos(data) -> list[tuple[str, object]]:
-    """(dotted key, video section) of data.video and of every set that gives its own (data.sets.N.video)."""
-    own = [(f"data.sets.{n}.video", item.video) for n, item in enumerate(data.sets or []) if item.video is not None]
-    return [("data.video", data.video)] + own
-
-
 def sets_issues(data) -> list[tuple[str, str]]:
     """data.sets on LTX-2: preservation sets (their target would need the base's sound prediction too) and sets at
     other frame rates (the clips of one batch would carry sound tracks of other lengths) are refused."""
@@ -324,19 +318,11 @@ class Ltx2Card(VideoCard):
         return cache_bytes(spec, folder, companions, num_samples, clip_buckets(spec, num_samples, clips))
 
     def model_spec_issues(self, spec, folder) -> SpecIssues:
-        """Image-to-video's first frames and split (or no first frames for text-to-video), frame counts the VAE
-        takes (1 + t k), clips whose sound cannot follow their frames (uniform sampling), data.sets (not yet)."""
-        _, temporal = compression(folder)
+        """Image-to-video's first frames and split (or no first frames for text-to-video), clips whose sound cannot
+        follow their frames (uniform sampling), data.sets (not yet). The frame counts its VAE takes (8k+1) are the
+        core's check of its clip rule (VideoCard.frame_issues)."""
         issues = image_to_video_issues(spec)
         issues += sets_issues(spec.data)
-        if (spec.model.sample_frames - 1) % temporal:
-            issues.append(
-                (
-                    "model.sample_frames",
-                    f"{spec.model.sample_frames} is not {temporal}k+1: LTX-2's VAE keeps the first frame and compresses "
-                    f"the rest {temporal}x (e.g. 9, 17, 25, 121)",
-                )
-            )
         for prefix, section in set_videos(spec.data):
             if section.sampling == "uniform" and section.max_frames > 1:
                 issues.append(
@@ -344,15 +330,6 @@ class Ltx2Card(VideoCard):
                         f"{prefix}.sampling",
                         "uniform spreads a clip's frames over the whole video, so the clip's sound (which LTX-2 trains "
                         "on) cannot follow them: use head or sliding",
-                    )
-                )
-            uneven = [count for count in section.frame_counts if (count - 1) % temporal]
-            if uneven:
-                issues.append(
-                    (
-                        f"{prefix}.frames",
-                        f"{', '.join(map(str, uneven))} frames: LTX-2's VAE takes {temporal}k+1 frames (e.g. "
-                        f"{temporal + 1}, {2 * temporal + 1}, 121)",
                     )
                 )
         return issues

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from dstune.builtin.common import BuiltinModel, deterministic_cpu
 from dstune.hf import quiet_hf_libraries
+from dstune.memory.activation_cases import LM_VOCAB, Case, attr, generator, randn
+from dstune.models.pocket_tts.model import PocketTTSModule
 
 _SEED = 0
 FOLDER_NAME = "tiny-pocket-tts-v1"
@@ -152,4 +154,98 @@ TINY_POCKET_TTS = BuiltinModel(
     description="Pocket TTS (PocketTTSForConditionalGeneration: causal backbone + LSD flow head over 12.5 Hz codec "
     "latents, voice prompt) with a tiny PocketTTSAudioTokenizerModel as its PocketTTSProcessor's audio tokenizer",
     build=build_tiny_pocket_tts,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step as dstune trains it (its PocketTTSModule: the backbone over the
+# text and the latents, the LSD loss per sample with the self-distillation term, the end-of-speech loss), whose saved
+# tensors bench/activation_table.py counts (docs/memory.md): the measured activation constants the memory plan uses.
+
+HEAD_DIM = 64  # eustlb/pocket-tts: hidden 1024 over 16 heads
+# its flow head as the real one has it: 6 blocks at half the backbone's width, a frequency embedding a quarter of it,
+# over latents of 1/32 of it (32 values at 1024); not checkpointed, so measured whole with what lies outside the
+# backbone's blocks (per latent and per width unit). The latents are narrowed with the rest (unlike other cases' latent
+# channels): every tensor of the flow head is a latent or a flow-width vector per draw, so a latent kept at 32 values
+# beside a 64-wide flow head would be counted per width unit and overstate the real model's several times over.
+LATENT_PER_WIDTH = 32
+FLOW_LAYERS = 6
+
+
+def _pocket_tts(heads, ffn_mult):
+    """eustlb/pocket-tts's structure: a backbone at head dim 64 (MLP 4x the width, measured apart), the LSD flow head
+    at half its width, conditioned on its state; the self-distillation term on every step (the step that holds the
+    most: the plan counts the worst step)."""
+    from transformers import PocketTTSConfig, PocketTTSForConditionalGeneration
+
+    width = heads * HEAD_DIM
+    ffn = 4 * width * ffn_mult
+    latent = width // LATENT_PER_WIDTH
+    config = PocketTTSConfig(
+        vocab_size=LM_VOCAB + 4,
+        hidden_size=width,
+        head_dim=HEAD_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=ffn,
+        latent_dim=latent,
+        pad_token_id=3,
+        audio_prompt_token_id=LM_VOCAB,
+        audio_latent_token_id=LM_VOCAB + 1,
+        audio_prompt_bos_token_id=LM_VOCAB + 2,
+        audio_bos_token_id=LM_VOCAB + 3,
+        lsd_distill_probability=1.0,
+        flow_head_config=dict(
+            hidden_size=width // 2,
+            num_hidden_layers=FLOW_LAYERS,
+            latent_dim=latent,
+            condition_dim=width,
+            frequency_embedding_size=width // 4,
+        ),
+    )
+    return PocketTTSForConditionalGeneration(config), width, ffn, 0  # no logits over the vocabulary
+
+
+def _pocket_tts_run(model, tokens, context, dtype):
+    """`context` text tokens, the audio BOS, then `tokens` latents (one <audio> each), as the processor lays out a
+    training utterance (a voice prompt's latents are positions of the backbone like the text's), through the
+    PocketTTSModule dstune trains."""
+    import torch
+
+    config = model.config
+    ids = torch.cat(
+        [
+            torch.randint(4, LM_VOCAB, (1, context), generator=generator()),
+            torch.tensor([[config.audio_bos_token_id]]),
+            torch.full((1, tokens), config.audio_latent_token_id),
+        ],
+        1,
+    )
+    trained = PocketTTSModule(model).train()
+    inputs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        labels=randn(1, tokens, config.latent_dim, dtype=dtype),
+        labels_mask=torch.ones(1, tokens, dtype=torch.long),
+        seeds=torch.tensor([0]),
+        distill_seed=0,
+    )
+    anchor = torch.zeros((), requires_grad=True)
+    return lambda: trained(anchor, **inputs).float()
+
+
+ACTIVATION_CASES = (
+    Case(
+        "pocket_tts",
+        "Pocket TTS (a backbone over the text and one position per latent, the LSD flow head per latent)",
+        _pocket_tts,
+        _pocket_tts_run,
+        sizes=((8, 8), (24, 8), (8, 24)),
+        check_size=(16, 12),
+        block_lists=attr(backbone="model.layers"),
+        ffn=True,
+        heads=2,
+        check_heads=3,
+    ),
 )

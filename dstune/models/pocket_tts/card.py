@@ -1,10 +1,10 @@
 """Pocket TTS's card (torch-free): PocketTTSForConditionalGeneration folders, trained by the multi-codebook core
 through the pieces of the class's own loss from `labels` (the LSD flow loss and the end-of-speech loss). What the
 memory plan knows of it: the class counted without its audio tokenizer (which the processor names, outside the
-class), the audio tokenizer counted from its own config, and one clip's activations from the generic formulas (no
-measured case yet): the backbone over the voice prompt, the text and one position per latent (12.5 per second), and
-the flow head run on the class's noise draws per latent, three passes each (the diagonal term, the self-distillation
-term's forward-mode JVP and its target)."""
+class), the audio tokenizer counted from its own config, and one clip's activations from the measured constants (the
+"pocket_tts" activation case on the class itself as dstune trains it, with the self-distillation term, so the
+step that holds the most): the backbone over the voice prompt, the text and one position per latent (12.5 per
+second), and the flow head's draws per latent."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from dataclasses import dataclass
 from dstune.families.speakers import Voices
 from dstune.card import ModelPreset, speech
 from dstune.families.codebooks_card import CodebooksCard
-from dstune.memory.activations import TEXT_TOKENS_PER_SECOND, codec_frame_rate, transformer_layer_bytes
+from dstune.memory.activations import (
+    TEXT_TOKENS_PER_SECOND,
+    ModelShape,
+    codec_frame_rate,
+    in_plan_units,
+    measured_sample_bytes,
+)
 from dstune.memory.counts import SizesUnknown, config_folder, count_component, read_config
 from dstune.memory.plan import ModelCounts
 
 DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
-FLOW_HEAD_PASSES = 3  # the flow head's passes per noise draw in the loss: diagonal, JVP, distillation target
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,17 +66,15 @@ class PocketTTSCard(CodebooksCard):
         codec_params = count_component(str(codec_path))[0]
         frame_rate = float(config.get("frame_rate") or codec_frame_rate(codec_config))
         seconds = spec.data.max_clip_seconds or DEFAULT_CLIP_SECONDS
-        hidden, ffn = int(config.get("hidden_size", 1024)), int(config.get("intermediate_size", 4096))
-        head = config.get("flow_head_config") or {}
-        head_width, head_layers = int(head.get("hidden_size", 512)), int(head.get("num_hidden_layers", 6))
-        frames = seconds * frame_rate
-        positions = frames + min(seconds, self.voice_seconds) * frame_rate + seconds * TEXT_TOKENS_PER_SECOND
-        layer = transformer_layer_bytes(positions, hidden, ffn, gated=False)
-        draws = frames * int(config.get("flow_loss_num_samples", 4)) * FLOW_HEAD_PASSES
-        flow = draws * head_layers * transformer_layer_bytes(1, head_width, head_width, gated=False)
-        layers = int(config.get("num_hidden_layers", 6))
-        full = layers * layer + flow
-        checkpointed = positions * hidden * 2 * layers + layer + flow
+        shape = ModelShape(
+            int(config.get("hidden_size", 1024)),
+            {"backbone": int(config.get("num_hidden_layers", 6))},
+            ffn=int(config.get("intermediate_size", 4096)),
+        )
+        # the backbone's other positions: the voice prompt's latents and the text
+        context = min(seconds, self.voice_seconds) * frame_rate + seconds * TEXT_TOKENS_PER_SECOND
+        sample = measured_sample_bytes("pocket_tts", shape, seconds * frame_rate, context, spec.train.precision)
+        full, checkpointed = in_plan_units(sample, spec.train.precision)
         latent = int(config.get("latent_dim", 32))
         cached = ("codec",) if spec.data.cache.codec_tokens else ()
         cache_bytes = int(4 * frame_rate * latent * seconds * num_samples) if spec.data.cache.codec_tokens else 0
@@ -94,6 +97,7 @@ POCKET_TTS_CARD = PocketTTSCard(
     key="pocket-tts",
     name="Pocket TTS",
     family="tts_codebooks",
+    text_tokenizer="files",  # its folder's tokenizer.json (a SentencePiece vocabulary with <unk>)
     unit="pocket_tts",
     model_class="dstune.models.pocket_tts.model:PocketTTS",
     docs="docs/tts.md",
@@ -106,6 +110,7 @@ POCKET_TTS_CARD = PocketTTSCard(
     codec_subfolder="audio_tokenizer",
     latents_kind="pocket_tts_latents",
     voice_seconds=5.0,
+    activation_cases="dstune.models.pocket_tts.builtin:ACTIVATION_CASES",
     builtins={"tiny-pocket-tts": "dstune.models.pocket_tts.builtin:TINY_POCKET_TTS"},
     presets=(
         ModelPreset(

@@ -156,6 +156,7 @@ SPEECHT5_CARD = SpeechT5Card(
     key="speecht5",
     name="SpeechT5",
     family="speecht5",
+    text_tokenizer="files",  # spm_char.model: SentencePiece characters with <unk>
     unit="speecht5",
     model_class="dstune.models.speecht5.model:SpeechT5",
     docs="docs/tts.md",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,14 +53,35 @@ def activations(config: dict, tokens: float, precision: str) -> tuple[int, int]:
     return in_plan_units(measured_sample_bytes("llama", shape, tokens, 0, precision), precision)
 
 
+def added_rows(config: dict, added_tokens) -> int:
+    """The parameters model.added_tokens adds: a row of the embeddings per token, and of the LM head where it is not
+    tied to them (trained with the rest: a full fine-tune)."""
+    rows = len(added_tokens or ())
+    text = config.get("text_config") or config
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    return rows * int(text.get("hidden_size", 0)) * (1 if tied else 2)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TtsLmCard(ModelCard):
+    def text_tokenizer_kind(self, folder) -> str:
+        """The folder's tokenizer where it has one (what start-up loads), else UTF-8 bytes (ids 0..255)."""
+        return "files" if (Path(folder) / "tokenizer_config.json").is_file() else "utf8"
+
+    def added_tokens_hint(self) -> str:
+        return (
+            "or add the missing characters (or words) to the tokenizer with model.added_tokens: new embedding rows, "
+            "trained with the rest in a full fine-tune (the plan counts them; not with train: lora)"
+        )
+
     def count(self, spec, num_samples: int, clips=()) -> ModelCounts:
         folder, origin = config_folder(spec.model.pretrained)
         targets, rank = lora_settings(spec)  # train: lora puts adapters on the LM's attention (q/k/v/o_proj)
         params, largest, lora_params = count_component(str(folder / "config.json"), targets, rank)
         default_lora = count_component(str(folder / "config.json"), LM_LORA_TARGET_MODULES, 16)[2]
         config = read_config(folder / "config.json")
+        added = added_rows(config, spec.model.added_tokens)  # model.added_tokens: new embedding (and head) rows
+        params += added
         companions, frame_rate, codebooks = {}, 75.0, spec.model.num_codebooks or 8
         layout = read_config(folder / TTS_LAYOUT_FILE) if (folder / TTS_LAYOUT_FILE).exists() else {}
         if layout.get("frame_rate"):  # a described layout (token_layouts) states its codec's frames and codes
@@ -166,6 +188,7 @@ TTS_LM_CARD = TtsLmCard(
     key="tts_lm",
     name="Codec-token TTS LMs",
     family="tts_lm",
+    text_tokenizer="files",  # its folder's tokenizer; without one, UTF-8 bytes (text_tokenizer_kind)
     unit="tts_lm",
     model_class="dstune.models.tts_lm.model:TtsLm",
     docs="docs/tts.md",

@@ -131,6 +131,7 @@ VIBEVOICE_CARD = VibeVoiceCard(
     key="vibevoice",
     name="VibeVoice",
     family="tts_codebooks",
+    text_tokenizer="files",  # its folder's tokenizer.json (Qwen2.5's byte-level BPE)
     unit="vibevoice",
     model_class="dstune.models.vibevoice.model:VibeVoice",
     docs="docs/tts.md",

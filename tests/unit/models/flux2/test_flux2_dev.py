@@ -29,11 +29,14 @@ from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec
 from flux2_script import (
     CASES,
+    DENOISER_INPUTS,
     check_cached_text_trains_like_encoded_text,
     check_sample_and_export_reload,
     flux2_script_loss,
     reference_batch,
+    reference_times,
 )
+from edit_script import Recorder, check_same_denoiser_inputs
 from loaded_models import CACHE_DIR, with_settings
 from tiny_batches import shape_batch
 
@@ -126,16 +129,17 @@ def test_loss_equals_the_diffusers_flux2_dev_script(built, case):
         assert other.loss(other.trainable, other.encode_batch(batch), SEED, STEP).item() != ours.item()
 
 
-def test_image_to_image_loss_equals_the_diffusers_flux2_img2img_script(built):
-    """A reference per target (data.control_dir): train_dreambooth_lora_flux2_img2img.py's lines, its defaults."""
+def _dev_img2img(built, indices: list[int]) -> tuple[float, float, Recorder, Recorder]:
+    """(dstune's loss, the dev img2img script's, what each fed the transformer) on reference pairs of `indices`."""
     settings, flags = CASES["script-defaults"]
     model = with_settings(built, guidance=4.0, **settings)
     from diffusers import Flux2Pipeline
 
-    batch = reference_batch(INDICES)
-    u = timestep_density(model.model_spec, SEED, STEP, INDICES)
+    batch = reference_batch(indices)
+    u = timestep_density(model.model_spec, SEED, STEP, indices)
+    ours, script = Recorder(model.trainable), Recorder(model.trainable)
     with torch.no_grad():
-        ours = model.loss(model.trainable, model.encode_batch(batch), SEED, STEP)
+        loss = model.loss(ours, model.encode_batch(batch), SEED, STEP)
     prompts = Flux2Pipeline(
         scheduler=model.scheduler, vae=None, transformer=None, **model.text_encoders, **model.tokenizers
     )
@@ -148,10 +152,41 @@ def test_image_to_image_loss_equals_the_diffusers_flux2_img2img_script(built):
         batch["caption"],
         {**flags, "guidance_scale": 4.0},
         u,
-        (SEED, STEP, INDICES),
+        (SEED, STEP, indices),
         batch["control_values"],
+        denoiser=script,
+        reference_per_sample_time=True,
     )
-    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+    return loss.item(), reference.item(), ours, script
+
+
+def test_image_to_image_loss_and_denoiser_inputs_equal_the_diffusers_flux2_img2img_script(built):
+    """A reference per target (data.control_dir): train_dreambooth_lora_flux2_img2img.py's lines at its defaults, for
+    one sample per micro batch: the same loss, and the transformer the same inputs (the reference tokens after the
+    target's with ids of time 10 and its own grid, the timesteps, the guidance embedding's value, the text ids)."""
+    loss, reference, ours, script = _dev_img2img(built, INDICES[:1])
+    assert loss == pytest.approx(reference, rel=1e-5)
+    check_same_denoiser_inputs(ours.inputs, script.inputs, **DENOISER_INPUTS)
+    assert reference_times(ours.inputs["img_ids"]) == [{10}]
+    assert ours.inputs["guidance"].tolist() == [4.0]
+
+
+def test_image_to_image_batches_give_every_reference_the_pipelines_time_not_the_dev_scripts(built):
+    """A documented difference (docs/family-flow.md): for a micro batch of B the dev script passes the batch's
+    references to _prepare_image_ids as if they were B references of one image, so sample b's reference gets the
+    time coordinate 10 * (b + 1); Flux2Pipeline gives a single reference time 10 at inference, and so does dstune
+    for every sample (as the klein script does). Every other input is the script's."""
+    _, _, ours, script = _dev_img2img(built, INDICES)
+    mine, theirs = ours.inputs["img_ids"], script.inputs["img_ids"]
+    assert reference_times(theirs) == [{10}, {20}, {30}] and reference_times(mine) == [{10}] * 3
+    target = mine.shape[1] // 2  # the target's ids, and the reference's grid, are the script's
+    assert torch.equal(mine[:, :, 1:], theirs[:, :, 1:]) and torch.equal(mine[:, :target], theirs[:, :target])
+    same = dict(exact=("txt_ids", "timestep", "guidance", "return_dict"), close=DENOISER_INPUTS["close"])
+    check_same_denoiser_inputs(
+        {k: v for k, v in ours.inputs.items() if k != "img_ids"},
+        {k: v for k, v in script.inputs.items() if k != "img_ids"},
+        **same,
+    )
 
 
 def test_cached_text_trains_like_encoded_text(built):

@@ -21,12 +21,15 @@ from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec
 from flux2_script import (
     CASES,
+    DENOISER_INPUTS,
     check_cached_text_trains_like_encoded_text,
     check_reference_conditions_the_loss,
     check_sample_and_export_reload,
     flux2_script_loss,
     reference_batch,
+    reference_times,
 )
+from edit_script import Recorder, check_same_denoiser_inputs
 from loaded_models import CACHE_DIR, with_settings
 from tiny_batches import shape_batch
 
@@ -70,16 +73,19 @@ def test_loss_equals_the_diffusers_flux2_klein_script(built, case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_image_to_image_loss_equals_the_diffusers_klein_img2img_script(built, case):
-    """A reference per target (data.control_dir): train_dreambooth_lora_flux2_klein_img2img.py's lines."""
+def test_image_to_image_loss_and_denoiser_inputs_equal_the_diffusers_klein_img2img_script(built, case):
+    """A reference per target (data.control_dir): train_dreambooth_lora_flux2_klein_img2img.py's lines give the same
+    loss, and the transformer the same inputs: the reference tokens after the target's with the same ids (time 10,
+    its own grid), the same timesteps and text ids, no guidance."""
     settings, flags = CASES[case]
     model = with_settings(built, **settings)
     from diffusers import Flux2KleinPipeline
 
     batch = reference_batch(INDICES)
     u = timestep_density(model.model_spec, SEED, STEP, INDICES)
+    ours, script = Recorder(model.trainable), Recorder(model.trainable)
     with torch.no_grad():
-        ours = model.loss(model.trainable, model.encode_batch(batch), SEED, STEP)
+        loss = model.loss(ours, model.encode_batch(batch), SEED, STEP)
     reference = flux2_script_loss(
         model,
         Flux2KleinPipeline,
@@ -91,8 +97,11 @@ def test_image_to_image_loss_equals_the_diffusers_klein_img2img_script(built, ca
         u,
         (SEED, STEP, INDICES),
         batch["control_values"],
+        denoiser=script,
     )
-    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
+    check_same_denoiser_inputs(ours.inputs, script.inputs, **DENOISER_INPUTS)
+    assert ours.inputs["guidance"] is None and reference_times(ours.inputs["img_ids"]) == [{10}] * len(INDICES)
 
 
 def test_the_reference_conditions_the_loss_and_cached_reference_latents_train_alike(built):

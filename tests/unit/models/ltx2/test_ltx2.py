@@ -204,7 +204,7 @@ def test_text_cache_is_keyed_by_gemma_and_the_connectors_and_refusals(built):
 def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_train(capsys, monkeypatch, tmp_path):
     """The real configs: the 18.9 B transformer, Gemma 3, the connectors and the audio VAE frozen (cached), the
     vocoder joining only for samples, the caches at the VAE's 8x/32x (121 frames at 512 px: 16 x 16 x 16 latents);
-    frame counts that are 4k+1 (Wan's rule, which the spec checks) but not 8k+1, model.shift, a table-indexing sampler and a sequence split are refused, each at
+    frame counts that are 4k+1 (Wan's rule) but not 8k+1 (LTX-2's clip rule, the core's check), model.shift, a table-indexing sampler and a sequence split are refused, each at
     its key."""
     code, out = validate_example(capsys, monkeypatch, tmp_path)
     assert code == 0, out["errors"]
@@ -226,7 +226,8 @@ def test_validate_counts_ltx2_at_its_vae_compression_and_refuses_what_it_cannot_
     assert code == 1
     for key in ("data.video.frames", "model.sample_frames", "model.shift", "model.timestep_sampling"):
         assert key in errors, (key, errors)
-    assert "109 frames: LTX-2's VAE takes 8k+1 frames" in errors and "117 is not 8k+1" in errors
+    assert "109 is not 8k+1: LTX-2's VAE takes 8k+1 frames (1, 9, 17, ...," in errors, errors
+    assert "use 105 or 113" in errors and "117 is not 8k+1" in errors
     assert "data.video.sampling" in errors and "sound (which LTX-2 trains on) cannot follow them" in errors
 
 

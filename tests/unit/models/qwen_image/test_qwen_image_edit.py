@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.builtin.common import to_tensor
 from dstune.data.synthetic import render_shape
 from dstune.families import card_of
 from dstune.families.base import FamilyError
@@ -26,6 +25,7 @@ from dstune.models.qwen_image.card import QWEN_IMAGE_EDIT_CARD
 from dstune.models.qwen_image.model import QwenImageEdit, control_images, load_processor
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec, SampleSpec
+from edit_script import check_source_conditions_the_loss, pairs_batch, script_loss, script_timesteps
 from loaded_models import CACHE_DIR, with_settings
 
 MODEL = "builtin:tiny-qwen-image-edit"
@@ -41,18 +41,6 @@ CASES = {
 @pytest.fixture(scope="module")
 def built():
     return build_model(FlowModelSpec(family="flow", pretrained=MODEL), CACHE_DIR, "cpu")
-
-
-def _batch(indices=INDICES) -> dict:
-    """Targets are shapes; each source is another shape (the edit turns source i into target i)."""
-    targets = [render_shape(i, SIDE) for i in indices]
-    sources = [render_shape(i + 100, SIDE)[0] for i in indices]
-    return {
-        "pixel_values": to_tensor([image for image, _ in targets]),
-        "control_values": to_tensor(sources),
-        "caption": [f"turn it into {caption}" for _, caption in targets],
-        "index": torch.tensor(indices, dtype=torch.long),
-    }
 
 
 def _edit_pipeline(built):
@@ -84,11 +72,9 @@ def test_builtin_is_a_qwen_image_edit_pipeline_folder(built):
 
 
 def _reference_loss(built, batch: dict, flags: dict, u: torch.Tensor) -> torch.Tensor:
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
+    from diffusers import QwenImageEditPipeline
 
     pipeline = _edit_pipeline(built)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(built.folder / "scheduler")
     vae = built.vae
     latents_mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1)
     latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1)
@@ -97,9 +83,7 @@ def _reference_loss(built, batch: dict, flags: dict, u: torch.Tensor) -> torch.T
     draw = lambda purpose: per_sample_randn(posterior.mean.shape[1:], SEED, STEP, INDICES, purpose)  # noqa: E731
     model_input = (posterior.mean + posterior.std * draw("vae_posterior") - latents_mean) * latents_std
     noise = draw("noise")
-    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
-    positions = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
-    sigmas = scheduler.sigmas[positions].flatten().view(-1, 1, 1, 1, 1)
+    timesteps, sigmas = script_timesteps(built.folder, u, model_input.ndim)
     noisy = (1.0 - sigmas) * model_input + sigmas * noise
     batch_size, channels, _, height, width = model_input.shape
     packed = QwenImageEditPipeline._pack_latents(noisy.permute(0, 2, 1, 3, 4), batch_size, channels, height, width)
@@ -121,17 +105,14 @@ def _reference_loss(built, batch: dict, flags: dict, u: torch.Tensor) -> torch.T
         )[0]
     model_pred = model_pred[:, : packed.size(1)]
     model_pred = QwenImageEditPipeline._unpack_latents(model_pred, SIDE, SIDE, pipeline.vae_scale_factor)
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
-    target = noise - model_input
-    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(batch_size, -1), 1)
-    return loss.mean()
+    return script_loss(model_pred, noise, model_input, sigmas, flags["weighting_scheme"])
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_loss_equals_the_edit_pipelines_conditioning_with_the_qwen_image_script_loss(built, case):
     settings, flags = CASES[case]
     model = with_settings(built, **settings)
-    batch = _batch()
+    batch = pairs_batch(INDICES, SIDE)
     encoded = model.encode_batch(batch)
     u = timestep_density(model.model_spec, SEED, STEP, INDICES)
     with torch.no_grad():
@@ -141,16 +122,11 @@ def test_loss_equals_the_edit_pipelines_conditioning_with_the_qwen_image_script_
 
 
 def test_the_source_image_conditions_the_loss_and_cached_source_latents_train_alike(built):
-    batch = _batch([4, 7])
-    other = {**batch, "control_values": _batch([8, 2])["control_values"]}
-    cached = {**batch, "control_latent_mean": built.encode_batch(batch)["control_latent"]}
-    with torch.no_grad():
-        losses = [built.loss(built.trainable, built.encode_batch(b), 0, 1).item() for b in (batch, other, cached)]
-    assert losses[0] != losses[1] and losses[2] == losses[0]
+    check_source_conditions_the_loss(built, lambda indices: pairs_batch(indices, SIDE))
 
 
 def test_a_batch_without_sources_is_refused_with_the_fix(built):
-    batch = _batch([1])
+    batch = pairs_batch([1], SIDE)
     del batch["control_values"]
     with pytest.raises(ValueError, match="data.control_dir"):
         built.encode_batch(batch)

@@ -7,8 +7,10 @@ The reference is the loss lines of diffusers' examples/dreambooth/train_dreamboo
 indexed by int(u * num_train_timesteps) and its get_sigmas lookup, FluxKontextPipeline's _pack_latents /
 _prepare_latent_image_ids (the source's ids with the first axis set to 1) / _unpack_latents, the packed source
 concatenated after the packed noisy target and the output cut back to the target's tokens, guidance
---guidance_scale, compute_loss_weighting_for_sd3. Only the random draws are dstune's (noise and u, per sample): the
-reference takes the same ones.
+--guidance_scale, compute_loss_weighting_for_sd3; its text from its own encode_prompt's lines (T5 at
+--max_sequence_length, CLIP's pooled output at 77 tokens, text ids of zeros). Only the random draws are
+dstune's (noise and u, per sample): the reference takes the same ones. Beside the loss, the transformer's inputs
+on both sides are compared (edit_script.Recorder): the source tokens' ids, the timesteps, the guidance exactly.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import pytest
 import torch
 
 from dstune import builtin as tiny
-from dstune.builtin.common import to_tensor
 from dstune.data.synthetic import render_shape
 from dstune.families import card_of
 from dstune.families.base import FamilyError
@@ -27,6 +28,14 @@ from dstune.models.sd3_flux.card import FLUX_KONTEXT_CARD
 from dstune.models.sd3_flux.model import FluxKontext
 from dstune.pretrained import build_model
 from dstune.spec.models import FlowModelSpec, SampleSpec
+from edit_script import (
+    Recorder,
+    check_same_denoiser_inputs,
+    check_source_conditions_the_loss,
+    pairs_batch,
+    script_loss,
+    script_timesteps,
+)
 from loaded_models import CACHE_DIR, with_settings
 
 MODEL = "builtin:tiny-flux-kontext"
@@ -50,17 +59,6 @@ def built():
     return build_model(FlowModelSpec(family="flow", pretrained=MODEL), CACHE_DIR, "cpu")
 
 
-def _batch(indices=INDICES) -> dict:
-    """Targets are shapes; each source is another shape (the edit turns source i into target i)."""
-    targets = [render_shape(i, SIDE) for i in indices]
-    return {
-        "pixel_values": to_tensor([image for image, _ in targets]),
-        "control_values": to_tensor([render_shape(i + 100, SIDE)[0] for i in indices]),
-        "caption": [f"turn it into {caption}" for _, caption in targets],
-        "index": torch.tensor(indices, dtype=torch.long),
-    }
-
-
 def test_builtin_is_a_flux_kontext_pipeline_folder(built):
     from diffusers import FluxKontextPipeline
 
@@ -73,11 +71,26 @@ def test_builtin_is_a_flux_kontext_pipeline_folder(built):
     assert card_of("flow", flux).key == "flux"  # the same transformer class in a FluxPipeline is Flux.1
 
 
-def _script_loss(built, batch: dict, flags: dict, u: torch.Tensor) -> torch.Tensor:
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
-    from diffusers.training_utils import compute_loss_weighting_for_sd3
+def _script_text(built, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The script's encode_prompt: T5's last hidden state of the caption padded to --max_sequence_length, CLIP's
+    pooler output of the caption padded to 77 tokens, text ids of zeros. The flag is dstune's max_sequence_length:
+    512 on a real folder (the script's default), the tiny tokenizer's 32 here."""
+    encoders, tokenizers = built.text_encoders, built.tokenizers
+    with torch.no_grad():
+        t5_ids = tokenizers["tokenizer_2"](
+            captions, padding="max_length", max_length=built.max_sequence_length, truncation=True, return_tensors="pt"
+        ).input_ids
+        embeds = encoders["text_encoder_2"](t5_ids)[0]
+        clip_ids = tokenizers["tokenizer"](
+            captions, padding="max_length", max_length=77, truncation=True, return_tensors="pt"
+        ).input_ids
+        pooled = encoders["text_encoder"](clip_ids, output_hidden_states=False).pooler_output
+    return embeds, pooled, torch.zeros(embeds.shape[1], 3)
 
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(built.folder / "scheduler")
+
+def _script_loss(built, batch: dict, flags: dict, u: torch.Tensor, denoiser) -> torch.Tensor:
+    from diffusers import FluxKontextPipeline
+
     vae = built.vae
     with torch.no_grad():
         model_input = vae.encode(batch["pixel_values"]).latent_dist.mode()
@@ -93,58 +106,59 @@ def _script_loss(built, batch: dict, flags: dict, u: torch.Tensor) -> torch.Tens
     cond_ids[..., 0] = 1
     latent_image_ids = torch.cat([latent_image_ids, cond_ids], dim=0)
     noise = per_sample_randn(model_input.shape[1:], SEED, STEP, INDICES, "noise")
-    timesteps = scheduler.timesteps[(u * scheduler.config.num_train_timesteps).long()]
-    positions = [(scheduler.timesteps == t).nonzero().item() for t in timesteps]
-    sigmas = scheduler.sigmas[positions].flatten().view(-1, 1, 1, 1)
+    timesteps, sigmas = script_timesteps(built.folder, u, model_input.ndim)
     noisy = (1.0 - sigmas) * model_input + sigmas * noise
     packed = FluxKontextPipeline._pack_latents(noisy, batch_size, channels, height, width)
     target_tokens = packed.shape[1]
     packed_cond = FluxKontextPipeline._pack_latents(cond_model_input, batch_size, channels, height, width)
-    embeds, pooled = built.encode_text(batch["caption"]).values()
+    embeds, pooled, text_ids = _script_text(built, batch["caption"])
     with torch.no_grad():
-        model_pred = built.trainable(
+        model_pred = denoiser(
             hidden_states=torch.cat([packed, packed_cond], dim=1),
             timestep=timesteps / 1000,
             guidance=torch.tensor([flags["guidance"]]).expand(batch_size),
             pooled_projections=pooled,
             encoder_hidden_states=embeds,
-            txt_ids=torch.zeros(embeds.shape[1], 3),
+            txt_ids=text_ids,
             img_ids=latent_image_ids,
             return_dict=False,
         )[0]
     model_pred = FluxKontextPipeline._unpack_latents(
         model_pred[:, :target_tokens], height * factor, width * factor, factor
     )
-    weighting = compute_loss_weighting_for_sd3(weighting_scheme=flags["weighting_scheme"], sigmas=sigmas)
-    target = noise - model_input
-    loss = torch.mean((weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(batch_size, -1), 1)
-    return loss.mean()
+    return script_loss(model_pred, noise, model_input, sigmas, flags["weighting_scheme"])
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_loss_equals_the_diffusers_kontext_script(built, case):
+def test_loss_and_denoiser_inputs_equal_the_diffusers_kontext_script(built, case):
+    """The loss at 1e-5, and what the transformer is given: the source's tokens after the target's with their ids
+    (the source's own grid, first axis 1), the timesteps, the guidance and the text ids exactly."""
     settings, flags = CASES[case]
     model = with_settings(built, **settings)
-    batch = _batch()
-    encoded = model.encode_batch(batch)
+    batch = pairs_batch(INDICES, SIDE)
     u = timestep_density(model.model_spec, SEED, STEP, INDICES)
+    ours, script = Recorder(model.trainable), Recorder(model.trainable)
     with torch.no_grad():
-        ours = model.loss(model.trainable, encoded, SEED, STEP)
-    reference = _script_loss(model, batch, flags, u)
-    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+        loss = model.loss(ours, model.encode_batch(batch), SEED, STEP)
+    reference = _script_loss(model, batch, flags, u, script)
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
+    check_same_denoiser_inputs(
+        ours.inputs,
+        script.inputs,
+        exact=("img_ids", "txt_ids", "timestep", "guidance", "return_dict"),
+        close=("hidden_states", "encoder_hidden_states", "pooled_projections"),
+    )
+    ids = ours.inputs["img_ids"]
+    assert ids.shape == (32, 3) and set(ids[16:, 0].tolist()) == {1} and set(ids[:16, 0].tolist()) == {0}
+    assert torch.equal(ids[16:, 1:], ids[:16, 1:])  # the source's grid is the target's
 
 
 def test_the_source_image_conditions_the_loss_and_cached_source_latents_train_alike(built):
-    batch = _batch([4, 7])
-    other = {**batch, "control_values": _batch([8, 2])["control_values"]}
-    cached = {**batch, "control_latent_mean": built.encode_batch(batch)["control_latent"]}
-    with torch.no_grad():
-        losses = [built.loss(built.trainable, built.encode_batch(b), 0, 1).item() for b in (batch, other, cached)]
-    assert losses[0] != losses[1] and losses[2] == losses[0]
+    check_source_conditions_the_loss(built, lambda indices: pairs_batch(indices, SIDE))
 
 
 def test_a_batch_without_sources_is_refused_with_the_fix(built):
-    batch = _batch([1])
+    batch = pairs_batch([1], SIDE)
     del batch["control_values"]
     with pytest.raises(ValueError, match="FluxKontextPipeline trains on pairs.*data.control_dir"):
         built.encode_batch(batch)
