@@ -25,6 +25,7 @@ CARDS: tuple[str, ...] = (
     "dstune.models.sd3_flux.card:FLUX_KONTEXT_CARD",
     "dstune.models.qwen_image.card:QWEN_IMAGE_CARD",
     "dstune.models.qwen_image.card:QWEN_IMAGE_EDIT_CARD",
+    "dstune.models.qwen_image.card:QWEN_IMAGE_EDIT_PLUS_CARD",
     "dstune.models.zimage.card:Z_IMAGE_CARD",
     "dstune.models.flux2.card:FLUX2_KLEIN_CARD",
     "dstune.models.flux2.card:FLUX2_DEV_CARD",

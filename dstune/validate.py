@@ -340,7 +340,8 @@ def _count_samples(
     else:
         origin = path if builtin_name(path) else f"counted in {path}"
     if pairs:  # edit / control training: every target counted has its source
-        origin += f"; {pairs} source/target pairs"
+        references = max((len(r.control_paths) for r in index.records), default=1)
+        origin += f"; {pairs} source/target pairs" + (f", {references} references each" if references > 1 else "")
     if spec.data.eval is not None:
         where = (
             f"{spec.data.eval.fraction:g} of the images" if spec.data.eval.fraction is not None else spec.data.eval.path

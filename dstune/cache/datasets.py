@@ -27,7 +27,7 @@ from dstune.data.images import (
     decoded_size,
     sample_rng,
 )
-from dstune.data.pairs import CONTROL_SUFFIX
+from dstune.data.pairs import reference_key, reference_suffix
 from dstune.data.video import VideoCaptionDataset, stack_sounds
 
 
@@ -63,11 +63,11 @@ class CachedDataset(ImageCaptionDataset):
             size = self.target_size(position)  # the centre crop the cached latent was made from (header only)
             decoded = decoded_size(record, size, self.rendered_side(record))
             out.update(crop_fields(record, decoded, size, 0.5, 0.5, flip))
-            if record.control_path is not None:  # edit pairs: the source's cached latents, and its pixels, which
-                # the text side needs (the instruction is encoded with the image)
-                source = read_entry(self.index.latent_paths[(record.sample_id + CONTROL_SUFFIX, flip)])
-                out.update({f"control_{name}": value for name, value in source.items()})
-                out.update(self.control_pixels(record, size, 0.5, 0.5, flip))
+            for number in range(len(record.control_paths)):  # edit pairs: each reference's cached latents, and
+                # its pixels, which the text side needs (the instruction is encoded with the images)
+                source = read_entry(self.index.latent_paths[(record.sample_id + reference_suffix(number), flip)])
+                out.update({reference_key(f"control_{name}", number): value for name, value in source.items()})
+            out.update(self.control_pixels(record, size, 0.5, 0.5, flip))
         if self.index.text:
             out.update(read_entry(self.index.text_paths[out["caption"]]))
         return out

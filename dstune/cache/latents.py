@@ -34,7 +34,7 @@ from dstune.data.buckets import sample_buckets
 from dstune.data.clips import set_side, set_video
 from dstune.data.images import BadSampleError, ImageCaptionDataset
 from dstune.data.index import control_records
-from dstune.data.pairs import CONTROL_SUFFIX
+from dstune.data.pairs import reference_suffix, target_of
 from dstune.data.synthetic import render_shape
 from dstune.data.video import VideoCaptionDataset, stack_sounds
 from dstune.distributed import agree_or_stop, all_gather_object
@@ -150,7 +150,7 @@ def _with_sources(records) -> list:
 
 
 def _sizes(targets, data, video: bool) -> dict | None:
-    """sample_id -> bucket with data.buckets; a source takes its target's bucket (the pair stays together); a
+    """sample_id -> bucket with data.buckets; a reference takes its target's bucket (the pair stays together); a
     clip's (dstune.data.clips.ClipRecord) was chosen from its header when the clips were listed."""
     if video and data.sets is not None:  # each clip's bucket, or its set's square (a set's resolution keys it)
         return {r.sample_id: r.size or (set_side(data, r.set_index),) * 2 for r in targets}
@@ -159,7 +159,12 @@ def _sizes(targets, data, video: bool) -> dict | None:
     sizes = sample_buckets(targets, data)
     if sizes is None:
         return None
-    return {**sizes, **{r.sample_id + CONTROL_SUFFIX: sizes[r.sample_id] for r in targets if r.control_path}}
+    references = {
+        r.sample_id + reference_suffix(number): sizes[r.sample_id]
+        for r in targets
+        for number in range(len(r.control_paths))
+    }
+    return {**sizes, **references}
 
 
 def _encode_latents(
@@ -385,7 +390,7 @@ def _conclude(run, data: DataSpec, folder, entries, reports, unreadable, verify_
     usable = sum(b + c for _, _, b, c, _ in folder_reports)
     bad_names = set(unreadable) | {name for *_, failed in folder_reports for name in failed}
     failed = {e.sample_id for e in entries if e.kind == "latent" and e.name in bad_names} | set(unreadable)
-    failed_samples = {sample_id.removesuffix(CONTROL_SUFFIX) for sample_id in failed}  # a bad source: its pair
+    failed_samples = {target_of(sample_id) for sample_id in failed}  # a bad reference: its target
     only_bad_images = all(e.kind == "latent" for e in entries if e.name in bad_names) and not any(
         "after the build" in why or "checksum" in why for *_, failed in folder_reports for why in failed.values()
     )

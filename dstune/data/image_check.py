@@ -58,9 +58,10 @@ def record_problem(record) -> Optional[str]:
     if record.image_path is None:
         return None
     problem = image_problem(record.image_path)
-    if problem is None and record.control_path is not None:
-        problem = image_problem(record.control_path)
-        return f"source image {record.control_path}: {problem}" if problem else None
+    for path in record.control_paths if problem is None else ():
+        problem = image_problem(path)
+        if problem:
+            return f"source image {path}: {problem}"
     return problem
 
 

@@ -31,6 +31,7 @@ from dstune.data.buckets import header_size, record_sizes
 from dstune.data.groups import weighted_places
 from dstune.data.image_check import find_unreadable
 from dstune.data.index import DataError, SampleRecord
+from dstune.data.pairs import reference_key
 from dstune.data.synthetic import render_shape
 from dstune.spec.models import DataSpec
 
@@ -264,20 +265,24 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         return to_tensor(resize_and_crop(self.load_image(record, size), size or self.data.resolution, 0.5, 0.5, flip))
 
     def control_pixels(self, record: SampleRecord, size, crop_x: float, crop_y: float, flip: bool):
-        """Edit pairs: the record's source image resized and cropped exactly as its target (to the target's size:
-        data.resolution or its bucket, same crop fractions, same flip), as a (3, H, W) tensor; {} unpaired."""
-        if record.control_path is None:
-            return {}
-        try:
-            image = _open_rgb(record.control_path, size)
-        except _DECODE_ERRORS as err:
-            reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
-            raise BadSampleError(
-                f"cannot read source image {record.control_path} (of sample {record.sample_id}): "
-                f"{reason}. Replace or delete it, or set data.skip_bad_files: true.",
-                record.control_path,
-            ) from None
-        return {"control_values": to_tensor(resize_and_crop(image, size, crop_x, crop_y, flip))}
+        """Edit pairs: each of the record's references resized and cropped exactly as its target (to the target's
+        size: data.resolution or its bucket, same crop fractions, same flip), as (3, H, W) tensors keyed
+        `control_values`, `control_values_2`, ... (dstune.data.pairs.reference_key); {} unpaired."""
+        found = {}
+        for number, path in enumerate(record.control_paths):
+            try:
+                image = _open_rgb(path, size)
+            except _DECODE_ERRORS as err:
+                reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+                raise BadSampleError(
+                    f"cannot read source image {path} (of sample {record.sample_id}): "
+                    f"{reason}. Replace or delete it, or set data.skip_bad_files: true.",
+                    path,
+                ) from None
+            found[reference_key("control_values", number)] = to_tensor(
+                resize_and_crop(image, size, crop_x, crop_y, flip)
+            )
+        return found
 
     def _readable(self, index: int) -> tuple[SampleRecord, Image.Image]:
         """The record at `index` and its image; with skip_bad_files, the next readable one instead of a bad one."""
@@ -333,10 +338,10 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
 def collate(samples: list[dict]) -> dict:
     """Samples -> one batch with the same keys as a sample (as torch's default_collate would name them):
     pixel_values (B, 3, R, R) float32; caption and sample_id lists of str; index (B,) LongTensor;
-    original_size and crop_top_left (B, 2) LongTensors (see crop_fields); edit pairs add control_values like
-    pixel_values; masked runs loss_mask (B, 1, H, W), data.sets loss_weight (B,), prior and preserve (B,) bool."""
-    paired = "control_values" in samples[0]
-    control = {"control_values": torch.stack([s["control_values"] for s in samples])} if paired else {}
+    original_size and crop_top_left (B, 2) LongTensors (see crop_fields); edit pairs add control_values (and
+    control_values_2, ... for more references) like pixel_values; masked runs loss_mask (B, 1, H, W), data.sets loss_weight (B,), prior and preserve (B,) bool."""
+    references = [key for key in samples[0] if key.startswith("control_values")]
+    control = {key: torch.stack([s[key] for s in samples]) for key in references}
     return {
         **control,
         **collate_loss_terms(samples),

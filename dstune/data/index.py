@@ -12,7 +12,7 @@ Layouts:
     builtin:moving-shapes the same as clips (video families), builtin:moving-shapes-av those clips with a sound track.
 Video families (index_dataset(..., video=True)) list video files as well as images, in either layout.
 Edit / control pairs (data.control_dir, metadata.jsonl `control_file_name`): dstune.data.pairs; a paired record
-carries its source image's path in `control_path`.
+carries its reference images' paths in `control_paths`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,16 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from dstune.data.pairs import (
+from dstune.data.pairs import (  # noqa: F401 (DataError: defined there, imported from here)
+    DataError,
+    control_outside,
+    reference_folders,
     CONTROL_FIELD,
-    CONTROL_SUFFIX,
     control_root,
     list_controls,
+    reference_suffix,
+    reference_count_problem,
+    references_of,
     listing,
     orphans_warning,
     stem_of,
@@ -53,24 +58,21 @@ _REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 _EXAMPLES_IN_WARNING = 3
 
 
-class DataError(ValueError):
-    """A dataset that cannot be used. `key` is the dotted spec key to fix; `message` says what, where and how."""
-
-    def __init__(self, key: str, message: str):
-        self.key = key
-        self.message = message
-        super().__init__(f"{key}: {message}")
-
-
 @dataclass(frozen=True)
 class SampleRecord:
     sample_id: str  # path relative to the dataset root (posix), or "shapes/000123" for the built-in set
     image_path: str | None  # None for built-in samples, which are generated rather than read
     caption: str
     repeats: int  # times the sample appears in one epoch (kohya `N_name` folders x the set's repeats)
-    control_path: str | None = None  # edit / control training: the source image of this target (dstune.data.pairs)
+    # edit / control training: the reference (source) images of this target, in order (dstune.data.pairs)
+    control_paths: tuple[str, ...] = ()
     set_index: int = 0  # data.sets: the number of the record's set (0 with data.path)
     mask_path: str | None = None  # masked loss: the record's mask file (data.mask_dir), None: alpha or no mask
+
+    @property
+    def control_path(self) -> str | None:
+        """The first reference (the source of a one-reference edit pair), None unpaired."""
+        return self.control_paths[0] if self.control_paths else None
 
 
 @dataclass(frozen=True)
@@ -92,18 +94,19 @@ class IndexResult:
 
 
 def control_records(records: list[SampleRecord]) -> list[SampleRecord]:
-    """The source image of each paired record as a record of its own (id: the target's + CONTROL_SUFFIX, no
-    repeats), which is how the latent cache stores source latents beside the targets'."""
+    """Each reference image of each paired record as a record of its own (id: the target's + its reference
+    suffix, `#control`, `#control2`, ...; no repeats), which is how the latent cache stores reference latents beside
+    the targets'."""
     return [
         SampleRecord(
-            sample_id=r.sample_id + CONTROL_SUFFIX,
-            image_path=r.control_path,
+            sample_id=r.sample_id + reference_suffix(number),
+            image_path=path,
             caption=r.caption,
             repeats=0,
             set_index=r.set_index,
         )
         for r in records
-        if r.control_path is not None
+        for number, path in enumerate(r.control_paths)
     ]
 
 
@@ -239,7 +242,7 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
             )
         result = _index_jsonl(root, data.skip_bad_files)
     else:
-        _control_outside(root, data)
+        control_outside(root, data)
         extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ())
         result = _index_folder(root, _normalised_extension(data.caption_extension), read_captions, extensions)
     result = _masked(_paired(result, root, data), root, data, video)
@@ -386,8 +389,8 @@ def _index_folder(
 # ------------------------------------------------------------------------------------------------ jsonl
 
 
-def _parse_metadata_line(line: str, where: str) -> tuple[str, str, str | None]:
-    """One metadata.jsonl line -> (file_name, text, control_file_name or None), or DataError naming file:line and
+def _parse_metadata_line(line: str, where: str) -> tuple[str, str, tuple | None]:
+    """One metadata.jsonl line -> (file_name, text, its control_file_name(s) as a tuple or None), or DataError naming file:line and
     the problem."""
     try:
         entry = json.loads(line)
@@ -414,13 +417,19 @@ def _parse_metadata_line(line: str, where: str) -> tuple[str, str, str | None]:
     if not isinstance(text, str):
         raise DataError("data.path", f"{where}: `text` must be a string, got {type(text).__name__} {text!r}")
     control = entry.get(CONTROL_FIELD)
-    if control is not None and (not isinstance(control, str) or not control.strip()):
+    references = [control] if isinstance(control, str) else control
+    if control is not None and not (references and isinstance(references, list) and all(map(_named, references))):
         raise DataError(
             "data.path",
-            f"{where}: `{CONTROL_FIELD}` (the source image of an edit pair) must be a "
-            f"non-empty string, got {control!r}",
+            f"{where}: `{CONTROL_FIELD}` (the reference image of an edit pair) must be a non-empty string, or a "
+            f"list of them for several references, got {control!r}",
         )
+    control = None if control is None else tuple(references)
     return file_name, text, control
+
+
+def _named(value) -> bool:
+    return isinstance(value, str) and bool(value.strip())
 
 
 def _relative_file(file_name: str, where: str) -> str:
@@ -463,11 +472,9 @@ def _index_jsonl(root: Path, skip_bad_files: bool) -> IndexResult:
                 )
             skipped.append(f"{path}: listed on line {number} but does not exist")
             continue
-        control_path = None if control is None else str(root / _relative_file(control, where))
+        controls = () if control is None else tuple(str(root / _relative_file(one, where)) for one in control)
         records.append(
-            SampleRecord(
-                sample_id=rel, image_path=str(path), caption=text.strip(), repeats=1, control_path=control_path
-            )
+            SampleRecord(sample_id=rel, image_path=str(path), caption=text.strip(), repeats=1, control_paths=controls)
         )
     warnings = []
     if skipped:
@@ -521,50 +528,28 @@ def _masked(result: IndexResult, root: Path, data: DataSpec, video: bool = False
 # ------------------------------------------------------------------------------------------- edit / control pairs
 
 
-def _control_outside(root: Path, data: DataSpec) -> None:
-    """A folder-layout dataset takes every image under data.path as a target, so the sources must live elsewhere."""
-    if data.control_dir is None:
-        return
-    control = control_root(root, data.control_dir).resolve()
-    if control == root.resolve() or control.is_relative_to(root.resolve()):
-        raise DataError(
-            "data.control_dir",
-            f"{control} is inside data.path {root}, whose images are all trained as "
-            "targets. Keep the sources in a sibling folder (e.g. control_dir: ../control).",
-        )
-
-
 def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
-    """Each record's source image (metadata.jsonl `control_file_name`, else data.control_dir's file of the same
-    relative stem). Unpaired targets: DataError naming them (with data.skip_bad_files: left out, a warning)."""
-    named = any(r.control_path is not None for r in result.records)
+    """Each record's references (metadata.jsonl `control_file_name`, else data.control_dir's files of the same
+    relative stem, one per folder). A target missing one: DataError naming the sample and the file looked for (with
+    data.skip_bad_files: left out, a warning)."""
+    named = any(r.control_paths for r in result.records)
     if data.control_dir is None and not named:
         return result
-    controls, where = {}, f"`{CONTROL_FIELD}` in {root / METADATA_FILE}"
-    if data.control_dir is not None:
-        folder = control_root(root, data.control_dir)
-        if not folder.is_dir():
-            raise DataError(
-                "data.control_dir",
-                f"{folder} is not a folder. Give the folder of source images "
-                "(absolute, or relative to data.path, e.g. ../control).",
-            )
-        controls, clashes = list_controls(folder, IMAGE_EXTENSIONS)
-        if clashes:
-            raise DataError(
-                "data.control_dir",
-                f"{len(clashes)} source names in {folder} have two image files, so "
-                f"the pairing is ambiguous: {listing(clashes)}. Keep one file per name.",
-            )
-        where = f"a file with the same relative path and name in {folder} (any of {', '.join(IMAGE_EXTENSIONS)})"
+    folders = reference_folders(root, data, IMAGE_EXTENSIONS)
+    where = f"`{CONTROL_FIELD}` in {root / METADATA_FILE}"
+    if folders:
+        shown = ", ".join(str(folder) for folder, _ in folders)
+        where = f"a file with the same relative path and name in {shown} (any of {', '.join(IMAGE_EXTENSIONS)})"
     records, unpaired, used = [], [], set()
     for record in result.records:
-        path = record.control_path or controls.get(stem_of(record.sample_id))
-        if path is None or not os.path.isfile(path):
-            unpaired.append(record.sample_id if path is None else f"{record.sample_id} ({path} does not exist)")
+        paths, missing = references_of(record, folders)
+        if missing is not None or None in paths or not paths:
+            unpaired.append(record.sample_id if missing is None else f"{record.sample_id} ({missing})")
             continue
-        used.add(path)
-        records.append(dataclasses.replace(record, control_path=path))
+        used.update(paths)
+        records.append(dataclasses.replace(record, control_paths=tuple(paths)))
+    if reference_count_problem(records):  # a batch stacks each reference: every target needs as many
+        raise DataError("data.path", reference_count_problem(records))
     warnings = list(result.warnings)
     if unpaired:
         if not data.skip_bad_files:
@@ -573,9 +558,8 @@ def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
                 unpaired_message(unpaired, len(result.records), where),
             )
         warnings.append("left out (data.skip_bad_files): " + unpaired_message(unpaired, len(result.records), where))
-    orphans = [
-        os.path.relpath(path, control_root(root, data.control_dir)) for path in controls.values() if path not in used
-    ]
-    if orphans:
-        warnings.append(orphans_warning(orphans, control_root(root, data.control_dir)))
+    for folder, controls in folders:
+        orphans = [os.path.relpath(path, folder) for path in controls.values() if path not in used]
+        if orphans:
+            warnings.append(orphans_warning(orphans, folder))
     return dataclasses.replace(result, records=records, warnings=warnings)

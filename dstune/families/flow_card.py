@@ -160,7 +160,7 @@ class FlowCard(PipelineCard):
         """What start-up would refuse of this spec, found offline: the model keys, the image sides, a distilled
         folder's sampling steps, the sample folder and the LoRA format."""
         issues = self.settings_issues(spec.model) or self._side_issues(spec) or self._steps_issues(spec)
-        issues = issues or self.source_image_issues(spec)
+        issues = issues or self.source_image_issues(spec) or self.reference_count_issues(spec)
         return issues + _sample_folder_issues(spec) + self._lora_format_issues(spec)
 
     def _side_issues(self, spec) -> SpecIssues:
@@ -189,6 +189,41 @@ class FlowCard(PipelineCard):
                     f"(model_index.json sample_sigmas, a Turbo folder): set sample.steps: {len(grid)}",
                 )
             ]
+        return []
+
+    def most_references(self) -> int:
+        """The reference images one sample may carry (data.control_dir's folders, a prompt's
+        sample.control_images): one here."""
+        return 1
+
+    def reference_count_issues(self, spec) -> SpecIssues:
+        """data.control_dir's folders and each prompt's sample.control_images against the references a sample of
+        this model takes (a reference it cannot take would be left out of training silently)."""
+        folders, most = len(spec.data.control_dirs), self.most_references()
+        if folders > most:
+            return [
+                (
+                    "data.control_dir",
+                    f"{self.pipeline_class} takes {most} reference image(s) per sample; data.control_dir lists "
+                    f"{folders} folders. Give at most {most} (docs/data.md names the models that take several)",
+                )
+            ]
+        wanted = max(folders, 1)
+        for number, one in enumerate(spec.sample.control_images):
+            given = 1 if isinstance(one, str) else len(one)
+            if given != wanted or (most == 1 and not isinstance(one, str)):
+                return [
+                    (
+                        f"sample.control_images.{number}",
+                        f"{given} image(s) for prompt {number + 1}, but {self.pipeline_class} trains here with "
+                        f"{wanted} reference(s) per sample: give "
+                        + (
+                            "one path per prompt"
+                            if wanted == 1
+                            else f"a list of {wanted} paths per prompt, in data.control_dir's order"
+                        ),
+                    )
+                ]
         return []
 
     def source_image_issues(self, spec) -> SpecIssues:
@@ -406,7 +441,7 @@ def edit_source_issues(spec, pipeline_class: str) -> SpecIssues:
 
 def control_images_missing(spec) -> SpecIssues:
     """sample.control_images that do not exist (an edit model's sources, an image-to-video model's first frames)."""
-    missing = [path for path in spec.sample.control_images if not os.path.isfile(os.path.expanduser(path))]
+    missing = [path for path in spec.sample.control_image_paths if not os.path.isfile(os.path.expanduser(path))]
     if not missing:
         return []
     return [("sample.control_images", f"{len(missing)} source image(s) do not exist: {', '.join(missing)}")]

@@ -24,6 +24,11 @@ def read_control_images(paths) -> list:
 
     images = []
     for path in paths:
+        if not isinstance(path, str):
+            raise ValueError(
+                f"sample.control_images: {path} is a list, but this model takes one image per prompt. Give one path "
+                "per prompt (a list per prompt is for the models that take several references)."
+            )
         try:
             with Image.open(Path(path).expanduser()) as image:
                 images.append(image.convert("RGB"))

@@ -14,6 +14,12 @@ from dstune.spec.section import BUILTIN_PREFIX, Section
 # ---------------------------------------------------------------------------------------------------------- data
 
 
+def reference_key(name: str, number: int) -> str:
+    """A batch key of data.control_dir's reference `number` (0-based): `control_values`, `control_values_2`, ...
+    (the datasets write them, the edit models read them)."""
+    return name if number == 0 else f"{name}_{number + 1}"
+
+
 class CacheSpec(Section):
     latents: bool = Field(
         False,
@@ -364,15 +370,17 @@ class DataSpec(Section):
         description="Each epoch, samples that do not fill a whole global batch are left out (a different set each "
         "epoch, since the order is reshuffled). False is not supported: every step must see a full global batch.",
     )
-    control_dir: Optional[str] = Field(
+    control_dir: Optional[Union[str, list[str]]] = Field(
         None,
         description="Edit / control training (the edit models: docs/family-flow.md): the folder of source "
-        "(control) images, one per "
-        "target image in data.path with the same relative path and name, any image extension (`target/a.png` pairs "
-        "with `control/a.jpg`). Absolute, or relative to data.path (`../control`: the folder beside it). In "
-        "metadata.jsonl a line's `control_file_name` (relative to data.path) names its source instead. Each source is "
-        "resized and cropped with its target (same bucket, same crop and flip); `validate` counts the pairs and names "
-        "unpaired files. See docs/family-flow.md.",
+        "(control, reference) images, one per target image in data.path with the same relative path and name, any "
+        "image extension (`target/a.png` pairs with `control/a.jpg`). Absolute, or relative to data.path "
+        "(`../control`: the folder beside it). A list of folders gives each target several references, reference k "
+        "from the k-th folder (the multi-image edit models: docs/data.md). In "
+        "metadata.jsonl a line's `control_file_name` (relative to data.path; a list for several) names its "
+        "references instead. Each reference is resized and cropped with its target (same bucket, same crop and "
+        "flip); `validate` counts the pairs and names every sample missing a reference, with the file it looked "
+        "for. See docs/data.md.",
     )
     mask_dir: Optional[str] = Field(
         None,
@@ -521,8 +529,21 @@ class DataSpec(Section):
         """Whether samples carry loss masks (data.mask_dir or data.alpha_mask, here or in a set)."""
         return any(one.mask_dir is not None or one.alpha_mask for one in self.set_specs())
 
+    @property
+    def control_dirs(self) -> list[str]:
+        """data.control_dir as a list of folders, one per reference ([] without)."""
+        if self.control_dir is None:
+            return []
+        return [self.control_dir] if isinstance(self.control_dir, str) else list(self.control_dir)
+
     @model_validator(mode="after")
     def _control_needs_files(self) -> "DataSpec":
+        folders = self.control_dir
+        if isinstance(folders, list) and (not folders or len(set(folders)) != len(folders)):
+            raise ValueError(
+                f"data.control_dir: a list gives one folder per reference; got {folders}, which is empty or names "
+                "a folder twice. List each reference folder once (or give one folder as a string)."
+            )
         if self.control_dir is not None and self.sets is None and self.path.startswith(BUILTIN_PREFIX):
             raise ValueError(
                 f"data.control_dir pairs source images with the target images of a folder; data.path "

@@ -477,12 +477,20 @@ class SampleSpec(Section):
         "and sample with its distilled one. Its transformer must have the trained one's "
         "class and shapes. Omitted: the trained transformer itself (without model.training_adapter).",
     )
-    control_images: list[str] = Field(
+    control_images: list[Union[str, list[str]]] = Field(
         default_factory=list,
-        description="Edit models: the source image of each prompt, one path per prompt in the "
-        "same order; each sample edits its source as the prompt says. Image-to-video (model.image_to_video): the "
-        "first frame of each prompt's clip. Other models: none.",
+        description="Edit models: the source image of each prompt, one path per prompt in the same order; each "
+        "sample edits its source as the prompt says. A model that takes several references per sample "
+        "(data.control_dir a list: docs/data.md) takes a list of paths per prompt, as many as it "
+        "trains with, in data.control_dir's order. Image-to-video (model.image_to_video): the first frame of each "
+        "prompt's clip. Other models: none.",
     )
+
+    @property
+    def control_image_paths(self) -> list[str]:
+        """Every file sample.control_images names (a prompt's several references flattened)."""
+        return [path for one in self.control_images for path in ([one] if isinstance(one, str) else one)]
+
     voice_prompts: list[str] = Field(
         default_factory=list,
         description="Speech models that continue a reference voice (model.family "

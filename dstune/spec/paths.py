@@ -37,6 +37,7 @@ LOCAL_PATH_KEYS = (
     "deepspeed.offload_optimizer.nvme_path",
     "deepspeed.offload_param.nvme_path",
     "sample.control_images.*",
+    "sample.control_images.*.*",  # a prompt's several references (the multi-image edit models)
     "sample.voice_prompts.*",
     "model.training_adapter",
 )

@@ -182,3 +182,60 @@ def test_a_text_to_image_model_refuses_sources_and_flux2_trains_image_to_image_f
     alone = json.loads(capsys.readouterr().out)
     cache = [plan["memory"]["cache_disk_bytes"] for plan in (with_references, alone)]
     assert cache[0] == 2 * cache[1]  # the references' latents beside the targets' (no text cache here)
+
+
+def _two_references(tmp_path, missing=()):
+    """target/<name>.png, person/<name>.png and scene/<name>.png (the second reference), less `missing` scenes."""
+    data = _pairs(tmp_path, names=("a", "b", "c"))
+    for number, name in enumerate(("a", "b", "c")):
+        if name not in missing:
+            _image(tmp_path / "scene" / f"{name}.png", (40, 40), 100 + number)
+    return data.model_copy(update={"control_dir": ["../control", "../scene"]})
+
+
+def test_several_references_per_target_from_a_list_of_folders_crop_and_cache_in_order(tmp_path):
+    data = _two_references(tmp_path)
+    index = index_dataset(data)
+    by_id = {r.sample_id: r.control_paths for r in index.records}
+    assert by_id["b.png"] == (str(tmp_path / "control" / "b.jpg"), str(tmp_path / "scene" / "b.png"))
+    assert [r.sample_id for r in control_records(index.records)][:2] == ["a.png#control", "a.png#control2"]
+    batch = collate([ImageCaptionDataset(data, index.records, seed=0)[i] for i in range(2)])
+    assert batch["control_values_2"].shape == batch["control_values"].shape == batch["pixel_values"].shape
+    assert batch["control_values_2"][0, 0].mean() < batch["control_values"][0, 0].mean()  # scene's red is darker
+
+
+def test_a_target_missing_one_of_its_references_is_named_with_the_file_looked_for(tmp_path, capsys):
+    data = _two_references(tmp_path, missing=("b",))
+    with pytest.raises(DataError) as caught:
+        index_dataset(data)
+    assert caught.value.key == "data.control_dir"
+    assert f"b.png (reference 2: no b.* in {tmp_path / 'scene'})" in caught.value.message
+    spec = {
+        "model": {"family": "flow", "pretrained": "builtin:tiny-qwen-image-edit-plus", "train": "lora"},
+        "data": {"path": data.path, "control_dir": ["../control", "../scene"], "resolution": 64},
+        "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "epochs": 1},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(path), "--num-gpus", "2"]) == 1
+    assert "b.png (reference 2: no b.* in" in capsys.readouterr().out
+    _image(tmp_path / "scene" / "b.png", (40, 40), 0)
+    assert main(["validate", str(path), "--num-gpus", "2"]) == 0
+    assert "3 source/target pairs, 2 references each" in capsys.readouterr().out
+    spec["model"]["pretrained"] = "builtin:tiny-qwen-image-edit"  # one reference per sample: the list is refused
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["validate", str(path), "--num-gpus", "2"]) == 1
+    assert "takes 1 reference image(s) per sample; data.control_dir lists 2 folders" in capsys.readouterr().out
+
+
+def test_metadata_names_several_references_and_every_target_needs_as_many(tmp_path):
+    data = _two_references(tmp_path)
+    for name in ("a1", "a2", "b1"):  # jsonl names its files inside data.path; only those listed are targets
+        _image(tmp_path / "target" / "refs" / f"{name}.png", (40, 40), 9)
+    lines = [
+        {"file_name": "a.png", "text": "x", "control_file_name": ["refs/a1.png", "refs/a2.png"]},
+        {"file_name": "b.png", "text": "y", "control_file_name": "refs/b1.png"},
+    ]
+    (tmp_path / "target" / "metadata.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    with pytest.raises(DataError, match="a.png has 2 reference.*b.png another number"):
+        index_dataset(data.model_copy(update={"control_dir": None, "format": "jsonl"}))

@@ -1,12 +1,13 @@
 """Built-in tiny Qwen-Image-Edit: `builtin:tiny-qwen-image-edit`, a real QwenImageEditPipeline folder with tiny
-components.
+components, and `builtin:tiny-qwen-image-edit-plus`, a QwenImageEditPlusPipeline folder (Qwen-Image-Edit-2509: several
+references per sample) of the same components.
 
 The transformer, text encoder and tokenizer are builtin:tiny-qwen-image's (same classes and configs, own seed), plus
 what the edit pipeline adds: a Qwen2VLProcessor (Qwen2VLImageProcessor + the byte-level tokenizer) that puts the
 source image into the instruction's prompt as vision tokens, built in memory and saved in `processor/`.
 
 The VAE is an AutoencoderKLQwenImage with three downsampling stages (8 px per latent, as the real VAE), not
-tiny-qwen-image's one-stage VAE: QwenImageEditPipeline always resizes the source image to about 1024 x 1024 px
+tiny-qwen-image's one-stage VAE: both pipelines always resize a source image to about 1024 x 1024 px
 before encoding it, which a 2 px-per-latent VAE would turn into 65536 control tokens (minutes per render on a CPU);
 at 8 px it is 4096 tokens and about 6 s. The image processor's pixel bounds are tiny (28x28 to 112x112 px, 1 to 16
 vision tokens) so the vision tower stays cheap; the real model's processor allows up to 12.8 M pixels. The VAE is
@@ -49,19 +50,20 @@ def tiny_qwen_vl_processor(tokenizer):
         return image_only_processor(Qwen2VLImageProcessor(**TINY_IMAGE_PROCESSOR), tokenizer)
 
 
-def build_tiny_qwen_image_edit(out: Path, needs: dict) -> dict:
-    """builtin:tiny-qwen-image-edit: a QwenImageEditPipeline folder."""
+def build_tiny_qwen_image_edit(out: Path, needs: dict, pipeline_class: str = "QwenImageEditPipeline") -> dict:
+    """builtin:tiny-qwen-image-edit: a QwenImageEditPipeline folder (or, built by the next function, a
+    QwenImageEditPlusPipeline one of the same components)."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
     with quiet_hf_libraries():
-        from diffusers import QwenImageEditPipeline
+        import diffusers
     tokenizer = tiny_qwen_tokenizer()
     processor = tiny_qwen_vl_processor(tokenizer)
     with deterministic_cpu(_SEED, BUILD_THREADS):
         text_encoder = tiny_qwen_vl_encoder(tokenizer)
         vae = AutoencoderKLQwenImage(**TINY_QWEN_EDIT_VAE)
         transformer = QwenImageTransformer2DModel(**TINY_QWEN_TRANSFORMER)
-    pipeline = QwenImageEditPipeline(
+    pipeline = getattr(diffusers, pipeline_class)(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER),
         vae=vae,
         text_encoder=text_encoder,
@@ -72,6 +74,12 @@ def build_tiny_qwen_image_edit(out: Path, needs: dict) -> dict:
     facts = save_pipeline(pipeline, out, transformer)
     _name_the_processor_as_diffusers_does(out)
     return facts
+
+
+def build_tiny_qwen_image_edit_plus(out: Path, needs: dict) -> dict:
+    """builtin:tiny-qwen-image-edit-plus: a QwenImageEditPlusPipeline folder (Qwen-Image-Edit-2509's layout: the
+    same component classes as the edit pipeline, a transformer without zero_cond_t)."""
+    return build_tiny_qwen_image_edit(out, needs, "QwenImageEditPlusPipeline")
 
 
 def _name_the_processor_as_diffusers_does(out: Path) -> None:
@@ -94,4 +102,13 @@ TINY_QWEN_IMAGE_EDIT = BuiltinModel(
     "layer, a one-block vision tower) with its processor, random 16-channel Qwen-Image VAE (8 px per "
     "latent)",
     build=build_tiny_qwen_image_edit,
+)
+
+TINY_QWEN_IMAGE_EDIT_PLUS = BuiltinModel(
+    name="tiny-qwen-image-edit-plus",
+    folder_name="tiny-qwen-image-edit-plus-v1",
+    family="flow",
+    description="Qwen-Image-Edit-2509 pipeline (QwenImageEditPlusPipeline, several references per sample): the "
+    "components of tiny-qwen-image-edit",
+    build=build_tiny_qwen_image_edit_plus,
 )

@@ -19,6 +19,12 @@ from dstune.memory.working import TextWork, VaeWork
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")
 NEGATIVE = " "  # the negative prompt of true classifier-free guidance, as the model card samples
 EDIT_PIPELINE = "QwenImageEditPipeline"
+EDIT_PLUS_PIPELINE = "QwenImageEditPlusPipeline"  # Qwen-Image-Edit-2509 / 2511: several references per sample
+# QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE: each reference joins the text resized to this area (its own
+# aspect ratio, sides multiples of 32), whatever its size
+CONDITION_PX = 384
+PLUS_MOST_REFERENCES = 3  # the 2509 model card: multi-image editing with 1 to 3 input images
+PICTURE_LABEL_TOKENS = 8  # "Picture k: " and the vision start / end tokens around each reference in the text
 VISION_PATCH_PX = 28  # the edit's source image joins the text as Qwen2.5-VL vision tokens of 28 px
 # the pipelines' prompt templates, cropped after the text encoder (prompt_template_encode_start_idx): the encoder
 # runs over them too
@@ -92,12 +98,12 @@ class QwenImageEditCard(FlowCard):
             issues.append(
                 (
                     "data.cache.text_embeddings",
-                    f"{EDIT_PIPELINE} encodes each instruction together with its source image, so its text cannot be "
-                    "cached per caption: set it to false (data.cache.latents still caches the target and source "
+                    f"{self.pipeline_class} encodes each instruction together with its source image(s), so its text "
+                    "cannot be cached per caption: set it to false (data.cache.latents still caches the target and source "
                     "latents)",
                 )
             )
-        return issues + edit_source_issues(spec, EDIT_PIPELINE)
+        return issues + edit_source_issues(spec, self.pipeline_class)
 
     def attention(self, spec) -> Optional[Attention]:
         """Its sequence holds the target's and the source's tokens; its text (the instruction with the source's
@@ -106,6 +112,28 @@ class QwenImageEditCard(FlowCard):
         if found is None or found.refusal:
             return found
         return replace(found, text_tokens=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QwenImageEditPlusCard(QwenImageEditCard):
+    """Qwen-Image-Edit-2509 / 2511: trained on a target and several references (data.control_dir a list), each
+    reference's latent tokens after the target's and its vision tokens (at CONDITION_PX) in the text."""
+
+    def references(self, spec) -> int:
+        return len(spec.data.control_dirs) or 1
+
+    def most_references(self) -> int:
+        return PLUS_MOST_REFERENCES
+
+    def text_tokens(self, spec, folder) -> int:
+        per_reference = int((CONDITION_PX / VISION_PATCH_PX) ** 2) + PICTURE_LABEL_TOKENS
+        return FlowCard.text_tokens(self, spec, folder) + self.references(spec) * per_reference
+
+    def pictures(self, spec, folder) -> int:
+        return 1 + self.references(spec)
+
+    def pairs(self, spec) -> Optional[str]:
+        return EDIT_PLUS_PIPELINE
 
 
 # The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
@@ -192,6 +220,40 @@ QWEN_IMAGE_EDIT_CARD = QwenImageEditCard(
                 **{
                     "data.path": "/data/edits/target",
                     "data.control_dir": "../source",
+                    "sample.prompts": [],
+                    "model.gradient_checkpointing": True,
+                },
+            ),
+        ),
+    ),
+    **COMMON,
+)
+
+QWEN_IMAGE_EDIT_PLUS_CARD = QwenImageEditPlusCard(
+    key="qwen_image_edit_plus",
+    name="Qwen-Image-Edit-2509/2511",
+    model_class="dstune.models.qwen_image.model:QwenImageEditPlus",
+    summary="Qwen-Image-Edit-2509 / 2511 (QwenImageTransformer2DModel; Qwen2.5-VL with the references; trains on a "
+    "target and up to 3 references per sample, see data.control_dir)",
+    folder_classes={EDIT_PLUS_PIPELINE: 4.0},
+    pipeline_class=EDIT_PLUS_PIPELINE,
+    components={"text_encoder": "Qwen2_5_VLForConditionalGeneration", "tokenizer": None, "processor": None},
+    builtins={"tiny-qwen-image-edit-plus": "dstune.models.qwen_image.builtin_edit:TINY_QWEN_IMAGE_EDIT_PLUS"},
+    presets=(
+        ModelPreset(
+            "qwen-image-edit-2509",
+            "Qwen-Image-Edit-2509 (Qwen-Image trained to edit from 1 to 3 reference images)",
+            "flow",
+            "Qwen/Qwen-Image-Edit-2509",
+            "tiny-qwen-image-edit-plus",
+            image(
+                1024,
+                4.0,
+                30,
+                **lora(),
+                **{
+                    "data.path": "/data/edits/target",
+                    "data.control_dir": ["../person", "../scene"],
                     "sample.prompts": [],
                     "model.gradient_checkpointing": True,
                 },

@@ -30,9 +30,11 @@ import torch
 
 from dstune.families.base import FamilyError
 from dstune.families.flow_matching import pack_latents, unpack_latents
-from dstune.families.flow_edit import edit_sample_sources, source_latents
+from dstune.spec.data_sections import reference_key
+from dstune.families.flow_edit import edit_sample_references, edit_sample_sources, reference_latents, source_latents
 from dstune.families.flow_model import FlowModel, normalised_latents
 from dstune.hf import quiet_hf_libraries
+from dstune.models.qwen_image.card import CONDITION_PX
 
 
 class QwenImage(FlowModel):
@@ -149,15 +151,22 @@ class QwenImageEdit(FlowModel):
         return {"controls": conditions["control_values"]}
 
     def model_conditions(self, encoded: dict, dtype) -> dict:
-        """The source's latents, normalised like the target's (no noise: it is the condition)."""
-        return {"control_latents": normalised_latents(self.vae.config, encoded["control_latent"]).to(dtype)}
+        """Each reference's latents, normalised like the target's (no noise: they are the condition)."""
+        found, number = [], 0
+        while reference_key("control_latent", number) in encoded:
+            latent = encoded[reference_key("control_latent", number)]
+            found.append(normalised_latents(self.vae.config, latent).to(dtype))
+            number += 1
+        return {"control_latents": found}
 
     def predict(self, forward, noisy, timesteps, conditions: dict, dtype) -> torch.Tensor:
+        """[target tokens | reference 1's tokens | ...], img_shapes listing each picture; only the target's tokens of
+        the output are the prediction."""
         batch, _, height, width = noisy.shape
-        control = conditions["control_latents"]
+        references = conditions["control_latents"]
         target_tokens = (height // 2) * (width // 2)
-        shapes = [(1, height // 2, width // 2), (1, control.shape[-2] // 2, control.shape[-1] // 2)]
-        hidden = torch.cat([pack_latents(noisy), pack_latents(control)], dim=1).to(dtype)
+        shapes = [(1, height // 2, width // 2)] + [(1, one.shape[-2] // 2, one.shape[-1] // 2) for one in references]
+        hidden = torch.cat([pack_latents(noisy)] + [pack_latents(one) for one in references], dim=1).to(dtype)
         prediction = forward(
             hidden_states=hidden,
             encoder_hidden_states=conditions["encoder_hidden_states"],
@@ -178,3 +187,59 @@ class QwenImageEdit(FlowModel):
     def sample_sources(self, sample_spec, prompts: list[str]) -> list:
         """sample.control_images as RGB images."""
         return edit_sample_sources(sample_spec)
+
+
+# ------------------------------------------------------------------------------------------ the multi-image edit
+
+
+def condition_image(image, pipeline):
+    """A reference as QwenImageEditPlusPipeline gives it to the text encoder: resized to CONDITION_PX squared
+    pixels at its own aspect ratio, sides multiples of 32 (the pipeline's calculate_dimensions)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+    width, height = calculate_dimensions(CONDITION_PX * CONDITION_PX, image.width / image.height)
+    return pipeline.image_processor.resize(image, height, width)
+
+
+class QwenImageEditPlus(FlowModel):
+    """Qwen-Image-Edit-2509 / 2511: QwenImageEdit with several references per sample (its processor, reference
+    latents, token layout and guidance are QwenImageEdit's; the references and their text are its own)."""
+
+    load_parts = QwenImageEdit.load_parts
+    text_tokens = QwenImageEdit.text_tokens
+    model_conditions = QwenImageEdit.model_conditions
+    predict = QwenImageEdit.predict
+    sample_guidance = QwenImageEdit.sample_guidance
+
+    def encode_conditions(self, batch: dict, dtype) -> dict:
+        """Each reference's pixels and the posterior mode of its latents (cached, or encoded now), unscaled, keyed
+        as the batch keys them (control_values, control_values_2, ...)."""
+        found = {}
+        for number, (pixels, mean) in enumerate(reference_latents(self, batch)):
+            found[reference_key("control_values", number)] = pixels.float()
+            found[reference_key("control_latent", number)] = mean
+        return found
+
+    def text_inputs(self, conditions: dict) -> dict:
+        count = sum(1 for name in conditions if name.startswith("control_values"))
+        return {"controls": [conditions[reference_key("control_values", number)] for number in range(count)]}
+
+    def encode_text(self, captions: list[str], controls: list = None, **inputs) -> dict[str, torch.Tensor]:
+        """Each caption with its own references (the pipeline's encode_prompt takes one prompt's images), at the
+        pipeline's condition size; padded to the batch's longest with a mask."""
+        pipeline = self.pipeline()
+        per_reference = [control_images(values) for values in controls]
+        rows = []
+        with torch.no_grad(), quiet_hf_libraries():
+            for number, caption in enumerate(captions):
+                images = [condition_image(images[number], pipeline) for images in per_reference]
+                embeds, mask = pipeline.encode_prompt([caption], image=images, device=self.device)
+                rows.append(embeds[0] if mask is None else embeds[0][mask[0].bool()])
+        longest = max(row.shape[0] for row in rows)
+        embeds = torch.stack([torch.cat([row, row.new_zeros(longest - row.shape[0], row.shape[1])]) for row in rows])
+        mask = torch.stack([torch.arange(longest, device=embeds.device) < row.shape[0] for row in rows]).long()
+        return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
+
+    def sample_sources(self, sample_spec, prompts: list[str]) -> list:
+        """sample.control_images: each prompt's references as RGB images."""
+        return edit_sample_references(sample_spec)

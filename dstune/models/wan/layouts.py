@@ -116,7 +116,7 @@ def spec_problems(index: dict, transformer: dict, vae: dict, setting: Optional[b
                 "set model.image_to_video: true (an image-to-video or Wan 2.2 TI2V folder)",
             )
         )
-    missing = [path for path in sample.control_images if not os.path.isfile(os.path.expanduser(path))]
+    missing = [path for path in sample.control_image_paths if not os.path.isfile(os.path.expanduser(path))]
     if image and missing:
         found.append(("sample.control_images", f"{len(missing)} image(s) do not exist: {', '.join(missing)}"))
     return found

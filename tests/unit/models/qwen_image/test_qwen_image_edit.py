@@ -181,13 +181,13 @@ def test_a_qwen_transformer_in_another_pipeline_is_refused_not_trained_as_text_t
     import shutil
 
     folder = tiny.ensure_builtin_model("tiny-qwen-image-edit", CACHE_DIR)
-    copy = tmp_path / "edit-plus"
+    copy = tmp_path / "layered"
     shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.safetensors"))
     index = json.loads((copy / "model_index.json").read_text())
-    (copy / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
+    (copy / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageLayeredPipeline"}))
     with pytest.raises(
         FamilyError,
-        match="QwenImageEditPlusPipeline around a QwenImageTransformer2DModel is not "
-        "supported.*QwenImagePipeline, QwenImageEditPipeline",
+        match="QwenImageLayeredPipeline around a QwenImageTransformer2DModel is not "
+        "supported.*QwenImagePipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline",
     ):
         card_of("flow", copy)
