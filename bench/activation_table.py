@@ -2,6 +2,7 @@
 
     python3 bench/activation_table.py            # all models, bf16 and fp32 (~20 min on 2 busy CPU cores)
     python3 bench/activation_table.py flux1 sd3  # only these keys (the others stay as stored)
+    python3 bench/activation_table.py --lora     # only the LoRA tables (of these keys, or all)
 
 For each model (bench/activation_models.py: the real class, narrow) and precision, bench/activation_measure.py
 counts the bytes autograd saves in one training forward at each of the case's sizes, without and with gradient
@@ -19,6 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -29,7 +31,8 @@ from activation_measure import count_checkpointed, count_saved, warm_up  # noqa:
 from working_measure import peak_bytes, step_peak  # noqa: E402
 from activation_models import CASES, CASES_BY_KEY  # noqa: E402
 from common import print_json, print_table  # noqa: E402
-from dstune.memory.activations import CONSTANTS_FILE  # noqa: E402
+from dstune.memory.activations import CONSTANTS_FILE, LORA_RANK  # noqa: E402
+from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 WIDTH_FEATURES = ("T", "C", "1")
@@ -55,15 +58,38 @@ def _disable_checkpointing(model) -> None:
         model.disable_gradient_checkpointing()
 
 
+def add_lora(model, dtype: torch.dtype) -> None:
+    """The model frozen, with LoRA adapters of LORA_RANK on the default targets (dstune.families.lora, as a
+    `model.train: lora` run adds them): only the adapters train."""
+    from peft import LoraConfig
+
+    from dstune.families.lora import add_lora_adapter
+
+    model.requires_grad_(False)
+    config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=list(DEFAULT_LORA_TARGET_MODULES))
+    add_lora_adapter(model, config)
+    model.to(dtype)
+
+
 def measure(
-    case, dtype: torch.dtype, tokens: int, context: int, heads: int = 0, ffn_mult: int = 1, transients: bool = False
+    case,
+    dtype: torch.dtype,
+    tokens: int,
+    context: int,
+    heads: int = 0,
+    ffn_mult: int = 1,
+    transients: bool = False,
+    lora: bool = False,
 ) -> dict:
     """One size of one case: the buckets' bytes (see the module docstring) and the measured shape; `transients`:
-    the training step's peak too (the case's transient sizes)."""
+    the training step's peak too (the case's transient sizes); `lora`: the model frozen with LoRA adapters on the
+    default targets (add_lora), what a LoRA run's backward needs."""
     torch.manual_seed(0)
     extra = {"vocab": case.transient_vocab} if transients and case.transient_vocab else {}
     model, width, ffn, vocab = case.build(heads or case.heads, ffn_mult, **extra)
     model = model.to(dtype).train()
+    if lora:
+        add_lora(model, dtype)
     blocks = case.block_lists(model)
     run = case.run(model, tokens, context, dtype)
     warm_up(run)
@@ -197,6 +223,38 @@ def constants_for(case, dtype: torch.dtype) -> tuple[dict, list]:
     return table, records
 
 
+def lora_constants(case) -> Optional[dict]:
+    """Under LoRA (bf16): the saved activations' buckets (outside, per block, with checkpointing the inputs and the
+    recomputed module) fitted as the full fine-tuning ones, with the model frozen and adapted (add_lora); None for a
+    model without the default targets (its LoRA runs are planned with the full figures), and for the UNets, whose
+    checks run in fp32 (their bf16 convolutions are slow on the CPU): their LoRA runs keep the full figure too."""
+    if case.check_precision != "bf16":
+        return None
+    model = case.build(case.heads, 1)[0]
+    names = [name for name, _ in model.named_modules()]
+    if not any(name.endswith("." + target) for name in names for target in DEFAULT_LORA_TARGET_MODULES):
+        return None
+    records = [measure(case, torch.bfloat16, t, c, lora=True) for t, c in case.sizes]
+    if case.ffn:
+        records += [measure(case, torch.bfloat16, t, c, ffn_mult=2, lora=True) for t, c in case.sizes]
+    plain, with_ffn = _features(case, records, False), _features(case, records, case.ffn, with_mask=True)
+    kinds = list(records[0]["blocks"])
+    table = {
+        "outside": fit(records, plain, lambda r: r["outside"]),
+        "blocks": {k: fit(records, with_ffn, lambda r, k=k: r["blocks"][k]) for k in kinds},
+    }
+    if records[0]["vocab"]:
+        table["logits"] = {
+            n: v * records[0]["width"] / records[0]["vocab"]
+            for n, v in fit(records, _logit_features(case, plain), lambda r: r["logits"]).items()
+        }
+    if case.checkpointing:
+        table["ckpt_outside"] = fit(records, plain, lambda r: r["ckpt_outside"])
+        table["ckpt_inputs"] = {k: fit(records, plain, lambda r, k=k: r["ckpt_inputs"][k]) for k in kinds}
+        table["recompute"] = fit(records, with_ffn, lambda r: r["recompute"])
+    return {"rank": LORA_RANK, "targets": list(DEFAULT_LORA_TARGET_MODULES), "bf16": table}
+
+
 def transient_constants(case, dtype: torch.dtype) -> dict:
     """The backward's transients, fitted at the case's transient sizes: per bucket as the blocks' (a mask's
     (T + C)^2 bytes where the case has one), and per vocabulary entry per token and per width (the logits'
@@ -243,13 +301,22 @@ def _version(package: str) -> str:
 
 
 def main(keys: list[str]) -> None:
+    """`--lora`: only the LoRA tables (the full fine-tuning ones stay as stored)."""
+    lora_only = "--lora" in keys
+    keys = [key for key in keys if key != "--lora"]
     stored = json.loads(CONSTANTS_FILE.read_text()) if CONSTANTS_FILE.exists() else {}
     models = stored.get("models", {})
     rows = []
     for case in [CASES_BY_KEY[k] for k in keys] if keys else CASES:
         started = time.monotonic()
-        entry = {"title": case.title, "checkpointing": case.checkpointing, **case.extra}
-        for name, dtype in DTYPES.items():
+        entry = (
+            models[case.key] if lora_only else {"title": case.title, "checkpointing": case.checkpointing, **case.extra}
+        )
+        lora = lora_constants(case)
+        entry.pop("lora", None)
+        if lora is not None:
+            entry["lora"] = lora
+        for name, dtype in () if lora_only else DTYPES.items():
             table, records = constants_for(case, dtype)
             entry[name] = table
             first = records[0]

@@ -179,6 +179,13 @@ def cmd_validate(args) -> int:
                     outcome.clips,
                 ),
             )
+            if outcome.memory.get("fits") is False:  # the cheapest settings that fit, each re-planned
+                from dstune.memory_advice import advise
+
+                advice = advise(
+                    args.spec, args.overrides, outcome.world, args.num_samples, args.accelerator, args.gpu_memory
+                )
+                outcome = dataclasses.replace(outcome, memory={**outcome.memory, **advice})
     resume = None  # --resume-from: (text, ok), shown before the verdict, which it decides too
     if args.resume_from and outcome.plan and not outcome.errors:
         text, ok = _resume_preview(outcome, Path(args.resume_from), "latest")

@@ -98,21 +98,32 @@ def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
 
 
 def _verdict_rows(memory: dict) -> list[tuple[str, str]]:
-    """--gpu-memory's verdict and the changes that would make the run fit."""
+    """--gpu-memory's verdict and, where the run does not fit, the cheapest settings that make it fit (each as its
+    --set lines, its figure validate's own for them, and what it costs), more GPUs where they make it fit, or why
+    nothing does (dstune.memory_advice)."""
     rows: list[tuple[str, str]] = []
-    if memory["fits"] is not None:
-        verdict = "fits" if memory["fits"] else "DOES NOT FIT"
-        rows.append(("--gpu-memory", f"{gb(memory['gpu_memory_bytes'])}: {verdict}"))
-        for item in memory["suggestions"]:
-            relieves = f" (relieves the {item['relieves']} phase)" if item.get("relieves") else ""
-            rows.append(
-                (
-                    "  would fit with",
-                    f"{item['change']} -> {gb(item['per_gpu_total_bytes'])} per GPU at the peak{relieves}",
-                )
+    if memory["fits"] is None:
+        return rows
+    rows.append(("--gpu-memory", f"{gb(memory['gpu_memory_bytes'])}: {'fits' if memory['fits'] else 'DOES NOT FIT'}"))
+    if memory["fits"]:
+        return rows
+    for item in memory["suggestions"]:
+        relieves = f" (relieves the {item['relieves']} phase)" if item.get("relieves") else ""
+        sets = " ".join(f"--set {line}" for line in item.get("set") or item["change"].split())
+        rows.append(("  would fit with", f"{sets} -> {gb(item['per_gpu_total_bytes'])} per GPU at the peak{relieves}"))
+        rows += [("    costs", cost) for cost in item.get("costs", ())]
+    more = memory.get("more_gpus")
+    if more:
+        rows.append(
+            (
+                "  more GPUs",
+                f"fits on {more['num_gpus']} GPUs ({more['world']}) as it is: "
+                f"{gb(more['per_gpu_total_bytes'])} per GPU at the peak",
             )
-        if memory["fits"] is False and not memory["suggestions"]:
-            rows.append(("  would fit with", "no change dstune knows of: more GPUs, or GPUs with more memory"))
+        )
+    if not memory["suggestions"]:
+        why = memory.get("nothing_fits") or "no setting dstune has lowers the peak enough"
+        rows.append(("  nothing fits", why + ("" if more else "; more GPUs do not lower it enough either")))
     return rows
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 from dstune.families.speakers import Voices, voices_for
+from dstune.memory.activations import adapters
+from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES
 
 Clip = tuple[int, int, int, int]  # (frames, width, height, clips): one bucket of a video dataset
 SpecIssues = list[tuple[str, str]]  # (dotted key, message): an error about the spec, found from the model's configs
@@ -50,6 +52,20 @@ def no_plan_refusal(transformer_class: str) -> str:
     return (
         f"its transformer class {transformer_class} has no context-parallel plan (_cp_plan) in the installed "
         "diffusers, so its sequence cannot be split"
+    )
+
+
+def trains_default_adapters(model_spec) -> bool:
+    """Plain LoRA adapters on (some of) the default targets over an unquantized base: the run whose activations
+    the LoRA measurements are (dstune.memory.activations.adapters); any other adapter, target or base keeps the
+    full fine-tuning figure, an upper bound."""
+    lora = getattr(model_spec, "lora", None)
+    return (
+        getattr(model_spec, "train", "full") == "lora"
+        and lora is not None
+        and getattr(lora, "type", "lora") == "lora"
+        and getattr(model_spec, "base_precision", None) is None
+        and set(lora.target_modules) <= set(DEFAULT_LORA_TARGET_MODULES)
     )
 
 
@@ -88,7 +104,8 @@ class FamilyFacts:
         card = self.card(spec)
         if card is None:
             self._unknown(spec, raising=True)
-        return card.count(spec, num_samples, clips)
+        with adapters(trains_default_adapters(spec.model)):
+            return card.count(spec, num_samples, clips)
 
     def spec_issues(self, spec) -> SpecIssues:
         """What start-up would refuse of this spec on this folder, found offline from its configs (nothing when they

@@ -25,6 +25,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+LORA_RANK = 4  # the adapters' rank in the LoRA measurements: their r-wide tensors are a few % of a narrow block's
+# The LoRA figure is its fit x this: at a size and width the fit did not see, the fit alone was up to 4 % below a
+# fresh count (for one model) and at most 4 % above; the plan must never count less than a LoRA step saves.
+LORA_MARGIN = 1.05
 GENERIC_LOGIT_TRANSIENT = 6  # bytes per token and vocabulary entry: the logits' fp32 gradient and its bf16 copy
 TEXT_TOKENS_PER_SECOND = 20  # tts: a transcript's tokens per second of speech (~15 characters/s, byte-level or BPE)
 CONSTANTS_FILE = Path(__file__).resolve().parents[1] / "model_configs" / "activation_constants.json"
@@ -71,6 +75,22 @@ def _evaluate(coefficients: dict, tokens: float, context: float, width: float, f
 _FIGURE = contextvars.ContextVar("activation_figure", default="training")
 
 
+# Whether the training figure is a LoRA run's (the model frozen, adapters on the default targets): within
+# `adapters(True)` measured_sample_bytes reads a model's LoRA table where it has one (bench/activation_table.py
+# measures it: a frozen linear layer without an adapter keeps no input for backward), else its full one.
+_ADAPTERS = contextvars.ContextVar("activation_adapters", default=False)
+
+
+@contextlib.contextmanager
+def adapters(on: bool):
+    """Within it (on), a training figure is the one of LoRA adapters on the default targets."""
+    token = _ADAPTERS.set(on)
+    try:
+        yield
+    finally:
+        _ADAPTERS.reset(token)
+
+
 @contextlib.contextmanager
 def figure(kind: str):
     """Within it, measured_sample_bytes gives (that figure, that figure): "forward" or "transients"."""
@@ -93,11 +113,15 @@ def measured_sample_bytes(
     measured)."""
     entry = activation_constants()[key]
     table = entry["fp32" if precision == "fp32" else "bf16"]
+    # a LoRA run's saved activations (its forward and transients are the full table's: an upper bound); measured
+    # in bf16, so an fp32 LoRA run keeps the full fp32 figure
+    lora = _ADAPTERS.get() and "lora" in entry and precision != "fp32"
+    saved, margin = (entry["lora"]["bf16"], LORA_MARGIN) if lora else (table, 1.0)
 
     def bucket(coefficients: dict) -> float:
         return _evaluate(coefficients, tokens, context, shape.width, shape.ffn)
 
-    logits = _logit_bytes(table.get("logits", {}), shape, tokens, context)
+    logits = _logit_bytes(saved.get("logits", {}), shape, tokens, context) * margin
     kind = _FIGURE.get()
     if kind == "transients":  # the largest moment, at least 0: the saved activations' peak is always one of them
 
@@ -109,18 +133,17 @@ def measured_sample_bytes(
         return moments(""), moments("ckpt_" if entry["checkpointing"] else "")
     if kind == "forward" and "forward" in table:  # measured as such (bench/activation_table.py)
         return bucket(table["forward"]), bucket(table["forward"])
-    full = (
-        bucket(table["outside"])
-        + logits
-        + sum(count * bucket(table["blocks"][kind]) for kind, count in shape.layers.items())
+    if kind == "forward":  # the full table's training forward, an upper bound
+        saved, margin, logits = table, 1.0, _logit_bytes(table.get("logits", {}), shape, tokens, context)
+    full = logits + margin * (
+        bucket(saved["outside"]) + sum(count * bucket(saved["blocks"][kind]) for kind, count in shape.layers.items())
     )
     if not entry["checkpointing"] or kind == "forward":  # a table without it: the training forward, an upper bound
         return full, full
-    checkpointed = (
-        bucket(table["ckpt_outside"])
-        + bucket(table["recompute"])
-        + logits
-        + sum(count * bucket(table["ckpt_inputs"][kind]) for kind, count in shape.layers.items())
+    checkpointed = logits + margin * (
+        bucket(saved["ckpt_outside"])
+        + bucket(saved["recompute"])
+        + sum(count * bucket(saved["ckpt_inputs"][kind]) for kind, count in shape.layers.items())
     )
     return full, checkpointed
 

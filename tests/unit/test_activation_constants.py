@@ -124,3 +124,59 @@ def test_a_training_steps_peak_is_the_activations_and_the_transients_at_a_third_
         with figure("forward"):
             forward = measured_sample_bytes(case.key, shape, record["tokens"], record["context"], "bf16")[0]
         assert forward == pytest.approx(record["forward"], rel=TOLERANCE), (case.key, forward, record["forward"])
+
+
+LORA_CASES = [case for case in CASES if "lora" in activation_constants()[case.key]]
+
+
+@pytest.mark.parametrize("case", LORA_CASES, ids=[case.key for case in LORA_CASES])
+def test_lora_constants_predict_a_third_size_and_never_below(case):
+    """Under LoRA (the model frozen, adapters on the default targets: a frozen linear layer without an adapter keeps
+    no input for backward) the stored LoRA constants against a fresh count at the third size and width: within
+    10 %, with and without checkpointing, and never below it; and below the full fine-tuning figure (about half
+    for the transformers: the plan's LoRA runs were counted as full ones before)."""
+    import torch
+
+    from dstune.memory.activations import adapters
+
+    tokens, context = case.check_size
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[case.check_precision]
+    record = measure(case, dtype, tokens, context, heads=case.check_heads, lora=True)
+    shape = ModelShape(record["width"], record["layers"], ffn=record["ffn"], vocab=record["vocab"])
+    with adapters(True):
+        full, checkpointed = measured_sample_bytes(case.key, shape, record["tokens"], record["context"], "bf16")
+    print(
+        f"{case.key} LoRA: predicted {full:.0f} / counted {record['total']}; checkpointed {checkpointed:.0f} / "
+        f"{record.get('ckpt_total')}"
+    )
+    assert record["total"] <= full <= (1 + TOLERANCE) * record["total"], (case.key, full, record["total"])
+    if case.checkpointing:
+        assert record["ckpt_total"] <= checkpointed <= (1 + TOLERANCE) * record["ckpt_total"], (
+            case.key,
+            checkpointed,
+            record["ckpt_total"],
+        )
+    whole = measured_sample_bytes(case.key, shape, record["tokens"], record["context"], "bf16")
+    assert full < whole[0] and checkpointed <= whole[1], case.key
+
+
+def test_a_lora_run_is_planned_with_the_lora_figure_only_on_the_measured_adapters():
+    """The plan reads the LoRA constants for plain LoRA on the default targets over an unquantized base
+    (families.facts.trains_default_adapters); other adapters, targets or a quantized base keep the full figure."""
+    from dstune.families.facts import trains_default_adapters
+    from dstune.spec.load import validate_data, SpecSource
+
+    def model(**lora):
+        data = {
+            "model": {"family": "flow", "train": "lora", "lora": lora},
+            "data": {"path": "builtin:shapes"},
+            "train": {"micro_batch_size": 1, "max_steps": 1},
+        }
+        return validate_data(data, SpecSource("spec.yaml", {})).model
+
+    assert trains_default_adapters(model())
+    assert trains_default_adapters(model(target_modules=["to_q", "to_v"]))
+    assert not trains_default_adapters(model(target_modules=["to_q", "ff.net.0.proj"]))
+    assert not trains_default_adapters(model(type="dora"))
+    quantized = model().model_copy(update={"base_precision": "int8"})
+    assert not trains_default_adapters(quantized)

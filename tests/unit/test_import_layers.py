@@ -63,6 +63,7 @@ LAYERS = [
         "dstune.sets_plan",
         "dstune.sequence_parallel",
         "dstune.validate",
+        "dstune.memory_advice",
         "dstune.memory_report",
         "dstune.report",
     ],

@@ -70,16 +70,14 @@ def test_the_cache_and_load_phases_hold_every_encoder_and_the_step_only_the_unca
     )
 
 
-def test_the_verdict_uses_the_peak_and_a_suggestion_names_the_phase_it_relieves():
+def test_the_verdict_uses_the_peak():
     model = counts(builds_partitioned=True)
     result = estimate(model, setup())
     budget = result.peak - 1e9  # the step fits, the start-up does not; ZeRO-3 partitioned loading relieves it
     memory = memory_json(model, setup(), budget)
     assert memory["fits"] is False and memory["peak_phase"] == "load"
     assert memory["phases"]["step"]["per_gpu_bytes"] == memory["per_gpu"]["total_bytes"] < budget
-    first = memory["suggestions"][0]
-    assert first["change"] == "deepspeed.zero_stage=3" and first["relieves"] == "load"
-    assert all(s["per_gpu_total_bytes"] <= budget and s["relieves"] == "load" for s in memory["suggestions"])
+    assert memory["suggestions"] == []  # dstune.memory_advice re-plans the spec (tests/unit/test_memory_advice.py)
 
 
 def test_ema_is_counted_in_every_phase_after_the_engine_and_swapped_in_for_samples():
@@ -264,12 +262,10 @@ def test_the_chunk_is_the_most_entries_whose_cache_phase_fits_and_one_at_least()
     memory = memory_json(model, setup(), low)
     assert memory["fits"] is False and memory["peak_phase"] == "cache"
     assert memory["cache_encoding"] == {"entries_per_pass": 1, "chosen_for_gpu_memory": True, "vae_tiling": False}
-    # a tileable VAE: tiling is suggested, never chosen by the plan
+    # a tileable VAE: never tiled by the plan (validate suggests it: test_hunyuan_video15_at_720p_...)
     tileable = working(encode_entry_tiled_bytes=ENCODE // 10)
     memory = memory_json(tileable, setup(), low)
     assert memory["cache_encoding"]["vae_tiling"] is False
-    assert memory["suggestions"][0]["change"].startswith("model.vae_tiling=true")
-    assert memory["suggestions"][0]["relieves"] == "cache"
     tiled = estimate(tileable, setup(vae_tiling=True, cache_chunk=4)).phases["cache"]
     assert tiled.per_gpu == loaded + 4 * max(ENCODE // 10, TEXT)
 
