@@ -71,7 +71,9 @@ class LoopContext:
     # loop's own measure of whether data loading is the bottleneck (see progress.time_split_text).
     timings: dict = field(default_factory=lambda: {"data_s": 0.0, "compute_s": 0.0})
     memory: MemoryRecorder = field(default_factory=MemoryRecorder)  # peaks per phase beside the memory plan
-    compiled: bool = False  # train.compile: the first step compiles the blocks (the log says how long)
+    # train.compile: the process's compile seconds before this run (its first step compiles the blocks, and the log
+    # says how long); None: nothing compiled
+    compiled_after: Optional[float] = None
 
 
 def render_samples(ctx: LoopContext, step: int, metrics: MetricsFile) -> None:
@@ -248,9 +250,10 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
 
 def _say_compile_time(ctx: LoopContext, step_seconds: float) -> None:
     """train.compile: after the first step, how much of it went to compiling the blocks (rank 0)."""
-    if ctx.compiled and ctx.run.is_main:
+    if ctx.compiled_after is not None and ctx.run.is_main:
+        seconds = compile_seconds() - ctx.compiled_after
         print(
-            f"train.compile: {compile_seconds():.1f} s of this rank's first step ({step_seconds:.1f} s) went to "
+            f"train.compile: {seconds:.1f} s of this rank's first step ({step_seconds:.1f} s) went to "
             "compiling the blocks (forward and backward graphs)",
             flush=True,
         )
