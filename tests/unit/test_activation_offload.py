@@ -165,3 +165,14 @@ def test_compiled_blocks_and_offload_are_accepted_on_a_diffusion_model_under_zer
         SpecSource("spec.yaml"),
     )
     assert spec.train.compile == "blocks" and spec.model.activation_offload == "cpu"
+
+
+def test_compiled_blocks_add_the_compilers_memory_on_the_cpu_accelerator_only():
+    from dstune.memory.plan import CPU_COMPILE_RESERVE_BYTES
+
+    counts = counts_for(1_000_000, 100_000, checkpointed_sample_bytes=1000)
+    plain = setup_for(2, 2, 2, gradient_checkpointing=True, accelerator="cpu")
+    compiled = replace(plain, compiled_blocks=True)
+    assert estimate(counts, compiled).reserve == estimate(counts, plain).reserve + CPU_COMPILE_RESERVE_BYTES
+    on_gpu = replace(compiled, accelerator="cuda")
+    assert estimate(counts, on_gpu).reserve == estimate(counts, replace(on_gpu, compiled_blocks=False)).reserve
