@@ -195,7 +195,8 @@ def window_samples_per_s(ends: list[float], warmup: int, batch: int) -> float:
     return batch / median([b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:])])
 
 
-def run_dstune(work: Path, folder: Path, args) -> float:
+def run_dstune(work: Path, folder: Path, args, changes: dict | None = None) -> float:
+    """dstune's samples/s on the pipeline; `changes`: section -> values merged into the spec (bench/gpu_levers.py)."""
     work.mkdir(parents=True)
     spec = {
         "model": {"family": "sd", "pretrained": str(folder)},
@@ -216,6 +217,8 @@ def run_dstune(work: Path, folder: Path, args) -> float:
         "deepspeed": {"zero_stage": 2},
         "output": {"dir": str(work / "run"), "cache_dir": str(BENCH_CACHE), "export": "none"},
     }
+    for section, values in (changes or {}).items():
+        spec[section] = {**spec[section], **values}
     spec_path = work / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
     launch(TRAIN, [str(spec_path)], num_ranks=1, launcher=True)

@@ -26,6 +26,7 @@ from dstune.engine import current_lr
 from dstune.optimizers import averaged_weights
 from dstune.evaluation import HeldOut, evaluate
 from dstune.families.base import TrainedModel
+from dstune.families.diffusion import compile_seconds
 from dstune.families.samples import write_contact_sheet
 from dstune.interrupts import stop_requested
 from dstune.memory.record import MemoryRecorder, cuda_peak_bytes, peak_rss_bytes
@@ -70,6 +71,9 @@ class LoopContext:
     # loop's own measure of whether data loading is the bottleneck (see progress.time_split_text).
     timings: dict = field(default_factory=lambda: {"data_s": 0.0, "compute_s": 0.0})
     memory: MemoryRecorder = field(default_factory=MemoryRecorder)  # peaks per phase beside the memory plan
+    # train.compile: the process's compile seconds before this run (its first step compiles the blocks, and the log
+    # says how long); None: nothing compiled
+    compiled_after: Optional[float] = None
 
 
 def render_samples(ctx: LoopContext, step: int, metrics: MetricsFile) -> None:
@@ -180,9 +184,10 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
             state.global_step += 1
             state.step_in_epoch += 1
             state.samples_seen += plan.global_batch_size
+            step_seconds = time.perf_counter() - step_started
             if not any(record["phase"] == "first_step" for record in ctx.memory.phases):
                 ctx.memory.mark("first_step")
-            step_seconds = time.perf_counter() - step_started
+                _say_compile_time(ctx, step_seconds)
             ctx.timings["data_s"] += data_wait
             ctx.timings["compute_s"] += step_seconds - data_wait
             samples_per_s = plan.global_batch_size / max(step_seconds, 1e-9)
@@ -241,6 +246,17 @@ def train_loop(ctx: LoopContext, state: TrainState, display: ProgressDisplay, me
             continue
         break
     return _next_position(state, plan)
+
+
+def _say_compile_time(ctx: LoopContext, step_seconds: float) -> None:
+    """train.compile: after the first step, how much of it went to compiling the blocks (rank 0)."""
+    if ctx.compiled_after is not None and ctx.run.is_main:
+        seconds = compile_seconds() - ctx.compiled_after
+        print(
+            f"train.compile: {seconds:.1f} s of this rank's first step ({step_seconds:.1f} s) went to "
+            "compiling the blocks (forward and backward graphs)",
+            flush=True,
+        )
 
 
 def _next_position(state: TrainState, plan: Plan) -> TrainState:

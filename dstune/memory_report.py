@@ -66,7 +66,12 @@ def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         ("  gradients", gb(gpu["gradients_bytes"])),
         ("  optimizer states", gb(gpu["optimizer_bytes"])),
         ("  frozen weights", gb(gpu["frozen_bytes"])),
-        ("  activations", f"{gb(gpu['activations_bytes'])} (estimate; gradient checkpointing {checkpointing})"),
+        (
+            "  activations",
+            f"{gb(gpu['activations_bytes'])} (estimate; gradient checkpointing {checkpointing}"
+            + _offload_text(spec, gpu)
+            + ")",
+        ),
         *_working_rows(gpu),
         ("  DeepSpeed buffers", gb(gpu["buffers_bytes"]) + _all_to_all_text(memory)),
         *([("  EMA", gb(gpu["ema_bytes"]) + " (fp32 share)")] if gpu.get("ema_bytes") else []),
@@ -125,6 +130,14 @@ def _verdict_rows(memory: dict) -> list[tuple[str, str]]:
         why = memory.get("nothing_fits") or "no setting dstune has lowers the peak enough"
         rows.append(("  nothing fits", why + ("" if more else "; more GPUs do not lower it enough either")))
     return rows
+
+
+def _offload_text(spec, gpu: dict) -> str:
+    """model.activation_offload: where the blocks' inputs wait (a GPU run: the host bytes per rank)."""
+    if getattr(spec.model, "activation_offload", "none") != "cpu":
+        return ""
+    held = gpu.get("offloaded_activations_bytes")
+    return f"; block inputs offloaded: {gb(held)} per rank in host memory" if held else "; block inputs offloaded"
 
 
 def _working_rows(gpu: dict) -> list[tuple[str, str]]:

@@ -43,6 +43,7 @@ from dstune.distributed import (
     with_sequence_groups,
 )
 from dstune.ds_json.fill_spec import merged_spec
+from dstune.families.diffusion import compile_repeated_blocks, compile_seconds
 from dstune.families.ulysses import split_sequences
 from dstune.ema import Ema
 from dstune.engine import PRECISION_DTYPES, promote_scalar_params, wrap_model
@@ -183,6 +184,15 @@ def _prepare_loop(
     if run.sequence_parallel_size > 1:  # before DeepSpeed: its ZeRO-3 hooks then wrap the split forward
         size = run.sequence_parallel_size
         split_sequences(model.trainable, run.rank, run.world_size, size, model.split_plan(size))
+    compiled_after = None
+    if spec.train.compile == "blocks":  # in place, before DeepSpeed wraps the module (its names stay)
+        compiled_after = compile_seconds()
+        compiled = compile_repeated_blocks(model.trainable)
+        if run.is_main:
+            blocks = ", ".join(f"{count} {name}" for name, count in compiled.items())
+            print(
+                f"train.compile blocks: {blocks} compiled with torch.compile (inductor) at their first call", flush=True
+            )
     engine = wrap_model(model.trainable, spec.train, engine_config(resuming, ds_config), plan)
     ema = None
     if spec.train.ema is not None:
@@ -221,6 +231,7 @@ def _prepare_loop(
         compute_dtype=PRECISION_DTYPES[spec.train.precision][0],
         held_out=make_held_out(spec.data, held_out_records(run, spec), plan.micro_batch_size, spec.train.seed),
         memory=memory,
+        compiled_after=compiled_after,
     )
     return ctx, state
 

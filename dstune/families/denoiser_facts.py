@@ -137,6 +137,8 @@ def count_denoiser(spec, num_samples: int, clips, card: DenoiserFacts) -> ModelC
     # the image encoder's embeddings (first-frame conditioning) and the sound latents are stored beside the latents
     cached = tuple(part for part in companions if (cache.latents if part in LATENT_PARTS else cache.text_embeddings))
     full, checkpointed = card.activation_bytes(spec, folder, read_config(config_path), clips)
+    with figure("offload"):  # what model.activation_offload moves to the host, and the one block it brings back
+        offloaded, one_block = card.activation_bytes(spec, folder, read_config(config_path), clips)
     # a family without the rule loads them on every rank, with nothing to say about it (no spec key changes it)
     why_every_rank = text_once_per_node(spec, card.samples_from_cached_text) if card.text_once else ""
     text_parts = tuple(part for part in companions if part in TEXT_PARTS)
@@ -158,6 +160,8 @@ def count_denoiser(spec, num_samples: int, clips, card: DenoiserFacts) -> ModelC
         small_tensors=count_small_tensors(str(config_path), targets, rank),
         once_per_node=text_parts if card.text_once and why_every_rank is None else (),
         text_on_every_rank=why_every_rank if text_parts and why_every_rank else "",
+        offloaded_sample_bytes=int(max(min(offloaded, checkpointed), 0.0)),
+        offload_block_bytes=int(max(min(one_block, offloaded), 0.0)),
         **working_counts(spec, folder, companions, card, read_config(config_path), clips),
     )
 

@@ -146,6 +146,95 @@ def non_reentrant_checkpoint(module, *args):
     return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False)
 
 
+def offloaded_checkpoint(module, *args):
+    """non_reentrant_checkpoint with the block's inputs kept in host memory (model.activation_offload: cpu): the
+    checkpoint holds copies of them (pinned host tensors on a GPU; on the CPU accelerator, where the host is the
+    device, plain copies) and its recomputation moves them back to the device. Copies, never the inputs themselves:
+    an input several blocks read (a time embedding) is left where it is, and freed only when nothing reads it
+    (DeepSpeed's cpu_checkpointing frees it, which is why dstune refuses that). A 0-element tensor on the device
+    goes first, so that checkpoint saves and restores that device's RNG state (it reads the devices from the
+    arguments, which are now on the host)."""
+    anchor = next((value for value in _tensors(args)), None)
+    if anchor is None:
+        return non_reentrant_checkpoint(module, *args)
+    device = anchor.device
+
+    def run(marker, *held):
+        return module(*_moved(held, marker.device))
+
+    held = _host_copies(args, device.type == "cuda")
+    return torch.utils.checkpoint.checkpoint(run, torch.empty(0, device=device), *held, use_reentrant=False)
+
+
+def _tensors(value):
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _host_copies(value, pinned: bool):
+    """Host copies of every tensor in `value` (tuples, lists and dicts of them), through autograd (a copy_ into a
+    new tensor): the gradient of a copy flows back to its device original."""
+    if torch.is_tensor(value):
+        copy = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pinned)
+        return copy.copy_(value, non_blocking=pinned)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_host_copies(item, pinned) for item in value)
+    if isinstance(value, dict):
+        return {key: _host_copies(item, pinned) for key, item in value.items()}
+    return value
+
+
+def _moved(value, device: torch.device):
+    if torch.is_tensor(value):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: _moved(item, device) for key, item in value.items()}
+    return value
+
+
+def block_checkpoint(activation_offload: str):
+    """The checkpoint function a denoiser's blocks run through: model.activation_offload's."""
+    return offloaded_checkpoint if activation_offload == "cpu" else non_reentrant_checkpoint
+
+
+def compile_repeated_blocks(module: torch.nn.Module) -> dict:
+    """train.compile blocks: torch.compile (inductor) each block of the classes the denoiser's diffusers class lists
+    in `_repeated_blocks`, in place (nn.Module.compile, as diffusers' compile_repeated_blocks does): the module keeps
+    its parameters and their names, so DeepSpeed, LoRA, checkpoints and the export see the same module. Compiled at
+    a block's first call. Returns block class -> how many were compiled; FamilyError where the class lists none."""
+    wanted = set(getattr(module, "_repeated_blocks", None) or ())
+    found: dict = {}
+    for block in module.modules():
+        name = type(block).__name__
+        if name in wanted:
+            block.compile()
+            found[name] = found.get(name, 0) + 1
+    if not found:
+        raise FamilyError(
+            f"train.compile blocks: {type(module).__name__} lists no repeated blocks diffusers can compile "
+            f"(_repeated_blocks: {sorted(wanted) or 'none'}); set train.compile: off"
+        )
+    return found
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent in torch.compile so far: tracing and compiling the forward graphs, and the
+    backward graphs compiled at their first backward (torch._dynamo's own timers)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(
+        sum(compilation_time_metrics.get(key, ())) for key in ("_compile.compile_inner", "backward._backward_impl")
+    )
+
+
 def batch_field(batch: dict, *names: str):
     for name in names:
         if name in batch:

@@ -36,7 +36,7 @@ from dstune.families.diffusion import (
     export_pipeline_folder,
     load_component,
     load_trainable,
-    non_reentrant_checkpoint,
+    block_checkpoint,
     vae_posterior,
 )
 from dstune.families.flow_distilled import attach_sampling_denoiser, fuse_training_adapter
@@ -198,7 +198,9 @@ class FlowModel(TrainedModel):
         if getattr(self.model_spec, "training_adapter", None):  # fused into the frozen base, before the run's adapters
             fuse_training_adapter(transformer, self.model_spec.training_adapter)
         if self.model_spec.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
+            transformer.enable_gradient_checkpointing(
+                gradient_checkpointing_func=block_checkpoint(self.model_spec.activation_offload)
+            )
         return transformer.train().requires_grad_(True)
 
     def load_vae(self) -> torch.nn.Module:

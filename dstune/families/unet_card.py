@@ -14,7 +14,14 @@ from dstune import registry
 from dstune.families.denoiser_facts import count_denoiser, embedding_width_bytes, image_latent_bytes
 from dstune.families.folders import read_model_index
 from dstune.families.pipeline_card import PipelineCard
-from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes, measured_unet, unet_sample_bytes
+from dstune.memory.activations import (
+    ModelShape,
+    figure_kind,
+    in_plan_units,
+    measured_sample_bytes,
+    measured_unet,
+    unet_sample_bytes,
+)
 
 CLIP_TOKENS = 77  # every CLIP text encoder's context
 CLIP_TOKENIZERS = ("CLIPTokenizer", "CLIPTokenizerFast")
@@ -104,7 +111,7 @@ class UnetCard(PipelineCard):
         (resolution / 8 squared) and the 77 CLIP tokens; a UNet of another structure (the built-in tiny ones): the
         generic formula (dstune.memory.activations.unet_sample_bytes)."""
         key = measured_unet(config)
-        if key is None:
+        if key is None or figure_kind() == "offload":  # the measured UNets' tables keep no per-block inputs apart
             return unet_sample_bytes(config, spec.data.resolution)
         pixels = (spec.data.resolution / 8) ** 2
         shape = ModelShape(width=config["block_out_channels"][0])

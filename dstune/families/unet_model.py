@@ -28,7 +28,7 @@ from dstune.families.diffusion import (
     inputs_cast_to,
     load_component,
     load_trainable,
-    non_reentrant_checkpoint,
+    block_checkpoint,
 )
 from dstune.families.loss_terms import (
     base_prediction,
@@ -84,7 +84,9 @@ class UnetModel(TrainedModel):
         # diffusers models get their dtype at load time: ModelMixin.to(dtype) warns on every call (diffusers 0.42)
         unet = load_trainable(folder, "unet", UNet2DConditionModel, zero3_config)
         if model_spec.gradient_checkpointing:
-            unet.enable_gradient_checkpointing(gradient_checkpointing_func=non_reentrant_checkpoint)
+            unet.enable_gradient_checkpointing(
+                gradient_checkpointing_func=block_checkpoint(model_spec.activation_offload)
+            )
         model.trainable = unet.train().requires_grad_(True)
         model.unet_config = dict(unet.config)  # the export builds a fresh UNet from it
         model.vae = load_component(folder, "vae", AutoencoderKL.from_pretrained, torch_dtype=frozen_dtype)

@@ -68,8 +68,10 @@ def _evaluate(coefficients: dict, tokens: float, context: float, width: float, f
 
 
 # What measured_sample_bytes evaluates: a training step's activations (the default), one forward pass without
-# gradients ("forward": what a block holds while it runs, beside what runs outside the blocks; samples), or the
-# backward's transients beyond the saved activations ("transients": a logits gradient, masks a block rebuilds).
+# gradients ("forward": what a block holds while it runs, beside what runs outside the blocks; samples), the
+# backward's transients beyond the saved activations ("transients": a logits gradient, masks a block rebuilds), or
+# what model.activation_offload moves to the host ("offload": every checkpointed block's inputs, and the largest
+# one block's, which come back to the device while backward recomputes that block).
 # Each model's facts compute a sample's figure through the same function, so the memory plan asks them under
 # `figure(kind)` for the other two.
 _FIGURE = contextvars.ContextVar("activation_figure", default="training")
@@ -89,6 +91,11 @@ def adapters(on: bool):
         yield
     finally:
         _ADAPTERS.reset(token)
+
+
+def figure_kind() -> str:
+    """The figure asked for now (training, forward, transients, offload)."""
+    return _FIGURE.get()
 
 
 @contextlib.contextmanager
@@ -123,6 +130,11 @@ def measured_sample_bytes(
 
     logits = _logit_bytes(saved.get("logits", {}), shape, tokens, context) * margin
     kind = _FIGURE.get()
+    if kind == "offload":  # (every checkpointed block's inputs, the largest one block's); none without checkpointing
+        if not entry["checkpointing"]:
+            return 0.0, 0.0
+        inputs = {name: bucket(table["ckpt_inputs"][name]) for name, count in shape.layers.items() if count}
+        return sum(shape.layers[name] * value for name, value in inputs.items()), max(inputs.values(), default=0.0)
     if kind == "transients":  # the largest moment, at least 0: the saved activations' peak is always one of them
 
         def moments(prefix: str) -> float:
@@ -234,6 +246,8 @@ def unet_sample_bytes(config: dict, resolution: int) -> tuple[float, float]:
     for position, kind in enumerate(config["up_block_types"]):
         add(levels - 1 - position, per_block + 1, "CrossAttn" in kind)
     full = sum(block for block, _ in blocks)
+    if _FIGURE.get() == "offload":
+        return sum(kept for _, kept in blocks), max(kept for _, kept in blocks)
     return full, sum(kept for _, kept in blocks) + max(block for block, _ in blocks)
 
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from dstune.memory.offload import offload_sample_change, offloaded_activations
 from dstune.memory.phases import IN_FLIGHT, STEP_TEXT, STEP_VAE, TRANSIENTS, Phase, peak_phase, run_phases
+from dstune.memory.sizes import parse_size  # noqa: F401 (validate's --gpu-memory reads it from here)
 from dstune.memory.working import MAX_CHUNK_ENTRIES, working_terms
 from dstune.spec.models import BASE_PRECISION_BYTES  # bytes per frozen base parameter, one table
 
@@ -56,6 +58,9 @@ RUNTIME_RESERVE_BYTES = 1 << 30  # CUDA context, NCCL and allocator slack per GP
 CPU_RUNTIME_RESERVE_BYTES = 96 << 20
 CPU_RESERVE_PER_MODULE_PARAM = 4.0
 CPU_STARTUP_RESERVE_BYTES = 64 << 20
+# train.compile blocks on the CPU accelerator: torch.compile's own objects and the generated kernels' modules in the
+# rank's memory from the first step on (measured: 55 MB over the plain run at SD's tiny UNet, 1 rank)
+CPU_COMPILE_RESERVE_BYTES = 96 << 20
 # DeepSpeed's ZeRO-3 defaults, where the JSON does not set them (deepspeed.runtime.zero.config)
 ZERO3_PERSISTENCE_THRESHOLD, ZERO3_MAX_REUSE_DISTANCE, ZERO3_MAX_LIVE_PARAMETERS = 100_000, 1_000_000_000, 1_000_000_000
 # DeepSpeed's ZeRO documentation: overlap_comm uses 4.5 x allgather_bucket_size and reduce_bucket_size (elements, in
@@ -105,6 +110,9 @@ class ModelCounts:
     sample_forward_bytes: int = 0
     samples_per_call: int = 1
     transient_sample_bytes: int = 0
+    # of checkpointed_sample_bytes, the blocks' inputs (model.activation_offload's), the largest block's; 0: not counted
+    offloaded_sample_bytes: int = 0
+    offload_block_bytes: int = 0
 
     @property
     def companions_on_every_rank(self) -> dict:
@@ -150,6 +158,8 @@ class Setup:
     bf16_states: bool = False  # deepspeed.bf16_optimizer_states: bf16 master weights, gradients and moments
     cache_chunk: int = MAX_CHUNK_ENTRIES  # entries per encoder pass of the cache (verdict.choose_encoding)
     vae_tiling: bool = False  # model.vae_tiling: the VAE encodes and decodes through its own tiles
+    activation_offload: bool = False  # model.activation_offload cpu (with gradient checkpointing)
+    compiled_blocks: bool = False  # train.compile blocks
 
     @classmethod
     def of(
@@ -179,6 +189,8 @@ class Setup:
             gradient_checkpointing=bool(getattr(spec.model, "gradient_checkpointing", False)),
             lora=getattr(spec.model, "train", "full") == "lora",
             vae_tiling=bool(getattr(spec.model, "vae_tiling", False)),
+            activation_offload=getattr(spec.model, "activation_offload", "none") == "cpu",
+            compiled_blocks=spec.train.compile == "blocks",
             reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
             allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)),
             prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size", 5e7)),
@@ -229,6 +241,7 @@ class Estimate:
     phases: dict = field(default_factory=dict)  # name -> dstune.memory.phases.Phase
     step_temporaries: float = 0.0  # the optimizer step's temporaries beyond the activations (freed before it)
     host_once_per_node: float = 0.0  # what one rank per node adds to the node's host RAM (once_per_node_bytes)
+    offloaded_activations: float = 0.0  # model.activation_offload: block inputs in a rank's host memory (GPU runs)
 
     @property
     def host_per_node(self) -> float:
@@ -269,6 +282,7 @@ class Estimate:
             "buffers_bytes": int(self.buffers),
             "ema_bytes": int(self.ema),
             "runtime_reserve_bytes": int(self.reserve),
+            **({"offloaded_activations_bytes": int(self.offloaded_activations)} if self.offloaded_activations else {}),
         }
 
 
@@ -325,6 +339,7 @@ def activations(counts: ModelCounts, setup: Setup) -> float:
     """The micro batch's activations on one rank: under sequence parallelism 1/N of each sample's (every
     activation between the all-to-alls is split by token; the few whole-sequence tensors are the buffers')."""
     per_sample = counts.checkpointed_sample_bytes if setup.gradient_checkpointing else counts.activation_sample_bytes
+    per_sample += offload_sample_change(counts, setup)  # model.activation_offload
     return setup.micro_batch * per_sample * setup.weight_bytes / 2.0 / setup.sequence_parallel
 
 
@@ -453,7 +468,7 @@ def host_and_nvme(counts: ModelCounts, setup: Setup) -> tuple[float, float]:
     training = frozen * sum(every_rank.get(name, 0) for name in counts.cached_companions)
     if setup.ema_device == "cpu":  # the rank's fp32 EMA share; sampling with it keeps the raw weights aside
         training += 4.0 * trainable / ranks + (ema_swap_bytes(counts, setup) if setup.samples else 0.0)
-    training += offloaded_to_host(counts, setup)
+    training += offloaded_to_host(counts, setup) + offloaded_activations(counts, setup)
     nvme = 0.0
     if setup.offload_optimizer == "nvme":
         nvme += offloaded_states
@@ -518,7 +533,9 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
     reserve = (
         RUNTIME_RESERVE_BYTES
         if on_gpu
-        else CPU_RUNTIME_RESERVE_BYTES + CPU_RESERVE_PER_MODULE_PARAM * counts.module_params
+        else CPU_RUNTIME_RESERVE_BYTES
+        + CPU_RESERVE_PER_MODULE_PARAM * counts.module_params
+        + (CPU_COMPILE_RESERVE_BYTES if setup.compiled_blocks else 0)
     )
     sampling = setup.frozen_bytes * sum(counts.sampling_companions.values()) if setup.samples else 0.0
     ema = 4.0 * counts.trainable_params / setup.world_size if setup.ema_device == "same" else 0.0
@@ -571,30 +588,5 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
         run_phases(counts, setup, terms),
         temporaries,
         once_per_node_bytes(counts, setup),
+        offloaded_activations(counts, setup),
     )
-
-
-def parse_size(text: str) -> int:
-    """ "24GB", "80GiB", "24G", "24" (GB) -> bytes. GB and G are 10^9 (as GPU datasheets say), GiB 2^30."""
-    units = {
-        "": 1e9,
-        "g": 1e9,
-        "gb": 1e9,
-        "gib": 2**30,
-        "m": 1e6,
-        "mb": 1e6,
-        "mib": 2**20,
-        "t": 1e12,
-        "tb": 1e12,
-        "tib": 2**40,
-    }
-    stripped = text.strip().lower().replace(" ", "")
-    number = stripped.rstrip("abgimt")
-    unit = stripped[len(number) :]
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size: write e.g. 24GB, 80GB or 40GiB") from None
-    if unit not in units or value <= 0:
-        raise ValueError(f"{text!r} is not a size: write e.g. 24GB, 80GB or 40GiB (units: GB, GiB, MB, TB)")
-    return int(value * units[unit])

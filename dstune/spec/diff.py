@@ -29,6 +29,8 @@ SAFE_CHANGES = {
     "train.micro_batch_size": "how the global batch is split (a changed global batch is decided on its own)",
     "train.gradient_accumulation_steps": "how the global batch is split (a changed global batch is decided on its own)",
     "train.global_batch_size": "a changed global batch is decided on its own (--allow-batch-change)",
+    "model.activation_offload": "only where checkpointed blocks' inputs wait (the same values, bitwise)",
+    "train.compile": "only how the blocks run (compiled and plain blocks agree to float rounding)",
     "train.max_steps": "the run's length: the steps already taken stay as they were",
     "train.epochs": "the run's length: the steps already taken stay as they were",
 }

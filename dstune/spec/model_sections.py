@@ -188,6 +188,16 @@ class DenoiserModelBase(Section):
         "full-precision pipeline. See docs/lora-and-ema.md.",
     )
 
+    activation_offload: Literal["none", "cpu"] = Field(
+        "none",
+        description="With gradient_checkpointing: `cpu` copies each checkpointed block's inputs to host memory "
+        "(pinned on a GPU) in forward and back to the device when backward recomputes the block: the GPU keeps one "
+        "block's inputs instead of every block's, the host holds the rest. The copies are new tensors: an input "
+        "several blocks read (the time embedding) stays where it is until nothing reads it. Costs a host copy and "
+        "a device copy per block and step (PCIe time, overlapped with nothing). `none`: the inputs stay on the "
+        'device. See docs/memory.md, "Activation offload".',
+    )
+
     @field_validator("lora")
     @classmethod
     def _lora_needs_lora_training(cls, value, info):
@@ -217,6 +227,16 @@ class DenoiserModelBase(Section):
                 f"pretrained {pretrained} is a single checkpoint file: set base_pipeline to the "
                 f"diffusers {self.family} pipeline (folder, downloaded hub id or builtin:tiny-{self.family}) "
                 "whose configs describe it and which supplies the components the file does not hold"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _activation_offload_needs_checkpointing(self):
+        if self.activation_offload != "none" and not getattr(self, "gradient_checkpointing", False):
+            raise ValueError(
+                f"activation_offload {self.activation_offload!r} moves the inputs that gradient checkpointing keeps "
+                "for each block; without checkpointing every activation of every block stays on the device and "
+                "there is nothing to move: set gradient_checkpointing: true, or remove activation_offload"
             )
         return self
 

@@ -213,6 +213,15 @@ class TrainSpec(Section):
     seed: int = Field(
         0, ge=0, description="Seeds the data order, noise and timesteps (per sample, independent of the world size)."
     )
+    compile: Literal["off", "blocks"] = Field(
+        "off",
+        description="`blocks`: compile each repeated block of the denoiser (the transformer or UNet blocks its "
+        "diffusers class lists in `_repeated_blocks`) with torch.compile (inductor) in place, as diffusers' "
+        "compile_repeated_blocks does: the same weights and names, one compilation per block class and shape, "
+        "paid in the first step (the log says how long). Diffusion families, ZeRO stage 0-2, without sequence "
+        'parallelism (validate refuses the rest). `off`: nothing compiled. See docs/training.md, "Compiled '
+        'blocks".',
+    )
     ema: Optional[EmaSpec] = Field(
         None,
         description="Exponential moving average of the trained weights (all of them, or the LoRA adapters): "
@@ -560,6 +569,28 @@ class Spec(Section):
                 "model.training_adapter is fused into the whole frozen transformer before training, "
                 "which ZeRO-3 partitions as it loads: use deepspeed.zero_stage 0-2 (a LoRA's frozen "
                 "base is not partitioned by ZeRO-1/2 either way), or remove training_adapter"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _compiled_blocks_where_they_run(self) -> "Spec":
+        if self.train.compile == "off":
+            return self
+        if not isinstance(self.model, DenoiserModelBase):
+            raise ValueError(
+                f"train.compile {self.train.compile!r} compiles a diffusers denoiser's repeated blocks; "
+                f"model.family {self.model.family} trains no diffusers denoiser: remove train.compile"
+            )
+        if self.deepspeed.zero_stage == 3:
+            raise ValueError(
+                "train.compile 'blocks' under deepspeed.zero_stage 3: ZeRO-3 gathers and releases each block's "
+                "parameters in module hooks that torch.compile would have to trace through, which dstune has not "
+                "verified; use zero_stage 0-2 with compile, or train.compile: off under ZeRO-3"
+            )
+        if self.deepspeed.sequence_parallel_size > 1:
+            raise ValueError(
+                "train.compile 'blocks' with deepspeed.sequence_parallel_size > 1: the attention all-to-alls run "
+                "inside the blocks, which dstune has not verified compiled; remove one of them"
             )
         return self
 

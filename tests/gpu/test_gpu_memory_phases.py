@@ -38,6 +38,13 @@ CASES = {  # name -> spec overrides on top of SPEC
         "train": {"ema": {"device": "same"}},
     },
     "zero0-full-cache-samples": {"deepspeed": {"zero_stage": 0}},
+    # the levers: block inputs in pinned host memory; compiled transformer blocks; bf16 optimizer states
+    # in host memory (the plan's GPU figure holds no optimizer state under offload)
+    "zero2-full-activation-offload": {"deepspeed": {"zero_stage": 2}, "model": {"activation_offload": "cpu"}},
+    "zero2-full-compiled-blocks": {"deepspeed": {"zero_stage": 2}, "train": {"compile": "blocks"}},
+    "zero2-full-bf16-states-offload": {
+        "deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu", "bf16_optimizer_states": True}
+    },
 }
 
 

@@ -1,0 +1,128 @@
+"""The memory and speed levers on 2 ranks, in real `dstune train` runs of tiny-flux's LoRA under ZeRO 2 with gradient
+checkpointing (fp32, the same seed and data): model.activation_offload cpu gives the plain run's per-step losses
+bitwise, train.compile blocks (inductor, on the CPU) within 1e-5, and each resumes from its step-2 checkpoint
+exactly; deepspeed.bf16_optimizer_states (bf16, optimizer offload) trains. Each lever's memory plan holds what its
+run measured (predicted >= 0.9 x measured in every phase, as the phase tests hold it). Three 2-rank launches of
+tests/dist/scripts/train_runs.py (LAUNCHES), the resumes after the runs whose checkpoints they continue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flow_runs import flow_spec
+from harness import CACHE_DIR, MEMORY_FLOOR, explain, launch, memory_phase_rows, metrics, write_spec
+
+pytestmark = pytest.mark.dist
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_runs.py"
+MODEL = "tiny-flux"
+# name -> spec changes on top of flow_spec's LoRA run (section -> values)
+LEVERS = {
+    "activation-offload": {"model": {"activation_offload": "cpu"}},
+    "plain": {},
+    "compiled": {"train": {"compile": "blocks"}},
+    "bf16-states": {
+        "train": {"precision": "bf16"},
+        "deepspeed": {"offload_optimizer": "cpu", "bf16_optimizer_states": True},
+    },
+}
+RESUMED = ["activation-offload", "compiled"]
+# Three launches, each lever's run first in its own: a launch's first run is measured from a fresh process (a later
+# run reuses the heap the earlier ones freed, and measures less); the plain run and the resumes follow.
+LAUNCHES = [["activation-offload", "plain", "activation-offload-resumed"], ["compiled", "compiled-resumed"],
+            ["bf16-states"]]
+MEASURED_FRESH = ["activation-offload", "compiled", "bf16-states"]
+COMPILED_TOLERANCE = 1e-5  # inductor's fused kernels round fp32 differently from eager's, step by step
+
+
+def _spec(run_dir: Path, changes: dict) -> dict:
+    spec = flow_spec(run_dir, MODEL, 2, "lora")
+    spec["output"]["export"] = "none"
+    for section, values in changes.items():
+        spec[section] = {**spec[section], **values}
+    return spec
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """name -> run dir, resumed name -> its resume's run dir, and the one launch."""
+    from dstune.builtin import ensure_builtin_model
+
+    ensure_builtin_model(MODEL, CACHE_DIR)
+    root = tmp_path_factory.mktemp("levers")
+    runs, resumes, line = {}, {}, {}
+    for name, changes in LEVERS.items():
+        run_dir = root / name / "run"
+        run_dir.parent.mkdir(parents=True)
+        line[name] = str(write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, changes)))
+        runs[name] = run_dir
+    for name in RESUMED:
+        run_dir = root / f"{name}-resumed" / "run"
+        run_dir.parent.mkdir(parents=True)
+        spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, LEVERS[name]))
+        resumes[name] = run_dir
+        line[f"{name}-resumed"] = f"{spec_path} --resume {runs[name] / 'checkpoints' / 'step-00000002'}"
+    procs = []
+    for number, names in enumerate(LAUNCHES):
+        listed = root / f"runs-{number}.txt"
+        listed.write_text("\n".join(line[name] for name in names) + "\n")
+        procs.append(launch(listed, num_ranks=2, script=SCRIPT))
+    failed = [proc for proc in procs if proc.returncode != 0]
+    return runs, resumes, failed[0] if failed else procs[1]  # the compiled launch's output, for its log lines
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in metrics(run_dir)]
+
+
+def test_activation_offload_gives_the_plain_runs_losses_bitwise(launched):
+    runs, _, proc = launched
+    assert proc.returncode == 0, explain(proc)
+    plain = _losses(runs["plain"])
+    assert len(plain) == 4 and all(torch.isfinite(torch.tensor(plain)))
+    assert _losses(runs["activation-offload"]) == plain
+
+
+def test_compiled_blocks_give_the_plain_runs_losses_within_1e_5_and_say_their_compile_time(launched):
+    runs, _, proc = launched
+    assert proc.returncode == 0, explain(proc)
+    compiled, plain = _losses(runs["compiled"]), _losses(runs["plain"])
+    print("plain", plain, "compiled", compiled, "largest relative difference",
+          max(abs(a - b) / abs(b) for a, b in zip(compiled, plain)))
+    assert compiled == pytest.approx(plain, rel=COMPILED_TOLERANCE)
+    assert "train.compile blocks: " in proc.stdout and "compiled with torch.compile" in proc.stdout
+    said = [line for line in proc.stdout.splitlines() if "train.compile" in line]
+    print("\n".join(said))
+    # the compiled run's line and its resume's (the same process: its seconds are its own, not the first run's too)
+    seconds = [float(line.split("train.compile: ")[1].split(" s ")[0]) for line in said if "went to compiling" in line]
+    assert len(seconds) == 2 and seconds[0] > 0
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_resume_with_each_lever_continues_exactly(launched, name):
+    runs, resumes, proc = launched
+    assert proc.returncode == 0, explain(proc)
+    first, second = metrics(runs[name]), metrics(resumes[name])
+    assert [m["step"] for m in second] == [3, 4]
+    assert [m["loss"] for m in second] == [m["loss"] for m in first[2:]]
+
+
+def test_bf16_optimizer_states_train(launched):
+    runs, _, proc = launched
+    assert proc.returncode == 0, explain(proc)
+    losses = _losses(runs["bf16-states"])
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("name", MEASURED_FRESH)
+def test_each_levers_memory_plan_holds_what_its_run_measured(launched, name):
+    runs, _, proc = launched
+    assert proc.returncode == 0, explain(proc)
+    rows = memory_phase_rows(runs[name])
+    for phase, predicted, measured, _ in rows:
+        print(f"{name} {phase}: predicted {predicted / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB")
+    low = [(phase, predicted, measured) for phase, predicted, measured, _ in rows if predicted < MEMORY_FLOOR * measured]
+    assert not low, low
