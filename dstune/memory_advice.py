@@ -107,6 +107,15 @@ def _parameter_offload(resolved: Resolved) -> list:
     ]
 
 
+def _activation_offload(resolved: Resolved) -> list:
+    """Checkpointed blocks' inputs held in host memory (it needs gradient checkpointing: turned on with it)."""
+    model = resolved.spec.model
+    if getattr(model, "activation_offload", None) != "none":  # on already, or a family without it
+        return []
+    checkpointing = {} if model.gradient_checkpointing else {"model.gradient_checkpointing": "true"}
+    return [{**checkpointing, "model.activation_offload": "cpu"}]
+
+
 def _quantized_base(resolved: Resolved) -> list:
     model = resolved.spec.model
     if getattr(model, "train", "full") != "lora" or getattr(model, "base_precision", "x") is not None:
@@ -174,6 +183,12 @@ LEVERS = (
         "gradient checkpointing",
         "each block's forward runs again in backward: about a third slower steps",
         _flag("model.gradient_checkpointing"),
+    ),
+    Lever(
+        "activation offload",
+        "each checkpointed block's inputs copied to host memory in forward and back in backward (host RAM holds "
+        "them): slower steps, the same training bitwise",
+        _activation_offload,
     ),
     Lever("micro batch", "the same global batch in smaller micro batches: more, shorter passes", _micro_batch),
     Lever(
