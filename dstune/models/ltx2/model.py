@@ -40,7 +40,7 @@ from dstune.families.samples import ClipWithSound
 from dstune.hf import quiet_hf_libraries
 from dstune.models.ltx2 import i2v, split
 from dstune.models.ltx2.audio import audio_tokens, sound_latents
-from dstune.models.ltx2.card import DEFAULT_FPS, SPATIAL, TEXT_TENSORS
+from dstune.models.ltx2.card import DEFAULT_FPS, SPATIAL, TEXT_ENCODERS, TEXT_TENSORS, VOCODERS
 
 # ltx-trainer's ShiftedLogitNormalTimestepSampler: the logit mean goes linearly from 0.95 at 1024 video tokens to
 # 2.05 at 4096; draws are stretched between the normal's 0.5th and 99.9th percentiles, reflected at eps, and
@@ -79,13 +79,23 @@ def once_per_group(error: torch.Tensor, split_size: int) -> torch.Tensor:
 class Ltx2(FlowModel):
     # ------------------------------------------------------------------------------------- loading
 
+    def listed_class(self, name: str, choices: tuple[str, ...]) -> str:
+        """The class model_index.json lists for component `name`, one of `choices` (the card checked it)."""
+        listed = (self.model_index.get(name) or [None, None])[1]
+        return listed if listed in choices else choices[0]
+
     def load_text_encoders(self) -> tuple[dict, dict]:
-        """Gemma 3 and its tokenizer (as the card lists them), and the text connectors beside them: frozen, so the
-        text cache can store their outputs."""
+        """The folder's Gemma (3 for LTX-2.0 and 2.3, 4 for 2.5) and its tokenizer, and the text connectors beside
+        them (with 2.3's and 2.5's per-modality projections): frozen, so the text cache can store their outputs."""
+        import transformers
+
         with quiet_hf_libraries():
             from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
         encoders, tokenizers = super().load_text_encoders()
+        gemma = getattr(transformers, self.listed_class("text_encoder", TEXT_ENCODERS)).from_pretrained
+        encoder = load_component(self.folder, "text_encoder", gemma).to(self.device, self.frozen_dtype)
+        encoders["text_encoder"] = encoder.eval().requires_grad_(False)
         loader = LTX2TextConnectors.from_pretrained
         connectors = load_component(self.folder, "connectors", loader, torch_dtype=self.frozen_dtype)
         encoders["connectors"] = connectors.to(self.device).eval().requires_grad_(False)
@@ -96,10 +106,11 @@ class Ltx2(FlowModel):
         the run trains image-to-video (model.image_to_video, dstune.models.ltx2.i2v)."""
         with quiet_hf_libraries():
             from diffusers import AutoencoderKLLTX2Audio
-            from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+            from diffusers.pipelines.ltx2 import vocoder
 
         self.mode = bool(self.model_spec.image_to_video)
-        loaders = {"audio_vae": AutoencoderKLLTX2Audio.from_pretrained, "vocoder": LTX2Vocoder.from_pretrained}
+        vocoder_class = getattr(vocoder, self.listed_class("vocoder", VOCODERS))
+        loaders = {"audio_vae": AutoencoderKLLTX2Audio.from_pretrained, "vocoder": vocoder_class.from_pretrained}
         parts = {
             name: load_component(self.folder, name, loader, torch_dtype=self.frozen_dtype)
             for name, loader in loaders.items()
