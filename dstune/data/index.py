@@ -242,7 +242,7 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
         _control_outside(root, data)
         extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ())
         result = _index_folder(root, _normalised_extension(data.caption_extension), read_captions, extensions)
-    result = _masked(_paired(result, root, data), root, data, video)
+    result = _masked(_paired(result, root, data, video), root, data, video)
     if not result.records:
         kinds = "video or image" if video else "image"
         what = (
@@ -534,9 +534,10 @@ def _control_outside(root: Path, data: DataSpec) -> None:
         )
 
 
-def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
+def _paired(result: IndexResult, root: Path, data: DataSpec, video: bool = False) -> IndexResult:
     """Each record's source image (metadata.jsonl `control_file_name`, else data.control_dir's file of the same
-    relative stem). Unpaired targets: DataError naming them (with data.skip_bad_files: left out, a warning)."""
+    relative stem; for a video family a clip too: LTX-2's IC-LoRA reference). Unpaired targets: DataError naming
+    them (with data.skip_bad_files: left out, a warning)."""
     named = any(r.control_path is not None for r in result.records)
     if data.control_dir is None and not named:
         return result
@@ -549,14 +550,15 @@ def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
                 f"{folder} is not a folder. Give the folder of source images "
                 "(absolute, or relative to data.path, e.g. ../control).",
             )
-        controls, clashes = list_controls(folder, IMAGE_EXTENSIONS)
+        extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ())
+        controls, clashes = list_controls(folder, extensions)
         if clashes:
             raise DataError(
                 "data.control_dir",
                 f"{len(clashes)} source names in {folder} have two image files, so "
                 f"the pairing is ambiguous: {listing(clashes)}. Keep one file per name.",
             )
-        where = f"a file with the same relative path and name in {folder} (any of {', '.join(IMAGE_EXTENSIONS)})"
+        where = f"a file with the same relative path and name in {folder} (any of {', '.join(extensions)})"
     records, unpaired, used = [], [], set()
     for record in result.records:
         path = record.control_path or controls.get(stem_of(record.sample_id))

@@ -481,7 +481,8 @@ class SampleSpec(Section):
         default_factory=list,
         description="Edit models: the source image of each prompt, one path per prompt in the "
         "same order; each sample edits its source as the prompt says. Image-to-video (model.image_to_video): the "
-        "first frame of each prompt's clip. Other models: none.",
+        "first frame of each prompt's clip. LTX-2 IC-LoRA (data.control_dir): each prompt's reference clip (a video, or "
+        "an image). Other models: none.",
     )
     voice_prompts: list[str] = Field(
         default_factory=list,

@@ -170,13 +170,13 @@ def image_to_video_issues(spec) -> list[tuple[str, str]]:
     """Image-to-video: one first frame per sample prompt, and no sequence split (its per-token timesteps are not
     split); text-to-video: no first frames."""
     if not spec.model.image_to_video:
-        if not spec.sample.control_images:
+        if not spec.sample.control_images or spec.data.control_dir is not None:  # IC-LoRA: the reference clips
             return []
         return [
             (
                 "sample.control_images",
-                f"{spec.model.pretrained} renders from the prompt alone (text-to-video): remove sample.control_images "
-                "or set model.image_to_video: true",
+                f"{spec.model.pretrained} renders from the prompt alone (text-to-video): remove sample.control_images, "
+                "set model.image_to_video: true, or train IC-LoRA from reference clips (data.control_dir)",
             )
         ]
     issues = []
@@ -197,6 +197,39 @@ def image_to_video_issues(spec) -> list[tuple[str, str]]:
                 "each token its own timestep (the first frame's at 0), which LTX-2's sequence split does not "
                 "split (it takes one timestep per sample): set deepspeed.sequence_parallel_size: 1, or train "
                 "text-to-video",
+            )
+        )
+    return issues
+
+
+def ic_lora_issues(spec) -> list[tuple[str, str]]:
+    """IC-LoRA (data.control_dir: a reference clip per sample, dstune.models.ltx2.ic_lora): what it does not combine
+    with yet: the latent cache (the references are encoded every step), image-to-video and a
+    sequence split (the references' timesteps are per token)."""
+    if spec.data.control_dir is None:
+        return []
+    issues = []
+    if spec.data.cache.latents:
+        issues.append(
+            (
+                "data.cache.latents",
+                "IC-LoRA (data.control_dir) encodes each sample's reference clip every step; the latent cache does "
+                "not store references yet. Set data.cache.latents: false (the text cache is fine)",
+            )
+        )
+    if spec.model.image_to_video:
+        issues.append(
+            (
+                "model.image_to_video",
+                "IC-LoRA (data.control_dir) trains text-to-video from reference clips; remove one of them",
+            )
+        )
+    if spec.deepspeed.sequence_parallel_size > 1:
+        issues.append(
+            (
+                "deepspeed.sequence_parallel_size",
+                "IC-LoRA gives the reference tokens timestep 0 and the target's the clip's sigma (a timestep per "
+                "token), which LTX-2's sequence split does not split: set deepspeed.sequence_parallel_size: 1",
             )
         )
     return issues
@@ -366,10 +399,10 @@ class Ltx2Card(VideoCard):
         return cache_bytes(spec, folder, companions, num_samples, clip_buckets(spec, num_samples, clips))
 
     def model_spec_issues(self, spec, folder) -> SpecIssues:
-        """Image-to-video's first frames and split (or no first frames for text-to-video), clips whose sound cannot
-        follow their frames (uniform sampling), data.sets (not yet). The frame counts its VAE takes (8k+1) are the
-        core's check of its clip rule (VideoCard.frame_issues)."""
-        issues = image_to_video_issues(spec)
+        """Image-to-video's first frames and split (or no first frames for text-to-video), IC-LoRA's references
+        (ic_lora_issues), clips whose sound cannot follow their frames (uniform sampling), data.sets (not yet). The
+        frame counts its VAE takes (8k+1) are the core's check of its clip rule (VideoCard.frame_issues)."""
+        issues = image_to_video_issues(spec) + ic_lora_issues(spec)
         issues += sets_issues(spec.data)
         for prefix, section in set_videos(spec.data):
             if section.sampling == "uniform" and section.max_frames > 1:
