@@ -196,7 +196,12 @@ def test_samples_render_from_the_reference_and_the_lora_loads_in_the_in_context_
 
 
 def test_validate_names_a_sample_without_its_reference_and_refuses_the_latent_cache(capsys, tmp_path):
+    """A target without its reference is named (and found once it is there); the memory plan counts the
+    reference's tokens; the latent cache is refused, saying why."""
     from dstune.cli import main
+    from dstune.families.denoiser_facts import pipeline_folder
+    from dstune.models.ltx2.card import sample_bytes
+    from dstune.spec.load import load_spec
 
     targets, control = write_pairs(tmp_path, missing=("b",))
     spec = {
@@ -227,6 +232,12 @@ def test_validate_names_a_sample_without_its_reference_and_refuses_the_latent_ca
     (control / "b.mp4").write_bytes(moving_shape_av_mp4(6, 32, FRAMES))
     assert main(["validate", str(path), "--num-gpus", "2"]) == 0, capsys.readouterr().out
     capsys.readouterr()
+    with_references = load_spec(str(path), [])[0]
+    without = with_references.model_copy(update={"data": with_references.data.model_copy(update={"control_dir": None})})
+    folder = pipeline_folder(NAME)
+    # the reference's tokens beside the clip's, every token with its own timestep: more than twice the clip's bytes
+    full, alone = (sample_bytes(one, folder, FRAMES, 32, 32)[0] for one in (with_references, without))
+    assert full > 2 * alone
     spec["data"]["cache"]["latents"] = True
     path.write_text(json.dumps(spec))
     assert main(["validate", str(path), "--num-gpus", "2"]) == 1
