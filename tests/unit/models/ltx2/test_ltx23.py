@@ -28,6 +28,7 @@ from .ltx_trainer import (
     reference_sigmas,
     reference_video_loss,
     sound_batch,
+    validate_example,
 )
 
 VERSIONS = {"tiny-ltx2-3": "Gemma3ForConditionalGeneration", "tiny-ltx2-5": "Gemma4UnifiedForConditionalGeneration"}
@@ -178,3 +179,20 @@ def test_validate_takes_each_folder_and_counts_its_connectors_and_text_widths(ca
     card = card_of("video", folder)
     problems = "\n".join(card.folder_problems(folder, spec.model))
     assert "connectors per_modality_projections False with transformer use_prompt_embeddings False" in problems
+
+
+def test_validate_plans_ltx23_from_its_stored_configs(capsys, monkeypatch, tmp_path):
+    """The 8-GPU example on Lightricks/LTX-2.3 (its configs stored with dstune, as diffusers' conversion script
+    writes them: dstune/model_configs/hub/Lightricks/LTX-2.3): the connectors with their per-modality projections
+    (3,840 x 49 in, to 4,096 and 2,048) are counted, 1.7 B more than LTX-2.0's; the vocoder with bandwidth extension
+    joins for samples; the text cache is 1,024 tokens x (4,096 + 2,048) per caption instead of x (3,840 + 3,840)."""
+    code, ltx20 = validate_example(capsys, monkeypatch, tmp_path)
+    assert code == 0, ltx20["errors"]
+    code, ltx23 = validate_example(capsys, monkeypatch, tmp_path, "model.pretrained=Lightricks/LTX-2.3")
+    assert code == 0, ltx23["errors"]
+    old, new = (run["memory"]["parameters"] for run in (ltx20, ltx23))
+    projections = 3840 * 49 * (4096 + 2048) + 4096 + 2048  # with their biases
+    assert new["companions"]["connectors"] - old["companions"]["connectors"] > projections - 3840 * 49 * 3840
+    assert set(new["sampling_companions"]) == {"vocoder"} and new["sampling_companions"]["vocoder"] > 1e8
+    text = 2000 * 1024 * (2 * 3840 - (4096 + 2048)) * 2  # 2,000 captions, bf16
+    assert ltx20["memory"]["cache_disk_bytes"] - ltx23["memory"]["cache_disk_bytes"] == text
