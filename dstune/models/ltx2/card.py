@@ -504,5 +504,20 @@ LTX2_CARD = Ltx2Card(
             "tiny-ltx2",
             video(512, 121, 24, 3.0, **lora(), **{"model.timestep_sampling": "shifted_logit_normal"}),
         ),
+        ModelPreset(
+            "ltx2-3",
+            "LTX-2.3 text-to-video with sound (audio+video transformer with per-modality text projections; Gemma 3 12B)",
+            "video",
+            "Lightricks/LTX-2.3",
+            "tiny-ltx2-3",
+            video(
+                512,
+                121,
+                24,
+                3.0,
+                **lora(),
+                **{"model.timestep_sampling": "shifted_logit_normal", "deepspeed.zero_stage": 3},
+            ),
+        ),
     ),
 )
