@@ -175,7 +175,7 @@ def _video_clips(record: SampleRecord, data, sizes) -> tuple[list[ClipRecord], V
         repeats=record.repeats,
         mask_path=record.mask_path,
         set_index=record.set_index,
-        control_path=record.control_path,  # LTX-2 IC-LoRA's reference clip
+        control_path=record.control_path,  # a video model's reference clip (in-context control)
         frames=frames,
         size=size,
         sound=header.audio,

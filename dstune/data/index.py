@@ -536,7 +536,7 @@ def _control_outside(root: Path, data: DataSpec) -> None:
 
 def _paired(result: IndexResult, root: Path, data: DataSpec, video: bool = False) -> IndexResult:
     """Each record's source image (metadata.jsonl `control_file_name`, else data.control_dir's file of the same
-    relative stem; for a video family a clip too: LTX-2's IC-LoRA reference). Unpaired targets: DataError naming
+    relative stem; for a video family a clip too: an in-context reference). Unpaired targets: DataError naming
     them (with data.skip_bad_files: left out, a warning)."""
     named = any(r.control_path is not None for r in result.records)
     if data.control_dir is None and not named:

@@ -272,7 +272,7 @@ class VideoCaptionDataset(ImageCaptionDataset):
         return sample
 
     def reference_clip(self, record: ClipRecord) -> torch.Tensor:
-        """The sample's reference (data.control_dir: LTX-2's IC-LoRA), (3, frames, H, W) in [-1, 1] like its clip: a
+        """The sample's reference (data.control_dir: in-context control), (3, frames, H, W) in [-1, 1] like its clip: a
         video's frames chosen as the clip's are (the same positions, so of the same length and rate as its video),
         or an image on every frame, at the clip's size."""
         reference = dataclasses.replace(record, image_path=record.control_path, mask_path=None)
@@ -294,7 +294,7 @@ def collate_video(samples: list[dict]) -> dict:
         "sample_id": [s["sample_id"] for s in samples],
         "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
     }
-    if "control_values" in samples[0]:  # LTX-2 IC-LoRA's reference clips
+    if "control_values" in samples[0]:  # in-context control's reference clips
         batch["control_values"] = torch.stack([s["control_values"] for s in samples])
     return {**batch, **stack_sounds(samples)}
 

@@ -372,7 +372,7 @@ class DataSpec(Section):
         "with `control/a.jpg`). Absolute, or relative to data.path (`../control`: the folder beside it). In "
         "metadata.jsonl a line's `control_file_name` (relative to data.path) names its source instead. Each source is "
         "resized and cropped with its target (same bucket, same crop and flip); `validate` counts the pairs and names "
-        "unpaired files. See docs/family-flow.md. LTX-2 IC-LoRA (docs/family-ltx2.md): the folder of reference "
+        "unpaired files. See docs/family-flow.md. Video models trained on reference clips (in-context control): the folder of reference "
         "clips (or images), one per target clip, matched the same way; each is read with its clip's frames.",
     )
     mask_dir: Optional[str] = Field(

@@ -481,7 +481,7 @@ class SampleSpec(Section):
         default_factory=list,
         description="Edit models: the source image of each prompt, one path per prompt in the "
         "same order; each sample edits its source as the prompt says. Image-to-video (model.image_to_video): the "
-        "first frame of each prompt's clip. LTX-2 IC-LoRA (data.control_dir): each prompt's reference clip (a video, or "
+        "first frame of each prompt's clip. Video models trained on reference clips (data.control_dir): each prompt's reference clip (a video, or "
         "an image). Other models: none.",
     )
     voice_prompts: list[str] = Field(
