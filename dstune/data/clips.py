@@ -175,6 +175,7 @@ def _video_clips(record: SampleRecord, data, sizes) -> tuple[list[ClipRecord], V
         repeats=record.repeats,
         mask_path=record.mask_path,
         set_index=record.set_index,
+        control_paths=record.control_paths,  # a video model's reference clip (in-context control)
         frames=frames,
         size=size,
         sound=header.audio,
@@ -196,6 +197,7 @@ def _other_clip(record: SampleRecord, data, sizes) -> ClipRecord:
         repeats=record.repeats,
         mask_path=record.mask_path,
         set_index=record.set_index,
+        control_paths=record.control_paths,
     )
     if record.image_path is None:
         moving = is_builtin_clip(record.sample_id)
@@ -255,7 +257,7 @@ def as_clip(record: SampleRecord, data) -> ClipRecord:
         return record
     fields = {
         name: getattr(record, name)
-        for name in ("sample_id", "image_path", "caption", "repeats", "mask_path", "set_index")
+        for name in ("sample_id", "image_path", "caption", "repeats", "mask_path", "set_index", "control_paths")
     }
     if record.image_path is None:
         still = not is_builtin_clip(record.sample_id)  # builtin:shapes renders one-frame clips

@@ -245,7 +245,7 @@ def _index_all(data: DataSpec, read_captions: bool, video: bool = False) -> Inde
         control_outside(root, data)
         extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ())
         result = _index_folder(root, _normalised_extension(data.caption_extension), read_captions, extensions)
-    result = _masked(_paired(result, root, data), root, data, video)
+    result = _masked(_paired(result, root, data, video), root, data, video)
     if not result.records:
         kinds = "video or image" if video else "image"
         what = (
@@ -528,18 +528,19 @@ def _masked(result: IndexResult, root: Path, data: DataSpec, video: bool = False
 # ------------------------------------------------------------------------------------------- edit / control pairs
 
 
-def _paired(result: IndexResult, root: Path, data: DataSpec) -> IndexResult:
+def _paired(result: IndexResult, root: Path, data: DataSpec, video: bool = False) -> IndexResult:
     """Each record's references (metadata.jsonl `control_file_name`, else data.control_dir's files of the same
-    relative stem, one per folder). A target missing one: DataError naming the sample and the file looked for (with
+    relative stem, one per folder; for a video family a clip too: an in-context reference). A target missing one: DataError naming the sample and the file looked for (with
     data.skip_bad_files: left out, a warning)."""
     named = any(r.control_paths for r in result.records)
     if data.control_dir is None and not named:
         return result
-    folders = reference_folders(root, data, IMAGE_EXTENSIONS)
+    extensions = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if video else ())
+    folders = reference_folders(root, data, extensions)
     where = f"`{CONTROL_FIELD}` in {root / METADATA_FILE}"
     if folders:
         shown = ", ".join(str(folder) for folder, _ in folders)
-        where = f"a file with the same relative path and name in {shown} (any of {', '.join(IMAGE_EXTENSIONS)})"
+        where = f"a file with the same relative path and name in {shown} (any of {', '.join(extensions)})"
     records, unpaired, used = [], [], set()
     for record in result.records:
         paths, missing = references_of(record, folders)

@@ -267,7 +267,20 @@ class VideoCaptionDataset(ImageCaptionDataset):
             sample["loss_mask"] = self.clip_mask(record)
         if self.sound_rate:
             sample["sound"], sample["has_sound"] = self.clip_sound(record)
+        if record.control_path is not None:
+            sample["control_values"] = self.reference_clip(record)
         return sample
+
+    def reference_clip(self, record: ClipRecord) -> torch.Tensor:
+        """The sample's reference (data.control_dir: in-context control), (3, frames, H, W) in [-1, 1] like its clip: a
+        video's frames chosen as the clip's are (the same positions, so of the same length and rate as its video),
+        or an image on every frame, at the clip's size."""
+        reference = dataclasses.replace(record, image_path=record.control_path, mask_path=None)
+        if is_video_file(record.control_path):
+            images = read_video(reference, self.video_of(record))  # BadSampleError naming the reference
+        else:
+            images = [self.load_image(reference, record.size or self.side(record))] * record.frames
+        return clip_tensor(images, record.size or self.side(record))
 
 
 def collate_video(samples: list[dict]) -> dict:
@@ -281,6 +294,8 @@ def collate_video(samples: list[dict]) -> dict:
         "sample_id": [s["sample_id"] for s in samples],
         "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
     }
+    if "control_values" in samples[0]:  # in-context control's reference clips
+        batch["control_values"] = torch.stack([s["control_values"] for s in samples])
     return {**batch, **stack_sounds(samples)}
 
 

@@ -37,6 +37,27 @@ def read_control_images(paths) -> list:
     return images
 
 
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv")  # what read_control_clips decodes as a video
+
+
+def read_control_clips(paths) -> list:
+    """sample.control_images as clips (a video model's references): each a list of RGB PIL images, every frame of a
+    video file (VIDEO_SUFFIXES) or an image alone; ValueError naming the one that cannot be read."""
+    import av
+
+    clips = []
+    for path in paths:
+        if not str(path).lower().endswith(VIDEO_SUFFIXES):
+            clips.append(read_control_images([path]))
+            continue
+        try:
+            with av.open(str(Path(path).expanduser())) as container:
+                clips.append([frame.to_image().convert("RGB") for frame in container.decode(video=0)])
+        except (OSError, ValueError) as err:
+            raise ValueError(f"sample.control_images: cannot read the clip {path} ({err}). Fix the path.") from None
+    return clips
+
+
 def first_frames(sample_spec, prompts: list[str]) -> list:
     """An image-to-video model's sample sources: sample.control_images as RGB images, one first frame per prompt;
     FamilyError when the counts differ or one cannot be read."""

@@ -380,7 +380,9 @@ class DataSpec(Section):
         "metadata.jsonl a line's `control_file_name` (relative to data.path; a list for several) names its "
         "references instead. Each reference is resized and cropped with its target (same bucket, same crop and "
         "flip); `validate` counts the pairs and names every sample missing a reference, with the file it looked "
-        "for. See docs/data.md.",
+        "for. See docs/data.md. Video models trained on reference clips (in-context control, an IC-LoRA): "
+        "the folder of reference clips (or images), one per target clip, matched the same way; each is read with its "
+        "clip's frames.",
     )
     mask_dir: Optional[str] = Field(
         None,

@@ -192,6 +192,8 @@ CASES = {
     "tiny-hunyuan-video15": _wan_spec({"max_sequence_length": 48}, True, True),
     "tiny-hunyuan-video15-i2v": _wan_spec({"max_sequence_length": 48}, True, True),
     "tiny-ltx2": _wan_spec({"max_sequence_length": 32, "timestep_sampling": "shifted_logit_normal"}, True, True),
+    "tiny-ltx2-3": _wan_spec({"max_sequence_length": 32, "timestep_sampling": "shifted_logit_normal"}, True, True),
+    "tiny-ltx2-5": _wan_spec({"max_sequence_length": 32, "timestep_sampling": "shifted_logit_normal"}, True, True),
     "tiny-tts-lm": _tts_lm_spec({}, 1e-2),
     "tiny-orpheus": _tts_lm_spec({"codec": "snac", "token_layout": "orpheus", "added_tokens": ["12", "345"]}, 3e-2),
     "tiny-speecht5": _speecht5_spec,

@@ -126,6 +126,8 @@ FIXED_OPTIONS = {
     "tiny-hunyuan-video15": {"max_sequence_length": 48},
     "tiny-hunyuan-video15-i2v": {"max_sequence_length": 48},
     "tiny-ltx2": {"max_sequence_length": 32},
+    "tiny-ltx2-3": {"max_sequence_length": 32},
+    "tiny-ltx2-5": {"max_sequence_length": 32},
 }
 SIDE_PX = {"tiny-qwen-image-21": 32, "tiny-wan22-ti2v": 32}  # bucket sides: the latent factor x the patch; else 16
 # each model's own settings that change the step (the factors every model has are added by `factors`)
@@ -133,6 +135,10 @@ OWN_FACTORS = {
     "tiny-wan-a14b": {"expert": ("high_noise", "low_noise")},
     "tiny-wan22-ti2v": {"image_to_video": (False, True)},
     "tiny-ltx2": {"image_to_video": (False, True), "sound": (False, True)},
+    # LTX-2.3 and 2.5: the same class; their own parts (projections, gated and modulated attention) with and without
+    # sound, image-to-video being tiny-ltx2's
+    "tiny-ltx2-3": {"sound": (False, True)},
+    "tiny-ltx2-5": {"sound": (False, True)},
     **{
         name: {"speakers": (False, True)}
         for name in ("tiny-orpheus", "tiny-csm", "tiny-dia", "tiny-vibevoice", "tiny-pocket-tts", "tiny-gradium-phonon")
@@ -311,7 +317,24 @@ LEFT_OUT = {
             "clips without sound: LTX-2's audio stream and its audio-video attention do not run (isolate_modalities)",
         )
     ],
+    **{
+        name: [
+            (
+                lambda row: not row.get("sound"),
+                r"(audio|a2v|av_cross_attn)",
+                "clips without sound: LTX-2's audio stream and its audio-video attention do not run",
+            )
+        ]
+        for name in ("tiny-ltx2-3", "tiny-ltx2-5")
+    },
 }
+LEFT_OUT["tiny-ltx2-5"] = LEFT_OUT["tiny-ltx2-5"] + [
+    (
+        _always,
+        r"^keyframes_abs_pos_embedding$",
+        "LTX-2.5's keyframe embedding marks generated keyframes when rendering; training marks none (ltx-trainer's)",
+    )
+]
 LORA_A = (r"\.lora_A\.", "LoRA's B starts at zero, so A's first gradient is zero (peft's initialisation)")
 # The warnings a case must give, because the setting asks for what they warn about: a model that trains sound on
 # clips without any is told that the run trains the video alone (docs/family-ltx2.md). Each must appear in those
@@ -320,6 +343,10 @@ EXPECTED_WARNINGS = {
     "tiny-ltx2": [
         (lambda row: not row.get("sound"), "clips has a sound track: builtin:tiny-ltx2 trains each clip's sound")
     ],
+    **{
+        name: [(lambda row: not row.get("sound"), f"clips has a sound track: builtin:{name} trains each clip's sound")]
+        for name in ("tiny-ltx2-3", "tiny-ltx2-5")
+    },
 }
 
 

@@ -118,6 +118,16 @@ CASES = {
         "moving-shapes",
         IMAGE_LR,
     ),
+    "tiny-ltx2-3": (
+        _model(VideoModelSpec, "video", max_sequence_length=LTX2_TEXT_TOKENS, timestep_sampling="shifted_logit_normal"),
+        "moving-shapes",
+        IMAGE_LR,
+    ),
+    "tiny-ltx2-5": (
+        _model(VideoModelSpec, "video", max_sequence_length=LTX2_TEXT_TOKENS, timestep_sampling="shifted_logit_normal"),
+        "moving-shapes",
+        IMAGE_LR,
+    ),
 }
 
 

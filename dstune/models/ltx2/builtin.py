@@ -215,6 +215,129 @@ TINY_LTX2 = BuiltinModel(
 )
 
 
+# ------------------------------------------------------------------------------- LTX-2.3 and LTX-2.5
+# What the conversion of Lightricks' 2.3 and 2.5 checkpoints to diffusers sets (scripts/convert_ltx2_to_diffusers.py
+# in diffusers), at the tiny widths: the transformer without its caption projections (the connectors project per
+# modality instead), gated attention and the prompt's cross-attention modulated by sigma, split RoPE; the 2.5
+# transformer's video feed-forward without bias and its keyframe embedding. The audio stream is 8 wide here (2 x 4,
+# half the video's, as the real 2,048 against 4,096), so that a swapped width fails.
+AUDIO_WIDTH_23 = 8
+TINY_LTX23_TRANSFORMER = dict(
+    TINY_LTX2_TRANSFORMER,
+    audio_attention_head_dim=AUDIO_WIDTH_23 // 2,
+    audio_cross_attention_dim=AUDIO_WIDTH_23,
+    gated_attn=True,
+    cross_attn_mod=True,
+    audio_gated_attn=True,
+    audio_cross_attn_mod=True,
+    rope_type="split",
+    use_prompt_embeddings=False,
+    perturbed_attn=True,
+)
+TINY_LTX25_TRANSFORMER = dict(TINY_LTX23_TRANSFORMER, ff_bias=False, use_keyframes_abs_pos_embedding=True)
+# per-modality projections: the stacked text states RMS-normalised per token, then one projection per stream, to
+# the transformer's cross-attention widths (the real: 4,096 and 2,048)
+TINY_LTX23_CONNECTORS = dict(
+    TINY_LTX2_CONNECTORS,
+    audio_connector_attention_head_dim=AUDIO_WIDTH_23 // 2,
+    video_gated_attn=True,
+    audio_gated_attn=True,
+    rope_type="split",
+    per_modality_projections=True,
+    video_hidden_dim=TINY_LTX2_TRANSFORMER["cross_attention_dim"],
+    audio_hidden_dim=AUDIO_WIDTH_23,
+    proj_bias=True,
+)
+TINY_DURATION_HEAD = dict(
+    video_cross_attention_dim=TINY_LTX2_TRANSFORMER["cross_attention_dim"],
+    audio_cross_attention_dim=AUDIO_WIDTH_23,
+    pooler_hidden_dim=16,
+    num_queries=1,
+    num_pooler_heads=2,
+    mlp_hidden_dim=16,
+)
+
+
+def tiny_gemma4(tokenizer):
+    """Gemma4UnifiedForConditionalGeneration (LTX-2.5's text encoder class): a two-layer 16-wide text model, one
+    sliding and one full attention layer, no vision or audio tower."""
+    from transformers import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
+
+    pad, eos, bos, unk = tokenizer.convert_tokens_to_ids(["<pad>", "<eos>", "<bos>", "<unk>"])
+    config = Gemma4UnifiedConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=TEXT_WIDTH,
+            intermediate_size=32,
+            num_hidden_layers=TEXT_LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=2048,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"],
+            pad_token_id=pad,
+            eos_token_id=eos,
+            bos_token_id=bos,
+        ),
+        boi_token_id=bos,
+        eoi_token_id=eos,
+        image_token_id=unk,
+        video_token_id=unk,
+        boa_token_id=bos,
+        eoa_token_index=eos,
+        audio_token_id=unk,
+    )
+    return Gemma4UnifiedForConditionalGeneration(config)
+
+
+def ltx23_parts(version: str) -> dict:
+    """Every component of a tiny LTX-2.3 ("2.3") or LTX-2.5 ("2.5": Gemma 4 and the duration head) folder."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.duration_head import LTX2DurationHead
+
+    parts = ltx2_parts()  # the VAEs, vocoder, tokenizer and scheduler as LTX-2.0's
+    later = version == "2.5"
+    with deterministic_cpu(_SEED + 1, BUILD_THREADS):
+        if later:
+            parts["text_encoder"] = tiny_gemma4(parts["tokenizer"])
+            parts["duration_head"] = LTX2DurationHead(**TINY_DURATION_HEAD)
+        parts["connectors"] = LTX2TextConnectors(**TINY_LTX23_CONNECTORS)
+        transformer = TINY_LTX25_TRANSFORMER if later else TINY_LTX23_TRANSFORMER
+        parts["transformer"] = LTX2VideoTransformer3DModel(**transformer)
+    return parts
+
+
+def build_tiny_ltx23(version: str):
+    def build(out: Path, needs: dict) -> dict:
+        with quiet_hf_libraries():
+            from diffusers import LTX2Pipeline
+        parts = ltx23_parts(version)
+        return save_pipeline(LTX2Pipeline(**parts), out, parts["transformer"])
+
+    return build
+
+
+TINY_LTX23 = BuiltinModel(
+    name="tiny-ltx2-3",
+    folder_name="tiny-ltx2-3-v1",
+    family=VIDEO_FAMILY,
+    description="LTX-2.3 audio+video pipeline: tiny-ltx2's parts with 2.3's transformer (gated attention, "
+    "sigma-modulated prompt attention, no caption projection; an 8-wide audio stream) and text connectors with "
+    "per-modality projections",
+    build=build_tiny_ltx23("2.3"),
+)
+TINY_LTX25 = BuiltinModel(
+    name="tiny-ltx2-5",
+    folder_name="tiny-ltx2-5-v1",
+    family=VIDEO_FAMILY,
+    description="LTX-2.5 audio+video pipeline: tiny-ltx2-3 with a two-layer 16-wide Gemma 4 text encoder, 2.5's "
+    "transformer (video feed-forward without bias, keyframe embedding) and a duration head",
+    build=build_tiny_ltx23("2.5"),
+)
+
+
 # ------------------------------------------------------------------------------- activation measurement
 # The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
 # (docs/memory.md): the measured activation constants the memory plan uses for this model.

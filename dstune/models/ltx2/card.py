@@ -1,5 +1,6 @@
-"""LTX-2's card (torch-free): LTX2Pipeline folders (LTX2VideoTransformer3DModel with its audio stream,
-AutoencoderKLLTX2Video and AutoencoderKLLTX2Audio, Gemma 3 with the text connectors, the vocoder): token factors,
+"""LTX-2's card (torch-free): LTX2Pipeline folders of LTX-2.0, 2.3 and 2.5 (LTX2VideoTransformer3DModel with its
+audio stream, AutoencoderKLLTX2Video and AutoencoderKLLTX2Audio, Gemma 3 or Gemma 4 with the text connectors, the
+vocoder; 2.3 and 2.5 project the text per modality in the connectors, 2.5 adds a duration head): token factors,
 tokens per clip, the activation estimate, the caches' bytes and the checks validate and start-up share, from the
 folder's configs.
 
@@ -45,6 +46,10 @@ I2V_ACTIVATION_CONSTANTS = "ltx2-i2v"
 AUDIO_TEMPORAL = 4  # AutoencoderKLLTX2Audio: mel frames per latent step (its LATENT_DOWNSAMPLE_FACTOR)
 MEL_COMPRESSION = 4  # ... and mel bins per latent bin
 DEFAULT_FPS = 24.0  # the clip rate when data.video.fps is unset (the recipe's positions assume it)
+# LTX2Pipeline's text encoders: Gemma 3 (LTX-2.0, 2.3) or Gemma 4 (LTX-2.5); its vocoders: 2.0's and 2.3's (with
+# bandwidth extension)
+TEXT_ENCODERS = ("Gemma3ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration")
+VOCODERS = ("LTX2Vocoder", "LTX2VocoderWithBWE")
 
 
 def compression(folder) -> tuple[int, int]:
@@ -87,12 +92,16 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[fl
     constants measured with both streams running (AV_ACTIVATION_CONSTANTS, the caption fixed at AV_CAPTION_TOKENS)
     less the video-only figure at that caption: the sound tokens' own bytes and the cross-modal attention the video
     stream then runs (about a third more per video token). The plan counts every clip as having sound (whether a
-    clip has a track is known only when it is read)."""
+    clip has a track is known only when it is read). IC-LoRA (data.control_dir) doubles the video tokens: the
+    reference's, at the clip's size, run through every block beside the clip's."""
     config = folder.config("transformer")
     width_hidden = config["num_attention_heads"] * config["attention_head_dim"]
     shape = ModelShape(width_hidden, {"transformer_blocks": config["num_layers"]})
     video = clip_tokens(frames, width, height, *compression(folder))
-    key = I2V_ACTIVATION_CONSTANTS if spec.model.image_to_video else ACTIVATION_CONSTANTS
+    references = spec.data.control_dir is not None  # IC-LoRA: the reference's tokens (as many) before the clip's
+    video *= 2 if references else 1
+    # a timestep per token (image-to-video's first frame, IC-LoRA's reference at 0): a modulation per token
+    key = I2V_ACTIVATION_CONSTANTS if spec.model.image_to_video or references else ACTIVATION_CONSTANTS
     sound, split = audio_tokens(spec, folder, frames), spec.deepspeed.sequence_parallel_size
     sample = clip_bytes(shape, video, sound, text_tokens(spec), spec.train.precision, key, split)
     return in_plan_units(sample, spec.train.precision)
@@ -149,23 +158,29 @@ def text_tokens(spec) -> int:
 
 
 def text_tokens_and_width(spec, folder) -> list[tuple[int, int]]:
-    """(tokens, width) of each cached text tensor: the connectors' video and audio embeddings (caption_channels
-    wide each; the mask is a byte per token)."""
-    width = folder.config("transformer").get("caption_channels", 0) if folder.has("transformer") else 0
-    return [(text_tokens(spec), width), (text_tokens(spec), width)]
+    """(tokens, width) of each cached text tensor: the connectors' video and audio embeddings (the mask is a byte
+    per token): caption_channels wide each (LTX-2.0), or with per-modality projections (LTX-2.3, 2.5) the
+    connectors' video_hidden_dim and audio_hidden_dim (the transformer's cross-attention widths)."""
+    connectors = folder.config("connectors") if folder.has("connectors") else {}
+    if connectors.get("per_modality_projections"):
+        widths = (connectors.get("video_hidden_dim", 0), connectors.get("audio_hidden_dim", 0))
+    else:
+        width = folder.config("transformer").get("caption_channels", 0) if folder.has("transformer") else 0
+        widths = (width, width)
+    return [(text_tokens(spec), width) for width in widths]
 
 
 def image_to_video_issues(spec) -> list[tuple[str, str]]:
     """Image-to-video: one first frame per sample prompt, and no sequence split (its per-token timesteps are not
     split); text-to-video: no first frames."""
     if not spec.model.image_to_video:
-        if not spec.sample.control_images:
+        if not spec.sample.control_images or spec.data.control_dir is not None:  # IC-LoRA: the reference clips
             return []
         return [
             (
                 "sample.control_images",
-                f"{spec.model.pretrained} renders from the prompt alone (text-to-video): remove sample.control_images "
-                "or set model.image_to_video: true",
+                f"{spec.model.pretrained} renders from the prompt alone (text-to-video): remove sample.control_images, "
+                "set model.image_to_video: true, or train IC-LoRA from reference clips (data.control_dir)",
             )
         ]
     issues = []
@@ -186,6 +201,39 @@ def image_to_video_issues(spec) -> list[tuple[str, str]]:
                 "each token its own timestep (the first frame's at 0), which LTX-2's sequence split does not "
                 "split (it takes one timestep per sample): set deepspeed.sequence_parallel_size: 1, or train "
                 "text-to-video",
+            )
+        )
+    return issues
+
+
+def ic_lora_issues(spec) -> list[tuple[str, str]]:
+    """IC-LoRA (data.control_dir: a reference clip per sample, dstune.models.ltx2.ic_lora): what it does not combine
+    with yet: the latent cache (the references are encoded every step), image-to-video and a
+    sequence split (the references' timesteps are per token)."""
+    if spec.data.control_dir is None:
+        return []
+    issues = []
+    if spec.data.cache.latents:
+        issues.append(
+            (
+                "data.cache.latents",
+                "IC-LoRA (data.control_dir) encodes each sample's reference clip every step; the latent cache does "
+                "not store references yet. Set data.cache.latents: false (the text cache is fine)",
+            )
+        )
+    if spec.model.image_to_video:
+        issues.append(
+            (
+                "model.image_to_video",
+                "IC-LoRA (data.control_dir) trains text-to-video from reference clips; remove one of them",
+            )
+        )
+    if spec.deepspeed.sequence_parallel_size > 1:
+        issues.append(
+            (
+                "deepspeed.sequence_parallel_size",
+                "IC-LoRA gives the reference tokens timestep 0 and the target's the clip's sigma (a timestep per "
+                "token), which LTX-2's sequence split does not split: set deepspeed.sequence_parallel_size: 1",
             )
         )
     return issues
@@ -244,6 +292,7 @@ def config_mismatches(folder: Path) -> list[str]:
             f"transformer audio_in_channels {transformer.get('audio_in_channels')} != the audio VAE's "
             f"latent_channels x mel_bins / 4 ({audio_width})"
         )
+    problems += projection_mismatches(transformer, connectors)
     if connectors.get("caption_channels") != _text_width(text):
         problems.append(
             f"connectors caption_channels {connectors.get('caption_channels')} != the text encoder's "
@@ -258,12 +307,48 @@ def config_mismatches(folder: Path) -> list[str]:
     return problems
 
 
+def projection_mismatches(transformer: dict, connectors: dict) -> list[str]:
+    """The text path of each kind: LTX-2.0's transformer projects the connectors' caption_channels-wide outputs
+    itself (use_prompt_embeddings); LTX-2.3's and 2.5's connectors project per modality (per_modality_projections)
+    to the transformer's cross_attention_dim and audio_cross_attention_dim, and the transformer has no projection."""
+    per_modality = bool(connectors.get("per_modality_projections"))
+    projects = transformer.get("use_prompt_embeddings", True)
+    if per_modality == bool(projects):
+        return [
+            f"connectors per_modality_projections {per_modality} with transformer use_prompt_embeddings {projects}: "
+            "exactly one of them projects the text (LTX-2.0: the transformer; LTX-2.3, 2.5: the connectors)"
+        ]
+    if not per_modality:
+        return []
+    problems = []
+    for width, cross in (
+        ("video_hidden_dim", "cross_attention_dim"),
+        ("audio_hidden_dim", "audio_cross_attention_dim"),
+    ):
+        if connectors.get(width) != transformer.get(cross):
+            problems.append(
+                f"connectors {width} {connectors.get(width)} != the transformer's {cross} {transformer.get(cross)}"
+            )
+    return problems
+
+
+def class_problems(index: dict) -> list[str]:
+    """The text encoder and vocoder classes LTX2Pipeline takes (either kind of each)."""
+    problems = []
+    for name, classes in (("text_encoder", TEXT_ENCODERS), ("vocoder", VOCODERS)):
+        entry = index.get(name)
+        listed = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+        if listed is not None and listed not in classes:
+            problems.append(f"`{name}` is a {listed}; expected one of {', '.join(classes)}")
+    return problems
+
+
 @dataclass(frozen=True, kw_only=True)
 class Ltx2Card(VideoCard):
     trains_sound = True  # its model's sound stream encodes each clip's track with the audio VAE
 
     def hidden_states_read(self, folder) -> dict[str, tuple[int, ...]]:
-        """LTX2Pipeline stacks every Gemma 3 hidden state (the embeddings' and each layer's)."""
+        """LTX2Pipeline stacks every Gemma hidden state (the embeddings' and each layer's)."""
         config = folder.config("text_encoder")
         layers = (config.get("text_config") or config).get("num_hidden_layers", 0)
         return {"text_encoder": tuple(range(layers + 1))}
@@ -276,7 +361,7 @@ class Ltx2Card(VideoCard):
             problems.append(
                 f"a {index.get('_class_name')}: dstune trains LTX-2 text-to-video from {self.pipeline_class} folders"
             )
-        problems += component_problems(folder, index, self.components)
+        problems += component_problems(folder, index, self.components) + class_problems(index)
         return problems or config_mismatches(folder)
 
     def settings_issues(self, model_spec) -> SpecIssues:
@@ -318,10 +403,10 @@ class Ltx2Card(VideoCard):
         return cache_bytes(spec, folder, companions, num_samples, clip_buckets(spec, num_samples, clips))
 
     def model_spec_issues(self, spec, folder) -> SpecIssues:
-        """Image-to-video's first frames and split (or no first frames for text-to-video), clips whose sound cannot
-        follow their frames (uniform sampling), data.sets (not yet). The frame counts its VAE takes (8k+1) are the
-        core's check of its clip rule (VideoCard.frame_issues)."""
-        issues = image_to_video_issues(spec)
+        """Image-to-video's first frames and split (or no first frames for text-to-video), IC-LoRA's references
+        (ic_lora_issues), clips whose sound cannot follow their frames (uniform sampling), data.sets (not yet). The
+        frame counts its VAE takes (8k+1) are the core's check of its clip rule (VideoCard.frame_issues)."""
+        issues = image_to_video_issues(spec) + ic_lora_issues(spec)
         issues += sets_issues(spec.data)
         for prefix, section in set_videos(spec.data):
             if section.sampling == "uniform" and section.max_frames > 1:
@@ -362,6 +447,9 @@ WORKING_MEMORY = {
     "Gemma3ForConditionalGeneration": TextWork(
         hidden=8.0, ffn=6.0, token=23.3, square=0.843, pass_square=0.27, measured_on="builtin/tiny-ltx2-v1/text_encoder"
     ),
+    "Gemma4UnifiedForConditionalGeneration": TextWork(
+        hidden=648.532, token=871.2, pass_square=11.687, measured_on="builtin/tiny-ltx2-5-v1/text_encoder"
+    ),
 }
 
 
@@ -375,7 +463,8 @@ LTX2_CARD = Ltx2Card(
     model_class="dstune.models.ltx2.model:Ltx2",
     docs="docs/family-ltx2.md",
     names=r"ltx\w*",
-    summary="LTX-2 (LTX2VideoTransformer3DModel, Gemma 3 with its text connectors): text- and image-to-video "
+    summary="LTX-2, 2.3 and 2.5 (LTX2VideoTransformer3DModel, Gemma 3 or 4 with its text connectors): text- and "
+    "image-to-video "
     "(model.image_to_video), audio+video on clips with sound",
     folder_classes={PIPELINE: 3.0},
     transformer_class="LTX2VideoTransformer3DModel",
@@ -384,15 +473,15 @@ LTX2_CARD = Ltx2Card(
         "transformer": "LTX2VideoTransformer3DModel",
         "vae": "AutoencoderKLLTX2Video",
         "audio_vae": "AutoencoderKLLTX2Audio",
-        "text_encoder": "Gemma3ForConditionalGeneration",
+        "text_encoder": None,  # one of TEXT_ENCODERS (class_problems), loaded as the folder lists it
         "tokenizer": None,
         "connectors": "LTX2TextConnectors",
-        "vocoder": "LTX2Vocoder",
+        "vocoder": None,  # one of VOCODERS
         "scheduler": None,
     },
     vae_class="AutoencoderKLLTX2Video",
     text_tensors=TEXT_TENSORS,
-    text_cache_folders=("text_encoder", "tokenizer", "connectors"),  # Gemma 3 and the connectors after it
+    text_cache_folders=("text_encoder", "tokenizer", "connectors"),  # Gemma and the connectors after it
     default_text_tokens=DEFAULT_TEXT_TOKENS,
     posterior_mode=True,  # ltx-trainer's video encoder returns the normalised means
     draws_sigma=True,
@@ -401,7 +490,11 @@ LTX2_CARD = Ltx2Card(
     sampling_parts=("vocoder",),  # loaded for the pipeline that renders samples only (the audio VAE encodes the sound)
     spec_notes={"model.max_sequence_length": "1024 (LTX-2: Gemma 3 tokens)"},
     activation_cases="dstune.models.ltx2.builtin:ACTIVATION_CASES",
-    builtins={"tiny-ltx2": "dstune.models.ltx2.builtin:TINY_LTX2"},
+    builtins={
+        "tiny-ltx2": "dstune.models.ltx2.builtin:TINY_LTX2",
+        "tiny-ltx2-3": "dstune.models.ltx2.builtin:TINY_LTX23",
+        "tiny-ltx2-5": "dstune.models.ltx2.builtin:TINY_LTX25",
+    },
     presets=(
         ModelPreset(
             "ltx2",
@@ -410,6 +503,21 @@ LTX2_CARD = Ltx2Card(
             "Lightricks/LTX-2",
             "tiny-ltx2",
             video(512, 121, 24, 3.0, **lora(), **{"model.timestep_sampling": "shifted_logit_normal"}),
+        ),
+        ModelPreset(
+            "ltx2-3",
+            "LTX-2.3 text-to-video with sound (audio+video transformer with per-modality text projections; Gemma 3 12B)",
+            "video",
+            "Lightricks/LTX-2.3",
+            "tiny-ltx2-3",
+            video(
+                512,
+                121,
+                24,
+                3.0,
+                **lora(),
+                **{"model.timestep_sampling": "shifted_logit_normal", "deepspeed.zero_stage": 3},
+            ),
         ),
     ),
 )

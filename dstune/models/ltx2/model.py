@@ -38,9 +38,9 @@ from dstune.families.precision import at_least_float32
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.samples import ClipWithSound
 from dstune.hf import quiet_hf_libraries
-from dstune.models.ltx2 import i2v, split
+from dstune.models.ltx2 import i2v, ic_lora, split
 from dstune.models.ltx2.audio import audio_tokens, sound_latents
-from dstune.models.ltx2.card import DEFAULT_FPS, SPATIAL, TEXT_TENSORS
+from dstune.models.ltx2.card import DEFAULT_FPS, SPATIAL, TEXT_ENCODERS, TEXT_TENSORS, VOCODERS
 
 # ltx-trainer's ShiftedLogitNormalTimestepSampler: the logit mean goes linearly from 0.95 at 1024 video tokens to
 # 2.05 at 4096; draws are stretched between the normal's 0.5th and 99.9th percentiles, reflected at eps, and
@@ -79,13 +79,23 @@ def once_per_group(error: torch.Tensor, split_size: int) -> torch.Tensor:
 class Ltx2(FlowModel):
     # ------------------------------------------------------------------------------------- loading
 
+    def listed_class(self, name: str, choices: tuple[str, ...]) -> str:
+        """The class model_index.json lists for component `name`, one of `choices` (the card checked it)."""
+        listed = (self.model_index.get(name) or [None, None])[1]
+        return listed if listed in choices else choices[0]
+
     def load_text_encoders(self) -> tuple[dict, dict]:
-        """Gemma 3 and its tokenizer (as the card lists them), and the text connectors beside them: frozen, so the
-        text cache can store their outputs."""
+        """The folder's Gemma (3 for LTX-2.0 and 2.3, 4 for 2.5) and its tokenizer, and the text connectors beside
+        them (with 2.3's and 2.5's per-modality projections): frozen, so the text cache can store their outputs."""
+        import transformers
+
         with quiet_hf_libraries():
             from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
         encoders, tokenizers = super().load_text_encoders()
+        gemma = getattr(transformers, self.listed_class("text_encoder", TEXT_ENCODERS)).from_pretrained
+        encoder = load_component(self.folder, "text_encoder", gemma).to(self.device, self.frozen_dtype)
+        encoders["text_encoder"] = encoder.eval().requires_grad_(False)
         loader = LTX2TextConnectors.from_pretrained
         connectors = load_component(self.folder, "connectors", loader, torch_dtype=self.frozen_dtype)
         encoders["connectors"] = connectors.to(self.device).eval().requires_grad_(False)
@@ -96,10 +106,11 @@ class Ltx2(FlowModel):
         the run trains image-to-video (model.image_to_video, dstune.models.ltx2.i2v)."""
         with quiet_hf_libraries():
             from diffusers import AutoencoderKLLTX2Audio
-            from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+            from diffusers.pipelines.ltx2 import vocoder
 
         self.mode = bool(self.model_spec.image_to_video)
-        loaders = {"audio_vae": AutoencoderKLLTX2Audio.from_pretrained, "vocoder": LTX2Vocoder.from_pretrained}
+        vocoder_class = getattr(vocoder, self.listed_class("vocoder", VOCODERS))
+        loaders = {"audio_vae": AutoencoderKLLTX2Audio.from_pretrained, "vocoder": vocoder_class.from_pretrained}
         parts = {
             name: load_component(self.folder, name, loader, torch_dtype=self.frozen_dtype)
             for name, loader in loaders.items()
@@ -160,8 +171,12 @@ class Ltx2(FlowModel):
     def spatial_factor(self) -> int:
         return self.vae.config.spatial_compression_ratio or SPATIAL
 
+    def encode_conditions(self, batch: dict, dtype) -> dict:
+        """IC-LoRA: the reference clips' posterior means (dstune.models.ltx2.ic_lora); nothing otherwise."""
+        return ic_lora.encode(self, batch)
+
     def model_conditions(self, encoded: dict, dtype) -> dict:
-        return i2v.model_inputs(self, encoded, dtype)
+        return {**i2v.model_inputs(self, encoded, dtype), **ic_lora.model_inputs(self, encoded)}
 
     def clean_frames(self) -> int:
         return i2v.clean_frames(self)
@@ -261,9 +276,16 @@ class Ltx2(FlowModel):
         if isolated:
             audio = noisy.new_zeros(batch, 1, self.transformer_config["audio_in_channels"])
         noisy, video_timesteps = i2v.conditioned(self, noisy, timesteps, conditions)
+        tokens, positions, references = pack(noisy), {}, 0
+        joined = ic_lora.joined(
+            self.trainable, tokens, video_timesteps, conditions, (frames, height, width), DEFAULT_FPS
+        )
+        if joined is not None:  # IC-LoRA: [reference | target] tokens, the reference clean at timestep 0
+            tokens, video_timesteps, coords, references = joined
+            positions = {"video_coords": coords}
         timesteps = timesteps.to(dtype)
         video, audio_velocity = forward(
-            hidden_states=pack(noisy).to(dtype),
+            hidden_states=tokens.to(dtype),
             audio_hidden_states=audio.to(dtype),
             encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
             audio_encoder_hidden_states=conditions["audio_encoder_hidden_states"].to(dtype),
@@ -279,8 +301,9 @@ class Ltx2(FlowModel):
             audio_num_frames=audio.shape[1],
             isolate_modalities=isolated,
             return_dict=False,
+            **positions,
         )
-        return unpack(video, noisy), audio_velocity
+        return unpack(video[:, references:], noisy), audio_velocity  # the target's tokens: IC-LoRA's loss is theirs
 
     def own_split_plan(self, size: int) -> dict:
         """diffusers 0.42's plan splits the masked caption, which fails: dstune's (dstune.models.ltx2.split)."""
@@ -289,10 +312,26 @@ class Ltx2(FlowModel):
     # ------------------------------------------------------------------------------------- samples
 
     def pipeline_class_and_parts(self, transformer) -> tuple[type, dict]:
-        return i2v.pipeline(self, transformer)
+        """LTX2InContextPipeline for IC-LoRA samples (from reference clips), else as dstune.models.ltx2.i2v says."""
+        name = ic_lora.pipeline_class(getattr(self, "references_sampled", False), transformer)
+        if name is None:
+            return i2v.pipeline(self, transformer)
+        import diffusers
+
+        return getattr(diffusers, name), self.parts
 
     def sample_sources(self, sample_spec, prompts: list[str]):
+        """Image-to-video: the first frames; text-to-video with sample.control_images (an IC-LoRA run, which
+        model_spec_issues allows only with data.control_dir): the reference clips; else None."""
+        self.references_sampled = not self.mode and bool(sample_spec.control_images)
+        if self.references_sampled:
+            return ic_lora.sample_sources(sample_spec)
         return i2v.sample_sources(self, sample_spec, prompts)
+
+    def sample_inputs(self, text_pipeline, prompt: str, source, sample_spec) -> dict:
+        if self.references_sampled:
+            return ic_lora.sample_inputs(prompt, source)
+        return super().sample_inputs(text_pipeline, prompt, source, sample_spec)
 
     def side_multiple(self) -> int:
         return self.vae.spatial_compression_ratio

@@ -32,11 +32,12 @@ FPS = 24.0  # ltx-trainer's DEFAULT_FPS
 EXAMPLE = REPO / "launch" / "ltx2-lora-zero3-8gpu.yaml"
 
 
-def load_tiny_ltx2(**settings):
-    """builtin:tiny-ltx2 loaded on the CPU, at the tests' text length, with ltx-trainer's default sigma sampler."""
+def load_tiny_ltx2(name: str = NAME, **settings):
+    """builtin:tiny-ltx2 (or `name`: tiny-ltx2-3, tiny-ltx2-5) loaded on the CPU, at the tests' text length, with
+    ltx-trainer's default sigma sampler."""
     spec = VideoModelSpec(
         family="video",
-        pretrained=NAME,
+        pretrained=name,
         max_sequence_length=TEXT_TOKENS,
         timestep_sampling="shifted_logit_normal",
         **settings,
@@ -97,6 +98,7 @@ def reference_video_loss(built, encoded: dict, scheme: str) -> torch.Tensor:
             encoder_hidden_states=encoded["encoder_hidden_states"],
             audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
             timestep=timesteps * 1000,
+            audio_timestep=sigmas * 1000,  # the absent audio modality's one token (its output is not read)
             sigma=sigmas * 1000,
             encoder_attention_mask=encoded["encoder_attention_mask"],
             audio_encoder_attention_mask=encoded["encoder_attention_mask"],
@@ -162,6 +164,41 @@ def reference_audio_positions(tokens: int, batch: int, config: dict) -> torch.Te
     seconds = (steps * 4 + 1 - 4).clamp(min=0) * config["audio_hop_length"] / config["audio_sampling_rate"]
     bounds = torch.stack((seconds[:-1], seconds[1:]), dim=-1)  # [tokens, 2]
     return bounds.view(1, 1, tokens, 2).repeat(batch, 1, 1, 1)
+
+
+def reference_av_loss(built, encoded: dict, sound: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    """TextToVideoStrategy with with_audio true: the same sigma for both streams, the audio's own noise, every audio
+    token at that sigma, targets noise - x0; per sample the video's mean plus the audio's mean; the batch mean."""
+    vae, audio_vae = built.vae, built.parts["audio_vae"]
+    mean = encoded["latent_mean"]
+    latents = (mean - vae.latents_mean.view(1, -1, 1, 1, 1)) * vae.config.scaling_factor
+    latents = latents / vae.latents_std.view(1, -1, 1, 1, 1)
+    b, c, f, h, w = latents.shape
+    video = latents.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c)
+    noise = per_sample_randn((c, f, h, w), SEED, STEP, indices, "noise").permute(0, 2, 3, 4, 1).reshape(b, -1, c)
+    sigmas = reference_sigmas("shifted_logit_normal", video.shape[1], indices).view(-1, 1, 1)
+    audio = reference_audio_latents(audio_vae, sound)
+    audio_noise = per_sample_randn(audio.shape[1:], SEED, STEP, indices, "audio_noise")
+    noisy_audio = (1 - sigmas) * audio + sigmas * audio_noise
+    config = built.transformer_config
+    with torch.no_grad():
+        video_pred, audio_pred = built.trainable(
+            hidden_states=(1 - sigmas) * video + sigmas * noise,
+            audio_hidden_states=noisy_audio,
+            encoder_hidden_states=encoded["encoder_hidden_states"],
+            audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
+            timestep=sigmas.view(-1, 1).expand(-1, video.shape[1]) * 1000,
+            audio_timestep=sigmas.view(-1, 1).expand(-1, audio.shape[1]) * 1000,
+            sigma=sigmas.view(-1) * 1000,
+            encoder_attention_mask=encoded["encoder_attention_mask"],
+            audio_encoder_attention_mask=encoded["encoder_attention_mask"],
+            video_coords=reference_positions(f, h, w, tuple(config["vae_scale_factors"]))[:b],
+            audio_coords=reference_audio_positions(audio.shape[1], b, config),
+            return_dict=False,
+        )
+    video_loss = (video_pred - (noise - video)).pow(2).mean(dim=[-2, -1])
+    audio_loss = (audio_pred - (audio_noise - audio)).pow(2).mean(dim=[-2, -1])
+    return video_loss + audio_loss
 
 
 def validate_example(capsys, monkeypatch, tmp_path, *sets: str) -> tuple[int, dict]:

@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
 
-from dstune.families.randomness import per_sample_randn
 from dstune.models.ltx2.audio import N_FFT, log_mel, slaney_filter_bank
 from loaded_models import with_settings
 
@@ -21,10 +20,7 @@ from .ltx_trainer import (
     SEED,
     STEP,
     load_tiny_ltx2,
-    reference_audio_latents,
-    reference_audio_positions,
-    reference_positions,
-    reference_sigmas,
+    reference_av_loss,
     sound_batch,
 )
 
@@ -90,41 +86,6 @@ def test_log_mel_equals_transformers_audio_utils(mel_bins):
 @pytest.fixture(scope="module")
 def built():
     return load_tiny_ltx2()
-
-
-def reference_av_loss(built, encoded: dict, sound: torch.Tensor, indices: list[int]) -> torch.Tensor:
-    """TextToVideoStrategy with with_audio true: the same sigma for both streams, the audio's own noise, every audio
-    token at that sigma, targets noise - x0; per sample the video's mean plus the audio's mean; the batch mean."""
-    vae, audio_vae = built.vae, built.parts["audio_vae"]
-    mean = encoded["latent_mean"]
-    latents = (mean - vae.latents_mean.view(1, -1, 1, 1, 1)) * vae.config.scaling_factor
-    latents = latents / vae.latents_std.view(1, -1, 1, 1, 1)
-    b, c, f, h, w = latents.shape
-    video = latents.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c)
-    noise = per_sample_randn((c, f, h, w), SEED, STEP, indices, "noise").permute(0, 2, 3, 4, 1).reshape(b, -1, c)
-    sigmas = reference_sigmas("shifted_logit_normal", video.shape[1], indices).view(-1, 1, 1)
-    audio = reference_audio_latents(audio_vae, sound)
-    audio_noise = per_sample_randn(audio.shape[1:], SEED, STEP, indices, "audio_noise")
-    noisy_audio = (1 - sigmas) * audio + sigmas * audio_noise
-    config = built.transformer_config
-    with torch.no_grad():
-        video_pred, audio_pred = built.trainable(
-            hidden_states=(1 - sigmas) * video + sigmas * noise,
-            audio_hidden_states=noisy_audio,
-            encoder_hidden_states=encoded["encoder_hidden_states"],
-            audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
-            timestep=sigmas.view(-1, 1).expand(-1, video.shape[1]) * 1000,
-            audio_timestep=sigmas.view(-1, 1).expand(-1, audio.shape[1]) * 1000,
-            sigma=sigmas.view(-1) * 1000,
-            encoder_attention_mask=encoded["encoder_attention_mask"],
-            audio_encoder_attention_mask=encoded["encoder_attention_mask"],
-            video_coords=reference_positions(f, h, w, tuple(config["vae_scale_factors"]))[:b],
-            audio_coords=reference_audio_positions(audio.shape[1], b, config),
-            return_dict=False,
-        )
-    video_loss = (video_pred - (noise - video)).pow(2).mean(dim=[-2, -1])
-    audio_loss = (audio_pred - (audio_noise - audio)).pow(2).mean(dim=[-2, -1])
-    return video_loss + audio_loss
 
 
 def test_audio_video_loss_equals_ltx_trainers_loss_lines(built):

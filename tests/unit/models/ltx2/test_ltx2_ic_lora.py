@@ -1,0 +1,245 @@
+"""IC-LoRA for LTX-2 (dstune.models.ltx2.ic_lora, on builtin:tiny-ltx2-3): a reference clip per sample from
+data.control_dir, matched by name; the loss against the lines of Lightricks' ltx-trainer's video-to-video strategy
+(packages/ltx-trainer/src/ltx_trainer/training_strategies/video_to_video.py, VideoToVideoStrategy with
+first_frame_conditioning_p 0, retyped below), the denoiser's inputs compared (the reference tokens first, their
+positions and their timestep 0); the reference changes the prediction; samples through LTX2InContextPipeline from
+the reference; the LoRA file loads there and gives the trained loss; validate names a sample without its reference."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dstune.families.randomness import per_sample_randn
+from dstune.data.synthetic import moving_shape_av_mp4
+
+from .ltx_trainer import FRAMES, SEED, STEP, TEXT_TOKENS, load_tiny_ltx2, reference_positions, reference_sigmas
+
+NAME = "builtin:tiny-ltx2-3"
+CLIPS = {"a": (0, 5), "b": (1, 6)}  # target name -> (target's moving-shapes clip, its reference's)
+
+
+def write_pairs(root, missing: tuple = ()) -> tuple:
+    """targets/<name>.mp4 with captions and control/<name>.mp4 (another moving-shapes clip: the reference), 9
+    frames of 32 x 32 at 24 fps; the references of `missing` left out."""
+    targets, control = root / "targets", root / "control"
+    targets.mkdir(parents=True), control.mkdir()
+    for name, (clip, reference) in CLIPS.items():
+        (targets / f"{name}.mp4").write_bytes(moving_shape_av_mp4(clip, 32, FRAMES))
+        (targets / f"{name}.txt").write_text(f"clip {name}")
+        if name not in missing:
+            (control / f"{name}.mp4").write_bytes(moving_shape_av_mp4(reference, 32, FRAMES))
+    return targets, control
+
+
+def reference_batch(root) -> dict:
+    from dstune.data.index import list_samples
+    from dstune.data.video import VideoCaptionDataset, collate_video
+    from dstune.spec.models import DataSpec
+
+    targets, _ = write_pairs(root)
+    data = DataSpec(path=str(targets), control_dir="../control", resolution=32, video={"frames": FRAMES})
+    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED)
+    return collate_video([dataset[0], dataset[1]])
+
+
+@pytest.fixture(scope="module")
+def built():
+    return load_tiny_ltx2(NAME)
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    return reference_batch(tmp_path_factory.mktemp("ic"))
+
+
+def normalised(vae, mean: torch.Tensor) -> torch.Tensor:
+    shape = (1, -1, 1, 1, 1)
+    return (mean - vae.latents_mean.view(shape)) * vae.config.scaling_factor / vae.latents_std.view(shape)
+
+
+def patchify(latents: torch.Tensor) -> torch.Tensor:
+    """ltx-core's VideoLatentPatchifier (patch 1): "b c f h w -> b (f h w) c"."""
+    b, c, f, h, w = latents.shape
+    return latents.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c)
+
+
+def ltx_trainer_video_to_video(built, encoded: dict, indices: list[int]):
+    """VideoToVideoStrategy.prepare_training_inputs and compute_loss, retyped (first_frame_conditioning_p 0, the
+    reference at the target's size: downscale factor 1), with dstune's draws: (loss per sample, the transformer's
+    inputs)."""
+    target_latents = patchify(normalised(built.vae, encoded["latent_mean"]))
+    ref_latents = patchify(normalised(built.vae, encoded["control_latent"]))
+    b, c, f, h, w = encoded["latent_mean"].shape
+    batch_size, ref_seq_len, target_seq_len = target_latents.shape[0], ref_latents.shape[1], target_latents.shape[1]
+    ref_conditioning_mask = torch.ones(batch_size, ref_seq_len, dtype=torch.bool)
+    target_conditioning_mask = torch.zeros(batch_size, target_seq_len, dtype=torch.bool)
+    conditioning_mask = torch.cat([ref_conditioning_mask, target_conditioning_mask], dim=1)
+    sigmas = reference_sigmas("shifted_logit_normal", target_seq_len, indices)
+    noise = patchify(per_sample_randn((c, f, h, w), SEED, STEP, indices, "noise"))
+    sigmas_expanded = sigmas.view(-1, 1, 1)
+    noisy_target = (1 - sigmas_expanded) * target_latents + sigmas_expanded * noise
+    noisy_target = torch.where(target_conditioning_mask.unsqueeze(-1), target_latents, noisy_target)
+    targets = noise - target_latents
+    combined_latents = torch.cat([ref_latents, noisy_target], dim=1)
+    timesteps = torch.where(conditioning_mask, torch.zeros_like(sigmas.view(-1, 1)), sigmas.view(-1, 1))
+    scale = tuple(built.transformer_config["vae_scale_factors"])
+    positions = torch.cat([reference_positions(f, h, w, scale), reference_positions(f, h, w, scale)], dim=2)
+    inputs = dict(
+        hidden_states=combined_latents,
+        timestep=timesteps * 1000,
+        sigma=sigmas * 1000,
+        video_coords=positions,
+    )
+    with torch.no_grad():
+        video_pred, _ = built.trainable(
+            **inputs,
+            audio_hidden_states=torch.zeros(b, 1, built.transformer_config["audio_in_channels"]),
+            audio_timestep=sigmas * 1000,  # the absent audio modality's one token (its output is not read)
+            encoder_hidden_states=encoded["encoder_hidden_states"],
+            audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
+            encoder_attention_mask=encoded["encoder_attention_mask"],
+            audio_encoder_attention_mask=encoded["encoder_attention_mask"],
+            audio_num_frames=1,
+            isolate_modalities=True,
+            return_dict=False,
+        )
+    target_pred = video_pred[:, -target_seq_len:, :]
+    target_loss_mask = torch.cat([torch.zeros_like(ref_conditioning_mask), ~target_conditioning_mask], dim=1)
+    loss = (target_pred - targets).pow(2)
+    loss_mask = target_loss_mask[:, -target_seq_len:].unsqueeze(-1).float()
+    per_sample = loss.mul(loss_mask).mean(dim=[-2, -1]) / loss_mask.mean(dim=[-2, -1]).clamp(min=1e-8)
+    return per_sample, inputs
+
+
+def test_the_loss_and_the_denoisers_inputs_are_ltx_trainers_video_to_video(built, batch):
+    """The reference clip of each sample (control/<name>.mp4 for targets/<name>.mp4), encoded to its posterior
+    mean; the loss equals ltx-trainer's at 1e-5; the transformer is given [reference | target] tokens, the
+    reference's at timestep 0 and the target's at sigma x 1000, and each part's positions from frame 0."""
+    encoded = built.encode_batch(batch)
+    assert encoded["control_latent"].shape == encoded["latent_mean"].shape == (2, 8, 3, 4, 4)
+    calls = []
+
+    def forward(**kwargs):
+        calls.append(kwargs)
+        return built.trainable(**kwargs)
+
+    with torch.no_grad():
+        ours = built.loss(forward, encoded, SEED, STEP)
+    indices = encoded["indices"].tolist()
+    per_sample, inputs = ltx_trainer_video_to_video(built, encoded, indices)
+    assert ours.item() == pytest.approx(per_sample.mean().item(), rel=1e-5)
+    (given,) = calls
+    assert given["hidden_states"].shape == inputs["hidden_states"].shape == (2, 96, 8)
+    assert torch.allclose(given["hidden_states"][:, :48], inputs["hidden_states"][:, :48], atol=1e-6)  # the reference
+    assert torch.allclose(given["timestep"], inputs["timestep"], atol=1e-3) and (given["timestep"][:, :48] == 0).all()
+    assert torch.allclose(given["video_coords"].float(), inputs["video_coords"], atol=1e-5)
+    assert torch.allclose(given["sigma"], inputs["sigma"], atol=1e-3)
+
+
+def test_the_reference_changes_the_prediction(built, batch):
+    """Swapping the two samples' references changes each sample's loss: the model reads them."""
+    encoded = built.encode_batch(batch)
+    swapped = dict(encoded, control_latent=encoded["control_latent"].flip(0))
+    with torch.no_grad():
+        ours, other = (built.loss(built.trainable, one, SEED, STEP) for one in (encoded, swapped))
+    assert abs(ours.item() - other.item()) > 1e-4
+
+
+def test_samples_render_from_the_reference_and_the_lora_loads_in_the_in_context_pipeline(built, batch, tmp_path):
+    """Samples: LTX2InContextPipeline from sample.control_images (the reference clips), one clip per prompt, another
+    reference another clip. The LoRA file (LTX2Pipeline's writer) loads with LTX2InContextPipeline.load_lora_weights
+    and gives the trained adapters' loss with the references."""
+    from diffusers import LTX2InContextPipeline
+
+    from dstune.families.lora import apply_train_mode, export_lora
+    from dstune.pretrained import build_model
+    from dstune.spec.models import SampleSpec, VideoModelSpec
+    from loaded_models import CACHE_DIR
+
+    _, control = write_pairs(tmp_path / "pairs")
+    spec = SampleSpec(
+        steps=2, guidance=1.0, prompts=["p", "p"], control_images=[str(control / n) for n in ("a.mp4", "b.mp4")]
+    )
+    clips = built.sample(built.trainable, ["a red circle", "a red circle"], spec, 32)
+    assert type(built.pipeline(built.trainable)).__name__ == "LTX2InContextPipeline"
+    assert len(clips) == 2 and len(clips[0]) == 5 and clips[0][0].size == (32, 32)
+    first, second = (torch.tensor(np.stack([np.asarray(frame) for frame in clip])).float() for clip in clips)
+    assert (first - second).abs().mean() > 0.1  # the same prompt and noise, another reference
+
+    model_spec = VideoModelSpec(
+        family="video",
+        pretrained=NAME,
+        train="lora",
+        max_sequence_length=TEXT_TOKENS,
+        timestep_sampling="shifted_logit_normal",
+    )
+    model = build_model(model_spec, CACHE_DIR, "cpu")
+    apply_train_mode(model, model_spec, seed=0)
+    with torch.no_grad():
+        for name, param in model.trainable.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    state = {k: v.detach().clone() for k, v in model.trainable.state_dict().items()}
+    lora = export_lora(model, state, tmp_path / "lora", model_spec)
+    encoded = model.encode_batch(batch)
+    pipeline = LTX2InContextPipeline.from_pretrained(model.folder)
+    with torch.no_grad():
+        base = model.loss(pipeline.transformer, encoded, 0, 1)
+    pipeline.load_lora_weights(str(lora), weight_name="pytorch_lora_weights.safetensors")
+    with torch.no_grad():
+        trained, loaded = (model.loss(module, encoded, 0, 1) for module in (model.trainable, pipeline.transformer))
+    assert loaded.item() == pytest.approx(trained.item(), rel=1e-6) and loaded.item() != base.item()
+
+
+def test_validate_names_a_sample_without_its_reference_and_refuses_the_latent_cache(capsys, tmp_path):
+    """A target without its reference is named (and found once it is there); the memory plan counts the
+    reference's tokens; the latent cache is refused, saying why."""
+    from dstune.cli import main
+    from dstune.families.denoiser_facts import pipeline_folder
+    from dstune.models.ltx2.card import sample_bytes
+    from dstune.spec.load import load_spec
+
+    targets, control = write_pairs(tmp_path, missing=("b",))
+    spec = {
+        "model": {
+            "family": "video",
+            "pretrained": NAME,
+            "train": "lora",
+            "max_sequence_length": 32,
+            "timestep_sampling": "shifted_logit_normal",
+            "sample_frames": 9,
+        },
+        "data": {
+            "path": str(targets),
+            "control_dir": "../control",
+            "resolution": 32,
+            "video": {"frames": FRAMES},
+            "cache": {"latents": False, "text_embeddings": True},
+        },
+        "train": {"micro_batch_size": 1, "max_steps": 4},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(json.dumps(spec))
+    assert main(["validate", str(path), "--num-gpus", "2"]) == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "data.control_dir" in text and "1 of 2 target" in text and "b.mp4" in text, text
+    (control / "b.mp4").write_bytes(moving_shape_av_mp4(6, 32, FRAMES))
+    assert main(["validate", str(path), "--num-gpus", "2"]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+    with_references = load_spec(str(path), [])[0]
+    without = with_references.model_copy(update={"data": with_references.data.model_copy(update={"control_dir": None})})
+    folder = pipeline_folder(NAME)
+    # the reference's tokens beside the clip's, every token with its own timestep: more than twice the clip's bytes
+    full, alone = (sample_bytes(one, folder, FRAMES, 32, 32)[0] for one in (with_references, without))
+    assert full > 2 * alone
+    spec["data"]["cache"]["latents"] = True
+    path.write_text(json.dumps(spec))
+    assert main(["validate", str(path), "--num-gpus", "2"]) == 1
+    out = capsys.readouterr()
+    assert "IC-LoRA (data.control_dir) encodes each sample's reference clip every step" in out.out + out.err
