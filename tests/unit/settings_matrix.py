@@ -147,7 +147,11 @@ OWN_FACTORS = {
 }
 NO_TRAIN_MODE = {"tiny-speecht5"}  # SpeechT5's section has neither `train` (LoRA) nor gradient_checkpointing
 NO_CACHE = {"tiny-speecht5"}  # its mel targets are computed from the waveform; no codec-token cache
-EDIT_MODELS = {"tiny-qwen-image-edit", "tiny-flux-kontext"}  # trained on source/target pairs (data.control_dir)
+EDIT_MODELS = {
+    "tiny-qwen-image-edit",
+    "tiny-qwen-image-edit-plus",
+    "tiny-flux-kontext",
+}  # trained on source/target pairs (data.control_dir)
 
 
 def kind(name: str) -> str:
@@ -279,6 +283,7 @@ LEFT_OUT = {
     ],
     "tiny-qwen-image": [(_always, *_DEAD_TEXT_STREAM)],
     "tiny-qwen-image-edit": [(_always, *_DEAD_TEXT_STREAM)],
+    "tiny-qwen-image-edit-plus": [(_always, *_DEAD_TEXT_STREAM)],
     "tiny-z-image": [
         (
             _always,

@@ -83,6 +83,7 @@ CASES = {
     "tiny-qwen-image": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
     "tiny-qwen-image-edit": (_model(FlowModelSpec, "flow"), "edit-pairs", IMAGE_LR),
     "tiny-flux-kontext": (_model(FlowModelSpec, "flow"), "edit-pairs", IMAGE_LR),
+    "tiny-qwen-image-edit-plus": (_model(FlowModelSpec, "flow"), "edit-pairs-2", IMAGE_LR),
     "tiny-z-image": (_model(FlowModelSpec, "flow"), "shapes", IMAGE_LR),
     "tiny-flux2": (_model(FlowModelSpec, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),
     "tiny-flux2-dev": (_model(FlowModelSpec, "flow", max_sequence_length=FLUX2_TEXT_TOKENS), "shapes", IMAGE_LR),
@@ -149,15 +150,22 @@ def _image_samples(kind: str):
     return ImageCaptionDataset(data, list_samples(data), SEED)
 
 
-def _edit_pair_batch(indices: list[int]) -> dict:
-    """Targets are shapes with an instruction; each source is another shape (as tests/dist's edit pairs)."""
+def _edit_pair_batch(indices: list[int], references: int = 1) -> dict:
+    """Targets are shapes with an instruction; each reference is another shape (as tests/dist's edit pairs):
+    reference k of sample i is shape i + 100 k."""
     from dstune.data.images import to_tensor
     from dstune.data.synthetic import render_shape
+    from dstune.spec.data_sections import reference_key
 
     targets = [render_shape(i, EDIT_SIDE) for i in indices]
     return {
         "pixel_values": torch.stack([to_tensor(image) for image, _ in targets]),
-        "control_values": torch.stack([to_tensor(render_shape(i + 100, EDIT_SIDE)[0]) for i in indices]),
+        **{
+            reference_key("control_values", k): torch.stack(
+                [to_tensor(render_shape(i + 100 * (k + 1), EDIT_SIDE)[0]) for i in indices]
+            )
+            for k in range(references)
+        },
         "caption": [f"turn it into {caption}" for _, caption in targets],
         "index": torch.tensor(indices, dtype=torch.long),
     }
@@ -166,8 +174,10 @@ def _edit_pair_batch(indices: list[int]) -> dict:
 def batches(kind: str, model) -> list[dict]:
     """STEPS collated batches of BATCH consecutive samples each (samples 0, 1 | 2, 3 | ...)."""
     steps = [list(range(BATCH * step, BATCH * (step + 1))) for step in range(STEPS)]
-    if kind == "edit-pairs":
-        return [_edit_pair_batch(indices) for indices in steps]
+    if kind.startswith("edit-pairs"):  # "edit-pairs-N": N references per target
+        return [
+            _edit_pair_batch(indices, int(kind.rpartition("-")[2]) if kind[-1].isdigit() else 1) for indices in steps
+        ]
     if kind == "tones":
         from dstune.data.audio import SpeechDataset, collate_speech, speech_records
 
