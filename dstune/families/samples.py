@@ -37,6 +37,23 @@ def read_control_images(paths) -> list:
     return images
 
 
+def sized_as_trained(sources: list, side: int) -> list:
+    """An edit model's sample sources (one image, or a list of references, per prompt) each resized (the shorter
+    side to `side`, LANCZOS) and centre-cropped to side x side: what training gave the model beside a target of that
+    size (the dataset sizes a target's references with it), so a sample edits what the run trained on and renders at
+    the size the memory plan's sample phase counts."""
+    from PIL import Image, ImageOps
+
+    def sized(image):
+        if isinstance(image, list):
+            return [sized(one) for one in image]
+        if image.size == (side, side):
+            return image
+        return ImageOps.fit(image, (side, side), method=Image.Resampling.LANCZOS, centering=(0.5, 0.5))
+
+    return [sized(source) for source in sources]
+
+
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv")  # what read_control_clips decodes as a video
 
 

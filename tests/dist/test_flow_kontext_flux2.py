@@ -87,15 +87,7 @@ def test_full_run_from_the_cache_exports_a_folder_its_pipeline_renders_from_a_re
     assert torch.equal(_render(model)(pipeline), image) and not torch.equal(_render(model, 102)(pipeline), image)
 
 
-KONTEXT_SAMPLE_SOURCE = pytest.mark.xfail(
-    strict=True,
-    reason="FluxKontextPipeline resizes a sample's source to a preferred Kontext resolution (about 1 MP) whatever "
-    "data.resolution is; the plan's sample phase counts the source at data.resolution (at 64 px: predicted 109 MB, "
-    "measured 268 MB)",
-)
-
-
-@pytest.mark.parametrize("model", [pytest.param(m, marks=KONTEXT_SAMPLE_SOURCE) if "kontext" in m else m for m in ROWS])
+@pytest.mark.parametrize("model", list(ROWS))
 def test_full_runs_cache_and_sample_phases_are_within_the_plan(runs, model):
     """The plan counts the references' latents and tokens: what the ranks measured stays within it."""
     run_dir, _, proc = runs[model, "zero2"]

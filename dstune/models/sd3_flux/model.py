@@ -120,11 +120,11 @@ class FluxKontext(FlowModel):
         return unpack_latents(prediction[:, :target_tokens], height, width)
 
     def sample_sources(self, sample_spec, prompts: list[str]) -> list:
-        """sample.control_images as RGB images; FluxKontextPipeline resizes each to its preferred resolution of the
-        source's aspect ratio (about 1 MP), as it does outside dstune."""
+        """sample.control_images as RGB images (the core sizes them as training did)."""
         return edit_sample_sources(sample_spec)
 
     def sample_arguments(self, pipeline, sample_spec, arguments: dict) -> dict:
-        """The sample's area is the training resolution's: FluxKontextPipeline would rescale height x width to its
-        max_area (1 MP by default)."""
-        return {**arguments, "max_area": arguments["height"] * arguments["width"]}
+        """The sample's area is the training resolution's (FluxKontextPipeline would rescale height x width to its
+        max_area, 1 MP by default), and so is its source's: the pipeline's auto-resize (to its preferred resolution
+        of about 1 MP) is off, so the source keeps the size training gave it beside its target."""
+        return {**arguments, "max_area": arguments["height"] * arguments["width"], "_auto_resize": False}
