@@ -28,6 +28,7 @@ GPU_SIZES = (24e9, 48e9, 80e9)
 NOTHING_FITS = {
     ("ltx2", 24e9): "text_encoder 12.2 B",
     ("ltx2-lora-zero3-8gpu", 24e9): "text_encoder 12.2 B",
+    ("ltx2-3", 24e9): "text_encoder 12.2 B",  # LTX-2.3 keeps 2.0's Gemma 3 12B
     ("flux2-dev", 24e9): "text_encoder 24 B",
     ("flux2-dev", 48e9): "text_encoder 24 B",
 }
