@@ -38,21 +38,7 @@ def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         else f"LoRA: {count_text(counts['trainable_params'])} adapters on a frozen base of "
         f"{count_text(counts['frozen_base_params'])}"
     )
-    once = counts.get("once_per_node_companions") or []
-    companions = (
-        ", ".join(
-            f"{name} {count_text(n)}"
-            + (
-                " (cached: one rank per node, dropped after the cache)"
-                if name in once
-                else " (cached: host)"
-                if name in counts["cached_companions"]
-                else ""
-            )
-            for name, n in counts["companions"].items()
-        )
-        or "none"
-    )
+    companions = _frozen_parts_text(counts)
     checkpointing = "on" if getattr(spec.model, "gradient_checkpointing", False) else "off"
     rows = [
         (
@@ -100,6 +86,18 @@ def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
             )
         )
     return rows + _verdict_rows(memory)
+
+
+def _frozen_parts_text(counts: dict) -> str:
+    """The frozen parts with their parameters and, for those a cache replaces, where they go while training."""
+    once = counts.get("once_per_node_companions") or []
+
+    def where(name: str) -> str:
+        if name in once:
+            return " (cached: one rank per node, dropped after the cache)"
+        return " (cached: host)" if name in counts["cached_companions"] else ""
+
+    return ", ".join(f"{name} {count_text(n)}{where(name)}" for name, n in counts["companions"].items()) or "none"
 
 
 def _verdict_rows(memory: dict) -> list[tuple[str, str]]:

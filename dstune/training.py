@@ -180,19 +180,7 @@ def _prepare_loop(
     if code:
         stop(run, "", code)
     memory.mark("cache")
-    scalar_params = promote_scalar_params(model.trainable)
-    if run.sequence_parallel_size > 1:  # before DeepSpeed: its ZeRO-3 hooks then wrap the split forward
-        size = run.sequence_parallel_size
-        split_sequences(model.trainable, run.rank, run.world_size, size, model.split_plan(size))
-    compiled_after = None
-    if spec.train.compile == "blocks":  # in place, before DeepSpeed wraps the module (its names stay)
-        compiled_after = compile_seconds()
-        compiled = compile_repeated_blocks(model.trainable)
-        if run.is_main:
-            blocks = ", ".join(f"{count} {name}" for name, count in compiled.items())
-            print(
-                f"train.compile blocks: {blocks} compiled with torch.compile (inductor) at their first call", flush=True
-            )
+    scalar_params, compiled_after = _before_deepspeed(run, spec, model)
     engine = wrap_model(model.trainable, spec.train, engine_config(resuming, ds_config), plan)
     ema = None
     if spec.train.ema is not None:
@@ -234,6 +222,25 @@ def _prepare_loop(
         compiled_after=compiled_after,
     )
     return ctx, state
+
+
+def _before_deepspeed(run: Run, spec, model) -> tuple[list, float | None]:
+    """What changes the trainable module before DeepSpeed wraps it: 0-d parameters made 1-d (DeepSpeed cannot
+    broadcast them; their names go into the checkpoint, export turns them back), the sequence split (DeepSpeed's ZeRO-3 hooks then wrap the split forward) and train.compile's
+    blocks, compiled in place so their names stay. (the promoted scalars, the compile clock's reading before or
+    None)."""
+    scalar_params = promote_scalar_params(model.trainable)
+    if run.sequence_parallel_size > 1:
+        size = run.sequence_parallel_size
+        split_sequences(model.trainable, run.rank, run.world_size, size, model.split_plan(size))
+    if spec.train.compile != "blocks":
+        return scalar_params, None
+    compiled_after = compile_seconds()
+    compiled = compile_repeated_blocks(model.trainable)
+    if run.is_main:
+        blocks = ", ".join(f"{count} {name}" for name, count in compiled.items())
+        print(f"train.compile blocks: {blocks} compiled with torch.compile (inductor) at their first call", flush=True)
+    return scalar_params, compiled_after
 
 
 def _write_memory_records(run: Run, run_dir: Path, memory: MemoryRecorder) -> None:
