@@ -489,8 +489,8 @@ class FlowModel(TrainedModel):
         """One source per prompt (an edit model's source image, a first frame), or None: the prompts alone."""
         return None
 
-    def sample_inputs(self, text_pipeline, prompt: str, source, sample_spec) -> dict:
-        """One prompt's pipeline inputs with its source."""
+    def sample_inputs(self, text_pipeline, prompt: str, source, sample_spec, side: int) -> dict:
+        """One prompt's pipeline inputs with its source (the sample is side x side pixels)."""
         return {"prompt": prompt, "image": source}
 
     def experts_loaded(self):

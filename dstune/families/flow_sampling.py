@@ -13,23 +13,19 @@ from dstune.families.base import FamilyError
 from dstune.families.diffusion import inputs_cast_to
 from dstune.families.flow_distilled import with_trained_lora
 from dstune.families.randomness import sample_generator
-from dstune.families.samples import sized_as_trained
 from dstune.hf import quiet_hf_libraries
 
 
 def render(model, transformer_module: torch.nn.Module, prompts: list[str], sample_spec, resolution: int) -> list:
     """One image (a video model: one clip) per prompt with the model's own pipeline around `transformer_module`.
     Prompt i starts from the noise of (sample_spec.seed, i), so samples of different steps are comparable. A model
-    with sources renders each prompt from its source (sample.control_images, sized as training sized a target's
-    references: sized_as_trained), one call per prompt; so does a video
+    with sources renders each prompt from its source (sample.control_images), one call per prompt; so does a video
     model (its pipeline takes one generator)."""
     if not prompts:
         return []
     sources = model.sample_sources(sample_spec, prompts)
     factor = model.side_multiple()
     side = max(factor, resolution // factor * factor)
-    if sources is not None and model.modality != "video":  # a video model's first frames: its pipeline sizes them
-        sources = sized_as_trained(sources, side)
     generators = [sample_generator(sample_spec.seed, 0, number, "sample") for number in range(len(prompts))]
     sampling = model.sampling_denoiser
     if sampling is not None:  # another folder's transformer with the trained LoRA (flow_distilled)
@@ -67,7 +63,7 @@ def render(model, transformer_module: torch.nn.Module, prompts: list[str], sampl
                 inputs = (
                     {"prompt": prompt}
                     if sources is None
-                    else model.sample_inputs(text_side, prompt, source, sample_spec)
+                    else model.sample_inputs(text_side, prompt, source, sample_spec, side)
                 )
                 if cached:  # no text encoder here: the prompt's cached text, as the pipeline takes it
                     inputs.pop("prompt", None)

@@ -38,10 +38,10 @@ def read_control_images(paths) -> list:
 
 
 def sized_as_trained(sources: list, side: int) -> list:
-    """An edit model's sample sources (one image, or a list of references, per prompt) each resized (the shorter
-    side to `side`, LANCZOS) and centre-cropped to side x side: what training gave the model beside a target of that
-    size (the dataset sizes a target's references with it), so a sample edits what the run trained on and renders at
-    the size the memory plan's sample phase counts."""
+    """Sample sources (one image, or a list of references, per prompt) each resized (the shorter side to `side`,
+    LANCZOS) and centre-cropped to side x side: what training gave an edit model beside a target of that size (the
+    dataset sizes a target's references with it), so a sample edits what the run trained on and renders at the size
+    the memory plan's sample phase counts (for a pipeline that takes its source at the size given)."""
     from PIL import Image, ImageOps
 
     def sized(image):

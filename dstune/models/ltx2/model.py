@@ -328,10 +328,10 @@ class Ltx2(FlowModel):
             return ic_lora.sample_sources(sample_spec)
         return i2v.sample_sources(self, sample_spec, prompts)
 
-    def sample_inputs(self, text_pipeline, prompt: str, source, sample_spec) -> dict:
+    def sample_inputs(self, text_pipeline, prompt: str, source, sample_spec, side: int) -> dict:
         if self.references_sampled:
             return ic_lora.sample_inputs(prompt, source)
-        return super().sample_inputs(text_pipeline, prompt, source, sample_spec)
+        return super().sample_inputs(text_pipeline, prompt, source, sample_spec, side)
 
     def side_multiple(self) -> int:
         return self.vae.spatial_compression_ratio

@@ -19,6 +19,7 @@ import torch
 
 from dstune.families.flow_matching import image_ids, pack_latents, unpack_latents
 from dstune.families.flow_edit import edit_sample_sources, source_latents
+from dstune.families.samples import sized_as_trained
 from dstune.families.flow_model import FlowModel, normalised_latents
 from dstune.hf import quiet_hf_libraries
 from dstune.models.sd3_flux.card import CLIP_TOKENS
@@ -120,8 +121,13 @@ class FluxKontext(FlowModel):
         return unpack_latents(prediction[:, :target_tokens], height, width)
 
     def sample_sources(self, sample_spec, prompts: list[str]) -> list:
-        """sample.control_images as RGB images (the core sizes them as training did)."""
+        """sample.control_images as RGB images."""
         return edit_sample_sources(sample_spec)
+
+    def sample_inputs(self, text_pipeline, prompt: str, source, sample_spec, side: int) -> dict:
+        """The source sized as training sized it beside a target of the sample's size (the pipeline's own
+        auto-resize, to about 1 MP, is off: sample_arguments)."""
+        return {"prompt": prompt, "image": sized_as_trained([source], side)[0]}
 
     def sample_arguments(self, pipeline, sample_spec, arguments: dict) -> dict:
         """The sample's area is the training resolution's (FluxKontextPipeline would rescale height x width to its

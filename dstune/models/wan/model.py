@@ -151,7 +151,7 @@ class Wan(FlowModel):
     def sample_sources(self, sample_spec, prompts: list[str]):
         return i2v.sample_sources(self, sample_spec, prompts)
 
-    def sample_inputs(self, text_pipeline, prompt: str, source, sample_spec) -> dict:
+    def sample_inputs(self, text_pipeline, prompt: str, source, sample_spec, side: int) -> dict:
         return i2v.sample_inputs(self, text_pipeline, prompt, source, sample_spec)
 
     def pipeline_class_and_parts(self, transformer) -> tuple[type, dict]:
