@@ -180,3 +180,24 @@ def unknown_model(cards: Sequence[CodebooksCard], spec, raising: bool) -> SpecIs
             f"{spec.model.pretrained}: {why}. model.family tts_codebooks trains {_trained_text(cards)} folders.",
         )
     ]
+
+
+def processor_codec_config(folder, subfolder: str, config_origin: str, what: str) -> Path:
+    """The config.json of the codec a speech folder's processor loads: `subfolder` (dstune's stored and built-in
+    folders keep it there), else what processor_config.json names (a folder, or a hub id found by config_folder).
+    SizesUnknown naming `what` (the codec, as the message calls it) when neither is there."""
+    own = folder / subfolder / "config.json"
+    if own.is_file():
+        return own
+    processor = folder / "processor_config.json"
+    named = (
+        (read_config(processor).get("audio_tokenizer") or {}).get("audio_tokenizer_name_or_path")
+        if processor.is_file()
+        else None
+    )
+    if not named:
+        raise SizesUnknown(
+            f"{config_origin}: no {subfolder}/config.json and no audio tokenizer named in "
+            f"processor_config.json, so {what} cannot be counted"
+        )
+    return config_folder(named)[0] / "config.json"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dstune.families.codebooks_card import CodebooksCard
+from dstune.families.codebooks_card import CodebooksCard, processor_codec_config
 from dstune.memory.activations import (
     TEXT_TOKENS_PER_SECOND,
     ModelShape,
@@ -25,7 +25,7 @@ from dstune.memory.activations import (
     measured_sample_bytes,
     transformer_layer_bytes,
 )
-from dstune.memory.counts import SizesUnknown, config_folder, count_component, read_config
+from dstune.memory.counts import count_component, read_config
 from dstune.memory.plan import ModelCounts
 
 DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
@@ -39,23 +39,8 @@ class FlowHeadTTSCard(CodebooksCard):
     voice_seconds: float  # the longest voice prompt a training utterance is given (its reference clip's start)
 
     def codec_config_path(self, folder, config_origin: str):
-        """The audio tokenizer's config.json: the codec subfolder (dstune's stored and built-in folders), else what
-        processor_config.json names (a folder, or a hub id found by config_folder)."""
-        own = folder / self.codec_subfolder / "config.json"
-        if own.is_file():
-            return own
-        processor = folder / "processor_config.json"
-        named = (
-            (read_config(processor).get("audio_tokenizer") or {}).get("audio_tokenizer_name_or_path")
-            if processor.is_file()
-            else None
-        )
-        if not named:
-            raise SizesUnknown(
-                f"{config_origin}: no {self.codec_subfolder}/config.json and no audio tokenizer named in "
-                "processor_config.json, so the audio tokenizer cannot be counted"
-            )
-        return config_folder(named)[0] / "config.json"
+        """The audio tokenizer's config.json (dstune.families.codebooks_card.processor_codec_config)."""
+        return processor_codec_config(folder, self.codec_subfolder, config_origin, "the audio tokenizer")
 
     def companion_configs(self, folder, config_origin: str) -> dict:
         """The frozen parts outside the class, name -> config.json: the audio tokenizer (a model whose voice

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dstune.card import LM_LORA_TARGET_MODULES, ModelPreset, lora, speech
-from dstune.families.codebooks_card import CodebooksCard
+from dstune.families.codebooks_card import CodebooksCard, processor_codec_config
 from dstune.families.speakers import SpeakersRefused, Voices, shown
 from dstune.memory.activations import (
     TEXT_TOKENS_PER_SECOND,
@@ -20,7 +20,7 @@ from dstune.memory.activations import (
     in_plan_units,
     measured_sample_bytes,
 )
-from dstune.memory.counts import SizesUnknown, config_folder, count_component, read_config
+from dstune.memory.counts import count_component, read_config
 from dstune.memory.plan import ModelCounts
 
 DEFAULT_CLIP_SECONDS = 10.0  # the clip length the plan assumes without data.max_clip_seconds
@@ -56,23 +56,8 @@ class DiaCard(CodebooksCard):
         return not text.strip().startswith(self.speaker_tags)
 
     def codec_config_path(self, folder, config_origin: str):
-        """The DAC config.json a Dia folder uses: its codec subfolder (dstune's stored and built-in folders), else
-        what processor_config.json names (a folder, or a hub id found by config_folder)."""
-        own = folder / self.codec_subfolder / "config.json"
-        if own.is_file():
-            return own
-        processor = folder / "processor_config.json"
-        named = (
-            (read_config(processor).get("audio_tokenizer") or {}).get("audio_tokenizer_name_or_path")
-            if processor.is_file()
-            else None
-        )
-        if not named:
-            raise SizesUnknown(
-                f"{config_origin}: no {self.codec_subfolder}/config.json and no audio tokenizer named in "
-                "processor_config.json, so the DAC cannot be counted"
-            )
-        return config_folder(named)[0] / "config.json"
+        """The DAC config.json a Dia folder uses (dstune.families.codebooks_card.processor_codec_config)."""
+        return processor_codec_config(folder, self.codec_subfolder, config_origin, "the DAC")
 
     def count_model(self, spec, num_samples: int, folder, origin: str, config: dict, counted: tuple) -> ModelCounts:
         params, largest, lora_params, default_lora, _ = counted
