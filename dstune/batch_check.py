@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from dstune.data.groups import key_label
+from dstune.card import CAUSAL_4X, ClipRule
 from dstune.data.loader import size_matches_bucket
 from dstune.distributed import Run, all_gather_object
 from dstune.plan import Plan
@@ -68,8 +69,9 @@ def _steps_text(steps_by_key: dict) -> str:
     return ", ".join(f"{key}: {steps_by_key[key]}" for key in sorted(steps_by_key) if steps_by_key[key])
 
 
-def bucket_report(sampler, first_batch: dict) -> dict:
-    """This rank's group facts for RankReport (empty without groups). Walks indices only: no sample is loaded."""
+def bucket_report(sampler, first_batch: dict, clip_rule: ClipRule = CAUSAL_4X) -> dict:
+    """This rank's group facts for RankReport (empty without groups). Walks indices only: no sample is loaded.
+    `clip_rule`: the model's (its loader's), which a clip's latent frames follow."""
     grouped = getattr(sampler, "grouped", None)  # any sampler without groups reports nothing here
     if grouped is None:
         return {}
@@ -84,7 +86,9 @@ def bucket_report(sampler, first_batch: dict) -> dict:
         "mixed_bucket_steps": mixed,
         "bucket_steps": _steps_text(steps),
         "bucket_sequence": sequence.hexdigest()[:16],
-        "first_batch_in_bucket": size_matches_bucket(first_batch, sampler.step_group(epoch, sampler.start_step)),
+        "first_batch_in_bucket": size_matches_bucket(
+            first_batch, sampler.step_group(epoch, sampler.start_step), clip_rule
+        ),
     }
 
 

@@ -70,6 +70,34 @@ CAUSAL_4X = ClipRule(4)  # the rule of the video VAEs 4x in time after the first
 
 
 @dataclass(frozen=True)
+class PixelRange:
+    """The pixels a model's VAE encodes (and decodes to), a fact of the model. The data layer hands every model its
+    pixels in [-1, 1] (dstune.data.images, dstune.data.video); a VAE that takes another range gets them mapped
+    where they meet it (the training batch's encode and the latent cache's alike): first to [low, high], then
+    normalised per RGB channel, `(p - mean) / std`. The default is the [-1, 1] most diffusers VAEs take, given as it
+    is (no arithmetic, so no rounding); a VAE may instead take ImageNet-normalised pixels from [0, 1]."""
+
+    low: float = -1.0
+    high: float = 1.0
+    mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+
+    @property
+    def is_data_range(self) -> bool:
+        """Whether the VAE takes the data layer's [-1, 1] as they are."""
+        return self == DATA_PIXELS
+
+    @property
+    def text(self) -> str:
+        normalised = "" if self.mean == (0.0, 0.0, 0.0) and self.std == (1.0, 1.0, 1.0) else ", per-channel normalised"
+        return f"[{self.low:g}, {self.high:g}]{normalised}"
+
+
+DATA_PIXELS = PixelRange()  # the data layer's pixels, which most VAEs take as they are
+IMAGENET_UNIT_PIXELS = PixelRange(0.0, 1.0, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # ImageNet-normalised [0, 1]
+
+
+@dataclass(frozen=True)
 class ModelPreset:
     """One `dstune init --model NAME` spec: the published checkpoint and its real defaults."""
 

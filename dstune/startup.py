@@ -408,14 +408,33 @@ def make_training_loader(
         dataset = SpeechDataset(records, model.sample_rate)
         return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step, speakers)
     if modality == "video":
+        rule = model.clip_rule()  # a clip's latent frames, by the model's VAE
         if caches.images is not None:
             dataset = CachedVideoDataset(data, records, seed, caches.images, model.sound_rate)
             return make_loader(
-                dataset, collate_cached, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
+                dataset,
+                collate_cached,
+                dataset.group_keys(),
+                data,
+                plan,
+                rank,
+                seed,
+                start_epoch,
+                start_step,
+                clip_rule=rule,
             )
         dataset = VideoCaptionDataset(data, records, seed, model.sound_rate)  # the sound, where the model trains on it
         return make_loader(
-            dataset, collate_video, dataset.group_keys(), data, plan, rank, seed, start_epoch, start_step
+            dataset,
+            collate_video,
+            dataset.group_keys(),
+            data,
+            plan,
+            rank,
+            seed,
+            start_epoch,
+            start_step,
+            clip_rule=rule,
         )
     if caches.images is not None:
         dataset = CachedDataset(data, records, seed, caches.images)

@@ -146,7 +146,7 @@ def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainStat
         len(loader),
         len(first_batch["index"]),
         sampler.num_samples,
-        buckets=bucket_report(sampler, first_batch),
+        buckets=bucket_report(sampler, first_batch, loader.clip_rule),
         samples=sample_report(run, sampler),
     )
     ok, table, _ = check_batches(run, report, expected_from_plan(plan, state.step_in_epoch))

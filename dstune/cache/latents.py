@@ -190,7 +190,7 @@ def _encode_latents(
     for shape in dict.fromkeys(p.shape for p in pixels):  # one pass per shape: stills beside clips (video)
         same = [i for i, p in enumerate(pixels) if p.shape == shape]
         stacked = torch.stack([pixels[i] for i in same]).to(model.device, model.vae.dtype)
-        mean, std = vae_posterior(model.vae, stacked)
+        mean, std = vae_posterior(model.vae, stacked, model.card.pixel_range())
         more = model.condition_tensors(stacked) if extras else {}
         if sounds:  # a model that trains on sound: its latents beside the posterior (silence's where a clip has none)
             heard = stack_sounds([sounds[i] for i in same])

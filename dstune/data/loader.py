@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
+from dstune.card import CAUSAL_4X, ClipRule
 from dstune.data.groups import key_label
 from dstune.data.images import ImageCaptionDataset, collate
 from dstune.data.index import SampleRecord
@@ -30,7 +31,6 @@ def one_thread_per_worker(worker_id: int) -> None:
 
 
 SPATIAL_TENSORS = ("pixel_values", "latent_mean")  # batch tensors (B, C, H, W) or (B, C, frames, H, W)
-TEMPORAL_COMPRESSION = 4  # video latents: the first frame, then 4 frames per latent frame (dstune.data.clips)
 
 
 def batch_spatial_size(batch: dict) -> tuple[str, tuple[int, ...]] | None:
@@ -42,9 +42,10 @@ def batch_spatial_size(batch: dict) -> tuple[str, tuple[int, ...]] | None:
     return None
 
 
-def size_matches_bucket(batch: dict, bucket: tuple[int, ...]) -> bool:
+def size_matches_bucket(batch: dict, bucket: tuple[int, ...], rule: ClipRule = CAUSAL_4X) -> bool:
     """Pixels must be exactly the bucket's (width, height) - a clip bucket's (frames, width, height) - ; latents must
-    have its aspect ratio (their scale is the VAE's) and a clip's latents its latent frames."""
+    have its aspect ratio (their scale is the VAE's) and a clip's latents the latent frames the model's clip rule
+    (its card's clip_rule, handed to make_loader) gives its frames."""
     found = batch_spatial_size(batch)
     if found is None:
         return True
@@ -54,7 +55,7 @@ def size_matches_bucket(batch: dict, bucket: tuple[int, ...]) -> bool:
         return False
     if name == "pixel_values":
         return shape == ((frames,) if frames else ()) + (height, width)
-    if frames is not None and shape[0] != 1 + (frames - 1) // TEMPORAL_COMPRESSION:
+    if frames is not None and shape[0] != rule.latent_frames(frames):
         return False
     return shape[-1] * height == shape[-2] * width
 
@@ -62,7 +63,10 @@ def size_matches_bucket(batch: dict, bucket: tuple[int, ...]) -> bool:
 class EpochDataLoader(DataLoader):
     """A DataLoader over a GlobalBatchSampler that syncs the dataset's epoch and reports consumed batches.
     With groups (data.buckets) it also checks that every batch has its step's bucket size: a batch of another
-    size stops training with the step and both sizes named, instead of training on a mixed step."""
+    size stops training with the step and both sizes named, instead of training on a mixed step. `clip_rule`: the
+    model's (a video model's latent frames per clip), set by make_loader."""
+
+    clip_rule: ClipRule = CAUSAL_4X
 
     def __iter__(self):
         sampler: GlobalBatchSampler = self.batch_sampler
@@ -72,7 +76,7 @@ class EpochDataLoader(DataLoader):
             if sampler.grouped is not None:
                 step = first_step + number // sampler.accumulation
                 bucket = sampler.step_group(epoch, step)
-                if not size_matches_bucket(batch, bucket):
+                if not size_matches_bucket(batch, bucket, self.clip_rule):
                     raise RuntimeError(
                         f"epoch {epoch} step {step}: the loader made a batch of {batch_spatial_size(batch)}, but the "
                         f"step's bucket is {key_label(bucket)}. Every micro batch of a step must "
@@ -95,6 +99,7 @@ def make_loader(
     speakers=None,
     sets=None,
     set_places=None,
+    clip_rule: ClipRule = CAUSAL_4X,
 ) -> tuple[EpochDataLoader, GlobalBatchSampler]:
     """This rank's loader and its sampler over any dataset kind (images, cached images, speech, cached speech),
     positioned at (start_epoch, start_step). `plan` is a dstune.plan.Plan made for exactly this dataset
@@ -124,6 +129,7 @@ def make_loader(
         # The loader's own base seed comes from this generator, not from (and without advancing) global RNG state.
         generator=torch.Generator().manual_seed(seed),
     )
+    loader.clip_rule = clip_rule
     return loader, sampler
 
 

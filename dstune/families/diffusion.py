@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
+from dstune.card import DATA_PIXELS, PixelRange
 from dstune.families.base import FamilyError
 from dstune.families.folders import MODEL_INDEX, is_modular, read_model_index
 from dstune.families.modular import write_modular_index
@@ -262,10 +263,26 @@ def inputs_cast_to(module: torch.nn.Module, dtype: torch.dtype):
         handle.remove()
 
 
-def vae_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) of the VAE posterior of images (B, 3, H, W), float32, (B, C, h, w). A video-style VAE (a
-    `temperal_downsample` config) encodes them as one-frame clips (B, 3, 1, H, W); clips
-    (B, 3, frames, H, W) go in as they are and keep their latent frames (B, C, f, h, w)."""
+def vae_pixels(pixels: torch.Tensor, pixel_range: PixelRange = DATA_PIXELS) -> torch.Tensor:
+    """The data layer's pixels ([-1, 1], channels on axis 1) as the VAE takes them (its card's pixel_range): as they
+    are for the default range, else mapped to [low, high] and normalised per channel."""
+    if pixel_range.is_data_range:
+        return pixels
+    shape = (1, -1) + (1,) * (pixels.ndim - 2)
+    mean = torch.tensor(pixel_range.mean, dtype=pixels.dtype, device=pixels.device).view(shape)
+    std = torch.tensor(pixel_range.std, dtype=pixels.dtype, device=pixels.device).view(shape)
+    unit = (pixels + 1) / 2
+    return (pixel_range.low + (pixel_range.high - pixel_range.low) * unit - mean) / std
+
+
+def vae_posterior(
+    vae, pixels: torch.Tensor, pixel_range: PixelRange = DATA_PIXELS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) of the VAE posterior of images (B, 3, H, W) in the data layer's [-1, 1], mapped to the VAE's
+    `pixel_range` first, float32, (B, C, h, w). A video-style VAE (a `temperal_downsample` config) encodes them as
+    one-frame clips (B, 3, 1, H, W); clips (B, 3, frames, H, W) go in as they are and keep their latent frames
+    (B, C, f, h, w)."""
+    pixels = vae_pixels(pixels, pixel_range)
     video = getattr(vae.config, "temperal_downsample", None) is not None and pixels.ndim == 4
     if getattr(vae.config, "in_channels", 3) == 4 and pixels.shape[1] == 3:  # an RGBA VAE reads
         pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)  # the image opaque, as its example does

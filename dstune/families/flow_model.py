@@ -304,6 +304,11 @@ class FlowModel(TrainedModel):
         that trains on sound (sound_rate not None) has them."""
         raise NotImplementedError(f"{type(self).__name__} trains on no sound")
 
+    def clip_rule(self):
+        """A video model's clip length rule (dstune.card.ClipRule: its card's, on this folder): the latent frames the
+        data layer expects of a clip's cached latents."""
+        return self.card.clip_rule(PipelineFolder(self.folder, str(self.folder), self.model_index))
+
     def latent_patch(self) -> tuple[int, int]:
         """Latent (rows, columns) per token: the sides must be multiples of them."""
         return 2, 2
@@ -320,7 +325,8 @@ class FlowModel(TrainedModel):
         if "latent_mean" in batch:
             mean, std = batch["latent_mean"].to(self.device).float(), batch["latent_std"].to(self.device).float()
         else:
-            mean, std = vae_posterior(self.vae, batch_field(batch, "pixel_values").to(self.device, self.vae.dtype))
+            pixels = batch_field(batch, "pixel_values").to(self.device, self.vae.dtype)
+            mean, std = vae_posterior(self.vae, pixels, self.card.pixel_range())
         self._check_latent_layout(mean)
         conditions = self.encode_conditions(batch, dtype)
         text_inputs = self.text_inputs(conditions)

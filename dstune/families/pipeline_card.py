@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
-from dstune.card import ModelCard
+from dstune.card import DATA_PIXELS, ModelCard, PixelRange
 from dstune.families.folders import component_problems, read_model_index
 from dstune.memory.working import Geometry, TextWork, VaeWork
 
@@ -109,6 +109,11 @@ class PipelineCard(ModelCard):
         """Its samples render from the prompts' cached text, so with the text cache the text encoders load on one
         rank per node (dstune.families.denoiser_facts.text_once_per_node)."""
         return bool(self.cached_text_arguments)
+
+    def pixel_range(self) -> PixelRange:
+        """The pixels its VAE encodes and decodes (dstune.card.PixelRange): the data layer's [-1, 1] unless the
+        model's card says otherwise. The training batch's encode and the latent cache map the data's pixels to it."""
+        return DATA_PIXELS
 
     def negative_caption(self) -> str:
         """The negative prompt its samples encode: cached beside the sample prompts ("" for every pipeline that

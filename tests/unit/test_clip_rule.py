@@ -103,3 +103,23 @@ def test_the_memory_plan_caches_the_latent_frames_of_the_cards_rule(tmp_path):
     causal = WAN_CARD.cache_bytes(spec, folder, {"vae": 0}, 10, clips) - text
     chunked_bytes = chunked.cache_bytes(spec, folder, {"vae": 0}, 10, clips) - text
     assert causal > 0 and chunked_bytes * 6 == causal * 7
+
+
+def test_the_data_layers_pixels_reach_a_vae_in_its_own_range():
+    """dstune.card.PixelRange: the data layer's [-1, 1] pixels of an 8-bit clip, mapped to an ImageNet-normalised
+    [0, 1] VAE's range, are what a pipeline that normalises `uint8 / 255` by ImageNet's statistics gives its VAE; the
+    default range hands the pixels over untouched (the same tensor: no rounding for the models that take [-1, 1])."""
+    import torch
+
+    from dstune.card import DATA_PIXELS, IMAGENET_UNIT_PIXELS
+    from dstune.families.diffusion import vae_pixels
+
+    frames = torch.randint(0, 256, (2, 3, 5, 8, 8), generator=torch.Generator().manual_seed(0))
+    data = frames.float() / 127.5 - 1  # what dstune.data.video gives of them
+    mean = torch.tensor(IMAGENET_UNIT_PIXELS.mean).view(1, 3, 1, 1, 1)
+    std = torch.tensor(IMAGENET_UNIT_PIXELS.std).view(1, 3, 1, 1, 1)
+    expected = (frames.float() / 255 - mean) / std
+    assert torch.allclose(vae_pixels(data, IMAGENET_UNIT_PIXELS), expected, atol=1e-6)
+    assert vae_pixels(data, DATA_PIXELS) is data
+    assert (vae_pixels(data, IMAGENET_UNIT_PIXELS) - data).abs().max() > 0.5  # the ranges differ
+    assert DATA_PIXELS.text == "[-1, 1]" and IMAGENET_UNIT_PIXELS.text == "[0, 1], per-channel normalised"

@@ -17,6 +17,7 @@ from dstune.cache.entries import plan_entries
 from dstune.batch_check import Expected, RankReport, bucket_report, expected_from_plan, find_mismatches
 from dstune.cli import main
 from dstune.data.clips import chunk_starts, clip_counts, frame_positions, index_clips, is_grouped
+from dstune.card import ClipRule
 from dstune.data.loader import make_loader, size_matches_bucket
 from dstune.data.video import VideoCaptionDataset, collate_video
 from dstune.plan import key_label, make_plan
@@ -176,6 +177,10 @@ def test_grouped_clip_loaders_keep_one_shape_per_step_and_the_batch_check_agrees
     assert not size_matches_bucket(clip, (5, 32, 48)) and not size_matches_bucket(clip, (48, 32))
     latents = {"latent_mean": torch.zeros(2, 16, 3, 4, 6)}  # 9 frames -> 3 latent frames; 48x32 -> 6x4
     assert size_matches_bucket(latents, (9, 48, 32)) and not size_matches_bucket(latents, (5, 48, 32))
+    chunked = ClipRule(17, 5, 5, 2)  # a VAE of 17-frame chunks: 22 frames -> 7 latent frames, 39 -> 12
+    latents = {"latent_mean": torch.zeros(2, 16, 7, 4, 6)}
+    assert size_matches_bucket(latents, (22, 48, 32), chunked) and not size_matches_bucket(latents, (22, 48, 32))
+    assert not size_matches_bucket(latents, (39, 48, 32), chunked)
 
 
 def test_chunks_have_their_own_cache_keys_and_old_video_keys_stay(folder):
