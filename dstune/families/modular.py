@@ -20,10 +20,11 @@ from dstune.families.folders import MODULAR_INDEX, modular_entries
 from dstune.hf import quiet_hf_libraries
 
 
-def modular_pipeline(folder: Path, components: dict):
+def modular_pipeline(folder: Path, components: dict, without: tuple[str, ...] = ()):
     """The folder's modular pipeline (its blocks and configs from modular_model_index.json; no weight loaded) around
     `components` (name -> a loaded part; None entries are left unset). The caller owns the parts: these are
-    references, not copies."""
+    references, not copies. `without`: top-level blocks left out, whose outputs the caller passes in (a model that
+    encodes its prompts itself, the text block's outputs)."""
     with quiet_hf_libraries():
         from diffusers import ModularPipeline
 
@@ -32,6 +33,11 @@ def modular_pipeline(folder: Path, components: dict):
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise FamilyError(f"{folder / MODULAR_INDEX}: diffusers cannot make its modular pipeline ({first_line})")
+        if without:  # the same blocks less these, over the same folder's configs
+            blocks = pipeline.blocks  # a copy
+            for name in without:
+                blocks.sub_blocks.pop(name)
+            pipeline = blocks.init_pipeline(str(folder))
         pipeline.update_components(**{name: part for name, part in components.items() if part is not None})
     pipeline.set_progress_bar_config(disable=True)
     return pipeline

@@ -1,12 +1,14 @@
 """Diffusers modular pipeline folders (modular_model_index.json, no model_index.json) in the core: read as any pipeline
 folder's index, rendered through their blocks around parts dstune holds, exported with the components' entries
-pointing at the export (so the modular pipeline loads the trained weights, never the source's), and, while no model
-dstune trains is the folder's class, refused by `dstune validate` with what it is. The folders are written by
+pointing at the export (so the modular pipeline loads the trained weights, never the source's), and, where no model
+dstune trains the folder's class, refused by `dstune validate` with what it is. The folders are written by
 diffusers' own MiniMaxH3ModularPipeline.save_pretrained around its real classes at tiny sizes (MiniMax-H3 ships only
-as a modular pipeline: docs/family-minimax-h3.md)."""
+as a modular pipeline, and dstune.models.minimax_h3 trains it)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -201,10 +203,9 @@ def test_the_folder_is_what_diffusers_writes_for_a_modular_pipeline(modular_fold
     assert (modular_folder / "transformer" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("family", ["video", "flow"])
-def test_validate_refuses_a_modular_pipeline_folder_saying_what_it_is(capsys, tmp_path, modular_folder, family):
+def validate_lines(capsys, tmp_path, folder, family):
     spec = {
-        "model": {"family": family, "pretrained": str(modular_folder), "train": "lora"},
+        "model": {"family": family, "pretrained": str(folder), "train": "lora"},
         "data": {"path": "builtin:moving-shapes" if family == "video" else "builtin:shapes"},
         "train": {"micro_batch_size": 1, "max_steps": 2},
     }
@@ -214,17 +215,35 @@ def test_validate_refuses_a_modular_pipeline_folder_saying_what_it_is(capsys, tm
     code = main(["validate", str(path), "--num-gpus", "1"])
     out, err = capsys.readouterr()
     text = out + err
-    assert code == 1, text
     assert "Traceback" not in text and "internal error" not in text, text
-    [line] = [line for line in text.splitlines() if line.startswith("error:")]
+    return code, [line for line in text.splitlines() if line.startswith("error:")], text
+
+
+def test_validate_refuses_a_modular_pipeline_folder_no_model_trains_saying_what_it_is(capsys, tmp_path, modular_folder):
+    """A modular folder whose pipeline class no model dstune trains (here MiniMax-H3's folder relabelled as diffusers'
+    EchoModularPipeline, which exists only as a modular pipeline)."""
+    other = tmp_path / "echo"
+    shutil.copytree(modular_folder, other)
+    index = json.loads((other / "modular_model_index.json").read_text())
+    index["_class_name"] = "EchoModularPipeline"
+    (other / "modular_model_index.json").write_text(json.dumps(index))
+    code, [line], text = validate_lines(capsys, tmp_path, other, "video")
+    assert code == 1, text
     assert "spec.yaml:3: model.pretrained:" in line, line  # model: / family: / pretrained:
     assert (
-        f"{modular_folder} is a diffusers modular pipeline (MiniMaxH3ModularPipeline in modular_model_index.json, "
-        "no model_index.json)"
+        f"{other} is a diffusers modular pipeline (EchoModularPipeline in modular_model_index.json, no model_index.json)"
     ) in line, line
     assert "docs/family-flow.md, 'Modular pipelines'" in line, line
-    assert "video: WanPipeline" in line and "LTX2Pipeline" in line, line  # what dstune does train
+    assert "video: WanPipeline" in line and "MiniMaxH3ModularPipeline" in line, line  # what dstune does train
     assert "neither model_index.json" not in line, line
+
+
+def test_a_modular_folder_a_model_trains_is_that_models_family(capsys, tmp_path, modular_folder):
+    """MiniMax-H3's modular folder is the video family's (dstune.models.minimax_h3): model.family flow is refused
+    naming the family that trains it."""
+    code, [line], text = validate_lines(capsys, tmp_path, modular_folder, "flow")
+    assert code == 1, text
+    assert "is a MiniMaxH3ModularPipeline (modular_model_index.json), which model.family video trains" in line, line
 
 
 def test_the_memory_plan_reads_a_modular_folder_as_a_pipeline_folder(modular_folder):
