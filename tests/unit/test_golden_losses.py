@@ -129,6 +129,11 @@ CASES = {
         "moving-shapes",
         IMAGE_LR,
     ),
+    "tiny-minimax-h3": (
+        _model(VideoModelSpec, "video", max_sequence_length=LTX2_TEXT_TOKENS),
+        "moving-shapes",
+        IMAGE_LR,
+    ),
 }
 
 
