@@ -39,8 +39,17 @@ def modular_pipeline(folder: Path, components: dict, without: tuple[str, ...] = 
                 blocks.sub_blocks.pop(name)
             pipeline = blocks.init_pipeline(str(folder))
         pipeline.update_components(**{name: part for name, part in components.items() if part is not None})
-    pipeline.set_progress_bar_config(disable=True)
+    quiet_blocks(pipeline._blocks)  # the blocks it runs (its `blocks` property is a copy)
     return pipeline
+
+
+def quiet_blocks(block) -> None:
+    """No progress bar from any block, however deep (the pipeline's own setting reaches its top-level blocks only,
+    and a denoising loop sits inside a workflow's block)."""
+    for sub in getattr(block, "sub_blocks", {}).values():
+        if hasattr(sub, "set_progress_bar_config"):
+            sub.set_progress_bar_config(disable=True)
+        quiet_blocks(sub)
 
 
 def exported_modular_index(source: Path, target: Path, written: set[str]) -> dict:

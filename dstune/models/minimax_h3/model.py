@@ -127,6 +127,9 @@ class MiniMaxH3(FlowModel):
         tokenizer, encoder = self.tokenizers["tokenizer"], self.text_encoders["text_encoder"]
         ids = tokenizer(caption, add_special_tokens=False)["input_ids"][: self.max_sequence_length]
         image, video = tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
+        if not ids:  # an empty caption (dropped, or the negative): no text rows (the encoder takes none)
+            width = encoder.config.text_config.hidden_size
+            return torch.zeros(0, width, device=self.device, dtype=encoder.dtype)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         # Qwen3-VL's own token types (its processor's create_mm_token_type_ids): 1 image pad, 2 video pad, 0 text
         types = (input_ids == image).long() + 2 * (input_ids == video).long()
