@@ -224,3 +224,14 @@ def test_validate_takes_the_built_in_and_refuses_what_the_unit_does_not_train(ca
     for key, (value, said) in refusals.items():
         code, text = validate(capsys, tmp_path, **{key: value, "sample.prompts": ["a red square"]})
         assert code == 1 and said in text and key in text, (key, text)
+
+
+def test_an_empty_caption_is_no_text_rows_and_trains(model):
+    """A dropped caption (data.caption_dropout) and the samples' negative are "": the caption has no tokens, so it
+    is no text rows (the text encoder takes no empty sequence), and the clip trains on its sound and video alone."""
+    encoded = model.encode_batch({**clips(model, [0]), "caption": [""]})
+    assert encoded["encoder_attention_mask"].sum() == 0
+    recorder = Recorder(model.trainable)
+    with torch.no_grad():
+        loss = model.loss(recorder, encoded, SEED, STEP)
+    assert torch.isfinite(loss) and recorder.calls[0]["text_indices"].numel() == 0
