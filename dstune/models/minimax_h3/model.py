@@ -32,7 +32,7 @@ import torch
 from dstune.families.base import FamilyError
 from dstune.families.diffusion import load_component
 from dstune.families.flow_matching import timestep_density
-from dstune.families.flow_model import FlowModel
+from dstune.families.flow_model import FlowModel, noisy_at
 from dstune.families.loss_terms import batch_loss
 from dstune.families.modular import modular_pipeline
 from dstune.families.precision import at_least_float32
@@ -259,8 +259,7 @@ class MiniMaxH3(FlowModel):
         indices = self.indices(encoded)
         noise = per_sample_randn(latents.shape[1:], seed, step, indices, "noise").to(latents.device)
         sigma, audio_sigma = self.draw_pair(seed, step, indices)
-        sigmas = sigma.to(latents.device).view(-1, 1, 1, 1, 1)
-        noisy = (1 - sigmas) * latents + sigmas * noise
+        sigmas, noisy = noisy_at(latents, noise, sigma.to(latents.device))  # sigmas shaped to the latents
         dtype = next(self.trainable.parameters()).dtype
         frames = self.frames_of(latents.shape[2])
         predictions, sound_errors = [], []
@@ -277,7 +276,7 @@ class MiniMaxH3(FlowModel):
             error = (at_least_float32(sound_velocity[0]) - (clean - drawn)).pow(2).mean()
             sound_errors.append(error * encoded["has_sound"][number].float())  # in the graph, weight 0 when silent
         prediction = torch.cat(predictions)
-        video_error = self.flow_error(prediction, noisy, latents, noise, sigmas.flatten(), encoded.get("loss_mask"))
+        video_error = self.flow_error(prediction, noisy, latents, noise, sigmas, encoded.get("loss_mask"))
         sound_error = torch.stack(sound_errors)
         self.last_loss_parts = {
             "video": float(video_error.detach().mean()),

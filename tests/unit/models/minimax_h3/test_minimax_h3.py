@@ -235,3 +235,17 @@ def test_an_empty_caption_is_no_text_rows_and_trains(model):
     with torch.no_grad():
         loss = model.loss(recorder, encoded, SEED, STEP)
     assert torch.isfinite(loss) and recorder.calls[0]["text_indices"].numel() == 0
+
+
+def test_a_batchs_loss_is_the_mean_of_its_clips_losses_under_a_per_sample_weighting(model):
+    """Each clip is its own packed forward with its own draws (by its dataset index), so a micro batch of two is the
+    mean of the two alone, with a per-sample loss weighting (cosmap) too: each clip's weight at its own sigma."""
+    from loaded_models import with_settings
+
+    weighted = with_settings(model, loss_weighting="cosmap")
+    with torch.no_grad():
+        both = weighted.loss(weighted.trainable, weighted.encode_batch(clips(model, [3, 4])), SEED, STEP)
+        alone = [
+            weighted.loss(weighted.trainable, weighted.encode_batch(clips(model, [i])), SEED, STEP) for i in (3, 4)
+        ]
+    assert both.item() == pytest.approx((alone[0].item() + alone[1].item()) / 2, rel=1e-5)
