@@ -22,7 +22,7 @@ from dstune.families.denoiser_facts import transformer_text_bytes
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import SpecIssues
 from dstune.families.video_card import VideoCard, clip_buckets, set_videos
-from dstune.memory.activations import in_plan_units, transformer_stack
+from dstune.memory.activations import transformer_stack
 
 PIPELINE = "MiniMaxH3ModularPipeline"
 TRANSFORMER = "MiniMaxH3Transformer3DModel"
@@ -69,7 +69,7 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[in
     rows = text_tokens(spec) + audio_rows(frames) + video
     hidden, layers = config.get("hidden_size", 5376), config.get("num_layers", 50)
     full, checkpointed = transformer_stack(rows, hidden, config.get("ffn_dim", 4 * hidden), True, layers)
-    return in_plan_units((2 * full, 2 * checkpointed), "bf16")
+    return int(full), int(checkpointed)  # the plan's units already (bytes at 2 bytes per element)
 
 
 def config_mismatches(folder: Path) -> list[str]:
