@@ -1,13 +1,15 @@
 """Real 2-rank DeepSpeed training of MiniMax-H3 text-to-video with stereo sound (builtin:tiny-minimax-h3, a diffusers
 modular pipeline folder; model.family video) on CPU, two launches on builtin:moving-shapes-av's 22-frame clips
 (17k+5) at 24 fps: in full under ZeRO 2 from the latent cache (each clip's sound rows beside its posterior) and the
-text cache, samples rendered through the modular blocks with their sound, its export loaded by
+text cache (the text encoder on one rank of the node), samples rendered through the modular blocks with their sound
+(from the prompts' cached text), its export loaded by
 ModularPipeline.from_pretrained rendering other frames than the base; LoRA under ZeRO 3 with gradient checkpointing,
 the sound read from the clips every step, resumed from its step-2 checkpoint with the same losses and LoRA file. Its
 sequence split is refused by validate (docs/family-minimax-h3.md)."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -66,6 +68,8 @@ def test_full_run_from_both_caches_samples_with_sound_and_exports_a_folder_its_m
     run_dir, _, proc = runs["full"]
     check_trains(run_dir, proc)
     assert "entries, built now" in proc.stdout
+    assert "text encoders: loaded on rank 0 only (the first of each node; 1 of 2 ranks)" in proc.stdout
+    assert re.search(r"loss \d+\.\d+ \(video \d+\.\d+, audio \d+\.\d+\)", proc.stdout)  # both streams' shares
     entries = [read_entry(path) for path in (run_dir.parent / "cache").rglob("*.safetensors")]
     clips = [entry for entry in entries if "latent_mean" in entry]
     assert clips and all(entry["latent_mean"].shape[1] == 7 for entry in clips)  # 22 frames -> 7 latent frames
