@@ -26,6 +26,7 @@ from dstune.data.images import (
     crop_fields,
     decoded_size,
     sample_rng,
+    stack_references,
 )
 from dstune.data.pairs import reference_key, reference_suffix
 from dstune.data.video import VideoCaptionDataset, stack_sounds
@@ -102,7 +103,9 @@ def collate_cached(samples: list[dict]) -> dict:
     """Every tensor of a sample (pixels or latents, the family's text tensors, the crop fields) stacked; a clip's
     sound read from its file (not cached) as collate_video stacks it."""
     batch = {
-        name: torch.stack([s[name] for s in samples])
+        name: stack_references(samples, name)
+        if name.startswith("control_")
+        else torch.stack([s[name] for s in samples])
         for name, value in samples[0].items()
         if torch.is_tensor(value) and name != "sound"  # has_sound: a tensor from the latent entry, else a bool
     }
