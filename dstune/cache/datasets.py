@@ -94,6 +94,9 @@ class CachedVideoDataset(VideoCaptionDataset):
             out = {"caption": self.caption_of(record, dropout_draw), "sample_id": record.sample_id, "index": position}
             out.update(read_entry(self.index.latent_paths[(record.sample_id, False)]))  # with its loss_mask, if masked
             out.update(self.set_fields(record))
+            if record.control_paths:  # in-context control: the reference clip's posterior mean, cached beside it
+                reference = read_entry(self.index.latent_paths[(record.sample_id + reference_suffix(0), False)])
+                out["control_latent_mean"] = reference["latent_mean"]
         if self.index.text:
             out.update(read_entry(self.index.text_paths[out["caption"]]))
         return out

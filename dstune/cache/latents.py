@@ -154,9 +154,9 @@ def _sizes(targets, data, video: bool) -> dict | None:
     with data.reference_size own its own size for that bucket (dstune.data.pairs.own_reference_size); a clip's
     (dstune.data.clips.ClipRecord) was chosen from its header when the clips were listed."""
     if video and data.sets is not None:  # each clip's bucket, or its set's square (a set's resolution keys it)
-        return {r.sample_id: r.size or (set_side(data, r.set_index),) * 2 for r in targets}
-    if video:
-        return {r.sample_id: r.size for r in targets} if data.buckets.enabled else None
+        return _with_references({r.sample_id: r.size or (set_side(data, r.set_index),) * 2 for r in targets}, targets)
+    if video:  # a reference clip (in-context control) is read at its clip's size
+        return _with_references({r.sample_id: r.size for r in targets}, targets) if data.buckets.enabled else None
     sizes = sample_buckets(targets, data)
     own = data.reference_size == "own" and any(r.control_paths for r in targets)
     if sizes is None and not own:
@@ -169,6 +169,14 @@ def _sizes(targets, data, video: bool) -> dict | None:
         found = _own_sizes(r, target) if own else [target] * len(r.control_paths)
         references.update({r.sample_id + reference_suffix(k): size for k, size in enumerate(found)})
     return {**sizes, **references}
+
+
+def _with_references(sizes: dict, targets) -> dict:
+    """`sizes` with each target's references at the target's size."""
+    found = {
+        r.sample_id + reference_suffix(k): sizes[r.sample_id] for r in targets for k in range(len(r.control_paths))
+    }
+    return {**sizes, **found}
 
 
 def _own_sizes(record, target) -> list:
