@@ -97,6 +97,9 @@ class CachedVideoDataset(VideoCaptionDataset):
             if record.control_paths:  # in-context control: the reference clip's posterior mean, cached beside it
                 reference = read_entry(self.index.latent_paths[(record.sample_id + reference_suffix(0), False)])
                 out["control_latent_mean"] = reference["latent_mean"]
+                if "sound_latent" in reference:  # its sound's latents, cached beside it as a clip's are
+                    out["control_sound_latent"] = reference["sound_latent"]
+                    out["control_has_sound"] = reference["has_sound"]
         if self.index.text:
             out.update(read_entry(self.index.text_paths[out["caption"]]))
         return out
@@ -114,6 +117,8 @@ def collate_cached(samples: list[dict]) -> dict:
     }
     batch.update(collate_loss_terms(samples))
     batch.update(stack_sounds(samples))
+    if "control_has_sound" in samples[0] and not torch.is_tensor(samples[0]["control_has_sound"]):  # read, not cached
+        batch["control_has_sound"] = torch.tensor([s["control_has_sound"] for s in samples], dtype=torch.bool)
     batch.update(
         caption=[s["caption"] for s in samples],
         sample_id=[s["sample_id"] for s in samples],

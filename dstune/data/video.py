@@ -274,6 +274,9 @@ class VideoCaptionDataset(ImageCaptionDataset):
             sample["sound"], sample["has_sound"] = self.clip_sound(record)
         if record.control_path is not None:
             sample["control_values"] = self.reference_clip(record)
+            if self.sound_rate:  # the reference's own sound track, where it has one (audio-to-audio)
+                reference = dataclasses.replace(record, image_path=record.control_path, mask_path=None)
+                sample["control_sound"], sample["control_has_sound"] = self.clip_sound(reference)
         return sample
 
     def reference_clip(self, record: ClipRecord) -> torch.Tensor:
@@ -299,8 +302,11 @@ def collate_video(samples: list[dict]) -> dict:
         "sample_id": [s["sample_id"] for s in samples],
         "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
     }
-    if "control_values" in samples[0]:  # in-context control's reference clips
+    if "control_values" in samples[0]:  # in-context control's reference clips (and their sound, where read)
         batch["control_values"] = torch.stack([s["control_values"] for s in samples])
+    if "control_sound" in samples[0]:
+        batch["control_sound"] = torch.stack([s["control_sound"] for s in samples])
+        batch["control_has_sound"] = torch.tensor([s["control_has_sound"] for s in samples], dtype=torch.bool)
     return {**batch, **stack_sounds(samples)}
 
 

@@ -217,7 +217,9 @@ def ic_lora_issues(spec) -> list[tuple[str, str]]:
         issues.append(
             (
                 "model.image_to_video",
-                "IC-LoRA (data.control_dir) trains text-to-video from reference clips; remove one of them",
+                "IC-LoRA (data.control_dir) trains text-to-video from reference clips: image-to-video with a reference "
+                "is not supported yet (its samples would need a first frame and a reference clip per prompt, which "
+                "sample.control_images does not hold); remove one of them",
             )
         )
     if spec.deepspeed.sequence_parallel_size > 1:

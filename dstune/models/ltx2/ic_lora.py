@@ -28,26 +28,67 @@ from dstune.families.flow_edit import source_latents
 from dstune.families.precision import at_least_float32
 from dstune.families.samples import read_control_clips
 from dstune.hf import quiet_hf_libraries
+from dstune.models.ltx2.audio import audio_tokens
 
 PIPELINE = "LTX2InContextPipeline"
 REFERENCE = "reference_latents"  # (B, C, f, h, w): the reference clip's latents in the transformer's scale
+REFERENCE_SOUND = "reference_sound_tokens"  # (B, T, D): the reference clip's sound as the transformer's audio tokens
 
 
 def encode(model, batch: dict) -> dict:
     """The reference clips' posterior means (B, C, f, h, w): cached (data.cache.latents: control_latent_mean), or
-    encoded now from the batch's control_values; nothing without them."""
+    encoded now from the batch's control_values; and where the references have sound (control_has_sound), their
+    sound's audio-VAE posterior means (cached beside them, or encoded from control_sound). Nothing without them."""
+    found = {}
     if batch.get("control_latent_mean") is not None:
-        return {"control_latent": batch["control_latent_mean"].to(model.device).float()}
-    if "control_values" not in batch:
-        return {}
-    return {"control_latent": source_latents(model, batch)[1]}
+        found["control_latent"] = batch["control_latent_mean"].to(model.device).float()
+    elif "control_values" in batch:
+        found["control_latent"] = source_latents(model, batch)[1]
+    heard = batch.get("control_has_sound")
+    if found and heard is not None and heard.bool().any():
+        found["control_has_sound"] = heard.to(model.device).reshape(-1).bool()
+        if batch.get("control_sound_latent") is not None:
+            found["control_sound_latent"] = batch["control_sound_latent"].to(model.device).float()
+        else:
+            found["control_sound_latent"] = model.encode_sound(batch["control_sound"].to(model.device))
+    return found
 
 
 def model_inputs(model, encoded: dict) -> dict:
-    """{reference_latents} in the transformer's scale (at least float32, concatenated before the cast)."""
+    """{reference_latents} in the transformer's scale (at least float32, concatenated before the cast), and
+    {reference_sound_tokens, reference_heard} where the references have sound."""
     if "control_latent" not in encoded:
         return {}
-    return {REFERENCE: model.to_model_latents(at_least_float32(encoded["control_latent"]))}
+    found = {REFERENCE: model.to_model_latents(at_least_float32(encoded["control_latent"]))}
+    if "control_sound_latent" in encoded:
+        found[REFERENCE_SOUND] = audio_tokens(model.parts["audio_vae"], encoded["control_sound_latent"])
+        found[REFERENCE_HEARD] = encoded["control_has_sound"]
+    return found
+
+
+REFERENCE_HEARD = "reference_heard"  # (B,) bool: the reference clip has a sound track (its sound joins the audio)
+
+
+def joined_sound(transformer, audio: torch.Tensor, timesteps: torch.Tensor, conditions: dict):
+    """Audio-to-audio (ltx-trainer's flexible strategy with a reference condition on the audio modality): (audio
+    tokens [reference | target] (B, R + T, D), per-token timesteps (B, R + T) with the reference's 0, the audio
+    coordinates of both, each from 0, R) where the batch's references carry sound; None otherwise. `audio` are the
+    target's noisy sound tokens, `timesteps` its (B,) timesteps."""
+    reference = conditions.get(REFERENCE_SOUND)
+    if reference is None:
+        return None
+    batch, count = audio.shape[0], audio.shape[1]
+    reference = reference.to(audio.device, audio.dtype)
+    per_token = timesteps.reshape(batch, 1).expand(batch, count)
+    clean = per_token.new_zeros(batch, reference.shape[1])
+    rope = transformer.audio_rope
+    coords = [rope.prepare_audio_coords(batch, tokens, audio.device) for tokens in (reference.shape[1], count)]
+    return (
+        torch.cat([reference, audio], dim=1),
+        torch.cat([clean, per_token], dim=1),
+        torch.cat(coords, dim=2),
+        reference.shape[1],
+    )
 
 
 def joined(transformer, tokens: torch.Tensor, timesteps: torch.Tensor, conditions: dict, grid: tuple, fps: float):

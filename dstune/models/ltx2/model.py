@@ -220,7 +220,9 @@ class Ltx2(FlowModel):
         sound_noise = per_sample_randn(sound.shape[1:], seed, step, indices, "audio_noise").to(sound.device)
         video = (noisy, timesteps, latents, noise, sigmas, mask)
         order, video_errors, sound_errors = [], [], []
-        for rows in (heard.nonzero().flatten(), (~heard).nonzero().flatten()):  # one transformer call per kind
+        echoed = conditions.get(ic_lora.REFERENCE_HEARD, torch.zeros_like(heard)).to(heard.device)
+        kinds = (heard & echoed, heard & ~echoed, ~heard)  # with the reference's sound, with its own only, silent
+        for kind, rows in enumerate(group.nonzero().flatten() for group in kinds):  # one transformer call per kind
             if len(rows) == 0:
                 continue
 
@@ -230,6 +232,8 @@ class Ltx2(FlowModel):
 
             clip_noisy, clip_timesteps, clip_latents, clip_noise, clip_sigmas, clip_mask = (pick(t) for t in video)
             given = {name: pick(value) for name, value in conditions.items()}
+            if kind != 0:  # the reference's sound joins only the sound of a clip that trains its own
+                given.pop(ic_lora.REFERENCE_SOUND, None)
             if heard[rows[0]]:
                 sigma_tokens = clip_sigmas.reshape(-1, 1, 1)
                 clean, drawn = pick(sound), pick(sound_noise)
@@ -283,14 +287,19 @@ class Ltx2(FlowModel):
         if joined is not None:  # IC-LoRA: [reference | target] tokens, the reference clean at timestep 0
             tokens, video_timesteps, coords, references = joined
             positions = {"video_coords": coords}
-        timesteps = timesteps.to(dtype)
+        timesteps, audio_timesteps, heard_references = timesteps.to(dtype), timesteps.to(dtype), 0
+        with_sound = None if isolated else ic_lora.joined_sound(self.trainable, audio, timesteps, conditions)
+        if with_sound is not None:  # audio-to-audio: [reference | target] sound tokens, the reference's at 0
+            audio, audio_timesteps, audio_coords, heard_references = with_sound
+            positions["audio_coords"] = audio_coords
+            audio_timesteps = audio_timesteps.to(dtype)
         video, audio_velocity = forward(
             hidden_states=tokens.to(dtype),
             audio_hidden_states=audio.to(dtype),
             encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
             audio_encoder_hidden_states=conditions["audio_encoder_hidden_states"].to(dtype),
             timestep=video_timesteps.to(dtype),
-            audio_timestep=timesteps,
+            audio_timestep=audio_timesteps,
             sigma=timesteps,
             encoder_attention_mask=conditions["encoder_attention_mask"],
             audio_encoder_attention_mask=conditions["encoder_attention_mask"],
@@ -303,7 +312,8 @@ class Ltx2(FlowModel):
             return_dict=False,
             **positions,
         )
-        return unpack(video[:, references:], noisy), audio_velocity  # the target's tokens: IC-LoRA's loss is theirs
+        # the target's tokens (video and sound): IC-LoRA's loss is theirs
+        return unpack(video[:, references:], noisy), audio_velocity[:, heard_references:]
 
     def own_split_plan(self, size: int) -> dict:
         """diffusers 0.42's plan splits the masked caption, which fails: dstune's (dstune.models.ltx2.split)."""

@@ -140,6 +140,84 @@ def test_the_loss_and_the_denoisers_inputs_are_ltx_trainers_video_to_video(built
     assert torch.allclose(given["sigma"], inputs["sigma"], atol=1e-3)
 
 
+def test_a_references_sound_joins_the_audio_as_ltx_trainers_audio_to_audio(built, tmp_path):
+    """Clips and references with sound (ltx-trainer's av2av_ic_lora.yaml: the flexible strategy with a reference
+    condition on both modalities): the reference's sound tokens come before the clip's, clean at timestep 0, each
+    part's audio positions from 0 (_get_audio_positions), the sound's loss over the clip's tokens only; the loss
+    equals those lines at 1e-5 and the transformer's audio inputs are theirs. One deliberate difference: the flexible
+    strategy draws a sigma per modality, dstune one per clip for both streams (TextToVideoStrategy's with_audio
+    lines, as dstune trains every LTX-2 clip): the reference is given dstune's. A reference without sound leaves the
+    clip's sound alone (video-to-video's lines: test above)."""
+    from dstune.data.index import list_samples
+    from dstune.data.video import VideoCaptionDataset, collate_video
+    from dstune.spec.models import DataSpec
+
+    from .ltx_trainer import reference_audio_latents, reference_audio_positions
+
+    targets, _ = write_pairs(tmp_path)
+    data = DataSpec(path=str(targets), control_dir="../control", resolution=32, video={"frames": FRAMES})
+    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED, built.sound_rate)
+    batch = collate_video([dataset[0], dataset[1]])
+    assert batch["has_sound"].all() and batch["control_has_sound"].all()
+    encoded = built.encode_batch(batch)
+    calls = []
+
+    def forward(**kwargs):
+        calls.append(kwargs)
+        return built.trainable(**kwargs)
+
+    with torch.no_grad():
+        ours = built.loss(forward, encoded, SEED, STEP)
+    indices = encoded["indices"].tolist()
+    vae, audio_vae, config = built.vae, built.parts["audio_vae"], built.transformer_config
+    video = patchify(normalised(vae, encoded["latent_mean"]))
+    ref_video = patchify(normalised(vae, encoded["control_latent"]))
+    b, c, f, h, w = encoded["latent_mean"].shape
+    sigmas = reference_sigmas("shifted_logit_normal", video.shape[1], indices)
+    noise = patchify(per_sample_randn((c, f, h, w), SEED, STEP, indices, "noise"))
+    s = sigmas.view(-1, 1, 1)
+    audio = reference_audio_latents(audio_vae, batch["sound"])
+    ref_audio = reference_audio_latents(audio_vae, batch["control_sound"])
+    audio_noise = per_sample_randn(audio.shape[1:], SEED, STEP, indices, "audio_noise")
+    scale = tuple(config["vae_scale_factors"])
+    inputs = dict(  # _apply_reference_condition on each modality: [reference | target], reference at 0
+        hidden_states=torch.cat([ref_video, (1 - s) * video + s * noise], dim=1),
+        audio_hidden_states=torch.cat([ref_audio, (1 - s) * audio + s * audio_noise], dim=1),
+        timestep=torch.cat([torch.zeros(b, ref_video.shape[1]), sigmas.view(-1, 1).expand(b, video.shape[1])], 1)
+        * 1000,
+        audio_timestep=torch.cat([torch.zeros(b, ref_audio.shape[1]), sigmas.view(-1, 1).expand(b, audio.shape[1])], 1)
+        * 1000,
+        video_coords=torch.cat([reference_positions(f, h, w, scale)] * 2, dim=2)[:b],
+        audio_coords=torch.cat(
+            [
+                reference_audio_positions(ref_audio.shape[1], b, config),
+                reference_audio_positions(audio.shape[1], b, config),
+            ],
+            dim=2,
+        ),
+    )
+    with torch.no_grad():
+        video_pred, audio_pred = built.trainable(
+            **inputs,
+            sigma=sigmas * 1000,
+            encoder_hidden_states=encoded["encoder_hidden_states"],
+            audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
+            encoder_attention_mask=encoded["encoder_attention_mask"],
+            audio_encoder_attention_mask=encoded["encoder_attention_mask"],
+            return_dict=False,
+        )
+    # _compute_modality_loss per modality (the prediction sliced to the targets' length, every target token counted)
+    video_loss = (video_pred[:, -video.shape[1] :] - (noise - video)).pow(2).mean(dim=[-2, -1])
+    audio_loss = (audio_pred[:, -audio.shape[1] :] - (audio_noise - audio)).pow(2).mean(dim=[-2, -1])
+    assert ours.item() == pytest.approx((video_loss + audio_loss).mean().item(), rel=1e-5)
+    (given,) = calls
+    assert given["audio_hidden_states"].shape == inputs["audio_hidden_states"].shape
+    assert torch.allclose(given["audio_hidden_states"], inputs["audio_hidden_states"], atol=1e-5)
+    assert torch.allclose(given["audio_timestep"].float(), inputs["audio_timestep"], atol=1e-3)
+    assert (given["audio_timestep"][:, : ref_audio.shape[1]] == 0).all()
+    assert torch.allclose(given["audio_coords"].float(), inputs["audio_coords"], atol=1e-5)
+
+
 def test_the_reference_changes_the_prediction(built, batch):
     """Swapping the two samples' references changes each sample's loss: the model reads them."""
     encoded = built.encode_batch(batch)
