@@ -93,7 +93,8 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[fl
     less the video-only figure at that caption: the sound tokens' own bytes and the cross-modal attention the video
     stream then runs (about a third more per video token). The plan counts every clip as having sound (whether a
     clip has a track is known only when it is read). IC-LoRA (data.control_dir) doubles the video tokens: the
-    reference's, at the clip's size, run through every block beside the clip's."""
+    reference's, at the clip's size, run through every block beside the clip's; so do its sound tokens (a reference
+    with sound: audio-to-audio)."""
     config = folder.config("transformer")
     width_hidden = config["num_attention_heads"] * config["attention_head_dim"]
     shape = ModelShape(width_hidden, {"transformer_blocks": config["num_layers"]})
@@ -103,6 +104,7 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[fl
     # a timestep per token (image-to-video's first frame, IC-LoRA's reference at 0): a modulation per token
     key = I2V_ACTIVATION_CONSTANTS if spec.model.image_to_video or references else ACTIVATION_CONSTANTS
     sound, split = audio_tokens(spec, folder, frames), spec.deepspeed.sequence_parallel_size
+    sound *= 2 if references else 1  # and its sound's tokens before the clip's (audio-to-audio: counted as heard)
     sample = clip_bytes(shape, video, sound, text_tokens(spec), spec.train.precision, key, split)
     return in_plan_units(sample, spec.train.precision)
 
