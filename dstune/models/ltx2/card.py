@@ -210,18 +210,27 @@ def image_to_video_issues(spec) -> list[tuple[str, str]]:
 
 
 def ic_lora_issues(spec) -> list[tuple[str, str]]:
-    """IC-LoRA (data.control_dir: a reference clip per sample, dstune.models.ltx2.ic_lora): what it does not combine
-    with yet: image-to-video and a sequence split (the references' timesteps are per token)."""
+    """IC-LoRA (data.control_dir: a reference clip per sample, dstune.models.ltx2.ic_lora): its samples' sources (a
+    reference clip per prompt, with image-to-video a [reference, first frame] pair), and what it does not combine
+    with: a sequence split (the references' timesteps are per token)."""
     if spec.data.control_dir is None:
         return []
     issues = []
-    if spec.model.image_to_video:
+    pairs = [one for one in spec.sample.control_images if not isinstance(one, str) and len(one) == 2]
+    if spec.model.image_to_video and len(pairs) != len(spec.sample.control_images):
         issues.append(
             (
-                "model.image_to_video",
-                "IC-LoRA (data.control_dir) trains text-to-video from reference clips: image-to-video with a reference "
-                "is not supported yet (its samples would need a first frame and a reference clip per prompt, which "
-                "sample.control_images does not hold); remove one of them",
+                "sample.control_images",
+                "IC-LoRA with model.image_to_video renders each sample from a reference clip and a first frame: give "
+                "each prompt a list of two paths, [reference clip, first frame image]",
+            )
+        )
+    if not spec.model.image_to_video and any(not isinstance(one, str) for one in spec.sample.control_images):
+        issues.append(
+            (
+                "sample.control_images",
+                "IC-LoRA renders each sample from one reference clip: give one path per prompt (a list of two, "
+                "[reference clip, first frame], is for model.image_to_video: true)",
             )
         )
     if spec.deepspeed.sequence_parallel_size > 1:

@@ -114,24 +114,37 @@ def joined(transformer, tokens: torch.Tensor, timesteps: torch.Tensor, condition
 
 def sample_sources(sample_spec) -> list:
     """sample.control_images as reference clips (each a list of RGB frames: a video's, or one image), one per
-    prompt. FamilyError naming the fix when there are none or one cannot be read."""
+    prompt; with image-to-video a prompt's [reference clip, first frame] as (clip, image). FamilyError naming the
+    fix when there are none or one cannot be read."""
     if not sample_spec.control_images:
         raise FamilyError(
             "sample.prompts: an IC-LoRA run (data.control_dir) renders each sample from a reference clip; give "
             "sample.control_images, one reference video (or image) per prompt (or set sample.prompts: [])."
         )
     try:
-        return read_control_clips(sample_spec.control_images)
+        return [
+            read_control_clips([one])[0] if isinstance(one, str) else FirstFrame(read_control_clips(one))
+            for one in sample_spec.control_images
+        ]
     except ValueError as err:
         raise FamilyError(str(err)) from None
 
 
-def sample_inputs(prompt: str, source: list) -> dict:
-    """One prompt's LTX2InContextPipeline inputs: its reference clip, fully clean (strength 1)."""
-    with quiet_hf_libraries():
-        from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition
+class FirstFrame(tuple):
+    """A prompt's (reference clip, [first frame]) for image-to-video IC-LoRA samples."""
 
-    return {"prompt": prompt, "reference_conditions": [LTX2ReferenceCondition(frames=source, strength=1.0)]}
+
+def sample_inputs(prompt: str, source) -> dict:
+    """One prompt's LTX2InContextPipeline inputs: its reference clip, fully clean (strength 1); with image-to-video
+    its first frame too, at frame 0, clean (LTX2VideoCondition, strength 1)."""
+    with quiet_hf_libraries():
+        from diffusers.pipelines.ltx2.pipeline_ltx2_ic_lora import LTX2ReferenceCondition, LTX2VideoCondition
+
+    clip = source[0] if isinstance(source, FirstFrame) else source
+    found = {"prompt": prompt, "reference_conditions": [LTX2ReferenceCondition(frames=clip, strength=1.0)]}
+    if isinstance(source, FirstFrame):
+        found["conditions"] = [LTX2VideoCondition(frames=source[1][0], index=0, strength=1.0)]
+    return found
 
 
 def pipeline_class(references: bool, transformer) -> Optional[str]:

@@ -331,9 +331,11 @@ class Ltx2(FlowModel):
         return getattr(diffusers, name), self.parts
 
     def sample_sources(self, sample_spec, prompts: list[str]):
-        """Image-to-video: the first frames; text-to-video with sample.control_images (an IC-LoRA run, which
-        model_spec_issues allows only with data.control_dir): the reference clips; else None."""
-        self.references_sampled = not self.mode and bool(sample_spec.control_images)
+        """Image-to-video: the first frames; with sample.control_images in text-to-video, or as [reference, first
+        frame] pairs in image-to-video (an IC-LoRA run: model_spec_issues allows them only with data.control_dir):
+        the reference clips; else None."""
+        paired = any(not isinstance(one, str) for one in sample_spec.control_images)  # image-to-video IC-LoRA
+        self.references_sampled = (not self.mode or paired) and bool(sample_spec.control_images)
         if self.references_sampled:
             return ic_lora.sample_sources(sample_spec)
         return i2v.sample_sources(self, sample_spec, prompts)

@@ -67,16 +67,18 @@ def patchify(latents: torch.Tensor) -> torch.Tensor:
     return latents.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c)
 
 
-def ltx_trainer_video_to_video(built, encoded: dict, indices: list[int]):
-    """VideoToVideoStrategy.prepare_training_inputs and compute_loss, retyped (first_frame_conditioning_p 0, the
-    reference at the target's size: downscale factor 1), with dstune's draws: (loss per sample, the transformer's
-    inputs)."""
+def ltx_trainer_video_to_video(built, encoded: dict, indices: list[int], first_frame: bool = False):
+    """VideoToVideoStrategy.prepare_training_inputs and compute_loss, retyped (first_frame_conditioning_p 0, or 1
+    with `first_frame`: _create_first_frame_conditioning_mask's first h x w target tokens; the reference at the
+    target's size: downscale factor 1), with dstune's draws: (loss per sample, the transformer's inputs)."""
     target_latents = patchify(normalised(built.vae, encoded["latent_mean"]))
     ref_latents = patchify(normalised(built.vae, encoded["control_latent"]))
     b, c, f, h, w = encoded["latent_mean"].shape
     batch_size, ref_seq_len, target_seq_len = target_latents.shape[0], ref_latents.shape[1], target_latents.shape[1]
     ref_conditioning_mask = torch.ones(batch_size, ref_seq_len, dtype=torch.bool)
     target_conditioning_mask = torch.zeros(batch_size, target_seq_len, dtype=torch.bool)
+    if first_frame:
+        target_conditioning_mask[:, : h * w] = True
     conditioning_mask = torch.cat([ref_conditioning_mask, target_conditioning_mask], dim=1)
     sigmas = reference_sigmas("shifted_logit_normal", target_seq_len, indices)
     noise = patchify(per_sample_randn((c, f, h, w), SEED, STEP, indices, "noise"))
@@ -216,6 +218,43 @@ def test_a_references_sound_joins_the_audio_as_ltx_trainers_audio_to_audio(built
     assert torch.allclose(given["audio_timestep"].float(), inputs["audio_timestep"], atol=1e-3)
     assert (given["audio_timestep"][:, : ref_audio.shape[1]] == 0).all()
     assert torch.allclose(given["audio_coords"].float(), inputs["audio_coords"], atol=1e-5)
+
+
+def test_image_to_video_with_a_reference_is_ltx_trainers_video_to_video_with_its_first_frame(batch, tmp_path):
+    """IC-LoRA with model.image_to_video: VideoToVideoStrategy with first_frame_conditioning_p 1 (every clip's first
+    latent frame clean at timestep 0 and outside the loss, after the reference's tokens): the loss at 1e-5 and the
+    transformer's inputs; samples through LTX2InContextPipeline from a [reference clip, first frame] pair per
+    prompt, another first frame another clip."""
+    from dstune.spec.models import SampleSpec
+
+    built = load_tiny_ltx2(NAME, image_to_video=True)
+    encoded = built.encode_batch(batch)
+    calls = []
+
+    def forward(**kwargs):
+        calls.append(kwargs)
+        return built.trainable(**kwargs)
+
+    with torch.no_grad():
+        ours = built.loss(forward, encoded, SEED, STEP)
+    per_sample, inputs = ltx_trainer_video_to_video(built, encoded, encoded["indices"].tolist(), first_frame=True)
+    assert ours.item() == pytest.approx(per_sample.mean().item(), rel=1e-5)
+    (given,) = calls
+    assert torch.allclose(given["hidden_states"], inputs["hidden_states"], atol=1e-5)
+    assert torch.allclose(given["timestep"], inputs["timestep"], atol=1e-3) and (given["timestep"][:, :64] == 0).all()
+    reference = tmp_path / "reference.mp4"
+    reference.write_bytes(moving_shape_av_mp4(5, 32, FRAMES))
+    rendered = []
+    for number in (0, 1):
+        from dstune.data.synthetic import render_moving_shape
+
+        first = tmp_path / f"first{number}.png"
+        render_moving_shape(number, 32, FRAMES)[0][0].save(first)
+        spec = SampleSpec(prompts=["x"], control_images=[[str(reference), str(first)]], steps=2, guidance=1.0, seed=1)
+        rendered.append(built.sample(built.trainable, spec.prompts, spec, 32)[0])
+    assert type(built.pipeline(built.trainable)).__name__ == "LTX2InContextPipeline"
+    first, second = (torch.tensor(np.stack([np.asarray(frame) for frame in clip])).float() for clip in rendered)
+    assert (first - second).abs().mean() > 0.1  # the same reference, prompt and noise, another first frame
 
 
 def test_the_reference_changes_the_prediction(built, batch):
@@ -370,3 +409,40 @@ def test_references_train_from_the_latent_cache_as_from_their_files(built, tmp_p
     with torch.no_grad():
         losses = [model.loss(model.trainable, model.encode_batch(b), SEED, STEP).item() for b in (cached, read)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_validate_takes_image_to_video_ic_lora_with_a_reference_and_a_first_frame_per_prompt(capsys, tmp_path):
+    """model.image_to_video with data.control_dir validates when each sample prompt gives [reference clip, first
+    frame]; one path per prompt is named with the fix (and a pair without image-to-video)."""
+    from dstune.cli import main
+    from dstune.data.synthetic import render_moving_shape
+
+    targets, control = write_pairs(tmp_path)
+    render_moving_shape(0, 32, FRAMES)[0][0].save(tmp_path / "first.png")
+    pair = [str(control / "a.mp4"), str(tmp_path / "first.png")]
+    spec = {
+        "model": {
+            "family": "video",
+            "pretrained": NAME,
+            "train": "lora",
+            "max_sequence_length": 32,
+            "timestep_sampling": "shifted_logit_normal",
+            "image_to_video": True,
+            "sample_frames": 9,
+        },
+        "data": {"path": str(targets), "control_dir": "../control", "resolution": 32, "video": {"frames": FRAMES}},
+        "train": {"micro_batch_size": 1, "max_steps": 4},
+        "sample": {"prompts": ["p"], "control_images": [pair]},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    path = tmp_path / "spec.yaml"
+    results = []
+    for image_to_video, images in ((True, [pair]), (True, [pair[0]]), (False, [pair])):
+        spec["model"]["image_to_video"], spec["sample"]["control_images"] = image_to_video, images
+        path.write_text(json.dumps(spec))
+        code = main(["validate", str(path), "--num-gpus", "2"])
+        out = capsys.readouterr()
+        results.append((code, out.out + out.err))
+    assert results[0][0] == 0, results[0][1]
+    assert results[1][0] == 1 and "[reference clip, first frame image]" in results[1][1]
+    assert results[2][0] == 1 and "one reference clip: give one path per prompt" in results[2][1]
