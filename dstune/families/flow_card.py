@@ -161,7 +161,7 @@ class FlowCard(PipelineCard):
         folder's sampling steps, the sample folder and the LoRA format."""
         issues = self.settings_issues(spec.model) or self._side_issues(spec) or self._steps_issues(spec)
         issues = issues or self.source_image_issues(spec) or self.reference_count_issues(spec)
-        return issues + _sample_folder_issues(spec) + self._lora_format_issues(spec)
+        return issues + _sample_folder_issues(spec) + self._lora_format_issues(spec) + self.text_offload_issues(spec)
 
     def _side_issues(self, spec) -> SpecIssues:
         """Image sides the model cannot take: side_px, or the VAE config's spatial factor x the latent rows a token
