@@ -56,6 +56,7 @@ from dstune.data.images import (
 )
 from dstune.data.clips import set_side, set_video
 from dstune.data.index import SampleRecord, builtin_of, is_video_file
+from dstune.data.pairs import is_reference
 from dstune.data.sound import decode_sound
 from dstune.data.synthetic import MOVING_SHAPES_AV_FPS, moving_shape_av_mp4, render_moving_shape, render_shape
 from dstune.spec.models import DataSpec
@@ -199,7 +200,11 @@ class VideoCaptionDataset(ImageCaptionDataset):
         return clip_tensor(self.clip_images(record), record.size or self.side(record))
 
     def cache_pixels(self, record: ClipRecord, size, flip: bool) -> torch.Tensor:
-        return self.load_clip(record)  # random_flip is refused for video: the one centre crop, at the clip's size
+        """The clip at its size (random_flip is refused for video: the one centre crop); a reference's record
+        (dstune.data.index.control_records): its reference clip, read as training reads it."""
+        if is_reference(record.sample_id):
+            return self.reference_clip(record)
+        return self.load_clip(record)
 
     def clip_mask(self, record: ClipRecord) -> torch.Tensor:
         """The clip's loss mask, float32 (1, frames, H, W) in [0, 1], cut as its frames are (resized to the frames'

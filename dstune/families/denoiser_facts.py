@@ -261,14 +261,15 @@ def latent_channels(folder: PipelineFolder) -> tuple[int, int]:
     return vae.get("latent_channels") or vae.get("z_dim", 4), vae_factor(vae)
 
 
-def image_latent_bytes(spec, folder: PipelineFolder, companions: dict, pictures: int = 1) -> int:
+def image_latent_bytes(spec, folder: PipelineFolder, companions: dict, pictures: float = 1) -> int:
     """One sample's cached VAE posterior (mean and std, float32) at data.resolution's square; `pictures`: 2 for an
-    edit model (the source's latents too). 0 without data.cache.latents."""
+    edit model (the source's latents too), in target areas (FlowCard.picture_areas). 0 without
+    data.cache.latents."""
     if not (spec.data.cache.latents and "vae" in companions):
         return 0
     channels, factor = latent_channels(folder)
     side = spec.data.resolution // factor
-    return pictures * 2 * channels * side**2 * 4
+    return round(pictures * 2 * channels * side**2 * 4)
 
 
 def embedding_width_bytes(spec) -> int:

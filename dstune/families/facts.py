@@ -83,7 +83,7 @@ class Attention:
     # patch a token packs, from the model's configs), and the pictures in one sample's sequence (an edit model's
     # target and source: 2)
     px_per_token: int = 0
-    pictures: int = 1
+    pictures: float = 1  # in target areas: own-size references at their bound (FlowCard.picture_areas)
 
 
 class FamilyFacts:

@@ -27,6 +27,7 @@ from dstune.families.folders import component_problems, read_component_config, r
 from dstune.families.pipeline_card import PipelineCard, SpecIssues
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.counts import SizesUnknown, count_component, vae_factor
+from dstune.data.pairs import own_area_bound
 from dstune.memory.working import Geometry
 from dstune.model_folders import builtin_name_problem, locate
 
@@ -96,6 +97,15 @@ class FlowCard(PipelineCard):
         """The pictures in one sample's sequence (an edit model's target and source: 2)."""
         return 1
 
+    def picture_areas(self, spec, folder: PipelineFolder) -> float:
+        """The pictures of one sample's sequence in target areas: pictures(), each reference at its own size
+        (data.reference_size own) counted at the most pixels its rule gives (dstune.data.pairs.own_area_bound)."""
+        pictures = self.pictures(spec, folder)
+        if pictures == 1 or spec.data.reference_size != "own":
+            return pictures
+        side = spec.data.resolution
+        return 1 + (pictures - 1) * own_area_bound(side) / side**2
+
     def pad_tokens(self, tokens: float) -> float:
         """What the transformer pads a sequence of `tokens` tokens to."""
         return tokens
@@ -116,7 +126,7 @@ class FlowCard(PipelineCard):
     def activation_bytes(self, spec, folder: PipelineFolder, config: dict, clips) -> tuple[float, float]:
         """The measured constants over its image tokens (2x2 latent patches, 16 px; every picture's) and its text
         tokens."""
-        image_tokens = self.pad_tokens(self.pictures(spec, folder) * (spec.data.resolution / 16) ** 2)
+        image_tokens = self.pad_tokens(self.picture_areas(spec, folder) * (spec.data.resolution / 16) ** 2)
         sample = measured_sample_bytes(
             self.activations,
             self.activation_shape(config),
@@ -131,7 +141,7 @@ class FlowCard(PipelineCard):
         return config.get(self.text_width_key)
 
     def cache_bytes(self, spec, folder: PipelineFolder, companions: dict, num_samples: int, clips) -> int:
-        per_sample = image_latent_bytes(spec, folder, companions, self.pictures(spec, folder))
+        per_sample = image_latent_bytes(spec, folder, companions, self.picture_areas(spec, folder))
         if folder.has("transformer"):
             width = self.text_width(folder.config("transformer"))
             per_sample += transformer_text_bytes(spec, folder, self.text_tokens(spec, folder), width)
@@ -286,7 +296,7 @@ class FlowCard(PipelineCard):
             origin,
             text_tokens=self.text_tokens(spec, folder),
             px_per_token=px_per_token,
-            pictures=self.pictures(spec, folder),
+            pictures=self.picture_areas(spec, folder),
         )
 
 

@@ -132,8 +132,8 @@ def clip_bytes(
 
 def cache_bytes(spec, folder, companions: dict, num_samples: int, buckets) -> int:
     """Each bucket's clips' posteriors (float32 mean and std) at the VAE's own compression and their sound latents
-    (float32, latent_channels x mel_bins / 4 per sound token, and has_sound), and each caption's connector
-    outputs."""
+    (float32, latent_channels x mel_bins / 4 per sound token, and has_sound), as many again for IC-LoRA's reference
+    clips (an entry of the same size beside each clip's), and each caption's connector outputs."""
     text = (
         sum(
             transformer_text_bytes(spec, folder, tokens, width) for tokens, width in text_tokens_and_width(spec, folder)
@@ -146,7 +146,8 @@ def cache_bytes(spec, folder, companions: dict, num_samples: int, buckets) -> in
     spatial, temporal = compression(folder)
     audio = folder.config("audio_vae") if "audio_vae" in companions else {}
     sound_width = audio.get("latent_channels", 0) * audio.get("mel_bins", 0) // MEL_COMPRESSION
-    return text + sum(
+    entries = 2 if spec.data.control_dir is not None else 1  # IC-LoRA: each reference clip's entry beside its clip's
+    return text + entries * sum(
         (2 * channels * clip_tokens(frames, width, height, spatial, temporal) * 4) * count
         + (sound_width * audio_tokens(spec, folder, frames) * 4 + 4) * count * bool(audio)
         for frames, width, height, count in buckets
@@ -208,19 +209,10 @@ def image_to_video_issues(spec) -> list[tuple[str, str]]:
 
 def ic_lora_issues(spec) -> list[tuple[str, str]]:
     """IC-LoRA (data.control_dir: a reference clip per sample, dstune.models.ltx2.ic_lora): what it does not combine
-    with yet: the latent cache (the references are encoded every step), image-to-video and a
-    sequence split (the references' timesteps are per token)."""
+    with yet: image-to-video and a sequence split (the references' timesteps are per token)."""
     if spec.data.control_dir is None:
         return []
     issues = []
-    if spec.data.cache.latents:
-        issues.append(
-            (
-                "data.cache.latents",
-                "IC-LoRA (data.control_dir) encodes each sample's reference clip every step; the latent cache does "
-                "not store references yet. Set data.cache.latents: false (the text cache is fine)",
-            )
-        )
     if spec.model.image_to_video:
         issues.append(
             (

@@ -34,7 +34,10 @@ REFERENCE = "reference_latents"  # (B, C, f, h, w): the reference clip's latents
 
 
 def encode(model, batch: dict) -> dict:
-    """The reference clips' posterior means (B, C, f, h, w), from the batch's control_values; nothing without them."""
+    """The reference clips' posterior means (B, C, f, h, w): cached (data.cache.latents: control_latent_mean), or
+    encoded now from the batch's control_values; nothing without them."""
+    if batch.get("control_latent_mean") is not None:
+        return {"control_latent": batch["control_latent_mean"].to(model.device).float()}
     if "control_values" not in batch:
         return {}
     return {"control_latent": source_latents(model, batch)[1]}

@@ -195,9 +195,9 @@ def test_samples_render_from_the_reference_and_the_lora_loads_in_the_in_context_
     assert loaded.item() == pytest.approx(trained.item(), rel=1e-6) and loaded.item() != base.item()
 
 
-def test_validate_names_a_sample_without_its_reference_and_refuses_the_latent_cache(capsys, tmp_path):
+def test_validate_names_a_sample_without_its_reference_and_plans_the_cached_references(capsys, tmp_path):
     """A target without its reference is named (and found once it is there); the memory plan counts the
-    reference's tokens; the latent cache is refused, saying why."""
+    reference's tokens, and with the latent cache each reference's entry beside its clip's."""
     from dstune.cli import main
     from dstune.families.denoiser_facts import pipeline_folder
     from dstune.models.ltx2.card import sample_bytes
@@ -240,6 +240,55 @@ def test_validate_names_a_sample_without_its_reference_and_refuses_the_latent_ca
     assert full > 2 * alone
     spec["data"]["cache"]["latents"] = True
     path.write_text(json.dumps(spec))
-    assert main(["validate", str(path), "--num-gpus", "2"]) == 1
-    out = capsys.readouterr()
-    assert "IC-LoRA (data.control_dir) encodes each sample's reference clip every step" in out.out + out.err
+    assert main(["validate", str(path), "--num-gpus", "2", "--json"]) == 0
+    cached = json.loads(capsys.readouterr().out)["memory"]["cache_disk_bytes"]
+    spec["data"]["control_dir"] = None
+    path.write_text(json.dumps(spec))
+    assert main(["validate", str(path), "--num-gpus", "2", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)["memory"]["cache_disk_bytes"]
+    assert cached > alone  # the references' entries (as large as their clips') beside the clips' and the text's
+
+
+def test_references_train_from_the_latent_cache_as_from_their_files(built, tmp_path):
+    """The real start-up (validate, cache build, loader) with data.cache.latents: each reference clip is cached
+    beside its clip (its posterior mean, control_latent_mean, of the clip's latent shape) and a cached batch trains
+    as the same samples read from the files (same loss); the sound is still read from the clips."""
+    import yaml
+
+    from dstune.data.index import list_samples
+    from dstune.data.video import VideoCaptionDataset, collate_video
+    from dstune.spec.models import DataSpec
+    from loaded_models import CACHE_DIR, start_up
+
+    targets, _ = write_pairs(tmp_path)
+    spec = {
+        "model": {
+            "family": "video",
+            "pretrained": NAME,
+            "train": "lora",
+            "max_sequence_length": TEXT_TOKENS,
+            "timestep_sampling": "shifted_logit_normal",
+        },
+        "data": {
+            "path": str(targets),
+            "control_dir": "../control",
+            "resolution": 32,
+            "video": {"frames": FRAMES},
+            "cache": {"latents": True, "dir": str(tmp_path / "cache")},
+        },
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 1},
+        "output": {"dir": str(tmp_path / "run"), "cache_dir": str(CACHE_DIR)},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    model, caches, loader = start_up(path)
+    cached = next(iter(loader))
+    assert cached["control_latent_mean"].shape == cached["latent_mean"].shape and "control_values" not in cached
+    assert not torch.equal(cached["control_latent_mean"], cached["latent_mean"])
+    data = DataSpec(path=str(targets), control_dir="../control", resolution=32, video={"frames": FRAMES})
+    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED, model.sound_rate)
+    read = collate_video([dataset[int(i)] for i in cached["index"]])
+    read["caption"] = cached["caption"]  # the same captions (the cached batch's dropout draws)
+    with torch.no_grad():
+        losses = [model.loss(model.trainable, model.encode_batch(b), SEED, STEP).item() for b in (cached, read)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
