@@ -151,7 +151,7 @@ def _with_sources(records) -> list:
 
 def _sizes(targets, data, video: bool) -> dict | None:
     """sample_id -> bucket with data.buckets; a reference takes its target's bucket (the pair stays together), or
-    with data.reference_size own its own size for that bucket (dstune.data.pairs.own_reference_size); a clip's
+    with data.reference_size own its own size for that bucket (dstune.spec.reference_sizes.own_reference_size); a clip's
     (dstune.data.clips.ClipRecord) was chosen from its header when the clips were listed."""
     if video and data.sets is not None:  # each clip's bucket, or its set's square (a set's resolution keys it)
         return _with_references({r.sample_id: r.size or (set_side(data, r.set_index),) * 2 for r in targets}, targets)

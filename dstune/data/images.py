@@ -298,7 +298,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
     def control_pixels(self, record: SampleRecord, size, crop_x: float, crop_y: float, flip: bool):
         """Edit pairs: each of the record's references resized and cropped exactly as its target (to the target's
         size: data.resolution or its bucket, same crop fractions, same flip), or with data.reference_size own
-        resized whole to its own size (dstune.data.pairs.own_reference_size) and flipped with its target, as
+        resized whole to its own size (dstune.spec.reference_sizes.own_reference_size) and flipped with its target, as
         (3, H, W) tensors keyed `control_values`, `control_values_2`, ... (dstune.data.pairs.reference_key); {}
         unpaired."""
         found = {}

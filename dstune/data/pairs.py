@@ -16,13 +16,12 @@ k > 1 adds `_k` to the batch keys and k to the cache suffix (`control_values_2`,
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path, PurePosixPath
 
 from dstune.spec.data_sections import reference_key  # noqa: F401 (the batch keys, named with data.control_dir)
+from dstune.spec.reference_sizes import own_reference_size  # noqa: F401 (data.reference_size own's rule)
 
-REFERENCE_MULTIPLE = 32  # data.reference_size own: a reference's sides, as the edit pipelines round them
 CONTROL_FIELD = "control_file_name"  # the metadata.jsonl field naming a target's source image
 CONTROL_SUFFIX = "#control"  # a source's id in the latent cache: its target's sample_id + this
 _NAMES_LISTED = 5
@@ -40,31 +39,6 @@ class DataError(ValueError):
 def reference_suffix(number: int) -> str:
     """The cache id suffix of a target's reference `number` (0-based): `#control`, `#control2`, ..."""
     return CONTROL_SUFFIX if number == 0 else f"{CONTROL_SUFFIX}{number + 1}"
-
-
-def own_reference_size(size: tuple[int, int], target) -> tuple[int, int]:
-    """data.reference_size own: the (width, height) a reference of `size` (width, height) trains at: its aspect
-    ratio at the area of `target` (a square side, or a bucket's (width, height)), each side rounded to a multiple
-    of REFERENCE_MULTIPLE (at least one), as QwenImageEditPlusPipeline's calculate_dimensions rounds them."""
-    target_w, target_h = (target, target) if isinstance(target, int) else target
-    ratio = size[0] / size[1]
-    width = math.sqrt(target_w * target_h * ratio)
-    height = width / ratio
-    return tuple(
-        max(REFERENCE_MULTIPLE, round(side / REFERENCE_MULTIPLE) * REFERENCE_MULTIPLE) for side in (width, height)
-    )
-
-
-PLANNED_ASPECT = 4  # the memory plan counts own-size references of aspect ratios up to 4:1 (and 1:4)
-
-
-def own_area_bound(target: int) -> int:
-    """The most pixels own_reference_size gives a reference for a `target` square, over aspect ratios from
-    1:PLANNED_ASPECT to PLANNED_ASPECT:1 (the rounding to 32 px can add to the target's area): what the memory plan
-    and the sequence-parallel checks count per own-size reference."""
-    steps = 2000
-    ratios = (PLANNED_ASPECT ** (2 * k / steps - 1) for k in range(steps + 1))
-    return max(math.prod(own_reference_size((ratio, 1.0), target)) for ratio in ratios)
 
 
 def is_reference(sample_id: str) -> bool:

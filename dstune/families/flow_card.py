@@ -22,12 +22,12 @@ from dstune.families.denoiser_facts import (
     side_issues,
     transformer_text_bytes,
 )
+from dstune.spec.reference_sizes import own_area_bound
 from dstune.families.facts import Attention, no_plan_refusal
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import PipelineCard, SpecIssues
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.counts import SizesUnknown, count_component, vae_factor
-from dstune.data.pairs import own_area_bound
 from dstune.memory.working import Geometry
 from dstune.model_folders import builtin_name_problem, locate
 
@@ -99,7 +99,7 @@ class FlowCard(PipelineCard):
 
     def picture_areas(self, spec, folder: PipelineFolder) -> float:
         """The pictures of one sample's sequence in target areas: pictures(), each reference at its own size
-        (data.reference_size own) counted at the most pixels its rule gives (dstune.data.pairs.own_area_bound)."""
+        (data.reference_size own) counted at the most pixels its rule gives (dstune.spec.reference_sizes.own_area_bound)."""
         pictures = self.pictures(spec, folder)
         if pictures == 1 or spec.data.reference_size != "own":
             return pictures
