@@ -20,7 +20,7 @@ import os
 from pathlib import Path, PurePosixPath
 
 from dstune.spec.data_sections import reference_key  # noqa: F401 (the batch keys, named with data.control_dir)
-from dstune.spec.reference_sizes import REFERENCE_MULTIPLE, own_area_bound, own_reference_size  # noqa: F401
+from dstune.spec.reference_sizes import own_reference_size  # noqa: F401 (data.reference_size own's rule)
 
 CONTROL_FIELD = "control_file_name"  # the metadata.jsonl field naming a target's source image
 CONTROL_SUFFIX = "#control"  # a source's id in the latent cache: its target's sample_id + this

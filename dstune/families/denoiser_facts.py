@@ -142,6 +142,8 @@ def count_denoiser(spec, num_samples: int, clips, card: DenoiserFacts) -> ModelC
     # a family without the rule loads them on every rank, with nothing to say about it (no spec key changes it)
     why_every_rank = text_once_per_node(spec, card.samples_from_cached_text) if card.text_once else ""
     text_parts = tuple(part for part in companions if part in TEXT_PARTS)
+    # model.text_encoder_offload holds one module's own parameters at a time: the largest over the text encoders
+    text_layer = max((count_component(str(folder.path / part / "config.json"))[1] for part in text_parts), default=0)
     return ModelCounts(
         module,
         params,
@@ -162,6 +164,7 @@ def count_denoiser(spec, num_samples: int, clips, card: DenoiserFacts) -> ModelC
         text_on_every_rank=why_every_rank if text_parts and why_every_rank else "",
         offloaded_sample_bytes=int(max(min(offloaded, checkpointed), 0.0)),
         offload_block_bytes=int(max(min(one_block, offloaded), 0.0)),
+        text_offload_layer_params=text_layer,
         **working_counts(spec, folder, companions, card, read_config(config_path), clips),
     )
 

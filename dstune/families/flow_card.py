@@ -22,12 +22,12 @@ from dstune.families.denoiser_facts import (
     side_issues,
     transformer_text_bytes,
 )
+from dstune.spec.reference_sizes import own_area_bound
 from dstune.families.facts import Attention, no_plan_refusal
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import PipelineCard, SpecIssues
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.counts import SizesUnknown, count_component, vae_factor
-from dstune.spec.reference_sizes import own_area_bound
 from dstune.memory.working import Geometry
 from dstune.model_folders import builtin_name_problem, locate
 
@@ -171,7 +171,7 @@ class FlowCard(PipelineCard):
         folder's sampling steps, the sample folder and the LoRA format."""
         issues = self.settings_issues(spec.model) or self._side_issues(spec) or self._steps_issues(spec)
         issues = issues or self.source_image_issues(spec) or self.reference_count_issues(spec)
-        return issues + _sample_folder_issues(spec) + self._lora_format_issues(spec)
+        return issues + _sample_folder_issues(spec) + self._lora_format_issues(spec) + self.text_offload_issues(spec)
 
     def _side_issues(self, spec) -> SpecIssues:
         """Image sides the model cannot take: side_px, or the VAE config's spatial factor x the latent rows a token

@@ -1,17 +1,18 @@
-"""How data.reference_size own sizes a reference image (torch-free, no files read): the rule the datasets apply
-(dstune.data.pairs re-exports it) and the bound the memory plan counts (dstune.families.flow_card)."""
+"""data.reference_size `own`: the size each reference (an edit model's source image) trains at, by itself. Pure
+arithmetic on sizes, no files: the data layer sizes references with it, and the cards count the pictures' tokens
+with it in the memory plan and the sequence-parallel checks (so it sits below both)."""
 
 from __future__ import annotations
 
 import math
 
-REFERENCE_MULTIPLE = 32  # data.reference_size own: a reference's sides, as the edit pipelines round them
+REFERENCE_MULTIPLE = 32  # a reference's sides, as the edit pipelines round them
 
 
 def own_reference_size(size: tuple[int, int], target) -> tuple[int, int]:
     """data.reference_size own: the (width, height) a reference of `size` (width, height) trains at: its aspect
     ratio at the area of `target` (a square side, or a bucket's (width, height)), each side rounded to a multiple
-    of REFERENCE_MULTIPLE (at least one), as the multi-image edit pipelines round them."""
+    of REFERENCE_MULTIPLE (at least one), as QwenImageEditPlusPipeline's calculate_dimensions rounds them."""
     target_w, target_h = (target, target) if isinstance(target, int) else target
     ratio = size[0] / size[1]
     width = math.sqrt(target_w * target_h * ratio)

@@ -94,11 +94,12 @@ class Ltx2(FlowModel):
 
         encoders, tokenizers = super().load_text_encoders()
         gemma = getattr(transformers, self.listed_class("text_encoder", TEXT_ENCODERS)).from_pretrained
-        encoder = load_component(self.folder, "text_encoder", gemma).to(self.device, self.frozen_dtype)
-        encoders["text_encoder"] = encoder.eval().requires_grad_(False)
+        encoders["text_encoder"] = self.place_text(
+            load_component(self.folder, "text_encoder", gemma), self.frozen_dtype
+        )
         loader = LTX2TextConnectors.from_pretrained
         connectors = load_component(self.folder, "connectors", loader, torch_dtype=self.frozen_dtype)
-        encoders["connectors"] = connectors.to(self.device).eval().requires_grad_(False)
+        encoders["connectors"] = self.place_text(connectors, None)
         return encoders, tokenizers
 
     def load_parts(self) -> dict:

@@ -368,7 +368,7 @@ def test_the_sequence_split_counts_each_reference_at_its_own_size_and_the_plan_a
     data.resolution (aspect ratios up to 4:1: 1.5 x 64 x 64 px at 64 px, 1.03 x at 1024)."""
     from dstune.data.buckets import own_size_pictures
     from dstune.data.index import index_dataset
-    from dstune.data.pairs import own_area_bound
+    from dstune.spec.reference_sizes import own_area_bound
     from dstune.families.denoiser_facts import pipeline_folder
     from dstune.sequence_parallel import bucket_tokens
 
