@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
 from dstune.card import DATA_PIXELS, ModelCard, PixelRange
+from dstune.families.denoiser_facts import text_once_per_node
 from dstune.families.folders import component_problems, read_model_index
 from dstune.memory.working import Geometry, TextWork, VaeWork
 
@@ -114,6 +115,25 @@ class PipelineCard(ModelCard):
         """The pixels its VAE encodes and decodes (dstune.card.PixelRange): the data layer's [-1, 1] unless the
         model's card says otherwise. The training batch's encode and the latent cache map the data's pixels to it."""
         return DATA_PIXELS
+
+    def text_offload_issues(self, spec) -> list[tuple[str, str]]:
+        """model.text_encoder_offload runs the text encoders layer by layer for the text cache only: where they
+        also run in training, for held-out evaluation or for samples (they load on every rank, and are kept), it is
+        refused, with what stops it (dstune.families.denoiser_facts.text_once_per_node's reason)."""
+        if getattr(spec.model, "text_encoder_offload", "none") == "none":
+            return []
+        why = text_once_per_node(spec, self.samples_from_cached_text) if self.text_once else "its encoders stay"
+        if why is None:
+            return []
+        return [
+            (
+                "model.text_encoder_offload",
+                f"text_encoder_offload {spec.model.text_encoder_offload!r} keeps the text encoders in host memory "
+                f"while they build the text cache, and is for that only; here they run beyond it ({why}). Turn on "
+                "data.cache.text_embeddings with the encoders loaded once per node (docs/caching.md), or remove "
+                "text_encoder_offload",
+            )
+        ]
 
     def negative_caption(self) -> str:
         """The negative prompt its samples encode: cached beside the sample prompts ("" for every pipeline that
