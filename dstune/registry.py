@@ -36,6 +36,7 @@ CARDS: tuple[str, ...] = (
     "dstune.models.wan.card:WAN_CARD",
     "dstune.models.hunyuan_video15.card:HUNYUAN_VIDEO15_CARD",
     "dstune.models.ltx2.card:LTX2_CARD",
+    "dstune.models.kandinsky6.card:KANDINSKY6_CARD",
     "dstune.models.tts_lm.card:TTS_LM_CARD",
     "dstune.models.csm.card:CSM_CARD",
     "dstune.models.dia.card:DIA_CARD",
