@@ -157,11 +157,8 @@ class Kandinsky6Card(VideoCard):
                 )
             )
         lora = getattr(model_spec, "lora", None)
-        if (
-            model_spec.train == "lora"
-            and lora is not None
-            and list(lora.target_modules) == list(DEFAULT_LORA_TARGET_MODULES)
-        ):
+        targets = list(lora.target_modules) if lora is not None else list(DEFAULT_LORA_TARGET_MODULES)
+        if model_spec.train == "lora" and targets == list(DEFAULT_LORA_TARGET_MODULES):
             issues.append(
                 (
                     "model.lora.target_modules",

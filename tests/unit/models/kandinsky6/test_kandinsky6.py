@@ -267,3 +267,37 @@ def test_a_distilled_folder_is_refused_with_the_reason(tmp_path):
     (folder / "model_index.json").write_text(json.dumps(index))
     problems = KANDINSKY6_CARD.folder_problems(folder, VideoModelSpec(family="video", pretrained=str(folder)))
     assert len(problems) == 1 and "PiflowScheduler" in problems[0] and "distill" in problems[0]
+
+
+def _validate(capsys, tmp_path, *sets: str) -> tuple[int, str]:
+    import yaml
+
+    from dstune.cli import main
+
+    spec = {
+        "model": {"family": "video", "pretrained": NAME, "timestep_sampling": "uniform"},
+        "data": {"path": "builtin:moving-shapes-av", "resolution": 32, "video": {"frames": 5}},
+        "train": {"micro_batch_size": 1, "max_steps": 2},
+    }
+    path = tmp_path / "kandinsky6.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    code = main(["validate", str(path), "--num-gpus", "2", *[word for s in sets for word in ("--set", s)]])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_validate_plans_it_and_refuses_what_it_cannot_train_with_the_reason(capsys, tmp_path):
+    """validate passes the tiny model's spec, and refuses, naming the key and why: a sequence split (no
+    context-parallel plan for the class), the default LoRA targets (naming its layers), another sigma sampler, and
+    image-to-video samples without first frames."""
+    code, text = _validate(capsys, tmp_path)
+    assert code == 0, text
+    code, text = _validate(capsys, tmp_path, "deepspeed.sequence_parallel_size=2")
+    assert code == 1 and "deepspeed.sequence_parallel_size" in text
+    assert "Kandinsky6Transformer3DModel has no context-parallel plan" in text
+    code, text = _validate(capsys, tmp_path, "model.train=lora")
+    assert code == 1 and "model.lora.target_modules" in text and "to_query" in text
+    code, text = _validate(capsys, tmp_path, "model.timestep_sampling=logit_normal")
+    assert code == 1 and "model.timestep_sampling" in text and "uniform" in text
+    code, text = _validate(capsys, tmp_path, "model.image_to_video=true", "sample.prompts=[a red circle]")
+    assert code == 1 and "sample.control_images" in text and "first frame" in text
