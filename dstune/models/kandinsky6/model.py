@@ -61,6 +61,14 @@ def audio_timestep(transformer: torch.nn.Module, timesteps: torch.Tensor):
         handle.remove()
 
 
+def float32_front_end(audio_vae: torch.nn.Module) -> torch.nn.Module:
+    """The audio VAE with its log-mel front end (the filter bank and window buffers) in float32: diffusers' front end
+    computes the spectrum's magnitude in float32 and multiplies it by the filter bank, which a bf16 (or float64) VAE
+    would hold in its own dtype and fail; the mel is cast to the VAE's dtype after it."""
+    audio_vae.mel_converter.float()
+    return audio_vae
+
+
 class Kandinsky6(FlowModel):
     # ------------------------------------------------------------------------------------- loading
 
@@ -71,11 +79,11 @@ class Kandinsky6(FlowModel):
 
         self.mode = bool(self.model_spec.image_to_video)
         loaders = {"audio_vae": MMAudioVAE.from_pretrained, "vocoder": MMAudioVocoder.from_pretrained}
-        parts = {
-            name: load_component(self.folder, name, loader, torch_dtype=self.frozen_dtype)
-            for name, loader in loaders.items()
-        }
-        return {name: part.to(self.device).eval().requires_grad_(False) for name, part in parts.items()}
+        # MMAudio's magnitude-preserving layers normalise in float32 and refuse float64 input: at most float32
+        dtype = torch.float32 if self.frozen_dtype == torch.float64 else self.frozen_dtype
+        parts = {name: load_component(self.folder, name, loader, torch_dtype=dtype) for name, loader in loaders.items()}
+        parts = {name: part.to(self.device).eval().requires_grad_(False) for name, part in parts.items()}
+        return {**parts, "audio_vae": float32_front_end(parts["audio_vae"])}
 
     @property
     def sound_rate(self) -> int:
@@ -112,7 +120,7 @@ class Kandinsky6(FlowModel):
         """Stereo waveforms (B, 2, samples) at sound_rate -> mono -> the audio VAE posterior's means (B, C, T)."""
         audio_vae = self.parts["audio_vae"]
         with torch.no_grad():
-            posterior = audio_vae.encode(sound.mean(dim=1).to(audio_vae.dtype)).latent_dist
+            posterior = audio_vae.encode(sound.mean(dim=1).float()).latent_dist
         return at_least_float32(posterior.mean)
 
     def encode_batch(self, batch: dict, dtype: torch.dtype = torch.float32) -> dict:

@@ -301,3 +301,23 @@ def test_validate_plans_it_and_refuses_what_it_cannot_train_with_the_reason(caps
     assert code == 1 and "model.timestep_sampling" in text and "uniform" in text
     code, text = _validate(capsys, tmp_path, "model.image_to_video=true", "sample.prompts=[a red circle]")
     assert code == 1 and "sample.control_images" in text and "first frame" in text
+
+
+def test_the_sound_encodes_with_the_audio_vae_in_bf16(built):
+    """diffusers' MMAudio front end multiplies a float32 magnitude by its filter bank: dstune keeps the front end in
+    float32 so that a bf16 (mixed precision) or float64 audio VAE encodes; bf16's latents are float32's within
+    bf16's precision."""
+    import copy
+
+    from dstune.models.kandinsky6.model import float32_front_end
+
+    sound = sound_batch([0], built.sound_rate)["sound"]
+    reference = built.encode_sound(sound)
+    half = copy.deepcopy(built)
+    half.parts = {**built.parts, "audio_vae": copy.deepcopy(built.parts["audio_vae"]).to(torch.bfloat16)}
+    with pytest.raises(RuntimeError):  # diffusers' own front end in the VAE's dtype
+        half.encode_sound(sound)
+    float32_front_end(half.parts["audio_vae"])
+    encoded = half.encode_sound(sound)
+    assert encoded.dtype == torch.float32 and encoded.shape == reference.shape
+    assert torch.allclose(encoded, reference, atol=0.1 * reference.abs().max().item())
