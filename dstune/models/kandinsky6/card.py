@@ -31,6 +31,12 @@ PIPELINE = "Kandinsky6TI2VAPipeline"
 TEXT_TENSORS = ("encoder_hidden_states", "pooled_projections", "encoder_attention_mask")
 SOUND_TENSORS = ("sound_latent", "has_sound")  # a clip's audio VAE latents and whether it has a track
 DISTILLED_SCHEDULER = "PiflowScheduler"  # what a distilled (PiFlow) folder's model_index.json lists
+# the negative prompt Kandinsky6TI2VAPipeline encodes under guidance when given none: samples from cached text cache
+# it beside the prompts (tests/unit/models/kandinsky6 checks it is the pipeline's)
+NEGATIVE = (
+    "Static, 2D cartoon, cartoon, 2d animation, paintings, images, worst quality, low quality, ugly, deformed, "
+    "walking backwards"
+)
 DEFAULT_TEXT_TOKENS = 1024  # the pipeline's max_sequence_length
 DEFAULT_FPS = 24.0  # the released models' frame rate: the sound's length when data.video.fps is unset
 DEFAULT_SHIFT = 1.0  # the fork's --scheduler_scale default: sigma = u
@@ -169,6 +175,9 @@ class Kandinsky6Card(VideoCard):
         if model_spec.timestep_range is not None:
             issues.append(("model.timestep_range", "Kandinsky 6 draws sigma directly, without tables; remove it"))
         return issues
+
+    def negative_caption(self) -> str:
+        return NEGATIVE
 
     def latent_cache_key(self, model_spec, folder: Path) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
         """Each clip's sound latents beside its posterior (silence's where it has none, has_sound saying which)."""

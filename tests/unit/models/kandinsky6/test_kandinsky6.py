@@ -321,3 +321,31 @@ def test_the_sound_encodes_with_the_audio_vae_in_bf16(built):
     encoded = half.encode_sound(sound)
     assert encoded.dtype == torch.float32 and encoded.shape == reference.shape
     assert torch.allclose(encoded, reference, atol=0.1 * reference.abs().max().item())
+
+
+def test_samples_from_cached_text_equal_the_pipelines_own_encoding(built):
+    """A rank without the text encoders (the text cache, dstune.text_once) renders from the prompt's and the
+    negative prompt's cached tensors (cut to the tokens some row uses: the pipeline's __call__ takes no mask) the
+    same frames and sound as the pipeline encoding them itself, under guidance (the negative prompt: the pipeline's
+    own default)."""
+    import numpy as np
+    from diffusers import Kandinsky6TI2VAPipeline
+
+    from dstune.models.kandinsky6.card import NEGATIVE
+    from dstune.spec.models import SampleSpec
+
+    assert NEGATIVE == Kandinsky6TI2VAPipeline._DEFAULT_NEGATIVE_PROMPT
+    spec = built.model_spec
+    lean = build_model(spec, CACHE_DIR, "cpu", text_encoders=False)
+    lean.trainable.load_state_dict(built.trainable.state_dict())
+    prompt = "a red circle moving left"
+    with torch.no_grad():
+        tensors = built.encode_text([prompt, NEGATIVE])
+    lean.prompt_text = {caption: {k: v[i] for k, v in tensors.items()} for i, caption in enumerate([prompt, NEGATIVE])}
+    sample_spec = SampleSpec(steps=2, guidance=5.0)
+    expected = built.sample(built.trainable, [prompt], sample_spec, 32)[0]
+    rendered = lean.sample(lean.trainable, [prompt], sample_spec, 32)[0]
+    frames = [np.stack([np.asarray(frame, dtype=np.float32) for frame in clip]) for clip in (rendered, expected)]
+    # the trimmed rows (no padding, no mask) sum the attention in another order: at most one 8-bit level
+    np.testing.assert_allclose(frames[0], frames[1], atol=1.0)
+    np.testing.assert_allclose(np.asarray(rendered.sound), np.asarray(expected.sound), atol=1e-5)
