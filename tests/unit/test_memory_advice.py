@@ -29,6 +29,8 @@ NOTHING_FITS = {
     ("ltx2", 24e9): "text_encoder 12.2 B",
     ("ltx2-lora-zero3-8gpu", 24e9): "text_encoder 12.2 B",
     ("ltx2-3", 24e9): "text_encoder 12.2 B",  # LTX-2.3 keeps 2.0's Gemma 3 12B
+    # Kandinsky 6 Pro's example builds both caches: Qwen2.5-VL 7B (16.6 GB) whole beside the video VAE's encode
+    ("kandinsky6-pro-lora-zero3-8gpu", 24e9): "text_encoder 8.29 B",
     ("flux2-dev", 24e9): "text_encoder 24 B",
     ("flux2-dev", 48e9): "text_encoder 24 B",
 }
