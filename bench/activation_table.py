@@ -43,8 +43,10 @@ WIDTH_FREE = ("f", "L", "V")  # the first letters of features not divided by the
 
 
 def _enable_checkpointing(model) -> None:
-    if hasattr(model, "gradient_checkpointing_enable"):  # transformers
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "gradient_checkpointing_enable"):  # transformers, as dstune's speech models enable it
+        from dstune.families.speech import checkpoint_activations
+
+        checkpoint_activations(model)
     else:  # diffusers, as dstune enables it
         from dstune.families.diffusion import non_reentrant_checkpoint
 
@@ -58,15 +60,15 @@ def _disable_checkpointing(model) -> None:
         model.disable_gradient_checkpointing()
 
 
-def add_lora(model, dtype: torch.dtype) -> None:
-    """The model frozen, with LoRA adapters of LORA_RANK on the default targets (dstune.families.lora, as a
-    `model.train: lora` run adds them): only the adapters train."""
+def add_lora(model, dtype: torch.dtype, targets: tuple = DEFAULT_LORA_TARGET_MODULES) -> None:
+    """The model frozen, with LoRA adapters of LORA_RANK on `targets`, the family's default ones
+    (dstune.families.lora, as a `model.train: lora` run adds them): only the adapters train."""
     from peft import LoraConfig
 
     from dstune.families.lora import add_lora_adapter
 
     model.requires_grad_(False)
-    config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=list(DEFAULT_LORA_TARGET_MODULES))
+    config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=list(targets))
     add_lora_adapter(model, config)
     model.to(dtype)
 
@@ -89,7 +91,7 @@ def measure(
     model, width, ffn, vocab = case.build(heads or case.heads, ffn_mult, **extra)
     model = model.to(dtype).train()
     if lora:
-        add_lora(model, dtype)
+        add_lora(model, dtype, case.lora_targets)
     blocks = case.block_lists(model)
     run = case.run(model, tokens, context, dtype)
     warm_up(run)
@@ -224,19 +226,23 @@ def constants_for(case, dtype: torch.dtype) -> tuple[dict, list]:
 
 
 def lora_constants(case) -> Optional[dict]:
-    """Under LoRA (bf16): the saved activations' buckets (outside, per block, with checkpointing the inputs and the
-    recomputed module) fitted as the full fine-tuning ones, with the model frozen and adapted (add_lora); None for a
-    model without the default targets (its LoRA runs are planned with the full figures), and for the UNets, whose
-    checks run in fp32 (their bf16 convolutions are slow on the CPU): their LoRA runs keep the full figure too."""
-    if case.check_precision != "bf16":
-        return None
+    """Under LoRA: the saved activations' buckets (outside, per block, with checkpointing the inputs and the
+    recomputed module) fitted as the full fine-tuning ones, with the model frozen and adapted (add_lora) on the
+    case's targets (the family's defaults: the diffusers attention's, a causal LM's attention projections), in bf16
+    and, for a case the unit test checks in fp32 (the UNets), in fp32 too; None for a model without those targets
+    (its LoRA runs are planned with the full figures)."""
     model = case.build(case.heads, 1)[0]
     names = [name for name, _ in model.named_modules()]
-    if not any(name.endswith("." + target) for name in names for target in DEFAULT_LORA_TARGET_MODULES):
+    if not any(name.endswith("." + target) for name in names for target in case.lora_targets):
         return None
-    records = [measure(case, torch.bfloat16, t, c, lora=True) for t, c in case.sizes]
+    tables = {name: _lora_table(case, DTYPES[name]) for name in dict.fromkeys(("bf16", case.check_precision))}
+    return {"rank": LORA_RANK, "targets": list(case.lora_targets), **tables}
+
+
+def _lora_table(case, dtype: torch.dtype) -> dict:
+    records = [measure(case, dtype, t, c, lora=True) for t, c in case.sizes]
     if case.ffn:
-        records += [measure(case, torch.bfloat16, t, c, ffn_mult=2, lora=True) for t, c in case.sizes]
+        records += [measure(case, dtype, t, c, ffn_mult=2, lora=True) for t, c in case.sizes]
     plain, with_ffn = _features(case, records, False), _features(case, records, case.ffn, with_mask=True)
     kinds = list(records[0]["blocks"])
     table = {
@@ -252,7 +258,7 @@ def lora_constants(case) -> Optional[dict]:
         table["ckpt_outside"] = fit(records, plain, lambda r: r["ckpt_outside"])
         table["ckpt_inputs"] = {k: fit(records, plain, lambda r, k=k: r["ckpt_inputs"][k]) for k in kinds}
         table["recompute"] = fit(records, with_ffn, lambda r: r["recompute"])
-    return {"rank": LORA_RANK, "targets": list(DEFAULT_LORA_TARGET_MODULES), "bf16": table}
+    return table
 
 
 def transient_constants(case, dtype: torch.dtype) -> dict:

@@ -214,6 +214,12 @@ class ModelCard:
             return self.folder_classes[pipeline], f"{pipeline}'s default"
         return None
 
+    def reference_size(self, index: dict) -> str | None:
+        """data.reference_size where the spec leaves it out, for a folder whose model_index.json is `index`: "own"
+        (each reference keeps its aspect ratio and the target's area), "target" (resized and cropped with its
+        target), or None when the folder is none of this model's."""
+        return "target" if index.get("_class_name", "") in self.folder_classes else None
+
     def native_size(self, index: dict) -> tuple[int, str] | None:
         """(the frame side its pipeline fixes in its code whatever the folder's configs say, why); None: the
         folder's configs say it (the model section reads them: dstune.model_defaults)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from dstune.memory.working import text_part
 from dstune.spec.load import SpecError
 from dstune.spec.models import AUDIO_FAMILIES
 from dstune.validate import Resolved, load_and_validate, plan_memory
@@ -116,6 +117,15 @@ def _activation_offload(resolved: Resolved) -> list:
     return [{**checkpointing, "model.activation_offload": "cpu"}]
 
 
+def _text_encoder_offload(resolved: Resolved) -> list:
+    """The text encoders in host memory while they build the text cache (it needs the text cache: turned on with it;
+    where they would run beyond it, the spec's rules refuse the combination)."""
+    if getattr(resolved.spec.model, "text_encoder_offload", None) != "none":  # on already, or a family without it
+        return []
+    cache = {} if resolved.spec.data.cache.text_embeddings else {"data.cache.text_embeddings": "true"}
+    return [{**cache, "model.text_encoder_offload": "cpu"}]
+
+
 def _quantized_base(resolved: Resolved) -> list:
     model = resolved.spec.model
     if getattr(model, "train", "full") != "lora" or getattr(model, "base_precision", "x") is not None:
@@ -162,6 +172,13 @@ LEVERS = (
         "captions encoded once before training (changing one rebuilds its entry); the text encoders load on one "
         "rank per node and leave once the cache is built",
         _flag("data.cache.text_embeddings"),
+    ),
+    Lever(
+        "text encoder offload",
+        "the text encoders' weights in host memory while they build the text cache, each layer copied to the GPU "
+        "for its forward: a slower cache build (the whole encoder crosses the host link once per chunk of "
+        "captions), the same embeddings bitwise; training is not slowed",
+        _text_encoder_offload,
     ),
     Lever(
         "latent cache",
@@ -317,6 +334,17 @@ def _minimal(search: Search, chosen: tuple) -> tuple:
     return chosen
 
 
+def _keys(resolved: Resolved, lever: int) -> set:
+    return {key for lines in LEVERS[lever].options(resolved) for key in lines}
+
+
+def _sharing(resolved: Resolved, lever: int) -> frozenset:
+    """The lever and every lever that sets one of its keys (text encoder offload turns the text cache on): an
+    alternative without the lever is without them too."""
+    keys = _keys(resolved, lever)
+    return frozenset(other for other in range(len(LEVERS)) if other == lever or keys & _keys(resolved, other))
+
+
 def _cost(combination: tuple) -> tuple:
     """Cheapest first: by the costliest lever, then the next, ...; fewer levers before more."""
     return tuple(sorted((lever for lever, _ in combination), reverse=True))
@@ -371,7 +399,9 @@ def _why_nothing_fits(search: Search, strongest: Planned, used: tuple) -> str:
     phase = memory["phases"][memory["peak_phase"]]
     parts = sorted(phase["parts"].items(), key=lambda item: -item[1])[:3]
     names = ", ".join(LEVERS[lever].name for lever, _ in used) or "none lowers it"
-    frozen = sorted(memory["parameters"]["companions"].items(), key=lambda item: -item[1])[:2]
+    offloaded = getattr(strongest.resolved.spec.model, "text_encoder_offload", "none") == "cpu"
+    on_gpu = {name: n for name, n in memory["parameters"]["companions"].items() if not (offloaded and text_part(name))}
+    frozen = sorted(on_gpu.items(), key=lambda item: -item[1])[:2]
     named = ", ".join(f"{name} {count / 1e9:.3g} B parameters" for name, count in frozen)
 
     def part(label: str, value: float) -> str:  # the frozen parts named: the largest two
@@ -412,8 +442,8 @@ def advise(
     if _fits(strongest, gpu_bytes):
         first = _minimal(search, chosen)
         found.add(first)
-        for lever, _ in first:  # the alternatives without each of its levers
-            other, planned = _greedy(search, frozenset({lever}))
+        for lever, _ in first:  # the alternatives without each of its levers (and those that would set it again)
+            other, planned = _greedy(search, _sharing(now.resolved, lever))
             if _fits(planned, gpu_bytes):
                 found.add(_minimal(search, other))
     suggestions = [_suggestion(search, c, relieves) for c in sorted(found, key=_cost)[:MAX_SUGGESTIONS]]

@@ -38,7 +38,7 @@ def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         else f"LoRA: {count_text(counts['trainable_params'])} adapters on a frozen base of "
         f"{count_text(counts['frozen_base_params'])}"
     )
-    companions = _frozen_parts_text(counts)
+    companions = _frozen_parts_text(counts, getattr(spec.model, "text_encoder_offload", "none") == "cpu")
     checkpointing = "on" if getattr(spec.model, "gradient_checkpointing", False) else "off"
     rows = [
         (
@@ -88,11 +88,16 @@ def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
     return rows + _verdict_rows(memory)
 
 
-def _frozen_parts_text(counts: dict) -> str:
-    """The frozen parts with their parameters and, for those a cache replaces, where they go while training."""
+def _frozen_parts_text(counts: dict, text_offloaded: bool) -> str:
+    """The frozen parts with their parameters and, for those a cache replaces, where they go while training
+    (`text_offloaded`: model.text_encoder_offload, the text encoders built the cache from host memory)."""
     once = counts.get("once_per_node_companions") or []
 
     def where(name: str) -> str:
+        if name in once and text_offloaded:
+            return (
+                " (cached: one rank per node, in host memory, one layer at a time on the GPU; dropped after the cache)"
+            )
         if name in once:
             return " (cached: one rank per node, dropped after the cache)"
         return " (cached: host)" if name in counts["cached_companions"] else ""

@@ -90,6 +90,18 @@ def _with_folder_defaults(spec: Spec) -> Spec:
     return spec.model_copy(update={"model": spec.model.model_copy(update=updates)}) if updates else spec
 
 
+def _reference_size(spec: Spec) -> str:
+    """The model's data.reference_size (its card's, for its folder's pipeline); "target" where the folder is not
+    readable here or names no card."""
+    try:
+        folder = config_folder(spec.model.pretrained)[0]
+    except SizesUnknown:
+        return "target"
+    index = _reader(folder)("model_index.json") or {}
+    found = (card.reference_size(index) for card in registry.family_cards(spec.model.family))
+    return next((size for size in found if size), "target")
+
+
 def with_model_defaults(spec: Spec) -> tuple[Spec, str, str]:
     """The spec with data.resolution set to the model's native size and sample.guidance to its pipeline's default
     where the spec leaves them out, and where each value in effect came from ("" for speech families, which have
@@ -101,6 +113,8 @@ def with_model_defaults(spec: Spec) -> tuple[Spec, str, str]:
     if "resolution" not in data.model_fields_set:
         size, why = native_resolution(spec)
         data, size_origin = data.model_copy(update={"resolution": size}), f"{why}; not set in the spec"
+    if data.reference_size is None:
+        data = data.model_copy(update={"reference_size": _reference_size(spec)})
     sample, guidance_origin = spec.sample, "set in the spec"
     if "guidance" not in sample.model_fields_set:
         value, guidance_origin = _guidance(spec)

@@ -108,13 +108,15 @@ def sequence_issues(spec, source: SpecSource, world_size: int, bucket_tokens: di
     ]
 
 
-def bucket_tokens(spec, clips: Optional[dict], image_groups: Optional[dict] = None) -> dict[str, int]:
+def bucket_tokens(
+    spec, clips: Optional[dict], image_groups: Optional[dict] = None, pictures: Optional[list] = None
+) -> dict[str, int]:
     """{bucket label: transformer tokens per sample}: a video family's clip buckets, or without them (the files are
     not here) the clip the plan assumes, data.video's longest frame count at data.resolution square, and the
     samples' clip (model.sample_frames) when sample.prompts render; {} for a family without token factors."""
     facts = get_facts(spec.model.family)
     if facts.modality == "image" and facts.splits_sequences:
-        return _image_tokens(spec, image_groups)
+        return _image_tokens(spec, image_groups, pictures)
     factors = clip_token_factors(spec)
     if factors is None:
         return {}
@@ -131,19 +133,31 @@ def bucket_tokens(spec, clips: Optional[dict], image_groups: Optional[dict] = No
     return tokens
 
 
-def _image_tokens(spec, image_groups: Optional[dict]) -> dict[str, int]:
+def _image_tokens(spec, image_groups: Optional[dict], own_pictures: Optional[list] = None) -> dict[str, int]:
     """An image model's image tokens per bucket ({"WxH": samples} with data.buckets, else data.resolution square),
     at the pixels per token of its configs (VAE factor x latent patch; 16 when the configs are not here: the 8x VAE
     and 2x2 patches of most models), an edit model's target and source together, and the text tokens split with
-    them."""
+    them. `own_pictures`: references at their own sizes, every distinct (target, reference, ...) size the data
+    holds (dstune.data.buckets.own_size_pictures), each picture counted at its own size."""
     attention = attention_of(spec)
     px = (attention.px_per_token if attention is not None else 0) or ASSUMED_PX_PER_TOKEN
+    if own_pictures:
+        tokens = {
+            " + ".join(f"{w}x{h}" for w, h in sizes): sum((w // px) * (h // px) for w, h in sizes)
+            for sizes in own_pictures
+        }
+        return {
+            **tokens,
+            **({"text": attention.text_tokens} if attention is not None and attention.text_tokens else {}),
+        }
     pictures = attention.pictures if attention is not None else 1
     sizes = list(image_groups or {}) or [f"{spec.data.resolution}x{spec.data.resolution}"]
     tokens = {}
     for label in sizes:
         width, height = (int(side) for side in str(label).split("x"))
-        tokens[label if pictures == 1 else f"{label} (target and source)"] = pictures * (width // px) * (height // px)
+        tokens[label if pictures == 1 else f"{label} (target and source)"] = round(
+            pictures * (width // px) * (height // px)
+        )
     if attention is not None and attention.text_tokens:
         tokens["text"] = attention.text_tokens
     return tokens

@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
 
 from dstune.data.audio_index import duration_groups, index_audio
-from dstune.data.buckets import bucket_counts, bucket_sizes, record_sizes, upscaling_warning
+from dstune.data.buckets import (
+    bucket_counts,
+    bucket_sizes,
+    record_sizes,
+    own_size_pictures,
+    reference_size_problem,
+    upscaling_warning,
+)
 from dstune.data.image_check import image_file_issues
 from dstune.data.index import METADATA_FILE, DataError, builtin_name, index_dataset
 from dstune.ds_json.blocks import compile_ds_config
@@ -153,11 +160,11 @@ def validate_spec(
     found.add(folder_issues)
     if not any(issue.severity == "error" and issue.key == "model.family" for issue in folder_issues):
         _check_model(spec, source, found)  # not on another model's folder, whose configs would give nonsense
-    count, origin, groups, clips, voices = _count_samples(spec, source, num_samples, found, check_files)
+    count, origin, groups, clips, voices, pictures = _count_samples(spec, source, num_samples, found, check_files)
     lora = getattr(spec.model, "train", "full") == "lora"
     found.add(source.issue(key, text) for key, text in sets_problems(spec.data, lora))
     sets = set_rows(spec.data, spec.model.family in VIDEO_FAMILIES) if count is not None else None
-    found.add(sequence_issues(spec, source, world.world_size, bucket_tokens(spec, clips, groups)))
+    found.add(sequence_issues(spec, source, world.world_size, bucket_tokens(spec, clips, groups, pictures)))
     plan = None
     if count is not None:
         try:
@@ -297,14 +304,16 @@ def _count_samples(
     spec: Spec, source: SpecSource, num_samples: Optional[int], found: IssueList, check_files: bool = False
 ) -> tuple[Optional[int], str, Optional[dict], Optional[dict], Optional[Voices]]:
     """(number of samples or None when unknown, where it came from, {bucket: samples} with grouped batches, the
-    clip summary of a video family, how a speech model hears the data's speakers)."""
+    clip summary of a video family, how a speech model hears the data's speakers, an image model's own-size
+    references: dstune.data.buckets.own_size_pictures)."""
     path, voices = spec.data.path, None
     if builtin_name(path) is None and not os.path.exists(os.path.expanduser(path)):
-        return (*_count_not_here(spec, source, num_samples, found), None)
+        return (*_count_not_here(spec, source, num_samples, found), None, None)
     if spec.model.family in VIDEO_FAMILIES:  # clips after frame extraction; videos that give none are errors
         *counted, issues = clip_plan(spec, source, num_samples, check_files)
         found.add(issues)
-        return (*counted, None)
+        return (*counted, None, None)
+    pictures = None
     try:
         if spec.model.family in AUDIO_FAMILIES:  # speech: clip headers give durations, length rules, length groups
             index = index_audio(spec.data)
@@ -329,10 +338,13 @@ def _count_samples(
                 video=spec.model.family in VIDEO_FAMILIES,
             )
             groups, pairs = _image_groups(spec, source, index.records, found), index.num_pairs
+            sizes = reference_size_problem(index.records, spec.data, spec.train.micro_batch_size)
+            pictures = own_size_pictures(index.records, spec.data)
+            found.add([source.issue("data.reference_size", sizes)] if sizes else ())
             found.add(image_file_issues(spec.data, index.records + index.held_out, source) if check_files else ())
     except DataError as err:
         found.add([source.issue(err.key or "data.path", err.message)])
-        return None, "", None, None, None
+        return None, "", None, None, None, None
     found.add(source.issue("data.path", text, severity="warning") for text in index.warnings)
     count = index.num_samples
     if spec.data.sets is not None:
@@ -357,7 +369,7 @@ def _count_samples(
                 )
             ]
         )
-    return count, origin, groups, None, voices
+    return count, origin, groups, None, voices, pictures
 
 
 def _check_speakers(spec: Spec, source: SpecSource, records, found: IssueList) -> Optional[Voices]:

@@ -26,6 +26,7 @@ from dstune.data.images import (
     crop_fields,
     decoded_size,
     sample_rng,
+    stack_references,
 )
 from dstune.data.pairs import reference_key, reference_suffix
 from dstune.data.video import VideoCaptionDataset, stack_sounds
@@ -93,6 +94,12 @@ class CachedVideoDataset(VideoCaptionDataset):
             out = {"caption": self.caption_of(record, dropout_draw), "sample_id": record.sample_id, "index": position}
             out.update(read_entry(self.index.latent_paths[(record.sample_id, False)]))  # with its loss_mask, if masked
             out.update(self.set_fields(record))
+            if record.control_paths:  # in-context control: the reference clip's posterior mean, cached beside it
+                reference = read_entry(self.index.latent_paths[(record.sample_id + reference_suffix(0), False)])
+                out["control_latent_mean"] = reference["latent_mean"]
+                if "sound_latent" in reference:  # its sound's latents, cached beside it as a clip's are
+                    out["control_sound_latent"] = reference["sound_latent"]
+                    out["control_has_sound"] = reference["has_sound"]
         if self.index.text:
             out.update(read_entry(self.index.text_paths[out["caption"]]))
         return out
@@ -102,12 +109,16 @@ def collate_cached(samples: list[dict]) -> dict:
     """Every tensor of a sample (pixels or latents, the family's text tensors, the crop fields) stacked; a clip's
     sound read from its file (not cached) as collate_video stacks it."""
     batch = {
-        name: torch.stack([s[name] for s in samples])
+        name: stack_references(samples, name)
+        if name.startswith("control_")
+        else torch.stack([s[name] for s in samples])
         for name, value in samples[0].items()
         if torch.is_tensor(value) and name != "sound"  # has_sound: a tensor from the latent entry, else a bool
     }
     batch.update(collate_loss_terms(samples))
     batch.update(stack_sounds(samples))
+    if "control_has_sound" in samples[0] and not torch.is_tensor(samples[0]["control_has_sound"]):  # read, not cached
+        batch["control_has_sound"] = torch.tensor([s["control_has_sound"] for s in samples], dtype=torch.bool)
     batch.update(
         caption=[s["caption"] for s in samples],
         sample_id=[s["sample_id"] for s in samples],

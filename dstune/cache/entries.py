@@ -147,7 +147,7 @@ def plan_entries(
             if record.sample_id not in content_hashes:
                 continue  # unreadable file (data.skip_bad_files): reported by the caller
             for flip in (False, True) if random_flip else (False,):
-                size = sizes[record.sample_id] if sizes else None
+                size = sizes.get(record.sample_id) if sizes else None
                 key = latent_key(
                     record.sample_id,
                     content_hashes[record.sample_id],

@@ -30,11 +30,11 @@ from dstune.cache.entries import (
     write_entry,
 )
 from dstune.cache.share import monitored_barrier, sharing_group
-from dstune.data.buckets import sample_buckets
+from dstune.data.buckets import header_size, sample_buckets
 from dstune.data.clips import set_side, set_video
 from dstune.data.images import BadSampleError, ImageCaptionDataset
 from dstune.data.index import control_records
-from dstune.data.pairs import reference_suffix, target_of
+from dstune.data.pairs import own_reference_size, reference_suffix, target_of
 from dstune.data.synthetic import render_shape
 from dstune.data.video import VideoCaptionDataset, stack_sounds
 from dstune.distributed import agree_or_stop, all_gather_object
@@ -150,21 +150,44 @@ def _with_sources(records) -> list:
 
 
 def _sizes(targets, data, video: bool) -> dict | None:
-    """sample_id -> bucket with data.buckets; a reference takes its target's bucket (the pair stays together); a
-    clip's (dstune.data.clips.ClipRecord) was chosen from its header when the clips were listed."""
+    """sample_id -> bucket with data.buckets; a reference takes its target's bucket (the pair stays together), or
+    with data.reference_size own its own size for that bucket (dstune.spec.reference_sizes.own_reference_size); a clip's
+    (dstune.data.clips.ClipRecord) was chosen from its header when the clips were listed."""
     if video and data.sets is not None:  # each clip's bucket, or its set's square (a set's resolution keys it)
-        return {r.sample_id: r.size or (set_side(data, r.set_index),) * 2 for r in targets}
-    if video:
-        return {r.sample_id: r.size for r in targets} if data.buckets.enabled else None
+        return _with_references({r.sample_id: r.size or (set_side(data, r.set_index),) * 2 for r in targets}, targets)
+    if video:  # a reference clip (in-context control) is read at its clip's size
+        return _with_references({r.sample_id: r.size for r in targets}, targets) if data.buckets.enabled else None
     sizes = sample_buckets(targets, data)
-    if sizes is None:
+    own = data.reference_size == "own" and any(r.control_paths for r in targets)
+    if sizes is None and not own:
         return None
-    references = {
-        r.sample_id + reference_suffix(number): sizes[r.sample_id]
-        for r in targets
-        for number in range(len(r.control_paths))
-    }
+    if sizes is None:  # every target at data.resolution's square (its entry keeps the key it had)
+        sizes = {}
+    references = {}
+    for r in targets:
+        target = sizes.get(r.sample_id) or (data.resolution, data.resolution)
+        found = _own_sizes(r, target) if own else [target] * len(r.control_paths)
+        references.update({r.sample_id + reference_suffix(k): size for k, size in enumerate(found)})
     return {**sizes, **references}
+
+
+def _with_references(sizes: dict, targets) -> dict:
+    """`sizes` with each target's references at the target's size."""
+    found = {
+        r.sample_id + reference_suffix(k): sizes[r.sample_id] for r in targets for k in range(len(r.control_paths))
+    }
+    return {**sizes, **found}
+
+
+def _own_sizes(record, target) -> list:
+    """Each reference's own size (from its header); None for an unreadable one (its entry fails when encoded)."""
+    found = []
+    for path in record.control_paths:
+        try:
+            found.append(own_reference_size(header_size(path), target))
+        except (OSError, ValueError, SyntaxError):
+            found.append(None)
+    return found
 
 
 def _encode_latents(

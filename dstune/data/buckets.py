@@ -22,6 +22,7 @@ from typing import Sequence
 
 from dstune.data.groups import key_label
 from dstune.data.index import DataError, SampleRecord
+from dstune.data.pairs import own_reference_size
 
 LATENT_MULTIPLE = 8  # the sd VAE downsamples by 8: a side that is a multiple of 8 gives a whole latent grid
 EXIF_ORIENTATION_TAG = 0x0112
@@ -201,3 +202,50 @@ def bucket_counts(records: Sequence[SampleRecord], record_buckets) -> dict[str, 
     for record, bucket in zip(records, record_buckets):
         counts[bucket] = counts.get(bucket, 0) + record.repeats
     return {bucket_name(b): counts[b] for b in sorted(counts, key=lambda s: (s[0] / s[1], s[0]))}
+
+
+def reference_size_problem(records: Sequence[SampleRecord], data, micro_batch: int | None) -> str | None:
+    """data.reference_size own at a micro batch above 1 (None: not fixed, may be): a micro batch stacks each
+    reference, so within a bucket every sample's reference k must train at one size. What differs (the first
+    two samples of each differing (bucket, reference)), else None. Headers only."""
+    if data.reference_size != "own" or micro_batch == 1 or not any(r.control_paths for r in records):
+        return None
+    sizes = record_sizes(records, data)[0] or [(data.resolution, data.resolution)] * len(records)
+    first: dict[tuple, tuple] = {}
+    differ = []
+    for record, target in zip(records, sizes):
+        for number, path in enumerate(record.control_paths):
+            try:
+                own = own_reference_size(header_size(path), target)
+            except (OSError, ValueError, SyntaxError):
+                continue  # an unreadable file: the file check names it
+            seen = first.setdefault((target, number), (own, record.sample_id))
+            if seen[0] != own and len(differ) < 3:
+                differ.append(
+                    f"reference {number + 1} of {seen[1]} trains at {seen[0][0]}x{seen[0][1]}, of "
+                    f"{record.sample_id} at {own[0]}x{own[1]}"
+                )
+    if not differ:
+        return None
+    return (
+        f"references keep their own sizes (data.reference_size: own) and differ within a bucket: {'; '.join(differ)}. "
+        "A micro batch stacks each reference, so set train.micro_batch_size: 1 (raise "
+        "gradient_accumulation_steps for the same global batch), give the references of each bucket one aspect "
+        "ratio, or set data.reference_size: target. See docs/data.md."
+    )
+
+
+def own_size_pictures(records: Sequence[SampleRecord], data) -> list[tuple] | None:
+    """data.reference_size own: every distinct (target size, reference 1's size, ...) of the samples, in (width,
+    height) pixels, from the headers (what the sequence-parallel checks count, each picture by its own size); None
+    when the references are sized with their targets or there are none."""
+    if data.reference_size != "own" or not any(r.control_paths for r in records):
+        return None
+    sizes = record_sizes(records, data)[0] or [(data.resolution, data.resolution)] * len(records)
+    found = {}
+    for record, target in zip(records, sizes):
+        try:
+            found[(target, *(own_reference_size(header_size(p), target) for p in record.control_paths))] = None
+        except (OSError, ValueError, SyntaxError):
+            continue  # an unreadable file: the file check names it
+    return list(found) or None

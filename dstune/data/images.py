@@ -31,7 +31,7 @@ from dstune.data.buckets import header_size, record_sizes
 from dstune.data.groups import weighted_places
 from dstune.data.image_check import find_unreadable
 from dstune.data.index import DataError, SampleRecord
-from dstune.data.pairs import reference_key
+from dstune.data.pairs import is_reference, own_reference_size, reference_key
 from dstune.data.synthetic import render_shape
 from dstune.spec.models import DataSpec
 
@@ -89,6 +89,22 @@ def resize_and_crop(image: Image.Image, resolution, crop_x: float, crop_y: float
         image = image.resize(new_size, Image.Resampling.LANCZOS)
     image = image.crop((left, top, right, bottom))
     return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else image
+
+
+def resize_whole(image: Image.Image, size: tuple[int, int], flip: bool) -> Image.Image:
+    """The whole image resized (Lanczos) to exactly `size` (width, height), no crop; flipped or not."""
+    if image.size != tuple(size):
+        image = image.resize(tuple(size), Image.Resampling.LANCZOS)
+    return image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else image
+
+
+def _unreadable_reference(path: str, record: SampleRecord, err: Exception) -> "BadSampleError":
+    reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
+    return BadSampleError(
+        f"cannot read source image {path} (of sample {record.sample_id}): {reason}. Replace or delete it, or set "
+        "data.skip_bad_files: true.",
+        path,
+    )
 
 
 def crop_geometry(size: tuple[int, int], resolution, crop_x: float, crop_y: float):
@@ -160,6 +176,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         self.record_sizes = self.bucket_of_records()  # data.buckets: each record's (width, height), else None
         self.set_specs = data.set_specs()  # each set's settings (data.sets), or [data]
         self.masked = data.masked  # every sample carries a loss mask (ones where its set has none)
+        self.own_references = data.reference_size == "own"  # each reference at its own size (dstune.data.pairs)
 
     def __len__(self) -> int:
         return self._ends[-1]
@@ -261,27 +278,40 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             ) from None
 
     def cache_pixels(self, record: SampleRecord, size, flip: bool) -> torch.Tensor:
-        """What the latent cache encodes for the record: its centre crop at `size`, flipped or not."""
+        """What the latent cache encodes for the record: its centre crop at `size`, flipped or not (a reference
+        with data.reference_size own: the whole image resized to `size`, its own size)."""
+        if self.own_references and is_reference(record.sample_id):
+            return to_tensor(resize_whole(self.load_image(record, size), size, flip))
         return to_tensor(resize_and_crop(self.load_image(record, size), size or self.data.resolution, 0.5, 0.5, flip))
+
+    def reference_sizes(self, record: SampleRecord, size) -> list[tuple[int, int]]:
+        """data.reference_size own: the (width, height) each of the record's references trains at, for its target's
+        `size` (from the files' headers; BadSampleError naming an unreadable one)."""
+        found = []
+        for path in record.control_paths:
+            try:
+                found.append(own_reference_size(header_size(path), size))
+            except _DECODE_ERRORS as err:
+                raise _unreadable_reference(path, record, err) from None
+        return found
 
     def control_pixels(self, record: SampleRecord, size, crop_x: float, crop_y: float, flip: bool):
         """Edit pairs: each of the record's references resized and cropped exactly as its target (to the target's
-        size: data.resolution or its bucket, same crop fractions, same flip), as (3, H, W) tensors keyed
-        `control_values`, `control_values_2`, ... (dstune.data.pairs.reference_key); {} unpaired."""
+        size: data.resolution or its bucket, same crop fractions, same flip), or with data.reference_size own
+        resized whole to its own size (dstune.spec.reference_sizes.own_reference_size) and flipped with its target, as
+        (3, H, W) tensors keyed `control_values`, `control_values_2`, ... (dstune.data.pairs.reference_key); {}
+        unpaired."""
         found = {}
+        own = self.reference_sizes(record, size) if self.own_references else None
         for number, path in enumerate(record.control_paths):
             try:
-                image = _open_rgb(path, size)
+                image = _open_rgb(path, own[number] if own else size)
             except _DECODE_ERRORS as err:
-                reason = getattr(err, "strerror", None) or str(err) or type(err).__name__
-                raise BadSampleError(
-                    f"cannot read source image {path} (of sample {record.sample_id}): "
-                    f"{reason}. Replace or delete it, or set data.skip_bad_files: true.",
-                    path,
-                ) from None
-            found[reference_key("control_values", number)] = to_tensor(
-                resize_and_crop(image, size, crop_x, crop_y, flip)
+                raise _unreadable_reference(path, record, err) from None
+            sized = (
+                resize_whole(image, own[number], flip) if own else resize_and_crop(image, size, crop_x, crop_y, flip)
             )
+            found[reference_key("control_values", number)] = to_tensor(sized)
         return found
 
     def _readable(self, index: int) -> tuple[SampleRecord, Image.Image]:
@@ -341,7 +371,7 @@ def collate(samples: list[dict]) -> dict:
     original_size and crop_top_left (B, 2) LongTensors (see crop_fields); edit pairs add control_values (and
     control_values_2, ... for more references) like pixel_values; masked runs loss_mask (B, 1, H, W), data.sets loss_weight (B,), prior and preserve (B,) bool."""
     references = [key for key in samples[0] if key.startswith("control_values")]
-    control = {key: torch.stack([s[key] for s in samples]) for key in references}
+    control = {key: stack_references(samples, key) for key in references}
     return {
         **control,
         **collate_loss_terms(samples),
@@ -352,6 +382,20 @@ def collate(samples: list[dict]) -> dict:
         "original_size": torch.stack([s["original_size"] for s in samples]),
         "crop_top_left": torch.stack([s["crop_top_left"] for s in samples]),
     }
+
+
+def stack_references(samples: list[dict], key: str) -> torch.Tensor:
+    """One reference of every sample stacked; ValueError naming the samples when their sizes differ (references at
+    their own sizes: `validate` refuses such a dataset at a micro batch above 1, see docs/data.md)."""
+    shapes = {tuple(s[key].shape[-2:]) for s in samples}
+    if len(shapes) > 1:
+        sizes = ", ".join(f"{s['sample_id']}: {s[key].shape[-1]}x{s[key].shape[-2]}" for s in samples)
+        raise ValueError(
+            f"{key}: the references of one micro batch have different sizes ({sizes}); references at their own "
+            "sizes (data.reference_size: own) train one size per micro batch: set train.micro_batch_size: 1 (and "
+            "raise gradient_accumulation_steps), or give references of one aspect ratio. See docs/data.md."
+        )
+    return torch.stack([s[key] for s in samples])
 
 
 def collate_loss_terms(samples: list[dict]) -> dict:

@@ -95,15 +95,17 @@ class IndexResult:
 
 def control_records(records: list[SampleRecord]) -> list[SampleRecord]:
     """Each reference image of each paired record as a record of its own (id: the target's + its reference
-    suffix, `#control`, `#control2`, ...; no repeats), which is how the latent cache stores reference latents beside
-    the targets'."""
+    suffix, `#control`, `#control2`, ...; no repeats; its file, no mask), which is how the latent cache stores
+    reference latents beside the targets'. A clip's keeps its frames, place and size (its reference is read as the
+    clip's frames are) and its one reference (dstune.data.video.VideoCaptionDataset.reference_clip)."""
     return [
-        SampleRecord(
+        dataclasses.replace(
+            r,
             sample_id=r.sample_id + reference_suffix(number),
             image_path=path,
-            caption=r.caption,
             repeats=0,
-            set_index=r.set_index,
+            mask_path=None,
+            control_paths=(path,),
         )
         for r in records
         for number, path in enumerate(r.control_paths)

@@ -20,6 +20,7 @@ import os
 from pathlib import Path, PurePosixPath
 
 from dstune.spec.data_sections import reference_key  # noqa: F401 (the batch keys, named with data.control_dir)
+from dstune.spec.reference_sizes import own_reference_size  # noqa: F401 (data.reference_size own's rule)
 
 CONTROL_FIELD = "control_file_name"  # the metadata.jsonl field naming a target's source image
 CONTROL_SUFFIX = "#control"  # a source's id in the latent cache: its target's sample_id + this
@@ -38,6 +39,11 @@ class DataError(ValueError):
 def reference_suffix(number: int) -> str:
     """The cache id suffix of a target's reference `number` (0-based): `#control`, `#control2`, ..."""
     return CONTROL_SUFFIX if number == 0 else f"{CONTROL_SUFFIX}{number + 1}"
+
+
+def is_reference(sample_id: str) -> bool:
+    """A cache id of a reference (its target's id + `#control`, `#control2`, ...)."""
+    return CONTROL_SUFFIX in sample_id
 
 
 def target_of(sample_id: str) -> str:

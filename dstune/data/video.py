@@ -56,6 +56,7 @@ from dstune.data.images import (
 )
 from dstune.data.clips import set_side, set_video
 from dstune.data.index import SampleRecord, builtin_of, is_video_file
+from dstune.data.pairs import is_reference
 from dstune.data.sound import decode_sound
 from dstune.data.synthetic import MOVING_SHAPES_AV_FPS, moving_shape_av_mp4, render_moving_shape, render_shape
 from dstune.spec.models import DataSpec
@@ -199,7 +200,11 @@ class VideoCaptionDataset(ImageCaptionDataset):
         return clip_tensor(self.clip_images(record), record.size or self.side(record))
 
     def cache_pixels(self, record: ClipRecord, size, flip: bool) -> torch.Tensor:
-        return self.load_clip(record)  # random_flip is refused for video: the one centre crop, at the clip's size
+        """The clip at its size (random_flip is refused for video: the one centre crop); a reference's record
+        (dstune.data.index.control_records): its reference clip, read as training reads it."""
+        if is_reference(record.sample_id):
+            return self.reference_clip(record)
+        return self.load_clip(record)
 
     def clip_mask(self, record: ClipRecord) -> torch.Tensor:
         """The clip's loss mask, float32 (1, frames, H, W) in [0, 1], cut as its frames are (resized to the frames'
@@ -269,6 +274,9 @@ class VideoCaptionDataset(ImageCaptionDataset):
             sample["sound"], sample["has_sound"] = self.clip_sound(record)
         if record.control_path is not None:
             sample["control_values"] = self.reference_clip(record)
+            if self.sound_rate:  # the reference's own sound track, where it has one (audio-to-audio)
+                reference = dataclasses.replace(record, image_path=record.control_path, mask_path=None)
+                sample["control_sound"], sample["control_has_sound"] = self.clip_sound(reference)
         return sample
 
     def reference_clip(self, record: ClipRecord) -> torch.Tensor:
@@ -294,8 +302,11 @@ def collate_video(samples: list[dict]) -> dict:
         "sample_id": [s["sample_id"] for s in samples],
         "index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
     }
-    if "control_values" in samples[0]:  # in-context control's reference clips
+    if "control_values" in samples[0]:  # in-context control's reference clips (and their sound, where read)
         batch["control_values"] = torch.stack([s["control_values"] for s in samples])
+    if "control_sound" in samples[0]:
+        batch["control_sound"] = torch.stack([s["control_sound"] for s in samples])
+        batch["control_has_sound"] = torch.tensor([s["control_has_sound"] for s in samples], dtype=torch.bool)
     return {**batch, **stack_sounds(samples)}
 
 

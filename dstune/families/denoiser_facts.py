@@ -142,6 +142,8 @@ def count_denoiser(spec, num_samples: int, clips, card: DenoiserFacts) -> ModelC
     # a family without the rule loads them on every rank, with nothing to say about it (no spec key changes it)
     why_every_rank = text_once_per_node(spec, card.samples_from_cached_text) if card.text_once else ""
     text_parts = tuple(part for part in companions if part in TEXT_PARTS)
+    # model.text_encoder_offload holds one module's own parameters at a time: the largest over the text encoders
+    text_layer = max((count_component(str(folder.path / part / "config.json"))[1] for part in text_parts), default=0)
     return ModelCounts(
         module,
         params,
@@ -162,6 +164,7 @@ def count_denoiser(spec, num_samples: int, clips, card: DenoiserFacts) -> ModelC
         text_on_every_rank=why_every_rank if text_parts and why_every_rank else "",
         offloaded_sample_bytes=int(max(min(offloaded, checkpointed), 0.0)),
         offload_block_bytes=int(max(min(one_block, offloaded), 0.0)),
+        text_offload_layer_params=text_layer,
         **working_counts(spec, folder, companions, card, read_config(config_path), clips),
     )
 
@@ -258,14 +261,15 @@ def latent_channels(folder: PipelineFolder) -> tuple[int, int]:
     return vae.get("latent_channels") or vae.get("z_dim", 4), vae_factor(vae)
 
 
-def image_latent_bytes(spec, folder: PipelineFolder, companions: dict, pictures: int = 1) -> int:
+def image_latent_bytes(spec, folder: PipelineFolder, companions: dict, pictures: float = 1) -> int:
     """One sample's cached VAE posterior (mean and std, float32) at data.resolution's square; `pictures`: 2 for an
-    edit model (the source's latents too). 0 without data.cache.latents."""
+    edit model (the source's latents too), in target areas (FlowCard.picture_areas). 0 without
+    data.cache.latents."""
     if not (spec.data.cache.latents and "vae" in companions):
         return 0
     channels, factor = latent_channels(folder)
     side = spec.data.resolution // factor
-    return pictures * 2 * channels * side**2 * 4
+    return round(pictures * 2 * channels * side**2 * 4)
 
 
 def embedding_width_bytes(spec) -> int:

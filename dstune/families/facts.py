@@ -19,7 +19,6 @@ from typing import Optional, Protocol, Sequence
 
 from dstune.families.speakers import Voices, voices_for
 from dstune.memory.activations import adapters
-from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES
 
 Clip = tuple[int, int, int, int]  # (frames, width, height, clips): one bucket of a video dataset
 SpecIssues = list[tuple[str, str]]  # (dotted key, message): an error about the spec, found from the model's configs
@@ -59,13 +58,15 @@ def trains_default_adapters(model_spec) -> bool:
     """Plain LoRA adapters on (some of) the default targets over an unquantized base: the run whose activations
     the LoRA measurements are (dstune.memory.activations.adapters); any other adapter, target or base keeps the
     full fine-tuning figure, an upper bound."""
-    lora = getattr(model_spec, "lora", None)
+    lora = getattr(model_spec, "lora_settings", None) if getattr(model_spec, "train", "full") == "lora" else None
+    if lora is None:
+        return False
+    # the family's default targets: its LoRA section's own (a causal LM's attention projections for speech)
+    defaults = type(lora).model_fields["target_modules"].get_default(call_default_factory=True)
     return (
-        getattr(model_spec, "train", "full") == "lora"
-        and lora is not None
-        and getattr(lora, "type", "lora") == "lora"
+        getattr(lora, "type", "lora") == "lora"
         and getattr(model_spec, "base_precision", None) is None
-        and set(lora.target_modules) <= set(DEFAULT_LORA_TARGET_MODULES)
+        and set(lora.target_modules) <= set(defaults)
     )
 
 
@@ -83,7 +84,7 @@ class Attention:
     # patch a token packs, from the model's configs), and the pictures in one sample's sequence (an edit model's
     # target and source: 2)
     px_per_token: int = 0
-    pictures: int = 1
+    pictures: float = 1  # in target areas: own-size references at their bound (FlowCard.picture_areas)
 
 
 class FamilyFacts:

@@ -22,6 +22,7 @@ from dstune.families.denoiser_facts import (
     side_issues,
     transformer_text_bytes,
 )
+from dstune.spec.reference_sizes import own_area_bound
 from dstune.families.facts import Attention, no_plan_refusal
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import PipelineCard, SpecIssues
@@ -96,6 +97,15 @@ class FlowCard(PipelineCard):
         """The pictures in one sample's sequence (an edit model's target and source: 2)."""
         return 1
 
+    def picture_areas(self, spec, folder: PipelineFolder) -> float:
+        """The pictures of one sample's sequence in target areas: pictures(), each reference at its own size
+        (data.reference_size own) counted at the most pixels its rule gives (dstune.spec.reference_sizes.own_area_bound)."""
+        pictures = self.pictures(spec, folder)
+        if pictures == 1 or spec.data.reference_size != "own":
+            return pictures
+        side = spec.data.resolution
+        return 1 + (pictures - 1) * own_area_bound(side) / side**2
+
     def pad_tokens(self, tokens: float) -> float:
         """What the transformer pads a sequence of `tokens` tokens to."""
         return tokens
@@ -116,7 +126,7 @@ class FlowCard(PipelineCard):
     def activation_bytes(self, spec, folder: PipelineFolder, config: dict, clips) -> tuple[float, float]:
         """The measured constants over its image tokens (2x2 latent patches, 16 px; every picture's) and its text
         tokens."""
-        image_tokens = self.pad_tokens(self.pictures(spec, folder) * (spec.data.resolution / 16) ** 2)
+        image_tokens = self.pad_tokens(self.picture_areas(spec, folder) * (spec.data.resolution / 16) ** 2)
         sample = measured_sample_bytes(
             self.activations,
             self.activation_shape(config),
@@ -131,7 +141,7 @@ class FlowCard(PipelineCard):
         return config.get(self.text_width_key)
 
     def cache_bytes(self, spec, folder: PipelineFolder, companions: dict, num_samples: int, clips) -> int:
-        per_sample = image_latent_bytes(spec, folder, companions, self.pictures(spec, folder))
+        per_sample = image_latent_bytes(spec, folder, companions, self.picture_areas(spec, folder))
         if folder.has("transformer"):
             width = self.text_width(folder.config("transformer"))
             per_sample += transformer_text_bytes(spec, folder, self.text_tokens(spec, folder), width)
@@ -161,7 +171,7 @@ class FlowCard(PipelineCard):
         folder's sampling steps, the sample folder and the LoRA format."""
         issues = self.settings_issues(spec.model) or self._side_issues(spec) or self._steps_issues(spec)
         issues = issues or self.source_image_issues(spec) or self.reference_count_issues(spec)
-        return issues + _sample_folder_issues(spec) + self._lora_format_issues(spec)
+        return issues + _sample_folder_issues(spec) + self._lora_format_issues(spec) + self.text_offload_issues(spec)
 
     def _side_issues(self, spec) -> SpecIssues:
         """Image sides the model cannot take: side_px, or the VAE config's spatial factor x the latent rows a token
@@ -286,7 +296,7 @@ class FlowCard(PipelineCard):
             origin,
             text_tokens=self.text_tokens(spec, folder),
             px_per_token=px_per_token,
-            pictures=self.pictures(spec, folder),
+            pictures=self.picture_areas(spec, folder),
         )
 
 

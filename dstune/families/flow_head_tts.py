@@ -204,6 +204,23 @@ def codec_folder(name_or_path: str, what: str) -> Path:
         raise FamilyError(f"{what}: {err}") from None
 
 
+def take_audio_tokenizer(processor, folder: Path, dtype: torch.dtype, what: str, latents_kind: str):
+    """(codec, its local folder, the latents' layout) of a flow-head TTS folder: the processor's audio tokenizer,
+    frozen in `dtype` (every rank whole: the clips' latents and the samples' decoding), `what` naming it in errors."""
+    codec = processor.audio_tokenizer
+    if codec is None or codec.config.encoder_config is None:
+        raise FamilyError(f"{folder}: its processor has no audio tokenizer with an encoder to encode clips")
+    codec = codec.to(dtype).eval().requires_grad_(False)
+    layout = {
+        "sampling_rate": int(processor.feature_extractor.sampling_rate),
+        "frame_rate": float(codec.config.frame_rate),
+        "num_codebooks": int(codec.config.latent_dim),  # values per latent frame
+        "frame_order": [],
+        "codec": latents_kind,
+    }
+    return codec, codec_folder(codec.name_or_path, what), layout
+
+
 def encode_latents(codec, processor, wave) -> torch.Tensor:
     """(frames, D) float32 latents of one clip (1-D float at the processor's rate), as the processor encodes a
     training clip: the feature extractor without end-on-pause, then the audio tokenizer's encoder, the clip's own

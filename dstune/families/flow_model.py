@@ -49,6 +49,7 @@ from dstune.families.lean_text import make_lean
 from dstune.families.pipeline_card import PipelineCard
 from dstune.families.randomness import per_sample_randn
 from dstune.families.samples import save_clip_grid, save_grid
+from dstune.families.text_offload import place_text_encoder
 from dstune.hf import quiet_hf_libraries
 
 
@@ -219,9 +220,14 @@ class FlowModel(TrainedModel):
         for name, expected in self.card.components.items():
             if name.startswith("text_encoder") and expected is not None:
                 loader = getattr(transformers, expected).from_pretrained
-                module = load_component(self.folder, name, loader).to(self.device, self.frozen_dtype)
-                encoders[name] = module.eval().requires_grad_(False)
+                encoders[name] = self.place_text(load_component(self.folder, name, loader), self.frozen_dtype)
         return encoders, self.load_tokenizers()
+
+    def place_text(self, module: torch.nn.Module, dtype: Optional[torch.dtype]) -> torch.nn.Module:
+        """A loaded text encoder (or text connector) frozen in `dtype` (None: as loaded) on the device, or with
+        model.text_encoder_offload in host memory, run layer by layer on the device (dstune.families.text_offload)."""
+        offload = getattr(self.model_spec, "text_encoder_offload", "none")
+        return place_text_encoder(module, self.device, dtype, offload)
 
     def load_tokenizers(self) -> dict:
         """The card's tokenizers (a processor where the folder lists one, as the pipeline loads it: its

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
 from dstune.card import ModelCard
+from dstune.families.denoiser_facts import text_once_per_node
 from dstune.families.folders import component_problems, read_model_index
 from dstune.memory.working import Geometry, TextWork, VaeWork
 
@@ -109,6 +110,25 @@ class PipelineCard(ModelCard):
         """Its samples render from the prompts' cached text, so with the text cache the text encoders load on one
         rank per node (dstune.families.denoiser_facts.text_once_per_node)."""
         return bool(self.cached_text_arguments)
+
+    def text_offload_issues(self, spec) -> list[tuple[str, str]]:
+        """model.text_encoder_offload runs the text encoders layer by layer for the text cache only: where they
+        also run in training, for held-out evaluation or for samples (they load on every rank, and are kept), it is
+        refused, with what stops it (dstune.families.denoiser_facts.text_once_per_node's reason)."""
+        if getattr(spec.model, "text_encoder_offload", "none") == "none":
+            return []
+        why = text_once_per_node(spec, self.samples_from_cached_text) if self.text_once else "its encoders stay"
+        if why is None:
+            return []
+        return [
+            (
+                "model.text_encoder_offload",
+                f"text_encoder_offload {spec.model.text_encoder_offload!r} keeps the text encoders in host memory "
+                f"while they build the text cache, and is for that only; here they run beyond it ({why}). Turn on "
+                "data.cache.text_embeddings with the encoders loaded once per node (docs/caching.md), or remove "
+                "text_encoder_offload",
+            )
+        ]
 
     def negative_caption(self) -> str:
         """The negative prompt its samples encode: cached beside the sample prompts ("" for every pipeline that

@@ -160,8 +160,8 @@ class VideoCard(PipelineCard):
             folder = pipeline_folder(spec.model.pretrained)
             folder.config("transformer"), folder.config("vae")
         except (SizesUnknown, OSError, ValueError):  # unknown here: startup checks the folder itself
-            return []
-        issues = [
+            return self.text_offload_issues(spec)
+        issues = self.text_offload_issues(spec) + [
             (
                 "model.timestep_range" if problem.startswith("model.timestep_range") else "model.expert",
                 f"{spec.model.pretrained}: {problem}",

@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from dstune.spec.section import DEFAULT_LORA_TARGET_MODULES
+
 TRANSFORMER_SIZES = ((16, 8), (36, 8), (16, 24))  # (image tokens, text tokens) of the image transformers' fits
 LM_VOCAB = 1000  # a narrow LM vocabulary: the logits are counted apart, per vocabulary entry
 
@@ -58,6 +60,9 @@ class Case:
     heads: int = 2
     check_heads: int = 3  # the unit test's width (a UNet: channels x check_heads / 10)
     check_precision: str = "bf16"  # the unit test's (a UNet: fp32; the CPU's bf16 convolutions are ~20x slower)
+    # the LoRA measurement's adapter targets: the family's default targets (the diffusers attention's, a causal LM's
+    # attention projections for the speech models)
+    lora_targets: tuple = DEFAULT_LORA_TARGET_MODULES
     notes: str = ""
     extra: dict = field(default_factory=dict)
 

@@ -120,10 +120,10 @@ def measured_sample_bytes(
     measured)."""
     entry = activation_constants()[key]
     table = entry["fp32" if precision == "fp32" else "bf16"]
-    # a LoRA run's saved activations (its forward and transients are the full table's: an upper bound); measured
-    # in bf16, so an fp32 LoRA run keeps the full fp32 figure
-    lora = _ADAPTERS.get() and "lora" in entry and precision != "fp32"
-    saved, margin = (entry["lora"]["bf16"], LORA_MARGIN) if lora else (table, 1.0)
+    # a LoRA run's saved activations (its forward and transients are the full table's: an upper bound), where
+    # measured in this precision (bf16 for every model, fp32 too for the UNets); else the full figure
+    lora = entry.get("lora", {}).get("fp32" if precision == "fp32" else "bf16") if _ADAPTERS.get() else None
+    saved, margin = (lora, LORA_MARGIN) if lora else (table, 1.0)
 
     def bucket(coefficients: dict) -> float:
         return _evaluate(coefficients, tokens, context, shape.width, shape.ffn)

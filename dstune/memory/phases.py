@@ -51,6 +51,7 @@ ACTIVATIONS, TRANSIENTS, IN_FLIGHT = "activations", "backward transients", "weig
 STEP_VAE, STEP_TEXT = "VAE encode of the micro batch (latents not cached)", "text encoders on the micro batch"
 DECODE, SAMPLING_FORWARD = "VAE decode of the samples", "one sampling forward"
 STEP_HEAP = "the step's freed pages, still resident (CPU accelerator)"
+TEXT_LAYER = "text encoders' largest layer, copied for its forward (weights in host memory: text_encoder_offload)"
 
 
 def run_phases(counts, setup, terms: dict) -> dict[str, Phase]:
@@ -67,7 +68,11 @@ def run_phases(counts, setup, terms: dict) -> dict[str, Phase]:
     phases = {"load": Phase("load", loaded)}
     if counts.cached_companions:  # built before the engine, so beside the placed module, not DeepSpeed's states
         encoding = {**loaded, VAE_CHUNK: terms["cache_vae"], TEXT_CHUNK: terms["cache_text"]}
-        phases["cache"] = Phase("cache", encoding, ((VAE_CHUNK,), (TEXT_CHUNK,)))
+        text_pass: tuple = (TEXT_CHUNK,)
+        if terms["text_offload_layer"]:  # model.text_encoder_offload: a layer's copy while the text encoders run
+            encoding[TEXT_LAYER] = terms["text_offload_layer"]
+            text_pass = (TEXT_CHUNK, TEXT_LAYER)
+        phases["cache"] = Phase("cache", encoding, ((VAE_CHUNK,), text_pass))
     phases["step"] = Phase(
         "step",
         {

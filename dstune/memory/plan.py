@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from dstune.memory.offload import offload_sample_change, offloaded_activations
+from dstune.memory.offload import offload_sample_change, offloaded_activations, text_encoder_terms
 from dstune.memory.phases import IN_FLIGHT, STEP_TEXT, STEP_VAE, TRANSIENTS, Phase, peak_phase, run_phases
 from dstune.memory.sizes import parse_size  # noqa: F401 (validate's --gpu-memory reads it from here)
-from dstune.memory.working import MAX_CHUNK_ENTRIES, working_terms
+from dstune.memory.working import MAX_CHUNK_ENTRIES, text_part, working_terms
 from dstune.spec.models import BASE_PRECISION_BYTES  # bytes per frozen base parameter, one table
 
 MIXED = ("bf16", "fp16")
@@ -113,6 +113,8 @@ class ModelCounts:
     # of checkpointed_sample_bytes, the blocks' inputs (model.activation_offload's), the largest block's; 0: not counted
     offloaded_sample_bytes: int = 0
     offload_block_bytes: int = 0
+    # the largest module's own parameters over the text encoders: what model.text_encoder_offload holds on the device
+    text_offload_layer_params: int = 0
 
     @property
     def companions_on_every_rank(self) -> dict:
@@ -159,6 +161,7 @@ class Setup:
     cache_chunk: int = MAX_CHUNK_ENTRIES  # entries per encoder pass of the cache (verdict.choose_encoding)
     vae_tiling: bool = False  # model.vae_tiling: the VAE encodes and decodes through its own tiles
     activation_offload: bool = False  # model.activation_offload cpu (with gradient checkpointing)
+    text_encoder_offload: bool = False  # model.text_encoder_offload cpu (the text encoders build the cache only)
     compiled_blocks: bool = False  # train.compile blocks
 
     @classmethod
@@ -190,6 +193,7 @@ class Setup:
             lora=getattr(spec.model, "train", "full") == "lora",
             vae_tiling=bool(getattr(spec.model, "vae_tiling", False)),
             activation_offload=getattr(spec.model, "activation_offload", "none") == "cpu",
+            text_encoder_offload=getattr(spec.model, "text_encoder_offload", "none") == "cpu",
             compiled_blocks=spec.train.compile == "blocks",
             reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
             allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)),
@@ -545,13 +549,15 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
     buffers = deepspeed_buffers(counts, setup) + setup.all_to_all_bytes
     swap = ema_swap_bytes(counts, setup)
     base_on_gpu = frozen_on_gpu(replace(counts, companions={}), setup)
+    companions_all, text_layer = text_encoder_terms(counts, setup, text_part)
     terms = {
         "parameters": parameters,
         "gradients": gradients,
         "optimizer": optimizer,
         "frozen": frozen,
         "frozen_base": base_on_gpu,
-        "companions_all": setup.frozen_bytes * sum(counts.companions.values()),
+        "companions_all": companions_all,
+        "text_offload_layer": text_layer,
         # samples render from cached prompt embeddings where the text encoders were loaded once per node and dropped
         "companions_in_samples": setup.frozen_bytes * sum(counts.companions_on_every_rank.values()),
         "module_on_load": module_on_load(counts, setup),

@@ -379,10 +379,20 @@ class DataSpec(Section):
         "from the k-th folder (the multi-image edit models: docs/data.md). In "
         "metadata.jsonl a line's `control_file_name` (relative to data.path; a list for several) names its "
         "references instead. Each reference is resized and cropped with its target (same bucket, same crop and "
-        "flip); `validate` counts the pairs and names every sample missing a reference, with the file it looked "
+        "flip), or keeps its own size with data.reference_size: own; `validate` counts the pairs and names every sample missing a reference, with the file it looked "
         "for. See docs/data.md. Video models trained on reference clips (in-context control, an IC-LoRA): "
         "the folder of reference clips (or images), one per target clip, matched the same way; each is read with its "
         "clip's frames.",
+    )
+    reference_size: Optional[Literal["target", "own"]] = Field(
+        None,
+        description="How data.control_dir's reference images are sized. `target`: resized and cropped with their "
+        "target (its size or bucket, its crop, its flip). `own`: each reference keeps its own aspect ratio, resized "
+        "(not cropped) to the area of its target's size, sides multiples of 32, flipped with its target; it is "
+        "cached at that size and adds its own tokens. Default: the model's (own for the multi-image edit models, "
+        "whose pipelines size each input image by itself; target for the others, as their diffusers training "
+        "scripts do). With train.micro_batch_size above 1, `validate` checks that the samples' references share "
+        "their sizes (see docs/data.md).",
     )
     mask_dir: Optional[str] = Field(
         None,

@@ -30,6 +30,8 @@ SAFE_CHANGES = {
     "train.gradient_accumulation_steps": "how the global batch is split (a changed global batch is decided on its own)",
     "train.global_batch_size": "a changed global batch is decided on its own (--allow-batch-change)",
     "model.activation_offload": "only where checkpointed blocks' inputs wait (the same values, bitwise)",
+    "model.text_encoder_offload": "only where the text encoders' weights wait while they build the text cache (the "
+    "same embeddings, bitwise)",
     "train.compile": "only how the blocks run (compiled and plain blocks agree to float rounding)",
     "train.max_steps": "the run's length: the steps already taken stay as they were",
     "train.epochs": "the run's length: the steps already taken stay as they were",

@@ -261,6 +261,21 @@ class DenoiserModelBase(Section):
         return self.lora if self.lora is not None else LoraSpec()
 
 
+def text_encoder_offload_field():
+    """model.text_encoder_offload of the flow-matching families (their loaders place the text encoders)."""
+    return Field(
+        "none",
+        description="`cpu`: the text encoders' weights stay in host memory while they build the text cache, and "
+        "each layer's weights are copied to the GPU for its own forward only: the GPU holds one layer (the largest, "
+        "the token embedding table) beside the pass's activations instead of the whole encoder (a 12 B encoder: "
+        "about 2 GB instead of 24). The embeddings are the same bit for bit; the cost is the copies, the whole "
+        "encoder over the host link once per chunk of captions (the cache build is slower; training is not). "
+        "Only where the text encoders run for the text cache alone: data.cache.text_embeddings on and the "
+        "encoders loaded once per node (docs/caching.md); validate says what stops it otherwise. `none`: the "
+        'encoders sit whole on the GPU. See docs/memory.md, "Text encoder offload".',
+    )
+
+
 def first_builtin(family: str) -> str:
     """`model.pretrained`'s default for a shared core family: the first built-in of its first model (read when a
     spec leaves the key out, so that the registry's cards are read after the spec modules)."""
@@ -305,6 +320,7 @@ class FlowModelSpec(DenoiserModelBase):
     gradient_checkpointing: bool = Field(
         False, description="Recompute transformer activations in backward (torch non-reentrant checkpointing)."
     )
+    text_encoder_offload: Literal["none", "cpu"] = text_encoder_offload_field()
     timestep_sampling: Literal["logit_normal", "uniform", "mode"] = Field(
         "logit_normal",
         description="How the training timestep is drawn (diffusers' compute_density_for_timestep_sampling): "

@@ -42,7 +42,8 @@ class SampleSpec(Section):
         "(data.control_dir a list: docs/data.md) takes a list of paths per prompt, as many as it "
         "trains with, in data.control_dir's order. Image-to-video (model.image_to_video): the first frame of each "
         "prompt's clip. Video models trained on reference clips (data.control_dir): each prompt's reference clip "
-        "(a video, or an image). Other models: none.",
+        "(a video, or an image); with image-to-video too, a list [reference clip, first frame] per prompt. Other "
+        "models: none.",
     )
 
     @property

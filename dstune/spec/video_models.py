@@ -7,7 +7,12 @@ from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from dstune.spec.model_sections import VAE_LATENTS_DESCRIPTION, DenoiserModelBase, first_builtin
+from dstune.spec.model_sections import (
+    VAE_LATENTS_DESCRIPTION,
+    DenoiserModelBase,
+    first_builtin,
+    text_encoder_offload_field,
+)
 from dstune.spec.section import VIDEO_FAMILY, VIDEO_FAMILY_ALIAS
 
 
@@ -45,6 +50,7 @@ class VideoModelSpec(DenoiserModelBase):
         description="Recompute each transformer block's activations in backward (torch non-reentrant "
         "checkpointing): activations grow with frames x height x width tokens, so real clips need it.",
     )
+    text_encoder_offload: Literal["none", "cpu"] = text_encoder_offload_field()
     timestep_sampling: Literal["logit_normal", "uniform", "mode", "shifted_logit_normal"] = Field(
         "uniform",
         description="How u in [0, 1] is drawn (diffusers' compute_density_for_timestep_sampling); u indexes the "

@@ -157,11 +157,21 @@ def check_resume(run_dir: Path, spec_path: Path, proc, resumed: Path, compared: 
     """Resumed from step 2 into `resumed`: steps 3-4 have the same losses, and the export's `compared` file (the
     transformer, or the LoRA file) the same tensors, as the uninterrupted run."""
     assert proc.returncode == 0, explain(proc)
+    again = launch(spec_path, num_ranks=2, args=resume_from_step_2(run_dir, resumed))
+    assert again.returncode == 0, explain(again)
+    check_resumed(run_dir, resumed, compared)
+
+
+def resume_from_step_2(run_dir: Path, resumed: Path) -> tuple:
+    """`resumed` given `run_dir`'s step-2 checkpoint as its latest; the `dstune train` flags that resume it there."""
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
     (resumed / "checkpoints" / "latest").write_text("step-00000002")
-    again = launch(spec_path, num_ranks=2, args=("--resume", "latest", "--set", f"output.dir={resumed}"))
-    assert again.returncode == 0, explain(again)
+    return ("--resume", "latest", "--set", f"output.dir={resumed}")
+
+
+def check_resumed(run_dir: Path, resumed: Path, compared: Path) -> None:
+    """check_resume's comparison of a run resumed from step 2 (resume_from_step_2) with the uninterrupted one."""
     first, second = metrics(run_dir), metrics(resumed)
     assert [m["step"] for m in second] == [3, 4]
     for before, after in zip(first[2:], second):

@@ -1,8 +1,9 @@
 """The memory and speed levers on 2 ranks, in real `dstune train` runs of tiny-flux's LoRA under ZeRO 2 with gradient
 checkpointing (fp32, the same seed and data): model.activation_offload cpu gives the plain run's per-step losses
 bitwise, train.compile blocks (inductor, on the CPU) within 1e-5, and each resumes from its step-2 checkpoint
-exactly; deepspeed.bf16_optimizer_states (bf16, optimizer offload) trains. Each lever's memory plan holds what its
-run measured (predicted >= 0.9 x measured in every phase, as the phase tests hold it). Three 2-rank launches of
+exactly; deepspeed.bf16_optimizer_states (bf16, optimizer offload) trains; model.text_encoder_offload builds the text cache
+entry for entry as the run without it (and trains the same, bitwise). Each lever's memory plan holds what its
+run measured (predicted >= 0.9 x measured in every phase, as the phase tests hold it). Four 2-rank launches of
 tests/dist/scripts/train_runs.py (LAUNCHES), the resumes after the runs whose checkpoints they continue."""
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ LEVERS = {
         "train": {"precision": "bf16"},
         "deepspeed": {"offload_optimizer": "cpu", "bf16_optimizer_states": True},
     },
+    # the text cache (each run its own folder), built with the text encoders in host memory, and without
+    "text-offload": {"model": {"text_encoder_offload": "cpu"}, "data": {"cache": {"text_embeddings": True}}},
+    "text-cached": {"data": {"cache": {"text_embeddings": True}}},
 }
 RESUMED = ["activation-offload", "compiled"]
 # Three launches, each lever's run first in its own: a launch's first run is measured from a fresh process (a later
 # run reuses the heap the earlier ones freed, and measures less); the plain run and the resumes follow.
 LAUNCHES = [["activation-offload", "plain", "activation-offload-resumed"], ["compiled", "compiled-resumed"],
-            ["bf16-states"]]
-MEASURED_FRESH = ["activation-offload", "compiled", "bf16-states"]
+            ["bf16-states"], ["text-offload", "text-cached"]]
+MEASURED_FRESH = ["activation-offload", "compiled", "bf16-states", "text-offload"]
 COMPILED_TOLERANCE = 1e-5  # inductor's fused kernels round fp32 differently from eager's, step by step
 
 
@@ -42,6 +46,8 @@ def _spec(run_dir: Path, changes: dict) -> dict:
     spec = flow_spec(run_dir, MODEL, 2, "lora")
     spec["output"]["export"] = "none"
     for section, values in changes.items():
+        if section == "data":  # the cache's other keys (its folder) stay
+            values = {**values, "cache": {**spec["data"]["cache"], **values.get("cache", {})}}
         spec[section] = {**spec[section], **values}
     return spec
 
@@ -108,6 +114,25 @@ def test_a_resume_with_each_lever_continues_exactly(launched, name):
     first, second = metrics(runs[name]), metrics(resumes[name])
     assert [m["step"] for m in second] == [3, 4]
     assert [m["loss"] for m in second] == [m["loss"] for m in first[2:]]
+
+
+def test_text_encoder_offload_builds_the_same_text_cache_and_trains_the_same(launched):
+    """model.text_encoder_offload: every text cache entry the 2 ranks built equals, tensor for tensor, the entry of
+    the run without it, and the per-step losses are the same bitwise."""
+    from safetensors.torch import load_file
+
+    runs, _, proc = launched
+    assert proc.returncode == 0, explain(proc)
+    offloaded, cached = (_entries(runs[name].parent / "cache") for name in ("text-offload", "text-cached"))
+    assert offloaded and sorted(offloaded) == sorted(cached)
+    for name, path in offloaded.items():
+        got, expected = load_file(path), load_file(cached[name])
+        assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected), name
+    assert _losses(runs["text-offload"]) == _losses(runs["text-cached"])
+
+
+def _entries(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p for p in folder.rglob("*.safetensors")}
 
 
 def test_bf16_optimizer_states_train(launched):

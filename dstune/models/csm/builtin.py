@@ -23,6 +23,7 @@ from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_t
 from dstune.hf import quiet_hf_libraries
 from dstune.models.csm.model import CodebookFramesModel
 from dstune.memory.activation_cases import Case, LM_VOCAB, attr, generator
+from dstune.spec.section import LM_LORA_TARGET_MODULES
 
 _SEED = 0
 CSM_SPECIAL_TOKENS = {"<|begin_of_text|>": 256, "<|end_of_text|>": 257, "<|AUDIO|>": 258, "<|audio_eos|>": 259}
@@ -254,6 +255,7 @@ ACTIVATION_CASES = (
         _csm_run,
         sizes=((8, 8), (24, 8), (8, 24)),
         check_size=(16, 12),
+        lora_targets=LM_LORA_TARGET_MODULES,
         block_lists=attr(backbone="backbone_model.layers", depth="depth_decoder.model.layers"),
         head_copy=True,
         heads=4,

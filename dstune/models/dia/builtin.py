@@ -21,6 +21,7 @@ from pathlib import Path
 from dstune.builtin.common import BuiltinModel, deterministic_cpu
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, attr, generator
+from dstune.spec.section import LM_LORA_TARGET_MODULES
 
 _SEED = 0
 FOLDER_NAME = "tiny-dia-v1"
@@ -195,6 +196,7 @@ ACTIVATION_CASES = (
         _dia_run,
         sizes=((16, 8), (48, 8), (16, 24)),
         check_size=(32, 12),
+        lora_targets=LM_LORA_TARGET_MODULES,
         block_lists=attr(encoder="model.encoder.layers", decoder="model.decoder.layers"),
         heads=4,
         check_heads=8,

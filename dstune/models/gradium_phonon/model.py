@@ -40,13 +40,13 @@ from dstune.families.codebooks import CodebooksModel, first_line
 from dstune.families.flow_head_tts import (
     TRAIN_KEYS,
     batch_references,
-    codec_folder,
     encode_latents,
     flow_head_loss,
     gathered,
     generate_wave,
     keep_references,
     leaf_module,
+    take_audio_tokenizer,
     training_inputs,
     voice_of,
 )
@@ -75,21 +75,16 @@ class GradiumPhonon(CodebooksModel):
         return {"codec": self.codec, "speaker_codec": self.speaker_codec}
 
     def take_codec(self, whole, dtype: torch.dtype) -> torch.nn.Module:
-        codec = self.processor.audio_tokenizer
-        if codec is None or codec.config.encoder_config is None:
-            raise FamilyError(f"{self.folder}: its processor has no audio tokenizer with an encoder to encode clips")
-        codec = codec.to(dtype).eval().requires_grad_(False)
-        self.codec_folder = codec_folder(codec.name_or_path, "Gradium Phonon's audio tokenizer (processor_config.json)")
+        codec, self.codec_folder, self.layout = take_audio_tokenizer(
+            self.processor,
+            self.folder,
+            dtype,
+            "Gradium Phonon's audio tokenizer (processor_config.json)",
+            self.card.latents_kind,
+        )
         self.codec_kind = self.card.latents_kind
         self.speaker_codec = load_speaker_codec(self.card, self.folder, whole.config.audio_prompt_dim)
         self.speaker_codec = self.speaker_codec.to(dtype).to(self.device)
-        self.layout = {
-            "sampling_rate": int(self.processor.feature_extractor.sampling_rate),
-            "frame_rate": float(codec.config.frame_rate),
-            "num_codebooks": int(codec.config.latent_dim),  # values per latent frame
-            "frame_order": [],
-            "codec": self.card.latents_kind,
-        }
         return codec
 
     def trained_module(self, whole) -> torch.nn.Module:

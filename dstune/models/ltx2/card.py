@@ -93,7 +93,8 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[fl
     less the video-only figure at that caption: the sound tokens' own bytes and the cross-modal attention the video
     stream then runs (about a third more per video token). The plan counts every clip as having sound (whether a
     clip has a track is known only when it is read). IC-LoRA (data.control_dir) doubles the video tokens: the
-    reference's, at the clip's size, run through every block beside the clip's."""
+    reference's, at the clip's size, run through every block beside the clip's; so do its sound tokens (a reference
+    with sound: audio-to-audio)."""
     config = folder.config("transformer")
     width_hidden = config["num_attention_heads"] * config["attention_head_dim"]
     shape = ModelShape(width_hidden, {"transformer_blocks": config["num_layers"]})
@@ -103,6 +104,7 @@ def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[fl
     # a timestep per token (image-to-video's first frame, IC-LoRA's reference at 0): a modulation per token
     key = I2V_ACTIVATION_CONSTANTS if spec.model.image_to_video or references else ACTIVATION_CONSTANTS
     sound, split = audio_tokens(spec, folder, frames), spec.deepspeed.sequence_parallel_size
+    sound *= 2 if references else 1  # and its sound's tokens before the clip's (audio-to-audio: counted as heard)
     sample = clip_bytes(shape, video, sound, text_tokens(spec), spec.train.precision, key, split)
     return in_plan_units(sample, spec.train.precision)
 
@@ -132,8 +134,8 @@ def clip_bytes(
 
 def cache_bytes(spec, folder, companions: dict, num_samples: int, buckets) -> int:
     """Each bucket's clips' posteriors (float32 mean and std) at the VAE's own compression and their sound latents
-    (float32, latent_channels x mel_bins / 4 per sound token, and has_sound), and each caption's connector
-    outputs."""
+    (float32, latent_channels x mel_bins / 4 per sound token, and has_sound), as many again for IC-LoRA's reference
+    clips (an entry of the same size beside each clip's), and each caption's connector outputs."""
     text = (
         sum(
             transformer_text_bytes(spec, folder, tokens, width) for tokens, width in text_tokens_and_width(spec, folder)
@@ -146,7 +148,8 @@ def cache_bytes(spec, folder, companions: dict, num_samples: int, buckets) -> in
     spatial, temporal = compression(folder)
     audio = folder.config("audio_vae") if "audio_vae" in companions else {}
     sound_width = audio.get("latent_channels", 0) * audio.get("mel_bins", 0) // MEL_COMPRESSION
-    return text + sum(
+    entries = 2 if spec.data.control_dir is not None else 1  # IC-LoRA: each reference clip's entry beside its clip's
+    return text + entries * sum(
         (2 * channels * clip_tokens(frames, width, height, spatial, temporal) * 4) * count
         + (sound_width * audio_tokens(spec, folder, frames) * 4 + 4) * count * bool(audio)
         for frames, width, height, count in buckets
@@ -207,25 +210,27 @@ def image_to_video_issues(spec) -> list[tuple[str, str]]:
 
 
 def ic_lora_issues(spec) -> list[tuple[str, str]]:
-    """IC-LoRA (data.control_dir: a reference clip per sample, dstune.models.ltx2.ic_lora): what it does not combine
-    with yet: the latent cache (the references are encoded every step), image-to-video and a
-    sequence split (the references' timesteps are per token)."""
+    """IC-LoRA (data.control_dir: a reference clip per sample, dstune.models.ltx2.ic_lora): its samples' sources (a
+    reference clip per prompt, with image-to-video a [reference, first frame] pair), and what it does not combine
+    with: a sequence split (the references' timesteps are per token)."""
     if spec.data.control_dir is None:
         return []
     issues = []
-    if spec.data.cache.latents:
+    pairs = [one for one in spec.sample.control_images if not isinstance(one, str) and len(one) == 2]
+    if spec.model.image_to_video and len(pairs) != len(spec.sample.control_images):
         issues.append(
             (
-                "data.cache.latents",
-                "IC-LoRA (data.control_dir) encodes each sample's reference clip every step; the latent cache does "
-                "not store references yet. Set data.cache.latents: false (the text cache is fine)",
+                "sample.control_images",
+                "IC-LoRA with model.image_to_video renders each sample from a reference clip and a first frame: give "
+                "each prompt a list of two paths, [reference clip, first frame image]",
             )
         )
-    if spec.model.image_to_video:
+    if not spec.model.image_to_video and any(not isinstance(one, str) for one in spec.sample.control_images):
         issues.append(
             (
-                "model.image_to_video",
-                "IC-LoRA (data.control_dir) trains text-to-video from reference clips; remove one of them",
+                "sample.control_images",
+                "IC-LoRA renders each sample from one reference clip: give one path per prompt (a list of two, "
+                "[reference clip, first frame], is for model.image_to_video: true)",
             )
         )
     if spec.deepspeed.sequence_parallel_size > 1:

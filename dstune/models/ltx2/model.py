@@ -94,11 +94,12 @@ class Ltx2(FlowModel):
 
         encoders, tokenizers = super().load_text_encoders()
         gemma = getattr(transformers, self.listed_class("text_encoder", TEXT_ENCODERS)).from_pretrained
-        encoder = load_component(self.folder, "text_encoder", gemma).to(self.device, self.frozen_dtype)
-        encoders["text_encoder"] = encoder.eval().requires_grad_(False)
+        encoders["text_encoder"] = self.place_text(
+            load_component(self.folder, "text_encoder", gemma), self.frozen_dtype
+        )
         loader = LTX2TextConnectors.from_pretrained
         connectors = load_component(self.folder, "connectors", loader, torch_dtype=self.frozen_dtype)
-        encoders["connectors"] = connectors.to(self.device).eval().requires_grad_(False)
+        encoders["connectors"] = self.place_text(connectors, None)
         return encoders, tokenizers
 
     def load_parts(self) -> dict:
@@ -220,7 +221,9 @@ class Ltx2(FlowModel):
         sound_noise = per_sample_randn(sound.shape[1:], seed, step, indices, "audio_noise").to(sound.device)
         video = (noisy, timesteps, latents, noise, sigmas, mask)
         order, video_errors, sound_errors = [], [], []
-        for rows in (heard.nonzero().flatten(), (~heard).nonzero().flatten()):  # one transformer call per kind
+        echoed = conditions.get(ic_lora.REFERENCE_HEARD, torch.zeros_like(heard)).to(heard.device)
+        kinds = (heard & echoed, heard & ~echoed, ~heard)  # with the reference's sound, with its own only, silent
+        for kind, rows in enumerate(group.nonzero().flatten() for group in kinds):  # one transformer call per kind
             if len(rows) == 0:
                 continue
 
@@ -230,6 +233,8 @@ class Ltx2(FlowModel):
 
             clip_noisy, clip_timesteps, clip_latents, clip_noise, clip_sigmas, clip_mask = (pick(t) for t in video)
             given = {name: pick(value) for name, value in conditions.items()}
+            if kind != 0:  # the reference's sound joins only the sound of a clip that trains its own
+                given.pop(ic_lora.REFERENCE_SOUND, None)
             if heard[rows[0]]:
                 sigma_tokens = clip_sigmas.reshape(-1, 1, 1)
                 clean, drawn = pick(sound), pick(sound_noise)
@@ -283,14 +288,19 @@ class Ltx2(FlowModel):
         if joined is not None:  # IC-LoRA: [reference | target] tokens, the reference clean at timestep 0
             tokens, video_timesteps, coords, references = joined
             positions = {"video_coords": coords}
-        timesteps = timesteps.to(dtype)
+        timesteps, audio_timesteps, heard_references = timesteps.to(dtype), timesteps.to(dtype), 0
+        with_sound = None if isolated else ic_lora.joined_sound(self.trainable, audio, timesteps, conditions)
+        if with_sound is not None:  # audio-to-audio: [reference | target] sound tokens, the reference's at 0
+            audio, audio_timesteps, audio_coords, heard_references = with_sound
+            positions["audio_coords"] = audio_coords
+            audio_timesteps = audio_timesteps.to(dtype)
         video, audio_velocity = forward(
             hidden_states=tokens.to(dtype),
             audio_hidden_states=audio.to(dtype),
             encoder_hidden_states=conditions["encoder_hidden_states"].to(dtype),
             audio_encoder_hidden_states=conditions["audio_encoder_hidden_states"].to(dtype),
             timestep=video_timesteps.to(dtype),
-            audio_timestep=timesteps,
+            audio_timestep=audio_timesteps,
             sigma=timesteps,
             encoder_attention_mask=conditions["encoder_attention_mask"],
             audio_encoder_attention_mask=conditions["encoder_attention_mask"],
@@ -303,7 +313,8 @@ class Ltx2(FlowModel):
             return_dict=False,
             **positions,
         )
-        return unpack(video[:, references:], noisy), audio_velocity  # the target's tokens: IC-LoRA's loss is theirs
+        # the target's tokens (video and sound): IC-LoRA's loss is theirs
+        return unpack(video[:, references:], noisy), audio_velocity[:, heard_references:]
 
     def own_split_plan(self, size: int) -> dict:
         """diffusers 0.42's plan splits the masked caption, which fails: dstune's (dstune.models.ltx2.split)."""
@@ -321,9 +332,11 @@ class Ltx2(FlowModel):
         return getattr(diffusers, name), self.parts
 
     def sample_sources(self, sample_spec, prompts: list[str]):
-        """Image-to-video: the first frames; text-to-video with sample.control_images (an IC-LoRA run, which
-        model_spec_issues allows only with data.control_dir): the reference clips; else None."""
-        self.references_sampled = not self.mode and bool(sample_spec.control_images)
+        """Image-to-video: the first frames; with sample.control_images in text-to-video, or as [reference, first
+        frame] pairs in image-to-video (an IC-LoRA run: model_spec_issues allows them only with data.control_dir):
+        the reference clips; else None."""
+        paired = any(not isinstance(one, str) for one in sample_spec.control_images)  # image-to-video IC-LoRA
+        self.references_sampled = (not self.mode or paired) and bool(sample_spec.control_images)
         if self.references_sampled:
             return ic_lora.sample_sources(sample_spec)
         return i2v.sample_sources(self, sample_spec, prompts)

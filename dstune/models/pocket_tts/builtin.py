@@ -25,6 +25,7 @@ from dstune.builtin.common import BuiltinModel, deterministic_cpu
 from dstune.hf import quiet_hf_libraries
 from dstune.families.flow_head_tts import FlowHeadLossModule
 from dstune.memory.activation_cases import LM_VOCAB, Case, attr, generator, randn
+from dstune.spec.section import LM_LORA_TARGET_MODULES
 
 _SEED = 0
 FOLDER_NAME = "tiny-pocket-tts-v1"
@@ -243,6 +244,7 @@ ACTIVATION_CASES = (
         _pocket_tts_run,
         sizes=((8, 8), (24, 8), (8, 24)),
         check_size=(16, 12),
+        lora_targets=LM_LORA_TARGET_MODULES,
         block_lists=attr(backbone="model.layers"),
         ffn=True,
         heads=2,

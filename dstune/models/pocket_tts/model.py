@@ -38,13 +38,13 @@ from dstune.families.codebooks import CodebooksModel
 from dstune.families.flow_head_tts import (
     TRAIN_KEYS,
     batch_references,
-    codec_folder,
     encode_latents,
     flow_head_loss,
     gathered,
     generate_wave,
     keep_references,
     leaf_module,
+    take_audio_tokenizer,
     training_inputs,
     voice_of,
 )
@@ -67,19 +67,14 @@ class PocketTTS(CodebooksModel):
         self._voice_latents: dict[str, torch.Tensor] = {}
 
     def take_codec(self, whole, dtype: torch.dtype) -> torch.nn.Module:
-        codec = self.processor.audio_tokenizer
-        if codec is None or codec.config.encoder_config is None:
-            raise FamilyError(f"{self.folder}: its processor has no audio tokenizer with an encoder to encode clips")
-        codec = codec.to(dtype).eval().requires_grad_(False)
-        self.codec_folder = codec_folder(codec.name_or_path, "Pocket TTS's audio tokenizer (processor_config.json)")
+        codec, self.codec_folder, self.layout = take_audio_tokenizer(
+            self.processor,
+            self.folder,
+            dtype,
+            "Pocket TTS's audio tokenizer (processor_config.json)",
+            self.card.latents_kind,
+        )
         self.codec_kind = self.card.latents_kind
-        self.layout = {
-            "sampling_rate": int(self.processor.feature_extractor.sampling_rate),
-            "frame_rate": float(codec.config.frame_rate),
-            "num_codebooks": int(codec.config.latent_dim),  # values per latent frame
-            "frame_order": [],
-            "codec": self.card.latents_kind,
-        }
         return codec
 
     def trained_module(self, whole) -> torch.nn.Module:

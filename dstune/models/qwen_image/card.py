@@ -135,6 +135,12 @@ class QwenImageEditPlusCard(QwenImageEditCard):
     def pairs(self, spec) -> Optional[str]:
         return EDIT_PLUS_PIPELINE
 
+    def reference_size(self, index: dict) -> Optional[str]:
+        """Each reference at its own size: QwenImageEditPlusPipeline resizes every input image to a fixed area at
+        its own aspect ratio (calculate_dimensions), and DiffSynth-Studio trains 2509 / 2511 so
+        (edit_image_auto_resize)."""
+        return "own" if super().reference_size(index) else None
+
 
 # The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
 # bench/working_memory.py measured them on these stored configs; tests/unit/test_working_memory.py checks them at

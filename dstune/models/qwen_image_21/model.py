@@ -107,8 +107,7 @@ class QwenImage21(FlowModel):
         from transformers import Qwen3VLForConditionalGeneration
 
         encoder = load_component(self.folder, "text_encoder", Qwen3VLForConditionalGeneration.from_pretrained)
-        encoder = encoder.to(self.device, self.frozen_dtype).eval().requires_grad_(False)
-        return {"text_encoder": encoder}, self.load_tokenizers()
+        return {"text_encoder": self.place_text(encoder, self.frozen_dtype)}, self.load_tokenizers()
 
     def load_tokenizers(self) -> dict:
         return {"processor": load_processor(self.folder)}

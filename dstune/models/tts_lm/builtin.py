@@ -20,6 +20,7 @@ from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_t
 from dstune.models.tts_lm.token_layouts import TTS_LAYOUT_FILE, tts_layout
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, LM_VOCAB, attr, generator
+from dstune.spec.section import LM_LORA_TARGET_MODULES
 
 _SEED = 0
 TINY_CODEC = dict(
@@ -203,6 +204,7 @@ ACTIVATION_CASES = (
         _llama_run,
         sizes=((32, 0), (96, 0)),
         check_size=(64, 0),
+        lora_targets=LM_LORA_TARGET_MODULES,
         block_lists=attr("model.layers"),
         ffn=True,
         heads=4,

@@ -25,6 +25,7 @@ from dstune.builtin.trained import TrainedPart, give_trained_weights
 from dstune.data.synthetic import TONES_NUM_SAMPLES, TONES_SAMPLE_RATE, render_tones, tones_text
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import LM_VOCAB, Case, attr, generator, randn
+from dstune.spec.section import LM_LORA_TARGET_MODULES
 from dstune.models.vibevoice.card import VIBEVOICE_CARD
 from dstune.models.vibevoice.model import VibeVoiceModule, factors_as_buffers, noise_scheduler
 
@@ -291,6 +292,7 @@ ACTIVATION_CASES = (
         _vibevoice_run,
         sizes=((8, 8), (24, 8), (8, 24)),
         check_size=(16, 12),
+        lora_targets=LM_LORA_TARGET_MODULES,
         block_lists=attr(lm="model.language_model.layers"),
         ffn=True,
         heads=2,

@@ -72,9 +72,11 @@ class Wan(FlowModel):
         import transformers
 
         loader = transformers.UMT5EncoderModel.from_pretrained
-        encoder = load_component(self.folder, "text_encoder", loader, torch_dtype=self.frozen_dtype).to(self.device)
+        encoder = self.place_text(
+            load_component(self.folder, "text_encoder", loader, torch_dtype=self.frozen_dtype), None
+        )
         tokenizer = load_component(self.folder, "tokenizer", transformers.AutoTokenizer.from_pretrained)
-        return {"text_encoder": encoder.eval().requires_grad_(False)}, {"tokenizer": tokenizer}
+        return {"text_encoder": encoder}, {"tokenizer": tokenizer}
 
     def load_parts(self) -> dict:
         """This run's mode (the folder's layout, image-to-video or not) and the image encoder it reads, if any."""

@@ -67,16 +67,18 @@ def patchify(latents: torch.Tensor) -> torch.Tensor:
     return latents.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c)
 
 
-def ltx_trainer_video_to_video(built, encoded: dict, indices: list[int]):
-    """VideoToVideoStrategy.prepare_training_inputs and compute_loss, retyped (first_frame_conditioning_p 0, the
-    reference at the target's size: downscale factor 1), with dstune's draws: (loss per sample, the transformer's
-    inputs)."""
+def ltx_trainer_video_to_video(built, encoded: dict, indices: list[int], first_frame: bool = False):
+    """VideoToVideoStrategy.prepare_training_inputs and compute_loss, retyped (first_frame_conditioning_p 0, or 1
+    with `first_frame`: _create_first_frame_conditioning_mask's first h x w target tokens; the reference at the
+    target's size: downscale factor 1), with dstune's draws: (loss per sample, the transformer's inputs)."""
     target_latents = patchify(normalised(built.vae, encoded["latent_mean"]))
     ref_latents = patchify(normalised(built.vae, encoded["control_latent"]))
     b, c, f, h, w = encoded["latent_mean"].shape
     batch_size, ref_seq_len, target_seq_len = target_latents.shape[0], ref_latents.shape[1], target_latents.shape[1]
     ref_conditioning_mask = torch.ones(batch_size, ref_seq_len, dtype=torch.bool)
     target_conditioning_mask = torch.zeros(batch_size, target_seq_len, dtype=torch.bool)
+    if first_frame:
+        target_conditioning_mask[:, : h * w] = True
     conditioning_mask = torch.cat([ref_conditioning_mask, target_conditioning_mask], dim=1)
     sigmas = reference_sigmas("shifted_logit_normal", target_seq_len, indices)
     noise = patchify(per_sample_randn((c, f, h, w), SEED, STEP, indices, "noise"))
@@ -140,6 +142,121 @@ def test_the_loss_and_the_denoisers_inputs_are_ltx_trainers_video_to_video(built
     assert torch.allclose(given["sigma"], inputs["sigma"], atol=1e-3)
 
 
+def test_a_references_sound_joins_the_audio_as_ltx_trainers_audio_to_audio(built, tmp_path):
+    """Clips and references with sound (ltx-trainer's av2av_ic_lora.yaml: the flexible strategy with a reference
+    condition on both modalities): the reference's sound tokens come before the clip's, clean at timestep 0, each
+    part's audio positions from 0 (_get_audio_positions), the sound's loss over the clip's tokens only; the loss
+    equals those lines at 1e-5 and the transformer's audio inputs are theirs. One deliberate difference: the flexible
+    strategy draws a sigma per modality, dstune one per clip for both streams (TextToVideoStrategy's with_audio
+    lines, as dstune trains every LTX-2 clip): the reference is given dstune's. A reference without sound leaves the
+    clip's sound alone (video-to-video's lines: test above)."""
+    from dstune.data.index import list_samples
+    from dstune.data.video import VideoCaptionDataset, collate_video
+    from dstune.spec.models import DataSpec
+
+    from .ltx_trainer import reference_audio_latents, reference_audio_positions
+
+    targets, _ = write_pairs(tmp_path)
+    data = DataSpec(path=str(targets), control_dir="../control", resolution=32, video={"frames": FRAMES})
+    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED, built.sound_rate)
+    batch = collate_video([dataset[0], dataset[1]])
+    assert batch["has_sound"].all() and batch["control_has_sound"].all()
+    encoded = built.encode_batch(batch)
+    calls = []
+
+    def forward(**kwargs):
+        calls.append(kwargs)
+        return built.trainable(**kwargs)
+
+    with torch.no_grad():
+        ours = built.loss(forward, encoded, SEED, STEP)
+    indices = encoded["indices"].tolist()
+    vae, audio_vae, config = built.vae, built.parts["audio_vae"], built.transformer_config
+    video = patchify(normalised(vae, encoded["latent_mean"]))
+    ref_video = patchify(normalised(vae, encoded["control_latent"]))
+    b, c, f, h, w = encoded["latent_mean"].shape
+    sigmas = reference_sigmas("shifted_logit_normal", video.shape[1], indices)
+    noise = patchify(per_sample_randn((c, f, h, w), SEED, STEP, indices, "noise"))
+    s = sigmas.view(-1, 1, 1)
+    audio = reference_audio_latents(audio_vae, batch["sound"])
+    ref_audio = reference_audio_latents(audio_vae, batch["control_sound"])
+    audio_noise = per_sample_randn(audio.shape[1:], SEED, STEP, indices, "audio_noise")
+    scale = tuple(config["vae_scale_factors"])
+    inputs = dict(  # _apply_reference_condition on each modality: [reference | target], reference at 0
+        hidden_states=torch.cat([ref_video, (1 - s) * video + s * noise], dim=1),
+        audio_hidden_states=torch.cat([ref_audio, (1 - s) * audio + s * audio_noise], dim=1),
+        timestep=torch.cat([torch.zeros(b, ref_video.shape[1]), sigmas.view(-1, 1).expand(b, video.shape[1])], 1)
+        * 1000,
+        audio_timestep=torch.cat([torch.zeros(b, ref_audio.shape[1]), sigmas.view(-1, 1).expand(b, audio.shape[1])], 1)
+        * 1000,
+        video_coords=torch.cat([reference_positions(f, h, w, scale)] * 2, dim=2)[:b],
+        audio_coords=torch.cat(
+            [
+                reference_audio_positions(ref_audio.shape[1], b, config),
+                reference_audio_positions(audio.shape[1], b, config),
+            ],
+            dim=2,
+        ),
+    )
+    with torch.no_grad():
+        video_pred, audio_pred = built.trainable(
+            **inputs,
+            sigma=sigmas * 1000,
+            encoder_hidden_states=encoded["encoder_hidden_states"],
+            audio_encoder_hidden_states=encoded["audio_encoder_hidden_states"],
+            encoder_attention_mask=encoded["encoder_attention_mask"],
+            audio_encoder_attention_mask=encoded["encoder_attention_mask"],
+            return_dict=False,
+        )
+    # _compute_modality_loss per modality (the prediction sliced to the targets' length, every target token counted)
+    video_loss = (video_pred[:, -video.shape[1] :] - (noise - video)).pow(2).mean(dim=[-2, -1])
+    audio_loss = (audio_pred[:, -audio.shape[1] :] - (audio_noise - audio)).pow(2).mean(dim=[-2, -1])
+    assert ours.item() == pytest.approx((video_loss + audio_loss).mean().item(), rel=1e-5)
+    (given,) = calls
+    assert given["audio_hidden_states"].shape == inputs["audio_hidden_states"].shape
+    assert torch.allclose(given["audio_hidden_states"], inputs["audio_hidden_states"], atol=1e-5)
+    assert torch.allclose(given["audio_timestep"].float(), inputs["audio_timestep"], atol=1e-3)
+    assert (given["audio_timestep"][:, : ref_audio.shape[1]] == 0).all()
+    assert torch.allclose(given["audio_coords"].float(), inputs["audio_coords"], atol=1e-5)
+
+
+def test_image_to_video_with_a_reference_is_ltx_trainers_video_to_video_with_its_first_frame(batch, tmp_path):
+    """IC-LoRA with model.image_to_video: VideoToVideoStrategy with first_frame_conditioning_p 1 (every clip's first
+    latent frame clean at timestep 0 and outside the loss, after the reference's tokens): the loss at 1e-5 and the
+    transformer's inputs; samples through LTX2InContextPipeline from a [reference clip, first frame] pair per
+    prompt, another first frame another clip."""
+    from dstune.spec.models import SampleSpec
+
+    built = load_tiny_ltx2(NAME, image_to_video=True)
+    encoded = built.encode_batch(batch)
+    calls = []
+
+    def forward(**kwargs):
+        calls.append(kwargs)
+        return built.trainable(**kwargs)
+
+    with torch.no_grad():
+        ours = built.loss(forward, encoded, SEED, STEP)
+    per_sample, inputs = ltx_trainer_video_to_video(built, encoded, encoded["indices"].tolist(), first_frame=True)
+    assert ours.item() == pytest.approx(per_sample.mean().item(), rel=1e-5)
+    (given,) = calls
+    assert torch.allclose(given["hidden_states"], inputs["hidden_states"], atol=1e-5)
+    assert torch.allclose(given["timestep"], inputs["timestep"], atol=1e-3) and (given["timestep"][:, :64] == 0).all()
+    reference = tmp_path / "reference.mp4"
+    reference.write_bytes(moving_shape_av_mp4(5, 32, FRAMES))
+    rendered = []
+    for number in (0, 1):
+        from dstune.data.synthetic import render_moving_shape
+
+        first = tmp_path / f"first{number}.png"
+        render_moving_shape(number, 32, FRAMES)[0][0].save(first)
+        spec = SampleSpec(prompts=["x"], control_images=[[str(reference), str(first)]], steps=2, guidance=1.0, seed=1)
+        rendered.append(built.sample(built.trainable, spec.prompts, spec, 32)[0])
+    assert type(built.pipeline(built.trainable)).__name__ == "LTX2InContextPipeline"
+    first, second = (torch.tensor(np.stack([np.asarray(frame) for frame in clip])).float() for clip in rendered)
+    assert (first - second).abs().mean() > 0.1  # the same reference, prompt and noise, another first frame
+
+
 def test_the_reference_changes_the_prediction(built, batch):
     """Swapping the two samples' references changes each sample's loss: the model reads them."""
     encoded = built.encode_batch(batch)
@@ -195,9 +312,9 @@ def test_samples_render_from_the_reference_and_the_lora_loads_in_the_in_context_
     assert loaded.item() == pytest.approx(trained.item(), rel=1e-6) and loaded.item() != base.item()
 
 
-def test_validate_names_a_sample_without_its_reference_and_refuses_the_latent_cache(capsys, tmp_path):
+def test_validate_names_a_sample_without_its_reference_and_plans_the_cached_references(capsys, tmp_path):
     """A target without its reference is named (and found once it is there); the memory plan counts the
-    reference's tokens; the latent cache is refused, saying why."""
+    reference's tokens, and with the latent cache each reference's entry beside its clip's."""
     from dstune.cli import main
     from dstune.families.denoiser_facts import pipeline_folder
     from dstune.models.ltx2.card import sample_bytes
@@ -240,6 +357,92 @@ def test_validate_names_a_sample_without_its_reference_and_refuses_the_latent_ca
     assert full > 2 * alone
     spec["data"]["cache"]["latents"] = True
     path.write_text(json.dumps(spec))
-    assert main(["validate", str(path), "--num-gpus", "2"]) == 1
-    out = capsys.readouterr()
-    assert "IC-LoRA (data.control_dir) encodes each sample's reference clip every step" in out.out + out.err
+    assert main(["validate", str(path), "--num-gpus", "2", "--json"]) == 0
+    cached = json.loads(capsys.readouterr().out)["memory"]["cache_disk_bytes"]
+    spec["data"]["control_dir"] = None
+    path.write_text(json.dumps(spec))
+    assert main(["validate", str(path), "--num-gpus", "2", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)["memory"]["cache_disk_bytes"]
+    assert cached > alone  # the references' entries (as large as their clips') beside the clips' and the text's
+
+
+def test_references_train_from_the_latent_cache_as_from_their_files(built, tmp_path):
+    """The real start-up (validate, cache build, loader) with data.cache.latents: each reference clip is cached
+    beside its clip (its posterior mean, control_latent_mean, of the clip's latent shape) and a cached batch trains
+    as the same samples read from the files (same loss); the sound is still read from the clips."""
+    import yaml
+
+    from dstune.data.index import list_samples
+    from dstune.data.video import VideoCaptionDataset, collate_video
+    from dstune.spec.models import DataSpec
+    from loaded_models import CACHE_DIR, start_up
+
+    targets, _ = write_pairs(tmp_path)
+    spec = {
+        "model": {
+            "family": "video",
+            "pretrained": NAME,
+            "train": "lora",
+            "max_sequence_length": TEXT_TOKENS,
+            "timestep_sampling": "shifted_logit_normal",
+        },
+        "data": {
+            "path": str(targets),
+            "control_dir": "../control",
+            "resolution": 32,
+            "video": {"frames": FRAMES},
+            "cache": {"latents": True, "dir": str(tmp_path / "cache")},
+        },
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 1},
+        "output": {"dir": str(tmp_path / "run"), "cache_dir": str(CACHE_DIR)},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    model, caches, loader = start_up(path)
+    cached = next(iter(loader))
+    assert cached["control_latent_mean"].shape == cached["latent_mean"].shape and "control_values" not in cached
+    assert not torch.equal(cached["control_latent_mean"], cached["latent_mean"])
+    data = DataSpec(path=str(targets), control_dir="../control", resolution=32, video={"frames": FRAMES})
+    dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED, model.sound_rate)
+    read = collate_video([dataset[int(i)] for i in cached["index"]])
+    read["caption"] = cached["caption"]  # the same captions (the cached batch's dropout draws)
+    with torch.no_grad():
+        losses = [model.loss(model.trainable, model.encode_batch(b), SEED, STEP).item() for b in (cached, read)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_validate_takes_image_to_video_ic_lora_with_a_reference_and_a_first_frame_per_prompt(capsys, tmp_path):
+    """model.image_to_video with data.control_dir validates when each sample prompt gives [reference clip, first
+    frame]; one path per prompt is named with the fix (and a pair without image-to-video)."""
+    from dstune.cli import main
+    from dstune.data.synthetic import render_moving_shape
+
+    targets, control = write_pairs(tmp_path)
+    render_moving_shape(0, 32, FRAMES)[0][0].save(tmp_path / "first.png")
+    pair = [str(control / "a.mp4"), str(tmp_path / "first.png")]
+    spec = {
+        "model": {
+            "family": "video",
+            "pretrained": NAME,
+            "train": "lora",
+            "max_sequence_length": 32,
+            "timestep_sampling": "shifted_logit_normal",
+            "image_to_video": True,
+            "sample_frames": 9,
+        },
+        "data": {"path": str(targets), "control_dir": "../control", "resolution": 32, "video": {"frames": FRAMES}},
+        "train": {"micro_batch_size": 1, "max_steps": 4},
+        "sample": {"prompts": ["p"], "control_images": [pair]},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    path = tmp_path / "spec.yaml"
+    results = []
+    for image_to_video, images in ((True, [pair]), (True, [pair[0]]), (False, [pair])):
+        spec["model"]["image_to_video"], spec["sample"]["control_images"] = image_to_video, images
+        path.write_text(json.dumps(spec))
+        code = main(["validate", str(path), "--num-gpus", "2"])
+        out = capsys.readouterr()
+        results.append((code, out.out + out.err))
+    assert results[0][0] == 0, results[0][1]
+    assert results[1][0] == 1 and "[reference clip, first frame image]" in results[1][1]
+    assert results[2][0] == 1 and "one reference clip: give one path per prompt" in results[2][1]

@@ -90,8 +90,21 @@ def _diffsynth_text(pipeline, prompt: str, edit_image: list):
     return hidden_states[0][model_inputs.attention_mask[0].bool()][drop_idx:]
 
 
-def _diffsynth_loss(model, batch: dict, timesteps: torch.Tensor, seen: list) -> torch.Tensor:
-    """FlowMatchSFTLoss with model_fn_qwen_image, per sample (DiffSynth trains one sample per step), averaged."""
+def _diffsynth_edit_image_auto_resize(image, area: int):
+    """QwenImageUnit_EditImageEmbedder.edit_image_auto_resize: the image at `area` pixels (DiffSynth: 1024 x 1024,
+    data.resolution's square here) at its own aspect ratio, sides rounded to multiples of 32; the filter is the
+    pipeline's Lanczos (docstring)."""
+    from PIL import Image
+
+    ratio = image.size[0] / image.size[1]
+    width = math.sqrt(area * ratio)
+    height = width / ratio
+    return image.resize((round(width / 32) * 32, round(height / 32) * 32), Image.Resampling.LANCZOS)
+
+
+def _diffsynth_loss(model, batch: dict, timesteps: torch.Tensor, seen: list, edit_images=None) -> torch.Tensor:
+    """FlowMatchSFTLoss with model_fn_qwen_image, per sample (DiffSynth trains one sample per step), averaged.
+    `edit_images`: each sample's edit images as DiffSynth resized them (default: the batch's reference pixels)."""
     from diffusers import QwenImageEditPlusPipeline
     from einops import rearrange
 
@@ -111,10 +124,11 @@ def _diffsynth_loss(model, batch: dict, timesteps: torch.Tensor, seen: list) -> 
         draw = lambda purpose: per_sample_randn(posterior.mean.shape[1:], SEED, STEP, INDICES, purpose)  # noqa: E731
         input_latents = ((posterior.mean + posterior.std * draw("vae_posterior"))[:, :, 0] - mean) * scale
         all_noise = draw("noise")[:, :, 0]
-        references = [control_images(batch[key]) for key in ("control_values", "control_values_2")]
-        edit_latents = [
-            (vae.encode(one.unsqueeze(2)).latent_dist.mode()[:, :, 0] - mean) * scale
-            for one in (batch["control_values"], batch["control_values_2"])
+        if edit_images is None:
+            edit_images = list(zip(*(control_images(batch[key]) for key in ("control_values", "control_values_2"))))
+        edit_latents = [  # pipe.preprocess_image, then the VAE's mode, each sample's each edit image
+            [(vae.encode(to_tensor([one])[:, :, None]).latent_dist.mode()[:, :, 0] - mean) * scale for one in images]
+            for images in edit_images
         ]
     losses = []
     for i in range(len(INDICES)):
@@ -123,13 +137,13 @@ def _diffsynth_loss(model, batch: dict, timesteps: torch.Tensor, seen: list) -> 
         latents = (1 - sigma) * latents_clean + sigma * noise  # scheduler.add_noise
         training_target = noise - latents_clean  # scheduler.training_target
         with torch.no_grad():
-            prompt_emb = _diffsynth_text(pipeline, batch["caption"][i], [ref[i] for ref in references]).unsqueeze(0)
+            prompt_emb = _diffsynth_text(pipeline, batch["caption"][i], list(edit_images[i])).unsqueeze(0)
         prompt_emb_mask = torch.ones(prompt_emb.shape[:2], dtype=torch.long)
         # model_fn_qwen_image
         img_shapes = [(1, latents.shape[2] // 2, latents.shape[3] // 2)]
         image = rearrange(latents, "B C (H P) (W Q) -> B (H W) (C P Q)", P=2, Q=2)
         image_seq_len = image.shape[1]
-        edits = [e[i : i + 1] for e in edit_latents]
+        edits = edit_latents[i]
         img_shapes += [(e.shape[0], e.shape[2] // 2, e.shape[3] // 2) for e in edits]
         edit_image = [rearrange(e, "B C (H P) (W Q) -> B (H W) (C P Q)", P=2, Q=2) for e in edits]
         image = torch.cat([image] + edit_image, dim=1)
@@ -172,6 +186,98 @@ def test_loss_and_denoiser_inputs_equal_diffsynth_studios_edit_2509_training(bui
         assert ours_inputs["img_shapes"][i] == theirs["img_shapes"][0] == [(1, 4, 4), (1, 4, 4), (1, 4, 4)]
         assert torch.allclose(ours_inputs["timestep"][i : i + 1], theirs["timestep"])
         assert torch.allclose(ours_inputs["hidden_states"][i : i + 1], theirs["hidden_states"], atol=1e-6)
+
+
+# References whose shapes differ from their target's (64 x 64): 96 x 48 trains at 96 x 32, 40 x 72 at 32 x 96
+# (the target's area at their own aspect ratio, sides multiples of 32), 6 x 2 and 2 x 6 tokens.
+REFERENCE_FILES = {"wide": (96, 48), "tall": (40, 72)}
+
+
+def _own_size_dataset(tmp_path, **data):
+    """Targets a.png, b.png (64 px shapes) with a wide and a tall reference each, through the dataset as training
+    reads them (data.reference_size left out: the model's own)."""
+    from dstune.data.images import ImageCaptionDataset
+    from dstune.data.index import index_dataset
+    from dstune.model_defaults import with_model_defaults
+    from dstune.spec.models import Spec
+
+    for name, number in (("a", 5), ("b", 0)):
+        (tmp_path / "target").mkdir(exist_ok=True)
+        image, caption = render_shape(number, SIDE)
+        image.save(tmp_path / "target" / f"{name}.png")
+        (tmp_path / "target" / f"{name}.txt").write_text(f"put picture 2 into {caption}")
+        for folder, size in REFERENCE_FILES.items():
+            (tmp_path / folder).mkdir(exist_ok=True)
+            render_shape(number + 100 + size[0], 128)[0].resize(size).save(tmp_path / folder / f"{name}.png")
+    spec = Spec.model_validate(
+        {
+            "model": {"family": "flow", "pretrained": MODEL},
+            "data": {
+                "path": str(tmp_path / "target"),
+                "resolution": SIDE,
+                "control_dir": ["../wide", "../tall"],
+                **data,
+            },
+            "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "epochs": 1},
+        }
+    )
+    spec = with_model_defaults(spec)[0]
+    return spec, ImageCaptionDataset(spec.data, index_dataset(spec.data).records, SEED)
+
+
+def test_references_keep_their_own_sizes_and_train_as_diffsynth_studio_trains_them(built, tmp_path):
+    """Each reference at its own size (QwenImageEditPlusPipeline's and DiffSynth's edit_image_auto_resize, at
+    data.resolution's area): the loss and the denoiser's inputs (each picture's own token grid in img_shapes) equal
+    DiffSynth's lines on the files. Sized with the target (the old rule), img_shapes would read (1, 4, 4) thrice."""
+    from PIL import Image
+
+    from dstune.data.images import collate
+
+    spec, dataset = _own_size_dataset(tmp_path)
+    assert spec.data.reference_size == "own"
+    batch = {**collate([dataset[0], dataset[1]]), "index": torch.tensor(INDICES, dtype=torch.long)}
+    assert batch["control_values"].shape[-2:] == (32, 96) and batch["control_values_2"].shape[-2:] == (96, 32)
+    model = with_settings(built, timestep_sampling="uniform")
+    seen_ours = []
+
+    def forward(**kwargs):
+        seen_ours.append(kwargs)
+        return model.trainable(**kwargs)
+
+    with torch.no_grad():
+        ours = model.loss(forward, model.encode_batch(batch), SEED, STEP)
+    edits = [
+        [
+            _diffsynth_edit_image_auto_resize(Image.open(tmp_path / folder / name).convert("RGB"), SIDE**2)
+            for folder in REFERENCE_FILES
+        ]
+        for name in batch["sample_id"]
+    ]
+    seen_reference = []
+    reference = _diffsynth_loss(model, batch, seen_ours[0]["timestep"] * 1000, seen_reference, edits)
+    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+    for i, theirs in enumerate(seen_reference):
+        assert seen_ours[0]["img_shapes"][i] == theirs["img_shapes"][0] == [(1, 4, 4), (1, 2, 6), (1, 6, 2)]
+        assert torch.allclose(seen_ours[0]["hidden_states"][i : i + 1], theirs["hidden_states"], atol=1e-6)
+
+
+def test_references_of_different_sizes_in_one_micro_batch_are_refused_at_validate(tmp_path):
+    """A micro batch stacks each reference: own sizes that differ within a bucket are named at validate (and by the
+    collate, should a run get there); at micro batch 1, or sized with the target, they train."""
+    from dstune.data.buckets import reference_size_problem
+    from dstune.data.images import collate
+    from dstune.data.index import index_dataset
+
+    spec, dataset = _own_size_dataset(tmp_path)
+    render_shape(9, 128)[0].resize((48, 96)).save(tmp_path / "wide" / "b.png")  # b's first reference: tall now
+    records = index_dataset(spec.data).records
+    problem = reference_size_problem(records, spec.data, 2)
+    assert "reference 1 of a.png trains at 96x32, of b.png at 32x96" in problem and "micro_batch_size: 1" in problem
+    assert reference_size_problem(records, spec.data, 1) is None
+    target = spec.data.model_copy(update={"reference_size": "target"})
+    assert reference_size_problem(records, target, 2) is None
+    with pytest.raises(ValueError, match="control_values: the references of one micro batch have different sizes"):
+        collate([dataset[0], dataset[1]])
 
 
 def test_each_reference_conditions_the_loss_and_cached_reference_latents_train_alike(built):
@@ -230,3 +336,49 @@ def test_validate_plans_each_reference_as_a_picture_and_its_vision_tokens(model,
         }
     assert found[2]["cache on disk"] == pytest.approx(1.5 * found[1]["cache on disk"], rel=0.02)  # 3 latents vs 2
     assert found[2]["activations"] > 1.2 * found[1]["activations"]
+
+
+def test_references_at_their_own_sizes_are_cached_at_them_and_train_as_read(built, tmp_path):
+    """The real start-up (validate, cache build, loader) on the own-size dataset: each reference's latents are cached
+    at its own size (96 x 32 px -> 12 x 4 latents, 32 x 96 -> 4 x 12) and the cached batch's loss is the loss of the
+    same samples read from the files."""
+    import yaml
+
+    from dstune.data.images import collate
+    from loaded_models import start_up
+
+    spec, dataset = _own_size_dataset(tmp_path)
+    written = spec.model_dump(mode="json", exclude_unset=True)
+    written["data"].update(center_crop=True, cache={"latents": True, "dir": str(tmp_path / "cache")})
+    written["output"] = {"dir": str(tmp_path / "out"), "cache_dir": str(CACHE_DIR)}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(written))
+    model, caches, loader = start_up(path)
+    batch = next(iter(loader))
+    assert batch["control_latent_mean"].shape[-2:] == (4, 12) and batch["control_latent_mean_2"].shape[-2:] == (12, 4)
+    read = collate([dataset[int(i)] for i in batch["index"]])
+    with torch.no_grad():
+        losses = [model.loss(model.trainable, model.encode_batch(b), SEED, STEP).item() for b in (batch, read)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_the_sequence_split_counts_each_reference_at_its_own_size_and_the_plan_at_its_bound(tmp_path):
+    """The sequence-parallel checks count each sample's pictures at their own sizes (16 + 12 + 12 tokens, not 3 x
+    16); the memory plan, which has no files, counts each own-size reference at the most pixels the rule gives at
+    data.resolution (aspect ratios up to 4:1: 1.5 x 64 x 64 px at 64 px, 1.03 x at 1024)."""
+    from dstune.data.buckets import own_size_pictures
+    from dstune.data.index import index_dataset
+    from dstune.spec.reference_sizes import own_area_bound
+    from dstune.families.denoiser_facts import pipeline_folder
+    from dstune.sequence_parallel import bucket_tokens
+
+    spec, _ = _own_size_dataset(tmp_path)
+    pictures = own_size_pictures(index_dataset(spec.data).records, spec.data)
+    assert pictures == [((64, 64), (96, 32), (32, 96))]
+    assert bucket_tokens(spec, None, None, pictures) == {"64x64 + 96x32 + 32x96": 40}
+    target = spec.model_copy(update={"data": spec.data.model_copy(update={"reference_size": "target"})})
+    assert bucket_tokens(target, None, None, None) == {"64x64 (target and source)": 48}
+    assert own_area_bound(64) == 1.5 * 64**2 and own_area_bound(1024) < 1.04 * 1024**2
+    folder = pipeline_folder(MODEL)
+    areas = [QWEN_IMAGE_EDIT_PLUS_CARD.picture_areas(one, folder) for one in (spec, target)]
+    assert areas == [1 + 2 * 1.5, 3]
