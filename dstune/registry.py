@@ -37,6 +37,7 @@ CARDS: tuple[str, ...] = (
     "dstune.models.hunyuan_video15.card:HUNYUAN_VIDEO15_CARD",
     "dstune.models.ltx2.card:LTX2_CARD",
     "dstune.models.minimax_h3.card:MINIMAX_H3_CARD",
+    "dstune.models.kandinsky6.card:KANDINSKY6_CARD",
     "dstune.models.tts_lm.card:TTS_LM_CARD",
     "dstune.models.csm.card:CSM_CARD",
     "dstune.models.dia.card:DIA_CARD",

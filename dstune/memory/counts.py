@@ -164,8 +164,11 @@ def _meta_module(config_path: str):
 
     config = read_config(Path(config_path))
     try:
-        with torch.device("meta"):
-            return _instantiate(config, Path(config_path))
+        try:
+            with torch.device("meta"):
+                return _instantiate(config, Path(config_path))
+        except RuntimeError:  # a constructor computing tensors that the meta device refused (MMAudio's filter bank
+            return _instantiate(config, Path(config_path))  # in some processes): built on the CPU, counted alike
     except (TypeError, ValueError, KeyError, AttributeError) as err:  # a config its class does not accept
         raise SizesUnknown(f"{config_path}: cannot build its class from it ({type(err).__name__}: {err})") from None
 

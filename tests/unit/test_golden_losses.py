@@ -67,6 +67,7 @@ IMAGE_LR, SPEECH_LR = 1e-3, 1e-2
 FLUX2_TEXT_TOKENS = 64  # the chat-templated captions fit; the default 512 makes the text encoder most of the time
 HV15_TEXT_TOKENS = 48  # HunyuanVideo 1.5's default 1000 Qwen tokens would make the text side most of the time
 LTX2_TEXT_TOKENS = 32  # LTX-2's default 1024 Gemma tokens likewise
+K6_TEXT_TOKENS = 560  # Kandinsky 6: the tiny tokenizer's template keeps ~500 tokens after the crop, then the caption
 ERNIE_TEXT_TOKENS = 64  # the shapes' captions fit; padding to the default 512 would make attention most of the time
 
 
@@ -134,6 +135,11 @@ CASES = {
         "moving-shapes",
         IMAGE_LR,
     ),
+    "tiny-kandinsky6": (
+        _model(VideoModelSpec, "video", max_sequence_length=K6_TEXT_TOKENS, timestep_sampling="uniform"),
+        "moving-shapes-av",
+        IMAGE_LR,
+    ),
 }
 
 
@@ -189,6 +195,13 @@ def batches(kind: str, model) -> list[dict]:
         records, _ = speech_records(DataSpec(path="builtin:tones", max_clip_seconds=0.5))
         dataset = SpeechDataset(records, model.sample_rate)
         return [collate_speech([dataset[i % len(dataset)] for i in indices]) for indices in steps]
+    if kind == "moving-shapes-av":  # clips with their sound, at the rate the model reads it
+        from dstune.data.index import list_samples
+        from dstune.data.video import VideoCaptionDataset, collate_video
+
+        data = DataSpec(path="builtin:moving-shapes-av", resolution=IMAGE_SIDE, video={"frames": CLIP_FRAMES})
+        dataset = VideoCaptionDataset(data, list_samples(data, video=True), SEED, model.sound_rate)
+        return [collate_video([dataset[i % len(dataset)] for i in indices]) for indices in steps]
     dataset = _image_samples(kind)
     if kind == "moving-shapes":
         from dstune.data.video import collate_video as collate
