@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import math
 import warnings
 import weakref
 from pathlib import Path
@@ -160,6 +161,9 @@ def read(relative: str) -> dict:
 VAE_NARROWING = 4  # every channel count divided by this (GroupNorm's 32 groups still divide the first level's)
 VAE_CHANNEL_KEYS = ("block_out_channels", "decoder_block_out_channels")
 VAE_WIDTH_KEYS = ("base_dim", "decoder_base_dim")
+# a VAE whose decoder is a ViT (AutoencoderKLMiniMaxH3's): its width (heads x head width) narrowed with the channels,
+# so that its tokens' memory scales with the width unit as the convolutions' does
+VAE_HEAD_KEYS = ("decoder_num_attention_heads",)
 
 
 def narrow_vae(config: dict, factor: int = VAE_NARROWING) -> dict:
@@ -167,7 +171,7 @@ def narrow_vae(config: dict, factor: int = VAE_NARROWING) -> dict:
     for key in VAE_CHANNEL_KEYS:
         if narrow.get(key):
             narrow[key] = [max(channels // factor, 1) for channels in narrow[key]]
-    for key in VAE_WIDTH_KEYS:
+    for key in VAE_WIDTH_KEYS + VAE_HEAD_KEYS:
         if narrow.get(key):
             narrow[key] = max(narrow[key] // factor, 1)
     if "norm_num_groups" in narrow:
@@ -179,13 +183,21 @@ def narrow_vae(config: dict, factor: int = VAE_NARROWING) -> dict:
 def build_vae(config: dict):
     import diffusers
 
-    vae = getattr(diffusers, config["_class_name"]).from_config(config)
-    return vae.to(torch.bfloat16).eval()
+    vae = getattr(diffusers, config["_class_name"]).from_config(config).to(torch.bfloat16)
+    # the modules a class keeps in float32 (AutoencoderKLMiniMaxH3's encoder), as from_pretrained loads them
+    keep = getattr(vae, "_keep_in_fp32_modules", None) or ()
+    for name, module in vae.named_modules():
+        if any(part in keep for part in name.split(".")):
+            module.float()
+    return vae.eval()
 
 
 def vae_geometry(vae) -> tuple[int, int, bool]:
     """(spatial factor, temporal factor, whether it takes clips) of a diffusers VAE."""
     config = vae.config
+    if getattr(config, "spatial_downsample_factors", None):  # per level (AutoencoderKLMiniMaxH3's)
+        temporal = math.prod(getattr(config, "temporal_downsample_factors", None) or (1,))
+        return math.prod(config.spatial_downsample_factors), temporal, temporal > 1
     spatial = getattr(config, "spatial_compression_ratio", None) or getattr(config, "scale_factor_spatial", None)
     if spatial is None:
         spatial = 2 ** (len(config.block_out_channels) - 1) if hasattr(config, "block_out_channels") else 8
@@ -195,6 +207,27 @@ def vae_geometry(vae) -> tuple[int, int, bool]:
     temporal = getattr(config, "temporal_compression_ratio", None) or getattr(config, "scale_factor_temporal", 4)
     clips = hasattr(config, "temperal_downsample") or hasattr(config, "temporal_compression_ratio")
     return int(spatial), int(temporal), clips
+
+
+def chunk_frames(vae, chunks: int) -> int:
+    """A clip's frames that a VAE encoding `clip_length` frames at a time (and dropping its last chunk's
+    `token_drop` latent frames) encodes in `chunks` chunks with no frame padded beyond the dropped ones: 17k+5 for
+    AutoencoderKLMiniMaxH3 (17 frames a chunk, 3 latents of 4 frames dropped)."""
+    config = vae.config
+    _, temporal, _ = vae_geometry(vae)
+    return chunks * config.clip_length - getattr(config, "token_drop", 0) * temporal
+
+
+def latent_frames(vae, frames: int) -> int:
+    """The latent frames a clip VAE makes of `frames` frames: the causal 1 + (frames - 1) / t, or, for one that
+    encodes `clip_length` frames at a time, ceil(clip_length / t) a chunk less the `token_drop` it drops (17k+5 ->
+    5k+2)."""
+    _, temporal, _ = vae_geometry(vae)
+    length = getattr(vae.config, "clip_length", None)
+    if not length:
+        return 1 + (frames - 1) // temporal
+    chunks = -(-frames // length)
+    return chunks * -(-length // temporal) - getattr(vae.config, "token_drop", 0)
 
 
 def latent_channels(vae) -> int:
@@ -207,9 +240,8 @@ def vae_pass(vae, decode: bool, frames: int, side: int):
     spatial, temporal, clips = vae_geometry(vae)
     generator = torch.Generator().manual_seed(0)
     if decode:
-        latent_frames = 1 + (frames - 1) // temporal
         latent_side = side // spatial
-        shape = (1, latent_channels(vae), latent_frames, latent_side, latent_side)
+        shape = (1, latent_channels(vae), latent_frames(vae, frames), latent_side, latent_side)
         if getattr(vae.config, "patch_size", None) and not clips:  # FLUX.2's VAE: patched latents
             patch = vae.config.patch_size
             shape = (1, latent_channels(vae), side // (spatial // patch[0]), side // (spatial // patch[0]))

@@ -29,6 +29,7 @@ from working_measure import (  # noqa: E402
     VAE_NARROWING,
     build_text_encoder,
     build_vae,
+    chunk_frames,
     narrow_vae,
     peak_bytes,
     read,
@@ -83,6 +84,10 @@ def vae_sizes(vae) -> tuple[list, tuple]:
     spatial, temporal, clips = vae_geometry(vae)
     if not clips or vae.config.get("_class_name", "") in IMAGE_CLIP_VAES:
         return [(1, 4 * spatial), (1, 8 * spatial)], (1, 6 * spatial)
+    if getattr(vae.config, "clip_length", None):  # a VAE of chunks of clip_length frames: one to three chunks
+        short, long = chunk_frames(vae, 2), chunk_frames(vae, 3)
+        sizes = [(short, 2 * spatial), (long, 2 * spatial), (short, 4 * spatial), (long, 4 * spatial)]
+        return sizes, (chunk_frames(vae, 4), 3 * spatial)
     # from 1 + 2t frames on: a class that works in chunks of t frames (Wan's) holds its steady state by then
     short, long = 1 + 2 * temporal, 1 + 4 * temporal
     sizes = [(short, 2 * spatial), (long, 2 * spatial), (short, 4 * spatial), (long, 4 * spatial)]

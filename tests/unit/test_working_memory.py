@@ -39,7 +39,7 @@ TEXT = [(unit, name, work) for unit, name, work in DECLARED if isinstance(work, 
 def test_every_unit_on_the_diffusers_cores_declares_its_encoders():
     declaring = set(units())
     expected = {"sd", "sd3_flux", "qwen_image", "zimage", "flux2", "ideogram4", "krea2", "qwen_image_21"}
-    assert expected | {"ernie_image", "wan", "hunyuan_video15", "ltx2"} <= declaring
+    assert expected | {"ernie_image", "wan", "hunyuan_video15", "ltx2", "minimax_h3"} <= declaring
     assert all(work.measured_on for _, _, work in DECLARED)
 
 

@@ -23,6 +23,7 @@ from dstune.families.folders import component_problems, read_component_config, r
 from dstune.families.pipeline_card import SpecIssues
 from dstune.families.video_card import VideoCard, clip_buckets, set_videos
 from dstune.memory.activations import transformer_stack
+from dstune.memory.working import TextWork, VaeWork
 
 PIPELINE = "MiniMaxH3ModularPipeline"
 TRANSFORMER = "MiniMaxH3Transformer3DModel"
@@ -226,7 +227,34 @@ class MiniMaxH3Card(VideoCard):
         return None
 
 
+# The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
+# bench/working_memory.py measured them on these stored configs (the VAE from the released configuration, its encoder
+# in float32 as the class keeps it, its ViT decoder narrowed with its channels; clips of 17k+5 frames);
+# tests/unit/test_working_memory.py checks them at another size. The class encodes and decodes through its own
+# 256 px tiles above 256 px: these figures are its whole-frame passes, an upper bound there.
+WORKING_MEMORY = {
+    "AutoencoderKLMiniMaxH3": VaeWork(
+        encode=0.757,
+        encode_frame=362.966,
+        encode_fixed=12864.0,
+        decode=0.309,
+        decode_frame=10.21,
+        decode_fixed=3137.0,
+        measured_on="hub/MiniMaxAI/MiniMax-H3/vae",
+    ),
+    "Qwen3VLForConditionalGeneration": TextWork(
+        hidden=8.0,
+        ffn=6.0,
+        token=36.7,
+        square=0.969,
+        pass_square=0.054,
+        measured_on="builtin/tiny-minimax-h3-v1/text_encoder",
+    ),
+}
+
+
 MINIMAX_H3_CARD = MiniMaxH3Card(
+    working=WORKING_MEMORY,
     key="minimax-h3",
     name="MiniMax-H3",
     family="video",
