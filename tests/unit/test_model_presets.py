@@ -21,8 +21,6 @@ from dstune import registry
 WITHOUT_PRESET = {
     "tiny-ltx2-5": "LTX-2.5 has no one folder to store: its text encoder is a Gemma 4 of the user's choosing "
     "(docs/family-ltx2.md), so validate reads its configs from the user's download",
-    "tiny-minimax-h3": "MiniMax-H3's released configs are not stored with dstune yet (no `init` spec; validate reads "
-    "them from the user's download, docs/family-minimax-h3.md)",
 }
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dstune.card import IMAGENET_UNIT_PIXELS, ClipRule, PixelRange
+from dstune.card import IMAGENET_UNIT_PIXELS, ClipRule, ModelPreset, PixelRange, lora, video
 from dstune.families.denoiser_facts import transformer_text_bytes
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import SpecIssues
@@ -287,4 +287,27 @@ MINIMAX_H3_CARD = MiniMaxH3Card(
     cached_text_rows="per_caption",
     spec_notes={"model.max_sequence_length": "512 (MiniMax-H3: Qwen3-VL tokens a caption keeps)"},
     builtins={"tiny-minimax-h3": "dstune.models.minimax_h3.builtin:TINY_MINIMAX_H3"},
+    presets=(
+        ModelPreset(
+            "minimax-h3",
+            "MiniMax-H3 text-to-video with stereo sound (33 B joint video+audio transformer; Qwen3-VL)",
+            "video",
+            "MiniMaxAI/MiniMax-H3",
+            "tiny-minimax-h3",
+            video(
+                512,
+                124,  # 17k+5 frames: about 5 s at its 24 fps
+                FPS,
+                1.0,  # guidance-distilled: one forward a step, no guidance scale
+                **lora(),
+                **{
+                    "sample.steps": 50,  # diffusers' modular num_inference_steps default (the pipeline sets none)
+                    "deepspeed.zero_stage": 3,
+                    "data.cache.latents": True,
+                    "data.cache.text_embeddings": True,
+                    "model.text_encoder_offload": "cpu",  # the 33 B text encoder while it builds the text cache
+                },
+            ),
+        ),
+    ),
 )
