@@ -107,6 +107,13 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): value}
 
 
+# Keys added later whose unset value (None: the model's own choice, filled in before training) was, before they
+# existed, one fixed behaviour: a checkpoint's spec that lacks them, or leaves them unset, trained that way.
+BEHAVED_AS = {
+    "data.reference_size": "target",  # before data.reference_size every reference was sized with its target
+}
+
+
 def spec_changes(saved: dict, current: dict) -> list[SpecChange]:
     """Every leaf key whose value differs (lists compare whole), in the order the current spec lists them."""
     before, after = _flatten(saved), _flatten(current)
@@ -114,14 +121,16 @@ def spec_changes(saved: dict, current: dict) -> list[SpecChange]:
     return [
         SpecChange(k, before.get(k, _MISSING), after.get(k, _MISSING))
         for k in keys
-        if _unset_as_none(before.get(k, _MISSING)) != _unset_as_none(after.get(k, _MISSING))
+        if _unset_as_none(k, before.get(k, _MISSING)) != _unset_as_none(k, after.get(k, _MISSING))
     ]
 
 
-def _unset_as_none(value: Any) -> Any:
+def _unset_as_none(key: str, value: Any) -> Any:
     """A key that a checkpoint's spec lacks (saved by a dstune without it) and one left unset (None) are the same
-    setting: an optional section added later must not make every older checkpoint look changed."""
-    return None if value is _MISSING else value
+    setting: an optional section added later must not make every older checkpoint look changed. Where an unset key
+    stands for one behaviour (BEHAVED_AS), it is that value."""
+    value = None if value is _MISSING else value
+    return BEHAVED_AS.get(key, value) if value is None else value
 
 
 def describe_changes(changes: list[SpecChange], schedule: str) -> tuple[str, str]:

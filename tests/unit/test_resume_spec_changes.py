@@ -123,3 +123,17 @@ def test_changes_no_checkpoint_can_take_are_refused_even_when_allowed():
     assert refused_changes_text(spec_changes(saved, lr_only), saved, lr_only) == ""
     _, breaking = describe_changes(spec_changes(saved, lr_only), "cosine")
     assert "train.optimizer.lr: 0.0001 -> 0.5" in breaking and "takes effect from the resumed step" in breaking
+
+
+def test_a_checkpoint_from_before_reference_sizes_resumes_as_it_trained():
+    """A checkpoint written before data.reference_size existed (the key absent, or unset) sized every reference with
+    its target: resuming with `target` (every model's choice but Qwen-Image-Edit-2509/2511's) is no change, and with
+    `own` it is one, which breaks exact continuation."""
+    old = _dump()
+    del old["data"]["reference_size"]
+    assert spec_changes(old, _dump(data={"reference_size": "target"})) == []
+    assert spec_changes(_dump(), _dump(data={"reference_size": "target"})) == []
+    (change,) = spec_changes(old, _dump(data={"reference_size": "own"}))
+    assert change.key == "data.reference_size" and not change.safe
+    (change,) = spec_changes(_dump(data={"reference_size": "own"}), _dump(data={"reference_size": "target"}))
+    assert change.key == "data.reference_size"
