@@ -24,6 +24,7 @@ from dstune.cache.datasets import CachedDataset, CachedSpeechDataset, CachedVide
 from dstune.cache.latents import CacheIndex, LatentCacheJob, offload_frozen, prepare_cache
 from dstune.cache.share import cache_folder
 from dstune.checkpoints.layout import STATE_FILE
+from dstune.card import CAUSAL_4X, ClipRule
 from dstune.data.audio import SpeechDataset, collate_speech, reference_clips, speech_records
 from dstune.data.audio_index import duration_keys, speaker_keys
 from dstune.data.clips import index_clips, is_grouped, read_header
@@ -389,6 +390,12 @@ def prepare_caches(
     return caches, 0
 
 
+def loader_clip_rule(spec: Spec, model) -> ClipRule:
+    """The rule a clip's latent frames follow: a video model's own (by its VAE), which the loader and the batch check
+    both hold clips to; the causal 4x rule for the other modalities, whose batches hold no clips."""
+    return model.clip_rule() if get_facts(spec.model.family).modality == "video" else CAUSAL_4X
+
+
 def make_training_loader(
     spec: Spec, plan, rank: int, model, records: list, caches: Caches, start_epoch: int, start_step: int
 ):
@@ -408,7 +415,7 @@ def make_training_loader(
         dataset = SpeechDataset(records, model.sample_rate)
         return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step, speakers)
     if modality == "video":
-        rule = model.clip_rule()  # a clip's latent frames, by the model's VAE
+        rule = loader_clip_rule(spec, model)
         if caches.images is not None:
             dataset = CachedVideoDataset(data, records, seed, caches.images, model.sound_rate)
             return make_loader(

@@ -64,6 +64,7 @@ from dstune.startup import (
     give_voices,
     hear_speakers,
     held_out_records,
+    loader_clip_rule,
     make_training_loader,
     prepare_caches,
     resolve_model_folders,
@@ -137,8 +138,10 @@ def run_training(
         release_run_lock()
 
 
-def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainState) -> None:
-    """The batch check (dstune.batch_check) on every rank before step 1: stop all ranks when anything disagrees."""
+def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainState, clip_rule) -> None:
+    """The batch check (dstune.batch_check) on every rank before step 1: stop all ranks when anything disagrees.
+    `clip_rule`: the model's (startup.loader_clip_rule), not the loader's: the check holds whatever loader it is
+    given to the model."""
     first_batch = next(iter(loader))
     report = rank_report(
         run,
@@ -146,7 +149,7 @@ def _check_first_batch(run: Run, engine, plan, loader, sampler, state: TrainStat
         len(loader),
         len(first_batch["index"]),
         sampler.num_samples,
-        buckets=bucket_report(sampler, first_batch, loader.clip_rule),
+        buckets=bucket_report(sampler, first_batch, clip_rule),
         samples=sample_report(run, sampler),
     )
     ok, table, _ = check_batches(run, report, expected_from_plan(plan, state.step_in_epoch))
@@ -191,7 +194,7 @@ def _prepare_loop(
     loader, sampler = make_training_loader(
         spec, plan, run.data_parallel_rank, model, records, caches, state.epoch, state.step_in_epoch
     )
-    _check_first_batch(run, engine, plan, loader, sampler, state)
+    _check_first_batch(run, engine, plan, loader, sampler, state, loader_clip_rule(spec, model))
     extra = {
         "spec": spec.model_dump(mode="json"),
         "ds_config": ds_config,
