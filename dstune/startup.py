@@ -415,34 +415,12 @@ def make_training_loader(
         dataset = SpeechDataset(records, model.sample_rate)
         return make_loader(dataset, collate_speech, keys, data, plan, rank, seed, start_epoch, start_step, speakers)
     if modality == "video":
-        rule = loader_clip_rule(spec, model)
         if caches.images is not None:
-            dataset = CachedVideoDataset(data, records, seed, caches.images, model.sound_rate)
-            return make_loader(
-                dataset,
-                collate_cached,
-                dataset.group_keys(),
-                data,
-                plan,
-                rank,
-                seed,
-                start_epoch,
-                start_step,
-                clip_rule=rule,
-            )
-        dataset = VideoCaptionDataset(data, records, seed, model.sound_rate)  # the sound, where the model trains on it
-        return make_loader(
-            dataset,
-            collate_video,
-            dataset.group_keys(),
-            data,
-            plan,
-            rank,
-            seed,
-            start_epoch,
-            start_step,
-            clip_rule=rule,
-        )
+            dataset, collate = CachedVideoDataset(data, records, seed, caches.images, model.sound_rate), collate_cached
+        else:  # the sound too, where the model trains on it
+            dataset, collate = VideoCaptionDataset(data, records, seed, model.sound_rate), collate_video
+        keys, rule = dataset.group_keys(), loader_clip_rule(spec, model)
+        return make_loader(dataset, collate, keys, data, plan, rank, seed, start_epoch, start_step, clip_rule=rule)
     if caches.images is not None:
         dataset = CachedDataset(data, records, seed, caches.images)
         return make_loader(

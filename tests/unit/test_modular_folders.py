@@ -63,8 +63,8 @@ class TokenTypes:
 
 @pytest.fixture(scope="module")
 def whole_folder(tmp_path_factory):
-    """A complete tiny MiniMax-H3 modular folder (transformer, both VAEs, a Qwen3-VL of 51 text layers: the pipeline
-    reads hidden state 50), and the processor stand-in it renders with."""
+    """A complete tiny MiniMax-H3 modular folder (builtin:tiny-minimax-h3's transformer and VAEs, a Qwen3-VL of 51 text
+    layers: the pipeline reads hidden state 50), and the processor stand-in it renders with."""
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
     from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.modular_pipelines import MiniMaxH3Blocks
@@ -72,6 +72,7 @@ def whole_folder(tmp_path_factory):
 
     from dstune.builtin.common import deterministic_cpu
     from dstune.builtin.parts import tiny_qwen3_vl_config, tiny_qwen_tokenizer
+    from dstune.models.minimax_h3.builtin import TINY_AUDIO_VAE, TINY_TRANSFORMER, TINY_VAE
 
     tokenizer = tiny_qwen_tokenizer()
     tokenizer.add_special_tokens(
@@ -79,41 +80,9 @@ def whole_folder(tmp_path_factory):
     )
     with deterministic_cpu(1, 1):
         parts = dict(
-            transformer=MiniMaxH3Transformer3DModel(
-                num_attention_heads=2,
-                attention_head_dim=32,
-                hidden_size=32,
-                num_layers=1,
-                num_refiner_layers=1,
-                ffn_dim=32,
-                in_channels=4,
-                audio_in_channels=4,
-                text_dim=16,
-                freq_dim=16,
-                time_embed_hidden_dim=16,
-                time_embed_dim=16,
-                rope_freq_dim=4,
-            ),
-            vae=AutoencoderKLMiniMaxH3(
-                block_out_channels=(8,) * 6,
-                layers_per_block=1,
-                norm_num_groups=4,
-                latent_channels=4,
-                decoder_num_layers=1,
-                latents_mean=[0.1, -0.1, 0.05, 0.0],
-                latents_std=[0.9, 1.1, 1.0, 0.8],
-            ),
-            audio_vae=AutoencoderKLMiniMaxH3Audio(
-                encoder_dim=8,
-                latent_dim=8,
-                latent_channels=4,
-                num_attention_heads=2,
-                decoder_dim=128,
-                resblock_kernel_sizes=(3,),
-                resblock_dilation_sizes=((1,),),
-                latents_mean=[0.0, 0.1, -0.1, 0.05],
-                latents_std=[1.0, 0.9, 1.1, 1.2],
-            ),
+            transformer=MiniMaxH3Transformer3DModel(**TINY_TRANSFORMER),
+            vae=AutoencoderKLMiniMaxH3(**TINY_VAE),
+            audio_vae=AutoencoderKLMiniMaxH3Audio(**TINY_AUDIO_VAE),
             text_encoder=Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tokenizer, 16, 51)),
         )
     pipeline = MiniMaxH3Blocks().init_pipeline()
