@@ -24,14 +24,18 @@ distinct embeddings, which is all a conditional demo needs.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 from dstune.builtin.common import BuiltinError, BuiltinModel  # noqa: F401 - BuiltinError is part of the API
 from dstune.fsutil import temporary_sibling
@@ -40,9 +44,9 @@ from dstune import registry
 from dstune.card import load
 from dstune.spec.section import BUILTIN_PREFIX
 
-BUILD_FACTS = ".build_facts.json"  # what a build in its own process returns, beside the folder it wrote
+BUILD_FACTS = ".build_facts.json"  # what a build in the builder process returns, beside the folder it wrote
 
-# Every built-in model is built in a process of its own with ATen's kernels pinned to their AVX2 code path: a build
+# Every built-in model is built in a child process with ATen's kernels pinned to their AVX2 code path: a build
 # initialises its modules with torch's random draws, and ATen's vectorised normal_ gives other values on its
 # default path than on its AVX2 one (its AVX2 and AVX-512 paths agree). ATen is torch's own code, so the pin picks
 # the same instructions on every x86 CPU with AVX2, Intel or AMD. What a build trains (a VAE, a codec's codebooks)
@@ -134,25 +138,86 @@ def pinned_child_env() -> dict[str, str]:
 
 
 def _build_in_pinned_process(name: str, work: Path, needs: dict[str, Path]) -> dict:
-    """Build `name` into `work` in a child process under PINNED_ISA_ENV (python -m dstune.builtin.build); its
-    facts for the marker. BuiltinError with the child's last output when it fails."""
-    args = [
-        sys.executable,
-        "-m",
-        "dstune.builtin.build",
-        name,
-        str(work),
-        json.dumps({k: str(v) for k, v in needs.items()}),
-    ]
-    done = subprocess.run(args, env=pinned_child_env(), capture_output=True, text=True)
-    if done.returncode != 0:
-        raise BuiltinError(
-            f"building {BUILTIN_PREFIX}{name} failed (exit {done.returncode}):\n" + (done.stderr or done.stdout)[-3000:]
-        )
+    """Build `name` into `work` in this process's pinned builder child (dstune.builtin.build --serve); its facts for
+    the marker. BuiltinError with the child's last output when it fails."""
+    builder = _Builder.get()
+    answer = builder.ask({"name": name, "folder": str(work), "needs": {k: str(v) for k, v in needs.items()}})
+    if answer is None or "built" not in answer:
+        said = answer["error"] if answer else builder.last_output()
+        if answer is None:
+            _Builder.forget()  # it died: the next build starts a fresh one
+        raise BuiltinError(f"building {BUILTIN_PREFIX}{name} failed:\n" + said)
     facts_file = work / BUILD_FACTS
     facts = json.loads(facts_file.read_text())
     facts_file.unlink()
     return facts
+
+
+class _Builder:
+    """The child process (python -m dstune.builtin.build --serve, under PINNED_ISA_ENV) that builds this process's
+    built-ins, one request at a time, started on the first build and kept: a child's imports cost more than most
+    tiny builds. It ends when this process closes its stdin (at exit, or with the process however it ends)."""
+
+    _running: Optional["_Builder"] = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self.owner = os.getpid()
+        self.output = tempfile.TemporaryFile()  # what builds print: read back only when one fails
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dstune.builtin.build", "--serve"],
+            env=pinned_child_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.output,
+            text=True,
+        )
+
+    @classmethod
+    def get(cls) -> "_Builder":
+        with cls._lock:
+            running = cls._running
+            # a forked child of this process (a data loader's worker) must not share the pipes; a dead builder
+            # (stopped with its process group) is replaced
+            if running is None or running.owner != os.getpid() or running.process.poll() is not None:
+                cls._running = running = cls()
+                atexit.register(running.close)
+            return running
+
+    @classmethod
+    def forget(cls) -> None:
+        with cls._lock:
+            cls._running = None
+
+    def ask(self, request: dict) -> Optional[dict]:
+        """The child's answer to one request, None when it ended without one."""
+        with self._lock:
+            try:
+                self.process.stdin.write(json.dumps(request) + "\n")
+                self.process.stdin.flush()
+                line = self.process.stdout.readline()
+            except (BrokenPipeError, OSError):
+                return None
+            except BaseException:  # a stop (Ctrl-C) mid-build: the build must not go on writing after we left
+                self.process.kill()
+                self.process.wait()
+                raise
+            return json.loads(line) if line else None
+
+    def last_output(self) -> str:
+        self.process.wait()
+        self.output.seek(0)
+        text = self.output.read().decode(errors="replace")[-3000:]
+        return f"(the builder process ended, exit {self.process.returncode})\n{text}"
+
+    def close(self) -> None:
+        if self.owner != os.getpid() or self.process.poll() is not None:
+            return
+        try:
+            self.process.stdin.close()
+            self.process.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.process.kill()
 
 
 @contextmanager
