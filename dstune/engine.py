@@ -9,6 +9,7 @@ when DeepSpeed's own optimizer block is compiled in (Adam with optimizer offload
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -114,11 +115,16 @@ def promote_scalar_params(module: torch.nn.Module) -> list[str]:
     return names
 
 
-def place_trainable(trainable: torch.nn.Module, device, precision: str) -> None:
+def place_trainable(trainable: torch.nn.Module, device, precision: str, partition_config: Optional[dict] = None):
     """Move the trainable module (loaded in host memory) to `device`, its floating parameters first cast on the host
     to the dtype DeepSpeed would cast them to (train.precision: bf16/fp16 parameters, buffers as they are, as
     DeepSpeed's engine casts them), so the accelerator never holds the fp32 copy: the start-up's peak is the trained
-    dtype's bytes, not twice them. A module built partitioned (ZeRO-3, deepspeed.zero.Init) is already placed."""
+    dtype's bytes, not twice them. A module built partitioned (ZeRO-3, deepspeed.zero.Init) is already placed.
+
+    With `partition_config` (a ZeRO-3 DeepSpeed JSON: an int8 base, quantized on the host) the cast module is
+    partitioned from the host instead, deepspeed.zero.Init(module=...): one parameter at a time goes to the device,
+    is broadcast from rank 0 and cut to this rank's share, so no rank's device holds the whole base; a ZeRO-Init
+    model, deepspeed.initialize neither casts nor moves it. Collective then: every rank calls it."""
     if any(hasattr(p, "ds_id") for p in trainable.parameters()):
         return
     dtype = PRECISION_DTYPES[precision][0]
@@ -126,6 +132,14 @@ def place_trainable(trainable: torch.nn.Module, device, precision: str) -> None:
         for param in trainable.parameters():
             if param.is_floating_point() and param.dtype != dtype:
                 param.data = param.data.to(dtype)
+    if partition_config is not None:
+        import deepspeed
+
+        deepspeed.zero.Init(module=trainable, config_dict_or_path=partition_config)
+        for module in trainable.modules():  # buffers are not partitioned, and not moved by zero.Init(module=)
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(torch.device(device))
+        return
     trainable.to(torch.device(device))
 
 

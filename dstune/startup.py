@@ -128,12 +128,21 @@ def load_trained_model(
         place_trainable(model.trainable, run.device, spec.train.precision)
         return model
     summary, error = None, None
+    # an int8 base under ZeRO-3: quantized into Int8Linear layers on the host, then partitioned from the host
+    int8_zero3 = (
+        getattr(spec.model, "base_precision", None) == "int8"
+        and int((ds_config or {}).get("zero_optimization", {}).get("stage", 0)) == 3
+    )
+    partitioned_dtype = PRECISION_DTYPES[spec.train.precision][0] if int8_zero3 else None
     try:  # on the host: a quantized base reaches the device quantized, layer by layer
-        summary = apply_train_mode(model, spec.model, spec.train.seed, spec.output.lora_format, device=run.device)
+        summary = apply_train_mode(
+            model, spec.model, spec.train.seed, spec.output.lora_format, run.device, partitioned_dtype
+        )
     except ValueError as err:
         error = str(err)
     agree_or_stop(run, error)
-    place_trainable(model.trainable, run.device, spec.train.precision)  # cast on the host, then moved
+    # cast on the host, then moved (or partitioned: an int8 base under ZeRO-3)
+    place_trainable(model.trainable, run.device, spec.train.precision, ds_config if int8_zero3 else None)
     if run.is_main:
         print(summary, flush=True)
     _attach_sampling_denoiser(run, spec, model, folders)

@@ -213,19 +213,35 @@ def _once(errors: list[SpecIssue]) -> list[SpecIssue]:
 
 
 def quantized_base_issues(spec: Spec, source: SpecSource, ds_config: Optional[dict]) -> list[SpecIssue]:
-    """model.base_precision under ZeRO-3 (the spec's stage, or the one a deepspeed.config JSON sets): refused."""
+    """model.base_precision under ZeRO-3 (the spec's stage, or the one a deepspeed.config JSON sets): int8 runs
+    (dstune's own int8 layer, dstune.families.int8_partitioned) except with DoRA; nf4 is refused."""
     precision = getattr(spec.model, "base_precision", None)
     stage = (ds_config or {}).get("zero_optimization", {}).get("stage", spec.deepspeed.zero_stage)
     if precision is None or stage != 3:
         return []
+    if precision == "int8":
+        settings = getattr(spec.model, "lora_settings", None)
+        if getattr(settings, "type", "lora") != "dora":
+            return []
+        return [
+            source.issue(
+                "model.lora.type",
+                "dora with base_precision int8 under ZeRO stage 3: DoRA normalises by the base layer's weight, which "
+                "peft reads as the stored int8 codes of dstune's ZeRO-3 int8 layer (it dequantizes only its own "
+                "known formats). Use model.lora.type lora, deepspeed.zero_stage 2 (int8 through bitsandbytes), or "
+                "remove base_precision.",
+            )
+        ]
     return [
         source.issue(
             "model.base_precision",
-            f"{precision} with ZeRO stage 3: DeepSpeed 0.19.8 cannot partition quantized weights. ZeRO-3 splits each "
-            "parameter's data across ranks and gathers it back as a plain tensor, while bitsandbytes keeps the scales "
-            "beside the data on the parameter object (int8: one per row; nf4: per block, with the packed shape), which "
-            "ZeRO-3 neither partitions nor gathers. Use deepspeed.zero_stage 2 (frozen weights are not partitioned "
-            "there, so the quantized base is one copy per GPU), or remove base_precision to train LoRA under ZeRO-3.",
+            f"{precision} with ZeRO stage 3: DeepSpeed 0.19.8 cannot partition bitsandbytes' 4-bit weights. ZeRO-3 "
+            "splits each parameter's data across ranks and gathers it back as a plain tensor, while bitsandbytes "
+            "keeps the nf4 block scales and the packed shape beside the data on the parameter object, which ZeRO-3 "
+            "neither partitions nor gathers (DeepSpeed's own quantized frozen weights need CUDA kernels). Use "
+            "base_precision int8 (dstune stores it as plain int8 parameters that ZeRO-3 partitions), "
+            "deepspeed.zero_stage 2 (frozen weights are not partitioned there, so the nf4 base is one copy per GPU), "
+            "or remove base_precision.",
         )
     ]
 

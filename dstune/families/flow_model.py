@@ -43,6 +43,7 @@ from dstune.families.flow_distilled import attach_sampling_denoiser, fuse_traini
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_sampling import render
 from dstune.families.loss_terms import base_prediction, batch_loss, loss_terms, preserved_error, preserves
+from dstune.families.precision import compute_dtype
 from dstune.families.folders import is_modular, read_model_index
 from dstune.families.modular import modular_pipeline
 from dstune.families.lean_text import make_lean
@@ -459,7 +460,7 @@ class FlowModel(TrainedModel):
         noise = per_sample_randn(latents.shape[1:], seed, step, indices, "noise").to(latents.device)
         timesteps, sigma = self.draw_sigmas(latents, seed, step, indices)
         sigmas, noisy = noisy_at(latents, noise, sigma)
-        dtype = next(self.trainable.parameters()).dtype
+        dtype = compute_dtype(self.trainable)
         conditions = self.conditions(encoded, dtype)
         if preserves(encoded):  # the base model's prediction: the preservation samples' target
             base = base_prediction(self.trainable, lambda: self.predict(forward, noisy, timesteps, conditions, dtype))

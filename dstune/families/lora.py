@@ -39,6 +39,7 @@ import torch
 
 from dstune.families.base import FamilyError, TrainedModel
 from dstune.families.randomness import sample_generator
+from dstune.families.int8_partitioned import quantize_linear_weights_int8
 from dstune.families.quantized_base import quantize_linear_weights, stored_weight_bytes
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
@@ -87,9 +88,13 @@ def is_lora_key(name: str) -> bool:
     return any(part in name for part in ADAPTER_PARTS)
 
 
-def apply_train_mode(model: TrainedModel, model_spec, seed: int, lora_format=None, device=None) -> str:
+def apply_train_mode(
+    model: TrainedModel, model_spec, seed: int, lora_format=None, device=None, partitioned_dtype=None
+) -> str:
     """Make the model's trainable module trainable as `model_spec.train` says; returns a one-line summary for the
-    log. A quantized base's layers are placed on `device` as they are quantized (None: where they are). A model
+    log. A quantized base's layers are placed on `device` as they are quantized (None: where they are); under ZeRO-3
+    (`partitioned_dtype`: the training dtype) an int8 base is made of Int8Linear layers kept in host memory, for
+    ZeRO-3 to partition (dstune.families.int8_partitioned). A model
     that cannot write a LoRA file, or adapters the LoRA file's key scheme (`lora_format`, output.lora_format)
     cannot name, are refused here, before training, not at the export.
 
@@ -105,7 +110,7 @@ def apply_train_mode(model: TrainedModel, model_spec, seed: int, lora_format=Non
             "cannot write a LoRA file, so the adapters could not be exported). Use train: full."
         )
     denoiser.requires_grad_(False)
-    base = quantized_base(denoiser, getattr(model_spec, "base_precision", None), device)
+    base = quantized_base(denoiser, getattr(model_spec, "base_precision", None), device, partitioned_dtype)
     try:
         # LoKr and LoHa draw their first factors from the global RNG: seeded here so that every rank draws the same
         # (LoRA's and DoRA's A are re-drawn below from their own generator)
@@ -172,13 +177,17 @@ def add_lora_adapter(module: torch.nn.Module, config) -> None:
         inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
 
 
-def quantized_base(denoiser: torch.nn.Module, precision, device=None) -> str:
+def quantized_base(denoiser: torch.nn.Module, precision, device=None, partitioned_dtype=None) -> str:
     """Quantize the frozen denoiser's linear weights as model.base_precision says (before the adapters exist, so
-    they stay full precision); returns the summary's suffix ("" for an unquantized base)."""
+    they stay full precision); returns the summary's suffix ("" for an unquantized base). Under ZeRO-3
+    (`partitioned_dtype`) int8 is dstune's own Int8Linear, whose weight and scales ZeRO-3 partitions."""
     if precision is None:
         return ""
     before = stored_weight_bytes(denoiser)
-    layers = quantize_linear_weights(denoiser, precision, device)
+    if partitioned_dtype is not None and precision == "int8":
+        layers = quantize_linear_weights_int8(denoiser, partitioned_dtype)
+    else:
+        layers = quantize_linear_weights(denoiser, precision, device)
     after = stored_weight_bytes(denoiser)
     mib = 1024 * 1024
     return (

@@ -38,7 +38,7 @@ from dstune.families.loss_terms import (
     preserved_error,
     preserves,
 )
-from dstune.families.precision import at_least_float32
+from dstune.families.precision import at_least_float32, compute_dtype
 from dstune.families.randomness import per_sample_randint, per_sample_randn, sample_generator
 from dstune.families.samples import save_grid
 from dstune.families.unet_card import UnetCard
@@ -198,7 +198,7 @@ class UnetModel(TrainedModel):
 
     def predict(self, forward, noisy: torch.Tensor, timesteps: torch.Tensor, encoded: dict) -> torch.Tensor:
         """The UNet's output on the noisy latents, in its parameters' dtype."""
-        dtype = next(self.trainable.parameters()).dtype
+        dtype = compute_dtype(self.trainable)
         hidden = encoded["encoder_hidden_states"].to(dtype)
         return forward(noisy.to(dtype), timesteps, hidden, return_dict=False)[0]
 
@@ -217,7 +217,7 @@ class UnetModel(TrainedModel):
         was_training = unet_module.training
         unet_module.eval()
         try:
-            with inputs_cast_to(unet_module, next(unet_module.parameters()).dtype), quiet_hf_libraries():
+            with inputs_cast_to(unet_module, compute_dtype(unet_module)), quiet_hf_libraries():
                 result = pipeline(
                     prompt=list(prompts),
                     height=side,

@@ -182,8 +182,9 @@ class DenoiserModelBase(Section):
         None,
         description="LoRA only: store the frozen denoiser's linear-layer weights quantized (QLoRA-style, with "
         "bitsandbytes) while the adapters train in full precision. `int8`: 1 byte per weight (LLM.int8 with one "
-        "scale per row); `nf4`: 4-bit NormalFloat, 0.56 byte per weight. Both run on CPU and CUDA. ZeRO stage 0-2 "
-        "only: ZeRO-3 cannot partition quantized weights (validate refuses it); `fp8` is refused (no fp8 storage "
+        "scale per row); `nf4`: 4-bit NormalFloat, 0.56 byte per weight. Both run on CPU and CUDA. Under ZeRO-3 "
+        "int8 is dstune's own layer (int8 weights and per-row scales as plain parameters, partitioned); nf4 is "
+        "ZeRO stage 0-2 only (validate refuses it under ZeRO-3); `fp8` is refused (no fp8 storage "
         "that DeepSpeed accepts). Omitted: the base is kept at train.precision. The exported LoRA loads into the "
         "full-precision pipeline. See docs/lora-and-ema.md.",
     )

@@ -1,5 +1,5 @@
 """model.base_precision: the frozen denoiser stored quantized under LoRA (bitsandbytes on the CPU here), and the
-refusals (without LoRA, fp8, ZeRO-3) with their file:line and key. The 2-rank ZeRO-2 run with an int8 base, its
+refusals (without LoRA, fp8, nf4 under ZeRO-3) with their file:line and key. The 2-rank ZeRO-2 run with an int8 base, its
 loss against the full-precision base and its export are in tests/dist/test_lora_ema_runs.py."""
 
 from __future__ import annotations
@@ -60,17 +60,23 @@ def test_fp8_is_refused_with_the_reason(tmp_path):
     assert "fp8 is not available" in issue.message and "aten.view.dtype" in issue.message
 
 
-@pytest.mark.parametrize("precision", ["int8", "nf4"])
-def test_zero3_is_refused_by_validate_and_zero2_accepted(tmp_path, precision):
+def test_nf4_under_zero3_is_refused_by_validate_and_int8_accepted(tmp_path):
+    """nf4 stays bitsandbytes' (its block scales live on the parameter object, which ZeRO-3 does not gather); int8
+    under ZeRO-3 is dstune's own partitionable layer (dstune.families.int8_partitioned), except with DoRA."""
     from dstune.validate import load_and_validate
     from dstune.world import world_from_flags
 
-    model = {"train": "lora", "base_precision": precision}
-    (issue,) = _issues(tmp_path, model, zero_stage=3)
+    (issue,) = _issues(tmp_path, {"train": "lora", "base_precision": "nf4"}, zero_stage=3)
     assert issue.key == "model.base_precision" and issue.where.endswith("spec.yaml:4")
-    assert f"{precision} with ZeRO stage 3" in issue.message and "deepspeed.zero_stage 2" in issue.message
-    resolved = load_and_validate(_write(tmp_path, model, 2), world=world_from_flags(world_size=2))
-    assert resolved.spec.model.base_precision == precision
+    assert "nf4 with ZeRO stage 3" in issue.message and "neither partitions nor gathers" in issue.message
+    assert "base_precision int8" in issue.message and "deepspeed.zero_stage 2" in issue.message
+    for precision, stage in (("nf4", 2), ("int8", 2), ("int8", 3)):
+        model = {"train": "lora", "base_precision": precision}
+        resolved = load_and_validate(_write(tmp_path, model, stage), world=world_from_flags(world_size=2))
+        assert resolved.spec.model.base_precision == precision
+    dora = {"train": "lora", "lora": "{type: dora, rank: 2}", "base_precision": "int8"}
+    (issue,) = _issues(tmp_path, dora, zero_stage=3)
+    assert issue.key == "model.lora.type" and "DoRA normalises by the base layer's weight" in issue.message
 
 
 def _tiny_unet():

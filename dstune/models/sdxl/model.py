@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from dstune.families.flow_model import vae_spatial_factor
+from dstune.families.precision import compute_dtype
 from dstune.families.unet_model import UnetModel, clip_states
 from dstune.models.sdxl.card import SdxlCard
 
@@ -44,7 +45,7 @@ class Sdxl(UnetModel):
         return {"time_ids": time_ids(original_size, crop_top_left, target).to(self.device, dtype)}
 
     def predict(self, forward, noisy: torch.Tensor, timesteps: torch.Tensor, encoded: dict) -> torch.Tensor:
-        dtype = next(self.trainable.parameters()).dtype
+        dtype = compute_dtype(self.trainable)
         added = {"text_embeds": encoded["text_embeds"].to(dtype), "time_ids": encoded["time_ids"].to(dtype)}
         hidden = encoded["encoder_hidden_states"].to(dtype)
         return forward(noisy.to(dtype), timesteps, hidden, return_dict=False, added_cond_kwargs=added)[0]
