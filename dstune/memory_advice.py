@@ -127,10 +127,12 @@ def _text_encoder_offload(resolved: Resolved) -> list:
 
 
 def _quantized_base(resolved: Resolved) -> list:
+    """int8 and nf4; under ZeRO-3 int8 only (nf4 cannot be partitioned: validate refuses it)."""
     model = resolved.spec.model
     if getattr(model, "train", "full") != "lora" or getattr(model, "base_precision", "x") is not None:
         return []
-    return [{"model.base_precision": name} for name in ("int8", "nf4")]
+    zero3 = int(resolved.ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+    return [{"model.base_precision": name} for name in (("int8",) if zero3 else ("int8", "nf4"))]
 
 
 def _lora(resolved: Resolved) -> list:

@@ -27,6 +27,21 @@ def _text_encoder_rows(memory: dict, counts: dict) -> list[tuple[str, str]]:
     return []
 
 
+def _quantized_base_rows(counts: dict) -> list[tuple[str, str]]:
+    """model.base_precision int8 under ZeRO-3: the base's stored share per rank."""
+    quantized = counts.get("quantized_base")
+    if not quantized:
+        return []
+    return [
+        (
+            "  int8 base",
+            f"{gb(quantized['stored_bytes_per_rank'])} stored per GPU ({gb(quantized['int8_codes_bytes_per_rank'])} "
+            f"int8 codes of {count_text(quantized['linear_weights'])} linear weights, a scale per row, the rest at "
+            "train.precision); each gathered layer adds its dequantized copy while it computes",
+        )
+    ]
+
+
 def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
     """The Memory group: what each GPU holds, host RAM and NVMe per node, the cache on disk, the verdict."""
     if memory.get("per_gpu") is None:
@@ -47,6 +62,7 @@ def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
             f"{count_text(counts['largest_layer_params'])}; from {counts['origin']}",
         ),
         ("frozen parts", companions),
+        *_quantized_base_rows(counts),
         ("per GPU, step", f"{gb(gpu['total_bytes'])} in all (a training step)"),
         ("  parameters", gb(gpu["parameters_bytes"])),
         ("  gradients", gb(gpu["gradients_bytes"])),

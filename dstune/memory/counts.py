@@ -159,6 +159,25 @@ def _small_sizes_and_dims(module, lora_targets: tuple) -> tuple[list, list]:
     return sorted(sizes.items()), sorted(dims.items())
 
 
+@lru_cache(maxsize=64)
+def count_linear_weights(config_path: str) -> tuple[int, int]:
+    """(weights, output rows) of the nn.Linear layers (exactly nn.Linear: what model.base_precision quantizes) of the
+    class the config names: a quantized base's int8 codes and its scales, one per row. counts.json for a stored
+    config, else on the meta device."""
+    stored = _stored_count(Path(config_path), ())
+    if stored is not None and "linear_weights" in stored:
+        weights, rows = stored["linear_weights"]
+        return weights, rows
+    return meta_linear_weights(config_path)
+
+
+def meta_linear_weights(config_path: str) -> tuple[int, int]:
+    import torch
+
+    layers = {id(m.weight): m for m in _meta_module(config_path).modules() if type(m) is torch.nn.Linear}
+    return sum(m.weight.numel() for m in layers.values()), sum(m.out_features for m in layers.values())
+
+
 def _meta_module(config_path: str):
     import torch
 
@@ -198,6 +217,7 @@ def stored_counts() -> dict:
             "lora_params_per_rank": per_rank,
             "small_tensors": [list(pair) for pair in small],
             "lora_dims": [list(pair) for pair in dims],
+            "linear_weights": list(meta_linear_weights(str(path))),
         }
     return table
 

@@ -115,6 +115,9 @@ class ModelCounts:
     offload_block_bytes: int = 0
     # the largest module's own parameters over the text encoders: what model.text_encoder_offload holds on the device
     text_offload_layer_params: int = 0
+    # (weights, output rows) of the module's nn.Linear layers: what model.base_precision quantizes (int8 under
+    # ZeRO-3: a byte a weight and a scale a row); (0, 0): not counted (the base counted at base_bytes_per_param)
+    linear_weights: tuple = (0, 0)
 
     @property
     def companions_on_every_rank(self) -> dict:
@@ -163,6 +166,7 @@ class Setup:
     activation_offload: bool = False  # model.activation_offload cpu (with gradient checkpointing)
     text_encoder_offload: bool = False  # model.text_encoder_offload cpu (the text encoders build the cache only)
     compiled_blocks: bool = False  # train.compile blocks
+    int8_partitioned: bool = False  # model.base_precision int8 under ZeRO-3: dstune's Int8Linear, partitioned
 
     @classmethod
     def of(
@@ -195,6 +199,7 @@ class Setup:
             activation_offload=getattr(spec.model, "activation_offload", "none") == "cpu",
             text_encoder_offload=getattr(spec.model, "text_encoder_offload", "none") == "cpu",
             compiled_blocks=spec.train.compile == "blocks",
+            int8_partitioned=base_precision == "int8" and int(zero.get("stage", 0)) == 3,
             reduce_bucket=int(zero.get("reduce_bucket_size", 5e8)),
             allgather_bucket=int(zero.get("allgather_bucket_size", 5e8)),
             prefetch_bucket=int(zero.get("stage3_prefetch_bucket_size", 5e7)),
@@ -330,13 +335,21 @@ def model_states(counts: ModelCounts, setup: Setup) -> tuple[float, float, float
 
 def frozen_on_gpu(counts: ModelCounts, setup: Setup) -> float:
     """The frozen base of a LoRA module (partitioned under ZeRO-3, host-side with parameter offload) and the frozen
-    companions the cache does not replace, in the compute precision."""
-    base_bytes = setup.base_bytes_per_param if setup.base_bytes_per_param is not None else setup.weight_bytes
-    base = base_bytes * counts.frozen_base_params
+    companions the cache does not replace, in the compute precision. An int8 base under ZeRO-3 adds the gathered
+    layer's dequantized copy (the compute dtype, made in each forward and backward of the layer, then freed); the
+    gathered int8 layer itself is in zero3_gathered_bytes, counted there at the compute dtype's bytes."""
+    base = frozen_base_bytes(counts, setup)
     if setup.zero_stage == 3:
         base = 0.0 if setup.offload_param != "none" else base / setup.world_size
+    if setup.int8_partitioned and counts.frozen_base_params:
+        base += setup.weight_bytes * counts.largest_layer_params
     on_gpu = sum(n for name, n in counts.companions.items() if name not in counts.cached_companions)
     return base + setup.frozen_bytes * on_gpu
+
+
+def int8_codes_per_rank(counts: ModelCounts, setup: Setup) -> float:
+    """An int8 base under ZeRO-3: the bytes of int8 codes each rank stores (its 1 / N of every linear weight)."""
+    return counts.linear_weights[0] / setup.world_size if setup.int8_partitioned else 0.0
 
 
 def activations(counts: ModelCounts, setup: Setup) -> float:
@@ -498,6 +511,12 @@ def module_loading_bytes(counts: ModelCounts, setup: Setup) -> float:
 
 
 def frozen_base_bytes(counts: ModelCounts, setup: Setup) -> float:
+    """The frozen base of a LoRA module, whole, as stored. An int8 base under ZeRO-3 (dstune's Int8Linear): a byte
+    per linear weight, a scale per row and every other parameter (biases, norms, convolutions, embeddings) at the
+    compute dtype; otherwise every parameter at base_bytes_per_param (a quantized base) or the compute dtype."""
+    weights, rows = counts.linear_weights
+    if setup.int8_partitioned and weights and counts.frozen_base_params:
+        return weights + setup.weight_bytes * (rows + counts.frozen_base_params - weights)
     base_bytes = setup.base_bytes_per_param if setup.base_bytes_per_param is not None else setup.weight_bytes
     return base_bytes * counts.frozen_base_params
 
@@ -524,6 +543,10 @@ def module_on_load(counts: ModelCounts, setup: Setup) -> float:
         return module_loading_bytes(counts, setup) + (4.0 * counts.module_params if partitioned else 0.0)
     if partitioned:
         share = 0.0 if setup.offload_param != "none" else w * counts.module_params / setup.world_size
+        return share + w * counts.largest_layer_params
+    if setup.int8_partitioned:  # quantized on the host, then partitioned from it one tensor at a time (zero.Init)
+        stored = frozen_base_bytes(counts, setup) + w * counts.trainable_params
+        share = 0.0 if setup.offload_param != "none" else stored / setup.world_size
         return share + w * counts.largest_layer_params
     return w * counts.trainable_params + frozen_base_bytes(counts, setup)
 

@@ -9,7 +9,15 @@ from dataclasses import replace
 from typing import Optional
 
 from dstune.memory.phases import host_warning
-from dstune.memory.plan import ModelCounts, Setup, estimate, parse_size, reduce_bucket_elements
+from dstune.memory.plan import (
+    ModelCounts,
+    Setup,
+    estimate,
+    frozen_base_bytes,
+    int8_codes_per_rank,
+    parse_size,
+    reduce_bucket_elements,
+)
 from dstune.memory.working import MAX_CHUNK_ENTRIES
 from dstune.card import COMMON_GPUS, gpu_words
 
@@ -99,5 +107,19 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
             "origin": counts.origin,
             "sampling_companions": dict(counts.sampling_companions),
             "expert": counts.expert,
+            # model.base_precision int8 under ZeRO-3: what each rank stores of the base (int8 codes, scales, the
+            # rest at the compute dtype) and of it the int8 codes alone
+            **(
+                {
+                    "quantized_base": {
+                        "stored_bytes_per_rank": frozen_base_bytes(counts, setup) / setup.world_size,
+                        "int8_codes_bytes_per_rank": int8_codes_per_rank(counts, setup),
+                        "linear_weights": counts.linear_weights[0],
+                        "linear_rows": counts.linear_weights[1],
+                    }
+                }
+                if setup.int8_partitioned and counts.frozen_base_params and counts.linear_weights[0]
+                else {}
+            ),
         },
     }

@@ -150,12 +150,13 @@ def test_the_search_names_every_lever_once_and_its_cost():
 
 
 def test_a_refused_combination_is_never_planned(tmp_path, monkeypatch):
-    """A setting the spec's rules refuse (a quantized base under ZeRO-3, sequence parallelism over ranks it does
-    not divide) re-plans to nothing, so it is never suggested."""
+    """A setting the spec's rules refuse (an nf4 base under ZeRO-3, sequence parallelism over ranks it does not
+    divide) re-plans to nothing, so it is never suggested; an int8 base under ZeRO-3 runs, and is planned."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     search = Search(_preset_file(tmp_path, "flux"), [], world_from_flags(num_gpus=8), 1000, "cuda", 24e9)
     assert search.plan({}) is not None
-    assert search.plan({"deepspeed.zero_stage": "3", "model.base_precision": "int8"}) is None
+    assert search.plan({"deepspeed.zero_stage": "3", "model.train": "lora", "model.base_precision": "nf4"}) is None
+    assert search.plan({"deepspeed.zero_stage": "3", "model.train": "lora", "model.base_precision": "int8"}) is not None
     assert search.plan({"deepspeed.sequence_parallel_size": "3"}) is None
 
 

@@ -11,7 +11,9 @@ DeepSpeed's engine, the batch check, the loop, the checkpoint). What they share 
 group: DeepSpeed keeps its groups in module globals made once per process, so a second process group in one
 process is not possible; dstune.training's shutdown (the end of a run) is left to after the last run.
 
-Two checks are added to each run, written to `<output.dir>/matrix.json` by rank 0:
+Two checks are added to each run, written to `<output.dir>/matrix.json` by rank 0 (and, for a run with an int8
+base under ZeRO-3, each rank's stored bytes of its int8 partitions and of all its frozen partitions,
+`int8_partition_bytes`, `frozen_partition_bytes`):
 - at each optimizer step, before DeepSpeed applies it, the gradient of every trainable parameter, assembled by
   deepspeed.utils.safe_get_full_grad (every ZeRO stage; a collective under ZeRO-3): the names without one, with a
   non-finite one, or with one that is zero everywhere;
@@ -28,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
 import yaml  # noqa: E402
 
 import dstune.training as training  # noqa: E402
@@ -55,10 +58,23 @@ def _grad_problems(engine) -> dict[str, list[str]]:
     return problems
 
 
+def _every_rank(value: int) -> list[int]:
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def _checked_wrap_model(original):
     def wrap_model(*args, **kwargs):
         engine = original(*args, **kwargs)
         step = engine.step
+        frozen = [p.ds_tensor for p in engine.module.parameters() if not p.requires_grad and hasattr(p, "ds_tensor")]
+        int8 = [t for t in frozen if t.dtype == torch.int8]
+        if int8:  # an int8 base under ZeRO-3: each rank's stored partitions (a collective: every rank has them)
+            _current["int8_partition_bytes"] = _every_rank(sum(t.numel() * t.element_size() for t in int8))
+            _current["frozen_partition_bytes"] = _every_rank(sum(t.numel() * t.element_size() for t in frozen))
 
         def step_after_checking_gradients(*step_args, **step_kwargs):
             if engine.is_gradient_accumulation_boundary():
