@@ -87,3 +87,40 @@ def test_backward_keeps_the_int8_codes_not_a_dequantized_copy():
     expected_out = torch.nn.functional.linear(x2, layer.dequantized_weight(torch.bfloat16), layer.bias)
     (expected,) = torch.autograd.grad(expected_out, x2, grad)
     assert torch.equal(out, expected_out) and torch.equal(got, expected)
+
+
+def test_the_plan_stores_what_the_int8_layers_of_a_video_model_hold(tmp_path):
+    """validate's plan for a tiny-wan LoRA with an int8 base under ZeRO-3 (2 ranks, bf16): the stored bytes per rank
+    and the int8 codes per rank are what the real transformer holds once its linear layers are Int8Linear and its
+    other parameters bf16, halved; against the run on the bf16 base the GPU's frozen bytes change by that share
+    instead of the bf16 one, plus one gathered layer's dequantized copy."""
+    from diffusers import WanTransformer3DModel
+
+    from dstune.builtin import ensure_builtin_model
+    from dstune.validate import load_and_validate, plan_memory
+    from dstune.world import world_from_flags
+    from loaded_models import CACHE_DIR
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "model:\n  family: video\n  pretrained: builtin:tiny-wan\n  train: lora\n  base_precision: int8\n"
+        "data:\n  path: builtin:moving-shapes\ntrain:\n  micro_batch_size: 1\n  max_steps: 2\n  precision: bf16\n"
+        "deepspeed:\n  zero_stage: 3\n"
+    )
+    resolved = load_and_validate(spec, world=world_from_flags(world_size=2))
+    memory = plan_memory(resolved.spec, resolved.plan, resolved.ds_config, None, "cpu", resolved.clips)
+    planned = memory["parameters"]["quantized_base"]
+    module = WanTransformer3DModel.from_pretrained(ensure_builtin_model("tiny-wan", CACHE_DIR) / "transformer")
+    quantize_linear_weights_int8(module, torch.bfloat16)
+    module.to(torch.bfloat16)  # floating parameters only: the int8 codes stay int8
+    codes = [p for p in module.parameters() if p.dtype == torch.int8]
+    assert codes and planned["int8_codes_bytes_per_rank"] * 2 == sum(p.numel() for p in codes)
+    assert planned["stored_bytes_per_rank"] * 2 == sum(p.numel() * p.element_size() for p in module.parameters())
+    spec.write_text(spec.read_text().replace("  base_precision: int8\n", ""))
+    resolved = load_and_validate(spec, world=world_from_flags(world_size=2))
+    plain = plan_memory(resolved.spec, resolved.plan, resolved.ds_config, None, "cpu", resolved.clips)
+    assert "quantized_base" not in plain["parameters"]
+    # on the GPU: the stored share instead of the bf16 share, and one gathered layer's dequantized bf16 copy beside it
+    params, layer = memory["parameters"]["module_params"], memory["parameters"]["largest_layer_params"]
+    added = memory["per_gpu"]["frozen_bytes"] - plain["per_gpu"]["frozen_bytes"]
+    assert added == pytest.approx(planned["stored_bytes_per_rank"] - 2 * params / 2 + 2 * layer, abs=1)
