@@ -220,7 +220,8 @@ def build_model(
 
 def partitioned_build_config(model_spec, ds_config: Optional[dict]) -> Optional[dict]:
     """The DeepSpeed JSON to build the trainable module partitioned with (ZeRO-3, a family that can, no quantized
-    base: bitsandbytes weights cannot be partitioned), else None: loaded whole, one copy per process."""
+    base: a base is quantized whole in host memory first; an int8 one is partitioned from there afterwards,
+    dstune.engine.place_trainable), else None: loaded whole, one copy per process."""
     stage = (ds_config or {}).get("zero_optimization", {}).get("stage", 0)
     if stage != 3 or not all(card.builds_partitioned for card in family_cards(model_spec.family)):
         return None

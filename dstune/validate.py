@@ -221,6 +221,17 @@ def quantized_base_issues(spec: Spec, source: SpecSource, ds_config: Optional[di
         return []
     if precision == "int8":
         settings = getattr(spec.model, "lora_settings", None)
+        offload = (ds_config or {}).get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
+        if offload == "nvme":
+            return [
+                source.issue(
+                    "deepspeed.offload_param",
+                    "nvme with base_precision int8 under ZeRO stage 3: DeepSpeed 0.19.8's NVMe parameter swapper "
+                    "sizes and types every swap buffer in the training dtype, while the int8 base's partitions are "
+                    "int8 (1 byte, not 2): they would be read back wrong. Use deepspeed.offload_param cpu (tested), "
+                    "or remove base_precision.",
+                )
+            ]
         if getattr(settings, "type", "lora") != "dora":
             return []
         return [

@@ -74,6 +74,12 @@ def test_nf4_under_zero3_is_refused_by_validate_and_int8_accepted(tmp_path):
         model = {"train": "lora", "base_precision": precision}
         resolved = load_and_validate(_write(tmp_path, model, stage), world=world_from_flags(world_size=2))
         assert resolved.spec.model.base_precision == precision
+    spec = _write(tmp_path, {"train": "lora", "base_precision": "int8"}, 3)
+    spec.write_text(spec.read_text() + f"  offload_param: {{device: nvme, nvme_path: {tmp_path}}}\n")
+    with pytest.raises(SpecError) as caught:
+        load_and_validate(spec, world=world_from_flags(world_size=2))
+    (issue,) = caught.value.issues
+    assert "NVMe parameter swapper" in issue.message and "offload_param cpu" in issue.message
     dora = {"train": "lora", "lora": "{type: dora, rank: 2}", "base_precision": "int8"}
     (issue,) = _issues(tmp_path, dora, zero_stage=3)
     assert issue.key == "model.lora.type" and "DoRA normalises by the base layer's weight" in issue.message
