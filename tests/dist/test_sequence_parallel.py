@@ -27,13 +27,16 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
-Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: twelve 2-rank launches and their twelve 1-rank references, a 4-rank launch and its 2-rank reference, and the
-1-rank resume (each launched when a test first needs it).
+Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of runs, LAUNCHES, serves every
+check: the 2-rank size-2 runs and their 1-rank references, a 4-rank run and its 2-rank reference, and the 1-rank
+resume. The runs of one world train one after another in one launch (tests/dist/scripts/train_runs.py): the 2-rank
+size-2 runs, then the 1-rank ones with the resume, the 4-rank and the 2-rank size-1 run; a launch starts when a test
+first needs one of its runs, with the runs that this session's tests need.
 """
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -69,6 +72,7 @@ EDIT_MODEL = "tiny-qwen-image-edit"  # 8x VAE: a 64 px target 16 tokens and its 
 # 8192) ended 2e-5 to 4e-5 of its tensor's largest apart, while losses and gradient norms agreed within 1e-6 (Wan 2.1
 # I2V's timestep embedder too, 2.4e-5, once its image embedding was read).
 SGD = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
+RUNS_SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_runs.py"
 SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora"), (LTX2_MODEL, "lora")}  # the video runs that render samples
 SGD_FULL = (TWO_EXPERTS, FLUX1_MODEL, EDIT_MODEL, I2V_MODEL)
 
@@ -154,25 +158,52 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
     )
 
 
-class Runs:
-    """name -> (run folder, finished launch) of LAUNCHES (and "resumed"), each launched when a test first asks for
-    it, so that `-k` runs only the launches its tests need."""
+class RunOutput:
+    """One run's share of a launch that trained several (tests/dist/scripts/train_runs.py): its exit and what the
+    launch printed from its start to the next run's (the run's own lines; rank 1's interleave)."""
 
-    def __init__(self, tmp_path_factory):
-        self.tmp_path_factory, self.done = tmp_path_factory, {}
+    def __init__(self, launched: subprocess.CompletedProcess, spec_path: Path, ran: bool):
+        marker = f"=== settings matrix run: {spec_path}"
+        text = launched.stdout
+        begin = text.find(marker)
+        end = text.find("=== settings matrix run: ", begin + len(marker)) if begin >= 0 else -1
+        self.stdout = text[begin : end if end >= 0 else len(text)] if begin >= 0 else text
+        self.stderr = launched.stderr
+        finished = begin >= 0 and "=== settings matrix run took" in self.stdout
+        self.returncode = 0 if ran and finished and (end >= 0 or launched.returncode == 0) else launched.returncode or 1
+
+
+class Runs:
+    """name -> (run folder, its output) of LAUNCHES (and "resumed"). The runs of one world (ranks, sequence-parallel
+    size) train in one launch of tests/dist/scripts/train_runs.py, launched when a test first asks for one of them;
+    only the runs this session's tests ask for (`-k`) are in it. The 1-rank launch, which holds "resumed", follows
+    the 2-rank size-2 one whose checkpoint it resumes."""
+
+    def __init__(self, tmp_path_factory, needed: set[str]):
+        self.tmp_path_factory, self.needed, self.done = tmp_path_factory, needed, {}
 
     def __getitem__(self, name: str):
         if name not in self.done:
-            self.done[name] = self._resume() if name == "resumed" else self._launch(name)
+            self._launch_world(LAUNCHES[name][:2] if name != "resumed" else (1, 1))
         return self.done[name]
 
-    def _launch(self, name: str):
-        ranks, size, stage, train, model = LAUNCHES[name]
-        run_dir = self.tmp_path_factory.mktemp(name) / "run"
-        spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, ranks, size, stage, train, model))
-        return run_dir, launch(spec_path, num_ranks=ranks)
+    def _launch_world(self, world: tuple[int, int]):
+        names = [n for n, case in LAUNCHES.items() if case[:2] == world and n in self.needed]
+        lines = []
+        for name in names:
+            ranks, size, stage, train, model = LAUNCHES[name]
+            run_dir = self.tmp_path_factory.mktemp(name) / "run"
+            spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, ranks, size, stage, train, model))
+            lines.append((name, run_dir, spec_path, str(spec_path)))
+        if world == (1, 1) and "resumed" in self.needed:
+            lines.append(self._resume_line())
+        runs_file = self.tmp_path_factory.mktemp("runs") / "runs.txt"
+        runs_file.write_text("\n".join(line for *_, line in lines) + "\n")
+        launched = launch(runs_file, num_ranks=world[0], script=RUNS_SCRIPT)
+        for name, run_dir, spec_path, _ in lines:
+            self.done[name] = (run_dir, RunOutput(launched, spec_path, ran=True))
 
-    def _resume(self):
+    def _resume_line(self):
         """The ZeRO 2 wan run's step-2 checkpoint, resumed on 1 rank at size 1."""
         run_dir, proc = self["zero2-full-sp2"]
         assert proc.returncode == 0, explain(proc)
@@ -180,18 +211,39 @@ class Runs:
         (resumed / "checkpoints").mkdir(parents=True)
         shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
         (resumed / "checkpoints" / "latest").write_text("step-00000002")
-        return resumed, launch(run_dir.parent / "spec.yaml", num_ranks=1, args=(
-            "--resume", "latest", "--set", f"output.dir={resumed}", "--set", "deepspeed.sequence_parallel_size=1"))
+        spec_path = run_dir.parent / "spec.yaml"
+        flags = f"--resume latest --set output.dir={resumed} --set deepspeed.sequence_parallel_size=1"
+        return "resumed", resumed, spec_path, f"{spec_path} {flags}"
+
+
+def _needed(session) -> set[str]:
+    """The LAUNCHES names (and "resumed") this session's tests of this module ask for."""
+    needed = set()
+    for item in session.items:
+        if getattr(item, "module", None) is None or item.module.__name__ != __name__:
+            continue
+        if hasattr(item, "callspec"):
+            needed |= {value for value in item.callspec.params.values() if isinstance(value, str) and value in LAUNCHES}
+        needed |= set(NAMED_RUNS.get(item.originalname, ()))
+    return needed
+
+
+# the runs of the tests without parameters
+NAMED_RUNS = {
+    "test_ltx2_samples_rendered_split_are_the_unsplit_ones": ("ltx2-zero3-lora-sp2", "ltx2-zero3-lora-ref"),
+    "test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_trajectory": ("zero2-full-sp2", "resumed"),
+    "test_the_held_out_loss_of_a_sequence_group_is_one_ranks": ("flux2-zero2-full-sp2", "flux2-zero2-full-ref"),
+}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
+def runs(request, tmp_path_factory) -> Runs:
     from dstune.builtin import ensure_builtin_model
 
     for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL, TWO_EXPERTS, TI2V_MODEL, FLUX1_MODEL, EDIT_MODEL,
                   HV15_MODEL, LTX2_MODEL):
         ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
-    return Runs(tmp_path_factory)
+    return Runs(tmp_path_factory, _needed(request.session))
 
 
 @pytest.mark.parametrize("name", [name for name, case in LAUNCHES.items() if case[1] > 1])
