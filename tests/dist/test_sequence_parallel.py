@@ -28,7 +28,8 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
   dstune.models.kandinsky6.split; the text branches and the sound stream whole on every rank, the sound's attention
   to the video gathering the video with a gradient summed over the group, the outputs' gradients divided by the
   split) LoRA on every attention under ZeRO 3 with gradient checkpointing, 2 steps, rendering a sample with its
-  sound from a first frame (the pipeline's joint video and sound, split too);
+  sound from a first frame (the pipeline's joint video and sound, split too) whose frames and sound are the 1-rank
+  run's;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
@@ -284,6 +285,31 @@ def test_ltx2_samples_rendered_split_are_the_unsplit_ones(runs):
     split, whole = frames(split_dir), frames(whole_dir)
     assert split.shape == whole.shape and len(split) > 1 and whole.std() > 1  # frames with something in them
     assert (split - whole).abs().max().item() <= 2  # of 255: the weights agree within 1e-5, not bit for bit
+
+
+def test_kandinsky6_samples_rendered_split_are_the_unsplit_ones_with_their_sound(runs):
+    """Kandinsky 6's sample (image-to-video from a first frame) runs the pipeline's fused video and sound, split: the
+    2-rank run's frames and sound are the 1-rank run's (the same step, seeds and weights)."""
+    import av
+    import numpy as np
+    from PIL import Image, ImageSequence
+
+    def rendered(run_dir):
+        step = run_dir / "samples" / f"step-{_steps('k6-zero3-lora-sp2'):06d}"
+        with Image.open(step.with_suffix(".webp")) as image:
+            frames = torch.stack([torch.from_numpy(np.array(f.convert("RGB"))).float()
+                                  for f in ImageSequence.Iterator(image)])
+        with av.open(str(step / "0.mp4")) as clip:
+            sound = np.concatenate([f.to_ndarray().reshape(-1) for f in clip.decode(audio=0)])
+        return frames, torch.from_numpy(sound).float()
+
+    (split_dir, split_proc), (whole_dir, whole_proc) = runs["k6-zero3-lora-sp2"], runs["k6-zero3-lora-ref"]
+    assert split_proc.returncode == 0 and whole_proc.returncode == 0, explain(split_proc) + explain(whole_proc)
+    (split, split_sound), (whole, whole_sound) = rendered(split_dir), rendered(whole_dir)
+    assert split.shape == whole.shape and len(split) > 1 and whole.std() > 1  # frames with something in them
+    assert (split - whole).abs().max().item() <= 2  # of 255: the weights agree within 1e-5, not bit for bit
+    assert split_sound.shape == whole_sound.shape and whole_sound.abs().max() > 0
+    assert (split_sound - whole_sound).abs().max().item() <= 1e-2 * whole_sound.abs().max().item()
 
 
 def test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_trajectory(runs):
