@@ -10,7 +10,7 @@ and the transformer's patch (pt, ph, pw) read from the model's configs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -119,6 +119,11 @@ class VideoCard(PipelineCard):
         """What the model itself refuses of the folder with these model keys (its layout against
         model.image_to_video, say), beyond the components and the configs' agreement."""
         return []
+
+    def appended_latent_frames(self, spec) -> int:
+        """Latent frames the transformer reads after each clip's own (a reference frame appended to the sequence):
+        counted in the clip's tokens, which validate prints and a sequence split divides."""
+        return 0
 
     def split_attention(self, folder: PipelineFolder) -> Optional[Attention]:
         """Attention facts of a model whose sequence-parallel plan is dstune's (not its class's); None: the class's."""
@@ -351,8 +356,9 @@ def unknown_model(cards: Sequence[VideoCard], spec, raising: bool) -> SpecIssues
     ]
 
 
-def token_factors(cards: Sequence[VideoCard], pretrained: str) -> ClipFactors:
-    """The token factors of a video model's configs with its clip rule, or the common layout where they are not here
+def token_factors(cards: Sequence[VideoCard], pretrained: str, spec=None) -> ClipFactors:
+    """The token factors of a video model's configs with the clip rule of its transformer's tokens (the VAE's, with
+    the latent frames the model appends after a clip's own for `spec`), or the common layout where they are not here
     (said so)."""
     assumed = f"{ASSUMED_SPATIAL}x VAE, {'x'.join(map(str, ASSUMED_PATCH))} patches"
     try:
@@ -370,7 +376,8 @@ def token_factors(cards: Sequence[VideoCard], pretrained: str) -> ClipFactors:
         why = f"assumed ({assumed}): {folder.origin} is none of the video models dstune trains"
         return ASSUMED_SPATIAL, ASSUMED_PATCH, ClipRule(TEMPORAL_COMPRESSION), why
     spatial, patch, _, origin = card.token_factors(folder)
-    return spatial, patch, card.clip_rule(folder), origin
+    rule, appended = card.clip_rule(folder), card.appended_latent_frames(spec) if spec is not None else 0
+    return spatial, patch, replace(rule, first_latents=rule.first_latents + appended), origin
 
 
 def set_videos(data) -> list[tuple[str, object]]:

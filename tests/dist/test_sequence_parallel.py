@@ -24,6 +24,12 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
   a gradient summed over the group, the sound loss's gradient divided by the split) LoRA under ZeRO 3 with gradient
   checkpointing, rendering samples (the pipeline runs its joint audio and video, split too) whose frames are the
   1-rank run's;
+- builtin:tiny-kandinsky6 (Kandinsky 6 image-to-video with sound on builtin:moving-shapes-av, split by dstune's plan:
+  dstune.models.kandinsky6.split; the text branches and the sound stream whole on every rank, the sound's attention
+  to the video gathering the video with a gradient summed over the group, the outputs' gradients divided by the
+  split) LoRA on every attention under ZeRO 3 with gradient checkpointing, 2 steps, rendering a sample with its
+  sound from a first frame (the pipeline's joint video and sound, split too) whose frames and sound are the 1-rank
+  run's;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
@@ -47,6 +53,7 @@ from flow_runs import STEPS, TRANSFORMER, flow_spec, write_pairs
 import shutil
 
 from harness import CACHE_DIR, base_spec, explain, launch, metrics, write_spec
+from video_runs import first_frame
 
 pytestmark = pytest.mark.dist
 
@@ -64,6 +71,12 @@ FLUX1_MODEL = "tiny-flux"  # Flux.1: 2 heads; its 2x VAE makes a 32 px image 64 
 LTX2_MODEL = "tiny-ltx2"  # 2 video heads; its 8x VAE (4x in time) makes a 5-frame 32 px clip 2 x 4 x 4 = 32 tokens
 LTX2_KEYS = {"max_sequence_length": 32, "timestep_sampling": "shifted_logit_normal"}  # as tests/dist/test_wan.py's
 EDIT_MODEL = "tiny-qwen-image-edit"  # 8x VAE: a 64 px target 16 tokens and its source 16 more; the text any length
+K6_MODEL = "tiny-kandinsky6"  # 2 video heads; a 5-frame 32 px clip 2 x 2 x 2 tokens, with its first frame appended 12
+K6_KEYS = {"max_sequence_length": 560, "timestep_sampling": "uniform", "image_to_video": True,  # as test_kandinsky6's
+           "lora": {"rank": 4, "target_modules": ["to_query", "to_key", "to_value", "attn.out_layer",
+                                                  "self_attention.out_layer", "cross_attention.out_layer",
+                                                  "va_cross_attention.out_layer", "av_cross_attention.out_layer"]}}
+STEPS_OF = {K6_MODEL: 2}  # a model's steps where not STEPS
 
 # SGD (its update is linear in the gradient) for the LoRA runs and these full ones. Adam's first updates normalise
 # each element, so an element whose gradient is near zero turns summation-order differences of 1e-7 into a visible
@@ -73,7 +86,7 @@ EDIT_MODEL = "tiny-qwen-image-edit"  # 8x VAE: a 64 px target 16 tokens and its 
 # I2V's timestep embedder too, 2.4e-5, once its image embedding was read).
 SGD = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
 RUNS_SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_runs.py"
-SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora"), (LTX2_MODEL, "lora")}  # the video runs that render samples
+SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora"), (LTX2_MODEL, "lora"), (K6_MODEL, "lora")}  # the video runs that render samples
 SGD_FULL = (TWO_EXPERTS, FLUX1_MODEL, EDIT_MODEL, I2V_MODEL)
 
 # name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
@@ -102,6 +115,8 @@ LAUNCHES = {
     "hv15-zero3-lora-ref": (1, 1, 3, "lora", HV15_MODEL),
     "ltx2-zero3-lora-sp2": (2, 2, 3, "lora", LTX2_MODEL),  # gradient checkpointing on
     "ltx2-zero3-lora-ref": (1, 1, 3, "lora", LTX2_MODEL),
+    "k6-zero3-lora-sp2": (2, 2, 3, "lora", K6_MODEL),  # gradient checkpointing on, image-to-video
+    "k6-zero3-lora-ref": (1, 1, 3, "lora", K6_MODEL),
     "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
     "2-ranks-2x1": (2, 1, 2, "full", MODEL),  # 2 data-parallel ranks, micro 1 each
 }
@@ -115,7 +130,12 @@ PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "
          ("a14b-zero2-full-sp2", "a14b-zero2-full-ref", TRANSFORMER_2),
          ("ti2v-zero3-lora-sp2", "ti2v-zero3-lora-ref", LORA_FILE),
          ("hv15-zero3-lora-sp2", "hv15-zero3-lora-ref", LORA_FILE),
-         ("ltx2-zero3-lora-sp2", "ltx2-zero3-lora-ref", LORA_FILE)]
+         ("ltx2-zero3-lora-sp2", "ltx2-zero3-lora-ref", LORA_FILE),
+         ("k6-zero3-lora-sp2", "k6-zero3-lora-ref", LORA_FILE)]
+
+
+def _steps(name: str) -> int:
+    return STEPS_OF.get(LAUNCHES[name][4], STEPS)
 
 
 def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
@@ -142,19 +162,22 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
     lora = train == "lora"
     cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
     layout = {TWO_EXPERTS: {"expert": "low_noise"}, TI2V_MODEL: {"image_to_video": True},
-              LTX2_MODEL: LTX2_KEYS}.get(model, {})
+              LTX2_MODEL: LTX2_KEYS, K6_MODEL: K6_KEYS}.get(model, {})
+    sampled = (model, train) in SAMPLED
+    first_frames = [str(first_frame(run_dir.parent / "images"))] if model == K6_MODEL and sampled else []
     return base_spec(
         run_dir,
         model={"family": "video", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora,
                **layout},
-        data={"path": "builtin:moving-shapes-av" if model == LTX2_MODEL else "builtin:moving-shapes", "cache": cache},
+        data={"path": "builtin:moving-shapes-av" if model in (LTX2_MODEL, K6_MODEL) else "builtin:moving-shapes",
+              "cache": cache},
         train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,
-               "max_steps": STEPS,
+               "max_steps": STEPS_OF.get(model, STEPS),
                "optimizer": SGD if lora or model in SGD_FULL else {"type": "adamw", "lr": 2e-4}},
         deepspeed={"zero_stage": stage, "sequence_parallel_size": size},
         output={"export": "diffusers", "save_every_steps": 2, "keep_last": 5},
-        sample={"prompts": ["a red circle moving left"] if (model, train) in SAMPLED else [], "steps": 2,
-                "guidance": 1.0},
+        sample={"prompts": ["a red circle moving left"] if sampled else [], "steps": 2, "guidance": 1.0,
+                "control_images": first_frames},
     )
 
 
@@ -233,6 +256,10 @@ NAMED_RUNS = {
     "test_ltx2_samples_rendered_split_are_the_unsplit_ones": ("ltx2-zero3-lora-sp2", "ltx2-zero3-lora-ref"),
     "test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_trajectory": ("zero2-full-sp2", "resumed"),
     "test_the_held_out_loss_of_a_sequence_group_is_one_ranks": ("flux2-zero2-full-sp2", "flux2-zero2-full-ref"),
+    "test_kandinsky6_samples_rendered_split_are_the_unsplit_ones_with_their_sound": (
+        "k6-zero3-lora-sp2",
+        "k6-zero3-lora-ref",
+    ),
 }
 
 
@@ -241,7 +268,7 @@ def runs(request, tmp_path_factory) -> Runs:
     from dstune.builtin import ensure_builtin_model
 
     for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL, TWO_EXPERTS, TI2V_MODEL, FLUX1_MODEL, EDIT_MODEL,
-                  HV15_MODEL, LTX2_MODEL):
+                  HV15_MODEL, LTX2_MODEL, K6_MODEL):
         ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
     return Runs(tmp_path_factory, _needed(request.session))
 
@@ -263,13 +290,14 @@ def test_two_ranks_of_one_sequence_group_train_what_one_rank_trains(runs, split,
     assert split_proc.returncode == 0, explain(split_proc)
     assert whole_proc.returncode == 0, explain(whole_proc)
     split_losses, whole_losses = ([m["loss"] for m in metrics(d)] for d in (split_dir, whole_dir))
-    assert len(split_losses) == STEPS
+    steps = _steps(split)
+    assert len(split_losses) == steps
     assert split_losses == pytest.approx(whole_losses, rel=1e-5)
     # the gradient itself (Adam's update hides its scale; a group that averaged instead of summing would halve it)
     assert [m["grad_norm"] for m in metrics(split_dir)] == pytest.approx([m["grad_norm"] for m in metrics(whole_dir)],
                                                                          rel=1e-5)
-    a = load_file(split_dir / "export" / f"step-{STEPS:08d}" / exported)
-    b = load_file(whole_dir / "export" / f"step-{STEPS:08d}" / exported)
+    a = load_file(split_dir / "export" / f"step-{steps:08d}" / exported)
+    b = load_file(whole_dir / "export" / f"step-{steps:08d}" / exported)
     assert set(a) == set(b)
     for key in b:
         scale = b[key].abs().max().item() or 1.0
@@ -277,16 +305,24 @@ def test_two_ranks_of_one_sequence_group_train_what_one_rank_trains(runs, split,
 
 
 @pytest.mark.parametrize("name", ["zero2-full-sp2", "qwen-zero2-full-sp2", "flux1-zero2-full-sp2",
-                                  "edit-zero2-full-sp2", "hv15-zero3-lora-sp2", "ltx2-zero3-lora-sp2"])
+                                  "edit-zero2-full-sp2", "hv15-zero3-lora-sp2", "ltx2-zero3-lora-sp2",
+                                  "k6-zero3-lora-sp2"])
 def test_samples_render_split(runs, name):
     """Wan's clip; Qwen-Image's prompt and negative prompt, whose odd token counts are padded (masked) to split;
     Flux.1's; Qwen-Image-Edit's from a source image (its tokens beside the target's, the instruction padded);
     HunyuanVideo 1.5's clip (its context padded to split) with the LoRA; LTX-2's clip, with the audio the pipeline
-    runs beside it (whole on every rank, its attention to the video gathering the video's keys)."""
+    runs beside it (whole on every rank, its attention to the video gathering the video's keys); Kandinsky 6's from a
+    first frame, saved with the sound its pipeline rendered beside the clip."""
     run_dir, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
-    assert list((run_dir / "samples").glob(f"step-{STEPS:06d}.*"))  # an animated image of the frames, or a grid
+    steps = _steps(name)
+    assert list((run_dir / "samples").glob(f"step-{steps:06d}.*"))  # an animated image of the frames, or a grid
     assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()
+    if LAUNCHES[name][4] == K6_MODEL:
+        import av
+
+        with av.open(str(run_dir / "samples" / f"step-{steps:06d}" / "0.mp4")) as sample:
+            assert sample.streams.video and sample.streams.audio and sample.streams.audio[0].frames > 0
 
 
 def test_ltx2_samples_rendered_split_are_the_unsplit_ones(runs):
@@ -305,6 +341,31 @@ def test_ltx2_samples_rendered_split_are_the_unsplit_ones(runs):
     split, whole = frames(split_dir), frames(whole_dir)
     assert split.shape == whole.shape and len(split) > 1 and whole.std() > 1  # frames with something in them
     assert (split - whole).abs().max().item() <= 2  # of 255: the weights agree within 1e-5, not bit for bit
+
+
+def test_kandinsky6_samples_rendered_split_are_the_unsplit_ones_with_their_sound(runs):
+    """Kandinsky 6's sample (image-to-video from a first frame) runs the pipeline's fused video and sound, split: the
+    2-rank run's frames and sound are the 1-rank run's (the same step, seeds and weights)."""
+    import av
+    import numpy as np
+    from PIL import Image, ImageSequence
+
+    def rendered(run_dir):
+        step = run_dir / "samples" / f"step-{_steps('k6-zero3-lora-sp2'):06d}"
+        with Image.open(step.with_suffix(".webp")) as image:
+            frames = torch.stack([torch.from_numpy(np.array(f.convert("RGB"))).float()
+                                  for f in ImageSequence.Iterator(image)])
+        with av.open(str(step / "0.mp4")) as clip:
+            sound = np.concatenate([f.to_ndarray().reshape(-1) for f in clip.decode(audio=0)])
+        return frames, torch.from_numpy(sound).float()
+
+    (split_dir, split_proc), (whole_dir, whole_proc) = runs["k6-zero3-lora-sp2"], runs["k6-zero3-lora-ref"]
+    assert split_proc.returncode == 0 and whole_proc.returncode == 0, explain(split_proc) + explain(whole_proc)
+    (split, split_sound), (whole, whole_sound) = rendered(split_dir), rendered(whole_dir)
+    assert split.shape == whole.shape and len(split) > 1 and whole.std() > 1  # frames with something in them
+    assert (split - whole).abs().max().item() <= 2  # of 255: the weights agree within 1e-5, not bit for bit
+    assert split_sound.shape == whole_sound.shape and whole_sound.abs().max() > 0
+    assert (split_sound - whole_sound).abs().max().item() <= 1e-2 * whole_sound.abs().max().item()
 
 
 def test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_trajectory(runs):
