@@ -125,6 +125,12 @@ class VideoCard(PipelineCard):
         counted in the clip's tokens, which validate prints and a sequence split divides."""
         return 0
 
+    def split_tokens(self, spec, frames: int, video_tokens: int) -> tuple[int, str]:
+        """(the tokens a sequence-parallel split divides of one sample whose clip has `frames` frames and
+        `video_tokens` transformer tokens, what they are): the clip's tokens, unless the model splits a longer
+        sequence ("" says they are the clip's)."""
+        return video_tokens, ""
+
     def split_attention(self, folder: PipelineFolder) -> Optional[Attention]:
         """Attention facts of a model whose sequence-parallel plan is dstune's (not its class's); None: the class's."""
         return None

@@ -5,7 +5,7 @@ text cache (the text encoder on one rank of the node), samples rendered through 
 (from the prompts' cached text), its export loaded by
 ModularPipeline.from_pretrained rendering other frames than the base; LoRA under ZeRO 3 with gradient checkpointing,
 the sound read from the clips every step, resumed from its step-2 checkpoint with the same losses and LoRA file. Its
-sequence split is refused by validate (docs/family-minimax-h3.md)."""
+sequence split runs in tests/dist/test_sequence_parallel.py."""
 
 from __future__ import annotations
 

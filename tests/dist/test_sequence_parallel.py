@@ -30,6 +30,9 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
   split) LoRA on every attention under ZeRO 3 with gradient checkpointing, 2 steps, rendering a sample with its
   sound from a first frame (the pipeline's joint video and sound, split too) whose frames and sound are the 1-rank
   run's;
+- builtin:tiny-minimax-h3 (MiniMax-H3: one packed sequence of text, sound and video rows, split by its class's plan
+  after dstune pads it with masked rows to an even length: dstune.models.minimax_h3.split) LoRA under ZeRO 3 with
+  gradient checkpointing on builtin:moving-shapes-av's clips with sound, rendering a sample with its sound;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
@@ -77,6 +80,9 @@ K6_KEYS = {"max_sequence_length": 560, "timestep_sampling": "uniform", "image_to
                                                   "self_attention.out_layer", "cross_attention.out_layer",
                                                   "va_cross_attention.out_layer", "av_cross_attention.out_layer"]}}
 STEPS_OF = {K6_MODEL: 2}  # a model's steps where not STEPS
+H3_MODEL = "tiny-minimax-h3"  # 2 heads; a 22-frame 32 px clip packs 16 text + 74 sound + 7 video rows: 97, padded
+H3_KEYS = {"max_sequence_length": 16, "sample_frames": 124}  # as tests/dist/test_minimax_h3.py's
+H3_DATA = {"resolution": 32, "video": {"frames": 22}}  # 17k+5 frames at its 24 fps
 
 # SGD (its update is linear in the gradient) for the LoRA runs and these full ones. Adam's first updates normalise
 # each element, so an element whose gradient is near zero turns summation-order differences of 1e-7 into a visible
@@ -86,7 +92,8 @@ STEPS_OF = {K6_MODEL: 2}  # a model's steps where not STEPS
 # I2V's timestep embedder too, 2.4e-5, once its image embedding was read).
 SGD = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
 RUNS_SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_runs.py"
-SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora"), (LTX2_MODEL, "lora"), (K6_MODEL, "lora")}  # the video runs that render samples
+# the video runs that render samples
+SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora"), (LTX2_MODEL, "lora"), (K6_MODEL, "lora"), (H3_MODEL, "lora")}
 SGD_FULL = (TWO_EXPERTS, FLUX1_MODEL, EDIT_MODEL, I2V_MODEL)
 
 # name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
@@ -117,6 +124,8 @@ LAUNCHES = {
     "ltx2-zero3-lora-ref": (1, 1, 3, "lora", LTX2_MODEL),
     "k6-zero3-lora-sp2": (2, 2, 3, "lora", K6_MODEL),  # gradient checkpointing on, image-to-video
     "k6-zero3-lora-ref": (1, 1, 3, "lora", K6_MODEL),
+    "h3-zero3-lora-sp2": (2, 2, 3, "lora", H3_MODEL),  # gradient checkpointing on
+    "h3-zero3-lora-ref": (1, 1, 3, "lora", H3_MODEL),
     "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
     "2-ranks-2x1": (2, 1, 2, "full", MODEL),  # 2 data-parallel ranks, micro 1 each
 }
@@ -131,7 +140,8 @@ PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "
          ("ti2v-zero3-lora-sp2", "ti2v-zero3-lora-ref", LORA_FILE),
          ("hv15-zero3-lora-sp2", "hv15-zero3-lora-ref", LORA_FILE),
          ("ltx2-zero3-lora-sp2", "ltx2-zero3-lora-ref", LORA_FILE),
-         ("k6-zero3-lora-sp2", "k6-zero3-lora-ref", LORA_FILE)]
+         ("k6-zero3-lora-sp2", "k6-zero3-lora-ref", LORA_FILE),
+         ("h3-zero3-lora-sp2", "h3-zero3-lora-ref", LORA_FILE)]
 
 
 def _steps(name: str) -> int:
@@ -162,15 +172,15 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
     lora = train == "lora"
     cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
     layout = {TWO_EXPERTS: {"expert": "low_noise"}, TI2V_MODEL: {"image_to_video": True},
-              LTX2_MODEL: LTX2_KEYS, K6_MODEL: K6_KEYS}.get(model, {})
+              LTX2_MODEL: LTX2_KEYS, K6_MODEL: K6_KEYS, H3_MODEL: H3_KEYS}.get(model, {})
     sampled = (model, train) in SAMPLED
     first_frames = [str(first_frame(run_dir.parent / "images"))] if model == K6_MODEL and sampled else []
     return base_spec(
         run_dir,
         model={"family": "video", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora,
                **layout},
-        data={"path": "builtin:moving-shapes-av" if model in (LTX2_MODEL, K6_MODEL) else "builtin:moving-shapes",
-              "cache": cache},
+        data={"path": "builtin:moving-shapes-av" if model in (LTX2_MODEL, K6_MODEL, H3_MODEL) else "builtin:moving-shapes",
+              "cache": cache, **(H3_DATA if model == H3_MODEL else {})},
         train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,
                "max_steps": STEPS_OF.get(model, STEPS),
                "optimizer": SGD if lora or model in SGD_FULL else {"type": "adamw", "lr": 2e-4}},
@@ -260,6 +270,7 @@ NAMED_RUNS = {
         "k6-zero3-lora-sp2",
         "k6-zero3-lora-ref",
     ),
+    "test_h3_samples_rendered_split_have_sound_and_are_the_unsplit_ones": ("h3-zero3-lora-sp2", "h3-zero3-lora-ref"),
 }
 
 
@@ -268,7 +279,7 @@ def runs(request, tmp_path_factory) -> Runs:
     from dstune.builtin import ensure_builtin_model
 
     for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL, TWO_EXPERTS, TI2V_MODEL, FLUX1_MODEL, EDIT_MODEL,
-                  HV15_MODEL, LTX2_MODEL, K6_MODEL):
+                  HV15_MODEL, LTX2_MODEL, K6_MODEL, H3_MODEL):
         ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
     return Runs(tmp_path_factory, _needed(request.session))
 
@@ -366,6 +377,36 @@ def test_kandinsky6_samples_rendered_split_are_the_unsplit_ones_with_their_sound
     assert (split - whole).abs().max().item() <= 2  # of 255: the weights agree within 1e-5, not bit for bit
     assert split_sound.shape == whole_sound.shape and whole_sound.abs().max() > 0
     assert (split_sound - whole_sound).abs().max().item() <= 1e-2 * whole_sound.abs().max().item()
+
+
+def test_h3_samples_rendered_split_have_sound_and_are_the_unsplit_ones(runs):
+    """MiniMax-H3's sample (124 frames with stereo sound, its packed sequence of 16 text + 414 sound + 37 video rows
+    padded to split) renders through its modular pipeline on both ranks of the group: its frames (the lossless
+    WebP) are the 1-rank run's, and its MP4 carries the same stereo sound. The sound is compared through the MP4's
+    AAC track, the only place it is written: a lossy codec whose rate control carries a difference of 1e-6 in its
+    input into the quantisation of every later frame (as libx264 does to the MP4's frames), so the sound is held to
+    the codec's noise (a 2-rank split that broke the sound rows gives another sound altogether)."""
+    import av
+    import numpy as np
+    from PIL import Image, ImageSequence
+
+    def decoded(run_dir):
+        with Image.open(run_dir / "samples" / f"step-{STEPS:06d}.webp") as image:
+            frames = np.stack([np.array(frame.convert("RGB")) for frame in ImageSequence.Iterator(image)])
+        with av.open(str(run_dir / "samples" / f"step-{STEPS:06d}" / "0.mp4")) as sample:
+            assert sample.streams.video[0].frames == H3_KEYS["sample_frames"]
+            sound = np.concatenate([frame.to_ndarray() for frame in sample.decode(audio=0)], axis=-1)
+        return torch.from_numpy(frames).float(), torch.from_numpy(sound).double()
+
+    (split_dir, split_proc), (whole_dir, whole_proc) = runs["h3-zero3-lora-sp2"], runs["h3-zero3-lora-ref"]
+    assert split_proc.returncode == 0 and whole_proc.returncode == 0, explain(split_proc) + explain(whole_proc)
+    (split, split_sound), (whole, whole_sound) = decoded(split_dir), decoded(whole_dir)
+    assert split.shape == whole.shape and len(split) == H3_KEYS["sample_frames"] and whole.std() > 1
+    assert (split - whole).abs().max().item() <= 2  # of 255: the weights agree within 1e-5, not bit for bit
+    assert split_sound.shape == whole_sound.shape and split_sound.shape[0] == 2 and whole_sound.abs().max() > 0
+    difference = (split_sound - whole_sound).pow(2).mean().sqrt() / whole_sound.pow(2).mean().sqrt()
+    assert difference <= 0.1, difference  # seen: 0.045
+    assert torch.corrcoef(torch.stack([split_sound.flatten(), whole_sound.flatten()]))[0, 1] > 0.99  # seen: 0.998
 
 
 def test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_trajectory(runs):

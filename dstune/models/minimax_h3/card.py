@@ -19,6 +19,7 @@ from typing import Optional
 
 from dstune.card import IMAGENET_UNIT_PIXELS, ClipRule, ModelPreset, PixelRange, lora, video
 from dstune.families.denoiser_facts import transformer_text_bytes
+from dstune.families.facts import Attention
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import SpecIssues
 from dstune.families.video_card import VideoCard, clip_buckets, set_videos
@@ -159,7 +160,7 @@ class MiniMaxH3Card(VideoCard):
 
     def model_spec_issues(self, spec, folder) -> SpecIssues:
         """Clip rates other than its 24 fps (its rotary clock pairs a frame with 5/3 latents of sound), sound that
-        cannot follow its frames, sample lengths its pipeline does not render, and no sequence split."""
+        cannot follow its frames and sample lengths its pipeline does not render."""
         issues = []
         for prefix, section in set_videos(spec.data):
             if section.fps is not None and section.fps != FPS:
@@ -188,15 +189,6 @@ class MiniMaxH3Card(VideoCard):
                     "362 rounds past 15 s, so 345 is the longest); set one, or sample.prompts: []",
                 )
             )
-        if spec.deepspeed.sequence_parallel_size > 1:
-            issues.append(
-                (
-                    "deepspeed.sequence_parallel_size",
-                    f"{spec.deepspeed.sequence_parallel_size}: MiniMax-H3's one packed sequence (text, sound and "
-                    "video rows, each row's timestep and rotary position by index) is not split by dstune's sequence "
-                    "parallelism yet; set 1 (ZeRO-3 shards the weights; gradient checkpointing the activations)",
-                )
-            )
         return issues
 
     def latent_cache_key(self, model_spec, folder: Path) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
@@ -223,8 +215,22 @@ class MiniMaxH3Card(VideoCard):
         buckets = clip_buckets(spec, num_samples, clips)
         return core + sum((audio_rows(f) * channels * 4 + 4) * n for f, _, _, n in buckets)
 
-    def split_attention(self, folder) -> Optional[object]:
-        return None
+    def split_attention(self, folder) -> Optional[Attention]:
+        """The heads a sequence-parallel split divides (its class's plan, prepared by dstune.models.minimax_h3.split).
+        The packed sequence sets no rule on N: the split pads it with masked rows to a multiple of N."""
+        config = folder.config("transformer")
+        if not isinstance(config.get("num_attention_heads"), int):
+            return None
+        heads, width = config["num_attention_heads"], config.get("attention_head_dim", 0)
+        return Attention(heads, width, f"the transformer config of {folder.origin}")
+
+    def split_tokens(self, spec, frames: int, video_tokens: int) -> tuple[int, str]:
+        """The packed sequence a split divides: the caption (at most max_sequence_length tokens), the sound's rows
+        and the video's, padded with masked rows to a multiple of N."""
+        size = spec.deepspeed.sequence_parallel_size
+        rows = text_tokens(spec) + audio_rows(frames) + video_tokens
+        what = f"packed text <= {text_tokens(spec)} + sound {audio_rows(frames)} + video {video_tokens} rows"
+        return -(-rows // size) * size, what + (f", padded to a multiple of {size}" if size > 1 else "")
 
 
 # The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as

@@ -39,6 +39,7 @@ from dstune.families.precision import at_least_float32
 from dstune.families.randomness import per_sample_randn
 from dstune.families.samples import ClipWithSound
 from dstune.hf import quiet_hf_libraries
+from dstune.models.minimax_h3 import split
 from dstune.models.minimax_h3.card import (
     AUDIO_SHIFT,
     AUDIO_TAG,
@@ -287,6 +288,10 @@ class MiniMaxH3(FlowModel):
     def loss_parts(self) -> dict[str, float]:
         """The video's and the sound's shares of the last loss (each a mean over the micro batch)."""
         return self.last_loss_parts
+
+    def own_split_plan(self, size: int) -> dict:
+        """Its class's plan, after padding the packed sequence to split evenly (dstune.models.minimax_h3.split)."""
+        return split.prepare_split(self.trainable, size)
 
     # ------------------------------------------------------------------------------------- samples
 

@@ -216,7 +216,6 @@ def test_validate_takes_the_built_in_and_refuses_what_the_unit_does_not_train(ca
     assert code == 0, text
     refusals = {
         "data.video.frames": (21, "21 is not 17k+5"),
-        "deepspeed.sequence_parallel_size": (2, "packed sequence"),
         "data.video.fps": (30, "24 fps"),
         "model.sample_frames": (39, "120 to 360 frames"),
         "model.image_to_video": (True, "fl2va"),
@@ -224,6 +223,47 @@ def test_validate_takes_the_built_in_and_refuses_what_the_unit_does_not_train(ca
     for key, (value, said) in refusals.items():
         code, text = validate(capsys, tmp_path, **{key: value, "sample.prompts": ["a red square"]})
         assert code == 1 and said in text and key in text, (key, text)
+
+
+def test_validate_splits_the_packed_sequence_over_the_heads(capsys, tmp_path):
+    """A sequence split of its one packed sequence: any caption length (the split pads the rows), so only the heads
+    (2 in the tiny transformer) and the ranks bound N; validate shows the packed rows each rank holds."""
+    code, text = validate(capsys, tmp_path, **{"deepspeed.sequence_parallel_size": 2, "deepspeed.zero_stage": 3})
+    assert code == 0, text
+    assert "22f 32x32: packed text <= 512 + sound 74 + video 7 rows, padded to a multiple of 2" in text
+    assert "594 tokens per sample -> 297 per rank" in text  # 512 + 74 + 7 = 593, padded to 594
+    code, text = validate(capsys, tmp_path, **{"deepspeed.sequence_parallel_size": 4, "deepspeed.zero_stage": 3})
+    assert code == 1 and "deepspeed.sequence_parallel_size: 4" in text and "2 attention heads" in text, text
+
+
+@pytest.mark.parametrize("caption", [5, 6])
+def test_the_split_pads_the_packed_sequence_without_changing_the_prediction(caption):
+    """The split's padding (dstune.models.minimax_h3.split, here without the ranks: the padded sequence whole) adds
+    a row to an odd packed sequence and masks it as a key: the video's and the sound's predictions are the
+    unpadded ones."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from dstune.models.minimax_h3.builtin import TINY_TRANSFORMER
+    from dstune.models.minimax_h3.model import MiniMaxH3
+    from dstune.models.minimax_h3.split import prepare_split
+
+    torch.manual_seed(0)
+    whole = MiniMaxH3Transformer3DModel(**TINY_TRANSFORMER).eval()
+    padded = MiniMaxH3Transformer3DModel(**TINY_TRANSFORMER).eval()
+    padded.load_state_dict(whole.state_dict())
+    prepare_split(padded, 2)
+    holder = MiniMaxH3.__new__(MiniMaxH3)
+    holder.transformer_config = dict(whole.config)
+    clip = torch.randn(1, 4, 3, 4, 4)
+    inputs = holder.packed_inputs(
+        torch.randn(caption, 16), patchify(clip, (1, 2, 2)), torch.randn(10, 4), clip.shape, 0.7, 0.4, torch.float32
+    )
+    assert (len(inputs["position_ids"]) % 2 == 1) == (caption == 5)  # 5 text + 10 sound + 12 video rows: odd
+    with torch.no_grad():
+        expected, got = whole(**inputs), padded(**inputs)
+    for one, other in zip(expected, got):
+        assert one.shape == other.shape
+        torch.testing.assert_close(other, one, rtol=1e-5, atol=1e-6)
 
 
 def test_an_empty_caption_is_no_text_rows_and_trains(model):
