@@ -237,3 +237,4 @@ def test_a_lora_run_is_planned_with_the_lora_figure_only_on_the_measured_adapter
     )
     assert not lora_figure("kandinsky6", model("video", "builtin:moving-shapes"))  # to_q...: none of its layers
     assert not lora_figure("kandinsky6", model("video", "builtin:moving-shapes", target_modules=[*LORA_TARGETS, "ff"]))
+    assert lora_figure("minimax-h3", model("video", "builtin:moving-shapes"))  # the default names its projections
