@@ -23,7 +23,7 @@ from dstune.families.facts import Attention
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import SpecIssues
 from dstune.families.video_card import VideoCard, clip_buckets, set_videos
-from dstune.memory.activations import transformer_stack
+from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.working import TextWork, VaeWork
 
 PIPELINE = "MiniMaxH3ModularPipeline"
@@ -38,6 +38,7 @@ TEXT_TAG, VIDEO_TAG, AUDIO_TAG = 1, 0, 2  # the rows' modality tags (AdaLN per t
 MIN_SECONDS, MAX_SECONDS = 5, 15  # the clip lengths its pipeline renders (sample frames 120 to 360 at 24 fps)
 DEFAULT_TEXT_TOKENS = 512  # captions are cut to max_sequence_length rows (the pipeline encodes them whole)
 SPATIAL = 16  # AutoencoderKLMiniMaxH3's compression when its config does not say
+ACTIVATION_CONSTANTS = "minimax-h3"  # measured on the class itself (the "minimax-h3" case in its builtin module)
 
 
 def clip_rule(vae: dict) -> ClipRule:
@@ -63,15 +64,17 @@ def text_tokens(spec) -> int:
 
 
 def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[int, int]:
-    """One clip's activations from the generic transformer formula (no measured constants yet): the packed
-    sequence's rows (caption, sound, video) through num_layers SwiGLU blocks of hidden_size, ffn_dim inner."""
+    """One clip's activations from the constants measured on its class (the "minimax-h3" case in its builtin
+    module): its media rows (video and sound, which every block treats alike) and its caption's rows (through the
+    refiner blocks too) at the transformer's width and block counts."""
     config, vae = folder.config("transformer"), folder.config("vae")
     factor = spatial_factor(vae) * 2  # the 1x2x2 patch
     video = clip_rule(vae).latent_frames(frames) * (width // factor) * (height // factor)
-    rows = text_tokens(spec) + audio_rows(frames) + video
-    hidden, layers = config.get("hidden_size", 5376), config.get("num_layers", 50)
-    full, checkpointed = transformer_stack(rows, hidden, config.get("ffn_dim", 4 * hidden), True, layers)
-    return int(full), int(checkpointed)  # the plan's units already (bytes at 2 bytes per element)
+    blocks = {"transformer_blocks": config.get("num_layers", 50), "refiner_blocks": config.get("num_refiner_layers", 2)}
+    shape = ModelShape(config.get("hidden_size", 5376), blocks)
+    rows = video + audio_rows(frames)
+    sample = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, rows, text_tokens(spec), spec.train.precision)
+    return in_plan_units(sample, spec.train.precision)
 
 
 def config_mismatches(folder: Path) -> list[str]:
@@ -267,6 +270,7 @@ MINIMAX_H3_CARD = MiniMaxH3Card(
     unit="minimax_h3",
     model_class="dstune.models.minimax_h3.model:MiniMaxH3",
     docs="docs/family-minimax-h3.md",
+    activation_cases="dstune.models.minimax_h3.builtin:ACTIVATION_CASES",
     names=r"minimax[-_ ]?h3\w*",
     summary="MiniMax-H3 (MiniMaxH3Transformer3DModel, a modular pipeline; Qwen3-VL text): text-to-video with stereo "
     "sound (t2va), guidance-distilled",
