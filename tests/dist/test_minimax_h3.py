@@ -4,9 +4,10 @@ modular pipeline folder; model.family video) on CPU, two launches on builtin:mov
 text cache (the text encoder on one rank of the node), samples rendered through the modular blocks with their sound
 (from the prompts' cached text), its export loaded by
 ModularPipeline.from_pretrained rendering other frames than the base; LoRA under ZeRO 3 with gradient checkpointing
-training the first-frame workflow (fl2va: model.image_to_video), each clip's keyframe latent and sound from the latent
-cache and its text (the caption after the frame's vision block) encoded every step on both ranks, resumed from its
-step-2 checkpoint with the same losses and LoRA file. Its sequence split is refused by validate
+training the first-frame workflow (fl2va: model.image_to_video) under the distillation guard
+(model.cfg_augmented_target: a second forward a clip without gradient), each clip's keyframe latent and sound from the
+latent cache and its text (the caption after the frame's vision block) encoded every step on both ranks, resumed from
+its step-2 checkpoint with the same losses and LoRA file. Its sequence split is refused by validate
 (docs/family-minimax-h3.md)."""
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def runs(tmp_path_factory) -> dict:
         run_dir = tmp_path_factory.mktemp(f"minimax-h3-{name}") / "run"
         cache = {"latents": True, "text_embeddings": name == "full", "dir": str(run_dir.parent / "cache")}
         data = {"path": "builtin:moving-shapes-av", "resolution": 32, "video": {"frames": 22}, "cache": cache}
-        keys = {**KEYS, "image_to_video": name == "lora"}  # the LoRA run trains fl2va (its text cannot be cached)
+        # the LoRA run trains fl2va (its text cannot be cached) with the distillation guard (an uncond forward)
+        guard = {"image_to_video": True, "cfg_augmented_target": 4.0} if name == "lora" else {}
+        keys = {**KEYS, **guard}
         spec = write_spec(run_dir.parent / "spec.yaml", video_spec(run_dir, MODEL, stage, train, data, keys))
         started = time.perf_counter()
         out[name] = (run_dir, spec, launch(spec, num_ranks=2))
@@ -93,7 +96,7 @@ def test_full_run_from_both_caches_samples_with_sound_and_exports_a_folder_its_m
     assert (frames - base_frames).abs().max() > 0 or (sound - base_sound).abs().max() > 1e-4
 
 
-def test_fl2va_lora_zero3_with_checkpointing_from_cached_keyframes_resumes_exactly(runs, tmp_path):
+def test_fl2va_guarded_lora_zero3_with_checkpointing_from_cached_keyframes_resumes_exactly(runs, tmp_path):
     from safetensors.torch import load_file
 
     from dstune.cache.entries import read_entry

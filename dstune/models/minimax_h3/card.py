@@ -139,6 +139,7 @@ def keyframe_issues(spec) -> SpecIssues:
 @dataclass(frozen=True, kw_only=True)
 class MiniMaxH3Card(VideoCard):
     trains_sound = True  # its class encodes each clip's track with the audio VAE
+    fits_guided_target = True  # guidance-distilled: its loss takes model.cfg_augmented_target
 
     def hidden_states_read(self, folder) -> dict[str, tuple[int, ...]]:
         return {"text_encoder": (TEXT_LAYER,)}

@@ -32,6 +32,7 @@ workflow encodes as its keyframe), so no Qwen3VLProcessor is loaded.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -337,6 +338,19 @@ class MiniMaxH3(FlowModel):
         noise = per_sample_randn(latent.shape[1:], seed, step, [index], "keyframe_noise").to(latent.device)
         return patchify(keyframes.noised_keyframe(latent, noise, self.scheduler, KEYFRAME_LEVEL), self.patch())
 
+    def guided(self, forward, pack, text: torch.Tensor, tags: torch.Tensor) -> tuple:
+        """The transformer's (video, sound) prediction for one clip (`pack(text, tags)`: its inputs); with
+        model.cfg_augmented_target s, the rearranged guidance (cond + (s - 1) uncond) / s, uncond the same rows on
+        the empty caption (no text rows; fl2va: the keyframe rows kept) without gradient: diffusion-pipe's
+        CFG-augmented training, whose fit leaves the model's own output guided."""
+        video, sound = forward(**pack(text, tags))
+        scale = self.model_spec.cfg_augmented_target
+        if scale is None:
+            return video, sound
+        with torch.no_grad():
+            video_uncond, sound_uncond = forward(**pack(text[:0], tags[:0]))
+        return (video + (scale - 1) * video_uncond) / scale, (sound + (scale - 1) * sound_uncond) / scale
+
     def clip_text(self, encoded: dict, number: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip `number`'s text rows (its padding cut) and their modality tags (text, or fl2va's stored tags)."""
         mask = encoded["encoder_attention_mask"][number].bool()
@@ -363,19 +377,18 @@ class MiniMaxH3(FlowModel):
             clean, drawn = self.clip_sound(encoded, number, frames, seed, step, index)
             noisy_sound = (1 - audio_sigma[number]) * clean + audio_sigma[number] * drawn
             clip = noisy[number : number + 1]
-            held = self.keyframe_rows(encoded, number, seed, step, index)
-            inputs = self.packed_inputs(
-                text,
-                tags,
-                held,
-                patchify(clip, self.patch()),
-                noisy_sound,
-                clip.shape,
-                (sigma[number], audio_sigma[number]),
-                dtype,
+            pack = functools.partial(  # the clip's inputs for a text (guided: also the empty caption's)
+                self.packed_inputs,
+                keyframe_rows=self.keyframe_rows(encoded, number, seed, step, index),
+                video_rows=patchify(clip, self.patch()),
+                audio_rows_=noisy_sound,
+                shape=clip.shape,
+                sigmas=(sigma[number], audio_sigma[number]),
+                dtype=dtype,
             )
-            video_velocity, sound_velocity = forward(**inputs)
-            targets = at_least_float32(video_velocity[0, len(held) :])  # the keyframe rows carry no loss
+            video_velocity, sound_velocity = self.guided(forward, pack, text, tags)
+            held = len(pack.keywords["keyframe_rows"])
+            targets = at_least_float32(video_velocity[0, held:])  # the keyframe rows carry no loss
             predictions.append(-unpatchify(targets, clip, self.patch()))
             error = (at_least_float32(sound_velocity[0]) - (clean - drawn)).pow(2).mean()
             sound_errors.append(error * encoded["has_sound"][number].float())  # in the graph, weight 0 when silent

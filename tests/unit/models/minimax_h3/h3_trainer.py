@@ -22,9 +22,12 @@ def shift_sigma(u, shift: float):
     return shift * u / (1.0 + (shift - 1.0) * u)
 
 
-def trainer_loss(transformer, u: float, video_rows, audio_rows, text, noise_video, noise_audio, frame_shape):
+def trainer_loss(transformer, u: float, video_rows, audio_rows, text, noise_video, noise_audio, frame_shape, cfg=1.0):
     """One packed sample's loss as the trainer computes it: (loss, the transformer's keyword arguments).
-    `video_rows` / `audio_rows`: the clean target rows (rows, channels); `frame_shape` (latent frames, h, w)."""
+    `video_rows` / `audio_rows`: the clean target rows (rows, channels); `frame_shape` (latent frames, h, w).
+    `cfg` > 1: diffusion-pipe's CFG-augmented training (tdrussell/diffusion-pipe 8f83dbf2, models/minimax_h3.py
+    FinalLayer: the same sample on the empty caption's embedding without gradient, the two outputs rearranged as
+    below) on these lines; the empty caption is no text rows here."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import (
         MiniMaxH3PrepareLayoutStep,
         MiniMaxH3SetTimestepsStep,
@@ -57,6 +60,21 @@ def trainer_loss(transformer, u: float, video_rows, audio_rows, text, noise_vide
         return_dict=False,
     )
     prediction_video, prediction_audio = transformer(**kwargs)
+    if cfg > 1:
+        bare = dict(kwargs, encoder_hidden_states=text[None, :0])
+        positions, token_tags, video_idx, audio_idx, text_idx, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            tags[:0], frames, height, width, audio_rows.shape[0] // 2, (1, 2, 2), 2, AUDIO_TAG, VIDEO_TAG
+        )
+        bare.update(position_ids=positions, token_tags=token_tags, video_indices=video_idx, audio_indices=audio_idx)
+        bare["text_indices"] = text_idx
+        bare["timestep"], bare["timestep_indices"] = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+            video_idx, audio_idx, 0, 0, 0, float(video_t), float(audio_t), max(float(video_t), 0.999), 1.0
+        )
+        with torch.no_grad():
+            video_out_uncond, audio_out_uncond = transformer(**bare)
+        # "raw" velocity from guidance-distilled output and own uncond (diffusion-pipe's two lines)
+        prediction_video = (prediction_video + (cfg - 1) * video_out_uncond) / cfg
+        prediction_audio = (prediction_audio + (cfg - 1) * audio_out_uncond) / cfg
     video_loss = torch.nn.functional.mse_loss(prediction_video.float(), (video_rows - noise_video)[None].float())
     weight = 1.0 if bool(audio_rows.abs().sum() > 0) else 0.0  # audio_loss_weight
     audio_loss = torch.nn.functional.mse_loss(prediction_audio.float(), (audio_rows - noise_audio)[None].float())

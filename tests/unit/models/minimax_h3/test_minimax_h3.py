@@ -369,3 +369,77 @@ def test_validate_takes_fl2va_without_the_text_cache_and_refuses_what_cannot_wor
     prompts = {"sample.prompts": ["a red square"], "sample.control_images": [str(first)]}
     code, text = validate(capsys, tmp_path, **fl2va, **prompts)
     assert code == 0, text
+
+
+# ------------------------------------------------------------------------------------------ the distillation guard
+
+
+def test_the_cfg_augmented_target_is_diffusion_pipes_rearranged_guidance_with_its_gradient(model):
+    """model.cfg_augmented_target s: dstune's loss and its gradient against the trainer's lines with diffusion-pipe's
+    rearrangement ((cond + (s - 1) uncond) / s, uncond on the empty caption without gradient) on the same draws; a
+    second forward, of no text rows."""
+    from dstune.families.flow_matching import timestep_density
+
+    guarded, index = with_settings(model, cfg_augmented_target=4.0), 1
+    encoded = guarded.encode_batch(clips(model, [index]))
+    latents = guarded.model_latents(encoded, SEED, STEP)
+    recorder = Recorder(guarded.trainable)
+    parameters = [p for p in guarded.trainable.parameters() if p.requires_grad]
+    ours = guarded.loss(recorder, encoded, SEED, STEP)
+    our_grads = torch.autograd.grad(ours, parameters, allow_unused=True)
+    u = float(timestep_density(guarded.model_spec, SEED, STEP, [index])[0])
+    video_rows = patchify(latents, model.patch())
+    noise = patchify(per_sample_randn(latents.shape[1:], SEED, STEP, [index], "noise"), model.patch())
+    clean, sound_noise = guarded.clip_sound(encoded, 0, FRAMES, SEED, STEP, index)
+    text, _ = guarded.clip_text(encoded, 0)
+    theirs, _ = trainer_loss(
+        guarded.trainable, u, video_rows, clean, text, noise, sound_noise, tuple(latents.shape[2:]), cfg=4.0
+    )
+    their_grads = torch.autograd.grad(theirs, parameters, allow_unused=True)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+    assert [call["text_indices"].numel() for call in recorder.calls] == [len(text), 0]
+    compared = 0
+    for mine, reference in zip(our_grads, their_grads):
+        if reference is not None:
+            assert torch.allclose(mine, reference, rtol=1e-4, atol=1e-7)
+            compared += 1
+    assert compared > 10
+
+
+def test_the_guard_holds_a_model_whose_output_has_its_guidance_built_in_and_plain_training_pulls_it_off(model):
+    """The distilled behaviour, measured: a model whose conditional output is its unconditional one guided at scale
+    s towards the data's velocity (v_cond = v_uncond + s (v_data - v_uncond): guidance built in, what guidance
+    distillation makes) is at the guarded objective's minimum (loss 0), while the plain objective's loss there is
+    (s - 1)^2 |v_data - v_uncond|^2 > 0, its minimum the unguided v_data: plain fine-tuning removes the guidance."""
+    scale, index = 4.0, 3
+    encoded = model.encode_batch(clips(model, [index]))
+    latents = model.model_latents(encoded, SEED, STEP)
+    video_target = patchify(latents, model.patch()) - patchify(
+        per_sample_randn(latents.shape[1:], SEED, STEP, [index], "noise"), model.patch()
+    )
+    clean, sound_noise = model.clip_sound(encoded, 0, FRAMES, SEED, STEP, index)
+    sound_target = clean - sound_noise
+    generator = torch.Generator().manual_seed(5)
+    video_uncond = torch.randn(video_target.shape, generator=generator)
+    sound_uncond = torch.randn(sound_target.shape, generator=generator)
+    video_cond = video_uncond + scale * (video_target - video_uncond)
+    sound_cond = sound_uncond + scale * (sound_target - sound_uncond)
+    outputs = [(video_cond[None], sound_cond[None]), (video_uncond[None], sound_uncond[None])]
+    with torch.no_grad():
+        guarded = with_settings(model, cfg_augmented_target=scale).loss(Recorder(None, outputs), encoded, SEED, STEP)
+        plain = model.loss(Recorder(None, outputs[:1]), encoded, SEED, STEP)
+    assert guarded.item() == pytest.approx(0.0, abs=1e-9)
+    expected = (scale - 1) ** 2 * (
+        (video_target - video_uncond).pow(2).mean() + (sound_target - sound_uncond).pow(2).mean()
+    )
+    assert plain.item() == pytest.approx(expected.item(), rel=1e-5) and plain.item() > 1
+
+
+def test_validate_takes_the_guard_on_minimax_h3_only(capsys, tmp_path):
+    from dstune.models.wan.card import WAN_CARD
+
+    code, text = validate(capsys, tmp_path, **{"model.cfg_augmented_target": 4.0})
+    assert code == 0, text
+    other = VideoModelSpec(family="video", pretrained="builtin:tiny-wan", cfg_augmented_target=4.0)
+    assert [key for key, _ in WAN_CARD.settings_issues(other)] == ["model.cfg_augmented_target"]
+    assert not h3.MINIMAX_H3_CARD.settings_issues(other)
