@@ -44,6 +44,8 @@ DEFAULT_TEXT_TOKENS = 512  # captions are cut to max_sequence_length rows (the p
 SPATIAL = 16  # AutoencoderKLMiniMaxH3's compression when its config does not say
 KEYFRAME_SEED = 42  # the pipeline's keyframe_encode_seed: a keyframe's posterior is sampled under its own generator
 KEYFRAME_LEVEL = 0.999  # the pipeline's keyframe_noise_aug: the t a keyframe's rows are noised to and held at
+VISION_PIXELS = 32  # pixels a side per vision token of the keyframe's block (Qwen3-VL: 16 px patches merged 2x2)
+KEYFRAME_LABEL_TOKENS = 8  # '<Picture 1>: ', <|vision_start|>, <|vision_end|> (about; the plan's count only)
 
 
 def clip_rule(vae: dict) -> ClipRule:
@@ -70,11 +72,14 @@ def text_tokens(spec) -> int:
 
 def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[int, int]:
     """One clip's activations from the generic transformer formula (no measured constants yet): the packed
-    sequence's rows (caption, sound, video) through num_layers SwiGLU blocks of hidden_size, ffn_dim inner."""
+    sequence's rows (caption, sound, video; fl2va: the keyframe's latent frame and its vision block too) through
+    num_layers SwiGLU blocks of hidden_size, ffn_dim inner."""
     config, vae = folder.config("transformer"), folder.config("vae")
     factor = spatial_factor(vae) * 2  # the 1x2x2 patch
-    video = clip_rule(vae).latent_frames(frames) * (width // factor) * (height // factor)
-    rows = text_tokens(spec) + audio_rows(frames) + video
+    frame_rows = (width // factor) * (height // factor)
+    rows = text_tokens(spec) + audio_rows(frames) + clip_rule(vae).latent_frames(frames) * frame_rows
+    if spec.model.image_to_video:
+        rows += frame_rows + (width // VISION_PIXELS) * (height // VISION_PIXELS) + KEYFRAME_LABEL_TOKENS
     hidden, layers = config.get("hidden_size", 5376), config.get("num_layers", 50)
     full, checkpointed = transformer_stack(rows, hidden, config.get("ffn_dim", 4 * hidden), True, layers)
     return int(full), int(checkpointed)  # the plan's units already (bytes at 2 bytes per element)

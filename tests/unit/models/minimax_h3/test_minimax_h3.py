@@ -354,6 +354,27 @@ def test_fl2va_samples_render_from_the_prompts_first_frame_through_the_modular_w
     assert rows and set(rows) == {1 + latent_frames}  # one keyframe row (a 1x2x2-patched 2x2 latent) first
 
 
+def test_the_memory_plan_counts_fl2vas_keyframe_rows_and_vision_block():
+    """A 512 px clip of the released configuration: fl2va's sequence holds one more latent frame of rows (16 x 16)
+    and the keyframe's vision block ((512 / 32)^2 tokens) and its label: the plan's activations grow by as many."""
+    from dstune.families.denoiser_facts import pipeline_folder
+    from dstune.spec.models import Spec
+
+    spec = Spec.model_validate(
+        {
+            "model": {"family": "video", "pretrained": "MiniMaxAI/MiniMax-H3", "train": "lora"},
+            "data": {"path": "builtin:moving-shapes-av", "resolution": 512, "video": {"frames": 124}},
+            "train": {"micro_batch_size": 1, "max_steps": 1},
+        }
+    )
+    folder = pipeline_folder("MiniMaxAI/MiniMax-H3")
+    t2va = h3.sample_bytes(spec, folder, 124, 512, 512)[0]
+    fl2va_spec = spec.model_copy(update={"model": spec.model.model_copy(update={"image_to_video": True})})
+    fl2va = h3.sample_bytes(fl2va_spec, folder, 124, 512, 512)[0]
+    rows = 512 + h3.audio_rows(124) + 37 * 256  # caption, sound, 37 latent frames of 16 x 16 rows
+    assert fl2va / t2va == pytest.approx((rows + 256 + 256 + h3.KEYFRAME_LABEL_TOKENS) / rows, rel=0.02)
+
+
 def test_validate_takes_fl2va_without_the_text_cache_and_refuses_what_cannot_work(capsys, tmp_path):
     first = tmp_path / "first.png"
     from PIL import Image
