@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 from dstune import registry
 from dstune.card import ClipRule
@@ -69,6 +69,9 @@ def expert_summary(index: dict, expert: str, timestep_range) -> dict:
 @dataclass(frozen=True, kw_only=True)
 class VideoCard(PipelineCard):
     """A video model's card (see the module docstring): its own facts are the methods below that raise."""
+
+    # a guidance-distilled model whose class fits model.cfg_augmented_target (its loss rearranges the guidance)
+    fits_guided_target: ClassVar[bool] = False
 
     # ------------------------------------------------------------------------------- the model's own facts
 
@@ -153,6 +156,14 @@ class VideoCard(PipelineCard):
 
     def settings_issues(self, model_spec) -> SpecIssues:
         issues = super().settings_issues(model_spec)
+        if getattr(model_spec, "cfg_augmented_target", None) is not None and not self.fits_guided_target:
+            issues.append(
+                (
+                    "model.cfg_augmented_target",
+                    f"{self.name} is not a guidance-distilled model dstune fits a guidance-augmented target for "
+                    "(docs/family-*.md say which are): remove it",
+                )
+            )
         if model_spec.timestep_sampling == "shifted_logit_normal" and not self.draws_sigma:
             issues.append(
                 (

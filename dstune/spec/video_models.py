@@ -109,6 +109,16 @@ class VideoModelSpec(DenoiserModelBase):
         "folder and false on an image-to-video one are refused. Samples then render from sample.control_images "
         "(one first frame per prompt).",
     )
+    cfg_augmented_target: Optional[float] = Field(
+        None,
+        gt=1,
+        description="Guidance-distilled models (their docs page says which take it): keep the guidance the model "
+        "has built in while it is fine-tuned (plain fine-tuning drifts a guidance-distilled model back towards its "
+        "undistilled behaviour). Each clip also runs, without gradient, on the empty caption, and the rearranged "
+        "guidance (v_cond + (s - 1) v_uncond) / s, the prediction the model's built-in guidance of scale s was "
+        "distilled from, is what fits the target: the model's own output keeps the guidance. s: that scale (4 in "
+        "diffusion-pipe's example). One more forward a clip per step, no more backward. Omitted: the plain target.",
+    )
     vae_tiling: bool = Field(
         False,
         description="Encode and decode through the VAE's own tiles (diffusers' enable_tiling: spatial tiles, "
