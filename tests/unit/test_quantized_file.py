@@ -88,11 +88,13 @@ def _plan(tmp_path, folder, transformer_file, precision="bf16"):
     from dstune.families import get_facts
     from dstune.families.quantized_file import quantized_file_setup
     from dstune.memory.plan import Setup
+    from dstune.validate import plan_memory
 
     resolved = _validate(tmp_path, folder, transformer_file, precision=precision)
     counts = get_facts("flow").count(resolved.spec, resolved.plan.num_samples, None)
     setup = Setup.of(resolved.spec, resolved.plan, resolved.ds_config, None, "cpu")
-    return counts, setup, quantized_file_setup(transformer_file, setup)
+    memory = plan_memory(resolved.spec, resolved.plan, resolved.ds_config, accelerator="cpu")
+    return counts, setup, quantized_file_setup(transformer_file, setup), memory
 
 
 def test_the_memory_plan_counts_the_files_stored_bytes_and_one_dequantized_layer(tmp_path, folder, files):
@@ -106,12 +108,14 @@ def test_the_memory_plan_counts_the_files_stored_bytes_and_one_dequantized_layer
     with safe_open(str(paths["fp8"]), framework="pt") as file:
         tensors = {key: file.get_tensor(key) for key in file.keys()}
     stored = sum(t.numel() * t.element_size() for key, t in tensors.items() if not key.endswith("scaled_fp8"))
-    counts, plain, quantized = _plan(tmp_path, folder, str(paths["fp8"]))
+    counts, plain, quantized, memory = _plan(tmp_path, folder, str(paths["fp8"]))
     assert frozen_base_bytes(counts, quantized) == pytest.approx(stored, rel=1e-12)
+    assert memory["transformer_file"]["stored_bytes"] == stored  # what validate --json says
     assert frozen_base_bytes(counts, plain) == 2 * sum(p.numel() for p in bf16_base.parameters())
     largest = max(bf16_base.get_parameter(name).numel() for name in linear_weights(bf16_base))
     assert read_quantized_file(paths["fp8"]).largest_layer_params == largest
     assert estimate(counts, quantized).buffers - estimate(counts, plain).buffers == 2 * largest
+    assert memory["transformer_file"]["dequantized_layer_bytes"] == 2 * largest
 
 
 def _validate(tmp_path, folder, transformer_file, zero_stage=2, precision="fp32", train="lora"):
