@@ -3,7 +3,8 @@ checkpointing (fp32, the same seed and data): model.activation_offload cpu gives
 bitwise, train.compile blocks (inductor, on the CPU) within 1e-5, and each resumes from its step-2 checkpoint
 exactly; deepspeed.bf16_optimizer_states (bf16, optimizer offload) trains; model.text_encoder_offload builds the text cache
 entry for entry as the run without it (and trains the same, bitwise); model.transformer_file (a scaled fp8 file written
-from tiny-flux's weights) trains with losses within FP8_TOLERANCE of the plain run's. Each lever's memory plan holds what its
+from tiny-flux's weights) trains with losses within FP8_TOLERANCE of the plain run's and resumes exactly (its frozen
+base read from the file again). Each lever's memory plan holds what its
 run measured (predicted >= 0.9 x measured in every phase, as the phase tests hold it). Four 2-rank launches of
 tests/dist/scripts/train_runs.py (LAUNCHES), the resumes after the runs whose checkpoints they continue."""
 
@@ -35,11 +36,11 @@ LEVERS = {
     "text-cached": {"data": {"cache": {"text_embeddings": True}}},
     "fp8-file": {"model": {"transformer_file": "written by the fixture"}},
 }
-RESUMED = ["activation-offload", "compiled"]
+RESUMED = ["activation-offload", "compiled", "fp8-file"]
 # Three launches, each lever's run first in its own: a launch's first run is measured from a fresh process (a later
 # run reuses the heap the earlier ones freed, and measures less); the plain run and the resumes follow.
 LAUNCHES = [["activation-offload", "plain", "activation-offload-resumed"], ["compiled", "compiled-resumed"],
-            ["bf16-states", "fp8-file"], ["text-offload", "text-cached"]]
+            ["bf16-states", "fp8-file", "fp8-file-resumed"], ["text-offload", "text-cached"]]
 MEASURED_FRESH = ["activation-offload", "compiled", "bf16-states", "text-offload"]
 COMPILED_TOLERANCE = 1e-5  # inductor's fused kernels round fp32 differently from eager's, step by step
 FP8_TOLERANCE = 0.01  # relative, per step: the fp8 base's LoRA loss against the fp32 base's (unit test: 0.19 %)
