@@ -112,6 +112,8 @@ def read_header(path: Path) -> tuple[dict[str, Tensor], dict]:
             header = json.loads(file.read(length))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise QuantizedFileError(f"{path}: cannot read a safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise QuantizedFileError(f"{path}: its safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     tensors = {}
     for name, entry in header.items():
@@ -147,7 +149,9 @@ def _comfy_formats(path: Path, tensors: dict[str, Tensor], metadata: dict, prefi
                 try:
                     conf = json.loads(file.read(tensor.nbytes).decode("utf-8"))
                 except (UnicodeDecodeError, json.JSONDecodeError):
-                    raise QuantizedFileError(f"{path}: {key} does not hold JSON (a ComfyUI layer format)") from None
+                    conf = None
+                if not isinstance(conf, dict):
+                    raise QuantizedFileError(f"{path}: {key} does not hold a JSON object (a ComfyUI layer format)")
                 formats[key.removeprefix(prefix).removesuffix(".comfy_quant")] = conf.get("format", "")
     return formats
 
