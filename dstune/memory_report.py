@@ -51,7 +51,7 @@ def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         ("  parameters", gb(gpu["parameters_bytes"])),
         ("  gradients", gb(gpu["gradients_bytes"])),
         ("  optimizer states", gb(gpu["optimizer_bytes"])),
-        ("  frozen weights", gb(gpu["frozen_bytes"])),
+        ("  frozen weights", gb(gpu["frozen_bytes"]) + _quantized_file_text(memory)),
         (
             "  activations",
             f"{gb(gpu['activations_bytes'])} (estimate; gradient checkpointing {checkpointing}"
@@ -154,6 +154,16 @@ def _offload_text(spec, gpu: dict) -> str:
         return ""
     held = gpu.get("offloaded_activations_bytes")
     return f"; block inputs offloaded: {gb(held)} per rank in host memory" if held else "; block inputs offloaded"
+
+
+def _quantized_file_text(memory: dict) -> str:
+    quantized = memory.get("transformer_file")
+    if not quantized:
+        return ""
+    return (
+        f" (the transformer as model.transformer_file stores it: {gb(quantized['stored_bytes'])}; its largest layer "
+        f"dequantized, one at a time: {gb(quantized['dequantized_layer_bytes'])}, in the buffers)"
+    )
 
 
 def _working_rows(gpu: dict) -> list[tuple[str, str]]:

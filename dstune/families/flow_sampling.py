@@ -12,6 +12,7 @@ import torch
 from dstune.families.base import FamilyError
 from dstune.families.diffusion import inputs_cast_to
 from dstune.families.flow_distilled import with_trained_lora
+from dstune.families.precision import compute_dtype
 from dstune.families.randomness import sample_generator
 from dstune.hf import quiet_hf_libraries
 
@@ -35,7 +36,7 @@ def render(model, transformer_module: torch.nn.Module, prompts: list[str], sampl
     try:
         with (
             model.experts_loaded(),
-            inputs_cast_to(transformer_module, next(transformer_module.parameters()).dtype),
+            inputs_cast_to(transformer_module, compute_dtype(transformer_module)),
             quiet_hf_libraries(),
             _sampling_folder(model),
         ):

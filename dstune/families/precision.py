@@ -20,3 +20,9 @@ def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
 def at_least_float32_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or float64 when `dtype` is float64 (the frozen codecs' dtype for a run whose frozen parts are `dtype`)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def compute_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype a module computes in: its first floating parameter's (a frozen base read from a quantized file
+    holds its stored bytes in integer parameters, which may come first)."""
+    return next(p.dtype for p in module.parameters() if p.is_floating_point())

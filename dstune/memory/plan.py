@@ -148,6 +148,7 @@ class Setup:
     prefetch_bucket: int
     overlap_comm: bool
     base_bytes_per_param: Optional[float] = None  # frozen base of a LoRA module; None: the compute precision's
+    dequantized_layer_params: int = 0  # model.transformer_file: its largest layer, dequantized for its product
     accelerator: str = "cuda"
     samples: bool = False  # sample.prompts renders during training
     ema_device: Optional[str] = None  # train.ema.device (same | cpu); None: no EMA
@@ -546,7 +547,8 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
     frozen, acts = frozen_on_gpu(counts, setup), activations(counts, setup)
     # the activations are freed by the backward pass, before the optimizer step's temporaries exist
     temporaries = max(optimizer_step_temporaries(counts, setup) - acts, 0.0)
-    buffers = deepspeed_buffers(counts, setup) + setup.all_to_all_bytes
+    dequantized = setup.weight_bytes * setup.dequantized_layer_params  # a quantized file's one layer in use
+    buffers = deepspeed_buffers(counts, setup) + setup.all_to_all_bytes + dequantized
     swap = ema_swap_bytes(counts, setup)
     base_on_gpu = frozen_on_gpu(replace(counts, companions={}), setup)
     companions_all, text_layer = text_encoder_terms(counts, setup, text_part)

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Optional
 
 from dstune.memory.phases import host_warning
-from dstune.memory.plan import ModelCounts, Setup, estimate, parse_size, reduce_bucket_elements
+from dstune.memory.plan import ModelCounts, Setup, estimate, frozen_base_bytes, parse_size, reduce_bucket_elements
 from dstune.memory.working import MAX_CHUNK_ENTRIES
 from dstune.card import COMMON_GPUS, gpu_words
 
@@ -107,6 +107,16 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
                 }
             }
             if setup.sequence_parallel > 1
+            else {}
+        ),
+        **(
+            {  # model.transformer_file: the frozen base as the file stores it, one layer of it dequantized
+                "transformer_file": {
+                    "stored_bytes": round(frozen_base_bytes(counts, setup)),
+                    "dequantized_layer_bytes": int(setup.weight_bytes * setup.dequantized_layer_params),
+                }
+            }
+            if setup.dequantized_layer_params
             else {}
         ),
         "parameters": {

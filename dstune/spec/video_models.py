@@ -10,8 +10,10 @@ from pydantic import Field, field_validator, model_validator
 from dstune.spec.model_sections import (
     VAE_LATENTS_DESCRIPTION,
     DenoiserModelBase,
+    checked_transformer_file,
     first_builtin,
     text_encoder_offload_field,
+    transformer_file_field,
 )
 from dstune.spec.section import VIDEO_FAMILY, VIDEO_FAMILY_ALIAS
 
@@ -51,6 +53,14 @@ class VideoModelSpec(DenoiserModelBase):
         "checkpointing): activations grow with frames x height x width tokens, so real clips need it.",
     )
     text_encoder_offload: Literal["none", "cpu"] = text_encoder_offload_field()
+    transformer_file: Optional[str] = transformer_file_field()
+    FILE_FIELDS: ClassVar[tuple[str, ...]] = ("transformer_file",)
+
+    @field_validator("transformer_file")
+    @classmethod
+    def _transformer_file_fits(cls, value, info):
+        return checked_transformer_file(value, info.data)
+
     timestep_sampling: Literal["logit_normal", "uniform", "mode", "shifted_logit_normal"] = Field(
         "uniform",
         description="How u in [0, 1] is drawn (diffusers' compute_density_for_timestep_sampling); u indexes the "

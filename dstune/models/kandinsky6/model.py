@@ -32,7 +32,7 @@ from dstune.families.base import FamilyError
 from dstune.families.diffusion import load_component
 from dstune.families.flow_model import FlowModel, noisy_at
 from dstune.families.loss_terms import batch_loss
-from dstune.families.precision import at_least_float32
+from dstune.families.precision import at_least_float32, compute_dtype
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.samples import ClipWithSound, first_frames
 from dstune.hf import quiet_hf_libraries
@@ -182,7 +182,7 @@ class Kandinsky6(FlowModel):
         sound_noise = per_sample_randn(sound.shape[1:], seed, step, indices, "audio_noise").to(sound.device)
         sound_sigma = self.shifted_draw(seed, step, indices, "audio_timestep").to(sound.device)
         _, noisy_sound = noisy_at(sound, sound_noise, sound_sigma)
-        dtype = next(self.trainable.parameters()).dtype
+        dtype = compute_dtype(self.trainable)
         conditions = self.conditions(encoded, dtype)
         video, predicted = self.forward_streams(
             forward, noisy, timesteps, conditions, dtype, noisy_sound, sound_sigma * 1000

@@ -34,7 +34,7 @@ import torch
 from dstune.families.diffusion import load_component
 from dstune.families.flow_model import FlowModel, noisy_at
 from dstune.families.loss_terms import batch_loss
-from dstune.families.precision import at_least_float32
+from dstune.families.precision import at_least_float32, compute_dtype
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.samples import ClipWithSound
 from dstune.hf import quiet_hf_libraries
@@ -209,7 +209,7 @@ class Ltx2(FlowModel):
         noise = per_sample_randn(latents.shape[1:], seed, step, indices, "noise").to(latents.device)
         timesteps, sigma = self.draw_sigmas(latents, seed, step, indices)
         sigmas, noisy = noisy_at(latents, noise, sigma)
-        dtype = next(self.trainable.parameters()).dtype
+        dtype = compute_dtype(self.trainable)
         conditions = self.conditions(encoded, dtype)
         heard, mask = encoded.get("has_sound"), encoded.get("loss_mask")  # the mask weights the video, not the sound
         if heard is None or not heard.any():  # no clip with sound: the video alone, one call

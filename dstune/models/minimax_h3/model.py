@@ -44,7 +44,7 @@ from dstune.families.flow_matching import timestep_density
 from dstune.families.flow_model import FlowModel, noisy_at
 from dstune.families.loss_terms import batch_loss
 from dstune.families.modular import modular_pipeline
-from dstune.families.precision import at_least_float32
+from dstune.families.precision import at_least_float32, compute_dtype
 from dstune.families.randomness import per_sample_randn
 from dstune.families.samples import ClipWithSound, first_frames
 from dstune.hf import quiet_hf_libraries
@@ -370,7 +370,7 @@ class MiniMaxH3(FlowModel):
         noise = per_sample_randn(latents.shape[1:], seed, step, indices, "noise").to(latents.device)
         sigma, audio_sigma = self.draw_pair(seed, step, indices)
         sigmas, noisy = noisy_at(latents, noise, sigma.to(latents.device))  # sigmas shaped to the latents
-        dtype = next(self.trainable.parameters()).dtype
+        dtype = compute_dtype(self.trainable)
         frames = self.frames_of(latents.shape[2])
         predictions, sound_errors = [], []
         for number, index in enumerate(indices):
