@@ -39,7 +39,10 @@ WIDTH_FEATURES = ("T", "C", "1")
 QUADRATIC_FEATURES = ("TT", "CC", "TC")
 FFN_FEATURES = ("fT", "fC", "f")
 MASK_FEATURES = ("LL",)  # (T + C)^2 bytes of a joint attention mask (per element, not per width unit)
-WIDTH_FREE = ("f", "L", "V")  # the first letters of features not divided by the width
+# per token and per context token, width-free: what a LoRA step keeps of tensors as wide as a head, not as the
+# model (rotary tables), fitted where a case's LoRA table is measured at two widths (Case.lora_widths)
+WIDTH_FREE_TOKENS = ("t", "c")
+WIDTH_FREE = ("f", "L", "V", *WIDTH_FREE_TOKENS)  # the first letters of features not divided by the width
 
 
 def _enable_checkpointing(model) -> None:
@@ -160,6 +163,8 @@ def _features(case, records, with_ffn: bool, with_mask: bool = False) -> list[st
     names += list(MASK_FEATURES) if with_mask and case.joint_mask else []
     if len({r["context"] for r in records}) == 1:  # a fixed context (a UNet's 77 CLIP tokens, an LM's none)
         names = [n for n in names if "C" not in n]
+    if len({r["width"] for r in records}) > 1:  # measured at two widths: what does not grow with it, apart
+        names += [n for n in WIDTH_FREE_TOKENS if n.upper() in names]
     if with_ffn:
         names += [n for n in FFN_FEATURES if not ("C" in n and "C" not in names)]
     return names
@@ -176,6 +181,8 @@ def _value(name: str, record: dict) -> float:
     return {
         "T": t,
         "C": c,
+        "t": t,
+        "c": c,
         "1": 1,
         "TT": t * t,
         "CC": c * c,
@@ -191,13 +198,16 @@ def _value(name: str, record: dict) -> float:
 
 
 def fit(records: list, features: list, target) -> dict:
-    """Least squares of target(record) on the features; width features per width unit (the measured width)."""
-    matrix = torch.tensor([[_value(n, r) for n in features] for r in records], dtype=torch.float64)
+    """Least squares of target(record) on the features; width features per width unit (each record's width)."""
+
+    def per_unit(name: str, record: dict) -> float:
+        return 1 if name.startswith(WIDTH_FREE) else record["width"]
+
+    matrix = torch.tensor([[_value(n, r) * per_unit(n, r) for n in features] for r in records], dtype=torch.float64)
     values = torch.tensor([[float(target(r))] for r in records], dtype=torch.float64)
     scale = matrix.abs().amax(dim=0).clamp(min=1.0)  # columns of one magnitude (a (T + C)^2 beside a constant)
     solution = (torch.linalg.lstsq(matrix / scale, values, driver="gelsd").solution[:, 0] / scale).tolist()
-    width = records[0]["width"]
-    return {n: round(v / (1 if n.startswith(WIDTH_FREE) else width), 6) for n, v in zip(features, solution)}
+    return {n: round(v, 6) for n, v in zip(features, solution)}
 
 
 def constants_for(case, dtype: torch.dtype) -> tuple[dict, list]:
@@ -228,9 +238,10 @@ def constants_for(case, dtype: torch.dtype) -> tuple[dict, list]:
 def lora_constants(case) -> Optional[dict]:
     """Under LoRA: the saved activations' buckets (outside, per block, with checkpointing the inputs and the
     recomputed module) fitted as the full fine-tuning ones, with the model frozen and adapted (add_lora) on the
-    case's targets (the family's defaults: the diffusers attention's, a causal LM's attention projections), in bf16
-    and, for a case the unit test checks in fp32 (the UNets), in fp32 too; None for a model without those targets
-    (its LoRA runs are planned with the full figures)."""
+    case's targets (the family's defaults: the diffusers attention's, a causal LM's attention projections; or the
+    model's own), at the case's LoRA widths (Case.lora_widths), in bf16 and, for a case the unit test checks in fp32
+    (the UNets), in fp32 too; None for a model without those targets (its LoRA runs are planned with the full
+    figures)."""
     model = case.build(case.heads, 1)[0]
     names = [name for name, _ in model.named_modules()]
     if not any(name.endswith("." + target) for name in names for target in case.lora_targets):
@@ -240,7 +251,11 @@ def lora_constants(case) -> Optional[dict]:
 
 
 def _lora_table(case, dtype: torch.dtype) -> dict:
-    records = [measure(case, dtype, t, c, lora=True) for t, c in case.sizes]
+    records = [
+        measure(case, dtype, t, c, heads=times * case.heads, lora=True)
+        for times in case.lora_widths
+        for t, c in case.sizes
+    ]
     if case.ffn:
         records += [measure(case, dtype, t, c, ffn_mult=2, lora=True) for t, c in case.sizes]
     plain, with_ffn = _features(case, records, False), _features(case, records, case.ffn, with_mask=True)

@@ -67,7 +67,7 @@ def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         ("  parameters", gb(gpu["parameters_bytes"])),
         ("  gradients", gb(gpu["gradients_bytes"])),
         ("  optimizer states", gb(gpu["optimizer_bytes"])),
-        ("  frozen weights", gb(gpu["frozen_bytes"])),
+        ("  frozen weights", gb(gpu["frozen_bytes"]) + _quantized_file_text(memory)),
         (
             "  activations",
             f"{gb(gpu['activations_bytes'])} (estimate; gradient checkpointing {checkpointing}"
@@ -93,15 +93,28 @@ def memory_rows(memory: dict, spec) -> list[tuple[str, str]]:
         rows.append(("NVMe per node", gb(memory["nvme_per_node_bytes"])))
     if memory.get("cache_disk_bytes"):
         rows.append(("cache on disk", gb(memory["cache_disk_bytes"])))
-    if memory["fits"] is None:  # no --gpu-memory: the peak against the cards people train on
-        rows.append(
-            (
-                "common GPUs",
-                f"{common_gpus_text(memory['peak_per_gpu_bytes'])} (peak {gb(memory['peak_per_gpu_bytes'])} per "
-                "GPU; check one card, with what would make it fit: --gpu-memory SIZE)",
-            )
-        )
+    if memory["fits"] is None:  # no --gpu-memory: the spec planned for each card people train on
+        rows.append(("common GPUs", _common_gpus_row(memory)))
     return rows + _verdict_rows(memory)
+
+
+def _common_gpus_row(memory: dict) -> str:
+    """The common cards' verdict, and where the smallest card that fits plans a smaller cache pass than the figures
+    above (the most entries a pass), its own peak."""
+    verdicts = memory["common_gpus"]
+
+    def entries(n: int) -> str:
+        return f"{n} {'entry' if n == 1 else 'entries'} a cache pass"
+
+    most = memory["cache_encoding"]["entries_per_pass"]
+    said = f"{common_gpus_text(verdicts)} (peak {gb(memory['peak_per_gpu_bytes'])} per GPU"
+    smallest = next((row for row in verdicts if row["fits"]), None)
+    if smallest and smallest["entries_per_pass"] != most:
+        said += (
+            f" with {entries(most)}; on {smallest['gpu'].removesuffix('GB')} GB "
+            f"{gb(smallest['peak_per_gpu_bytes'])} with {entries(smallest['entries_per_pass'])}"
+        )
+    return said + "; check one card, with what would make it fit: --gpu-memory SIZE)"
 
 
 def _frozen_parts_text(counts: dict, text_offloaded: bool) -> str:
@@ -157,6 +170,16 @@ def _offload_text(spec, gpu: dict) -> str:
         return ""
     held = gpu.get("offloaded_activations_bytes")
     return f"; block inputs offloaded: {gb(held)} per rank in host memory" if held else "; block inputs offloaded"
+
+
+def _quantized_file_text(memory: dict) -> str:
+    quantized = memory.get("transformer_file")
+    if not quantized:
+        return ""
+    return (
+        f" (the transformer as model.transformer_file stores it: {gb(quantized['stored_bytes'])}; its largest layer "
+        f"dequantized, one at a time: {gb(quantized['dequantized_layer_bytes'])}, in the buffers)"
+    )
 
 
 def _working_rows(gpu: dict) -> list[tuple[str, str]]:

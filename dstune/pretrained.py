@@ -225,4 +225,5 @@ def partitioned_build_config(model_spec, ds_config: Optional[dict]) -> Optional[
     stage = (ds_config or {}).get("zero_optimization", {}).get("stage", 0)
     if stage != 3 or not all(card.builds_partitioned for card in family_cards(model_spec.family)):
         return None
-    return None if getattr(model_spec, "base_precision", None) else ds_config
+    quantized = getattr(model_spec, "base_precision", None) or getattr(model_spec, "transformer_file", None)
+    return None if quantized else ds_config

@@ -121,15 +121,25 @@ def bucket_tokens(
     if factors is None:
         return {}
     spatial, patch, temporal, _ = factors
+    card = get_facts(spec.model.family).card(spec)
+    split = getattr(card, "split_tokens", None) or (lambda spec, frames, tokens: (tokens, ""))
+
+    def tokens_of(label: str, frames: int, video: int) -> tuple[str, int]:
+        tokens, what = split(spec, frames, video)
+        return (f"{label}: {what}" if what else label), tokens
+
     if clips:
-        tokens = {label: bucket["tokens"] for label, bucket in clips["buckets"].items()}
+        tokens = dict(
+            tokens_of(label, bucket["frames"], bucket["tokens"]) for label, bucket in clips["buckets"].items()
+        )
     else:
         key = (spec.data.video.max_frames, spec.data.resolution, spec.data.resolution)
-        tokens = {key_label(key): latent_tokens(key, spatial, patch, temporal)}
+        tokens = dict([tokens_of(key_label(key), key[0], latent_tokens(key, spatial, patch, temporal))])
     frames = getattr(spec.model, "sample_frames", None)
     if spec.sample.prompts and frames:  # samples render split too, at data.resolution square
         key = (frames, spec.data.resolution, spec.data.resolution)
-        tokens[f"samples ({key_label(key)})"] = latent_tokens(key, spatial, patch, temporal)
+        label, count = tokens_of(f"samples ({key_label(key)})", frames, latent_tokens(key, spatial, patch, temporal))
+        tokens[label] = count
     return tokens
 
 

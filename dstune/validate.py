@@ -36,6 +36,7 @@ from dstune.ds_json.fill_spec import apply_ds_file, ds_value_sources
 from dstune.memory.plan import Setup
 from dstune.memory.verdict import memory_json
 from dstune.families import get_facts
+from dstune.families.quantized_file import quantized_file_setup, transformer_file_problems
 from dstune.families.speakers import SpeakersRefused, Voices
 from dstune.memory.counts import SizesUnknown
 from dstune.model_defaults import bucket_step_problem, with_model_defaults
@@ -214,9 +215,17 @@ def _once(errors: list[SpecIssue]) -> list[SpecIssue]:
 
 def quantized_base_issues(spec: Spec, source: SpecSource, ds_config: Optional[dict]) -> list[SpecIssue]:
     """model.base_precision under ZeRO-3 (the spec's stage, or the one a deepspeed.config JSON sets): int8 runs
-    (dstune's own int8 layer, dstune.families.int8_partitioned) except with DoRA; nf4 is refused."""
+    (dstune's own int8 layer, dstune.families.int8_partitioned) except with DoRA or NVMe parameter offload; nf4 is
+    refused. model.transformer_file: refused under ZeRO-3, its header read (layout, scales, keys against the
+    folder's)."""
     precision = getattr(spec.model, "base_precision", None)
     stage = (ds_config or {}).get("zero_optimization", {}).get("stage", spec.deepspeed.zero_stage)
+    reference = getattr(spec.model, "transformer_file", None)
+    if reference:
+        pretrained = locate(spec.model.pretrained)
+        folder = pretrained.path if pretrained.kind in ("folder", "hub") else None
+        problems = transformer_file_problems(reference, folder, stage)
+        return [source.issue("model.transformer_file", problem) for problem in problems]
     if precision is None or stage != 3:
         return []
     if precision == "int8":
@@ -578,4 +587,5 @@ def plan_memory(
         }
     # model.base_precision (the quantized frozen base) sets the frozen base's bytes per parameter where it exists
     setup = Setup.of(spec, plan, ds_config, getattr(spec.model, "base_precision", None), accelerator)
+    setup = quantized_file_setup(getattr(spec.model, "transformer_file", None), setup)  # its bytes, as stored
     return memory_json(counts, with_all_to_all(setup, spec, clips), gpu_memory_bytes)

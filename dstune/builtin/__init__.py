@@ -140,8 +140,12 @@ def pinned_child_env() -> dict[str, str]:
 def _build_in_pinned_process(name: str, work: Path, needs: dict[str, Path]) -> dict:
     """Build `name` into `work` in this process's pinned builder child (dstune.builtin.build --serve); its facts for
     the marker. BuiltinError with the child's last output when it fails."""
+    request = {"name": name, "folder": str(work), "needs": {k: str(v) for k, v in needs.items()}}
     builder = _Builder.get()
-    answer = builder.ask({"name": name, "folder": str(work), "needs": {k: str(v) for k, v in needs.items()}})
+    answer = builder.ask(request)
+    if answer is None and builder.process.wait() == 0:  # it had just ended, idle: a fresh one takes the request
+        builder = _Builder.get()
+        answer = builder.ask(request)
     if answer is None or "built" not in answer:
         said = answer["error"] if answer else builder.last_output()
         if answer is None:
@@ -156,7 +160,8 @@ def _build_in_pinned_process(name: str, work: Path, needs: dict[str, Path]) -> d
 class _Builder:
     """The child process (python -m dstune.builtin.build --serve, under PINNED_ISA_ENV) that builds this process's
     built-ins, one request at a time, started on the first build and kept: a child's imports cost more than most
-    tiny builds. It ends when this process closes its stdin (at exit, or with the process however it ends)."""
+    tiny builds. It ends when this process closes its stdin (at exit, or with the process however it ends), or by
+    itself when idle (dstune.builtin.build.IDLE_S)."""
 
     _running: Optional["_Builder"] = None
     _lock = threading.Lock()

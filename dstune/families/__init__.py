@@ -95,4 +95,4 @@ def clip_token_factors(spec):
     for a model that does not train on clips."""
     if get_facts(spec.model.family).modality != "video":
         return None
-    return video_card.token_factors(family_cards(spec.model.family), spec.model.pretrained)
+    return video_card.token_factors(family_cards(spec.model.family), spec.model.pretrained, spec)

@@ -54,20 +54,19 @@ def no_plan_refusal(transformer_class: str) -> str:
     )
 
 
-def trains_default_adapters(model_spec) -> bool:
-    """Plain LoRA adapters on (some of) the default targets over an unquantized base: the run whose activations
-    the LoRA measurements are (dstune.memory.activations.adapters); any other adapter, target or base keeps the
-    full fine-tuning figure, an upper bound."""
+def lora_run_targets(model_spec) -> Optional[frozenset]:
+    """The adapter targets of plain LoRA over an unquantized base: the runs the LoRA measurements are
+    (dstune.memory.activations.adapters, which reads a model's LoRA table only where it was measured with these
+    targets or more); None for any other adapter, base or full fine-tuning, which keep the full figure, an upper
+    bound."""
     lora = getattr(model_spec, "lora_settings", None) if getattr(model_spec, "train", "full") == "lora" else None
-    if lora is None:
-        return False
-    # the family's default targets: its LoRA section's own (a causal LM's attention projections for speech)
-    defaults = type(lora).model_fields["target_modules"].get_default(call_default_factory=True)
-    return (
-        getattr(lora, "type", "lora") == "lora"
-        and getattr(model_spec, "base_precision", None) is None
-        and set(lora.target_modules) <= set(defaults)
-    )
+    if (
+        lora is None
+        or getattr(lora, "type", "lora") != "lora"
+        or getattr(model_spec, "base_precision", None) is not None
+    ):
+        return None
+    return frozenset(lora.target_modules)
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,7 @@ class FamilyFacts:
         card = self.card(spec)
         if card is None:
             self._unknown(spec, raising=True)
-        with adapters(trains_default_adapters(spec.model)):
+        with adapters(lora_run_targets(spec.model)):
             return card.count(spec, num_samples, clips)
 
     def spec_issues(self, spec) -> SpecIssues:

@@ -43,11 +43,12 @@ from dstune.families.flow_distilled import attach_sampling_denoiser, fuse_traini
 from dstune.families.flow_matching import flow_loss_per_sample, loss_weights, timestep_density
 from dstune.families.flow_sampling import render
 from dstune.families.loss_terms import base_prediction, batch_loss, loss_terms, preserved_error, preserves
-from dstune.families.precision import compute_dtype
 from dstune.families.folders import is_modular, read_model_index
 from dstune.families.modular import modular_pipeline
 from dstune.families.lean_text import make_lean
 from dstune.families.pipeline_card import PipelineCard
+from dstune.families.precision import compute_dtype
+from dstune.families.quantized_base import load_quantized_transformer
 from dstune.families.randomness import per_sample_randn
 from dstune.families.samples import save_clip_grid, save_grid
 from dstune.families.text_offload import place_text_encoder
@@ -196,14 +197,20 @@ class FlowModel(TrainedModel):
             import diffusers
 
         model_class = getattr(diffusers, self.card.transformer_class)
-        transformer = load_trainable(self.folder, self.trained_component(), model_class, zero3_config)
+        quantized = getattr(self.model_spec, "transformer_file", None)  # LoRA only: a frozen base read quantized
+        component = self.folder / self.trained_component()
+        transformer = (
+            load_quantized_transformer(model_class, model_class.load_config(component), quantized)
+            if quantized
+            else load_trainable(self.folder, self.trained_component(), model_class, zero3_config)
+        )
         if getattr(self.model_spec, "training_adapter", None):  # fused into the frozen base, before the run's adapters
             fuse_training_adapter(transformer, self.model_spec.training_adapter)
         if self.model_spec.gradient_checkpointing:
             transformer.enable_gradient_checkpointing(
                 gradient_checkpointing_func=block_checkpoint(self.model_spec.activation_offload)
             )
-        return transformer.train().requires_grad_(True)
+        return transformer.train().requires_grad_(not quantized)  # stored bytes (int8) cannot require grad
 
     def load_vae(self) -> torch.nn.Module:
         with quiet_hf_libraries():

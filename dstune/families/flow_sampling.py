@@ -11,8 +11,8 @@ import torch
 
 from dstune.families.base import FamilyError
 from dstune.families.diffusion import inputs_cast_to
-from dstune.families.precision import compute_dtype
 from dstune.families.flow_distilled import with_trained_lora
+from dstune.families.precision import compute_dtype
 from dstune.families.randomness import sample_generator
 from dstune.hf import quiet_hf_libraries
 

@@ -40,7 +40,7 @@ import torch
 from dstune.families.base import FamilyError, TrainedModel
 from dstune.families.randomness import sample_generator
 from dstune.families.int8_partitioned import quantize_linear_weights_int8
-from dstune.families.quantized_base import quantize_linear_weights, stored_weight_bytes
+from dstune.families.quantized_base import quantize_linear_weights, scaled_layers, stored_weight_bytes
 from dstune.fsutil import folder_written_atomically
 from dstune.hf import quiet_hf_libraries
 from dstune.spec.models import lora_file_scheme
@@ -182,7 +182,12 @@ def quantized_base(denoiser: torch.nn.Module, precision, device=None, partitione
     they stay full precision); returns the summary's suffix ("" for an unquantized base). Under ZeRO-3
     (`partitioned_dtype`) int8 is dstune's own Int8Linear, whose weight and scales ZeRO-3 partitions."""
     if precision is None:
-        return ""
+        read = scaled_layers(denoiser)  # model.transformer_file: quantized as the file stores it
+        if not read:
+            return ""
+        stored = sorted({layer.storage for layer in read})
+        mib = sum(layer.weight.numel() + 4 * layer.scale_bits.numel() for layer in read) / (1024 * 1024)
+        return f"; frozen base from model.transformer_file: {len(read)} linear layers {'/'.join(stored)}, {mib:.1f} MiB"
     before = stored_weight_bytes(denoiser)
     if partitioned_dtype is not None and precision == "int8":
         layers = quantize_linear_weights_int8(denoiser, partitioned_dtype)

@@ -23,6 +23,6 @@ def at_least_float32_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def compute_dtype(module: torch.nn.Module) -> torch.dtype:
-    """The dtype `module` computes in: its first floating-point parameter's (an int8 base's weights are int8 codes,
-    dequantized to this dtype in forward: dstune.families.int8_partitioned)."""
+    """The dtype a module computes in: its first floating parameter's (a frozen base read from a quantized file, or
+    an int8 base under ZeRO-3, holds its stored bytes in integer parameters, which may come first)."""
     return next(p.dtype for p in module.parameters() if p.is_floating_point())

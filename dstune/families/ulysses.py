@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 MESH_NAMES = ("data_parallel", "ring", "ulysses")  # diffusers' context-parallel mesh needs "ring" and "ulysses"
 
 
@@ -30,7 +32,6 @@ def split_sequences(transformer, rank: int, world_size: int, size: int, plan: Op
     """Collective (every rank; it makes the device mesh's process groups): split `transformer`'s sequences over
     groups of `size` consecutive ranks by `plan`, or by its class's plan when None. The transformer may be wrapped
     by PEFT (LoRA): the plan names its modules."""
-    import torch
     from diffusers.hooks.context_parallel import apply_context_parallel
     from diffusers import ContextParallelConfig, ParallelConfig
 
@@ -70,7 +71,6 @@ def _text_padded_to(size: int):
     `size` tokens: the split needs equal parts, and the samples' prompts (the pipeline's own encoding, not padded to
     max_sequence_length as the training text is) have any length. The padding is masked out of every attention
     (its keys), and the text stream never reaches the output, so the image's prediction is unchanged."""
-    import torch
 
     def pad(module, args, kwargs):
         text = kwargs.get("encoder_hidden_states")
@@ -85,3 +85,35 @@ def _text_padded_to(size: int):
         return args, kwargs
 
     return pad
+
+
+class _GatheredOverGroup(torch.autograd.Function):
+    """The sequence group's shares of a split sequence, gathered along `dim` (this rank's share is its place in the
+    group), for a model whose plan reads them whole on every rank beside a split stream (an audio stream's
+    attention to the video). Each rank's gradient of the gathered tokens is then its own part of the whole, so
+    backward sums it over the group before keeping this rank's share (the gather's adjoint). diffusers' own gather
+    keeps this rank's share of its own gradient, which is right only where every rank's gradient of the gathered
+    tokens is the same whole (a loss every rank computes from them alone)."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, dim: int, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.dim, ctx.group, ctx.size, ctx.rank = dim, group, dist.get_world_size(group), dist.get_rank(group)
+        parts = [torch.empty_like(tokens) for _ in range(ctx.size)]
+        dist.all_gather(parts, tokens.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        summed = grad.contiguous().clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+def gathered_over_group(tokens: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """This rank's share of a split sequence (B, T / N, D along dim 1) -> the group's whole (B, T, D), whose backward
+    sums the gradient over the group."""
+    return _GatheredOverGroup.apply(tokens, dim, group)

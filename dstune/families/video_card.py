@@ -10,9 +10,9 @@ and the transformer's patch (pt, ph, pw) read from the model's configs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 from dstune import registry
 from dstune.card import ClipRule
@@ -70,6 +70,9 @@ def expert_summary(index: dict, expert: str, timestep_range) -> dict:
 class VideoCard(PipelineCard):
     """A video model's card (see the module docstring): its own facts are the methods below that raise."""
 
+    # a guidance-distilled model whose class fits model.cfg_augmented_target (its loss rearranges the guidance)
+    fits_guided_target: ClassVar[bool] = False
+
     # ------------------------------------------------------------------------------- the model's own facts
 
     def token_factors(self, folder: PipelineFolder) -> TokenFactors:
@@ -120,6 +123,17 @@ class VideoCard(PipelineCard):
         model.image_to_video, say), beyond the components and the configs' agreement."""
         return []
 
+    def appended_latent_frames(self, spec) -> int:
+        """Latent frames the transformer reads after each clip's own (a reference frame appended to the sequence):
+        counted in the clip's tokens, which validate prints and a sequence split divides."""
+        return 0
+
+    def split_tokens(self, spec, frames: int, video_tokens: int) -> tuple[int, str]:
+        """(the tokens a sequence-parallel split divides of one sample whose clip has `frames` frames and
+        `video_tokens` transformer tokens, what they are): the clip's tokens, unless the model splits a longer
+        sequence ("" says they are the clip's)."""
+        return video_tokens, ""
+
     def split_attention(self, folder: PipelineFolder) -> Optional[Attention]:
         """Attention facts of a model whose sequence-parallel plan is dstune's (not its class's); None: the class's."""
         return None
@@ -142,6 +156,14 @@ class VideoCard(PipelineCard):
 
     def settings_issues(self, model_spec) -> SpecIssues:
         issues = super().settings_issues(model_spec)
+        if getattr(model_spec, "cfg_augmented_target", None) is not None and not self.fits_guided_target:
+            issues.append(
+                (
+                    "model.cfg_augmented_target",
+                    f"{self.name} is not a guidance-distilled model dstune fits a guidance-augmented target for "
+                    "(docs/family-*.md say which are): remove it",
+                )
+            )
         if model_spec.timestep_sampling == "shifted_logit_normal" and not self.draws_sigma:
             issues.append(
                 (
@@ -351,8 +373,9 @@ def unknown_model(cards: Sequence[VideoCard], spec, raising: bool) -> SpecIssues
     ]
 
 
-def token_factors(cards: Sequence[VideoCard], pretrained: str) -> ClipFactors:
-    """The token factors of a video model's configs with its clip rule, or the common layout where they are not here
+def token_factors(cards: Sequence[VideoCard], pretrained: str, spec=None) -> ClipFactors:
+    """The token factors of a video model's configs with the clip rule of its transformer's tokens (the VAE's, with
+    the latent frames the model appends after a clip's own for `spec`), or the common layout where they are not here
     (said so)."""
     assumed = f"{ASSUMED_SPATIAL}x VAE, {'x'.join(map(str, ASSUMED_PATCH))} patches"
     try:
@@ -370,7 +393,8 @@ def token_factors(cards: Sequence[VideoCard], pretrained: str) -> ClipFactors:
         why = f"assumed ({assumed}): {folder.origin} is none of the video models dstune trains"
         return ASSUMED_SPATIAL, ASSUMED_PATCH, ClipRule(TEMPORAL_COMPRESSION), why
     spatial, patch, _, origin = card.token_factors(folder)
-    return spatial, patch, card.clip_rule(folder), origin
+    rule, appended = card.clip_rule(folder), card.appended_latent_frames(spec) if spec is not None else 0
+    return spatial, patch, replace(rule, first_latents=rule.first_latents + appended), origin
 
 
 def set_videos(data) -> list[tuple[str, object]]:

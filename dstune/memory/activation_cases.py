@@ -61,8 +61,13 @@ class Case:
     check_heads: int = 3  # the unit test's width (a UNet: channels x check_heads / 10)
     check_precision: str = "bf16"  # the unit test's (a UNet: fp32; the CPU's bf16 convolutions are ~20x slower)
     # the LoRA measurement's adapter targets: the family's default targets (the diffusers attention's, a causal LM's
-    # attention projections for the speech models)
+    # attention projections for the speech models), or the model's own where those name none of its layers; the
+    # plan reads the LoRA table for a run whose targets are among them (dstune.memory.activations.adapters)
     lora_targets: tuple = DEFAULT_LORA_TARGET_MODULES
+    # the LoRA measurement's widths, in multiples of `heads`: two (1, 2) fit per-token terms that do not grow with
+    # the width beside those that do, for a model whose LoRA step keeps head-wide tensors (rotary tables) that are a
+    # good part of its narrow blocks (at one width they would be scaled with the width up to the real model's)
+    lora_widths: tuple = (1,)
     notes: str = ""
     extra: dict = field(default_factory=dict)
 

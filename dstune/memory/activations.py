@@ -55,6 +55,8 @@ def _evaluate(coefficients: dict, tokens: float, context: float, width: float, f
     values = {
         "T": tokens * width,
         "C": context * width,
+        "t": tokens,  # width-free per token (head-wide tensors: bench/activation_table.py fits them at two widths)
+        "c": context,
         "1": width,
         "TT": tokens * tokens * width,
         "CC": context * context * width,
@@ -77,16 +79,17 @@ def _evaluate(coefficients: dict, tokens: float, context: float, width: float, f
 _FIGURE = contextvars.ContextVar("activation_figure", default="training")
 
 
-# Whether the training figure is a LoRA run's (the model frozen, adapters on the default targets): within
-# `adapters(True)` measured_sample_bytes reads a model's LoRA table where it has one (bench/activation_table.py
-# measures it: a frozen linear layer without an adapter keeps no input for backward), else its full one.
-_ADAPTERS = contextvars.ContextVar("activation_adapters", default=False)
+# The adapter targets when the training figure is a LoRA run's (the model frozen, plain LoRA adapters over an
+# unquantized base), None for any other run: within `adapters(targets)` measured_sample_bytes reads a model's LoRA
+# table where the targets it was measured with include them (bench/activation_table.py measures it: a frozen linear
+# layer without an adapter keeps no input for backward, so adapters on fewer of them keep less), else its full one.
+_ADAPTERS = contextvars.ContextVar("activation_adapters", default=None)
 
 
 @contextlib.contextmanager
-def adapters(on: bool):
-    """Within it (on), a training figure is the one of LoRA adapters on the default targets."""
-    token = _ADAPTERS.set(on)
+def adapters(targets):
+    """Within it, a training figure is the one of LoRA adapters on `targets` (module names; None: not LoRA)."""
+    token = _ADAPTERS.set(None if targets is None else frozenset(targets))
     try:
         yield
     finally:
@@ -121,8 +124,11 @@ def measured_sample_bytes(
     entry = activation_constants()[key]
     table = entry["fp32" if precision == "fp32" else "bf16"]
     # a LoRA run's saved activations (its forward and transients are the full table's: an upper bound), where
-    # measured in this precision (bf16 for every model, fp32 too for the UNets); else the full figure
-    lora = entry.get("lora", {}).get("fp32" if precision == "fp32" else "bf16") if _ADAPTERS.get() else None
+    # measured in this precision (bf16 for every model, fp32 too for the UNets) with (at least) the run's targets;
+    # else the full figure
+    measured, targets = entry.get("lora", {}), _ADAPTERS.get()
+    covered = targets is not None and targets <= set(measured.get("targets", ()))
+    lora = measured.get("fp32" if precision == "fp32" else "bf16") if covered else None
     saved, margin = (lora, LORA_MARGIN) if lora else (table, 1.0)
 
     def bucket(coefficients: dict) -> float:

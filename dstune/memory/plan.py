@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from dstune.memory.frozen_base import dequantized_copy, frozen_base_bytes
 from dstune.memory.offload import offload_sample_change, offloaded_activations, text_encoder_terms
 from dstune.memory.phases import IN_FLIGHT, STEP_TEXT, STEP_VAE, TRANSIENTS, Phase, peak_phase, run_phases
 from dstune.memory.sizes import parse_size  # noqa: F401 (validate's --gpu-memory reads it from here)
@@ -115,9 +116,7 @@ class ModelCounts:
     offload_block_bytes: int = 0
     # the largest module's own parameters over the text encoders: what model.text_encoder_offload holds on the device
     text_offload_layer_params: int = 0
-    # (weights, output rows) of the module's nn.Linear layers: what model.base_precision quantizes (int8 under
-    # ZeRO-3: a byte a weight and a scale a row); (0, 0): not counted (the base counted at base_bytes_per_param)
-    linear_weights: tuple = (0, 0)
+    linear_weights: tuple = (0, 0)  # (weights, output rows) of its nn.Linear layers (an int8 base's); 0: not counted
 
     @property
     def companions_on_every_rank(self) -> dict:
@@ -151,6 +150,7 @@ class Setup:
     prefetch_bucket: int
     overlap_comm: bool
     base_bytes_per_param: Optional[float] = None  # frozen base of a LoRA module; None: the compute precision's
+    dequantized_layer_params: int = 0  # model.transformer_file: its largest layer, dequantized for its product
     accelerator: str = "cuda"
     samples: bool = False  # sample.prompts renders during training
     ema_device: Optional[str] = None  # train.ema.device (same | cpu); None: no EMA
@@ -335,21 +335,12 @@ def model_states(counts: ModelCounts, setup: Setup) -> tuple[float, float, float
 
 def frozen_on_gpu(counts: ModelCounts, setup: Setup) -> float:
     """The frozen base of a LoRA module (partitioned under ZeRO-3, host-side with parameter offload) and the frozen
-    companions the cache does not replace, in the compute precision. An int8 base under ZeRO-3 adds the gathered
-    layer's dequantized copy (the compute dtype, made in each forward and backward of the layer, then freed); the
-    gathered int8 layer itself is in zero3_gathered_bytes, counted there at the compute dtype's bytes."""
+    companions the cache does not replace, in the compute precision (an int8 base: with one layer dequantized)."""
     base = frozen_base_bytes(counts, setup)
     if setup.zero_stage == 3:
         base = 0.0 if setup.offload_param != "none" else base / setup.world_size
-    if setup.int8_partitioned and counts.frozen_base_params:
-        base += setup.weight_bytes * counts.largest_layer_params
     on_gpu = sum(n for name, n in counts.companions.items() if name not in counts.cached_companions)
-    return base + setup.frozen_bytes * on_gpu
-
-
-def int8_codes_per_rank(counts: ModelCounts, setup: Setup) -> float:
-    """An int8 base under ZeRO-3: the bytes of int8 codes each rank stores (its 1 / N of every linear weight)."""
-    return counts.linear_weights[0] / setup.world_size if setup.int8_partitioned else 0.0
+    return base + dequantized_copy(counts, setup) + setup.frozen_bytes * on_gpu
 
 
 def activations(counts: ModelCounts, setup: Setup) -> float:
@@ -510,17 +501,6 @@ def module_loading_bytes(counts: ModelCounts, setup: Setup) -> float:
     return 4.0 * counts.module_params
 
 
-def frozen_base_bytes(counts: ModelCounts, setup: Setup) -> float:
-    """The frozen base of a LoRA module, whole, as stored. An int8 base under ZeRO-3 (dstune's Int8Linear): a byte
-    per linear weight, a scale per row and every other parameter (biases, norms, convolutions, embeddings) at the
-    compute dtype; otherwise every parameter at base_bytes_per_param (a quantized base) or the compute dtype."""
-    weights, rows = counts.linear_weights
-    if setup.int8_partitioned and weights and counts.frozen_base_params:
-        return weights + setup.weight_bytes * (rows + counts.frozen_base_params - weights)
-    base_bytes = setup.base_bytes_per_param if setup.base_bytes_per_param is not None else setup.weight_bytes
-    return base_bytes * counts.frozen_base_params
-
-
 def ema_swap_bytes(counts: ModelCounts, setup: Setup) -> float:
     """While samples show the EMA (dstune.ema.Ema.weights_in_model): under ZeRO 0-2 the raw weights kept aside, a
     full copy (on the EMA's device), under ZeRO-3 this rank's partition of them (on the GPU)."""
@@ -541,11 +521,9 @@ def module_on_load(counts: ModelCounts, setup: Setup) -> float:
         # its share, and rank 0 maps the whole weight file while it fills every parameter in turn (memory-mapped
         # safetensors, dstune.families.diffusion.load_partitioned): resident file pages until the file is closed
         return module_loading_bytes(counts, setup) + (4.0 * counts.module_params if partitioned else 0.0)
-    if partitioned:
-        share = 0.0 if setup.offload_param != "none" else w * counts.module_params / setup.world_size
-        return share + w * counts.largest_layer_params
-    if setup.int8_partitioned:  # quantized on the host, then partitioned from it one tensor at a time (zero.Init)
-        stored = frozen_base_bytes(counts, setup) + w * counts.trainable_params
+    if partitioned or setup.int8_partitioned:  # int8: quantized on the host, partitioned from it (zero.Init)
+        int8 = setup.int8_partitioned  # an int8 base as stored, beside the adapters
+        stored = frozen_base_bytes(counts, setup) + w * counts.trainable_params if int8 else w * counts.module_params
         share = 0.0 if setup.offload_param != "none" else stored / setup.world_size
         return share + w * counts.largest_layer_params
     return w * counts.trainable_params + frozen_base_bytes(counts, setup)
@@ -569,7 +547,8 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
     frozen, acts = frozen_on_gpu(counts, setup), activations(counts, setup)
     # the activations are freed by the backward pass, before the optimizer step's temporaries exist
     temporaries = max(optimizer_step_temporaries(counts, setup) - acts, 0.0)
-    buffers = deepspeed_buffers(counts, setup) + setup.all_to_all_bytes
+    dequantized = setup.weight_bytes * setup.dequantized_layer_params  # a quantized file's one layer in use
+    buffers = deepspeed_buffers(counts, setup) + setup.all_to_all_bytes + dequantized
     swap = ema_swap_bytes(counts, setup)
     base_on_gpu = frozen_on_gpu(replace(counts, companions={}), setup)
     companions_all, text_layer = text_encoder_terms(counts, setup, text_part)

@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from dstune.memory.frozen_base import int8_codes_per_rank
 from dstune.memory.phases import host_warning
 from dstune.memory.plan import (
     ModelCounts,
     Setup,
     estimate,
     frozen_base_bytes,
-    int8_codes_per_rank,
     parse_size,
     reduce_bucket_elements,
 )
@@ -22,10 +22,32 @@ from dstune.memory.working import MAX_CHUNK_ENTRIES
 from dstune.card import COMMON_GPUS, gpu_words
 
 
-def common_gpus_text(peak_bytes: float) -> str:
-    """Whether a peak per GPU fits the common cards, in one line: the smallest that holds it, or none of them."""
-    cards = [(parse_size(size), gpu_words(size)) for size, _ in COMMON_GPUS]
-    fitting = [name for size, name in cards if peak_bytes <= size]
+def common_gpus(counts: ModelCounts, setup: Setup) -> list[dict]:
+    """Each common card's verdict, the spec planned for that card as `--gpu-memory` would plan it: the cache build
+    encodes as many entries a pass as fit that card (choose_encoding), so a peak over a card's memory with the most
+    entries a pass may still fit it with fewer."""
+    rows = []
+    for size, _ in COMMON_GPUS:
+        card_bytes = parse_size(size)
+        on_card = choose_encoding(counts, setup, card_bytes)
+        peak = estimate(counts, on_card).peak
+        rows.append(
+            {
+                "gpu": size,
+                "memory_bytes": int(card_bytes),
+                "peak_per_gpu_bytes": int(peak),
+                "entries_per_pass": on_card.cache_chunk,
+                "fits": peak <= card_bytes,
+            }
+        )
+    return rows
+
+
+def common_gpus_text(verdicts: list[dict]) -> str:
+    """Whether the spec fits the common cards (common_gpus' verdicts), in one line: the smallest that holds it, or
+    none of them."""
+    cards = [(row["gpu"], gpu_words(row["gpu"]), row["fits"]) for row in verdicts]
+    fitting = [name for _, name, fits in cards if fits]
     if not fitting:
         return f"fits none of the common GPUs (the largest, {cards[-1][1]}, is too small)"
     if len(fitting) == len(cards):
@@ -81,6 +103,7 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
         "cache_disk_bytes": int(result.cache_bytes),
         "gpu_memory_bytes": None if gpu_bytes is None else int(gpu_bytes),
         "fits": fits,
+        **({"common_gpus": common_gpus(counts, setup)} if gpu_bytes is None else {}),
         "suggestions": [],  # dstune.memory_advice's, where the spec does not fit (validate re-plans it)
         **(
             {
@@ -92,6 +115,16 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
                 }
             }
             if setup.sequence_parallel > 1
+            else {}
+        ),
+        **(
+            {  # model.transformer_file: the frozen base as the file stores it, one layer of it dequantized
+                "transformer_file": {
+                    "stored_bytes": round(frozen_base_bytes(counts, setup)),
+                    "dequantized_layer_bytes": int(setup.weight_bytes * setup.dequantized_layer_params),
+                }
+            }
+            if setup.dequantized_layer_params
             else {}
         ),
         "parameters": {

@@ -25,7 +25,8 @@ FP8_REFUSAL = (
     "fp8 is not available: bitsandbytes (the library dstune quantizes with) stores no fp8 weights, and torchao's "
     "quantized weights are tensor subclasses that fail in deepspeed.initialize, whose parameter broadcast views "
     "every weight as bytes (NotImplementedError: aten.view.dtype; seen with torchao 0.18's int8 weights, and its "
-    "fp8 weights are the same kind of tensor). Use int8 (about half of bf16) or nf4 (about a quarter)."
+    "fp8 weights are the same kind of tensor). Use int8 (about half of bf16) or nf4 (about a quarter), or train on "
+    "an fp8 checkpoint file with model.transformer_file (flow and video families)."
 )
 
 
@@ -277,6 +278,47 @@ def text_encoder_offload_field():
     )
 
 
+def transformer_file_field():
+    """model.transformer_file of the flow-matching families (their transformer is one diffusers component)."""
+    return Field(
+        None,
+        description="LoRA only: a quantized single-file transformer as people download it (a .safetensors: "
+        "ComfyUI's / musubi-tuner's scaled fp8, float8 weights with a `scale_weight` each; or ComfyUI's quantized "
+        "layers, `comfy_quant` with float8_e4m3fn, float8_e5m2 or int8_tensorwise and a `weight_scale` each) read "
+        "as the frozen base instead of `pretrained`'s transformer/ weights; everything else (configs, VAE, text "
+        "encoders) comes from `pretrained`. Its keys must be the transformer's in diffusers' naming (optionally "
+        "under `model.diffusion_model.`). The quantized weights stay 1 byte each on the GPU and are dequantized "
+        "layer by layer in each pass; the other tensors train at train.precision. ZeRO stage 0-2; not with "
+        "base_precision, training_adapter or lora.type dora. `dstune validate` reads the file's header (its "
+        "layout, and its keys against the folder's transformer where its weights are there). See "
+        'docs/lora-and-ema.md, "A quantized single-file base".',
+    )
+
+
+def checked_transformer_file(value: Optional[str], data: dict) -> Optional[str]:
+    """model.transformer_file against the section's keys read before it (`data`, pydantic's info.data): a
+    ValueError that says what clashes and what to change."""
+    if value is None:
+        return value
+    if not value.endswith(".safetensors"):
+        raise ValueError(f"{value}: a quantized transformer is read from a .safetensors file")
+    lora = data.get("lora")
+    clashes = [
+        (data.get("train", "full") != "lora", "train is 'full': quantized weights cannot be trained; set train: lora"),
+        (data.get("base_precision") is not None, "base_precision quantizes the folder's transformer: remove one"),
+        (bool(data.get("training_adapter")), "training_adapter is fused into full-precision weights: remove one"),
+        (
+            lora is not None and lora.type == "dora",
+            "lora.type dora reads the base weight itself (its norm), which is stored quantized here: use lora, lokr "
+            "or loha",
+        ),
+    ]
+    found = [why for clash, why in clashes if clash]
+    if found:
+        raise ValueError("; ".join(found))
+    return value
+
+
 def first_builtin(family: str) -> str:
     """`model.pretrained`'s default for a shared core family: the first built-in of its first model (read when a
     spec leaves the key out, so that the registry's cards are read after the spec modules)."""
@@ -381,6 +423,14 @@ class FlowModelSpec(DenoiserModelBase):
         "`sample.pretrained`, or `pretrained` without it, with the trained LoRA). `train: lora` only, ZeRO stage 0-2. "
         'See docs/family-flow.md, "Distilled checkpoints".',
     )
+
+    transformer_file: Optional[str] = transformer_file_field()
+    FILE_FIELDS: ClassVar[tuple[str, ...]] = ("transformer_file",)
+
+    @field_validator("transformer_file")
+    @classmethod
+    def _transformer_file_fits(cls, value, info):
+        return checked_transformer_file(value, info.data)
 
     @model_validator(mode="after")
     def _no_unused_sampling_settings(self) -> "FlowModelSpec":

@@ -40,6 +40,7 @@ LOCAL_PATH_KEYS = (
     "sample.control_images.*.*",  # a prompt's several references (the multi-image edit models)
     "sample.voice_prompts.*",
     "model.training_adapter",
+    "model.transformer_file",
 )
 # Keys that name a local folder or file, or a Hugging Face hub id ("org/name" reads as a relative path too).
 MODEL_PATH_KEYS = (

@@ -10,8 +10,10 @@ from pydantic import Field, field_validator, model_validator
 from dstune.spec.model_sections import (
     VAE_LATENTS_DESCRIPTION,
     DenoiserModelBase,
+    checked_transformer_file,
     first_builtin,
     text_encoder_offload_field,
+    transformer_file_field,
 )
 from dstune.spec.section import VIDEO_FAMILY, VIDEO_FAMILY_ALIAS
 
@@ -51,6 +53,14 @@ class VideoModelSpec(DenoiserModelBase):
         "checkpointing): activations grow with frames x height x width tokens, so real clips need it.",
     )
     text_encoder_offload: Literal["none", "cpu"] = text_encoder_offload_field()
+    transformer_file: Optional[str] = transformer_file_field()
+    FILE_FIELDS: ClassVar[tuple[str, ...]] = ("transformer_file",)
+
+    @field_validator("transformer_file")
+    @classmethod
+    def _transformer_file_fits(cls, value, info):
+        return checked_transformer_file(value, info.data)
+
     timestep_sampling: Literal["logit_normal", "uniform", "mode", "shifted_logit_normal"] = Field(
         "uniform",
         description="How u in [0, 1] is drawn (diffusers' compute_density_for_timestep_sampling); u indexes the "
@@ -108,6 +118,16 @@ class VideoModelSpec(DenoiserModelBase):
         "folders: false). true on a text-to-video "
         "folder and false on an image-to-video one are refused. Samples then render from sample.control_images "
         "(one first frame per prompt).",
+    )
+    cfg_augmented_target: Optional[float] = Field(
+        None,
+        gt=1,
+        description="Guidance-distilled models (their docs page says which take it): keep the guidance the model "
+        "has built in while it is fine-tuned (plain fine-tuning drifts a guidance-distilled model back towards its "
+        "undistilled behaviour). Each clip also runs, without gradient, on the empty caption, and the rearranged "
+        "guidance (v_cond + (s - 1) v_uncond) / s, the prediction the model's built-in guidance of scale s was "
+        "distilled from, is what fits the target: the model's own output keeps the guidance. s: that scale (4 in "
+        "diffusion-pipe's example). One more forward a clip per step, no more backward. Omitted: the plain target.",
     )
     vae_tiling: bool = Field(
         False,

@@ -4,7 +4,7 @@ full under ZeRO 2 from the latent cache (each clip's sound latents beside its po
 saved with their sound, its export rendered with sound by Kandinsky6TI2VAPipeline; image-to-video+audio LoRA under
 ZeRO 3 with gradient checkpointing from the text cache (the clips and their sound read every step), resumed from its
 step-2 checkpoint with the same losses and LoRA file, which loads into the pipeline's transformer and changes what
-it renders from a first frame. Sequence parallelism is refused for this model (tests/unit/models/kandinsky6)."""
+it renders from a first frame. Sequence parallelism: tests/dist/test_sequence_parallel.py."""
 
 from __future__ import annotations
 

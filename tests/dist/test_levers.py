@@ -2,7 +2,9 @@
 checkpointing (fp32, the same seed and data): model.activation_offload cpu gives the plain run's per-step losses
 bitwise, train.compile blocks (inductor, on the CPU) within 1e-5, and each resumes from its step-2 checkpoint
 exactly; deepspeed.bf16_optimizer_states (bf16, optimizer offload) trains; model.text_encoder_offload builds the text cache
-entry for entry as the run without it (and trains the same, bitwise). Each lever's memory plan holds what its
+entry for entry as the run without it (and trains the same, bitwise); model.transformer_file (a scaled fp8 file written
+from tiny-flux's weights) trains with losses within FP8_TOLERANCE of the plain run's and resumes exactly (its frozen
+base read from the file again). Each lever's memory plan holds what its
 run measured (predicted >= 0.9 x measured in every phase, as the phase tests hold it). Four 2-rank launches of
 tests/dist/scripts/train_runs.py (LAUNCHES), the resumes after the runs whose checkpoints they continue. An int8
 base under ZeRO-3 (bf16) trains within INT8_TOLERANCE of the bf16 base's losses, and each rank stores the int8 bytes
@@ -34,17 +36,19 @@ LEVERS = {
     # the text cache (each run its own folder), built with the text encoders in host memory, and without
     "text-offload": {"model": {"text_encoder_offload": "cpu"}, "data": {"cache": {"text_embeddings": True}}},
     "text-cached": {"data": {"cache": {"text_embeddings": True}}},
+    "fp8-file": {"model": {"transformer_file": "written by the fixture"}},
     # model.base_precision int8 under ZeRO-3 (dstune's Int8Linear, partitioned) and the same run on the bf16 base
     "int8-zero3": {"model": {"base_precision": "int8"}, "train": {"precision": "bf16"}, "deepspeed": {"zero_stage": 3}},
     "bf16-zero3": {"train": {"precision": "bf16"}, "deepspeed": {"zero_stage": 3}},
 }
-RESUMED = ["activation-offload", "compiled"]
+RESUMED = ["activation-offload", "compiled", "fp8-file"]
 # Three launches, each lever's run first in its own: a launch's first run is measured from a fresh process (a later
 # run reuses the heap the earlier ones freed, and measures less); the plain run and the resumes follow.
 LAUNCHES = [["activation-offload", "plain", "activation-offload-resumed"], ["compiled", "compiled-resumed"],
-            ["bf16-states", "int8-zero3", "bf16-zero3"], ["text-offload", "text-cached"]]
+            ["bf16-states", "fp8-file", "fp8-file-resumed"], ["text-offload", "text-cached", "int8-zero3", "bf16-zero3"]]
 MEASURED_FRESH = ["activation-offload", "compiled", "bf16-states", "text-offload"]
 COMPILED_TOLERANCE = 1e-5  # inductor's fused kernels round fp32 differently from eager's, step by step
+FP8_TOLERANCE = 0.01  # relative, per step: the fp8 base's LoRA loss against the fp32 base's (unit test: 0.19 %)
 # the int8 base's per-step losses against the bf16 base's (measured: 1.1e-4 at most over the 4 steps): each weight
 # within half a scale step (absmax / 254) of the bf16 one
 INT8_TOLERANCE = 2e-3
@@ -68,6 +72,9 @@ def launched(tmp_path_factory):
     ensure_builtin_model(MODEL, CACHE_DIR)
     root = tmp_path_factory.mktemp("levers")
     runs, resumes, line = {}, {}, {}
+    fp8_file = root / "tiny-flux-fp8-scaled.safetensors"
+    _write_fp8_file(fp8_file)
+    LEVERS["fp8-file"]["model"]["transformer_file"] = str(fp8_file)
     for name, changes in LEVERS.items():
         run_dir = root / name / "run"
         run_dir.parent.mkdir(parents=True)
@@ -86,6 +93,21 @@ def launched(tmp_path_factory):
         procs.append(launch(listed, num_ranks=2, script=SCRIPT))
     failed = [proc for proc in procs if proc.returncode != 0]
     return runs, resumes, failed[0] if failed else procs[1]  # the compiled launch's output, for its log lines
+
+
+def _write_fp8_file(path: Path) -> None:
+    """tiny-flux's transformer as ComfyUI's scaled fp8 file (the unit tests' writer)."""
+    import sys
+
+    from diffusers import FluxTransformer2DModel
+
+    from dstune.builtin import ensure_builtin_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the unit tests' file writer
+    from quantized_files import write_scaled_fp8
+
+    transformer = FluxTransformer2DModel.from_pretrained(ensure_builtin_model(MODEL, CACHE_DIR) / "transformer")
+    write_scaled_fp8(transformer, path, prefix="model.diffusion_model.")
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -141,6 +163,18 @@ def test_text_encoder_offload_builds_the_same_text_cache_and_trains_the_same(lau
 
 def _entries(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p for p in folder.rglob("*.safetensors")}
+
+
+def test_a_lora_trains_on_a_quantized_fp8_file_near_the_full_precision_base(launched):
+    """model.transformer_file: the frozen base read from a scaled fp8 file, the same run otherwise as the plain
+    one (fp32, same draws): every step's loss within FP8_TOLERANCE of the plain run's, and not equal to it (the
+    rounded base is the one trained on)."""
+    runs, _, proc = launched
+    assert proc.returncode == 0, explain(proc)
+    fp8, plain = _losses(runs["fp8-file"]), _losses(runs["plain"])
+    print("plain", plain, "fp8 file", fp8, "largest relative difference",
+          max(abs(a - b) / abs(b) for a, b in zip(fp8, plain)))
+    assert len(fp8) == 4 and fp8 == pytest.approx(plain, rel=FP8_TOLERANCE) and fp8 != plain
 
 
 def test_bf16_optimizer_states_train(launched):

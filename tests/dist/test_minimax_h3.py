@@ -3,9 +3,12 @@ modular pipeline folder; model.family video) on CPU, two launches on builtin:mov
 (17k+5) at 24 fps: in full under ZeRO 2 from the latent cache (each clip's sound rows beside its posterior) and the
 text cache (the text encoder on one rank of the node), samples rendered through the modular blocks with their sound
 (from the prompts' cached text), its export loaded by
-ModularPipeline.from_pretrained rendering other frames than the base; LoRA under ZeRO 3 with gradient checkpointing,
-the sound read from the clips every step, resumed from its step-2 checkpoint with the same losses and LoRA file. Its
-sequence split is refused by validate (docs/family-minimax-h3.md)."""
+ModularPipeline.from_pretrained rendering other frames than the base; LoRA under ZeRO 3 with gradient checkpointing
+training the first-frame workflow (fl2va: model.image_to_video) under the distillation guard
+(model.cfg_augmented_target: a second forward a clip without gradient), each clip's keyframe latent and sound from the
+latent cache and its text (the caption after the frame's vision block) encoded every step on both ranks, resumed from
+its step-2 checkpoint with the same losses and LoRA file. Its sequence split runs in
+tests/dist/test_sequence_parallel.py."""
 
 from __future__ import annotations
 
@@ -35,9 +38,12 @@ def runs(tmp_path_factory) -> dict:
     out = {}
     for name, (stage, train) in RUNS.items():
         run_dir = tmp_path_factory.mktemp(f"minimax-h3-{name}") / "run"
-        cache = {"latents": name == "full", "text_embeddings": name == "full", "dir": str(run_dir.parent / "cache")}
+        cache = {"latents": True, "text_embeddings": name == "full", "dir": str(run_dir.parent / "cache")}
         data = {"path": "builtin:moving-shapes-av", "resolution": 32, "video": {"frames": 22}, "cache": cache}
-        spec = write_spec(run_dir.parent / "spec.yaml", video_spec(run_dir, MODEL, stage, train, data, KEYS))
+        # the LoRA run trains fl2va (its text cannot be cached) with the distillation guard (an uncond forward)
+        guard = {"image_to_video": True, "cfg_augmented_target": 4.0} if name == "lora" else {}
+        keys = {**KEYS, **guard}
+        spec = write_spec(run_dir.parent / "spec.yaml", video_spec(run_dir, MODEL, stage, train, data, keys))
         started = time.perf_counter()
         out[name] = (run_dir, spec, launch(spec, num_ranks=2))
         print(f"launch {name}: {time.perf_counter() - started:.1f} s wall")
@@ -90,11 +96,18 @@ def test_full_run_from_both_caches_samples_with_sound_and_exports_a_folder_its_m
     assert (frames - base_frames).abs().max() > 0 or (sound - base_sound).abs().max() > 1e-4
 
 
-def test_lora_zero3_with_checkpointing_resumes_exactly(runs, tmp_path):
+def test_fl2va_guarded_lora_zero3_with_checkpointing_from_cached_keyframes_resumes_exactly(runs, tmp_path):
     from safetensors.torch import load_file
+
+    from dstune.cache.entries import read_entry
 
     run_dir, spec_path, proc = runs["lora"]
     check_trains(run_dir, proc)
+    assert "text encoders: loaded on rank 0 only" not in proc.stdout  # fl2va's text is encoded on every rank
+    entries = [read_entry(path) for path in (run_dir.parent / "cache").rglob("*.safetensors")]
+    clips = [entry for entry in entries if "latent_mean" in entry]
+    assert clips and all(entry["keyframe_latent"].shape == (4, 1, 2, 2) for entry in clips)  # the first frame's
+    assert all(entry["keyframe_pixels"].shape == (3, 32, 32) for entry in clips)
     export = run_dir / "export" / f"step-{STEPS:08d}"
     adapters = load_file(export / "pytorch_lora_weights.safetensors")
     assert adapters and all(k.startswith("transformer.") and ".lora_" in k for k in adapters)

@@ -24,16 +24,28 @@ all-to-alls) against 1 rank with size 1 on the same global batch, for
   a gradient summed over the group, the sound loss's gradient divided by the split) LoRA under ZeRO 3 with gradient
   checkpointing, rendering samples (the pipeline runs its joint audio and video, split too) whose frames are the
   1-rank run's;
+- builtin:tiny-kandinsky6 (Kandinsky 6 image-to-video with sound on builtin:moving-shapes-av, split by dstune's plan:
+  dstune.models.kandinsky6.split; the text branches and the sound stream whole on every rank, the sound's attention
+  to the video gathering the video with a gradient summed over the group, the outputs' gradients divided by the
+  split) LoRA on every attention under ZeRO 3 with gradient checkpointing, 2 steps, rendering a sample with its
+  sound from a first frame (the pipeline's joint video and sound, split too) whose frames and sound are the 1-rank
+  run's;
+- builtin:tiny-minimax-h3 (MiniMax-H3: one packed sequence of text, sound and video rows, split by its class's plan
+  after dstune pads it with masked rows to an even length: dstune.models.minimax_h3.split) LoRA under ZeRO 3 with
+  gradient checkpointing on builtin:moving-shapes-av's clips with sound, rendering a sample with its sound;
 - 4 ranks as 2 data-parallel x 2 sequence-parallel against 2 data-parallel ranks, ZeRO 2 full: two groups that
   receive different samples, each splitting its own.
 
-Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of launches, LAUNCHES, serves every
-check: twelve 2-rank launches and their twelve 1-rank references, a 4-rank launch and its 2-rank reference, and the
-1-rank resume (each launched when a test first needs it).
+Per-step losses, gradient norms and the exported weights agree within 1e-5 relative. One table of runs, LAUNCHES, serves every
+check: the 2-rank size-2 runs and their 1-rank references, a 4-rank run and its 2-rank reference, and the 1-rank
+resume. The runs of one world train one after another in one launch (tests/dist/scripts/train_runs.py): the 2-rank
+size-2 runs, then the 1-rank ones with the resume, the 4-rank and the 2-rank size-1 run; a launch starts when a test
+first needs one of its runs, with the runs that this session's tests need.
 """
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -44,6 +56,7 @@ from flow_runs import STEPS, TRANSFORMER, flow_spec, write_pairs
 import shutil
 
 from harness import CACHE_DIR, base_spec, explain, launch, metrics, write_spec
+from video_runs import first_frame
 
 pytestmark = pytest.mark.dist
 
@@ -61,6 +74,15 @@ FLUX1_MODEL = "tiny-flux"  # Flux.1: 2 heads; its 2x VAE makes a 32 px image 64 
 LTX2_MODEL = "tiny-ltx2"  # 2 video heads; its 8x VAE (4x in time) makes a 5-frame 32 px clip 2 x 4 x 4 = 32 tokens
 LTX2_KEYS = {"max_sequence_length": 32, "timestep_sampling": "shifted_logit_normal"}  # as tests/dist/test_wan.py's
 EDIT_MODEL = "tiny-qwen-image-edit"  # 8x VAE: a 64 px target 16 tokens and its source 16 more; the text any length
+K6_MODEL = "tiny-kandinsky6"  # 2 video heads; a 5-frame 32 px clip 2 x 2 x 2 tokens, with its first frame appended 12
+K6_KEYS = {"max_sequence_length": 560, "timestep_sampling": "uniform", "image_to_video": True,  # as test_kandinsky6's
+           "lora": {"rank": 4, "target_modules": ["to_query", "to_key", "to_value", "attn.out_layer",
+                                                  "self_attention.out_layer", "cross_attention.out_layer",
+                                                  "va_cross_attention.out_layer", "av_cross_attention.out_layer"]}}
+STEPS_OF = {K6_MODEL: 2}  # a model's steps where not STEPS
+H3_MODEL = "tiny-minimax-h3"  # 2 heads; a 22-frame 32 px clip packs 16 text + 74 sound + 7 video rows: 97, padded
+H3_KEYS = {"max_sequence_length": 16, "sample_frames": 124}  # as tests/dist/test_minimax_h3.py's
+H3_DATA = {"resolution": 32, "video": {"frames": 22}}  # 17k+5 frames at its 24 fps
 
 # SGD (its update is linear in the gradient) for the LoRA runs and these full ones. Adam's first updates normalise
 # each element, so an element whose gradient is near zero turns summation-order differences of 1e-7 into a visible
@@ -69,7 +91,9 @@ EDIT_MODEL = "tiny-qwen-image-edit"  # 8x VAE: a 64 px target 16 tokens and its 
 # 8192) ended 2e-5 to 4e-5 of its tensor's largest apart, while losses and gradient norms agreed within 1e-6 (Wan 2.1
 # I2V's timestep embedder too, 2.4e-5, once its image embedding was read).
 SGD = {"type": "sgd", "lr": 0.5, "momentum": 0.9}
-SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora"), (LTX2_MODEL, "lora")}  # the video runs that render samples
+RUNS_SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_runs.py"
+# the video runs that render samples
+SAMPLED = {(MODEL, "full"), (HV15_MODEL, "lora"), (LTX2_MODEL, "lora"), (K6_MODEL, "lora"), (H3_MODEL, "lora")}
 SGD_FULL = (TWO_EXPERTS, FLUX1_MODEL, EDIT_MODEL, I2V_MODEL)
 
 # name -> (ranks, sequence_parallel_size, zero stage, train, model); each 2-rank case has its 1-rank reference
@@ -98,6 +122,10 @@ LAUNCHES = {
     "hv15-zero3-lora-ref": (1, 1, 3, "lora", HV15_MODEL),
     "ltx2-zero3-lora-sp2": (2, 2, 3, "lora", LTX2_MODEL),  # gradient checkpointing on
     "ltx2-zero3-lora-ref": (1, 1, 3, "lora", LTX2_MODEL),
+    "k6-zero3-lora-sp2": (2, 2, 3, "lora", K6_MODEL),  # gradient checkpointing on, image-to-video
+    "k6-zero3-lora-ref": (1, 1, 3, "lora", K6_MODEL),
+    "h3-zero3-lora-sp2": (2, 2, 3, "lora", H3_MODEL),  # gradient checkpointing on
+    "h3-zero3-lora-ref": (1, 1, 3, "lora", H3_MODEL),
     "4-ranks-2x2": (4, 2, 2, "full", MODEL),  # 2 data-parallel x 2 sequence-parallel, micro 1 per group
     "2-ranks-2x1": (2, 1, 2, "full", MODEL),  # 2 data-parallel ranks, micro 1 each
 }
@@ -111,7 +139,13 @@ PAIRS = [("zero2-full-sp2", "zero2-full-ref", TRANSFORMER), ("zero3-lora-sp2", "
          ("a14b-zero2-full-sp2", "a14b-zero2-full-ref", TRANSFORMER_2),
          ("ti2v-zero3-lora-sp2", "ti2v-zero3-lora-ref", LORA_FILE),
          ("hv15-zero3-lora-sp2", "hv15-zero3-lora-ref", LORA_FILE),
-         ("ltx2-zero3-lora-sp2", "ltx2-zero3-lora-ref", LORA_FILE)]
+         ("ltx2-zero3-lora-sp2", "ltx2-zero3-lora-ref", LORA_FILE),
+         ("k6-zero3-lora-sp2", "k6-zero3-lora-ref", LORA_FILE),
+         ("h3-zero3-lora-sp2", "h3-zero3-lora-ref", LORA_FILE)]
+
+
+def _steps(name: str) -> int:
+    return STEPS_OF.get(LAUNCHES[name][4], STEPS)
 
 
 def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: str = MODEL) -> dict:
@@ -138,41 +172,71 @@ def _spec(run_dir: Path, ranks: int, size: int, stage: int, train: str, model: s
     lora = train == "lora"
     cache = {"latents": not lora, "text_embeddings": True, "dir": str(run_dir.parent / "cache")}
     layout = {TWO_EXPERTS: {"expert": "low_noise"}, TI2V_MODEL: {"image_to_video": True},
-              LTX2_MODEL: LTX2_KEYS}.get(model, {})
+              LTX2_MODEL: LTX2_KEYS, K6_MODEL: K6_KEYS, H3_MODEL: H3_KEYS}.get(model, {})
+    sampled = (model, train) in SAMPLED
+    first_frames = [str(first_frame(run_dir.parent / "images"))] if model == K6_MODEL and sampled else []
     return base_spec(
         run_dir,
         model={"family": "video", "pretrained": f"builtin:{model}", "train": train, "gradient_checkpointing": lora,
                **layout},
-        data={"path": "builtin:moving-shapes-av" if model == LTX2_MODEL else "builtin:moving-shapes", "cache": cache},
+        data={"path": "builtin:moving-shapes-av" if model in (LTX2_MODEL, K6_MODEL, H3_MODEL) else "builtin:moving-shapes",
+              "cache": cache, **(H3_DATA if model == H3_MODEL else {})},
         train={"global_batch_size": 2, "micro_batch_size": micro, "gradient_accumulation_steps": None,
-               "max_steps": STEPS,
+               "max_steps": STEPS_OF.get(model, STEPS),
                "optimizer": SGD if lora or model in SGD_FULL else {"type": "adamw", "lr": 2e-4}},
         deepspeed={"zero_stage": stage, "sequence_parallel_size": size},
         output={"export": "diffusers", "save_every_steps": 2, "keep_last": 5},
-        sample={"prompts": ["a red circle moving left"] if (model, train) in SAMPLED else [], "steps": 2,
-                "guidance": 1.0},
+        sample={"prompts": ["a red circle moving left"] if sampled else [], "steps": 2, "guidance": 1.0,
+                "control_images": first_frames},
     )
 
 
-class Runs:
-    """name -> (run folder, finished launch) of LAUNCHES (and "resumed"), each launched when a test first asks for
-    it, so that `-k` runs only the launches its tests need."""
+class RunOutput:
+    """One run's share of a launch that trained several (tests/dist/scripts/train_runs.py): its exit and what the
+    launch printed from its start to the next run's (the run's own lines; rank 1's interleave)."""
 
-    def __init__(self, tmp_path_factory):
-        self.tmp_path_factory, self.done = tmp_path_factory, {}
+    def __init__(self, launched: subprocess.CompletedProcess, spec_path: Path, ran: bool):
+        marker = f"=== settings matrix run: {spec_path}"
+        text = launched.stdout
+        begin = text.find(marker)
+        end = text.find("=== settings matrix run: ", begin + len(marker)) if begin >= 0 else -1
+        self.stdout = text[begin : end if end >= 0 else len(text)] if begin >= 0 else text
+        self.stderr = launched.stderr
+        finished = begin >= 0 and "=== settings matrix run took" in self.stdout
+        self.returncode = 0 if ran and finished and (end >= 0 or launched.returncode == 0) else launched.returncode or 1
+
+
+class Runs:
+    """name -> (run folder, its output) of LAUNCHES (and "resumed"). The runs of one world (ranks, sequence-parallel
+    size) train in one launch of tests/dist/scripts/train_runs.py, launched when a test first asks for one of them;
+    only the runs this session's tests ask for (`-k`) are in it. The 1-rank launch, which holds "resumed", follows
+    the 2-rank size-2 one whose checkpoint it resumes."""
+
+    def __init__(self, tmp_path_factory, needed: set[str]):
+        self.tmp_path_factory, self.needed, self.done = tmp_path_factory, needed, {}
 
     def __getitem__(self, name: str):
         if name not in self.done:
-            self.done[name] = self._resume() if name == "resumed" else self._launch(name)
+            self._launch_world(LAUNCHES[name][:2] if name != "resumed" else (1, 1))
         return self.done[name]
 
-    def _launch(self, name: str):
-        ranks, size, stage, train, model = LAUNCHES[name]
-        run_dir = self.tmp_path_factory.mktemp(name) / "run"
-        spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, ranks, size, stage, train, model))
-        return run_dir, launch(spec_path, num_ranks=ranks)
+    def _launch_world(self, world: tuple[int, int]):
+        names = [n for n, case in LAUNCHES.items() if case[:2] == world and n in self.needed]
+        lines = []
+        for name in names:
+            ranks, size, stage, train, model = LAUNCHES[name]
+            run_dir = self.tmp_path_factory.mktemp(name) / "run"
+            spec_path = write_spec(run_dir.parent / "spec.yaml", _spec(run_dir, ranks, size, stage, train, model))
+            lines.append((name, run_dir, spec_path, str(spec_path)))
+        if world == (1, 1) and "resumed" in self.needed:
+            lines.append(self._resume_line())
+        runs_file = self.tmp_path_factory.mktemp("runs") / "runs.txt"
+        runs_file.write_text("\n".join(line for *_, line in lines) + "\n")
+        launched = launch(runs_file, num_ranks=world[0], script=RUNS_SCRIPT)
+        for name, run_dir, spec_path, _ in lines:
+            self.done[name] = (run_dir, RunOutput(launched, spec_path, ran=True))
 
-    def _resume(self):
+    def _resume_line(self):
         """The ZeRO 2 wan run's step-2 checkpoint, resumed on 1 rank at size 1."""
         run_dir, proc = self["zero2-full-sp2"]
         assert proc.returncode == 0, explain(proc)
@@ -180,18 +244,44 @@ class Runs:
         (resumed / "checkpoints").mkdir(parents=True)
         shutil.copytree(run_dir / "checkpoints" / "step-00000002", resumed / "checkpoints" / "step-00000002")
         (resumed / "checkpoints" / "latest").write_text("step-00000002")
-        return resumed, launch(run_dir.parent / "spec.yaml", num_ranks=1, args=(
-            "--resume", "latest", "--set", f"output.dir={resumed}", "--set", "deepspeed.sequence_parallel_size=1"))
+        spec_path = run_dir.parent / "spec.yaml"
+        flags = f"--resume latest --set output.dir={resumed} --set deepspeed.sequence_parallel_size=1"
+        return "resumed", resumed, spec_path, f"{spec_path} {flags}"
+
+
+def _needed(session) -> set[str]:
+    """The LAUNCHES names (and "resumed") this session's tests of this module ask for."""
+    needed = set()
+    for item in session.items:
+        if getattr(item, "module", None) is None or item.module.__name__ != __name__:
+            continue
+        if hasattr(item, "callspec"):
+            needed |= {value for value in item.callspec.params.values() if isinstance(value, str) and value in LAUNCHES}
+        needed |= set(NAMED_RUNS.get(item.originalname, ()))
+    return needed
+
+
+# the runs of the tests without parameters
+NAMED_RUNS = {
+    "test_ltx2_samples_rendered_split_are_the_unsplit_ones": ("ltx2-zero3-lora-sp2", "ltx2-zero3-lora-ref"),
+    "test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_trajectory": ("zero2-full-sp2", "resumed"),
+    "test_the_held_out_loss_of_a_sequence_group_is_one_ranks": ("flux2-zero2-full-sp2", "flux2-zero2-full-ref"),
+    "test_kandinsky6_samples_rendered_split_are_the_unsplit_ones_with_their_sound": (
+        "k6-zero3-lora-sp2",
+        "k6-zero3-lora-ref",
+    ),
+    "test_h3_samples_rendered_split_have_sound_and_are_the_unsplit_ones": ("h3-zero3-lora-sp2", "h3-zero3-lora-ref"),
+}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
+def runs(request, tmp_path_factory) -> Runs:
     from dstune.builtin import ensure_builtin_model
 
     for model in (MODEL, IMAGE_MODEL, QWEN_MODEL, I2V_MODEL, TWO_EXPERTS, TI2V_MODEL, FLUX1_MODEL, EDIT_MODEL,
-                  HV15_MODEL, LTX2_MODEL):
+                  HV15_MODEL, LTX2_MODEL, K6_MODEL, H3_MODEL):
         ensure_builtin_model(model, CACHE_DIR)  # built once here, not by the launches' rank 0
-    return Runs(tmp_path_factory)
+    return Runs(tmp_path_factory, _needed(request.session))
 
 
 @pytest.mark.parametrize("name", [name for name, case in LAUNCHES.items() if case[1] > 1])
@@ -211,13 +301,14 @@ def test_two_ranks_of_one_sequence_group_train_what_one_rank_trains(runs, split,
     assert split_proc.returncode == 0, explain(split_proc)
     assert whole_proc.returncode == 0, explain(whole_proc)
     split_losses, whole_losses = ([m["loss"] for m in metrics(d)] for d in (split_dir, whole_dir))
-    assert len(split_losses) == STEPS
+    steps = _steps(split)
+    assert len(split_losses) == steps
     assert split_losses == pytest.approx(whole_losses, rel=1e-5)
     # the gradient itself (Adam's update hides its scale; a group that averaged instead of summing would halve it)
     assert [m["grad_norm"] for m in metrics(split_dir)] == pytest.approx([m["grad_norm"] for m in metrics(whole_dir)],
                                                                          rel=1e-5)
-    a = load_file(split_dir / "export" / f"step-{STEPS:08d}" / exported)
-    b = load_file(whole_dir / "export" / f"step-{STEPS:08d}" / exported)
+    a = load_file(split_dir / "export" / f"step-{steps:08d}" / exported)
+    b = load_file(whole_dir / "export" / f"step-{steps:08d}" / exported)
     assert set(a) == set(b)
     for key in b:
         scale = b[key].abs().max().item() or 1.0
@@ -225,16 +316,24 @@ def test_two_ranks_of_one_sequence_group_train_what_one_rank_trains(runs, split,
 
 
 @pytest.mark.parametrize("name", ["zero2-full-sp2", "qwen-zero2-full-sp2", "flux1-zero2-full-sp2",
-                                  "edit-zero2-full-sp2", "hv15-zero3-lora-sp2", "ltx2-zero3-lora-sp2"])
+                                  "edit-zero2-full-sp2", "hv15-zero3-lora-sp2", "ltx2-zero3-lora-sp2",
+                                  "k6-zero3-lora-sp2"])
 def test_samples_render_split(runs, name):
     """Wan's clip; Qwen-Image's prompt and negative prompt, whose odd token counts are padded (masked) to split;
     Flux.1's; Qwen-Image-Edit's from a source image (its tokens beside the target's, the instruction padded);
     HunyuanVideo 1.5's clip (its context padded to split) with the LoRA; LTX-2's clip, with the audio the pipeline
-    runs beside it (whole on every rank, its attention to the video gathering the video's keys)."""
+    runs beside it (whole on every rank, its attention to the video gathering the video's keys); Kandinsky 6's from a
+    first frame, saved with the sound its pipeline rendered beside the clip."""
     run_dir, proc = runs[name]
     assert proc.returncode == 0, explain(proc)
-    assert list((run_dir / "samples").glob(f"step-{STEPS:06d}.*"))  # an animated image of the frames, or a grid
+    steps = _steps(name)
+    assert list((run_dir / "samples").glob(f"step-{steps:06d}.*"))  # an animated image of the frames, or a grid
     assert torch.isfinite(torch.tensor([m["loss"] for m in metrics(run_dir)])).all()
+    if LAUNCHES[name][4] == K6_MODEL:
+        import av
+
+        with av.open(str(run_dir / "samples" / f"step-{steps:06d}" / "0.mp4")) as sample:
+            assert sample.streams.video and sample.streams.audio and sample.streams.audio[0].frames > 0
 
 
 def test_ltx2_samples_rendered_split_are_the_unsplit_ones(runs):
@@ -253,6 +352,61 @@ def test_ltx2_samples_rendered_split_are_the_unsplit_ones(runs):
     split, whole = frames(split_dir), frames(whole_dir)
     assert split.shape == whole.shape and len(split) > 1 and whole.std() > 1  # frames with something in them
     assert (split - whole).abs().max().item() <= 2  # of 255: the weights agree within 1e-5, not bit for bit
+
+
+def test_kandinsky6_samples_rendered_split_are_the_unsplit_ones_with_their_sound(runs):
+    """Kandinsky 6's sample (image-to-video from a first frame) runs the pipeline's fused video and sound, split: the
+    2-rank run's frames and sound are the 1-rank run's (the same step, seeds and weights)."""
+    import av
+    import numpy as np
+    from PIL import Image, ImageSequence
+
+    def rendered(run_dir):
+        step = run_dir / "samples" / f"step-{_steps('k6-zero3-lora-sp2'):06d}"
+        with Image.open(step.with_suffix(".webp")) as image:
+            frames = torch.stack([torch.from_numpy(np.array(f.convert("RGB"))).float()
+                                  for f in ImageSequence.Iterator(image)])
+        with av.open(str(step / "0.mp4")) as clip:
+            sound = np.concatenate([f.to_ndarray().reshape(-1) for f in clip.decode(audio=0)])
+        return frames, torch.from_numpy(sound).float()
+
+    (split_dir, split_proc), (whole_dir, whole_proc) = runs["k6-zero3-lora-sp2"], runs["k6-zero3-lora-ref"]
+    assert split_proc.returncode == 0 and whole_proc.returncode == 0, explain(split_proc) + explain(whole_proc)
+    (split, split_sound), (whole, whole_sound) = rendered(split_dir), rendered(whole_dir)
+    assert split.shape == whole.shape and len(split) > 1 and whole.std() > 1  # frames with something in them
+    assert (split - whole).abs().max().item() <= 2  # of 255: the weights agree within 1e-5, not bit for bit
+    assert split_sound.shape == whole_sound.shape and whole_sound.abs().max() > 0
+    assert (split_sound - whole_sound).abs().max().item() <= 1e-2 * whole_sound.abs().max().item()
+
+
+def test_h3_samples_rendered_split_have_sound_and_are_the_unsplit_ones(runs):
+    """MiniMax-H3's sample (124 frames with stereo sound, its packed sequence of 16 text + 414 sound + 37 video rows
+    padded to split) renders through its modular pipeline on both ranks of the group: its frames (the lossless
+    WebP) are the 1-rank run's, and its MP4 carries the same stereo sound. The sound is compared through the MP4's
+    AAC track, the only place it is written: a lossy codec whose rate control carries a difference of 1e-6 in its
+    input into the quantisation of every later frame (as libx264 does to the MP4's frames), so the sound is held to
+    the codec's noise (a 2-rank split that broke the sound rows gives another sound altogether)."""
+    import av
+    import numpy as np
+    from PIL import Image, ImageSequence
+
+    def decoded(run_dir):
+        with Image.open(run_dir / "samples" / f"step-{STEPS:06d}.webp") as image:
+            frames = np.stack([np.array(frame.convert("RGB")) for frame in ImageSequence.Iterator(image)])
+        with av.open(str(run_dir / "samples" / f"step-{STEPS:06d}" / "0.mp4")) as sample:
+            assert sample.streams.video[0].frames == H3_KEYS["sample_frames"]
+            sound = np.concatenate([frame.to_ndarray() for frame in sample.decode(audio=0)], axis=-1)
+        return torch.from_numpy(frames).float(), torch.from_numpy(sound).double()
+
+    (split_dir, split_proc), (whole_dir, whole_proc) = runs["h3-zero3-lora-sp2"], runs["h3-zero3-lora-ref"]
+    assert split_proc.returncode == 0 and whole_proc.returncode == 0, explain(split_proc) + explain(whole_proc)
+    (split, split_sound), (whole, whole_sound) = decoded(split_dir), decoded(whole_dir)
+    assert split.shape == whole.shape and len(split) == H3_KEYS["sample_frames"] and whole.std() > 1
+    assert (split - whole).abs().max().item() <= 2  # of 255: the weights agree within 1e-5, not bit for bit
+    assert split_sound.shape == whole_sound.shape and split_sound.shape[0] == 2 and whole_sound.abs().max() > 0
+    difference = (split_sound - whole_sound).pow(2).mean().sqrt() / whole_sound.pow(2).mean().sqrt()
+    assert difference <= 0.1, difference  # seen: 0.045
+    assert torch.corrcoef(torch.stack([split_sound.flatten(), whole_sound.flatten()]))[0, 1] > 0.99  # seen: 0.998
 
 
 def test_a_size_2_checkpoint_resumed_at_size_1_on_one_rank_continues_the_trajectory(runs):

@@ -131,9 +131,9 @@ LORA_CASES = [case for case in CASES if "lora" in activation_constants()[case.ke
 
 @pytest.mark.parametrize("case", LORA_CASES, ids=[case.key for case in LORA_CASES])
 def test_lora_constants_predict_a_third_size_and_never_below(case):
-    """Under LoRA (the model frozen, adapters on the family's default targets: the diffusers attention's, a causal
-    LM's attention projections for the speech models; a frozen linear layer without an adapter keeps no input for
-    backward) the stored LoRA constants against a fresh count at the third size and width: within 10 %, with and
+    """Under LoRA (the model frozen, adapters on the case's targets: the family's defaults, the diffusers attention's
+    or a causal LM's attention projections for the speech models, else the model's own attention projections; a
+    frozen linear layer without an adapter keeps no input for backward) the stored LoRA constants against a fresh count at the third size and width: within 10 %, with and
     without checkpointing, and never below it; and below the full fine-tuning figure (about half for the
     transformers: the plan's LoRA runs were counted as full ones before)."""
     import torch
@@ -145,7 +145,7 @@ def test_lora_constants_predict_a_third_size_and_never_below(case):
     record = measure(case, dtype, tokens, context, heads=case.check_heads, lora=True)
     shape = ModelShape(record["width"], record["layers"], ffn=record["ffn"], vocab=record["vocab"])
     precision = case.check_precision  # the UNets' in fp32, as their full figures are checked
-    with adapters(True):
+    with adapters(case.lora_targets):
         full, checkpointed = measured_sample_bytes(case.key, shape, record["tokens"], record["context"], precision)
     print(
         f"{case.key} LoRA: predicted {full:.0f} / counted {record['total']}; checkpointed {checkpointed:.0f} / "
@@ -177,7 +177,7 @@ def test_the_unets_bf16_lora_constants_predict_a_third_size_and_never_below(case
 
     record = measure(case, torch.bfloat16, 144, 77, heads=case.check_heads, lora=True)
     shape = ModelShape(record["width"], record["layers"], ffn=record["ffn"], vocab=record["vocab"])
-    with adapters(True):
+    with adapters(case.lora_targets):
         full, checkpointed = measured_sample_bytes(case.key, shape, record["tokens"], record["context"], "bf16")
     print(
         f"{case.key} bf16 LoRA: {full:.0f} / {record['total']}; checkpointed {checkpointed:.0f} / {record['ckpt_total']}"
@@ -187,35 +187,54 @@ def test_the_unets_bf16_lora_constants_predict_a_third_size_and_never_below(case
 
 
 def test_a_lora_run_is_planned_with_the_lora_figure_only_on_the_measured_adapters():
-    """The plan reads the LoRA constants for plain LoRA on the default targets over an unquantized base
-    (families.facts.trains_default_adapters); other adapters, targets or a quantized base keep the full figure."""
-    from dstune.families.facts import trains_default_adapters
+    """The plan reads a model's LoRA constants for plain LoRA over an unquantized base on (some of) the targets they
+    were measured with (families.facts.lora_run_targets, memory.activations.adapters): the family's defaults, or
+    Kandinsky 6's own attention projections (the default names none of its layers); other adapters, targets or a
+    quantized base keep the full figure, an upper bound."""
+    from dstune.families.facts import lora_run_targets
+    from dstune.memory.activations import adapters
+    from dstune.models.kandinsky6.card import LORA_TARGETS
     from dstune.spec.load import validate_data, SpecSource
 
-    def model(**lora):
-        data = {
-            "model": {"family": "flow", "train": "lora", "lora": lora},
-            "data": {"path": "builtin:shapes"},
+    def model(family="flow", data="builtin:shapes", **lora):
+        spec = {
+            "model": {"family": family, "train": "lora", "lora": lora},
+            "data": {"path": data},
             "train": {"micro_batch_size": 1, "max_steps": 1},
         }
-        return validate_data(data, SpecSource("spec.yaml", {})).model
+        return validate_data(spec, SpecSource("spec.yaml", {})).model
 
-    assert trains_default_adapters(model())
-    assert trains_default_adapters(model(target_modules=["to_q", "to_v"]))
-    assert not trains_default_adapters(model(target_modules=["to_q", "ff.net.0.proj"]))
-    assert not trains_default_adapters(model(type="dora"))
-    quantized = model().model_copy(update={"base_precision": "int8"})
-    assert not trains_default_adapters(quantized)
-    speech = validate_data(
-        {
-            "model": {"family": "tts_lm", "train": "lora"},
-            "data": {"path": "builtin:tones"},
-            "train": {"micro_batch_size": 1, "max_steps": 1},
-        },
-        SpecSource("spec.yaml", {}),
-    ).model
-    assert trains_default_adapters(speech)  # lora left out: the attention projections q_proj, k_proj, v_proj, o_proj
+    def planned(key, model_spec):
+        """(the run's figure, the full fine-tuning figure) of `key` at a large shape."""
+        entry = activation_constants()[key]
+        shape = ModelShape(
+            3072, {kind: 10 for kind in entry["bf16"]["blocks"]}, vocab=32000 * bool(entry["measured"]["vocab"])
+        )
+        with adapters(lora_run_targets(model_spec)):
+            run = measured_sample_bytes(key, shape, 4096, 77)
+        return run, measured_sample_bytes(key, shape, 4096, 77)
+
+    def lora_figure(key, model_spec) -> bool:
+        run, full = planned(key, model_spec)
+        assert run[0] <= full[0] and run[1] <= full[1], key
+        return run[0] < full[0]
+
+    assert lora_figure("flux1", model())
+    assert lora_figure("flux1", model(target_modules=["to_q", "to_v"]))
+    assert not lora_figure("flux1", model(target_modules=["to_q", "ff.net.0.proj"]))
+    assert not lora_figure("flux1", model(type="dora"))
+    assert not lora_figure("flux1", model().model_copy(update={"base_precision": "int8"}))
+    assert not lora_figure("flux1", model(target_modules=["q_proj"]))
+    speech = model("tts_lm", "builtin:tones")  # lora left out: the attention projections q/k/v/o_proj
+    assert lora_figure("llama", speech)
     on_mlp = speech.model_copy(
         update={"lora": speech.lora_settings.model_copy(update={"target_modules": ["gate_proj"]})}
     )
-    assert not trains_default_adapters(on_mlp) and not trains_default_adapters(model(target_modules=["q_proj"]))
+    assert not lora_figure("llama", on_mlp)
+    video = model("video", "builtin:moving-shapes", target_modules=list(LORA_TARGETS))
+    assert lora_figure("kandinsky6", video) and lora_figure(
+        "kandinsky6", model("video", "builtin:moving-shapes", target_modules=list(LORA_TARGETS[:3]))
+    )
+    assert not lora_figure("kandinsky6", model("video", "builtin:moving-shapes"))  # to_q...: none of its layers
+    assert not lora_figure("kandinsky6", model("video", "builtin:moving-shapes", target_modules=[*LORA_TARGETS, "ff"]))
+    assert lora_figure("minimax-h3", model("video", "builtin:moving-shapes"))  # the default names its projections

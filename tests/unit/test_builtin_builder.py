@@ -15,7 +15,7 @@ import pytest
 import dstune.builtin as builtin
 from dstune.builtin import BUILD_FACTS, BuiltinError, ensure_builtin_model, pinned_child_env
 
-MODELS = ("tiny-dia", "tiny-wan")  # a transformers and a diffusers build, both cheap
+MODELS = ("tiny-dia", "tiny-wan")  # a transformers build, then a diffusers one in the same child; both cheap
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -30,20 +30,20 @@ def test_builds_in_one_child_equal_builds_in_their_own(tmp_path):
     folders = [ensure_builtin_model(name, tmp_path / "kept") for name in MODELS]
     builder = builtin._Builder.get()
     assert builder.process.poll() is None  # kept for the next build
-    for name, folder in zip(MODELS, folders):
-        own = tmp_path / "own" / name
-        own.mkdir(parents=True)
-        subprocess.run(
-            [sys.executable, "-m", "dstune.builtin.build", name, str(own), "{}"],
-            env=pinned_child_env(),
-            check=True,
-            capture_output=True,
-        )
-        marker = json.loads((folder / builtin.BUILTIN_MARKER).read_text())
-        facts = json.loads((own / BUILD_FACTS).read_text())
-        assert facts and facts.items() <= marker.items()  # the same build facts (parameter counts)
-        weights = _files(folder)
-        assert weights and weights == _files(own), name
+    name, folder = MODELS[-1], folders[-1]  # built after another one in the same child
+    own = tmp_path / "own" / name
+    own.mkdir(parents=True)
+    subprocess.run(
+        [sys.executable, "-m", "dstune.builtin.build", name, str(own), "{}"],
+        env=pinned_child_env(),
+        check=True,
+        capture_output=True,
+    )
+    marker = json.loads((folder / builtin.BUILTIN_MARKER).read_text())
+    facts = json.loads((own / BUILD_FACTS).read_text())
+    assert facts and facts.items() <= marker.items()  # the same build facts (parameter counts)
+    weights = _files(folder)
+    assert weights and weights == _files(own)
 
 
 def test_a_failed_build_names_the_model_and_the_next_build_works(tmp_path):
@@ -54,3 +54,27 @@ def test_a_failed_build_names_the_model_and_the_next_build_works(tmp_path):
         builtin._build_in_pinned_process("tiny-dia", blocked / "work", {})
     assert builtin._Builder.get() is builder  # the child answered: it is kept
     assert (ensure_builtin_model("tiny-dia", tmp_path / "cache") / builtin.BUILTIN_MARKER).is_file()
+
+
+def test_an_idle_builder_exits_and_a_request_it_missed_goes_to_a_new_one(tmp_path, monkeypatch):
+    idle = subprocess.Popen(
+        [sys.executable, "-c", "from dstune.builtin.build import serve; serve(idle_s=0.5)"],
+        env=pinned_child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert idle.wait(timeout=60) == 0  # nothing asked: it left by itself, its stdin still open
+    idle.stdin.close()
+
+    # a builder that reads the request and ends without an answer, as one ending idle at that moment does
+    ending = builtin._Builder.__new__(builtin._Builder)
+    ending.owner, ending.output = builtin.os.getpid(), None
+    ending.process = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.readline()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    monkeypatch.setattr(builtin._Builder, "_running", ending)
+    folder = ensure_builtin_model("tiny-dia", tmp_path)
+    assert (folder / builtin.BUILTIN_MARKER).is_file() and builtin._Builder._running is not ending

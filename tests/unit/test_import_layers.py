@@ -108,6 +108,7 @@ HEAVY_THIRD_PARTY = {
     "diffusers",
     "transformers",
     "peft",
+    "accelerate",  # imports torch (its meta-device model builder: dstune.families.quantized_base)
     "PIL",
     "soundfile",
     "safetensors",

@@ -270,6 +270,26 @@ def test_the_chunk_is_the_most_entries_whose_cache_phase_fits_and_one_at_least()
     assert tiled.per_gpu == loaded + 4 * max(ENCODE // 10, TEXT)
 
 
+def test_without_a_gpu_size_each_common_card_is_planned_with_the_cache_pass_it_would_choose(capsys):
+    """Kandinsky 6 Pro's launch spec: encoding the most entries a cache pass (8 clips of 121 frames at 512 px) needs
+    far more than any card, but on 80 GB the cache encodes fewer a pass, as a run there (or --gpu-memory 80GB)
+    plans it, and fits: the common cards' line says so, not 'fits none'."""
+    from dstune.cli import main
+
+    spec = str(REPO / "launch" / "kandinsky6-pro-lora-zero3-8gpu.yaml")
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "2000", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    cards = {row["gpu"]: row for row in memory["common_gpus"]}
+    assert memory["peak_per_gpu_bytes"] > 192e9 and memory["cache_encoding"]["entries_per_pass"] == 8
+    assert cards["80GB"]["fits"] and cards["80GB"]["entries_per_pass"] < 8 and not cards["48GB"]["fits"]
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "2000", "--json", "--gpu-memory", "80GB"]) == 0
+    on_80 = json.loads(capsys.readouterr().out)["memory"]
+    assert on_80["fits"] and on_80["peak_per_gpu_bytes"] == cards["80GB"]["peak_per_gpu_bytes"]
+    assert main(["validate", spec, "--num-gpus", "8", "--num-samples", "2000"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "common GPUs" in line)
+    assert "fits 80 GB (A100 80GB, H100) and larger; not 48 GB" in line and "1 entry a cache pass" in line
+
+
 def test_the_step_holds_the_backward_transients_and_under_zero_0_to_2_a_gradient_in_flight():
     from dstune.memory.phases import IN_FLIGHT, TRANSIENTS
 

@@ -33,6 +33,7 @@ from dstune.builtin.parts import tiny_qwen_tokenizer
 from dstune.hf import quiet_hf_libraries
 from dstune.memory.activation_cases import Case, attr, mse, randn, square_side
 from dstune.spec.section import VIDEO_FAMILY
+from dstune.models.kandinsky6.card import LORA_TARGETS
 
 _SEED = 61
 TEXT_WIDTH = 32  # Qwen2.5-VL's hidden size = the transformer's in_text_dim
@@ -255,5 +256,8 @@ ACTIVATION_CASES = (
         check_size=(200, 12),
         block_lists=attr("visual_transformer_blocks", "video_text_transformer_blocks", "audio_text_transformer_blocks"),
         check_heads=4,  # an even head count: the audio stream is half as wide, in whole 128-wide heads
+        lora_targets=LORA_TARGETS,  # its attention projections (the diffusers default names none of its layers)
+        lora_widths=(1, 3),  # its rotary tables, head-wide, are a good part of a narrow LoRA block (2 and 6 heads: the
+        # unit test checks at 4)
     ),
 )

@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from dstune.card import DEFAULT_LORA_TARGET_MODULES, ModelPreset, lora, video
 from dstune.families.denoiser_facts import embedding_width_bytes
+from dstune.families.facts import Attention
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import SpecIssues
 from dstune.families.video_card import VideoCard, clip_buckets, set_videos
@@ -204,8 +205,11 @@ class Kandinsky6Card(VideoCard):
         spatial = self.token_factors(folder)[0]
         tokens = video_tokens(config, frames, width, height, spatial, bool(spec.model.image_to_video))
         caption = spec.model.max_sequence_length or self.default_text_tokens
-        sample = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, tokens, caption, spec.train.precision)
-        return in_plan_units(sample, spec.train.precision)
+        split = spec.deepspeed.sequence_parallel_size
+        # under a sequence split the memory plan divides a sample's bytes by N, but the caption's text blocks run
+        # whole on every rank (dstune.models.kandinsky6.split): one rank's video share with the whole caption, times N
+        sample = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, tokens / split, caption, spec.train.precision)
+        return in_plan_units(tuple(part * split for part in sample), spec.train.precision)
 
     def text_bytes(self, spec, folder) -> int:
         """Qwen2.5-VL's token states, CLIP's pooled vector and the mask (a byte a token)."""
@@ -227,6 +231,19 @@ class Kandinsky6Card(VideoCard):
 
     def image_to_video(self, spec, folder) -> bool:
         return bool(spec.model.image_to_video)
+
+    def appended_latent_frames(self, spec) -> int:
+        """Image-to-video's reference frame, appended after the clip's frames: one latent frame more of tokens."""
+        return int(bool(spec.model.image_to_video))
+
+    def split_attention(self, folder) -> Optional[Attention]:
+        """The video heads a sequence-parallel split divides (its plan is dstune's: dstune.models.kandinsky6.split).
+        The caption and the sound stay whole on every rank, so they set no rule on N."""
+        config = folder.config("transformer")
+        head_dim = sum(config.get("axes_dims") or (32, 48, 48))
+        if not isinstance(config.get("model_dim"), int):
+            return None
+        return Attention(config["model_dim"] // head_dim, head_dim, f"the transformer config of {folder.origin}")
 
     def model_spec_issues(self, spec, folder) -> SpecIssues:
         """Image-to-video: one first frame per sample prompt (text-to-video: none); clips whose sound cannot follow

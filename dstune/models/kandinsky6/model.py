@@ -36,6 +36,7 @@ from dstune.families.precision import at_least_float32, compute_dtype
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.samples import ClipWithSound, first_frames
 from dstune.hf import quiet_hf_libraries
+from dstune.models.kandinsky6 import split
 from dstune.models.kandinsky6.card import DEFAULT_FPS, DEFAULT_SHIFT, TEXT_TENSORS
 
 # Kandinsky6TI2VAPipeline has no LoRA loader in diffusers 0.42: the file is written as Kandinsky 5's
@@ -247,6 +248,10 @@ class Kandinsky6(FlowModel):
 
     def lora_pipeline_class(self) -> str:
         return LORA_PIPELINE
+
+    def own_split_plan(self, size: int) -> dict:
+        """diffusers 0.42 gives the class no context-parallel plan: dstune's (dstune.models.kandinsky6.split)."""
+        return split.prepare_split(self.trainable, size)
 
     # ------------------------------------------------------------------------------------- samples
 

@@ -14,17 +14,17 @@ all-to-all divides the heads, so the masked cross-attention fails on N > 1. dstu
   isolate_modalities) is kept whole on every rank: every rank computes the same audio. The video queries' attention
   to the audio takes this rank's share of the cross-modal rotary table; the audio queries' attention to the video
   gathers the video's keys and values, and in backward sums every rank's gradient of them before each rank takes
-  its share (`gathered_video`), so a video token gets the gradient of the audio on every rank, not only on its
-  own. The audio's own loss is then computed on every rank of the group, and the group sums gradients: the flow
-  core divides that loss's gradient by N (dstune.models.ltx2.model), its value unchanged. The 2-rank runs of
-  tests/dist/test_sequence_parallel.py check that losses, gradient norms and the LoRA file equal one rank's with the
-  clips' sound;
+  its share (dstune.families.ulysses.gathered_over_group), so a video token gets the gradient of the audio on every
+  rank, not only on its own. The audio's own loss is then computed on every rank of the group, and the group sums
+  gradients: the flow core divides that loss's gradient by N (dstune.models.ltx2.model), its value unchanged. The
+  2-rank runs of tests/dist/test_sequence_parallel.py check that losses, gradient norms and the LoRA file equal one
+  rank's with the clips' sound;
 - samples (no gradients) run the pipeline's joint audio and video the same way.
 """
 
 from __future__ import annotations
 
-import torch
+from dstune.families.ulysses import gathered_over_group
 
 PROCESSOR_CLASSES = ("LTX2AudioVideoAttnProcessor", "LTX2PerturbedAttnProcessor")
 AUDIO_ONLY = ("audio_attn1", "audio_attn2")  # the audio stream's own attentions: whole on every rank
@@ -81,43 +81,13 @@ class WholeKeysAttention:
             query_rotary_emb = tuple(EquipartitionSharder.shard(t, t.ndim - 2, mesh) for t in query_rotary_emb)
         if config is not None and self.role == AUDIO_QUERIES_VIDEO_KEYS:
             mesh = config.context_parallel_config._flattened_mesh  # every video key, for the whole audio
-            encoder_hidden_states = gathered_video(encoder_hidden_states, mesh.get_group())
+            encoder_hidden_states = gathered_over_group(encoder_hidden_states, mesh.get_group())
         extra = {}
         if perturbation_mask is not None or all_perturbed is not None:
             extra = {"perturbation_mask": perturbation_mask, "all_perturbed": all_perturbed}
         return self.stock(
             attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, key_rotary_emb, **extra
         )
-
-
-class _GatheredVideo(torch.autograd.Function):
-    """The sequence group's video tokens, gathered along dim 1 (this rank's share is its place in the group). Every
-    rank's whole audio reads all of them, so the gradient of the gathered tokens differs from rank to rank: backward
-    sums it over the group, then keeps this rank's share (the adjoint of the gather; diffusers' own gather keeps the
-    share of this rank's gradient only, which is right where every rank computes the same loss from the gathered
-    tokens, but not here)."""
-
-    @staticmethod
-    def forward(ctx, tokens: torch.Tensor, group) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.group, ctx.size, ctx.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        parts = [torch.empty_like(tokens) for _ in range(ctx.size)]
-        dist.all_gather(parts, tokens.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        import torch.distributed as dist
-
-        summed = grad.contiguous().clone()
-        dist.all_reduce(summed, group=ctx.group)
-        return summed.chunk(ctx.size, dim=1)[ctx.rank].contiguous(), None
-
-
-def gathered_video(tokens: torch.Tensor, group) -> torch.Tensor:
-    """This rank's video tokens (B, T / N, D) -> the group's (B, T, D), whose backward sums over the group."""
-    return _GatheredVideo.apply(tokens, group)
 
 
 def _checked_forward(module, args, kwargs):

@@ -16,7 +16,8 @@ from dstune.builtin.parts import tiny_qwen3_vl_config, tiny_qwen_tokenizer
 from dstune.families.folders import MODULAR_INDEX
 from dstune.families.modular import exported_modular_index
 from dstune.hf import quiet_hf_libraries
-from dstune.models.minimax_h3.card import AUDIO_SHIFT, TEXT_LAYER, VIDEO_SHIFT
+from dstune.memory.activation_cases import Case, attr, mse, randn
+from dstune.models.minimax_h3.card import AUDIO_SHIFT, AUDIO_TAG, TEXT_LAYER, TEXT_TAG, VIDEO_SHIFT, VIDEO_TAG
 from dstune.spec.section import VIDEO_FAMILY
 
 FOLDER_NAME = "tiny-minimax-h3-v1"
@@ -110,4 +111,100 @@ TINY_MINIMAX_H3 = BuiltinModel(
     "video VAE of 17-frame chunks (16x spatial), a 4-channel stereo audio VAE, and a 51-layer 16-wide Qwen3-VL text "
     "encoder (hidden state 50 read)",
     build=build_tiny_minimax_h3,
+)
+
+
+# ------------------------------------------------------------------------------- activation measurement
+# The real class at a narrow width, trained one step, whose saved tensors bench/activation_table.py counts
+# (docs/memory.md): the measured activation constants the memory plan uses for this model.
+
+HEAD_DIM = 128  # the released config's attention_head_dim
+WIDTH_PER_HEAD = 96  # hidden_size per head (5,376 / 56): its heads are 4/3 of the width
+AUDIO_SHARE = 24  # video rows per sound row in the measurement (124 frames at 512 px: 9,472 to 414)
+
+
+def _minimax_h3(heads, ffn_mult):
+    """MiniMax-H3's proportions at `heads` 128-wide heads: the width 96 per head, the SwiGLU's inner width 8/3 of
+    it (14,336 / 5,376), the time embedding half of it; the text input narrowed like the width (5,120 of 5,376);
+    two blocks and the released two refiner blocks."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    width = heads * WIDTH_PER_HEAD
+    model = MiniMaxH3Transformer3DModel(
+        num_attention_heads=heads,
+        attention_head_dim=HEAD_DIM,
+        hidden_size=width,
+        num_layers=2,
+        num_refiner_layers=2,
+        ffn_dim=width * 8 // 3,
+        text_dim=width * 5120 // 5376,
+        time_embed_hidden_dim=width,
+        time_embed_dim=width // 2,
+    )
+    return model, width, 0, 0
+
+
+def media_rows(tokens: int) -> tuple[int, int]:
+    """(the grid side of 2 latent frames, sound latents a channel) of a measurement of `tokens` media rows: 2 x
+    side^2 video rows and 2 x the sound's latents (stereo), one sound row to AUDIO_SHARE video rows."""
+    for side in range(1, tokens):
+        sound = max(1, side * side // AUDIO_SHARE)
+        if 2 * side * side + 2 * sound == tokens:
+            return side, sound
+    raise ValueError(f"{tokens} media rows are no 2 x side^2 video rows and their sound")
+
+
+def _minimax_h3_run(model, tokens, context, dtype):
+    """`tokens` media rows (2 latent frames of side^2 patches and their stereo sound: media_rows) and `context`
+    caption rows, packed [text | sound | video] as the pipeline's layout step builds them, the video and the sound
+    at their own timesteps, as text-to-video+audio trains."""
+    import torch
+
+    with quiet_hf_libraries():
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+            MiniMaxH3PrepareLayoutStep,
+            MiniMaxH3SetTimestepsStep,
+        )
+
+    side, sound = media_rows(tokens)
+    config = model.config
+    tags = torch.full((context,), TEXT_TAG, dtype=torch.long)
+    positions, token_tags, video, audio, text_rows, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        tags, 2, 2 * side, 2 * side, sound, tuple(config.patch_size), 2, AUDIO_TAG, VIDEO_TAG
+    )
+    timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+        video, audio, 0, 0, context, 0.5, 0.75, 0.5, 1.0
+    )
+    inputs = dict(
+        hidden_states=randn(1, len(video), config.in_channels * 4, dtype=dtype),
+        audio_hidden_states=randn(1, len(audio), config.audio_in_channels, dtype=dtype),
+        encoder_hidden_states=randn(1, context, config.text_dim, dtype=dtype),
+        timestep=timestep,
+        timestep_indices=timestep_indices,
+        token_tags=token_tags,
+        position_ids=positions,
+        video_indices=video,
+        audio_indices=audio,
+        text_indices=text_rows,
+        return_dict=False,
+    )
+
+    def loss():
+        video_out, audio_out = model(**inputs)
+        return mse(video_out) + mse(audio_out)
+
+    return loss
+
+
+ACTIVATION_CASES = (
+    Case(
+        "minimax-h3",
+        "MiniMax-H3 (one packed sequence of caption, sound and video rows through full self-attention blocks)",
+        _minimax_h3,
+        _minimax_h3_run,
+        sizes=((132, 8), (300, 8), (132, 24), (300, 24)),
+        check_size=(208, 12),
+        block_lists=attr("transformer_blocks", refiner_blocks="token_refiner.refiner_blocks"),
+        lora_widths=(1, 2),  # its rotary tables, head-wide, are a good part of a narrow LoRA block
+    ),
 )

@@ -2,8 +2,9 @@
 modular_model_index.json, no model_index.json) around MiniMaxH3Transformer3DModel, the video VAE of 17-frame chunks
 (AutoencoderKLMiniMaxH3: 17k+5 frames -> 5k+2 latent frames, ImageNet-normalised pixels from [0, 1]), the stereo audio
 VAE (AutoencoderKLMiniMaxH3Audio, 40 latents a second at 32 kHz), a Qwen3-VL text encoder read at hidden state 50,
-and two MiniMaxH3Schedulers (shift 12 for video, 3 for audio). Trained text-to-video+audio (t2va) on the folder's
-`transformer/` partition; the first/last-frame (fl2va) and reference (ref2va) workflows are refused with the reason.
+and two MiniMaxH3Schedulers (shift 12 for video, 3 for audio). Trained text-to-video+audio (t2va) and, under
+model.image_to_video, first-frame-to-video+audio (fl2va: each clip from its own first frame) on the folder's
+`transformer/` partition; the reference workflow (ref2va, the `transformer_ref/` partition) is not loaded.
 
 Tokens of a clip: one packed sequence `[text | target audio | target video]`: the caption's tokens, the sound's 2 x
 (frames / 24 x 40) rows (stereo, channel-major) and (5k + 2) x (H / 32) x (W / 32) video rows (16x VAE, 1x2x2
@@ -19,16 +20,21 @@ from typing import Optional
 
 from dstune.card import IMAGENET_UNIT_PIXELS, ClipRule, ModelPreset, PixelRange, lora, video
 from dstune.families.denoiser_facts import transformer_text_bytes
+from dstune.families.facts import Attention
 from dstune.families.folders import component_problems, read_component_config, read_model_index
 from dstune.families.pipeline_card import SpecIssues
 from dstune.families.video_card import VideoCard, clip_buckets, set_videos
-from dstune.memory.activations import transformer_stack
+from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.working import TextWork, VaeWork
 
 PIPELINE = "MiniMaxH3ModularPipeline"
 TRANSFORMER = "MiniMaxH3Transformer3DModel"
 TEXT_TENSORS = ("encoder_hidden_states", "encoder_attention_mask")  # padded to max_sequence_length; the mask cuts
 SOUND_TENSORS = ("sound_latent", "has_sound")  # a clip's normalised audio rows and whether it has a track
+KEYFRAME_TENSORS = (
+    "keyframe_latent",
+    "keyframe_pixels",
+)  # fl2va: a clip's first frame encoded as a keyframe, its pixels
 TEXT_LAYER = 50  # the Qwen3-VL hidden state the pipeline conditions on (after decoder layer 50; not a config value)
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0  # the two MiniMaxH3Schedulers' shifts, stepped together (one u, two sigmas)
 FPS = 24  # the frame rate its rotary clock assumes: one latent of sound (1/40 s) is 24 x 5/3 / 40 of a frame's
@@ -37,6 +43,11 @@ TEXT_TAG, VIDEO_TAG, AUDIO_TAG = 1, 0, 2  # the rows' modality tags (AdaLN per t
 MIN_SECONDS, MAX_SECONDS = 5, 15  # the clip lengths its pipeline renders (sample frames 120 to 360 at 24 fps)
 DEFAULT_TEXT_TOKENS = 512  # captions are cut to max_sequence_length rows (the pipeline encodes them whole)
 SPATIAL = 16  # AutoencoderKLMiniMaxH3's compression when its config does not say
+ACTIVATION_CONSTANTS = "minimax-h3"  # measured on the class itself (the "minimax-h3" case in its builtin module)
+KEYFRAME_SEED = 42  # the pipeline's keyframe_encode_seed: a keyframe's posterior is sampled under its own generator
+KEYFRAME_LEVEL = 0.999  # the pipeline's keyframe_noise_aug: the t a keyframe's rows are noised to and held at
+VISION_PIXELS = 32  # pixels a side per vision token of the keyframe's block (Qwen3-VL: 16 px patches merged 2x2)
+KEYFRAME_LABEL_TOKENS = 8  # '<Picture 1>: ', <|vision_start|>, <|vision_end|> (about; the plan's count only)
 
 
 def clip_rule(vae: dict) -> ClipRule:
@@ -62,15 +73,22 @@ def text_tokens(spec) -> int:
 
 
 def sample_bytes(spec, folder, frames: int, width: int, height: int) -> tuple[int, int]:
-    """One clip's activations from the generic transformer formula (no measured constants yet): the packed
-    sequence's rows (caption, sound, video) through num_layers SwiGLU blocks of hidden_size, ffn_dim inner."""
+    """One clip's activations from the constants measured on its class (the "minimax-h3" case in its builtin
+    module): its media rows (video and sound, which every block treats alike; fl2va: the keyframe's latent frame too)
+    and its caption's rows (through the refiner blocks too; fl2va: the keyframe's vision block and its label too) at
+    the transformer's width and block counts."""
     config, vae = folder.config("transformer"), folder.config("vae")
     factor = spatial_factor(vae) * 2  # the 1x2x2 patch
-    video = clip_rule(vae).latent_frames(frames) * (width // factor) * (height // factor)
-    rows = text_tokens(spec) + audio_rows(frames) + video
-    hidden, layers = config.get("hidden_size", 5376), config.get("num_layers", 50)
-    full, checkpointed = transformer_stack(rows, hidden, config.get("ffn_dim", 4 * hidden), True, layers)
-    return int(full), int(checkpointed)  # the plan's units already (bytes at 2 bytes per element)
+    frame_rows = (width // factor) * (height // factor)
+    video = clip_rule(vae).latent_frames(frames) * frame_rows
+    blocks = {"transformer_blocks": config.get("num_layers", 50), "refiner_blocks": config.get("num_refiner_layers", 2)}
+    shape = ModelShape(config.get("hidden_size", 5376), blocks)
+    rows, caption = video + audio_rows(frames), text_tokens(spec)
+    if spec.model.image_to_video:
+        rows += frame_rows
+        caption += (width // VISION_PIXELS) * (height // VISION_PIXELS) + KEYFRAME_LABEL_TOKENS
+    sample = measured_sample_bytes(ACTIVATION_CONSTANTS, shape, rows, caption, spec.train.precision)
+    return in_plan_units(sample, spec.train.precision)
 
 
 def config_mismatches(folder: Path) -> list[str]:
@@ -103,9 +121,36 @@ def config_mismatches(folder: Path) -> list[str]:
     return problems
 
 
+def keyframe_issues(spec) -> SpecIssues:
+    """First-frame training (fl2va): its text rows hold the frame's vision block (not cacheable per caption), and
+    its samples render from a first frame per prompt."""
+    issues = []
+    if spec.data.cache.text_embeddings:
+        issues.append(
+            (
+                "data.cache.text_embeddings",
+                "MiniMax-H3's first-frame workflow (fl2va) encodes each caption after its clip's first frame (a "
+                "'<Picture 1>: ' label and the frame's Qwen3-VL vision block, then the caption), so a clip's text "
+                "rows belong to its caption and its frame, not to the caption: set it to false (data.cache.latents "
+                "still caches the clip's latents, sound and keyframe)",
+            )
+        )
+    prompts, images = len(spec.sample.prompts), len(spec.sample.control_images)
+    if prompts and images != prompts:
+        issues.append(
+            (
+                "sample.control_images",
+                f"{images} image(s) for {prompts} prompt(s): MiniMax-H3's first-frame samples render each prompt from "
+                "its first frame; give one image per prompt, or sample.prompts: []",
+            )
+        )
+    return issues
+
+
 @dataclass(frozen=True, kw_only=True)
 class MiniMaxH3Card(VideoCard):
     trains_sound = True  # its class encodes each clip's track with the audio VAE
+    fits_guided_target = True  # guidance-distilled: its loss takes model.cfg_augmented_target
 
     def hidden_states_read(self, folder) -> dict[str, tuple[int, ...]]:
         return {"text_encoder": (TEXT_LAYER,)}
@@ -135,8 +180,7 @@ class MiniMaxH3Card(VideoCard):
         return problems or config_mismatches(folder)
 
     def settings_issues(self, model_spec) -> SpecIssues:
-        """The keys its sigma draw does not read (it maps u through the schedulers' shifts itself), and the
-        workflows not trained yet."""
+        """The keys its sigma draw does not read (it maps u through the schedulers' shifts itself)."""
         issues = super().settings_issues(model_spec)
         for key in ("shift", "timestep_range"):
             if getattr(model_spec, key, None) is not None:
@@ -147,19 +191,12 @@ class MiniMaxH3Card(VideoCard):
                         f"{AUDIO_SHIFT:g} for audio, one u for both, as they step together); remove it",
                     )
                 )
-        if getattr(model_spec, "image_to_video", False):
-            issues.append(
-                (
-                    "model.image_to_video",
-                    "MiniMax-H3's first/last-frame workflow (fl2va: keyframe rows before the targets, held at t = "
-                    "0.999) is not trained by dstune yet; train text-to-video+audio (t2va): remove the key",
-                )
-            )
         return issues
 
     def model_spec_issues(self, spec, folder) -> SpecIssues:
         """Clip rates other than its 24 fps (its rotary clock pairs a frame with 5/3 latents of sound), sound that
-        cannot follow its frames, sample lengths its pipeline does not render, and no sequence split."""
+        cannot follow its frames, sample lengths its pipeline does not render, and fl2va's text cache and first
+        frames (keyframe_issues)."""
         issues = []
         for prefix, section in set_videos(spec.data):
             if section.fps is not None and section.fps != FPS:
@@ -188,20 +225,20 @@ class MiniMaxH3Card(VideoCard):
                     "362 rounds past 15 s, so 345 is the longest); set one, or sample.prompts: []",
                 )
             )
-        if spec.deepspeed.sequence_parallel_size > 1:
-            issues.append(
-                (
-                    "deepspeed.sequence_parallel_size",
-                    f"{spec.deepspeed.sequence_parallel_size}: MiniMax-H3's one packed sequence (text, sound and "
-                    "video rows, each row's timestep and rotary position by index) is not split by dstune's sequence "
-                    "parallelism yet; set 1 (ZeRO-3 shards the weights; gradient checkpointing the activations)",
-                )
-            )
+        if spec.model.image_to_video:
+            issues += keyframe_issues(spec)
         return issues
 
     def latent_cache_key(self, model_spec, folder: Path) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
         """Each clip's normalised audio rows (the audio VAE posterior's mode) beside its posterior, silence's where it
-        has none, with has_sound saying which."""
+        has none, with has_sound saying which; first-frame training (fl2va) its first frame's keyframe latent and
+        pixels too."""
+        if model_spec.image_to_video:
+            return (
+                "sound: audio_vae rows; fl2va: first-frame keyframe",
+                ("audio_vae",),
+                SOUND_TENSORS + KEYFRAME_TENSORS,
+            )
         return "sound: audio_vae rows", ("audio_vae",), SOUND_TENSORS
 
     # ---------------------------------------------------------------------------------------- memory
@@ -223,8 +260,22 @@ class MiniMaxH3Card(VideoCard):
         buckets = clip_buckets(spec, num_samples, clips)
         return core + sum((audio_rows(f) * channels * 4 + 4) * n for f, _, _, n in buckets)
 
-    def split_attention(self, folder) -> Optional[object]:
-        return None
+    def split_attention(self, folder) -> Optional[Attention]:
+        """The heads a sequence-parallel split divides (its class's plan, prepared by dstune.models.minimax_h3.split).
+        The packed sequence sets no rule on N: the split pads it with masked rows to a multiple of N."""
+        config = folder.config("transformer")
+        if not isinstance(config.get("num_attention_heads"), int):
+            return None
+        heads, width = config["num_attention_heads"], config.get("attention_head_dim", 0)
+        return Attention(heads, width, f"the transformer config of {folder.origin}")
+
+    def split_tokens(self, spec, frames: int, video_tokens: int) -> tuple[int, str]:
+        """The packed sequence a split divides: the caption (at most max_sequence_length tokens), the sound's rows
+        and the video's, padded with masked rows to a multiple of N."""
+        size = spec.deepspeed.sequence_parallel_size
+        rows = text_tokens(spec) + audio_rows(frames) + video_tokens
+        what = f"packed text <= {text_tokens(spec)} + sound {audio_rows(frames)} + video {video_tokens} rows"
+        return -(-rows // size) * size, what + (f", padded to a multiple of {size}" if size > 1 else "")
 
 
 # The working memory of its VAE and text encoder classes (dstune.memory.working: bf16 bytes per width unit), as
@@ -261,9 +312,10 @@ MINIMAX_H3_CARD = MiniMaxH3Card(
     unit="minimax_h3",
     model_class="dstune.models.minimax_h3.model:MiniMaxH3",
     docs="docs/family-minimax-h3.md",
+    activation_cases="dstune.models.minimax_h3.builtin:ACTIVATION_CASES",
     names=r"minimax[-_ ]?h3\w*",
     summary="MiniMax-H3 (MiniMaxH3Transformer3DModel, a modular pipeline; Qwen3-VL text): text-to-video with stereo "
-    "sound (t2va), guidance-distilled",
+    "sound (t2va) and first-frame-to-video (fl2va: model.image_to_video), guidance-distilled",
     folder_classes={PIPELINE: 1.0},  # guidance-distilled: one forward a step, no guidance scale
     transformer_class=TRANSFORMER,
     pipeline_class=PIPELINE,

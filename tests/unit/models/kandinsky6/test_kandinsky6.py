@@ -287,20 +287,32 @@ def _validate(capsys, tmp_path, *sets: str) -> tuple[int, str]:
 
 
 def test_validate_plans_it_and_refuses_what_it_cannot_train_with_the_reason(capsys, tmp_path):
-    """validate passes the tiny model's spec, and refuses, naming the key and why: a sequence split (no
-    context-parallel plan for the class), the default LoRA targets (naming its layers), another sigma sampler, and
-    image-to-video samples without first frames."""
+    """validate passes the tiny model's spec, and refuses, naming the key and why: the default LoRA targets (naming
+    its layers), another sigma sampler, and image-to-video samples without first frames."""
     code, text = _validate(capsys, tmp_path)
     assert code == 0, text
-    code, text = _validate(capsys, tmp_path, "deepspeed.sequence_parallel_size=2")
-    assert code == 1 and "deepspeed.sequence_parallel_size" in text
-    assert "Kandinsky6Transformer3DModel has no context-parallel plan" in text
     code, text = _validate(capsys, tmp_path, "model.train=lora")
     assert code == 1 and "model.lora.target_modules" in text and "to_query" in text
     code, text = _validate(capsys, tmp_path, "model.timestep_sampling=logit_normal")
     assert code == 1 and "model.timestep_sampling" in text and "uniform" in text
     code, text = _validate(capsys, tmp_path, "model.image_to_video=true", "sample.prompts=[a red circle]")
     assert code == 1 and "sample.control_images" in text and "first frame" in text
+
+
+def test_validate_takes_a_sequence_split_by_the_video_heads_and_tokens_with_the_reference_frame(capsys, tmp_path):
+    """dstune's split (dstune.models.kandinsky6.split) divides the video's 2 heads and the clip's tokens; the caption
+    and the sound stay whole, so they set no rule. Image-to-video appends the first frame's latent to the clip's
+    tokens: at 48 px a 5-frame clip is 2 x 3 x 3 = 18 tokens, which 2 divides, and with the reference frame
+    3 x 3 x 3 = 27, which it does not (the split would fail at the first block)."""
+    code, text = _validate(capsys, tmp_path, "deepspeed.sequence_parallel_size=2")
+    assert code == 0, text
+    assert "1 data-parallel x 2 sequence-parallel" in text and "8 tokens per sample -> 4 per rank" in text
+    code, text = _validate(capsys, tmp_path, "deepspeed.sequence_parallel_size=2", "data.resolution=48")
+    assert code == 0 and "18 tokens per sample -> 9 per rank" in text, text
+    code, text = _validate(
+        capsys, tmp_path, "deepspeed.sequence_parallel_size=2", "data.resolution=48", "model.image_to_video=true"
+    )
+    assert code == 1 and "deepspeed.sequence_parallel_size" in text and "5f 48x48: 27" in text, text
 
 
 def test_the_sound_encodes_with_the_audio_vae_in_bf16(built):
