@@ -127,32 +127,37 @@ def memory_json(counts: ModelCounts, setup: Setup, gpu_bytes: Optional[float]) -
             if setup.dequantized_layer_params
             else {}
         ),
-        "parameters": {
-            "module": counts.trainable_module,
-            "module_params": counts.module_params,
-            "trainable_params": counts.trainable_params,
-            "frozen_base_params": counts.frozen_base_params,
-            "largest_layer_params": counts.largest_layer_params,
-            "companions": dict(counts.companions),
-            "cached_companions": list(counts.cached_companions),
-            "once_per_node_companions": list(counts.once_per_node),
-            "text_on_every_rank": counts.text_on_every_rank or None,
-            "origin": counts.origin,
-            "sampling_companions": dict(counts.sampling_companions),
-            "expert": counts.expert,
-            # model.base_precision int8 under ZeRO-3: what each rank stores of the base (int8 codes, scales, the
-            # rest at the compute dtype) and of it the int8 codes alone
-            **(
-                {
-                    "quantized_base": {
-                        "stored_bytes_per_rank": frozen_base_bytes(counts, setup) / setup.world_size,
-                        "int8_codes_bytes_per_rank": int8_codes_per_rank(counts, setup),
-                        "linear_weights": counts.linear_weights[0],
-                        "linear_rows": counts.linear_weights[1],
-                    }
+        "parameters": _parameters_json(counts, setup),
+    }
+
+
+def _parameters_json(counts: ModelCounts, setup: Setup) -> dict:
+    """`memory.parameters`: what the plan counted (docs/memory.md names each key)."""
+    return {
+        "module": counts.trainable_module,
+        "module_params": counts.module_params,
+        "trainable_params": counts.trainable_params,
+        "frozen_base_params": counts.frozen_base_params,
+        "largest_layer_params": counts.largest_layer_params,
+        "companions": dict(counts.companions),
+        "cached_companions": list(counts.cached_companions),
+        "once_per_node_companions": list(counts.once_per_node),
+        "text_on_every_rank": counts.text_on_every_rank or None,
+        "origin": counts.origin,
+        "sampling_companions": dict(counts.sampling_companions),
+        "expert": counts.expert,
+        # model.base_precision int8 under ZeRO-3: what each rank stores of the base (int8 codes, scales, the
+        # rest at the compute dtype) and of it the int8 codes alone
+        **(
+            {
+                "quantized_base": {
+                    "stored_bytes_per_rank": frozen_base_bytes(counts, setup) / setup.world_size,
+                    "int8_codes_bytes_per_rank": int8_codes_per_rank(counts, setup),
+                    "linear_weights": counts.linear_weights[0],
+                    "linear_rows": counts.linear_weights[1],
                 }
-                if setup.int8_partitioned and counts.frozen_base_params and counts.linear_weights[0]
-                else {}
-            ),
-        },
+            }
+            if setup.int8_partitioned and counts.frozen_base_params and counts.linear_weights[0]
+            else {}
+        ),
     }
