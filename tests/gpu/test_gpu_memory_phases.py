@@ -45,6 +45,12 @@ CASES = {  # name -> spec overrides on top of SPEC
     "zero2-full-bf16-states-offload": {
         "deepspeed": {"zero_stage": 2, "offload_optimizer": "cpu", "bf16_optimizer_states": True}
     },
+    # the frozen base stored in int8 and partitioned by ZeRO-3 (dstune's Int8Linear: 1 byte a weight and a scale a
+    # row per rank's share, each gathered layer dequantized while it computes); on CPU ranks tests/dist/test_levers
+    "zero3-lora-int8-base": {
+        "deepspeed": {"zero_stage": 3},
+        "model": {"train": "lora", "lora": {"rank": 16}, "base_precision": "int8"},
+    },
 }
 
 
