@@ -6,7 +6,7 @@ phase's own peak (dstune.memory.record: CUDA max allocated on a GPU; on the CPU 
 baseline, reset at each phase) beside the plan's prediction for that phase (less the runtime reserve). The cases
 cover ZeRO 0-3, each with the EMA and the encoder cache off and on, LoRA and full training, samples and optimizer
 offload. On the CPU accelerator the prediction includes the runtime reserve a rank holds beyond the tensors
-(dstune.memory.plan.CPU_RUNTIME_RESERVE_BYTES), which its RSS sees.
+(dstune.memory.reserve.CPU_RUNTIME_RESERVE_BYTES), which its RSS sees.
 
     python3 bench/memory_phases.py [--ranks 2] [--quick]
 """

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from dstune.memory.frozen_base import dequantized_copy, frozen_base_bytes
+from dstune.memory.reserve import CPU_STARTUP_RESERVE_BYTES, runtime_reserve
 from dstune.memory.offload import offload_sample_change, offloaded_activations, text_encoder_terms
 from dstune.memory.phases import IN_FLIGHT, STEP_TEXT, STEP_VAE, TRANSIENTS, Phase, peak_phase, run_phases
 from dstune.memory.sizes import parse_size  # noqa: F401 (validate's --gpu-memory reads it from here)
@@ -45,23 +46,6 @@ OPTIMIZER_STATE_BYTES = {
 }
 BF16_STATE_BYTES = 2.0 + 2.0 + 2.0  # deepspeed.bf16_optimizer_states: bf16 master weights and two bf16 moments
 ADAFACTOR_FACTORED_BYTES = 0.1
-RUNTIME_RESERVE_BYTES = 1 << 30  # CUDA context, NCCL and allocator slack per GPU
-# DeepSpeed's CPU accelerator (--accelerator cpu: the host is the device), per rank: what a rank's resident memory
-# holds beyond the tensors the plan counts, measured on 2-rank runs at 0.8 M and 17.6 M parameters
-# (docs/performance.md section 5). From the first training step on (step and sample phases): library pages and
-# Python code loaded lazily by the first backward, optimizer step and samples (about 25-30 MB of file pages, 40-60 MB
-# anonymous), and the heap glibc keeps after a step's transients are freed, which grows with the module (about 4
-# bytes per module parameter between the two sizes; the RSS a phase starts from carries it). Before it (load and
-# cache build): the module objects and the loading and encoding code, 15-35 MB, up to 57 MB on a rank running a text
-# encoder for the cache (its code, tokenizer and template files: 34 MB of file pages). DeepSpeed's shm all-reduce
-# workspace (66 MiB a rank) is mapped but never touched in training (its kernel serves only inference_all_reduce):
-# 0 bytes of RssShmem in every run measured. A GPU's allocator peak holds none of this.
-CPU_RUNTIME_RESERVE_BYTES = 96 << 20
-CPU_RESERVE_PER_MODULE_PARAM = 4.0
-CPU_STARTUP_RESERVE_BYTES = 64 << 20
-# train.compile blocks on the CPU accelerator: torch.compile's own objects and the generated kernels' modules in the
-# rank's memory from the first step on (measured: 55 MB over the plain run at SD's tiny UNet, 1 rank)
-CPU_COMPILE_RESERVE_BYTES = 96 << 20
 # DeepSpeed's ZeRO-3 defaults, where the JSON does not set them (deepspeed.runtime.zero.config)
 ZERO3_PERSISTENCE_THRESHOLD, ZERO3_MAX_REUSE_DISTANCE, ZERO3_MAX_LIVE_PARAMETERS = 100_000, 1_000_000_000, 1_000_000_000
 # DeepSpeed's ZeRO documentation: overlap_comm uses 4.5 x allgather_bucket_size and reduce_bucket_size (elements, in
@@ -535,13 +519,7 @@ def estimate(counts: ModelCounts, setup: Setup) -> Estimate:
     on_gpu = setup.accelerator == "cuda"
     if not on_gpu:  # the host is the device: what offload moves to the host stays in the rank's memory
         optimizer += offloaded_to_host(counts, setup)
-    reserve = (
-        RUNTIME_RESERVE_BYTES
-        if on_gpu
-        else CPU_RUNTIME_RESERVE_BYTES
-        + CPU_RESERVE_PER_MODULE_PARAM * counts.module_params
-        + (CPU_COMPILE_RESERVE_BYTES if setup.compiled_blocks else 0)
-    )
+    reserve = runtime_reserve(counts, setup)
     sampling = setup.frozen_bytes * sum(counts.sampling_companions.values()) if setup.samples else 0.0
     ema = 4.0 * counts.trainable_params / setup.world_size if setup.ema_device == "same" else 0.0
     frozen, acts = frozen_on_gpu(counts, setup), activations(counts, setup)

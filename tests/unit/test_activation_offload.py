@@ -168,7 +168,7 @@ def test_compiled_blocks_and_offload_are_accepted_on_a_diffusion_model_under_zer
 
 
 def test_compiled_blocks_add_the_compilers_memory_on_the_cpu_accelerator_only():
-    from dstune.memory.plan import CPU_COMPILE_RESERVE_BYTES
+    from dstune.memory.reserve import CPU_COMPILE_RESERVE_BYTES
 
     counts = counts_for(1_000_000, 100_000, checkpointed_sample_bytes=1000)
     plain = setup_for(2, 2, 2, gradient_checkpointing=True, accelerator="cpu")
