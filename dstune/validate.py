@@ -35,7 +35,7 @@ from dstune.ds_json.cross_check import cross_check as deepspeed_cross_check
 from dstune.ds_json.fill_spec import apply_ds_file, ds_value_sources
 from dstune.memory.plan import Setup
 from dstune.memory.verdict import memory_json
-from dstune.families import get_facts
+from dstune.families import card_of_spec, get_facts
 from dstune.families.quantized_file import quantized_file_setup, transformer_file_problems
 from dstune.families.speakers import SpeakersRefused, Voices
 from dstune.memory.counts import SizesUnknown
@@ -224,7 +224,8 @@ def quantized_base_issues(spec: Spec, source: SpecSource, ds_config: Optional[di
     if reference:
         pretrained = locate(spec.model.pretrained)
         folder = pretrained.path if pretrained.kind in ("folder", "hub") else None
-        problems = transformer_file_problems(reference, folder, stage)
+        card = card_of_spec(spec) if folder is not None else None
+        problems = transformer_file_problems(reference, folder, stage, card)
         return [source.issue("model.transformer_file", problem) for problem in problems]
     if precision is None or stage != 3:
         return []
