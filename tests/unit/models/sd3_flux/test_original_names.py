@@ -107,3 +107,18 @@ def test_tiny_flux_in_the_original_naming_reads_as_the_diffusers_named_file(flux
         losses.append(_lora_loss(build_model(spec, CACHE_DIR, "cpu"), shape_batch([0, 1]))[0].item())
     print("LoRA loss on the original-named file", losses[0], "on the diffusers-named file", losses[1])
     assert losses[0] == losses[1]
+
+
+def test_validate_reads_the_original_naming_and_names_a_missing_key(flux_files, tmp_path):
+    """Offline, from the header: the original-named file fits the folder's transformer; the same file without one
+    tensor is refused at the key's line, naming the diffusers parameter it lacks and the naming it was read in."""
+    from safetensors.torch import save_file
+
+    from test_quantized_file import _issue, _validate
+
+    folder, (original, _), written = flux_files
+    assert _validate(tmp_path, folder, original).spec.model.transformer_file == str(original)
+    dropped = "model.diffusion_model.single_blocks.0.linear1.bias"
+    save_file({k: v for k, v in written.items() if k != dropped}, str(tmp_path / "lacking.safetensors"))
+    message = _issue(tmp_path, folder, tmp_path / "lacking.safetensors").message
+    assert "single_transformer_blocks.0.attn.to_q.bias" in message and "Flux.1's original names" in message
