@@ -160,37 +160,56 @@ def to_original(state: dict, pieces: dict) -> dict:
     }
 
 
-def write_original_scaled_fp8(module: torch.nn.Module, pieces_of, original_path, diffusers_path, prefix=""):
-    """The module's weights as a scaled fp8 file in the model's original naming (each original linear weight, a
-    fused one whole, in float8_e4m3fn with one fp32 scale), and the same bytes in diffusers' naming: each piece of
-    a fused weight its rows of the fused bytes with the fused tensor's scale. Returns the original file's tensors."""
+def _split(tensor: torch.Tensor, parts: list, state: dict) -> dict:
+    """An original tensor's rows back into its diffusers pieces (fp8 moved as int8 bytes: torch.cat's dtypes)."""
+    values = tensor.view(torch.int8) if tensor.dtype == torch.float8_e4m3fn else tensor
+    start, rows_of = 0, {}
+    for name, rows in parts:
+        count = (rows[1] - rows[0]) if rows else state[name].shape[0]
+        rows_of.setdefault(name, []).append(((rows or (0,))[0], values[start : start + count]))
+        start += count
+    out = {}
+    for name, found in rows_of.items():
+        whole = torch.cat([piece for _, piece in sorted(found, key=lambda item: item[0])])
+        out[name] = whole.view(tensor.dtype) if tensor.dtype == torch.float8_e4m3fn else whole
+    return out
+
+
+def write_original_quantized(module: torch.nn.Module, pieces_of, original_path, diffusers_path, prefix="", kind="fp8"):
+    """The module's weights as a quantized file in the model's original naming (each original linear weight, a
+    fused one whole): `kind` fp8, ComfyUI's scaled fp8 (float8_e4m3fn, one fp32 scale a tensor), or int8, ComfyUI's
+    int8_tensorwise (one fp32 scale a row); and the same bytes in diffusers' naming: each piece of a fused weight
+    its rows of the fused bytes, with the fused tensor's scale (fp8) or its rows' scales (int8). Returns the
+    original file's tensors."""
     from safetensors.torch import save_file
 
     state = {name: tensor.detach().float() for name, tensor in module.state_dict().items()}
-    linear = linear_weights(module)
-    pieces = pieces_of(state)
+    linear, pieces = linear_weights(module), pieces_of(state)
+    marker = torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)
     original, diffusers = {}, {}
     for key, tensor in to_original(state, pieces).items():
         parts = pieces[key]
-        if all(name in linear for name, _ in parts):
-            scale = tensor.abs().max().clamp(min=1e-12) / FP8_MAX
-            stored, scale = (tensor / scale).to(torch.float8_e4m3fn), scale.reshape(())
-            original[prefix + key], original[prefix + key.removesuffix(".weight") + ".scale_weight"] = stored, scale
-            for name in {name for name, _ in parts}:
-                diffusers[name.removesuffix(".weight") + ".scale_weight"] = scale.clone()
+        if not all(name in linear for name, _ in parts):
+            original[prefix + key] = tensor.to(torch.bfloat16)
+            diffusers.update(_split(original[prefix + key], parts, state))
+            continue
+        layer = key.removesuffix(".weight")
+        if kind == "fp8":
+            scale = (tensor.abs().max().clamp(min=1e-12) / FP8_MAX).reshape(())
+            stored = (tensor / scale).to(torch.float8_e4m3fn)
+            original[prefix + layer + ".scale_weight"] = scale
+            diffusers.update({n.removesuffix(".weight") + ".scale_weight": scale.clone() for n, _ in parts})
         else:
-            stored = tensor.to(torch.bfloat16)
-            original[prefix + key] = stored
-        start, rows_of = 0, {}
-        bytes_ = stored.view(torch.int8) if stored.dtype == torch.float8_e4m3fn else stored  # cat takes int8
-        for name, rows in parts:
-            count = (rows[1] - rows[0]) if rows else state[name].shape[0]
-            rows_of.setdefault(name, []).append(((rows or (0,))[0], bytes_[start : start + count]))
-            start += count
-        for name, found in rows_of.items():
-            whole = torch.cat([piece for _, piece in sorted(found, key=lambda item: item[0])])
-            diffusers[name] = whole.view(torch.float8_e4m3fn) if whole.dtype == torch.int8 else whole
-    original[prefix + "scaled_fp8"] = diffusers["scaled_fp8"] = torch.zeros(2, dtype=torch.float8_e4m3fn)
-    save_file(original, str(original_path))
+            scale = tensor.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+            stored = (tensor / scale).round().clamp(-127, 127).to(torch.int8)
+            original[prefix + layer + ".weight_scale"], original[prefix + layer + ".comfy_quant"] = scale, marker
+            scales = _split(scale, parts, state)
+            diffusers.update({n.removesuffix(".weight") + ".weight_scale": s for n, s in scales.items()})
+            diffusers.update({n.removesuffix(".weight") + ".comfy_quant": marker.clone() for n, _ in parts})
+        original[prefix + key] = stored
+        diffusers.update(_split(stored, parts, state))
+    if kind == "fp8":
+        original[prefix + "scaled_fp8"] = diffusers["scaled_fp8"] = torch.zeros(2, dtype=torch.float8_e4m3fn)
+    save_file({k: v.clone() if k.endswith(".comfy_quant") else v for k, v in original.items()}, str(original_path))
     save_file(diffusers, str(diffusers_path))
     return original

@@ -12,7 +12,7 @@ from dstune import builtin as tiny
 from dstune.families.quantized_base import _rows
 from dstune.models.sd3_flux.card import FLUX_CARD
 from loaded_models import CACHE_DIR
-from quantized_files import flux_original_pieces, to_original, write_original_scaled_fp8
+from quantized_files import flux_original_pieces, to_original, write_original_quantized
 
 FLUX1_DEV = dict(  # Flux.1-dev's transformer at 2 + 2 of its 19 + 38 blocks (the map is per block)
     patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=128,
@@ -64,14 +64,19 @@ def flux_files(tmp_path_factory):
     folder = tiny.ensure_builtin_model("tiny-flux", CACHE_DIR)
     root = tmp_path_factory.mktemp("flux-original")
     transformer = FluxTransformer2DModel.from_pretrained(folder / "transformer")
-    paths = root / "original.safetensors", root / "diffusers.safetensors"
-    written = write_original_scaled_fp8(transformer, flux_original_pieces, *paths, prefix="model.diffusion_model.")
-    return folder, paths, written
+    files = {}
+    for kind, prefix in [("fp8", "model.diffusion_model."), ("int8", "")]:  # ComfyUI's prefix on one, none on the other
+        paths = root / f"original-{kind}.safetensors", root / f"diffusers-{kind}.safetensors"
+        written = write_original_quantized(transformer, flux_original_pieces, *paths, prefix=prefix, kind=kind)
+        files[kind] = (*paths, written)
+    return folder, files
 
 
-def test_tiny_flux_in_the_original_naming_reads_as_the_diffusers_named_file(flux_files):
-    """The same stored bytes and scales layer by layer (a fused qkv's per-tensor scale on each of its pieces), the
-    same dequantized weights and plain parameters, and the same LoRA loss, bitwise."""
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_tiny_flux_in_the_original_naming_reads_as_the_diffusers_named_file(flux_files, kind):
+    """Scaled fp8 (one scale a tensor) and ComfyUI int8_tensorwise (one a row): the same stored bytes and scales
+    layer by layer (a fused qkv's per-tensor scale on each of its pieces, its per-row scales sliced with their rows),
+    the same dequantized weights and plain parameters, and the same LoRA loss, bitwise."""
     from diffusers import FluxTransformer2DModel
 
     from dstune.families.quantized_base import ScaledLinear, dequantized, load_quantized_transformer
@@ -80,8 +85,12 @@ def test_tiny_flux_in_the_original_naming_reads_as_the_diffusers_named_file(flux
     from test_quantized_file import LORA, _lora_loss
     from tiny_batches import shape_batch
 
-    folder, (original, renamed), written = flux_files
-    assert "model.diffusion_model.double_blocks.0.img_attn.qkv.scale_weight" in written
+    folder, files = flux_files
+    original, renamed, written = files[kind]
+    scale = {"fp8": "model.diffusion_model.double_blocks.0.img_attn.qkv.scale_weight"}
+    assert written[scale.get(kind, "single_blocks.0.linear1.weight_scale")].numel() == (
+        1 if kind == "fp8" else 3 * 32 + 128
+    )
     config = FluxTransformer2DModel.load_config(folder / "transformer")
     models = [load_quantized_transformer(FluxTransformer2DModel, config, p, FLUX_CARD) for p in (original, renamed)]
     layers = [{n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear)} for model in models]
@@ -116,7 +125,8 @@ def test_validate_reads_the_original_naming_and_names_a_missing_key(flux_files, 
 
     from test_quantized_file import _issue, _validate
 
-    folder, (original, _), written = flux_files
+    folder, files = flux_files
+    original, _, written = files["fp8"]
     assert _validate(tmp_path, folder, original).spec.model.transformer_file == str(original)
     dropped = "model.diffusion_model.single_blocks.0.linear1.bias"
     save_file({k: v for k, v in written.items() if k != dropped}, str(tmp_path / "lacking.safetensors"))

@@ -11,7 +11,7 @@ import torch
 from dstune import builtin as tiny
 from dstune.models.wan.card import WAN_CARD
 from loaded_models import CACHE_DIR
-from quantized_files import linear_weights, to_original, wan_original_pieces, write_original_scaled_fp8
+from quantized_files import linear_weights, to_original, wan_original_pieces, write_original_quantized
 from tiny_batches import clip_batch
 
 LORA = {"train": "lora", "lora": {"rank": 4, "alpha": 4}}
@@ -54,7 +54,7 @@ def test_tiny_wan_in_the_original_naming_trains_as_the_diffusers_named_file(tmp_
     folder = tiny.ensure_builtin_model("tiny-wan", CACHE_DIR)
     transformer = WanTransformer3DModel.from_pretrained(folder / "transformer")
     paths = tmp_path / "original.safetensors", tmp_path / "diffusers.safetensors"
-    written = write_original_scaled_fp8(transformer, wan_original_pieces, *paths)
+    written = write_original_quantized(transformer, wan_original_pieces, *paths)
     assert "blocks.0.cross_attn.o.scale_weight" in written and "head.head.scale_weight" in written
     models, losses = [], []
     for path in paths:
