@@ -338,6 +338,20 @@ def folder_shapes(component: Path) -> Optional[dict[str, tuple]]:
     return shapes
 
 
+def read_for(reference, card=None, folder: Optional[Path] = None) -> QuantizedFile:
+    """The file at `reference` read from its header, under diffusers' names where it is in the original naming of
+    `card`'s model and the pipeline `folder`'s transformer config is here (its widths split fused tensors)."""
+    layout = read_quantized_file(reference)
+    config_file = folder / "transformer" / "config.json" if folder is not None else None
+    if card is None or config_file is None or not config_file.is_file():
+        return layout
+    try:
+        config = json.loads(config_file.read_text())
+        return in_diffusers_names(layout, card, config)
+    except (KeyError, ValueError, TypeError) as err:  # a config without the widths a map needs
+        raise QuantizedFileError(f"{config_file}: cannot map {layout.path}'s original names with it ({err})") from None
+
+
 def transformer_file_problems(reference: str, folder: Optional[Path], stage: int, card=None) -> list[str]:
     """What `dstune validate` says of model.transformer_file (the file `reference`, `folder` the pipeline folder
     when it is on this machine, `card` its model's card, `stage` the run's ZeRO stage), each a sentence; [] when the
@@ -352,11 +366,8 @@ def transformer_file_problems(reference: str, folder: Optional[Path], stage: int
     if not path.is_file():
         return []  # model_folder_issues says so (or warns, validating for another machine)
     try:
-        layout = read_quantized_file(path)
-        config_file = folder / "transformer" / "config.json" if folder is not None else None
-        if card is not None and config_file is not None and config_file.is_file():
-            layout = in_diffusers_names(layout, card, json.loads(config_file.read_text()))
-    except (QuantizedFileError, KeyError, ValueError) as err:
+        layout = read_for(path, card, folder)
+    except QuantizedFileError as err:
         return [str(err)]
     expected = folder_shapes(folder / "transformer") if folder is not None else None
     if expected is None:  # no weights beside the configs: the keys are checked against the model at start-up
@@ -365,14 +376,15 @@ def transformer_file_problems(reference: str, folder: Optional[Path], stage: int
     return [f"{path} does not fit the pipeline's transformer: " + "; ".join(problems)] if problems else []
 
 
-def quantized_file_setup(reference: Optional[str], setup):
+def quantized_file_setup(reference: Optional[str], setup, card=None, folder: Optional[Path] = None):
     """The memory plan's Setup (dstune.memory.plan) with a quantized file's frozen base: its stored bytes per
-    parameter (weights and scales as the file stores them, the other tensors at train.precision) and its largest
-    layer's dequantized working copy. Unchanged without a readable file (validate reports that one)."""
+    parameter (weights and scales as the layers hold them, the other tensors at train.precision) and its largest
+    layer's dequantized working copy (a fused original tensor counted as its pieces where `folder`'s config maps
+    it; whole, an over-estimate, where not). Unchanged without a readable file (validate reports that one)."""
     if not reference:
         return setup
     try:
-        layout = read_quantized_file(reference)
+        layout = read_for(reference, card, folder)
     except (QuantizedFileError, OSError):
         return setup
     return replace(

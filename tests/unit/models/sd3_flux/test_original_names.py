@@ -132,3 +132,14 @@ def test_validate_reads_the_original_naming_and_names_a_missing_key(flux_files, 
     save_file({k: v for k, v in written.items() if k != dropped}, str(tmp_path / "lacking.safetensors"))
     message = _issue(tmp_path, folder, tmp_path / "lacking.safetensors").message
     assert "single_transformer_blocks.0.attn.to_q.bias" in message and "Flux.1's original names" in message
+
+
+def test_the_memory_plan_counts_an_original_named_file_as_its_layers(flux_files, tmp_path):
+    """validate's plan of the original-named file equals the diffusers-named file's: the same stored bytes (a fused
+    qkv's one scale held by each of its three layers) and the largest layer dequantized as its pieces are."""
+    from test_quantized_file import _plan
+
+    folder, files = flux_files
+    original, renamed, _ = files["fp8"]
+    memories = [_plan(tmp_path, folder, str(path))[3]["transformer_file"] for path in (original, renamed)]
+    assert memories[0] == memories[1] and memories[0]["stored_bytes"] > 0
