@@ -71,3 +71,25 @@ def test_tiny_wan_in_the_original_naming_trains_as_the_diffusers_named_file(tmp_
     assert plain[0].keys() == plain[1].keys() and all(torch.equal(plain[0][n], plain[1][n]) for n in plain[0])
     print("LoRA loss on the original-named file", losses[0], "on the diffusers-named file", losses[1])
     assert losses[0] == losses[1]
+
+
+def test_the_start_up_names_what_an_original_file_lacks(tmp_path):
+    """tiny-wan's original-named file against the image-to-video transformer's config, refused before any weight is
+    read: the image key/value layers named in diffusers' names, the naming it was read in, the patch embedding's
+    other width."""
+    from diffusers import WanTransformer3DModel
+
+    from dstune.families.base import FamilyError
+    from dstune.families.quantized_base import load_quantized_transformer
+
+    transformer = WanTransformer3DModel.from_pretrained(
+        tiny.ensure_builtin_model("tiny-wan", CACHE_DIR) / "transformer"
+    )
+    paths = tmp_path / "original.safetensors", tmp_path / "diffusers.safetensors"
+    write_original_quantized(transformer, wan_original_pieces, *paths)
+    config = WanTransformer3DModel.load_config(tiny.ensure_builtin_model("tiny-wan-i2v", CACHE_DIR) / "transformer")
+    with pytest.raises(
+        FamilyError,
+        match=r"(?s)not in the file: blocks.0.attn2.add_k_proj.*Wan.s original names.*patch_embedding.weight",
+    ):
+        load_quantized_transformer(WanTransformer3DModel, config, paths[0], WAN_CARD)
