@@ -229,6 +229,12 @@ class ModelCard:
         dialogue's, and its speaker column is not used)."""
         return True
 
+    def original_transformer_names(self, shapes: dict, config: dict):
+        """For model.transformer_file: diffusers' parameter name -> (the file's name, its rows), a
+        dstune.families.quantized_file.OriginalNames, where the file (`shapes`: its parameter names and shapes) is
+        in this model's original checkpoint naming; None where it is not, or the model has no such map."""
+        return None
+
     def single_file_layout(self) -> Optional[SingleFileLayout]:
         """How its single checkpoint files are laid out; None: model.pretrained must be a folder (or a hub id, a
         built-in)."""

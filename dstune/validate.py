@@ -35,7 +35,7 @@ from dstune.ds_json.cross_check import cross_check as deepspeed_cross_check
 from dstune.ds_json.fill_spec import apply_ds_file, ds_value_sources
 from dstune.memory.plan import Setup
 from dstune.memory.verdict import memory_json
-from dstune.families import get_facts
+from dstune.families import card_of_spec, get_facts
 from dstune.families.quantized_file import quantized_file_setup, transformer_file_problems
 from dstune.families.speakers import SpeakersRefused, Voices
 from dstune.memory.counts import SizesUnknown
@@ -213,6 +213,14 @@ def _once(errors: list[SpecIssue]) -> list[SpecIssue]:
     return out
 
 
+def _transformer_folder(spec: Spec) -> tuple[Optional[Path], Optional[object]]:
+    """(the pipeline folder when it is on this machine, its model's card): what model.transformer_file is read
+    against (a file in the model's original naming is mapped with the folder's transformer config)."""
+    pretrained = locate(spec.model.pretrained)
+    folder = pretrained.path if pretrained.kind in ("folder", "hub") else None
+    return folder, card_of_spec(spec) if folder is not None else None
+
+
 def quantized_base_issues(spec: Spec, source: SpecSource, ds_config: Optional[dict]) -> list[SpecIssue]:
     """model.base_precision under ZeRO-3 (the spec's stage, or the one a deepspeed.config JSON sets): int8 runs
     (dstune's own int8 layer, dstune.families.int8_partitioned) except with DoRA or NVMe parameter offload; nf4 is
@@ -222,9 +230,8 @@ def quantized_base_issues(spec: Spec, source: SpecSource, ds_config: Optional[di
     stage = (ds_config or {}).get("zero_optimization", {}).get("stage", spec.deepspeed.zero_stage)
     reference = getattr(spec.model, "transformer_file", None)
     if reference:
-        pretrained = locate(spec.model.pretrained)
-        folder = pretrained.path if pretrained.kind in ("folder", "hub") else None
-        problems = transformer_file_problems(reference, folder, stage)
+        folder, card = _transformer_folder(spec)
+        problems = transformer_file_problems(reference, folder, stage, card)
         return [source.issue("model.transformer_file", problem) for problem in problems]
     if precision is None or stage != 3:
         return []
@@ -587,5 +594,7 @@ def plan_memory(
         }
     # model.base_precision (the quantized frozen base) sets the frozen base's bytes per parameter where it exists
     setup = Setup.of(spec, plan, ds_config, getattr(spec.model, "base_precision", None), accelerator)
-    setup = quantized_file_setup(getattr(spec.model, "transformer_file", None), setup)  # its bytes, as stored
+    if getattr(spec.model, "transformer_file", None):  # its bytes, as the layers hold them
+        folder, card = _transformer_folder(spec)
+        setup = quantized_file_setup(spec.model.transformer_file, setup, card, folder)
     return memory_json(counts, with_all_to_all(setup, spec, clips), gpu_memory_bytes)

@@ -200,7 +200,7 @@ class FlowModel(TrainedModel):
         quantized = getattr(self.model_spec, "transformer_file", None)  # LoRA only: a frozen base read quantized
         component = self.folder / self.trained_component()
         transformer = (
-            load_quantized_transformer(model_class, model_class.load_config(component), quantized)
+            load_quantized_transformer(model_class, model_class.load_config(component), quantized, self.card)
             if quantized
             else load_trainable(self.folder, self.trained_component(), model_class, zero3_config)
         )

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from dstune.families.base import FamilyError
-from dstune.families.quantized_file import QuantizedFileError, key_problems, read_quantized_file
+from dstune.families.quantized_file import QuantizedFileError, in_diffusers_names, key_problems, read_quantized_file
 from dstune.hf import quiet_hf_libraries
 
 NF4_BLOCK_SIZE = 64  # weights per fp32 absmax: 0.5 + 4 / 64 bytes per weight (spec.BASE_PRECISION_BYTES["nf4"])
@@ -130,21 +130,23 @@ class ScaledLinear(torch.nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, stored={self.storage}"
 
 
-def load_quantized_transformer(model_class, config: dict, path) -> torch.nn.Module:
+def load_quantized_transformer(model_class, config: dict, path, card=None) -> torch.nn.Module:
     """`model_class` built from `config` (its parameters on the meta device, no random weights) and filled from
     the quantized file at `path`: each quantized layer as a ScaledLinear holding the file's bytes, every other
-    parameter in fp32 (the start-up casts it). FamilyError naming the keys when the file is not this transformer."""
+    parameter in fp32 (the start-up casts it). A file in the model's original naming is read through the `card`'s
+    map (a fused tensor's rows split, its bytes as stored). FamilyError naming the keys when the file is not this
+    transformer, before any weight is read."""
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
     try:
-        layout = read_quantized_file(path)
+        layout = in_diffusers_names(read_quantized_file(path), card, config)
     except QuantizedFileError as err:
         raise FamilyError(f"model.transformer_file: {err}") from None
     with quiet_hf_libraries(), init_empty_weights(include_buffers=False):
         model = model_class.from_config(config)
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    problems = key_problems(layout.shapes(), expected, model_class.__name__)
+    problems = key_problems(layout.shapes(), expected, model_class.__name__, layout.naming)
     problems += [
         f"{name}.weight is stored quantized but {name} is a {type(model.get_submodule(name)).__name__}, not a "
         "linear layer"
@@ -157,17 +159,26 @@ def load_quantized_transformer(model_class, config: dict, path) -> torch.nn.Modu
             + "\n".join(f"  - {p}" for p in problems)
         )
     with safe_open(str(layout.path), framework="pt", device="cpu") as file:
-        plain = {name: file.get_tensor(key).to(torch.float32) for name, key in layout.plain_keys.items()}
+        plain = {
+            name: _rows(file.get_tensor(key), layout.plain_rows.get(name)).to(torch.float32)
+            for name, key in layout.plain_keys.items()
+        }
         for name, layer in layout.layers.items():
             parent, _, child = name.rpartition(".")
-            owner = model.get_submodule(parent)
             bias = plain.pop(f"{name}.bias", None)
-            quantized = ScaledLinear(
-                file.get_tensor(layer.weight_key), file.get_tensor(layer.scale_key), layer.storage, bias
-            )
-            setattr(owner, child, quantized)
+            weight, scale = file.get_tensor(layer.weight_key), file.get_tensor(layer.scale_key)
+            weight = _rows(weight.view(torch.int8) if weight.dtype != torch.int8 else weight, layer.rows)
+            scale = _rows(scale.reshape(-1), layer.rows) if scale.numel() > 1 else scale
+            setattr(model.get_submodule(parent), child, ScaledLinear(weight, scale, layer.storage, bias))
     model.load_state_dict(plain, strict=False, assign=True)
     return model
+
+
+def _rows(tensor: torch.Tensor, rows) -> torch.Tensor:
+    """The rows of a file's tensor a parameter is made of (quantized_file.Rows), the bytes as stored."""
+    if rows is None:
+        return tensor
+    return torch.cat([tensor[start:stop] for start, stop in rows]) if len(rows) > 1 else tensor[slice(*rows[0])].clone()
 
 
 def scaled_layers(module: torch.nn.Module) -> list[ScaledLinear]:

@@ -8,10 +8,12 @@ The layouts read (each linear layer `L` quantized on its own; every other tensor
   - ComfyUI's quantized layers (`L.comfy_quant`, a uint8 tensor holding JSON such as {"format": "int8_tensorwise"},
     or the same per layer in the header's `_quantization_metadata`): formats float8_e4m3fn / float8_e5m2 and
     int8_tensorwise, the weight beside `L.weight_scale` (one fp32 scale per tensor or per output row).
-The weight a layer computes with is stored x scale (dstune.families.quantized_base.ScaledLinear). The keys must be
+The weight a layer computes with is stored x scale (dstune.families.quantized_base.ScaledLinear). The keys are
 those of the pipeline folder's transformer in diffusers' naming, optionally under `model.diffusion_model.` or
-`diffusion_model.`; a file in a model's original checkpoint naming is refused with the keys it has (converting
-those names, fused projections split, is not done here).
+`diffusion_model.`, or the model's original checkpoint naming where its card maps those names
+(ModelCard.original_transformer_names; docs/lora-and-ema.md lists the models).
+A fused original tensor is split by rows, never dequantized: each piece keeps the stored bytes of its rows, a
+per-tensor scale goes to every piece and a per-row scale is sliced with its rows (`in_diffusers_names`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class QuantizedLayer:
     scale_key: str
     weight: Tensor
     scale: Tensor
+    rows: Rows = None  # the rows of the file's weight (and of a per-row scale) this layer is made of, in order
+
+
+# row ranges [start, stop) of a file's tensor, concatenated in this order (a piece of a fused projection, or its
+# halves swapped); None: the whole tensor
+Rows = Optional[tuple[tuple[int, int], ...]]
 
 
 @dataclass
@@ -74,6 +82,8 @@ class QuantizedFile:
     layers: dict[str, QuantizedLayer]  # layer path -> its quantized weight and scale
     plain: dict[str, Tensor]  # parameter name (prefix removed) -> every other tensor the transformer loads
     plain_keys: dict[str, str] = field(default_factory=dict)  # parameter name -> the file's key
+    plain_rows: dict[str, Rows] = field(default_factory=dict)  # parameter name -> its rows of the file's tensor
+    naming: str = "diffusers"  # or the original naming the card mapped (its OriginalNames.naming)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter the file fills, by its name in the transformer, with its shape."""
@@ -220,9 +230,74 @@ def _layer(path, key, name, tensor, tensors, prefix, formats) -> QuantizedLayer:
     return QuantizedLayer(layer, STORAGE[tensor.dtype], key, scale_key, tensor, scale)
 
 
-def key_problems(found: dict[str, tuple], expected: dict[str, tuple], where: str) -> list[str]:
-    """What differs between the file's parameters (`found`: name -> shape) and the transformer's (`expected`),
-    each line naming keys; [] when they match."""
+class OriginalNames(dict):
+    """A card's map of its original checkpoint naming: diffusers' parameter name -> (the file's parameter name,
+    prefix removed; the Rows of it), with `naming` saying whose names they are, for messages."""
+
+    def __init__(self, naming: str, pairs):
+        super().__init__(pairs)
+        self.naming = naming
+
+
+def in_diffusers_names(layout: QuantizedFile, card, config: dict) -> QuantizedFile:
+    """`layout` with its parameters under diffusers' names where the file is in the model's original naming (the
+    card's `original_transformer_names` maps it, from the file's shapes and the transformer's `config`); as it is
+    otherwise. Only names and row ranges change: the bytes read later are the file's."""
+    naming = getattr(card, "original_transformer_names", None)
+    mapping = naming(layout.shapes(), config) if naming is not None else None
+    if mapping is None:
+        return layout
+    layers, plain, plain_keys, plain_rows, used = {}, {}, {}, {}, set()
+    for target, (source, rows) in mapping.items():
+        layer = layout.layers.get(source.removesuffix(".weight")) if source.endswith(".weight") else None
+        tensor = layer.weight if layer is not None else layout.plain.get(source)
+        if tensor is None:
+            continue  # key_problems names the transformer's parameter the file lacks
+        used.add(source)
+        count = _row_count(layout, source, tensor, rows)
+        if layer is not None:
+            scale = layer.scale if layer.scale.numel == 1 else _with_rows(_flat(layer.scale), count)
+            name = target.removesuffix(".weight")
+            layers[name] = replace(layer, name=name, weight=_with_rows(tensor, count), scale=scale, rows=rows)
+        else:
+            plain[target], plain_keys[target] = _with_rows(tensor, count), layout.plain_keys[source]
+            plain_rows[target] = rows
+    for source, tensor in layout.plain.items():  # what the mapping does not take: named as a key of no parameter
+        if source not in used:
+            plain[source], plain_keys[source] = tensor, layout.plain_keys[source]
+    layers.update({n: q for n, q in layout.layers.items() if f"{n}.weight" not in used})
+    return replace(
+        layout, layers=layers, plain=plain, plain_keys=plain_keys, plain_rows=plain_rows, naming=mapping.naming
+    )
+
+
+def _row_count(layout: QuantizedFile, source: str, tensor: Tensor, rows: Rows) -> int:
+    if rows is None:
+        return tensor.shape[0] if tensor.shape else 1
+    if any(not 0 <= start < stop <= tensor.shape[0] for start, stop in rows):
+        raise QuantizedFileError(
+            f"{layout.path}: {layout.prefix + source} has shape {list(tensor.shape)}: too few rows for the rows "
+            f"{[list(r) for r in rows]} that diffusers' transformer takes from it. Is the file this model's?"
+        )
+    return sum(stop - start for start, stop in rows)
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    return Tensor(tensor.dtype, (tensor.numel,), tensor.offsets)
+
+
+def _with_rows(tensor: Tensor, count: int) -> Tensor:
+    """`tensor`'s entry with `count` rows (its byte span scaled to them: what the memory plan counts)."""
+    if not tensor.shape or tensor.shape[0] == count:
+        return tensor
+    size = tensor.nbytes // max(1, tensor.numel)
+    shape = (count, *tensor.shape[1:])
+    return Tensor(tensor.dtype, shape, (0, size * prod(shape)))
+
+
+def key_problems(found: dict[str, tuple], expected: dict[str, tuple], where: str, naming="diffusers") -> list[str]:
+    """What differs between the file's parameters (`found`: name -> shape, under diffusers' names or mapped from
+    `naming`) and the transformer's (`expected`), each line naming keys; [] when they match."""
 
     def some(names) -> str:
         names = sorted(names)
@@ -234,10 +309,13 @@ def key_problems(found: dict[str, tuple], expected: dict[str, tuple], where: str
         problems.append(f"{len(missing)} parameters of {where} are not in the file: {some(missing)}")
     if extra:
         problems.append(f"{len(extra)} keys of the file are no parameter of {where}: {some(extra)}")
-    if missing and extra and len(extra) >= len(found) // 2:
+    if naming != "diffusers" and (missing or extra):
+        problems.append(f"the file's keys were read as {naming} (mapped to diffusers' names as listed here)")
+    elif missing and extra and len(extra) >= len(found) // 2:
         problems.append(
             "the file's keys look like another naming (a model's original checkpoint layout); dstune reads "
-            "files in diffusers' naming of the pipeline's transformer (optionally under model.diffusion_model.)"
+            "files in diffusers' naming of the pipeline's transformer (optionally under model.diffusion_model.) "
+            "and, for the models docs/lora-and-ema.md lists, their original naming"
         )
     both = sorted(set(found) & set(expected))
     wrong = [
@@ -260,9 +338,24 @@ def folder_shapes(component: Path) -> Optional[dict[str, tuple]]:
     return shapes
 
 
-def transformer_file_problems(reference: str, folder: Optional[Path], stage: int) -> list[str]:
+def read_for(reference, card=None, folder: Optional[Path] = None) -> QuantizedFile:
+    """The file at `reference` read from its header, under diffusers' names where it is in the original naming of
+    `card`'s model and the pipeline `folder`'s transformer config is here (its widths split fused tensors)."""
+    layout = read_quantized_file(reference)
+    config_file = folder / "transformer" / "config.json" if folder is not None else None
+    if card is None or config_file is None or not config_file.is_file():
+        return layout
+    try:
+        config = json.loads(config_file.read_text())
+        return in_diffusers_names(layout, card, config)
+    except (KeyError, ValueError, TypeError) as err:  # a config without the widths a map needs
+        raise QuantizedFileError(f"{config_file}: cannot map {layout.path}'s original names with it ({err})") from None
+
+
+def transformer_file_problems(reference: str, folder: Optional[Path], stage: int, card=None) -> list[str]:
     """What `dstune validate` says of model.transformer_file (the file `reference`, `folder` the pipeline folder
-    when it is on this machine, `stage` the run's ZeRO stage), each a sentence; [] when the file can be used."""
+    when it is on this machine, `card` its model's card, `stage` the run's ZeRO stage), each a sentence; [] when the
+    file can be used. Without the folder's weights the keys are checked at start-up, against the model."""
     if stage == 3:
         return [
             "a quantized file's weights with ZeRO stage 3: ZeRO-3 partitions every parameter and gathers it back in "
@@ -273,24 +366,25 @@ def transformer_file_problems(reference: str, folder: Optional[Path], stage: int
     if not path.is_file():
         return []  # model_folder_issues says so (or warns, validating for another machine)
     try:
-        layout = read_quantized_file(path)
+        layout = read_for(path, card, folder)
     except QuantizedFileError as err:
         return [str(err)]
     expected = folder_shapes(folder / "transformer") if folder is not None else None
     if expected is None:  # no weights beside the configs: the keys are checked against the model at start-up
         return []
-    problems = key_problems(layout.shapes(), expected, f"{folder / 'transformer'}")
+    problems = key_problems(layout.shapes(), expected, f"{folder / 'transformer'}", layout.naming)
     return [f"{path} does not fit the pipeline's transformer: " + "; ".join(problems)] if problems else []
 
 
-def quantized_file_setup(reference: Optional[str], setup):
+def quantized_file_setup(reference: Optional[str], setup, card=None, folder: Optional[Path] = None):
     """The memory plan's Setup (dstune.memory.plan) with a quantized file's frozen base: its stored bytes per
-    parameter (weights and scales as the file stores them, the other tensors at train.precision) and its largest
-    layer's dequantized working copy. Unchanged without a readable file (validate reports that one)."""
+    parameter (weights and scales as the layers hold them, the other tensors at train.precision) and its largest
+    layer's dequantized working copy (a fused original tensor counted as its pieces where `folder`'s config maps
+    it; whole, an over-estimate, where not). Unchanged without a readable file (validate reports that one)."""
     if not reference:
         return setup
     try:
-        layout = read_quantized_file(reference)
+        layout = read_for(reference, card, folder)
     except (QuantizedFileError, OSError):
         return setup
     return replace(

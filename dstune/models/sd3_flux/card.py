@@ -14,6 +14,7 @@ from dstune.families.flow_card import FlowCard, edit_source_issues, joint_blocks
 from dstune.families.pipeline_card import SpecIssues
 from dstune.families.folders import read_component_config
 from dstune.memory.working import TextWork, VaeWork
+from dstune.models.sd3_flux.original_names import flux_original_names
 
 CLIP_TOKENS = 77  # SD3's CLIP part of the prompt embeds is always the CLIP tokenizers' 77 tokens
 TEXT_TENSORS = ("encoder_hidden_states", "pooled_projections")
@@ -53,6 +54,9 @@ class Sd3Card(FlowCard):
 
 @dataclass(frozen=True, kw_only=True)
 class FluxCard(FlowCard):
+    def original_transformer_names(self, shapes: dict, config: dict):
+        return flux_original_names(shapes, config)
+
     def config_mismatches(self, folder: Path) -> list[str]:
         vae, t5 = read_component_config(folder, "vae"), read_component_config(folder, "text_encoder_2")
         clip = read_component_config(folder, "text_encoder")

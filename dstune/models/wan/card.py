@@ -22,6 +22,7 @@ from dstune.families.video_card import VideoCard, clip_volume
 from dstune.memory.activations import ModelShape, in_plan_units, measured_sample_bytes
 from dstune.memory.counts import vae_factor
 from dstune.models.wan import layouts as wan_layouts
+from dstune.models.wan.original_names import wan_original_names
 from dstune.spec.video_models import expert_problems, experts_in
 from dstune.memory.working import TextWork, VaeWork
 
@@ -119,6 +120,9 @@ ORIGINAL_BLOCK_NAMES = {
 @dataclass(frozen=True, kw_only=True)
 class WanCard(VideoCard):
     original_lora_names = MappingProxyType(ORIGINAL_BLOCK_NAMES)
+
+    def original_transformer_names(self, shapes: dict, config: dict):
+        return wan_original_names(shapes, config, ORIGINAL_BLOCK_NAMES)
 
     def folder_problems(self, folder: Path, model_spec) -> list[str]:
         """model.expert and model.timestep_range against the folder's experts, the components, then each expert's
