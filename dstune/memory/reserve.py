@@ -25,7 +25,7 @@ CPU_COMPILE_RESERVE_BYTES = 96 << 20
 # bf16 on the CPU accelerator: torch runs a bf16 linear layer through oneDNN's matmul, which JIT-compiles a brgemm
 # kernel for each problem shape (forward, and both products of backward) and keeps it for the process (its primitive
 # cache and kernel cache); fp32 takes a precompiled path. Measured from the first step on, over the same fp32 run:
-# +31 to +33 MB of RSS (anonymous) on 2-rank tiny-flux LoRA runs under ZeRO 2 and 3 (a step's dozens of shapes).
+# +31 to +33 MB of RSS (anonymous) on 2-rank LoRA runs of a tiny flow transformer under ZeRO 2 and 3 (a step's dozens of shapes).
 CPU_BF16_KERNELS_BYTES = 32 << 20
 
 
