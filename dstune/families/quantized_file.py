@@ -358,9 +358,10 @@ def transformer_file_problems(reference: str, folder: Optional[Path], stage: int
     file can be used. Without the folder's weights the keys are checked at start-up, against the model."""
     if stage == 3:
         return [
-            "a quantized file's weights with ZeRO stage 3: ZeRO-3 partitions every parameter and gathers it back in "
-            "the dtype it trains in, which would undo the 1-byte storage (DeepSpeed's own quantized frozen weights "
-            "under ZeRO-3 run on CUDA only). Use deepspeed.zero_stage 2 (a LoRA's frozen base is one copy per GPU)."
+            "a quantized file's weights with ZeRO stage 3: not built yet. The file's layers are placed whole on each "
+            "GPU; under ZeRO-3 they would have to be partitioned from host memory before they move, as "
+            "model.base_precision int8 is, which dstune does not do for a file. Use deepspeed.zero_stage 2 (a "
+            "LoRA's frozen base is one copy per GPU), or ZeRO-3 with the bf16 folder and model.base_precision int8."
         ]
     path = Path(reference).expanduser()
     if not path.is_file():
