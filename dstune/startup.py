@@ -129,10 +129,10 @@ def load_trained_model(
         return model
     summary, error = None, None
     # an int8 base under ZeRO-3: quantized into Int8Linear layers on the host, then partitioned from the host
-    int8_zero3 = (
-        getattr(spec.model, "base_precision", None) == "int8"
-        and int((ds_config or {}).get("zero_optimization", {}).get("stage", 0)) == 3
-    )
+    zero3 = int((ds_config or {}).get("zero_optimization", {}).get("stage", 0)) == 3
+    int8_zero3 = getattr(spec.model, "base_precision", None) == "int8" and zero3
+    # a base stored in 1-byte integers (the int8 base, a quantized file's layers) is partitioned from host memory
+    quantized_zero3 = zero3 and (int8_zero3 or bool(getattr(spec.model, "transformer_file", None)))
     partitioned_dtype = PRECISION_DTYPES[spec.train.precision][0] if int8_zero3 else None
     try:  # on the host: a quantized base reaches the device quantized, layer by layer
         summary = apply_train_mode(
@@ -141,8 +141,8 @@ def load_trained_model(
     except ValueError as err:
         error = str(err)
     agree_or_stop(run, error)
-    # cast on the host, then moved (or partitioned: an int8 base under ZeRO-3)
-    place_trainable(model.trainable, run.device, spec.train.precision, ds_config if int8_zero3 else None)
+    # cast on the host, then moved (or partitioned: a quantized base under ZeRO-3)
+    place_trainable(model.trainable, run.device, spec.train.precision, ds_config if quantized_zero3 else None)
     if run.is_main:
         print(summary, flush=True)
     _attach_sampling_denoiser(run, spec, model, folders)

@@ -224,20 +224,20 @@ def _transformer_folder(spec: Spec) -> tuple[Optional[Path], Optional[object]]:
 def quantized_base_issues(spec: Spec, source: SpecSource, ds_config: Optional[dict]) -> list[SpecIssue]:
     """model.base_precision under ZeRO-3 (the spec's stage, or the one a deepspeed.config JSON sets): int8 runs
     (dstune's own int8 layer, dstune.families.int8_partitioned) except with DoRA or NVMe parameter offload; nf4 is
-    refused. model.transformer_file: refused under ZeRO-3, its header read (layout, scales, keys against the
-    folder's)."""
+    refused. model.transformer_file: its header read (layout, scales, keys against the folder's); under ZeRO-3 its
+    1-byte partitions refused with NVMe parameter offload."""
     precision = getattr(spec.model, "base_precision", None)
     stage = (ds_config or {}).get("zero_optimization", {}).get("stage", spec.deepspeed.zero_stage)
+    offload = (ds_config or {}).get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
     reference = getattr(spec.model, "transformer_file", None)
     if reference:
         folder, card = _transformer_folder(spec)
-        problems = transformer_file_problems(reference, folder, stage, card)
+        problems = transformer_file_problems(reference, folder, stage, card, nvme=offload == "nvme")
         return [source.issue("model.transformer_file", problem) for problem in problems]
     if precision is None or stage != 3:
         return []
     if precision == "int8":
         settings = getattr(spec.model, "lora_settings", None)
-        offload = (ds_config or {}).get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
         if offload == "nvme":
             return [
                 source.issue(

@@ -352,16 +352,17 @@ def read_for(reference, card=None, folder: Optional[Path] = None) -> QuantizedFi
         raise QuantizedFileError(f"{config_file}: cannot map {layout.path}'s original names with it ({err})") from None
 
 
-def transformer_file_problems(reference: str, folder: Optional[Path], stage: int, card=None) -> list[str]:
+def transformer_file_problems(
+    reference: str, folder: Optional[Path], stage: int, card=None, nvme: bool = False
+) -> list[str]:
     """What `dstune validate` says of model.transformer_file (the file `reference`, `folder` the pipeline folder
-    when it is on this machine, `card` its model's card, `stage` the run's ZeRO stage), each a sentence; [] when the
-    file can be used. Without the folder's weights the keys are checked at start-up, against the model."""
-    if stage == 3:
+    when it is on this machine, `card` its model's card, `stage` the run's ZeRO stage, `nvme` whether parameters
+    are offloaded to NVMe), each a sentence; [] when the file can be used. Without the folder's weights the keys are checked at start-up, against the model."""
+    if stage == 3 and nvme:
         return [
-            "a quantized file's weights with ZeRO stage 3: not built yet. The file's layers are placed whole on each "
-            "GPU; under ZeRO-3 they would have to be partitioned from host memory before they move, as "
-            "model.base_precision int8 is, which dstune does not do for a file. Use deepspeed.zero_stage 2 (a "
-            "LoRA's frozen base is one copy per GPU), or ZeRO-3 with the bf16 folder and model.base_precision int8."
+            "a quantized file's weights with deepspeed.offload_param nvme under ZeRO stage 3: DeepSpeed 0.19.8's NVMe "
+            "parameter swapper sizes and types every swap buffer in the training dtype, while the file's partitions "
+            "are 1-byte integers: they would be read back wrong. Use deepspeed.offload_param cpu or none."
         ]
     path = Path(reference).expanduser()
     if not path.is_file():

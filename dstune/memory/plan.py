@@ -505,9 +505,12 @@ def module_on_load(counts: ModelCounts, setup: Setup) -> float:
         # its share, and rank 0 maps the whole weight file while it fills every parameter in turn (memory-mapped
         # safetensors, dstune.families.diffusion.load_partitioned): resident file pages until the file is closed
         return module_loading_bytes(counts, setup) + (4.0 * counts.module_params if partitioned else 0.0)
-    if partitioned or setup.int8_partitioned:  # int8: quantized on the host, partitioned from it (zero.Init)
-        int8 = setup.int8_partitioned  # an int8 base as stored, beside the adapters
-        stored = frozen_base_bytes(counts, setup) + w * counts.trainable_params if int8 else w * counts.module_params
+    # a quantized base (int8, a quantized file's layers) is partitioned from the host (zero.Init) as stored
+    quantized = setup.zero_stage == 3 and (setup.int8_partitioned or bool(setup.dequantized_layer_params))
+    if partitioned or quantized:
+        stored = (
+            frozen_base_bytes(counts, setup) + w * counts.trainable_params if quantized else w * counts.module_params
+        )
         share = 0.0 if setup.offload_param != "none" else stored / setup.world_size
         return share + w * counts.largest_layer_params
     return w * counts.trainable_params + frozen_base_bytes(counts, setup)

@@ -286,10 +286,11 @@ def transformer_file_field():
         "ComfyUI's / musubi-tuner's scaled fp8, float8 weights with a `scale_weight` each; or ComfyUI's quantized "
         "layers, `comfy_quant` with float8_e4m3fn, float8_e5m2 or int8_tensorwise and a `weight_scale` each) read "
         "as the frozen base instead of `pretrained`'s transformer/ weights; everything else (configs, VAE, text "
-        "encoders) comes from `pretrained`. Its keys must be the transformer's in diffusers' naming (optionally "
-        "under `model.diffusion_model.`). The quantized weights stay 1 byte each on the GPU and are dequantized "
-        "layer by layer in each pass; the other tensors train at train.precision. ZeRO stage 0-2; not with "
-        "base_precision, training_adapter or lora.type dora. `dstune validate` reads the file's header (its "
+        "encoders) comes from `pretrained`. Its keys are the transformer's in diffusers' naming, or Flux.1's or "
+        "Wan 2.1's original naming (optionally under `model.diffusion_model.`). The quantized weights stay 1 byte "
+        "each on the GPU (under ZeRO-3 partitioned as stored, 1/N each) and are dequantized layer by layer in each "
+        "pass; the other tensors train at train.precision. Not with base_precision, training_adapter, lora.type "
+        "dora, or NVMe parameter offload. `dstune validate` reads the file's header (its "
         "layout, and its keys against the folder's transformer where its weights are there). See "
         'docs/lora-and-ema.md, "A quantized single-file base".',
     )

@@ -40,13 +40,16 @@ LEVERS = {
     # model.base_precision int8 under ZeRO-3 (dstune's Int8Linear, partitioned) and the same run on the bf16 base
     "int8-zero3": {"model": {"base_precision": "int8"}, "train": {"precision": "bf16"}, "deepspeed": {"zero_stage": 3}},
     "bf16-zero3": {"train": {"precision": "bf16"}, "deepspeed": {"zero_stage": 3}},
+    # the fp8 file under ZeRO-3: its 1-byte layers partitioned from host memory as the int8 base's are
+    "fp8-file-zero3": {"model": {"transformer_file": "written by the fixture"}, "train": {"precision": "bf16"},
+                       "deepspeed": {"zero_stage": 3}},
 }
 RESUMED = ["activation-offload", "compiled", "fp8-file"]
 # Six launches, each lever's run first in its own: a launch's first run is measured from a fresh process (a later
 # run reuses the heap the earlier ones freed, and measures less); the plain run, the bf16 base's and the resumes follow.
 LAUNCHES = [["activation-offload", "plain", "activation-offload-resumed"], ["compiled", "compiled-resumed"],
             ["bf16-states"], ["fp8-file", "fp8-file-resumed"], ["text-offload", "text-cached"],
-            ["int8-zero3", "bf16-zero3"]]
+            ["int8-zero3", "bf16-zero3", "fp8-file-zero3"]]
 MEASURED_FRESH = ["activation-offload", "compiled", "bf16-states", "fp8-file", "text-offload", "int8-zero3"]
 COMPILED_TOLERANCE = 1e-5  # inductor's fused kernels round fp32 differently from eager's, step by step
 FP8_TOLERANCE = 0.01  # relative, per step: the fp8 base's LoRA loss against the fp32 base's (unit test: 0.19 %)
@@ -76,6 +79,7 @@ def launched(tmp_path_factory):
     fp8_file = root / "tiny-flux-fp8-scaled.safetensors"
     _write_fp8_file(fp8_file)
     LEVERS["fp8-file"]["model"]["transformer_file"] = str(fp8_file)
+    LEVERS["fp8-file-zero3"]["model"]["transformer_file"] = str(fp8_file)
     for name, changes in LEVERS.items():
         run_dir = root / name / "run"
         run_dir.parent.mkdir(parents=True)
@@ -215,3 +219,25 @@ def test_an_int8_base_under_zero3_trains_near_the_bf16_base_and_stores_what_the_
     assert measured["int8_partition_bytes"] == [planned["int8_codes_bytes_per_rank"]] * 2
     assert measured["frozen_partition_bytes"] == [planned["stored_bytes_per_rank"]] * 2
     assert "int8_partition_bytes" not in json.loads((runs["bf16-zero3"] / "matrix.json").read_text())
+
+
+def test_a_quantized_file_under_zero3_trains_near_the_bf16_base_and_each_rank_stores_half_its_bytes(launched):
+    """model.transformer_file under ZeRO-3 (bf16): the file's layers (fp8 held as int8, the scales' bits as int32)
+    partitioned from host memory like the int8 base: per-step losses within FP8_TOLERANCE of the bf16 base's, and
+    each rank stores half the file's 1-byte weights, as int8 partitions."""
+    import json
+
+    from safetensors import safe_open
+
+    runs, _, proc = launched
+    assert proc.returncode == 0, explain(proc)
+    fp8, bf16 = _losses(runs["fp8-file-zero3"]), _losses(runs["bf16-zero3"])
+    print("bf16 base", bf16, "fp8 file", fp8, "largest relative difference",
+          max(abs(a - b) / abs(b) for a, b in zip(fp8, bf16)))
+    assert len(fp8) == 4 and fp8 == pytest.approx(bf16, rel=FP8_TOLERANCE) and fp8 != bf16
+    with safe_open(LEVERS["fp8-file-zero3"]["model"]["transformer_file"], framework="pt") as file:
+        weights = [file.get_tensor(key) for key in file.keys()]
+    share = sum(-(-t.numel() // 2) for t in weights if t.element_size() == 1 and t.dim() == 2)  # each rank's half
+    measured = json.loads((runs["fp8-file-zero3"] / "matrix.json").read_text())
+    print("int8 partition bytes per rank", measured["int8_partition_bytes"], "half the file's 1-byte weights", share)
+    assert measured["int8_partition_bytes"] == [share] * 2

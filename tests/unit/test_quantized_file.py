@@ -116,9 +116,18 @@ def test_the_memory_plan_counts_the_files_stored_bytes_and_one_dequantized_layer
     assert read_quantized_file(paths["fp8"]).largest_layer_params == largest
     assert estimate(counts, quantized).buffers - estimate(counts, plain).buffers == 2 * largest
     assert memory["transformer_file"]["dequantized_layer_bytes"] == 2 * largest
+    # under ZeRO-3 on 2 ranks each GPU keeps half the file's bytes, loaded and training (test_levers measures it)
+    from dataclasses import replace
+
+    from dstune.memory.plan import frozen_on_gpu, module_on_load
+
+    zero3 = replace(quantized, zero_stage=3, world_size=2, accelerator="cuda")
+    assert frozen_on_gpu(replace(counts, companions={}), zero3) == pytest.approx(stored / 2, rel=1e-12)
+    trainable = 2 * counts.trainable_params
+    assert module_on_load(counts, zero3) == pytest.approx((stored + trainable) / 2 + 2 * counts.largest_layer_params)
 
 
-def _validate(tmp_path, folder, transformer_file, zero_stage=2, precision="fp32", train="lora"):
+def _validate(tmp_path, folder, transformer_file, zero_stage=2, precision="fp32", train="lora", offload="none"):
     from dstune.validate import load_and_validate
     from dstune.world import world_from_flags
 
@@ -127,6 +136,8 @@ def _validate(tmp_path, folder, transformer_file, zero_stage=2, precision="fp32"
     lines += [f"  transformer_file: {transformer_file}", "data:", "  path: builtin:shapes", "train:"]
     lines += [f"  precision: {precision}", "  micro_batch_size: 1", "  max_steps: 2", "deepspeed:"]
     lines += [f"  zero_stage: {zero_stage}"]
+    if offload != "none":
+        lines += [f"  offload_param: {{device: {offload}, nvme_path: {tmp_path}}}"]
     spec.write_text("\n".join(lines) + "\n")
     return load_and_validate(spec, world=world_from_flags(world_size=2))
 
@@ -159,7 +170,8 @@ def test_validate_names_what_is_wrong_with_a_file_and_where(tmp_path, folder, fi
     message = _issue(tmp_path, folder, tmp_path / "other.safetensors").message
     assert "transformer_blocks.0.attn.to_q.weight [8, " in message and "shapes differ" in message
 
-    assert "ZeRO stage 3" in _issue(tmp_path, folder, paths["fp8"], zero_stage=3).message
+    assert _validate(tmp_path, folder, paths["fp8"], zero_stage=3)  # partitioned as stored (test_levers runs it)
+    assert "NVMe" in _issue(tmp_path, folder, paths["fp8"], zero_stage=3, offload="nvme").message
     assert "set train: lora" in _issue(tmp_path, folder, paths["fp8"], train="full").message
 
 
