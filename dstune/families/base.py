@@ -94,8 +94,9 @@ class TrainedModel:
 
     def loss_parts(self) -> dict[str, float]:
         """The named parts of the last `loss` call (they add up to it), which training logs beside the loss as
-        loss_<name>: a model that learns two things at once says how each goes. None here."""
-        return {}
+        loss_<name>: a model that learns two things at once (video and sound) records them in `last_loss_parts`
+        (dstune.families.loss_terms.parted_loss makes both); none otherwise."""
+        return getattr(self, "last_loss_parts", {})
 
     def sample(self, trainable_module, prompts: list[str], sample_spec, resolution: int) -> list:
         raise NotImplementedError

@@ -18,6 +18,9 @@ data.sets `loss_weight` and `prior`), so a run without them computes its loss ex
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import torch
 import torch.nn.functional as F
 
@@ -104,3 +107,11 @@ def batch_loss(per_sample: torch.Tensor, encoded: dict) -> torch.Tensor:
         if bool(members.any()):
             total = total + weighted[members].mean()
     return total
+
+
+def parted_loss(parts: dict[str, torch.Tensor], encoded: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    """The micro batch's loss from several parts' per-sample errors ({name: (B,)}, summed per sample in their
+    order, then batch_loss), and each part's share as the training log shows it (Family.loss_parts): averaged over
+    every sample of the batch, as the loss is, so that the shares add up to it."""
+    shares = {name: float(error.detach().mean()) for name, error in parts.items()}
+    return batch_loss(functools.reduce(operator.add, parts.values()), encoded), shares

@@ -31,7 +31,7 @@ import torch
 from dstune.families.base import FamilyError
 from dstune.families.diffusion import load_component
 from dstune.families.flow_model import FlowModel, noisy_at
-from dstune.families.loss_terms import batch_loss
+from dstune.families.loss_terms import parted_loss
 from dstune.families.precision import at_least_float32, compute_dtype
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.samples import ClipWithSound, first_frames
@@ -192,15 +192,8 @@ class Kandinsky6(FlowModel):
         heard = encoded["has_sound"].to(sound_error.dtype)
         # the fork's sum over the clips with sound / their count, as a per-clip term of the batch's mean
         sound_error = sound_error * heard * len(heard) / heard.sum().clamp(min=1)
-        self.last_loss_parts = {
-            "video": float(video_error.detach().mean()),
-            "audio": float(sound_error.detach().mean()),
-        }
-        return batch_loss(video_error + sound_error, encoded)
-
-    def loss_parts(self) -> dict[str, float]:
-        """The video's and the sound's shares of the last loss."""
-        return self.last_loss_parts
+        loss, self.last_loss_parts = parted_loss({"video": video_error, "audio": sound_error}, encoded)
+        return loss
 
     def predict(self, forward, noisy, timesteps, conditions: dict, dtype) -> torch.Tensor:
         """The video velocity without sound (the fused blocks run their video path only)."""

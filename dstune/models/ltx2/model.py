@@ -33,7 +33,7 @@ import torch
 
 from dstune.families.diffusion import load_component
 from dstune.families.flow_model import FlowModel, noisy_at
-from dstune.families.loss_terms import batch_loss
+from dstune.families.loss_terms import batch_loss, parted_loss
 from dstune.families.precision import at_least_float32, compute_dtype
 from dstune.families.randomness import per_sample_randn, sample_generator
 from dstune.families.samples import ClipWithSound
@@ -256,16 +256,9 @@ class Ltx2(FlowModel):
             order.append(rows)
         back = torch.argsort(torch.cat(order))  # the clips in the batch's order again
         video_error, sound_error = torch.cat(video_errors)[back], torch.cat(sound_errors)[back]
-        # the parts the log shows: each averaged over every clip of the batch, as the loss is, so they add up to it
-        self.last_loss_parts = {
-            "video": float(video_error.detach().mean()),
-            "audio": float(sound_error.detach().mean()),
-        }
-        return batch_loss(video_error + sound_error, encoded)  # the mean, or with data.sets the roles' means
-
-    def loss_parts(self) -> dict[str, float]:
-        """The video's and the sound's shares of the last loss (the sound's is 0 for a batch of silent clips)."""
-        return self.last_loss_parts
+        # the loss (the mean, or with data.sets the roles' means) and the two parts the log shows beside it
+        loss, self.last_loss_parts = parted_loss({"video": video_error, "audio": sound_error}, encoded)
+        return loss
 
     def predict(self, forward, noisy, timesteps, conditions: dict, dtype) -> torch.Tensor:
         """A clip without sound: the video velocity, the audio stream cut off."""

@@ -42,7 +42,7 @@ from dstune.families.base import FamilyError
 from dstune.families.diffusion import batch_field, load_component
 from dstune.families.flow_matching import timestep_density
 from dstune.families.flow_model import FlowModel, noisy_at
-from dstune.families.loss_terms import batch_loss
+from dstune.families.loss_terms import parted_loss
 from dstune.families.modular import modular_pipeline
 from dstune.families.precision import at_least_float32, compute_dtype
 from dstune.families.randomness import per_sample_randn
@@ -396,15 +396,8 @@ class MiniMaxH3(FlowModel):
         prediction = torch.cat(predictions)
         video_error = self.flow_error(prediction, noisy, latents, noise, sigmas, encoded.get("loss_mask"))
         sound_error = torch.stack(sound_errors)
-        self.last_loss_parts = {
-            "video": float(video_error.detach().mean()),
-            "audio": float(sound_error.detach().mean()),
-        }
-        return batch_loss(video_error + sound_error, encoded)
-
-    def loss_parts(self) -> dict[str, float]:
-        """The video's and the sound's shares of the last loss (each a mean over the micro batch)."""
-        return self.last_loss_parts
+        loss, self.last_loss_parts = parted_loss({"video": video_error, "audio": sound_error}, encoded)
+        return loss
 
     def own_split_plan(self, size: int) -> dict:
         """Its class's plan, after padding the packed sequence to split evenly (dstune.models.minimax_h3.split)."""
